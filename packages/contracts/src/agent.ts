@@ -1,0 +1,57 @@
+import { z } from "zod";
+import { Seconds } from "./bounded.ts";
+
+/** Name of a credential the agent worker resolves; never the value (DESIGN §2 rule 8). */
+export const CredentialName = z
+  .string()
+  .regex(/^[A-Za-z0-9_.-]{1,64}$/, "must be a credential name (letters, digits, '_', '.', '-')");
+
+/** Whether the agent borrows the task sandbox (default) or gets one of its own. */
+export const SandboxMode = z.enum(["borrow", "own"]);
+
+const common = {
+  /** Display name in results; defaults to the harness name. */
+  name: z.string().min(1).max(100).optional(),
+  sandbox: SandboxMode.default("borrow"),
+  /** Overrides the task's agent timeout; still bounded by the rollout deadline. */
+  timeoutS: Seconds.optional(),
+};
+
+export const OracleAgent = z.strictObject({ harness: z.literal("oracle"), ...common });
+
+export const CommandAgent = z.strictObject({
+  harness: z.literal("command"),
+  ...common,
+  argv: z.array(z.string()).min(1, "argv must name a command"),
+  env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string()).default({}),
+  /** Give the command a model through the per-rollout gateway. */
+  model: z
+    .strictObject({ name: z.string().min(1), baseUrl: z.url().optional(), credential: CredentialName })
+    .optional(),
+});
+
+export const ModelSpec = z.strictObject({
+  baseUrl: z.url(),
+  name: z.string().min(1),
+  temperature: z.number().min(0).max(2).optional(),
+  topP: z.number().gt(0).max(1).optional(),
+  maxTokens: z.number().int().positive().optional(),
+});
+
+export const ToolLoopAgent = z.strictObject({
+  harness: z.literal("tool-loop"),
+  ...common,
+  model: ModelSpec,
+  credential: CredentialName.optional(),
+  maxSteps: z.number().int().positive().max(1000).default(30),
+  maxTokens: z.number().int().positive().optional(),
+  toolTimeoutS: Seconds.default(60),
+});
+
+export const AgentSpec = z.discriminatedUnion("harness", [OracleAgent, CommandAgent, ToolLoopAgent]);
+export type AgentSpec = z.infer<typeof AgentSpec>;
+export type AgentSpecInput = z.input<typeof AgentSpec>;
+
+export function agentName(agent: AgentSpec): string {
+  return agent.name ?? agent.harness;
+}

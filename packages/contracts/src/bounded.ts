@@ -1,0 +1,35 @@
+import { z } from "zod";
+
+/** Cap for one stored diagnostic text field (DESIGN §2 rule 13). */
+export const MAX_FIELD_CHARS = 4000;
+/** Cap for one stored failure/diagnostic record, serialised. */
+export const MAX_RECORD_BYTES = 16 * 1024;
+
+const MARK = "…[truncated]";
+
+/** Cap a text to `max` characters, marking the cut. Non-strings are stringified first. */
+export function capText(value: unknown, max = MAX_FIELD_CHARS): string {
+  const text = typeof value === "string" ? value : value instanceof Error ? value.message : String(value);
+  if (text.length <= max) return text;
+  return text.slice(0, Math.max(0, max - MARK.length)) + MARK;
+}
+
+/** Decode bytes as UTF-8, replacing invalid sequences with U+FFFD (never throws). */
+export function decodeUtf8(bytes: Uint8Array): string {
+  return new TextDecoder("utf-8", { fatal: false }).decode(bytes);
+}
+
+/** A duration in seconds: finite and strictly positive (DESIGN §2 rule 5/13). */
+export const Seconds = z
+  .number({ error: "must be a number of seconds" })
+  .refine((n) => Number.isFinite(n), { message: "must be finite" })
+  .refine((n) => n > 0, { message: "must be positive" });
+
+/** A duration in milliseconds: finite and strictly positive. */
+export const Millis = z
+  .number({ error: "must be a number of milliseconds" })
+  .refine((n) => Number.isFinite(n), { message: "must be finite" })
+  .refine((n) => n > 0, { message: "must be positive" });
+
+/** A text field capped on parse rather than rejected: diagnostics must never be lost for being long. */
+export const CappedText = z.string().transform((s) => capText(s));

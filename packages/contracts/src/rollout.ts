@@ -1,0 +1,129 @@
+import { z } from "zod";
+import { CappedText, Seconds } from "./bounded.ts";
+import { AgentSpec } from "./agent.ts";
+import { FailureKind, FailureRecord, Stage } from "./failure.ts";
+import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxOptions } from "./sandbox.ts";
+import { TaskRef } from "./task.ts";
+
+export const RolloutId = z.string().regex(/^[A-Za-z0-9_-]{1,64}$/, "must be a rollout id");
+
+/** One rollout request (DESIGN §9). */
+export const RolloutRequest = z.strictObject({
+  task: TaskRef,
+  agent: AgentSpec,
+  /** Whole-rollout budget from acceptance; retries share it. Defaults from the task's timeouts. */
+  deadlineS: Seconds.optional(),
+  sandbox: SandboxOptions.optional(),
+  /** Free JSON echoed into the result. */
+  metadata: z.record(z.string(), z.unknown()).optional(),
+});
+export type RolloutRequest = z.infer<typeof RolloutRequest>;
+export type RolloutRequestInput = z.input<typeof RolloutRequest>;
+
+export const BatchRequest = z.strictObject({
+  rollouts: z.array(RolloutRequest).min(1, "a batch needs at least one rollout"),
+});
+export type BatchRequest = z.infer<typeof BatchRequest>;
+
+export const TerminalStatus = z.enum(["completed", "masked", "failed", "cancelled"]);
+export type TerminalStatus = z.infer<typeof TerminalStatus>;
+export const RolloutStatus = z.enum(["accepted", "seeded", "ran", "verified", "closing", ...TerminalStatus.options]);
+export type RolloutStatus = z.infer<typeof RolloutStatus>;
+
+export function isTerminal(status: RolloutStatus): status is TerminalStatus {
+  return TerminalStatus.safeParse(status).success;
+}
+
+/** What a stage job carries: the rollout id and nothing else (no task, no secrets). */
+export const StageName = z.enum(["seed", "run", "verify", "close"]);
+export type StageName = z.infer<typeof StageName>;
+export const StageJob = z.strictObject({ rolloutId: RolloutId });
+export type StageJob = z.infer<typeof StageJob>;
+
+/** Model usage; `gaps` names what the harness could not observe (never a silent zero). */
+export const Usage = z.object({
+  calls: z.number().int().nonnegative(),
+  promptTokens: z.number().int().nonnegative().nullable(),
+  completionTokens: z.number().int().nonnegative().nullable(),
+  cachedTokens: z.number().int().nonnegative().nullable(),
+  gaps: z.array(z.string()),
+});
+export type Usage = z.infer<typeof Usage>;
+
+export const SeedReceipt = z.object({
+  handle: SandboxHandle,
+  probe: ProbeReport,
+  createMs: z.number().nonnegative(),
+  probeMs: z.number().nonnegative(),
+  stageMs: z.number().nonnegative(),
+  reused: z.boolean(),
+  at: z.number().int(),
+});
+export type SeedReceipt = z.infer<typeof SeedReceipt>;
+
+export const RunReceipt = z.object({
+  /** Exit envelope: command code, -1 killed at its deadline, -2 sandbox/provider failure. */
+  exec: ExecResult,
+  /** The agent's final answer (for `match` verifiers). */
+  answer: z.string().nullable(),
+  transcript: CappedText.nullable().default(null),
+  usage: Usage.nullable(),
+  cleanup: CleanupReceipt,
+  /** The agent's own sandbox, when it owned one (released before verify). */
+  ownedSandbox: z.object({ handle: SandboxHandle, released: CleanupReceipt }).nullable(),
+  startedAt: z.number().int(),
+  stoppedAt: z.number().int(),
+  attempts: z.number().int().positive(),
+  at: z.number().int(),
+});
+export type RunReceipt = z.infer<typeof RunReceipt>;
+
+export const VerifyReceipt = z.object({
+  reward: z.number(),
+  details: z.record(z.string(), z.unknown()),
+  startedAt: z.number().int(),
+  at: z.number().int(),
+});
+export type VerifyReceipt = z.infer<typeof VerifyReceipt>;
+
+export const CloseReceipt = z.object({
+  cleanup: CleanupReceipt.nullable(),
+  teardown: z.enum(["confirmed", "pending"]),
+  at: z.number().int(),
+});
+export type CloseReceipt = z.infer<typeof CloseReceipt>;
+
+export const Timings = z.object({
+  queuedMs: z.number().nonnegative().nullable(),
+  seedMs: z.number().nonnegative().nullable(),
+  runMs: z.number().nonnegative().nullable(),
+  verifyMs: z.number().nonnegative().nullable(),
+  closeMs: z.number().nonnegative().nullable(),
+  totalMs: z.number().nonnegative().nullable(),
+});
+export type Timings = z.infer<typeof Timings>;
+
+/** A result line (JSONL / `GET /v1/rollouts/:id`). */
+export const RolloutResult = z.object({
+  id: RolloutId,
+  batchId: z.string().nullable(),
+  taskId: z.string(),
+  taskDigest: z.string(),
+  agent: z.string(),
+  status: RolloutStatus,
+  reward: z.number().nullable(),
+  mask: z.boolean(),
+  failureKind: FailureKind.nullable(),
+  stage: Stage,
+  reason: CappedText.nullable(),
+  teardown: z.enum(["confirmed", "pending"]).nullable(),
+  exitCode: z.number().int().nullable(),
+  usage: Usage.nullable(),
+  timings: Timings,
+  details: z.record(z.string(), z.unknown()).nullable(),
+  failures: z.array(FailureRecord),
+  metadata: z.record(z.string(), z.unknown()).nullable(),
+  createdAt: z.number().int(),
+  finishedAt: z.number().int().nullable(),
+});
+export type RolloutResult = z.infer<typeof RolloutResult>;

@@ -1,0 +1,100 @@
+import { z } from "zod";
+import { CappedText, Millis } from "./bounded.ts";
+
+export const ProviderName = z.enum(["docker", "bubblewrap"]);
+export type ProviderName = z.infer<typeof ProviderName>;
+
+/**
+ * Per-task relaxations of the hardened sandbox defaults. Strict: an unknown option is a final
+ * `invalid_task` error, never silently ignored.
+ */
+export const SandboxOptions = z.strictObject({
+  memoryMb: z.number().int().min(16).max(65536).optional(),
+  cpus: z.number().gt(0).max(64).optional(),
+  pidsLimit: z.number().int().min(8).max(32768).optional(),
+  /** Size of the writable workspace, where the provider can enforce it. */
+  diskMb: z.number().int().min(1).max(1_048_576).optional(),
+  tmpfsMb: z.number().int().min(1).max(65536).optional(),
+  readOnlyRoot: z.boolean().optional(),
+  /** `host` exists only so the isolation probe can be proven to refuse it. */
+  pidMode: z.enum(["private", "host"]).optional(),
+});
+export type SandboxOptions = z.infer<typeof SandboxOptions>;
+
+/** Everything a provider needs to create a sandbox. */
+export const SandboxSpec = z.strictObject({
+  image: z.string().min(1),
+  rolloutId: z.string().min(1),
+  /** Who destroys it (DESIGN §2 rule 11). */
+  owner: z.enum(["resources", "agent"]),
+  /** Epoch ms after which the janitor may reap it. */
+  expiresAt: z.number().int().positive(),
+  options: SandboxOptions.default({}),
+  /** `none` (default) or the name of an internal network (model gateway access). */
+  network: z.string().min(1).default("none"),
+});
+export type SandboxSpec = z.infer<typeof SandboxSpec>;
+export type SandboxSpecInput = z.input<typeof SandboxSpec>;
+
+/** Enough to find a sandbox again from any worker: provider, endpoint and id. */
+export const SandboxHandle = z.strictObject({
+  provider: ProviderName,
+  /** Where the sandbox lives (e.g. the Docker endpoint), so another host can reach it. */
+  endpoint: z.string(),
+  id: z.string().min(1),
+  name: z.string().min(1),
+  rolloutId: z.string().min(1),
+  owner: z.enum(["resources", "agent"]),
+  /** Extra resources destroyed with the sandbox (e.g. its workspace volume). */
+  volumes: z.array(z.string()).default([]),
+});
+export type SandboxHandle = z.infer<typeof SandboxHandle>;
+
+export const ExecOptions = z.strictObject({
+  deadlineMs: Millis,
+  env: z.record(z.string(), z.string()).default({}),
+  cwd: z.string().optional(),
+  /** `uid[:gid]` or a name; defaults to the sandbox's unprivileged user. */
+  user: z.string().optional(),
+  stdin: z.string().optional(),
+  /** Cap for stdout and for stderr, each. */
+  maxOutputBytes: z.number().int().positive().default(1024 * 1024),
+});
+export type ExecOptions = z.input<typeof ExecOptions>;
+
+/**
+ * One command's outcome. `exitCode` follows the envelope of DESIGN §2 rule 6: the command's
+ * own code, `-1` when killed at its deadline (`timedOut`).
+ */
+export const ExecResult = z.object({
+  exitCode: z.number().int(),
+  timedOut: z.boolean(),
+  stdout: z.string(),
+  stderr: z.string(),
+  stdoutTruncated: z.boolean(),
+  stderrTruncated: z.boolean(),
+  durationMs: z.number().nonnegative(),
+  oomKilled: z.boolean().default(false),
+});
+export type ExecResult = z.infer<typeof ExecResult>;
+
+/** Positive proof that something was stopped or removed. */
+export const CleanupReceipt = z.object({
+  confirmed: z.boolean(),
+  /** What was cleaned: `processes` (a borrower's harness), `sandbox` (owner's destroy). */
+  scope: z.enum(["processes", "sandbox"]),
+  at: z.number().int().nonnegative(),
+  /** Already gone before we acted (idempotent destroy). */
+  alreadyGone: z.boolean().default(false),
+  remaining: z.number().int().nonnegative().default(0),
+  detail: CappedText.optional(),
+});
+export type CleanupReceipt = z.infer<typeof CleanupReceipt>;
+
+export const ProbeReport = z.object({
+  isolated: z.boolean(),
+  checks: z.record(z.string(), z.boolean()),
+  detail: CappedText,
+  durationMs: z.number().nonnegative(),
+});
+export type ProbeReport = z.infer<typeof ProbeReport>;

@@ -1,0 +1,63 @@
+import { z } from "zod";
+import { Seconds } from "./bounded.ts";
+
+/** Relative POSIX path inside a task directory: no absolute paths, no `..`, no NUL. */
+export const RelativePath = z
+  .string()
+  .min(1)
+  .max(512)
+  .refine((p) => !p.startsWith("/") && !p.split("/").includes("..") && !p.includes("\0"), {
+    message: "must be a relative path without '..'",
+  });
+
+/** A set of text files: relative path → UTF-8 content. */
+export const FileSet = z.record(RelativePath, z.string());
+export type FileSet = z.infer<typeof FileSet>;
+
+/** How a task's result is graded. */
+export const VerifierSpec = z.discriminatedUnion("kind", [
+  /** Run `tests/test.sh` in the task sandbox: exit 0 → 1.0, or the reward file it writes. */
+  z.strictObject({ kind: z.literal("tests") }),
+  /** Compare the agent's final answer (its stdout, trimmed) with `expected`. */
+  z.strictObject({
+    kind: z.literal("match"),
+    expected: z.string(),
+    mode: z.enum(["exact", "regex"]).default("exact"),
+  }),
+]);
+export type VerifierSpec = z.infer<typeof VerifierSpec>;
+
+/** A task's whole content, as it travels with a request and is stored content-addressed. */
+export const TaskContent = z.strictObject({
+  id: z
+    .string()
+    .min(1)
+    .max(200)
+    .regex(/^[A-Za-z0-9][A-Za-z0-9._-]*$/, "must be letters, digits, '.', '_' or '-'"),
+  instruction: z.string().min(1, "must not be empty"),
+  /** Sandbox image name; must exist on the worker hosts. */
+  image: z.string().min(1).max(300),
+  /** Files placed in the agent's workspace before it starts. */
+  workspace: FileSet.default({}),
+  /** The reference solution (`solve.sh` and helpers); used by the `oracle` agent only. */
+  solution: FileSet.default({}),
+  /** The tests (`test.sh` and helpers); staged only after the agent has stopped. */
+  tests: FileSet.default({}),
+  timeouts: z
+    .strictObject({
+      agentS: Seconds.default(120),
+      verifierS: Seconds.default(60),
+    })
+    .default({ agentS: 120, verifierS: 60 }),
+  verifier: VerifierSpec.default({ kind: "tests" }),
+  metadata: z.record(z.string(), z.unknown()).default({}),
+});
+export type TaskContent = z.infer<typeof TaskContent>;
+export type TaskContentInput = z.input<typeof TaskContent>;
+
+/** sha256 hex digest of a stored task. */
+export const TaskDigest = z.string().regex(/^[0-9a-f]{64}$/, "must be a sha256 hex digest");
+
+/** A task in a request: inline content, or the digest of one already stored. */
+export const TaskRef = z.union([z.strictObject({ digest: TaskDigest }), TaskContent]);
+export type TaskRef = z.infer<typeof TaskRef>;

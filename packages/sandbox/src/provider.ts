@@ -1,0 +1,74 @@
+import type {
+  CleanupReceipt,
+  ExecOptions,
+  ExecResult,
+  FileSet,
+  ProbeReport,
+  ProviderName,
+  SandboxHandle,
+  SandboxSpecInput,
+} from "@fleet/contracts";
+
+/** Labels every fleet sandbox carries (DESIGN §5). */
+export const LABEL_MANAGED = "fleet.managed";
+export const LABEL_ROLLOUT = "fleet.rollout";
+export const LABEL_OWNER = "fleet.owner";
+export const LABEL_EXPIRES = "fleet.expires";
+
+/** Fixed paths inside every sandbox. */
+export const SANDBOX_PATHS = {
+  /** The agent's writable working directory (a volume). */
+  workspace: "/workspace",
+  /** Task tests, staged only after the agent has stopped. */
+  tests: "/tests",
+  /** Reference solution, staged only for the oracle agent. */
+  solution: "/solution",
+  /** Verifier logs; a test may write `/logs/verifier/reward.txt`. */
+  logs: "/logs",
+} as const;
+
+/** The unprivileged user harness commands run as by default. */
+export const AGENT_USER = "1000:1000";
+/** Root inside the sandbox (no capabilities): used for staging and verification. */
+export const ROOT_USER = "0:0";
+
+/** A sandbox as `list` reports it. */
+export interface SandboxInfo {
+  handle: SandboxHandle;
+  labels: Record<string, string>;
+  running: boolean;
+  createdAt: number;
+}
+
+/**
+ * Where model-directed commands run. Implementations: `DockerSandboxProvider`,
+ * `BubblewrapSandboxProvider`; tests may use an in-memory one.
+ *
+ * Errors are `FleetError`s: `provider_unavailable` (retryable: daemon down, 5xx, timeout),
+ * `sandbox_lost` (the sandbox is gone), `invalid_task` (missing image, invalid spec: final),
+ * `isolation_refused` (final).
+ */
+export interface SandboxProvider {
+  readonly name: ProviderName;
+  /** Where this provider's sandboxes live (e.g. `unix:///var/run/docker.sock`). */
+  readonly endpoint: string;
+  create(spec: SandboxSpecInput): Promise<SandboxHandle>;
+  /** Find a rollout's sandbox by label (for re-delivered seeds); `null` if none. */
+  find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null>;
+  exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult>;
+  /** Write files (relative paths) under `dir` (absolute), creating directories. */
+  put(handle: SandboxHandle, dir: string, files: FileSet, options?: { user?: string; mode?: number }): Promise<void>;
+  /** Read one file; `null` if it does not exist. Capped at `maxBytes` (default 1 MiB). */
+  get(handle: SandboxHandle, path: string, options?: { maxBytes?: number }): Promise<string | null>;
+  /** The isolation probe (DESIGN §5). Throws final `isolation_refused` or retryable `provider_unavailable`. */
+  probe(handle: SandboxHandle, options?: { timeoutMs?: number }): Promise<ProbeReport>;
+  /** Kill every process of `user` in the sandbox and confirm none remains. */
+  killProcesses(handle: SandboxHandle, user?: string): Promise<CleanupReceipt>;
+  /** Destroy the sandbox and its volumes. Idempotent: already gone is a confirmed cleanup. */
+  destroy(handle: SandboxHandle): Promise<CleanupReceipt>;
+  /** Sandboxes carrying all of `labels` (plus `fleet.managed=true`). */
+  list(labels?: Record<string, string>): Promise<SandboxInfo[]>;
+  /** Whether the sandbox still exists and runs. */
+  alive(handle: SandboxHandle): Promise<boolean>;
+  close?(): Promise<void>;
+}
