@@ -1,0 +1,4 @@
+export * from "./logger.ts";
+export * from "./metrics.ts";
+export * from "./metrics-server.ts";
+export * from "./redact.ts";

@@ -1,0 +1,87 @@
+import { Writable } from "node:stream";
+import { describe, expect, it } from "vitest";
+import { createLogger } from "./logger.ts";
+
+/** A destination that collects every line pino writes. */
+function sink(): { stream: Writable; text: () => string; lines: () => Record<string, unknown>[] } {
+  const chunks: string[] = [];
+  const stream = new Writable({
+    write(chunk: Buffer | string, _enc, cb) {
+      chunks.push(chunk.toString());
+      cb();
+    },
+  });
+  const text = () => chunks.join("");
+  return {
+    stream,
+    text,
+    lines: () =>
+      text()
+        .split("\n")
+        .filter((l) => l.length > 0)
+        .map((l) => JSON.parse(l) as Record<string, unknown>),
+  };
+}
+
+const SECRET = "sk-live-9f8e7d6c5b4a";
+
+describe("createLogger", () => {
+  it("redacts secret-shaped fields at any depth, in objects, arrays, errors and child bindings", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    log.info({ apiKey: SECRET, model: { name: "m", api_key: SECRET } }, "top and one level");
+    log.info({ req: { headers: { authorization: `Bearer ${SECRET}`, accept: "*/*" } } }, "headers");
+    log.info({ a: { b: { c: { d: { password: SECRET, Token: SECRET, secret: SECRET } } } } }, "deep");
+    log.info({ items: [{ credentialValue: SECRET }, { nested: [{ "x-api-key": SECRET }] }] }, "arrays");
+    const err = Object.assign(new Error("boom"), { config: { headers: { Authorization: SECRET } } });
+    log.error({ err }, "error with secret config");
+    log.child({ token: SECRET, job: { password: SECRET } }).warn("child bindings");
+
+    expect(out.text()).not.toContain(SECRET);
+    const lines = out.lines();
+    expect(lines).toHaveLength(6);
+    expect(lines[0]).toMatchObject({ apiKey: "[Redacted]", model: { name: "m", api_key: "[Redacted]" } });
+    expect(lines[1]).toMatchObject({ req: { headers: { authorization: "[Redacted]", accept: "*/*" } } });
+    expect(lines[4]).toMatchObject({ err: { message: "boom", type: "Error" } });
+    expect(lines[5]).toMatchObject({ token: "[Redacted]", job: { password: "[Redacted]" } });
+  });
+
+  it("keeps count fields whose names merely contain a secret word", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    log.info({ usage: { promptTokens: 12, completionTokens: 3 }, tokenCount: 15 }, "usage");
+    expect(out.lines()[0]).toMatchObject({
+      usage: { promptTokens: 12, completionTokens: 3 },
+      tokenCount: 15,
+    });
+  });
+
+  it("does not mutate the logged object", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    const obj = { model: { apiKey: SECRET } };
+    log.info(obj, "x");
+    expect(obj.model.apiKey).toBe(SECRET);
+  });
+
+  it("scrubs known secret values from messages and free-form fields, including ones added later", () => {
+    const out = sink();
+    const secrets = new Set<string>();
+    const log = createLogger({ name: "t", destination: out.stream, secrets });
+    secrets.add(SECRET);
+    secrets.add('pa"ss\\word');
+    log.info({ stderr: `curl: 401 for key ${SECRET}` }, `calling with ${SECRET}`);
+    log.info({ note: 'quoted pa"ss\\word here' }, "escaped");
+    expect(out.text()).not.toContain(SECRET);
+    expect(out.text()).not.toContain(JSON.stringify('pa"ss\\word').slice(1, -1));
+    expect(out.lines()[0]).toMatchObject({ msg: "calling with [Redacted]" });
+  });
+
+  it("honours the level", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", level: "warn", destination: out.stream });
+    log.info("hidden");
+    log.warn("shown");
+    expect(out.lines().map((l) => l.msg)).toEqual(["shown"]);
+  });
+});

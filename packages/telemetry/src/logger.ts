@@ -1,0 +1,53 @@
+import { hostname } from "node:os";
+import pino, { type DestinationStream, type Level, type Logger } from "pino";
+import { REDACT_PATHS, REDACTED, redactSecretFields, redactSecrets } from "./redact.ts";
+
+export type { Logger } from "pino";
+export type LogLevel = Level | "silent";
+
+export interface LoggerOptions {
+  /** Logged as `name` on every line (the app or component). */
+  name: string;
+  /** @defaultValue `"info"` */
+  level?: LogLevel;
+  /** Where lines go. @defaultValue stdout (pino's default destination) */
+  destination?: DestinationStream;
+  /**
+   * Known secret values (e.g. resolved credentials) scrubbed from every serialized line,
+   * wherever they appear, including inside messages. Pass a `Set` to add secrets later: it is
+   * read on every write.
+   */
+  secrets?: ReadonlySet<string> | readonly string[];
+  /** Fields bound to every line (e.g. `{ worker: "agent-1" }`). */
+  base?: Record<string, unknown>;
+}
+
+/**
+ * A pino logger that never writes a secret-shaped field: fields named like `apiKey`,
+ * `api_key`, `token`, `password`, `secret`, `authorization`, `credentialValue` (any depth, see
+ * `SECRET_KEYS`) are replaced with `[Redacted]`, and known secret values are scrubbed from the
+ * serialized line.
+ */
+export function createLogger(options: LoggerOptions): Logger {
+  const secrets = options.secrets;
+  return pino(
+    {
+      name: options.name,
+      level: options.level ?? "info",
+      base: { pid: process.pid, hostname: hostname(), ...options.base },
+      redact: { paths: [...REDACT_PATHS], censor: REDACTED },
+      formatters: {
+        log: (object) => redactSecretFields(object),
+        bindings: (bindings) => redactSecretFields(bindings),
+      },
+      hooks:
+        secrets === undefined
+          ? {}
+          : {
+              streamWrite: (line: string) => redactSecrets(line, secrets),
+            },
+    },
+    // Synchronous stdout by default, so the last lines before a crash or exit are not lost.
+    options.destination ?? pino.destination({ dest: 1, sync: true }),
+  );
+}

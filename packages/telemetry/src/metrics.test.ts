@@ -1,0 +1,104 @@
+import { register as globalRegistry } from "prom-client";
+import { afterEach, describe, expect, it } from "vitest";
+import { createFleetMetrics, createMetricsRegistry } from "./metrics.ts";
+import { type MetricsServer, startMetricsServer } from "./metrics-server.ts";
+
+describe("createMetricsRegistry / createFleetMetrics", () => {
+  it("gives each registry its own metrics, labelled with its app, and leaves the global registry alone", async () => {
+    const a = createMetricsRegistry({ app: "a", defaultMetrics: false });
+    const b = createMetricsRegistry({ app: "b", defaultMetrics: false });
+    const ma = createFleetMetrics(a);
+    const mb = createFleetMetrics(b);
+    ma.rolloutsFinished.inc({ status: "completed", failure_kind: "none" }, 3);
+    mb.reward.observe(1);
+
+    const textA = await a.metrics();
+    const textB = await b.metrics();
+    expect(textA).toContain(
+      'fleet_rollouts_finished_total{status="completed",failure_kind="none",app="a"} 3',
+    );
+    expect(textB).not.toContain("fleet_rollouts_finished_total{");
+    expect(textB).toContain('fleet_reward_count{app="b"} 1');
+    expect(textA).toContain('fleet_reward_count{app="a"} 0');
+    expect(globalRegistry.getSingleMetric("fleet_reward")).toBeUndefined();
+  });
+
+  it("registers every documented metric with base-unit names", async () => {
+    const r = createMetricsRegistry({ app: "x", defaultMetrics: false });
+    createFleetMetrics(r);
+    const names = (await r.getMetricsAsJSON()).map((m) => m.name).sort();
+    expect(names).toEqual(
+      [
+        "fleet_model_tokens_total",
+        "fleet_queue_jobs",
+        "fleet_queue_oldest_waiting_age_seconds",
+        "fleet_reward",
+        "fleet_rollout_duration_seconds",
+        "fleet_rollouts_finished_total",
+        "fleet_sandbox_create_duration_seconds",
+        "fleet_sandboxes_active",
+        "fleet_stage_duration_seconds",
+        "fleet_stage_jobs_total",
+        "fleet_teardown_attempts_total",
+        "fleet_teardown_ledger_entries",
+        "fleet_worker_heartbeat_timestamp_seconds",
+      ].sort(),
+    );
+  });
+
+  it("initialises known counter series to zero", async () => {
+    const r = createMetricsRegistry({ app: "x", defaultMetrics: false });
+    createFleetMetrics(r);
+    expect(await r.metrics()).toContain('fleet_stage_jobs_total{stage="verify",outcome="retry",app="x"} 0');
+  });
+
+  it("refuses to register the fleet metrics twice in one registry", () => {
+    const r = createMetricsRegistry({ app: "x", defaultMetrics: false });
+    createFleetMetrics(r);
+    expect(() => createFleetMetrics(r)).toThrow(/already been registered/);
+  });
+
+  it("collects default process metrics when asked", async () => {
+    const r = createMetricsRegistry({ app: "x" });
+    expect(await r.metrics()).toContain('process_cpu_user_seconds_total{app="x"}');
+  });
+});
+
+describe("startMetricsServer", () => {
+  let server: MetricsServer | undefined;
+  afterEach(async () => {
+    await server?.close();
+    server = undefined;
+  });
+
+  it("serves /metrics in the Prometheus text format and /healthz on 127.0.0.1", async () => {
+    const registry = createMetricsRegistry({ app: "srv", defaultMetrics: false });
+    const metrics = createFleetMetrics(registry);
+    metrics.teardownLedgerEntries.set(4);
+    server = await startMetricsServer({ registry, port: 0 });
+    expect(server.port).toBeGreaterThan(0);
+    expect(server.host).toBe("127.0.0.1");
+
+    const res = await fetch(`http://127.0.0.1:${server.port}/metrics`);
+    expect(res.status).toBe(200);
+    expect(res.headers.get("content-type")).toContain("text/plain");
+    const text = await res.text();
+    expect(text).toContain("# TYPE fleet_teardown_ledger_entries gauge");
+    expect(text).toContain('fleet_teardown_ledger_entries{app="srv"} 4');
+
+    const health = await fetch(`http://127.0.0.1:${server.port}/healthz`);
+    expect(health.status).toBe(200);
+    expect(await health.json()).toEqual({ status: "ok" });
+    expect((await fetch(`http://127.0.0.1:${server.port}/nope`)).status).toBe(404);
+    expect((await fetch(`http://127.0.0.1:${server.port}/metrics`, { method: "POST" })).status).toBe(405);
+  });
+
+  it("stops accepting connections after close", async () => {
+    const registry = createMetricsRegistry({ app: "srv", defaultMetrics: false });
+    const s = await startMetricsServer({ registry, port: 0 });
+    await fetch(`http://127.0.0.1:${s.port}/healthz`);
+    await s.close();
+    await s.close();
+    await expect(fetch(`http://127.0.0.1:${s.port}/healthz`)).rejects.toThrow();
+  });
+});

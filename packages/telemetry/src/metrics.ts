@@ -1,0 +1,160 @@
+import { Counter, collectDefaultMetrics, Gauge, Histogram, Registry } from "prom-client";
+
+export interface MetricsRegistryOptions {
+  /** Value of the `app` label on every series (e.g. `dispatcher`, `agent-worker`). */
+  app: string;
+  /** Collect Node.js process metrics (CPU, memory, event loop, GC). @defaultValue `true` */
+  defaultMetrics?: boolean;
+}
+
+/**
+ * A fresh prom-client `Registry` for one process, never the global one: every series carries
+ * `app`, and two registries never share a metric (tests may create many).
+ */
+export function createMetricsRegistry(options: MetricsRegistryOptions): Registry {
+  const registry = new Registry();
+  registry.setDefaultLabels({ app: options.app });
+  if (options.defaultMetrics ?? true) collectDefaultMetrics({ register: registry });
+  return registry;
+}
+
+/** Stage names used as the `stage` label. */
+export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
+/**
+ * `outcome` of one stage job: `ok` finished and stored its receipt; `replayed` found a stored
+ * receipt and did nothing again; `retry` threw a retryable error (BullMQ retries it); `failed`
+ * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close).
+ */
+export const STAGE_OUTCOMES = ["ok", "replayed", "retry", "failed"] as const;
+export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
+/** `result` of one teardown attempt (close stage or janitor retry). */
+export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
+export type TeardownResult = (typeof TEARDOWN_RESULTS)[number];
+/** `kind` of model tokens. */
+export const TOKEN_KINDS = ["prompt", "completion", "cached"] as const;
+export type TokenKind = (typeof TOKEN_KINDS)[number];
+
+/** Buckets, in seconds, for one stage job (sub-second seeds to hour-long agent runs). */
+export const STAGE_DURATION_BUCKETS = [
+  0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600,
+];
+/** Buckets, in seconds, for a whole rollout from acceptance to terminal. */
+export const ROLLOUT_DURATION_BUCKETS = [1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400];
+/** Buckets, in seconds, for creating one sandbox. */
+export const SANDBOX_CREATE_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60];
+/** Buckets for rewards in [0, 1]. */
+export const REWARD_BUCKETS = [0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1];
+
+/** The fleet's own metrics (see the package README for each one's meaning). */
+export interface FleetMetrics {
+  rolloutsFinished: Counter<"status" | "failure_kind">;
+  stageDuration: Histogram<"stage" | "outcome">;
+  rolloutDuration: Histogram<"status">;
+  queueJobs: Gauge<"queue" | "state">;
+  queueOldestWaitingAge: Gauge<"queue">;
+  sandboxesActive: Gauge<"provider">;
+  sandboxCreateDuration: Histogram<"provider">;
+  teardownLedgerEntries: Gauge;
+  teardownAttempts: Counter<"result">;
+  reward: Histogram;
+  modelTokens: Counter<"kind">;
+  workerHeartbeat: Gauge<"worker">;
+  stageJobs: Counter<"stage" | "outcome">;
+}
+
+/**
+ * Register the fleet's metrics in `registry` (and nowhere else). Call once per registry; a
+ * second call on the same registry throws (prom-client refuses duplicate names). Counters whose
+ * label values are known up front are initialised to 0, so `rate()` sees their first increment.
+ */
+export function createFleetMetrics(registry: Registry): FleetMetrics {
+  const registers = [registry];
+  const metrics: FleetMetrics = {
+    rolloutsFinished: new Counter({
+      name: "fleet_rollouts_finished_total",
+      help: "Rollouts that reached a terminal status, by status and failure kind (none when clean).",
+      labelNames: ["status", "failure_kind"],
+      registers,
+    }),
+    stageDuration: new Histogram({
+      name: "fleet_stage_duration_seconds",
+      help: "Wall time of one stage job, by stage and outcome.",
+      labelNames: ["stage", "outcome"],
+      buckets: STAGE_DURATION_BUCKETS,
+      registers,
+    }),
+    rolloutDuration: new Histogram({
+      name: "fleet_rollout_duration_seconds",
+      help: "Time from acceptance to terminal status, by status.",
+      labelNames: ["status"],
+      buckets: ROLLOUT_DURATION_BUCKETS,
+      registers,
+    }),
+    queueJobs: new Gauge({
+      name: "fleet_queue_jobs",
+      help: "Jobs in each BullMQ queue, by state (waiting, active, delayed, failed, ...).",
+      labelNames: ["queue", "state"],
+      registers,
+    }),
+    queueOldestWaitingAge: new Gauge({
+      name: "fleet_queue_oldest_waiting_age_seconds",
+      help: "Age of the oldest waiting job in each queue (0 when none waits).",
+      labelNames: ["queue"],
+      registers,
+    }),
+    sandboxesActive: new Gauge({
+      name: "fleet_sandboxes_active",
+      help: "Sandboxes this process currently holds (created or borrowed, not yet released), by provider.",
+      labelNames: ["provider"],
+      registers,
+    }),
+    sandboxCreateDuration: new Histogram({
+      name: "fleet_sandbox_create_duration_seconds",
+      help: "Time to create one sandbox (before probe and staging), by provider.",
+      labelNames: ["provider"],
+      buckets: SANDBOX_CREATE_BUCKETS,
+      registers,
+    }),
+    teardownLedgerEntries: new Gauge({
+      name: "fleet_teardown_ledger_entries",
+      help: "Sandboxes in the teardown ledger awaiting a confirmed destroy.",
+      registers,
+    }),
+    teardownAttempts: new Counter({
+      name: "fleet_teardown_attempts_total",
+      help: "Sandbox destroy attempts (close stage and janitor), by result.",
+      labelNames: ["result"],
+      registers,
+    }),
+    reward: new Histogram({
+      name: "fleet_reward",
+      help: "Rewards of graded (unmasked) rollouts.",
+      buckets: REWARD_BUCKETS,
+      registers,
+    }),
+    modelTokens: new Counter({
+      name: "fleet_model_tokens_total",
+      help: "Model tokens reported by harnesses, by kind (prompt, completion, cached).",
+      labelNames: ["kind"],
+      registers,
+    }),
+    workerHeartbeat: new Gauge({
+      name: "fleet_worker_heartbeat_timestamp_seconds",
+      help: "Unix time of each worker's last heartbeat.",
+      labelNames: ["worker"],
+      registers,
+    }),
+    stageJobs: new Counter({
+      name: "fleet_stage_jobs_total",
+      help: "Stage jobs processed, by stage and outcome (ok, replayed, retry, failed).",
+      labelNames: ["stage", "outcome"],
+      registers,
+    }),
+  };
+  for (const stage of STAGE_LABELS) {
+    for (const outcome of STAGE_OUTCOMES) metrics.stageJobs.inc({ stage, outcome }, 0);
+  }
+  for (const result of TEARDOWN_RESULTS) metrics.teardownAttempts.inc({ result }, 0);
+  for (const kind of TOKEN_KINDS) metrics.modelTokens.inc({ kind }, 0);
+  return metrics;
+}

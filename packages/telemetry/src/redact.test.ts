@@ -1,0 +1,42 @@
+import { describe, expect, it } from "vitest";
+import { REDACTED, redactSecretFields, redactSecrets } from "./redact.ts";
+
+describe("redactSecrets", () => {
+  it("replaces every occurrence of each secret, longest first", () => {
+    expect(redactSecrets("a=abc123 b=abc123 c=abc", ["abc", "abc123"])).toBe(
+      `a=${REDACTED} b=${REDACTED} c=${REDACTED}`,
+    );
+  });
+
+  it("ignores empty secrets and leaves text without secrets alone", () => {
+    expect(redactSecrets("nothing here", ["", "zzz"])).toBe("nothing here");
+  });
+
+  it("also replaces the JSON-escaped form", () => {
+    const secret = 'a"b\\c';
+    const json = JSON.stringify({ v: secret });
+    expect(redactSecrets(json, [secret])).toBe(`{"v":"${REDACTED}"}`);
+  });
+});
+
+describe("redactSecretFields", () => {
+  it("handles cycles and leaves non-plain objects alone", () => {
+    const date = new Date(0);
+    const obj: Record<string, unknown> = { when: date, password: "p" };
+    obj.self = obj;
+    const out = redactSecretFields(obj);
+    expect(out.password).toBe(REDACTED);
+    expect(out.when).toBe(date);
+    expect(out.self).toBe(out);
+  });
+
+  it("keeps an error an error, with its message and cause", () => {
+    const cause = new Error("inner");
+    const err = Object.assign(new Error("outer", { cause }), { token: "t" });
+    const out = redactSecretFields(err);
+    expect(out).toBeInstanceOf(Error);
+    expect(out.message).toBe("outer");
+    expect(out.token).toBe(REDACTED);
+    expect((out.cause as Error).message).toBe("inner");
+  });
+});

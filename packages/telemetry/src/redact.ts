@@ -1,0 +1,126 @@
+/** What a redacted value is replaced with (pino's own censor string, so all redactions look alike). */
+export const REDACTED = "[Redacted]";
+
+/**
+ * Key names whose values are secrets wherever they appear, compared after lower-casing and
+ * dropping `_` and `-` (so `apiKey`, `api_key`, `API-KEY` all match). Exact matches only:
+ * `promptTokens` is a count, not a secret.
+ */
+export const SECRET_KEYS: ReadonlySet<string> = new Set([
+  "apikey",
+  "xapikey",
+  "token",
+  "tokens",
+  "admintokens",
+  "accesstoken",
+  "refreshtoken",
+  "idtoken",
+  "password",
+  "passwd",
+  "secret",
+  "clientsecret",
+  "authorization",
+  "proxyauthorization",
+  "cookie",
+  "setcookie",
+  "credentialvalue",
+  "privatekey",
+]);
+
+/**
+ * pino `redact` paths (fast-redact syntax), applied on top of the deep key walk in
+ * `redactSecretFields` so the documented paths hold even for objects the walk does not enter.
+ */
+export const REDACT_PATHS: readonly string[] = [
+  "apiKey",
+  "api_key",
+  "token",
+  "password",
+  "secret",
+  "authorization",
+  "credentialValue",
+  "*.apiKey",
+  "*.api_key",
+  "*.token",
+  "*.password",
+  "*.secret",
+  "*.authorization",
+  "*.credentialValue",
+  "headers.authorization",
+  "headers.cookie",
+  "*.headers.authorization",
+  "*.headers.cookie",
+];
+
+export function isSecretKey(key: string): boolean {
+  return SECRET_KEYS.has(key.toLowerCase().replace(/[-_]/g, ""));
+}
+
+const MAX_DEPTH = 10;
+
+/**
+ * A copy of `value` with every secret-named field (any depth, see `SECRET_KEYS`) replaced by
+ * `REDACTED`. Plain objects, arrays and Errors are walked; other class instances (Buffers,
+ * Dates, Maps) are kept as they are. Never mutates its input. Cycles are kept as cycles.
+ */
+export function redactSecretFields<T>(value: T): T {
+  return walk(value, 0, new WeakMap()) as T;
+}
+
+function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): unknown {
+  if (value === null || typeof value !== "object") return value;
+  const done = seen.get(value);
+  if (done !== undefined) return done;
+  if (depth > MAX_DEPTH) return value;
+  if (Array.isArray(value)) {
+    const out: unknown[] = [];
+    seen.set(value, out);
+    for (const item of value) out.push(walk(item, depth + 1, seen));
+    return out;
+  }
+  const proto = Object.getPrototypeOf(value) as object | null;
+  const isError = value instanceof Error;
+  if (!isError && proto !== Object.prototype && proto !== null) return value;
+  // Errors keep their prototype (so serializers still see an Error) and their non-enumerable
+  // `message`/`stack`/`cause`; only own enumerable fields are walked.
+  const out = isError
+    ? (Object.create(proto, Object.getOwnPropertyDescriptors(value)) as Record<string, unknown>)
+    : ({} as Record<string, unknown>);
+  seen.set(value, out);
+  for (const [key, field] of Object.entries(value)) {
+    out[key] = isSecretKey(key) && field !== undefined ? REDACTED : walk(field, depth + 1, seen);
+  }
+  if (isError) {
+    const cause = (value as Error).cause;
+    if (cause !== undefined) {
+      Object.defineProperty(out, "cause", {
+        value: walk(cause, depth + 1, seen),
+        enumerable: false,
+        writable: true,
+        configurable: true,
+      });
+    }
+  }
+  return out;
+}
+
+/**
+ * Replace every occurrence of each known secret value in `text` with `REDACTED`. Longer
+ * secrets are replaced first (so a secret containing another is removed whole); empty strings
+ * are ignored. Also replaces each secret's JSON-escaped form, so it works on serialized JSON.
+ */
+export function redactSecrets(text: string, secrets: Iterable<string>): string {
+  const forms = new Set<string>();
+  for (const secret of secrets) {
+    if (typeof secret !== "string" || secret.length === 0) continue;
+    forms.add(secret);
+    const escaped = JSON.stringify(secret).slice(1, -1);
+    if (escaped !== secret) forms.add(escaped);
+  }
+  if (forms.size === 0) return text;
+  let out = text;
+  for (const form of [...forms].sort((a, b) => b.length - a.length)) {
+    if (out.includes(form)) out = out.split(form).join(REDACTED);
+  }
+  return out;
+}
