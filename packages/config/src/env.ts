@@ -1,0 +1,98 @@
+import { z } from "zod";
+
+/** Largest delay a Node timer honours; longer ones fire at once. */
+export const MAX_TIMER_MS = 2_147_483_647;
+
+const WHOLE = /^\d+$/;
+
+/** A whole number from an env string, within `[min, max]`. */
+export function intVar(min: number, max: number, message?: string) {
+  const range = message ?? `must be a whole number from ${min} to ${max}`;
+  return z
+    .string()
+    .trim()
+    .regex(WHOLE, range)
+    .transform(Number)
+    .pipe(z.number().int().min(min, range).max(max, range));
+}
+
+/** A TCP port; `0` asks the OS for a free one. */
+export const portVar = () => intVar(0, 65_535, "must be a port number from 0 to 65535");
+
+/** A duration in milliseconds: finite, positive and within what a Node timer can wait. */
+export const durationMsVar = () =>
+  intVar(1, MAX_TIMER_MS, `must be a positive whole number of milliseconds (at most ${MAX_TIMER_MS})`);
+
+const TRUE = new Set(["1", "true", "yes", "on"]);
+const FALSE = new Set(["0", "false", "no", "off"]);
+
+/** `true|false|1|0|yes|no|on|off`, case-insensitive. */
+export const boolVar = () =>
+  z
+    .string()
+    .trim()
+    .toLowerCase()
+    .refine((s) => TRUE.has(s) || FALSE.has(s), "must be true or false (also 1/0, yes/no, on/off)")
+    .transform((s) => TRUE.has(s));
+
+/** A URL whose scheme is one of `protocols` (e.g. `["redis:", "rediss:"]`). */
+export function urlVar(protocols: readonly string[]) {
+  const message = `must be a URL starting with ${protocols.map((p) => `${p}//`).join(" or ")}`;
+  return z
+    .string()
+    .trim()
+    .refine((s) => {
+      try {
+        return protocols.includes(new URL(s).protocol);
+      } catch {
+        return false;
+      }
+    }, message);
+}
+
+/** A non-empty string without whitespace (names, ids, prefixes, hosts). */
+export const wordVar = () => z.string().trim().regex(/^\S+$/, "must not contain whitespace");
+
+export const LogLevel = z.enum(["fatal", "error", "warn", "info", "debug", "trace", "silent"], {
+  error: "must be one of fatal, error, warn, info, debug, trace, silent",
+});
+export type LogLevel = z.infer<typeof LogLevel>;
+
+/** Parsed `FLEET_API_TOKENS`: every accepted token, and the subset marked `admin:`. */
+export interface ApiTokens {
+  /** All tokens that authenticate, admin ones included (without the `admin:` prefix). */
+  tokens: string[];
+  /** Tokens that may also act in Bull Board. */
+  adminTokens: string[];
+}
+
+/** `tok1,admin:tok2` → `{ tokens: ["tok1", "tok2"], adminTokens: ["tok2"] }`. */
+export function parseApiTokens(value: string): ApiTokens {
+  const tokens: string[] = [];
+  const adminTokens: string[] = [];
+  for (const raw of value.split(",")) {
+    const entry = raw.trim();
+    if (entry.length === 0) continue;
+    const admin = entry.startsWith("admin:");
+    const token = admin ? entry.slice("admin:".length) : entry;
+    if (!tokens.includes(token)) tokens.push(token);
+    if (admin && !adminTokens.includes(token)) adminTokens.push(token);
+  }
+  return { tokens, adminTokens };
+}
+
+export const apiTokensVar = () =>
+  z
+    .string()
+    .superRefine((value, ctx) => {
+      for (const raw of value.split(",")) {
+        const entry = raw.trim();
+        const token = entry.startsWith("admin:") ? entry.slice("admin:".length) : entry;
+        if (entry.length > 0 && token.length === 0) {
+          ctx.addIssue({ code: "custom", message: "has an empty token after 'admin:'" });
+        } else if (/\s/.test(token)) {
+          ctx.addIssue({ code: "custom", message: "has a token containing whitespace" });
+        }
+      }
+    })
+    .transform(parseApiTokens);

@@ -1,0 +1,4 @@
+export * from "./env.ts";
+export * from "./parse.ts";
+export * from "./schemas.ts";
+export * from "./worker.ts";

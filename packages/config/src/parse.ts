@@ -1,0 +1,56 @@
+import type { z } from "zod";
+
+/** Variables whose values are never echoed in an error message. */
+const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
+
+export interface ConfigIssue {
+  /** The environment variable at fault. */
+  variable: string;
+  message: string;
+}
+
+/** Every bad variable at once, so an operator fixes them in one go. */
+export class ConfigError extends Error {
+  override readonly name = "ConfigError";
+  readonly issues: ConfigIssue[];
+
+  constructor(issues: ConfigIssue[], env: Record<string, string | undefined>) {
+    const lines = issues.map(({ variable, message }) => {
+      const value = env[variable];
+      const shown =
+        value === undefined
+          ? ""
+          : SECRET_VARIABLES.has(variable)
+            ? " (value hidden)"
+            : ` (got ${JSON.stringify(value.length > 80 ? `${value.slice(0, 80)}…` : value)})`;
+      return `  - ${variable}: ${message}${shown}`;
+    });
+    super(`invalid configuration:\n${lines.join("\n")}`);
+    this.issues = issues;
+  }
+}
+
+/**
+ * Parse `env` with one of this package's schemas. Empty and whitespace-only values count as
+ * unset (so `FOO=` in a compose file means "use the default"). Throws one `ConfigError` naming
+ * every bad variable.
+ */
+export function parseConfig<S extends z.ZodType>(
+  schema: S,
+  env: Record<string, string | undefined>,
+): z.output<S> {
+  const cleaned: Record<string, string> = {};
+  for (const [key, value] of Object.entries(env)) {
+    if (value !== undefined && value.trim() !== "") cleaned[key] = value;
+  }
+  const result = schema.safeParse(cleaned);
+  if (result.success) return result.data;
+  const issues: ConfigIssue[] = [];
+  for (const issue of result.error.issues) {
+    const variable = issue.path.length > 0 ? String(issue.path[0]) : "(environment)";
+    if (!issues.some((i) => i.variable === variable && i.message === issue.message)) {
+      issues.push({ variable, message: issue.message });
+    }
+  }
+  throw new ConfigError(issues, env);
+}

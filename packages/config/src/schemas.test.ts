@@ -1,0 +1,191 @@
+import { describe, expect, it } from "vitest";
+import { ConfigError, parseConfig } from "./parse.ts";
+import { CliConfig, DispatcherConfig, JanitorConfig, WorkerConfig } from "./schemas.ts";
+import { parseWorkerConfig } from "./worker.ts";
+
+function errorOf(fn: () => unknown): ConfigError {
+  try {
+    fn();
+  } catch (err) {
+    if (err instanceof ConfigError) return err;
+    throw err;
+  }
+  throw new Error("expected a ConfigError");
+}
+
+describe("DispatcherConfig", () => {
+  it("applies every default on an empty environment", () => {
+    expect(parseConfig(DispatcherConfig, {})).toEqual({
+      redisUrl: "redis://127.0.0.1:6379",
+      prefix: "{fleet}",
+      logLevel: "info",
+      shutdownTimeoutMs: 30_000,
+      httpPort: 8080,
+      httpHost: "127.0.0.1",
+      apiTokens: { tokens: [], adminTokens: [] },
+      maxBacklog: 100_000,
+      maxTaskBytes: 10 * 1024 * 1024,
+    });
+  });
+
+  it("reads every variable", () => {
+    const cfg = parseConfig(DispatcherConfig, {
+      REDIS_URL: "rediss://r.example:6380/2",
+      FLEET_PREFIX: "{test-1}",
+      FLEET_LOG_LEVEL: "DEBUG",
+      FLEET_SHUTDOWN_TIMEOUT_MS: "5000",
+      FLEET_HTTP_PORT: "0",
+      FLEET_HTTP_HOST: "0.0.0.0",
+      FLEET_API_TOKENS: " t1 , admin:boss,,t1 ",
+      FLEET_MAX_BACKLOG: "10",
+      FLEET_MAX_TASK_BYTES: "2048",
+    });
+    expect(cfg).toEqual({
+      redisUrl: "rediss://r.example:6380/2",
+      prefix: "{test-1}",
+      logLevel: "debug",
+      shutdownTimeoutMs: 5000,
+      httpPort: 0,
+      httpHost: "0.0.0.0",
+      apiTokens: { tokens: ["t1", "boss"], adminTokens: ["boss"] },
+      maxBacklog: 10,
+      maxTaskBytes: 2048,
+    });
+  });
+
+  it("treats empty values as unset", () => {
+    expect(parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: "", REDIS_URL: "  " }).httpPort).toBe(8080);
+  });
+
+  it("names every bad variable in one error", () => {
+    const err = errorOf(() =>
+      parseConfig(DispatcherConfig, {
+        REDIS_URL: "http://nope",
+        FLEET_HTTP_PORT: "80a",
+        FLEET_MAX_BACKLOG: "0",
+        FLEET_LOG_LEVEL: "loud",
+        FLEET_API_TOKENS: "admin:,secret-value",
+      }),
+    );
+    expect(err.name).toBe("ConfigError");
+    expect(err.issues.map((i) => i.variable).sort()).toEqual(
+      ["FLEET_API_TOKENS", "FLEET_HTTP_PORT", "FLEET_LOG_LEVEL", "FLEET_MAX_BACKLOG", "REDIS_URL"].sort(),
+    );
+    expect(err.message).toContain('FLEET_HTTP_PORT: must be a port number from 0 to 65535 (got "80a")');
+    expect(err.message).toContain("REDIS_URL: must be a URL starting with redis:// or rediss://");
+    expect(err.message).toContain("FLEET_API_TOKENS: has an empty token after 'admin:' (value hidden)");
+    expect(err.message).not.toContain("secret-value");
+  });
+
+  it("rejects ports out of range and non-decimal numbers", () => {
+    for (const bad of ["65536", "-1", "1e3", "0x50", "8080.5"]) {
+      expect(errorOf(() => parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: bad })).message).toContain(
+        "FLEET_HTTP_PORT",
+      );
+    }
+  });
+});
+
+describe("WorkerConfig", () => {
+  it("defaults per kind and leaves metrics off unless a port is set", () => {
+    const cfg = parseWorkerConfig("agent", {});
+    expect(cfg).toMatchObject({
+      kind: "agent",
+      workerId: null,
+      sandboxProvider: "docker",
+      dockerHost: null,
+      metricsPort: null,
+      metricsHost: "127.0.0.1",
+      concurrency: 8,
+      allowHostExecution: false,
+      credentialsFile: null,
+      shutdownTimeoutMs: 30_000,
+    });
+  });
+
+  it("reads worker variables; the app's kind wins over the environment's", () => {
+    const cfg = parseWorkerConfig("verifier", {
+      FLEET_WORKER_KIND: "agent",
+      FLEET_SANDBOX_PROVIDER: "bubblewrap",
+      DOCKER_HOST: "tcp://10.0.0.2:2376",
+      FLEET_METRICS_PORT: "9464",
+      FLEET_METRICS_HOST: "0.0.0.0",
+      FLEET_CONCURRENCY: "3",
+      FLEET_ALLOW_HOST_EXECUTION: "Yes",
+      FLEET_CREDENTIALS_FILE: "/run/secrets/fleet.json",
+      FLEET_WORKER_ID: "verifier-7",
+    });
+    expect(cfg).toMatchObject({
+      kind: "verifier",
+      sandboxProvider: "bubblewrap",
+      dockerHost: "tcp://10.0.0.2:2376",
+      metricsPort: 9464,
+      metricsHost: "0.0.0.0",
+      concurrency: 3,
+      allowHostExecution: true,
+      credentialsFile: "/run/secrets/fleet.json",
+      workerId: "verifier-7",
+    });
+  });
+
+  it("accepts metrics port 0 (a free port)", () => {
+    expect(parseWorkerConfig("resources", { FLEET_METRICS_PORT: "0" }).metricsPort).toBe(0);
+  });
+
+  it("rejects an unknown provider, a bad boolean and zero concurrency", () => {
+    const err = errorOf(() =>
+      parseWorkerConfig("agent", {
+        FLEET_SANDBOX_PROVIDER: "podman",
+        FLEET_ALLOW_HOST_EXECUTION: "maybe",
+        FLEET_CONCURRENCY: "0",
+      }),
+    );
+    expect(err.issues.map((i) => i.variable).sort()).toEqual([
+      "FLEET_ALLOW_HOST_EXECUTION",
+      "FLEET_CONCURRENCY",
+      "FLEET_SANDBOX_PROVIDER",
+    ]);
+    expect(err.message).toContain("FLEET_ALLOW_HOST_EXECUTION: must be true or false");
+    expect(err.message).toContain('FLEET_SANDBOX_PROVIDER: must be one of docker, bubblewrap (got "podman")');
+  });
+
+  it("needs a kind when parsed directly", () => {
+    expect(errorOf(() => parseConfig(WorkerConfig, {})).message).toContain(
+      "FLEET_WORKER_KIND: must be set (resources, agent or verifier)",
+    );
+    expect(parseConfig(WorkerConfig, { FLEET_WORKER_KIND: "resources" }).kind).toBe("resources");
+  });
+});
+
+describe("JanitorConfig", () => {
+  it("has interval and grace defaults", () => {
+    expect(parseConfig(JanitorConfig, {})).toMatchObject({ intervalMs: 10_000, orphanGraceMs: 120_000 });
+  });
+
+  it("requires durations to be positive, finite and within a timer's range", () => {
+    for (const bad of ["0", "-5", "Infinity", "NaN", "2147483648", "1.5"]) {
+      const err = errorOf(() => parseConfig(JanitorConfig, { FLEET_JANITOR_INTERVAL_MS: bad }));
+      expect(err.issues).toEqual([
+        { variable: "FLEET_JANITOR_INTERVAL_MS", message: expect.stringContaining("positive whole number") },
+      ]);
+    }
+    expect(parseConfig(JanitorConfig, { FLEET_ORPHAN_GRACE_MS: "2147483647" }).orphanGraceMs).toBe(
+      2147483647,
+    );
+  });
+});
+
+describe("CliConfig", () => {
+  it("defaults to the local dispatcher without a token", () => {
+    expect(parseConfig(CliConfig, {})).toEqual({ url: "http://127.0.0.1:8080", token: null });
+  });
+
+  it("reads FLEET_URL and FLEET_TOKEN, and hides the token in errors", () => {
+    expect(parseConfig(CliConfig, { FLEET_URL: "https://fleet.example/", FLEET_TOKEN: "abc" })).toEqual({
+      url: "https://fleet.example",
+      token: "abc",
+    });
+    const err = errorOf(() => parseConfig(CliConfig, { FLEET_URL: "ftp://x" }));
+    expect(err.message).toContain("FLEET_URL: must be a URL starting with http:// or https://");
+  });
+});

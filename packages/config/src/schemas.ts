@@ -1,0 +1,142 @@
+import { ProviderName } from "@fleet/contracts";
+import { z } from "zod";
+import { apiTokensVar, boolVar, durationMsVar, intVar, LogLevel, portVar, urlVar, wordVar } from "./env.ts";
+
+/** Default for every app's Redis connection. */
+export const DEFAULT_REDIS_URL = "redis://127.0.0.1:6379";
+/** Hash-tagged so every key of the fleet lands in one Redis Cluster slot. */
+export const DEFAULT_PREFIX = "{fleet}";
+export const DEFAULT_HTTP_PORT = 8080;
+export const DEFAULT_HOST = "127.0.0.1";
+export const DEFAULT_DISPATCHER_URL = `http://${DEFAULT_HOST}:${DEFAULT_HTTP_PORT}`;
+export const DEFAULT_MAX_BACKLOG = 100_000;
+export const DEFAULT_MAX_TASK_BYTES = 10 * 1024 * 1024;
+export const DEFAULT_SHUTDOWN_TIMEOUT_MS = 30_000;
+export const DEFAULT_JANITOR_INTERVAL_MS = 10_000;
+export const DEFAULT_ORPHAN_GRACE_MS = 120_000;
+
+export const WorkerKind = z.enum(["resources", "agent", "verifier"]);
+export type WorkerKind = z.infer<typeof WorkerKind>;
+
+/** Stage jobs a worker of each kind runs at once, unless `FLEET_CONCURRENCY` says otherwise. */
+export const DEFAULT_CONCURRENCY: Readonly<Record<WorkerKind, number>> = {
+  resources: 8,
+  agent: 8,
+  verifier: 8,
+};
+
+const common = {
+  REDIS_URL: urlVar(["redis:", "rediss:"]).default(DEFAULT_REDIS_URL),
+  FLEET_PREFIX: wordVar().default(DEFAULT_PREFIX),
+  FLEET_LOG_LEVEL: z.string().trim().toLowerCase().pipe(LogLevel).default("info"),
+  FLEET_SHUTDOWN_TIMEOUT_MS: durationMsVar().default(DEFAULT_SHUTDOWN_TIMEOUT_MS),
+};
+
+const sandbox = {
+  FLEET_SANDBOX_PROVIDER: z
+    .string()
+    .trim()
+    .toLowerCase()
+    .pipe(z.enum(ProviderName.options, { error: `must be one of ${ProviderName.options.join(", ")}` }))
+    .default("docker"),
+  DOCKER_HOST: z.string().trim().optional(),
+};
+
+const metrics = {
+  /** Unset: no metrics server. `0`: a free port (logged). */
+  FLEET_METRICS_PORT: portVar().optional(),
+  FLEET_METRICS_HOST: wordVar().default(DEFAULT_HOST),
+};
+
+function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
+  return {
+    redisUrl: e.REDIS_URL,
+    prefix: e.FLEET_PREFIX,
+    logLevel: e.FLEET_LOG_LEVEL,
+    shutdownTimeoutMs: e.FLEET_SHUTDOWN_TIMEOUT_MS,
+  };
+}
+
+/** `apps/dispatcher`: the HTTP API. */
+export const DispatcherConfig = z
+  .object({
+    ...common,
+    FLEET_HTTP_PORT: portVar().default(DEFAULT_HTTP_PORT),
+    FLEET_HTTP_HOST: wordVar().default(DEFAULT_HOST),
+    FLEET_API_TOKENS: apiTokensVar().default(() => ({ tokens: [], adminTokens: [] })),
+    FLEET_MAX_BACKLOG: intVar(1, 1_000_000_000).default(DEFAULT_MAX_BACKLOG),
+    FLEET_MAX_TASK_BYTES: intVar(1, 512 * 1024 * 1024).default(DEFAULT_MAX_TASK_BYTES),
+  })
+  .transform((e) => ({
+    ...commonConfig(e),
+    httpPort: e.FLEET_HTTP_PORT,
+    httpHost: e.FLEET_HTTP_HOST,
+    apiTokens: e.FLEET_API_TOKENS,
+    maxBacklog: e.FLEET_MAX_BACKLOG,
+    maxTaskBytes: e.FLEET_MAX_TASK_BYTES,
+  }));
+export type DispatcherConfig = z.output<typeof DispatcherConfig>;
+
+/**
+ * The resources, agent and verifier workers. `FLEET_WORKER_KIND` is normally set by the app
+ * itself (see `parseWorkerConfig`), not by the operator.
+ */
+export const WorkerConfig = z
+  .object({
+    ...common,
+    ...sandbox,
+    ...metrics,
+    FLEET_WORKER_KIND: z
+      .string({ error: "must be set (resources, agent or verifier)" })
+      .trim()
+      .pipe(z.enum(WorkerKind.options, { error: `must be one of ${WorkerKind.options.join(", ")}` })),
+    FLEET_WORKER_ID: wordVar().optional(),
+    FLEET_CONCURRENCY: intVar(1, 10_000).optional(),
+    FLEET_ALLOW_HOST_EXECUTION: boolVar().default(false),
+    FLEET_CREDENTIALS_FILE: z.string().trim().optional(),
+  })
+  .transform((e) => ({
+    ...commonConfig(e),
+    kind: e.FLEET_WORKER_KIND,
+    workerId: e.FLEET_WORKER_ID ?? null,
+    sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
+    dockerHost: e.DOCKER_HOST ?? null,
+    metricsPort: e.FLEET_METRICS_PORT ?? null,
+    metricsHost: e.FLEET_METRICS_HOST,
+    concurrency: e.FLEET_CONCURRENCY ?? DEFAULT_CONCURRENCY[e.FLEET_WORKER_KIND],
+    allowHostExecution: e.FLEET_ALLOW_HOST_EXECUTION,
+    credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
+  }));
+export type WorkerConfig = z.output<typeof WorkerConfig>;
+
+/** `apps/janitor`: teardown ledger retries and sweeps. */
+export const JanitorConfig = z
+  .object({
+    ...common,
+    ...sandbox,
+    ...metrics,
+    FLEET_JANITOR_INTERVAL_MS: durationMsVar().default(DEFAULT_JANITOR_INTERVAL_MS),
+    FLEET_ORPHAN_GRACE_MS: durationMsVar().default(DEFAULT_ORPHAN_GRACE_MS),
+  })
+  .transform((e) => ({
+    ...commonConfig(e),
+    sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
+    dockerHost: e.DOCKER_HOST ?? null,
+    metricsPort: e.FLEET_METRICS_PORT ?? null,
+    metricsHost: e.FLEET_METRICS_HOST,
+    intervalMs: e.FLEET_JANITOR_INTERVAL_MS,
+    orphanGraceMs: e.FLEET_ORPHAN_GRACE_MS,
+  }));
+export type JanitorConfig = z.output<typeof JanitorConfig>;
+
+/** `apps/cli`: where the dispatcher is. Command-line flags override these. */
+export const CliConfig = z
+  .object({
+    FLEET_URL: urlVar(["http:", "https:"]).default(DEFAULT_DISPATCHER_URL),
+    FLEET_TOKEN: z.string().trim().optional(),
+  })
+  .transform((e) => ({
+    url: e.FLEET_URL.replace(/\/+$/, ""),
+    token: e.FLEET_TOKEN ?? null,
+  }));
+export type CliConfig = z.output<typeof CliConfig>;
