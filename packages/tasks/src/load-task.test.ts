@@ -1,0 +1,299 @@
+import { mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { FleetError, isFleetError } from "@fleet/contracts";
+import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import { loadSuite, loadTask } from "./load-task.ts";
+import { EXAMPLE_SUITE_DIR } from "./paths.ts";
+
+const GOOD_TOML = `version = "1.0"
+
+[task]
+image = "rollout-fleet/base:latest"
+
+[agent]
+timeout_sec = 30.0
+
+[verifier]
+timeout_sec = 10.0
+
+[metadata]
+difficulty = "easy"
+`;
+
+let tmp: string;
+beforeEach(async () => {
+  tmp = await mkdtemp(path.join(tmpdir(), "fleet-tasks-"));
+});
+afterEach(async () => {
+  await rm(tmp, { recursive: true, force: true });
+});
+
+/** Write a task directory from a map of relative path → content (null = skip the default). */
+async function writeTask(name: string, files: Record<string, string | Buffer | null>): Promise<string> {
+  const dir = path.join(tmp, name);
+  const all: Record<string, string | Buffer | null> = {
+    "task.toml": GOOD_TOML,
+    "instruction.md": "Do the thing.\n",
+    "tests/test.sh": "exit 0\n",
+    "solution/solve.sh": "true\n",
+    ...files,
+  };
+  for (const [rel, content] of Object.entries(all)) {
+    if (content === null) continue;
+    await mkdir(path.dirname(path.join(dir, rel)), { recursive: true });
+    await writeFile(path.join(dir, rel), content);
+  }
+  return dir;
+}
+
+/** Run `fn`, expect a final invalid_task FleetError, and return its message. */
+async function invalidTask(fn: () => Promise<unknown>): Promise<string> {
+  const err = await fn().then(
+    () => null,
+    (e: unknown) => e,
+  );
+  expect(err).toBeInstanceOf(FleetError);
+  if (!isFleetError(err)) throw new Error("unreachable");
+  expect(err.kind).toBe("invalid_task");
+  expect(err.retryable).toBe(false);
+  return err.message;
+}
+
+describe("the bundled example suite", () => {
+  it("has at least 12 tasks that all parse, with unique ids and the base image", async () => {
+    const tasks = await loadSuite(EXAMPLE_SUITE_DIR);
+    expect(tasks.length).toBeGreaterThanOrEqual(12);
+    expect(new Set(tasks.map((t) => t.id)).size).toBe(tasks.length);
+    for (const task of tasks) {
+      expect(task.image).toBe("rollout-fleet/base:latest");
+      expect(task.solution["solve.sh"], `${task.id} has a reference solution`).toBeDefined();
+      if (task.verifier.kind === "tests") expect(task.tests["test.sh"], `${task.id} has tests`).toBeDefined();
+    }
+  });
+
+  it("covers the kinds of task the suite promises", async () => {
+    const byId = new Map((await loadSuite(EXAMPLE_SUITE_DIR)).map((t) => [t.id, t]));
+    expect(byId.get("long-deadline")?.timeouts.agentS).toBe(200);
+    expect(byId.get("sum-answer")?.verifier).toEqual({ kind: "match", expected: "4217", mode: "exact" });
+    expect(byId.get("version-answer")?.verifier).toMatchObject({ kind: "match", mode: "regex" });
+    expect(byId.get("poem-stats")?.tests["test.sh"]).toContain("/logs/verifier/reward.txt");
+    expect(Object.keys(byId.get("python-bugfix")?.tests ?? {})).toContain("test_stats.py");
+    expect(Object.keys(byId.get("directory-tree")?.workspace ?? {})).toContain("inbox/cat.png");
+  });
+
+  it("loads a single task directory as a suite of one", async () => {
+    const tasks = await loadSuite(path.join(EXAMPLE_SUITE_DIR, "hello-file"));
+    expect(tasks.map((t) => t.id)).toEqual(["hello-file"]);
+  });
+});
+
+describe("loadTask", () => {
+  it("maps task.toml and the file trees onto TaskContent", async () => {
+    const dir = await writeTask("my-task", {
+      "workspace/data/input.txt": "1\n2\n",
+      "tests/helper.py": "print('hi')\n",
+      "tests/__pycache__/helper.cpython-311.pyc": Buffer.from([0, 1, 2, 255]),
+    });
+    const task = await loadTask(dir);
+    expect(task).toEqual({
+      id: "my-task",
+      instruction: "Do the thing.\n",
+      image: "rollout-fleet/base:latest",
+      workspace: { "data/input.txt": "1\n2\n" },
+      solution: { "solve.sh": "true\n" },
+      tests: { "helper.py": "print('hi')\n", "test.sh": "exit 0\n" },
+      timeouts: { agentS: 30, verifierS: 10 },
+      verifier: { kind: "tests" },
+      metadata: { difficulty: "easy" },
+    });
+  });
+
+  it("takes [task] id over the directory name and Harbor's docker_image for the image", async () => {
+    const dir = await writeTask("Weird Name!", {
+      "task.toml":
+        '[task]\nid = "renamed"\n[environment]\ndocker_image = "img:1"\ncpus = 2\nmemory_mb = 512\n',
+    });
+    const task = await loadTask(dir);
+    expect(task.id).toBe("renamed");
+    expect(task.image).toBe("img:1");
+    expect(task.timeouts).toEqual({ agentS: 120, verifierS: 60 });
+    expect(task.metadata).toEqual({ environment: { cpus: 2, memory_mb: 512 } });
+  });
+
+  it("accepts a match task without tests/", async () => {
+    const dir = await writeTask("m", {
+      "task.toml": '[task]\nimage = "i"\n[verifier]\nkind = "match"\nexpected = "4\\\\d"\nmode = "regex"\n',
+      "tests/test.sh": null,
+    });
+    expect((await loadTask(dir)).verifier).toEqual({ kind: "match", expected: "4\\d", mode: "regex" });
+  });
+
+  it("turns TOML dates into ISO strings in metadata", async () => {
+    const dir = await writeTask("d", { "task.toml": `${GOOD_TOML}created = 2024-05-01\n` });
+    expect((await loadTask(dir)).metadata).toEqual({ difficulty: "easy", created: "2024-05-01" });
+  });
+});
+
+describe("broken tasks give invalid_task naming the file", () => {
+  it("missing instruction.md", async () => {
+    const dir = await writeTask("t", { "instruction.md": null });
+    expect(await invalidTask(() => loadTask(dir))).toContain(path.join(dir, "instruction.md"));
+  });
+
+  it("empty instruction.md", async () => {
+    const dir = await writeTask("t", { "instruction.md": "  \n" });
+    expect(await invalidTask(() => loadTask(dir))).toMatch(/instruction\.md: is empty/);
+  });
+
+  it("missing task.toml", async () => {
+    const dir = await writeTask("t", { "task.toml": null });
+    expect(await invalidTask(() => loadTask(dir))).toContain(`${path.join(dir, "task.toml")}: missing`);
+  });
+
+  it("not a directory at all", async () => {
+    expect(await invalidTask(() => loadTask(path.join(tmp, "nope")))).toContain("not a task directory");
+  });
+
+  it("bad TOML, with line and column", async () => {
+    const dir = await writeTask("t", { "task.toml": '[task]\nimage = "x"\n[agent\ntimeout_sec = 1\n' });
+    const message = await invalidTask(() => loadTask(dir));
+    expect(message).toContain(path.join(dir, "task.toml"));
+    expect(message).toMatch(/invalid TOML at line 3, column \d+/);
+  });
+
+  it("an unknown key, named with its table", async () => {
+    const dir = await writeTask("t", {
+      "task.toml": `${GOOD_TOML.replace("[agent]", "[agent]\ntimout_sec = 5")}`,
+    });
+    const message = await invalidTask(() => loadTask(dir));
+    expect(message).toContain(path.join(dir, "task.toml"));
+    expect(message).toContain('unknown key "timout_sec" in [agent]');
+  });
+
+  it("an unknown table", async () => {
+    const dir = await writeTask("t", { "task.toml": `${GOOD_TOML}[solution]\nenv = { A = "1" }\n` });
+    expect(await invalidTask(() => loadTask(dir))).toContain('unknown key "solution" at the top level');
+  });
+
+  it("a wrongly typed value", async () => {
+    const dir = await writeTask("t", { "task.toml": '[task]\nimage = "x"\n[agent]\ntimeout_sec = "soon"\n' });
+    expect(await invalidTask(() => loadTask(dir))).toMatch(/\[agent\] timeout_sec: /);
+  });
+
+  it("a non-finite or non-positive timeout", async () => {
+    const inf = await writeTask("inf", { "task.toml": '[task]\nimage = "x"\n[agent]\ntimeout_sec = inf\n' });
+    expect(await invalidTask(() => loadTask(inf))).toContain("[agent] timeout_sec: must be finite");
+    const neg = await writeTask("neg", {
+      "task.toml": '[task]\nimage = "x"\n[verifier]\ntimeout_sec = -1\n',
+    });
+    expect(await invalidTask(() => loadTask(neg))).toContain("[verifier] timeout_sec: must be positive");
+  });
+
+  it("no image", async () => {
+    const dir = await writeTask("t", { "task.toml": "[agent]\ntimeout_sec = 5\n" });
+    expect(await invalidTask(() => loadTask(dir))).toContain("[task] image is required");
+  });
+
+  it("conflicting image and docker_image", async () => {
+    const dir = await writeTask("t", {
+      "task.toml": '[task]\nimage = "a"\n[environment]\ndocker_image = "b"\n',
+    });
+    expect(await invalidTask(() => loadTask(dir))).toContain("differ");
+  });
+
+  it("allow_internet = true", async () => {
+    const dir = await writeTask("t", {
+      "task.toml": '[task]\nimage = "a"\n[environment]\nallow_internet = true\n',
+    });
+    expect(await invalidTask(() => loadTask(dir))).toContain("sandboxes have no network");
+  });
+
+  it("a tests task without tests/test.sh", async () => {
+    const dir = await writeTask("t", { "tests/test.sh": null, "tests/other.py": "x\n" });
+    expect(await invalidTask(() => loadTask(dir))).toContain(path.join(dir, "tests", "test.sh"));
+  });
+
+  it("a solution without solve.sh", async () => {
+    const dir = await writeTask("t", { "solution/solve.sh": null, "solution/fix.py": "x\n" });
+    expect(await invalidTask(() => loadTask(dir))).toContain(path.join(dir, "solution", "solve.sh"));
+  });
+
+  it("a match task without expected, or with a bad regex", async () => {
+    const noExpected = await writeTask("a", {
+      "task.toml": '[task]\nimage = "i"\n[verifier]\nkind = "match"\n',
+    });
+    expect(await invalidTask(() => loadTask(noExpected))).toContain("[verifier] expected is required");
+    const badRegex = await writeTask("b", {
+      "task.toml":
+        '[task]\nimage = "i"\n[verifier]\nkind = "match"\nexpected = "(unclosed"\nmode = "regex"\n',
+    });
+    expect(await invalidTask(() => loadTask(badRegex))).toContain("not a valid regular expression");
+  });
+
+  it("expected on a tests task", async () => {
+    const dir = await writeTask("t", { "task.toml": '[task]\nimage = "i"\n[verifier]\nexpected = "1"\n' });
+    expect(await invalidTask(() => loadTask(dir))).toContain('only apply to kind = "match"');
+  });
+
+  it("a directory name that is not a valid id", async () => {
+    const dir = await writeTask("bad name", {});
+    expect(await invalidTask(() => loadTask(dir))).toContain(
+      'directory name "bad name" is not a valid task id',
+    );
+  });
+
+  it("a binary file", async () => {
+    const dir = await writeTask("t", { "workspace/blob.bin": Buffer.from([0xff, 0xfe, 0x00, 0x80]) });
+    expect(await invalidTask(() => loadTask(dir))).toContain(
+      `${path.join(dir, "workspace", "blob.bin")}: is not UTF-8`,
+    );
+  });
+
+  it("a symbolic link", async () => {
+    const dir = await writeTask("t", {});
+    await symlink("/etc/passwd", path.join(dir, "tests", "passwd"));
+    expect(await invalidTask(() => loadTask(dir))).toContain(
+      `${path.join(dir, "tests", "passwd")}: is a symbolic link`,
+    );
+  });
+
+  it("a task over the size limit", async () => {
+    const dir = await writeTask("t", { "workspace/big.txt": "x".repeat(5000) });
+    expect(await invalidTask(() => loadTask(dir, { maxBytes: 4096 }))).toContain("larger than 4096 bytes");
+    await expect(loadTask(dir, { maxBytes: 10_000 })).resolves.toBeDefined();
+  });
+});
+
+describe("loadSuite", () => {
+  it("reports every broken task at once, and skips . and _ directories", async () => {
+    await writeTask("good", {});
+    await writeTask("no-instruction", { "instruction.md": null });
+    await writeTask("bad-toml", { "task.toml": "[[[" });
+    await mkdir(path.join(tmp, "stray"));
+    await mkdir(path.join(tmp, "_drafts"));
+    await mkdir(path.join(tmp, ".hidden"));
+    const message = await invalidTask(() => loadSuite(tmp));
+    expect(message).toContain("3 broken task(s)");
+    expect(message).toContain(path.join(tmp, "no-instruction", "instruction.md"));
+    expect(message).toContain(path.join(tmp, "bad-toml", "task.toml"));
+    expect(message).toContain(`${path.join(tmp, "stray")}: not a task directory`);
+    expect(message).not.toContain("_drafts");
+  });
+
+  it("refuses duplicate ids", async () => {
+    await writeTask("a", { "task.toml": '[task]\nid = "same"\nimage = "i"\n' });
+    await writeTask("b", { "task.toml": '[task]\nid = "same"\nimage = "i"\n' });
+    expect(await invalidTask(() => loadSuite(tmp))).toContain('task id "same" is used twice (a, b)');
+  });
+
+  it("refuses an empty suite", async () => {
+    expect(await invalidTask(() => loadSuite(tmp))).toContain("no tasks found");
+  });
+
+  it("returns tasks in directory-name order", async () => {
+    await writeTask("zeta", {});
+    await writeTask("alpha", {});
+    expect((await loadSuite(tmp)).map((t) => t.id)).toEqual(["alpha", "zeta"]);
+  });
+});

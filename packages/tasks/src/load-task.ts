@@ -1,0 +1,301 @@
+import type { Dirent } from "node:fs";
+import { lstat, readdir, readFile } from "node:fs/promises";
+import path from "node:path";
+import { type FileSet, FleetError, TaskContent, type TaskContentInput } from "@fleet/contracts";
+import { parse as parseToml, TomlDate, TomlError } from "smol-toml";
+import { describeIssues, TaskToml } from "./task-toml.ts";
+
+/** The dispatcher's default task size limit; the loader refuses bigger tasks up front. */
+export const DEFAULT_MAX_TASK_BYTES = 10 * 1024 * 1024;
+
+export interface LoadTaskOptions {
+  /**
+   * Refuse a task whose files add up to more than this many bytes.
+   * @defaultValue {@link DEFAULT_MAX_TASK_BYTES}
+   */
+  maxBytes?: number;
+}
+
+/** Names skipped while reading a task's file trees (tool litter, never task content). */
+const SKIPPED = new Set(["__pycache__", ".pytest_cache", ".DS_Store", ".git"]);
+
+/** The sub-directories whose files travel with the task, and the TaskContent field each fills. */
+const FILE_TREES = ["workspace", "solution", "tests"] as const;
+
+function invalid(file: string, message: string, cause?: unknown): FleetError {
+  return new FleetError("invalid_task", `${file}: ${message}`, cause === undefined ? {} : { cause });
+}
+
+/**
+ * Read one Harbor-layout task directory (`task.toml`, `instruction.md`, `workspace/`,
+ * `solution/`, `tests/`) into a parsed {@link TaskContent}.
+ *
+ * @throws FleetError `invalid_task` (final) naming the offending file for a missing
+ * instruction, bad TOML, unknown keys, non-text files, symlinks or an oversize task.
+ */
+export async function loadTask(dir: string, options: LoadTaskOptions = {}): Promise<TaskContent> {
+  const root = path.resolve(dir);
+  const budget = {
+    left: options.maxBytes ?? DEFAULT_MAX_TASK_BYTES,
+    max: options.maxBytes ?? DEFAULT_MAX_TASK_BYTES,
+  };
+  const rootStat = await lstat(root).catch(() => null);
+  if (!rootStat?.isDirectory()) throw invalid(root, "not a task directory");
+
+  const tomlFile = path.join(root, "task.toml");
+  const config = parseConfig(
+    tomlFile,
+    await readText(tomlFile, budget, "missing (every task needs a task.toml)"),
+  );
+
+  const instructionFile = path.join(root, "instruction.md");
+  const instruction = await readText(instructionFile, budget, "missing (every task needs an instruction.md)");
+  if (instruction.trim() === "") throw invalid(instructionFile, "is empty");
+
+  const trees: Record<(typeof FILE_TREES)[number], FileSet> = { workspace: {}, solution: {}, tests: {} };
+  for (const name of FILE_TREES) trees[name] = await readTree(path.join(root, name), budget);
+
+  const verifierKind = config.verifier?.kind ?? "tests";
+  if (verifierKind === "tests" && trees.tests["test.sh"] === undefined) {
+    throw invalid(
+      path.join(root, "tests", "test.sh"),
+      'missing (a [verifier] kind = "tests" task runs tests/test.sh)',
+    );
+  }
+  if (Object.keys(trees.solution).length > 0 && trees.solution["solve.sh"] === undefined) {
+    throw invalid(path.join(root, "solution", "solve.sh"), "missing (solution/ must hold solve.sh)");
+  }
+
+  const input = toContent(root, tomlFile, config, instruction, trees);
+  const parsed = TaskContent.safeParse(input);
+  if (!parsed.success) {
+    const fromDirName = config.task?.id === undefined;
+    const lines = parsed.error.issues.map((issue) => {
+      const key = issue.path.map(String).join(".");
+      if (key === "id" && fromDirName) {
+        return `the directory name "${path.basename(root)}" is not a valid task id (${issue.message}); set [task] id`;
+      }
+      return `${CONTENT_KEYS[key] ?? key}: ${issue.message}`;
+    });
+    throw invalid(tomlFile, lines.join("; "), parsed.error);
+  }
+  return parsed.data;
+}
+
+/** Where a TaskContent field comes from in task.toml, for error messages. */
+const CONTENT_KEYS: Record<string, string> = {
+  id: "[task] id",
+  image: "[task] image",
+  "timeouts.agentS": "[agent] timeout_sec",
+  "timeouts.verifierS": "[verifier] timeout_sec",
+  "verifier.expected": "[verifier] expected",
+  "verifier.mode": "[verifier] mode",
+};
+
+/**
+ * Load every task of a suite: each sub-directory holding a `task.toml`, in name order. A
+ * directory that is itself a task loads as a suite of one. Directories whose names start with
+ * `.` or `_` are skipped. All broken tasks are reported together in one `invalid_task` error.
+ */
+export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Promise<TaskContent[]> {
+  const root = path.resolve(dir);
+  if (await isFile(path.join(root, "task.toml"))) return [await loadTask(root, options)];
+  let entries: Dirent[];
+  try {
+    entries = await readdir(root, { withFileTypes: true });
+  } catch (err) {
+    throw invalid(root, "cannot read suite directory", err);
+  }
+  const dirs = entries
+    .filter((e) => e.isDirectory() && !e.name.startsWith(".") && !e.name.startsWith("_"))
+    .map((e) => e.name)
+    .sort();
+  const loaded: Array<{ dir: string; task: TaskContent }> = [];
+  const problems: string[] = [];
+  for (const name of dirs) {
+    const taskDir = path.join(root, name);
+    if (!(await isFile(path.join(taskDir, "task.toml")))) {
+      problems.push(`${taskDir}: not a task directory (no task.toml)`);
+      continue;
+    }
+    try {
+      loaded.push({ dir: name, task: await loadTask(taskDir, options) });
+    } catch (err) {
+      problems.push(err instanceof Error ? err.message : String(err));
+    }
+  }
+  const seen = new Map<string, string>();
+  for (const { dir: name, task } of loaded) {
+    const other = seen.get(task.id);
+    if (other !== undefined) problems.push(`${root}: task id "${task.id}" is used twice (${other}, ${name})`);
+    seen.set(task.id, name);
+  }
+  if (problems.length > 0) {
+    throw new FleetError(
+      "invalid_task",
+      `${problems.length} broken task(s) in ${root}: ${problems.join(" | ")}`,
+    );
+  }
+  if (loaded.length === 0) throw invalid(root, "no tasks found (expected sub-directories holding task.toml)");
+  return loaded.map((l) => l.task);
+}
+
+function parseConfig(file: string, text: string): TaskToml {
+  let raw: unknown;
+  try {
+    raw = parseToml(text);
+  } catch (err) {
+    if (err instanceof TomlError) {
+      const reason = err.message.split("\n")[0]?.replace(/^Invalid TOML document: /, "") ?? "parse error";
+      throw invalid(file, `invalid TOML at line ${err.line}, column ${err.column}: ${reason}`, err);
+    }
+    throw invalid(file, "invalid TOML", err);
+  }
+  const parsed = TaskToml.safeParse(raw);
+  if (!parsed.success) throw invalid(file, describeIssues(parsed.error).join("; "), parsed.error);
+  return parsed.data;
+}
+
+function toContent(
+  root: string,
+  tomlFile: string,
+  config: TaskToml,
+  instruction: string,
+  trees: Record<(typeof FILE_TREES)[number], FileSet>,
+): TaskContentInput {
+  const env = config.environment ?? {};
+  const taskImage = config.task?.image;
+  if (taskImage !== undefined && env.docker_image !== undefined && taskImage !== env.docker_image) {
+    throw invalid(
+      tomlFile,
+      `[task] image ("${taskImage}") and [environment] docker_image ("${env.docker_image}") differ`,
+    );
+  }
+  const image = taskImage ?? env.docker_image;
+  if (image === undefined) throw invalid(tomlFile, "[task] image is required (the sandbox image to run in)");
+  if (env.allow_internet === true) {
+    throw invalid(
+      tomlFile,
+      "[environment] allow_internet = true is not supported: sandboxes have no network",
+    );
+  }
+
+  const verifier = config.verifier ?? {};
+  const kind = verifier.kind ?? "tests";
+  let verifierSpec: TaskContentInput["verifier"];
+  if (kind === "tests") {
+    if (verifier.expected !== undefined || verifier.mode !== undefined) {
+      throw invalid(tomlFile, '[verifier] expected/mode only apply to kind = "match"');
+    }
+    verifierSpec = { kind: "tests" };
+  } else {
+    if (verifier.expected === undefined)
+      throw invalid(tomlFile, '[verifier] expected is required for kind = "match"');
+    const mode = verifier.mode ?? "exact";
+    if (mode === "regex") {
+      try {
+        new RegExp(verifier.expected);
+      } catch (err) {
+        throw invalid(
+          tomlFile,
+          `[verifier] expected is not a valid regular expression: ${(err as Error).message}`,
+        );
+      }
+    }
+    verifierSpec = { kind: "match", expected: verifier.expected, mode };
+  }
+
+  const metadata = toJson(config.metadata ?? {}, tomlFile, "[metadata]") as Record<string, unknown>;
+  const hints = Object.fromEntries(
+    (["cpus", "memory_mb", "storage_mb", "build_timeout_sec"] as const)
+      .filter((k) => env[k] !== undefined)
+      .map((k) => [k, env[k]]),
+  );
+  if (Object.keys(hints).length > 0) {
+    if (metadata.environment !== undefined) {
+      throw invalid(tomlFile, "[metadata] environment clashes with the [environment] hints recorded there");
+    }
+    metadata.environment = toJson(hints, tomlFile, "[environment]");
+  }
+
+  return {
+    id: config.task?.id ?? path.basename(root),
+    instruction,
+    image,
+    workspace: trees.workspace,
+    solution: trees.solution,
+    tests: trees.tests,
+    timeouts: {
+      ...(config.agent?.timeout_sec === undefined ? {} : { agentS: config.agent.timeout_sec }),
+      ...(config.verifier?.timeout_sec === undefined ? {} : { verifierS: config.verifier.timeout_sec }),
+    },
+    verifier: verifierSpec,
+    metadata,
+  };
+}
+
+/** TOML values → plain JSON values (dates as ISO strings); non-finite numbers are refused. */
+function toJson(value: unknown, file: string, where: string): unknown {
+  if (value instanceof TomlDate) return value.toISOString();
+  if (typeof value === "number") {
+    if (!Number.isFinite(value))
+      throw invalid(file, `${where}: non-finite numbers (inf, nan) are not allowed`);
+    return value;
+  }
+  if (typeof value === "bigint") return Number(value);
+  if (Array.isArray(value)) return value.map((v, i) => toJson(v, file, `${where}[${i}]`));
+  if (typeof value === "object" && value !== null) {
+    const out: Record<string, unknown> = {};
+    for (const [k, v] of Object.entries(value)) out[k] = toJson(v, file, `${where}.${k}`);
+    return out;
+  }
+  return value;
+}
+
+interface Budget {
+  left: number;
+  max: number;
+}
+
+async function isFile(file: string): Promise<boolean> {
+  const st = await lstat(file).catch(() => null);
+  return st?.isFile() ?? false;
+}
+
+async function readText(file: string, budget: Budget, missing: string): Promise<string> {
+  const st = await lstat(file).catch(() => null);
+  if (st === null) throw invalid(file, missing);
+  if (st.isSymbolicLink()) throw invalid(file, "is a symbolic link (tasks must hold regular files)");
+  if (!st.isFile()) throw invalid(file, "is not a regular file");
+  budget.left -= st.size;
+  if (budget.left < 0) throw invalid(file, `task is larger than ${budget.max} bytes`);
+  const bytes = await readFile(file);
+  try {
+    return new TextDecoder("utf-8", { fatal: true }).decode(bytes);
+  } catch (err) {
+    throw invalid(file, "is not UTF-8 text (binary files are not supported in tasks)", err);
+  }
+}
+
+/** Every regular file under `dir` as a FileSet keyed by POSIX relative path; `{}` if `dir` is absent. */
+async function readTree(dir: string, budget: Budget): Promise<FileSet> {
+  const st = await lstat(dir).catch(() => null);
+  if (st === null) return {};
+  if (!st.isDirectory()) throw invalid(dir, "must be a directory");
+  const files: FileSet = {};
+  const walk = async (abs: string, rel: string): Promise<void> => {
+    const entries = (await readdir(abs, { withFileTypes: true })).sort((a, b) => (a.name < b.name ? -1 : 1));
+    for (const entry of entries) {
+      if (SKIPPED.has(entry.name) || entry.name.endsWith(".pyc")) continue;
+      const childAbs = path.join(abs, entry.name);
+      const childRel = rel === "" ? entry.name : `${rel}/${entry.name}`;
+      if (entry.isDirectory()) await walk(childAbs, childRel);
+      else if (entry.isSymbolicLink())
+        throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
+      else if (entry.isFile()) files[childRel] = await readText(childAbs, budget, "vanished while reading");
+      else throw invalid(childAbs, "is not a regular file");
+    }
+  };
+  await walk(dir, "");
+  return files;
+}

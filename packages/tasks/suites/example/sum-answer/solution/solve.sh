@@ -1,0 +1,3 @@
+#!/bin/bash
+set -euo pipefail
+awk '{ sum += $1 } END { print sum }' numbers.txt
