@@ -138,7 +138,10 @@ if [ "$force" = 1 ] || [ ! -s "$rootfs_tar" ]; then
   mkdir -p "$rootfs/workspace" "$rootfs/tests" "$rootfs/solution" "$rootfs/logs"
   chown 1000:1000 "$rootfs/workspace"
   chmod 0755 "$rootfs/workspace"
-  chmod 1777 "$rootfs/tests" "$rootfs/solution" "$rootfs/logs"
+  # Docker's tmpfs copy-up gives each tmpfs the mode of the image's directory: /tests and
+  # /solution stay root's (the agent must not plant files where tests are staged later).
+  chmod 0755 "$rootfs/tests" "$rootfs/solution"
+  chmod 1777 "$rootfs/logs"
 
   # No host leftovers, no package caches.
   rm -f "$rootfs/etc/resolv.conf" "$rootfs/etc/hostname"
@@ -152,6 +155,8 @@ if [ "$force" = 1 ] || [ ! -s "$rootfs_tar" ]; then
   rm -rf "$work"
   trap - EXIT
   log "cached rootfs: $rootfs_tar ($(du -h "$rootfs_tar" | cut -f1))"
+  # Older recipes' rootfs tarballs are dead weight (150 MB each).
+  find "$cache" -maxdepth 1 -name 'base-rootfs-*.tar' ! -name "base-rootfs-$hash.tar" -delete
 else
   log "using cached rootfs $rootfs_tar"
 fi
