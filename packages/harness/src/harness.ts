@@ -1,0 +1,52 @@
+import type { AgentSpec, ExecResult, SandboxHandle, TaskContent, Usage } from "@fleet/contracts";
+import type { SandboxProvider } from "@fleet/sandbox";
+
+/** Everything a harness needs for one run. */
+export interface HarnessContext {
+  provider: SandboxProvider;
+  /** The sandbox the agent works in (borrowed from the resources stage, or its own). */
+  handle: SandboxHandle;
+  task: TaskContent;
+  agent: AgentSpec;
+  /** Absolute epoch ms by which the agent's command must have stopped. */
+  deadlineMs: number;
+  /** Abort: the harness stops waiting and throws; the caller kills the sandbox processes. */
+  signal: AbortSignal;
+  /** Extra environment for the agent's command (e.g. a model gateway URL); never secrets in logs. */
+  env?: Record<string, string>;
+}
+
+/** What one run produced. What the harness could not observe is `null`, never a zero. */
+export interface HarnessOutcome {
+  /**
+   * The exit envelope: the command's own code, or `-1` with `timedOut` when stopped at its
+   * deadline. `stdout`/`stderr` are bounded tails (see `MAX_OUTPUT_CHARS`).
+   */
+  exec: ExecResult;
+  /** The agent's final answer (trimmed stdout, capped), for `match` verifiers. */
+  answer: string | null;
+  /** A transcript of model calls, where the harness keeps one. */
+  transcript: string | null;
+  /** Model usage, where the harness observed any; `null` when nothing was observed. */
+  usage: Usage | null;
+}
+
+/**
+ * Runs an agent inside a sandbox. Errors: a provider `FleetError` (`sandbox_lost`,
+ * `provider_unavailable`) propagates unchanged (the run stage maps it to exit code -2); a task
+ * the harness cannot run is `invalid_task`; an abort throws the signal's reason (a `FleetError`)
+ * or `FleetError("cancelled")`.
+ */
+export interface Harness {
+  readonly name: AgentSpec["harness"];
+  run(ctx: HarnessContext): Promise<HarnessOutcome>;
+}
+
+/** What harnesses may need from their host worker. */
+export interface HarnessDeps {
+  /**
+   * Resolve a credential *name* to its value inside the worker (DESIGN §2 rule 8). Used by the
+   * model-calling harnesses (tool-loop, command with a model); oracle and command ignore it.
+   */
+  resolveCredential?: (name: string) => Promise<string>;
+}

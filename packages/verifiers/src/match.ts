@@ -1,0 +1,45 @@
+import { capText, type ExecResult, FleetError, type VerifierSpec } from "@fleet/contracts";
+import type { Verdict } from "./verdict.ts";
+
+type MatchSpec = Extract<VerifierSpec, { kind: "match" }>;
+
+/**
+ * Grade a final answer against `expected`: `exact` compares both trimmed; `regex` requires the
+ * pattern to match the whole trimmed answer. A missing (`null`) answer scores 0.
+ *
+ * @throws FleetError `invalid_task` (final) when `expected` is not a valid regular expression.
+ */
+export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec: ExecResult }): Verdict {
+  const answer = run.answer === null ? null : run.answer.trim();
+  let matched = false;
+  if (answer !== null) {
+    if (spec.mode === "exact") {
+      matched = answer === spec.expected.trim();
+    } else {
+      let pattern: RegExp;
+      try {
+        pattern = new RegExp(`^(?:${spec.expected})$`);
+      } catch (err) {
+        throw FleetError.nonRetryable(
+          "invalid_task",
+          `verifier regex is invalid: ${(err as Error).message}`,
+          err,
+        );
+      }
+      matched = pattern.test(answer);
+    }
+  }
+  return {
+    reward: matched ? 1 : 0,
+    details: {
+      kind: "match",
+      source: "match",
+      mode: spec.mode,
+      matched,
+      expected: capText(spec.expected, 500),
+      answer: answer === null ? null : capText(answer, 1000),
+      agentExitCode: run.exec.exitCode,
+      agentTimedOut: run.exec.timedOut,
+    },
+  };
+}
