@@ -1,0 +1,192 @@
+import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import { ApiError, FleetClient, isApiError } from "./client.ts";
+import { apiError, json, startTestServer, type TestServer } from "./testing/http-server.ts";
+
+let server: TestServer;
+beforeEach(async () => {
+  server = await startTestServer();
+});
+afterEach(async () => {
+  await server.close();
+});
+
+const oracleRow = { task: { digest: "a".repeat(64) }, agent: { harness: "oracle" as const } };
+
+function client(extra: Partial<ConstructorParameters<typeof FleetClient>[0]> = {}): FleetClient {
+  return new FleetClient({ url: server.url, token: "tok-1", retryBaseMs: 1, ...extra });
+}
+
+async function caught(p: Promise<unknown>): Promise<ApiError> {
+  try {
+    await p;
+  } catch (err) {
+    expect(isApiError(err)).toBe(true);
+    return err as ApiError;
+  }
+  throw new Error("expected an ApiError");
+}
+
+describe("FleetClient", () => {
+  it("posts a batch as JSON with auth and an idempotency key", async () => {
+    server.on("POST", "/v1/batches", (_req, res) =>
+      json(res, 202, { batchId: "b1", rolloutIds: ["r1", "r2"], count: 2 }),
+    );
+    const accepted = await client().submitBatch([oracleRow, oracleRow]);
+    expect(accepted).toEqual({ batchId: "b1", rolloutIds: ["r1", "r2"], count: 2 });
+    const [req] = server.requests;
+    expect(req?.headers.authorization).toBe("Bearer tok-1");
+    expect(req?.headers["content-type"]).toBe("application/json");
+    expect(req?.headers["idempotency-key"]).toMatch(/^[0-9a-f-]{36}$/);
+    expect(JSON.parse(req?.body ?? "")).toEqual({ rollouts: [oracleRow, oracleRow] });
+  });
+
+  it("posts NDJSON when asked, one request per line", async () => {
+    server.on("POST", "/v1/batches", (_req, res) =>
+      json(res, 202, { batchId: "b1", rolloutIds: ["r1"], count: 1 }),
+    );
+    await client().submitBatch([oracleRow, oracleRow], { format: "ndjson" });
+    const [req] = server.requests;
+    expect(req?.headers["content-type"]).toBe("application/x-ndjson");
+    expect(
+      req?.body
+        .trim()
+        .split("\n")
+        .map((l) => JSON.parse(l)),
+    ).toEqual([oracleRow, oracleRow]);
+  });
+
+  it("switches to NDJSON on its own for a body over 1 MiB", async () => {
+    server.on("POST", "/v1/batches", (_req, res) =>
+      json(res, 202, { batchId: "b1", rolloutIds: [], count: 600 }),
+    );
+    const big = { ...oracleRow, metadata: { pad: "x".repeat(2000) } };
+    await client().submitBatch(Array.from({ length: 600 }, () => big));
+    expect(server.requests[0]?.headers["content-type"]).toBe("application/x-ndjson");
+  });
+
+  it("omits the Authorization header without a token", async () => {
+    server.on("GET", "/v1/batches/b1", (_req, res) =>
+      json(res, 200, { id: "b1", total: 0, counts: {}, done: 0 }),
+    );
+    await client({ token: null }).getBatch("b1");
+    expect(server.requests[0]?.headers.authorization).toBeUndefined();
+  });
+
+  it("turns the API's error body into an ApiError with status, code, message and details", async () => {
+    server.on("POST", "/v1/rollouts", (_req, res) =>
+      apiError(res, 422, "invalid", "agent.harness: invalid option", { path: ["agent", "harness"] }),
+    );
+    const err = await caught(client().submitRollout(oracleRow));
+    expect(err).toBeInstanceOf(ApiError);
+    expect(err).toMatchObject({
+      name: "ApiError",
+      status: 422,
+      code: "invalid",
+      message: "agent.harness: invalid option",
+      details: { path: ["agent", "harness"] },
+    });
+    expect(server.requests).toHaveLength(1); // 422 is final: no retry
+  });
+
+  it("keeps a non-JSON error body readable", async () => {
+    server.on("GET", "/v1/batches/b1", (_req, res) => {
+      res.writeHead(500, { "content-type": "text/plain" }).end("upstream exploded\n");
+    });
+    const err = await caught(client({ retries: 0 }).getBatch("b1"));
+    expect(err).toMatchObject({ status: 500, code: "http_500" });
+    expect(err.message).toContain("upstream exploded");
+  });
+
+  it("reports 401 as unauthorized", async () => {
+    server.on("GET", "/v1/batches/b1", (_req, res) =>
+      apiError(res, 401, "unauthorized", "missing or bad token"),
+    );
+    expect(await caught(client().getBatch("b1"))).toMatchObject({ status: 401, code: "unauthorized" });
+  });
+
+  it("retries 503 and 429 with the same idempotency key, honouring Retry-After", async () => {
+    let calls = 0;
+    server.on("POST", "/v1/batches", (_req, res) => {
+      calls++;
+      if (calls === 1) apiError(res, 503, "unavailable", "redis blip");
+      else if (calls === 2) {
+        json(res, 429, { error: { code: "backpressure", message: "backlog full" } }, { "retry-after": "0" });
+      } else json(res, 202, { batchId: "b9", rolloutIds: ["r1"], count: 1 });
+    });
+    const retries: number[] = [];
+    const accepted = await client({ onRetry: (r) => retries.push(r.attempt) }).submitBatch([oracleRow]);
+    expect(accepted.batchId).toBe("b9");
+    expect(retries).toEqual([2, 3]);
+    const keys = server.requests.map((r) => r.headers["idempotency-key"]);
+    expect(keys).toHaveLength(3);
+    expect(new Set(keys).size).toBe(1);
+  });
+
+  it("gives up after its retries with the last error", async () => {
+    server.on("GET", "/v1/batches/b1", (_req, res) => apiError(res, 503, "unavailable", "still down"));
+    const err = await caught(client({ retries: 2 }).getBatch("b1"));
+    expect(err).toMatchObject({ status: 503, code: "unavailable", message: "still down" });
+    expect(server.requests).toHaveLength(3);
+  });
+
+  it("says when the dispatcher cannot be reached", async () => {
+    const url = server.url;
+    await server.close();
+    const err = await caught(new FleetClient({ url, retries: 1, retryBaseMs: 1 }).getBatch("b1"));
+    expect(err).toMatchObject({ status: 0, code: "unreachable" });
+    expect(err.message).toContain(`cannot reach the dispatcher at ${url}`);
+    server = await startTestServer(); // for afterEach
+  });
+
+  it("times out a silent server", async () => {
+    server.on("GET", "/v1/batches/slow", () => {
+      // never answers
+    });
+    const err = await caught(client({ timeoutMs: 200, retries: 0 }).getBatch("slow"));
+    expect(err).toMatchObject({ status: 0, code: "timeout" });
+  });
+
+  it("rejects a response of the wrong shape", async () => {
+    server.on("GET", "/v1/batches/b1", (_req, res) => json(res, 200, { id: "b1", counts: {} }));
+    const err = await caught(client().getBatch("b1"));
+    expect(err).toMatchObject({ status: 200, code: "bad_response" });
+    expect(err.message).toContain("total");
+  });
+
+  it("parses batch status", async () => {
+    const body = {
+      id: "b1",
+      total: 3,
+      counts: { accepted: 1, completed: 2 },
+      done: 2,
+      createdAt: 1700000000000,
+    };
+    server.on("GET", "/v1/batches/b1", (_req, res) => json(res, 200, body));
+    expect(await client().getBatch("b1")).toEqual(body);
+  });
+
+  it("streams result lines split across chunks, with CRLF and blank lines", async () => {
+    server.on("GET", "/v1/batches/b1/results", async (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.write('{"id":"r1","status":"comp');
+      await new Promise((r) => setImmediate(r));
+      res.write('leted"}\r\n\n{"id":"r2","reward":0.5,"note":"é');
+      await new Promise((r) => setImmediate(r));
+      res.end('"}');
+    });
+    const lines: string[] = [];
+    for await (const line of client().batchResultLines("b1")) lines.push(line);
+    expect(lines.map((l) => JSON.parse(l))).toEqual([
+      { id: "r1", status: "completed" },
+      { id: "r2", reward: 0.5, note: "é" },
+    ]);
+  });
+
+  it("encodes ids in paths and posts cancels", async () => {
+    server.on("POST", "/v1/rollouts/a%2Fb/cancel", (_req, res) =>
+      json(res, 202, { id: "a/b", status: "cancelling" }),
+    );
+    await client().cancelRollout("a/b");
+    expect(server.requests[0]?.path).toBe("/v1/rollouts/a%2Fb/cancel");
+  });
+});

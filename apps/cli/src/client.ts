@@ -1,0 +1,341 @@
+import { randomUUID } from "node:crypto";
+import type { RolloutRequestInput } from "@fleet/contracts";
+import { z } from "zod";
+import { splitLines } from "./lines.ts";
+
+/**
+ * Any failed call to the dispatcher. `status` is the HTTP status, or `0` when no response came
+ * back (unreachable, timeout). `code` is the API's error code (`not_found`, `backpressure`, ...)
+ * or one of the client's own: `unreachable`, `timeout`, `bad_response`, `http_<status>`.
+ */
+export class ApiError extends Error {
+  override readonly name = "ApiError";
+  readonly status: number;
+  readonly code: string;
+  readonly details: unknown;
+
+  constructor(
+    status: number,
+    code: string,
+    message: string,
+    options: { details?: unknown; cause?: unknown } = {},
+  ) {
+    super(message, options.cause === undefined ? undefined : { cause: options.cause });
+    this.status = status;
+    this.code = code;
+    this.details = options.details ?? null;
+  }
+}
+
+export function isApiError(err: unknown): err is ApiError {
+  return (
+    err instanceof ApiError ||
+    (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "ApiError")
+  );
+}
+
+/** `{ error: { code, message, details } }`, the dispatcher's one error body (DESIGN §7). */
+const ErrorBody = z.object({
+  error: z.object({ code: z.string(), message: z.string(), details: z.unknown().optional() }),
+});
+
+export const BatchAccepted = z.object({
+  batchId: z.string().min(1),
+  rolloutIds: z.array(z.string()),
+  count: z.number().int().nonnegative(),
+});
+export type BatchAccepted = z.infer<typeof BatchAccepted>;
+
+export const RolloutAccepted = z.object({ id: z.string().min(1), status: z.string() });
+export type RolloutAccepted = z.infer<typeof RolloutAccepted>;
+
+/** `GET /v1/batches/:id`; `counts` by rollout status, `done` = rollouts in a terminal status. */
+export const BatchStatus = z.object({
+  id: z.string(),
+  total: z.number().int().nonnegative(),
+  counts: z.record(z.string(), z.number()),
+  done: z.number().int().nonnegative(),
+  createdAt: z.union([z.number(), z.string()]).optional(),
+});
+export type BatchStatus = z.infer<typeof BatchStatus>;
+
+export type BatchFormat = "json" | "ndjson";
+
+/** Above this body size a batch goes as NDJSON (the server can stream it line by line). */
+export const NDJSON_THRESHOLD_BYTES = 1024 * 1024;
+
+export interface FleetClientOptions {
+  /** Dispatcher base URL, e.g. `http://127.0.0.1:8080`. */
+  url: string;
+  token?: string | null;
+  /** Time to wait for a response (headers; the whole body for non-streaming calls). @defaultValue 60000 */
+  timeoutMs?: number;
+  /** Extra attempts after a 429/502/503/504 or a connection failure. @defaultValue 5 */
+  retries?: number;
+  /** First retry delay; doubles each attempt, full jitter, capped at 10 s. @defaultValue 250 */
+  retryBaseMs?: number;
+  /** Aborts every call (e.g. on Ctrl-C). */
+  signal?: AbortSignal;
+  /** Told before each retry (the CLI prints it, so a long wait is not silent). */
+  onRetry?: (retry: RetryInfo) => void;
+}
+
+export interface RetryInfo {
+  /** The attempt about to be made (2 = first retry). */
+  attempt: number;
+  maxAttempts: number;
+  delayMs: number;
+  /** What went wrong: an ApiError's message, or the HTTP status and code. */
+  reason: string;
+}
+
+interface RequestOptions {
+  body?: string;
+  contentType?: string;
+  idempotencyKey?: string;
+  /** Keep the body unread and return the response (for streams). */
+  stream?: boolean;
+}
+
+const RETRY_STATUSES = new Set([429, 502, 503, 504]);
+const MAX_RETRY_DELAY_MS = 10_000;
+const MAX_RETRY_AFTER_MS = 60_000;
+
+/**
+ * Typed client for the dispatcher API. Every call retries what is safe to retry: submissions
+ * carry an `Idempotency-Key` (the same on every attempt), so a retried POST returns the same
+ * rollouts rather than new ones.
+ */
+export class FleetClient {
+  readonly url: string;
+  private readonly token: string | null;
+  private readonly timeoutMs: number;
+  private readonly retries: number;
+  private readonly retryBaseMs: number;
+  private readonly signal: AbortSignal | undefined;
+  private readonly onRetry: ((retry: RetryInfo) => void) | undefined;
+
+  constructor(options: FleetClientOptions) {
+    this.url = options.url.replace(/\/+$/, "");
+    this.token = options.token ?? null;
+    this.timeoutMs = options.timeoutMs ?? 60_000;
+    this.retries = options.retries ?? 5;
+    this.retryBaseMs = options.retryBaseMs ?? 250;
+    this.signal = options.signal;
+    this.onRetry = options.onRetry;
+  }
+
+  /** `POST /v1/rollouts`. */
+  async submitRollout(
+    request: RolloutRequestInput,
+    idempotencyKey: string = randomUUID(),
+  ): Promise<RolloutAccepted> {
+    const res = await this.request("POST", "/v1/rollouts", {
+      body: JSON.stringify(request),
+      contentType: "application/json",
+      idempotencyKey,
+    });
+    return parseBody(RolloutAccepted, res);
+  }
+
+  /**
+   * `POST /v1/batches` from pre-serialized request lines (one JSON object each). Sent as
+   * `{ "rollouts": [...] }`, or as NDJSON when `format` says so or the body passes
+   * `NDJSON_THRESHOLD_BYTES`.
+   */
+  async submitBatchLines(
+    lines: readonly string[],
+    options: { format?: BatchFormat; idempotencyKey?: string } = {},
+  ): Promise<BatchAccepted> {
+    const ndjsonBytes = lines.reduce((n, line) => n + Buffer.byteLength(line) + 1, 0);
+    const format = options.format ?? (ndjsonBytes > NDJSON_THRESHOLD_BYTES ? "ndjson" : "json");
+    const body = format === "ndjson" ? `${lines.join("\n")}\n` : `{"rollouts":[${lines.join(",")}]}`;
+    const res = await this.request("POST", "/v1/batches", {
+      body,
+      contentType: format === "ndjson" ? "application/x-ndjson" : "application/json",
+      idempotencyKey: options.idempotencyKey ?? randomUUID(),
+    });
+    return parseBody(BatchAccepted, res);
+  }
+
+  /** `POST /v1/batches` from request objects. */
+  submitBatch(
+    rollouts: readonly RolloutRequestInput[],
+    options: { format?: BatchFormat; idempotencyKey?: string } = {},
+  ): Promise<BatchAccepted> {
+    return this.submitBatchLines(
+      rollouts.map((r) => JSON.stringify(r)),
+      options,
+    );
+  }
+
+  /** `GET /v1/batches/:id`. */
+  async getBatch(batchId: string): Promise<BatchStatus> {
+    return parseBody(BatchStatus, await this.request("GET", `/v1/batches/${encodeURIComponent(batchId)}`));
+  }
+
+  /** `GET /v1/rollouts/:id` (a RolloutResult; not validated here, the server owns its shape). */
+  async getRollout(rolloutId: string): Promise<unknown> {
+    return parseBody(z.unknown(), await this.request("GET", `/v1/rollouts/${encodeURIComponent(rolloutId)}`));
+  }
+
+  /** `GET /v1/batches/:id/results`: the raw NDJSON body of the terminal rollouts' results. */
+  async batchResultsStream(batchId: string): Promise<ReadableStream<Uint8Array>> {
+    const res = await this.request("GET", `/v1/batches/${encodeURIComponent(batchId)}/results`, {
+      stream: true,
+    });
+    if (res.body === null) return new ReadableStream({ start: (c) => c.close() });
+    return res.body;
+  }
+
+  /** The batch's result lines (raw JSON text, one per result, blank lines dropped). */
+  async *batchResultLines(batchId: string): AsyncGenerator<string> {
+    yield* splitLines(await this.batchResultsStream(batchId));
+  }
+
+  /** `POST /v1/rollouts/:id/cancel`. */
+  async cancelRollout(rolloutId: string): Promise<unknown> {
+    const res = await this.request("POST", `/v1/rollouts/${encodeURIComponent(rolloutId)}/cancel`);
+    return parseBody(z.unknown(), res);
+  }
+
+  /** `POST /v1/batches/:id/cancel`. */
+  async cancelBatch(batchId: string): Promise<unknown> {
+    const res = await this.request("POST", `/v1/batches/${encodeURIComponent(batchId)}/cancel`);
+    return parseBody(z.unknown(), res);
+  }
+
+  private async request(method: string, path: string, options: RequestOptions = {}): Promise<Response> {
+    for (let attempt = 0; ; attempt++) {
+      let res: Response;
+      try {
+        res = await this.fetchOnce(method, path, options);
+      } catch (err) {
+        if (!isApiError(err) || err.status !== 0 || err.code === "aborted" || attempt >= this.retries) {
+          throw err;
+        }
+        await this.backoff(attempt, null, err.message);
+        continue;
+      }
+      if (res.ok) return res;
+      if (RETRY_STATUSES.has(res.status) && attempt < this.retries) {
+        const reason = `${method} ${path}: HTTP ${res.status} ${res.statusText}`.trim();
+        await res.body?.cancel().catch(() => {});
+        await this.backoff(attempt, res.headers.get("retry-after"), reason);
+        continue;
+      }
+      throw await errorFromResponse(res);
+    }
+  }
+
+  private async fetchOnce(method: string, path: string, options: RequestOptions): Promise<Response> {
+    const headers: Record<string, string> = {
+      accept: options.stream ? "application/x-ndjson" : "application/json",
+    };
+    if (this.token !== null) headers.authorization = `Bearer ${this.token}`;
+    if (options.contentType !== undefined) headers["content-type"] = options.contentType;
+    if (options.idempotencyKey !== undefined) headers["idempotency-key"] = options.idempotencyKey;
+    const timeout = new AbortController();
+    const timer = setTimeout(() => timeout.abort(), this.timeoutMs);
+    const signal =
+      this.signal === undefined ? timeout.signal : AbortSignal.any([timeout.signal, this.signal]);
+    const target = `${this.url}${path}`;
+    try {
+      const res = await fetch(target, { method, headers, body: options.body, signal });
+      if (!options.stream || !res.ok) {
+        // Read the body under the same timeout, so a stalled server cannot hang the CLI.
+        const text = await res.text();
+        return new Response(text, { status: res.status, statusText: res.statusText, headers: res.headers });
+      }
+      return res;
+    } catch (err) {
+      if (this.signal?.aborted)
+        throw new ApiError(0, "aborted", `${method} ${target}: aborted`, { cause: err });
+      if (timeout.signal.aborted) {
+        throw new ApiError(0, "timeout", `${method} ${target}: no response within ${this.timeoutMs} ms`, {
+          cause: err,
+        });
+      }
+      const cause = (err as { cause?: { code?: string; message?: string } }).cause;
+      const why = cause?.code ?? cause?.message ?? (err as Error).message;
+      throw new ApiError(0, "unreachable", `cannot reach the dispatcher at ${this.url} (${why})`, {
+        cause: err,
+      });
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+
+  private backoff(attempt: number, retryAfter: string | null, reason: string): Promise<void> {
+    let delay = Math.random() * Math.min(MAX_RETRY_DELAY_MS, this.retryBaseMs * 2 ** attempt);
+    const seconds = retryAfter === null ? Number.NaN : Number(retryAfter);
+    if (Number.isFinite(seconds) && seconds >= 0) delay = Math.min(seconds * 1000, MAX_RETRY_AFTER_MS);
+    this.onRetry?.({ attempt: attempt + 2, maxAttempts: this.retries + 1, delayMs: delay, reason });
+    return new Promise<void>((resolve, reject) => {
+      const onAbort = () => {
+        clearTimeout(timer);
+        reject(new ApiError(0, "aborted", "aborted while waiting to retry"));
+      };
+      const timer = setTimeout(() => {
+        this.signal?.removeEventListener("abort", onAbort);
+        resolve();
+      }, delay);
+      if (this.signal?.aborted) onAbort();
+      else this.signal?.addEventListener("abort", onAbort, { once: true });
+    });
+  }
+}
+
+async function parseBody<T>(schema: z.ZodType<T>, res: Response): Promise<T> {
+  const text = await res.text();
+  let json: unknown = null;
+  if (text.trim() !== "") {
+    try {
+      json = JSON.parse(text);
+    } catch (err) {
+      throw new ApiError(
+        res.status,
+        "bad_response",
+        `dispatcher answered ${res.status} with non-JSON: ${snippet(text)}`,
+        {
+          cause: err,
+        },
+      );
+    }
+  }
+  const parsed = schema.safeParse(json);
+  if (!parsed.success) {
+    const issue = parsed.error.issues[0];
+    throw new ApiError(
+      res.status,
+      "bad_response",
+      `unexpected response from the dispatcher (${issue?.path.join(".") || "body"}: ${issue?.message}): ${snippet(text)}`,
+      { details: json },
+    );
+  }
+  return parsed.data;
+}
+
+async function errorFromResponse(res: Response): Promise<ApiError> {
+  const text = await res.text().catch(() => "");
+  try {
+    const body = ErrorBody.safeParse(JSON.parse(text));
+    if (body.success) {
+      const { code, message, details } = body.data.error;
+      return new ApiError(res.status, code, message, { details });
+    }
+  } catch {
+    // not JSON: fall through
+  }
+  const what = `${res.status} ${res.statusText}`.trim();
+  return new ApiError(
+    res.status,
+    `http_${res.status}`,
+    text.trim() === "" ? what : `${what}: ${snippet(text)}`,
+  );
+}
+
+function snippet(text: string, max = 300): string {
+  const flat = text.replace(/\s+/g, " ").trim();
+  return flat.length > max ? `${flat.slice(0, max)}…` : flat;
+}

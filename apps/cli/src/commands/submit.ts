@@ -1,0 +1,162 @@
+import { setTimeout as sleep } from "node:timers/promises";
+import type { TaskContent } from "@fleet/contracts";
+import type { BatchStatus, FleetClient } from "../client.ts";
+import { type CliContext, ResultsFile, writeText } from "../context.ts";
+import { ProgressReporter } from "../progress.ts";
+import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
+import { ResultTally, renderSummary } from "../summary.ts";
+
+export interface SubmitOptions {
+  suite: string;
+  agent: string;
+  repeat: number;
+  task?: string[];
+  deadline?: number;
+  metadata?: string;
+  wait?: boolean;
+  out?: string;
+  json?: boolean;
+  maxRequestBytes: number;
+  inlineTasks?: boolean;
+  pollInterval: number;
+}
+
+/**
+ * `fleet submit`: load the suite, build task × repeat requests, POST them as one batch (or one
+ * batch per chunk when the body would pass `--max-request-bytes`), print each batch id on
+ * stdout; with `--wait`, show progress on stderr until every rollout is terminal, then collect
+ * the results and print a summary. Returns the exit code.
+ */
+export async function submitCommand(
+  client: FleetClient,
+  opts: SubmitOptions,
+  ctx: CliContext,
+): Promise<number> {
+  if (opts.out !== undefined && !opts.wait)
+    throw new UsageError("--out needs --wait (or use `fleet results`)");
+  const agent = await resolveAgent(opts.agent, ctx.readFile);
+  let tasks: TaskContent[];
+  try {
+    tasks = await ctx.loadSuite(opts.suite);
+  } catch (err) {
+    throw new UsageError(`cannot load suite ${opts.suite}: ${(err as Error).message}`);
+  }
+  const requests = buildRollouts({
+    tasks,
+    agent,
+    repeat: opts.repeat,
+    taskIds: opts.task,
+    deadlineS: opts.deadline,
+    metadata: parseMetadata(opts.metadata),
+  });
+  const chunks = chunkRollouts(requests, {
+    maxBytes: opts.maxRequestBytes,
+    digestOf: opts.inlineTasks ? undefined : ctx.digestOf,
+  });
+
+  const taskCount = new Set(requests.map((r) => ("id" in r.task ? r.task.id : r.task.digest))).size;
+  const batchIds: string[] = [];
+  let accepted = 0;
+  for (const [i, lines] of chunks.entries()) {
+    try {
+      const batch = await client.submitBatchLines(lines);
+      batchIds.push(batch.batchId);
+      accepted += batch.count;
+      await writeText(ctx.stdout, `${batch.batchId}\n`);
+    } catch (err) {
+      if (batchIds.length > 0) {
+        await writeText(
+          ctx.stderr,
+          `submitted ${i} of ${chunks.length} chunks before the error: ${batchIds.join(" ")} ` +
+            "(cancel them with `fleet cancel <batchId>`)\n",
+        );
+      }
+      throw err;
+    }
+  }
+  await writeText(
+    ctx.stderr,
+    `submitted ${accepted} rollouts (${taskCount} tasks × ${opts.repeat}) in ${batchIds.length} ` +
+      `batch${batchIds.length === 1 ? "" : "es"} to ${client.url}\n`,
+  );
+  if (!opts.wait) return 0;
+
+  await waitForBatches(client, batchIds, opts.pollInterval, ctx);
+
+  const tally = new ResultTally();
+  const file = opts.out === undefined ? null : new ResultsFile(opts.out);
+  try {
+    for (const batchId of batchIds) {
+      for await (const line of client.batchResultLines(batchId)) {
+        tally.addLine(line);
+        await file?.writeLine(line);
+      }
+    }
+    await file?.commit();
+  } catch (err) {
+    await file?.discard();
+    throw err;
+  }
+  const summary = tally.summary();
+  if (summary.total !== accepted) {
+    await writeText(
+      ctx.stderr,
+      `warning: ${accepted} rollouts accepted but ${summary.total} results returned\n`,
+    );
+  }
+  if (opts.json) {
+    await writeText(
+      ctx.stdout,
+      `${JSON.stringify({ batchIds, accepted, out: opts.out ?? null, ...summary })}\n`,
+    );
+  } else {
+    await writeText(ctx.stdout, `${renderSummary(summary)}\n`);
+    if (opts.out !== undefined) await writeText(ctx.stdout, `results written to ${opts.out}\n`);
+  }
+  return 0;
+}
+
+function parseMetadata(text: string | undefined): Record<string, unknown> | undefined {
+  if (text === undefined) return undefined;
+  let value: unknown;
+  try {
+    value = JSON.parse(text);
+  } catch (err) {
+    throw new UsageError(`--metadata is not valid JSON: ${(err as Error).message}`);
+  }
+  if (typeof value !== "object" || value === null || Array.isArray(value)) {
+    throw new UsageError("--metadata must be a JSON object");
+  }
+  return value as Record<string, unknown>;
+}
+
+/** Poll every batch until all its rollouts are terminal, drawing progress on stderr. */
+export async function waitForBatches(
+  client: FleetClient,
+  batchIds: readonly string[],
+  pollIntervalMs: number,
+  ctx: CliContext,
+): Promise<BatchStatus[]> {
+  const reporter = new ProgressReporter(ctx.stderr, ctx.progress);
+  try {
+    for (;;) {
+      const statuses = await Promise.all(batchIds.map((id) => client.getBatch(id)));
+      const counts = { done: 0, total: 0, masked: 0, failed: 0 };
+      for (const s of statuses) {
+        counts.done += s.done;
+        counts.total += s.total;
+        counts.masked += s.counts.masked ?? 0;
+        counts.failed += s.counts.failed ?? 0;
+      }
+      if (statuses.every((s) => s.done >= s.total)) {
+        reporter.finish(counts);
+        return statuses;
+      }
+      reporter.update(counts);
+      await sleep(pollIntervalMs, undefined, { signal: ctx.signal });
+    }
+  } catch (err) {
+    reporter.interrupt();
+    throw err;
+  }
+}

@@ -1,0 +1,64 @@
+import { once } from "node:events";
+import { createWriteStream } from "node:fs";
+import { rename, rm } from "node:fs/promises";
+import type { Writable } from "node:stream";
+import type { TaskContent } from "@fleet/contracts";
+import type { FleetClientOptions } from "./client.ts";
+import type { ProgressStream } from "./progress.ts";
+
+/** Everything a command touches outside itself; `main.ts` fills it from the process. */
+export interface CliContext {
+  stdout: Writable;
+  stderr: Writable & ProgressStream;
+  /** Defaults for `--url` / `--token` (from `FLEET_URL` / `FLEET_TOKEN`). */
+  defaults: { url: string; token: string | null };
+  readFile: (path: string) => Promise<string>;
+  /** `loadSuite` from `@fleet/tasks`. */
+  loadSuite: (dir: string) => Promise<TaskContent[]>;
+  /** `taskDigest` from `@fleet/tasks`: lets later chunks reference tasks by digest. */
+  digestOf?: (task: TaskContent) => string;
+  /** Aborted on Ctrl-C. */
+  signal: AbortSignal;
+  /** Overrides for the API client (tests use short retry delays). */
+  client?: Partial<FleetClientOptions>;
+  /** Progress reporter settings (tests). */
+  progress?: { tty?: boolean; plainIntervalMs?: number };
+}
+
+/** Write, waiting for the stream to drain when it asks to (large result sets, slow pipes). */
+export async function writeText(stream: Writable, text: string): Promise<void> {
+  if (!stream.write(text)) await once(stream, "drain");
+}
+
+/** A results file written to `<path>.partial` and renamed into place only when complete. */
+export class ResultsFile {
+  private readonly stream: Writable;
+  private readonly partial: string;
+  lines = 0;
+
+  constructor(readonly path: string) {
+    this.partial = `${path}.partial`;
+    this.stream = createWriteStream(this.partial, { flags: "w" });
+  }
+
+  async writeLine(line: string): Promise<void> {
+    this.lines++;
+    await writeText(this.stream, `${line}\n`);
+  }
+
+  /** Flush, close and move into place. */
+  async commit(): Promise<void> {
+    this.stream.end();
+    await once(this.stream, "close");
+    await rename(this.partial, this.path);
+  }
+
+  /** Close and delete the partial file (after a failure). */
+  async discard(): Promise<void> {
+    if (!this.stream.destroyed) {
+      this.stream.destroy();
+      await once(this.stream, "close").catch(() => {});
+    }
+    await rm(this.partial, { force: true });
+  }
+}

@@ -1,0 +1,339 @@
+import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { TaskContent } from "@fleet/contracts";
+import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
+import type { CliContext } from "./context.ts";
+import { runCli } from "./program.ts";
+import { Collector } from "./testing/collect.ts";
+import {
+  apiError,
+  json,
+  type RecordedRequest,
+  startTestServer,
+  type TestServer,
+} from "./testing/http-server.ts";
+
+const tasks = ["alpha", "beta"].map((id) =>
+  TaskContent.parse({
+    id,
+    instruction: `do ${id}`,
+    image: "fleet-base:latest",
+    tests: { "test.sh": "exit 0" },
+  }),
+);
+
+let server: TestServer;
+let dir: string;
+let stdout: Collector;
+let stderr: Collector;
+
+beforeEach(async () => {
+  server = await startTestServer();
+  dir = await mkdtemp(path.join(tmpdir(), "fleet-cli-"));
+  stdout = new Collector();
+  stderr = new Collector();
+});
+afterEach(async () => {
+  await server.close();
+  await rm(dir, { recursive: true, force: true });
+});
+
+function ctx(over: Partial<CliContext> = {}): CliContext {
+  return {
+    stdout,
+    stderr,
+    defaults: { url: server.url, token: "env-token" },
+    readFile: (p) => readFile(p, "utf8"),
+    loadSuite: async () => tasks,
+    digestOf: (t) => `digest-${t.id}`.padEnd(64, "0"),
+    signal: new AbortController().signal,
+    client: { retryBaseMs: 1, retries: 1 },
+    progress: { tty: false, plainIntervalMs: 0 },
+    ...over,
+  };
+}
+
+function rowsOf(req: RecordedRequest): Array<Record<string, unknown>> {
+  if (req.headers["content-type"] === "application/x-ndjson") {
+    return req.body
+      .trim()
+      .split("\n")
+      .map((l) => JSON.parse(l));
+  }
+  return JSON.parse(req.body).rollouts;
+}
+
+/**
+ * A fake dispatcher: accepts batches, reports each batch half done on the first status poll and
+ * finished on the next, then serves one result per rollout.
+ */
+function fakeDispatcher(
+  results: (rolloutId: string, row: Record<string, unknown>) => Record<string, unknown>,
+) {
+  let n = 0;
+  server.on("POST", "/v1/batches", (req, res) => {
+    const batchId = `b-${++n}`;
+    const rows = rowsOf(req);
+    const ids = rows.map((_, i) => `${batchId}-r${i}`);
+    let polls = 0;
+    server.on("GET", `/v1/batches/${batchId}`, (_r, out) => {
+      polls++;
+      const done = polls === 1 ? Math.floor(rows.length / 2) : rows.length;
+      json(out, 200, {
+        id: batchId,
+        total: rows.length,
+        done,
+        counts: { accepted: rows.length - done, completed: done },
+        createdAt: 1,
+      });
+    });
+    server.on("GET", `/v1/batches/${batchId}/results`, (_r, out) => {
+      out.writeHead(200, { "content-type": "application/x-ndjson" });
+      out.end(ids.map((id, i) => `${JSON.stringify(results(id, rows[i]!))}\n`).join(""));
+    });
+    json(res, 202, { batchId, rolloutIds: ids, count: rows.length });
+  });
+}
+
+const completed = (id: string, reward: number) => ({
+  id,
+  status: "completed",
+  reward,
+  mask: false,
+  failureKind: null,
+});
+
+describe("fleet submit", () => {
+  it("submits task × repeat as one batch, waits with progress, writes results and a summary", async () => {
+    fakeDispatcher((id, row) =>
+      (row.task as { id: string }).id === "alpha"
+        ? completed(id, 1)
+        : { id, status: "masked", reward: null, mask: true, failureKind: "sandbox_lost" },
+    );
+    const out = path.join(dir, "results.jsonl");
+    const code = await runCli(
+      [
+        "submit",
+        "--suite",
+        "suite",
+        "--agent",
+        "oracle",
+        "--repeat",
+        "2",
+        "--wait",
+        "--out",
+        out,
+        "--deadline",
+        "300",
+        "--poll-interval",
+        "10",
+      ],
+      ctx(),
+    );
+    expect(stderr.text()).not.toContain("error");
+    expect(code).toBe(0);
+
+    const posts = server.requests.filter((r) => r.method === "POST");
+    expect(posts).toHaveLength(1);
+    expect(posts[0]?.headers.authorization).toBe("Bearer env-token");
+    const rows = rowsOf(posts[0]!);
+    expect(
+      rows.map((r) => `${(r.task as { id: string }).id}/${(r.metadata as { repeat: number }).repeat}`),
+    ).toEqual(["alpha/0", "beta/0", "alpha/1", "beta/1"]);
+    expect(
+      rows.every((r) => r.deadlineS === 300 && (r.agent as { harness: string }).harness === "oracle"),
+    ).toBe(true);
+
+    const lines = (await readFile(out, "utf8")).trim().split("\n");
+    expect(lines.map((l) => JSON.parse(l).id)).toEqual(["b-1-r0", "b-1-r1", "b-1-r2", "b-1-r3"]);
+    expect(await readdir(dir)).toEqual(["results.jsonl"]); // no .partial left behind
+
+    const text = stdout.text();
+    expect(text.split("\n")[0]).toBe("b-1");
+    expect(text).toContain("completed 2  masked 2  failed 0  cancelled 0");
+    expect(text).toContain("mean reward: 1.0000 over 2 graded");
+    expect(text).toContain(`results written to ${out}`);
+    expect(stderr.text()).toContain("submitted 4 rollouts (2 tasks × 2) in 1 batch");
+    expect(stderr.text()).toMatch(/progress 2\/4 \(50\.0%\)/);
+    expect(stderr.text()).toMatch(/progress 4\/4 \(100\.0%\)/);
+  });
+
+  it("splits a large submission into chunks, referencing tasks by digest after the first, and follows all", async () => {
+    fakeDispatcher((id) => completed(id, 0.5));
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "20", "--max-request-bytes", "4096"],
+      ctx(),
+    );
+    expect(code).toBe(0);
+    const posts = server.requests.filter((r) => r.method === "POST");
+    expect(posts.length).toBeGreaterThan(1);
+    expect(posts.every((p) => Buffer.byteLength(p.body) <= 4096)).toBe(true);
+    const allRows = posts.flatMap(rowsOf);
+    expect(allRows).toHaveLength(40);
+    expect(rowsOf(posts[0]!).every((r) => "id" in (r.task as object))).toBe(true);
+    expect(rowsOf(posts.at(-1)!).every((r) => "digest" in (r.task as object))).toBe(true);
+    expect(new Set(posts.map((p) => p.headers["idempotency-key"])).size).toBe(posts.length);
+    expect(stdout.text().trim().split("\n")).toEqual(posts.map((_, i) => `b-${i + 1}`));
+  });
+
+  it("with --inline-tasks never sends a digest", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const code = await runCli(
+      [
+        "submit",
+        "--suite",
+        "s",
+        "--agent",
+        "oracle",
+        "--repeat",
+        "20",
+        "--max-request-bytes",
+        "4096",
+        "--inline-tasks",
+      ],
+      ctx(),
+    );
+    expect(code).toBe(0);
+    const rows = server.requests.filter((r) => r.method === "POST").flatMap(rowsOf);
+    expect(rows.every((r) => "id" in (r.task as object))).toBe(true);
+  });
+
+  it("prints the summary as JSON with --json", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--json", "--poll-interval", "10"],
+      ctx(),
+    );
+    expect(code).toBe(0);
+    const summary = JSON.parse(stdout.text().trim().split("\n").at(-1)!);
+    expect(summary).toMatchObject({ batchIds: ["b-1"], accepted: 2, total: 2, meanReward: 1, masked: 0 });
+  });
+
+  it("stops at an API error, names batches already submitted, and exits 1", async () => {
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      n++;
+      if (n === 1) json(res, 202, { batchId: "b-1", rolloutIds: [], count: rowsOf(req).length });
+      else apiError(res, 413, "payload_too_large", "task over 10 MiB", { limit: 10485760 });
+    });
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "20", "--max-request-bytes", "4096"],
+      ctx(),
+    );
+    expect(code).toBe(1);
+    expect(stdout.text()).toBe("b-1\n");
+    expect(stderr.text()).toContain("before the error: b-1");
+    expect(stderr.text()).toContain("error: payload_too_large: task over 10 MiB (HTTP 413)");
+    expect(stderr.text()).toContain('details: {"limit":10485760}');
+  });
+
+  it("exits 2 on bad usage without calling the API", async () => {
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--task", "nope"], ctx())).toBe(2);
+    expect(stderr.text()).toContain('unknown task "nope"; the suite has: alpha, beta');
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "0"], ctx())).toBe(2);
+    expect(await runCli(["submit", "--suite", "s", "--agent", "bogus"], ctx())).toBe(2);
+    expect(await runCli(["submit", "--agent", "oracle"], ctx())).toBe(2);
+    expect(stderr.text()).toContain("required option '--suite <dir>' not specified");
+    expect(server.requests).toHaveLength(0);
+  });
+
+  it("reports a suite that does not load as a usage error", async () => {
+    const code = await runCli(
+      ["submit", "--suite", "missing", "--agent", "oracle"],
+      ctx({ loadSuite: async () => Promise.reject(new Error("missing: not a task directory")) }),
+    );
+    expect(code).toBe(2);
+    expect(stderr.text()).toContain("cannot load suite missing: missing: not a task directory");
+  });
+
+  it("stops waiting on Ctrl-C with exit 130, leaving the batch running", async () => {
+    server.on("POST", "/v1/batches", (_req, res) =>
+      json(res, 202, { batchId: "b-1", rolloutIds: [], count: 2 }),
+    );
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 2, done: 0, counts: { accepted: 2 } }),
+    );
+    const interrupt = new AbortController();
+    const running = runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--poll-interval", "60000"],
+      ctx({ signal: interrupt.signal }),
+    );
+    await vi.waitFor(() => expect(server.requests.some((r) => r.method === "GET")).toBe(true));
+    interrupt.abort();
+    expect(await running).toBe(130);
+    expect(stderr.text()).toContain("interrupted; submitted rollouts keep running");
+    expect(server.requests.filter((r) => r.path.startsWith("/v1/batches/b-1/cancel"))).toHaveLength(0);
+  });
+});
+
+describe("fleet status / results / cancel", () => {
+  it("shows a batch's status, and its JSON", async () => {
+    server.on("GET", "/v1/batches/b-7", (_req, res) =>
+      json(res, 200, { id: "b-7", total: 10, done: 4, counts: { seeded: 6, completed: 3, masked: 1 } }),
+    );
+    expect(await runCli(["status", "b-7"], ctx())).toBe(0);
+    expect(stdout.text()).toBe("batch b-7: running, 4/10 done (40.0%)\n  seeded 6  completed 3  masked 1\n");
+    expect(await runCli(["status", "b-7", "--json"], ctx())).toBe(0);
+    expect(JSON.parse(stdout.text().split("\n")[2]!)).toMatchObject({ id: "b-7", done: 4 });
+  });
+
+  it("uses --url and --token over the environment's defaults", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 0, done: 0, counts: {} }),
+    );
+    const code = await runCli(
+      ["status", "b-1", "--url", server.url, "--token", "flag-token"],
+      ctx({ defaults: { url: "http://127.0.0.1:9", token: "env-token" } }),
+    );
+    expect(code).toBe(0);
+    expect(server.requests[0]?.headers.authorization).toBe("Bearer flag-token");
+  });
+
+  it("exits 1 with the API's message on 401 and 404", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) => apiError(res, 401, "unauthorized", "bad token"));
+    expect(await runCli(["status", "b-1"], ctx())).toBe(1);
+    expect(stderr.text()).toContain("error: unauthorized: bad token (HTTP 401)");
+    expect(await runCli(["status", "nope"], ctx())).toBe(1);
+    expect(stderr.text()).toContain("error: not_found:");
+  });
+
+  it("streams results to stdout or to a file", async () => {
+    const body = '{"id":"r1","status":"completed"}\n{"id":"r2","status":"failed"}\n';
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end(body);
+    });
+    expect(await runCli(["results", "b-1"], ctx())).toBe(0);
+    expect(stdout.text()).toBe(body);
+    const out = path.join(dir, "r.jsonl");
+    expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(0);
+    expect(await readFile(out, "utf8")).toBe(body);
+    expect(stderr.text()).toContain(`wrote 2 results to ${out}`);
+  });
+
+  it("cancels a rollout, falls back to a batch, and says when neither exists", async () => {
+    server.on("POST", "/v1/rollouts/r-1/cancel", (_req, res) =>
+      json(res, 202, { id: "r-1", status: "cancelled" }),
+    );
+    server.on("POST", "/v1/batches/b-1/cancel", (_req, res) => json(res, 202, { id: "b-1", cancelled: 3 }));
+    expect(await runCli(["cancel", "r-1"], ctx())).toBe(0);
+    expect(await runCli(["cancel", "b-1"], ctx())).toBe(0);
+    expect(stdout.text()).toBe("cancel requested for rollout r-1\ncancel requested for batch b-1\n");
+    expect(server.requests.map((r) => r.path)).toEqual([
+      "/v1/rollouts/r-1/cancel",
+      "/v1/rollouts/b-1/cancel",
+      "/v1/batches/b-1/cancel",
+    ]);
+    expect(await runCli(["cancel", "zzz"], ctx())).toBe(1);
+    expect(stderr.text()).toContain("error: not_found: no rollout or batch with id zzz (HTTP 404)");
+  });
+
+  it("prints help for every command with exit 0", async () => {
+    for (const cmd of ["submit", "status", "results", "cancel"]) {
+      expect(await runCli([cmd, "--help"], ctx())).toBe(0);
+      expect(stdout.text()).toContain(`Usage: fleet ${cmd}`);
+    }
+    expect(stdout.text()).toContain("--url <url>");
+    expect(stdout.text()).toContain("--token <token>");
+  });
+});

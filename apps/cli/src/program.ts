@@ -1,0 +1,201 @@
+import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
+import pkg from "../package.json" with { type: "json" };
+import { FleetClient, isApiError } from "./client.ts";
+import { cancelCommand } from "./commands/cancel.ts";
+import { resultsCommand } from "./commands/results.ts";
+import { statusCommand } from "./commands/status.ts";
+import { submitCommand } from "./commands/submit.ts";
+import type { CliContext } from "./context.ts";
+import { DEFAULT_MAX_REQUEST_BYTES, UsageError } from "./requests.ts";
+
+/** Exit codes: 0 ok; 1 API or unexpected error; 2 bad usage; 130 interrupted (Ctrl-C). */
+export const EXIT = { ok: 0, error: 1, usage: 2, interrupted: 130 } as const;
+
+interface ConnectionOptions {
+  url: string;
+  token?: string;
+}
+
+function positiveInt(value: string): number {
+  if (!/^\d+$/.test(value.trim()) || Number(value) < 1)
+    throw new InvalidArgumentError("must be a positive whole number");
+  return Number(value);
+}
+
+function positiveSeconds(value: string): number {
+  const n = Number(value);
+  if (value.trim() === "" || !Number.isFinite(n) || n <= 0) {
+    throw new InvalidArgumentError("must be a finite, positive number of seconds");
+  }
+  return n;
+}
+
+function httpUrl(value: string): string {
+  try {
+    const url = new URL(value);
+    if (url.protocol === "http:" || url.protocol === "https:") return value.replace(/\/+$/, "");
+  } catch {
+    // fall through
+  }
+  throw new InvalidArgumentError("must be an http:// or https:// URL");
+}
+
+/** `--url` and `--token` on every command; flags win over `FLEET_URL` / `FLEET_TOKEN`. */
+function withConnection(cmd: Command, ctx: CliContext): Command {
+  return cmd
+    .addOption(
+      new Option("--url <url>", "dispatcher base URL (env FLEET_URL)")
+        .default(ctx.defaults.url)
+        .argParser(httpUrl),
+    )
+    .addOption(new Option("--token <token>", "API bearer token (env FLEET_TOKEN; prefer the env var)"));
+}
+
+function clientFor(opts: ConnectionOptions, ctx: CliContext): FleetClient {
+  return new FleetClient({
+    ...ctx.client,
+    url: opts.url,
+    token: opts.token ?? ctx.defaults.token,
+    signal: ctx.signal,
+    onRetry: ({ attempt, maxAttempts, delayMs, reason }) => {
+      ctx.stderr.write(
+        `${reason}; retrying in ${(delayMs / 1000).toFixed(1)}s (attempt ${attempt}/${maxAttempts})\n`,
+      );
+    },
+  });
+}
+
+/** The `fleet` command tree. Commands report their exit code through `setExitCode`. */
+export function createProgram(ctx: CliContext, setExitCode: (code: number) => void): Command {
+  const program = new Command("fleet")
+    .description("Submit and follow LLM-agent rollouts on a rollout-fleet dispatcher.")
+    .version(pkg.version)
+    .showHelpAfterError("(add --help for usage)")
+    .exitOverride()
+    .configureOutput({
+      writeOut: (s) => ctx.stdout.write(s),
+      writeErr: (s) => ctx.stderr.write(s),
+    });
+
+  withConnection(
+    program
+      .command("submit")
+      .description(
+        "Submit a task suite × an agent as a batch; print the batch id (with --wait, follow it to the end)",
+      )
+      .requiredOption("--suite <dir>", "task suite directory (or a single task directory)")
+      .requiredOption("--agent <agent>", "'oracle', a JSON file holding an agent spec, or inline agent JSON")
+      .addOption(new Option("--repeat <n>", "rollouts per task").default(1).argParser(positiveInt))
+      .option("--task <id...>", "only these task ids (repeatable)")
+      .addOption(
+        new Option("--deadline <seconds>", "whole-rollout deadline in seconds").argParser(positiveSeconds),
+      )
+      .option("--metadata <json>", "JSON object echoed into every result (plus the repeat index)")
+      .option("--wait", "follow progress until every rollout is finished, then summarise")
+      .option("--out <file>", "with --wait: write the results as JSONL to this file")
+      .option("--json", "with --wait: print the summary as one JSON object")
+      .addOption(
+        new Option("--max-request-bytes <n>", "largest POST body; bigger submissions go as several batches")
+          .default(DEFAULT_MAX_REQUEST_BYTES)
+          .argParser(positiveInt),
+      )
+      .option(
+        "--inline-tasks",
+        "send the full task in every row instead of a digest after its first chunk",
+        false,
+      )
+      .addOption(
+        new Option("--poll-interval <ms>", "with --wait: status poll interval")
+          .default(1000)
+          .argParser(positiveInt),
+      )
+      .addHelpText(
+        "after",
+        `
+Examples:
+  fleet submit --suite packages/tasks/suites/example --agent oracle --wait --out results.jsonl
+  fleet submit --suite ./suite --agent agent.json --repeat 8 --task hello-file --task sum-answer
+  fleet submit --suite ./suite --agent '{"harness":"command","argv":["sh","-c","echo 42"]}'
+
+Exit status: 0 when submitted (with --wait: when every rollout is finished, even if some
+failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keeps running).`,
+      ),
+    ctx,
+  ).action(async (opts: Parameters<typeof submitCommand>[1] & ConnectionOptions) => {
+    setExitCode(await submitCommand(clientFor(opts, ctx), opts, ctx));
+  });
+
+  withConnection(
+    program
+      .command("status")
+      .description("Show a batch's progress: rollouts by status, and how many are done")
+      .argument("<batchId>", "batch id printed by `fleet submit`")
+      .option("--json", "print the API's JSON"),
+    ctx,
+  ).action(async (batchId: string, opts: { json?: boolean } & ConnectionOptions) => {
+    setExitCode(await statusCommand(clientFor(opts, ctx), batchId, opts, ctx));
+  });
+
+  withConnection(
+    program
+      .command("results")
+      .description("Write a batch's finished results as JSONL (stdout, or --out)")
+      .argument("<batchId>", "batch id printed by `fleet submit`")
+      .option("--out <file>", "write to this file instead of stdout"),
+    ctx,
+  ).action(async (batchId: string, opts: { out?: string } & ConnectionOptions) => {
+    setExitCode(await resultsCommand(clientFor(opts, ctx), batchId, opts, ctx));
+  });
+
+  withConnection(
+    program
+      .command("cancel")
+      .description("Cancel a rollout, or every unfinished rollout of a batch")
+      .argument("<id>", "rollout id or batch id (tried in that order)"),
+    ctx,
+  ).action(async (id: string, opts: ConnectionOptions) => {
+    setExitCode(await cancelCommand(clientFor(opts, ctx), id, ctx));
+  });
+
+  return program;
+}
+
+/** Run `fleet` with `argv` (without the node and script paths); resolves to the exit code. */
+export async function runCli(argv: readonly string[], ctx: CliContext): Promise<number> {
+  let exitCode: number = EXIT.ok;
+  const program = createProgram(ctx, (code) => {
+    exitCode = code;
+  });
+  try {
+    await program.parseAsync([...argv], { from: "user" });
+    return exitCode;
+  } catch (err) {
+    return reportError(err, ctx);
+  }
+}
+
+function reportError(err: unknown, ctx: CliContext): number {
+  if (err instanceof CommanderError) {
+    // Commander already printed the help, version or usage error.
+    return err.code === "commander.helpDisplayed" || err.code === "commander.version" ? EXIT.ok : EXIT.usage;
+  }
+  if (ctx.signal.aborted) {
+    ctx.stderr.write("interrupted; submitted rollouts keep running (see `fleet status <batchId>`)\n");
+    return EXIT.interrupted;
+  }
+  if (err instanceof UsageError) {
+    ctx.stderr.write(`error: ${err.message}\n`);
+    return EXIT.usage;
+  }
+  if (isApiError(err)) {
+    const status = err.status === 0 ? "" : ` (HTTP ${err.status})`;
+    ctx.stderr.write(`error: ${err.code}: ${err.message}${status}\n`);
+    if (err.details !== null && err.details !== undefined) {
+      const details = JSON.stringify(err.details);
+      ctx.stderr.write(`  details: ${details.length > 2000 ? `${details.slice(0, 2000)}…` : details}\n`);
+    }
+    return EXIT.error;
+  }
+  ctx.stderr.write(`error: ${err instanceof Error ? (err.stack ?? err.message) : String(err)}\n`);
+  return EXIT.error;
+}

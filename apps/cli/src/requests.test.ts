@@ -1,0 +1,140 @@
+import { TaskContent } from "@fleet/contracts";
+import { describe, expect, it } from "vitest";
+import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "./requests.ts";
+
+function task(id: string, pad = 0): TaskContent {
+  return TaskContent.parse({
+    id,
+    instruction: `do ${id}`,
+    image: "fleet-base:latest",
+    tests: { "test.sh": `exit 0\n${"#".repeat(pad)}` },
+  });
+}
+
+const noFiles = async (path: string): Promise<string> => {
+  throw Object.assign(new Error(`ENOENT: ${path}`), { code: "ENOENT" });
+};
+
+describe("resolveAgent", () => {
+  it("knows oracle by name", async () => {
+    expect(await resolveAgent("oracle", noFiles)).toEqual({ harness: "oracle" });
+  });
+
+  it("accepts inline JSON and returns it as written", async () => {
+    const spec = await resolveAgent('{"harness":"command","argv":["sh","-c","echo 1"]}', noFiles);
+    expect(spec).toEqual({ harness: "command", argv: ["sh", "-c", "echo 1"] });
+  });
+
+  it("reads a JSON file", async () => {
+    const files: Record<string, string> = { "agent.json": '{"harness":"oracle","name":"ref"}' };
+    expect(await resolveAgent("agent.json", async (p) => files[p] ?? noFiles(p))).toEqual({
+      harness: "oracle",
+      name: "ref",
+    });
+  });
+
+  it("refuses an unknown name, bad JSON and an invalid spec with a usage error", async () => {
+    await expect(resolveAgent("gpt-agent", noFiles)).rejects.toThrow(
+      /unknown agent "gpt-agent": expected oracle/,
+    );
+    await expect(resolveAgent("{nope", noFiles)).rejects.toThrow(/inline --agent JSON is not valid JSON/);
+    const err = await resolveAgent('{"harness":"command","argv":[]}', noFiles).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(UsageError);
+    expect((err as Error).message).toContain("argv: argv must name a command");
+  });
+});
+
+describe("buildRollouts", () => {
+  const tasks = [task("a"), task("b"), task("c")];
+
+  it("builds task × repeat requests, repetition-major, with the repeat index in metadata", () => {
+    const reqs = buildRollouts({ tasks, agent: { harness: "oracle" }, repeat: 2, metadata: { run: "x" } });
+    expect(
+      reqs.map((r) => `${(r.task as TaskContent).id}${(r.metadata as { repeat: number }).repeat}`),
+    ).toEqual(["a0", "b0", "c0", "a1", "b1", "c1"]);
+    expect(reqs[0]).toEqual({
+      task: tasks[0],
+      agent: { harness: "oracle" },
+      metadata: { run: "x", repeat: 0 },
+    });
+    expect(reqs[0]).not.toHaveProperty("deadlineS");
+  });
+
+  it("filters by task id and sets the deadline", () => {
+    const reqs = buildRollouts({
+      tasks,
+      agent: { harness: "oracle" },
+      taskIds: ["c", "a", "c"],
+      deadlineS: 90,
+    });
+    expect(reqs.map((r) => (r.task as TaskContent).id)).toEqual(["c", "a"]);
+    expect(reqs.every((r) => r.deadlineS === 90)).toBe(true);
+  });
+
+  it("names unknown tasks and lists the suite's", () => {
+    expect(() => buildRollouts({ tasks, agent: { harness: "oracle" }, taskIds: ["zz"] })).toThrow(
+      'unknown task "zz"; the suite has: a, b, c',
+    );
+  });
+
+  it("refuses an empty suite and a bad repeat", () => {
+    expect(() => buildRollouts({ tasks: [], agent: { harness: "oracle" } })).toThrow(UsageError);
+    expect(() => buildRollouts({ tasks, agent: { harness: "oracle" }, repeat: 0 })).toThrow(/--repeat/);
+  });
+});
+
+describe("chunkRollouts", () => {
+  const agent = { harness: "oracle" as const };
+  const bodyBytes = (lines: string[]) => Buffer.byteLength(`{"rollouts":[${lines.join(",")}]}`);
+
+  it("keeps a small submission in one chunk", () => {
+    const reqs = buildRollouts({ tasks: [task("a"), task("b")], agent, repeat: 3 });
+    const chunks = chunkRollouts(reqs);
+    expect(chunks).toHaveLength(1);
+    expect(chunks[0]?.map((l) => JSON.parse(l))).toEqual(JSON.parse(JSON.stringify(reqs)));
+  });
+
+  it("splits by bytes, every chunk's body within the limit, order kept", () => {
+    const reqs = buildRollouts({ tasks: [task("a", 3000), task("b", 3000)], agent, repeat: 10 });
+    const maxBytes = 16 * 1024;
+    const chunks = chunkRollouts(reqs, { maxBytes });
+    expect(chunks.length).toBeGreaterThan(1);
+    for (const chunk of chunks) expect(bodyBytes(chunk)).toBeLessThanOrEqual(maxBytes);
+    expect(chunks.flat().map((l) => JSON.parse(l).metadata.repeat)).toEqual(
+      reqs.map((r) => r.metadata?.repeat),
+    );
+  });
+
+  it("sends an oversize request alone rather than dropping it", () => {
+    const reqs = buildRollouts({ tasks: [task("small"), task("huge", 50_000), task("small2")], agent });
+    const chunks = chunkRollouts(reqs, { maxBytes: 10_000 });
+    expect(chunks.map((c) => c.length)).toEqual([1, 1, 1]);
+  });
+
+  it("references a task by digest only in chunks after the one that carried it inline", () => {
+    const a = task("a", 3000);
+    const reqs = buildRollouts({ tasks: [a], agent, repeat: 12 });
+    let digestCalls = 0;
+    const chunks = chunkRollouts(reqs, {
+      maxBytes: 8 * 1024,
+      digestOf: (t) => {
+        digestCalls++;
+        return `digest-of-${t.id}`;
+      },
+    });
+    expect(chunks.length).toBeGreaterThan(1);
+    const tasksIn = (chunk: string[]) => chunk.map((l) => JSON.parse(l).task);
+    expect(tasksIn(chunks[0]!).every((t) => t.id === "a")).toBe(true);
+    for (const chunk of chunks.slice(1)) {
+      expect(tasksIn(chunk)).toEqual(chunk.map(() => ({ digest: "digest-of-a" })));
+    }
+    expect(chunks.flat()).toHaveLength(12);
+    expect(digestCalls).toBe(1); // memoised per task object
+  });
+
+  it("without a digest function every row carries its task", () => {
+    const reqs = buildRollouts({ tasks: [task("a", 3000)], agent, repeat: 12 });
+    for (const line of chunkRollouts(reqs, { maxBytes: 8 * 1024 }).flat())
+      expect(JSON.parse(line).task.id).toBe("a");
+  });
+});

@@ -1,0 +1,176 @@
+import { AgentSpec, type AgentSpecInput, type RolloutRequestInput, type TaskContent } from "@fleet/contracts";
+
+/** A mistake in what the user asked for (bad flag value, unknown task): exit 2, no stack. */
+export class UsageError extends Error {
+  override readonly name = "UsageError";
+}
+
+/** Agents that need no configuration, usable by bare name with `--agent`. */
+export const NAMED_AGENTS: Readonly<Record<string, AgentSpecInput>> = {
+  oracle: { harness: "oracle" },
+};
+
+/**
+ * Resolve `--agent`: a bare name (`oracle`), inline JSON (`{"harness":"command",...}`), or the
+ * path of a JSON file holding an AgentSpec. Validated against the contract, so a typo fails
+ * here rather than as 422 on the server. Returns the spec as written (the server applies
+ * defaults).
+ */
+export async function resolveAgent(
+  value: string,
+  readFile: (path: string) => Promise<string>,
+): Promise<AgentSpecInput> {
+  const trimmed = value.trim();
+  const named = NAMED_AGENTS[trimmed];
+  if (named !== undefined) return named;
+  let source: string;
+  let text: string;
+  if (trimmed.startsWith("{")) {
+    source = "inline --agent JSON";
+    text = trimmed;
+  } else {
+    source = trimmed;
+    try {
+      text = await readFile(trimmed);
+    } catch (err) {
+      const code = (err as { code?: string }).code;
+      if (code === "ENOENT") {
+        throw new UsageError(
+          `unknown agent "${trimmed}": expected ${Object.keys(NAMED_AGENTS).join(", ")}, ` +
+            "a JSON file with an agent spec, or inline JSON",
+        );
+      }
+      throw new UsageError(`cannot read agent file ${trimmed}: ${(err as Error).message}`);
+    }
+  }
+  let json: unknown;
+  try {
+    json = JSON.parse(text);
+  } catch (err) {
+    throw new UsageError(`${source} is not valid JSON: ${(err as Error).message}`);
+  }
+  const parsed = AgentSpec.safeParse(json);
+  if (!parsed.success) {
+    const problems = parsed.error.issues.map((i) => `${i.path.join(".") || "(agent)"}: ${i.message}`);
+    throw new UsageError(`${source} is not a valid agent spec: ${problems.join("; ")}`);
+  }
+  return json as AgentSpecInput;
+}
+
+export interface BuildRolloutsOptions {
+  tasks: readonly TaskContent[];
+  agent: AgentSpecInput;
+  /** Rollouts per task. @defaultValue 1 */
+  repeat?: number;
+  /** Only these task ids (all when empty or absent). */
+  taskIds?: readonly string[];
+  deadlineS?: number;
+  /** Echoed into every result; `repeat` (the repetition index) is added. */
+  metadata?: Record<string, unknown>;
+}
+
+/**
+ * Task × repeat rollout requests, repetition-major (every task once, then every task again),
+ * so a partly finished batch already covers every task.
+ */
+export function buildRollouts(options: BuildRolloutsOptions): RolloutRequestInput[] {
+  const repeat = options.repeat ?? 1;
+  if (!Number.isInteger(repeat) || repeat < 1)
+    throw new UsageError("--repeat must be a positive whole number");
+  let tasks = options.tasks;
+  if (options.taskIds !== undefined && options.taskIds.length > 0) {
+    const known = new Map(tasks.map((t) => [t.id, t]));
+    const missing = options.taskIds.filter((id) => !known.has(id));
+    if (missing.length > 0) {
+      throw new UsageError(
+        `unknown task ${missing.map((m) => `"${m}"`).join(", ")}; the suite has: ${[...known.keys()].join(", ")}`,
+      );
+    }
+    tasks = [...new Set(options.taskIds)].map((id) => known.get(id)!);
+  }
+  if (tasks.length === 0) throw new UsageError("the suite has no tasks");
+  const requests: RolloutRequestInput[] = [];
+  for (let r = 0; r < repeat; r++) {
+    for (const task of tasks) {
+      const request: RolloutRequestInput = {
+        task,
+        agent: options.agent,
+        metadata: { ...options.metadata, repeat: r },
+      };
+      if (options.deadlineS !== undefined) request.deadlineS = options.deadlineS;
+      requests.push(request);
+    }
+  }
+  return requests;
+}
+
+/** Largest request body the CLI sends in one POST (kept under the dispatcher's body limit). */
+export const DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024;
+
+export interface ChunkOptions {
+  /** @defaultValue `DEFAULT_MAX_REQUEST_BYTES` */
+  maxBytes?: number;
+  /**
+   * The content address of an inline task (`taskDigest` from `@fleet/tasks`). When given, a
+   * task already sent inline in an earlier chunk is sent as `{ "digest" }` in later ones: the
+   * dispatcher stored it when it accepted that chunk. Without it every row carries its task.
+   */
+  digestOf?: (task: TaskContent) => string;
+}
+
+/**
+ * Serialize requests into chunks of JSON lines, each chunk's body at most `maxBytes` (a single
+ * request bigger than that goes alone; the server answers 413 if it is too big). Chunks must
+ * be submitted in order, stopping at the first failure, for the digest references to hold.
+ */
+export function chunkRollouts(
+  requests: readonly RolloutRequestInput[],
+  options: ChunkOptions = {},
+): string[][] {
+  const maxBytes = options.maxBytes ?? DEFAULT_MAX_REQUEST_BYTES;
+  const memo = new WeakMap<object, string>();
+  const digestOf =
+    options.digestOf === undefined
+      ? undefined
+      : (task: TaskContent): string => {
+          let digest = memo.get(task);
+          if (digest === undefined) {
+            digest = options.digestOf!(task);
+            memo.set(task, digest);
+          }
+          return digest;
+        };
+  /** Bytes of `{"rollouts":[` + `]}`; NDJSON needs fewer. */
+  const envelope = 14;
+  const chunks: string[][] = [];
+  /** Digests of tasks sent inline in a chunk already closed (so stored by the time the next one is sent). */
+  const stored = new Set<string>();
+  let pendingDigests: string[] = [];
+  let chunk: string[] = [];
+  let bytes = envelope;
+  const encode = (request: RolloutRequestInput): { line: string; digest: string | null } => {
+    const task = request.task;
+    if (digestOf === undefined || "digest" in task) return { line: JSON.stringify(request), digest: null };
+    const digest = digestOf(task as TaskContent);
+    if (stored.has(digest)) return { line: JSON.stringify({ ...request, task: { digest } }), digest: null };
+    return { line: JSON.stringify(request), digest };
+  };
+  for (const request of requests) {
+    let encoded = encode(request);
+    let size = Buffer.byteLength(encoded.line) + 1;
+    if (chunk.length > 0 && bytes + size > maxBytes) {
+      chunks.push(chunk);
+      for (const d of pendingDigests) stored.add(d);
+      pendingDigests = [];
+      chunk = [];
+      bytes = envelope;
+      encoded = encode(request);
+      size = Buffer.byteLength(encoded.line) + 1;
+    }
+    chunk.push(encoded.line);
+    bytes += size;
+    if (encoded.digest !== null) pendingDigests.push(encoded.digest);
+  }
+  if (chunk.length > 0) chunks.push(chunk);
+  return chunks;
+}

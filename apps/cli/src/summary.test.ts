@@ -1,0 +1,40 @@
+import { describe, expect, it } from "vitest";
+import { ResultTally, renderSummary } from "./summary.ts";
+
+describe("ResultTally", () => {
+  it("counts statuses, masks and failure kinds, and averages rewards over graded results only", () => {
+    const t = new ResultTally();
+    const lines = [
+      { status: "completed", reward: 1, mask: false, failureKind: null, teardown: "confirmed" },
+      { status: "completed", reward: 0, mask: false, failureKind: "agent_timeout", teardown: "pending" },
+      { status: "masked", reward: null, mask: true, failureKind: "sandbox_lost" },
+      { status: "masked", reward: 0, mask: true, failureKind: "verifier_error" }, // a masked 0 is not a score
+      { status: "failed", reward: null, mask: false, failureKind: "invalid_task" },
+    ];
+    for (const l of lines) t.addLine(JSON.stringify(l));
+    t.addLine("not json");
+    t.addLine("[1]");
+    const s = t.summary();
+    expect(s).toEqual({
+      total: 5,
+      byStatus: { completed: 2, masked: 2, failed: 1 },
+      graded: 2,
+      meanReward: 0.5,
+      masked: 2,
+      byFailureKind: { agent_timeout: 1, sandbox_lost: 1, verifier_error: 1, invalid_task: 1 },
+      teardownPending: 1,
+      unreadable: 2,
+    });
+    const text = renderSummary(s);
+    expect(text).toContain("completed 2  masked 2  failed 1  cancelled 0");
+    expect(text).toContain("mean reward: 0.5000 over 2 graded");
+    expect(text).toContain("masked: 2");
+    expect(text).toContain("teardown pending: 1");
+  });
+
+  it("has no mean when nothing was graded", () => {
+    const s = new ResultTally().summary();
+    expect(s.meanReward).toBeNull();
+    expect(renderSummary(s)).toContain("mean reward: n/a");
+  });
+});

@@ -1,0 +1,107 @@
+/** The fields of a result line the summary reads; everything else is passed through untouched. */
+interface ResultFields {
+  status?: unknown;
+  reward?: unknown;
+  mask?: unknown;
+  failureKind?: unknown;
+  teardown?: unknown;
+}
+
+export interface ResultSummary {
+  total: number;
+  /** Results per status (`completed`, `masked`, `failed`, `cancelled`, ...). */
+  byStatus: Record<string, number>;
+  /** Unmasked results with a numeric reward. */
+  graded: number;
+  /** Mean reward over graded results; null when none was graded. */
+  meanReward: number | null;
+  /** Results with `mask: true` (infrastructure failures, never scored). */
+  masked: number;
+  /** Results per failure kind (any status). */
+  byFailureKind: Record<string, number>;
+  /** Results whose sandbox teardown is still pending (the janitor retries it). */
+  teardownPending: number;
+  /** Lines that were not JSON objects. */
+  unreadable: number;
+}
+
+/** Accumulates a summary over result lines as they stream past. */
+export class ResultTally {
+  private readonly s: ResultSummary = {
+    total: 0,
+    byStatus: {},
+    graded: 0,
+    meanReward: null,
+    masked: 0,
+    byFailureKind: {},
+    teardownPending: 0,
+    unreadable: 0,
+  };
+  private rewardSum = 0;
+
+  /** Add one result line (raw JSON text). */
+  addLine(line: string): void {
+    let value: unknown;
+    try {
+      value = JSON.parse(line);
+    } catch {
+      this.s.unreadable++;
+      return;
+    }
+    if (typeof value !== "object" || value === null || Array.isArray(value)) {
+      this.s.unreadable++;
+      return;
+    }
+    this.add(value as ResultFields);
+  }
+
+  add(result: ResultFields): void {
+    const s = this.s;
+    s.total++;
+    const status = typeof result.status === "string" ? result.status : "unknown";
+    s.byStatus[status] = (s.byStatus[status] ?? 0) + 1;
+    if (result.mask === true) s.masked++;
+    if (typeof result.failureKind === "string") {
+      s.byFailureKind[result.failureKind] = (s.byFailureKind[result.failureKind] ?? 0) + 1;
+    }
+    if (result.teardown === "pending") s.teardownPending++;
+    if (result.mask !== true && typeof result.reward === "number" && Number.isFinite(result.reward)) {
+      s.graded++;
+      this.rewardSum += result.reward;
+    }
+  }
+
+  summary(): ResultSummary {
+    return {
+      ...this.s,
+      byStatus: { ...this.s.byStatus },
+      byFailureKind: { ...this.s.byFailureKind },
+      meanReward: this.s.graded > 0 ? this.rewardSum / this.s.graded : null,
+    };
+  }
+}
+
+const STATUS_ORDER = ["completed", "masked", "failed", "cancelled"];
+
+/** Human-readable summary, one fact per line. */
+export function renderSummary(s: ResultSummary): string {
+  const statuses = [
+    ...STATUS_ORDER.map((st) => `${st} ${s.byStatus[st] ?? 0}`),
+    ...Object.entries(s.byStatus)
+      .filter(([st]) => !STATUS_ORDER.includes(st))
+      .map(([st, n]) => `${st} ${n}`),
+  ];
+  const lines = [`results: ${s.total}`, `  ${statuses.join("  ")}`];
+  lines.push(
+    s.meanReward === null
+      ? "  mean reward: n/a (nothing graded)"
+      : `  mean reward: ${s.meanReward.toFixed(4)} over ${s.graded} graded`,
+  );
+  const kinds = Object.entries(s.byFailureKind)
+    .sort((a, b) => b[1] - a[1])
+    .map(([k, n]) => `${k} ${n}`);
+  lines.push(`  masked: ${s.masked}${kinds.length > 0 ? `  (failure kinds: ${kinds.join(", ")})` : ""}`);
+  if (s.teardownPending > 0) lines.push(`  teardown pending: ${s.teardownPending} (the janitor is retrying)`);
+  if (s.unreadable > 0) lines.push(`  unreadable result lines: ${s.unreadable}`);
+  return lines.join("\n");
+}
