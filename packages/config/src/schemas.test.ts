@@ -25,6 +25,7 @@ describe("DispatcherConfig", () => {
       apiTokens: { tokens: [], adminTokens: [] },
       maxBacklog: 100_000,
       maxTaskBytes: 10 * 1024 * 1024,
+      maxBodyBytes: 32 * 1024 * 1024,
     });
   });
 
@@ -39,6 +40,7 @@ describe("DispatcherConfig", () => {
       FLEET_API_TOKENS: " t1 , admin:boss,,t1 ",
       FLEET_MAX_BACKLOG: "10",
       FLEET_MAX_TASK_BYTES: "2048",
+      FLEET_MAX_BODY_BYTES: "65536",
     });
     expect(cfg).toEqual({
       redisUrl: "rediss://r.example:6380/2",
@@ -50,6 +52,7 @@ describe("DispatcherConfig", () => {
       apiTokens: { tokens: ["t1", "boss"], adminTokens: ["boss"] },
       maxBacklog: 10,
       maxTaskBytes: 2048,
+      maxBodyBytes: 65536,
     });
   });
 

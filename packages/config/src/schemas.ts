@@ -11,6 +11,8 @@ export const DEFAULT_HOST = "127.0.0.1";
 export const DEFAULT_DISPATCHER_URL = `http://${DEFAULT_HOST}:${DEFAULT_HTTP_PORT}`;
 export const DEFAULT_MAX_BACKLOG = 100_000;
 export const DEFAULT_MAX_TASK_BYTES = 10 * 1024 * 1024;
+/** Room for a 10 MiB task inline in one request, JSON escaping included; the CLI sends at most 8 MiB. */
+export const DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024;
 export const DEFAULT_SHUTDOWN_TIMEOUT_MS = 30_000;
 export const DEFAULT_JANITOR_INTERVAL_MS = 10_000;
 export const DEFAULT_ORPHAN_GRACE_MS = 120_000;
@@ -66,6 +68,7 @@ export const DispatcherConfig = z
     FLEET_API_TOKENS: apiTokensVar().default(() => ({ tokens: [], adminTokens: [] })),
     FLEET_MAX_BACKLOG: intVar(1, 1_000_000_000).default(DEFAULT_MAX_BACKLOG),
     FLEET_MAX_TASK_BYTES: intVar(1, 512 * 1024 * 1024).default(DEFAULT_MAX_TASK_BYTES),
+    FLEET_MAX_BODY_BYTES: intVar(1024, 1024 * 1024 * 1024).default(DEFAULT_MAX_BODY_BYTES),
   })
   .transform((e) => ({
     ...commonConfig(e),
@@ -74,6 +77,7 @@ export const DispatcherConfig = z
     apiTokens: e.FLEET_API_TOKENS,
     maxBacklog: e.FLEET_MAX_BACKLOG,
     maxTaskBytes: e.FLEET_MAX_TASK_BYTES,
+    maxBodyBytes: e.FLEET_MAX_BODY_BYTES,
   }));
 export type DispatcherConfig = z.output<typeof DispatcherConfig>;
 
