@@ -6,7 +6,7 @@ import {
   type SandboxHandle,
   TaskContent,
 } from "@fleet/contracts";
-import { AGENT_USER } from "@fleet/sandbox";
+import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
 import { beforeEach, describe, expect, it } from "vitest";
 import { createHarness } from "./create-harness.ts";
 import { agentDeadline } from "./deadline.ts";
@@ -64,7 +64,7 @@ describe("OracleHarness", () => {
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
 
     const box = provider.sandbox(handle);
-    expect(box.files.get("/solution/solve.sh")).toEqual({ content: "echo 42\n", user: AGENT_USER });
+    expect(box.files.get("/solution/solve.sh")).toEqual({ content: "echo 42\n", user: ROOT_USER });
     expect(box.files.get("/solution/helper.py")?.content).toBe("print(1)\n");
     expect(box.files.get("/tmp/fleet/instruction.md")).toEqual({
       content: "Print the answer.",

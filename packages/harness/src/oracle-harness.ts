@@ -1,10 +1,10 @@
 import { FleetError } from "@fleet/contracts";
-import { SANDBOX_PATHS } from "@fleet/sandbox";
+import { ROOT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import type { Harness, HarnessContext, HarnessOutcome } from "./harness.ts";
 import { runAgentCommand } from "./run-command.ts";
 
 /**
- * Runs the task's reference solution: stages `solution/` at /solution and runs
+ * Runs the task's reference solution: stages `solution/` at /solution (owned by root) and runs
  * `bash /solution/solve.sh` as the agent user in /workspace under the deadline. Validates tasks
  * and the fleet itself (every example task must score 1.0 with it).
  */
@@ -19,7 +19,8 @@ export class OracleHarness implements Harness {
       );
     }
     return runAgentCommand(ctx, ["bash", `${SANDBOX_PATHS.solution}/solve.sh`], {
-      stage: { dir: SANDBOX_PATHS.solution, files: ctx.task.solution },
+      // /solution belongs to root (0755): the solution is staged as root, readable by the agent.
+      stage: { dir: SANDBOX_PATHS.solution, files: ctx.task.solution, user: ROOT_USER },
     });
   }
 }

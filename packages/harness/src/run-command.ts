@@ -85,7 +85,11 @@ export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
 export async function runAgentCommand(
   ctx: HarnessContext,
   argv: string[],
-  options: { env?: Record<string, string>; stage?: { dir: string; files: Record<string, string> } } = {},
+  options: {
+    env?: Record<string, string>;
+    /** Files to stage before the command starts, and their owner. */
+    stage?: { dir: string; files: Record<string, string>; user: string };
+  } = {},
 ): Promise<HarnessOutcome> {
   const { provider, handle, task } = ctx;
   await providerStep(ctx, "write the instruction file", () =>
@@ -94,7 +98,7 @@ export async function runAgentCommand(
   const stage = options.stage;
   if (stage !== undefined) {
     await providerStep(ctx, `stage ${stage.dir}`, () =>
-      provider.put(handle, stage.dir, stage.files, { user: AGENT_USER }),
+      provider.put(handle, stage.dir, stage.files, { user: stage.user }),
     );
   }
 
