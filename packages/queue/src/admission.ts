@@ -1,0 +1,157 @@
+import { randomUUID } from "node:crypto";
+import { agentName, type RolloutRequest, TaskContent } from "@fleet/contracts";
+import { canonicalJson, type RolloutMeta, type RolloutStore, sha256 } from "./rollout-store.ts";
+import type { StageQueues } from "./stage-queues.ts";
+
+/** Slack added to the task's own timeouts for queueing, seeding and closing, when no deadline is given. */
+export const DEFAULT_DEADLINE_SLACK_S = 3600;
+
+export interface AdmissionOptions {
+  /** Largest task accepted, in bytes of canonical JSON (DESIGN §4: default 10 MiB → 413). */
+  maxTaskBytes: number;
+  now?: number;
+}
+
+export interface Admitted {
+  batchId: string | null;
+  ids: string[];
+  /** Ids created by this call (the rest already existed: an idempotent replay). */
+  created: string[];
+}
+
+/** Digest of a task: sha256 of its canonical JSON after parsing (defaults applied). */
+export function digestTask(task: TaskContent): string {
+  return sha256(canonicalJson(task));
+}
+
+export class AdmissionError extends Error {
+  override readonly name = "AdmissionError";
+  constructor(
+    readonly code: "invalid" | "payload_too_large" | "conflict",
+    message: string,
+    readonly details: unknown = null,
+  ) {
+    super(message);
+  }
+}
+
+/**
+ * Resolve each request's task (store inline ones content-addressed, check referenced digests),
+ * and build the rollout metadata. Throws AdmissionError for what the API answers 4xx to.
+ */
+export async function prepareRollouts(
+  store: RolloutStore,
+  requests: readonly RolloutRequest[],
+  ids: readonly string[],
+  batchId: string | null,
+  options: AdmissionOptions,
+): Promise<RolloutMeta[]> {
+  const now = options.now ?? Date.now();
+  const tasks = new Map<string, TaskContent>();
+  const metas: RolloutMeta[] = [];
+  for (const [i, req] of requests.entries()) {
+    let task: TaskContent;
+    let digest: string;
+    if ("digest" in req.task) {
+      digest = req.task.digest;
+      const known = tasks.get(digest) ?? (await store.getTask(digest));
+      if (!known) {
+        throw new AdmissionError("invalid", `rollout ${i}: unknown task digest ${digest}`, {
+          index: i,
+          digest,
+        });
+      }
+      task = known;
+    } else {
+      task = TaskContent.parse(req.task);
+      const json = canonicalJson(task);
+      const bytes = Buffer.byteLength(json);
+      if (bytes > options.maxTaskBytes) {
+        throw new AdmissionError(
+          "payload_too_large",
+          `rollout ${i}: task ${task.id} is ${bytes} bytes, over the limit of ${options.maxTaskBytes}`,
+          { index: i, bytes, limit: options.maxTaskBytes },
+        );
+      }
+      digest = sha256(json);
+    }
+    if (!tasks.has(digest)) tasks.set(digest, task);
+    if (req.agent.sandbox === "own" && task.verifier.kind === "tests") {
+      throw new AdmissionError(
+        "invalid",
+        `rollout ${i}: agent.sandbox "own" leaves the task sandbox untouched, so task ${task.id}'s tests could not see the agent's work; use a match verifier or the default "borrow"`,
+        { index: i },
+      );
+    }
+    const deadlineS =
+      req.deadlineS ??
+      (req.agent.timeoutS ?? task.timeouts.agentS) + task.timeouts.verifierS + DEFAULT_DEADLINE_SLACK_S;
+    metas.push({
+      id: ids[i]!,
+      batchId,
+      bodyHash: sha256(canonicalJson(req)),
+      taskDigest: digest,
+      taskId: task.id,
+      agent: req.agent,
+      agentName: agentName(req.agent),
+      sandbox: req.sandbox,
+      metadata: req.metadata ?? null,
+      createdAt: now,
+      deadlineAt: now + Math.round(deadlineS * 1000),
+    });
+  }
+  for (const [digest, task] of tasks) await store.putTask(task, digest);
+  return metas;
+}
+
+/** Rollout ids: random, or derived from an idempotency key so a replay lands on the same ids. */
+export function rolloutIds(count: number, idempotencyKey: string | null, scope: string): string[] {
+  const base = idempotencyKey
+    ? sha256(`${scope}:${idempotencyKey}`).slice(0, 24)
+    : randomUUID().replaceAll("-", "");
+  if (scope === "rollout") return [base];
+  return Array.from({ length: count }, (_, i) => `${base.slice(0, 20)}-${i}`);
+}
+
+/**
+ * Admit one rollout or a batch: idempotent by key (same key + same body → same ids, different
+ * body → conflict), records first, then seed jobs (deterministic ids, so a replay re-enqueues
+ * nothing twice).
+ */
+export async function admit(
+  store: RolloutStore,
+  queues: StageQueues,
+  input: { requests: readonly RolloutRequest[]; batch: boolean; idempotencyKey?: string | null },
+  options: AdmissionOptions,
+): Promise<Admitted> {
+  const now = options.now ?? Date.now();
+  const key = input.idempotencyKey ?? null;
+  const ids = rolloutIds(input.requests.length, key, input.batch ? "batch" : "rollout");
+  const batchId = input.batch ? `b${ids[0]!.slice(0, 20)}` : null;
+  const bodyHash = sha256(canonicalJson(input.requests));
+
+  if (key && !input.batch) {
+    const existing = await store.get(ids[0]!);
+    if (existing) {
+      const reqHash = sha256(canonicalJson(input.requests[0]));
+      if (existing.meta.bodyHash !== reqHash) {
+        throw new AdmissionError("conflict", "Idempotency-Key was used with a different request body", {
+          rolloutId: ids[0],
+        });
+      }
+      return { batchId: null, ids, created: [] };
+    }
+  }
+  if (batchId !== null) {
+    const stored = await store.createBatch(batchId, bodyHash, now);
+    if (stored !== bodyHash) {
+      throw new AdmissionError("conflict", "Idempotency-Key was used with a different batch body", {
+        batchId,
+      });
+    }
+  }
+  const metas = await prepareRollouts(store, input.requests, ids, batchId, { ...options, now });
+  const created = await store.admit(metas, now);
+  await queues.enqueueSeeds(ids);
+  return { batchId, ids, created };
+}

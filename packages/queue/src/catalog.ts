@@ -1,0 +1,58 @@
+import { StageJob, type StageName } from "@fleet/contracts";
+import type { JobsOptions } from "bullmq";
+
+/** One entry per stage queue: its payload schema and its job options. */
+export interface StageCatalogEntry {
+  stage: StageName;
+  schema: typeof StageJob;
+  options: JobsOptions;
+}
+
+const trim = {
+  removeOnComplete: { age: 3600, count: 10_000 },
+  removeOnFail: { age: 24 * 3600, count: 50_000 },
+} satisfies JobsOptions;
+
+/**
+ * The job catalog. Attempts are an upper bound: retries also stop when the next one could not
+ * start before the rollout's deadline (retries share one deadline, DESIGN §2 rule 5).
+ */
+export const STAGE_CATALOG: Record<StageName, StageCatalogEntry> = {
+  seed: {
+    stage: "seed",
+    schema: StageJob,
+    options: { attempts: 5, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
+  },
+  run: {
+    stage: "run",
+    schema: StageJob,
+    options: { attempts: 3, backoff: { type: "exponential", delay: 2000, jitter: 0.5 }, ...trim },
+  },
+  verify: {
+    stage: "verify",
+    schema: StageJob,
+    options: { attempts: 4, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
+  },
+  close: {
+    // Close must eventually run whatever happened: many attempts, capped backoff.
+    stage: "close",
+    schema: StageJob,
+    options: { attempts: 20, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
+  },
+};
+
+export const STAGES: readonly StageName[] = ["seed", "run", "verify", "close"];
+
+/** Deterministic stage job id: a re-enqueued stage is deduplicated by BullMQ. */
+export function stageJobId(rolloutId: string, stage: StageName): string {
+  return `${rolloutId}.${stage}`;
+}
+
+/** Upper bound of the delay before retry number `attemptsMade + 1` (jitter only shortens it). */
+export function maxBackoffMs(stage: StageName, attemptsMade: number): number {
+  const backoff = STAGE_CATALOG[stage].options.backoff;
+  const base = typeof backoff === "object" && backoff ? (backoff.delay ?? 1000) : 1000;
+  return base * 2 ** Math.max(0, attemptsMade - 1);
+}
+
+export const JANITOR_QUEUE = "janitor";

@@ -1,0 +1,7 @@
+export * from "./admission.ts";
+export * from "./catalog.ts";
+export * from "./connection.ts";
+export * from "./keys.ts";
+export * from "./rollout-store.ts";
+export * from "./stage-queues.ts";
+export * from "./teardown-ledger.ts";

@@ -1,0 +1,350 @@
+import { createHash } from "node:crypto";
+import {
+  AgentSpec,
+  CloseReceipt,
+  FailureRecord,
+  isTerminal,
+  RolloutResult,
+  RolloutStatus,
+  RunReceipt,
+  SandboxOptions,
+  SeedReceipt,
+  type StageName,
+  TaskContent,
+  VerifyReceipt,
+} from "@fleet/contracts";
+import type { Redis } from "ioredis";
+import { z } from "zod";
+import { createKeys, type Keys } from "./keys.ts";
+import { type ScriptedRedis, withScripts } from "./scripts.ts";
+
+/** What admission fixes about a rollout; never changes afterwards. No secrets: credentials are names. */
+export const RolloutMeta = z.object({
+  id: z.string(),
+  batchId: z.string().nullable(),
+  /** sha256 of the canonical request body, for idempotency checks. */
+  bodyHash: z.string(),
+  taskDigest: z.string(),
+  taskId: z.string(),
+  agent: AgentSpec,
+  agentName: z.string(),
+  sandbox: SandboxOptions.optional(),
+  metadata: z.record(z.string(), z.unknown()).nullable(),
+  createdAt: z.number().int(),
+  /** Absolute deadline (epoch ms), counted from acceptance; retries share it. */
+  deadlineAt: z.number().int(),
+});
+export type RolloutMeta = z.infer<typeof RolloutMeta>;
+
+export interface RolloutReceipts {
+  seed?: SeedReceipt;
+  run?: RunReceipt;
+  verify?: VerifyReceipt;
+  close?: CloseReceipt;
+}
+
+export interface RolloutRecord {
+  meta: RolloutMeta;
+  status: RolloutStatus;
+  stage: string;
+  receipts: RolloutReceipts;
+  failure: FailureRecord | null;
+  cancelRequested: boolean;
+  closed: boolean;
+  fence: string | null;
+  result: RolloutResult | null;
+  times: Record<string, number>;
+}
+
+export interface BatchProgress {
+  id: string;
+  total: number;
+  done: number;
+  counts: Record<RolloutStatus, number>;
+  createdAt: number;
+  bodyHash: string | null;
+}
+
+const RECEIPT_SCHEMAS = {
+  seed: SeedReceipt,
+  run: RunReceipt,
+  verify: VerifyReceipt,
+  close: CloseReceipt,
+} as const;
+type ReceiptOf<S extends StageName> = z.infer<(typeof RECEIPT_SCHEMAS)[S]>;
+
+/** Canonical JSON (sorted keys) and its sha256: for task digests and idempotency. */
+export function canonicalJson(value: unknown): string {
+  return JSON.stringify(sortKeys(value));
+}
+function sortKeys(value: unknown): unknown {
+  if (Array.isArray(value)) return value.map(sortKeys);
+  if (value && typeof value === "object") {
+    return Object.fromEntries(
+      Object.keys(value as object)
+        .sort()
+        .map((k) => [k, sortKeys((value as Record<string, unknown>)[k])]),
+    );
+  }
+  return value;
+}
+export function sha256(text: string): string {
+  return createHash("sha256").update(text).digest("hex");
+}
+
+/**
+ * The durable state of rollouts and batches (DESIGN §4). The rollout record, not the BullMQ job,
+ * is the result of record.
+ */
+export class RolloutStore {
+  readonly keys: Keys;
+  private readonly redis: ScriptedRedis;
+
+  constructor(redis: Redis, prefix = "{fleet}") {
+    this.redis = withScripts(redis);
+    this.keys = createKeys(prefix);
+  }
+
+  // ---- tasks (content-addressed) ----
+
+  /** Store a task once; returns its digest. */
+  async putTask(task: TaskContent, digest: string): Promise<void> {
+    await this.redis.set(this.keys.task(digest), JSON.stringify(task), "NX");
+  }
+
+  async getTask(digest: string): Promise<TaskContent | null> {
+    const raw = await this.redis.get(this.keys.task(digest));
+    return raw === null ? null : TaskContent.parse(JSON.parse(raw));
+  }
+
+  async hasTask(digest: string): Promise<boolean> {
+    return (await this.redis.exists(this.keys.task(digest))) === 1;
+  }
+
+  // ---- admission ----
+
+  /** Create the batch hash if new; returns the stored body hash (the caller's if it created it). */
+  async createBatch(batchId: string, bodyHash: string, now: number): Promise<string> {
+    const key = this.keys.batch(batchId);
+    const created = await this.redis.hsetnx(key, "bodyHash", bodyHash);
+    if (created === 1) {
+      await this.redis.hset(key, "createdAt", String(now), "total", "0", "done", "0");
+      return bodyHash;
+    }
+    return (await this.redis.hget(key, "bodyHash")) ?? bodyHash;
+  }
+
+  /** Admit rollouts (idempotent per id). Returns the ids newly created. */
+  async admit(metas: readonly RolloutMeta[], now: number): Promise<string[]> {
+    const created: string[] = [];
+    for (let i = 0; i < metas.length; i += 500) {
+      const chunk = metas.slice(i, i + 500);
+      const pipe = this.redis.pipeline() as unknown as ScriptedRedis & {
+        exec(): Promise<[Error | null, unknown][]>;
+      };
+      for (const m of chunk) {
+        const batch = m.batchId !== null;
+        (pipe as unknown as Record<string, (...a: unknown[]) => unknown>).fleetAdmit!(
+          this.keys.rollout(m.id),
+          batch ? this.keys.batch(m.batchId!) : this.keys.rollout(m.id),
+          this.keys.inflight(),
+          batch ? this.keys.batchIds(m.batchId!) : this.keys.rollout(m.id),
+          JSON.stringify(m),
+          String(m.deadlineAt),
+          String(now),
+          m.id,
+          batch ? "1" : "0",
+        );
+      }
+      const results = (await pipe.exec()) ?? [];
+      results.forEach(([err, value], j) => {
+        if (err) throw err;
+        if (value === 1) created.push(chunk[j]!.id);
+      });
+    }
+    return created;
+  }
+
+  // ---- reads ----
+
+  async get(id: string): Promise<RolloutRecord | null> {
+    const h = await this.redis.hgetall(this.keys.rollout(id));
+    if (!h.meta) return null;
+    const receipts: RolloutReceipts = {};
+    for (const stage of Object.keys(RECEIPT_SCHEMAS) as StageName[]) {
+      const raw = h[`r:${stage}`];
+      if (raw) (receipts as Record<string, unknown>)[stage] = RECEIPT_SCHEMAS[stage].parse(JSON.parse(raw));
+    }
+    const times: Record<string, number> = {};
+    for (const [k, v] of Object.entries(h)) if (k.startsWith("t:")) times[k.slice(2)] = Number(v);
+    return {
+      meta: RolloutMeta.parse(JSON.parse(h.meta)),
+      status: RolloutStatus.parse(h.status),
+      stage: h.stage ?? "admission",
+      receipts,
+      failure: h.failure ? FailureRecord.parse(JSON.parse(h.failure)) : null,
+      cancelRequested: h.cancel === "1",
+      closed: h.closed === "1",
+      fence: h.fence ?? null,
+      result: h.result ? RolloutResult.parse(JSON.parse(h.result)) : null,
+      times,
+    };
+  }
+
+  async getResult(id: string): Promise<RolloutResult | null> {
+    const raw = await this.redis.hget(this.keys.rollout(id), "result");
+    return raw ? RolloutResult.parse(JSON.parse(raw)) : null;
+  }
+
+  async getBatch(id: string): Promise<BatchProgress | null> {
+    const h = await this.redis.hgetall(this.keys.batch(id));
+    if (!h.createdAt) return null;
+    const counts = Object.fromEntries(
+      RolloutStatus.options.map((s) => [s, Number(h[`count:${s}`] ?? 0)]),
+    ) as Record<RolloutStatus, number>;
+    return {
+      id,
+      total: Number(h.total ?? 0),
+      done: Number(h.done ?? 0),
+      counts,
+      createdAt: Number(h.createdAt),
+      bodyHash: h.bodyHash ?? null,
+    };
+  }
+
+  async batchRolloutIds(id: string, start = 0, stop = -1): Promise<string[]> {
+    return this.redis.lrange(this.keys.batchIds(id), start, stop);
+  }
+
+  /** Results of many rollouts in one round trip (null where not terminal yet). */
+  async getResults(ids: readonly string[]): Promise<(RolloutResult | null)[]> {
+    if (ids.length === 0) return [];
+    const pipe = this.redis.pipeline();
+    for (const id of ids) pipe.hget(this.keys.rollout(id), "result");
+    const rows = (await pipe.exec()) ?? [];
+    return rows.map(([err, raw]) => {
+      if (err) throw err;
+      return typeof raw === "string" ? RolloutResult.parse(JSON.parse(raw)) : null;
+    });
+  }
+
+  /** Rollouts not yet terminal. */
+  async inflightCount(): Promise<number> {
+    return this.redis.zcard(this.keys.inflight());
+  }
+
+  /** Non-terminal rollouts whose deadline passed before `before`. */
+  async pastDeadline(before: number, limit = 100): Promise<string[]> {
+    return this.redis.zrangebyscore(this.keys.inflight(), "-inf", before, "LIMIT", 0, limit);
+  }
+
+  // ---- transitions ----
+
+  private batchArgs(meta: Pick<RolloutMeta, "id" | "batchId">): [string, string] {
+    return meta.batchId !== null ? [this.keys.batch(meta.batchId), "1"] : [this.keys.rollout(meta.id), "0"];
+  }
+
+  /** Record when a stage first started (kept across retries). */
+  async markStageStart(id: string, stage: StageName, now: number): Promise<void> {
+    await this.redis.fleetSetField(this.keys.rollout(id), `t:${stage}:start`, String(now), "1");
+  }
+
+  /** Store a stage receipt and advance status; false if the rollout is terminal/closed. */
+  async saveReceipt<S extends StageName>(
+    meta: Pick<RolloutMeta, "id" | "batchId">,
+    stage: S,
+    receipt: ReceiptOf<S>,
+    newStatus: RolloutStatus,
+    now: number,
+  ): Promise<boolean> {
+    const parsed = RECEIPT_SCHEMAS[stage].parse(receipt);
+    const [batchKey, hasBatch] = this.batchArgs(meta);
+    const r = await this.redis.fleetReceipt(
+      this.keys.rollout(meta.id),
+      batchKey,
+      `r:${stage}`,
+      JSON.stringify(parsed),
+      newStatus,
+      stage,
+      `t:${stage}:end`,
+      String(now),
+      hasBatch,
+      stage === "close" ? "1" : "0",
+    );
+    return r === 1;
+  }
+
+  /** Keep the first terminal failure; later ones only go to the failure log. Returns true if stored. */
+  async recordFailure(id: string, failure: FailureRecord): Promise<boolean> {
+    const parsed = FailureRecord.parse(failure);
+    await this.logFailure(id, parsed);
+    if (!parsed.terminal) return false;
+    return (
+      (await this.redis.fleetSetField(this.keys.rollout(id), "failure", JSON.stringify(parsed), "1")) === 1
+    );
+  }
+
+  /** Append to the bounded per-rollout failure log (retries included). */
+  async logFailure(id: string, failure: FailureRecord): Promise<void> {
+    const key = this.keys.failures(id);
+    await this.redis.multi().rpush(key, JSON.stringify(failure)).ltrim(key, -20, -1).exec();
+  }
+
+  async failureLog(id: string): Promise<FailureRecord[]> {
+    const rows = await this.redis.lrange(this.keys.failures(id), 0, -1);
+    return rows.map((r) => FailureRecord.parse(JSON.parse(r)));
+  }
+
+  /** Durable tombstone; after it no seed creates a sandbox. Returns the previous fence. */
+  async tombstone(id: string): Promise<string> {
+    return String(await this.redis.fleetTombstone(this.keys.rollout(id)));
+  }
+
+  /** Fenced launch: 'stopped' if a stop won; otherwise the previous fence ('' on first launch). */
+  async claimLaunch(id: string, token: string): Promise<string> {
+    return String(await this.redis.fleetClaimLaunch(this.keys.rollout(id), token));
+  }
+
+  /** Request cancellation; returns the status it found, or null for an unknown rollout. */
+  async requestCancel(id: string): Promise<RolloutStatus | null> {
+    const prev = String(await this.redis.fleetCancel(this.keys.rollout(id)));
+    return prev === "" ? null : RolloutStatus.parse(prev);
+  }
+
+  async isStopRequested(id: string): Promise<boolean> {
+    const [cancel, closed, fence] = await this.redis.hmget(
+      this.keys.rollout(id),
+      "cancel",
+      "closed",
+      "fence",
+    );
+    return cancel === "1" || closed === "1" || fence === "stopped";
+  }
+
+  /** Finalize exactly once (DESIGN §2 rule 1). True if this call did it. */
+  async finalize(
+    meta: Pick<RolloutMeta, "id" | "batchId">,
+    result: RolloutResult,
+    now: number,
+  ): Promise<boolean> {
+    if (!isTerminal(result.status)) throw new Error(`finalize needs a terminal status, got ${result.status}`);
+    const parsed = RolloutResult.parse(result);
+    const [batchKey, hasBatch] = this.batchArgs(meta);
+    const r = await this.redis.fleetFinalize(
+      this.keys.rollout(meta.id),
+      batchKey,
+      this.keys.inflight(),
+      JSON.stringify(parsed),
+      parsed.status,
+      String(now),
+      hasBatch,
+      meta.id,
+    );
+    return r === 1;
+  }
+
+  /** After the janitor confirms a pending teardown: update the stored result's teardown only. */
+  async confirmTeardown(id: string): Promise<boolean> {
+    return (await this.redis.fleetConfirmTeardown(this.keys.rollout(id))) === 1;
+  }
+}

@@ -1,0 +1,151 @@
+import type { Redis } from "ioredis";
+
+/**
+ * Lua scripts for every state change that must be atomic. Rollout hash fields:
+ * `meta` (JSON), `status`, `stage`, `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
+ * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`),
+ * `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
+ *
+ * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
+ */
+const TERMINAL = `local terminal = {completed=true, masked=true, failed=true, cancelled=true}`;
+
+const SCRIPTS = {
+  /** Admit one rollout if new: meta, status, inflight entry, batch count. Returns 1 if created. */
+  fleetAdmit: {
+    keys: 4, // rollout, batch|rollout, inflight, batchIds|rollout
+    lua: `
+      if redis.call('HSETNX', KEYS[1], 'meta', ARGV[1]) == 0 then return 0 end
+      redis.call('HSET', KEYS[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3])
+      redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
+      if ARGV[5] == '1' then
+        redis.call('HINCRBY', KEYS[2], 'count:accepted', 1)
+        redis.call('HINCRBY', KEYS[2], 'total', 1)
+        redis.call('RPUSH', KEYS[4], ARGV[4])
+      end
+      return 1`,
+  },
+  /** Store a stage receipt and move status, unless terminal (or closed, for non-close stages). */
+  fleetReceipt: {
+    keys: 2,
+    // ARGV: field, receiptJson, newStatus, stage, timeField, now, hasBatch, allowClosed
+    lua: `
+      ${TERMINAL}
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if not status or terminal[status] then return 0 end
+      if ARGV[8] ~= '1' and redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
+      redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
+      if status ~= ARGV[3] then
+        redis.call('HSET', KEYS[1], 'status', ARGV[3])
+        if ARGV[7] == '1' then
+          redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
+          redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[3], 1)
+        end
+      end
+      return 1`,
+  },
+  /** Set a field unless the rollout is terminal. ARGV: field, value, onlyIfAbsent. Returns 1 if set. */
+  fleetSetField: {
+    keys: 1,
+    lua: `
+      ${TERMINAL}
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if not status or terminal[status] then return 0 end
+      if ARGV[3] == '1' then return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) end
+      redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+      return 1`,
+  },
+  /** Finalize exactly once. ARGV: resultJson, newStatus, now, hasBatch, rolloutId. Returns 1 if this call finalized. */
+  fleetFinalize: {
+    keys: 3, // rollout, batch|rollout, inflight
+    lua: `
+      ${TERMINAL}
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if not status or terminal[status] then return 0 end
+      redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1')
+      redis.call('ZREM', KEYS[3], ARGV[5])
+      if ARGV[4] == '1' then
+        redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
+        redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[2], 1)
+        redis.call('HINCRBY', KEYS[2], 'done', 1)
+      end
+      return 1`,
+  },
+  /**
+   * Persist a sandbox intent before creating it (DESIGN §2 rule 9), refused when the rollout is
+   * closed (tombstone) or terminal. ARGV: sandboxKey, entryJson. Returns 'ok' | 'closed' | 'missing'.
+   */
+  fleetIntent: {
+    keys: 2, // rollout, sandboxes
+    lua: `
+      ${TERMINAL}
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if not status then return 'missing' end
+      if terminal[status] or redis.call('HGET', KEYS[1], 'closed') == '1' then return 'closed' end
+      redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+      return 'ok'`,
+  },
+  /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */
+  fleetTombstone: {
+    keys: 1,
+    lua: `
+      local fence = redis.call('HGET', KEYS[1], 'fence')
+      redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
+      return fence or ''`,
+  },
+  /**
+   * Fenced launch (DESIGN §2 rule 10). ARGV: token. Returns 'stopped' when a stop already won,
+   * else the previous fence ('' for the first launch, 'launched:<token>' on a re-delivery).
+   */
+  fleetClaimLaunch: {
+    keys: 1,
+    lua: `
+      local fence = redis.call('HGET', KEYS[1], 'fence')
+      if fence == 'stopped' or redis.call('HGET', KEYS[1], 'closed') == '1' then return 'stopped' end
+      redis.call('HSET', KEYS[1], 'fence', 'launched:' .. ARGV[1])
+      return fence or ''`,
+  },
+  /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
+  fleetCancel: {
+    keys: 1,
+    lua: `
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if not status then return '' end
+      redis.call('HSET', KEYS[1], 'cancel', '1', 'fence', 'stopped')
+      return status`,
+  },
+  /** Mark a finalized result's teardown confirmed; the reward and status stay as they are. */
+  fleetConfirmTeardown: {
+    keys: 1,
+    lua: `
+      local raw = redis.call('HGET', KEYS[1], 'result')
+      if not raw then return 0 end
+      -- Plain string edits, not cjson: cjson would turn empty arrays into objects. The result
+      -- is serialised in schema order, so the first occurrence is the top-level field.
+      local function sub(text, from, to)
+        local i, j = string.find(text, from, 1, true)
+        if not i then return text end
+        return string.sub(text, 1, i - 1) .. to .. string.sub(text, j + 1)
+      end
+      raw = sub(raw, '"teardown":"pending"', '"teardown":"confirmed"')
+      raw = sub(raw, '"failureKind":"teardown_failed"', '"failureKind":null')
+      redis.call('HSET', KEYS[1], 'result', raw)
+      return 1`,
+  },
+} as const;
+
+export type ScriptName = keyof typeof SCRIPTS;
+
+type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
+export type ScriptedRedis = Redis & Record<ScriptName, ScriptFn>;
+
+/** Register the scripts on a connection (idempotent). */
+export function withScripts(redis: Redis): ScriptedRedis {
+  const r = redis as ScriptedRedis;
+  for (const [name, def] of Object.entries(SCRIPTS)) {
+    if (typeof (r as unknown as Record<string, unknown>)[name] !== "function") {
+      redis.defineCommand(name, { numberOfKeys: def.keys, lua: def.lua });
+    }
+  }
+  return r;
+}

@@ -1,0 +1,167 @@
+import { CappedText, ProviderName, SandboxHandle } from "@fleet/contracts";
+import type { Redis } from "ioredis";
+import { z } from "zod";
+import { createKeys, type Keys } from "./keys.ts";
+import { type ScriptedRedis, withScripts } from "./scripts.ts";
+
+/** A sandbox the fleet intends to create or has created (its handle is null until created). */
+export const SandboxEntry = z.object({
+  key: z.string(),
+  rolloutId: z.string(),
+  owner: z.enum(["resources", "agent"]),
+  provider: ProviderName,
+  handle: SandboxHandle.nullable(),
+  createdAt: z.number().int(),
+  expiresAt: z.number().int(),
+});
+export type SandboxEntry = z.infer<typeof SandboxEntry>;
+
+/** A teardown that failed and is retried by the janitor until confirmed. */
+export const LedgerEntry = SandboxEntry.extend({
+  attempts: z.number().int().nonnegative(),
+  lastError: CappedText,
+  firstFailedAt: z.number().int(),
+  dueAt: z.number().int(),
+});
+export type LedgerEntry = z.infer<typeof LedgerEntry>;
+
+export function sandboxKey(rolloutId: string, owner: SandboxEntry["owner"]): string {
+  return `${rolloutId}:${owner}`;
+}
+
+/** Jittered exponential backoff for teardown retries: full jitter over base·2^n, capped. */
+export function teardownBackoffMs(
+  attempts: number,
+  random = Math.random,
+  baseMs = 2000,
+  capMs = 300_000,
+): number {
+  const ceiling = Math.min(capMs, baseMs * 2 ** Math.min(attempts, 20));
+  return Math.round(ceiling / 2 + (random() * ceiling) / 2);
+}
+
+/**
+ * Sandbox intents (persisted before create, DESIGN §2 rule 9) and the teardown ledger
+ * (failed destroys, retried by the janitor, rule 3). Both are durable in Redis.
+ */
+export class TeardownLedger {
+  readonly keys: Keys;
+  private readonly redis: ScriptedRedis;
+
+  constructor(redis: Redis, prefix = "{fleet}") {
+    this.redis = withScripts(redis);
+    this.keys = createKeys(prefix);
+  }
+
+  /**
+   * Persist the intent to create a sandbox, atomically refused if the rollout was closed
+   * (tombstone). Returns 'ok', 'closed' (a close already ran: do not create) or 'missing'.
+   */
+  async recordIntent(entry: SandboxEntry): Promise<"ok" | "closed" | "missing"> {
+    const parsed = SandboxEntry.parse(entry);
+    const r = String(
+      await this.redis.fleetIntent(
+        this.keys.rollout(parsed.rolloutId),
+        this.keys.sandboxes(),
+        parsed.key,
+        JSON.stringify(parsed),
+      ),
+    );
+    return r as "ok" | "closed" | "missing";
+  }
+
+  /** Attach the created handle to its intent. */
+  async attachHandle(entry: SandboxEntry): Promise<void> {
+    await this.redis.hset(this.keys.sandboxes(), entry.key, JSON.stringify(SandboxEntry.parse(entry)));
+  }
+
+  async getSandbox(key: string): Promise<SandboxEntry | null> {
+    const raw = await this.redis.hget(this.keys.sandboxes(), key);
+    return raw ? SandboxEntry.parse(JSON.parse(raw)) : null;
+  }
+
+  async listSandboxes(): Promise<SandboxEntry[]> {
+    const all = await this.redis.hvals(this.keys.sandboxes());
+    return all.map((raw) => SandboxEntry.parse(JSON.parse(raw)));
+  }
+
+  /** Destroy confirmed: forget the sandbox and any ledger entry for it. */
+  async confirm(key: string): Promise<void> {
+    await this.redis
+      .multi()
+      .hdel(this.keys.sandboxes(), key)
+      .hdel(this.keys.teardownEntries(), key)
+      .zrem(this.keys.teardownDue(), key)
+      .exec();
+  }
+
+  /** Record a failed destroy (or re-failure) and schedule the next attempt. */
+  async recordFailure(
+    entry: SandboxEntry,
+    error: string,
+    now: number,
+    random = Math.random,
+  ): Promise<LedgerEntry> {
+    const prevRaw = await this.redis.hget(this.keys.teardownEntries(), entry.key);
+    const prev = prevRaw ? LedgerEntry.parse(JSON.parse(prevRaw)) : null;
+    const attempts = (prev?.attempts ?? 0) + 1;
+    const ledger: LedgerEntry = LedgerEntry.parse({
+      ...SandboxEntry.parse(entry),
+      attempts,
+      lastError: error,
+      firstFailedAt: prev?.firstFailedAt ?? now,
+      dueAt: now + teardownBackoffMs(attempts - 1, random),
+    });
+    await this.redis
+      .multi()
+      .hset(this.keys.teardownEntries(), entry.key, JSON.stringify(ledger))
+      .zadd(this.keys.teardownDue(), ledger.dueAt, entry.key)
+      .exec();
+    return ledger;
+  }
+
+  /** Put a sandbox on the ledger to be destroyed now (e.g. an orphan found by the janitor). */
+  async schedule(entry: SandboxEntry, now: number): Promise<void> {
+    const exists = await this.redis.hexists(this.keys.teardownEntries(), entry.key);
+    if (exists) return;
+    const ledger = LedgerEntry.parse({
+      ...entry,
+      attempts: 0,
+      lastError: "",
+      firstFailedAt: now,
+      dueAt: now,
+    });
+    await this.redis
+      .multi()
+      .hset(this.keys.teardownEntries(), entry.key, JSON.stringify(ledger))
+      .zadd(this.keys.teardownDue(), now, entry.key)
+      .exec();
+  }
+
+  /** Ledger entries due at `now`. */
+  async due(now: number, limit = 50): Promise<LedgerEntry[]> {
+    const keys = await this.redis.zrangebyscore(this.keys.teardownDue(), "-inf", now, "LIMIT", 0, limit);
+    if (keys.length === 0) return [];
+    const raws = await this.redis.hmget(this.keys.teardownEntries(), ...keys);
+    return raws.filter((r): r is string => r !== null).map((r) => LedgerEntry.parse(JSON.parse(r)));
+  }
+
+  async pending(): Promise<LedgerEntry[]> {
+    const all = await this.redis.hvals(this.keys.teardownEntries());
+    return all.map((r) => LedgerEntry.parse(JSON.parse(r)));
+  }
+
+  async size(): Promise<number> {
+    return this.redis.zcard(this.keys.teardownDue());
+  }
+
+  /** Is a teardown still pending for this rollout (any owner)? */
+  async isPending(rolloutId: string): Promise<boolean> {
+    const [a, b] = await this.redis.hmget(
+      this.keys.teardownEntries(),
+      sandboxKey(rolloutId, "resources"),
+      sandboxKey(rolloutId, "agent"),
+    );
+    return a !== null || b !== null;
+  }
+}
