@@ -57,7 +57,12 @@ export interface SandboxProvider {
   find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null>;
   exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult>;
   /** Write files (relative paths) under `dir` (absolute), creating directories. */
-  put(handle: SandboxHandle, dir: string, files: FileSet, options?: { user?: string; mode?: number }): Promise<void>;
+  put(
+    handle: SandboxHandle,
+    dir: string,
+    files: FileSet,
+    options?: { user?: string; mode?: number },
+  ): Promise<void>;
   /** Read one file; `null` if it does not exist. Capped at `maxBytes` (default 1 MiB). */
   get(handle: SandboxHandle, path: string, options?: { maxBytes?: number }): Promise<string | null>;
   /** The isolation probe (DESIGN §5). Throws final `isolation_refused` or retryable `provider_unavailable`. */

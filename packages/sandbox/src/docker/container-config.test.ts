@@ -1,0 +1,118 @@
+import { SandboxSpec, type SandboxSpecInput } from "@fleet/contracts";
+import { describe, expect, it } from "vitest";
+import {
+  buildContainerConfig,
+  isTmpfsPath,
+  isWorkspacePath,
+  KEEPALIVE_USER,
+  sandboxName,
+} from "./container-config.ts";
+
+const base: SandboxSpecInput = {
+  image: "img:1",
+  rolloutId: "r1",
+  owner: "resources",
+  expiresAt: 1_700_000_000_000,
+};
+const config = (over: Partial<SandboxSpecInput> = {}) =>
+  buildContainerConfig(SandboxSpec.parse({ ...base, ...over }));
+
+describe("buildContainerConfig", () => {
+  it("is hardened by default", () => {
+    const c = config();
+    const h = c.HostConfig!;
+    expect(c.name).toBe("fleet-r1-resources");
+    expect(c.User).toBe(KEEPALIVE_USER);
+    expect(c.Entrypoint).toEqual(["sleep", "infinity"]);
+    expect(h.NetworkMode).toBe("none");
+    expect(h.CapDrop).toEqual(["ALL"]);
+    expect(h.CapAdd).toBeUndefined();
+    expect(h.SecurityOpt).toEqual(["no-new-privileges"]);
+    expect(h.ReadonlyRootfs).toBe(true);
+    expect(h.PidsLimit).toBe(256);
+    expect(h.Memory).toBe(1024 * 1024 * 1024);
+    expect(h.MemorySwap).toBe(h.Memory);
+    expect(h.NanoCpus).toBe(1e9);
+    expect(h.Init).toBe(true);
+    expect(h.Privileged).toBe(false);
+    expect(h.PidMode).toBeUndefined();
+    expect(h.Binds).toBeUndefined();
+    expect(Object.keys(h.Tmpfs!).sort()).toEqual(["/logs", "/solution", "/tests", "/tmp"]);
+    expect(h.Tmpfs!["/tests"]).toMatch(/size=256m/);
+    expect(h.Mounts).toEqual([
+      expect.objectContaining({
+        Type: "volume",
+        Source: "fleet-r1-resources-workspace",
+        Target: "/workspace",
+      }),
+    ]);
+    expect(c.Labels).toEqual({
+      "fleet.managed": "true",
+      "fleet.rollout": "r1",
+      "fleet.owner": "resources",
+      "fleet.expires": "1700000000000",
+    });
+    expect(h.Mounts![0]!.VolumeOptions!.Labels).toEqual(c.Labels);
+  });
+
+  it("never mounts anything from the host, least of all the docker socket", () => {
+    const c = config({ options: { memoryMb: 2048, readOnlyRoot: false, diskMb: 100 } });
+    const h = c.HostConfig!;
+    expect(h.Binds).toBeUndefined();
+    expect(h.Mounts!.every((m) => m.Type !== "bind")).toBe(true);
+    expect(JSON.stringify(c)).not.toContain("docker.sock");
+  });
+
+  it("relaxes each default only through its option", () => {
+    const h = config({
+      options: {
+        memoryMb: 2048,
+        cpus: 2.5,
+        pidsLimit: 1000,
+        tmpfsMb: 32,
+        readOnlyRoot: false,
+        pidMode: "host",
+      },
+      network: "fleet-gateway",
+    }).HostConfig!;
+    expect(h.Memory).toBe(2048 * 1024 * 1024);
+    expect(h.MemorySwap).toBe(h.Memory);
+    expect(h.NanoCpus).toBe(2.5e9);
+    expect(h.PidsLimit).toBe(1000);
+    expect(h.Tmpfs!["/tmp"]).toMatch(/size=32m/);
+    expect(h.ReadonlyRootfs).toBe(false);
+    expect(h.PidMode).toBe("host");
+    expect(h.NetworkMode).toBe("fleet-gateway");
+    // Untouched defaults stay hardened.
+    expect(h.CapDrop).toEqual(["ALL"]);
+    expect(h.SecurityOpt).toEqual(["no-new-privileges"]);
+  });
+
+  it("caps the workspace with a tmpfs-backed volume when diskMb is set", () => {
+    const ws = config({ options: { diskMb: 100 } }).HostConfig!.Mounts![0]!;
+    expect(ws.VolumeOptions!.DriverConfig).toEqual({
+      Name: "local",
+      Options: { type: "tmpfs", device: "tmpfs", o: "size=100m,nosuid,nodev" },
+    });
+  });
+});
+
+describe("sandboxName", () => {
+  it("is deterministic and Docker-safe", () => {
+    expect(sandboxName("abc_1-2", "agent")).toBe("fleet-abc_1-2-agent");
+    const odd = sandboxName("a b/c", "resources");
+    expect(odd).toMatch(/^fleet-a_b_c-[0-9a-f]{12}-resources$/);
+    expect(sandboxName("a b/c", "resources")).toBe(odd);
+    expect(sandboxName("a_b/c", "resources")).not.toBe(odd);
+  });
+});
+
+describe("mount helpers", () => {
+  it("knows which paths are tmpfs and which the workspace", () => {
+    expect(isTmpfsPath("/tests")).toBe(true);
+    expect(isTmpfsPath("/logs/verifier")).toBe(true);
+    expect(isTmpfsPath("/testsuite")).toBe(false);
+    expect(isWorkspacePath("/workspace/a")).toBe(true);
+    expect(isWorkspacePath("/workspaces")).toBe(false);
+  });
+});

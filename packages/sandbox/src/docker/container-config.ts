@@ -1,0 +1,168 @@
+import { createHash } from "node:crypto";
+import type { SandboxSpec } from "@fleet/contracts";
+import type Dockerode from "dockerode";
+import { LABEL_EXPIRES, LABEL_MANAGED, LABEL_OWNER, LABEL_ROLLOUT, SANDBOX_PATHS } from "../provider.ts";
+
+/**
+ * The user of the container's main process (`sleep infinity` under docker-init): `nobody`, so
+ * that killing every process of the agent's uid never kills the keepalive.
+ */
+export const KEEPALIVE_USER = "65534:65534";
+
+/** Hardened limits every sandbox gets unless its spec's `options` relax them. */
+export interface SandboxLimits {
+  /** Memory limit; swap is capped to the same value. @defaultValue 1024 */
+  memoryMb: number;
+  /** @defaultValue 1 */
+  cpus: number;
+  /** @defaultValue 256 */
+  pidsLimit: number;
+  /** Size of each tmpfs (`/tmp`, `/tests`, `/solution`, `/logs`). @defaultValue 256 */
+  tmpfsMb: number;
+  /** @defaultValue true */
+  readOnlyRoot: boolean;
+  /**
+   * Size cap of the workspace volume. `null`: a plain local volume (no cap: the local driver
+   * cannot enforce one on a plain directory). A number: a size-capped tmpfs-backed volume.
+   * @defaultValue null
+   */
+  diskMb: number | null;
+}
+
+export const DEFAULT_SANDBOX_LIMITS: Readonly<SandboxLimits> = Object.freeze({
+  memoryMb: 1024,
+  cpus: 1,
+  pidsLimit: 256,
+  tmpfsMb: 256,
+  readOnlyRoot: true,
+  diskMb: null,
+});
+
+/**
+ * The tmpfs mounts of every sandbox. `/tests` and `/solution` belong to root (0755) so the agent
+ * cannot plant files where tests are staged later; `/tmp` and `/logs` are world-writable (sticky).
+ * When the image has the directory, Docker's tmpfs copy-up gives the mount that directory's
+ * mode instead (the base image's match these).
+ */
+export const TMPFS_MOUNTS: ReadonlyArray<{ path: string; mode: string }> = [
+  { path: "/tmp", mode: "1777" },
+  { path: SANDBOX_PATHS.tests, mode: "0755" },
+  { path: SANDBOX_PATHS.solution, mode: "0755" },
+  { path: SANDBOX_PATHS.logs, mode: "1777" },
+];
+
+/** Whether `path` (absolute) lies on one of the sandbox's tmpfs mounts. */
+export function isTmpfsPath(path: string): boolean {
+  return TMPFS_MOUNTS.some((m) => path === m.path || path.startsWith(`${m.path}/`));
+}
+
+/** Whether `path` (absolute) lies in the workspace volume. */
+export function isWorkspacePath(path: string): boolean {
+  const ws = SANDBOX_PATHS.workspace;
+  return path === ws || path.startsWith(`${ws}/`);
+}
+
+const NAME_SAFE = /^[A-Za-z0-9][A-Za-z0-9_.-]*$/;
+
+/**
+ * `fleet-<rolloutId>-<owner>`: deterministic, so a re-delivered create finds the container it
+ * made before. A rollout id Docker would not accept as a name is sanitised and suffixed with a
+ * short hash of the original, so two ids never share a name.
+ */
+export function sandboxName(rolloutId: string, owner: SandboxSpec["owner"]): string {
+  if (NAME_SAFE.test(rolloutId) && rolloutId.length <= 100) return `fleet-${rolloutId}-${owner}`;
+  const hash = createHash("sha256").update(rolloutId).digest("hex").slice(0, 12);
+  const clean = rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80);
+  return `fleet-${clean}-${hash}-${owner}`;
+}
+
+/** The sandbox's workspace volume, destroyed with it. */
+export function workspaceVolumeName(containerName: string): string {
+  return `${containerName}-workspace`;
+}
+
+/** Defaults overlaid with the spec's relaxations (each option replaces exactly one default). */
+export function effectiveLimits(spec: SandboxSpec, defaults: Readonly<SandboxLimits>): SandboxLimits {
+  const o = spec.options;
+  return {
+    memoryMb: o.memoryMb ?? defaults.memoryMb,
+    cpus: o.cpus ?? defaults.cpus,
+    pidsLimit: o.pidsLimit ?? defaults.pidsLimit,
+    tmpfsMb: o.tmpfsMb ?? defaults.tmpfsMb,
+    readOnlyRoot: o.readOnlyRoot ?? defaults.readOnlyRoot,
+    diskMb: o.diskMb ?? defaults.diskMb,
+  };
+}
+
+export function sandboxLabels(spec: SandboxSpec): Record<string, string> {
+  return {
+    [LABEL_MANAGED]: "true",
+    [LABEL_ROLLOUT]: spec.rolloutId,
+    [LABEL_OWNER]: spec.owner,
+    [LABEL_EXPIRES]: String(spec.expiresAt),
+  };
+}
+
+/**
+ * The Docker create request for a sandbox: hardened by default (no network, no capabilities,
+ * no-new-privileges, read-only root, tmpfs scratch, one workspace volume, pids/memory/CPU limits,
+ * an init, no host mounts). Pure; the benchmark's raw loop uses the same request.
+ */
+export function buildContainerConfig(
+  spec: SandboxSpec,
+  defaults: Readonly<SandboxLimits> = DEFAULT_SANDBOX_LIMITS,
+): Dockerode.ContainerCreateOptions {
+  const limits = effectiveLimits(spec, defaults);
+  const name = sandboxName(spec.rolloutId, spec.owner);
+  const labels = sandboxLabels(spec);
+  const memoryBytes = limits.memoryMb * 1024 * 1024;
+  const tmpfs: Record<string, string> = {};
+  // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
+  for (const m of TMPFS_MOUNTS) tmpfs[m.path] = `rw,exec,nosuid,nodev,size=${limits.tmpfsMb}m,mode=${m.mode}`;
+
+  const workspace: Dockerode.MountSpec = {
+    Type: "volume",
+    Source: workspaceVolumeName(name),
+    Target: SANDBOX_PATHS.workspace,
+    VolumeOptions: {
+      Labels: labels,
+      ...(limits.diskMb === null
+        ? {}
+        : {
+            DriverConfig: {
+              Name: "local",
+              Options: { type: "tmpfs", device: "tmpfs", o: `size=${limits.diskMb}m,nosuid,nodev` },
+            },
+          }),
+    },
+  };
+
+  return {
+    name,
+    Image: spec.image,
+    // Our keepalive whatever the image's ENTRYPOINT/CMD say.
+    Entrypoint: ["sleep", "infinity"],
+    User: KEEPALIVE_USER,
+    WorkingDir: SANDBOX_PATHS.workspace,
+    Hostname: "sandbox",
+    Labels: labels,
+    HostConfig: {
+      NetworkMode: spec.network === "none" ? "none" : spec.network,
+      CapDrop: ["ALL"],
+      SecurityOpt: ["no-new-privileges"],
+      ReadonlyRootfs: limits.readOnlyRoot,
+      Tmpfs: tmpfs,
+      Mounts: [workspace],
+      PidsLimit: limits.pidsLimit,
+      Memory: memoryBytes,
+      MemorySwap: memoryBytes,
+      NanoCpus: Math.round(limits.cpus * 1e9),
+      Init: true,
+      IpcMode: "private",
+      Privileged: false,
+      // Under host memory pressure, sandboxes go before the fleet's own processes.
+      OomScoreAdj: 500,
+      ...(spec.options.pidMode === "host" ? { PidMode: "host" } : {}),
+    },
+  };
+}

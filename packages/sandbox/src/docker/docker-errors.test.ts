@@ -1,0 +1,102 @@
+import { FleetError, isFleetError } from "@fleet/contracts";
+import { describe, expect, it } from "vitest";
+import {
+  classifyDockerError,
+  classifyDockerFacts,
+  type DockerOperation,
+  dockerErrorFacts,
+} from "./docker-errors.ts";
+
+/** A dockerode-shaped HTTP error: what docker-modem rejects with when the daemon answers. */
+function httpError(statusCode: number, message: string): Error {
+  return Object.assign(new Error(`(HTTP code ${statusCode}) unexpected - ${message}`), {
+    statusCode,
+    json: { message },
+  });
+}
+
+function sysError(code: string): Error {
+  return Object.assign(new Error(`connect ${code} /var/run/docker.sock`), { code });
+}
+
+describe("dockerErrorFacts", () => {
+  it("prefers the daemon's own message", () => {
+    expect(dockerErrorFacts(httpError(404, "No such image: x:latest"))).toEqual({
+      statusCode: 404,
+      code: null,
+      message: "No such image: x:latest",
+    });
+  });
+
+  it("reads socket error codes and abort/timeout names", () => {
+    expect(dockerErrorFacts(sysError("ECONNREFUSED")).code).toBe("ECONNREFUSED");
+    const timeout = Object.assign(new Error("The operation was aborted"), {
+      name: "AbortError",
+      code: "ABORT_ERR",
+    });
+    expect(dockerErrorFacts(timeout).code).toBe("AbortError");
+    expect(dockerErrorFacts("weird").message).toBe("weird");
+  });
+});
+
+describe("classifyDockerFacts", () => {
+  const cases: Array<[DockerOperation, number | null, string, string]> = [
+    ["create", null, "connect ENOENT /nope.sock", "daemon_unavailable"],
+    ["exec", null, "socket hang up", "daemon_unavailable"],
+    ["create", 500, "server error", "daemon_unavailable"],
+    ["create", 503, "service unavailable", "daemon_unavailable"],
+    ["create", 404, "No such image: nope:latest", "image_missing"],
+    ["create", 404, "network fleet-gw not found", "network_missing"],
+    ["create", 409, 'Conflict. The container name "/fleet-r1-resources" is already in use', "name_conflict"],
+    ["create", 400, "invalid reference format", "bad_request"],
+    ["exec", 404, "No such container: abc", "sandbox_gone"],
+    ["exec", 409, "Container abc is not running", "sandbox_gone"],
+    ["exec", 500, "Container abc is not running", "sandbox_gone"],
+    ["exec", 500, "OCI runtime exec failed: resource temporarily unavailable", "daemon_unavailable"],
+    ["get", 404, "Could not find the file /workspace/x in container abc", "path_missing"],
+    ["put", 404, "Could not find the file /nope in container abc", "path_missing"],
+    ["get", 404, "No such container: abc", "sandbox_gone"],
+    ["inspect", 404, "No such container: abc", "sandbox_gone"],
+  ];
+  it.each(cases)("%s HTTP %s %j → %s", (op, statusCode, message, expected) => {
+    expect(classifyDockerFacts({ statusCode, code: null, message }, op)).toBe(expected);
+  });
+});
+
+describe("classifyDockerError", () => {
+  it("daemon unreachable → retryable provider_unavailable", () => {
+    const e = classifyDockerError(sysError("ECONNREFUSED"), "create", "fleet-r1-resources");
+    expect(e).toBeInstanceOf(FleetError);
+    expect(e.kind).toBe("provider_unavailable");
+    expect(e.retryable).toBe(true);
+    expect(e.message).toContain("ECONNREFUSED");
+    expect(e.cause).toBeInstanceOf(Error);
+  });
+
+  it("5xx → retryable provider_unavailable", () => {
+    const e = classifyDockerError(httpError(500, "boom"), "destroy");
+    expect([e.kind, e.retryable]).toEqual(["provider_unavailable", true]);
+  });
+
+  it("missing image → final invalid_task that says images are never pulled", () => {
+    const e = classifyDockerError(httpError(404, "No such image: nope:1"), "create", "nope:1");
+    expect([e.kind, e.retryable]).toEqual(["invalid_task", false]);
+    expect(e.message).toMatch(/never pulled/);
+  });
+
+  it("container gone → final sandbox_lost", () => {
+    const e = classifyDockerError(httpError(404, "No such container: abc"), "exec");
+    expect([e.kind, e.retryable]).toEqual(["sandbox_lost", false]);
+  });
+
+  it("passes FleetErrors through", () => {
+    const original = FleetError.nonRetryable("isolation_refused", "shared pid ns");
+    expect(classifyDockerError(original, "probe")).toBe(original);
+  });
+
+  it("keeps messages bounded", () => {
+    const e = classifyDockerError(httpError(500, "x".repeat(50_000)), "exec");
+    expect(e.message.length).toBeLessThanOrEqual(4000);
+    expect(isFleetError(e)).toBe(true);
+  });
+});

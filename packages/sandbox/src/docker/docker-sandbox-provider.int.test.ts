@@ -1,0 +1,404 @@
+import { execFile } from "node:child_process";
+import { createServer, type Server, connect as tcpConnect } from "node:net";
+import { promisify } from "node:util";
+import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
+import Dockerode from "dockerode";
+import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
+import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
+import { DockerSandboxProvider } from "./docker-sandbox-provider.ts";
+
+// Real Docker, the offline base image (scripts/build-base-image.sh).
+const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
+const RUN = `it${process.pid}${Date.now().toString(36)}`;
+const docker = new Dockerode({ socketPath: "/var/run/docker.sock" });
+const provider = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
+
+const usedRollouts = new Set<string>();
+const live: SandboxHandle[] = [];
+let counter = 0;
+
+function spec(over: Partial<SandboxSpecInput> = {}): SandboxSpecInput {
+  const rolloutId = `${RUN}-${++counter}`;
+  usedRollouts.add(rolloutId);
+  return { image: IMAGE, rolloutId, owner: "resources", expiresAt: Date.now() + 600_000, ...over };
+}
+
+async function create(over: Partial<SandboxSpecInput> = {}): Promise<SandboxHandle> {
+  const s = spec(over);
+  if (over.rolloutId) usedRollouts.add(over.rolloutId);
+  const h = await provider.create(s);
+  live.push(h);
+  return h;
+}
+
+async function fleetError(promise: Promise<unknown>): Promise<FleetError> {
+  try {
+    await promise;
+  } catch (err) {
+    expect(isFleetError(err), `expected a FleetError, got ${String(err)}`).toBe(true);
+    return err as FleetError;
+  }
+  throw new Error("expected the call to fail");
+}
+
+/** Processes of a uid inside the sandbox, read by root (uid 0 is never the agent). */
+async function processesOf(h: SandboxHandle, uid: number): Promise<string[]> {
+  const r = await provider.exec(h, ["ps", "-eo", "uid=,pid=,args="], { deadlineMs: 10_000, user: ROOT_USER });
+  expect(r.exitCode).toBe(0);
+  return r.stdout
+    .split("\n")
+    .map((l) => l.trim())
+    .filter((l) => l.split(/\s+/)[0] === String(uid));
+}
+
+beforeAll(async () => {
+  await docker.getImage(IMAGE).inspect(); // fails clearly when the base image was not built
+});
+
+afterEach(async () => {
+  // Whatever a test left (including after a failed assertion) is destroyed here.
+  while (live.length > 0) await provider.destroy(live.pop()!);
+});
+
+afterAll(async () => {
+  const containers = await docker.listContainers({
+    all: true,
+    filters: { label: [`${LABEL_MANAGED}=true`] },
+  });
+  const leftovers = containers.filter((c) => usedRollouts.has(c.Labels[LABEL_ROLLOUT] ?? ""));
+  const volumes = (await docker.listVolumes({ filters: { label: [`${LABEL_MANAGED}=true`] } })).Volumes ?? [];
+  const leftoverVolumes = volumes.filter((v) => usedRollouts.has(v.Labels?.[LABEL_ROLLOUT] ?? ""));
+  expect(leftovers.map((c) => c.Names[0])).toEqual([]);
+  expect(leftoverVolumes.map((v) => v.Name)).toEqual([]);
+});
+
+describe("DockerSandboxProvider (real Docker)", () => {
+  describe("one shared sandbox", () => {
+    let h: SandboxHandle;
+    beforeAll(async () => {
+      h = await provider.create(spec());
+    });
+    afterAll(async () => {
+      await provider.destroy(h);
+    });
+
+    it("creates a hardened, labelled sandbox whose keepalive runs as nobody", async () => {
+      const info = await docker.getContainer(h.id).inspect();
+      const hc = info.HostConfig;
+      expect(info.State.Running).toBe(true);
+      expect(hc.NetworkMode).toBe("none");
+      expect(hc.CapDrop).toEqual(["ALL"]);
+      expect(hc.SecurityOpt).toEqual(["no-new-privileges"]);
+      expect(hc.ReadonlyRootfs).toBe(true);
+      expect(hc.PidsLimit).toBe(256);
+      expect(hc.Memory).toBe(1024 * 1024 * 1024);
+      expect(hc.Init).toBe(true);
+      expect(hc.Binds ?? []).toEqual([]);
+      expect(info.Mounts.map((m) => [m.Type, m.Destination])).toEqual([["volume", "/workspace"]]);
+      expect(info.Config.Labels).toMatchObject({
+        "fleet.managed": "true",
+        "fleet.rollout": h.rolloutId,
+        "fleet.owner": "resources",
+      });
+      expect(h.name).toBe(`fleet-${h.rolloutId}-resources`);
+      const ps = await provider.exec(h, ["ps", "-o", "uid=,args=", "-p", "1"], { deadlineMs: 10_000 });
+      expect(ps.stdout.trim()).toMatch(/^65534\s+\/sbin\/docker-init -- sleep infinity$/);
+    });
+
+    it("runs a command as the agent user, with env, cwd and stdin", async () => {
+      const r = await provider.exec(
+        h,
+        ["sh", "-c", 'id -u; id -g; pwd; echo "$GREETING"; cat; echo oops >&2; exit 7'],
+        {
+          deadlineMs: 10_000,
+          env: { GREETING: "hello" },
+          cwd: "/tmp",
+          stdin: "from stdin\n",
+        },
+      );
+      expect(r).toMatchObject({
+        exitCode: 7,
+        timedOut: false,
+        stdout: "1000\n1000\n/tmp\nhello\nfrom stdin\n",
+        stderr: "oops\n",
+        stdoutTruncated: false,
+        stderrTruncated: false,
+        oomKilled: false,
+      });
+      expect(r.durationMs).toBeGreaterThan(0);
+    });
+
+    it("caps 10 MB of output at maxOutputBytes and says so", async () => {
+      const r = await provider.exec(
+        h,
+        ["sh", "-c", "head -c 10000000 /dev/zero | tr '\\000' a; head -c 3000 /dev/zero | tr '\\000' b >&2"],
+        { deadlineMs: 60_000 },
+      );
+      expect(r.exitCode).toBe(0);
+      expect(r.stdout.length).toBe(1024 * 1024);
+      expect(r.stdout).toMatch(/^a+$/);
+      expect(r.stdoutTruncated).toBe(true);
+      expect(r.stderr).toBe("b".repeat(3000));
+      expect(r.stderrTruncated).toBe(false);
+
+      const small = await provider.exec(h, ["sh", "-c", "echo 0123456789"], {
+        deadlineMs: 10_000,
+        maxOutputBytes: 4,
+      });
+      expect([small.stdout, small.stdoutTruncated]).toEqual(["0123", true]);
+    });
+
+    it("returns invalid UTF-8 as U+FFFD", async () => {
+      const r = await provider.exec(h, ["printf", "ok \\377\\376 end"], { deadlineMs: 10_000 });
+      expect(r.stdout).toBe("ok \uFFFD\uFFFD end");
+    });
+
+    it("cannot write to / but can write to /workspace", async () => {
+      const root = await provider.exec(h, ["sh", "-c", "echo x > /rootfile"], {
+        deadlineMs: 10_000,
+        user: ROOT_USER,
+      });
+      expect(root.exitCode).not.toBe(0);
+      expect(root.stderr).toMatch(/Read-only file system/);
+      const ws = await provider.exec(h, ["sh", "-c", "echo fine > /workspace/ok && cat /workspace/ok"], {
+        deadlineMs: 10_000,
+      });
+      expect([ws.exitCode, ws.stdout]).toEqual([0, "fine\n"]);
+    });
+
+    it("cannot reach a TCP server on the host's 127.0.0.1 nor on the docker bridge gateway", async () => {
+      let connections = 0;
+      const server: Server = createServer((s) => {
+        connections++;
+        s.on("error", () => {}); // the control client hangs up at once
+        s.end("hello\n");
+      });
+      await new Promise<void>((resolve) => server.listen(0, "0.0.0.0", resolve));
+      try {
+        const port = (server.address() as { port: number }).port;
+        // Control: the server is reachable from the host, so a failure inside means isolation.
+        await new Promise<void>((resolve, reject) => {
+          const c = tcpConnect(port, "127.0.0.1", () => {
+            c.destroy();
+            resolve();
+          }).on("error", reject);
+        });
+        await vi.waitFor(() => expect(connections).toBe(1));
+        const bridge = await docker.getNetwork("bridge").inspect();
+        const cfg = bridge.IPAM.Config?.[0];
+        const gateway = cfg?.Gateway ?? cfg?.Subnet?.replace(/\.0\/\d+$/, ".1") ?? "172.17.0.1";
+        const probe =
+          "import socket,sys\nfor host in sys.argv[1:]:\n  try:\n    socket.create_connection((host, PORT), timeout=3).close(); print(host, 'CONNECTED')\n  except OSError as e:\n    print(host, 'blocked', e)\n";
+        const r = await provider.exec(
+          h,
+          ["python3", "-c", probe.replace("PORT", String(port)), "127.0.0.1", gateway],
+          {
+            deadlineMs: 30_000,
+          },
+        );
+        expect(r.exitCode).toBe(0);
+        expect(r.stdout).not.toContain("CONNECTED");
+        expect(r.stdout.match(/blocked/g)).toHaveLength(2);
+        expect(connections).toBe(1);
+      } finally {
+        await new Promise((resolve) => server.close(resolve));
+      }
+    });
+
+    it("puts files via tar (agent-owned in the workspace, root's in /tests) and gets them back", async () => {
+      await provider.put(h, "/workspace/src/pkg", {
+        "a.txt": "alpha",
+        "bin/run.sh": "#!/bin/sh\necho ran\n",
+      });
+      await provider.put(h, "/tests", { "test.sh": "#!/bin/sh\nexit 0\n" });
+      const ls = await provider.exec(
+        h,
+        [
+          "sh",
+          "-c",
+          "stat -c '%u:%g %a %n' /workspace/src/pkg/a.txt /workspace/src/pkg/bin/run.sh /tests/test.sh",
+        ],
+        { deadlineMs: 10_000 },
+      );
+      expect(ls.stdout.split("\n").filter(Boolean)).toEqual([
+        "1000:1000 644 /workspace/src/pkg/a.txt",
+        "1000:1000 755 /workspace/src/pkg/bin/run.sh",
+        "0:0 755 /tests/test.sh",
+      ]);
+      const run = await provider.exec(h, ["/workspace/src/pkg/bin/run.sh"], { deadlineMs: 10_000 });
+      expect(run.stdout).toBe("ran\n");
+      // The agent cannot plant files where tests are staged.
+      const plant = await provider.exec(h, ["sh", "-c", "echo x > /tests/conftest.py"], {
+        deadlineMs: 10_000,
+      });
+      expect(plant.exitCode).not.toBe(0);
+
+      expect(await provider.get(h, "/workspace/src/pkg/a.txt")).toBe("alpha");
+      expect(await provider.get(h, "/workspace/src/pkg/a.txt", { maxBytes: 3 })).toBe("alp");
+      expect(await provider.get(h, "/workspace/nope.txt")).toBeNull();
+      expect(await provider.get(h, "/workspace/src")).toBeNull();
+
+      await provider.put(h, "/logs/verifier", { "reward.txt": "0.75\n" }, { user: ROOT_USER });
+      expect(await provider.get(h, "/logs/verifier/reward.txt")).toBe("0.75\n");
+      expect(await provider.get(h, "/logs/verifier/missing.txt")).toBeNull();
+    });
+
+    it("probes isolation: own PID namespace, own PID 1, host invisible", async () => {
+      const report = await provider.probe(h);
+      expect(report.isolated).toBe(true);
+      expect(report.checks).toEqual({
+        pidNamespaceDiffers: true,
+        pidModeNotHost: true,
+        pid1IsSandboxInit: true,
+        hostSentinelInvisible: true,
+      });
+    });
+
+    it("kills every agent process, including ones that left the process group, and keeps the sandbox", async () => {
+      const bg = await provider.exec(
+        h,
+        [
+          "sh",
+          "-c",
+          "setsid sleep 1000 >/dev/null 2>&1 </dev/null & sleep 1000 >/dev/null 2>&1 </dev/null &",
+        ],
+        {
+          deadlineMs: 10_000,
+        },
+      );
+      expect(bg.exitCode).toBe(0);
+      expect((await processesOf(h, 1000)).length).toBeGreaterThanOrEqual(2);
+      const receipt = await provider.killProcesses(h, AGENT_USER);
+      expect(receipt).toMatchObject({
+        scope: "processes",
+        confirmed: true,
+        remaining: 0,
+        alreadyGone: false,
+      });
+      expect(await processesOf(h, 1000)).toEqual([]);
+      expect(await provider.alive(h)).toBe(true);
+    });
+  });
+
+  it("kills the whole process tree at the deadline: exitCode -1, timedOut, no uid 1000 process left", async () => {
+    const h = await create();
+    const started = Date.now();
+    const r = await provider.exec(h, ["sh", "-c", "sleep 1000 & sleep 1000"], { deadlineMs: 2_000 });
+    expect(r).toMatchObject({ exitCode: -1, timedOut: true });
+    expect(Date.now() - started).toBeLessThan(10_000);
+    expect(await processesOf(h, 1000)).toEqual([]);
+  });
+
+  it("contains a fork bomb with the pids limit while the host stays responsive, then destroys it", async () => {
+    const h = await create({ options: { pidsLimit: 64 } });
+    const container = docker.getContainer(h.id);
+    let maxLagMs = 0;
+    let last = performance.now();
+    const ticker = setInterval(() => {
+      const now = performance.now();
+      maxLagMs = Math.max(maxLagMs, now - last);
+      last = now;
+    }, 20);
+    try {
+      // Every process keeps forking and shrugs off failed forks, so the bomb stays at the limit
+      // until the deadline kills its process group.
+      const forever = "import os\nwhile True:\n  try:\n    os.fork()\n  except OSError:\n    pass\n";
+      const bomb = provider.exec(h, ["python3", "-c", forever], { deadlineMs: 6_000 });
+      // Wait until the bomb has filled the sandbox up to its limit...
+      await vi.waitFor(
+        async () => {
+          const stats = await container.stats({ stream: false, "one-shot": true });
+          expect(stats.pids_stats?.current ?? 0).toBeGreaterThanOrEqual(60);
+          expect(stats.pids_stats?.current ?? 0).toBeLessThanOrEqual(64);
+        },
+        { timeout: 8_000, interval: 100 },
+      );
+      // ...and the host still answers meanwhile.
+      const hostStarted = performance.now();
+      const { stdout } = await promisify(execFile)("sh", ["-c", "echo host-alive"], { timeout: 5_000 });
+      expect(stdout).toBe("host-alive\n");
+      expect(performance.now() - hostStarted).toBeLessThan(5_000);
+      const result = await bomb.catch((err: unknown) => err);
+      expect(isFleetError(result) ? result : { ...(result as object), stdout: "", stderr: "" }).toMatchObject(
+        {
+          exitCode: -1,
+          timedOut: true,
+        },
+      );
+      expect(maxLagMs).toBeLessThan(2_000);
+    } finally {
+      clearInterval(ticker);
+    }
+    const receipt = await provider.destroy(live.pop()!);
+    expect(receipt).toMatchObject({ confirmed: true, scope: "sandbox", alreadyGone: false });
+    expect(await provider.alive(h)).toBe(false);
+  });
+
+  it("flags an OOM kill", async () => {
+    const h = await create({ options: { memoryMb: 64 } });
+    const r = await provider.exec(h, ["python3", "-c", "x = bytearray(512 * 1024 * 1024)"], {
+      deadlineMs: 60_000,
+    });
+    expect(r).toMatchObject({ exitCode: 137, timedOut: false, oomKilled: true });
+  });
+
+  it("refuses pidMode host at the probe as final isolation_refused", async () => {
+    const h = await create({ options: { pidMode: "host" } });
+    const err = await fleetError(provider.probe(h));
+    expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+    expect(err.message).toMatch(/pidNamespaceDiffers/);
+  });
+
+  it("re-delivered create finds the same sandbox; find() by label", async () => {
+    const s = spec();
+    const a = await provider.create(s);
+    live.push(a);
+    const b = await provider.create(s);
+    expect(b.id).toBe(a.id);
+    expect((await provider.find(s.rolloutId, "resources"))?.id).toBe(a.id);
+    expect(await provider.find(s.rolloutId, "agent")).toBeNull();
+    expect((await provider.list({ [LABEL_ROLLOUT]: s.rolloutId })).map((i) => i.handle.id)).toEqual([a.id]);
+  });
+
+  it("destroys twice without complaint and removes the workspace volume", async () => {
+    const h = await create();
+    live.pop();
+    expect(await provider.destroy(h)).toMatchObject({
+      confirmed: true,
+      alreadyGone: false,
+      scope: "sandbox",
+    });
+    expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: true, scope: "sandbox" });
+    await expect(docker.getVolume(h.volumes[0]!).inspect()).rejects.toMatchObject({ statusCode: 404 });
+    const lost = await fleetError(provider.exec(h, ["true"], { deadlineMs: 5_000 }));
+    expect(lost.kind).toBe("sandbox_lost");
+    expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, alreadyGone: true });
+  });
+
+  it("refuses an unknown sandbox option and a missing image as final invalid_task", async () => {
+    const bad = await fleetError(provider.create({ ...spec(), options: { bogus: 1 } as never }));
+    expect([bad.kind, bad.retryable]).toEqual(["invalid_task", false]);
+    expect(bad.message).toMatch(/bogus/);
+    const missing = await fleetError(provider.create(spec({ image: "rollout-fleet/does-not-exist:never" })));
+    expect([missing.kind, missing.retryable]).toEqual(["invalid_task", false]);
+  });
+
+  it("a daemon that is not there is a retryable provider_unavailable", async () => {
+    const nowhere = new DockerSandboxProvider({ docker: { socketPath: `/tmp/fleet-no-daemon-${RUN}.sock` } });
+    const err = await fleetError(nowhere.create(spec()));
+    expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+    const fake: SandboxHandle = {
+      provider: "docker",
+      endpoint: nowhere.endpoint,
+      id: "x",
+      name: "fleet-x-resources",
+      rolloutId: "x",
+      owner: "resources",
+      volumes: [],
+    };
+    expect((await fleetError(nowhere.exec(fake, ["true"], { deadlineMs: 1000 }))).kind).toBe(
+      "provider_unavailable",
+    );
+    expect((await fleetError(nowhere.destroy(fake))).retryable).toBe(true);
+  });
+});

@@ -1,0 +1,764 @@
+/// <reference path="./dockerode.d.ts" />
+import { readFileSync, readlinkSync } from "node:fs";
+import type { Socket } from "node:net";
+import {
+  type CleanupReceipt,
+  ExecOptions,
+  type ExecResult,
+  FileSet,
+  FleetError,
+  isFleetError,
+  type ProbeReport,
+  type SandboxHandle,
+  SandboxSpec,
+  type SandboxSpecInput,
+} from "@fleet/contracts";
+import type { Logger } from "@fleet/telemetry";
+import Dockerode from "dockerode";
+import { deadlineArgv, envList, execOutcome, KILL_GRACE_S, parseNumericUser } from "../exec-command.ts";
+import { CappedBuffer, DockerStreamDemuxer, decodeCapped } from "../output.ts";
+import {
+  AGENT_USER,
+  LABEL_MANAGED,
+  LABEL_OWNER,
+  LABEL_ROLLOUT,
+  ROOT_USER,
+  SANDBOX_PATHS,
+  type SandboxInfo,
+  type SandboxProvider,
+} from "../provider.ts";
+import { buildTar, readFirstTarFile } from "../tar.ts";
+import { formatIssues } from "../validation.ts";
+import {
+  buildContainerConfig,
+  DEFAULT_SANDBOX_LIMITS,
+  isTmpfsPath,
+  isWorkspacePath,
+  type SandboxLimits,
+  sandboxName,
+  workspaceVolumeName,
+} from "./container-config.ts";
+import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
+import { classifyDockerError, classifyDockerFacts, dockerErrorFacts } from "./docker-errors.ts";
+
+/** Provider-wide defaults; every field optional in the constructor. */
+export interface DockerSandboxDefaults extends SandboxLimits {
+  /** User execs run as when the caller names none. @defaultValue AGENT_USER (`1000:1000`) */
+  execUser: string;
+  /** Cap for stdout and for stderr of one exec. @defaultValue 1 MiB */
+  maxOutputBytes: number;
+  /** Budget of the isolation probe. @defaultValue 10_000 */
+  probeTimeoutMs: number;
+  /** Budget of one Docker API call (not of an exec's output stream). @defaultValue 30_000 */
+  apiTimeoutMs: number;
+  /** Seconds between SIGTERM and SIGKILL at an exec's deadline. @defaultValue 2 */
+  killGraceS: number;
+  /** Slack of the host-side safety timer beyond deadline + kill grace. @defaultValue 5_000 */
+  execSlackMs: number;
+  /** Rounds of `kill -9 -1` + /proc scan in `killProcesses`. @defaultValue 50 */
+  killRounds: number;
+}
+
+export const DEFAULT_DOCKER_SANDBOX_DEFAULTS: Readonly<DockerSandboxDefaults> = Object.freeze({
+  ...DEFAULT_SANDBOX_LIMITS,
+  execUser: AGENT_USER,
+  maxOutputBytes: 1024 * 1024,
+  probeTimeoutMs: 10_000,
+  apiTimeoutMs: 30_000,
+  killGraceS: KILL_GRACE_S,
+  execSlackMs: 5_000,
+  killRounds: 50,
+});
+
+export interface DockerSandboxProviderOptions {
+  /** Where the daemon is: `{ endpoint: "unix:///var/run/docker.sock" }` (default) or dockerode options. */
+  docker?: DockerConnection;
+  logger?: Logger;
+  defaults?: Partial<DockerSandboxDefaults>;
+}
+
+type Container = Dockerode.Container;
+
+/** Where the staging-only mounts are; `put` there defaults to root so the agent cannot write them. */
+const ROOT_STAGED = [SANDBOX_PATHS.tests, SANDBOX_PATHS.solution];
+
+/**
+ * `SandboxProvider` on a Docker daemon via dockerode. Hardened by default (see
+ * `buildContainerConfig`); relaxations come only from a spec's strict `options`.
+ */
+export class DockerSandboxProvider implements SandboxProvider {
+  readonly name = "docker" as const;
+  readonly endpoint: string;
+  readonly defaults: Readonly<DockerSandboxDefaults>;
+  private readonly docker: Dockerode;
+  private readonly logger: Logger | undefined;
+  private readonly remotes = new Map<string, Dockerode>();
+
+  constructor(options: DockerSandboxProviderOptions = {}) {
+    const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
+    this.endpoint = endpoint;
+    this.docker = connect(dockerOptions);
+    this.logger = options.logger;
+    this.defaults = Object.freeze({ ...DEFAULT_DOCKER_SANDBOX_DEFAULTS, ...options.defaults });
+  }
+
+  async create(input: SandboxSpecInput): Promise<SandboxHandle> {
+    const parsed = SandboxSpec.safeParse(input);
+    if (!parsed.success) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `invalid sandbox spec: ${formatIssues(parsed.error.issues)}`,
+      );
+    }
+    const spec = parsed.data;
+    const config = buildContainerConfig(spec, this.defaults);
+    const name = config.name!;
+    const handle: SandboxHandle = {
+      provider: "docker",
+      endpoint: this.endpoint,
+      id: "",
+      name,
+      rolloutId: spec.rolloutId,
+      owner: spec.owner,
+      volumes: [workspaceVolumeName(name)],
+    };
+
+    let container: Container;
+    try {
+      container = await this.docker.createContainer({ ...config, abortSignal: this.apiSignal() });
+    } catch (err) {
+      const facts = dockerErrorFacts(err);
+      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle);
+      throw classifyDockerError(err, "create", name);
+    }
+    handle.id = container.id;
+    try {
+      await container.start({ abortSignal: this.apiSignal() });
+    } catch (err) {
+      const facts = dockerErrorFacts(err);
+      // The image cannot run our keepalive (no `sleep`), or the runtime refused the config: final.
+      const final =
+        facts.statusCode !== null &&
+        facts.statusCode < 500 &&
+        !/is already (started|running)/i.test(facts.message) &&
+        facts.statusCode !== 304;
+      const startFailedOnImage = /executable file not found|no such file or directory/i.test(facts.message);
+      await this.destroy(handle).catch((cleanupErr: unknown) =>
+        this.logger?.warn(
+          { err: cleanupErr, sandbox: name },
+          "could not remove a sandbox that failed to start",
+        ),
+      );
+      if (startFailedOnImage) {
+        throw FleetError.nonRetryable(
+          "invalid_task",
+          `sandbox image ${spec.image} cannot run the keepalive 'sleep infinity': ${facts.message}`,
+          err,
+        );
+      }
+      if (final)
+        throw FleetError.nonRetryable(
+          "invalid_task",
+          `sandbox ${name} failed to start: ${facts.message}`,
+          err,
+        );
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `sandbox ${name} failed to start: ${facts.message}`,
+        err,
+      );
+    }
+    this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
+    return handle;
+  }
+
+  /** A re-delivered create: the container of that name exists; take it over if it is this rollout's. */
+  private async adopt(handle: SandboxHandle): Promise<SandboxHandle> {
+    const container = this.docker.getContainer(handle.name);
+    let info: Dockerode.ContainerInspectInfo;
+    try {
+      info = await container.inspect({ abortSignal: this.apiSignal() });
+    } catch (err) {
+      // Removed in between (e.g. a concurrent close): let the caller retry the create.
+      throw FleetError.retryable("provider_unavailable", `sandbox name ${handle.name} is in use`, err);
+    }
+    const labels = info.Config.Labels ?? {};
+    if (labels[LABEL_ROLLOUT] !== handle.rolloutId || labels[LABEL_OWNER] !== handle.owner) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `container name ${handle.name} is taken by a container that is not this rollout's sandbox`,
+      );
+    }
+    if (!info.State.Running) {
+      try {
+        await container.start({ abortSignal: this.apiSignal() });
+      } catch (err) {
+        if (dockerErrorFacts(err).statusCode !== 304) throw classifyDockerError(err, "start", handle.name);
+      }
+    }
+    this.logger?.info({ sandbox: handle.name, id: info.Id }, "sandbox already existed; reusing it");
+    return { ...handle, id: info.Id };
+  }
+
+  async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
+    const found = await this.list({ [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner });
+    if (found.length === 0) return null;
+    const expected = sandboxName(rolloutId, owner);
+    return (found.find((s) => s.handle.name === expected) ?? found[0]!).handle;
+  }
+
+  async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
+    const parsed = ExecOptions.safeParse(options);
+    if (!parsed.success) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `invalid exec options: ${formatIssues(parsed.error.issues)}`,
+      );
+    }
+    const o = parsed.data;
+    const result = await this.execIn(handle, argv, {
+      deadlineMs: o.deadlineMs,
+      env: o.env,
+      cwd: o.cwd,
+      user: o.user ?? this.defaults.execUser,
+      stdin: o.stdin === undefined ? null : Buffer.from(o.stdin, "utf8"),
+      maxOutputBytes: o.maxOutputBytes,
+    });
+    if (result.rawExitCode === 137 && !result.timedOut) {
+      result.oomKilled = await this.oomKilled(handle);
+    }
+    const { rawExitCode: _raw, ...out } = result;
+    return out;
+  }
+
+  /** One exec: create, start (hijacked stream, demultiplexed and capped), inspect for the code. */
+  private async execIn(
+    handle: SandboxHandle,
+    argv: readonly string[],
+    o: {
+      deadlineMs: number;
+      env?: Record<string, string>;
+      cwd?: string | undefined;
+      user: string;
+      stdin: Buffer | null;
+      maxOutputBytes: number;
+    },
+  ): Promise<ExecResult & { rawExitCode: number }> {
+    const cmd = deadlineArgv(argv, o.deadlineMs, this.defaults.killGraceS);
+    const container = this.containerOf(handle);
+    const started = performance.now();
+    let exec: Dockerode.Exec;
+    try {
+      exec = await container.exec({
+        Cmd: cmd,
+        AttachStdin: o.stdin !== null,
+        AttachStdout: true,
+        AttachStderr: true,
+        Tty: false,
+        Env: envList(o.env),
+        User: o.user,
+        WorkingDir: o.cwd,
+        abortSignal: this.apiSignal(),
+      });
+    } catch (err) {
+      throw classifyDockerError(err, "exec", handle.name);
+    }
+
+    const stdout = new CappedBuffer(o.maxOutputBytes);
+    const stderr = new CappedBuffer(o.maxOutputBytes);
+    const safetyMs = o.deadlineMs + this.defaults.killGraceS * 1000 + this.defaults.execSlackMs;
+    const hostTimedOut = await this.stream(
+      exec,
+      o.stdin,
+      new DockerStreamDemuxer(stdout, stderr),
+      safetyMs,
+      handle,
+    );
+
+    const info = await this.execExit(exec, handle, hostTimedOut);
+    const durationMs = performance.now() - started;
+    let outcome: { exitCode: number; timedOut: boolean };
+    let rawExitCode: number;
+    if (info === null) {
+      // The host-side safety timer fired and the command still runs (or never reported).
+      this.logger?.warn({ sandbox: handle.name, deadlineMs: o.deadlineMs }, "exec outlived its deadline");
+      outcome = { exitCode: -1, timedOut: true };
+      rawExitCode = -1;
+    } else {
+      rawExitCode = info;
+      outcome = execOutcome(info, durationMs, o.deadlineMs);
+    }
+    return {
+      exitCode: outcome.exitCode,
+      timedOut: outcome.timedOut,
+      stdout: stdout.text(),
+      stderr: stderr.text(),
+      stdoutTruncated: stdout.truncated,
+      stderrTruncated: stderr.truncated,
+      durationMs,
+      oomKilled: false,
+      rawExitCode,
+    };
+  }
+
+  /** Start the exec and pump its stream; resolves `true` if the host-side safety timer fired. */
+  private async stream(
+    exec: Dockerode.Exec,
+    stdin: Buffer | null,
+    demux: DockerStreamDemuxer,
+    safetyMs: number,
+    handle: SandboxHandle,
+  ): Promise<boolean> {
+    let socket: Socket;
+    try {
+      socket = await exec.start({ hijack: true, stdin: stdin !== null, abortSignal: this.apiSignal() });
+    } catch (err) {
+      throw classifyDockerError(err, "exec", handle.name);
+    }
+    return new Promise<boolean>((resolve, reject) => {
+      let settled = false;
+      const settle = (timedOut: boolean, err?: unknown) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        socket.destroy();
+        if (err === undefined) resolve(timedOut);
+        else reject(classifyDockerError(err, "exec", handle.name));
+      };
+      const timer = setTimeout(() => settle(true), safetyMs);
+      socket.on("data", (chunk: Buffer) => demux.push(chunk));
+      socket.once("end", () => settle(false));
+      socket.once("close", () => settle(false));
+      socket.once("error", (err) => settle(false, err));
+      if (stdin !== null) socket.end(stdin);
+    });
+  }
+
+  /**
+   * The exec's exit code. The stream can close a moment before the daemon records the exit, so
+   * a still-running exec is re-inspected briefly; after a host-side timeout, a running exec is
+   * reported as `null`.
+   */
+  private async execExit(
+    exec: Dockerode.Exec,
+    handle: SandboxHandle,
+    hostTimedOut: boolean,
+  ): Promise<number | null> {
+    const until = performance.now() + (hostTimedOut ? 1_000 : 5_000);
+    for (let attempt = 0; ; attempt++) {
+      let info: Dockerode.ExecInspectInfo;
+      try {
+        info = await exec.inspect({ abortSignal: this.apiSignal() });
+      } catch (err) {
+        throw classifyDockerError(err, "exec", handle.name);
+      }
+      if (!info.Running && info.ExitCode !== null) return info.ExitCode;
+      if (performance.now() >= until) {
+        if (hostTimedOut) return null;
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `exec in ${handle.name} ended without an exit code`,
+        );
+      }
+      await delay(Math.min(5 * 2 ** attempt, 100));
+    }
+  }
+
+  /** After a SIGKILL exit: did the memory cgroup's OOM killer act in this sandbox? */
+  private async oomKilled(handle: SandboxHandle): Promise<boolean> {
+    try {
+      const info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
+      if (info.State.OOMKilled) return true;
+      // cgroup v1 memory.oom_control / v2 memory.events both carry `oom_kill <n>`.
+      const r = await this.execIn(
+        handle,
+        ["sh", "-c", "cat /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events 2>/dev/null"],
+        { deadlineMs: 5_000, user: ROOT_USER, stdin: null, maxOutputBytes: 4096 },
+      );
+      const m = /oom_kill (\d+)/.exec(r.stdout);
+      return m !== null && Number(m[1]) > 0;
+    } catch (err) {
+      this.logger?.debug({ err, sandbox: handle.name }, "could not tell whether an exec was OOM-killed");
+      return false;
+    }
+  }
+
+  async put(
+    handle: SandboxHandle,
+    dir: string,
+    files: FileSet,
+    options: { user?: string; mode?: number } = {},
+  ): Promise<void> {
+    if (!dir.startsWith("/"))
+      throw FleetError.nonRetryable("invalid_task", `put needs an absolute directory: ${dir}`);
+    const checked = FileSet.safeParse(files);
+    if (!checked.success) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `invalid files for ${dir}: ${formatIssues(checked.error.issues)}`,
+      );
+    }
+    const target = normalizeAbsolute(dir);
+    const user =
+      options.user ??
+      (ROOT_STAGED.some((p) => target === p || target.startsWith(`${p}/`))
+        ? ROOT_USER
+        : this.defaults.execUser);
+    const ids = parseNumericUser(user);
+    if (ids === null)
+      throw FleetError.nonRetryable("invalid_task", `put needs a numeric uid[:gid], got ${user}`);
+
+    if (isTmpfsPath(target)) {
+      // Docker's archive API cannot see a container's tmpfs mounts: extract inside, as the user.
+      const archive = await buildTar(checked.data, { ...ids, mode: options.mode });
+      const r = await this.execIn(
+        handle,
+        ["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"', "sh", target],
+        { deadlineMs: 120_000, user, stdin: archive, maxOutputBytes: 16 * 1024 },
+      );
+      if (r.exitCode !== 0) {
+        throw FleetError.nonRetryable(
+          "invalid_task",
+          `staging ${Object.keys(files).length} file(s) into ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
+        );
+      }
+      return;
+    }
+
+    // Volume (or writable root): the archive API, rooted at the workspace so missing
+    // directories are created with the right owner.
+    const root = isWorkspacePath(target) ? SANDBOX_PATHS.workspace : target;
+    const prefix = target.slice(root.length).replace(/^\//, "");
+    const archive = await buildTar(checked.data, { ...ids, mode: options.mode, prefix });
+    try {
+      await this.containerOf(handle).putArchive(archive, { path: root, abortSignal: this.apiSignal() });
+    } catch (err) {
+      throw classifyDockerError(err, "put", `${handle.name}:${target}`);
+    }
+  }
+
+  async get(
+    handle: SandboxHandle,
+    path: string,
+    options: { maxBytes?: number } = {},
+  ): Promise<string | null> {
+    const maxBytes = options.maxBytes ?? this.defaults.maxOutputBytes;
+    if (!path.startsWith("/"))
+      throw FleetError.nonRetryable("invalid_task", `get needs an absolute path: ${path}`);
+    const target = normalizeAbsolute(path);
+    if (isTmpfsPath(target)) return this.getViaExec(handle, target, maxBytes);
+
+    let archive: Awaited<ReturnType<Container["getArchive"]>>;
+    try {
+      archive = await this.containerOf(handle).getArchive({ path: target, abortSignal: this.apiSignal() });
+    } catch (err) {
+      const e = classifyDockerError(err, "get", `${handle.name}:${target}`);
+      if (classifyDockerFacts(dockerErrorFacts(err), "get") === "path_missing") return null;
+      throw e;
+    }
+    try {
+      const file = await readFirstTarFile(archive, maxBytes);
+      return file.isFile ? decodeCapped(file.bytes, file.truncated) : null;
+    } catch (err) {
+      throw classifyDockerError(err, "get", `${handle.name}:${target}`);
+    }
+  }
+
+  /** Read a file on a tmpfs mount with `cat` (root first; the file's owner may be the agent). */
+  private async getViaExec(handle: SandboxHandle, path: string, maxBytes: number): Promise<string | null> {
+    const script =
+      'if [ ! -e "$1" ] || [ -d "$1" ]; then exit 44; fi; [ -r "$1" ] || exit 45; exec cat -- "$1"';
+    for (const user of [ROOT_USER, this.defaults.execUser]) {
+      const r = await this.execIn(handle, ["sh", "-c", script, "sh", path], {
+        deadlineMs: 60_000,
+        user,
+        stdin: null,
+        maxOutputBytes: maxBytes,
+      });
+      if (r.exitCode === 44) return null;
+      if (r.exitCode === 0) return r.stdout;
+      if (r.exitCode !== 45) {
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `reading ${path} failed (exit ${r.exitCode}): ${r.stderr}`,
+        );
+      }
+    }
+    throw FleetError.nonRetryable("invalid_task", `${path} exists but is not readable in the sandbox`);
+  }
+
+  async probe(handle: SandboxHandle, options: { timeoutMs?: number } = {}): Promise<ProbeReport> {
+    const timeoutMs = options.timeoutMs ?? this.defaults.probeTimeoutMs;
+    const started = performance.now();
+    const hostPidNs = readlinkSync("/proc/self/ns/pid");
+    // The host sentinel: this very process. With a private PID namespace its pid names nothing
+    // (or someone else) inside; shared, it would show our own command line.
+    const sentinelPid = process.pid;
+    const sentinelCmdline = readFileSync("/proc/self/cmdline")
+      .toString("latin1")
+      .replaceAll("\0", " ")
+      .trim();
+    const script = [
+      "readlink /proc/self/ns/pid",
+      "tr '\\000' ' ' < /proc/1/cmdline; echo",
+      `tr '\\000' ' ' < /proc/${sentinelPid}/cmdline 2>/dev/null; echo`,
+    ].join("; ");
+
+    let stdout: string;
+    let pidMode: string | undefined;
+    try {
+      const deadline = AbortSignal.timeout(timeoutMs);
+      const [r, info] = await Promise.all([
+        this.execIn(handle, ["sh", "-c", script], {
+          deadlineMs: timeoutMs,
+          user: ROOT_USER,
+          stdin: null,
+          maxOutputBytes: 64 * 1024,
+        }),
+        this.containerOf(handle).inspect({ abortSignal: deadline }),
+      ]);
+      if (r.timedOut || r.exitCode !== 0) {
+        throw new Error(
+          r.timedOut ? `probe timed out after ${timeoutMs} ms` : `probe exited ${r.exitCode}: ${r.stderr}`,
+        );
+      }
+      stdout = r.stdout;
+      pidMode = info.HostConfig.PidMode;
+    } catch (err) {
+      const e = isFleetError(err) ? err : classifyDockerError(err, "probe", handle.name);
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `isolation probe of ${handle.name} failed: ${e.message}`,
+        err,
+      );
+    }
+
+    const [sandboxPidNs = "", pid1 = "", sentinel = ""] = stdout.split("\n").map((l) => l.trim());
+    const checks = {
+      pidNamespaceDiffers: sandboxPidNs !== "" && sandboxPidNs !== hostPidNs,
+      pidModeNotHost: pidMode !== "host",
+      pid1IsSandboxInit: /^(\S*\/)?(docker-init|tini|sleep)( |$)/.test(pid1),
+      hostSentinelInvisible: sentinel === "" || sentinel !== sentinelCmdline,
+    };
+    const isolated = Object.values(checks).every(Boolean);
+    const detail = `sandbox pid ns ${sandboxPidNs || "?"} vs host ${hostPidNs}; PidMode=${pidMode || "private"}; pid 1: ${pid1 || "?"}; host pid ${sentinelPid} ${sentinel ? "visible" : "invisible"}`;
+    const report: ProbeReport = { isolated, checks, detail, durationMs: performance.now() - started };
+    if (!isolated) {
+      const failed = Object.entries(checks)
+        .filter(([, ok]) => !ok)
+        .map(([k]) => k);
+      throw FleetError.nonRetryable(
+        "isolation_refused",
+        `sandbox ${handle.name} is not isolated from the host (failed: ${failed.join(", ")}): ${detail}`,
+      );
+    }
+    return report;
+  }
+
+  async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
+    // Runs as the user itself: with every capability dropped, only that uid may signal its
+    // processes. `kill -9 -1` spares the caller; the /proc scan (shell builtins only) counts
+    // what is left that is not a zombie. Loops until none remains or the rounds run out.
+    const script = [
+      // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+      'uid=$(id -u); i=0; n=0; while :; do kill -9 -1 2>/dev/null; n=0; for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$uid" ] && [ "$st" != Z ] && n=$((n+1)); done;',
+      ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$1" ] && break; sleep 0.1; done; echo "remaining=$n"',
+    ].join("");
+    const at = () => Date.now();
+    let lastError = "";
+    for (let attempt = 1; attempt <= 3; attempt++) {
+      try {
+        const r = await this.execIn(handle, ["sh", "-c", script, "sh", String(this.defaults.killRounds)], {
+          deadlineMs: 30_000,
+          user,
+          stdin: null,
+          maxOutputBytes: 4096,
+        });
+        const m = /remaining=(\d+)/.exec(r.stdout);
+        if (m) {
+          const remaining = Number(m[1]);
+          return {
+            confirmed: remaining === 0,
+            scope: "processes",
+            at: at(),
+            alreadyGone: false,
+            remaining,
+            detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
+          };
+        }
+        lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
+      } catch (err) {
+        if (isFleetError(err) && err.kind === "sandbox_lost") {
+          return {
+            confirmed: true,
+            scope: "processes",
+            at: at(),
+            alreadyGone: true,
+            remaining: 0,
+            detail: "sandbox is gone",
+          };
+        }
+        if (
+          isFleetError(err) &&
+          err.kind === "provider_unavailable" &&
+          /ECONNREFUSED|ENOENT|EACCES/.test(err.message)
+        ) {
+          throw err;
+        }
+        // e.g. the pids limit is exhausted and the sweep itself cannot start: try again.
+        lastError = err instanceof Error ? err.message : String(err);
+      }
+      await delay(200 * attempt);
+    }
+    return {
+      confirmed: false,
+      scope: "processes",
+      at: at(),
+      alreadyGone: false,
+      remaining: 0,
+      detail: lastError,
+    };
+  }
+
+  async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
+    const docker = this.clientOf(handle);
+    let alreadyGone = false;
+    try {
+      await docker
+        .getContainer(handle.id || handle.name)
+        .remove({ force: true, v: true, abortSignal: this.apiSignal() });
+    } catch (err) {
+      const facts = dockerErrorFacts(err);
+      if (facts.statusCode === 404) alreadyGone = true;
+      else if (!(facts.statusCode === 409 && /already in progress/i.test(facts.message))) {
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `removing sandbox ${handle.name} failed: ${facts.message}`,
+          err,
+        );
+      }
+    }
+    const volumes = new Set([...(handle.volumes ?? []), workspaceVolumeName(handle.name)]);
+    for (const volume of volumes) await this.removeVolume(docker, volume);
+    this.logger?.debug({ sandbox: handle.name, alreadyGone }, "sandbox destroyed");
+    return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone, remaining: 0 };
+  }
+
+  private async removeVolume(docker: Dockerode, volume: string): Promise<void> {
+    // A removal already in progress (409) releases the volume a moment later.
+    const until = performance.now() + 10_000;
+    for (let attempt = 0; ; attempt++) {
+      try {
+        await docker.getVolume(volume).remove({ force: true, abortSignal: this.apiSignal() });
+        return;
+      } catch (err) {
+        const facts = dockerErrorFacts(err);
+        if (facts.statusCode === 404) return;
+        if (facts.statusCode !== 409 || performance.now() >= until) {
+          throw FleetError.retryable(
+            "provider_unavailable",
+            `removing volume ${volume} failed: ${facts.message}`,
+            err,
+          );
+        }
+      }
+      await delay(Math.min(20 * 2 ** attempt, 500));
+    }
+  }
+
+  async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
+    const filters = [`${LABEL_MANAGED}=true`, ...Object.entries(labels).map(([k, v]) => `${k}=${v}`)];
+    let containers: Dockerode.ContainerInfo[];
+    try {
+      containers = await this.docker.listContainers({
+        all: true,
+        filters: { label: filters },
+        abortSignal: this.apiSignal(),
+      });
+    } catch (err) {
+      throw classifyDockerError(err, "list");
+    }
+    const out: SandboxInfo[] = [];
+    for (const c of containers) {
+      const rolloutId = c.Labels[LABEL_ROLLOUT];
+      const owner = c.Labels[LABEL_OWNER];
+      const name = (c.Names[0] ?? "").replace(/^\//, "");
+      if (!rolloutId || (owner !== "resources" && owner !== "agent") || !name) continue;
+      const volumes = c.Mounts.filter((m) => m.Type === "volume" && m.Name).map((m) => m.Name!);
+      out.push({
+        handle: { provider: "docker", endpoint: this.endpoint, id: c.Id, name, rolloutId, owner, volumes },
+        labels: c.Labels,
+        running: c.State === "running",
+        createdAt: c.Created * 1000,
+      });
+    }
+    return out;
+  }
+
+  async alive(handle: SandboxHandle): Promise<boolean> {
+    try {
+      const info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
+      return info.State.Running;
+    } catch (err) {
+      if (dockerErrorFacts(err).statusCode === 404) return false;
+      throw classifyDockerError(err, "inspect", handle.name);
+    }
+  }
+
+  async close(): Promise<void> {
+    this.remotes.clear();
+  }
+
+  private apiSignal(): AbortSignal {
+    return AbortSignal.timeout(this.defaults.apiTimeoutMs);
+  }
+
+  /** The daemon holding `handle` (DESIGN §8: a handle names its endpoint). */
+  private clientOf(handle: SandboxHandle): Dockerode {
+    if (handle.provider !== "docker") {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `a ${handle.provider} sandbox handle given to the docker provider`,
+      );
+    }
+    if (handle.endpoint === this.endpoint || handle.endpoint === "") return this.docker;
+    let client = this.remotes.get(handle.endpoint);
+    if (!client) {
+      client = connect(resolveDockerConnection({ endpoint: handle.endpoint }).options);
+      this.remotes.set(handle.endpoint, client);
+    }
+    return client;
+  }
+
+  private containerOf(handle: SandboxHandle): Container {
+    return this.clientOf(handle).getContainer(handle.id || handle.name);
+  }
+}
+
+/** A dockerode client that ignores DOCKER_HOST & co. in the environment (config comes from main.ts). */
+function connect(options: Dockerode.DockerOptions): Dockerode {
+  return new Dockerode({
+    host: undefined,
+    port: undefined,
+    protocol: undefined,
+    timeout: undefined,
+    ca: undefined,
+    cert: undefined,
+    key: undefined,
+    ...options,
+  });
+}
+
+function normalizeAbsolute(path: string): string {
+  const parts: string[] = [];
+  for (const p of path.split("/")) {
+    if (p === "" || p === ".") continue;
+    if (p === "..") throw FleetError.nonRetryable("invalid_task", `path must not contain '..': ${path}`);
+    parts.push(p);
+  }
+  return `/${parts.join("/")}`;
+}
+
+function delay(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}

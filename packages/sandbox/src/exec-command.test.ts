@@ -1,0 +1,58 @@
+import { FleetError } from "@fleet/contracts";
+import { describe, expect, it } from "vitest";
+import { deadlineArgv, envList, execOutcome, formatSeconds, parseNumericUser } from "./exec-command.ts";
+
+describe("deadlineArgv", () => {
+  it("wraps the command in timeout -k", () => {
+    expect(deadlineArgv(["sh", "-c", "x"], 2500)).toEqual(["timeout", "-k", "2", "2.5", "sh", "-c", "x"]);
+    expect(deadlineArgv(["true"], 60_000, 5)).toEqual(["timeout", "-k", "5", "60", "true"]);
+  });
+
+  it("refuses an empty command and non-finite deadlines as final invalid_task", () => {
+    for (const bad of [() => deadlineArgv([], 1000), () => deadlineArgv(["x"], Number.POSITIVE_INFINITY)]) {
+      expect(bad).toThrow(FleetError);
+      try {
+        bad();
+      } catch (e) {
+        expect([(e as FleetError).kind, (e as FleetError).retryable]).toEqual(["invalid_task", false]);
+      }
+    }
+    expect(() => deadlineArgv(["x"], 0)).toThrow(/positive/);
+  });
+});
+
+describe("formatSeconds", () => {
+  it("never rounds a deadline to 0 (which would disable it)", () => {
+    expect(formatSeconds(0.2)).toBe("0.001");
+    expect(formatSeconds(1)).toBe("0.001");
+    expect(formatSeconds(1234)).toBe("1.234");
+    expect(formatSeconds(3000)).toBe("3");
+  });
+});
+
+describe("execOutcome", () => {
+  it("maps timeout's codes at the deadline to -1 timedOut", () => {
+    expect(execOutcome(124, 2050, 2000)).toEqual({ exitCode: -1, timedOut: true });
+    expect(execOutcome(137, 4100, 2000)).toEqual({ exitCode: -1, timedOut: true });
+  });
+
+  it("keeps a command's own 124/137 before the deadline", () => {
+    expect(execOutcome(124, 10, 2000)).toEqual({ exitCode: 124, timedOut: false });
+    expect(execOutcome(137, 10, 2000)).toEqual({ exitCode: 137, timedOut: false });
+    expect(execOutcome(3, 5000, 2000)).toEqual({ exitCode: 3, timedOut: false });
+  });
+});
+
+describe("parseNumericUser / envList", () => {
+  it("parses uid[:gid]", () => {
+    expect(parseNumericUser("1000:1000")).toEqual({ uid: 1000, gid: 1000 });
+    expect(parseNumericUser("0")).toEqual({ uid: 0, gid: 0 });
+    expect(parseNumericUser("agent")).toBeNull();
+  });
+
+  it("formats env and refuses bad names", () => {
+    expect(envList({ A: "1", B_2: "x=y" })).toEqual(["A=1", "B_2=x=y"]);
+    expect(envList({})).toBeUndefined();
+    expect(() => envList({ "A=B": "1" })).toThrow(/invalid environment variable name/);
+  });
+});

@@ -1,0 +1,128 @@
+import fc from "fast-check";
+import { describe, expect, it } from "vitest";
+import { CappedBuffer, DockerStreamDemuxer, decodeCapped, trimPartialUtf8 } from "./output.ts";
+
+function frame(kind: 1 | 2, payload: Buffer): Buffer {
+  const header = Buffer.alloc(8);
+  header[0] = kind;
+  header.writeUInt32BE(payload.length, 4);
+  return Buffer.concat([header, payload]);
+}
+
+describe("CappedBuffer", () => {
+  it("keeps at most maxBytes and flags the rest", () => {
+    const b = new CappedBuffer(5);
+    b.write(Buffer.from("abc"));
+    b.write(Buffer.from("defgh"));
+    expect(b.bytes().toString()).toBe("abcde");
+    expect(b.truncated).toBe(true);
+    expect(b.totalBytes).toBe(8);
+  });
+
+  it("is not truncated at exactly maxBytes", () => {
+    const b = new CappedBuffer(3);
+    b.write(Buffer.from("abc"));
+    expect(b.truncated).toBe(false);
+    expect(b.text()).toBe("abc");
+  });
+
+  it("copies chunks so a reused input buffer cannot change what was kept", () => {
+    const b = new CappedBuffer(10);
+    const chunk = Buffer.from("abc");
+    b.write(chunk);
+    chunk.fill(0x7a);
+    expect(b.text()).toBe("abc");
+  });
+
+  it("decodes invalid UTF-8 with U+FFFD", () => {
+    const b = new CappedBuffer(100);
+    b.write(Buffer.from([0x6f, 0x6b, 0x20, 0xff, 0xfe, 0x20, 0x65]));
+    expect(b.text()).toBe("ok \uFFFD\uFFFD e");
+  });
+
+  it("drops a character the cap cut in half instead of showing U+FFFD", () => {
+    const b = new CappedBuffer(4);
+    b.write(Buffer.from("ab€", "utf8")); // € is 3 bytes: the cap keeps 2 of them
+    expect(b.truncated).toBe(true);
+    expect(b.text()).toBe("ab");
+  });
+});
+
+describe("trimPartialUtf8", () => {
+  it("keeps complete text", () => {
+    for (const s of ["", "a", "é", "€", "😀", "a😀"]) {
+      expect(trimPartialUtf8(Buffer.from(s)).toString()).toBe(s);
+    }
+  });
+
+  it("removes any incomplete tail of a multi-byte character", () => {
+    const full = Buffer.from("x😀");
+    for (let cut = 2; cut < full.length; cut++) {
+      expect(trimPartialUtf8(full.subarray(0, cut)).toString()).toBe("x");
+    }
+  });
+
+  it("never yields U+FFFD for a cut of valid UTF-8 (property)", () => {
+    fc.assert(
+      fc.property(fc.string({ unit: "grapheme" }), fc.nat(), (s, n) => {
+        const bytes = Buffer.from(s, "utf8");
+        const cut = bytes.subarray(0, n % (bytes.length + 1));
+        expect(decodeCapped(cut, true)).not.toContain("\uFFFD");
+      }),
+    );
+  });
+});
+
+describe("DockerStreamDemuxer", () => {
+  it("routes frames to stdout and stderr", () => {
+    const out = new CappedBuffer(100);
+    const err = new CappedBuffer(100);
+    const d = new DockerStreamDemuxer(out, err);
+    d.push(
+      Buffer.concat([
+        frame(1, Buffer.from("out1 ")),
+        frame(2, Buffer.from("err")),
+        frame(1, Buffer.from("out2")),
+      ]),
+    );
+    expect(out.text()).toBe("out1 out2");
+    expect(err.text()).toBe("err");
+  });
+
+  it("handles headers and payloads split at any byte (property)", () => {
+    fc.assert(
+      fc.property(
+        fc.array(fc.tuple(fc.constantFrom<1 | 2>(1, 2), fc.uint8Array({ maxLength: 40 }))),
+        fc.array(fc.integer({ min: 1, max: 13 }), { minLength: 1 }),
+        (frames, cuts) => {
+          const wire = Buffer.concat(frames.map(([k, p]) => frame(k, Buffer.from(p))));
+          const out = new CappedBuffer(10_000);
+          const err = new CappedBuffer(10_000);
+          const d = new DockerStreamDemuxer(out, err);
+          let offset = 0;
+          for (let i = 0; offset < wire.length; i++) {
+            const n = cuts[i % cuts.length]!;
+            d.push(wire.subarray(offset, offset + n));
+            offset += n;
+          }
+          const expected = (kind: 1 | 2) =>
+            Buffer.concat(frames.filter(([k]) => k === kind).map(([, p]) => Buffer.from(p)));
+          expect(out.bytes().equals(expected(1))).toBe(true);
+          expect(err.bytes().equals(expected(2))).toBe(true);
+        },
+      ),
+    );
+  });
+
+  it("caps each stream on its own", () => {
+    const out = new CappedBuffer(4);
+    const err = new CappedBuffer(100);
+    const d = new DockerStreamDemuxer(out, err);
+    d.push(frame(1, Buffer.alloc(1000, 0x61)));
+    d.push(frame(2, Buffer.from("still here")));
+    expect(out.text()).toBe("aaaa");
+    expect(out.truncated).toBe(true);
+    expect(err.text()).toBe("still here");
+    expect(err.truncated).toBe(false);
+  });
+});

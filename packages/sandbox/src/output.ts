@@ -1,0 +1,106 @@
+import { decodeUtf8 } from "@fleet/contracts";
+
+/**
+ * Collects up to `maxBytes` of a byte stream and counts (but drops) the rest. Memory stays
+ * bounded however much a command prints.
+ */
+export class CappedBuffer {
+  readonly maxBytes: number;
+  private readonly chunks: Buffer[] = [];
+  private kept = 0;
+  /** Every byte seen, kept or dropped. */
+  totalBytes = 0;
+
+  constructor(maxBytes: number) {
+    if (!Number.isInteger(maxBytes) || maxBytes < 0)
+      throw new RangeError(`maxBytes must be a non-negative integer`);
+    this.maxBytes = maxBytes;
+  }
+
+  write(chunk: Uint8Array): void {
+    this.totalBytes += chunk.length;
+    const room = this.maxBytes - this.kept;
+    if (room <= 0) return;
+    const part = chunk.length <= room ? chunk : chunk.subarray(0, room);
+    // Copy: the caller may reuse its buffer (socket chunks are sliced views).
+    this.chunks.push(Buffer.from(part));
+    this.kept += part.length;
+  }
+
+  get truncated(): boolean {
+    return this.totalBytes > this.kept;
+  }
+
+  bytes(): Buffer {
+    return Buffer.concat(this.chunks, this.kept);
+  }
+
+  /**
+   * The kept bytes as UTF-8 with U+FFFD for invalid sequences. When the cap cut a multi-byte
+   * character in half, the partial character is dropped rather than shown as U+FFFD.
+   */
+  text(): string {
+    return decodeCapped(this.bytes(), this.truncated);
+  }
+}
+
+/** Decode capped output: UTF-8 with U+FFFD, minus a character the cap cut in half. */
+export function decodeCapped(bytes: Buffer, truncated: boolean): string {
+  return decodeUtf8(truncated ? trimPartialUtf8(bytes) : bytes);
+}
+
+/** Drop an incomplete UTF-8 sequence at the very end of `bytes` (at most 3 bytes). */
+export function trimPartialUtf8(bytes: Buffer): Buffer {
+  const n = bytes.length;
+  // Walk back over at most 3 continuation bytes to the lead byte of the last character.
+  for (let back = 1; back <= Math.min(4, n); back++) {
+    const b = bytes[n - back]!;
+    if ((b & 0xc0) === 0x80) continue; // continuation byte
+    const need = b >= 0xf0 && b <= 0xf4 ? 4 : b >= 0xe0 && b < 0xf0 ? 3 : b >= 0xc2 && b < 0xe0 ? 2 : 1;
+    return need > back ? bytes.subarray(0, n - back) : bytes;
+  }
+  return bytes;
+}
+
+/** Docker's multiplexed attach stream: frames of an 8-byte header (stream, 0, 0, 0, size BE32) + payload. */
+const HEADER_BYTES = 8;
+
+/**
+ * Streaming demultiplexer for Docker's non-TTY attach protocol. Payload bytes are routed to
+ * `stdout`/`stderr` as they arrive (a frame is never buffered whole); only a split header is
+ * held back. Pure: feed it chunks, unit-testable without a daemon.
+ */
+export class DockerStreamDemuxer {
+  private header = Buffer.alloc(HEADER_BYTES);
+  private headerFill = 0;
+  private remaining = 0;
+  private target: CappedBuffer | null = null;
+
+  constructor(
+    private readonly stdout: CappedBuffer,
+    private readonly stderr: CappedBuffer,
+  ) {}
+
+  push(chunk: Buffer): void {
+    let offset = 0;
+    while (offset < chunk.length) {
+      if (this.remaining === 0) {
+        const take = Math.min(HEADER_BYTES - this.headerFill, chunk.length - offset);
+        chunk.copy(this.header, this.headerFill, offset, offset + take);
+        this.headerFill += take;
+        offset += take;
+        if (this.headerFill < HEADER_BYTES) return;
+        this.headerFill = 0;
+        const kind = this.header[0];
+        this.remaining = this.header.readUInt32BE(4);
+        // 0 = stdin echo (never with AttachStdin off), 1 = stdout, 2 = stderr.
+        this.target = kind === 2 ? this.stderr : kind === 1 ? this.stdout : null;
+        continue;
+      }
+      const take = Math.min(this.remaining, chunk.length - offset);
+      this.target?.write(chunk.subarray(offset, offset + take));
+      this.remaining -= take;
+      offset += take;
+    }
+  }
+}

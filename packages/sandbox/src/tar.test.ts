@@ -1,0 +1,85 @@
+import { Readable } from "node:stream";
+import tar from "tar-stream";
+import { describe, expect, it } from "vitest";
+import { buildTar, readFirstTarFile, safeRelativeParts } from "./tar.ts";
+
+interface Entry {
+  name: string;
+  type: string;
+  mode: number;
+  uid: number;
+  gid: number;
+  body: string;
+}
+
+async function entries(archive: Buffer): Promise<Entry[]> {
+  const out: Entry[] = [];
+  const extract = tar.extract();
+  const done = new Promise<void>((resolve, reject) => {
+    extract.on("entry", (header, stream, next) => {
+      const chunks: Buffer[] = [];
+      stream.on("data", (c: unknown) => chunks.push(c as Buffer));
+      stream.on("end", () => {
+        out.push({
+          name: header.name,
+          type: header.type,
+          mode: header.mode,
+          uid: header.uid,
+          gid: header.gid,
+          body: Buffer.concat(chunks).toString(),
+        });
+        next();
+      });
+    });
+    extract.on("finish", () => resolve());
+    extract.on("error", reject);
+  });
+  extract.end(archive);
+  await done;
+  return out;
+}
+
+describe("buildTar", () => {
+  it("writes files with owner, modes and a directory entry for each parent", async () => {
+    const archive = await buildTar(
+      { "b/c/run.sh": "#!/bin/sh\necho hi\n", "a.txt": "héllo" },
+      { uid: 1000, gid: 1000, prefix: "sub" },
+    );
+    const got = await entries(archive);
+    expect(got.map((e) => [e.name, e.type])).toEqual([
+      ["sub/", "directory"],
+      ["sub/b/", "directory"],
+      ["sub/b/c/", "directory"],
+      ["sub/a.txt", "file"],
+      ["sub/b/c/run.sh", "file"],
+    ]);
+    expect(got.every((e) => e.uid === 1000 && e.gid === 1000)).toBe(true);
+    expect(got.find((e) => e.name === "sub/a.txt")).toMatchObject({ mode: 0o644, body: "héllo" });
+    expect(got.find((e) => e.name === "sub/b/c/run.sh")?.mode).toBe(0o755);
+  });
+
+  it("applies an explicit mode to every file", async () => {
+    const got = await entries(await buildTar({ x: "#!/bin/sh", y: "" }, { uid: 0, gid: 0, mode: 0o600 }));
+    expect(got.map((e) => e.mode)).toEqual([0o600, 0o600]);
+  });
+
+  it("refuses paths that climb out", async () => {
+    await expect(buildTar({ "../etc/passwd": "x" }, { uid: 0, gid: 0 })).rejects.toThrow(/\.\./);
+    expect(() => safeRelativeParts("/abs")).toThrow(/relative/);
+    expect(safeRelativeParts("./a//b/")).toEqual(["a", "b"]);
+  });
+});
+
+describe("readFirstTarFile", () => {
+  it("reads the first file, capped", async () => {
+    const archive = await buildTar({ "f.txt": "0123456789" }, { uid: 0, gid: 0 });
+    expect((await readFirstTarFile(Readable.from([archive]), 100)).bytes.toString()).toBe("0123456789");
+    const capped = await readFirstTarFile(Readable.from([archive]), 4);
+    expect([capped.bytes.toString(), capped.truncated, capped.isFile]).toEqual(["0123", true, true]);
+  });
+
+  it("reports a directory as not a file", async () => {
+    const archive = await buildTar({ "d/f.txt": "x" }, { uid: 0, gid: 0 });
+    expect((await readFirstTarFile(Readable.from([archive]), 100)).isFile).toBe(false);
+  });
+});

@@ -1,0 +1,132 @@
+import type { Readable } from "node:stream";
+import type { FileSet } from "@fleet/contracts";
+import tar from "tar-stream";
+
+export interface TarOptions {
+  uid: number;
+  gid: number;
+  /** File mode; when unset, files starting with `#!` get 0755 and others 0644. */
+  mode?: number;
+  /** @defaultValue 0o755 */
+  dirMode?: number;
+  /**
+   * Relative directory (no leading `/`) the files are placed under inside the archive; its
+   * components get directory entries too, so they are created with the right owner.
+   */
+  prefix?: string;
+  /** @defaultValue now */
+  mtime?: Date;
+}
+
+/** Split a relative path into components, refusing absolute paths and `..`. */
+export function safeRelativeParts(path: string): string[] {
+  if (path.startsWith("/") || path.includes("\0")) throw new RangeError(`not a relative path: ${path}`);
+  const parts = path.split("/").filter((p) => p !== "" && p !== ".");
+  if (parts.includes("..")) throw new RangeError(`path must not contain '..': ${path}`);
+  return parts;
+}
+
+/**
+ * Build an uncompressed tar of `files` (relative path → UTF-8 text) with explicit ownership,
+ * a directory entry for every parent directory, entries in a stable order.
+ */
+export async function buildTar(files: FileSet, options: TarOptions): Promise<Buffer> {
+  const mtime = options.mtime ?? new Date();
+  const dirMode = options.dirMode ?? 0o755;
+  const prefix = options.prefix ? safeRelativeParts(options.prefix) : [];
+  const owner = { uid: options.uid, gid: options.gid, uname: "", gname: "" };
+
+  const dirs = new Set<string>();
+  const entries: Array<{ name: string; body: Buffer; mode: number }> = [];
+  for (let i = 1; i <= prefix.length; i++) dirs.add(prefix.slice(0, i).join("/"));
+  for (const rel of Object.keys(files).sort()) {
+    const parts = [...prefix, ...safeRelativeParts(rel)];
+    if (parts.length === prefix.length) throw new RangeError(`empty file path: '${rel}'`);
+    for (let i = 1; i < parts.length; i++) dirs.add(parts.slice(0, i).join("/"));
+    const body = Buffer.from(files[rel]!, "utf8");
+    const mode = options.mode ?? (body.subarray(0, 2).toString("latin1") === "#!" ? 0o755 : 0o644);
+    entries.push({ name: parts.join("/"), body, mode });
+  }
+
+  const pack = tar.pack();
+  const out: Buffer[] = [];
+  const done = new Promise<Buffer>((resolve, reject) => {
+    pack.on("data", (chunk: unknown) => out.push(chunk as Buffer));
+    pack.on("end", () => resolve(Buffer.concat(out)));
+    pack.on("error", reject);
+  });
+  for (const dir of [...dirs].sort()) {
+    pack.entry({ name: `${dir}/`, type: "directory", mode: dirMode, mtime, ...owner });
+  }
+  for (const e of entries) {
+    pack.entry({ name: e.name, type: "file", mode: e.mode, mtime, size: e.body.length, ...owner }, e.body);
+  }
+  pack.finalize();
+  return done;
+}
+
+export interface TarFileRead {
+  /** The archive's first entry was a regular file. */
+  isFile: boolean;
+  bytes: Buffer;
+  truncated: boolean;
+}
+
+/**
+ * Read the first entry of a tar stream (what Docker's archive API returns for one path), keeping
+ * at most `maxBytes` of it. Stops reading once it has what it needs.
+ */
+export async function readFirstTarFile(source: Readable, maxBytes: number): Promise<TarFileRead> {
+  const extract = tar.extract();
+  const result = new Promise<TarFileRead>((resolve, reject) => {
+    let settled = false;
+    const finish = (value: TarFileRead) => {
+      if (settled) return;
+      settled = true;
+      resolve(value);
+      source.unpipe(extract);
+      source.destroy();
+      extract.destroy();
+    };
+    extract.on("entry", (header, stream, next) => {
+      if (header.type !== "file" && header.type !== "contiguous-file") {
+        stream.resume();
+        finish({ isFile: false, bytes: Buffer.alloc(0), truncated: false });
+        return;
+      }
+      const chunks: Buffer[] = [];
+      let kept = 0;
+      let seen = 0;
+      stream.on("data", (data: unknown) => {
+        const chunk = data as Buffer;
+        seen += chunk.length;
+        const room = maxBytes - kept;
+        if (room > 0) {
+          const part = chunk.length <= room ? chunk : chunk.subarray(0, room);
+          chunks.push(Buffer.from(part));
+          kept += part.length;
+        }
+        if (seen > maxBytes) finish({ isFile: true, bytes: Buffer.concat(chunks, kept), truncated: true });
+      });
+      stream.on("end", () => {
+        finish({ isFile: true, bytes: Buffer.concat(chunks, kept), truncated: seen > kept });
+        next();
+      });
+    });
+    extract.on("finish", () => finish({ isFile: false, bytes: Buffer.alloc(0), truncated: false }));
+    extract.on("error", (err: Error) => {
+      if (!settled) {
+        settled = true;
+        reject(err);
+      }
+    });
+    source.on("error", (err: Error) => {
+      if (!settled) {
+        settled = true;
+        reject(err);
+      }
+    });
+  });
+  source.pipe(extract as unknown as NodeJS.WritableStream);
+  return result;
+}
