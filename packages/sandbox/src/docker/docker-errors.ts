@@ -41,7 +41,9 @@ export function dockerErrorFacts(err: unknown): DockerErrorFacts {
   const json = e.json as { message?: unknown } | null | undefined;
   const daemonMessage =
     json && typeof json === "object" && typeof json.message === "string" ? json.message : undefined;
-  const message = daemonMessage ?? (typeof e.message === "string" ? e.message : String(err));
+  let message = daemonMessage ?? (typeof e.message === "string" ? e.message : String(err));
+  if (code === "TimeoutError" || code === "AbortError")
+    message = `request timed out or was aborted (${message})`;
   return { statusCode, code, message: capText(message.trim()) };
 }
 

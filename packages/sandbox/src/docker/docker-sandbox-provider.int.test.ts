@@ -373,6 +373,16 @@ describe("DockerSandboxProvider (real Docker)", () => {
     const lost = await fleetError(provider.exec(h, ["true"], { deadlineMs: 5_000 }));
     expect(lost.kind).toBe("sandbox_lost");
     expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, alreadyGone: true });
+    // A probe that cannot run is retryable, never a verdict on isolation.
+    const probe = await fleetError(provider.probe(h));
+    expect([probe.kind, probe.retryable]).toEqual(["provider_unavailable", true]);
+  });
+
+  it("a probe that times out is a retryable provider_unavailable", async () => {
+    const h = await create();
+    const err = await fleetError(provider.probe(h, { timeoutMs: 1 }));
+    expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+    expect(err.message).toMatch(/timed out/);
   });
 
   it("refuses an unknown sandbox option and a missing image as final invalid_task", async () => {

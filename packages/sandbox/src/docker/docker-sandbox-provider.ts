@@ -508,15 +508,19 @@ export class DockerSandboxProvider implements SandboxProvider {
     let pidMode: string | undefined;
     try {
       const deadline = AbortSignal.timeout(timeoutMs);
-      const [r, info] = await Promise.all([
-        this.execIn(handle, ["sh", "-c", script], {
-          deadlineMs: timeoutMs,
-          user: ROOT_USER,
-          stdin: null,
-          maxOutputBytes: 64 * 1024,
-        }),
-        this.containerOf(handle).inspect({ abortSignal: deadline }),
-      ]);
+      const [r, info] = await withTimeout(
+        Promise.all([
+          this.execIn(handle, ["sh", "-c", script], {
+            deadlineMs: timeoutMs,
+            user: ROOT_USER,
+            stdin: null,
+            maxOutputBytes: 64 * 1024,
+          }),
+          this.containerOf(handle).inspect({ abortSignal: deadline }),
+        ]),
+        timeoutMs,
+        `probe timed out after ${timeoutMs} ms`,
+      );
       if (r.timedOut || r.exitCode !== 0) {
         throw new Error(
           r.timedOut ? `probe timed out after ${timeoutMs} ms` : `probe exited ${r.exitCode}: ${r.stderr}`,
@@ -598,10 +602,10 @@ export class DockerSandboxProvider implements SandboxProvider {
             detail: "sandbox is gone",
           };
         }
+        // The daemon itself is unreachable (no HTTP answer at all): a retry later, not a sweep.
         if (
-          isFleetError(err) &&
-          err.kind === "provider_unavailable" &&
-          /ECONNREFUSED|ENOENT|EACCES/.test(err.message)
+          dockerErrorFacts(isFleetError(err) ? err.cause : err).statusCode === null &&
+          !isSweepFailure(err)
         ) {
           throw err;
         }
@@ -757,6 +761,21 @@ function normalizeAbsolute(path: string): string {
     parts.push(p);
   }
   return `/${parts.join("/")}`;
+}
+
+/** A sweep that ran but failed inside the sandbox (not a Docker call that failed). */
+function isSweepFailure(err: unknown): boolean {
+  return isFleetError(err) && err.cause === undefined;
+}
+
+/** Reject with `message` after `ms`; the losing promise's outcome is ignored. */
+function withTimeout<T>(work: Promise<T>, ms: number, message: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const timeout = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(message)), ms);
+  });
+  work.catch(() => undefined);
+  return Promise.race([work, timeout]).finally(() => clearTimeout(timer));
 }
 
 function delay(ms: number): Promise<void> {
