@@ -98,6 +98,9 @@ export const WorkerConfig = z
     FLEET_CONCURRENCY: intVar(1, 10_000).optional(),
     FLEET_ALLOW_HOST_EXECUTION: boolVar().default(false),
     FLEET_CREDENTIALS_FILE: z.string().trim().optional(),
+    /** A dead worker's job is handed to another after this (BullMQ lock). */
+    FLEET_LOCK_DURATION_MS: durationMsVar().default(30_000),
+    FLEET_STALLED_INTERVAL_MS: durationMsVar().default(15_000),
   })
   .transform((e) => ({
     ...commonConfig(e),
@@ -110,6 +113,8 @@ export const WorkerConfig = z
     concurrency: e.FLEET_CONCURRENCY ?? DEFAULT_CONCURRENCY[e.FLEET_WORKER_KIND],
     allowHostExecution: e.FLEET_ALLOW_HOST_EXECUTION,
     credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
+    lockDurationMs: e.FLEET_LOCK_DURATION_MS,
+    stalledIntervalMs: e.FLEET_STALLED_INTERVAL_MS,
   }));
 export type WorkerConfig = z.output<typeof WorkerConfig>;
 

@@ -1,0 +1,142 @@
+import { randomUUID } from "node:crypto";
+import { hostname } from "node:os";
+import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
+import type { StageName } from "@fleet/contracts";
+import { assertRedisDurable, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { createSandboxProvider } from "@fleet/sandbox";
+import {
+  createFleetMetrics,
+  createLogger,
+  createMetricsRegistry,
+  startMetricsServer,
+} from "@fleet/telemetry";
+import type { PipelineDeps } from "./deps.ts";
+import { startJanitor } from "./janitor.ts";
+import { createStageWorkers } from "./worker.ts";
+
+/** Which stages each worker kind runs (DESIGN §2 table). */
+export const STAGES_OF: Record<WorkerKind, StageName[]> = {
+  resources: ["seed", "close"],
+  agent: ["run"],
+  verifier: ["verify"],
+};
+
+type Env = Record<string, string | undefined>;
+
+interface Common {
+  redisUrl: string;
+  prefix: string;
+  logLevel: string;
+  shutdownTimeoutMs: number;
+  sandboxProvider: "docker" | "bubblewrap";
+  dockerHost: string | null;
+  metricsPort: number | null;
+  metricsHost: string;
+}
+
+async function buildDeps(app: string, config: Common, workerId: string) {
+  const logger = createLogger({ name: app, level: config.logLevel as "info" });
+  const registry = createMetricsRegistry({ app });
+  const metrics = createFleetMetrics(registry);
+  const redis = createRedis(config.redisUrl);
+  await assertRedisDurable(redis);
+  const provider = createSandboxProvider({
+    provider: config.sandboxProvider,
+    docker: config.dockerHost ? { endpoint: config.dockerHost } : undefined,
+    logger,
+  });
+  const deps: PipelineDeps = {
+    store: new RolloutStore(redis, config.prefix),
+    ledger: new TeardownLedger(redis, config.prefix),
+    queues: new StageQueues(redis, config.prefix),
+    provider,
+    logger,
+    metrics,
+    workerId,
+  };
+  const server =
+    config.metricsPort !== null
+      ? await startMetricsServer({ registry, port: config.metricsPort, host: config.metricsHost })
+      : null;
+  if (server) logger.info({ port: server.port }, "metrics server listening");
+  const heartbeat = setInterval(() => metrics.workerHeartbeat.set({ worker: app }, Date.now() / 1000), 5000);
+  heartbeat.unref();
+  metrics.workerHeartbeat.set({ worker: app }, Date.now() / 1000);
+  const shutdown = async () => {
+    clearInterval(heartbeat);
+    await server?.close();
+    await deps.queues.close();
+    await provider.close?.();
+    redis.disconnect();
+  };
+  return { deps, redis, logger, shutdown };
+}
+
+/** Bounded graceful stop on SIGTERM/SIGINT; a second signal exits at once. */
+function onSignals(logger: PipelineDeps["logger"], stop: () => Promise<void>, timeoutMs: number): void {
+  let stopping = false;
+  const handler = (signal: string) => {
+    if (stopping) process.exit(1);
+    stopping = true;
+    logger.info({ signal }, "shutting down");
+    const force = setTimeout(() => {
+      logger.error("graceful shutdown timed out");
+      process.exit(1);
+    }, timeoutMs + 5000);
+    force.unref();
+    stop().then(
+      () => process.exit(0),
+      (err: unknown) => {
+        logger.error({ err: String(err) }, "shutdown failed");
+        process.exit(1);
+      },
+    );
+  };
+  process.on("SIGTERM", () => handler("SIGTERM"));
+  process.on("SIGINT", () => handler("SIGINT"));
+}
+
+/** The whole of a stage worker app's `main.ts`. */
+export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
+  const config = parseWorkerConfig(kind, env);
+  const workerId = config.workerId ?? `${kind}-${hostname()}-${process.pid}-${randomUUID().slice(0, 8)}`;
+  const { deps, redis, logger, shutdown } = await buildDeps(`${kind}-worker`, config, workerId);
+  const workers = createStageWorkers(STAGES_OF[kind], deps, {
+    connection: redis,
+    prefix: config.prefix,
+    concurrency: config.concurrency,
+    lockDurationMs: config.lockDurationMs,
+    stalledIntervalMs: config.stalledIntervalMs,
+  });
+  logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
+  onSignals(
+    logger,
+    async () => {
+      await workers.close(config.shutdownTimeoutMs);
+      await shutdown();
+    },
+    config.shutdownTimeoutMs,
+  );
+}
+
+/** The whole of the janitor app's `main.ts`. */
+export async function runJanitorApp(env: Env): Promise<void> {
+  const config = parseConfig(JanitorConfig, env);
+  const workerId = `janitor-${hostname()}-${process.pid}`;
+  const { deps, redis, logger, shutdown } = await buildDeps("janitor", config, workerId);
+  const janitor = await startJanitor(deps, {
+    connection: redis,
+    prefix: config.prefix,
+    intervalMs: config.intervalMs,
+    orphanGraceMs: config.orphanGraceMs,
+  });
+  logger.info({ intervalMs: config.intervalMs }, "janitor started");
+  onSignals(
+    logger,
+    async () => {
+      await janitor.close();
+      await shutdown();
+    },
+    config.shutdownTimeoutMs,
+  );
+}

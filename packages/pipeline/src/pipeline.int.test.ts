@@ -1,0 +1,303 @@
+import type { CleanupReceipt, RolloutRequestInput, SandboxHandle, TaskContent } from "@fleet/contracts";
+import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { janitorTick } from "./janitor.ts";
+import { runStageJob } from "./stage-runner.ts";
+import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+
+const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
+const docker = new DockerSandboxProvider();
+let suite: TaskContent[];
+const byId = (id: string) => {
+  const t = suite.find((x) => x.id === id);
+  if (!t) throw new Error(`no task ${id}`);
+  return { ...t, image: IMAGE };
+};
+
+/** A provider whose destroy fails the first `failures` times: the fault injected behind our interface. */
+class FlakyDestroyProvider implements SandboxProvider {
+  readonly name;
+  readonly endpoint;
+  failures: number;
+  constructor(
+    private readonly inner: SandboxProvider,
+    failures: number,
+  ) {
+    this.name = inner.name;
+    this.endpoint = inner.endpoint;
+    this.failures = failures;
+  }
+  create = (...a: Parameters<SandboxProvider["create"]>) => this.inner.create(...a);
+  find = (...a: Parameters<SandboxProvider["find"]>) => this.inner.find(...a);
+  exec = (...a: Parameters<SandboxProvider["exec"]>) => this.inner.exec(...a);
+  put = (...a: Parameters<SandboxProvider["put"]>) => this.inner.put(...a);
+  get = (...a: Parameters<SandboxProvider["get"]>) => this.inner.get(...a);
+  probe = (...a: Parameters<SandboxProvider["probe"]>) => this.inner.probe(...a);
+  killProcesses = (...a: Parameters<SandboxProvider["killProcesses"]>) => this.inner.killProcesses(...a);
+  list = (...a: Parameters<SandboxProvider["list"]>) => this.inner.list(...a);
+  alive = (...a: Parameters<SandboxProvider["alive"]>) => this.inner.alive(...a);
+  async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
+    if (this.failures > 0) {
+      this.failures--;
+      throw new Error("injected destroy failure");
+    }
+    return this.inner.destroy(handle);
+  }
+}
+
+async function containersOf(ids: string[]): Promise<number> {
+  const all = await docker.list();
+  return all.filter((s) => ids.includes(s.labels[LABEL_ROLLOUT] ?? "")).length;
+}
+
+const oracle = (task: TaskContent): RolloutRequestInput => ({ task, agent: { harness: "oracle" } });
+
+describe("pipeline against real Redis and Docker", () => {
+  let fleet: InProcessFleet;
+  const allIds: string[] = [];
+
+  beforeAll(async () => {
+    suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    fleet = await startInProcessFleet({ provider: docker, concurrency: 4 });
+  });
+  afterAll(async () => {
+    await fleet.close();
+    // Rule: no container of these rollouts is left behind.
+    expect(await containersOf(allIds)).toBe(0);
+  });
+
+  it("grades every example task's oracle solution 1.0 and leaves no sandbox", async () => {
+    const ids = await fleet.submit(suite.map((t) => oracle({ ...t, image: IMAGE })));
+    allIds.push(...ids);
+    const results = await fleet.waitForResults(ids, 240_000);
+    for (const r of results) {
+      expect({ task: r.taskId, status: r.status, reward: r.reward, reason: r.reason }).toEqual({
+        task: r.taskId,
+        status: "completed",
+        reward: 1,
+        reason: r.taskId === "long-deadline" ? r.reason : null,
+      });
+      expect(r.teardown).toBe("confirmed");
+      expect(r.mask).toBe(false);
+      expect(r.timings.totalMs).toBeGreaterThan(0);
+    }
+    expect(await containersOf(ids)).toBe(0);
+  });
+
+  it("grades a wrong answer 0 as completed, not masked", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("hello-file"), agent: { harness: "command", argv: ["true"] } },
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({ status: "completed", reward: 0, mask: false, failureKind: null, exitCode: 0 });
+  });
+
+  it("an agent past its deadline is graded as agent_timeout after its processes are confirmed gone", async () => {
+    const [id] = await fleet.submit([
+      {
+        task: byId("hello-file"),
+        agent: { harness: "command", argv: ["sh", "-c", "sleep 1000 & sleep 1000"], timeoutS: 2 },
+      },
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({ status: "completed", reward: 0, failureKind: "agent_timeout", exitCode: -1 });
+    const rec = await fleet.deps.store.get(id!);
+    const run = rec!.receipts.run!;
+    const verify = rec!.receipts.verify!;
+    expect(run.cleanup.confirmed).toBe(true);
+    expect(run.cleanup.remaining).toBe(0);
+    expect(run.cleanup.at).toBeLessThanOrEqual(verify.startedAt);
+    expect(run.exec.timedOut).toBe(true);
+  });
+
+  it("a sandbox killed from outside mid-run is masked, never scored 0", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] } },
+    ]);
+    allIds.push(id!);
+    await waitFor(async () => (await fleet.deps.store.get(id!))?.times["run:start"] !== undefined);
+    const rec = await fleet.deps.store.get(id!);
+    const handle = rec!.receipts.seed!.handle;
+    await docker.destroy(handle);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r!.status).toBe("masked");
+    expect(r!.mask).toBe(true);
+    expect(r!.reward).toBeNull();
+    expect(["sandbox_lost", "provider_unavailable"]).toContain(r!.failureKind);
+    expect(r!.exitCode).toBe(-2);
+  });
+
+  it("a task whose image does not exist fails as invalid_task at the worker", async () => {
+    const [id] = await fleet.submit([
+      oracle({ ...byId("hello-file"), image: "rollout-fleet/no-such-image:0" }),
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({
+      status: "failed",
+      failureKind: "invalid_task",
+      stage: "seed",
+      reward: null,
+      mask: false,
+    });
+  });
+
+  it("a sandbox sharing the host PID namespace is refused as final isolation_refused", async () => {
+    const [id] = await fleet.submit([{ ...oracle(byId("hello-file")), sandbox: { pidMode: "host" } }]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({ status: "failed", failureKind: "isolation_refused", stage: "seed" });
+    expect(r!.failures.filter((f) => f.stage === "seed")).toHaveLength(1); // not retried
+  });
+
+  it("cancel mid-run ends cancelled, with close run and no sandbox left", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] } },
+    ]);
+    allIds.push(id!);
+    await waitFor(async () => (await fleet.deps.store.get(id!))?.fence?.startsWith("launched") === true);
+    await fleet.deps.store.requestCancel(id!);
+    await fleet.deps.store.recordFailure(id!, {
+      stage: "run",
+      terminal: true,
+      failureKind: "cancelled",
+      mask: false,
+      reason: "cancelled by request",
+      at: Date.now(),
+    });
+    await fleet.deps.queues.enqueue("close", id!);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({
+      status: "cancelled",
+      failureKind: "cancelled",
+      teardown: "confirmed",
+      reward: null,
+    });
+    expect(await containersOf([id!])).toBe(0);
+  });
+
+  it("a rollout past its deadline is masked deadline_exceeded", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 3 },
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!], 60_000);
+    expect(r).toMatchObject({ status: "masked", mask: true, failureKind: "deadline_exceeded", reward: null });
+  });
+});
+
+describe("failed teardown is persisted and retried by the janitor", () => {
+  it("reports teardown pending, then the janitor confirms it and the reward is unchanged", async () => {
+    const flaky = new FlakyDestroyProvider(docker, 1);
+    const fleet = await startInProcessFleet({ provider: flaky, deps: { intentGraceMs: 0 } });
+    try {
+      suite ??= await loadSuite(EXAMPLE_SUITE_DIR);
+      const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+      const [r] = await fleet.waitForResults([id!]);
+      expect(r).toMatchObject({
+        status: "completed",
+        reward: 1,
+        teardown: "pending",
+        failureKind: "teardown_failed",
+      });
+      expect(await fleet.deps.ledger.size()).toBe(1);
+      expect(await containersOf([id!])).toBe(1);
+      // The ledger entry is due after a backoff; run the janitor as if that time had come.
+      const later = { ...fleet.deps, now: () => Date.now() + 10 * 60_000 };
+      const report = await janitorTick(later, { orphanGraceMs: 60_000 });
+      expect(report.confirmed).toBe(1);
+      expect(await fleet.deps.ledger.size()).toBe(0);
+      expect(await containersOf([id!])).toBe(0);
+      const after = await fleet.deps.store.getResult(id!);
+      expect(after).toMatchObject({
+        status: "completed",
+        reward: 1,
+        teardown: "confirmed",
+        failureKind: null,
+      });
+    } finally {
+      await fleet.close();
+    }
+  });
+});
+
+describe("idempotency and fencing without workers", () => {
+  let fleet: InProcessFleet;
+  beforeAll(async () => {
+    suite ??= await loadSuite(EXAMPLE_SUITE_DIR);
+    fleet = await startInProcessFleet({ provider: docker, startWorkers: false });
+  });
+  afterAll(async () => fleet.close());
+
+  const job = (id: string, attemptsMade = 0) => ({
+    data: { rolloutId: id },
+    attemptsMade,
+    opts: { attempts: 3 },
+  });
+
+  it("a re-delivered seed replays its receipt instead of creating a second sandbox", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    const first = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+    expect(await runStageJob("seed", job(id!, 1), fleet.deps)).toBe("replayed");
+    expect((await fleet.deps.store.get(id!))!.receipts.seed!.handle.id).toBe(first.id);
+    expect(await containersOf([id!])).toBe(1);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await containersOf([id!])).toBe(0);
+  });
+
+  it("a seed that arrives after a close is refused and creates no sandbox", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+    const closed = await fleet.deps.store.getResult(id!);
+    expect(closed?.status).toBe("masked"); // closed before any verdict: never a 0
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("replayed");
+    // Even bypassing the terminal check, the tombstone refuses the sandbox intent.
+    const rec = (await fleet.deps.store.get(id!))!;
+    const refused = await fleet.deps.ledger.recordIntent({
+      key: `${id}:resources`,
+      rolloutId: id!,
+      owner: "resources",
+      provider: "docker",
+      handle: null,
+      createdAt: Date.now(),
+      expiresAt: rec.meta.deadlineAt,
+    });
+    expect(refused).toBe("closed");
+    expect(await containersOf([id!])).toBe(0);
+  });
+
+  it("a stop that wins the launch claim means the harness never starts", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    await fleet.deps.store.requestCancel(id!);
+    expect(await fleet.deps.store.claimLaunch(id!, "late")).toBe("stopped");
+    await runStageJob("run", job(id!), fleet.deps);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec!.receipts.run).toBeUndefined();
+    expect(rec!.times["run:start"]).toBeUndefined();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
+  });
+
+  it("verify refuses to run without a confirmed cleanup receipt", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // Skip the run stage: no cleanup receipt exists.
+    await expect(runStageJob("verify", job(id!, 2), fleet.deps)).rejects.toThrow(/cleanup receipt/);
+    await runStageJob("close", job(id!), fleet.deps);
+    const r = await fleet.deps.store.getResult(id!);
+    expect(r).toMatchObject({ status: "masked", failureKind: "verifier_error", reward: null });
+  });
+});
+
+async function waitFor(cond: () => Promise<boolean>, timeoutMs = 60_000): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error("condition not met in time");
+    await new Promise((r) => setTimeout(r, 100));
+  }
+}

@@ -1,0 +1,128 @@
+import {
+  type CloseReceipt,
+  classifyFailure,
+  type FailureKind,
+  type FailureRecord,
+  type RolloutResult,
+  type Stage,
+  type TerminalStatus,
+  type Timings,
+} from "@fleet/contracts";
+import type { RolloutRecord } from "@fleet/queue";
+
+/** Exit envelope for a sandbox/provider failure during the run (DESIGN §2 rule 6). */
+export const EXIT_SANDBOX_FAILURE = -2;
+
+function span(start: number | undefined, end: number | undefined): number | null {
+  return start !== undefined && end !== undefined && end >= start ? end - start : null;
+}
+
+export function timings(rec: RolloutRecord, finishedAt: number): Timings {
+  const t = rec.times;
+  return {
+    queuedMs: span(rec.meta.createdAt, t["seed:start"]),
+    seedMs: span(t["seed:start"], t["seed:end"]),
+    runMs: span(t["run:start"], t["run:end"]),
+    verifyMs: span(t["verify:start"], t["verify:end"]),
+    closeMs: span(t["close:start"], finishedAt),
+    totalMs: finishedAt - rec.meta.createdAt,
+  };
+}
+
+function statusFor(kind: FailureKind): TerminalStatus {
+  const { outcome } = classifyFailure(kind);
+  switch (outcome) {
+    case "fail":
+      return "failed";
+    case "mask":
+      return "masked";
+    case "cancel":
+      return "cancelled";
+    case "graded":
+      return "completed";
+  }
+}
+
+/**
+ * The one result of a rollout, from its record at close. A recorded failure decides the
+ * status (masked results never carry a reward); otherwise the verifier's reward stands, with
+ * `agent_timeout` / `teardown_failed` as information.
+ */
+export function composeResult(
+  rec: RolloutRecord,
+  close: CloseReceipt,
+  finishedAt: number,
+  failures: FailureRecord[],
+): RolloutResult {
+  const { meta, receipts } = rec;
+  const base = {
+    id: meta.id,
+    batchId: meta.batchId,
+    taskId: meta.taskId,
+    taskDigest: meta.taskDigest,
+    agent: meta.agentName,
+    teardown: close.teardown,
+    usage: receipts.run?.usage ?? null,
+    timings: timings(rec, finishedAt),
+    failures,
+    metadata: meta.metadata,
+    createdAt: meta.createdAt,
+    finishedAt,
+  };
+  const failure = rec.failure;
+  let exitCode: number | null = receipts.run?.exec.exitCode ?? null;
+  if (failure) {
+    if (
+      exitCode === null &&
+      failure.stage === "run" &&
+      (failure.failureKind === "sandbox_lost" || failure.failureKind === "provider_unavailable")
+    ) {
+      exitCode = EXIT_SANDBOX_FAILURE;
+    }
+    const status = statusFor(failure.failureKind);
+    return {
+      ...base,
+      status,
+      reward: null,
+      mask: status === "masked",
+      failureKind: failure.failureKind,
+      stage: failure.stage,
+      reason: failure.reason,
+      exitCode,
+      details: receipts.verify?.details ?? null,
+    };
+  }
+  if (receipts.verify) {
+    const timedOut = receipts.run?.exec.timedOut === true;
+    const info: FailureKind | null = timedOut
+      ? "agent_timeout"
+      : close.teardown === "pending"
+        ? "teardown_failed"
+        : null;
+    return {
+      ...base,
+      status: "completed",
+      reward: receipts.verify.reward,
+      mask: false,
+      failureKind: info,
+      stage: "close",
+      reason: timedOut ? "the agent reached its deadline and was graded on what it left" : null,
+      exitCode,
+      details: receipts.verify.details,
+    };
+  }
+  // Closed without a verdict and without a recorded failure: the rollout ran out of time or
+  // was closed by the watchdog. Never a zero.
+  const stage: Stage = receipts.run ? "verify" : receipts.seed ? "run" : "seed";
+  return {
+    ...base,
+    status: "masked",
+    reward: null,
+    mask: true,
+    failureKind: "deadline_exceeded",
+    stage,
+    reason: "closed before a verdict was reached",
+    exitCode,
+    details: null,
+  };
+}

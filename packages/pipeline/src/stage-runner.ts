@@ -1,0 +1,135 @@
+import {
+  capText,
+  classifyFailure,
+  FleetError,
+  isFleetError,
+  isTerminal,
+  StageJob,
+  type StageName,
+} from "@fleet/contracts";
+import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
+import { type Job, UnrecoverableError } from "bullmq";
+import { clock, type PipelineDeps } from "./deps.ts";
+import { HANDLERS } from "./stages.ts";
+
+export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown";
+
+/** Anything thrown, as a FleetError: unclassified errors are infrastructure (retryable, masked). */
+export function asFleetError(err: unknown): FleetError {
+  if (isFleetError(err)) return err as FleetError;
+  const message = err instanceof Error ? err.message : String(err);
+  return FleetError.retryable("provider_unavailable", message, err);
+}
+
+/**
+ * Runs one stage job with the lifecycle contract around the handler: replay of stored
+ * receipts (idempotency), skip-ahead to close on a recorded failure, cancel or deadline, and the
+ * retry decision (retryable errors retry only while attempts remain and the next attempt can
+ * start before the rollout's deadline; otherwise the failure is recorded and close is enqueued).
+ */
+export async function runStageJob(
+  stage: StageName,
+  job: Pick<Job, "data" | "attemptsMade" | "opts">,
+  deps: PipelineDeps,
+): Promise<StageRunOutcome> {
+  const { rolloutId } = StageJob.parse(job.data);
+  const rec = await deps.store.get(rolloutId);
+  if (!rec) {
+    deps.logger.warn({ rolloutId, stage }, "stage job for an unknown rollout; dropping it");
+    return "unknown";
+  }
+  if (isTerminal(rec.status)) return "replayed";
+  const now = clock(deps);
+  const log = deps.logger.child({ rolloutId, stage });
+
+  if (stage !== "close") {
+    if (rec.closed) return "skipped"; // a close is under way or done: nothing may start
+    if (rec.failure) {
+      await deps.queues.enqueue("close", rolloutId);
+      return "skipped";
+    }
+    if (rec.cancelRequested) {
+      await fail(deps, rolloutId, stage, FleetError.nonRetryable("cancelled", "cancelled by request"), now);
+      return "skipped";
+    }
+    if (now >= rec.meta.deadlineAt) {
+      await fail(
+        deps,
+        rolloutId,
+        stage,
+        FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline passed"),
+        now,
+      );
+      return "skipped";
+    }
+    if (rec.receipts[stage]) {
+      // Re-delivered after its receipt was stored: replay, no side effect repeated.
+      const next = nextAfter(stage);
+      if (next) await deps.queues.enqueue(next, rolloutId);
+      return "replayed";
+    }
+  }
+
+  await deps.store.markStageStart(rolloutId, stage, now);
+  const attempt = job.attemptsMade + 1;
+  try {
+    const next = await HANDLERS[stage](rec, deps, attempt);
+    if (next) await deps.queues.enqueue(next, rolloutId);
+    return "ok";
+  } catch (err) {
+    const fe = asFleetError(err);
+    const at = clock(deps);
+    const maxAttempts = job.opts.attempts ?? STAGE_CATALOG[stage].options.attempts ?? 1;
+    const attemptsLeft = attempt < maxAttempts;
+    const fitsDeadline = stage === "close" || at + maxBackoffMs(stage, attempt) < rec.meta.deadlineAt;
+    if (fe.retryable && attemptsLeft && fitsDeadline) {
+      log.warn({ err: fe.message, kind: fe.kind, attempt }, "stage failed; will retry");
+      await deps.store.logFailure(rolloutId, failureRecord(stage, fe, false, at));
+      throw fe;
+    }
+    if (stage === "close") {
+      // Close could not even record its outcome (Redis down for all attempts): the watchdog re-enqueues it.
+      log.error({ err: fe.message }, "close stage exhausted its attempts");
+      throw new UnrecoverableError(capText(fe.message));
+    }
+    log.warn({ err: fe.message, kind: fe.kind, attempt }, "stage failed for good; closing the rollout");
+    await fail(deps, rolloutId, stage, fe, at);
+    throw new UnrecoverableError(capText(`${fe.kind}: ${fe.message}`));
+  }
+}
+
+function nextAfter(stage: StageName): StageName | null {
+  switch (stage) {
+    case "seed":
+      return "run";
+    case "run":
+      return "verify";
+    case "verify":
+      return "close";
+    case "close":
+      return null;
+  }
+}
+
+function failureRecord(stage: StageName, fe: FleetError, terminal: boolean, at: number) {
+  return {
+    stage,
+    terminal,
+    failureKind: fe.kind,
+    mask: classifyFailure(fe.kind).outcome === "mask",
+    reason: capText(fe.message),
+    at,
+  };
+}
+
+/** Record a terminal failure (the first one wins) and skip ahead to close. */
+async function fail(
+  deps: PipelineDeps,
+  rolloutId: string,
+  stage: StageName,
+  fe: FleetError,
+  at: number,
+): Promise<void> {
+  await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at));
+  await deps.queues.enqueue("close", rolloutId);
+}

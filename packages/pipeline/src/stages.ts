@@ -1,0 +1,348 @@
+import { randomUUID } from "node:crypto";
+import {
+  type CleanupReceipt,
+  FleetError,
+  isFleetError,
+  type RunReceipt,
+  type SandboxHandle,
+  type StageName,
+  type TaskContent,
+} from "@fleet/contracts";
+import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } from "@fleet/harness";
+import { type RolloutRecord, type SandboxEntry, sandboxKey } from "@fleet/queue";
+import { AGENT_USER } from "@fleet/sandbox";
+import { verify as defaultVerify } from "@fleet/verifiers";
+import { clock, type PipelineDeps } from "./deps.ts";
+import { composeResult } from "./result.ts";
+
+/** A stage handler stores its receipt and names the next stage (or null when nothing follows). */
+export type StageHandler = (
+  rec: RolloutRecord,
+  deps: PipelineDeps,
+  attempt: number,
+) => Promise<StageName | null>;
+
+/** Sandboxes outlive their rollout's deadline by this much before the janitor may reap them. */
+export const SANDBOX_EXPIRY_SLACK_MS = 10 * 60_000;
+
+async function loadTask(rec: RolloutRecord, deps: PipelineDeps): Promise<TaskContent> {
+  const task = await deps.store.getTask(rec.meta.taskDigest);
+  if (!task) throw FleetError.nonRetryable("invalid_task", `task ${rec.meta.taskDigest} is not stored`);
+  return task;
+}
+
+/** Persist intent, create (or find) a sandbox, attach the handle. Null when a close won the race. */
+async function createSandbox(
+  rec: RolloutRecord,
+  deps: PipelineDeps,
+  owner: SandboxEntry["owner"],
+  task: TaskContent,
+): Promise<{ handle: SandboxHandle; createMs: number; reused: boolean } | null> {
+  const now = clock(deps);
+  const entry: SandboxEntry = {
+    key: sandboxKey(rec.meta.id, owner),
+    rolloutId: rec.meta.id,
+    owner,
+    provider: deps.provider.name,
+    handle: null,
+    createdAt: now,
+    expiresAt: rec.meta.deadlineAt + SANDBOX_EXPIRY_SLACK_MS,
+  };
+  // DESIGN §2 rule 9: the intent is durable before the sandbox exists; a tombstone refuses it.
+  const intent = await deps.ledger.recordIntent(entry);
+  if (intent !== "ok") return null;
+  const t0 = clock(deps);
+  let handle = await deps.provider.find(rec.meta.id, owner);
+  const reused = handle !== null;
+  if (!handle) {
+    handle = await deps.provider.create({
+      image: task.image,
+      rolloutId: rec.meta.id,
+      owner,
+      expiresAt: entry.expiresAt,
+      options: rec.meta.sandbox ?? {},
+    });
+    deps.metrics?.sandboxCreateDuration.observe({ provider: deps.provider.name }, (clock(deps) - t0) / 1000);
+  }
+  await deps.ledger.attachHandle({ ...entry, handle });
+  // A close that ran while we were creating could not see the handle: destroy it ourselves.
+  if (await deps.store.isStopRequested(rec.meta.id)) {
+    const fresh = await deps.store.get(rec.meta.id);
+    if (fresh?.closed) {
+      await destroyOrLedger(deps, { ...entry, handle });
+      return null;
+    }
+  }
+  return { handle, createMs: clock(deps) - t0, reused };
+}
+
+/** Destroy a sandbox; on failure leave a ledger entry for the janitor. Returns the teardown state. */
+export async function destroyOrLedger(
+  deps: PipelineDeps,
+  entry: SandboxEntry,
+): Promise<{ teardown: "confirmed" | "pending"; receipt: CleanupReceipt | null }> {
+  const now = clock(deps);
+  try {
+    const handle = entry.handle ?? (await deps.provider.find(entry.rolloutId, entry.owner));
+    if (!handle) {
+      // An intent whose sandbox never appeared: only after a grace period may we trust that.
+      if (now - entry.createdAt < (deps.intentGraceMs ?? 5 * 60_000)) {
+        throw FleetError.retryable("provider_unavailable", "sandbox intent without a handle yet");
+      }
+      await deps.ledger.confirm(entry.key);
+      deps.metrics?.teardownAttempts.inc({ result: "already_gone" });
+      return {
+        teardown: "confirmed",
+        receipt: { confirmed: true, scope: "sandbox", at: now, alreadyGone: true, remaining: 0 },
+      };
+    }
+    const receipt = await deps.provider.destroy(handle);
+    if (!receipt.confirmed)
+      throw FleetError.retryable("provider_unavailable", receipt.detail ?? "destroy not confirmed");
+    await deps.ledger.confirm(entry.key);
+    deps.metrics?.teardownAttempts.inc({ result: receipt.alreadyGone ? "already_gone" : "confirmed" });
+    return { teardown: "confirmed", receipt };
+  } catch (err) {
+    const reason = err instanceof Error ? err.message : String(err);
+    await deps.ledger.recordFailure(entry, reason, now);
+    deps.metrics?.teardownAttempts.inc({ result: "failed" });
+    deps.logger.warn(
+      { rolloutId: entry.rolloutId, owner: entry.owner, err: reason },
+      "teardown failed; left on the ledger",
+    );
+    return { teardown: "pending", receipt: null };
+  }
+}
+
+export const seed: StageHandler = async (rec, deps) => {
+  const task = await loadTask(rec, deps);
+  const created = await createSandbox(rec, deps, "resources", task);
+  if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
+  const t1 = clock(deps);
+  const probe = await deps.provider.probe(created.handle);
+  const t2 = clock(deps);
+  await stageWorkspace(deps.provider, created.handle, task);
+  const t3 = clock(deps);
+  const saved = await deps.store.saveReceipt(
+    rec.meta,
+    "seed",
+    {
+      handle: created.handle,
+      probe,
+      createMs: created.createMs,
+      probeMs: t2 - t1,
+      stageMs: t3 - t2,
+      reused: created.reused,
+      at: t3,
+    },
+    "seeded",
+    t3,
+  );
+  return saved ? "run" : null;
+};
+
+export const run: StageHandler = async (rec, deps, attempt) => {
+  const seedReceipt = rec.receipts.seed;
+  if (!seedReceipt) throw FleetError.nonRetryable("sandbox_lost", "run stage without a seed receipt");
+  const task = await loadTask(rec, deps);
+  // DESIGN §2 rule 10: launch and stop race on one atomic claim.
+  const previous = await deps.store.claimLaunch(rec.meta.id, `${deps.workerId}:${randomUUID()}`);
+  if (previous === "stopped") return "close";
+
+  let handle = seedReceipt.handle;
+  let owned: SandboxEntry | null = null;
+  if (rec.meta.agent.sandbox === "own") {
+    const created = await createSandbox(rec, deps, "agent", task);
+    if (!created) return "close";
+    handle = created.handle;
+    owned = {
+      key: sandboxKey(rec.meta.id, "agent"),
+      rolloutId: rec.meta.id,
+      owner: "agent",
+      provider: deps.provider.name,
+      handle,
+      createdAt: clock(deps),
+      expiresAt: rec.meta.deadlineAt + SANDBOX_EXPIRY_SLACK_MS,
+    };
+    if (!created.reused) await stageWorkspace(deps.provider, handle, task);
+  }
+  if (previous !== "") {
+    // Re-delivered (a worker died mid-run): whatever it started must be gone before we start again.
+    const leftover = await deps.provider.killProcesses(handle, AGENT_USER);
+    if (!leftover.confirmed)
+      throw FleetError.retryable("sandbox_lost", "could not stop a previous attempt's processes");
+  }
+
+  const make = deps.createHarness ?? defaultCreateHarness;
+  const harness = make(rec.meta.agent, deps.harnessDeps ?? {});
+  const startedAt = clock(deps);
+  const { deadlineMs, limitedBy } = agentDeadline({
+    task,
+    agent: rec.meta.agent,
+    startedAt,
+    rolloutDeadlineMs: rec.meta.deadlineAt,
+  });
+  const abort = new AbortController();
+  let stopping: Promise<unknown> = Promise.resolve();
+  const poll = setInterval(() => {
+    deps.store.isStopRequested(rec.meta.id).then(
+      (stop) => {
+        if (stop && !abort.signal.aborted) {
+          abort.abort(FleetError.nonRetryable("cancelled", "stop requested while the agent ran"));
+          // Make the in-flight exec return: kill the harness processes now.
+          stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+        }
+      },
+      () => undefined,
+    );
+  }, deps.stopPollMs ?? 1000);
+  let outcome: Awaited<ReturnType<typeof harness.run>>;
+  try {
+    outcome = await harness.run({
+      provider: deps.provider,
+      handle,
+      task,
+      agent: rec.meta.agent,
+      deadlineMs,
+      signal: abort.signal,
+    });
+  } catch (err) {
+    if (abort.signal.aborted) {
+      await stopping;
+      return "close";
+    }
+    throw err;
+  } finally {
+    clearInterval(poll);
+  }
+  if (outcome.exec.timedOut && limitedBy === "rollout") {
+    throw FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline ended the agent's run");
+  }
+  // Stop the harness and confirm its processes are gone (DESIGN §2 rules 2, 10).
+  const cleanup = await deps.provider.killProcesses(handle, AGENT_USER);
+  if (cleanup.alreadyGone || !(await deps.provider.alive(handle))) {
+    // The sandbox vanished under the agent: exit envelope -2, masked (rule 6).
+    throw FleetError.nonRetryable("sandbox_lost", "the sandbox disappeared while the agent ran");
+  }
+  if (!cleanup.confirmed) {
+    throw FleetError.nonRetryable(
+      "sandbox_lost",
+      `agent processes could not be confirmed stopped (${cleanup.remaining} left)`,
+    );
+  }
+  let ownedSandbox: RunReceipt["ownedSandbox"] = null;
+  if (owned?.handle) {
+    // DESIGN §2 rule 11: the owner destroys its own sandbox; a failure goes to the ledger.
+    const released = await destroyOrLedger(deps, owned);
+    ownedSandbox = {
+      handle: owned.handle,
+      released: released.receipt ?? {
+        confirmed: false,
+        scope: "sandbox",
+        at: clock(deps),
+        alreadyGone: false,
+        remaining: 0,
+      },
+    };
+  }
+  const stoppedAt = clock(deps);
+  const receipt: RunReceipt = {
+    exec: outcome.exec,
+    answer: outcome.answer,
+    transcript: outcome.transcript,
+    usage: outcome.usage,
+    cleanup,
+    ownedSandbox,
+    startedAt,
+    stoppedAt,
+    attempts: attempt,
+    at: stoppedAt,
+  };
+  const saved = await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt);
+  return saved ? "verify" : null;
+};
+
+export const verifyStage: StageHandler = async (rec, deps) => {
+  const runReceipt = rec.receipts.run;
+  const seedReceipt = rec.receipts.seed;
+  // DESIGN §2 rule 10: never verify without a positive cleanup receipt.
+  if (!runReceipt?.cleanup.confirmed || !seedReceipt) {
+    throw FleetError.nonRetryable(
+      "verifier_error",
+      "no confirmed cleanup receipt for the agent: refusing to verify",
+    );
+  }
+  const task = await loadTask(rec, deps);
+  const startedAt = clock(deps);
+  const grade = deps.verify ?? defaultVerify;
+  let verdict: Awaited<ReturnType<typeof grade>>;
+  try {
+    verdict = await grade({
+      provider: deps.provider,
+      handle: seedReceipt.handle,
+      task,
+      run: { answer: runReceipt.answer, exec: runReceipt.exec },
+      deadlineMs: rec.meta.deadlineAt,
+    });
+  } catch (err) {
+    // A verifier that crashes masks; the provider being down is retried first.
+    if (isFleetError(err)) throw err;
+    throw FleetError.nonRetryable("verifier_error", err instanceof Error ? err.message : String(err), err);
+  }
+  const at = clock(deps);
+  const saved = await deps.store.saveReceipt(
+    rec.meta,
+    "verify",
+    { reward: verdict.reward, details: verdict.details, startedAt, at },
+    "verified",
+    at,
+  );
+  return saved ? "close" : null;
+};
+
+export const close: StageHandler = async (rec, deps) => {
+  const id = rec.meta.id;
+  await deps.store.tombstone(id);
+  const fresh = (await deps.store.get(id)) ?? rec;
+  let teardown: "confirmed" | "pending" = "confirmed";
+  let cleanup: CleanupReceipt | null = null;
+  for (const owner of ["resources", "agent"] as const) {
+    const key = sandboxKey(id, owner);
+    let entry = await deps.ledger.getSandbox(key);
+    if (!entry && owner === "resources" && fresh.receipts.seed) {
+      entry = {
+        key,
+        rolloutId: id,
+        owner,
+        provider: fresh.receipts.seed.handle.provider,
+        handle: fresh.receipts.seed.handle,
+        createdAt: fresh.receipts.seed.at,
+        expiresAt: fresh.meta.deadlineAt + SANDBOX_EXPIRY_SLACK_MS,
+      };
+    }
+    if (!entry) continue;
+    if (owner === "agent") {
+      // Not ours to destroy (rule 11): the agent worker that owned it is gone; hand it to the janitor.
+      await deps.ledger.schedule(entry, clock(deps));
+      teardown = "pending";
+      continue;
+    }
+    const r = await destroyOrLedger(deps, entry);
+    if (r.teardown === "pending") teardown = "pending";
+    cleanup = r.receipt;
+  }
+  const at = clock(deps);
+  const closeReceipt = { cleanup, teardown, at };
+  await deps.store.saveReceipt(fresh.meta, "close", closeReceipt, "closing", at);
+  const final = (await deps.store.get(id)) ?? fresh;
+  const result = composeResult(final, closeReceipt, at, await deps.store.failureLog(id));
+  const finalized = await deps.store.finalize(final.meta, result, at);
+  if (finalized && deps.metrics) {
+    deps.metrics.rolloutsFinished.inc({ status: result.status, failure_kind: result.failureKind ?? "none" });
+    deps.metrics.rolloutDuration.observe({ status: result.status }, (result.timings.totalMs ?? 0) / 1000);
+    if (result.reward !== null) deps.metrics.reward.observe(result.reward);
+  }
+  return null;
+};
+
+export const HANDLERS: Record<StageName, StageHandler> = { seed, run, verify: verifyStage, close };
