@@ -1,0 +1,153 @@
+import {
+  AgentSpec,
+  type AgentSpecInput,
+  isFleetError,
+  type SandboxHandle,
+  type TaskContent,
+} from "@fleet/contracts";
+import { createHarness, type HarnessOutcome, stageWorkspace } from "@fleet/harness";
+import { AGENT_USER, DockerSandboxProvider } from "@fleet/sandbox";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { afterAll, afterEach, describe, expect, it } from "vitest";
+import { verify } from "./verify.ts";
+
+// The bundled example suite end to end on real Docker: in one sandbox per task, a wrong agent
+// scores 0, then the oracle scores 1.0 (re-verifying the same sandbox also proves the verifier
+// clears what the previous grading left in /tests and /logs/verifier).
+const IMAGE_OVERRIDE = process.env.FLEET_BASE_IMAGE;
+const provider = new DockerSandboxProvider();
+const RUN = `it-suite-${process.pid}-${Date.now().toString(36)}`;
+const created: SandboxHandle[] = [];
+const rolloutIds: string[] = [];
+const tasks = (await loadSuite(EXAMPLE_SUITE_DIR)).map((t) =>
+  IMAGE_OVERRIDE ? { ...t, image: IMAGE_OVERRIDE } : t,
+);
+
+const ORACLE: AgentSpecInput = { harness: "oracle" };
+/** Does nothing useful: leaves the workspace untouched and answers "42". */
+const WRONG: AgentSpecInput = { harness: "command", argv: ["bash", "-c", "echo 42"] };
+
+async function sandbox(task: TaskContent, label: string): Promise<SandboxHandle> {
+  const rolloutId = `${RUN}-${label}`;
+  rolloutIds.push(rolloutId);
+  const handle = await provider.create({
+    image: task.image,
+    rolloutId,
+    owner: "resources",
+    expiresAt: Date.now() + 10 * 60_000,
+  });
+  created.push(handle);
+  await stageWorkspace(provider, handle, task);
+  return handle;
+}
+
+/** Run an agent, confirm its processes are gone (close-before-verify), then grade. */
+async function runAndVerify(handle: SandboxHandle, task: TaskContent, input: AgentSpecInput) {
+  const agent = AgentSpec.parse(input);
+  const outcome: HarnessOutcome = await createHarness(agent).run({
+    provider,
+    handle,
+    task,
+    agent,
+    deadlineMs: Date.now() + task.timeouts.agentS * 1000,
+    signal: new AbortController().signal,
+  });
+  const cleanup = await provider.killProcesses(handle, AGENT_USER);
+  expect(cleanup.confirmed).toBe(true);
+  const verdict = await verify({ provider, handle, task, run: outcome, deadlineMs: Date.now() + 120_000 });
+  return { outcome, verdict };
+}
+
+afterEach(async () => {
+  await Promise.all(created.splice(0).map((h) => provider.destroy(h)));
+});
+
+afterAll(async () => {
+  for (const rolloutId of rolloutIds) expect(await provider.list({ "fleet.rollout": rolloutId })).toEqual([]);
+  await provider.close?.();
+});
+
+describe("the example suite on real Docker", () => {
+  it("has the tasks this test expects", () => {
+    expect(tasks.length).toBeGreaterThanOrEqual(12);
+  });
+
+  it.each(tasks.map((t) => [t.id, t] as const))(
+    "%s: a wrong agent scores 0, the oracle 1.0",
+    async (id, task) => {
+      const handle = await sandbox(task, id);
+
+      const wrong = await runAndVerify(handle, task, WRONG);
+      expect(wrong.verdict.reward, JSON.stringify(wrong.verdict.details)).toBe(0);
+
+      const started = Date.now();
+      const oracle = await runAndVerify(handle, task, ORACLE);
+      expect(oracle.outcome.exec.exitCode, oracle.outcome.exec.stderr).toBe(0);
+      expect(oracle.outcome.exec.durationMs).toBeLessThan(3000);
+      expect(oracle.verdict.reward, JSON.stringify(oracle.verdict.details)).toBe(1);
+      const source =
+        task.verifier.kind === "match" ? "match" : id === "poem-stats" ? "reward_file" : "exit_code";
+      expect(oracle.verdict.details.source).toBe(source);
+      expect(Date.now() - started).toBeLessThan(60_000);
+    },
+  );
+
+  it("poem-stats: 3 of 4 correct lines → reward 0.75 from the reward file", async () => {
+    const task = tasks.find((t) => t.id === "poem-stats")!;
+    const handle = await sandbox(task, "poem-partial");
+    const partial: AgentSpecInput = {
+      harness: "command",
+      argv: ["bash", "-c", "printf 'LINES=6\\nWORDS=21\\nBYTES=109\\nLONGEST=looking\\n' > stats.env"],
+    };
+    const { verdict } = await runAndVerify(handle, task, partial);
+    expect(verdict.reward).toBe(0.75);
+    expect(verdict.details).toMatchObject({ source: "reward_file", rewardText: "0.75", exitCode: 0 });
+  });
+
+  it("a reward file the agent planted in /logs/verifier masks the rollout instead of scoring it", async () => {
+    const task = tasks.find((t) => t.id === "hello-file")!;
+    const handle = await sandbox(task, "tamper");
+    const cheat: AgentSpecInput = {
+      harness: "command",
+      argv: ["bash", "-c", "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt"],
+    };
+    const err = await runAndVerify(handle, task, cheat).then(
+      () => null,
+      (e: unknown) => e,
+    );
+    expect(isFleetError(err) && err.kind).toBe("verifier_error");
+    expect((err as Error).message).toContain("/logs/verifier");
+  });
+
+  it("tests that outlive the verifier budget → verifier_error, never 0", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: { "test.sh": "sleep 30\n" },
+      timeouts: { ...base.timeouts, verifierS: 1.5 },
+    };
+    const handle = await sandbox(task, "slow-tests");
+    const err = await verify({
+      provider,
+      handle,
+      task,
+      run: {
+        answer: null,
+        exec: {
+          exitCode: 0,
+          timedOut: false,
+          stdout: "",
+          stderr: "",
+          stdoutTruncated: false,
+          stderrTruncated: false,
+          durationMs: 1,
+          oomKilled: false,
+        },
+      },
+    }).then(
+      () => null,
+      (e: unknown) => e,
+    );
+    expect(isFleetError(err) && err.kind).toBe("verifier_error");
+  });
+});
