@@ -1,15 +1,19 @@
 import { defineConfig } from "vitest/config";
 
-// Three projects: fast unit tests beside the code, integration tests that need a real Redis
-// and/or Docker daemon (*.int.test.ts), and whole-fleet end-to-end tests under test/.
+// Three projects, run one after another (sequence.groupOrder): fast unit tests beside the code,
+// integration tests that need a real Redis and/or Docker daemon (*.int.test.ts), and
+// whole-fleet end-to-end tests under test/. Integration and e2e files run one at a time: they
+// share one Docker daemon and two cores.
 export default defineConfig({
   test: {
+    reporters: process.env.CI ? ["default", ["json", { outputFile: "test-artifacts/vitest.json" }]] : ["default"],
     projects: [
       {
         test: {
           name: "unit",
           include: ["packages/*/src/**/*.test.ts", "apps/*/src/**/*.test.ts"],
           exclude: ["**/*.int.test.ts", "**/node_modules/**"],
+          sequence: { groupOrder: 0 },
         },
       },
       {
@@ -19,6 +23,7 @@ export default defineConfig({
           testTimeout: 120_000,
           hookTimeout: 120_000,
           fileParallelism: false,
+          sequence: { groupOrder: 1 },
         },
       },
       {
@@ -29,6 +34,7 @@ export default defineConfig({
           testTimeout: 300_000,
           hookTimeout: 300_000,
           fileParallelism: false,
+          sequence: { groupOrder: 2 },
         },
       },
     ],

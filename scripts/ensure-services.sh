@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Bring up what the fleet's tests and demo need on this machine, idempotently:
+#   - Debian packages (redis-server, docker.io, debootstrap, bubblewrap) when missing and run as root;
+#   - a Docker daemon when none answers;
+#   - a Redis with AOF and noeviction on 127.0.0.1:${FLEET_TEST_REDIS_PORT:-6379} unless REDIS_URL is set;
+#   - the offline sandbox base image.
+# Prints `export` lines for what it started (eval-able); logs go to stderr.
+set -euo pipefail
+here="$(cd "$(dirname "$0")" && pwd)"
+state="${FLEET_STATE_DIR:-$here/../.fleet}"
+mkdir -p "$state"
+log() { echo "[ensure-services] $*" >&2; }
+
+need=()
+command -v redis-server >/dev/null || need+=(redis-server)
+command -v dockerd >/dev/null || need+=(docker.io)
+command -v debootstrap >/dev/null || need+=(debootstrap)
+command -v bwrap >/dev/null || need+=(bubblewrap)
+if [ ${#need[@]} -gt 0 ]; then
+  if [ "$(id -u)" != 0 ]; then
+    log "missing: ${need[*]}; run as root or: apt-get install -y ${need[*]}"; exit 1
+  fi
+  log "installing ${need[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq >&2
+  apt-get install -y -qq "${need[@]}" >&2
+fi
+
+# Docker daemon.
+if ! docker info >/dev/null 2>&1; then
+  if [ "$(id -u)" != 0 ]; then log "no Docker daemon answers and we are not root to start one"; exit 1; fi
+  log "starting dockerd"
+  (setsid dockerd --iptables=false --ip6tables=false >"$state/dockerd.log" 2>&1 &)
+  for _ in $(seq 1 120); do docker info >/dev/null 2>&1 && break; sleep 0.5; done
+  docker info >/dev/null 2>&1 || { log "dockerd did not come up; see $state/dockerd.log"; tail -20 "$state/dockerd.log" >&2; exit 1; }
+fi
+
+# Redis (private, AOF + noeviction) unless the caller brings one.
+if [ -z "${REDIS_URL:-}" ]; then
+  port="${FLEET_TEST_REDIS_PORT:-6379}"
+  if ! redis-cli -p "$port" ping >/dev/null 2>&1; then
+    log "starting redis on 127.0.0.1:$port"
+    mkdir -p "$state/redis"
+    redis-server --bind 127.0.0.1 --port "$port" --dir "$state/redis" --appendonly yes \
+      --maxmemory-policy noeviction --save "" --daemonize yes --logfile "$state/redis/redis.log" >&2
+    for _ in $(seq 1 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
+  fi
+  echo "export REDIS_URL=redis://127.0.0.1:$port"
+fi
+
+# The offline sandbox image.
+if [ -x "$here/build-base-image.sh" ] || [ -f "$here/build-base-image.sh" ]; then
+  tag="$(bash "$here/build-base-image.sh" >&2 && bash "$here/build-base-image.sh" --print-tag)"
+  echo "export FLEET_BASE_IMAGE=$tag"
+fi

@@ -1,0 +1,158 @@
+import { type ChildProcess, spawn } from "node:child_process";
+import { createWriteStream, mkdirSync, type WriteStream } from "node:fs";
+import { createServer } from "node:net";
+import { dirname, join, resolve } from "node:path";
+import { fileURLToPath } from "node:url";
+
+/** The fleet's processes, each a separate `node` running an app's `src/main.ts` through tsx. */
+export const APP_MAIN = {
+  dispatcher: "apps/dispatcher/src/main.ts",
+  resources: "apps/resources-worker/src/main.ts",
+  agent: "apps/agent-worker/src/main.ts",
+  verifier: "apps/verifier-worker/src/main.ts",
+  janitor: "apps/janitor/src/main.ts",
+} as const;
+export type AppKind = keyof typeof APP_MAIN;
+
+export const REPO_ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../..");
+
+export interface FleetProcessOptions {
+  redisUrl: string;
+  prefix: string;
+  replicas?: Partial<Record<AppKind, number>>;
+  /** Extra environment for every process (e.g. FLEET_LOCK_DURATION_MS for fast failover). */
+  env?: Record<string, string>;
+  /** Where each process's output goes (`<kind>-<i>.log`). */
+  logDir: string;
+  token?: string;
+}
+
+export interface FleetProcess {
+  kind: AppKind;
+  index: number;
+  child: ChildProcess;
+  log: WriteStream;
+  /** Resolves when the process exits. */
+  exited: Promise<number | null>;
+}
+
+export async function freePort(): Promise<number> {
+  return new Promise((resolvePort, reject) => {
+    const srv = createServer();
+    srv.once("error", reject);
+    srv.listen(0, "127.0.0.1", () => {
+      const address = srv.address();
+      const port = typeof address === "object" && address ? address.port : 0;
+      srv.close(() => resolvePort(port));
+    });
+  });
+}
+
+/**
+ * Start the dispatcher, the three stage workers and the janitor as separate processes against
+ * one Redis under one prefix; wait until the dispatcher answers and every worker logged that it
+ * started.
+ */
+export class FleetProcesses {
+  readonly url: string;
+  readonly token: string;
+  readonly procs: FleetProcess[] = [];
+  private readonly baseEnv: Record<string, string>;
+
+  private constructor(
+    private readonly options: FleetProcessOptions,
+    port: number,
+  ) {
+    this.url = `http://127.0.0.1:${port}`;
+    this.token = options.token ?? "fleet-dev-token";
+    this.baseEnv = {
+      PATH: process.env.PATH ?? "/usr/bin:/bin",
+      HOME: process.env.HOME ?? "/root",
+      ...(process.env.DOCKER_HOST ? { DOCKER_HOST: process.env.DOCKER_HOST } : {}),
+      REDIS_URL: options.redisUrl,
+      FLEET_PREFIX: options.prefix,
+      FLEET_HTTP_PORT: String(port),
+      FLEET_HTTP_HOST: "127.0.0.1",
+      FLEET_API_TOKENS: this.token,
+      FLEET_LOG_LEVEL: "info",
+      ...options.env,
+    };
+  }
+
+  static async start(options: FleetProcessOptions): Promise<FleetProcesses> {
+    mkdirSync(options.logDir, { recursive: true });
+    const fleet = new FleetProcesses(options, await freePort());
+    const replicas = { dispatcher: 1, resources: 1, agent: 1, verifier: 1, janitor: 1, ...options.replicas };
+    const starting: Promise<void>[] = [];
+    for (const kind of Object.keys(APP_MAIN) as AppKind[]) {
+      for (let i = 0; i < replicas[kind]; i++) starting.push(fleet.spawn(kind, i));
+    }
+    try {
+      await Promise.all(starting);
+    } catch (err) {
+      await fleet.stop();
+      throw err;
+    }
+    return fleet;
+  }
+
+  /** Start one process and wait until it is ready. */
+  async spawn(kind: AppKind, index: number): Promise<void> {
+    const log = createWriteStream(join(this.options.logDir, `${kind}-${index}.log`), { flags: "a" });
+    const child = spawn(process.execPath, ["--import", "tsx", APP_MAIN[kind]], {
+      cwd: REPO_ROOT,
+      env: { ...this.baseEnv, FLEET_WORKER_ID: `${kind}-${index}` },
+      stdio: ["ignore", "pipe", "pipe"],
+    });
+    const exited = new Promise<number | null>((r) => child.once("exit", (code) => r(code)));
+    const proc: FleetProcess = { kind, index, child, log, exited };
+    this.procs.push(proc);
+    const ready = kind === "dispatcher" ? /listening|Server listening/i : /worker started|janitor started/;
+    await new Promise<void>((resolveReady, reject) => {
+      let buffered = "";
+      const timer = setTimeout(() => reject(new Error(`${kind}-${index} not ready in 60 s; see ${log.path}`)), 60_000);
+      const onData = (chunk: Buffer) => {
+        log.write(chunk);
+        if (buffered !== null) {
+          buffered += chunk.toString("utf8");
+          if (ready.test(buffered)) {
+            clearTimeout(timer);
+            buffered = "";
+            resolveReady();
+          }
+        }
+      };
+      child.stdout?.on("data", onData);
+      child.stderr?.on("data", (chunk: Buffer) => log.write(chunk));
+      void exited.then((code) => {
+        clearTimeout(timer);
+        reject(new Error(`${kind}-${index} exited with ${code} before it was ready; see ${log.path}`));
+      });
+    });
+  }
+
+  of(kind: AppKind): FleetProcess[] {
+    return this.procs.filter((p) => p.kind === kind && p.child.exitCode === null && p.child.signalCode === null);
+  }
+
+  /** SIGKILL one live process of a kind and start a replacement with the same index. */
+  async killAndRestart(kind: AppKind, index = 0): Promise<void> {
+    const proc = this.of(kind).find((p) => p.index === index);
+    if (!proc) throw new Error(`no live ${kind}-${index}`);
+    proc.child.kill("SIGKILL");
+    await proc.exited;
+    await this.spawn(kind, index);
+  }
+
+  /** SIGTERM every process (bounded graceful shutdown), SIGKILL what is left after `timeoutMs`. */
+  async stop(timeoutMs = 20_000): Promise<void> {
+    const live = this.procs.filter((p) => p.child.exitCode === null && p.child.signalCode === null);
+    for (const p of live) p.child.kill("SIGTERM");
+    const timer = setTimeout(() => {
+      for (const p of live) p.child.kill("SIGKILL");
+    }, timeoutMs);
+    await Promise.all(live.map((p) => p.exited));
+    clearTimeout(timer);
+    for (const p of this.procs) p.log.end();
+  }
+}
