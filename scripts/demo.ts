@@ -1,0 +1,148 @@
+/**
+ * `npm run demo`: the fleet's main job on its embedded defaults.
+ *
+ * 1. Bring up what is missing: Debian packages, the Docker daemon and the offline sandbox image
+ *    (scripts/ensure-services.sh), and a private Redis with AOF when REDIS_URL is unset.
+ * 2. Run the dispatcher, the resources / agent / verifier workers and the janitor as separate
+ *    processes.
+ * 3. Submit the bundled example suite with the `oracle` agent and with a deliberately wrong agent
+ *    through the `fleet` CLI, wait, and write results JSONL.
+ * 4. Print a summary (counts by status, mean reward, p50/p95 of each stage) and the results path;
+ *    shut everything down. Exit 0 only if the oracle scored 1.0 and the wrong agent 0 everywhere.
+ */
+import { type ChildProcess, execFileSync, spawn } from "node:child_process";
+import { mkdirSync, readFileSync } from "node:fs";
+import { join } from "node:path";
+import { FleetProcesses, freePort, REPO_ROOT } from "./lib/fleet-processes.ts";
+
+interface ResultLine {
+  status: string;
+  reward: number | null;
+  taskId: string;
+  failureKind: string | null;
+  timings: Record<string, number | null>;
+}
+
+const stamp = new Date().toISOString().replace(/[:.]/g, "-");
+const runDir = join(REPO_ROOT, ".fleet", "demo", stamp);
+mkdirSync(runDir, { recursive: true });
+const say = (msg: string) => console.log(`[demo] ${msg}`);
+
+function ensureServices(): Record<string, string> {
+  say("checking Docker, the sandbox image and the Debian packages (installing what is missing)…");
+  // REDIS_URL is set to a placeholder so the script does not start its shared Redis: we start a private one.
+  const out = execFileSync("bash", [join(REPO_ROOT, "scripts/ensure-services.sh")], {
+    env: { ...process.env, REDIS_URL: process.env.REDIS_URL ?? "private" },
+    stdio: ["ignore", "pipe", "inherit"],
+    encoding: "utf8",
+  });
+  const exported: Record<string, string> = {};
+  for (const m of out.matchAll(/^export (\w+)=(.*)$/gm)) exported[m[1]!] = m[2]!;
+  return exported;
+}
+
+async function startPrivateRedis(): Promise<{ url: string; proc: ChildProcess }> {
+  const port = await freePort();
+  const dir = join(runDir, "redis");
+  mkdirSync(dir, { recursive: true });
+  const proc = spawn(
+    "redis-server",
+    ["--bind", "127.0.0.1", "--port", String(port), "--dir", dir, "--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", ""],
+    { stdio: "ignore" },
+  );
+  const url = `redis://127.0.0.1:${port}`;
+  for (let i = 0; i < 100; i++) {
+    try {
+      execFileSync("redis-cli", ["-p", String(port), "ping"], { stdio: "pipe" });
+      return { url, proc };
+    } catch {
+      await new Promise((r) => setTimeout(r, 100));
+    }
+  }
+  throw new Error(`private Redis did not start on port ${port}`);
+}
+
+function runCli(args: string[], env: Record<string, string>): void {
+  execFileSync(process.execPath, [join(REPO_ROOT, "apps/cli/bin/fleet.js"), ...args], {
+    env: { ...process.env, ...env },
+    stdio: ["ignore", "inherit", "inherit"],
+  });
+}
+
+function percentile(values: number[], p: number): number | null {
+  if (values.length === 0) return null;
+  const sorted = [...values].sort((a, b) => a - b);
+  return sorted[Math.min(sorted.length - 1, Math.ceil((p / 100) * sorted.length) - 1)]!;
+}
+
+function summarise(label: string, file: string): ResultLine[] {
+  const rows = readFileSync(file, "utf8")
+    .split("\n")
+    .filter((l) => l.trim() !== "")
+    .map((l) => JSON.parse(l) as ResultLine);
+  const counts: Record<string, number> = {};
+  for (const r of rows) counts[r.status] = (counts[r.status] ?? 0) + 1;
+  const graded = rows.filter((r) => r.reward !== null).map((r) => r.reward!);
+  const mean = graded.length ? graded.reduce((a, b) => a + b, 0) / graded.length : null;
+  console.log(`\n== ${label}: ${rows.length} rollouts`);
+  console.log(`   status      ${Object.entries(counts).map(([k, v]) => `${k}=${v}`).join(" ")}`);
+  console.log(`   mean reward ${mean === null ? "n/a" : mean.toFixed(3)} over ${graded.length} graded`);
+  for (const stage of ["queuedMs", "seedMs", "runMs", "verifyMs", "closeMs", "totalMs"]) {
+    const vs = rows.map((r) => r.timings[stage]).filter((v): v is number => typeof v === "number");
+    console.log(`   ${stage.padEnd(10)}  p50 ${String(percentile(vs, 50)).padStart(6)} ms   p95 ${String(percentile(vs, 95)).padStart(6)} ms`);
+  }
+  return rows;
+}
+
+async function main(): Promise<number> {
+  const exported = ensureServices();
+  let redis: { url: string; proc: ChildProcess } | null = null;
+  let redisUrl = process.env.REDIS_URL;
+  if (!redisUrl) {
+    redis = await startPrivateRedis();
+    redisUrl = redis.url;
+    say(`private Redis (AOF, noeviction) at ${redisUrl}`);
+  }
+  const prefix = `{demo-${stamp.slice(-12, -1)}}`;
+  let fleet: FleetProcesses | null = null;
+  try {
+    say("starting the dispatcher, resources/agent/verifier workers and the janitor…");
+    fleet = await FleetProcesses.start({ redisUrl, prefix, logDir: join(runDir, "logs"), env: { FLEET_CONCURRENCY: "4" } });
+    say(`dispatcher at ${fleet.url}; logs in ${join(runDir, "logs")}`);
+    const env = { FLEET_URL: fleet.url, FLEET_TOKEN: fleet.token };
+    const suite = join(REPO_ROOT, "packages/tasks/suites/example");
+    const image = exported.FLEET_BASE_IMAGE;
+    if (image) say(`sandbox image ${image}`);
+
+    const oracleOut = join(runDir, "results-oracle.jsonl");
+    say("submitting the example suite with the oracle agent…");
+    runCli(["submit", "--suite", suite, "--agent", "oracle", "--wait", "--out", oracleOut], env);
+    const wrongOut = join(runDir, "results-wrong.jsonl");
+    say("submitting the example suite with a deliberately wrong agent (does nothing)…");
+    runCli(
+      ["submit", "--suite", suite, "--agent", JSON.stringify({ harness: "command", name: "do-nothing", argv: ["true"] }), "--wait", "--out", wrongOut],
+      env,
+    );
+
+    const oracle = summarise("oracle agent", oracleOut);
+    const wrong = summarise("wrong agent", wrongOut);
+    console.log(`\nresults: ${oracleOut}\n         ${wrongOut}`);
+    const oracleOk = oracle.every((r) => r.status === "completed" && r.reward === 1);
+    const wrongOk = wrong.every((r) => r.status === "completed" && r.reward === 0);
+    if (!oracleOk) say("UNEXPECTED: not every oracle rollout scored 1.0");
+    if (!wrongOk) say("UNEXPECTED: not every wrong-agent rollout scored 0");
+    return oracleOk && wrongOk ? 0 : 1;
+  } finally {
+    say("shutting down…");
+    await fleet?.stop();
+    redis?.proc.kill("SIGTERM");
+  }
+}
+
+main().then(
+  (code) => process.exit(code),
+  (err: unknown) => {
+    console.error(`[demo] failed: ${err instanceof Error ? err.message : String(err)}`);
+    process.exit(1);
+  },
+);
