@@ -1,0 +1,69 @@
+import { isTerminal, type RolloutStatus, Stage } from "@fleet/contracts";
+import type { RolloutStore, StageQueues } from "@fleet/queue";
+
+export type CancelOutcome =
+  | { kind: "unknown" }
+  | { kind: "terminal"; status: RolloutStatus }
+  | { kind: "cancelling"; previous: RolloutStatus };
+
+export const CANCEL_REASON = "cancelled by request";
+
+/**
+ * Cancel one rollout: claim the stop (a harness not yet launched never starts), record the
+ * terminal `cancelled` failure (the first terminal failure wins, so a repeated cancel changes
+ * nothing), and enqueue close, which always runs and finalizes the rollout. Idempotent.
+ */
+export async function cancelRollout(
+  store: RolloutStore,
+  queues: StageQueues,
+  id: string,
+  now: number,
+): Promise<CancelOutcome> {
+  const previous = await store.requestCancel(id);
+  if (previous === null) return { kind: "unknown" };
+  if (isTerminal(previous)) return { kind: "terminal", status: previous };
+  const record = await store.get(id);
+  const stage = Stage.safeParse(record?.stage);
+  await store.recordFailure(id, {
+    stage: stage.success ? stage.data : "admission",
+    terminal: true,
+    failureKind: "cancelled",
+    mask: false,
+    reason: CANCEL_REASON,
+    at: now,
+  });
+  await queues.enqueue("close", id);
+  return { kind: "cancelling", previous };
+}
+
+/** How many cancels of one batch run at once (each is a few Redis round trips). */
+export const CANCEL_CONCURRENCY = 100;
+/** Rollout ids read per page when walking a batch. */
+export const BATCH_PAGE = 500;
+
+/**
+ * Cancel every non-terminal rollout of a batch; returns how many it asked to stop (a repeated
+ * cancel counts those still on their way to close again).
+ */
+export async function cancelBatch(
+  store: RolloutStore,
+  queues: StageQueues,
+  batchId: string,
+  now: number,
+): Promise<number> {
+  let cancelled = 0;
+  for (let start = 0; ; start += BATCH_PAGE) {
+    const ids = await store.batchRolloutIds(batchId, start, start + BATCH_PAGE - 1);
+    if (ids.length === 0) break;
+    const results = await store.getResults(ids);
+    const open = ids.filter((_, i) => results[i] === null);
+    for (let i = 0; i < open.length; i += CANCEL_CONCURRENCY) {
+      const outcomes = await Promise.all(
+        open.slice(i, i + CANCEL_CONCURRENCY).map((id) => cancelRollout(store, queues, id, now)),
+      );
+      cancelled += outcomes.filter((o) => o.kind === "cancelling").length;
+    }
+    if (ids.length < BATCH_PAGE) break;
+  }
+  return cancelled;
+}

@@ -1,0 +1,33 @@
+import type { DispatcherConfig } from "@fleet/config";
+import type { RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import type { createMetricsRegistry, FleetMetrics, Logger } from "@fleet/telemetry";
+import type { Redis } from "ioredis";
+
+/** A prom-client registry, as `@fleet/telemetry` makes them. */
+export type MetricsRegistry = ReturnType<typeof createMetricsRegistry>;
+
+/** Everything the HTTP API needs; built once in `main.ts` (or a test). */
+export interface DispatcherDeps {
+  store: RolloutStore;
+  queues: StageQueues;
+  /** Read for `fleet_teardown_ledger_entries` at scrape time, when given. */
+  ledger?: TeardownLedger;
+  /** The connection `store` and `queues` use; pinged by `/readyz`. */
+  redis: Redis;
+  config: DispatcherConfig;
+  logger: Logger;
+  registry: MetricsRegistry;
+  metrics: FleetMetrics;
+  /** Clock, for tests. @defaultValue `Date.now` */
+  now?: () => number;
+}
+
+/** What route modules get: the deps with the clock resolved. */
+export type RouteContext = DispatcherDeps & { now: () => number };
+
+declare module "fastify" {
+  interface FastifyContextConfig {
+    /** Served without a bearer token (health, readiness, metrics). */
+    public?: boolean;
+  }
+}

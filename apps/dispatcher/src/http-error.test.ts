@@ -1,0 +1,50 @@
+import { AdmissionError } from "@fleet/queue";
+import { describe, expect, it } from "vitest";
+import { errorBody, HttpError, toHttpError } from "./http-error.ts";
+
+describe("toHttpError", () => {
+  it("keeps an HttpError", () => {
+    const err = new HttpError(409, "conflict", "taken", { id: "x" });
+    expect(toHttpError(err)).toBe(err);
+    expect(errorBody(err)).toEqual({ error: { code: "conflict", message: "taken", details: { id: "x" } } });
+  });
+
+  it("maps admission errors by code", () => {
+    expect(toHttpError(new AdmissionError("invalid", "bad", { index: 1 }))).toMatchObject({
+      status: 422,
+      code: "invalid",
+      details: { index: 1 },
+    });
+    expect(toHttpError(new AdmissionError("payload_too_large", "big")).status).toBe(413);
+    expect(toHttpError(new AdmissionError("conflict", "other body")).status).toBe(409);
+  });
+
+  it("maps Fastify's client errors and hides server errors", () => {
+    const tooLarge = Object.assign(new Error("Request body is too large"), {
+      code: "FST_ERR_CTP_BODY_TOO_LARGE",
+      statusCode: 413,
+    });
+    expect(toHttpError(tooLarge)).toMatchObject({ status: 413, code: "payload_too_large" });
+    const media = Object.assign(new Error("Unsupported Media Type"), {
+      code: "FST_ERR_CTP_INVALID_MEDIA_TYPE",
+      statusCode: 415,
+    });
+    expect(toHttpError(media)).toMatchObject({ status: 415, code: "unsupported_media_type" });
+    const syntax = Object.assign(new SyntaxError("Unexpected end of JSON input"), { statusCode: 400 });
+    expect(toHttpError(syntax)).toMatchObject({ status: 400, code: "malformed" });
+    const internal = toHttpError(new Error("ECONNRESET at 10.0.0.3 secret path"));
+    expect(internal).toMatchObject({ status: 500, code: "internal", message: "internal error" });
+    expect(toHttpError("a string")).toMatchObject({ status: 500 });
+  });
+
+  it("answers 503 with Retry-After when Redis is down", () => {
+    const err = Object.assign(new Error("Reached the max retries per request limit"), {
+      name: "MaxRetriesPerRequestError",
+    });
+    expect(toHttpError(err)).toMatchObject({
+      status: 503,
+      code: "unavailable",
+      headers: { "retry-after": "5" },
+    });
+  });
+});

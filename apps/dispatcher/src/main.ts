@@ -1,0 +1,76 @@
+import { DispatcherConfig, parseConfig } from "@fleet/config";
+import { assertRedisDurable, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import { createServer } from "./server.ts";
+
+/**
+ * The dispatcher's one wiring point: config from the environment, logger, metrics, Redis,
+ * queues, the HTTP server, and a bounded graceful shutdown on SIGTERM/SIGINT.
+ */
+async function main(): Promise<void> {
+  const config = parseConfig(DispatcherConfig, process.env);
+  const logger = createLogger({ name: "dispatcher", level: config.logLevel });
+  const registry = createMetricsRegistry({ app: "dispatcher" });
+  const metrics = createFleetMetrics(registry);
+  // No blocking commands here (no Worker), so a request may fail fast while Redis is down
+  // (→ 503) instead of waiting for it forever.
+  const redis = createRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
+  redis.on("error", (err) => logger.warn({ err }, "redis connection error"));
+  try {
+    await assertRedisDurable(redis);
+  } catch (err) {
+    logger.fatal({ err }, "refusing to start");
+    redis.disconnect();
+    process.exitCode = 1;
+    return;
+  }
+  const store = new RolloutStore(redis, config.prefix);
+  const ledger = new TeardownLedger(redis, config.prefix);
+  const queues = new StageQueues(redis, config.prefix);
+  // A Queue re-emits its connection's errors; unheard, an 'error' event would crash the process.
+  for (const queue of Object.values(queues.queues)) {
+    queue.on("error", (err) => logger.warn({ err, queue: queue.name }, "queue connection error"));
+  }
+  const app = createServer({ store, queues, ledger, redis, config, logger, registry, metrics });
+
+  let closing = false;
+  const shutdown = (signal: string) => {
+    if (closing) return;
+    closing = true;
+    logger.info({ signal }, "shutting down");
+    const force = setTimeout(() => {
+      logger.error({ timeoutMs: config.shutdownTimeoutMs }, "graceful shutdown timed out; exiting");
+      process.exit(1);
+    }, config.shutdownTimeoutMs);
+    force.unref();
+    (async () => {
+      await app.close();
+      await queues.close();
+      await redis.quit();
+    })().then(
+      () => {
+        logger.info("stopped");
+        clearTimeout(force);
+      },
+      (err: unknown) => {
+        logger.error({ err }, "error while shutting down");
+        process.exit(1);
+      },
+    );
+  };
+  process.on("SIGTERM", () => shutdown("SIGTERM"));
+  process.on("SIGINT", () => shutdown("SIGINT"));
+
+  logger.info({ prefix: config.prefix, maxBacklog: config.maxBacklog }, "starting");
+  // Fastify logs the one "listening" line, with the bound address (port 0 → the real port).
+  await app.listen({
+    host: config.httpHost,
+    port: config.httpPort,
+    listenTextResolver: (address) => `dispatcher listening on ${address}`,
+  });
+}
+
+main().catch((err: unknown) => {
+  console.error(err instanceof Error ? err.message : err);
+  process.exit(1);
+});

@@ -1,0 +1,128 @@
+import { describe, expect, it } from "vitest";
+import { HttpError } from "./http-error.ts";
+import { parseBatchJson, parseBatchNdjson, parseIdempotencyKey, parseRolloutBody } from "./requests.ts";
+
+const task = { id: "t1", instruction: "say hi", image: "img" };
+const row = { task, agent: { harness: "oracle" } };
+
+function thrown(fn: () => unknown): HttpError {
+  try {
+    fn();
+  } catch (err) {
+    if (err instanceof HttpError) return err;
+    throw err;
+  }
+  throw new Error("expected an HttpError");
+}
+
+describe("parseRolloutBody", () => {
+  it("accepts a valid request and applies defaults", () => {
+    const req = parseRolloutBody(row);
+    expect(req.agent).toMatchObject({ harness: "oracle", sandbox: "borrow" });
+  });
+
+  it("reports the closest branch of the task union with a readable path", () => {
+    const err = thrown(() =>
+      parseRolloutBody({ task: { id: "t1", image: "img" }, agent: { harness: "oracle" } }),
+    );
+    expect(err.status).toBe(422);
+    expect(err.code).toBe("invalid");
+    expect(err.details).toMatchObject({ issues: [{ path: "task.instruction" }], total: 1 });
+    expect(err.message).toContain("task.instruction");
+  });
+
+  it("refuses non-finite and negative timeouts, unknown sandbox options and unknown harnesses", () => {
+    const cases: [unknown, string][] = [
+      [{ ...row, deadlineS: Number.POSITIVE_INFINITY }, "deadlineS"],
+      [{ ...row, deadlineS: -1 }, "deadlineS"],
+      [{ ...row, task: { ...task, timeouts: { agentS: 0 } } }, "task.timeouts.agentS"],
+      [{ ...row, sandbox: { privileged: true } }, "sandbox"],
+      [{ ...row, agent: { harness: "magic" } }, "agent.harness"],
+    ];
+    for (const [body, path] of cases) {
+      const err = thrown(() => parseRolloutBody(body));
+      expect(err.status, path).toBe(422);
+      expect((err.details as { issues: { path: string }[] }).issues.map((i) => i.path)).toContain(path);
+    }
+  });
+
+  it("says that Infinity is not a finite number", () => {
+    const err = thrown(() => parseRolloutBody({ ...row, deadlineS: Number.POSITIVE_INFINITY }));
+    expect(err.message).toMatch(/Infinity/);
+  });
+
+  it("refuses a credential value smuggled into the agent (schemas are strict)", () => {
+    const err = thrown(() =>
+      parseRolloutBody({ ...row, agent: { harness: "oracle", apiKey: "sk-live-123" } }),
+    );
+    expect(err.status).toBe(422);
+    expect(JSON.stringify(err.details)).not.toContain("sk-live-123");
+    expect(JSON.stringify(err.details)).toContain("apiKey");
+  });
+
+  it("needs a body", () => {
+    expect(thrown(() => parseRolloutBody(undefined)).status).toBe(400);
+  });
+});
+
+describe("parseBatchJson", () => {
+  it("takes { rollouts } or a bare array", () => {
+    expect(parseBatchJson({ rollouts: [row, row] }).requests).toHaveLength(2);
+    expect(parseBatchJson([row]).requests).toHaveLength(1);
+  });
+
+  it("names the bad row and caps the issues", () => {
+    const rows = Array.from({ length: 50 }, () => ({ ...row, deadlineS: -1 }));
+    const err = thrown(() => parseBatchJson({ rollouts: rows }));
+    expect(err.status).toBe(422);
+    const details = err.details as { issues: { path: string }[]; total: number };
+    expect(details.issues).toHaveLength(20);
+    expect(details.total).toBe(50);
+    expect(details.issues[3]!.path).toBe("rollouts[3].deadlineS");
+  });
+
+  it("refuses an empty batch", () => {
+    expect(thrown(() => parseBatchJson({ rollouts: [] })).status).toBe(422);
+  });
+});
+
+describe("parseBatchNdjson", () => {
+  it("skips blank lines and records each request's line", () => {
+    const text = `${JSON.stringify(row)}\n\n  \r\n${JSON.stringify(row)}\r\n`;
+    const parsed = parseBatchNdjson(text);
+    expect(parsed.requests).toHaveLength(2);
+    expect(parsed.lines).toEqual([1, 4]);
+  });
+
+  it("names the first invalid line (422) and counts the others", () => {
+    const bad = JSON.stringify({ ...row, agent: { harness: "nope" } });
+    const text = [JSON.stringify(row), JSON.stringify(row), bad, JSON.stringify(row), bad].join("\n");
+    const err = thrown(() => parseBatchNdjson(text));
+    expect(err.status).toBe(422);
+    expect(err.message).toMatch(/^line 3: agent\.harness/);
+    expect(err.message).toContain("1 more");
+    expect(err.details).toMatchObject({ line: 3, badLines: 2, issues: [{ line: 3 }, { line: 5 }] });
+  });
+
+  it("answers 400 for a line that is not JSON, naming it", () => {
+    const err = thrown(() => parseBatchNdjson(`${JSON.stringify(row)}\n{"task":`));
+    expect(err.status).toBe(400);
+    expect(err.code).toBe("malformed");
+    expect(err.details).toEqual({ line: 2 });
+  });
+
+  it("refuses a body of blank lines", () => {
+    expect(thrown(() => parseBatchNdjson("\n\n")).status).toBe(422);
+  });
+});
+
+describe("parseIdempotencyKey", () => {
+  it("is optional and must be one printable value", () => {
+    expect(parseIdempotencyKey(undefined)).toBeNull();
+    expect(parseIdempotencyKey("abc-123")).toBe("abc-123");
+    expect(thrown(() => parseIdempotencyKey("")).status).toBe(400);
+    expect(thrown(() => parseIdempotencyKey("a b")).status).toBe(400);
+    expect(thrown(() => parseIdempotencyKey(["a", "b"])).status).toBe(400);
+    expect(thrown(() => parseIdempotencyKey("x".repeat(201))).status).toBe(400);
+  });
+});

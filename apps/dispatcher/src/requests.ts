@@ -1,0 +1,123 @@
+import { RolloutRequest } from "@fleet/contracts";
+import { z } from "zod";
+import { HttpError } from "./http-error.ts";
+import { capIssues, describeIssues, type Issue, MAX_ISSUES } from "./zod-issues.ts";
+
+/** Requests of one submission, and for NDJSON the line each came from (for error messages). */
+export interface ParsedBatch {
+  requests: RolloutRequest[];
+  /** `lines[i]` is the 1-based NDJSON line of `requests[i]`; null for a JSON body. */
+  lines: number[] | null;
+}
+
+/** `POST /v1/batches` JSON body: `{ "rollouts": [...] }`, or a bare array of requests. */
+export const BatchBody = z.union([
+  z.strictObject({ rollouts: z.array(RolloutRequest).min(1, "a batch needs at least one rollout") }),
+  z.array(RolloutRequest).min(1, "a batch needs at least one rollout"),
+]);
+
+function invalid(what: string, issues: Issue[], extra: Record<string, unknown> = {}): HttpError {
+  const first = issues[0];
+  const where = first ? `${first.path === "" ? "body" : first.path}: ${first.message}` : "invalid";
+  const capped = capIssues(issues);
+  return new HttpError(422, "invalid", `${what} is invalid (${where})`, {
+    ...extra,
+    issues: capped.issues,
+    total: capped.total,
+  });
+}
+
+/** `POST /v1/rollouts`: one RolloutRequest (strict: unknown fields, e.g. an `apiKey`, are refused). */
+export function parseRolloutBody(body: unknown): RolloutRequest {
+  if (body === undefined || body === null) {
+    throw new HttpError(400, "malformed", "expected a JSON body (content-type: application/json)");
+  }
+  const parsed = RolloutRequest.safeParse(body);
+  if (!parsed.success) throw invalid("rollout request", describeIssues(parsed.error.issues));
+  return parsed.data;
+}
+
+/** `POST /v1/batches` with `application/json`. */
+export function parseBatchJson(body: unknown): ParsedBatch {
+  if (body === undefined || body === null) {
+    throw new HttpError(400, "malformed", 'expected a JSON body { "rollouts": [...] } or NDJSON');
+  }
+  // Pick the shape the client meant, so errors name `rollouts[3].task` rather than both shapes.
+  const schema = Array.isArray(body) ? BatchBody.options[1] : BatchBody.options[0];
+  const parsed = schema.safeParse(body);
+  if (!parsed.success) throw invalid("batch", describeIssues(parsed.error.issues));
+  const requests = Array.isArray(parsed.data) ? parsed.data : parsed.data.rollouts;
+  return { requests, lines: null };
+}
+
+/**
+ * `POST /v1/batches` with `application/x-ndjson`: one RolloutRequest per line, blank lines
+ * ignored. A line that is not JSON → 400 `malformed`; a line that is not a valid request → 422
+ * `invalid`; both name the (1-based) line.
+ */
+export function parseBatchNdjson(text: string): ParsedBatch {
+  const requests: RolloutRequest[] = [];
+  const lines: number[] = [];
+  const issues: (Issue & { line: number })[] = [];
+  let badLines = 0;
+  let firstBad: number | null = null;
+  let lineNo = 0;
+  for (const raw of text.split("\n")) {
+    lineNo++;
+    const line = raw.trim();
+    if (line === "") continue;
+    let value: unknown;
+    try {
+      value = JSON.parse(line);
+    } catch (err) {
+      throw new HttpError(
+        400,
+        "malformed",
+        `line ${lineNo}: not valid JSON (${err instanceof Error ? err.message : String(err)})`,
+        { line: lineNo },
+      );
+    }
+    const parsed = RolloutRequest.safeParse(value);
+    if (parsed.success) {
+      requests.push(parsed.data);
+      lines.push(lineNo);
+      continue;
+    }
+    badLines++;
+    firstBad ??= lineNo;
+    for (const issue of describeIssues(parsed.error.issues)) {
+      if (issues.length < MAX_ISSUES) issues.push({ line: lineNo, ...issue });
+    }
+  }
+  if (firstBad !== null) {
+    const first = issues[0]!;
+    throw new HttpError(
+      422,
+      "invalid",
+      `line ${firstBad}: ${first.path === "" ? "" : `${first.path}: `}${first.message}` +
+        (badLines > 1 ? ` (and ${badLines - 1} more invalid lines)` : ""),
+      { line: firstBad, badLines, issues },
+    );
+  }
+  if (requests.length === 0) {
+    throw invalid("batch", [{ path: "", message: "a batch needs at least one rollout" }]);
+  }
+  return { requests, lines };
+}
+
+/** Longest `Idempotency-Key` accepted. */
+export const MAX_IDEMPOTENCY_KEY_CHARS = 200;
+
+/** The optional `Idempotency-Key` header: printable ASCII, 1–200 characters. */
+export function parseIdempotencyKey(header: string | string[] | undefined): string | null {
+  if (header === undefined) return null;
+  const value = Array.isArray(header) ? header : [header];
+  if (value.length !== 1 || !/^[\x21-\x7e]{1,200}$/.test(value[0]!)) {
+    throw new HttpError(
+      400,
+      "malformed",
+      `Idempotency-Key must be one value of 1 to ${MAX_IDEMPOTENCY_KEY_CHARS} printable ASCII characters`,
+    );
+  }
+  return value[0]!;
+}

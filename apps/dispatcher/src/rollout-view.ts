@@ -1,0 +1,47 @@
+import { FailureRecord, isTerminal, type RolloutResult, RolloutStatus, Stage } from "@fleet/contracts";
+import type { RolloutRecord } from "@fleet/queue";
+import { z } from "zod";
+
+/**
+ * `GET /v1/rollouts/:id` for a rollout still in flight. A terminal rollout answers with its
+ * `RolloutResult` instead; both carry `id`, `batchId`, `taskId`, `agent`, `status`, `stage`.
+ */
+export const RolloutView = z.object({
+  id: z.string(),
+  batchId: z.string().nullable(),
+  status: RolloutStatus,
+  /** The stage it is in or last finished (`admission` before seeding starts). */
+  stage: Stage,
+  taskId: z.string(),
+  taskDigest: z.string(),
+  /** The agent's display name (as in results). */
+  agent: z.string(),
+  createdAt: z.number().int(),
+  /** Absolute deadline (epoch ms): retries share it. */
+  deadlineAt: z.number().int(),
+  /** The first terminal failure, once one is recorded (the rollout is then on its way to close). */
+  failure: FailureRecord.nullable(),
+  cancelRequested: z.boolean(),
+  metadata: z.record(z.string(), z.unknown()).nullable(),
+});
+export type RolloutView = z.infer<typeof RolloutView>;
+
+/** The answer for a rollout: its result when terminal, else its progress view. */
+export function presentRollout(record: RolloutRecord): RolloutResult | RolloutView {
+  if (isTerminal(record.status) && record.result) return record.result;
+  const stage = Stage.safeParse(record.stage);
+  return {
+    id: record.meta.id,
+    batchId: record.meta.batchId,
+    status: record.status,
+    stage: stage.success ? stage.data : "admission",
+    taskId: record.meta.taskId,
+    taskDigest: record.meta.taskDigest,
+    agent: record.meta.agentName,
+    createdAt: record.meta.createdAt,
+    deadlineAt: record.meta.deadlineAt,
+    failure: record.failure,
+    cancelRequested: record.cancelRequested,
+    metadata: record.meta.metadata,
+  };
+}

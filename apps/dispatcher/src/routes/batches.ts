@@ -1,0 +1,83 @@
+import { Readable } from "node:stream";
+import type { RolloutStore } from "@fleet/queue";
+import type { FastifyInstance } from "fastify";
+import { BATCH_PAGE, cancelBatch } from "../cancel.ts";
+import type { RouteContext } from "../context.ts";
+import { parseBatchJson, parseBatchNdjson, parseIdempotencyKey } from "../requests.ts";
+import type { BatchAccepted, BatchView } from "../responses.ts";
+import { submit } from "../submit.ts";
+import { idParam, notFound } from "./params.ts";
+
+/**
+ * `POST /v1/batches`, `GET /v1/batches/:id`, `GET /v1/batches/:id/results`,
+ * `POST /v1/batches/:id/cancel`.
+ */
+export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): void {
+  const { store, queues } = ctx;
+
+  app.post("/v1/batches", async (req, reply) => {
+    const idempotencyKey = parseIdempotencyKey(req.headers["idempotency-key"]);
+    // The NDJSON parser hands over the raw text; the JSON parser an already-parsed value.
+    const parsed = typeof req.body === "string" ? parseBatchNdjson(req.body) : parseBatchJson(req.body);
+    const started = performance.now();
+    const admitted = await submit(ctx, parsed, { batch: true, idempotencyKey });
+    const created = admitted.created.length > 0;
+    const body: BatchAccepted = {
+      batchId: admitted.batchId!,
+      rolloutIds: admitted.ids,
+      count: admitted.ids.length,
+      created,
+    };
+    req.log.info(
+      {
+        batchId: body.batchId,
+        count: body.count,
+        created: admitted.created.length,
+        admitMs: Math.round(performance.now() - started),
+      },
+      created ? "batch accepted" : "batch replayed",
+    );
+    return reply.code(created ? 202 : 200).send(body);
+  });
+
+  app.get("/v1/batches/:id", async (req) => {
+    const id = idParam(req.params, "batch");
+    const batch = await store.getBatch(id);
+    if (!batch) throw notFound("batch", id);
+    const { bodyHash: _, ...view } = batch;
+    return view satisfies BatchView;
+  });
+
+  app.get("/v1/batches/:id/results", async (req, reply) => {
+    const id = idParam(req.params, "batch");
+    if (!(await store.getBatch(id))) throw notFound("batch", id);
+    const stream = Readable.from(resultLines(store, id));
+    stream.on("error", (err) => req.log.error({ err, batchId: id }, "results stream failed"));
+    return reply.code(200).type("application/x-ndjson; charset=utf-8").send(stream);
+  });
+
+  app.post("/v1/batches/:id/cancel", async (req, reply) => {
+    const id = idParam(req.params, "batch");
+    if (!(await store.getBatch(id))) throw notFound("batch", id);
+    const cancelled = await cancelBatch(store, queues, id, ctx.now());
+    req.log.info({ batchId: id, cancelled }, "batch cancel requested");
+    return reply.code(202).send({ batchId: id, cancelled });
+  });
+}
+
+/**
+ * The batch's terminal results as NDJSON, a page of rollout ids at a time: memory stays
+ * bounded by one page whatever the batch's size, and a slow reader slows the reads.
+ */
+export async function* resultLines(store: RolloutStore, batchId: string): AsyncGenerator<string> {
+  for (let start = 0; ; start += BATCH_PAGE) {
+    const ids = await store.batchRolloutIds(batchId, start, start + BATCH_PAGE - 1);
+    if (ids.length === 0) return;
+    let chunk = "";
+    for (const result of await store.getResults(ids)) {
+      if (result !== null) chunk += `${JSON.stringify(result)}\n`;
+    }
+    if (chunk !== "") yield chunk;
+    if (ids.length < BATCH_PAGE) return;
+  }
+}

@@ -1,0 +1,60 @@
+import type { FastifyInstance } from "fastify";
+import type { RouteContext } from "../context.ts";
+import { HttpError, RETRY_AFTER_S } from "../http-error.ts";
+import { buildOpenApi } from "../openapi.ts";
+import { refreshQueueMetrics } from "../queue-metrics.ts";
+
+/** How long `/readyz` and the queue gauges of `/metrics` wait for Redis. */
+export const REDIS_CHECK_TIMEOUT_MS = 2000;
+
+function withTimeout<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const timeout = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
+  });
+  return Promise.race([promise, timeout]).finally(() => clearTimeout(timer));
+}
+
+/** `/healthz`, `/readyz`, `/metrics` (no token: see README), `/openapi.json` (token). */
+export function registerOpsRoutes(app: FastifyInstance, ctx: RouteContext): void {
+  const { redis, registry, metrics, queues, ledger } = ctx;
+
+  // Liveness: the process answers. Touches nothing else, so a Redis outage does not get the
+  // dispatcher restarted (readiness takes it out of rotation instead).
+  app.get("/healthz", { config: { public: true } }, async () => ({ status: "ok" }));
+
+  app.get("/readyz", { config: { public: true } }, async () => {
+    try {
+      await withTimeout(redis.ping(), REDIS_CHECK_TIMEOUT_MS, "redis ping");
+    } catch (err) {
+      throw new HttpError(
+        503,
+        "unavailable",
+        `Redis is not reachable: ${err instanceof Error ? err.message : String(err)}`,
+        null,
+        { "retry-after": String(RETRY_AFTER_S) },
+      );
+    }
+    return { status: "ready" };
+  });
+
+  app.get("/metrics", { config: { public: true } }, async (req, reply) => {
+    try {
+      await withTimeout(
+        refreshQueueMetrics(queues, metrics, ledger, ctx.now()),
+        REDIS_CHECK_TIMEOUT_MS,
+        "queue metrics",
+      );
+    } catch (err) {
+      // Still serve the process metrics; the queue gauges are absent rather than stale.
+      req.log.warn({ err }, "queue metrics unavailable");
+    }
+    return reply.type(registry.contentType).send(await registry.metrics());
+  });
+
+  let openapi: Record<string, unknown> | undefined;
+  app.get("/openapi.json", async () => {
+    openapi ??= buildOpenApi();
+    return openapi;
+  });
+}

@@ -1,0 +1,67 @@
+import type { FastifyInstance } from "fastify";
+import { cancelRollout } from "../cancel.ts";
+import type { RouteContext } from "../context.ts";
+import { HttpError } from "../http-error.ts";
+import { parseIdempotencyKey, parseRolloutBody } from "../requests.ts";
+import type { RolloutAccepted } from "../responses.ts";
+import { presentRollout } from "../rollout-view.ts";
+import { submit } from "../submit.ts";
+import { idParam, notFound } from "./params.ts";
+
+/** A JSON route got a body some other parser read (NDJSON): say which format it takes. */
+export function requireJson(body: unknown): void {
+  if (typeof body === "string") {
+    throw new HttpError(415, "unsupported_media_type", "this route takes application/json");
+  }
+}
+
+/** `POST /v1/rollouts`, `GET /v1/rollouts/:id`, `POST /v1/rollouts/:id/cancel`. */
+export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): void {
+  const { store, queues } = ctx;
+
+  app.post("/v1/rollouts", async (req, reply) => {
+    const idempotencyKey = parseIdempotencyKey(req.headers["idempotency-key"]);
+    requireJson(req.body);
+    const request = parseRolloutBody(req.body);
+    const admitted = await submit(
+      ctx,
+      { requests: [request], lines: null },
+      { batch: false, idempotencyKey },
+    );
+    const id = admitted.ids[0]!;
+    if (admitted.created.length > 0) {
+      req.log.info({ rolloutId: id }, "rollout accepted");
+      return reply.code(202).send({ id, status: "accepted", created: true } satisfies RolloutAccepted);
+    }
+    const record = await store.get(id);
+    const status = record?.status ?? "accepted";
+    // A replay after a crash between recording the rollout and enqueueing its seed: enqueue it
+    // now (deduplicated by job id when it is already there).
+    if (status === "accepted") await queues.enqueueSeeds([id]);
+    return reply.code(200).send({ id, status, created: false } satisfies RolloutAccepted);
+  });
+
+  app.get("/v1/rollouts/:id", async (req) => {
+    const id = idParam(req.params, "rollout");
+    const record = await store.get(id);
+    if (!record) throw notFound("rollout", id);
+    return presentRollout(record);
+  });
+
+  app.post("/v1/rollouts/:id/cancel", async (req, reply) => {
+    const id = idParam(req.params, "rollout");
+    const outcome = await cancelRollout(store, queues, id, ctx.now());
+    switch (outcome.kind) {
+      case "unknown":
+        throw notFound("rollout", id);
+      case "terminal":
+        throw new HttpError(409, "conflict", `rollout ${id} already finished (${outcome.status})`, {
+          rolloutId: id,
+          status: outcome.status,
+        });
+      case "cancelling":
+        req.log.info({ rolloutId: id, previous: outcome.previous }, "rollout cancel requested");
+        return reply.code(202).send({ id, status: "cancelling" });
+    }
+  });
+}

@@ -1,0 +1,624 @@
+import { randomUUID } from "node:crypto";
+import { DispatcherConfig, parseConfig } from "@fleet/config";
+import { type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
+import { createRedis, digestTask, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
+import type { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createServer } from "./server.ts";
+
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+const TOKEN = "user-token-for-tests";
+const ADMIN = "admin-token-for-tests";
+
+const task = {
+  id: "t-echo",
+  instruction: "Print hello.",
+  image: "fleet-base:test",
+  tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
+} satisfies TaskContentInput;
+const oracle = { harness: "oracle" } as const;
+const row = { task, agent: oracle };
+
+interface Harness {
+  app: FastifyInstance;
+  prefix: string;
+  store: RolloutStore;
+  queues: StageQueues;
+  call(options: InjectOptions & { token?: string | null }): Promise<LightMyRequestResponse>;
+}
+
+let redis: Redis;
+const harnesses: Harness[] = [];
+
+/** A server on its own key prefix (cleaned up in afterAll); `env` overrides its config. */
+async function makeHarness(env: Record<string, string> = {}): Promise<Harness> {
+  const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
+  const config = parseConfig(DispatcherConfig, {
+    FLEET_PREFIX: prefix,
+    FLEET_API_TOKENS: `${TOKEN},admin:${ADMIN}`,
+    ...env,
+  });
+  const logger = createLogger({ name: "dispatcher-test", level: "silent" });
+  const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
+  const metrics = createFleetMetrics(registry);
+  const store = new RolloutStore(redis, prefix);
+  const queues = new StageQueues(redis, prefix);
+  const ledger = new TeardownLedger(redis, prefix);
+  const app = createServer({ store, queues, ledger, redis, config, logger, registry, metrics });
+  await app.ready();
+  const h: Harness = {
+    app,
+    prefix,
+    store,
+    queues,
+    call({ token = TOKEN, headers, ...options }) {
+      return app.inject({
+        ...options,
+        headers: { ...(token === null ? {} : { authorization: `Bearer ${token}` }), ...headers },
+      });
+    },
+  };
+  harnesses.push(h);
+  return h;
+}
+
+async function deleteByPrefix(prefix: string): Promise<void> {
+  const stream = redis.scanStream({ match: `${prefix}*`, count: 1000 });
+  for await (const keys of stream as AsyncIterable<string[]>) {
+    if (keys.length > 0) await redis.unlink(...keys);
+  }
+}
+
+function resultFor(id: string, batchId: string | null, reward: number): RolloutResult {
+  const now = Date.now();
+  return {
+    id,
+    batchId,
+    taskId: task.id,
+    taskDigest: digestTask(TaskContent.parse(task)),
+    agent: "oracle",
+    status: "completed",
+    reward,
+    mask: false,
+    failureKind: null,
+    stage: "close",
+    reason: null,
+    teardown: "confirmed",
+    exitCode: 0,
+    usage: null,
+    timings: { queuedMs: 1, seedMs: 2, runMs: 3, verifyMs: 4, closeMs: 5, totalMs: 15 },
+    details: null,
+    failures: [],
+    metadata: null,
+    createdAt: now,
+    finishedAt: now,
+  };
+}
+
+function expectErrorBody(
+  res: { statusCode: number; headers: Record<string, unknown>; body: string },
+  status: number,
+  code: string,
+) {
+  expect(res.statusCode, res.body).toBe(status);
+  expect(String(res.headers["content-type"])).toContain("application/json");
+  const body = JSON.parse(res.body) as { error: { code: string; message: string; details: unknown } };
+  expect(body.error.code).toBe(code);
+  expect(typeof body.error.message).toBe("string");
+  expect(body.error).toHaveProperty("details");
+  return body.error;
+}
+
+let h: Harness;
+
+beforeAll(async () => {
+  redis = createRedis(REDIS_URL);
+  h = await makeHarness();
+});
+
+afterAll(async () => {
+  for (const x of harnesses) {
+    await x.app.close();
+    await x.queues.obliterate();
+    await x.queues.close();
+    await deleteByPrefix(x.prefix);
+  }
+  await redis?.quit();
+});
+
+describe("POST /v1/rollouts", () => {
+  it("accepts a rollout, records it and enqueues its seed job", async () => {
+    const res = await h.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    expect(res.statusCode, res.body).toBe(202);
+    const body = res.json() as { id: string; status: string; created: boolean };
+    expect(body).toMatchObject({ status: "accepted", created: true });
+    const job = await h.queues.queues.seed.getJob(`${body.id}.seed`);
+    expect(job?.data).toEqual({ rolloutId: body.id });
+
+    const view = await h.call({ method: "GET", url: `/v1/rollouts/${body.id}` });
+    expect(view.statusCode).toBe(200);
+    expect(view.json()).toMatchObject({
+      id: body.id,
+      batchId: null,
+      status: "accepted",
+      stage: "admission",
+      taskId: "t-echo",
+      agent: "oracle",
+      failure: null,
+    });
+  });
+
+  it("is idempotent by key: same body → same id, other body → 409", async () => {
+    const key = randomUUID();
+    const first = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: row,
+      headers: { "idempotency-key": key },
+    });
+    expect(first.statusCode).toBe(202);
+    const again = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: row,
+      headers: { "idempotency-key": key },
+    });
+    expect(again.statusCode).toBe(200);
+    expect(again.json()).toEqual({ id: first.json().id, status: "accepted", created: false });
+    const other = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { ...row, metadata: { n: 2 } },
+      headers: { "idempotency-key": key },
+    });
+    const error = expectErrorBody(other, 409, "conflict");
+    expect(error.details).toMatchObject({ rolloutId: first.json().id });
+  });
+
+  it("re-enqueues the seed on replay when a crash lost it after the rollout was recorded", async () => {
+    const key = randomUUID();
+    const headers = { "idempotency-key": key };
+    const first = await h.call({ method: "POST", url: "/v1/rollouts", payload: row, headers });
+    const { id } = first.json() as { id: string };
+    await h.queues.queues.seed.remove(`${id}.seed`);
+    expect(await h.queues.queues.seed.getJob(`${id}.seed`)).toBeUndefined();
+    const replay = await h.call({ method: "POST", url: "/v1/rollouts", payload: row, headers });
+    expect(replay.json()).toMatchObject({ id, created: false });
+    expect(await h.queues.queues.seed.getJob(`${id}.seed`)).toBeDefined();
+  });
+
+  it("answers 422 with readable details for an invalid task", async () => {
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { task: { id: "bad id!", image: "img", instruction: "x" }, agent: oracle },
+    });
+    const error = expectErrorBody(res, 422, "invalid");
+    expect(error.details).toMatchObject({
+      issues: [{ path: "task.id", message: expect.stringContaining("letters") }],
+    });
+  });
+
+  it("answers 422 for 1e999 (Infinity), negative timeouts, unknown sandbox options and harnesses", async () => {
+    const bodies: [string, string][] = [
+      [`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"deadlineS":1e999}`, "deadlineS"],
+      [JSON.stringify({ ...row, agent: { harness: "oracle", timeoutS: -5 } }), "agent.timeoutS"],
+      [JSON.stringify({ ...row, sandbox: { network: "host" } }), "sandbox"],
+      [JSON.stringify({ ...row, agent: { harness: "gpt-direct" } }), "agent.harness"],
+    ];
+    for (const [payload, path] of bodies) {
+      const res = await h.call({
+        method: "POST",
+        url: "/v1/rollouts",
+        payload,
+        headers: { "content-type": "application/json" },
+      });
+      const error = expectErrorBody(res, 422, "invalid");
+      expect(
+        (error.details as { issues: { path: string }[] }).issues.map((i) => i.path),
+        payload,
+      ).toContain(path);
+    }
+  });
+
+  it("never accepts a credential value: an apiKey in the agent is refused, and not echoed", async () => {
+    const secret = "sk-live-DO-NOT-STORE-1234";
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { ...row, agent: { harness: "oracle", apiKey: secret } },
+    });
+    expectErrorBody(res, 422, "invalid");
+    expect(res.body).toContain("apiKey");
+    expect(res.body).not.toContain(secret);
+  });
+
+  it("answers 400 for malformed JSON and 415 for an unsupported content type", async () => {
+    const bad = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: '{"task": ',
+      headers: { "content-type": "application/json" },
+    });
+    expectErrorBody(bad, 400, "malformed");
+    const empty = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: "",
+      headers: { "content-type": "application/json" },
+    });
+    expectErrorBody(empty, 400, "malformed");
+    const text = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: "hello",
+      headers: { "content-type": "text/plain" },
+    });
+    expectErrorBody(text, 415, "unsupported_media_type");
+    const ndjson = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: JSON.stringify(row),
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expectErrorBody(ndjson, 415, "unsupported_media_type");
+  });
+});
+
+describe("POST /v1/batches", () => {
+  it("admits 10,000 NDJSON rows (one task inline, then by digest) with every seed job", async () => {
+    const big = await makeHarness();
+    const digest = digestTask(TaskContent.parse(task));
+    const lines = [JSON.stringify(row)];
+    for (let i = 1; i < 10_000; i++) {
+      lines.push(JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } }));
+    }
+    const payload = `${lines.join("\n")}\n`;
+    const started = performance.now();
+    const res = await big.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload,
+      headers: { "content-type": "application/x-ndjson", "idempotency-key": randomUUID() },
+    });
+    const ms = performance.now() - started;
+    console.log(
+      `POST /v1/batches: 10,000 NDJSON rows (${(payload.length / 1024).toFixed(0)} KiB) admitted in ${ms.toFixed(0)} ms`,
+    );
+    expect(res.statusCode, res.body.slice(0, 500)).toBe(202);
+    const body = res.json() as { batchId: string; rolloutIds: string[]; count: number; created: boolean };
+    expect(body.count).toBe(10_000);
+    expect(body.created).toBe(true);
+    expect(new Set(body.rolloutIds).size).toBe(10_000);
+
+    const batch = await big.call({ method: "GET", url: `/v1/batches/${body.batchId}` });
+    expect(batch.json()).toMatchObject({
+      id: body.batchId,
+      total: 10_000,
+      done: 0,
+      counts: { accepted: 10_000 },
+    });
+
+    const counts = await big.queues.queues.seed.getJobCounts("waiting", "delayed", "prioritized", "active");
+    expect(Object.values(counts).reduce((a, b) => a + b, 0)).toBe(10_000);
+    const pipe = redis.pipeline();
+    for (const id of body.rolloutIds) pipe.exists(`${big.prefix}:seed:${id}.seed`);
+    const exists = (await pipe.exec())!.map(([, v]) => v);
+    expect(exists.filter((v) => v === 1)).toHaveLength(10_000);
+    // Ten thousand rollouts, one stored task.
+    expect(await big.store.getTask(digest)).toMatchObject({ id: "t-echo" });
+  });
+
+  it("accepts { rollouts } JSON, replays by key, and answers 409 for another body", async () => {
+    const key = randomUUID();
+    const payload = { rollouts: [row, { ...row, metadata: { n: 1 } }] };
+    const first = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload,
+      headers: { "idempotency-key": key },
+    });
+    expect(first.statusCode, first.body).toBe(202);
+    const body = first.json() as { batchId: string; rolloutIds: string[]; count: number; created: boolean };
+    expect(body).toMatchObject({ count: 2, created: true });
+    const again = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload,
+      headers: { "idempotency-key": key },
+    });
+    expect(again.statusCode).toBe(200);
+    expect(again.json()).toEqual({ ...body, created: false });
+    const other = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: [row] },
+      headers: { "idempotency-key": key },
+    });
+    expectErrorBody(other, 409, "conflict");
+  });
+
+  it("names the bad NDJSON line (422 invalid, 400 not JSON, 422 unknown digest)", async () => {
+    const lines = [JSON.stringify(row), "", JSON.stringify({ ...row, deadlineS: 0 }), JSON.stringify(row)];
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: lines.join("\n"),
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    const error = expectErrorBody(res, 422, "invalid");
+    expect(error.message).toMatch(/^line 3: deadlineS/);
+    expect(error.details).toMatchObject({ line: 3 });
+
+    const notJson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: `${JSON.stringify(row)}\nnot json\n`,
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expect(expectErrorBody(notJson, 400, "malformed").details).toEqual({ line: 2 });
+
+    const unknownDigest = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: `${JSON.stringify(row)}\n\n${JSON.stringify({ task: { digest: "0".repeat(64) }, agent: oracle })}\n`,
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    const e3 = expectErrorBody(unknownDigest, 422, "invalid");
+    expect(e3.message).toMatch(/^line 3: unknown task digest/);
+  });
+});
+
+describe("limits", () => {
+  it("answers 413 for a body over the limit and for a task over maxTaskBytes", async () => {
+    const small = await makeHarness({ FLEET_MAX_BODY_BYTES: "65536", FLEET_MAX_TASK_BYTES: "4096" });
+    const huge = { ...row, task: { ...task, instruction: "x".repeat(70_000) } };
+    const overBody = await small.call({ method: "POST", url: "/v1/rollouts", payload: huge });
+    expectErrorBody(overBody, 413, "payload_too_large");
+    const overNdjson = await small.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: JSON.stringify(huge),
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expectErrorBody(overNdjson, 413, "payload_too_large");
+
+    const bigTask = { ...row, task: { ...task, instruction: "y".repeat(5000) } };
+    const overTask = await small.call({ method: "POST", url: "/v1/rollouts", payload: bigTask });
+    const error = expectErrorBody(overTask, 413, "payload_too_large");
+    expect(error.details).toMatchObject({ limit: 4096 });
+  });
+
+  it("answers 429 with Retry-After past the backlog bound, but still replays an admitted batch", async () => {
+    const tight = await makeHarness({ FLEET_MAX_BACKLOG: "3" });
+    const key = randomUUID();
+    const payload = { rollouts: [row, row] };
+    const first = await tight.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload,
+      headers: { "idempotency-key": key },
+    });
+    expect(first.statusCode).toBe(202);
+    const more = await tight.call({ method: "POST", url: "/v1/batches", payload });
+    const error = expectErrorBody(more, 429, "backpressure");
+    expect(more.headers["retry-after"]).toBe("5");
+    expect(error.details).toMatchObject({ inflight: 2, incoming: 2, maxBacklog: 3 });
+    const one = await tight.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    expect(one.statusCode).toBe(202);
+    const full = await tight.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    expectErrorBody(full, 429, "backpressure");
+    // The client lost the first answer and retries: it gets its batch back, not a 429.
+    const replay = await tight.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload,
+      headers: { "idempotency-key": key },
+    });
+    expect(replay.statusCode, replay.body).toBe(200);
+    expect(replay.json().batchId).toBe(first.json().batchId);
+    // A batch that could never fit is 413, not a 429 to retry forever.
+    const never = await tight.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: [row, row, row, row] },
+    });
+    expectErrorBody(never, 413, "payload_too_large");
+  });
+});
+
+describe("auth, 404s and ops routes", () => {
+  it("answers 401 without a token or with a wrong one, on API routes and unknown routes", async () => {
+    for (const token of [null, "wrong-token", `${TOKEN}x`]) {
+      for (const [method, url] of [
+        ["GET", "/v1/batches/nope"],
+        ["POST", "/v1/rollouts"],
+        ["GET", "/openapi.json"],
+        ["GET", "/no/such/route"],
+      ] as const) {
+        const res = await h.call({ method, url, token, payload: method === "POST" ? row : undefined });
+        expectErrorBody(res, 401, "unauthorized");
+        expect(res.headers["www-authenticate"]).toContain("Bearer");
+      }
+    }
+    const admin = await h.call({ method: "GET", url: "/openapi.json", token: ADMIN });
+    expect(admin.statusCode).toBe(200);
+  });
+
+  it("serves health, readiness and metrics without a token", async () => {
+    const health = await h.call({ method: "GET", url: "/healthz", token: null });
+    expect(health.json()).toEqual({ status: "ok" });
+    const ready = await h.call({ method: "GET", url: "/readyz", token: null });
+    expect(ready.json()).toEqual({ status: "ready" });
+    await h.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    const metrics = await h.call({ method: "GET", url: "/metrics", token: null });
+    expect(metrics.statusCode).toBe(200);
+    expect(metrics.headers["content-type"]).toContain("text/plain");
+    const waiting = /fleet_queue_jobs\{queue="seed",state="waiting",app="dispatcher"\} (\d+)/.exec(
+      metrics.body,
+    );
+    expect(Number(waiting?.[1])).toBeGreaterThan(0);
+    expect(metrics.body).toMatch(
+      /fleet_queue_oldest_waiting_age_seconds\{queue="seed",app="dispatcher"\} [\d.]+/,
+    );
+    expect(metrics.body).toMatch(/fleet_teardown_ledger_entries\{app="dispatcher"\} 0/);
+  });
+
+  it("answers 404 with the JSON error body for unknown rollouts, batches and routes", async () => {
+    expectErrorBody(await h.call({ method: "GET", url: "/v1/rollouts/nope" }), 404, "not_found");
+    expectErrorBody(await h.call({ method: "GET", url: "/v1/rollouts/has:colon" }), 404, "not_found");
+    expectErrorBody(await h.call({ method: "GET", url: "/v1/batches/nope" }), 404, "not_found");
+    expectErrorBody(await h.call({ method: "GET", url: "/v1/batches/nope/results" }), 404, "not_found");
+    expectErrorBody(await h.call({ method: "POST", url: "/v1/batches/nope/cancel" }), 404, "not_found");
+    expectErrorBody(await h.call({ method: "GET", url: "/v2/anything" }), 404, "not_found");
+    expectErrorBody(await h.call({ method: "DELETE", url: "/v1/rollouts" }), 404, "not_found");
+  });
+
+  it("serves an OpenAPI 3.1 document", async () => {
+    const res = await h.call({ method: "GET", url: "/openapi.json" });
+    expect(res.statusCode).toBe(200);
+    const doc = res.json() as { openapi: string; paths: Record<string, unknown> };
+    expect(doc.openapi).toBe("3.1.0");
+    expect(doc.paths).toHaveProperty("/v1/batches/{id}/results");
+  });
+});
+
+describe("cancel", () => {
+  it("records a terminal cancelled failure and enqueues close; 404 unknown; 409 finished", async () => {
+    const { id } = (await h.call({ method: "POST", url: "/v1/rollouts", payload: row })).json() as {
+      id: string;
+    };
+    const res = await h.call({ method: "POST", url: `/v1/rollouts/${id}/cancel` });
+    expect(res.statusCode, res.body).toBe(202);
+    expect(res.json()).toEqual({ id, status: "cancelling" });
+    const record = await h.store.get(id);
+    expect(record?.cancelRequested).toBe(true);
+    expect(record?.fence).toBe("stopped");
+    expect(record?.failure).toMatchObject({
+      stage: "admission",
+      terminal: true,
+      failureKind: "cancelled",
+      mask: false,
+      reason: "cancelled by request",
+    });
+    expect((await h.queues.queues.close.getJob(`${id}.close`))?.data).toEqual({ rolloutId: id });
+    const view = await h.call({ method: "GET", url: `/v1/rollouts/${id}` });
+    expect(view.json()).toMatchObject({ cancelRequested: true, failure: { failureKind: "cancelled" } });
+
+    // A second cancel is harmless.
+    expect((await h.call({ method: "POST", url: `/v1/rollouts/${id}/cancel` })).statusCode).toBe(202);
+
+    expectErrorBody(
+      await h.call({ method: "POST", url: "/v1/rollouts/unknown-id/cancel" }),
+      404,
+      "not_found",
+    );
+
+    await h.store.finalize(
+      { id, batchId: null },
+      { ...resultFor(id, null, 0), status: "cancelled", reward: null },
+      Date.now(),
+    );
+    const late = await h.call({ method: "POST", url: `/v1/rollouts/${id}/cancel` });
+    expect(expectErrorBody(late, 409, "conflict").details).toMatchObject({ status: "cancelled" });
+  });
+
+  it("cancels every non-terminal rollout of a batch", async () => {
+    const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row, row] } });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    await h.store.finalize(
+      { id: rolloutIds[0]!, batchId },
+      resultFor(rolloutIds[0]!, batchId, 1),
+      Date.now(),
+    );
+    const cancel = await h.call({ method: "POST", url: `/v1/batches/${batchId}/cancel` });
+    expect(cancel.statusCode).toBe(202);
+    expect(cancel.json()).toEqual({ batchId, cancelled: 2 });
+    for (const id of rolloutIds.slice(1)) {
+      expect((await h.store.get(id))?.failure?.failureKind).toBe("cancelled");
+      expect(await h.queues.queues.close.getJob(`${id}.close`)).toBeDefined();
+    }
+    expect(await h.queues.queues.close.getJob(`${rolloutIds[0]}.close`)).toBeUndefined();
+  });
+});
+
+describe("results", () => {
+  it("streams NDJSON of the finalized rollouts only, and GET /v1/rollouts/:id returns the result", async () => {
+    const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row, row] } });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    const empty = await h.call({ method: "GET", url: `/v1/batches/${batchId}/results` });
+    expect(empty.statusCode).toBe(200);
+    expect(empty.body).toBe("");
+    for (const [i, id] of [rolloutIds[0]!, rolloutIds[2]!].entries()) {
+      expect(await h.store.finalize({ id, batchId }, resultFor(id, batchId, i), Date.now())).toBe(true);
+    }
+    const stream = await h.call({ method: "GET", url: `/v1/batches/${batchId}/results` });
+    expect(stream.statusCode).toBe(200);
+    expect(stream.headers["content-type"]).toContain("application/x-ndjson");
+    const lines = stream.body.split("\n").filter((l) => l !== "");
+    expect(lines).toHaveLength(2);
+    const results = lines.map((l) => JSON.parse(l) as RolloutResult);
+    expect(results.map((r) => r.id)).toEqual([rolloutIds[0], rolloutIds[2]]);
+    expect(results.map((r) => r.reward)).toEqual([0, 1]);
+
+    const batch = await h.call({ method: "GET", url: `/v1/batches/${batchId}` });
+    expect(batch.json()).toMatchObject({ total: 3, done: 2, counts: { completed: 2, accepted: 1 } });
+    expect(batch.json()).not.toHaveProperty("bodyHash");
+
+    const one = await h.call({ method: "GET", url: `/v1/rollouts/${rolloutIds[2]}` });
+    expect(one.json()).toMatchObject({ id: rolloutIds[2], status: "completed", reward: 1, stage: "close" });
+  });
+
+  it("pages through a batch bigger than one page", async () => {
+    const payload = { rollouts: Array.from({ length: 1201 }, (_, i) => ({ ...row, metadata: { i } })) };
+    const res = await h.call({ method: "POST", url: "/v1/batches", payload });
+    expect(res.statusCode, res.body.slice(0, 300)).toBe(202);
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    const picked = [0, 499, 500, 1000, 1200].map((i) => rolloutIds[i]!);
+    for (const id of picked) await h.store.finalize({ id, batchId }, resultFor(id, batchId, 1), Date.now());
+    const stream = await h.call({ method: "GET", url: `/v1/batches/${batchId}/results` });
+    const ids = stream.body
+      .split("\n")
+      .filter((l) => l !== "")
+      .map((l) => (JSON.parse(l) as RolloutResult).id);
+    expect(ids).toEqual(picked);
+  });
+});
+
+describe("Redis down", () => {
+  it("stays live, answers /readyz 503 and a submission 503 unavailable with Retry-After", async () => {
+    // A real client pointed at a port nothing listens on.
+    const dead = createRedis("redis://127.0.0.1:1", { maxRetriesPerRequest: 0, retryStrategy: () => 100 });
+    dead.on("error", () => {});
+    const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
+    const queues = new StageQueues(dead, prefix);
+    for (const q of Object.values(queues.queues)) q.on("error", () => {});
+    const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
+    const app = createServer({
+      store: new RolloutStore(dead, prefix),
+      queues,
+      redis: dead,
+      config: parseConfig(DispatcherConfig, { FLEET_PREFIX: prefix }),
+      logger: createLogger({ name: "dispatcher-test", level: "silent" }),
+      registry,
+      metrics: createFleetMetrics(registry),
+    });
+    try {
+      expect((await app.inject({ method: "GET", url: "/healthz" })).statusCode).toBe(200);
+      const ready = await app.inject({ method: "GET", url: "/readyz" });
+      expectErrorBody(ready, 503, "unavailable");
+      const submit = await app.inject({ method: "POST", url: "/v1/rollouts", payload: row });
+      expectErrorBody(submit, 503, "unavailable");
+      expect(submit.headers["retry-after"]).toBe("5");
+      const metrics = await app.inject({ method: "GET", url: "/metrics" });
+      expect(metrics.statusCode).toBe(200);
+      expect(metrics.body).not.toMatch(/fleet_queue_jobs\{/);
+    } finally {
+      await app.close();
+      await queues.close();
+      dead.disconnect();
+    }
+  });
+});

@@ -1,0 +1,89 @@
+import type { DispatcherConfig } from "@fleet/config";
+import { type Admitted, admit, type RolloutStore, rolloutIds, type StageQueues } from "@fleet/queue";
+import { HttpError, RETRY_AFTER_S, toHttpError } from "./http-error.ts";
+import type { ParsedBatch } from "./requests.ts";
+
+export interface SubmitDeps {
+  store: RolloutStore;
+  queues: StageQueues;
+  config: Pick<DispatcherConfig, "maxBacklog" | "maxTaskBytes">;
+  now: () => number;
+}
+
+/**
+ * Admit a submission: bound the backlog (429), then `admit` from @fleet/queue (records first,
+ * then seed jobs; idempotent by key). An idempotent replay of something already admitted is
+ * never refused for backpressure: the client is asking for what it already has.
+ */
+export async function submit(
+  deps: SubmitDeps,
+  parsed: ParsedBatch,
+  options: { batch: boolean; idempotencyKey: string | null },
+): Promise<Admitted> {
+  const { store, queues, config } = deps;
+  const incoming = parsed.requests.length;
+  if (incoming > config.maxBacklog) {
+    throw new HttpError(
+      413,
+      "payload_too_large",
+      `a batch of ${incoming} rollouts can never fit the backlog bound of ${config.maxBacklog}; split it`,
+      { incoming, maxBacklog: config.maxBacklog },
+    );
+  }
+  const replay =
+    options.idempotencyKey !== null &&
+    (await alreadyAdmitted(store, options.idempotencyKey, options.batch, incoming));
+  if (!replay) {
+    const inflight = await store.inflightCount();
+    if (inflight + incoming > config.maxBacklog) {
+      throw new HttpError(
+        429,
+        "backpressure",
+        `the fleet has ${inflight} rollouts in flight; ${incoming} more would pass the bound of ${config.maxBacklog}`,
+        { inflight, incoming, maxBacklog: config.maxBacklog, retryAfterS: RETRY_AFTER_S },
+        { "retry-after": String(RETRY_AFTER_S) },
+      );
+    }
+  }
+  try {
+    return await admit(
+      store,
+      queues,
+      { requests: parsed.requests, batch: options.batch, idempotencyKey: options.idempotencyKey },
+      { maxTaskBytes: config.maxTaskBytes, now: deps.now() },
+    );
+  } catch (err) {
+    throw withLine(err, parsed.lines);
+  }
+}
+
+/**
+ * Whether this idempotency key already names an admitted rollout or batch. Mirrors the id
+ * derivation of `admit` (`rolloutIds`; a batch id is `b` + the first 20 characters of its first
+ * rollout id); the integration tests replay a batch under backpressure to keep the two in step.
+ */
+async function alreadyAdmitted(
+  store: RolloutStore,
+  key: string,
+  batch: boolean,
+  count: number,
+): Promise<boolean> {
+  if (!batch) return (await store.get(rolloutIds(1, key, "rollout")[0]!)) !== null;
+  const first = rolloutIds(count, key, "batch")[0]!;
+  return (await store.getBatch(`b${first.slice(0, 20)}`)) !== null;
+}
+
+/** An admission error about request `index` of an NDJSON body: name its line instead. */
+function withLine(err: unknown, lines: number[] | null): unknown {
+  if (lines === null || typeof err !== "object" || err === null) return err;
+  const e = err as { name?: unknown; details?: unknown };
+  const index = (e.details as { index?: unknown } | null)?.index;
+  if (e.name !== "AdmissionError" || typeof index !== "number" || lines[index] === undefined) return err;
+  const line = lines[index];
+  const http = toHttpError(err);
+  const message = http.message.replace(/^rollout \d+: /, "");
+  return new HttpError(http.status, http.code, `line ${line}: ${message}`, {
+    ...(e.details as object),
+    line,
+  });
+}
