@@ -274,7 +274,7 @@ describe("idempotency and fencing without workers", () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
     await fleet.deps.store.requestCancel(id!);
-    expect(await fleet.deps.store.claimLaunch(id!, "late")).toBe("stopped");
+    expect((await fleet.deps.store.claimLaunch(id!, "late")).previous).toBe("stopped");
     await runStageJob("run", job(id!), fleet.deps);
     const rec = await fleet.deps.store.get(id!);
     expect(rec!.receipts.run).toBeUndefined();

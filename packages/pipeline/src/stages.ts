@@ -141,12 +141,15 @@ export const seed: StageHandler = async (rec, deps) => {
   return saved ? "run" : null;
 };
 
-export const run: StageHandler = async (rec, deps, attempt) => {
+export const run: StageHandler = async (rec, deps) => {
   const seedReceipt = rec.receipts.seed;
   if (!seedReceipt) throw FleetError.nonRetryable("sandbox_lost", "run stage without a seed receipt");
   const task = await loadTask(rec, deps);
   // DESIGN §2 rule 10: launch and stop race on one atomic claim.
-  const previous = await deps.store.claimLaunch(rec.meta.id, `${deps.workerId}:${randomUUID()}`);
+  const { previous, launches } = await deps.store.claimLaunch(
+    rec.meta.id,
+    `${deps.workerId}:${randomUUID()}`,
+  );
   if (previous === "stopped") return "close";
 
   let handle = seedReceipt.handle;
@@ -255,7 +258,7 @@ export const run: StageHandler = async (rec, deps, attempt) => {
     ownedSandbox,
     startedAt,
     stoppedAt,
-    attempts: attempt,
+    attempts: launches,
     at: stoppedAt,
   };
   const saved = await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt);

@@ -300,9 +300,16 @@ export class RolloutStore {
     return String(await this.redis.fleetTombstone(this.keys.rollout(id)));
   }
 
-  /** Fenced launch: 'stopped' if a stop won; otherwise the previous fence ('' on first launch). */
-  async claimLaunch(id: string, token: string): Promise<string> {
-    return String(await this.redis.fleetClaimLaunch(this.keys.rollout(id), token));
+  /**
+   * Fenced launch: `previous` is 'stopped' if a stop won, otherwise the previous fence ('' on the
+   * first launch); `launches` counts launches so far, this one included (0 when stopped).
+   */
+  async claimLaunch(id: string, token: string): Promise<{ previous: string; launches: number }> {
+    const [previous, launches] = (await this.redis.fleetClaimLaunch(this.keys.rollout(id), token)) as [
+      string,
+      number,
+    ];
+    return { previous: String(previous), launches: Number(launches) };
   }
 
   /** Request cancellation; returns the status it found, or null for an unknown rollout. */

@@ -94,16 +94,18 @@ const SCRIPTS = {
       return fence or ''`,
   },
   /**
-   * Fenced launch (DESIGN §2 rule 10). ARGV: token. Returns 'stopped' when a stop already won,
-   * else the previous fence ('' for the first launch, 'launched:<token>' on a re-delivery).
+   * Fenced launch (DESIGN §2 rule 10). ARGV: token. Returns [previous, launches]: previous is
+   * 'stopped' when a stop already won, else the previous fence ('' for the first launch,
+   * 'launched:<token>' on a re-delivery); launches counts launches including this one.
    */
   fleetClaimLaunch: {
     keys: 1,
     lua: `
       local fence = redis.call('HGET', KEYS[1], 'fence')
-      if fence == 'stopped' or redis.call('HGET', KEYS[1], 'closed') == '1' then return 'stopped' end
+      if fence == 'stopped' or redis.call('HGET', KEYS[1], 'closed') == '1' then return {'stopped', 0} end
       redis.call('HSET', KEYS[1], 'fence', 'launched:' .. ARGV[1])
-      return fence or ''`,
+      local launches = redis.call('HINCRBY', KEYS[1], 'launches', 1)
+      return {fence or '', launches}`,
   },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
   fleetCancel: {
