@@ -155,7 +155,7 @@ describe("the whole fleet as separate processes", () => {
     const b = await api("POST", "/v1/batches", { rollouts: rows });
     expect(b.status).toBe(202);
     const batchId = String(b.body?.batchId);
-    ids.push(...(b.body?.rolloutIds as string[]));
+    ids.push(...((b.body?.rolloutIds ?? []) as string[]));
     await waitFor("the batch to finish", async () => {
       const s = await api("GET", `/v1/batches/${batchId}`);
       return Number(s.body?.done) === rows.length;

@@ -1,5 +1,12 @@
 import type { DispatcherConfig } from "@fleet/config";
-import { type Admitted, admit, type RolloutStore, rolloutIds, type StageQueues } from "@fleet/queue";
+import {
+  type Admitted,
+  admit,
+  batchIdFor,
+  type RolloutStore,
+  rolloutIds,
+  type StageQueues,
+} from "@fleet/queue";
 import { HttpError, RETRY_AFTER_S, toHttpError } from "./http-error.ts";
 import type { ParsedBatch } from "./requests.ts";
 
@@ -58,9 +65,8 @@ export async function submit(
 }
 
 /**
- * Whether this idempotency key already names an admitted rollout or batch. Mirrors the id
- * derivation of `admit` (`rolloutIds`; a batch id is `b` + the first 20 characters of its first
- * rollout id); the integration tests replay a batch under backpressure to keep the two in step.
+ * Whether this idempotency key already names an admitted rollout or batch. Uses the id
+ * derivation of `admit` (`rolloutIds`, `batchIdFor`).
  */
 async function alreadyAdmitted(
   store: RolloutStore,
@@ -69,8 +75,7 @@ async function alreadyAdmitted(
   count: number,
 ): Promise<boolean> {
   if (!batch) return (await store.get(rolloutIds(1, key, "rollout")[0]!)) !== null;
-  const first = rolloutIds(count, key, "batch")[0]!;
-  return (await store.getBatch(`b${first.slice(0, 20)}`)) !== null;
+  return (await store.getBatch(batchIdFor(rolloutIds(count, key, "batch")))) !== null;
 }
 
 /** An admission error about request `index` of an NDJSON body: name its line instead. */

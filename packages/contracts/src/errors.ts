@@ -63,6 +63,7 @@ export const ApiErrorCode = {
   not_found: 404,
   conflict: 409,
   payload_too_large: 413,
+  unsupported_media_type: 415,
   invalid: 422,
   backpressure: 429,
   internal: 500,

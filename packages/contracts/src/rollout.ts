@@ -1,6 +1,6 @@
 import { z } from "zod";
-import { CappedText, Seconds } from "./bounded.ts";
 import { AgentSpec } from "./agent.ts";
+import { CappedText, Seconds } from "./bounded.ts";
 import { FailureKind, FailureRecord, Stage } from "./failure.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxOptions } from "./sandbox.ts";
 import { TaskRef } from "./task.ts";
@@ -27,7 +27,14 @@ export type BatchRequest = z.infer<typeof BatchRequest>;
 
 export const TerminalStatus = z.enum(["completed", "masked", "failed", "cancelled"]);
 export type TerminalStatus = z.infer<typeof TerminalStatus>;
-export const RolloutStatus = z.enum(["accepted", "seeded", "ran", "verified", "closing", ...TerminalStatus.options]);
+export const RolloutStatus = z.enum([
+  "accepted",
+  "seeded",
+  "ran",
+  "verified",
+  "closing",
+  ...TerminalStatus.options,
+]);
 export type RolloutStatus = z.infer<typeof RolloutStatus>;
 
 export function isTerminal(status: RolloutStatus): status is TerminalStatus {

@@ -58,7 +58,11 @@ export const ExecOptions = z.strictObject({
   user: z.string().optional(),
   stdin: z.string().optional(),
   /** Cap for stdout and for stderr, each. */
-  maxOutputBytes: z.number().int().positive().default(1024 * 1024),
+  maxOutputBytes: z
+    .number()
+    .int()
+    .positive()
+    .default(1024 * 1024),
 });
 export type ExecOptions = z.input<typeof ExecOptions>;
 

@@ -19,7 +19,7 @@ export interface Admitted {
   created: string[];
 }
 
-/** Digest of a task: sha256 of its canonical JSON after parsing (defaults applied). */
+/** Digest of a task: sha256 of its canonical JSON. Pass a parsed `TaskContent` (defaults applied): raw input digests differently. */
 export function digestTask(task: TaskContent): string {
   return sha256(canonicalJson(task));
 }
@@ -113,6 +113,11 @@ export function rolloutIds(count: number, idempotencyKey: string | null, scope: 
   return Array.from({ length: count }, (_, i) => `${base.slice(0, 20)}-${i}`);
 }
 
+/** A batch's id, derived from its rollout ids (so an idempotent replay finds the same batch). */
+export function batchIdFor(ids: readonly string[]): string {
+  return `b${ids[0]!.slice(0, 20)}`;
+}
+
 /**
  * Admit one rollout or a batch: idempotent by key (same key + same body → same ids, different
  * body → conflict), records first, then seed jobs (deterministic ids, so a replay re-enqueues
@@ -127,7 +132,7 @@ export async function admit(
   const now = options.now ?? Date.now();
   const key = input.idempotencyKey ?? null;
   const ids = rolloutIds(input.requests.length, key, input.batch ? "batch" : "rollout");
-  const batchId = input.batch ? `b${ids[0]!.slice(0, 20)}` : null;
+  const batchId = input.batch ? batchIdFor(ids) : null;
   const bodyHash = sha256(canonicalJson(input.requests));
 
   if (key && !input.batch) {
@@ -139,6 +144,9 @@ export async function admit(
           rolloutId: ids[0],
         });
       }
+      // A replay after a crash between recording the rollout and enqueueing its seed: enqueue
+      // it now (deduplicated by job id when it is already there).
+      if (existing.status === "accepted") await queues.enqueueSeeds(ids);
       return { batchId: null, ids, created: [] };
     }
   }

@@ -35,9 +35,6 @@ export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): 
     }
     const record = await store.get(id);
     const status = record?.status ?? "accepted";
-    // A replay after a crash between recording the rollout and enqueueing its seed: enqueue it
-    // now (deduplicated by job id when it is already there).
-    if (status === "accepted") await queues.enqueueSeeds([id]);
     return reply.code(200).send({ id, status, created: false } satisfies RolloutAccepted);
   });
 
