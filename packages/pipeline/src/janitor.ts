@@ -122,6 +122,8 @@ export async function startJanitor(
   options: JanitorOptions & { connection: Redis; prefix: string; intervalMs: number },
 ): Promise<Janitor> {
   const queue = new Queue(JANITOR_QUEUE, { connection: options.connection, prefix: options.prefix });
+  // One pass at a time across every replica: a slow pass must not overlap the next tick.
+  await queue.setGlobalConcurrency(1);
   await queue.upsertJobScheduler(
     "janitor-tick",
     { every: options.intervalMs },

@@ -1,0 +1,177 @@
+import type { CloseReceipt, FailureRecord, RunReceipt } from "@fleet/contracts";
+import type { RolloutRecord } from "@fleet/queue";
+import { describe, expect, it } from "vitest";
+import { composeResult } from "./result.ts";
+
+const handle = {
+  provider: "docker" as const,
+  endpoint: "e",
+  id: "c",
+  name: "n",
+  rolloutId: "r1",
+  owner: "resources" as const,
+  volumes: [],
+};
+const exec = {
+  exitCode: 0,
+  timedOut: false,
+  stdout: "",
+  stderr: "",
+  stdoutTruncated: false,
+  stderrTruncated: false,
+  durationMs: 1,
+  oomKilled: false,
+};
+const cleanup = { confirmed: true, scope: "processes" as const, at: 5, alreadyGone: false, remaining: 0 };
+const runReceipt = (over: Partial<RunReceipt> = {}): RunReceipt => ({
+  exec,
+  answer: null,
+  transcript: null,
+  usage: null,
+  cleanup,
+  ownedSandbox: null,
+  startedAt: 3,
+  stoppedAt: 5,
+  attempts: 1,
+  at: 5,
+  ...over,
+});
+
+function record(over: Partial<RolloutRecord> = {}): RolloutRecord {
+  return {
+    meta: {
+      id: "r1",
+      batchId: null,
+      bodyHash: "h",
+      taskDigest: "d",
+      taskId: "t",
+      agent: { harness: "oracle", sandbox: "borrow" },
+      agentName: "oracle",
+      metadata: { run: 7 },
+      createdAt: 0,
+      deadlineAt: 1000,
+    },
+    status: "verified",
+    stage: "verify",
+    receipts: {},
+    failure: null,
+    cancelRequested: false,
+    closed: true,
+    fence: null,
+    result: null,
+    times: {
+      "seed:start": 1,
+      "seed:end": 2,
+      "run:start": 3,
+      "run:end": 5,
+      "verify:start": 6,
+      "verify:end": 7,
+      "close:start": 8,
+    },
+    ...over,
+  };
+}
+const closed: CloseReceipt = { cleanup: null, teardown: "confirmed", at: 9 };
+const failure = (
+  kind: FailureRecord["failureKind"],
+  stage: FailureRecord["stage"] = "run",
+): FailureRecord => ({
+  stage,
+  terminal: true,
+  failureKind: kind,
+  mask: false,
+  reason: "why",
+  at: 4,
+});
+
+describe("composeResult", () => {
+  it("a verdict stands as completed with its reward and timings", () => {
+    const r = composeResult(
+      record({ receipts: { run: runReceipt(), verify: { reward: 0.75, details: {}, startedAt: 6, at: 7 } } }),
+      closed,
+      10,
+      [],
+    );
+    expect(r).toMatchObject({
+      status: "completed",
+      reward: 0.75,
+      mask: false,
+      failureKind: null,
+      exitCode: 0,
+      metadata: { run: 7 },
+    });
+    expect(r.timings).toEqual({ queuedMs: 1, seedMs: 1, runMs: 2, verifyMs: 1, closeMs: 2, totalMs: 10 });
+  });
+
+  it("an agent timeout is graded and marked agent_timeout; a pending teardown is reported", () => {
+    const r = composeResult(
+      record({
+        receipts: {
+          run: runReceipt({ exec: { ...exec, exitCode: -1, timedOut: true } }),
+          verify: { reward: 0, details: {}, startedAt: 6, at: 7 },
+        },
+      }),
+      { ...closed, teardown: "pending" },
+      10,
+      [],
+    );
+    expect(r).toMatchObject({
+      status: "completed",
+      reward: 0,
+      failureKind: "agent_timeout",
+      exitCode: -1,
+      teardown: "pending",
+    });
+  });
+
+  it("infrastructure failures are masked with no reward, even with a verdict stored", () => {
+    for (const kind of [
+      "provider_unavailable",
+      "sandbox_lost",
+      "verifier_error",
+      "deadline_exceeded",
+      "provider_oom_killed",
+    ] as const) {
+      const r = composeResult(
+        record({
+          failure: failure(kind),
+          receipts: { verify: { reward: 0, details: {}, startedAt: 6, at: 7 } },
+        }),
+        closed,
+        10,
+        [],
+      );
+      expect(r).toMatchObject({ status: "masked", mask: true, reward: null, failureKind: kind });
+    }
+  });
+
+  it("a sandbox lost during the run carries the -2 exit envelope", () => {
+    const r = composeResult(record({ failure: failure("sandbox_lost", "run") }), closed, 10, []);
+    expect(r.exitCode).toBe(-2);
+  });
+
+  it("final failures are failed, cancels cancelled, neither masked", () => {
+    expect(composeResult(record({ failure: failure("invalid_task", "seed") }), closed, 10, [])).toMatchObject(
+      {
+        status: "failed",
+        mask: false,
+        reward: null,
+        stage: "seed",
+      },
+    );
+    expect(composeResult(record({ failure: failure("cancelled") }), closed, 10, [])).toMatchObject({
+      status: "cancelled",
+      mask: false,
+    });
+  });
+
+  it("closed without verdict or failure is masked deadline_exceeded, never 0", () => {
+    const r = composeResult(record({ receipts: { run: runReceipt() } }), closed, 10, []);
+    expect(r).toMatchObject({
+      status: "masked",
+      reward: null,
+      failureKind: "deadline_exceeded",
+      stage: "verify",
+    });
+  });
+});

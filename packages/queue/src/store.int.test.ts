@@ -1,0 +1,244 @@
+import { type ChildProcess, execFileSync, spawn } from "node:child_process";
+import { mkdtempSync } from "node:fs";
+import { createServer } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { RolloutResult, TaskContent } from "@fleet/contracts";
+import type { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { admit, digestTask } from "./admission.ts";
+import { assertRedisDurable, createRedis } from "./connection.ts";
+import { RolloutStore } from "./rollout-store.ts";
+import { StageQueues } from "./stage-queues.ts";
+import { sandboxKey, TeardownLedger } from "./teardown-ledger.ts";
+
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+const task: TaskContent = {
+  id: "t1",
+  instruction: "do it",
+  image: "img",
+  workspace: {},
+  solution: {},
+  tests: { "test.sh": "exit 0" },
+  timeouts: { agentS: 10, verifierS: 10 },
+  verifier: { kind: "tests" },
+  metadata: {},
+};
+
+async function freePort(): Promise<number> {
+  return new Promise((resolve) => {
+    const s = createServer().listen(0, "127.0.0.1", () => {
+      const a = s.address();
+      s.close(() => resolve(typeof a === "object" && a ? a.port : 0));
+    });
+  });
+}
+
+describe("Redis durability check", () => {
+  let proc: ChildProcess;
+  let url: string;
+  beforeAll(async () => {
+    const port = await freePort();
+    // A Redis without AOF and with an evicting policy: the fleet must refuse it.
+    proc = spawn("redis-server", [
+      "--port",
+      String(port),
+      "--bind",
+      "127.0.0.1",
+      "--appendonly",
+      "no",
+      "--maxmemory-policy",
+      "allkeys-lru",
+      "--save",
+      "",
+      "--dir",
+      mkdtempSync(join(tmpdir(), "redis-")),
+    ]);
+    url = `redis://127.0.0.1:${port}`;
+    // Wait until it answers (a condition, not a sleep).
+    for (let i = 0; ; i++) {
+      try {
+        execFileSync("redis-cli", ["-p", String(port), "ping"], { stdio: "pipe" });
+        break;
+      } catch (err) {
+        if (i > 100) throw err;
+        await new Promise((r) => setTimeout(r, 50));
+      }
+    }
+  });
+  afterAll(() => {
+    proc.kill();
+  });
+
+  it("refuses a Redis without AOF and noeviction, saying what to change", async () => {
+    const r = createRedis(url);
+    try {
+      await expect(assertRedisDurable(r)).rejects.toThrow(
+        /appendonly.*noeviction|CONFIG SET appendonly yes/s,
+      );
+      await r.config("SET", "appendonly", "yes");
+      await expect(assertRedisDurable(r)).rejects.toThrow(/maxmemory-policy is "allkeys-lru"/);
+      await r.config("SET", "maxmemory-policy", "noeviction");
+      await expect(assertRedisDurable(r)).resolves.toBeUndefined();
+    } finally {
+      r.disconnect();
+    }
+  });
+});
+
+describe("rollout store", () => {
+  const prefix = `{t-store-${Math.random().toString(36).slice(2, 8)}}`;
+  let redis: Redis;
+  let store: RolloutStore;
+  let queues: StageQueues;
+  beforeAll(() => {
+    redis = createRedis(REDIS_URL);
+    store = new RolloutStore(redis, prefix);
+    queues = new StageQueues(redis, prefix);
+  });
+  afterAll(async () => {
+    await queues.obliterate();
+    await queues.close();
+    const keys = await redis.keys(`${prefix}*`);
+    if (keys.length) await redis.del(...keys);
+    redis.disconnect();
+  });
+
+  const admitOne = async (key?: string) =>
+    admit(
+      store,
+      queues,
+      {
+        requests: [{ task, agent: { harness: "oracle", sandbox: "borrow" } }],
+        batch: false,
+        idempotencyKey: key,
+      },
+      { maxTaskBytes: 1e6 },
+    );
+
+  const resultFor = (id: string, status: RolloutResult["status"]): RolloutResult => ({
+    id,
+    batchId: null,
+    taskId: "t1",
+    taskDigest: digestTask(task),
+    agent: "oracle",
+    status,
+    reward: status === "completed" ? 1 : null,
+    mask: status === "masked",
+    failureKind: status === "masked" ? "provider_unavailable" : null,
+    stage: "close",
+    reason: null,
+    teardown: "confirmed",
+    exitCode: 0,
+    usage: null,
+    timings: { queuedMs: 1, seedMs: 1, runMs: 1, verifyMs: 1, closeMs: 1, totalMs: 5 },
+    details: null,
+    failures: [],
+    metadata: null,
+    createdAt: 1,
+    finishedAt: 2,
+  });
+
+  it("finalizes exactly once under concurrent closers", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const outcomes = await Promise.all(
+      Array.from({ length: 20 }, (_, i) =>
+        store.finalize(meta, resultFor(id, i % 2 ? "completed" : "masked"), Date.now()),
+      ),
+    );
+    expect(outcomes.filter(Boolean)).toHaveLength(1);
+    expect(await redis.zscore(`${prefix}:x:inflight`, id)).toBeNull();
+    // A receipt after the terminal state is refused.
+    expect(
+      await store.saveReceipt(
+        meta,
+        "verify",
+        { reward: 0, details: {}, startedAt: 1, at: 2 },
+        "verified",
+        Date.now(),
+      ),
+    ).toBe(false);
+  });
+
+  it("keeps the first terminal failure and logs every failure, bounded", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const f = (kind: "provider_unavailable" | "verifier_error", terminal: boolean) => ({
+      stage: "run" as const,
+      terminal,
+      failureKind: kind,
+      mask: true,
+      reason: "x".repeat(10_000),
+      at: Date.now(),
+    });
+    for (let i = 0; i < 30; i++) await store.recordFailure(id, f("provider_unavailable", false));
+    expect(await store.recordFailure(id, f("verifier_error", true))).toBe(true);
+    expect(await store.recordFailure(id, f("provider_unavailable", true))).toBe(false);
+    const rec = (await store.get(id))!;
+    expect(rec.failure?.failureKind).toBe("verifier_error");
+    expect(rec.failure!.reason.length).toBeLessThanOrEqual(4000);
+    expect((await store.failureLog(id)).length).toBe(20);
+  });
+
+  it("same idempotency key → same rollout and one seed job", async () => {
+    const a = await admitOne("same-key");
+    const b = await admitOne("same-key");
+    expect(b.ids).toEqual(a.ids);
+    expect(a.created).toHaveLength(1);
+    expect(b.created).toHaveLength(0);
+    const jobs = await queues.queues.seed.getJobs(["waiting", "delayed", "prioritized"]);
+    expect(jobs.filter((j) => j.id === `${a.ids[0]}.seed`)).toHaveLength(1);
+  });
+
+  it("batch counters follow status changes and count terminal rollouts once", async () => {
+    const r = await admit(
+      store,
+      queues,
+      {
+        requests: [1, 2, 3].map(() => ({
+          task,
+          agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+        })),
+        batch: true,
+      },
+      { maxTaskBytes: 1e6 },
+    );
+    const b0 = (await store.getBatch(r.batchId!))!;
+    expect(b0).toMatchObject({ total: 3, done: 0 });
+    expect(b0.counts.accepted).toBe(3);
+    const meta = (await store.get(r.ids[0]!))!.meta;
+    await store.finalize(meta, { ...resultFor(r.ids[0]!, "completed"), batchId: r.batchId }, Date.now());
+    await store.finalize(meta, { ...resultFor(r.ids[0]!, "completed"), batchId: r.batchId }, Date.now());
+    const b1 = (await store.getBatch(r.batchId!))!;
+    expect(b1).toMatchObject({ total: 3, done: 1 });
+    expect(b1.counts.completed).toBe(1);
+    expect(b1.counts.accepted).toBe(2);
+  });
+
+  it("the teardown ledger backs off and forgets confirmed entries", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const entry = {
+      key: sandboxKey(ids[0]!, "resources"),
+      rolloutId: ids[0]!,
+      owner: "resources" as const,
+      provider: "docker" as const,
+      handle: null,
+      createdAt: 1,
+      expiresAt: 2,
+    };
+    const now = 1_000_000;
+    const first = await ledger.recordFailure(entry, "boom", now, () => 1);
+    const second = await ledger.recordFailure(entry, "boom again", now, () => 1);
+    expect(second.attempts).toBe(2);
+    expect(second.dueAt - now).toBeGreaterThan(first.dueAt - now);
+    expect(await ledger.due(now)).toHaveLength(0);
+    expect(await ledger.due(second.dueAt)).toHaveLength(1);
+    expect(await ledger.isPending(ids[0]!)).toBe(true);
+    await ledger.confirm(entry.key);
+    expect(await ledger.size()).toBe(0);
+    expect(await ledger.isPending(ids[0]!)).toBe(false);
+  });
+});
