@@ -1,6 +1,12 @@
 import { randomUUID } from "node:crypto";
-import { agentName, type RolloutRequest, TaskContent } from "@fleet/contracts";
-import { canonicalJson, type RolloutMeta, type RolloutStore, sha256 } from "./rollout-store.ts";
+import {
+  agentName,
+  canonicalJson,
+  type RolloutRequest,
+  sha256Hex as sha256,
+  TaskContent,
+} from "@fleet/contracts";
+import type { RolloutMeta, RolloutStore } from "./rollout-store.ts";
 import type { StageQueues } from "./stage-queues.ts";
 
 /** Slack added to the task's own timeouts for queueing, seeding and closing, when no deadline is given. */

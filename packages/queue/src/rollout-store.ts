@@ -1,4 +1,3 @@
-import { createHash } from "node:crypto";
 import {
   AgentSpec,
   CloseReceipt,
@@ -72,25 +71,6 @@ const RECEIPT_SCHEMAS = {
   close: CloseReceipt,
 } as const;
 type ReceiptOf<S extends StageName> = z.infer<(typeof RECEIPT_SCHEMAS)[S]>;
-
-/** Canonical JSON (sorted keys) and its sha256: for task digests and idempotency. */
-export function canonicalJson(value: unknown): string {
-  return JSON.stringify(sortKeys(value));
-}
-function sortKeys(value: unknown): unknown {
-  if (Array.isArray(value)) return value.map(sortKeys);
-  if (value && typeof value === "object") {
-    return Object.fromEntries(
-      Object.keys(value as object)
-        .sort()
-        .map((k) => [k, sortKeys((value as Record<string, unknown>)[k])]),
-    );
-  }
-  return value;
-}
-export function sha256(text: string): string {
-  return createHash("sha256").update(text).digest("hex");
-}
 
 /**
  * The durable state of rollouts and batches (DESIGN §4). The rollout record, not the BullMQ job,
