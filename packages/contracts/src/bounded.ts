@@ -21,13 +21,17 @@ export function decodeUtf8(bytes: Uint8Array): string {
 
 /** A duration in seconds: finite and strictly positive (DESIGN §2 rule 5/13). */
 export const Seconds = z
-  .number({ error: "must be a number of seconds" })
+  .number({
+    error: (iss) => (typeof iss.input === "number" ? "must be finite" : "must be a number of seconds"),
+  })
   .refine((n) => Number.isFinite(n), { message: "must be finite" })
   .refine((n) => n > 0, { message: "must be positive" });
 
 /** A duration in milliseconds: finite and strictly positive. */
 export const Millis = z
-  .number({ error: "must be a number of milliseconds" })
+  .number({
+    error: (iss) => (typeof iss.input === "number" ? "must be finite" : "must be a number of milliseconds"),
+  })
   .refine((n) => Number.isFinite(n), { message: "must be finite" })
   .refine((n) => n > 0, { message: "must be positive" });
 

@@ -1,0 +1,304 @@
+import fc from "fast-check";
+import { describe, expect, it } from "vitest";
+import type { z } from "zod";
+import { AgentSpec } from "./agent.ts";
+import { capText, decodeUtf8, MAX_FIELD_CHARS } from "./bounded.ts";
+import { classifyFailure, FailureKind, FailureRecord } from "./failure.ts";
+import {
+  CloseReceipt,
+  RolloutRequest,
+  RolloutResult,
+  RunReceipt,
+  SeedReceipt,
+  Usage,
+  VerifyReceipt,
+} from "./rollout.ts";
+import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";
+import { TaskContent } from "./task.ts";
+
+const id = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9._-]{0,20}$/);
+const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
+const text = fc.string({ maxLength: 50 });
+const relPath = fc.stringMatching(/^[a-z]{1,8}(\/[a-z]{1,8}){0,2}\.(sh|py|txt)$/);
+const files = fc.dictionary(relPath, text, { maxKeys: 3 });
+const secs = fc.double({ min: 0.001, max: 1e6, noNaN: true });
+const nat = fc.nat({ max: 1e12 });
+const json = fc.dictionary(fc.string({ minLength: 1, maxLength: 8 }), fc.jsonValue({ maxDepth: 2 }), {
+  maxKeys: 3,
+});
+
+const task = fc.record({
+  id,
+  instruction: text.filter((s) => s.length > 0),
+  image: fc.constantFrom("rollout-fleet/base:latest", "img:1"),
+  workspace: files,
+  solution: files,
+  tests: files,
+  timeouts: fc.record({ agentS: secs, verifierS: secs }),
+  verifier: fc.oneof(
+    fc.constant({ kind: "tests" as const }),
+    fc.record({
+      kind: fc.constant("match" as const),
+      expected: text,
+      mode: fc.constantFrom("exact" as const, "regex" as const),
+    }),
+  ),
+  metadata: json,
+});
+const agent = fc.oneof(
+  fc.record({
+    harness: fc.constant("oracle" as const),
+    sandbox: fc.constantFrom("borrow" as const, "own" as const),
+  }),
+  fc.record({
+    harness: fc.constant("command" as const),
+    sandbox: fc.constant("borrow" as const),
+    argv: fc.array(text, { minLength: 1, maxLength: 3 }),
+    env: fc.dictionary(fc.stringMatching(/^[A-Z_][A-Z0-9_]{0,8}$/), text, { maxKeys: 2 }),
+  }),
+  fc.record({
+    harness: fc.constant("tool-loop" as const),
+    sandbox: fc.constant("borrow" as const),
+    model: fc.record({
+      baseUrl: fc.constant("http://127.0.0.1:8000/v1"),
+      name: text.filter((s) => s.length > 0),
+    }),
+    credential: fc.stringMatching(/^[a-z]{1,10}$/),
+    maxSteps: fc.integer({ min: 1, max: 100 }),
+    toolTimeoutS: secs,
+  }),
+);
+const exec = fc.record({
+  exitCode: fc.integer({ min: -2, max: 255 }),
+  timedOut: fc.boolean(),
+  stdout: text,
+  stderr: text,
+  stdoutTruncated: fc.boolean(),
+  stderrTruncated: fc.boolean(),
+  durationMs: nat,
+  oomKilled: fc.boolean(),
+});
+const cleanup = fc.record({
+  confirmed: fc.boolean(),
+  scope: fc.constantFrom("processes" as const, "sandbox" as const),
+  at: nat,
+  alreadyGone: fc.boolean(),
+  remaining: fc.nat({ max: 10 }),
+});
+const handle = fc.record({
+  provider: fc.constant("docker" as const),
+  endpoint: text,
+  id: rid,
+  name: rid,
+  rolloutId: rid,
+  owner: fc.constantFrom("resources" as const, "agent" as const),
+  volumes: fc.array(rid, { maxLength: 2 }),
+});
+const usage = fc.record({
+  calls: fc.nat({ max: 100 }),
+  promptTokens: fc.option(fc.nat(), { nil: null }),
+  completionTokens: fc.option(fc.nat(), { nil: null }),
+  cachedTokens: fc.option(fc.nat(), { nil: null }),
+  gaps: fc.array(text, { maxLength: 2 }),
+});
+const failure = fc.record({
+  stage: fc.constantFrom(
+    "admission" as const,
+    "seed" as const,
+    "run" as const,
+    "verify" as const,
+    "close" as const,
+  ),
+  terminal: fc.boolean(),
+  failureKind: fc.constantFrom(...FailureKind.options),
+  mask: fc.boolean(),
+  reason: text,
+  at: nat,
+});
+const nullableMs = fc.option(nat, { nil: null });
+const result = fc.record({
+  id: rid,
+  batchId: fc.option(rid, { nil: null }),
+  taskId: id,
+  taskDigest: fc.stringMatching(/^[0-9a-f]{64}$/),
+  agent: text,
+  status: fc.constantFrom("completed" as const, "masked" as const, "failed" as const, "cancelled" as const),
+  reward: fc.option(fc.double({ min: 0, max: 1, noNaN: true }), { nil: null }),
+  mask: fc.boolean(),
+  failureKind: fc.option(fc.constantFrom(...FailureKind.options), { nil: null }),
+  stage: fc.constantFrom("seed" as const, "close" as const),
+  reason: fc.option(text, { nil: null }),
+  teardown: fc.option(fc.constantFrom("confirmed" as const, "pending" as const), { nil: null }),
+  exitCode: fc.option(fc.integer({ min: -2, max: 255 }), { nil: null }),
+  usage: fc.option(usage, { nil: null }),
+  timings: fc.record({
+    queuedMs: nullableMs,
+    seedMs: nullableMs,
+    runMs: nullableMs,
+    verifyMs: nullableMs,
+    closeMs: nullableMs,
+    totalMs: nullableMs,
+  }),
+  details: fc.option(json, { nil: null }),
+  failures: fc.array(failure, { maxLength: 2 }),
+  metadata: fc.option(json, { nil: null }),
+  createdAt: nat,
+  finishedAt: fc.option(nat, { nil: null }),
+});
+
+/**
+ * Parse, serialise to JSON, parse that again: the JSON text is a fixed point (what a worker
+ * stores is exactly what the next one reads). Compared as JSON text, since JSON itself folds -0
+ * into 0.
+ */
+function roundTrips<T extends z.ZodType>(schema: T, arb: fc.Arbitrary<unknown>) {
+  fc.assert(
+    fc.property(arb, (value) => {
+      const stored = JSON.stringify(schema.parse(value));
+      const again = JSON.stringify(schema.parse(JSON.parse(stored)));
+      expect(again).toBe(stored);
+    }),
+    { numRuns: 150 },
+  );
+}
+
+describe("every schema round-trips through JSON", () => {
+  it("TaskContent", () => roundTrips(TaskContent, task));
+  it("AgentSpec", () => roundTrips(AgentSpec, agent));
+  it("RolloutRequest", () =>
+    roundTrips(RolloutRequest, fc.record({ task, agent, deadlineS: secs, metadata: json })));
+  it("RolloutRequest by digest", () =>
+    roundTrips(
+      RolloutRequest,
+      fc.record({ task: fc.record({ digest: fc.stringMatching(/^[0-9a-f]{64}$/) }), agent }),
+    ));
+  it("SandboxSpec", () =>
+    roundTrips(
+      SandboxSpec,
+      fc.record({
+        image: fc.constant("img"),
+        rolloutId: rid,
+        owner: fc.constantFrom("resources" as const, "agent" as const),
+        expiresAt: fc.integer({ min: 1, max: 2 ** 40 }),
+        options: fc.record(
+          { memoryMb: fc.integer({ min: 16, max: 4096 }), pidsLimit: fc.integer({ min: 8, max: 1000 }) },
+          { requiredKeys: [] },
+        ),
+      }),
+    ));
+  it("SandboxHandle", () => roundTrips(SandboxHandle, handle));
+  it("ExecResult", () => roundTrips(ExecResult, exec));
+  it("CleanupReceipt", () => roundTrips(CleanupReceipt, cleanup));
+  it("ProbeReport", () =>
+    roundTrips(
+      ProbeReport,
+      fc.record({
+        isolated: fc.boolean(),
+        checks: fc.dictionary(text, fc.boolean()),
+        detail: text,
+        durationMs: nat,
+      }),
+    ));
+  it("FailureRecord", () => roundTrips(FailureRecord, failure));
+  it("Usage", () => roundTrips(Usage, usage));
+  it("SeedReceipt", () =>
+    roundTrips(
+      SeedReceipt,
+      fc.record({
+        handle,
+        probe: fc.record({ isolated: fc.boolean(), checks: fc.constant({}), detail: text, durationMs: nat }),
+        createMs: nat,
+        probeMs: nat,
+        stageMs: nat,
+        reused: fc.boolean(),
+        at: nat,
+      }),
+    ));
+  it("RunReceipt", () =>
+    roundTrips(
+      RunReceipt,
+      fc.record({
+        exec,
+        answer: fc.option(text, { nil: null }),
+        transcript: fc.option(text, { nil: null }),
+        usage: fc.option(usage, { nil: null }),
+        cleanup,
+        ownedSandbox: fc.option(fc.record({ handle, released: cleanup }), { nil: null }),
+        startedAt: nat,
+        stoppedAt: nat,
+        attempts: fc.integer({ min: 1, max: 5 }),
+        at: nat,
+      }),
+    ));
+  it("VerifyReceipt", () =>
+    roundTrips(
+      VerifyReceipt,
+      fc.record({
+        reward: fc.double({ min: 0, max: 1, noNaN: true }),
+        details: json,
+        startedAt: nat,
+        at: nat,
+      }),
+    ));
+  it("CloseReceipt", () =>
+    roundTrips(
+      CloseReceipt,
+      fc.record({
+        cleanup: fc.option(cleanup, { nil: null }),
+        teardown: fc.constantFrom("confirmed" as const, "pending" as const),
+        at: nat,
+      }),
+    ));
+  it("RolloutResult", () => roundTrips(RolloutResult, result));
+});
+
+describe("validation says what is wrong", () => {
+  const base = { task: { id: "t", instruction: "x", image: "img" }, agent: { harness: "oracle" } };
+  const message = (value: unknown) => {
+    const r = RolloutRequest.safeParse(value);
+    expect(r.success).toBe(false);
+    return r.success ? "" : r.error.issues.map((i) => `${i.path.join(".")}: ${i.message}`).join("; ");
+  };
+
+  it("rejects non-finite and non-positive timeouts", () => {
+    expect(message({ ...base, deadlineS: Number.POSITIVE_INFINITY })).toMatch(/deadlineS: .*finite/);
+    expect(message({ ...base, deadlineS: 0 })).toMatch(/deadlineS: must be positive/);
+    expect(message({ ...base, deadlineS: Number.NaN })).toMatch(/deadlineS/);
+    expect(message({ ...base, task: { ...base.task, timeouts: { agentS: -1 } } })).toMatch(
+      /task.*agentS.*positive|timeouts/,
+    );
+  });
+
+  it("rejects unknown sandbox options and unknown agent fields", () => {
+    expect(message({ ...base, sandbox: { privileged: true } })).toMatch(
+      /sandbox.*privileged|Unrecognized key.*privileged/,
+    );
+    expect(message({ ...base, agent: { harness: "oracle", apiKey: "sk-x" } })).toMatch(/apiKey/);
+    expect(message({ ...base, agent: { harness: "nope" } })).toMatch(/agent/);
+  });
+});
+
+describe("failures", () => {
+  it("every kind is classified; infrastructure kinds mask, never grade", () => {
+    for (const kind of FailureKind.options) {
+      const c = classifyFailure(kind);
+      expect(["fail", "mask", "cancel", "graded"]).toContain(c.outcome);
+    }
+    for (const k of [
+      "provider_unavailable",
+      "sandbox_lost",
+      "verifier_error",
+      "deadline_exceeded",
+      "provider_oom_killed",
+    ] as const) {
+      expect(classifyFailure(k).outcome).toBe("mask");
+    }
+    expect(classifyFailure("isolation_refused")).toEqual({ outcome: "fail", retryable: false });
+    expect(classifyFailure("agent_timeout").outcome).toBe("graded");
+  });
+
+  it("caps text and decodes bytes with replacement characters", () => {
+    fc.assert(fc.property(fc.string({ maxLength: 10_000 }), (s) => capText(s).length <= MAX_FIELD_CHARS));
+    expect(decodeUtf8(new Uint8Array([0x61, 0xff, 0x62]))).toBe("a\uFFFDb");
+  });
+});
