@@ -1,3 +1,4 @@
+import { existsSync } from "node:fs";
 import type { CleanupReceipt, RolloutRequestInput, SandboxHandle, TaskContent } from "@fleet/contracts";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -218,6 +219,27 @@ describe("failed teardown is persisted and retried by the janitor", () => {
         teardown: "confirmed",
         failureKind: null,
       });
+    } finally {
+      await fleet.close();
+    }
+  });
+});
+
+describe("no host fallback", () => {
+  it("with the sandbox provider unreachable, the rollout is masked provider_unavailable and nothing runs on the host", async () => {
+    const dead = new DockerSandboxProvider({ docker: { socketPath: "/tmp/fleet-no-daemon-here.sock" } });
+    const fleet = await startInProcessFleet({ provider: dead });
+    try {
+      suite ??= await loadSuite(EXAMPLE_SUITE_DIR);
+      const marker = `/tmp/fleet-host-fallback-${Date.now()}`;
+      const [id] = await fleet.submit([
+        { task: byId("hello-file"), agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 4 },
+      ]);
+      const [r] = await fleet.waitForResults([id!], 60_000);
+      expect(r).toMatchObject({ status: "masked", mask: true, reward: null, stage: "seed" });
+      expect(["provider_unavailable", "deadline_exceeded"]).toContain(r!.failureKind);
+      expect(r!.failures.some((f) => f.failureKind === "provider_unavailable")).toBe(true);
+      expect(existsSync(marker)).toBe(false);
     } finally {
       await fleet.close();
     }
