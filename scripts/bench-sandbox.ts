@@ -19,6 +19,7 @@ import {
   workspaceVolumeName,
 } from "@fleet/sandbox";
 import Dockerode from "dockerode";
+import { percentile, positiveInt } from "./lib/bench-stats.ts";
 
 const { values } = parseArgs({
   options: {
@@ -114,19 +115,6 @@ async function rawRound(record: boolean): Promise<void> {
     await docker.getVolume(workspaceVolumeName(config.name!)).remove();
     if (record) s.destroy.push(performance.now() - t);
   }
-}
-
-function percentile(xs: number[], p: number): number {
-  const sorted = [...xs].sort((a, b) => a - b);
-  if (sorted.length === 0) return Number.NaN;
-  const idx = Math.min(sorted.length - 1, Math.max(0, Math.ceil((p / 100) * sorted.length) - 1));
-  return sorted[idx]!;
-}
-
-function positiveInt(v: string | undefined, name: string): number {
-  const n = Number(v);
-  if (!Number.isInteger(n) || n <= 0) throw new Error(`${name} must be a positive integer, got ${v}`);
-  return n;
 }
 
 async function cleanup(): Promise<void> {

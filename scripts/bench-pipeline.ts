@@ -1,0 +1,742 @@
+/**
+ * Pipeline throughput benchmark, two parts, each measured against its baseline in the same run.
+ *
+ * A. Stage machinery overhead: N rollouts through seed → run → verify → close with the real
+ *    `createStageWorkers` + `admit` + `RolloutStore`, but an in-memory `SandboxProvider`, a no-op
+ *    harness and a no-op verifier; against a raw BullMQ four-queue chain (four Queues + four
+ *    Workers, same concurrency, same Redis, same job options) pushing N ids through four no-op
+ *    jobs. Warm-up, then rounds alternating which side goes first; medians and the fleet/raw
+ *    ratio (target ≥ 0.7), with a profile: Redis commands and round trips per rollout (counted
+ *    client-side in this process), Node and Redis CPU per rollout, in-stage times.
+ * B. Real sandboxes: M rollouts of the example suite's `hello-file` with the oracle agent through
+ *    `startInProcessFleet` on `DockerSandboxProvider`; against create → start → exec(`true`) →
+ *    remove of M containers with dockerode directly and the provider's container config.
+ *
+ *   npx tsx scripts/bench-pipeline.ts [--n 2000] [--concurrency 8] [--sandbox-n 48]
+ *     [--warmup 100] [--rounds 3] [--sandbox-warmup 8] [--part a|b|both] [--image <ref>]
+ *     [--sides raw,fleet] [--experiment task-cache,fold-start,...]
+ *
+ * Profile one side alone: `node --cpu-prof --import tsx scripts/bench-pipeline.ts --part a --sides fleet`.
+ *
+ * Needs Redis at REDIS_URL (default redis://127.0.0.1:6379) and, for part B, Docker and the image.
+ */
+import { randomBytes } from "node:crypto";
+import { parseArgs } from "node:util";
+import {
+  type CleanupReceipt,
+  type ExecResult,
+  type FileSet,
+  type ProbeReport,
+  RolloutRequest,
+  type RolloutResult,
+  type SandboxHandle,
+  SandboxSpec,
+  type SandboxSpecInput,
+  type TaskContent,
+} from "@fleet/contracts";
+import type { Harness } from "@fleet/harness";
+import { createStageWorkers, type PipelineDeps, startInProcessFleet } from "@fleet/pipeline";
+import {
+  admit,
+  createRedis,
+  digestTask,
+  RolloutStore,
+  STAGE_CATALOG,
+  STAGES,
+  StageQueues,
+  TeardownLedger,
+} from "@fleet/queue";
+import {
+  buildContainerConfig,
+  DockerSandboxProvider,
+  LABEL_MANAGED,
+  LABEL_ROLLOUT,
+  type SandboxInfo,
+  type SandboxProvider,
+  workspaceVolumeName,
+} from "@fleet/sandbox";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createLogger } from "@fleet/telemetry";
+import { type Job, Queue, Worker } from "bullmq";
+import Dockerode from "dockerode";
+import { Redis } from "ioredis";
+import { median, positiveInt } from "./lib/bench-stats.ts";
+
+const { values } = parseArgs({
+  options: {
+    n: { type: "string", default: "2000" },
+    concurrency: { type: "string", default: "8" },
+    "sandbox-n": { type: "string", default: "48" },
+    warmup: { type: "string", default: "100" },
+    rounds: { type: "string", default: "3" },
+    "sandbox-warmup": { type: "string", default: "8" },
+    part: { type: "string", default: "both" },
+    /** Part A sides to run (`raw,fleet`); one side alone is for profiling, e.g. under `node --cpu-prof`. */
+    sides: { type: "string", default: "raw,fleet" },
+    /** Comma-separated part A experiments (see `EXPERIMENTS`); none by default. */
+    experiment: { type: "string", default: "" },
+    // biome-ignore lint/suspicious/noUndeclaredEnvVars: a script's input, not a turbo task's
+    image: { type: "string", default: process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest" },
+  },
+});
+const N = positiveInt(values.n, "--n");
+const CONCURRENCY = positiveInt(values.concurrency, "--concurrency");
+const SANDBOX_N = positiveInt(values["sandbox-n"], "--sandbox-n");
+const WARMUP = positiveInt(values.warmup, "--warmup");
+const ROUNDS = positiveInt(values.rounds, "--rounds");
+const SANDBOX_WARMUP = Number(values["sandbox-warmup"]);
+const PART = values.part;
+if (!["a", "b", "both"].includes(PART)) throw new Error(`--part must be a, b or both, got ${PART}`);
+const SIDES = new Set(values.sides.split(","));
+const IMAGE = values.image;
+// biome-ignore lint/suspicious/noUndeclaredEnvVars: a script's input, not a turbo task's
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+/**
+ * Part A experiments: each patches one thing in this process to size a change suggested for the
+ * packages before anyone makes it. They change what is measured; the default run uses none.
+ */
+const EXPERIMENTS = {
+  "auto-pipeline": "ioredis auto-pipelining on the shared connection (both sides)",
+  "task-cache": "RolloutStore.getTask memoised (tasks are content-addressed, hence immutable)",
+  "fold-start": "markStageStart skipped (stands for folding it into the stage's first read, one script)",
+  "confirm-script": "TeardownLedger.confirm as one EVAL instead of MULTI/HDEL/HDEL/ZREM/EXEC",
+} as const;
+type Experiment = keyof typeof EXPERIMENTS;
+const EXPERIMENT = new Set(values.experiment.split(",").filter((e) => e !== ""));
+for (const e of EXPERIMENT) {
+  if (!(e in EXPERIMENTS)) throw new Error(`unknown --experiment ${e}; known: ${Object.keys(EXPERIMENTS)}`);
+}
+const experiment = (e: Experiment) => EXPERIMENT.has(e);
+
+/** Marks this run's raw-baseline containers (part B) so cleanup finds exactly them. */
+const BENCH_LABEL = "fleet.bench";
+const RUN = `bp${randomBytes(3).toString("hex")}`;
+const MAX_TASK_BYTES = 10 * 1024 * 1024;
+
+// ---------------------------------------------------------------------------------------------
+// Client-side Redis command counter: every ioredis connection in this process (ours, the
+// pipeline's, BullMQ's) goes through `Redis.prototype.sendCommand`. A plain command is one round
+// trip; a pipeline or MULTI is one round trip for all its commands; blocking commands (a
+// worker's idle wait) are counted apart.
+
+interface Tally {
+  commands: number;
+  roundTrips: number;
+  blocking: number;
+  byName: Map<string, number>;
+}
+const tally: Tally = { commands: 0, roundTrips: 0, blocking: 0, byName: new Map() };
+const uncounted = new WeakSet<object>();
+const pipelinesSeen = new WeakSet<object>();
+const scriptNames = new Map<string, string>();
+const BLOCKING = new Set(["bzpopmin", "bzpopmax", "brpoplpush", "blmove", "brpop", "blpop"]);
+
+interface RawCommand {
+  name: string;
+  args: unknown[];
+}
+type Scripted = { scriptsSet?: Record<string, { sha: string }> };
+
+function commandLabel(conn: Scripted, command: RawCommand): string {
+  if (command.name !== "evalsha" && command.name !== "eval") return command.name;
+  const sha = String(command.args[0]);
+  let name = scriptNames.get(sha);
+  if (name === undefined) {
+    for (const [n, s] of Object.entries(conn.scriptsSet ?? {})) scriptNames.set(s.sha, n);
+    name = scriptNames.get(sha) ?? "script?";
+  }
+  // BullMQ names its scripts `<name>-<keys>:<version>`; keep `<name>`.
+  return `lua:${name.replace(/:[\d.]+$/, "").replace(/-\d+$/, "")}`;
+}
+
+{
+  const proto = Redis.prototype as unknown as {
+    sendCommand(this: Redis, command: RawCommand, stream?: object): unknown;
+  };
+  const original = proto.sendCommand;
+  proto.sendCommand = function (command, stream) {
+    if (!uncounted.has(this)) {
+      if (BLOCKING.has(command.name)) tally.blocking++;
+      else {
+        tally.commands++;
+        if (stream === undefined) tally.roundTrips++;
+        else if (!pipelinesSeen.has(stream)) {
+          pipelinesSeen.add(stream);
+          tally.roundTrips++;
+        }
+        const label = commandLabel(this as unknown as Scripted, command);
+        tally.byName.set(label, (tally.byName.get(label) ?? 0) + 1);
+      }
+    }
+    return original.call(this, command, stream);
+  };
+}
+
+interface Snapshot {
+  commands: number;
+  roundTrips: number;
+  blocking: number;
+  byName: Map<string, number>;
+  cpu: NodeJS.CpuUsage;
+  redisCpuS: number;
+}
+
+async function snapshot(probe: Redis): Promise<Snapshot> {
+  const info = await probe.info("cpu");
+  const field = (k: string) => Number(new RegExp(`${k}:([\\d.]+)`).exec(info)?.[1] ?? 0);
+  return {
+    commands: tally.commands,
+    roundTrips: tally.roundTrips,
+    blocking: tally.blocking,
+    byName: new Map(tally.byName),
+    cpu: process.cpuUsage(),
+    redisCpuS: field("used_cpu_user") + field("used_cpu_sys"),
+  };
+}
+
+interface Cost {
+  commands: number;
+  roundTrips: number;
+  blocking: number;
+  byName: Map<string, number>;
+  nodeCpuMs: number;
+  redisCpuMs: number;
+}
+
+/** Per-rollout costs between two snapshots. */
+function costPerRollout(a: Snapshot, b: Snapshot, n: number): Cost {
+  const byName = new Map<string, number>();
+  for (const [k, v] of b.byName) {
+    const d = v - (a.byName.get(k) ?? 0);
+    if (d > 0) byName.set(k, d / n);
+  }
+  const nodeUs = b.cpu.user + b.cpu.system - (a.cpu.user + a.cpu.system);
+  return {
+    commands: (b.commands - a.commands) / n,
+    roundTrips: (b.roundTrips - a.roundTrips) / n,
+    blocking: (b.blocking - a.blocking) / n,
+    byName,
+    nodeCpuMs: nodeUs / 1000 / n,
+    redisCpuMs: ((b.redisCpuS - a.redisCpuS) * 1000) / n,
+  };
+}
+
+async function waitFor(what: string, cond: () => Promise<boolean>, timeoutMs: number): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!(await cond())) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 5));
+  }
+}
+
+async function deleteKeys(redis: Redis, pattern: string): Promise<number> {
+  let cursor = "0";
+  let deleted = 0;
+  do {
+    const [next, keys] = await redis.scan(cursor, "MATCH", pattern, "COUNT", 1000);
+    cursor = next;
+    if (keys.length > 0) deleted += await redis.del(...keys);
+  } while (cursor !== "0");
+  return deleted;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part A: the in-memory provider, no-op harness and no-op verifier.
+
+const OK_EXEC: ExecResult = {
+  exitCode: 0,
+  timedOut: false,
+  stdout: "",
+  stderr: "",
+  stdoutTruncated: false,
+  stderrTruncated: false,
+  durationMs: 0,
+  oomKilled: false,
+};
+
+/** Sandboxes that exist only in this map: every call returns at once with a valid receipt. */
+class InMemorySandboxProvider implements SandboxProvider {
+  readonly name = "docker" as const;
+  readonly endpoint = "memory://bench";
+  private readonly live = new Map<string, SandboxHandle>();
+  private seq = 0;
+
+  async create(input: SandboxSpecInput): Promise<SandboxHandle> {
+    const handle: SandboxHandle = {
+      provider: this.name,
+      endpoint: this.endpoint,
+      id: `mem-${++this.seq}`,
+      name: `mem-${input.rolloutId}-${input.owner}`,
+      rolloutId: input.rolloutId,
+      owner: input.owner,
+      volumes: [],
+    };
+    this.live.set(`${input.rolloutId}:${input.owner}`, handle);
+    return handle;
+  }
+  async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
+    return this.live.get(`${rolloutId}:${owner}`) ?? null;
+  }
+  async exec(): Promise<ExecResult> {
+    return { ...OK_EXEC };
+  }
+  async put(_handle: SandboxHandle, _dir: string, _files: FileSet): Promise<void> {}
+  async get(): Promise<string | null> {
+    return null;
+  }
+  async probe(): Promise<ProbeReport> {
+    return {
+      isolated: true,
+      checks: { ownPid1: true, hostSentinelHidden: true },
+      detail: "in-memory",
+      durationMs: 0,
+    };
+  }
+  async killProcesses(): Promise<CleanupReceipt> {
+    return { confirmed: true, scope: "processes", at: Date.now(), alreadyGone: false, remaining: 0 };
+  }
+  async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
+    const gone = !this.live.delete(`${handle.rolloutId}:${handle.owner}`);
+    return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: gone, remaining: 0 };
+  }
+  async list(): Promise<SandboxInfo[]> {
+    return [];
+  }
+  async alive(handle: SandboxHandle): Promise<boolean> {
+    return this.live.has(`${handle.rolloutId}:${handle.owner}`);
+  }
+  get size(): number {
+    return this.live.size;
+  }
+}
+
+const noopHarness: Harness = {
+  name: "oracle",
+  async run() {
+    return {
+      exec: { ...OK_EXEC },
+      answer: null,
+      transcript: null,
+      usage: null,
+    };
+  },
+};
+
+interface RoundResult {
+  side: "raw" | "fleet";
+  ms: number;
+  admitMs: number;
+  rate: number;
+  cost: Cost;
+  /** Fleet only: medians of the results' in-stage timings (ms). */
+  stageMs?: Record<string, number>;
+}
+
+/** Pick a task from the example suite, with the benchmark's image. */
+async function helloFile(): Promise<TaskContent> {
+  const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+  const task = suite.find((t) => t.id === "hello-file");
+  if (!task) throw new Error(`no hello-file task in ${EXAMPLE_SUITE_DIR}`);
+  return { ...task, image: IMAGE };
+}
+
+async function partA(): Promise<void> {
+  const prefix = `{bench-${randomBytes(4).toString("hex")}}`;
+  const redis = createRedis(REDIS_URL, { enableAutoPipelining: experiment("auto-pipeline") });
+  const poller = createRedis(REDIS_URL);
+  uncounted.add(poller);
+  const provider = new InMemorySandboxProvider();
+  const store = new RolloutStore(redis, prefix);
+  const queues = new StageQueues(redis, prefix);
+  const ledger = new TeardownLedger(redis, prefix);
+  applyExperiments(redis, store, ledger);
+  const deps: PipelineDeps = {
+    store,
+    ledger,
+    queues,
+    provider,
+    logger: createLogger({ name: "bench-pipeline", level: "silent" }),
+    workerId: `bench-${prefix}`,
+    createHarness: () => noopHarness,
+    verify: async () => ({ reward: 1, details: { kind: "bench" } }),
+  };
+  const rawQueues = STAGES.map(
+    (s) => new Queue(`raw-${s}`, { connection: redis, prefix, defaultJobOptions: STAGE_CATALOG[s].options }),
+  );
+  const task = await helloFile();
+  const digest = digestTask(task);
+  const request = RolloutRequest.parse({ task: { digest }, agent: { harness: "oracle" } });
+  const doneKey = `${prefix}:raw:done`;
+  let rawSeq = 0;
+
+  /** The same worker options `createStageWorkers` uses (its defaults). */
+  const workerOptions = {
+    prefix,
+    concurrency: CONCURRENCY,
+    lockDuration: 30_000,
+    stalledInterval: 15_000,
+    maxStalledCount: 3,
+    autorun: true,
+  };
+
+  async function fleetRound(n: number): Promise<RoundResult> {
+    await store.putTask(task, digest);
+    const workers = createStageWorkers(STAGES, deps, {
+      connection: redis,
+      prefix,
+      concurrency: CONCURRENCY,
+    });
+    try {
+      await Promise.all(workers.workers.map((w) => w.waitUntilReady()));
+      const requests = Array.from({ length: n }, () => request);
+      const before = await snapshot(poller);
+      const t0 = performance.now();
+      const { ids } = await admit(
+        store,
+        queues,
+        { requests, batch: true, idempotencyKey: null },
+        { maxTaskBytes: MAX_TASK_BYTES },
+      );
+      const admitMs = performance.now() - t0;
+      await waitFor("fleet rollouts", async () => (await poller.zcard(store.keys.inflight())) === 0, 600_000);
+      const ms = performance.now() - t0;
+      const after = await snapshot(poller);
+      const results = await store.getResults(ids);
+      checkResults(results, n);
+      const stageMs: Record<string, number> = {};
+      const done = results as RolloutResult[];
+      for (const k of ["queuedMs", "seedMs", "runMs", "verifyMs", "closeMs", "totalMs"] as const) {
+        stageMs[k] = median(done.map((r) => r.timings[k] ?? Number.NaN).filter(Number.isFinite));
+      }
+      if (provider.size !== 0) throw new Error(`${provider.size} in-memory sandboxes were not destroyed`);
+      return {
+        side: "fleet",
+        ms,
+        admitMs,
+        rate: (n / ms) * 1000,
+        cost: costPerRollout(before, after, n),
+        stageMs,
+      };
+    } finally {
+      await workers.close(30_000);
+      await deleteKeys(poller, `${prefix}*`);
+    }
+  }
+
+  async function rawRound(n: number): Promise<RoundResult> {
+    const connections: Redis[] = [];
+    const workers = STAGES.map((stage, i) => {
+      const next = STAGES[i + 1];
+      const connection = redis.duplicate();
+      connections.push(connection);
+      return new Worker(
+        `raw-${stage}`,
+        async (job: Job<{ rolloutId: string }>) => {
+          const id = job.data.rolloutId;
+          if (next) await rawQueues[i + 1]!.add(next, { rolloutId: id }, { jobId: `${id}.${next}` });
+          else await redis.sadd(doneKey, id);
+        },
+        { ...workerOptions, connection },
+      );
+    });
+    try {
+      await Promise.all(workers.map((w) => w.waitUntilReady()));
+      const round = ++rawSeq;
+      const ids = Array.from({ length: n }, (_, i) => `raw${round}-${i}`);
+      const before = await snapshot(poller);
+      const t0 = performance.now();
+      await rawQueues[0]!.addBulk(
+        ids.map((rolloutId) => ({
+          name: "seed",
+          data: { rolloutId },
+          opts: { ...STAGE_CATALOG.seed.options, jobId: `${rolloutId}.seed` },
+        })),
+      );
+      const admitMs = performance.now() - t0;
+      await waitFor("raw chain", async () => (await poller.scard(doneKey)) === n, 600_000);
+      const ms = performance.now() - t0;
+      const after = await snapshot(poller);
+      return { side: "raw", ms, admitMs, rate: (n / ms) * 1000, cost: costPerRollout(before, after, n) };
+    } finally {
+      await Promise.all(workers.map((w) => w.close()));
+      await Promise.all(connections.map((c) => c.quit().catch(() => undefined)));
+      await deleteKeys(poller, `${prefix}*`);
+    }
+  }
+
+  console.log(
+    `A. stage machinery: ${N} rollouts x 4 stages, concurrency ${CONCURRENCY} per stage worker, ` +
+      `in-memory sandboxes, no-op harness/verifier; ${ROUNDS} round(s) alternating, +${WARMUP} warm-up each; prefix ${prefix}` +
+      [...EXPERIMENT].map((e) => `\n   experiment ${e}: ${EXPERIMENTS[e as Experiment]}`).join(""),
+  );
+  const rounds: RoundResult[][] = [];
+  try {
+    const sides = { raw: rawRound, fleet: fleetRound };
+    const order = (["raw", "fleet"] as const).filter((s) => SIDES.has(s));
+    if (order.length === 0) throw new Error(`--sides must name raw and/or fleet, got ${values.sides}`);
+    for (const s of order) await sides[s](WARMUP);
+    for (let i = 0; i < ROUNDS; i++) {
+      // Alternate who goes first so neither side always runs on a warmer Redis.
+      const pair: RoundResult[] = [];
+      for (const s of i % 2 === 0 ? order : [...order].reverse()) pair.push(await sides[s](N));
+      rounds.push(pair);
+    }
+  } finally {
+    await queues.close();
+    await Promise.all(rawQueues.map((q) => q.close()));
+    await deleteKeys(poller, `${prefix}*`);
+    const left = await poller.keys(`${prefix}*`);
+    if (left.length > 0) console.log(`warning: ${left.length} keys left under ${prefix}`);
+    redis.disconnect();
+    poller.disconnect();
+  }
+  printPartA(rounds);
+}
+
+/** Patch the store and ledger instances for the chosen experiments (see `EXPERIMENTS`). */
+function applyExperiments(redis: Redis, store: RolloutStore, ledger: TeardownLedger): void {
+  if (experiment("task-cache")) {
+    const cache = new Map<string, TaskContent>();
+    const load = store.getTask.bind(store);
+    store.getTask = async (digest) => {
+      const hit = cache.get(digest);
+      if (hit) return hit;
+      const task = await load(digest);
+      if (task) cache.set(digest, task);
+      return task;
+    };
+  }
+  if (experiment("fold-start")) store.markStageStart = async () => {};
+  if (experiment("confirm-script")) {
+    const lua =
+      "redis.call('HDEL', KEYS[1], ARGV[1]); redis.call('HDEL', KEYS[2], ARGV[1]); " +
+      "redis.call('ZREM', KEYS[3], ARGV[1]); return 1";
+    redis.defineCommand("benchConfirm", { numberOfKeys: 3, lua });
+    const k = ledger.keys;
+    ledger.confirm = async (key) => {
+      await (redis as unknown as Record<string, (...a: string[]) => Promise<unknown>>).benchConfirm!(
+        k.sandboxes(),
+        k.teardownEntries(),
+        k.teardownDue(),
+        key,
+      );
+    };
+  }
+}
+
+function checkResults(results: (RolloutResult | null)[], n: number): void {
+  const bad = results.filter((r) => r === null || r.status !== "completed" || r.reward !== 1);
+  if (bad.length > 0) {
+    const r = bad[0];
+    throw new Error(
+      `${bad.length}/${n} rollouts did not complete with reward 1 (e.g. ${r ? `${r.status} ${r.failureKind}: ${r.reason}` : "no result"})`,
+    );
+  }
+}
+
+const f1 = (x: number) => x.toFixed(1);
+const f2 = (x: number) => x.toFixed(2);
+
+function printPartA(rounds: RoundResult[][]): void {
+  const all = rounds.flat();
+  console.log("");
+  console.log(
+    "round side   rollouts/s  wall ms  admit ms | redis cmds  round trips  blocking | node cpu ms  redis cpu ms  (per rollout)",
+  );
+  rounds.forEach((pair, i) => {
+    for (const r of pair) {
+      console.log(
+        `${String(i + 1).padStart(5)} ${r.side.padEnd(5)} ${f1(r.rate).padStart(11)} ${f1(r.ms).padStart(8)} ${f1(r.admitMs).padStart(9)} | ` +
+          `${f1(r.cost.commands).padStart(10)} ${f1(r.cost.roundTrips).padStart(12)} ${f1(r.cost.blocking).padStart(9)} | ` +
+          `${f2(r.cost.nodeCpuMs).padStart(11)} ${f2(r.cost.redisCpuMs).padStart(13)}`,
+      );
+    }
+  });
+  const raw = all.filter((r) => r.side === "raw");
+  const fleet = all.filter((r) => r.side === "fleet");
+  const rawRate = median(raw.map((r) => r.rate));
+  const fleetRate = median(fleet.map((r) => r.rate));
+  const ratio = fleetRate / rawRate;
+  // Each round's own fleet/raw ratio: the two ran back to back, so they share the machine's load.
+  const pairRatios = rounds
+    .map((pair) => {
+      const f = pair.find((r) => r.side === "fleet");
+      const r = pair.find((x) => x.side === "raw");
+      return f && r ? f.rate / r.rate : Number.NaN;
+    })
+    .filter(Number.isFinite);
+  console.log("");
+  console.log("A        rollouts/s (median of rounds)");
+  console.log(`raw      ${f1(rawRate).padStart(10)}`);
+  console.log(`fleet    ${f1(fleetRate).padStart(10)}`);
+  console.log(
+    `ratio    ${f2(ratio).padStart(10)}  fleet/raw (target >= 0.7: ${ratio >= 0.7 ? "ok" : "BELOW"}); ` +
+      `per-round ratios ${pairRatios.map(f2).join(", ") || "n/a"}, median ${f2(median(pairRatios))}`,
+  );
+
+  // Profile: per-rollout Redis commands by kind, medians over rounds.
+  const kinds = new Set<string>();
+  for (const r of all) for (const k of r.cost.byName.keys()) kinds.add(k);
+  const med = (rs: RoundResult[], k: string) => median(rs.map((r) => r.cost.byName.get(k) ?? 0));
+  const rows = [...kinds]
+    .map((k) => ({ k, fleet: med(fleet, k), raw: med(raw, k) }))
+    .filter((r) => r.fleet >= 0.05 || r.raw >= 0.05)
+    .sort((a, b) => b.fleet - a.fleet || b.raw - a.raw);
+  console.log("");
+  console.log("profile: Redis commands per rollout (client-side count, median of rounds; lua:* = EVALSHA)");
+  console.log(`${"command".padEnd(28)} ${"fleet".padStart(7)} ${"raw".padStart(7)}`);
+  for (const r of rows) console.log(`${r.k.padEnd(28)} ${f2(r.fleet).padStart(7)} ${f2(r.raw).padStart(7)}`);
+  const sum = (rs: RoundResult[], pick: (c: Cost) => number) => median(rs.map((r) => pick(r.cost)));
+  console.log(
+    `${"total".padEnd(28)} ${f2(sum(fleet, (c) => c.commands)).padStart(7)} ${f2(sum(raw, (c) => c.commands)).padStart(7)}`,
+  );
+  console.log(
+    `${"round trips".padEnd(28)} ${f2(sum(fleet, (c) => c.roundTrips)).padStart(7)} ${f2(sum(raw, (c) => c.roundTrips)).padStart(7)}`,
+  );
+  console.log(
+    `${"node cpu ms".padEnd(28)} ${f2(sum(fleet, (c) => c.nodeCpuMs)).padStart(7)} ${f2(sum(raw, (c) => c.nodeCpuMs)).padStart(7)}`,
+  );
+  console.log(
+    `${"redis cpu ms (server-wide)".padEnd(28)} ${f2(sum(fleet, (c) => c.redisCpuMs)).padStart(7)} ${f2(sum(raw, (c) => c.redisCpuMs)).padStart(7)}`,
+  );
+  const stage = (k: string) => median(fleet.map((r) => r.stageMs?.[k] ?? Number.NaN));
+  console.log(
+    `fleet in-stage medians (ms): queued ${f1(stage("queuedMs"))}, seed ${f1(stage("seedMs"))}, run ${f1(stage("runMs"))}, ` +
+      `verify ${f1(stage("verifyMs"))}, close ${f1(stage("closeMs"))}, total ${f1(stage("totalMs"))}`,
+  );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Part B: real sandboxes.
+
+async function partB(): Promise<void> {
+  const docker = new Dockerode();
+  await docker.getImage(IMAGE).inspect();
+  const task = await helloFile();
+  const provider = new DockerSandboxProvider();
+  const fleetIds: string[] = [];
+  let rawSeq = 0;
+
+  async function rawOne(): Promise<void> {
+    const spec = SandboxSpec.parse({
+      image: IMAGE,
+      rolloutId: `${RUN}-raw-${++rawSeq}`,
+      owner: "resources",
+      expiresAt: Date.now() + 600_000,
+    });
+    const config = buildContainerConfig(spec);
+    config.Labels = { ...config.Labels, [BENCH_LABEL]: RUN };
+    const container = await docker.createContainer(config);
+    try {
+      await container.start();
+      const exec = await container.exec({
+        Cmd: ["true"],
+        AttachStdout: true,
+        AttachStderr: true,
+        User: "1000:1000",
+      });
+      const stream = await exec.start({ hijack: true, stdin: false });
+      await new Promise<void>((resolve, reject) => {
+        stream.once("end", resolve);
+        stream.once("close", resolve);
+        stream.once("error", reject);
+        stream.resume();
+      });
+      stream.destroy();
+      const info = await exec.inspect();
+      if (info.ExitCode !== 0) throw new Error(`raw exec exited ${info.ExitCode}`);
+    } finally {
+      await container.remove({ force: true, v: true });
+      await docker.getVolume(workspaceVolumeName(config.name!)).remove({ force: true });
+    }
+  }
+
+  async function rawRound(m: number): Promise<number> {
+    let next = 0;
+    const t0 = performance.now();
+    await Promise.all(
+      Array.from({ length: Math.min(CONCURRENCY, m) }, async () => {
+        while (next < m) {
+          next++;
+          await rawOne();
+        }
+      }),
+    );
+    return performance.now() - t0;
+  }
+
+  const fleet = await startInProcessFleet({ provider, concurrency: CONCURRENCY, redisUrl: REDIS_URL });
+  let rawMs = 0;
+  let fleetMs = 0;
+  let results: RolloutResult[] = [];
+  try {
+    await Promise.all((fleet.workers?.workers ?? []).map((w) => w.waitUntilReady()));
+    const request = { task, agent: { harness: "oracle" as const } };
+    console.log(
+      `\nB. real sandboxes: ${SANDBOX_N} rollouts of hello-file (oracle), concurrency ${CONCURRENCY}, image ${IMAGE}, +${SANDBOX_WARMUP} warm-up each`,
+    );
+    if (SANDBOX_WARMUP > 0) {
+      await rawRound(SANDBOX_WARMUP);
+      const warm = await fleet.submit(Array.from({ length: SANDBOX_WARMUP }, () => request));
+      fleetIds.push(...warm);
+      checkResults(await fleet.waitForResults(warm, 600_000), SANDBOX_WARMUP);
+    }
+    rawMs = await rawRound(SANDBOX_N);
+    const t0 = performance.now();
+    const ids = await fleet.submit(Array.from({ length: SANDBOX_N }, () => request));
+    fleetIds.push(...ids);
+    results = await fleet.waitForResults(ids, 900_000);
+    fleetMs = performance.now() - t0;
+    checkResults(results, SANDBOX_N);
+  } finally {
+    await fleet.close();
+    await provider.close?.();
+    const left = await cleanupContainers(docker, fleetIds);
+    console.log(`leftover containers after cleanup: ${left}`);
+  }
+
+  const rawRate = (SANDBOX_N / rawMs) * 1000;
+  const fleetRate = (SANDBOX_N / fleetMs) * 1000;
+  const med = (k: "seedMs" | "runMs" | "verifyMs" | "closeMs" | "queuedMs" | "totalMs") =>
+    f1(median(results.map((r) => r.timings[k] ?? Number.NaN).filter(Number.isFinite)));
+  console.log("");
+  console.log("B                                          rollouts/s   wall s");
+  console.log(
+    `raw docker create/start/exec true/remove  ${f2(rawRate).padStart(10)} ${f1(rawMs / 1000).padStart(8)}`,
+  );
+  console.log(
+    `fleet end-to-end (oracle, hello-file)     ${f2(fleetRate).padStart(10)} ${f1(fleetMs / 1000).padStart(8)}`,
+  );
+  console.log(`ratio fleet/raw                            ${f2(fleetRate / rawRate).padStart(10)}`);
+  console.log(
+    `fleet stage medians (ms): queued ${med("queuedMs")}, seed ${med("seedMs")}, run ${med("runMs")}, ` +
+      `verify ${med("verifyMs")}, close ${med("closeMs")}, total ${med("totalMs")}`,
+  );
+}
+
+/** Remove this run's containers (raw baseline by our label, fleet ones by rollout id) and volumes. */
+async function cleanupContainers(docker: Dockerode, fleetIds: readonly string[]): Promise<number> {
+  const ours = new Set(fleetIds);
+  const isOurs = (labels: Record<string, string> | undefined) =>
+    labels?.[BENCH_LABEL] === RUN ||
+    ours.has(labels?.[LABEL_ROLLOUT] ?? "") ||
+    (labels?.[LABEL_ROLLOUT] ?? "").startsWith(`${RUN}-`);
+  const list = () => docker.listContainers({ all: true, filters: { label: [`${LABEL_MANAGED}=true`] } });
+  for (const c of (await list()).filter((c) => isOurs(c.Labels))) {
+    await docker
+      .getContainer(c.Id)
+      .remove({ force: true, v: true })
+      .catch(() => undefined);
+  }
+  const { Volumes } = await docker.listVolumes({ filters: { label: [`${LABEL_MANAGED}=true`] } });
+  for (const v of (Volumes ?? []).filter((v) => isOurs(v.Labels ?? undefined))) {
+    await docker
+      .getVolume(v.Name)
+      .remove({ force: true })
+      .catch(() => undefined);
+  }
+  return (await list()).filter((c) => isOurs(c.Labels)).length;
+}
+
+if (PART === "a" || PART === "both") await partA();
+if (PART === "b" || PART === "both") await partB();
