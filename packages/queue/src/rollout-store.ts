@@ -53,6 +53,8 @@ export interface RolloutRecord {
   fence: string | null;
   result: RolloutResult | null;
   times: Record<string, number>;
+  /** The failure log, where it was read along with the record (close). */
+  failureLog?: FailureRecord[];
 }
 
 export interface BatchProgress {
@@ -73,12 +75,43 @@ const RECEIPT_SCHEMAS = {
 type ReceiptOf<S extends StageName> = z.infer<(typeof RECEIPT_SCHEMAS)[S]>;
 
 /**
+ * A rollout hash as a record. Not re-validated with zod: every field was validated when our own
+ * code wrote it (saveReceipt, admit, recordFailure), and this read is on every stage's hot path.
+ */
+function parseRecord(h: Record<string, string>): RolloutRecord | null {
+  if (!h.meta) return null;
+  const receipts: RolloutReceipts = {};
+  for (const stage of ["seed", "run", "verify", "close"] as const) {
+    const raw = h[`r:${stage}`];
+    if (raw) (receipts as Record<string, unknown>)[stage] = JSON.parse(raw);
+  }
+  const times: Record<string, number> = {};
+  for (const [k, v] of Object.entries(h)) if (k.startsWith("t:")) times[k.slice(2)] = Number(v);
+  return {
+    meta: JSON.parse(h.meta) as RolloutMeta,
+    status: h.status as RolloutStatus,
+    stage: h.stage ?? "admission",
+    receipts,
+    failure: h.failure ? (JSON.parse(h.failure) as FailureRecord) : null,
+    cancelRequested: h.cancel === "1",
+    closed: h.closed === "1",
+    fence: h.fence ?? null,
+    result: h.result ? (JSON.parse(h.result) as RolloutResult) : null,
+    times,
+  };
+}
+
+/** Tasks are content-addressed and never change: a worker keeps the ones it has read. */
+const TASK_CACHE_SIZE = 256;
+
+/**
  * The durable state of rollouts and batches (DESIGN §4). The rollout record, not the BullMQ job,
  * is the result of record.
  */
 export class RolloutStore {
   readonly keys: Keys;
   private readonly redis: ScriptedRedis;
+  private readonly taskCache = new Map<string, TaskContent>();
 
   constructor(redis: Redis, prefix = "{fleet}") {
     this.redis = withScripts(redis);
@@ -93,8 +126,14 @@ export class RolloutStore {
   }
 
   async getTask(digest: string): Promise<TaskContent | null> {
+    const cached = this.taskCache.get(digest);
+    if (cached) return cached;
     const raw = await this.redis.get(this.keys.task(digest));
-    return raw === null ? null : TaskContent.parse(JSON.parse(raw));
+    if (raw === null) return null;
+    const task = TaskContent.parse(JSON.parse(raw));
+    if (this.taskCache.size >= TASK_CACHE_SIZE) this.taskCache.delete(this.taskCache.keys().next().value!);
+    this.taskCache.set(digest, task);
+    return task;
   }
 
   async hasTask(digest: string): Promise<boolean> {
@@ -148,27 +187,30 @@ export class RolloutStore {
   // ---- reads ----
 
   async get(id: string): Promise<RolloutRecord | null> {
-    const h = await this.redis.hgetall(this.keys.rollout(id));
-    if (!h.meta) return null;
-    const receipts: RolloutReceipts = {};
-    for (const stage of Object.keys(RECEIPT_SCHEMAS) as StageName[]) {
-      const raw = h[`r:${stage}`];
-      if (raw) (receipts as Record<string, unknown>)[stage] = RECEIPT_SCHEMAS[stage].parse(JSON.parse(raw));
-    }
-    const times: Record<string, number> = {};
-    for (const [k, v] of Object.entries(h)) if (k.startsWith("t:")) times[k.slice(2)] = Number(v);
-    return {
-      meta: RolloutMeta.parse(JSON.parse(h.meta)),
-      status: RolloutStatus.parse(h.status),
-      stage: h.stage ?? "admission",
-      receipts,
-      failure: h.failure ? FailureRecord.parse(JSON.parse(h.failure)) : null,
-      cancelRequested: h.cancel === "1",
-      closed: h.closed === "1",
-      fence: h.fence ?? null,
-      result: h.result ? RolloutResult.parse(JSON.parse(h.result)) : null,
-      times,
-    };
+    return parseRecord(await this.redis.hgetall(this.keys.rollout(id)));
+  }
+
+  /**
+   * Begin a stage in one round trip: the record (after recording the stage's start time, and for
+   * close after setting the tombstone) and, for close, the failure log.
+   */
+  async begin(
+    id: string,
+    stage: StageName,
+    now: number,
+  ): Promise<{ record: RolloutRecord | null; failures: FailureRecord[] }> {
+    const close = stage === "close";
+    const [flat, failures] = (await this.redis.fleetBegin(
+      this.keys.rollout(id),
+      this.keys.failures(id),
+      stage,
+      String(now),
+      close ? "1" : "0",
+      close ? "1" : "0",
+    )) as [string[], string[]];
+    const h: Record<string, string> = {};
+    for (let i = 0; i + 1 < flat.length; i += 2) h[flat[i]!] = flat[i + 1]!;
+    return { record: parseRecord(h), failures: failures.map((f) => JSON.parse(f) as FailureRecord) };
   }
 
   async getResult(id: string): Promise<RolloutResult | null> {
@@ -313,6 +355,7 @@ export class RolloutStore {
     meta: Pick<RolloutMeta, "id" | "batchId">,
     result: RolloutResult,
     now: number,
+    closeReceipt?: CloseReceipt,
   ): Promise<boolean> {
     if (!isTerminal(result.status)) throw new Error(`finalize needs a terminal status, got ${result.status}`);
     const parsed = RolloutResult.parse(result);
@@ -326,6 +369,7 @@ export class RolloutStore {
       String(now),
       hasBatch,
       meta.id,
+      closeReceipt ? JSON.stringify(CloseReceipt.parse(closeReceipt)) : "",
     );
     return r === 1;
   }

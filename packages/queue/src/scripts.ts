@@ -55,7 +55,10 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
       return 1`,
   },
-  /** Finalize exactly once. ARGV: resultJson, newStatus, now, hasBatch, rolloutId. Returns 1 if this call finalized. */
+  /**
+   * Finalize exactly once, storing the close receipt with the result. ARGV: resultJson,
+   * newStatus, now, hasBatch, rolloutId, closeReceiptJson ('' for none). Returns 1 if this call finalized.
+   */
   fleetFinalize: {
     keys: 3, // rollout, batch|rollout, inflight
     lua: `
@@ -63,6 +66,7 @@ const SCRIPTS = {
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1')
+      if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
       if ARGV[4] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
@@ -133,6 +137,40 @@ const SCRIPTS = {
       raw = sub(raw, '"failureKind":"teardown_failed"', '"failureKind":null')
       redis.call('HSET', KEYS[1], 'result', raw)
       return 1`,
+  },
+  /**
+   * Begin a stage in one round trip: unless the rollout is terminal, record the stage's first
+   * start time (not when the stage will be skipped: closed, failed, cancelled, or its receipt is
+   * stored) and, for close, set the tombstone first. Returns [hash as a flat array, failure log].
+   * ARGV: stage, now, tombstone ('1'|'0'), withFailures ('1'|'0').
+   */
+  fleetBegin: {
+    keys: 2, // rollout, failures
+    lua: `
+      ${TERMINAL}
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if status and not terminal[status] then
+        if ARGV[3] == '1' then
+          redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
+          redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2])
+        else
+          local skip = redis.call('HGET', KEYS[1], 'closed') == '1'
+            or redis.call('HEXISTS', KEYS[1], 'failure') == 1
+            or redis.call('HGET', KEYS[1], 'cancel') == '1'
+            or redis.call('HEXISTS', KEYS[1], 'r:' .. ARGV[1]) == 1
+          if not skip then redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2]) end
+        end
+      end
+      local failures = {}
+      if ARGV[4] == '1' then failures = redis.call('LRANGE', KEYS[2], 0, -1) end
+      return {redis.call('HGETALL', KEYS[1]), failures}`,
+  },
+  /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */
+  fleetAttach: {
+    keys: 2, // sandboxes, rollout
+    lua: `
+      redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+      return redis.call('HGET', KEYS[2], 'closed') or ''`,
   },
 } as const;
 

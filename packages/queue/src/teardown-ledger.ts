@@ -70,9 +70,30 @@ export class TeardownLedger {
     return r as "ok" | "closed" | "missing";
   }
 
-  /** Attach the created handle to its intent. */
-  async attachHandle(entry: SandboxEntry): Promise<void> {
-    await this.redis.hset(this.keys.sandboxes(), entry.key, JSON.stringify(SandboxEntry.parse(entry)));
+  /** Attach the created handle to its intent. Returns true if the rollout was closed meanwhile. */
+  async attachHandle(entry: SandboxEntry): Promise<boolean> {
+    const closed = await this.redis.fleetAttach(
+      this.keys.sandboxes(),
+      this.keys.rollout(entry.rolloutId),
+      entry.key,
+      JSON.stringify(SandboxEntry.parse(entry)),
+    );
+    return closed === "1";
+  }
+
+  /** Both sandbox entries of a rollout (resources, agent) in one round trip. */
+  async sandboxesOf(
+    rolloutId: string,
+  ): Promise<{ resources: SandboxEntry | null; agent: SandboxEntry | null }> {
+    const [r, a] = await this.redis.hmget(
+      this.keys.sandboxes(),
+      sandboxKey(rolloutId, "resources"),
+      sandboxKey(rolloutId, "agent"),
+    );
+    return {
+      resources: r ? (JSON.parse(r) as SandboxEntry) : null,
+      agent: a ? (JSON.parse(a) as SandboxEntry) : null,
+    };
   }
 
   async getSandbox(key: string): Promise<SandboxEntry | null> {
