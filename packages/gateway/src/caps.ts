@@ -1,0 +1,57 @@
+/** Per-rollout limits on model calls. Absent = unlimited. */
+export interface CapLimits {
+  /** Calls allowed (answered or in flight). */
+  maxCalls?: number | undefined;
+  /** Tokens (prompt + completion, summed over answered calls) after which no call starts. */
+  maxTokens?: number | undefined;
+}
+
+/** What has been used so far. */
+export interface CapState {
+  /** Answered calls plus calls in flight. */
+  calls: number;
+  /** Tokens of answered calls; `null` when some call did not report them. */
+  tokens: number | null;
+}
+
+export type CapCode = "call_cap_exceeded" | "token_cap_exceeded";
+
+export interface CapRefusal {
+  code: CapCode;
+  message: string;
+}
+
+/**
+ * Whether the next call must be refused. Pure.
+ *
+ * - Call cap: call number `maxCalls + 1` is refused (calls `1..maxCalls` run).
+ * - Token cap: a call is refused when the recorded total has *reached or crossed* `maxTokens`;
+ *   the call that crosses it still runs (its size is unknown until it is answered), so the
+ *   refused call is the first one started after the running total crossed the cap. Calls in
+ *   flight at that moment are not stopped and are counted when answered.
+ * - A token cap with a total that is unknown (some call did not report usage) cannot be
+ *   checked, so it refuses (fail closed) with the same `token_cap_exceeded` code.
+ */
+export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | null {
+  if (limits.maxCalls !== undefined && state.calls >= limits.maxCalls) {
+    return {
+      code: "call_cap_exceeded",
+      message: `this rollout's model call cap (${limits.maxCalls} calls) is reached`,
+    };
+  }
+  if (limits.maxTokens !== undefined) {
+    if (state.tokens === null) {
+      return {
+        code: "token_cap_exceeded",
+        message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: the upstream did not report usage for an earlier call`,
+      };
+    }
+    if (state.tokens >= limits.maxTokens) {
+      return {
+        code: "token_cap_exceeded",
+        message: `this rollout's token cap is reached (${state.tokens} of ${limits.maxTokens} tokens used)`,
+      };
+    }
+  }
+  return null;
+}

@@ -1,0 +1,205 @@
+import { Usage } from "@fleet/contracts";
+import { afterEach, describe, expect, it, vi } from "vitest";
+import { type ModelGateway, startGateway } from "./gateway.ts";
+import {
+  chatReply,
+  errorReply,
+  type ScriptedUpstream,
+  startScriptedUpstream,
+} from "./testing/scripted-upstream.ts";
+
+// Gateway and scripted upstream both on 127.0.0.1; the client is plain fetch.
+const CREDENTIAL = "sk-upstream-secret-value-1234567890";
+const open: Array<{ close(): Promise<void> }> = [];
+
+afterEach(async () => {
+  while (open.length > 0) await open.pop()!.close();
+});
+
+async function setup(): Promise<{ upstream: ScriptedUpstream; gateway: ModelGateway }> {
+  const upstream = await startScriptedUpstream();
+  open.push(upstream);
+  const gateway = await startGateway({
+    upstreamBaseUrl: upstream.baseUrl,
+    resolveCredential: async () => CREDENTIAL,
+    host: "127.0.0.1",
+  });
+  open.push(gateway);
+  return { upstream, gateway };
+}
+
+/** What the tests read off a response body (an OpenAI answer or error). */
+interface Reply {
+  error: { code: string; message: string };
+  choices: Array<{ message: { content: string } }>;
+}
+
+async function chat(
+  baseUrl: string,
+  token: string | null,
+  body: Record<string, unknown> = { model: "whatever", messages: [{ role: "user", content: "hi" }] },
+): Promise<{ status: number; json: Reply; text: string; headers: Headers }> {
+  const res = await fetch(`${baseUrl}/chat/completions`, {
+    method: "POST",
+    headers: { "content-type": "application/json", ...(token ? { authorization: `Bearer ${token}` } : {}) },
+    body: JSON.stringify(body),
+  });
+  const text = await res.text();
+  let json: unknown = null;
+  try {
+    json = JSON.parse(text);
+  } catch {}
+  return { status: res.status, json: json as Reply, text, headers: res.headers };
+}
+
+describe("model gateway", () => {
+  it("forwards with the real credential and the registered model, and records usage", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "qwen-7b" });
+    expect(baseUrl).toBe(`${gateway.url}/v1`);
+    upstream.push(chatReply({ content: "hello", usage: { prompt: 11, completion: 4, cached: 3 } }));
+
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(200);
+    expect(r.json.choices[0]!.message.content).toBe("hello");
+    expect(r.text).not.toContain(CREDENTIAL);
+    expect(upstream.requests).toHaveLength(1);
+    expect(upstream.requests[0]!.headers.authorization).toBe(`Bearer ${CREDENTIAL}`);
+    expect((upstream.requests[0]!.body as { model: string }).model).toBe("qwen-7b");
+    expect(JSON.stringify(upstream.requests[0]!.headers)).not.toContain(token);
+    expect(Usage.parse(gateway.usage(token))).toEqual({
+      calls: 1,
+      promptTokens: 11,
+      completionTokens: 4,
+      cachedTokens: 3,
+      gaps: [],
+    });
+  });
+
+  it("answers 401 to a missing, unknown or forged token", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const forged = `${token.slice(0, -4)}AAAA`;
+    for (const t of [null, "nope", forged, CREDENTIAL]) {
+      const r = await chat(baseUrl, t);
+      expect(r.status).toBe(401);
+      expect(r.json.error.code).toBe("invalid_api_key");
+    }
+    expect(upstream.requests).toHaveLength(0);
+  });
+
+  it("refuses the call started after the running total crossed the token cap", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 25 });
+    upstream.push(
+      chatReply({ content: "a", usage: { prompt: 10, completion: 5 } }),
+      chatReply({ content: "b", usage: { prompt: 10, completion: 5 } }),
+      chatReply({ content: "never sent" }),
+    );
+    expect((await chat(baseUrl, token)).status).toBe(200); // 15 of 25
+    expect((await chat(baseUrl, token)).status).toBe(200); // 30: crosses the cap, still answered
+    const refused = await chat(baseUrl, token);
+    expect(refused.status).toBe(429);
+    expect(refused.json.error.code).toBe("token_cap_exceeded");
+    expect(upstream.requests).toHaveLength(2);
+    expect(gateway.usage(token)).toMatchObject({ calls: 2, promptTokens: 20, completionTokens: 10 });
+  });
+
+  it("refuses call maxCalls + 1", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxCalls: 1 });
+    upstream.push(chatReply({ content: "a" }));
+    expect((await chat(baseUrl, token)).status).toBe(200);
+    const refused = await chat(baseUrl, token);
+    expect(refused.status).toBe(429);
+    expect(refused.json.error.code).toBe("call_cap_exceeded");
+    expect(upstream.requests).toHaveLength(1);
+  });
+
+  it("records a response without usage as a gap, and then fails a token cap closed", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1000 });
+    upstream.push(chatReply({ content: "a", usage: null }));
+    expect((await chat(baseUrl, token)).status).toBe(200);
+    expect(gateway.usage(token)).toEqual({
+      calls: 1,
+      promptTokens: null,
+      completionTokens: null,
+      cachedTokens: null,
+      gaps: ["usage missing on call 1"],
+    });
+    const refused = await chat(baseUrl, token);
+    expect(refused.status).toBe(429);
+    expect(refused.json.error.code).toBe("token_cap_exceeded");
+    expect(refused.json.error.message).toMatch(/cannot be enforced/);
+  });
+
+  it("refuses stream: true with 400 and a malformed body with 400", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const streamed = await chat(baseUrl, token, { messages: [], stream: true });
+    expect(streamed.status).toBe(400);
+    expect(streamed.json.error.code).toBe("stream_unsupported");
+    const malformed = await chat(baseUrl, token, { prompt: "no messages" });
+    expect(malformed.status).toBe(400);
+    expect(upstream.requests).toHaveLength(0);
+  });
+
+  it("passes upstream errors through (with Retry-After) and notes them as gaps", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(errorReply(429, "rate_limited", "slow down", { "retry-after": "2" }));
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(429);
+    expect(r.headers.get("retry-after")).toBe("2");
+    expect(r.json.error.code).toBe("rate_limited");
+    expect(gateway.usage(token)).toMatchObject({
+      calls: 0,
+      gaps: ["1 failed upstream attempt not counted (usage unknown)"],
+    });
+  });
+
+  it("answers 502 when the upstream is unreachable", async () => {
+    const upstream = await startScriptedUpstream();
+    const deadUrl = upstream.baseUrl;
+    await upstream.close();
+    const gateway = await startGateway({ upstreamBaseUrl: deadUrl, host: "127.0.0.1" });
+    open.push(gateway);
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(502);
+    expect(r.json.error.code).toBe("upstream_unavailable");
+  });
+
+  it("revoke: later calls get 401; an in-flight call is aborted and noted", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(chatReply({ content: "a" }), { ...chatReply({ content: "slow" }), delayMs: 30_000 });
+    expect((await chat(baseUrl, token)).status).toBe(200);
+    const slow = chat(baseUrl, token);
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
+    const summary = gateway.revoke(token);
+    expect(summary).toMatchObject({ calls: 1, promptTokens: 10, completionTokens: 5 });
+    expect(summary.gaps).toContain("1 call in flight at revocation aborted (usage unknown)");
+    expect((await slow).status).toBe(503);
+    expect(gateway.revoke(token)).toEqual(summary);
+    const after = await chat(baseUrl, token);
+    expect(after.status).toBe(401);
+    expect(() => gateway.revoke("fgw_0000000000000000_x")).toThrow(/never issued|not a token/);
+  });
+
+  it("lists the registered model", async () => {
+    const { gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "qwen-7b" });
+    const res = await fetch(`${baseUrl}/models`, { headers: { authorization: `Bearer ${token}` } });
+    expect(res.status).toBe(200);
+    expect(((await res.json()) as { data: Array<{ id: string }> }).data.map((d) => d.id)).toEqual([
+      "qwen-7b",
+    ]);
+  });
+
+  it("rejects invalid caps at registration", async () => {
+    const { gateway } = await setup();
+    expect(() => gateway.register("r1", { model: "m", maxTokens: 0 })).toThrow(/positive integer/);
+  });
+});

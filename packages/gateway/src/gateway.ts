@@ -1,0 +1,386 @@
+import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
+import type { AddressInfo } from "node:net";
+import { capText, type Usage } from "@fleet/contracts";
+import { type CapLimits, capRefusal } from "./caps.ts";
+import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
+import { readCallUsage, UsageMeter } from "./usage-meter.ts";
+
+/** A rollout's usage as the gateway reports it: the contracts `Usage` shape. */
+export type UsageSummary = Usage;
+
+export interface GatewayOptions {
+  /** The real OpenAI-compatible endpoint, e.g. `http://127.0.0.1:8000/v1` (vLLM). */
+  upstreamBaseUrl: string;
+  /**
+   * Resolves the real credential, called per forwarded call (so a rotated secret is picked up).
+   * The value is sent upstream only, as `Authorization: Bearer`; `null`/absent sends none.
+   */
+  resolveCredential?: () => Promise<string | null | undefined>;
+  /** Address to listen on (e.g. the gateway network's host-side IP). */
+  host: string;
+  /** @defaultValue 0 (an ephemeral port; read it back from `port`) */
+  port?: number;
+  /** Budget of one upstream call. @defaultValue 600_000 */
+  upstreamTimeoutMs?: number;
+  /** Largest request body accepted from a client. @defaultValue 8 MiB */
+  maxRequestBytes?: number;
+  /** Largest upstream response passed back. @defaultValue 32 MiB */
+  maxResponseBytes?: number;
+}
+
+/** What a rollout may use through the gateway. */
+export interface GatewayRegistration extends CapLimits {
+  /** The model every call of this rollout is sent with (a client's `model` is overridden). */
+  model: string;
+}
+
+/** What the rollout's client gets: its bearer token and the OpenAI base URL (`…/v1`). */
+export interface GatewayGrant {
+  token: string;
+  baseUrl: string;
+}
+
+export interface ModelGateway {
+  /** `http://<host>:<port>` */
+  readonly url: string;
+  readonly port: number;
+  /** Mint a per-rollout token (256-bit secret) with its caps. */
+  register(rolloutId: string, registration: GatewayRegistration): GatewayGrant;
+  /**
+   * Revoke a token: later calls get 401, calls in flight are aborted (and noted as a gap).
+   * Returns the usage at revocation; a second revoke returns the same summary.
+   * @throws Error for a token this gateway never issued.
+   */
+  revoke(token: string): UsageSummary;
+  /** Usage so far, or `null` for a token this gateway never issued. */
+  usage(token: string): UsageSummary | null;
+  /** Stop listening and abort every call in flight. */
+  close(): Promise<void>;
+}
+
+/** One HTTP error type, rendered in one place as an OpenAI-style error body. */
+export class GatewayHttpError extends Error {
+  override readonly name = "GatewayHttpError";
+  constructor(
+    readonly status: number,
+    readonly code: string,
+    message: string,
+  ) {
+    super(message);
+  }
+}
+
+interface Entry {
+  rolloutId: string;
+  keyId: string;
+  secretHash: Buffer;
+  registration: GatewayRegistration;
+  meter: UsageMeter;
+  /** Calls admitted and not yet answered (they count against the call cap). */
+  pending: number;
+  inFlight: Set<AbortController>;
+  revoked: UsageSummary | null;
+}
+
+const DEFAULTS = {
+  port: 0,
+  upstreamTimeoutMs: 600_000,
+  maxRequestBytes: 8 * 1024 * 1024,
+  maxResponseBytes: 32 * 1024 * 1024,
+};
+
+/**
+ * Start a per-rollout model gateway: an OpenAI-compatible HTTP server that authenticates
+ * per-rollout tokens, forwards `POST /v1/chat/completions` to the upstream with the real
+ * credential, records usage per call and enforces each rollout's call and token caps.
+ */
+export async function startGateway(options: GatewayOptions): Promise<ModelGateway> {
+  const o = { ...DEFAULTS, ...options };
+  const upstreamUrl = `${o.upstreamBaseUrl.replace(/\/+$/, "")}/chat/completions`;
+  const entries = new Map<string, Entry>();
+
+  const server: Server = createServer((req, res) => {
+    handle(req, res).catch((err: unknown) => sendError(res, err));
+  });
+
+  async function handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const path = new URL(req.url ?? "/", "http://gateway").pathname.replace(/\/+$/, "");
+    if (path === "/v1/chat/completions") {
+      if (req.method !== "POST") throw new GatewayHttpError(405, "method_not_allowed", "use POST");
+      const entry = authenticate(req);
+      await chatCompletion(entry, req, res);
+      return;
+    }
+    if (path === "/v1/models") {
+      if (req.method !== "GET") throw new GatewayHttpError(405, "method_not_allowed", "use GET");
+      const entry = authenticate(req);
+      sendJson(res, 200, {
+        object: "list",
+        data: [{ id: entry.registration.model, object: "model", created: 0, owned_by: "fleet-gateway" }],
+      });
+      return;
+    }
+    throw new GatewayHttpError(404, "not_found", `no route ${req.method} ${path}`);
+  }
+
+  function authenticate(req: IncomingMessage): Entry {
+    const presented = bearerToken(req.headers.authorization);
+    const parsed = presented === null ? null : parseToken(presented);
+    const entry = parsed === null ? undefined : entries.get(parsed.keyId);
+    if (parsed === null || entry === undefined || !secretMatches(parsed.secret, entry.secretHash)) {
+      throw new GatewayHttpError(401, "invalid_api_key", "missing or unknown gateway token");
+    }
+    if (entry.revoked !== null) throw new GatewayHttpError(401, "invalid_api_key", "gateway token revoked");
+    return entry;
+  }
+
+  async function chatCompletion(entry: Entry, req: IncomingMessage, res: ServerResponse): Promise<void> {
+    const raw = await readBody(req, o.maxRequestBytes);
+    let body: unknown;
+    try {
+      body = JSON.parse(raw.toString("utf8"));
+    } catch {
+      throw new GatewayHttpError(400, "malformed", "request body is not JSON");
+    }
+    if (typeof body !== "object" || body === null || Array.isArray(body)) {
+      throw new GatewayHttpError(400, "malformed", "request body must be a JSON object");
+    }
+    const request = body as Record<string, unknown>;
+    if (!Array.isArray(request.messages)) {
+      throw new GatewayHttpError(400, "malformed", "`messages` must be an array");
+    }
+    if (request.stream === true) {
+      throw new GatewayHttpError(400, "stream_unsupported", "streaming is not supported; send stream: false");
+    }
+    const refusal = capRefusal(
+      { calls: entry.meter.callCount + entry.pending, tokens: entry.meter.totalTokens },
+      entry.registration,
+    );
+    if (refusal) throw new GatewayHttpError(429, refusal.code, refusal.message);
+
+    entry.pending += 1;
+    const controller = new AbortController();
+    entry.inFlight.add(controller);
+    const onClientGone = (): void => {
+      if (!res.writableFinished) controller.abort(new Error("client disconnected"));
+    };
+    res.on("close", onClientGone);
+    const timeout = AbortSignal.timeout(o.upstreamTimeoutMs);
+    const signal = AbortSignal.any([controller.signal, timeout]);
+    let status: number;
+    let contentType: string;
+    let retryAfter: string | null;
+    let text: string;
+    try {
+      const credential = await resolveCredentialSafely(o.resolveCredential);
+      const headers: Record<string, string> = {
+        "content-type": "application/json",
+        accept: "application/json",
+      };
+      if (credential) headers.authorization = `Bearer ${credential}`;
+      const upstream = await fetch(upstreamUrl, {
+        method: "POST",
+        headers,
+        body: JSON.stringify({ ...request, model: entry.registration.model }),
+        signal,
+      });
+      status = upstream.status;
+      contentType = upstream.headers.get("content-type") ?? "application/json";
+      retryAfter = upstream.headers.get("retry-after");
+      text = await readResponse(upstream, o.maxResponseBytes);
+    } catch (err) {
+      entry.meter.recordFailure();
+      if (err instanceof GatewayHttpError) throw err;
+      if (timeout.aborted) {
+        throw new GatewayHttpError(
+          504,
+          "upstream_timeout",
+          `upstream did not answer in ${o.upstreamTimeoutMs} ms`,
+        );
+      }
+      if (controller.signal.aborted) {
+        throw new GatewayHttpError(
+          503,
+          "call_aborted",
+          "the call was aborted (token revoked or gateway closing)",
+        );
+      }
+      throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${describe(err)}`);
+    } finally {
+      entry.pending -= 1;
+      entry.inFlight.delete(controller);
+      res.off("close", onClientGone);
+    }
+
+    if (status >= 200 && status < 300) {
+      let parsed: unknown = null;
+      try {
+        parsed = JSON.parse(text);
+      } catch {
+        // Recorded as a call without usage below: an answer we could not read is a gap, not a zero.
+      }
+      entry.meter.record(readCallUsage(parsed));
+    } else {
+      entry.meter.recordFailure();
+    }
+    const headers: Record<string, string> = { "content-type": contentType };
+    if (retryAfter !== null) headers["retry-after"] = retryAfter;
+    res.writeHead(status, headers);
+    res.end(text);
+  }
+
+  function summaryOf(entry: Entry): UsageSummary {
+    return entry.revoked ?? entry.meter.summary();
+  }
+
+  await new Promise<void>((resolve, reject) => {
+    server.once("error", reject);
+    server.listen({ host: o.host, port: o.port }, () => {
+      server.off("error", reject);
+      resolve();
+    });
+  });
+  const port = (server.address() as AddressInfo).port;
+  const url = `http://${o.host.includes(":") ? `[${o.host}]` : o.host}:${port}`;
+
+  return {
+    url,
+    port,
+    register(rolloutId, registration) {
+      for (const [key, cap] of [
+        ["maxCalls", registration.maxCalls],
+        ["maxTokens", registration.maxTokens],
+      ] as const) {
+        if (cap !== undefined && !(Number.isInteger(cap) && cap > 0)) {
+          throw new Error(`gateway registration ${key} must be a positive integer, got ${cap}`);
+        }
+      }
+      const minted = mintToken();
+      entries.set(minted.keyId, {
+        rolloutId,
+        keyId: minted.keyId,
+        secretHash: minted.secretHash,
+        registration: { ...registration },
+        meter: new UsageMeter(),
+        pending: 0,
+        inFlight: new Set(),
+        revoked: null,
+      });
+      return { token: minted.token, baseUrl: `${url}/v1` };
+    },
+    revoke(token) {
+      const entry = entryOf(entries, token);
+      if (entry === null) throw new Error("revoke: not a token this gateway issued");
+      if (entry.revoked === null) {
+        const aborted = entry.inFlight.size;
+        if (aborted > 0) {
+          entry.meter.note(
+            `${aborted} call${aborted === 1 ? "" : "s"} in flight at revocation aborted (usage unknown)`,
+          );
+        }
+        entry.revoked = entry.meter.summary();
+        for (const c of entry.inFlight) c.abort(new Error("gateway token revoked"));
+      }
+      return entry.revoked;
+    },
+    usage(token) {
+      const entry = entryOf(entries, token);
+      return entry === null ? null : summaryOf(entry);
+    },
+    async close() {
+      for (const entry of entries.values())
+        for (const c of entry.inFlight) c.abort(new Error("gateway closing"));
+      await new Promise<void>((resolve) => {
+        server.close(() => resolve());
+        server.closeAllConnections();
+      });
+    },
+  };
+}
+
+/** The entry a full token names, checked in constant time; `null` otherwise. */
+function entryOf(entries: Map<string, Entry>, token: string): Entry | null {
+  const parsed = parseToken(token);
+  const entry = parsed === null ? undefined : entries.get(parsed.keyId);
+  return parsed !== null && entry !== undefined && secretMatches(parsed.secret, entry.secretHash)
+    ? entry
+    : null;
+}
+
+async function resolveCredentialSafely(
+  resolve: GatewayOptions["resolveCredential"],
+): Promise<string | null | undefined> {
+  if (resolve === undefined) return null;
+  try {
+    return await resolve();
+  } catch (err) {
+    // The resolver's message names the credential, never its value; keep only that.
+    throw new GatewayHttpError(
+      502,
+      "credential_unavailable",
+      `the upstream credential could not be resolved: ${describe(err)}`,
+    );
+  }
+}
+
+async function readBody(req: IncomingMessage, max: number): Promise<Buffer> {
+  const chunks: Buffer[] = [];
+  let size = 0;
+  for await (const chunk of req) {
+    const buf = chunk as Buffer;
+    size += buf.length;
+    if (size > max) throw new GatewayHttpError(413, "payload_too_large", `request body over ${max} bytes`);
+    chunks.push(buf);
+  }
+  return Buffer.concat(chunks);
+}
+
+async function readResponse(response: Response, max: number): Promise<string> {
+  if (response.body === null) return "";
+  const chunks: Uint8Array[] = [];
+  let size = 0;
+  const reader = response.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    size += value.byteLength;
+    if (size > max) {
+      await reader.cancel().catch(() => {});
+      throw new GatewayHttpError(502, "upstream_response_too_large", `upstream response over ${max} bytes`);
+    }
+    chunks.push(value);
+  }
+  return Buffer.concat(chunks).toString("utf8");
+}
+
+function describe(err: unknown): string {
+  if (!(err instanceof Error)) return capText(String(err), 500);
+  const cause = err.cause instanceof Error ? ` (${err.cause.message})` : "";
+  return capText(`${err.message}${cause}`, 500);
+}
+
+function errorType(status: number, code: string): string {
+  if (status === 401) return "authentication_error";
+  if (code === "call_cap_exceeded" || code === "token_cap_exceeded") return "insufficient_quota";
+  return status >= 500 ? "api_error" : "invalid_request_error";
+}
+
+function sendJson(res: ServerResponse, status: number, body: unknown): void {
+  if (res.headersSent) {
+    res.destroy();
+    return;
+  }
+  res.writeHead(status, { "content-type": "application/json" });
+  res.end(JSON.stringify(body));
+}
+
+function sendError(res: ServerResponse, err: unknown): void {
+  const e =
+    err instanceof GatewayHttpError
+      ? err
+      : new GatewayHttpError(500, "internal", `gateway error: ${describe(err)}`);
+  if (e.status === 413) res.setHeader("connection", "close");
+  sendJson(res, e.status, {
+    error: { message: e.message, type: errorType(e.status, e.code), code: e.code, param: null },
+  });
+}

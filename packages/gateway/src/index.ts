@@ -1,0 +1,12 @@
+export { type CapCode, type CapLimits, type CapRefusal, type CapState, capRefusal } from "./caps.ts";
+export {
+  type GatewayGrant,
+  GatewayHttpError,
+  type GatewayOptions,
+  type GatewayRegistration,
+  type ModelGateway,
+  startGateway,
+  type UsageSummary,
+} from "./gateway.ts";
+export { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
+export { type CallUsage, describeCalls, readCallUsage, UsageMeter } from "./usage-meter.ts";
