@@ -3,6 +3,8 @@ export * from "./docker/container-config.ts";
 export * from "./docker/docker-endpoint.ts";
 export * from "./docker/docker-errors.ts";
 export * from "./docker/docker-sandbox-provider.ts";
+export * from "./docker/gateway-firewall.ts";
+export * from "./docker/gateway-network.ts";
 export * from "./exec-command.ts";
 export * from "./output.ts";
 export * from "./provider.ts";

@@ -138,12 +138,35 @@ declare module "dockerode" {
       ): Promise<{ pids_stats?: { current?: number; limit?: number } }>;
     }
 
+    interface NetworkCreateOptions extends WithSignal {
+      Name: string;
+      Driver?: string;
+      Internal?: boolean;
+      CheckDuplicate?: boolean;
+      EnableIPv6?: boolean;
+      Attachable?: boolean;
+      Labels?: Record<string, string>;
+      Options?: Record<string, string>;
+      IPAM?: { Driver?: string; Config?: Array<{ Subnet?: string; Gateway?: string }> };
+    }
+
+    interface NetworkInspectInfo {
+      Name: string;
+      Id: string;
+      Created: string;
+      Internal: boolean;
+      Labels: Record<string, string> | null;
+      Options: Record<string, string> | null;
+      IPAM: { Config: Array<{ Subnet?: string; Gateway?: string }> | null };
+      Containers?: Record<string, { Name: string; IPv4Address: string }> | null;
+    }
+
+    type NetworkInfo = NetworkInspectInfo;
+
     class Network {
       id: string;
-      inspect(options?: WithSignal): Promise<{
-        Name: string;
-        IPAM: { Config: Array<{ Subnet?: string; Gateway?: string }> | null };
-      }>;
+      inspect(options?: WithSignal): Promise<NetworkInspectInfo>;
+      remove(options?: WithSignal): Promise<unknown>;
     }
 
     class Image {
@@ -172,6 +195,10 @@ declare module "dockerode" {
     getVolume(name: string): Dockerode.Volume;
     getImage(name: string): Dockerode.Image;
     getNetwork(name: string): Dockerode.Network;
+    createNetwork(options: Dockerode.NetworkCreateOptions): Promise<Dockerode.Network>;
+    listNetworks(
+      options?: Dockerode.WithSignal & { filters?: Record<string, string[]> | string },
+    ): Promise<Dockerode.NetworkInfo[]>;
     listContainers(
       options?: Dockerode.WithSignal & { all?: boolean; filters?: Record<string, string[]> | string },
     ): Promise<Dockerode.ContainerInfo[]>;

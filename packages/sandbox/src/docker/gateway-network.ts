@@ -1,0 +1,299 @@
+/// <reference path="./dockerode.d.ts" />
+import { createHash } from "node:crypto";
+import { FleetError } from "@fleet/contracts";
+import Dockerode from "dockerode";
+import { LABEL_MANAGED, LABEL_ROLLOUT } from "../provider.ts";
+import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
+import { dockerErrorFacts } from "./docker-errors.ts";
+import { type GatewayFirewall, IptablesGatewayFirewall } from "./gateway-firewall.ts";
+
+/** Label marking a network as a rollout's gateway network (value `gateway`). */
+export const LABEL_NETWORK = "fleet.network";
+
+/** A rollout's internal network on which its sandbox reaches the model gateway, and only that. */
+export interface GatewayNetwork {
+  /** Docker network name; pass it as the sandbox spec's `network`. */
+  name: string;
+  id: string;
+  rolloutId: string;
+  /** Host-side bridge interface (`fgw-<11 hex>`). */
+  bridge: string;
+  subnet: string;
+  /** The host's address on the bridge: the gateway listens here. */
+  gatewayIp: string;
+}
+
+/** `fleet-gw-<rolloutId>` (sanitised + hashed like sandbox names when needed). */
+export function gatewayNetworkName(rolloutId: string): string {
+  if (/^[A-Za-z0-9][A-Za-z0-9_.-]*$/.test(rolloutId) && rolloutId.length <= 100)
+    return `fleet-gw-${rolloutId}`;
+  const clean = rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80);
+  return `fleet-gw-${clean}-${shortHash(rolloutId, 12)}`;
+}
+
+/** The bridge interface of a gateway network: `fgw-` + 11 hex chars (Linux allows 15). */
+export function gatewayBridgeName(networkName: string): string {
+  return `fgw-${shortHash(networkName, 11)}`;
+}
+
+function shortHash(text: string, chars: number): string {
+  return createHash("sha256").update(text).digest("hex").slice(0, chars);
+}
+
+/** Where explicit subnets come from, instead of Docker's default pools (about 30 networks). */
+export interface SubnetPool {
+  /** An IPv4 CIDR reserved for gateway networks, e.g. `10.213.0.0/16`. */
+  base: string;
+  /** Prefix length of each network. @defaultValue 28 (16 addresses: gateway + sandboxes) */
+  prefix?: number;
+}
+
+function ipToInt(ip: string): number {
+  const parts = ip.split(".").map(Number);
+  if (parts.length !== 4 || parts.some((p) => !Number.isInteger(p) || p < 0 || p > 255)) {
+    throw new RangeError(`not an IPv4 address: ${ip}`);
+  }
+  return ((parts[0]! << 24) | (parts[1]! << 16) | (parts[2]! << 8) | parts[3]!) >>> 0;
+}
+
+function intToIp(n: number): string {
+  return [n >>> 24, (n >>> 16) & 255, (n >>> 8) & 255, n & 255].join(".");
+}
+
+/**
+ * The `index`-th subnet of a pool and its gateway (first host address). Pure.
+ * @throws RangeError for an invalid pool.
+ */
+export function poolSubnet(
+  pool: SubnetPool,
+  index: number,
+): { subnet: string; gateway: string; count: number } {
+  const [baseIp, baseBits] = pool.base.split("/");
+  const bits = Number(baseBits);
+  const prefix = pool.prefix ?? 28;
+  if (!Number.isInteger(bits) || bits < 8 || bits > 30)
+    throw new RangeError(`invalid subnet pool: ${pool.base}`);
+  if (!Number.isInteger(prefix) || prefix < bits || prefix > 29) {
+    throw new RangeError(`invalid subnet prefix /${prefix} for pool ${pool.base}`);
+  }
+  const count = 2 ** (prefix - bits);
+  const base = (ipToInt(baseIp ?? "") & ~(2 ** (32 - bits) - 1)) >>> 0;
+  const start = (base + (((index % count) + count) % count) * 2 ** (32 - prefix)) >>> 0;
+  return { subnet: `${intToIp(start)}/${prefix}`, gateway: intToIp(start + 1), count };
+}
+
+/** The Docker create request of a gateway network (pure). */
+export function buildGatewayNetworkConfig(
+  rolloutId: string,
+  ipam?: { subnet: string; gateway: string },
+): Dockerode.NetworkCreateOptions {
+  const name = gatewayNetworkName(rolloutId);
+  return {
+    Name: name,
+    Driver: "bridge",
+    Internal: true,
+    CheckDuplicate: true,
+    EnableIPv6: false,
+    Attachable: false,
+    Labels: { [LABEL_MANAGED]: "true", [LABEL_ROLLOUT]: rolloutId, [LABEL_NETWORK]: "gateway" },
+    Options: {
+      "com.docker.network.bridge.name": gatewayBridgeName(name),
+      // What Docker can enforce itself when it runs with iptables; our firewall covers the rest.
+      "com.docker.network.bridge.enable_icc": "false",
+      "com.docker.network.bridge.enable_ip_masquerade": "false",
+    },
+    ...(ipam === undefined
+      ? {}
+      : { IPAM: { Driver: "default", Config: [{ Subnet: ipam.subnet, Gateway: ipam.gateway }] } }),
+  };
+}
+
+export interface DockerGatewayNetworksOptions {
+  /** The Docker daemon, which must run on this host (the firewall and gateway are local). */
+  docker?: DockerConnection;
+  /** @defaultValue a new `IptablesGatewayFirewall()` */
+  firewall?: GatewayFirewall;
+  /** Explicit subnets for gateway networks. @defaultValue Docker's default address pools */
+  subnetPool?: SubnetPool;
+  /** Budget of one Docker API call. @defaultValue 30_000 */
+  apiTimeoutMs?: number;
+}
+
+/**
+ * Per-rollout internal networks through which a sandbox reaches the model gateway (running in
+ * the worker, bound on the network's host-side IP) and nothing else:
+ *
+ * 1. `ensure(rolloutId)` seals the bridge in the host firewall (everything refused), *then*
+ *    creates the internal network (`Internal: true`, `fleet.managed=true`), so there is never a
+ *    moment the bridge is open; a re-delivered ensure adopts the existing network.
+ * 2. Create the sandbox with `network: net.name`; start the gateway on `net.gatewayIp`.
+ * 3. `allowGateway(net, port)` opens exactly `gatewayIp:port` (TCP) on that bridge.
+ * 4. `remove(rolloutId)` after the sandbox is destroyed: removes the network, then its rules.
+ *
+ * One network per rollout: sandboxes of different rollouts never share a bridge.
+ */
+export class DockerGatewayNetworks {
+  private readonly docker: Dockerode;
+  readonly endpoint: string;
+  private readonly firewall: GatewayFirewall;
+  private readonly pool: SubnetPool | undefined;
+  private readonly apiTimeoutMs: number;
+
+  constructor(options: DockerGatewayNetworksOptions = {}) {
+    const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
+    this.endpoint = endpoint;
+    this.docker = new Dockerode({
+      host: undefined,
+      port: undefined,
+      protocol: undefined,
+      timeout: undefined,
+      ...dockerOptions,
+    });
+    this.firewall = options.firewall ?? new IptablesGatewayFirewall();
+    this.pool = options.subnetPool;
+    this.apiTimeoutMs = options.apiTimeoutMs ?? 30_000;
+    if (this.pool) poolSubnet(this.pool, 0); // validate early
+  }
+
+  /** Seal, then create (or adopt) the rollout's gateway network. */
+  async ensure(rolloutId: string): Promise<GatewayNetwork> {
+    if (!this.endpoint.startsWith("unix://")) {
+      throw FleetError.nonRetryable(
+        "isolation_refused",
+        `gateway networks need the Docker daemon on this host (a local unix socket), not ${this.endpoint}`,
+      );
+    }
+    const name = gatewayNetworkName(rolloutId);
+    await this.firewall.seal(gatewayBridgeName(name));
+    const existing = await this.inspect(name);
+    if (existing) return this.adopt(existing, rolloutId);
+    const attempts = this.pool ? 32 : 1;
+    const first = this.pool ? Number.parseInt(shortHash(rolloutId, 8), 16) : 0;
+    for (let i = 0; i < attempts; i++) {
+      const ipam = this.pool ? poolSubnet(this.pool, first + i) : undefined;
+      try {
+        await this.docker.createNetwork({
+          ...buildGatewayNetworkConfig(rolloutId, ipam),
+          abortSignal: this.signal(),
+        });
+        break;
+      } catch (err) {
+        const facts = dockerErrorFacts(err);
+        if (facts.statusCode === 409 || /already exists/i.test(facts.message)) break; // a concurrent ensure
+        if (this.pool && /overlap/i.test(facts.message) && i < attempts - 1) continue;
+        throw this.classify(err, `create gateway network ${name}`);
+      }
+    }
+    const created = await this.inspect(name);
+    if (!created) {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `gateway network ${name} vanished right after creation`,
+      );
+    }
+    return this.adopt(created, rolloutId);
+  }
+
+  /** Open `gatewayIp:port` (TCP) on the network's bridge: the only thing its sandboxes may reach. */
+  async allowGateway(network: GatewayNetwork, port: number): Promise<void> {
+    await this.firewall.allow(network.bridge, network.gatewayIp, port);
+  }
+
+  /**
+   * Remove the rollout's gateway network and then its firewall rules. Idempotent (`alreadyGone`
+   * when there was no network). A network still holding a sandbox is a retryable
+   * `provider_unavailable`: destroy the sandbox first.
+   */
+  async remove(rolloutId: string): Promise<{ alreadyGone: boolean }> {
+    const name = gatewayNetworkName(rolloutId);
+    let alreadyGone = false;
+    try {
+      await this.docker.getNetwork(name).remove({ abortSignal: this.signal() });
+    } catch (err) {
+      const facts = dockerErrorFacts(err);
+      if (facts.statusCode === 404) alreadyGone = true;
+      else throw this.classify(err, `remove gateway network ${name}`);
+    }
+    // Only once the bridge is gone: until then the rules keep it sealed.
+    await this.firewall.unseal(gatewayBridgeName(name));
+    return { alreadyGone };
+  }
+
+  /** Gateway networks on this daemon (for the janitor's sweep), with their rollout ids. */
+  async list(): Promise<Array<{ name: string; id: string; rolloutId: string; createdAt: number }>> {
+    let networks: Dockerode.NetworkInfo[];
+    try {
+      networks = await this.docker.listNetworks({
+        filters: { label: [`${LABEL_MANAGED}=true`, `${LABEL_NETWORK}=gateway`] },
+        abortSignal: this.signal(),
+      });
+    } catch (err) {
+      throw this.classify(err, "list gateway networks");
+    }
+    return networks.map((n) => ({
+      name: n.Name,
+      id: n.Id,
+      rolloutId: n.Labels?.[LABEL_ROLLOUT] ?? "",
+      createdAt: Date.parse(n.Created) || 0,
+    }));
+  }
+
+  private async inspect(name: string): Promise<Dockerode.NetworkInspectInfo | null> {
+    try {
+      return await this.docker.getNetwork(name).inspect({ abortSignal: this.signal() });
+    } catch (err) {
+      if (dockerErrorFacts(err).statusCode === 404) return null;
+      throw this.classify(err, `inspect gateway network ${name}`);
+    }
+  }
+
+  private adopt(info: Dockerode.NetworkInspectInfo, rolloutId: string): GatewayNetwork {
+    const labels = info.Labels ?? {};
+    const bridge = info.Options?.["com.docker.network.bridge.name"];
+    if (
+      labels[LABEL_ROLLOUT] !== rolloutId ||
+      labels[LABEL_NETWORK] !== "gateway" ||
+      !info.Internal ||
+      bridge !== gatewayBridgeName(info.Name)
+    ) {
+      throw FleetError.nonRetryable(
+        "isolation_refused",
+        `network ${info.Name} exists but is not this rollout's sealed internal gateway network`,
+      );
+    }
+    const config = info.IPAM?.Config?.[0];
+    if (!config?.Subnet || !config.Gateway) {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `gateway network ${info.Name} has no IPv4 subnet yet`,
+      );
+    }
+    return {
+      name: info.Name,
+      id: info.Id,
+      rolloutId,
+      bridge,
+      subnet: config.Subnet,
+      gatewayIp: config.Gateway,
+    };
+  }
+
+  private classify(err: unknown, what: string): FleetError {
+    const facts = dockerErrorFacts(err);
+    const detail = `${facts.statusCode === null ? (facts.code ?? "error") : `HTTP ${facts.statusCode}`}: ${facts.message}`;
+    // Daemon unreachable / 5xx / an endpoint still attached: worth retrying. Other 4xx: final.
+    // Address pools used up is capacity, not a bad request.
+    if (
+      facts.statusCode === null ||
+      facts.statusCode >= 500 ||
+      /active endpoints|non-overlapping|address pool|overlap/i.test(facts.message)
+    ) {
+      return FleetError.retryable("provider_unavailable", `docker: ${what} failed: ${detail}`, err);
+    }
+    return FleetError.nonRetryable("isolation_refused", `docker: ${what} rejected: ${detail}`, err);
+  }
+
+  private signal(): AbortSignal {
+    return AbortSignal.timeout(this.apiTimeoutMs);
+  }
+}
