@@ -2,6 +2,7 @@ import { type AgentSpec, FleetError } from "@fleet/contracts";
 import { CommandHarness } from "./command-harness.ts";
 import type { Harness, HarnessDeps } from "./harness.ts";
 import { OracleHarness } from "./oracle-harness.ts";
+import { ToolLoopHarness } from "./tool-loop/tool-loop-harness.ts";
 
 function assertNever(x: never): never {
   throw new Error(`unhandled harness: ${JSON.stringify(x)}`);
@@ -12,7 +13,7 @@ function assertNever(x: never): never {
  *
  * @throws FleetError `agent_error` (final) for a harness or option this build cannot run yet.
  */
-export function createHarness(agent: AgentSpec, _deps: HarnessDeps = {}): Harness {
+export function createHarness(agent: AgentSpec, deps: HarnessDeps = {}): Harness {
   switch (agent.harness) {
     case "oracle":
       return new OracleHarness();
@@ -26,9 +27,7 @@ export function createHarness(agent: AgentSpec, _deps: HarnessDeps = {}): Harnes
       }
       return new CommandHarness(agent);
     case "tool-loop":
-      // Seam: return new ToolLoopHarness(agent, deps) (tool-loop-harness.ts), which resolves
-      // `agent.credential` with deps.resolveCredential and records usage per model call.
-      throw FleetError.nonRetryable("agent_error", "tool-loop harness not available yet");
+      return new ToolLoopHarness(agent, deps);
     default:
       return assertNever(agent);
   }

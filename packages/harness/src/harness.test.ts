@@ -212,24 +212,12 @@ describe("createHarness", () => {
     expect(createHarness(AgentSpec.parse({ harness: "command", argv: ["x"] })).name).toBe("command");
   });
 
-  it("refuses tool-loop (not available yet) as a final agent_error", () => {
+  it("maps tool-loop to the ToolLoopHarness", () => {
     const agent = AgentSpec.parse({
       harness: "tool-loop",
       model: { baseUrl: "http://m.local/v1", name: "m" },
     });
-    const err = (() => {
-      try {
-        createHarness(agent);
-      } catch (e) {
-        return e;
-      }
-      return null;
-    })();
-    expect(isFleetError(err) && [err.kind, err.retryable, err.message]).toEqual([
-      "agent_error",
-      false,
-      "tool-loop harness not available yet",
-    ]);
+    expect(createHarness(agent).name).toBe("tool-loop");
   });
 
   it("refuses a command agent with a model (gateway not available yet)", () => {

@@ -1,0 +1,197 @@
+import { setTimeout as sleep } from "node:timers/promises";
+import { capText, FleetError } from "@fleet/contracts";
+import { abortError } from "../run-command.ts";
+
+/** Jittered exponential backoff between attempts of one model call. */
+export interface RetryPolicy {
+  /** First backoff ceiling. @defaultValue 500 */
+  baseMs: number;
+  /** Largest backoff ceiling. @defaultValue 30_000 */
+  maxMs: number;
+  /** Source of jitter in [0, 1). @defaultValue Math.random */
+  random: () => number;
+}
+
+export const DEFAULT_RETRY_POLICY: Readonly<RetryPolicy> = Object.freeze({
+  baseMs: 500,
+  maxMs: 30_000,
+  random: Math.random,
+});
+
+/** "Full jitter": a uniform wait in [0, min(maxMs, baseMs·2^(attempt-1))]. Pure given `random`. */
+export function backoffMs(attempt: number, policy: RetryPolicy): number {
+  const ceiling = Math.min(policy.maxMs, policy.baseMs * 2 ** Math.max(0, attempt - 1));
+  return Math.floor(policy.random() * ceiling);
+}
+
+/** `Retry-After` (seconds or an HTTP date) or `retry-after-ms`, in ms; `null` when absent/invalid. */
+export function retryAfterMs(headers: Headers, now = Date.now()): number | null {
+  const ms = headers.get("retry-after-ms");
+  if (ms !== null && /^\d+(\.\d+)?$/.test(ms.trim())) return Math.ceil(Number(ms));
+  const value = headers.get("retry-after");
+  if (value === null) return null;
+  if (/^\d+(\.\d+)?$/.test(value.trim())) return Math.ceil(Number(value) * 1000);
+  const at = Date.parse(value);
+  return Number.isNaN(at) ? null : Math.max(0, at - now);
+}
+
+const CONTEXT_LENGTH = /context[ _-]?(length|window)|maximum context|prompt is too long|too many tokens/i;
+
+/** Whether an error response says the conversation no longer fits the model's context. */
+export function isContextLengthError(status: number, body: unknown): boolean {
+  if (status < 400 || status >= 500 || status === 429) return false;
+  const error = typeof body === "object" && body !== null ? (body as { error?: unknown }).error : undefined;
+  const e = (typeof error === "object" && error !== null ? error : {}) as {
+    code?: unknown;
+    message?: unknown;
+  };
+  if (e.code === "context_length_exceeded") return true;
+  const message = typeof e.message === "string" ? e.message : typeof error === "string" ? error : "";
+  return CONTEXT_LENGTH.test(message);
+}
+
+/** Statuses worth another attempt: timeouts, conflicts, rate limits and server errors. */
+export function isRetryableStatus(status: number): boolean {
+  return status === 408 || status === 409 || status === 425 || status === 429 || status >= 500;
+}
+
+export type ChatCallResult =
+  /** A 2xx JSON answer. `failedAttempts` were retried before it. */
+  | { kind: "ok"; body: unknown; failedAttempts: number }
+  /** The model refused the conversation as too long for its context. */
+  | { kind: "context_length"; message: string; failedAttempts: number }
+  /** The agent's deadline came while the model was still answering (no failed attempt). */
+  | { kind: "deadline"; failedAttempts: number };
+
+export interface ChatCallInput {
+  /** `<baseUrl>/chat/completions` */
+  url: string;
+  /** Sent only as `Authorization: Bearer`; `null` sends none. */
+  apiKey: string | null;
+  body: unknown;
+  /** Absolute epoch ms: no attempt or wait goes past it. */
+  deadlineMs: number;
+  signal: AbortSignal;
+  retry: RetryPolicy;
+  /** Removes the credential from any text before it is kept (errors, transcript). */
+  redact: (text: string) => string;
+  /** Called before each backoff wait. */
+  onRetry?: (info: { attempt: number; status: number | null; reason: string; waitMs: number }) => void;
+}
+
+/**
+ * One model call: POST until a usable answer, retrying 429/5xx/connection errors and malformed
+ * answers with jittered backoff (honouring `Retry-After`), all inside the one deadline.
+ *
+ * @throws FleetError `provider_unavailable` (final: the deadline is spent) when the endpoint did
+ *   not give a usable answer before the deadline after at least one failed attempt.
+ * @throws FleetError `agent_error` (final) for any other 4xx (bad credential, unknown model, …).
+ * @throws the abort error when `signal` aborts.
+ */
+export async function callChatCompletion(input: ChatCallInput): Promise<ChatCallResult> {
+  const { redact } = input;
+  let attempt = 0;
+  let lastFailure: string | null = null;
+  const unavailable = (): FleetError =>
+    FleetError.nonRetryable(
+      "provider_unavailable",
+      `model endpoint gave no usable answer before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"}; last: ${lastFailure})`,
+    );
+
+  for (;;) {
+    if (input.signal.aborted) throw abortError(input.signal);
+    const remaining = input.deadlineMs - Date.now();
+    if (remaining <= 0) {
+      if (lastFailure !== null) throw unavailable();
+      return { kind: "deadline", failedAttempts: attempt };
+    }
+    attempt += 1;
+    const timeout = AbortSignal.timeout(remaining);
+    const headers: Record<string, string> = {
+      "content-type": "application/json",
+      accept: "application/json",
+    };
+    if (input.apiKey) headers.authorization = `Bearer ${input.apiKey}`;
+
+    let status: number | null = null;
+    let waitAtLeast: number | null = null;
+    try {
+      const res = await fetch(input.url, {
+        method: "POST",
+        headers,
+        body: JSON.stringify(input.body),
+        signal: AbortSignal.any([input.signal, timeout]),
+      });
+      status = res.status;
+      const text = await res.text();
+      let body: unknown = null;
+      try {
+        body = JSON.parse(text);
+      } catch {
+        // handled below: a 2xx we cannot read is retried; an error body is described as text
+      }
+      if (res.ok) {
+        if (isChatCompletion(body)) return { kind: "ok", body, failedAttempts: attempt - 1 };
+        lastFailure = `HTTP ${status} with an unreadable chat completion: ${snippet(text, redact)}`;
+      } else if (isContextLengthError(status, body)) {
+        return {
+          kind: "context_length",
+          message: redact(errorMessage(body, text)),
+          failedAttempts: attempt - 1,
+        };
+      } else if (isRetryableStatus(status)) {
+        lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
+        waitAtLeast = retryAfterMs(res.headers);
+      } else {
+        throw FleetError.nonRetryable(
+          "agent_error",
+          `model endpoint refused the request: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
+        );
+      }
+    } catch (err) {
+      if (err instanceof FleetError) throw err;
+      if (input.signal.aborted) throw abortError(input.signal);
+      if (timeout.aborted) {
+        // The deadline came mid-attempt: still the endpoint's fault if it had already failed us.
+        if (lastFailure !== null) throw unavailable();
+        return { kind: "deadline", failedAttempts: attempt - 1 };
+      }
+      lastFailure = `${status === null ? "connection failed" : `HTTP ${status}, body unreadable`}: ${snippet(describe(err), redact)}`;
+    }
+
+    const waitMs = Math.max(backoffMs(attempt, input.retry), waitAtLeast ?? 0);
+    if (Date.now() + waitMs >= input.deadlineMs) throw unavailable();
+    input.onRetry?.({ attempt, status, reason: lastFailure ?? "", waitMs });
+    try {
+      await sleep(waitMs, undefined, { signal: input.signal });
+    } catch {
+      throw abortError(input.signal);
+    }
+  }
+}
+
+function isChatCompletion(body: unknown): boolean {
+  const choices =
+    typeof body === "object" && body !== null ? (body as { choices?: unknown }).choices : undefined;
+  return Array.isArray(choices) && choices.length > 0;
+}
+
+function errorMessage(body: unknown, text: string): string {
+  const error = typeof body === "object" && body !== null ? (body as { error?: unknown }).error : undefined;
+  if (typeof error === "string") return error;
+  if (typeof error === "object" && error !== null) {
+    const { message, code } = error as { message?: unknown; code?: unknown };
+    if (typeof message === "string") return typeof code === "string" ? `${message} (${code})` : message;
+  }
+  return text;
+}
+
+function snippet(text: string, redact: (t: string) => string): string {
+  return capText(redact(text).trim(), 500);
+}
+
+function describe(err: unknown): string {
+  if (!(err instanceof Error)) return String(err);
+  const cause = err.cause instanceof Error ? ` (${err.cause.message})` : "";
+  return `${err.message}${cause}`;
+}

@@ -1,0 +1,61 @@
+/** The subset of the OpenAI chat-completions wire format the tool loop speaks. */
+
+export interface ToolCall {
+  id: string;
+  type: "function";
+  function: { name: string; arguments: string };
+}
+
+export type ChatMessage =
+  | { role: "system"; content: string }
+  | { role: "user"; content: string }
+  | { role: "assistant"; content: string | null; tool_calls?: ToolCall[] }
+  | { role: "tool"; tool_call_id: string; content: string };
+
+/** The assistant message of a response, read defensively (servers differ in what they send). */
+export interface AssistantTurn {
+  content: string | null;
+  toolCalls: ToolCall[];
+  finishReason: string | null;
+}
+
+/** Text of a message `content` that may be a string or an array of text parts. */
+function textOf(content: unknown): string | null {
+  if (typeof content === "string") return content;
+  if (Array.isArray(content)) {
+    const parts = content
+      .map((p) => (typeof p === "object" && p !== null ? (p as { text?: unknown }).text : undefined))
+      .filter((t): t is string => typeof t === "string");
+    return parts.length > 0 ? parts.join("") : null;
+  }
+  return null;
+}
+
+/** The first choice's assistant turn, or `null` when the body has none (a malformed answer). */
+export function readAssistantTurn(body: unknown, step: number): AssistantTurn | null {
+  const choices =
+    typeof body === "object" && body !== null ? (body as { choices?: unknown }).choices : undefined;
+  const first = Array.isArray(choices) ? (choices[0] as unknown) : undefined;
+  const message =
+    typeof first === "object" && first !== null ? (first as { message?: unknown }).message : undefined;
+  if (typeof message !== "object" || message === null) return null;
+  const m = message as { content?: unknown; tool_calls?: unknown };
+  const rawCalls = Array.isArray(m.tool_calls) ? m.tool_calls : [];
+  const toolCalls: ToolCall[] = rawCalls.map((c: unknown, i: number) => {
+    const call = (typeof c === "object" && c !== null ? c : {}) as {
+      id?: unknown;
+      function?: { name?: unknown; arguments?: unknown };
+    };
+    const args = call.function?.arguments;
+    return {
+      id: typeof call.id === "string" && call.id !== "" ? call.id : `call_${step}_${i + 1}`,
+      type: "function",
+      function: {
+        name: typeof call.function?.name === "string" ? call.function.name : "",
+        arguments: typeof args === "string" ? args : JSON.stringify(args ?? {}),
+      },
+    };
+  });
+  const finish = (first as { finish_reason?: unknown }).finish_reason;
+  return { content: textOf(m.content), toolCalls, finishReason: typeof finish === "string" ? finish : null };
+}

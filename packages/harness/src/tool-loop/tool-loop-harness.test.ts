@@ -1,0 +1,339 @@
+import {
+  AgentSpec,
+  type AgentSpecInput,
+  isFleetError,
+  type SandboxHandle,
+  TaskContent,
+  Usage,
+} from "@fleet/contracts";
+import { chatReply, errorReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
+import { AGENT_USER } from "@fleet/sandbox";
+import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import type { HarnessContext } from "../harness.ts";
+import { InMemorySandboxProvider } from "../test-support/in-memory-provider.ts";
+import { ToolLoopHarness } from "./tool-loop-harness.ts";
+
+// The loop against a scripted OpenAI-compatible upstream on 127.0.0.1 and an in-memory sandbox.
+const CREDENTIAL = "sk-test-credential-0123456789abcdef";
+const TASK = TaskContent.parse({
+  id: "t1",
+  instruction: "Write 42 into answer.txt and say done.",
+  image: "rollout-fleet/base:latest",
+});
+const FAST_RETRY = { baseMs: 20, maxMs: 100, random: () => 0.5 };
+
+let provider: InMemorySandboxProvider;
+let handle: SandboxHandle;
+let upstream: ScriptedUpstream;
+
+beforeEach(async () => {
+  provider = new InMemorySandboxProvider((call) => ({ stdout: `ran: ${call.argv[2]}\n` }));
+  handle = await provider.create({
+    image: TASK.image,
+    rolloutId: "r1",
+    owner: "resources",
+    expiresAt: Date.now() + 60_000,
+  });
+  upstream = await startScriptedUpstream();
+});
+
+afterEach(async () => {
+  await upstream.close();
+});
+
+function agent(over: Partial<Extract<AgentSpecInput, { harness: "tool-loop" }>> = {}) {
+  const spec = AgentSpec.parse({
+    harness: "tool-loop",
+    model: { baseUrl: upstream.baseUrl, name: "test-model", temperature: 0.2 },
+    credential: "MODEL_KEY",
+    ...over,
+  });
+  if (spec.harness !== "tool-loop") throw new Error("unreachable");
+  return spec;
+}
+
+function harness(a = agent(), resolve = async (name: string) => (name === "MODEL_KEY" ? CREDENTIAL : "")) {
+  return new ToolLoopHarness(a, { resolveCredential: resolve }, { retry: FAST_RETRY });
+}
+
+function ctx(a = agent(), over: Partial<HarnessContext> = {}): HarnessContext {
+  return {
+    provider,
+    handle,
+    task: TASK,
+    agent: a,
+    deadlineMs: Date.now() + 30_000,
+    signal: new AbortController().signal,
+    ...over,
+  };
+}
+
+async function rejection(promise: Promise<unknown>): Promise<unknown> {
+  return promise.then(
+    () => {
+      throw new Error("expected a rejection");
+    },
+    (err: unknown) => err,
+  );
+}
+
+type Body = {
+  messages: Array<{ role: string; content: string | null; tool_call_id?: string }>;
+  max_tokens?: number;
+};
+const bodyOf = (i: number) => upstream.requests[i]!.body as Body;
+
+describe("ToolLoopHarness", () => {
+  it("runs bash tool calls in the sandbox, feeds results back, and ends on the final answer", async () => {
+    upstream.push(
+      chatReply({
+        content: "Writing it.",
+        bash: ["echo 42 > answer.txt"],
+        usage: { prompt: 100, completion: 20, cached: 0 },
+      }),
+      chatReply({ content: "done", usage: { prompt: 150, completion: 5, cached: 64 } }),
+    );
+    const a = agent({ toolTimeoutS: 7 });
+    const out = await harness(a).run(ctx(a, { env: { GATEWAY: "x" } }));
+
+    expect(out.answer).toBe("done");
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false, stdout: "done", stderr: "" });
+    expect(Usage.parse(out.usage)).toEqual({
+      calls: 2,
+      promptTokens: 250,
+      completionTokens: 25,
+      cachedTokens: 64,
+      gaps: [],
+    });
+
+    const exec = provider.execCalls.find((c) => c.argv[0] === "bash")!;
+    expect(exec.argv).toEqual(["bash", "-c", "echo 42 > answer.txt"]);
+    expect(exec.options).toMatchObject({ user: AGENT_USER, cwd: "/workspace" });
+    expect(exec.options.deadlineMs).toBeLessThanOrEqual(7000);
+    expect(exec.options.env).toMatchObject({
+      GATEWAY: "x",
+      FLEET_INSTRUCTION_FILE: "/tmp/fleet/instruction.md",
+    });
+
+    // The request: model, tools, sampling; the second carries the tool result.
+    expect(upstream.requests[0]!.headers.authorization).toBe(`Bearer ${CREDENTIAL}`);
+    expect(upstream.requests[0]!.body).toMatchObject({
+      model: "test-model",
+      temperature: 0.2,
+      stream: false,
+    });
+    const toolMsg = bodyOf(1).messages.find((m) => m.role === "tool")!;
+    expect(toolMsg.content).toContain("exit_code: 0");
+    expect(toolMsg.content).toContain("ran: echo 42 > answer.txt");
+
+    // Transcript: JSON lines, ends with the stop event.
+    const lines = out.transcript!.split("\n").map((l) => JSON.parse(l));
+    expect(lines.map((l) => l.role ?? l.event)).toEqual(["user", "assistant", "tool", "assistant", "stop"]);
+    expect(lines.at(-1)).toMatchObject({ event: "stop", reason: "answer" });
+    expect(JSON.stringify(out)).not.toContain(CREDENTIAL);
+  });
+
+  it("retries a 429 after its Retry-After and a 503, then succeeds", async () => {
+    upstream.push(
+      errorReply(429, "rate_limit", "slow down", { "retry-after": "1" }),
+      errorReply(503, "overloaded", "try later"),
+      chatReply({ content: "ok" }),
+    );
+    const started = Date.now();
+    const out = await harness().run(ctx());
+    expect(Date.now() - started).toBeGreaterThanOrEqual(1000);
+    expect(out.answer).toBe("ok");
+    expect(upstream.requests).toHaveLength(3);
+    expect(out.usage).toMatchObject({ calls: 1, promptTokens: 10, completionTokens: 5 });
+    expect(out.usage!.gaps).toContain("2 failed upstream attempts not counted (usage unknown)");
+    const retries = out
+      .transcript!.split("\n")
+      .map((l) => JSON.parse(l))
+      .filter((l) => l.event === "retry");
+    expect(retries.map((r) => r.status)).toEqual([429, 503]);
+    expect(retries[0].waitMs).toBeGreaterThanOrEqual(1000);
+  });
+
+  it("throws final provider_unavailable when the upstream is down until the deadline", async () => {
+    await upstream.close();
+    const started = Date.now();
+    const err = await rejection(harness().run(ctx(agent(), { deadlineMs: Date.now() + 1500 })));
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
+    expect((err as Error).message).toMatch(/connection failed/);
+    expect((err as Error).message).not.toContain(CREDENTIAL);
+    expect(Date.now() - started).toBeLessThan(3000);
+  });
+
+  it("records a gap, never a zero, when a response has no usage", async () => {
+    upstream.push(
+      chatReply({ bash: ["true"], usage: { prompt: 10, completion: 5, cached: 0 } }),
+      chatReply({ content: "x", usage: null }),
+    );
+    const out = await harness().run(ctx());
+    expect(out.usage).toEqual({
+      calls: 2,
+      promptTokens: null,
+      completionTokens: null,
+      cachedTokens: null,
+      gaps: ["usage missing on call 2"],
+    });
+  });
+
+  it("ends the episode normally when the model's context is exceeded", async () => {
+    upstream.push(
+      chatReply({ content: "Looking around.", bash: ["ls"] }),
+      errorReply(400, "context_length_exceeded", "This model's maximum context length is 4096 tokens."),
+    );
+    const out = await harness().run(ctx());
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(/context_length/);
+    expect(out.answer).toBe("Looking around.");
+    expect(out.usage?.calls).toBe(1);
+  });
+
+  it("also recognises a context-length error by its message alone (answer null without text)", async () => {
+    upstream.push(errorReply(400, "bad_request", "prompt exceeds the maximum context length of 2048"));
+    const out = await harness().run(ctx());
+    expect(out.exec.exitCode).toBe(0);
+    expect(out.answer).toBeNull();
+  });
+
+  it("stops after maxSteps steps, graded", async () => {
+    upstream.push(
+      chatReply({ bash: ["echo 1"] }),
+      chatReply({ content: "still going", bash: ["echo 2"] }),
+      chatReply({ content: "never" }),
+    );
+    const a = agent({ maxSteps: 2 });
+    const out = await harness(a).run(ctx(a));
+    expect(upstream.requests).toHaveLength(2);
+    expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(2);
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(/max_steps/);
+    expect(out.answer).toBe("still going");
+  });
+
+  it("stops at the rollout's token cap and never asks for more completion tokens than are left", async () => {
+    upstream.push(
+      chatReply({ bash: ["echo 1"], usage: { prompt: 10, completion: 5 } }),
+      chatReply({ bash: ["echo 2"], usage: { prompt: 12, completion: 5 } }),
+      chatReply({ content: "never" }),
+    );
+    const a = agent({ maxTokens: 20, model: { baseUrl: upstream.baseUrl, name: "m", maxTokens: 100 } });
+    const out = await harness(a).run(ctx(a));
+    expect(bodyOf(0).max_tokens).toBe(20);
+    expect(bodyOf(1).max_tokens).toBe(5);
+    expect(upstream.requests).toHaveLength(2);
+    expect(out.exec.stderr).toMatch(/token_cap/);
+    expect(out.exec.exitCode).toBe(0);
+  });
+
+  it("ends with exit -1 (timedOut, graded) when the deadline comes during a model call", async () => {
+    upstream.push({ ...chatReply({ content: "too late" }), delayMs: 5000 });
+    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 500 }));
+    expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
+    expect(out.answer).toBeNull();
+  });
+
+  it("bounds a tool call by the time left and ends timed out when it was the deadline that stopped it", async () => {
+    provider.onExec = async (call) => {
+      await new Promise((r) => setTimeout(r, call.options.deadlineMs));
+      return { exitCode: -1, timedOut: true };
+    };
+    upstream.push(chatReply({ bash: ["sleep 100"] }), chatReply({ content: "never" }));
+    const a = agent({ toolTimeoutS: 60 });
+    const out = await harness(a).run(ctx(a, { deadlineMs: Date.now() + 800 }));
+    const exec = provider.execCalls.find((c) => c.argv[0] === "bash")!;
+    expect(exec.options.deadlineMs).toBeLessThanOrEqual(800);
+    expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
+    expect(upstream.requests).toHaveLength(1);
+  });
+
+  it("gives a timed-out tool call back to the model when the agent still has time", async () => {
+    provider.onExec = (call) => (call.argv[0] === "bash" ? { exitCode: -1, timedOut: true } : {});
+    upstream.push(chatReply({ bash: ["sleep 100"] }), chatReply({ content: "gave up" }));
+    const a = agent({ toolTimeoutS: 2 });
+    const out = await harness(a).run(ctx(a));
+    expect(bodyOf(1).messages.find((m) => m.role === "tool")!.content).toMatch(
+      /killed: the command did not finish within 2 s/,
+    );
+    expect(out.answer).toBe("gave up");
+  });
+
+  it("answers an unknown tool or bad arguments with an error message to the model", async () => {
+    upstream.push(
+      {
+        status: 200,
+        body: {
+          choices: [
+            {
+              message: {
+                role: "assistant",
+                content: null,
+                tool_calls: [
+                  { id: "a", type: "function", function: { name: "python", arguments: "{}" } },
+                  { id: "b", type: "function", function: { name: "bash", arguments: "not json" } },
+                ],
+              },
+            },
+          ],
+          usage: { prompt_tokens: 1, completion_tokens: 1 },
+        },
+      },
+      chatReply({ content: "ok" }),
+    );
+    await harness().run(ctx());
+    const tools = bodyOf(1).messages.filter((m) => m.role === "tool");
+    expect(tools.map((m) => m.tool_call_id)).toEqual(["a", "b"]);
+    expect(tools[0]!.content).toMatch(/unknown tool "python"/);
+    expect(tools[1]!.content).toMatch(/must be a JSON object/);
+    expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(0);
+  });
+
+  it("fails with a final agent_error on a 401 from the endpoint, without the credential in the message", async () => {
+    upstream.push(errorReply(401, "invalid_api_key", `Incorrect API key provided: ${CREDENTIAL}`));
+    const err = await rejection(harness().run(ctx()));
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["agent_error", false]);
+    expect((err as Error).message).toContain("HTTP 401");
+    expect((err as Error).message).not.toContain(CREDENTIAL);
+    expect((err as Error).message).toContain("[redacted]");
+  });
+
+  it("refuses a credential name it cannot resolve", async () => {
+    const a = agent();
+    const noResolver = new ToolLoopHarness(a, {});
+    const err = await rejection(noResolver.run(ctx(a)));
+    expect(isFleetError(err) && err.kind).toBe("agent_error");
+    expect(upstream.requests).toHaveLength(0);
+  });
+
+  it("sends no Authorization header when the agent names no credential", async () => {
+    upstream.push(chatReply({ content: "ok" }));
+    const a = agent({ credential: undefined });
+    await new ToolLoopHarness(a).run(ctx(a));
+    expect(upstream.requests[0]!.headers.authorization).toBeUndefined();
+  });
+
+  it("stops waiting and throws the abort reason when the signal aborts", async () => {
+    upstream.push({ ...chatReply({ content: "slow" }), delayMs: 5000 });
+    const controller = new AbortController();
+    const running = harness().run(ctx(agent(), { signal: controller.signal }));
+    setTimeout(() => controller.abort(), 100);
+    const err = await rejection(running);
+    expect(isFleetError(err) && err.kind).toBe("cancelled");
+  });
+
+  it("keeps the transcript bounded and the credential out of it", async () => {
+    const long = "y".repeat(3000);
+    for (let i = 0; i < 30; i++)
+      upstream.push(chatReply({ content: `${long} ${CREDENTIAL}`, bash: ["echo"] }));
+    const a = agent({ maxSteps: 30 });
+    const out = await harness(a).run(ctx(a));
+    expect(out.transcript!.length).toBeLessThanOrEqual(16 * 1024);
+    const lines = out.transcript!.split("\n").map((l) => JSON.parse(l));
+    expect(lines[0]).toMatchObject({ event: "truncated" });
+    expect(lines.at(-1)).toMatchObject({ event: "stop", reason: "max_steps" });
+    expect(out.transcript).not.toContain(CREDENTIAL);
+    expect(out.answer).not.toContain(CREDENTIAL);
+  });
+});

@@ -1,0 +1,279 @@
+import { type AgentSpec, capText, FleetError, isFleetError } from "@fleet/contracts";
+import { capRefusal, readCallUsage, UsageMeter } from "@fleet/gateway";
+import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
+import {
+  FLEET_DIR,
+  INSTRUCTION_ENV,
+  INSTRUCTION_FILE,
+  MAX_ANSWER_CHARS,
+  MAX_OUTPUT_CHARS,
+} from "../constants.ts";
+import type { Harness, HarnessContext, HarnessDeps, HarnessOutcome } from "../harness.ts";
+import { capTail, providerStep } from "../run-command.ts";
+import {
+  BASH_TOOL,
+  formatToolResult,
+  parseBashArguments,
+  TOOL_EXEC_OUTPUT_BYTES,
+  TOOL_LOOP_SYSTEM_PROMPT,
+} from "./bash-tool.ts";
+import { callChatCompletion, DEFAULT_RETRY_POLICY, type RetryPolicy } from "./chat-client.ts";
+import { type ChatMessage, readAssistantTurn } from "./chat-types.ts";
+import { redactor, Transcript } from "./transcript.ts";
+
+type ToolLoopAgent = Extract<AgentSpec, { harness: "tool-loop" }>;
+
+/** Why an episode ended. All but `deadline` end with exit code 0; `deadline` is -1 (graded). */
+export type ToolLoopStop = "answer" | "max_steps" | "token_cap" | "context_length" | "deadline";
+
+export interface ToolLoopHarnessOptions {
+  /** Backoff between attempts of one model call. @defaultValue DEFAULT_RETRY_POLICY */
+  retry?: Partial<RetryPolicy>;
+}
+
+/**
+ * The `tool-loop` harness: an OpenAI-compatible chat-completions loop run by the worker, whose
+ * one tool, `bash`, executes in the rollout's sandbox as the agent user in /workspace.
+ *
+ * - A step is one model call plus the tool calls it made. The episode ends when the model
+ *   answers without tool calls (its content is the answer), after `maxSteps` steps, when the
+ *   rollout's token cap (`agent.maxTokens`) is reached, when the model refuses the conversation
+ *   as too long for its context, or at the agent's deadline. All are graded; only the deadline
+ *   gives exit code -1 (`timedOut`). The answer is otherwise the last assistant text, or `null`.
+ * - Each tool command runs under min(`toolTimeoutS`, time left); its exit envelope and capped
+ *   output tails go back to the model.
+ * - Model calls are retried on 429/5xx/connection errors with jittered backoff (honouring
+ *   `Retry-After`) inside the one deadline; an endpoint that never answered usefully until the
+ *   deadline throws final `provider_unavailable` (the rollout is masked, not scored 0). Other
+ *   4xx (bad credential, unknown model) throw final `agent_error`.
+ * - The credential (resolved by name through `deps.resolveCredential`) is sent only as
+ *   `Authorization: Bearer` to `model.baseUrl`; it is redacted from the transcript and errors.
+ */
+export class ToolLoopHarness implements Harness {
+  readonly name = "tool-loop";
+  private readonly retry: RetryPolicy;
+
+  constructor(
+    private readonly agent: ToolLoopAgent,
+    private readonly deps: HarnessDeps = {},
+    options: ToolLoopHarnessOptions = {},
+  ) {
+    this.retry = { ...DEFAULT_RETRY_POLICY, ...options.retry };
+  }
+
+  async run(ctx: HarnessContext): Promise<HarnessOutcome> {
+    const { agent } = this;
+    const started = Date.now();
+    const apiKey = await this.resolveCredential();
+    const redact = redactor(apiKey);
+    const transcript = new Transcript(redact);
+    const meter = new UsageMeter();
+    const url = `${agent.model.baseUrl.replace(/\/+$/, "")}/chat/completions`;
+
+    await providerStep(ctx, "write the instruction file", () =>
+      ctx.provider.put(
+        ctx.handle,
+        FLEET_DIR,
+        { "instruction.md": ctx.task.instruction },
+        { user: AGENT_USER },
+      ),
+    );
+
+    const messages: ChatMessage[] = [
+      { role: "system", content: TOOL_LOOP_SYSTEM_PROMPT },
+      { role: "user", content: ctx.task.instruction },
+    ];
+    transcript.add({ role: "user", content: ctx.task.instruction });
+
+    let lastText: string | null = null;
+    let finalText: string | null = null;
+    let stop: ToolLoopStop = "max_steps";
+    let stopDetail = `${agent.maxSteps} steps used`;
+
+    steps: for (let step = 1; step <= agent.maxSteps; step++) {
+      const refusal = capRefusal({ calls: 0, tokens: meter.totalTokens }, { maxTokens: agent.maxTokens });
+      if (refusal) {
+        stop = "token_cap";
+        stopDetail = refusal.message;
+        break;
+      }
+      const result = await callChatCompletion({
+        url,
+        apiKey,
+        body: this.requestBody(messages, meter.totalTokens),
+        deadlineMs: ctx.deadlineMs,
+        signal: ctx.signal,
+        retry: this.retry,
+        redact,
+        onRetry: ({ attempt, status, reason, waitMs }) => {
+          meter.recordFailure();
+          transcript.add({ event: "retry", step, attempt, status, reason, waitMs });
+        },
+      });
+      if (result.kind === "deadline") {
+        stop = "deadline";
+        stopDetail = `the agent's deadline came during model call ${step}`;
+        break;
+      }
+      if (result.kind === "context_length") {
+        meter.recordFailure();
+        stop = "context_length";
+        stopDetail = `the model refused the conversation as too long: ${result.message}`;
+        break;
+      }
+      const callUsage = readCallUsage(result.body);
+      meter.record(callUsage);
+      const turn = readAssistantTurn(result.body, step);
+      if (turn === null) {
+        // Unreachable in practice: callChatCompletion only returns bodies with a choice.
+        throw FleetError.nonRetryable("agent_error", "model answer has no assistant message");
+      }
+      if (turn.content !== null && turn.content.trim() !== "") lastText = turn.content;
+      messages.push({
+        role: "assistant",
+        content: turn.content,
+        ...(turn.toolCalls.length > 0 ? { tool_calls: turn.toolCalls } : {}),
+      });
+      transcript.add({
+        step,
+        role: "assistant",
+        content: turn.content,
+        ...(turn.toolCalls.length > 0
+          ? {
+              toolCalls: turn.toolCalls.map((c) => ({
+                id: c.id,
+                name: c.function.name,
+                arguments: c.function.arguments,
+              })),
+            }
+          : {}),
+        finishReason: turn.finishReason,
+        usage: callUsage.usageMissing
+          ? null
+          : {
+              prompt: callUsage.promptTokens,
+              completion: callUsage.completionTokens,
+              cached: callUsage.cachedTokens,
+            },
+      });
+      if (turn.toolCalls.length === 0) {
+        finalText = turn.content;
+        stop = "answer";
+        stopDetail = "the model answered without tool calls";
+        break;
+      }
+
+      for (const call of turn.toolCalls) {
+        const remaining = Math.floor(ctx.deadlineMs - Date.now());
+        if (remaining <= 0) {
+          stop = "deadline";
+          stopDetail = `the agent's deadline came before tool call ${call.id}`;
+          break steps;
+        }
+        const content = await this.runTool(ctx, call.function.name, call.function.arguments, remaining);
+        messages.push({ role: "tool", tool_call_id: call.id, content: content.text });
+        transcript.add({ step, role: "tool", toolCallId: call.id, ...content.facts, content: content.text });
+        if (Date.now() >= ctx.deadlineMs) {
+          stop = "deadline";
+          stopDetail = `the agent's deadline came during tool call ${call.id}`;
+          break steps;
+        }
+      }
+    }
+
+    transcript.add({ event: "stop", reason: stop, detail: stopDetail });
+    // The final message is the answer; an episode stopped early is graded on the last text.
+    const answerText = stop === "answer" ? finalText : lastText;
+    const answer = answerText === null ? null : capText(redact(answerText).trim(), MAX_ANSWER_CHARS);
+    const stdout = answer ?? "";
+    return {
+      exec: {
+        exitCode: stop === "deadline" ? -1 : 0,
+        timedOut: stop === "deadline",
+        stdout: capTail(stdout),
+        stderr: stop === "answer" ? "" : capTail(redact(`tool-loop stopped (${stop}): ${stopDetail}`)),
+        stdoutTruncated: stdout.length > MAX_OUTPUT_CHARS,
+        stderrTruncated: false,
+        durationMs: Date.now() - started,
+        oomKilled: false,
+      },
+      answer,
+      transcript: transcript.toString(),
+      usage: meter.summary(),
+    };
+  }
+
+  /** The credential's value, resolved by name in the worker; `null` when the agent names none. */
+  private async resolveCredential(): Promise<string | null> {
+    const name = this.agent.credential;
+    if (name === undefined) return null;
+    const resolve = this.deps.resolveCredential;
+    if (resolve === undefined) {
+      throw FleetError.nonRetryable(
+        "agent_error",
+        `tool-loop agent names credential "${name}" but this worker cannot resolve credentials`,
+      );
+    }
+    try {
+      return await resolve(name);
+    } catch (err) {
+      if (isFleetError(err)) throw err;
+      throw FleetError.nonRetryable(
+        "agent_error",
+        `credential "${name}" could not be resolved: ${err instanceof Error ? err.message : String(err)}`,
+      );
+    }
+  }
+
+  private requestBody(messages: ChatMessage[], tokensUsed: number | null): Record<string, unknown> {
+    const { model, maxTokens: cap } = this.agent;
+    // Never ask for more completion tokens than the rollout's cap has left.
+    const left = cap !== undefined && tokensUsed !== null ? cap - tokensUsed : undefined;
+    const maxTokens = left === undefined ? model.maxTokens : Math.min(model.maxTokens ?? left, left);
+    return {
+      model: model.name,
+      messages,
+      tools: [BASH_TOOL],
+      tool_choice: "auto",
+      stream: false,
+      ...(model.temperature === undefined ? {} : { temperature: model.temperature }),
+      ...(model.topP === undefined ? {} : { top_p: model.topP }),
+      ...(maxTokens === undefined ? {} : { max_tokens: maxTokens }),
+    };
+  }
+
+  /** Run one tool call; the text goes back to the model, the facts into the transcript. */
+  private async runTool(
+    ctx: HarnessContext,
+    name: string,
+    args: string,
+    remainingMs: number,
+  ): Promise<{ text: string; facts: Record<string, unknown> }> {
+    if (name !== BASH_TOOL.function.name) {
+      return {
+        text: `error: unknown tool "${name}"; the only tool is bash`,
+        facts: { error: "unknown_tool" },
+      };
+    }
+    const parsed = parseBashArguments(args);
+    if ("error" in parsed) return { text: parsed.error, facts: { error: "bad_arguments" } };
+    const limitMs = Math.min(this.agent.toolTimeoutS * 1000, remainingMs);
+    const result = await providerStep(ctx, "run a bash tool call", () =>
+      ctx.provider.exec(ctx.handle, ["bash", "-c", parsed.command], {
+        deadlineMs: Math.max(1, Math.floor(limitMs)),
+        cwd: SANDBOX_PATHS.workspace,
+        user: AGENT_USER,
+        env: { ...ctx.env, [INSTRUCTION_ENV]: INSTRUCTION_FILE },
+        maxOutputBytes: TOOL_EXEC_OUTPUT_BYTES,
+      }),
+    );
+    return {
+      text: formatToolResult(result, Math.round(limitMs / 100) / 10),
+      facts: {
+        exitCode: result.exitCode,
+        timedOut: result.timedOut,
+        durationMs: Math.round(result.durationMs),
+      },
+    };
+  }
+}

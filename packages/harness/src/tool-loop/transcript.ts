@@ -1,0 +1,48 @@
+import { capText } from "@fleet/contracts";
+
+/** Cap of the stored transcript (characters): the *last* lines that fit are kept. */
+export const TRANSCRIPT_MAX_CHARS = 16 * 1024;
+/** Cap of one text field inside a transcript line. */
+export const TRANSCRIPT_FIELD_CHARS = 2000;
+
+/**
+ * The episode as JSON lines (one object per message or event), bounded: the oldest lines are
+ * dropped once the total passes `maxChars`, and a leading `{"event":"truncated"}` line says how
+ * many. Every line passes through `redact` (the credential never appears in it).
+ */
+export class Transcript {
+  private readonly lines: string[] = [];
+  private chars = 0;
+  private dropped = 0;
+
+  constructor(
+    private readonly redact: (text: string) => string,
+    private readonly maxChars = TRANSCRIPT_MAX_CHARS,
+  ) {}
+
+  add(entry: Record<string, unknown>): void {
+    const capped: Record<string, unknown> = {};
+    for (const [k, v] of Object.entries(entry)) {
+      capped[k] = typeof v === "string" ? capText(v, TRANSCRIPT_FIELD_CHARS) : v;
+    }
+    const line = this.redact(JSON.stringify(capped));
+    this.lines.push(line);
+    this.chars += line.length + 1;
+    // Room for the truncation marker line.
+    while (this.chars > this.maxChars - 64 && this.lines.length > 1) {
+      this.chars -= this.lines.shift()!.length + 1;
+      this.dropped += 1;
+    }
+  }
+
+  toString(): string {
+    const head = this.dropped > 0 ? [JSON.stringify({ event: "truncated", droppedLines: this.dropped })] : [];
+    return [...head, ...this.lines].join("\n").slice(-this.maxChars);
+  }
+}
+
+/** A function that replaces every occurrence of `secret` (if any) with `[redacted]`. */
+export function redactor(secret: string | null): (text: string) => string {
+  if (!secret) return (text) => text;
+  return (text) => text.split(secret).join("[redacted]");
+}
