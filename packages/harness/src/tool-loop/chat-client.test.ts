@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import { backoffMs, isContextLengthError, isRetryableStatus, retryAfterMs } from "./chat-client.ts";
 import { readAssistantTurn } from "./chat-types.ts";
-import { redactor, Transcript } from "./transcript.ts";
+import { redactor, TRANSCRIPT_FIELD_CHARS, Transcript } from "./transcript.ts";
 
 describe("backoffMs", () => {
   it("is full jitter under an exponential ceiling capped at maxMs", () => {
@@ -95,6 +95,6 @@ describe("Transcript", () => {
   it("caps one long field", () => {
     const t = new Transcript(redactor(null));
     t.add({ content: "z".repeat(10_000) });
-    expect(JSON.parse(t.toString()).content.length).toBe(2000);
+    expect(JSON.parse(t.toString()).content.length).toBe(TRANSCRIPT_FIELD_CHARS);
   });
 });

@@ -1,9 +1,12 @@
-import { capText } from "@fleet/contracts";
+import { capText, MAX_FIELD_CHARS } from "@fleet/contracts";
 
-/** Cap of the stored transcript (characters): the *last* lines that fit are kept. */
-export const TRANSCRIPT_MAX_CHARS = 16 * 1024;
+/**
+ * Cap of the stored transcript (characters): the *last* lines that fit are kept. It is one stored
+ * text field, so it gets the field cap of DESIGN §2 rule 13.
+ */
+export const TRANSCRIPT_MAX_CHARS = MAX_FIELD_CHARS;
 /** Cap of one text field inside a transcript line. */
-export const TRANSCRIPT_FIELD_CHARS = 2000;
+export const TRANSCRIPT_FIELD_CHARS = 1000;
 
 /**
  * The episode as JSON lines (one object per message or event), bounded: the oldest lines are
