@@ -110,7 +110,10 @@ export class FleetProcesses {
     const ready = kind === "dispatcher" ? /listening|Server listening/i : /worker started|janitor started/;
     await new Promise<void>((resolveReady, reject) => {
       let buffered = "";
-      const timer = setTimeout(() => reject(new Error(`${kind}-${index} not ready in 60 s; see ${log.path}`)), 60_000);
+      const timer = setTimeout(
+        () => reject(new Error(`${kind}-${index} not ready in 60 s; see ${log.path}`)),
+        60_000,
+      );
       const onData = (chunk: Buffer) => {
         log.write(chunk);
         if (buffered !== null) {
@@ -132,15 +135,27 @@ export class FleetProcesses {
   }
 
   of(kind: AppKind): FleetProcess[] {
-    return this.procs.filter((p) => p.kind === kind && p.child.exitCode === null && p.child.signalCode === null);
+    return this.procs.filter(
+      (p) => p.kind === kind && p.child.exitCode === null && p.child.signalCode === null,
+    );
   }
 
   /** SIGKILL one live process of a kind and start a replacement with the same index. */
   async killAndRestart(kind: AppKind, index = 0): Promise<void> {
+    await this.restart(kind, index, "SIGKILL");
+  }
+
+  /** Send `signal` to one live process of a kind and wait for it to exit; resolves its exit code. */
+  async kill(kind: AppKind, index = 0, signal: NodeJS.Signals = "SIGKILL"): Promise<number | null> {
     const proc = this.of(kind).find((p) => p.index === index);
     if (!proc) throw new Error(`no live ${kind}-${index}`);
-    proc.child.kill("SIGKILL");
-    await proc.exited;
+    proc.child.kill(signal);
+    return proc.exited;
+  }
+
+  /** `kill` with `signal`, then start a replacement with the same index and wait until it is ready. */
+  async restart(kind: AppKind, index = 0, signal: NodeJS.Signals = "SIGKILL"): Promise<void> {
+    await this.kill(kind, index, signal);
     await this.spawn(kind, index);
   }
 

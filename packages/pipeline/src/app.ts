@@ -39,11 +39,23 @@ async function buildDeps(app: string, config: Common, workerId: string) {
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
   const redis = createRedis(config.redisUrl);
+  // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
+  let redisDown = false;
+  redis.on("error", (err: Error) => {
+    if (!redisDown) logger.warn({ err: err.message }, "redis connection lost; reconnecting");
+    redisDown = true;
+  });
+  redis.on("ready", () => {
+    if (redisDown) logger.info("redis connection ready again");
+    redisDown = false;
+  });
   await assertRedisDurable(redis);
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,
     docker: config.dockerHost ? { endpoint: config.dockerHost } : undefined,
     logger,
+    // Only this fleet's sandboxes: the janitor must never reap another fleet's on a shared daemon.
+    scope: config.prefix,
   });
   const deps: PipelineDeps = {
     store: new RolloutStore(redis, config.prefix),
@@ -54,6 +66,8 @@ async function buildDeps(app: string, config: Common, workerId: string) {
     metrics,
     workerId,
   };
+  // A Queue re-emits its connection's errors; unheard, BullMQ prints each one raw to stderr.
+  for (const queue of Object.values(deps.queues.queues)) queue.on("error", () => undefined);
   const server =
     config.metricsPort !== null
       ? await startMetricsServer({ registry, port: config.metricsPort, host: config.metricsHost })
@@ -72,20 +86,31 @@ async function buildDeps(app: string, config: Common, workerId: string) {
   return { deps, redis, logger, shutdown };
 }
 
-/** Bounded graceful stop on SIGTERM/SIGINT; a second signal exits at once. */
-function onSignals(logger: PipelineDeps["logger"], stop: () => Promise<void>, timeoutMs: number): void {
+/**
+ * Bounded graceful stop on SIGTERM/SIGINT: `stop` gets `timeoutMs` minus a moment for closing
+ * connections, and the process exits within `timeoutMs` whatever happens. A second signal
+ * exits at once.
+ */
+function onSignals(
+  logger: PipelineDeps["logger"],
+  stop: (budgetMs: number) => Promise<void>,
+  timeoutMs: number,
+): void {
   let stopping = false;
   const handler = (signal: string) => {
     if (stopping) process.exit(1);
     stopping = true;
-    logger.info({ signal }, "shutting down");
+    logger.info({ signal, timeoutMs }, "shutting down");
     const force = setTimeout(() => {
-      logger.error("graceful shutdown timed out");
+      logger.error({ timeoutMs }, "graceful shutdown timed out; exiting");
       process.exit(1);
-    }, timeoutMs + 5000);
+    }, timeoutMs);
     force.unref();
-    stop().then(
-      () => process.exit(0),
+    stop(Math.max(1, timeoutMs - Math.min(2_000, Math.floor(timeoutMs / 5)))).then(
+      () => {
+        logger.info("stopped");
+        process.exit(0);
+      },
       (err: unknown) => {
         logger.error({ err: String(err) }, "shutdown failed");
         process.exit(1);
@@ -111,8 +136,8 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
   onSignals(
     logger,
-    async () => {
-      await workers.close(config.shutdownTimeoutMs);
+    async (budgetMs) => {
+      await workers.close(budgetMs);
       await shutdown();
     },
     config.shutdownTimeoutMs,

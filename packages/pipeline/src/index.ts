@@ -1,5 +1,6 @@
 export * from "./app.ts";
 export * from "./deps.ts";
+export * from "./hand-back.ts";
 export * from "./janitor.ts";
 export * from "./result.ts";
 export * from "./stage-runner.ts";

@@ -10,6 +10,7 @@ import {
 import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
+import { isHandBack } from "./hand-back.ts";
 import { HANDLERS } from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown";
@@ -31,6 +32,10 @@ export async function runStageJob(
   stage: StageName,
   job: Pick<Job, "data" | "attemptsMade" | "opts">,
   deps: PipelineDeps,
+  options: {
+    /** Aborted when the worker shuts down: a long stage stops and hands its job back (`HandBackError`). */
+    signal?: AbortSignal;
+  } = {},
 ): Promise<StageRunOutcome> {
   const { rolloutId } = StageJob.parse(job.data);
   const rec = await deps.store.get(rolloutId);
@@ -73,10 +78,11 @@ export async function runStageJob(
   await deps.store.markStageStart(rolloutId, stage, now);
   const attempt = job.attemptsMade + 1;
   try {
-    const next = await HANDLERS[stage](rec, deps, attempt);
+    const next = await HANDLERS[stage](rec, deps, attempt, options.signal);
     if (next) await deps.queues.enqueue(next, rolloutId);
     return "ok";
   } catch (err) {
+    if (isHandBack(err)) throw err; // not a failure: the job goes back to the queue
     const fe = asFleetError(err);
     const at = clock(deps);
     const maxAttempts = job.opts.attempts ?? STAGE_CATALOG[stage].options.attempts ?? 1;

@@ -13,6 +13,7 @@ import { type RolloutRecord, type SandboxEntry, sandboxKey } from "@fleet/queue"
 import { AGENT_USER } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
+import { HandBackError } from "./hand-back.ts";
 import { composeResult } from "./result.ts";
 
 /** A stage handler stores its receipt and names the next stage (or null when nothing follows). */
@@ -20,6 +21,8 @@ export type StageHandler = (
   rec: RolloutRecord,
   deps: PipelineDeps,
   attempt: number,
+  /** Aborted when the worker shuts down (see `HandBackError`). */
+  shutdown?: AbortSignal,
 ) => Promise<StageName | null>;
 
 /** Sandboxes outlive their rollout's deadline by this much before the janitor may reap them. */
@@ -141,7 +144,7 @@ export const seed: StageHandler = async (rec, deps) => {
   return saved ? "run" : null;
 };
 
-export const run: StageHandler = async (rec, deps) => {
+export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const seedReceipt = rec.receipts.seed;
   if (!seedReceipt) throw FleetError.nonRetryable("sandbox_lost", "run stage without a seed receipt");
   const task = await loadTask(rec, deps);
@@ -187,6 +190,15 @@ export const run: StageHandler = async (rec, deps) => {
   });
   const abort = new AbortController();
   let stopping: Promise<unknown> = Promise.resolve();
+  // Worker shutdown: stop the harness now and hand the job back (the next attempt kills
+  // whatever is left before it launches again).
+  const onShutdown = () => {
+    if (abort.signal.aborted) return;
+    abort.abort(new HandBackError());
+    stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+  };
+  if (shutdown?.aborted) onShutdown();
+  shutdown?.addEventListener("abort", onShutdown, { once: true });
   const poll = setInterval(() => {
     deps.store.isStopRequested(rec.meta.id).then(
       (stop) => {
@@ -212,11 +224,13 @@ export const run: StageHandler = async (rec, deps) => {
   } catch (err) {
     if (abort.signal.aborted) {
       await stopping;
+      if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
       return "close";
     }
     throw err;
   } finally {
     clearInterval(poll);
+    shutdown?.removeEventListener("abort", onShutdown);
   }
   if (outcome.exec.timedOut && limitedBy === "rollout") {
     throw FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline ended the agent's run");

@@ -1,7 +1,8 @@
 import type { StageName } from "@fleet/contracts";
-import { type Job, Worker } from "bullmq";
+import { type Job, WaitingError, Worker } from "bullmq";
 import type { Redis } from "ioredis";
 import type { PipelineDeps } from "./deps.ts";
+import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
 
 export interface StageWorkerOptions {
@@ -12,12 +13,45 @@ export interface StageWorkerOptions {
   lockDurationMs?: number;
   stalledIntervalMs?: number;
   maxStalledCount?: number;
+  /**
+   * Self-healing: every `intervalMs`, a BullMQ worker that stopped running, or that sits idle
+   * while jobs of its stage have waited longer than `stuckAfterMs` (e.g. its connections never
+   * became ready again after a Redis restart), is replaced by a new one on a new connection.
+   * `false` turns it off. @defaultValue `{ intervalMs: 5_000, stuckAfterMs: 30_000 }`
+   */
+  supervise?: { intervalMs: number; stuckAfterMs: number } | false;
 }
 
 export interface StageWorkers {
-  workers: Worker[];
-  /** Stop taking jobs and wait (bounded) for active ones; unfinished ones go back to the queue. */
+  /** The current BullMQ workers, one per stage (a replaced one is swapped in place). */
+  readonly workers: Worker[];
+  /** How many times the supervisor replaced a worker. */
+  readonly recreated: number;
+  /** Run the supervisor's check now (it also runs on its own timer). */
+  check(): Promise<void>;
+  /**
+   * Bounded graceful stop, all within `timeoutMs` (default 30 s): stop taking jobs; let active
+   * jobs finish for the first part of the budget; then hand the still-running ones back (a run
+   * stage stops its harness, confirms its processes are gone and puts its job back in the
+   * queue without using up an attempt); past the budget, force-close (a job not handed back
+   * is re-delivered once its lock lapses).
+   */
   close(timeoutMs?: number): Promise<void>;
+}
+
+const DEFAULT_SUPERVISE = { intervalMs: 5_000, stuckAfterMs: 30_000 };
+
+/** When, within a shutdown budget, still-running jobs are asked to hand themselves back. */
+export function handBackAfterMs(timeoutMs: number): number {
+  return Math.max(Math.floor(timeoutMs / 2), timeoutMs - 10_000);
+}
+
+interface Slot {
+  stage: StageName;
+  worker: Worker;
+  active: number;
+  /** Since when jobs wait while this worker is idle (null: not the case at the last check). */
+  idleWithWorkSince: number | null;
 }
 
 /** One BullMQ worker per stage, each running `runStageJob` with the shared deps. */
@@ -26,22 +60,37 @@ export function createStageWorkers(
   deps: PipelineDeps,
   options: StageWorkerOptions,
 ): StageWorkers {
-  const workers = stages.map((stage) => {
+  const handBack = new AbortController();
+  let closing = false;
+  let recreated = 0;
+
+  const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
+    const { stage } = slot;
     const worker = new Worker(
       stage,
-      async (job: Job) => {
+      async (job: Job, token?: string) => {
         const started = Date.now();
+        slot.active++;
+        slot.idleWithWorkSince = null;
         try {
-          const outcome = await runStageJob(stage, job, deps);
+          const outcome = await runStageJob(stage, job, deps, { signal: handBack.signal });
           deps.metrics?.stageJobs.inc({ stage, outcome: outcome === "ok" ? "ok" : "replayed" });
           deps.metrics?.stageDuration.observe({ stage, outcome: "ok" }, (Date.now() - started) / 1000);
           return outcome;
         } catch (err) {
+          if (isHandBack(err) && token) {
+            // Shutting down: back to the queue for another worker, without spending an attempt.
+            await job.moveToWait(token);
+            deps.logger.info({ stage, rolloutId: job.data?.rolloutId }, "handed the job back");
+            throw new WaitingError();
+          }
           const name = (err as Error).name;
           const outcome = name === "UnrecoverableError" ? "failed" : "retry";
           deps.metrics?.stageJobs.inc({ stage, outcome });
           deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
           throw err;
+        } finally {
+          slot.active--;
         }
       },
       {
@@ -56,21 +105,114 @@ export function createStageWorkers(
     );
     worker.on("error", (err) => deps.logger.error({ stage, err: err.message }, "worker error"));
     return worker;
+  };
+
+  const slots: Slot[] = stages.map((stage) => {
+    const slot = { stage, active: 0, idleWithWorkSince: null } as unknown as Slot;
+    slot.worker = make(slot);
+    return slot;
   });
+
+  const supervise = options.supervise === undefined ? DEFAULT_SUPERVISE : options.supervise;
+
+  const replace = (slot: Slot, why: string) => {
+    const old = slot.worker;
+    slot.worker = make(slot);
+    slot.idleWithWorkSince = null;
+    recreated++;
+    deps.logger.warn({ stage: slot.stage, why }, "replaced a stuck stage worker");
+    // The old one may hang on its dead connections: close it in the background, bounded.
+    void boundedClose(old, 5_000).catch(() => undefined);
+  };
+
+  const check = async () => {
+    if (closing || !supervise) return;
+    for (const slot of slots) {
+      if (closing) return;
+      if (!slot.worker.isRunning() && !slot.worker.closing) {
+        replace(slot, "the worker stopped running");
+        continue;
+      }
+      if (slot.active > 0) {
+        slot.idleWithWorkSince = null;
+        continue;
+      }
+      let waiting = 0;
+      try {
+        const queue = deps.queues.queues[slot.stage];
+        if (await queue.isPaused()) continue;
+        waiting = await queue.getWaitingCount();
+      } catch {
+        continue; // Redis itself is unreachable: nothing a new worker would fix.
+      }
+      if (waiting === 0 || slot.active > 0) {
+        slot.idleWithWorkSince = null;
+        continue;
+      }
+      const now = Date.now();
+      slot.idleWithWorkSince ??= now;
+      if (now - slot.idleWithWorkSince >= supervise.stuckAfterMs) {
+        replace(slot, `idle for ${now - slot.idleWithWorkSince} ms while ${waiting} job(s) waited`);
+      }
+    }
+  };
+
+  let checking: Promise<void> = Promise.resolve();
+  const timer = supervise
+    ? setInterval(() => {
+        checking = checking.then(check).catch((err: unknown) => {
+          deps.logger.warn({ err: String(err) }, "stage worker supervisor check failed");
+        });
+      }, supervise.intervalMs)
+    : null;
+  timer?.unref();
+
   return {
-    workers,
+    get workers() {
+      return slots.map((s) => s.worker);
+    },
+    get recreated() {
+      return recreated;
+    },
+    check: () => {
+      checking = checking.then(check);
+      return checking;
+    },
     async close(timeoutMs = 30_000) {
-      // Graceful: stop fetching, let active jobs finish; past the bound, force-close (the jobs'
-      // locks lapse and another worker picks them up as stalled).
-      const graceful = Promise.all(workers.map((w) => w.close()));
-      let timer: NodeJS.Timeout | undefined;
-      const timeout = new Promise<"timeout">((resolve) => {
-        timer = setTimeout(() => resolve("timeout"), timeoutMs);
-      });
-      const r = await Promise.race([graceful.then(() => "done" as const), timeout]);
-      clearTimeout(timer);
-      if (r === "timeout") await Promise.all(workers.map((w) => w.close(true)));
-      await Promise.all(workers.map((w) => w.disconnect()));
+      closing = true;
+      if (timer) clearInterval(timer);
+      await checking.catch(() => undefined);
+      const started = Date.now();
+      const workers = slots.map((s) => s.worker);
+      const graceful = Promise.all(workers.map((w) => w.close())).then(() => "done" as const);
+      graceful.catch(() => undefined);
+      const within = (ms: number) =>
+        Promise.race([
+          graceful,
+          delay(Math.max(0, ms - (Date.now() - started))).then(() => "timeout" as const),
+        ]);
+      if ((await within(handBackAfterMs(timeoutMs))) === "timeout") {
+        deps.logger.warn(
+          { active: slots.reduce((n, s) => n + s.active, 0) },
+          "jobs still running at shutdown; handing them back",
+        );
+        handBack.abort();
+        if ((await within(timeoutMs)) === "timeout") {
+          deps.logger.warn("shutdown budget spent; force-closing the workers");
+          await Promise.all(workers.map((w) => boundedClose(w, 1_000, true).catch(() => undefined)));
+        }
+      }
+      await Promise.all(workers.map((w) => w.disconnect().catch(() => undefined)));
     },
   };
+}
+
+/** Close a worker (force: without waiting for its jobs), giving up after `ms`. */
+async function boundedClose(worker: Worker, ms: number, force = true): Promise<void> {
+  await Promise.race([worker.close(force), delay(ms)]);
+  await Promise.race([worker.disconnect(), delay(ms)]);
+}
+
+function delay(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
 }

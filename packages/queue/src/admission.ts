@@ -25,6 +25,30 @@ export interface Admitted {
   created: string[];
 }
 
+/**
+ * Deepest nesting (arrays/objects) a request may have. `metadata` is free JSON, but hashing,
+ * storing and echoing it recurses: a body nested thousands deep would overflow the stack (a
+ * 500), so it is refused up front (422).
+ */
+export const MAX_REQUEST_DEPTH = 64;
+
+/** Nesting depth of a JSON value, counted without recursion; stops counting once past `limit`. */
+export function jsonDepth(value: unknown, limit = Number.POSITIVE_INFINITY): number {
+  let max = 0;
+  const stack: [unknown, number][] = [[value, 0]];
+  while (stack.length > 0) {
+    const [v, d] = stack.pop()!;
+    if (v === null || typeof v !== "object") continue;
+    const depth = d + 1;
+    if (depth > max) {
+      max = depth;
+      if (max > limit) return max;
+    }
+    for (const child of Array.isArray(v) ? v : Object.values(v)) stack.push([child, depth]);
+  }
+  return max;
+}
+
 /** Digest of a task: sha256 of its canonical JSON. Pass a parsed `TaskContent` (defaults applied): raw input digests differently. */
 export function digestTask(task: TaskContent): string {
   return sha256(canonicalJson(task));
@@ -135,6 +159,14 @@ export async function admit(
   input: { requests: readonly RolloutRequest[]; batch: boolean; idempotencyKey?: string | null },
   options: AdmissionOptions,
 ): Promise<Admitted> {
+  for (const [i, req] of input.requests.entries()) {
+    if (jsonDepth(req, MAX_REQUEST_DEPTH) > MAX_REQUEST_DEPTH) {
+      throw new AdmissionError("invalid", `rollout ${i}: nested more than ${MAX_REQUEST_DEPTH} levels deep`, {
+        index: i,
+        maxDepth: MAX_REQUEST_DEPTH,
+      });
+    }
+  }
   const now = options.now ?? Date.now();
   const key = input.idempotencyKey ?? null;
   const ids = rolloutIds(input.requests.length, key, input.batch ? "batch" : "rollout");

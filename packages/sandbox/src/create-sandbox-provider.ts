@@ -11,6 +11,8 @@ export interface SandboxProviderConfig {
   docker?: DockerConnection;
   logger?: Logger;
   defaults?: Partial<DockerSandboxDefaults>;
+  /** This fleet's name on a shared daemon (apps pass their key prefix); see `LABEL_SCOPE`. */
+  scope?: string;
 }
 
 /**
@@ -24,6 +26,7 @@ export function createSandboxProvider(config: SandboxProviderConfig): SandboxPro
         docker: config.docker,
         logger: config.logger,
         defaults: config.defaults,
+        scope: config.scope,
       });
     case "bubblewrap":
       throw FleetError.nonRetryable(

@@ -14,6 +14,12 @@ export const LABEL_MANAGED = "fleet.managed";
 export const LABEL_ROLLOUT = "fleet.rollout";
 export const LABEL_OWNER = "fleet.owner";
 export const LABEL_EXPIRES = "fleet.expires";
+/**
+ * Which fleet a sandbox belongs to (the apps set it to their Redis key prefix). A provider
+ * given a scope labels what it creates with it and lists only those, so two fleets (or test
+ * runs) sharing one Docker daemon never see, adopt or reap each other's sandboxes.
+ */
+export const LABEL_SCOPE = "fleet.scope";
 
 /** Fixed paths inside every sandbox. */
 export const SANDBOX_PATHS = {

@@ -1,7 +1,14 @@
 import { createHash } from "node:crypto";
 import type { SandboxSpec } from "@fleet/contracts";
 import type Dockerode from "dockerode";
-import { LABEL_EXPIRES, LABEL_MANAGED, LABEL_OWNER, LABEL_ROLLOUT, SANDBOX_PATHS } from "../provider.ts";
+import {
+  LABEL_EXPIRES,
+  LABEL_MANAGED,
+  LABEL_OWNER,
+  LABEL_ROLLOUT,
+  LABEL_SCOPE,
+  SANDBOX_PATHS,
+} from "../provider.ts";
 
 /**
  * The user of the container's main process (`sleep infinity` under docker-init): `nobody`, so
@@ -94,12 +101,14 @@ export function effectiveLimits(spec: SandboxSpec, defaults: Readonly<SandboxLim
   };
 }
 
-export function sandboxLabels(spec: SandboxSpec): Record<string, string> {
+/** The labels of a sandbox (and its volume); `scope` adds `fleet.scope` (see `LABEL_SCOPE`). */
+export function sandboxLabels(spec: SandboxSpec, scope?: string): Record<string, string> {
   return {
     [LABEL_MANAGED]: "true",
     [LABEL_ROLLOUT]: spec.rolloutId,
     [LABEL_OWNER]: spec.owner,
     [LABEL_EXPIRES]: String(spec.expiresAt),
+    ...(scope ? { [LABEL_SCOPE]: scope } : {}),
   };
 }
 
@@ -111,10 +120,11 @@ export function sandboxLabels(spec: SandboxSpec): Record<string, string> {
 export function buildContainerConfig(
   spec: SandboxSpec,
   defaults: Readonly<SandboxLimits> = DEFAULT_SANDBOX_LIMITS,
+  scope?: string,
 ): Dockerode.ContainerCreateOptions {
   const limits = effectiveLimits(spec, defaults);
   const name = sandboxName(spec.rolloutId, spec.owner);
-  const labels = sandboxLabels(spec);
+  const labels = sandboxLabels(spec, scope);
   const memoryBytes = limits.memoryMb * 1024 * 1024;
   const tmpfs: Record<string, string> = {};
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.

@@ -22,6 +22,7 @@ import {
   LABEL_MANAGED,
   LABEL_OWNER,
   LABEL_ROLLOUT,
+  LABEL_SCOPE,
   ROOT_USER,
   SANDBOX_PATHS,
   type SandboxInfo,
@@ -75,6 +76,11 @@ export interface DockerSandboxProviderOptions {
   docker?: DockerConnection;
   logger?: Logger;
   defaults?: Partial<DockerSandboxDefaults>;
+  /**
+   * This fleet's name on a shared daemon (`LABEL_SCOPE`): set on every sandbox created, and
+   * `list`/`find` see only sandboxes carrying it. Unset: labels nothing, lists every fleet's.
+   */
+  scope?: string;
 }
 
 type Container = Dockerode.Container;
@@ -93,8 +99,10 @@ export class DockerSandboxProvider implements SandboxProvider {
   private readonly docker: Dockerode;
   private readonly logger: Logger | undefined;
   private readonly remotes = new Map<string, Dockerode>();
+  readonly scope: string | undefined;
 
   constructor(options: DockerSandboxProviderOptions = {}) {
+    this.scope = options.scope || undefined;
     const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
     this.endpoint = endpoint;
     this.docker = connect(dockerOptions);
@@ -111,7 +119,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       );
     }
     const spec = parsed.data;
-    const config = buildContainerConfig(spec, this.defaults);
+    const config = buildContainerConfig(spec, this.defaults, this.scope);
     const name = config.name!;
     const handle: SandboxHandle = {
       provider: "docker",
@@ -671,7 +679,11 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
-    const filters = [`${LABEL_MANAGED}=true`, ...Object.entries(labels).map(([k, v]) => `${k}=${v}`)];
+    const filters = [
+      `${LABEL_MANAGED}=true`,
+      ...(this.scope ? [`${LABEL_SCOPE}=${this.scope}`] : []),
+      ...Object.entries(labels).map(([k, v]) => `${k}=${v}`),
+    ];
     let containers: Dockerode.ContainerInfo[];
     try {
       containers = await this.docker.listContainers({
