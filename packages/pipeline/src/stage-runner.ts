@@ -38,7 +38,8 @@ export async function runStageJob(
   } = {},
 ): Promise<StageRunOutcome> {
   const { rolloutId } = StageJob.parse(job.data);
-  const rec = await deps.store.get(rolloutId);
+  // One round trip: the record, the stage's start time, and for close the tombstone + failure log.
+  const { record: rec, failures } = await deps.store.begin(rolloutId, stage, clock(deps));
   if (!rec) {
     deps.logger.warn({ rolloutId, stage }, "stage job for an unknown rollout; dropping it");
     return "unknown";
@@ -75,10 +76,9 @@ export async function runStageJob(
     }
   }
 
-  await deps.store.markStageStart(rolloutId, stage, now);
   const attempt = job.attemptsMade + 1;
   try {
-    const next = await HANDLERS[stage](rec, deps, attempt, options.signal);
+    const next = await HANDLERS[stage]({ ...rec, failureLog: failures }, deps, attempt, options.signal);
     if (next) await deps.queues.enqueue(next, rolloutId);
     return "ok";
   } catch (err) {

@@ -67,14 +67,10 @@ async function createSandbox(
     });
     deps.metrics?.sandboxCreateDuration.observe({ provider: deps.provider.name }, (clock(deps) - t0) / 1000);
   }
-  await deps.ledger.attachHandle({ ...entry, handle });
   // A close that ran while we were creating could not see the handle: destroy it ourselves.
-  if (await deps.store.isStopRequested(rec.meta.id)) {
-    const fresh = await deps.store.get(rec.meta.id);
-    if (fresh?.closed) {
-      await destroyOrLedger(deps, { ...entry, handle });
-      return null;
-    }
+  if (await deps.ledger.attachHandle({ ...entry, handle })) {
+    await destroyOrLedger(deps, { ...entry, handle });
+    return null;
   }
   return { handle, createMs: clock(deps) - t0, reused };
 }
@@ -318,14 +314,15 @@ export const verifyStage: StageHandler = async (rec, deps) => {
 };
 
 export const close: StageHandler = async (rec, deps) => {
+  // `rec` was read by `store.begin`, which set the tombstone first: no stage writes after it.
   const id = rec.meta.id;
-  await deps.store.tombstone(id);
-  const fresh = (await deps.store.get(id)) ?? rec;
+  const fresh = rec;
   let teardown: "confirmed" | "pending" = "confirmed";
   let cleanup: CleanupReceipt | null = null;
+  const entries = await deps.ledger.sandboxesOf(id);
   for (const owner of ["resources", "agent"] as const) {
     const key = sandboxKey(id, owner);
-    let entry = await deps.ledger.getSandbox(key);
+    let entry = entries[owner];
     if (!entry && owner === "resources" && fresh.receipts.seed) {
       entry = {
         key,
@@ -350,10 +347,14 @@ export const close: StageHandler = async (rec, deps) => {
   }
   const at = clock(deps);
   const closeReceipt = { cleanup, teardown, at };
-  await deps.store.saveReceipt(fresh.meta, "close", closeReceipt, "closing", at);
-  const final = (await deps.store.get(id)) ?? fresh;
-  const result = composeResult(final, closeReceipt, at, await deps.store.failureLog(id));
-  const finalized = await deps.store.finalize(final.meta, result, at);
+  const result = composeResult(
+    fresh,
+    closeReceipt,
+    at,
+    fresh.failureLog ?? (await deps.store.failureLog(id)),
+  );
+  // The close receipt is stored with the result, in the one finalizing script.
+  const finalized = await deps.store.finalize(fresh.meta, result, at, closeReceipt);
   if (finalized && deps.metrics) {
     deps.metrics.rolloutsFinished.inc({ status: result.status, failure_kind: result.failureKind ?? "none" });
     deps.metrics.rolloutDuration.observe({ status: result.status }, (result.timings.totalMs ?? 0) / 1000);
