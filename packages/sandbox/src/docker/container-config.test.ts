@@ -92,8 +92,13 @@ describe("buildContainerConfig", () => {
     const ws = config({ options: { diskMb: 100 } }).HostConfig!.Mounts![0]!;
     expect(ws.VolumeOptions!.DriverConfig).toEqual({
       Name: "local",
-      Options: { type: "tmpfs", device: "tmpfs", o: "size=100m,nosuid,nodev" },
+      Options: { type: "tmpfs", device: "tmpfs", o: "size=100m,nosuid,nodev,uid=1000,gid=1000,mode=0755" },
     });
+  });
+
+  it("caps the workspace by default (an unbounded volume would let a disk filler fill the host)", () => {
+    const ws = config().HostConfig!.Mounts![0]!;
+    expect(ws.VolumeOptions!.DriverConfig?.Options?.o).toMatch(/^size=1024m,/);
   });
 });
 

@@ -2,6 +2,7 @@ import { createHash } from "node:crypto";
 import type { SandboxSpec } from "@fleet/contracts";
 import type Dockerode from "dockerode";
 import {
+  AGENT_USER,
   LABEL_EXPIRES,
   LABEL_MANAGED,
   LABEL_OWNER,
@@ -29,9 +30,12 @@ export interface SandboxLimits {
   /** @defaultValue true */
   readOnlyRoot: boolean;
   /**
-   * Size cap of the workspace volume. `null`: a plain local volume (no cap: the local driver
-   * cannot enforce one on a plain directory). A number: a size-capped tmpfs-backed volume.
-   * @defaultValue null
+   * Size cap of the workspace volume: a size-capped tmpfs-backed volume (a disk filler gets
+   * ENOSPC; its pages count against the sandbox's memory). `null`: a plain local volume on the
+   * daemon's disk, with no cap at all (the local driver cannot enforce one on a directory, and
+   * `--storage-opt size` needs xfs with project quotas): opt in only where the host disk is
+   * guarded otherwise.
+   * @defaultValue 1024
    */
   diskMb: number | null;
 }
@@ -42,7 +46,7 @@ export const DEFAULT_SANDBOX_LIMITS: Readonly<SandboxLimits> = Object.freeze({
   pidsLimit: 256,
   tmpfsMb: 256,
   readOnlyRoot: true,
-  diskMb: null,
+  diskMb: 1024,
 });
 
 /**
@@ -82,6 +86,8 @@ export function sandboxName(rolloutId: string, owner: SandboxSpec["owner"]): str
   const clean = rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80);
   return `fleet-${clean}-${hash}-${owner}`;
 }
+
+const [AGENT_UID, AGENT_GID = AGENT_UID] = AGENT_USER.split(":");
 
 /** The sandbox's workspace volume, destroyed with it. */
 export function workspaceVolumeName(containerName: string): string {
@@ -141,7 +147,12 @@ export function buildContainerConfig(
         : {
             DriverConfig: {
               Name: "local",
-              Options: { type: "tmpfs", device: "tmpfs", o: `size=${limits.diskMb}m,nosuid,nodev` },
+              // Owned by the agent, 0755, like the image's /workspace a plain volume copies up.
+              Options: {
+                type: "tmpfs",
+                device: "tmpfs",
+                o: `size=${limits.diskMb}m,nosuid,nodev,uid=${AGENT_UID},gid=${AGENT_GID},mode=0755`,
+              },
             },
           }),
     },
