@@ -308,7 +308,9 @@ describe("dispatcher under fuzzing (never a 5xx, always the JSON error body)", (
         "admin",
         "queues",
       ),
-      fc.string({ unit: "binary", maxLength: 20 }).map((s) => encodeURIComponent(s.replace(/[\uD800-\uDFFF]/g, "?"))),
+      fc
+        .string({ unit: "binary", maxLength: 20 })
+        .map((s) => encodeURIComponent(s.replace(/[\uD800-\uDFFF]/g, "?"))),
     );
     await fc.assert(
       fc.asyncProperty(
