@@ -113,7 +113,8 @@ describe("sandbox escape attempts (Docker provider, hardened defaults)", () => {
           .map((l) => l.split(" ")[4])
           .filter(
             (mnt): mnt is string =>
-              mnt !== undefined && !/^\/(etc\/(hostname|hosts|resolv\.conf)|(usr\/)?sbin\/docker-init)?$/.test(mnt),
+              mnt !== undefined &&
+              !/^\/(etc\/(hostname|hosts|resolv\.conf)|(usr\/)?sbin\/docker-init)?$/.test(mnt),
           );
         for (const mnt of binds)
           expect(mnt).toMatch(/^\/(workspace|tmp|tests|solution|logs|proc|sys|dev)(\/|$)/);
