@@ -220,13 +220,13 @@ describe("createHarness", () => {
     expect(createHarness(agent).name).toBe("tool-loop");
   });
 
-  it("refuses a command agent with a model (gateway not available yet)", () => {
+  it("maps a command agent with a model to the CommandHarness (the run stage adds the gateway env)", () => {
     const agent = AgentSpec.parse({
       harness: "command",
       argv: ["x"],
       model: { name: "m", credential: "KEY" },
     });
-    expect(() => createHarness(agent)).toThrow(/not available yet/);
+    expect(createHarness(agent).name).toBe("command");
   });
 });
 

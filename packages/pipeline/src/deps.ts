@@ -1,9 +1,17 @@
 import type { AgentSpec } from "@fleet/contracts";
 import type { Harness, HarnessDeps } from "@fleet/harness";
 import type { RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
-import type { SandboxProvider } from "@fleet/sandbox";
+import type { GatewayNetwork, SandboxProvider } from "@fleet/sandbox";
 import type { FleetMetrics, Logger } from "@fleet/telemetry";
 import type { Verdict, VerifyContext } from "@fleet/verifiers";
+
+/** The per-rollout gateway networks (the part of `DockerGatewayNetworks` the stages use). */
+export interface GatewayNetworks {
+  ensure(rolloutId: string): Promise<GatewayNetwork>;
+  allowGateway(network: GatewayNetwork, port: number): Promise<void>;
+  remove(rolloutId: string): Promise<{ alreadyGone: boolean }>;
+  list(): Promise<Array<{ name: string; rolloutId: string; createdAt: number }>>;
+}
 
 /** Everything the stage handlers need; apps build it once in `main.ts`. */
 export interface PipelineDeps {
@@ -24,6 +32,8 @@ export interface PipelineDeps {
   verify?: (ctx: VerifyContext) => Promise<Verdict>;
   /** How often the run stage polls for a stop request while the harness runs. */
   stopPollMs?: number;
+  /** Per-rollout sealed networks for sandboxes that get model access (command agents with a model). */
+  networks?: GatewayNetworks;
   /** Age after which an intent without a handle is taken as never created. */
   intentGraceMs?: number;
 }

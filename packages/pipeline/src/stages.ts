@@ -7,6 +7,7 @@ import {
   type SandboxHandle,
   type StageName,
   type TaskContent,
+  type Usage,
 } from "@fleet/contracts";
 import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } from "@fleet/harness";
 import { type RolloutRecord, type SandboxEntry, sandboxKey } from "@fleet/queue";
@@ -14,6 +15,7 @@ import { AGENT_USER } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError } from "./hand-back.ts";
+import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
 import { composeResult } from "./result.ts";
 
 /** A stage handler stores its receipt and names the next stage (or null when nothing follows). */
@@ -58,12 +60,18 @@ async function createSandbox(
   let handle = await deps.provider.find(rec.meta.id, owner);
   const reused = handle !== null;
   if (!handle) {
+    // A sandbox whose agent talks to a model joins the rollout's sealed gateway network;
+    // every other sandbox has no network at all.
+    const network = needsModelAccess(rec.meta.agent)
+      ? (await gatewayNetworkFor(deps, rec.meta.id)).name
+      : "none";
     handle = await deps.provider.create({
       image: task.image,
       rolloutId: rec.meta.id,
       owner,
       expiresAt: entry.expiresAt,
       options: rec.meta.sandbox ?? {},
+      network,
     });
     deps.metrics?.sandboxCreateDuration.observe({ provider: deps.provider.name }, (clock(deps) - t0) / 1000);
   }
@@ -184,64 +192,87 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     startedAt,
     rolloutDeadlineMs: rec.meta.deadlineAt,
   });
-  const abort = new AbortController();
-  let stopping: Promise<unknown> = Promise.resolve();
-  // Worker shutdown: stop the harness now and hand the job back (the next attempt kills
-  // whatever is left before it launches again).
-  const onShutdown = () => {
-    if (abort.signal.aborted) return;
-    abort.abort(new HandBackError());
-    stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+  // A command agent with a model reaches it only through this rollout's gateway (issue 5).
+  let access: ModelAccess | null = null;
+  let gatewayUsage: Usage | null = null;
+  const finishAccess = async () => {
+    const open = access;
+    access = null;
+    if (open) gatewayUsage = await open.finish();
   };
-  if (shutdown?.aborted) onShutdown();
-  shutdown?.addEventListener("abort", onShutdown, { once: true });
-  const poll = setInterval(() => {
-    deps.store.isStopRequested(rec.meta.id).then(
-      (stop) => {
-        if (stop && !abort.signal.aborted) {
-          abort.abort(FleetError.nonRetryable("cancelled", "stop requested while the agent ran"));
-          // Make the in-flight exec return: kill the harness processes now.
-          stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
-        }
-      },
-      () => undefined,
-    );
-  }, deps.stopPollMs ?? 1000);
   let outcome: Awaited<ReturnType<typeof harness.run>>;
+  let cleanup: CleanupReceipt;
   try {
-    outcome = await harness.run({
-      provider: deps.provider,
-      handle,
-      task,
-      agent: rec.meta.agent,
-      deadlineMs,
-      signal: abort.signal,
-    });
-  } catch (err) {
-    if (abort.signal.aborted) {
-      await stopping;
-      if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
-      return "close";
+    if (needsModelAccess(rec.meta.agent)) access = await openModelAccess(deps, rec.meta.id, rec.meta.agent);
+    const abort = new AbortController();
+    let stopping: Promise<unknown> = Promise.resolve();
+    // Worker shutdown: stop the harness now and hand the job back (the next attempt kills
+    // whatever is left before it launches again).
+    const onShutdown = () => {
+      if (abort.signal.aborted) return;
+      abort.abort(new HandBackError());
+      stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+    };
+    if (shutdown?.aborted) onShutdown();
+    shutdown?.addEventListener("abort", onShutdown, { once: true });
+    const poll = setInterval(() => {
+      deps.store.isStopRequested(rec.meta.id).then(
+        (stop) => {
+          if (stop && !abort.signal.aborted) {
+            abort.abort(FleetError.nonRetryable("cancelled", "stop requested while the agent ran"));
+            // Make the in-flight exec return: kill the harness processes now.
+            stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+          }
+        },
+        () => undefined,
+      );
+    }, deps.stopPollMs ?? 1000);
+    try {
+      outcome = await harness.run({
+        provider: deps.provider,
+        handle,
+        task,
+        agent: rec.meta.agent,
+        deadlineMs,
+        signal: abort.signal,
+        env: access?.env,
+      });
+    } catch (err) {
+      if (abort.signal.aborted) {
+        await stopping;
+        if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
+        return "close";
+      }
+      throw err;
+    } finally {
+      clearInterval(poll);
+      shutdown?.removeEventListener("abort", onShutdown);
     }
-    throw err;
+    if (outcome.exec.timedOut && limitedBy === "rollout") {
+      throw FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline ended the agent's run");
+    }
+    // Stop the harness and confirm its processes are gone (DESIGN §2 rules 2, 10).
+    cleanup = await deps.provider.killProcesses(handle, AGENT_USER);
+    if (cleanup.alreadyGone || !(await deps.provider.alive(handle))) {
+      // The sandbox vanished under the agent: exit envelope -2, masked (rule 6).
+      throw FleetError.nonRetryable("sandbox_lost", "the sandbox disappeared while the agent ran");
+    }
+    if (!cleanup.confirmed) {
+      throw FleetError.nonRetryable(
+        "sandbox_lost",
+        `agent processes could not be confirmed stopped (${cleanup.remaining} left)`,
+      );
+    }
+    // The agent is confirmed stopped: revoke its token and keep the usage the gateway saw.
+    await finishAccess();
   } finally {
-    clearInterval(poll);
-    shutdown?.removeEventListener("abort", onShutdown);
+    await finishAccess().catch(() => undefined);
   }
-  if (outcome.exec.timedOut && limitedBy === "rollout") {
-    throw FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline ended the agent's run");
-  }
-  // Stop the harness and confirm its processes are gone (DESIGN §2 rules 2, 10).
-  const cleanup = await deps.provider.killProcesses(handle, AGENT_USER);
-  if (cleanup.alreadyGone || !(await deps.provider.alive(handle))) {
-    // The sandbox vanished under the agent: exit envelope -2, masked (rule 6).
-    throw FleetError.nonRetryable("sandbox_lost", "the sandbox disappeared while the agent ran");
-  }
-  if (!cleanup.confirmed) {
-    throw FleetError.nonRetryable(
-      "sandbox_lost",
-      `agent processes could not be confirmed stopped (${cleanup.remaining} left)`,
-    );
+  const usage = gatewayUsage ?? outcome.usage;
+  if (usage && deps.metrics) {
+    if (usage.promptTokens) deps.metrics.modelTokens.inc({ kind: "prompt" }, usage.promptTokens);
+    if (usage.completionTokens) deps.metrics.modelTokens.inc({ kind: "completion" }, usage.completionTokens);
+    if (usage.cachedTokens) deps.metrics.modelTokens.inc({ kind: "cached" }, usage.cachedTokens);
   }
   let ownedSandbox: RunReceipt["ownedSandbox"] = null;
   if (owned?.handle) {
@@ -263,7 +294,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     exec: outcome.exec,
     answer: outcome.answer,
     transcript: outcome.transcript,
-    usage: outcome.usage,
+    usage,
     cleanup,
     ownedSandbox,
     startedAt,
@@ -344,6 +375,15 @@ export const close: StageHandler = async (rec, deps) => {
     const r = await destroyOrLedger(deps, entry);
     if (r.teardown === "pending") teardown = "pending";
     cleanup = r.receipt;
+  }
+  if (needsModelAccess(fresh.meta.agent) && deps.networks) {
+    // The rollout's gateway network goes with its sandbox; a failure is left to the janitor's sweep.
+    await deps.networks.remove(id).catch((err: unknown) => {
+      deps.logger.warn(
+        { rolloutId: id, err: String(err) },
+        "gateway network removal failed; the janitor retries",
+      );
+    });
   }
   const at = clock(deps);
   const closeReceipt = { cleanup, teardown, at };

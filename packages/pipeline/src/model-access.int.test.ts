@@ -1,0 +1,74 @@
+import { chatReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
+import { DockerGatewayNetworks, DockerSandboxProvider } from "@fleet/sandbox";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createCredentialResolver } from "./credentials.ts";
+import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+
+const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
+const SECRET = `sk-upstream-${Math.random().toString(36).slice(2)}`;
+
+/** An agent CLI inside the sandbox: one chat-completions call through OPENAI_BASE_URL, prints the reply. */
+const CLIENT = `
+import json, os, urllib.request
+req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+  data=json.dumps({"model": "ignored", "messages": [{"role": "user", "content": open(os.environ["FLEET_INSTRUCTION_FILE"]).read()}]}).encode(),
+  headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
+print(json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"])
+`;
+
+describe("command agent with a model, through the per-rollout gateway", () => {
+  let fleet: InProcessFleet;
+  let upstream: ScriptedUpstream;
+  const networks = new DockerGatewayNetworks();
+
+  beforeAll(async () => {
+    upstream = await startScriptedUpstream();
+    fleet = await startInProcessFleet({
+      provider: new DockerSandboxProvider(),
+      deps: {
+        networks,
+        harnessDeps: {
+          resolveCredential: createCredentialResolver({ env: { FLEET_CREDENTIAL_UPSTREAM: SECRET } }),
+        },
+      },
+    });
+  });
+  afterAll(async () => {
+    await fleet.close();
+    await upstream.close();
+  });
+
+  it("the agent gets its answer from the model, usage is recorded, and the credential stays out", async () => {
+    upstream.push(chatReply({ content: "4217", usage: { prompt: 21, completion: 3, cached: 5 } }));
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
+    const [id] = await fleet.submit([
+      {
+        task,
+        agent: {
+          harness: "command",
+          argv: ["python3", "-c", CLIENT],
+          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
+        },
+      },
+    ]);
+    const [r] = await fleet.waitForResults([id!], 120_000);
+    expect(r).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
+    expect(r!.usage).toMatchObject({
+      calls: 1,
+      promptTokens: 21,
+      completionTokens: 3,
+      cachedTokens: 5,
+      gaps: [],
+    });
+    // The upstream saw the real credential and the rollout's model; the sandbox never did.
+    expect(upstream.requests).toHaveLength(1);
+    expect(upstream.requests[0]!.headers.authorization).toBe(`Bearer ${SECRET}`);
+    expect((upstream.requests[0]!.body as { model: string }).model).toBe("served-model");
+    const raw = await fleet.redis.hgetall(`${fleet.prefix}:x:rollout:${id}`);
+    expect(JSON.stringify(raw)).not.toContain(SECRET);
+    // The network went with the sandbox.
+    expect((await networks.list()).some((n) => n.rolloutId === id)).toBe(false);
+  });
+});
