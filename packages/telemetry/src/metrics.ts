@@ -14,9 +14,21 @@ export interface MetricsRegistryOptions {
 export function createMetricsRegistry(options: MetricsRegistryOptions): Registry {
   const registry = new Registry();
   registry.setDefaultLabels({ app: options.app });
-  if (options.defaultMetrics ?? true) collectDefaultMetrics({ register: registry });
+  if (options.defaultMetrics ?? true) {
+    collectDefaultMetrics({ register: registry });
+    // Gauges named like counters (`promtool check metrics` flags them), and redundant: each is the
+    // sum of its by-type twin (`nodejs_active_handles{type}`, ...), which stays.
+    for (const name of LINT_FAILING_DEFAULT_METRICS) registry.removeSingleMetric(name);
+  }
   return registry;
 }
+
+/** prom-client default metrics left out of every registry (see `createMetricsRegistry`). */
+export const LINT_FAILING_DEFAULT_METRICS = [
+  "nodejs_active_handles_total",
+  "nodejs_active_requests_total",
+  "nodejs_active_resources_total",
+] as const;
 
 /** Stage names used as the `stage` label. */
 export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
@@ -30,6 +42,9 @@ export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
 export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
 export type TeardownResult = (typeof TEARDOWN_RESULTS)[number];
+/** `owner` of a sandbox (the `fleet.owner` label): the resources worker's task sandbox or an agent-owned one. */
+export const SANDBOX_OWNERS = ["resources", "agent"] as const;
+export type SandboxOwner = (typeof SANDBOX_OWNERS)[number];
 /** `kind` of model tokens. */
 export const TOKEN_KINDS = ["prompt", "completion", "cached"] as const;
 export type TokenKind = (typeof TOKEN_KINDS)[number];
@@ -52,7 +67,7 @@ export interface FleetMetrics {
   rolloutDuration: Histogram<"status">;
   queueJobs: Gauge<"queue" | "state">;
   queueOldestWaitingAge: Gauge<"queue">;
-  sandboxesActive: Gauge<"provider">;
+  sandboxesActive: Gauge<"provider" | "owner">;
   sandboxCreateDuration: Histogram<"provider">;
   teardownLedgerEntries: Gauge;
   teardownAttempts: Counter<"result">;
@@ -60,6 +75,10 @@ export interface FleetMetrics {
   modelTokens: Counter<"kind">;
   workerHeartbeat: Gauge<"worker">;
   stageJobs: Counter<"stage" | "outcome">;
+  rolloutsInflight: Gauge;
+  redisUp: Gauge;
+  queueWorkers: Gauge<"queue">;
+  queueStalledJobs: Counter<"queue">;
 }
 
 /**
@@ -104,8 +123,8 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     sandboxesActive: new Gauge({
       name: "fleet_sandboxes_active",
-      help: "Sandboxes this process currently holds (created or borrowed, not yet released), by provider.",
-      labelNames: ["provider"],
+      help: "Fleet-labelled sandboxes the provider reports (sampled by the janitor each pass), by provider and owner.",
+      labelNames: ["provider", "owner"],
       registers,
     }),
     sandboxCreateDuration: new Histogram({
@@ -148,6 +167,28 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       name: "fleet_stage_jobs_total",
       help: "Stage jobs processed, by stage and outcome (ok, replayed, retry, failed).",
       labelNames: ["stage", "outcome"],
+      registers,
+    }),
+    rolloutsInflight: new Gauge({
+      name: "fleet_rollouts_inflight",
+      help: "Rollouts admitted and not yet terminal (sampled by the dispatcher at scrape time).",
+      registers,
+    }),
+    redisUp: new Gauge({
+      name: "fleet_redis_up",
+      help: "1 when Redis answered a PING at scrape time, 0 when it did not.",
+      registers,
+    }),
+    queueWorkers: new Gauge({
+      name: "fleet_queue_workers",
+      help: "BullMQ workers connected to each queue (sampled by the dispatcher at scrape time).",
+      labelNames: ["queue"],
+      registers,
+    }),
+    queueStalledJobs: new Counter({
+      name: "fleet_queue_stalled_jobs_total",
+      help: "Jobs this worker found stalled (lock lost: a worker died or blocked) and moved back to wait, by queue.",
+      labelNames: ["queue"],
       registers,
     }),
   };
