@@ -1,7 +1,13 @@
 import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
-import type { StageName } from "@fleet/contracts";
+import {
+  classifyFailure,
+  type FailureClass,
+  FailureKind,
+  type StageName,
+  type TerminalStatus,
+} from "@fleet/contracts";
 import { assertRedisDurable, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createSandboxProvider } from "@fleet/sandbox";
 import {
@@ -22,6 +28,14 @@ export const STAGES_OF: Record<WorkerKind, StageName[]> = {
 };
 
 type Env = Record<string, string | undefined>;
+
+/** The terminal status a rollout gets for the outcome of its failure kind (DESIGN §2). */
+const STATUS_OF_OUTCOME: Record<FailureClass["outcome"], TerminalStatus> = {
+  fail: "failed",
+  mask: "masked",
+  cancel: "cancelled",
+  graded: "completed",
+};
 
 interface Common {
   redisUrl: string;
@@ -133,6 +147,20 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     lockDurationMs: config.lockDurationMs,
     stalledIntervalMs: config.stalledIntervalMs,
   });
+  // fleet_queue_stalled_jobs_total: BullMQ reports a stalled job to the worker whose check found it.
+  for (const worker of workers.workers) {
+    deps.metrics?.queueStalledJobs.inc({ queue: worker.name }, 0);
+    worker.on("stalled", () => deps.metrics?.queueStalledJobs.inc({ queue: worker.name }));
+  }
+  // fleet_rollouts_finished_total starts at 0 for every status/failure_kind pair close can
+  // report, so increase() (the masked-ratio alert) sees each pair's first rollout.
+  if (deps.metrics && STAGES_OF[kind].includes("close")) {
+    deps.metrics.rolloutsFinished.inc({ status: "completed", failure_kind: "none" }, 0);
+    for (const failureKind of FailureKind.options) {
+      const status = STATUS_OF_OUTCOME[classifyFailure(failureKind).outcome];
+      deps.metrics.rolloutsFinished.inc({ status, failure_kind: failureKind }, 0);
+    }
+  }
   logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
   onSignals(
     logger,

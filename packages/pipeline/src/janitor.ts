@@ -62,7 +62,11 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   }
 
   // (3) Orphans by label: what the registry does not know (a worker died before recording).
-  for (const info of await deps.provider.list()) {
+  const listed = await deps.provider.list();
+  // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
+  const active = { resources: 0, agent: 0 };
+  for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
+  for (const info of listed) {
     const rolloutId = info.labels[LABEL_ROLLOUT];
     const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
     const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
@@ -82,6 +86,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     };
     const r = await destroyOrLedger(deps, entry);
     if (r.teardown === "confirmed") {
+      active[owner]--;
       report.orphansRemoved++;
       if (rec && !(await deps.ledger.isPending(rolloutId))) await deps.store.confirmTeardown(rolloutId);
     }
@@ -105,6 +110,9 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     report.watchdogClosed++;
   }
 
+  for (const [owner, n] of Object.entries(active)) {
+    deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
+  }
   deps.metrics?.teardownLedgerEntries.set(await deps.ledger.size());
   return report;
 }
