@@ -56,6 +56,10 @@ const FASTIFY_CODES: Record<string, [number, HttpErrorCode]> = {
   FST_ERR_CTP_EMPTY_JSON_BODY: [400, "malformed"],
   FST_ERR_CTP_INVALID_JSON_BODY: [400, "malformed"],
   FST_ERR_CTP_INVALID_CONTENT_LENGTH: [400, "malformed"],
+  // Raised before routing (see `frameworkErrors` in server.ts): a URL that does not decode, and
+  // a path parameter too long to be any id we issued (unknown, like any other bad id).
+  FST_ERR_BAD_URL: [400, "malformed"],
+  FST_ERR_MAX_PARAM_LENGTH: [404, "not_found"],
 };
 
 const STATUS_CODES: Record<number, HttpErrorCode> = {

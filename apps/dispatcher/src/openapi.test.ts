@@ -11,6 +11,10 @@ describe("buildOpenApi", () => {
     expect(doc.openapi).toBe("3.1.0");
     expect(Object.keys(doc.paths).sort()).toEqual(
       [
+        "/admin",
+        "/admin/login",
+        "/admin/logout",
+        "/admin/queues",
         "/healthz",
         "/metrics",
         "/openapi.json",

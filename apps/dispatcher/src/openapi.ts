@@ -10,6 +10,8 @@ import {
   RolloutCancelAccepted,
 } from "./responses.ts";
 import { RolloutView } from "./rollout-view.ts";
+import { LoginForm } from "./routes/admin.ts";
+import { SESSION_COOKIE } from "./session.ts";
 
 type JsonObject = Record<string, unknown>;
 
@@ -19,6 +21,7 @@ function schema(s: z.ZodType, io: "input" | "output"): JsonObject {
 }
 
 const ref = (name: string) => ({ $ref: `#/components/schemas/${name}` });
+const html = { "text/html": { schema: { type: "string" } } };
 const json = (name: string) => ({ "application/json": { schema: ref(name) } });
 const errors = (...statuses: number[]) =>
   Object.fromEntries(statuses.map((s) => [String(s), { description: "error", content: json("Error") }]));
@@ -32,8 +35,8 @@ const idParam = (what: string) => ({
 
 /**
  * A minimal OpenAPI 3.1 document of the API, its schemas generated from the same zod schemas
- * the routes validate with. (A later change may generate the whole document from route
- * definitions.)
+ * the routes validate with. A test (`openapi.int.test.ts`) checks it against every route the
+ * server registers (Fastify's `onRoute`), so a new route cannot go undocumented.
  */
 export function buildOpenApi(version = "0.1.0"): JsonObject {
   return {
@@ -45,7 +48,15 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
         "Submit LLM-agent rollouts and read their results. Errors: { error: { code, message, details } }.",
     },
     components: {
-      securitySchemes: { bearer: { type: "http", scheme: "bearer" } },
+      securitySchemes: {
+        bearer: { type: "http", scheme: "bearer" },
+        boardSession: {
+          type: "apiKey",
+          in: "cookie",
+          name: SESSION_COOKIE,
+          description: "Bull Board session set by POST /admin/login (HttpOnly, SameSite=Strict, Path=/admin)",
+        },
+      },
       schemas: {
         RolloutRequest: schema(RolloutRequest, "input"),
         BatchRequest: schema(BatchBody, "input"),
@@ -57,6 +68,7 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
         RolloutCancelAccepted: schema(RolloutCancelAccepted, "output"),
         BatchCancelAccepted: schema(BatchCancelAccepted, "output"),
         Error: schema(ErrorResponse, "output"),
+        LoginForm: schema(LoginForm, "input"),
       },
     },
     security: [{ bearer: [] }],
@@ -171,6 +183,57 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
       },
       "/openapi.json": {
         get: { summary: "This document", responses: { "200": { description: "OpenAPI 3.1" } } },
+      },
+      "/admin": {
+        get: {
+          summary: "Redirect to the board",
+          security: [],
+          responses: { "303": { description: "to /admin/queues" } },
+        },
+      },
+      "/admin/login": {
+        get: {
+          summary: "Bull Board sign-in form (HTML)",
+          security: [],
+          parameters: [{ name: "next", in: "query", required: false, schema: { type: "string" } }],
+          responses: { "200": { description: "the form", content: html } },
+        },
+        post: {
+          summary: "Sign in to Bull Board with an API token: sets an HMAC-signed session cookie",
+          security: [],
+          requestBody: {
+            required: true,
+            content: { "application/x-www-form-urlencoded": { schema: ref("LoginForm") } },
+          },
+          responses: {
+            "303": {
+              description: `signed in: Set-Cookie ${SESSION_COOKIE} (HttpOnly; SameSite=Strict; Path=/admin), Location: the board`,
+            },
+            "400": { description: "no token in the form", content: html },
+            "401": { description: "wrong token (the form again)", content: html },
+            "403": { description: "Origin/Referer is another site (login CSRF)", content: html },
+          },
+        },
+      },
+      "/admin/logout": {
+        get: {
+          summary: "Sign out of Bull Board (clears the session cookie)",
+          security: [],
+          responses: { "303": { description: "to /admin/login" } },
+        },
+      },
+      "/admin/queues": {
+        get: {
+          summary:
+            "Bull Board (HTML): the seed, run, verify, close and janitor queues. Read-only unless an admin token; " +
+            "its JSON API under /admin/queues/api/ is Bull Board's own, and its mutating calls need an admin " +
+            "token (403 otherwise) and, on a session cookie, a same-origin Origin/Referer (403 otherwise)",
+          security: [{ bearer: [] }, { boardSession: [] }],
+          responses: {
+            "200": { description: "the board", content: html },
+            "401": { description: "no valid token or session: the sign-in form", content: html },
+          },
+        },
       },
     },
   };

@@ -1,45 +1,99 @@
-import type { StageName } from "@fleet/contracts";
-import { STAGES, type StageQueues, type TeardownLedger } from "@fleet/queue";
+import type { RolloutStore, TeardownLedger } from "@fleet/queue";
 import type { FleetMetrics } from "@fleet/telemetry";
+import type { Queue } from "bullmq";
+import type { Redis } from "ioredis";
+
+/** BullMQ job states exported as `fleet_queue_jobs{state}`. */
+export const QUEUE_STATES = [
+  "waiting",
+  "active",
+  "delayed",
+  "prioritized",
+  "waiting-children",
+  "failed",
+  "completed",
+] as const;
+
+export interface ScrapeSources {
+  redis: Pick<Redis, "ping">;
+  /** The stage queues and the janitor's, by the name used as the `queue` label. */
+  queues: readonly Queue[];
+  store: Pick<RolloutStore, "inflightCount">;
+  ledger?: Pick<TeardownLedger, "size">;
+  metrics: FleetMetrics;
+  now: number;
+  /** Bound on the whole refresh (Redis may hang rather than fail). */
+  timeoutMs: number;
+}
+
+/** Reject with a readable error when `promise` has not settled within `ms`. */
+export function withTimeout<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const timeout = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
+  });
+  return Promise.race([promise, timeout]).finally(() => clearTimeout(timer));
+}
 
 /**
- * Set the queue gauges from Redis, at scrape time: `fleet_queue_jobs{queue,state}`,
- * `fleet_queue_oldest_waiting_age_seconds{queue}` and, given a ledger,
- * `fleet_teardown_ledger_entries`. On failure the gauges are cleared (a stale depth would
- * mislead an alert) and the error is rethrown for the caller to log.
+ * Set the gauges the dispatcher computes at scrape time: `fleet_redis_up` (a PING),
+ * `fleet_queue_jobs{queue,state}`, `fleet_queue_oldest_waiting_age_seconds{queue}`,
+ * `fleet_queue_workers{queue}`, `fleet_rollouts_inflight` and, given a ledger,
+ * `fleet_teardown_ledger_entries`. When Redis does not answer, `fleet_redis_up` is 0, the
+ * other gauges are left out of the scrape (a stale depth would mislead an alert), and the
+ * error is rethrown for the caller to log.
  */
-export async function refreshQueueMetrics(
-  queues: StageQueues,
-  metrics: FleetMetrics,
-  ledger: TeardownLedger | undefined,
-  now: number,
-): Promise<void> {
-  try {
-    const [counts, oldest, ledgerSize] = await Promise.all([
-      queues.counts(),
-      Promise.all(STAGES.map((s) => oldestWaitingAgeS(queues, s, now))),
-      ledger ? ledger.size() : Promise.resolve(null),
-    ]);
-    metrics.queueJobs.reset();
-    for (const stage of STAGES) {
-      for (const [state, n] of Object.entries(counts[stage]))
-        metrics.queueJobs.set({ queue: stage, state }, n);
-    }
-    STAGES.forEach((stage, i) => {
-      metrics.queueOldestWaitingAge.set({ queue: stage }, oldest[i]!);
-    });
-    if (ledgerSize !== null) metrics.teardownLedgerEntries.set(ledgerSize);
-  } catch (err) {
+export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
+  const { metrics } = src;
+  // Every series disappears (a label-less gauge's `reset()` would leave a made-up 0 behind;
+  // `remove({})` drops its one sample).
+  const clear = () => {
     metrics.queueJobs.reset();
     metrics.queueOldestWaitingAge.reset();
-    metrics.teardownLedgerEntries.reset();
+    metrics.queueWorkers.reset();
+    metrics.rolloutsInflight.remove({});
+    if (src.ledger) metrics.teardownLedgerEntries.remove({});
+  };
+  const started = Date.now();
+  try {
+    await withTimeout(src.redis.ping(), src.timeoutMs, "redis ping");
+    metrics.redisUp.set(1);
+  } catch (err) {
+    metrics.redisUp.set(0);
+    clear();
+    throw err;
+  }
+  try {
+    const [perQueue, inflight, ledgerSize] = await withTimeout(
+      Promise.all([
+        Promise.all(src.queues.map((q) => sampleQueue(q, src.now))),
+        src.store.inflightCount(),
+        src.ledger ? src.ledger.size() : Promise.resolve(null),
+      ]),
+      Math.max(1, src.timeoutMs - (Date.now() - started)),
+      "queue metrics",
+    );
+    clear();
+    for (const { name, counts, oldestAgeS, workers } of perQueue) {
+      for (const state of QUEUE_STATES) metrics.queueJobs.set({ queue: name, state }, counts[state] ?? 0);
+      metrics.queueOldestWaitingAge.set({ queue: name }, oldestAgeS);
+      metrics.queueWorkers.set({ queue: name }, workers);
+    }
+    metrics.rolloutsInflight.set(inflight);
+    if (ledgerSize !== null) metrics.teardownLedgerEntries.set(ledgerSize);
+  } catch (err) {
+    clear();
     throw err;
   }
 }
 
-/** Age of the oldest job waiting in a stage queue, in seconds (0 when none waits). */
-async function oldestWaitingAgeS(queues: StageQueues, stage: StageName, now: number): Promise<number> {
-  const [job] = await queues.queues[stage].getJobs(["waiting"], 0, 0, true);
-  if (!job?.timestamp) return 0;
-  return Math.max(0, (now - job.timestamp) / 1000);
+async function sampleQueue(queue: Queue, now: number) {
+  const [counts, [oldest], workers] = await Promise.all([
+    queue.getJobCounts(...QUEUE_STATES),
+    // Oldest first: the head of the wait list.
+    queue.getJobs(["waiting"], 0, 0, true),
+    queue.getWorkersCount(),
+  ]);
+  const oldestAgeS = oldest?.timestamp ? Math.max(0, (now - oldest.timestamp) / 1000) : 0;
+  return { name: queue.name, counts, oldestAgeS, workers };
 }

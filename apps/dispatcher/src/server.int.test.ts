@@ -464,6 +464,11 @@ describe("auth, 404s and ops routes", () => {
       /fleet_queue_oldest_waiting_age_seconds\{queue="seed",app="dispatcher"\} [\d.]+/,
     );
     expect(metrics.body).toMatch(/fleet_teardown_ledger_entries\{app="dispatcher"\} 0/);
+    expect(metrics.body).toMatch(/fleet_redis_up\{app="dispatcher"\} 1/);
+    expect(metrics.body).toMatch(/fleet_rollouts_inflight\{app="dispatcher"\} [1-9]/);
+    // No worker consumes this test's queues; the janitor's queue is sampled too.
+    expect(metrics.body).toMatch(/fleet_queue_workers\{queue="run",app="dispatcher"\} 0/);
+    expect(metrics.body).toMatch(/fleet_queue_jobs\{queue="janitor",state="waiting",app="dispatcher"\} 0/);
   });
 
   it("answers 404 with the JSON error body for unknown rollouts, batches and routes", async () => {
@@ -615,6 +620,8 @@ describe("Redis down", () => {
       const metrics = await app.inject({ method: "GET", url: "/metrics" });
       expect(metrics.statusCode).toBe(200);
       expect(metrics.body).not.toMatch(/fleet_queue_jobs\{/);
+      expect(metrics.body).not.toMatch(/fleet_rollouts_inflight\{/);
+      expect(metrics.body).toMatch(/fleet_redis_up\{app="dispatcher"\} 0/);
     } finally {
       await app.close();
       await queues.close();

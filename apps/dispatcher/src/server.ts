@@ -1,3 +1,5 @@
+import { JANITOR_QUEUE } from "@fleet/queue";
+import { Queue } from "bullmq";
 import Fastify, {
   type FastifyBaseLogger,
   type FastifyInstance,
@@ -5,9 +7,12 @@ import Fastify, {
   type FastifyRequest,
   LogController,
 } from "fastify";
-import { createTokenChecker } from "./auth.ts";
+import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
 import { errorBody, HttpError, toHttpError } from "./http-error.ts";
+import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
+import { trackRoutes } from "./route-table.ts";
+import { registerAdminRoutes, sendLoginPage } from "./routes/admin.ts";
 import { registerBatchRoutes } from "./routes/batches.ts";
 import { registerOpsRoutes } from "./routes/ops.ts";
 import { registerRolloutRoutes } from "./routes/rollouts.ts";
@@ -30,15 +35,21 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     loggerInstance: logger as FastifyBaseLogger,
     bodyLimit: config.maxBodyBytes,
     logController: new RequestLog(),
+    // Errors Fastify raises before routing (a URL that does not decode): the one error body too.
+    frameworkErrors: (err, _req, reply) => {
+      const http = toHttpError(err);
+      void refuse(reply as FastifyReply, http);
+    },
   });
 
-  const tokens = createTokenChecker(config.apiTokens.tokens, config.apiTokens.adminTokens);
-  if (!tokens.enabled) {
+  const auth = createAuthenticator(config.apiTokens.tokens, config.apiTokens.adminTokens, ctx.now);
+  if (!auth.enabled) {
     logger.warn(
-      "FLEET_API_TOKENS is empty: the API accepts every request WITHOUT authentication. " +
+      "FLEET_API_TOKENS is empty: the API and Bull Board accept every request WITHOUT authentication. " +
         "Set FLEET_API_TOKENS unless the dispatcher is reachable only from a trusted host.",
     );
   }
+  trackRoutes(app);
 
   // Bodies: JSON (Fastify's parser: prototype-poisoning keys refused) and NDJSON as raw text,
   // both under `bodyLimit`. No text/plain: any other type is a 415.
@@ -46,12 +57,46 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   app.addContentTypeParser(NDJSON_TYPES, { parseAs: "string" }, (_req, body, done) => done(null, body));
 
   // Auth runs before the body is read, so an unauthenticated client cannot make us parse 32 MiB.
-  app.addHook("onRequest", async (req) => {
+  // Refusals are sent from here rather than thrown: Bull Board's routes have their own error
+  // handler, which would turn a thrown 401 into its 500.
+  app.addHook("onRequest", async (req, reply) => {
     if (req.routeOptions.config?.public) return;
-    if (tokens.check(req.headers.authorization) === "none") {
-      throw new HttpError(401, "unauthorized", "missing or invalid bearer token", null, {
-        "www-authenticate": 'Bearer realm="fleet"',
-      });
+    const { access, via } = auth.authenticate(req.raw);
+    const admin = isAdminPath(req.url);
+    if (access === "none") {
+      if (admin && req.method === "GET" && wantsHtml(req)) {
+        return sendLoginPage(reply, 401, { next: req.url });
+      }
+      return refuse(
+        reply,
+        new HttpError(401, "unauthorized", "missing or invalid bearer token", null, {
+          "www-authenticate": 'Bearer realm="fleet"',
+        }),
+      );
+    }
+    if (admin && !SAFE_METHODS.has(req.method)) {
+      // Bull Board actions (retry, clean, promote, remove, pause, ...): admin tokens only.
+      if (access !== "admin") {
+        return refuse(
+          reply,
+          new HttpError(403, "forbidden", "Bull Board actions need an admin token (admin:<token>)"),
+        );
+      }
+      // CSRF: a session cookie rides along with any request the browser makes, so a mutating
+      // request on a cookie must come from a page of this dispatcher. (The cookie is also
+      // SameSite=Strict; a bearer header cannot be attached by another site's page at all.)
+      if (via === "session" && sameOrigin(req.headers) !== true) {
+        return refuse(reply, new HttpError(403, "forbidden", "cross-site request refused"));
+      }
+    }
+  });
+
+  // The board and the login pages must not be framed (clickjacking an admin's click on "clean").
+  app.addHook("onSend", async (req, reply) => {
+    if (!isAdminPath(req.url)) return;
+    reply.header("x-frame-options", "DENY");
+    if (!reply.hasHeader("content-security-policy")) {
+      reply.header("content-security-policy", "frame-ancestors 'none'");
     }
   });
 
@@ -68,14 +113,33 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     return reply.code(404).send(errorBody(http));
   });
 
-  registerOpsRoutes(app, ctx);
+  // Bull Board's view of the janitor's queue (the stage queues come with `deps.queues`). It
+  // shares the Redis connection, which closing the queue leaves open.
+  const janitorQueue = new Queue(JANITOR_QUEUE, { connection: deps.redis, prefix: config.prefix });
+  janitorQueue.on("error", (err) => logger.warn({ err, queue: JANITOR_QUEUE }, "queue connection error"));
+  app.addHook("onClose", async () => {
+    await janitorQueue.close();
+  });
+
+  registerOpsRoutes(app, { ...ctx, scrapeQueues: [...Object.values(deps.queues.queues), janitorQueue] });
   registerRolloutRoutes(app, ctx);
   registerBatchRoutes(app, ctx);
-  // Bull Board (a later change) is registered here, at `/admin/queues`, behind the same
-  // onRequest auth hook; write actions need `tokens.check(...) === "admin"`
-  // (FLEET_API_TOKENS entries prefixed `admin:`), everyone else gets a read-only board.
+  registerAdminRoutes(app, auth);
+  registerBoard(app, { queues: deps.queues, janitorQueue, auth });
+  app.get("/admin", { config: { public: true } }, async (_req, reply) => reply.redirect(BOARD_PATH, 303));
 
   return app;
+}
+
+const SAFE_METHODS = new Set(["GET", "HEAD", "OPTIONS"]);
+
+/** A browser navigating (it asks for HTML), not a script asking for JSON. */
+function wantsHtml(req: FastifyRequest): boolean {
+  return (req.headers.accept ?? "").includes("text/html");
+}
+
+function refuse(reply: FastifyReply, err: HttpError): FastifyReply {
+  return reply.code(err.status).headers(err.headers).send(errorBody(err));
 }
 
 /** One log line per request, on completion (no "incoming request" line). */

@@ -1,23 +1,22 @@
+import type { Queue } from "bullmq";
 import type { FastifyInstance } from "fastify";
 import type { RouteContext } from "../context.ts";
 import { HttpError, RETRY_AFTER_S } from "../http-error.ts";
 import { buildOpenApi } from "../openapi.ts";
-import { refreshQueueMetrics } from "../queue-metrics.ts";
+import { refreshScrapeMetrics, withTimeout } from "../scrape-metrics.ts";
 
-/** How long `/readyz` and the queue gauges of `/metrics` wait for Redis. */
+/** How long `/readyz` and the Redis-sampled gauges of `/metrics` wait for Redis. */
 export const REDIS_CHECK_TIMEOUT_MS = 2000;
 
-function withTimeout<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
-  let timer: NodeJS.Timeout | undefined;
-  const timeout = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
-  });
-  return Promise.race([promise, timeout]).finally(() => clearTimeout(timer));
-}
-
 /** `/healthz`, `/readyz`, `/metrics` (no token: see README), `/openapi.json` (token). */
-export function registerOpsRoutes(app: FastifyInstance, ctx: RouteContext): void {
-  const { redis, registry, metrics, queues, ledger } = ctx;
+export function registerOpsRoutes(
+  app: FastifyInstance,
+  ctx: RouteContext & {
+    /** Queues sampled for the queue gauges: the stage queues and the janitor's. */
+    scrapeQueues: readonly Queue[];
+  },
+): void {
+  const { redis, registry, metrics, store, ledger } = ctx;
 
   // Liveness: the process answers. Touches nothing else, so a Redis outage does not get the
   // dispatcher restarted (readiness takes it out of rotation instead).
@@ -40,13 +39,18 @@ export function registerOpsRoutes(app: FastifyInstance, ctx: RouteContext): void
 
   app.get("/metrics", { config: { public: true } }, async (req, reply) => {
     try {
-      await withTimeout(
-        refreshQueueMetrics(queues, metrics, ledger, ctx.now()),
-        REDIS_CHECK_TIMEOUT_MS,
-        "queue metrics",
-      );
+      await refreshScrapeMetrics({
+        redis,
+        queues: ctx.scrapeQueues,
+        store,
+        ledger,
+        metrics,
+        now: ctx.now(),
+        timeoutMs: REDIS_CHECK_TIMEOUT_MS,
+      });
     } catch (err) {
-      // Still serve the process metrics; the queue gauges are absent rather than stale.
+      // Still serve the process metrics (and fleet_redis_up 0); the Redis-sampled gauges are
+      // absent rather than stale.
       req.log.warn({ err }, "queue metrics unavailable");
     }
     return reply.type(registry.contentType).send(await registry.metrics());

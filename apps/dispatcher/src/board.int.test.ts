@@ -1,0 +1,242 @@
+import { randomUUID } from "node:crypto";
+import { DispatcherConfig, parseConfig } from "@fleet/config";
+import { createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import { UnrecoverableError, Worker } from "bullmq";
+import type { FastifyInstance, InjectOptions } from "fastify";
+import type { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createServer } from "./server.ts";
+import { SESSION_COOKIE } from "./session.ts";
+
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+const USER = `user-${randomUUID()}`;
+const ADMIN = `admin-${randomUUID()}`;
+const prefix = `{t-board-${randomUUID().slice(0, 8)}}`;
+/** What `inject` sends as Host (and so what a same-origin page's Origin is). */
+const ORIGIN = "http://localhost:80";
+
+let redis: Redis;
+let queues: StageQueues;
+let app: FastifyInstance;
+
+interface QueueJson {
+  name: string;
+  readOnlyMode: boolean;
+  counts: Record<string, number>;
+}
+
+const call = (o: InjectOptions & { token?: string; cookie?: string }) => {
+  const { token, cookie, headers, ...rest } = o;
+  return app.inject({
+    ...rest,
+    headers: {
+      ...(token ? { authorization: `Bearer ${token}` } : {}),
+      ...(cookie ? { cookie: `${SESSION_COOKIE}=${cookie}` } : {}),
+      ...headers,
+    },
+  });
+};
+
+async function login(token: string): Promise<string> {
+  const res = await call({
+    method: "POST",
+    url: "/admin/login",
+    headers: { "content-type": "application/x-www-form-urlencoded", origin: ORIGIN },
+    payload: new URLSearchParams({ token, next: "/admin/queues/queue/run" }).toString(),
+  });
+  expect(res.statusCode).toBe(303);
+  expect(res.headers.location).toBe("/admin/queues/queue/run");
+  const setCookie = String(res.headers["set-cookie"]);
+  expect(setCookie).toMatch(/HttpOnly/);
+  expect(setCookie).toMatch(/SameSite=Strict/);
+  expect(setCookie).toMatch(/Path=\/admin/);
+  expect(setCookie).not.toContain(token);
+  return new RegExp(`${SESSION_COOKIE}=([^;]+)`).exec(setCookie)![1]!;
+}
+
+/** A failed job in the run queue, for retry attempts. */
+async function failedRunJob(id: string): Promise<void> {
+  await queues.queues.run.add("run", { rolloutId: id }, { jobId: `${id}.run`, attempts: 1 });
+  const worker = new Worker(
+    "run",
+    async () => {
+      throw new UnrecoverableError("planted failure");
+    },
+    { connection: redis.duplicate(), prefix },
+  );
+  await new Promise<void>((resolve) => worker.on("failed", (job) => job?.id === `${id}.run` && resolve()));
+  await worker.close();
+}
+
+beforeAll(async () => {
+  redis = createRedis(REDIS_URL);
+  queues = new StageQueues(redis, prefix);
+  const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
+  app = createServer({
+    store: new RolloutStore(redis, prefix),
+    queues,
+    ledger: new TeardownLedger(redis, prefix),
+    redis,
+    config: parseConfig(DispatcherConfig, {
+      FLEET_PREFIX: prefix,
+      FLEET_API_TOKENS: `${USER},admin:${ADMIN}`,
+    }),
+    logger: createLogger({ name: "board-test", level: "silent" }),
+    registry,
+    metrics: createFleetMetrics(registry),
+  });
+  await app.ready();
+  await queues.queues.seed.add("seed", { rolloutId: "r-a" }, { jobId: "r-a.seed" });
+  await queues.queues.seed.add("seed", { rolloutId: "r-b" }, { jobId: "r-b.seed" });
+  await failedRunJob("r-c");
+});
+
+afterAll(async () => {
+  await app?.close();
+  await queues?.obliterate();
+  const stream = redis.scanStream({ match: `${prefix}*`, count: 1000 });
+  for await (const keys of stream as AsyncIterable<string[]>)
+    if (keys.length > 0) await redis.unlink(...keys);
+  await queues?.close();
+  await redis?.quit();
+});
+
+describe("Bull Board at /admin/queues", () => {
+  it("without a token: 401 on the board, its API and the API; a browser gets the sign-in form", async () => {
+    const page = await call({ method: "GET", url: "/admin/queues", headers: { accept: "text/html" } });
+    expect(page.statusCode).toBe(401);
+    expect(page.headers["content-type"]).toContain("text/html");
+    expect(page.body).toContain('action="/admin/login"');
+    expect(page.headers["x-frame-options"]).toBe("DENY");
+    const api = await call({ method: "GET", url: "/admin/queues/api/queues" });
+    expect(api.statusCode).toBe(401);
+    expect(api.json()).toMatchObject({ error: { code: "unauthorized" } });
+    expect((await call({ method: "GET", url: "/admin/queues/static/favicon-32x32.png" })).statusCode).toBe(
+      401,
+    );
+    expect((await call({ method: "GET", url: "/v1/rollouts/x" })).statusCode).toBe(401);
+    expect((await call({ method: "GET", url: "/admin/queues/api/queues", token: "wrong" })).statusCode).toBe(
+      401,
+    );
+    expect(
+      (await call({ method: "GET", url: "/admin/queues/api/queues", cookie: "v1.x.1.y" })).statusCode,
+    ).toBe(401);
+  });
+
+  it("shows the four stage queues and the janitor's, read-only for an ordinary token", async () => {
+    const res = await call({ method: "GET", url: "/admin/queues/api/queues", token: USER });
+    expect(res.statusCode).toBe(200);
+    const qs = (res.json() as { queues: QueueJson[] }).queues;
+    expect(qs.map((q) => q.name).sort()).toEqual(["close", "janitor", "run", "seed", "verify"]);
+    expect(qs.every((q) => q.readOnlyMode)).toBe(true);
+    expect(qs.find((q) => q.name === "seed")!.counts.waiting).toBe(2);
+    expect(qs.find((q) => q.name === "run")!.counts.failed).toBe(1);
+
+    const retry = await call({
+      method: "PUT",
+      url: "/admin/queues/api/queues/run/r-c.run/retry",
+      token: USER,
+    });
+    expect(retry.statusCode).toBe(403);
+    expect(retry.json()).toMatchObject({ error: { code: "forbidden" } });
+    expect(await queues.queues.run.getJobState("r-c.run")).toBe("failed");
+  });
+
+  it("gives an admin token the full board, whose actions work", async () => {
+    const res = await call({ method: "GET", url: "/admin/queues/api/queues", token: ADMIN });
+    expect((res.json() as { queues: QueueJson[] }).queues.every((q) => !q.readOnlyMode)).toBe(true);
+    await failedRunJob("r-d");
+    const retry = await call({
+      method: "PUT",
+      url: "/admin/queues/api/queues/run/r-d.run/retry",
+      token: ADMIN,
+    });
+    expect(retry.statusCode).toBe(204);
+    expect(await queues.queues.run.getJobState("r-d.run")).toBe("waiting");
+  });
+
+  it("signs a browser in with a token: an HMAC-signed session cookie, read-only or admin by the token", async () => {
+    const user = await login(USER);
+    const asUser = await call({ method: "GET", url: "/admin/queues/api/queues", cookie: user });
+    expect(asUser.statusCode).toBe(200);
+    expect((asUser.json() as { queues: QueueJson[] }).queues.every((q) => q.readOnlyMode)).toBe(true);
+    const page = await call({
+      method: "GET",
+      url: "/admin/queues",
+      cookie: user,
+      headers: { accept: "text/html" },
+    });
+    expect(page.statusCode).toBe(200);
+    expect(page.body).toContain("rollout-fleet (read-only)");
+    // The cookie is for the board only, not the API.
+    expect((await call({ method: "GET", url: "/openapi.json", cookie: user })).statusCode).toBe(401);
+    const userRetry = await call({
+      method: "PUT",
+      url: "/admin/queues/api/queues/run/r-c.run/retry",
+      cookie: user,
+      headers: { origin: ORIGIN },
+    });
+    expect(userRetry.statusCode).toBe(403);
+
+    const admin = await login(ADMIN);
+    const asAdmin = await call({ method: "GET", url: "/admin/queues/api/queues", cookie: admin });
+    expect((asAdmin.json() as { queues: QueueJson[] }).queues.every((q) => !q.readOnlyMode)).toBe(true);
+
+    const wrong = await call({
+      method: "POST",
+      url: "/admin/login",
+      headers: { "content-type": "application/x-www-form-urlencoded", origin: ORIGIN },
+      payload: "token=not-a-token",
+    });
+    expect(wrong.statusCode).toBe(401);
+    expect(wrong.headers["set-cookie"]).toBeUndefined();
+  });
+
+  it("refuses a cross-site action on the admin's cookie (CSRF) and a cross-site sign-in", async () => {
+    const admin = await login(ADMIN);
+    const url = "/admin/queues/api/queues/run/r-c.run/retry";
+    for (const headers of [{ origin: "http://evil.example" }, { referer: "http://evil.example/x" }, {}]) {
+      const res = await call({ method: "PUT", url, cookie: admin, headers });
+      expect(res.statusCode).toBe(403);
+      expect(res.json()).toMatchObject({
+        error: { code: "forbidden", message: "cross-site request refused" },
+      });
+    }
+    expect(await queues.queues.run.getJobState("r-c.run")).toBe("failed");
+    const ok = await call({ method: "PUT", url, cookie: admin, headers: { origin: ORIGIN } });
+    expect(ok.statusCode).toBe(204);
+    expect(await queues.queues.run.getJobState("r-c.run")).toBe("waiting");
+
+    const csrfLogin = await call({
+      method: "POST",
+      url: "/admin/login",
+      headers: { "content-type": "application/x-www-form-urlencoded", origin: "http://evil.example" },
+      payload: new URLSearchParams({ token: USER }).toString(),
+    });
+    expect(csrfLogin.statusCode).toBe(403);
+    expect(csrfLogin.headers["set-cookie"]).toBeUndefined();
+  });
+
+  it("only redirects to the board after sign-in, and signs out", async () => {
+    const res = await call({
+      method: "POST",
+      url: "/admin/login",
+      headers: { "content-type": "application/x-www-form-urlencoded", origin: ORIGIN },
+      payload: new URLSearchParams({ token: USER, next: "//evil.example/x" }).toString(),
+    });
+    expect(res.headers.location).toBe("/admin/queues");
+    const out = await call({ method: "GET", url: "/admin/logout" });
+    expect(out.statusCode).toBe(303);
+    expect(String(out.headers["set-cookie"])).toMatch(new RegExp(`${SESSION_COOKIE}=;.*Max-Age=0`));
+    // The API still refuses form bodies.
+    const form = await call({
+      method: "POST",
+      url: "/v1/rollouts",
+      token: USER,
+      headers: { "content-type": "application/x-www-form-urlencoded" },
+      payload: "a=b",
+    });
+    expect(form.statusCode).toBe(415);
+  });
+});

@@ -1,0 +1,89 @@
+import { randomUUID } from "node:crypto";
+import { DispatcherConfig, parseConfig } from "@fleet/config";
+import { createRedis, RolloutStore, StageQueues } from "@fleet/queue";
+import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import type { FastifyInstance } from "fastify";
+import type { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { BOARD_PATH } from "./board.ts";
+import { registeredRoutes } from "./route-table.ts";
+import { createServer } from "./server.ts";
+
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+const TOKEN = "openapi-test-token";
+
+let redis: Redis;
+let queues: StageQueues;
+let app: FastifyInstance;
+
+beforeAll(async () => {
+  redis = createRedis(REDIS_URL);
+  const prefix = `{t-openapi-${randomUUID().slice(0, 8)}}`;
+  queues = new StageQueues(redis, prefix);
+  const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
+  app = createServer({
+    store: new RolloutStore(redis, prefix),
+    queues,
+    redis,
+    config: parseConfig(DispatcherConfig, { FLEET_PREFIX: prefix, FLEET_API_TOKENS: TOKEN }),
+    logger: createLogger({ name: "openapi-test", level: "silent" }),
+    registry,
+    metrics: createFleetMetrics(registry),
+  });
+  await app.ready();
+});
+
+afterAll(async () => {
+  await app?.close();
+  await queues?.close();
+  await redis?.quit();
+});
+
+/** `/v1/rollouts/:id` → `/v1/rollouts/{id}`. */
+const openApiPath = (url: string) => url.replace(/:([A-Za-z0-9_]+)/g, "{$1}");
+
+describe("/openapi.json", () => {
+  it("documents every route Fastify registered, and nothing that is not one", async () => {
+    const res = await app.inject({
+      method: "GET",
+      url: "/openapi.json",
+      headers: { authorization: `Bearer ${TOKEN}` },
+    });
+    expect(res.statusCode).toBe(200);
+    const doc = res.json() as { openapi: string; paths: Record<string, Record<string, unknown>> };
+    expect(doc.openapi).toBe("3.1.0");
+
+    const routes = registeredRoutes(app);
+    const visible = routes.filter((r) => !r.hidden);
+    expect(visible.length).toBeGreaterThan(10);
+    const undocumented = visible
+      .filter((r) => !doc.paths[openApiPath(r.url)]?.[r.method.toLowerCase()])
+      .map((r) => `${r.method} ${r.url}`);
+    expect(undocumented).toEqual([]);
+
+    // Hidden routes are Bull Board's own (its pages, JSON API and static files), all under the
+    // board's path, which is documented as one entry.
+    const hidden = routes.filter((r) => r.hidden);
+    expect(hidden.length).toBeGreaterThan(20);
+    expect(hidden.filter((r) => !r.url.startsWith(BOARD_PATH))).toEqual([]);
+    expect(doc.paths[BOARD_PATH]?.get).toBeDefined();
+
+    // And the other way round: each documented operation is served.
+    const served = new Set(routes.map((r) => `${r.method.toLowerCase()} ${openApiPath(r.url)}`));
+    const phantom = Object.entries(doc.paths).flatMap(([path, ops]) =>
+      Object.keys(ops)
+        .filter((m) => !served.has(`${m} ${path}`))
+        .map((m) => `${m} ${path}`),
+    );
+    expect(phantom).toEqual([]);
+
+    // Public routes are documented as such (`security: []`), the rest need a credential.
+    for (const r of visible) {
+      const op = doc.paths[openApiPath(r.url)]![r.method.toLowerCase()] as { security?: unknown[] };
+      expect({ route: `${r.method} ${r.url}`, public: op.security?.length === 0 }).toEqual({
+        route: `${r.method} ${r.url}`,
+        public: r.public,
+      });
+    }
+  });
+});
