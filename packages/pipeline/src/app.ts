@@ -177,6 +177,9 @@ export async function runJanitorApp(env: Env): Promise<void> {
   const config = parseConfig(JanitorConfig, env);
   const workerId = `janitor-${hostname()}-${process.pid}`;
   const { deps, redis, logger, shutdown } = await buildDeps("janitor", config, workerId);
+  // A sandbox intent whose container never appeared: trusted as never created after the same
+  // grace as an unknown labelled sandbox (the label sweep still catches a late create).
+  deps.intentGraceMs = config.orphanGraceMs;
   const janitor = await startJanitor(deps, {
     connection: redis,
     prefix: config.prefix,

@@ -15,23 +15,26 @@ const trim = {
 
 /**
  * The job catalog. Attempts are an upper bound: retries also stop when the next one could not
- * start before the rollout's deadline (retries share one deadline, DESIGN §2 rule 5).
+ * start before the rollout's deadline (retries share one deadline, DESIGN §2 rule 5). They are
+ * sized so that the backoff alone rides out a Docker daemon or Redis outage of half a minute
+ * or more (seed ≤ 127 s, run ≤ 62 s, verify ≤ 63 s of backoff; jitter shortens each delay by up
+ * to half): a short outage should delay rollouts, not mask them.
  */
 export const STAGE_CATALOG: Record<StageName, StageCatalogEntry> = {
   seed: {
     stage: "seed",
     schema: StageJob,
-    options: { attempts: 5, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
+    options: { attempts: 8, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
   },
   run: {
     stage: "run",
     schema: StageJob,
-    options: { attempts: 3, backoff: { type: "exponential", delay: 2000, jitter: 0.5 }, ...trim },
+    options: { attempts: 6, backoff: { type: "exponential", delay: 2000, jitter: 0.5 }, ...trim },
   },
   verify: {
     stage: "verify",
     schema: StageJob,
-    options: { attempts: 4, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
+    options: { attempts: 7, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
   },
   close: {
     // Close must eventually run whatever happened: many attempts, capped backoff.
