@@ -34,6 +34,12 @@ export interface FleetProcess {
   log: WriteStream;
   /** Resolves when the process exits. */
   exited: Promise<number | null>;
+  /**
+   * Port of the process's metrics server, from its "metrics server listening" log line (workers
+   * and janitor started with FLEET_METRICS_PORT; `0` picks a free one). The dispatcher serves
+   * `/metrics` on `url` instead.
+   */
+  metricsPort?: number;
 }
 
 export async function freePort(): Promise<number> {
@@ -118,6 +124,10 @@ export class FleetProcesses {
         log.write(chunk);
         if (buffered !== null) {
           buffered += chunk.toString("utf8");
+          if (proc.metricsPort === undefined) {
+            const line = /^.*"metrics server listening".*$/m.exec(buffered)?.[0];
+            if (line) proc.metricsPort = Number(/"port":(\d+)/.exec(line)?.[1]) || undefined;
+          }
           if (ready.test(buffered)) {
             clearTimeout(timer);
             buffered = "";
