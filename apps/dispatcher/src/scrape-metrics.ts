@@ -77,7 +77,7 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
     for (const { name, counts, oldestAgeS, workers } of perQueue) {
       for (const state of QUEUE_STATES) metrics.queueJobs.set({ queue: name, state }, counts[state] ?? 0);
       metrics.queueOldestWaitingAge.set({ queue: name }, oldestAgeS);
-      metrics.queueWorkers.set({ queue: name }, workers);
+      if (workers !== null) metrics.queueWorkers.set({ queue: name }, workers);
     }
     metrics.rolloutsInflight.set(inflight);
     if (ledgerSize !== null) metrics.teardownLedgerEntries.set(ledgerSize);
@@ -92,7 +92,8 @@ async function sampleQueue(queue: Queue, now: number) {
     queue.getJobCounts(...QUEUE_STATES),
     // Oldest first: the head of the wait list.
     queue.getJobs(["waiting"], 0, 0, true),
-    queue.getWorkersCount(),
+    // CLIENT LIST, which some managed Redis services refuse: then this one gauge is left out.
+    queue.getWorkersCount().catch(() => null),
   ]);
   const oldestAgeS = oldest?.timestamp ? Math.max(0, (now - oldest.timestamp) / 1000) : 0;
   return { name: queue.name, counts, oldestAgeS, workers };
