@@ -9,13 +9,14 @@ import {
   type TerminalStatus,
 } from "@fleet/contracts";
 import { assertRedisDurable, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
-import { createSandboxProvider } from "@fleet/sandbox";
+import { createSandboxProvider, DockerGatewayNetworks } from "@fleet/sandbox";
 import {
   createFleetMetrics,
   createLogger,
   createMetricsRegistry,
   startMetricsServer,
 } from "@fleet/telemetry";
+import { createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
 import { createStageWorkers } from "./worker.ts";
@@ -38,6 +39,7 @@ const STATUS_OF_OUTCOME: Record<FailureClass["outcome"], TerminalStatus> = {
 };
 
 interface Common {
+  credentialsFile?: string | null;
   redisUrl: string;
   prefix: string;
   logLevel: string;
@@ -48,8 +50,10 @@ interface Common {
   metricsHost: string;
 }
 
-async function buildDeps(app: string, config: Common, workerId: string) {
-  const logger = createLogger({ name: app, level: config.logLevel as "info" });
+async function buildDeps(app: string, config: Common, workerId: string, env: Env) {
+  // Credential values this worker resolved: the logger scrubs them from every line.
+  const knownSecrets = new Set<string>();
+  const logger = createLogger({ name: app, level: config.logLevel as "info", secrets: knownSecrets });
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
   const redis = createRedis(config.redisUrl);
@@ -79,6 +83,20 @@ async function buildDeps(app: string, config: Common, workerId: string) {
     logger,
     metrics,
     workerId,
+    // Sealed per-rollout networks for agents that get a model (needs root/NET_ADMIN and a local daemon).
+    networks:
+      config.sandboxProvider === "docker"
+        ? new DockerGatewayNetworks({
+            docker: config.dockerHost ? { endpoint: config.dockerHost } : undefined,
+          })
+        : undefined,
+    harnessDeps: {
+      resolveCredential: createCredentialResolver({
+        env,
+        file: config.credentialsFile ?? null,
+        known: knownSecrets,
+      }),
+    },
   };
   // A Queue re-emits its connection's errors; unheard, BullMQ prints each one raw to stderr.
   for (const queue of Object.values(deps.queues.queues)) queue.on("error", () => undefined);
@@ -139,7 +157,7 @@ function onSignals(
 export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   const config = parseWorkerConfig(kind, env);
   const workerId = config.workerId ?? `${kind}-${hostname()}-${process.pid}-${randomUUID().slice(0, 8)}`;
-  const { deps, redis, logger, shutdown } = await buildDeps(`${kind}-worker`, config, workerId);
+  const { deps, redis, logger, shutdown } = await buildDeps(`${kind}-worker`, config, workerId, env);
   const workers = createStageWorkers(STAGES_OF[kind], deps, {
     connection: redis,
     prefix: config.prefix,
@@ -176,7 +194,7 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
 export async function runJanitorApp(env: Env): Promise<void> {
   const config = parseConfig(JanitorConfig, env);
   const workerId = `janitor-${hostname()}-${process.pid}`;
-  const { deps, redis, logger, shutdown } = await buildDeps("janitor", config, workerId);
+  const { deps, redis, logger, shutdown } = await buildDeps("janitor", config, workerId, env);
   // A sandbox intent whose container never appeared: trusted as never created after the same
   // grace as an unknown labelled sandbox (the label sweep still catches a late create).
   deps.intentGraceMs = config.orphanGraceMs;

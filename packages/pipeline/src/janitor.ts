@@ -113,6 +113,16 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   for (const [owner, n] of Object.entries(active)) {
     deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
   }
+  // (5) Gateway networks whose rollout is over (a close that could not remove one).
+  if (deps.networks) {
+    for (const net of await deps.networks.list()) {
+      const rec = await deps.store.get(net.rolloutId);
+      if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
+        await deps.networks.remove(net.rolloutId).catch(() => undefined);
+      }
+    }
+  }
+
   deps.metrics?.teardownLedgerEntries.set(await deps.ledger.size());
   return report;
 }
