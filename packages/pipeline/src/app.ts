@@ -164,12 +164,13 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     concurrency: config.concurrency,
     lockDurationMs: config.lockDurationMs,
     stalledIntervalMs: config.stalledIntervalMs,
+    // fleet_queue_stalled_jobs_total: BullMQ reports a stalled job to the worker whose check
+    // found it (every worker, the supervisor's replacements included).
+    onWorker: (worker) => {
+      deps.metrics?.queueStalledJobs.inc({ queue: worker.name }, 0);
+      worker.on("stalled", () => deps.metrics?.queueStalledJobs.inc({ queue: worker.name }));
+    },
   });
-  // fleet_queue_stalled_jobs_total: BullMQ reports a stalled job to the worker whose check found it.
-  for (const worker of workers.workers) {
-    deps.metrics?.queueStalledJobs.inc({ queue: worker.name }, 0);
-    worker.on("stalled", () => deps.metrics?.queueStalledJobs.inc({ queue: worker.name }));
-  }
   // fleet_rollouts_finished_total starts at 0 for every status/failure_kind pair close can
   // report, so increase() (the masked-ratio alert) sees each pair's first rollout.
   if (deps.metrics && STAGES_OF[kind].includes("close")) {

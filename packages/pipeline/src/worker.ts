@@ -20,6 +20,8 @@ export interface StageWorkerOptions {
    * `false` turns it off. @defaultValue `{ intervalMs: 5_000, stuckAfterMs: 30_000 }`
    */
   supervise?: { intervalMs: number; stuckAfterMs: number } | false;
+  /** Called for every BullMQ worker made, the supervisor's replacements included (listeners, metrics). */
+  onWorker?: (worker: Worker, stage: StageName) => void;
 }
 
 export interface StageWorkers {
@@ -104,6 +106,7 @@ export function createStageWorkers(
       },
     );
     worker.on("error", (err) => deps.logger.error({ stage, err: err.message }, "worker error"));
+    options.onWorker?.(worker, stage);
     return worker;
   };
 
