@@ -6,7 +6,9 @@ import { defineConfig } from "vitest/config";
 // share one Docker daemon and two cores.
 export default defineConfig({
   test: {
-    reporters: process.env.CI ? ["default", ["json", { outputFile: "test-artifacts/vitest.json" }]] : ["default"],
+    reporters: process.env.CI
+      ? ["default", ["json", { outputFile: "test-artifacts/vitest.json" }]]
+      : ["default"],
     projects: [
       {
         test: {

@@ -75,7 +75,6 @@ const { values } = parseArgs({
     sides: { type: "string", default: "raw,fleet" },
     /** Comma-separated part A experiments (see `EXPERIMENTS`); none by default. */
     experiment: { type: "string", default: "" },
-    // biome-ignore lint/suspicious/noUndeclaredEnvVars: a script's input, not a turbo task's
     image: { type: "string", default: process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest" },
   },
 });
@@ -89,7 +88,6 @@ const PART = values.part;
 if (!["a", "b", "both"].includes(PART)) throw new Error(`--part must be a, b or both, got ${PART}`);
 const SIDES = new Set(values.sides.split(","));
 const IMAGE = values.image;
-// biome-ignore lint/suspicious/noUndeclaredEnvVars: a script's input, not a turbo task's
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 /**
  * Part A experiments: each patches one thing in this process to size a change suggested for the

@@ -26,7 +26,6 @@ const { values } = parseArgs({
     n: { type: "string", default: "30" },
     execs: { type: "string", default: "5" },
     warmup: { type: "string", default: "3" },
-    // biome-ignore lint/suspicious/noUndeclaredEnvVars: a script's input, not a turbo task's
     image: { type: "string", default: process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest" },
     socket: { type: "string", default: "/var/run/docker.sock" },
   },

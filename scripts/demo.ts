@@ -47,7 +47,20 @@ async function startPrivateRedis(): Promise<{ url: string; proc: ChildProcess }>
   mkdirSync(dir, { recursive: true });
   const proc = spawn(
     "redis-server",
-    ["--bind", "127.0.0.1", "--port", String(port), "--dir", dir, "--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", ""],
+    [
+      "--bind",
+      "127.0.0.1",
+      "--port",
+      String(port),
+      "--dir",
+      dir,
+      "--appendonly",
+      "yes",
+      "--maxmemory-policy",
+      "noeviction",
+      "--save",
+      "",
+    ],
     { stdio: "ignore" },
   );
   const url = `redis://127.0.0.1:${port}`;
@@ -85,11 +98,17 @@ function summarise(label: string, file: string): ResultLine[] {
   const graded = rows.filter((r) => r.reward !== null).map((r) => r.reward!);
   const mean = graded.length ? graded.reduce((a, b) => a + b, 0) / graded.length : null;
   console.log(`\n== ${label}: ${rows.length} rollouts`);
-  console.log(`   status      ${Object.entries(counts).map(([k, v]) => `${k}=${v}`).join(" ")}`);
+  console.log(
+    `   status      ${Object.entries(counts)
+      .map(([k, v]) => `${k}=${v}`)
+      .join(" ")}`,
+  );
   console.log(`   mean reward ${mean === null ? "n/a" : mean.toFixed(3)} over ${graded.length} graded`);
   for (const stage of ["queuedMs", "seedMs", "runMs", "verifyMs", "closeMs", "totalMs"]) {
     const vs = rows.map((r) => r.timings[stage]).filter((v): v is number => typeof v === "number");
-    console.log(`   ${stage.padEnd(10)}  p50 ${String(percentile(vs, 50)).padStart(6)} ms   p95 ${String(percentile(vs, 95)).padStart(6)} ms`);
+    console.log(
+      `   ${stage.padEnd(10)}  p50 ${String(percentile(vs, 50)).padStart(6)} ms   p95 ${String(percentile(vs, 95)).padStart(6)} ms`,
+    );
   }
   return rows;
 }
@@ -107,7 +126,12 @@ async function main(): Promise<number> {
   let fleet: FleetProcesses | null = null;
   try {
     say("starting the dispatcher, resources/agent/verifier workers and the janitor…");
-    fleet = await FleetProcesses.start({ redisUrl, prefix, logDir: join(runDir, "logs"), env: { FLEET_CONCURRENCY: "4" } });
+    fleet = await FleetProcesses.start({
+      redisUrl,
+      prefix,
+      logDir: join(runDir, "logs"),
+      env: { FLEET_CONCURRENCY: "4" },
+    });
     say(`dispatcher at ${fleet.url}; logs in ${join(runDir, "logs")}`);
     const env = { FLEET_URL: fleet.url, FLEET_TOKEN: fleet.token };
     const suite = join(REPO_ROOT, "packages/tasks/suites/example");
@@ -120,7 +144,16 @@ async function main(): Promise<number> {
     const wrongOut = join(runDir, "results-wrong.jsonl");
     say("submitting the example suite with a deliberately wrong agent (does nothing)…");
     runCli(
-      ["submit", "--suite", suite, "--agent", JSON.stringify({ harness: "command", name: "do-nothing", argv: ["true"] }), "--wait", "--out", wrongOut],
+      [
+        "submit",
+        "--suite",
+        suite,
+        "--agent",
+        JSON.stringify({ harness: "command", name: "do-nothing", argv: ["true"] }),
+        "--wait",
+        "--out",
+        wrongOut,
+      ],
       env,
     );
 

@@ -3,15 +3,6 @@ import type { RolloutRecord } from "@fleet/queue";
 import { describe, expect, it } from "vitest";
 import { composeResult } from "./result.ts";
 
-const handle = {
-  provider: "docker" as const,
-  endpoint: "e",
-  id: "c",
-  name: "n",
-  rolloutId: "r1",
-  owner: "resources" as const,
-  volumes: [],
-};
 const exec = {
   exitCode: 0,
   timedOut: false,
