@@ -7,12 +7,12 @@ import {
   TaskContent,
 } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
+import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { createHarness } from "./create-harness.ts";
 import { agentDeadline } from "./deadline.ts";
 import type { HarnessContext } from "./harness.ts";
 import { stageWorkspace } from "./stage-workspace.ts";
-import { InMemorySandboxProvider } from "./test-support/in-memory-provider.ts";
 
 const TASK = TaskContent.parse({
   id: "t1",

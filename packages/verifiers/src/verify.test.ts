@@ -8,13 +8,9 @@ import {
   type TaskContentInput,
 } from "@fleet/contracts";
 import { ROOT_USER } from "@fleet/sandbox";
+import { type ExecCall, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { parseReward } from "./reward-file.ts";
-import {
-  type ExecCall,
-  type FakeSandbox,
-  InMemorySandboxProvider,
-} from "./test-support/in-memory-provider.ts";
 import type { VerifyContext } from "./verdict.ts";
 import { REWARD_FILE, verify } from "./verify.ts";
 

@@ -8,9 +8,9 @@ import {
 } from "@fleet/contracts";
 import { chatReply, errorReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
 import { AGENT_USER } from "@fleet/sandbox";
+import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import type { HarnessContext } from "../harness.ts";
-import { InMemorySandboxProvider } from "../test-support/in-memory-provider.ts";
 import { ToolLoopHarness } from "./tool-loop-harness.ts";
 
 // The loop against a scripted OpenAI-compatible upstream on 127.0.0.1 and an in-memory sandbox.

@@ -8,7 +8,7 @@ import type {
   SandboxSpecInput,
 } from "@fleet/contracts";
 import { FleetError } from "@fleet/contracts";
-import type { SandboxInfo, SandboxProvider } from "@fleet/sandbox";
+import type { SandboxInfo, SandboxProvider } from "../provider.ts";
 
 /** One file in a fake sandbox. */
 export interface FakeFile {
