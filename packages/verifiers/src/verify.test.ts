@@ -176,9 +176,9 @@ describe("tests verifier", () => {
     expect(err.message).toContain("did not finish within 20 s");
   });
 
-  it("tests killed for memory → verifier_error", async () => {
+  it("tests killed for memory → provider_oom_killed (masked)", async () => {
     script(() => ({ exitCode: 137, oomKilled: true }));
-    expect((await failure(verify(ctx()))).kind).toBe("verifier_error");
+    expect((await failure(verify(ctx()))).kind).toBe("provider_oom_killed");
   });
 
   it("never runs past the rollout deadline", async () => {
@@ -195,16 +195,14 @@ describe("tests verifier", () => {
     expect(provider.execCalls).toHaveLength(0);
   });
 
-  it("a provider failure → verifier_error keeping the cause and its retryability", async () => {
+  it("a provider failure keeps its kind and retryability; any other failure → verifier_error", async () => {
     const blip = new FleetError("provider_unavailable", "daemon restarting");
     script(() => {
       throw blip;
     });
     const err = await failure(verify(ctx()));
-    expect(err.kind).toBe("verifier_error");
+    expect(err).toBe(blip);
     expect(err.retryable).toBe(true);
-    expect(err.cause).toBe(blip);
-    expect(err.message).toContain("provider_unavailable: daemon restarting");
 
     provider.put = async () => {
       throw new Error("tar stream broke");
@@ -213,12 +211,12 @@ describe("tests verifier", () => {
     expect([plain.kind, plain.retryable]).toEqual(["verifier_error", false]);
   });
 
-  it("a lost sandbox while reading the reward → verifier_error", async () => {
+  it("a lost sandbox while reading the reward → sandbox_lost (masked), not a verifier crash", async () => {
     script(() => ({ exitCode: 0 }));
     provider.get = async () => {
       throw new FleetError("sandbox_lost", "gone");
     };
-    expect((await failure(verify(ctx()))).kind).toBe("verifier_error");
+    expect((await failure(verify(ctx()))).kind).toBe("sandbox_lost");
   });
 
   it("a task without tests/test.sh is invalid_task", async () => {

@@ -109,7 +109,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     throw FleetError.nonRetryable("verifier_error", `the tests did not finish within ${limit} s`);
   }
   if (result.oomKilled)
-    throw FleetError.nonRetryable("verifier_error", "the tests were killed for lack of memory");
+    throw FleetError.nonRetryable("provider_oom_killed", "the tests were killed for lack of memory");
 
   const rewardText = await step(ctx, "read the reward file", () =>
     provider.get(handle, REWARD_FILE, { maxBytes: 1024 }),
@@ -125,8 +125,8 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
 }
 
 /**
- * One provider call, under the abort signal. Any failure becomes `verifier_error` (masked),
- * keeping the provider error as cause and its retryability (a daemon blip may be retried).
+ * One provider call, under the abort signal. A provider failure keeps its kind (masked, retried
+ * when retryable); anything else becomes `verifier_error` (masked), keeping the cause.
  */
 async function step<T>(ctx: VerifyContext, what: string, call: () => Promise<T>): Promise<T> {
   const signal = ctx.signal;
@@ -142,7 +142,17 @@ async function step<T>(ctx: VerifyContext, what: string, call: () => Promise<T>)
     });
   } catch (err) {
     if (signal?.aborted && err === signal.reason) throw err;
-    if (isFleetError(err) && (err.kind === "cancelled" || err.kind === "deadline_exceeded")) throw err;
+    // The provider's own failures keep their kind: a daemon outage is `provider_unavailable`,
+    // a vanished sandbox `sandbox_lost` (both masked), not a verifier crash.
+    if (
+      isFleetError(err) &&
+      (err.kind === "cancelled" ||
+        err.kind === "deadline_exceeded" ||
+        err.kind === "provider_unavailable" ||
+        err.kind === "sandbox_lost")
+    ) {
+      throw err;
+    }
     const kind = isFleetError(err) ? `${err.kind}: ` : "";
     const message = err instanceof Error ? err.message : String(err);
     throw new FleetError("verifier_error", `verifier failed to ${what}: ${kind}${message}`, {
