@@ -1,13 +1,7 @@
 import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
-import {
-  classifyFailure,
-  type FailureClass,
-  FailureKind,
-  type StageName,
-  type TerminalStatus,
-} from "@fleet/contracts";
+import { FailureKind, type StageName } from "@fleet/contracts";
 import { assertRedisDurable, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createSandboxProvider, DockerGatewayNetworks } from "@fleet/sandbox";
 import {
@@ -19,6 +13,7 @@ import {
 import { createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
+import { statusFor } from "./result.ts";
 import { createStageWorkers } from "./worker.ts";
 
 /** Which stages each worker kind runs (DESIGN §2 table). */
@@ -29,14 +24,6 @@ export const STAGES_OF: Record<WorkerKind, StageName[]> = {
 };
 
 type Env = Record<string, string | undefined>;
-
-/** The terminal status a rollout gets for the outcome of its failure kind (DESIGN §2). */
-const STATUS_OF_OUTCOME: Record<FailureClass["outcome"], TerminalStatus> = {
-  fail: "failed",
-  mask: "masked",
-  cancel: "cancelled",
-  graded: "completed",
-};
 
 interface Common {
   credentialsFile?: string | null;
@@ -176,8 +163,7 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   if (deps.metrics && STAGES_OF[kind].includes("close")) {
     deps.metrics.rolloutsFinished.inc({ status: "completed", failure_kind: "none" }, 0);
     for (const failureKind of FailureKind.options) {
-      const status = STATUS_OF_OUTCOME[classifyFailure(failureKind).outcome];
-      deps.metrics.rolloutsFinished.inc({ status, failure_kind: failureKind }, 0);
+      deps.metrics.rolloutsFinished.inc({ status: statusFor(failureKind), failure_kind: failureKind }, 0);
     }
   }
   logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");

@@ -29,7 +29,8 @@ export function timings(rec: RolloutRecord, finishedAt: number): Timings {
   };
 }
 
-function statusFor(kind: FailureKind): TerminalStatus {
+/** The terminal status a rollout gets for a failure of this kind (DESIGN §2). */
+export function statusFor(kind: FailureKind): TerminalStatus {
   const { outcome } = classifyFailure(kind);
   switch (outcome) {
     case "fail":
