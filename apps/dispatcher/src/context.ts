@@ -1,7 +1,6 @@
 import type { DispatcherConfig } from "@fleet/config";
-import type { RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import type { RedisConnection, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import type { createMetricsRegistry, FleetMetrics, Logger } from "@fleet/telemetry";
-import type { Redis } from "ioredis";
 
 /** A prom-client registry, as `@fleet/telemetry` makes them. */
 export type MetricsRegistry = ReturnType<typeof createMetricsRegistry>;
@@ -13,7 +12,7 @@ export interface DispatcherDeps {
   /** Read for `fleet_teardown_ledger_entries` at scrape time, when given. */
   ledger?: TeardownLedger;
   /** The connection `store` and `queues` use; pinged by `/readyz`. */
-  redis: Redis;
+  redis: RedisConnection;
   config: DispatcherConfig;
   logger: Logger;
   registry: MetricsRegistry;

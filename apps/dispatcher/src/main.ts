@@ -1,5 +1,5 @@
 import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { assertRedisDurable, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { assertRedisDurable, connectRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { createServer } from "./server.ts";
 
@@ -14,7 +14,7 @@ async function main(): Promise<void> {
   const metrics = createFleetMetrics(registry);
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down
   // (→ 503) instead of waiting for it forever.
-  const redis = createRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
+  const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
   redis.on("error", (err) => logger.warn({ err }, "redis connection error"));
   try {
     await assertRedisDurable(redis);

@@ -50,6 +50,27 @@ export function urlVar(protocols: readonly string[]) {
     }, message);
 }
 
+/**
+ * A Redis URL: `redis://` / `rediss://`, or a Redis Cluster's seed nodes as
+ * `redis-cluster://[user:pass@]host:port,host:port` (`rediss-cluster://` for TLS).
+ */
+export function redisUrlVar() {
+  const message =
+    "must be a URL starting with redis:// or rediss:// (or redis-cluster://host:port,host:port)";
+  return z
+    .string()
+    .trim()
+    .refine((s) => {
+      const cluster = /^rediss?-cluster:\/\/(?:[^@/]*@)?([^@/?#]+)\/?$/i.exec(s);
+      try {
+        if (!cluster) return ["redis:", "rediss:"].includes(new URL(s).protocol);
+        return cluster[1]!.split(",").every((node) => new URL(`redis://${node}`).hostname !== "");
+      } catch {
+        return false;
+      }
+    }, message);
+}
+
 /** A non-empty string without whitespace (names, ids, prefixes, hosts). */
 export const wordVar = () => z.string().trim().regex(/^\S+$/, "must not contain whitespace");
 

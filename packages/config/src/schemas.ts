@@ -1,6 +1,16 @@
 import { ProviderName } from "@fleet/contracts";
 import { z } from "zod";
-import { apiTokensVar, boolVar, durationMsVar, intVar, LogLevel, portVar, urlVar, wordVar } from "./env.ts";
+import {
+  apiTokensVar,
+  boolVar,
+  durationMsVar,
+  intVar,
+  LogLevel,
+  portVar,
+  redisUrlVar,
+  urlVar,
+  wordVar,
+} from "./env.ts";
 
 /** Default for every app's Redis connection. */
 export const DEFAULT_REDIS_URL = "redis://127.0.0.1:6379";
@@ -28,7 +38,7 @@ export const DEFAULT_CONCURRENCY: Readonly<Record<WorkerKind, number>> = {
 };
 
 const common = {
-  REDIS_URL: urlVar(["redis:", "rediss:"]).default(DEFAULT_REDIS_URL),
+  REDIS_URL: redisUrlVar().default(DEFAULT_REDIS_URL),
   FLEET_PREFIX: wordVar().default(DEFAULT_PREFIX),
   FLEET_LOG_LEVEL: z.string().trim().toLowerCase().pipe(LogLevel).default("info"),
   FLEET_SHUTDOWN_TIMEOUT_MS: durationMsVar().default(DEFAULT_SHUTDOWN_TIMEOUT_MS),

@@ -2,7 +2,7 @@ import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
 import { FailureKind, type StageName } from "@fleet/contracts";
-import { assertRedisDurable, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { assertRedisDurable, connectRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createSandboxProvider, DockerGatewayNetworks } from "@fleet/sandbox";
 import {
   createFleetMetrics,
@@ -43,7 +43,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   const logger = createLogger({ name: app, level: config.logLevel as "info", secrets: knownSecrets });
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
-  const redis = createRedis(config.redisUrl);
+  const redis = connectRedis(config.redisUrl);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   let redisDown = false;
   redis.on("error", (err: Error) => {

@@ -1,8 +1,14 @@
 import { isTerminal } from "@fleet/contracts";
-import { JANITOR_QUEUE, type SandboxEntry, sandboxKey, stageJobId } from "@fleet/queue";
+import {
+  duplicateRedis,
+  JANITOR_QUEUE,
+  type RedisConnection,
+  type SandboxEntry,
+  sandboxKey,
+  stageJobId,
+} from "@fleet/queue";
 import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { Queue, Worker } from "bullmq";
-import type { Redis } from "ioredis";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { destroyOrLedger } from "./stages.ts";
 
@@ -137,7 +143,7 @@ export interface Janitor {
  */
 export async function startJanitor(
   deps: PipelineDeps,
-  options: JanitorOptions & { connection: Redis; prefix: string; intervalMs: number },
+  options: JanitorOptions & { connection: RedisConnection; prefix: string; intervalMs: number },
 ): Promise<Janitor> {
   const queue = new Queue(JANITOR_QUEUE, { connection: options.connection, prefix: options.prefix });
   // One pass at a time across every replica: a slow pass must not overlap the next tick.
@@ -156,7 +162,7 @@ export async function startJanitor(
       }
       return report;
     },
-    { connection: options.connection.duplicate(), prefix: options.prefix, concurrency: 1 },
+    { connection: duplicateRedis(options.connection), prefix: options.prefix, concurrency: 1 },
   );
   worker.on("error", (err) => deps.logger.error({ err: err.message }, "janitor worker error"));
   worker.on("failed", (_job, err) => deps.logger.warn({ err: err.message }, "janitor pass failed"));

@@ -1,12 +1,12 @@
 import type { StageName } from "@fleet/contracts";
+import { duplicateRedis, type RedisConnection } from "@fleet/queue";
 import { type Job, WaitingError, Worker } from "bullmq";
-import type { Redis } from "ioredis";
 import type { PipelineDeps } from "./deps.ts";
 import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
 
 export interface StageWorkerOptions {
-  connection: Redis;
+  connection: RedisConnection;
   prefix: string;
   concurrency: number;
   /** Job lock; a worker that dies loses its jobs to another after this (BullMQ stalled check). */
@@ -96,7 +96,7 @@ export function createStageWorkers(
         }
       },
       {
-        connection: options.connection.duplicate(),
+        connection: duplicateRedis(options.connection),
         prefix: options.prefix,
         concurrency: options.concurrency,
         lockDuration: options.lockDurationMs ?? 30_000,

@@ -1,8 +1,80 @@
-import { Redis, type RedisOptions } from "ioredis";
+import { Cluster, type ClusterNode, Redis, type RedisOptions } from "ioredis";
 
-/** A connection suitable for BullMQ workers (blocking commands must not time out). */
+/**
+ * One connection to the fleet's Redis: a standalone server (`redis://`, `rediss://`) or a Redis
+ * Cluster (`redis-cluster://`, `rediss-cluster://`). Every key the fleet owns shares one
+ * hash-tagged prefix (see `createKeys`), so on a cluster all of them, BullMQ's included, live in
+ * one slot and every multi-key script and pipeline stays legal.
+ */
+export type RedisConnection = Redis | Cluster;
+
+const CLUSTER_SCHEMES = ["redis-cluster:", "rediss-cluster:"] as const;
+
+/** True for `redis-cluster://…` and `rediss-cluster://…` URLs. */
+export function isClusterUrl(url: string): boolean {
+  return CLUSTER_SCHEMES.some((s) => url.toLowerCase().startsWith(`${s}//`));
+}
+
+/**
+ * Parse `redis-cluster://[user:password@]host1:port1,host2:port2[/]` into the startup nodes and
+ * the per-node options it implies (credentials, TLS for `rediss-cluster://`).
+ */
+export function parseClusterUrl(url: string): { nodes: ClusterNode[]; redisOptions: RedisOptions } {
+  const scheme = CLUSTER_SCHEMES.find((s) => url.toLowerCase().startsWith(`${s}//`));
+  if (!scheme) throw new Error(`not a Redis Cluster URL: ${JSON.stringify(url)}`);
+  let rest = url.slice(scheme.length + 2).replace(/\/+$/, "");
+  const redisOptions: RedisOptions = scheme === "rediss-cluster:" ? { tls: {} } : {};
+  const at = rest.lastIndexOf("@");
+  if (at >= 0) {
+    const auth = rest.slice(0, at);
+    rest = rest.slice(at + 1);
+    const colon = auth.indexOf(":");
+    const user = decodeURIComponent(colon >= 0 ? auth.slice(0, colon) : "");
+    const password = decodeURIComponent(colon >= 0 ? auth.slice(colon + 1) : auth);
+    if (user) redisOptions.username = user;
+    if (password) redisOptions.password = password;
+  }
+  if (rest.includes("/") || rest.includes("?")) {
+    throw new Error(`Redis Cluster URL takes no database or query: ${JSON.stringify(url)}`);
+  }
+  const nodes = rest.split(",").map((hostPort) => {
+    const m = /^(\[[^\]]+\]|[^:]+)(?::(\d+))?$/.exec(hostPort.trim());
+    if (!m) throw new Error(`bad Redis Cluster node ${JSON.stringify(hostPort)} in ${JSON.stringify(url)}`);
+    return { host: m[1]!.replace(/^\[|\]$/g, ""), port: m[2] ? Number(m[2]) : 6379 };
+  });
+  return { nodes, redisOptions };
+}
+
+/**
+ * A connection suitable for BullMQ workers (blocking commands must not time out), to a
+ * standalone Redis (`redis://`, `rediss://`). Use `connectRedis` where a Redis Cluster URL must
+ * also be accepted.
+ */
 export function createRedis(url: string, options: RedisOptions = {}): Redis {
+  if (isClusterUrl(url)) {
+    throw new Error("createRedis connects to a standalone Redis; a Redis Cluster URL needs connectRedis");
+  }
   return new Redis(url, { maxRetriesPerRequest: null, enableReadyCheck: true, ...options });
+}
+
+/**
+ * Like `createRedis`, for any URL the fleet accepts: a `Redis` for `redis://` / `rediss://`, a
+ * `Cluster` for `redis-cluster://host:port,host:port` (or `rediss-cluster://`, TLS to every node).
+ * `options` apply to every node's connection.
+ */
+export function connectRedis(url: string, options: RedisOptions = {}): RedisConnection {
+  if (!isClusterUrl(url)) return createRedis(url, options);
+  const { nodes, redisOptions } = parseClusterUrl(url);
+  return new Cluster(nodes, {
+    enableReadyCheck: true,
+    redisOptions: { maxRetriesPerRequest: null, enableReadyCheck: true, ...redisOptions, ...options },
+  });
+}
+
+/** A new connection with the same settings (BullMQ workers need one of their own each). */
+export function duplicateRedis(redis: RedisConnection): RedisConnection {
+  // Narrowed per branch: the union's two `duplicate` signatures are not callable as one.
+  return redis instanceof Cluster ? redis.duplicate() : redis.duplicate();
 }
 
 export class RedisDurabilityError extends Error {
@@ -11,9 +83,47 @@ export class RedisDurabilityError extends Error {
 
 /**
  * DESIGN §4: the fleet's state lives in Redis only, so Redis must persist every write (AOF) and
- * must never evict a key. Refuse to start otherwise, saying exactly what to change.
+ * must never evict a key. Refuse to start otherwise, saying exactly what to change. On a cluster
+ * every master is checked (a slot may move to any of them).
  */
-export async function assertRedisDurable(redis: Redis): Promise<void> {
+export async function assertRedisDurable(redis: RedisConnection): Promise<void> {
+  if (redis instanceof Cluster) {
+    await clusterReady(redis);
+    const masters = redis.nodes("master");
+    if (masters.length === 0) throw new RedisDurabilityError("Redis Cluster has no master nodes");
+    const problems: string[] = [];
+    for (const node of masters) {
+      try {
+        await assertNodeDurable(node);
+      } catch (err) {
+        if (!(err instanceof RedisDurabilityError)) throw err;
+        problems.push(`${node.options.host}:${node.options.port}: ${err.message}`);
+      }
+    }
+    if (problems.length > 0) throw new RedisDurabilityError(problems.join(" | "));
+    return;
+  }
+  await assertNodeDurable(redis);
+}
+
+/** Resolves once the cluster's slots are known (its `nodes()` are filled in). */
+async function clusterReady(cluster: Cluster): Promise<void> {
+  if (cluster.status === "ready") return;
+  await new Promise<void>((resolve, reject) => {
+    const done = (err?: Error) => {
+      cluster.off("ready", onReady);
+      cluster.off("end", onEnd);
+      if (err) reject(err);
+      else resolve();
+    };
+    const onReady = () => done();
+    const onEnd = () => done(new Error("Redis Cluster connection ended before it was ready"));
+    cluster.once("ready", onReady);
+    cluster.once("end", onEnd);
+  });
+}
+
+async function assertNodeDurable(redis: Redis): Promise<void> {
   const problems: string[] = [];
   let appendonly: string | undefined;
   let policy: string | undefined;

@@ -12,8 +12,8 @@ import {
   TaskContent,
   VerifyReceipt,
 } from "@fleet/contracts";
-import type { Redis } from "ioredis";
 import { z } from "zod";
+import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
 import { type ScriptedRedis, withScripts } from "./scripts.ts";
 
@@ -113,7 +113,7 @@ export class RolloutStore {
   private readonly redis: ScriptedRedis;
   private readonly taskCache = new Map<string, TaskContent>();
 
-  constructor(redis: Redis, prefix = "{fleet}") {
+  constructor(redis: RedisConnection, prefix = "{fleet}") {
     this.redis = withScripts(redis);
     this.keys = createKeys(prefix);
   }

@@ -1,4 +1,4 @@
-import type { Redis } from "ioredis";
+import type { RedisConnection } from "./connection.ts";
 
 /**
  * Lua scripts for every state change that must be atomic. Rollout hash fields:
@@ -177,10 +177,10 @@ const SCRIPTS = {
 export type ScriptName = keyof typeof SCRIPTS;
 
 type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
-export type ScriptedRedis = Redis & Record<ScriptName, ScriptFn>;
+export type ScriptedRedis = RedisConnection & Record<ScriptName, ScriptFn>;
 
 /** Register the scripts on a connection (idempotent). */
-export function withScripts(redis: Redis): ScriptedRedis {
+export function withScripts(redis: RedisConnection): ScriptedRedis {
   const r = redis as ScriptedRedis;
   for (const [name, def] of Object.entries(SCRIPTS)) {
     if (typeof (r as unknown as Record<string, unknown>)[name] !== "function") {

@@ -1,13 +1,13 @@
 import type { StageName } from "@fleet/contracts";
 import { Queue, type QueueOptions } from "bullmq";
-import type { Redis } from "ioredis";
 import { STAGE_CATALOG, STAGES, stageJobId } from "./catalog.ts";
+import type { RedisConnection } from "./connection.ts";
 
 /** The four stage queues, sharing one connection and prefix. */
 export class StageQueues {
   readonly queues: Record<StageName, Queue>;
 
-  constructor(connection: Redis, prefix: string, extra: Partial<QueueOptions> = {}) {
+  constructor(connection: RedisConnection, prefix: string, extra: Partial<QueueOptions> = {}) {
     const make = (stage: StageName) =>
       new Queue(stage, { connection, prefix, defaultJobOptions: STAGE_CATALOG[stage].options, ...extra });
     this.queues = { seed: make("seed"), run: make("run"), verify: make("verify"), close: make("close") };

@@ -1,6 +1,6 @@
 import { CappedText, ProviderName, SandboxHandle } from "@fleet/contracts";
-import type { Redis } from "ioredis";
 import { z } from "zod";
+import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
 import { type ScriptedRedis, withScripts } from "./scripts.ts";
 
@@ -48,7 +48,7 @@ export class TeardownLedger {
   readonly keys: Keys;
   private readonly redis: ScriptedRedis;
 
-  constructor(redis: Redis, prefix = "{fleet}") {
+  constructor(redis: RedisConnection, prefix = "{fleet}") {
     this.redis = withScripts(redis);
     this.keys = createKeys(prefix);
   }

@@ -1,10 +1,17 @@
 import { randomUUID } from "node:crypto";
 import type { RolloutRequestInput, RolloutResult } from "@fleet/contracts";
 import { RolloutRequest } from "@fleet/contracts";
-import { admit, createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import {
+  admit,
+  connectRedis,
+  type RedisConnection,
+  RolloutStore,
+  StageQueues,
+  TeardownLedger,
+} from "@fleet/queue";
 import type { SandboxProvider } from "@fleet/sandbox";
 import { createLogger } from "@fleet/telemetry";
-import type { Redis } from "ioredis";
+import { Cluster } from "ioredis";
 import type { PipelineDeps } from "../deps.ts";
 import { createStageWorkers, type StageWorkers } from "../worker.ts";
 
@@ -14,7 +21,7 @@ import { createStageWorkers, type StageWorkers } from "../worker.ts";
  */
 export interface InProcessFleet {
   prefix: string;
-  redis: Redis;
+  redis: RedisConnection;
   deps: PipelineDeps;
   workers: StageWorkers | null;
   submit(requests: RolloutRequestInput[], idempotencyKey?: string): Promise<string[]>;
@@ -30,7 +37,7 @@ export async function startInProcessFleet(options: {
   deps?: Partial<PipelineDeps>;
 }): Promise<InProcessFleet> {
   const prefix = `{t-${randomUUID().slice(0, 8)}}`;
-  const redis = createRedis(options.redisUrl ?? process.env.REDIS_URL ?? "redis://127.0.0.1:6379");
+  const redis = connectRedis(options.redisUrl ?? process.env.REDIS_URL ?? "redis://127.0.0.1:6379");
   const store = new RolloutStore(redis, prefix);
   const queues = new StageQueues(redis, prefix);
   const deps: PipelineDeps = {
@@ -92,12 +99,15 @@ export async function startInProcessFleet(options: {
       await workers?.close(10_000);
       await queues.obliterate().catch(() => undefined);
       await queues.close();
-      let cursor = "0";
-      do {
-        const [next, keys] = await redis.scan(cursor, "MATCH", `${prefix}*`, "COUNT", 1000);
-        cursor = next;
-        if (keys.length > 0) await redis.del(...keys);
-      } while (cursor !== "0");
+      // On a cluster, SCAN answers for one node only: scan every master (the prefix's slot is on one).
+      for (const node of redis instanceof Cluster ? redis.nodes("master") : [redis]) {
+        let cursor = "0";
+        do {
+          const [next, keys] = await node.scan(cursor, "MATCH", `${prefix}*`, "COUNT", 1000);
+          cursor = next;
+          if (keys.length > 0) await redis.del(...keys);
+        } while (cursor !== "0");
+      }
       redis.disconnect();
     },
   };
