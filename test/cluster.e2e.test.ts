@@ -1,0 +1,124 @@
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { RolloutResult, TaskContent } from "@fleet/contracts";
+import { connectRedis, createKeys } from "@fleet/queue";
+import { type LoopbackRedisCluster, startLoopbackRedisCluster } from "@fleet/queue/testing";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import type { Cluster } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
+import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
+
+/**
+ * DESIGN §8 scale-out, simulated: the dispatcher, the workers (two agent-worker replicas) and the
+ * janitor as separate processes against a 3-master Redis Cluster on loopback.
+ */
+describe("the fleet as separate processes on a Redis Cluster", () => {
+  const prefix = testPrefix("cluster");
+  const logDir = mkdtempSync(join(tmpdir(), "fleet-cluster-e2e-"));
+  let cluster: LoopbackRedisCluster;
+  let fleet: FleetProcesses | undefined;
+  let suite: TaskContent[];
+  const ids: string[] = [];
+
+  const api = async (method: string, path: string, body?: unknown) => {
+    const res = await fetch(`${fleet!.url}${path}`, {
+      method,
+      headers: {
+        authorization: `Bearer ${fleet!.token}`,
+        ...(body === undefined ? {} : { "content-type": "application/json" }),
+      },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    const text = await res.text();
+    return { status: res.status, body: text ? (JSON.parse(text) as Record<string, unknown>) : null };
+  };
+
+  beforeAll(async () => {
+    suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    cluster = await startLoopbackRedisCluster();
+    fleet = await FleetProcesses.start({
+      redisUrl: cluster.url,
+      prefix,
+      logDir,
+      replicas: { agent: 2 },
+      // Two runs at a time per agent worker: six rollouts need both replicas.
+      env: { FLEET_CONCURRENCY: "2", FLEET_JANITOR_INTERVAL_MS: "2000", FLEET_METRICS_PORT: "0" },
+    });
+  });
+
+  afterAll(async () => {
+    await fleet?.stop();
+    await cluster?.stop();
+    if (process.env.FLEET_KEEP_LOGS !== "1") rmSync(logDir, { recursive: true, force: true });
+    expect(await containersOf(ids)).toBe(0);
+  });
+
+  it("runs a batch of 6 oracle rollouts exactly once, every key in the prefix's slot", async () => {
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const rows = Array.from({ length: 6 }, () => ({ task, agent: { harness: "oracle" } }));
+    const b = await api("POST", "/v1/batches", { rollouts: rows });
+    expect(b.status).toBe(202);
+    const batchId = String(b.body?.batchId);
+    ids.push(...((b.body?.rolloutIds ?? []) as string[]));
+    expect(ids).toHaveLength(6);
+    const t0 = Date.now();
+    const batch = await waitFor(
+      "the batch to finish",
+      async () => {
+        const s = await api("GET", `/v1/batches/${batchId}`);
+        return Number(s.body?.done) === rows.length ? s.body : null;
+      },
+      240_000,
+    );
+    console.log(`cluster e2e: 6 oracle rollouts in ${Date.now() - t0} ms`);
+    expect(batch).toMatchObject({ total: 6, done: 6, counts: { completed: 6 } });
+    for (const id of ids) {
+      const r = (await api("GET", `/v1/rollouts/${id}`)).body as unknown as RolloutResult;
+      expect(r).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
+    }
+
+    // Each run ran once across the two agent replicas (their fleet_stage_jobs_total).
+    const runs = await Promise.all(
+      fleet!.of("agent").map(async (p) => {
+        const text = await fetch(`http://127.0.0.1:${p.metricsPort}/metrics`).then((r) => r.text());
+        const line = text
+          .split("\n")
+          .find(
+            (l) =>
+              l.startsWith("fleet_stage_jobs_total{") &&
+              l.includes('stage="run"') &&
+              l.includes('outcome="ok"'),
+          );
+        return Number(line?.split(" ").at(-1) ?? Number.NaN);
+      }),
+    );
+    console.log(`cluster e2e: run jobs per agent replica ${JSON.stringify(runs)}`);
+    expect(runs).toHaveLength(2);
+    expect(runs.reduce((a, n) => a + n, 0)).toBe(6);
+
+    const redis = connectRedis(cluster.url) as Cluster;
+    try {
+      const keys = createKeys(prefix);
+      for (const id of ids) {
+        // Launched once, finished once.
+        expect(await redis.hget(keys.rollout(id), "launches"), `launches of ${id}`).toBe("1");
+      }
+      expect(await redis.zcard(keys.inflight())).toBe(0);
+      const slot = (await redis.cluster("KEYSLOT", prefix)) as number;
+      // COUNTKEYSINSLOT answers for the node asked: ask every master (only the owner has any).
+      const counts = await Promise.all(
+        redis.nodes("master").map(async (m) => (await m.cluster("COUNTKEYSINSLOT", slot)) as number),
+      );
+      const inSlot = counts.reduce((a, n) => a + n, 0);
+      const sizes = await Promise.all(redis.nodes("master").map((m) => m.dbsize()));
+      expect(inSlot).toBeGreaterThan(6);
+      expect(sizes.reduce((a, n) => a + n, 0)).toBe(inSlot);
+      // Only the master that owns the slot holds anything.
+      expect(sizes.filter((n) => n > 0)).toHaveLength(1);
+    } finally {
+      redis.disconnect();
+    }
+  });
+});
