@@ -105,7 +105,17 @@ export function createStageWorkers(
         autorun: true,
       },
     );
-    worker.on("error", (err) => deps.logger.error({ stage, err: err.message }, "worker error"));
+    // BullMQ repeats the same connection error on every reconnect attempt: log each distinct
+    // error at most every 30 s, so an outage is visible without flooding the log.
+    let lastError = "";
+    let lastErrorAt = 0;
+    worker.on("error", (err) => {
+      const at = Date.now();
+      if (err.message === lastError && at - lastErrorAt < 30_000) return;
+      lastError = err.message;
+      lastErrorAt = at;
+      deps.logger.error({ stage, err: err.message }, "worker error");
+    });
     options.onWorker?.(worker, stage);
     return worker;
   };
