@@ -131,6 +131,20 @@ describe("pipeline against real Redis and Docker", () => {
     expect(r!.exitCode).toBe(-2);
   });
 
+  it("an agent that owns its sandbox releases it before verify; the task sandbox is the resources' to destroy", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
+    const run = (await fleet.deps.store.get(id!))!.receipts.run!;
+    expect(run.ownedSandbox?.released).toMatchObject({ confirmed: true, scope: "sandbox" });
+    expect(run.ownedSandbox!.handle.owner).toBe("agent");
+    expect(run.ownedSandbox!.released.at).toBeLessThanOrEqual(run.stoppedAt);
+    expect(await containersOf([id!])).toBe(0);
+  });
+
   it("a task whose image does not exist fails as invalid_task at the worker", async () => {
     const [id] = await fleet.submit([
       oracle({ ...byId("hello-file"), image: "rollout-fleet/no-such-image:0" }),

@@ -42,7 +42,7 @@ async function createSandbox(
   deps: PipelineDeps,
   owner: SandboxEntry["owner"],
   task: TaskContent,
-): Promise<{ handle: SandboxHandle; createMs: number; reused: boolean } | null> {
+): Promise<{ handle: SandboxHandle; entry: SandboxEntry; createMs: number; reused: boolean } | null> {
   const now = clock(deps);
   const entry: SandboxEntry = {
     key: sandboxKey(rec.meta.id, owner),
@@ -80,7 +80,7 @@ async function createSandbox(
     await destroyOrLedger(deps, { ...entry, handle });
     return null;
   }
-  return { handle, createMs: clock(deps) - t0, reused };
+  return { handle, entry: { ...entry, handle }, createMs: clock(deps) - t0, reused };
 }
 
 /** Destroy a sandbox; on failure leave a ledger entry for the janitor. Returns the teardown state. */
@@ -165,15 +165,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     const created = await createSandbox(rec, deps, "agent", task);
     if (!created) return "close";
     handle = created.handle;
-    owned = {
-      key: sandboxKey(rec.meta.id, "agent"),
-      rolloutId: rec.meta.id,
-      owner: "agent",
-      provider: deps.provider.name,
-      handle,
-      createdAt: clock(deps),
-      expiresAt: rec.meta.deadlineAt + SANDBOX_EXPIRY_SLACK_MS,
-    };
+    owned = created.entry;
     if (!created.reused) await stageWorkspace(deps.provider, handle, task);
   }
   if (previous !== "") {
