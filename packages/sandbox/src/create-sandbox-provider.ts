@@ -1,5 +1,9 @@
 import { FleetError, type ProviderName } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
+import {
+  type BubblewrapSandboxDefaults,
+  BubblewrapSandboxProvider,
+} from "./bubblewrap/bubblewrap-sandbox-provider.ts";
 import type { DockerConnection } from "./docker/docker-endpoint.ts";
 import { type DockerSandboxDefaults, DockerSandboxProvider } from "./docker/docker-sandbox-provider.ts";
 import type { SandboxProvider } from "./provider.ts";
@@ -11,6 +15,11 @@ export interface SandboxProviderConfig {
   docker?: DockerConnection;
   logger?: Logger;
   defaults?: Partial<DockerSandboxDefaults>;
+  /**
+   * Where bubblewrap sandboxes come from (`provider: "bubblewrap"`): the unpacked base rootfs and
+   * the state directory (`${FLEET_STATE_DIR:-/var/lib/rollout-fleet}/bwrap`).
+   */
+  bubblewrap?: { rootfs: string; stateDir: string; defaults?: Partial<BubblewrapSandboxDefaults> };
   /** This fleet's name on a shared daemon (apps pass their key prefix); see `LABEL_SCOPE`. */
   scope?: string;
 }
@@ -29,10 +38,19 @@ export function createSandboxProvider(config: SandboxProviderConfig): SandboxPro
         scope: config.scope,
       });
     case "bubblewrap":
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        "sandbox provider 'bubblewrap' is not available in this build; use FLEET_SANDBOX_PROVIDER=docker",
-      );
+      if (!config.bubblewrap?.rootfs || !config.bubblewrap.stateDir) {
+        throw FleetError.nonRetryable(
+          "invalid_task",
+          "sandbox provider 'bubblewrap' needs a rootfs directory and a state directory",
+        );
+      }
+      return new BubblewrapSandboxProvider({
+        rootfs: config.bubblewrap.rootfs,
+        stateDir: config.bubblewrap.stateDir,
+        defaults: config.bubblewrap.defaults,
+        logger: config.logger,
+        scope: config.scope,
+      });
     default:
       return assertNever(config.provider);
   }

@@ -1,3 +1,5 @@
+export * from "./bubblewrap/bubblewrap-sandbox-provider.ts";
+export * from "./bubblewrap/rootfs.ts";
 export * from "./create-sandbox-provider.ts";
 export * from "./docker/container-config.ts";
 export * from "./docker/docker-endpoint.ts";

@@ -1,0 +1,361 @@
+import { execFile } from "node:child_process";
+import { existsSync, readdirSync, readFileSync } from "node:fs";
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import { createServer, type Server } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { promisify } from "node:util";
+import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { AGENT_USER, ROOT_USER } from "../provider.ts";
+import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
+import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
+
+const run = promisify(execFile);
+const unavailable = bwrapUnavailable();
+if (unavailable) console.warn(`skipping the bubblewrap integration tests: ${unavailable}`);
+
+const RUN = `bw${process.pid}${Date.now().toString(36)}`;
+const live: SandboxHandle[] = [];
+let stateDir = "";
+let provider: BubblewrapSandboxProvider;
+let counter = 0;
+
+function spec(over: Partial<SandboxSpecInput> = {}): SandboxSpecInput {
+  return {
+    image: "base",
+    rolloutId: `${RUN}-${++counter}`,
+    owner: "resources",
+    expiresAt: Date.now() + 600_000,
+    ...over,
+  };
+}
+
+async function create(over: Partial<SandboxSpecInput> = {}): Promise<SandboxHandle> {
+  const h = await provider.create(spec(over));
+  live.push(h);
+  return h;
+}
+
+async function fleetError(promise: Promise<unknown>): Promise<FleetError> {
+  try {
+    await promise;
+  } catch (err) {
+    expect(isFleetError(err), `expected a FleetError, got ${String(err)}`).toBe(true);
+    return err as FleetError;
+  }
+  throw new Error("expected the call to fail");
+}
+
+/** Non-zombie processes of a uid inside the sandbox (listed by root, which is never the agent). */
+async function processesOf(h: SandboxHandle, uid: number): Promise<string[]> {
+  const r = await provider.exec(h, ["ps", "-eo", "uid=,stat=,pid=,args="], {
+    deadlineMs: 10_000,
+    user: ROOT_USER,
+  });
+  expect(r.exitCode).toBe(0);
+  return r.stdout
+    .split("\n")
+    .map((l) => l.trim().split(/\s+/))
+    .filter(
+      (f) => f[0] === String(uid) && !f[1]?.startsWith("Z") && !f.slice(3).join(" ").startsWith("ps -eo"),
+    )
+    .map((f) => f.join(" "));
+}
+
+/** Host pids of every process whose command line mentions this run's state directory. */
+function hostProcessesOfRun(): number[] {
+  const out: number[] = [];
+  for (const pid of readdirNumeric("/proc")) {
+    try {
+      const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+      if (stat.slice(stat.lastIndexOf(")") + 2).startsWith("Z")) continue;
+      if (readFileSync(`/proc/${pid}/cmdline`, "latin1").includes(stateDir)) out.push(pid);
+    } catch {}
+  }
+  return out;
+}
+
+function readdirNumeric(dir: string): number[] {
+  return readdirSync(dir)
+    .filter((n) => /^\d+$/.test(n))
+    .map(Number);
+}
+
+describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", () => {
+  beforeAll(async () => {
+    const rootfs = await testRootfs();
+    stateDir = await mkdtemp(join(tmpdir(), "fleet-bwrap-it-"));
+    provider = new BubblewrapSandboxProvider({ rootfs, stateDir, scope: RUN });
+  });
+
+  afterEach(async () => {
+    while (live.length > 0) await provider.destroy(live.pop()!);
+  });
+
+  afterAll(async () => {
+    if (!provider) return;
+    const left = await provider.list();
+    for (const s of left) await provider.destroy(s.handle);
+    expect(left.map((s) => s.handle.name)).toEqual([]);
+    expect(hostProcessesOfRun()).toEqual([]);
+    await rm(stateDir, { recursive: true, force: true });
+  });
+
+  it("creates a labelled sandbox, runs a command as the agent with env, cwd and stdin, and destroys it", async () => {
+    const h = await create();
+    expect(h).toMatchObject({
+      provider: "bubblewrap",
+      endpoint: expect.stringMatching(/^bwrap:\/\//),
+      name: `fleet-${h.rolloutId}-resources`,
+    });
+    expect(await provider.alive(h)).toBe(true);
+    const [info] = await provider.list({ "fleet.rollout": h.rolloutId });
+    expect(info?.labels).toMatchObject({
+      "fleet.managed": "true",
+      "fleet.owner": "resources",
+      "fleet.scope": RUN,
+    });
+    expect(info?.running).toBe(true);
+    expect(await provider.find(h.rolloutId, "resources")).toEqual(h);
+    expect(await provider.find(h.rolloutId, "agent")).toBeNull();
+
+    const r = await provider.exec(
+      h,
+      ["sh", "-c", 'id -u; id -g; pwd; echo "$GREETING"; cat; echo oops >&2; exit 7'],
+      {
+        deadlineMs: 10_000,
+        env: { GREETING: "hello" },
+        cwd: "/tmp",
+        stdin: "from stdin\n",
+      },
+    );
+    expect(r).toMatchObject({
+      exitCode: 7,
+      timedOut: false,
+      stdout: "1000\n1000\n/tmp\nhello\nfrom stdin\n",
+      stderr: "oops\n",
+      stdoutTruncated: false,
+      stderrTruncated: false,
+    });
+    const caps = await provider.exec(h, ["sh", "-c", "grep -E '^Cap(Eff|Bnd|Prm)' /proc/self/status"], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(caps.stdout).toMatch(/CapPrm:\s+0+\nCapEff:\s+0+\nCapBnd:\s+0+/);
+
+    const receipt = await provider.destroy(live.pop()!);
+    expect(receipt).toMatchObject({ confirmed: true, scope: "sandbox", alreadyGone: false });
+    expect(await provider.alive(h)).toBe(false);
+    expect(existsSync(join(stateDir, `${h.name}.json`))).toBe(false);
+    expect(existsSync(join(stateDir, h.name))).toBe(false);
+  });
+
+  it("kills the whole process tree at the deadline, leaving no agent process", async () => {
+    const h = await create();
+    const started = Date.now();
+    const r = await provider.exec(h, ["sh", "-c", "sleep 1000 & sleep 1000"], { deadlineMs: 1_000 });
+    expect(r).toMatchObject({ exitCode: -1, timedOut: true });
+    expect(Date.now() - started).toBeLessThan(5_000);
+    expect(await processesOf(h, 1000)).toEqual([]);
+  });
+
+  it("caps 10 MB of output at maxOutputBytes and says so", async () => {
+    const h = await create();
+    const r = await provider.exec(
+      h,
+      ["sh", "-c", "head -c 10000000 /dev/zero | tr '\\000' a; head -c 3000 /dev/zero | tr '\\000' b >&2"],
+      {
+        deadlineMs: 60_000,
+        maxOutputBytes: 64 * 1024,
+      },
+    );
+    expect(r.exitCode).toBe(0);
+    expect(r.stdout.length).toBe(64 * 1024);
+    expect(r.stdout).toMatch(/^a+$/);
+    expect(r.stdoutTruncated).toBe(true);
+    expect(r.stderr).toBe("b".repeat(3000));
+    expect(r.stderrTruncated).toBe(false);
+  });
+
+  it("has a read-only root, a writable workspace and root-only staging mounts", async () => {
+    const h = await create();
+    const root = await provider.exec(h, ["sh", "-c", "echo x > /pwned"], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(root.exitCode).not.toBe(0);
+    expect(root.stderr).toMatch(/Read-only file system/);
+    const tests = await provider.exec(h, ["sh", "-c", "echo x > /tests/planted"], { deadlineMs: 10_000 });
+    expect(tests.exitCode).not.toBe(0);
+    const ws = await provider.exec(
+      h,
+      ["sh", "-c", "echo made > /workspace/out.txt && cat /workspace/out.txt"],
+      { deadlineMs: 10_000 },
+    );
+    expect(ws).toMatchObject({ exitCode: 0, stdout: "made\n" });
+
+    await provider.put(h, "/tests", { "test.sh": "#!/bin/sh\nexit 0\n", "data/x.txt": "x" });
+    await provider.put(h, "/workspace/src", { "main.py": "print(1)\n" });
+    const ls = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "stat -c '%u %a %n' /tests/test.sh /tests/data/x.txt /workspace/src /workspace/src/main.py",
+      ],
+      {
+        deadlineMs: 10_000,
+      },
+    );
+    expect(ls.stdout).toBe(
+      "0 755 /tests/test.sh\n0 644 /tests/data/x.txt\n1000 755 /workspace/src\n1000 644 /workspace/src/main.py\n",
+    );
+    expect(await provider.get(h, "/workspace/src/main.py")).toBe("print(1)\n");
+    expect(await provider.get(h, "/tests/data/x.txt")).toBe("x");
+    expect(await provider.get(h, "/workspace/missing")).toBeNull();
+    expect(await provider.get(h, "/workspace")).toBeNull();
+  });
+
+  it("has no network: a TCP server on the host's 127.0.0.1 is unreachable", async () => {
+    const h = await create();
+    let connections = 0;
+    const server: Server = createServer((s) => {
+      connections++;
+      s.destroy();
+    });
+    await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
+    const port = (server.address() as { port: number }).port;
+    try {
+      const r = await provider.exec(h, ["bash", "-c", `echo hi > /dev/tcp/127.0.0.1/${port}`], {
+        deadlineMs: 10_000,
+      });
+      expect(r.exitCode).not.toBe(0);
+      expect(r.stderr).toMatch(/Connection refused|Network is unreachable/);
+      expect(connections).toBe(0);
+      const ifaces = await provider.exec(
+        h,
+        ["sh", "-c", "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' '"],
+        { deadlineMs: 10_000 },
+      );
+      expect(ifaces.stdout).toBe("lo\n");
+    } finally {
+      server.close();
+    }
+  });
+
+  it("hides host processes and passes the isolation probe", async () => {
+    const h = await create();
+    const report = await provider.probe(h);
+    expect(report.isolated).toBe(true);
+    expect(report.checks).toEqual({
+      pidNamespaceDiffers: true,
+      netNamespaceDiffers: true,
+      onlyLoopback: true,
+      hostSentinelInvisible: true,
+    });
+    expect(report.detail).toMatch(/not enforced/);
+    const ps = await provider.exec(h, ["ps", "-eo", "pid=,args="], { deadlineMs: 10_000, user: ROOT_USER });
+    const pids = ps.stdout
+      .trim()
+      .split("\n")
+      .map((l) => Number(l.trim().split(/\s+/)[0]));
+    expect(Math.max(...pids)).toBeLessThan(100);
+    expect(ps.stdout).not.toMatch(/vitest|node /);
+  });
+
+  it("refuses a sandbox sharing the host's PID namespace (final isolation_refused)", async () => {
+    const h = await create({ options: { pidMode: "host" } });
+    const err = await fleetError(provider.probe(h));
+    expect(err.kind).toBe("isolation_refused");
+    expect(err.retryable).toBe(false);
+    expect(err.message).toMatch(/pidNamespaceDiffers/);
+  });
+
+  it("enforces memory and pids limits through cgroups where the host has them", async (ctx) => {
+    const h = await create({ options: { memoryMb: 64, pidsLimit: 32 } });
+    const report = await provider.probe(h);
+    if (!/limits enforced: memory, pids/.test(report.detail)) ctx.skip();
+    const hog = await provider.exec(h, ["sh", "-c", "tail /dev/zero"], { deadlineMs: 60_000 });
+    expect(hog).toMatchObject({ exitCode: 137, timedOut: false, oomKilled: true });
+    const forks = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        'i=0; while [ $i -lt 64 ]; do sleep 100 & i=$((i+1)); done; echo "$i"; ps -e --no-headers | wc -l',
+      ],
+      { deadlineMs: 10_000 },
+    );
+    expect(Number(forks.stdout.trim().split("\n").pop())).toBeLessThanOrEqual(32);
+    expect(forks.stderr).toMatch(/fork|Resource temporarily unavailable/i);
+    // The kill sweep runs outside the pids cgroup, so a full one does not stop it.
+    expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, remaining: 0 });
+  });
+
+  it("refuses what it cannot give: a network, a writable root", async () => {
+    expect((await fleetError(provider.create(spec({ network: "fleet-gw-x" })))).kind).toBe("invalid_task");
+    expect((await fleetError(provider.create(spec({ options: { readOnlyRoot: false } })))).kind).toBe(
+      "invalid_task",
+    );
+  });
+
+  it("killProcesses kills the agent's processes, even ones in their own session", async () => {
+    const h = await create();
+    const start = await provider.exec(
+      h,
+      ["sh", "-c", "setsid sleep 1000 >/dev/null 2>&1 & nohup sleep 1000 >/dev/null 2>&1 & echo started"],
+      {
+        deadlineMs: 10_000,
+      },
+    );
+    expect(start.stdout).toBe("started\n");
+    expect((await processesOf(h, 1000)).length).toBeGreaterThanOrEqual(1);
+    const receipt = await provider.killProcesses(h, AGENT_USER);
+    expect(receipt).toMatchObject({ confirmed: true, scope: "processes", remaining: 0 });
+    expect(await processesOf(h, 1000)).toEqual([]);
+    expect(await provider.alive(h)).toBe(true);
+  });
+
+  it("destroy is idempotent; a destroyed sandbox is lost", async () => {
+    const h = await create();
+    await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });
+    const first = await provider.destroy(h);
+    const second = await provider.destroy(h);
+    live.pop();
+    expect(first).toMatchObject({ confirmed: true, alreadyGone: false });
+    expect(second).toMatchObject({ confirmed: true, alreadyGone: true });
+    expect((await fleetError(provider.exec(h, ["true"], { deadlineMs: 5_000 }))).kind).toBe("sandbox_lost");
+    expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, alreadyGone: true });
+    expect(hostProcessesOfRun()).toEqual([]);
+  });
+
+  it("a re-delivered create adopts the running sandbox", async () => {
+    const s = spec();
+    const h = await provider.create(s);
+    live.push(h);
+    expect(await provider.create(s)).toEqual(h);
+  });
+
+  it("outlives the process that created it", async () => {
+    const script = join(stateDir, "creator.mts");
+    const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");
+    await writeFile(
+      script,
+      [
+        `import { BubblewrapSandboxProvider } from ${JSON.stringify(modulePath)};`,
+        `const p = new BubblewrapSandboxProvider(${JSON.stringify({ rootfs: provider.rootfs, stateDir, scope: RUN })});`,
+        `const h = await p.create(${JSON.stringify(spec())});`,
+        "console.log(JSON.stringify(h));",
+      ].join("\n"),
+    );
+    const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
+    const { stdout } = await run(tsx, [script], { timeout: 60_000 });
+    const h = JSON.parse(stdout.trim().split("\n").pop()!) as SandboxHandle;
+    live.push(h);
+    // The creator has exited (execFile resolved); the sandbox still runs and answers.
+    expect(await provider.alive(h)).toBe(true);
+    const r = await provider.exec(h, ["echo", "still here"], { deadlineMs: 10_000 });
+    expect(r).toMatchObject({ exitCode: 0, stdout: "still here\n" });
+  });
+});

@@ -1,0 +1,932 @@
+import { spawn } from "node:child_process";
+import { randomUUID } from "node:crypto";
+import { closeSync, openSync, readdirSync, readFileSync, readlinkSync } from "node:fs";
+import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
+import { hostname, constants as osConstants } from "node:os";
+import { join } from "node:path";
+import {
+  type CleanupReceipt,
+  ExecOptions,
+  type ExecResult,
+  FileSet,
+  FleetError,
+  isFleetError,
+  type ProbeReport,
+  type SandboxHandle,
+  SandboxSpec,
+  type SandboxSpecInput,
+} from "@fleet/contracts";
+import type { Logger } from "@fleet/telemetry";
+import { DEFAULT_SANDBOX_LIMITS, isTmpfsPath, sandboxName } from "../docker/container-config.ts";
+import { deadlineArgv, envList, execOutcome, KILL_GRACE_S, parseNumericUser } from "../exec-command.ts";
+import { CappedBuffer } from "../output.ts";
+import {
+  AGENT_USER,
+  LABEL_EXPIRES,
+  LABEL_MANAGED,
+  LABEL_OWNER,
+  LABEL_ROLLOUT,
+  LABEL_SCOPE,
+  ROOT_USER,
+  SANDBOX_PATHS,
+  type SandboxInfo,
+  type SandboxProvider,
+} from "../provider.ts";
+import { buildTar } from "../tar.ts";
+import { formatIssues } from "../validation.ts";
+import { bwrapArgv, nsenterArgv, SANDBOX_PATH_ENV, unsupportedSpec } from "./bwrap-args.ts";
+import {
+  cgroupOomKilled,
+  createSandboxCgroups,
+  joinCgroupsArgv,
+  moveIntoCgroups,
+  removeCgroups,
+  type SandboxCgroup,
+} from "./cgroup.ts";
+
+/** Provider-wide defaults; every field optional in the constructor. */
+export interface BubblewrapSandboxDefaults {
+  /** User execs run as when the caller names none. @defaultValue AGENT_USER (`1000:1000`) */
+  execUser: string;
+  /** Cap for stdout and for stderr of one exec. @defaultValue 1 MiB */
+  maxOutputBytes: number;
+  /** Budget of the isolation probe. @defaultValue 10_000 */
+  probeTimeoutMs: number;
+  /** Seconds between SIGTERM and SIGKILL at an exec's deadline. @defaultValue 2 */
+  killGraceS: number;
+  /** Slack of the host-side safety timer beyond deadline + kill grace. @defaultValue 5_000 */
+  execSlackMs: number;
+  /** Rounds of `kill -9 -1` + /proc scan in `killProcesses`. @defaultValue 50 */
+  killRounds: number;
+  /** Size of each tmpfs (`/tmp`, `/tests`, `/solution`, `/logs`). @defaultValue 256 */
+  tmpfsMb: number;
+  /** Memory limit (cgroup v1 memory controller, swap included), where enforceable. @defaultValue 1024 */
+  memoryMb: number;
+  /** Process limit (cgroup v1 pids controller), where enforceable. @defaultValue 256 */
+  pidsLimit: number;
+  /** How long `create` waits for bwrap to report its sandbox's PID 1. @defaultValue 10_000 */
+  startTimeoutMs: number;
+}
+
+export const DEFAULT_BUBBLEWRAP_SANDBOX_DEFAULTS: Readonly<BubblewrapSandboxDefaults> = Object.freeze({
+  execUser: AGENT_USER,
+  maxOutputBytes: 1024 * 1024,
+  probeTimeoutMs: 10_000,
+  killGraceS: KILL_GRACE_S,
+  execSlackMs: 5_000,
+  killRounds: 50,
+  tmpfsMb: DEFAULT_SANDBOX_LIMITS.tmpfsMb,
+  memoryMb: DEFAULT_SANDBOX_LIMITS.memoryMb,
+  pidsLimit: DEFAULT_SANDBOX_LIMITS.pidsLimit,
+  startTimeoutMs: 10_000,
+});
+
+export interface BubblewrapSandboxProviderOptions {
+  /** Host directory of the unpacked base rootfs (see `unpackRootfs`), mounted read-only at `/`. */
+  rootfs: string;
+  /**
+   * Where sandbox state (`<name>.json`) and per-sandbox directories (the workspace) live; any
+   * process on the host pointed at the same directory sees the same sandboxes.
+   * Apps pass `${FLEET_STATE_DIR:-/var/lib/rollout-fleet}/bwrap`.
+   */
+  stateDir: string;
+  logger?: Logger;
+  defaults?: Partial<BubblewrapSandboxDefaults>;
+  /** This fleet's name (`LABEL_SCOPE`): set on every sandbox created; `list`/`find` see only these. */
+  scope?: string;
+  /** `bwrap` executable. @defaultValue "bwrap" */
+  bwrapPath?: string;
+  /** `nsenter` executable (util-linux). @defaultValue "nsenter" */
+  nsenterPath?: string;
+}
+
+/** What a sandbox's state file holds: enough for any process on the host to reach it. */
+interface BwrapState {
+  version: 1;
+  id: string;
+  name: string;
+  rolloutId: string;
+  owner: SandboxHandle["owner"];
+  labels: Record<string, string>;
+  /** The `bwrap` process we spawned (its own session and process group). */
+  bwrapPid: number;
+  /** The sandbox's PID 1 as a host pid (bwrap's `child-pid`), the target of `nsenter`. */
+  initPid: number;
+  /** `/proc/<pid>/stat` start times, so a recycled pid is never mistaken for the sandbox. */
+  bwrapStart: string;
+  initStart: string;
+  workspaceDir: string;
+  /** The sandbox's cgroups (memory, pids) and the limits that could not be enforced. */
+  cgroups: SandboxCgroup[];
+  unenforced: string[];
+  createdAt: number;
+  expiresAt: number;
+}
+
+interface RunOptions {
+  deadlineMs: number;
+  env?: Record<string, string>;
+  cwd?: string | undefined;
+  user: string;
+  stdin: Buffer | null;
+  maxOutputBytes: number;
+  /** Run outside the sandbox's cgroups (the kill sweep must start even at the pids limit). */
+  outsideCgroups?: boolean;
+}
+
+/** How long output is still read after the command exited while something holds its pipes. */
+const EXIT_DRAIN_MS = 200;
+
+/** Where the staging-only mounts are; `put` there defaults to root so the agent cannot write them. */
+const ROOT_STAGED = [SANDBOX_PATHS.tests, SANDBOX_PATHS.solution];
+
+/**
+ * `SandboxProvider` on bubblewrap, for hosts without a Docker daemon. A sandbox is a detached
+ * `bwrap` process tree (private pid/net/ipc/uts/cgroup/mount namespaces, read-only rootfs,
+ * tmpfs staging mounts, a bound workspace directory, no capabilities) whose state is a JSON
+ * file under `stateDir`; `exec` enters it with `nsenter` + the sandbox's own `setpriv`.
+ * Needs root on the host (uids inside are the host's; no user namespace). Memory, CPU, pids and
+ * workspace-size limits are not enforced (see README).
+ */
+export class BubblewrapSandboxProvider implements SandboxProvider {
+  readonly name = "bubblewrap" as const;
+  readonly endpoint: string;
+  readonly defaults: Readonly<BubblewrapSandboxDefaults>;
+  readonly scope: string | undefined;
+  readonly rootfs: string;
+  readonly stateDir: string;
+  private readonly logger: Logger | undefined;
+  private readonly bwrapPath: string;
+  private readonly nsenterPath: string;
+  private passwd: Map<string, { uid: string; gid: string; home: string }> | null = null;
+
+  constructor(options: BubblewrapSandboxProviderOptions) {
+    if (!options.rootfs || !options.stateDir) {
+      throw FleetError.nonRetryable("invalid_task", "the bubblewrap provider needs a rootfs and a stateDir");
+    }
+    this.rootfs = options.rootfs;
+    this.stateDir = options.stateDir;
+    this.scope = options.scope || undefined;
+    this.logger = options.logger;
+    this.defaults = Object.freeze({ ...DEFAULT_BUBBLEWRAP_SANDBOX_DEFAULTS, ...options.defaults });
+    this.bwrapPath = options.bwrapPath ?? "bwrap";
+    this.nsenterPath = options.nsenterPath ?? "nsenter";
+    this.endpoint = `bwrap://${hostname()}`;
+  }
+
+  async create(input: SandboxSpecInput): Promise<SandboxHandle> {
+    const parsed = SandboxSpec.safeParse(input);
+    if (!parsed.success) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `invalid sandbox spec: ${formatIssues(parsed.error.issues)}`,
+      );
+    }
+    const spec = parsed.data;
+    const unsupported = unsupportedSpec(spec);
+    if (unsupported) {
+      throw FleetError.nonRetryable("invalid_task", `the bubblewrap provider cannot give ${unsupported}`);
+    }
+    if (process.getuid?.() !== 0) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        "the bubblewrap provider needs root on the host (nsenter into the sandbox, agent uid 1000)",
+      );
+    }
+    const name = sandboxName(spec.rolloutId, spec.owner);
+    const existing = await this.readState(name);
+    if (existing) {
+      if (
+        existing.rolloutId === spec.rolloutId &&
+        existing.owner === spec.owner &&
+        this.stateAlive(existing)
+      ) {
+        this.logger?.info({ sandbox: name }, "sandbox already existed; reusing it");
+        return this.handleOf(existing);
+      }
+      await this.destroyState(existing); // a dead leftover of a re-delivered create
+    }
+
+    await mkdir(this.stateDir, { recursive: true, mode: 0o700 });
+    const dir = join(this.stateDir, name);
+    const workspaceDir = join(dir, "workspace");
+    await rm(dir, { recursive: true, force: true });
+    await mkdir(workspaceDir, { recursive: true, mode: 0o755 });
+    const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
+    await chown(workspaceDir, uid, gid);
+    const labels: Record<string, string> = {
+      [LABEL_MANAGED]: "true",
+      [LABEL_ROLLOUT]: spec.rolloutId,
+      [LABEL_OWNER]: spec.owner,
+      [LABEL_EXPIRES]: String(spec.expiresAt),
+      ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
+    };
+    const args = bwrapArgv({
+      rootfs: this.rootfs,
+      workspaceDir,
+      hostname: "sandbox",
+      tmpfsMb: spec.options.tmpfsMb ?? this.defaults.tmpfsMb,
+      infoFd: 3,
+      hostPid: spec.options.pidMode === "host",
+    });
+
+    const { cgroups, missing } = await createSandboxCgroups(name, {
+      memoryMb: spec.options.memoryMb ?? this.defaults.memoryMb,
+      pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
+    });
+    const unenforced = [...missing.map((m) => `${m.split(" ")[0]} limit (${m})`), "cpus", "workspace size"];
+    let bwrapPid: number;
+    let initPid: number;
+    try {
+      ({ bwrapPid, initPid } = await this.spawnBwrap(args, join(dir, "bwrap.log"), name));
+      await this.waitUntilReady(name, bwrapPid, initPid);
+      await moveIntoCgroups(cgroups, [bwrapPid, initPid, ...childrenOf(initPid)]);
+    } catch (err) {
+      await removeCgroups(cgroups);
+      await rm(dir, { recursive: true, force: true });
+      if (isFleetError(err)) throw err;
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `sandbox ${name} failed to start: ${String(err)}`,
+        err,
+      );
+    }
+    const state: BwrapState = {
+      version: 1,
+      id: randomUUID(),
+      name,
+      rolloutId: spec.rolloutId,
+      owner: spec.owner,
+      labels,
+      bwrapPid,
+      initPid,
+      bwrapStart: startTime(bwrapPid) ?? "",
+      initStart: startTime(initPid) ?? "",
+      workspaceDir,
+      cgroups,
+      unenforced,
+      createdAt: Date.now(),
+      expiresAt: spec.expiresAt,
+    };
+    await this.writeState(state);
+    this.logger?.debug({ sandbox: name, initPid, rolloutId: spec.rolloutId }, "sandbox created");
+    return this.handleOf(state);
+  }
+
+  /** Start bwrap in its own session (it outlives this process) and read its PID 1 from `--info-fd`. */
+  private spawnBwrap(
+    args: string[],
+    logPath: string,
+    name: string,
+  ): Promise<{ bwrapPid: number; initPid: number }> {
+    const log = openSync(logPath, "a");
+    const child = spawn(this.bwrapPath, args, {
+      detached: true,
+      stdio: ["ignore", log, log, "pipe"],
+      env: { PATH: SANDBOX_PATH_ENV },
+    });
+    closeSync(log);
+    const info = child.stdio[3] as NodeJS.ReadableStream & { destroy(): void };
+    return new Promise((resolve, reject) => {
+      let text = "";
+      let settled = false;
+      const fail = (message: string, err?: unknown) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        info.destroy();
+        if (child.pid !== undefined) killQuietly(-child.pid);
+        let logText = "";
+        try {
+          logText = readFileSync(logPath, "utf8").slice(-2000).trim();
+        } catch {}
+        const detail = `${message}${logText ? `: ${logText}` : ""}`;
+        reject(
+          (err as NodeJS.ErrnoException | undefined)?.code === "ENOENT"
+            ? FleetError.nonRetryable("invalid_task", `bwrap is not installed: ${detail}`, err)
+            : FleetError.retryable("provider_unavailable", `sandbox ${name} failed to start: ${detail}`, err),
+        );
+      };
+      const timer = setTimeout(
+        () => fail("bwrap did not report its child pid in time"),
+        this.defaults.startTimeoutMs,
+      );
+      child.once("error", (err) => fail(String(err), err));
+      child.once("exit", (code, signal) => fail(`bwrap exited (${code ?? signal})`));
+      // Read the info to its end: bwrap closes the fd after writing it, and must not get a
+      // SIGPIPE from a reader that left early (its child would then wait forever).
+      info.on("data", (chunk: Buffer) => {
+        text += chunk.toString("utf8");
+      });
+      info.once("end", () => {
+        const m = /"child-pid"\s*:\s*(\d+)/.exec(text);
+        if (!m || child.pid === undefined) {
+          fail(`bwrap closed its info fd without a child pid: ${text.slice(0, 200)}`);
+          return;
+        }
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        child.removeAllListeners("exit");
+        child.unref();
+        resolve({ bwrapPid: child.pid, initPid: Number(m[1]) });
+      });
+    });
+  }
+
+  /**
+   * bwrap reports its child's pid before that child has built the sandbox's mounts; the sandbox is
+   * ready (and safe to `nsenter`) once the keepalive `sleep` has been exec'd.
+   */
+  private async waitUntilReady(name: string, bwrapPid: number, initPid: number): Promise<void> {
+    const until = performance.now() + this.defaults.startTimeoutMs;
+    for (let attempt = 0; ; attempt++) {
+      if ([initPid, ...childrenOf(initPid)].some((pid) => commOf(pid) === "sleep")) return;
+      if (startTime(initPid) === null || performance.now() >= until) {
+        killQuietly(initPid);
+        killQuietly(-bwrapPid);
+        await rm(join(this.stateDir, name), { recursive: true, force: true });
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `sandbox ${name} did not start its keepalive in time`,
+        );
+      }
+      await delay(Math.min(2 * 2 ** attempt, 50));
+    }
+  }
+
+  async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
+    const found = await this.list({ [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner });
+    if (found.length === 0) return null;
+    const expected = sandboxName(rolloutId, owner);
+    return (found.find((s) => s.handle.name === expected) ?? found[0]!).handle;
+  }
+
+  async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
+    const parsed = ExecOptions.safeParse(options);
+    if (!parsed.success) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `invalid exec options: ${formatIssues(parsed.error.issues)}`,
+      );
+    }
+    const o = parsed.data;
+    const state = await this.liveState(handle);
+    const { rawExitCode, ...out } = await this.run(state, argv, {
+      deadlineMs: o.deadlineMs,
+      env: o.env,
+      cwd: o.cwd,
+      user: o.user ?? this.defaults.execUser,
+      stdin: o.stdin === undefined ? null : Buffer.from(o.stdin, "utf8"),
+      maxOutputBytes: o.maxOutputBytes,
+    });
+    if (rawExitCode === 137 && !out.timedOut) out.oomKilled = cgroupOomKilled(state.cgroups ?? []);
+    return out;
+  }
+
+  /** One command in the sandbox: nsenter → setpriv → env → timeout → argv, output capped. */
+  private async run(
+    state: BwrapState,
+    argv: readonly string[],
+    o: RunOptions,
+  ): Promise<ExecResult & { rawExitCode: number }> {
+    const cmd = deadlineArgv(argv, o.deadlineMs, this.defaults.killGraceS);
+    const user = this.resolveUser(o.user);
+    const env: Record<string, string> = { PATH: SANDBOX_PATH_ENV, HOME: user.home, HOSTNAME: "sandbox" };
+    for (const kv of envList(o.env) ?? []) {
+      const i = kv.indexOf("=");
+      env[kv.slice(0, i)] = kv.slice(i + 1);
+    }
+    const args = nsenterArgv(state.initPid, user, o.cwd ?? SANDBOX_PATHS.workspace, cmd);
+    const stdout = new CappedBuffer(o.maxOutputBytes);
+    const stderr = new CappedBuffer(o.maxOutputBytes);
+    const safetyMs = o.deadlineMs + this.defaults.killGraceS * 1000 + this.defaults.execSlackMs;
+    const started = performance.now();
+
+    const exit = await new Promise<{ code: number | null; hostTimedOut: boolean }>((resolve, reject) => {
+      const [file, ...fileArgs] = joinCgroupsArgv(o.outsideCgroups ? [] : (state.cgroups ?? []), [
+        this.nsenterPath,
+        ...args,
+      ]);
+      const child = spawn(file!, fileArgs, {
+        env,
+        stdio: [o.stdin === null ? "ignore" : "pipe", "pipe", "pipe"],
+      });
+      let hostTimedOut = false;
+      let settled = false;
+      let drain: NodeJS.Timeout | undefined;
+      const settle = (code: number | null) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        clearTimeout(drain);
+        child.stdout!.destroy();
+        child.stderr!.destroy();
+        resolve({ code, hostTimedOut });
+      };
+      const timer = setTimeout(() => {
+        hostTimedOut = true;
+        child.kill("SIGKILL");
+        settle(null);
+      }, safetyMs);
+      child.stdout!.on("data", (c: Buffer) => stdout.write(c));
+      child.stderr!.on("data", (c: Buffer) => stderr.write(c));
+      child.once("error", (err) => {
+        if (settled) return;
+        settled = true;
+        clearTimeout(timer);
+        reject(
+          FleetError.retryable(
+            "provider_unavailable",
+            `nsenter into ${state.name} failed: ${String(err)}`,
+            err,
+          ),
+        );
+      });
+      const codeOf = (code: number | null, signal: NodeJS.Signals | null) =>
+        code ?? (signal ? 128 + signalNumber(signal) : null);
+      // Normally the pipes close with the command; a background process the command left
+      // behind may hold them open, so after the exit only a short drain is waited for.
+      child.once("exit", (code, signal) => {
+        drain = setTimeout(() => settle(codeOf(code, signal)), EXIT_DRAIN_MS);
+      });
+      child.once("close", (code, signal) => settle(codeOf(code, signal)));
+      if (o.stdin !== null) {
+        child.stdin!.on("error", () => undefined); // the command may not read its stdin
+        child.stdin!.end(o.stdin);
+      }
+    });
+    const durationMs = performance.now() - started;
+    if (exit.hostTimedOut || exit.code === null) {
+      this.logger?.warn({ sandbox: state.name, deadlineMs: o.deadlineMs }, "exec outlived its deadline");
+      return this.result(-1, true, stdout, stderr, durationMs, -1);
+    }
+    if (exit.code !== 0 && !this.stateAlive(state)) {
+      throw FleetError.nonRetryable("sandbox_lost", `sandbox ${state.name} is gone (its PID 1 exited)`);
+    }
+    const outcome = execOutcome(exit.code, durationMs, o.deadlineMs);
+    return this.result(outcome.exitCode, outcome.timedOut, stdout, stderr, durationMs, exit.code);
+  }
+
+  private result(
+    exitCode: number,
+    timedOut: boolean,
+    stdout: CappedBuffer,
+    stderr: CappedBuffer,
+    durationMs: number,
+    rawExitCode: number,
+  ): ExecResult & { rawExitCode: number } {
+    return {
+      exitCode,
+      timedOut,
+      stdout: stdout.text(),
+      stderr: stderr.text(),
+      stdoutTruncated: stdout.truncated,
+      stderrTruncated: stderr.truncated,
+      durationMs,
+      oomKilled: false,
+      rawExitCode,
+    };
+  }
+
+  /** `uid[:gid]` or a name in the rootfs's `/etc/passwd` → ids and home directory. */
+  private resolveUser(user: string): { uid: string; gid: string; home: string } {
+    const passwd = this.readPasswd();
+    const ids = parseNumericUser(user);
+    if (ids) {
+      const entry = [...passwd.values()].find((e) => e.uid === String(ids.uid));
+      return { uid: String(ids.uid), gid: String(ids.gid), home: entry?.home ?? "/" };
+    }
+    const entry = passwd.get(user);
+    if (!entry) throw FleetError.nonRetryable("invalid_task", `unknown user in the sandbox: ${user}`);
+    return entry;
+  }
+
+  private readPasswd(): Map<string, { uid: string; gid: string; home: string }> {
+    if (this.passwd) return this.passwd;
+    const map = new Map<string, { uid: string; gid: string; home: string }>();
+    try {
+      for (const line of readFileSync(join(this.rootfs, "etc/passwd"), "utf8").split("\n")) {
+        const [name, , uid, gid, , home] = line.split(":");
+        if (name && uid && gid) map.set(name, { uid, gid, home: home || "/" });
+      }
+    } catch (err) {
+      this.logger?.warn({ err, rootfs: this.rootfs }, "cannot read the rootfs's /etc/passwd");
+    }
+    this.passwd = map;
+    return map;
+  }
+
+  async put(
+    handle: SandboxHandle,
+    dir: string,
+    files: FileSet,
+    options: { user?: string; mode?: number } = {},
+  ): Promise<void> {
+    if (!dir.startsWith("/"))
+      throw FleetError.nonRetryable("invalid_task", `put needs an absolute directory: ${dir}`);
+    const checked = FileSet.safeParse(files);
+    if (!checked.success) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `invalid files for ${dir}: ${formatIssues(checked.error.issues)}`,
+      );
+    }
+    const target = normalizeAbsolute(dir);
+    const user =
+      options.user ??
+      (ROOT_STAGED.some((p) => target === p || target.startsWith(`${p}/`))
+        ? ROOT_USER
+        : this.defaults.execUser);
+    const ids = parseNumericUser(user);
+    if (ids === null)
+      throw FleetError.nonRetryable("invalid_task", `put needs a numeric uid[:gid], got ${user}`);
+    const state = await this.liveState(handle);
+    // Extract inside the sandbox, as the user: the host never follows a path the agent controls.
+    const archive = await buildTar(checked.data, { ...ids, mode: options.mode });
+    const r = await this.run(
+      state,
+      ["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"', "sh", target],
+      { deadlineMs: 120_000, user, stdin: archive, maxOutputBytes: 16 * 1024 },
+    );
+    if (r.exitCode !== 0) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `staging ${Object.keys(files).length} file(s) into ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
+      );
+    }
+  }
+
+  async get(
+    handle: SandboxHandle,
+    path: string,
+    options: { maxBytes?: number } = {},
+  ): Promise<string | null> {
+    const maxBytes = options.maxBytes ?? this.defaults.maxOutputBytes;
+    if (!path.startsWith("/"))
+      throw FleetError.nonRetryable("invalid_task", `get needs an absolute path: ${path}`);
+    const target = normalizeAbsolute(path);
+    const state = await this.liveState(handle);
+    const script =
+      'if [ ! -e "$1" ] || [ -d "$1" ]; then exit 44; fi; [ -r "$1" ] || exit 45; exec cat -- "$1"';
+    // Root has no capabilities inside (no DAC override): a file only its owner may read needs the agent.
+    const users = isTmpfsPath(target)
+      ? [ROOT_USER, this.defaults.execUser]
+      : [this.defaults.execUser, ROOT_USER];
+    for (const user of users) {
+      const r = await this.run(state, ["sh", "-c", script, "sh", target], {
+        deadlineMs: 60_000,
+        user,
+        stdin: null,
+        maxOutputBytes: maxBytes,
+      });
+      if (r.exitCode === 44) return null;
+      if (r.exitCode === 0) return r.stdout;
+      if (r.exitCode !== 45) {
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `reading ${target} failed (exit ${r.exitCode}): ${r.stderr}`,
+        );
+      }
+    }
+    throw FleetError.nonRetryable("invalid_task", `${target} exists but is not readable in the sandbox`);
+  }
+
+  async probe(handle: SandboxHandle, options: { timeoutMs?: number } = {}): Promise<ProbeReport> {
+    const timeoutMs = options.timeoutMs ?? this.defaults.probeTimeoutMs;
+    const started = performance.now();
+    const hostPidNs = readlinkSync("/proc/self/ns/pid");
+    const hostNetNs = readlinkSync("/proc/self/ns/net");
+    const sentinelPid = process.pid;
+    const sentinelCmdline = readFileSync("/proc/self/cmdline")
+      .toString("latin1")
+      .replaceAll("\0", " ")
+      .trim();
+    const script = [
+      "readlink /proc/self/ns/pid",
+      "readlink /proc/self/ns/net",
+      "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\\n' ' '; echo",
+      `tr '\\000' ' ' < /proc/${sentinelPid}/cmdline 2>/dev/null; echo`,
+    ].join("; ");
+    let stdout: string;
+    let state: BwrapState;
+    try {
+      state = await this.liveState(handle);
+      const r = await this.run(state, ["sh", "-c", script], {
+        deadlineMs: timeoutMs,
+        user: ROOT_USER,
+        stdin: null,
+        maxOutputBytes: 64 * 1024,
+      });
+      if (r.timedOut || r.exitCode !== 0) {
+        throw new Error(
+          r.timedOut ? `probe timed out after ${timeoutMs} ms` : `probe exited ${r.exitCode}: ${r.stderr}`,
+        );
+      }
+      stdout = r.stdout;
+    } catch (err) {
+      if (isFleetError(err) && err.kind === "sandbox_lost") throw err;
+      const message = err instanceof Error ? err.message : String(err);
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `isolation probe of ${handle.name} failed: ${message}`,
+        err,
+      );
+    }
+    const [pidNs = "", netNs = "", ifaces = "", sentinel = ""] = stdout.split("\n").map((l) => l.trim());
+    const interfaces = ifaces.split(/\s+/).filter(Boolean);
+    const checks = {
+      pidNamespaceDiffers: pidNs !== "" && pidNs !== hostPidNs,
+      netNamespaceDiffers: netNs !== "" && netNs !== hostNetNs,
+      onlyLoopback: interfaces.length === 1 && interfaces[0] === "lo",
+      hostSentinelInvisible: sentinel === "" || sentinel !== sentinelCmdline,
+    };
+    const isolated = Object.values(checks).every(Boolean);
+    const detail =
+      `sandbox pid ns ${pidNs || "?"} vs host ${hostPidNs}; net ns ${netNs || "?"} vs host ${hostNetNs}; ` +
+      `interfaces: ${interfaces.join(",") || "none"}; host pid ${sentinelPid} ${sentinel ? "visible" : "invisible"}; ` +
+      `limits enforced: ${(state.cgroups ?? []).map((cg) => cg.controller).join(", ") || "none"}; ` +
+      `not enforced: ${(state.unenforced ?? []).join(", ") || "none"}`;
+    if (!isolated) {
+      const failed = Object.entries(checks)
+        .filter(([, ok]) => !ok)
+        .map(([k]) => k);
+      throw FleetError.nonRetryable(
+        "isolation_refused",
+        `sandbox ${handle.name} is not isolated from the host (failed: ${failed.join(", ")}): ${detail}`,
+      );
+    }
+    return { isolated, checks, detail, durationMs: performance.now() - started };
+  }
+
+  async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
+    // As in the Docker provider: runs as the user itself (only that uid may signal its
+    // processes), `kill -9 -1` spares the caller, the /proc scan counts non-zombies left.
+    const script = [
+      // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+      'uid=$(id -u); i=0; n=0; while :; do kill -9 -1 2>/dev/null; n=0; for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$uid" ] && [ "$st" != Z ] && n=$((n+1)); done;',
+      ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$1" ] && break; sleep 0.1; done; echo "remaining=$n"',
+    ].join("");
+    const gone = (): CleanupReceipt => ({
+      confirmed: true,
+      scope: "processes",
+      at: Date.now(),
+      alreadyGone: true,
+      remaining: 0,
+      detail: "sandbox is gone",
+    });
+    let lastError = "";
+    for (let attempt = 1; attempt <= 3; attempt++) {
+      try {
+        const state = await this.liveState(handle);
+        const r = await this.run(state, ["sh", "-c", script, "sh", String(this.defaults.killRounds)], {
+          deadlineMs: 30_000,
+          user,
+          stdin: null,
+          maxOutputBytes: 4096,
+          outsideCgroups: true,
+        });
+        const m = /remaining=(\d+)/.exec(r.stdout);
+        if (m) {
+          const remaining = Number(m[1]);
+          return {
+            confirmed: remaining === 0,
+            scope: "processes",
+            at: Date.now(),
+            alreadyGone: false,
+            remaining,
+            detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
+          };
+        }
+        lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
+      } catch (err) {
+        if (isFleetError(err) && err.kind === "sandbox_lost") return gone();
+        lastError = err instanceof Error ? err.message : String(err);
+      }
+      await delay(200 * attempt);
+    }
+    return {
+      confirmed: false,
+      scope: "processes",
+      at: Date.now(),
+      alreadyGone: false,
+      remaining: 0,
+      detail: lastError,
+    };
+  }
+
+  async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
+    this.checkHandle(handle);
+    const state = await this.readState(handle.name);
+    if (!state || (handle.id && state.id !== handle.id)) {
+      // Nothing of ours by that name (or a newer sandbox took the name): already gone.
+      if (!state) await rm(join(this.stateDir, handle.name), { recursive: true, force: true });
+      return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: true, remaining: 0 };
+    }
+    const wasAlive = this.stateAlive(state);
+    await this.destroyState(state);
+    this.logger?.debug({ sandbox: handle.name, alreadyGone: !wasAlive }, "sandbox destroyed");
+    return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: !wasAlive, remaining: 0 };
+  }
+
+  /** Kill the sandbox's PID 1 (which takes its whole PID namespace) and bwrap's group; remove its files. */
+  private async destroyState(state: BwrapState): Promise<void> {
+    const initAlive = () => sameProcess(state.initPid, state.initStart);
+    const bwrapAlive = () => sameProcess(state.bwrapPid, state.bwrapStart);
+    const until = performance.now() + 10_000;
+    for (let attempt = 0; initAlive() || bwrapAlive(); attempt++) {
+      if (initAlive()) killQuietly(state.initPid);
+      if (bwrapAlive()) killQuietly(-state.bwrapPid);
+      if (performance.now() >= until) {
+        throw FleetError.retryable("provider_unavailable", `sandbox ${state.name} did not die within 10 s`);
+      }
+      await delay(Math.min(5 * 2 ** attempt, 100));
+    }
+    const left = await removeCgroups(state.cgroups ?? []);
+    if (left.length > 0) this.logger?.warn({ sandbox: state.name, left }, "could not remove sandbox cgroups");
+    await rm(join(this.stateDir, state.name), { recursive: true, force: true });
+    await rm(this.statePath(state.name), { force: true });
+  }
+
+  async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
+    let names: string[];
+    try {
+      names = await readdir(this.stateDir);
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === "ENOENT") return [];
+      throw FleetError.retryable("provider_unavailable", `cannot read ${this.stateDir}: ${String(err)}`, err);
+    }
+    const want: Record<string, string> = {
+      [LABEL_MANAGED]: "true",
+      ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
+      ...labels,
+    };
+    const out: SandboxInfo[] = [];
+    for (const file of names.filter((n) => n.endsWith(".json")).sort()) {
+      const state = await this.readState(file.slice(0, -".json".length));
+      if (!state) continue;
+      if (!Object.entries(want).every(([k, v]) => state.labels[k] === v)) continue;
+      out.push({
+        handle: this.handleOf(state),
+        labels: { ...state.labels },
+        running: this.stateAlive(state),
+        createdAt: state.createdAt,
+      });
+    }
+    return out;
+  }
+
+  async alive(handle: SandboxHandle): Promise<boolean> {
+    this.checkHandle(handle);
+    const state = await this.readState(handle.name);
+    return state !== null && (!handle.id || state.id === handle.id) && this.stateAlive(state);
+  }
+
+  async close(): Promise<void> {}
+
+  /** The state of a handle's sandbox, which must still run; else final `sandbox_lost`. */
+  private async liveState(handle: SandboxHandle): Promise<BwrapState> {
+    this.checkHandle(handle);
+    const state = await this.readState(handle.name);
+    if (!state || (handle.id && state.id !== handle.id)) {
+      throw FleetError.nonRetryable("sandbox_lost", `sandbox ${handle.name} is gone (no state)`);
+    }
+    if (!this.stateAlive(state)) {
+      throw FleetError.nonRetryable("sandbox_lost", `sandbox ${handle.name} is gone (its PID 1 exited)`);
+    }
+    return state;
+  }
+
+  private stateAlive(state: BwrapState): boolean {
+    return sameProcess(state.initPid, state.initStart);
+  }
+
+  private checkHandle(handle: SandboxHandle): void {
+    if (handle.provider !== "bubblewrap") {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `a ${handle.provider} sandbox handle given to the bubblewrap provider`,
+      );
+    }
+    if (handle.endpoint !== this.endpoint && handle.endpoint !== "") {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `sandbox ${handle.name} lives on ${handle.endpoint}, not on this host (${this.endpoint})`,
+      );
+    }
+    if (!/^[A-Za-z0-9][A-Za-z0-9_.-]*$/.test(handle.name)) {
+      throw FleetError.nonRetryable("invalid_task", `invalid sandbox name: ${handle.name}`);
+    }
+  }
+
+  private handleOf(state: BwrapState): SandboxHandle {
+    return {
+      provider: "bubblewrap",
+      endpoint: this.endpoint,
+      id: state.id,
+      name: state.name,
+      rolloutId: state.rolloutId,
+      owner: state.owner,
+      volumes: [],
+    };
+  }
+
+  private statePath(name: string): string {
+    return join(this.stateDir, `${name}.json`);
+  }
+
+  private async readState(name: string): Promise<BwrapState | null> {
+    let text: string;
+    try {
+      text = await readFile(this.statePath(name), "utf8");
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === "ENOENT") return null;
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `cannot read sandbox state ${name}: ${String(err)}`,
+        err,
+      );
+    }
+    try {
+      const state = JSON.parse(text) as BwrapState;
+      return state.version === 1 && state.name === name ? state : null;
+    } catch {
+      return null; // torn or foreign file: not a sandbox
+    }
+  }
+
+  private async writeState(state: BwrapState): Promise<void> {
+    const tmp = `${this.statePath(state.name)}.${process.pid}.tmp`;
+    await writeFile(tmp, `${JSON.stringify(state, null, 2)}\n`, { mode: 0o600 });
+    await rename(tmp, this.statePath(state.name));
+  }
+}
+
+/** Field 22 of `/proc/<pid>/stat` (start time in clock ticks), or null when gone or a zombie. */
+function startTime(pid: number): string | null {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+    if (fields[0] === "Z" || fields[0] === "X") return null;
+    return fields[19] ?? null;
+  } catch {
+    return null;
+  }
+}
+
+function commOf(pid: number): string | null {
+  try {
+    return readFileSync(`/proc/${pid}/comm`, "latin1").trim();
+  } catch {
+    return null;
+  }
+}
+
+/** Direct children of a process (a /proc scan: `task/<tid>/children` is not always there). */
+function childrenOf(pid: number): number[] {
+  try {
+    return readdirSync("/proc")
+      .filter((n) => /^\d+$/.test(n) && parentOf(Number(n)) === pid)
+      .map(Number);
+  } catch {
+    return [];
+  }
+}
+
+function parentOf(pid: number): number | null {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+    return Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1]);
+  } catch {
+    return null;
+  }
+}
+
+function sameProcess(pid: number, start: string): boolean {
+  const now = startTime(pid);
+  return now !== null && (start === "" || now === start);
+}
+
+function killQuietly(pid: number): void {
+  try {
+    process.kill(pid, "SIGKILL");
+  } catch {}
+}
+
+function signalNumber(signal: NodeJS.Signals): number {
+  return osConstants.signals[signal] ?? 9;
+}
+
+function normalizeAbsolute(path: string): string {
+  const parts: string[] = [];
+  for (const p of path.split("/")) {
+    if (p === "" || p === ".") continue;
+    if (p === "..") throw FleetError.nonRetryable("invalid_task", `path must not contain '..': ${path}`);
+    parts.push(p);
+  }
+  return `/${parts.join("/")}`;
+}
+
+function delay(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}

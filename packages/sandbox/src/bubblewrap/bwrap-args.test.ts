@@ -1,0 +1,54 @@
+import { SandboxSpec } from "@fleet/contracts";
+import { describe, expect, it } from "vitest";
+import { bwrapArgv, nsenterArgv, unsupportedSpec } from "./bwrap-args.ts";
+
+const layout = { rootfs: "/r", workspaceDir: "/s/ws", hostname: "sandbox", tmpfsMb: 16, infoFd: 3 };
+
+describe("bwrapArgv", () => {
+  it("unshares every namespace but the user one, mounts the rootfs read-only and drops all capabilities", () => {
+    const argv = bwrapArgv(layout);
+    const joined = argv.join(" ");
+    for (const flag of [
+      "--unshare-pid",
+      "--unshare-net",
+      "--unshare-ipc",
+      "--unshare-uts",
+      "--unshare-cgroup-try",
+    ]) {
+      expect(argv).toContain(flag);
+    }
+    expect(argv).not.toContain("--die-with-parent");
+    expect(joined).toContain("--ro-bind /r /");
+    expect(joined).toContain("--bind /s/ws /workspace");
+    expect(joined).toContain("--cap-drop ALL");
+    expect(joined).toContain("--perms 0755 --size 16777216 --tmpfs /tests");
+    expect(joined).toContain("--perms 1777 --size 16777216 --tmpfs /logs");
+    expect(argv.slice(-3)).toEqual(["--", "sleep", "infinity"]);
+  });
+
+  it("shares the host PID namespace only when asked (so the probe can refuse it)", () => {
+    expect(bwrapArgv({ ...layout, hostPid: true })).not.toContain("--unshare-pid");
+  });
+});
+
+describe("nsenterArgv", () => {
+  it("enters the sandbox's namespaces and root, then drops to the user without capabilities", () => {
+    const argv = nsenterArgv(42, { uid: "1000", gid: "1000" }, "/tmp", ["timeout", "1", "true"]);
+    expect(argv.slice(0, 2)).toEqual(["--target", "42"]);
+    expect(argv).toEqual(expect.arrayContaining(["--pid", "--mount", "--net", "--root", "--no-new-privs"]));
+    expect(argv.join(" ")).toContain("setpriv --reuid 1000 --regid 1000 --clear-groups");
+    expect(argv.join(" ")).toContain("--bounding-set -all --inh-caps -all");
+    expect(argv.slice(-5)).toEqual(["--chdir=/tmp", "--", "timeout", "1", "true"]);
+  });
+});
+
+describe("unsupportedSpec", () => {
+  const base = { image: "i", rolloutId: "r", owner: "resources", expiresAt: 1 } as const;
+  it("accepts the default spec and refuses networks and writable roots", () => {
+    expect(unsupportedSpec(SandboxSpec.parse(base))).toBeNull();
+    expect(unsupportedSpec(SandboxSpec.parse({ ...base, network: "gw" }))).toMatch(/network/);
+    expect(unsupportedSpec(SandboxSpec.parse({ ...base, options: { readOnlyRoot: false } }))).toMatch(
+      /writable root/,
+    );
+  });
+});

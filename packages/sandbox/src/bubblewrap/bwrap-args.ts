@@ -1,0 +1,116 @@
+import type { SandboxSpec } from "@fleet/contracts";
+import { SANDBOX_PATHS } from "../provider.ts";
+
+/** The PATH every exec gets (Docker's default for Debian images). */
+export const SANDBOX_PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/** What `bwrapArgv` needs to build one sandbox's `bwrap` command line. */
+export interface BwrapLayout {
+  /** Host directory holding the unpacked base rootfs; mounted read-only at `/`. */
+  rootfs: string;
+  /** Host directory bound read-write at `/workspace` (owned by the agent uid). */
+  workspaceDir: string;
+  /** The sandbox's hostname (its UTS namespace is private). */
+  hostname: string;
+  /** Size of each tmpfs in MiB. */
+  tmpfsMb: number;
+  /** File descriptor bwrap writes its JSON info (`child-pid`) to. */
+  infoFd: number;
+  /** Share the host's PID namespace (only so the probe can be shown to refuse it). */
+  hostPid?: boolean;
+}
+
+/**
+ * `bwrap` arguments for a sandbox: every namespace but the user one private (the caller is
+ * root, so uids inside are the host's), the rootfs read-only, fresh `/proc`, a minimal `/dev`,
+ * size-capped tmpfs for `/tmp`, `/tests`, `/solution`, `/logs`, the workspace bound read-write,
+ * every capability dropped, and `sleep infinity` as the child of bwrap's PID-1 reaper.
+ */
+export function bwrapArgv(layout: BwrapLayout): string[] {
+  const size = String(layout.tmpfsMb * 1024 * 1024);
+  const tmpfs = (path: string, mode: string) => ["--perms", mode, "--size", size, "--tmpfs", path];
+  return [
+    ...(layout.hostPid ? [] : ["--unshare-pid"]),
+    "--unshare-net",
+    "--unshare-ipc",
+    "--unshare-uts",
+    "--unshare-cgroup-try",
+    "--hostname",
+    layout.hostname,
+    "--ro-bind",
+    layout.rootfs,
+    "/",
+    "--proc",
+    "/proc",
+    "--dev",
+    "/dev",
+    ...tmpfs("/tmp", "1777"),
+    ...tmpfs(SANDBOX_PATHS.tests, "0755"),
+    ...tmpfs(SANDBOX_PATHS.solution, "0755"),
+    ...tmpfs(SANDBOX_PATHS.logs, "1777"),
+    "--bind",
+    layout.workspaceDir,
+    SANDBOX_PATHS.workspace,
+    "--chdir",
+    SANDBOX_PATHS.workspace,
+    "--new-session",
+    "--cap-drop",
+    "ALL",
+    "--info-fd",
+    String(layout.infoFd),
+    "--",
+    "sleep",
+    "infinity",
+  ];
+}
+
+/**
+ * The host command that runs `argv` inside a sandbox: `nsenter` joins the namespaces and root of
+ * the sandbox's PID 1 (`initPid`, a host pid); the sandbox's own `setpriv` then switches to
+ * `user`, clears supplementary groups, sets no_new_privs and empties the bounding and inheritable
+ * capability sets (so even uid 0 ends with no capability after the next execve), and `env
+ * --chdir` enters `cwd`. `argv` is expected to be deadline-wrapped already (`deadlineArgv`).
+ */
+export function nsenterArgv(
+  initPid: number,
+  user: { uid: string; gid: string },
+  cwd: string,
+  argv: readonly string[],
+): string[] {
+  return [
+    "--target",
+    String(initPid),
+    "--pid",
+    "--mount",
+    "--net",
+    "--ipc",
+    "--uts",
+    "--cgroup",
+    "--root",
+    "--",
+    "setpriv",
+    "--reuid",
+    user.uid,
+    "--regid",
+    user.gid,
+    "--clear-groups",
+    "--no-new-privs",
+    "--bounding-set",
+    "-all",
+    "--inh-caps",
+    "-all",
+    "--",
+    "env",
+    `--chdir=${cwd}`,
+    "--",
+    ...argv,
+  ];
+}
+
+/** Whether a sandbox spec asks for something this provider cannot give; the reason, or null. */
+export function unsupportedSpec(spec: SandboxSpec): string | null {
+  if (spec.network !== "none")
+    return `network '${spec.network}' (bubblewrap sandboxes have no network but loopback)`;
+  if (spec.options.readOnlyRoot === false) return "a writable root (the rootfs is shared read-only)";
+  return null;
+}

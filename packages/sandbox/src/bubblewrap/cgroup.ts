@@ -1,0 +1,135 @@
+import { existsSync, readFileSync } from "node:fs";
+import { mkdir, rmdir, writeFile } from "node:fs/promises";
+import { join } from "node:path";
+
+/** The cgroup v1 controllers a bubblewrap sandbox is limited by, when the host lets us. */
+export type CgroupController = "memory" | "pids";
+
+export interface SandboxCgroup {
+  controller: CgroupController;
+  /** Absolute path of the sandbox's cgroup directory. */
+  dir: string;
+}
+
+const V1_ROOT = "/sys/fs/cgroup";
+
+/**
+ * Where this process sits in each cgroup v1 hierarchy (`/proc/self/cgroup`). Sandbox cgroups
+ * are made below it, so whatever limits the host puts on the fleet still hold for them.
+ */
+function ownCgroupPath(controller: CgroupController): string | null {
+  try {
+    for (const line of readFileSync("/proc/self/cgroup", "utf8").split("\n")) {
+      const [, controllers, path] = line.split(":");
+      if (controllers?.split(",").includes(controller) && path !== undefined) return path;
+    }
+  } catch {}
+  return null;
+}
+
+/**
+ * Create the sandbox's memory and pids cgroups (cgroup v1) and set their limits. Returns the
+ * ones made, and why any could not be (a read-only or absent hierarchy: that limit is then not
+ * enforced). cgroup v2-only hosts get none (not implemented).
+ */
+export async function createSandboxCgroups(
+  name: string,
+  limits: { memoryMb: number; pidsLimit: number },
+): Promise<{ cgroups: SandboxCgroup[]; missing: string[] }> {
+  const cgroups: SandboxCgroup[] = [];
+  const missing: string[] = [];
+  const plan: Array<[CgroupController, Array<[string, string]>]> = [
+    [
+      "memory",
+      [
+        ["memory.limit_in_bytes", String(limits.memoryMb * 1024 * 1024)],
+        ["memory.memsw.limit_in_bytes", String(limits.memoryMb * 1024 * 1024)],
+      ],
+    ],
+    ["pids", [["pids.max", String(limits.pidsLimit)]]],
+  ];
+  for (const [controller, files] of plan) {
+    const own = ownCgroupPath(controller);
+    const base = join(V1_ROOT, controller);
+    if (own === null || !existsSync(join(base, "cgroup.procs"))) {
+      missing.push(`${controller} (no cgroup v1 hierarchy)`);
+      continue;
+    }
+    const dir = join(base, own, "fleet-bwrap", name);
+    try {
+      await mkdir(dir, { recursive: true });
+      for (const [file, value] of files) {
+        if (file === "memory.memsw.limit_in_bytes" && !existsSync(join(dir, file))) continue;
+        await writeFile(join(dir, file), value);
+      }
+      cgroups.push({ controller, dir });
+    } catch (err) {
+      await rmdir(dir).catch(() => undefined);
+      missing.push(`${controller} (${(err as NodeJS.ErrnoException).code ?? String(err)})`);
+    }
+  }
+  return { cgroups, missing };
+}
+
+/** Move host pids into every cgroup (their later children follow). */
+export async function moveIntoCgroups(
+  cgroups: readonly SandboxCgroup[],
+  pids: readonly number[],
+): Promise<void> {
+  for (const cg of cgroups) {
+    for (const pid of pids) await writeFile(join(cg.dir, "cgroup.procs"), String(pid));
+  }
+}
+
+/**
+ * Host argv prefix that puts the command into the cgroups before it `exec`s the rest (a
+ * process started from outside, like `nsenter`, does not inherit the sandbox's cgroups).
+ */
+export function joinCgroupsArgv(cgroups: readonly SandboxCgroup[], argv: readonly string[]): string[] {
+  if (cgroups.length === 0) return [...argv];
+  const script =
+    'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
+  return [
+    "/bin/sh",
+    "-c",
+    script,
+    "sh",
+    String(cgroups.length),
+    ...cgroups.map((cg) => join(cg.dir, "cgroup.procs")),
+    ...argv,
+  ];
+}
+
+/** Whether the memory cgroup's OOM killer has killed anything in the sandbox. */
+export function cgroupOomKilled(cgroups: readonly SandboxCgroup[]): boolean {
+  const memory = cgroups.find((cg) => cg.controller === "memory");
+  if (!memory) return false;
+  try {
+    const m = /oom_kill (\d+)/.exec(readFileSync(join(memory.dir, "memory.oom_control"), "utf8"));
+    return m !== null && Number(m[1]) > 0;
+  } catch {
+    return false;
+  }
+}
+
+/** Remove the (by now empty) cgroups; returns the ones that could not be removed. */
+export async function removeCgroups(cgroups: readonly SandboxCgroup[]): Promise<string[]> {
+  const left: string[] = [];
+  for (const cg of cgroups) {
+    for (let attempt = 0; ; attempt++) {
+      try {
+        await rmdir(cg.dir);
+        break;
+      } catch (err) {
+        const code = (err as NodeJS.ErrnoException).code;
+        if (code === "ENOENT") break;
+        if (code !== "EBUSY" || attempt >= 20) {
+          left.push(`${cg.dir}: ${code ?? String(err)}`);
+          break;
+        }
+        await new Promise((resolve) => setTimeout(resolve, 50));
+      }
+    }
+  }
+  return left;
+}

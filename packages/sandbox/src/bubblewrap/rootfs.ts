@@ -1,0 +1,44 @@
+import { execFile } from "node:child_process";
+import { existsSync } from "node:fs";
+import { mkdir, mkdtemp, readdir, rename, rm } from "node:fs/promises";
+import { basename, join } from "node:path";
+import { promisify } from "node:util";
+import { FleetError } from "@fleet/contracts";
+
+const run = promisify(execFile);
+
+/**
+ * Unpack a rootfs tarball (e.g. `.fleet/cache/base-rootfs-<hash>.tar` written by
+ * `scripts/build-base-image.sh`, or `docker export` of the base image) once into
+ * `<cacheDir>/bwrap-<name of the tar>/` and return that directory. Idempotent and safe against a
+ * concurrent unpack (it extracts into a temporary directory and renames it into place).
+ */
+export async function unpackRootfs(tarPath: string, cacheDir: string): Promise<string> {
+  const dir = join(cacheDir, `bwrap-${basename(tarPath).replace(/\.tar$/, "")}`);
+  if (existsSync(join(dir, "bin")) || existsSync(join(dir, "usr"))) return dir;
+  if (!existsSync(tarPath))
+    throw FleetError.nonRetryable("invalid_task", `rootfs tarball ${tarPath} does not exist`);
+  await mkdir(cacheDir, { recursive: true });
+  const tmp = await mkdtemp(join(cacheDir, ".bwrap-rootfs-"));
+  try {
+    await run("tar", ["-x", "-p", "-f", tarPath, "-C", tmp], { maxBuffer: 16 * 1024 * 1024 });
+    await rename(tmp, dir);
+  } catch (err) {
+    await rm(tmp, { recursive: true, force: true });
+    if (existsSync(join(dir, "usr"))) return dir; // another process won the race
+    throw FleetError.nonRetryable("invalid_task", `unpacking rootfs ${tarPath} failed: ${String(err)}`, err);
+  }
+  return dir;
+}
+
+/** The newest `base-rootfs-*.tar` in `cacheDir` (what `scripts/build-base-image.sh` caches), or null. */
+export async function findCachedRootfsTar(cacheDir: string): Promise<string | null> {
+  let names: string[];
+  try {
+    names = await readdir(cacheDir);
+  } catch {
+    return null;
+  }
+  const tars = names.filter((n) => /^base-rootfs-[0-9a-f]+\.tar$/.test(n)).sort();
+  return tars.length > 0 ? join(cacheDir, tars[tars.length - 1]!) : null;
+}
