@@ -52,6 +52,10 @@ const sandbox = {
     .pipe(z.enum(ProviderName.options, { error: `must be one of ${ProviderName.options.join(", ")}` }))
     .default("docker"),
   DOCKER_HOST: z.string().trim().optional(),
+  /** bubblewrap: the unpacked base rootfs directory (see packages/sandbox/README.md). */
+  FLEET_BWRAP_ROOTFS: z.string().trim().optional(),
+  /** Local state (bubblewrap sandboxes live under `<dir>/bwrap`). */
+  FLEET_STATE_DIR: z.string().trim().default("/var/lib/rollout-fleet"),
 };
 
 const metrics = {
@@ -117,6 +121,8 @@ export const WorkerConfig = z
     kind: e.FLEET_WORKER_KIND,
     workerId: e.FLEET_WORKER_ID ?? null,
     sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
+    bwrapRootfs: e.FLEET_BWRAP_ROOTFS ?? null,
+    stateDir: e.FLEET_STATE_DIR,
     dockerHost: e.DOCKER_HOST ?? null,
     metricsPort: e.FLEET_METRICS_PORT ?? null,
     metricsHost: e.FLEET_METRICS_HOST,
@@ -140,6 +146,8 @@ export const JanitorConfig = z
   .transform((e) => ({
     ...commonConfig(e),
     sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
+    bwrapRootfs: e.FLEET_BWRAP_ROOTFS ?? null,
+    stateDir: e.FLEET_STATE_DIR,
     dockerHost: e.DOCKER_HOST ?? null,
     metricsPort: e.FLEET_METRICS_PORT ?? null,
     metricsHost: e.FLEET_METRICS_HOST,

@@ -27,6 +27,8 @@ type Env = Record<string, string | undefined>;
 
 interface Common {
   credentialsFile?: string | null;
+  bwrapRootfs: string | null;
+  stateDir: string;
   redisUrl: string;
   prefix: string;
   logLevel: string;
@@ -58,6 +60,9 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,
     docker: config.dockerHost ? { endpoint: config.dockerHost } : undefined,
+    bubblewrap: config.bwrapRootfs
+      ? { rootfs: config.bwrapRootfs, stateDir: `${config.stateDir}/bwrap` }
+      : undefined,
     logger,
     // Only this fleet's sandboxes: the janitor must never reap another fleet's on a shared daemon.
     scope: config.prefix,
