@@ -6,19 +6,38 @@ import { hostname, constants as osConstants } from "node:os";
 import { join } from "node:path";
 import {
   type CleanupReceipt,
-  ExecOptions,
+  type ExecOptions,
   type ExecResult,
-  FileSet,
+  type FileSet,
   FleetError,
   isFleetError,
   type ProbeReport,
   type SandboxHandle,
-  SandboxSpec,
   type SandboxSpecInput,
 } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
 import { DEFAULT_SANDBOX_LIMITS, isTmpfsPath, sandboxName } from "../docker/container-config.ts";
-import { deadlineArgv, envList, execOutcome, KILL_GRACE_S, parseNumericUser } from "../exec-command.ts";
+import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-command.ts";
+import {
+  assertIsolated,
+  DEFAULT_EXEC_DEFAULTS,
+  delay,
+  type ExecCall,
+  type ExecDefaults,
+  execResult,
+  extractViaExec,
+  findSandbox,
+  getTarget,
+  hostProbeFacts,
+  killProcessesViaExec,
+  parseExecOptions,
+  parseSandboxSpec,
+  planPut,
+  probeExecCall,
+  probeStdout,
+  readViaExec,
+  sentinelProbeLine,
+} from "../exec-ops.ts";
 import { CappedBuffer } from "../output.ts";
 import {
   AGENT_USER,
@@ -32,8 +51,6 @@ import {
   type SandboxInfo,
   type SandboxProvider,
 } from "../provider.ts";
-import { buildTar } from "../tar.ts";
-import { formatIssues } from "../validation.ts";
 import { bwrapArgv, nsenterArgv, SANDBOX_PATH_ENV, unsupportedSpec } from "./bwrap-args.ts";
 import {
   cgroupOomKilled,
@@ -45,19 +62,7 @@ import {
 } from "./cgroup.ts";
 
 /** Provider-wide defaults; every field optional in the constructor. */
-export interface BubblewrapSandboxDefaults {
-  /** User execs run as when the caller names none. @defaultValue AGENT_USER (`1000:1000`) */
-  execUser: string;
-  /** Cap for stdout and for stderr of one exec. @defaultValue 1 MiB */
-  maxOutputBytes: number;
-  /** Budget of the isolation probe. @defaultValue 10_000 */
-  probeTimeoutMs: number;
-  /** Seconds between SIGTERM and SIGKILL at an exec's deadline. @defaultValue 2 */
-  killGraceS: number;
-  /** Slack of the host-side safety timer beyond deadline + kill grace. @defaultValue 5_000 */
-  execSlackMs: number;
-  /** Rounds of `kill -9 -1` + /proc scan in `killProcesses`. @defaultValue 50 */
-  killRounds: number;
+export interface BubblewrapSandboxDefaults extends ExecDefaults {
   /** Size of each tmpfs (`/tmp`, `/tests`, `/solution`, `/logs`). @defaultValue 256 */
   tmpfsMb: number;
   /** Memory limit (cgroup v1 memory controller, swap included), where enforceable. @defaultValue 1024 */
@@ -69,12 +74,7 @@ export interface BubblewrapSandboxDefaults {
 }
 
 export const DEFAULT_BUBBLEWRAP_SANDBOX_DEFAULTS: Readonly<BubblewrapSandboxDefaults> = Object.freeze({
-  execUser: AGENT_USER,
-  maxOutputBytes: 1024 * 1024,
-  probeTimeoutMs: 10_000,
-  killGraceS: KILL_GRACE_S,
-  execSlackMs: 5_000,
-  killRounds: 50,
+  ...DEFAULT_EXEC_DEFAULTS,
   tmpfsMb: DEFAULT_SANDBOX_LIMITS.tmpfsMb,
   memoryMb: DEFAULT_SANDBOX_LIMITS.memoryMb,
   pidsLimit: DEFAULT_SANDBOX_LIMITS.pidsLimit,
@@ -123,22 +123,15 @@ interface BwrapState {
   expiresAt: number;
 }
 
-interface RunOptions {
-  deadlineMs: number;
+interface RunOptions extends ExecCall {
   env?: Record<string, string>;
   cwd?: string | undefined;
-  user: string;
-  stdin: Buffer | null;
-  maxOutputBytes: number;
   /** Run outside the sandbox's cgroups (the kill sweep must start even at the pids limit). */
   outsideCgroups?: boolean;
 }
 
 /** How long output is still read after the command exited while something holds its pipes. */
 const EXIT_DRAIN_MS = 200;
-
-/** Where the staging-only mounts are; `put` there defaults to root so the agent cannot write them. */
-const ROOT_STAGED = [SANDBOX_PATHS.tests, SANDBOX_PATHS.solution];
 
 /**
  * `SandboxProvider` on bubblewrap, for hosts without a Docker daemon. A sandbox is a detached
@@ -175,14 +168,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   }
 
   async create(input: SandboxSpecInput): Promise<SandboxHandle> {
-    const parsed = SandboxSpec.safeParse(input);
-    if (!parsed.success) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        `invalid sandbox spec: ${formatIssues(parsed.error.issues)}`,
-      );
-    }
-    const spec = parsed.data;
+    const spec = parseSandboxSpec(input);
     const unsupported = unsupportedSpec(spec);
     if (unsupported) {
       throw FleetError.nonRetryable("invalid_task", `the bubblewrap provider cannot give ${unsupported}`);
@@ -356,30 +342,17 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   }
 
   async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
-    const found = await this.list({ [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner });
-    if (found.length === 0) return null;
-    const expected = sandboxName(rolloutId, owner);
-    return (found.find((s) => s.handle.name === expected) ?? found[0]!).handle;
+    return findSandbox(
+      (labels) => this.list(labels),
+      { [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner },
+      sandboxName(rolloutId, owner),
+    );
   }
 
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
-    const parsed = ExecOptions.safeParse(options);
-    if (!parsed.success) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        `invalid exec options: ${formatIssues(parsed.error.issues)}`,
-      );
-    }
-    const o = parsed.data;
+    const o = parseExecOptions(options, this.defaults.execUser);
     const state = await this.liveState(handle);
-    const { rawExitCode, ...out } = await this.run(state, argv, {
-      deadlineMs: o.deadlineMs,
-      env: o.env,
-      cwd: o.cwd,
-      user: o.user ?? this.defaults.execUser,
-      stdin: o.stdin === undefined ? null : Buffer.from(o.stdin, "utf8"),
-      maxOutputBytes: o.maxOutputBytes,
-    });
+    const { rawExitCode, ...out } = await this.run(state, argv, o);
     if (rawExitCode === 137 && !out.timedOut) out.oomKilled = cgroupOomKilled(state.cgroups ?? []);
     return out;
   }
@@ -459,34 +432,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const durationMs = performance.now() - started;
     if (exit.hostTimedOut || exit.code === null) {
       this.logger?.warn({ sandbox: state.name, deadlineMs: o.deadlineMs }, "exec outlived its deadline");
-      return this.result(-1, true, stdout, stderr, durationMs, -1);
+      return execResult(-1, true, stdout, stderr, durationMs, -1);
     }
     if (exit.code !== 0 && !this.stateAlive(state)) {
       throw FleetError.nonRetryable("sandbox_lost", `sandbox ${state.name} is gone (its PID 1 exited)`);
     }
     const outcome = execOutcome(exit.code, durationMs, o.deadlineMs);
-    return this.result(outcome.exitCode, outcome.timedOut, stdout, stderr, durationMs, exit.code);
-  }
-
-  private result(
-    exitCode: number,
-    timedOut: boolean,
-    stdout: CappedBuffer,
-    stderr: CappedBuffer,
-    durationMs: number,
-    rawExitCode: number,
-  ): ExecResult & { rawExitCode: number } {
-    return {
-      exitCode,
-      timedOut,
-      stdout: stdout.text(),
-      stderr: stderr.text(),
-      stdoutTruncated: stdout.truncated,
-      stderrTruncated: stderr.truncated,
-      durationMs,
-      oomKilled: false,
-      rawExitCode,
-    };
+    return execResult(outcome.exitCode, outcome.timedOut, stdout, stderr, durationMs, exit.code);
   }
 
   /** `uid[:gid]` or a name in the rootfs's `/etc/passwd` → ids and home directory. */
@@ -523,38 +475,10 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     files: FileSet,
     options: { user?: string; mode?: number } = {},
   ): Promise<void> {
-    if (!dir.startsWith("/"))
-      throw FleetError.nonRetryable("invalid_task", `put needs an absolute directory: ${dir}`);
-    const checked = FileSet.safeParse(files);
-    if (!checked.success) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        `invalid files for ${dir}: ${formatIssues(checked.error.issues)}`,
-      );
-    }
-    const target = normalizeAbsolute(dir);
-    const user =
-      options.user ??
-      (ROOT_STAGED.some((p) => target === p || target.startsWith(`${p}/`))
-        ? ROOT_USER
-        : this.defaults.execUser);
-    const ids = parseNumericUser(user);
-    if (ids === null)
-      throw FleetError.nonRetryable("invalid_task", `put needs a numeric uid[:gid], got ${user}`);
+    const plan = planPut(dir, files, options.user, this.defaults.execUser);
     const state = await this.liveState(handle);
     // Extract inside the sandbox, as the user: the host never follows a path the agent controls.
-    const archive = await buildTar(checked.data, { ...ids, mode: options.mode });
-    const r = await this.run(
-      state,
-      ["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"', "sh", target],
-      { deadlineMs: 120_000, user, stdin: archive, maxOutputBytes: 16 * 1024 },
-    );
-    if (r.exitCode !== 0) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        `staging ${Object.keys(files).length} file(s) into ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
-      );
-    }
+    await extractViaExec((argv, o) => this.run(state, argv, o), plan, options.mode);
   }
 
   async get(
@@ -563,67 +487,32 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     options: { maxBytes?: number } = {},
   ): Promise<string | null> {
     const maxBytes = options.maxBytes ?? this.defaults.maxOutputBytes;
-    if (!path.startsWith("/"))
-      throw FleetError.nonRetryable("invalid_task", `get needs an absolute path: ${path}`);
-    const target = normalizeAbsolute(path);
+    const target = getTarget(path);
     const state = await this.liveState(handle);
-    const script =
-      'if [ ! -e "$1" ] || [ -d "$1" ]; then exit 44; fi; [ -r "$1" ] || exit 45; exec cat -- "$1"';
     // Root has no capabilities inside (no DAC override): a file only its owner may read needs the agent.
     const users = isTmpfsPath(target)
       ? [ROOT_USER, this.defaults.execUser]
       : [this.defaults.execUser, ROOT_USER];
-    for (const user of users) {
-      const r = await this.run(state, ["sh", "-c", script, "sh", target], {
-        deadlineMs: 60_000,
-        user,
-        stdin: null,
-        maxOutputBytes: maxBytes,
-      });
-      if (r.exitCode === 44) return null;
-      if (r.exitCode === 0) return r.stdout;
-      if (r.exitCode !== 45) {
-        throw FleetError.retryable(
-          "provider_unavailable",
-          `reading ${target} failed (exit ${r.exitCode}): ${r.stderr}`,
-        );
-      }
-    }
-    throw FleetError.nonRetryable("invalid_task", `${target} exists but is not readable in the sandbox`);
+    return readViaExec((argv, o) => this.run(state, argv, o), target, users, maxBytes);
   }
 
   async probe(handle: SandboxHandle, options: { timeoutMs?: number } = {}): Promise<ProbeReport> {
     const timeoutMs = options.timeoutMs ?? this.defaults.probeTimeoutMs;
     const started = performance.now();
-    const hostPidNs = readlinkSync("/proc/self/ns/pid");
+    const { pidNs: hostPidNs, sentinelPid, sentinelCmdline } = hostProbeFacts();
     const hostNetNs = readlinkSync("/proc/self/ns/net");
-    const sentinelPid = process.pid;
-    const sentinelCmdline = readFileSync("/proc/self/cmdline")
-      .toString("latin1")
-      .replaceAll("\0", " ")
-      .trim();
     const script = [
       "readlink /proc/self/ns/pid",
       "readlink /proc/self/ns/net",
       "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\\n' ' '; echo",
-      `tr '\\000' ' ' < /proc/${sentinelPid}/cmdline 2>/dev/null; echo`,
+      sentinelProbeLine(sentinelPid),
     ].join("; ");
     let stdout: string;
     let state: BwrapState;
     try {
       state = await this.liveState(handle);
-      const r = await this.run(state, ["sh", "-c", script], {
-        deadlineMs: timeoutMs,
-        user: ROOT_USER,
-        stdin: null,
-        maxOutputBytes: 64 * 1024,
-      });
-      if (r.timedOut || r.exitCode !== 0) {
-        throw new Error(
-          r.timedOut ? `probe timed out after ${timeoutMs} ms` : `probe exited ${r.exitCode}: ${r.stderr}`,
-        );
-      }
-      stdout = r.stdout;
+      const r = await this.run(state, ["sh", "-c", script], probeExecCall(timeoutMs));
+      stdout = probeStdout(r, timeoutMs);
     } catch (err) {
       if (isFleetError(err) && err.kind === "sandbox_lost") throw err;
       const message = err instanceof Error ? err.message : String(err);
@@ -641,78 +530,23 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       onlyLoopback: interfaces.length === 1 && interfaces[0] === "lo",
       hostSentinelInvisible: sentinel === "" || sentinel !== sentinelCmdline,
     };
-    const isolated = Object.values(checks).every(Boolean);
     const detail =
       `sandbox pid ns ${pidNs || "?"} vs host ${hostPidNs}; net ns ${netNs || "?"} vs host ${hostNetNs}; ` +
       `interfaces: ${interfaces.join(",") || "none"}; host pid ${sentinelPid} ${sentinel ? "visible" : "invisible"}; ` +
       `limits enforced: ${(state.cgroups ?? []).map((cg) => cg.controller).join(", ") || "none"}; ` +
       `not enforced: ${(state.unenforced ?? []).join(", ") || "none"}`;
-    if (!isolated) {
-      const failed = Object.entries(checks)
-        .filter(([, ok]) => !ok)
-        .map(([k]) => k);
-      throw FleetError.nonRetryable(
-        "isolation_refused",
-        `sandbox ${handle.name} is not isolated from the host (failed: ${failed.join(", ")}): ${detail}`,
-      );
-    }
+    const isolated = assertIsolated(handle.name, checks, detail);
     return { isolated, checks, detail, durationMs: performance.now() - started };
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
-    // As in the Docker provider: runs as the user itself (only that uid may signal its
-    // processes), `kill -9 -1` spares the caller, the /proc scan counts non-zombies left.
-    const script = [
-      // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-      'uid=$(id -u); i=0; n=0; while :; do kill -9 -1 2>/dev/null; n=0; for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$uid" ] && [ "$st" != Z ] && n=$((n+1)); done;',
-      ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$1" ] && break; sleep 0.1; done; echo "remaining=$n"',
-    ].join("");
-    const gone = (): CleanupReceipt => ({
-      confirmed: true,
-      scope: "processes",
-      at: Date.now(),
-      alreadyGone: true,
-      remaining: 0,
-      detail: "sandbox is gone",
-    });
-    let lastError = "";
-    for (let attempt = 1; attempt <= 3; attempt++) {
-      try {
-        const state = await this.liveState(handle);
-        const r = await this.run(state, ["sh", "-c", script, "sh", String(this.defaults.killRounds)], {
-          deadlineMs: 30_000,
-          user,
-          stdin: null,
-          maxOutputBytes: 4096,
-          outsideCgroups: true,
-        });
-        const m = /remaining=(\d+)/.exec(r.stdout);
-        if (m) {
-          const remaining = Number(m[1]);
-          return {
-            confirmed: remaining === 0,
-            scope: "processes",
-            at: Date.now(),
-            alreadyGone: false,
-            remaining,
-            detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
-          };
-        }
-        lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
-      } catch (err) {
-        if (isFleetError(err) && err.kind === "sandbox_lost") return gone();
-        lastError = err instanceof Error ? err.message : String(err);
-      }
-      await delay(200 * attempt);
-    }
-    return {
-      confirmed: false,
-      scope: "processes",
-      at: Date.now(),
-      alreadyGone: false,
-      remaining: 0,
-      detail: lastError,
-    };
+    // As in the Docker provider; the sweep runs outside the sandbox's cgroups so it can start
+    // even at the pids limit, and a sandbox found gone is a confirmed receipt.
+    return killProcessesViaExec(
+      async (argv, o) => this.run(await this.liveState(handle), argv, { ...o, outsideCgroups: true }),
+      user,
+      this.defaults.killRounds,
+    );
   }
 
   async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
@@ -915,18 +749,4 @@ function killQuietly(pid: number): void {
 
 function signalNumber(signal: NodeJS.Signals): number {
   return osConstants.signals[signal] ?? 9;
-}
-
-function normalizeAbsolute(path: string): string {
-  const parts: string[] = [];
-  for (const p of path.split("/")) {
-    if (p === "" || p === ".") continue;
-    if (p === "..") throw FleetError.nonRetryable("invalid_task", `path must not contain '..': ${path}`);
-    parts.push(p);
-  }
-  return `/${parts.join("/")}`;
-}
-
-function delay(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
 }

@@ -1,21 +1,39 @@
 /// <reference path="./dockerode.d.ts" />
-import { readFileSync, readlinkSync } from "node:fs";
 import type { Socket } from "node:net";
 import {
   type CleanupReceipt,
-  ExecOptions,
+  type ExecOptions,
   type ExecResult,
-  FileSet,
+  type FileSet,
   FleetError,
   isFleetError,
   type ProbeReport,
   type SandboxHandle,
-  SandboxSpec,
   type SandboxSpecInput,
 } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
 import Dockerode from "dockerode";
-import { deadlineArgv, envList, execOutcome, KILL_GRACE_S, parseNumericUser } from "../exec-command.ts";
+import { deadlineArgv, envList, execOutcome } from "../exec-command.ts";
+import {
+  assertIsolated,
+  DEFAULT_EXEC_DEFAULTS,
+  delay,
+  type ExecDefaults,
+  execResult,
+  extractViaExec,
+  findSandbox,
+  getTarget,
+  hostProbeFacts,
+  killProcessesViaExec,
+  parseExecOptions,
+  parseSandboxSpec,
+  planPut,
+  probeExecCall,
+  probeStdout,
+  readViaExec,
+  type SandboxExec,
+  sentinelProbeLine,
+} from "../exec-ops.ts";
 import { CappedBuffer, DockerStreamDemuxer, decodeCapped } from "../output.ts";
 import {
   AGENT_USER,
@@ -29,7 +47,6 @@ import {
   type SandboxProvider,
 } from "../provider.ts";
 import { buildTar, readFirstTarFile } from "../tar.ts";
-import { formatIssues } from "../validation.ts";
 import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
@@ -43,32 +60,15 @@ import { type DockerConnection, resolveDockerConnection } from "./docker-endpoin
 import { classifyDockerError, classifyDockerFacts, dockerErrorFacts } from "./docker-errors.ts";
 
 /** Provider-wide defaults; every field optional in the constructor. */
-export interface DockerSandboxDefaults extends SandboxLimits {
-  /** User execs run as when the caller names none. @defaultValue AGENT_USER (`1000:1000`) */
-  execUser: string;
-  /** Cap for stdout and for stderr of one exec. @defaultValue 1 MiB */
-  maxOutputBytes: number;
-  /** Budget of the isolation probe. @defaultValue 10_000 */
-  probeTimeoutMs: number;
+export interface DockerSandboxDefaults extends SandboxLimits, ExecDefaults {
   /** Budget of one Docker API call (not of an exec's output stream). @defaultValue 30_000 */
   apiTimeoutMs: number;
-  /** Seconds between SIGTERM and SIGKILL at an exec's deadline. @defaultValue 2 */
-  killGraceS: number;
-  /** Slack of the host-side safety timer beyond deadline + kill grace. @defaultValue 5_000 */
-  execSlackMs: number;
-  /** Rounds of `kill -9 -1` + /proc scan in `killProcesses`. @defaultValue 50 */
-  killRounds: number;
 }
 
 export const DEFAULT_DOCKER_SANDBOX_DEFAULTS: Readonly<DockerSandboxDefaults> = Object.freeze({
   ...DEFAULT_SANDBOX_LIMITS,
-  execUser: AGENT_USER,
-  maxOutputBytes: 1024 * 1024,
-  probeTimeoutMs: 10_000,
+  ...DEFAULT_EXEC_DEFAULTS,
   apiTimeoutMs: 30_000,
-  killGraceS: KILL_GRACE_S,
-  execSlackMs: 5_000,
-  killRounds: 50,
 });
 
 export interface DockerSandboxProviderOptions {
@@ -84,9 +84,6 @@ export interface DockerSandboxProviderOptions {
 }
 
 type Container = Dockerode.Container;
-
-/** Where the staging-only mounts are; `put` there defaults to root so the agent cannot write them. */
-const ROOT_STAGED = [SANDBOX_PATHS.tests, SANDBOX_PATHS.solution];
 
 /**
  * `SandboxProvider` on a Docker daemon via dockerode. Hardened by default (see
@@ -111,14 +108,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async create(input: SandboxSpecInput): Promise<SandboxHandle> {
-    const parsed = SandboxSpec.safeParse(input);
-    if (!parsed.success) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        `invalid sandbox spec: ${formatIssues(parsed.error.issues)}`,
-      );
-    }
-    const spec = parsed.data;
+    const spec = parseSandboxSpec(input);
     const config = buildContainerConfig(spec, this.defaults, this.scope);
     const name = config.name!;
     const handle: SandboxHandle = {
@@ -209,29 +199,15 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
-    const found = await this.list({ [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner });
-    if (found.length === 0) return null;
-    const expected = sandboxName(rolloutId, owner);
-    return (found.find((s) => s.handle.name === expected) ?? found[0]!).handle;
+    return findSandbox(
+      (labels) => this.list(labels),
+      { [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner },
+      sandboxName(rolloutId, owner),
+    );
   }
 
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
-    const parsed = ExecOptions.safeParse(options);
-    if (!parsed.success) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        `invalid exec options: ${formatIssues(parsed.error.issues)}`,
-      );
-    }
-    const o = parsed.data;
-    const result = await this.execIn(handle, argv, {
-      deadlineMs: o.deadlineMs,
-      env: o.env,
-      cwd: o.cwd,
-      user: o.user ?? this.defaults.execUser,
-      stdin: o.stdin === undefined ? null : Buffer.from(o.stdin, "utf8"),
-      maxOutputBytes: o.maxOutputBytes,
-    });
+    const result = await this.execIn(handle, argv, parseExecOptions(options, this.defaults.execUser));
     if (result.rawExitCode === 137 && !result.timedOut) {
       result.oomKilled = await this.oomKilled(handle);
     }
@@ -296,17 +272,12 @@ export class DockerSandboxProvider implements SandboxProvider {
       rawExitCode = info;
       outcome = execOutcome(info, durationMs, o.deadlineMs);
     }
-    return {
-      exitCode: outcome.exitCode,
-      timedOut: outcome.timedOut,
-      stdout: stdout.text(),
-      stderr: stderr.text(),
-      stdoutTruncated: stdout.truncated,
-      stderrTruncated: stderr.truncated,
-      durationMs,
-      oomKilled: false,
-      rawExitCode,
-    };
+    return execResult(outcome.exitCode, outcome.timedOut, stdout, stderr, durationMs, rawExitCode);
+  }
+
+  /** `execIn` bound to one sandbox, for the shared exec-based operations. */
+  private execOf(handle: SandboxHandle): SandboxExec {
+    return (argv, o) => this.execIn(handle, argv, o);
   }
 
   /** Start the exec and pump its stream; resolves `true` if the host-side safety timer fired. */
@@ -397,39 +368,11 @@ export class DockerSandboxProvider implements SandboxProvider {
     files: FileSet,
     options: { user?: string; mode?: number } = {},
   ): Promise<void> {
-    if (!dir.startsWith("/"))
-      throw FleetError.nonRetryable("invalid_task", `put needs an absolute directory: ${dir}`);
-    const checked = FileSet.safeParse(files);
-    if (!checked.success) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        `invalid files for ${dir}: ${formatIssues(checked.error.issues)}`,
-      );
-    }
-    const target = normalizeAbsolute(dir);
-    const user =
-      options.user ??
-      (ROOT_STAGED.some((p) => target === p || target.startsWith(`${p}/`))
-        ? ROOT_USER
-        : this.defaults.execUser);
-    const ids = parseNumericUser(user);
-    if (ids === null)
-      throw FleetError.nonRetryable("invalid_task", `put needs a numeric uid[:gid], got ${user}`);
-
+    const plan = planPut(dir, files, options.user, this.defaults.execUser);
+    const { target, ids } = plan;
     if (isTmpfsPath(target)) {
       // Docker's archive API cannot see a container's tmpfs mounts: extract inside, as the user.
-      const archive = await buildTar(checked.data, { ...ids, mode: options.mode });
-      const r = await this.execIn(
-        handle,
-        ["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"', "sh", target],
-        { deadlineMs: 120_000, user, stdin: archive, maxOutputBytes: 16 * 1024 },
-      );
-      if (r.exitCode !== 0) {
-        throw FleetError.nonRetryable(
-          "invalid_task",
-          `staging ${Object.keys(files).length} file(s) into ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
-        );
-      }
+      await extractViaExec(this.execOf(handle), plan, options.mode);
       return;
     }
 
@@ -437,7 +380,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     // directories are created with the right owner.
     const root = isWorkspacePath(target) ? SANDBOX_PATHS.workspace : target;
     const prefix = target.slice(root.length).replace(/^\//, "");
-    const archive = await buildTar(checked.data, { ...ids, mode: options.mode, prefix });
+    const archive = await buildTar(plan.files, { ...ids, mode: options.mode, prefix });
     try {
       await this.containerOf(handle).putArchive(archive, { path: root, abortSignal: this.apiSignal() });
     } catch (err) {
@@ -451,9 +394,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     options: { maxBytes?: number } = {},
   ): Promise<string | null> {
     const maxBytes = options.maxBytes ?? this.defaults.maxOutputBytes;
-    if (!path.startsWith("/"))
-      throw FleetError.nonRetryable("invalid_task", `get needs an absolute path: ${path}`);
-    const target = normalizeAbsolute(path);
+    const target = getTarget(path);
     if (isTmpfsPath(target)) return this.getViaExec(handle, target, maxBytes);
 
     let archive: Awaited<ReturnType<Container["getArchive"]>>;
@@ -473,43 +414,20 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   /** Read a file on a tmpfs mount with `cat` (root first; the file's owner may be the agent). */
-  private async getViaExec(handle: SandboxHandle, path: string, maxBytes: number): Promise<string | null> {
-    const script =
-      'if [ ! -e "$1" ] || [ -d "$1" ]; then exit 44; fi; [ -r "$1" ] || exit 45; exec cat -- "$1"';
-    for (const user of [ROOT_USER, this.defaults.execUser]) {
-      const r = await this.execIn(handle, ["sh", "-c", script, "sh", path], {
-        deadlineMs: 60_000,
-        user,
-        stdin: null,
-        maxOutputBytes: maxBytes,
-      });
-      if (r.exitCode === 44) return null;
-      if (r.exitCode === 0) return r.stdout;
-      if (r.exitCode !== 45) {
-        throw FleetError.retryable(
-          "provider_unavailable",
-          `reading ${path} failed (exit ${r.exitCode}): ${r.stderr}`,
-        );
-      }
-    }
-    throw FleetError.nonRetryable("invalid_task", `${path} exists but is not readable in the sandbox`);
+  private getViaExec(handle: SandboxHandle, path: string, maxBytes: number): Promise<string | null> {
+    return readViaExec(this.execOf(handle), path, [ROOT_USER, this.defaults.execUser], maxBytes);
   }
 
   async probe(handle: SandboxHandle, options: { timeoutMs?: number } = {}): Promise<ProbeReport> {
     const timeoutMs = options.timeoutMs ?? this.defaults.probeTimeoutMs;
     const started = performance.now();
-    const hostPidNs = readlinkSync("/proc/self/ns/pid");
     // The host sentinel: this very process. With a private PID namespace its pid names nothing
     // (or someone else) inside; shared, it would show our own command line.
-    const sentinelPid = process.pid;
-    const sentinelCmdline = readFileSync("/proc/self/cmdline")
-      .toString("latin1")
-      .replaceAll("\0", " ")
-      .trim();
+    const { pidNs: hostPidNs, sentinelPid, sentinelCmdline } = hostProbeFacts();
     const script = [
       "readlink /proc/self/ns/pid",
       "tr '\\000' ' ' < /proc/1/cmdline; echo",
-      `tr '\\000' ' ' < /proc/${sentinelPid}/cmdline 2>/dev/null; echo`,
+      sentinelProbeLine(sentinelPid),
     ].join("; ");
 
     let stdout: string;
@@ -518,23 +436,13 @@ export class DockerSandboxProvider implements SandboxProvider {
       const deadline = AbortSignal.timeout(timeoutMs);
       const [r, info] = await withTimeout(
         Promise.all([
-          this.execIn(handle, ["sh", "-c", script], {
-            deadlineMs: timeoutMs,
-            user: ROOT_USER,
-            stdin: null,
-            maxOutputBytes: 64 * 1024,
-          }),
+          this.execIn(handle, ["sh", "-c", script], probeExecCall(timeoutMs)),
           this.containerOf(handle).inspect({ abortSignal: deadline }),
         ]),
         timeoutMs,
         `probe timed out after ${timeoutMs} ms`,
       );
-      if (r.timedOut || r.exitCode !== 0) {
-        throw new Error(
-          r.timedOut ? `probe timed out after ${timeoutMs} ms` : `probe exited ${r.exitCode}: ${r.stderr}`,
-        );
-      }
-      stdout = r.stdout;
+      stdout = probeStdout(r, timeoutMs);
       pidMode = info.HostConfig.PidMode;
     } catch (err) {
       const e = isFleetError(err) ? err : classifyDockerError(err, "probe", handle.name);
@@ -552,84 +460,17 @@ export class DockerSandboxProvider implements SandboxProvider {
       pid1IsSandboxInit: /^(\S*\/)?(docker-init|tini|sleep)( |$)/.test(pid1),
       hostSentinelInvisible: sentinel === "" || sentinel !== sentinelCmdline,
     };
-    const isolated = Object.values(checks).every(Boolean);
     const detail = `sandbox pid ns ${sandboxPidNs || "?"} vs host ${hostPidNs}; PidMode=${pidMode || "private"}; pid 1: ${pid1 || "?"}; host pid ${sentinelPid} ${sentinel ? "visible" : "invisible"}`;
-    const report: ProbeReport = { isolated, checks, detail, durationMs: performance.now() - started };
-    if (!isolated) {
-      const failed = Object.entries(checks)
-        .filter(([, ok]) => !ok)
-        .map(([k]) => k);
-      throw FleetError.nonRetryable(
-        "isolation_refused",
-        `sandbox ${handle.name} is not isolated from the host (failed: ${failed.join(", ")}): ${detail}`,
-      );
-    }
-    return report;
+    const durationMs = performance.now() - started;
+    const isolated = assertIsolated(handle.name, checks, detail);
+    return { isolated, checks, detail, durationMs };
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
-    // Runs as the user itself: with every capability dropped, only that uid may signal its
-    // processes. `kill -9 -1` spares the caller; the /proc scan (shell builtins only) counts
-    // what is left that is not a zombie. Loops until none remains or the rounds run out.
-    const script = [
-      // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-      'uid=$(id -u); i=0; n=0; while :; do kill -9 -1 2>/dev/null; n=0; for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$uid" ] && [ "$st" != Z ] && n=$((n+1)); done;',
-      ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$1" ] && break; sleep 0.1; done; echo "remaining=$n"',
-    ].join("");
-    const at = () => Date.now();
-    let lastError = "";
-    for (let attempt = 1; attempt <= 3; attempt++) {
-      try {
-        const r = await this.execIn(handle, ["sh", "-c", script, "sh", String(this.defaults.killRounds)], {
-          deadlineMs: 30_000,
-          user,
-          stdin: null,
-          maxOutputBytes: 4096,
-        });
-        const m = /remaining=(\d+)/.exec(r.stdout);
-        if (m) {
-          const remaining = Number(m[1]);
-          return {
-            confirmed: remaining === 0,
-            scope: "processes",
-            at: at(),
-            alreadyGone: false,
-            remaining,
-            detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
-          };
-        }
-        lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
-      } catch (err) {
-        if (isFleetError(err) && err.kind === "sandbox_lost") {
-          return {
-            confirmed: true,
-            scope: "processes",
-            at: at(),
-            alreadyGone: true,
-            remaining: 0,
-            detail: "sandbox is gone",
-          };
-        }
-        // The daemon itself is unreachable (no HTTP answer at all): a retry later, not a sweep.
-        if (
-          dockerErrorFacts(isFleetError(err) ? err.cause : err).statusCode === null &&
-          !isSweepFailure(err)
-        ) {
-          throw err;
-        }
-        // e.g. the pids limit is exhausted and the sweep itself cannot start: try again.
-        lastError = err instanceof Error ? err.message : String(err);
-      }
-      await delay(200 * attempt);
-    }
-    return {
-      confirmed: false,
-      scope: "processes",
-      at: at(),
-      alreadyGone: false,
-      remaining: 0,
-      detail: lastError,
-    };
+    // The daemon itself is unreachable (no HTTP answer at all): a retry later, not a sweep.
+    const daemonUnreachable = (err: unknown) =>
+      dockerErrorFacts(isFleetError(err) ? err.cause : err).statusCode === null && !isSweepFailure(err);
+    return killProcessesViaExec(this.execOf(handle), user, this.defaults.killRounds, daemonUnreachable);
   }
 
   async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
@@ -765,16 +606,6 @@ function connect(options: Dockerode.DockerOptions): Dockerode {
   });
 }
 
-function normalizeAbsolute(path: string): string {
-  const parts: string[] = [];
-  for (const p of path.split("/")) {
-    if (p === "" || p === ".") continue;
-    if (p === "..") throw FleetError.nonRetryable("invalid_task", `path must not contain '..': ${path}`);
-    parts.push(p);
-  }
-  return `/${parts.join("/")}`;
-}
-
 /** A sweep that ran but failed inside the sandbox (not a Docker call that failed). */
 function isSweepFailure(err: unknown): boolean {
   return isFleetError(err) && err.cause === undefined;
@@ -788,8 +619,4 @@ function withTimeout<T>(work: Promise<T>, ms: number, message: string): Promise<
   });
   work.catch(() => undefined);
   return Promise.race([work, timeout]).finally(() => clearTimeout(timer));
-}
-
-function delay(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
 }

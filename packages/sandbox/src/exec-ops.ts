@@ -1,0 +1,350 @@
+import { readFileSync, readlinkSync } from "node:fs";
+import {
+  type CleanupReceipt,
+  ExecOptions,
+  type ExecResult,
+  FileSet,
+  FleetError,
+  isFleetError,
+  type SandboxHandle,
+  SandboxSpec,
+  type SandboxSpecInput,
+} from "@fleet/contracts";
+import { KILL_GRACE_S, parseNumericUser } from "./exec-command.ts";
+import type { CappedBuffer } from "./output.ts";
+import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, type SandboxInfo } from "./provider.ts";
+import { buildTar } from "./tar.ts";
+import { formatIssues } from "./validation.ts";
+
+/**
+ * Sandbox operations both providers build on an exec of their own (Docker exec API, or
+ * nsenter into a bwrap tree). Internal to this package: not re-exported from `index.ts`.
+ */
+
+/** The defaults both providers' execs share; each provider's own defaults extend these. */
+export interface ExecDefaults {
+  /** User execs run as when the caller names none. @defaultValue AGENT_USER (`1000:1000`) */
+  execUser: string;
+  /** Cap for stdout and for stderr of one exec. @defaultValue 1 MiB */
+  maxOutputBytes: number;
+  /** Budget of the isolation probe. @defaultValue 10_000 */
+  probeTimeoutMs: number;
+  /** Seconds between SIGTERM and SIGKILL at an exec's deadline. @defaultValue 2 */
+  killGraceS: number;
+  /** Slack of the host-side safety timer beyond deadline + kill grace. @defaultValue 5_000 */
+  execSlackMs: number;
+  /** Rounds of `kill -9 -1` + /proc scan in `killProcesses`. @defaultValue 50 */
+  killRounds: number;
+}
+
+export const DEFAULT_EXEC_DEFAULTS: Readonly<ExecDefaults> = Object.freeze({
+  execUser: AGENT_USER,
+  maxOutputBytes: 1024 * 1024,
+  probeTimeoutMs: 10_000,
+  killGraceS: KILL_GRACE_S,
+  execSlackMs: 5_000,
+  killRounds: 50,
+});
+
+/** What the operations below pass to a provider's exec. */
+export interface ExecCall {
+  deadlineMs: number;
+  user: string;
+  stdin: Buffer | null;
+  maxOutputBytes: number;
+}
+
+/** A provider's exec, bound to one sandbox. */
+export type SandboxExec = (argv: readonly string[], o: ExecCall) => Promise<ExecResult>;
+
+/** A validated `exec` call: `SandboxProvider.exec`'s options with the provider's default user. */
+export interface ParsedExecOptions extends ExecCall {
+  env?: Record<string, string>;
+  cwd?: string | undefined;
+}
+
+/** Where the staging-only mounts are; `put` there defaults to root so the agent cannot write them. */
+const ROOT_STAGED = [SANDBOX_PATHS.tests, SANDBOX_PATHS.solution];
+
+export function parseSandboxSpec(input: SandboxSpecInput): SandboxSpec {
+  const parsed = SandboxSpec.safeParse(input);
+  if (!parsed.success) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `invalid sandbox spec: ${formatIssues(parsed.error.issues)}`,
+    );
+  }
+  return parsed.data;
+}
+
+export function parseExecOptions(options: ExecOptions, execUser: string): ParsedExecOptions {
+  const parsed = ExecOptions.safeParse(options);
+  if (!parsed.success) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `invalid exec options: ${formatIssues(parsed.error.issues)}`,
+    );
+  }
+  const o = parsed.data;
+  return {
+    deadlineMs: o.deadlineMs,
+    env: o.env,
+    cwd: o.cwd,
+    user: o.user ?? execUser,
+    stdin: o.stdin === undefined ? null : Buffer.from(o.stdin, "utf8"),
+    maxOutputBytes: o.maxOutputBytes,
+  };
+}
+
+/** The `ExecResult` of finished (or host-timed-out) output buffers, plus the unmapped exit code. */
+export function execResult(
+  exitCode: number,
+  timedOut: boolean,
+  stdout: CappedBuffer,
+  stderr: CappedBuffer,
+  durationMs: number,
+  rawExitCode: number,
+): ExecResult & { rawExitCode: number } {
+  return {
+    exitCode,
+    timedOut,
+    stdout: stdout.text(),
+    stderr: stderr.text(),
+    stdoutTruncated: stdout.truncated,
+    stderrTruncated: stderr.truncated,
+    durationMs,
+    oomKilled: false,
+    rawExitCode,
+  };
+}
+
+/** `find` on top of `list`: the sandbox of the expected name if several match. */
+export async function findSandbox(
+  list: (labels: Record<string, string>) => Promise<SandboxInfo[]>,
+  labels: Record<string, string>,
+  expectedName: string,
+): Promise<SandboxHandle | null> {
+  const found = await list(labels);
+  if (found.length === 0) return null;
+  return (found.find((s) => s.handle.name === expectedName) ?? found[0]!).handle;
+}
+
+/** `get`'s path checked: absolute, normalized, without `..`. */
+export function getTarget(path: string): string {
+  if (!path.startsWith("/"))
+    throw FleetError.nonRetryable("invalid_task", `get needs an absolute path: ${path}`);
+  return normalizeAbsolute(path);
+}
+
+export function normalizeAbsolute(path: string): string {
+  const parts: string[] = [];
+  for (const p of path.split("/")) {
+    if (p === "" || p === ".") continue;
+    if (p === "..") throw FleetError.nonRetryable("invalid_task", `path must not contain '..': ${path}`);
+    parts.push(p);
+  }
+  return `/${parts.join("/")}`;
+}
+
+/** A `put` call checked: absolute target, valid files, the writing user (numeric) and its ids. */
+export interface PutPlan {
+  target: string;
+  files: FileSet;
+  user: string;
+  ids: { uid: number; gid: number };
+}
+
+export function planPut(
+  dir: string,
+  files: FileSet,
+  userOption: string | undefined,
+  execUser: string,
+): PutPlan {
+  if (!dir.startsWith("/"))
+    throw FleetError.nonRetryable("invalid_task", `put needs an absolute directory: ${dir}`);
+  const checked = FileSet.safeParse(files);
+  if (!checked.success) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `invalid files for ${dir}: ${formatIssues(checked.error.issues)}`,
+    );
+  }
+  const target = normalizeAbsolute(dir);
+  const user =
+    userOption ??
+    (ROOT_STAGED.some((p) => target === p || target.startsWith(`${p}/`)) ? ROOT_USER : execUser);
+  const ids = parseNumericUser(user);
+  if (ids === null)
+    throw FleetError.nonRetryable("invalid_task", `put needs a numeric uid[:gid], got ${user}`);
+  return { target, files: checked.data, user, ids };
+}
+
+/** Extract the files inside the sandbox with `tar -x` on stdin, as the plan's user. */
+export async function extractViaExec(exec: SandboxExec, plan: PutPlan, mode?: number): Promise<void> {
+  const { target, user } = plan;
+  const archive = await buildTar(plan.files, { ...plan.ids, mode });
+  const r = await exec(
+    ["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"', "sh", target],
+    { deadlineMs: 120_000, user, stdin: archive, maxOutputBytes: 16 * 1024 },
+  );
+  if (r.exitCode !== 0) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `staging ${Object.keys(plan.files).length} file(s) into ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
+    );
+  }
+}
+
+/**
+ * Read a file with `cat`, trying `users` in order: exit 44 = missing or a directory (null),
+ * 45 = not readable by that user (next one).
+ */
+export async function readViaExec(
+  exec: SandboxExec,
+  path: string,
+  users: readonly string[],
+  maxBytes: number,
+): Promise<string | null> {
+  const script =
+    'if [ ! -e "$1" ] || [ -d "$1" ]; then exit 44; fi; [ -r "$1" ] || exit 45; exec cat -- "$1"';
+  for (const user of users) {
+    const r = await exec(["sh", "-c", script, "sh", path], {
+      deadlineMs: 60_000,
+      user,
+      stdin: null,
+      maxOutputBytes: maxBytes,
+    });
+    if (r.exitCode === 44) return null;
+    if (r.exitCode === 0) return r.stdout;
+    if (r.exitCode !== 45) {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `reading ${path} failed (exit ${r.exitCode}): ${r.stderr}`,
+      );
+    }
+  }
+  throw FleetError.nonRetryable("invalid_task", `${path} exists but is not readable in the sandbox`);
+}
+
+/** What the probe compares the sandbox with: this process's pid namespace and command line. */
+export interface HostProbeFacts {
+  pidNs: string;
+  /** The host sentinel: this very process, whose pid must name nothing (or someone else) inside. */
+  sentinelPid: number;
+  sentinelCmdline: string;
+}
+
+export function hostProbeFacts(): HostProbeFacts {
+  return {
+    pidNs: readlinkSync("/proc/self/ns/pid"),
+    sentinelPid: process.pid,
+    sentinelCmdline: readFileSync("/proc/self/cmdline").toString("latin1").replaceAll("\0", " ").trim(),
+  };
+}
+
+/** The probe script's line printing the sentinel's command line as seen inside (empty if absent). */
+export function sentinelProbeLine(sentinelPid: number): string {
+  return `tr '\\000' ' ' < /proc/${sentinelPid}/cmdline 2>/dev/null; echo`;
+}
+
+/** The probe script's stdout, or a plain `Error` if it timed out or exited non-zero. */
+export function probeStdout(r: ExecResult, timeoutMs: number): string {
+  if (r.timedOut || r.exitCode !== 0) {
+    throw new Error(
+      r.timedOut ? `probe timed out after ${timeoutMs} ms` : `probe exited ${r.exitCode}: ${r.stderr}`,
+    );
+  }
+  return r.stdout;
+}
+
+/** How the probe script runs: as root, within the probe's budget. */
+export function probeExecCall(timeoutMs: number): ExecCall {
+  return { deadlineMs: timeoutMs, user: ROOT_USER, stdin: null, maxOutputBytes: 64 * 1024 };
+}
+
+/** A probe whose checks did not all pass: final `isolation_refused`, naming the failed ones. */
+export function assertIsolated(name: string, checks: Record<string, boolean>, detail: string): boolean {
+  const isolated = Object.values(checks).every(Boolean);
+  if (!isolated) {
+    const failed = Object.entries(checks)
+      .filter(([, ok]) => !ok)
+      .map(([k]) => k);
+    throw FleetError.nonRetryable(
+      "isolation_refused",
+      `sandbox ${name} is not isolated from the host (failed: ${failed.join(", ")}): ${detail}`,
+    );
+  }
+  return isolated;
+}
+
+// Runs as the user itself: with every capability dropped, only that uid may signal its
+// processes. `kill -9 -1` spares the caller; the /proc scan (shell builtins only) counts
+// what is left that is not a zombie. Loops until none remains or the rounds ($1) run out.
+const KILL_SWEEP_SCRIPT = [
+  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+  'uid=$(id -u); i=0; n=0; while :; do kill -9 -1 2>/dev/null; n=0; for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$uid" ] && [ "$st" != Z ] && n=$((n+1)); done;',
+  ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$1" ] && break; sleep 0.1; done; echo "remaining=$n"',
+].join("");
+
+/**
+ * `killProcesses` on an exec: up to 3 sweeps as `user`. A `sandbox_lost` exec error is a
+ * confirmed "already gone"; an error `isFatal` accepts is rethrown; any other is retried.
+ */
+export async function killProcessesViaExec(
+  exec: SandboxExec,
+  user: string,
+  rounds: number,
+  isFatal: (err: unknown) => boolean = () => false,
+): Promise<CleanupReceipt> {
+  let lastError = "";
+  for (let attempt = 1; attempt <= 3; attempt++) {
+    try {
+      const r = await exec(["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)], {
+        deadlineMs: 30_000,
+        user,
+        stdin: null,
+        maxOutputBytes: 4096,
+      });
+      const m = /remaining=(\d+)/.exec(r.stdout);
+      if (m) {
+        const remaining = Number(m[1]);
+        return {
+          confirmed: remaining === 0,
+          scope: "processes",
+          at: Date.now(),
+          alreadyGone: false,
+          remaining,
+          detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
+        };
+      }
+      lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
+    } catch (err) {
+      if (isFleetError(err) && err.kind === "sandbox_lost") {
+        return {
+          confirmed: true,
+          scope: "processes",
+          at: Date.now(),
+          alreadyGone: true,
+          remaining: 0,
+          detail: "sandbox is gone",
+        };
+      }
+      if (isFatal(err)) throw err;
+      // e.g. the pids limit is exhausted and the sweep itself cannot start: try again.
+      lastError = err instanceof Error ? err.message : String(err);
+    }
+    await delay(200 * attempt);
+  }
+  return {
+    confirmed: false,
+    scope: "processes",
+    at: Date.now(),
+    alreadyGone: false,
+    remaining: 0,
+    detail: lastError,
+  };
+}
+
+export function delay(ms: number): Promise<void> {
+  return new Promise((resolve) => setTimeout(resolve, ms));
+}
