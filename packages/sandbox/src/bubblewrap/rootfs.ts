@@ -1,6 +1,6 @@
 import { execFile } from "node:child_process";
 import { existsSync } from "node:fs";
-import { mkdir, mkdtemp, readdir, rename, rm } from "node:fs/promises";
+import { chmod, mkdir, mkdtemp, readdir, rename, rm } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { promisify } from "node:util";
 import { FleetError } from "@fleet/contracts";
@@ -22,6 +22,9 @@ export async function unpackRootfs(tarPath: string, cacheDir: string): Promise<s
   const tmp = await mkdtemp(join(cacheDir, ".bwrap-rootfs-"));
   try {
     await run("tar", ["-x", "-p", "-f", tarPath, "-C", tmp], { maxBuffer: 16 * 1024 * 1024 });
+    // mkdtemp made the directory 0700 and a tarball without a "./" entry (docker export) leaves
+    // it so: the sandbox's `/` must be traversable by the agent user.
+    await chmod(tmp, 0o755);
     await rename(tmp, dir);
   } catch (err) {
     await rm(tmp, { recursive: true, force: true });
