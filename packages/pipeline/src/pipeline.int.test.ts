@@ -1,5 +1,11 @@
 import { existsSync } from "node:fs";
-import type { CleanupReceipt, RolloutRequestInput, SandboxHandle, TaskContent } from "@fleet/contracts";
+import {
+  type CleanupReceipt,
+  FleetError,
+  type RolloutRequestInput,
+  type SandboxHandle,
+  type TaskContent,
+} from "@fleet/contracts";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -317,6 +323,30 @@ describe("idempotency and fencing without workers", () => {
     expect(rec!.times["run:start"]).toBeUndefined();
     await runStageJob("close", job(id!), fleet.deps);
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
+  });
+
+  it("an error from a sandbox that vanished mid-run masks as sandbox_lost, whatever its surface", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // A harness whose sandbox is removed under it and whose last call then looks like a task error.
+    const racing = {
+      ...fleet.deps,
+      createHarness: () => ({
+        name: "command" as const,
+        async run(ctx: { handle: SandboxHandle }) {
+          await docker.destroy(ctx.handle);
+          throw FleetError.nonRetryable("invalid_task", "/workspace: no such file or directory");
+        },
+      }),
+    } as typeof fleet.deps;
+    await expect(runStageJob("run", job(id!), racing)).rejects.toThrow(/sandbox_lost/);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "masked",
+      failureKind: "sandbox_lost",
+      exitCode: -2,
+      reward: null,
+    });
   });
 
   it("verify refuses to run without a confirmed cleanup receipt", async () => {

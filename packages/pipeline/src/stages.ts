@@ -121,6 +121,19 @@ export async function destroyOrLedger(
   }
 }
 
+/**
+ * An error from inside a sandbox that has meanwhile disappeared is `sandbox_lost` (masked),
+ * whatever surface it came through: a put racing the container's removal can look like a missing
+ * path (invalid_task) and must not fail the rollout as the task's fault.
+ */
+async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err: unknown): Promise<unknown> {
+  if (isFleetError(err) && (err.kind === "sandbox_lost" || err.kind === "provider_unavailable")) return err;
+  const alive = await deps.provider.alive(handle).catch(() => true);
+  if (alive) return err;
+  const message = err instanceof Error ? err.message : String(err);
+  return FleetError.nonRetryable("sandbox_lost", `the sandbox disappeared: ${message}`, err);
+}
+
 export const seed: StageHandler = async (rec, deps) => {
   const task = await loadTask(rec, deps);
   const created = await createSandbox(rec, deps, "resources", task);
@@ -235,7 +248,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
         return "close";
       }
-      throw err;
+      throw await sandboxLostIfGone(deps, handle, err);
     } finally {
       clearInterval(poll);
       shutdown?.removeEventListener("abort", onShutdown);
@@ -322,7 +335,8 @@ export const verifyStage: StageHandler = async (rec, deps) => {
     });
   } catch (err) {
     // A verifier that crashes masks; the provider being down is retried first.
-    if (isFleetError(err)) throw err;
+    const fe = await sandboxLostIfGone(deps, seedReceipt.handle, err);
+    if (isFleetError(fe)) throw fe;
     throw FleetError.nonRetryable("verifier_error", err instanceof Error ? err.message : String(err), err);
   }
   const at = clock(deps);
