@@ -64,11 +64,16 @@ describe("trimPartialUtf8", () => {
 
   it("never yields U+FFFD for a cut of valid UTF-8 (property)", () => {
     fc.assert(
-      fc.property(fc.string({ unit: "grapheme" }), fc.nat(), (s, n) => {
-        const bytes = Buffer.from(s, "utf8");
-        const cut = bytes.subarray(0, n % (bytes.length + 1));
-        expect(decodeCapped(cut, true)).not.toContain("\uFFFD");
-      }),
+      // Inputs that already hold U+FFFD are excluded: the property is about the cut, not the input.
+      fc.property(
+        fc.string({ unit: "grapheme" }).filter((x) => !x.includes("\uFFFD")),
+        fc.nat(),
+        (s, n) => {
+          const bytes = Buffer.from(s, "utf8");
+          const cut = bytes.subarray(0, n % (bytes.length + 1));
+          expect(decodeCapped(cut, true)).not.toContain("\uFFFD");
+        },
+      ),
     );
   });
 });
