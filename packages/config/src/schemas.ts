@@ -73,6 +73,17 @@ function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
   };
 }
 
+function sandboxAndMetricsConfig(e: z.output<z.ZodObject<typeof sandbox & typeof metrics>>) {
+  return {
+    sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
+    bwrapRootfs: e.FLEET_BWRAP_ROOTFS ?? null,
+    stateDir: e.FLEET_STATE_DIR,
+    dockerHost: e.DOCKER_HOST ?? null,
+    metricsPort: e.FLEET_METRICS_PORT ?? null,
+    metricsHost: e.FLEET_METRICS_HOST,
+  };
+}
+
 /** `apps/dispatcher`: the HTTP API. */
 export const DispatcherConfig = z
   .object({
@@ -120,12 +131,7 @@ export const WorkerConfig = z
     ...commonConfig(e),
     kind: e.FLEET_WORKER_KIND,
     workerId: e.FLEET_WORKER_ID ?? null,
-    sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
-    bwrapRootfs: e.FLEET_BWRAP_ROOTFS ?? null,
-    stateDir: e.FLEET_STATE_DIR,
-    dockerHost: e.DOCKER_HOST ?? null,
-    metricsPort: e.FLEET_METRICS_PORT ?? null,
-    metricsHost: e.FLEET_METRICS_HOST,
+    ...sandboxAndMetricsConfig(e),
     concurrency: e.FLEET_CONCURRENCY ?? DEFAULT_CONCURRENCY[e.FLEET_WORKER_KIND],
     allowHostExecution: e.FLEET_ALLOW_HOST_EXECUTION,
     credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
@@ -145,12 +151,7 @@ export const JanitorConfig = z
   })
   .transform((e) => ({
     ...commonConfig(e),
-    sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
-    bwrapRootfs: e.FLEET_BWRAP_ROOTFS ?? null,
-    stateDir: e.FLEET_STATE_DIR,
-    dockerHost: e.DOCKER_HOST ?? null,
-    metricsPort: e.FLEET_METRICS_PORT ?? null,
-    metricsHost: e.FLEET_METRICS_HOST,
+    ...sandboxAndMetricsConfig(e),
     intervalMs: e.FLEET_JANITOR_INTERVAL_MS,
     orphanGraceMs: e.FLEET_ORPHAN_GRACE_MS,
   }));
