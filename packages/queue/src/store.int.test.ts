@@ -66,8 +66,11 @@ describe("Redis durability check", () => {
       }
     }
   });
-  afterAll(() => {
-    proc.kill();
+  afterAll(async () => {
+    // SIGKILL: a SIGTERM that lands during the AOF rewrite this test triggers can leave it running.
+    const exited = new Promise((resolve) => proc.once("exit", resolve));
+    proc.kill("SIGKILL");
+    await exited;
   });
 
   it("refuses a Redis without AOF and noeviction, saying what to change", async () => {
