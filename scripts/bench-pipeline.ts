@@ -55,6 +55,7 @@ import {
   type SandboxProvider,
   workspaceVolumeName,
 } from "@fleet/sandbox";
+import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createLogger } from "@fleet/telemetry";
 import { type Job, Queue, Worker } from "bullmq";
@@ -241,18 +242,11 @@ async function deleteKeys(redis: Redis, pattern: string): Promise<number> {
 // ---------------------------------------------------------------------------------------------
 // Part A: the in-memory provider, no-op harness and no-op verifier.
 
-const OK_EXEC: ExecResult = {
-  exitCode: 0,
-  timedOut: false,
-  stdout: "",
-  stderr: "",
-  stdoutTruncated: false,
-  stderrTruncated: false,
-  durationMs: 0,
-  oomKilled: false,
-};
-
-/** Sandboxes that exist only in this map: every call returns at once with a valid receipt. */
+/**
+ * Sandboxes that exist only in this map: every call returns at once with a valid receipt. Not the
+ * shared test fake (`@fleet/sandbox/testing`): that one keeps destroyed sandboxes and finds by a
+ * linear scan, which would bill the fake's own cost to the fleet over thousands of rollouts.
+ */
 class InMemorySandboxProvider implements SandboxProvider {
   readonly name = "docker" as const;
   readonly endpoint = "memory://bench";
@@ -276,7 +270,7 @@ class InMemorySandboxProvider implements SandboxProvider {
     return this.live.get(`${rolloutId}:${owner}`) ?? null;
   }
   async exec(): Promise<ExecResult> {
-    return { ...OK_EXEC };
+    return execResult();
   }
   async put(_handle: SandboxHandle, _dir: string, _files: FileSet): Promise<void> {}
   async get(): Promise<string | null> {
@@ -312,7 +306,7 @@ const noopHarness: Harness = {
   name: "oracle",
   async run() {
     return {
-      exec: { ...OK_EXEC },
+      exec: execResult(),
       answer: null,
       transcript: null,
       usage: null,

@@ -135,12 +135,7 @@ export class ProgressReporter {
   update(counts: { done: number; total: number; masked: number; failed: number }): void {
     if (this.finished) return;
     const now = this.now();
-    this.meter.add(now, counts.done);
-    const snapshot: ProgressSnapshot = {
-      ...counts,
-      elapsedMs: now - this.startedAt,
-      ratePerS: this.meter.rate(),
-    };
+    const snapshot = this.snapshot(now, counts);
     if (this.tty) {
       const line = renderProgress(snapshot, { width: this.stream.columns ?? 80 });
       if (line !== this.lastLine) this.stream.write(`\r${line}\x1b[K`);
@@ -153,16 +148,19 @@ export class ProgressReporter {
     }
   }
 
+  private snapshot(
+    now: number,
+    counts: { done: number; total: number; masked: number; failed: number },
+  ): ProgressSnapshot {
+    this.meter.add(now, counts.done);
+    return { ...counts, elapsedMs: now - this.startedAt, ratePerS: this.meter.rate() };
+  }
+
   /** Draw the final state and end the line. Idempotent. */
   finish(counts: { done: number; total: number; masked: number; failed: number }): void {
     if (this.finished) return;
     const now = this.now();
-    this.meter.add(now, counts.done);
-    const snapshot: ProgressSnapshot = {
-      ...counts,
-      elapsedMs: now - this.startedAt,
-      ratePerS: this.meter.rate(),
-    };
+    const snapshot = this.snapshot(now, counts);
     this.finished = true;
     if (this.tty)
       this.stream.write(`\r${renderProgress(snapshot, { width: this.stream.columns ?? 80 })}\x1b[K\n`);

@@ -1,18 +1,10 @@
 import type { CloseReceipt, FailureRecord, RunReceipt } from "@fleet/contracts";
 import type { RolloutRecord } from "@fleet/queue";
+import { execResult } from "@fleet/sandbox/testing";
 import { describe, expect, it } from "vitest";
 import { composeResult } from "./result.ts";
 
-const exec = {
-  exitCode: 0,
-  timedOut: false,
-  stdout: "",
-  stderr: "",
-  stdoutTruncated: false,
-  stderrTruncated: false,
-  durationMs: 1,
-  oomKilled: false,
-};
+const exec = execResult({ durationMs: 1 });
 const cleanup = { confirmed: true, scope: "processes" as const, at: 5, alreadyGone: false, remaining: 0 };
 const runReceipt = (over: Partial<RunReceipt> = {}): RunReceipt => ({
   exec,

@@ -1,7 +1,7 @@
 import { redisUrlVar } from "@fleet/config";
-import { type ExecResult, RolloutRequest } from "@fleet/contracts";
+import { RolloutRequest } from "@fleet/contracts";
 import { type InProcessFleet, type PipelineDeps, startInProcessFleet } from "@fleet/pipeline";
-import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { Cluster } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -17,17 +17,6 @@ import {
 import { createKeys } from "./keys.ts";
 import { RolloutStore } from "./rollout-store.ts";
 import { type LoopbackRedisCluster, startLoopbackRedisCluster } from "./testing/redis-cluster.ts";
-
-const OK_EXEC: ExecResult = {
-  exitCode: 0,
-  timedOut: false,
-  stdout: "",
-  stderr: "",
-  stdoutTruncated: false,
-  stderrTruncated: false,
-  durationMs: 0,
-  oomKilled: false,
-};
 
 describe("the fleet on a 3-master Redis Cluster (loopback)", () => {
   let cluster: LoopbackRedisCluster;
@@ -99,7 +88,7 @@ describe("the fleet on a 3-master Redis Cluster (loopback)", () => {
       name: agent.harness,
       async run(ctx) {
         bump(runs, ctx.handle.rolloutId);
-        return { exec: { ...OK_EXEC }, answer: null, transcript: null, usage: null };
+        return { exec: execResult(), answer: null, transcript: null, usage: null };
       },
     });
     const provider = new InMemorySandboxProvider();

@@ -7,6 +7,7 @@ import {
 } from "@fleet/contracts";
 import { createHarness, type HarnessOutcome, stageWorkspace } from "@fleet/harness";
 import { AGENT_USER, DockerSandboxProvider } from "@fleet/sandbox";
+import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
 import { verify } from "./verify.ts";
@@ -133,16 +134,7 @@ describe("the example suite on real Docker", () => {
       task,
       run: {
         answer: null,
-        exec: {
-          exitCode: 0,
-          timedOut: false,
-          stdout: "",
-          stderr: "",
-          stdoutTruncated: false,
-          stderrTruncated: false,
-          durationMs: 1,
-          oomKilled: false,
-        },
+        exec: execResult({ durationMs: 1 }),
       },
     }).then(
       () => null,

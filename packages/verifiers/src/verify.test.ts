@@ -8,7 +8,7 @@ import {
   type TaskContentInput,
 } from "@fleet/contracts";
 import { ROOT_USER } from "@fleet/sandbox";
-import { type ExecCall, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { parseReward } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
@@ -22,16 +22,7 @@ const TESTS_TASK = TaskContent.parse({
   timeouts: { verifierS: 20 },
 });
 
-const AGENT_EXEC: ExecResult = {
-  exitCode: 0,
-  timedOut: false,
-  stdout: "",
-  stderr: "",
-  stdoutTruncated: false,
-  stderrTruncated: false,
-  durationMs: 5,
-  oomKilled: false,
-};
+const AGENT_EXEC: ExecResult = execResult({ durationMs: 5 });
 
 let provider: InMemorySandboxProvider;
 let handle: SandboxHandle;

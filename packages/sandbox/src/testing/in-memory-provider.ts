@@ -38,6 +38,21 @@ export type ExecHandler = (
  * An in-memory `SandboxProvider` for unit tests of harness logic: no processes run; `exec`
  * is answered by a scripted handler, `put`/`get` work on a map of files. Test-only.
  */
+/** A successful, empty exec result (test fixture); override what a test cares about. */
+export function execResult(overrides: Partial<ExecResult> = {}): ExecResult {
+  return {
+    exitCode: 0,
+    timedOut: false,
+    stdout: "",
+    stderr: "",
+    stdoutTruncated: false,
+    stderrTruncated: false,
+    durationMs: 0,
+    oomKilled: false,
+    ...overrides,
+  };
+}
+
 export class InMemorySandboxProvider implements SandboxProvider {
   readonly name = "docker" as const;
   readonly endpoint = "memory://test";
@@ -82,17 +97,7 @@ export class InMemorySandboxProvider implements SandboxProvider {
     const call = { argv: [...argv], options };
     this.execCalls.push(call);
     const result = await this.onExec(call, box);
-    return {
-      exitCode: 0,
-      timedOut: false,
-      stdout: "",
-      stderr: "",
-      stdoutTruncated: false,
-      stderrTruncated: false,
-      durationMs: 1,
-      oomKilled: false,
-      ...result,
-    };
+    return execResult({ durationMs: 1, ...result });
   }
 
   async put(
