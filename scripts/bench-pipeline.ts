@@ -335,6 +335,12 @@ async function helloFile(): Promise<TaskContent> {
 async function partA(): Promise<void> {
   const prefix = `{bench-${randomBytes(4).toString("hex")}}`;
   const redis = createRedis(REDIS_URL, { enableAutoPipelining: experiment("auto-pipeline") });
+  // The raw chain gets plain ioredis connections, as a BullMQ user would have them (the fleet's
+  // own come from `createRedis`, which coalesces each tick's writes into one socket write).
+  const rawRedis = new Redis(REDIS_URL, {
+    maxRetriesPerRequest: null,
+    enableAutoPipelining: experiment("auto-pipeline"),
+  });
   const poller = createRedis(REDIS_URL);
   uncounted.add(poller);
   const provider = new InMemorySandboxProvider();
@@ -353,7 +359,8 @@ async function partA(): Promise<void> {
     verify: async () => ({ reward: 1, details: { kind: "bench" } }),
   };
   const rawQueues = STAGES.map(
-    (s) => new Queue(`raw-${s}`, { connection: redis, prefix, defaultJobOptions: STAGE_CATALOG[s].options }),
+    (s) =>
+      new Queue(`raw-${s}`, { connection: rawRedis, prefix, defaultJobOptions: STAGE_CATALOG[s].options }),
   );
   const task = await helloFile();
   const digest = digestTask(task);
@@ -419,14 +426,14 @@ async function partA(): Promise<void> {
     const connections: Redis[] = [];
     const workers = STAGES.map((stage, i) => {
       const next = STAGES[i + 1];
-      const connection = redis.duplicate();
+      const connection = rawRedis.duplicate();
       connections.push(connection);
       return new Worker(
         `raw-${stage}`,
         async (job: Job<{ rolloutId: string }>) => {
           const id = job.data.rolloutId;
           if (next) await rawQueues[i + 1]!.add(next, { rolloutId: id }, { jobId: `${id}.${next}` });
-          else await redis.sadd(doneKey, id);
+          else await rawRedis.sadd(doneKey, id);
         },
         { ...workerOptions, connection },
       );
@@ -480,6 +487,7 @@ async function partA(): Promise<void> {
     const left = await poller.keys(`${prefix}*`);
     if (left.length > 0) console.log(`warning: ${left.length} keys left under ${prefix}`);
     redis.disconnect();
+    rawRedis.disconnect();
     poller.disconnect();
   }
   printPartA(rounds);

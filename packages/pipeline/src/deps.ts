@@ -36,6 +36,8 @@ export interface PipelineDeps {
   networks?: GatewayNetworks;
   /** Age after which an intent without a handle is taken as never created. */
   intentGraceMs?: number;
+  /** How long a sandbox is watched for its removal after an in-sandbox error (`SANDBOX_SETTLE_MS`). */
+  sandboxSettleMs?: number;
 }
 
 export function clock(deps: PipelineDeps): number {

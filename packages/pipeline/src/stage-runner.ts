@@ -11,7 +11,7 @@ import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack } from "./hand-back.ts";
-import { HANDLERS } from "./stages.ts";
+import { beginOptions, HANDLERS } from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown";
 
@@ -38,15 +38,21 @@ export async function runStageJob(
   } = {},
 ): Promise<StageRunOutcome> {
   const { rolloutId } = StageJob.parse(job.data);
-  // One round trip: the record, the stage's start time, and for close the tombstone + failure log.
-  const { record: rec, failures } = await deps.store.begin(rolloutId, stage, clock(deps));
+  // One round trip: the record, the stage's start time, for close the tombstone, failure log and
+  // sandbox entries, for seed its sandbox intent, for run its launch claim.
+  // The same `now` for begin and the deadline check below: begin records seed's intent only
+  // before the deadline, exactly when this runner does not skip for it.
+  const now = clock(deps);
+  const {
+    record: rec,
+    failures,
+    ...begun
+  } = await deps.store.begin(rolloutId, stage, now, beginOptions(stage, deps));
   if (!rec) {
     deps.logger.warn({ rolloutId, stage }, "stage job for an unknown rollout; dropping it");
     return "unknown";
   }
   if (isTerminal(rec.status)) return "replayed";
-  const now = clock(deps);
-  const log = deps.logger.child({ rolloutId, stage });
 
   if (stage !== "close") {
     if (rec.closed) return "skipped"; // a close is under way or done: nothing may start
@@ -78,7 +84,12 @@ export async function runStageJob(
 
   const attempt = job.attemptsMade + 1;
   try {
-    const next = await HANDLERS[stage]({ ...rec, failureLog: failures }, deps, attempt, options.signal);
+    const next = await HANDLERS[stage](
+      { ...rec, failureLog: failures, begun },
+      deps,
+      attempt,
+      options.signal,
+    );
     if (next) await deps.queues.enqueue(next, rolloutId);
     return "ok";
   } catch (err) {
@@ -88,6 +99,7 @@ export async function runStageJob(
     const maxAttempts = job.opts.attempts ?? STAGE_CATALOG[stage].options.attempts ?? 1;
     const attemptsLeft = attempt < maxAttempts;
     const fitsDeadline = stage === "close" || at + maxBackoffMs(stage, attempt) < rec.meta.deadlineAt;
+    const log = deps.logger.child({ rolloutId, stage });
     if (fe.retryable && attemptsLeft && fitsDeadline) {
       log.warn({ err: fe.message, kind: fe.kind, attempt }, "stage failed; will retry");
       await deps.store.logFailure(rolloutId, failureRecord(stage, fe, false, at));

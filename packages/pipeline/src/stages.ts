@@ -10,7 +10,13 @@ import {
   type Usage,
 } from "@fleet/contracts";
 import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } from "@fleet/harness";
-import { type RolloutRecord, type SandboxEntry, sandboxKey } from "@fleet/queue";
+import {
+  type BeginOptions,
+  type BeginResult,
+  type RolloutRecord,
+  type SandboxEntry,
+  sandboxKey,
+} from "@fleet/queue";
 import { AGENT_USER } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
@@ -18,9 +24,18 @@ import { HandBackError } from "./hand-back.ts";
 import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
 import { composeResult } from "./result.ts";
 
-/** A stage handler stores its receipt and names the next stage (or null when nothing follows). */
+/** What `store.begin` did for the stage besides reading the record (see `beginOptions`). */
+export type Begun = Omit<BeginResult, "record" | "failures">;
+
+/** The record a handler gets: as `begin` read it, with what `begin` did for the stage. */
+export type StageRecord = RolloutRecord & { begun?: Begun };
+
+/**
+ * A stage handler stores its receipt (enqueueing the next stage with it) and returns a stage
+ * still to enqueue (e.g. close when a stop won), or null.
+ */
 export type StageHandler = (
-  rec: RolloutRecord,
+  rec: StageRecord,
   deps: PipelineDeps,
   attempt: number,
   /** Aborted when the worker shuts down (see `HandBackError`). */
@@ -30,18 +45,39 @@ export type StageHandler = (
 /** Sandboxes outlive their rollout's deadline by this much before the janitor may reap them. */
 export const SANDBOX_EXPIRY_SLACK_MS = 10 * 60_000;
 
+/**
+ * What a stage's `store.begin` does besides reading the record, in the same round trip: seed
+ * persists its sandbox intent (DESIGN §2 rule 9), run claims the fenced launch (rule 10).
+ */
+export function beginOptions(stage: StageName, deps: PipelineDeps): BeginOptions {
+  switch (stage) {
+    case "seed":
+      return {
+        intent: { owner: "resources", provider: deps.provider.name, expirySlackMs: SANDBOX_EXPIRY_SLACK_MS },
+      };
+    case "run":
+      return { launchToken: `${deps.workerId}:${randomUUID()}` };
+    default:
+      return {};
+  }
+}
+
 async function loadTask(rec: RolloutRecord, deps: PipelineDeps): Promise<TaskContent> {
   const task = await deps.store.getTask(rec.meta.taskDigest);
   if (!task) throw FleetError.nonRetryable("invalid_task", `task ${rec.meta.taskDigest} is not stored`);
   return task;
 }
 
-/** Persist intent, create (or find) a sandbox, attach the handle. Null when a close won the race. */
+/**
+ * Persist intent (unless `begin` did), create (or find) a sandbox, attach the handle (unless the
+ * caller attaches it with its receipt: `deferAttach`). Null when a close won the race.
+ */
 async function createSandbox(
-  rec: RolloutRecord,
+  rec: StageRecord,
   deps: PipelineDeps,
   owner: SandboxEntry["owner"],
   task: TaskContent,
+  options: { intentRecorded?: boolean; deferAttach?: boolean } = {},
 ): Promise<{ handle: SandboxHandle; entry: SandboxEntry; createMs: number; reused: boolean } | null> {
   const now = clock(deps);
   const entry: SandboxEntry = {
@@ -54,8 +90,10 @@ async function createSandbox(
     expiresAt: rec.meta.deadlineAt + SANDBOX_EXPIRY_SLACK_MS,
   };
   // DESIGN §2 rule 9: the intent is durable before the sandbox exists; a tombstone refuses it.
-  const intent = await deps.ledger.recordIntent(entry);
-  if (intent !== "ok") return null;
+  if (!options.intentRecorded) {
+    const intent = await deps.ledger.recordIntent(entry);
+    if (intent !== "ok") return null;
+  }
   const t0 = clock(deps);
   let handle = await deps.provider.find(rec.meta.id, owner);
   const reused = handle !== null;
@@ -75,20 +113,33 @@ async function createSandbox(
     });
     deps.metrics?.sandboxCreateDuration.observe({ provider: deps.provider.name }, (clock(deps) - t0) / 1000);
   }
+  const created = { ...entry, handle };
   // A close that ran while we were creating could not see the handle: destroy it ourselves.
-  if (await deps.ledger.attachHandle({ ...entry, handle })) {
-    await destroyOrLedger(deps, { ...entry, handle });
+  if (!options.deferAttach && (await deps.ledger.attachHandle(created))) {
+    await destroyOrLedger(deps, created);
     return null;
   }
-  return { handle, entry: { ...entry, handle }, createMs: clock(deps) - t0, reused };
+  return { handle, entry: created, createMs: clock(deps) - t0, reused };
 }
 
-/** Destroy a sandbox; on failure leave a ledger entry for the janitor. Returns the teardown state. */
+/**
+ * Destroy a sandbox; on failure leave a ledger entry for the janitor. Returns the teardown state.
+ * With `deferConfirm`, a confirmed destroy is not yet removed from the sandboxes hash and ledger:
+ * the caller passes `confirmedKey` to `store.finalize`, which removes it in its script.
+ */
 export async function destroyOrLedger(
   deps: PipelineDeps,
   entry: SandboxEntry,
-): Promise<{ teardown: "confirmed" | "pending"; receipt: CleanupReceipt | null }> {
+  options: { deferConfirm?: boolean } = {},
+): Promise<{
+  teardown: "confirmed" | "pending";
+  receipt: CleanupReceipt | null;
+  confirmedKey: string | null;
+}> {
   const now = clock(deps);
+  const confirm = async () => {
+    if (!options.deferConfirm) await deps.ledger.confirm(entry.key);
+  };
   try {
     const handle = entry.handle ?? (await deps.provider.find(entry.rolloutId, entry.owner));
     if (!handle) {
@@ -96,19 +147,20 @@ export async function destroyOrLedger(
       if (now - entry.createdAt < (deps.intentGraceMs ?? 5 * 60_000)) {
         throw FleetError.retryable("provider_unavailable", "sandbox intent without a handle yet");
       }
-      await deps.ledger.confirm(entry.key);
+      await confirm();
       deps.metrics?.teardownAttempts.inc({ result: "already_gone" });
       return {
         teardown: "confirmed",
         receipt: { confirmed: true, scope: "sandbox", at: now, alreadyGone: true, remaining: 0 },
+        confirmedKey: entry.key,
       };
     }
     const receipt = await deps.provider.destroy(handle);
     if (!receipt.confirmed)
       throw FleetError.retryable("provider_unavailable", receipt.detail ?? "destroy not confirmed");
-    await deps.ledger.confirm(entry.key);
+    await confirm();
     deps.metrics?.teardownAttempts.inc({ result: receipt.alreadyGone ? "already_gone" : "confirmed" });
-    return { teardown: "confirmed", receipt };
+    return { teardown: "confirmed", receipt, confirmedKey: entry.key };
   } catch (err) {
     const reason = err instanceof Error ? err.message : String(err);
     await deps.ledger.recordFailure(entry, reason, now);
@@ -117,18 +169,30 @@ export async function destroyOrLedger(
       { rolloutId: entry.rolloutId, owner: entry.owner, err: reason },
       "teardown failed; left on the ledger",
     );
-    return { teardown: "pending", receipt: null };
+    return { teardown: "pending", receipt: null, confirmedKey: null };
   }
 }
+
+/** How long a sandbox that still looks alive after an error is watched before the error stands. */
+export const SANDBOX_SETTLE_MS = 2_000;
 
 /**
  * An error from inside a sandbox that has meanwhile disappeared is `sandbox_lost` (masked),
  * whatever surface it came through: a put racing the container's removal can look like a missing
- * path (invalid_task) and must not fail the rollout as the task's fault.
+ * path or a killed `tar` (invalid_task) and must not fail the rollout as the task's fault. A
+ * container being force-removed still reports itself running for a moment after its processes
+ * were killed, so the check is repeated for up to `SANDBOX_SETTLE_MS` before the error stands
+ * (only on this error path).
  */
 async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err: unknown): Promise<unknown> {
   if (isFleetError(err) && (err.kind === "sandbox_lost" || err.kind === "provider_unavailable")) return err;
-  const alive = await deps.provider.alive(handle).catch(() => true);
+  const isAlive = () => deps.provider.alive(handle).catch(() => true);
+  const until = Date.now() + (deps.sandboxSettleMs ?? SANDBOX_SETTLE_MS);
+  let alive = await isAlive();
+  while (alive && Date.now() < until) {
+    await new Promise((resolve) => setTimeout(resolve, 100));
+    alive = await isAlive();
+  }
   if (alive) return err;
   const message = err instanceof Error ? err.message : String(err);
   return FleetError.nonRetryable("sandbox_lost", `the sandbox disappeared: ${message}`, err);
@@ -136,7 +200,12 @@ async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err:
 
 export const seed: StageHandler = async (rec, deps) => {
   const task = await loadTask(rec, deps);
-  const created = await createSandbox(rec, deps, "resources", task);
+  // The intent was persisted by this stage's begin (same round trip as the record read); the
+  // handle is attached with the receipt.
+  const created = await createSandbox(rec, deps, "resources", task, {
+    intentRecorded: rec.begun?.intentRecorded === true,
+    deferAttach: true,
+  });
   if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
   const t1 = clock(deps);
   const probe = await deps.provider.probe(created.handle);
@@ -157,19 +226,20 @@ export const seed: StageHandler = async (rec, deps) => {
     },
     "seeded",
     t3,
+    { attach: created.entry, next: { queues: deps.queues, stage: "run" } },
   );
-  return saved ? "run" : null;
+  // A close that ran meanwhile may not have seen the handle: destroy the sandbox ourselves.
+  if (!saved) await destroyOrLedger(deps, created.entry);
+  return null;
 };
 
 export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const seedReceipt = rec.receipts.seed;
   if (!seedReceipt) throw FleetError.nonRetryable("sandbox_lost", "run stage without a seed receipt");
   const task = await loadTask(rec, deps);
-  // DESIGN §2 rule 10: launch and stop race on one atomic claim.
-  const { previous, launches } = await deps.store.claimLaunch(
-    rec.meta.id,
-    `${deps.workerId}:${randomUUID()}`,
-  );
+  // DESIGN §2 rule 10: launch and stop race on one atomic claim (made by this stage's begin).
+  const { previous, launches } =
+    rec.begun?.launch ?? (await deps.store.claimLaunch(rec.meta.id, `${deps.workerId}:${randomUUID()}`));
   if (previous === "stopped") return "close";
 
   let handle = seedReceipt.handle;
@@ -307,8 +377,10 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     attempts: launches,
     at: stoppedAt,
   };
-  const saved = await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt);
-  return saved ? "verify" : null;
+  await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, {
+    next: { queues: deps.queues, stage: "verify" },
+  });
+  return null;
 };
 
 export const verifyStage: StageHandler = async (rec, deps) => {
@@ -340,14 +412,15 @@ export const verifyStage: StageHandler = async (rec, deps) => {
     throw FleetError.nonRetryable("verifier_error", err instanceof Error ? err.message : String(err), err);
   }
   const at = clock(deps);
-  const saved = await deps.store.saveReceipt(
+  await deps.store.saveReceipt(
     rec.meta,
     "verify",
     { reward: verdict.reward, details: verdict.details, startedAt, at },
     "verified",
     at,
+    { next: { queues: deps.queues, stage: "close" } },
   );
-  return saved ? "close" : null;
+  return null;
 };
 
 export const close: StageHandler = async (rec, deps) => {
@@ -356,7 +429,9 @@ export const close: StageHandler = async (rec, deps) => {
   const fresh = rec;
   let teardown: "confirmed" | "pending" = "confirmed";
   let cleanup: CleanupReceipt | null = null;
-  const entries = await deps.ledger.sandboxesOf(id);
+  // Read by this stage's begin, after the tombstone (no intent can be added after it).
+  const entries = fresh.begun?.sandboxes ?? (await deps.ledger.sandboxesOf(id));
+  const confirmed: string[] = [];
   for (const owner of ["resources", "agent"] as const) {
     const key = sandboxKey(id, owner);
     let entry = entries[owner];
@@ -378,7 +453,9 @@ export const close: StageHandler = async (rec, deps) => {
       teardown = "pending";
       continue;
     }
-    const r = await destroyOrLedger(deps, entry);
+    // The confirm is folded into finalize's script below.
+    const r = await destroyOrLedger(deps, entry, { deferConfirm: true });
+    if (r.confirmedKey) confirmed.push(r.confirmedKey);
     if (r.teardown === "pending") teardown = "pending";
     cleanup = r.receipt;
   }
@@ -400,7 +477,7 @@ export const close: StageHandler = async (rec, deps) => {
     fresh.failureLog ?? (await deps.store.failureLog(id)),
   );
   // The close receipt is stored with the result, in the one finalizing script.
-  const finalized = await deps.store.finalize(fresh.meta, result, at, closeReceipt);
+  const finalized = await deps.store.finalize(fresh.meta, result, at, closeReceipt, confirmed);
   if (finalized && deps.metrics) {
     deps.metrics.rolloutsFinished.inc({ status: result.status, failure_kind: result.failureKind ?? "none" });
     deps.metrics.rolloutDuration.observe({ status: result.status }, (result.timings.totalMs ?? 0) / 1000);

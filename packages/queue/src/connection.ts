@@ -54,7 +54,36 @@ export function createRedis(url: string, options: RedisOptions = {}): Redis {
   if (isClusterUrl(url)) {
     throw new Error("createRedis connects to a standalone Redis; a Redis Cluster URL needs connectRedis");
   }
-  return new Redis(url, { maxRetriesPerRequest: null, enableReadyCheck: true, ...options });
+  return coalesceWrites(new Redis(url, { maxRetriesPerRequest: null, enableReadyCheck: true, ...options }));
+}
+
+const coalescing = new WeakSet<Redis>();
+
+/**
+ * Every command written to the connection during one tick leaves in one socket write: the socket
+ * is corked at the tick's first command and uncorked when the tick's work is done
+ * (`process.nextTick`). Same commands, same order, one syscall instead of one per command; unlike
+ * ioredis' auto-pipelining there is no extra object per batch and no wait for a later tick.
+ * Standalone connections only (a Cluster's node connections are left as they are).
+ */
+export function coalesceWrites<R extends RedisConnection>(redis: R): R {
+  if (!(redis instanceof Redis) || coalescing.has(redis)) return redis;
+  coalescing.add(redis);
+  const corked = new WeakSet<object>();
+  const send = redis.sendCommand;
+  redis.sendCommand = function (this: Redis, ...args: Parameters<Redis["sendCommand"]>) {
+    const socket = this.stream;
+    if (socket && !corked.has(socket) && !socket.destroyed) {
+      corked.add(socket);
+      socket.cork();
+      process.nextTick(() => {
+        corked.delete(socket);
+        socket.uncork();
+      });
+    }
+    return send.apply(this, args);
+  } as Redis["sendCommand"];
+  return redis;
 }
 
 /**
@@ -74,7 +103,7 @@ export function connectRedis(url: string, options: RedisOptions = {}): RedisConn
 /** A new connection with the same settings (BullMQ workers need one of their own each). */
 export function duplicateRedis(redis: RedisConnection): RedisConnection {
   // Narrowed per branch: the union's two `duplicate` signatures are not callable as one.
-  return redis instanceof Cluster ? redis.duplicate() : redis.duplicate();
+  return redis instanceof Cluster ? redis.duplicate() : coalesceWrites(redis.duplicate());
 }
 
 export class RedisDurabilityError extends Error {

@@ -1,4 +1,5 @@
 export * from "./admission.ts";
+export * from "./batcher.ts";
 export * from "./catalog.ts";
 export * from "./connection.ts";
 export * from "./keys.ts";

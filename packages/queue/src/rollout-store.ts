@@ -13,9 +13,12 @@ import {
   VerifyReceipt,
 } from "@fleet/contracts";
 import { z } from "zod";
+import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
 import { type ScriptedRedis, withScripts } from "./scripts.ts";
+import type { StageQueues } from "./stage-queues.ts";
+import { SandboxEntry, sandboxKey } from "./teardown-ledger.ts";
 
 /** What admission fixes about a rollout; never changes afterwards. No secrets: credentials are names. */
 export const RolloutMeta = z.object({
@@ -66,6 +69,34 @@ export interface BatchProgress {
   bodyHash: string | null;
 }
 
+export interface BeginOptions {
+  /** Seed: persist this stage's sandbox intent along with the begin. */
+  intent?: { owner: SandboxEntry["owner"]; provider: SandboxEntry["provider"]; expirySlackMs: number };
+  /** Run: claim the fenced launch with this token along with the begin. */
+  launchToken?: string;
+}
+
+export interface BeginResult {
+  record: RolloutRecord | null;
+  /** The failure log (close only; empty otherwise). */
+  failures: FailureRecord[];
+  /** The sandbox intent was persisted by this begin (seed with `intent`, stage not skipped). */
+  intentRecorded: boolean;
+  /**
+   * The launch claim made by this begin (`launchToken`, stage not skipped): `previous` is
+   * 'stopped' when a stop won, else the previous fence; null when no claim was made.
+   */
+  launch: { previous: string; launches: number } | null;
+  /** Close only: the rollout's sandbox entries (intents and handles). */
+  sandboxes: { resources: SandboxEntry | null; agent: SandboxEntry | null } | null;
+}
+
+/** After a stage's receipt, in the same round trip: the next stage's job. */
+export interface NextStage {
+  queues: StageQueues;
+  stage: StageName;
+}
+
 const RECEIPT_SCHEMAS = {
   seed: SeedReceipt,
   run: RunReceipt,
@@ -111,10 +142,12 @@ const TASK_CACHE_SIZE = 256;
 export class RolloutStore {
   readonly keys: Keys;
   private readonly redis: ScriptedRedis;
+  private readonly batcher: ScriptBatcher;
   private readonly taskCache = new Map<string, TaskContent>();
 
   constructor(redis: RedisConnection, prefix = "{fleet}") {
     this.redis = withScripts(redis);
+    this.batcher = batcherFor(redis);
     this.keys = createKeys(prefix);
   }
 
@@ -192,25 +225,64 @@ export class RolloutStore {
 
   /**
    * Begin a stage in one round trip: the record (after recording the stage's start time, and for
-   * close after setting the tombstone) and, for close, the failure log.
+   * close after setting the tombstone; before close without `times`, which only close reads),
+   * plus what the stage asked for: for close, the failure log
+   * and the rollout's sandbox entries; with `intent` (seed), its sandbox intent persisted
+   * (DESIGN §2 rule 9); with `launchToken` (run), the fenced launch claimed (rule 10). Intent and
+   * claim happen only when the stage is not to be skipped (closed, failed, cancelled, receipt
+   * stored), atomically with that check.
    */
-  async begin(
-    id: string,
-    stage: StageName,
-    now: number,
-  ): Promise<{ record: RolloutRecord | null; failures: FailureRecord[] }> {
+  async begin(id: string, stage: StageName, now: number, options: BeginOptions = {}): Promise<BeginResult> {
     const close = stage === "close";
-    const [flat, failures] = (await this.redis.fleetBegin(
-      this.keys.rollout(id),
-      this.keys.failures(id),
+    let intentKey = "";
+    let intentPrefix = "";
+    if (options.intent) {
+      const { owner, provider } = options.intent;
+      intentKey = sandboxKey(id, owner);
+      // The entry's JSON up to its last field; the script appends deadlineAt + slack and `}`.
+      const entry: Omit<SandboxEntry, "expiresAt"> = {
+        key: intentKey,
+        rolloutId: id,
+        owner,
+        provider,
+        handle: null,
+        createdAt: now,
+      };
+      intentPrefix = `${JSON.stringify(entry).slice(0, -1)},"expiresAt":`;
+    }
+    const keys = [this.keys.rollout(id), this.keys.failures(id), this.keys.sandboxes()];
+    const args = [
       stage,
       String(now),
       close ? "1" : "0",
       close ? "1" : "0",
-    )) as [string[], string[]];
+      intentKey,
+      intentPrefix,
+      String(options.intent?.expirySlackMs ?? 0),
+      options.launchToken ?? "",
+      close ? sandboxKey(id, "resources") : "",
+      close ? sandboxKey(id, "agent") : "",
+    ];
+    const [flat, failures, intent, previous, launches, sbResources, sbAgent] = (await this.batcher.call(
+      "fleetBegin",
+      keys,
+      args,
+    )) as [string[], string[], string, string, number, string, string];
     const h: Record<string, string> = {};
     for (let i = 0; i + 1 < flat.length; i += 2) h[flat[i]!] = flat[i + 1]!;
-    return { record: parseRecord(h), failures: failures.map((f) => JSON.parse(f) as FailureRecord) };
+    const claimed = options.launchToken !== undefined && (previous === "stopped" || Number(launches) > 0);
+    return {
+      record: parseRecord(h),
+      failures: failures.map((f) => JSON.parse(f) as FailureRecord),
+      intentRecorded: intent === "ok",
+      launch: claimed ? { previous: String(previous), launches: Number(launches) } : null,
+      sandboxes: close
+        ? {
+            resources: sbResources ? (JSON.parse(sbResources) as SandboxEntry) : null,
+            agent: sbAgent ? (JSON.parse(sbAgent) as SandboxEntry) : null,
+          }
+        : null,
+    };
   }
 
   async getResult(id: string): Promise<RolloutResult | null> {
@@ -271,19 +343,25 @@ export class RolloutStore {
     await this.redis.fleetSetField(this.keys.rollout(id), `t:${stage}:start`, String(now), "1");
   }
 
-  /** Store a stage receipt and advance status; false if the rollout is terminal/closed. */
+  /**
+   * Store a stage receipt and advance status; false if the rollout is terminal/closed. With
+   * `attach`, the created sandbox's entry is stored first (whatever the status). With `next`, the
+   * next stage's job is added in the same round trip, after the receipt (Redis runs one
+   * connection's commands in order), whether or not the receipt was stored: a next stage that
+   * finds the rollout closed or terminal skips.
+   */
   async saveReceipt<S extends StageName>(
     meta: Pick<RolloutMeta, "id" | "batchId">,
     stage: S,
     receipt: ReceiptOf<S>,
     newStatus: RolloutStatus,
     now: number,
+    options: { attach?: SandboxEntry; next?: NextStage } = {},
   ): Promise<boolean> {
     const parsed = RECEIPT_SCHEMAS[stage].parse(receipt);
     const [batchKey, hasBatch] = this.batchArgs(meta);
-    const r = await this.redis.fleetReceipt(
-      this.keys.rollout(meta.id),
-      batchKey,
+    const keys = [this.keys.rollout(meta.id), batchKey, this.keys.sandboxes()];
+    const args = [
       `r:${stage}`,
       JSON.stringify(parsed),
       newStatus,
@@ -292,7 +370,13 @@ export class RolloutStore {
       String(now),
       hasBatch,
       stage === "close" ? "1" : "0",
-    );
+      options.attach ? options.attach.key : "",
+      options.attach ? JSON.stringify(SandboxEntry.parse(options.attach)) : "",
+    ];
+    const next = options.next;
+    const r = next
+      ? await next.queues.enqueueAfter(next.stage, meta.id, "fleetReceipt", keys, args)
+      : await this.batcher.call("fleetReceipt", keys, args);
     return r === 1;
   }
 
@@ -350,26 +434,42 @@ export class RolloutStore {
     return cancel === "1" || closed === "1" || fence === "stopped";
   }
 
-  /** Finalize exactly once (DESIGN §2 rule 1). True if this call did it. */
+  /**
+   * Finalize exactly once (DESIGN §2 rule 1). True if this call did it. `confirmed` names sandbox
+   * keys whose destroy was confirmed: they leave the sandboxes hash and the teardown ledger in
+   * the same script, whether or not this call finalizes.
+   */
   async finalize(
     meta: Pick<RolloutMeta, "id" | "batchId">,
     result: RolloutResult,
     now: number,
     closeReceipt?: CloseReceipt,
+    confirmed: readonly string[] = [],
   ): Promise<boolean> {
     if (!isTerminal(result.status)) throw new Error(`finalize needs a terminal status, got ${result.status}`);
     const parsed = RolloutResult.parse(result);
     const [batchKey, hasBatch] = this.batchArgs(meta);
-    const r = await this.redis.fleetFinalize(
-      this.keys.rollout(meta.id),
-      batchKey,
-      this.keys.inflight(),
-      JSON.stringify(parsed),
-      parsed.status,
-      String(now),
-      hasBatch,
-      meta.id,
-      closeReceipt ? JSON.stringify(CloseReceipt.parse(closeReceipt)) : "",
+    if (confirmed.length > 2) throw new Error("finalize confirms at most the rollout's two sandboxes");
+    const r = await this.batcher.call(
+      "fleetFinalize",
+      [
+        this.keys.rollout(meta.id),
+        batchKey,
+        this.keys.inflight(),
+        this.keys.sandboxes(),
+        this.keys.teardownEntries(),
+        this.keys.teardownDue(),
+      ],
+      [
+        JSON.stringify(parsed),
+        parsed.status,
+        String(now),
+        hasBatch,
+        meta.id,
+        closeReceipt ? JSON.stringify(CloseReceipt.parse(closeReceipt)) : "",
+        confirmed[0] ?? "",
+        confirmed[1] ?? "",
+      ],
     );
     return r === 1;
   }

@@ -25,12 +25,18 @@ const SCRIPTS = {
       end
       return 1`,
   },
-  /** Store a stage receipt and move status, unless terminal (or closed, for non-close stages). */
+  /**
+   * Store a stage receipt and move status, unless terminal (or closed, for non-close stages).
+   * With an attach key, first store a created sandbox's entry (handle included) in the sandboxes
+   * hash whatever the status, so a close or the janitor can find it. Returns 1 if stored.
+   */
   fleetReceipt: {
-    keys: 2,
-    // ARGV: field, receiptJson, newStatus, stage, timeField, now, hasBatch, allowClosed
+    keys: 3, // rollout, batch|rollout, sandboxes
+    // ARGV: field, receiptJson, newStatus, stage, timeField, now, hasBatch, allowClosed,
+    //       attachKey ('' for none), attachJson
     lua: `
       ${TERMINAL}
+      if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], ARGV[9], ARGV[10]) end
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
       if ARGV[8] ~= '1' and redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
@@ -57,12 +63,21 @@ const SCRIPTS = {
   },
   /**
    * Finalize exactly once, storing the close receipt with the result. ARGV: resultJson,
-   * newStatus, now, hasBatch, rolloutId, closeReceiptJson ('' for none). Returns 1 if this call finalized.
+   * newStatus, now, hasBatch, rolloutId, closeReceiptJson ('' for none), then the sandbox keys
+   * whose destroy is confirmed ('' entries are ignored): they leave the sandboxes hash and the teardown ledger whether or
+   * not this call finalizes. Returns 1 if this call finalized.
    */
   fleetFinalize: {
-    keys: 3, // rollout, batch|rollout, inflight
+    keys: 6, // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due
     lua: `
       ${TERMINAL}
+      for i = 7, #ARGV do
+        if ARGV[i] ~= '' then
+          redis.call('HDEL', KEYS[4], ARGV[i])
+          redis.call('HDEL', KEYS[5], ARGV[i])
+          redis.call('ZREM', KEYS[6], ARGV[i])
+        end
+      end
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1')
@@ -139,16 +154,25 @@ const SCRIPTS = {
       return 1`,
   },
   /**
-   * Begin a stage in one round trip: unless the rollout is terminal, record the stage's first
-   * start time (not when the stage will be skipped: closed, failed, cancelled, or its receipt is
-   * stored) and, for close, set the tombstone first. Returns [hash as a flat array, failure log].
-   * ARGV: stage, now, tombstone ('1'|'0'), withFailures ('1'|'0').
+   * Begin a stage in one round trip. Unless the rollout is terminal: for close, set the tombstone
+   * first; for the other stages, unless the stage will be skipped (closed, failed, cancelled, or
+   * its receipt is stored), record the stage's first start time, and
+   *  - with an intent key (seed), unless `now` is past the deadline: persist the sandbox intent
+   *    (DESIGN §2 rule 9), kept if one exists; the entry is ARGV[6] .. (deadlineAt + ARGV[7]) ..
+   *    '}' (its `expiresAt` closes it);
+   *  - with a launch token (run): the fenced launch claim of `fleetClaimLaunch` (rule 10).
+   * Returns [hash as a flat array (for close all of it; before close the fields those stages
+   * read: meta, status, stage, flags, receipts), failure log, intent ('ok'|''), previous fence (or 'stopped'),
+   * launches, sandbox entries of ARGV[9], ARGV[10] ('' when absent or not asked)].
+   * ARGV: stage, now, tombstone, withFailures, intentKey, intentPrefix, expirySlackMs,
+   * launchToken, sandboxKey1, sandboxKey2 ('' for none).
    */
   fleetBegin: {
-    keys: 2, // rollout, failures
+    keys: 3, // rollout, failures, sandboxes
     lua: `
       ${TERMINAL}
       local status = redis.call('HGET', KEYS[1], 'status')
+      local intent, previous, launches = '', '', 0
       if status and not terminal[status] then
         if ARGV[3] == '1' then
           redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
@@ -158,12 +182,52 @@ const SCRIPTS = {
             or redis.call('HEXISTS', KEYS[1], 'failure') == 1
             or redis.call('HGET', KEYS[1], 'cancel') == '1'
             or redis.call('HEXISTS', KEYS[1], 'r:' .. ARGV[1]) == 1
-          if not skip then redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2]) end
+          if not skip then
+            redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2])
+            if ARGV[5] ~= '' then
+              -- Not past the deadline either: the stage would be skipped, and an intent left
+              -- without a sandbox would hold the close's teardown for the intent grace period.
+              local meta = cjson.decode(redis.call('HGET', KEYS[1], 'meta'))
+              if tonumber(ARGV[2]) < meta.deadlineAt then
+                local expires = string.format('%.0f', meta.deadlineAt + tonumber(ARGV[7]))
+                redis.call('HSETNX', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}')
+                intent = 'ok'
+              end
+            end
+            if ARGV[8] ~= '' then
+              local fence = redis.call('HGET', KEYS[1], 'fence')
+              if fence == 'stopped' then
+                previous = 'stopped'
+              else
+                redis.call('HSET', KEYS[1], 'fence', 'launched:' .. ARGV[8])
+                launches = redis.call('HINCRBY', KEYS[1], 'launches', 1)
+                previous = fence or ''
+              end
+            end
+          end
         end
       end
       local failures = {}
       if ARGV[4] == '1' then failures = redis.call('LRANGE', KEYS[2], 0, -1) end
-      return {redis.call('HGETALL', KEYS[1]), failures}`,
+      local sb1, sb2 = '', ''
+      if ARGV[9] ~= '' then sb1 = redis.call('HGET', KEYS[3], ARGV[9]) or '' end
+      if ARGV[10] ~= '' then sb2 = redis.call('HGET', KEYS[3], ARGV[10]) or '' end
+      local rec
+      if ARGV[3] == '1' then
+        rec = redis.call('HGETALL', KEYS[1])
+      else
+        -- The fields a stage before close reads (not the timings): less to send and to parse.
+        local names = {'meta', 'status', 'stage', 'failure', 'cancel', 'closed', 'fence', 'r:seed', 'r:run', 'r:verify'}
+        local values = redis.call('HMGET', KEYS[1], unpack(names))
+        rec = {}
+        for i = 1, #names do
+          if values[i] then
+            rec[#rec + 1] = names[i]
+            rec[#rec + 1] = values[i]
+          end
+        end
+      end
+      return {rec, failures, intent, previous, launches, sb1, sb2}`,
   },
   /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */
   fleetAttach: {
@@ -176,16 +240,52 @@ const SCRIPTS = {
 
 export type ScriptName = keyof typeof SCRIPTS;
 
+/**
+ * Scripts that also exist in a batched form, `<name>Many`, for `ScriptBatcher`: the same body
+ * run once per item, each in its own `pcall` (an item's error is returned as
+ * `{'__fleet_err', message}` in its slot; the others are unaffected). Called with the key count
+ * first, then every item's keys, then every item's `args` arguments.
+ */
+export const BATCHED = {
+  fleetBegin: { args: 10 },
+  fleetReceipt: { args: 10 },
+  fleetFinalize: { args: 8 },
+} as const satisfies Partial<Record<ScriptName, { args: number }>>;
+export type BatchedScript = keyof typeof BATCHED;
+export const BATCH_ERROR = "__fleet_err";
+
+function batchedLua(name: BatchedScript): string {
+  return `
+    local function one(KEYS, ARGV)
+      ${SCRIPTS[name].lua}
+    end
+    local nk, na = ${SCRIPTS[name].keys}, ${BATCHED[name].args}
+    local out = {}
+    for i = 0, #ARGV / na - 1 do
+      local k, a = {}, {}
+      for j = 1, nk do k[j] = KEYS[i * nk + j] end
+      for j = 1, na do a[j] = ARGV[i * na + j] end
+      local ok, r = pcall(one, k, a)
+      if ok then out[i + 1] = r else out[i + 1] = {'${BATCH_ERROR}', tostring(r)} end
+    end
+    return out`;
+}
+
 type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
-export type ScriptedRedis = RedisConnection & Record<ScriptName, ScriptFn>;
+export type ScriptedRedis = RedisConnection &
+  Record<ScriptName, ScriptFn> &
+  Record<`${BatchedScript}Many`, ScriptFn>;
 
 /** Register the scripts on a connection (idempotent). */
 export function withScripts(redis: RedisConnection): ScriptedRedis {
   const r = redis as ScriptedRedis;
+  const has = (name: string) => typeof (r as unknown as Record<string, unknown>)[name] === "function";
   for (const [name, def] of Object.entries(SCRIPTS)) {
-    if (typeof (r as unknown as Record<string, unknown>)[name] !== "function") {
-      redis.defineCommand(name, { numberOfKeys: def.keys, lua: def.lua });
-    }
+    if (!has(name)) redis.defineCommand(name, { numberOfKeys: def.keys, lua: def.lua });
+  }
+  for (const name of Object.keys(BATCHED) as BatchedScript[]) {
+    // No fixed key count: the caller passes it first.
+    if (!has(`${name}Many`)) redis.defineCommand(`${name}Many`, { lua: batchedLua(name) });
   }
   return r;
 }

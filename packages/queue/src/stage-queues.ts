@@ -1,13 +1,18 @@
 import type { StageName } from "@fleet/contracts";
-import { Queue, type QueueOptions } from "bullmq";
+import { Job, Queue, type QueueOptions } from "bullmq";
+import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import { STAGE_CATALOG, STAGES, stageJobId } from "./catalog.ts";
 import type { RedisConnection } from "./connection.ts";
+import type { BatchedScript } from "./scripts.ts";
 
 /** The four stage queues, sharing one connection and prefix. */
 export class StageQueues {
   readonly queues: Record<StageName, Queue>;
+  private readonly batcher: ScriptBatcher;
 
   constructor(connection: RedisConnection, prefix: string, extra: Partial<QueueOptions> = {}) {
+    // `enqueueAfter` sends the fleet's scripts on the queues' connection (BullMQ shares it).
+    this.batcher = batcherFor(connection);
     const make = (stage: StageName) =>
       new Queue(stage, { connection, prefix, defaultJobOptions: STAGE_CATALOG[stage].options, ...extra });
     this.queues = { seed: make("seed"), run: make("run"), verify: make("verify"), close: make("close") };
@@ -20,6 +25,32 @@ export class StageQueues {
       jobId: stageJobId(rolloutId, stage),
       ...(options.delayMs ? { delay: options.delayMs } : {}),
     });
+  }
+
+  /**
+   * The fleet script `script` (e.g. a stage receipt), then the job of `stage` for the rollout,
+   * sent together on the queues' connection (through its `ScriptBatcher`) without waiting for the
+   * script's reply. Redis runs one connection's commands in order, so the job cannot be taken
+   * before the script ran. Returns the script's reply; throws if either command failed (the
+   * stage then retries, and a re-added job id is deduplicated). Not an ioredis pipeline:
+   * building one copies every script defined on the connection (BullMQ's several dozen), which
+   * costs more than the round trip it saves.
+   */
+  async enqueueAfter(
+    stage: StageName,
+    rolloutId: string,
+    script: BatchedScript,
+    keys: readonly string[],
+    args: readonly string[],
+  ): Promise<unknown> {
+    const queue = this.queues[stage];
+    const jobId = stageJobId(rolloutId, stage);
+    const data = STAGE_CATALOG[stage].schema.parse({ rolloutId });
+    const client = await queue.getBackend().client;
+    // BullMQ's `Queue.add` minus its telemetry span; `addJob` sends synchronously.
+    const add = () =>
+      new Job(queue, stage, data, { ...queue.defaultJobOptions, jobId }, jobId).addJob(client);
+    return this.batcher.call(script, keys, args, add);
   }
 
   /** Bulk-enqueue seeds for many rollouts in one round trip. */

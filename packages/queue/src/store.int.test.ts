@@ -220,6 +220,140 @@ describe("rollout store", () => {
     expect(b1.counts.accepted).toBe(2);
   });
 
+  const seedReceipt = (id: string) => ({
+    handle: {
+      provider: "docker" as const,
+      endpoint: "unix:///x",
+      id: `c-${id}`,
+      name: `n-${id}`,
+      rolloutId: id,
+      owner: "resources" as const,
+      volumes: [],
+    },
+    probe: { isolated: true, checks: {}, detail: "", durationMs: 1 },
+    createMs: 1,
+    probeMs: 1,
+    stageMs: 1,
+    reused: false,
+    at: 3,
+  });
+
+  it("seed's begin persists the sandbox intent with the stage check, and not once the rollout is closed", async () => {
+    const intent = { owner: "resources" as const, provider: "docker" as const, expirySlackMs: 600_000 };
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const begun = await store.begin(id, "seed", 1_000, { intent });
+    expect(begun.intentRecorded).toBe(true);
+    const entry = JSON.parse((await redis.hget(store.keys.sandboxes(), sandboxKey(id, "resources")))!);
+    // A valid SandboxEntry whose expiry is the rollout's deadline plus the slack.
+    expect(entry).toEqual({
+      key: sandboxKey(id, "resources"),
+      rolloutId: id,
+      owner: "resources",
+      provider: "docker",
+      handle: null,
+      createdAt: 1_000,
+      expiresAt: begun.record!.meta.deadlineAt + 600_000,
+    });
+    // Before close, the record carries what the stages read, not the timings.
+    expect(begun.record!.times).toEqual({});
+
+    // Past the deadline the runner skips the stage: no intent may be left without a sandbox.
+    const late = (await admitOne()).ids[0]!;
+    const deadlineAt = (await store.get(late))!.meta.deadlineAt;
+    expect((await store.begin(late, "seed", deadlineAt, { intent })).intentRecorded).toBe(false);
+    expect(await redis.hexists(store.keys.sandboxes(), sandboxKey(late, "resources"))).toBe(0);
+    expect((await store.begin(late, "seed", deadlineAt - 1, { intent })).intentRecorded).toBe(true);
+
+    const other = (await admitOne()).ids[0]!;
+    await store.tombstone(other);
+    const refused = await store.begin(other, "seed", 1_000, { intent });
+    expect(refused.intentRecorded).toBe(false);
+    expect(await redis.hexists(store.keys.sandboxes(), sandboxKey(other, "resources"))).toBe(0);
+  });
+
+  it("run's begin claims the fenced launch; a stop wins over a later claim", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const first = await store.begin(id, "run", 1, { launchToken: "a" });
+    expect(first.launch).toEqual({ previous: "", launches: 1 });
+    const again = await store.begin(id, "run", 2, { launchToken: "b" });
+    expect(again.launch).toEqual({ previous: "launched:a", launches: 2 });
+    await redis.hset(store.keys.rollout(id), "fence", "stopped");
+    expect((await store.begin(id, "run", 3, { launchToken: "c" })).launch).toEqual({
+      previous: "stopped",
+      launches: 0,
+    });
+    // Skipped stages claim nothing: after a cancel the fence stays as the cancel left it.
+    await store.requestCancel(id);
+    expect((await store.begin(id, "run", 4, { launchToken: "d" })).launch).toBeNull();
+    expect(await redis.hget(store.keys.rollout(id), "fence")).toBe("stopped");
+  });
+
+  it("a receipt with a next stage enqueues it in the same write; attach keeps the handle even when closed", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const receipt = seedReceipt(id);
+    const entry = {
+      key: sandboxKey(id, "resources"),
+      rolloutId: id,
+      owner: "resources" as const,
+      provider: "docker" as const,
+      handle: receipt.handle,
+      createdAt: 1,
+      expiresAt: 2,
+    };
+    const saved = await store.saveReceipt(meta, "seed", receipt, "seeded", 5, {
+      attach: entry,
+      next: { queues, stage: "run" },
+    });
+    expect(saved).toBe(true);
+    expect((await store.get(id))!.receipts.seed?.handle.id).toBe(`c-${id}`);
+    expect((await queues.queues.run.getJob(`${id}.run`))?.data).toEqual({ rolloutId: id });
+    expect((await ledger.sandboxesOf(id)).resources?.handle?.id).toBe(`c-${id}`);
+
+    // Closed meanwhile: the receipt is refused, but the handle is stored for whoever destroys it.
+    const late = (await admitOne()).ids[0]!;
+    const lateMeta = (await store.get(late))!.meta;
+    await store.tombstone(late);
+    const refused = await store.saveReceipt(lateMeta, "seed", seedReceipt(late), "seeded", 5, {
+      attach: { ...entry, key: sandboxKey(late, "resources"), rolloutId: late },
+      next: { queues, stage: "run" },
+    });
+    expect(refused).toBe(false);
+    expect((await ledger.sandboxesOf(late)).resources?.handle).not.toBeNull();
+  });
+
+  it("close's begin reads the sandbox entries; finalize forgets the confirmed ones even when not first", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const key = sandboxKey(id, "resources");
+    const entry = {
+      key,
+      rolloutId: id,
+      owner: "resources" as const,
+      provider: "docker" as const,
+      handle: null,
+      createdAt: 1,
+      expiresAt: 2,
+    };
+    expect(await ledger.recordIntent(entry)).toBe("ok");
+    await ledger.recordFailure(entry, "boom", 10);
+    const begun = await store.begin(id, "close", 20);
+    expect(begun.sandboxes).toEqual({ resources: entry, agent: null });
+    const meta = begun.record!.meta;
+    expect(await store.finalize(meta, resultFor(id, "completed"), 30)).toBe(true);
+    expect(await ledger.isPending(id)).toBe(true);
+    // A second closer's destroy confirmed it: its finalize loses the race but still forgets it.
+    expect(await store.finalize(meta, resultFor(id, "completed"), 31, undefined, [key])).toBe(false);
+    expect(await ledger.isPending(id)).toBe(false);
+    expect(await ledger.size()).toBe(0);
+    expect((await ledger.sandboxesOf(id)).resources).toBeNull();
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();

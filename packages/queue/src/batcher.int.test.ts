@@ -1,0 +1,122 @@
+import type { Socket } from "node:net";
+import { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { ScriptBatcher } from "./batcher.ts";
+import { coalesceWrites, createRedis } from "./connection.ts";
+import { createKeys } from "./keys.ts";
+
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+const prefix = `{t-batch-${Math.random().toString(36).slice(2, 8)}}`;
+const keys = createKeys(prefix);
+
+/** fleetReceipt's keys and arguments for a seed receipt `json` on rollout `id`. */
+function receiptCall(id: string, json: string): [string[], string[]] {
+  const rollout = keys.rollout(id);
+  return [
+    [rollout, rollout, keys.sandboxes()],
+    ["r:seed", json, "seeded", "seed", "t:seed:end", "5", "0", "0", "", ""],
+  ];
+}
+
+describe("ScriptBatcher", () => {
+  let redis: Redis;
+  beforeAll(() => {
+    redis = createRedis(REDIS_URL);
+  });
+  afterAll(async () => {
+    const left = await redis.keys(`${prefix}*`);
+    if (left.length) await redis.del(...left);
+    redis.disconnect();
+  });
+
+  const accepted = async (id: string) =>
+    redis.hset(keys.rollout(id), "meta", "{}", "status", "accepted", "stage", "admission");
+
+  it("sends one tick's calls as one Redis call and gives each its own reply", async () => {
+    const batcher = new ScriptBatcher(redis);
+    const ids = ["a1", "a2", "a3", "a4", "a5"];
+    for (const id of ids) await accepted(id);
+    await redis.hset(keys.rollout("a3"), "status", "completed"); // terminal: its receipt is refused
+    const replies = await Promise.all(
+      ids.map((id) => batcher.call("fleetReceipt", ...receiptCall(id, `{"for":"${id}"}`))),
+    );
+    expect(batcher.stats).toEqual({ calls: 5, sent: 1 });
+    expect(replies).toEqual([1, 1, 0, 1, 1]);
+    for (const id of ["a1", "a2", "a4", "a5"]) {
+      expect(await redis.hget(keys.rollout(id), "r:seed")).toBe(`{"for":"${id}"}`);
+    }
+    expect(await redis.hget(keys.rollout("a3"), "r:seed")).toBeNull();
+    // Calls in later ticks are separate sends; a single call goes as the plain script.
+    await batcher.call("fleetReceipt", ...receiptCall("a1", "{}"));
+    expect(batcher.stats).toEqual({ calls: 6, sent: 2 });
+  });
+
+  it("an item whose script fails rejects alone; the others in its batch succeed", async () => {
+    const batcher = new ScriptBatcher(redis);
+    await accepted("b1");
+    await redis.set(keys.rollout("b2"), "not a hash");
+    const [ok, bad] = await Promise.allSettled([
+      batcher.call("fleetReceipt", ...receiptCall("b1", "{}")),
+      batcher.call("fleetReceipt", ...receiptCall("b2", "{}")),
+    ]);
+    expect(batcher.stats.sent).toBe(1);
+    expect(ok).toEqual({ status: "fulfilled", value: 1 });
+    expect(bad.status).toBe("rejected");
+    expect(String((bad as PromiseRejectedResult).reason)).toMatch(/WRONGTYPE/);
+  });
+
+  it("what `after` sends runs after the item's script", async () => {
+    const batcher = new ScriptBatcher(redis);
+    await accepted("c1");
+    let seen: string | null = "unset";
+    await batcher.call("fleetReceipt", ...receiptCall("c1", '{"x":1}'), async () => {
+      seen = await redis.hget(keys.rollout("c1"), "r:seed");
+    });
+    expect(seen).toBe('{"x":1}');
+  });
+
+  it("refuses a call with the wrong number of arguments", () => {
+    const batcher = new ScriptBatcher(redis);
+    expect(() => batcher.call("fleetReceipt", [keys.rollout("d")], ["only one"])).toThrow(
+      /takes 10 arguments/,
+    );
+  });
+});
+
+describe("coalesceWrites", () => {
+  it("sends one tick's commands in one socket write, in order, with the right replies", async () => {
+    const redis = coalesceWrites(new Redis(REDIS_URL, { maxRetriesPerRequest: null }));
+    const plain = new Redis(REDIS_URL, { maxRetriesPerRequest: null });
+    const counter = `${prefix}:counter`;
+    try {
+      await Promise.all([redis.ping(), plain.ping()]);
+      const writes = (r: Redis) => {
+        const socket = r.stream as Socket & { _write: unknown; _writev: unknown };
+        const count = { n: 0 };
+        for (const m of ["_write", "_writev"] as const) {
+          const original = socket[m] as (...a: unknown[]) => unknown;
+          socket[m] = function (this: Socket, ...a: unknown[]) {
+            count.n++;
+            return original.apply(this, a);
+          };
+        }
+        return count;
+      };
+      const coalesced = writes(redis);
+      const separate = writes(plain);
+      const replies = await Promise.all(Array.from({ length: 10 }, () => redis.incr(counter)));
+      expect(replies).toEqual([1, 2, 3, 4, 5, 6, 7, 8, 9, 10]);
+      expect(coalesced.n).toBe(1);
+      // The baseline this is measured against: a plain connection writes once per command.
+      await Promise.all(Array.from({ length: 10 }, () => plain.incr(counter)));
+      expect(separate.n).toBe(10);
+      // Later ticks are written on their own: nothing waits for a batch to fill.
+      expect(await redis.get(counter)).toBe("20");
+      expect(coalesced.n).toBe(2);
+    } finally {
+      await redis.del(counter);
+      redis.disconnect();
+      plain.disconnect();
+    }
+  });
+});

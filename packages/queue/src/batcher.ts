@@ -1,0 +1,115 @@
+import type { Socket } from "node:net";
+import type { RedisConnection } from "./connection.ts";
+import { BATCH_ERROR, BATCHED, type BatchedScript, type ScriptedRedis, withScripts } from "./scripts.ts";
+
+interface Item {
+  keys: readonly string[];
+  args: readonly string[];
+  resolve(reply: unknown): void;
+  reject(err: unknown): void;
+  after?: () => Promise<unknown>;
+}
+
+/**
+ * Coalesces the hot-path scripts that many rollouts call at about the same time: every call of
+ * a `BATCHED` script made during one tick goes to Redis as one `<name>Many` call at the end of
+ * the tick (a single call goes as itself), and the connection's socket is corked meanwhile so
+ * that everything written in that flush leaves in one write. Each item runs the same script body
+ * as before, atomically on its own, and gets its own reply or error.
+ *
+ * An item's `after` runs right after the flush has sent the script, in the same tick, on the same
+ * connection: Redis runs one connection's commands in order, so what `after` sends (e.g. the
+ * next stage's job) executes after the item's script.
+ *
+ * One batcher per connection (`batcherFor`), shared by everything that uses the connection.
+ */
+export class ScriptBatcher {
+  private readonly redis: ScriptedRedis;
+  private readonly pending = new Map<BatchedScript, Item[]>();
+  private scheduled = false;
+  /** Calls made, and Redis calls they went out as (for tests and benchmarks). */
+  readonly stats = { calls: 0, sent: 0 };
+
+  constructor(redis: RedisConnection) {
+    this.redis = withScripts(redis);
+  }
+
+  call(
+    script: BatchedScript,
+    keys: readonly string[],
+    args: readonly string[],
+    after?: () => Promise<unknown>,
+  ): Promise<unknown> {
+    if (args.length !== BATCHED[script].args) {
+      throw new Error(`${script} takes ${BATCHED[script].args} arguments, got ${args.length}`);
+    }
+    this.stats.calls++;
+    return new Promise((resolve, reject) => {
+      let items = this.pending.get(script);
+      if (!items) {
+        items = [];
+        this.pending.set(script, items);
+      }
+      items.push({ keys, args, resolve, reject, after });
+      if (!this.scheduled) {
+        this.scheduled = true;
+        process.nextTick(() => this.flush());
+      }
+    });
+  }
+
+  private flush(): void {
+    this.scheduled = false;
+    const socket = (this.redis as { stream?: Socket }).stream;
+    const cork = socket !== undefined && this.redis.status === "ready" && !socket.destroyed;
+    if (cork) socket.cork();
+    try {
+      for (const [script, items] of this.pending) {
+        this.pending.delete(script);
+        this.send(script, items);
+      }
+    } finally {
+      if (cork) socket.uncork();
+    }
+  }
+
+  private send(script: BatchedScript, items: Item[]): void {
+    this.stats.sent++;
+    let replies: Promise<unknown[]>;
+    if (items.length === 1) {
+      const [only] = items as [Item];
+      replies = this.redis[script](...only.keys, ...only.args).then((r) => [r]);
+    } else {
+      const keys = items.flatMap((it) => it.keys);
+      const args = items.flatMap((it) => it.args);
+      replies = this.redis[`${script}Many`](keys.length, ...keys, ...args) as Promise<unknown[]>;
+    }
+    items.forEach((item, i) => {
+      // `after` is called now, in this tick: what it sends follows the script on the wire.
+      let after: Promise<unknown> | undefined;
+      try {
+        after = item.after?.();
+      } catch (err) {
+        after = Promise.reject(err);
+      }
+      const reply = replies.then((rows) => {
+        const row = rows[i];
+        if (Array.isArray(row) && row[0] === BATCH_ERROR) throw new Error(`${script}: ${String(row[1])}`);
+        return row;
+      });
+      Promise.all([reply, after]).then(([r]) => item.resolve(r), item.reject);
+    });
+  }
+}
+
+const batchers = new WeakMap<RedisConnection, ScriptBatcher>();
+
+/** The connection's one batcher. */
+export function batcherFor(redis: RedisConnection): ScriptBatcher {
+  let batcher = batchers.get(redis);
+  if (!batcher) {
+    batcher = new ScriptBatcher(redis);
+    batchers.set(redis, batcher);
+  }
+  return batcher;
+}
