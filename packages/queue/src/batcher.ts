@@ -84,21 +84,33 @@ export class ScriptBatcher {
       const args = items.flatMap((it) => it.args);
       replies = this.redis[`${script}Many`](keys.length, ...keys, ...args) as Promise<unknown[]>;
     }
-    items.forEach((item, i) => {
-      // `after` is called now, in this tick: what it sends follows the script on the wire.
-      let after: Promise<unknown> | undefined;
+    // `after` is called now, in this tick: what it sends follows the script on the wire.
+    const afters = items.map((item) => {
+      if (!item.after) return undefined;
       try {
-        after = item.after?.();
+        return item.after();
       } catch (err) {
-        after = Promise.reject(err);
+        return Promise.reject(err);
       }
-      const reply = replies.then((rows) => {
-        const row = rows[i];
-        if (Array.isArray(row) && row[0] === BATCH_ERROR) throw new Error(`${script}: ${String(row[1])}`);
-        return row;
-      });
-      Promise.all([reply, after]).then(([r]) => item.resolve(r), item.reject);
     });
+    const settle = (item: Item, after: Promise<unknown> | undefined, row: unknown) => {
+      if (Array.isArray(row) && row[0] === BATCH_ERROR) {
+        after?.catch(() => undefined);
+        item.reject(new Error(`${script}: ${String(row[1])}`));
+      } else if (after) after.then(() => item.resolve(row), item.reject);
+      else item.resolve(row);
+    };
+    replies.then(
+      (rows) => {
+        for (let i = 0; i < items.length; i++) settle(items[i]!, afters[i], rows[i]);
+      },
+      (err: unknown) => {
+        for (let i = 0; i < items.length; i++) {
+          afters[i]?.catch(() => undefined);
+          items[i]!.reject(err);
+        }
+      },
+    );
   }
 }
 

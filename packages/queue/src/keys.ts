@@ -23,18 +23,23 @@ export function createKeys(prefix = "{fleet}"): Keys {
   if (!/^\{[^{}]+\}/.test(prefix)) {
     throw new Error(`queue prefix ${JSON.stringify(prefix)} must start with a hash tag such as "{fleet}"`);
   }
-  const k = (...parts: string[]) => [prefix, "x", ...parts].join(":");
+  // Built on every stage's hot path: plain concatenation onto a fixed base.
+  const x = `${prefix}:x:`;
+  const inflight = `${x}inflight`;
+  const sandboxes = `${x}sandboxes`;
+  const teardownDue = `${x}teardown:due`;
+  const teardownEntries = `${x}teardown:entries`;
   return {
     prefix,
-    rollout: (id) => k("rollout", id),
-    failures: (id) => k("rollout", id, "failures"),
-    batch: (id) => k("batch", id),
-    batchIds: (id) => k("batch", id, "ids"),
-    task: (digest) => k("task", digest),
-    idempotency: (keyHash) => k("idem", keyHash),
-    inflight: () => k("inflight"),
-    sandboxes: () => k("sandboxes"),
-    teardownDue: () => k("teardown", "due"),
-    teardownEntries: () => k("teardown", "entries"),
+    rollout: (id) => `${x}rollout:${id}`,
+    failures: (id) => `${x}rollout:${id}:failures`,
+    batch: (id) => `${x}batch:${id}`,
+    batchIds: (id) => `${x}batch:${id}:ids`,
+    task: (digest) => `${x}task:${digest}`,
+    idempotency: (keyHash) => `${x}idem:${keyHash}`,
+    inflight: () => inflight,
+    sandboxes: () => sandboxes,
+    teardownDue: () => teardownDue,
+    teardownEntries: () => teardownEntries,
   };
 }

@@ -45,7 +45,7 @@ export class StageQueues {
   ): Promise<unknown> {
     const queue = this.queues[stage];
     const jobId = stageJobId(rolloutId, stage);
-    const data = STAGE_CATALOG[stage].schema.parse({ rolloutId });
+    const data = { rolloutId }; // a StageJob, built here
     const client = await queue.getBackend().client;
     // BullMQ's `Queue.add` minus its telemetry span; `addJob` sends synchronously.
     const add = () =>
