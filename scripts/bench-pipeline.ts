@@ -116,7 +116,9 @@ const MAX_TASK_BYTES = 10 * 1024 * 1024;
 // Client-side Redis command counter: every ioredis connection in this process (ours, the
 // pipeline's, BullMQ's) goes through `Redis.prototype.sendCommand`. A plain command is one round
 // trip; a pipeline or MULTI is one round trip for all its commands; blocking commands (a
-// worker's idle wait) are counted apart.
+// worker's idle wait) are counted apart. (The fleet's connections also coalesce each tick's
+// writes into one socket write, `coalesceWrites`; that is not counted here: a round trip in this
+// table is a command whose reply its caller waits for on its own.)
 
 interface Tally {
   commands: number;
