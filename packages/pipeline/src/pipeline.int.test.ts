@@ -349,6 +349,46 @@ describe("idempotency and fencing without workers", () => {
     });
   });
 
+  it("…also while the removed sandbox still reports itself running for a moment", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // Docker answers "running" for a moment while a force-remove is under way: the first looks
+    // after the error see the sandbox alive, the next ones see it gone.
+    const real = fleet.deps.provider;
+    let lagging = 0;
+    const provider = new Proxy(real, {
+      get(target, prop) {
+        if (prop === "alive") {
+          return async (h: SandboxHandle) => (lagging-- > 0 ? true : target.alive(h));
+        }
+        const value = Reflect.get(target, prop, target);
+        return typeof value === "function" ? value.bind(target) : value;
+      },
+    });
+    const racing = {
+      ...fleet.deps,
+      provider,
+      createHarness: () => ({
+        name: "command" as const,
+        async run(ctx: { handle: SandboxHandle }) {
+          await docker.destroy(ctx.handle);
+          lagging = 3;
+          throw FleetError.nonRetryable(
+            "invalid_task",
+            "staging 1 file(s) into /tmp/fleet failed (exit 137)",
+          );
+        },
+      }),
+    } as typeof fleet.deps;
+    await expect(runStageJob("run", job(id!), racing)).rejects.toThrow(/sandbox_lost/);
+    expect(lagging).toBeLessThan(0); // it looked again until the sandbox was seen gone
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "masked",
+      failureKind: "sandbox_lost",
+    });
+  });
+
   it("verify refuses to run without a confirmed cleanup receipt", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
