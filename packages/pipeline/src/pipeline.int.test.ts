@@ -291,6 +291,21 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
+  it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {
+    const task = { ...byId("hello-file"), id: `gone-${Date.now()}` };
+    const [id] = await fleet.submit([oracle(task)]);
+    const rec = (await fleet.deps.store.get(id!))!;
+    await fleet.redis.del(fleet.deps.store.keys.task(rec.meta.taskDigest));
+    await expect(runStageJob("seed", job(id!), fleet.deps)).rejects.toThrow(/invalid_task/);
+    expect((await fleet.deps.ledger.sandboxesOf(id!)).resources).toBeNull();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "failed",
+      failureKind: "invalid_task",
+      teardown: "confirmed",
+    });
+  });
+
   it("a seed that arrives after a close is refused and creates no sandbox", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");

@@ -199,7 +199,17 @@ async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err:
 }
 
 export const seed: StageHandler = async (rec, deps) => {
-  const task = await loadTask(rec, deps);
+  let task: TaskContent;
+  try {
+    task = await loadTask(rec, deps);
+  } catch (err) {
+    // The intent begin recorded will never get a sandbox: drop it, so close can confirm the
+    // teardown at once instead of waiting out the intent grace period.
+    if (rec.begun?.intentRecorded && isFleetError(err) && !err.retryable) {
+      await deps.ledger.confirm(sandboxKey(rec.meta.id, "resources"));
+    }
+    throw err;
+  }
   // The intent was persisted by this stage's begin (same round trip as the record read); the
   // handle is attached with the receipt.
   const created = await createSandbox(rec, deps, "resources", task, {

@@ -236,6 +236,7 @@ async function boundedClose(worker: Worker, ms: number, force = true): Promise<v
   await Promise.race([worker.disconnect(), delay(ms)]);
 }
 
+/** A timer for racing against shutdown steps; unref'd, so a step that wins leaves nothing holding the process. */
 function delay(ms: number): Promise<void> {
-  return new Promise((resolve) => setTimeout(resolve, ms));
+  return new Promise((resolve) => setTimeout(resolve, ms).unref());
 }

@@ -1,7 +1,7 @@
 import type { Socket } from "node:net";
 import { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { ScriptBatcher } from "./batcher.ts";
+import { MAX_BATCH, ScriptBatcher } from "./batcher.ts";
 import { coalesceWrites, createRedis } from "./connection.ts";
 import { createKeys } from "./keys.ts";
 
@@ -65,14 +65,35 @@ describe("ScriptBatcher", () => {
     expect(String((bad as PromiseRejectedResult).reason)).toMatch(/WRONGTYPE/);
   });
 
-  it("what `after` sends runs after the item's script", async () => {
+  it("what `after` sends goes out before the script's reply is back, and runs after the script", async () => {
     const batcher = new ScriptBatcher(redis);
     await accepted("c1");
+    let replied = false;
+    let repliedWhenAfterRan: boolean | null = null;
     let seen: string | null = "unset";
-    await batcher.call("fleetReceipt", ...receiptCall("c1", '{"x":1}'), async () => {
-      seen = await redis.hget(keys.rollout("c1"), "r:seed");
-    });
+    await batcher
+      .call("fleetReceipt", ...receiptCall("c1", '{"x":1}'), async () => {
+        repliedWhenAfterRan = replied;
+        seen = await redis.hget(keys.rollout("c1"), "r:seed");
+      })
+      .then(() => {
+        replied = true;
+      });
+    // One round trip for both: `after` did not wait for the reply...
+    expect(repliedWhenAfterRan).toBe(false);
+    // ...and Redis ran what it sent after the script.
     expect(seen).toBe('{"x":1}');
+  });
+
+  it("splits a large tick into calls of at most MAX_BATCH items", async () => {
+    const batcher = new ScriptBatcher(redis);
+    const ids = Array.from({ length: MAX_BATCH + 10 }, (_, i) => `e${i}`);
+    for (const id of ids) await accepted(id);
+    const replies = await Promise.all(
+      ids.map((id) => batcher.call("fleetReceipt", ...receiptCall(id, "{}"))),
+    );
+    expect(replies.every((r) => r === 1)).toBe(true);
+    expect(batcher.stats).toEqual({ calls: ids.length, sent: 2 });
   });
 
   it("refuses a call with the wrong number of arguments", () => {

@@ -66,7 +66,15 @@ export class ScriptBatcher {
     try {
       for (const [script, items] of this.pending) {
         this.pending.delete(script);
-        this.send(script, items);
+        for (let i = 0; i < items.length; i += MAX_BATCH) {
+          const chunk = items.slice(i, i + MAX_BATCH);
+          try {
+            this.send(script, chunk);
+          } catch (err) {
+            // Whatever failed before the command was sent fails its items, not the process.
+            for (const item of chunk) item.reject(err);
+          }
+        }
       }
     } finally {
       if (cork) socket.uncork();
@@ -74,7 +82,6 @@ export class ScriptBatcher {
   }
 
   private send(script: BatchedScript, items: Item[]): void {
-    this.stats.sent++;
     let replies: Promise<unknown[]>;
     if (items.length === 1) {
       const [only] = items as [Item];
@@ -84,18 +91,22 @@ export class ScriptBatcher {
       const args = items.flatMap((it) => it.args);
       replies = this.redis[`${script}Many`](keys.length, ...keys, ...args) as Promise<unknown[]>;
     }
+    this.stats.sent++;
     // `after` is called now, in this tick: what it sends follows the script on the wire.
     const afters = items.map((item) => {
       if (!item.after) return undefined;
+      let after: Promise<unknown>;
       try {
-        return item.after();
+        after = item.after();
       } catch (err) {
-        return Promise.reject(err);
+        after = Promise.reject(err);
       }
+      // Handled below once the script replied; never an unhandled rejection meanwhile.
+      after.catch(() => undefined);
+      return after;
     });
     const settle = (item: Item, after: Promise<unknown> | undefined, row: unknown) => {
       if (Array.isArray(row) && row[0] === BATCH_ERROR) {
-        after?.catch(() => undefined);
         item.reject(new Error(`${script}: ${String(row[1])}`));
       } else if (after) after.then(() => item.resolve(row), item.reject);
       else item.resolve(row);
@@ -105,14 +116,14 @@ export class ScriptBatcher {
         for (let i = 0; i < items.length; i++) settle(items[i]!, afters[i], rows[i]);
       },
       (err: unknown) => {
-        for (let i = 0; i < items.length; i++) {
-          afters[i]?.catch(() => undefined);
-          items[i]!.reject(err);
-        }
+        for (const item of items) item.reject(err);
       },
     );
   }
 }
+
+/** Items per Redis call at most (a tick can hold thousands: an admission of a big batch). */
+export const MAX_BATCH = 256;
 
 const batchers = new WeakMap<RedisConnection, ScriptBatcher>();
 

@@ -2,7 +2,8 @@ import type { RedisConnection } from "./connection.ts";
 
 /**
  * Lua scripts for every state change that must be atomic. Rollout hash fields:
- * `meta` (JSON), `status`, `stage`, `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
+ * `meta` (JSON), `deadline` (meta's deadlineAt, for scripts), `status`, `stage`,
+ * `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`),
  * `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
@@ -16,7 +17,7 @@ const SCRIPTS = {
     keys: 4, // rollout, batch|rollout, inflight, batchIds|rollout
     lua: `
       if redis.call('HSETNX', KEYS[1], 'meta', ARGV[1]) == 0 then return 0 end
-      redis.call('HSET', KEYS[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3])
+      redis.call('HSET', KEYS[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3], 'deadline', ARGV[2])
       redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
       if ARGV[5] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:accepted', 1)
@@ -187,9 +188,11 @@ const SCRIPTS = {
             if ARGV[5] ~= '' then
               -- Not past the deadline either: the stage would be skipped, and an intent left
               -- without a sandbox would hold the close's teardown for the intent grace period.
-              local meta = cjson.decode(redis.call('HGET', KEYS[1], 'meta'))
-              if tonumber(ARGV[2]) < meta.deadlineAt then
-                local expires = string.format('%.0f', meta.deadlineAt + tonumber(ARGV[7]))
+              -- The deadline is its own field (admission); meta is never decoded here (cjson
+              -- refuses some JSON that JSON.parse accepts, e.g. lone surrogates in metadata).
+              local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline'))
+              if deadline and tonumber(ARGV[2]) < deadline then
+                local expires = string.format('%.0f', deadline + tonumber(ARGV[7]))
                 redis.call('HSETNX', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}')
                 intent = 'ok'
               end

@@ -265,6 +265,20 @@ describe("rollout store", () => {
     expect(await redis.hexists(store.keys.sandboxes(), sandboxKey(late, "resources"))).toBe(0);
     expect((await store.begin(late, "seed", deadlineAt - 1, { intent })).intentRecorded).toBe(true);
 
+    // Free metadata that JSON.parse accepts but Redis' Lua JSON decoder refuses (a lone
+    // surrogate) must not stop a seed: the script never decodes meta.
+    const odd = await admit(
+      store,
+      queues,
+      {
+        requests: [{ task, agent: { harness: "oracle", sandbox: "borrow" }, metadata: { x: "\ud800" } }],
+        batch: false,
+      },
+      { maxTaskBytes: 1e6 },
+    );
+    expect(await redis.hget(store.keys.rollout(odd.ids[0]!), "meta")).toContain("\\ud800");
+    expect((await store.begin(odd.ids[0]!, "seed", 1_000, { intent })).intentRecorded).toBe(true);
+
     const other = (await admitOne()).ids[0]!;
     await store.tombstone(other);
     const refused = await store.begin(other, "seed", 1_000, { intent });
