@@ -8,6 +8,7 @@ import {
 } from "@fleet/contracts";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -402,6 +403,25 @@ describe("idempotency and fencing without workers", () => {
       status: "masked",
       failureKind: "sandbox_lost",
     });
+  });
+
+  it("a stage whose predecessor's receipt is not there yet retries, then proceeds once it is", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    // run before seed's receipt exists: a retry, not a failure of the rollout.
+    const early = runStageJob("run", job(id!), fleet.deps);
+    await expect(early).rejects.toThrow(/without a seed receipt/);
+    await expect(early).rejects.not.toBeInstanceOf(UnrecoverableError);
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    // verify before run's receipt exists: the same.
+    await runStageJob("seed", job(id!), fleet.deps);
+    const tooEarly = runStageJob("verify", job(id!), fleet.deps);
+    await expect(tooEarly).rejects.toThrow(/no run receipt/);
+    await expect(tooEarly).rejects.not.toBeInstanceOf(UnrecoverableError);
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    expect(await runStageJob("verify", job(id!, 1), fleet.deps)).toBe("ok");
+    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
   });
 
   it("verify refuses to run without a confirmed cleanup receipt", async () => {

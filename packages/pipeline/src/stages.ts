@@ -245,7 +245,10 @@ export const seed: StageHandler = async (rec, deps) => {
 
 export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const seedReceipt = rec.receipts.seed;
-  if (!seedReceipt) throw FleetError.nonRetryable("sandbox_lost", "run stage without a seed receipt");
+  // The run job is sent right behind seed's receipt; should the receipt not be there (its script
+  // failed, or was re-sent after a NOSCRIPT), retry while seed's own retry writes it; when the
+  // attempts run out the rollout is masked as sandbox_lost.
+  if (!seedReceipt) throw FleetError.retryable("sandbox_lost", "run stage without a seed receipt (yet)");
   const task = await loadTask(rec, deps);
   // DESIGN §2 rule 10: launch and stop race on one atomic claim (made by this stage's begin).
   const { previous, launches } =
@@ -396,8 +399,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
 export const verifyStage: StageHandler = async (rec, deps) => {
   const runReceipt = rec.receipts.run;
   const seedReceipt = rec.receipts.seed;
-  // DESIGN §2 rule 10: never verify without a positive cleanup receipt.
-  if (!runReceipt?.cleanup.confirmed || !seedReceipt) {
+  // DESIGN §2 rule 10: never verify without a positive cleanup receipt. A run receipt not
+  // there at all may be late (as in `run` above): retried; one without confirmed cleanup is final.
+  if (!runReceipt || !seedReceipt) {
+    throw FleetError.retryable(
+      "verifier_error",
+      "no run receipt (yet), so no confirmed cleanup receipt for the agent: refusing to verify",
+    );
+  }
+  if (!runReceipt.cleanup.confirmed) {
     throw FleetError.nonRetryable(
       "verifier_error",
       "no confirmed cleanup receipt for the agent: refusing to verify",
