@@ -35,7 +35,7 @@ import {
   type TaskContent,
 } from "@fleet/contracts";
 import type { Harness } from "@fleet/harness";
-import { createStageWorkers, type PipelineDeps, startInProcessFleet } from "@fleet/pipeline";
+import { createStageWorkers, HANDLERS, type PipelineDeps, startInProcessFleet } from "@fleet/pipeline";
 import {
   admit,
   createRedis,
@@ -99,6 +99,8 @@ const EXPERIMENTS = {
   "task-cache": "RolloutStore.getTask memoised (tasks are content-addressed, hence immutable)",
   "fold-start": "markStageStart skipped (stands for folding it into the stage's first read, one script)",
   "confirm-script": "TeardownLedger.confirm as one EVAL instead of MULTI/HDEL/HDEL/ZREM/EXEC",
+  "bare-handlers":
+    "seed, run and verify only store a fixed receipt and enqueue the next stage (no provider, harness or verifier calls): the floor of the bookkeeping itself",
 } as const;
 type Experiment = keyof typeof EXPERIMENTS;
 const EXPERIMENT = new Set(values.experiment.split(",").filter((e) => e !== ""));
@@ -497,6 +499,78 @@ async function partA(): Promise<void> {
 
 /** Patch the store and ledger instances for the chosen experiments (see `EXPERIMENTS`). */
 function applyExperiments(redis: Redis, store: RolloutStore, ledger: TeardownLedger): void {
+  if (experiment("bare-handlers")) {
+    const handle = (id: string) => ({
+      provider: "docker" as const,
+      endpoint: "memory://bench",
+      id: `bare-${id}`,
+      name: `bare-${id}`,
+      rolloutId: id,
+      owner: "resources" as const,
+      volumes: [],
+    });
+    HANDLERS.seed = async (rec, deps) => {
+      const h = handle(rec.meta.id);
+      const probe = { isolated: true, checks: {}, detail: "bare", durationMs: 0 };
+      const receipt = {
+        handle: h,
+        probe,
+        createMs: 0,
+        probeMs: 0,
+        stageMs: 0,
+        reused: false,
+        at: Date.now(),
+      };
+      const entry = {
+        key: `${rec.meta.id}:resources`,
+        rolloutId: rec.meta.id,
+        owner: "resources" as const,
+        provider: "docker" as const,
+        handle: h,
+        createdAt: Date.now(),
+        expiresAt: rec.meta.deadlineAt,
+      };
+      await deps.store.saveReceipt(rec.meta, "seed", receipt, "seeded", Date.now(), {
+        attach: entry,
+        next: { queues: deps.queues, stage: "run" },
+      });
+      return null;
+    };
+    HANDLERS.run = async (rec, deps) => {
+      const at = Date.now();
+      const cleanup = { confirmed: true, scope: "processes" as const, at, alreadyGone: false, remaining: 0 };
+      const receipt = {
+        exec: execResult(),
+        answer: null,
+        transcript: null,
+        usage: null,
+        cleanup,
+        ownedSandbox: null,
+        startedAt: at,
+        stoppedAt: at,
+        attempts: rec.begun?.launch?.launches ?? 1,
+        at,
+      };
+      await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", at, {
+        next: { queues: deps.queues, stage: "verify" },
+      });
+      return null;
+    };
+    HANDLERS.verify = async (rec, deps) => {
+      const at = Date.now();
+      await deps.store.saveReceipt(
+        rec.meta,
+        "verify",
+        { reward: 1, details: {}, startedAt: at, at },
+        "verified",
+        at,
+        {
+          next: { queues: deps.queues, stage: "close" },
+        },
+      );
+      return null;
+    };
+  }
   if (experiment("task-cache")) {
     const cache = new Map<string, TaskContent>();
     const load = store.getTask.bind(store);
