@@ -14,7 +14,7 @@
  *
  *   npx tsx scripts/bench-pipeline.ts [--n 2000] [--concurrency 8] [--sandbox-n 48]
  *     [--warmup 100] [--rounds 3] [--sandbox-warmup 8] [--part a|b|both] [--image <ref>]
- *     [--sides raw,fleet] [--experiment task-cache,fold-start,...]
+ *     [--sides raw,fleet] [--experiment auto-pipeline,bare-handlers]
  *
  * Profile one side alone: `node --cpu-prof --import tsx scripts/bench-pipeline.ts --part a --sides fleet`.
  *
@@ -96,9 +96,6 @@ const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
  */
 const EXPERIMENTS = {
   "auto-pipeline": "ioredis auto-pipelining on the shared connection (both sides)",
-  "task-cache": "RolloutStore.getTask memoised (tasks are content-addressed, hence immutable)",
-  "fold-start": "markStageStart skipped (stands for folding it into the stage's first read, one script)",
-  "confirm-script": "TeardownLedger.confirm as one EVAL instead of MULTI/HDEL/HDEL/ZREM/EXEC",
   "bare-handlers":
     "seed, run and verify only store a fixed receipt and enqueue the next stage (no provider, harness or verifier calls): the floor of the bookkeeping itself",
 } as const;
@@ -351,7 +348,7 @@ async function partA(): Promise<void> {
   const store = new RolloutStore(redis, prefix);
   const queues = new StageQueues(redis, prefix);
   const ledger = new TeardownLedger(redis, prefix);
-  applyExperiments(redis, store, ledger);
+  applyExperiments();
   const deps: PipelineDeps = {
     store,
     ledger,
@@ -497,8 +494,8 @@ async function partA(): Promise<void> {
   printPartA(rounds);
 }
 
-/** Patch the store and ledger instances for the chosen experiments (see `EXPERIMENTS`). */
-function applyExperiments(redis: Redis, store: RolloutStore, ledger: TeardownLedger): void {
+/** Patch the stage handlers for the chosen experiments (see `EXPERIMENTS`). */
+function applyExperiments(): void {
   if (experiment("bare-handlers")) {
     const handle = (id: string) => ({
       provider: "docker" as const,
@@ -548,7 +545,7 @@ function applyExperiments(redis: Redis, store: RolloutStore, ledger: TeardownLed
         ownedSandbox: null,
         startedAt: at,
         stoppedAt: at,
-        attempts: rec.begun?.launch?.launches ?? 1,
+        attempts: rec.begun.launch?.launches ?? 1,
         at,
       };
       await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", at, {
@@ -569,33 +566,6 @@ function applyExperiments(redis: Redis, store: RolloutStore, ledger: TeardownLed
         },
       );
       return null;
-    };
-  }
-  if (experiment("task-cache")) {
-    const cache = new Map<string, TaskContent>();
-    const load = store.getTask.bind(store);
-    store.getTask = async (digest) => {
-      const hit = cache.get(digest);
-      if (hit) return hit;
-      const task = await load(digest);
-      if (task) cache.set(digest, task);
-      return task;
-    };
-  }
-  if (experiment("fold-start")) store.markStageStart = async () => {};
-  if (experiment("confirm-script")) {
-    const lua =
-      "redis.call('HDEL', KEYS[1], ARGV[1]); redis.call('HDEL', KEYS[2], ARGV[1]); " +
-      "redis.call('ZREM', KEYS[3], ARGV[1]); return 1";
-    redis.defineCommand("benchConfirm", { numberOfKeys: 3, lua });
-    const k = ledger.keys;
-    ledger.confirm = async (key) => {
-      await (redis as unknown as Record<string, (...a: string[]) => Promise<unknown>>).benchConfirm!(
-        k.sandboxes(),
-        k.teardownEntries(),
-        k.teardownDue(),
-        key,
-      );
     };
   }
 }

@@ -1,6 +1,7 @@
 import { randomUUID } from "node:crypto";
 import {
   type CleanupReceipt,
+  type FailureRecord,
   FleetError,
   isFleetError,
   type RunReceipt,
@@ -27,8 +28,8 @@ import { composeResult } from "./result.ts";
 /** What `store.begin` did for the stage besides reading the record (see `beginOptions`). */
 export type Begun = Omit<BeginResult, "record" | "failures">;
 
-/** The record a handler gets: as `begin` read it, with what `begin` did for the stage. */
-export type StageRecord = RolloutRecord & { begun?: Begun };
+/** The record a handler gets: as `begin` read it, with what `begin` did for the stage and the failure log. */
+export type StageRecord = RolloutRecord & { begun: Begun; failureLog: FailureRecord[] };
 
 /**
  * A stage handler stores its receipt (enqueueing the next stage with it) and returns a stage
@@ -205,7 +206,7 @@ export const seed: StageHandler = async (rec, deps) => {
   } catch (err) {
     // The intent begin recorded will never get a sandbox: drop it, so close can confirm the
     // teardown at once instead of waiting out the intent grace period.
-    if (rec.begun?.intentRecorded && isFleetError(err) && !err.retryable) {
+    if (rec.begun.intentRecorded && isFleetError(err) && !err.retryable) {
       await deps.ledger.confirm(sandboxKey(rec.meta.id, "resources"));
     }
     throw err;
@@ -213,7 +214,7 @@ export const seed: StageHandler = async (rec, deps) => {
   // The intent was persisted by this stage's begin (same round trip as the record read); the
   // handle is attached with the receipt.
   const created = await createSandbox(rec, deps, "resources", task, {
-    intentRecorded: rec.begun?.intentRecorded === true,
+    intentRecorded: rec.begun.intentRecorded === true,
     deferAttach: true,
   });
   if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
@@ -252,7 +253,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const task = await loadTask(rec, deps);
   // DESIGN §2 rule 10: launch and stop race on one atomic claim (made by this stage's begin).
   const { previous, launches } =
-    rec.begun?.launch ?? (await deps.store.claimLaunch(rec.meta.id, `${deps.workerId}:${randomUUID()}`));
+    rec.begun.launch ?? (await deps.store.claimLaunch(rec.meta.id, `${deps.workerId}:${randomUUID()}`));
   if (previous === "stopped") return "close";
 
   let handle = seedReceipt.handle;
@@ -450,7 +451,7 @@ export const close: StageHandler = async (rec, deps) => {
   let teardown: "confirmed" | "pending" = "confirmed";
   let cleanup: CleanupReceipt | null = null;
   // Read by this stage's begin, after the tombstone (no intent can be added after it).
-  const entries = fresh.begun?.sandboxes ?? (await deps.ledger.sandboxesOf(id));
+  const entries = fresh.begun.sandboxes ?? (await deps.ledger.sandboxesOf(id));
   const confirmed: string[] = [];
   for (const owner of ["resources", "agent"] as const) {
     const key = sandboxKey(id, owner);
@@ -490,12 +491,7 @@ export const close: StageHandler = async (rec, deps) => {
   }
   const at = clock(deps);
   const closeReceipt = { cleanup, teardown, at };
-  const result = composeResult(
-    fresh,
-    closeReceipt,
-    at,
-    fresh.failureLog ?? (await deps.store.failureLog(id)),
-  );
+  const result = composeResult(fresh, closeReceipt, at, fresh.failureLog);
   // The close receipt is stored with the result, in the one finalizing script.
   const finalized = await deps.store.finalize(fresh.meta, result, at, closeReceipt, confirmed);
   if (finalized && deps.metrics) {

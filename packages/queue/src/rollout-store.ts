@@ -56,8 +56,6 @@ export interface RolloutRecord {
   fence: string | null;
   result: RolloutResult | null;
   times: Record<string, number>;
-  /** The failure log, where it was read along with the record (close). */
-  failureLog?: FailureRecord[];
 }
 
 export interface BatchProgress {
@@ -336,11 +334,6 @@ export class RolloutStore {
 
   private batchArgs(meta: Pick<RolloutMeta, "id" | "batchId">): [string, string] {
     return meta.batchId !== null ? [this.keys.batch(meta.batchId), "1"] : [this.keys.rollout(meta.id), "0"];
-  }
-
-  /** Record when a stage first started (kept across retries). */
-  async markStageStart(id: string, stage: StageName, now: number): Promise<void> {
-    await this.redis.fleetSetField(this.keys.rollout(id), `t:${stage}:start`, String(now), "1");
   }
 
   /**
