@@ -1,4 +1,3 @@
-import type { Socket } from "node:net";
 import type { RedisConnection } from "./connection.ts";
 import { BATCH_ERROR, BATCHED, type BatchedScript, type ScriptedRedis, withScripts } from "./scripts.ts";
 
@@ -13,9 +12,9 @@ interface Item {
 /**
  * Coalesces the hot-path scripts that many rollouts call at about the same time: every call of
  * a `BATCHED` script made during one tick goes to Redis as one `<name>Many` call at the end of
- * the tick (a single call goes as itself), and the connection's socket is corked meanwhile so
- * that everything written in that flush leaves in one write. Each item runs the same script body
- * as before, atomically on its own, and gets its own reply or error.
+ * the tick (a single call goes as itself). Each item runs the same script body as before,
+ * atomically on its own, and gets its own reply or error. (That a flush leaves in one socket
+ * write is the connection's business: `coalesceWrites`.)
  *
  * An item's `after` runs right after the flush has sent the script, in the same tick, on the same
  * connection: Redis runs one connection's commands in order, so what `after` sends (e.g. the
@@ -60,24 +59,17 @@ export class ScriptBatcher {
 
   private flush(): void {
     this.scheduled = false;
-    const socket = (this.redis as { stream?: Socket }).stream;
-    const cork = socket !== undefined && this.redis.status === "ready" && !socket.destroyed;
-    if (cork) socket.cork();
-    try {
-      for (const [script, items] of this.pending) {
-        this.pending.delete(script);
-        for (let i = 0; i < items.length; i += MAX_BATCH) {
-          const chunk = items.slice(i, i + MAX_BATCH);
-          try {
-            this.send(script, chunk);
-          } catch (err) {
-            // Whatever failed before the command was sent fails its items, not the process.
-            for (const item of chunk) item.reject(err);
-          }
+    for (const [script, items] of this.pending) {
+      this.pending.delete(script);
+      for (let i = 0; i < items.length; i += MAX_BATCH) {
+        const chunk = items.slice(i, i + MAX_BATCH);
+        try {
+          this.send(script, chunk);
+        } catch (err) {
+          // Whatever failed before the command was sent fails its items, not the process.
+          for (const item of chunk) item.reject(err);
         }
       }
-    } finally {
-      if (cork) socket.uncork();
     }
   }
 
