@@ -1,30 +1,44 @@
 import type { StageName } from "@fleet/contracts";
-import { Job, Queue, type QueueOptions } from "bullmq";
+import { Job, type JobsOptions, Queue } from "bullmq";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import { STAGE_CATALOG, STAGES, stageJobId } from "./catalog.ts";
 import type { RedisConnection } from "./connection.ts";
 import type { BatchedScript } from "./scripts.ts";
+
+/** A stage's job for a rollout: name, payload and options, with its deterministic id. */
+function stageJob(
+  stage: StageName,
+  rolloutId: string,
+  delayMs?: number,
+): { name: StageName; data: { rolloutId: string }; opts: JobsOptions & { jobId: string } } {
+  return {
+    name: stage,
+    data: { rolloutId },
+    opts: {
+      ...STAGE_CATALOG[stage].options,
+      jobId: stageJobId(rolloutId, stage),
+      ...(delayMs ? { delay: delayMs } : {}),
+    },
+  };
+}
 
 /** The four stage queues, sharing one connection and prefix. */
 export class StageQueues {
   readonly queues: Record<StageName, Queue>;
   private readonly batcher: ScriptBatcher;
 
-  constructor(connection: RedisConnection, prefix: string, extra: Partial<QueueOptions> = {}) {
+  constructor(connection: RedisConnection, prefix: string) {
     // `enqueueAfter` sends the fleet's scripts on the queues' connection (BullMQ shares it).
     this.batcher = batcherFor(connection);
     const make = (stage: StageName) =>
-      new Queue(stage, { connection, prefix, defaultJobOptions: STAGE_CATALOG[stage].options, ...extra });
+      new Queue(stage, { connection, prefix, defaultJobOptions: STAGE_CATALOG[stage].options });
     this.queues = { seed: make("seed"), run: make("run"), verify: make("verify"), close: make("close") };
   }
 
   /** Enqueue a stage for a rollout; a second enqueue of the same stage is a no-op while the job exists. */
   async enqueue(stage: StageName, rolloutId: string, options: { delayMs?: number } = {}): Promise<void> {
-    const data = STAGE_CATALOG[stage].schema.parse({ rolloutId });
-    await this.queues[stage].add(stage, data, {
-      jobId: stageJobId(rolloutId, stage),
-      ...(options.delayMs ? { delay: options.delayMs } : {}),
-    });
+    const job = stageJob(stage, rolloutId, options.delayMs);
+    await this.queues[stage].add(job.name, job.data, job.opts);
   }
 
   /**
@@ -44,25 +58,17 @@ export class StageQueues {
     args: readonly string[],
   ): Promise<unknown> {
     const queue = this.queues[stage];
-    const jobId = stageJobId(rolloutId, stage);
-    const data = { rolloutId }; // a StageJob, built here
+    const job = stageJob(stage, rolloutId);
     const client = await queue.getBackend().client;
     // BullMQ's `Queue.add` minus its telemetry span; `addJob` sends synchronously.
-    const add = () =>
-      new Job(queue, stage, data, { ...queue.defaultJobOptions, jobId }, jobId).addJob(client);
+    const add = () => new Job(queue, job.name, job.data, job.opts, job.opts.jobId).addJob(client);
     return this.batcher.call(script, keys, args, add);
   }
 
   /** Bulk-enqueue seeds for many rollouts in one round trip. */
   async enqueueSeeds(rolloutIds: readonly string[]): Promise<void> {
     if (rolloutIds.length === 0) return;
-    await this.queues.seed.addBulk(
-      rolloutIds.map((rolloutId) => ({
-        name: "seed",
-        data: { rolloutId },
-        opts: { ...STAGE_CATALOG.seed.options, jobId: stageJobId(rolloutId, "seed") },
-      })),
-    );
+    await this.queues.seed.addBulk(rolloutIds.map((rolloutId) => stageJob("seed", rolloutId)));
   }
 
   /** Jobs not yet finished across all stage queues (for backpressure and metrics). */
