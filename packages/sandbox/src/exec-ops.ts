@@ -226,20 +226,26 @@ export async function readViaExec(
   throw FleetError.nonRetryable("invalid_task", `${path} exists but is not readable in the sandbox`);
 }
 
-/** What the probe compares the sandbox with: this process's pid namespace and command line. */
+/** What the probe compares the sandbox with: this process's namespaces and command line. */
 export interface HostProbeFacts {
   pidNs: string;
+  netNs: string;
   /** The host sentinel: this very process, whose pid must name nothing (or someone else) inside. */
   sentinelPid: number;
   sentinelCmdline: string;
 }
 
+let hostFacts: HostProbeFacts | null = null;
+
+/** This process's facts, read from /proc once (they do not change while it lives). */
 export function hostProbeFacts(): HostProbeFacts {
-  return {
+  hostFacts ??= {
     pidNs: readlinkSync("/proc/self/ns/pid"),
+    netNs: readlinkSync("/proc/self/ns/net"),
     sentinelPid: process.pid,
     sentinelCmdline: readFileSync("/proc/self/cmdline").toString("latin1").replaceAll("\0", " ").trim(),
   };
+  return hostFacts;
 }
 
 /** The probe script's line printing the sentinel's command line as seen inside (empty if absent). */

@@ -1,6 +1,6 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { closeSync, openSync, readdirSync, readFileSync, readlinkSync } from "node:fs";
+import { closeSync, openSync, readdirSync, readFileSync } from "node:fs";
 import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
 import { join } from "node:path";
@@ -499,8 +499,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   async probe(handle: SandboxHandle, options: { timeoutMs?: number } = {}): Promise<ProbeReport> {
     const timeoutMs = options.timeoutMs ?? this.defaults.probeTimeoutMs;
     const started = performance.now();
-    const { pidNs: hostPidNs, sentinelPid, sentinelCmdline } = hostProbeFacts();
-    const hostNetNs = readlinkSync("/proc/self/ns/net");
+    const { pidNs: hostPidNs, netNs: hostNetNs, sentinelPid, sentinelCmdline } = hostProbeFacts();
     const script = [
       "readlink /proc/self/ns/pid",
       "readlink /proc/self/ns/net",
