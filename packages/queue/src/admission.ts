@@ -75,6 +75,8 @@ export async function prepareRollouts(
   ids: readonly string[],
   batchId: string | null,
   options: AdmissionOptions,
+  /** Each request's canonical JSON, when the caller has it already. */
+  canonical: readonly string[] = requests.map((r) => canonicalJson(r)),
 ): Promise<RolloutMeta[]> {
   const now = options.now ?? Date.now();
   const tasks = new Map<string, TaskContent>();
@@ -119,7 +121,7 @@ export async function prepareRollouts(
     metas.push({
       id: ids[i]!,
       batchId,
-      bodyHash: sha256(canonicalJson(req)),
+      bodyHash: sha256(canonical[i]!),
       taskDigest: digest,
       taskId: task.id,
       agent: req.agent,
@@ -171,12 +173,14 @@ export async function admit(
   const key = input.idempotencyKey ?? null;
   const ids = rolloutIds(input.requests.length, key, input.batch ? "batch" : "rollout");
   const batchId = input.batch ? batchIdFor(ids) : null;
-  const bodyHash = sha256(canonicalJson(input.requests));
+  // Each request is serialised once: the batch's canonical JSON is the array of them.
+  const canonical = input.requests.map((r) => canonicalJson(r));
+  const bodyHash = sha256(`[${canonical.join(",")}]`);
 
   if (key && !input.batch) {
     const existing = await store.get(ids[0]!);
     if (existing) {
-      const reqHash = sha256(canonicalJson(input.requests[0]));
+      const reqHash = sha256(canonical[0]!);
       if (existing.meta.bodyHash !== reqHash) {
         throw new AdmissionError("conflict", "Idempotency-Key was used with a different request body", {
           rolloutId: ids[0],
@@ -196,7 +200,7 @@ export async function admit(
       });
     }
   }
-  const metas = await prepareRollouts(store, input.requests, ids, batchId, { ...options, now });
+  const metas = await prepareRollouts(store, input.requests, ids, batchId, { ...options, now }, canonical);
   const created = await store.admit(metas, now);
   await queues.enqueueSeeds(ids);
   return { batchId, ids, created };
