@@ -7,6 +7,7 @@ import {
   type TaskContent,
 } from "@fleet/contracts";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
+import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -422,6 +423,39 @@ describe("idempotency and fencing without workers", () => {
     expect(await runStageJob("verify", job(id!, 1), fleet.deps)).toBe("ok");
     expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
     expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
+  });
+
+  it("verify refuses for good a run receipt whose cleanup was not confirmed (rule 2)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const rec = (await fleet.deps.store.get(id!))!;
+    const at = Date.now();
+    await fleet.deps.store.saveReceipt(
+      rec.meta,
+      "run",
+      {
+        exec: execResult(),
+        answer: null,
+        transcript: null,
+        usage: null,
+        cleanup: { confirmed: false, scope: "processes", at, alreadyGone: false, remaining: 2 },
+        ownedSandbox: null,
+        startedAt: at,
+        stoppedAt: at,
+        attempts: 1,
+        at,
+      },
+      "ran",
+      at,
+    );
+    // First attempt, attempts left: still final, not retried.
+    await expect(runStageJob("verify", job(id!), fleet.deps)).rejects.toBeInstanceOf(UnrecoverableError);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "masked",
+      failureKind: "verifier_error",
+      reward: null,
+    });
   });
 
   it("verify refuses to run without a confirmed cleanup receipt", async () => {
