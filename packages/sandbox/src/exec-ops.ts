@@ -263,6 +263,37 @@ export function probeStdout(r: ExecResult, timeoutMs: number): string {
   return r.stdout;
 }
 
+/**
+ * True while a container's PID 1 is still the runtime's start shim (`runc init`): the container
+ * start call can return before that process has exec'd the sandbox's own init, and a probe that
+ * lands in between would read the shim's command line and refuse a sound sandbox.
+ */
+export function pid1Starting(pid1: string): boolean {
+  return /^(\S*\/)?runc init( |$)/.test(pid1.trim());
+}
+
+/** How long the probe waits for a starting container's PID 1 to become the sandbox's init. */
+export const PID1_SETTLE_MS = 2_000;
+
+/**
+ * Run the probe script (`once` returns its stdout) again while the PID 1 line (the second) shows
+ * the runtime's start shim, every `pollMs`, for up to `settleMs`; then the last output stands and
+ * the checks judge it (a PID 1 that never settles is still refused).
+ */
+export async function probeWhilePid1Starts(
+  once: () => Promise<string>,
+  settleMs: number = PID1_SETTLE_MS,
+  pollMs = 50,
+): Promise<string> {
+  const until = Date.now() + settleMs;
+  let stdout = await once();
+  while (pid1Starting(stdout.split("\n")[1] ?? "") && Date.now() < until) {
+    await delay(pollMs);
+    stdout = await once();
+  }
+  return stdout;
+}
+
 /** How the probe script runs: as root, within the probe's budget. */
 export function probeExecCall(timeoutMs: number): ExecCall {
   return { deadlineMs: timeoutMs, user: ROOT_USER, stdin: null, maxOutputBytes: 64 * 1024 };

@@ -27,9 +27,11 @@ import {
   killProcessesViaExec,
   parseExecOptions,
   parseSandboxSpec,
+  pid1Starting,
   planPut,
   probeExecCall,
   probeStdout,
+  probeWhilePid1Starts,
   readViaExec,
   type SandboxExec,
   sentinelProbeLine,
@@ -436,13 +438,15 @@ export class DockerSandboxProvider implements SandboxProvider {
       const deadline = AbortSignal.timeout(timeoutMs);
       const [r, info] = await withTimeout(
         Promise.all([
-          this.execIn(handle, ["sh", "-c", script], probeExecCall(timeoutMs)),
+          probeWhilePid1Starts(async () =>
+            probeStdout(await this.execIn(handle, ["sh", "-c", script], probeExecCall(timeoutMs)), timeoutMs),
+          ),
           this.containerOf(handle).inspect({ abortSignal: deadline }),
         ]),
         timeoutMs,
         `probe timed out after ${timeoutMs} ms`,
       );
-      stdout = probeStdout(r, timeoutMs);
+      stdout = r;
       pidMode = info.HostConfig.PidMode;
     } catch (err) {
       const e = isFleetError(err) ? err : classifyDockerError(err, "probe", handle.name);
@@ -454,6 +458,13 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
 
     const [sandboxPidNs = "", pid1 = "", sentinel = ""] = stdout.split("\n").map((l) => l.trim());
+    if (pid1Starting(pid1)) {
+      // Still the runtime's start shim after the settle window: a slow daemon, not a verdict.
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `isolation probe of ${handle.name}: the container's PID 1 is still starting (${pid1})`,
+      );
+    }
     const checks = {
       pidNamespaceDiffers: sandboxPidNs !== "" && sandboxPidNs !== hostPidNs,
       pidModeNotHost: pidMode !== "host",

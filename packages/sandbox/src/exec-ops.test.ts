@@ -1,0 +1,61 @@
+import { describe, expect, it } from "vitest";
+import { pid1Starting, probeWhilePid1Starts } from "./exec-ops.ts";
+
+/** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
+const output = (pid1: string) => `pid:[4026533275]\n${pid1}\n\n`;
+
+describe("pid1Starting", () => {
+  it("recognises the runtime's start shim, and only it", () => {
+    expect(pid1Starting("runc init")).toBe(true);
+    expect(pid1Starting("/usr/bin/runc init ")).toBe(true);
+    expect(pid1Starting("/sbin/docker-init -- sleep infinity")).toBe(false);
+    expect(pid1Starting("sleep infinity")).toBe(false);
+    expect(pid1Starting("runc-initializer")).toBe(false);
+    expect(pid1Starting("")).toBe(false);
+  });
+});
+
+describe("probeWhilePid1Starts", () => {
+  it("probes again while PID 1 is still `runc init`, and returns the settled output", async () => {
+    const seen = [output("runc init"), output("runc init"), output("/sbin/docker-init -- sleep infinity")];
+    let calls = 0;
+    const stdout = await probeWhilePid1Starts(async () => seen[calls++]!, 5_000, 1);
+    expect(calls).toBe(3);
+    expect(stdout).toBe(seen[2]);
+  });
+
+  it("probes once when PID 1 is already the sandbox's init (or anything else)", async () => {
+    let calls = 0;
+    const stdout = await probeWhilePid1Starts(
+      async () => {
+        calls++;
+        return output("bash");
+      },
+      5_000,
+      1,
+    );
+    expect([calls, stdout]).toEqual([1, output("bash")]);
+  });
+
+  it("gives up after the settle window with the last output, for the checks to judge", async () => {
+    let calls = 0;
+    const stdout = await probeWhilePid1Starts(
+      async () => {
+        calls++;
+        return output("runc init");
+      },
+      30,
+      1,
+    );
+    expect(pid1Starting(stdout.split("\n")[1]!)).toBe(true);
+    expect(calls).toBeGreaterThan(1);
+  });
+
+  it("lets a failing probe's error through", async () => {
+    await expect(
+      probeWhilePid1Starts(async () => {
+        throw new Error("probe exited 1");
+      }),
+    ).rejects.toThrow("probe exited 1");
+  });
+});
