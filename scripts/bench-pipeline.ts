@@ -179,10 +179,13 @@ interface Snapshot {
   byName: Map<string, number>;
   cpu: NodeJS.CpuUsage;
   redisCpuS: number;
+  /** Server-wide bytes Redis read from and wrote to its clients. */
+  netIn: number;
+  netOut: number;
 }
 
 async function snapshot(probe: Redis): Promise<Snapshot> {
-  const info = await probe.info("cpu");
+  const info = (await probe.info("cpu")) + (await probe.info("stats"));
   const field = (k: string) => Number(new RegExp(`${k}:([\\d.]+)`).exec(info)?.[1] ?? 0);
   return {
     commands: tally.commands,
@@ -191,6 +194,8 @@ async function snapshot(probe: Redis): Promise<Snapshot> {
     byName: new Map(tally.byName),
     cpu: process.cpuUsage(),
     redisCpuS: field("used_cpu_user") + field("used_cpu_sys"),
+    netIn: field("total_net_input_bytes"),
+    netOut: field("total_net_output_bytes"),
   };
 }
 
@@ -201,6 +206,8 @@ interface Cost {
   byName: Map<string, number>;
   nodeCpuMs: number;
   redisCpuMs: number;
+  bytesToRedis: number;
+  bytesFromRedis: number;
 }
 
 /** Per-rollout costs between two snapshots. */
@@ -218,6 +225,8 @@ function costPerRollout(a: Snapshot, b: Snapshot, n: number): Cost {
     byName,
     nodeCpuMs: nodeUs / 1000 / n,
     redisCpuMs: ((b.redisCpuS - a.redisCpuS) * 1000) / n,
+    bytesToRedis: (b.netIn - a.netIn) / n,
+    bytesFromRedis: (b.netOut - a.netOut) / n,
   };
 }
 
@@ -641,6 +650,20 @@ function printPartA(rounds: RoundResult[][]): void {
   );
   console.log(
     `${"node cpu ms".padEnd(28)} ${f2(sum(fleet, (c) => c.nodeCpuMs)).padStart(7)} ${f2(sum(raw, (c) => c.nodeCpuMs)).padStart(7)}`,
+  );
+  console.log(
+    `${"bytes to redis".padEnd(28)} ${sum(fleet, (c) => c.bytesToRedis)
+      .toFixed(0)
+      .padStart(7)} ${sum(raw, (c) => c.bytesToRedis)
+      .toFixed(0)
+      .padStart(7)}`,
+  );
+  console.log(
+    `${"bytes from redis".padEnd(28)} ${sum(fleet, (c) => c.bytesFromRedis)
+      .toFixed(0)
+      .padStart(7)} ${sum(raw, (c) => c.bytesFromRedis)
+      .toFixed(0)
+      .padStart(7)}`,
   );
   console.log(
     `${"redis cpu ms (server-wide)".padEnd(28)} ${f2(sum(fleet, (c) => c.redisCpuMs)).padStart(7)} ${f2(sum(raw, (c) => c.redisCpuMs)).padStart(7)}`,
