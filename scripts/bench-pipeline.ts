@@ -678,8 +678,35 @@ function printPartA(rounds: RoundResult[][]): void {
 // ---------------------------------------------------------------------------------------------
 // Part B: real sandboxes.
 
+/**
+ * Docker API calls made in this process, by method and path (ids elided): every dockerode client
+ * (the provider's and the raw loop's) dials through docker-modem's `Modem.prototype.dial`.
+ */
+const dockerCalls = new Map<string, number>();
+function countDockerCalls(docker: Dockerode): void {
+  const proto = (docker.modem as object).constructor.prototype as {
+    dial(this: unknown, options: { method?: string; path?: string }, cb: unknown): unknown;
+    __counted?: boolean;
+  };
+  if (proto.__counted) return;
+  proto.__counted = true;
+  const dial = proto.dial;
+  proto.dial = function (options, cb) {
+    const path = (options.path ?? "").split("?")[0]!.replace(/^\/v[\d.]+/, "");
+    const kind = `${options.method ?? "GET"} ${path.replace(/\/(containers|exec|volumes|networks)\/[^/]+/, "/$1/{id}")}`;
+    dockerCalls.set(kind, (dockerCalls.get(kind) ?? 0) + 1);
+    return dial.call(this, options, cb);
+  };
+}
+const takeDockerCalls = (): Map<string, number> => {
+  const snapshot = new Map(dockerCalls);
+  dockerCalls.clear();
+  return snapshot;
+};
+
 async function partB(): Promise<void> {
   const docker = new Dockerode();
+  countDockerCalls(docker);
   await docker.getImage(IMAGE).inspect();
   const task = await helloFile();
   const provider = new DockerSandboxProvider();
@@ -738,6 +765,8 @@ async function partB(): Promise<void> {
   let rawMs = 0;
   let fleetMs = 0;
   let results: RolloutResult[] = [];
+  let rawCalls = new Map<string, number>();
+  let fleetCalls = new Map<string, number>();
   try {
     await Promise.all((fleet.workers?.workers ?? []).map((w) => w.waitUntilReady()));
     const request = { task, agent: { harness: "oracle" as const } };
@@ -750,12 +779,15 @@ async function partB(): Promise<void> {
       fleetIds.push(...warm);
       checkResults(await fleet.waitForResults(warm, 600_000), SANDBOX_WARMUP);
     }
+    takeDockerCalls();
     rawMs = await rawRound(SANDBOX_N);
+    rawCalls = takeDockerCalls();
     const t0 = performance.now();
     const ids = await fleet.submit(Array.from({ length: SANDBOX_N }, () => request));
     fleetIds.push(...ids);
     results = await fleet.waitForResults(ids, 900_000);
     fleetMs = performance.now() - t0;
+    fleetCalls = takeDockerCalls();
     checkResults(results, SANDBOX_N);
   } finally {
     await fleet.close();
@@ -781,6 +813,18 @@ async function partB(): Promise<void> {
     `fleet stage medians (ms): queued ${med("queuedMs")}, seed ${med("seedMs")}, run ${med("runMs")}, ` +
       `verify ${med("verifyMs")}, close ${med("closeMs")}, total ${med("totalMs")}`,
   );
+  console.log("");
+  console.log("profile: Docker API calls per rollout (this process, by method and path)");
+  console.log(`${"call".padEnd(40)} ${"fleet".padStart(7)} ${"raw".padStart(7)}`);
+  const callKinds = [...new Set([...fleetCalls.keys(), ...rawCalls.keys()])].sort(
+    (a, b) => (fleetCalls.get(b) ?? 0) - (fleetCalls.get(a) ?? 0),
+  );
+  const per = (m: Map<string, number>, k: string) => (m.get(k) ?? 0) / SANDBOX_N;
+  for (const k of callKinds) {
+    console.log(`${k.padEnd(40)} ${f2(per(fleetCalls, k)).padStart(7)} ${f2(per(rawCalls, k)).padStart(7)}`);
+  }
+  const total = (m: Map<string, number>) => [...m.values()].reduce((a, b) => a + b, 0) / SANDBOX_N;
+  console.log(`${"total".padEnd(40)} ${f2(total(fleetCalls)).padStart(7)} ${f2(total(rawCalls)).padStart(7)}`);
 }
 
 /** Remove this run's containers (raw baseline by our label, fleet ones by rollout id) and volumes. */
