@@ -293,6 +293,48 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
+  it("a first seed does not look for its sandbox by label; one re-delivered after dying past create finds it", async () => {
+    /** Counts label lookups; the first probe fails as if the worker died right after create. */
+    class DiesAfterCreate extends FlakyDestroyProvider {
+      finds = 0;
+      created: string[] = [];
+      probeFailures = 1;
+      override find = async (...a: Parameters<SandboxProvider["find"]>) => {
+        this.finds++;
+        return docker.find(...a);
+      };
+      override create = async (...a: Parameters<SandboxProvider["create"]>) => {
+        const handle = await docker.create(...a);
+        this.created.push(handle.id);
+        return handle;
+      };
+      override probe = async (...a: Parameters<SandboxProvider["probe"]>) => {
+        if (this.probeFailures-- > 0) throw FleetError.retryable("provider_unavailable", "worker died here");
+        return docker.probe(...a);
+      };
+    }
+    const provider = new DiesAfterCreate(docker, 0);
+    const deps = { ...fleet.deps, provider };
+
+    const [fresh] = await fleet.submit([oracle(byId("hello-file"))]);
+    provider.probeFailures = 0;
+    expect(await runStageJob("seed", job(fresh!), deps)).toBe("ok");
+    expect([provider.finds, provider.created.length]).toEqual([0, 1]);
+    await runStageJob("close", job(fresh!), deps);
+
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    provider.probeFailures = 1;
+    await expect(runStageJob("seed", job(id!), deps)).rejects.toThrow(/worker died here/);
+    expect(await containersOf([id!])).toBe(1);
+    expect(await runStageJob("seed", job(id!, 1), deps)).toBe("ok");
+    const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
+    expect(seedReceipt.reused).toBe(true);
+    expect(seedReceipt.handle.id).toBe(provider.created[1]);
+    expect([provider.finds, provider.created.length, await containersOf([id!])]).toEqual([1, 2, 1]);
+    await runStageJob("close", job(id!), deps);
+    expect(await containersOf([fresh!, id!])).toBe(0);
+  });
+
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {
     const task = { ...byId("hello-file"), id: `gone-${Date.now()}` };
     const [id] = await fleet.submit([oracle(task)]);

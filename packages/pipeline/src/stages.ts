@@ -78,7 +78,7 @@ async function createSandbox(
   deps: PipelineDeps,
   owner: SandboxEntry["owner"],
   task: TaskContent,
-  options: { intentRecorded?: boolean; deferAttach?: boolean } = {},
+  options: { intentRecorded?: boolean; intentFresh?: boolean; deferAttach?: boolean } = {},
 ): Promise<{ handle: SandboxHandle; entry: SandboxEntry; createMs: number; reused: boolean } | null> {
   const now = clock(deps);
   const entry: SandboxEntry = {
@@ -96,7 +96,9 @@ async function createSandbox(
     if (intent !== "ok") return null;
   }
   const t0 = clock(deps);
-  let handle = await deps.provider.find(rec.meta.id, owner);
+  // Only an attempt after one that recorded the intent can find a sandbox (a label lookup lists
+  // the daemon's containers: not on every rollout).
+  let handle = options.intentFresh ? null : await deps.provider.find(rec.meta.id, owner);
   const reused = handle !== null;
   if (!handle) {
     // A sandbox whose agent talks to a model joins the rollout's sealed gateway network;
@@ -215,6 +217,7 @@ export const seed: StageHandler = async (rec, deps) => {
   // handle is attached with the receipt.
   const created = await createSandbox(rec, deps, "resources", task, {
     intentRecorded: rec.begun.intentRecorded === true,
+    intentFresh: rec.begun.intentFresh === true,
     deferAttach: true,
   });
   if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.

@@ -78,8 +78,13 @@ export interface BeginResult {
   record: RolloutRecord | null;
   /** The failure log (close only; empty otherwise). */
   failures: FailureRecord[];
-  /** The sandbox intent was persisted by this begin (seed with `intent`, stage not skipped). */
+  /** The sandbox intent is persisted (seed with `intent`, stage not skipped). */
   intentRecorded: boolean;
+  /**
+   * This begin recorded the intent first: no earlier attempt got as far as recording it, so
+   * (intent before action, DESIGN §2 rule 9) none created the sandbox, and there is none to find.
+   */
+  intentFresh: boolean;
   /**
    * The launch claim made by this begin (`launchToken`, stage not skipped): `previous` is
    * 'stopped' when a stop won, else the previous fence; null when no claim was made.
@@ -272,7 +277,8 @@ export class RolloutStore {
     return {
       record: parseRecord(h),
       failures: failures.map((f) => JSON.parse(f) as FailureRecord),
-      intentRecorded: intent === "ok",
+      intentRecorded: intent === "ok" || intent === "new",
+      intentFresh: intent === "new",
       launch: claimed ? { previous: String(previous), launches: Number(launches) } : null,
       sandboxes: close
         ? {

@@ -163,7 +163,8 @@ const SCRIPTS = {
    *    '}' (its `expiresAt` closes it);
    *  - with a launch token (run): the fenced launch claim of `fleetClaimLaunch` (rule 10).
    * Returns [hash as a flat array (for close all of it; before close the fields those stages
-   * read: meta, status, stage, flags, receipts), failure log, intent ('ok'|''), previous fence (or 'stopped'),
+   * read: meta, status, stage, flags, receipts), failure log, intent ('new' when this call
+   * recorded it, 'ok' when an earlier attempt had, '' for none), previous fence (or 'stopped'),
    * launches, sandbox entries of ARGV[9], ARGV[10] ('' when absent or not asked)].
    * ARGV: stage, now, tombstone, withFailures, intentKey, intentPrefix, expirySlackMs,
    * launchToken, sandboxKey1, sandboxKey2 ('' for none).
@@ -193,8 +194,12 @@ const SCRIPTS = {
               local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline'))
               if deadline and tonumber(ARGV[2]) < deadline then
                 local expires = string.format('%.0f', deadline + tonumber(ARGV[7]))
-                redis.call('HSETNX', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}')
-                intent = 'ok'
+                -- 'new': no earlier attempt recorded it, so none can have created the sandbox.
+                if redis.call('HSETNX', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}') == 1 then
+                  intent = 'new'
+                else
+                  intent = 'ok'
+                end
               end
             end
             if ARGV[8] ~= '' then

@@ -243,7 +243,11 @@ describe("rollout store", () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
     const begun = await store.begin(id, "seed", 1_000, { intent });
-    expect(begun.intentRecorded).toBe(true);
+    expect([begun.intentRecorded, begun.intentFresh]).toEqual([true, true]);
+    // A re-delivered seed finds the intent an earlier attempt recorded: not fresh (its sandbox
+    // may exist, to be found by label), and the entry is kept as it was.
+    const again = await store.begin(id, "seed", 2_000, { intent });
+    expect([again.intentRecorded, again.intentFresh]).toEqual([true, false]);
     const entry = JSON.parse((await redis.hget(store.keys.sandboxes(), sandboxKey(id, "resources")))!);
     // A valid SandboxEntry whose expiry is the rollout's deadline plus the slack.
     expect(entry).toEqual({
@@ -282,7 +286,7 @@ describe("rollout store", () => {
     const other = (await admitOne()).ids[0]!;
     await store.tombstone(other);
     const refused = await store.begin(other, "seed", 1_000, { intent });
-    expect(refused.intentRecorded).toBe(false);
+    expect([refused.intentRecorded, refused.intentFresh]).toEqual([false, false]);
     expect(await redis.hexists(store.keys.sandboxes(), sandboxKey(other, "resources"))).toBe(0);
   });
 
