@@ -824,7 +824,9 @@ async function partB(): Promise<void> {
     console.log(`${k.padEnd(40)} ${f2(per(fleetCalls, k)).padStart(7)} ${f2(per(rawCalls, k)).padStart(7)}`);
   }
   const total = (m: Map<string, number>) => [...m.values()].reduce((a, b) => a + b, 0) / SANDBOX_N;
-  console.log(`${"total".padEnd(40)} ${f2(total(fleetCalls)).padStart(7)} ${f2(total(rawCalls)).padStart(7)}`);
+  console.log(
+    `${"total".padEnd(40)} ${f2(total(fleetCalls)).padStart(7)} ${f2(total(rawCalls)).padStart(7)}`,
+  );
 }
 
 /** Remove this run's containers (raw baseline by our label, fleet ones by rollout id) and volumes. */
