@@ -10,7 +10,9 @@
  *    client-side in this process), Node and Redis CPU per rollout, in-stage times.
  * B. Real sandboxes: M rollouts of the example suite's `hello-file` with the oracle agent through
  *    `startInProcessFleet` on `DockerSandboxProvider`; against create → start → exec(`true`) →
- *    remove of M containers with dockerode directly and the provider's container config.
+ *    remove of M containers with dockerode directly and the provider's container config; then
+ *    that raw loop again with as many execs per container as the fleet made per rollout, which
+ *    splits the gap into the lifecycle's exec count and everything else. Docker calls per rollout.
  *
  *   npx tsx scripts/bench-pipeline.ts [--n 2000] [--concurrency 8] [--sandbox-n 48]
  *     [--warmup 100] [--rounds 3] [--sandbox-warmup 8] [--part a|b|both] [--image <ref>]
@@ -713,7 +715,8 @@ async function partB(): Promise<void> {
   const fleetIds: string[] = [];
   let rawSeq = 0;
 
-  async function rawOne(): Promise<void> {
+  /** One raw container: create, start, `execs` × exec `true` as uid 1000, remove. */
+  async function rawOne(execs: number): Promise<void> {
     const spec = SandboxSpec.parse({
       image: IMAGE,
       rolloutId: `${RUN}-raw-${++rawSeq}`,
@@ -725,36 +728,38 @@ async function partB(): Promise<void> {
     const container = await docker.createContainer(config);
     try {
       await container.start();
-      const exec = await container.exec({
-        Cmd: ["true"],
-        AttachStdout: true,
-        AttachStderr: true,
-        User: "1000:1000",
-      });
-      const stream = await exec.start({ hijack: true, stdin: false });
-      await new Promise<void>((resolve, reject) => {
-        stream.once("end", resolve);
-        stream.once("close", resolve);
-        stream.once("error", reject);
-        stream.resume();
-      });
-      stream.destroy();
-      const info = await exec.inspect();
-      if (info.ExitCode !== 0) throw new Error(`raw exec exited ${info.ExitCode}`);
+      for (let i = 0; i < execs; i++) {
+        const exec = await container.exec({
+          Cmd: ["true"],
+          AttachStdout: true,
+          AttachStderr: true,
+          User: "1000:1000",
+        });
+        const stream = await exec.start({ hijack: true, stdin: false });
+        await new Promise<void>((resolve, reject) => {
+          stream.once("end", resolve);
+          stream.once("close", resolve);
+          stream.once("error", reject);
+          stream.resume();
+        });
+        stream.destroy();
+        const info = await exec.inspect();
+        if (info.ExitCode !== 0) throw new Error(`raw exec exited ${info.ExitCode}`);
+      }
     } finally {
       await container.remove({ force: true, v: true });
       await docker.getVolume(workspaceVolumeName(config.name!)).remove({ force: true });
     }
   }
 
-  async function rawRound(m: number): Promise<number> {
+  async function rawRound(m: number, execs = 1): Promise<number> {
     let next = 0;
     const t0 = performance.now();
     await Promise.all(
       Array.from({ length: Math.min(CONCURRENCY, m) }, async () => {
         while (next < m) {
           next++;
-          await rawOne();
+          await rawOne(execs);
         }
       }),
     );
@@ -766,6 +771,9 @@ async function partB(): Promise<void> {
   let fleetMs = 0;
   let results: RolloutResult[] = [];
   let rawCalls = new Map<string, number>();
+  /** The raw loop again with as many execs per container as the fleet made per rollout. */
+  let sameExecs = 0;
+  let sameExecsMs = 0;
   let fleetCalls = new Map<string, number>();
   try {
     await Promise.all((fleet.workers?.workers ?? []).map((w) => w.waitUntilReady()));
@@ -789,6 +797,9 @@ async function partB(): Promise<void> {
     fleetMs = performance.now() - t0;
     fleetCalls = takeDockerCalls();
     checkResults(results, SANDBOX_N);
+    sameExecs = Math.round((fleetCalls.get("POST /containers/{id}/exec") ?? 0) / SANDBOX_N);
+    sameExecsMs = await rawRound(SANDBOX_N, sameExecs);
+    takeDockerCalls();
   } finally {
     await fleet.close();
     await provider.close?.();
@@ -809,6 +820,15 @@ async function partB(): Promise<void> {
     `fleet end-to-end (oracle, hello-file)     ${f2(fleetRate).padStart(10)} ${f1(fleetMs / 1000).padStart(8)}`,
   );
   console.log(`ratio fleet/raw                            ${f2(fleetRate / rawRate).padStart(10)}`);
+  // Splits the gap: the lifecycle's exec count (probe, staging, harness, kill sweep, tests...)
+  // versus everything else the fleet adds (queues, Redis state, inspects, its own Node work).
+  const sameRate = (SANDBOX_N / sameExecsMs) * 1000;
+  console.log(
+    `${`raw again with ${sameExecs} execs per container`.padEnd(42)} ${f2(sameRate).padStart(10)} ${f1(sameExecsMs / 1000).padStart(8)}`,
+  );
+  console.log(
+    `${"ratio fleet/raw with the fleet's execs".padEnd(42)} ${f2(fleetRate / sameRate).padStart(10)}`,
+  );
   console.log(
     `fleet stage medians (ms): queued ${med("queuedMs")}, seed ${med("seedMs")}, run ${med("runMs")}, ` +
       `verify ${med("verifyMs")}, close ${med("closeMs")}, total ${med("totalMs")}`,
