@@ -179,18 +179,58 @@ export function planPut(
   return { target, files: checked.data, user, ids };
 }
 
-/** Extract the files inside the sandbox with `tar -x` on stdin, as the plan's user. */
-export async function extractViaExec(exec: SandboxExec, plan: PutPlan, mode?: number): Promise<void> {
+/**
+ * Shell fragment: when `$2` is 1 and directory `$1` exists, delete everything in it and exit 3
+ * naming what is left if anything could not be deleted (e.g. a file of another user in a sticky
+ * directory: the sandbox's root has no capabilities).
+ */
+const CLEAR_DIR = `if [ "$2" = 1 ] && [ -d "$1" ]; then
+  find "$1" -mindepth 1 -delete 2>/dev/null
+  if [ -n "$(ls -A "$1" 2>/dev/null)" ]; then
+    echo "cannot clear $1, left: $(ls -A "$1" | head -n 5 | tr '\\n' ' ')" >&2; exit 3
+  fi
+fi`;
+
+/**
+ * Extract the files inside the sandbox with `tar -x` on stdin, as the plan's user; with
+ * `replace`, the target directory is emptied first in the same exec.
+ */
+export async function extractViaExec(
+  exec: SandboxExec,
+  plan: PutPlan,
+  mode?: number,
+  replace = false,
+): Promise<void> {
   const { target, user } = plan;
   const archive = await buildTar(plan.files, { ...plan.ids, mode });
-  const r = await exec(
-    ["sh", "-c", 'mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"', "sh", target],
-    { deadlineMs: 120_000, user, stdin: archive, maxOutputBytes: 16 * 1024 },
-  );
+  const script = `${CLEAR_DIR}
+mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
+  const r = await exec(["sh", "-c", script, "sh", target, replace ? "1" : "0"], {
+    deadlineMs: 120_000,
+    user,
+    stdin: archive,
+    maxOutputBytes: 16 * 1024,
+  });
   if (r.exitCode !== 0) {
     throw FleetError.nonRetryable(
       "invalid_task",
       `staging ${Object.keys(plan.files).length} file(s) into ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
+    );
+  }
+}
+
+/** Empty directory `target` as `user` (nothing to do when it does not exist); see `CLEAR_DIR`. */
+export async function clearViaExec(exec: SandboxExec, target: string, user: string): Promise<void> {
+  const r = await exec(["sh", "-c", CLEAR_DIR, "sh", target, "1"], {
+    deadlineMs: 120_000,
+    user,
+    stdin: null,
+    maxOutputBytes: 16 * 1024,
+  });
+  if (r.exitCode !== 0) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `clearing ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
     );
   }
 }

@@ -38,6 +38,15 @@ export const AGENT_USER = "1000:1000";
 /** Root inside the sandbox (no capabilities): used for staging and verification. */
 export const ROOT_USER = "0:0";
 
+/** Options of `SandboxProvider.put`. */
+export interface PutOptions {
+  /** `uid[:gid]` owning the files (and running the extraction); defaults by path. */
+  user?: string;
+  mode?: number;
+  /** Empty `dir` first, proving nothing is left (see `SandboxProvider.put`). */
+  replace?: boolean;
+}
+
 /** A sandbox as `list` reports it. */
 export interface SandboxInfo {
   handle: SandboxHandle;
@@ -62,13 +71,12 @@ export interface SandboxProvider {
   /** Find a rollout's sandbox by label (for re-delivered seeds); `null` if none. */
   find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null>;
   exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult>;
-  /** Write files (relative paths) under `dir` (absolute), creating directories. */
-  put(
-    handle: SandboxHandle,
-    dir: string,
-    files: FileSet,
-    options?: { user?: string; mode?: number },
-  ): Promise<void>;
+  /**
+   * Write files (relative paths) under `dir` (absolute), creating directories. With `replace`,
+   * whatever `dir` held is removed first, in the same step, and the put fails (final
+   * `invalid_task`) when something there cannot be removed: `dir` then holds exactly `files`.
+   */
+  put(handle: SandboxHandle, dir: string, files: FileSet, options?: PutOptions): Promise<void>;
   /** Read one file; `null` if it does not exist. Capped at `maxBytes` (default 1 MiB). */
   get(handle: SandboxHandle, path: string, options?: { maxBytes?: number }): Promise<string | null>;
   /** The isolation probe (DESIGN §5). Throws final `isolation_refused` or retryable `provider_unavailable`. */

@@ -6,7 +6,7 @@ import {
   type TaskContent,
 } from "@fleet/contracts";
 import { createHarness, type HarnessOutcome, stageWorkspace } from "@fleet/harness";
-import { AGENT_USER, DockerSandboxProvider } from "@fleet/sandbox";
+import { AGENT_USER, DockerSandboxProvider, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
@@ -59,6 +59,20 @@ async function runAndVerify(handle: SandboxHandle, task: TaskContent, input: Age
   return { outcome, verdict };
 }
 
+/** The provider, recording which of put/exec/get each verification called. */
+function counting(calls: string[]): SandboxProvider {
+  return new Proxy(provider, {
+    get(target, key, receiver) {
+      const value = Reflect.get(target, key, receiver);
+      if (typeof value !== "function") return value;
+      return (...args: unknown[]) => {
+        if (key === "put" || key === "exec" || key === "get") calls.push(key);
+        return value.apply(target, args);
+      };
+    },
+  });
+}
+
 afterEach(async () => {
   await Promise.all(created.splice(0).map((h) => provider.destroy(h)));
 });
@@ -103,6 +117,39 @@ describe("the example suite on real Docker", () => {
     const { verdict } = await runAndVerify(handle, task, partial);
     expect(verdict.reward).toBe(0.75);
     expect(verdict.details).toMatchObject({ source: "reward_file", rewardText: "0.75", exitCode: 0 });
+
+    // Graded again, counting sandbox calls: staging the tests and one exec that runs them and
+    // brings the reward file back.
+    const calls: string[] = [];
+    const again = await verify({
+      provider: counting(calls),
+      handle,
+      task,
+      run: { answer: null, exec: execResult() },
+      deadlineMs: Date.now() + 120_000,
+    });
+    expect(again.reward).toBe(0.75);
+    expect(calls).toEqual(["put", "exec"]);
+  });
+
+  it("a reward file over 1 KiB is read apart, as before", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const grade = async (testSh: string, label: string) => {
+      const task: TaskContent = { ...base, tests: { "test.sh": testSh } };
+      const handle = await sandbox(task, label);
+      const calls: string[] = [];
+      const verdict = await verify({
+        provider: counting(calls),
+        handle,
+        task,
+        run: { answer: null, exec: execResult() },
+        deadlineMs: Date.now() + 120_000,
+      });
+      return { verdict, calls };
+    };
+    const large = await grade(`printf '1%2000s' '' > /logs/verifier/reward.txt\n`, "large-reward");
+    expect(large.verdict).toMatchObject({ reward: 1, details: { source: "reward_file" } });
+    expect(large.calls).toEqual(["put", "exec", "get"]);
   });
 
   it("a reward file the agent planted in /logs/verifier masks the rollout instead of scoring it", async () => {

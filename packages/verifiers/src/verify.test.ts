@@ -12,7 +12,7 @@ import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } 
 import { beforeEach, describe, expect, it } from "vitest";
 import { parseReward } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
-import { REWARD_FILE, verify } from "./verify.ts";
+import { parseRunReport, REWARD_FILE, RUN_TESTS_SCRIPT, verify } from "./verify.ts";
 
 const TESTS_TASK = TaskContent.parse({
   id: "t1",
@@ -26,25 +26,34 @@ const AGENT_EXEC: ExecResult = execResult({ durationMs: 5 });
 
 let provider: InMemorySandboxProvider;
 let handle: SandboxHandle;
-/** What happened, in order: "prepare", "put /tests", "tests", "get". */
+/** What happened, in order: "put /tests", "tests", "get". */
 let log: string[];
 
-type TestsOutcome = Partial<ExecResult> & { reward?: string };
+/** `report: false`: the runner's closing report is lost (as when the output cap cuts it off). */
+type TestsOutcome = Partial<ExecResult> & { reward?: string; report?: boolean };
 
-/** Script the sandbox: the prepare step clears /tests and /logs/verifier; test.sh does `outcome`. */
+/** The nonce the verifier handed the runner on stdin. */
+const nonceOf = (call: ExecCall) => String(call.options.stdin ?? "").trim();
+
+/**
+ * Script the sandbox's side of `RUN_TESTS_SCRIPT`: clear /logs/verifier, write the `ready` line,
+ * let test.sh do `outcome`, then report the reward file on stderr as the script does.
+ */
 function script(outcome: (call: ExecCall, box: FakeSandbox) => TestsOutcome | Promise<TestsOutcome>): void {
   provider.onExec = async (call, box) => {
-    if (call.argv[1] === "-c") {
-      log.push("prepare");
-      for (const path of [...box.files.keys()]) {
-        if (path.startsWith("/tests/") || path.startsWith("/logs/verifier/")) box.files.delete(path);
-      }
-      return { exitCode: 0 };
-    }
+    expect(call.argv).toEqual(["bash", "-c", RUN_TESTS_SCRIPT, "fleet-verify"]);
     log.push("tests");
-    const { reward, ...result } = await outcome(call, box);
+    const nonce = nonceOf(call);
+    for (const path of [...box.files.keys()]) if (path.startsWith("/logs/verifier/")) box.files.delete(path);
+    const { reward, report = true, ...result } = await outcome(call, box);
     if (reward !== undefined) box.files.set(REWARD_FILE, { content: reward, user: ROOT_USER });
-    return result;
+    const file = box.files.get(REWARD_FILE);
+    const closing = !report
+      ? ""
+      : file === undefined
+        ? `\n${nonce} none\n`
+        : `\n${nonce} reward ${Buffer.byteLength(file.content)}\n${file.content}`;
+    return { ...result, stderr: `${nonce} ready\n${result.stderr ?? ""}${closing}` };
   };
 }
 
@@ -89,7 +98,7 @@ async function failure(promise: Promise<unknown>): Promise<FleetError> {
 }
 
 describe("tests verifier", () => {
-  it("prepares, stages the tests as root, runs test.sh as root in /workspace: exit 0 → 1.0", async () => {
+  it("stages exactly the tests as root, runs them as root in /workspace: exit 0 → 1.0", async () => {
     script(() => ({ exitCode: 0, stdout: "ok\n" }));
     const verdict = await verify(ctx());
     expect(verdict.reward).toBe(1);
@@ -99,15 +108,30 @@ describe("tests verifier", () => {
       exitCode: 0,
       stdoutTail: "ok\n",
     });
-    expect(log).toEqual(["prepare", "put /tests", "tests", "get"]);
+    // Two sandbox calls: the reward file's absence came back with the tests' exec.
+    expect(log).toEqual(["put /tests", "tests"]);
 
-    const [prepare, tests] = provider.execCalls;
-    expect(prepare?.options.user).toBe(ROOT_USER);
-    expect(tests?.argv).toEqual(["bash", "/tests/test.sh"]);
+    const [tests] = provider.execCalls;
+    expect(provider.execCalls).toHaveLength(1);
     expect(tests?.options).toMatchObject({ cwd: "/workspace", user: ROOT_USER });
+    expect(tests?.options.stdin).toMatch(/^[0-9a-f]{32}\n$/);
     expect(tests?.options.deadlineMs).toBeLessThanOrEqual(20_000);
     expect(tests?.options.deadlineMs).toBeGreaterThan(15_000);
-    expect(provider.putCalls).toEqual([{ dir: "/tests", files: TESTS_TASK.tests, user: ROOT_USER }]);
+    // Whatever a previous attempt left in /tests is replaced in the same put.
+    expect(provider.putCalls).toEqual([
+      { dir: "/tests", files: TESTS_TASK.tests, user: ROOT_USER, replace: true },
+    ]);
+  });
+
+  it("a new nonce each time, kept out of argv and the environment", async () => {
+    script(() => ({ exitCode: 0 }));
+    await verify(ctx());
+    await verify(ctx());
+    const [a, b] = provider.execCalls.map(nonceOf);
+    expect(a).not.toBe(b);
+    for (const call of provider.execCalls) {
+      expect(JSON.stringify([call.argv, call.options.env ?? {}])).not.toContain(nonceOf(call));
+    }
   });
 
   it("non-zero exit → 0.0, with bounded output tails", async () => {
@@ -122,10 +146,16 @@ describe("tests verifier", () => {
   });
 
   it("the reward file wins over the exit status", async () => {
-    script(() => ({ exitCode: 1, reward: "0.75\n" }));
+    script(() => ({ exitCode: 1, reward: "0.75\n", stderr: "1 failed" }));
     const partial = await verify(ctx());
     expect(partial.reward).toBe(0.75);
-    expect(partial.details).toMatchObject({ source: "reward_file", rewardText: "0.75", exitCode: 1 });
+    expect(partial.details).toMatchObject({
+      source: "reward_file",
+      rewardText: "0.75",
+      exitCode: 1,
+      stderrTail: "1 failed",
+    });
+    expect(log).toEqual(["put /tests", "tests"]); // read with the tests' exec, not apart
 
     script(() => ({ exitCode: 0, reward: "0" }));
     expect((await verify(ctx())).reward).toBe(0);
@@ -138,15 +168,49 @@ describe("tests verifier", () => {
     expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
   });
 
-  it("refuses to grade when /tests or /logs/verifier cannot be cleared (masked)", async () => {
-    provider.onExec = (call) =>
-      call.argv[1] === "-c"
-        ? { exitCode: 3, stderr: "cannot clear /tests, left: conftest.py" }
-        : { exitCode: 0 };
+  it("refuses to grade when /logs/verifier cannot be cleared (masked)", async () => {
+    provider.onExec = (call) => ({
+      exitCode: 3,
+      stderr: `\n${nonceOf(call)} prepare cannot clear /logs/verifier (owned by uid 1000)\n`,
+    });
     const err = await failure(verify(ctx()));
-    expect(err.kind).toBe("verifier_error");
-    expect(err.message).toContain("conftest.py");
+    expect([err.kind, err.retryable]).toEqual(["verifier_error", false]);
+    expect(err.message).toContain("cannot clear /logs/verifier (owned by uid 1000)");
     expect(provider.execCalls).toHaveLength(1);
+  });
+
+  it("refuses to grade when /tests cannot be cleared (masked)", async () => {
+    provider.put = async () => {
+      throw FleetError.nonRetryable("invalid_task", "cannot clear /tests, left: conftest.py");
+    };
+    script(() => ({ exitCode: 0 }));
+    const err = await failure(verify(ctx()));
+    expect([err.kind, err.retryable]).toEqual(["verifier_error", false]);
+    expect(err.message).toContain("conftest.py");
+    expect(provider.execCalls).toHaveLength(0);
+  });
+
+  it("never grades when the runner did not say it started the tests (exit 0 or not)", async () => {
+    for (const exitCode of [0, 1]) {
+      provider.onExec = () => ({ exitCode, stdout: "looks fine" });
+      const err = await failure(verify(ctx()));
+      expect([err.kind, err.retryable]).toEqual(["verifier_error", false]);
+      expect(err.message).toContain("did not start");
+    }
+  });
+
+  it("a report line with another nonce is the tests' own output, not a reward", async () => {
+    script(() => ({ exitCode: 1, stderr: `\n${"0".repeat(32)} reward 1\n1` }));
+    const verdict = await verify(ctx());
+    expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+    expect(verdict.details.stderrTail).toBe(`\n${"0".repeat(32)} reward 1\n1`);
+  });
+
+  it("a report the output cap cut off: the reward file is read apart", async () => {
+    script(() => ({ exitCode: 1, reward: "0.5", report: false, stderrTruncated: true }));
+    const verdict = await verify(ctx());
+    expect(verdict).toMatchObject({ reward: 0.5, details: { source: "reward_file" } });
+    expect(log).toEqual(["put /tests", "tests", "get"]);
   });
 
   it.each(["abc", "1.5", "-0.1", "NaN", "inf", "", "0x1", "1/2"])(
@@ -176,7 +240,7 @@ describe("tests verifier", () => {
     script(() => ({ exitCode: -1, timedOut: true }));
     const err = await failure(verify(ctx({ deadlineMs: Date.now() + 5000 })));
     expect(err.kind).toBe("deadline_exceeded");
-    expect(provider.execCalls[1]?.options.deadlineMs).toBeLessThanOrEqual(5000);
+    expect(provider.execCalls[0]?.options.deadlineMs).toBeLessThanOrEqual(5000);
   });
 
   it("does nothing when the rollout deadline has already passed", async () => {
@@ -203,7 +267,7 @@ describe("tests verifier", () => {
   });
 
   it("a lost sandbox while reading the reward → sandbox_lost (masked), not a verifier crash", async () => {
-    script(() => ({ exitCode: 0 }));
+    script(() => ({ exitCode: 0, report: false }));
     provider.get = async () => {
       throw new FleetError("sandbox_lost", "gone");
     };
@@ -229,6 +293,48 @@ describe("tests verifier", () => {
     await running;
     controller.abort();
     expect((await result).kind).toBe("cancelled");
+  });
+});
+
+describe("parseRunReport", () => {
+  const nonce = "ab".repeat(16);
+  it("takes the ready line and the last report off the tests' stderr", () => {
+    expect(parseRunReport(`${nonce} ready\nwarn\n${nonce} x\n\n${nonce} reward 4\n0.5\n`, nonce)).toEqual({
+      stderr: `warn\n${nonce} x\n`,
+      ready: true,
+      report: { kind: "reward", text: "0.5\n" },
+    });
+    expect(parseRunReport(`${nonce} ready\n\n${nonce} none\n`, nonce)).toEqual({
+      stderr: "",
+      ready: true,
+      report: { kind: "none" },
+    });
+  });
+
+  it("reads the reward apart when the report is missing, unreadable, or its size does not match", () => {
+    for (const raw of [
+      `${nonce} ready\nlots of output`,
+      `${nonce} ready\n\n${nonce} unreadable\n`,
+      `${nonce} ready\n\n${nonce} reward 9\n0.5\n`,
+      // Sizes count bytes: "é" is 2 (what a decoding with replacement changed no longer matches).
+      `${nonce} ready\n\n${nonce} reward 1\né`,
+    ]) {
+      expect(parseRunReport(raw, nonce).report).toEqual({ kind: "read" });
+    }
+    expect(parseRunReport(`${nonce} ready\n\n${nonce} reward 2\né`, nonce).report).toEqual({
+      kind: "reward",
+      text: "é",
+    });
+    expect(parseRunReport(`${nonce} ready\n\n${nonce} none\n`, "x".repeat(32)).ready).toBe(false);
+  });
+
+  it("not ready without the first line; a prepare report says why", () => {
+    expect(parseRunReport(`\n${nonce} prepare cannot clear it\n`, nonce)).toEqual({
+      stderr: "",
+      ready: false,
+      report: { kind: "prepare", reason: "cannot clear it" },
+    });
+    expect(parseRunReport(`oops\n${nonce} ready\n`, nonce).ready).toBe(false);
   });
 });
 

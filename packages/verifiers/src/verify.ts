@@ -1,4 +1,5 @@
-import { capText, FleetError, isFleetError } from "@fleet/contracts";
+import { randomBytes } from "node:crypto";
+import { capText, type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { ROOT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { parseReward } from "./reward-file.ts";
@@ -8,8 +9,8 @@ import type { Verdict, VerifyContext } from "./verdict.ts";
 export const REWARD_FILE = `${SANDBOX_PATHS.logs}/verifier/reward.txt`;
 /** Cap for each of the stdout/stderr tails kept in verdict details (characters). */
 export const MAX_DETAIL_CHARS = 2000;
-/** Budget for clearing /tests and /logs/verifier before staging the tests. */
-const PREPARE_TIMEOUT_MS = 30_000;
+/** Reward files up to this size come back with the tests' exec; a larger one is read on its own. */
+const INLINE_REWARD_BYTES = 1024;
 
 /**
  * Grade one run. `tests`: stage the task's tests at /tests and run `bash /tests/test.sh` as root
@@ -38,21 +39,85 @@ function assertNever(x: never): never {
 }
 
 /**
- * Clear what a previous attempt (or a misbehaving agent) may have left in /tests and
- * /logs/verifier, and prove it is gone: root has no CAP_FOWNER, so a file the agent planted in a
- * sticky, world-writable directory cannot be removed, and grading on top of it could be gamed.
+ * The tests' exec, as root in /workspace (one exec for what took three). It reads a nonce from
+ * stdin (never in argv or the environment, where the processes the tests start could read it),
+ * then:
+ * 1. clears /logs/verifier and proves it gone: root has no CAP_FOWNER, so a directory the agent
+ *    planted in the sticky, world-writable /logs cannot be removed, and grading on top of it
+ *    could be gamed; if that fails, reports `prepare <why>` and stops; else writes `<nonce> ready`
+ *    as the first line of stderr (the output cap keeps the head: it is always seen);
+ * 2. runs `bash /tests/test.sh` (stdin /dev/null);
+ * 3. reports the reward file: `none`, `reward <bytes>` followed by its content (up to
+ *    `INLINE_REWARD_BYTES`), or `unreadable` (too large, or not readable by root: read apart);
+ * and exits with the tests' status. Reports go to stderr after the tests' own output, each as a
+ * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again.
  */
-const PREPARE_SCRIPT = `set -u
+export const RUN_TESTS_SCRIPT = `IFS= read -r nonce
+report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
 rm -rf /logs/verifier 2>/dev/null
-find /tests -mindepth 1 -delete 2>/dev/null
 if [ -e /logs/verifier ] || [ -L /logs/verifier ]; then
-  echo "cannot clear /logs/verifier (owned by uid $(stat -c %u /logs/verifier))" >&2; exit 3
+  report prepare "cannot clear /logs/verifier (owned by uid $(stat -c %u /logs/verifier))"; exit 3
 fi
-if [ -n "$(ls -A /tests 2>/dev/null)" ]; then
-  echo "cannot clear /tests, left: $(ls -A /tests | head -n 5 | tr '\\n' ' ')" >&2; exit 3
+mkdir -p /logs/verifier || { report prepare "cannot create /logs/verifier"; exit 3; }
+printf '%s ready\\n' "$nonce" >&2
+bash ${SANDBOX_PATHS.tests}/test.sh < /dev/null
+rc=$?
+f=${SANDBOX_PATHS.logs}/verifier/reward.txt
+if [ ! -e "$f" ] || [ -d "$f" ]; then report none
+elif [ -r "$f" ] && n=$(wc -c < "$f") && n=$((n)) && [ "$n" -le ${INLINE_REWARD_BYTES} ]; then
+  report reward "$n"; cat "$f" >&2
+else report unreadable
 fi
-mkdir -p /logs/verifier || exit 3
-`;
+exit $rc`;
+
+/** What the tests' exec reported after the tests ran (see `RUN_TESTS_SCRIPT`). */
+export type RunReport =
+  | { kind: "prepare"; reason: string }
+  | { kind: "none" }
+  | { kind: "reward"; text: string }
+  /** Unreadable, too large, or no report at all (its stderr hit the output cap): read the file apart. */
+  | { kind: "read" };
+
+/**
+ * Split the tests' stderr into their own output and the script's lines. `ready`: the first line
+ * proves /logs/verifier was cleared and the tests started; without it nothing may be graded. The
+ * report is the last `\n<nonce> ` line; without one (the cap cut it off), or when the inline
+ * reward's size does not match, the reward file is read apart.
+ */
+export function parseRunReport(
+  raw: string,
+  nonce: string,
+): { stderr: string; ready: boolean; report: RunReport } {
+  const head = `${nonce} ready\n`;
+  const ready = raw.startsWith(head);
+  const { stderr, report } = lastReport(ready ? raw.slice(head.length) : raw, nonce);
+  return { stderr, ready, report };
+}
+
+function lastReport(stderr: string, nonce: string): { stderr: string; report: RunReport } {
+  const at = stderr.lastIndexOf(`\n${nonce} `);
+  if (at < 0) return { stderr, report: { kind: "read" } };
+  const own = stderr.slice(0, at);
+  const rest = stderr.slice(at + nonce.length + 2);
+  const eol = rest.indexOf("\n");
+  const line = eol < 0 ? rest : rest.slice(0, eol);
+  const body = eol < 0 ? "" : rest.slice(eol + 1);
+  const [kind = "", ...words] = line.split(" ");
+  switch (kind) {
+    case "prepare":
+      return { stderr: own, report: { kind: "prepare", reason: words.join(" ") } };
+    case "none":
+      return { stderr: own, report: { kind: "none" } };
+    case "reward":
+      return {
+        stderr: own,
+        report:
+          Buffer.byteLength(body) === Number(words[0]) ? { kind: "reward", text: body } : { kind: "read" },
+      };
+    default:
+      return { stderr: own, report: { kind: "read" } };
+  }
+}
 
 async function runTests(ctx: VerifyContext): Promise<Verdict> {
   const { provider, handle, task } = ctx;
@@ -68,29 +133,28 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   const endsAt = started + Math.min(ownMs, leftMs);
   const remaining = (): number => Math.max(1, Math.floor(endsAt - Date.now()));
 
-  const prepared = await step(ctx, "prepare /tests and /logs/verifier", () =>
-    provider.exec(handle, ["bash", "-c", PREPARE_SCRIPT], {
-      deadlineMs: Math.min(remaining(), PREPARE_TIMEOUT_MS),
-      cwd: "/",
-      user: ROOT_USER,
-    }),
-  );
-  if (prepared.exitCode !== 0) {
-    throw FleetError.nonRetryable(
-      "verifier_error",
-      `could not prepare a clean /tests and /logs/verifier (exit ${prepared.exitCode}): ${capText(prepared.stderr.trim(), 500)}`,
-    );
-  }
+  // Exactly the task's tests: whatever a previous attempt left in /tests goes in the same step.
   await step(ctx, "stage the tests", () =>
-    provider.put(handle, SANDBOX_PATHS.tests, task.tests, { user: ROOT_USER }),
+    provider.put(handle, SANDBOX_PATHS.tests, task.tests, { user: ROOT_USER, replace: true }),
   );
-  const result = await step(ctx, "run the tests", () =>
-    provider.exec(handle, ["bash", `${SANDBOX_PATHS.tests}/test.sh`], {
+  const nonce = randomBytes(16).toString("hex");
+  const ran: ExecResult = await step(ctx, "run the tests", () =>
+    provider.exec(handle, ["bash", "-c", RUN_TESTS_SCRIPT, "fleet-verify"], {
       deadlineMs: remaining(),
       cwd: SANDBOX_PATHS.workspace,
       user: ROOT_USER,
+      stdin: `${nonce}\n`,
     }),
   );
+  const { stderr, ready, report } = parseRunReport(ran.stderr, nonce);
+  const result = { ...ran, stderr };
+  if (!ready && !result.timedOut) {
+    const why =
+      report.kind === "prepare"
+        ? `could not prepare a clean /logs/verifier: ${report.reason}`
+        : `the tests' runner did not start (exit ${ran.exitCode}): ${stderr.trim()}`;
+    throw FleetError.nonRetryable("verifier_error", capText(why, 600));
+  }
 
   const details: Record<string, unknown> = {
     kind: "tests",
@@ -111,9 +175,14 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   if (result.oomKilled)
     throw FleetError.nonRetryable("provider_oom_killed", "the tests were killed for lack of memory");
 
-  const rewardText = await step(ctx, "read the reward file", () =>
-    provider.get(handle, REWARD_FILE, { maxBytes: 1024 }),
-  );
+  const rewardText =
+    report.kind === "reward"
+      ? report.text
+      : report.kind === "none"
+        ? null
+        : await step(ctx, "read the reward file", () =>
+            provider.get(handle, REWARD_FILE, { maxBytes: INLINE_REWARD_BYTES }),
+          );
   if (rewardText !== null) {
     const reward = parseReward(rewardText);
     return {

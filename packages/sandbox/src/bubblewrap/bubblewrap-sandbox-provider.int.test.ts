@@ -215,6 +215,12 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.get(h, "/tests/data/x.txt")).toBe("x");
     expect(await provider.get(h, "/workspace/missing")).toBeNull();
     expect(await provider.get(h, "/workspace")).toBeNull();
+
+    await provider.put(h, "/tests", { "other.sh": "y" }, { replace: true });
+    const left = await provider.exec(h, ["sh", "-c", "cd /tests && find . -mindepth 1 | sort"], {
+      deadlineMs: 10_000,
+    });
+    expect(left.stdout).toBe("./other.sh\n");
   });
 
   it("has no network: a TCP server on the host's 127.0.0.1 is unreachable", async () => {

@@ -46,6 +46,7 @@ import {
   LABEL_OWNER,
   LABEL_ROLLOUT,
   LABEL_SCOPE,
+  type PutOptions,
   ROOT_USER,
   SANDBOX_PATHS,
   type SandboxInfo,
@@ -469,16 +470,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return map;
   }
 
-  async put(
-    handle: SandboxHandle,
-    dir: string,
-    files: FileSet,
-    options: { user?: string; mode?: number } = {},
-  ): Promise<void> {
+  async put(handle: SandboxHandle, dir: string, files: FileSet, options: PutOptions = {}): Promise<void> {
     const plan = planPut(dir, files, options.user, this.defaults.execUser);
     const state = await this.liveState(handle);
     // Extract inside the sandbox, as the user: the host never follows a path the agent controls.
-    await extractViaExec((argv, o) => this.run(state, argv, o), plan, options.mode);
+    await extractViaExec((argv, o) => this.run(state, argv, o), plan, options.mode, options.replace);
   }
 
   async get(

@@ -243,6 +243,31 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(await provider.get(h, "/logs/verifier/missing.txt")).toBeNull();
     });
 
+    it("put with replace leaves exactly the new files (tmpfs and volume), or fails naming what it could not remove", async () => {
+      const list = async (dir: string) =>
+        (
+          await provider.exec(h, ["sh", "-c", `cd ${dir} && find . -mindepth 1 | sort`], {
+            deadlineMs: 10_000,
+          })
+        ).stdout;
+      await provider.put(h, "/tests", { "old.sh": "1", "sub/left.txt": "2" }, { user: ROOT_USER });
+      await provider.put(h, "/tests", { "test.sh": "3" }, { user: ROOT_USER, replace: true });
+      expect(await list("/tests")).toBe("./test.sh\n");
+      await provider.put(h, "/workspace/rep", { "a.txt": "1", "d/b.txt": "2" });
+      await provider.put(h, "/workspace/rep", { "c.txt": "3" }, { replace: true });
+      expect(await list("/workspace/rep")).toBe("./c.txt\n");
+
+      // A root-owned file in a sticky directory the agent user cannot remove: refused, kept.
+      await provider.exec(h, ["sh", "-c", "mkdir -p /tmp/st && touch /tmp/st/roots && chmod 1777 /tmp/st"], {
+        deadlineMs: 10_000,
+        user: ROOT_USER,
+      });
+      const err = await fleetError(provider.put(h, "/tmp/st", { "x.txt": "x" }, { replace: true }));
+      expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+      expect(err.message).toContain("left: roots");
+      expect(await list("/tmp/st")).toBe("./roots\n");
+    });
+
     it("probes isolation: own PID namespace, own PID 1, host invisible", async () => {
       const report = await provider.probe(h);
       expect(report.isolated).toBe(true);

@@ -16,6 +16,7 @@ import Dockerode from "dockerode";
 import { deadlineArgv, envList, execOutcome } from "../exec-command.ts";
 import {
   assertIsolated,
+  clearViaExec,
   DEFAULT_EXEC_DEFAULTS,
   delay,
   type ExecDefaults,
@@ -43,6 +44,7 @@ import {
   LABEL_OWNER,
   LABEL_ROLLOUT,
   LABEL_SCOPE,
+  type PutOptions,
   ROOT_USER,
   SANDBOX_PATHS,
   type SandboxInfo,
@@ -364,19 +366,15 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
   }
 
-  async put(
-    handle: SandboxHandle,
-    dir: string,
-    files: FileSet,
-    options: { user?: string; mode?: number } = {},
-  ): Promise<void> {
+  async put(handle: SandboxHandle, dir: string, files: FileSet, options: PutOptions = {}): Promise<void> {
     const plan = planPut(dir, files, options.user, this.defaults.execUser);
     const { target, ids } = plan;
     if (isTmpfsPath(target)) {
       // Docker's archive API cannot see a container's tmpfs mounts: extract inside, as the user.
-      await extractViaExec(this.execOf(handle), plan, options.mode);
+      await extractViaExec(this.execOf(handle), plan, options.mode, options.replace);
       return;
     }
+    if (options.replace) await clearViaExec(this.execOf(handle), target, plan.user);
 
     // Volume (or writable root): the archive API, rooted at the workspace so missing
     // directories are created with the right owner.

@@ -8,7 +8,7 @@ import type {
   SandboxSpecInput,
 } from "@fleet/contracts";
 import { FleetError } from "@fleet/contracts";
-import type { SandboxInfo, SandboxProvider } from "../provider.ts";
+import type { PutOptions, SandboxInfo, SandboxProvider } from "../provider.ts";
 
 /** One file in a fake sandbox. */
 export interface FakeFile {
@@ -58,7 +58,7 @@ export class InMemorySandboxProvider implements SandboxProvider {
   readonly endpoint = "memory://test";
   readonly sandboxes = new Map<string, FakeSandbox>();
   readonly execCalls: ExecCall[] = [];
-  readonly putCalls: Array<{ dir: string; files: FileSet; user: string | undefined }> = [];
+  readonly putCalls: Array<{ dir: string; files: FileSet; user: string | undefined; replace?: boolean }> = [];
   private next = 1;
 
   constructor(public onExec: ExecHandler = () => ({})) {}
@@ -100,16 +100,15 @@ export class InMemorySandboxProvider implements SandboxProvider {
     return execResult({ durationMs: 1, ...result });
   }
 
-  async put(
-    handle: SandboxHandle,
-    dir: string,
-    files: FileSet,
-    options: { user?: string } = {},
-  ): Promise<void> {
+  async put(handle: SandboxHandle, dir: string, files: FileSet, options: PutOptions = {}): Promise<void> {
     const box = this.sandbox(handle);
-    this.putCalls.push({ dir, files: { ...files }, user: options.user });
+    this.putCalls.push({ dir, files: { ...files }, user: options.user, replace: options.replace });
+    const base = dir.replace(/\/+$/, "");
+    if (options.replace) {
+      for (const path of [...box.files.keys()]) if (path.startsWith(`${base}/`)) box.files.delete(path);
+    }
     for (const [rel, content] of Object.entries(files)) {
-      box.files.set(`${dir.replace(/\/+$/, "")}/${rel}`, { content, user: options.user });
+      box.files.set(`${base}/${rel}`, { content, user: options.user });
     }
   }
 
