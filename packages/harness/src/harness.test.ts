@@ -12,7 +12,28 @@ import { beforeEach, describe, expect, it } from "vitest";
 import { createHarness } from "./create-harness.ts";
 import { agentDeadline } from "./deadline.ts";
 import type { HarnessContext } from "./harness.ts";
+import { WITH_INSTRUCTION_SCRIPT } from "./run-command.ts";
 import { stageWorkspace } from "./stage-workspace.ts";
+
+/** The agent's exec split into the instruction writer's part and the command itself. */
+function agentExec(call: { argv: string[]; options: { stdin?: string } }) {
+  const stdin = call.options.stdin ?? "";
+  const eol = stdin.indexOf("\n");
+  return {
+    writer: call.argv.slice(0, 6),
+    argv: call.argv.slice(6),
+    nonce: stdin.slice(0, eol),
+    instruction: stdin.slice(eol + 1),
+  };
+}
+const WRITER = [
+  "sh",
+  "-c",
+  WITH_INSTRUCTION_SCRIPT,
+  "fleet-agent",
+  "/tmp/fleet",
+  "/tmp/fleet/instruction.md",
+];
 
 const TASK = TaskContent.parse({
   id: "t1",
@@ -58,7 +79,7 @@ async function rejection(promise: Promise<unknown>): Promise<unknown> {
 }
 
 describe("OracleHarness", () => {
-  it("stages the solution and the instruction, runs solve.sh as the agent in /workspace", async () => {
+  it("stages the solution, and runs solve.sh as the agent in /workspace behind the instruction writer", async () => {
     provider.onExec = () => ({ stdout: "  42\n" });
     const spec = { harness: "oracle" } as const;
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
@@ -66,14 +87,16 @@ describe("OracleHarness", () => {
     const box = provider.sandbox(handle);
     expect(box.files.get("/solution/solve.sh")).toEqual({ content: "echo 42\n", user: ROOT_USER });
     expect(box.files.get("/solution/helper.py")?.content).toBe("print(1)\n");
-    expect(box.files.get("/tmp/fleet/instruction.md")).toEqual({
-      content: "Print the answer.",
-      user: AGENT_USER,
-    });
+    expect(provider.putCalls.map((p) => p.dir)).toEqual(["/solution"]);
 
+    // One exec writes the instruction file (from stdin, behind a fresh nonce) and runs the command.
     expect(provider.execCalls).toHaveLength(1);
     const call = provider.execCalls[0]!;
-    expect(call.argv).toEqual(["bash", "/solution/solve.sh"]);
+    const agentCall = agentExec(call);
+    expect(agentCall.writer).toEqual(WRITER);
+    expect(agentCall.argv).toEqual(["bash", "/solution/solve.sh"]);
+    expect(agentCall.instruction).toBe("Print the answer.");
+    expect(agentCall.nonce).toMatch(/^[0-9a-f]{32}$/);
     expect(call.options).toMatchObject({
       cwd: "/workspace",
       user: AGENT_USER,
@@ -114,7 +137,8 @@ describe("CommandHarness", () => {
       ctx(spec, { env: { SHARED: "from-worker", GATEWAY: "http://gw" } }),
     );
     const call = provider.execCalls[0]!;
-    expect(call.argv).toEqual(["my-agent", "--fast"]);
+    expect(agentExec(call).argv).toEqual(["my-agent", "--fast"]);
+    expect(agentExec(call).instruction).toBe("Print the answer.");
     expect(call.options).toMatchObject({ cwd: "/workspace", user: AGENT_USER });
     expect(call.options.env).toEqual({
       MODE: "agent",
@@ -122,14 +146,26 @@ describe("CommandHarness", () => {
       GATEWAY: "http://gw",
       FLEET_INSTRUCTION_FILE: "/tmp/fleet/instruction.md",
     });
-    expect(provider.sandbox(handle).files.get("/tmp/fleet/instruction.md")?.content).toBe(
-      "Print the answer.",
-    );
     // The solution is never staged for a non-oracle agent.
     expect([...provider.sandbox(handle).files.keys()].some((p) => p.startsWith("/solution"))).toBe(false);
     expect(outcome.exec.exitCode).toBe(3);
     expect(outcome.answer).toBe("done");
     expect(outcome.usage).toBeNull();
+  });
+
+  it("a failed instruction write (the writer's nonce line, exit 97) is invalid_task; the agent's own exit 97 is graded", async () => {
+    provider.onExec = (call) => ({
+      exitCode: 97,
+      stderr: `cat: /tmp/fleet/instruction.md: No space left on device\n\n${agentExec(call).nonce} instruction-failed\n`,
+    });
+    const err = await rejection(createHarness(AgentSpec.parse(spec)).run(ctx(spec)));
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["invalid_task", false]);
+    expect((err as Error).message).toContain("No space left on device");
+
+    // The same words without the writer's nonce: the agent's own output, graded as it is.
+    provider.onExec = () => ({ exitCode: 97, stderr: `\n${"0".repeat(32)} instruction-failed\n` });
+    const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
+    expect(outcome.exec.exitCode).toBe(97);
   });
 
   it("caps the answer and keeps bounded tails of stdout/stderr", async () => {

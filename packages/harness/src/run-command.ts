@@ -1,3 +1,4 @@
+import { randomBytes } from "node:crypto";
 import { capText, type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import {
@@ -78,9 +79,29 @@ export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
 }
 
 /**
- * The shared body of the oracle and command harnesses: write the instruction file, stage
- * `files` (if any), run `argv` as the agent user in /workspace until the deadline, and turn the
- * result into an outcome whose answer is the trimmed stdout.
+ * Runs before the agent's command, in the same exec and as the same user: reads a nonce line from
+ * stdin, writes the rest of stdin to the instruction file (`$2`, in directory `$1`), then replaces
+ * itself with the command (`$3…`), whose stdin is then at its end. A failed write is reported as
+ * `<nonce> instruction-failed` after a newline on stderr, exit 97: the nonce never reaches the
+ * command (not in argv or the environment, and gone with the shell), so the agent cannot fake it.
+ */
+export const WITH_INSTRUCTION_SCRIPT = `IFS= read -r nonce
+if ! { mkdir -p -- "$1" && cat > "$2"; }; then
+  printf '\\n%s instruction-failed\\n' "$nonce" >&2; exit 97
+fi
+unset nonce
+shift 2
+exec "$@"`;
+
+/** The exec's argv: `argv` behind the instruction writer (see `WITH_INSTRUCTION_SCRIPT`). */
+export function withInstructionArgv(argv: readonly string[]): string[] {
+  return ["sh", "-c", WITH_INSTRUCTION_SCRIPT, "fleet-agent", FLEET_DIR, INSTRUCTION_FILE, ...argv];
+}
+
+/**
+ * The shared body of the oracle and command harnesses: stage `files` (if any), then in one exec
+ * write the instruction file and run `argv` as the agent user in /workspace until the deadline,
+ * and turn the result into an outcome whose answer is the trimmed stdout.
  */
 export async function runAgentCommand(
   ctx: HarnessContext,
@@ -92,9 +113,6 @@ export async function runAgentCommand(
   } = {},
 ): Promise<HarnessOutcome> {
   const { provider, handle, task } = ctx;
-  await providerStep(ctx, "write the instruction file", () =>
-    provider.put(handle, FLEET_DIR, { "instruction.md": task.instruction }, { user: AGENT_USER }),
-  );
   const stage = options.stage;
   if (stage !== undefined) {
     await providerStep(ctx, `stage ${stage.dir}`, () =>
@@ -103,18 +121,26 @@ export async function runAgentCommand(
   }
 
   const remainingMs = Math.floor(ctx.deadlineMs - Date.now());
+  const nonce = randomBytes(16).toString("hex");
   const exec =
     remainingMs <= 0
       ? deadlinePassed()
       : await providerStep(ctx, "run the agent command", () =>
-          provider.exec(handle, argv, {
+          provider.exec(handle, withInstructionArgv(argv), {
             deadlineMs: remainingMs,
             cwd: SANDBOX_PATHS.workspace,
             user: AGENT_USER,
             env: { ...options.env, ...ctx.env, [INSTRUCTION_ENV]: INSTRUCTION_FILE },
+            stdin: `${nonce}\n${task.instruction}`,
             maxOutputBytes: EXEC_OUTPUT_BYTES,
           }),
         );
+  if (exec.exitCode === 97 && exec.stderr.includes(`\n${nonce} instruction-failed\n`)) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `writing the instruction file ${INSTRUCTION_FILE} as ${AGENT_USER} failed: ${capText(exec.stderr.trim(), 500)}`,
+    );
+  }
 
   return {
     exec: {
