@@ -182,12 +182,18 @@ export function planPut(
 /**
  * Shell fragment: when `$2` is 1 and directory `$1` exists, delete everything in it and exit 3
  * naming what is left if anything could not be deleted (e.g. a file of another user in a sticky
- * directory: the sandbox's root has no capabilities).
+ * directory: the sandbox's root has no capabilities), or when the directory cannot be listed
+ * (fail closed). Before exiting it drains stdin, so a caller streaming an archive sees this
+ * error rather than a broken pipe.
  */
 const CLEAR_DIR = `if [ "$2" = 1 ] && [ -d "$1" ]; then
   find "$1" -mindepth 1 -delete 2>/dev/null
-  if [ -n "$(ls -A "$1" 2>/dev/null)" ]; then
-    echo "cannot clear $1, left: $(ls -A "$1" | head -n 5 | tr '\\n' ' ')" >&2; exit 3
+  if ! left=$(ls -A -- "$1" 2>&1); then
+    echo "cannot clear $1: cannot list it: $left" >&2; cat > /dev/null 2>&1; exit 3
+  fi
+  if [ -n "$left" ]; then
+    echo "cannot clear $1, left: $(printf '%s\\n' "$left" | head -n 5 | tr '\\n' ' ')" >&2
+    cat > /dev/null 2>&1; exit 3
   fi
 fi`;
 

@@ -12,7 +12,7 @@ import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } 
 import { beforeEach, describe, expect, it } from "vitest";
 import { parseReward } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
-import { parseRunReport, REWARD_FILE, RUN_TESTS_SCRIPT, verify } from "./verify.ts";
+import { parseRunReport, REWARD_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
 
 const TESTS_TASK = TaskContent.parse({
   id: "t1",
@@ -41,7 +41,7 @@ const nonceOf = (call: ExecCall) => String(call.options.stdin ?? "").trim();
  */
 function script(outcome: (call: ExecCall, box: FakeSandbox) => TestsOutcome | Promise<TestsOutcome>): void {
   provider.onExec = async (call, box) => {
-    expect(call.argv).toEqual(["bash", "-c", RUN_TESTS_SCRIPT, "fleet-verify"]);
+    expect(call.argv).toEqual(RUN_TESTS_ARGV);
     log.push("tests");
     const nonce = nonceOf(call);
     for (const path of [...box.files.keys()]) if (path.startsWith("/logs/verifier/")) box.files.delete(path);
@@ -190,13 +190,26 @@ describe("tests verifier", () => {
     expect(provider.execCalls).toHaveLength(0);
   });
 
-  it("never grades when the runner did not say it started the tests (exit 0 or not)", async () => {
-    for (const exitCode of [0, 1]) {
+  it("never grades when the runner did not say it started the tests (exit 0 or not): retried, then masked", async () => {
+    for (const exitCode of [0, 1, 4]) {
       provider.onExec = () => ({ exitCode, stdout: "looks fine" });
       const err = await failure(verify(ctx()));
-      expect([err.kind, err.retryable]).toEqual(["verifier_error", false]);
+      expect([err.kind, err.retryable]).toEqual(["verifier_error", true]);
+      expect(classifyFailure(err.kind).outcome).toBe("mask");
       expect(err.message).toContain("did not start");
     }
+  });
+
+  it("a shell warning before the ready line stays in the tests' stderr; the grade stands", async () => {
+    const warning = "bash: warning: setlocale: LC_ALL: cannot change locale (en_US.UTF-8)\n";
+    script(() => ({ exitCode: 0, reward: "0.5" }));
+    const scripted = provider.onExec;
+    provider.onExec = async (call, box) => {
+      const r = await scripted(call, box);
+      return { ...r, stderr: `${warning}${r.stderr}` };
+    };
+    const verdict = await verify(ctx());
+    expect(verdict).toMatchObject({ reward: 0.5, details: { source: "reward_file", stderrTail: warning } });
   });
 
   it("a report line with another nonce is the tests' own output, not a reward", async () => {
@@ -334,7 +347,13 @@ describe("parseRunReport", () => {
       ready: false,
       report: { kind: "prepare", reason: "cannot clear it" },
     });
-    expect(parseRunReport(`oops\n${nonce} ready\n`, nonce).ready).toBe(false);
+    // A line before it (a shell warning) is the tests' stderr; the ready line must start a line.
+    expect(parseRunReport(`oops\n${nonce} ready\n\n${nonce} none\n`, nonce)).toEqual({
+      stderr: "oops\n",
+      ready: true,
+      report: { kind: "none" },
+    });
+    expect(parseRunReport(`oops ${nonce} ready\n`, nonce).ready).toBe(false);
   });
 });
 

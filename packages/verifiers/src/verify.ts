@@ -52,7 +52,7 @@ function assertNever(x: never): never {
  * and exits with the tests' status. Reports go to stderr after the tests' own output, each as a
  * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again.
  */
-export const RUN_TESTS_SCRIPT = `IFS= read -r nonce
+export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
 rm -rf /logs/verifier 2>/dev/null
 if [ -e /logs/verifier ] || [ -L /logs/verifier ]; then
@@ -70,6 +70,12 @@ else report unreadable
 fi
 exit $rc`;
 
+/**
+ * No startup files (a shell whose stdin is a socket, as bubblewrap's, would read ~/.bashrc and
+ * could print before the ready line or change what the tests see).
+ */
+export const RUN_TESTS_ARGV = ["bash", "--norc", "--noprofile", "-c", RUN_TESTS_SCRIPT, "fleet-verify"];
+
 /** What the tests' exec reported after the tests ran (see `RUN_TESTS_SCRIPT`). */
 export type RunReport =
   | { kind: "prepare"; reason: string }
@@ -79,18 +85,21 @@ export type RunReport =
   | { kind: "read" };
 
 /**
- * Split the tests' stderr into their own output and the script's lines. `ready`: the first line
- * proves /logs/verifier was cleared and the tests started; without it nothing may be graded. The
- * report is the last `\n<nonce> ` line; without one (the cap cut it off), or when the inline
- * reward's size does not match, the reward file is read apart.
+ * Split the tests' stderr into their own output and the script's lines. `ready`: the line
+ * `<nonce> ready` (first of the script's own, so near the head the output cap keeps; a shell
+ * warning may come before it) proves /logs/verifier was cleared and the tests started; without it
+ * nothing may be graded. The report is the last `\n<nonce> ` line; without one (the cap cut it
+ * off), or when the inline reward's size does not match, the reward file is read apart.
  */
 export function parseRunReport(
   raw: string,
   nonce: string,
 ): { stderr: string; ready: boolean; report: RunReport } {
-  const head = `${nonce} ready\n`;
-  const ready = raw.startsWith(head);
-  const { stderr, report } = lastReport(ready ? raw.slice(head.length) : raw, nonce);
+  const line = `${nonce} ready\n`;
+  const at = raw.startsWith(line) ? 0 : raw.indexOf(`\n${line}`) + 1;
+  const ready = at > 0 || raw.startsWith(line);
+  const rest = ready ? raw.slice(0, at) + raw.slice(at + line.length) : raw;
+  const { stderr, report } = lastReport(rest, nonce);
   return { stderr, ready, report };
 }
 
@@ -139,7 +148,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   );
   const nonce = randomBytes(16).toString("hex");
   const ran: ExecResult = await step(ctx, "run the tests", () =>
-    provider.exec(handle, ["bash", "-c", RUN_TESTS_SCRIPT, "fleet-verify"], {
+    provider.exec(handle, RUN_TESTS_ARGV, {
       deadlineMs: remaining(),
       cwd: SANDBOX_PATHS.workspace,
       user: ROOT_USER,
@@ -149,11 +158,18 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   const { stderr, ready, report } = parseRunReport(ran.stderr, nonce);
   const result = { ...ran, stderr };
   if (!ready && !result.timedOut) {
-    const why =
-      report.kind === "prepare"
-        ? `could not prepare a clean /logs/verifier: ${report.reason}`
-        : `the tests' runner did not start (exit ${ran.exitCode}): ${stderr.trim()}`;
-    throw FleetError.nonRetryable("verifier_error", capText(why, 600));
+    // A planted /logs/verifier is final; a runner that never said it started (its stdin lost,
+    // say) may do better on a retry, and is masked once the attempts run out.
+    if (report.kind === "prepare") {
+      throw FleetError.nonRetryable(
+        "verifier_error",
+        capText(`could not prepare a clean /logs/verifier: ${report.reason}`, 600),
+      );
+    }
+    throw FleetError.retryable(
+      "verifier_error",
+      capText(`the tests' runner did not start (exit ${ran.exitCode}): ${stderr.trim()}`, 600),
+    );
   }
 
   const details: Record<string, unknown> = {

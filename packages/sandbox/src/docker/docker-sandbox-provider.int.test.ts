@@ -266,6 +266,20 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
       expect(err.message).toContain("left: roots");
       expect(await list("/tmp/st")).toBe("./roots\n");
+
+      // A directory that cannot be listed is not taken for empty (fail closed).
+      await provider.exec(
+        h,
+        ["sh", "-c", "mkdir -p /tmp/nr && touch /tmp/nr/conftest.py && chmod 0333 /tmp/nr"],
+        {
+          deadlineMs: 10_000,
+        },
+      );
+      const unlisted = await fleetError(provider.put(h, "/tmp/nr", { "x.txt": "x" }, { replace: true }));
+      expect([unlisted.kind, unlisted.message]).toEqual([
+        "invalid_task",
+        expect.stringContaining("cannot list"),
+      ]);
     });
 
     it("probes isolation: own PID namespace, own PID 1, host invisible", async () => {
