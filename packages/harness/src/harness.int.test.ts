@@ -125,7 +125,7 @@ describe("harnesses in a real Docker sandbox", () => {
         [
           'stat -c "%u %a" "$FLEET_INSTRUCTION_FILE"',
           'cat "$FLEET_INSTRUCTION_FILE"; echo',
-          'echo "stdin=[$(cat)]"',
+          'echo "stdin=[$(cat)] $(readlink /proc/self/fd/0)"',
           // Everything the agent's user can read of its own and its parent's process.
           "for p in $$ $PPID; do tr '\\0' ' ' < /proc/$p/cmdline; tr '\\0' ' ' < /proc/$p/environ; done",
         ].join("; "),
@@ -134,7 +134,11 @@ describe("harnesses in a real Docker sandbox", () => {
     const outcome = await createHarness(AgentSpec.parse(agent)).run({ ...ctx(handle, agent), provider: spy });
     expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
     const [owner, instruction, empty] = outcome.exec.stdout.split("\n");
-    expect([owner, instruction, empty]).toEqual(["1000 644", "Report who and where you are.", "stdin=[]"]);
+    expect([owner, instruction, empty]).toEqual([
+      "1000 644",
+      "Report who and where you are.",
+      "stdin=[] /dev/null",
+    ]);
     const nonce = stdin.slice(0, stdin.indexOf("\n"));
     expect(nonce).toMatch(/^[0-9a-f]{32}$/);
     expect(outcome.exec.stdout).not.toContain(nonce);

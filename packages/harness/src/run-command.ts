@@ -81,7 +81,8 @@ export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
 /**
  * Runs before the agent's command, in the same exec and as the same user: reads a nonce line from
  * stdin, writes the rest of stdin to the instruction file (`$2`, in directory `$1`), then replaces
- * itself with the command (`$3…`), whose stdin is then at its end. A failed write is reported as
+ * itself with the command (`$3…`) on /dev/null, as a command without stdin had it (a socket stdin,
+ * as bubblewrap's, would also make a `bash -c` agent read ~/.bashrc). A failed write is reported as
  * `<nonce> instruction-failed` after a newline on stderr, exit 97: the nonce never reaches the
  * command (not in argv or the environment, and gone with the shell), so the agent cannot fake it.
  */
@@ -91,7 +92,7 @@ if ! { mkdir -p -- "$1" && cat > "$2"; }; then
 fi
 unset nonce
 shift 2
-exec "$@"`;
+exec "$@" < /dev/null`;
 
 /** The exec's argv: `argv` behind the instruction writer (see `WITH_INSTRUCTION_SCRIPT`). */
 export function withInstructionArgv(argv: readonly string[]): string[] {
