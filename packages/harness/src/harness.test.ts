@@ -1,19 +1,28 @@
 import {
   AgentSpec,
   type AgentSpecInput,
+  type ExecResult,
   FleetError,
   isFleetError,
   type SandboxHandle,
   TaskContent,
 } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
-import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { type ExecCall, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { createHarness } from "./create-harness.ts";
 import { agentDeadline } from "./deadline.ts";
 import type { HarnessContext } from "./harness.ts";
 import { WITH_INSTRUCTION_SCRIPT } from "./run-command.ts";
 import { stageWorkspace } from "./stage-workspace.ts";
+
+/** The command's result as the writer delivers it: its `<nonce> started` line first on stderr. */
+function started(result: Partial<ExecResult>) {
+  return (call: ExecCall): Partial<ExecResult> => ({
+    ...result,
+    stderr: `${agentExec(call).nonce} started\n${result.stderr ?? ""}`,
+  });
+}
 
 /** The agent's exec split into the instruction writer's part and the command itself. */
 function agentExec(call: { argv: string[]; options: { stdin?: string } }) {
@@ -80,7 +89,7 @@ async function rejection(promise: Promise<unknown>): Promise<unknown> {
 
 describe("OracleHarness", () => {
   it("stages the solution, and runs solve.sh as the agent in /workspace behind the instruction writer", async () => {
-    provider.onExec = () => ({ stdout: "  42\n" });
+    provider.onExec = started({ stdout: "  42\n" });
     const spec = { harness: "oracle" } as const;
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
 
@@ -132,7 +141,7 @@ describe("CommandHarness", () => {
   };
 
   it("runs argv with the instruction file named in the environment; ctx.env wins over agent env", async () => {
-    provider.onExec = () => ({ stdout: "done\n", exitCode: 3 });
+    provider.onExec = started({ stdout: "done\n", exitCode: 3, stderr: "warn\n" });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(
       ctx(spec, { env: { SHARED: "from-worker", GATEWAY: "http://gw" } }),
     );
@@ -149,6 +158,7 @@ describe("CommandHarness", () => {
     // The solution is never staged for a non-oracle agent.
     expect([...provider.sandbox(handle).files.keys()].some((p) => p.startsWith("/solution"))).toBe(false);
     expect(outcome.exec.exitCode).toBe(3);
+    expect(outcome.exec.stderr).toBe("warn\n"); // the writer's start line taken off
     expect(outcome.answer).toBe("done");
     expect(outcome.usage).toBeNull();
   });
@@ -163,13 +173,25 @@ describe("CommandHarness", () => {
     expect((err as Error).message).toContain("No space left on device");
 
     // The same words without the writer's nonce: the agent's own output, graded as it is.
-    provider.onExec = () => ({ exitCode: 97, stderr: `\n${"0".repeat(32)} instruction-failed\n` });
+    provider.onExec = started({ exitCode: 97, stderr: `\n${"0".repeat(32)} instruction-failed\n` });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
     expect(outcome.exec.exitCode).toBe(97);
   });
 
+  it("an exec whose output lost the writer's start line is provider_unavailable (masked), never graded", async () => {
+    for (const exitCode of [0, 126]) {
+      provider.onExec = () => ({ exitCode, stdout: "" });
+      const err = await rejection(createHarness(AgentSpec.parse(spec)).run(ctx(spec)));
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+    }
+    // Killed at its deadline before the line: graded as it stands (exit -1), as any timed-out run.
+    provider.onExec = () => ({ exitCode: -1, timedOut: true });
+    const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
+    expect(outcome.exec).toMatchObject({ exitCode: -1, timedOut: true });
+  });
+
   it("caps the answer and keeps bounded tails of stdout/stderr", async () => {
-    provider.onExec = () => ({ stdout: `${"a".repeat(10_000)}END`, stderr: `${"e".repeat(9000)}LAST` });
+    provider.onExec = started({ stdout: `${"a".repeat(10_000)}END`, stderr: `${"e".repeat(9000)}LAST` });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
     expect(outcome.answer?.length).toBe(4000);
     expect(outcome.answer?.endsWith("…[truncated]")).toBe(true);
@@ -181,7 +203,7 @@ describe("CommandHarness", () => {
   });
 
   it("passes the provider's timeout envelope through (exit -1, partial output kept)", async () => {
-    provider.onExec = () => ({ exitCode: -1, timedOut: true, stdout: "partial" });
+    provider.onExec = started({ exitCode: -1, timedOut: true, stdout: "partial" });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
     expect(outcome.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(outcome.answer).toBe("partial");

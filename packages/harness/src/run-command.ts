@@ -83,16 +83,27 @@ export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
  * stdin, writes the rest of stdin to the instruction file (`$2`, in directory `$1`), then replaces
  * itself with the command (`$3…`) on /dev/null, as a command without stdin had it (a socket stdin,
  * as bubblewrap's, would also make a `bash -c` agent read ~/.bashrc). A failed write is reported as
- * `<nonce> instruction-failed` after a newline on stderr, exit 97: the nonce never reaches the
- * command (not in argv or the environment, and gone with the shell), so the agent cannot fake it.
+ * `<nonce> instruction-failed` after a newline on stderr, exit 97; a good one as the line
+ * `<nonce> started` first on stderr, which proves the exec's output reached us from its start (a
+ * transport that dropped the stream when stdin ended must not turn into an empty answer, graded
+ * 0). The nonce never reaches the command (not in argv or the environment, and gone with the
+ * shell), so the agent can fake neither line.
  */
 export const WITH_INSTRUCTION_SCRIPT = `IFS= read -r nonce
 if ! { mkdir -p -- "$1" && cat > "$2"; }; then
   printf '\\n%s instruction-failed\\n' "$nonce" >&2; exit 97
 fi
+printf '%s started\\n' "$nonce" >&2
 unset nonce
 shift 2
 exec "$@" < /dev/null`;
+
+/** `text` without `line`, which must start it or follow a newline; null when it is not there. */
+function takeLine(text: string, line: string): string | null {
+  const at = text.startsWith(line) ? 0 : text.indexOf(`\n${line}`) + 1;
+  if (at === 0 && !text.startsWith(line)) return null;
+  return text.slice(0, at) + text.slice(at + line.length);
+}
 
 /** The exec's argv: `argv` behind the instruction writer (see `WITH_INSTRUCTION_SCRIPT`). */
 export function withInstructionArgv(argv: readonly string[]): string[] {
@@ -141,6 +152,18 @@ export async function runAgentCommand(
       "invalid_task",
       `writing the instruction file ${INSTRUCTION_FILE} as ${AGENT_USER} failed: ${capText(exec.stderr.trim(), 500)}`,
     );
+  }
+  if (remainingMs > 0) {
+    const started = takeLine(exec.stderr, `${nonce} started\n`);
+    // Without the line the command's output cannot be trusted (a command killed at its deadline
+    // before the line is graded as it stands, on nothing).
+    if (started === null && !exec.timedOut) {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `the agent's exec returned without its start line (exit ${exec.exitCode}): its output was lost on the way`,
+      );
+    }
+    if (started !== null) exec.stderr = started;
   }
 
   return {

@@ -8,7 +8,8 @@ import { join } from "node:path";
  * through it (`DOCKER_HOST=unix://<socketPath>`), so `cut()` makes the daemon unreachable for
  * them alone (every open connection dropped, the socket gone: connect fails with ENOENT, as
  * when dockerd is stopped), and `restore()` brings it back. Other users of the daemon are not
- * disturbed.
+ * disturbed. Half-closes pass through, as on a direct connection: an exec's client ends its
+ * stdin and still reads the output that follows.
  */
 export class DockerProxy {
   readonly socketPath: string;
@@ -39,9 +40,9 @@ export class DockerProxy {
 
   private async listen(): Promise<void> {
     if (existsSync(this.socketPath)) unlinkSync(this.socketPath);
-    const server = createServer((client) => {
+    const server = createServer({ allowHalfOpen: true }, (client) => {
       this.connections++;
-      const upstream = connect(this.target);
+      const upstream = connect({ path: this.target, allowHalfOpen: true });
       this.open.add(client);
       this.open.add(upstream);
       const drop = () => {
