@@ -109,41 +109,6 @@ describe("harnesses in a real Docker sandbox", () => {
     expect(outcome.answer).toBe("hi from 1000\n/tmp/fleet/instruction.md");
   });
 
-  it("the instruction file is the agent's, its stdin is at its end, and the writer's nonce is nowhere it can look", async () => {
-    const handle = await sandbox("writer");
-    let stdin = "";
-    const spy: typeof provider = Object.create(provider);
-    spy.exec = (h, argv, options) => {
-      stdin = options.stdin ?? "";
-      return provider.exec(h, argv, options);
-    };
-    const agent: AgentSpecInput = {
-      harness: "command",
-      argv: [
-        "bash",
-        "-c",
-        [
-          'stat -c "%u %a" "$FLEET_INSTRUCTION_FILE"',
-          'cat "$FLEET_INSTRUCTION_FILE"; echo',
-          'echo "stdin=[$(cat)] $(readlink /proc/self/fd/0)"',
-          // Everything the agent's user can read of its own and its parent's process.
-          "for p in $$ $PPID; do tr '\\0' ' ' < /proc/$p/cmdline; tr '\\0' ' ' < /proc/$p/environ; done",
-        ].join("; "),
-      ],
-    };
-    const outcome = await createHarness(AgentSpec.parse(agent)).run({ ...ctx(handle, agent), provider: spy });
-    expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
-    const [owner, instruction, empty] = outcome.exec.stdout.split("\n");
-    expect([owner, instruction, empty]).toEqual([
-      "1000 644",
-      "Report who and where you are.",
-      "stdin=[] /dev/null",
-    ]);
-    const nonce = stdin.slice(0, stdin.indexOf("\n"));
-    expect(nonce).toMatch(/^[0-9a-f]{32}$/);
-    expect(outcome.exec.stdout).not.toContain(nonce);
-  });
-
   it("a command past its deadline is killed: exit -1, partial output kept", async () => {
     const handle = await sandbox("timeout");
     const agent: AgentSpecInput = { harness: "command", argv: ["bash", "-c", "echo started; exec sleep 60"] };

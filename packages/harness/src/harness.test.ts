@@ -1,48 +1,18 @@
 import {
   AgentSpec,
   type AgentSpecInput,
-  type ExecResult,
   FleetError,
   isFleetError,
   type SandboxHandle,
   TaskContent,
 } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
-import { type ExecCall, InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { createHarness } from "./create-harness.ts";
 import { agentDeadline } from "./deadline.ts";
 import type { HarnessContext } from "./harness.ts";
-import { WITH_INSTRUCTION_SCRIPT } from "./run-command.ts";
 import { stageWorkspace } from "./stage-workspace.ts";
-
-/** The command's result as the writer delivers it: its `<nonce> started` line first on stderr. */
-function started(result: Partial<ExecResult>) {
-  return (call: ExecCall): Partial<ExecResult> => ({
-    ...result,
-    stderr: `${agentExec(call).nonce} started\n${result.stderr ?? ""}`,
-  });
-}
-
-/** The agent's exec split into the instruction writer's part and the command itself. */
-function agentExec(call: { argv: string[]; options: { stdin?: string } }) {
-  const stdin = call.options.stdin ?? "";
-  const eol = stdin.indexOf("\n");
-  return {
-    writer: call.argv.slice(0, 6),
-    argv: call.argv.slice(6),
-    nonce: stdin.slice(0, eol),
-    instruction: stdin.slice(eol + 1),
-  };
-}
-const WRITER = [
-  "sh",
-  "-c",
-  WITH_INSTRUCTION_SCRIPT,
-  "fleet-agent",
-  "/tmp/fleet",
-  "/tmp/fleet/instruction.md",
-];
 
 const TASK = TaskContent.parse({
   id: "t1",
@@ -88,24 +58,22 @@ async function rejection(promise: Promise<unknown>): Promise<unknown> {
 }
 
 describe("OracleHarness", () => {
-  it("stages the solution, and runs solve.sh as the agent in /workspace behind the instruction writer", async () => {
-    provider.onExec = started({ stdout: "  42\n" });
+  it("stages the solution and the instruction, runs solve.sh as the agent in /workspace", async () => {
+    provider.onExec = () => ({ stdout: "  42\n" });
     const spec = { harness: "oracle" } as const;
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
 
     const box = provider.sandbox(handle);
     expect(box.files.get("/solution/solve.sh")).toEqual({ content: "echo 42\n", user: ROOT_USER });
     expect(box.files.get("/solution/helper.py")?.content).toBe("print(1)\n");
-    expect(provider.putCalls.map((p) => p.dir)).toEqual(["/solution"]);
+    expect(box.files.get("/tmp/fleet/instruction.md")).toEqual({
+      content: "Print the answer.",
+      user: AGENT_USER,
+    });
 
-    // One exec writes the instruction file (from stdin, behind a fresh nonce) and runs the command.
     expect(provider.execCalls).toHaveLength(1);
     const call = provider.execCalls[0]!;
-    const agentCall = agentExec(call);
-    expect(agentCall.writer).toEqual(WRITER);
-    expect(agentCall.argv).toEqual(["bash", "/solution/solve.sh"]);
-    expect(agentCall.instruction).toBe("Print the answer.");
-    expect(agentCall.nonce).toMatch(/^[0-9a-f]{32}$/);
+    expect(call.argv).toEqual(["bash", "/solution/solve.sh"]);
     expect(call.options).toMatchObject({
       cwd: "/workspace",
       user: AGENT_USER,
@@ -141,13 +109,12 @@ describe("CommandHarness", () => {
   };
 
   it("runs argv with the instruction file named in the environment; ctx.env wins over agent env", async () => {
-    provider.onExec = started({ stdout: "done\n", exitCode: 3, stderr: "warn\n" });
+    provider.onExec = () => ({ stdout: "done\n", exitCode: 3 });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(
       ctx(spec, { env: { SHARED: "from-worker", GATEWAY: "http://gw" } }),
     );
     const call = provider.execCalls[0]!;
-    expect(agentExec(call).argv).toEqual(["my-agent", "--fast"]);
-    expect(agentExec(call).instruction).toBe("Print the answer.");
+    expect(call.argv).toEqual(["my-agent", "--fast"]);
     expect(call.options).toMatchObject({ cwd: "/workspace", user: AGENT_USER });
     expect(call.options.env).toEqual({
       MODE: "agent",
@@ -155,43 +122,18 @@ describe("CommandHarness", () => {
       GATEWAY: "http://gw",
       FLEET_INSTRUCTION_FILE: "/tmp/fleet/instruction.md",
     });
+    expect(provider.sandbox(handle).files.get("/tmp/fleet/instruction.md")?.content).toBe(
+      "Print the answer.",
+    );
     // The solution is never staged for a non-oracle agent.
     expect([...provider.sandbox(handle).files.keys()].some((p) => p.startsWith("/solution"))).toBe(false);
     expect(outcome.exec.exitCode).toBe(3);
-    expect(outcome.exec.stderr).toBe("warn\n"); // the writer's start line taken off
     expect(outcome.answer).toBe("done");
     expect(outcome.usage).toBeNull();
   });
 
-  it("a failed instruction write (the writer's nonce line, exit 97) is invalid_task; the agent's own exit 97 is graded", async () => {
-    provider.onExec = (call) => ({
-      exitCode: 97,
-      stderr: `cat: /tmp/fleet/instruction.md: No space left on device\n\n${agentExec(call).nonce} instruction-failed\n`,
-    });
-    const err = await rejection(createHarness(AgentSpec.parse(spec)).run(ctx(spec)));
-    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["invalid_task", false]);
-    expect((err as Error).message).toContain("No space left on device");
-
-    // The same words without the writer's nonce: the agent's own output, graded as it is.
-    provider.onExec = started({ exitCode: 97, stderr: `\n${"0".repeat(32)} instruction-failed\n` });
-    const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
-    expect(outcome.exec.exitCode).toBe(97);
-  });
-
-  it("an exec whose output lost the writer's start line is provider_unavailable (masked), never graded", async () => {
-    for (const exitCode of [0, 126]) {
-      provider.onExec = () => ({ exitCode, stdout: "" });
-      const err = await rejection(createHarness(AgentSpec.parse(spec)).run(ctx(spec)));
-      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
-    }
-    // Killed at its deadline before the line: graded as it stands (exit -1), as any timed-out run.
-    provider.onExec = () => ({ exitCode: -1, timedOut: true });
-    const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
-    expect(outcome.exec).toMatchObject({ exitCode: -1, timedOut: true });
-  });
-
   it("caps the answer and keeps bounded tails of stdout/stderr", async () => {
-    provider.onExec = started({ stdout: `${"a".repeat(10_000)}END`, stderr: `${"e".repeat(9000)}LAST` });
+    provider.onExec = () => ({ stdout: `${"a".repeat(10_000)}END`, stderr: `${"e".repeat(9000)}LAST` });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
     expect(outcome.answer?.length).toBe(4000);
     expect(outcome.answer?.endsWith("…[truncated]")).toBe(true);
@@ -203,7 +145,7 @@ describe("CommandHarness", () => {
   });
 
   it("passes the provider's timeout envelope through (exit -1, partial output kept)", async () => {
-    provider.onExec = started({ exitCode: -1, timedOut: true, stdout: "partial" });
+    provider.onExec = () => ({ exitCode: -1, timedOut: true, stdout: "partial" });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
     expect(outcome.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(outcome.answer).toBe("partial");

@@ -1,4 +1,3 @@
-import { randomBytes } from "node:crypto";
 import { capText, type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import {
@@ -79,41 +78,9 @@ export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
 }
 
 /**
- * Runs before the agent's command, in the same exec and as the same user: reads a nonce line from
- * stdin, writes the rest of stdin to the instruction file (`$2`, in directory `$1`), then replaces
- * itself with the command (`$3…`) on /dev/null, as a command without stdin had it (a socket stdin,
- * as bubblewrap's, would also make a `bash -c` agent read ~/.bashrc). A failed write is reported as
- * `<nonce> instruction-failed` after a newline on stderr, exit 97; a good one as the line
- * `<nonce> started` first on stderr, which proves the exec's output reached us from its start (a
- * transport that dropped the stream when stdin ended must not turn into an empty answer, graded
- * 0). The nonce never reaches the command (not in argv or the environment, and gone with the
- * shell), so the agent can fake neither line.
- */
-export const WITH_INSTRUCTION_SCRIPT = `IFS= read -r nonce
-if ! { mkdir -p -- "$1" && cat > "$2"; }; then
-  printf '\\n%s instruction-failed\\n' "$nonce" >&2; exit 97
-fi
-printf '%s started\\n' "$nonce" >&2
-unset nonce
-shift 2
-exec "$@" < /dev/null`;
-
-/** `text` without `line`, which must start it or follow a newline; null when it is not there. */
-function takeLine(text: string, line: string): string | null {
-  const at = text.startsWith(line) ? 0 : text.indexOf(`\n${line}`) + 1;
-  if (at === 0 && !text.startsWith(line)) return null;
-  return text.slice(0, at) + text.slice(at + line.length);
-}
-
-/** The exec's argv: `argv` behind the instruction writer (see `WITH_INSTRUCTION_SCRIPT`). */
-export function withInstructionArgv(argv: readonly string[]): string[] {
-  return ["sh", "-c", WITH_INSTRUCTION_SCRIPT, "fleet-agent", FLEET_DIR, INSTRUCTION_FILE, ...argv];
-}
-
-/**
- * The shared body of the oracle and command harnesses: stage `files` (if any), then in one exec
- * write the instruction file and run `argv` as the agent user in /workspace until the deadline,
- * and turn the result into an outcome whose answer is the trimmed stdout.
+ * The shared body of the oracle and command harnesses: write the instruction file, stage
+ * `files` (if any), run `argv` as the agent user in /workspace until the deadline, and turn the
+ * result into an outcome whose answer is the trimmed stdout.
  */
 export async function runAgentCommand(
   ctx: HarnessContext,
@@ -125,6 +92,13 @@ export async function runAgentCommand(
   } = {},
 ): Promise<HarnessOutcome> {
   const { provider, handle, task } = ctx;
+  // A put of its own, not a writer in front of the command in the command's exec (tried, and
+  // reverted): whatever that exec writes, the agent can read back (its output pipes belong to
+  // its uid), so it could carry no proof of a good write or an intact stream that the agent could
+  // not forge, and choosing to be masked instead of graded is a reward hack.
+  await providerStep(ctx, "write the instruction file", () =>
+    provider.put(handle, FLEET_DIR, { "instruction.md": task.instruction }, { user: AGENT_USER }),
+  );
   const stage = options.stage;
   if (stage !== undefined) {
     await providerStep(ctx, `stage ${stage.dir}`, () =>
@@ -133,38 +107,18 @@ export async function runAgentCommand(
   }
 
   const remainingMs = Math.floor(ctx.deadlineMs - Date.now());
-  const nonce = randomBytes(16).toString("hex");
   const exec =
     remainingMs <= 0
       ? deadlinePassed()
       : await providerStep(ctx, "run the agent command", () =>
-          provider.exec(handle, withInstructionArgv(argv), {
+          provider.exec(handle, argv, {
             deadlineMs: remainingMs,
             cwd: SANDBOX_PATHS.workspace,
             user: AGENT_USER,
             env: { ...options.env, ...ctx.env, [INSTRUCTION_ENV]: INSTRUCTION_FILE },
-            stdin: `${nonce}\n${task.instruction}`,
             maxOutputBytes: EXEC_OUTPUT_BYTES,
           }),
         );
-  if (exec.exitCode === 97 && exec.stderr.includes(`\n${nonce} instruction-failed\n`)) {
-    throw FleetError.nonRetryable(
-      "invalid_task",
-      `writing the instruction file ${INSTRUCTION_FILE} as ${AGENT_USER} failed: ${capText(exec.stderr.trim(), 500)}`,
-    );
-  }
-  if (remainingMs > 0) {
-    const started = takeLine(exec.stderr, `${nonce} started\n`);
-    // Without the line the command's output cannot be trusted (a command killed at its deadline
-    // before the line is graded as it stands, on nothing).
-    if (started === null && !exec.timedOut) {
-      throw FleetError.retryable(
-        "provider_unavailable",
-        `the agent's exec returned without its start line (exit ${exec.exitCode}): its output was lost on the way`,
-      );
-    }
-    if (started !== null) exec.stderr = started;
-  }
 
   return {
     exec: {
