@@ -211,32 +211,34 @@ export async function extractViaExec(
   const archive = await buildTar(plan.files, { ...plan.ids, mode });
   const script = `${CLEAR_DIR}
 mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
-  const r = await exec(["sh", "-c", script, "sh", target, replace ? "1" : "0"], {
-    deadlineMs: 120_000,
-    user,
-    stdin: archive,
-    maxOutputBytes: 16 * 1024,
-  });
-  if (r.exitCode !== 0) {
-    throw FleetError.nonRetryable(
-      "invalid_task",
-      `staging ${Object.keys(plan.files).length} file(s) into ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
-    );
-  }
+  const what = `staging ${Object.keys(plan.files).length} file(s) into ${target}`;
+  await stagingScript(exec, script, [target, replace ? "1" : "0"], user, archive, what);
 }
 
 /** Empty directory `target` as `user` (nothing to do when it does not exist); see `CLEAR_DIR`. */
 export async function clearViaExec(exec: SandboxExec, target: string, user: string): Promise<void> {
-  const r = await exec(["sh", "-c", CLEAR_DIR, "sh", target, "1"], {
+  await stagingScript(exec, CLEAR_DIR, [target, "1"], user, null, `clearing ${target}`);
+}
+
+/** Run a staging shell script as `user`; a non-zero exit is final `invalid_task` saying `what` failed. */
+async function stagingScript(
+  exec: SandboxExec,
+  script: string,
+  args: readonly string[],
+  user: string,
+  stdin: Buffer | null,
+  what: string,
+): Promise<void> {
+  const r = await exec(["sh", "-c", script, "sh", ...args], {
     deadlineMs: 120_000,
     user,
-    stdin: null,
+    stdin,
     maxOutputBytes: 16 * 1024,
   });
   if (r.exitCode !== 0) {
     throw FleetError.nonRetryable(
       "invalid_task",
-      `clearing ${target} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
+      `${what} as ${user} failed (exit ${r.exitCode}): ${r.stderr.trim()}`,
     );
   }
 }

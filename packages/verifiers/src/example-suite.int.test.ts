@@ -59,6 +59,19 @@ async function runAndVerify(handle: SandboxHandle, task: TaskContent, input: Age
   return { outcome, verdict };
 }
 
+/** Grade an untouched run, recording which of put/exec/get the verification called. */
+async function verifyCounting(handle: SandboxHandle, task: TaskContent) {
+  const calls: string[] = [];
+  const verdict = await verify({
+    provider: counting(calls),
+    handle,
+    task,
+    run: { answer: null, exec: execResult() },
+    deadlineMs: Date.now() + 120_000,
+  });
+  return { verdict, calls };
+}
+
 /** The provider, recording which of put/exec/get each verification called. */
 function counting(calls: string[]): SandboxProvider {
   return new Proxy(provider, {
@@ -120,34 +133,18 @@ describe("the example suite on real Docker", () => {
 
     // Graded again, counting sandbox calls: staging the tests and one exec that runs them and
     // brings the reward file back.
-    const calls: string[] = [];
-    const again = await verify({
-      provider: counting(calls),
-      handle,
-      task,
-      run: { answer: null, exec: execResult() },
-      deadlineMs: Date.now() + 120_000,
-    });
-    expect(again.reward).toBe(0.75);
-    expect(calls).toEqual(["put", "exec"]);
+    const again = await verifyCounting(handle, task);
+    expect(again.verdict.reward).toBe(0.75);
+    expect(again.calls).toEqual(["put", "exec"]);
   });
 
   it("a reward file over 1 KiB is read apart, as before", async () => {
     const base = tasks.find((t) => t.id === "hello-file")!;
-    const grade = async (testSh: string, label: string) => {
-      const task: TaskContent = { ...base, tests: { "test.sh": testSh } };
-      const handle = await sandbox(task, label);
-      const calls: string[] = [];
-      const verdict = await verify({
-        provider: counting(calls),
-        handle,
-        task,
-        run: { answer: null, exec: execResult() },
-        deadlineMs: Date.now() + 120_000,
-      });
-      return { verdict, calls };
+    const task: TaskContent = {
+      ...base,
+      tests: { "test.sh": `printf '1%2000s' '' > /logs/verifier/reward.txt\n` },
     };
-    const large = await grade(`printf '1%2000s' '' > /logs/verifier/reward.txt\n`, "large-reward");
+    const large = await verifyCounting(await sandbox(task, "large-reward"), task);
     expect(large.verdict).toMatchObject({ reward: 1, details: { source: "reward_file" } });
     expect(large.calls).toEqual(["put", "exec", "get"]);
   });
