@@ -1,3 +1,4 @@
+import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
 import {
   type CleanupReceipt,
@@ -6,6 +7,7 @@ import {
   type SandboxHandle,
   type TaskContent,
 } from "@fleet/contracts";
+import { createHarness } from "@fleet/harness";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -333,6 +335,40 @@ describe("idempotency and fencing without workers", () => {
     expect([provider.finds, provider.created.length, await containersOf([id!])]).toEqual([1, 2, 1]);
     await runStageJob("close", job(id!), deps);
     expect(await containersOf([fresh!, id!])).toBe(0);
+  });
+
+  it("a run re-delivered after an interrupted one starts from the task's workspace, not from its leftovers", async () => {
+    const task = byId("python-bugfix");
+    const original = createHash("md5").update(task.workspace["stats.py"]!).digest("hex");
+    // Lists the workspace and fingerprints the task's file, then dirties both.
+    const argv = [
+      "sh",
+      "-c",
+      "ls -A; md5sum stats.py | cut -d' ' -f1; echo x > leftover.txt; echo x > stats.py",
+    ];
+    const [id] = await fleet.submit([{ task, agent: { harness: "command", argv } }]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    // The first run's worker dies once its agent has run (a retryable failure after the harness).
+    const dies = {
+      ...fleet.deps,
+      createHarness: (...a: Parameters<typeof createHarness>) => {
+        const harness = createHarness(...a);
+        return {
+          name: harness.name,
+          run: async (ctx: Parameters<typeof harness.run>[0]) => {
+            await harness.run(ctx);
+            throw FleetError.retryable("provider_unavailable", "the worker died here");
+          },
+        };
+      },
+    };
+    await expect(runStageJob("run", job(id!), dies)).rejects.toThrow(/the worker died here/);
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    const run = (await fleet.deps.store.get(id!))!.receipts.run!;
+    expect(run.attempts).toBe(2);
+    expect(run.exec.stdout.split("\n").filter(Boolean)).toEqual(["stats.py", original]);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await containersOf([id!])).toBe(0);
   });
 
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {

@@ -18,7 +18,7 @@ import {
   type SandboxEntry,
   sandboxKey,
 } from "@fleet/queue";
-import { AGENT_USER } from "@fleet/sandbox";
+import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError } from "./hand-back.ts";
@@ -201,6 +201,28 @@ async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err:
   return FleetError.nonRetryable("sandbox_lost", `the sandbox disappeared: ${message}`, err);
 }
 
+/**
+ * Put the task's initial workspace back (everything else in /workspace removed), for a run that
+ * starts again after an interrupted one. A workspace that cannot be reset (the previous run made
+ * something undeletable) is `sandbox_lost`: masked, never graded on another run's leftovers.
+ */
+async function resetWorkspace(deps: PipelineDeps, handle: SandboxHandle, task: TaskContent): Promise<void> {
+  try {
+    await deps.provider.put(handle, SANDBOX_PATHS.workspace, task.workspace, {
+      user: AGENT_USER,
+      replace: true,
+    });
+  } catch (err) {
+    if (isFleetError(err) && (err.kind === "provider_unavailable" || err.kind === "sandbox_lost")) throw err;
+    const message = err instanceof Error ? err.message : String(err);
+    throw FleetError.nonRetryable(
+      "sandbox_lost",
+      `could not reset the workspace for a new run: ${message}`,
+      err,
+    );
+  }
+}
+
 export const seed: StageHandler = async (rec, deps) => {
   let task: TaskContent;
   try {
@@ -273,6 +295,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     const leftover = await deps.provider.killProcesses(handle, AGENT_USER);
     if (!leftover.confirmed)
       throw FleetError.retryable("sandbox_lost", "could not stop a previous attempt's processes");
+    // ...and the run starts from the task's workspace, not from what the interrupted one left.
+    await resetWorkspace(deps, handle, task);
   }
 
   const make = deps.createHarness ?? defaultCreateHarness;

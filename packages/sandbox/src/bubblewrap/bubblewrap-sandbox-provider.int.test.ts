@@ -221,6 +221,9 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       deadlineMs: 10_000,
     });
     expect(left.stdout).toBe("./other.sh\n");
+    await provider.put(h, "/workspace", {}, { replace: true });
+    const none = await provider.exec(h, ["sh", "-c", "ls -A /workspace"], { deadlineMs: 10_000 });
+    expect(none).toMatchObject({ exitCode: 0, stdout: "" });
   });
 
   it("has no network: a TCP server on the host's 127.0.0.1 is unreachable", async () => {

@@ -256,6 +256,9 @@ describe("DockerSandboxProvider (real Docker)", () => {
       await provider.put(h, "/workspace/rep", { "a.txt": "1", "d/b.txt": "2" });
       await provider.put(h, "/workspace/rep", { "c.txt": "3" }, { replace: true });
       expect(await list("/workspace/rep")).toBe("./c.txt\n");
+      // No files: the directory is emptied (a task without a workspace, reset for a new run).
+      await provider.put(h, "/workspace/rep", {}, { replace: true });
+      expect(await list("/workspace/rep")).toBe("");
 
       // A root-owned file in a sticky directory the agent user cannot remove: refused, kept.
       await provider.exec(h, ["sh", "-c", "mkdir -p /tmp/st && touch /tmp/st/roots && chmod 1777 /tmp/st"], {
