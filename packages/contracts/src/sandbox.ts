@@ -100,5 +100,11 @@ export const ProbeReport = z.object({
   checks: z.record(z.string(), z.boolean()),
   detail: CappedText,
   durationMs: z.number().nonnegative(),
+  /**
+   * /workspace held nothing when probed (before the task's files are staged): the task's files
+   * are then the whole starting state, and a run restarted after an interrupted one can be put
+   * back to it. False when the image brought files there; absent when not observed.
+   */
+  workspaceEmpty: z.boolean().optional(),
 });
 export type ProbeReport = z.infer<typeof ProbeReport>;

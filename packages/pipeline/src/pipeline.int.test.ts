@@ -371,6 +371,34 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
+  it("a run interrupted after its agent started, on an image with its own /workspace files, is masked, not rerun", async () => {
+    const task = byId("python-bugfix");
+    const [id] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
+    ]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    // As a seed's probe reports an image that brought files into /workspace.
+    const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
+    seedReceipt.probe.workspaceEmpty = false;
+    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
+    // The first launch is claimed, then its worker dies: the re-delivery finds the fence taken.
+    await fleet.deps.store.claimLaunch(id!, "dead-worker:1");
+    const err = await runStageJob("run", job(id!, 1), fleet.deps).then(
+      () => null,
+      (e: unknown) => e,
+    );
+    expect(err).toBeInstanceOf(UnrecoverableError);
+    expect(String((err as Error).message)).toMatch(/sandbox_lost.*cannot be put back/);
+    expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "masked",
+      failureKind: "sandbox_lost",
+      reward: null,
+    });
+    expect(await containersOf([id!])).toBe(0);
+  });
+
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {
     const task = { ...byId("hello-file"), id: `gone-${Date.now()}` };
     const [id] = await fleet.submit([oracle(task)]);

@@ -203,10 +203,23 @@ async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err:
 
 /**
  * Put the task's initial workspace back (everything else in /workspace removed), for a run that
- * starts again after an interrupted one. A workspace that cannot be reset (the previous run made
- * something undeletable) is `sandbox_lost`: masked, never graded on another run's leftovers.
+ * starts again after an interrupted one. Only when the seed's probe saw /workspace empty: files
+ * the image brought there could not be put back, so such a rollout is `sandbox_lost`, as is one
+ * whose workspace cannot be reset (retried first): masked, never graded on another run's leftovers
+ * or on a workspace missing part of its start.
  */
-async function resetWorkspace(deps: PipelineDeps, handle: SandboxHandle, task: TaskContent): Promise<void> {
+async function resetWorkspace(
+  deps: PipelineDeps,
+  handle: SandboxHandle,
+  task: TaskContent,
+  startedEmpty: boolean,
+): Promise<void> {
+  if (!startedEmpty) {
+    throw FleetError.nonRetryable(
+      "sandbox_lost",
+      "the run was interrupted after its agent started, and the image's own /workspace files cannot be put back for a new run",
+    );
+  }
   try {
     await deps.provider.put(handle, SANDBOX_PATHS.workspace, task.workspace, {
       user: AGENT_USER,
@@ -215,7 +228,7 @@ async function resetWorkspace(deps: PipelineDeps, handle: SandboxHandle, task: T
   } catch (err) {
     if (isFleetError(err) && (err.kind === "provider_unavailable" || err.kind === "sandbox_lost")) throw err;
     const message = err instanceof Error ? err.message : String(err);
-    throw FleetError.nonRetryable(
+    throw FleetError.retryable(
       "sandbox_lost",
       `could not reset the workspace for a new run: ${message}`,
       err,
@@ -296,7 +309,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     if (!leftover.confirmed)
       throw FleetError.retryable("sandbox_lost", "could not stop a previous attempt's processes");
     // ...and the run starts from the task's workspace, not from what the interrupted one left.
-    await resetWorkspace(deps, handle, task);
+    await resetWorkspace(deps, handle, task, seedReceipt.probe.workspaceEmpty === true);
   }
 
   const make = deps.createHarness ?? defaultCreateHarness;

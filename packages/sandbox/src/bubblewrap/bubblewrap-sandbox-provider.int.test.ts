@@ -264,6 +264,9 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       hostSentinelInvisible: true,
     });
     expect(report.detail).toMatch(/not enforced/);
+    expect(report.workspaceEmpty).toBe(true);
+    await provider.put(h, "/workspace", { "x.txt": "x" });
+    expect((await provider.probe(h)).workspaceEmpty).toBe(false);
     const ps = await provider.exec(h, ["ps", "-eo", "pid=,args="], { deadlineMs: 10_000, user: ROOT_USER });
     const pids = ps.stdout
       .trim()

@@ -37,6 +37,7 @@ import {
   probeStdout,
   readViaExec,
   sentinelProbeLine,
+  WORKSPACE_PROBE_LINE,
 } from "../exec-ops.ts";
 import { CappedBuffer } from "../output.ts";
 import {
@@ -501,6 +502,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       "readlink /proc/self/ns/net",
       "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\\n' ' '; echo",
       sentinelProbeLine(sentinelPid),
+      WORKSPACE_PROBE_LINE,
     ].join("; ");
     let stdout: string;
     let state: BwrapState;
@@ -517,7 +519,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         err,
       );
     }
-    const [pidNs = "", netNs = "", ifaces = "", sentinel = ""] = stdout.split("\n").map((l) => l.trim());
+    const [pidNs = "", netNs = "", ifaces = "", sentinel = "", workspace = ""] = stdout
+      .split("\n")
+      .map((l) => l.trim());
     const interfaces = ifaces.split(/\s+/).filter(Boolean);
     const checks = {
       pidNamespaceDiffers: pidNs !== "" && pidNs !== hostPidNs,
@@ -531,7 +535,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       `limits enforced: ${(state.cgroups ?? []).map((cg) => cg.controller).join(", ") || "none"}; ` +
       `not enforced: ${(state.unenforced ?? []).join(", ") || "none"}`;
     const isolated = assertIsolated(handle.name, checks, detail);
-    return { isolated, checks, detail, durationMs: performance.now() - started };
+    return {
+      isolated,
+      checks,
+      detail,
+      durationMs: performance.now() - started,
+      workspaceEmpty: workspace === "empty",
+    };
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {

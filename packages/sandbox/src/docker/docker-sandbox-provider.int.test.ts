@@ -254,6 +254,18 @@ describe("DockerSandboxProvider (real Docker)", () => {
       await provider.put(h, "/tests", { "test.sh": "3" }, { user: ROOT_USER, replace: true });
       expect(await list("/tests")).toBe("./test.sh\n");
       await provider.put(h, "/workspace/rep", { "a.txt": "1", "d/b.txt": "2" });
+      // A tree the agent made read-only is its own to clear.
+      await provider.exec(
+        h,
+        [
+          "sh",
+          "-c",
+          "mkdir -p /workspace/rep/ro/sub && touch /workspace/rep/ro/sub/f && chmod -R a-w /workspace/rep/ro",
+        ],
+        {
+          deadlineMs: 10_000,
+        },
+      );
       await provider.put(h, "/workspace/rep", { "c.txt": "3" }, { replace: true });
       expect(await list("/workspace/rep")).toBe("./c.txt\n");
       // No files: the directory is emptied (a task without a workspace, reset for a new run).
@@ -270,19 +282,28 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(err.message).toContain("left: roots");
       expect(await list("/tmp/st")).toBe("./roots\n");
 
-      // A directory that cannot be listed is not taken for empty (fail closed).
+      // A directory that cannot be listed (nor made listable: root's) is not taken for empty.
       await provider.exec(
         h,
         ["sh", "-c", "mkdir -p /tmp/nr && touch /tmp/nr/conftest.py && chmod 0333 /tmp/nr"],
-        {
-          deadlineMs: 10_000,
-        },
+        { deadlineMs: 10_000, user: ROOT_USER },
       );
       const unlisted = await fleetError(provider.put(h, "/tmp/nr", { "x.txt": "x" }, { replace: true }));
       expect([unlisted.kind, unlisted.message]).toEqual([
         "invalid_task",
         expect.stringContaining("cannot list"),
       ]);
+    });
+
+    it("the probe says whether /workspace starts empty (before the task's files are staged)", async () => {
+      const fresh = await provider.create(spec());
+      try {
+        expect((await provider.probe(fresh)).workspaceEmpty).toBe(true);
+        await provider.put(fresh, "/workspace", { "from-image.txt": "x" });
+        expect((await provider.probe(fresh)).workspaceEmpty).toBe(false);
+      } finally {
+        await provider.destroy(fresh);
+      }
     });
 
     it("probes isolation: own PID namespace, own PID 1, host invisible", async () => {

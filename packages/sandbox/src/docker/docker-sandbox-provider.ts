@@ -36,6 +36,7 @@ import {
   readViaExec,
   type SandboxExec,
   sentinelProbeLine,
+  WORKSPACE_PROBE_LINE,
 } from "../exec-ops.ts";
 import { CappedBuffer, DockerStreamDemuxer, decodeCapped } from "../output.ts";
 import {
@@ -428,6 +429,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       "readlink /proc/self/ns/pid",
       "tr '\\000' ' ' < /proc/1/cmdline; echo",
       sentinelProbeLine(sentinelPid),
+      WORKSPACE_PROBE_LINE,
     ].join("; ");
 
     let stdout: string;
@@ -455,24 +457,32 @@ export class DockerSandboxProvider implements SandboxProvider {
       );
     }
 
-    const [sandboxPidNs = "", pid1 = "", sentinel = ""] = stdout.split("\n").map((l) => l.trim());
-    if (pid1Starting(pid1)) {
-      // Still the runtime's start shim after the settle window: a slow daemon, not a verdict.
-      throw FleetError.retryable(
-        "provider_unavailable",
-        `isolation probe of ${handle.name}: the container's PID 1 is still starting (${pid1})`,
-      );
-    }
+    const [sandboxPidNs = "", pid1 = "", sentinel = "", workspace = ""] = stdout
+      .split("\n")
+      .map((l) => l.trim());
     const checks = {
       pidNamespaceDiffers: sandboxPidNs !== "" && sandboxPidNs !== hostPidNs,
       pidModeNotHost: pidMode !== "host",
       pid1IsSandboxInit: /^(\S*\/)?(docker-init|tini|sleep)( |$)/.test(pid1),
       hostSentinelInvisible: sentinel === "" || sentinel !== sentinelCmdline,
     };
+    if (
+      pid1Starting(pid1) &&
+      checks.pidNamespaceDiffers &&
+      checks.pidModeNotHost &&
+      checks.hostSentinelInvisible
+    ) {
+      // Still the runtime's start shim after the settle window, all else sound: a slow daemon,
+      // not a verdict. (A shared namespace is refused whatever PID 1 shows.)
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `isolation probe of ${handle.name}: the container's PID 1 is still starting (${pid1})`,
+      );
+    }
     const detail = `sandbox pid ns ${sandboxPidNs || "?"} vs host ${hostPidNs}; PidMode=${pidMode || "private"}; pid 1: ${pid1 || "?"}; host pid ${sentinelPid} ${sentinel ? "visible" : "invisible"}`;
     const durationMs = performance.now() - started;
     const isolated = assertIsolated(handle.name, checks, detail);
-    return { isolated, checks, detail, durationMs };
+    return { isolated, checks, detail, durationMs, workspaceEmpty: workspace === "empty" };
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {

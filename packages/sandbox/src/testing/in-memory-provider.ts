@@ -124,7 +124,14 @@ export class InMemorySandboxProvider implements SandboxProvider {
 
   async probe(handle: SandboxHandle): Promise<ProbeReport> {
     this.sandbox(handle);
-    return { isolated: true, checks: { pidNamespace: true }, detail: "in-memory", durationMs: 0 };
+    const workspaceEmpty = ![...this.sandbox(handle).files.keys()].some((p) => p.startsWith("/workspace/"));
+    return {
+      isolated: true,
+      checks: { pidNamespace: true },
+      detail: "in-memory",
+      durationMs: 0,
+      workspaceEmpty,
+    };
   }
 
   async killProcesses(handle: SandboxHandle): Promise<CleanupReceipt> {
