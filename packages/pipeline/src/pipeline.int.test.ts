@@ -15,6 +15,7 @@ import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
+import { beginOptions } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
@@ -412,6 +413,15 @@ describe("idempotency and fencing without workers", () => {
       failureKind: "invalid_task",
       teardown: "confirmed",
     });
+
+    // When an earlier attempt recorded the intent (and may have made the sandbox), it stays.
+    const [again] = await fleet.submit([oracle(task)]);
+    await fleet.redis.del(fleet.deps.store.keys.task(rec.meta.taskDigest));
+    await fleet.deps.store.begin(again!, "seed", Date.now(), beginOptions("seed", fleet.deps));
+    await expect(runStageJob("seed", job(again!, 1), fleet.deps)).rejects.toThrow(/invalid_task/);
+    expect((await fleet.deps.ledger.sandboxesOf(again!)).resources).not.toBeNull();
+    await runStageJob("close", job(again!), { ...fleet.deps, intentGraceMs: 0 });
+    expect((await fleet.deps.store.getResult(again!))?.teardown).toBe("confirmed");
   });
 
   it("a seed that arrives after a close is refused and creates no sandbox", async () => {

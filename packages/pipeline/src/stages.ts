@@ -241,9 +241,10 @@ export const seed: StageHandler = async (rec, deps) => {
   try {
     task = await loadTask(rec, deps);
   } catch (err) {
-    // The intent begin recorded will never get a sandbox: drop it, so close can confirm the
-    // teardown at once instead of waiting out the intent grace period.
-    if (rec.begun.intentRecorded && isFleetError(err) && !err.retryable) {
+    // The intent this begin recorded will never get a sandbox: drop it, so close can confirm the
+    // teardown at once instead of waiting out the intent grace period. Not one an earlier attempt
+    // recorded: that attempt may have created the sandbox, and close must still find it.
+    if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
       await deps.ledger.confirm(sandboxKey(rec.meta.id, "resources"));
     }
     throw err;
