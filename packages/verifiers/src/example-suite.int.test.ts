@@ -149,6 +149,27 @@ describe("the example suite on real Docker", () => {
     expect(large.calls).toEqual(["put", "exec", "get"]);
   });
 
+  it("tests whose stderr passes the output cap: the report is cut off, the reward file is read apart", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: {
+        "test.sh": "head -c 2000000 /dev/zero | tr '\\0' e >&2\necho 0.5 > /logs/verifier/reward.txt\n",
+      },
+    };
+    const noisy = await verifyCounting(await sandbox(task, "noisy-tests"), task);
+    expect(noisy.verdict).toMatchObject({ reward: 0.5, details: { source: "reward_file" } });
+    expect(noisy.calls).toEqual(["put", "exec", "get"]);
+  });
+
+  it("tests killed by a signal: their status comes through the runner and grades 0", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = { ...base, tests: { "test.sh": "kill -KILL $$\n" } };
+    const killed = await verifyCounting(await sandbox(task, "killed-tests"), task);
+    expect(killed.verdict).toMatchObject({ reward: 0, details: { source: "exit_code", exitCode: 137 } });
+    expect(killed.calls).toEqual(["put", "exec"]);
+  });
+
   it("a reward file the agent planted in /logs/verifier masks the rollout instead of scoring it", async () => {
     const task = tasks.find((t) => t.id === "hello-file")!;
     const handle = await sandbox(task, "tamper");
