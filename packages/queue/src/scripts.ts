@@ -11,6 +11,18 @@ import type { RedisConnection } from "./connection.ts";
  */
 const TERMINAL = `local terminal = {completed=true, masked=true, failed=true, cancelled=true}`;
 
+/**
+ * The fenced launch claim (DESIGN §2 rule 10), shared by `fleetClaimLaunch` and `fleetBegin`:
+ * returns 'stopped', 0 when a stop already won, else the previous fence ('' for the first
+ * launch, 'launched:<token>' on a re-delivery) and the launches so far, this one included.
+ */
+const CLAIM_LAUNCH = `local function claimLaunch(key, token)
+        local fence = redis.call('HGET', key, 'fence')
+        if fence == 'stopped' or redis.call('HGET', key, 'closed') == '1' then return 'stopped', 0 end
+        redis.call('HSET', key, 'fence', 'launched:' .. token)
+        return fence or '', redis.call('HINCRBY', key, 'launches', 1)
+      end`;
+
 const SCRIPTS = {
   /** Admit one rollout if new: meta, status, inflight entry, batch count. Returns 1 if created. */
   fleetAdmit: {
@@ -113,19 +125,13 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
       return fence or ''`,
   },
-  /**
-   * Fenced launch (DESIGN §2 rule 10). ARGV: token. Returns [previous, launches]: previous is
-   * 'stopped' when a stop already won, else the previous fence ('' for the first launch,
-   * 'launched:<token>' on a re-delivery); launches counts launches including this one.
-   */
+  /** Fenced launch (DESIGN §2 rule 10). ARGV: token. Returns [previous, launches] (see `CLAIM_LAUNCH`). */
   fleetClaimLaunch: {
     keys: 1,
     lua: `
-      local fence = redis.call('HGET', KEYS[1], 'fence')
-      if fence == 'stopped' or redis.call('HGET', KEYS[1], 'closed') == '1' then return {'stopped', 0} end
-      redis.call('HSET', KEYS[1], 'fence', 'launched:' .. ARGV[1])
-      local launches = redis.call('HINCRBY', KEYS[1], 'launches', 1)
-      return {fence or '', launches}`,
+      ${CLAIM_LAUNCH}
+      local previous, launches = claimLaunch(KEYS[1], ARGV[1])
+      return {previous, launches}`,
   },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
   fleetCancel: {
@@ -173,6 +179,7 @@ const SCRIPTS = {
     keys: 3, // rollout, failures, sandboxes
     lua: `
       ${TERMINAL}
+      ${CLAIM_LAUNCH}
       local status = redis.call('HGET', KEYS[1], 'status')
       local intent, previous, launches = '', '', 0
       if status and not terminal[status] then
@@ -202,16 +209,7 @@ const SCRIPTS = {
                 end
               end
             end
-            if ARGV[8] ~= '' then
-              local fence = redis.call('HGET', KEYS[1], 'fence')
-              if fence == 'stopped' then
-                previous = 'stopped'
-              else
-                redis.call('HSET', KEYS[1], 'fence', 'launched:' .. ARGV[8])
-                launches = redis.call('HINCRBY', KEYS[1], 'launches', 1)
-                previous = fence or ''
-              end
-            end
+            if ARGV[8] ~= '' then previous, launches = claimLaunch(KEYS[1], ARGV[8]) end
           end
         end
       end
