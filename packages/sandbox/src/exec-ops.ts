@@ -183,8 +183,9 @@ export function planPut(
  * Shell fragment: when `$2` is 1 and directory `$1` exists, delete everything in it and exit 3
  * naming what is left if anything could not be deleted (e.g. a file of another user in a sticky
  * directory: the sandbox's root has no capabilities), or when the directory cannot be listed
- * (fail closed). What the user owns is made writable first (a read-only tree it left behind). Before exiting it drains stdin, so a caller streaming an archive sees this
- * error rather than a broken pipe.
+ * (fail closed). What the user owns is made writable first (a read-only tree it left behind).
+ * Before exiting it drains stdin, so a caller streaming an archive sees this error rather than a
+ * broken pipe.
  */
 const CLEAR_DIR = `if [ "$2" = 1 ] && [ -d "$1" ]; then
   chmod -R u+rwX -- "$1" 2>/dev/null
@@ -303,8 +304,7 @@ export function sentinelProbeLine(sentinelPid: number): string {
 }
 
 /** The probe script's line saying whether /workspace is empty (`empty`; `files` also when unreadable). */
-export const WORKSPACE_PROBE_LINE =
-  'if [ -d /workspace ] && l=$(ls -A /workspace) && [ -z "$l" ]; then echo empty; else echo files; fi';
+export const WORKSPACE_PROBE_LINE = `w=${SANDBOX_PATHS.workspace}; if [ -d "$w" ] && l=$(ls -A "$w") && [ -z "$l" ]; then echo empty; else echo files; fi`;
 
 /** The probe script's stdout, or a plain `Error` if it timed out or exited non-zero. */
 export function probeStdout(r: ExecResult, timeoutMs: number): string {

@@ -34,10 +34,6 @@ export type ExecHandler = (
   sandbox: FakeSandbox,
 ) => Partial<ExecResult> | Promise<Partial<ExecResult>>;
 
-/**
- * An in-memory `SandboxProvider` for unit tests of harness logic: no processes run; `exec`
- * is answered by a scripted handler, `put`/`get` work on a map of files. Test-only.
- */
 /** A successful, empty exec result (test fixture); override what a test cares about. */
 export function execResult(overrides: Partial<ExecResult> = {}): ExecResult {
   return {
@@ -53,6 +49,10 @@ export function execResult(overrides: Partial<ExecResult> = {}): ExecResult {
   };
 }
 
+/**
+ * An in-memory `SandboxProvider` for unit tests of harness logic: no processes run; `exec`
+ * is answered by a scripted handler, `put`/`get` work on a map of files. Test-only.
+ */
 export class InMemorySandboxProvider implements SandboxProvider {
   readonly name = "docker" as const;
   readonly endpoint = "memory://test";
@@ -123,8 +123,8 @@ export class InMemorySandboxProvider implements SandboxProvider {
   }
 
   async probe(handle: SandboxHandle): Promise<ProbeReport> {
-    this.sandbox(handle);
-    const workspaceEmpty = ![...this.sandbox(handle).files.keys()].some((p) => p.startsWith("/workspace/"));
+    const files = this.sandbox(handle).files.keys();
+    const workspaceEmpty = ![...files].some((p) => p.startsWith("/workspace/"));
     return {
       isolated: true,
       checks: { pidNamespace: true },
