@@ -1,12 +1,14 @@
 import { randomBytes } from "node:crypto";
-import { capText, type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
+import { capText, FleetError, isFleetError } from "@fleet/contracts";
 import { ROOT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { parseReward } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
 
+/** The verifier's own log directory, cleared before every verification. */
+const VERIFIER_LOGS = `${SANDBOX_PATHS.logs}/verifier`;
 /** Where tests may leave a reward (a number in [0, 1]) that wins over their exit status. */
-export const REWARD_FILE = `${SANDBOX_PATHS.logs}/verifier/reward.txt`;
+export const REWARD_FILE = `${VERIFIER_LOGS}/reward.txt`;
 /** Cap for each of the stdout/stderr tails kept in verdict details (characters). */
 export const MAX_DETAIL_CHARS = 2000;
 /** Reward files up to this size come back with the tests' exec; a larger one is read on its own. */
@@ -54,15 +56,16 @@ function assertNever(x: never): never {
  */
 export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
-rm -rf /logs/verifier 2>/dev/null
-if [ -e /logs/verifier ] || [ -L /logs/verifier ]; then
-  report prepare "cannot clear /logs/verifier (owned by uid $(stat -c %u /logs/verifier))"; exit 3
+d=${VERIFIER_LOGS}
+rm -rf "$d" 2>/dev/null
+if [ -e "$d" ] || [ -L "$d" ]; then
+  report prepare "cannot clear $d (owned by uid $(stat -c %u "$d"))"; exit 3
 fi
-mkdir -p /logs/verifier || { report prepare "cannot create /logs/verifier"; exit 3; }
+mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 bash ${SANDBOX_PATHS.tests}/test.sh < /dev/null
 rc=$?
-f=${SANDBOX_PATHS.logs}/verifier/reward.txt
+f=${REWARD_FILE}
 if [ ! -e "$f" ] || [ -d "$f" ]; then report none
 elif [ -r "$f" ] && n=$(wc -c < "$f") && n=$((n)) && [ "$n" -le ${INLINE_REWARD_BYTES} ]; then
   report reward "$n"; cat "$f" >&2
@@ -96,8 +99,9 @@ export function parseRunReport(
   nonce: string,
 ): { stderr: string; ready: boolean; report: RunReport } {
   const line = `${nonce} ready\n`;
-  const at = raw.startsWith(line) ? 0 : raw.indexOf(`\n${line}`) + 1;
-  const ready = at > 0 || raw.startsWith(line);
+  const after = raw.indexOf(`\n${line}`);
+  const at = raw.startsWith(line) ? 0 : after < 0 ? -1 : after + 1;
+  const ready = at >= 0;
   const rest = ready ? raw.slice(0, at) + raw.slice(at + line.length) : raw;
   const { stderr, report } = lastReport(rest, nonce);
   return { stderr, ready, report };
@@ -147,7 +151,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     provider.put(handle, SANDBOX_PATHS.tests, task.tests, { user: ROOT_USER, replace: true }),
   );
   const nonce = randomBytes(16).toString("hex");
-  const ran: ExecResult = await step(ctx, "run the tests", () =>
+  const ran = await step(ctx, "run the tests", () =>
     provider.exec(handle, RUN_TESTS_ARGV, {
       deadlineMs: remaining(),
       cwd: SANDBOX_PATHS.workspace,
