@@ -1,4 +1,5 @@
 import { randomUUID } from "node:crypto";
+import { setTimeout as sleep } from "node:timers/promises";
 import {
   type CleanupReceipt,
   type FailureRecord,
@@ -193,7 +194,7 @@ async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err:
   const until = Date.now() + (deps.sandboxSettleMs ?? SANDBOX_SETTLE_MS);
   let alive = await isAlive();
   while (alive && Date.now() < until) {
-    await new Promise((resolve) => setTimeout(resolve, 100));
+    await sleep(100);
     alive = await isAlive();
   }
   if (alive) return err;
@@ -252,8 +253,8 @@ export const seed: StageHandler = async (rec, deps) => {
   // The intent was persisted by this stage's begin (same round trip as the record read); the
   // handle is attached with the receipt.
   const created = await createSandbox(rec, deps, "resources", task, {
-    intentRecorded: rec.begun.intentRecorded === true,
-    intentFresh: rec.begun.intentFresh === true,
+    intentRecorded: rec.begun.intentRecorded,
+    intentFresh: rec.begun.intentFresh,
     deferAttach: true,
   });
   if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
