@@ -644,32 +644,19 @@ function printPartA(rounds: RoundResult[][]): void {
   console.log(`${"command".padEnd(28)} ${"fleet".padStart(7)} ${"raw".padStart(7)}`);
   for (const r of rows) console.log(`${r.k.padEnd(28)} ${f2(r.fleet).padStart(7)} ${f2(r.raw).padStart(7)}`);
   const sum = (rs: RoundResult[], pick: (c: Cost) => number) => median(rs.map((r) => pick(r.cost)));
-  console.log(
-    `${"total".padEnd(28)} ${f2(sum(fleet, (c) => c.commands)).padStart(7)} ${f2(sum(raw, (c) => c.commands)).padStart(7)}`,
-  );
-  console.log(
-    `${"round trips".padEnd(28)} ${f2(sum(fleet, (c) => c.roundTrips)).padStart(7)} ${f2(sum(raw, (c) => c.roundTrips)).padStart(7)}`,
-  );
-  console.log(
-    `${"node cpu ms".padEnd(28)} ${f2(sum(fleet, (c) => c.nodeCpuMs)).padStart(7)} ${f2(sum(raw, (c) => c.nodeCpuMs)).padStart(7)}`,
-  );
-  console.log(
-    `${"bytes to redis".padEnd(28)} ${sum(fleet, (c) => c.bytesToRedis)
-      .toFixed(0)
-      .padStart(7)} ${sum(raw, (c) => c.bytesToRedis)
-      .toFixed(0)
-      .padStart(7)}`,
-  );
-  console.log(
-    `${"bytes from redis".padEnd(28)} ${sum(fleet, (c) => c.bytesFromRedis)
-      .toFixed(0)
-      .padStart(7)} ${sum(raw, (c) => c.bytesFromRedis)
-      .toFixed(0)
-      .padStart(7)}`,
-  );
-  console.log(
-    `${"redis cpu ms (server-wide)".padEnd(28)} ${f2(sum(fleet, (c) => c.redisCpuMs)).padStart(7)} ${f2(sum(raw, (c) => c.redisCpuMs)).padStart(7)}`,
-  );
+  const summary: [string, (c: Cost) => number, (x: number) => string][] = [
+    ["total", (c) => c.commands, f2],
+    ["round trips", (c) => c.roundTrips, f2],
+    ["node cpu ms", (c) => c.nodeCpuMs, f2],
+    ["bytes to redis", (c) => c.bytesToRedis, (x) => x.toFixed(0)],
+    ["bytes from redis", (c) => c.bytesFromRedis, (x) => x.toFixed(0)],
+    ["redis cpu ms (server-wide)", (c) => c.redisCpuMs, f2],
+  ];
+  for (const [label, pick, fmt] of summary) {
+    console.log(
+      `${label.padEnd(28)} ${fmt(sum(fleet, pick)).padStart(7)} ${fmt(sum(raw, pick)).padStart(7)}`,
+    );
+  }
   const stage = (k: string) => median(fleet.map((r) => r.stageMs?.[k] ?? Number.NaN));
   console.log(
     `fleet in-stage medians (ms): queued ${f1(stage("queuedMs"))}, seed ${f1(stage("seedMs"))}, run ${f1(stage("runMs"))}, ` +
