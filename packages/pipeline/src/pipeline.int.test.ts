@@ -58,6 +58,26 @@ class FlakyDestroyProvider implements SandboxProvider {
   }
 }
 
+/** Logs probes and puts by the sandbox's owner; refuses the agent sandbox's probe when told to. */
+class WatchedProvider extends FlakyDestroyProvider {
+  readonly calls: string[] = [];
+  refuseAgentProbe = false;
+  constructor(private readonly watched: SandboxProvider) {
+    super(watched, 0);
+  }
+  override probe = async (...a: Parameters<SandboxProvider["probe"]>) => {
+    this.calls.push(`probe ${a[0].owner}`);
+    if (this.refuseAgentProbe && a[0].owner === "agent") {
+      throw FleetError.nonRetryable("isolation_refused", "refused by the test");
+    }
+    return this.watched.probe(...a);
+  };
+  override put = async (...a: Parameters<SandboxProvider["put"]>) => {
+    this.calls.push(`put ${a[0].owner} ${a[1]}`);
+    return this.watched.put(...a);
+  };
+}
+
 async function containersOf(ids: string[]): Promise<number> {
   const all = await docker.list();
   return all.filter((s) => ids.includes(s.labels[LABEL_ROLLOUT] ?? "")).length;
@@ -285,6 +305,36 @@ describe("idempotency and fencing without workers", () => {
     opts: { attempts: 3 },
   });
 
+  it("an agent's own sandbox is probed before anything is staged in it; a refusal fails the rollout for good", async () => {
+    const provider = new WatchedProvider(docker);
+    const deps = { ...fleet.deps, provider };
+    const own = { task: byId("sum-answer"), agent: { harness: "oracle" as const, sandbox: "own" as const } };
+    const [id, refused] = await fleet.submit([own, own]);
+    expect(await runStageJob("seed", job(id!), deps)).toBe("ok");
+    expect(await runStageJob("run", job(id!), deps)).toBe("ok");
+    const agentCalls = provider.calls.filter((c) => c.includes(" agent"));
+    expect(agentCalls.slice(0, 2)).toEqual(["probe agent", "put agent /workspace"]);
+    await runStageJob("verify", job(id!), deps);
+    await runStageJob("close", job(id!), deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
+
+    provider.refuseAgentProbe = true;
+    provider.calls.length = 0;
+    expect(await runStageJob("seed", job(refused!), deps)).toBe("ok");
+    await expect(runStageJob("run", job(refused!), deps)).rejects.toThrow(/isolation_refused/);
+    expect(provider.calls.filter((c) => c.includes(" agent"))).toEqual(["probe agent"]);
+    await runStageJob("close", job(refused!), deps);
+    expect(await fleet.deps.store.getResult(refused!)).toMatchObject({
+      status: "failed",
+      failureKind: "isolation_refused",
+      stage: "run",
+    });
+    // The refused sandbox was its failed run's; close hands it to the janitor (rule 11).
+    await janitorTick(deps, { orphanGraceMs: 10 * 60_000 });
+    expect(await fleet.deps.store.getResult(refused!)).toMatchObject({ teardown: "confirmed" });
+    expect(await containersOf([id!, refused!])).toBe(0);
+  });
+
   it("a re-delivered seed replays its receipt instead of creating a second sandbox", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
@@ -338,14 +388,17 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([fresh!, id!])).toBe(0);
   });
 
-  it("a run re-delivered after an interrupted one starts from the task's workspace, not from its leftovers", async () => {
+  it("a run re-delivered after an interrupted one starts from the task's workspace and clean scratch, not from its leftovers", async () => {
     const task = byId("python-bugfix");
     const original = createHash("md5").update(task.workspace["stats.py"]!).digest("hex");
-    // Lists the workspace and fingerprints the task's file, then dirties both.
+    // Lists the workspace, fingerprints the task's file and lists the agent's own scratch files
+    // (but the instruction, written for each run), then dirties all three.
     const argv = [
       "sh",
       "-c",
-      "ls -A; md5sum stats.py | cut -d' ' -f1; echo x > leftover.txt; echo x > stats.py",
+      "ls -A; md5sum stats.py | cut -d' ' -f1; " +
+        "find /tmp /logs /dev/shm -mindepth 1 -user $(id -u) ! -path '/tmp/fleet*' 2>&1; " +
+        "echo x > leftover.txt; echo x > stats.py; echo plan > /tmp/notes; mkdir /logs/l; echo x > /dev/shm/x",
     ];
     const [id] = await fleet.submit([{ task, agent: { harness: "command", argv } }]);
     expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
@@ -372,33 +425,41 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
-  it("a run interrupted after its agent started, on an image with its own /workspace files, is masked, not rerun", async () => {
-    const task = byId("python-bugfix");
-    const [id] = await fleet.submit([
-      { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
-    ]);
-    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
-    // As a seed's probe reports an image that brought files into /workspace.
-    const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
-    seedReceipt.probe.workspaceEmpty = false;
-    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
-    // The first launch is claimed, then its worker dies: the re-delivery finds the fence taken.
-    await fleet.deps.store.claimLaunch(id!, "dead-worker:1");
-    const err = await runStageJob("run", job(id!, 1), fleet.deps).then(
-      () => null,
-      (e: unknown) => e,
-    );
-    expect(err).toBeInstanceOf(UnrecoverableError);
-    expect(String((err as Error).message)).toMatch(/sandbox_lost.*cannot be put back/);
-    expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
-    await runStageJob("close", job(id!), fleet.deps);
-    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
-      status: "masked",
-      failureKind: "sandbox_lost",
-      reward: null,
-    });
-    expect(await containersOf([id!])).toBe(0);
-  });
+  it.each([
+    ["/workspace files", "workspaceEmpty"],
+    ["agent-owned files", "scratchClean"],
+  ] as const)(
+    "a run interrupted after its agent started, on an image with its own %s, is masked, not rerun",
+    async (what, field) => {
+      const task = byId("python-bugfix");
+      const [id] = await fleet.submit([
+        { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
+      ]);
+      expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+      // As a seed's probe reports an image that brought such files.
+      const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
+      expect(seedReceipt.probe[field]).toBe(true);
+      seedReceipt.probe[field] = false;
+      await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
+      // The first launch is claimed, then its worker dies: the re-delivery finds the fence taken.
+      await fleet.deps.store.claimLaunch(id!, "dead-worker:1");
+      const err = await runStageJob("run", job(id!, 1), fleet.deps).then(
+        () => null,
+        (e: unknown) => e,
+      );
+      expect(err).toBeInstanceOf(UnrecoverableError);
+      expect(String((err as Error).message)).toMatch(/sandbox_lost.*cannot be put back/);
+      expect(String((err as Error).message)).toContain(what);
+      expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
+      await runStageJob("close", job(id!), fleet.deps);
+      expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+        status: "masked",
+        failureKind: "sandbox_lost",
+        reward: null,
+      });
+      expect(await containersOf([id!])).toBe(0);
+    },
+  );
 
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {
     const task = { ...byId("hello-file"), id: `gone-${Date.now()}` };

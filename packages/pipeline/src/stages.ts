@@ -5,6 +5,7 @@ import {
   type FailureRecord,
   FleetError,
   isFleetError,
+  type ProbeReport,
   type RunReceipt,
   type SandboxHandle,
   type StageName,
@@ -19,7 +20,7 @@ import {
   type SandboxEntry,
   sandboxKey,
 } from "@fleet/queue";
-import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
+import { AGENT_USER, SANDBOX_PATHS, SCRATCH_DIRS, scrubScratch } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError } from "./hand-back.ts";
@@ -203,22 +204,30 @@ async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err:
 }
 
 /**
- * Put the task's initial workspace back (everything else in /workspace removed), for a run that
- * starts again after an interrupted one. Only when the seed's probe saw /workspace empty: files
- * the image brought there could not be put back, so such a rollout is `sandbox_lost`, as is one
- * whose workspace cannot be reset (retried first): masked, never graded on another run's leftovers
- * or on a workspace missing part of its start.
+ * Put the sandbox back to how the task started, for a run that starts again after an interrupted
+ * one: the task's initial workspace (everything else in /workspace removed) and nothing of the
+ * agent's left in the scratch directories (its notes in /tmp must not reach the new run). Only
+ * when the seed's probe saw /workspace empty and scratch clean (a read-only root, and no agent
+ * files in the scratch directories): otherwise what the image brought could not be told apart or
+ * put back, or the agent could write elsewhere, so such a rollout is `sandbox_lost`, as is one whose
+ * sandbox cannot be reset (retried first): masked, never graded on another run's leftovers or on
+ * a sandbox missing part of its start.
  */
-async function resetWorkspace(
+async function resetForRerun(
   deps: PipelineDeps,
   handle: SandboxHandle,
   task: TaskContent,
-  startedEmpty: boolean,
+  probe: ProbeReport,
 ): Promise<void> {
-  if (!startedEmpty) {
-    throw FleetError.nonRetryable(
+  const cannot = (why: string) =>
+    FleetError.nonRetryable(
       "sandbox_lost",
-      "the run was interrupted after its agent started, and the image's own /workspace files cannot be put back for a new run",
+      `the run was interrupted after its agent started, and ${why}, so the sandbox cannot be put back for a new run`,
+    );
+  if (probe.workspaceEmpty !== true) throw cannot("the image has its own /workspace files");
+  if (probe.scratchClean !== true) {
+    throw cannot(
+      `the agent could write outside /workspace and ${SCRATCH_DIRS.join(", ")} (a writable root), or the image has its own agent-owned files there`,
     );
   }
   try {
@@ -226,14 +235,11 @@ async function resetWorkspace(
       user: AGENT_USER,
       replace: true,
     });
+    await scrubScratch(deps.provider, handle, AGENT_USER);
   } catch (err) {
     if (isFleetError(err) && (err.kind === "provider_unavailable" || err.kind === "sandbox_lost")) throw err;
     const message = err instanceof Error ? err.message : String(err);
-    throw FleetError.retryable(
-      "sandbox_lost",
-      `could not reset the workspace for a new run: ${message}`,
-      err,
-    );
+    throw FleetError.retryable("sandbox_lost", `could not reset the sandbox for a new run: ${message}`, err);
   }
 }
 
@@ -303,6 +309,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     if (!created) return "close";
     handle = created.handle;
     owned = created.entry;
+    // Isolation is proven before anything is staged or run in it (DESIGN §5), as the seed did
+    // for the task's sandbox: a refusal is final, a probe that could not run is retried.
+    await deps.provider.probe(handle);
     if (!created.reused) await stageWorkspace(deps.provider, handle, task);
   }
   if (previous !== "") {
@@ -310,8 +319,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     const leftover = await deps.provider.killProcesses(handle, AGENT_USER);
     if (!leftover.confirmed)
       throw FleetError.retryable("sandbox_lost", "could not stop a previous attempt's processes");
-    // ...and the run starts from the task's workspace, not from what the interrupted one left.
-    await resetWorkspace(deps, handle, task, seedReceipt.probe.workspaceEmpty === true);
+    // ...and the run starts from the task's start, not from what the interrupted one left. (An
+    // owned sandbox comes from the same image and options, so the seed's probe speaks for its start.)
+    await resetForRerun(deps, handle, task, seedReceipt.probe);
   }
 
   const make = deps.createHarness ?? defaultCreateHarness;

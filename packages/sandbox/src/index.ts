@@ -10,4 +10,5 @@ export * from "./docker/gateway-network.ts";
 export * from "./exec-command.ts";
 export * from "./output.ts";
 export * from "./provider.ts";
+export * from "./scratch.ts";
 export * from "./tar.ts";

@@ -8,6 +8,7 @@ import { promisify } from "node:util";
 import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { AGENT_USER, ROOT_USER } from "../provider.ts";
+import { scrubScratch } from "../scratch.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
 import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
 
@@ -265,8 +266,15 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     });
     expect(report.detail).toMatch(/not enforced/);
     expect(report.workspaceEmpty).toBe(true);
+    expect(report.scratchClean).toBe(true);
     await provider.put(h, "/workspace", { "x.txt": "x" });
     expect((await provider.probe(h)).workspaceEmpty).toBe(false);
+    // The agent's scratch files: the probe sees them, and scrubScratch removes them.
+    await provider.put(h, "/tmp/notes", { "plan.txt": "x" }, { user: AGENT_USER });
+    expect((await provider.probe(h)).scratchClean).toBe(false);
+    await scrubScratch(provider, h);
+    expect((await provider.probe(h)).scratchClean).toBe(true);
+    expect(await provider.get(h, "/tmp/notes/plan.txt")).toBeNull();
     const ps = await provider.exec(h, ["ps", "-eo", "pid=,args="], { deadlineMs: 10_000, user: ROOT_USER });
     const pids = ps.stdout
       .trim()

@@ -53,6 +53,7 @@ import {
   type SandboxInfo,
   type SandboxProvider,
 } from "../provider.ts";
+import { SCRATCH_PROBE_LINE } from "../scratch.ts";
 import { bwrapArgv, nsenterArgv, SANDBOX_PATH_ENV, unsupportedSpec } from "./bwrap-args.ts";
 import {
   cgroupOomKilled,
@@ -503,6 +504,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | tr '\\n' ' '; echo",
       sentinelProbeLine(sentinelPid),
       WORKSPACE_PROBE_LINE,
+      SCRATCH_PROBE_LINE,
     ].join("; ");
     let stdout: string;
     let state: BwrapState;
@@ -519,7 +521,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         err,
       );
     }
-    const [pidNs = "", netNs = "", ifaces = "", sentinel = "", workspace = ""] = stdout
+    const [pidNs = "", netNs = "", ifaces = "", sentinel = "", workspace = "", scratch = ""] = stdout
       .split("\n")
       .map((l) => l.trim());
     const interfaces = ifaces.split(/\s+/).filter(Boolean);
@@ -541,6 +543,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       detail,
       durationMs: performance.now() - started,
       workspaceEmpty: workspace === "empty",
+      scratchClean: scratch === "clean",
     };
   }
 

@@ -5,6 +5,7 @@ import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInpu
 import Dockerode from "dockerode";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
+import { scrubScratch } from "../scratch.ts";
 import { DockerSandboxProvider } from "./docker-sandbox-provider.ts";
 
 // Real Docker, the offline base image (scripts/build-base-image.sh).
@@ -303,6 +304,45 @@ describe("DockerSandboxProvider (real Docker)", () => {
         expect((await provider.probe(fresh)).workspaceEmpty).toBe(false);
       } finally {
         await provider.destroy(fresh);
+      }
+    });
+
+    it("the probe says whether scratch holds agent files; scrubScratch removes exactly the agent's, or fails closed", async () => {
+      const fresh = await provider.create(spec());
+      const sh = (script: string, user = AGENT_USER) =>
+        provider.exec(fresh, ["sh", "-c", script], { deadlineMs: 10_000, user });
+      try {
+        expect((await provider.probe(fresh)).scratchClean).toBe(true);
+        // What an interrupted agent leaves: notes, a tree it locked, a symlink, files in /logs and /dev/shm.
+        const left = await sh(
+          "echo plan > /tmp/notes && mkdir -p /tmp/d/e && touch /tmp/d/e/f && chmod 000 /tmp/d/e /tmp/d && " +
+            "ln -s /etc/passwd /tmp/link && echo x > /logs/x && echo x > /dev/shm/x",
+        );
+        expect(left.exitCode, left.stderr).toBe(0);
+        expect((await provider.probe(fresh)).scratchClean).toBe(false);
+        // Root's files there are not the agent's: they stay.
+        expect((await sh("echo keep > /tmp/roots", ROOT_USER)).exitCode).toBe(0);
+
+        await scrubScratch(provider, fresh);
+        const after = await sh("find /tmp /logs /dev/shm -mindepth 1 | sort", ROOT_USER);
+        expect(after.stdout.split("\n").filter(Boolean)).toEqual(["/tmp/roots"]);
+        expect((await provider.probe(fresh)).scratchClean).toBe(true);
+
+        // A directory the agent can write into but not search (root's, mode 0733): refused, retryable.
+        await sh("mkdir /tmp/blind && chmod 0733 /tmp/blind", ROOT_USER);
+        expect((await sh("echo hidden > /tmp/blind/f")).exitCode).toBe(0);
+        const err = await fleetError(scrubScratch(provider, fresh));
+        expect([err.kind, err.retryable]).toEqual(["sandbox_lost", true]);
+        expect(err.message).toContain("cannot search /tmp");
+      } finally {
+        await provider.destroy(fresh);
+      }
+      // A writable root: the agent could leave files anywhere, so scratch is never clean.
+      const writable = await provider.create(spec({ options: { readOnlyRoot: false } }));
+      try {
+        expect((await provider.probe(writable)).scratchClean).toBe(false);
+      } finally {
+        await provider.destroy(writable);
       }
     });
 

@@ -51,6 +51,7 @@ import {
   type SandboxInfo,
   type SandboxProvider,
 } from "../provider.ts";
+import { SCRATCH_PROBE_LINE } from "../scratch.ts";
 import { buildTar, readFirstTarFile } from "../tar.ts";
 import {
   buildContainerConfig,
@@ -430,6 +431,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       "tr '\\000' ' ' < /proc/1/cmdline; echo",
       sentinelProbeLine(sentinelPid),
       WORKSPACE_PROBE_LINE,
+      SCRATCH_PROBE_LINE,
     ].join("; ");
 
     let stdout: string;
@@ -457,7 +459,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       );
     }
 
-    const [sandboxPidNs = "", pid1 = "", sentinel = "", workspace = ""] = stdout
+    const [sandboxPidNs = "", pid1 = "", sentinel = "", workspace = "", scratch = ""] = stdout
       .split("\n")
       .map((l) => l.trim());
     const checks = {
@@ -482,7 +484,14 @@ export class DockerSandboxProvider implements SandboxProvider {
     const detail = `sandbox pid ns ${sandboxPidNs || "?"} vs host ${hostPidNs}; PidMode=${pidMode || "private"}; pid 1: ${pid1 || "?"}; host pid ${sentinelPid} ${sentinel ? "visible" : "invisible"}`;
     const durationMs = performance.now() - started;
     const isolated = assertIsolated(handle.name, checks, detail);
-    return { isolated, checks, detail, durationMs, workspaceEmpty: workspace === "empty" };
+    return {
+      isolated,
+      checks,
+      detail,
+      durationMs,
+      workspaceEmpty: workspace === "empty",
+      scratchClean: scratch === "clean",
+    };
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {

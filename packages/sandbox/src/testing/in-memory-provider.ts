@@ -8,7 +8,8 @@ import type {
   SandboxSpecInput,
 } from "@fleet/contracts";
 import { FleetError } from "@fleet/contracts";
-import type { PutOptions, SandboxInfo, SandboxProvider } from "../provider.ts";
+import { AGENT_USER, type PutOptions, type SandboxInfo, type SandboxProvider } from "../provider.ts";
+import { SCRATCH_DIRS } from "../scratch.ts";
 
 /** One file in a fake sandbox. */
 export interface FakeFile {
@@ -123,14 +124,18 @@ export class InMemorySandboxProvider implements SandboxProvider {
   }
 
   async probe(handle: SandboxHandle): Promise<ProbeReport> {
-    const files = this.sandbox(handle).files.keys();
-    const workspaceEmpty = ![...files].some((p) => p.startsWith("/workspace/"));
+    const files = [...this.sandbox(handle).files];
+    const workspaceEmpty = !files.some(([p]) => p.startsWith("/workspace/"));
+    const scratchClean = !files.some(
+      ([p, f]) => f.user === AGENT_USER && SCRATCH_DIRS.some((d) => p.startsWith(`${d}/`)),
+    );
     return {
       isolated: true,
       checks: { pidNamespace: true },
       detail: "in-memory",
       durationMs: 0,
       workspaceEmpty,
+      scratchClean,
     };
   }
 

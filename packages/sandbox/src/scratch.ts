@@ -1,0 +1,64 @@
+import type { SandboxHandle } from "@fleet/contracts";
+import { FleetError } from "@fleet/contracts";
+import { parseNumericUser } from "./exec-command.ts";
+import { AGENT_USER, SANDBOX_PATHS, type SandboxProvider } from "./provider.ts";
+
+/**
+ * Besides the workspace, the directories an agent can write to in every provider's sandbox (the
+ * root filesystem is read-only; `/tests` and `/solution` belong to root). Those a sandbox lacks
+ * are skipped.
+ */
+export const SCRATCH_DIRS: readonly string[] = ["/tmp", SANDBOX_PATHS.logs, "/dev/shm"];
+
+const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
+
+/**
+ * The probe script's line saying whether the agent's only writable places besides the workspace
+ * are the scratch directories and nothing there is the agent uid's yet: `clean`, or `dirty` when
+ * the root filesystem is writable, or a scratch directory holds anything of the agent's uid or
+ * cannot be searched. Run as root before the task is staged: in a clean sandbox, whatever of the
+ * agent's turns up outside the workspace later is in scratch and is the agent's own doing.
+ */
+export const SCRATCH_PROBE_LINE = `s=clean; if [ -w / ]; then s=dirty; fi; for d in ${SCRATCH_DIRS.join(" ")}; do [ -d "$d" ] || continue; if ! l=$(find "$d" -mindepth 1 -user ${AGENT_UID} 2>/dev/null) || [ -n "$l" ]; then s=dirty; fi; done; echo $s`;
+
+/**
+ * Run as the agent with the scratch directories as arguments: remove everything the caller's
+ * uid owns in them (directories it made unreadable are opened up first; find's pre-order visits a
+ * directory before its entries), then prove none is left. Exit 3, naming what is left or what
+ * could not be searched, otherwise.
+ */
+const SCRUB_SCRATCH = `uid=$(id -u)
+for d in "$@"; do
+  [ -d "$d" ] || continue
+  find "$d" -mindepth 1 -type d -user "$uid" -exec chmod u+rwx {} \\; 2>/dev/null
+  find "$d" -mindepth 1 -user "$uid" -delete 2>/dev/null
+  if ! left=$(find "$d" -mindepth 1 -user "$uid" 2>&1); then
+    echo "cannot search $d: $(printf '%s\\n' "$left" | head -n 3 | tr '\\n' ' ')" >&2; exit 3
+  fi
+  if [ -n "$left" ]; then
+    echo "cannot clear $d, left: $(printf '%s\\n' "$left" | head -n 5 | tr '\\n' ' ')" >&2; exit 3
+  fi
+done`;
+
+/**
+ * Remove what `user` (the agent) left in the scratch directories, for a run that starts again
+ * after an interrupted one: its notes in /tmp must not reach the new run. Fails closed: anything
+ * of the user's left, or a directory that cannot be searched, is a retryable `sandbox_lost`.
+ */
+export async function scrubScratch(
+  provider: SandboxProvider,
+  handle: SandboxHandle,
+  user: string = AGENT_USER,
+): Promise<void> {
+  const r = await provider.exec(handle, ["sh", "-c", SCRUB_SCRATCH, "sh", ...SCRATCH_DIRS], {
+    user,
+    deadlineMs: 60_000,
+    maxOutputBytes: 16 * 1024,
+  });
+  if (r.exitCode !== 0) {
+    throw FleetError.retryable(
+      "sandbox_lost",
+      `could not clear ${user}'s files from ${SCRATCH_DIRS.join(", ")} (exit ${r.exitCode}${r.timedOut ? ", timed out" : ""}): ${r.stderr.trim()}`,
+    );
+  }
+}
