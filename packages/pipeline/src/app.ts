@@ -199,8 +199,8 @@ export async function runJanitorApp(env: Env): Promise<void> {
   logger.info({ intervalMs: config.intervalMs }, "janitor started");
   onSignals(
     logger,
-    async () => {
-      await janitor.close();
+    async (budgetMs) => {
+      await janitor.close(budgetMs);
       await shutdown();
     },
     config.shutdownTimeoutMs,

@@ -2,6 +2,7 @@ import { DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { janitorTick, startJanitor } from "./janitor.ts";
+import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
@@ -64,6 +65,61 @@ describe("janitor", () => {
     expect(closeJob).toBeTruthy();
   });
 
+  it("a graded rollout past its deadline keeps its reward; a queued close is left alone; a pass never logs twice", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const [graded, stuck] = await fleet.submit([
+      { task, agent: { harness: "oracle" } },
+      { task, agent: { harness: "oracle" }, deadlineS: 1 },
+    ]);
+    for (const stage of ["seed", "run", "verify"] as const) {
+      expect(await runStageJob(stage, job(graded!), fleet.deps)).toBe("ok");
+    }
+    const closeOf = (id: string) => fleet.deps.queues.queues.close.getJob(`${id}.close`);
+    expect(await (await closeOf(graded!))!.getState()).toBe("waiting");
+    const later = { ...fleet.deps, now: () => Date.now() + 7_200_000 };
+    const opts = { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 };
+
+    // Both overdue: the graded one's close is queued (left alone); the stuck one has no job.
+    const first = await janitorTick(later, opts);
+    expect(first.errors).toEqual([]);
+    expect(first.watchdogClosed).toBe(1);
+    expect((await fleet.deps.store.get(graded!))!.failure).toBeNull();
+    expect(await fleet.deps.store.failureLog(stuck!)).toHaveLength(1);
+    // The stuck one's close is queued now: the next pass neither re-enqueues nor logs again.
+    const second = await janitorTick(later, opts);
+    expect(second.watchdogClosed).toBe(0);
+    expect(await fleet.deps.store.failureLog(stuck!)).toHaveLength(1);
+
+    // The graded one's close job is lost: the watchdog re-enqueues it without a failure.
+    await (await closeOf(graded!))!.remove();
+    expect((await janitorTick(later, opts)).watchdogClosed).toBe(1);
+    expect(await runStageJob("close", job(graded!), fleet.deps)).toBe("ok");
+    expect(await fleet.deps.store.getResult(graded!)).toMatchObject({
+      status: "completed",
+      reward: 1,
+      teardown: "confirmed",
+    });
+    expect(await runStageJob("close", job(stuck!), fleet.deps)).toBe("ok");
+    expect(await fleet.deps.store.getResult(stuck!)).toMatchObject({
+      status: "masked",
+      failureKind: "deadline_exceeded",
+    });
+  });
+
+  it("with the Docker daemon down, the pass reports the orphan sweep's error and still runs the watchdog", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 1 }]);
+    const dead = new DockerSandboxProvider({ docker: { socketPath: "/tmp/fleet-no-daemon-here.sock" } });
+    const later = { ...fleet.deps, provider: dead, now: () => Date.now() + 120_000 };
+    const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
+    expect(report.errors).toEqual([expect.stringMatching(/^orphans: /)]);
+    expect(report.watchdogClosed).toBe(1);
+    expect(await fleet.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
+  });
+
   it("replicas share one schedule: two janitors never run a pass at the same time", async () => {
     let active = 0;
     let maxActive = 0;
@@ -97,4 +153,34 @@ describe("janitor", () => {
     expect(passes).toBeGreaterThanOrEqual(5);
     expect(maxActive).toBe(1);
   });
+
+  it("shutdown cuts off a pass that hangs instead of waiting for it", async () => {
+    let started = false;
+    const hanging = {
+      ...fleet.deps,
+      ledger: new Proxy(fleet.deps.ledger, {
+        get(target, prop, receiver) {
+          if (prop === "listSandboxes") {
+            return () => {
+              started = true;
+              return new Promise(() => undefined); // a Docker or Redis call that never answers
+            };
+          }
+          const v = Reflect.get(target, prop, receiver);
+          return typeof v === "function" ? v.bind(target) : v;
+        },
+      }),
+    };
+    const janitor = await startJanitor(hanging, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      intervalMs: 100,
+      orphanGraceMs: 60_000,
+    });
+    const end = Date.now() + 30_000;
+    while (!started && Date.now() < end) await new Promise((r) => setTimeout(r, 20));
+    expect(started).toBe(true);
+    // Without the budget, close waits for the pass forever and this test times out.
+    await janitor.close(300);
+  }, 20_000);
 });

@@ -11,6 +11,7 @@ import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { destroyOrLedger } from "./stages.ts";
+import { boundedClose } from "./worker.ts";
 
 export interface JanitorOptions {
   /** A labelled sandbox with no known rollout is left alone this long (it may be mid-seed). */
@@ -26,13 +27,17 @@ export interface JanitorReport {
   orphansRemoved: number;
   expiredScheduled: number;
   watchdogClosed: number;
+  /** Steps of this pass that failed (e.g. `orphans: docker list: …`); the other steps still ran. */
+  errors: string[];
 }
 
 /**
  * One janitor pass: (1) retry due teardown-ledger entries (DESIGN §2 rule 3), (2) schedule
  * registry entries of finished or expired rollouts, (3) remove labelled sandboxes whose rollout
  * is terminal or unknown past a grace period or whose `fleet.expires` passed, (4) close
- * rollouts stuck past their deadline.
+ * rollouts stuck past their deadline, (5) remove gateway networks of finished rollouts. Each
+ * step runs whatever the others did: a Docker daemon that is down stops the orphan sweep, not the
+ * deadline watchdog, which needs only Redis. A step's failure is logged and reported in `errors`.
  */
 export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): Promise<JanitorReport> {
   const report: JanitorReport = {
@@ -42,66 +47,127 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     orphansRemoved: 0,
     expiredScheduled: 0,
     watchdogClosed: 0,
+    errors: [],
   };
   const now = clock(deps);
+  const step = async (name: string, body: () => Promise<void>) => {
+    try {
+      await body();
+    } catch (err) {
+      const message = err instanceof Error ? err.message : String(err);
+      report.errors.push(`${name}: ${message}`);
+      deps.logger.warn({ step: name, err: message }, "janitor step failed; the next pass retries it");
+    }
+  };
 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.
-  for (const entry of await deps.ledger.listSandboxes()) {
-    const rec = await deps.store.get(entry.rolloutId);
-    const over = !rec || isTerminal(rec.status);
-    if ((over && now - entry.createdAt > options.orphanGraceMs) || entry.expiresAt < now) {
-      await deps.ledger.schedule(entry, now);
-      report.expiredScheduled++;
+  await step("registry", async () => {
+    for (const entry of await deps.ledger.listSandboxes()) {
+      const rec = await deps.store.get(entry.rolloutId);
+      const over = !rec || isTerminal(rec.status);
+      if ((over && now - entry.createdAt > options.orphanGraceMs) || entry.expiresAt < now) {
+        await deps.ledger.schedule(entry, now);
+        report.expiredScheduled++;
+      }
     }
-  }
+  });
 
-  // (1) Ledger retries.
-  for (const entry of await deps.ledger.due(now)) {
-    report.retried++;
-    const r = await destroyOrLedger(deps, entry);
-    if (r.teardown === "confirmed") {
-      report.confirmed++;
-      if (!(await deps.ledger.isPending(entry.rolloutId))) await deps.store.confirmTeardown(entry.rolloutId);
-    } else {
-      report.stillPending++;
+  // (1) Ledger retries. A confirmed destroy that was the rollout's last on the ledger marks its
+  // result's teardown confirmed (in the ledger's confirm).
+  await step("ledger", async () => {
+    for (const entry of await deps.ledger.due(now)) {
+      report.retried++;
+      const r = await destroyOrLedger(deps, entry);
+      if (r.teardown === "confirmed") report.confirmed++;
+      else report.stillPending++;
     }
-  }
+  });
 
   // (3) Orphans by label: what the registry does not know (a worker died before recording).
-  const listed = await deps.provider.list();
-  // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
-  const active = { resources: 0, agent: 0 };
-  for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
-  for (const info of listed) {
-    const rolloutId = info.labels[LABEL_ROLLOUT];
-    const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
-    const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
-    if (!rolloutId) continue;
-    const rec = await deps.store.get(rolloutId);
-    const old = now - info.createdAt > options.orphanGraceMs;
-    const orphan = (rec === null && old) || (rec !== null && isTerminal(rec.status) && old) || expires < now;
-    if (!orphan) continue;
-    const entry: SandboxEntry = {
-      key: sandboxKey(rolloutId, owner),
-      rolloutId,
-      owner,
-      provider: deps.provider.name,
-      handle: info.handle,
-      createdAt: info.createdAt,
-      expiresAt: Number.isFinite(expires) ? expires : now,
-    };
-    const r = await destroyOrLedger(deps, entry);
-    if (r.teardown === "confirmed") {
-      active[owner]--;
-      report.orphansRemoved++;
-      if (rec && !(await deps.ledger.isPending(rolloutId))) await deps.store.confirmTeardown(rolloutId);
+  await step("orphans", async () => {
+    const listed = await deps.provider.list();
+    // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
+    const active = { resources: 0, agent: 0 };
+    for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
+    for (const info of listed) {
+      const rolloutId = info.labels[LABEL_ROLLOUT];
+      const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
+      const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
+      if (!rolloutId) continue;
+      const rec = await deps.store.get(rolloutId);
+      const old = now - info.createdAt > options.orphanGraceMs;
+      const orphan =
+        (rec === null && old) || (rec !== null && isTerminal(rec.status) && old) || expires < now;
+      if (!orphan) continue;
+      const entry: SandboxEntry = {
+        key: sandboxKey(rolloutId, owner),
+        rolloutId,
+        owner,
+        provider: deps.provider.name,
+        handle: info.handle,
+        createdAt: info.createdAt,
+        expiresAt: Number.isFinite(expires) ? expires : now,
+      };
+      const r = await destroyOrLedger(deps, entry);
+      if (r.teardown === "confirmed") {
+        active[owner]--;
+        report.orphansRemoved++;
+      }
     }
+    for (const [owner, n] of Object.entries(active)) {
+      deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
+    }
+  });
+
+  // (4) Watchdog: rollouts past their deadline that no stage is closing.
+  let overdue: string[] = [];
+  await step("watchdog", async () => {
+    overdue = await deps.store.pastDeadline(now - (options.watchdogGraceMs ?? 30_000));
+  });
+  for (const id of overdue) {
+    await step(`watchdog ${id}`, async () => {
+      if (await watchdogClose(deps, id, now)) report.watchdogClosed++;
+    });
   }
 
-  // (4) Watchdog: rollouts past their deadline that no stage closed.
-  for (const id of await deps.store.pastDeadline(now - (options.watchdogGraceMs ?? 30_000))) {
-    const rec = await deps.store.get(id);
-    if (!rec || isTerminal(rec.status)) continue;
+  // (5) Gateway networks whose rollout is over (a close that could not remove one).
+  if (deps.networks) {
+    const networks = deps.networks;
+    await step("networks", async () => {
+      for (const net of await networks.list()) {
+        const rec = await deps.store.get(net.rolloutId);
+        if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
+          await networks.remove(net.rolloutId).catch(() => undefined);
+        }
+      }
+    });
+  }
+
+  await step("metrics", async () => {
+    deps.metrics?.teardownLedgerEntries.set(await deps.ledger.size());
+  });
+  return report;
+}
+
+/** Close states in which the close is still on its way: the watchdog leaves those alone. */
+const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", "waiting-children"]);
+
+/**
+ * Close a rollout past its deadline that nothing is closing. One whose close job is queued,
+ * delayed or running is left to it (a backed-up close queue is not a stuck rollout). Otherwise
+ * the deadline failure is recorded, unless the rollout is already graded (a verify receipt: its
+ * reward stands, close only has to report it) or has a failure recorded, and close is enqueued,
+ * replacing a close job that ended without finalizing. True when it enqueued a close.
+ */
+async function watchdogClose(deps: PipelineDeps, id: string, now: number): Promise<boolean> {
+  const rec = await deps.store.get(id);
+  if (!rec || isTerminal(rec.status)) return false;
+  const closeJob = await deps.queues.queues.close.getJob(stageJobId(id, "close"));
+  if (closeJob) {
+    if (CLOSE_UNDER_WAY.has(await closeJob.getState())) return false;
+    await closeJob.remove();
+  }
+  if (!rec.receipts.verify && !rec.failure) {
     await deps.store.recordFailure(id, {
       stage: rec.receipts.run ? "verify" : rec.receipts.seed ? "run" : "seed",
       terminal: true,
@@ -110,30 +176,13 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       reason: "closed by the watchdog: the rollout passed its deadline",
       at: now,
     });
-    const closeJob = await deps.queues.queues.close.getJob(stageJobId(id, "close"));
-    if (closeJob && (await closeJob.isFailed())) await closeJob.remove();
-    await deps.queues.enqueue("close", id);
-    report.watchdogClosed++;
   }
-
-  for (const [owner, n] of Object.entries(active)) {
-    deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
-  }
-  // (5) Gateway networks whose rollout is over (a close that could not remove one).
-  if (deps.networks) {
-    for (const net of await deps.networks.list()) {
-      const rec = await deps.store.get(net.rolloutId);
-      if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
-        await deps.networks.remove(net.rolloutId).catch(() => undefined);
-      }
-    }
-  }
-
-  deps.metrics?.teardownLedgerEntries.set(await deps.ledger.size());
-  return report;
+  await deps.queues.enqueue("close", id);
+  return true;
 }
 
 export interface Janitor {
+  /** Stop: a pass under way gets `timeoutMs` to finish, then is cut off (each step is idempotent). */
   close(timeoutMs?: number): Promise<void>;
 }
 
@@ -157,7 +206,8 @@ export async function startJanitor(
     JANITOR_QUEUE,
     async () => {
       const report = await janitorTick(deps, options);
-      if (report.retried + report.orphansRemoved + report.watchdogClosed + report.expiredScheduled > 0) {
+      const did = report.retried + report.orphansRemoved + report.watchdogClosed + report.expiredScheduled;
+      if (did + report.errors.length > 0) {
         deps.logger.info(report, "janitor pass");
       }
       return report;
@@ -167,10 +217,15 @@ export async function startJanitor(
   worker.on("error", (err) => deps.logger.error({ err: err.message }, "janitor worker error"));
   worker.on("failed", (_job, err) => deps.logger.warn({ err: err.message }, "janitor pass failed"));
   return {
-    async close() {
-      await worker.close();
-      await worker.disconnect();
-      await queue.close();
+    async close(timeoutMs = 30_000) {
+      const graceful = worker.close().then(() => true);
+      graceful.catch(() => undefined);
+      const timer = new Promise<false>((resolve) => setTimeout(() => resolve(false), timeoutMs).unref());
+      if (!(await Promise.race([graceful, timer]))) {
+        deps.logger.warn({ timeoutMs }, "janitor pass still running at shutdown; cutting it off");
+      }
+      await boundedClose(worker, 1_000);
+      await Promise.race([queue.close(), timer]);
     },
   };
 }

@@ -143,7 +143,7 @@ export async function destroyOrLedger(
 }> {
   const now = clock(deps);
   const confirm = async () => {
-    if (!options.deferConfirm) await deps.ledger.confirm(entry.key);
+    if (!options.deferConfirm) await deps.ledger.confirm(entry);
   };
   try {
     const handle = entry.handle ?? (await deps.provider.find(entry.rolloutId, entry.owner));
@@ -252,7 +252,7 @@ export const seed: StageHandler = async (rec, deps) => {
     // teardown at once instead of waiting out the intent grace period. Not one an earlier attempt
     // recorded: that attempt may have created the sandbox, and close must still find it.
     if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
-      await deps.ledger.confirm(sandboxKey(rec.meta.id, "resources"));
+      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id });
     }
     throw err;
   }

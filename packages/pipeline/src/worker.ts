@@ -231,7 +231,7 @@ export function createStageWorkers(
 }
 
 /** Close a worker (force: without waiting for its jobs), giving up after `ms`. */
-async function boundedClose(worker: Worker, ms: number, force = true): Promise<void> {
+export async function boundedClose(worker: Worker, ms: number, force = true): Promise<void> {
   await Promise.race([worker.close(force), delay(ms)]);
   await Promise.race([worker.disconnect(), delay(ms)]);
 }

@@ -37,10 +37,12 @@ export const STAGE_CATALOG: Record<StageName, StageCatalogEntry> = {
     options: { attempts: 7, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
   },
   close: {
-    // Close must eventually run whatever happened: many attempts, capped backoff.
+    // Close must eventually run whatever happened: it retries for about half an hour (the last
+    // delay ≤ 17 min, ≤ 34 min in all), not for days; a close that exhausts its attempts is
+    // enqueued again by the janitor's watchdog once the rollout is past its deadline.
     stage: "close",
     schema: StageJob,
-    options: { attempts: 20, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
+    options: { attempts: 12, backoff: { type: "exponential", delay: 1000, jitter: 0.5 }, ...trim },
   },
 };
 

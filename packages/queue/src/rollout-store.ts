@@ -436,7 +436,8 @@ export class RolloutStore {
   /**
    * Finalize exactly once (DESIGN §2 rule 1). True if this call did it. `confirmed` names sandbox
    * keys whose destroy was confirmed: they leave the sandboxes hash and the teardown ledger in
-   * the same script, whether or not this call finalizes.
+   * the same script, whether or not this call finalizes. A result with its teardown pending is
+   * stored confirmed if by then the ledger holds neither of the rollout's sandboxes.
    */
   async finalize(
     meta: Pick<RolloutMeta, "id" | "batchId">,
@@ -468,13 +469,10 @@ export class RolloutStore {
         closeReceipt ? JSON.stringify(CloseReceipt.parse(closeReceipt)) : "",
         confirmed[0] ?? "",
         confirmed[1] ?? "",
+        sandboxKey(meta.id, "resources"),
+        sandboxKey(meta.id, "agent"),
       ],
     );
     return r === 1;
-  }
-
-  /** After the janitor confirms a pending teardown: update the stored result's teardown only. */
-  async confirmTeardown(id: string): Promise<boolean> {
-    return (await this.redis.fleetConfirmTeardown(this.keys.rollout(id))) === 1;
   }
 }

@@ -23,6 +23,31 @@ const CLAIM_LAUNCH = `local function claimLaunch(key, token)
         return fence or '', redis.call('HINCRBY', key, 'launches', 1)
       end`;
 
+/**
+ * A finalized result's teardown marked confirmed, its reward and status as they are (a no-op
+ * without a result, or when it is not pending), once the teardown ledger holds no entry for either
+ * of the rollout's sandboxes (`key1`, `key2`) in `ledgerKey`. Returns 1 if it was edited.
+ */
+const CONFIRM_TEARDOWN = `local function confirmTeardown(rolloutKey, ledgerKey, key1, key2)
+        if redis.call('HEXISTS', ledgerKey, key1) == 1 or redis.call('HEXISTS', ledgerKey, key2) == 1 then
+          return 0
+        end
+        local raw = redis.call('HGET', rolloutKey, 'result')
+        if not raw then return 0 end
+        -- Plain string edits, not cjson: cjson would turn empty arrays into objects. The result
+        -- is serialised in schema order, so the first occurrence is the top-level field.
+        local function sub(text, from, to)
+          local i, j = string.find(text, from, 1, true)
+          if not i then return text end
+          return string.sub(text, 1, i - 1) .. to .. string.sub(text, j + 1)
+        end
+        local edited = sub(raw, '"teardown":"pending"', '"teardown":"confirmed"')
+        if edited == raw then return 0 end
+        edited = sub(edited, '"failureKind":"teardown_failed"', '"failureKind":null')
+        redis.call('HSET', rolloutKey, 'result', edited)
+        return 1
+      end`;
+
 const SCRIPTS = {
   /** Admit one rollout if new: meta, status, inflight entry, batch count. Returns 1 if created. */
   fleetAdmit: {
@@ -76,15 +101,18 @@ const SCRIPTS = {
   },
   /**
    * Finalize exactly once, storing the close receipt with the result. ARGV: resultJson,
-   * newStatus, now, hasBatch, rolloutId, closeReceiptJson ('' for none), then the sandbox keys
-   * whose destroy is confirmed ('' entries are ignored): they leave the sandboxes hash and the teardown ledger whether or
-   * not this call finalizes. Returns 1 if this call finalized.
+   * newStatus, now, hasBatch, rolloutId, closeReceiptJson ('' for none), two sandbox keys whose
+   * destroy is confirmed ('' for none): they leave the sandboxes hash and the teardown ledger
+   * whether or not this call finalizes; then the rollout's two sandbox keys. A result stored with
+   * its teardown pending is stored confirmed when the ledger holds neither sandbox by now (the
+   * janitor finished the teardown while this close ran). Returns 1 if this call finalized.
    */
   fleetFinalize: {
     keys: 6, // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due
     lua: `
       ${TERMINAL}
-      for i = 7, #ARGV do
+      ${CONFIRM_TEARDOWN}
+      for i = 7, 8 do
         if ARGV[i] ~= '' then
           redis.call('HDEL', KEYS[4], ARGV[i])
           redis.call('HDEL', KEYS[5], ARGV[i])
@@ -96,6 +124,7 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1')
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
+      confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10])
       if ARGV[4] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
         redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[2], 1)
@@ -142,23 +171,20 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], 'cancel', '1', 'fence', 'stopped')
       return status`,
   },
-  /** Mark a finalized result's teardown confirmed; the reward and status stay as they are. */
-  fleetConfirmTeardown: {
-    keys: 1,
+  /**
+   * A sandbox's destroy is confirmed: forget it (sandboxes hash, teardown ledger), and when it was
+   * the rollout's last one on the ledger, mark its finalized result's teardown confirmed (see
+   * `CONFIRM_TEARDOWN`), in the same step, so no closer or janitor can miss the edit. ARGV: the
+   * sandbox's key, then the rollout's two sandbox keys. Returns 1 if the result was edited.
+   */
+  fleetConfirm: {
+    keys: 4, // sandboxes, teardown entries, teardown due, rollout
     lua: `
-      local raw = redis.call('HGET', KEYS[1], 'result')
-      if not raw then return 0 end
-      -- Plain string edits, not cjson: cjson would turn empty arrays into objects. The result
-      -- is serialised in schema order, so the first occurrence is the top-level field.
-      local function sub(text, from, to)
-        local i, j = string.find(text, from, 1, true)
-        if not i then return text end
-        return string.sub(text, 1, i - 1) .. to .. string.sub(text, j + 1)
-      end
-      raw = sub(raw, '"teardown":"pending"', '"teardown":"confirmed"')
-      raw = sub(raw, '"failureKind":"teardown_failed"', '"failureKind":null')
-      redis.call('HSET', KEYS[1], 'result', raw)
-      return 1`,
+      ${CONFIRM_TEARDOWN}
+      redis.call('HDEL', KEYS[1], ARGV[1])
+      redis.call('HDEL', KEYS[2], ARGV[1])
+      redis.call('ZREM', KEYS[3], ARGV[1])
+      return confirmTeardown(KEYS[4], KEYS[2], ARGV[2], ARGV[3])`,
   },
   /**
    * Begin a stage in one round trip. Unless the rollout is terminal: for close, set the tombstone
@@ -255,7 +281,7 @@ export type ScriptName = keyof typeof SCRIPTS;
 export const BATCHED = {
   fleetBegin: { args: 10 },
   fleetReceipt: { args: 10 },
-  fleetFinalize: { args: 8 },
+  fleetFinalize: { args: 10 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;
 export const BATCH_ERROR = "__fleet_err";

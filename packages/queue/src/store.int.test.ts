@@ -372,6 +372,54 @@ describe("rollout store", () => {
     expect((await ledger.sandboxesOf(id)).resources).toBeNull();
   });
 
+  it("a pending teardown is confirmed in the result by whichever comes last: the ledger's confirm or finalize", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const entryOf = (id: string, owner: "resources" | "agent") => ({
+      key: sandboxKey(id, owner),
+      rolloutId: id,
+      owner,
+      provider: "docker" as const,
+      handle: null,
+      createdAt: 1,
+      expiresAt: 2,
+    });
+    const pendingResult = (id: string) => ({
+      ...resultFor(id, "completed"),
+      teardown: "pending" as const,
+      failureKind: "teardown_failed" as const,
+    });
+
+    // Finalized pending with both sandboxes on the ledger; the last confirm edits the result.
+    const a = (await admitOne()).ids[0]!;
+    await ledger.schedule(entryOf(a, "resources"), 10);
+    await ledger.schedule(entryOf(a, "agent"), 10);
+    const metaA = (await store.begin(a, "close", 20)).record!.meta;
+    expect(await store.finalize(metaA, pendingResult(a), 30)).toBe(true);
+    await ledger.confirm(entryOf(a, "resources"));
+    expect(await store.getResult(a)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
+    await ledger.confirm(entryOf(a, "agent"));
+    expect(await store.getResult(a)).toMatchObject({ teardown: "confirmed", failureKind: null, reward: 1 });
+
+    // The ledger was emptied (the janitor destroyed it) while close ran: finalize stores it confirmed.
+    const b = (await admitOne()).ids[0]!;
+    await ledger.schedule(entryOf(b, "agent"), 10);
+    const metaB = (await store.begin(b, "close", 20)).record!.meta;
+    await ledger.confirm(entryOf(b, "agent"));
+    expect(await store.getResult(b)).toBeNull();
+    expect(await store.finalize(metaB, pendingResult(b), 30)).toBe(true);
+    expect(await store.getResult(b)).toMatchObject({ teardown: "confirmed", failureKind: null, reward: 1 });
+
+    // Still on the ledger at finalize: pending stands.
+    const c = (await admitOne()).ids[0]!;
+    await ledger.schedule(entryOf(c, "resources"), 10);
+    const metaC = (await store.begin(c, "close", 20)).record!.meta;
+    expect(await store.finalize(metaC, pendingResult(c), 30)).toBe(true);
+    expect(await store.getResult(c)).toMatchObject({ teardown: "pending" });
+    await ledger.confirm(entryOf(c, "resources"));
+    expect(await store.getResult(c)).toMatchObject({ teardown: "confirmed" });
+    expect(await ledger.size()).toBe(0);
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
@@ -392,7 +440,7 @@ describe("rollout store", () => {
     expect(await ledger.due(now)).toHaveLength(0);
     expect(await ledger.due(second.dueAt)).toHaveLength(1);
     expect(await ledger.isPending(ids[0]!)).toBe(true);
-    await ledger.confirm(entry.key);
+    await ledger.confirm(entry);
     expect(await ledger.size()).toBe(0);
     expect(await ledger.isPending(ids[0]!)).toBe(false);
   });

@@ -106,14 +106,20 @@ export class TeardownLedger {
     return all.map((raw) => SandboxEntry.parse(JSON.parse(raw)));
   }
 
-  /** Destroy confirmed: forget the sandbox and any ledger entry for it. */
-  async confirm(key: string): Promise<void> {
-    await this.redis
-      .multi()
-      .hdel(this.keys.sandboxes(), key)
-      .hdel(this.keys.teardownEntries(), key)
-      .zrem(this.keys.teardownDue(), key)
-      .exec();
+  /**
+   * Destroy confirmed: forget the sandbox and any ledger entry for it, and if that was the
+   * rollout's last teardown on the ledger, mark its finalized result's teardown confirmed.
+   */
+  async confirm(entry: Pick<SandboxEntry, "key" | "rolloutId">): Promise<void> {
+    await this.redis.fleetConfirm(
+      this.keys.sandboxes(),
+      this.keys.teardownEntries(),
+      this.keys.teardownDue(),
+      this.keys.rollout(entry.rolloutId),
+      entry.key,
+      sandboxKey(entry.rolloutId, "resources"),
+      sandboxKey(entry.rolloutId, "agent"),
+    );
   }
 
   /** Record a failed destroy (or re-failure) and schedule the next attempt. */
