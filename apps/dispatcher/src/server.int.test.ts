@@ -177,6 +177,25 @@ describe("POST /v1/rollouts", () => {
     expect(error.details).toMatchObject({ rolloutId: first.json().id });
   });
 
+  it("two requests at once with one key and two bodies: one is admitted, the other is 409, whichever wins", async () => {
+    for (let round = 0; round < 5; round++) {
+      const key = randomUUID();
+      const send = (n: number) =>
+        h.call({
+          method: "POST",
+          url: "/v1/rollouts",
+          payload: { ...row, metadata: { n } },
+          headers: { "idempotency-key": key },
+        });
+      const [a, b] = await Promise.all([send(1), send(2)]);
+      const codes = [a.statusCode, b.statusCode].sort();
+      expect(codes, `${a.body} ${b.body}`).toEqual([202, 409]);
+      const winner = a.statusCode === 202 ? 1 : 2;
+      const { id } = (a.statusCode === 202 ? a : b).json() as { id: string };
+      expect((await h.store.get(id))!.meta.metadata).toEqual({ n: winner });
+    }
+  });
+
   it("re-enqueues the seed on replay when a crash lost it after the rollout was recorded", async () => {
     const key = randomUUID();
     const headers = { "idempotency-key": key };
@@ -338,6 +357,20 @@ describe("POST /v1/batches", () => {
       headers: { "idempotency-key": key },
     });
     expectErrorBody(other, 409, "conflict");
+  });
+
+  it("a batch refused at admission records nothing: its key stays free for the corrected body", async () => {
+    const key = randomUUID();
+    const headers = { "idempotency-key": key };
+    const unknown = { task: { digest: "0".repeat(64) }, agent: oracle };
+    const refused = await h.call({ method: "POST", url: "/v1/batches", payload: [row, unknown], headers });
+    const error = expectErrorBody(refused, 422, "invalid");
+    expect(error.message).toContain("unknown task digest");
+    const fixed = await h.call({ method: "POST", url: "/v1/batches", payload: [row, row], headers });
+    expect(fixed.statusCode, fixed.body).toBe(202);
+    const { batchId } = fixed.json() as { batchId: string };
+    const progress = await h.call({ method: "GET", url: `/v1/batches/${batchId}` });
+    expect(progress.json()).toMatchObject({ total: 2 });
   });
 
   it("names the bad NDJSON line (422 invalid, 400 not JSON, 422 unknown digest)", async () => {

@@ -192,6 +192,9 @@ export async function admit(
       return { batchId: null, ids, created: [] };
     }
   }
+  // Every check that can refuse the request comes before anything of it is recorded: a refused
+  // batch leaves no batch behind, and its key stays free for the corrected body.
+  const metas = await prepareRollouts(store, input.requests, ids, batchId, { ...options, now }, canonical);
   if (batchId !== null) {
     const stored = await store.createBatch(batchId, bodyHash, now);
     if (stored !== bodyHash) {
@@ -200,8 +203,14 @@ export async function admit(
       });
     }
   }
-  const metas = await prepareRollouts(store, input.requests, ids, batchId, { ...options, now }, canonical);
-  const created = await store.admit(metas, now);
+  const { created, conflicting } = await store.admit(metas, now);
+  if (conflicting.length > 0) {
+    // Only a single rollout can get here (a batch's body is checked whole, atomically, above):
+    // a concurrent request with the same key and another body recorded it first.
+    throw new AdmissionError("conflict", "Idempotency-Key was used with a different request body", {
+      rolloutId: conflicting[0],
+    });
+  }
   await queues.enqueueSeeds(ids);
   return { batchId, ids, created };
 }

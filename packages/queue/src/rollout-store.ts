@@ -189,9 +189,16 @@ export class RolloutStore {
     return (await this.redis.hget(key, "bodyHash")) ?? bodyHash;
   }
 
-  /** Admit rollouts (idempotent per id). Returns the ids newly created. */
-  async admit(metas: readonly RolloutMeta[], now: number): Promise<string[]> {
+  /**
+   * Admit rollouts (idempotent per id). Returns the ids newly created, and those that already
+   * existed with another body hash (`conflicting`: nothing of theirs was changed).
+   */
+  async admit(
+    metas: readonly RolloutMeta[],
+    now: number,
+  ): Promise<{ created: string[]; conflicting: string[] }> {
     const created: string[] = [];
+    const conflicting: string[] = [];
     for (let i = 0; i < metas.length; i += 500) {
       const chunk = metas.slice(i, i + 500);
       const pipe = this.redis.pipeline() as unknown as ScriptedRedis & {
@@ -209,15 +216,17 @@ export class RolloutStore {
           String(now),
           m.id,
           batch ? "1" : "0",
+          m.bodyHash,
         );
       }
       const results = (await pipe.exec()) ?? [];
       results.forEach(([err, value], j) => {
         if (err) throw err;
         if (value === 1) created.push(chunk[j]!.id);
+        if (value === -1) conflicting.push(chunk[j]!.id);
       });
     }
-    return created;
+    return { created, conflicting };
   }
 
   // ---- reads ----

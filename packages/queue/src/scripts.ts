@@ -49,12 +49,21 @@ const CONFIRM_TEARDOWN = `local function confirmTeardown(rolloutKey, ledgerKey, 
       end`;
 
 const SCRIPTS = {
-  /** Admit one rollout if new: meta, status, inflight entry, batch count. Returns 1 if created. */
+  /**
+   * Admit one rollout if new: meta, status, inflight entry, batch count. ARGV: metaJson,
+   * deadlineAt, now, id, hasBatch, bodyHash. Returns 1 if created, 0 if it existed with the same
+   * body hash (an idempotent replay), -1 if it existed with another (a conflicting reuse of the
+   * id's idempotency key, however close together the two requests came).
+   */
   fleetAdmit: {
     keys: 4, // rollout, batch|rollout, inflight, batchIds|rollout
     lua: `
-      if redis.call('HSETNX', KEYS[1], 'meta', ARGV[1]) == 0 then return 0 end
-      redis.call('HSET', KEYS[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3], 'deadline', ARGV[2])
+      if redis.call('HSETNX', KEYS[1], 'meta', ARGV[1]) == 0 then
+        local stored = redis.call('HGET', KEYS[1], 'bodyHash')
+        if stored and stored ~= ARGV[6] then return -1 end
+        return 0
+      end
+      redis.call('HSET', KEYS[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3], 'deadline', ARGV[2], 'bodyHash', ARGV[6])
       redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
       if ARGV[5] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:accepted', 1)
