@@ -38,6 +38,11 @@ describe("parseRolloutBody", () => {
       [{ ...row, task: { ...task, timeouts: { agentS: 0 } } }, "task.timeouts.agentS"],
       [{ ...row, sandbox: { privileged: true } }, "sandbox"],
       [{ ...row, agent: { harness: "magic" } }, "agent.harness"],
+      // Past a week: a deadline that is no deadline (and overflows timers).
+      [{ ...row, deadlineS: 1e306 }, "deadlineS"],
+      [{ ...row, agent: { harness: "oracle", timeoutS: 30 * 24 * 3600 } }, "agent.timeoutS"],
+      // Allowed by the contract for the providers' tests; never through the API.
+      [{ ...row, sandbox: { pidMode: "host" } }, "sandbox.pidMode"],
     ];
     for (const [body, path] of cases) {
       const err = thrown(() => parseRolloutBody(body));
@@ -58,6 +63,22 @@ describe("parseRolloutBody", () => {
     expect(err.status).toBe(422);
     expect(JSON.stringify(err.details)).not.toContain("sk-live-123");
     expect(JSON.stringify(err.details)).toContain("apiKey");
+  });
+
+  it("refuses agent env names that hold credentials, naming them but not echoing values", () => {
+    const agent = (env: Record<string, string>) => ({
+      ...row,
+      agent: { harness: "command", argv: ["x"], env },
+    });
+    for (const name of ["OPENAI_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "PGPASSWORD", "API_KEY"]) {
+      const err = thrown(() => parseRolloutBody(agent({ [name]: "sk-live-SECRETVALUE" })));
+      expect(err.status, name).toBe(422);
+      expect(err.message, name).toContain("credential");
+      expect(JSON.stringify(err.details)).not.toContain("SECRETVALUE");
+    }
+    // Names that merely mention tokens or keys are fine.
+    const ok = parseRolloutBody(agent({ MAX_TOKENS: "10", TOKENIZERS_PARALLELISM: "false", KEYBOARD: "us" }));
+    expect(ok.agent).toMatchObject({ env: { MAX_TOKENS: "10" } });
   });
 
   it("needs a body", () => {
@@ -109,6 +130,13 @@ describe("parseBatchNdjson", () => {
     expect(err.status).toBe(400);
     expect(err.code).toBe("malformed");
     expect(err.details).toEqual({ line: 2 });
+  });
+
+  it("refuses a __proto__ key as the JSON parser does, instead of dropping it", () => {
+    const line = `{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"__proto__":{"x":1},"k":2}}`;
+    const err = thrown(() => parseBatchNdjson(line));
+    expect([err.status, err.code]).toEqual([400, "malformed"]);
+    expect(err.details).toEqual({ line: 1 });
   });
 
   it("refuses a body of blank lines", () => {

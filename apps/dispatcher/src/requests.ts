@@ -1,7 +1,13 @@
 import { RolloutRequest } from "@fleet/contracts";
+import secureJson from "secure-json-parse";
 import { z } from "zod";
 import { HttpError } from "./http-error.ts";
 import { capIssues, describeIssues, type Issue, MAX_ISSUES } from "./zod-issues.ts";
+
+/** An NDJSON body as its content-type parser hands it over: the raw text, marked as NDJSON. */
+export class NdjsonText {
+  constructor(readonly text: string) {}
+}
 
 /** Requests of one submission, and for NDJSON the line each came from (for error messages). */
 export interface ParsedBatch {
@@ -10,10 +16,26 @@ export interface ParsedBatch {
   lines: number[] | null;
 }
 
+/**
+ * A rollout request as the API takes it: the contract's `RolloutRequest`, minus what it allows
+ * only for the providers' own tests. `sandbox.pidMode: "host"` would share the host's PID
+ * namespace; the seed's isolation probe refuses such a sandbox, but only after making it, and the
+ * API can tell up front (DESIGN §2 rule 5): 422.
+ */
+export const ApiRolloutRequest = RolloutRequest.superRefine((req, ctx) => {
+  if (req.sandbox?.pidMode === "host") {
+    ctx.addIssue({
+      code: "custom",
+      path: ["sandbox", "pidMode"],
+      message: '"host" would share the host\'s PID namespace; rollouts run isolated',
+    });
+  }
+});
+
 /** `POST /v1/batches` JSON body: `{ "rollouts": [...] }`, or a bare array of requests. */
 export const BatchBody = z.union([
-  z.strictObject({ rollouts: z.array(RolloutRequest).min(1, "a batch needs at least one rollout") }),
-  z.array(RolloutRequest).min(1, "a batch needs at least one rollout"),
+  z.strictObject({ rollouts: z.array(ApiRolloutRequest).min(1, "a batch needs at least one rollout") }),
+  z.array(ApiRolloutRequest).min(1, "a batch needs at least one rollout"),
 ]);
 
 function invalid(what: string, issues: Issue[], extra: Record<string, unknown> = {}): HttpError {
@@ -32,7 +54,7 @@ export function parseRolloutBody(body: unknown): RolloutRequest {
   if (body === undefined || body === null) {
     throw new HttpError(400, "malformed", "expected a JSON body (content-type: application/json)");
   }
-  const parsed = RolloutRequest.safeParse(body);
+  const parsed = ApiRolloutRequest.safeParse(body);
   if (!parsed.success) throw invalid("rollout request", describeIssues(parsed.error.issues));
   return parsed.data;
 }
@@ -68,7 +90,9 @@ export function parseBatchNdjson(text: string): ParsedBatch {
     if (line === "") continue;
     let value: unknown;
     try {
-      value = JSON.parse(line);
+      // As the JSON body parser does: a `__proto__` or `constructor.prototype` key is refused,
+      // not silently dropped.
+      value = secureJson.parse(line, undefined, { protoAction: "error", constructorAction: "error" });
     } catch (err) {
       throw new HttpError(
         400,
@@ -77,7 +101,7 @@ export function parseBatchNdjson(text: string): ParsedBatch {
         { line: lineNo },
       );
     }
-    const parsed = RolloutRequest.safeParse(value);
+    const parsed = ApiRolloutRequest.safeParse(value);
     if (parsed.success) {
       requests.push(parsed.data);
       lines.push(lineNo);

@@ -359,6 +359,16 @@ describe("POST /v1/batches", () => {
     expectErrorBody(other, 409, "conflict");
   });
 
+  it("a JSON body that is a string is not a batch (422), however much it looks like NDJSON", async () => {
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      headers: { "content-type": "application/json" },
+      payload: JSON.stringify(JSON.stringify(row)),
+    });
+    expectErrorBody(res, 422, "invalid");
+  });
+
   it("a batch refused at admission records nothing: its key stays free for the corrected body", async () => {
     const key = randomUUID();
     const headers = { "idempotency-key": key };

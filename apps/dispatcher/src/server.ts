@@ -11,6 +11,7 @@ import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
 import { errorBody, HttpError, toHttpError } from "./http-error.ts";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
+import { NdjsonText } from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
 import { registerAdminRoutes, sendLoginPage } from "./routes/admin.ts";
 import { registerBatchRoutes } from "./routes/batches.ts";
@@ -54,7 +55,9 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // Bodies: JSON (Fastify's parser: prototype-poisoning keys refused) and NDJSON as raw text,
   // both under `bodyLimit`. No text/plain: any other type is a 415.
   app.removeContentTypeParser("text/plain");
-  app.addContentTypeParser(NDJSON_TYPES, { parseAs: "string" }, (_req, body, done) => done(null, body));
+  app.addContentTypeParser(NDJSON_TYPES, { parseAs: "string" }, (_req, body, done) =>
+    done(null, new NdjsonText(String(body))),
+  );
 
   // Auth runs before the body is read, so an unauthenticated client cannot make us parse 32 MiB.
   // Refusals are sent from here rather than thrown: Bull Board's routes have their own error

@@ -6,6 +6,14 @@ export const CredentialName = z
   .string()
   .regex(/^[A-Za-z0-9_.-]{1,64}$/, "must be a credential name (letters, digits, '_', '.', '-')");
 
+/**
+ * An environment variable name that conventionally holds a secret (`OPENAI_API_KEY`, `HF_TOKEN`,
+ * `DB_PASSWORD`, ...): refused in `agent.env` (DESIGN §2 rule 8). A heuristic on names, not values.
+ */
+export function looksLikeCredential(name: string): boolean {
+  return /(?:^|_)(?:API_?KEY|KEY|TOKEN|SECRET|PASSWD|CREDENTIALS?)$|PASSWORD$/i.test(name);
+}
+
 /** Whether the agent borrows the task sandbox (default) or gets one of its own. */
 export const SandboxMode = z.enum(["borrow", "own"]);
 
@@ -23,7 +31,21 @@ export const CommandAgent = z.strictObject({
   harness: z.literal("command"),
   ...common,
   argv: z.array(z.string()).min(1, "argv must name a command"),
-  env: z.record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string()).default({}),
+  env: z
+    .record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string())
+    .superRefine((env, ctx) => {
+      for (const name of Object.keys(env)) {
+        if (looksLikeCredential(name)) {
+          ctx.addIssue({
+            code: "custom",
+            path: [name],
+            message:
+              "looks like a credential: a rollout is stored in Redis, so it carries credential names, never values (use model.credential)",
+          });
+        }
+      }
+    })
+    .default({}),
   /** Give the command a model through the per-rollout gateway. */
   model: z
     .strictObject({ name: z.string().min(1), baseUrl: z.url().optional(), credential: CredentialName })

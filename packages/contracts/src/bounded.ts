@@ -19,21 +19,31 @@ export function decodeUtf8(bytes: Uint8Array): string {
   return new TextDecoder("utf-8", { fatal: false }).decode(bytes);
 }
 
-/** A duration in seconds: finite and strictly positive (DESIGN §2 rule 5/13). */
+/**
+ * The longest duration anything in the fleet accepts: a week. Beyond it a deadline is no
+ * deadline, and timers overflow (Node's `setTimeout` fires at once past about 24.8 days).
+ */
+export const MAX_DURATION_S = 7 * 24 * 3600;
+
+/** A duration in seconds: finite, strictly positive, at most a week (DESIGN §2 rule 5/13). */
 export const Seconds = z
   .number({
     error: (iss) => (typeof iss.input === "number" ? "must be finite" : "must be a number of seconds"),
   })
   .refine((n) => Number.isFinite(n), { message: "must be finite" })
-  .refine((n) => n > 0, { message: "must be positive" });
+  .refine((n) => n > 0, { message: "must be positive" })
+  .refine((n) => n <= MAX_DURATION_S, { message: `must be at most ${MAX_DURATION_S} (a week)` });
 
-/** A duration in milliseconds: finite and strictly positive. */
+/** A duration in milliseconds: finite, strictly positive, at most a week. */
 export const Millis = z
   .number({
     error: (iss) => (typeof iss.input === "number" ? "must be finite" : "must be a number of milliseconds"),
   })
   .refine((n) => Number.isFinite(n), { message: "must be finite" })
-  .refine((n) => n > 0, { message: "must be positive" });
+  .refine((n) => n > 0, { message: "must be positive" })
+  .refine((n) => n <= MAX_DURATION_S * 1000, {
+    message: `must be at most ${MAX_DURATION_S * 1000} (a week)`,
+  });
 
 /** A text field capped on parse rather than rejected: diagnostics must never be lost for being long. */
 export const CappedText = z.string().transform((s) => capText(s));

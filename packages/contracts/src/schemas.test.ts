@@ -1,8 +1,8 @@
 import fc from "fast-check";
 import { describe, expect, it } from "vitest";
 import type { z } from "zod";
-import { AgentSpec } from "./agent.ts";
-import { capText, decodeUtf8, MAX_FIELD_CHARS } from "./bounded.ts";
+import { AgentSpec, looksLikeCredential } from "./agent.ts";
+import { capText, decodeUtf8, MAX_DURATION_S, MAX_FIELD_CHARS } from "./bounded.ts";
 import { classifyFailure, FailureKind, FailureRecord } from "./failure.ts";
 import {
   CloseReceipt,
@@ -21,7 +21,7 @@ const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
 const text = fc.string({ maxLength: 50 });
 const relPath = fc.stringMatching(/^[a-z]{1,8}(\/[a-z]{1,8}){0,2}\.(sh|py|txt)$/);
 const files = fc.dictionary(relPath, text, { maxKeys: 3 });
-const secs = fc.double({ min: 0.001, max: 1e6, noNaN: true });
+const secs = fc.double({ min: 0.001, max: MAX_DURATION_S, noNaN: true });
 const nat = fc.nat({ max: 1e12 });
 const json = fc.dictionary(fc.string({ minLength: 1, maxLength: 8 }), fc.jsonValue({ maxDepth: 2 }), {
   maxKeys: 3,
@@ -54,7 +54,11 @@ const agent = fc.oneof(
     harness: fc.constant("command" as const),
     sandbox: fc.constant("borrow" as const),
     argv: fc.array(text, { minLength: 1, maxLength: 3 }),
-    env: fc.dictionary(fc.stringMatching(/^[A-Z_][A-Z0-9_]{0,8}$/), text, { maxKeys: 2 }),
+    env: fc.dictionary(
+      fc.stringMatching(/^[A-Z_][A-Z0-9_]{0,8}$/).filter((name) => !looksLikeCredential(name)),
+      text,
+      { maxKeys: 2 },
+    ),
   }),
   fc.record({
     harness: fc.constant("tool-loop" as const),

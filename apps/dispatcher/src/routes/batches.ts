@@ -3,7 +3,7 @@ import type { RolloutStore } from "@fleet/queue";
 import type { FastifyInstance } from "fastify";
 import { BATCH_PAGE, cancelBatch } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
-import { parseBatchJson, parseBatchNdjson, parseIdempotencyKey } from "../requests.ts";
+import { NdjsonText, parseBatchJson, parseBatchNdjson, parseIdempotencyKey } from "../requests.ts";
 import type { BatchAccepted, BatchView } from "../responses.ts";
 import { submit } from "../submit.ts";
 import { idParam, notFound } from "./params.ts";
@@ -17,8 +17,10 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
 
   app.post("/v1/batches", async (req, reply) => {
     const idempotencyKey = parseIdempotencyKey(req.headers["idempotency-key"]);
-    // The NDJSON parser hands over the raw text; the JSON parser an already-parsed value.
-    const parsed = typeof req.body === "string" ? parseBatchNdjson(req.body) : parseBatchJson(req.body);
+    // The NDJSON parser hands over its text wrapped, so a JSON body that is a string is not
+    // mistaken for NDJSON; the JSON parser an already-parsed value.
+    const parsed =
+      req.body instanceof NdjsonText ? parseBatchNdjson(req.body.text) : parseBatchJson(req.body);
     const started = performance.now();
     const admitted = await submit(ctx, parsed, { batch: true, idempotencyKey });
     const created = admitted.created.length > 0;
