@@ -434,6 +434,19 @@ describe("limits", () => {
     expect(error.details).toMatchObject({ limit: 4096 });
   });
 
+  it("holds the backlog bound under concurrent submissions: what passes it is a 429, never admitted", async () => {
+    const tight = await makeHarness({ FLEET_MAX_BACKLOG: "10" });
+    const five = { rollouts: [row, row, row, row, row] };
+    const answers = await Promise.all(
+      Array.from({ length: 6 }, () => tight.call({ method: "POST", url: "/v1/batches", payload: five })),
+    );
+    const codes = answers.map((a) => a.statusCode).sort();
+    expect(codes, answers.map((a) => a.body).join("\n")).toEqual([202, 202, 429, 429, 429, 429]);
+    expect(await tight.store.inflightCount()).toBe(10);
+    // The reservations went with their requests: room that frees up is usable at once.
+    expect(await redis.zcard(`${tight.prefix}:x:reservations`)).toBe(0);
+  });
+
   it("answers 429 with Retry-After past the backlog bound, but still replays an admitted batch", async () => {
     const tight = await makeHarness({ FLEET_MAX_BACKLOG: "3" });
     const key = randomUUID();
@@ -448,7 +461,7 @@ describe("limits", () => {
     const more = await tight.call({ method: "POST", url: "/v1/batches", payload });
     const error = expectErrorBody(more, 429, "backpressure");
     expect(more.headers["retry-after"]).toBe("5");
-    expect(error.details).toMatchObject({ inflight: 2, incoming: 2, maxBacklog: 3 });
+    expect(error.details).toMatchObject({ inflight: 2, admitting: 0, incoming: 2, maxBacklog: 3 });
     const one = await tight.call({ method: "POST", url: "/v1/rollouts", payload: row });
     expect(one.statusCode).toBe(202);
     const full = await tight.call({ method: "POST", url: "/v1/rollouts", payload: row });

@@ -40,17 +40,24 @@ export async function submit(
   const replay =
     options.idempotencyKey !== null &&
     (await alreadyAdmitted(store, options.idempotencyKey, options.batch, incoming));
-  if (!replay) {
-    const inflight = await store.inflightCount();
-    if (inflight + incoming > config.maxBacklog) {
-      throw new HttpError(
-        429,
-        "backpressure",
-        `the fleet has ${inflight} rollouts in flight; ${incoming} more would pass the bound of ${config.maxBacklog}`,
-        { inflight, incoming, maxBacklog: config.maxBacklog, retryAfterS: RETRY_AFTER_S },
-        { "retry-after": String(RETRY_AFTER_S) },
-      );
-    }
+  // The room is reserved in the same step as the check: submissions arriving together cannot
+  // each see room for themselves and pass the bound together.
+  const room = replay ? null : await store.reserveBacklog(incoming, config.maxBacklog, deps.now());
+  if (room && !room.reserved) {
+    const busy = room.inflight + room.reservedByOthers;
+    throw new HttpError(
+      429,
+      "backpressure",
+      `the fleet has ${busy} rollouts in flight or being admitted; ${incoming} more would pass the bound of ${config.maxBacklog}`,
+      {
+        inflight: room.inflight,
+        admitting: room.reservedByOthers,
+        incoming,
+        maxBacklog: config.maxBacklog,
+        retryAfterS: RETRY_AFTER_S,
+      },
+      { "retry-after": String(RETRY_AFTER_S) },
+    );
   }
   try {
     return await admit(
@@ -61,6 +68,9 @@ export async function submit(
     );
   } catch (err) {
     throw withLine(err, parsed.lines);
+  } finally {
+    // Admitted rollouts are in flight now (they count there); refused ones never will be.
+    await room?.release().catch(() => undefined);
   }
 }
 

@@ -12,6 +12,8 @@ export interface Keys {
   idempotency(keyHash: string): string;
   /** Sorted set of non-terminal rollouts, scored by deadline (epoch ms). */
   inflight(): string;
+  /** Backlog reservations of submissions being admitted: `<id>:<count>`, scored by expiry. */
+  reservations(): string;
   /** Hash of live sandbox intents/handles: `<rolloutId>:<owner>` → JSON. */
   sandboxes(): string;
   /** Teardown ledger: due-time sorted set and its entries. */
@@ -26,6 +28,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   // Built on every stage's hot path: plain concatenation onto a fixed base.
   const x = `${prefix}:x:`;
   const inflight = `${x}inflight`;
+  const reservations = `${x}reservations`;
   const sandboxes = `${x}sandboxes`;
   const teardownDue = `${x}teardown:due`;
   const teardownEntries = `${x}teardown:entries`;
@@ -38,6 +41,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     task: (digest) => `${x}task:${digest}`,
     idempotency: (keyHash) => `${x}idem:${keyHash}`,
     inflight: () => inflight,
+    reservations: () => reservations,
     sandboxes: () => sandboxes,
     teardownDue: () => teardownDue,
     teardownEntries: () => teardownEntries,

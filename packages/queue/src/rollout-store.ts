@@ -1,3 +1,4 @@
+import { randomUUID } from "node:crypto";
 import {
   AgentSpec,
   CloseReceipt,
@@ -338,6 +339,39 @@ export class RolloutStore {
   /** Rollouts not yet terminal. */
   async inflightCount(): Promise<number> {
     return this.redis.zcard(this.keys.inflight());
+  }
+
+  /**
+   * Reserve room for `count` rollouts under the backlog bound `max` (see `fleetReserve`): the
+   * check and the reservation are one step, so concurrent submissions never pass the bound
+   * together. `release` once the rollouts are admitted (they are in flight then) or refused; a
+   * reservation never released lapses after `ttlMs`.
+   */
+  async reserveBacklog(
+    count: number,
+    max: number,
+    now: number,
+    ttlMs = 60_000,
+  ): Promise<{ reserved: boolean; inflight: number; reservedByOthers: number; release(): Promise<void> }> {
+    const member = `${randomUUID()}:${count}`;
+    const id = member.slice(0, member.lastIndexOf(":"));
+    const [ok, inflight, others] = (await this.redis.fleetReserve(
+      this.keys.inflight(),
+      this.keys.reservations(),
+      id,
+      String(count),
+      String(max),
+      String(now),
+      String(now + ttlMs),
+    )) as [number, number, number];
+    return {
+      reserved: ok === 1,
+      inflight: Number(inflight),
+      reservedByOthers: Number(others),
+      release: async () => {
+        if (ok === 1) await this.redis.zrem(this.keys.reservations(), member);
+      },
+    };
   }
 
   /** Non-terminal rollouts whose deadline passed before `before`. */

@@ -155,6 +155,25 @@ const SCRIPTS = {
       redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
       return 'ok'`,
   },
+  /**
+   * Reserve room for `n` rollouts under the backlog bound, atomically with the check, so that
+   * concurrent submissions cannot together pass it: rollouts in flight plus live reservations
+   * plus `n` must not exceed `max`. ARGV: reservationId, n, max, now, expiresAt. Returns
+   * [1 reserved | 0 refused, in flight, reserved by others].
+   */
+  fleetReserve: {
+    keys: 2, // inflight, reservations
+    lua: `
+      redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+      local reserved = 0
+      for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
+        reserved = reserved + tonumber(string.match(member, ':(%d+)$'))
+      end
+      local inflight = redis.call('ZCARD', KEYS[1])
+      if inflight + reserved + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return {0, inflight, reserved} end
+      redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1] .. ':' .. ARGV[2])
+      return {1, inflight, reserved}`,
+  },
   /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */
   fleetTombstone: {
     keys: 1,
