@@ -141,6 +141,18 @@ describe("Bull Board at /admin/queues", () => {
     expect(retry.statusCode).toBe(403);
     expect(retry.json()).toMatchObject({ error: { code: "forbidden" } });
     expect(await queues.queues.run.getJobState("r-c.run")).toBe("failed");
+
+    // The router decodes the path: an encoded /admin reaches the board, and is refused the same.
+    for (const url of [
+      "/%61dmin/queues/api/queues/run/r-c.run/retry",
+      "/admin/%71ueues/api/queues/seed/pause",
+    ]) {
+      const sneaky = await call({ method: "PUT", url, token: USER });
+      expect(sneaky.statusCode, url).toBe(403);
+      expect(sneaky.json(), url).toMatchObject({ error: { code: "forbidden" } });
+    }
+    expect(await queues.queues.run.getJobState("r-c.run")).toBe("failed");
+    expect(await queues.queues.seed.isPaused()).toBe(false);
   });
 
   it("gives an admin token the full board, whose actions work", async () => {

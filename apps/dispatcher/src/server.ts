@@ -65,7 +65,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   app.addHook("onRequest", async (req, reply) => {
     if (req.routeOptions.config?.public) return;
     const { access, via } = auth.authenticate(req.raw);
-    const admin = isAdminPath(req.url);
+    const admin = onAdminRoute(req);
     if (access === "none") {
       if (admin && req.method === "GET" && wantsHtml(req)) {
         return sendLoginPage(reply, 401, { next: req.url });
@@ -96,7 +96,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
 
   // The board and the login pages must not be framed (clickjacking an admin's click on "clean").
   app.addHook("onSend", async (req, reply) => {
-    if (!isAdminPath(req.url)) return;
+    if (!onAdminRoute(req)) return;
     reply.header("x-frame-options", "DENY");
     if (!reply.hasHeader("content-security-policy")) {
       reply.header("content-security-policy", "frame-ancestors 'none'");
@@ -159,4 +159,13 @@ class RequestLog extends LogController {
     if (error || reply.statusCode >= 500) reply.log.error({ ...line, err: error ?? undefined }, "request");
     else reply.log.info(line, "request");
   }
+}
+
+/**
+ * Whether a request was routed to the board or the login pages. By the route it matched, not the
+ * raw URL: the router decodes the path, so `/%61dmin/...` reaches the board's routes while its raw
+ * URL does not start with `/admin`. An unmatched request (a 404) falls back to the raw URL.
+ */
+function onAdminRoute(req: FastifyRequest): boolean {
+  return isAdminPath(req.routeOptions.url ?? req.url) || isAdminPath(req.url);
 }
