@@ -41,20 +41,37 @@ export class ResultsFile {
     this.stream = createWriteStream(this.partial, { flags: "w" });
   }
 
+  /** Open `<path>.partial` now, so a path that cannot be written fails before any work starts. */
+  static async open(path: string): Promise<ResultsFile> {
+    const file = new ResultsFile(path);
+    const opened = once(file.stream, "open");
+    try {
+      await opened;
+    } catch (err) {
+      await rm(file.partial, { force: true });
+      throw err;
+    }
+    return file;
+  }
+
   async writeLine(line: string): Promise<void> {
     this.lines++;
     await writeText(this.stream, `${line}\n`);
   }
+
+  private committed = false;
 
   /** Flush, close and move into place. */
   async commit(): Promise<void> {
     this.stream.end();
     await once(this.stream, "close");
     await rename(this.partial, this.path);
+    this.committed = true;
   }
 
-  /** Close and delete the partial file (after a failure). */
+  /** Close and delete the partial file (after a failure; nothing once committed). */
   async discard(): Promise<void> {
+    if (this.committed) return;
     if (!this.stream.destroyed) {
       this.stream.destroy();
       await once(this.stream, "close").catch(() => {});

@@ -228,6 +228,73 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain('details: {"limit":10485760}');
   });
 
+  it("an --out path that cannot be written is a usage error before anything is submitted", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const out = path.join(dir, "no-such-dir", "results.jsonl");
+    const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--wait", "--out", out], ctx());
+    expect(code).toBe(2);
+    expect(stderr.text()).toContain(`cannot write --out ${out}`);
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
+  });
+
+  it("goes as batches the backlog can hold, and waits while the backlog is full instead of giving up", async () => {
+    const maxBacklog = 7;
+    let full = 2; // the first two offers after the first batch find no room
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      if (rows.length > maxBacklog) {
+        return apiError(res, 413, "payload_too_large", "can never fit", {
+          incoming: rows.length,
+          maxBacklog,
+        });
+      }
+      if (n > 0 && full > 0) {
+        full--;
+        return apiError(res, 429, "backpressure", "no room", { maxBacklog, retryAfterS: 0.01 });
+      }
+      json(res, 202, {
+        batchId: `b-${++n}`,
+        rolloutIds: rows.map((_, i) => `r${n}-${i}`),
+        count: rows.length,
+      });
+    });
+    const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10"], ctx());
+    expect(code, stderr.text()).toBe(0);
+    const admitted = server.requests.filter((r) => r.method === "POST" && rowsOf(r).length <= maxBacklog);
+    expect(stdout.text().trim().split("\n")).toEqual(["b-1", "b-2", "b-3"]);
+    expect(stderr.text()).toContain("the fleet's backlog is full; offering");
+    expect(stderr.text()).toContain("submitted 20 rollouts");
+    expect(admitted.length).toBeGreaterThanOrEqual(3);
+  });
+
+  it("stops offering once --backlog-wait has passed, naming what it submitted", async () => {
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      if (n++ === 0) return json(res, 202, { batchId: "b-1", rolloutIds: [], count: rowsOf(req).length });
+      apiError(res, 429, "backpressure", "no room", { retryAfterS: 0.01 });
+    });
+    const code = await runCli(
+      [
+        "submit",
+        "--suite",
+        "s",
+        "--agent",
+        "oracle",
+        "--repeat",
+        "20",
+        "--max-request-bytes",
+        "4096",
+        "--backlog-wait",
+        "1",
+      ],
+      ctx(),
+    );
+    expect(code).toBe(1);
+    expect(stderr.text()).toContain("before the error: b-1");
+    expect(stderr.text()).toContain("backpressure");
+  });
+
   it("exits 2 on bad usage without calling the API", async () => {
     expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--task", "nope"], ctx())).toBe(2);
     expect(stderr.text()).toContain('unknown task "nope"; the suite has: alpha, beta');

@@ -109,6 +109,14 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
           .default(1000)
           .argParser(positiveInt),
       )
+      .addOption(
+        new Option(
+          "--backlog-wait <seconds>",
+          "while the fleet's backlog is full, keep offering the rest this long",
+        )
+          .default(1800)
+          .argParser(positiveInt),
+      )
       .addHelpText(
         "after",
         `

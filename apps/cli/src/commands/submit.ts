@@ -1,6 +1,6 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import type { TaskContent } from "@fleet/contracts";
-import type { BatchStatus, FleetClient } from "../client.ts";
+import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
 import { type CliContext, ResultsFile, writeText } from "../context.ts";
 import { ProgressReporter } from "../progress.ts";
 import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
@@ -19,6 +19,8 @@ export interface SubmitOptions {
   maxRequestBytes: number;
   inlineTasks?: boolean;
   pollInterval: number;
+  /** How long to keep offering a chunk the fleet's backlog has no room for (s). */
+  backlogWait: number;
 }
 
 /**
@@ -34,6 +36,29 @@ export async function submitCommand(
 ): Promise<number> {
   if (opts.out !== undefined && !opts.wait)
     throw new UsageError("--out needs --wait (or use `fleet results`)");
+  // Opened before anything is submitted: a path that cannot be written is a usage error now,
+  // not after hours of waiting.
+  let file: ResultsFile | null = null;
+  if (opts.out !== undefined) {
+    try {
+      file = await ResultsFile.open(opts.out);
+    } catch (err) {
+      throw new UsageError(`cannot write --out ${opts.out}: ${(err as Error).message}`);
+    }
+  }
+  try {
+    return await submitAndFollow(client, opts, ctx, file);
+  } finally {
+    await file?.discard();
+  }
+}
+
+async function submitAndFollow(
+  client: FleetClient,
+  opts: SubmitOptions,
+  ctx: CliContext,
+  file: ResultsFile | null,
+): Promise<number> {
   const agent = await resolveAgent(opts.agent, ctx.readFile);
   let tasks: TaskContent[];
   try {
@@ -57,12 +82,14 @@ export async function submitCommand(
   const taskCount = new Set(requests.map((r) => ("id" in r.task ? r.task.id : r.task.digest))).size;
   const batchIds: string[] = [];
   let accepted = 0;
+  const onAccepted = async (batch: BatchAccepted) => {
+    batchIds.push(batch.batchId);
+    accepted += batch.count;
+    await writeText(ctx.stdout, `${batch.batchId}\n`);
+  };
   for (const [i, lines] of chunks.entries()) {
     try {
-      const batch = await client.submitBatchLines(lines);
-      batchIds.push(batch.batchId);
-      accepted += batch.count;
-      await writeText(ctx.stdout, `${batch.batchId}\n`);
+      await submitChunk(client, lines, ctx, opts.backlogWait * 1000, onAccepted);
     } catch (err) {
       if (batchIds.length > 0) {
         await writeText(
@@ -84,19 +111,13 @@ export async function submitCommand(
   await waitForBatches(client, batchIds, opts.pollInterval, ctx);
 
   const tally = new ResultTally();
-  const file = opts.out === undefined ? null : new ResultsFile(opts.out);
-  try {
-    for (const batchId of batchIds) {
-      for await (const line of client.batchResultLines(batchId)) {
-        tally.addLine(line);
-        await file?.writeLine(line);
-      }
+  for (const batchId of batchIds) {
+    for await (const line of client.batchResultLines(batchId)) {
+      tally.addLine(line);
+      await file?.writeLine(line);
     }
-    await file?.commit();
-  } catch (err) {
-    await file?.discard();
-    throw err;
   }
+  await file?.commit();
   const summary = tally.summary();
   if (summary.total !== accepted) {
     await writeText(
@@ -114,6 +135,50 @@ export async function submitCommand(
     if (opts.out !== undefined) await writeText(ctx.stdout, `results written to ${opts.out}\n`);
   }
   return 0;
+}
+
+/**
+ * POST one chunk as a batch. A chunk with more rows than the fleet's backlog bound can ever hold
+ * (413 naming `maxBacklog`) goes as several batches of at most that many rows. While the backlog
+ * is full (429 after the client's own retries), the chunk is offered again after the server's
+ * `Retry-After` for up to `backlogWaitMs`, saying so on stderr: a submission larger than the
+ * backlog goes in as its earlier batches finish. `onAccepted` is told of every batch admitted.
+ */
+async function submitChunk(
+  client: FleetClient,
+  lines: readonly string[],
+  ctx: CliContext,
+  backlogWaitMs: number,
+  onAccepted: (batch: BatchAccepted) => Promise<void>,
+): Promise<void> {
+  const until = Date.now() + backlogWaitMs;
+  for (;;) {
+    try {
+      await onAccepted(await client.submitBatchLines(lines));
+      return;
+    } catch (err) {
+      if (!isApiError(err)) throw err;
+      const details = (err.details ?? {}) as { maxBacklog?: unknown; retryAfterS?: unknown };
+      const max = typeof details.maxBacklog === "number" ? details.maxBacklog : null;
+      if (err.status === 413 && max !== null && max >= 1 && lines.length > max) {
+        for (let i = 0; i < lines.length; i += max) {
+          await submitChunk(client, lines.slice(i, i + max), ctx, backlogWaitMs, onAccepted);
+        }
+        return;
+      }
+      if (err.status !== 429 || Date.now() >= until) throw err;
+      const waitS = typeof details.retryAfterS === "number" ? details.retryAfterS : 5;
+      await writeText(
+        ctx.stderr,
+        `the fleet's backlog is full; offering ${lines.length} more rollouts again in ${waitS} s\n`,
+      );
+      try {
+        await sleep(waitS * 1000, undefined, { signal: ctx.signal });
+      } catch {
+        throw new ApiError(0, "aborted", "aborted while waiting for room in the fleet's backlog");
+      }
+    }
+  }
 }
 
 function parseMetadata(text: string | undefined): Record<string, unknown> | undefined {
