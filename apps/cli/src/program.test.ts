@@ -96,6 +96,19 @@ function fakeDispatcher(
   });
 }
 
+/** A submission of 40 rows (2 tasks × 20) that goes as several batches of at most 4 KiB. */
+const CHUNKED = [
+  "submit",
+  "--suite",
+  "s",
+  "--agent",
+  "oracle",
+  "--repeat",
+  "20",
+  "--max-request-bytes",
+  "4096",
+];
+
 const completed = (id: string, reward: number) => ({
   id,
   status: "completed",
@@ -161,10 +174,7 @@ describe("fleet submit", () => {
 
   it("splits a large submission into chunks, referencing tasks by digest after the first, and follows all", async () => {
     fakeDispatcher((id) => completed(id, 0.5));
-    const code = await runCli(
-      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "20", "--max-request-bytes", "4096"],
-      ctx(),
-    );
+    const code = await runCli(CHUNKED, ctx());
     expect(code).toBe(0);
     const posts = server.requests.filter((r) => r.method === "POST");
     expect(posts.length).toBeGreaterThan(1);
@@ -179,21 +189,7 @@ describe("fleet submit", () => {
 
   it("with --inline-tasks never sends a digest", async () => {
     fakeDispatcher((id) => completed(id, 1));
-    const code = await runCli(
-      [
-        "submit",
-        "--suite",
-        "s",
-        "--agent",
-        "oracle",
-        "--repeat",
-        "20",
-        "--max-request-bytes",
-        "4096",
-        "--inline-tasks",
-      ],
-      ctx(),
-    );
+    const code = await runCli([...CHUNKED, "--inline-tasks"], ctx());
     expect(code).toBe(0);
     const rows = server.requests.filter((r) => r.method === "POST").flatMap(rowsOf);
     expect(rows.every((r) => "id" in (r.task as object))).toBe(true);
@@ -217,10 +213,7 @@ describe("fleet submit", () => {
       if (n === 1) json(res, 202, { batchId: "b-1", rolloutIds: [], count: rowsOf(req).length });
       else apiError(res, 413, "payload_too_large", "task over 10 MiB", { limit: 10485760 });
     });
-    const code = await runCli(
-      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "20", "--max-request-bytes", "4096"],
-      ctx(),
-    );
+    const code = await runCli(CHUNKED, ctx());
     expect(code).toBe(1);
     expect(stdout.text()).toBe("b-1\n");
     expect(stderr.text()).toContain("before the error: b-1");
@@ -274,22 +267,7 @@ describe("fleet submit", () => {
       if (n++ === 0) return json(res, 202, { batchId: "b-1", rolloutIds: [], count: rowsOf(req).length });
       apiError(res, 429, "backpressure", "no room", { retryAfterS: 0.01 });
     });
-    const code = await runCli(
-      [
-        "submit",
-        "--suite",
-        "s",
-        "--agent",
-        "oracle",
-        "--repeat",
-        "20",
-        "--max-request-bytes",
-        "4096",
-        "--backlog-wait",
-        "1",
-      ],
-      ctx(),
-    );
+    const code = await runCli([...CHUNKED, "--backlog-wait", "1"], ctx());
     expect(code).toBe(1);
     expect(stderr.text()).toContain("before the error: b-1");
     expect(stderr.text()).toContain("backpressure");
