@@ -261,6 +261,35 @@ describe("fleet submit", () => {
     expect(admitted.length).toBeGreaterThanOrEqual(3);
   });
 
+  it("sends the part of a chunk the backlog has room for first, then the rest, losing no row", async () => {
+    const accepted: Array<Record<string, unknown>> = [];
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      if (rows.length > 7) return apiError(res, 413, "payload_too_large", "never", { maxBacklog: 7 });
+      if (rows.length > 3) {
+        return apiError(res, 429, "backpressure", "partly full", {
+          maxBacklog: 7,
+          inflight: 4,
+          admitting: 0,
+          retryAfterS: 0.01,
+        });
+      }
+      accepted.push(...rows);
+      json(res, 202, {
+        batchId: `b-${++n}`,
+        rolloutIds: rows.map((_, i) => `r${n}-${i}`),
+        count: rows.length,
+      });
+    });
+    const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10"], ctx());
+    expect(code, stderr.text()).toBe(0);
+    expect(accepted).toHaveLength(20);
+    const repeats = accepted.map((r) => (r.metadata as { repeat: number }).repeat);
+    expect(repeats).toEqual([...repeats].sort((a, b) => a - b));
+    expect(new Set(accepted.map((r) => JSON.stringify(r))).size).toBe(20);
+  });
+
   it("stops offering once --backlog-wait has passed, naming what it submitted", async () => {
     let n = 0;
     server.on("POST", "/v1/batches", (req, res) => {

@@ -70,14 +70,35 @@ describe("parseRolloutBody", () => {
       ...row,
       agent: { harness: "command", argv: ["x"], env },
     });
-    for (const name of ["OPENAI_API_KEY", "HF_TOKEN", "AWS_SECRET_ACCESS_KEY", "PGPASSWORD", "API_KEY"]) {
+    for (const name of [
+      "OPENAI_API_KEY",
+      "HF_TOKEN",
+      "GITHUB_TOKEN",
+      "AWS_SECRET_ACCESS_KEY",
+      "PGPASSWORD",
+      "API_KEY",
+      "STRIPE_SECRET_KEY",
+      "GCP_PRIVATE_KEY",
+    ]) {
       const err = thrown(() => parseRolloutBody(agent({ [name]: "sk-live-SECRETVALUE" })));
       expect(err.status, name).toBe(422);
       expect(err.message, name).toContain("credential");
       expect(JSON.stringify(err.details)).not.toContain("SECRETVALUE");
     }
     // Names that merely mention tokens or keys are fine.
-    const ok = parseRolloutBody(agent({ MAX_TOKENS: "10", TOKENIZERS_PARALLELISM: "false", KEYBOARD: "us" }));
+    const ok = parseRolloutBody(
+      agent({
+        MAX_TOKENS: "10",
+        TOKENIZERS_PARALLELISM: "false",
+        KEYBOARD: "us",
+        SORT_KEY: "id",
+        CACHE_KEY: "v1",
+        PAD_TOKEN: "<pad>",
+        EOS_TOKEN: "</s>",
+        AWS_ACCESS_KEY_ID: "AKIA-not-secret",
+        SSH_AUTH_SOCK: "/tmp/s",
+      }),
+    );
     expect(ok.agent).toMatchObject({ env: { MAX_TOKENS: "10" } });
   });
 

@@ -8,10 +8,18 @@ export const CredentialName = z
 
 /**
  * An environment variable name that conventionally holds a secret (`OPENAI_API_KEY`, `HF_TOKEN`,
- * `DB_PASSWORD`, ...): refused in `agent.env` (DESIGN §2 rule 8). A heuristic on names, not values.
+ * `AWS_SECRET_ACCESS_KEY`, `DB_PASSWORD`, ...): refused in `agent.env` (DESIGN §2 rule 8). A
+ * heuristic on names, not values, kept narrow: a key that is not a credential (`SORT_KEY`,
+ * `CACHE_KEY`) and a tokenizer's special tokens (`PAD_TOKEN`, `EOS_TOKEN`) pass.
  */
 export function looksLikeCredential(name: string): boolean {
-  return /(?:^|_)(?:API_?KEY|KEY|TOKEN|SECRET|PASSWD|CREDENTIALS?)$|PASSWORD$/i.test(name);
+  const n = name.toUpperCase();
+  if (/(?:^|_)(?:PAD|EOS|BOS|UNK|SEP|CLS|MASK|START|END|MAX|MIN|NUM|SPECIAL)_TOKENS?$/.test(n)) return false;
+  return (
+    /(?:^|_)(?:API_?KEY|APIKEY|SECRET_?KEY|SECRET_ACCESS_KEY|ACCESS_KEY|PRIVATE_KEY|SECRET|PASSWD|CREDENTIALS?|TOKEN)$/.test(
+      n,
+    ) || /PASSWORD$/.test(n)
+  );
 }
 
 /** Whether the agent borrows the task sandbox (default) or gets one of its own. */

@@ -108,7 +108,7 @@ export const ProbeReport = z.object({
   workspaceEmpty: z.boolean().optional(),
   /**
    * The root filesystem was read-only and nothing in the scratch directories (/tmp, /logs,
-   * /dev/shm) belonged to the agent's uid when probed: whatever the agent leaves outside the
+   * /dev/shm, /dev/mqueue) belonged to the agent's uid when probed: whatever the agent leaves outside the
    * workspace is then its own doing, in scratch, and a restarted run can remove all of it. False
    * with a writable root or when the image brought such files; absent when not observed.
    */

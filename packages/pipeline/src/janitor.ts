@@ -182,7 +182,7 @@ async function watchdogClose(deps: PipelineDeps, id: string, now: number): Promi
 }
 
 export interface Janitor {
-  /** Stop: a pass under way gets `timeoutMs` to finish, then is cut off (each step is idempotent). */
+  /** Stop within `timeoutMs`: a pass under way gets all but its last 2 s, then is cut off (each step is idempotent). */
   close(timeoutMs?: number): Promise<void>;
 }
 
@@ -220,7 +220,9 @@ export async function startJanitor(
     async close(timeoutMs = 30_000) {
       const graceful = worker.close().then(() => true);
       graceful.catch(() => undefined);
-      const timer = new Promise<false>((resolve) => setTimeout(() => resolve(false), timeoutMs).unref());
+      // The cut-off below takes up to 2 s of the budget: a pass gets the rest.
+      const passMs = Math.max(0, timeoutMs - 2_000);
+      const timer = new Promise<false>((resolve) => setTimeout(() => resolve(false), passMs).unref());
       if (!(await Promise.race([graceful, timer]))) {
         deps.logger.warn({ timeoutMs }, "janitor pass still running at shutdown; cutting it off");
       }

@@ -397,8 +397,8 @@ describe("idempotency and fencing without workers", () => {
       "sh",
       "-c",
       "ls -A; md5sum stats.py | cut -d' ' -f1; " +
-        "find /tmp /logs /dev/shm -mindepth 1 -user $(id -u) ! -path '/tmp/fleet*' 2>&1; " +
-        "echo x > leftover.txt; echo x > stats.py; echo plan > /tmp/notes; mkdir /logs/l; echo x > /dev/shm/x",
+        "find /tmp /logs /dev/shm /dev/mqueue -mindepth 1 -user $(id -u) ! -path '/tmp/fleet*' 2>&1; " +
+        "echo x > leftover.txt; echo x > stats.py; echo plan > /tmp/notes; mkdir /logs/l; echo x > /dev/shm/x; touch /dev/mqueue/q",
     ];
     const [id] = await fleet.submit([{ task, agent: { harness: "command", argv } }]);
     expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");

@@ -129,7 +129,11 @@ const SCRIPTS = {
         end
       end
       local status = redis.call('HGET', KEYS[1], 'status')
-      if not status or terminal[status] then return 0 end
+      if not status or terminal[status] then
+        -- A closer that lost the race may still have confirmed the last teardown just now.
+        confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10])
+        return 0
+      end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1')
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])

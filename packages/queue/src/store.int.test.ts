@@ -417,6 +417,18 @@ describe("rollout store", () => {
     expect(await store.getResult(c)).toMatchObject({ teardown: "pending" });
     await ledger.confirm(entryOf(c, "resources"));
     expect(await store.getResult(c)).toMatchObject({ teardown: "confirmed" });
+
+    // Two closers: B's destroy failed and it finalized pending; A's destroy then succeeded, and
+    // its finalize loses the race but confirms the teardown it took off the ledger.
+    const d = (await admitOne()).ids[0]!;
+    const metaD = (await store.begin(d, "close", 20)).record!.meta;
+    await ledger.recordFailure(entryOf(d, "resources"), "removal in progress", 25);
+    expect(await store.finalize(metaD, pendingResult(d), 30)).toBe(true);
+    const confirmedByA = resultFor(d, "completed");
+    expect(await store.finalize(metaD, confirmedByA, 31, undefined, [sandboxKey(d, "resources")])).toBe(
+      false,
+    );
+    expect(await store.getResult(d)).toMatchObject({ teardown: "confirmed", failureKind: null, reward: 1 });
     expect(await ledger.size()).toBe(0);
   });
 

@@ -5,12 +5,19 @@ import { AGENT_USER, SANDBOX_PATHS, type SandboxProvider } from "./provider.ts";
 
 /**
  * Besides the workspace, the directories an agent can write to in every provider's sandbox (the
- * root filesystem is read-only; `/tests` and `/solution` belong to root). Those a sandbox lacks
- * are skipped.
+ * root filesystem is read-only; `/tests` and `/solution` belong to root), POSIX message queues
+ * included. Those a sandbox lacks are skipped. (SysV IPC objects are not files and are not
+ * covered.)
  */
-export const SCRATCH_DIRS: readonly string[] = ["/tmp", SANDBOX_PATHS.logs, "/dev/shm"];
+export const SCRATCH_DIRS: readonly string[] = ["/tmp", SANDBOX_PATHS.logs, "/dev/shm", "/dev/mqueue"];
 
 const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
+
+/**
+ * Sets `o` to the mount options of `/` (the last mount there, the one on top). Read from
+ * mountinfo, not `[ -w / ]`: busybox's `test` answers "writable" to root on a read-only mount.
+ */
+const ROOT_MOUNT_OPTIONS = `o=; while read -r _ _ _ _ mp opts _; do [ "$mp" = / ] && o=$opts; done < /proc/self/mountinfo`;
 
 /**
  * The probe script's line saying whether the agent's only writable places besides the workspace
@@ -19,7 +26,7 @@ const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
  * cannot be searched. Run as root before the task is staged: in a clean sandbox, whatever of the
  * agent's turns up outside the workspace later is in scratch and is the agent's own doing.
  */
-export const SCRATCH_PROBE_LINE = `s=clean; if [ -w / ]; then s=dirty; fi; for d in ${SCRATCH_DIRS.join(" ")}; do [ -d "$d" ] || continue; if ! l=$(find "$d" -mindepth 1 -user ${AGENT_UID} 2>/dev/null) || [ -n "$l" ]; then s=dirty; fi; done; echo $s`;
+export const SCRATCH_PROBE_LINE = `s=clean; ${ROOT_MOUNT_OPTIONS}; case ",$o," in *,ro,*) ;; *) s=dirty ;; esac; for d in ${SCRATCH_DIRS.join(" ")}; do [ -d "$d" ] || continue; if ! l=$(find "$d" -mindepth 1 -user ${AGENT_UID} 2>/dev/null) || [ -n "$l" ]; then s=dirty; fi; done; echo $s`;
 
 /**
  * Run as the agent with the scratch directories as arguments: remove everything the caller's
@@ -30,7 +37,7 @@ export const SCRATCH_PROBE_LINE = `s=clean; if [ -w / ]; then s=dirty; fi; for d
 const SCRUB_SCRATCH = `uid=$(id -u)
 for d in "$@"; do
   [ -d "$d" ] || continue
-  find "$d" -mindepth 1 -type d -user "$uid" -exec chmod u+rwx {} \\; 2>/dev/null
+  find "$d" -mindepth 1 -type d -user "$uid" ! -perm -700 -exec chmod u+rwx {} \\; 2>/dev/null
   find "$d" -mindepth 1 -user "$uid" -delete 2>/dev/null
   if ! left=$(find "$d" -mindepth 1 -user "$uid" 2>&1); then
     echo "cannot search $d: $(printf '%s\\n' "$left" | head -n 3 | tr '\\n' ' ')" >&2; exit 3

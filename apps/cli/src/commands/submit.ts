@@ -139,9 +139,10 @@ async function submitAndFollow(
 
 /**
  * POST one chunk as a batch. A chunk with more rows than the fleet's backlog bound can ever hold
- * (413 naming `maxBacklog`) goes as several batches of at most that many rows. While the backlog
- * is full (429 after the client's own retries), the chunk is offered again after the server's
- * `Retry-After` for up to `backlogWaitMs`, saying so on stderr: a submission larger than the
+ * (413 naming `maxBacklog`) goes as several batches of at most that many rows. When the backlog
+ * has room for only part of it (429 naming the bound and what is in flight), that part goes
+ * first. While the backlog is full, the chunk is offered again after the server's `Retry-After`
+ * for up to `backlogWaitMs`, saying so on stderr: a submission larger than the
  * backlog goes in as its earlier batches finish. `onAccepted` is told of every batch admitted.
  */
 async function submitChunk(
@@ -158,8 +159,9 @@ async function submitChunk(
       return;
     } catch (err) {
       if (!isApiError(err)) throw err;
-      const details = (err.details ?? {}) as { maxBacklog?: unknown; retryAfterS?: unknown };
-      const max = typeof details.maxBacklog === "number" ? details.maxBacklog : null;
+      const details = (err.details ?? {}) as Record<string, unknown>;
+      const num = (k: string) => (typeof details[k] === "number" ? (details[k] as number) : null);
+      const max = num("maxBacklog");
       if (err.status === 413 && max !== null && max >= 1 && lines.length > max) {
         for (let i = 0; i < lines.length; i += max) {
           await submitChunk(client, lines.slice(i, i + max), ctx, backlogWaitMs, onAccepted);
@@ -167,6 +169,13 @@ async function submitChunk(
         return;
       }
       if (err.status !== 429 || Date.now() >= until) throw err;
+      // Room for some of the chunk now: send that much, and offer the rest after it.
+      const room = max === null ? 0 : max - (num("inflight") ?? max) - (num("admitting") ?? 0);
+      if (room >= 1 && room < lines.length) {
+        await submitChunk(client, lines.slice(0, room), ctx, backlogWaitMs, onAccepted);
+        await submitChunk(client, lines.slice(room), ctx, backlogWaitMs, onAccepted);
+        return;
+      }
       const waitS = typeof details.retryAfterS === "number" ? details.retryAfterS : 5;
       await writeText(
         ctx.stderr,

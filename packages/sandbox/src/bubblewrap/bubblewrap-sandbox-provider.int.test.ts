@@ -8,7 +8,7 @@ import { promisify } from "node:util";
 import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { AGENT_USER, ROOT_USER } from "../provider.ts";
-import { scrubScratch } from "../scratch.ts";
+import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
 import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
 
@@ -251,6 +251,31 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       expect(ifaces.stdout).toBe("lo\n");
     } finally {
       server.close();
+    }
+  });
+
+  it("the scratch probe reads the root's read-only flag from its mount, under dash and under busybox (whose test -w says yes to root)", async () => {
+    const shells = [["sh"], ["busybox", "sh"]];
+    for (const shell of shells) {
+      const probe = async (root: "--ro-bind" | "--bind") =>
+        (
+          await run("bwrap", [
+            root,
+            "/",
+            "/",
+            "--proc",
+            "/proc",
+            "--dev",
+            "/dev",
+            "--tmpfs",
+            "/tmp",
+            ...shell,
+            "-c",
+            SCRATCH_PROBE_LINE,
+          ])
+        ).stdout.trim();
+      expect(await probe("--ro-bind"), shell.join(" ")).toBe("clean");
+      expect(await probe("--bind"), shell.join(" ")).toBe("dirty");
     }
   });
 

@@ -316,7 +316,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
         // What an interrupted agent leaves: notes, a tree it locked, a symlink, files in /logs and /dev/shm.
         const left = await sh(
           "echo plan > /tmp/notes && mkdir -p /tmp/d/e && touch /tmp/d/e/f && chmod 000 /tmp/d/e /tmp/d && " +
-            "ln -s /etc/passwd /tmp/link && echo x > /logs/x && echo x > /dev/shm/x",
+            "ln -s /etc/passwd /tmp/link && echo x > /logs/x && echo x > /dev/shm/x && touch /dev/mqueue/x",
         );
         expect(left.exitCode, left.stderr).toBe(0);
         expect((await provider.probe(fresh)).scratchClean).toBe(false);
@@ -324,7 +324,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
         expect((await sh("echo keep > /tmp/roots", ROOT_USER)).exitCode).toBe(0);
 
         await scrubScratch(provider, fresh);
-        const after = await sh("find /tmp /logs /dev/shm -mindepth 1 | sort", ROOT_USER);
+        const after = await sh("find /tmp /logs /dev/shm /dev/mqueue -mindepth 1 | sort", ROOT_USER);
         expect(after.stdout.split("\n").filter(Boolean)).toEqual(["/tmp/roots"]);
         expect((await provider.probe(fresh)).scratchClean).toBe(true);
 
