@@ -35,7 +35,11 @@ describe("sentinel: a credential value never leaves the worker", () => {
       redisUrl: REDIS_URL,
       prefix,
       logDir,
-      env: { FLEET_CREDENTIAL_DEFAULT: SENTINEL, FLEET_LOG_LEVEL: "debug" },
+      env: {
+        FLEET_CREDENTIAL_DEFAULT: SENTINEL,
+        FLEET_CREDENTIAL_DEFAULT_BASE_URL: upstream.baseUrl,
+        FLEET_LOG_LEVEL: "debug",
+      },
     });
   });
   afterAll(async () => {
@@ -98,6 +102,33 @@ describe("sentinel: a credential value never leaves the worker", () => {
     for (const r of results) expect(r).toMatchObject({ status: "completed", teardown: "confirmed" });
     expect(results[0]!.usage).toMatchObject({ calls: 2 });
     expect(results[1]!.usage).toMatchObject({ calls: 1 });
+
+    // A submitter who names the credential but points the agent elsewhere gets it nowhere: the
+    // worker binds it to its upstream (FLEET_CREDENTIAL_DEFAULT_BASE_URL).
+    const attacker = await startScriptedUpstream();
+    try {
+      const diverted = await post({
+        task,
+        agent: {
+          harness: "tool-loop",
+          model: { baseUrl: attacker.baseUrl, name: "m" },
+          credential: "default",
+        },
+      });
+      ids.push(diverted);
+      const r = await waitFor(`result of ${diverted}`, async () => {
+        const res = (await (
+          await fetch(`${fleet.url}/v1/rollouts/${diverted}`, { headers })
+        ).json()) as RolloutResult;
+        return res.finishedAt ? res : null;
+      });
+      expect(r).toMatchObject({ status: "failed", failureKind: "agent_error" });
+      expect(r.reason).toContain("may be sent only to");
+      expect(attacker.requests).toHaveLength(0);
+      results.push(r);
+    } finally {
+      await attacker.close();
+    }
 
     // It was used: every upstream call carried it.
     expect(upstream.requests).toHaveLength(3);

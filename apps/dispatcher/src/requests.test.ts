@@ -102,6 +102,29 @@ describe("parseRolloutBody", () => {
     expect(ok.agent).toMatchObject({ env: { MAX_TOKENS: "10" } });
   });
 
+  it("refuses a model base URL with a query, fragment, credentials or another scheme", () => {
+    const toolLoop = (baseUrl: string) => ({
+      ...row,
+      agent: { harness: "tool-loop", model: { baseUrl, name: "m" }, credential: "default" },
+    });
+    expect(parseRolloutBody(toolLoop("http://127.0.0.1:8000/v1")).agent).toMatchObject({
+      harness: "tool-loop",
+    });
+    for (const bad of [
+      "http://attacker.test/x?",
+      "http://127.0.0.1:8000/v1?next=/admin",
+      "http://127.0.0.1:8000/v1#frag",
+      "http://user:pw@127.0.0.1:8000/v1",
+      "file:///etc/passwd",
+    ]) {
+      const err = thrown(() => parseRolloutBody(toolLoop(bad)));
+      expect(err.status, bad).toBe(422);
+      expect((err.details as { issues: { path: string }[] }).issues[0]!.path, bad).toBe(
+        "agent.model.baseUrl",
+      );
+    }
+  });
+
   it("needs a body", () => {
     expect(thrown(() => parseRolloutBody(undefined)).status).toBe(400);
   });

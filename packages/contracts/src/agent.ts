@@ -22,6 +22,30 @@ export function looksLikeCredential(name: string): boolean {
   );
 }
 
+/**
+ * An OpenAI-compatible base URL (`…/v1`): http(s), with no credentials, query or fragment in it
+ * (a `?` would swallow the `/chat/completions` the fleet appends and let a request pick any path).
+ */
+export const ModelBaseUrl = z.url().superRefine((text, ctx) => {
+  let url: URL;
+  try {
+    url = new URL(text);
+  } catch {
+    return; // z.url() reported it
+  }
+  const problem =
+    url.protocol !== "http:" && url.protocol !== "https:"
+      ? "must be http or https"
+      : url.username !== "" || url.password !== ""
+        ? "must not carry credentials (name one with `credential`)"
+        : url.search !== "" || text.includes("?")
+          ? "must not have a query"
+          : url.hash !== "" || text.includes("#")
+            ? "must not have a fragment"
+            : null;
+  if (problem) ctx.addIssue({ code: "custom", message: problem });
+});
+
 /** Whether the agent borrows the task sandbox (default) or gets one of its own. */
 export const SandboxMode = z.enum(["borrow", "own"]);
 
@@ -56,12 +80,12 @@ export const CommandAgent = z.strictObject({
     .default({}),
   /** Give the command a model through the per-rollout gateway. */
   model: z
-    .strictObject({ name: z.string().min(1), baseUrl: z.url().optional(), credential: CredentialName })
+    .strictObject({ name: z.string().min(1), baseUrl: ModelBaseUrl.optional(), credential: CredentialName })
     .optional(),
 });
 
 export const ModelSpec = z.strictObject({
-  baseUrl: z.url(),
+  baseUrl: ModelBaseUrl,
   name: z.string().min(1),
   temperature: z.number().min(0).max(2).optional(),
   topP: z.number().gt(0).max(1).optional(),

@@ -137,9 +137,12 @@ describe("model gateway", () => {
   it("refuses stream: true with 400 and a malformed body with 400", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
-    const streamed = await chat(baseUrl, token, { messages: [], stream: true });
-    expect(streamed.status).toBe(400);
-    expect(streamed.json.error.code).toBe("stream_unsupported");
+    // Also values an upstream might coerce to true: a streamed answer would carry no usage.
+    for (const stream of [true, "true", 1]) {
+      const streamed = await chat(baseUrl, token, { messages: [], stream });
+      expect(streamed.status, String(stream)).toBe(400);
+      expect(streamed.json.error.code).toBe("stream_unsupported");
+    }
     const malformed = await chat(baseUrl, token, { prompt: "no messages" });
     expect(malformed.status).toBe(400);
     expect(upstream.requests).toHaveLength(0);
@@ -157,6 +160,53 @@ describe("model gateway", () => {
       calls: 0,
       gaps: ["1 failed upstream attempt not counted (usage unknown)"],
     });
+  });
+
+  it("never lets the real credential reach the client: an upstream error echoing it is redacted", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(errorReply(400, "bad_request", `bad header authorization=Bearer ${CREDENTIAL}`));
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(400);
+    expect(r.text).not.toContain(CREDENTIAL);
+    expect(r.text).toContain("[redacted]");
+  });
+
+  it("does not follow an upstream's redirect: the credential goes to the configured upstream only", async () => {
+    const { upstream, gateway } = await setup();
+    const elsewhere = await startScriptedUpstream();
+    open.push(elsewhere);
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push({ status: 307, body: {}, headers: { location: `${elsewhere.baseUrl}/chat/completions` } });
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(307);
+    expect(r.headers.get("location")).toBeNull();
+    expect(elsewhere.requests).toHaveLength(0);
+  });
+
+  it("answers 429 past a token's concurrent-call limit, without forwarding", async () => {
+    const upstream = await startScriptedUpstream();
+    open.push(upstream);
+    const gateway = await startGateway({
+      upstreamBaseUrl: upstream.baseUrl,
+      resolveCredential: async () => CREDENTIAL,
+      host: "127.0.0.1",
+      maxConcurrentCalls: 2,
+    });
+    open.push(gateway);
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(
+      { ...chatReply({ content: "slow 1" }), delayMs: 30_000 },
+      { ...chatReply({ content: "slow 2" }), delayMs: 30_000 },
+    );
+    const held = [chat(baseUrl, token), chat(baseUrl, token)];
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
+    const third = await chat(baseUrl, token);
+    expect(third.status).toBe(429);
+    expect(third.json.error.code).toBe("too_many_concurrent_calls");
+    expect(upstream.requests).toHaveLength(2);
+    gateway.revoke(token);
+    await Promise.all(held);
   });
 
   it("answers 502 when the upstream is unreachable", async () => {

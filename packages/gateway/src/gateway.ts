@@ -22,8 +22,12 @@ export interface GatewayOptions {
   port?: number;
   /** Budget of one upstream call. @defaultValue 600_000 */
   upstreamTimeoutMs?: number;
-  /** Largest request body accepted from a client. @defaultValue 8 MiB */
+  /** Largest request body accepted from a client. @defaultValue 4 MiB */
   maxRequestBytes?: number;
+  /** Calls one token may have open at once (reading, forwarding or answering); more get 429. @defaultValue 4 */
+  maxConcurrentCalls?: number;
+  /** Connections the server holds at once, whoever opened them. @defaultValue 32 */
+  maxConnections?: number;
   /** Largest upstream response passed back. @defaultValue 32 MiB */
   maxResponseBytes?: number;
 }
@@ -78,6 +82,8 @@ interface Entry {
   meter: UsageMeter;
   /** Calls admitted and not yet answered (they count against the call cap). */
   pending: number;
+  /** Calls open right now, from authentication to the answer (bounded by `maxConcurrentCalls`). */
+  open: number;
   inFlight: Set<AbortController>;
   revoked: UsageSummary | null;
 }
@@ -85,8 +91,10 @@ interface Entry {
 const DEFAULTS = {
   port: 0,
   upstreamTimeoutMs: 600_000,
-  maxRequestBytes: 8 * 1024 * 1024,
+  maxRequestBytes: 4 * 1024 * 1024,
   maxResponseBytes: 32 * 1024 * 1024,
+  maxConcurrentCalls: 4,
+  maxConnections: 32,
 };
 
 /**
@@ -102,6 +110,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
   const server: Server = createServer((req, res) => {
     handle(req, res).catch((err: unknown) => sendError(res, err));
   });
+  // One sandbox's client talks to this server: a flood of connections is refused, not served
+  // until the worker runs out of sockets or memory.
+  server.maxConnections = o.maxConnections;
 
   async function handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
     const path = new URL(req.url ?? "/", "http://gateway").pathname.replace(/\/+$/, "");
@@ -135,6 +146,23 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
   }
 
   async function chatCompletion(entry: Entry, req: IncomingMessage, res: ServerResponse): Promise<void> {
+    // Each open call holds its body several times over: the agent gets a few at once, not hundreds.
+    if (entry.open >= o.maxConcurrentCalls) {
+      throw new GatewayHttpError(
+        429,
+        "too_many_concurrent_calls",
+        `at most ${o.maxConcurrentCalls} calls at once per rollout`,
+      );
+    }
+    entry.open += 1;
+    try {
+      await forwardCall(entry, req, res);
+    } finally {
+      entry.open -= 1;
+    }
+  }
+
+  async function forwardCall(entry: Entry, req: IncomingMessage, res: ServerResponse): Promise<void> {
     const raw = await readBody(req, o.maxRequestBytes);
     let body: unknown;
     try {
@@ -149,7 +177,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     if (!Array.isArray(request.messages)) {
       throw new GatewayHttpError(400, "malformed", "`messages` must be an array");
     }
-    if (request.stream === true) {
+    // Anything but an absent or `false` stream is refused: an upstream that coerces `"true"` or
+    // `1` would stream, and a streamed answer carries no usage the gateway can count.
+    if (request.stream !== undefined && request.stream !== false) {
       throw new GatewayHttpError(400, "stream_unsupported", "streaming is not supported; send stream: false");
     }
     const refusal = capRefusal(
@@ -181,13 +211,19 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       const upstream = await fetch(upstreamUrl, {
         method: "POST",
         headers,
-        body: JSON.stringify({ ...request, model: entry.registration.model }),
+        body: JSON.stringify({ ...request, model: entry.registration.model, stream: false }),
         signal,
+        // The credential goes to the configured upstream only, never where a redirect points: a
+        // 3xx is answered as it is.
+        redirect: "manual",
       });
       status = upstream.status;
       contentType = upstream.headers.get("content-type") ?? "application/json";
       retryAfter = upstream.headers.get("retry-after");
       text = await readResponse(upstream, o.maxResponseBytes);
+      // An upstream (or a proxy before it) that echoes request headers in an error would hand
+      // the real credential to the sandbox: it never leaves this process.
+      if (credential) text = text.split(credential).join("[redacted]");
     } catch (err) {
       entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) throw err;
@@ -263,6 +299,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         registration: { ...registration },
         meter: new UsageMeter(),
         pending: 0,
+        open: 0,
         inFlight: new Set(),
         revoked: null,
       });

@@ -48,5 +48,9 @@ export interface HarnessDeps {
    * Resolve a credential *name* to its value inside the worker (DESIGN §2 rule 8). Used by the
    * model-calling harnesses (tool-loop, command with a model); oracle and command ignore it.
    */
-  resolveCredential?: (name: string) => Promise<string>;
+  /**
+   * The value of credential `name`, for a call to `baseUrl` only: the worker hands a credential
+   * out just for the upstreams its operator bound it to, and refuses (final) any other.
+   */
+  resolveCredential?: (name: string, baseUrl: string) => Promise<string>;
 }

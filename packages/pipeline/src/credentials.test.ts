@@ -4,28 +4,79 @@ import { join } from "node:path";
 import { describe, expect, it } from "vitest";
 import { createCredentialResolver, credentialEnvName } from "./credentials.ts";
 
+const UPSTREAM = "http://127.0.0.1:8000/v1";
+
+async function failure(p: Promise<unknown>): Promise<{ kind: string; retryable: boolean; message: string }> {
+  const err = await p.then(
+    () => null,
+    (e: unknown) => e,
+  );
+  expect(err).toMatchObject({ name: "FleetError" });
+  return err as { kind: string; retryable: boolean; message: string };
+}
+
 describe("credential resolver", () => {
   it("reads FLEET_CREDENTIAL_<NAME> first, then the secrets file, and remembers what it handed out", async () => {
     const dir = mkdtempSync(join(tmpdir(), "cred-"));
     const file = join(dir, "secrets.json");
-    writeFileSync(file, JSON.stringify({ default: "from-file", other: "other-value" }));
+    writeFileSync(
+      file,
+      JSON.stringify({
+        default: { value: "from-file", baseUrls: [UPSTREAM] },
+        other: { value: "other-value", baseUrls: [`${UPSTREAM}/`] },
+      }),
+    );
     const known = new Set<string>();
-    const resolve = createCredentialResolver({ env: { FLEET_CREDENTIAL_DEFAULT: "from-env" }, file, known });
-    expect(await resolve("default")).toBe("from-env");
-    expect(await resolve("other")).toBe("other-value");
+    const resolve = createCredentialResolver({
+      env: { FLEET_CREDENTIAL_DEFAULT: "from-env", FLEET_CREDENTIAL_DEFAULT_BASE_URL: UPSTREAM },
+      file,
+      known,
+    });
+    expect(await resolve("default", UPSTREAM)).toBe("from-env");
+    expect(await resolve("other", `${UPSTREAM}//`)).toBe("other-value");
     expect([...known].sort()).toEqual(["from-env", "other-value"]);
     expect(credentialEnvName("my-model.key")).toBe("FLEET_CREDENTIAL_MY_MODEL_KEY");
   });
 
+  it("hands a credential out only for a base URL it is bound to; unbound, for none", async () => {
+    const known = new Set<string>();
+    const resolve = createCredentialResolver({
+      env: {
+        FLEET_CREDENTIAL_A: "secret-a",
+        FLEET_CREDENTIAL_A_BASE_URL: `${UPSTREAM}, https://api.example.test/v1`,
+        FLEET_CREDENTIAL_B: "secret-b",
+      },
+      known,
+    });
+    expect(await resolve("a", "https://api.example.test/v1/")).toBe("secret-a");
+    for (const url of ["http://attacker.test/v1", "http://127.0.0.1:8000/v1/../../latest", "not a url"]) {
+      const err = await failure(resolve("a", url));
+      expect([err.kind, err.retryable], url).toEqual(["agent_error", false]);
+      expect(err.message).toContain("may be sent only to");
+      expect(err.message).not.toContain("secret-a");
+    }
+    const unbound = await failure(resolve("b", UPSTREAM));
+    expect(unbound.message).toContain("FLEET_CREDENTIAL_B_BASE_URL");
+    expect([...known]).toEqual(["secret-a"]);
+  });
+
   it("an unknown name is a final agent_error that names the name and no value", async () => {
     const resolve = createCredentialResolver({ env: { FLEET_CREDENTIAL_A: "secret-a" } });
-    const err: unknown = await resolve("missing").then(
-      () => null,
-      (e: unknown) => e,
-    );
-    expect(err).toMatchObject({ name: "FleetError", kind: "agent_error", retryable: false });
-    const message = err instanceof Error ? err.message : "";
-    expect(message).toContain("missing");
-    expect(message).not.toContain("secret-a");
+    const err = await failure(resolve("missing", UPSTREAM));
+    expect([err.kind, err.retryable]).toEqual(["agent_error", false]);
+    expect(err.message).toContain("missing");
+    expect(err.message).not.toContain("secret-a");
+  });
+
+  it("a secrets file that is not JSON is refused without quoting it, and read again once fixed", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "cred-"));
+    const file = join(dir, "secrets.json");
+    writeFileSync(file, '{"openai": sk-live-SUPERSECRET}');
+    const resolve = createCredentialResolver({ env: {}, file });
+    const err = await failure(resolve("openai", UPSTREAM));
+    expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+    expect(err.message).not.toContain("SUPERSECRET");
+    writeFileSync(file, JSON.stringify({ openai: { value: "sk-live-SUPERSECRET", baseUrls: [UPSTREAM] } }));
+    expect(await resolve("openai", UPSTREAM)).toBe("sk-live-SUPERSECRET");
   });
 });

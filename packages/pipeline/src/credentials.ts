@@ -6,42 +6,109 @@ export function credentialEnvName(name: string): string {
   return `FLEET_CREDENTIAL_${name.toUpperCase().replace(/[^A-Z0-9]/g, "_")}`;
 }
 
+/** Environment variable naming the base URLs credential `name` may be sent to (comma-separated). */
+export function credentialBaseUrlEnvName(name: string): string {
+  return `${credentialEnvName(name)}_BASE_URL`;
+}
+
+/** A base URL compared as the fleet sends it: parsed, without trailing slashes. */
+export function normalizeBaseUrl(url: string): string | null {
+  try {
+    return new URL(url.trim()).href.replace(/\/+$/, "");
+  } catch {
+    return null;
+  }
+}
+
+interface FileEntry {
+  value?: string;
+  baseUrls: string[];
+}
+
 /**
- * Resolve credential *names* to values inside the worker (DESIGN §2 rule 8): from the worker's
- * own environment (`FLEET_CREDENTIAL_<NAME>`), else from a JSON secrets file
- * (`{ "<name>": "<value>" }`, read once). Jobs and records only ever carry the name. Every value
- * handed out is added to `known`, so the logger can scrub it from any line.
+ * Resolve credential *names* to values inside the worker (DESIGN §2 rule 8), for one upstream:
+ * a credential is handed out only for a base URL the operator bound it to, so a submitter who
+ * names a credential cannot have it sent anywhere else.
+ *
+ * - Value: the worker's own environment (`FLEET_CREDENTIAL_<NAME>`), else a JSON secrets file
+ *   (`FLEET_CREDENTIALS_FILE`: `{ "<name>": { "value": "...", "baseUrls": ["..."] } }`, read once).
+ * - Allowed base URLs: `FLEET_CREDENTIAL_<NAME>_BASE_URL` (comma-separated), else the file's
+ *   `baseUrls`. None configured: the credential is refused for every URL (fail closed).
+ *
+ * Jobs and records only ever carry the name. Every value handed out is added to `known`, so the
+ * logger can scrub it from any line. Errors never quote the file's text.
  */
 export function createCredentialResolver(options: {
   env: Record<string, string | undefined>;
   file?: string | null;
   known?: Set<string>;
-}): (name: string) => Promise<string> {
-  let fileValues: Promise<Record<string, unknown>> | null = null;
-  const fromFile = async (name: string): Promise<string | undefined> => {
-    if (!options.file) return undefined;
-    fileValues ??= readFile(options.file, "utf8").then(
-      (text) => JSON.parse(text) as Record<string, unknown>,
-      (err: unknown) => {
-        fileValues = null; // retry the read next time
+}): (name: string, baseUrl: string) => Promise<string> {
+  let fileEntries: Promise<Record<string, FileEntry>> | null = null;
+  const loadFile = (file: string): Promise<Record<string, FileEntry>> => {
+    fileEntries ??= readFile(file, "utf8")
+      .then(parseCredentialsFile, (err: unknown) => {
         throw FleetError.retryable(
           "provider_unavailable",
-          `cannot read the credentials file: ${(err as Error).message}`,
+          `cannot read the credentials file: ${(err as NodeJS.ErrnoException).code ?? "read error"}`,
         );
-      },
-    );
-    const v = (await fileValues)[name];
-    return typeof v === "string" ? v : undefined;
+      })
+      .catch((err: unknown) => {
+        fileEntries = null; // read it again next time (the operator may fix it)
+        throw err;
+      });
+    return fileEntries;
   };
-  return async (name) => {
-    const value = options.env[credentialEnvName(name)] ?? (await fromFile(name));
+  return async (name, baseUrl) => {
+    const fromFile = options.file ? (await loadFile(options.file))[name] : undefined;
+    const value = options.env[credentialEnvName(name)] ?? fromFile?.value;
     if (!value) {
       throw FleetError.nonRetryable(
         "agent_error",
         `credential "${name}" is not configured on this worker (set ${credentialEnvName(name)} or FLEET_CREDENTIALS_FILE)`,
       );
     }
+    const boundEnv = options.env[credentialBaseUrlEnvName(name)];
+    const allowed = (boundEnv !== undefined ? boundEnv.split(",") : (fromFile?.baseUrls ?? []))
+      .map(normalizeBaseUrl)
+      .filter((u): u is string => u !== null);
+    const wanted = normalizeBaseUrl(baseUrl);
+    if (wanted === null || !allowed.includes(wanted)) {
+      throw FleetError.nonRetryable(
+        "agent_error",
+        allowed.length === 0
+          ? `credential "${name}" is bound to no upstream on this worker (set ${credentialBaseUrlEnvName(name)}), so it is sent nowhere`
+          : `credential "${name}" may be sent only to ${allowed.join(", ")}, not to ${wanted ?? "an invalid URL"}`,
+      );
+    }
     options.known?.add(value);
     return value;
   };
+}
+
+/** The secrets file's entries; a file that is not the expected JSON is refused without quoting it. */
+function parseCredentialsFile(text: string): Record<string, FileEntry> {
+  let data: unknown;
+  try {
+    data = JSON.parse(text);
+  } catch {
+    // Not the parser's message: it quotes the text around the error, secrets included.
+    throw FleetError.retryable("provider_unavailable", "the credentials file is not valid JSON");
+  }
+  if (typeof data !== "object" || data === null || Array.isArray(data)) {
+    throw FleetError.retryable("provider_unavailable", "the credentials file must hold a JSON object");
+  }
+  const out: Record<string, FileEntry> = {};
+  for (const [name, entry] of Object.entries(data)) {
+    if (typeof entry === "string") out[name] = { value: entry, baseUrls: [] };
+    else if (typeof entry === "object" && entry !== null) {
+      const e = entry as { value?: unknown; baseUrls?: unknown };
+      out[name] = {
+        value: typeof e.value === "string" ? e.value : undefined,
+        baseUrls: Array.isArray(e.baseUrls)
+          ? e.baseUrls.filter((u): u is string => typeof u === "string")
+          : [],
+      };
+    }
+  }
+  return out;
 }

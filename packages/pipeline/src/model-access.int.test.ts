@@ -29,7 +29,9 @@ describe("command agent with a model, through the per-rollout gateway", () => {
       deps: {
         networks,
         harnessDeps: {
-          resolveCredential: createCredentialResolver({ env: { FLEET_CREDENTIAL_UPSTREAM: SECRET } }),
+          resolveCredential: createCredentialResolver({
+            env: { FLEET_CREDENTIAL_UPSTREAM: SECRET, FLEET_CREDENTIAL_UPSTREAM_BASE_URL: upstream.baseUrl },
+          }),
         },
       },
     });

@@ -46,7 +46,8 @@ export async function openModelAccess(
     throw FleetError.nonRetryable("agent_error", "agent.model.baseUrl is required for model access");
   const resolve = deps.harnessDeps?.resolveCredential;
   if (!resolve) throw FleetError.nonRetryable("agent_error", "this worker cannot resolve credentials");
-  const credential = await resolve(model.credential); // fails early (agent_error) when unknown
+  // Fails early (final agent_error) when unknown or not bound to this upstream.
+  const credential = await resolve(model.credential, model.baseUrl);
   const net = await gatewayNetworkFor(deps, rolloutId);
   const gateway = await startGateway({
     upstreamBaseUrl: model.baseUrl,

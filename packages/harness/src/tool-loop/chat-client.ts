@@ -121,9 +121,12 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         headers,
         body: JSON.stringify(input.body),
         signal: AbortSignal.any([input.signal, timeout]),
+        // The credential goes to the agent's base URL only, never where a redirect points: a
+        // 3xx is a refusal (final), like any other non-retryable status.
+        redirect: "manual",
       });
       status = res.status;
-      const text = await res.text();
+      const text = await readCapped(res, MAX_RESPONSE_BYTES);
       let body: unknown = null;
       try {
         body = JSON.parse(text);
@@ -194,4 +197,26 @@ function describe(err: unknown): string {
   if (!(err instanceof Error)) return String(err);
   const cause = err.cause instanceof Error ? ` (${err.cause.message})` : "";
   return `${err.message}${cause}`;
+}
+
+/** Largest model response read; a bigger one is an error (it would otherwise fill the worker's memory). */
+export const MAX_RESPONSE_BYTES = 32 * 1024 * 1024;
+
+/** A response body as text, refusing one over `max` bytes. */
+async function readCapped(res: Response, max: number): Promise<string> {
+  if (res.body === null) return "";
+  const chunks: Uint8Array[] = [];
+  let size = 0;
+  const reader = res.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    size += value.byteLength;
+    if (size > max) {
+      await reader.cancel().catch(() => {});
+      throw new Error(`model response over ${max} bytes`);
+    }
+    chunks.push(value);
+  }
+  return Buffer.concat(chunks).toString("utf8");
 }

@@ -52,7 +52,11 @@ function agent(over: Partial<Extract<AgentSpecInput, { harness: "tool-loop" }>> 
   return spec;
 }
 
-function harness(a = agent(), resolve = async (name: string) => (name === "MODEL_KEY" ? CREDENTIAL : "")) {
+function harness(
+  a = agent(),
+  resolve: (name: string, baseUrl: string) => Promise<string> = async (name) =>
+    name === "MODEL_KEY" ? CREDENTIAL : "",
+) {
   return new ToolLoopHarness(a, { resolveCredential: resolve }, { retry: FAST_RETRY });
 }
 
@@ -297,6 +301,29 @@ describe("ToolLoopHarness", () => {
     expect((err as Error).message).toContain("HTTP 401");
     expect((err as Error).message).not.toContain(CREDENTIAL);
     expect((err as Error).message).toContain("[redacted]");
+  });
+
+  it("asks for the credential for its own base URL, and never follows a redirect with it (final agent_error)", async () => {
+    const elsewhere = await startScriptedUpstream();
+    try {
+      upstream.push({
+        status: 303,
+        body: {},
+        headers: { location: `${elsewhere.baseUrl}/latest/meta-data` },
+      });
+      const asked: string[] = [];
+      const resolve = async (name: string, baseUrl: string) => {
+        asked.push(`${name} ${baseUrl}`);
+        return CREDENTIAL;
+      };
+      const err = await rejection(harness(agent(), resolve).run(ctx()));
+      expect(asked).toEqual([`MODEL_KEY ${upstream.baseUrl}`]);
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["agent_error", false]);
+      expect((err as Error).message).toContain("HTTP 303");
+      expect(elsewhere.requests).toHaveLength(0);
+    } finally {
+      await elsewhere.close();
+    }
   });
 
   it("refuses a credential name it cannot resolve", async () => {

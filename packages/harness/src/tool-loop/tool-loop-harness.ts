@@ -215,7 +215,7 @@ export class ToolLoopHarness implements Harness {
       );
     }
     try {
-      return await resolve(name);
+      return await resolve(name, this.agent.model.baseUrl);
     } catch (err) {
       if (isFleetError(err)) throw err;
       throw FleetError.nonRetryable(
