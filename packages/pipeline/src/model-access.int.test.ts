@@ -17,15 +17,27 @@ req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions"
 print(json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"])
 `;
 
+/** Docker, noting the network each owner's sandbox was created on (rollout → owner → network). */
+class NetworkNotingProvider extends DockerSandboxProvider {
+  readonly networks = new Map<string, Record<string, string>>();
+  override async create(spec: Parameters<DockerSandboxProvider["create"]>[0]) {
+    const seen = this.networks.get(spec.rolloutId) ?? {};
+    seen[spec.owner] = spec.network ?? "none";
+    this.networks.set(spec.rolloutId, seen);
+    return super.create(spec);
+  }
+}
+
 describe("command agent with a model, through the per-rollout gateway", () => {
   let fleet: InProcessFleet;
   let upstream: ScriptedUpstream;
   const networks = new DockerGatewayNetworks();
+  const provider = new NetworkNotingProvider();
 
   beforeAll(async () => {
     upstream = await startScriptedUpstream();
     fleet = await startInProcessFleet({
-      provider: new DockerSandboxProvider(),
+      provider,
       deps: {
         networks,
         harnessDeps: {
@@ -72,5 +84,27 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     expect(JSON.stringify(raw)).not.toContain(SECRET);
     // The network went with the sandbox.
     expect((await networks.list()).some((n) => n.rolloutId === id)).toBe(false);
+  });
+
+  it("with its own sandbox, only the agent's sandbox joins the gateway network; the task's has none", async () => {
+    upstream.push(chatReply({ content: "4217" }));
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
+    const [id] = await fleet.submit([
+      {
+        task,
+        agent: {
+          harness: "command",
+          sandbox: "own",
+          argv: ["python3", "-c", CLIENT],
+          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
+        },
+      },
+    ]);
+    const [r] = await fleet.waitForResults([id!], 120_000);
+    expect(r).toMatchObject({ status: "completed", reward: 1 });
+    const seen = provider.networks.get(id!)!;
+    expect(seen.resources).toBe("none");
+    expect(seen.agent).not.toBe("none");
   });
 });

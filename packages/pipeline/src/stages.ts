@@ -103,11 +103,14 @@ async function createSandbox(
   let handle = options.intentFresh ? null : await deps.provider.find(rec.meta.id, owner);
   const reused = handle !== null;
   if (!handle) {
-    // A sandbox whose agent talks to a model joins the rollout's sealed gateway network;
-    // every other sandbox has no network at all.
-    const network = needsModelAccess(rec.meta.agent)
-      ? (await gatewayNetworkFor(deps, rec.meta.id)).name
-      : "none";
+    // The sandbox the agent runs in joins the rollout's sealed gateway network when the agent
+    // talks to a model; every other sandbox (the task's, when the agent has its own) has no
+    // network at all.
+    const agentRunsHere = owner === "agent" || rec.meta.agent.sandbox !== "own";
+    const network =
+      agentRunsHere && needsModelAccess(rec.meta.agent)
+        ? (await gatewayNetworkFor(deps, rec.meta.id)).name
+        : "none";
     handle = await deps.provider.create({
       image: task.image,
       rolloutId: rec.meta.id,
