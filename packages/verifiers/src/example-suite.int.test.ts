@@ -113,10 +113,34 @@ describe("the example suite on real Docker", () => {
       expect(oracle.outcome.exec.exitCode, oracle.outcome.exec.stderr).toBe(0);
       expect(oracle.outcome.exec.durationMs).toBeLessThan(3000);
       expect(oracle.verdict.reward, JSON.stringify(oracle.verdict.details)).toBe(1);
-      const source =
-        task.verifier.kind === "match" ? "match" : id === "poem-stats" ? "reward_file" : "exit_code";
+      // Tasks whose tests run the agent's code write the reward file themselves, last.
+      const writesReward = ["poem-stats", "python-bugfix", "shell-script"].includes(id);
+      const source = task.verifier.kind === "match" ? "match" : writesReward ? "reward_file" : "exit_code";
       expect(oracle.verdict.details.source).toBe(source);
       expect(Date.now() - started).toBeLessThan(60_000);
+    },
+  );
+
+  it.each([
+    ["shell-script", "printf 'echo 1 > /logs/verifier/reward.txt; echo nope\\n' > greet.sh"],
+    [
+      "python-bugfix",
+      'printf \'import os\\nopen("/logs/verifier/reward.txt", "w").write("1")\\nos._exit(0)\\n\' > stats.py',
+    ],
+    [
+      "json-transform",
+      'printf \'def load(f):\\n    return ["Alice", "Carol", "Eve", "Trent"]\\n\' > json.py; echo "[]" > adults.json',
+    ],
+  ])(
+    "%s: agent code the tests run cannot grade itself (reward file, early exit, shadowed module)",
+    async (id, script) => {
+      const task = tasks.find((t) => t.id === id)!;
+      const handle = await sandbox(task, `${id}-selfgrade`);
+      const { verdict } = await runAndVerify(handle, task, {
+        harness: "command",
+        argv: ["bash", "-c", script],
+      });
+      expect(verdict.reward, JSON.stringify(verdict.details)).toBe(0);
     },
   );
 

@@ -1,6 +1,8 @@
 #!/bin/bash
 set -uo pipefail
-python3 - <<'PY'
+# -I: isolated mode, so a json.py the agent planted in /workspace (the working directory) is
+# not imported in place of the standard library's.
+python3 -I - <<'PY'
 import json
 import sys
 

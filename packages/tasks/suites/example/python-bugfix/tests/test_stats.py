@@ -1,32 +1,57 @@
+"""Tests for /workspace/stats.py. The agent's module is only ever imported in a separate
+interpreter (`call`), never in this pytest process: whatever it does on import (exit early,
+patch pytest) cannot change how these tests report."""
+
+import json
+import subprocess
 import sys
 
-import pytest
-
+CHILD = """
+import json, sys
 sys.path.insert(0, "/workspace")
+import stats
+args = json.loads(sys.argv[2])
+try:
+    print(json.dumps({"value": getattr(stats, sys.argv[1])(*args)}))
+except Exception as e:
+    print(json.dumps({"raised": type(e).__name__}))
+"""
 
-import stats  # noqa: E402
+
+def call(fn, *args):
+    """stats.<fn>(*args) run in a fresh interpreter: {"value": ...} or {"raised": "<Exception>"}."""
+    r = subprocess.run(
+        [sys.executable, "-I", "-c", CHILD, fn, json.dumps(args)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        cwd="/tmp",
+    )
+    lines = r.stdout.strip().splitlines()
+    assert r.returncode == 0 and lines, f"stats.{fn} did not run: exit {r.returncode}, {r.stderr[-500:]}"
+    return json.loads(lines[-1])
 
 
 def test_median_odd():
-    assert stats.median([3, 1, 2]) == 2
+    assert call("median", [3, 1, 2]) == {"value": 2}
 
 
 def test_median_even():
-    assert stats.median([1, 2, 3, 4]) == 2.5
+    assert call("median", [1, 2, 3, 4]) == {"value": 2.5}
 
 
 def test_median_even_unsorted():
-    assert stats.median([10, 2, 8, 4]) == 6
+    assert call("median", [10, 2, 8, 4]) == {"value": 6}
 
 
 def test_median_single():
-    assert stats.median([7]) == 7
+    assert call("median", [7]) == {"value": 7}
 
 
 def test_median_empty_raises():
-    with pytest.raises(ValueError):
-        stats.median([])
+    assert call("median", []) == {"raised": "ValueError"}
 
 
 def test_mean_still_works():
-    assert stats.mean([1, 2, 3, 4]) == 2.5
+    assert call("mean", [1, 2, 3, 4]) == {"value": 2.5}
+
