@@ -281,6 +281,18 @@ describe("loadSuite", () => {
     expect(message).not.toContain("_drafts");
   });
 
+  it("reports a symlinked task directory instead of skipping it", async () => {
+    await writeTask("a-task", {});
+    const elsewhere = await mkdtemp(path.join(tmpdir(), "elsewhere-"));
+    try {
+      await symlink(elsewhere, path.join(tmp, "linked"));
+      const message = await invalidTask(() => loadSuite(tmp));
+      expect(message).toContain(`${path.join(tmp, "linked")}: is a symlink`);
+    } finally {
+      await rm(elsewhere, { recursive: true, force: true });
+    }
+  });
+
   it("refuses duplicate ids", async () => {
     await writeTask("a", { "task.toml": '[task]\nid = "same"\nimage = "i"\n' });
     await writeTask("b", { "task.toml": '[task]\nid = "same"\nimage = "i"\n' });

@@ -106,12 +106,16 @@ export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Pro
   } catch (err) {
     throw invalid(root, "cannot read suite directory", err);
   }
-  const dirs = entries
-    .filter((e) => e.isDirectory() && !e.name.startsWith(".") && !e.name.startsWith("_"))
+  const visible = entries.filter((e) => !e.name.startsWith(".") && !e.name.startsWith("_"));
+  const dirs = visible
+    .filter((e) => e.isDirectory())
     .map((e) => e.name)
     .sort();
   const loaded: Array<{ dir: string; task: TaskContent }> = [];
-  const problems: string[] = [];
+  // A symlinked task is refused like any symlink in a task (not skipped without a word).
+  const problems: string[] = visible
+    .filter((e) => e.isSymbolicLink())
+    .map((e) => `${path.join(root, e.name)}: is a symlink (refused; copy the task into the suite)`);
   for (const name of dirs) {
     const taskDir = path.join(root, name);
     if (!(await isFile(path.join(taskDir, "task.toml")))) {

@@ -5,7 +5,8 @@ type MatchSpec = Extract<VerifierSpec, { kind: "match" }>;
 
 /**
  * Grade a final answer against `expected`: `exact` compares both trimmed; `regex` requires the
- * pattern to match the whole trimmed answer. A missing (`null`) answer scores 0.
+ * pattern (trimmed too: a TOML multi-line string ends in a newline no trimmed answer could
+ * match) to match the whole trimmed answer. A missing (`null`) answer scores 0.
  *
  * @throws FleetError `invalid_task` (final) when `expected` is not a valid regular expression.
  */
@@ -18,7 +19,7 @@ export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec:
     } else {
       let pattern: RegExp;
       try {
-        pattern = new RegExp(`^(?:${spec.expected})$`);
+        pattern = new RegExp(`^(?:${spec.expected.trim()})$`);
       } catch (err) {
         throw FleetError.nonRetryable(
           "invalid_task",

@@ -386,6 +386,8 @@ describe("match verifier", () => {
     // Alternation is anchored as a whole, not just its first and last branch.
     expect(await grade("a|b", "regex", "ab")).toBe(0);
     expect(await grade("a|b", "regex", "b")).toBe(1);
+    // A pattern from a TOML multi-line string ends in a newline: trimmed like the answer.
+    expect(await grade("v?2\\.10\\.0\n", "regex", "2.10.0")).toBe(1);
   });
 
   it("no answer → 0, and details say why", async () => {
