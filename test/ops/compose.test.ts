@@ -108,6 +108,18 @@ describe.skipIf(!compose)("docker-compose.yml", () => {
     expect(services.dispatcher!.environment?.FLEET_HTTP_HOST).toBe("0.0.0.0");
   });
 
+  it("gives every app a stop grace period longer than its shutdown timeout (no SIGKILL mid hand-back)", () => {
+    const { services } = config([BASE], env);
+    for (const app of APPS) {
+      const s = services[app] as { stop_grace_period?: string; environment?: Record<string, string> };
+      const grace = /^(\d+)s$/.exec(s.stop_grace_period ?? "");
+      expect(grace, `${app}: stop_grace_period ${s.stop_grace_period}`).not.toBeNull();
+      const timeoutMs = Number(s.environment?.FLEET_SHUTDOWN_TIMEOUT_MS);
+      expect(timeoutMs, app).toBeGreaterThan(0);
+      expect(Number(grace![1]) * 1000, app).toBeGreaterThan(timeoutMs);
+    }
+  });
+
   it("workers are scalable (no fixed name, no host port), expose metrics, and do not get the Docker socket by default", () => {
     const { services } = config([BASE], env);
     for (const w of WORKERS) {

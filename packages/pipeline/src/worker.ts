@@ -76,8 +76,8 @@ export function createStageWorkers(
         slot.idleWithWorkSince = null;
         try {
           const outcome = await runStageJob(stage, job, deps, { signal: handBack.signal });
-          deps.metrics?.stageJobs.inc({ stage, outcome: outcome === "ok" ? "ok" : "replayed" });
-          deps.metrics?.stageDuration.observe({ stage, outcome: "ok" }, (Date.now() - started) / 1000);
+          deps.metrics?.stageJobs.inc({ stage, outcome });
+          deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
           return outcome;
         } catch (err) {
           if (isHandBack(err) && token) {

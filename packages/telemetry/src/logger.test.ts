@@ -77,6 +77,20 @@ describe("createLogger", () => {
     expect(out.lines()[0]).toMatchObject({ msg: "calling with [Redacted]" });
   });
 
+  it("logs a Redis error's command by name only, never its arguments (a whole task)", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    const err = Object.assign(new Error("OOM command not allowed when used memory > 'maxmemory'."), {
+      command: { name: "set", args: ["{fleet}:x:task:abc", "x".repeat(200_000), "NX"] },
+    });
+    log.error({ err }, "request failed");
+    log.error({ err: new Error(`bad: ${"y".repeat(50_000)}`) }, "long message");
+    const [first, second] = out.lines() as Array<{ err: { command?: unknown; message: string } }>;
+    expect(first!.err.command).toEqual({ name: "set" });
+    expect(out.text().length).toBeLessThan(30_000);
+    expect(second!.err.message.length).toBeLessThan(5_000);
+  });
+
   it("honours the level", () => {
     const out = sink();
     const log = createLogger({ name: "t", level: "warn", destination: out.stream });

@@ -36,6 +36,7 @@ export function createLogger(options: LoggerOptions): Logger {
       level: options.level ?? "info",
       base: { pid: process.pid, hostname: hostname(), ...options.base },
       redact: { paths: [...REDACT_PATHS], censor: REDACTED },
+      serializers: { err: serializeError },
       formatters: {
         log: (object) => redactSecretFields(object),
         bindings: (bindings) => redactSecretFields(bindings),
@@ -50,4 +51,25 @@ export function createLogger(options: LoggerOptions): Logger {
     // Synchronous stdout by default, so the last lines before a crash or exit are not lost.
     options.destination ?? pino.destination({ dest: 1, sync: true }),
   );
+}
+
+/** Longest error message or stack logged; the rest is cut (an error can quote a whole payload). */
+export const MAX_ERROR_TEXT = 4000;
+
+/**
+ * pino's error serializer, minus payloads: ioredis puts the failed command on its errors
+ * (`err.command = { name, args }`), and its args can be a whole task (10 MiB). Only the command's
+ * name is kept; the message and stack are capped.
+ */
+function serializeError(err: unknown): unknown {
+  const out = pino.stdSerializers.err(err as Error) as unknown as Record<string, unknown>;
+  if (out === null || typeof out !== "object") return out;
+  const command = out.command as { name?: unknown } | undefined;
+  if (command && typeof command === "object") out.command = { name: command.name };
+  for (const k of ["message", "stack"] as const) {
+    const v = out[k];
+    if (typeof v === "string" && v.length > MAX_ERROR_TEXT)
+      out[k] = `${v.slice(0, MAX_ERROR_TEXT)}…[truncated]`;
+  }
+  return out;
 }

@@ -37,7 +37,7 @@ export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
  * receipt and did nothing again; `retry` threw a retryable error (BullMQ retries it); `failed`
  * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close).
  */
-export const STAGE_OUTCOMES = ["ok", "replayed", "retry", "failed"] as const;
+export const STAGE_OUTCOMES = ["ok", "replayed", "skipped", "unknown", "retry", "failed"] as const;
 export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
 export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
@@ -165,7 +165,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     stageJobs: new Counter({
       name: "fleet_stage_jobs_total",
-      help: "Stage jobs processed, by stage and outcome (ok, replayed, retry, failed).",
+      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, retry, failed).",
       labelNames: ["stage", "outcome"],
       registers,
     }),
