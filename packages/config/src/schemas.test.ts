@@ -97,6 +97,7 @@ describe("WorkerConfig", () => {
       workerId: null,
       sandboxProvider: "docker",
       dockerHost: null,
+      dockerCertPath: null,
       metricsPort: null,
       metricsHost: "127.0.0.1",
       concurrency: 8,
@@ -111,6 +112,7 @@ describe("WorkerConfig", () => {
       FLEET_WORKER_KIND: "agent",
       FLEET_SANDBOX_PROVIDER: "bubblewrap",
       DOCKER_HOST: "tcp://10.0.0.2:2376",
+      DOCKER_CERT_PATH: "/certs",
       FLEET_METRICS_PORT: "9464",
       FLEET_METRICS_HOST: "0.0.0.0",
       FLEET_CONCURRENCY: "3",
@@ -122,12 +124,20 @@ describe("WorkerConfig", () => {
       kind: "verifier",
       sandboxProvider: "bubblewrap",
       dockerHost: "tcp://10.0.0.2:2376",
+      dockerCertPath: "/certs",
       metricsPort: 9464,
       metricsHost: "0.0.0.0",
       concurrency: 3,
       allowHostExecution: true,
       credentialsFile: "/run/secrets/fleet.json",
       workerId: "verifier-7",
+    });
+  });
+
+  it("takes an empty DOCKER_HOST or DOCKER_CERT_PATH as unset", () => {
+    expect(parseWorkerConfig("agent", { DOCKER_HOST: "", DOCKER_CERT_PATH: " " })).toMatchObject({
+      dockerHost: null,
+      dockerCertPath: null,
     });
   });
 

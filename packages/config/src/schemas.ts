@@ -52,6 +52,8 @@ const sandbox = {
     .pipe(z.enum(ProviderName.options, { error: `must be one of ${ProviderName.options.join(", ")}` }))
     .default("docker"),
   DOCKER_HOST: z.string().trim().optional(),
+  /** TLS to a remote daemon: the directory with ca.pem, cert.pem, key.pem (as Docker's client). */
+  DOCKER_CERT_PATH: z.string().trim().optional(),
   /** bubblewrap: the unpacked base rootfs directory (see packages/sandbox/README.md). */
   FLEET_BWRAP_ROOTFS: z.string().trim().optional(),
   /** Local state (bubblewrap sandboxes live under `<dir>/bwrap`). */
@@ -78,7 +80,9 @@ function sandboxAndMetricsConfig(e: z.output<z.ZodObject<typeof sandbox & typeof
     sandboxProvider: e.FLEET_SANDBOX_PROVIDER,
     bwrapRootfs: e.FLEET_BWRAP_ROOTFS ?? null,
     stateDir: e.FLEET_STATE_DIR,
-    dockerHost: e.DOCKER_HOST ?? null,
+    // Empty is unset (compose passes `${DOCKER_HOST:-}` through).
+    dockerHost: e.DOCKER_HOST || null,
+    dockerCertPath: e.DOCKER_CERT_PATH || null,
     metricsPort: e.FLEET_METRICS_PORT ?? null,
     metricsHost: e.FLEET_METRICS_HOST,
   };

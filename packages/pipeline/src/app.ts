@@ -3,7 +3,7 @@ import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
 import { FailureKind, type StageName } from "@fleet/contracts";
 import { assertRedisDurable, connectRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
-import { createSandboxProvider, DockerGatewayNetworks } from "@fleet/sandbox";
+import { createSandboxProvider, DockerGatewayNetworks, dockerConnectionFromEnv } from "@fleet/sandbox";
 import {
   createFleetMetrics,
   createLogger,
@@ -35,6 +35,7 @@ interface Common {
   shutdownTimeoutMs: number;
   sandboxProvider: "docker" | "bubblewrap";
   dockerHost: string | null;
+  dockerCertPath: string | null;
   metricsPort: number | null;
   metricsHost: string;
 }
@@ -57,9 +58,10 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     redisDown = false;
   });
   await assertRedisDurable(redis);
+  const docker = dockerConnectionFromEnv(config.dockerHost, config.dockerCertPath);
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,
-    docker: config.dockerHost ? { endpoint: config.dockerHost } : undefined,
+    docker,
     bubblewrap: config.bwrapRootfs
       ? { rootfs: config.bwrapRootfs, stateDir: `${config.stateDir}/bwrap` }
       : undefined,
@@ -76,12 +78,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     metrics,
     workerId,
     // Sealed per-rollout networks for agents that get a model (needs root/NET_ADMIN and a local daemon).
-    networks:
-      config.sandboxProvider === "docker"
-        ? new DockerGatewayNetworks({
-            docker: config.dockerHost ? { endpoint: config.dockerHost } : undefined,
-          })
-        : undefined,
+    networks: config.sandboxProvider === "docker" ? new DockerGatewayNetworks({ docker }) : undefined,
     harnessDeps: {
       resolveCredential: createCredentialResolver({
         env,

@@ -1,3 +1,5 @@
+import { existsSync, readFileSync } from "node:fs";
+import { join } from "node:path";
 import type Dockerode from "dockerode";
 
 /** The Docker endpoint used when none is given. */
@@ -46,4 +48,37 @@ export function endpointOf(options: Dockerode.DockerOptions): string {
     return `${scheme}://${options.host}${options.port === undefined ? "" : `:${options.port}`}`;
   }
   return `unix://${options.socketPath ?? "/var/run/docker.sock"}`;
+}
+
+/**
+ * TLS material for a daemon reached over https (`tcp://host:2376`), as Docker's own client finds
+ * it: `ca.pem`, `cert.pem` and `key.pem` in `certPath` (`DOCKER_CERT_PATH`). The CA verifies the
+ * daemon; the certificate and key authenticate us to a daemon run with `--tlsverify`. Files
+ * missing from the directory are left out; a directory that does not exist is an error.
+ */
+export function dockerTlsFromCertPath(
+  certPath: string,
+): Pick<Dockerode.DockerOptions, "ca" | "cert" | "key"> {
+  if (!existsSync(certPath)) throw new RangeError(`DOCKER_CERT_PATH ${certPath} does not exist`);
+  const read = (name: string) => {
+    const file = join(certPath, name);
+    return existsSync(file) ? readFileSync(file) : undefined;
+  };
+  const tls = { ca: read("ca.pem"), cert: read("cert.pem"), key: read("key.pem") };
+  if (!tls.ca && !tls.cert && !tls.key) {
+    throw new RangeError(`DOCKER_CERT_PATH ${certPath} holds none of ca.pem, cert.pem, key.pem`);
+  }
+  return Object.fromEntries(Object.entries(tls).filter(([, v]) => v !== undefined));
+}
+
+/** The connection a worker's config names: `DOCKER_HOST` and, for TLS, `DOCKER_CERT_PATH`. */
+export function dockerConnectionFromEnv(
+  dockerHost: string | null,
+  certPath: string | null,
+): DockerConnection | undefined {
+  if (dockerHost === null && certPath === null) return undefined;
+  return {
+    ...(dockerHost === null ? {} : { endpoint: dockerHost }),
+    ...(certPath === null ? {} : dockerTlsFromCertPath(certPath)),
+  };
 }
