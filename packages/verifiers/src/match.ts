@@ -1,7 +1,11 @@
+import { runInNewContext } from "node:vm";
 import { capText, type ExecResult, FleetError, type VerifierSpec } from "@fleet/contracts";
 import type { Verdict } from "./verdict.ts";
 
 type MatchSpec = Extract<VerifierSpec, { kind: "match" }>;
+
+/** How long one regex match may run before the answer counts as not matching. */
+export const REGEX_TIMEOUT_MS = 1000;
 
 /**
  * Grade a final answer against `expected`: `exact` compares both trimmed; `regex` requires the
@@ -13,6 +17,7 @@ type MatchSpec = Extract<VerifierSpec, { kind: "match" }>;
 export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec: ExecResult }): Verdict {
   const answer = run.answer === null ? null : run.answer.trim();
   let matched = false;
+  let regexTimedOut = false;
   if (answer !== null) {
     if (spec.mode === "exact") {
       matched = answer === spec.expected.trim();
@@ -27,7 +32,14 @@ export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec:
           err,
         );
       }
-      matched = pattern.test(answer);
+      // The pattern is the task's, the answer the agent's: a pattern that backtracks
+      // catastrophically on this answer must not freeze the worker. Past the budget, no match.
+      try {
+        matched = runInNewContext("pattern.test(answer)", { pattern, answer }, { timeout: REGEX_TIMEOUT_MS });
+      } catch (err) {
+        if ((err as { code?: string }).code !== "ERR_SCRIPT_EXECUTION_TIMEOUT") throw err;
+        regexTimedOut = true;
+      }
     }
   }
   return {
@@ -39,6 +51,7 @@ export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec:
       matched,
       expected: capText(spec.expected, 500),
       answer: answer === null ? null : capText(answer, 1000),
+      ...(regexTimedOut ? { regexTimedOut: true } : {}),
       agentExitCode: run.exec.exitCode,
       agentTimedOut: run.exec.timedOut,
     },

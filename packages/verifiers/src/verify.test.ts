@@ -386,6 +386,8 @@ describe("match verifier", () => {
     // Alternation is anchored as a whole, not just its first and last branch.
     expect(await grade("a|b", "regex", "ab")).toBe(0);
     expect(await grade("a|b", "regex", "b")).toBe(1);
+    // A pattern that backtracks catastrophically on the agent's answer: no match, not a frozen worker.
+    expect(await grade("(a+)+b", "regex", "a".repeat(40))).toBe(0);
     // A pattern from a TOML multi-line string ends in a newline: trimmed like the answer.
     expect(await grade("v?2\\.10\\.0\n", "regex", "2.10.0")).toBe(1);
   });
