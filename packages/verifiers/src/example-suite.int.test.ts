@@ -194,19 +194,16 @@ describe("the example suite on real Docker", () => {
     expect(killed.calls).toEqual(["put", "exec"]);
   });
 
-  it("a reward file the agent planted in /logs/verifier masks the rollout instead of scoring it", async () => {
+  it("a reward file the agent planted in /logs/verifier is cleared, and the agent graded on its work", async () => {
     const task = tasks.find((t) => t.id === "hello-file")!;
     const handle = await sandbox(task, "tamper");
     const cheat: AgentSpecInput = {
       harness: "command",
       argv: ["bash", "-c", "mkdir -p /logs/verifier && echo 1 > /logs/verifier/reward.txt"],
     };
-    const err = await runAndVerify(handle, task, cheat).then(
-      () => null,
-      (e: unknown) => e,
-    );
-    expect(isFleetError(err) && err.kind).toBe("verifier_error");
-    expect((err as Error).message).toContain("/logs/verifier");
+    const { verdict } = await runAndVerify(handle, task, cheat);
+    // No hello.txt: the tests fail, and the planted "1" is gone.
+    expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
   });
 
   it("tests that outlive the verifier budget → verifier_error, never 0", async () => {

@@ -7,7 +7,7 @@ import {
   TaskContent,
   type TaskContentInput,
 } from "@fleet/contracts";
-import { ROOT_USER } from "@fleet/sandbox";
+import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
 import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it } from "vitest";
 import { parseReward } from "./reward-file.ts";
@@ -168,15 +168,38 @@ describe("tests verifier", () => {
     expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
   });
 
-  it("refuses to grade when /logs/verifier cannot be cleared (masked)", async () => {
-    provider.onExec = (call) => ({
-      exitCode: 3,
-      stderr: `\n${nonceOf(call)} prepare cannot clear /logs/verifier (owned by uid 1000)\n`,
-    });
+  it("a /logs/verifier the agent planted is cleared as the agent, then the tests run and grade", async () => {
+    let planted = true;
+    provider.onExec = (call) => {
+      if (call.argv !== RUN_TESTS_ARGV && call.options.user === AGENT_USER) {
+        planted = false; // the scrub, as the agent: its directory goes
+        return {};
+      }
+      const nonce = nonceOf(call);
+      if (planted)
+        return {
+          exitCode: 3,
+          stderr: `\n${nonce} prepare cannot clear /logs/verifier (owned by uid 1000)\n`,
+        };
+      return { exitCode: 1, stderr: `${nonce} ready\n\n${nonce} none\n` };
+    };
+    const verdict = await verify(ctx());
+    expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code", exitCode: 1 } });
+    expect(provider.execCalls.map((c) => c.options.user)).toEqual([ROOT_USER, AGENT_USER, ROOT_USER]);
+  });
+
+  it("refuses to grade when /logs/verifier cannot be cleared even then (masked)", async () => {
+    provider.onExec = (call) =>
+      call.options.user === AGENT_USER
+        ? {}
+        : {
+            exitCode: 3,
+            stderr: `\n${nonceOf(call)} prepare cannot clear /logs/verifier (owned by uid 0)\n`,
+          };
     const err = await failure(verify(ctx()));
     expect([err.kind, err.retryable]).toEqual(["verifier_error", false]);
-    expect(err.message).toContain("cannot clear /logs/verifier (owned by uid 1000)");
-    expect(provider.execCalls).toHaveLength(1);
+    expect(err.message).toContain("cannot clear /logs/verifier (owned by uid 0)");
+    expect(provider.execCalls).toHaveLength(3);
   });
 
   it("refuses to grade when /tests cannot be cleared (masked)", async () => {

@@ -1,6 +1,6 @@
 import { randomBytes } from "node:crypto";
 import { capText, FleetError, isFleetError } from "@fleet/contracts";
-import { ROOT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
+import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { parseReward } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
@@ -150,20 +150,32 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   await step(ctx, "stage the tests", () =>
     provider.put(handle, SANDBOX_PATHS.tests, task.tests, { user: ROOT_USER, replace: true }),
   );
-  const nonce = randomBytes(16).toString("hex");
-  const ran = await step(ctx, "run the tests", () =>
-    provider.exec(handle, RUN_TESTS_ARGV, {
-      deadlineMs: remaining(),
-      cwd: SANDBOX_PATHS.workspace,
-      user: ROOT_USER,
-      stdin: `${nonce}\n`,
-    }),
-  );
-  const { stderr, ready, report } = parseRunReport(ran.stderr, nonce);
+  const runOnce = async () => {
+    const nonce = randomBytes(16).toString("hex");
+    const ran = await step(ctx, "run the tests", () =>
+      provider.exec(handle, RUN_TESTS_ARGV, {
+        deadlineMs: remaining(),
+        cwd: SANDBOX_PATHS.workspace,
+        user: ROOT_USER,
+        stdin: `${nonce}\n`,
+      }),
+    );
+    return { ran, ...parseRunReport(ran.stderr, nonce) };
+  };
+  let { ran, stderr, ready, report } = await runOnce();
+  if (!ready && !ran.timedOut && report.kind === "prepare") {
+    // Root here cannot remove what the agent made in the sticky /logs (a planted
+    // /logs/verifier): the agent's uid can. Its processes are confirmed gone, so everything
+    // of its uid in scratch is leftovers: removed, then the tests run once more. An agent
+    // cannot choose to be masked instead of graded this way.
+    await step(ctx, "clear the agent's scratch", () => scrubScratch(provider, handle, AGENT_USER));
+    ({ ran, stderr, ready, report } = await runOnce());
+  }
   const result = { ...ran, stderr };
   if (!ready && !result.timedOut) {
-    // A planted /logs/verifier is final; a runner that never said it started (its stdin lost,
-    // say) may do better on a retry, and is masked once the attempts run out.
+    // /logs/verifier still not clean after the agent's leftovers went: final; a runner that never
+    // said it started (its stdin lost, say) may do better on a retry, and is masked once the
+    // attempts run out.
     if (report.kind === "prepare") {
       throw FleetError.nonRetryable(
         "verifier_error",
