@@ -109,6 +109,11 @@ const CHUNKED = [
   "4096",
 ];
 
+/** Answer a batch POST as admitted: batch `b-<n>`, one rollout id per row. */
+function acceptBatch(res: Parameters<typeof json>[0], n: number, rows: unknown[]): void {
+  json(res, 202, { batchId: `b-${n}`, rolloutIds: rows.map((_, i) => `r${n}-${i}`), count: rows.length });
+}
+
 const completed = (id: string, reward: number) => ({
   id,
   status: "completed",
@@ -246,11 +251,7 @@ describe("fleet submit", () => {
         full--;
         return apiError(res, 429, "backpressure", "no room", { maxBacklog, retryAfterS: 0.01 });
       }
-      json(res, 202, {
-        batchId: `b-${++n}`,
-        rolloutIds: rows.map((_, i) => `r${n}-${i}`),
-        count: rows.length,
-      });
+      acceptBatch(res, ++n, rows);
     });
     const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10"], ctx());
     expect(code, stderr.text()).toBe(0);
@@ -276,11 +277,7 @@ describe("fleet submit", () => {
         });
       }
       accepted.push(...rows);
-      json(res, 202, {
-        batchId: `b-${++n}`,
-        rolloutIds: rows.map((_, i) => `r${n}-${i}`),
-        count: rows.length,
-      });
+      acceptBatch(res, ++n, rows);
     });
     const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10"], ctx());
     expect(code, stderr.text()).toBe(0);

@@ -47,3 +47,25 @@ export const Millis = z
 
 /** A text field capped on parse rather than rejected: diagnostics must never be lost for being long. */
 export const CappedText = z.string().transform((s) => capText(s));
+
+/**
+ * A fetch response's body as UTF-8 text, read up to `max` bytes: `null` (and the rest of the
+ * body cancelled) when it is longer, so a caller never holds an unbounded answer in memory.
+ */
+export async function readBodyCapped(response: Response, max: number): Promise<string | null> {
+  if (response.body === null) return "";
+  const chunks: Uint8Array[] = [];
+  let size = 0;
+  const reader = response.body.getReader();
+  for (;;) {
+    const { done, value } = await reader.read();
+    if (done) break;
+    size += value.byteLength;
+    if (size > max) {
+      await reader.cancel().catch(() => {});
+      return null;
+    }
+    chunks.push(value);
+  }
+  return Buffer.concat(chunks).toString("utf8");
+}

@@ -16,13 +16,16 @@ afterEach(async () => {
   while (open.length > 0) await open.pop()!.close();
 });
 
-async function setup(): Promise<{ upstream: ScriptedUpstream; gateway: ModelGateway }> {
+async function setup(
+  options: Partial<Parameters<typeof startGateway>[0]> = {},
+): Promise<{ upstream: ScriptedUpstream; gateway: ModelGateway }> {
   const upstream = await startScriptedUpstream();
   open.push(upstream);
   const gateway = await startGateway({
     upstreamBaseUrl: upstream.baseUrl,
     resolveCredential: async () => CREDENTIAL,
     host: "127.0.0.1",
+    ...options,
   });
   open.push(gateway);
   return { upstream, gateway };
@@ -185,15 +188,7 @@ describe("model gateway", () => {
   });
 
   it("answers 429 past a token's concurrent-call limit, without forwarding", async () => {
-    const upstream = await startScriptedUpstream();
-    open.push(upstream);
-    const gateway = await startGateway({
-      upstreamBaseUrl: upstream.baseUrl,
-      resolveCredential: async () => CREDENTIAL,
-      host: "127.0.0.1",
-      maxConcurrentCalls: 2,
-    });
-    open.push(gateway);
+    const { upstream, gateway } = await setup({ maxConcurrentCalls: 2 });
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
     upstream.push(
       { ...chatReply({ content: "slow 1" }), delayMs: 30_000 },

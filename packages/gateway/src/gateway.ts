@@ -1,6 +1,6 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
-import { capText, type Usage } from "@fleet/contracts";
+import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
 import { type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
@@ -373,21 +373,11 @@ async function readBody(req: IncomingMessage, max: number): Promise<Buffer> {
 }
 
 async function readResponse(response: Response, max: number): Promise<string> {
-  if (response.body === null) return "";
-  const chunks: Uint8Array[] = [];
-  let size = 0;
-  const reader = response.body.getReader();
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    size += value.byteLength;
-    if (size > max) {
-      await reader.cancel().catch(() => {});
-      throw new GatewayHttpError(502, "upstream_response_too_large", `upstream response over ${max} bytes`);
-    }
-    chunks.push(value);
+  const text = await readBodyCapped(response, max);
+  if (text === null) {
+    throw new GatewayHttpError(502, "upstream_response_too_large", `upstream response over ${max} bytes`);
   }
-  return Buffer.concat(chunks).toString("utf8");
+  return text;
 }
 
 function describe(err: unknown): string {

@@ -53,8 +53,8 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     await upstream.close();
   });
 
-  it("the agent gets its answer from the model, usage is recorded, and the credential stays out", async () => {
-    upstream.push(chatReply({ content: "4217", usage: { prompt: 21, completion: 3, cached: 5 } }));
+  /** sum-answer with the CLIENT command agent on the served model, in the task's sandbox or its own. */
+  async function submitClient(sandbox: "borrow" | "own"): Promise<string> {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
     const [id] = await fleet.submit([
@@ -62,12 +62,19 @@ describe("command agent with a model, through the per-rollout gateway", () => {
         task,
         agent: {
           harness: "command",
+          sandbox,
           argv: ["python3", "-c", CLIENT],
           model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
         },
       },
     ]);
-    const [r] = await fleet.waitForResults([id!], 120_000);
+    return id!;
+  }
+
+  it("the agent gets its answer from the model, usage is recorded, and the credential stays out", async () => {
+    upstream.push(chatReply({ content: "4217", usage: { prompt: 21, completion: 3, cached: 5 } }));
+    const id = await submitClient("borrow");
+    const [r] = await fleet.waitForResults([id], 120_000);
     expect(r).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
     expect(r!.usage).toMatchObject({
       calls: 1,
@@ -88,22 +95,10 @@ describe("command agent with a model, through the per-rollout gateway", () => {
 
   it("with its own sandbox, only the agent's sandbox joins the gateway network; the task's has none", async () => {
     upstream.push(chatReply({ content: "4217" }));
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
-    const [id] = await fleet.submit([
-      {
-        task,
-        agent: {
-          harness: "command",
-          sandbox: "own",
-          argv: ["python3", "-c", CLIENT],
-          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
-        },
-      },
-    ]);
-    const [r] = await fleet.waitForResults([id!], 120_000);
+    const id = await submitClient("own");
+    const [r] = await fleet.waitForResults([id], 120_000);
     expect(r).toMatchObject({ status: "completed", reward: 1 });
-    const seen = provider.networks.get(id!)!;
+    const seen = provider.networks.get(id)!;
     expect(seen.resources).toBe("none");
     expect(seen.agent).not.toBe("none");
   });

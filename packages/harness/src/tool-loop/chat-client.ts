@@ -1,5 +1,5 @@
 import { setTimeout as sleep } from "node:timers/promises";
-import { capText, FleetError } from "@fleet/contracts";
+import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
 import { abortError } from "../run-command.ts";
 
 /** Jittered exponential backoff between attempts of one model call. */
@@ -126,7 +126,9 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         redirect: "manual",
       });
       status = res.status;
-      const text = await readCapped(res, MAX_RESPONSE_BYTES);
+      const capped = await readBodyCapped(res, MAX_RESPONSE_BYTES);
+      if (capped === null) throw new Error(`model response over ${MAX_RESPONSE_BYTES} bytes`);
+      const text = capped;
       let body: unknown = null;
       try {
         body = JSON.parse(text);
@@ -201,22 +203,3 @@ function describe(err: unknown): string {
 
 /** Largest model response read; a bigger one is an error (it would otherwise fill the worker's memory). */
 export const MAX_RESPONSE_BYTES = 32 * 1024 * 1024;
-
-/** A response body as text, refusing one over `max` bytes. */
-async function readCapped(res: Response, max: number): Promise<string> {
-  if (res.body === null) return "";
-  const chunks: Uint8Array[] = [];
-  let size = 0;
-  const reader = res.body.getReader();
-  for (;;) {
-    const { done, value } = await reader.read();
-    if (done) break;
-    size += value.byteLength;
-    if (size > max) {
-      await reader.cancel().catch(() => {});
-      throw new Error(`model response over ${max} bytes`);
-    }
-    chunks.push(value);
-  }
-  return Buffer.concat(chunks).toString("utf8");
-}
