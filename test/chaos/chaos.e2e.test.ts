@@ -311,6 +311,11 @@ describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
           `[chaos] rollouts=${figures.accepted}/${figures.rollouts} kills=${figures.kills} restarts=${figures.processRestarts}+redis:${figures.redisRestarts} docker-outages=${figures.dockerOutages} lost=${lost} duplicated=${duplicated} leaked=${leaked} (at finish: ${leakedNow}) ledger=${ledgerLeft} registry=${registryLeft} masked=${figures.masked} graded=${figures.graded} failed=${figures.failed} seconds=${figures.seconds}`,
           `[chaos] by status ${JSON.stringify(byStatus)}; masked kinds ${JSON.stringify(maskedKinds)}`,
           ...miscounted.map((m) => `[chaos] batch miscounted: ${m}`),
+          // Why each masked rollout was masked (the first few): which fault it met, and where.
+          ...results
+            .filter((r) => r.status === "masked")
+            .slice(0, 5)
+            .map((r) => `[chaos] masked ${r.id} at ${r.stage}: ${String(r.reason).slice(0, 300)}`),
         ].join("\n"),
       );
       expect(miscounted).toEqual([]);
