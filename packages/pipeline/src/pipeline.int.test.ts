@@ -1,3 +1,4 @@
+import { execFileSync } from "node:child_process";
 import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
 import {
@@ -333,6 +334,29 @@ describe("idempotency and fencing without workers", () => {
     await janitorTick(deps, { orphanGraceMs: 10 * 60_000 });
     expect(await fleet.deps.store.getResult(refused!)).toMatchObject({ teardown: "confirmed" });
     expect(await containersOf([id!, refused!])).toBe(0);
+  });
+
+  it("a re-delivered seed that finds the earlier attempt's sandbox stopped replaces it instead of probing it to death", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    // The first attempt recorded its intent and created the sandbox, whose container then
+    // stopped (its worker died between create and start, say).
+    await fleet.deps.store.begin(id!, "seed", Date.now(), beginOptions("seed", fleet.deps));
+    const first = await docker.create({
+      image: IMAGE,
+      rolloutId: id!,
+      owner: "resources",
+      expiresAt: Date.now() + 600_000,
+    });
+    execFileSync("docker", ["stop", "-t", "0", first.id], { stdio: "pipe" });
+    expect(await docker.alive(first)).toBe(false);
+    expect(await runStageJob("seed", job(id!, 1), fleet.deps)).toBe("ok");
+    const seeded = (await fleet.deps.store.get(id!))!.receipts.seed!;
+    expect(seeded.handle.id).not.toBe(first.id);
+    expect(seeded.reused).toBe(false);
+    expect(await docker.alive(seeded.handle)).toBe(true);
+    expect(await containersOf([id!])).toBe(1);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await containersOf([id!])).toBe(0);
   });
 
   it("a re-delivered seed replays its receipt instead of creating a second sandbox", async () => {

@@ -101,6 +101,15 @@ async function createSandbox(
   // Only an attempt after one that recorded the intent can find a sandbox (a label lookup lists
   // the daemon's containers: not on every rollout).
   let handle = options.intentFresh ? null : await deps.provider.find(rec.meta.id, owner);
+  if (handle && !(await deps.provider.alive(handle))) {
+    // An earlier attempt's sandbox that is not running (its worker died between create and
+    // start, or it stopped): nothing in it can be trusted or used, and no agent ran in it yet
+    // that a new one would lose. Replace it rather than probe it until the attempts run out.
+    const gone = await deps.provider.destroy(handle);
+    if (!gone.confirmed)
+      throw FleetError.retryable("provider_unavailable", "could not remove a dead sandbox");
+    handle = null;
+  }
   const reused = handle !== null;
   if (!handle) {
     // The sandbox the agent runs in joins the rollout's sealed gateway network when the agent
