@@ -353,8 +353,8 @@ export class RolloutStore {
     now: number,
     ttlMs = 60_000,
   ): Promise<{ reserved: boolean; inflight: number; reservedByOthers: number; release(): Promise<void> }> {
-    const member = `${randomUUID()}:${count}`;
-    const id = member.slice(0, member.lastIndexOf(":"));
+    const id = randomUUID();
+    const member = `${id}:${count}`; // as the script stores it
     const [ok, inflight, others] = (await this.redis.fleetReserve(
       this.keys.inflight(),
       this.keys.reservations(),

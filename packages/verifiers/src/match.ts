@@ -1,4 +1,4 @@
-import { runInNewContext } from "node:vm";
+import { createContext, Script } from "node:vm";
 import { capText, type ExecResult, FleetError, type VerifierSpec } from "@fleet/contracts";
 import type { Verdict } from "./verdict.ts";
 
@@ -6,6 +6,10 @@ type MatchSpec = Extract<VerifierSpec, { kind: "match" }>;
 
 /** How long one regex match may run before the answer counts as not matching. */
 export const REGEX_TIMEOUT_MS = 1000;
+
+/** The match, compiled once; each call sets `pattern` and `answer` in the one context. */
+const MATCH = new Script("pattern.test(answer)");
+const matchContext = createContext({ pattern: /$^/, answer: "" });
 
 /**
  * Grade a final answer against `expected`: `exact` compares both trimmed; `regex` requires the
@@ -35,7 +39,8 @@ export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec:
       // The pattern is the task's, the answer the agent's: a pattern that backtracks
       // catastrophically on this answer must not freeze the worker. Past the budget, no match.
       try {
-        matched = runInNewContext("pattern.test(answer)", { pattern, answer }, { timeout: REGEX_TIMEOUT_MS });
+        Object.assign(matchContext, { pattern, answer });
+        matched = MATCH.runInContext(matchContext, { timeout: REGEX_TIMEOUT_MS }) as boolean;
       } catch (err) {
         if ((err as { code?: string }).code !== "ERR_SCRIPT_EXECUTION_TIMEOUT") throw err;
         regexTimedOut = true;
