@@ -202,7 +202,15 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     if (cutByRollout) {
       throw new FleetError("deadline_exceeded", `the rollout deadline cut the tests short after ${limit} s`);
     }
-    throw FleetError.nonRetryable("verifier_error", `the tests did not finish within ${limit} s`);
+    // Tests run the agent's work: code that hangs them is the agent's failure, graded 0 as the
+    // tests would grade code that fails them (Terminal-Bench and SWE-bench count a timeout as
+    // unresolved). Masking it would drop exactly those rollouts from training, so a policy would
+    // lose nothing by making its failures hang. Tests too slow for their own budget show up as
+    // 0 for the reference solution too: validate a suite with the oracle agent.
+    return {
+      reward: 0,
+      details: { ...details, source: "timeout", reason: `the tests did not finish within ${limit} s` },
+    };
   }
   if (result.oomKilled)
     throw FleetError.nonRetryable("provider_oom_killed", "the tests were killed for lack of memory");
