@@ -25,6 +25,10 @@ export interface DispatcherDeps {
 export type RouteContext = DispatcherDeps & { now: () => number };
 
 declare module "fastify" {
+  interface FastifyRequest {
+    /** Who sent it (`RequestAuth.principal`), set by the auth hook; "" on public routes or with auth off. */
+    principal: string;
+  }
   interface FastifyContextConfig {
     /** Served without a bearer token (health, readiness, metrics). */
     public?: boolean;

@@ -1,3 +1,4 @@
+import { createHash } from "node:crypto";
 import { describe, expect, it } from "vitest";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
 import { SESSION_COOKIE } from "./session.ts";
@@ -12,12 +13,14 @@ describe("createAuthenticator", () => {
     expect(auth.authenticate({ url: "/v1/rollouts", headers: { authorization: "Bearer u" } })).toEqual({
       access: "user",
       via: "bearer",
+      principal: createHash("sha256").update("u").digest("hex"),
     });
     const session = admin.login("a")!;
     const cookie = `${SESSION_COOKIE}=${session}`;
     expect(admin.authenticate({ url: "/admin/queues/api/queues", headers: { cookie } })).toEqual({
       access: "admin",
       via: "session",
+      principal: "session",
     });
     // The API does not take the board's cookie.
     expect(admin.authenticate({ url: "/v1/rollouts", headers: { cookie } }).access).toBe("none");
@@ -25,6 +28,15 @@ describe("createAuthenticator", () => {
     expect(
       admin.authenticate({ url: "/admin/queues", headers: { cookie, authorization: "Bearer x" } }).access,
     ).toBe("none");
+  });
+
+  it("names each token apart, and never by its value", () => {
+    const who = (token: string) =>
+      admin.authenticate({ url: "/v1/rollouts", headers: { authorization: `Bearer ${token}` } }).principal;
+    expect(who("u")).not.toBe(who("a"));
+    expect(who("u")).toBe(who("u"));
+    expect(who("u")).not.toContain("u");
+    expect(who("wrong")).toBe("");
   });
 
   it("signs in only a configured token", () => {
@@ -36,7 +48,11 @@ describe("createAuthenticator", () => {
   it("with no token configured lets everyone in (auth off)", () => {
     const open = createAuthenticator([], [], now);
     expect(open.enabled).toBe(false);
-    expect(open.authenticate({ url: "/v1/rollouts", headers: {} })).toEqual({ access: "admin", via: "open" });
+    expect(open.authenticate({ url: "/v1/rollouts", headers: {} })).toEqual({
+      access: "admin",
+      via: "open",
+      principal: "",
+    });
   });
 });
 

@@ -8,6 +8,11 @@ export type AuthVia = "bearer" | "session" | "open" | "none";
 export interface RequestAuth {
   access: Access;
   via: AuthVia;
+  /**
+   * Whose request it is, for scoping what a client names itself (idempotency keys): the bearer
+   * token's sha256 in hex; "session" for a board session; "" when auth is off or none matched.
+   */
+  principal: string;
 }
 
 export interface Authenticator {
@@ -34,17 +39,19 @@ export function createAuthenticator(
   const memo = new WeakMap<object, RequestAuth>();
 
   const decide = (req: Pick<IncomingMessage, "headers" | "url">): RequestAuth => {
-    if (!checker.enabled) return { access: "admin", via: "open" };
+    if (!checker.enabled) return { access: "admin", via: "open", principal: "" };
     const header = req.headers.authorization;
     if (header !== undefined) {
-      const access = checker.check(header);
-      return { access, via: access === "none" ? "none" : "bearer" };
+      const { access, principal } = checker.identify(header);
+      return { access, via: access === "none" ? "none" : "bearer", principal };
     }
     if (isAdminPath(req.url)) {
       const access = sessions.verify(readCookie(req.headers.cookie, SESSION_COOKIE), now());
-      return { access, via: access === "none" ? "none" : "session" };
+      return access === "none"
+        ? { access, via: "none", principal: "" }
+        : { access, via: "session", principal: "session" };
     }
-    return { access: "none", via: "none" };
+    return { access: "none", via: "none", principal: "" };
   };
 
   return {

@@ -177,6 +177,30 @@ describe("POST /v1/rollouts", () => {
     expect(error.details).toMatchObject({ rolloutId: first.json().id });
   });
 
+  it("scopes a key to the token: another token's same key gets its own rollout and batch, never 409", async () => {
+    const key = randomUUID();
+    const post = (token: string, url: string, payload: object) =>
+      h.call({ method: "POST", url, payload, token, headers: { "idempotency-key": key } });
+    const mine = await post(TOKEN, "/v1/rollouts", row);
+    const theirs = await post(ADMIN, "/v1/rollouts", { ...row, metadata: { n: 2 } });
+    expect([mine.statusCode, theirs.statusCode], theirs.body).toEqual([202, 202]);
+    expect(theirs.json().id).not.toBe(mine.json().id);
+    expect((await h.store.get(mine.json().id))!.meta.metadata).toBeNull();
+    // Each token's replay still lands on its own rollout.
+    const again = await post(ADMIN, "/v1/rollouts", { ...row, metadata: { n: 2 } });
+    expect(again.json()).toMatchObject({ id: theirs.json().id, created: false });
+    expectErrorBody(await post(TOKEN, "/v1/rollouts", { ...row, metadata: { n: 2 } }), 409, "conflict");
+
+    const myBatch = await post(TOKEN, "/v1/batches", [row, row]);
+    const theirBatch = await post(ADMIN, "/v1/batches", [row]);
+    expect([myBatch.statusCode, theirBatch.statusCode], theirBatch.body).toEqual([202, 202]);
+    expect(theirBatch.json().batchId).not.toBe(myBatch.json().batchId);
+    expect((await post(TOKEN, "/v1/batches", [row, row])).json()).toMatchObject({
+      batchId: myBatch.json().batchId,
+      created: false,
+    });
+  });
+
   it("two requests at once with one key and two bodies: one is admitted, the other is 409, whichever wins", async () => {
     for (let round = 0; round < 5; round++) {
       const key = randomUUID();

@@ -62,9 +62,11 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // Auth runs before the body is read, so an unauthenticated client cannot make us parse 32 MiB.
   // Refusals are sent from here rather than thrown: Bull Board's routes have their own error
   // handler, which would turn a thrown 401 into its 500.
+  app.decorateRequest("principal", "");
   app.addHook("onRequest", async (req, reply) => {
     if (req.routeOptions.config?.public) return;
-    const { access, via } = auth.authenticate(req.raw);
+    const { access, via, principal } = auth.authenticate(req.raw);
+    req.principal = principal;
     const admin = onAdminRoute(req);
     if (access === "none") {
       if (admin && req.method === "GET" && wantsHtml(req)) {

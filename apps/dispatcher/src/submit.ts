@@ -25,9 +25,15 @@ export interface SubmitDeps {
 export async function submit(
   deps: SubmitDeps,
   parsed: ParsedBatch,
-  options: { batch: boolean; idempotencyKey: string | null },
+  options: {
+    batch: boolean;
+    idempotencyKey: string | null;
+    /** Who submits (`RequestAuth.principal`): each token has keys of its own. */
+    principal?: string;
+  },
 ): Promise<Admitted> {
   const { store, queues, config } = deps;
+  const idempotencyKey = scopedKey(options.principal ?? "", options.idempotencyKey);
   const incoming = parsed.requests.length;
   if (incoming > config.maxBacklog) {
     throw new HttpError(
@@ -38,8 +44,7 @@ export async function submit(
     );
   }
   const replay =
-    options.idempotencyKey !== null &&
-    (await alreadyAdmitted(store, options.idempotencyKey, options.batch, incoming));
+    idempotencyKey !== null && (await alreadyAdmitted(store, idempotencyKey, options.batch, incoming));
   // The room is reserved in the same step as the check: submissions arriving together cannot
   // each see room for themselves and pass the bound together.
   const room = replay ? null : await store.reserveBacklog(incoming, config.maxBacklog, deps.now());
@@ -63,7 +68,7 @@ export async function submit(
     return await admit(
       store,
       queues,
-      { requests: parsed.requests, batch: options.batch, idempotencyKey: options.idempotencyKey },
+      { requests: parsed.requests, batch: options.batch, idempotencyKey },
       { maxTaskBytes: config.maxTaskBytes, now: deps.now() },
     );
   } catch (err) {
@@ -72,6 +77,16 @@ export async function submit(
     // Admitted rollouts are in flight now (they count there); refused ones never will be.
     await room?.release().catch(() => undefined);
   }
+}
+
+/**
+ * An `Idempotency-Key` is the client's name for its request, so it is scoped to the client: two
+ * tokens that pick the same key get rollouts of their own, never each other's (nor a 409 for the
+ * other's body). With auth off every client is one principal and the key is used as it is.
+ */
+export function scopedKey(principal: string, key: string | null): string | null {
+  if (key === null || principal === "") return key;
+  return `${principal}\n${key}`; // a key is printable ASCII: no newline of its own
 }
 
 /**

@@ -22,7 +22,7 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
     const parsed =
       req.body instanceof NdjsonText ? parseBatchNdjson(req.body.text) : parseBatchJson(req.body);
     const started = performance.now();
-    const admitted = await submit(ctx, parsed, { batch: true, idempotencyKey });
+    const admitted = await submit(ctx, parsed, { batch: true, idempotencyKey, principal: req.principal });
     const created = admitted.created.length > 0;
     const body: BatchAccepted = {
       batchId: admitted.batchId!,

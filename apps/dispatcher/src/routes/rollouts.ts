@@ -26,7 +26,7 @@ export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): 
     const admitted = await submit(
       ctx,
       { requests: [request], lines: null },
-      { batch: false, idempotencyKey },
+      { batch: false, idempotencyKey, principal: req.principal },
     );
     const id = admitted.ids[0]!;
     if (admitted.created.length > 0) {
