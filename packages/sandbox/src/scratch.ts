@@ -6,8 +6,8 @@ import { AGENT_USER, SANDBOX_PATHS, type SandboxProvider } from "./provider.ts";
 /**
  * Besides the workspace, the directories an agent can write to in every provider's sandbox (the
  * root filesystem is read-only; `/tests` and `/solution` belong to root), POSIX message queues
- * included. Those a sandbox lacks are skipped. (SysV IPC objects are not files and are not
- * covered.)
+ * included. Those a sandbox lacks are skipped. SysV IPC objects are not files: `SYSV_IPC_OF`
+ * covers them.
  */
 export const SCRATCH_DIRS: readonly string[] = ["/tmp", SANDBOX_PATHS.logs, "/dev/shm", "/dev/mqueue"];
 
@@ -20,21 +20,36 @@ const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
 const ROOT_MOUNT_OPTIONS = `o=; while read -r _ _ _ _ mp opts _; do [ "$mp" = / ] && o=$opts; done < /proc/self/mountinfo`;
 
 /**
+ * A shell function: `sysv_ipc_of <uid>` prints `-m <id>`, `-q <id>` or `-s <id>` (`ipcrm`'s flags)
+ * for every SysV shared memory segment, message queue and semaphore set in the sandbox's IPC
+ * namespace that `uid` owns or created. A sandbox's IPC namespace lives as long as the sandbox,
+ * so these outlast the agent's processes like files in /tmp do. (Column layouts of
+ * /proc/sysvipc/{shm,msg,sem}: uid and cuid are the 8th and 10th fields, the 5th and 7th for sem.)
+ */
+const SYSV_IPC_OF = `sysv_ipc_of() { for t in shm:m msg:q sem:s; do f=/proc/sysvipc/\${t%%:*}; [ -r "$f" ] || continue; if [ "$t" = sem:s ]; then while read -r _ id _ _ u _ c _; do if [ "$u" = "$1" ] || [ "$c" = "$1" ]; then echo "-s $id"; fi; done < "$f"; else while read -r _ id _ _ _ _ _ u _ c _; do if [ "$u" = "$1" ] || [ "$c" = "$1" ]; then echo "-\${t#*:} $id"; fi; done < "$f"; fi; done; }`;
+
+/**
  * The probe script's line saying whether the agent's only writable places besides the workspace
  * are the scratch directories and nothing there is the agent uid's yet: `clean`, or `dirty` when
  * the root filesystem is writable, or a scratch directory holds anything of the agent's uid or
  * cannot be searched. Run as root before the task is staged: in a clean sandbox, whatever of the
  * agent's turns up outside the workspace later is in scratch and is the agent's own doing.
  */
-export const SCRATCH_PROBE_LINE = `s=clean; ${ROOT_MOUNT_OPTIONS}; case ",$o," in *,ro,*) ;; *) s=dirty ;; esac; for d in ${SCRATCH_DIRS.join(" ")}; do [ -d "$d" ] || continue; if ! l=$(find "$d" -mindepth 1 -user ${AGENT_UID} 2>/dev/null) || [ -n "$l" ]; then s=dirty; fi; done; echo $s`;
+export const SCRATCH_PROBE_LINE = `s=clean; ${ROOT_MOUNT_OPTIONS}; case ",$o," in *,ro,*) ;; *) s=dirty ;; esac; for d in ${SCRATCH_DIRS.join(" ")}; do [ -d "$d" ] || continue; if ! l=$(find "$d" -mindepth 1 -user ${AGENT_UID} 2>/dev/null) || [ -n "$l" ]; then s=dirty; fi; done; ${SYSV_IPC_OF}; [ -z "$(sysv_ipc_of ${AGENT_UID})" ] || s=dirty; echo $s`;
 
 /**
  * Run as the agent with the scratch directories as arguments: remove everything the caller's
  * uid owns in them (directories it made unreadable are opened up first; find's pre-order visits a
- * directory before its entries), then prove none is left. Exit 3, naming what is left or what
- * could not be searched, otherwise.
+ * directory before its entries) and its SysV IPC objects, then prove none is left. Exit 3, naming
+ * what is left or what could not be searched, otherwise (no `ipcrm` in the image included).
  */
 const SCRUB_SCRATCH = `uid=$(id -u)
+${SYSV_IPC_OF}
+sysv_ipc_of "$uid" | while read -r flag id; do ipcrm "$flag" "$id" 2>/dev/null; done
+left=$(sysv_ipc_of "$uid")
+if [ -n "$left" ]; then
+  echo "cannot remove SysV IPC objects: $(printf '%s\\n' "$left" | head -n 5 | tr '\\n' ' ')" >&2; exit 3
+fi
 for d in "$@"; do
   [ -d "$d" ] || continue
   find "$d" -mindepth 1 -type d -user "$uid" ! -perm -700 -exec chmod u+rwx {} \\; 2>/dev/null

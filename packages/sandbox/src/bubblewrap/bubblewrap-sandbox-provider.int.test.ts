@@ -257,9 +257,10 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
   it("the scratch probe reads the root's read-only flag from its mount, under dash and under busybox (whose test -w says yes to root)", async () => {
     const shells = [["sh"], ["busybox", "sh"]];
     for (const shell of shells) {
-      const probe = async (root: "--ro-bind" | "--bind") =>
+      const probe = async (root: "--ro-bind" | "--bind", before = "") =>
         (
           await run("bwrap", [
+            "--unshare-ipc",
             root,
             "/",
             "/",
@@ -271,11 +272,16 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
             "/tmp",
             ...shell,
             "-c",
-            SCRATCH_PROBE_LINE,
+            `${before}${SCRATCH_PROBE_LINE}`,
           ])
         ).stdout.trim();
       expect(await probe("--ro-bind"), shell.join(" ")).toBe("clean");
       expect(await probe("--bind"), shell.join(" ")).toBe("dirty");
+      // A SysV semaphore set of the agent's uid (created by it), then a root-owned one.
+      const [uid, gid] = AGENT_USER.split(":");
+      const agentSem = `/usr/bin/setpriv --reuid ${uid} --regid ${gid} --clear-groups /usr/bin/ipcmk -S 1 >/dev/null; `;
+      expect(await probe("--ro-bind", agentSem), shell.join(" ")).toBe("dirty");
+      expect(await probe("--ro-bind", "/usr/bin/ipcmk -S 1 >/dev/null; "), shell.join(" ")).toBe("clean");
     }
   });
 

@@ -328,6 +328,21 @@ describe("DockerSandboxProvider (real Docker)", () => {
         expect(after.stdout.split("\n").filter(Boolean)).toEqual(["/tmp/roots"]);
         expect((await provider.probe(fresh)).scratchClean).toBe(true);
 
+        // SysV IPC objects live in the sandbox's IPC namespace, not in files: a segment, a queue
+        // and a semaphore set of the agent's are seen and removed; root's stays.
+        const ipc = await sh("ipcmk -M 4096 && ipcmk -Q && ipcmk -S 1");
+        expect(ipc.exitCode, ipc.stderr).toBe(0);
+        expect((await provider.probe(fresh)).scratchClean).toBe(false);
+        expect((await sh("ipcmk -M 512", ROOT_USER)).exitCode).toBe(0);
+        await scrubScratch(provider, fresh);
+        const ipcLeft = await sh(
+          "cat /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem | grep -vc key",
+          ROOT_USER,
+        );
+        expect(ipcLeft.stdout.trim()).toBe("1");
+        expect((await sh("tail -n +2 /proc/sysvipc/shm", ROOT_USER)).stdout).toMatch(/\s512\s/);
+        expect((await provider.probe(fresh)).scratchClean).toBe(true);
+
         // A directory the agent can write into but not search (root's, mode 0733): refused, retryable.
         await sh("mkdir /tmp/blind && chmod 0733 /tmp/blind", ROOT_USER);
         expect((await sh("echo hidden > /tmp/blind/f")).exitCode).toBe(0);
