@@ -26,6 +26,7 @@ export const DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024;
 export const DEFAULT_SHUTDOWN_TIMEOUT_MS = 30_000;
 export const DEFAULT_JANITOR_INTERVAL_MS = 10_000;
 export const DEFAULT_ORPHAN_GRACE_MS = 120_000;
+export const DEFAULT_PROVIDER_WAIT_MS = 60_000;
 
 export const WorkerKind = z.enum(["resources", "agent", "verifier"]);
 export type WorkerKind = z.infer<typeof WorkerKind>;
@@ -58,6 +59,8 @@ const sandbox = {
   FLEET_BWRAP_ROOTFS: z.string().trim().optional(),
   /** Local state (bubblewrap sandboxes live under `<dir>/bwrap`). */
   FLEET_STATE_DIR: z.string().trim().default("/var/lib/rollout-fleet"),
+  /** At start, how long to wait for the sandbox provider to answer before exiting 1. */
+  FLEET_PROVIDER_WAIT_MS: durationMsVar().default(DEFAULT_PROVIDER_WAIT_MS),
 };
 
 const metrics = {
@@ -83,6 +86,7 @@ function sandboxAndMetricsConfig(e: z.output<z.ZodObject<typeof sandbox & typeof
     // Empty is unset (compose passes `${DOCKER_HOST:-}` through).
     dockerHost: e.DOCKER_HOST || null,
     dockerCertPath: e.DOCKER_CERT_PATH || null,
+    providerWaitMs: e.FLEET_PROVIDER_WAIT_MS,
     metricsPort: e.FLEET_METRICS_PORT ?? null,
     metricsHost: e.FLEET_METRICS_HOST,
   };

@@ -36,6 +36,7 @@ interface Common {
   sandboxProvider: "docker" | "bubblewrap";
   dockerHost: string | null;
   dockerCertPath: string | null;
+  providerWaitMs: number;
   metricsPort: number | null;
   metricsHost: string;
 }
@@ -108,6 +109,87 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
 }
 
 /**
+ * Wait at start until the sandbox provider answers (`list`), for at most `waitMs`, retrying
+ * with backoff: a worker that cannot reach its sandboxes must not take stage jobs, or every
+ * rollout it takes is retried and then masked `provider_unavailable` (a compose file run without
+ * DOCKER_HOST or the socket override, a wrong DOCKER_HOST, a bubblewrap host without the rootfs).
+ * Throws `ProviderUnreachableError` saying what to check once the wait is over.
+ */
+export async function waitForProvider(
+  provider: PipelineDeps["provider"],
+  logger: PipelineDeps["logger"],
+  waitMs: number,
+  options: { hint?: string; callTimeoutMs?: number; now?: () => number } = {},
+): Promise<void> {
+  const now = options.now ?? Date.now;
+  const end = now() + waitMs;
+  let delayMs = 250;
+  for (let attempt = 1; ; attempt++) {
+    let timer: NodeJS.Timeout | undefined;
+    try {
+      await Promise.race([
+        provider.list(),
+        new Promise((_, reject) => {
+          timer = setTimeout(
+            () => reject(new Error(`no answer within ${options.callTimeoutMs ?? 10_000} ms`)),
+            options.callTimeoutMs ?? 10_000,
+          );
+        }),
+      ]);
+      if (attempt > 1) logger.info({ provider: provider.name, attempt }, "sandbox provider reachable");
+      return;
+    } catch (err) {
+      const message = err instanceof Error ? err.message : String(err);
+      if (now() + delayMs > end) {
+        throw new ProviderUnreachableError(
+          `cannot reach the ${provider.name} sandbox provider at ${provider.endpoint} after ${attempt} attempt(s) in ${Math.round(waitMs / 1000)} s: ${message}${options.hint ? `. ${options.hint}` : ""}`,
+        );
+      }
+      if (attempt === 1) {
+        logger.warn(
+          { provider: provider.name, endpoint: provider.endpoint, err: message, waitMs },
+          "sandbox provider not reachable yet; no stage job is taken until it is",
+        );
+      }
+      await new Promise((r) => setTimeout(r, delayMs));
+      delayMs = Math.min(delayMs * 2, 5_000);
+    } finally {
+      clearTimeout(timer);
+    }
+  }
+}
+
+export class ProviderUnreachableError extends Error {
+  override readonly name = "ProviderUnreachableError";
+}
+
+const PROVIDER_HINT: Record<Common["sandboxProvider"], string> = {
+  docker:
+    "Set DOCKER_HOST to the daemon (unix:///var/run/docker.sock, or tcp://host:2376 with DOCKER_CERT_PATH); under docker compose add -f docker-compose.docker-socket.yml or export DOCKER_HOST",
+  bubblewrap: "Check FLEET_BWRAP_ROOTFS and FLEET_STATE_DIR, and that bwrap is installed",
+};
+
+/** `waitForProvider` for an app at start: on failure logs why, releases everything, exit code 1. */
+async function providerReady(
+  deps: PipelineDeps,
+  config: Common,
+  logger: PipelineDeps["logger"],
+  shutdown: () => Promise<void>,
+): Promise<boolean> {
+  try {
+    await waitForProvider(deps.provider, logger, config.providerWaitMs, {
+      hint: PROVIDER_HINT[config.sandboxProvider],
+    });
+    return true;
+  } catch (err) {
+    logger.error({ err: (err as Error).message }, "refusing to start: no sandbox provider");
+    await shutdown();
+    process.exitCode = 1;
+    return false;
+  }
+}
+
+/**
  * Bounded graceful stop on SIGTERM/SIGINT: `stop` gets `timeoutMs` minus a moment for closing
  * connections, and the process exits within `timeoutMs` whatever happens. A second signal
  * exits at once.
@@ -147,6 +229,7 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   const config = parseWorkerConfig(kind, env);
   const workerId = config.workerId ?? `${kind}-${hostname()}-${process.pid}-${randomUUID().slice(0, 8)}`;
   const { deps, redis, logger, shutdown } = await buildDeps(`${kind}-worker`, config, workerId, env);
+  if (!(await providerReady(deps, config, logger, shutdown))) return;
   const workers = createStageWorkers(STAGES_OF[kind], deps, {
     connection: redis,
     prefix: config.prefix,
@@ -184,6 +267,7 @@ export async function runJanitorApp(env: Env): Promise<void> {
   const config = parseConfig(JanitorConfig, env);
   const workerId = `janitor-${hostname()}-${process.pid}`;
   const { deps, redis, logger, shutdown } = await buildDeps("janitor", config, workerId, env);
+  if (!(await providerReady(deps, config, logger, shutdown))) return;
   // A sandbox intent whose container never appeared: trusted as never created after the same
   // grace as an unknown labelled sandbox (the label sweep still catches a late create).
   deps.intentGraceMs = config.orphanGraceMs;

@@ -1,0 +1,74 @@
+import { spawn } from "node:child_process";
+import { randomUUID } from "node:crypto";
+import { RolloutRequest } from "@fleet/contracts";
+import { admit, createRedis, RolloutStore, StageQueues } from "@fleet/queue";
+import { afterAll, describe, expect, it } from "vitest";
+import { APP_MAIN, freePort, REPO_ROOT } from "../scripts/lib/fleet-processes.ts";
+import { dropPrefix, REDIS_URL, testPrefix } from "./helpers/env.ts";
+
+/** Run an app's main.ts as its own process; resolves with its exit code and output. */
+function runApp(kind: keyof typeof APP_MAIN, env: Record<string, string>) {
+  const child = spawn(process.execPath, ["--import", "tsx", APP_MAIN[kind]], {
+    cwd: REPO_ROOT,
+    env: { PATH: process.env.PATH ?? "/usr/bin:/bin", HOME: process.env.HOME ?? "/root", ...env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let output = "";
+  child.stdout.on("data", (d: Buffer) => (output += d.toString()));
+  child.stderr.on("data", (d: Buffer) => (output += d.toString()));
+  const killer = setTimeout(() => child.kill("SIGKILL"), 60_000);
+  return new Promise<{ code: number | null; output: string }>((resolve) =>
+    child.on("exit", (code) => {
+      clearTimeout(killer);
+      resolve({ code, output });
+    }),
+  );
+}
+
+describe("a worker that cannot reach its sandbox provider", () => {
+  const prefix = testPrefix("preflight");
+  const redis = createRedis(REDIS_URL);
+
+  afterAll(async () => {
+    await dropPrefix(REDIS_URL, prefix);
+    redis.disconnect();
+  });
+
+  it("refuses to start, saying what to set, and takes no stage job (nothing masked)", async () => {
+    const store = new RolloutStore(redis, prefix);
+    const queues = new StageQueues(redis, prefix);
+    const task = {
+      id: `preflight-${randomUUID().slice(0, 6)}`,
+      instruction: "noop",
+      image: "img",
+      tests: { "test.sh": "exit 0\n" },
+    };
+    const { ids } = await admit(
+      store,
+      queues,
+      { requests: [RolloutRequest.parse({ task, agent: { harness: "oracle" } })], batch: false },
+      { maxTaskBytes: 1 << 20 },
+    );
+    // A daemon address nothing listens on: what compose gives a worker without DOCKER_HOST is a
+    // socket that is not there; both fail the same way.
+    const port = await freePort();
+    const env = {
+      REDIS_URL,
+      FLEET_PREFIX: prefix,
+      DOCKER_HOST: `tcp://127.0.0.1:${port}`,
+      FLEET_PROVIDER_WAIT_MS: "1500",
+    };
+    for (const kind of ["resources", "janitor"] as const) {
+      const { code, output } = await runApp(kind, env);
+      expect(code, output).toBe(1);
+      expect(output).toContain("refusing to start: no sandbox provider");
+      expect(output).toContain(`cannot reach the docker sandbox provider at tcp://127.0.0.1:${port}`);
+      expect(output).toContain("DOCKER_HOST");
+    }
+    const seed = await queues.queues.seed.getJob(`${ids[0]}.seed`);
+    expect(seed?.attemptsMade).toBe(0);
+    expect(await seed?.getState()).toBe("waiting");
+    expect((await store.get(ids[0]!))?.status).toBe("accepted");
+    await queues.close();
+  });
+});
