@@ -1,5 +1,12 @@
 import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { assertRedisDurable, connectRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import {
+  assertRedisDurable,
+  connectRedis,
+  logConnectionOutages,
+  RolloutStore,
+  StageQueues,
+  TeardownLedger,
+} from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { createServer } from "./server.ts";
 
@@ -15,7 +22,7 @@ async function main(): Promise<void> {
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down
   // (→ 503) instead of waiting for it forever.
   const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
-  redis.on("error", (err) => logger.warn({ err }, "redis connection error"));
+  logConnectionOutages(redis, logger);
   try {
     await assertRedisDurable(redis);
   } catch (err) {
@@ -27,10 +34,9 @@ async function main(): Promise<void> {
   const store = new RolloutStore(redis, config.prefix);
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);
-  // A Queue re-emits its connection's errors; unheard, an 'error' event would crash the process.
-  for (const queue of Object.values(queues.queues)) {
-    queue.on("error", (err) => logger.warn({ err, queue: queue.name }, "queue connection error"));
-  }
+  // A Queue re-emits its connection's errors (logged once per outage above); unheard, an
+  // 'error' event would crash the process.
+  for (const queue of Object.values(queues.queues)) queue.on("error", () => undefined);
   const app = createServer({ store, queues, ledger, redis, config, logger, registry, metrics });
 
   let closing = false;

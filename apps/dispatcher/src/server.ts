@@ -121,7 +121,8 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // Bull Board's view of the janitor's queue (the stage queues come with `deps.queues`). It
   // shares the Redis connection, which closing the queue leaves open.
   const janitorQueue = new Queue(JANITOR_QUEUE, { connection: deps.redis, prefix: config.prefix });
-  janitorQueue.on("error", (err) => logger.warn({ err, queue: JANITOR_QUEUE }, "queue connection error"));
+  // It re-emits the connection's errors, which the connection's owner logs (`logConnectionOutages`).
+  janitorQueue.on("error", () => undefined);
   app.addHook("onClose", async () => {
     await janitorQueue.close();
   });

@@ -2,7 +2,14 @@ import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
 import { FailureKind, type StageName } from "@fleet/contracts";
-import { assertRedisDurable, connectRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import {
+  assertRedisDurable,
+  connectRedis,
+  logConnectionOutages,
+  RolloutStore,
+  StageQueues,
+  TeardownLedger,
+} from "@fleet/queue";
 import { createSandboxProvider, DockerGatewayNetworks, dockerConnectionFromEnv } from "@fleet/sandbox";
 import {
   createFleetMetrics,
@@ -49,15 +56,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   const metrics = createFleetMetrics(registry);
   const redis = connectRedis(config.redisUrl);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
-  let redisDown = false;
-  redis.on("error", (err: Error) => {
-    if (!redisDown) logger.warn({ err: err.message }, "redis connection lost; reconnecting");
-    redisDown = true;
-  });
-  redis.on("ready", () => {
-    if (redisDown) logger.info("redis connection ready again");
-    redisDown = false;
-  });
+  logConnectionOutages(redis, logger);
   await assertRedisDurable(redis);
   const docker = dockerConnectionFromEnv(config.dockerHost, config.dockerCertPath);
   const provider = createSandboxProvider({

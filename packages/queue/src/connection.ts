@@ -86,6 +86,30 @@ export function coalesceWrites<R extends RedisConnection>(redis: R): R {
   return redis;
 }
 
+/** What `logConnectionOutages` logs with (a pino logger fits). */
+export interface OutageLogger {
+  warn(obj: object, msg: string): void;
+  info(msg: string): void;
+}
+
+/**
+ * Log a Redis outage once when it starts ("redis connection lost; reconnecting", with the first
+ * error) and once when the connection is ready again, not once per reconnect attempt: ioredis
+ * retries every few hundred milliseconds, and every Queue on the connection re-emits each error
+ * (listen to those with a no-op). Also keeps an unheard 'error' event from crashing the process.
+ */
+export function logConnectionOutages(redis: RedisConnection, logger: OutageLogger): void {
+  let down = false;
+  redis.on("error", (err: Error) => {
+    if (!down) logger.warn({ err: err.message }, "redis connection lost; reconnecting");
+    down = true;
+  });
+  redis.on("ready", () => {
+    if (down) logger.info("redis connection ready again");
+    down = false;
+  });
+}
+
 /**
  * Like `createRedis`, for any URL the fleet accepts: a `Redis` for `redis://` / `rediss://`, a
  * `Cluster` for `redis-cluster://host:port,host:port` (or `rediss-cluster://`, TLS to every node).
