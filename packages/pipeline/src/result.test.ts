@@ -148,6 +148,16 @@ describe("composeResult", () => {
     });
   });
 
+  it("a cancel whose failure record never landed is still cancelled, not masked", () => {
+    const r = composeResult(
+      record({ receipts: { seed: undefined, run: undefined }, cancelRequested: true }),
+      closed,
+      10,
+      [],
+    );
+    expect(r).toMatchObject({ status: "cancelled", mask: false, reward: null, failureKind: "cancelled" });
+  });
+
   it("closed without verdict or failure is masked deadline_exceeded, never 0", () => {
     const r = composeResult(record({ receipts: { run: runReceipt() } }), closed, 10, []);
     expect(r).toMatchObject({

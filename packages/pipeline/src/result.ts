@@ -112,9 +112,25 @@ export function composeResult(
       details: receipts.verify.details,
     };
   }
+  const stage: Stage = receipts.run ? "verify" : receipts.seed ? "run" : "seed";
+  if (rec.cancelRequested) {
+    // A cancel claimed the stop (the run saw it and went to close) but its failure record never
+    // landed (the dispatcher died or stalled between the two writes): still the user's cancel,
+    // not an infrastructure mask.
+    return {
+      ...base,
+      status: "cancelled",
+      reward: null,
+      mask: false,
+      failureKind: "cancelled",
+      stage,
+      reason: "cancelled by request",
+      exitCode,
+      details: null,
+    };
+  }
   // Closed without a verdict and without a recorded failure: the rollout ran out of time or
   // was closed by the watchdog. Never a zero.
-  const stage: Stage = receipts.run ? "verify" : receipts.seed ? "run" : "seed";
   return {
     ...base,
     status: "masked",
