@@ -49,6 +49,9 @@ export const ModelBaseUrl = z.url().superRefine((text, ctx) => {
 /** Whether the agent borrows the task sandbox (default) or gets one of its own. */
 export const SandboxMode = z.enum(["borrow", "own"]);
 
+/** A command-line argument or environment value: no process can be given a NUL byte. */
+const NoNulString = z.string().refine((v) => !v.includes("\0"), "must not contain a NUL byte");
+
 const common = {
   /** Display name in results; defaults to the harness name. */
   name: z.string().min(1).max(100).optional(),
@@ -62,9 +65,9 @@ export const OracleAgent = z.strictObject({ harness: z.literal("oracle"), ...com
 export const CommandAgent = z.strictObject({
   harness: z.literal("command"),
   ...common,
-  argv: z.array(z.string()).min(1, "argv must name a command"),
+  argv: z.array(NoNulString).min(1, "argv must name a command"),
   env: z
-    .record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), z.string())
+    .record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), NoNulString)
     .superRefine((env, ctx) => {
       for (const name of Object.keys(env)) {
         if (looksLikeCredential(name)) {

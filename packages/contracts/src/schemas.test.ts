@@ -45,6 +45,8 @@ const task = fc.record({
   ),
   metadata: json,
 });
+/** What a process can take as an argument or environment value: no NUL byte. */
+const argText = text.filter((s) => !s.includes("\0"));
 const agent = fc.oneof(
   fc.record({
     harness: fc.constant("oracle" as const),
@@ -53,10 +55,10 @@ const agent = fc.oneof(
   fc.record({
     harness: fc.constant("command" as const),
     sandbox: fc.constant("borrow" as const),
-    argv: fc.array(text, { minLength: 1, maxLength: 3 }),
+    argv: fc.array(argText, { minLength: 1, maxLength: 3 }),
     env: fc.dictionary(
       fc.stringMatching(/^[A-Z_][A-Z0-9_]{0,8}$/).filter((name) => !looksLikeCredential(name)),
-      text,
+      argText,
       { maxKeys: 2 },
     ),
   }),
@@ -165,6 +167,16 @@ function roundTrips<T extends z.ZodType>(schema: T, arb: fc.Arbitrary<unknown>) 
     { numRuns: 150 },
   );
 }
+
+describe("AgentSpec refusals", () => {
+  it("a NUL byte in a command agent's argv or env is refused up front (422), not at the exec", () => {
+    const r1 = AgentSpec.safeParse({ harness: "command", argv: ["sh", "-c", "echo a\0b"] });
+    const r2 = AgentSpec.safeParse({ harness: "command", argv: ["true"], env: { A: "\0" } });
+    expect(r1.success || r2.success).toBe(false);
+    expect(r1.error?.issues[0]?.message).toMatch(/NUL/);
+    expect(r2.error?.issues[0]?.path).toEqual(["env", "A"]);
+  });
+});
 
 describe("every schema round-trips through JSON", () => {
   it("TaskContent", () => roundTrips(TaskContent, task));

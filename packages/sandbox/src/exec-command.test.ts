@@ -4,8 +4,16 @@ import { deadlineArgv, envList, execOutcome, formatSeconds, parseNumericUser } f
 
 describe("deadlineArgv", () => {
   it("wraps the command in timeout -k", () => {
-    expect(deadlineArgv(["sh", "-c", "x"], 2500)).toEqual(["timeout", "-k", "2", "2.5", "sh", "-c", "x"]);
-    expect(deadlineArgv(["true"], 60_000, 5)).toEqual(["timeout", "-k", "5", "60", "true"]);
+    expect(deadlineArgv(["sh", "-c", "x"], 2500)).toEqual([
+      "/usr/bin/timeout",
+      "-k",
+      "2",
+      "2.5",
+      "sh",
+      "-c",
+      "x",
+    ]);
+    expect(deadlineArgv(["true"], 60_000, 5)).toEqual(["/usr/bin/timeout", "-k", "5", "60", "true"]);
   });
 
   it("refuses an empty command and non-finite deadlines as final invalid_task", () => {
@@ -18,6 +26,19 @@ describe("deadlineArgv", () => {
       }
     }
     expect(() => deadlineArgv(["x"], 0)).toThrow(/positive/);
+  });
+
+  it("refuses a NUL byte in the command or its environment as a clear final error, not a crash", () => {
+    for (const bad of [() => deadlineArgv(["sh", "-c", "echo a\0b"], 1000), () => envList({ A: "x\0y" })]) {
+      try {
+        bad();
+        expect.unreachable();
+      } catch (e) {
+        expect(e).toBeInstanceOf(FleetError);
+        expect([(e as FleetError).kind, (e as FleetError).retryable]).toEqual(["invalid_task", false]);
+        expect((e as FleetError).message).toContain("NUL");
+      }
+    }
   });
 });
 

@@ -26,8 +26,19 @@ export function deadlineArgv(
       `exec deadline must be finite and positive, got ${deadlineMs}`,
     );
   }
-  return ["timeout", "-k", String(killAfterS), formatSeconds(deadlineMs), ...argv];
+  const nul = argv.findIndex((a) => a.includes("\0"));
+  if (nul >= 0) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `exec argument ${nul} contains a NUL byte, which no command can take`,
+    );
+  }
+  // By its path: the command's PATH (the caller's to set) must not choose the deadline's enforcer.
+  return [TIMEOUT_PATH, "-k", String(killAfterS), formatSeconds(deadlineMs), ...argv];
 }
+
+/** coreutils (or busybox) `timeout` in every image the fleet supports (Debian, Ubuntu, Alpine). */
+export const TIMEOUT_PATH = "/usr/bin/timeout";
 
 /** Milliseconds as a `timeout` duration: seconds with up to 3 decimals, never 0 (which disables it). */
 export function formatSeconds(ms: number): string {
@@ -66,6 +77,9 @@ export function envList(env: Readonly<Record<string, string>> | undefined): stri
         "invalid_task",
         `invalid environment variable name: ${JSON.stringify(k)}`,
       );
+    }
+    if (v.includes("\0")) {
+      throw FleetError.nonRetryable("invalid_task", `environment variable ${k} contains a NUL byte`);
     }
     out.push(`${k}=${v}`);
   }

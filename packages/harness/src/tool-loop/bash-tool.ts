@@ -38,6 +38,9 @@ export function parseBashArguments(args: string): { command: string } | { error:
   if (typeof command !== "string" || command.trim() === "") {
     return { error: "error: the bash tool needs a non-empty string `command`" };
   }
+  if (command.includes("\0")) {
+    return { error: "error: the command contains a NUL byte, which no command line can hold" };
+  }
   return { command };
 }
 

@@ -277,6 +277,11 @@ describe("ToolLoopHarness", () => {
                 tool_calls: [
                   { id: "a", type: "function", function: { name: "python", arguments: "{}" } },
                   { id: "b", type: "function", function: { name: "bash", arguments: "not json" } },
+                  {
+                    id: "c",
+                    type: "function",
+                    function: { name: "bash", arguments: JSON.stringify({ command: "echo a\0b" }) },
+                  },
                 ],
               },
             },
@@ -288,9 +293,10 @@ describe("ToolLoopHarness", () => {
     );
     await harness().run(ctx());
     const tools = bodyOf(1).messages.filter((m) => m.role === "tool");
-    expect(tools.map((m) => m.tool_call_id)).toEqual(["a", "b"]);
+    expect(tools.map((m) => m.tool_call_id)).toEqual(["a", "b", "c"]);
     expect(tools[0]!.content).toMatch(/unknown tool "python"/);
     expect(tools[1]!.content).toMatch(/must be a JSON object/);
+    expect(tools[2]!.content).toMatch(/NUL byte/);
     expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(0);
   });
 

@@ -152,6 +152,24 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(existsSync(join(stateDir, h.name))).toBe(false);
   });
 
+  it("a command's PATH and LD_PRELOAD reach the command only, never the privileged nsenter/setpriv before it", async () => {
+    const h = await create();
+    const marker = join(tmpdir(), `fleet-pwned-${RUN}`);
+    // Look-alikes of the helpers, where the command's PATH points first: inside the sandbox
+    // (/workspace) and on the host (the sandbox's workspace directory, a predictable path).
+    const fake = `#!/bin/sh\n/usr/bin/touch ${marker} /workspace/pwned\n`;
+    await provider.put(h, "/workspace", { nsenter: fake, setpriv: fake, env: fake });
+    const hostWorkspace = join(stateDir, h.name, "workspace");
+    const r = await provider.exec(h, ["/bin/sh", "-c", 'echo "$PATH|$LD_PRELOAD"'], {
+      deadlineMs: 10_000,
+      env: { PATH: `/workspace:${hostWorkspace}`, LD_PRELOAD: "/workspace/nope.so" },
+      user: ROOT_USER,
+    });
+    expect(r.stdout).toBe(`/workspace:${hostWorkspace}|/workspace/nope.so\n`);
+    expect(existsSync(marker)).toBe(false);
+    expect(existsSync(join(hostWorkspace, "pwned"))).toBe(false);
+  });
+
   it("kills the whole process tree at the deadline, leaving no agent process", async () => {
     const h = await create();
     const started = Date.now();

@@ -54,7 +54,7 @@ import {
   type SandboxProvider,
 } from "../provider.ts";
 import { SCRATCH_PROBE_LINE } from "../scratch.ts";
-import { bwrapArgv, nsenterArgv, SANDBOX_PATH_ENV, unsupportedSpec } from "./bwrap-args.ts";
+import { bwrapArgv, HOST_HELPER_ENV, nsenterArgv, SANDBOX_PATH_ENV, unsupportedSpec } from "./bwrap-args.ts";
 import {
   cgroupOomKilled,
   createSandboxCgroups,
@@ -373,7 +373,14 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const i = kv.indexOf("=");
       env[kv.slice(0, i)] = kv.slice(i + 1);
     }
-    const args = nsenterArgv(state.initPid, user, o.cwd ?? SANDBOX_PATHS.workspace, cmd);
+    // The command's environment goes to `env` inside, after setpriv; the host side gets none of it.
+    const args = nsenterArgv(
+      state.initPid,
+      user,
+      o.cwd ?? SANDBOX_PATHS.workspace,
+      cmd,
+      Object.entries(env).map(([k, v]) => `${k}=${v}`),
+    );
     const stdout = new CappedBuffer(o.maxOutputBytes);
     const stderr = new CappedBuffer(o.maxOutputBytes);
     const safetyMs = o.deadlineMs + this.defaults.killGraceS * 1000 + this.defaults.execSlackMs;
@@ -385,7 +392,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         ...args,
       ]);
       const child = spawn(file!, fileArgs, {
-        env,
+        env: HOST_HELPER_ENV,
         stdio: [o.stdin === null ? "ignore" : "pipe", "pipe", "pipe"],
       });
       let hostTimedOut = false;

@@ -38,7 +38,21 @@ describe("nsenterArgv", () => {
     expect(argv).toEqual(expect.arrayContaining(["--pid", "--mount", "--net", "--root", "--no-new-privs"]));
     expect(argv.join(" ")).toContain("setpriv --reuid 1000 --regid 1000 --clear-groups");
     expect(argv.join(" ")).toContain("--bounding-set -all --inh-caps -all");
-    expect(argv.slice(-5)).toEqual(["--chdir=/tmp", "--", "timeout", "1", "true"]);
+    expect(argv.slice(-6)).toEqual(["-i", "--chdir=/tmp", "--", "timeout", "1", "true"]);
+  });
+
+  it("gives the command's environment to env inside, after setpriv, never before it", () => {
+    const argv = nsenterArgv(
+      42,
+      { uid: "1000", gid: "1000" },
+      "/w",
+      ["true"],
+      ["PATH=/w", "LD_PRELOAD=/w/x"],
+    );
+    const env = argv.indexOf("env");
+    expect(argv.indexOf("setpriv")).toBeLessThan(env);
+    expect(argv.indexOf("PATH=/w")).toBeGreaterThan(env);
+    expect(argv.slice(env)).toEqual(["env", "-i", "--chdir=/w", "--", "PATH=/w", "LD_PRELOAD=/w/x", "true"]);
   });
 });
 

@@ -68,14 +68,20 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
  * The host command that runs `argv` inside a sandbox: `nsenter` joins the namespaces and root of
  * the sandbox's PID 1 (`initPid`, a host pid); the sandbox's own `setpriv` then switches to
  * `user`, clears supplementary groups, sets no_new_privs and empties the bounding and inheritable
- * capability sets (so even uid 0 ends with no capability after the next execve), and `env
- * --chdir` enters `cwd`. `argv` is expected to be deadline-wrapped already (`deadlineArgv`).
+ * capability sets (so even uid 0 ends with no capability after the next execve), and `env -i
+ * --chdir` enters `cwd` with exactly `env` (`K=V` entries). `argv` is expected to be
+ * deadline-wrapped already (`deadlineArgv`).
+ *
+ * The command's environment is given here, to `env`, after every privileged step: the host
+ * process itself runs with `HOST_HELPER_ENV` only, so nothing a caller sets (PATH, LD_PRELOAD,
+ * ...) reaches `nsenter` or `setpriv`, which run with full capabilities.
  */
 export function nsenterArgv(
   initPid: number,
   user: { uid: string; gid: string },
   cwd: string,
   argv: readonly string[],
+  env: readonly string[] = [],
 ): string[] {
   return [
     "--target",
@@ -101,11 +107,21 @@ export function nsenterArgv(
     "-all",
     "--",
     "env",
+    "-i",
     `--chdir=${cwd}`,
     "--",
+    // Assignments after `--` still are assignments; the first word without `=` is the command
+    // (the deadline's `timeout`).
+    ...env,
     ...argv,
   ];
 }
+
+/**
+ * The whole environment of the host processes that enter a sandbox (`nsenter`, then `setpriv`
+ * inside), whatever the command's own environment is.
+ */
+export const HOST_HELPER_ENV: Readonly<Record<string, string>> = { PATH: SANDBOX_PATH_ENV };
 
 /** Whether a sandbox spec asks for something this provider cannot give; the reason, or null. */
 export function unsupportedSpec(spec: SandboxSpec): string | null {
