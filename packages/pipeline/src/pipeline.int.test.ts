@@ -177,7 +177,7 @@ describe("pipeline against real Redis and Docker", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
-  it("a task whose image does not exist fails as invalid_task at the worker", async () => {
+  it("a task whose image does not exist fails as invalid_task at the worker, its teardown confirmed at once", async () => {
     const [id] = await fleet.submit([
       oracle({ ...byId("hello-file"), image: "rollout-fleet/no-such-image:0" }),
     ]);
@@ -189,7 +189,10 @@ describe("pipeline against real Redis and Docker", () => {
       stage: "seed",
       reward: null,
       mask: false,
+      // No sandbox was made: nothing for the janitor, no intent left to wait out.
+      teardown: "confirmed",
     });
+    expect(await fleet.deps.ledger.isPending(id!)).toBe(false);
   });
 
   it("a sandbox sharing the host PID namespace is refused as final isolation_refused", async () => {
@@ -370,12 +373,12 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
-  it("a first seed does not look for its sandbox by label; one re-delivered after dying past create finds it", async () => {
-    /** Counts label lookups; the first probe fails as if the worker died right after create. */
+  it("a first seed does not look for its sandbox by label; one re-delivered after dying past staging finds it and replaces it", async () => {
+    /** Counts label lookups; the first staging put fails after staging, as if the worker died then. */
     class DiesAfterCreate extends FlakyDestroyProvider {
       finds = 0;
       created: string[] = [];
-      probeFailures = 1;
+      putFailures = 1;
       override find = async (...a: Parameters<SandboxProvider["find"]>) => {
         this.finds++;
         return docker.find(...a);
@@ -385,29 +388,32 @@ describe("idempotency and fencing without workers", () => {
         this.created.push(handle.id);
         return handle;
       };
-      override probe = async (...a: Parameters<SandboxProvider["probe"]>) => {
-        if (this.probeFailures-- > 0) throw FleetError.retryable("provider_unavailable", "worker died here");
-        return docker.probe(...a);
+      override put = async (...a: Parameters<SandboxProvider["put"]>) => {
+        await docker.put(...a);
+        if (this.putFailures-- > 0) throw FleetError.retryable("provider_unavailable", "worker died here");
       };
     }
     const provider = new DiesAfterCreate(docker, 0);
     const deps = { ...fleet.deps, provider };
 
     const [fresh] = await fleet.submit([oracle(byId("hello-file"))]);
-    provider.probeFailures = 0;
+    provider.putFailures = 0;
     expect(await runStageJob("seed", job(fresh!), deps)).toBe("ok");
     expect([provider.finds, provider.created.length]).toEqual([0, 1]);
     await runStageJob("close", job(fresh!), deps);
 
-    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
-    provider.probeFailures = 1;
+    const [id] = await fleet.submit([oracle(byId("csv-aggregate"))]); // has workspace files
+    provider.putFailures = 1;
     await expect(runStageJob("seed", job(id!), deps)).rejects.toThrow(/worker died here/);
     expect(await containersOf([id!])).toBe(1);
     expect(await runStageJob("seed", job(id!, 1), deps)).toBe("ok");
     const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
-    expect(seedReceipt.reused).toBe(true);
-    expect(seedReceipt.handle.id).toBe(provider.created[1]);
-    expect([provider.finds, provider.created.length, await containersOf([id!])]).toEqual([1, 2, 1]);
+    // The sandbox the first attempt staged is replaced: a probe of it would have taken the
+    // task's files for the image's own.
+    expect(seedReceipt.reused).toBe(false);
+    expect(seedReceipt.probe.workspaceEmpty).toBe(true);
+    expect(seedReceipt.handle.id).toBe(provider.created[2]);
+    expect([provider.finds, provider.created.length, await containersOf([id!])]).toEqual([1, 3, 1]);
     await runStageJob("close", job(id!), deps);
     expect(await containersOf([fresh!, id!])).toBe(0);
   });

@@ -80,7 +80,13 @@ async function createSandbox(
   deps: PipelineDeps,
   owner: SandboxEntry["owner"],
   task: TaskContent,
-  options: { intentRecorded?: boolean; intentFresh?: boolean; deferAttach?: boolean } = {},
+  options: {
+    intentRecorded?: boolean;
+    intentFresh?: boolean;
+    deferAttach?: boolean;
+    /** Replace a sandbox an earlier attempt left, even a running one, instead of reusing it. */
+    replace?: boolean;
+  } = {},
 ): Promise<{ handle: SandboxHandle; entry: SandboxEntry; createMs: number; reused: boolean } | null> {
   const now = clock(deps);
   const entry: SandboxEntry = {
@@ -101,10 +107,13 @@ async function createSandbox(
   // Only an attempt after one that recorded the intent can find a sandbox (a label lookup lists
   // the daemon's containers: not on every rollout).
   let handle = options.intentFresh ? null : await deps.provider.find(rec.meta.id, owner);
-  if (handle && !(await deps.provider.alive(handle))) {
+  if (handle && (options.replace || !(await deps.provider.alive(handle)))) {
     // An earlier attempt's sandbox that is not running (its worker died between create and
     // start, or it stopped): nothing in it can be trusted or used, and no agent ran in it yet
     // that a new one would lose. Replace it rather than probe it until the attempts run out.
+    // A seed replaces even a running one: the earlier attempt may have staged the task already,
+    // and a probe of it would take those files for the image's own (`workspaceEmpty` false),
+    // which would turn any later rerun of the agent into a mask.
     const gone = await deps.provider.destroy(handle);
     if (!gone.confirmed)
       throw FleetError.retryable("provider_unavailable", "could not remove a dead sandbox");
@@ -270,11 +279,23 @@ export const seed: StageHandler = async (rec, deps) => {
   }
   // The intent was persisted by this stage's begin (same round trip as the record read); the
   // handle is attached with the receipt.
-  const created = await createSandbox(rec, deps, "resources", task, {
-    intentRecorded: rec.begun.intentRecorded,
-    intentFresh: rec.begun.intentFresh,
-    deferAttach: true,
-  });
+  let created: Awaited<ReturnType<typeof createSandbox>>;
+  try {
+    created = await createSandbox(rec, deps, "resources", task, {
+      intentRecorded: rec.begun.intentRecorded,
+      intentFresh: rec.begun.intentFresh,
+      deferAttach: true,
+      replace: true,
+    });
+  } catch (err) {
+    // A final failure to create (a missing image, an isolation refusal): as for the task above,
+    // this attempt's intent will never get a sandbox, so close need not wait it out. (Should the
+    // provider have left a container behind, the janitor's label sweep still finds it.)
+    if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
+      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id });
+    }
+    throw err;
+  }
   if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
   const t1 = clock(deps);
   const probe = await deps.provider.probe(created.handle);
