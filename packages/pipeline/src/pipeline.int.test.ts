@@ -491,6 +491,79 @@ describe("idempotency and fencing without workers", () => {
     },
   );
 
+  it("a run that fails before its harness starts gives the launch back: the next attempt is a first launch, not a rerun", async () => {
+    const task = byId("python-bugfix");
+    const [id] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
+    ]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    // An image whose /workspace could not be put back: a rerun would be masked.
+    const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
+    seedReceipt.probe.workspaceEmpty = false;
+    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
+    // The first attempt claims the launch, then fails (a Redis blip reading the task) before
+    // its agent starts.
+    let blips = 1;
+    const store = fleet.deps.store;
+    const blipping = {
+      ...fleet.deps,
+      store: Object.assign(Object.create(store) as typeof store, {
+        getTask: async (digest: string) => {
+          if (blips-- > 0) throw FleetError.retryable("provider_unavailable", "blip before launch");
+          return store.getTask(digest);
+        },
+      }),
+    };
+    await expect(runStageJob("run", job(id!), blipping)).rejects.toThrow(/blip before launch/);
+    expect(await fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "fence")).toBeNull();
+    expect(await runStageJob("run", job(id!, 1), blipping)).toBe("ok");
+    const run = (await fleet.deps.store.get(id!))!.receipts.run!;
+    expect([run.exec.stdout, run.attempts]).toEqual(["ran\n", 1]);
+    await runStageJob("verify", job(id!), fleet.deps);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("completed");
+  });
+
+  it("a launch whose run was taken over by another worker drops its outcome: no kill of the new launch, no receipt", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    let release!: () => void;
+    const released = new Promise<void>((r) => (release = r));
+    let started!: () => void;
+    const startedP = new Promise<void>((r) => (started = r));
+    const kills: string[] = [];
+    const cutOff = {
+      ...fleet.deps,
+      stopPollMs: 60_000, // the takeover is found by the check after the harness, not by the poll
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
+          kills.push(a[1] ?? "");
+          return fleet.deps.provider.killProcesses(...a);
+        },
+      }),
+      createHarness: () => ({
+        name: "oracle" as const,
+        async run() {
+          started();
+          await released;
+          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+        },
+      }),
+    };
+    const a = runStageJob("run", job(id!), cutOff);
+    await startedP;
+    // Worker A lost its job's lock; B took the job over and claimed the launch.
+    expect((await fleet.deps.store.claimLaunch(id!, "worker-b:1")).previous).toMatch(/^launched:/);
+    release();
+    expect(await a).toBe("ok");
+    expect(kills).toEqual([]);
+    const rec = (await fleet.deps.store.get(id!))!;
+    expect(rec.receipts.run).toBeUndefined();
+    expect(rec.fence).toBe("launched:worker-b:1");
+    expect(await fleet.deps.queues.queues.verify.getJob(`${id}.verify`)).toBeUndefined();
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {
     const task = { ...byId("hello-file"), id: `gone-${Date.now()}` };
     const [id] = await fleet.submit([oracle(task)]);

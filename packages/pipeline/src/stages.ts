@@ -329,32 +329,48 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // failed, or was re-sent after a NOSCRIPT), retry while seed's own retry writes it; when the
   // attempts run out the rollout is masked as sandbox_lost.
   if (!seedReceipt) throw FleetError.retryable("sandbox_lost", "run stage without a seed receipt (yet)");
-  const task = await loadTask(rec, deps);
   // DESIGN §2 rule 10: launch and stop race on one atomic claim (made by this stage's begin).
-  const { previous, launches } =
-    rec.begun.launch ?? (await deps.store.claimLaunch(rec.meta.id, `${deps.workerId}:${randomUUID()}`));
+  const claim =
+    rec.begun.launch ??
+    (await (async () => {
+      const token = `${deps.workerId}:${randomUUID()}`;
+      return { ...(await deps.store.claimLaunch(rec.meta.id, token)), token };
+    })());
+  const { previous, launches, token } = claim;
   if (previous === "stopped") return "close";
+  const id = rec.meta.id;
 
   let handle = seedReceipt.handle;
   let owned: SandboxEntry | null = null;
-  if (rec.meta.agent.sandbox === "own") {
-    const created = await createSandbox(rec, deps, "agent", task);
-    if (!created) return "close";
-    handle = created.handle;
-    owned = created.entry;
-    // Isolation is proven before anything is staged or run in it (DESIGN §5), as the seed did
-    // for the task's sandbox: a refusal is final, a probe that could not run is retried.
-    await deps.provider.probe(handle);
-    if (!created.reused) await stageWorkspace(deps.provider, handle, task);
-  }
-  if (previous !== "") {
-    // Re-delivered (a worker died mid-run): whatever it started must be gone before we start again.
-    const leftover = await deps.provider.killProcesses(handle, AGENT_USER);
-    if (!leftover.confirmed)
-      throw FleetError.retryable("sandbox_lost", "could not stop a previous attempt's processes");
-    // ...and the run starts from the task's start, not from what the interrupted one left. (An
-    // owned sandbox comes from the same image and options, so the seed's probe speaks for its start.)
-    await resetForRerun(deps, handle, task, seedReceipt.probe);
+  let task: TaskContent;
+  try {
+    task = await loadTask(rec, deps);
+    if (rec.meta.agent.sandbox === "own") {
+      const created = await createSandbox(rec, deps, "agent", task);
+      if (!created) return "close";
+      handle = created.handle;
+      owned = created.entry;
+      // Isolation is proven before anything is staged or run in it (DESIGN §5), as the seed did
+      // for the task's sandbox: a refusal is final, a probe that could not run is retried.
+      await deps.provider.probe(handle);
+      if (!created.reused) await stageWorkspace(deps.provider, handle, task);
+    }
+    if (previous !== "") {
+      // Re-delivered (a worker died mid-run): whatever it started must be gone before we start again.
+      const leftover = await deps.provider.killProcesses(handle, AGENT_USER);
+      if (!leftover.confirmed)
+        throw FleetError.retryable("sandbox_lost", "could not stop a previous attempt's processes");
+      // ...and the run starts from the task's start, not from what the interrupted one left. (An
+      // owned sandbox comes from the same image and options, so the seed's probe speaks for its start.)
+      await resetForRerun(deps, handle, task, seedReceipt.probe);
+    }
+  } catch (err) {
+    // Failed before its harness started: this claim launched nothing, so give the fence back,
+    // or the next attempt would take itself for a rerun after an agent ran (and mask the rollout
+    // where the sandbox cannot be put back). A worker that dies here leaves the claim: then the
+    // next attempt resets the sandbox, which is only cautious.
+    await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
+    throw err;
   }
 
   const make = deps.createHarness ?? defaultCreateHarness;
@@ -390,12 +406,17 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     if (shutdown?.aborted) onShutdown();
     shutdown?.addEventListener("abort", onShutdown, { once: true });
     const poll = setInterval(() => {
-      deps.store.isStopRequested(rec.meta.id).then(
-        (stop) => {
-          if (stop && !abort.signal.aborted) {
+      deps.store.launchState(id, token).then(
+        (state) => {
+          if (abort.signal.aborted) return;
+          if (state === "stop") {
             abort.abort(FleetError.nonRetryable("cancelled", "stop requested while the agent ran"));
             // Make the in-flight exec return: kill the harness processes now.
             stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+          } else if (state === "lost") {
+            // Another worker took this run over (this one lost its job's lock): it already killed
+            // this launch's processes, and its own must not be touched. Stop waiting, quietly.
+            abort.abort(new LostLaunchError());
           }
         },
         () => undefined,
@@ -415,12 +436,23 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       if (abort.signal.aborted) {
         await stopping;
         if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
+        if (abort.signal.reason instanceof LostLaunchError) return null;
         return "close";
       }
       throw await sandboxLostIfGone(deps, handle, err);
     } finally {
       clearInterval(poll);
       shutdown?.removeEventListener("abort", onShutdown);
+    }
+    // The harness returned: before this launch stops anything or reports, make sure the run is
+    // still its own. One that lost the fence (handed to another worker while this one was cut off
+    // from Redis) must not kill the new launch's processes nor store an outcome over it.
+    if ((await deps.store.launchState(id, token)) === "lost") {
+      deps.logger.warn(
+        { rolloutId: id },
+        "the run was taken over by another worker; dropping this launch's outcome",
+      );
+      return null;
     }
     if (outcome.exec.timedOut && limitedBy === "rollout") {
       throw FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline ended the agent's run");
@@ -476,11 +508,19 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     attempts: launches,
     at: stoppedAt,
   };
-  await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, {
-    next: { queues: deps.queues, stage: "verify" },
-  });
-  return null;
+  // Stored only while this launch holds the fence; verify is enqueued only for a stored one (a
+  // launch that lost the fence must not wake a verify that would find no run receipt).
+  const saved = await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, { fence: token });
+  if (saved) return "verify";
+  // Not stored: a stop won (close must run, whoever else may have enqueued it; a repeat is a
+  // no-op), or another launch took the fence, which is then the run's to finish.
+  return (await deps.store.launchState(id, token)) === "lost" ? null : "close";
 };
+
+/** The run's fence went to another launch (see `RolloutStore.launchState`). */
+class LostLaunchError extends Error {
+  override readonly name = "LostLaunchError";
+}
 
 export const verifyStage: StageHandler = async (rec, deps) => {
   const runReceipt = rec.receipts.run;

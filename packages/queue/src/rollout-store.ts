@@ -90,7 +90,7 @@ export interface BeginResult {
    * The launch claim made by this begin (`launchToken`, stage not skipped): `previous` is
    * 'stopped' when a stop won, else the previous fence; null when no claim was made.
    */
-  launch: { previous: string; launches: number } | null;
+  launch: { previous: string; launches: number; token: string } | null;
   /** Close only: the rollout's sandbox entries (intents and handles). */
   sandboxes: { resources: SandboxEntry | null; agent: SandboxEntry | null } | null;
 }
@@ -289,7 +289,9 @@ export class RolloutStore {
       failures: failures.map((f) => JSON.parse(f) as FailureRecord),
       intentRecorded: intent === "ok" || intent === "new",
       intentFresh: intent === "new",
-      launch: claimed ? { previous: String(previous), launches: Number(launches) } : null,
+      launch: claimed
+        ? { previous: String(previous), launches: Number(launches), token: options.launchToken! }
+        : null,
       sandboxes: close
         ? {
             resources: sbResources ? (JSON.parse(sbResources) as SandboxEntry) : null,
@@ -398,7 +400,12 @@ export class RolloutStore {
     receipt: ReceiptOf<S>,
     newStatus: RolloutStatus,
     now: number,
-    options: { attach?: SandboxEntry; next?: NextStage } = {},
+    options: {
+      attach?: SandboxEntry;
+      next?: NextStage;
+      /** Store only while this launch token holds the rollout's fence (a run's receipt). */
+      fence?: string;
+    } = {},
   ): Promise<boolean> {
     const parsed = RECEIPT_SCHEMAS[stage].parse(receipt);
     const [batchKey, hasBatch] = this.batchArgs(meta);
@@ -414,6 +421,7 @@ export class RolloutStore {
       stage === "close" ? "1" : "0",
       options.attach ? options.attach.key : "",
       options.attach ? JSON.stringify(SandboxEntry.parse(options.attach)) : "",
+      options.fence ?? "",
     ];
     const next = options.next;
     const r = next
@@ -467,13 +475,30 @@ export class RolloutStore {
   }
 
   async isStopRequested(id: string): Promise<boolean> {
+    return (await this.launchState(id, null)) === "stop";
+  }
+
+  /**
+   * Whether a running launch may go on: `stop` when a cancel, a close or a stop claim came;
+   * `lost` when another launch took the fence (`token` given: this one's was handed to another
+   * worker meanwhile, and only that one may still act on the sandbox or store a receipt);
+   * otherwise `run`.
+   */
+  async launchState(id: string, token: string | null): Promise<"run" | "stop" | "lost"> {
     const [cancel, closed, fence] = await this.redis.hmget(
       this.keys.rollout(id),
       "cancel",
       "closed",
       "fence",
     );
-    return cancel === "1" || closed === "1" || fence === "stopped";
+    if (cancel === "1" || closed === "1" || fence === "stopped") return "stop";
+    if (token !== null && fence !== `launched:${token}`) return "lost";
+    return "run";
+  }
+
+  /** Undo a launch claim whose harness never started (see `fleetReleaseLaunch`). True if released. */
+  async releaseLaunch(id: string, token: string, previous: string): Promise<boolean> {
+    return (await this.redis.fleetReleaseLaunch(this.keys.rollout(id), token, previous)) === 1;
   }
 
   /**

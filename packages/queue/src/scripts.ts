@@ -80,13 +80,15 @@ const SCRIPTS = {
   fleetReceipt: {
     keys: 3, // rollout, batch|rollout, sandboxes
     // ARGV: field, receiptJson, newStatus, stage, timeField, now, hasBatch, allowClosed,
-    //       attachKey ('' for none), attachJson
+    //       attachKey ('' for none), attachJson, fenceToken ('' for none: a run's receipt is
+    //       stored only while its launch holds the fence, DESIGN §2 rule 10)
     lua: `
       ${TERMINAL}
       if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], ARGV[9], ARGV[10]) end
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
       if ARGV[8] ~= '1' and redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
+      if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], 'fence') ~= 'launched:' .. ARGV[11] then return 0 end
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
       if status ~= ARGV[3] then
         redis.call('HSET', KEYS[1], 'status', ARGV[3])
@@ -193,6 +195,20 @@ const SCRIPTS = {
       ${CLAIM_LAUNCH}
       local previous, launches = claimLaunch(KEYS[1], ARGV[1])
       return {previous, launches}`,
+  },
+  /**
+   * Undo a launch claim whose harness never started (its stage failed before launching): the
+   * fence goes back to what the claim found (ARGV[2], '' for none), so the next attempt is not
+   * taken for a rerun after an agent ran. Only while the claim (ARGV[1], the token) still holds.
+   * Returns 1 if released.
+   */
+  fleetReleaseLaunch: {
+    keys: 1,
+    lua: `
+      if redis.call('HGET', KEYS[1], 'fence') ~= 'launched:' .. ARGV[1] then return 0 end
+      if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'fence') else redis.call('HSET', KEYS[1], 'fence', ARGV[2]) end
+      redis.call('HINCRBY', KEYS[1], 'launches', -1)
+      return 1`,
   },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
   fleetCancel: {
@@ -312,7 +328,7 @@ export type ScriptName = keyof typeof SCRIPTS;
  */
 export const BATCHED = {
   fleetBegin: { args: 10 },
-  fleetReceipt: { args: 10 },
+  fleetReceipt: { args: 11 },
   fleetFinalize: { args: 10 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;

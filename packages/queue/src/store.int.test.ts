@@ -220,6 +220,28 @@ describe("rollout store", () => {
     expect(b1.counts.accepted).toBe(2);
   });
 
+  const runReceiptFor = (at: number) => ({
+    exec: {
+      exitCode: 0,
+      timedOut: false,
+      stdout: "",
+      stderr: "",
+      stdoutTruncated: false,
+      stderrTruncated: false,
+      durationMs: 1,
+      oomKilled: false,
+    },
+    answer: null,
+    transcript: null,
+    usage: null,
+    cleanup: { confirmed: true, scope: "processes" as const, at, alreadyGone: false, remaining: 0 },
+    ownedSandbox: null,
+    startedAt: at - 1,
+    stoppedAt: at,
+    attempts: 1,
+    at,
+  });
+
   const seedReceipt = (id: string) => ({
     handle: {
       provider: "docker" as const,
@@ -294,18 +316,41 @@ describe("rollout store", () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
     const first = await store.begin(id, "run", 1, { launchToken: "a" });
-    expect(first.launch).toEqual({ previous: "", launches: 1 });
+    expect(first.launch).toEqual({ previous: "", launches: 1, token: "a" });
     const again = await store.begin(id, "run", 2, { launchToken: "b" });
-    expect(again.launch).toEqual({ previous: "launched:a", launches: 2 });
+    expect(again.launch).toEqual({ previous: "launched:a", launches: 2, token: "b" });
     await redis.hset(store.keys.rollout(id), "fence", "stopped");
     expect((await store.begin(id, "run", 3, { launchToken: "c" })).launch).toEqual({
       previous: "stopped",
       launches: 0,
+      token: "c",
     });
     // Skipped stages claim nothing: after a cancel the fence stays as the cancel left it.
     await store.requestCancel(id);
     expect((await store.begin(id, "run", 4, { launchToken: "d" })).launch).toBeNull();
     expect(await redis.hget(store.keys.rollout(id), "fence")).toBe("stopped");
+  });
+
+  it("a run's receipt is stored only while its launch holds the fence; a claim that launched nothing is given back", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const a = await store.begin(id, "run", 1, { launchToken: "a" });
+    expect(await store.launchState(id, "a")).toBe("run");
+    // A failure before the harness started: the claim is undone, as if it never was.
+    expect(await store.releaseLaunch(id, "a", a.launch!.previous)).toBe(true);
+    expect(await redis.hmget(store.keys.rollout(id), "fence", "launches")).toEqual([null, "0"]);
+    expect((await store.begin(id, "run", 2, { launchToken: "b" })).launch).toMatchObject({ previous: "" });
+    // B launched; its job then went to C (B was cut off): B lost the fence, C holds it.
+    await store.begin(id, "run", 3, { launchToken: "c" });
+    expect(await store.launchState(id, "b")).toBe("lost");
+    expect(await store.releaseLaunch(id, "b", "")).toBe(false); // not B's to give back any more
+    const receipt = runReceiptFor(5);
+    expect(await store.saveReceipt(meta, "run", receipt, "ran", 5, { fence: "b" })).toBe(false);
+    expect((await store.get(id))!.receipts.run).toBeUndefined();
+    expect(await store.saveReceipt(meta, "run", receipt, "ran", 6, { fence: "c" })).toBe(true);
+    await store.requestCancel(id);
+    expect(await store.launchState(id, "c")).toBe("stop");
   });
 
   it("a receipt with a next stage enqueues it in the same write; attach keeps the handle even when closed", async () => {
