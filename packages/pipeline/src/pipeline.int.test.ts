@@ -550,7 +550,8 @@ describe("idempotency and fencing without workers", () => {
         },
       }),
     };
-    const a = runStageJob("run", job(id!), cutOff);
+    // A job held for most of its lock's duration already: a takeover is possible.
+    const a = runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, cutOff);
     await startedP;
     // Worker A lost its job's lock; B took the job over and claimed the launch.
     expect((await fleet.deps.store.claimLaunch(id!, "worker-b:1")).previous).toMatch(/^launched:/);
@@ -562,6 +563,39 @@ describe("idempotency and fencing without workers", () => {
     expect(rec.fence).toBe("launched:worker-b:1");
     expect(await fleet.deps.queues.queues.verify.getJob(`${id}.verify`)).toBeUndefined();
     await runStageJob("close", job(id!), fleet.deps);
+  });
+
+  it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    let release!: () => void;
+    const released = new Promise<void>((r) => (release = r));
+    let started!: () => void;
+    const startedP = new Promise<void>((r) => (started = r));
+    const slow = {
+      ...fleet.deps,
+      stopPollMs: 60_000,
+      createHarness: () => ({
+        name: "oracle" as const,
+        async run() {
+          started();
+          await released;
+          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+        },
+      }),
+    };
+    const a = runStageJob("run", { ...job(id!), processedOn: Date.now() }, slow);
+    await startedP;
+    // A cancel whose dispatcher died before it enqueued close: the fence is stopped.
+    await fleet.deps.store.requestCancel(id!);
+    release();
+    expect(await a).toBe("ok");
+    expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
+    // Verify went out with the (refused) receipt, and skips to close on the cancel.
+    expect(await runStageJob("verify", job(id!), fleet.deps)).toBe("skipped");
+    expect(await fleet.deps.queues.queues.close.getJob(`${id}.close`)).toBeDefined();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
   });
 
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {

@@ -30,13 +30,17 @@ export function asFleetError(err: unknown): FleetError {
  */
 export async function runStageJob(
   stage: StageName,
-  job: Pick<Job, "data" | "attemptsMade" | "opts">,
+  job: Pick<Job, "data" | "attemptsMade" | "opts"> & Partial<Pick<Job, "processedOn">>,
   deps: PipelineDeps,
   options: {
     /** Aborted when the worker shuts down: a long stage stops and hands its job back (`HandBackError`). */
     signal?: AbortSignal;
+    /** The job's BullMQ lock duration (see `StageRecord.lock`). @defaultValue 30 s */
+    lockDurationMs?: number;
   } = {},
 ): Promise<StageRunOutcome> {
+  // When this worker took the job: its lock dates from then (wall clock, as BullMQ's).
+  const lock = { since: job.processedOn ?? Date.now(), durationMs: options.lockDurationMs ?? 30_000 };
   const { rolloutId } = StageJob.parse(job.data);
   // One round trip: the record, the stage's start time, for close the tombstone, failure log and
   // sandbox entries, for seed its sandbox intent, for run its launch claim.
@@ -85,7 +89,7 @@ export async function runStageJob(
   const attempt = job.attemptsMade + 1;
   try {
     const next = await HANDLERS[stage](
-      { ...rec, failureLog: failures, begun },
+      { ...rec, failureLog: failures, begun, lock },
       deps,
       attempt,
       options.signal,

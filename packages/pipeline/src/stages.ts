@@ -31,7 +31,20 @@ import { composeResult } from "./result.ts";
 export type Begun = Omit<BeginResult, "record" | "failures">;
 
 /** The record a handler gets: as `begin` read it, with what `begin` did for the stage and the failure log. */
-export type StageRecord = RolloutRecord & { begun: Begun; failureLog: FailureRecord[] };
+export type StageRecord = RolloutRecord & {
+  begun: Begun;
+  failureLog: FailureRecord[];
+  /**
+   * The job's BullMQ lock: taken at `since` (epoch ms) for `durationMs`, renewed while the worker
+   * can reach Redis. Before half of it has passed no other worker can have been given the job.
+   */
+  lock?: { since: number; durationMs: number };
+};
+
+/** Whether another worker may have been handed this job meanwhile (its lock could have lapsed). */
+function mayBeTakenOver(rec: StageRecord): boolean {
+  return rec.lock === undefined || Date.now() - rec.lock.since >= rec.lock.durationMs / 2;
+}
 
 /**
  * A stage handler stores its receipt (enqueueing the next stage with it) and returns a stage
@@ -392,6 +405,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   };
   let outcome: Awaited<ReturnType<typeof harness.run>>;
   let cleanup: CleanupReceipt;
+  let contested = true;
   try {
     if (needsModelAccess(rec.meta.agent)) access = await openModelAccess(deps, rec.meta.id, rec.meta.agent);
     const abort = new AbortController();
@@ -446,8 +460,10 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     }
     // The harness returned: before this launch stops anything or reports, make sure the run is
     // still its own. One that lost the fence (handed to another worker while this one was cut off
-    // from Redis) must not kill the new launch's processes nor store an outcome over it.
-    if ((await deps.store.launchState(id, token)) === "lost") {
+    // from Redis) must not kill the new launch's processes nor store an outcome over it. Only a
+    // job held long enough for its lock to have lapsed can have been handed over.
+    contested = mayBeTakenOver(rec);
+    if (contested && (await deps.store.launchState(id, token)) === "lost") {
       deps.logger.warn(
         { rolloutId: id },
         "the run was taken over by another worker; dropping this launch's outcome",
@@ -508,8 +524,17 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     attempts: launches,
     at: stoppedAt,
   };
-  // Stored only while this launch holds the fence; verify is enqueued only for a stored one (a
-  // launch that lost the fence must not wake a verify that would find no run receipt).
+  // Stored only while this launch holds the fence. A launch that cannot have been taken over
+  // sends verify's job with the receipt (one round trip; a verify after a stop skips). Otherwise
+  // verify is enqueued only for a stored receipt: a launch that lost the fence must not wake a
+  // verify that would find no run receipt and spend its attempts before the new launch ends.
+  if (!contested) {
+    await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, {
+      fence: token,
+      next: { queues: deps.queues, stage: "verify" },
+    });
+    return null;
+  }
   const saved = await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, { fence: token });
   if (saved) return "verify";
   // Not stored: a stop won (close must run, whoever else may have enqueued it; a repeat is a

@@ -75,7 +75,10 @@ export function createStageWorkers(
         slot.active++;
         slot.idleWithWorkSince = null;
         try {
-          const outcome = await runStageJob(stage, job, deps, { signal: handBack.signal });
+          const outcome = await runStageJob(stage, job, deps, {
+            signal: handBack.signal,
+            lockDurationMs: options.lockDurationMs ?? 30_000,
+          });
           deps.metrics?.stageJobs.inc({ stage, outcome });
           deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
           return outcome;
