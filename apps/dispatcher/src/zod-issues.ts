@@ -25,6 +25,11 @@ export function describeIssues(issues: readonly z.core.$ZodIssue[], prefix: Path
       out.push(...describeIssues(closest, path));
       continue;
     }
+    if (issue.code === "invalid_key" && issue.issues.length > 0) {
+      // A record key refused by its own schema: say why, not "Invalid key in record".
+      out.push(...describeIssues(issue.issues, path));
+      continue;
+    }
     out.push({ path: formatPath(path), message: messageOf(issue) });
   }
   return out;

@@ -178,6 +178,23 @@ describe("AgentSpec refusals", () => {
   });
 });
 
+describe("TaskContent refusals", () => {
+  const base = { id: "t", instruction: "i", image: "img", tests: { "test.sh": "exit 0" } };
+  it.each([
+    [{ ".": "x" }, /must name a file/],
+    [{ "./": "x" }, /must name a file/],
+    [{ a: "1", "./a": "2" }, /same file as "a"/],
+    [{ a: "x", "a/b": "y" }, /"a\/b" needs it as a directory/],
+  ])("workspace %j is refused up front, with why", (workspace, why) => {
+    const r = TaskContent.safeParse({ ...base, workspace });
+    expect(r.success).toBe(false);
+    const messages = (
+      list: readonly { message: string; issues?: readonly { message: string }[] }[],
+    ): string[] => list.flatMap((i) => [i.message, ...messages(i.issues ?? [])]);
+    expect(messages(r.error!.issues).join("; ")).toMatch(why);
+  });
+});
+
 describe("every schema round-trips through JSON", () => {
   it("TaskContent", () => roundTrips(TaskContent, task));
   it("AgentSpec", () => roundTrips(AgentSpec, agent));

@@ -8,10 +8,45 @@ export const RelativePath = z
   .max(512)
   .refine((p) => !p.startsWith("/") && !p.split("/").includes("..") && !p.includes("\0"), {
     message: "must be a relative path without '..'",
+  })
+  .refine((p) => pathSegments(p).length > 0, {
+    message: "must name a file, not '.' or the directory itself",
   });
 
-/** A set of text files: relative path → UTF-8 content. */
-export const FileSet = z.record(RelativePath, z.string());
+/** A relative path's segments, without empty and `.` ones (`a//./b` → `a`, `b`). */
+function pathSegments(p: string): string[] {
+  return p.split("/").filter((s) => s !== "" && s !== ".");
+}
+
+/**
+ * A set of text files: relative path → UTF-8 content. Two keys may not name the same file
+ * (`a` and `./a`), nor may a file be another's directory (`a` and `a/b`): no tar of them could
+ * be unpacked as given.
+ */
+export const FileSet = z.record(RelativePath, z.string()).superRefine((files, ctx) => {
+  const seen = new Map<string, string>();
+  for (const key of Object.keys(files)) {
+    const path = pathSegments(key).join("/");
+    const other = seen.get(path);
+    if (other !== undefined) {
+      ctx.addIssue({ code: "custom", path: [key], message: `names the same file as "${other}"` });
+    }
+    seen.set(path, key);
+  }
+  for (const [path, key] of seen) {
+    const parts = path.split("/");
+    for (let i = 1; i < parts.length; i++) {
+      const dir = seen.get(parts.slice(0, i).join("/"));
+      if (dir !== undefined) {
+        ctx.addIssue({
+          code: "custom",
+          path: [dir],
+          message: `is a file, but "${key}" needs it as a directory`,
+        });
+      }
+    }
+  }
+});
 export type FileSet = z.infer<typeof FileSet>;
 
 /** How a task's result is graded. */
