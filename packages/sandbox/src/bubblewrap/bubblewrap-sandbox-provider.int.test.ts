@@ -386,6 +386,27 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.alive(h)).toBe(true);
   });
 
+  it("killProcesses stops an agent that kills every sweep of its own uid (the sweep runs from the host)", async () => {
+    const h = await create();
+    // What an agent would leave to be masked instead of graded: a loop killing every process
+    // of its uid, a sweep run as that uid included.
+    const start = await provider.exec(
+      h,
+      [
+        "bash",
+        "-c",
+        "setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null & echo started",
+      ],
+      { deadlineMs: 10_000 },
+    );
+    expect(start.stdout).toContain("started");
+    expect((await processesOf(h, 1000)).length).toBeGreaterThanOrEqual(1);
+    const receipt = await provider.killProcesses(h, AGENT_USER);
+    expect(receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
+    expect(await processesOf(h, 1000)).toEqual([]);
+    expect(await provider.alive(h)).toBe(true);
+  });
+
   it("destroy is idempotent; a destroyed sandbox is lost", async () => {
     const h = await create();
     await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });

@@ -1,6 +1,6 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { closeSync, openSync, readdirSync, readFileSync } from "node:fs";
+import { closeSync, openSync, readdirSync, readFileSync, readlinkSync } from "node:fs";
 import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
 import { join } from "node:path";
@@ -56,7 +56,7 @@ import {
 import { SCRATCH_PROBE_LINE } from "../scratch.ts";
 import { bwrapArgv, HOST_HELPER_ENV, nsenterArgv, SANDBOX_PATH_ENV, unsupportedSpec } from "./bwrap-args.ts";
 import {
-  cgroupOomKilled,
+  cgroupOomKills,
   createSandboxCgroups,
   joinCgroupsArgv,
   moveIntoCgroups,
@@ -355,8 +355,14 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
     const o = parseExecOptions(options, this.defaults.execUser);
     const state = await this.liveState(handle);
+    // The OOM-kill count only grows: this exec was OOM-killed only if it grew while it ran (an
+    // OOM kill the agent caused earlier must not turn a later plain SIGKILL into a mask).
+    const oomBefore = cgroupOomKills(state.cgroups ?? []);
     const { rawExitCode, ...out } = await this.run(state, argv, o);
-    if (rawExitCode === 137 && !out.timedOut) out.oomKilled = cgroupOomKilled(state.cgroups ?? []);
+    if (rawExitCode === 137 && !out.timedOut) {
+      const oomAfter = cgroupOomKills(state.cgroups ?? []);
+      out.oomKilled = oomAfter !== null && oomAfter > (oomBefore ?? 0);
+    }
     return out;
   }
 
@@ -555,6 +561,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
+    const uid = parseNumericUser(user)?.uid;
+    if (uid !== undefined && uid !== 0) return this.killFromHost(handle, uid, user);
     // As in the Docker provider; the sweep runs outside the sandbox's cgroups so it can start
     // even at the pids limit, and a sandbox found gone is a confirmed receipt.
     return killProcessesViaExec(
@@ -646,6 +654,61 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return state;
   }
 
+  /**
+   * The sweep for a non-root uid, from the host: this process (root, every capability) stops,
+   * then kills, every process of `uid` in the sandbox's PID namespace, by host pid, and counts
+   * what is left that is not a zombie; rounds until none remains. Nothing inside the sandbox can
+   * signal or outrun it: a sweep run as the agent's uid inside could be killed by the agent's own
+   * `kill -9 -1` loop, and the rollout masked instead of graded.
+   */
+  private async killFromHost(handle: SandboxHandle, uid: number, user: string): Promise<CleanupReceipt> {
+    let state: BwrapState;
+    try {
+      state = await this.liveState(handle);
+    } catch (err) {
+      if (isFleetError(err) && err.kind === "sandbox_lost") {
+        return {
+          confirmed: true,
+          scope: "processes",
+          at: Date.now(),
+          alreadyGone: true,
+          remaining: 0,
+          detail: "sandbox is gone",
+        };
+      }
+      throw err;
+    }
+    let ns: string;
+    try {
+      ns = readlinkSync(`/proc/${state.initPid}/ns/pid`);
+    } catch (err) {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `cannot read ${state.name}'s PID namespace: ${String(err)}`,
+        err,
+      );
+    }
+    let left: number[] = [];
+    for (let round = 0; round < Math.max(1, this.defaults.killRounds); round++) {
+      left = processesIn(ns, uid);
+      if (left.length === 0) break;
+      // Stopped first: a stopped process can neither fork nor signal while the rest are killed.
+      for (const pid of left) signalQuietly(pid, "SIGSTOP");
+      for (const pid of left) signalQuietly(pid, "SIGKILL");
+      left = processesIn(ns, uid);
+      if (left.length === 0) break;
+      await delay(100);
+    }
+    return {
+      confirmed: left.length === 0,
+      scope: "processes",
+      at: Date.now(),
+      alreadyGone: false,
+      remaining: left.length,
+      detail: `uid of ${user}: ${left.length === 0 ? "no process left" : `${left.length} process(es) still alive`}`,
+    };
+  }
+
   private stateAlive(state: BwrapState): boolean {
     return sameProcess(state.initPid, state.initStart);
   }
@@ -720,6 +783,41 @@ function startTime(pid: number): string | null {
     return fields[19] ?? null;
   } catch {
     return null;
+  }
+}
+
+/**
+ * Host pids of the live (not zombie) processes of real uid `uid` in the PID namespace `ns` (as
+ * `readlink /proc/<pid>/ns/pid` names it).
+ */
+function processesIn(ns: string, uid: number): number[] {
+  const out: number[] = [];
+  let names: string[];
+  try {
+    names = readdirSync("/proc");
+  } catch {
+    return out;
+  }
+  for (const name of names) {
+    if (!/^\d+$/.test(name)) continue;
+    try {
+      if (readlinkSync(`/proc/${name}/ns/pid`) !== ns) continue;
+      const status = readFileSync(`/proc/${name}/status`, "latin1");
+      const real = /^Uid:\s+(\d+)/m.exec(status)?.[1];
+      const st = /^State:\s+(\S)/m.exec(status)?.[1];
+      if (real === String(uid) && st !== "Z" && st !== "X") out.push(Number(name));
+    } catch {
+      // gone meanwhile
+    }
+  }
+  return out;
+}
+
+function signalQuietly(pid: number, signal: NodeJS.Signals): void {
+  try {
+    process.kill(pid, signal);
+  } catch {
+    // gone meanwhile
   }
 }
 

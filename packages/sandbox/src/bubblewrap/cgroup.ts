@@ -100,15 +100,18 @@ export function joinCgroupsArgv(cgroups: readonly SandboxCgroup[], argv: readonl
   ];
 }
 
-/** Whether the memory cgroup's OOM killer has killed anything in the sandbox. */
-export function cgroupOomKilled(cgroups: readonly SandboxCgroup[]): boolean {
+/**
+ * How many processes the memory cgroup's OOM killer has killed in the sandbox so far (a count
+ * that only grows: compare two readings), or null without a memory cgroup.
+ */
+export function cgroupOomKills(cgroups: readonly SandboxCgroup[]): number | null {
   const memory = cgroups.find((cg) => cg.controller === "memory");
-  if (!memory) return false;
+  if (!memory) return null;
   try {
     const m = /oom_kill (\d+)/.exec(readFileSync(join(memory.dir, "memory.oom_control"), "utf8"));
-    return m !== null && Number(m[1]) > 0;
+    return m === null ? null : Number(m[1]);
   } catch {
-    return false;
+    return null;
   }
 }
 
