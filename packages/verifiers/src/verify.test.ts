@@ -269,9 +269,9 @@ describe("tests verifier", () => {
     });
   });
 
-  it("tests killed for memory → provider_oom_killed (masked)", async () => {
+  it("tests killed for memory grade as they exited (0), noted in details, not masked", async () => {
     script(() => ({ exitCode: 137, oomKilled: true }));
-    expect((await failure(verify(ctx()))).kind).toBe("provider_oom_killed");
+    expect(await verify(ctx())).toMatchObject({ reward: 0, details: { exitCode: 137, oomKilled: true } });
   });
 
   it("never runs past the rollout deadline", async () => {

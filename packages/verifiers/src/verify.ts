@@ -19,8 +19,11 @@ const INLINE_REWARD_BYTES = 1024;
  * (no capabilities) in /workspace; the reward file wins, else exit 0 → 1.0, non-zero → 0.0.
  * `match`: compare the answer (exact, trimmed; or regex, full match); no answer → 0.
  *
- * @throws FleetError `verifier_error` (masked, never a zero) when the tests time out, the
- * reward file is malformed, or the provider fails (retryable when the provider error was);
+ * Tests that time out or are killed for memory grade the agent's work as the tests left it (0
+ * unless a reward file says otherwise; `details.source` "timeout" for a timeout).
+ *
+ * @throws FleetError `verifier_error` (masked, never a zero) when the reward file is malformed or
+ * the provider fails (retryable when the provider error was);
  * `deadline_exceeded` when the rollout's deadline leaves no time or cuts the tests short;
  * `invalid_task` for a task that cannot be graded (no tests/test.sh, bad regex).
  */
@@ -212,8 +215,12 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
       details: { ...details, source: "timeout", reason: `the tests did not finish within ${limit} s` },
     };
   }
-  if (result.oomKilled)
-    throw FleetError.nonRetryable("provider_oom_killed", "the tests were killed for lack of memory");
+  // Killed for memory: the tests' own verdict stands (a killed test fails), as for a timeout.
+  // What ran out of memory runs the agent's work (its code under test, or what it left in the
+  // sandbox), and masking it would let a policy trade its failures for masks; an OOM-kill count
+  // also only grows, so it cannot even tell the tests' OOM from one the agent caused earlier.
+  // Tests too big for the sandbox's memory show up as 0 for the oracle agent too.
+  if (result.oomKilled) details.oomKilled = true;
 
   const rewardText =
     report.kind === "reward"
