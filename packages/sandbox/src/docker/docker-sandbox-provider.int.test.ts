@@ -129,6 +129,14 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(r.durationMs).toBeGreaterThan(0);
     });
 
+    it("returns when the command exits, though a background process it left holds its output open", async () => {
+      const started = Date.now();
+      const r = await provider.exec(h, ["sh", "-c", "sleep 30 & echo done"], { deadlineMs: 20_000 });
+      expect(r).toMatchObject({ exitCode: 0, timedOut: false, stdout: "done\n" });
+      expect(Date.now() - started).toBeLessThan(5_000);
+      await provider.killProcesses(h);
+    });
+
     it("caps 10 MB of output at maxOutputBytes and says so", async () => {
       const r = await provider.exec(
         h,
