@@ -14,6 +14,57 @@ export function capText(value: unknown, max = MAX_FIELD_CHARS): string {
   return text.slice(0, Math.max(0, max - MARK.length)) + MARK;
 }
 
+/**
+ * A stored record within `maxBytes` of UTF-8 JSON (DESIGN §2 rule 13): each field's 4,000
+ * characters can still be 24 KB once serialised (escaped control characters, multi-byte text),
+ * and a record holds several. While it is too big, its longest string that `keep` does not name
+ * (a dotted path, e.g. "answer", which a verifier grades) is cut to half, marked as cut. Returns
+ * the value itself when it fits, else a shrunk copy; a record whose protected fields alone are
+ * too big is returned with the rest cut as far as it goes.
+ */
+export function fitRecord<T>(
+  value: T,
+  maxBytes = MAX_RECORD_BYTES,
+  keep: ReadonlySet<string> = new Set(),
+): T {
+  let json = JSON.stringify(value);
+  if (Buffer.byteLength(json) <= maxBytes) return value;
+  const copy = JSON.parse(json) as T;
+  for (let round = 0; round < 200; round++) {
+    let longest: { holder: Record<string, unknown> | unknown[]; key: string | number; len: number } | null =
+      null;
+    const walk = (node: unknown, path: string) => {
+      if (Array.isArray(node)) {
+        for (let i = 0; i < node.length; i++) visit(node, i, node[i], path);
+      } else if (node !== null && typeof node === "object") {
+        for (const [k, v] of Object.entries(node))
+          visit(node as Record<string, unknown>, k, v, path ? `${path}.${k}` : k);
+      }
+    };
+    const visit = (
+      holder: Record<string, unknown> | unknown[],
+      key: string | number,
+      v: unknown,
+      path: string,
+    ) => {
+      if (typeof v === "string") {
+        const len = Buffer.byteLength(JSON.stringify(v));
+        if (!keep.has(path) && len > MARK.length + 8 && (longest === null || len > longest.len)) {
+          longest = { holder, key, len };
+        }
+      } else walk(v, path);
+    };
+    walk(copy, "");
+    if (longest === null) break;
+    const { holder, key } = longest as { holder: Record<string, unknown>; key: string };
+    const text = holder[key] as string;
+    holder[key] = capText(text, Math.max(MARK.length + 1, Math.floor(text.length / 2)));
+    json = JSON.stringify(copy);
+    if (Buffer.byteLength(json) <= maxBytes) break;
+  }
+  return copy;
+}
+
 /** Decode bytes as UTF-8, replacing invalid sequences with U+FFFD (never throws). */
 export function decodeUtf8(bytes: Uint8Array): string {
   return new TextDecoder("utf-8", { fatal: false }).decode(bytes);

@@ -2,7 +2,14 @@ import fc from "fast-check";
 import { describe, expect, it } from "vitest";
 import type { z } from "zod";
 import { AgentSpec, looksLikeCredential } from "./agent.ts";
-import { capText, decodeUtf8, MAX_DURATION_S, MAX_FIELD_CHARS } from "./bounded.ts";
+import {
+  capText,
+  decodeUtf8,
+  fitRecord,
+  MAX_DURATION_S,
+  MAX_FIELD_CHARS,
+  MAX_RECORD_BYTES,
+} from "./bounded.ts";
 import { classifyFailure, FailureKind, FailureRecord } from "./failure.ts";
 import {
   CloseReceipt,
@@ -333,5 +340,28 @@ describe("failures", () => {
   it("caps text and decodes bytes with replacement characters", () => {
     fc.assert(fc.property(fc.string({ maxLength: 10_000 }), (s) => capText(s).length <= MAX_FIELD_CHARS));
     expect(decodeUtf8(new Uint8Array([0x61, 0xff, 0x62]))).toBe("a\uFFFDb");
+  });
+});
+
+describe("fitRecord", () => {
+  const bytes = (v: unknown) => Buffer.byteLength(JSON.stringify(v));
+  it("keeps a record that fits as it is", () => {
+    const r = { a: "x".repeat(100), n: 1 };
+    expect(fitRecord(r)).toBe(r);
+  });
+
+  it("cuts the longest fields of a record past 16 KiB (escapes and multi-byte text count), never a kept one", () => {
+    const r = {
+      exec: { stdout: "漢".repeat(4000), stderr: "\u001b".repeat(4000), exitCode: 0 },
+      answer: "答".repeat(4000),
+      usage: null,
+    };
+    expect(bytes(r)).toBeGreaterThan(MAX_RECORD_BYTES);
+    const fit = fitRecord(r, MAX_RECORD_BYTES, new Set(["answer"]));
+    expect(bytes(fit)).toBeLessThanOrEqual(MAX_RECORD_BYTES);
+    expect(fit.answer).toBe(r.answer);
+    expect(fit.exec.exitCode).toBe(0);
+    expect(fit.exec.stderr).toMatch(/…\[truncated\]$/);
+    expect(r.exec.stderr).toHaveLength(4000); // the input is not changed
   });
 });

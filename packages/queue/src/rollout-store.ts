@@ -3,7 +3,9 @@ import {
   AgentSpec,
   CloseReceipt,
   FailureRecord,
+  fitRecord,
   isTerminal,
+  MAX_RECORD_BYTES,
   RolloutResult,
   RolloutStatus,
   RunReceipt,
@@ -100,6 +102,9 @@ export interface NextStage {
   queues: StageQueues;
   stage: StageName;
 }
+
+/** Receipt fields `fitRecord` never cuts. */
+const RECEIPT_KEEP: ReadonlySet<string> = new Set(["answer"]);
 
 const RECEIPT_SCHEMAS = {
   seed: SeedReceipt,
@@ -407,7 +412,8 @@ export class RolloutStore {
       fence?: string;
     } = {},
   ): Promise<boolean> {
-    const parsed = RECEIPT_SCHEMAS[stage].parse(receipt);
+    // Bounded (DESIGN §2 rule 13); the answer a match verifier grades is never cut.
+    const parsed = fitRecord(RECEIPT_SCHEMAS[stage].parse(receipt), MAX_RECORD_BYTES, RECEIPT_KEEP);
     const [batchKey, hasBatch] = this.batchArgs(meta);
     const keys = [this.keys.rollout(meta.id), batchKey, this.keys.sandboxes()];
     const args = [
@@ -432,7 +438,7 @@ export class RolloutStore {
 
   /** Keep the first terminal failure; later ones only go to the failure log. Returns true if stored. */
   async recordFailure(id: string, failure: FailureRecord): Promise<boolean> {
-    const parsed = FailureRecord.parse(failure);
+    const parsed = fitRecord(FailureRecord.parse(failure));
     await this.logFailure(id, parsed);
     if (!parsed.terminal) return false;
     return (
@@ -443,7 +449,11 @@ export class RolloutStore {
   /** Append to the bounded per-rollout failure log (retries included). */
   async logFailure(id: string, failure: FailureRecord): Promise<void> {
     const key = this.keys.failures(id);
-    await this.redis.multi().rpush(key, JSON.stringify(failure)).ltrim(key, -20, -1).exec();
+    await this.redis
+      .multi()
+      .rpush(key, JSON.stringify(fitRecord(failure)))
+      .ltrim(key, -20, -1)
+      .exec();
   }
 
   async failureLog(id: string): Promise<FailureRecord[]> {
@@ -515,7 +525,7 @@ export class RolloutStore {
     confirmed: readonly string[] = [],
   ): Promise<boolean> {
     if (!isTerminal(result.status)) throw new Error(`finalize needs a terminal status, got ${result.status}`);
-    const parsed = RolloutResult.parse(result);
+    const parsed = fitRecord(RolloutResult.parse(result));
     const [batchKey, hasBatch] = this.batchArgs(meta);
     if (confirmed.length > 2) throw new Error("finalize confirms at most the rollout's two sandboxes");
     const r = await this.batcher.call(

@@ -3,7 +3,7 @@ import { mkdtempSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { RolloutResult, TaskContent } from "@fleet/contracts";
+import { MAX_RECORD_BYTES, type RolloutResult, type TaskContent } from "@fleet/contracts";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { admit, digestTask } from "./admission.ts";
@@ -351,6 +351,33 @@ describe("rollout store", () => {
     expect(await store.saveReceipt(meta, "run", receipt, "ran", 6, { fence: "c" })).toBe(true);
     await store.requestCancel(id);
     expect(await store.launchState(id, "c")).toBe("stop");
+  });
+
+  it("stored receipts, failures and results stay within 16 KiB, the graded answer whole", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const receipt = runReceiptFor(5);
+    // Each field within its 4,000 characters, the record far past 16 KiB once serialised.
+    receipt.exec.stdout = "漢".repeat(4000);
+    receipt.exec.stderr = "\u001b".repeat(4000);
+    (receipt as { answer: string | null }).answer = "答".repeat(3000);
+    expect(await store.saveReceipt(meta, "run", receipt, "ran", 5)).toBe(true);
+    const raw = (await redis.hget(store.keys.rollout(id), "r:run"))!;
+    expect(Buffer.byteLength(raw)).toBeLessThanOrEqual(MAX_RECORD_BYTES);
+    expect(JSON.parse(raw).answer).toBe("答".repeat(3000));
+    const failure = {
+      stage: "run" as const,
+      terminal: false,
+      failureKind: "provider_unavailable" as const,
+      mask: true,
+      reason: "\u0001".repeat(4000),
+      at: 6,
+    };
+    for (let i = 0; i < 5; i++) await store.logFailure(id, failure);
+    for (const row of await redis.lrange(store.keys.failures(id), 0, -1)) {
+      expect(Buffer.byteLength(row)).toBeLessThanOrEqual(MAX_RECORD_BYTES);
+    }
   });
 
   it("a receipt with a next stage enqueues it in the same write; attach keeps the handle even when closed", async () => {
