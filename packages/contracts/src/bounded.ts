@@ -27,9 +27,25 @@ export function fitRecord<T>(
   maxBytes = MAX_RECORD_BYTES,
   keep: ReadonlySet<string> = new Set(),
 ): T {
+  const json = JSON.stringify(value);
+  if (fits(json, maxBytes)) return value;
+  return JSON.parse(fitRecordJson(value, maxBytes, keep)) as T;
+}
+
+/** Whether JSON text is within `maxBytes` of UTF-8 (at most 3 bytes a UTF-16 unit: short text needs no count). */
+function fits(json: string, maxBytes: number): boolean {
+  return json.length * 3 <= maxBytes || Buffer.byteLength(json) <= maxBytes;
+}
+
+/** `fitRecord`, serialised: the JSON to store (one serialisation when the record fits). */
+export function fitRecordJson(
+  value: unknown,
+  maxBytes = MAX_RECORD_BYTES,
+  keep: ReadonlySet<string> = new Set(),
+): string {
   let json = JSON.stringify(value);
-  if (Buffer.byteLength(json) <= maxBytes) return value;
-  const copy = JSON.parse(json) as T;
+  if (fits(json, maxBytes)) return json;
+  const copy = JSON.parse(json) as unknown;
   for (let round = 0; round < 200; round++) {
     let longest: { holder: Record<string, unknown> | unknown[]; key: string | number; len: number } | null =
       null;
@@ -62,7 +78,7 @@ export function fitRecord<T>(
     json = JSON.stringify(copy);
     if (Buffer.byteLength(json) <= maxBytes) break;
   }
-  return copy;
+  return json;
 }
 
 /** Decode bytes as UTF-8, replacing invalid sequences with U+FFFD (never throws). */

@@ -4,6 +4,7 @@ import {
   CloseReceipt,
   FailureRecord,
   fitRecord,
+  fitRecordJson,
   isTerminal,
   MAX_RECORD_BYTES,
   RolloutResult,
@@ -413,12 +414,12 @@ export class RolloutStore {
     } = {},
   ): Promise<boolean> {
     // Bounded (DESIGN §2 rule 13); the answer a match verifier grades is never cut.
-    const parsed = fitRecord(RECEIPT_SCHEMAS[stage].parse(receipt), MAX_RECORD_BYTES, RECEIPT_KEEP);
+    const json = fitRecordJson(RECEIPT_SCHEMAS[stage].parse(receipt), MAX_RECORD_BYTES, RECEIPT_KEEP);
     const [batchKey, hasBatch] = this.batchArgs(meta);
     const keys = [this.keys.rollout(meta.id), batchKey, this.keys.sandboxes()];
     const args = [
       `r:${stage}`,
-      JSON.stringify(parsed),
+      json,
       newStatus,
       stage,
       `t:${stage}:end`,
@@ -525,7 +526,7 @@ export class RolloutStore {
     confirmed: readonly string[] = [],
   ): Promise<boolean> {
     if (!isTerminal(result.status)) throw new Error(`finalize needs a terminal status, got ${result.status}`);
-    const parsed = fitRecord(RolloutResult.parse(result));
+    const parsed = RolloutResult.parse(result);
     const [batchKey, hasBatch] = this.batchArgs(meta);
     if (confirmed.length > 2) throw new Error("finalize confirms at most the rollout's two sandboxes");
     const r = await this.batcher.call(
@@ -539,7 +540,7 @@ export class RolloutStore {
         this.keys.teardownDue(),
       ],
       [
-        JSON.stringify(parsed),
+        fitRecordJson(parsed),
         parsed.status,
         String(now),
         hasBatch,
