@@ -598,6 +598,23 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
   });
 
+  it("an agent that leaves a loop killing every process of its uid is graded, not masked", async () => {
+    const [id] = await fleet.submit([
+      {
+        task: byId("hello-file"),
+        agent: {
+          harness: "command",
+          argv: ["bash", "-c", "setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null &"],
+        },
+      },
+    ]);
+    for (const stage of ["seed", "run", "verify", "close"] as const)
+      await runStageJob(stage, job(id!), fleet.deps);
+    const r = await fleet.deps.store.getResult(id!);
+    expect(r).toMatchObject({ status: "completed", reward: 0, mask: false });
+    expect(await containersOf([id!])).toBe(0);
+  });
+
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {
     const task = { ...byId("hello-file"), id: `gone-${Date.now()}` };
     const [id] = await fleet.submit([oracle(task)]);

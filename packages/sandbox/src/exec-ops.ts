@@ -377,6 +377,21 @@ const KILL_SWEEP_SCRIPT = [
 ].join("");
 
 /**
+ * The kill sweep for a target uid ($1, not root) run by a root process holding CAP_KILL (a reaper
+ * beside the sandbox, in its PID namespace): no process of that uid can signal it or outrun it.
+ * Each round stops every process of the uid (a stopped process can neither fork nor kill), then
+ * kills them, then counts what is left that is not a zombie (a /proc scan, shell builtins only);
+ * until none remains or the rounds ($2) run out. Prints `remaining=<n>`.
+ */
+export const ROOT_KILL_SWEEP_SCRIPT = [
+  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+  't=$1; i=0; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && kill -"$1" "$p" 2>/dev/null; done; };',
+  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+  ' while :; do sig STOP; sig KILL; n=0; for s in /proc/[0-9]*/status; do u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && [ "$st" != Z ] && n=$((n+1)); done;',
+  ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$2" ] && break; sleep 0.1; done; echo "remaining=$n"',
+].join("");
+
+/**
  * `killProcesses` on an exec: up to 3 sweeps as `user`. A `sandbox_lost` exec error is a
  * confirmed "already gone"; an error `isFatal` accepts is rethrown; any other is retried.
  */

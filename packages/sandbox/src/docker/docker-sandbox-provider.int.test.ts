@@ -380,6 +380,42 @@ describe("DockerSandboxProvider (real Docker)", () => {
       });
     });
 
+    it("stops an agent that kills every sweep of its own uid, by a reaper beside the sandbox that leaves nothing behind", async () => {
+      // What an agent would leave to be masked instead of graded: a loop killing every process
+      // of its uid, the sweep run as that uid included.
+      const start = await provider.exec(
+        h,
+        [
+          "bash",
+          "-c",
+          "setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null & echo started",
+        ],
+        { deadlineMs: 10_000 },
+      );
+      expect(start.stdout).toContain("started");
+      expect((await processesOf(h, 1000)).length).toBeGreaterThanOrEqual(1);
+      const receipt = await provider.killProcesses(h, AGENT_USER);
+      expect(receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
+      expect(receipt.detail).toContain("reaper");
+      expect(await processesOf(h, 1000)).toEqual([]);
+      expect(await provider.alive(h)).toBe(true);
+      // The reaper removes itself (the daemon does, once it exits).
+      const reapers = async () =>
+        (
+          await promisify(execFile)("docker", [
+            "ps",
+            "-aq",
+            "--filter",
+            "label=fleet.reaper=true",
+            "--filter",
+            `label=fleet.rollout=${h.rolloutId}`,
+          ])
+        ).stdout.trim();
+      const until = Date.now() + 15_000;
+      while ((await reapers()) !== "" && Date.now() < until) await new Promise((r) => setTimeout(r, 200));
+      expect(await reapers()).toBe("");
+    });
+
     it("kills every agent process, including ones that left the process group, and keeps the sandbox", async () => {
       const bg = await provider.exec(
         h,

@@ -1,4 +1,5 @@
 /// <reference path="./dockerode.d.ts" />
+import { randomBytes } from "node:crypto";
 import type { Socket } from "node:net";
 import {
   type CleanupReceipt,
@@ -13,7 +14,7 @@ import {
 } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
 import Dockerode from "dockerode";
-import { deadlineArgv, envList, execOutcome } from "../exec-command.ts";
+import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-command.ts";
 import {
   assertIsolated,
   clearViaExec,
@@ -33,6 +34,7 @@ import {
   probeExecCall,
   probeStdout,
   probeWhilePid1Starts,
+  ROOT_KILL_SWEEP_SCRIPT,
   readViaExec,
   type SandboxExec,
   sentinelProbeLine,
@@ -498,7 +500,107 @@ export class DockerSandboxProvider implements SandboxProvider {
     // The daemon itself is unreachable (no HTTP answer at all): a retry later, not a sweep.
     const daemonUnreachable = (err: unknown) =>
       dockerErrorFacts(isFleetError(err) ? err.cause : err).statusCode === null && !isSweepFailure(err);
-    return killProcessesViaExec(this.execOf(handle), user, this.defaults.killRounds, daemonUnreachable);
+    const receipt = await killProcessesViaExec(
+      this.execOf(handle),
+      user,
+      this.defaults.killRounds,
+      daemonUnreachable,
+    );
+    const uid = parseNumericUser(user)?.uid;
+    if (receipt.confirmed || uid === undefined || uid === 0) return receipt;
+    // The sweep, run as the user itself (the sandbox grants no capability), could not confirm:
+    // something of that uid resisted it (killed every sweep with its own `kill -9 -1` loop,
+    // outran it). Escalate to a reaper it cannot signal, or the rollout would be masked where
+    // the agent chose it.
+    this.logger?.warn(
+      { sandbox: handle.name, detail: receipt.detail },
+      "kill sweep resisted; sending a reaper",
+    );
+    return this.reap(handle, uid, user);
+  }
+
+  /**
+   * A short-lived container beside the sandbox, in its PID namespace, running the root kill sweep
+   * (`ROOT_KILL_SWEEP_SCRIPT`) as root with CAP_KILL and no other capability, no network, a
+   * read-only root. The capability is the reaper's container's alone: nothing running in the
+   * sandbox (the verifier's root tests included) can get it. Removed by the daemon when it exits
+   * (`AutoRemove`), so a worker dying meanwhile leaves nothing behind.
+   */
+  private async reap(handle: SandboxHandle, uid: number, user: string): Promise<CleanupReceipt> {
+    const docker = this.clientOf(handle);
+    let info: Dockerode.ContainerInspectInfo;
+    try {
+      info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
+    } catch (err) {
+      const fe = classifyDockerError(err, "inspect", handle.name);
+      if (fe.kind === "sandbox_lost") {
+        return { confirmed: true, scope: "processes", at: Date.now(), alreadyGone: true, remaining: 0 };
+      }
+      throw fe;
+    }
+    let reaper: Container;
+    try {
+      reaper = await docker.createContainer({
+        name: `${handle.name}-reaper-${randomBytes(4).toString("hex")}`,
+        Image: info.Image,
+        Entrypoint: ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(this.defaults.killRounds)],
+        User: "0:0",
+        Labels: { "fleet.reaper": "true", [LABEL_ROLLOUT]: handle.rolloutId },
+        AttachStdout: true,
+        AttachStderr: true,
+        Tty: false,
+        HostConfig: {
+          PidMode: `container:${info.Id}`,
+          NetworkMode: "none",
+          CapDrop: ["ALL"],
+          CapAdd: ["KILL"],
+          SecurityOpt: ["no-new-privileges"],
+          ReadonlyRootfs: true,
+          AutoRemove: true,
+          PidsLimit: 32,
+          Memory: 64 * 1024 * 1024,
+        },
+        abortSignal: this.apiSignal(),
+      });
+    } catch (err) {
+      throw classifyDockerError(err, "create", `${handle.name} reaper`);
+    }
+    const stdout = new CappedBuffer(4096);
+    const stderr = new CappedBuffer(4096);
+    try {
+      const stream = (await reaper.attach({
+        stream: true,
+        stdout: true,
+        stderr: true,
+      })) as NodeJS.ReadableStream;
+      const demux = new DockerStreamDemuxer(stdout, stderr);
+      const ended = new Promise<void>((resolve) => {
+        stream.on("data", (chunk: Buffer) => demux.push(chunk));
+        stream.once("end", () => resolve());
+        stream.once("close", () => resolve());
+        stream.once("error", () => resolve());
+      });
+      await reaper.start({ abortSignal: this.apiSignal() });
+      await withTimeout(ended, 60_000, "the reaper did not finish within 60 s");
+    } catch (err) {
+      await reaper.remove({ force: true }).catch(() => undefined);
+      if (isFleetError(err)) throw err;
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `reaper for ${handle.name} failed: ${String(err)}`,
+        err,
+      );
+    }
+    const m = /remaining=(\d+)/.exec(stdout.text());
+    const remaining = m ? Number(m[1]) : -1;
+    return {
+      confirmed: remaining === 0,
+      scope: "processes",
+      at: Date.now(),
+      alreadyGone: false,
+      remaining: Math.max(0, remaining),
+      detail: `uid of ${user}, by a reaper: ${remaining === 0 ? "no process left" : remaining > 0 ? `${remaining} process(es) still alive` : `no report (${stderr.text().trim()})`}`,
+    };
   }
 
   async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {

@@ -68,11 +68,16 @@ declare module "dockerode" {
       Env?: string[];
       Labels?: Record<string, string>;
       NetworkDisabled?: boolean;
+      AttachStdout?: boolean;
+      AttachStderr?: boolean;
+      Tty?: boolean;
       HostConfig?: HostConfig;
     }
 
     interface ContainerInspectInfo {
       Id: string;
+      /** The image's id. */
+      Image: string;
       Name: string;
       Created: string;
       State: { Status: string; Running: boolean; OOMKilled: boolean; ExitCode: number; Pid: number };
@@ -131,6 +136,7 @@ declare module "dockerode" {
       remove(options?: WithSignal & { force?: boolean; v?: boolean }): Promise<unknown>;
       kill(options?: WithSignal & { signal?: string }): Promise<unknown>;
       exec(options: ExecCreateOptions): Promise<Exec>;
+      attach(options: { stream: boolean; stdout?: boolean; stderr?: boolean }): Promise<Readable>;
       putArchive(file: Buffer | Readable, options: WithSignal & { path: string }): Promise<unknown>;
       getArchive(options: WithSignal & { path: string }): Promise<Readable>;
       stats(
