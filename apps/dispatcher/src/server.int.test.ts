@@ -1,7 +1,7 @@
 import { randomUUID } from "node:crypto";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
-import { createRedis, digestTask, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { RolloutRequest, type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
+import { admit, createRedis, digestTask, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
 import type { Redis } from "ioredis";
@@ -199,6 +199,27 @@ describe("POST /v1/rollouts", () => {
       batchId: myBatch.json().batchId,
       created: false,
     });
+  });
+
+  it("a key admitted before keys were scoped to tokens still replays to its rollout", async () => {
+    const key = randomUUID();
+    // As admitted by the previous release: under the bare key.
+    const [legacy] = (
+      await admit(
+        h.store,
+        h.queues,
+        { requests: [RolloutRequest.parse(row)], batch: false, idempotencyKey: key },
+        { maxTaskBytes: 1 << 20 },
+      )
+    ).ids;
+    const again = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: row,
+      headers: { "idempotency-key": key },
+    });
+    expect(again.statusCode).toBe(200);
+    expect(again.json()).toMatchObject({ id: legacy, created: false });
   });
 
   it("two requests at once with one key and two bodies: one is admitted, the other is 409, whichever wins", async () => {

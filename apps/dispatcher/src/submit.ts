@@ -33,7 +33,7 @@ export async function submit(
   },
 ): Promise<Admitted> {
   const { store, queues, config } = deps;
-  const idempotencyKey = scopedKey(options.principal ?? "", options.idempotencyKey);
+  let idempotencyKey = scopedKey(options.principal ?? "", options.idempotencyKey);
   const incoming = parsed.requests.length;
   if (incoming > config.maxBacklog) {
     throw new HttpError(
@@ -43,8 +43,17 @@ export async function submit(
       { incoming, maxBacklog: config.maxBacklog },
     );
   }
-  const replay =
+  let replay =
     idempotencyKey !== null && (await alreadyAdmitted(store, idempotencyKey, options.batch, incoming));
+  if (!replay && idempotencyKey !== null && idempotencyKey !== options.idempotencyKey) {
+    // Admitted before keys were scoped to tokens (under the bare key): a retry across that
+    // upgrade must still land on what it admitted, not admit it twice.
+    const legacy = options.idempotencyKey!;
+    if (await alreadyAdmitted(store, legacy, options.batch, incoming)) {
+      idempotencyKey = legacy;
+      replay = true;
+    }
+  }
   // The room is reserved in the same step as the check: submissions arriving together cannot
   // each see room for themselves and pass the bound together.
   const room = replay ? null : await store.reserveBacklog(incoming, config.maxBacklog, deps.now());

@@ -522,6 +522,18 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("verify", job(id!), fleet.deps);
     await runStageJob("close", job(id!), fleet.deps);
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("completed");
+
+    // A claim that took over an earlier launch keeps the fence when it fails before launching:
+    // the earlier launch (cut off, perhaps alive) must not become the holder again.
+    const [other] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
+    ]);
+    expect(await runStageJob("seed", job(other!), fleet.deps)).toBe("ok");
+    await fleet.deps.store.claimLaunch(other!, "cut-off-worker:1");
+    blips = 1;
+    await expect(runStageJob("run", job(other!, 1), blipping)).rejects.toThrow(/blip before launch/);
+    expect(await fleet.deps.store.launchState(other!, "cut-off-worker:1")).toBe("lost");
+    await runStageJob("close", job(other!), fleet.deps);
   });
 
   it("a launch whose run was taken over by another worker drops its outcome: no kill of the new launch, no receipt", async () => {

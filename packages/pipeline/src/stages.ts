@@ -382,7 +382,10 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // or the next attempt would take itself for a rerun after an agent ran (and mask the rollout
     // where the sandbox cannot be put back). A worker that dies here leaves the claim: then the
     // next attempt resets the sandbox, which is only cautious.
-    await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
+    // Only a first claim goes back. A claim that took over an earlier launch keeps the fence:
+    // handing it back would make that launch (perhaps only cut off, and already killed by this
+    // attempt) the fence's holder again, free to store its interrupted run.
+    if (previous === "") await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
     throw err;
   }
 
@@ -528,7 +531,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // sends verify's job with the receipt (one round trip; a verify after a stop skips). Otherwise
   // verify is enqueued only for a stored receipt: a launch that lost the fence must not wake a
   // verify that would find no run receipt and spend its attempts before the new launch ends.
-  if (!contested) {
+  // Decided again now: the kill sweep and an owned sandbox's release may have taken long enough
+  // for the job's lock to lapse since the check above.
+  if (!contested && !mayBeTakenOver(rec)) {
     await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, {
       fence: token,
       next: { queues: deps.queues, stage: "verify" },

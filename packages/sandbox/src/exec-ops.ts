@@ -400,13 +400,25 @@ export async function killProcessesViaExec(
   user: string,
   rounds: number,
   isFatal: (err: unknown) => boolean = () => false,
+  options: {
+    /**
+     * For a uid other than root's, run `ROOT_KILL_SWEEP_SCRIPT` as root: the exec must then give
+     * root CAP_KILL (and should give it nothing else).
+     */
+    rootSweep?: boolean;
+  } = {},
 ): Promise<CleanupReceipt> {
   let lastError = "";
+  const uid = parseNumericUser(user)?.uid;
+  const asRoot = options.rootSweep === true && uid !== undefined && uid !== 0;
+  const argv = asRoot
+    ? ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(rounds)]
+    : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
   for (let attempt = 1; attempt <= 3; attempt++) {
     try {
-      const r = await exec(["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)], {
+      const r = await exec(argv, {
         deadlineMs: 30_000,
-        user,
+        user: asRoot ? ROOT_USER : user,
         stdin: null,
         maxOutputBytes: 4096,
       });

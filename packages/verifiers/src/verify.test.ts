@@ -269,6 +269,13 @@ describe("tests verifier", () => {
     });
   });
 
+  it("a timeout before the runner said it started grades nothing (retryable verifier_error)", async () => {
+    provider.onExec = async () => ({ ...execResult({ exitCode: -1, timedOut: true }), stderr: "" });
+    const err = await failure(verify(ctx()));
+    expect([err.kind, err.retryable]).toEqual(["verifier_error", true]);
+    expect(err.message).toContain("did not start");
+  });
+
   it("tests killed for memory grade as they exited (0), noted in details, not masked", async () => {
     script(() => ({ exitCode: 137, oomKilled: true }));
     expect(await verify(ctx())).toMatchObject({ reward: 0, details: { exitCode: 137, oomKilled: true } });

@@ -175,6 +175,17 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     ({ ran, stderr, ready, report } = await runOnce());
   }
   const result = { ...ran, stderr };
+  if (!ready && result.timedOut && !cutByRollout) {
+    // Out of time before the tests even started (the runner never read its nonce, or never got
+    // /logs/verifier clean): nothing of the agent's was judged, so nothing is graded.
+    throw FleetError.retryable(
+      "verifier_error",
+      capText(
+        `the tests' runner did not start within the tests' ${Math.round(ownMs / 1000)} s: ${stderr.trim()}`,
+        600,
+      ),
+    );
+  }
   if (!ready && !result.timedOut) {
     // /logs/verifier still not clean after the agent's leftovers went: final; a runner that never
     // said it started (its stdin lost, say) may do better on a retry, and is masked once the

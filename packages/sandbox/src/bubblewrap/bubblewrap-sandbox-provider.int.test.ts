@@ -386,7 +386,34 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.alive(h)).toBe(true);
   });
 
-  it("killProcesses stops an agent that kills every sweep of its own uid (the sweep runs from the host)", async () => {
+  it("killProcesses reaches the agent's processes in PID namespaces it nested inside the sandbox", async (ctx) => {
+    const h = await create();
+    const nested = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "unshare -Urpf sleep 1000 >/dev/null 2>&1 < /dev/null & sleep 0.3; cat /proc/$!/status | grep -c NSpid",
+      ],
+      { deadlineMs: 10_000 },
+    );
+    // Hosts that refuse unprivileged user namespaces cannot nest one: nothing to reach then.
+    const ps = await provider.exec(h, ["sh", "-c", "ps -eo pid,user,args | grep -c '[s]leep 1000'"], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    if (ps.stdout.trim() === "0") ctx.skip();
+    expect(nested.exitCode).toBe(0);
+    const receipt = await provider.killProcesses(h, AGENT_USER);
+    expect(receipt).toMatchObject({ confirmed: true, remaining: 0 });
+    const after = await provider.exec(h, ["sh", "-c", "ps -eo pid,user,args | grep -c '[s]leep 1000'"], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(after.stdout.trim()).toBe("0");
+  });
+
+  it("killProcesses stops an agent that kills every sweep of its own uid (the sweep holds CAP_KILL as root)", async () => {
     const h = await create();
     // What an agent would leave to be masked instead of graded: a loop killing every process
     // of its uid, a sweep run as that uid included.

@@ -1,6 +1,6 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { closeSync, openSync, readdirSync, readFileSync, readlinkSync } from "node:fs";
+import { closeSync, openSync, readdirSync, readFileSync } from "node:fs";
 import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
 import { join } from "node:path";
@@ -131,6 +131,8 @@ interface RunOptions extends ExecCall {
   cwd?: string | undefined;
   /** Run outside the sandbox's cgroups (the kill sweep must start even at the pids limit). */
   outsideCgroups?: boolean;
+  /** Capabilities the command keeps (the root kill sweep's `kill`); none otherwise. */
+  keepCaps?: readonly string[];
 }
 
 /** How long output is still read after the command exited while something holds its pipes. */
@@ -386,6 +388,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       o.cwd ?? SANDBOX_PATHS.workspace,
       cmd,
       Object.entries(env).map(([k, v]) => `${k}=${v}`),
+      o.keepCaps ?? [],
     );
     const stdout = new CappedBuffer(o.maxOutputBytes);
     const stderr = new CappedBuffer(o.maxOutputBytes);
@@ -561,14 +564,23 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
-    const uid = parseNumericUser(user)?.uid;
-    if (uid !== undefined && uid !== 0) return this.killFromHost(handle, uid, user);
-    // As in the Docker provider; the sweep runs outside the sandbox's cgroups so it can start
-    // even at the pids limit, and a sandbox found gone is a confirmed receipt.
+    // The sweep runs outside the sandbox's cgroups so it can start even at the pids limit, and a
+    // sandbox found gone is a confirmed receipt. For a uid other than root's it runs as root in
+    // the sandbox's namespaces holding CAP_KILL and no other capability (`rootSweep`): nothing of
+    // that uid can signal or outrun it (a sweep run as the uid itself could be killed by the
+    // agent's own `kill -9 -1` loop, and the rollout masked instead of graded), and from the
+    // sandbox's PID namespace it also sees processes in namespaces the agent nested inside it.
     return killProcessesViaExec(
-      async (argv, o) => this.run(await this.liveState(handle), argv, { ...o, outsideCgroups: true }),
+      async (argv, o) =>
+        this.run(await this.liveState(handle), argv, {
+          ...o,
+          outsideCgroups: true,
+          keepCaps: o.user === ROOT_USER ? ["kill"] : [],
+        }),
       user,
       this.defaults.killRounds,
+      () => false,
+      { rootSweep: true },
     );
   }
 
@@ -654,61 +666,6 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return state;
   }
 
-  /**
-   * The sweep for a non-root uid, from the host: this process (root, every capability) stops,
-   * then kills, every process of `uid` in the sandbox's PID namespace, by host pid, and counts
-   * what is left that is not a zombie; rounds until none remains. Nothing inside the sandbox can
-   * signal or outrun it: a sweep run as the agent's uid inside could be killed by the agent's own
-   * `kill -9 -1` loop, and the rollout masked instead of graded.
-   */
-  private async killFromHost(handle: SandboxHandle, uid: number, user: string): Promise<CleanupReceipt> {
-    let state: BwrapState;
-    try {
-      state = await this.liveState(handle);
-    } catch (err) {
-      if (isFleetError(err) && err.kind === "sandbox_lost") {
-        return {
-          confirmed: true,
-          scope: "processes",
-          at: Date.now(),
-          alreadyGone: true,
-          remaining: 0,
-          detail: "sandbox is gone",
-        };
-      }
-      throw err;
-    }
-    let ns: string;
-    try {
-      ns = readlinkSync(`/proc/${state.initPid}/ns/pid`);
-    } catch (err) {
-      throw FleetError.retryable(
-        "provider_unavailable",
-        `cannot read ${state.name}'s PID namespace: ${String(err)}`,
-        err,
-      );
-    }
-    let left: number[] = [];
-    for (let round = 0; round < Math.max(1, this.defaults.killRounds); round++) {
-      left = processesIn(ns, uid);
-      if (left.length === 0) break;
-      // Stopped first: a stopped process can neither fork nor signal while the rest are killed.
-      for (const pid of left) signalQuietly(pid, "SIGSTOP");
-      for (const pid of left) signalQuietly(pid, "SIGKILL");
-      left = processesIn(ns, uid);
-      if (left.length === 0) break;
-      await delay(100);
-    }
-    return {
-      confirmed: left.length === 0,
-      scope: "processes",
-      at: Date.now(),
-      alreadyGone: false,
-      remaining: left.length,
-      detail: `uid of ${user}: ${left.length === 0 ? "no process left" : `${left.length} process(es) still alive`}`,
-    };
-  }
-
   private stateAlive(state: BwrapState): boolean {
     return sameProcess(state.initPid, state.initStart);
   }
@@ -783,41 +740,6 @@ function startTime(pid: number): string | null {
     return fields[19] ?? null;
   } catch {
     return null;
-  }
-}
-
-/**
- * Host pids of the live (not zombie) processes of real uid `uid` in the PID namespace `ns` (as
- * `readlink /proc/<pid>/ns/pid` names it).
- */
-function processesIn(ns: string, uid: number): number[] {
-  const out: number[] = [];
-  let names: string[];
-  try {
-    names = readdirSync("/proc");
-  } catch {
-    return out;
-  }
-  for (const name of names) {
-    if (!/^\d+$/.test(name)) continue;
-    try {
-      if (readlinkSync(`/proc/${name}/ns/pid`) !== ns) continue;
-      const status = readFileSync(`/proc/${name}/status`, "latin1");
-      const real = /^Uid:\s+(\d+)/m.exec(status)?.[1];
-      const st = /^State:\s+(\S)/m.exec(status)?.[1];
-      if (real === String(uid) && st !== "Z" && st !== "X") out.push(Number(name));
-    } catch {
-      // gone meanwhile
-    }
-  }
-  return out;
-}
-
-function signalQuietly(pid: number, signal: NodeJS.Signals): void {
-  try {
-    process.kill(pid, signal);
-  } catch {
-    // gone meanwhile
   }
 }
 

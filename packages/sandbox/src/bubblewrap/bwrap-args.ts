@@ -82,6 +82,8 @@ export function nsenterArgv(
   cwd: string,
   argv: readonly string[],
   env: readonly string[] = [],
+  /** Capabilities kept in the bounding set (e.g. `kill`, for root's kill sweep); none by default. */
+  keepCaps: readonly string[] = [],
 ): string[] {
   return [
     "--target",
@@ -102,7 +104,7 @@ export function nsenterArgv(
     "--clear-groups",
     "--no-new-privs",
     "--bounding-set",
-    "-all",
+    ["-all", ...keepCaps.map((c) => `+${c}`)].join(","),
     "--inh-caps",
     "-all",
     "--",

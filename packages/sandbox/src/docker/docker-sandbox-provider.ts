@@ -149,12 +149,25 @@ export class DockerSandboxProvider implements SandboxProvider {
         !/is already (started|running)/i.test(facts.message) &&
         facts.statusCode !== 304;
       const startFailedOnImage = /executable file not found|no such file or directory/i.test(facts.message);
-      await this.destroy(handle).catch((cleanupErr: unknown) =>
-        this.logger?.warn(
-          { err: cleanupErr, sandbox: name },
-          "could not remove a sandbox that failed to start",
-        ),
+      const removed = await this.destroy(handle).then(
+        (r) => r.confirmed,
+        (cleanupErr: unknown) => {
+          this.logger?.warn(
+            { err: cleanupErr, sandbox: name },
+            "could not remove a sandbox that failed to start",
+          );
+          return false;
+        },
       );
+      if (!removed) {
+        // Still there: whatever the start's error, a retry must come and find it (a final error
+        // here would let the caller take the sandbox for never made, and report it torn down).
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `sandbox ${name} failed to start (${facts.message}) and could not be removed`,
+          err,
+        );
+      }
       if (startFailedOnImage) {
         throw FleetError.nonRetryable(
           "invalid_task",
@@ -539,9 +552,10 @@ export class DockerSandboxProvider implements SandboxProvider {
       throw fe;
     }
     let reaper: Container;
+    const reaperName = `${handle.name}-reaper-${randomBytes(4).toString("hex")}`;
     try {
       reaper = await docker.createContainer({
-        name: `${handle.name}-reaper-${randomBytes(4).toString("hex")}`,
+        name: reaperName,
         Image: info.Image,
         Entrypoint: ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(this.defaults.killRounds)],
         User: "0:0",
@@ -563,6 +577,12 @@ export class DockerSandboxProvider implements SandboxProvider {
         abortSignal: this.apiSignal(),
       });
     } catch (err) {
+      // The daemon may have made it before the call failed (a timeout on our side): never started,
+      // it would not remove itself.
+      await docker
+        .getContainer(reaperName)
+        .remove({ force: true, abortSignal: this.apiSignal() })
+        .catch(() => undefined);
       throw classifyDockerError(err, "create", `${handle.name} reaper`);
     }
     const stdout = new CappedBuffer(4096);
