@@ -309,6 +309,23 @@ describe("idempotency and fencing without workers", () => {
     opts: { attempts: 3 },
   });
 
+  /** A harness that starts, says so (`started`), and returns exit 0 once `release` is called. */
+  const gatedHarness = () => {
+    let release!: () => void;
+    const released = new Promise<void>((r) => (release = r));
+    let markStarted!: () => void;
+    const started = new Promise<void>((r) => (markStarted = r));
+    const createHarness = () => ({
+      name: "oracle" as const,
+      async run() {
+        markStarted();
+        await released;
+        return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+      },
+    });
+    return { createHarness, started, release };
+  };
+
   it("an agent's own sandbox is probed before anything is staged in it; a refusal fails the rollout for good", async () => {
     const provider = new WatchedProvider(docker);
     const deps = { ...fleet.deps, provider };
@@ -539,10 +556,7 @@ describe("idempotency and fencing without workers", () => {
   it("a launch whose run was taken over by another worker drops its outcome: no kill of the new launch, no receipt", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
-    let release!: () => void;
-    const released = new Promise<void>((r) => (release = r));
-    let started!: () => void;
-    const startedP = new Promise<void>((r) => (started = r));
+    const gate = gatedHarness();
     const kills: string[] = [];
     const cutOff = {
       ...fleet.deps,
@@ -553,21 +567,14 @@ describe("idempotency and fencing without workers", () => {
           return fleet.deps.provider.killProcesses(...a);
         },
       }),
-      createHarness: () => ({
-        name: "oracle" as const,
-        async run() {
-          started();
-          await released;
-          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
-        },
-      }),
+      createHarness: gate.createHarness,
     };
     // A job held for most of its lock's duration already: a takeover is possible.
     const a = runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, cutOff);
-    await startedP;
+    await gate.started;
     // Worker A lost its job's lock; B took the job over and claimed the launch.
     expect((await fleet.deps.store.claimLaunch(id!, "worker-b:1")).previous).toMatch(/^launched:/);
-    release();
+    gate.release();
     expect(await a).toBe("ok");
     expect(kills).toEqual([]);
     const rec = (await fleet.deps.store.get(id!))!;
@@ -580,27 +587,13 @@ describe("idempotency and fencing without workers", () => {
   it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
-    let release!: () => void;
-    const released = new Promise<void>((r) => (release = r));
-    let started!: () => void;
-    const startedP = new Promise<void>((r) => (started = r));
-    const slow = {
-      ...fleet.deps,
-      stopPollMs: 60_000,
-      createHarness: () => ({
-        name: "oracle" as const,
-        async run() {
-          started();
-          await released;
-          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
-        },
-      }),
-    };
+    const gate = gatedHarness();
+    const slow = { ...fleet.deps, stopPollMs: 60_000, createHarness: gate.createHarness };
     const a = runStageJob("run", { ...job(id!), processedOn: Date.now() }, slow);
-    await startedP;
+    await gate.started;
     // A cancel whose dispatcher died before it enqueued close: the fence is stopped.
     await fleet.deps.store.requestCancel(id!);
-    release();
+    gate.release();
     expect(await a).toBe("ok");
     expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
     // Verify went out with the (refused) receipt, and skips to close on the cancel.
