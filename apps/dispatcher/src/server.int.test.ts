@@ -220,6 +220,16 @@ describe("POST /v1/rollouts", () => {
     });
     expect(again.statusCode).toBe(200);
     expect(again.json()).toMatchObject({ id: legacy, created: false });
+    // Another body under the bare key is not that request's replay: admitted under the token's key.
+    const other = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { ...row, metadata: { n: 3 } },
+      token: ADMIN,
+      headers: { "idempotency-key": key },
+    });
+    expect(other.statusCode, other.body).toBe(202);
+    expect(other.json().id).not.toBe(legacy);
   });
 
   it("two requests at once with one key and two bodies: one is admitted, the other is 409, whichever wins", async () => {

@@ -1,4 +1,5 @@
 import type { DispatcherConfig } from "@fleet/config";
+import { canonicalJson, type RolloutRequest, sha256Hex } from "@fleet/contracts";
 import {
   type Admitted,
   admit,
@@ -48,8 +49,10 @@ export async function submit(
   if (!replay && idempotencyKey !== null && idempotencyKey !== options.idempotencyKey) {
     // Admitted before keys were scoped to tokens (under the bare key): a retry across that
     // upgrade must still land on what it admitted, not admit it twice.
+    // Only for the very same body: a bare key was shared by every token, and another token's
+    // different request under it is no replay of this one.
     const legacy = options.idempotencyKey!;
-    if (await alreadyAdmitted(store, legacy, options.batch, incoming)) {
+    if (await admittedWithBody(store, legacy, options.batch, parsed.requests)) {
       idempotencyKey = legacy;
       replay = true;
     }
@@ -110,6 +113,22 @@ async function alreadyAdmitted(
 ): Promise<boolean> {
   if (!batch) return (await store.get(rolloutIds(1, key, "rollout")[0]!)) !== null;
   return (await store.getBatch(batchIdFor(rolloutIds(count, key, "batch")))) !== null;
+}
+
+/** Whether this key names an admitted rollout or batch whose stored body hash is this body's. */
+async function admittedWithBody(
+  store: RolloutStore,
+  key: string,
+  batch: boolean,
+  requests: readonly RolloutRequest[],
+): Promise<boolean> {
+  const canonical = requests.map((r) => canonicalJson(r));
+  if (!batch) {
+    const existing = await store.get(rolloutIds(1, key, "rollout")[0]!);
+    return existing !== null && existing.meta.bodyHash === sha256Hex(canonical[0]!);
+  }
+  const existing = await store.getBatch(batchIdFor(rolloutIds(requests.length, key, "batch")));
+  return existing !== null && existing.bodyHash === sha256Hex(`[${canonical.join(",")}]`);
 }
 
 /** An admission error about request `index` of an NDJSON body: name its line instead. */

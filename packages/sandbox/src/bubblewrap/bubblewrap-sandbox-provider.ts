@@ -35,6 +35,7 @@ import {
   planPut,
   probeExecCall,
   probeStdout,
+  ROOT_KILL_SWEEP_SCRIPT,
   readViaExec,
   sentinelProbeLine,
   WORKSPACE_PROBE_LINE,
@@ -575,7 +576,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         this.run(await this.liveState(handle), argv, {
           ...o,
           outsideCgroups: true,
-          keepCaps: o.user === ROOT_USER ? ["kill"] : [],
+          // CAP_KILL for the root sweep's script alone, never for a sweep of root's own uid.
+          keepCaps: argv[2] === ROOT_KILL_SWEEP_SCRIPT ? ["kill"] : [],
         }),
       user,
       this.defaults.killRounds,

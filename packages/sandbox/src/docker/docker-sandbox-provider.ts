@@ -151,12 +151,17 @@ export class DockerSandboxProvider implements SandboxProvider {
       const startFailedOnImage = /executable file not found|no such file or directory/i.test(facts.message);
       const removed = await this.destroy(handle).then(
         (r) => r.confirmed,
-        (cleanupErr: unknown) => {
+        async (cleanupErr: unknown) => {
           this.logger?.warn(
             { err: cleanupErr, sandbox: name },
             "could not remove a sandbox that failed to start",
           );
-          return false;
+          // Removing its volume may have failed after the container went: what matters here is
+          // whether the container is still there.
+          return container.inspect({ abortSignal: this.apiSignal() }).then(
+            () => false,
+            (inspectErr: unknown) => dockerErrorFacts(inspectErr).statusCode === 404,
+          );
         },
       );
       if (!removed) {
@@ -588,11 +593,11 @@ export class DockerSandboxProvider implements SandboxProvider {
     const stdout = new CappedBuffer(4096);
     const stderr = new CappedBuffer(4096);
     try {
-      const stream = (await reaper.attach({
-        stream: true,
-        stdout: true,
-        stderr: true,
-      })) as NodeJS.ReadableStream;
+      const stream = await withTimeout(
+        reaper.attach({ stream: true, stdout: true, stderr: true }),
+        this.defaults.apiTimeoutMs,
+        "attaching to the reaper timed out",
+      );
       const demux = new DockerStreamDemuxer(stdout, stderr);
       const ended = new Promise<void>((resolve) => {
         stream.on("data", (chunk: Buffer) => demux.push(chunk));
