@@ -1,7 +1,7 @@
 import { DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { janitorTick, startJanitor } from "./janitor.ts";
+import { janitorTick, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
@@ -34,6 +34,19 @@ describe("janitor", () => {
     } finally {
       await docker.destroy(handle);
     }
+  });
+
+  it("asks the provider to remove its stale helper containers; a failure there stops no other step", async () => {
+    const asked: number[] = [];
+    const provider = Object.assign(Object.create(fleet.deps.provider) as typeof fleet.deps.provider, {
+      removeStaleHelpers: async (olderThanMs: number) => {
+        asked.push(olderThanMs);
+        throw new Error("daemon hiccup");
+      },
+    });
+    const report = await janitorTick({ ...fleet.deps, provider }, { orphanGraceMs: 60_000 });
+    expect(asked).toEqual([STALE_HELPER_MS]);
+    expect(report.errors).toEqual(["helpers: daemon hiccup"]);
   });
 
   it("removes a sandbox whose fleet.expires passed, even for a live rollout", async () => {

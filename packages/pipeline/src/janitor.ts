@@ -35,10 +35,14 @@ export interface JanitorReport {
  * One janitor pass: (1) retry due teardown-ledger entries (DESIGN §2 rule 3), (2) schedule
  * registry entries of finished or expired rollouts, (3) remove labelled sandboxes whose rollout
  * is terminal or unknown past a grace period or whose `fleet.expires` passed, (4) close
- * rollouts stuck past their deadline, (5) remove gateway networks of finished rollouts. Each
+ * rollouts stuck past their deadline, (5) remove gateway networks of finished rollouts, (6) remove
+ * the provider's stale helper containers (`removeStaleHelpers`). Each
  * step runs whatever the others did: a Docker daemon that is down stops the orphan sweep, not the
  * deadline watchdog, which needs only Redis. A step's failure is logged and reported in `errors`.
  */
+/** A helper container not running after this long was left behind (reapers finish in seconds). */
+export const STALE_HELPER_MS = 5 * 60_000;
+
 export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): Promise<JanitorReport> {
   const report: JanitorReport = {
     retried: 0,
@@ -140,6 +144,15 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           await networks.remove(net.rolloutId).catch(() => undefined);
         }
       }
+    });
+  }
+
+  // (6) The provider's helper containers left behind (a kill-sweep reaper whose worker died
+  // before starting it): only the provider knows them.
+  const removeStaleHelpers = deps.provider.removeStaleHelpers?.bind(deps.provider);
+  if (removeStaleHelpers) {
+    await step("helpers", async () => {
+      await removeStaleHelpers(STALE_HELPER_MS);
     });
   }
 

@@ -89,5 +89,11 @@ export interface SandboxProvider {
   list(labels?: Record<string, string>): Promise<SandboxInfo[]>;
   /** Whether the sandbox still exists and runs. */
   alive(handle: SandboxHandle): Promise<boolean>;
+  /**
+   * Remove this provider's helper containers (Docker's kill-sweep reapers) that are not running
+   * and older than `olderThanMs`: one created but never started (its worker died between the
+   * calls) does not remove itself. Returns how many went. For the janitor.
+   */
+  removeStaleHelpers?(olderThanMs: number): Promise<number>;
   close?(): Promise<void>;
 }

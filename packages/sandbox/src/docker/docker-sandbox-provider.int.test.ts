@@ -1,4 +1,4 @@
-import { execFile } from "node:child_process";
+import { execFile, execFileSync } from "node:child_process";
 import { createServer, type Server, connect as tcpConnect } from "node:net";
 import { promisify } from "node:util";
 import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
@@ -6,7 +6,7 @@ import Dockerode from "dockerode";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
-import { DockerSandboxProvider } from "./docker-sandbox-provider.ts";
+import { DockerSandboxProvider, LABEL_REAPER } from "./docker-sandbox-provider.ts";
 
 // Real Docker, the offline base image (scripts/build-base-image.sh).
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
@@ -553,6 +553,41 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(bad.message).toMatch(/bogus/);
     const missing = await fleetError(provider.create(spec({ image: "rollout-fleet/does-not-exist:never" })));
     expect([missing.kind, missing.retryable]).toEqual(["invalid_task", false]);
+  });
+
+  it("removeStaleHelpers removes this fleet's reapers that never ran, and nobody else's", async () => {
+    const scoped = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" }, scope: RUN });
+    const make = (scope: string) =>
+      execFileSync("docker", [
+        "create",
+        "--label",
+        `${LABEL_REAPER}=true`,
+        "--label",
+        `fleet.scope=${scope}`,
+        IMAGE,
+        "true",
+      ])
+        .toString()
+        .trim();
+    const mine = make(RUN);
+    const theirs = make(`${RUN}-other`);
+    try {
+      expect(await scoped.removeStaleHelpers(60_000)).toBe(0); // too young yet
+      expect(await scoped.removeStaleHelpers(0)).toBe(1);
+      const left = execFileSync("docker", [
+        "ps",
+        "-aq",
+        "--no-trunc",
+        "--filter",
+        `label=${LABEL_REAPER}=true`,
+      ])
+        .toString()
+        .split("\n");
+      expect(left).not.toContain(mine);
+      expect(left).toContain(theirs);
+    } finally {
+      execFileSync("docker", ["rm", "-f", mine, theirs], { stdio: "ignore" });
+    }
   });
 
   it("a daemon that is not there is a retryable provider_unavailable", async () => {

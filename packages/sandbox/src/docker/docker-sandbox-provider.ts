@@ -537,6 +537,33 @@ export class DockerSandboxProvider implements SandboxProvider {
     return this.reap(handle, uid, user);
   }
 
+  async removeStaleHelpers(olderThanMs: number): Promise<number> {
+    let containers: Dockerode.ContainerInfo[];
+    try {
+      containers = await this.docker.listContainers({
+        all: true,
+        filters: {
+          label: [`${LABEL_REAPER}=true`, ...(this.scope ? [`${LABEL_SCOPE}=${this.scope}`] : [])],
+        },
+        abortSignal: this.apiSignal(),
+      });
+    } catch (err) {
+      throw classifyDockerError(err, "list");
+    }
+    let removed = 0;
+    for (const c of containers) {
+      // A running reaper is at work; it removes itself when done.
+      if (c.State === "running" || Date.now() - c.Created * 1000 < olderThanMs) continue;
+      try {
+        await this.docker.getContainer(c.Id).remove({ force: true, abortSignal: this.apiSignal() });
+        removed++;
+      } catch (err) {
+        if (dockerErrorFacts(err).statusCode !== 404) throw classifyDockerError(err, "destroy", c.Id);
+      }
+    }
+    return removed;
+  }
+
   /**
    * A short-lived container beside the sandbox, in its PID namespace, running the root kill sweep
    * (`ROOT_KILL_SWEEP_SCRIPT`) as root with CAP_KILL and no other capability, no network, a
@@ -564,7 +591,11 @@ export class DockerSandboxProvider implements SandboxProvider {
         Image: info.Image,
         Entrypoint: ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(this.defaults.killRounds)],
         User: "0:0",
-        Labels: { "fleet.reaper": "true", [LABEL_ROLLOUT]: handle.rolloutId },
+        Labels: {
+          [LABEL_REAPER]: "true",
+          [LABEL_ROLLOUT]: handle.rolloutId,
+          ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
+        },
         AttachStdout: true,
         AttachStderr: true,
         Tty: false,
@@ -760,6 +791,9 @@ function connect(options: Dockerode.DockerOptions): Dockerode {
     ...options,
   });
 }
+
+/** Marks the kill-sweep reaper containers (never `fleet.managed`: they are no sandboxes). */
+export const LABEL_REAPER = "fleet.reaper";
 
 /** A sweep that ran but failed inside the sandbox (not a Docker call that failed). */
 function isSweepFailure(err: unknown): boolean {
