@@ -1,3 +1,4 @@
+import { withTimeout as boundedBy } from "@fleet/contracts";
 import type { RolloutStore, TeardownLedger } from "@fleet/queue";
 import type { FleetMetrics } from "@fleet/telemetry";
 import type { Queue } from "bullmq";
@@ -28,11 +29,7 @@ export interface ScrapeSources {
 
 /** Reject with a readable error when `promise` has not settled within `ms`. */
 export function withTimeout<T>(promise: Promise<T>, ms: number, what: string): Promise<T> {
-  let timer: NodeJS.Timeout | undefined;
-  const timeout = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(`${what}: no answer within ${ms} ms`)), ms);
-  });
-  return Promise.race([promise, timeout]).finally(() => clearTimeout(timer));
+  return boundedBy(promise, ms, `${what}: no answer within ${ms} ms`);
 }
 
 /**

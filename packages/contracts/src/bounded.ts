@@ -136,3 +136,16 @@ export async function readBodyCapped(response: Response, max: number): Promise<s
   }
   return Buffer.concat(chunks).toString("utf8");
 }
+
+/**
+ * `work`, or a rejection with `message` once `ms` pass first (a call that may hang rather than
+ * fail: a daemon, Redis). The losing promise's outcome is ignored, never an unhandled rejection.
+ */
+export function withTimeout<T>(work: Promise<T>, ms: number, message: string): Promise<T> {
+  let timer: NodeJS.Timeout | undefined;
+  const timeout = new Promise<never>((_, reject) => {
+    timer = setTimeout(() => reject(new Error(message)), ms);
+  });
+  work.catch(() => undefined);
+  return Promise.race([work, timeout]).finally(() => clearTimeout(timer));
+}

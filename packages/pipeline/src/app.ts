@@ -1,7 +1,7 @@
 import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
-import { FailureKind, type StageName } from "@fleet/contracts";
+import { FailureKind, type StageName, withTimeout } from "@fleet/contracts";
 import {
   assertRedisDurable,
   connectRedis,
@@ -124,17 +124,9 @@ export async function waitForProvider(
   const end = now() + waitMs;
   let delayMs = 250;
   for (let attempt = 1; ; attempt++) {
-    let timer: NodeJS.Timeout | undefined;
+    const callTimeoutMs = options.callTimeoutMs ?? 10_000;
     try {
-      await Promise.race([
-        provider.list(),
-        new Promise((_, reject) => {
-          timer = setTimeout(
-            () => reject(new Error(`no answer within ${options.callTimeoutMs ?? 10_000} ms`)),
-            options.callTimeoutMs ?? 10_000,
-          );
-        }),
-      ]);
+      await withTimeout(provider.list(), callTimeoutMs, `no answer within ${callTimeoutMs} ms`);
       if (attempt > 1) logger.info({ provider: provider.name, attempt }, "sandbox provider reachable");
       return;
     } catch (err) {
@@ -152,8 +144,6 @@ export async function waitForProvider(
       }
       await new Promise((r) => setTimeout(r, delayMs));
       delayMs = Math.min(delayMs * 2, 5_000);
-    } finally {
-      clearTimeout(timer);
     }
   }
 }

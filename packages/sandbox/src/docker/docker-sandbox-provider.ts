@@ -11,6 +11,7 @@ import {
   type ProbeReport,
   type SandboxHandle,
   type SandboxSpecInput,
+  withTimeout,
 } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
 import Dockerode from "dockerode";
@@ -798,14 +799,4 @@ export const LABEL_REAPER = "fleet.reaper";
 /** A sweep that ran but failed inside the sandbox (not a Docker call that failed). */
 function isSweepFailure(err: unknown): boolean {
   return isFleetError(err) && err.cause === undefined;
-}
-
-/** Reject with `message` after `ms`; the losing promise's outcome is ignored. */
-function withTimeout<T>(work: Promise<T>, ms: number, message: string): Promise<T> {
-  let timer: NodeJS.Timeout | undefined;
-  const timeout = new Promise<never>((_, reject) => {
-    timer = setTimeout(() => reject(new Error(message)), ms);
-  });
-  work.catch(() => undefined);
-  return Promise.race([work, timeout]).finally(() => clearTimeout(timer));
 }
