@@ -3,7 +3,6 @@ import {
   AgentSpec,
   CloseReceipt,
   FailureRecord,
-  fitRecord,
   fitRecordJson,
   isTerminal,
   MAX_RECORD_BYTES,
@@ -104,7 +103,7 @@ export interface NextStage {
   stage: StageName;
 }
 
-/** Receipt fields `fitRecord` never cuts. */
+/** Receipt fields `fitRecordJson` never cuts. */
 const RECEIPT_KEEP: ReadonlySet<string> = new Set(["answer"]);
 
 const RECEIPT_SCHEMAS = {
@@ -439,22 +438,21 @@ export class RolloutStore {
 
   /** Keep the first terminal failure; later ones only go to the failure log. Returns true if stored. */
   async recordFailure(id: string, failure: FailureRecord): Promise<boolean> {
-    const parsed = fitRecord(FailureRecord.parse(failure));
-    await this.logFailure(id, parsed);
+    const parsed = FailureRecord.parse(failure);
+    const json = fitRecordJson(parsed); // one bounded serialisation for the log and the field
+    await this.appendFailure(id, json);
     if (!parsed.terminal) return false;
-    return (
-      (await this.redis.fleetSetField(this.keys.rollout(id), "failure", JSON.stringify(parsed), "1")) === 1
-    );
+    return (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "1")) === 1;
   }
 
   /** Append to the bounded per-rollout failure log (retries included). */
   async logFailure(id: string, failure: FailureRecord): Promise<void> {
+    await this.appendFailure(id, fitRecordJson(failure));
+  }
+
+  private async appendFailure(id: string, json: string): Promise<void> {
     const key = this.keys.failures(id);
-    await this.redis
-      .multi()
-      .rpush(key, JSON.stringify(fitRecord(failure)))
-      .ltrim(key, -20, -1)
-      .exec();
+    await this.redis.multi().rpush(key, json).ltrim(key, -20, -1).exec();
   }
 
   async failureLog(id: string): Promise<FailureRecord[]> {
@@ -485,17 +483,13 @@ export class RolloutStore {
     return prev === "" ? null : RolloutStatus.parse(prev);
   }
 
-  async isStopRequested(id: string): Promise<boolean> {
-    return (await this.launchState(id, null)) === "stop";
-  }
-
   /**
    * Whether a running launch may go on: `stop` when a cancel, a close or a stop claim came;
-   * `lost` when another launch took the fence (`token` given: this one's was handed to another
-   * worker meanwhile, and only that one may still act on the sandbox or store a receipt);
+   * `lost` when another launch took the fence (this one's was handed to another worker
+   * meanwhile, and only that one may still act on the sandbox or store a receipt);
    * otherwise `run`.
    */
-  async launchState(id: string, token: string | null): Promise<"run" | "stop" | "lost"> {
+  async launchState(id: string, token: string): Promise<"run" | "stop" | "lost"> {
     const [cancel, closed, fence] = await this.redis.hmget(
       this.keys.rollout(id),
       "cancel",
@@ -503,7 +497,7 @@ export class RolloutStore {
       "fence",
     );
     if (cancel === "1" || closed === "1" || fence === "stopped") return "stop";
-    if (token !== null && fence !== `launched:${token}`) return "lost";
+    if (fence !== `launched:${token}`) return "lost";
     return "run";
   }
 
