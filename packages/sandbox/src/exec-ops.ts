@@ -52,6 +52,11 @@ export interface ExecCall {
   user: string;
   stdin: Buffer | null;
   maxOutputBytes: number;
+  /**
+   * Capabilities the command keeps (none otherwise): only the root kill sweep asks, for `kill`,
+   * from providers whose exec can grant one (bubblewrap's).
+   */
+  keepCaps?: readonly string[];
 }
 
 /** A provider's exec, bound to one sandbox. */
@@ -367,14 +372,19 @@ export function assertIsolated(name: string, checks: Record<string, boolean>, de
   return isolated;
 }
 
+/**
+ * Shell: `setup`, then rounds of `kill` each followed by a count (`n`) of the live, non-zombie
+ * processes of uid `$<uidVar>` other than this shell (a /proc scan, shell builtins only), until
+ * none remains or the rounds (`$<roundsArg>`) run out; prints `remaining=<n>`.
+ */
+function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: string): string {
+  const count = `n=0; for s in /proc/[0-9]*/status; do p=\${s#/proc/}; p=\${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$${uidVar}" ] && [ "$st" != Z ] && n=$((n+1)); done;`;
+  return `${setup} i=0; while :; do ${kill} ${count} [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$${roundsArg}" ] && break; sleep 0.1; done; echo "remaining=$n"`;
+}
+
 // Runs as the user itself: with every capability dropped, only that uid may signal its
-// processes. `kill -9 -1` spares the caller; the /proc scan (shell builtins only) counts
-// what is left that is not a zombie. Loops until none remains or the rounds ($1) run out.
-const KILL_SWEEP_SCRIPT = [
-  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-  'uid=$(id -u); i=0; n=0; while :; do kill -9 -1 2>/dev/null; n=0; for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$uid" ] && [ "$st" != Z ] && n=$((n+1)); done;',
-  ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$1" ] && break; sleep 0.1; done; echo "remaining=$n"',
-].join("");
+// processes. `kill -9 -1` spares the caller. Rounds: $1.
+const KILL_SWEEP_SCRIPT = sweepScript("uid=$(id -u);", "kill -9 -1 2>/dev/null;", "uid", "1");
 
 /**
  * The kill sweep for a target uid ($1, not root) run by a root process holding CAP_KILL (a reaper
@@ -383,13 +393,13 @@ const KILL_SWEEP_SCRIPT = [
  * kills them, then counts what is left that is not a zombie (a /proc scan, shell builtins only);
  * until none remains or the rounds ($2) run out. Prints `remaining=<n>`.
  */
-export const ROOT_KILL_SWEEP_SCRIPT = [
+export const ROOT_KILL_SWEEP_SCRIPT = sweepScript(
   // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-  't=$1; i=0; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && kill -"$1" "$p" 2>/dev/null; done; };',
-  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-  ' while :; do sig STOP; sig KILL; n=0; for s in /proc/[0-9]*/status; do u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && [ "$st" != Z ] && n=$((n+1)); done;',
-  ' [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$2" ] && break; sleep 0.1; done; echo "remaining=$n"',
-].join("");
+  't=$1; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && kill -"$1" "$p" 2>/dev/null; done; };',
+  "sig STOP; sig KILL;",
+  "t",
+  "2",
+);
 
 /**
  * `killProcesses` on an exec: up to 3 sweeps as `user`. A `sandbox_lost` exec error is a
@@ -402,8 +412,8 @@ export async function killProcessesViaExec(
   isFatal: (err: unknown) => boolean = () => false,
   options: {
     /**
-     * For a uid other than root's, run `ROOT_KILL_SWEEP_SCRIPT` as root: the exec must then give
-     * root CAP_KILL (and should give it nothing else).
+     * For a uid other than root's, run `ROOT_KILL_SWEEP_SCRIPT` as root, asking the exec to keep
+     * CAP_KILL (`keepCaps`); the exec must grant it and nothing else.
      */
     rootSweep?: boolean;
   } = {},
@@ -421,6 +431,7 @@ export async function killProcessesViaExec(
         user: asRoot ? ROOT_USER : user,
         stdin: null,
         maxOutputBytes: 4096,
+        ...(asRoot ? { keepCaps: ["kill"] } : {}),
       });
       const m = /remaining=(\d+)/.exec(r.stdout);
       if (m) {

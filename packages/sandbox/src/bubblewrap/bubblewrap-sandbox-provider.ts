@@ -132,8 +132,6 @@ interface RunOptions extends ExecCall {
   cwd?: string | undefined;
   /** Run outside the sandbox's cgroups (the kill sweep must start even at the pids limit). */
   outsideCgroups?: boolean;
-  /** Capabilities the command keeps (the root kill sweep's `kill`); none otherwise. */
-  keepCaps?: readonly string[];
 }
 
 /** How long output is still read after the command exited while something holds its pipes. */
@@ -576,8 +574,6 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         this.run(await this.liveState(handle), argv, {
           ...o,
           outsideCgroups: true,
-          // CAP_KILL for the root sweep's script alone, never for a sweep of root's own uid.
-          keepCaps: argv[2] === ROOT_KILL_SWEEP_SCRIPT ? ["kill"] : [],
         }),
       user,
       this.defaults.killRounds,
