@@ -1,6 +1,6 @@
-import { execFile } from "node:child_process";
+import { execFile, spawn } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
-import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -75,6 +75,32 @@ function hostProcessesOfRun(): number[] {
     } catch {}
   }
   return out;
+}
+
+function cmdline(pid: number): string {
+  try {
+    return readFileSync(`/proc/${pid}/cmdline`, "latin1");
+  } catch {
+    return "";
+  }
+}
+
+/** Running (not a zombie). */
+function alive(pid: number): boolean {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+    return !/^[ZX]/.test(stat.slice(stat.lastIndexOf(")") + 2));
+  } catch {
+    return false;
+  }
+}
+
+async function waitUntil(cond: () => boolean, timeoutMs = 30_000): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!cond()) {
+    if (Date.now() > end) throw new Error("timed out waiting for a condition");
+    await new Promise((r) => setTimeout(r, 20));
+  }
 }
 
 function readdirNumeric(dir: string): number[] {
@@ -452,6 +478,49 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     const h = await provider.create(s);
     live.push(h);
     expect(await provider.create(s)).toEqual(h);
+  });
+
+  it("a sandbox whose creator died before it was ready is listed, and the next create kills it before starting afresh", async () => {
+    // A bwrap that starts the real sandbox but never reports its PID 1: the creator waits, and is
+    // killed meanwhile (a worker SIGKILLed during the up-to-10 s start).
+    const wrapper = join(stateDir, "bwrap-mute.sh");
+    await writeFile(wrapper, '#!/bin/sh\n/usr/bin/bwrap "$@" 3>/dev/null &\nexec sleep 1000\n', {
+      mode: 0o755,
+    });
+    const s = spec();
+    const script = join(stateDir, "dying-creator.mts");
+    const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");
+    await writeFile(
+      script,
+      [
+        `import { BubblewrapSandboxProvider } from ${JSON.stringify(modulePath)};`,
+        `const p = new BubblewrapSandboxProvider(${JSON.stringify({ rootfs: provider.rootfs, stateDir, scope: RUN, bwrapPath: wrapper, defaults: { startTimeoutMs: 120_000 } })});`,
+        `await p.create(${JSON.stringify(s)});`,
+      ].join("\n"),
+    );
+    const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
+    const creator = spawn(tsx, [script], { stdio: "ignore" });
+    const exited = new Promise((resolve) => creator.once("exit", resolve));
+    const name = `fleet-${s.rolloutId}-resources`;
+    // The real sandbox runs: bwrap and its PID 1 (both name the workspace in their argv) and the keepalive.
+    let started: number[] = [];
+    await waitUntil(() => {
+      started = hostProcessesOfRun().filter((pid) => cmdline(pid).includes(`/${name}/`));
+      return started.length >= 2;
+    });
+    const wrapperPid = JSON.parse(await readFile(join(stateDir, `${name}.json`), "utf8")).bwrapPid as number;
+    started.push(wrapperPid);
+    creator.kill("SIGKILL");
+    await exited;
+    expect(started.every(alive)).toBe(true);
+
+    expect(
+      (await provider.list({ "fleet.rollout": s.rolloutId })).map((i) => [i.handle.name, i.running]),
+    ).toEqual([[name, false]]);
+    const h = await provider.create(s);
+    live.push(h);
+    expect(started.filter(alive)).toEqual([]);
+    expect((await provider.exec(h, ["echo", "fresh"], { deadlineMs: 10_000 })).stdout).toBe("fresh\n");
   });
 
   it("outlives the process that created it", async () => {

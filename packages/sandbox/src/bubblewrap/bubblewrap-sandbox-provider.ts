@@ -1,6 +1,6 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { closeSync, openSync, readdirSync, readFileSync } from "node:fs";
+import { closeSync, openSync, readdirSync, readFileSync, renameSync, writeFileSync } from "node:fs";
 import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
 import { join } from "node:path";
@@ -114,7 +114,12 @@ interface BwrapState {
   labels: Record<string, string>;
   /** The `bwrap` process we spawned (its own session and process group). */
   bwrapPid: number;
-  /** The sandbox's PID 1 as a host pid (bwrap's `child-pid`), the target of `nsenter`. */
+  /**
+   * The sandbox's PID 1 as a host pid (bwrap's `child-pid`), the target of `nsenter`; 0 while the
+   * sandbox starts (the state is written before bwrap is spawned, so a creator that dies during
+   * the start leaves a state that `list`, `destroy` and the next `create` find: its processes are
+   * then found by `SANDBOX_ID_ENV` in their environment).
+   */
   initPid: number;
   /** `/proc/<pid>/stat` start times, so a recycled pid is never mistaken for the sandbox. */
   bwrapStart: string;
@@ -133,6 +138,13 @@ interface RunOptions extends ExecCall {
   /** Run outside the sandbox's cgroups (the kill sweep must start even at the pids limit). */
   outsideCgroups?: boolean;
 }
+
+/**
+ * Set in bwrap's environment to the state's id: bwrap, its PID 1 (a fork of it, in a session of
+ * its own) and the keepalive inherit it, so a sandbox whose creator died before learning its PID 1
+ * can still be found and killed. Commands run in the sandbox never see it (`env -i`).
+ */
+export const SANDBOX_ID_ENV = "FLEET_BWRAP_SANDBOX_ID";
 
 /** How long output is still read after the command exited while something holds its pipes. */
 const EXIT_DRAIN_MS = 200;
@@ -225,22 +237,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
     });
     const unenforced = [...missing.map((m) => `${m.split(" ")[0]} limit (${m})`), "cpus", "workspace size"];
-    let bwrapPid: number;
-    let initPid: number;
-    try {
-      ({ bwrapPid, initPid } = await this.spawnBwrap(args, join(dir, "bwrap.log"), name));
-      await this.waitUntilReady(name, bwrapPid, initPid);
-      await moveIntoCgroups(cgroups, [bwrapPid, initPid, ...childrenOf(initPid)]);
-    } catch (err) {
-      await removeCgroups(cgroups);
-      await rm(dir, { recursive: true, force: true });
-      if (isFleetError(err)) throw err;
-      throw FleetError.retryable(
-        "provider_unavailable",
-        `sandbox ${name} failed to start: ${String(err)}`,
-        err,
-      );
-    }
+    // Written before bwrap is spawned (with no pids yet), then again once bwrap runs and once the
+    // sandbox is ready: a creator that dies at any point leaves something to find and destroy.
     const state: BwrapState = {
       version: 1,
       id: randomUUID(),
@@ -248,34 +246,68 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       rolloutId: spec.rolloutId,
       owner: spec.owner,
       labels,
-      bwrapPid,
-      initPid,
-      bwrapStart: startTime(bwrapPid) ?? "",
-      initStart: startTime(initPid) ?? "",
+      bwrapPid: 0,
+      initPid: 0,
+      bwrapStart: "",
+      initStart: "",
       workspaceDir,
       cgroups,
       unenforced,
       createdAt: Date.now(),
       expiresAt: spec.expiresAt,
     };
-    await this.writeState(state);
-    this.logger?.debug({ sandbox: name, initPid, rolloutId: spec.rolloutId }, "sandbox created");
+    try {
+      await this.writeState(state);
+      const { bwrapPid, initPid } = await this.spawnBwrap(args, join(dir, "bwrap.log"), state, (pid) => {
+        state.bwrapPid = pid;
+        state.bwrapStart = startTime(pid) ?? "";
+        this.writeStateSync(state);
+      });
+      await this.waitUntilReady(name, initPid);
+      await moveIntoCgroups(cgroups, [bwrapPid, initPid, ...childrenOf(initPid)]);
+      state.initPid = initPid;
+      state.initStart = startTime(initPid) ?? "";
+      await this.writeState(state);
+    } catch (err) {
+      await this.destroyState(state).catch((e: unknown) =>
+        this.logger?.warn(
+          { sandbox: name, err: String(e) },
+          "could not clean up a sandbox that failed to start",
+        ),
+      );
+      if (isFleetError(err)) throw err;
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `sandbox ${name} failed to start: ${String(err)}`,
+        err,
+      );
+    }
+    this.logger?.debug(
+      { sandbox: name, initPid: state.initPid, rolloutId: spec.rolloutId },
+      "sandbox created",
+    );
     return this.handleOf(state);
   }
 
-  /** Start bwrap in its own session (it outlives this process) and read its PID 1 from `--info-fd`. */
+  /**
+   * Start bwrap in its own session (it outlives this process) and read its PID 1 from `--info-fd`.
+   * `spawned` gets bwrap's pid synchronously, before anything else can happen to this process.
+   */
   private spawnBwrap(
     args: string[],
     logPath: string,
-    name: string,
+    state: Pick<BwrapState, "id" | "name">,
+    spawned: (pid: number) => void,
   ): Promise<{ bwrapPid: number; initPid: number }> {
+    const { name } = state;
     const log = openSync(logPath, "a");
     const child = spawn(this.bwrapPath, args, {
       detached: true,
       stdio: ["ignore", log, log, "pipe"],
-      env: { PATH: SANDBOX_PATH_ENV },
+      env: { PATH: SANDBOX_PATH_ENV, [SANDBOX_ID_ENV]: state.id },
     });
     closeSync(log);
+    if (child.pid !== undefined) spawned(child.pid);
     const info = child.stdio[3] as NodeJS.ReadableStream & { destroy(): void };
     return new Promise((resolve, reject) => {
       let text = "";
@@ -328,14 +360,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
    * bwrap reports its child's pid before that child has built the sandbox's mounts; the sandbox is
    * ready (and safe to `nsenter`) once the keepalive `sleep` has been exec'd.
    */
-  private async waitUntilReady(name: string, bwrapPid: number, initPid: number): Promise<void> {
+  private async waitUntilReady(name: string, initPid: number): Promise<void> {
     const until = performance.now() + this.defaults.startTimeoutMs;
     for (let attempt = 0; ; attempt++) {
       if ([initPid, ...childrenOf(initPid)].some((pid) => commOf(pid) === "sleep")) return;
       if (startTime(initPid) === null || performance.now() >= until) {
-        killQuietly(initPid);
-        killQuietly(-bwrapPid);
-        await rm(join(this.stateDir, name), { recursive: true, force: true });
         throw FleetError.retryable(
           "provider_unavailable",
           `sandbox ${name} did not start its keepalive in time`,
@@ -596,12 +625,21 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: !wasAlive, remaining: 0 };
   }
 
-  /** Kill the sandbox's PID 1 (which takes its whole PID namespace) and bwrap's group; remove its files. */
+  /**
+   * Kill the sandbox's PID 1 (which takes its whole PID namespace) and bwrap's group; remove its
+   * files. A sandbox still starting (no PID 1 recorded) is killed by its id in the environment of
+   * its processes.
+   */
   private async destroyState(state: BwrapState): Promise<void> {
-    const initAlive = () => sameProcess(state.initPid, state.initStart);
-    const bwrapAlive = () => sameProcess(state.bwrapPid, state.bwrapStart);
+    const starting = state.initPid === 0;
+    const initAlive = () => state.initPid > 0 && sameProcess(state.initPid, state.initStart);
+    const bwrapAlive = () => state.bwrapPid > 0 && sameProcess(state.bwrapPid, state.bwrapStart);
+    const marked = () => (starting ? processesWithEnv(SANDBOX_ID_ENV, state.id) : []);
     const until = performance.now() + 10_000;
-    for (let attempt = 0; initAlive() || bwrapAlive(); attempt++) {
+    for (let attempt = 0; ; attempt++) {
+      const others = marked();
+      if (!initAlive() && !bwrapAlive() && others.length === 0) break;
+      for (const pid of others) killQuietly(pid);
       if (initAlive()) killQuietly(state.initPid);
       if (bwrapAlive()) killQuietly(-state.bwrapPid);
       if (performance.now() >= until) {
@@ -609,6 +647,10 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       }
       await delay(Math.min(5 * 2 ** attempt, 100));
     }
+    // Its files (cgroups, directory and state are named by the sandbox's name) only while they
+    // are still its own: a newer sandbox of the same rollout may have taken the name meanwhile.
+    const current = await this.readState(state.name);
+    if (current !== null && current.id !== state.id) return;
     const left = await removeCgroups(state.cgroups ?? []);
     if (left.length > 0) this.logger?.warn({ sandbox: state.name, left }, "could not remove sandbox cgroups");
     await rm(join(this.stateDir, state.name), { recursive: true, force: true });
@@ -664,8 +706,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return state;
   }
 
+  /** Ready and its PID 1 still runs (a sandbox still starting is not alive). */
   private stateAlive(state: BwrapState): boolean {
-    return sameProcess(state.initPid, state.initStart);
+    return state.initPid > 0 && sameProcess(state.initPid, state.initStart);
   }
 
   private checkHandle(handle: SandboxHandle): void {
@@ -727,6 +770,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     await writeFile(tmp, `${JSON.stringify(state, null, 2)}\n`, { mode: 0o600 });
     await rename(tmp, this.statePath(state.name));
   }
+
+  /** `writeState`, synchronously: for the moment between spawning bwrap and anything else. */
+  private writeStateSync(state: BwrapState): void {
+    const tmp = `${this.statePath(state.name)}.${process.pid}.tmp`;
+    writeFileSync(tmp, `${JSON.stringify(state, null, 2)}\n`, { mode: 0o600 });
+    renameSync(tmp, this.statePath(state.name));
+  }
 }
 
 /** Field 22 of `/proc/<pid>/stat` (start time in clock ticks), or null when gone or a zombie. */
@@ -739,6 +789,25 @@ function startTime(pid: number): string | null {
   } catch {
     return null;
   }
+}
+
+/** Live processes whose environment holds `name=value` (root reads every `/proc/<pid>/environ`). */
+function processesWithEnv(name: string, value: string): number[] {
+  const entry = `${name}=${value}`;
+  const out: number[] = [];
+  let pids: string[];
+  try {
+    pids = readdirSync("/proc").filter((n) => /^\d+$/.test(n));
+  } catch {
+    return out;
+  }
+  for (const pid of pids) {
+    try {
+      if (!readFileSync(`/proc/${pid}/environ`, "latin1").split("\0").includes(entry)) continue;
+      if (startTime(Number(pid)) !== null) out.push(Number(pid));
+    } catch {}
+  }
+  return out;
 }
 
 function commOf(pid: number): string | null {
