@@ -4,14 +4,18 @@ import type { RolloutStore, StageQueues } from "@fleet/queue";
 export type CancelOutcome =
   | { kind: "unknown" }
   | { kind: "terminal"; status: RolloutStatus }
-  | { kind: "cancelling"; previous: RolloutStatus };
+  | { kind: "cancelling"; previous: RolloutStatus }
+  /** An earlier terminal failure (not a cancel) decides how the rollout ends: it is closing anyway. */
+  | { kind: "decided"; previous: RolloutStatus; failureKind: string };
 
 export const CANCEL_REASON = "cancelled by request";
 
 /**
  * Cancel one rollout: claim the stop (a harness not yet launched never starts), record the
  * terminal `cancelled` failure (the first terminal failure wins, so a repeated cancel changes
- * nothing), and enqueue close, which always runs and finalizes the rollout. Idempotent.
+ * nothing), and enqueue close, which always runs and finalizes the rollout. Idempotent. A rollout
+ * already closing for another terminal failure is stopped all the same but ends by that failure
+ * (`decided`).
  */
 export async function cancelRollout(
   store: RolloutStore,
@@ -24,7 +28,7 @@ export async function cancelRollout(
   if (isTerminal(previous)) return { kind: "terminal", status: previous };
   const record = await store.get(id);
   const stage = Stage.safeParse(record?.stage);
-  await store.recordFailure(id, {
+  const won = await store.recordFailure(id, {
     stage: stage.success ? stage.data : "admission",
     terminal: true,
     failureKind: "cancelled",
@@ -33,6 +37,10 @@ export async function cancelRollout(
     at: now,
   });
   await queues.enqueue("close", id);
+  // The first terminal failure wins: when another one came first, the rollout ends by it, not
+  // as cancelled (a repeated cancel finds its own and is still "cancelling").
+  const failureKind = won ? "cancelled" : ((await store.get(id))?.failure?.failureKind ?? "cancelled");
+  if (failureKind !== "cancelled") return { kind: "decided", previous, failureKind };
   return { kind: "cancelling", previous };
 }
 

@@ -641,6 +641,31 @@ describe("cancel", () => {
     expect(expectErrorBody(late, 409, "conflict").details).toMatchObject({ status: "cancelled" });
   });
 
+  it("409 for a rollout already closing for another failure, which decides its result; it is still stopped", async () => {
+    const { id } = (await h.call({ method: "POST", url: "/v1/rollouts", payload: row })).json() as {
+      id: string;
+    };
+    const lost = {
+      stage: "run",
+      terminal: true,
+      failureKind: "sandbox_lost",
+      mask: true,
+      reason: "gone",
+      at: 1,
+    } as const;
+    expect(await h.store.recordFailure(id, lost)).toBe(true);
+    const res = await h.call({ method: "POST", url: `/v1/rollouts/${id}/cancel` });
+    expect(expectErrorBody(res, 409, "conflict").details).toEqual({
+      rolloutId: id,
+      status: "accepted",
+      failureKind: "sandbox_lost",
+    });
+    const record = await h.store.get(id);
+    expect(record?.cancelRequested).toBe(true);
+    expect(record?.failure?.failureKind).toBe("sandbox_lost");
+    expect(await h.queues.queues.close.getJob(`${id}.close`)).toBeDefined();
+  });
+
   it("cancels every non-terminal rollout of a batch", async () => {
     const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row, row] } });
     const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
