@@ -1,5 +1,6 @@
 import { DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { janitorTick, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -44,9 +45,14 @@ describe("janitor", () => {
         throw new Error("daemon hiccup");
       },
     });
-    const report = await janitorTick({ ...fleet.deps, provider }, { orphanGraceMs: 60_000 });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const report = await janitorTick({ ...fleet.deps, provider, metrics }, { orphanGraceMs: 60_000 });
     expect(asked).toEqual([STALE_HELPER_MS]);
     expect(report.errors).toEqual(["helpers: daemon hiccup"]);
+    // Counted by step, so an alert sees a janitor whose step keeps failing.
+    const failures = (await metrics.janitorStepFailures.get()).values.map((v) => [v.labels.step, v.value]);
+    expect(failures.filter(([, n]) => n !== 0)).toEqual([["helpers", 1]]);
+    expect(failures.map(([step]) => step)).toContain("orphans");
   });
 
   it("removes a sandbox whose fleet.expires passed, even for a live rollout", async () => {

@@ -60,6 +60,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     } catch (err) {
       const message = err instanceof Error ? err.message : String(err);
       report.errors.push(`${name}: ${message}`);
+      deps.metrics?.janitorStepFailures.inc({ step: name.split(" ")[0]! });
       deps.logger.warn({ step: name, err: message }, "janitor step failed; the next pass retries it");
     }
   };

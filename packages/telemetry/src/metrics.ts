@@ -41,6 +41,8 @@ export const STAGE_OUTCOMES = ["ok", "replayed", "skipped", "unknown", "retry", 
 export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
 export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
+/** The janitor's steps (`fleet_janitor_step_failures_total{step}`); a per-rollout step counts under its kind. */
+export const JANITOR_STEPS = ["registry", "ledger", "orphans", "watchdog", "networks", "helpers", "metrics"] as const;
 export type TeardownResult = (typeof TEARDOWN_RESULTS)[number];
 /** `owner` of a sandbox (the `fleet.owner` label): the resources worker's task sandbox or an agent-owned one. */
 export const SANDBOX_OWNERS = ["resources", "agent"] as const;
@@ -185,6 +187,12 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       labelNames: ["queue"],
       registers,
     }),
+    janitorStepFailures: new Counter({
+      name: "fleet_janitor_step_failures_total",
+      help: "Janitor steps that failed, by step (each pass runs every step; one failing leaves the others running, and its gauges, e.g. fleet_sandboxes_active for orphans, keep their last value).",
+      labelNames: ["step"],
+      registers,
+    }),
     queueStalledJobs: new Counter({
       name: "fleet_queue_stalled_jobs_total",
       help: "Jobs this worker found stalled (lock lost: a worker died or blocked) and moved back to wait, by queue.",
@@ -197,5 +205,6 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   }
   for (const result of TEARDOWN_RESULTS) metrics.teardownAttempts.inc({ result }, 0);
   for (const kind of TOKEN_KINDS) metrics.modelTokens.inc({ kind }, 0);
+  for (const step of JANITOR_STEPS) metrics.janitorStepFailures.inc({ step }, 0);
   return metrics;
 }
