@@ -42,7 +42,15 @@ export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
 export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
 /** The janitor's steps (`fleet_janitor_step_failures_total{step}`); a per-rollout step counts under its kind. */
-export const JANITOR_STEPS = ["registry", "ledger", "orphans", "watchdog", "networks", "helpers", "metrics"] as const;
+export const JANITOR_STEPS = [
+  "registry",
+  "ledger",
+  "orphans",
+  "watchdog",
+  "networks",
+  "helpers",
+  "metrics",
+] as const;
 export type TeardownResult = (typeof TEARDOWN_RESULTS)[number];
 /** `owner` of a sandbox (the `fleet.owner` label): the resources worker's task sandbox or an agent-owned one. */
 export const SANDBOX_OWNERS = ["resources", "agent"] as const;
@@ -81,6 +89,7 @@ export interface FleetMetrics {
   redisUp: Gauge;
   queueWorkers: Gauge<"queue">;
   queueStalledJobs: Counter<"queue">;
+  janitorStepFailures: Counter<"step">;
 }
 
 /**
