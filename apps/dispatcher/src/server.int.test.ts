@@ -424,6 +424,19 @@ describe("POST /v1/batches", () => {
     expectErrorBody(res, 422, "invalid");
   });
 
+  it("metadata over 4 KiB of JSON is a 422 naming the limit", async () => {
+    const metadata = { tokens: Array.from({ length: 1000 }, (_, i) => 100_000 + i) };
+    const res = await h.call({ method: "POST", url: "/v1/rollouts", payload: { ...row, metadata } });
+    const error = expectErrorBody(res, 422, "invalid");
+    expect(error.message).toMatch(/metadata is \d+ bytes of JSON, over the limit of 4096/);
+    const small = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { ...row, metadata: { step: 7 } },
+    });
+    expect(small.statusCode, small.body).toBe(202);
+  });
+
   it("a batch refused at admission records nothing: its key stays free for the corrected body", async () => {
     const key = randomUUID();
     const headers = { "idempotency-key": key };

@@ -32,6 +32,14 @@ export interface Admitted {
  */
 export const MAX_REQUEST_DEPTH = 64;
 
+/**
+ * Largest `metadata` a request may carry, in bytes of JSON. It is copied into the result, which
+ * is kept within 16 KiB by cutting free text; numbers and keys cannot be cut, so an unbounded
+ * `metadata` (e.g. token ids) would push out the result's own fields. Keep bulk data on the
+ * client side, keyed by the rollout id.
+ */
+export const MAX_METADATA_BYTES = 4096;
+
 /** Nesting depth of a JSON value, counted without recursion; stops counting once past `limit`. */
 export function jsonDepth(value: unknown, limit = Number.POSITIVE_INFINITY): number {
   let max = 0;
@@ -167,6 +175,14 @@ export async function admit(
         index: i,
         maxDepth: MAX_REQUEST_DEPTH,
       });
+    }
+    const metadataBytes = req.metadata ? Buffer.byteLength(JSON.stringify(req.metadata)) : 0;
+    if (metadataBytes > MAX_METADATA_BYTES) {
+      throw new AdmissionError(
+        "invalid",
+        `rollout ${i}: metadata is ${metadataBytes} bytes of JSON, over the limit of ${MAX_METADATA_BYTES}; keep bulk data on the client, keyed by the rollout id`,
+        { index: i, bytes: metadataBytes, limit: MAX_METADATA_BYTES },
+      );
     }
   }
   const now = options.now ?? Date.now();

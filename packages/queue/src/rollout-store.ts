@@ -145,6 +145,25 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
 const TASK_CACHE_SIZE = 256;
 
 /**
+ * What a stored result never loses to the 16 KiB bound (DESIGN §2 rules 12–13): who it is, what
+ * it ran and how it ended. Only free text (reason, details, answers in failures, metadata strings)
+ * is cut; `metadata` is bounded at admission (`MAX_METADATA_BYTES`), since numbers cannot be cut.
+ */
+export const RESULT_KEEP: ReadonlySet<string> = new Set([
+  "id",
+  "batchId",
+  "taskId",
+  "taskDigest",
+  "agent",
+  "status",
+  "failureKind",
+  "stage",
+  "teardown",
+  "failures.stage",
+  "failures.failureKind",
+]);
+
+/**
  * The durable state of rollouts and batches (DESIGN §4). The rollout record, not the BullMQ job,
  * is the result of record.
  */
@@ -534,7 +553,7 @@ export class RolloutStore {
         this.keys.teardownDue(),
       ],
       [
-        fitRecordJson(parsed),
+        fitRecordJson(parsed, MAX_RECORD_BYTES, RESULT_KEEP),
         parsed.status,
         String(now),
         hasBatch,

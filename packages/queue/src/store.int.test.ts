@@ -6,7 +6,7 @@ import { join } from "node:path";
 import { MAX_RECORD_BYTES, type RolloutResult, type TaskContent } from "@fleet/contracts";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { admit, digestTask } from "./admission.ts";
+import { admit, digestTask, MAX_METADATA_BYTES } from "./admission.ts";
 import { assertRedisDurable, createRedis } from "./connection.ts";
 import { RolloutStore } from "./rollout-store.ts";
 import { StageQueues } from "./stage-queues.ts";
@@ -378,6 +378,54 @@ describe("rollout store", () => {
     for (const row of await redis.lrange(store.keys.failures(id), 0, -1)) {
       expect(Buffer.byteLength(row)).toBeLessThanOrEqual(MAX_RECORD_BYTES);
     }
+  });
+
+  it("a result too big for 16 KiB keeps who it is and how it ended; only free text is cut", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const long = `${"t".repeat(60)}-task`;
+    const result = {
+      ...resultFor(id, "masked"),
+      taskId: long,
+      reason: "\u0001".repeat(4000),
+      details: { log: "x".repeat(4000) },
+      // Numbers cannot be cut: as admitted before the metadata bound existed.
+      metadata: { tokens: Array.from({ length: 4000 }, (_, i) => 100_000 + i) },
+    };
+    expect(await store.finalize(meta, result, Date.now())).toBe(true);
+    const [stored] = await store.getResults([id]);
+    expect(stored).toMatchObject({
+      id,
+      taskId: long,
+      taskDigest: result.taskDigest,
+      agent: "oracle",
+      status: "masked",
+      failureKind: "provider_unavailable",
+      teardown: "confirmed",
+    });
+    expect(stored!.reason).toContain("…[truncated]");
+  });
+
+  it("admission refuses metadata over MAX_METADATA_BYTES (422 at the API)", async () => {
+    const digest = digestTask(task);
+    await store.putTask(task, digest);
+    const big = { tokens: Array.from({ length: 1000 }, (_, i) => 100_000 + i) };
+    const err = await admit(
+      store,
+      queues,
+      {
+        requests: [{ task: { digest }, agent: { harness: "oracle" }, metadata: big }] as never,
+        batch: false,
+      },
+      { maxTaskBytes: 1 << 20 },
+    ).catch((e: unknown) => e);
+    expect(err).toMatchObject({
+      name: "AdmissionError",
+      code: "invalid",
+      details: { limit: MAX_METADATA_BYTES },
+    });
+    expect((err as Error).message).toMatch(/metadata is \d+ bytes of JSON, over the limit of 4096/);
   });
 
   it("a receipt with a next stage enqueues it in the same write; attach keeps the handle even when closed", async () => {
