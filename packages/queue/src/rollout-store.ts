@@ -203,15 +203,23 @@ export class RolloutStore {
 
   // ---- admission ----
 
-  /** Create the batch hash if new; returns the stored body hash (the caller's if it created it). */
+  /**
+   * Create the batch hash if new; returns the stored body hash (the caller's if it created it).
+   * One MULTI: a crash cannot leave a body hash without `createdAt` (a batch nobody could read),
+   * and `total`/`done` are never written here, only counted up by admission and finalize
+   * (`HINCRBY` creates them), so a concurrent replay's admissions are never reset to 0.
+   */
   async createBatch(batchId: string, bodyHash: string, now: number): Promise<string> {
     const key = this.keys.batch(batchId);
-    const created = await this.redis.hsetnx(key, "bodyHash", bodyHash);
-    if (created === 1) {
-      await this.redis.hset(key, "createdAt", String(now), "total", "0", "done", "0");
-      return bodyHash;
-    }
-    return (await this.redis.hget(key, "bodyHash")) ?? bodyHash;
+    const replies = await this.redis
+      .multi()
+      .hsetnx(key, "bodyHash", bodyHash)
+      .hsetnx(key, "createdAt", String(now))
+      .hget(key, "bodyHash")
+      .exec();
+    if (!replies) throw new Error(`batch ${batchId}: the MULTI was discarded`);
+    for (const [err] of replies) if (err) throw err;
+    return (replies[2]?.[1] as string | null) ?? bodyHash;
   }
 
   /**

@@ -3,10 +3,17 @@ import { mkdtempSync } from "node:fs";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { MAX_RECORD_BYTES, type RolloutResult, type TaskContent } from "@fleet/contracts";
+import {
+  canonicalJson,
+  MAX_RECORD_BYTES,
+  RolloutRequest,
+  type RolloutResult,
+  sha256Hex,
+  type TaskContent,
+} from "@fleet/contracts";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { admit, digestTask, MAX_METADATA_BYTES } from "./admission.ts";
+import { admit, batchIdFor, digestTask, MAX_METADATA_BYTES, rolloutIds } from "./admission.ts";
 import { assertRedisDurable, createRedis } from "./connection.ts";
 import { RolloutStore } from "./rollout-store.ts";
 import { StageQueues } from "./stage-queues.ts";
@@ -405,6 +412,26 @@ describe("rollout store", () => {
       teardown: "confirmed",
     });
     expect(stored!.reason).toContain("…[truncated]");
+  });
+
+  it("a batch whose creation was cut short after its body hash is completed by the replay, and counts are never reset", async () => {
+    const key = `k-${Date.now()}`;
+    const requests = [
+      { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } },
+      { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } },
+    ];
+    const submit = () =>
+      admit(store, queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e6 });
+    // A dispatcher died right after recording the batch's body hash, before admitting anything.
+    const batchId = batchIdFor(rolloutIds(2, key, "batch"));
+    const bodyHash = sha256Hex(`[${requests.map((r) => canonicalJson(RolloutRequest.parse(r))).join(",")}]`);
+    await redis.hset(store.keys.batch(batchId), "bodyHash", bodyHash);
+    expect(await store.getBatch(batchId)).toBeNull();
+    expect((await submit()).batchId).toBe(batchId);
+    expect(await store.getBatch(batchId)).toMatchObject({ total: 2, done: 0 });
+    // Creating it again (a concurrent replay's) leaves what admission counted alone.
+    expect(await store.createBatch(batchId, bodyHash, Date.now())).toBe(bodyHash);
+    expect(await store.getBatch(batchId)).toMatchObject({ total: 2 });
   });
 
   it("admission refuses metadata over MAX_METADATA_BYTES (422 at the API)", async () => {
