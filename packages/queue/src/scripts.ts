@@ -35,15 +35,19 @@ const CONFIRM_TEARDOWN = `local function confirmTeardown(rolloutKey, ledgerKey, 
         local raw = redis.call('HGET', rolloutKey, 'result')
         if not raw then return 0 end
         -- Plain string edits, not cjson: cjson would turn empty arrays into objects. The result
-        -- is serialised in schema order, so the first occurrence is the top-level field.
-        local function sub(text, from, to)
-          local i, j = string.find(text, from, 1, true)
+        -- is serialised in schema order, and every field before these two is a scalar or a
+        -- string (where a quote is always escaped), so the first occurrence of the key is the
+        -- top-level field; its value is edited only if it is the one given (never a same-named
+        -- field further on, in details or metadata).
+        local function sub(text, name, from, to)
+          local i, j = string.find(text, '"' .. name .. '":', 1, true)
           if not i then return text end
-          return string.sub(text, 1, i - 1) .. to .. string.sub(text, j + 1)
+          if string.sub(text, j + 1, j + #from) ~= from then return text end
+          return string.sub(text, 1, j) .. to .. string.sub(text, j + #from + 1)
         end
-        local edited = sub(raw, '"teardown":"pending"', '"teardown":"confirmed"')
+        local edited = sub(raw, 'teardown', '"pending"', '"confirmed"')
         if edited == raw then return 0 end
-        edited = sub(edited, '"failureKind":"teardown_failed"', '"failureKind":null')
+        edited = sub(edited, 'failureKind', '"teardown_failed"', 'null')
         redis.call('HSET', rolloutKey, 'result', edited)
         return 1
       end`;

@@ -577,6 +577,33 @@ describe("rollout store", () => {
     );
     expect(await store.getResult(d)).toMatchObject({ teardown: "confirmed", failureKind: null, reward: 1 });
     expect(await ledger.size()).toBe(0);
+
+    // The edit is the top-level fields': the same names inside metadata are the user's, echoed as given.
+    const infra = { infra: { teardown: "pending", failureKind: "teardown_failed" } };
+    const e = (await admitOne()).ids[0]!;
+    const metaE = (await store.begin(e, "close", 20)).record!.meta;
+    expect(await store.finalize(metaE, { ...resultFor(e, "completed"), metadata: infra }, 30)).toBe(true);
+    expect(await store.getResult(e)).toMatchObject({
+      teardown: "confirmed",
+      failureKind: null,
+      metadata: infra,
+    });
+    const f = (await admitOne()).ids[0]!;
+    await ledger.schedule(entryOf(f, "agent"), 10);
+    const metaF = (await store.begin(f, "close", 20)).record!.meta;
+    const timedOut = {
+      ...resultFor(f, "completed"),
+      teardown: "pending" as const,
+      failureKind: "agent_timeout" as const,
+      metadata: infra,
+    };
+    expect(await store.finalize(metaF, timedOut, 30)).toBe(true);
+    await ledger.confirm(entryOf(f, "agent"));
+    expect(await store.getResult(f)).toMatchObject({
+      teardown: "confirmed",
+      failureKind: "agent_timeout",
+      metadata: infra,
+    });
   });
 
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
