@@ -31,7 +31,7 @@ async function main(): Promise<void> {
     process.exitCode = 1;
     return;
   }
-  const store = new RolloutStore(redis, config.prefix);
+  const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);
   // A Queue re-emits its connection's errors (logged once per outage above); unheard, an

@@ -38,11 +38,17 @@ export const DEFAULT_CONCURRENCY: Readonly<Record<WorkerKind, number>> = {
   verifier: 8,
 };
 
+/** Finished rollouts are kept a week by default (`FLEET_RESULT_TTL_S`), at most ten years. */
+export const DEFAULT_RESULT_TTL_S = 7 * 24 * 3600;
+const MAX_RESULT_TTL_S = 10 * 365 * 24 * 3600;
+
 const common = {
   REDIS_URL: redisUrlVar().default(DEFAULT_REDIS_URL),
   FLEET_PREFIX: wordVar().default(DEFAULT_PREFIX),
   FLEET_LOG_LEVEL: z.string().trim().toLowerCase().pipe(LogLevel).default("info"),
   FLEET_SHUTDOWN_TIMEOUT_MS: durationMsVar().default(DEFAULT_SHUTDOWN_TIMEOUT_MS),
+  /** Retention of finished rollouts, in seconds (0: keep for good). */
+  FLEET_RESULT_TTL_S: intVar(0, MAX_RESULT_TTL_S).default(DEFAULT_RESULT_TTL_S),
 };
 
 const sandbox = {
@@ -75,6 +81,7 @@ function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
     prefix: e.FLEET_PREFIX,
     logLevel: e.FLEET_LOG_LEVEL,
     shutdownTimeoutMs: e.FLEET_SHUTDOWN_TIMEOUT_MS,
+    resultTtlMs: e.FLEET_RESULT_TTL_S * 1000,
   };
 }
 

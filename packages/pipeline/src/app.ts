@@ -40,6 +40,7 @@ interface Common {
   prefix: string;
   logLevel: string;
   shutdownTimeoutMs: number;
+  resultTtlMs: number;
   sandboxProvider: "docker" | "bubblewrap";
   dockerHost: string | null;
   dockerCertPath: string | null;
@@ -70,7 +71,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     scope: config.prefix,
   });
   const deps: PipelineDeps = {
-    store: new RolloutStore(redis, config.prefix),
+    store: new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs }),
     ledger: new TeardownLedger(redis, config.prefix),
     queues: new StageQueues(redis, config.prefix),
     provider,

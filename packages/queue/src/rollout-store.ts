@@ -5,6 +5,7 @@ import {
   FailureRecord,
   fitRecordJson,
   isTerminal,
+  MAX_DURATION_S,
   MAX_RECORD_BYTES,
   RolloutResult,
   RolloutStatus,
@@ -144,6 +145,19 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
 /** Tasks are content-addressed and never change: a worker keeps the ones it has read. */
 const TASK_CACHE_SIZE = 256;
 
+/** Default retention of finished rollouts (`FLEET_RESULT_TTL_S`): a week. */
+export const DEFAULT_RESULT_TTL_MS = 7 * 24 * 3600 * 1000;
+
+export interface RolloutStoreOptions {
+  /**
+   * Retention: a finished rollout's record, result and failure log expire this long after it
+   * finished, a batch's keys this long after its last rollout did, a task this long plus a week
+   * after its latest admission. `0` keeps everything for good (Redis runs with noeviction, so
+   * memory then only grows). @defaultValue `DEFAULT_RESULT_TTL_MS` (a week)
+   */
+  resultTtlMs?: number;
+}
+
 /**
  * What a stored result never loses to the 16 KiB bound (DESIGN §2 rules 12–13): who it is, what
  * it ran and how it ended. Only free text (reason, details, answers in failures, metadata strings)
@@ -173,17 +187,39 @@ export class RolloutStore {
   private readonly batcher: ScriptBatcher;
   private readonly taskCache = new Map<string, TaskContent>();
 
-  constructor(redis: RedisConnection, prefix = "{fleet}") {
+  /** How long a finished rollout's record and result are kept (0: for good). */
+  readonly resultTtlMs: number;
+
+  constructor(redis: RedisConnection, prefix = "{fleet}", options: RolloutStoreOptions = {}) {
     this.redis = withScripts(redis);
     this.batcher = batcherFor(redis);
     this.keys = createKeys(prefix);
+    this.resultTtlMs = options.resultTtlMs ?? DEFAULT_RESULT_TTL_MS;
+    if (!Number.isSafeInteger(this.resultTtlMs) || this.resultTtlMs < 0) {
+      throw new Error(`resultTtlMs must be a whole number of milliseconds >= 0, got ${this.resultTtlMs}`);
+    }
   }
 
   // ---- tasks (content-addressed) ----
 
-  /** Store a task once; returns its digest. */
+  /**
+   * Store a task once (content-addressed). With retention on, it lives `resultTtlMs` plus the
+   * longest deadline (a week) past its latest admission, which refreshes it: every rollout that
+   * refers to it finishes before it goes.
+   */
   async putTask(task: TaskContent, digest: string): Promise<void> {
-    await this.redis.set(this.keys.task(digest), JSON.stringify(task), "NX");
+    const key = this.keys.task(digest);
+    if (this.resultTtlMs === 0) {
+      await this.redis.set(key, JSON.stringify(task), "NX");
+      return;
+    }
+    const ttl = this.resultTtlMs + MAX_DURATION_S * 1000;
+    const replies = await this.redis
+      .multi()
+      .set(key, JSON.stringify(task), "PX", ttl, "NX")
+      .pexpire(key, ttl)
+      .exec();
+    for (const [err] of replies ?? []) if (err) throw err;
   }
 
   async getTask(digest: string): Promise<TaskContent | null> {
@@ -559,6 +595,8 @@ export class RolloutStore {
         this.keys.sandboxes(),
         this.keys.teardownEntries(),
         this.keys.teardownDue(),
+        this.keys.failures(meta.id),
+        meta.batchId !== null ? this.keys.batchIds(meta.batchId) : this.keys.rollout(meta.id),
       ],
       [
         fitRecordJson(parsed, MAX_RECORD_BYTES, RESULT_KEEP),
@@ -571,6 +609,7 @@ export class RolloutStore {
         confirmed[1] ?? "",
         sandboxKey(meta.id, "resources"),
         sandboxKey(meta.id, "agent"),
+        String(this.resultTtlMs),
       ],
     );
     return r === 1;

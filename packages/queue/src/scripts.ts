@@ -123,7 +123,9 @@ const SCRIPTS = {
    * janitor finished the teardown while this close ran). Returns 1 if this call finalized.
    */
   fleetFinalize: {
-    keys: 6, // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due
+    // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due, failures,
+    // batch ids|rollout
+    keys: 8,
     lua: `
       ${TERMINAL}
       ${CONFIRM_TEARDOWN}
@@ -144,10 +146,23 @@ const SCRIPTS = {
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
       confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10])
+      local done, total = 0, 1
       if ARGV[4] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
         redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[2], 1)
-        redis.call('HINCRBY', KEYS[2], 'done', 1)
+        done = redis.call('HINCRBY', KEYS[2], 'done', 1)
+        total = tonumber(redis.call('HGET', KEYS[2], 'total') or '0')
+      end
+      -- Retention: the result and its failure log live ARGV[11] ms from now; a batch's keys from
+      -- when its last rollout finished (its seeds are enqueued only once all are admitted).
+      local ttl = tonumber(ARGV[11]) or 0
+      if ttl > 0 then
+        redis.call('PEXPIRE', KEYS[1], ttl)
+        redis.call('PEXPIRE', KEYS[7], ttl)
+        if ARGV[4] == '1' and done >= total then
+          redis.call('PEXPIRE', KEYS[2], ttl)
+          redis.call('PEXPIRE', KEYS[8], ttl)
+        end
       end
       return 1`,
   },
@@ -333,7 +348,7 @@ export type ScriptName = keyof typeof SCRIPTS;
 export const BATCHED = {
   fleetBegin: { args: 10 },
   fleetReceipt: { args: 11 },
-  fleetFinalize: { args: 10 },
+  fleetFinalize: { args: 11 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;
 export const BATCH_ERROR = "__fleet_err";

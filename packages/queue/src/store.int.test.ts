@@ -434,6 +434,54 @@ describe("rollout store", () => {
     expect(await store.getBatch(batchId)).toMatchObject({ total: 2 });
   });
 
+  it("retention: a finished rollout's keys expire after resultTtlMs, a batch's once its last rollout finished, a task a week later still", async () => {
+    const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const forever = new RolloutStore(redis, prefix, { resultTtlMs: 0 });
+    const pttl = (key: string) => redis.pttl(key);
+    const requests = [
+      { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } },
+      { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } },
+    ];
+    const digest = digestTask(task);
+    await redis.del(store.keys.task(digest));
+    const { batchId, ids } = await admit(kept, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
+    const taskTtl = await pttl(store.keys.task(digest));
+    expect(taskTtl).toBeGreaterThan(60_000 + 7 * 24 * 3600 * 1000 - 10_000);
+    const [a, b] = ids as [string, string];
+    const failure = {
+      stage: "run",
+      terminal: false,
+      failureKind: "sandbox_lost",
+      mask: true,
+      reason: "x",
+      at: 1,
+    } as const;
+    await kept.logFailure(a, failure);
+    const metaA = (await kept.get(a))!.meta;
+    expect(await kept.finalize(metaA, { ...resultFor(a, "completed"), batchId }, Date.now())).toBe(true);
+    for (const key of [kept.keys.rollout(a), kept.keys.failures(a)]) {
+      expect(await pttl(key)).toBeGreaterThan(50_000);
+      expect(await pttl(key)).toBeLessThanOrEqual(60_000);
+    }
+    // One rollout of the batch still runs: the batch keeps its keys.
+    expect(await pttl(kept.keys.batch(batchId!))).toBe(-1);
+    expect(await pttl(kept.keys.rollout(b))).toBe(-1);
+    const metaB = (await kept.get(b))!.meta;
+    expect(await kept.finalize(metaB, { ...resultFor(b, "completed"), batchId }, Date.now())).toBe(true);
+    for (const key of [kept.keys.batch(batchId!), kept.keys.batchIds(batchId!), kept.keys.rollout(b)]) {
+      expect(await pttl(key)).toBeGreaterThan(50_000);
+    }
+    expect(await kept.getBatch(batchId!)).toMatchObject({ total: 2, done: 2 });
+
+    // resultTtlMs 0 keeps everything.
+    const c = (
+      await admit(forever, queues, { requests: [requests[0]!], batch: false }, { maxTaskBytes: 1e6 })
+    ).ids[0]!;
+    const metaC = (await forever.get(c))!.meta;
+    expect(await forever.finalize(metaC, resultFor(c, "completed"), Date.now())).toBe(true);
+    expect(await pttl(forever.keys.rollout(c))).toBe(-1);
+  });
+
   it("admission refuses metadata over MAX_METADATA_BYTES (422 at the API)", async () => {
     const digest = digestTask(task);
     await store.putTask(task, digest);
