@@ -275,6 +275,18 @@ describe("POST /v1/rollouts", () => {
     });
   });
 
+  it("answers 422 for a task whose tests/test.sh runs nothing (every agent would pass)", async () => {
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { ...row, task: { ...task, tests: { "test.sh": "#!/bin/sh\n# nothing yet\n" } } },
+    });
+    const error = expectErrorBody(res, 422, "invalid");
+    expect(error.details).toMatchObject({
+      issues: [{ path: "task.tests.test.sh", message: expect.stringContaining("runs nothing") }],
+    });
+  });
+
   it("answers 422 for 1e999 (Infinity), negative timeouts, unknown sandbox options and harnesses", async () => {
     const bodies: [string, string][] = [
       [`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"deadlineS":1e999}`, "deadlineS"],

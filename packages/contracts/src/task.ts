@@ -63,32 +63,53 @@ export const VerifierSpec = z.discriminatedUnion("kind", [
 export type VerifierSpec = z.infer<typeof VerifierSpec>;
 
 /** A task's whole content, as it travels with a request and is stored content-addressed. */
-export const TaskContent = z.strictObject({
-  id: z
-    .string()
-    .min(1)
-    .max(200)
-    .regex(/^[A-Za-z0-9][A-Za-z0-9._-]*$/, "must be letters, digits, '.', '_' or '-'"),
-  instruction: z.string().min(1, "must not be empty"),
-  /** Sandbox image name; must exist on the worker hosts. */
-  image: z.string().min(1).max(300),
-  /** Files placed in the agent's workspace before it starts. */
-  workspace: FileSet.default({}),
-  /** The reference solution (`solve.sh` and helpers); used by the `oracle` agent only. */
-  solution: FileSet.default({}),
-  /** The tests (`test.sh` and helpers); staged only after the agent has stopped. */
-  tests: FileSet.default({}),
-  timeouts: z
-    .strictObject({
-      agentS: Seconds.default(120),
-      verifierS: Seconds.default(60),
-    })
-    .default({ agentS: 120, verifierS: 60 }),
-  verifier: VerifierSpec.default({ kind: "tests" }),
-  metadata: z.record(z.string(), z.unknown()).default({}),
-});
+export const TaskContent = z
+  .strictObject({
+    id: z
+      .string()
+      .min(1)
+      .max(200)
+      .regex(/^[A-Za-z0-9][A-Za-z0-9._-]*$/, "must be letters, digits, '.', '_' or '-'"),
+    instruction: z.string().min(1, "must not be empty"),
+    /** Sandbox image name; must exist on the worker hosts. */
+    image: z.string().min(1).max(300),
+    /** Files placed in the agent's workspace before it starts. */
+    workspace: FileSet.default({}),
+    /** The reference solution (`solve.sh` and helpers); used by the `oracle` agent only. */
+    solution: FileSet.default({}),
+    /** The tests (`test.sh` and helpers); staged only after the agent has stopped. */
+    tests: FileSet.default({}),
+    timeouts: z
+      .strictObject({
+        agentS: Seconds.default(120),
+        verifierS: Seconds.default(60),
+      })
+      .default({ agentS: 120, verifierS: 60 }),
+    verifier: VerifierSpec.default({ kind: "tests" }),
+    metadata: z.record(z.string(), z.unknown()).default({}),
+  })
+  .superRefine((task, ctx) => {
+    // Graded by `tests/test.sh`: one that runs nothing (blank, comments only) would pass every
+    // agent's work with 1.0. (A missing one fails the rollout at verify, `invalid_task`.)
+    const script = task.tests["test.sh"];
+    if (task.verifier.kind === "tests" && script !== undefined && !hasCommand(script)) {
+      ctx.addIssue({
+        code: "custom",
+        path: ["tests", "test.sh"],
+        message: "runs nothing (blank or comments only), so every agent would pass",
+      });
+    }
+  });
 export type TaskContent = z.infer<typeof TaskContent>;
 export type TaskContentInput = z.input<typeof TaskContent>;
+
+/** Whether a shell script has a line that is neither blank nor a comment. */
+function hasCommand(script: string): boolean {
+  return script.split("\n").some((line) => {
+    const t = line.trim();
+    return t !== "" && !t.startsWith("#");
+  });
+}
 
 /** sha256 hex digest of a stored task. */
 export const TaskDigest = z.string().regex(/^[0-9a-f]{64}$/, "must be a sha256 hex digest");

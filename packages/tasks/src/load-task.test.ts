@@ -214,6 +214,15 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(await invalidTask(() => loadTask(dir))).toContain(path.join(dir, "tests", "test.sh"));
   });
 
+  it("a tests/test.sh that runs nothing (empty, blank or comments only): every agent would pass", async () => {
+    for (const script of ["", "\n  \n", "#!/bin/bash\n# TODO: write the tests\n"]) {
+      const dir = await writeTask(`t${script.length}`, { "tests/test.sh": script });
+      expect(await invalidTask(() => loadTask(dir))).toMatch(/test\.sh.*runs nothing/);
+    }
+    const real = await writeTask("real", { "tests/test.sh": "#!/bin/bash\n# checks\ntest -f out.txt\n" });
+    expect((await loadTask(real)).tests["test.sh"]).toContain("test -f");
+  });
+
   it("a solution without solve.sh", async () => {
     const dir = await writeTask("t", { "solution/solve.sh": null, "solution/fix.py": "x\n" });
     expect(await invalidTask(() => loadTask(dir))).toContain(path.join(dir, "solution", "solve.sh"));
