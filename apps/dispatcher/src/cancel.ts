@@ -37,9 +37,12 @@ export async function cancelRollout(
     at: now,
   });
   await queues.enqueue("close", id);
-  // The first terminal failure wins: when another one came first, the rollout ends by it, not
-  // as cancelled (a repeated cancel finds its own and is still "cancelling").
-  const failureKind = won ? "cancelled" : ((await store.get(id))?.failure?.failureKind ?? "cancelled");
+  if (won) return { kind: "cancelling", previous };
+  // Not recorded: the rollout finished meanwhile (its own close won), or another terminal
+  // failure came first and decides how it ends (a repeated cancel finds its own).
+  const current = await store.get(id);
+  if (current && isTerminal(current.status)) return { kind: "terminal", status: current.status };
+  const failureKind = current?.failure?.failureKind ?? "cancelled";
   if (failureKind !== "cancelled") return { kind: "decided", previous, failureKind };
   return { kind: "cancelling", previous };
 }

@@ -6,6 +6,7 @@ import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { cancelRollout } from "./cancel.ts";
 import { createServer } from "./server.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
@@ -689,6 +690,22 @@ describe("cancel", () => {
     expect(record?.cancelRequested).toBe(true);
     expect(record?.failure?.failureKind).toBe("sandbox_lost");
     expect(await h.queues.queues.close.getJob(`${id}.close`)).toBeDefined();
+  });
+
+  it("a cancel that loses to the rollout's own finish reports it terminal, not cancelling", async () => {
+    const { id } = (await h.call({ method: "POST", url: "/v1/rollouts", payload: row })).json() as {
+      id: string;
+    };
+    // The rollout's close finalizes it between the cancel's stop claim and its failure record.
+    const racing = Object.create(h.store) as typeof h.store;
+    racing.recordFailure = async (rid, failure) => {
+      await h.store.finalize({ id: rid, batchId: null }, resultFor(rid, null, 1), Date.now());
+      return h.store.recordFailure(rid, failure);
+    };
+    expect(await cancelRollout(racing, h.queues, id, Date.now())).toEqual({
+      kind: "terminal",
+      status: "completed",
+    });
   });
 
   it("cancels every non-terminal rollout of a batch", async () => {

@@ -59,6 +59,13 @@ describe("DispatcherConfig", () => {
     });
   });
 
+  it("FLEET_RESULT_TTL_S is 0 or at least two days", () => {
+    expect(parseConfig(DispatcherConfig, { FLEET_RESULT_TTL_S: "172800" }).resultTtlMs).toBe(172_800_000);
+    expect(() => parseConfig(DispatcherConfig, { FLEET_RESULT_TTL_S: "3600" })).toThrow(
+      /FLEET_RESULT_TTL_S: must be 0 \(keep for good\) or at least 172800/,
+    );
+  });
+
   it("treats empty values as unset", () => {
     expect(parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: "", REDIS_URL: "  " }).httpPort).toBe(8080);
   });

@@ -41,14 +41,23 @@ export const DEFAULT_CONCURRENCY: Readonly<Record<WorkerKind, number>> = {
 /** Finished rollouts are kept a week by default (`FLEET_RESULT_TTL_S`), at most ten years. */
 export const DEFAULT_RESULT_TTL_S = 7 * 24 * 3600;
 const MAX_RESULT_TTL_S = 10 * 365 * 24 * 3600;
+const MIN_RESULT_TTL_S = 2 * 24 * 3600;
 
 const common = {
   REDIS_URL: redisUrlVar().default(DEFAULT_REDIS_URL),
   FLEET_PREFIX: wordVar().default(DEFAULT_PREFIX),
   FLEET_LOG_LEVEL: z.string().trim().toLowerCase().pipe(LogLevel).default("info"),
   FLEET_SHUTDOWN_TIMEOUT_MS: durationMsVar().default(DEFAULT_SHUTDOWN_TIMEOUT_MS),
-  /** Retention of finished rollouts, in seconds (0: keep for good). */
-  FLEET_RESULT_TTL_S: intVar(0, MAX_RESULT_TTL_S).default(DEFAULT_RESULT_TTL_S),
+  /**
+   * Retention of finished rollouts, in seconds: 0 (keep for good) or at least two days, longer
+   * than BullMQ keeps a finished job (a day): a rollout admitted again under its key after it
+   * expired must not find its old seed job still there (BullMQ would skip the new one).
+   */
+  FLEET_RESULT_TTL_S: intVar(0, MAX_RESULT_TTL_S)
+    .refine((s) => s === 0 || s >= MIN_RESULT_TTL_S, {
+      message: `must be 0 (keep for good) or at least ${MIN_RESULT_TTL_S} (two days)`,
+    })
+    .default(DEFAULT_RESULT_TTL_S),
 };
 
 const sandbox = {

@@ -219,7 +219,14 @@ export async function admit(
       });
     }
   }
-  const { created, conflicting } = await store.admit(metas, now);
+  const { created, conflicting, expired } = await store.admit(metas, now);
+  if (expired.length > 0) {
+    throw new AdmissionError(
+      "conflict",
+      `batch ${batchId} has finished and its rollouts are expiring (retention): its Idempotency-Key replays it only while it is kept; submit it again under a new key`,
+      { batchId, expired: expired.slice(0, 10) },
+    );
+  }
   if (conflicting.length > 0) {
     // Only a single rollout can get here (a batch's body is checked whole, atomically, above):
     // a concurrent request with the same key and another body recorded it first.

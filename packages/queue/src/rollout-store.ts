@@ -145,6 +145,12 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
 /** Tasks are content-addressed and never change: a worker keeps the ones it has read. */
 const TASK_CACHE_SIZE = 256;
 
+/**
+ * The longest a rollout can be in flight: its deadline is at most the agent's and the verifier's
+ * timeouts (a week each) plus an hour's slack, and close may retry for about 35 minutes after it.
+ */
+const LONGEST_LIFE_MS = (2 * MAX_DURATION_S + 2 * 3600) * 1000;
+
 /** Default retention of finished rollouts (`FLEET_RESULT_TTL_S`): a week. */
 export const DEFAULT_RESULT_TTL_MS = 7 * 24 * 3600 * 1000;
 
@@ -204,8 +210,8 @@ export class RolloutStore {
 
   /**
    * Store a task once (content-addressed). With retention on, it lives `resultTtlMs` plus the
-   * longest deadline (a week) past its latest admission, which refreshes it: every rollout that
-   * refers to it finishes before it goes.
+   * longest a rollout can live (`LONGEST_LIFE_MS`) past its latest admission, which refreshes it:
+   * every rollout that refers to it finishes before it goes.
    */
   async putTask(task: TaskContent, digest: string): Promise<void> {
     const key = this.keys.task(digest);
@@ -213,7 +219,7 @@ export class RolloutStore {
       await this.redis.set(key, JSON.stringify(task), "NX");
       return;
     }
-    const ttl = this.resultTtlMs + MAX_DURATION_S * 1000;
+    const ttl = this.resultTtlMs + LONGEST_LIFE_MS;
     const replies = await this.redis
       .multi()
       .set(key, JSON.stringify(task), "PX", ttl, "NX")
@@ -259,15 +265,17 @@ export class RolloutStore {
   }
 
   /**
-   * Admit rollouts (idempotent per id). Returns the ids newly created, and those that already
-   * existed with another body hash (`conflicting`: nothing of theirs was changed).
+   * Admit rollouts (idempotent per id). Returns the ids newly created, those that already
+   * existed with another body hash (`conflicting`: nothing of theirs was changed), and those gone
+   * from a finished batch that is expiring (`expired`: not created again).
    */
   async admit(
     metas: readonly RolloutMeta[],
     now: number,
-  ): Promise<{ created: string[]; conflicting: string[] }> {
+  ): Promise<{ created: string[]; conflicting: string[]; expired: string[] }> {
     const created: string[] = [];
     const conflicting: string[] = [];
+    const expired: string[] = [];
     for (let i = 0; i < metas.length; i += 500) {
       const chunk = metas.slice(i, i + 500);
       const pipe = this.redis.pipeline() as unknown as ScriptedRedis & {
@@ -280,6 +288,7 @@ export class RolloutStore {
           batch ? this.keys.batch(m.batchId!) : this.keys.rollout(m.id),
           this.keys.inflight(),
           batch ? this.keys.batchIds(m.batchId!) : this.keys.rollout(m.id),
+          this.keys.failures(m.id),
           JSON.stringify(m),
           String(m.deadlineAt),
           String(now),
@@ -293,9 +302,10 @@ export class RolloutStore {
         if (err) throw err;
         if (value === 1) created.push(chunk[j]!.id);
         if (value === -1) conflicting.push(chunk[j]!.id);
+        if (value === -2) expired.push(chunk[j]!.id);
       });
     }
-    return { created, conflicting };
+    return { created, conflicting, expired };
   }
 
   // ---- reads ----
@@ -515,7 +525,11 @@ export class RolloutStore {
 
   private async appendFailure(id: string, json: string): Promise<void> {
     const key = this.keys.failures(id);
-    await this.redis.multi().rpush(key, json).ltrim(key, -20, -1).exec();
+    const tx = this.redis.multi().rpush(key, json).ltrim(key, -20, -1);
+    // With retention on, the log outlives its rollout's whole life from any append (finalize then
+    // cuts it to the result's retention), and a late append after finalize still expires.
+    if (this.resultTtlMs > 0) tx.pexpire(key, this.resultTtlMs + LONGEST_LIFE_MS);
+    await tx.exec();
   }
 
   async failureLog(id: string): Promise<FailureRecord[]> {

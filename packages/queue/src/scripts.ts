@@ -57,17 +57,22 @@ const SCRIPTS = {
    * Admit one rollout if new: meta, status, inflight entry, batch count. ARGV: metaJson,
    * deadlineAt, now, id, hasBatch, bodyHash. Returns 1 if created, 0 if it existed with the same
    * body hash (an idempotent replay), -1 if it existed with another (a conflicting reuse of the
-   * id's idempotency key, however close together the two requests came).
+   * id's idempotency key, however close together the two requests came), -2 if it is gone from
+   * a batch that finished and is expiring (retention): a replay may not add it again, which
+   * would count it twice in a batch about to vanish.
    */
   fleetAdmit: {
-    keys: 4, // rollout, batch|rollout, inflight, batchIds|rollout
+    keys: 5, // rollout, batch|rollout, inflight, batchIds|rollout, failures
     lua: `
-      if redis.call('HSETNX', KEYS[1], 'meta', ARGV[1]) == 0 then
+      if redis.call('HEXISTS', KEYS[1], 'meta') == 1 then
         local stored = redis.call('HGET', KEYS[1], 'bodyHash')
         if stored and stored ~= ARGV[6] then return -1 end
         return 0
       end
-      redis.call('HSET', KEYS[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3], 'deadline', ARGV[2], 'bodyHash', ARGV[6])
+      if ARGV[5] == '1' and redis.call('PTTL', KEYS[2]) > 0 then return -2 end
+      -- A failure log left by an expired rollout of the same id (a late stage's append) is not this one's.
+      redis.call('DEL', KEYS[5])
+      redis.call('HSET', KEYS[1], 'meta', ARGV[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3], 'deadline', ARGV[2], 'bodyHash', ARGV[6])
       redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
       if ARGV[5] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:accepted', 1)

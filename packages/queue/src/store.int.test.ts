@@ -445,8 +445,9 @@ describe("rollout store", () => {
     const digest = digestTask(task);
     await redis.del(store.keys.task(digest));
     const { batchId, ids } = await admit(kept, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
+    // A task outlives the longest rollout (two week-long timeouts, an hour's slack, close's retries).
     const taskTtl = await pttl(store.keys.task(digest));
-    expect(taskTtl).toBeGreaterThan(60_000 + 7 * 24 * 3600 * 1000 - 10_000);
+    expect(taskTtl).toBeGreaterThan(60_000 + (14 * 24 + 2) * 3600 * 1000 - 10_000);
     const [a, b] = ids as [string, string];
     const failure = {
       stage: "run",
@@ -457,6 +458,8 @@ describe("rollout store", () => {
       at: 1,
     } as const;
     await kept.logFailure(a, failure);
+    // While it runs, its failure log outlives it whatever happens (expiring, should it be left behind).
+    expect(await pttl(kept.keys.failures(a))).toBeGreaterThan((14 * 24 + 2) * 3600 * 1000);
     const metaA = (await kept.get(a))!.meta;
     expect(await kept.finalize(metaA, { ...resultFor(a, "completed"), batchId }, Date.now())).toBe(true);
     for (const key of [kept.keys.rollout(a), kept.keys.failures(a)]) {
@@ -472,6 +475,33 @@ describe("rollout store", () => {
       expect(await pttl(key)).toBeGreaterThan(50_000);
     }
     expect(await kept.getBatch(batchId!)).toMatchObject({ total: 2, done: 2 });
+
+    // A replay of the finished batch after one of its rollouts expired admits nothing again.
+    const keyed = { requests, batch: true, idempotencyKey: `ret-${Date.now()}` };
+    const first = await admit(kept, queues, keyed, { maxTaskBytes: 1e6 });
+    for (const id of first.ids) {
+      const m = (await kept.get(id))!.meta;
+      await kept.finalize(m, { ...resultFor(id, "completed"), batchId: first.batchId }, Date.now());
+    }
+    await redis.del(kept.keys.rollout(first.ids[0]!));
+    const err = await admit(kept, queues, keyed, { maxTaskBytes: 1e6 }).catch((e: unknown) => e);
+    expect(err).toMatchObject({ name: "AdmissionError", code: "conflict" });
+    expect((err as Error).message).toContain("finished and its rollouts are expiring");
+    expect(await kept.get(first.ids[0]!)).toBeNull();
+    expect(await kept.getBatch(first.batchId!)).toMatchObject({ total: 2, done: 2 });
+    expect(await redis.llen(kept.keys.batchIds(first.batchId!))).toBe(2);
+
+    // A rollout admitted again under a key whose earlier rollout expired starts without its failures.
+    const single = `single-${Date.now()}`;
+    const [sid] = rolloutIds(1, single, "rollout") as [string];
+    await redis.rpush(kept.keys.failures(sid), JSON.stringify(failure));
+    await admit(
+      kept,
+      queues,
+      { requests: [requests[0]!], batch: false, idempotencyKey: single },
+      { maxTaskBytes: 1e6 },
+    );
+    expect(await kept.failureLog(sid)).toEqual([]);
 
     // resultTtlMs 0 keeps everything.
     const c = (

@@ -175,7 +175,7 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(receipt).toMatchObject({ confirmed: true, scope: "sandbox", alreadyGone: false });
     expect(await provider.alive(h)).toBe(false);
     expect(existsSync(join(stateDir, `${h.name}.json`))).toBe(false);
-    expect(existsSync(join(stateDir, h.name))).toBe(false);
+    expect(readdirSync(stateDir).filter((e) => e.startsWith(h.name))).toEqual([]);
   });
 
   it("a command's PATH and LD_PRELOAD reach the command only, never the privileged nsenter/setpriv before it", async () => {
@@ -185,7 +185,8 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     // (/workspace) and on the host (the sandbox's workspace directory, a predictable path).
     const fake = `#!/bin/sh\n/usr/bin/touch ${marker} /workspace/pwned\n`;
     await provider.put(h, "/workspace", { nsenter: fake, setpriv: fake, env: fake });
-    const hostWorkspace = join(stateDir, h.name, "workspace");
+    const hostWorkspace = join(stateDir, `${h.name}-${h.id.slice(0, 8)}`, "workspace");
+    expect(existsSync(hostWorkspace)).toBe(true);
     const r = await provider.exec(h, ["/bin/sh", "-c", 'echo "$PATH|$LD_PRELOAD"'], {
       deadlineMs: 10_000,
       env: { PATH: `/workspace:${hostWorkspace}`, LD_PRELOAD: "/workspace/nope.so" },
@@ -480,15 +481,17 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.create(s)).toEqual(h);
   });
 
-  it("a sandbox whose creator died before it was ready is listed, and the next create kills it before starting afresh", async () => {
-    // A bwrap that starts the real sandbox but never reports its PID 1: the creator waits, and is
-    // killed meanwhile (a worker SIGKILLed during the up-to-10 s start).
+  /**
+   * Start a create in another process with a bwrap that starts the real sandbox but never reports
+   * its PID 1, so that create waits (up to 120 s) with the sandbox half-started; resolves once
+   * bwrap and its PID 1 run. `pids`: those two and the wrapper (the recorded bwrap pid).
+   */
+  async function halfStartedCreate(s: SandboxSpecInput) {
     const wrapper = join(stateDir, "bwrap-mute.sh");
     await writeFile(wrapper, '#!/bin/sh\n/usr/bin/bwrap "$@" 3>/dev/null &\nexec sleep 1000\n', {
       mode: 0o755,
     });
-    const s = spec();
-    const script = join(stateDir, "dying-creator.mts");
+    const script = join(stateDir, `creator-${s.rolloutId}.mts`);
     const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");
     await writeFile(
       script,
@@ -500,27 +503,55 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     );
     const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
     const creator = spawn(tsx, [script], { stdio: "ignore" });
-    const exited = new Promise((resolve) => creator.once("exit", resolve));
-    const name = `fleet-${s.rolloutId}-resources`;
-    // The real sandbox runs: bwrap and its PID 1 (both name the workspace in their argv) and the keepalive.
-    let started: number[] = [];
+    const exited = new Promise<number | null>((resolve) => creator.once("exit", resolve));
+    const name = `fleet-${s.rolloutId}-${s.owner}`;
+    let pids: number[] = [];
     await waitUntil(() => {
-      started = hostProcessesOfRun().filter((pid) => cmdline(pid).includes(`/${name}/`));
-      return started.length >= 2;
+      pids = hostProcessesOfRun().filter((pid) => cmdline(pid).includes(`/${name}-`));
+      return pids.length >= 2;
     });
-    const wrapperPid = JSON.parse(await readFile(join(stateDir, `${name}.json`), "utf8")).bwrapPid as number;
-    started.push(wrapperPid);
+    pids.push(JSON.parse(await readFile(join(stateDir, `${name}.json`), "utf8")).bwrapPid as number);
+    expect(pids.every(alive)).toBe(true);
+    return { creator, exited, name, pids };
+  }
+
+  it("a sandbox whose creator died before it was ready is listed, and the next create kills it before starting afresh", async () => {
+    const s = spec();
+    // The creator is killed meanwhile (a worker SIGKILLed during the up-to-10 s start).
+    const { creator, exited, name, pids } = await halfStartedCreate(s);
     creator.kill("SIGKILL");
     await exited;
-    expect(started.every(alive)).toBe(true);
+    expect(pids.every(alive)).toBe(true);
 
     expect(
       (await provider.list({ "fleet.rollout": s.rolloutId })).map((i) => [i.handle.name, i.running]),
     ).toEqual([[name, false]]);
     const h = await provider.create(s);
     live.push(h);
-    expect(started.filter(alive)).toEqual([]);
+    expect(pids.filter(alive)).toEqual([]);
     expect((await provider.exec(h, ["echo", "fresh"], { deadlineMs: 10_000 })).stdout).toBe("fresh\n");
+  });
+
+  it("a create still starting whose name a newer create took over fails, and leaves the newer sandbox alone", async () => {
+    const s = spec();
+    const { exited, pids } = await halfStartedCreate(s);
+    // A redelivered seed on the same host: it kills the half-started one and starts its own.
+    const h = await provider.create(s);
+    live.push(h);
+    expect(pids.filter(alive)).toEqual([]);
+    // The first create saw its bwrap die and cleaned up after itself: not the newer one's files.
+    expect(await exited).not.toBe(0);
+    expect(await provider.alive(h)).toBe(true);
+    expect(
+      (
+        await provider.exec(h, ["sh", "-c", "echo kept > /workspace/f && cat /workspace/f"], {
+          deadlineMs: 10_000,
+        })
+      ).stdout,
+    ).toBe("kept\n");
+    expect(
+      (await provider.list({ "fleet.rollout": s.rolloutId })).map((i) => [i.handle.id, i.running]),
+    ).toEqual([[h.id, true]]);
   });
 
   it("outlives the process that created it", async () => {

@@ -3,7 +3,7 @@ import { randomUUID } from "node:crypto";
 import { closeSync, openSync, readdirSync, readFileSync, renameSync, writeFileSync } from "node:fs";
 import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import {
   type CleanupReceipt,
   type ExecOptions,
@@ -210,12 +210,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     }
 
     await mkdir(this.stateDir, { recursive: true, mode: 0o700 });
-    const dir = join(this.stateDir, name);
+    // Its directory and cgroups are named by its id as well as its name: a stale create of the
+    // same rollout (a redelivered seed) can never bind, fill or remove the newer one's.
+    const id = randomUUID();
+    const dir = join(this.stateDir, `${name}-${id.slice(0, 8)}`);
     const workspaceDir = join(dir, "workspace");
-    await rm(dir, { recursive: true, force: true });
-    await mkdir(workspaceDir, { recursive: true, mode: 0o755 });
-    const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
-    await chown(workspaceDir, uid, gid);
     const labels: Record<string, string> = {
       [LABEL_MANAGED]: "true",
       [LABEL_ROLLOUT]: spec.rolloutId,
@@ -231,17 +230,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       infoFd: 3,
       hostPid: spec.options.pidMode === "host",
     });
-
-    const { cgroups, missing } = await createSandboxCgroups(name, {
-      memoryMb: spec.options.memoryMb ?? this.defaults.memoryMb,
-      pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
-    });
-    const unenforced = [...missing.map((m) => `${m.split(" ")[0]} limit (${m})`), "cpus", "workspace size"];
-    // Written before bwrap is spawned (with no pids yet), then again once bwrap runs and once the
-    // sandbox is ready: a creator that dies at any point leaves something to find and destroy.
+    // Written before anything is made (no pids yet), again once bwrap runs and once the sandbox
+    // is ready: a creator that dies at any point leaves something to find and destroy. Each
+    // write after the first checks the name is still this create's (a newer create or a destroy
+    // took it otherwise: this one then kills what it started and fails).
     const state: BwrapState = {
       version: 1,
-      id: randomUUID(),
+      id,
       name,
       rolloutId: spec.rolloutId,
       owner: spec.owner,
@@ -251,22 +246,44 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       bwrapStart: "",
       initStart: "",
       workspaceDir,
-      cgroups,
-      unenforced,
+      cgroups: [],
+      unenforced: [],
       createdAt: Date.now(),
       expiresAt: spec.expiresAt,
     };
+    const stillOurs = (current: BwrapState | null) => {
+      if (current?.id !== id) {
+        throw FleetError.retryable("provider_unavailable", `sandbox ${name} was taken over while it started`);
+      }
+    };
     try {
+      await this.writeState(state);
+      await mkdir(workspaceDir, { recursive: true, mode: 0o755 });
+      const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
+      await chown(workspaceDir, uid, gid);
+      const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
+        memoryMb: spec.options.memoryMb ?? this.defaults.memoryMb,
+        pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
+      });
+      state.cgroups = cgroups;
+      state.unenforced = [...missing.map((m) => `${m.split(" ")[0]} limit (${m})`), "cpus", "workspace size"];
+      stillOurs(await this.readState(name));
       await this.writeState(state);
       const { bwrapPid, initPid } = await this.spawnBwrap(args, join(dir, "bwrap.log"), state, (pid) => {
         state.bwrapPid = pid;
         state.bwrapStart = startTime(pid) ?? "";
+        stillOurs(this.readStateSync(name));
         this.writeStateSync(state);
       });
       await this.waitUntilReady(name, initPid);
       await moveIntoCgroups(cgroups, [bwrapPid, initPid, ...childrenOf(initPid)]);
+      const initStart = startTime(initPid);
+      if (initStart === null) {
+        throw FleetError.retryable("provider_unavailable", `sandbox ${name} died while it started`);
+      }
       state.initPid = initPid;
-      state.initStart = startTime(initPid) ?? "";
+      state.initStart = initStart;
+      stillOurs(await this.readState(name));
       await this.writeState(state);
     } catch (err) {
       await this.destroyState(state).catch((e: unknown) =>
@@ -616,7 +633,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const state = await this.readState(handle.name);
     if (!state || (handle.id && state.id !== handle.id)) {
       // Nothing of ours by that name (or a newer sandbox took the name): already gone.
-      if (!state) await rm(join(this.stateDir, handle.name), { recursive: true, force: true });
+      if (!state) await this.removeLeftoverDirs(handle.name);
       return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: true, remaining: 0 };
     }
     const wasAlive = this.stateAlive(state);
@@ -647,14 +664,31 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       }
       await delay(Math.min(5 * 2 ** attempt, 100));
     }
-    // Its files (cgroups, directory and state are named by the sandbox's name) only while they
-    // are still its own: a newer sandbox of the same rollout may have taken the name meanwhile.
-    const current = await this.readState(state.name);
-    if (current !== null && current.id !== state.id) return;
     const left = await removeCgroups(state.cgroups ?? []);
     if (left.length > 0) this.logger?.warn({ sandbox: state.name, left }, "could not remove sandbox cgroups");
-    await rm(join(this.stateDir, state.name), { recursive: true, force: true });
-    await rm(this.statePath(state.name), { force: true });
+    // Its directory is its own (named by its id; a sandbox made before that, by its name alone);
+    // the state file only while it is still its own: a newer create may have taken the name.
+    await rm(dirname(state.workspaceDir), { recursive: true, force: true });
+    if ((await this.readState(state.name))?.id === state.id)
+      await rm(this.statePath(state.name), { force: true });
+  }
+
+  /** Directories of a name with no state file (`<name>`, `<name>-<id>`): nothing runs in them. */
+  private async removeLeftoverDirs(name: string): Promise<void> {
+    let entries: string[];
+    try {
+      entries = await readdir(this.stateDir);
+    } catch {
+      return;
+    }
+    for (const entry of entries) {
+      if (
+        entry === name ||
+        (entry.startsWith(`${name}-`) && /^[0-9a-f]{8}$/.test(entry.slice(name.length + 1)))
+      ) {
+        await rm(join(this.stateDir, entry), { recursive: true, force: true });
+      }
+    }
   }
 
   async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
@@ -771,6 +805,16 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     await rename(tmp, this.statePath(state.name));
   }
 
+  /** `readState`, synchronously (null also when unreadable: the caller then treats the name as lost). */
+  private readStateSync(name: string): BwrapState | null {
+    try {
+      const state = JSON.parse(readFileSync(this.statePath(name), "utf8")) as BwrapState;
+      return state.version === 1 && state.name === name ? state : null;
+    } catch {
+      return null;
+    }
+  }
+
   /** `writeState`, synchronously: for the moment between spawning bwrap and anything else. */
   private writeStateSync(state: BwrapState): void {
     const tmp = `${this.statePath(state.name)}.${process.pid}.tmp`;
@@ -838,9 +882,9 @@ function parentOf(pid: number): number | null {
   }
 }
 
+/** The process `pid` started at `start` still runs (an unknown start never matches: a pid is reused). */
 function sameProcess(pid: number, start: string): boolean {
-  const now = startTime(pid);
-  return now !== null && (start === "" || now === start);
+  return pid > 0 && start !== "" && startTime(pid) === start;
 }
 
 function killQuietly(pid: number): void {
