@@ -6,7 +6,7 @@ import {
   FleetError,
   type RolloutRequestInput,
   type SandboxHandle,
-  type TaskContent,
+  TaskContent,
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
@@ -63,6 +63,8 @@ class FlakyDestroyProvider implements SandboxProvider {
 class WatchedProvider extends FlakyDestroyProvider {
   readonly calls: string[] = [];
   refuseAgentProbe = false;
+  /** The agent sandbox's next probe fails retryably (a probe that timed out). */
+  failAgentProbeOnce = false;
   constructor(private readonly watched: SandboxProvider) {
     super(watched, 0);
   }
@@ -70,6 +72,10 @@ class WatchedProvider extends FlakyDestroyProvider {
     this.calls.push(`probe ${a[0].owner}`);
     if (this.refuseAgentProbe && a[0].owner === "agent") {
       throw FleetError.nonRetryable("isolation_refused", "refused by the test");
+    }
+    if (this.failAgentProbeOnce && a[0].owner === "agent") {
+      this.failAgentProbeOnce = false;
+      throw FleetError.retryable("provider_unavailable", "probe timed out (the test)");
     }
     return this.watched.probe(...a);
   };
@@ -354,6 +360,51 @@ describe("idempotency and fencing without workers", () => {
     await janitorTick(deps, { orphanGraceMs: 10 * 60_000 });
     expect(await fleet.deps.store.getResult(refused!)).toMatchObject({ teardown: "confirmed" });
     expect(await containersOf([id!, refused!])).toBe(0);
+  });
+
+  it("a stored task that no longer parses (stored under a looser schema) fails the rollout for good, not masked after retries", async () => {
+    const task = { ...byId("hello-file"), id: `stale-${Date.now()}` };
+    const [id] = await fleet.submit([oracle(task)]);
+    const { taskDigest } = (await fleet.deps.store.get(id!))!.meta;
+    // What an older build accepted: a test.sh that runs nothing.
+    await fleet.redis.set(
+      fleet.deps.store.keys.task(taskDigest),
+      JSON.stringify({ ...TaskContent.parse(task), tests: { "test.sh": "# nothing\n" } }),
+    );
+    await expect(runStageJob("seed", job(id!), fleet.deps)).rejects.toThrow(
+      /invalid_task: stored task .* is no longer valid/,
+    );
+    expect((await fleet.deps.store.get(id!))!.failure).toMatchObject({
+      failureKind: "invalid_task",
+      terminal: true,
+    });
+    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "failed",
+      failureKind: "invalid_task",
+    });
+    expect(await containersOf([id!])).toBe(0);
+  });
+
+  it("an agent's own sandbox left by an attempt that failed before its harness is replaced and staged, not reused empty", async () => {
+    const provider = new WatchedProvider(docker);
+    const deps = { ...fleet.deps, provider };
+    const [id] = await fleet.submit([
+      { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },
+    ]);
+    expect(await runStageJob("seed", job(id!), deps)).toBe("ok");
+    provider.failAgentProbeOnce = true;
+    await expect(runStageJob("run", job(id!), deps)).rejects.toThrow(/probe timed out/);
+    provider.calls.length = 0;
+    expect(await runStageJob("run", job(id!, 1), deps)).toBe("ok");
+    expect(provider.calls.filter((c) => c.includes(" agent")).slice(0, 2)).toEqual([
+      "probe agent",
+      "put agent /workspace",
+    ]);
+    await runStageJob("verify", job(id!), deps);
+    await runStageJob("close", job(id!), deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
+    expect(await containersOf([id!])).toBe(0);
   });
 
   it("a re-delivered seed that finds the earlier attempt's sandbox stopped replaces it instead of probing it to death", async () => {

@@ -2,7 +2,7 @@ import type { CloseReceipt, FailureRecord, RunReceipt } from "@fleet/contracts";
 import type { RolloutRecord } from "@fleet/queue";
 import { execResult } from "@fleet/sandbox/testing";
 import { describe, expect, it } from "vitest";
-import { composeResult } from "./result.ts";
+import { composeResult, timings } from "./result.ts";
 
 const exec = execResult({ durationMs: 1 });
 const cleanup = { confirmed: true, scope: "processes" as const, at: 5, alreadyGone: false, remaining: 0 };
@@ -84,6 +84,11 @@ describe("composeResult", () => {
       metadata: { run: 7 },
     });
     expect(r.timings).toEqual({ queuedMs: 1, seedMs: 1, runMs: 2, verifyMs: 1, closeMs: 2, totalMs: 10 });
+  });
+
+  it("a worker clock behind the dispatcher's gives totalMs 0, not a negative one the result schema refuses", () => {
+    const rec = record();
+    expect(timings(rec, rec.meta.createdAt - 250).totalMs).toBe(0);
   });
 
   it("an agent timeout is graded and marked agent_timeout; a pending teardown is reported", () => {

@@ -25,7 +25,9 @@ export function timings(rec: RolloutRecord, finishedAt: number): Timings {
     runMs: span(t["run:start"], t["run:end"]),
     verifyMs: span(t["verify:start"], t["verify:end"]),
     closeMs: span(t["close:start"], finishedAt),
-    totalMs: finishedAt - rec.meta.createdAt,
+    // The dispatcher's clock against a worker's: skew must not make it negative (and the result
+    // unstorable, `Timings.totalMs` being non-negative).
+    totalMs: Math.max(0, finishedAt - rec.meta.createdAt),
   };
 }
 

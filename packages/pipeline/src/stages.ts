@@ -2,6 +2,7 @@ import { randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 import {
   type CleanupReceipt,
+  capText,
   type FailureRecord,
   FleetError,
   isFleetError,
@@ -16,6 +17,7 @@ import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } 
 import {
   type BeginOptions,
   type BeginResult,
+  isInvalidStoredData,
   type RolloutRecord,
   type SandboxEntry,
   sandboxKey,
@@ -79,7 +81,20 @@ export function beginOptions(stage: StageName, deps: PipelineDeps): BeginOptions
 }
 
 async function loadTask(rec: RolloutRecord, deps: PipelineDeps): Promise<TaskContent> {
-  const task = await deps.store.getTask(rec.meta.taskDigest);
+  let task: TaskContent | null;
+  try {
+    task = await deps.store.getTask(rec.meta.taskDigest);
+  } catch (err) {
+    // Stored under an older, looser schema (or torn): no retry can make it valid.
+    if (isInvalidStoredData(err)) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `stored task ${rec.meta.taskDigest} is no longer valid: ${capText(err.message, 500)}`,
+        err,
+      );
+    }
+    throw err;
+  }
   if (!task) throw FleetError.nonRetryable("invalid_task", `task ${rec.meta.taskDigest} is not stored`);
   return task;
 }
@@ -359,7 +374,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   try {
     task = await loadTask(rec, deps);
     if (rec.meta.agent.sandbox === "own") {
-      const created = await createSandbox(rec, deps, "agent", task);
+      // An earlier attempt's own sandbox is never reused: it may have failed between create and
+      // staging (a probe that timed out), and an agent run in an unstaged workspace would be graded.
+      const created = await createSandbox(rec, deps, "agent", task, { replace: true });
       if (!created) return "close";
       handle = created.handle;
       owned = created.entry;

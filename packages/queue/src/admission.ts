@@ -94,7 +94,7 @@ export async function prepareRollouts(
     let digest: string;
     if ("digest" in req.task) {
       digest = req.task.digest;
-      const known = tasks.get(digest) ?? (await store.getTask(digest));
+      const known = tasks.get(digest) ?? (await storedTask(store, digest, i));
       if (!known) {
         throw new AdmissionError("invalid", `rollout ${i}: unknown task digest ${digest}`, {
           index: i,
@@ -142,6 +142,25 @@ export async function prepareRollouts(
   }
   for (const [digest, task] of tasks) await store.putTask(task, digest);
   return metas;
+}
+
+/** A stored record that does not parse: JSON torn, or written under an older, looser schema. */
+export function isInvalidStoredData(err: unknown): err is Error {
+  return err instanceof SyntaxError || (err instanceof Error && err.name === "ZodError");
+}
+
+/** A stored task by digest; one stored under an older, looser schema is refused (send it inline). */
+async function storedTask(store: RolloutStore, digest: string, index: number): Promise<TaskContent | null> {
+  try {
+    return await store.getTask(digest);
+  } catch (err) {
+    if (!isInvalidStoredData(err)) throw err;
+    throw new AdmissionError(
+      "invalid",
+      `rollout ${index}: stored task ${digest} is no longer valid (${err.message.slice(0, 300)}); send the task inline`,
+      { index, digest },
+    );
+  }
 }
 
 /** Rollout ids: random, or derived from an idempotency key so a replay lands on the same ids. */
