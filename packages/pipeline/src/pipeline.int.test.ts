@@ -14,6 +14,7 @@ import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { isHandBack } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
@@ -558,6 +559,48 @@ describe("idempotency and fencing without workers", () => {
       expect(await containersOf([id!])).toBe(0);
     },
   );
+
+  it("a final failure stays final when recording it hits a Redis blip: no BullMQ retry, the failure recorded on a later try", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    const store = fleet.deps.store;
+    let blips = 2;
+    const flaky = {
+      ...fleet.deps,
+      store: Object.assign(Object.create(store) as typeof store, {
+        getTask: async () => null, // the task is gone: a final invalid_task
+        recordFailure: async (...a: Parameters<typeof store.recordFailure>) => {
+          if (blips-- > 0) throw new Error("Connection is closed.");
+          return store.recordFailure(...a);
+        },
+      }),
+    };
+    const err = await runStageJob("seed", job(id!), flaky).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(UnrecoverableError);
+    expect((await store.get(id!))!.failure).toMatchObject({ failureKind: "invalid_task", terminal: true });
+    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+  });
+
+  it("a run job ahead of its seed receipt, or one handed back at shutdown before its harness, gives the launch back", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("hello-file"), agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
+    ]);
+    const fence = () => fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "fence");
+    await expect(runStageJob("run", job(id!), fleet.deps)).rejects.toThrow(/without a seed receipt/);
+    expect(await fence()).toBeNull();
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    const shutdown = new AbortController();
+    shutdown.abort();
+    const handedBack = await runStageJob("run", job(id!), fleet.deps, { signal: shutdown.signal }).catch(
+      (e) => e,
+    );
+    expect(isHandBack(handedBack)).toBe(true);
+    expect(await fence()).toBeNull();
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    expect((await fleet.deps.store.get(id!))!.receipts.run!.attempts).toBe(1);
+    await runStageJob("verify", job(id!), fleet.deps);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("completed");
+  });
 
   it("a run that fails before its harness starts gives the launch back: the next attempt is a first launch, not a rerun", async () => {
     const task = byId("python-bugfix");

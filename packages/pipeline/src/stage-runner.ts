@@ -1,3 +1,4 @@
+import { setTimeout as sleep } from "node:timers/promises";
 import {
   capText,
   classifyFailure,
@@ -115,10 +116,31 @@ export async function runStageJob(
       throw new UnrecoverableError(capText(fe.message));
     }
     log.warn({ err: fe.message, kind: fe.kind, attempt }, "stage failed for good; closing the rollout");
-    await fail(deps, rolloutId, stage, fe, at);
+    // A final failure stays final even when recording it hits a Redis blip: a plain error here
+    // would make BullMQ retry the stage (and run the agent again). A few tries, then the
+    // watchdog closes what could not be recorded.
+    for (let tries = 1; ; tries++) {
+      try {
+        await fail(deps, rolloutId, stage, fe, at);
+        break;
+      } catch (recordErr) {
+        if (tries >= FAIL_RECORD_TRIES) {
+          log.error(
+            { err: String(recordErr) },
+            "could not record a final failure; the watchdog will close the rollout",
+          );
+          break;
+        }
+        await sleep(FAIL_RECORD_BACKOFF_MS * tries);
+      }
+    }
     throw new UnrecoverableError(capText(`${fe.kind}: ${fe.message}`));
   }
 }
+
+/** How often, and how far apart, a final failure's record is tried before the watchdog is left to it. */
+const FAIL_RECORD_TRIES = 4;
+const FAIL_RECORD_BACKOFF_MS = 250;
 
 function nextAfter(stage: StageName): StageName | null {
   switch (stage) {

@@ -353,10 +353,6 @@ export const seed: StageHandler = async (rec, deps) => {
 
 export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const seedReceipt = rec.receipts.seed;
-  // The run job is sent right behind seed's receipt; should the receipt not be there (its script
-  // failed, or was re-sent after a NOSCRIPT), retry while seed's own retry writes it; when the
-  // attempts run out the rollout is masked as sandbox_lost.
-  if (!seedReceipt) throw FleetError.retryable("sandbox_lost", "run stage without a seed receipt (yet)");
   // DESIGN §2 rule 10: launch and stop race on one atomic claim (made by this stage's begin).
   const claim =
     rec.begun.launch ??
@@ -367,6 +363,17 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const { previous, launches, token } = claim;
   if (previous === "stopped") return "close";
   const id = rec.meta.id;
+  // A claim that launched nothing goes back (see the catch below).
+  const giveBack = async () => {
+    if (previous === "") await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
+  };
+  // The run job is sent right behind seed's receipt; should the receipt not be there (its script
+  // failed, or was re-sent after a NOSCRIPT), retry while seed's own retry writes it; when the
+  // attempts run out the rollout is masked as sandbox_lost.
+  if (!seedReceipt) {
+    await giveBack();
+    throw FleetError.retryable("sandbox_lost", "run stage without a seed receipt (yet)");
+  }
 
   let handle = seedReceipt.handle;
   let owned: SandboxEntry | null = null;
@@ -402,8 +409,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // Only a first claim goes back. A claim that took over an earlier launch keeps the fence:
     // handing it back would make that launch (perhaps only cut off, and already killed by this
     // attempt) the fence's holder again, free to store its interrupted run.
-    if (previous === "") await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
+    await giveBack();
     throw err;
+  }
+  // Shutting down before the harness started: hand the job back with the claim, as nothing ran.
+  if (shutdown?.aborted) {
+    await giveBack();
+    throw new HandBackError();
   }
 
   const make = deps.createHarness ?? defaultCreateHarness;

@@ -85,6 +85,9 @@ const SCRIPTS = {
    * Store a stage receipt and move status, unless terminal (or closed, for non-close stages).
    * With an attach key, first store a created sandbox's entry (handle included) in the sandboxes
    * hash whatever the status, so a close or the janitor can find it. Returns 1 if stored.
+   * A receipt is written once: a second attempt of the stage that ran alongside the first (its
+   * lock lapsed) is refused before it attaches anything, so it can neither replace the sandbox the
+   * next stage already uses nor drop the first one's entry; it destroys its own sandbox.
    */
   fleetReceipt: {
     keys: 3, // rollout, batch|rollout, sandboxes
@@ -93,6 +96,7 @@ const SCRIPTS = {
     //       stored only while its launch holds the fence, DESIGN §2 rule 10)
     lua: `
       ${TERMINAL}
+      if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
       if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], ARGV[9], ARGV[10]) end
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end

@@ -533,6 +533,29 @@ describe("rollout store", () => {
     expect((err as Error).message).toMatch(/metadata is \d+ bytes of JSON, over the limit of 4096/);
   });
 
+  it("a receipt is written once: a second seed that ran alongside the first replaces neither its receipt nor its sandbox entry", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const entryFor = (receipt: ReturnType<typeof seedReceipt>) => ({
+      key: sandboxKey(id, "resources"),
+      rolloutId: id,
+      owner: "resources" as const,
+      provider: "docker" as const,
+      handle: receipt.handle,
+      createdAt: 1,
+      expiresAt: 2,
+    });
+    const first = seedReceipt(id);
+    expect(await store.saveReceipt(meta, "seed", first, "seeded", 5, { attach: entryFor(first) })).toBe(true);
+    const second = { ...seedReceipt(id), handle: { ...first.handle, id: `c2-${id}`, name: `n2-${id}` } };
+    expect(await store.saveReceipt(meta, "seed", second, "seeded", 6, { attach: entryFor(second) })).toBe(
+      false,
+    );
+    expect((await store.get(id))!.receipts.seed?.handle.id).toBe(`c-${id}`);
+    expect((await ledger.sandboxesOf(id)).resources?.handle?.id).toBe(`c-${id}`);
+  });
+
   it("a receipt with a next stage enqueues it in the same write; attach keeps the handle even when closed", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
