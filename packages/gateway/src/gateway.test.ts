@@ -175,6 +175,15 @@ describe("model gateway", () => {
     expect(r.text).toContain("[redacted]");
   });
 
+  it("never quotes the credential in its own error: fetch refusing a header value that holds it", async () => {
+    const bad = `${CREDENTIAL}\r\nx-injected: 1`;
+    const { gateway } = await setup({ resolveCredential: async () => bad });
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(502);
+    expect(r.text).not.toContain(CREDENTIAL);
+  });
+
   it("does not follow an upstream's redirect: the credential goes to the configured upstream only", async () => {
     const { upstream, gateway } = await setup();
     const elsewhere = await startScriptedUpstream();

@@ -201,8 +201,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     let contentType: string;
     let retryAfter: string | null;
     let text: string;
+    let credential: string | null | undefined;
     try {
-      const credential = await resolveCredentialSafely(o.resolveCredential);
+      credential = await resolveCredentialSafely(o.resolveCredential);
       const headers: Record<string, string> = {
         "content-type": "application/json",
         accept: "application/json",
@@ -241,7 +242,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
           "the call was aborted (token revoked or gateway closing)",
         );
       }
-      throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${describe(err)}`);
+      // fetch's own errors can quote the request (a header value it refused): redacted as well.
+      const why = credential ? describe(err).split(credential).join("[redacted]") : describe(err);
+      throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`);
     } finally {
       entry.pending -= 1;
       entry.inFlight.delete(controller);

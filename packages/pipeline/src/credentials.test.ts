@@ -60,6 +60,25 @@ describe("credential resolver", () => {
     expect([...known]).toEqual(["secret-a"]);
   });
 
+  it("a value's surrounding whitespace is dropped (and both forms redacted); a value a header cannot carry is refused unquoted", async () => {
+    const known = new Set<string>();
+    const resolve = createCredentialResolver({
+      env: {
+        FLEET_CREDENTIAL_K8S: "sk-from-a-file\n",
+        FLEET_CREDENTIAL_K8S_BASE_URL: UPSTREAM,
+        FLEET_CREDENTIAL_BAD: "sk-two\nlines",
+        FLEET_CREDENTIAL_BAD_BASE_URL: UPSTREAM,
+      },
+      known,
+    });
+    expect(await resolve("k8s", UPSTREAM)).toBe("sk-from-a-file");
+    expect([...known].sort()).toEqual(["sk-from-a-file", "sk-from-a-file\n"]);
+    const err = await failure(resolve("bad", UPSTREAM));
+    expect([err.kind, err.retryable]).toEqual(["agent_error", false]);
+    expect(err.message).toContain("cannot carry");
+    expect(err.message).not.toContain("sk-two");
+  });
+
   it("an unknown name is a final agent_error that names the name and no value", async () => {
     const resolve = createCredentialResolver({ env: { FLEET_CREDENTIAL_A: "secret-a" } });
     const err = await failure(resolve("missing", UPSTREAM));

@@ -60,7 +60,17 @@ export function createCredentialResolver(options: {
   };
   return async (name, baseUrl) => {
     const fromFile = options.file ? (await loadFile(options.file))[name] : undefined;
-    const value = options.env[credentialEnvName(name)] ?? fromFile?.value;
+    const raw = options.env[credentialEnvName(name)] ?? fromFile?.value;
+    // Sent as `Authorization: Bearer <value>`: the usual trailing newline of a secret made from a
+    // file is dropped (fetch would drop it too, and then no redactor would find the value as
+    // stored); anything else a header cannot carry is refused, without quoting it.
+    const value = raw?.trim();
+    if (value && !/^[\x21-\x7e]+$/.test(value)) {
+      throw FleetError.nonRetryable(
+        "agent_error",
+        `credential "${name}" holds characters an HTTP header cannot carry (spaces or control characters inside it); fix its value on this worker`,
+      );
+    }
     if (!value) {
       throw FleetError.nonRetryable(
         "agent_error",
@@ -81,6 +91,7 @@ export function createCredentialResolver(options: {
       );
     }
     options.known?.add(value);
+    if (raw !== value) options.known?.add(raw!);
     return value;
   };
 }
