@@ -43,6 +43,14 @@ describe("readCallUsage", () => {
 });
 
 describe("UsageMeter", () => {
+  it("does not believe a count no call can have (1e300, past 2^53): a gap, never a sum that breaks the receipt or a metric", () => {
+    const u = readCallUsage({ usage: { prompt_tokens: 1e300, completion_tokens: 2 ** 60, total_tokens: 5 } });
+    expect([u.promptTokens, u.completionTokens]).toEqual([null, null]);
+    const meter = new UsageMeter();
+    meter.record(u);
+    expect(Usage.parse(meter.summary())).toMatchObject({ promptTokens: null, completionTokens: null });
+  });
+
   it("sums calls and tokens", () => {
     const m = new UsageMeter();
     m.record(full(10, 5, 2));

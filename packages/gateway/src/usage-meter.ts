@@ -12,8 +12,13 @@ export interface CallUsage {
   totalTokens: number | null;
 }
 
+/** More tokens than any one call can have: a count above it is not believed (a gap, not a sum). */
+export const MAX_CALL_TOKENS = 1_000_000_000;
+
 function count(value: unknown): number | null {
-  return typeof value === "number" && Number.isInteger(value) && value >= 0 ? value : null;
+  return typeof value === "number" && Number.isSafeInteger(value) && value >= 0 && value <= MAX_CALL_TOKENS
+    ? value
+    : null;
 }
 
 /** Read the usage an OpenAI-compatible chat-completions response body reported. Never throws. */

@@ -77,14 +77,30 @@ export interface ChatCallInput {
   redact: (text: string) => string;
   /** Called before each backoff wait. */
   onRetry?: (info: { attempt: number; status: number | null; reason: string; waitMs: number }) => void;
+  /**
+   * Whether the endpoint has answered any earlier call of this episode. When it never has, the
+   * deadline coming while it still says nothing is the endpoint's failure (masked), not the
+   * agent's timeout: a policy cannot have used time it never got. @defaultValue true
+   */
+  answeredBefore?: boolean;
+  /**
+   * Longest wait for one attempt's answer; past it the attempt counts as failed and is retried
+   * (within the deadline). Node's fetch gives up on a response without headers after 300 s
+   * anyway. @defaultValue `ATTEMPT_TIMEOUT_MS`
+   */
+  attemptTimeoutMs?: number;
 }
+
+/** Default per-attempt wait for a model answer (Node's fetch's own headers timeout). */
+export const ATTEMPT_TIMEOUT_MS = 300_000;
 
 /**
  * One model call: POST until a usable answer, retrying 429/5xx/connection errors and malformed
  * answers with jittered backoff (honouring `Retry-After`), all inside the one deadline.
  *
  * @throws FleetError `provider_unavailable` (final: the deadline is spent) when the endpoint did
- *   not give a usable answer before the deadline after at least one failed attempt.
+ *   not give a usable answer before the deadline after at least one failed attempt, or never
+ *   answered this episode at all (`answeredBefore` false).
  * @throws FleetError `agent_error` (final) for any other 4xx (bad credential, unknown model, …).
  * @throws the abort error when `signal` aborts.
  */
@@ -95,18 +111,23 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
   const unavailable = (): FleetError =>
     FleetError.nonRetryable(
       "provider_unavailable",
-      `model endpoint gave no usable answer before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"}; last: ${lastFailure})`,
+      lastFailure === null
+        ? `model endpoint never answered this episode before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"})`
+        : `model endpoint gave no usable answer before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"}; last: ${lastFailure})`,
     );
+  const neverAnswered = input.answeredBefore === false;
+  const attemptMs = input.attemptTimeoutMs ?? ATTEMPT_TIMEOUT_MS;
 
   for (;;) {
     if (input.signal.aborted) throw abortError(input.signal);
     const remaining = input.deadlineMs - Date.now();
     if (remaining <= 0) {
-      if (lastFailure !== null) throw unavailable();
+      if (lastFailure !== null || neverAnswered) throw unavailable();
       return { kind: "deadline", failedAttempts: attempt };
     }
     attempt += 1;
-    const timeout = AbortSignal.timeout(remaining);
+    const cutByDeadline = remaining <= attemptMs;
+    const timeout = AbortSignal.timeout(Math.min(remaining, attemptMs));
     const headers: Record<string, string> = {
       "content-type": "application/json",
       accept: "application/json",
@@ -156,12 +177,16 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     } catch (err) {
       if (err instanceof FleetError) throw err;
       if (input.signal.aborted) throw abortError(input.signal);
-      if (timeout.aborted) {
-        // The deadline came mid-attempt: still the endpoint's fault if it had already failed us.
-        if (lastFailure !== null) throw unavailable();
+      if (timeout.aborted && cutByDeadline) {
+        // The deadline came mid-attempt: still the endpoint's fault if it had already failed us,
+        // or has never answered this episode.
+        if (lastFailure !== null || neverAnswered) throw unavailable();
         return { kind: "deadline", failedAttempts: attempt - 1 };
       }
-      lastFailure = `${status === null ? "connection failed" : `HTTP ${status}, body unreadable`}: ${snippet(describe(err), redact)}`;
+      if (timeout.aborted) {
+        lastFailure = `no answer within ${attemptMs} ms`;
+      } else
+        lastFailure = `${status === null ? "connection failed" : `HTTP ${status}, body unreadable`}: ${snippet(describe(err), redact)}`;
     }
 
     const waitMs = Math.max(backoffMs(attempt, input.retry), waitAtLeast ?? 0);
@@ -175,10 +200,15 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
   }
 }
 
+/** A chat completion whose first choice carries a message (else the answer is malformed: retried). */
 function isChatCompletion(body: unknown): boolean {
   const choices =
     typeof body === "object" && body !== null ? (body as { choices?: unknown }).choices : undefined;
-  return Array.isArray(choices) && choices.length > 0;
+  if (!Array.isArray(choices) || choices.length === 0) return false;
+  const first = choices[0] as { message?: unknown } | null;
+  return (
+    typeof first === "object" && first !== null && typeof first.message === "object" && first.message !== null
+  );
 }
 
 function errorMessage(body: unknown, text: string): string {

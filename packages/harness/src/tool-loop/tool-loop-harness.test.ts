@@ -11,6 +11,7 @@ import { AGENT_USER } from "@fleet/sandbox";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import type { HarnessContext } from "../harness.ts";
+import { callChatCompletion } from "./chat-client.ts";
 import { ToolLoopHarness } from "./tool-loop-harness.ts";
 
 // The loop against a scripted OpenAI-compatible upstream on 127.0.0.1 and an in-memory sandbox.
@@ -232,11 +233,41 @@ describe("ToolLoopHarness", () => {
     expect(out.exec.exitCode).toBe(0);
   });
 
-  it("ends with exit -1 (timedOut, graded) when the deadline comes during a model call", async () => {
-    upstream.push({ ...chatReply({ content: "too late" }), delayMs: 5000 });
-    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 500 }));
+  it("ends with exit -1 (timedOut, graded) when the deadline comes during a later model call, and notes the abandoned call", async () => {
+    upstream.push(chatReply({ bash: ["true"] }), { ...chatReply({ content: "too late" }), delayMs: 5000 });
+    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 800 }));
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(out.answer).toBeNull();
+    expect(out.usage!.gaps).toContain("model call 2 abandoned at the deadline (usage unknown)");
+  });
+
+  it("masks (provider_unavailable) an endpoint that never answers the episode's first call before the deadline", async () => {
+    upstream.push({ ...chatReply({ content: "too late" }), delayMs: 5000 });
+    const err = await rejection(harness().run(ctx(agent(), { deadlineMs: Date.now() + 500 })));
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
+    expect((err as Error).message).toMatch(/never answered/);
+  });
+
+  it("retries a 200 whose first choice has no message (malformed), then goes on", async () => {
+    upstream.push({ body: { choices: [{ text: "legacy completion" }] } }, chatReply({ content: "done" }));
+    const out = await harness().run(ctx(agent()));
+    expect(upstream.requests).toHaveLength(2);
+    expect(out.answer).toBe("done");
+  });
+
+  it("one attempt that gets no answer within the attempt timeout is a failed attempt, retried within the deadline", async () => {
+    upstream.push({ ...chatReply({ content: "slow" }), delayMs: 3000 }, chatReply({ content: "fast" }));
+    const result = await callChatCompletion({
+      url: `${upstream.baseUrl}/chat/completions`,
+      apiKey: null,
+      body: { model: "m", messages: [] },
+      deadlineMs: Date.now() + 10_000,
+      signal: new AbortController().signal,
+      retry: FAST_RETRY,
+      redact: (t) => t,
+      attemptTimeoutMs: 300,
+    });
+    expect(result).toMatchObject({ kind: "ok", failedAttempts: 1 });
   });
 
   it("bounds a tool call by the time left and ends timed out when it was the deadline that stopped it", async () => {

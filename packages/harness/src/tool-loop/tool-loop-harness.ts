@@ -109,10 +109,14 @@ export class ToolLoopHarness implements Harness {
           meter.recordFailure();
           transcript.add({ event: "retry", step, attempt, status, reason, waitMs });
         },
+        // Every call before this one was answered (the loop stops at any other outcome).
+        answeredBefore: step > 1,
       });
       if (result.kind === "deadline") {
         stop = "deadline";
         stopDetail = `the agent's deadline came during model call ${step}`;
+        // The endpoint may still finish and bill the call this episode gave up on.
+        meter.note(`model call ${step} abandoned at the deadline (usage unknown)`);
         break;
       }
       if (result.kind === "context_length") {
