@@ -213,6 +213,28 @@ describe("model gateway", () => {
     await Promise.all(held);
   });
 
+  it("tells an upstream failing (5xx, 429, key refused, unreachable) from one answering (2xx, a 4xx about the request)", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    expect(gateway.health(token)).toEqual({ answered: 0, infraFailures: 0, lastInfraFailure: null });
+    upstream.push(errorReply(503, "overloaded", "try later"));
+    await chat(baseUrl, token);
+    expect(gateway.health(token)).toEqual({ answered: 0, infraFailures: 1, lastInfraFailure: "HTTP 503" });
+    upstream.push(errorReply(400, "bad_request", "your messages are malformed"));
+    await chat(baseUrl, token);
+    expect(gateway.health(token)).toEqual({ answered: 1, infraFailures: 1, lastInfraFailure: null });
+    upstream.push(errorReply(401, "invalid_api_key", "bad key"));
+    await chat(baseUrl, token);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 401");
+    upstream.push(chatReply({ content: "ok" }));
+    await chat(baseUrl, token);
+    expect(gateway.health(token)).toEqual({ answered: 2, infraFailures: 2, lastInfraFailure: null });
+    await upstream.close();
+    await chat(baseUrl, token);
+    expect(gateway.health(token)?.lastInfraFailure).toMatch(/^unreachable: /);
+    expect(gateway.health("not-a-token")).toBeNull();
+  });
+
   it("answers 502 when the upstream is unreachable", async () => {
     const upstream = await startScriptedUpstream();
     const deadUrl = upstream.baseUrl;

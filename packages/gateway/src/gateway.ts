@@ -58,8 +58,27 @@ export interface ModelGateway {
   revoke(token: string): UsageSummary;
   /** Usage so far, or `null` for a token this gateway never issued. */
   usage(token: string): UsageSummary | null;
+  /** How the upstream fared for this token's calls, or `null` for a token never issued. */
+  health(token: string): UpstreamHealth | null;
   /** Stop listening and abort every call in flight. */
   close(): Promise<void>;
+}
+
+/**
+ * How the upstream fared for one token's calls. An infrastructure failure is the upstream being
+ * unreachable or timing out, a 5xx, a 429, or a 401/403 (the operator's credential refused); any
+ * other answer, a 4xx about the request included, is the upstream answering.
+ */
+export interface UpstreamHealth {
+  answered: number;
+  infraFailures: number;
+  /** The last call's infrastructure failure, or null when the last call was answered (or none was made). */
+  lastInfraFailure: string | null;
+}
+
+/** Whether an upstream status is an infrastructure failure (see `UpstreamHealth`). */
+export function isInfraStatus(status: number): boolean {
+  return status >= 500 || status === 429 || status === 401 || status === 403;
 }
 
 /** One HTTP error type, rendered in one place as an OpenAI-style error body. */
@@ -86,6 +105,7 @@ interface Entry {
   open: number;
   inFlight: Set<AbortController>;
   revoked: UsageSummary | null;
+  health: UpstreamHealth;
 }
 
 const DEFAULTS = {
@@ -229,6 +249,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) throw err;
       if (timeout.aborted) {
+        noteInfraFailure(entry, `no answer in ${o.upstreamTimeoutMs} ms`);
         throw new GatewayHttpError(
           504,
           "upstream_timeout",
@@ -244,6 +265,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       }
       // fetch's own errors can quote the request (a header value it refused): redacted as well.
       const why = credential ? describe(err).split(credential).join("[redacted]") : describe(err);
+      noteInfraFailure(entry, `unreachable: ${why}`);
       throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`);
     } finally {
       entry.pending -= 1;
@@ -251,6 +273,11 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       res.off("close", onClientGone);
     }
 
+    if (isInfraStatus(status)) noteInfraFailure(entry, `HTTP ${status}`);
+    else {
+      entry.health.answered += 1;
+      entry.health.lastInfraFailure = null;
+    }
     if (status >= 200 && status < 300) {
       let parsed: unknown = null;
       try {
@@ -305,6 +332,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         open: 0,
         inFlight: new Set(),
         revoked: null,
+        health: { answered: 0, infraFailures: 0, lastInfraFailure: null },
       });
       return { token: minted.token, baseUrl: `${url}/v1` };
     },
@@ -326,6 +354,10 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     usage(token) {
       const entry = entryOf(entries, token);
       return entry === null ? null : summaryOf(entry);
+    },
+    health(token) {
+      const entry = entryOf(entries, token);
+      return entry === null ? null : { ...entry.health };
     },
     async close() {
       for (const entry of entries.values())
@@ -381,6 +413,11 @@ async function readResponse(response: Response, max: number): Promise<string> {
     throw new GatewayHttpError(502, "upstream_response_too_large", `upstream response over ${max} bytes`);
   }
   return text;
+}
+
+function noteInfraFailure(entry: Entry, what: string): void {
+  entry.health.infraFailures += 1;
+  entry.health.lastInfraFailure = what;
 }
 
 function describe(err: unknown): string {

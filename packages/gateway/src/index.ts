@@ -4,8 +4,10 @@ export {
   GatewayHttpError,
   type GatewayOptions,
   type GatewayRegistration,
+  isInfraStatus,
   type ModelGateway,
   startGateway,
+  type UpstreamHealth,
   type UsageSummary,
 } from "./gateway.ts";
 export { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";

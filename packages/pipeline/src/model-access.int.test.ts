@@ -1,4 +1,4 @@
-import { chatReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
+import { chatReply, errorReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
 import { DockerGatewayNetworks, DockerSandboxProvider } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -91,6 +91,19 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     expect(JSON.stringify(raw)).not.toContain(SECRET);
     // The network went with the sandbox.
     expect((await networks.list()).some((n) => n.rolloutId === id)).toBe(false);
+  });
+
+  it("an agent that fails while its model upstream fails is masked provider_unavailable, never graded 0", async () => {
+    upstream.push(errorReply(503, "overloaded", "the model is overloaded"));
+    const id = await submitClient("borrow");
+    const [r] = await fleet.waitForResults([id], 120_000);
+    expect(r).toMatchObject({
+      status: "masked",
+      mask: true,
+      reward: null,
+      failureKind: "provider_unavailable",
+    });
+    expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 503/);
   });
 
   it("with its own sandbox, only the agent's sandbox joins the gateway network; the task's has none", async () => {

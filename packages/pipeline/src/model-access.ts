@@ -1,5 +1,5 @@
 import { type AgentSpec, FleetError, type Usage } from "@fleet/contracts";
-import { startGateway } from "@fleet/gateway";
+import { startGateway, type UpstreamHealth } from "@fleet/gateway";
 import type { GatewayNetwork } from "@fleet/sandbox";
 import type { PipelineDeps } from "./deps.ts";
 
@@ -27,8 +27,11 @@ export async function gatewayNetworkFor(deps: PipelineDeps, rolloutId: string): 
 export interface ModelAccess {
   /** Environment for the agent's command: an OpenAI-compatible base URL and a per-rollout token. */
   env: Record<string, string>;
-  /** Revoke the token and stop the gateway; the rollout's usage as the gateway recorded it. */
-  finish(): Promise<Usage>;
+  /**
+   * Revoke the token and stop the gateway; the rollout's usage as the gateway recorded it, and
+   * how the upstream fared (a run whose agent failed while the upstream was failing is masked).
+   */
+  finish(): Promise<{ usage: Usage; health: UpstreamHealth }>;
 }
 
 /**
@@ -60,9 +63,10 @@ export async function openModelAccess(
     return {
       env: { OPENAI_BASE_URL: grant.baseUrl, OPENAI_API_KEY: grant.token, FLEET_MODEL: model.name },
       async finish() {
+        const health = gateway.health(grant.token)!;
         const usage = gateway.revoke(grant.token);
         await gateway.close();
-        return usage;
+        return { usage, health };
       },
     };
   } catch (err) {

@@ -13,6 +13,7 @@ import {
   type TaskContent,
   type Usage,
 } from "@fleet/contracts";
+import type { UpstreamHealth } from "@fleet/gateway";
 import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } from "@fleet/harness";
 import {
   type BeginOptions,
@@ -430,10 +431,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // A command agent with a model reaches it only through this rollout's gateway (issue 5).
   let access: ModelAccess | null = null;
   let gatewayUsage: Usage | null = null;
+  let upstream: UpstreamHealth | null = null;
   const finishAccess = async () => {
     const open = access;
     access = null;
-    if (open) gatewayUsage = await open.finish();
+    if (open) ({ usage: gatewayUsage, health: upstream } = await open.finish());
   };
   let outcome: Awaited<ReturnType<typeof harness.run>>;
   let cleanup: CleanupReceipt;
@@ -521,6 +523,18 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     await finishAccess();
   } finally {
     await finishAccess().catch(() => undefined);
+  }
+  // An agent that did not finish cleanly while its model upstream was failing (its last call
+  // through the gateway an outage, a 5xx, a 429, the operator's key refused) failed for the
+  // infrastructure, not on its own: masked, never a zero (rule 6). One that finished cleanly, or
+  // whose last call was answered, is graded as usual.
+  const lastFailure = (upstream as UpstreamHealth | null)?.lastInfraFailure ?? null;
+  if (lastFailure !== null && (outcome.exec.exitCode !== 0 || outcome.exec.timedOut)) {
+    const { answered, infraFailures } = upstream as unknown as UpstreamHealth;
+    throw FleetError.nonRetryable(
+      "provider_unavailable",
+      `the model upstream was failing when the agent stopped (${infraFailures} failed call(s), ${answered} answered; last: ${capText(lastFailure, 300)})`,
+    );
   }
   const usage = gatewayUsage ?? outcome.usage;
   if (usage && deps.metrics) {
