@@ -9,6 +9,7 @@ import {
   TaskContent,
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
+import { STAGES } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -19,6 +20,7 @@ import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { createStageWorkers } from "./worker.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 const docker = new DockerSandboxProvider();
@@ -559,6 +561,27 @@ describe("idempotency and fencing without workers", () => {
       expect(await containersOf([id!])).toBe(0);
     },
   );
+
+  it("a stage job BullMQ fails by itself (stalled too often: its workers kept dying) closes the rollout at once, masked", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    const jobKey = `${fleet.prefix}:seed:${id}.seed`;
+    expect(await fleet.redis.exists(jobKey)).toBe(1);
+    // What BullMQ's stalled check leaves on a job past maxStalledCount: a deferred failure.
+    await fleet.redis.hset(jobKey, "defa", "job stalled more than allowable limit");
+    const workers = createStageWorkers(STAGES, fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 2,
+      supervise: false,
+    });
+    try {
+      const [r] = await fleet.waitForResults([id!], 60_000);
+      expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
+      expect(r!.reason).toMatch(/failed in BullMQ: job stalled more than allowable limit/);
+    } finally {
+      await workers.close(10_000);
+    }
+  });
 
   it("a final failure stays final when recording it hits a Redis blip: no BullMQ retry, the failure recorded on a later try", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);

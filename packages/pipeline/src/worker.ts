@@ -1,7 +1,7 @@
-import type { StageName } from "@fleet/contracts";
+import { capText, type StageName } from "@fleet/contracts";
 import { duplicateRedis, type RedisConnection } from "@fleet/queue";
 import { type Job, WaitingError, Worker } from "bullmq";
-import type { PipelineDeps } from "./deps.ts";
+import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
 
@@ -119,6 +119,18 @@ export function createStageWorkers(
       lastErrorAt = at;
       deps.logger.error({ stage, err: err.message }, "worker error");
     });
+    // A job BullMQ fails by itself, without running it (stalled more often than
+    // `maxStalledCount`: its workers kept dying on it), never reaches `runStageJob`: record the
+    // failure and close the rollout now, rather than leave it to the watchdog at its deadline.
+    worker.on("failed", (job, err) => {
+      if (!job || !BULLMQ_OWN_FAILURES.has(err.message)) return;
+      void closeAfterBullmqFailure(deps, stage, job, err.message).catch((e: unknown) =>
+        deps.logger.error(
+          { stage, rolloutId: job.data?.rolloutId, err: String(e) },
+          "could not close a rollout whose job BullMQ failed; the watchdog will",
+        ),
+      );
+    });
     options.onWorker?.(worker, stage);
     return worker;
   };
@@ -231,6 +243,37 @@ export function createStageWorkers(
       );
     },
   };
+}
+
+/** Reasons BullMQ fails a job with, without running it (BullMQ 6: a deferred failure). */
+const BULLMQ_OWN_FAILURES = new Set([
+  "job stalled more than allowable limit",
+  "job started more than allowable limit",
+]);
+
+async function closeAfterBullmqFailure(
+  deps: PipelineDeps,
+  stage: StageName,
+  job: Job,
+  reason: string,
+): Promise<void> {
+  const rolloutId = (job.data as { rolloutId?: unknown } | undefined)?.rolloutId;
+  if (typeof rolloutId !== "string") return;
+  deps.logger.warn({ stage, rolloutId, reason }, "BullMQ failed the stage job itself; closing the rollout");
+  if (stage === "close") {
+    // Its id is taken while the failed job is kept: make room for a new close.
+    await job.remove().catch(() => undefined);
+  } else {
+    await deps.store.recordFailure(rolloutId, {
+      stage,
+      terminal: true,
+      failureKind: "provider_unavailable",
+      mask: true,
+      reason: capText(`the ${stage} job failed in BullMQ: ${reason} (its workers kept dying on it)`),
+      at: clock(deps),
+    });
+  }
+  await deps.queues.enqueue("close", rolloutId);
 }
 
 /** Close a worker (force: without waiting for its jobs), giving up after `ms`. */
