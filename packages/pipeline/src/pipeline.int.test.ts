@@ -701,6 +701,62 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
+  it("a run taken over before its launch started (its lock lapsed on a slow start) does not start a second agent", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const store = fleet.deps.store;
+    let harnesses = 0;
+    const slowStart = {
+      ...fleet.deps,
+      createHarness: (...a: Parameters<typeof createHarness>) => {
+        harnesses++;
+        return createHarness(...a);
+      },
+      store: Object.assign(Object.create(store) as typeof store, {
+        getTask: async (digest: string) => {
+          // Meanwhile this worker's lock lapsed, and worker B took the run over.
+          await store.claimLaunch(id!, "worker-b:1");
+          return store.getTask(digest);
+        },
+      }),
+    };
+    expect(await runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, slowStart)).toBe("ok");
+    expect(harnesses).toBe(0);
+    const rec = (await store.get(id!))!;
+    expect(rec.receipts.run).toBeUndefined();
+    expect(rec.fence).toBe("launched:worker-b:1");
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
+  it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {
+    const task = {
+      ...byId("hello-file"),
+      id: `slow-verify-${Date.now()}`,
+      timeouts: { agentS: 30, verifierS: 1 },
+    };
+    const [id] = await fleet.submit([oracle(task)]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    // The earlier attempt began verifying 14.5 s ago; its tests (1 s budget) may run until
+    // 1 s + the 15 s grace after that: 1.5 s from now.
+    const earlier = Date.now() - 14_500;
+    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "t:verify:start", String(earlier));
+    const staged: number[] = [];
+    const watching = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] === "/tests") staged.push(Date.now());
+          return fleet.deps.provider.put(...a);
+        },
+      }),
+    };
+    expect(await runStageJob("verify", job(id!), watching)).toBe("ok");
+    expect(staged).toHaveLength(1);
+    expect(staged[0]!).toBeGreaterThanOrEqual(earlier + 1_000 + 15_000);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
+  });
+
   it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);

@@ -418,6 +418,17 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     await giveBack();
     throw new HandBackError();
   }
+  // Held long enough for its lock to have lapsed (a slow or cut-off start): another worker may
+  // have taken the run over, killed what it found and launched its own. Launching now would run
+  // a second agent beside it, past its cleanup: look at the fence first.
+  if (mayBeTakenOver(rec)) {
+    const state = await deps.store.launchState(id, token);
+    if (state === "lost") {
+      deps.logger.warn({ rolloutId: id }, "the run was taken over before this launch started; not launching");
+      return null;
+    }
+    if (state === "stop") return "close";
+  }
 
   const make = deps.createHarness ?? defaultCreateHarness;
   const harness = make(rec.meta.agent, deps.harnessDeps ?? {});
@@ -595,6 +606,34 @@ class LostLaunchError extends Error {
   override readonly name = "LostLaunchError";
 }
 
+/** How much later than this stage's first start a begin must come to be taken for a re-delivery. */
+const REDELIVERY_MIN_MS = 1_000;
+/** Past an earlier attempt's tests budget: staging before them, the in-sandbox `timeout -k 2`. */
+const EARLIER_TESTS_GRACE_MS = 15_000;
+
+/**
+ * A verify delivered again (its worker died, or its exec broke) may find the earlier attempt's
+ * tests still running in the sandbox as root: a Docker exec outlives its client. Staging new
+ * tests and clearing /logs/verifier under them could mix the two runs' rewards. The earlier
+ * tests end by their own budget (the in-sandbox `timeout` kills their process group): wait that
+ * out, within the rollout's deadline, before starting again.
+ */
+async function waitOutEarlierTests(rec: StageRecord, deps: PipelineDeps, task: TaskContent): Promise<void> {
+  const earlier = rec.times["verify:start"];
+  const now = clock(deps);
+  if (task.verifier.kind !== "tests" || earlier === undefined || now - earlier < REDELIVERY_MIN_MS) return;
+  const until = Math.min(
+    earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS,
+    rec.meta.deadlineAt,
+  );
+  if (until <= now) return;
+  deps.logger.info(
+    { rolloutId: rec.meta.id, waitMs: until - now },
+    "verify delivered again: waiting out the earlier attempt's tests before starting",
+  );
+  await sleep(until - now);
+}
+
 export const verifyStage: StageHandler = async (rec, deps) => {
   const runReceipt = rec.receipts.run;
   const seedReceipt = rec.receipts.seed;
@@ -613,6 +652,7 @@ export const verifyStage: StageHandler = async (rec, deps) => {
     );
   }
   const task = await loadTask(rec, deps);
+  await waitOutEarlierTests(rec, deps, task);
   const startedAt = clock(deps);
   const grade = deps.verify ?? defaultVerify;
   let verdict: Awaited<ReturnType<typeof grade>>;

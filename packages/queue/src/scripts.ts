@@ -324,8 +324,9 @@ const SCRIPTS = {
       if ARGV[3] == '1' then
         rec = redis.call('HGETALL', KEYS[1])
       else
-        -- The fields a stage before close reads (not the timings): less to send and to parse.
-        local names = {'meta', 'status', 'stage', 'failure', 'cancel', 'closed', 'fence', 'r:seed', 'r:run', 'r:verify'}
+        -- The fields a stage before close reads (of the timings, only its own first start: a
+        -- re-delivered stage sees when the earlier attempt began): less to send and to parse.
+        local names = {'meta', 'status', 'stage', 'failure', 'cancel', 'closed', 'fence', 'r:seed', 'r:run', 'r:verify', 't:' .. ARGV[1] .. ':start'}
         local values = redis.call('HMGET', KEYS[1], unpack(names))
         rec = {}
         for i = 1, #names do
