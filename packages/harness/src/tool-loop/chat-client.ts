@@ -60,6 +60,11 @@ export type ChatCallResult =
   | { kind: "ok"; body: unknown; failedAttempts: number }
   /** The model refused the conversation as too long for its context. */
   | { kind: "context_length"; message: string; failedAttempts: number }
+  /**
+   * The endpoint, which answered this episode before, refused the conversation itself (400, 413,
+   * 422): something the policy wrote it will not take (e.g. tool-call arguments it re-parses).
+   */
+  | { kind: "refused"; message: string; failedAttempts: number }
   /** The agent's deadline came while the model was still answering (no failed attempt). */
   | { kind: "deadline"; failedAttempts: number };
 
@@ -163,6 +168,12 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         return {
           kind: "context_length",
           message: redact(errorMessage(body, text)),
+          failedAttempts: attempt - 1,
+        };
+      } else if ((status === 400 || status === 413 || status === 422) && input.answeredBefore === true) {
+        return {
+          kind: "refused",
+          message: `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
           failedAttempts: attempt - 1,
         };
       } else if (isRetryableStatus(status)) {

@@ -248,6 +248,34 @@ describe("ToolLoopHarness", () => {
     expect((err as Error).message).toMatch(/never answered/);
   });
 
+  it("sends a tool call whose arguments were cut off back in the history as {} (the tool result says why), not as it came", async () => {
+    const cut = chatReply({ bash: ["true"] });
+    const call = (
+      cut.body as {
+        choices: [{ message: { tool_calls: [{ function: { name: string; arguments: string } }] } }];
+      }
+    ).choices[0].message.tool_calls[0];
+    call.function = { name: "", arguments: '{"command": "ech' };
+    upstream.push(cut, chatReply({ content: "done" }));
+    const out = await harness().run(ctx(agent()));
+    expect(out.answer).toBe("done");
+    const history = (
+      upstream.requests[1]!.body as { messages: Array<{ role: string; tool_calls?: unknown[] }> }
+    ).messages;
+    const sent = history.find((m) => m.role === "assistant")!.tool_calls as Array<{ function: unknown }>;
+    expect(sent[0]!.function).toEqual({ name: "unknown", arguments: "{}" });
+  });
+
+  it("a later call the endpoint refuses (400 about the conversation) ends the episode graded, not failed", async () => {
+    upstream.push(
+      chatReply({ bash: ["true"], content: "working" }),
+      errorReply(400, "bad_request", "invalid tool arguments"),
+    );
+    const out = await harness().run(ctx(agent()));
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 400: invalid tool arguments/);
+  });
+
   it("retries a 200 whose first choice has no message (malformed), then goes on", async () => {
     upstream.push({ body: { choices: [{ text: "legacy completion" }] } }, chatReply({ content: "done" }));
     const out = await harness().run(ctx(agent()));

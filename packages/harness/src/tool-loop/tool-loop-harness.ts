@@ -18,13 +18,13 @@ import {
   TOOL_LOOP_SYSTEM_PROMPT,
 } from "./bash-tool.ts";
 import { callChatCompletion, DEFAULT_RETRY_POLICY, type RetryPolicy } from "./chat-client.ts";
-import { type ChatMessage, readAssistantTurn } from "./chat-types.ts";
+import { type ChatMessage, readAssistantTurn, type ToolCall } from "./chat-types.ts";
 import { redactor, Transcript } from "./transcript.ts";
 
 type ToolLoopAgent = Extract<AgentSpec, { harness: "tool-loop" }>;
 
 /** Why an episode ended. All but `deadline` end with exit code 0; `deadline` is -1 (graded). */
-export type ToolLoopStop = "answer" | "max_steps" | "token_cap" | "context_length" | "deadline";
+export type ToolLoopStop = "answer" | "max_steps" | "token_cap" | "context_length" | "refused" | "deadline";
 
 export interface ToolLoopHarnessOptions {
   /** Backoff between attempts of one model call. @defaultValue DEFAULT_RETRY_POLICY */
@@ -119,6 +119,12 @@ export class ToolLoopHarness implements Harness {
         meter.note(`model call ${step} abandoned at the deadline (usage unknown)`);
         break;
       }
+      if (result.kind === "refused") {
+        meter.recordFailure();
+        stop = "refused";
+        stopDetail = `the model endpoint refused the conversation at call ${step}: ${result.message}`;
+        break;
+      }
       if (result.kind === "context_length") {
         meter.recordFailure();
         stop = "context_length";
@@ -136,7 +142,10 @@ export class ToolLoopHarness implements Harness {
       messages.push({
         role: "assistant",
         content: turn.content,
-        ...(turn.toolCalls.length > 0 ? { tool_calls: turn.toolCalls } : {}),
+        // As the history the endpoint gets back: arguments that are not a JSON object (cut off at
+        // max_tokens, say) become "{}" and a missing name "unknown", since some servers re-parse
+        // them and would refuse every later call; the tool result tells the model what was wrong.
+        ...(turn.toolCalls.length > 0 ? { tool_calls: turn.toolCalls.map(historyCall) } : {}),
       });
       transcript.add({
         step,
@@ -280,4 +289,16 @@ export class ToolLoopHarness implements Harness {
       },
     };
   }
+}
+
+/** A tool call as it is sent back in the history (see where it is used). */
+function historyCall(call: ToolCall): ToolCall {
+  let args = call.function.arguments;
+  try {
+    const parsed: unknown = JSON.parse(args);
+    if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) args = "{}";
+  } catch {
+    args = "{}";
+  }
+  return { ...call, function: { name: call.function.name || "unknown", arguments: args } };
 }
