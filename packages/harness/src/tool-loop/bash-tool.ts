@@ -41,8 +41,18 @@ export function parseBashArguments(args: string): { command: string } | { error:
   if (command.includes("\0")) {
     return { error: "error: the command contains a NUL byte, which no command line can hold" };
   }
+  // One argv string; Linux refuses any over 128 KiB (E2BIG) before the command even starts.
+  const bytes = Buffer.byteLength(command);
+  if (bytes > MAX_COMMAND_BYTES) {
+    return {
+      error: `error: the command is ${bytes} bytes, over the ${MAX_COMMAND_BYTES} a command line can hold; write long content to a file in smaller pieces`,
+    };
+  }
   return { command };
 }
+
+/** Longest `command` the bash tool takes (Linux's per-argument limit is 128 KiB). */
+export const MAX_COMMAND_BYTES = 100 * 1024;
 
 /** What the model reads back from one command: exit envelope plus capped output tails. */
 export function formatToolResult(result: ExecResult, limitS: number): string {

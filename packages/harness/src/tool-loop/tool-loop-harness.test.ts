@@ -341,6 +341,15 @@ describe("ToolLoopHarness", () => {
                     type: "function",
                     function: { name: "bash", arguments: JSON.stringify({ command: "echo a\0b" }) },
                   },
+                  {
+                    id: "d",
+                    type: "function",
+                    // Over Linux's 128 KiB per argument: the exec would fail before the command ran.
+                    function: {
+                      name: "bash",
+                      arguments: JSON.stringify({ command: `echo ${"x".repeat(140_000)}` }),
+                    },
+                  },
                 ],
               },
             },
@@ -352,10 +361,11 @@ describe("ToolLoopHarness", () => {
     );
     await harness().run(ctx());
     const tools = bodyOf(1).messages.filter((m) => m.role === "tool");
-    expect(tools.map((m) => m.tool_call_id)).toEqual(["a", "b", "c"]);
+    expect(tools.map((m) => m.tool_call_id)).toEqual(["a", "b", "c", "d"]);
     expect(tools[0]!.content).toMatch(/unknown tool "python"/);
     expect(tools[1]!.content).toMatch(/must be a JSON object/);
     expect(tools[2]!.content).toMatch(/NUL byte/);
+    expect(tools[3]!.content).toMatch(/over the 102400 a command line can hold/);
     expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(0);
   });
 
