@@ -12,7 +12,7 @@ import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import type { HarnessContext } from "../harness.ts";
 import { callChatCompletion } from "./chat-client.ts";
-import { ToolLoopHarness } from "./tool-loop-harness.ts";
+import { MAX_TOOL_CALLS_PER_TURN, ToolLoopHarness } from "./tool-loop-harness.ts";
 
 // The loop against a scripted OpenAI-compatible upstream on 127.0.0.1 and an in-memory sandbox.
 const CREDENTIAL = "sk-test-credential-0123456789abcdef";
@@ -264,6 +264,25 @@ describe("ToolLoopHarness", () => {
     ).messages;
     const sent = history.find((m) => m.role === "assistant")!.tool_calls as Array<{ function: unknown }>;
     expect(sent[0]!.function).toEqual({ name: "unknown", arguments: "{}" });
+  });
+
+  it("runs at most MAX_TOOL_CALLS_PER_TURN calls of one answer, keeps only those in the history, and tells the model of the rest", async () => {
+    upstream.push(
+      chatReply({ bash: Array.from({ length: 70 }, (_, i) => `echo ${i}`) }),
+      chatReply({ content: "done" }),
+    );
+    const out = await harness().run(ctx(agent()));
+    expect(out.answer).toBe("done");
+    expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(MAX_TOOL_CALLS_PER_TURN);
+    const history = (
+      upstream.requests[1]!.body as {
+        messages: Array<{ role: string; tool_calls?: unknown[]; content: string }>;
+      }
+    ).messages;
+    expect(history.find((m) => m.role === "assistant")!.tool_calls).toHaveLength(MAX_TOOL_CALLS_PER_TURN);
+    const tools = history.filter((m) => m.role === "tool");
+    expect(tools).toHaveLength(MAX_TOOL_CALLS_PER_TURN);
+    expect(tools.at(-1)!.content).toMatch(/6 more tool call\(s\) in this answer were not run/);
   });
 
   it("a later call the endpoint refuses (400 about the conversation) ends the episode graded, not failed", async () => {

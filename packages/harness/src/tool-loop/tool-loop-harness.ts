@@ -24,6 +24,11 @@ import { redactor, Transcript } from "./transcript.ts";
 type ToolLoopAgent = Extract<AgentSpec, { harness: "tool-loop" }>;
 
 /** Why an episode ended. All but `deadline` end with exit code 0; `deadline` is -1 (graded). */
+/** Most tool calls of one answer that run (and go back in the history); the rest are dropped, and the model told. */
+export const MAX_TOOL_CALLS_PER_TURN = 64;
+/** Most characters of one answer's text kept in the history sent back. */
+export const MAX_HISTORY_CONTENT_CHARS = 256 * 1024;
+
 export type ToolLoopStop = "answer" | "max_steps" | "token_cap" | "context_length" | "refused" | "deadline";
 
 export interface ToolLoopHarnessOptions {
@@ -139,9 +144,13 @@ export class ToolLoopHarness implements Harness {
         throw FleetError.nonRetryable("agent_error", "model answer has no assistant message");
       }
       if (turn.content !== null && turn.content.trim() !== "") lastText = turn.content;
+      // One answer may hold hundreds of thousands of tool calls (a 32 MiB response): at most
+      // MAX_TOOL_CALLS_PER_TURN run and go back in the history; the model is told of the rest.
+      const dropped = Math.max(0, turn.toolCalls.length - MAX_TOOL_CALLS_PER_TURN);
+      if (dropped > 0) turn.toolCalls = turn.toolCalls.slice(0, MAX_TOOL_CALLS_PER_TURN);
       messages.push({
         role: "assistant",
-        content: turn.content,
+        content: turn.content === null ? null : capText(turn.content, MAX_HISTORY_CONTENT_CHARS),
         // As the history the endpoint gets back: arguments that are not a JSON object (cut off at
         // max_tokens, say) become "{}" and a missing name "unknown", since some servers re-parse
         // them and would refuse every later call; the tool result tells the model what was wrong.
@@ -184,6 +193,9 @@ export class ToolLoopHarness implements Harness {
           break steps;
         }
         const content = await this.runTool(ctx, call.function.name, call.function.arguments, remaining);
+        if (dropped > 0 && call === turn.toolCalls[turn.toolCalls.length - 1]) {
+          content.text += `\n(note: ${dropped} more tool call(s) in this answer were not run; at most ${MAX_TOOL_CALLS_PER_TURN} run per answer)`;
+        }
         messages.push({ role: "tool", tool_call_id: call.id, content: content.text });
         transcript.add({ step, role: "tool", toolCallId: call.id, ...content.facts, content: content.text });
         if (Date.now() >= ctx.deadlineMs) {
