@@ -568,6 +568,17 @@ describe("idempotency and fencing without workers", () => {
     expect(await fleet.redis.exists(jobKey)).toBe(1);
     // What BullMQ's stalled check leaves on a job past maxStalledCount: a deferred failure.
     await fleet.redis.hset(jobKey, "defa", "job stalled more than allowable limit");
+    // Another whose verify stored its reward, but whose verify job BullMQ then failed (its worker
+    // died after the receipt, before completing the job): its reward stands.
+    const [graded] = await fleet.submit([oracle(byId("hello-file"))]);
+    for (const stage of ["seed", "run", "verify"] as const)
+      await runStageJob(stage, job(graded!), fleet.deps);
+    await (await fleet.deps.queues.queues.close.getJob(`${graded}.close`))!.remove();
+    await fleet.redis.hset(
+      `${fleet.prefix}:verify:${graded}.verify`,
+      "defa",
+      "job stalled more than allowable limit",
+    );
     const workers = createStageWorkers(STAGES, fleet.deps, {
       connection: fleet.redis,
       prefix: fleet.prefix,
@@ -575,9 +586,10 @@ describe("idempotency and fencing without workers", () => {
       supervise: false,
     });
     try {
-      const [r] = await fleet.waitForResults([id!], 60_000);
+      const [r, g] = await fleet.waitForResults([id!, graded!], 60_000);
       expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
       expect(r!.reason).toMatch(/failed in BullMQ: job stalled more than allowable limit/);
+      expect(g).toMatchObject({ status: "completed", reward: 1 });
     } finally {
       await workers.close(10_000);
     }

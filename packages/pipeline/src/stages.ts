@@ -331,7 +331,7 @@ export const seed: StageHandler = async (rec, deps) => {
   const t2 = clock(deps);
   await stageWorkspace(deps.provider, created.handle, task);
   const t3 = clock(deps);
-  const saved = await deps.store.saveReceipt(
+  const saved = await deps.store.storeReceipt(
     rec.meta,
     "seed",
     {
@@ -348,7 +348,15 @@ export const seed: StageHandler = async (rec, deps) => {
     { attach: created.entry, next: { queues: deps.queues, stage: "run" } },
   );
   // A close that ran meanwhile may not have seen the handle: destroy the sandbox ourselves.
-  if (!saved) await destroyOrLedger(deps, created.entry);
+  if (saved === "refused") await destroyOrLedger(deps, created.entry);
+  // Another seed of this rollout stored its receipt first (this one's lock had lapsed): its
+  // sandbox is the rollout's, and the entry under the shared key is its. Destroy ours by handle
+  // only; should that fail, the janitor's label sweep finds it once the rollout is over.
+  if (saved === "taken") {
+    const gone = await deps.provider.destroy(created.handle).catch(() => null);
+    if (!gone?.confirmed)
+      deps.logger.warn({ rolloutId: rec.meta.id }, "could not destroy a losing seed's sandbox");
+  }
   return null;
 };
 

@@ -1,4 +1,4 @@
-import { capText, type StageName } from "@fleet/contracts";
+import { capText, isTerminal, type StageName } from "@fleet/contracts";
 import { duplicateRedis, type RedisConnection } from "@fleet/queue";
 import { type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
@@ -245,6 +245,13 @@ export function createStageWorkers(
   };
 }
 
+const NEXT_STAGE: Record<StageName, StageName | null> = {
+  seed: "run",
+  run: "verify",
+  verify: "close",
+  close: null,
+};
+
 /** Reasons BullMQ fails a job with, without running it (BullMQ 6: a deferred failure). */
 const BULLMQ_OWN_FAILURES = new Set([
   "job stalled more than allowable limit",
@@ -259,6 +266,15 @@ async function closeAfterBullmqFailure(
 ): Promise<void> {
   const rolloutId = (job.data as { rolloutId?: unknown } | undefined)?.rolloutId;
   if (typeof rolloutId !== "string") return;
+  const rec = await deps.store.get(rolloutId);
+  if (!rec || isTerminal(rec.status)) return;
+  const next = NEXT_STAGE[stage];
+  if (rec.receipts[stage] && next) {
+    // Its work was done and stored (the worker died after the receipt, before completing the
+    // job): go on as a replay would, never mask a stored result (e.g. a reward).
+    await deps.queues.enqueue(next, rolloutId);
+    return;
+  }
   deps.logger.warn({ stage, rolloutId, reason }, "BullMQ failed the stage job itself; closing the rollout");
   if (stage === "close") {
     // Its id is taken while the failed job is kept: make room for a new close.

@@ -466,13 +466,30 @@ export class RolloutStore {
   }
 
   /**
-   * Store a stage receipt and advance status; false if the rollout is terminal/closed. With
-   * `attach`, the created sandbox's entry is stored first (whatever the status). With `next`, the
-   * next stage's job is added in the same round trip, after the receipt (Redis runs one
-   * connection's commands in order), whether or not the receipt was stored: a next stage that
-   * finds the rollout closed or terminal skips.
+   * Store a stage receipt and advance status; false if the rollout is terminal/closed, or if
+   * another receipt of the stage is stored already (receipts are written once; the same receipt
+   * again is true). With `attach`, the created sandbox's entry is stored first (whatever the
+   * status; not when another receipt is there). With `next`, the next stage's job is added in the
+   * same round trip, after the receipt (Redis runs one connection's commands in order), whether or
+   * not the receipt was stored: a next stage that finds the rollout closed or terminal skips.
    */
   async saveReceipt<S extends StageName>(
+    meta: Pick<RolloutMeta, "id" | "batchId">,
+    stage: S,
+    receipt: ReceiptOf<S>,
+    newStatus: RolloutStatus,
+    now: number,
+    options: Parameters<RolloutStore["storeReceipt"]>[5] = {},
+  ): Promise<boolean> {
+    return (await this.storeReceipt(meta, stage, receipt, newStatus, now, options)) === "stored";
+  }
+
+  /**
+   * `saveReceipt`, saying why a receipt was not stored: `refused` (terminal, closed, or the fence
+   * is not this launch's; an `attach` entry was stored) or `taken` (another receipt of the stage
+   * is stored: nothing was written).
+   */
+  async storeReceipt<S extends StageName>(
     meta: Pick<RolloutMeta, "id" | "batchId">,
     stage: S,
     receipt: ReceiptOf<S>,
@@ -484,7 +501,7 @@ export class RolloutStore {
       /** Store only while this launch token holds the rollout's fence (a run's receipt). */
       fence?: string;
     } = {},
-  ): Promise<boolean> {
+  ): Promise<"stored" | "refused" | "taken"> {
     // Bounded (DESIGN §2 rule 13); the answer a match verifier grades is never cut.
     const json = fitRecordJson(RECEIPT_SCHEMAS[stage].parse(receipt), MAX_RECORD_BYTES, RECEIPT_KEEP);
     const [batchKey, hasBatch] = this.batchArgs(meta);
@@ -506,7 +523,7 @@ export class RolloutStore {
     const r = next
       ? await next.queues.enqueueAfter(next.stage, meta.id, "fleetReceipt", keys, args)
       : await this.batcher.call("fleetReceipt", keys, args);
-    return r === 1;
+    return r === 1 ? "stored" : r === 2 ? "taken" : "refused";
   }
 
   /** Keep the first terminal failure; later ones only go to the failure log. Returns true if stored. */

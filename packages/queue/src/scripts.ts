@@ -86,8 +86,9 @@ const SCRIPTS = {
    * With an attach key, first store a created sandbox's entry (handle included) in the sandboxes
    * hash whatever the status, so a close or the janitor can find it. Returns 1 if stored.
    * A receipt is written once: a second attempt of the stage that ran alongside the first (its
-   * lock lapsed) is refused before it attaches anything, so it can neither replace the sandbox the
-   * next stage already uses nor drop the first one's entry; it destroys its own sandbox.
+   * lock lapsed) is refused (2) before it attaches anything, so it cannot replace the sandbox the
+   * next stage already uses; it destroys its own sandbox. The same receipt sent again (ioredis
+   * resends a command whose reply a reconnect lost) is stored already: 1.
    */
   fleetReceipt: {
     keys: 3, // rollout, batch|rollout, sandboxes
@@ -96,7 +97,11 @@ const SCRIPTS = {
     //       stored only while its launch holds the fence, DESIGN §2 rule 10)
     lua: `
       ${TERMINAL}
-      if redis.call('HEXISTS', KEYS[1], ARGV[1]) == 1 then return 0 end
+      local stored = redis.call('HGET', KEYS[1], ARGV[1])
+      if stored then
+        if stored == ARGV[2] then return 1 end
+        return 2
+      end
       if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], ARGV[9], ARGV[10]) end
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end

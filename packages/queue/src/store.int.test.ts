@@ -549,9 +549,11 @@ describe("rollout store", () => {
     });
     const first = seedReceipt(id);
     expect(await store.saveReceipt(meta, "seed", first, "seeded", 5, { attach: entryFor(first) })).toBe(true);
+    // The same receipt sent again (ioredis resends a command whose reply a reconnect lost): stored.
+    expect(await store.saveReceipt(meta, "seed", first, "seeded", 5, { attach: entryFor(first) })).toBe(true);
     const second = { ...seedReceipt(id), handle: { ...first.handle, id: `c2-${id}`, name: `n2-${id}` } };
-    expect(await store.saveReceipt(meta, "seed", second, "seeded", 6, { attach: entryFor(second) })).toBe(
-      false,
+    expect(await store.storeReceipt(meta, "seed", second, "seeded", 6, { attach: entryFor(second) })).toBe(
+      "taken",
     );
     expect((await store.get(id))!.receipts.seed?.handle.id).toBe(`c-${id}`);
     expect((await ledger.sandboxesOf(id)).resources?.handle?.id).toBe(`c-${id}`);
