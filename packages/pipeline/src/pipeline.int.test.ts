@@ -740,6 +740,64 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
+  it("a verify delivered again that cannot wait out the earlier tests before the deadline ends masked; a shutdown hands it back", async () => {
+    const task = {
+      ...byId("hello-file"),
+      id: `late-verify-${Date.now()}`,
+      timeouts: { agentS: 5, verifierS: 1 },
+    };
+    const [late, stopping] = await fleet.submit([
+      { ...oracle(task), deadlineS: 12 },
+      { ...oracle(task), deadlineS: 600 },
+    ]);
+    for (const id of [late!, stopping!]) {
+      for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id), fleet.deps);
+      await fleet.redis.hset(fleet.deps.store.keys.rollout(id), "t:verify:last", String(Date.now()));
+    }
+    // 1 s of tests + 15 s of grace from now passes the 12 s deadline: no point sleeping into it.
+    await expect(runStageJob("verify", job(late!), fleet.deps)).rejects.toThrow(/deadline_exceeded/);
+    const shutdown = new AbortController();
+    const waiting = runStageJob("verify", job(stopping!), fleet.deps, { signal: shutdown.signal }).catch(
+      (e) => e,
+    );
+    shutdown.abort();
+    expect(isHandBack(await waiting)).toBe(true);
+    for (const id of [late!, stopping!]) await runStageJob("close", job(id), fleet.deps);
+    expect(await fleet.deps.store.getResult(late!)).toMatchObject({
+      status: "masked",
+      failureKind: "deadline_exceeded",
+    });
+  });
+
+  it("a rerun taken over while it prepared neither kills nor resets what the new launch runs", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // An earlier launch died: this attempt is a rerun, which kills and resets before launching.
+    await fleet.deps.store.claimLaunch(id!, "dead-worker:1");
+    const store = fleet.deps.store;
+    const kills: string[] = [];
+    const slow = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
+          kills.push(a[1] ?? "");
+          return fleet.deps.provider.killProcesses(...a);
+        },
+      }),
+      store: Object.assign(Object.create(store) as typeof store, {
+        getTask: async (digest: string) => {
+          // Meanwhile this worker's lock lapsed, and worker B took the run over and launched.
+          await store.claimLaunch(id!, "worker-b:1");
+          return store.getTask(digest);
+        },
+      }),
+    };
+    expect(await runStageJob("run", { ...job(id!, 1), processedOn: Date.now() - 25_000 }, slow)).toBe("ok");
+    expect(kills).toEqual([]);
+    expect((await store.get(id!))!.fence).toBe("launched:worker-b:1");
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
   it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {
     const task = {
       ...byId("hello-file"),
@@ -748,10 +806,10 @@ describe("idempotency and fencing without workers", () => {
     };
     const [id] = await fleet.submit([oracle(task)]);
     for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
-    // The earlier attempt began verifying 14.5 s ago; its tests (1 s budget) may run until
+    // The attempt before began verifying 14.5 s ago; its tests (1 s budget) may run until
     // 1 s + the 15 s grace after that: 1.5 s from now.
     const earlier = Date.now() - 14_500;
-    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "t:verify:start", String(earlier));
+    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "t:verify:last", String(earlier));
     const staged: number[] = [];
     const watching = {
       ...fleet.deps,

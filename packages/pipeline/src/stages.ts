@@ -383,12 +383,25 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     await giveBack();
     throw FleetError.retryable("sandbox_lost", "run stage without a seed receipt (yet)");
   }
+  // Held long enough for its lock to have lapsed (a slow or cut-off start): another worker may
+  // have taken the run over, and may run its agent now. Before anything that could hurt that
+  // launch (replacing an own sandbox, killing and resetting before a rerun) and again before
+  // launching, look at the fence.
+  const fence = async (): Promise<"run" | "lost" | "stop"> =>
+    mayBeTakenOver(rec) ? deps.store.launchState(id, token) : "run";
+  /** What to return when the fence is no longer this launch's (undefined: go on). */
+  const unlessOurs = async (): Promise<StageName | null | undefined> => {
+    const state = await fence();
+    return state === "lost" ? null : state === "stop" ? "close" : undefined;
+  };
 
   let handle = seedReceipt.handle;
   let owned: SandboxEntry | null = null;
   let task: TaskContent;
   try {
     task = await loadTask(rec, deps);
+    const notOurs = await unlessOurs();
+    if (notOurs !== undefined) return notOurs;
     if (rec.meta.agent.sandbox === "own") {
       // An earlier attempt's own sandbox is never reused: it may have failed between create and
       // staging (a probe that timed out), and an agent run in an unstaged workspace would be graded.
@@ -402,6 +415,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       if (!created.reused) await stageWorkspace(deps.provider, handle, task);
     }
     if (previous !== "") {
+      const stillOurs = await unlessOurs();
+      if (stillOurs !== undefined) return stillOurs;
       // Re-delivered (a worker died mid-run): whatever it started must be gone before we start again.
       const leftover = await deps.provider.killProcesses(handle, AGENT_USER);
       if (!leftover.confirmed)
@@ -426,17 +441,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     await giveBack();
     throw new HandBackError();
   }
-  // Held long enough for its lock to have lapsed (a slow or cut-off start): another worker may
-  // have taken the run over, killed what it found and launched its own. Launching now would run
-  // a second agent beside it, past its cleanup: look at the fence first.
-  if (mayBeTakenOver(rec)) {
-    const state = await deps.store.launchState(id, token);
-    if (state === "lost") {
-      deps.logger.warn({ rolloutId: id }, "the run was taken over before this launch started; not launching");
-      return null;
-    }
-    if (state === "stop") return "close";
+  // Launching now, after a takeover, would run a second agent beside the new launch.
+  const atLaunch = await fence();
+  if (atLaunch === "lost") {
+    deps.logger.warn({ rolloutId: id }, "the run was taken over before this launch started; not launching");
+    return null;
   }
+  if (atLaunch === "stop") return "close";
 
   const make = deps.createHarness ?? defaultCreateHarness;
   const harness = make(rec.meta.agent, deps.harnessDeps ?? {});
@@ -506,6 +517,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         if (abort.signal.reason instanceof LostLaunchError) return null;
         return "close";
       }
+      // Taken over while it ran: the new launch may have replaced or reset the sandbox under this
+      // one; its error is not this rollout's failure.
+      if ((await fence().catch(() => "run")) === "lost") return null;
       throw await sandboxLostIfGone(deps, handle, err);
     } finally {
       clearInterval(poll);
@@ -614,8 +628,6 @@ class LostLaunchError extends Error {
   override readonly name = "LostLaunchError";
 }
 
-/** How much later than this stage's first start a begin must come to be taken for a re-delivery. */
-const REDELIVERY_MIN_MS = 1_000;
 /** Past an earlier attempt's tests budget: staging before them, the in-sandbox `timeout -k 2`. */
 const EARLIER_TESTS_GRACE_MS = 15_000;
 
@@ -624,25 +636,39 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
  * tests still running in the sandbox as root: a Docker exec outlives its client. Staging new
  * tests and clearing /logs/verifier under them could mix the two runs' rewards. The earlier
  * tests end by their own budget (the in-sandbox `timeout` kills their process group): wait that
- * out, within the rollout's deadline, before starting again.
+ * out, counted from when the attempt just before this one began (`begin` returns it: none on a
+ * first delivery). A wait that would pass the rollout's deadline is its end (masked); a shutdown
+ * hands the job back.
  */
-async function waitOutEarlierTests(rec: StageRecord, deps: PipelineDeps, task: TaskContent): Promise<void> {
-  const earlier = rec.times["verify:start"];
+async function waitOutEarlierTests(
+  rec: StageRecord,
+  deps: PipelineDeps,
+  task: TaskContent,
+  shutdown?: AbortSignal,
+): Promise<void> {
+  const earlier = rec.times["verify:prev"];
+  if (task.verifier.kind !== "tests" || earlier === undefined) return;
   const now = clock(deps);
-  if (task.verifier.kind !== "tests" || earlier === undefined || now - earlier < REDELIVERY_MIN_MS) return;
-  const until = Math.min(
-    earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS,
-    rec.meta.deadlineAt,
-  );
+  const until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
   if (until <= now) return;
+  if (until >= rec.meta.deadlineAt) {
+    throw FleetError.nonRetryable(
+      "deadline_exceeded",
+      "a verify delivered again could not wait out the earlier attempt's tests before the rollout's deadline",
+    );
+  }
   deps.logger.info(
     { rolloutId: rec.meta.id, waitMs: until - now },
     "verify delivered again: waiting out the earlier attempt's tests before starting",
   );
-  await sleep(until - now);
+  try {
+    await sleep(until - now, undefined, { signal: shutdown });
+  } catch {
+    throw new HandBackError();
+  }
 }
 
-export const verifyStage: StageHandler = async (rec, deps) => {
+export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const runReceipt = rec.receipts.run;
   const seedReceipt = rec.receipts.seed;
   // DESIGN §2 rule 10: never verify without a positive cleanup receipt. A run receipt not
@@ -660,7 +686,7 @@ export const verifyStage: StageHandler = async (rec, deps) => {
     );
   }
   const task = await loadTask(rec, deps);
-  await waitOutEarlierTests(rec, deps, task);
+  await waitOutEarlierTests(rec, deps, task, shutdown);
   const startedAt = clock(deps);
   const grade = deps.verify ?? defaultVerify;
   let verdict: Awaited<ReturnType<typeof grade>>;

@@ -288,7 +288,7 @@ const SCRIPTS = {
       ${TERMINAL}
       ${CLAIM_LAUNCH}
       local status = redis.call('HGET', KEYS[1], 'status')
-      local intent, previous, launches = '', '', 0
+      local intent, previous, launches, prevBegin = '', '', 0, false
       if status and not terminal[status] then
         if ARGV[3] == '1' then
           redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
@@ -300,6 +300,11 @@ const SCRIPTS = {
             or redis.call('HEXISTS', KEYS[1], 'r:' .. ARGV[1]) == 1
           if not skip then
             redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2])
+            if ARGV[1] == 'verify' then
+              -- When the attempt before this one began (a verify delivered again waits out its tests).
+              prevBegin = redis.call('HGET', KEYS[1], 't:verify:last')
+              redis.call('HSET', KEYS[1], 't:verify:last', ARGV[2])
+            end
             if ARGV[5] ~= '' then
               -- Not past the deadline either: the stage would be skipped, and an intent left
               -- without a sandbox would hold the close's teardown for the intent grace period.
@@ -329,9 +334,8 @@ const SCRIPTS = {
       if ARGV[3] == '1' then
         rec = redis.call('HGETALL', KEYS[1])
       else
-        -- The fields a stage before close reads (of the timings, only its own first start: a
-        -- re-delivered stage sees when the earlier attempt began): less to send and to parse.
-        local names = {'meta', 'status', 'stage', 'failure', 'cancel', 'closed', 'fence', 'r:seed', 'r:run', 'r:verify', 't:' .. ARGV[1] .. ':start'}
+        -- The fields a stage before close reads (not the timings): less to send and to parse.
+        local names = {'meta', 'status', 'stage', 'failure', 'cancel', 'closed', 'fence', 'r:seed', 'r:run', 'r:verify'}
         local values = redis.call('HMGET', KEYS[1], unpack(names))
         rec = {}
         for i = 1, #names do
@@ -339,6 +343,10 @@ const SCRIPTS = {
             rec[#rec + 1] = names[i]
             rec[#rec + 1] = values[i]
           end
+        end
+        if prevBegin then
+          rec[#rec + 1] = 't:verify:prev'
+          rec[#rec + 1] = prevBegin
         end
       end
       return {rec, failures, intent, previous, launches, sb1, sb2}`,
