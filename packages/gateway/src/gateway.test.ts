@@ -229,6 +229,18 @@ describe("model gateway", () => {
     upstream.push(chatReply({ content: "ok" }));
     await chat(baseUrl, token);
     expect(gateway.health(token)).toEqual({ answered: 2, infraFailures: 2, lastInfraFailure: null });
+    // A call the gateway refuses itself (here: not JSON) is the agent's own: the last call failed
+    // on its request, not on the upstream.
+    upstream.push(errorReply(502, "bad_gateway", "down"));
+    await chat(baseUrl, token);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 502");
+    const malformed = await fetch(`${baseUrl}/chat/completions`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
+      body: "not json",
+    });
+    expect(malformed.status).toBe(400);
+    expect(gateway.health(token)?.lastInfraFailure).toBeNull();
     await upstream.close();
     await chat(baseUrl, token);
     expect(gateway.health(token)?.lastInfraFailure).toMatch(/^unreachable: /);

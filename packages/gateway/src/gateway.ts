@@ -88,6 +88,8 @@ export class GatewayHttpError extends Error {
     readonly status: number,
     readonly code: string,
     message: string,
+    /** About the upstream's call (unreachable, timeout, aborted), not a refusal of the gateway's own. */
+    readonly fromUpstream = false,
   ) {
     super(message);
   }
@@ -166,6 +168,17 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
   }
 
   async function chatCompletion(entry: Entry, req: IncomingMessage, res: ServerResponse): Promise<void> {
+    try {
+      await admitAndForward(entry, req, res);
+    } catch (err) {
+      // Refused by the gateway itself (concurrency, size, a malformed request, a cap): the last
+      // call failed on the agent's own request, whatever the upstream did before.
+      if (err instanceof GatewayHttpError && !err.fromUpstream) entry.health.lastInfraFailure = null;
+      throw err;
+    }
+  }
+
+  async function admitAndForward(entry: Entry, req: IncomingMessage, res: ServerResponse): Promise<void> {
     // Each open call holds its body several times over: the agent gets a few at once, not hundreds.
     if (entry.open >= o.maxConcurrentCalls) {
       throw new GatewayHttpError(
@@ -254,6 +267,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
           504,
           "upstream_timeout",
           `upstream did not answer in ${o.upstreamTimeoutMs} ms`,
+          true,
         );
       }
       if (controller.signal.aborted) {
@@ -261,12 +275,14 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
           503,
           "call_aborted",
           "the call was aborted (token revoked or gateway closing)",
+          // Neither answered nor refused by the gateway: the health stays as it was.
+          true,
         );
       }
       // fetch's own errors can quote the request (a header value it refused): redacted as well.
       const why = credential ? describe(err).split(credential).join("[redacted]") : describe(err);
       noteInfraFailure(entry, `unreachable: ${why}`);
-      throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`);
+      throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`, true);
     } finally {
       entry.pending -= 1;
       entry.inFlight.delete(controller);

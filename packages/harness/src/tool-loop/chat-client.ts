@@ -83,9 +83,11 @@ export interface ChatCallInput {
   /** Called before each backoff wait. */
   onRetry?: (info: { attempt: number; status: number | null; reason: string; waitMs: number }) => void;
   /**
-   * Whether the endpoint has answered any earlier call of this episode. When it never has, the
-   * deadline coming while it still says nothing is the endpoint's failure (masked), not the
-   * agent's timeout: a policy cannot have used time it never got. @defaultValue true
+   * Whether the endpoint has answered an earlier call of this episode: only then is a 400, 413 or
+   * 422 a refusal of the conversation the policy wrote (`refused`, graded) rather than of the
+   * request as configured (final `agent_error`). (A first call the deadline cuts is the agent's
+   * timeout either way: without streaming a hung endpoint looks like a slow generation, and
+   * masking those would let a policy trade slow answers for masks.) @defaultValue false
    */
   answeredBefore?: boolean;
   /**
@@ -104,8 +106,7 @@ export const ATTEMPT_TIMEOUT_MS = 300_000;
  * answers with jittered backoff (honouring `Retry-After`), all inside the one deadline.
  *
  * @throws FleetError `provider_unavailable` (final: the deadline is spent) when the endpoint did
- *   not give a usable answer before the deadline after at least one failed attempt, or never
- *   answered this episode at all (`answeredBefore` false).
+ *   not give a usable answer before the deadline after at least one failed attempt.
  * @throws FleetError `agent_error` (final) for any other 4xx (bad credential, unknown model, …).
  * @throws the abort error when `signal` aborts.
  */
@@ -116,18 +117,15 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
   const unavailable = (): FleetError =>
     FleetError.nonRetryable(
       "provider_unavailable",
-      lastFailure === null
-        ? `model endpoint never answered this episode before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"})`
-        : `model endpoint gave no usable answer before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"}; last: ${lastFailure})`,
+      `model endpoint gave no usable answer before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"}; last: ${lastFailure})`,
     );
-  const neverAnswered = input.answeredBefore === false;
   const attemptMs = input.attemptTimeoutMs ?? ATTEMPT_TIMEOUT_MS;
 
   for (;;) {
     if (input.signal.aborted) throw abortError(input.signal);
     const remaining = input.deadlineMs - Date.now();
     if (remaining <= 0) {
-      if (lastFailure !== null || neverAnswered) throw unavailable();
+      if (lastFailure !== null) throw unavailable();
       return { kind: "deadline", failedAttempts: attempt };
     }
     attempt += 1;
@@ -189,9 +187,8 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       if (err instanceof FleetError) throw err;
       if (input.signal.aborted) throw abortError(input.signal);
       if (timeout.aborted && cutByDeadline) {
-        // The deadline came mid-attempt: still the endpoint's fault if it had already failed us,
-        // or has never answered this episode.
-        if (lastFailure !== null || neverAnswered) throw unavailable();
+        // The deadline came mid-attempt: still the endpoint's fault if it had already failed us.
+        if (lastFailure !== null) throw unavailable();
         return { kind: "deadline", failedAttempts: attempt - 1 };
       }
       if (timeout.aborted) {

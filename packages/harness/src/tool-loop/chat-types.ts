@@ -48,7 +48,11 @@ export function readAssistantTurn(body: unknown, step: number): AssistantTurn | 
     };
     const args = call.function?.arguments;
     return {
-      id: typeof call.id === "string" && call.id !== "" ? call.id : `call_${step}_${i + 1}`,
+      // An id is echoed in the history and every tool result: a missing or absurd one is replaced.
+      id:
+        typeof call.id === "string" && call.id !== "" && call.id.length <= 256
+          ? call.id
+          : `call_${step}_${i + 1}`,
       type: "function",
       function: {
         name: typeof call.function?.name === "string" ? call.function.name : "",

@@ -13,6 +13,7 @@ import { capTail, providerStep } from "../run-command.ts";
 import {
   BASH_TOOL,
   formatToolResult,
+  MAX_COMMAND_BYTES,
   parseBashArguments,
   TOOL_EXEC_OUTPUT_BYTES,
   TOOL_LOOP_SYSTEM_PROMPT,
@@ -23,12 +24,12 @@ import { redactor, Transcript } from "./transcript.ts";
 
 type ToolLoopAgent = Extract<AgentSpec, { harness: "tool-loop" }>;
 
-/** Why an episode ended. All but `deadline` end with exit code 0; `deadline` is -1 (graded). */
 /** Most tool calls of one answer that run (and go back in the history); the rest are dropped, and the model told. */
 export const MAX_TOOL_CALLS_PER_TURN = 64;
 /** Most characters of one answer's text kept in the history sent back. */
 export const MAX_HISTORY_CONTENT_CHARS = 256 * 1024;
 
+/** Why an episode ended. All but `deadline` end with exit code 0; `deadline` is -1 (graded). */
 export type ToolLoopStop = "answer" | "max_steps" | "token_cap" | "context_length" | "refused" | "deadline";
 
 export interface ToolLoopHarnessOptions {
@@ -43,14 +44,16 @@ export interface ToolLoopHarnessOptions {
  * - A step is one model call plus the tool calls it made. The episode ends when the model
  *   answers without tool calls (its content is the answer), after `maxSteps` steps, when the
  *   rollout's token cap (`agent.maxTokens`) is reached, when the model refuses the conversation
- *   as too long for its context, or at the agent's deadline. All are graded; only the deadline
+ *   as too long for its context or (after answering an earlier call) refuses it outright with a
+ *   400/413/422 (`refused`), or at the agent's deadline. All are graded; only the deadline
  *   gives exit code -1 (`timedOut`). The answer is otherwise the last assistant text, or `null`.
  * - Each tool command runs under min(`toolTimeoutS`, time left); its exit envelope and capped
  *   output tails go back to the model.
  * - Model calls are retried on 429/5xx/connection errors with jittered backoff (honouring
- *   `Retry-After`) inside the one deadline; an endpoint that never answered usefully until the
- *   deadline throws final `provider_unavailable` (the rollout is masked, not scored 0). Other
- *   4xx (bad credential, unknown model) throw final `agent_error`.
+ *   `Retry-After`) inside the one deadline, as is an attempt with no answer within
+ *   `ATTEMPT_TIMEOUT_MS`; an endpoint that failed and never answered usefully until the deadline
+ *   throws final `provider_unavailable` (the rollout is masked, not scored 0). Other 4xx on a
+ *   first call (bad credential, unknown model) throw final `agent_error`.
  * - The credential (resolved by name through `deps.resolveCredential`) is sent only as
  *   `Authorization: Bearer` to `model.baseUrl`; it is redacted from the transcript and errors.
  */
@@ -276,7 +279,7 @@ export class ToolLoopHarness implements Harness {
   ): Promise<{ text: string; facts: Record<string, unknown> }> {
     if (name !== BASH_TOOL.function.name) {
       return {
-        text: `error: unknown tool "${name}"; the only tool is bash`,
+        text: `error: unknown tool "${capText(name, MAX_HISTORY_NAME_CHARS)}"; the only tool is bash`,
         facts: { error: "unknown_tool" },
       };
     }
@@ -303,14 +306,27 @@ export class ToolLoopHarness implements Harness {
   }
 }
 
-/** A tool call as it is sent back in the history (see where it is used). */
+/** Longest tool-call name and id kept in the history (and quoted back). */
+const MAX_HISTORY_NAME_CHARS = 256;
+
+/**
+ * A tool call as it is sent back in the history (see where it is used): arguments that are not a
+ * JSON object, or longer than any command the bash tool takes, become "{}"; the name is capped
+ * (an id over 256 characters was replaced when the answer was read).
+ */
 function historyCall(call: ToolCall): ToolCall {
   let args = call.function.arguments;
-  try {
-    const parsed: unknown = JSON.parse(args);
-    if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) args = "{}";
-  } catch {
-    args = "{}";
+  if (Buffer.byteLength(args) > MAX_COMMAND_BYTES + 1024) args = "{}";
+  else {
+    try {
+      const parsed: unknown = JSON.parse(args);
+      if (typeof parsed !== "object" || parsed === null || Array.isArray(parsed)) args = "{}";
+    } catch {
+      args = "{}";
+    }
   }
-  return { ...call, function: { name: call.function.name || "unknown", arguments: args } };
+  return {
+    ...call,
+    function: { name: call.function.name.slice(0, MAX_HISTORY_NAME_CHARS) || "unknown", arguments: args },
+  };
 }
