@@ -410,6 +410,24 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
+  it("a rerun with its own sandbox starts in a fresh one: no reset, so an image with workspace files is no mask", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },
+    ]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    // An image whose /workspace could not be put back (a reset would mask the rollout)...
+    const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
+    seedReceipt.probe.workspaceEmpty = false;
+    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
+    // ...and an earlier launch that died: this attempt is a rerun.
+    await fleet.deps.store.claimLaunch(id!, "dead-worker:1");
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    await runStageJob("verify", job(id!), fleet.deps);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
+    expect(await containersOf([id!])).toBe(0);
+  });
+
   it("a re-delivered seed that finds the earlier attempt's sandbox stopped replaces it instead of probing it to death", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     // The first attempt recorded its intent and created the sandbox, whose container then

@@ -414,7 +414,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       await deps.provider.probe(handle);
       if (!created.reused) await stageWorkspace(deps.provider, handle, task);
     }
-    if (previous !== "") {
+    // A rerun in the task's sandbox kills what the earlier launch left and resets the sandbox; an
+    // own sandbox was just made afresh (the earlier one, and all in it, destroyed by the replace).
+    if (previous !== "" && rec.meta.agent.sandbox !== "own") {
       const stillOurs = await unlessOurs();
       if (stillOurs !== undefined) return stillOurs;
       // Re-delivered (a worker died mid-run): whatever it started must be gone before we start again.
