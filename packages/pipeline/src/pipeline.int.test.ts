@@ -841,6 +841,9 @@ describe("idempotency and fencing without workers", () => {
     expect(await runStageJob("verify", job(id!), watching)).toBe("ok");
     expect(staged).toHaveLength(1);
     expect(staged[0]!).toBeGreaterThanOrEqual(earlier + 1_000 + 15_000);
+    // It noted when its tests started (after its wait), so a later delivery would wait from then.
+    const last = Number(await fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "t:verify:last"));
+    expect(last).toBeGreaterThanOrEqual(earlier + 1_000 + 15_000);
     await runStageJob("close", job(id!), fleet.deps);
     expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
   });

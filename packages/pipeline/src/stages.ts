@@ -668,6 +668,8 @@ async function waitOutEarlierTests(
   } catch {
     throw new HandBackError();
   }
+  // This attempt's tests start now, not at its begin: a later re-delivery waits from here.
+  await deps.store.noteVerifyTestsStart(rec.meta.id, clock(deps));
 }
 
 export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) => {

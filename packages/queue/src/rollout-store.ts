@@ -526,6 +526,14 @@ export class RolloutStore {
     return r === 1 ? "stored" : r === 2 ? "taken" : "refused";
   }
 
+  /**
+   * Note when this verify attempt starts its tests, when that is later than its begin (it waited
+   * out an earlier attempt's): a later re-delivery waits from then. Not on a terminal rollout.
+   */
+  async noteVerifyTestsStart(id: string, at: number): Promise<void> {
+    await this.redis.fleetSetField(this.keys.rollout(id), "t:verify:last", String(at), "0");
+  }
+
   /** Keep the first terminal failure; later ones only go to the failure log. Returns true if stored. */
   async recordFailure(id: string, failure: FailureRecord): Promise<boolean> {
     const parsed = FailureRecord.parse(failure);
