@@ -266,6 +266,16 @@ describe("rollout store", () => {
     reused: false,
     at: 3,
   });
+  /** The task sandbox's entry for a seed receipt's handle. */
+  const seedEntry = (id: string, receipt: ReturnType<typeof seedReceipt>) => ({
+    key: sandboxKey(id, "resources"),
+    rolloutId: id,
+    owner: "resources" as const,
+    provider: "docker" as const,
+    handle: receipt.handle,
+    createdAt: 1,
+    expiresAt: 2,
+  });
 
   it("seed's begin persists the sandbox intent with the stage check, and not once the rollout is closed", async () => {
     const intent = { owner: "resources" as const, provider: "docker" as const, expirySlackMs: 600_000 };
@@ -537,15 +547,7 @@ describe("rollout store", () => {
     const ledger = new TeardownLedger(redis, prefix);
     const id = (await admitOne()).ids[0]!;
     const meta = (await store.get(id))!.meta;
-    const entryFor = (receipt: ReturnType<typeof seedReceipt>) => ({
-      key: sandboxKey(id, "resources"),
-      rolloutId: id,
-      owner: "resources" as const,
-      provider: "docker" as const,
-      handle: receipt.handle,
-      createdAt: 1,
-      expiresAt: 2,
-    });
+    const entryFor = (receipt: ReturnType<typeof seedReceipt>) => seedEntry(id, receipt);
     const first = seedReceipt(id);
     expect(await store.saveReceipt(meta, "seed", first, "seeded", 5, { attach: entryFor(first) })).toBe(true);
     // The same receipt sent again (ioredis resends a command whose reply a reconnect lost): stored.
@@ -564,15 +566,7 @@ describe("rollout store", () => {
     const id = ids[0]!;
     const meta = (await store.get(id))!.meta;
     const receipt = seedReceipt(id);
-    const entry = {
-      key: sandboxKey(id, "resources"),
-      rolloutId: id,
-      owner: "resources" as const,
-      provider: "docker" as const,
-      handle: receipt.handle,
-      createdAt: 1,
-      expiresAt: 2,
-    };
+    const entry = seedEntry(id, receipt);
     const saved = await store.saveReceipt(meta, "seed", receipt, "seeded", 5, {
       attach: entry,
       next: { queues, stage: "run" },
