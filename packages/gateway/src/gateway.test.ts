@@ -247,6 +247,20 @@ describe("model gateway", () => {
     expect(gateway.health("not-a-token")).toBeNull();
   });
 
+  it("a concurrency refusal, unlike a malformed request, leaves the upstream's last failure as it was", async () => {
+    const { upstream, gateway } = await setup({ maxConcurrentCalls: 1 });
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(errorReply(503, "overloaded", "try later"));
+    await chat(baseUrl, token);
+    upstream.push({ ...chatReply({ content: "slow" }), delayMs: 500 });
+    const inFlight = chat(baseUrl, token);
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
+    expect((await chat(baseUrl, token)).status).toBe(429);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
+    await inFlight;
+    expect(gateway.health(token)?.lastInfraFailure).toBeNull();
+  });
+
   it("answers 502 when the upstream is unreachable", async () => {
     const upstream = await startScriptedUpstream();
     const deadUrl = upstream.baseUrl;

@@ -76,6 +76,15 @@ export interface UpstreamHealth {
   lastInfraFailure: string | null;
 }
 
+/** The gateway's refusals of a request for the agent's own doing: they clear the upstream's last failure. */
+const AGENTS_OWN_REFUSALS = new Set([
+  "malformed",
+  "stream_unsupported",
+  "payload_too_large",
+  "call_cap_exceeded",
+  "token_cap_exceeded",
+]);
+
 /** Whether an upstream status is an infrastructure failure (see `UpstreamHealth`). */
 export function isInfraStatus(status: number): boolean {
   return status >= 500 || status === 429 || status === 401 || status === 403;
@@ -88,8 +97,6 @@ export class GatewayHttpError extends Error {
     readonly status: number,
     readonly code: string,
     message: string,
-    /** About the upstream's call (unreachable, timeout, aborted), not a refusal of the gateway's own. */
-    readonly fromUpstream = false,
   ) {
     super(message);
   }
@@ -171,9 +178,12 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     try {
       await admitAndForward(entry, req, res);
     } catch (err) {
-      // Refused by the gateway itself (concurrency, size, a malformed request, a cap): the last
-      // call failed on the agent's own request, whatever the upstream did before.
-      if (err instanceof GatewayHttpError && !err.fromUpstream) entry.health.lastInfraFailure = null;
+      // Refused for the agent's own request (malformed, too large, over a cap): the last call
+      // failed on the agent, whatever the upstream did before. A concurrency refusal, a credential
+      // the worker could not resolve or an upstream answer too large leave the health as it was.
+      if (err instanceof GatewayHttpError && AGENTS_OWN_REFUSALS.has(err.code)) {
+        entry.health.lastInfraFailure = null;
+      }
       throw err;
     }
   }
@@ -267,7 +277,6 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
           504,
           "upstream_timeout",
           `upstream did not answer in ${o.upstreamTimeoutMs} ms`,
-          true,
         );
       }
       if (controller.signal.aborted) {
@@ -275,14 +284,12 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
           503,
           "call_aborted",
           "the call was aborted (token revoked or gateway closing)",
-          // Neither answered nor refused by the gateway: the health stays as it was.
-          true,
         );
       }
       // fetch's own errors can quote the request (a header value it refused): redacted as well.
       const why = credential ? describe(err).split(credential).join("[redacted]") : describe(err);
       noteInfraFailure(entry, `unreachable: ${why}`);
-      throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`, true);
+      throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`);
     } finally {
       entry.pending -= 1;
       entry.inFlight.delete(controller);
