@@ -142,7 +142,8 @@ export async function runStageJob(
 const FAIL_RECORD_TRIES = 4;
 const FAIL_RECORD_BACKOFF_MS = 250;
 
-function nextAfter(stage: StageName): StageName | null {
+/** The stage a stored receipt of `stage` leads to (null after close). */
+export function nextAfter(stage: StageName): StageName | null {
   switch (stage) {
     case "seed":
       return "run";

@@ -3,7 +3,7 @@ import { duplicateRedis, type RedisConnection } from "@fleet/queue";
 import { type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack } from "./hand-back.ts";
-import { runStageJob } from "./stage-runner.ts";
+import { nextAfter, runStageJob } from "./stage-runner.ts";
 
 export interface StageWorkerOptions {
   connection: RedisConnection;
@@ -245,13 +245,6 @@ export function createStageWorkers(
   };
 }
 
-const NEXT_STAGE: Record<StageName, StageName | null> = {
-  seed: "run",
-  run: "verify",
-  verify: "close",
-  close: null,
-};
-
 /** Reasons BullMQ fails a job with, without running it (BullMQ 6: a deferred failure). */
 const BULLMQ_OWN_FAILURES = new Set([
   "job stalled more than allowable limit",
@@ -268,7 +261,7 @@ async function closeAfterBullmqFailure(
   if (typeof rolloutId !== "string") return;
   const rec = await deps.store.get(rolloutId);
   if (!rec || isTerminal(rec.status)) return;
-  const next = NEXT_STAGE[stage];
+  const next = nextAfter(stage);
   if (rec.receipts[stage] && next) {
     // Its work was done and stored (the worker died after the receipt, before completing the
     // job): go on as a replay would, never mask a stored result (e.g. a reward).
