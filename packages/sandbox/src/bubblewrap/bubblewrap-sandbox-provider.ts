@@ -791,25 +791,19 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         err,
       );
     }
-    try {
-      const state = JSON.parse(text) as BwrapState;
-      return state.version === 1 && state.name === name ? state : null;
-    } catch {
-      return null; // torn or foreign file: not a sandbox
-    }
+    return parseState(text, name);
   }
 
   private async writeState(state: BwrapState): Promise<void> {
-    const tmp = `${this.statePath(state.name)}.${process.pid}.tmp`;
-    await writeFile(tmp, `${JSON.stringify(state, null, 2)}\n`, { mode: 0o600 });
+    const tmp = this.stateTmpPath(state.name);
+    await writeFile(tmp, stateText(state), { mode: 0o600 });
     await rename(tmp, this.statePath(state.name));
   }
 
   /** `readState`, synchronously (null also when unreadable: the caller then treats the name as lost). */
   private readStateSync(name: string): BwrapState | null {
     try {
-      const state = JSON.parse(readFileSync(this.statePath(name), "utf8")) as BwrapState;
-      return state.version === 1 && state.name === name ? state : null;
+      return parseState(readFileSync(this.statePath(name), "utf8"), name);
     } catch {
       return null;
     }
@@ -817,10 +811,28 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
 
   /** `writeState`, synchronously: for the moment between spawning bwrap and anything else. */
   private writeStateSync(state: BwrapState): void {
-    const tmp = `${this.statePath(state.name)}.${process.pid}.tmp`;
-    writeFileSync(tmp, `${JSON.stringify(state, null, 2)}\n`, { mode: 0o600 });
+    const tmp = this.stateTmpPath(state.name);
+    writeFileSync(tmp, stateText(state), { mode: 0o600 });
     renameSync(tmp, this.statePath(state.name));
   }
+
+  private stateTmpPath(name: string): string {
+    return `${this.statePath(name)}.${process.pid}.tmp`;
+  }
+}
+
+/** A state file's content, or null for a torn or foreign file (not a sandbox of that name). */
+function parseState(text: string, name: string): BwrapState | null {
+  try {
+    const state = JSON.parse(text) as BwrapState;
+    return state.version === 1 && state.name === name ? state : null;
+  } catch {
+    return null;
+  }
+}
+
+function stateText(state: BwrapState): string {
+  return `${JSON.stringify(state, null, 2)}\n`;
 }
 
 /** Field 22 of `/proc/<pid>/stat` (start time in clock ticks), or null when gone or a zombie. */
