@@ -1,6 +1,6 @@
 import { execFile, spawn } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
-import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -506,11 +506,20 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     const exited = new Promise<number | null>((resolve) => creator.once("exit", resolve));
     const name = `fleet-${s.rolloutId}-${s.owner}`;
     let pids: number[] = [];
+    // bwrap and its PID 1 run, and the creator has recorded bwrap's pid (its write right after
+    // the spawn may come a moment after the processes appear).
+    const recordedPid = () => {
+      try {
+        return JSON.parse(readFileSync(join(stateDir, `${name}.json`), "utf8")).bwrapPid as number;
+      } catch {
+        return 0;
+      }
+    };
     await waitUntil(() => {
       pids = hostProcessesOfRun().filter((pid) => cmdline(pid).includes(`/${name}-`));
-      return pids.length >= 2;
+      return pids.length >= 2 && recordedPid() > 0;
     });
-    pids.push(JSON.parse(await readFile(join(stateDir, `${name}.json`), "utf8")).bwrapPid as number);
+    pids.push(recordedPid());
     expect(pids.every(alive)).toBe(true);
     return { creator, exited, name, pids };
   }
