@@ -267,7 +267,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       text = await readResponse(upstream, o.maxResponseBytes);
       // An upstream (or a proxy before it) that echoes request headers in an error would hand
       // the real credential to the sandbox: it never leaves this process.
-      if (credential) text = text.split(credential).join("[redacted]");
+      text = redactCredential(text, credential);
     } catch (err) {
       entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) throw err;
@@ -287,7 +287,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         );
       }
       // fetch's own errors can quote the request (a header value it refused): redacted as well.
-      const why = credential ? describe(err).split(credential).join("[redacted]") : describe(err);
+      const why = redactCredential(describe(err), credential);
       noteInfraFailure(entry, `unreachable: ${why}`);
       throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`);
     } finally {
@@ -436,6 +436,11 @@ async function readResponse(response: Response, max: number): Promise<string> {
     throw new GatewayHttpError(502, "upstream_response_too_large", `upstream response over ${max} bytes`);
   }
   return text;
+}
+
+/** `text` without the upstream credential: nothing the gateway sends back may quote it. */
+function redactCredential(text: string, credential: string | null | undefined): string {
+  return credential ? text.split(credential).join("[redacted]") : text;
 }
 
 function noteInfraFailure(entry: Entry, what: string): void {

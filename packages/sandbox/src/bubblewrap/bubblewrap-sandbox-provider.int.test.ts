@@ -9,6 +9,7 @@ import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInpu
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { AGENT_USER, ROOT_USER } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
+import { KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
 import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
 
@@ -442,17 +443,7 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
 
   it("killProcesses stops an agent that kills every sweep of its own uid (the sweep holds CAP_KILL as root)", async () => {
     const h = await create();
-    // What an agent would leave to be masked instead of graded: a loop killing every process
-    // of its uid, a sweep run as that uid included.
-    const start = await provider.exec(
-      h,
-      [
-        "bash",
-        "-c",
-        "setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null & echo started",
-      ],
-      { deadlineMs: 10_000 },
-    );
+    const start = await provider.exec(h, KILL_EVERY_SWEEP_ARGV, { deadlineMs: 10_000 });
     expect(start.stdout).toContain("started");
     expect((await processesOf(h, 1000)).length).toBeGreaterThanOrEqual(1);
     const receipt = await provider.killProcesses(h, AGENT_USER);

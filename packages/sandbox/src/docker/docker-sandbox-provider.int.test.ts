@@ -6,6 +6,7 @@ import Dockerode from "dockerode";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
+import { KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import { DockerSandboxProvider, LABEL_REAPER } from "./docker-sandbox-provider.ts";
 
 // Real Docker, the offline base image (scripts/build-base-image.sh).
@@ -381,17 +382,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
     });
 
     it("stops an agent that kills every sweep of its own uid, by a reaper beside the sandbox that leaves nothing behind", async () => {
-      // What an agent would leave to be masked instead of graded: a loop killing every process
-      // of its uid, the sweep run as that uid included.
-      const start = await provider.exec(
-        h,
-        [
-          "bash",
-          "-c",
-          "setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null & echo started",
-        ],
-        { deadlineMs: 10_000 },
-      );
+      const start = await provider.exec(h, KILL_EVERY_SWEEP_ARGV, { deadlineMs: 10_000 });
       expect(start.stdout).toContain("started");
       expect((await processesOf(h, 1000)).length).toBeGreaterThanOrEqual(1);
       const receipt = await provider.killProcesses(h, AGENT_USER);
