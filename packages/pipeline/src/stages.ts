@@ -392,6 +392,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   /** What to return when the fence is no longer this launch's (undefined: go on). */
   const unlessOurs = async (): Promise<StageName | null | undefined> => {
     const state = await fence();
+    if (state === "lost")
+      deps.logger.warn({ rolloutId: id }, "the run was taken over by another worker; stopping");
     return state === "lost" ? null : state === "stop" ? "close" : undefined;
   };
 
@@ -444,12 +446,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     throw new HandBackError();
   }
   // Launching now, after a takeover, would run a second agent beside the new launch.
-  const atLaunch = await fence();
-  if (atLaunch === "lost") {
-    deps.logger.warn({ rolloutId: id }, "the run was taken over before this launch started; not launching");
-    return null;
-  }
-  if (atLaunch === "stop") return "close";
+  const notOursAtLaunch = await unlessOurs();
+  if (notOursAtLaunch !== undefined) return notOursAtLaunch;
 
   const make = deps.createHarness ?? defaultCreateHarness;
   const harness = make(rec.meta.agent, deps.harnessDeps ?? {});
