@@ -442,6 +442,11 @@ describe("rollout store", () => {
     // Creating it again (a concurrent replay's) leaves what admission counted alone.
     expect(await store.createBatch(batchId, bodyHash, Date.now())).toBe(bodyHash);
     expect(await store.getBatch(batchId)).toMatchObject({ total: 2 });
+    // createBatch never writes the counts at all (admission and finalize HINCRBY them), so a
+    // creation that lands late, after a concurrent replay admitted, cannot reset them to 0.
+    const fresh = `b-fresh-${Date.now()}`;
+    expect(await store.createBatch(fresh, bodyHash, 5)).toBe(bodyHash);
+    expect(await redis.hgetall(store.keys.batch(fresh))).toEqual({ bodyHash, createdAt: "5" });
   });
 
   it("retention: a finished rollout's keys expire after resultTtlMs, a batch's once its last rollout finished, a task a week later still", async () => {
