@@ -9,7 +9,7 @@ import {
   TaskContent,
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
-import { STAGES } from "@fleet/queue";
+import { STAGES, stageJobId } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -631,6 +631,28 @@ describe("idempotency and fencing without workers", () => {
     expect(err).toBeInstanceOf(UnrecoverableError);
     expect((await store.get(id!))!.failure).toMatchObject({ failureKind: "invalid_task", terminal: true });
     expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+  });
+
+  it("a final failure whose record landed but whose close enqueue hit a blip is logged once, and close still comes", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    const store = fleet.deps.store;
+    let blips = 1;
+    const flaky = {
+      ...fleet.deps,
+      store: Object.assign(Object.create(store) as typeof store, { getTask: async () => null }),
+      queues: Object.assign(Object.create(fleet.deps.queues) as typeof fleet.deps.queues, {
+        enqueue: async (...a: Parameters<typeof fleet.deps.queues.enqueue>) => {
+          if (a[0] === "close" && blips-- > 0) throw new Error("Connection is closed.");
+          return fleet.deps.queues.enqueue(...a);
+        },
+      }),
+    };
+    const err = await runStageJob("seed", job(id!), flaky).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(UnrecoverableError);
+    expect(blips).toBe(-1); // the enqueue was tried again, and went through
+    const log = await store.failureLog(id!);
+    expect(log.filter((f) => f.terminal)).toHaveLength(1);
+    expect(await fleet.deps.queues.queues.close.getJob(stageJobId(id!, "close"))).toBeDefined();
   });
 
   it("a run job ahead of its seed receipt, or one handed back at shutdown before its harness, gives the launch back", async () => {

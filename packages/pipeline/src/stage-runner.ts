@@ -119,9 +119,14 @@ export async function runStageJob(
     // A final failure stays final even when recording it hits a Redis blip: a plain error here
     // would make BullMQ retry the stage (and run the agent again). A few tries, then the
     // watchdog closes what could not be recorded.
+    let recorded = false;
     for (let tries = 1; ; tries++) {
       try {
-        await fail(deps, rolloutId, stage, fe, at);
+        // A try whose record landed and whose enqueue failed only enqueues again: the failure
+        // is logged once.
+        if (!recorded) await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at));
+        recorded = true;
+        await deps.queues.enqueue("close", rolloutId);
         break;
       } catch (recordErr) {
         if (tries >= FAIL_RECORD_TRIES) {

@@ -16,6 +16,7 @@ import {
   TaskContent,
   VerifyReceipt,
 } from "@fleet/contracts";
+import type { ChainableCommander } from "ioredis";
 import { z } from "zod";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import type { RedisConnection } from "./connection.ts";
@@ -142,6 +143,16 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
   };
 }
 
+/** Run a MULTI; its replies, or the first command's error. */
+async function execAll(tx: ChainableCommander, what: string): Promise<unknown[]> {
+  const replies = await tx.exec();
+  if (!replies) throw new Error(`${what}: the MULTI was discarded`);
+  return replies.map(([err, reply]) => {
+    if (err) throw err;
+    return reply;
+  });
+}
+
 /** Tasks are content-addressed and never change: a worker keeps the ones it has read. */
 const TASK_CACHE_SIZE = 256;
 
@@ -253,15 +264,12 @@ export class RolloutStore {
    */
   async createBatch(batchId: string, bodyHash: string, now: number): Promise<string> {
     const key = this.keys.batch(batchId);
-    const replies = await this.redis
+    const tx = this.redis
       .multi()
       .hsetnx(key, "bodyHash", bodyHash)
       .hsetnx(key, "createdAt", String(now))
-      .hget(key, "bodyHash")
-      .exec();
-    if (!replies) throw new Error(`batch ${batchId}: the MULTI was discarded`);
-    for (const [err] of replies) if (err) throw err;
-    return (replies[2]?.[1] as string | null) ?? bodyHash;
+      .hget(key, "bodyHash");
+    return ((await execAll(tx, `create batch ${batchId}`))[2] as string | null) ?? bodyHash;
   }
 
   /**
@@ -534,27 +542,42 @@ export class RolloutStore {
     await this.redis.fleetSetField(this.keys.rollout(id), "t:verify:last", String(at), "0");
   }
 
-  /** Keep the first terminal failure; later ones only go to the failure log. Returns true if stored. */
+  /**
+   * Keep the first terminal failure; later ones only go to the failure log. Returns true if
+   * stored. The log row and the field are one MULTI: a call that failed wrote neither, so trying
+   * it again never logs the failure twice.
+   */
   async recordFailure(id: string, failure: FailureRecord): Promise<boolean> {
     const parsed = FailureRecord.parse(failure);
     const json = fitRecordJson(parsed); // one bounded serialisation for the log and the field
-    await this.appendFailure(id, json);
-    if (!parsed.terminal) return false;
-    return (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "1")) === 1;
+    const tx = this.appendFailure(this.redis.multi(), id, json);
+    if (parsed.terminal) {
+      (tx as unknown as Record<"fleetSetField", (...a: string[]) => unknown>).fleetSetField(
+        this.keys.rollout(id),
+        "failure",
+        json,
+        "1",
+      );
+    }
+    const replies = await execAll(tx, `record the failure of ${id}`);
+    return parsed.terminal && replies.at(-1) === 1;
   }
 
   /** Append to the bounded per-rollout failure log (retries included). */
   async logFailure(id: string, failure: FailureRecord): Promise<void> {
-    await this.appendFailure(id, fitRecordJson(failure));
+    await execAll(
+      this.appendFailure(this.redis.multi(), id, fitRecordJson(failure)),
+      `log a failure of ${id}`,
+    );
   }
 
-  private async appendFailure(id: string, json: string): Promise<void> {
+  private appendFailure(tx: ChainableCommander, id: string, json: string): ChainableCommander {
     const key = this.keys.failures(id);
-    const tx = this.redis.multi().rpush(key, json).ltrim(key, -20, -1);
+    tx.rpush(key, json).ltrim(key, -20, -1);
     // With retention on, the log outlives its rollout's whole life from any append (finalize then
     // cuts it to the result's retention), and a late append after finalize still expires.
     if (this.resultTtlMs > 0) tx.pexpire(key, this.resultTtlMs + LONGEST_LIFE_MS);
-    await tx.exec();
+    return tx;
   }
 
   async failureLog(id: string): Promise<FailureRecord[]> {
