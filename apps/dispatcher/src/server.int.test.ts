@@ -807,3 +807,56 @@ describe("Redis down", () => {
     }
   });
 });
+
+describe("a keyless submission cut short by Redis", () => {
+  it("answers 503 with the key it was admitted under; the same body under that key finishes it, nothing admitted twice", async () => {
+    const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
+    const queues = new StageQueues(redis, prefix);
+    let blips = 1;
+    const enqueueSeeds = queues.enqueueSeeds.bind(queues);
+    // Redis goes away after the records, before the seed jobs.
+    queues.enqueueSeeds = async (ids) => {
+      if (blips-- > 0) throw new Error("Connection is closed.");
+      return enqueueSeeds(ids);
+    };
+    const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
+    const store = new RolloutStore(redis, prefix);
+    const app = createServer({
+      store,
+      queues,
+      redis,
+      config: parseConfig(DispatcherConfig, { FLEET_PREFIX: prefix, FLEET_API_TOKENS: TOKEN }),
+      logger: createLogger({ name: "dispatcher-test", level: "silent" }),
+      registry,
+      metrics: createFleetMetrics(registry),
+    });
+    const post = (headers: Record<string, string> = {}) =>
+      app.inject({
+        method: "POST",
+        url: "/v1/batches",
+        headers: { authorization: `Bearer ${TOKEN}`, ...headers },
+        payload: { rollouts: [row, row, row] },
+      });
+    try {
+      const cut = await post();
+      expectErrorBody(cut, 503, "unavailable");
+      const { error } = cut.json() as { error: { message: string; details: Record<string, string> } };
+      const key = error.details.idempotencyKey!;
+      expect(error.message).toContain(`Idempotency-Key: ${key}`);
+      expect(await store.getBatch(error.details.batchId!)).toMatchObject({ total: 3 });
+      expect(await queues.queues.seed.getJobCountByTypes("waiting")).toBe(0);
+
+      const finished = await post({ "idempotency-key": key });
+      expect(finished.statusCode, finished.body).toBe(200); // a replay: its records were there
+      const { batchId, rolloutIds } = finished.json() as { batchId: string; rolloutIds: string[] };
+      expect(batchId).toBe(error.details.batchId);
+      expect(await store.getBatch(batchId)).toMatchObject({ total: 3 });
+      expect(await queues.queues.seed.getJobCountByTypes("waiting")).toBe(3);
+      expect(new Set(rolloutIds).size).toBe(3);
+    } finally {
+      await app.close();
+      await queues.close();
+      await deleteByPrefix(prefix);
+    }
+  });
+});

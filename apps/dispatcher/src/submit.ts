@@ -1,3 +1,4 @@
+import { randomUUID } from "node:crypto";
 import type { DispatcherConfig } from "@fleet/config";
 import { canonicalJson, type RolloutRequest, sha256Hex } from "@fleet/contracts";
 import {
@@ -34,7 +35,12 @@ export async function submit(
   },
 ): Promise<Admitted> {
   const { store, queues, config } = deps;
-  let idempotencyKey = scopedKey(options.principal ?? "", options.idempotencyKey);
+  // A request without a key gets one of the server's: admission writes in several steps (records
+  // in chunks, then seed jobs), and one cut short by Redis leaves part of it admitted. The error
+  // answer then gives this key, and replaying the same body with it finishes the admission
+  // instead of admitting the rest twice.
+  const generatedKey = options.idempotencyKey === null ? `fleet-${randomUUID()}` : null;
+  let idempotencyKey = scopedKey(options.principal ?? "", options.idempotencyKey ?? generatedKey);
   const incoming = parsed.requests.length;
   if (incoming > config.maxBacklog) {
     throw new HttpError(
@@ -45,8 +51,15 @@ export async function submit(
     );
   }
   let replay =
-    idempotencyKey !== null && (await alreadyAdmitted(store, idempotencyKey, options.batch, incoming));
-  if (!replay && idempotencyKey !== null && idempotencyKey !== options.idempotencyKey) {
+    generatedKey === null &&
+    idempotencyKey !== null &&
+    (await alreadyAdmitted(store, idempotencyKey, options.batch, incoming));
+  if (
+    !replay &&
+    generatedKey === null &&
+    idempotencyKey !== null &&
+    idempotencyKey !== options.idempotencyKey
+  ) {
     // Admitted before keys were scoped to tokens (under the bare key): a retry across that
     // upgrade must still land on what it admitted, not admit it twice.
     // Only for the very same body: a bare key was shared by every token, and another token's
@@ -84,6 +97,14 @@ export async function submit(
       { maxTaskBytes: config.maxTaskBytes, now: deps.now() },
     );
   } catch (err) {
+    if (generatedKey !== null && !isAdmissionError(err)) {
+      throw cutShort(
+        err,
+        generatedKey,
+        rolloutIds(incoming, idempotencyKey, options.batch ? "batch" : "rollout"),
+        options.batch,
+      );
+    }
     throw withLine(err, parsed.lines);
   } finally {
     // Admitted rollouts are in flight now (they count there); refused ones never will be.
@@ -144,4 +165,28 @@ function withLine(err: unknown, lines: number[] | null): unknown {
     ...(e.details as object),
     line,
   });
+}
+
+function isAdmissionError(err: unknown): boolean {
+  return typeof err === "object" && err !== null && (err as { name?: unknown }).name === "AdmissionError";
+}
+
+/**
+ * A keyless admission that failed part way (Redis): the usual 5xx, plus the key it was admitted
+ * under and its ids, so the client can finish it (same body, that key) or look at what landed.
+ */
+function cutShort(err: unknown, key: string, ids: readonly string[], batch: boolean): HttpError {
+  const http = toHttpError(err);
+  const where = batch ? { batchId: batchIdFor(ids) } : { rolloutId: ids[0] };
+  return new HttpError(
+    http.status,
+    http.code,
+    `${http.message}; part of this submission may be admitted already: send the same body again with the header \`Idempotency-Key: ${key}\` to finish it without admitting anything twice`,
+    {
+      ...(typeof http.details === "object" && http.details !== null ? http.details : {}),
+      idempotencyKey: key,
+      ...where,
+    },
+    http.headers,
+  );
 }
