@@ -6,7 +6,9 @@ export type CancelOutcome =
   | { kind: "terminal"; status: RolloutStatus }
   | { kind: "cancelling"; previous: RolloutStatus }
   /** An earlier terminal failure (not a cancel) decides how the rollout ends: it is closing anyway. */
-  | { kind: "decided"; previous: RolloutStatus; failureKind: string };
+  | { kind: "decided"; previous: RolloutStatus; failureKind: string }
+  /** Its close began, or it is graded: its result is decided already (a graded reward stands). */
+  | { kind: "closing"; previous: RolloutStatus; graded: boolean };
 
 export const CANCEL_REASON = "cancelled by request";
 
@@ -15,7 +17,8 @@ export const CANCEL_REASON = "cancelled by request";
  * terminal `cancelled` failure (the first terminal failure wins, so a repeated cancel changes
  * nothing), and enqueue close, which always runs and finalizes the rollout. Idempotent. A rollout
  * already closing for another terminal failure is stopped all the same but ends by that failure
- * (`decided`).
+ * (`decided`); one whose close began or that is graded already ends as it would have (`closing`:
+ * close composes the result from what it read when it began, and a reward is never thrown away).
  */
 export async function cancelRollout(
   store: RolloutStore,
@@ -28,23 +31,28 @@ export async function cancelRollout(
   if (isTerminal(previous)) return { kind: "terminal", status: previous };
   const record = await store.get(id);
   const stage = Stage.safeParse(record?.stage);
-  const won = await store.recordFailure(id, {
-    stage: stage.success ? stage.data : "admission",
-    terminal: true,
-    failureKind: "cancelled",
-    mask: false,
-    reason: CANCEL_REASON,
-    at: now,
-  });
+  const won = await store.recordFailure(
+    id,
+    {
+      stage: stage.success ? stage.data : "admission",
+      terminal: true,
+      failureKind: "cancelled",
+      mask: false,
+      reason: CANCEL_REASON,
+      at: now,
+    },
+    { beforeDecided: true },
+  );
   await queues.enqueue("close", id);
   if (won) return { kind: "cancelling", previous };
   // Not recorded: the rollout finished meanwhile (its own close won), or another terminal
   // failure came first and decides how it ends (a repeated cancel finds its own).
   const current = await store.get(id);
   if (current && isTerminal(current.status)) return { kind: "terminal", status: current.status };
-  const failureKind = current?.failure?.failureKind ?? "cancelled";
-  if (failureKind !== "cancelled") return { kind: "decided", previous, failureKind };
-  return { kind: "cancelling", previous };
+  const failureKind = current?.failure?.failureKind;
+  if (failureKind === "cancelled") return { kind: "cancelling", previous };
+  if (failureKind !== undefined) return { kind: "decided", previous, failureKind };
+  return { kind: "closing", previous, graded: current?.receipts.verify !== undefined };
 }
 
 /** How many cancels of one batch run at once (each is a few Redis round trips). */

@@ -692,6 +692,34 @@ describe("cancel", () => {
     expect(await h.queues.queues.close.getJob(`${id}.close`)).toBeDefined();
   });
 
+  it("409 once close began or the rollout is graded: the result close composes (or the reward) stands", async () => {
+    const post = async () =>
+      ((await h.call({ method: "POST", url: "/v1/rollouts", payload: row })).json() as { id: string }).id;
+    const closing = await post();
+    // The resources worker's close began: it composes the result from the record it read then.
+    await h.store.begin(closing, "close", Date.now());
+    const late = await h.call({ method: "POST", url: `/v1/rollouts/${closing}/cancel` });
+    expect(expectErrorBody(late, 409, "conflict").details).toEqual({
+      rolloutId: closing,
+      status: "accepted",
+      closing: true,
+      graded: false,
+    });
+    expect((await h.store.get(closing))?.failure).toBeNull();
+
+    const graded = await post();
+    await redis.hset(
+      h.store.keys.rollout(graded),
+      "r:verify",
+      JSON.stringify({ reward: 1 }),
+      "status",
+      "verified",
+    );
+    const res = await h.call({ method: "POST", url: `/v1/rollouts/${graded}/cancel` });
+    expect(expectErrorBody(res, 409, "conflict").details).toMatchObject({ closing: true, graded: true });
+    expect((await h.store.get(graded))?.failure).toBeNull();
+  });
+
   it("a cancel that loses to the rollout's own finish reports it terminal, not cancelling", async () => {
     const { id } = (await h.call({ method: "POST", url: "/v1/rollouts", payload: row })).json() as {
       id: string;

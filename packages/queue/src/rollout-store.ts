@@ -547,7 +547,14 @@ export class RolloutStore {
    * stored. The log row and the field are one MULTI: a call that failed wrote neither, so trying
    * it again never logs the failure twice.
    */
-  async recordFailure(id: string, failure: FailureRecord): Promise<boolean> {
+  async recordFailure(
+    id: string,
+    failure: FailureRecord,
+    options: {
+      /** Only while the result is still open: not once close began or the rollout is graded. */
+      beforeDecided?: boolean;
+    } = {},
+  ): Promise<boolean> {
     const parsed = FailureRecord.parse(failure);
     const json = fitRecordJson(parsed); // one bounded serialisation for the log and the field
     const tx = this.appendFailure(this.redis.multi(), id, json);
@@ -556,7 +563,7 @@ export class RolloutStore {
         this.keys.rollout(id),
         "failure",
         json,
-        "1",
+        options.beforeDecided ? "2" : "1",
       );
     }
     const replies = await execAll(tx, `record the failure of ${id}`);

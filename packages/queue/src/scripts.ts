@@ -117,14 +117,20 @@ const SCRIPTS = {
       end
       return 1`,
   },
-  /** Set a field unless the rollout is terminal. ARGV: field, value, onlyIfAbsent. Returns 1 if set. */
+  /**
+   * Set a field unless the rollout is terminal. ARGV: field, value, mode: '0' always, '1' only if
+   * absent, '2' only if absent and the rollout is neither closing nor graded (its result is
+   * decided already). Returns 1 if set.
+   */
   fleetSetField: {
     keys: 1,
     lua: `
       ${TERMINAL}
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
-      if ARGV[3] == '1' then return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) end
+      if ARGV[3] == '2' and (redis.call('HEXISTS', KEYS[1], 'closed') == 1
+          or redis.call('HEXISTS', KEYS[1], 'r:verify') == 1) then return 0 end
+      if ARGV[3] ~= '0' then return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) end
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
       return 1`,
   },

@@ -63,6 +63,13 @@ export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): 
           `rollout ${id} is already closing for ${outcome.failureKind}, which decides its result; it was stopped but will not end cancelled`,
           { rolloutId: id, status: outcome.previous, failureKind: outcome.failureKind },
         );
+      case "closing":
+        throw new HttpError(
+          409,
+          "conflict",
+          `rollout ${id} is ${outcome.graded ? "graded" : "closing"} already, which decides its result; it was stopped but will not end cancelled`,
+          { rolloutId: id, status: outcome.previous, closing: true, graded: outcome.graded },
+        );
       case "cancelling":
         req.log.info({ rolloutId: id, previous: outcome.previous }, "rollout cancel requested");
         return reply.code(202).send({ id, status: "cancelling" });
