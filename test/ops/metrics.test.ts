@@ -217,6 +217,12 @@ describe("metrics of a real run", () => {
     }
     expect(sampleValue(d, "fleet_queue_workers", { queue: "janitor" })).toBe(1);
 
+    // Only the dispatcher samples Redis and the rollouts in flight: no worker reports them (a
+    // made-up 0 there fired FleetRedisDown for every worker on a healthy fleet).
+    for (const kind of ["resources", "agent", "verifier", "janitor"] as const) {
+      const names = new Set((await scrape(kind)).map((s) => s.name));
+      expect(names.has("fleet_redis_up") || names.has("fleet_rollouts_inflight"), kind).toBe(false);
+    }
     // The janitor: ledger empty; the heartbeat beats.
     const j = await scrape("janitor");
     expect(sampleValue(j, "fleet_teardown_ledger_entries")).toBe(0);

@@ -57,6 +57,17 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     expect(await r.metrics()).toContain('fleet_stage_jobs_total{stage="verify",outcome="retry",app="x"} 0');
   });
 
+  it("exports no sampled gauge before its sampler set it: a worker never reports Redis down or nothing in flight", async () => {
+    const r = createMetricsRegistry({ app: "agent-worker", defaultMetrics: false });
+    const m = createFleetMetrics(r);
+    const samples = async () => (await r.metrics()).split("\n").filter((l) => !l.startsWith("#"));
+    for (const name of ["fleet_redis_up", "fleet_rollouts_inflight", "fleet_teardown_ledger_entries"]) {
+      expect((await samples()).filter((l) => l.startsWith(`${name}{`))).toEqual([]);
+    }
+    m.redisUp.set(1);
+    expect(await samples()).toContain('fleet_redis_up{app="agent-worker"} 1');
+  });
+
   it("refuses to register the fleet metrics twice in one registry", () => {
     const r = createMetricsRegistry({ app: "x", defaultMetrics: false });
     createFleetMetrics(r);

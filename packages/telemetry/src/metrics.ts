@@ -215,5 +215,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   for (const result of TEARDOWN_RESULTS) metrics.teardownAttempts.inc({ result }, 0);
   for (const kind of TOKEN_KINDS) metrics.modelTokens.inc({ kind }, 0);
   for (const step of JANITOR_STEPS) metrics.janitorStepFailures.inc({ step }, 0);
+  // Gauges without labels start at 0, a made-up sample: sampled ones (Redis up, in flight,
+  // ledger entries) appear only once the process that samples them (the dispatcher, the janitor)
+  // set them, so a worker's scrape never reports "Redis down" or "nothing in flight".
+  for (const gauge of [metrics.redisUp, metrics.rolloutsInflight, metrics.teardownLedgerEntries]) {
+    gauge.remove({});
+  }
   return metrics;
 }
