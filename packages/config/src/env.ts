@@ -19,9 +19,18 @@ export function intVar(min: number, max: number, message?: string) {
 /** A TCP port; `0` asks the OS for a free one. */
 export const portVar = () => intVar(0, 65_535, "must be a port number from 0 to 65535");
 
-/** A duration in milliseconds: finite, positive and within what a Node timer can wait. */
-export const durationMsVar = () =>
-  intVar(1, MAX_TIMER_MS, `must be a positive whole number of milliseconds (at most ${MAX_TIMER_MS})`);
+/**
+ * A duration in milliseconds: finite, at least `min` (positive by default) and within what a Node
+ * timer can wait.
+ */
+export const durationMsVar = (min = 1) =>
+  intVar(
+    min,
+    MAX_TIMER_MS,
+    min === 1
+      ? `must be a positive whole number of milliseconds (at most ${MAX_TIMER_MS})`
+      : `must be a whole number of milliseconds from ${min} to ${MAX_TIMER_MS}`,
+  );
 
 const TRUE = new Set(["1", "true", "yes", "on"]);
 const FALSE = new Set(["0", "false", "no", "off"]);
@@ -106,14 +115,22 @@ export const apiTokensVar = () =>
   z
     .string()
     .superRefine((value, ctx) => {
-      for (const raw of value.split(",")) {
-        const entry = raw.trim();
+      const entries = value.split(",").map((raw) => raw.trim());
+      for (const entry of entries) {
         const token = entry.startsWith("admin:") ? entry.slice("admin:".length) : entry;
         if (entry.length > 0 && token.length === 0) {
           ctx.addIssue({ code: "custom", message: "has an empty token after 'admin:'" });
         } else if (/\s/.test(token)) {
           ctx.addIssue({ code: "custom", message: "has a token containing whitespace" });
         }
+      }
+      // Set but holding only commas (`,`, or `$A,$B` with both unset): no token would turn auth
+      // off, so refuse it. An empty value is unset (no tokens: auth off, on purpose).
+      if (value.trim() !== "" && entries.every((entry) => entry.length === 0)) {
+        ctx.addIssue({
+          code: "custom",
+          message: "is set but holds no token (only commas); unset it to turn auth off",
+        });
       }
     })
     .transform(parseApiTokens);

@@ -1,7 +1,18 @@
 import type { z } from "zod";
 
-/** Variables whose values are never echoed in an error message. */
+/** Variables whose values are never echoed in an error message (a URL's userinfo never is either). */
 const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
+
+/**
+ * `scheme://user:pass@host…` → `scheme://***@host…`. Heuristic, so it works on a URL that does not
+ * parse (a password with `#`, `/` or `?`): everything between the first `://` and the last `@`.
+ */
+function redactUserinfo(value: string): string {
+  const start = value.indexOf("://");
+  const at = value.lastIndexOf("@");
+  if (start === -1 || at < start + 3) return value;
+  return `${value.slice(0, start + 3)}***${value.slice(at)}`;
+}
 
 export interface ConfigIssue {
   /** The environment variable at fault. */
@@ -16,7 +27,9 @@ export class ConfigError extends Error {
 
   constructor(issues: ConfigIssue[], env: Record<string, string | undefined>) {
     const lines = issues.map(({ variable, message }) => {
-      const value = env[variable];
+      // Redact before cutting at 80 characters, or a long password could lose its `@`.
+      const raw = env[variable];
+      const value = raw === undefined ? undefined : redactUserinfo(raw);
       const shown =
         value === undefined
           ? ""

@@ -90,6 +90,41 @@ describe("DispatcherConfig", () => {
     expect(err.message).not.toContain("secret-value");
   });
 
+  it("refuses a FLEET_API_TOKENS set to commas only (auth would be off); unset or empty stays auth off", () => {
+    // ",": e.g. `$A,$B` with both unset.
+    for (const bad of [",", " , ", ",,", " ,\t, "]) {
+      const err = errorOf(() => parseConfig(DispatcherConfig, { FLEET_API_TOKENS: bad }));
+      expect(err.issues).toEqual([
+        { variable: "FLEET_API_TOKENS", message: expect.stringContaining("no token") },
+      ]);
+      expect(err.message).toContain("FLEET_API_TOKENS: is set but holds no token");
+      expect(err.message).toContain("(value hidden)");
+    }
+    for (const off of [undefined, "", "  "]) {
+      expect(parseConfig(DispatcherConfig, { FLEET_API_TOKENS: off }).apiTokens).toEqual({
+        tokens: [],
+        adminTokens: [],
+      });
+    }
+    // Empty entries beside a real token are skipped, as before.
+    expect(parseConfig(DispatcherConfig, { FLEET_API_TOKENS: ",a," }).apiTokens.tokens).toEqual(["a"]);
+  });
+
+  it("hides the userinfo of a bad REDIS_URL, even one that does not parse", () => {
+    const cases = [
+      ["redis://:s3cr#t@redis:6379", "s3cr", "redis://***@redis:6379"],
+      ["redis://admin:pa/ss?w0rd@redis:6379/0", "w0rd", "redis://***@redis:6379/0"],
+      ["http://user:hunter2@redis:6379", "hunter2", "http://***@redis:6379"],
+      [`redis://:${"x".repeat(100)}#@redis:6379`, "xxx", "redis://***@redis:6379"],
+    ] as const;
+    for (const [url, secret, shown] of cases) {
+      const err = errorOf(() => parseConfig(DispatcherConfig, { REDIS_URL: url }));
+      expect(err.message).toContain("REDIS_URL: must be a URL starting with redis:// or rediss://");
+      expect(err.message).toContain(`(got "${shown}")`);
+      expect(err.message).not.toContain(secret);
+    }
+  });
+
   it("rejects ports out of range and non-decimal numbers", () => {
     for (const bad of ["65536", "-1", "1e3", "0x50", "8080.5"]) {
       expect(errorOf(() => parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: bad })).message).toContain(
@@ -172,6 +207,29 @@ describe("WorkerConfig", () => {
     expect(err.message).toContain('FLEET_SANDBOX_PROVIDER: must be one of docker, bubblewrap (got "podman")');
   });
 
+  it("refuses a lock duration or stalled interval under 1000 ms (seconds typed as ms)", () => {
+    expect(parseWorkerConfig("agent", {})).toMatchObject({
+      lockDurationMs: 30_000,
+      stalledIntervalMs: 15_000,
+    });
+    const err = errorOf(() =>
+      parseWorkerConfig("agent", { FLEET_LOCK_DURATION_MS: "30", FLEET_STALLED_INTERVAL_MS: "999" }),
+    );
+    expect(err.issues.map((i) => i.variable).sort()).toEqual([
+      "FLEET_LOCK_DURATION_MS",
+      "FLEET_STALLED_INTERVAL_MS",
+    ]);
+    expect(err.message).toContain(
+      'FLEET_LOCK_DURATION_MS: must be a whole number of milliseconds from 1000 to 2147483647 (got "30")',
+    );
+    expect(err.message).toContain(
+      'FLEET_STALLED_INTERVAL_MS: must be a whole number of milliseconds from 1000 to 2147483647 (got "999")',
+    );
+    expect(
+      parseWorkerConfig("agent", { FLEET_LOCK_DURATION_MS: "1000", FLEET_STALLED_INTERVAL_MS: "1000" }),
+    ).toMatchObject({ lockDurationMs: 1000, stalledIntervalMs: 1000 });
+  });
+
   it("needs a kind when parsed directly", () => {
     expect(errorOf(() => parseConfig(WorkerConfig, {})).message).toContain(
       "FLEET_WORKER_KIND: must be set (resources, agent or verifier)",
@@ -187,14 +245,24 @@ describe("JanitorConfig", () => {
 
   it("requires durations to be positive, finite and within a timer's range", () => {
     for (const bad of ["0", "-5", "Infinity", "NaN", "2147483648", "1.5"]) {
-      const err = errorOf(() => parseConfig(JanitorConfig, { FLEET_JANITOR_INTERVAL_MS: bad }));
+      const err = errorOf(() => parseConfig(JanitorConfig, { FLEET_ORPHAN_GRACE_MS: bad }));
       expect(err.issues).toEqual([
-        { variable: "FLEET_JANITOR_INTERVAL_MS", message: expect.stringContaining("positive whole number") },
+        { variable: "FLEET_ORPHAN_GRACE_MS", message: expect.stringContaining("positive whole number") },
       ]);
     }
+    expect(parseConfig(JanitorConfig, { FLEET_ORPHAN_GRACE_MS: "1" }).orphanGraceMs).toBe(1);
     expect(parseConfig(JanitorConfig, { FLEET_ORPHAN_GRACE_MS: "2147483647" }).orphanGraceMs).toBe(
       2147483647,
     );
+  });
+
+  it("refuses a janitor interval under 100 ms", () => {
+    for (const bad of ["0", "1", "99"]) {
+      expect(errorOf(() => parseConfig(JanitorConfig, { FLEET_JANITOR_INTERVAL_MS: bad })).message).toContain(
+        `FLEET_JANITOR_INTERVAL_MS: must be a whole number of milliseconds from 100 to 2147483647 (got "${bad}")`,
+      );
+    }
+    expect(parseConfig(JanitorConfig, { FLEET_JANITOR_INTERVAL_MS: "100" }).intervalMs).toBe(100);
   });
 });
 
@@ -210,5 +278,18 @@ describe("CliConfig", () => {
     });
     const err = errorOf(() => parseConfig(CliConfig, { FLEET_URL: "ftp://x" }));
     expect(err.message).toContain("FLEET_URL: must be a URL starting with http:// or https://");
+  });
+
+  it("hides the userinfo of a bad FLEET_URL, even one that does not parse", () => {
+    for (const [url, shown] of [
+      ["https://bob:hun#ter2@fleet.example", "https://***@fleet.example"],
+      ["ftp://bob:hunter2@fleet.example/", "ftp://***@fleet.example/"],
+    ]) {
+      const err = errorOf(() => parseConfig(CliConfig, { FLEET_URL: url }));
+      expect(err.message).toContain(
+        `FLEET_URL: must be a URL starting with http:// or https:// (got "${shown}")`,
+      );
+      expect(err.message).not.toContain("ter2");
+    }
   });
 });

@@ -27,6 +27,10 @@ export const DEFAULT_SHUTDOWN_TIMEOUT_MS = 30_000;
 export const DEFAULT_JANITOR_INTERVAL_MS = 10_000;
 export const DEFAULT_ORPHAN_GRACE_MS = 120_000;
 export const DEFAULT_PROVIDER_WAIT_MS = 60_000;
+/** Below these a lock or sweep is a typo (seconds given as ms): a 30 ms lock lapses on a GC pause. */
+const MIN_LOCK_DURATION_MS = 1000;
+const MIN_STALLED_INTERVAL_MS = 1000;
+const MIN_JANITOR_INTERVAL_MS = 100;
 
 export const WorkerKind = z.enum(["resources", "agent", "verifier"]);
 export type WorkerKind = z.infer<typeof WorkerKind>;
@@ -148,8 +152,8 @@ export const WorkerConfig = z
     FLEET_ALLOW_HOST_EXECUTION: boolVar().default(false),
     FLEET_CREDENTIALS_FILE: z.string().trim().optional(),
     /** A dead worker's job is handed to another after this (BullMQ lock). */
-    FLEET_LOCK_DURATION_MS: durationMsVar().default(30_000),
-    FLEET_STALLED_INTERVAL_MS: durationMsVar().default(15_000),
+    FLEET_LOCK_DURATION_MS: durationMsVar(MIN_LOCK_DURATION_MS).default(30_000),
+    FLEET_STALLED_INTERVAL_MS: durationMsVar(MIN_STALLED_INTERVAL_MS).default(15_000),
   })
   .transform((e) => ({
     ...commonConfig(e),
@@ -170,7 +174,7 @@ export const JanitorConfig = z
     ...common,
     ...sandbox,
     ...metrics,
-    FLEET_JANITOR_INTERVAL_MS: durationMsVar().default(DEFAULT_JANITOR_INTERVAL_MS),
+    FLEET_JANITOR_INTERVAL_MS: durationMsVar(MIN_JANITOR_INTERVAL_MS).default(DEFAULT_JANITOR_INTERVAL_MS),
     FLEET_ORPHAN_GRACE_MS: durationMsVar().default(DEFAULT_ORPHAN_GRACE_MS),
   })
   .transform((e) => ({
