@@ -291,6 +291,7 @@ describe("POST /v1/rollouts", () => {
   it("answers 422 for 1e999 (Infinity), negative timeouts, unknown sandbox options and harnesses", async () => {
     const bodies: [string, string][] = [
       [`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"deadlineS":1e999}`, "deadlineS"],
+      [`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"x":[1,-1e999]}}`, "metadata.x[1]"],
       [JSON.stringify({ ...row, agent: { harness: "oracle", timeoutS: -5 } }), "agent.timeoutS"],
       [JSON.stringify({ ...row, sandbox: { network: "host" } }), "sandbox"],
       [JSON.stringify({ ...row, agent: { harness: "gpt-direct" } }), "agent.harness"],
@@ -307,6 +308,23 @@ describe("POST /v1/rollouts", () => {
         (error.details as { issues: { path: string }[] }).issues.map((i) => i.path),
         payload,
       ).toContain(path);
+    }
+  });
+
+  it("answers 422, not 500, for a body nested too deep that comes with an Idempotency-Key", async () => {
+    const deep = `${'{"a":'.repeat(20_000)}1${"}".repeat(20_000)}`;
+    const one = `{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"deep":${deep}}}`;
+    for (const [url, payload] of [
+      ["/v1/rollouts", one],
+      ["/v1/batches", `{"rollouts":[${one}]}`],
+    ] as const) {
+      const res = await h.call({
+        method: "POST",
+        url,
+        payload,
+        headers: { "content-type": "application/json", "idempotency-key": `deep-${url}` },
+      });
+      expect(expectErrorBody(res, 422, "invalid").message).toMatch(/nested more than 64 levels/);
     }
   });
 

@@ -5,6 +5,7 @@ import {
   type Admitted,
   admit,
   batchIdFor,
+  checkRequestShapes,
   type RolloutStore,
   rolloutIds,
   type StageQueues,
@@ -49,6 +50,12 @@ export async function submit(
       `a batch of ${incoming} rollouts can never fit the backlog bound of ${config.maxBacklog}; split it`,
       { incoming, maxBacklog: config.maxBacklog },
     );
+  }
+  // Before anything hashes the body (the replay checks below do): a shape that would break it is a 422.
+  try {
+    checkRequestShapes(parsed.requests);
+  } catch (err) {
+    throw withLine(err, parsed.lines);
   }
   let replay =
     generatedKey === null &&

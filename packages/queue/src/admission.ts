@@ -42,19 +42,62 @@ export const MAX_METADATA_BYTES = 4096;
 
 /** Nesting depth of a JSON value, counted without recursion; stops counting once past `limit`. */
 export function jsonDepth(value: unknown, limit = Number.POSITIVE_INFINITY): number {
+  return inspectJson(value, limit).depth;
+}
+
+/**
+ * Nesting depth (stops counting once past `limit`) and the path of the first number JSON cannot
+ * carry (`1e999` parses to Infinity: hashing and storing it would fail), without recursion.
+ */
+function inspectJson(value: unknown, limit: number): { depth: number; nonFinite: string | null } {
   let max = 0;
-  const stack: [unknown, number][] = [[value, 0]];
+  const stack: [unknown, number, string][] = [[value, 0, ""]];
   while (stack.length > 0) {
-    const [v, d] = stack.pop()!;
+    const [v, d, path] = stack.pop()!;
+    if (typeof v === "number" && !Number.isFinite(v)) return { depth: max, nonFinite: path };
     if (v === null || typeof v !== "object") continue;
     const depth = d + 1;
     if (depth > max) {
       max = depth;
-      if (max > limit) return max;
+      if (max > limit) return { depth: max, nonFinite: null };
     }
-    for (const child of Array.isArray(v) ? v : Object.values(v)) stack.push([child, depth]);
+    for (const [key, child] of Object.entries(v)) {
+      stack.push([child, depth, path === "" ? key : Array.isArray(v) ? `${path}[${key}]` : `${path}.${key}`]);
+    }
   }
-  return max;
+  return { depth: max, nonFinite: null };
+}
+
+/**
+ * What admission refuses in a request's shape before anything else reads it (hashing included):
+ * nesting deeper than `MAX_REQUEST_DEPTH`, a number JSON cannot carry, `metadata` over
+ * `MAX_METADATA_BYTES`. Throws AdmissionError `invalid` (422).
+ */
+export function checkRequestShapes(requests: readonly RolloutRequest[]): void {
+  for (const [i, req] of requests.entries()) {
+    const { depth, nonFinite } = inspectJson(req, MAX_REQUEST_DEPTH);
+    if (depth > MAX_REQUEST_DEPTH) {
+      throw new AdmissionError("invalid", `rollout ${i}: nested more than ${MAX_REQUEST_DEPTH} levels deep`, {
+        index: i,
+        maxDepth: MAX_REQUEST_DEPTH,
+      });
+    }
+    if (nonFinite !== null) {
+      throw new AdmissionError(
+        "invalid",
+        `rollout ${i}: ${nonFinite} is a number too large for JSON (non-finite)`,
+        { index: i, issues: [{ path: nonFinite, message: "must be a finite number" }] },
+      );
+    }
+    const metadataBytes = req.metadata ? Buffer.byteLength(JSON.stringify(req.metadata)) : 0;
+    if (metadataBytes > MAX_METADATA_BYTES) {
+      throw new AdmissionError(
+        "invalid",
+        `rollout ${i}: metadata is ${metadataBytes} bytes of JSON, over the limit of ${MAX_METADATA_BYTES}; keep bulk data on the client, keyed by the rollout id`,
+        { index: i, bytes: metadataBytes, limit: MAX_METADATA_BYTES },
+      );
+    }
+  }
 }
 
 /** Digest of a task: sha256 of its canonical JSON. Pass a parsed `TaskContent` (defaults applied): raw input digests differently. */
@@ -188,22 +231,7 @@ export async function admit(
   input: { requests: readonly RolloutRequest[]; batch: boolean; idempotencyKey?: string | null },
   options: AdmissionOptions,
 ): Promise<Admitted> {
-  for (const [i, req] of input.requests.entries()) {
-    if (jsonDepth(req, MAX_REQUEST_DEPTH) > MAX_REQUEST_DEPTH) {
-      throw new AdmissionError("invalid", `rollout ${i}: nested more than ${MAX_REQUEST_DEPTH} levels deep`, {
-        index: i,
-        maxDepth: MAX_REQUEST_DEPTH,
-      });
-    }
-    const metadataBytes = req.metadata ? Buffer.byteLength(JSON.stringify(req.metadata)) : 0;
-    if (metadataBytes > MAX_METADATA_BYTES) {
-      throw new AdmissionError(
-        "invalid",
-        `rollout ${i}: metadata is ${metadataBytes} bytes of JSON, over the limit of ${MAX_METADATA_BYTES}; keep bulk data on the client, keyed by the rollout id`,
-        { index: i, bytes: metadataBytes, limit: MAX_METADATA_BYTES },
-      );
-    }
-  }
+  checkRequestShapes(input.requests);
   const now = options.now ?? Date.now();
   const key = input.idempotencyKey ?? null;
   const ids = rolloutIds(input.requests.length, key, input.batch ? "batch" : "rollout");
