@@ -291,7 +291,10 @@ describe("POST /v1/rollouts", () => {
   it("answers 422 for 1e999 (Infinity), negative timeouts, unknown sandbox options and harnesses", async () => {
     const bodies: [string, string][] = [
       [`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"deadlineS":1e999}`, "deadlineS"],
-      [`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"x":[1,-1e999]}}`, "metadata.x[1]"],
+      [
+        `{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"x":[1,-1e999]}}`,
+        "metadata.x[1]",
+      ],
       [JSON.stringify({ ...row, agent: { harness: "oracle", timeoutS: -5 } }), "agent.timeoutS"],
       [JSON.stringify({ ...row, sandbox: { network: "host" } }), "sandbox"],
       [JSON.stringify({ ...row, agent: { harness: "gpt-direct" } }), "agent.harness"],
