@@ -2,6 +2,7 @@ import { once } from "node:events";
 import { createWriteStream } from "node:fs";
 import { rename, rm } from "node:fs/promises";
 import type { Writable } from "node:stream";
+import { finished } from "node:stream/promises";
 import type { TaskContent } from "@fleet/contracts";
 import type { FleetClientOptions } from "./client.ts";
 import type { ProgressStream } from "./progress.ts";
@@ -30,15 +31,25 @@ export async function writeText(stream: Writable, text: string): Promise<void> {
   if (!stream.write(text)) await once(stream, "drain");
 }
 
+/** A results file could not be written (a full disk, an I/O error): exit 1 with this message. */
+export class OutputError extends Error {}
+
 /** A results file written to `<path>.partial` and renamed into place only when complete. */
 export class ResultsFile {
   private readonly stream: Writable;
   private readonly partial: string;
+  /** The stream's first error (open, write or close), thrown by the next call. */
+  private failure: Error | null = null;
   lines = 0;
 
-  constructor(readonly path: string) {
+  private constructor(readonly path: string) {
     this.partial = `${path}.partial`;
     this.stream = createWriteStream(this.partial, { flags: "w" });
+    // Without a listener an error the stream meets between two calls (ENOSPC, EIO) would be an
+    // uncaught 'error' event that kills the process.
+    this.stream.on("error", (err) => {
+      this.failure ??= err;
+    });
   }
 
   /** Open `<path>.partial` now, so a path that cannot be written fails before any work starts. */
@@ -54,18 +65,29 @@ export class ResultsFile {
     return file;
   }
 
+  /** @throws OutputError when the file cannot be written. */
   async writeLine(line: string): Promise<void> {
+    if (this.failure !== null) throw this.cannotWrite(this.failure);
     this.lines++;
-    await writeText(this.stream, `${line}\n`);
+    try {
+      await writeText(this.stream, `${line}\n`);
+    } catch (err) {
+      throw this.cannotWrite(err);
+    }
   }
 
   private committed = false;
 
-  /** Flush, close and move into place. */
+  /** Flush, close and move into place. @throws OutputError when any of that fails. */
   async commit(): Promise<void> {
-    this.stream.end();
-    await once(this.stream, "close");
-    await rename(this.partial, this.path);
+    try {
+      if (this.failure !== null) throw this.failure;
+      this.stream.end();
+      await finished(this.stream);
+      await rename(this.partial, this.path);
+    } catch (err) {
+      throw this.cannotWrite(err);
+    }
     this.committed = true;
   }
 
@@ -77,5 +99,9 @@ export class ResultsFile {
       await once(this.stream, "close").catch(() => {});
     }
     await rm(this.partial, { force: true });
+  }
+
+  private cannotWrite(err: unknown): OutputError {
+    return new OutputError(`cannot write ${this.path}: ${(err as Error).message}`, { cause: err });
   }
 }

@@ -1,9 +1,10 @@
-import { execFile } from "node:child_process";
+import { execFile, spawn } from "node:child_process";
 import { fileURLToPath } from "node:url";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { json, startTestServer, type TestServer } from "./testing/http-server.ts";
 
 const BIN = fileURLToPath(new URL("../bin/fleet.js", import.meta.url));
+const SUITE = fileURLToPath(new URL("../../../packages/tasks/suites/example", import.meta.url));
 
 function run(
   args: string[],
@@ -18,6 +19,36 @@ function run(
         resolve({ code: err === null ? 0 : typeof err.code === "number" ? err.code : -1, stdout, stderr }),
     );
   });
+}
+
+/**
+ * Run `fleet` like `fleet ... | head -n1`: read its first stdout line, then close the pipe.
+ * `readerGone` resolves once the pipe is closed, so writes after it meet EPIPE.
+ */
+function runReadingOneLine(
+  args: string[],
+  env: Record<string, string>,
+): { readerGone: Promise<string>; exited: Promise<{ code: number | null; stderr: string }> } {
+  const child = spawn(process.execPath, [BIN, ...args], {
+    env: { PATH: process.env.PATH ?? "", ...env },
+    stdio: ["ignore", "pipe", "pipe"],
+  });
+  let stderr = "";
+  child.stderr.setEncoding("utf8").on("data", (s: string) => {
+    stderr += s;
+  });
+  let out = "";
+  const readerGone = new Promise<string>((resolve) => {
+    child.stdout.setEncoding("utf8").on("data", (s: string) => {
+      out += s;
+      if (out.includes("\n")) child.stdout.destroy();
+    });
+    child.stdout.on("close", () => resolve(out.split("\n")[0]!));
+  });
+  const exited = new Promise<{ code: number | null; stderr: string }>((resolve) =>
+    child.on("close", (code) => resolve({ code, stderr })),
+  );
+  return { readerGone, exited };
 }
 
 let server: TestServer;
@@ -43,5 +74,49 @@ describe("bin/fleet.js", () => {
     const r = await run(["status", "b-1"], { FLEET_URL: "ftp://nowhere" });
     expect(r.code).toBe(2);
     expect(r.stderr).toContain("FLEET_URL: must be a URL starting with http:// or https://");
+  });
+
+  it("an unwritable `results --out` is a usage error (exit 2), not an uncaught exception", async () => {
+    const r = await run(["results", "b-1", "--out", "/nonexistent-dir/r.jsonl"], { FLEET_URL: server.url });
+    expect(r.stderr).toBe(
+      "error: cannot write --out /nonexistent-dir/r.jsonl: ENOENT: no such file or directory, open '/nonexistent-dir/r.jsonl.partial'\n",
+    );
+    expect(r.code).toBe(2);
+  });
+
+  it("`fleet results | head -n1` stops quietly with exit 0 when the reader goes away", async () => {
+    let readerGone: Promise<string> = new Promise(() => {});
+    server.on("GET", "/v1/batches/b-1/results", async (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.write('{"id":"r0"}\n');
+      await readerGone;
+      for (let i = 1; i < 1000; i++) res.write(`{"id":"r${i}"}\n`);
+      res.end();
+    });
+    const child = runReadingOneLine(["results", "b-1"], { FLEET_URL: server.url });
+    readerGone = child.readerGone;
+    expect(await child.readerGone).toBe('{"id":"r0"}');
+    expect(await child.exited).toEqual({ code: 0, stderr: "" });
+  });
+
+  it("`fleet submit | head -n1` still submits every chunk, and exits 0 when it has", async () => {
+    let readerGone: Promise<string> = new Promise(() => {});
+    const rows: number[] = [];
+    server.on("POST", "/v1/batches", async (req, res) => {
+      const n = rows.push(0);
+      if (n === 2) await readerGone; // b-2 is printed after `head` has gone
+      rows[n - 1] = (JSON.parse(req.body) as { rollouts: unknown[] }).rollouts.length;
+      json(res, 202, { batchId: `b-${n}`, rolloutIds: [], count: rows[n - 1] });
+    });
+    const args = ["submit", "--suite", SUITE, "--task", "hello-file", "--agent", "oracle", "--repeat", "60"];
+    const child = runReadingOneLine([...args, "--max-request-bytes", "2048"], { FLEET_URL: server.url });
+    readerGone = child.readerGone;
+    expect(await child.readerGone).toBe("b-1");
+    const { code, stderr } = await child.exited;
+    expect(stderr).not.toContain("error");
+    expect(code).toBe(0);
+    expect(rows.length).toBeGreaterThanOrEqual(3);
+    expect(rows.reduce((a, b) => a + b, 0)).toBe(60);
+    expect(stderr).toMatch(new RegExp(`submitted 60 rollouts .* in ${rows.length} batches`));
   });
 });

@@ -2,6 +2,7 @@ import { readFile } from "node:fs/promises";
 import { CliConfig, ConfigError, parseConfig } from "@fleet/config";
 import { loadSuite, taskDigest } from "@fleet/tasks";
 import { runCli } from "./program.ts";
+import { PipeOutput } from "./stdout.ts";
 
 // The only file of the CLI that reads the environment.
 let defaults: CliConfig;
@@ -15,14 +16,17 @@ try {
 const interrupt = new AbortController();
 process.once("SIGINT", () => interrupt.abort());
 process.once("SIGTERM", () => interrupt.abort());
-// `fleet results ... | head`: a closed pipe is not an error.
-process.stdout.on("error", (err: NodeJS.ErrnoException) => {
-  if (err.code === "EPIPE") process.exit(0);
-  throw err;
+// `fleet results ... | head`: a reader that goes away is not an error. `results` and `status`
+// only print, so they stop there with 0. `submit` and `cancel` change the fleet: they finish
+// (stopping between chunks would leave a submission half made, with exit 0), print nothing more
+// to stdout, and exit with the code the work earned.
+const printsOnly = ["results", "status"].includes(process.argv[2] ?? "");
+const stdout = new PipeOutput(process.stdout, () => {
+  if (printsOnly) process.exit(0);
 });
 
 const code = await runCli(process.argv.slice(2), {
-  stdout: process.stdout,
+  stdout,
   stderr: process.stderr,
   defaults,
   readFile: (path) => readFile(path, "utf8"),

@@ -1,4 +1,5 @@
-import { mkdtemp, readdir, readFile, rm } from "node:fs/promises";
+import { existsSync } from "node:fs";
+import { mkdtemp, readdir, readFile, rm, symlink } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { TaskContent } from "@fleet/contracts";
@@ -235,6 +236,25 @@ describe("fleet submit", () => {
     expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
   });
 
+  it.skipIf(!existsSync("/dev/full"))(
+    "a results file that fails while being written (ENOSPC) exits 1 naming the batches, leaving no partial file",
+    async () => {
+      fakeDispatcher((id) => completed(id, 1));
+      const out = path.join(dir, "results.jsonl");
+      await symlink("/dev/full", `${out}.partial`); // opens fine; every write fails with ENOSPC
+      const code = await runCli(
+        ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--out", out, "--poll-interval", "10"],
+        ctx(),
+      );
+      expect(code).toBe(1);
+      expect(stderr.text()).toContain(`error: cannot write ${out}: ENOSPC`);
+      expect(stderr.text()).toContain("the results stay on the dispatcher");
+      expect(stderr.text()).toContain("for b-1");
+      expect(stdout.text()).toBe("b-1\n"); // no summary claiming the results were written
+      expect(await readdir(dir)).toEqual([]);
+    },
+  );
+
   it("goes as batches the backlog can hold, and waits while the backlog is full instead of giving up", async () => {
     const maxBacklog = 7;
     let full = 2; // the first two offers after the first batch find no room
@@ -381,6 +401,31 @@ describe("fleet status / results / cancel", () => {
     expect(await readFile(out, "utf8")).toBe(body);
     expect(stderr.text()).toContain(`wrote 2 results to ${out}`);
   });
+
+  it("results --out: a path that cannot be written is a usage error before fetching, not a crash", async () => {
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');
+    });
+    const out = path.join(dir, "no-such-dir", "r.jsonl");
+    expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(2);
+    expect(stderr.text()).toContain(`error: cannot write --out ${out}: ENOENT`);
+    expect(server.requests).toHaveLength(0);
+    expect(await readdir(dir)).toEqual([]);
+  });
+
+  it.skipIf(!existsSync("/dev/full"))(
+    "results --out: a write that fails (ENOSPC) exits 1 and removes the partial file",
+    async () => {
+      server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+        res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n{"id":"r2"}\n');
+      });
+      const out = path.join(dir, "r.jsonl");
+      await symlink("/dev/full", `${out}.partial`); // opens fine; every write fails with ENOSPC
+      expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(1);
+      expect(stderr.text()).toBe(`error: cannot write ${out}: ENOSPC: no space left on device, write\n`);
+      expect(await readdir(dir)).toEqual([]);
+    },
+  );
 
   it("cancels a rollout, falls back to a batch, and says when neither exists", async () => {
     server.on("POST", "/v1/rollouts/r-1/cancel", (_req, res) =>

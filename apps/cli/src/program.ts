@@ -5,10 +5,10 @@ import { cancelCommand } from "./commands/cancel.ts";
 import { resultsCommand } from "./commands/results.ts";
 import { statusCommand } from "./commands/status.ts";
 import { submitCommand } from "./commands/submit.ts";
-import type { CliContext } from "./context.ts";
+import { type CliContext, OutputError } from "./context.ts";
 import { DEFAULT_MAX_REQUEST_BYTES, UsageError } from "./requests.ts";
 
-/** Exit codes: 0 ok; 1 API or unexpected error; 2 bad usage; 130 interrupted (Ctrl-C). */
+/** Exit codes: 0 ok; 1 API, output-file or unexpected error; 2 bad usage; 130 interrupted (Ctrl-C). */
 export const EXIT = { ok: 0, error: 1, usage: 2, interrupted: 130 } as const;
 
 interface ConnectionOptions {
@@ -194,6 +194,10 @@ function reportError(err: unknown, ctx: CliContext): number {
   if (err instanceof UsageError) {
     ctx.stderr.write(`error: ${err.message}\n`);
     return EXIT.usage;
+  }
+  if (err instanceof OutputError) {
+    ctx.stderr.write(`error: ${err.message}\n`);
+    return EXIT.error;
   }
   if (isApiError(err)) {
     const status = err.status === 0 ? "" : ` (HTTP ${err.status})`;

@@ -22,14 +22,36 @@ describe("ResultTally", () => {
       meanReward: 0.5,
       masked: 2,
       byFailureKind: { agent_timeout: 1, sandbox_lost: 1, verifier_error: 1, invalid_task: 1 },
+      failureKindsByStatus: {
+        completed: { agent_timeout: 1 },
+        masked: { sandbox_lost: 1, verifier_error: 1 },
+        failed: { invalid_task: 1 },
+      },
       teardownPending: 1,
       unreadable: 2,
     });
-    const text = renderSummary(s);
-    expect(text).toContain("completed 2  masked 2  failed 1  cancelled 0");
-    expect(text).toContain("mean reward: 0.5000 over 2 graded");
-    expect(text).toContain("masked: 2");
-    expect(text).toContain("teardown pending: 1");
+    expect(renderSummary(s)).toBe(
+      [
+        "results: 5",
+        "  completed 2  masked 2  failed 1  cancelled 0",
+        "  mean reward: 0.5000 over 2 graded",
+        "  masked: 2  (failure kinds: sandbox_lost 1, verifier_error 1)",
+        "  completed: 2  (failure kinds: agent_timeout 1)",
+        "  failed: 1  (failure kinds: invalid_task 1)",
+        "  teardown pending: 1 (the janitor is retrying)",
+        "  unreadable result lines: 2",
+      ].join("\n"),
+    );
+  });
+
+  it("lists only masked results' failure kinds on the masked line", () => {
+    const t = new ResultTally();
+    for (let i = 0; i < 5; i++) t.add({ status: "cancelled", mask: false, failureKind: "cancelled" });
+    t.add({ status: "completed", reward: 1, mask: false, failureKind: null });
+    const text = renderSummary(t.summary());
+    expect(text).toContain("  masked: 0\n");
+    expect(text).not.toContain("masked: 0  (");
+    expect(text).toContain("  cancelled: 5  (failure kinds: cancelled 5)");
   });
 
   it("has no mean when nothing was graded", () => {

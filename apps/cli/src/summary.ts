@@ -19,6 +19,8 @@ export interface ResultSummary {
   masked: number;
   /** Results per failure kind (any status). */
   byFailureKind: Record<string, number>;
+  /** Results per status, then per failure kind; a result with `mask: true` counts under `masked`. */
+  failureKindsByStatus: Record<string, Record<string, number>>;
   /** Results whose sandbox teardown is still pending (the janitor retries it). */
   teardownPending: number;
   /** Lines that were not JSON objects. */
@@ -34,6 +36,7 @@ export class ResultTally {
     meanReward: null,
     masked: 0,
     byFailureKind: {},
+    failureKindsByStatus: {},
     teardownPending: 0,
     unreadable: 0,
   };
@@ -62,7 +65,12 @@ export class ResultTally {
     s.byStatus[status] = (s.byStatus[status] ?? 0) + 1;
     if (result.mask === true) s.masked++;
     if (typeof result.failureKind === "string") {
-      s.byFailureKind[result.failureKind] = (s.byFailureKind[result.failureKind] ?? 0) + 1;
+      const kind = result.failureKind;
+      s.byFailureKind[kind] = (s.byFailureKind[kind] ?? 0) + 1;
+      const group = result.mask === true ? "masked" : status;
+      const kinds = s.failureKindsByStatus[group] ?? {};
+      kinds[kind] = (kinds[kind] ?? 0) + 1;
+      s.failureKindsByStatus[group] = kinds;
     }
     if (result.teardown === "pending") s.teardownPending++;
     if (result.mask !== true && typeof result.reward === "number" && Number.isFinite(result.reward)) {
@@ -76,6 +84,9 @@ export class ResultTally {
       ...this.s,
       byStatus: { ...this.s.byStatus },
       byFailureKind: { ...this.s.byFailureKind },
+      failureKindsByStatus: Object.fromEntries(
+        Object.entries(this.s.failureKindsByStatus).map(([st, kinds]) => [st, { ...kinds }]),
+      ),
       meanReward: this.s.graded > 0 ? this.rewardSum / this.s.graded : null,
     };
   }
@@ -83,24 +94,33 @@ export class ResultTally {
 
 const STATUS_ORDER = ["completed", "masked", "failed", "cancelled"];
 
+/** The terminal statuses in their usual order, then any other status seen. */
+function statusNames(byStatus: Record<string, number>): string[] {
+  return [...STATUS_ORDER, ...Object.keys(byStatus).filter((st) => !STATUS_ORDER.includes(st))];
+}
+
 /** Human-readable summary, one fact per line. */
 export function renderSummary(s: ResultSummary): string {
-  const statuses = [
-    ...STATUS_ORDER.map((st) => `${st} ${s.byStatus[st] ?? 0}`),
-    ...Object.entries(s.byStatus)
-      .filter(([st]) => !STATUS_ORDER.includes(st))
-      .map(([st, n]) => `${st} ${n}`),
-  ];
+  const statuses = statusNames(s.byStatus).map((st) => `${st} ${s.byStatus[st] ?? 0}`);
   const lines = [`results: ${s.total}`, `  ${statuses.join("  ")}`];
   lines.push(
     s.meanReward === null
       ? "  mean reward: n/a (nothing graded)"
       : `  mean reward: ${s.meanReward.toFixed(4)} over ${s.graded} graded`,
   );
-  const kinds = Object.entries(s.byFailureKind)
-    .sort((a, b) => b[1] - a[1])
-    .map(([k, n]) => `${k} ${n}`);
-  lines.push(`  masked: ${s.masked}${kinds.length > 0 ? `  (failure kinds: ${kinds.join(", ")})` : ""}`);
+  // Each status's failure kinds on its own line: a cancelled or failed rollout is not masked.
+  const kindsOf = (status: string) => {
+    const kinds = Object.entries(s.failureKindsByStatus[status] ?? {})
+      .sort((a, b) => b[1] - a[1])
+      .map(([k, n]) => `${k} ${n}`);
+    return kinds.length > 0 ? `  (failure kinds: ${kinds.join(", ")})` : "";
+  };
+  lines.push(`  masked: ${s.masked}${kindsOf("masked")}`);
+  for (const status of statusNames(s.byStatus)) {
+    if (status !== "masked" && kindsOf(status) !== "") {
+      lines.push(`  ${status}: ${s.byStatus[status] ?? 0}${kindsOf(status)}`);
+    }
+  }
   if (s.teardownPending > 0) lines.push(`  teardown pending: ${s.teardownPending} (the janitor is retrying)`);
   if (s.unreadable > 0) lines.push(`  unreadable result lines: ${s.unreadable}`);
   return lines.join("\n");

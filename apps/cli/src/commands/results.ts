@@ -1,5 +1,6 @@
 import type { FleetClient } from "../client.ts";
 import { type CliContext, ResultsFile, writeText } from "../context.ts";
+import { UsageError } from "../requests.ts";
 
 /** `fleet results <batchId>`: the batch's finished results as JSONL, to stdout or `--out`. */
 export async function resultsCommand(
@@ -12,7 +13,13 @@ export async function resultsCommand(
     for await (const line of client.batchResultLines(batchId)) await writeText(ctx.stdout, `${line}\n`);
     return 0;
   }
-  const file = new ResultsFile(opts.out);
+  // Opened before fetching: a path that cannot be written is a usage error, not a crash.
+  let file: ResultsFile;
+  try {
+    file = await ResultsFile.open(opts.out);
+  } catch (err) {
+    throw new UsageError(`cannot write --out ${opts.out}: ${(err as Error).message}`);
+  }
   try {
     for await (const line of client.batchResultLines(batchId)) await file.writeLine(line);
     await file.commit();

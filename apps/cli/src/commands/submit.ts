@@ -1,7 +1,7 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import type { TaskContent } from "@fleet/contracts";
 import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
-import { type CliContext, ResultsFile, writeText } from "../context.ts";
+import { type CliContext, OutputError, ResultsFile, writeText } from "../context.ts";
 import { ProgressReporter } from "../progress.ts";
 import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
@@ -111,13 +111,22 @@ async function submitAndFollow(
   await waitForBatches(client, batchIds, opts.pollInterval, ctx);
 
   const tally = new ResultTally();
-  for (const batchId of batchIds) {
-    for await (const line of client.batchResultLines(batchId)) {
-      tally.addLine(line);
-      await file?.writeLine(line);
+  try {
+    for (const batchId of batchIds) {
+      for await (const line of client.batchResultLines(batchId)) {
+        tally.addLine(line);
+        await file?.writeLine(line);
+      }
     }
+    await file?.commit();
+  } catch (err) {
+    if (!(err instanceof OutputError)) throw err;
+    throw new OutputError(
+      `${err.message} (the results stay on the dispatcher: \`fleet results <batchId> --out <file>\` ` +
+        `for ${batchIds.join(" ")})`,
+      { cause: err },
+    );
   }
-  await file?.commit();
   const summary = tally.summary();
   if (summary.total !== accepted) {
     await writeText(
