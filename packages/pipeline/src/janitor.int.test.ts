@@ -1,3 +1,4 @@
+import { sandboxKey } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
@@ -34,6 +35,94 @@ describe("janitor", () => {
       expect(await docker.alive(handle)).toBe(false);
     } finally {
       await docker.destroy(handle);
+    }
+  });
+
+  it("leaves a sandbox on the teardown ledger to the ledger's backoff: one destroy per due retry, not one more every pass", async () => {
+    const id = `ledgered${Date.now()}`;
+    const handle = await docker.create({
+      image: IMAGE,
+      rolloutId: id,
+      owner: "resources",
+      expiresAt: Date.now() + 3_600_000,
+    });
+    let destroys = 0;
+    const provider = Object.assign(Object.create(docker) as typeof docker, {
+      destroy: async () => {
+        destroys++;
+        throw new Error("device or resource busy");
+      },
+    });
+    const deps = { ...fleet.deps, provider };
+    try {
+      // Its rollout is unknown and the grace period long past: an orphan, whose destroy failed
+      // just now and waits on the ledger.
+      const at = Date.now() + 120_000;
+      const entry = {
+        key: `${id}:resources`,
+        rolloutId: id,
+        owner: "resources" as const,
+        provider: docker.name,
+        handle,
+        createdAt: Date.now(),
+        expiresAt: Date.now() + 3_600_000,
+      };
+      expect(entry.key).toBe(sandboxKey(id, "resources"));
+      const recorded = await fleet.deps.ledger.recordFailure(entry, "device or resource busy", at);
+      await janitorTick({ ...deps, now: () => at }, { orphanGraceMs: 60_000 });
+      expect(destroys).toBe(0); // not due yet
+      await janitorTick({ ...deps, now: () => recorded.dueAt }, { orphanGraceMs: 60_000 });
+      expect(destroys).toBe(1); // the ledger's retry, and no second try by the orphan sweep
+      expect((await fleet.deps.ledger.pending()).find((e) => e.key === entry.key)?.attempts).toBe(2);
+    } finally {
+      await fleet.deps.ledger.confirm({ key: sandboxKey(id, "resources"), rolloutId: id });
+      await docker.destroy(handle);
+    }
+  });
+
+  it("a slow or hung daemon holds up neither the deadline watchdog (it runs first) nor the pass (destroys stop at the budget)", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [overdue] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 1 }]);
+    const at = Date.now() + 120_000;
+    const stamp = Date.now();
+    const entries = ["a", "b"].map((n) => ({
+      key: sandboxKey(`slow-${n}-${stamp}`, "resources"),
+      rolloutId: `slow-${n}-${stamp}`,
+      owner: "resources" as const,
+      provider: docker.name,
+      handle: {
+        provider: docker.name,
+        endpoint: "",
+        id: `id-${n}-${stamp}`,
+        name: `slow-${n}-${stamp}`,
+        rolloutId: `slow-${n}-${stamp}`,
+        owner: "resources" as const,
+        volumes: [],
+      },
+      createdAt: stamp,
+      expiresAt: stamp,
+    }));
+    for (const e of entries) await fleet.deps.ledger.schedule(e, stamp);
+    const closeQueuedAtDestroy: boolean[] = [];
+    const provider = Object.assign(Object.create(docker) as typeof docker, {
+      // A daemon that answers only after the pass's budget is spent.
+      destroy: async () => {
+        closeQueuedAtDestroy.push(!!(await fleet.deps.queues.queues.close.getJob(`${overdue}.close`)));
+        await new Promise((r) => setTimeout(r, 20));
+        throw new Error("daemon timeout");
+      },
+    });
+    try {
+      const report = await janitorTick(
+        { ...fleet.deps, provider, now: () => at },
+        { orphanGraceMs: 3_600_000, watchdogGraceMs: 1000, destroyBudgetMs: 10 },
+      );
+      expect(report.watchdogClosed).toBe(1);
+      expect(closeQueuedAtDestroy).toEqual([true]); // the watchdog ran before any destroy
+      expect(report.retried).toBe(1); // the second entry waits for the next pass
+    } finally {
+      for (const e of entries) await fleet.deps.ledger.confirm(e);
     }
   });
 

@@ -18,7 +18,14 @@ export interface JanitorOptions {
   orphanGraceMs: number;
   /** A rollout this far past its deadline is closed by the watchdog. */
   watchdogGraceMs?: number;
+  /** No destroy is started once a pass has run this long; the rest wait for the next pass. @defaultValue 60 s */
+  destroyBudgetMs?: number;
 }
+
+export const DEFAULT_DESTROY_BUDGET_MS = 60_000;
+
+/** A helper container not running after this long was left behind (reapers finish in seconds). */
+export const STALE_HELPER_MS = 5 * 60_000;
 
 export interface JanitorReport {
   retried: number;
@@ -38,11 +45,10 @@ export interface JanitorReport {
  * rollouts stuck past their deadline, (5) remove gateway networks of finished rollouts, (6) remove
  * the provider's stale helper containers (`removeStaleHelpers`). Each
  * step runs whatever the others did: a Docker daemon that is down stops the orphan sweep, not the
- * deadline watchdog, which needs only Redis. A step's failure is logged and reported in `errors`.
+ * deadline watchdog, which needs only Redis and runs first (a hung daemon, answering each call
+ * only at its timeout, cannot hold it up); no destroy starts once the pass has run
+ * `destroyBudgetMs`. A step's failure is logged and reported in `errors`.
  */
-/** A helper container not running after this long was left behind (reapers finish in seconds). */
-export const STALE_HELPER_MS = 5 * 60_000;
-
 export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): Promise<JanitorReport> {
   const report: JanitorReport = {
     retried: 0,
@@ -54,6 +60,10 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     errors: [],
   };
   const now = clock(deps);
+  const started = Date.now();
+  // Destroys stop being started once the pass has taken this long (wall clock): with a daemon
+  // that answers each call only at its timeout, a pass of 50 due entries would take 25 minutes.
+  const overBudget = () => Date.now() - started > (options.destroyBudgetMs ?? DEFAULT_DESTROY_BUDGET_MS);
   const step = async (name: string, body: () => Promise<void>) => {
     try {
       await body();
@@ -64,6 +74,19 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       deps.logger.warn({ step: name, err: message }, "janitor step failed; the next pass retries it");
     }
   };
+
+  // (4) Watchdog: rollouts past their deadline that no stage is closing. First: it needs only
+  // Redis, and the steps below wait on the provider (a hung daemon answers each call only at
+  // its timeout).
+  let overdue: string[] = [];
+  await step("watchdog", async () => {
+    overdue = await deps.store.pastDeadline(now - (options.watchdogGraceMs ?? 30_000));
+  });
+  for (const id of overdue) {
+    await step(`watchdog ${id}`, async () => {
+      if (await watchdogClose(deps, id, now)) report.watchdogClosed++;
+    });
+  }
 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.
   await step("registry", async () => {
@@ -81,6 +104,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // result's teardown confirmed (in the ledger's confirm).
   await step("ledger", async () => {
     for (const entry of await deps.ledger.due(now)) {
+      if (overBudget()) break; // the rest are still due next pass
       report.retried++;
       const r = await destroyOrLedger(deps, entry);
       if (r.teardown === "confirmed") report.confirmed++;
@@ -91,6 +115,9 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // (3) Orphans by label: what the registry does not know (a worker died before recording).
   await step("orphans", async () => {
     const listed = await deps.provider.list();
+    // A sandbox on the teardown ledger is the ledger step's, retried on its backoff: trying it
+    // here too would retry a failing destroy every pass and push its backoff out each time.
+    const onLedger = new Map((await deps.ledger.pending()).map((e) => [e.key, e]));
     // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
     const active = { resources: 0, agent: 0 };
     for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
@@ -104,6 +131,9 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       const orphan =
         (rec === null && old) || (rec !== null && isTerminal(rec.status) && old) || expires < now;
       if (!orphan) continue;
+      if (overBudget()) continue; // counted as active; removed next pass
+      const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
+      if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) continue;
       const entry: SandboxEntry = {
         key: sandboxKey(rolloutId, owner),
         rolloutId,
@@ -123,17 +153,6 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
     }
   });
-
-  // (4) Watchdog: rollouts past their deadline that no stage is closing.
-  let overdue: string[] = [];
-  await step("watchdog", async () => {
-    overdue = await deps.store.pastDeadline(now - (options.watchdogGraceMs ?? 30_000));
-  });
-  for (const id of overdue) {
-    await step(`watchdog ${id}`, async () => {
-      if (await watchdogClose(deps, id, now)) report.watchdogClosed++;
-    });
-  }
 
   // (5) Gateway networks whose rollout is over (a close that could not remove one).
   if (deps.networks) {
