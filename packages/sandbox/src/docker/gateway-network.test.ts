@@ -28,6 +28,9 @@ describe("gateway network naming and config", () => {
     expect(c.IPAM).toBeUndefined();
     const withIpam = buildGatewayNetworkConfig("r-1", { subnet: "10.9.0.16/28", gateway: "10.9.0.17" });
     expect(withIpam.IPAM?.Config).toEqual([{ Subnet: "10.9.0.16/28", Gateway: "10.9.0.17" }]);
+    expect(buildGatewayNetworkConfig("r-1", undefined, "{fleet-a}").Labels).toMatchObject({
+      "fleet.scope": "{fleet-a}",
+    });
   });
 
   it("carves subnets from a pool, wrapping around", () => {

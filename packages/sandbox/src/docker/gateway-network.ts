@@ -2,7 +2,7 @@
 import { createHash } from "node:crypto";
 import { FleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
-import { LABEL_MANAGED, LABEL_ROLLOUT } from "../provider.ts";
+import { LABEL_MANAGED, LABEL_ROLLOUT, LABEL_SCOPE } from "../provider.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { dockerErrorFacts } from "./docker-errors.ts";
 import { type GatewayFirewall, IptablesGatewayFirewall } from "./gateway-firewall.ts";
@@ -86,6 +86,8 @@ export function poolSubnet(
 export function buildGatewayNetworkConfig(
   rolloutId: string,
   ipam?: { subnet: string; gateway: string },
+  /** This fleet's name on a shared daemon (`LABEL_SCOPE`), as on its sandboxes. */
+  scope?: string,
 ): Dockerode.NetworkCreateOptions {
   const name = gatewayNetworkName(rolloutId);
   return {
@@ -95,7 +97,12 @@ export function buildGatewayNetworkConfig(
     CheckDuplicate: true,
     EnableIPv6: false,
     Attachable: false,
-    Labels: { [LABEL_MANAGED]: "true", [LABEL_ROLLOUT]: rolloutId, [LABEL_NETWORK]: "gateway" },
+    Labels: {
+      [LABEL_MANAGED]: "true",
+      [LABEL_ROLLOUT]: rolloutId,
+      [LABEL_NETWORK]: "gateway",
+      ...(scope ? { [LABEL_SCOPE]: scope } : {}),
+    },
     Options: {
       "com.docker.network.bridge.name": gatewayBridgeName(name),
       // What Docker can enforce itself when it runs with iptables; our firewall covers the rest.
@@ -117,6 +124,11 @@ export interface DockerGatewayNetworksOptions {
   subnetPool?: SubnetPool;
   /** Budget of one Docker API call. @defaultValue 30_000 */
   apiTimeoutMs?: number;
+  /**
+   * This fleet's name on a shared daemon (`LABEL_SCOPE`, as the sandbox provider's): set on every
+   * network made, and `list` (the janitor's sweep) sees only those, never another fleet's.
+   */
+  scope?: string;
 }
 
 /**
@@ -138,6 +150,7 @@ export class DockerGatewayNetworks {
   private readonly firewall: GatewayFirewall;
   private readonly pool: SubnetPool | undefined;
   private readonly apiTimeoutMs: number;
+  private readonly scope: string | undefined;
 
   constructor(options: DockerGatewayNetworksOptions = {}) {
     const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
@@ -152,6 +165,7 @@ export class DockerGatewayNetworks {
     this.firewall = options.firewall ?? new IptablesGatewayFirewall();
     this.pool = options.subnetPool;
     this.apiTimeoutMs = options.apiTimeoutMs ?? 30_000;
+    this.scope = options.scope;
     if (this.pool) poolSubnet(this.pool, 0); // validate early
   }
 
@@ -173,7 +187,7 @@ export class DockerGatewayNetworks {
       const ipam = this.pool ? poolSubnet(this.pool, first + i) : undefined;
       try {
         await this.docker.createNetwork({
-          ...buildGatewayNetworkConfig(rolloutId, ipam),
+          ...buildGatewayNetworkConfig(rolloutId, ipam, this.scope),
           abortSignal: this.signal(),
         });
         break;
@@ -224,7 +238,13 @@ export class DockerGatewayNetworks {
     let networks: Dockerode.NetworkInfo[];
     try {
       networks = await this.docker.listNetworks({
-        filters: { label: [`${LABEL_MANAGED}=true`, `${LABEL_NETWORK}=gateway`] },
+        filters: {
+          label: [
+            `${LABEL_MANAGED}=true`,
+            `${LABEL_NETWORK}=gateway`,
+            ...(this.scope ? [`${LABEL_SCOPE}=${this.scope}`] : []),
+          ],
+        },
         abortSignal: this.signal(),
       });
     } catch (err) {
