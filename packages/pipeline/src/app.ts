@@ -79,7 +79,10 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     metrics,
     workerId,
     // Sealed per-rollout networks for agents that get a model (needs root/NET_ADMIN and a local daemon).
-    networks: config.sandboxProvider === "docker" ? new DockerGatewayNetworks({ docker, scope: config.prefix }) : undefined,
+    networks:
+      config.sandboxProvider === "docker"
+        ? new DockerGatewayNetworks({ docker, scope: config.prefix })
+        : undefined,
     harnessDeps: {
       resolveCredential: createCredentialResolver({
         env,

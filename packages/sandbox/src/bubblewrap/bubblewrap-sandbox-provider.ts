@@ -35,7 +35,6 @@ import {
   planPut,
   probeExecCall,
   probeStdout,
-  ROOT_KILL_SWEEP_SCRIPT,
   readViaExec,
   sentinelProbeLine,
   WORKSPACE_PROBE_LINE,
