@@ -5,6 +5,7 @@ import {
   isTmpfsPath,
   isWorkspacePath,
   KEEPALIVE_USER,
+  reaperLabels,
   sandboxName,
 } from "./container-config.ts";
 
@@ -99,6 +100,17 @@ describe("buildContainerConfig", () => {
   it("caps the workspace by default (an unbounded volume would let a disk filler fill the host)", () => {
     const ws = config().HostConfig!.Mounts![0]!;
     expect(ws.VolumeOptions!.DriverConfig?.Options?.o).toMatch(/^size=1024m,/);
+  });
+});
+
+describe("reaperLabels", () => {
+  it("marks a reaper fleet.managed (every container the fleet makes is), with no owner: never a sandbox to list", () => {
+    expect(reaperLabels("r-1", "{f}")).toEqual({
+      "fleet.managed": "true",
+      "fleet.reaper": "true",
+      "fleet.rollout": "r-1",
+      "fleet.scope": "{f}",
+    });
   });
 });
 

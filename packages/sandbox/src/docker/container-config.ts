@@ -118,6 +118,19 @@ export function sandboxLabels(spec: SandboxSpec, scope?: string): Record<string,
   };
 }
 
+/** Marks the kill-sweep reaper containers: `fleet.managed` too (DESIGN §9), but no `fleet.owner`, so `list` never takes one for a sandbox. */
+export const LABEL_REAPER = "fleet.reaper";
+
+/** The labels of a kill-sweep reaper beside a rollout's sandbox. */
+export function reaperLabels(rolloutId: string, scope?: string): Record<string, string> {
+  return {
+    [LABEL_MANAGED]: "true",
+    [LABEL_REAPER]: "true",
+    [LABEL_ROLLOUT]: rolloutId,
+    ...(scope ? { [LABEL_SCOPE]: scope } : {}),
+  };
+}
+
 /**
  * The Docker create request for a sandbox: hardened by default (no network, no capabilities,
  * no-new-privileges, read-only root, tmpfs scratch, one workspace volume, pids/memory/CPU limits,

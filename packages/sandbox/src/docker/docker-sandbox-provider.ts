@@ -61,6 +61,8 @@ import {
   DEFAULT_SANDBOX_LIMITS,
   isTmpfsPath,
   isWorkspacePath,
+  LABEL_REAPER,
+  reaperLabels,
   type SandboxLimits,
   sandboxName,
   workspaceVolumeName,
@@ -592,11 +594,7 @@ export class DockerSandboxProvider implements SandboxProvider {
         Image: info.Image,
         Entrypoint: ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(this.defaults.killRounds)],
         User: "0:0",
-        Labels: {
-          [LABEL_REAPER]: "true",
-          [LABEL_ROLLOUT]: handle.rolloutId,
-          ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
-        },
+        Labels: reaperLabels(handle.rolloutId, this.scope),
         AttachStdout: true,
         AttachStderr: true,
         Tty: false,
@@ -793,8 +791,7 @@ function connect(options: Dockerode.DockerOptions): Dockerode {
   });
 }
 
-/** Marks the kill-sweep reaper containers (never `fleet.managed`: they are no sandboxes). */
-export const LABEL_REAPER = "fleet.reaper";
+export { LABEL_REAPER } from "./container-config.ts";
 
 /** A sweep that ran but failed inside the sandbox (not a Docker call that failed). */
 function isSweepFailure(err: unknown): boolean {
