@@ -151,10 +151,11 @@ describe("CommandHarness", () => {
     expect(outcome.answer).toBe("partial");
   });
 
-  it("does not start a command whose deadline has passed: exit -1, timed out", async () => {
-    const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec, { deadlineMs: Date.now() - 1 }));
+  it("does not start a command whose time went on preparing its sandbox: masked (provider_unavailable, retryable), never a graded timeout", async () => {
+    const run = createHarness(AgentSpec.parse(spec)).run(ctx(spec, { deadlineMs: Date.now() - 1 }));
+    await expect(run).rejects.toMatchObject({ kind: "provider_unavailable", retryable: true });
+    await expect(run).rejects.toThrow(/nothing of the agent ran/);
     expect(provider.execCalls).toHaveLength(0);
-    expect(outcome.exec).toMatchObject({ exitCode: -1, timedOut: true, stdout: "" });
   });
 
   it("lets a provider FleetError propagate unchanged (the caller maps it to exit -2)", async () => {

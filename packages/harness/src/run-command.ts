@@ -1,4 +1,4 @@
-import { capText, type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
+import { capText, FleetError, isFleetError } from "@fleet/contracts";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import {
   EXEC_OUTPUT_BYTES,
@@ -56,19 +56,6 @@ export async function providerStep<T>(ctx: HarnessContext, what: string, call: (
   }
 }
 
-/** An exit envelope for a command that never got to start because its deadline had passed. */
-export function deadlinePassed(): ExecResult {
-  return {
-    exitCode: -1,
-    timedOut: true,
-    stdout: "",
-    stderr: "",
-    stdoutTruncated: false,
-    stderrTruncated: false,
-    durationMs: 0,
-    oomKilled: false,
-  };
-}
 
 /** The last `max` characters of `text`, marking the cut at the front. */
 export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
@@ -92,6 +79,7 @@ export async function runAgentCommand(
   } = {},
 ): Promise<HarnessOutcome> {
   const { provider, handle, task } = ctx;
+  const prepStarted = Date.now();
   // A put of its own, not a writer in front of the command in the command's exec (tried, and
   // reverted): whatever that exec writes, the agent can read back (its output pipes belong to
   // its uid), so it could carry no proof of a good write or an intact stream that the agent could
@@ -107,18 +95,23 @@ export async function runAgentCommand(
   }
 
   const remainingMs = Math.floor(ctx.deadlineMs - Date.now());
-  const exec =
-    remainingMs <= 0
-      ? deadlinePassed()
-      : await providerStep(ctx, "run the agent command", () =>
-          provider.exec(handle, argv, {
-            deadlineMs: remainingMs,
-            cwd: SANDBOX_PATHS.workspace,
-            user: AGENT_USER,
-            env: { ...options.env, ...ctx.env, [INSTRUCTION_ENV]: INSTRUCTION_FILE },
-            maxOutputBytes: EXEC_OUTPUT_BYTES,
-          }),
-        );
+  if (remainingMs <= 0) {
+    // Its time went on preparing the sandbox (a slow daemon): nothing of the agent ran, so there
+    // is nothing to grade. Masked (retried while the rollout's deadline allows), never a 0.
+    throw FleetError.retryable(
+      "provider_unavailable",
+      `the agent's time ran out before its command started (writing its files took ${Date.now() - prepStarted} ms); nothing of the agent ran`,
+    );
+  }
+  const exec = await providerStep(ctx, "run the agent command", () =>
+    provider.exec(handle, argv, {
+      deadlineMs: remainingMs,
+      cwd: SANDBOX_PATHS.workspace,
+      user: AGENT_USER,
+      env: { ...options.env, ...ctx.env, [INSTRUCTION_ENV]: INSTRUCTION_FILE },
+      maxOutputBytes: EXEC_OUTPUT_BYTES,
+    }),
+  );
 
   return {
     exec: {
