@@ -56,7 +56,6 @@ export async function providerStep<T>(ctx: HarnessContext, what: string, call: (
   }
 }
 
-
 /** The last `max` characters of `text`, marking the cut at the front. */
 export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
   const mark = "[truncated]…";
