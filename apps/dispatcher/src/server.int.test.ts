@@ -34,7 +34,11 @@ let redis: Redis;
 const harnesses: Harness[] = [];
 
 /** A server on its own key prefix (cleaned up in afterAll); `env` overrides its config. */
-async function makeHarness(env: Record<string, string> = {}): Promise<Harness> {
+async function makeHarness(
+  env: Record<string, string> = {},
+  /** Patch the queues before the server gets them (a fault behind our own interface). */
+  patchQueues: (queues: StageQueues) => void = () => {},
+): Promise<Harness> {
   const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
   const config = parseConfig(DispatcherConfig, {
     FLEET_PREFIX: prefix,
@@ -46,6 +50,7 @@ async function makeHarness(env: Record<string, string> = {}): Promise<Harness> {
   const metrics = createFleetMetrics(registry);
   const store = new RolloutStore(redis, prefix);
   const queues = new StageQueues(redis, prefix);
+  patchQueues(queues);
   const ledger = new TeardownLedger(redis, prefix);
   const app = createServer({ store, queues, ledger, redis, config, logger, registry, metrics });
   await app.ready();
@@ -859,53 +864,31 @@ describe("Redis down", () => {
 
 describe("a keyless submission cut short by Redis", () => {
   it("answers 503 with the key it was admitted under; the same body under that key finishes it, nothing admitted twice", async () => {
-    const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
-    const queues = new StageQueues(redis, prefix);
     let blips = 1;
-    const enqueueSeeds = queues.enqueueSeeds.bind(queues);
     // Redis goes away after the records, before the seed jobs.
-    queues.enqueueSeeds = async (ids) => {
-      if (blips-- > 0) throw new Error("Connection is closed.");
-      return enqueueSeeds(ids);
-    };
-    const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
-    const store = new RolloutStore(redis, prefix);
-    const app = createServer({
-      store,
-      queues,
-      redis,
-      config: parseConfig(DispatcherConfig, { FLEET_PREFIX: prefix, FLEET_API_TOKENS: TOKEN }),
-      logger: createLogger({ name: "dispatcher-test", level: "silent" }),
-      registry,
-      metrics: createFleetMetrics(registry),
+    const cut = await makeHarness({}, (queues) => {
+      const enqueueSeeds = queues.enqueueSeeds.bind(queues);
+      queues.enqueueSeeds = async (ids) => {
+        if (blips-- > 0) throw new Error("Connection is closed.");
+        return enqueueSeeds(ids);
+      };
     });
     const post = (headers: Record<string, string> = {}) =>
-      app.inject({
-        method: "POST",
-        url: "/v1/batches",
-        headers: { authorization: `Bearer ${TOKEN}`, ...headers },
-        payload: { rollouts: [row, row, row] },
-      });
-    try {
-      const cut = await post();
-      expectErrorBody(cut, 503, "unavailable");
-      const { error } = cut.json() as { error: { message: string; details: Record<string, string> } };
-      const key = error.details.idempotencyKey!;
-      expect(error.message).toContain(`Idempotency-Key: ${key}`);
-      expect(await store.getBatch(error.details.batchId!)).toMatchObject({ total: 3 });
-      expect(await queues.queues.seed.getJobCountByTypes("waiting")).toBe(0);
+      cut.call({ method: "POST", url: "/v1/batches", headers, payload: { rollouts: [row, row, row] } });
+    const first = await post();
+    expectErrorBody(first, 503, "unavailable");
+    const { error } = first.json() as { error: { message: string; details: Record<string, string> } };
+    const key = error.details.idempotencyKey!;
+    expect(error.message).toContain(`Idempotency-Key: ${key}`);
+    expect(await cut.store.getBatch(error.details.batchId!)).toMatchObject({ total: 3 });
+    expect(await cut.queues.queues.seed.getJobCountByTypes("waiting")).toBe(0);
 
-      const finished = await post({ "idempotency-key": key });
-      expect(finished.statusCode, finished.body).toBe(200); // a replay: its records were there
-      const { batchId, rolloutIds } = finished.json() as { batchId: string; rolloutIds: string[] };
-      expect(batchId).toBe(error.details.batchId);
-      expect(await store.getBatch(batchId)).toMatchObject({ total: 3 });
-      expect(await queues.queues.seed.getJobCountByTypes("waiting")).toBe(3);
-      expect(new Set(rolloutIds).size).toBe(3);
-    } finally {
-      await app.close();
-      await queues.close();
-      await deleteByPrefix(prefix);
-    }
+    const finished = await post({ "idempotency-key": key });
+    expect(finished.statusCode, finished.body).toBe(200); // a replay: its records were there
+    const { batchId, rolloutIds } = finished.json() as { batchId: string; rolloutIds: string[] };
+    expect(batchId).toBe(error.details.batchId);
+    expect(await cut.store.getBatch(batchId)).toMatchObject({ total: 3 });
+    expect(await cut.queues.queues.seed.getJobCountByTypes("waiting")).toBe(3);
+    expect(new Set(rolloutIds).size).toBe(3);
   });
 });
