@@ -182,6 +182,77 @@ describe("FleetClient", () => {
     ]);
   });
 
+  it("fetches a results stream that breaks off mid-body again, yielding each result once", async () => {
+    let calls = 0;
+    server.on("GET", "/v1/batches/b1/results", (_req, res) => {
+      calls++;
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      const all = '{"id":"r1"}\n{"id":"r2"}\n{"id":"r3"}\n';
+      if (calls === 1) res.write('{"id":"r1"}\n{"id":"r2"}\n{"id":"r3', () => res.destroy());
+      else res.end(all);
+    });
+    const retries: string[] = [];
+    const lines: string[] = [];
+    for await (const line of client({ onRetry: (r) => retries.push(r.reason) }).batchResultLines("b1")) {
+      lines.push(line);
+    }
+    expect(lines).toEqual(['{"id":"r1"}', '{"id":"r2"}', '{"id":"r3"}']);
+    expect(calls).toBe(2);
+    expect(retries).toHaveLength(1);
+    expect(retries[0]).toContain("the results stream of batch b1");
+    expect(retries[0]).toContain("broke off");
+  });
+
+  it("gives up on a results stream that keeps breaking with an ApiError, not undici's TypeError", async () => {
+    server.on("GET", "/v1/batches/b1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.write('{"id":"r1', () => res.destroy());
+    });
+    const read = async () => {
+      for await (const _ of client({ retries: 2 }).batchResultLines("b1")) {
+        // nothing complete ever arrives
+      }
+    };
+    const err = await caught(read());
+    expect(err).toMatchObject({ status: 0, code: "stream_broken" });
+    expect(server.requests).toHaveLength(3);
+  });
+
+  it("with patience, rides out failures far past its retries, saying once when they start and once when they end", async () => {
+    server.on("GET", "/v1/batches/b1", (_req, res) => {
+      if (server.requests.length <= 6) return apiError(res, 503, "unavailable", "restarting");
+      json(res, 200, { id: "b1", total: 1, counts: { completed: 1 }, done: 1 });
+    });
+    const outages: string[] = [];
+    const recoveries: number[] = [];
+    const retried: number[] = [];
+    const patient = client({
+      retries: 1,
+      retryMaxMs: 5,
+      onRetry: (r) => retried.push(r.attempt),
+    }).with({
+      patience: {
+        maxOutageMs: 60_000,
+        onOutage: ({ reason }) => outages.push(reason),
+        onRecovered: ({ downMs }) => recoveries.push(downMs),
+      },
+    });
+    expect((await patient.getBatch("b1")).done).toBe(1);
+    expect(server.requests).toHaveLength(7);
+    expect(outages).toEqual(["GET /v1/batches/b1: HTTP 503 Service Unavailable"]);
+    expect(recoveries).toHaveLength(1);
+    expect(retried).toEqual([]); // one note per outage, not one per attempt
+  });
+
+  it("with patience, gives up once failures have lasted maxOutageMs", async () => {
+    server.down = true;
+    const patient = client({ retries: 1, retryMaxMs: 5, patience: { maxOutageMs: 100 } });
+    const err = await caught(patient.getBatch("b1"));
+    expect(err).toMatchObject({ status: 0, code: "unreachable" });
+    expect(err.message).toContain("gave up");
+    expect(server.dropped).toBeGreaterThan(2); // past `retries`
+  });
+
   it("encodes ids in paths and posts cancels", async () => {
     server.on("POST", "/v1/rollouts/a%2Fb/cancel", (_req, res) =>
       json(res, 202, { id: "a/b", status: "cancelling" }),

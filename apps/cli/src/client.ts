@@ -2,6 +2,7 @@ import { randomUUID } from "node:crypto";
 import type { RolloutRequestInput } from "@fleet/contracts";
 import { z } from "zod";
 import { splitLines } from "./lines.ts";
+import { formatDuration } from "./progress.ts";
 
 /**
  * Any failed call to the dispatcher. `status` is the HTTP status, or `0` when no response came
@@ -72,8 +73,15 @@ export interface FleetClientOptions {
   timeoutMs?: number;
   /** Extra attempts after a 429/502/503/504 or a connection failure. @defaultValue 5 */
   retries?: number;
-  /** First retry delay; doubles each attempt, full jitter, capped at 10 s. @defaultValue 250 */
+  /** First retry delay; doubles each attempt, full jitter, capped at `retryMaxMs`. @defaultValue 250 */
   retryBaseMs?: number;
+  /** Cap on one retry delay (before jitter). @defaultValue 10000 */
+  retryMaxMs?: number;
+  /**
+   * Ride out an outage instead of giving up after `retries`: keep retrying (same backoff) until
+   * the failures have lasted `maxOutageMs` without a success. For long waits (`submit --wait`).
+   */
+  patience?: Patience;
   /** Aborts every call (e.g. on Ctrl-C). */
   signal?: AbortSignal;
   /** Told before each retry (the CLI prints it, so a long wait is not silent). */
@@ -89,6 +97,16 @@ export interface RetryInfo {
   reason: string;
 }
 
+/** See `FleetClientOptions.patience`. */
+export interface Patience {
+  /** Give up once calls have failed for this long without a success in between. */
+  maxOutageMs: number;
+  /** Told once when an outage starts (instead of `onRetry` on every attempt). */
+  onOutage?: (outage: { since: Date; reason: string }) => void;
+  /** Told once when the dispatcher answers again after an outage. */
+  onRecovered?: (outage: { since: Date; downMs: number }) => void;
+}
+
 interface RequestOptions {
   body?: string;
   contentType?: string;
@@ -98,7 +116,6 @@ interface RequestOptions {
 }
 
 const RETRY_STATUSES = new Set([429, 502, 503, 504]);
-const MAX_RETRY_DELAY_MS = 10_000;
 const MAX_RETRY_AFTER_MS = 60_000;
 
 /**
@@ -112,17 +129,28 @@ export class FleetClient {
   private readonly timeoutMs: number;
   private readonly retries: number;
   private readonly retryBaseMs: number;
+  private readonly retryMaxMs: number;
+  private readonly patience: Patience | undefined;
   private readonly signal: AbortSignal | undefined;
   private readonly onRetry: ((retry: RetryInfo) => void) | undefined;
+  /** When the current outage began (patient clients only); null while calls succeed. */
+  private outageSince: number | null = null;
 
-  constructor(options: FleetClientOptions) {
+  constructor(private readonly options: FleetClientOptions) {
     this.url = options.url.replace(/\/+$/, "");
     this.token = options.token ?? null;
     this.timeoutMs = options.timeoutMs ?? 60_000;
     this.retries = options.retries ?? 5;
     this.retryBaseMs = options.retryBaseMs ?? 250;
+    this.retryMaxMs = options.retryMaxMs ?? 10_000;
+    this.patience = options.patience;
     this.signal = options.signal;
     this.onRetry = options.onRetry;
+  }
+
+  /** A client like this one with some options changed (e.g. `patience` for a long wait). */
+  with(overrides: Partial<FleetClientOptions>): FleetClient {
+    return new FleetClient({ ...this.options, ...overrides });
   }
 
   /** `POST /v1/rollouts`. */
@@ -179,18 +207,79 @@ export class FleetClient {
     return parseBody(z.unknown(), await this.request("GET", `/v1/rollouts/${encodeURIComponent(rolloutId)}`));
   }
 
-  /** `GET /v1/batches/:id/results`: the raw NDJSON body of the terminal rollouts' results. */
+  /**
+   * `GET /v1/batches/:id/results`: the raw NDJSON body of the terminal rollouts' results. A body
+   * cut short (the connection dropped mid-stream) errors the stream with an ApiError of code
+   * `stream_broken`.
+   */
   async batchResultsStream(batchId: string): Promise<ReadableStream<Uint8Array>> {
     const res = await this.request("GET", `/v1/batches/${encodeURIComponent(batchId)}/results`, {
       stream: true,
     });
     if (res.body === null) return new ReadableStream({ start: (c) => c.close() });
-    return res.body;
+    const reader = res.body.getReader();
+    return new ReadableStream<Uint8Array>({
+      pull: async (controller) => {
+        try {
+          const { done, value } = await reader.read();
+          if (done) controller.close();
+          else controller.enqueue(value);
+        } catch (err) {
+          controller.error(this.streamError(batchId, err));
+        }
+      },
+      cancel: (reason) => reader.cancel(reason),
+    });
   }
 
-  /** The batch's result lines (raw JSON text, one per result, blank lines dropped). */
+  /**
+   * The batch's result lines (raw JSON text, one per result, blank lines dropped). When the
+   * stream breaks off, it is fetched again from the start (the API has no offset) and the
+   * results already yielded (by rollout id) are skipped, so each result comes once. Gives up
+   * after `retries` breaks in a row without a new result, or, with `patience`, after breaking
+   * for `maxOutageMs` without one.
+   */
   async *batchResultLines(batchId: string): AsyncGenerator<string> {
-    yield* splitLines(await this.batchResultsStream(batchId));
+    const seen = new Set<string>();
+    let fetches = 0;
+    let stalls = 0;
+    let stalledSince: number | null = null;
+    for (;;) {
+      const stream = await this.batchResultsStream(batchId);
+      const refetch = fetches++ > 0;
+      let fresh = 0;
+      try {
+        for await (const line of splitLines(stream)) {
+          const key = resultKey(line);
+          if (refetch && seen.has(key)) continue;
+          seen.add(key);
+          fresh++;
+          yield line;
+        }
+        return;
+      } catch (err) {
+        if (!isApiError(err) || err.code !== "stream_broken") throw err;
+        if (fresh > 0) {
+          stalls = 0;
+          stalledSince = null;
+        }
+        stalledSince ??= Date.now();
+        const spent =
+          this.patience === undefined
+            ? stalls >= this.retries
+            : Date.now() - stalledSince >= this.patience.maxOutageMs;
+        if (spent) throw err;
+        const delay = this.delayFor(stalls, null);
+        this.onRetry?.({
+          attempt: stalls + 2,
+          maxAttempts: this.patience === undefined ? this.retries + 1 : Number.POSITIVE_INFINITY,
+          delayMs: delay,
+          reason: `${err.message} after ${seen.size} results; fetching it again, skipping those`,
+        });
+        stalls++;
+        await this.pause(delay);
+      }
+    }
   }
 
   /** `POST /v1/rollouts/:id/cancel`. */
@@ -211,21 +300,79 @@ export class FleetClient {
       try {
         res = await this.fetchOnce(method, path, options);
       } catch (err) {
-        if (!isApiError(err) || err.status !== 0 || err.code === "aborted" || attempt >= this.retries) {
-          throw err;
-        }
-        await this.backoff(attempt, null, err.message);
+        if (!isApiError(err) || err.status !== 0 || err.code === "aborted") throw err;
+        await this.afterFailure(attempt, err, null, err.message);
         continue;
       }
-      if (res.ok) return res;
-      if (RETRY_STATUSES.has(res.status) && attempt < this.retries) {
+      if (RETRY_STATUSES.has(res.status)) {
         const reason = `${method} ${path}: HTTP ${res.status} ${res.statusText}`.trim();
-        await res.body?.cancel().catch(() => {});
-        await this.backoff(attempt, res.headers.get("retry-after"), reason);
+        await this.afterFailure(
+          attempt,
+          await errorFromResponse(res),
+          res.headers.get("retry-after"),
+          reason,
+        );
         continue;
       }
+      this.recovered();
+      if (res.ok) return res;
       throw await errorFromResponse(res);
     }
+  }
+
+  /**
+   * After a retryable failure: wait before the next attempt, or throw `err` when the budget is
+   * spent (`retries` attempts; with `patience`, `maxOutageMs` of failures without a success).
+   */
+  private async afterFailure(
+    attempt: number,
+    err: ApiError,
+    retryAfter: string | null,
+    reason: string,
+  ): Promise<void> {
+    const delay = this.delayFor(attempt, retryAfter);
+    if (this.patience === undefined) {
+      if (attempt >= this.retries) throw err;
+      this.onRetry?.({ attempt: attempt + 2, maxAttempts: this.retries + 1, delayMs: delay, reason });
+      return this.pause(delay);
+    }
+    const now = Date.now();
+    if (this.outageSince === null) {
+      this.outageSince = now;
+      this.patience.onOutage?.({ since: new Date(now), reason });
+    }
+    const downMs = now - this.outageSince;
+    if (downMs >= this.patience.maxOutageMs) {
+      throw new ApiError(
+        err.status,
+        err.code,
+        `${err.message} (still failing after ${formatDuration(downMs)}; gave up)`,
+        { details: err.details, cause: err },
+      );
+    }
+    return this.pause(Math.min(delay, this.patience.maxOutageMs - downMs));
+  }
+
+  /** The dispatcher answered: end an outage, if one was going on. */
+  private recovered(): void {
+    if (this.outageSince === null) return;
+    const since = this.outageSince;
+    this.outageSince = null;
+    this.patience?.onRecovered?.({ since: new Date(since), downMs: Date.now() - since });
+  }
+
+  private streamError(batchId: string, err: unknown): ApiError {
+    if (isApiError(err)) return err;
+    if (this.signal?.aborted)
+      return new ApiError(0, "aborted", "aborted while reading results", { cause: err });
+    const cause = (err as { cause?: { code?: string; message?: string } }).cause;
+    const why = cause?.code ?? cause?.message ?? (err as Error).message;
+    return new ApiError(
+      0,
+      "stream_broken",
+      `the results stream of batch ${batchId} from ${this.url} broke off (${why})`,
+      { cause: err },
+    );
   }
 
   private async fetchOnce(method: string, path: string, options: RequestOptions): Promise<Response> {
@@ -266,11 +413,14 @@ export class FleetClient {
     }
   }
 
-  private backoff(attempt: number, retryAfter: string | null, reason: string): Promise<void> {
-    let delay = Math.random() * Math.min(MAX_RETRY_DELAY_MS, this.retryBaseMs * 2 ** attempt);
+  /** Full-jitter exponential delay, or the server's `Retry-After` (capped). */
+  private delayFor(attempt: number, retryAfter: string | null): number {
     const seconds = retryAfter === null ? Number.NaN : Number(retryAfter);
-    if (Number.isFinite(seconds) && seconds >= 0) delay = Math.min(seconds * 1000, MAX_RETRY_AFTER_MS);
-    this.onRetry?.({ attempt: attempt + 2, maxAttempts: this.retries + 1, delayMs: delay, reason });
+    if (Number.isFinite(seconds) && seconds >= 0) return Math.min(seconds * 1000, MAX_RETRY_AFTER_MS);
+    return Math.random() * Math.min(this.retryMaxMs, this.retryBaseMs * 2 ** Math.min(attempt, 30));
+  }
+
+  private pause(delay: number): Promise<void> {
     return new Promise<void>((resolve, reject) => {
       const onAbort = () => {
         clearTimeout(timer);
@@ -284,6 +434,19 @@ export class FleetClient {
       else this.signal?.addEventListener("abort", onAbort, { once: true });
     });
   }
+}
+
+/** What identifies a result line across two fetches: its rollout id (the raw line if it has none). */
+function resultKey(line: string): string {
+  const fast = /^\{"id":"([^"\\]*)"/.exec(line);
+  if (fast !== null) return `id:${fast[1]}`;
+  try {
+    const id = (JSON.parse(line) as { id?: unknown } | null)?.id;
+    if (typeof id === "string") return `id:${id}`;
+  } catch {
+    // not JSON: the line itself
+  }
+  return `line:${line}`;
 }
 
 async function parseBody<T>(schema: z.ZodType<T>, res: Response): Promise<T> {

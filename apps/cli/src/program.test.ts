@@ -49,7 +49,7 @@ function ctx(over: Partial<CliContext> = {}): CliContext {
     loadSuite: async () => tasks,
     digestOf: (t) => `digest-${t.id}`.padEnd(64, "0"),
     signal: new AbortController().signal,
-    client: { retryBaseMs: 1, retries: 1 },
+    client: { retryBaseMs: 1, retryMaxMs: 20, retries: 1 },
     progress: { tty: false, plainIntervalMs: 0 },
     ...over,
   };
@@ -319,11 +319,161 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain("backpressure");
   });
 
+  it("--wait rides out a dispatcher outage far past the retry budget, then writes complete results", async () => {
+    let back = false;
+    server.on("POST", "/v1/batches", (req, res) => acceptBatch(res, 1, rowsOf(req)));
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 2, done: back ? 2 : 1, counts: {} }),
+    );
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.end(`${JSON.stringify(completed("r1-0", 1))}\n${JSON.stringify(completed("r1-1", 0))}\n`);
+    });
+    const out = path.join(dir, "results.jsonl");
+    const running = runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--out", out, "--poll-interval", "10"],
+      ctx(),
+    );
+    await vi.waitFor(() => expect(server.requests.some((r) => r.path === "/v1/batches/b-1")).toBe(true));
+    server.down = true; // e.g. the dispatcher restarting
+    // ctx() allows 1 retry: the old client gave up after 2 failed attempts.
+    await vi.waitFor(() => expect(server.dropped).toBeGreaterThanOrEqual(6), { timeout: 5000 });
+    back = true;
+    server.down = false;
+    expect(await running, stderr.text()).toBe(0);
+    expect(stderr.text().match(/dispatcher unreachable \(.*\); still waiting \(since /g)).toHaveLength(1);
+    expect(stderr.text().match(/dispatcher answering again after/g)).toHaveLength(1);
+    expect(
+      (await readFile(out, "utf8"))
+        .trim()
+        .split("\n")
+        .map((l) => JSON.parse(l).id),
+    ).toEqual(["r1-0", "r1-1"]);
+  });
+
+  it("--wait --out fetches a results stream cut mid-body again, writing every result once", async () => {
+    let fetches = 0;
+    server.on("POST", "/v1/batches", (req, res) => acceptBatch(res, 1, rowsOf(req)));
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 4, done: 4, counts: {} }),
+    );
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      fetches++;
+      const body = [0, 1, 2, 3].map((i) => `${JSON.stringify(completed(`r1-${i}`, 1))}\n`).join("");
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      if (fetches === 1) res.write(body.slice(0, body.length - 20), () => res.destroy());
+      else res.end(body);
+    });
+    const out = path.join(dir, "results.jsonl");
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "2", "--wait", "--out", out],
+      ctx(),
+    );
+    expect(code, stderr.text()).toBe(0);
+    expect(fetches).toBe(2);
+    expect(stderr.text()).toContain("the results stream of batch b-1");
+    expect(
+      (await readFile(out, "utf8"))
+        .trim()
+        .split("\n")
+        .map((l) => JSON.parse(l).id),
+    ).toEqual(["r1-0", "r1-1", "r1-2", "r1-3"]);
+    expect(stdout.text()).toContain("completed 4");
+  });
+
+  it("--wait gives up after --outage-wait of continuous failure with a clear message naming the batches", async () => {
+    server.on("POST", "/v1/batches", (req, res) => acceptBatch(res, 1, rowsOf(req)));
+    server.on("GET", "/v1/batches/b-1", (_req, res) => apiError(res, 503, "unavailable", "redis down"));
+    const out = path.join(dir, "results.jsonl");
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--out", out, "--outage-wait", "0.2"],
+      ctx(),
+    );
+    expect(code).toBe(1);
+    const err = stderr.text();
+    expect(err).toContain("dispatcher unreachable");
+    expect(err).toMatch(/error: unavailable: redis down \(still failing after \d+s; gave up\) \(HTTP 503\)/);
+    expect(err).toContain("`fleet results <batchId> --out <file>` for b-1");
+    expect(err).not.toMatch(/\n\s+at /); // no stack trace
+    expect(await readdir(dir)).toEqual([]);
+  });
+
+  it("a chunk whose POST fails with a 5xx names its Idempotency-Key; re-running with --idempotency-key admits nothing twice", async () => {
+    /** A dispatcher that remembers keys: a replay returns the same batch. */
+    const admitted = new Map<string, { body: string; batchId: string }>();
+    let down = true; // while true, the second chunk is admitted but every answer to it is lost (503)
+    server.on("POST", "/v1/batches", (req, res) => {
+      const key = String(req.headers["idempotency-key"]);
+      let known = admitted.get(key);
+      if (known !== undefined && known.body !== req.body) {
+        return apiError(res, 409, "conflict", "key reused with another body");
+      }
+      const created = known === undefined;
+      if (known === undefined) {
+        known = { body: req.body, batchId: `b-${admitted.size + 1}` };
+        admitted.set(key, known);
+      }
+      if (down && known.batchId === "b-2") return apiError(res, 503, "unavailable", "answer lost");
+      json(res, created ? 202 : 200, { batchId: known.batchId, rolloutIds: [], count: rowsOf(req).length });
+    });
+    expect(await runCli(CHUNKED, ctx())).toBe(1);
+    const first = stderr.text();
+    const base = /--idempotency-key (\S+)/.exec(first)?.[1];
+    expect(base, first).toMatch(/^[0-9a-f-]{36}$/);
+    expect(first).toContain(`may have admitted it, fully or in part, under Idempotency-Key ${base}-1.`);
+    expect(first).toContain(
+      `To finish the submission without admitting anything twice, re-run the same command with --idempotency-key ${base}`,
+    );
+    expect(stdout.text()).toBe("b-1\n");
+    const firstRun = server.requests.filter((r) => r.method === "POST");
+    expect(firstRun.map((r) => r.headers["idempotency-key"])).toEqual([
+      `${base}-0`,
+      `${base}-1`,
+      `${base}-1`,
+    ]);
+
+    down = false;
+    expect(await runCli([...CHUNKED, "--idempotency-key", base!], ctx()), stderr.text()).toBe(0);
+    const rerun = server.requests.filter((r) => r.method === "POST").slice(firstRun.length);
+    expect(rerun.slice(0, 2).map((r) => [r.headers["idempotency-key"], r.body])).toEqual(
+      firstRun.slice(0, 2).map((r) => [r.headers["idempotency-key"], r.body]),
+    );
+    const rows = [...admitted.values()].flatMap((a) =>
+      rowsOf({ body: a.body, headers: {}, method: "POST", path: "" }),
+    );
+    expect(rows).toHaveLength(40); // every rollout admitted exactly once over both runs
+    expect(stdout.text().trim().split("\n").slice(1, 3)).toEqual(["b-1", "b-2"]);
+  });
+
+  it("after a backlog split, a failed chunk's note does not promise a duplicate-free re-run", async () => {
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      if (n === 0 && rows.length > 3) {
+        return apiError(res, 429, "backpressure", "partly full", {
+          maxBacklog: 7,
+          inflight: 4,
+          retryAfterS: 0.01,
+        });
+      }
+      if (n++ === 0) return acceptBatch(res, n, rows);
+      apiError(res, 503, "unavailable", "gone");
+    });
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "5"], ctx())).toBe(1);
+    expect(stderr.text()).toContain("may have admitted it, fully or in part, under Idempotency-Key");
+    expect(stderr.text()).toContain("could be admitted twice");
+    expect(stderr.text()).not.toContain("without admitting anything twice");
+  });
+
   it("exits 2 on bad usage without calling the API", async () => {
     expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--task", "nope"], ctx())).toBe(2);
     expect(stderr.text()).toContain('unknown task "nope"; the suite has: alpha, beta');
     expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "0"], ctx())).toBe(2);
     expect(await runCli(["submit", "--suite", "s", "--agent", "bogus"], ctx())).toBe(2);
+    expect(
+      await runCli(["submit", "--suite", "s", "--agent", "oracle", "--idempotency-key", "has space"], ctx()),
+    ).toBe(2);
+    expect(stderr.text()).toContain("printable ASCII");
     expect(await runCli(["submit", "--agent", "oracle"], ctx())).toBe(2);
     expect(stderr.text()).toContain("required option '--suite <dir>' not specified");
     expect(server.requests).toHaveLength(0);
@@ -426,6 +576,17 @@ describe("fleet status / results / cancel", () => {
       expect(await readdir(dir)).toEqual([]);
     },
   );
+
+  it("results: a stream that keeps breaking off ends with a clear error, not a stack trace", async () => {
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.write('{"id":"r1"}\n{"id":"r2', () => res.destroy());
+    });
+    expect(await runCli(["results", "b-1"], ctx())).toBe(1);
+    expect(stdout.text()).toBe('{"id":"r1"}\n'); // once, though it came on every attempt
+    expect(stderr.text()).toContain("error: stream_broken: the results stream of batch b-1");
+    expect(stderr.text()).not.toContain("TypeError");
+  });
 
   it("cancels a rollout, falls back to a batch, and says when neither exists", async () => {
     server.on("POST", "/v1/rollouts/r-1/cancel", (_req, res) =>

@@ -30,6 +30,14 @@ function positiveSeconds(value: string): number {
   return n;
 }
 
+/** Chunk keys are `<base>-<n>` (and `<base>-<n>.<from>-<to>`), at most 200 printable ASCII characters. */
+function idempotencyBase(value: string): string {
+  if (!/^[\x21-\x7e]{1,160}$/.test(value)) {
+    throw new InvalidArgumentError("must be 1 to 160 printable ASCII characters, without spaces");
+  }
+  return value;
+}
+
 function httpUrl(value: string): string {
   try {
     const url = new URL(value);
@@ -58,9 +66,8 @@ function clientFor(opts: ConnectionOptions, ctx: CliContext): FleetClient {
     token: opts.token ?? ctx.defaults.token,
     signal: ctx.signal,
     onRetry: ({ attempt, maxAttempts, delayMs, reason }) => {
-      ctx.stderr.write(
-        `${reason}; retrying in ${(delayMs / 1000).toFixed(1)}s (attempt ${attempt}/${maxAttempts})\n`,
-      );
+      const of = Number.isFinite(maxAttempts) ? `/${maxAttempts}` : "";
+      ctx.stderr.write(`${reason}; retrying in ${(delayMs / 1000).toFixed(1)}s (attempt ${attempt}${of})\n`);
     },
   });
 }
@@ -117,6 +124,20 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
           .default(1800)
           .argParser(positiveInt),
       )
+      .addOption(
+        new Option(
+          "--outage-wait <seconds>",
+          "with --wait: keep waiting through a dispatcher outage (unreachable, 502/503/504) this long",
+        )
+          .default(600)
+          .argParser(positiveSeconds),
+      )
+      .addOption(
+        new Option(
+          "--idempotency-key <base>",
+          "derive each chunk's Idempotency-Key from this (<base>-<n>); re-run with the base a failed submit printed to finish it without duplicates",
+        ).argParser(idempotencyBase),
+      )
       .addHelpText(
         "after",
         `
@@ -124,6 +145,9 @@ Examples:
   fleet submit --suite packages/tasks/suites/example --agent oracle --wait --out results.jsonl
   fleet submit --suite ./suite --agent agent.json --repeat 8 --task hello-file --task sum-answer
   fleet submit --suite ./suite --agent '{"harness":"command","argv":["sh","-c","echo 42"]}'
+
+If a chunk's POST fails in a way that may have admitted it (5xx, timeout), the error names its
+Idempotency-Key and the base to re-run with: --idempotency-key <base>.
 
 Exit status: 0 when submitted (with --wait: when every rollout is finished, even if some
 failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keeps running).`,

@@ -167,6 +167,13 @@ export class ProgressReporter {
     else this.stream.write(`${renderProgress(snapshot, { bar: false })}\n`);
   }
 
+  /** Print a note (a line ending in `\n`) without garbling a TTY progress line: it is redrawn below. */
+  note(text: string): void {
+    if (this.tty && !this.finished && this.lastLine !== "") {
+      this.stream.write(`\r\x1b[K${text}${this.lastLine}`);
+    } else this.stream.write(text);
+  }
+
   /** End a TTY line early (e.g. on Ctrl-C) so later output starts on a fresh line. */
   interrupt(): void {
     if (this.finished) return;

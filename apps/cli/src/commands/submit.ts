@@ -1,8 +1,9 @@
+import { randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 import type { TaskContent } from "@fleet/contracts";
 import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
 import { type CliContext, OutputError, ResultsFile, writeText } from "../context.ts";
-import { ProgressReporter } from "../progress.ts";
+import { formatDuration, ProgressReporter } from "../progress.ts";
 import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
 
@@ -21,6 +22,10 @@ export interface SubmitOptions {
   pollInterval: number;
   /** How long to keep offering a chunk the fleet's backlog has no room for (s). */
   backlogWait: number;
+  /** With `--wait`: how long to keep waiting through a dispatcher outage (s). */
+  outageWait: number;
+  /** Base of the chunks' Idempotency-Keys (`<base>-<n>`); random when absent. */
+  idempotencyKey?: string;
 }
 
 /**
@@ -80,16 +85,21 @@ async function submitAndFollow(
   });
 
   const taskCount = new Set(requests.map((r) => ("id" in r.task ? r.task.id : r.task.digest))).size;
+  const keyBase = opts.idempotencyKey ?? randomUUID();
   const batchIds: string[] = [];
   let accepted = 0;
+  const posting: PostingState = { key: "", backlogSplit: false };
   const onAccepted = async (batch: BatchAccepted) => {
     batchIds.push(batch.batchId);
     accepted += batch.count;
     await writeText(ctx.stdout, `${batch.batchId}\n`);
   };
   for (const [i, lines] of chunks.entries()) {
+    const chunkKey = `${keyBase}-${i}`;
+    const keyFor = (from: number, to: number) =>
+      from === 0 && to === lines.length ? chunkKey : `${chunkKey}.${from}-${to}`;
     try {
-      await submitChunk(client, lines, ctx, opts.backlogWait * 1000, onAccepted);
+      await submitChunk(client, lines, 0, keyFor, posting, ctx, opts.backlogWait * 1000, onAccepted);
     } catch (err) {
       if (batchIds.length > 0) {
         await writeText(
@@ -98,6 +108,7 @@ async function submitAndFollow(
             "(cancel them with `fleet cancel <batchId>`)\n",
         );
       }
+      await writeText(ctx.stderr, chunkFailureNote(err, { i, chunks, keyBase, posting, opts }));
       throw err;
     }
   }
@@ -108,24 +119,45 @@ async function submitAndFollow(
   );
   if (!opts.wait) return 0;
 
-  await waitForBatches(client, batchIds, opts.pollInterval, ctx);
-
+  // From here on nothing is submitted: ride out a dispatcher restart or a proxy's 502/503/504
+  // rather than dropping hours of waiting after a few seconds of retries.
+  const reporter = new ProgressReporter(ctx.stderr, ctx.progress);
+  const maxOutageMs = opts.outageWait * 1000;
+  const patient = client.with({
+    patience: {
+      maxOutageMs,
+      onOutage: ({ since, reason }) =>
+        reporter.note(
+          `dispatcher unreachable (${reason}); still waiting (since ${since.toISOString().replace(/\.\d+Z$/, "Z")}, ` +
+            `giving up after ${formatDuration(maxOutageMs)} without an answer)\n`,
+        ),
+      onRecovered: ({ downMs }) =>
+        reporter.note(`dispatcher answering again after ${formatDuration(downMs)}; carrying on\n`),
+    },
+  });
+  const stayOnDispatcher =
+    `the batches keep running on the dispatcher: follow them with \`fleet status <batchId>\` and ` +
+    `collect them with \`fleet results <batchId> --out <file>\` for ${batchIds.join(" ")}`;
   const tally = new ResultTally();
   try {
+    await waitForBatches(patient, batchIds, opts.pollInterval, ctx, reporter);
     for (const batchId of batchIds) {
-      for await (const line of client.batchResultLines(batchId)) {
+      for await (const line of patient.batchResultLines(batchId)) {
         tally.addLine(line);
         await file?.writeLine(line);
       }
     }
     await file?.commit();
   } catch (err) {
-    if (!(err instanceof OutputError)) throw err;
-    throw new OutputError(
-      `${err.message} (the results stay on the dispatcher: \`fleet results <batchId> --out <file>\` ` +
-        `for ${batchIds.join(" ")})`,
-      { cause: err },
-    );
+    if (err instanceof OutputError) {
+      throw new OutputError(
+        `${err.message} (the results stay on the dispatcher: \`fleet results <batchId> --out <file>\` ` +
+          `for ${batchIds.join(" ")})`,
+        { cause: err },
+      );
+    }
+    if (isApiError(err) && err.code !== "aborted") await writeText(ctx.stderr, `${stayOnDispatcher}\n`);
+    throw err;
   }
   const summary = tally.summary();
   if (summary.total !== accepted) {
@@ -146,25 +178,49 @@ async function submitAndFollow(
   return 0;
 }
 
+/** What the chunk loop knows when a POST fails. */
+interface PostingState {
+  /** The Idempotency-Key of the POST last sent (the one that failed, after a failure). */
+  key: string;
+  /** Whether the backlog's room (a 429) made the CLI split a chunk: that split is not repeatable. */
+  backlogSplit: boolean;
+}
+
 /**
- * POST one chunk as a batch. A chunk with more rows than the fleet's backlog bound can ever hold
- * (413 naming `maxBacklog`) goes as several batches of at most that many rows. When the backlog
- * has room for only part of it (429 naming the bound and what is in flight), that part goes
- * first. While the backlog is full, the chunk is offered again after the server's `Retry-After`
- * for up to `backlogWaitMs`, saying so on stderr: a submission larger than the
- * backlog goes in as its earlier batches finish. `onAccepted` is told of every batch admitted.
+ * POST one chunk (or the part of it from row `from`) as a batch. A chunk with more rows than the
+ * fleet's backlog bound can ever hold (413 naming `maxBacklog`) goes as several batches of at most
+ * that many rows. When the backlog has room for only part of it (429 naming the bound and what is
+ * in flight), that part goes first. While the backlog is full, the chunk is offered again after
+ * the server's `Retry-After` for up to `backlogWaitMs`, saying so on stderr: a submission larger
+ * than the backlog goes in as its earlier batches finish. Each POST's Idempotency-Key is
+ * `keyFor(from, to)` of the rows it carries. `onAccepted` is told of every batch admitted.
  */
 async function submitChunk(
   client: FleetClient,
   lines: readonly string[],
+  from: number,
+  keyFor: (from: number, to: number) => string,
+  posting: PostingState,
   ctx: CliContext,
   backlogWaitMs: number,
   onAccepted: (batch: BatchAccepted) => Promise<void>,
 ): Promise<void> {
+  const part = (start: number, end: number) =>
+    submitChunk(
+      client,
+      lines.slice(start, end),
+      from + start,
+      keyFor,
+      posting,
+      ctx,
+      backlogWaitMs,
+      onAccepted,
+    );
   const until = Date.now() + backlogWaitMs;
   for (;;) {
     try {
-      await onAccepted(await client.submitBatchLines(lines));
+      posting.key = keyFor(from, from + lines.length);
+      await onAccepted(await client.submitBatchLines(lines, { idempotencyKey: posting.key }));
       return;
     } catch (err) {
       if (!isApiError(err)) throw err;
@@ -172,17 +228,16 @@ async function submitChunk(
       const num = (k: string) => (typeof details[k] === "number" ? (details[k] as number) : null);
       const max = num("maxBacklog");
       if (err.status === 413 && max !== null && max >= 1 && lines.length > max) {
-        for (let i = 0; i < lines.length; i += max) {
-          await submitChunk(client, lines.slice(i, i + max), ctx, backlogWaitMs, onAccepted);
-        }
+        for (let i = 0; i < lines.length; i += max) await part(i, i + max);
         return;
       }
       if (err.status !== 429 || Date.now() >= until) throw err;
       // Room for some of the chunk now: send that much, and offer the rest after it.
       const room = max === null ? 0 : max - (num("inflight") ?? max) - (num("admitting") ?? 0);
       if (room >= 1 && room < lines.length) {
-        await submitChunk(client, lines.slice(0, room), ctx, backlogWaitMs, onAccepted);
-        await submitChunk(client, lines.slice(room), ctx, backlogWaitMs, onAccepted);
+        posting.backlogSplit = true;
+        await part(0, room);
+        await part(room, lines.length);
         return;
       }
       const waitS = typeof details.retryAfterS === "number" ? details.retryAfterS : 5;
@@ -197,6 +252,44 @@ async function submitChunk(
       }
     }
   }
+}
+
+/**
+ * What to tell the user when chunk `i` failed. A 5xx, a timeout, a dropped connection or a garbled
+ * answer may mean the dispatcher admitted the chunk (fully or partly) without the CLI learning its
+ * batch id: name its key, and how to finish the submission without admitting anything twice.
+ */
+function chunkFailureNote(
+  err: unknown,
+  f: { i: number; chunks: string[][]; keyBase: string; posting: PostingState; opts: SubmitOptions },
+): string {
+  if (!isApiError(err)) return "";
+  if (err.status === 409 && err.code === "conflict" && f.opts.idempotencyKey !== undefined) {
+    return (
+      `--idempotency-key ${f.keyBase} was used before for a different submission (other suite, ` +
+      "agent or flags): re-run with exactly the same flags, or drop --idempotency-key for a new one\n"
+    );
+  }
+  if (!(err.status === 0 || err.status >= 500 || err.code === "bad_response")) return "";
+  const rerun = `re-run the same command with --idempotency-key ${f.keyBase}`;
+  const lines = [
+    `chunk ${f.i + 1} of ${f.chunks.length} (${f.chunks[f.i]?.length} rollouts) was not confirmed: the ` +
+      `dispatcher may have admitted it, fully or in part, under Idempotency-Key ${f.posting.key}.`,
+  ];
+  if (f.posting.backlogSplit) {
+    lines.push(
+      "The fleet's full backlog made this run split a chunk into smaller batches, and a re-run may " +
+        `split it differently: re-running the same command with --idempotency-key ${f.keyBase} replays ` +
+        "the batches sent whole, but rollouts of a split chunk could be admitted twice. Check the " +
+        "batches above with `fleet status` first.",
+    );
+  } else {
+    lines.push(
+      `To finish the submission without admitting anything twice, ${rerun} ` +
+        "(batches already admitted come back with the same ids; the rest go in once).",
+    );
+  }
+  return `${lines.join("\n")}\n`;
 }
 
 function parseMetadata(text: string | undefined): Record<string, unknown> | undefined {
@@ -219,8 +312,8 @@ export async function waitForBatches(
   batchIds: readonly string[],
   pollIntervalMs: number,
   ctx: CliContext,
+  reporter = new ProgressReporter(ctx.stderr, ctx.progress),
 ): Promise<BatchStatus[]> {
-  const reporter = new ProgressReporter(ctx.stderr, ctx.progress);
   try {
     for (;;) {
       const statuses = await Promise.all(batchIds.map((id) => client.getBatch(id)));

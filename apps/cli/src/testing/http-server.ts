@@ -14,6 +14,12 @@ export type Handler = (req: RecordedRequest, res: ServerResponse) => void | Prom
 export interface TestServer {
   url: string;
   requests: RecordedRequest[];
+  /**
+   * While true, the server acts as unreachable: every connection and request is cut without an
+   * answer (the client sees a connection failure), counted in `dropped`.
+   */
+  down: boolean;
+  readonly dropped: number;
   /** Route `METHOD /path` to a handler; unrouted requests get 404 with the API's error body. */
   on(method: string, path: string, handler: Handler): void;
   close(): Promise<void>;
@@ -44,7 +50,13 @@ export function apiError(
 export async function startTestServer(): Promise<TestServer> {
   const routes = new Map<string, Handler>();
   const requests: RecordedRequest[] = [];
+  const state = { down: false, dropped: 0 };
   const server = createServer((req, res) => {
+    if (state.down) {
+      state.dropped++;
+      req.socket.destroy();
+      return;
+    }
     const chunks: Buffer[] = [];
     req.on("data", (c: Buffer) => chunks.push(c));
     req.on("end", () => {
@@ -66,11 +78,26 @@ export async function startTestServer(): Promise<TestServer> {
       });
     });
   });
+  server.on("connection", (socket) => {
+    if (state.down) {
+      state.dropped++;
+      socket.destroy();
+    }
+  });
   await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
   const { port } = server.address() as AddressInfo;
   return {
     url: `http://127.0.0.1:${port}`,
     requests,
+    get down() {
+      return state.down;
+    },
+    set down(value: boolean) {
+      state.down = value;
+    },
+    get dropped() {
+      return state.dropped;
+    },
     on(method, path, handler) {
       routes.set(`${method} ${path}`, handler);
     },
