@@ -21,7 +21,7 @@ import {
   VerifyReceipt,
 } from "./rollout.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";
-import { TaskContent } from "./task.ts";
+import { matchExpectedProblem, TaskContent } from "./task.ts";
 
 const id = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9._-]{0,20}$/);
 const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
@@ -44,11 +44,13 @@ const task = fc.record({
   timeouts: fc.record({ agentS: secs, verifierS: secs }),
   verifier: fc.oneof(
     fc.constant({ kind: "tests" as const }),
-    fc.record({
-      kind: fc.constant("match" as const),
-      expected: text,
-      mode: fc.constantFrom("exact" as const, "regex" as const),
-    }),
+    fc
+      .record({
+        kind: fc.constant("match" as const),
+        expected: text,
+        mode: fc.constantFrom("exact" as const, "regex" as const),
+      })
+      .filter((spec) => matchExpectedProblem(spec) === undefined),
   ),
   metadata: json,
 });
@@ -199,6 +201,33 @@ describe("TaskContent refusals", () => {
       list: readonly { message: string; issues?: readonly { message: string }[] }[],
     ): string[] => list.flatMap((i) => [i.message, ...messages(i.issues ?? [])]);
     expect(messages(r.error!.issues).join("; ")).toMatch(why);
+  });
+
+  it.each([
+    ["exact", "", /is blank/],
+    ["exact", " \n\t", /is blank/],
+    ["regex", "  ", /is blank/],
+    ["regex", "\\d*", /matches an empty answer/],
+    ["regex", "yes|", /matches an empty answer/],
+    ["regex", "(unclosed", /not a valid regular expression/],
+    // Valid as written, but trimmed (as graded) it ends in a lone backslash.
+    ["regex", "2\\.10\\.0\\ ", /not a valid regular expression/],
+  ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
+    const r = TaskContent.safeParse({ ...base, verifier: { kind: "match", expected, mode } });
+    expect(r.success).toBe(false);
+    expect(r.error!.issues).toEqual([expect.objectContaining({ path: ["verifier", "expected"] })]);
+    expect(r.error!.issues[0]!.message).toMatch(why);
+  });
+
+  it("a match whose expected an empty answer cannot match is accepted", () => {
+    for (const [mode, expected] of [
+      ["exact", "0"],
+      ["regex", "\\d+"],
+      ["regex", "v?2\\.10\\.0\n"],
+    ] as const) {
+      const r = TaskContent.safeParse({ ...base, verifier: { kind: "match", expected, mode } });
+      expect(r.error?.issues, `${mode} ${expected}`).toBeUndefined();
+    }
   });
 });
 

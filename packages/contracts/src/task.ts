@@ -62,6 +62,39 @@ export const VerifierSpec = z.discriminatedUnion("kind", [
 ]);
 export type VerifierSpec = z.infer<typeof VerifierSpec>;
 
+/**
+ * The regular expression a `regex` match verifier grades with: `expected` trimmed (a TOML
+ * multi-line string ends in a newline no trimmed answer could match), matching the whole
+ * trimmed answer. The loader, the schema and the grader all compile this one.
+ *
+ * @throws SyntaxError when it is not a valid regular expression.
+ */
+export function matchPattern(expected: string): RegExp {
+  return new RegExp(`^(?:${expected.trim()})$`);
+}
+
+/**
+ * Why a match verifier's `expected` cannot grade, or `undefined` when it can: blank, or (regex
+ * mode) not a valid regular expression as {@link matchPattern} compiles it, or one that matches
+ * an empty answer. An agent that prints nothing (even one killed at its deadline) would pass
+ * the first and the last.
+ */
+export function matchExpectedProblem(spec: {
+  expected: string;
+  mode: "exact" | "regex";
+}): string | undefined {
+  if (spec.expected.trim() === "") return "is blank, so an agent that prints nothing would pass";
+  if (spec.mode === "exact") return undefined;
+  let pattern: RegExp;
+  try {
+    pattern = matchPattern(spec.expected);
+  } catch (err) {
+    return `is not a valid regular expression: ${(err as Error).message}`;
+  }
+  if (pattern.test("")) return "matches an empty answer, so an agent that prints nothing would pass";
+  return undefined;
+}
+
 /** A task's whole content, as it travels with a request and is stored content-addressed. */
 export const TaskContent = z
   .strictObject({
@@ -98,6 +131,12 @@ export const TaskContent = z
         path: ["tests", "test.sh"],
         message: "runs nothing (blank or comments only), so every agent would pass",
       });
+    }
+    // Graded by the answer: an `expected` that an empty answer matches would pass an agent that
+    // printed nothing; a pattern the grader cannot compile would fail only after the whole run.
+    const problem = task.verifier.kind === "match" ? matchExpectedProblem(task.verifier) : undefined;
+    if (problem !== undefined) {
+      ctx.addIssue({ code: "custom", path: ["verifier", "expected"], message: problem });
     }
   });
 export type TaskContent = z.infer<typeof TaskContent>;

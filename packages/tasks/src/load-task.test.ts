@@ -2,9 +2,36 @@ import { mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { FleetError, isFleetError } from "@fleet/contracts";
-import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import { loadSuite, loadTask } from "./load-task.ts";
 import { EXAMPLE_SUITE_DIR } from "./paths.ts";
+
+// Paths the loader is refused to read, as for a file or directory mode 000 is to a user without
+// CAP_DAC_OVERRIDE (these tests may run as root, which reads everything).
+const unreadable = vi.hoisted(() => new Set<string>());
+vi.mock("node:fs/promises", async (importOriginal) => {
+  const real = await importOriginal<typeof import("node:fs/promises")>();
+  const refuse = (what: string, p: unknown): void => {
+    if (!unreadable.has(String(p))) return;
+    throw Object.assign(new Error(`EACCES: permission denied, ${what} '${String(p)}'`), {
+      code: "EACCES",
+      errno: -13,
+      syscall: what,
+      path: String(p),
+    });
+  };
+  return {
+    ...real,
+    readFile: (async (p: string, ...rest: []) => {
+      refuse("open", p);
+      return real.readFile(p, ...rest);
+    }) as typeof real.readFile,
+    readdir: (async (p: string, ...rest: []) => {
+      refuse("scandir", p);
+      return real.readdir(p, ...rest);
+    }) as typeof real.readdir,
+  };
+});
 
 const GOOD_TOML = `version = "1.0"
 
@@ -26,6 +53,7 @@ beforeEach(async () => {
   tmp = await mkdtemp(path.join(tmpdir(), "fleet-tasks-"));
 });
 afterEach(async () => {
+  unreadable.clear();
   await rm(tmp, { recursive: true, force: true });
 });
 
@@ -240,6 +268,37 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(await invalidTask(() => loadTask(badRegex))).toContain("not a valid regular expression");
   });
 
+  it("a match task whose expected is blank, or a regex an empty answer matches: an agent that prints nothing would pass", async () => {
+    const cases = [
+      ['expected = ""', /\[verifier\] expected: is blank/],
+      ['expected = """\n  \n"""', /\[verifier\] expected: is blank/],
+      ["expected = '  '\nmode = \"regex\"", /\[verifier\] expected: is blank/],
+      ["expected = '\\d*'\nmode = \"regex\"", /\[verifier\] expected: matches an empty answer/],
+      ["expected = '(yes)?'\nmode = \"regex\"", /\[verifier\] expected: matches an empty answer/],
+    ] as const;
+    for (const [i, [line, why]] of cases.entries()) {
+      const dir = await writeTask(`t${i}`, {
+        "task.toml": `[task]\nimage = "i"\n[verifier]\nkind = "match"\n${line}\n`,
+        "tests/test.sh": null,
+      });
+      const message = await invalidTask(() => loadTask(dir));
+      expect(message, line).toContain(path.join(dir, "task.toml"));
+      expect(message, line).toMatch(why);
+    }
+  });
+
+  it("a regex refused as the grader compiles it (trimmed, anchored), not only as written", async () => {
+    // `2\.10\.0\ ` compiles as written; trimmed for grading it ends in a lone backslash.
+    const dir = await writeTask("t", {
+      "task.toml":
+        '[task]\nimage = "i"\n[verifier]\nkind = "match"\nexpected = \'2\\.10\\.0\\ \'\nmode = "regex"\n',
+      "tests/test.sh": null,
+    });
+    const message = await invalidTask(() => loadTask(dir));
+    expect(message).toContain("[verifier] expected: is not a valid regular expression");
+    expect(message).toContain("/^(?:2\\.10\\.0\\)$/");
+  });
+
   it("expected on a tests task", async () => {
     const dir = await writeTask("t", { "task.toml": '[task]\nimage = "i"\n[verifier]\nexpected = "1"\n' });
     expect(await invalidTask(() => loadTask(dir))).toContain('only apply to kind = "match"');
@@ -267,6 +326,26 @@ describe("broken tasks give invalid_task naming the file", () => {
     );
   });
 
+  it("a task.toml spelled in another case: missing, and says what was found", async () => {
+    const dir = await writeTask("t", { "task.toml": null, "Task.toml": GOOD_TOML });
+    expect(await invalidTask(() => loadTask(dir))).toContain(
+      `${path.join(dir, "task.toml")}: missing (found "Task.toml"; the name must be exactly task.toml)`,
+    );
+  });
+
+  it("a file or directory that cannot be read: invalid_task naming it, not a raw EACCES", async () => {
+    const file = await writeTask("file", {});
+    unreadable.add(path.join(file, "instruction.md"));
+    expect(await invalidTask(() => loadTask(file))).toContain(
+      `${path.join(file, "instruction.md")}: cannot be read (EACCES: permission denied)`,
+    );
+    const tree = await writeTask("tree", { "workspace/data/input.txt": "1\n" });
+    unreadable.add(path.join(tree, "workspace", "data"));
+    expect(await invalidTask(() => loadTask(tree))).toContain(
+      `${path.join(tree, "workspace", "data")}: cannot be read (EACCES: permission denied)`,
+    );
+  });
+
   it("a task over the size limit", async () => {
     const dir = await writeTask("t", { "workspace/big.txt": "x".repeat(5000) });
     expect(await invalidTask(() => loadTask(dir, { maxBytes: 4096 }))).toContain("larger than 4096 bytes");
@@ -288,6 +367,40 @@ describe("loadSuite", () => {
     expect(message).toContain(path.join(tmp, "bad-toml", "task.toml"));
     expect(message).toContain(`${path.join(tmp, "stray")}: not a task directory`);
     expect(message).not.toContain("_drafts");
+  });
+
+  it("a task directory without its task.toml names the missing task.toml, not its sub-directories", async () => {
+    const dir = await writeTask("t", { "task.toml": null, "workspace/a.txt": "a\n" });
+    const message = await invalidTask(() => loadSuite(dir));
+    expect(message).toContain(`${path.join(dir, "task.toml")}: missing (every task needs a task.toml)`);
+    expect(message).not.toContain("not a task directory");
+    const misnamed = await writeTask("u", { "task.toml": null, "Task.toml": GOOD_TOML });
+    expect(await invalidTask(() => loadSuite(misnamed))).toContain(
+      `${path.join(misnamed, "task.toml")}: missing (found "Task.toml"`,
+    );
+  });
+
+  it("a suite's task without its task.toml is named as such, a stray directory as no task", async () => {
+    await writeTask("good", {});
+    await writeTask("misnamed", { "task.toml": null, "TASK.TOML": GOOD_TOML });
+    await writeTask("no-toml", { "task.toml": null });
+    await mkdir(path.join(tmp, "stray"));
+    const message = await invalidTask(() => loadSuite(tmp));
+    expect(message).toContain("3 broken task(s)");
+    expect(message).toContain(`${path.join(tmp, "misnamed", "task.toml")}: missing (found "TASK.TOML"`);
+    expect(message).toContain(`${path.join(tmp, "no-toml", "task.toml")}: missing (every task needs`);
+    expect(message).toContain(`${path.join(tmp, "stray")}: not a task directory (no task.toml)`);
+  });
+
+  it("a suite's unreadable task file is one of its broken tasks, named", async () => {
+    await writeTask("good", {});
+    const bad = await writeTask("bad", {});
+    unreadable.add(path.join(bad, "tests", "test.sh"));
+    const message = await invalidTask(() => loadSuite(tmp));
+    expect(message).toContain("1 broken task(s)");
+    expect(message).toContain(
+      `${path.join(bad, "tests", "test.sh")}: cannot be read (EACCES: permission denied)`,
+    );
   });
 
   it("reports a symlinked task directory instead of skipping it", async () => {

@@ -1,4 +1,4 @@
-import type { Dirent } from "node:fs";
+import type { Dirent, Stats } from "node:fs";
 import { lstat, readdir, readFile } from "node:fs/promises";
 import path from "node:path";
 import { type FileSet, FleetError, TaskContent, type TaskContentInput } from "@fleet/contracts";
@@ -31,7 +31,7 @@ function invalid(file: string, message: string, cause?: unknown): FleetError {
  * `solution/`, `tests/`) into a parsed {@link TaskContent}.
  *
  * @throws FleetError `invalid_task` (final) naming the offending file for a missing
- * instruction, bad TOML, unknown keys, non-text files, symlinks or an oversize task.
+ * instruction, bad TOML, unknown keys, unreadable or non-text files, symlinks or an oversize task.
  */
 export async function loadTask(dir: string, options: LoadTaskOptions = {}): Promise<TaskContent> {
   const root = path.resolve(dir);
@@ -39,14 +39,14 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
     left: options.maxBytes ?? DEFAULT_MAX_TASK_BYTES,
     max: options.maxBytes ?? DEFAULT_MAX_TASK_BYTES,
   };
-  const rootStat = await lstat(root).catch(() => null);
+  const rootStat = await statOrNull(root);
   if (!rootStat?.isDirectory()) throw invalid(root, "not a task directory");
 
   const tomlFile = path.join(root, "task.toml");
-  const config = parseConfig(
-    tomlFile,
-    await readText(tomlFile, budget, "missing (every task needs a task.toml)"),
-  );
+  if ((await statOrNull(tomlFile)) === null) {
+    throw invalid(tomlFile, (await missingTaskToml(root)) ?? MISSING_TOML);
+  }
+  const config = parseConfig(tomlFile, await readText(tomlFile, budget, MISSING_TOML));
 
   const instructionFile = path.join(root, "instruction.md");
   const instruction = await readText(instructionFile, budget, "missing (every task needs an instruction.md)");
@@ -92,14 +92,39 @@ const CONTENT_KEYS: Record<string, string> = {
   "verifier.mode": "[verifier] mode",
 };
 
+const MISSING_TOML = "missing (every task needs a task.toml)";
+
+/**
+ * Why a directory without `task.toml` is a task that lacks one: `task.toml` spelled in another
+ * case, or an `instruction.md` or a `workspace/`, `solution/` or `tests/` that is no task of its
+ * own beside it. `undefined` when it does not look like a task at all.
+ */
+async function missingTaskToml(dir: string): Promise<string | undefined> {
+  const entries = await readdir(dir, { withFileTypes: true }).catch(() => []);
+  const misnamed = entries.find((e) => e.name !== "task.toml" && e.name.toLowerCase() === "task.toml");
+  if (misnamed !== undefined) return `missing (found "${misnamed.name}"; the name must be exactly task.toml)`;
+  for (const e of entries) {
+    if (e.name === "instruction.md") return MISSING_TOML;
+    const tree = (FILE_TREES as readonly string[]).includes(e.name) && e.isDirectory();
+    if (tree && (await statOrNull(path.join(dir, e.name, "task.toml")).catch(() => null)) === null) {
+      return MISSING_TOML;
+    }
+  }
+  return undefined;
+}
+
 /**
  * Load every task of a suite: each sub-directory holding a `task.toml`, in name order. A
- * directory that is itself a task loads as a suite of one. Directories whose names start with
- * `.` or `_` are skipped. All broken tasks are reported together in one `invalid_task` error.
+ * directory that is itself a task (or looks like one without its `task.toml`) loads as a suite
+ * of one. Directories whose names start with `.` or `_` are skipped. All broken tasks are
+ * reported together in one `invalid_task` error.
  */
 export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Promise<TaskContent[]> {
   const root = path.resolve(dir);
-  if (await isFile(path.join(root, "task.toml"))) return [await loadTask(root, options)];
+  const rootToml = path.join(root, "task.toml");
+  if ((await statOrNull(rootToml)) !== null) return [await loadTask(root, options)];
+  const rootMissing = await missingTaskToml(root);
+  if (rootMissing !== undefined) throw invalid(rootToml, rootMissing);
   let entries: Dirent[];
   try {
     entries = await readdir(root, { withFileTypes: true });
@@ -118,11 +143,16 @@ export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Pro
     .map((e) => `${path.join(root, e.name)}: is a symlink (refused; copy the task into the suite)`);
   for (const name of dirs) {
     const taskDir = path.join(root, name);
-    if (!(await isFile(path.join(taskDir, "task.toml")))) {
-      problems.push(`${taskDir}: not a task directory (no task.toml)`);
-      continue;
-    }
     try {
+      if ((await statOrNull(path.join(taskDir, "task.toml"))) === null) {
+        const missing = await missingTaskToml(taskDir);
+        problems.push(
+          missing === undefined
+            ? `${taskDir}: not a task directory (no task.toml)`
+            : `${path.join(taskDir, "task.toml")}: ${missing}`,
+        );
+        continue;
+      }
       loaded.push({ dir: name, task: await loadTask(taskDir, options) });
     } catch (err) {
       problems.push(err instanceof Error ? err.message : String(err));
@@ -195,18 +225,9 @@ function toContent(
   } else {
     if (verifier.expected === undefined)
       throw invalid(tomlFile, '[verifier] expected is required for kind = "match"');
-    const mode = verifier.mode ?? "exact";
-    if (mode === "regex") {
-      try {
-        new RegExp(verifier.expected);
-      } catch (err) {
-        throw invalid(
-          tomlFile,
-          `[verifier] expected is not a valid regular expression: ${(err as Error).message}`,
-        );
-      }
-    }
-    verifierSpec = { kind: "match", expected: verifier.expected, mode };
+    // A blank `expected`, a bad pattern or one an empty answer matches: the schema refuses them
+    // (matchExpectedProblem, as the grader checks them), named as [verifier] expected.
+    verifierSpec = { kind: "match", expected: verifier.expected, mode: verifier.mode ?? "exact" };
   }
 
   const metadata = toJson(config.metadata ?? {}, tomlFile, "[metadata]") as Record<string, unknown>;
@@ -261,19 +282,33 @@ interface Budget {
   max: number;
 }
 
-async function isFile(file: string): Promise<boolean> {
-  const st = await lstat(file).catch(() => null);
-  return st?.isFile() ?? false;
+/** `file`'s lstat, or `null` when it does not exist; any other failure is `invalid_task` naming it. */
+async function statOrNull(file: string): Promise<Stats | null> {
+  try {
+    return await lstat(file);
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === "ENOENT" || code === "ENOTDIR") return null;
+    throw cannotRead(file, err);
+  }
+}
+
+function cannotRead(file: string, err: unknown): FleetError {
+  const code = (err as NodeJS.ErrnoException).code;
+  const why = code === "EACCES" || code === "EPERM" ? `${code}: permission denied` : (code ?? String(err));
+  return invalid(file, `cannot be read (${why})`, err);
 }
 
 async function readText(file: string, budget: Budget, missing: string): Promise<string> {
-  const st = await lstat(file).catch(() => null);
+  const st = await statOrNull(file);
   if (st === null) throw invalid(file, missing);
   if (st.isSymbolicLink()) throw invalid(file, "is a symbolic link (tasks must hold regular files)");
   if (!st.isFile()) throw invalid(file, "is not a regular file");
   budget.left -= st.size;
   if (budget.left < 0) throw invalid(file, `task is larger than ${budget.max} bytes`);
-  const bytes = await readFile(file);
+  const bytes = await readFile(file).catch((err: unknown) => {
+    throw cannotRead(file, err);
+  });
   try {
     return new TextDecoder("utf-8", { fatal: true }).decode(bytes);
   } catch (err) {
@@ -283,12 +318,15 @@ async function readText(file: string, budget: Budget, missing: string): Promise<
 
 /** Every regular file under `dir` as a FileSet keyed by POSIX relative path; `{}` if `dir` is absent. */
 async function readTree(dir: string, budget: Budget): Promise<FileSet> {
-  const st = await lstat(dir).catch(() => null);
+  const st = await statOrNull(dir);
   if (st === null) return {};
   if (!st.isDirectory()) throw invalid(dir, "must be a directory");
   const files: FileSet = {};
   const walk = async (abs: string, rel: string): Promise<void> => {
-    const entries = (await readdir(abs, { withFileTypes: true })).sort((a, b) => (a.name < b.name ? -1 : 1));
+    const listed = await readdir(abs, { withFileTypes: true }).catch((err: unknown) => {
+      throw cannotRead(abs, err);
+    });
+    const entries = listed.sort((a, b) => (a.name < b.name ? -1 : 1));
     for (const entry of entries) {
       if (SKIPPED.has(entry.name) || entry.name.endsWith(".pyc")) continue;
       const childAbs = path.join(abs, entry.name);

@@ -116,27 +116,84 @@ describe("the example suite on real Docker", () => {
   );
 
   it.each([
-    ["shell-script", "printf 'echo 1 > /logs/verifier/reward.txt; echo nope\\n' > greet.sh"],
+    ["shell-script", "reward file", "printf 'echo 1 > /logs/verifier/reward.txt; echo nope\\n' > greet.sh"],
     [
       "python-bugfix",
+      "reward file, early exit",
       'printf \'import os\\nopen("/logs/verifier/reward.txt", "w").write("1")\\nos._exit(0)\\n\' > stats.py',
     ],
     [
       "json-transform",
+      "shadowed module",
       'printf \'def load(f):\\n    return ["Alice", "Carol", "Eve", "Trent"]\\n\' > json.py; echo "[]" > adults.json',
     ],
-  ])(
-    "%s: agent code the tests run cannot grade itself (reward file, early exit, shadowed module)",
-    async (id, script) => {
-      const task = tasks.find((t) => t.id === id)!;
-      const handle = await sandbox(task, `${id}-selfgrade`);
-      const { verdict } = await runAndVerify(handle, task, {
-        harness: "command",
-        argv: ["bash", "-c", script],
-      });
-      expect(verdict.reward, JSON.stringify(verdict.details)).toBe(0);
-    },
-  );
+    [
+      "shell-script",
+      "reward file and /logs/verifier made read-only",
+      "printf 'echo 1 > /logs/verifier/reward.txt; chmod 444 /logs/verifier/reward.txt; chmod 555 /logs/verifier\\n' > greet.sh",
+    ],
+    [
+      "python-bugfix",
+      "reward file and /logs/verifier made read-only",
+      'printf \'import os\\nopen("/logs/verifier/reward.txt", "w").write("1")\\nos.chmod("/logs/verifier/reward.txt", 0o444)\\nos.chmod("/logs/verifier", 0o555)\\n\' > stats.py',
+    ],
+    [
+      "shell-script",
+      "the agent's own read-only /logs/verifier swapped in",
+      "mkdir /logs/mine && echo 1 > /logs/mine/reward.txt && chmod 444 /logs/mine/reward.txt && chmod 555 /logs/mine && printf 'mv /logs/verifier /logs/old; mv /logs/mine /logs/verifier\\n' > greet.sh",
+    ],
+    [
+      "python-bugfix",
+      "a writer left in the background",
+      'printf \'import os\\nif os.fork() == 0:\\n    os.close(1); os.close(2)\\n    while True:\\n        try: open("/logs/verifier/reward.txt", "w").write("1")\\n        except OSError: pass\\n\' > stats.py',
+    ],
+    [
+      "shell-script",
+      "a writer left in the background",
+      "printf '(while :; do echo 1 > /logs/verifier/reward.txt; done) >/dev/null 2>&1 &\\n' > greet.sh",
+    ],
+  ])("%s: agent code the tests run cannot grade itself (%s)", async (id, _how, script) => {
+    const task = tasks.find((t) => t.id === id)!;
+    const handle = await sandbox(task, `${id}-selfgrade`);
+    const { verdict } = await runAndVerify(handle, task, {
+      harness: "command",
+      argv: ["bash", "-c", script],
+    });
+    expect(verdict.reward, JSON.stringify(verdict.details)).toBe(0);
+  });
+
+  it.each([
+    [
+      "config-edit",
+      "app.conf a symlink to the tests' copy",
+      "rm app.conf && ln -s /tests/expected.conf app.conf",
+    ],
+    [
+      "file-permissions",
+      "notes.txt emptied",
+      "chmod 750 run.sh && chmod 600 secret.txt && : > notes.txt && chmod 644 notes.txt && mkdir -m 700 private",
+    ],
+    [
+      "file-permissions",
+      "secret.txt emptied",
+      "chmod 750 run.sh && : > secret.txt && chmod 600 secret.txt && chmod 644 notes.txt && mkdir -m 700 private",
+    ],
+    [
+      "directory-tree",
+      "todo.txt emptied",
+      "mkdir -p sorted/csv sorted/jpg sorted/png sorted/txt && mv inbox/*.csv sorted/csv && mv inbox/*.jpg sorted/jpg && mv inbox/*.png sorted/png && mv inbox/*.txt sorted/txt && : > sorted/txt/todo.txt",
+    ],
+    ["hello-file", "three lines, not one", "printf 'Hello, fleet!\\n\\n\\n' > hello.txt"],
+  ])("%s: work the instruction forbids scores 0 (%s)", async (id, _how, script) => {
+    const task = tasks.find((t) => t.id === id)!;
+    const handle = await sandbox(task, `${id}-forbidden`);
+    const { outcome, verdict } = await runAndVerify(handle, task, {
+      harness: "command",
+      argv: ["bash", "-c", script],
+    });
+    expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
+    expect(verdict.reward, JSON.stringify(verdict.details)).toBe(0);
+  });
 
   it("poem-stats: 3 of 4 correct lines → reward 0.75 from the reward file", async () => {
     const task = tasks.find((t) => t.id === "poem-stats")!;

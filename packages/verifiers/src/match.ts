@@ -1,5 +1,12 @@
 import { createContext, Script } from "node:vm";
-import { capText, type ExecResult, FleetError, type VerifierSpec } from "@fleet/contracts";
+import {
+  capText,
+  type ExecResult,
+  FleetError,
+  matchExpectedProblem,
+  matchPattern,
+  type VerifierSpec,
+} from "@fleet/contracts";
 import type { Verdict } from "./verdict.ts";
 
 type MatchSpec = Extract<VerifierSpec, { kind: "match" }>;
@@ -14,11 +21,14 @@ const matchContext = createContext({ pattern: /$^/, answer: "" });
 /**
  * Grade a final answer against `expected`: `exact` compares both trimmed; `regex` requires the
  * pattern (trimmed too: a TOML multi-line string ends in a newline no trimmed answer could
- * match) to match the whole trimmed answer. A missing (`null`) answer scores 0.
+ * match) to match the whole trimmed answer (`matchPattern`). A missing (`null`) answer scores 0.
  *
- * @throws FleetError `invalid_task` (final) when `expected` is not a valid regular expression.
+ * @throws FleetError `invalid_task` (final) when `expected` cannot grade (`matchExpectedProblem`:
+ * blank, not a valid regular expression, or a pattern an empty answer matches).
  */
 export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec: ExecResult }): Verdict {
+  const problem = matchExpectedProblem(spec);
+  if (problem !== undefined) throw FleetError.nonRetryable("invalid_task", `verifier expected ${problem}`);
   const answer = run.answer === null ? null : run.answer.trim();
   let matched = false;
   let regexTimedOut = false;
@@ -26,16 +36,7 @@ export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec:
     if (spec.mode === "exact") {
       matched = answer === spec.expected.trim();
     } else {
-      let pattern: RegExp;
-      try {
-        pattern = new RegExp(`^(?:${spec.expected.trim()})$`);
-      } catch (err) {
-        throw FleetError.nonRetryable(
-          "invalid_task",
-          `verifier regex is invalid: ${(err as Error).message}`,
-          err,
-        );
-      }
+      const pattern = matchPattern(spec.expected);
       // The pattern is the task's, the answer the agent's: a pattern that backtracks
       // catastrophically on this answer must not freeze the worker. Past the budget, no match.
       try {

@@ -10,6 +10,7 @@ import {
 import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
 import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it } from "vitest";
+import { matchAnswer } from "./match.ts";
 import { parseReward } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
 import { parseRunReport, REWARD_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
@@ -449,10 +450,25 @@ describe("match verifier", () => {
     expect(log).toEqual([]);
   });
 
-  it("an invalid regex is invalid_task", async () => {
-    const err = await failure(grade("(", "regex", "x"));
-    expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
-  });
+  it.each([
+    ["(", "regex"],
+    // Valid as written; trimmed, as graded, it ends in a lone backslash.
+    ["2\\.10\\.0\\ ", "regex"],
+    ["", "exact"],
+    [" \n", "exact"],
+    ["\\d*", "regex"],
+  ] as const)(
+    "expected %j (%s) cannot grade: invalid_task, never 1.0 for an empty answer; the schema refuses it too",
+    async (expected, mode) => {
+      // As a stored task parsed under an older, looser schema would reach the grader.
+      const spec = { kind: "match", expected, mode } as const;
+      const err = await failure(
+        Promise.resolve().then(() => matchAnswer(spec, { answer: "", exec: AGENT_EXEC })),
+      );
+      expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+      expect(TaskContent.safeParse(matchTask(expected, mode)).success).toBe(false);
+    },
+  );
 });
 
 describe("parseReward", () => {

@@ -1,5 +1,11 @@
 #!/bin/bash
 set -uo pipefail
+# A symlink to /tests/expected.conf (dangling while the agent ran, staged before we run) would
+# diff clean: the file must be the agent's own edit.
+if [ -L app.conf ]; then
+  echo "FAIL: app.conf is a symbolic link, not the edited file"
+  exit 1
+fi
 if [ ! -f app.conf ]; then
   echo "FAIL: app.conf does not exist"
   exit 1

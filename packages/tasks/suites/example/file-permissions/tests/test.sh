@@ -1,6 +1,6 @@
 #!/bin/bash
-# Runs as root without capabilities: it may not read secret.txt or enter private/, but stat
-# works on anything in /workspace.
+# Runs as root without capabilities: it may not read secret.txt or run.sh (the agent's, with no
+# permission for others) or enter private/, but stat works on anything in /workspace.
 set -uo pipefail
 fail=0
 expect_mode() { # path type mode
@@ -14,9 +14,18 @@ expect_mode run.sh file 750
 expect_mode secret.txt file 600
 expect_mode notes.txt file 644
 expect_mode private dir 700
-# run.sh ends up unreadable to us (mode 750, owned by the agent): compare its size instead.
-if [ -f run.sh ] && [ "$(stat -c %s run.sh)" != 43 ]; then
-  echo "FAIL: run.sh was changed (size $(stat -c %s run.sh), expected 43)"
+# The contents must not change. run.sh (750) and secret.txt (600) end up unreadable to us: compare
+# their sizes. notes.txt (644) we can read: compare it byte for byte.
+expect_size() { # path size
+  if [ -f "$1" ] && [ "$(stat -c %s "$1")" != "$2" ]; then
+    echo "FAIL: $1 was changed (size $(stat -c %s "$1"), expected $2)"
+    fail=1
+  fi
+}
+expect_size run.sh 43
+expect_size secret.txt 29
+if [ -f notes.txt ] && ! printf 'Remember to rotate the logs.\n' | cmp -s - notes.txt; then
+  echo "FAIL: notes.txt was changed (or cannot be read, as mode 644 allows)"
   fail=1
 fi
 exit "$fail"

@@ -1,10 +1,26 @@
 #!/bin/bash
 # The tests live in /tests (staged after the agent stopped); config and rootdir pinned there so
-# nothing in /workspace can reconfigure pytest. The agent's code runs only in child interpreters
-# (see test_stats.py); as it runs as root, whatever it wrote to the reward file is overwritten.
+# nothing in /workspace can reconfigure pytest. The agent's code runs only in child interpreters,
+# each bounded in time and killed with all it started (see test_stats.py); pytest as a whole gets
+# 40 s, so the reward below is always written within the tests' 60 s.
 set -uo pipefail
 export PYTHONDONTWRITEBYTECODE=1
-pytest -q -c /tests/pytest.ini --rootdir=/tests /tests/test_stats.py
+timeout -k 5 40 pytest -q -c /tests/pytest.ini --rootdir=/tests /tests/test_stats.py
 code=$?
-mkdir -p /logs/verifier && if [ "$code" = 0 ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt
+# The reward, last, in a /logs/verifier of our own: the agent's code ran as root, as we do, and may
+# have written one and taken the write permission away, or put a directory of the agent's in its
+# place. /logs is root's, so whatever is there goes aside whole. A reward we cannot write is an
+# error, never the number the agent left.
+write_reward() { # reward
+  local d=/logs/verifier aside
+  chmod u+rwx /logs 2>/dev/null
+  rm -f "$d" 2>/dev/null
+  if [ -e "$d" ] && aside=$(mktemp -d /logs/.verifier-aside.XXXXXX); then
+    mv -T "$d" "$aside" 2>/dev/null
+  fi
+  if mkdir "$d" && echo "$1" > "$d/reward.txt" && [ "$(cat "$d/reward.txt")" = "$1" ]; then return 0; fi
+  echo "ERROR: cannot write the reward ($1) to $d/reward.txt" >&2
+  exit 3
+}
+if [ "$code" = 0 ]; then write_reward 1; else write_reward 0; fi
 exit "$code"

@@ -3,6 +3,8 @@ interpreter (`call`), never in this pytest process: whatever it does on import (
 patch pytest) cannot change how these tests report."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 
@@ -19,16 +21,27 @@ except Exception as e:
 
 
 def call(fn, *args):
-    """stats.<fn>(*args) run in a fresh interpreter: {"value": ...} or {"raised": "<Exception>"}."""
-    r = subprocess.run(
+    """stats.<fn>(*args) run in a fresh interpreter: {"value": ...} or {"raised": "<Exception>"}.
+    At most 5 s, in a session of its own that is killed when it returns: the agent's code runs as
+    root, as the tests do, and nothing it starts may outlive the call (to write the reward file
+    after test.sh, say)."""
+    with subprocess.Popen(
         [sys.executable, "-I", "-c", CHILD, fn, json.dumps(args)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        timeout=20,
         cwd="/tmp",
-    )
-    lines = r.stdout.strip().splitlines()
-    assert r.returncode == 0 and lines, f"stats.{fn} did not run: exit {r.returncode}, {r.stderr[-500:]}"
+        start_new_session=True,
+    ) as child:
+        try:
+            out, err = child.communicate(timeout=5)
+        finally:
+            try:
+                os.killpg(child.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+    lines = out.strip().splitlines()
+    assert child.returncode == 0 and lines, f"stats.{fn} did not run: exit {child.returncode}, {err[-500:]}"
     return json.loads(lines[-1])
 
 

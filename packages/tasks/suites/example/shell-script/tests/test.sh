@@ -4,21 +4,46 @@ fail=0
 check() { # description, condition result
   if [ "$2" = 0 ]; then echo "ok:   $1"; else echo "FAIL: $1"; fail=1; fi
 }
+# The agent's script runs as root here, as we do: each run at most 3 s, in a process group of
+# its own (timeout makes one) that is killed when it returns, so nothing it started in the
+# background is left to write the reward file after us.
+agent() {
+  timeout -k 1 3 "$@" &
+  local pid=$! code
+  wait "$pid"
+  code=$?
+  kill -KILL -- "-$pid" 2>/dev/null
+  return "$code"
+}
+# The reward, last, in a /logs/verifier of our own: the agent's script may have written one and
+# taken the write permission away, or put a directory of the agent's in its place. /logs is
+# root's, so whatever is there goes aside whole. A reward we cannot write is an error, never the
+# number the agent left.
+write_reward() { # reward
+  local d=/logs/verifier aside
+  chmod u+rwx /logs 2>/dev/null
+  rm -f "$d" 2>/dev/null
+  if [ -e "$d" ] && aside=$(mktemp -d /logs/.verifier-aside.XXXXXX); then
+    mv -T "$d" "$aside" 2>/dev/null
+  fi
+  if mkdir "$d" && echo "$1" > "$d/reward.txt" && [ "$(cat "$d/reward.txt")" = "$1" ]; then return 0; fi
+  echo "ERROR: cannot write the reward ($1) to $d/reward.txt" >&2
+  exit 3
+}
 if [ ! -f greet.sh ]; then
   echo "FAIL: greet.sh does not exist"
   exit 1
 fi
-out=$(bash greet.sh Ada 2>/dev/null); code=$?
+out=$(agent bash greet.sh Ada 2>/dev/null); code=$?
 [ "$out" = "Hello, Ada!" ] && [ "$code" = 0 ]; check "greet.sh Ada prints 'Hello, Ada!' and exits 0 (got '$out', $code)" $?
-out=$(bash greet.sh "Grace Hopper" 2>/dev/null)
+out=$(agent bash greet.sh "Grace Hopper" 2>/dev/null)
 [ "$out" = "Hello, Grace Hopper!" ]; check "a quoted name with a space (got '$out')" $?
 # stderr captured directly, not through a fixed path in /tmp (the agent could have made that
 # file first, and root here cannot write a file the agent owns).
-err=$(bash greet.sh 2>&1 >/dev/null); code=$?
-out=$(bash greet.sh 2>/dev/null)
+err=$(agent bash greet.sh 2>&1 >/dev/null); code=$?
+out=$(agent bash greet.sh 2>/dev/null)
 [ "$code" = 2 ]; check "no argument exits 2 (got $code)" $?
 [ -z "$out" ]; check "no argument prints nothing on stdout (got '$out')" $?
 [[ "$err" == *"usage: greet.sh NAME"* ]]; check "no argument prints the usage on stderr (got '$err')" $?
-# The agent's script ran as root here: whatever it wrote to the reward file is overwritten.
-mkdir -p /logs/verifier && echo $((1 - fail)) > /logs/verifier/reward.txt
+write_reward $((1 - fail))
 exit "$fail"
