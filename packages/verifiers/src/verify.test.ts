@@ -250,6 +250,15 @@ describe("tests verifier", () => {
     expect(log).toEqual(["put /tests", "tests", "get"]);
   });
 
+  it("a runner killed before it reported (nothing cut its output): its exit status grades, never the reward file the killer left", async () => {
+    // Agent code the tests ran writes 1 to the reward file, then kills test.sh and the runner.
+    script(() => ({ exitCode: 137, reward: "1", report: false, stderrTruncated: false }));
+    const verdict = await verify(ctx());
+    expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code", exitCode: 137 } });
+    expect(verdict.details.reason).toMatch(/killed before it reported/);
+    expect(log).toEqual(["put /tests", "tests"]);
+  });
+
   it.each(["abc", "1.5", "-0.1", "NaN", "inf", "", "0x1", "1/2"])(
     "a bad reward file (%j) → verifier_error, never 0",
     async (text) => {
@@ -313,7 +322,7 @@ describe("tests verifier", () => {
   });
 
   it("a lost sandbox while reading the reward → sandbox_lost (masked), not a verifier crash", async () => {
-    script(() => ({ exitCode: 0, report: false }));
+    script(() => ({ exitCode: 0, report: false, stderrTruncated: true }));
     provider.get = async () => {
       throw new FleetError("sandbox_lost", "gone");
     };
@@ -357,9 +366,9 @@ describe("parseRunReport", () => {
     });
   });
 
-  it("reads the reward apart when the report is missing, unreadable, or its size does not match", () => {
+  it("reads the reward apart when the report is unreadable or its size does not match; says when there is none", () => {
+    expect(parseRunReport(`${nonce} ready\nlots of output`, nonce).report).toEqual({ kind: "missing" });
     for (const raw of [
-      `${nonce} ready\nlots of output`,
       `${nonce} ready\n\n${nonce} unreadable\n`,
       `${nonce} ready\n\n${nonce} reward 9\n0.5\n`,
       // Sizes count bytes: "é" is 2 (what a decoding with replacement changed no longer matches).

@@ -55,7 +55,9 @@ function assertNever(x: never): never {
  * 3. reports the reward file: `none`, `reward <bytes>` followed by its content (up to
  *    `INLINE_REWARD_BYTES`), or `unreadable` (too large, or not readable by root: read apart);
  * and exits with the tests' status. Reports go to stderr after the tests' own output, each as a
- * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again.
+ * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again. A runner
+ * killed before it reported (not cut off by the output cap) is graded by its exit status: the
+ * tests' processes, the agent's code among them, could have killed it and left a reward behind.
  */
 export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
@@ -87,8 +89,13 @@ export type RunReport =
   | { kind: "prepare"; reason: string }
   | { kind: "none" }
   | { kind: "reward"; text: string }
-  /** Unreadable, too large, or no report at all (its stderr hit the output cap): read the file apart. */
-  | { kind: "read" };
+  /** Unreadable, too large, or its size does not match: read the file apart. */
+  | { kind: "read" }
+  /**
+   * No report line at all: the output cap cut it off (read the file apart), or, when nothing was
+   * cut, the runner was killed before it reported.
+   */
+  | { kind: "missing" };
 
 /**
  * Split the tests' stderr into their own output and the script's lines. `ready`: the line
@@ -112,7 +119,7 @@ export function parseRunReport(
 
 function lastReport(stderr: string, nonce: string): { stderr: string; report: RunReport } {
   const at = stderr.lastIndexOf(`\n${nonce} `);
-  if (at < 0) return { stderr, report: { kind: "read" } };
+  if (at < 0) return { stderr, report: { kind: "missing" } };
   const own = stderr.slice(0, at);
   const rest = stderr.slice(at + nonce.length + 2);
   const eol = rest.indexOf("\n");
@@ -233,6 +240,20 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   // Tests too big for the sandbox's memory show up as 0 for the oracle agent too.
   if (result.oomKilled) details.oomKilled = true;
 
+  if (report.kind === "missing" && !ran.stderrTruncated) {
+    // Nothing cut the runner's output, yet it never reported: it was killed after the tests
+    // started and before it read the reward file, by something the tests ran (the agent's code:
+    // it runs as root too). Whatever that left in the reward file is not the tests' verdict:
+    // the runner's exit status is (a killed runner failed).
+    return {
+      reward: result.exitCode === 0 ? 1 : 0,
+      details: {
+        ...details,
+        source: "exit_code",
+        reason: "the tests' runner was killed before it reported; the reward file is not trusted",
+      },
+    };
+  }
   const rewardText =
     report.kind === "reward"
       ? report.text
