@@ -152,6 +152,11 @@ describe("the example suite on real Docker", () => {
       "a writer left in the background",
       "printf '(while :; do echo 1 > /logs/verifier/reward.txt; done) >/dev/null 2>&1 &\\n' > greet.sh",
     ],
+    [
+      "shell-script",
+      "reward file written, then the tests and their runner killed",
+      "printf 'mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; for p in /proc/[0-9]*; do grep -qsE \"fleet-verify|tests/test.sh\" $p/cmdline && kill -9 ${p#/proc/}; done\\n' > greet.sh",
+    ],
   ])("%s: agent code the tests run cannot grade itself (%s)", async (id, _how, script) => {
     const task = tasks.find((t) => t.id === id)!;
     const handle = await sandbox(task, `${id}-selfgrade`);

@@ -257,6 +257,11 @@ describe("tests verifier", () => {
     expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code", exitCode: 137 } });
     expect(verdict.details.reason).toMatch(/killed before it reported/);
     expect(log).toEqual(["put /tests", "tests"]);
+    // Flooding the output past the cap before the kill changes nothing: the runner died by a signal.
+    log = [];
+    script(() => ({ exitCode: 137, reward: "1", report: false, stderrTruncated: true }));
+    expect(await verify(ctx())).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+    expect(log).toEqual(["put /tests", "tests"]);
   });
 
   it.each(["abc", "1.5", "-0.1", "NaN", "inf", "", "0x1", "1/2"])(

@@ -240,11 +240,12 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   // Tests too big for the sandbox's memory show up as 0 for the oracle agent too.
   if (result.oomKilled) details.oomKilled = true;
 
-  if (report.kind === "missing" && !ran.stderrTruncated) {
-    // Nothing cut the runner's output, yet it never reported: it was killed after the tests
-    // started and before it read the reward file, by something the tests ran (the agent's code:
-    // it runs as root too). Whatever that left in the reward file is not the tests' verdict:
-    // the runner's exit status is (a killed runner failed).
+  // A runner that ended by a signal (exit 128 + n), or whose report nothing cut off, never got to
+  // report: it was killed after the tests started, by something the tests ran (the agent's code
+  // runs as root too; flooding the output past the cap first would not help it). Whatever that
+  // left in the reward file is not the tests' verdict: the runner's exit status is (a killed
+  // runner failed). Only a runner that exited by itself, its report lost to the cap, is read apart.
+  if (report.kind === "missing" && (!ran.stderrTruncated || ran.exitCode >= 128 || ran.exitCode < 0)) {
     return {
       reward: result.exitCode === 0 ? 1 : 0,
       details: {
