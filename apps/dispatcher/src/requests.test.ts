@@ -79,6 +79,10 @@ describe("parseRolloutBody", () => {
       "API_KEY",
       "STRIPE_SECRET_KEY",
       "GCP_PRIVATE_KEY",
+      "OPENAI_API_KEY_2",
+      "HF_TOKEN2",
+      "OPENAI_KEY",
+      "WANDB_KEY",
     ]) {
       const err = thrown(() => parseRolloutBody(agent({ [name]: "sk-live-SECRETVALUE" })));
       expect(err.status, name).toBe(422);
@@ -97,6 +101,8 @@ describe("parseRolloutBody", () => {
         EOS_TOKEN: "</s>",
         AWS_ACCESS_KEY_ID: "AKIA-not-secret",
         SSH_AUTH_SOCK: "/tmp/s",
+        SORT_KEY_2: "id",
+        MAX_TOKENS_2: "5",
       }),
     );
     expect(ok.agent).toMatchObject({ env: { MAX_TOKENS: "10" } });

@@ -13,12 +13,18 @@ export const CredentialName = z
  * `CACHE_KEY`) and a tokenizer's special tokens (`PAD_TOKEN`, `EOS_TOKEN`) pass.
  */
 export function looksLikeCredential(name: string): boolean {
-  const n = name.toUpperCase();
+  // A numbered or staged copy (`OPENAI_API_KEY_2`, `HF_TOKEN2`) is the same kind of name.
+  const n = name.toUpperCase().replace(/_?\d+$/, "");
   if (/(?:^|_)(?:PAD|EOS|BOS|UNK|SEP|CLS|MASK|START|END|MAX|MIN|NUM|SPECIAL)_TOKENS?$/.test(n)) return false;
   return (
     /(?:^|_)(?:API_?KEY|APIKEY|SECRET_?KEY|SECRET_ACCESS_KEY|ACCESS_KEY|PRIVATE_KEY|SECRET|PASSWD|CREDENTIALS?|TOKEN)$/.test(
       n,
-    ) || /PASSWORD$/.test(n)
+    ) ||
+    /PASSWORD$/.test(n) ||
+    // A model provider's key by its vendor's name (`OPENAI_KEY`), unlike a `SORT_KEY`.
+    /(?:^|_)(?:OPENAI|ANTHROPIC|CLAUDE|GEMINI|GOOGLE|AZURE|AZURE_OPENAI|HF|HUGGINGFACE|COHERE|MISTRAL|GROQ|TOGETHER|DEEPSEEK|XAI|OPENROUTER|FIREWORKS|REPLICATE|PERPLEXITY|GITHUB|GH|WANDB)_KEY$/.test(
+      n,
+    )
   );
 }
 
