@@ -52,7 +52,11 @@ export async function cancelRollout(
   const failureKind = current?.failure?.failureKind;
   if (failureKind === "cancelled") return { kind: "cancelling", previous };
   if (failureKind !== undefined) return { kind: "decided", previous, failureKind };
-  return { kind: "closing", previous, graded: current?.receipts.verify !== undefined };
+  const graded = current?.receipts.verify !== undefined;
+  // Not graded, and the stop was claimed before close began (an earlier cancel whose failure
+  // record never landed, this one repeating it): close read the claim and ends it cancelled.
+  if (!graded && current?.cancelRequested) return { kind: "cancelling", previous };
+  return { kind: "closing", previous, graded };
 }
 
 /** How many cancels of one batch run at once (each is a few Redis round trips). */

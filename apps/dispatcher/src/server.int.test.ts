@@ -732,6 +732,17 @@ describe("cancel", () => {
       graded: false,
     });
     expect((await h.store.get(closing))?.failure).toBeNull();
+    // Nothing of the refused cancel is left to show later: no stop claim, no failure-log row.
+    expect((await h.store.get(closing))?.cancelRequested).toBe(false);
+    expect(await h.store.failureLog(closing)).toEqual([]);
+
+    // A cancel repeated after its first try claimed the stop but lost its failure record, and
+    // close began in between: close read the claim and ends it cancelled, so this is a 202.
+    const repeated = await post();
+    await h.store.requestCancel(repeated);
+    await h.store.begin(repeated, "close", Date.now());
+    const again = await h.call({ method: "POST", url: `/v1/rollouts/${repeated}/cancel` });
+    expect(again.statusCode, again.body).toBe(202);
 
     const graded = await post();
     await redis.hset(

@@ -557,13 +557,20 @@ export class RolloutStore {
   ): Promise<boolean> {
     const parsed = FailureRecord.parse(failure);
     const json = fitRecordJson(parsed); // one bounded serialisation for the log and the field
+    if (options.beforeDecided && parsed.terminal) {
+      // Logged only when it decides: a refused one (the result was decided already) would show
+      // in that result's failures as if it had counted.
+      const set = (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "2")) === 1;
+      if (set) await execAll(this.appendFailure(this.redis.multi(), id, json), `log a failure of ${id}`);
+      return set;
+    }
     const tx = this.appendFailure(this.redis.multi(), id, json);
     if (parsed.terminal) {
       (tx as unknown as Record<"fleetSetField", (...a: string[]) => unknown>).fleetSetField(
         this.keys.rollout(id),
         "failure",
         json,
-        options.beforeDecided ? "2" : "1",
+        "1",
       );
     }
     const replies = await execAll(tx, `record the failure of ${id}`);

@@ -255,7 +255,12 @@ const SCRIPTS = {
     lua: `
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status then return '' end
-      redis.call('HSET', KEYS[1], 'cancel', '1', 'fence', 'stopped')
+      -- Not once close began: it composes the result from what it read then, so a flag set now
+      -- would only show on a close delivered again, ending a rollout this call was told it
+      -- could not cancel as cancelled after all.
+      if redis.call('HGET', KEYS[1], 'closed') ~= '1' then
+        redis.call('HSET', KEYS[1], 'cancel', '1', 'fence', 'stopped')
+      end
       return status`,
   },
   /**
