@@ -183,6 +183,9 @@ describe("pipeline against real Redis and Docker", () => {
     expect(run.ownedSandbox?.released).toMatchObject({ confirmed: true, scope: "sandbox" });
     expect(run.ownedSandbox!.handle.owner).toBe("agent");
     expect(run.ownedSandbox!.released.at).toBeLessThanOrEqual(run.stoppedAt);
+    // The task sandbox was left to its owner: close found it alive and destroyed it itself.
+    const close = (await fleet.deps.store.get(id!))!.receipts.close!;
+    expect(close.cleanup).toMatchObject({ confirmed: true, scope: "sandbox", alreadyGone: false });
     expect(await containersOf([id!])).toBe(0);
   });
 
@@ -200,6 +203,10 @@ describe("pipeline against real Redis and Docker", () => {
       mask: false,
       // No sandbox was made: nothing for the janitor, no intent left to wait out.
       teardown: "confirmed",
+      // Nothing ran: what was never measured is null, never a zero (rule 12).
+      exitCode: null,
+      usage: null,
+      timings: { runMs: null, verifyMs: null },
     });
     expect(await fleet.deps.ledger.isPending(id!)).toBe(false);
   });
@@ -316,6 +323,58 @@ describe("idempotency and fencing without workers", () => {
     data: { rolloutId: id },
     attemptsMade,
     opts: { attempts: 3 },
+  });
+
+  it("a retryable failure is retried only while its next attempt can start before the rollout's one deadline (rule 5)", async () => {
+    const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 1 }]);
+    const [early] = await fleet.submit([oracle(byId("hello-file"))]);
+    const at = Date.now(); // both before their deadlines; `late`'s next attempt would start after its own
+    const daemonDown = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+      create: async () => {
+        throw FleetError.retryable("provider_unavailable", "the daemon is restarting");
+      },
+    });
+    const deps = { ...fleet.deps, provider: daemonDown, now: () => at };
+    const lateErr = await runStageJob("seed", job(late!), deps).catch((e: unknown) => e);
+    expect(lateErr).toBeInstanceOf(UnrecoverableError);
+    expect((await fleet.deps.store.get(late!))!.failure).toMatchObject({
+      failureKind: "provider_unavailable",
+      terminal: true,
+    });
+    const earlyErr = await runStageJob("seed", job(early!), deps).catch((e: unknown) => e);
+    expect(earlyErr).not.toBeInstanceOf(UnrecoverableError);
+    expect(earlyErr).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    expect((await fleet.deps.store.get(early!))!.failure).toBeNull();
+  });
+
+  it("an agent whose processes cannot be confirmed stopped is never verified: masked sandbox_lost (rules 2, 10)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    const stubborn = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+      killProcesses: async () => ({
+        confirmed: false,
+        scope: "processes" as const,
+        at: Date.now(),
+        alreadyGone: false,
+        remaining: 2,
+      }),
+    });
+    const err = await runStageJob("run", job(id!), { ...fleet.deps, provider: stubborn }).catch(
+      (e: unknown) => e,
+    );
+    expect(err).toBeInstanceOf(UnrecoverableError);
+    expect(String((err as Error).message)).toMatch(/sandbox_lost.*could not be confirmed stopped/);
+    const rec = (await fleet.deps.store.get(id!))!;
+    expect(rec.receipts.run).toBeUndefined();
+    expect(await runStageJob("verify", job(id!), fleet.deps)).toBe("skipped");
+    expect((await fleet.deps.store.get(id!))!.times["verify:start"]).toBeUndefined();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "masked",
+      failureKind: "sandbox_lost",
+      reward: null,
+    });
+    expect(await containersOf([id!])).toBe(0);
   });
 
   /** A harness that starts, says so (`started`), and returns exit 0 once `release` is called. */
