@@ -157,6 +157,41 @@ describe("the example suite on real Docker", () => {
       "reward file written, then the tests and their runner killed",
       "printf 'mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; for p in /proc/[0-9]*; do grep -qsE \"fleet-verify|tests/test.sh\" $p/cmdline && kill -9 ${p#/proc/}; done\\n' > greet.sh",
     ],
+    [
+      "shell-script",
+      "reward file written, then only the tests killed (their runner reports the file)",
+      `cat > greet.sh <<'EOF'
+mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt
+for p in /proc/[0-9]*; do
+  [ "$(tr '\\0' ' ' < $p/cmdline 2>/dev/null)" = "bash /tests/test.sh " ] && kill -9 \${p#/proc/}
+done
+EOF`,
+    ],
+    [
+      "shell-script",
+      "a writer in a session of its own, its wrapper killed",
+      `cat > greet.sh <<'EOF'
+setsid bash -c 'while :; do mkdir -p /logs/verifier 2>/dev/null; echo 1 > /logs/verifier/reward.txt 2>/dev/null; done' </dev/null >/dev/null 2>&1 &
+kill -9 $PPID
+EOF`,
+    ],
+    [
+      "python-bugfix",
+      "a writer in a session of its own, pytest killed",
+      `cat > stats.py <<'EOF'
+import os
+if os.fork() == 0:
+    os.setsid()
+    os.close(1); os.close(2)
+    while True:
+        try:
+            os.makedirs("/logs/verifier", exist_ok=True)
+            open("/logs/verifier/reward.txt", "w").write("1")
+        except OSError:
+            pass
+os.kill(os.getppid(), 9)
+EOF`,
+    ],
   ])("%s: agent code the tests run cannot grade itself (%s)", async (id, _how, script) => {
     const task = tasks.find((t) => t.id === id)!;
     const handle = await sandbox(task, `${id}-selfgrade`);
@@ -198,6 +233,28 @@ describe("the example suite on real Docker", () => {
     });
     expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
     expect(verdict.reward, JSON.stringify(verdict.details)).toBe(0);
+  });
+
+  it("nothing the tests started outlives the verification, however it hid (a session of its own, another name)", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: {
+        "test.sh": [
+          "setsid sleep 991 </dev/null >/dev/null 2>&1 &",
+          "(exec -a fleet-keepalive sleep 992) </dev/null >/dev/null 2>&1 &",
+          "exit 0",
+        ].join("\n"),
+      },
+    };
+    const handle = await sandbox(task, "leftovers");
+    const { verdict } = await runAndVerify(handle, task, WRONG);
+    expect(verdict.reward).toBe(1);
+    const left = await provider.exec(handle, ["bash", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"], {
+      deadlineMs: 10_000,
+      user: "0:0",
+    });
+    expect(left.stdout).not.toMatch(/ 99[12] /);
   });
 
   it("poem-stats: 3 of 4 correct lines → reward 0.75 from the reward file", async () => {

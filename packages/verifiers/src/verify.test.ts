@@ -255,13 +255,21 @@ describe("tests verifier", () => {
     script(() => ({ exitCode: 137, reward: "1", report: false, stderrTruncated: false }));
     const verdict = await verify(ctx());
     expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code", exitCode: 137 } });
-    expect(verdict.details.reason).toMatch(/killed before it reported/);
+    expect(verdict.details.reason).toMatch(/ended by a signal \(exit 137\)/);
     expect(log).toEqual(["put /tests", "tests"]);
     // Flooding the output past the cap before the kill changes nothing: the runner died by a signal.
     log = [];
     script(() => ({ exitCode: 137, reward: "1", report: false, stderrTruncated: true }));
     expect(await verify(ctx())).toMatchObject({ reward: 0, details: { source: "exit_code" } });
     expect(log).toEqual(["put /tests", "tests"]);
+    // Only test.sh killed, the runner reporting the file it left: still not the tests' verdict.
+    script(() => ({ exitCode: 137, reward: "1" }));
+    expect(await verify(ctx())).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+    // A runner that exited by itself yet never reported, nothing cutting its output.
+    script(() => ({ exitCode: 1, reward: "1", report: false, stderrTruncated: false }));
+    const silent = await verify(ctx());
+    expect(silent).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+    expect(silent.details.reason).toMatch(/killed before it reported/);
   });
 
   it.each(["abc", "1.5", "-0.1", "NaN", "inf", "", "0x1", "1/2"])(

@@ -61,6 +61,32 @@ function assertNever(x: never): never {
  */
 export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
+# Kill what the tests left running (started since this runner, so never the sandbox's own
+# processes; not this runner nor its parents), in rounds until a round finds none, so that
+# nothing the agent's code started can write the reward file after the tests. Builtins only.
+reap() {
+  local line p f n round mine keep=" "
+  line=; read -r -d '' line 2>/dev/null < /proc/$$/stat; set -- \${line##*) }; mine=\${20:-0}
+  p=$$
+  while [ "$p" -gt 0 ] 2>/dev/null; do
+    keep="$keep$p "
+    read -r -d '' line 2>/dev/null < /proc/$p/stat; [ -n "$line" ] || break
+    set -- \${line##*) }; p=\${2:-0}; line=
+  done
+  for round in 1 2 3 4 5 6 7 8 9 10; do
+    n=0
+    for f in /proc/[0-9]*/stat; do
+      p=\${f#/proc/}; p=\${p%/stat}
+      case "$keep" in *" $p "*) continue ;; esac
+      line=; read -r -d '' line 2>/dev/null < "$f"; [ -n "$line" ] || continue
+      set -- \${line##*) }
+      [ "$1" = Z ] && continue
+      [ "\${20:-0}" -lt "$mine" ] 2>/dev/null && continue
+      kill -9 "$p" 2>/dev/null && n=$((n + 1))
+    done
+    [ "$n" -eq 0 ] && break
+  done
+}
 d=${VERIFIER_LOGS}
 rm -rf "$d" 2>/dev/null
 if [ -e "$d" ] || [ -L "$d" ]; then
@@ -70,6 +96,7 @@ mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 bash ${SANDBOX_PATHS.tests}/test.sh < /dev/null
 rc=$?
+reap
 f=${REWARD_FILE}
 if [ ! -e "$f" ] || [ -d "$f" ]; then report none
 elif [ -r "$f" ] && n=$(wc -c < "$f") && n=$((n)) && [ "$n" -le ${INLINE_REWARD_BYTES} ]; then
@@ -240,18 +267,21 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   // Tests too big for the sandbox's memory show up as 0 for the oracle agent too.
   if (result.oomKilled) details.oomKilled = true;
 
-  // A runner that ended by a signal (exit 128 + n), or whose report nothing cut off, never got to
-  // report: it was killed after the tests started, by something the tests ran (the agent's code
-  // runs as root too; flooding the output past the cap first would not help it). Whatever that
-  // left in the reward file is not the tests' verdict: the runner's exit status is (a killed
-  // runner failed). Only a runner that exited by itself, its report lost to the cap, is read apart.
-  if (report.kind === "missing" && (!ran.stderrTruncated || ran.exitCode >= 128 || ran.exitCode < 0)) {
+  // Tests or runner killed by a signal (exit 128 + n), or a runner that never reported though
+  // nothing cut its output: something the tests ran killed them (the agent's code runs as root
+  // too), after it may have written the reward file; flooding the output past the cap first
+  // changes nothing. That file is then not the tests' verdict: the exit status is (a killed
+  // test failed). Only a runner that exited by itself, its report lost to the cap, is read apart.
+  const killed = ran.exitCode >= 128 || ran.exitCode < 0;
+  if (killed || (report.kind === "missing" && !ran.stderrTruncated)) {
     return {
       reward: result.exitCode === 0 ? 1 : 0,
       details: {
         ...details,
         source: "exit_code",
-        reason: "the tests' runner was killed before it reported; the reward file is not trusted",
+        reason: killed
+          ? `the tests ended by a signal (exit ${ran.exitCode}); a reward file is not trusted`
+          : "the tests' runner was killed before it reported; the reward file is not trusted",
       },
     };
   }

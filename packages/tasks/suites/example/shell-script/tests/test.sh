@@ -15,12 +15,39 @@ agent() {
   kill -KILL -- "-$pid" 2>/dev/null
   return "$code"
 }
+# Before the reward: kill everything started since this script (all that the agent's code
+# started, however it hid: a session of its own, another name), except this script and its
+# parents, in rounds until none is left. Builtins only.
+reap() {
+  local line p f n round mine keep=" "
+  line=; read -r -d '' line 2>/dev/null < /proc/$$/stat; set -- ${line##*) }; mine=${20:-0}
+  p=$$
+  while [ "$p" -gt 0 ] 2>/dev/null; do
+    keep="$keep$p "; line=
+    read -r -d '' line 2>/dev/null < /proc/$p/stat; [ -n "$line" ] || break
+    set -- ${line##*) }; p=${2:-0}
+  done
+  for round in 1 2 3 4 5 6 7 8 9 10; do
+    n=0
+    for f in /proc/[0-9]*/stat; do
+      p=${f#/proc/}; p=${p%/stat}
+      case "$keep" in *" $p "*) continue ;; esac
+      line=; read -r -d '' line 2>/dev/null < "$f"; [ -n "$line" ] || continue
+      set -- ${line##*) }
+      [ "${1:-}" = Z ] && continue
+      [ "${20:-0}" -lt "$mine" ] 2>/dev/null && continue
+      kill -9 "$p" 2>/dev/null && n=$((n + 1))
+    done
+    [ "$n" -eq 0 ] && break
+  done
+}
 # The reward, last, in a /logs/verifier of our own: the agent's script may have written one and
 # taken the write permission away, or put a directory of the agent's in its place. /logs is
 # root's, so whatever is there goes aside whole. A reward we cannot write is an error, never the
 # number the agent left.
 write_reward() { # reward
   local d=/logs/verifier aside
+  reap
   chmod u+rwx /logs 2>/dev/null
   rm -f "$d" 2>/dev/null
   if [ -e "$d" ] && aside=$(mktemp -d /logs/.verifier-aside.XXXXXX); then
