@@ -109,14 +109,14 @@ describe("janitor", () => {
       // A daemon that answers only after the pass's budget is spent.
       destroy: async () => {
         closeQueuedAtDestroy.push(!!(await fleet.deps.queues.queues.close.getJob(`${overdue}.close`)));
-        await new Promise((r) => setTimeout(r, 20));
+        await new Promise((r) => setTimeout(r, 600));
         throw new Error("daemon timeout");
       },
     });
     try {
       const report = await janitorTick(
         { ...fleet.deps, provider, now: () => at },
-        { orphanGraceMs: 3_600_000, watchdogGraceMs: 1000, destroyBudgetMs: 10 },
+        { orphanGraceMs: 3_600_000, watchdogGraceMs: 1000, destroyBudgetMs: 500 },
       );
       expect(report.watchdogClosed).toBe(1);
       expect(closeQueuedAtDestroy).toEqual([true]); // the watchdog ran before any destroy

@@ -21,6 +21,7 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
     for (const [rolloutId, scope] of [
       [`gwa-${run}`, mine],
       [`gwb-${run}`, theirs],
+      [`gwc-${run}`, undefined], // made before networks carried a scope: everyone's to sweep
     ] as const) {
       const config = buildGatewayNetworkConfig(rolloutId, undefined, scope);
       await docker.createNetwork(config);
@@ -30,7 +31,7 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
       (await new DockerGatewayNetworks({ scope }).list())
         .map((n) => n.rolloutId)
         .filter((id) => id.endsWith(run));
-    expect(await ids(mine)).toEqual([`gwa-${run}`]);
-    expect(await ids(theirs)).toEqual([`gwb-${run}`]);
+    expect((await ids(mine)).sort()).toEqual([`gwa-${run}`, `gwc-${run}`]);
+    expect((await ids(theirs)).sort()).toEqual([`gwb-${run}`, `gwc-${run}`]);
   });
 });

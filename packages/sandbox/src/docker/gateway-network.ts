@@ -238,19 +238,17 @@ export class DockerGatewayNetworks {
     let networks: Dockerode.NetworkInfo[];
     try {
       networks = await this.docker.listNetworks({
-        filters: {
-          label: [
-            `${LABEL_MANAGED}=true`,
-            `${LABEL_NETWORK}=gateway`,
-            ...(this.scope ? [`${LABEL_SCOPE}=${this.scope}`] : []),
-          ],
-        },
+        filters: { label: [`${LABEL_MANAGED}=true`, `${LABEL_NETWORK}=gateway`] },
         abortSignal: this.signal(),
       });
     } catch (err) {
       throw this.classify(err, "list gateway networks");
     }
-    return networks.map((n) => ({
+    // This fleet's, and those made before networks carried a scope (no label: nobody else
+    // would ever sweep them). Docker's label filter cannot say "absent", so it is done here.
+    const scope = this.scope;
+    const ours = scope ? networks.filter((n) => (n.Labels?.[LABEL_SCOPE] ?? scope) === scope) : networks;
+    return ours.map((n) => ({
       name: n.Name,
       id: n.Id,
       rolloutId: n.Labels?.[LABEL_ROLLOUT] ?? "",
