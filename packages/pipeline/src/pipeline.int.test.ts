@@ -377,6 +377,43 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
+  it("an agent whose preparation outlasts the rollout's own deadline ends deadline_exceeded, not as a provider failure", async () => {
+    // The rollout's deadline, not the agent's own hour, limits the agent.
+    const [id] = await fleet.submit([
+      { task: byId("hello-file"), agent: { harness: "oracle", timeoutS: 3600 }, deadlineS: 120 },
+    ]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
+    let now = Date.now();
+    // Preparing the sandbox takes the rest of the rollout's time; the harness then gives up.
+    const slow = {
+      ...fleet.deps,
+      now: () => now,
+      createHarness: () => ({
+        name: "oracle" as const,
+        run: async () => {
+          now = deadlineAt + 1;
+          throw FleetError.retryable(
+            "provider_unavailable",
+            "the agent's time ran out before its command started",
+          );
+        },
+      }),
+    };
+    const err = await runStageJob("run", job(id!), slow).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(UnrecoverableError);
+    expect((await fleet.deps.store.get(id!))!.failure).toMatchObject({
+      failureKind: "deadline_exceeded",
+      stage: "run",
+    });
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "masked",
+      failureKind: "deadline_exceeded",
+    });
+    expect(await containersOf([id!])).toBe(0);
+  });
+
   /** A harness that starts, says so (`started`), and returns exit 0 once `release` is called. */
   const gatedHarness = () => {
     let release!: () => void;

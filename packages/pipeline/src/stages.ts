@@ -520,6 +520,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // Taken over while it ran: the new launch may have replaced or reset the sandbox under this
       // one; its error is not this rollout's failure.
       if ((await fence().catch(() => "run")) === "lost") return null;
+      // The rollout's own deadline was the agent's limit and has passed (preparing the sandbox
+      // took what was left, say): whatever failed, the rollout ran out of time.
+      if (limitedBy === "rollout" && clock(deps) >= deadlineMs) {
+        const why = err instanceof Error ? err.message : String(err);
+        throw FleetError.nonRetryable(
+          "deadline_exceeded",
+          capText(`the rollout's deadline passed during the agent's run (${why})`),
+        );
+      }
       throw await sandboxLostIfGone(deps, handle, err);
     } finally {
       clearInterval(poll);
