@@ -8,7 +8,9 @@ import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
-const docker = new DockerSandboxProvider();
+// Scoped to this file's run: its janitor passes sweep every sandbox their provider lists, and
+// must never take another test file's (they run at the same time on the one daemon).
+const docker = new DockerSandboxProvider({ scope: `janitor-test-${process.pid}` });
 
 describe("janitor", () => {
   let fleet: InProcessFleet;

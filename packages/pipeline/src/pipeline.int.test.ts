@@ -23,7 +23,9 @@ import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-f
 import { createStageWorkers } from "./worker.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
-const docker = new DockerSandboxProvider();
+// Scoped to this file's run: its janitor passes sweep every sandbox their provider lists, and
+// must never take another test file's (they run at the same time on the one daemon).
+const docker = new DockerSandboxProvider({ scope: `pipeline-test-${process.pid}` });
 let suite: TaskContent[];
 const byId = (id: string) => {
   const t = suite.find((x) => x.id === id);
