@@ -9,7 +9,7 @@ import {
   TaskContent,
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
-import { STAGES, stageJobId } from "@fleet/queue";
+import { STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -558,6 +558,30 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(1);
     await runStageJob("close", job(id!), fleet.deps);
     expect(await containersOf([id!])).toBe(0);
+  });
+
+  it("a seed that dies between creating its sandbox and recording its handle left the intent first: close destroys the sandbox by it (rule 9)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    const key = sandboxKey(id!, "resources");
+    let intentAtCreate: unknown = "create never called";
+    const diesAfterCreate = Object.assign(Object.create(docker) as SandboxProvider, {
+      create: async (...a: Parameters<SandboxProvider["create"]>) => {
+        intentAtCreate = await fleet.deps.ledger.getSandbox(key);
+        await docker.create(...a);
+        throw new Error("the worker died here");
+      },
+    });
+    await expect(runStageJob("seed", job(id!), { ...fleet.deps, provider: diesAfterCreate })).rejects.toThrow(
+      /the worker died here/,
+    );
+    // The intent was persisted before anything was made, and nothing recorded a handle.
+    expect(intentAtCreate).toMatchObject({ rolloutId: id, owner: "resources", handle: null });
+    expect(await containersOf([id!])).toBe(1);
+    expect((await fleet.deps.ledger.getSandbox(key))?.handle).toBeNull();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await containersOf([id!])).toBe(0);
+    expect(await fleet.deps.ledger.getSandbox(key)).toBeNull();
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ teardown: "confirmed", reward: null });
   });
 
   it("a first seed does not look for its sandbox by label; one re-delivered after dying past staging finds it and replaces it", async () => {
