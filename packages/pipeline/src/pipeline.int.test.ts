@@ -347,6 +347,9 @@ describe("idempotency and fencing without workers", () => {
     expect(earlyErr).not.toBeInstanceOf(UnrecoverableError);
     expect(earlyErr).toMatchObject({ kind: "provider_unavailable", retryable: true });
     expect((await fleet.deps.store.get(early!))!.failure).toBeNull();
+    // Closed here: their seed jobs stay queued, and a later test's workers would take them.
+    for (const id of [late!, early!]) await runStageJob("close", job(id), fleet.deps);
+    expect(await containersOf([late!, early!])).toBe(0);
   });
 
   it("an agent whose processes cannot be confirmed stopped is never verified: masked sandbox_lost (rules 2, 10)", async () => {

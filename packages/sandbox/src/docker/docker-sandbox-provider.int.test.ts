@@ -529,6 +529,13 @@ describe("DockerSandboxProvider (real Docker)", () => {
     // A probe that cannot run is retryable, never a verdict on isolation.
     const probe = await fleetError(provider.probe(h));
     expect([probe.kind, probe.retryable]).toEqual(["provider_unavailable", true]);
+    // Calls on a closed sandbox never bring it back (DESIGN §2 rule 7): a put and a get fail as
+    // lost too, and neither the container nor its volume exists after them.
+    expect((await fleetError(provider.put(h, "/workspace", { "x.txt": "x" }))).kind).toBe("sandbox_lost");
+    expect((await fleetError(provider.get(h, "/workspace/x.txt"))).kind).toBe("sandbox_lost");
+    await expect(docker.getContainer(h.id).inspect()).rejects.toMatchObject({ statusCode: 404 });
+    await expect(docker.getContainer(h.name).inspect()).rejects.toMatchObject({ statusCode: 404 });
+    await expect(docker.getVolume(h.volumes[0]!).inspect()).rejects.toMatchObject({ statusCode: 404 });
   });
 
   it("a probe that times out is a retryable provider_unavailable", async () => {
