@@ -327,6 +327,13 @@ describe("idempotency and fencing without workers", () => {
     opts: { attempts: 3 },
   });
 
+  /** Close the rollout as the resources worker would; its result, and no sandbox left. */
+  const closeExpecting = async (id: string, result: Record<string, unknown>) => {
+    await runStageJob("close", job(id), fleet.deps);
+    expect(await fleet.deps.store.getResult(id)).toMatchObject(result);
+    expect(await containersOf([id])).toBe(0);
+  };
+
   it("a retryable failure is retried only while its next attempt can start before the rollout's one deadline (rule 5)", async () => {
     const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 1 }]);
     const [early] = await fleet.submit([oracle(byId("hello-file"))]);
@@ -373,13 +380,11 @@ describe("idempotency and fencing without workers", () => {
     expect(rec.receipts.run).toBeUndefined();
     expect(await runStageJob("verify", job(id!), fleet.deps)).toBe("skipped");
     expect((await fleet.deps.store.get(id!))!.times["verify:start"]).toBeUndefined();
-    await runStageJob("close", job(id!), fleet.deps);
-    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+    await closeExpecting(id!, {
       status: "masked",
       failureKind: "sandbox_lost",
       reward: null,
     });
-    expect(await containersOf([id!])).toBe(0);
   });
 
   it("an agent whose preparation outlasts the rollout's own deadline ends deadline_exceeded, not as a provider failure", async () => {
@@ -411,12 +416,10 @@ describe("idempotency and fencing without workers", () => {
       failureKind: "deadline_exceeded",
       stage: "run",
     });
-    await runStageJob("close", job(id!), fleet.deps);
-    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+    await closeExpecting(id!, {
       status: "masked",
       failureKind: "deadline_exceeded",
     });
-    expect(await containersOf([id!])).toBe(0);
   });
 
   /** A harness that starts, says so (`started`), and returns exit 0 once `release` is called. */
@@ -524,9 +527,7 @@ describe("idempotency and fencing without workers", () => {
     await fleet.deps.store.claimLaunch(id!, "dead-worker:1");
     expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
     await runStageJob("verify", job(id!), fleet.deps);
-    await runStageJob("close", job(id!), fleet.deps);
-    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
-    expect(await containersOf([id!])).toBe(0);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
   it("a re-delivered seed that finds the earlier attempt's sandbox stopped replaces it instead of probing it to death", async () => {
@@ -695,13 +696,11 @@ describe("idempotency and fencing without workers", () => {
       expect(String((err as Error).message)).toMatch(/sandbox_lost.*cannot be put back/);
       expect(String((err as Error).message)).toContain(what);
       expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
-      await runStageJob("close", job(id!), fleet.deps);
-      expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      await closeExpecting(id!, {
         status: "masked",
         failureKind: "sandbox_lost",
         reward: null,
       });
-      expect(await containersOf([id!])).toBe(0);
     },
   );
 
@@ -991,8 +990,7 @@ describe("idempotency and fencing without workers", () => {
     // It noted when its tests started (after its wait), so a later delivery would wait from then.
     const last = Number(await fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "t:verify:last"));
     expect(last).toBeGreaterThanOrEqual(earlier + 1_000 + 15_000);
-    await runStageJob("close", job(id!), fleet.deps);
-    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "completed", reward: 1 });
+    await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
   it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {
@@ -1028,7 +1026,6 @@ describe("idempotency and fencing without workers", () => {
       await runStageJob(stage, job(id!), fleet.deps);
     const r = await fleet.deps.store.getResult(id!);
     expect(r).toMatchObject({ status: "completed", reward: 0, mask: false });
-    expect(await containersOf([id!])).toBe(0);
   });
 
   it("a seed whose task is gone fails invalid_task and leaves no intent: the teardown is confirmed at once", async () => {
