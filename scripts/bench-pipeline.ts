@@ -808,7 +808,10 @@ async function partB(): Promise<void> {
   );
   console.log(`ratio fleet/raw                            ${f2(fleetRate / rawRate).padStart(10)}`);
   // Splits the gap: the lifecycle's exec count (probe, staging, harness, kill sweep, tests...)
-  // versus everything else the fleet adds (queues, Redis state, inspects, its own Node work).
+  // versus everything else: what the fleet adds (queues, Redis state, inspects, archive puts and
+  // gets, its own Node work) and the task's own work, which the raw loop's `true` execs do not
+  // do (the oracle's solution, the tests). The fleet also runs up to `--concurrency` jobs per
+  // stage worker (four workers), where the raw loop keeps `--concurrency` containers in flight.
   const sameRate = (SANDBOX_N / sameExecsMs) * 1000;
   console.log(
     `${`raw again with ${sameExecs} execs per container`.padEnd(42)} ${f2(sameRate).padStart(10)} ${f1(sameExecsMs / 1000).padStart(8)}`,

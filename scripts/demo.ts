@@ -61,8 +61,11 @@ async function startPrivateRedis(): Promise<{ url: string; proc: ChildProcess }>
       "--save",
       "",
     ],
-    { stdio: "ignore" },
+    // Its own process group: a Ctrl-C must not take Redis away before the fleet has shut down
+    // (workers hand their jobs back through it); this process stops it last, or at exit.
+    { stdio: "ignore", detached: true },
   );
+  process.on("exit", () => proc.kill("SIGTERM"));
   const url = `redis://127.0.0.1:${port}`;
   for (let i = 0; i < 100; i++) {
     try {
@@ -113,7 +116,57 @@ function summarise(label: string, file: string): ResultLine[] {
   return rows;
 }
 
+/**
+ * What the demo's fleet may have left in Docker (its sandboxes carry `fleet.scope=<prefix>`):
+ * after an interrupted run, workers shutting down keep their sandboxes for another replica, and
+ * the private Redis with its teardown ledger goes with the demo, so no janitor ever would.
+ */
+function removeDemoSandboxes(prefix: string): void {
+  const label = `label=fleet.scope=${prefix}`;
+  const ids = (kind: string) =>
+    execFileSync("docker", [kind, "ls", "-q", ...(kind === "container" ? ["-a"] : []), "--filter", label], {
+      encoding: "utf8",
+    })
+      .split("\n")
+      .filter((id) => id !== "");
+  let removed = 0;
+  try {
+    // In rounds: a create the daemon was still finishing when its worker stopped shows up late,
+    // and a volume goes only once its container has.
+    for (let round = 0; round < 10; round++) {
+      const containers = ids("container");
+      if (containers.length > 0) {
+        execFileSync("docker", ["rm", "-f", "-v", ...containers], { stdio: "ignore" });
+        removed += containers.length;
+      }
+      const rest = ["volume", "network"].flatMap((kind) => ids(kind).map((id) => [kind, id] as const));
+      for (const [kind, id] of rest) {
+        try {
+          execFileSync("docker", [kind, "rm", id], { stdio: "ignore" });
+        } catch {
+          // still in use: the next round
+        }
+      }
+      if (containers.length === 0 && rest.length === 0) break;
+      execFileSync("sleep", ["1"]);
+    }
+    if (removed > 0) say(`removed ${removed} sandbox(es) the interrupted fleet left`);
+    const left = ids("container").length + ids("volume").length + ids("network").length;
+    if (left > 0) say(`could not remove everything: docker ps -a / volume ls / network ls --filter ${label}`);
+  } catch (err) {
+    say(`could not remove the demo's sandboxes (${label}): ${String(err)}`);
+  }
+}
+
 async function main(): Promise<number> {
+  // Ctrl-C reaches the CLI and the fleet's processes too (one process group): the CLI ends, and
+  // this process goes on to shut the fleet down and clean up instead of dying with it.
+  let interrupted = false;
+  for (const signal of ["SIGINT", "SIGTERM"] as const) {
+    process.on(signal, () => {
+      interrupted = true;
+    });
+  }
   const exported = ensureServices();
   let redis: { url: string; proc: ChildProcess } | null = null;
   let redisUrl = process.env.REDIS_URL;
@@ -157,6 +210,7 @@ async function main(): Promise<number> {
       env,
     );
 
+    if (interrupted) throw new Error("interrupted");
     const oracle = summarise("oracle agent", oracleOut);
     const wrong = summarise("wrong agent", wrongOut);
     console.log(`\nresults: ${oracleOut}\n         ${wrongOut}`);
@@ -167,7 +221,9 @@ async function main(): Promise<number> {
     return oracleOk && wrongOk ? 0 : 1;
   } finally {
     say("shutting down…");
-    await fleet?.stop();
+    // Longer than a worker's own bounded shutdown (30 s), so none is cut off handing back.
+    await fleet?.stop(35_000);
+    removeDemoSandboxes(prefix);
     redis?.proc.kill("SIGTERM");
   }
 }

@@ -38,6 +38,16 @@ fi
 # Redis (private, AOF + noeviction) unless the caller brings one.
 if [ -z "${REDIS_URL:-}" ]; then
   port="${FLEET_TEST_REDIS_PORT:-6379}"
+  # The fleet refuses a Redis without AOF and noeviction: one already on the port that lacks them
+  # (Debian's own service, say) is left alone and a private one runs on the next port.
+  durable() {
+    [ "$(redis-cli -p "$1" config get appendonly 2>/dev/null | tail -1)" = yes ] &&
+      [ "$(redis-cli -p "$1" config get maxmemory-policy 2>/dev/null | tail -1)" = noeviction ]
+  }
+  if redis-cli -p "$port" ping >/dev/null 2>&1 && ! durable "$port"; then
+    log "the Redis on 127.0.0.1:$port has no AOF/noeviction; starting a private one on $((port + 1))"
+    port=$((port + 1))
+  fi
   if ! redis-cli -p "$port" ping >/dev/null 2>&1; then
     log "starting redis on 127.0.0.1:$port"
     mkdir -p "$state/redis"
@@ -45,6 +55,8 @@ if [ -z "${REDIS_URL:-}" ]; then
       --maxmemory-policy noeviction --save "" --daemonize yes --logfile "$state/redis/redis.log" >&2
     for _ in $(seq 1 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
   fi
+  redis-cli -p "$port" ping >/dev/null 2>&1 || { log "redis did not come up on 127.0.0.1:$port; see $state/redis/redis.log"; exit 1; }
+  durable "$port" || { log "the Redis on 127.0.0.1:$port has no AOF/noeviction"; exit 1; }
   echo "export REDIS_URL=redis://127.0.0.1:$port"
 fi
 
