@@ -107,7 +107,10 @@ rootfs_tar="$cache/base-rootfs-$hash.tar"
 if [ "$force" = 1 ] || [ ! -s "$rootfs_tar" ]; then
   [ "$(id -u)" = 0 ] || die "debootstrap needs root (or a cached $rootfs_tar)"
   command -v debootstrap >/dev/null || die "debootstrap not found: apt-get install -y debootstrap"
-  mirror="${FLEET_DEBIAN_MIRROR:-$(find_mirror | head -n1 || true)}"
+  # A Debian archive root (…/debian) first: another vendor's repository with the same suite name
+  # (e.g. download.docker.com/linux/debian bookworm) holds no base system.
+  mirror="${FLEET_DEBIAN_MIRROR:-$({ find_mirror | grep -m1 -E '^[a-z]+://[^/]+/debian/?$' ||
+    find_mirror | grep -m1 -v 'download\.docker\.com' || find_mirror | head -n1; } 2>/dev/null || true)}"
   [ -n "$mirror" ] || die "no Debian mirror for '$suite' in /etc/apt/sources.list*; set FLEET_DEBIAN_MIRROR"
   include="$(grep -v '^[[:space:]]*#' "$recipe_dir/packages.txt" | tr -s ' \t\n' '\n' | sed '/^$/d' | paste -sd, -)"
 
