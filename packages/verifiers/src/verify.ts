@@ -67,6 +67,7 @@ report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
 reap() {
   local line p f n round mine keep=" "
   line=; read -r -d '' line 2>/dev/null < /proc/$$/stat; set -- \${line##*) }; mine=\${20:-0}
+  [ "$mine" -gt 0 ] 2>/dev/null || return 0 # no start time of its own: nothing is safe to kill
   p=$$
   while [ "$p" -gt 0 ] 2>/dev/null; do
     keep="$keep$p "
