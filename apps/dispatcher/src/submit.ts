@@ -51,12 +51,6 @@ export async function submit(
       { incoming, maxBacklog: config.maxBacklog },
     );
   }
-  // Before anything hashes the body (the replay checks below do): a shape that would break it is a 422.
-  try {
-    checkRequestShapes(parsed.requests);
-  } catch (err) {
-    throw withLine(err, parsed.lines);
-  }
   let replay =
     generatedKey === null &&
     idempotencyKey !== null &&
@@ -72,6 +66,13 @@ export async function submit(
     // Only for the very same body: a bare key was shared by every token, and another token's
     // different request under it is no replay of this one.
     const legacy = options.idempotencyKey!;
+    // It hashes the body, which `admit` otherwise checks first: a shape that would break the
+    // hashing (nested too deep, 1e999) is a 422 here too.
+    try {
+      checkRequestShapes(parsed.requests);
+    } catch (err) {
+      throw withLine(err, parsed.lines);
+    }
     if (await admittedWithBody(store, legacy, options.batch, parsed.requests)) {
       idempotencyKey = legacy;
       replay = true;
