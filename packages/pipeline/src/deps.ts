@@ -9,7 +9,8 @@ import type { Verdict, VerifyContext } from "@fleet/verifiers";
 export interface GatewayNetworks {
   ensure(rolloutId: string): Promise<GatewayNetwork>;
   allowGateway(network: GatewayNetwork, port: number): Promise<void>;
-  remove(rolloutId: string): Promise<{ alreadyGone: boolean }>;
+  /** `name`: the network's as `list` gave it; by default the one `ensure` makes. */
+  remove(rolloutId: string, name?: string): Promise<{ alreadyGone: boolean }>;
   list(): Promise<Array<{ name: string; rolloutId: string; createdAt: number }>>;
 }
 

@@ -1,5 +1,10 @@
 import { sandboxKey } from "@fleet/queue";
-import { DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
+import {
+  buildGatewayNetworkConfig,
+  DockerGatewayNetworks,
+  DockerSandboxProvider,
+  LABEL_ROLLOUT,
+} from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -294,4 +299,27 @@ describe("janitor", () => {
     // Without the budget, close waits for the pass forever and this test times out.
     await janitor.close(300);
   }, 20_000);
+
+  it("removes the gateway networks of rollouts that are over, this fleet's and those made before networks carried a scope", async () => {
+    const scope = `janitor-test-${process.pid}`;
+    const networks = new DockerGatewayNetworks({ scope });
+    const run = `${Date.now()}`;
+    const [scopedId, legacyId] = [`gwj-${run}`, `gwjl-${run}`];
+    // A network a close could not remove, and one made before names and labels carried the scope
+    // (named `fleet-gw-<id>`, unlabelled: every fleet's janitor sweeps it).
+    const scoped = await networks.ensure(scopedId);
+    const legacy = await new DockerGatewayNetworks().ensure(legacyId);
+    expect(legacy.name).toBe(`fleet-gw-${legacyId}`);
+    const names = async () => (await networks.list()).map((n) => n.name);
+    expect(await names()).toEqual(expect.arrayContaining([scoped.name, legacy.name]));
+    try {
+      const later = { ...fleet.deps, networks, now: () => Date.now() + 120_000 };
+      expect((await janitorTick(later, { orphanGraceMs: 60_000 })).errors).toEqual([]);
+      expect(await names()).not.toContain(scoped.name);
+      expect(await names()).not.toContain(legacy.name);
+    } finally {
+      await networks.remove(scopedId);
+      await networks.remove(legacyId, legacy.name);
+    }
+  });
 });

@@ -161,7 +161,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       for (const net of await networks.list()) {
         const rec = await deps.store.get(net.rolloutId);
         if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
-          await networks.remove(net.rolloutId).catch(() => undefined);
+          await networks.remove(net.rolloutId, net.name).catch(() => undefined);
         }
       }
     });

@@ -1,12 +1,13 @@
 import { execFile, spawn } from "node:child_process";
 import { existsSync, readdirSync, readFileSync } from "node:fs";
-import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
 import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { sandboxName } from "../docker/container-config.ts";
 import { AGENT_USER, ROOT_USER } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
 import { KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
@@ -135,7 +136,7 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(h).toMatchObject({
       provider: "bubblewrap",
       endpoint: expect.stringMatching(/^bwrap:\/\//),
-      name: `fleet-${h.rolloutId}-resources`,
+      name: sandboxName(h.rolloutId, "resources", RUN),
     });
     expect(await provider.alive(h)).toBe(true);
     const [info] = await provider.list({ "fleet.rollout": h.rolloutId });
@@ -472,6 +473,40 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.create(s)).toEqual(h);
   });
 
+  it("two fleets sharing a state directory never take each other's sandbox for a rollout id they share", async () => {
+    // Rollout ids derive from idempotency keys, so two fleets given the same key share them.
+    const fleetA = new BubblewrapSandboxProvider({ rootfs: provider.rootfs, stateDir, scope: `${RUN}-a` });
+    const fleetB = new BubblewrapSandboxProvider({ rootfs: provider.rootfs, stateDir, scope: `${RUN}-b` });
+    const s = spec();
+    const a = await fleetA.create(s);
+    let b: SandboxHandle | null = null;
+    try {
+      b = await fleetB.create(s);
+      expect(b.name).not.toBe(a.name);
+      expect(b.id).not.toBe(a.id);
+      expect((await fleetA.find(s.rolloutId, "resources"))?.id).toBe(a.id);
+      expect((await fleetB.find(s.rolloutId, "resources"))?.id).toBe(b.id);
+      // One fleet closing its rollout leaves the other's sandbox running.
+      expect(await fleetB.destroy(b)).toMatchObject({ confirmed: true, alreadyGone: false });
+      expect(await fleetA.alive(a)).toBe(true);
+      // Another fleet's sandbox under this fleet's name is refused, and neither taken nor removed.
+      const bName = sandboxName(s.rolloutId, "resources", `${RUN}-b`);
+      const taken = join(stateDir, `${bName}.json`);
+      const stateA = JSON.parse(await readFile(join(stateDir, `${a.name}.json`), "utf8"));
+      await writeFile(taken, JSON.stringify({ ...stateA, name: bName }));
+      try {
+        const err = await fleetError(fleetB.create(s));
+        expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+        expect(await fleetA.alive(a)).toBe(true);
+      } finally {
+        await rm(taken, { force: true });
+      }
+    } finally {
+      await fleetA.destroy(a);
+      if (b) await fleetB.destroy(b);
+    }
+  });
+
   /**
    * Start a create in another process with a bwrap that starts the real sandbox but never reports
    * its PID 1, so that create waits (up to 120 s) with the sandbox half-started; resolves once
@@ -495,7 +530,7 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
     const creator = spawn(tsx, [script], { stdio: "ignore" });
     const exited = new Promise<number | null>((resolve) => creator.once("exit", resolve));
-    const name = `fleet-${s.rolloutId}-${s.owner}`;
+    const name = sandboxName(s.rolloutId, s.owner, RUN);
     let pids: number[] = [];
     // bwrap and its PID 1 run, and the creator has recorded bwrap's pid (its write right after
     // the spawn may come a moment after the processes appear).

@@ -194,9 +194,16 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         "the bubblewrap provider needs root on the host (nsenter into the sandbox, agent uid 1000)",
       );
     }
-    const name = sandboxName(spec.rolloutId, spec.owner);
+    const name = sandboxName(spec.rolloutId, spec.owner, this.scope);
     const existing = await this.readState(name);
     if (existing) {
+      if (existing.labels[LABEL_SCOPE] !== this.scope) {
+        // Another fleet's (or, unscoped, any fleet's): neither ours to take over nor to remove.
+        throw FleetError.nonRetryable(
+          "invalid_task",
+          `sandbox name ${name} is taken by a sandbox that is not this fleet's`,
+        );
+      }
       if (
         existing.rolloutId === spec.rolloutId &&
         existing.owner === spec.owner &&
@@ -394,7 +401,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return findSandbox(
       (labels) => this.list(labels),
       { [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner },
-      sandboxName(rolloutId, owner),
+      sandboxName(rolloutId, owner, this.scope),
     );
   }
 

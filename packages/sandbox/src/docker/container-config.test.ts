@@ -122,6 +122,20 @@ describe("sandboxName", () => {
     expect(sandboxName("a b/c", "resources")).toBe(odd);
     expect(sandboxName("a_b/c", "resources")).not.toBe(odd);
   });
+
+  it("with a scope, is distinct per fleet and still deterministic", () => {
+    const a = sandboxName("r1", "agent", "{fleet-a}");
+    expect(a).toMatch(/^fleet-s[0-9a-f]{8}-r1-agent$/);
+    expect(sandboxName("r1", "agent", "{fleet-a}")).toBe(a);
+    expect(sandboxName("r1", "agent", "{fleet-b}")).not.toBe(a);
+    expect(sandboxName("r1", "agent")).not.toBe(a);
+    expect(sandboxName("a b/c", "resources", "{fleet-a}")).toMatch(
+      /^fleet-s[0-9a-f]{8}-a_b_c-[0-9a-f]{12}-resources$/,
+    );
+    expect(
+      buildContainerConfig(SandboxSpec.parse({ ...base, owner: "agent" }), undefined, "{fleet-a}").name,
+    ).toBe(sandboxName(base.rolloutId, "agent", "{fleet-a}"));
+  });
 });
 
 describe("mount helpers", () => {

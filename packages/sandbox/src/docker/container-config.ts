@@ -76,15 +76,23 @@ export function isWorkspacePath(path: string): boolean {
 const NAME_SAFE = /^[A-Za-z0-9][A-Za-z0-9_.-]*$/;
 
 /**
- * `fleet-<rolloutId>-<owner>`: deterministic, so a re-delivered create finds the container it
- * made before. A rollout id Docker would not accept as a name is sanitised and suffixed with a
- * short hash of the original, so two ids never share a name.
+ * `fleet-<rolloutId>-<owner>`, or with a scope (`LABEL_SCOPE`) `fleet-<scopeTag>-<rolloutId>-<owner>`:
+ * deterministic, so a re-delivered create finds the container it made before, and distinct per
+ * fleet, so two fleets sharing a daemon whose rollout ids coincide (ids derive from idempotency
+ * keys) never take each other's sandbox for their own. A rollout id Docker would not accept as
+ * a name is sanitised and suffixed with a short hash of the original, so two ids never share a name.
  */
-export function sandboxName(rolloutId: string, owner: SandboxSpec["owner"]): string {
-  if (NAME_SAFE.test(rolloutId) && rolloutId.length <= 100) return `fleet-${rolloutId}-${owner}`;
+export function sandboxName(rolloutId: string, owner: SandboxSpec["owner"], scope?: string): string {
+  const head = scope ? `fleet-${scopeTag(scope)}-` : "fleet-";
+  if (NAME_SAFE.test(rolloutId) && rolloutId.length <= 100) return `${head}${rolloutId}-${owner}`;
   const hash = createHash("sha256").update(rolloutId).digest("hex").slice(0, 12);
   const clean = rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80);
-  return `fleet-${clean}-${hash}-${owner}`;
+  return `${head}${clean}-${hash}-${owner}`;
+}
+
+/** A scope in Docker names: `s` + 8 hex chars of its sha256 (a scope is a Redis key prefix, e.g. `{fleet}`). */
+export function scopeTag(scope: string): string {
+  return `s${createHash("sha256").update(scope).digest("hex").slice(0, 8)}`;
 }
 
 const [AGENT_UID, AGENT_GID = AGENT_UID] = AGENT_USER.split(":");
@@ -142,7 +150,7 @@ export function buildContainerConfig(
   scope?: string,
 ): Dockerode.ContainerCreateOptions {
   const limits = effectiveLimits(spec, defaults);
-  const name = sandboxName(spec.rolloutId, spec.owner);
+  const name = sandboxName(spec.rolloutId, spec.owner, scope);
   const labels = sandboxLabels(spec, scope);
   const memoryBytes = limits.memoryMb * 1024 * 1024;
   const tmpfs: Record<string, string> = {};

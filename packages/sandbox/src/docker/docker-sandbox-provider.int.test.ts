@@ -4,9 +4,11 @@ import { promisify } from "node:util";
 import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
+import { parseSandboxSpec } from "../exec-ops.ts";
 import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
 import { KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
+import { buildContainerConfig, sandboxName, workspaceVolumeName } from "./container-config.ts";
 import { DockerSandboxProvider, LABEL_REAPER } from "./docker-sandbox-provider.ts";
 
 // Real Docker, the offline base image (scripts/build-base-image.sh).
@@ -511,6 +513,44 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect((await provider.find(s.rolloutId, "resources"))?.id).toBe(a.id);
     expect(await provider.find(s.rolloutId, "agent")).toBeNull();
     expect((await provider.list({ [LABEL_ROLLOUT]: s.rolloutId })).map((i) => i.handle.id)).toEqual([a.id]);
+  });
+
+  it("two fleets sharing the daemon never take each other's sandbox for a rollout id they share", async () => {
+    // Rollout ids derive from idempotency keys, so two fleets given the same key share them.
+    const socket = { socketPath: "/var/run/docker.sock" };
+    const fleetA = new DockerSandboxProvider({ docker: socket, scope: `${RUN}-a` });
+    const fleetB = new DockerSandboxProvider({ docker: socket, scope: `${RUN}-b` });
+    const s = spec();
+    const a = await fleetA.create(s);
+    live.push(a);
+    const b = await fleetB.create(s);
+    live.push(b);
+    expect(b.id).not.toBe(a.id);
+    expect(b.name).not.toBe(a.name);
+    expect((await fleetA.find(s.rolloutId, "resources"))?.id).toBe(a.id);
+    expect((await fleetB.find(s.rolloutId, "resources"))?.id).toBe(b.id);
+    expect((await fleetB.create(s)).id).toBe(b.id); // a re-delivered create still finds its own
+    // One fleet closing its rollout leaves the other's sandbox running.
+    expect(await fleetB.destroy(b)).toMatchObject({ confirmed: true, alreadyGone: false });
+    expect(await fleetA.alive(a)).toBe(true);
+
+    // A container bearing this fleet's name but another fleet's scope is refused, and left alone.
+    const other = spec();
+    const foreign = buildContainerConfig(parseSandboxSpec(other), fleetA.defaults, `${RUN}-a`);
+    const name = sandboxName(other.rolloutId, "resources", `${RUN}-b`);
+    const made = await docker.createContainer({ ...foreign, name });
+    try {
+      const err = await fleetError(fleetB.create(other));
+      expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+      expect(err.message).toMatch(/not this rollout's sandbox/);
+      expect((await made.inspect()).Id).toBe(made.id);
+    } finally {
+      await made.remove({ force: true, v: true });
+      await docker
+        .getVolume(workspaceVolumeName(foreign.name!))
+        .remove()
+        .catch(() => undefined);
+    }
   });
 
   it("destroys twice without complaint and removes the workspace volume", async () => {

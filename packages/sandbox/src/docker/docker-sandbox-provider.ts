@@ -210,7 +210,12 @@ export class DockerSandboxProvider implements SandboxProvider {
       throw FleetError.retryable("provider_unavailable", `sandbox name ${handle.name} is in use`, err);
     }
     const labels = info.Config.Labels ?? {};
-    if (labels[LABEL_ROLLOUT] !== handle.rolloutId || labels[LABEL_OWNER] !== handle.owner) {
+    if (
+      labels[LABEL_ROLLOUT] !== handle.rolloutId ||
+      labels[LABEL_OWNER] !== handle.owner ||
+      // Another fleet's (or, unscoped, any fleet's): never ours to take over.
+      labels[LABEL_SCOPE] !== this.scope
+    ) {
       throw FleetError.nonRetryable(
         "invalid_task",
         `container name ${handle.name} is taken by a container that is not this rollout's sandbox`,
@@ -231,7 +236,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     return findSandbox(
       (labels) => this.list(labels),
       { [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner },
-      sandboxName(rolloutId, owner),
+      sandboxName(rolloutId, owner, this.scope),
     );
   }
 

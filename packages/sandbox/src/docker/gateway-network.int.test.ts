@@ -1,7 +1,8 @@
 import { randomUUID } from "node:crypto";
+import { isFleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { afterAll, describe, expect, it } from "vitest";
-import { buildGatewayNetworkConfig, DockerGatewayNetworks } from "./gateway-network.ts";
+import { buildGatewayNetworkConfig, DockerGatewayNetworks, gatewayNetworkName } from "./gateway-network.ts";
 
 const docker = new Dockerode();
 
@@ -33,5 +34,47 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
         .filter((id) => id.endsWith(run));
     expect((await ids(mine)).sort()).toEqual([`gwa-${run}`, `gwc-${run}`]);
     expect((await ids(theirs)).sort()).toEqual([`gwb-${run}`, `gwc-${run}`]);
+  });
+
+  it("two fleets' networks for a rollout id they share are distinct: neither adopts nor removes the other's", async () => {
+    // Rollout ids derive from idempotency keys, so two fleets given the same key share them.
+    const run = randomUUID().slice(0, 8);
+    const [scopeA, scopeB] = [`{a-${run}}`, `{b-${run}}`];
+    const fleetA = new DockerGatewayNetworks({ scope: scopeA });
+    const fleetB = new DockerGatewayNetworks({ scope: scopeB });
+    const id = `gws-${run}`;
+    made.push(gatewayNetworkName(id, scopeA), gatewayNetworkName(id, scopeB));
+    try {
+      const a = await fleetA.ensure(id);
+      const b = await fleetB.ensure(id);
+      expect(b.name).not.toBe(a.name);
+      expect(b.id).not.toBe(a.id);
+      expect(b.bridge).not.toBe(a.bridge);
+      expect((await fleetB.ensure(id)).id).toBe(b.id); // a re-delivered ensure still finds its own
+      expect(await fleetB.remove(id)).toEqual({ alreadyGone: false });
+      expect((await docker.getNetwork(a.name).inspect()).Id).toBe(a.id);
+    } finally {
+      await fleetA.remove(id);
+      await fleetB.remove(id);
+    }
+
+    // A sealed internal network under this fleet's name, but another fleet's: refused, left alone.
+    const other = `gwt-${run}`;
+    const config = buildGatewayNetworkConfig(other, undefined, scopeB);
+    made.push(config.Name!);
+    const foreign = await docker.createNetwork({
+      ...config,
+      Labels: { ...config.Labels, "fleet.scope": scopeA },
+    });
+    try {
+      const err = await fleetB.ensure(other).then(
+        () => null,
+        (e: unknown) => e,
+      );
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+      expect((await foreign.inspect()).Id).toBe(foreign.id);
+    } finally {
+      await fleetB.remove(other); // the network (by name) and the seal its ensure put on the bridge
+    }
   });
 });

@@ -18,6 +18,12 @@ describe("gateway network naming and config", () => {
     expect(bridge).toMatch(/^fgw-[0-9a-f]{11}$/);
     expect(bridge.length).toBeLessThanOrEqual(15);
     expect(gatewayBridgeName("fleet-gw-r-2")).not.toBe(bridge);
+    // Per fleet with a scope, and so is the bridge.
+    const scoped = gatewayNetworkName("r-1", "{fleet-a}");
+    expect(scoped).toMatch(/^fleet-gw-s[0-9a-f]{8}-r-1$/);
+    expect(gatewayNetworkName("r-1", "{fleet-b}")).not.toBe(scoped);
+    expect(gatewayBridgeName(scoped)).not.toBe(bridge);
+    expect(buildGatewayNetworkConfig("r-1", undefined, "{fleet-a}").Name).toBe(scoped);
   });
 
   it("builds an internal, labelled bridge network with our bridge name", () => {

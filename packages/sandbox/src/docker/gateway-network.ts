@@ -3,6 +3,7 @@ import { createHash } from "node:crypto";
 import { FleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { LABEL_MANAGED, LABEL_ROLLOUT, LABEL_SCOPE } from "../provider.ts";
+import { scopeTag } from "./container-config.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { dockerErrorFacts } from "./docker-errors.ts";
 import { type GatewayFirewall, IptablesGatewayFirewall } from "./gateway-firewall.ts";
@@ -23,12 +24,15 @@ export interface GatewayNetwork {
   gatewayIp: string;
 }
 
-/** `fleet-gw-<rolloutId>` (sanitised + hashed like sandbox names when needed). */
-export function gatewayNetworkName(rolloutId: string): string {
-  if (/^[A-Za-z0-9][A-Za-z0-9_.-]*$/.test(rolloutId) && rolloutId.length <= 100)
-    return `fleet-gw-${rolloutId}`;
+/**
+ * `fleet-gw-<rolloutId>`, or with a scope `fleet-gw-<scopeTag>-<rolloutId>` (distinct per fleet,
+ * as sandbox names are); sanitised + hashed like sandbox names when needed.
+ */
+export function gatewayNetworkName(rolloutId: string, scope?: string): string {
+  const head = scope ? `fleet-gw-${scopeTag(scope)}-` : "fleet-gw-";
+  if (/^[A-Za-z0-9][A-Za-z0-9_.-]*$/.test(rolloutId) && rolloutId.length <= 100) return `${head}${rolloutId}`;
   const clean = rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80);
-  return `fleet-gw-${clean}-${shortHash(rolloutId, 12)}`;
+  return `${head}${clean}-${shortHash(rolloutId, 12)}`;
 }
 
 /** The bridge interface of a gateway network: `fgw-` + 11 hex chars (Linux allows 15). */
@@ -89,7 +93,7 @@ export function buildGatewayNetworkConfig(
   /** This fleet's name on a shared daemon (`LABEL_SCOPE`), as on its sandboxes. */
   scope?: string,
 ): Dockerode.NetworkCreateOptions {
-  const name = gatewayNetworkName(rolloutId);
+  const name = gatewayNetworkName(rolloutId, scope);
   return {
     Name: name,
     Driver: "bridge",
@@ -165,7 +169,7 @@ export class DockerGatewayNetworks {
     this.firewall = options.firewall ?? new IptablesGatewayFirewall();
     this.pool = options.subnetPool;
     this.apiTimeoutMs = options.apiTimeoutMs ?? 30_000;
-    this.scope = options.scope;
+    this.scope = options.scope || undefined;
     if (this.pool) poolSubnet(this.pool, 0); // validate early
   }
 
@@ -177,7 +181,7 @@ export class DockerGatewayNetworks {
         `gateway networks need the Docker daemon on this host (a local unix socket), not ${this.endpoint}`,
       );
     }
-    const name = gatewayNetworkName(rolloutId);
+    const name = gatewayNetworkName(rolloutId, this.scope);
     await this.firewall.seal(gatewayBridgeName(name));
     const existing = await this.inspect(name);
     if (existing) return this.adopt(existing, rolloutId);
@@ -216,10 +220,13 @@ export class DockerGatewayNetworks {
   /**
    * Remove the rollout's gateway network and then its firewall rules. Idempotent (`alreadyGone`
    * when there was no network). A network still holding a sandbox is a retryable
-   * `provider_unavailable`: destroy the sandbox first.
+   * `provider_unavailable`: destroy the sandbox first. `name` is the network's as `list` gave it
+   * (one made before names carried the scope); by default the one `ensure` makes.
    */
-  async remove(rolloutId: string): Promise<{ alreadyGone: boolean }> {
-    const name = gatewayNetworkName(rolloutId);
+  async remove(
+    rolloutId: string,
+    name = gatewayNetworkName(rolloutId, this.scope),
+  ): Promise<{ alreadyGone: boolean }> {
     let alreadyGone = false;
     try {
       await this.docker.getNetwork(name).remove({ abortSignal: this.signal() });
@@ -271,6 +278,7 @@ export class DockerGatewayNetworks {
     if (
       labels[LABEL_ROLLOUT] !== rolloutId ||
       labels[LABEL_NETWORK] !== "gateway" ||
+      labels[LABEL_SCOPE] !== this.scope ||
       !info.Internal ||
       bridge !== gatewayBridgeName(info.Name)
     ) {
