@@ -65,6 +65,14 @@ export async function runStageJob(
       await deps.queues.enqueue("close", rolloutId);
       return "skipped";
     }
+    if (rec.receipts[stage]) {
+      // Re-delivered after its receipt was stored: replay, no side effect repeated. Before the
+      // cancel and deadline checks: a stage that is done stays done (a verify re-delivered past
+      // the deadline, or after a cancel its API call was told came too late, keeps its reward).
+      const next = nextAfter(stage);
+      if (next) await deps.queues.enqueue(next, rolloutId);
+      return "replayed";
+    }
     if (rec.cancelRequested) {
       await fail(deps, rolloutId, stage, FleetError.nonRetryable("cancelled", "cancelled by request"), now);
       return "skipped";
@@ -78,12 +86,6 @@ export async function runStageJob(
         now,
       );
       return "skipped";
-    }
-    if (rec.receipts[stage]) {
-      // Re-delivered after its receipt was stored: replay, no side effect repeated.
-      const next = nextAfter(stage);
-      if (next) await deps.queues.enqueue(next, rolloutId);
-      return "replayed";
     }
   }
 
@@ -124,7 +126,12 @@ export async function runStageJob(
       try {
         // A try whose record landed and whose enqueue failed only enqueues again: the failure
         // is logged once.
-        if (!recorded) await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at));
+        // Not once the result is decided: a verify whose receipt (its reward) was stored and
+        // whose close could not be enqueued keeps its reward; close composes it.
+        if (!recorded)
+          await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at), {
+            beforeDecided: true,
+          });
         recorded = true;
         await deps.queues.enqueue("close", rolloutId);
         break;
@@ -180,6 +187,6 @@ async function fail(
   fe: FleetError,
   at: number,
 ): Promise<void> {
-  await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at));
+  await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at), { beforeDecided: true });
   await deps.queues.enqueue("close", rolloutId);
 }
