@@ -23,6 +23,9 @@ const TERMINAL = ["completed", "masked", "failed", "cancelled"];
  * FLEET_METRICS_PORT=0 server, the dispatcher on its API port): a small real batch, then every
  * scrape goes through `promtool check metrics` and carries the right numbers.
  */
+if (!hasPromtool())
+  console.warn(`\n!!! test/ops/metrics.test.ts: the lint test is skipped: ${PROMTOOL_MISSING}\n`);
+
 describe("metrics of a real run", () => {
   const prefix = testPrefix("metrics");
   const logDir = mkdtempSync(join(tmpdir(), "fleet-ops-metrics-"));
@@ -112,7 +115,7 @@ describe("metrics of a real run", () => {
     );
   });
 
-  it("after a small batch: finished counts, stage histograms and queue gauges are right, and every scrape lints clean", async () => {
+  it("after a small batch: finished counts, stage histograms and queue gauges are right", async () => {
     const batch = await api("POST", "/v1/batches", {
       rollouts: [
         { task, agent: { harness: "oracle" } },
@@ -128,15 +131,6 @@ describe("metrics of a real run", () => {
         return TERMINAL.includes(String(x.body.status)) ? x.body : null;
       });
       expect(r).toMatchObject({ status: "completed", reward: 1 });
-    }
-
-    // Each process's scrape passes promtool's lint.
-    if (hasPromtool()) {
-      for (const kind of ["dispatcher", "resources", "agent", "verifier", "janitor"] as const) {
-        expect({ kind, lint: lintMetrics(await scrapeText(kind)) }).toEqual({ kind, lint: "" });
-      }
-    } else {
-      console.warn(`\n!!! promtool check metrics ${PROMTOOL_MISSING}\n`);
     }
 
     // The resources worker finalises (close): finished count, rollout duration, reward.
@@ -229,5 +223,12 @@ describe("metrics of a real run", () => {
     expect(
       Date.now() / 1000 - sampleValue(j, "fleet_worker_heartbeat_timestamp_seconds", { worker: "janitor" }),
     ).toBeLessThan(30);
+  });
+
+  // Its own test, so that a machine without promtool reports it skipped rather than passed.
+  it.skipIf(!hasPromtool())("every process's scrape passes promtool's lint", async () => {
+    for (const kind of ["dispatcher", "resources", "agent", "verifier", "janitor"] as const) {
+      expect({ kind, lint: lintMetrics(await scrapeText(kind)) }).toEqual({ kind, lint: "" });
+    }
   });
 });

@@ -152,7 +152,10 @@ describe("janitor", () => {
   });
 
   it("removes a sandbox whose fleet.expires passed, even for a live rollout", async () => {
-    const id = `expired${Date.now()}`;
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    // No workers run: the rollout stays `accepted`, well before its deadline.
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
     const handle = await docker.create({
       image: IMAGE,
       rolloutId: id,
@@ -162,9 +165,13 @@ describe("janitor", () => {
     try {
       const later = { ...fleet.deps, now: () => Date.now() + 5000 };
       await janitorTick(later, { orphanGraceMs: 3_600_000 });
+      expect((await fleet.deps.store.get(id))?.status).toBe("accepted");
       expect((await docker.list()).some((s) => s.labels[LABEL_ROLLOUT] === id)).toBe(false);
     } finally {
       await docker.destroy(handle);
+      // Ended, so the watchdog of the tests after this one (hours later) never counts it.
+      const job = { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } };
+      await runStageJob("close", job, fleet.deps);
     }
   });
 

@@ -68,19 +68,24 @@ describe("ScriptBatcher", () => {
   it("what `after` sends goes out before the script's reply is back, and runs after the script", async () => {
     const batcher = new ScriptBatcher(redis);
     await accepted("c1");
-    let replied = false;
-    let repliedWhenAfterRan: boolean | null = null;
+    // Bytes Redis sent back on the batcher's connection, counted at the socket.
+    const socket = (redis as unknown as { stream: NodeJS.EventEmitter }).stream;
+    let received = 0;
+    const onData = () => received++;
+    socket.on("data", onData);
+    let receivedWhenAfterRan: number | null = null;
     let seen: string | null = "unset";
-    await batcher
-      .call("fleetReceipt", ...receiptCall("c1", '{"x":1}'), async () => {
-        repliedWhenAfterRan = replied;
+    try {
+      await batcher.call("fleetReceipt", ...receiptCall("c1", '{"x":1}'), async () => {
+        receivedWhenAfterRan = received;
         seen = await redis.hget(keys.rollout("c1"), "r:seed");
-      })
-      .then(() => {
-        replied = true;
       });
-    // One round trip for both: `after` did not wait for the reply...
-    expect(repliedWhenAfterRan).toBe(false);
+    } finally {
+      socket.off("data", onData);
+    }
+    // One round trip for both: `after` ran before any reply came back...
+    expect(receivedWhenAfterRan).toBe(0);
+    expect(received).toBeGreaterThan(0);
     // ...and Redis ran what it sent after the script.
     expect(seen).toBe('{"x":1}');
   });

@@ -1,16 +1,35 @@
+import { type ChildProcess, spawn } from "node:child_process";
+import { mkdtempSync, rmSync } from "node:fs";
 import { createServer } from "node:net";
-import { describe, expect, it } from "vitest";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { afterEach, describe, expect, it } from "vitest";
 import { createRedis, logConnectionOutages } from "./connection.ts";
 
-describe("logConnectionOutages", () => {
-  it("logs an outage once however many reconnects fail, and its end once", async () => {
-    // A port nothing listens on: every reconnect attempt fails.
-    const port = await new Promise<number>((resolve) => {
-      const srv = createServer().listen(0, "127.0.0.1", () => {
-        const { port } = srv.address() as { port: number };
-        srv.close(() => resolve(port));
-      });
+async function freePort(): Promise<number> {
+  return new Promise<number>((resolve) => {
+    const srv = createServer().listen(0, "127.0.0.1", () => {
+      const { port } = srv.address() as { port: number };
+      srv.close(() => resolve(port));
     });
+  });
+}
+
+describe("logConnectionOutages", () => {
+  let server: ChildProcess | null = null;
+  const dir = mkdtempSync(join(tmpdir(), "fleet-outages-"));
+  afterEach(async () => {
+    if (server && server.exitCode === null && server.signalCode === null) {
+      const exited = new Promise((resolve) => server!.once("exit", resolve));
+      server.kill("SIGKILL");
+      await exited;
+    }
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("logs an outage once however many reconnects fail, and its end once, through a real Redis going and coming", async () => {
+    const port = await freePort();
+    // Nothing listens yet: every reconnect attempt fails.
     const redis = createRedis(`redis://127.0.0.1:${port}`, { retryStrategy: () => 20 });
     const lines: string[] = [];
     logConnectionOutages(redis, {
@@ -18,19 +37,48 @@ describe("logConnectionOutages", () => {
       info: (msg) => lines.push(msg),
     });
     let errors = 0;
-    await new Promise<void>((resolve) =>
-      redis.on("error", () => {
-        if (++errors === 5) resolve();
-      }),
-    );
-    expect(lines).toEqual(["redis connection lost; reconnecting"]);
-    redis.emit("ready");
-    redis.emit("error", new Error("again"));
-    redis.disconnect();
-    expect(lines).toEqual([
-      "redis connection lost; reconnecting",
-      "redis connection ready again",
-      "redis connection lost; reconnecting",
-    ]);
+    redis.on("error", () => errors++);
+    const until = async (cond: () => boolean) => {
+      for (let i = 0; !cond(); i++) {
+        if (i > 500) throw new Error("timed out waiting for a condition");
+        await new Promise((r) => setTimeout(r, 20));
+      }
+    };
+    try {
+      await until(() => errors >= 5);
+      expect(lines).toEqual(["redis connection lost; reconnecting"]);
+
+      // A real Redis comes up on the port: the client reconnects, and the end is logged once.
+      server = spawn(
+        "redis-server",
+        ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--dir", dir],
+        {
+          stdio: "ignore",
+        },
+      );
+      await until(() => redis.status === "ready");
+      expect(await redis.ping()).toBe("PONG");
+      // A client that connects first time round logs nothing: there was no outage to end.
+      const fresh = createRedis(`redis://127.0.0.1:${port}`);
+      const freshLines: string[] = [];
+      logConnectionOutages(fresh, {
+        warn: (_o, msg) => freshLines.push(msg),
+        info: (msg) => freshLines.push(msg),
+      });
+      await until(() => fresh.status === "ready");
+      fresh.disconnect();
+      expect(freshLines).toEqual([]);
+      // It goes again (killed): one more outage line, however many reconnects fail.
+      const before = errors;
+      server.kill("SIGKILL");
+      await until(() => errors >= before + 5);
+      expect(lines).toEqual([
+        "redis connection lost; reconnecting",
+        "redis connection ready again",
+        "redis connection lost; reconnecting",
+      ]);
+    } finally {
+      redis.disconnect();
+    }
   });
 });

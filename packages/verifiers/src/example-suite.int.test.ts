@@ -102,16 +102,13 @@ describe("the example suite on real Docker", () => {
       const wrong = await runAndVerify(handle, task, WRONG);
       expect(wrong.verdict.reward, JSON.stringify(wrong.verdict.details)).toBe(0);
 
-      const started = Date.now();
       const oracle = await runAndVerify(handle, task, ORACLE);
       expect(oracle.outcome.exec.exitCode, oracle.outcome.exec.stderr).toBe(0);
-      expect(oracle.outcome.exec.durationMs).toBeLessThan(3000);
       expect(oracle.verdict.reward, JSON.stringify(oracle.verdict.details)).toBe(1);
       // Tasks whose tests run the agent's code write the reward file themselves, last.
       const writesReward = ["poem-stats", "python-bugfix", "shell-script"].includes(id);
       const source = task.verifier.kind === "match" ? "match" : writesReward ? "reward_file" : "exit_code";
       expect(oracle.verdict.details.source).toBe(source);
-      expect(Date.now() - started).toBeLessThan(60_000);
     },
   );
 

@@ -133,10 +133,9 @@ describe("DockerSandboxProvider (real Docker)", () => {
     });
 
     it("returns when the command exits, though a background process it left holds its output open", async () => {
-      const started = Date.now();
+      // Waiting for the background sleep to close the output would run into the deadline.
       const r = await provider.exec(h, ["sh", "-c", "sleep 30 & echo done"], { deadlineMs: 20_000 });
       expect(r).toMatchObject({ exitCode: 0, timedOut: false, stdout: "done\n" });
-      expect(Date.now() - started).toBeLessThan(5_000);
       await provider.killProcesses(h);
     });
 
@@ -469,10 +468,8 @@ describe("DockerSandboxProvider (real Docker)", () => {
         { timeout: 8_000, interval: 100 },
       );
       // ...and the host still answers meanwhile.
-      const hostStarted = performance.now();
       const { stdout } = await promisify(execFile)("sh", ["-c", "echo host-alive"], { timeout: 5_000 });
       expect(stdout).toBe("host-alive\n");
-      expect(performance.now() - hostStarted).toBeLessThan(5_000);
       const result = await bomb.catch((err: unknown) => err);
       expect(isFleetError(result) ? result : { ...(result as object), stdout: "", stderr: "" }).toMatchObject(
         {

