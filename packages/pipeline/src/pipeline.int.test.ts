@@ -174,6 +174,26 @@ describe("pipeline against real Redis and Docker", () => {
     expect(r!.exitCode).toBe(-2);
   });
 
+  it("a sandbox killed from outside while the tests run is masked, never scored 0", async () => {
+    const task = {
+      ...byId("hello-file"),
+      id: `killed-in-verify-${Date.now()}`,
+      tests: { "test.sh": "#!/bin/bash\nsleep 60\n" },
+    };
+    const [id] = await fleet.submit([oracle(task)]);
+    allIds.push(id!);
+    await waitFor(async () => (await fleet.deps.store.get(id!))?.times["verify:start"] !== undefined);
+    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+    // The tests are running (their sleep is up) when the container is killed, not removed.
+    await waitFor(async () => {
+      const ps = await docker.exec(handle, ["pgrep", "-f", "sleep 60"], { deadlineMs: 5_000 });
+      return ps.exitCode === 0;
+    });
+    execFileSync("docker", ["kill", handle.id], { stdio: "pipe" });
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({ status: "masked", mask: true, reward: null, failureKind: "sandbox_lost" });
+  });
+
   it("an agent that owns its sandbox releases it before verify; the task sandbox is the resources' to destroy", async () => {
     const [id] = await fleet.submit([
       { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },

@@ -273,7 +273,17 @@ describe("tests verifier", () => {
   });
 
   it.each(["abc", "1.5", "-0.1", "NaN", "inf", "", "0x1", "1/2"])(
-    "a bad reward file (%j) → verifier_error, never 0",
+    "tests that failed and a bad reward file (%j) → 0 by the exit status, never a mask the agent's code could choose",
+    async (text) => {
+      script(() => ({ exitCode: 1, reward: text }));
+      const verdict = await verify(ctx());
+      expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+      expect(verdict.details.reason).toMatch(/not a number/);
+    },
+  );
+
+  it.each(["abc", "1.5", "-0.1", "NaN", "inf", "", "0x1", "1/2"])(
+    "tests that passed and a bad reward file (%j) → verifier_error, never 0",
     async (text) => {
       script(() => ({ exitCode: 0, reward: text }));
       const err = await failure(verify(ctx()));

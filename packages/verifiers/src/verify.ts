@@ -295,7 +295,26 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
             provider.get(handle, REWARD_FILE, { maxBytes: INLINE_REWARD_BYTES }),
           );
   if (rewardText !== null) {
-    const reward = parseReward(rewardText);
+    let reward: number;
+    try {
+      reward = parseReward(rewardText);
+    } catch (err) {
+      // Tests that failed, and a reward file that is no number: the tests' agent code (root
+      // too) may have written it, and a mask here would let a policy trade its failures for
+      // masks. The exit status grades (a failed test is 0); a malformed reward beside tests
+      // that passed is the grader's fault, masked.
+      if (result.exitCode === 0) throw err;
+      return {
+        reward: 0,
+        details: {
+          ...details,
+          source: "exit_code",
+          reason:
+            "the tests failed and left a reward file that is not a number in [0, 1]; the exit status grades",
+          rewardText: capText(rewardText.trim(), 100),
+        },
+      };
+    }
     return {
       reward,
       details: { ...details, source: "reward_file", rewardText: capText(rewardText.trim(), 100) },
