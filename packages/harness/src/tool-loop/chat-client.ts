@@ -177,6 +177,15 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       } else if (isRetryableStatus(status)) {
         lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
         waitAtLeast = retryAfterMs(res.headers);
+      } else if ((status === 401 || status === 403 || status === 404) && input.answeredBefore === true) {
+        // The same endpoint, key and model answered this episode's earlier calls: a key rotated
+        // or revoked, or a server restarted without the model, is the infrastructure's (masked,
+        // as the command harness's gateway counts it), never the agent's. On a first call it is
+        // the agent spec's (below).
+        throw FleetError.nonRetryable(
+          "provider_unavailable",
+          `model endpoint stopped accepting the episode's requests: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
+        );
       } else {
         throw FleetError.nonRetryable(
           "agent_error",

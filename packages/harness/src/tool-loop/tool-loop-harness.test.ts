@@ -1,6 +1,8 @@
 import {
   AgentSpec,
   type AgentSpecInput,
+  classifyFailure,
+  type FleetError,
   isFleetError,
   type SandboxHandle,
   TaskContent,
@@ -427,6 +429,20 @@ describe("ToolLoopHarness", () => {
     expect((err as Error).message).not.toContain(CREDENTIAL);
     expect((err as Error).message).toContain("[redacted]");
   });
+
+  it.each([401, 403, 404])(
+    "a %i after the endpoint answered earlier calls is the infrastructure's (masked provider_unavailable), not the agent's",
+    async (status) => {
+      upstream.push(chatReply({ content: "looking", bash: ["echo hi"] }));
+      upstream.push(errorReply(status, "gone", `key revoked: ${CREDENTIAL}`));
+      const err = await rejection(harness().run(ctx()));
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
+      expect(classifyFailure((err as FleetError).kind).outcome).toBe("mask");
+      expect((err as Error).message).toContain(`HTTP ${status}`);
+      expect((err as Error).message).not.toContain(CREDENTIAL);
+      expect(upstream.requests).toHaveLength(2);
+    },
+  );
 
   it("asks for the credential for its own base URL, and never follows a redirect with it (final agent_error)", async () => {
     const elsewhere = await startScriptedUpstream();
