@@ -1,5 +1,7 @@
+import { type ExecResult, isFleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { pid1Starting, probeWhilePid1Starts } from "./exec-ops.ts";
+import { clearViaExec, extractViaExec, pid1Starting, probeWhilePid1Starts } from "./exec-ops.ts";
+import { execResult } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
 const output = (pid1: string) => `pid:[4026533275]\n${pid1}\n\n`;
@@ -57,5 +59,34 @@ describe("probeWhilePid1Starts", () => {
         throw new Error("probe exited 1");
       }),
     ).rejects.toThrow("probe exited 1");
+  });
+});
+
+describe("clearViaExec / extractViaExec: what a failed staging exec means", () => {
+  const ran = (over: Partial<ExecResult>) => async () => execResult({ stderr: "boom", ...over });
+  const kindOf = async (p: Promise<unknown>) =>
+    p.then(
+      () => null,
+      (err: unknown) => (isFleetError(err) ? [err.kind, err.retryable] : String(err)),
+    );
+
+  it("the script's own failure is the task's (final invalid_task)", async () => {
+    expect(await kindOf(clearViaExec(ran({ exitCode: 3 }), "/workspace", "0:0"))).toEqual([
+      "invalid_task",
+      false,
+    ]);
+  });
+
+  it.each([
+    ["out of time", { exitCode: -1, timedOut: true }],
+    ["killed by a signal", { exitCode: 137 }],
+    ["cut off by the host", { exitCode: -1 }],
+  ])("an exec %s is the infrastructure's (retryable provider_unavailable)", async (_why, over) => {
+    expect(await kindOf(clearViaExec(ran(over), "/workspace", "0:0"))).toEqual([
+      "provider_unavailable",
+      true,
+    ]);
+    const plan = { target: "/tests", files: { "test.sh": "true\n" }, user: "0:0", ids: { uid: 0, gid: 0 } };
+    expect(await kindOf(extractViaExec(ran(over), plan))).toEqual(["provider_unavailable", true]);
   });
 });

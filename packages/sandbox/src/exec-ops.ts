@@ -227,7 +227,11 @@ export async function clearViaExec(exec: SandboxExec, target: string, user: stri
   await stagingScript(exec, CLEAR_DIR, [target, "1"], user, null, `clearing ${target}`);
 }
 
-/** Run a staging shell script as `user`; a non-zero exit is final `invalid_task` saying `what` failed. */
+/**
+ * Run a staging shell script as `user`; a non-zero exit is final `invalid_task` saying `what`
+ * failed. Out of time or killed (exit -1, or 128 + a signal: a loaded host, a daemon stall, the
+ * sandbox killed) is nothing the task did: retryable `provider_unavailable`.
+ */
 async function stagingScript(
   exec: SandboxExec,
   script: string,
@@ -242,6 +246,12 @@ async function stagingScript(
     stdin,
     maxOutputBytes: 16 * 1024,
   });
+  if (r.timedOut || r.exitCode < 0 || r.exitCode >= 128) {
+    throw FleetError.retryable(
+      "provider_unavailable",
+      `${what} as ${user} ${r.timedOut ? "ran out of time" : `was killed (exit ${r.exitCode})`}: ${r.stderr.trim()}`,
+    );
+  }
   if (r.exitCode !== 0) {
     throw FleetError.nonRetryable(
       "invalid_task",

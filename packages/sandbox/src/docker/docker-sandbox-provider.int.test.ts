@@ -1,5 +1,9 @@
 import { execFile, execFileSync } from "node:child_process";
+import { rm } from "node:fs/promises";
+import { createServer as createHttpServer, request as httpRequest } from "node:http";
 import { createServer, type Server, connect as tcpConnect } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { promisify } from "node:util";
 import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
 import Dockerode from "dockerode";
@@ -547,6 +551,49 @@ describe("DockerSandboxProvider (real Docker)", () => {
         .getVolume(workspaceVolumeName(foreign.name!))
         .remove()
         .catch(() => undefined);
+    }
+  });
+
+  it("a container removed between its create and its start is the infrastructure's (retryable), not the task's", async () => {
+    // The real daemon behind a proxy that removes the container just before its start goes
+    // through: what a re-delivered seed taking over, or a close, does in that window.
+    const path = join(tmpdir(), `fleet-docker-proxy-${RUN}.sock`);
+    const removedFirst: string[] = [];
+    const proxy = createHttpServer((req, res) => {
+      const started = /^\/(?:v[\d.]+\/)?containers\/([^/]+)\/start/.exec(req.url ?? "");
+      const forward = () => {
+        const up = httpRequest(
+          { socketPath: "/var/run/docker.sock", method: req.method, path: req.url, headers: req.headers },
+          (upRes) => {
+            res.writeHead(upRes.statusCode ?? 502, upRes.headers);
+            upRes.pipe(res);
+          },
+        );
+        up.on("error", () => res.destroy());
+        req.pipe(up);
+      };
+      if (started && removedFirst.length === 0) {
+        removedFirst.push(started[1]!);
+        execFile("docker", ["rm", "-f", started[1]!], () => forward());
+      } else forward();
+    });
+    await new Promise<void>((resolve) => proxy.listen(path, resolve));
+    try {
+      const racing = new DockerSandboxProvider({ docker: { socketPath: path } });
+      const s = spec();
+      const err = await fleetError(racing.create(s));
+      expect(removedFirst).toHaveLength(1);
+      expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+      // Its retry makes the sandbox afresh.
+      const h = await racing.create(s);
+      try {
+        expect(await racing.alive(h)).toBe(true);
+      } finally {
+        expect(await racing.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
+      }
+    } finally {
+      await new Promise((resolve) => proxy.close(resolve));
+      await rm(path, { force: true });
     }
   });
 

@@ -146,11 +146,15 @@ export class DockerSandboxProvider implements SandboxProvider {
     } catch (err) {
       const facts = dockerErrorFacts(err);
       // The image cannot run our keepalive (no `sleep`), or the runtime refused the config: final.
+      // Not a container removed (404) or being removed (409) meanwhile, by a re-delivered seed
+      // that took over or a close: the infrastructure's, retried.
       const final =
         facts.statusCode !== null &&
         facts.statusCode < 500 &&
         !/is already (started|running)/i.test(facts.message) &&
-        facts.statusCode !== 304;
+        facts.statusCode !== 304 &&
+        facts.statusCode !== 404 &&
+        facts.statusCode !== 409;
       const startFailedOnImage = /executable file not found|no such file or directory/i.test(facts.message);
       const removed = await this.destroy(handle).then(
         (r) => r.confirmed,
