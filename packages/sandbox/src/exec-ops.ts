@@ -1,6 +1,7 @@
 import { readFileSync, readlinkSync } from "node:fs";
 import {
   type CleanupReceipt,
+  capText,
   ExecOptions,
   type ExecResult,
   FileSet,
@@ -323,6 +324,14 @@ export const WORKSPACE_PROBE_LINE = `w=${SANDBOX_PATHS.workspace}; if [ -d "$w" 
 
 /** The probe script's stdout, or a plain `Error` if it timed out or exited non-zero. */
 export function probeStdout(r: ExecResult, timeoutMs: number): string {
+  if (!r.timedOut && (r.exitCode === 126 || r.exitCode === 127)) {
+    // Not found or not executable: the image lacks what every sandbox command needs (a coreutils
+    // `/usr/bin/timeout`, `sh`, the probe's tools). Nothing a retry fixes: the task's image.
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `the sandbox image cannot run the fleet's commands (exit ${r.exitCode}; it needs /usr/bin/timeout, sh and coreutils): ${capText(r.stderr.trim(), 300)}`,
+    );
+  }
   if (r.timedOut || r.exitCode !== 0) {
     throw new Error(
       r.timedOut ? `probe timed out after ${timeoutMs} ms` : `probe exited ${r.exitCode}: ${r.stderr}`,

@@ -597,6 +597,23 @@ describe("DockerSandboxProvider (real Docker)", () => {
     }
   });
 
+  it("an image that cannot run the fleet's commands (no /usr/bin/timeout) fails its probe as the task's, at once", async () => {
+    const image = `fleet-test/no-timeout:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nRUN rm -f /usr/bin/timeout\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+    });
+    try {
+      const h = await create({ image });
+      const err = await fleetError(provider.probe(h));
+      expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+      expect(err.message).toMatch(/exit 12[67].*\/usr\/bin\/timeout/);
+    } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore" });
+    }
+  });
+
   it("destroys twice without complaint and removes the workspace volume", async () => {
     const h = await create();
     live.pop();

@@ -483,6 +483,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       stdout = r;
       pidMode = info.HostConfig.PidMode;
     } catch (err) {
+      if (isFleetError(err) && err.kind === "invalid_task") throw err; // the image's (probeStdout)
       const e = isFleetError(err) ? err : classifyDockerError(err, "probe", handle.name);
       throw FleetError.retryable(
         "provider_unavailable",
