@@ -51,6 +51,8 @@ describe("classifyDockerFacts", () => {
     ["create", 400, "invalid reference format", "bad_request"],
     ["exec", 404, "No such container: abc", "sandbox_gone"],
     ["exec", 409, "Container abc is not running", "sandbox_gone"],
+    ["exec", 409, "Container abc is paused, unpause the container before exec", "daemon_unavailable"],
+    ["exec", 500, "Container abc is paused, unpause the container before exec", "daemon_unavailable"],
     ["exec", 500, "Container abc is not running", "sandbox_gone"],
     ["exec", 500, "OCI runtime exec failed: resource temporarily unavailable", "daemon_unavailable"],
     ["get", 404, "Could not find the file /workspace/x in container abc", "path_missing"],

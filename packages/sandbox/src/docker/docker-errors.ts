@@ -47,7 +47,9 @@ export function dockerErrorFacts(err: unknown): DockerErrorFacts {
   return { statusCode, code, message: capText(message.trim()) };
 }
 
-const NO_SUCH_CONTAINER = /no such container|is not running|is restarting|is paused|container .* is dead/i;
+const NO_SUCH_CONTAINER = /no such container|is not running|is restarting|container .* is dead/i;
+/** Paused (`docker pause`, a freezer): its processes are all there and resume on unpause. */
+const PAUSED = /is paused/i;
 const NO_SUCH_IMAGE = /no such image|pull access denied|repository does not exist|manifest unknown/i;
 const NO_SUCH_NETWORK = /network .* not found|no such network/i;
 const NO_SUCH_PATH = /could not find the file|no such file|not a directory/i;
@@ -65,7 +67,7 @@ export type DockerErrorClass =
 
 /**
  * Classify a failed Docker call. Pure: unit-tested without a daemon.
- * - socket errors, timeouts, 5xx (other than "container not running") → `daemon_unavailable`
+ * - socket errors, timeouts, 5xx (other than "container not running"), a paused container → `daemon_unavailable`
  * - 404 for a container / 409 or 500 "is not running" → `sandbox_gone`
  * - 404 "No such image" on create → `image_missing`; 404 network on create → `network_missing`
  * - 404 for a path in put/get → `path_missing`; 409 name in use on create → `name_conflict`
@@ -74,6 +76,8 @@ export type DockerErrorClass =
 export function classifyDockerFacts(facts: DockerErrorFacts, op: DockerOperation): DockerErrorClass {
   const { statusCode, message } = facts;
   if (statusCode === null) return "daemon_unavailable";
+  // Never "gone": a kill that cannot exec in a paused sandbox has stopped nothing.
+  if (PAUSED.test(message)) return "daemon_unavailable";
   if (statusCode === 404) {
     if (op === "create" && NO_SUCH_IMAGE.test(message)) return "image_missing";
     if (op === "create" && NO_SUCH_NETWORK.test(message)) return "network_missing";

@@ -614,6 +614,25 @@ describe("DockerSandboxProvider (real Docker)", () => {
     }
   });
 
+  it("a paused sandbox's processes are never reported stopped; once it runs again they are", async () => {
+    const h = await create();
+    await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });
+    execFileSync("docker", ["pause", h.id], { stdio: "pipe" });
+    try {
+      // A receipt that confirms nothing (a reaper's kills wait on the frozen processes), never
+      // "gone", which would let verify start on a sandbox whose agent resumes on unpause.
+      expect(await provider.killProcesses(h)).toMatchObject({ confirmed: false, alreadyGone: false });
+    } finally {
+      execFileSync("docker", ["unpause", h.id], { stdio: "pipe" });
+    }
+    expect(await provider.killProcesses(h)).toMatchObject({
+      confirmed: true,
+      alreadyGone: false,
+      remaining: 0,
+    });
+    expect(await processesOf(h, 1000)).toEqual([]);
+  });
+
   it("destroys twice without complaint and removes the workspace volume", async () => {
     const h = await create();
     live.pop();
