@@ -391,6 +391,32 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, remaining: 0 });
   });
 
+  it("a sandbox whose cgroups something still lives in is not reported torn down until they are gone", async (ctx) => {
+    const h = await create({ options: { memoryMb: 256, pidsLimit: 64 } });
+    const report = await provider.probe(h);
+    if (!/limits enforced: memory, pids/.test(report.detail)) ctx.skip();
+    const state = JSON.parse(await readFile(join(stateDir, `${h.name}.json`), "utf8")) as {
+      cgroups: { dir: string }[];
+    };
+    expect(state.cgroups.length).toBeGreaterThan(0);
+    // A process outside the sandbox's namespaces, put into its cgroup: killing the sandbox's
+    // PID 1 does not take it, and its cgroup cannot be removed while it lives.
+    const squatter = spawn("sleep", ["1000"], { stdio: "ignore" });
+    try {
+      await writeFile(join(state.cgroups[0]!.dir, "cgroup.procs"), String(squatter.pid));
+      const err = await fleetError(provider.destroy(h));
+      expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+      expect(err.message).toMatch(/cgroups still in use/);
+      expect((await provider.list()).map((s) => s.handle.name)).toContain(h.name); // left to retry
+    } finally {
+      squatter.kill("SIGKILL");
+    }
+    await waitUntil(() => squatter.exitCode !== null || squatter.signalCode !== null);
+    live.pop();
+    expect(await provider.destroy(h)).toMatchObject({ confirmed: true });
+    expect((await provider.list()).map((s) => s.handle.name)).not.toContain(h.name);
+  });
+
   it("refuses what it cannot give: a network, a writable root", async () => {
     expect((await fleetError(provider.create(spec({ network: "fleet-gw-x" })))).kind).toBe("invalid_task");
     expect((await fleetError(provider.create(spec({ options: { readOnlyRoot: false } })))).kind).toBe(

@@ -671,7 +671,14 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       await delay(Math.min(5 * 2 ** attempt, 100));
     }
     const left = await removeCgroups(state.cgroups ?? []);
-    if (left.length > 0) this.logger?.warn({ sandbox: state.name, left }, "could not remove sandbox cgroups");
+    if (left.length > 0) {
+      // Something still lives in them (a process stuck in the kernel, or one put there from
+      // outside): not torn down. The state stays, so a retry (the teardown ledger) finds it.
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `sandbox ${state.name}: cgroups still in use, not removed: ${left.join("; ")}`,
+      );
+    }
     // Its directory is its own (named by its id; a sandbox made before that, by its name alone);
     // the state file only while it is still its own: a newer create may have taken the name.
     await rm(dirname(state.workspaceDir), { recursive: true, force: true });
