@@ -47,6 +47,12 @@ export const SandboxHandle = z.strictObject({
   owner: z.enum(["resources", "agent"]),
   /** Extra resources destroyed with the sandbox (e.g. its workspace volume). */
   volumes: z.array(z.string()).default([]),
+  /**
+   * The daemon's own id, for an endpoint every host names alike (a local `unix://` socket): a
+   * worker on another host, whose socket leads to another daemon, refuses the handle instead of
+   * taking a 404 there for the sandbox being gone.
+   */
+  daemon: z.string().min(1).optional(),
 });
 export type SandboxHandle = z.infer<typeof SandboxHandle>;
 

@@ -633,6 +633,28 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(await processesOf(h, 1000)).toEqual([]);
   });
 
+  it("a handle from another host's local daemon is refused (retryable), never taken for a sandbox gone", async () => {
+    const h = await create();
+    const own = ((await docker.info()) as { ID: string }).ID;
+    expect(h.daemon).toBe(own);
+    expect((await provider.find(h.rolloutId, "resources"))?.daemon).toBe(own);
+    // The same socket path on another host leads to another daemon, where this container is
+    // unknown: its destroy would be a 404, "already gone", and its kill "confirmed".
+    const elsewhere = { ...h, daemon: "ANOTHER:HOST:DAEMON" };
+    for (const call of [
+      () => provider.destroy(elsewhere),
+      () => provider.killProcesses(elsewhere),
+      () => provider.alive(elsewhere),
+      () => provider.exec(elsewhere, ["true"], { deadlineMs: 5_000 }),
+      () => provider.get(elsewhere, "/workspace/x"),
+    ]) {
+      const err = await fleetError(call());
+      expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+      expect(err.message).toMatch(/lives on Docker daemon ANOTHER:HOST:DAEMON/);
+    }
+    expect(await provider.alive(h)).toBe(true); // nothing was done to it
+  });
+
   it("destroys twice without complaint and removes the workspace volume", async () => {
     const h = await create();
     live.pop();

@@ -122,6 +122,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     const spec = parseSandboxSpec(input);
     const config = buildContainerConfig(spec, this.defaults, this.scope);
     const name = config.name!;
+    const daemon = await this.localDaemonId();
     const handle: SandboxHandle = {
       provider: "docker",
       endpoint: this.endpoint,
@@ -130,6 +131,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       rolloutId: spec.rolloutId,
       owner: spec.owner,
       volumes: [workspaceVolumeName(name)],
+      ...(daemon ? { daemon } : {}),
     };
 
     let container: Container;
@@ -245,6 +247,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
+    await this.checkDaemon(handle);
     const result = await this.execIn(handle, argv, parseExecOptions(options, this.defaults.execUser));
     if (result.rawExitCode === 137 && !result.timedOut) {
       result.oomKilled = await this.oomKilled(handle);
@@ -401,6 +404,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async put(handle: SandboxHandle, dir: string, files: FileSet, options: PutOptions = {}): Promise<void> {
+    await this.checkDaemon(handle);
     const plan = planPut(dir, files, options.user, this.defaults.execUser);
     const { target, ids } = plan;
     if (isTmpfsPath(target)) {
@@ -427,6 +431,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     path: string,
     options: { maxBytes?: number } = {},
   ): Promise<string | null> {
+    await this.checkDaemon(handle);
     const maxBytes = options.maxBytes ?? this.defaults.maxOutputBytes;
     const target = getTarget(path);
     if (isTmpfsPath(target)) return this.getViaExec(handle, target, maxBytes);
@@ -453,6 +458,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async probe(handle: SandboxHandle, options: { timeoutMs?: number } = {}): Promise<ProbeReport> {
+    await this.checkDaemon(handle);
     const timeoutMs = options.timeoutMs ?? this.defaults.probeTimeoutMs;
     const started = performance.now();
     // The host sentinel: this very process. With a private PID namespace its pid names nothing
@@ -528,6 +534,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
+    await this.checkDaemon(handle);
     // The daemon itself is unreachable (no HTTP answer at all): a retry later, not a sweep.
     const daemonUnreachable = (err: unknown) =>
       dockerErrorFacts(isFleetError(err) ? err.cause : err).statusCode === null && !isSweepFailure(err);
@@ -669,6 +676,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
+    await this.checkDaemon(handle);
     const docker = this.clientOf(handle);
     let alreadyGone = false;
     try {
@@ -730,6 +738,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     } catch (err) {
       throw classifyDockerError(err, "list");
     }
+    const daemon = await this.localDaemonId();
     const out: SandboxInfo[] = [];
     for (const c of containers) {
       const rolloutId = c.Labels[LABEL_ROLLOUT];
@@ -738,7 +747,16 @@ export class DockerSandboxProvider implements SandboxProvider {
       if (!rolloutId || (owner !== "resources" && owner !== "agent") || !name) continue;
       const volumes = c.Mounts.filter((m) => m.Type === "volume" && m.Name).map((m) => m.Name!);
       out.push({
-        handle: { provider: "docker", endpoint: this.endpoint, id: c.Id, name, rolloutId, owner, volumes },
+        handle: {
+          provider: "docker",
+          endpoint: this.endpoint,
+          id: c.Id,
+          name,
+          rolloutId,
+          owner,
+          volumes,
+          ...(daemon ? { daemon } : {}),
+        },
         labels: c.Labels,
         running: c.State === "running",
         createdAt: c.Created * 1000,
@@ -748,6 +766,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async alive(handle: SandboxHandle): Promise<boolean> {
+    await this.checkDaemon(handle);
     try {
       const info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
       return info.State.Running;
@@ -763,6 +782,40 @@ export class DockerSandboxProvider implements SandboxProvider {
 
   private apiSignal(): AbortSignal {
     return AbortSignal.timeout(this.defaults.apiTimeoutMs);
+  }
+
+  private daemonId: Promise<string | null> | null = null;
+
+  /**
+   * This provider's daemon's id when its endpoint is a local socket (every host names those
+   * alike), else null. Asked once; a failed ask is asked again next time.
+   */
+  private async localDaemonId(): Promise<string | null> {
+    if (!this.endpoint.startsWith("unix://")) return null;
+    this.daemonId ??= this.docker.info({ abortSignal: this.apiSignal() }).then(
+      (info: { ID?: string }) => info.ID || null,
+      (err: unknown) => {
+        this.daemonId = null;
+        throw classifyDockerError(err, "inspect", "the daemon");
+      },
+    );
+    return this.daemonId;
+  }
+
+  /**
+   * A handle made on another host's local daemon (same socket path, another daemon): never
+   * answered from this one, where its sandbox would look gone (a destroy or kill "confirmed"
+   * while it runs on). Retryable: a worker on its host can.
+   */
+  private async checkDaemon(handle: SandboxHandle): Promise<void> {
+    if (!handle.daemon || (handle.endpoint !== this.endpoint && handle.endpoint !== "")) return;
+    const own = await this.localDaemonId();
+    if (own !== null && own !== handle.daemon) {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `sandbox ${handle.name} lives on Docker daemon ${handle.daemon}, and this worker's ${this.endpoint} leads to ${own}: fleets on several hosts reach their daemons over TCP/TLS (DOCKER_HOST), not each host's own socket`,
+      );
+    }
   }
 
   /** The daemon holding `handle` (DESIGN §8: a handle names its endpoint). */

@@ -212,6 +212,8 @@ declare module "dockerode" {
       options?: Dockerode.WithSignal & { filters?: Record<string, string[]> | string },
     ): Promise<{ Volumes: Array<{ Name: string; Labels: Record<string, string> | null }> | null }>;
     ping(options?: Dockerode.WithSignal): Promise<unknown>;
+    /** `GET /info`: the daemon's facts; `ID` is its own identity. */
+    info(options?: Dockerode.WithSignal): Promise<{ ID?: string; Name?: string }>;
   }
 
   export = Dockerode;
