@@ -715,6 +715,21 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
     if (isFleetError(fe)) throw fe;
     throw FleetError.nonRetryable("verifier_error", err instanceof Error ? err.message : String(err), err);
   }
+  // Tests ended by a signal grade 0 (the agent's code may have killed them), unless the whole
+  // sandbox went (killed from outside, its daemon's doing): then nothing was graded (rule 6).
+  const ended = verdict.details as { kind?: unknown; exitCode?: unknown };
+  if (
+    ended.kind === "tests" &&
+    typeof ended.exitCode === "number" &&
+    (ended.exitCode >= 128 || ended.exitCode < 0)
+  ) {
+    const lost = await sandboxLostIfGone(
+      deps,
+      seedReceipt.handle,
+      new Error(`the tests ended by a signal (exit ${ended.exitCode})`),
+    );
+    if (isFleetError(lost) && lost.kind === "sandbox_lost") throw lost;
+  }
   const at = clock(deps);
   await deps.store.saveReceipt(
     rec.meta,
