@@ -107,6 +107,8 @@ export class DockerSandboxProvider implements SandboxProvider {
   private readonly docker: Dockerode;
   private readonly logger: Logger | undefined;
   private readonly remotes = new Map<string, Dockerode>();
+  /** This worker's TLS material (DOCKER_CERT_PATH): also what it shows another https daemon. */
+  private readonly tls: Pick<Dockerode.DockerOptions, "ca" | "cert" | "key"> | null;
   readonly scope: string | undefined;
 
   constructor(options: DockerSandboxProviderOptions = {}) {
@@ -114,6 +116,8 @@ export class DockerSandboxProvider implements SandboxProvider {
     const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
     this.endpoint = endpoint;
     this.docker = connect(dockerOptions);
+    const { ca, cert, key } = dockerOptions;
+    this.tls = ca || cert || key ? { ca, cert, key } : null;
     this.logger = options.logger;
     this.defaults = Object.freeze({ ...DEFAULT_DOCKER_SANDBOX_DEFAULTS, ...options.defaults });
   }
@@ -829,7 +833,9 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (handle.endpoint === this.endpoint || handle.endpoint === "") return this.docker;
     let client = this.remotes.get(handle.endpoint);
     if (!client) {
-      client = connect(resolveDockerConnection({ endpoint: handle.endpoint }).options);
+      // A daemon of the same fleet over TLS trusts the same CA and client certificate.
+      const remote = resolveDockerConnection({ endpoint: handle.endpoint }).options;
+      client = connect(remote.protocol === "https" && this.tls ? { ...remote, ...this.tls } : remote);
       this.remotes.set(handle.endpoint, client);
     }
     return client;

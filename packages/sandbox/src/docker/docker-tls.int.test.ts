@@ -112,6 +112,42 @@ describe("a Docker daemon over TLS (DOCKER_HOST + DOCKER_CERT_PATH)", () => {
     await expect(provider.list()).rejects.toMatchObject({ kind: "provider_unavailable" });
   });
 
+  it("a sandbox on another daemon over TLS (its handle's endpoint) is reached with the same certificates", async () => {
+    // A second daemon of the fleet, with the same CA and the same demand for a client certificate.
+    const seen: string[] = [];
+    const other = createServer(
+      {
+        key: readFileSync(join(dir, "server-key.pem")),
+        cert: readFileSync(join(dir, "server.pem")),
+        ca: readFileSync(join(dir, "ca.pem")),
+        requestCert: true,
+        rejectUnauthorized: true,
+      },
+      (req, res) => {
+        seen.push(`${(req.socket as TLSSocket).getPeerCertificate().subject?.CN ?? "?"} ${req.url}`);
+        res.writeHead(200, { "content-type": "application/json" });
+        res.end(JSON.stringify({ Id: "c1", State: { Running: true } }));
+      },
+    );
+    await new Promise<void>((resolve) => other.listen(0, "127.0.0.1", resolve));
+    try {
+      const provider = new DockerSandboxProvider({ docker: dockerConnectionFromEnv(endpoint, certs) });
+      const handle = {
+        provider: "docker" as const,
+        endpoint: `https://127.0.0.1:${(other.address() as AddressInfo).port}`,
+        id: "c1",
+        name: "fleet-r1-resources",
+        rolloutId: "r1",
+        owner: "resources" as const,
+        volumes: [],
+      };
+      expect(await provider.alive(handle)).toBe(true);
+      expect(seen).toEqual([expect.stringMatching(/^fleet-worker \/(v[\d.]+\/)?containers\/c1\/json/)]);
+    } finally {
+      await new Promise<void>((resolve) => other.close(() => resolve()));
+    }
+  });
+
   it("a DOCKER_CERT_PATH that does not exist is a clear error", () => {
     expect(() => dockerConnectionFromEnv(endpoint, join(dir, "nope"))).toThrow(
       /DOCKER_CERT_PATH .* does not exist/,
