@@ -138,4 +138,27 @@ describe("IptablesGatewayFirewall", () => {
     expect(isFleetError(err2) && err2.kind === "isolation_refused").toBe(true);
     expect((err2 as Error).message).toMatch(/Permission denied/);
   });
+
+  it("an iptables stopped on its timeout, or kept off a busy xtables lock, is retryable, not a refusal", async () => {
+    const stopped = new IptablesGatewayFirewall({
+      run: async () => {
+        throw Object.assign(new Error("Command failed: iptables -w -N"), {
+          killed: true,
+          signal: "SIGTERM",
+          code: null,
+        });
+      },
+    });
+    const err1 = await stopped.seal("fgw-a").catch((e: unknown) => e);
+    expect(isFleetError(err1) && [err1.kind, err1.retryable]).toEqual(["provider_unavailable", true]);
+
+    const locked = new IptablesGatewayFirewall({
+      run: async () => ({
+        code: 4,
+        stderr: "Another app is currently holding the xtables lock. Stopped waiting after 10s.",
+      }),
+    });
+    const err2 = await locked.seal("fgw-a").catch((e: unknown) => e);
+    expect(isFleetError(err2) && [err2.kind, err2.retryable]).toEqual(["provider_unavailable", true]);
+  });
 });

@@ -166,16 +166,31 @@ export class IptablesGatewayFirewall implements GatewayFirewall {
   }
 
   private async exec(tool: string, args: string[]): Promise<{ code: number; stderr: string }> {
+    let result: { code: number; stderr: string };
     try {
-      return await this.run(tool, ["-w", ...args]);
+      result = await this.run(tool, ["-w", ...args]);
     } catch (err) {
       const message = err instanceof Error ? err.message : String(err);
+      const e = err as { killed?: unknown; signal?: unknown };
+      if (e.killed === true || typeof e.signal === "string") {
+        // Ran, and was stopped (its time ran out waiting on a busy xtables lock, say): the
+        // host's load, not a host that cannot seal. Retried.
+        throw FleetError.retryable("provider_unavailable", `${tool} did not finish: ${message}`, err);
+      }
       throw FleetError.nonRetryable(
         "isolation_refused",
         `cannot run ${tool} to seal the gateway network (needs iptables and root on the Docker host): ${message}`,
         err,
       );
     }
+    if (result.code === 4 && /xtables lock/i.test(result.stderr)) {
+      // Another program held the lock throughout (`-w` waits; some builds give up): retried.
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `${tool}: the xtables lock stayed busy: ${capText(result.stderr.trim(), 300)}`,
+      );
+    }
+    return result;
   }
 
   private refuse(what: string, result: { code: number; stderr: string }): never {
