@@ -9,7 +9,7 @@ import {
   TaskContent,
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
-import { STAGES, sandboxKey, stageJobId } from "@fleet/queue";
+import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -752,6 +752,43 @@ describe("idempotency and fencing without workers", () => {
       expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
       expect(r!.reason).toMatch(/failed in BullMQ: job stalled more than allowable limit/);
       expect(g).toMatchObject({ status: "completed", reward: 1 });
+    } finally {
+      await workers.close(10_000);
+    }
+  });
+
+  it("a last attempt that fails before its stage begins (a Redis blip on begin) closes the rollout at once, masked", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    // Its attempts but one are spent (as after an outage); the last one's begin hits a blip.
+    await fleet.redis.hset(
+      `${fleet.prefix}:seed:${id}.seed`,
+      "atm",
+      String(STAGE_CATALOG.seed.options.attempts! - 1),
+    );
+    let blips = 0;
+    const store = fleet.deps.store;
+    const blipping = Object.assign(Object.create(store) as typeof store, {
+      begin: async (...a: Parameters<typeof store.begin>) => {
+        if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("Connection is closed.");
+        return store.begin(...a);
+      },
+    });
+    const workers = createStageWorkers(
+      STAGES,
+      { ...fleet.deps, store: blipping },
+      {
+        connection: fleet.redis,
+        prefix: fleet.prefix,
+        concurrency: 2,
+        supervise: false,
+      },
+    );
+    try {
+      // Well before its deadline (the watchdog's way, an hour and more away).
+      const [r] = await fleet.waitForResults([id!], 30_000);
+      expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
+      expect(r!.reason).toMatch(/last attempt failed before its stage began: Connection is closed/);
+      expect(blips).toBe(1);
     } finally {
       await workers.close(10_000);
     }

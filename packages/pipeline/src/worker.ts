@@ -123,7 +123,13 @@ export function createStageWorkers(
     // `maxStalledCount`: its workers kept dying on it), never reaches `runStageJob`: record the
     // failure and close the rollout now, rather than leave it to the watchdog at its deadline.
     worker.on("failed", (job, err) => {
-      if (!job || !BULLMQ_OWN_FAILURES.has(err.message)) return;
+      if (!job) return;
+      // BullMQ's own failure, or a last attempt that failed before the stage runner could
+      // decide anything (its begin, or a skip's enqueue, hit a Redis blip): the runner ends
+      // every failure it handles on a last attempt with UnrecoverableError, having recorded it.
+      const lastAttemptUnhandled =
+        err.name !== "UnrecoverableError" && job.attemptsMade >= (job.opts.attempts ?? 1);
+      if (!BULLMQ_OWN_FAILURES.has(err.message) && !lastAttemptUnhandled) return;
       void closeAfterBullmqFailure(deps, stage, job, err.message).catch((e: unknown) =>
         deps.logger.error(
           { stage, rolloutId: job.data?.rolloutId, err: String(e) },
@@ -268,7 +274,7 @@ async function closeAfterBullmqFailure(
     await deps.queues.enqueue(next, rolloutId);
     return;
   }
-  deps.logger.warn({ stage, rolloutId, reason }, "BullMQ failed the stage job itself; closing the rollout");
+  deps.logger.warn({ stage, rolloutId, reason }, "the stage job failed for good; closing the rollout");
   if (stage === "close") {
     // Its id is taken while the failed job is kept: make room for a new close.
     await job.remove().catch(() => undefined);
@@ -278,7 +284,11 @@ async function closeAfterBullmqFailure(
       terminal: true,
       failureKind: "provider_unavailable",
       mask: true,
-      reason: capText(`the ${stage} job failed in BullMQ: ${reason} (its workers kept dying on it)`),
+      reason: capText(
+        BULLMQ_OWN_FAILURES.has(reason)
+          ? `the ${stage} job failed in BullMQ: ${reason} (its workers kept dying on it)`
+          : `the ${stage} job's last attempt failed before its stage began: ${reason}`,
+      ),
       at: clock(deps),
     });
   }
