@@ -496,6 +496,14 @@ describe("DockerSandboxProvider (real Docker)", () => {
       deadlineMs: 60_000,
     });
     expect(r).toMatchObject({ exitCode: 137, timedOut: false, oomKilled: true });
+    // A later SIGKILL of the sandbox's own making is no OOM kill: the count did not grow.
+    const later = await provider.exec(h, ["sh", "-c", "kill -9 $$"], { deadlineMs: 10_000 });
+    expect(later).toMatchObject({ exitCode: 137, timedOut: false, oomKilled: false });
+    // ...and the next OOM kill is one again.
+    const again = await provider.exec(h, ["python3", "-c", "x = bytearray(512 * 1024 * 1024)"], {
+      deadlineMs: 60_000,
+    });
+    expect(again).toMatchObject({ exitCode: 137, oomKilled: true });
   });
 
   it("refuses pidMode host at the probe as final isolation_refused", async () => {

@@ -389,6 +389,14 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   /** After a SIGKILL exit: did the memory cgroup's OOM killer act in this sandbox? */
+  /**
+   * A sandbox's OOM-kill count as this provider last saw it (by container): the count only grows,
+   * so an exec killed by SIGKILL after an earlier OOM kill was OOM-killed only if it grew since.
+   * (A sandbox this process has not seen before counts from 0: an OOM kill on another worker, the
+   * agent's, may then mark a verifier's SIGKILLed exec; `oomKilled` only informs, it never grades.)
+   */
+  private readonly oomKillsSeen = new Map<string, number>();
+
   private async oomKilled(handle: SandboxHandle): Promise<boolean> {
     try {
       const info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
@@ -400,7 +408,12 @@ export class DockerSandboxProvider implements SandboxProvider {
         { deadlineMs: 5_000, user: ROOT_USER, stdin: null, maxOutputBytes: 4096 },
       );
       const m = /oom_kill (\d+)/.exec(r.stdout);
-      return m !== null && Number(m[1]) > 0;
+      if (m === null) return false;
+      const count = Number(m[1]);
+      const key = handle.id || handle.name;
+      const before = this.oomKillsSeen.get(key) ?? 0;
+      this.oomKillsSeen.set(key, count);
+      return count > before;
     } catch (err) {
       this.logger?.debug({ err, sandbox: handle.name }, "could not tell whether an exec was OOM-killed");
       return false;
@@ -681,6 +694,7 @@ export class DockerSandboxProvider implements SandboxProvider {
 
   async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
     await this.checkDaemon(handle);
+    this.oomKillsSeen.delete(handle.id || handle.name);
     const docker = this.clientOf(handle);
     let alreadyGone = false;
     try {
