@@ -663,6 +663,50 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(await provider.alive(h)).toBe(true); // nothing was done to it
   });
 
+  it("joins no network but its own rollout's internal gateway network, whatever the spec says", async () => {
+    for (const network of ["bridge", "host"]) {
+      const s = spec({ network });
+      const err = await fleetError(provider.create(s));
+      expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+      expect(await provider.find(s.rolloutId, "resources")).toBeNull();
+    }
+    // An internal gateway network, but another rollout's; then this rollout's own.
+    const s = spec();
+    const name = `fleet-gw-it-${RUN}`;
+    const made = await docker.createNetwork({
+      Name: name,
+      Internal: true,
+      Labels: {
+        [LABEL_MANAGED]: "true",
+        "fleet.network": "gateway",
+        [LABEL_ROLLOUT]: `${s.rolloutId}-other`,
+      },
+    });
+    try {
+      const err = await fleetError(provider.create({ ...s, network: name }));
+      expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+      await made.remove();
+      const own = await docker.createNetwork({
+        Name: name,
+        Internal: true,
+        Labels: { [LABEL_MANAGED]: "true", "fleet.network": "gateway", [LABEL_ROLLOUT]: s.rolloutId },
+      });
+      const h = await provider.create({ ...s, network: name });
+      try {
+        const info = await docker.getContainer(h.id).inspect();
+        expect(Object.keys(info.NetworkSettings.Networks)).toEqual([name]);
+      } finally {
+        await provider.destroy(h);
+        await own.remove();
+      }
+    } finally {
+      await docker
+        .getNetwork(name)
+        .remove()
+        .catch(() => undefined);
+    }
+  });
+
   it("destroys twice without complaint and removes the workspace volume", async () => {
     const h = await create();
     live.pop();

@@ -10,6 +10,7 @@ import {
   isFleetError,
   type ProbeReport,
   type SandboxHandle,
+  type SandboxSpec,
   type SandboxSpecInput,
   withTimeout,
 } from "@fleet/contracts";
@@ -69,6 +70,7 @@ import {
 } from "./container-config.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { classifyDockerError, classifyDockerFacts, dockerErrorFacts } from "./docker-errors.ts";
+import { LABEL_NETWORK } from "./gateway-network.ts";
 
 /** Provider-wide defaults; every field optional in the constructor. */
 export interface DockerSandboxDefaults extends SandboxLimits, ExecDefaults {
@@ -138,6 +140,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       ...(daemon ? { daemon } : {}),
     };
 
+    if (spec.network !== "none") await this.checkGatewayNetwork(spec);
     let container: Container;
     try {
       container = await this.docker.createContainer({ ...config, abortSignal: this.apiSignal() });
@@ -207,6 +210,33 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
     this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
     return handle;
+  }
+
+  /**
+   * A sandbox joins no network but its own rollout's sealed internal gateway network (this
+   * fleet's): never `host`, `bridge`, another container's namespace or another rollout's network,
+   * whatever a spec says. A network that does not exist is left to the create to report.
+   */
+  private async checkGatewayNetwork(spec: SandboxSpec): Promise<void> {
+    let info: Dockerode.NetworkInspectInfo;
+    try {
+      info = await this.docker.getNetwork(spec.network).inspect({ abortSignal: this.apiSignal() });
+    } catch (err) {
+      if (dockerErrorFacts(err).statusCode === 404) return;
+      throw classifyDockerError(err, "inspect", spec.network);
+    }
+    const labels = info.Labels ?? {};
+    if (
+      !info.Internal ||
+      labels[LABEL_NETWORK] !== "gateway" ||
+      labels[LABEL_ROLLOUT] !== spec.rolloutId ||
+      labels[LABEL_SCOPE] !== this.scope
+    ) {
+      throw FleetError.nonRetryable(
+        "isolation_refused",
+        `network ${spec.network} is not this rollout's internal gateway network: a sandbox joins no other`,
+      );
+    }
   }
 
   /** A re-delivered create: the container of that name exists; take it over if it is this rollout's. */
