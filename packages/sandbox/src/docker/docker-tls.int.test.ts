@@ -17,6 +17,17 @@ let server: Server;
 let endpoint: string;
 const clients: string[] = [];
 
+/** What a daemon run with --tlsverify uses: its certificate, our CA, and a client certificate required. */
+function daemonTls() {
+  return {
+    key: readFileSync(join(dir, "server-key.pem")),
+    cert: readFileSync(join(dir, "server.pem")),
+    ca: readFileSync(join(dir, "ca.pem")),
+    requestCert: true,
+    rejectUnauthorized: true,
+  };
+}
+
 function openssl(...args: string[]): void {
   execFileSync("openssl", args, { cwd: dir, stdio: "pipe" });
 }
@@ -77,20 +88,11 @@ beforeAll(async () => {
   writeFileSync(join(certs, "cert.pem"), readFileSync(join(dir, "client.pem")));
   writeFileSync(join(certs, "key.pem"), readFileSync(join(dir, "client-key.pem")));
 
-  server = createServer(
-    {
-      key: readFileSync(join(dir, "server-key.pem")),
-      cert: readFileSync(join(dir, "server.pem")),
-      ca: readFileSync(join(dir, "ca.pem")),
-      requestCert: true,
-      rejectUnauthorized: true,
-    },
-    (req, res) => {
-      clients.push(String((req.socket as TLSSocket).getPeerCertificate().subject?.CN ?? "?"));
-      res.writeHead(200, { "content-type": "application/json" });
-      res.end(req.url?.startsWith("/containers/json") ? "[]" : "{}");
-    },
-  );
+  server = createServer(daemonTls(), (req, res) => {
+    clients.push(String((req.socket as TLSSocket).getPeerCertificate().subject?.CN ?? "?"));
+    res.writeHead(200, { "content-type": "application/json" });
+    res.end(req.url?.startsWith("/containers/json") ? "[]" : "{}");
+  });
   await new Promise<void>((resolve) => server.listen(0, "127.0.0.1", resolve));
   endpoint = `https://127.0.0.1:${(server.address() as AddressInfo).port}`;
 });
@@ -115,20 +117,11 @@ describe("a Docker daemon over TLS (DOCKER_HOST + DOCKER_CERT_PATH)", () => {
   it("a sandbox on another daemon over TLS (its handle's endpoint) is reached with the same certificates", async () => {
     // A second daemon of the fleet, with the same CA and the same demand for a client certificate.
     const seen: string[] = [];
-    const other = createServer(
-      {
-        key: readFileSync(join(dir, "server-key.pem")),
-        cert: readFileSync(join(dir, "server.pem")),
-        ca: readFileSync(join(dir, "ca.pem")),
-        requestCert: true,
-        rejectUnauthorized: true,
-      },
-      (req, res) => {
-        seen.push(`${(req.socket as TLSSocket).getPeerCertificate().subject?.CN ?? "?"} ${req.url}`);
-        res.writeHead(200, { "content-type": "application/json" });
-        res.end(JSON.stringify({ Id: "c1", State: { Running: true } }));
-      },
-    );
+    const other = createServer(daemonTls(), (req, res) => {
+      seen.push(`${(req.socket as TLSSocket).getPeerCertificate().subject?.CN ?? "?"} ${req.url}`);
+      res.writeHead(200, { "content-type": "application/json" });
+      res.end(JSON.stringify({ Id: "c1", State: { Running: true } }));
+    });
     await new Promise<void>((resolve) => other.listen(0, "127.0.0.1", resolve));
     try {
       const provider = new DockerSandboxProvider({ docker: dockerConnectionFromEnv(endpoint, certs) });
