@@ -2,7 +2,12 @@ import { randomUUID } from "node:crypto";
 import { isFleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { afterAll, describe, expect, it } from "vitest";
-import { buildGatewayNetworkConfig, DockerGatewayNetworks, gatewayNetworkName } from "./gateway-network.ts";
+import {
+  buildGatewayNetworkConfig,
+  DockerGatewayNetworks,
+  gatewayBridgeName,
+  gatewayNetworkName,
+} from "./gateway-network.ts";
 
 const docker = new Dockerode();
 
@@ -75,6 +80,35 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
       expect((await foreign.inspect()).Id).toBe(foreign.id);
     } finally {
       await fleetB.remove(other); // the network (by name) and the seal its ensure put on the bridge
+    }
+  });
+
+  it("a rollout in flight across the upgrade keeps the network an earlier version made under its unscoped name", async () => {
+    const run = randomUUID().slice(0, 8);
+    const scope = `{u-${run}}`;
+    const fleet = new DockerGatewayNetworks({ scope });
+    const id = `gwu-${run}`;
+    // What the version before scoped names made: `fleet-gw-<id>`, labelled with the scope.
+    const legacyName = gatewayNetworkName(id);
+    const config = buildGatewayNetworkConfig(id, undefined, scope);
+    made.push(legacyName, gatewayNetworkName(id, scope));
+    await docker.createNetwork({
+      ...config,
+      Name: legacyName,
+      Options: { ...config.Options, "com.docker.network.bridge.name": gatewayBridgeName(legacyName) },
+    });
+    try {
+      // The sandbox seeded by the earlier version is on it: the gateway must listen there too.
+      const net = await fleet.ensure(id);
+      expect(net.name).toBe(legacyName);
+      expect((await docker.listNetworks({ filters: { name: [gatewayNetworkName(id, scope)] } })).length).toBe(
+        0,
+      );
+      // Close removes it by the rollout id alone.
+      expect(await fleet.remove(id)).toEqual({ alreadyGone: false });
+      await expect(docker.getNetwork(legacyName).inspect()).rejects.toMatchObject({ statusCode: 404 });
+    } finally {
+      await fleet.remove(id, legacyName).catch(() => undefined);
     }
   });
 });

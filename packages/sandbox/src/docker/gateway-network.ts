@@ -182,6 +182,10 @@ export class DockerGatewayNetworks {
       );
     }
     const name = gatewayNetworkName(rolloutId, this.scope);
+    // Made by a version before names carried the scope (a rollout in flight across an upgrade,
+    // its sandbox already on it): still the rollout's network, and the one its sandbox can reach.
+    const legacy = await this.legacyNetwork(rolloutId);
+    if (legacy) return this.adopt(legacy, rolloutId);
     await this.firewall.seal(gatewayBridgeName(name));
     const existing = await this.inspect(name);
     if (existing) return this.adopt(existing, rolloutId);
@@ -223,10 +227,15 @@ export class DockerGatewayNetworks {
    * `provider_unavailable`: destroy the sandbox first. `name` is the network's as `list` gave it
    * (one made before names carried the scope); by default the one `ensure` makes.
    */
-  async remove(
-    rolloutId: string,
-    name = gatewayNetworkName(rolloutId, this.scope),
-  ): Promise<{ alreadyGone: boolean }> {
+  async remove(rolloutId: string, name?: string): Promise<{ alreadyGone: boolean }> {
+    if (name === undefined) {
+      // By default the one `ensure` makes, and one made before names carried the scope.
+      const legacy = await this.legacyNetwork(rolloutId);
+      const removed = await this.remove(rolloutId, gatewayNetworkName(rolloutId, this.scope));
+      if (!legacy) return removed;
+      const old = await this.remove(rolloutId, legacy.Name);
+      return { alreadyGone: removed.alreadyGone && old.alreadyGone };
+    }
     let alreadyGone = false;
     try {
       await this.docker.getNetwork(name).remove({ abortSignal: this.signal() });
@@ -261,6 +270,18 @@ export class DockerGatewayNetworks {
       rolloutId: n.Labels?.[LABEL_ROLLOUT] ?? "",
       createdAt: Date.parse(n.Created) || 0,
     }));
+  }
+
+  /**
+   * The rollout's network under its name from before names carried the scope (`fleet-gw-<id>`),
+   * when this fleet made it (its scope label); null otherwise, or for an unscoped fleet (whose
+   * names never changed).
+   */
+  private async legacyNetwork(rolloutId: string): Promise<Dockerode.NetworkInspectInfo | null> {
+    if (!this.scope) return null;
+    const info = await this.inspect(gatewayNetworkName(rolloutId));
+    const labels = info?.Labels ?? {};
+    return info && labels[LABEL_ROLLOUT] === rolloutId && labels[LABEL_SCOPE] === this.scope ? info : null;
   }
 
   private async inspect(name: string): Promise<Dockerode.NetworkInspectInfo | null> {
