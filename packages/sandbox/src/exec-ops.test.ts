@@ -1,6 +1,6 @@
 import { type ExecResult, isFleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { clearViaExec, extractViaExec, pid1Starting, probeWhilePid1Starts } from "./exec-ops.ts";
+import { clearViaExec, extractViaExec, pid1Starting, probeStdout, probeWhilePid1Starts } from "./exec-ops.ts";
 import { execResult } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
@@ -88,5 +88,41 @@ describe("clearViaExec / extractViaExec: what a failed staging exec means", () =
     ]);
     const plan = { target: "/tests", files: { "test.sh": "true\n" }, user: "0:0", ids: { uid: 0, gid: 0 } };
     expect(await kindOf(extractViaExec(ran(over), plan))).toEqual(["provider_unavailable", true]);
+  });
+});
+
+describe("probeStdout", () => {
+  it("an image that lacks what the probe runs is the task's (final invalid_task)", () => {
+    for (const r of [
+      execResult({ exitCode: 127, stderr: "sh: 1: readlink: not found" }),
+      execResult({
+        exitCode: 126,
+        stdout:
+          'OCI runtime exec failed: exec: "/usr/bin/timeout": stat /usr/bin/timeout: no such file or directory',
+      }),
+    ]) {
+      const err = (() => {
+        try {
+          probeStdout(r, 1000);
+        } catch (e) {
+          return e;
+        }
+        return null;
+      })();
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["invalid_task", false]);
+    }
+  });
+
+  it("a 126 the runtime gave for another reason (a loaded host) is not final", () => {
+    const r = execResult({
+      exitCode: 126,
+      stdout: "OCI runtime exec failed: exec failed: resource temporarily unavailable",
+    });
+    expect(() => probeStdout(r, 1000)).toThrow(/probe exited 126/);
+    try {
+      probeStdout(r, 1000);
+    } catch (e) {
+      expect(isFleetError(e)).toBe(false); // the provider wraps it as retryable provider_unavailable
+    }
   });
 });

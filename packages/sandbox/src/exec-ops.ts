@@ -324,12 +324,18 @@ export const WORKSPACE_PROBE_LINE = `w=${SANDBOX_PATHS.workspace}; if [ -d "$w" 
 
 /** The probe script's stdout, or a plain `Error` if it timed out or exited non-zero. */
 export function probeStdout(r: ExecResult, timeoutMs: number): string {
-  if (!r.timedOut && (r.exitCode === 126 || r.exitCode === 127)) {
+  // 127: not found. 126 is also what Docker reports for any exec the runtime failed to start
+  // (a loaded host): the image's fault only when the runtime says what was missing.
+  const missing =
+    r.exitCode === 127 ||
+    (r.exitCode === 126 &&
+      /not found|no such file|permission denied|not executable/i.test(`${r.stdout}\n${r.stderr}`));
+  if (!r.timedOut && missing) {
     // Not found or not executable: the image lacks what every sandbox command needs (a coreutils
     // `/usr/bin/timeout`, `sh`, the probe's tools). Nothing a retry fixes: the task's image.
     throw FleetError.nonRetryable(
       "invalid_task",
-      `the sandbox image cannot run the fleet's commands (exit ${r.exitCode}; it needs /usr/bin/timeout, sh and coreutils): ${capText(r.stderr.trim(), 300)}`,
+      `the sandbox image cannot run the fleet's commands (exit ${r.exitCode}; it needs /usr/bin/timeout, sh and coreutils): ${capText(`${r.stdout.trim()} ${r.stderr.trim()}`.trim(), 300)}`,
     );
   }
   if (r.timedOut || r.exitCode !== 0) {
