@@ -168,7 +168,25 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           message: redact(errorMessage(body, text)),
           failedAttempts: attempt - 1,
         };
-      } else if ((status === 400 || status === 413 || status === 422) && input.answeredBefore === true) {
+      } else if (
+        input.answeredBefore === true &&
+        (status === 401 ||
+          status === 404 ||
+          (status === 403 && CREDENTIAL_REFUSAL.test(errorMessage(body, text))))
+      ) {
+        // The same endpoint, key and model answered this episode's earlier calls: a key rotated
+        // or revoked, or a server restarted without the model, is the infrastructure's (masked,
+        // as the command harness's gateway counts it), never the agent's. On a first call it is
+        // the agent spec's (below). A 403 that is not about the key (a moderation refusal of
+        // what the policy wrote, say) is the conversation's: graded, as a 400 is (below).
+        throw FleetError.nonRetryable(
+          "provider_unavailable",
+          `model endpoint stopped accepting the episode's requests: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
+        );
+      } else if (
+        (status === 400 || status === 403 || status === 413 || status === 422) &&
+        input.answeredBefore === true
+      ) {
         return {
           kind: "refused",
           message: `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
@@ -177,15 +195,6 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       } else if (isRetryableStatus(status)) {
         lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
         waitAtLeast = retryAfterMs(res.headers);
-      } else if ((status === 401 || status === 403 || status === 404) && input.answeredBefore === true) {
-        // The same endpoint, key and model answered this episode's earlier calls: a key rotated
-        // or revoked, or a server restarted without the model, is the infrastructure's (masked,
-        // as the command harness's gateway counts it), never the agent's. On a first call it is
-        // the agent spec's (below).
-        throw FleetError.nonRetryable(
-          "provider_unavailable",
-          `model endpoint stopped accepting the episode's requests: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
-        );
       } else {
         throw FleetError.nonRetryable(
           "agent_error",
@@ -216,6 +225,9 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     }
   }
 }
+
+/** A 403 whose message is about the credential (revoked, expired, disabled), not the request. */
+const CREDENTIAL_REFUSAL = /api[ _-]?key|\bkey\b|token|credential|auth|revoked|expired|disabled|suspended/i;
 
 /** A chat completion whose first choice carries a message (else the answer is malformed: retried). */
 function isChatCompletion(body: unknown): boolean {

@@ -328,6 +328,16 @@ describe("ToolLoopHarness", () => {
     expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 400: invalid tool arguments/);
   });
 
+  it("a later 403 about the conversation (a moderation refusal of what the policy wrote) is graded as a refusal, not masked", async () => {
+    upstream.push(
+      chatReply({ bash: ["true"], content: "working" }),
+      errorReply(403, "moderation", "Your input was flagged by our moderation"),
+    );
+    const out = await harness().run(ctx(agent()));
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 403: Your input was flagged/);
+  });
+
   it("retries a 200 whose first choice has no message (malformed), then goes on", async () => {
     upstream.push({ body: { choices: [{ text: "legacy completion" }] } }, chatReply({ content: "done" }));
     const out = await harness().run(ctx(agent()));
