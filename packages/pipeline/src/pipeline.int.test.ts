@@ -757,42 +757,54 @@ describe("idempotency and fencing without workers", () => {
     }
   });
 
-  it("a last attempt that fails before its stage begins (a Redis blip on begin) closes the rollout at once, masked", async () => {
-    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
-    // Its attempts but one are spent (as after an outage); the last one's begin hits a blip.
-    await fleet.redis.hset(
-      `${fleet.prefix}:seed:${id}.seed`,
-      "atm",
-      String(STAGE_CATALOG.seed.options.attempts! - 1),
-    );
-    let blips = 0;
-    const store = fleet.deps.store;
-    const blipping = Object.assign(Object.create(store) as typeof store, {
-      begin: async (...a: Parameters<typeof store.begin>) => {
-        if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("Connection is closed.");
-        return store.begin(...a);
-      },
-    });
-    const workers = createStageWorkers(
-      STAGES,
-      { ...fleet.deps, store: blipping },
-      {
-        connection: fleet.redis,
-        prefix: fleet.prefix,
-        concurrency: 2,
-        supervise: false,
-      },
-    );
-    try {
-      // Well before its deadline (the watchdog's way, an hour and more away).
-      const [r] = await fleet.waitForResults([id!], 30_000);
-      expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
-      expect(r!.reason).toMatch(/last attempt failed before its stage began: Connection is closed/);
-      expect(blips).toBe(1);
-    } finally {
-      await workers.close(10_000);
-    }
-  });
+  it.each([
+    ["masked", false],
+    ["cancelled, when a cancel had claimed the stop", true],
+  ] as const)(
+    "a last attempt that fails before its stage begins (a Redis blip on begin) closes the rollout at once: %s",
+    async (_how, cancelled) => {
+      const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+      // Its attempts but one are spent (as after an outage); the last one's begin hits a blip.
+      await fleet.redis.hset(
+        `${fleet.prefix}:seed:${id}.seed`,
+        "atm",
+        String(STAGE_CATALOG.seed.options.attempts! - 1),
+      );
+      // A cancel whose flag landed and whose failure record did not (its dispatcher died between).
+      if (cancelled) await fleet.deps.store.requestCancel(id!);
+      let blips = 0;
+      const store = fleet.deps.store;
+      const blipping = Object.assign(Object.create(store) as typeof store, {
+        begin: async (...a: Parameters<typeof store.begin>) => {
+          if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("Connection is closed.");
+          return store.begin(...a);
+        },
+      });
+      const workers = createStageWorkers(
+        STAGES,
+        { ...fleet.deps, store: blipping },
+        {
+          connection: fleet.redis,
+          prefix: fleet.prefix,
+          concurrency: 2,
+          supervise: false,
+        },
+      );
+      try {
+        // Well before its deadline (the watchdog's way, an hour and more away).
+        const [r] = await fleet.waitForResults([id!], 30_000);
+        if (cancelled)
+          expect(r).toMatchObject({ status: "cancelled", failureKind: "cancelled", mask: false });
+        else {
+          expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
+          expect(r!.reason).toMatch(/last attempt failed before its stage began: Connection is closed/);
+        }
+        expect(blips).toBe(1);
+      } finally {
+        await workers.close(10_000);
+      }
+    },
+  );
 
   it("a final failure stays final when recording it hits a Redis blip: no BullMQ retry, the failure recorded on a later try", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);

@@ -278,19 +278,25 @@ async function closeAfterBullmqFailure(
   if (stage === "close") {
     // Its id is taken while the failed job is kept: make room for a new close.
     await job.remove().catch(() => undefined);
-  } else {
-    await deps.store.recordFailure(rolloutId, {
-      stage,
-      terminal: true,
-      failureKind: "provider_unavailable",
-      mask: true,
-      reason: capText(
-        BULLMQ_OWN_FAILURES.has(reason)
-          ? `the ${stage} job failed in BullMQ: ${reason} (its workers kept dying on it)`
-          : `the ${stage} job's last attempt failed before its stage began: ${reason}`,
-      ),
-      at: clock(deps),
-    });
+  } else if (!rec.cancelRequested) {
+    // (A stop a cancel claimed ends cancelled: close composes it from the claim; a failure
+    // recorded here would turn it into a mask.) Only while the result is still undecided.
+    await deps.store.recordFailure(
+      rolloutId,
+      {
+        stage,
+        terminal: true,
+        failureKind: "provider_unavailable",
+        mask: true,
+        reason: capText(
+          BULLMQ_OWN_FAILURES.has(reason)
+            ? `the ${stage} job failed in BullMQ: ${reason} (its workers kept dying on it)`
+            : `the ${stage} job's last attempt failed before its stage began: ${reason}`,
+        ),
+        at: clock(deps),
+      },
+      { beforeDecided: true },
+    );
   }
   await deps.queues.enqueue("close", rolloutId);
 }
