@@ -5,7 +5,13 @@ import { createServer, type Server, connect as tcpConnect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
-import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
+import {
+  type CleanupReceipt,
+  type FleetError,
+  isFleetError,
+  type SandboxHandle,
+  type SandboxSpecInput,
+} from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { parseSandboxSpec } from "../exec-ops.ts";
@@ -626,13 +632,17 @@ describe("DockerSandboxProvider (real Docker)", () => {
     const h = await create();
     await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });
     execFileSync("docker", ["pause", h.id], { stdio: "pipe" });
+    let paused: CleanupReceipt | null = null;
     try {
-      // A receipt that confirms nothing (a reaper's kills wait on the frozen processes), never
-      // "gone", which would let verify start on a sandbox whose agent resumes on unpause.
-      expect(await provider.killProcesses(h)).toMatchObject({ confirmed: false, alreadyGone: false });
+      // Never "gone", which would let verify start on a sandbox whose agent resumes on unpause:
+      // a receipt that confirms nothing (the reaper's kills wait on the frozen processes, cgroup
+      // v1), or one that confirms what is true (cgroup v2 delivers a fatal signal to frozen tasks).
+      paused = await provider.killProcesses(h);
+      expect(paused.alreadyGone).toBe(false);
     } finally {
       execFileSync("docker", ["unpause", h.id], { stdio: "pipe" });
     }
+    if (paused?.confirmed) expect(await processesOf(h, 1000)).toEqual([]);
     expect(await provider.killProcesses(h)).toMatchObject({
       confirmed: true,
       alreadyGone: false,
@@ -670,6 +680,12 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
       expect(await provider.find(s.rolloutId, "resources")).toBeNull();
     }
+    // Another container's network namespace (`container:<id>`, no network by that name).
+    const neighbour = await create();
+    const borrowing = spec({ network: `container:${neighbour.id}` });
+    const refused = await fleetError(provider.create(borrowing));
+    expect([refused.kind, refused.retryable]).toEqual(["invalid_task", false]);
+    expect(await provider.find(borrowing.rolloutId, "resources")).toBeNull();
     // An internal gateway network, but another rollout's; then this rollout's own.
     const s = spec();
     const name = `fleet-gw-it-${RUN}`;
@@ -694,7 +710,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
       const h = await provider.create({ ...s, network: name });
       try {
         const info = await docker.getContainer(h.id).inspect();
-        expect(Object.keys(info.NetworkSettings.Networks)).toEqual([name]);
+        expect(Object.keys(info.NetworkSettings.Networks ?? {})).toEqual([name]);
       } finally {
         await provider.destroy(h);
         await own.remove();

@@ -215,14 +215,20 @@ export class DockerSandboxProvider implements SandboxProvider {
   /**
    * A sandbox joins no network but its own rollout's sealed internal gateway network (this
    * fleet's): never `host`, `bridge`, another container's namespace or another rollout's network,
-   * whatever a spec says. A network that does not exist is left to the create to report.
+   * whatever a spec says. One that does not exist is final `invalid_task`.
    */
   private async checkGatewayNetwork(spec: SandboxSpec): Promise<void> {
     let info: Dockerode.NetworkInspectInfo;
     try {
       info = await this.docker.getNetwork(spec.network).inspect({ abortSignal: this.apiSignal() });
     } catch (err) {
-      if (dockerErrorFacts(err).statusCode === 404) return;
+      // Also what `container:<id>` and the like inspect as: never left to the create.
+      if (dockerErrorFacts(err).statusCode === 404) {
+        throw FleetError.nonRetryable(
+          "invalid_task",
+          `network ${spec.network} does not exist on this Docker host`,
+        );
+      }
       throw classifyDockerError(err, "inspect", spec.network);
     }
     const labels = info.Labels ?? {};
@@ -442,7 +448,13 @@ export class DockerSandboxProvider implements SandboxProvider {
       const count = Number(m[1]);
       const key = handle.id || handle.name;
       const before = this.oomKillsSeen.get(key) ?? 0;
+      this.oomKillsSeen.delete(key); // re-inserted last: the map drops its oldest entries first
       this.oomKillsSeen.set(key, count);
+      // Bounded: workers that never destroy the sandboxes they exec in (agent, verifier) forget
+      // the ones they have not seen for longest.
+      while (this.oomKillsSeen.size > OOM_KILLS_REMEMBERED) {
+        this.oomKillsSeen.delete(this.oomKillsSeen.keys().next().value!);
+      }
       return count > before;
     } catch (err) {
       this.logger?.debug({ err, sandbox: handle.name }, "could not tell whether an exec was OOM-killed");
@@ -889,6 +901,9 @@ export class DockerSandboxProvider implements SandboxProvider {
     return this.clientOf(handle).getContainer(handle.id || handle.name);
   }
 }
+
+/** How many sandboxes' OOM-kill counts a provider remembers (see `oomKillsSeen`). */
+const OOM_KILLS_REMEMBERED = 4096;
 
 /** A dockerode client that ignores DOCKER_HOST & co. in the environment (config comes from main.ts). */
 function connect(options: Dockerode.DockerOptions): Dockerode {

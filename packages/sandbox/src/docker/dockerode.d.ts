@@ -84,6 +84,7 @@ declare module "dockerode" {
       Config: { Labels: Record<string, string> | null; Image: string };
       HostConfig: HostConfig;
       Mounts: Array<{ Type: string; Name?: string; Source: string; Destination: string }>;
+      NetworkSettings: { Networks: Record<string, unknown> | null };
     }
 
     interface ContainerInfo {
