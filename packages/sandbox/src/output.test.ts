@@ -48,6 +48,51 @@ describe("CappedBuffer", () => {
   });
 });
 
+describe("CappedBuffer with a tail", () => {
+  it("keeps the start and the end, and says how much of the middle went", () => {
+    const b = new CappedBuffer(8, { tailBytes: 4 });
+    for (const c of ["abc", "defgh", "ijklmn", "opqrst"]) b.write(Buffer.from(c));
+    expect(b.truncated).toBe(true);
+    expect(b.totalBytes).toBe(20);
+    expect(b.text()).toBe("abcd\n[… 12 bytes cut …]\nqrst");
+  });
+
+  it("is everything, in order, while it fits", () => {
+    const b = new CappedBuffer(8, { tailBytes: 4 });
+    for (const c of ["abc", "def", "gh"]) b.write(Buffer.from(c));
+    expect(b.truncated).toBe(false);
+    expect(b.text()).toBe("abcdefgh");
+  });
+
+  it("keeps exactly the first and the last halves whatever the chunking (property)", () => {
+    const ascii = fc.string({ unit: "grapheme-ascii", maxLength: 30 });
+    fc.assert(
+      fc.property(fc.array(ascii, { maxLength: 40 }), fc.integer({ min: 1, max: 20 }), (parts, half) => {
+        const all = parts.join("");
+        const b = new CappedBuffer(2 * half, { tailBytes: half });
+        for (const p of parts) b.write(Buffer.from(p));
+        const expected =
+          all.length <= 2 * half
+            ? all
+            : `${all.slice(0, half)}\n[… ${all.length - 2 * half} bytes cut …]\n${all.slice(-half)}`;
+        expect(b.text()).toBe(expected);
+      }),
+    );
+  });
+
+  it("drops a character cut in half at either edge of the cut", () => {
+    const b = new CappedBuffer(6, { tailBytes: 3 });
+    b.write(Buffer.from("ab€xyz€", "utf8")); // a b [e2 82 ac] x y z [e2 82 ac]
+    expect(b.text()).toBe("ab\n[… 5 bytes cut …]\n€");
+    const c = new CappedBuffer(6, { tailBytes: 3 });
+    c.write(Buffer.from("abcdefgh€", "utf8")); // the tail is the € (3 bytes) exactly
+    expect(c.text()).toBe("abc\n[… 5 bytes cut …]\n€");
+    const d = new CappedBuffer(6, { tailBytes: 2 });
+    d.write(Buffer.from("abcdefgh€", "utf8")); // the tail starts inside the €
+    expect(d.text()).toBe("abcd\n[… 5 bytes cut …]\n");
+  });
+});
+
 describe("trimPartialUtf8", () => {
   it("keeps complete text", () => {
     for (const s of ["", "a", "é", "€", "😀", "a😀"]) {

@@ -2,46 +2,90 @@ import { decodeUtf8 } from "@fleet/contracts";
 
 /**
  * Collects up to `maxBytes` of a byte stream and counts (but drops) the rest. Memory stays
- * bounded however much a command prints.
+ * bounded however much a command prints. With `tailBytes`, the last `tailBytes` of the stream
+ * are kept too (the first `maxBytes - tailBytes` and the last `tailBytes`): a command's end (a
+ * test summary, the last error) is what its reader wants, and the middle is what goes.
  */
 export class CappedBuffer {
   readonly maxBytes: number;
+  readonly tailBytes: number;
   private readonly chunks: Buffer[] = [];
   private kept = 0;
+  /** The newest bytes past the head, oldest first; at most `tailBytes` plus one chunk. */
+  private readonly tail: Buffer[] = [];
+  private tailKept = 0;
   /** Every byte seen, kept or dropped. */
   totalBytes = 0;
 
-  constructor(maxBytes: number) {
+  constructor(maxBytes: number, options: { tailBytes?: number } = {}) {
     if (!Number.isInteger(maxBytes) || maxBytes < 0)
       throw new RangeError(`maxBytes must be a non-negative integer`);
+    const tailBytes = options.tailBytes ?? 0;
+    if (!Number.isInteger(tailBytes) || tailBytes < 0 || tailBytes > maxBytes)
+      throw new RangeError(`tailBytes must be an integer in [0, maxBytes]`);
     this.maxBytes = maxBytes;
+    this.tailBytes = tailBytes;
   }
 
   write(chunk: Uint8Array): void {
     this.totalBytes += chunk.length;
-    const room = this.maxBytes - this.kept;
-    if (room <= 0) return;
-    const part = chunk.length <= room ? chunk : chunk.subarray(0, room);
-    // Copy: the caller may reuse its buffer (socket chunks are sliced views).
-    this.chunks.push(Buffer.from(part));
-    this.kept += part.length;
+    const room = this.maxBytes - this.tailBytes - this.kept;
+    let rest = chunk;
+    if (room > 0) {
+      const part = chunk.length <= room ? chunk : chunk.subarray(0, room);
+      // Copy: the caller may reuse its buffer (socket chunks are sliced views).
+      this.chunks.push(Buffer.from(part));
+      this.kept += part.length;
+      rest = chunk.subarray(part.length);
+    }
+    if (this.tailBytes === 0 || rest.length === 0) return;
+    const take = rest.length <= this.tailBytes ? rest : rest.subarray(rest.length - this.tailBytes);
+    this.tail.push(Buffer.from(take));
+    this.tailKept += take.length;
+    while (this.tail.length > 1 && this.tailKept - this.tail[0]!.length >= this.tailBytes) {
+      this.tailKept -= this.tail.shift()!.length;
+    }
   }
 
   get truncated(): boolean {
-    return this.totalBytes > this.kept;
+    return this.totalBytes > this.maxBytes;
   }
 
+  /** The kept head (everything, when nothing was cut and there is no tail). */
   bytes(): Buffer {
-    return Buffer.concat(this.chunks, this.kept);
+    if (this.tailKept === 0) return Buffer.concat(this.chunks, this.kept);
+    return Buffer.concat([...this.chunks, this.tailBuffer()]).subarray(
+      0,
+      this.truncated ? this.kept : undefined,
+    );
   }
 
   /**
    * The kept bytes as UTF-8 with U+FFFD for invalid sequences. When the cap cut a multi-byte
-   * character in half, the partial character is dropped rather than shown as U+FFFD.
+   * character in half, the partial character is dropped rather than shown as U+FFFD. With a tail
+   * and bytes cut between head and tail, the two are joined by a line saying how many.
    */
   text(): string {
-    return decodeCapped(this.bytes(), this.truncated);
+    if (this.tailKept === 0) return decodeCapped(Buffer.concat(this.chunks, this.kept), this.truncated);
+    if (!this.truncated) return decodeUtf8(Buffer.concat([...this.chunks, this.tailBuffer()]));
+    const head = decodeCapped(Buffer.concat(this.chunks, this.kept), true);
+    const tail = decodeUtf8(trimLeadingPartialUtf8(this.tailBuffer()));
+    const cut = this.totalBytes - this.kept - this.tailBytes;
+    return `${head}\n[… ${cut} bytes cut …]\n${tail}`;
   }
+
+  /** The last `tailBytes` written past the head (fewer when fewer came). */
+  private tailBuffer(): Buffer {
+    const all = Buffer.concat(this.tail, this.tailKept);
+    return all.length > this.tailBytes ? all.subarray(all.length - this.tailBytes) : all;
+  }
+}
+
+/** Drop the continuation bytes of a character cut in half at the very start of `bytes`. */
+export function trimLeadingPartialUtf8(bytes: Buffer): Buffer {
+  let i = 0;
+  while (i < Math.min(3, bytes.length) && (bytes[i]! & 0xc0) === 0x80) i++;
+  return bytes.subarray(i);
 }
 
 /** Decode capped output: UTF-8 with U+FFFD, minus a character the cap cut in half. */

@@ -283,7 +283,7 @@ EOF`,
     expect(large.calls).toEqual(["put", "exec", "get"]);
   });
 
-  it("tests whose stderr passes the output cap: the report is cut off, the reward file is read apart", async () => {
+  it("tests whose stderr passes the output cap: the runner's report, at the end, is kept with the output's tail", async () => {
     const base = tasks.find((t) => t.id === "hello-file")!;
     const task: TaskContent = {
       ...base,
@@ -293,7 +293,7 @@ EOF`,
     };
     const noisy = await verifyCounting(await sandbox(task, "noisy-tests"), task);
     expect(noisy.verdict).toMatchObject({ reward: 0.5, details: { source: "reward_file" } });
-    expect(noisy.calls).toEqual(["put", "exec", "get"]);
+    expect(noisy.calls).toEqual(["put", "exec"]); // no separate read of the reward file
   });
 
   it("tests killed by a signal: their status comes through the runner and grades 0", async () => {

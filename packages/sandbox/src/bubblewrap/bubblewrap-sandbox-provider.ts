@@ -136,6 +136,8 @@ interface RunOptions extends ExecCall {
   cwd?: string | undefined;
   /** Run outside the sandbox's cgroups (the kill sweep must start even at the pids limit). */
   outsideCgroups?: boolean;
+  /** Keep the output's last half-cap too (commands); not for the provider's own reads. */
+  keepTail?: boolean;
 }
 
 /**
@@ -411,7 +413,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // The OOM-kill count only grows: this exec was OOM-killed only if it grew while it ran (an
     // OOM kill the agent caused earlier must not turn a later plain SIGKILL into a mask).
     const oomBefore = cgroupOomKills(state.cgroups ?? []);
-    const { rawExitCode, ...out } = await this.run(state, argv, o);
+    // A command's output keeps its end as well as its start (see `CappedBuffer`).
+    const { rawExitCode, ...out } = await this.run(state, argv, { ...o, keepTail: true });
     if (rawExitCode === 137 && !out.timedOut) {
       const oomAfter = cgroupOomKills(state.cgroups ?? []);
       out.oomKilled = oomAfter !== null && oomAfter > (oomBefore ?? 0);
@@ -441,8 +444,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       Object.entries(env).map(([k, v]) => `${k}=${v}`),
       o.keepCaps ?? [],
     );
-    const stdout = new CappedBuffer(o.maxOutputBytes);
-    const stderr = new CappedBuffer(o.maxOutputBytes);
+    const tailBytes = o.keepTail ? Math.floor(o.maxOutputBytes / 2) : 0;
+    const stdout = new CappedBuffer(o.maxOutputBytes, { tailBytes });
+    const stderr = new CappedBuffer(o.maxOutputBytes, { tailBytes });
     const safetyMs = o.deadlineMs + this.defaults.killGraceS * 1000 + this.defaults.execSlackMs;
     const started = performance.now();
 

@@ -288,7 +288,11 @@ export class DockerSandboxProvider implements SandboxProvider {
 
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
     await this.checkDaemon(handle);
-    const result = await this.execIn(handle, argv, parseExecOptions(options, this.defaults.execUser));
+    // A command's output keeps its end as well as its start (see `CappedBuffer`).
+    const result = await this.execIn(handle, argv, {
+      ...parseExecOptions(options, this.defaults.execUser),
+      keepTail: true,
+    });
     if (result.rawExitCode === 137 && !result.timedOut) {
       result.oomKilled = await this.oomKilled(handle);
     }
@@ -307,6 +311,8 @@ export class DockerSandboxProvider implements SandboxProvider {
       user: string;
       stdin: Buffer | null;
       maxOutputBytes: number;
+      /** Keep the output's last half-cap too (commands); not for the provider's own reads. */
+      keepTail?: boolean;
     },
   ): Promise<ExecResult & { rawExitCode: number }> {
     const cmd = deadlineArgv(argv, o.deadlineMs, this.defaults.killGraceS);
@@ -329,8 +335,9 @@ export class DockerSandboxProvider implements SandboxProvider {
       throw classifyDockerError(err, "exec", handle.name);
     }
 
-    const stdout = new CappedBuffer(o.maxOutputBytes);
-    const stderr = new CappedBuffer(o.maxOutputBytes);
+    const tailBytes = o.keepTail ? Math.floor(o.maxOutputBytes / 2) : 0;
+    const stdout = new CappedBuffer(o.maxOutputBytes, { tailBytes });
+    const stderr = new CappedBuffer(o.maxOutputBytes, { tailBytes });
     const safetyMs = o.deadlineMs + this.defaults.killGraceS * 1000 + this.defaults.execSlackMs;
     const hostTimedOut = await this.stream(
       exec,
