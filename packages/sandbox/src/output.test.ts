@@ -80,16 +80,27 @@ describe("CappedBuffer with a tail", () => {
     );
   });
 
+  it("keeps the exact end of two million one-byte writes (what a byte-at-a-time flood sends)", () => {
+    const b = new CappedBuffer(1024 * 1024, { tailBytes: 512 * 1024 });
+    const one = Buffer.from("x");
+    for (let i = 0; i < 2_000_000; i++) b.write(one);
+    const last = Buffer.from("END");
+    b.write(last);
+    expect(b.totalBytes).toBe(2_000_003);
+    expect(b.text().endsWith("xxxEND")).toBe(true);
+    expect(b.text()).toContain(`[… ${2_000_003 - 1024 * 1024} bytes cut …]`);
+  });
+
   it("drops a character cut in half at either edge of the cut", () => {
     const b = new CappedBuffer(6, { tailBytes: 3 });
     b.write(Buffer.from("ab€xyz€", "utf8")); // a b [e2 82 ac] x y z [e2 82 ac]
-    expect(b.text()).toBe("ab\n[… 5 bytes cut …]\n€");
+    expect(b.text()).toBe("ab\n[… 6 bytes cut …]\n€");
     const c = new CappedBuffer(6, { tailBytes: 3 });
     c.write(Buffer.from("abcdefgh€", "utf8")); // the tail is the € (3 bytes) exactly
     expect(c.text()).toBe("abc\n[… 5 bytes cut …]\n€");
     const d = new CappedBuffer(6, { tailBytes: 2 });
     d.write(Buffer.from("abcdefgh€", "utf8")); // the tail starts inside the €
-    expect(d.text()).toBe("abcd\n[… 5 bytes cut …]\n");
+    expect(d.text()).toBe("abcd\n[… 7 bytes cut …]\n");
   });
 });
 

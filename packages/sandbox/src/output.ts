@@ -11,9 +11,11 @@ export class CappedBuffer {
   readonly tailBytes: number;
   private readonly chunks: Buffer[] = [];
   private kept = 0;
-  /** The newest bytes past the head, oldest first; at most `tailBytes` plus one chunk. */
-  private readonly tail: Buffer[] = [];
-  private tailKept = 0;
+  /** The newest bytes past the head: a ring of `tailBytes` (allocated on first use). */
+  private ring: Buffer | null = null;
+  /** Where the ring's next byte goes, and how many of its bytes are filled. */
+  private ringPos = 0;
+  private ringFill = 0;
   /** Every byte seen, kept or dropped. */
   totalBytes = 0;
 
@@ -39,45 +41,44 @@ export class CappedBuffer {
       rest = chunk.subarray(part.length);
     }
     if (this.tailBytes === 0 || rest.length === 0) return;
+    // O(bytes written) whatever the chunking: a byte-at-a-time flood costs no more than a burst.
+    this.ring ??= Buffer.allocUnsafe(this.tailBytes);
     const take = rest.length <= this.tailBytes ? rest : rest.subarray(rest.length - this.tailBytes);
-    this.tail.push(Buffer.from(take));
-    this.tailKept += take.length;
-    while (this.tail.length > 1 && this.tailKept - this.tail[0]!.length >= this.tailBytes) {
-      this.tailKept -= this.tail.shift()!.length;
-    }
+    const first = Math.min(take.length, this.tailBytes - this.ringPos);
+    this.ring.set(take.subarray(0, first), this.ringPos);
+    if (first < take.length) this.ring.set(take.subarray(first), 0);
+    this.ringPos = (this.ringPos + take.length) % this.tailBytes;
+    this.ringFill = Math.min(this.tailBytes, this.ringFill + take.length);
   }
 
   get truncated(): boolean {
     return this.totalBytes > this.maxBytes;
   }
 
-  /** The kept head (everything, when nothing was cut and there is no tail). */
+  /** The kept head: everything, when no tail is kept and nothing was cut. */
   bytes(): Buffer {
-    if (this.tailKept === 0) return Buffer.concat(this.chunks, this.kept);
-    return Buffer.concat([...this.chunks, this.tailBuffer()]).subarray(
-      0,
-      this.truncated ? this.kept : undefined,
-    );
+    return Buffer.concat(this.chunks, this.kept);
   }
 
   /**
    * The kept bytes as UTF-8 with U+FFFD for invalid sequences. When the cap cut a multi-byte
    * character in half, the partial character is dropped rather than shown as U+FFFD. With a tail
-   * and bytes cut between head and tail, the two are joined by a line saying how many.
+   * and bytes cut between head and tail, the two are joined by a line saying how many went.
    */
   text(): string {
-    if (this.tailKept === 0) return decodeCapped(Buffer.concat(this.chunks, this.kept), this.truncated);
-    if (!this.truncated) return decodeUtf8(Buffer.concat([...this.chunks, this.tailBuffer()]));
-    const head = decodeCapped(Buffer.concat(this.chunks, this.kept), true);
-    const tail = decodeUtf8(trimLeadingPartialUtf8(this.tailBuffer()));
-    const cut = this.totalBytes - this.kept - this.tailBytes;
-    return `${head}\n[… ${cut} bytes cut …]\n${tail}`;
+    if (this.ringFill === 0) return decodeCapped(this.bytes(), this.truncated);
+    if (!this.truncated) return decodeUtf8(Buffer.concat([this.bytes(), this.tailBuffer()]));
+    const head = trimPartialUtf8(this.bytes());
+    const tail = trimLeadingPartialUtf8(this.tailBuffer());
+    const cut = this.totalBytes - head.length - tail.length;
+    return `${decodeUtf8(head)}\n[… ${cut} bytes cut …]\n${decodeUtf8(tail)}`;
   }
 
-  /** The last `tailBytes` written past the head (fewer when fewer came). */
+  /** The last bytes written past the head, oldest first (at most `tailBytes`). */
   private tailBuffer(): Buffer {
-    const all = Buffer.concat(this.tail, this.tailKept);
-    return all.length > this.tailBytes ? all.subarray(all.length - this.tailBytes) : all;
+    if (!this.ring || this.ringFill === 0) return Buffer.alloc(0);
+    if (this.ringFill < this.tailBytes) return Buffer.from(this.ring.subarray(0, this.ringFill));
+    return Buffer.concat([this.ring.subarray(this.ringPos), this.ring.subarray(0, this.ringPos)]);
   }
 }
 
