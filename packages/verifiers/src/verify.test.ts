@@ -30,7 +30,7 @@ let handle: SandboxHandle;
 /** What happened, in order: "put /tests", "tests", "get". */
 let log: string[];
 
-/** `report: false`: the runner's closing report is lost (as when the output cap cuts it off). */
+/** `report: false`: the runner sends no closing report (killed before it, or one the test writes itself). */
 type TestsOutcome = Partial<ExecResult> & { reward?: string; report?: boolean };
 
 /** The nonce the verifier handed the runner on stdin. */
@@ -243,11 +243,11 @@ describe("tests verifier", () => {
     expect(verdict.details.stderrTail).toBe(`\n${"0".repeat(32)} reward 1\n1`);
   });
 
-  it("a report the output cap cut off: the reward file is read apart", async () => {
-    script(() => ({ exitCode: 1, reward: "0.5", report: false, stderrTruncated: true }));
+  it("no report in a cut output (the cap keeps the end, so something wrote past the report): the exit status grades, never a reward file", async () => {
+    script(() => ({ exitCode: 1, reward: "1", report: false, stderrTruncated: true }));
     const verdict = await verify(ctx());
-    expect(verdict).toMatchObject({ reward: 0.5, details: { source: "reward_file" } });
-    expect(log).toEqual(["put /tests", "tests", "get"]);
+    expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+    expect(log).toEqual(["put /tests", "tests"]);
   });
 
   it("a runner killed before it reported (nothing cut its output): its exit status grades, never the reward file the killer left", async () => {
@@ -345,7 +345,8 @@ describe("tests verifier", () => {
   });
 
   it("a lost sandbox while reading the reward → sandbox_lost (masked), not a verifier crash", async () => {
-    script(() => ({ exitCode: 0, report: false, stderrTruncated: true }));
+    // The runner could not inline the file (unreadable by it, or over 1 KiB): read apart.
+    script((call) => ({ exitCode: 0, report: false, stderr: `\n${nonceOf(call)} unreadable\n` }));
     provider.get = async () => {
       throw new FleetError("sandbox_lost", "gone");
     };

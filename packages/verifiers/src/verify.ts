@@ -50,14 +50,15 @@ function assertNever(x: never): never {
  * 1. clears /logs/verifier and proves it gone: root has no CAP_FOWNER, so a directory the agent
  *    planted in the sticky, world-writable /logs cannot be removed, and grading on top of it
  *    could be gamed; if that fails, reports `prepare <why>` and stops; else writes `<nonce> ready`
- *    as the first line of stderr (the output cap keeps the head: it is always seen);
+ *    as the first line of stderr (the output cap keeps the head and the end: it is always seen);
  * 2. runs `bash /tests/test.sh` (stdin /dev/null);
  * 3. reports the reward file: `none`, `reward <bytes>` followed by its content (up to
  *    `INLINE_REWARD_BYTES`), or `unreadable` (too large, or not readable by root: read apart);
  * and exits with the tests' status. Reports go to stderr after the tests' own output, each as a
- * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again. A runner
- * killed before it reported (not cut off by the output cap) is graded by its exit status: the
- * tests' processes, the agent's code among them, could have killed it and left a reward behind.
+ * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again. A runner that
+ * never reported (the cap keeps the output's end, where the report is) is graded by its exit
+ * status: the tests' processes, the agent's code among them, could have killed it and left a
+ * reward behind.
  */
 export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
@@ -120,8 +121,8 @@ export type RunReport =
   /** Unreadable, too large, or its size does not match: read the file apart. */
   | { kind: "read" }
   /**
-   * No report line at all: the output cap cut it off (read the file apart), or, when nothing was
-   * cut, the runner was killed before it reported.
+   * No report line at all: the runner was killed before it reported, or something wrote past its
+   * report (the output cap keeps the end, where it is): graded by the exit status.
    */
   | { kind: "missing" };
 
@@ -129,8 +130,8 @@ export type RunReport =
  * Split the tests' stderr into their own output and the script's lines. `ready`: the line
  * `<nonce> ready` (first of the script's own, so near the head the output cap keeps; a shell
  * warning may come before it) proves /logs/verifier was cleared and the tests started; without it
- * nothing may be graded. The report is the last `\n<nonce> ` line; without one (the cap cut it
- * off), or when the inline reward's size does not match, the reward file is read apart.
+ * nothing may be graded. The report is the last `\n<nonce> ` line (`missing` without one); when
+ * the inline reward's size does not match, the reward file is read apart.
  */
 export function parseRunReport(
   raw: string,
@@ -268,13 +269,14 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   // Tests too big for the sandbox's memory show up as 0 for the oracle agent too.
   if (result.oomKilled) details.oomKilled = true;
 
-  // Tests or runner killed by a signal (exit 128 + n), or a runner that never reported though
-  // nothing cut its output: something the tests ran killed them (the agent's code runs as root
-  // too), after it may have written the reward file; flooding the output past the cap first
-  // changes nothing. That file is then not the tests' verdict: the exit status is (a killed
-  // test failed). Only a runner that exited by itself, its report lost to the cap, is read apart.
+  // Tests or runner killed by a signal (exit 128 + n), or a runner that never reported: something
+  // the tests ran killed them (the agent's code runs as root too), after it may have written the
+  // reward file. The report is printed last and the output cap keeps the output's end, so a
+  // flood never hides it; a report missing from a cut output means something wrote past it, i.e.
+  // outlived the runner's reap. That file is then not the tests' verdict: the exit status is (a
+  // killed test failed).
   const killed = ran.exitCode >= 128 || ran.exitCode < 0;
-  if (killed || (report.kind === "missing" && !ran.stderrTruncated)) {
+  if (killed || report.kind === "missing") {
     return {
       reward: result.exitCode === 0 ? 1 : 0,
       details: {
