@@ -172,13 +172,14 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         input.answeredBefore === true &&
         (status === 401 ||
           status === 404 ||
-          (status === 403 && CREDENTIAL_REFUSAL.test(errorMessage(body, text))))
+          (status === 403 && !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorCode(body)}`)))
       ) {
         // The same endpoint, key and model answered this episode's earlier calls: a key rotated
         // or revoked, or a server restarted without the model, is the infrastructure's (masked,
         // as the command harness's gateway counts it), never the agent's. On a first call it is
-        // the agent spec's (below). A 403 that is not about the key (a moderation refusal of
-        // what the policy wrote, say) is the conversation's: graded, as a 400 is (below).
+        // the agent spec's (below). A 403 that says it refused the content (a moderation flag on
+        // what the policy wrote) is the conversation's: graded, as a 400 is (below); any other
+        // 403 (a key revoked, an organisation disabled, a proxy's bare "Forbidden") is masked.
         throw FleetError.nonRetryable(
           "provider_unavailable",
           `model endpoint stopped accepting the episode's requests: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
@@ -226,8 +227,16 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
   }
 }
 
-/** A 403 whose message is about the credential (revoked, expired, disabled), not the request. */
-const CREDENTIAL_REFUSAL = /api[ _-]?key|\bkey\b|token|credential|auth|revoked|expired|disabled|suspended/i;
+/** A refusal of the content itself (moderation), by its message or error code. */
+const CONTENT_REFUSAL = /moderation|flagged|content[ _-]?(policy|filter|management)|safety|violat/i;
+
+/** The error body's `error.code` or `error.type`, when it has one. */
+function errorCode(body: unknown): string {
+  const e = typeof body === "object" && body !== null ? (body as { error?: unknown }).error : undefined;
+  if (typeof e !== "object" || e === null) return "";
+  const { code, type } = e as { code?: unknown; type?: unknown };
+  return [code, type].filter((x) => typeof x === "string").join(" ");
+}
 
 /** A chat completion whose first choice carries a message (else the answer is malformed: retried). */
 function isChatCompletion(body: unknown): boolean {

@@ -328,6 +328,15 @@ describe("ToolLoopHarness", () => {
     expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 400: invalid tool arguments/);
   });
 
+  it("a later 403 with no word about the content (a proxy's bare Forbidden) is masked", async () => {
+    upstream.push(
+      chatReply({ bash: ["true"], content: "working" }),
+      errorReply(403, "forbidden", "Forbidden"),
+    );
+    const err = await rejection(harness().run(ctx()));
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
+  });
+
   it("a later 403 about the conversation (a moderation refusal of what the policy wrote) is graded as a refusal, not masked", async () => {
     upstream.push(
       chatReply({ bash: ["true"], content: "working" }),
