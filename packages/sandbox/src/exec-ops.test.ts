@@ -114,6 +114,11 @@ describe("probeStdout", () => {
   });
 
   it("a 126 the runtime gave for another reason (a loaded host) is not final", () => {
+    const cgroupRace =
+      "OCI runtime exec failed: exec failed: unable to start container process: error adding pid 42 to cgroups: failed to write 42: open /sys/fs/cgroup/docker/abc/cgroup.procs: no such file or directory: unknown";
+    expect(() => probeStdout(execResult({ exitCode: 126, stdout: cgroupRace }), 1000)).toThrow(
+      /probe exited 126/,
+    );
     const r = execResult({
       exitCode: 126,
       stdout: "OCI runtime exec failed: exec failed: resource temporarily unavailable",

@@ -329,7 +329,11 @@ export function probeStdout(r: ExecResult, timeoutMs: number): string {
   const missing =
     r.exitCode === 127 ||
     (r.exitCode === 126 &&
-      /not found|no such file|permission denied|not executable/i.test(`${r.stdout}\n${r.stderr}`));
+      // The runtime names the program it could not exec (not a path of its own, such as a
+      // cgroup file it failed to open under load).
+      /exec: "[^"]*": (?:stat [^:]*: )?(?:no such file or directory|permission denied)|executable file not found|: not found$/im.test(
+        `${r.stdout}\n${r.stderr}`,
+      ));
   if (!r.timedOut && missing) {
     // Not found or not executable: the image lacks what every sandbox command needs (a coreutils
     // `/usr/bin/timeout`, `sh`, the probe's tools). Nothing a retry fixes: the task's image.

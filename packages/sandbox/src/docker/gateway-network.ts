@@ -185,7 +185,11 @@ export class DockerGatewayNetworks {
     // Made by a version before names carried the scope (a rollout in flight across an upgrade,
     // its sandbox already on it): still the rollout's network, and the one its sandbox can reach.
     const legacy = await this.legacyNetwork(rolloutId);
-    if (legacy) return this.adopt(legacy, rolloutId);
+    if (legacy) {
+      // Sealed again (idempotent), as the scoped path does: rules a firewall reload lost come back.
+      await this.firewall.seal(gatewayBridgeName(legacy.Name));
+      return this.adopt(legacy, rolloutId);
+    }
     await this.firewall.seal(gatewayBridgeName(name));
     const existing = await this.inspect(name);
     if (existing) return this.adopt(existing, rolloutId);
