@@ -40,14 +40,19 @@ const CONTEXT_LENGTH = /context[ _-]?(length|window)|maximum context|prompt is t
 /** Whether an error response says the conversation no longer fits the model's context. */
 export function isContextLengthError(status: number, body: unknown): boolean {
   if (status < 400 || status >= 500 || status === 429) return false;
-  const error = typeof body === "object" && body !== null ? (body as { error?: unknown }).error : undefined;
-  const e = (typeof error === "object" && error !== null ? error : {}) as {
-    code?: unknown;
-    message?: unknown;
-  };
+  const e = errorFields(body);
   if (e.code === "context_length_exceeded") return true;
-  const message = typeof e.message === "string" ? e.message : typeof error === "string" ? error : "";
-  return CONTEXT_LENGTH.test(message);
+  return CONTEXT_LENGTH.test(e.message ?? "");
+}
+
+/** An error body's `error` (an object with string fields, or a bare string: its message). */
+function errorFields(body: unknown): { message?: string; code?: string; type?: string } {
+  const error = typeof body === "object" && body !== null ? (body as { error?: unknown }).error : undefined;
+  if (typeof error === "string") return { message: error };
+  if (typeof error !== "object" || error === null) return {};
+  const { message, code, type } = error as Record<string, unknown>;
+  const str = (x: unknown) => (typeof x === "string" ? x : undefined);
+  return { message: str(message), code: str(code), type: str(type) };
 }
 
 /** Statuses worth another attempt: timeouts, conflicts, rate limits and server errors. */
@@ -172,7 +177,8 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         input.answeredBefore === true &&
         (status === 401 ||
           status === 404 ||
-          (status === 403 && !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorCode(body)}`)))
+          (status === 403 &&
+            !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorFields(body).type ?? ""}`)))
       ) {
         // The same endpoint, key and model answered this episode's earlier calls: a key rotated
         // or revoked, or a server restarted without the model, is the infrastructure's (masked,
@@ -230,14 +236,6 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
 /** A refusal of the content itself (moderation), by its message or error code. */
 const CONTENT_REFUSAL = /moderation|flagged|content[ _-]?(policy|filter|management)|safety|violat/i;
 
-/** The error body's `error.code` or `error.type`, when it has one. */
-function errorCode(body: unknown): string {
-  const e = typeof body === "object" && body !== null ? (body as { error?: unknown }).error : undefined;
-  if (typeof e !== "object" || e === null) return "";
-  const { code, type } = e as { code?: unknown; type?: unknown };
-  return [code, type].filter((x) => typeof x === "string").join(" ");
-}
-
 /** A chat completion whose first choice carries a message (else the answer is malformed: retried). */
 function isChatCompletion(body: unknown): boolean {
   const choices =
@@ -250,13 +248,9 @@ function isChatCompletion(body: unknown): boolean {
 }
 
 function errorMessage(body: unknown, text: string): string {
-  const error = typeof body === "object" && body !== null ? (body as { error?: unknown }).error : undefined;
-  if (typeof error === "string") return error;
-  if (typeof error === "object" && error !== null) {
-    const { message, code } = error as { message?: unknown; code?: unknown };
-    if (typeof message === "string") return typeof code === "string" ? `${message} (${code})` : message;
-  }
-  return text;
+  const { message, code } = errorFields(body);
+  if (message === undefined) return text;
+  return code === undefined ? message : `${message} (${code})`;
 }
 
 function snippet(text: string, redact: (t: string) => string): string {

@@ -318,15 +318,23 @@ describe("ToolLoopHarness", () => {
     expect(JSON.stringify(upstream.requests[1]!.body).length).toBeLessThan(64 * 1024);
   });
 
-  it("a later call the endpoint refuses (400 about the conversation) ends the episode graded, not failed", async () => {
-    upstream.push(
-      chatReply({ bash: ["true"], content: "working" }),
-      errorReply(400, "bad_request", "invalid tool arguments"),
-    );
-    const out = await harness().run(ctx(agent()));
-    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
-    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 400: invalid tool arguments/);
-  });
+  it.each([
+    ["400 about the conversation", 400, "bad_request", "invalid tool arguments"],
+    [
+      "403 about the conversation: a moderation refusal of what the policy wrote",
+      403,
+      "moderation",
+      "Your input was flagged by our moderation",
+    ],
+  ] as const)(
+    "a later call the endpoint refuses (%s) ends the episode graded, not failed or masked",
+    async (_why, status, code, message) => {
+      upstream.push(chatReply({ bash: ["true"], content: "working" }), errorReply(status, code, message));
+      const out = await harness().run(ctx(agent()));
+      expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+      expect(out.exec.stderr).toMatch(new RegExp(`stopped \\(refused\\).*HTTP ${status}: ${message}`));
+    },
+  );
 
   it("a later 403 with no word about the content (a proxy's bare Forbidden) is masked", async () => {
     upstream.push(
@@ -335,16 +343,6 @@ describe("ToolLoopHarness", () => {
     );
     const err = await rejection(harness().run(ctx()));
     expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
-  });
-
-  it("a later 403 about the conversation (a moderation refusal of what the policy wrote) is graded as a refusal, not masked", async () => {
-    upstream.push(
-      chatReply({ bash: ["true"], content: "working" }),
-      errorReply(403, "moderation", "Your input was flagged by our moderation"),
-    );
-    const out = await harness().run(ctx(agent()));
-    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
-    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 403: Your input was flagged/);
   });
 
   it("retries a 200 whose first choice has no message (malformed), then goes on", async () => {
