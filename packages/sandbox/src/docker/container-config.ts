@@ -83,11 +83,17 @@ const NAME_SAFE = /^[A-Za-z0-9][A-Za-z0-9_.-]*$/;
  * a name is sanitised and suffixed with a short hash of the original, so two ids never share a name.
  */
 export function sandboxName(rolloutId: string, owner: SandboxSpec["owner"], scope?: string): string {
-  const head = scope ? `fleet-${scopeTag(scope)}-` : "fleet-";
-  if (NAME_SAFE.test(rolloutId) && rolloutId.length <= 100) return `${head}${rolloutId}-${owner}`;
+  return `${scope ? `fleet-${scopeTag(scope)}-` : "fleet-"}${dockerSafeId(rolloutId)}-${owner}`;
+}
+
+/**
+ * A rollout id as it goes into Docker names: itself when Docker accepts it, else sanitised and
+ * suffixed with a short hash of the original, so two ids never share a name.
+ */
+export function dockerSafeId(rolloutId: string): string {
+  if (NAME_SAFE.test(rolloutId) && rolloutId.length <= 100) return rolloutId;
   const hash = createHash("sha256").update(rolloutId).digest("hex").slice(0, 12);
-  const clean = rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80);
-  return `${head}${clean}-${hash}-${owner}`;
+  return `${rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80)}-${hash}`;
 }
 
 /** A scope in Docker names: `s` + 8 hex chars of its sha256 (a scope is a Redis key prefix, e.g. `{fleet}`). */

@@ -3,7 +3,7 @@ import { createHash } from "node:crypto";
 import { FleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { LABEL_MANAGED, LABEL_ROLLOUT, LABEL_SCOPE } from "../provider.ts";
-import { scopeTag } from "./container-config.ts";
+import { dockerSafeId, scopeTag } from "./container-config.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { dockerErrorFacts } from "./docker-errors.ts";
 import { type GatewayFirewall, IptablesGatewayFirewall } from "./gateway-firewall.ts";
@@ -29,10 +29,7 @@ export interface GatewayNetwork {
  * as sandbox names are); sanitised + hashed like sandbox names when needed.
  */
 export function gatewayNetworkName(rolloutId: string, scope?: string): string {
-  const head = scope ? `fleet-gw-${scopeTag(scope)}-` : "fleet-gw-";
-  if (/^[A-Za-z0-9][A-Za-z0-9_.-]*$/.test(rolloutId) && rolloutId.length <= 100) return `${head}${rolloutId}`;
-  const clean = rolloutId.replace(/[^A-Za-z0-9_.-]/g, "_").slice(0, 80);
-  return `${head}${clean}-${shortHash(rolloutId, 12)}`;
+  return `${scope ? `fleet-gw-${scopeTag(scope)}-` : "fleet-gw-"}${dockerSafeId(rolloutId)}`;
 }
 
 /** The bridge interface of a gateway network: `fgw-` + 11 hex chars (Linux allows 15). */
