@@ -108,6 +108,18 @@ describe("parseRolloutBody", () => {
     expect(ok.agent).toMatchObject({ env: { MAX_TOKENS: "10" } });
   });
 
+  it("refuses a command agent's model without a base URL up front (422), not at run time", () => {
+    const command = (model: Record<string, unknown>) => ({
+      ...row,
+      agent: { harness: "command", argv: ["agent"], model },
+    });
+    const ok = parseRolloutBody(command({ name: "m", baseUrl: "http://127.0.0.1:8000/v1", credential: "K" }));
+    expect(ok.agent).toMatchObject({ harness: "command", model: { name: "m" } });
+    const err = thrown(() => parseRolloutBody(command({ name: "m", credential: "K" })));
+    expect(err.status).toBe(422);
+    expect((err.details as { issues: { path: string }[] }).issues[0]!.path).toBe("agent.model.baseUrl");
+  });
+
   it("refuses a model base URL with a query, fragment, credentials or another scheme", () => {
     const toolLoop = (baseUrl: string) => ({
       ...row,

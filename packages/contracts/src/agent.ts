@@ -87,9 +87,12 @@ export const CommandAgent = z.strictObject({
       }
     })
     .default({}),
-  /** Give the command a model through the per-rollout gateway. */
+  /**
+   * Give the command a model through the per-rollout gateway. `baseUrl` is required: the worker's
+   * credential is bound to an upstream, and the API can tell a missing one up front (422).
+   */
   model: z
-    .strictObject({ name: z.string().min(1), baseUrl: ModelBaseUrl.optional(), credential: CredentialName })
+    .strictObject({ name: z.string().min(1), baseUrl: ModelBaseUrl, credential: CredentialName })
     .optional(),
 });
 

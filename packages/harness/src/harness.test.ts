@@ -225,7 +225,7 @@ describe("createHarness", () => {
     const agent = AgentSpec.parse({
       harness: "command",
       argv: ["x"],
-      model: { name: "m", credential: "KEY" },
+      model: { name: "m", baseUrl: "http://m.local/v1", credential: "KEY" },
     });
     expect(createHarness(agent).name).toBe("command");
   });
