@@ -18,8 +18,13 @@ const TERMINAL = `local terminal = {completed=true, masked=true, failed=true, ca
  */
 const CLAIM_LAUNCH = `local function claimLaunch(key, token)
         local fence = redis.call('HGET', key, 'fence')
+        if fence == 'launched:' .. token then
+          -- This very claim again (tokens are unique per attempt): ioredis re-sent the command
+          -- after a reconnect lost its reply. Answer as the first time, counting no launch.
+          return redis.call('HGET', key, 'fence:prev') or '', tonumber(redis.call('HGET', key, 'launches') or '1')
+        end
         if fence == 'stopped' or redis.call('HGET', key, 'closed') == '1' then return 'stopped', 0 end
-        redis.call('HSET', key, 'fence', 'launched:' .. token)
+        redis.call('HSET', key, 'fence', 'launched:' .. token, 'fence:prev', fence or '')
         return fence or '', redis.call('HINCRBY', key, 'launches', 1)
       end`;
 
@@ -210,13 +215,18 @@ const SCRIPTS = {
     keys: 2, // inflight, reservations
     lua: `
       redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
-      local reserved = 0
+      local own = ARGV[1] .. ':' .. ARGV[2]
+      local reserved, mine = 0, false
       for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
-        reserved = reserved + tonumber(string.match(member, ':(%d+)$'))
+        -- Its own member: this reservation re-sent by ioredis after a reconnect lost the reply
+        -- (ids are unique per call). It holds already; counting it as another's would refuse it.
+        if member == own then mine = true
+        else reserved = reserved + tonumber(string.match(member, ':(%d+)$')) end
       end
       local inflight = redis.call('ZCARD', KEYS[1])
+      if mine then return {1, inflight, reserved} end
       if inflight + reserved + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return {0, inflight, reserved} end
-      redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1] .. ':' .. ARGV[2])
+      redis.call('ZADD', KEYS[2], ARGV[5], own)
       return {1, inflight, reserved}`,
   },
   /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */
@@ -246,6 +256,7 @@ const SCRIPTS = {
     lua: `
       if redis.call('HGET', KEYS[1], 'fence') ~= 'launched:' .. ARGV[1] then return 0 end
       if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'fence') else redis.call('HSET', KEYS[1], 'fence', ARGV[2]) end
+      redis.call('HDEL', KEYS[1], 'fence:prev')
       redis.call('HINCRBY', KEYS[1], 'launches', -1)
       return 1`,
   },
@@ -314,6 +325,9 @@ const SCRIPTS = {
             if ARGV[1] == 'verify' then
               -- When the attempt before this one began (a verify delivered again waits out its tests).
               prevBegin = redis.call('HGET', KEYS[1], 't:verify:last')
+              -- Its own begin, re-sent by ioredis after a reconnect lost the reply (same 'now'):
+              -- no earlier attempt to wait out.
+              if prevBegin == ARGV[2] then prevBegin = false end
               redis.call('HSET', KEYS[1], 't:verify:last', ARGV[2])
             end
             if ARGV[5] ~= '' then

@@ -16,6 +16,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { admit, batchIdFor, digestTask, MAX_METADATA_BYTES, rolloutIds } from "./admission.ts";
 import { assertRedisDurable, createRedis } from "./connection.ts";
 import { RolloutStore } from "./rollout-store.ts";
+import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
 import { sandboxKey, TeardownLedger } from "./teardown-ledger.ts";
 
@@ -346,6 +347,41 @@ describe("rollout store", () => {
     await store.requestCancel(id);
     expect((await store.begin(id, "run", 4, { launchToken: "d" })).launch).toBeNull();
     expect(await redis.hget(store.keys.rollout(id), "fence")).toBe("stopped");
+  });
+
+  it("a begin sent again with the same arguments (ioredis re-sends one whose reply a reconnect lost) answers as the first did", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const first = await store.begin(id, "run", 1, { launchToken: "a" });
+    const resent = await store.begin(id, "run", 1, { launchToken: "a" });
+    // Not a second launch: a run told "previous: launched:a" would reset the sandbox for a rerun.
+    expect(resent.launch).toEqual(first.launch);
+    expect(resent.launch).toEqual({ previous: "", launches: 1, token: "a" });
+    // A real second attempt is still told of the first.
+    const second = await store.begin(id, "run", 2, { launchToken: "b" });
+    expect(second.launch).toEqual({ previous: "launched:a", launches: 2, token: "b" });
+    expect((await store.begin(id, "run", 2, { launchToken: "b" })).launch).toEqual(second.launch);
+    expect(await store.claimLaunch(id, "b")).toEqual({ previous: "launched:a", launches: 2 });
+
+    // Verify: a re-sent begin is not an earlier attempt whose tests it must wait out.
+    const v = (await admitOne()).ids[0]!;
+    await store.begin(v, "verify", 10);
+    expect((await store.begin(v, "verify", 10)).record!.times["verify:prev"]).toBeUndefined();
+    expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBe(10);
+  });
+
+  it("a backlog reservation re-sent (a reconnect lost its reply) still holds, not counted against itself", async () => {
+    const own = new RolloutStore(redis, `${prefix}-res`);
+    const scripted = withScripts(redis);
+    const keys = [own.keys.inflight(), own.keys.reservations()];
+    const args = ["res-1", "3", "4", "1000", "61000"];
+    expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0]);
+    expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0]);
+    expect(await redis.zrange(own.keys.reservations(), "0", "-1")).toEqual(["res-1:3"]);
+    // Another submission still sees it: 3 reserved + 2 > 4.
+    const other = await own.reserveBacklog(2, 4, 2000);
+    expect(other).toMatchObject({ reserved: false, inflight: 0, reservedByOthers: 3 });
+    await redis.del(...keys);
   });
 
   it("a run's receipt is stored only while its launch holds the fence; a claim that launched nothing is given back", async () => {
