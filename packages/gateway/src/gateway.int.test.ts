@@ -14,8 +14,11 @@ const ROLLOUT = `gwit${process.pid}${Date.now().toString(36)}`;
 const CREDENTIAL = "sk-real-upstream-credential-abcdef123456";
 const run = promisify(execFile);
 
-const provider = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
-const networks = new DockerGatewayNetworks({ docker: { socketPath: "/var/run/docker.sock" } });
+// Scoped, sandboxes and networks alike: a janitor test sweeping unscoped (pre-scope) networks
+// must never take this one.
+const scope = `gateway-test-${process.pid}`;
+const provider = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" }, scope });
+const networks = new DockerGatewayNetworks({ docker: { socketPath: "/var/run/docker.sock" }, scope });
 
 let net: GatewayNetwork;
 let handle: SandboxHandle | undefined;

@@ -1,6 +1,5 @@
 import { sandboxKey } from "@fleet/queue";
 import {
-  buildGatewayNetworkConfig,
   DockerGatewayNetworks,
   DockerSandboxProvider,
   LABEL_ROLLOUT,
@@ -228,6 +227,40 @@ describe("janitor", () => {
       status: "masked",
       failureKind: "deadline_exceeded",
     });
+  });
+
+  it("a verify that stores its reward between the watchdog's read and its write keeps it; a claimed cancel stays cancelled", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const [racing, cancelled] = (await fleet.submit([
+      { task, agent: { harness: "oracle" } },
+      { task, agent: { harness: "oracle" } },
+    ])) as [string, string];
+    for (const stage of ["seed", "run"] as const) {
+      expect(await runStageJob(stage, job(racing), fleet.deps)).toBe("ok");
+    }
+    // The watchdog read the record (no verify receipt) and found no close job; the verify
+    // finishes just before the watchdog writes its failure.
+    const store = fleet.deps.store;
+    const racingStore = Object.assign(Object.create(store) as typeof store, {
+      recordFailure: async (...args: Parameters<typeof store.recordFailure>) => {
+        if (args[0] === racing) expect(await runStageJob("verify", job(racing), fleet.deps)).toBe("ok");
+        return store.recordFailure(...args);
+      },
+    });
+    // A cancel claimed the stop; its close job was lost.
+    expect(await store.requestCancel(cancelled)).toBe("accepted");
+    await (await fleet.deps.queues.queues.close.getJob(`${cancelled}.close`))?.remove();
+    const later = { ...fleet.deps, store: racingStore, now: () => Date.now() + 7_200_000 };
+    const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
+    expect(report.errors).toEqual([]);
+    expect(report.watchdogClosed).toBeGreaterThanOrEqual(2);
+
+    expect(await runStageJob("close", job(racing), fleet.deps)).toBe("ok");
+    expect(await store.getResult(racing)).toMatchObject({ status: "completed", reward: 1 });
+    expect(await runStageJob("close", job(cancelled), fleet.deps)).toBe("ok");
+    expect(await store.getResult(cancelled)).toMatchObject({ status: "cancelled", reward: null });
   });
 
   it("with the Docker daemon down, the pass reports the orphan sweep's error and still runs the watchdog", async () => {

@@ -200,15 +200,22 @@ async function watchdogClose(deps: PipelineDeps, id: string, now: number): Promi
     if (CLOSE_UNDER_WAY.has(await closeJob.getState())) return false;
     await closeJob.remove();
   }
-  if (!rec.receipts.verify && !rec.failure) {
-    await deps.store.recordFailure(id, {
-      stage: rec.receipts.run ? "verify" : rec.receipts.seed ? "run" : "seed",
-      terminal: true,
-      failureKind: "deadline_exceeded",
-      mask: true,
-      reason: "closed by the watchdog: the rollout passed its deadline",
-      at: now,
-    });
+  // Not over a claimed cancel (close composes `cancelled` from it), and only while the result is
+  // undecided, checked in the write itself: a verify may store its reward between this pass's
+  // read and its write, and that reward stands.
+  if (!rec.receipts.verify && !rec.failure && !rec.cancelRequested) {
+    await deps.store.recordFailure(
+      id,
+      {
+        stage: rec.receipts.run ? "verify" : rec.receipts.seed ? "run" : "seed",
+        terminal: true,
+        failureKind: "deadline_exceeded",
+        mask: true,
+        reason: "closed by the watchdog: the rollout passed its deadline",
+        at: now,
+      },
+      { beforeDecided: true },
+    );
   }
   await deps.queues.enqueue("close", id);
   return true;

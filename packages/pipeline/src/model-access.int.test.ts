@@ -31,8 +31,11 @@ class NetworkNotingProvider extends DockerSandboxProvider {
 describe("command agent with a model, through the per-rollout gateway", () => {
   let fleet: InProcessFleet;
   let upstream: ScriptedUpstream;
-  const networks = new DockerGatewayNetworks();
-  const provider = new NetworkNotingProvider();
+  // Scoped, sandboxes and networks alike: a janitor test sweeping unscoped (pre-scope)
+  // networks must never take this one.
+  const scope = `model-access-test-${process.pid}`;
+  const networks = new DockerGatewayNetworks({ scope });
+  const provider = new NetworkNotingProvider({ scope });
 
   beforeAll(async () => {
     upstream = await startScriptedUpstream();
