@@ -1,9 +1,5 @@
 import { sandboxKey } from "@fleet/queue";
-import {
-  DockerGatewayNetworks,
-  DockerSandboxProvider,
-  LABEL_ROLLOUT,
-} from "@fleet/sandbox";
+import { DockerGatewayNetworks, DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
