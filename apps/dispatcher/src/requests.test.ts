@@ -1,6 +1,12 @@
 import { describe, expect, it } from "vitest";
 import { HttpError } from "./http-error.ts";
-import { parseBatchJson, parseBatchNdjson, parseIdempotencyKey, parseRolloutBody } from "./requests.ts";
+import {
+  MAX_BAD_ROWS,
+  parseBatchJson,
+  parseBatchNdjson,
+  parseIdempotencyKey,
+  parseRolloutBody,
+} from "./requests.ts";
 
 const task = { id: "t1", instruction: "say hi", image: "img" };
 const row = { task, agent: { harness: "oracle" } };
@@ -166,6 +172,45 @@ describe("parseBatchJson", () => {
 
   it("refuses an empty batch", () => {
     expect(thrown(() => parseBatchJson({ rollouts: [] })).status).toBe(422);
+  });
+
+  it("a batch whose rows hold a million bad values between them is a 422 naming the first, not a stack overflow (500)", () => {
+    const env: Record<string, number> = {};
+    for (let i = 0; i < 500_000; i++) env[`K${i}`] = 0;
+    const bad = { ...row, agent: { harness: "command", argv: ["x"], env } };
+    for (const [body, path] of [
+      [[bad], "[0].agent.env.K0"],
+      [{ rollouts: [row, bad] }, "rollouts[1].agent.env.K0"],
+    ] as const) {
+      const err = thrown(() => parseBatchJson(body));
+      expect(err.status).toBe(422);
+      expect((err.details as { issues: { path: string }[] }).issues[0]!.path).toBe(path);
+    }
+  });
+
+  it("stops checking after MAX_BAD_ROWS invalid rows, saying there were more", () => {
+    const rows = [row, ...Array(MAX_BAD_ROWS + 5).fill(0)];
+    const err = thrown(() => parseBatchJson(rows));
+    expect(err.status).toBe(422);
+    expect(err.details).toMatchObject({
+      truncated: true,
+      checkedRows: MAX_BAD_ROWS + 1,
+      rows: MAX_BAD_ROWS + 6,
+    });
+    expect((err.details as { issues: unknown[] }).issues[0]).toMatchObject({ path: "[1]" });
+    const text = [JSON.stringify(row), ...Array(MAX_BAD_ROWS + 5).fill("0")].join("\n");
+    const nd = thrown(() => parseBatchNdjson(text));
+    expect(nd).toMatchObject({ status: 422, details: { line: 2, badLines: MAX_BAD_ROWS, truncated: true } });
+    expect(nd.message).toMatch(new RegExp(`and at least ${MAX_BAD_ROWS - 1} more invalid lines`));
+    // Under the bound, every bad row is counted.
+    const some = thrown(() => parseBatchJson([row, 0, 0]));
+    expect(some.details).toMatchObject({ total: 2 });
+    expect(some.details).not.toHaveProperty("truncated");
+  });
+
+  it("refuses an argv of more than 4096 items up front", () => {
+    const long = { ...row, agent: { harness: "command", argv: Array(4097).fill("x") } };
+    expect(thrown(() => parseRolloutBody(long)).message).toMatch(/argv has at most 4096 items/);
   });
 });
 

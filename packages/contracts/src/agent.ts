@@ -71,7 +71,7 @@ export const OracleAgent = z.strictObject({ harness: z.literal("oracle"), ...com
 export const CommandAgent = z.strictObject({
   harness: z.literal("command"),
   ...common,
-  argv: z.array(NoNulString).min(1, "argv must name a command"),
+  argv: z.array(NoNulString).min(1, "argv must name a command").max(4096, "argv has at most 4096 items"),
   env: z
     .record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), NoNulString)
     .superRefine((env, ctx) => {
