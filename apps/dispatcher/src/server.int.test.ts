@@ -573,6 +573,16 @@ describe("limits", () => {
     expect(one.statusCode).toBe(202);
     const full = await tight.call({ method: "POST", url: "/v1/rollouts", payload: row });
     expectErrorBody(full, 429, "backpressure");
+    // Full, and a request that can never be admitted: its own 4xx, not a 429 to retry for.
+    const unknown = { ...row, task: { digest: "0".repeat(64) } };
+    for (const [url, payload] of [
+      ["/v1/rollouts", unknown],
+      ["/v1/batches", { rollouts: [row, unknown] }],
+    ] as const) {
+      const refused = await tight.call({ method: "POST", url, payload });
+      expect(expectErrorBody(refused, 422, "invalid").message).toMatch(/unknown task digest/);
+    }
+    expect(await redis.zcard(`${tight.prefix}:x:reservations`)).toBe(0);
     // The client lost the first answer and retries: it gets its batch back, not a 429.
     const replay = await tight.call({
       method: "POST",

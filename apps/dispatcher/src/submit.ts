@@ -79,9 +79,15 @@ export async function submit(
     }
   }
   // The room is reserved in the same step as the check: submissions arriving together cannot
-  // each see room for themselves and pass the bound together.
-  const room = replay ? null : await store.reserveBacklog(incoming, config.maxBacklog, deps.now());
-  if (room && !room.reserved) {
+  // each see room for themselves and pass the bound together. Reserved once the request has
+  // passed every check that refuses it for good: a request that can never be admitted gets its
+  // 4xx, not a 429 that a client retries for as long as the fleet stays busy.
+  const reservation = { release: async () => {} };
+  const reserve = async () => {
+    if (replay) return;
+    const room = await store.reserveBacklog(incoming, config.maxBacklog, deps.now());
+    reservation.release = room.release;
+    if (room.reserved) return;
     const busy = room.inflight + room.reservedByOthers;
     throw new HttpError(
       429,
@@ -96,15 +102,16 @@ export async function submit(
       },
       { "retry-after": String(RETRY_AFTER_S) },
     );
-  }
+  };
   try {
     return await admit(
       store,
       queues,
       { requests: parsed.requests, batch: options.batch, idempotencyKey },
-      { maxTaskBytes: config.maxTaskBytes, now: deps.now() },
+      { maxTaskBytes: config.maxTaskBytes, now: deps.now(), beforeRecord: reserve },
     );
   } catch (err) {
+    if (err instanceof HttpError) throw err; // the 429 above: nothing was written
     if (generatedKey !== null && !isAdmissionError(err)) {
       throw cutShort(
         err,
@@ -116,7 +123,7 @@ export async function submit(
     throw withLine(err, parsed.lines);
   } finally {
     // Admitted rollouts are in flight now (they count there); refused ones never will be.
-    await room?.release().catch(() => undefined);
+    await reservation.release().catch(() => undefined);
   }
 }
 

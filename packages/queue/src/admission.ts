@@ -16,6 +16,12 @@ export interface AdmissionOptions {
   /** Largest task accepted, in bytes of canonical JSON (DESIGN §4: default 10 MiB → 413). */
   maxTaskBytes: number;
   now?: number;
+  /**
+   * Called once every check that can refuse the request has passed, before anything of it is
+   * written; what it throws ends the admission. The dispatcher reserves backlog room here, so a
+   * request it must refuse (422, 413) gets that answer, never a 429 to retry for.
+   */
+  beforeRecord?: () => Promise<void>;
 }
 
 export interface Admitted {
@@ -183,6 +189,7 @@ export async function prepareRollouts(
       deadlineAt: now + Math.round(deadlineS * 1000),
     });
   }
+  await options.beforeRecord?.();
   for (const [digest, task] of tasks) await store.putTask(task, digest);
   return metas;
 }
