@@ -1,4 +1,5 @@
 import { AdmissionError } from "@fleet/queue";
+import { ReplyError } from "ioredis";
 import { describe, expect, it } from "vitest";
 import { errorBody, HttpError, toHttpError } from "./http-error.ts";
 
@@ -46,5 +47,26 @@ describe("toHttpError", () => {
       code: "unavailable",
       headers: { "retry-after": "5" },
     });
+  });
+
+  it("answers 503 when Redis replies that it cannot serve now (full, read-only replica, cluster down), 500 for other replies", () => {
+    for (const reply of [
+      "OOM command not allowed when used memory > 'maxmemory'.",
+      "READONLY You can't write against a read only replica.",
+      "LOADING Redis is loading the dataset in memory",
+      "CLUSTERDOWN The cluster is down",
+      "TRYAGAIN Multiple keys request during rehashing of slot",
+      "BUSY Redis is busy running a script.",
+    ]) {
+      expect(toHttpError(new ReplyError(reply)), reply).toMatchObject({ status: 503, code: "unavailable" });
+    }
+    const allFailed = Object.assign(new Error("Failed to refresh slots cache."), {
+      name: "ClusterAllFailedError",
+    });
+    expect(toHttpError(allFailed)).toMatchObject({ status: 503 });
+    // A reply that is our bug (a script error), or a word that only starts like one: still a 500.
+    for (const reply of ["ERR Error running script", "OOMPH not a Redis state"]) {
+      expect(toHttpError(new ReplyError(reply)), reply).toMatchObject({ status: 500, code: "internal" });
+    }
   });
 });

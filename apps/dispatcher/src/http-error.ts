@@ -96,9 +96,15 @@ export function toHttpError(err: unknown): HttpError {
     return new HttpError(ADMISSION_STATUS[code], code, message, e.details ?? null);
   }
   if (isRedisUnavailable(err)) {
-    return new HttpError(503, "unavailable", "the fleet's Redis is unreachable; try again", null, {
-      "retry-after": String(RETRY_AFTER_S),
-    });
+    return new HttpError(
+      503,
+      "unavailable",
+      "the fleet's Redis cannot serve now (unreachable, full or failing over); try again",
+      null,
+      {
+        "retry-after": String(RETRY_AFTER_S),
+      },
+    );
   }
   if (typeof e.code === "string" && e.code in FASTIFY_CODES) {
     const [status, code] = FASTIFY_CODES[e.code]!;
@@ -111,12 +117,24 @@ export function toHttpError(err: unknown): HttpError {
   return new HttpError(500, "internal", "internal error");
 }
 
-/** ioredis gave up on a command because the connection is down (see `createRedis` options in main). */
+/**
+ * Redis replies that say it cannot serve now, not that the request is wrong: full under
+ * `noeviction` (OOM), a replica after a failover (READONLY), still loading its data, a cluster
+ * without a quorum or mid-resharding, a script past its time limit.
+ */
+const REDIS_BUSY_REPLY = /^(OOM|READONLY|LOADING|MASTERDOWN|CLUSTERDOWN|TRYAGAIN|BUSY|NOREPLICAS) /;
+
+/**
+ * ioredis gave up on a command because the connection is down (see `createRedis` options in
+ * main), or Redis answered that it cannot serve now (`REDIS_BUSY_REPLY`): 503, try again.
+ */
 export function isRedisUnavailable(err: unknown): boolean {
   if (typeof err !== "object" || err === null) return false;
   const { name, message } = err as { name?: unknown; message?: unknown };
   return (
     name === "MaxRetriesPerRequestError" ||
+    name === "ClusterAllFailedError" ||
+    (name === "ReplyError" && typeof message === "string" && REDIS_BUSY_REPLY.test(message)) ||
     (typeof message === "string" &&
       (message.includes("Connection is closed") || message.includes("Stream isn't writeable")))
   );
