@@ -70,7 +70,8 @@ function rowsOf(req: RecordedRequest): Array<Record<string, unknown>> {
  * finished on the next, then serves one result per rollout.
  */
 function fakeDispatcher(
-  results: (rolloutId: string, row: Record<string, unknown>) => Record<string, unknown>,
+  /** A rollout's result line; null leaves it out (gone from the dispatcher). */
+  results: (rolloutId: string, row: Record<string, unknown>) => Record<string, unknown> | null,
 ) {
   let n = 0;
   server.on("POST", "/v1/batches", (req, res) => {
@@ -91,7 +92,13 @@ function fakeDispatcher(
     });
     server.on("GET", `/v1/batches/${batchId}/results`, (_r, out) => {
       out.writeHead(200, { "content-type": "application/x-ndjson" });
-      out.end(ids.map((id, i) => `${JSON.stringify(results(id, rows[i]!))}\n`).join(""));
+      out.end(
+        ids
+          .map((id, i) => results(id, rows[i]!))
+          .filter((r) => r !== null)
+          .map((r) => `${JSON.stringify(r)}\n`)
+          .join(""),
+      );
     });
     json(res, 202, { batchId, rolloutIds: ids, count: rows.length });
   });
@@ -208,8 +215,22 @@ describe("fleet submit", () => {
       ctx(),
     );
     expect(code).toBe(0);
-    const summary = JSON.parse(stdout.text().trim().split("\n").at(-1)!);
+    // stdout is that one object and nothing else (`| jq` reads it); the batch id goes to stderr.
+    const summary = JSON.parse(stdout.text());
     expect(summary).toMatchObject({ batchIds: ["b-1"], accepted: 2, total: 2, meanReward: 1, masked: 0 });
+    expect(stderr.text()).toMatch(/^b-1$/m);
+  });
+
+  it("exits 1 when fewer results come back than rollouts were accepted, having written and summed up those that came", async () => {
+    fakeDispatcher((id) => (id.endsWith("-r0") ? null : completed(id, 1)));
+    const out = path.join(dir, "short.jsonl");
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--poll-interval", "10", "--out", out],
+      ctx(),
+    );
+    expect(code).toBe(1);
+    expect(stderr.text()).toMatch(/2 rollouts accepted but 1 results returned/);
+    expect((await readFile(out, "utf8")).trim().split("\n")).toHaveLength(1);
   });
 
   it("stops at an API error, names batches already submitted, and exits 1", async () => {

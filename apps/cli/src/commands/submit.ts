@@ -92,7 +92,8 @@ async function submitAndFollow(
   const onAccepted = async (batch: BatchAccepted) => {
     batchIds.push(batch.batchId);
     accepted += batch.count;
-    await writeText(ctx.stdout, `${batch.batchId}\n`);
+    // With --wait --json, stdout is the one JSON summary (its batchIds name them): ids to stderr.
+    await writeText(opts.json && opts.wait ? ctx.stderr : ctx.stdout, `${batch.batchId}\n`);
   };
   for (const [i, lines] of chunks.entries()) {
     const chunkKey = `${keyBase}-${i}`;
@@ -160,12 +161,6 @@ async function submitAndFollow(
     throw err;
   }
   const summary = tally.summary();
-  if (summary.total !== accepted) {
-    await writeText(
-      ctx.stderr,
-      `warning: ${accepted} rollouts accepted but ${summary.total} results returned\n`,
-    );
-  }
   if (opts.json) {
     await writeText(
       ctx.stdout,
@@ -174,6 +169,16 @@ async function submitAndFollow(
   } else {
     await writeText(ctx.stdout, `${renderSummary(summary)}\n`);
     if (opts.out !== undefined) await writeText(ctx.stdout, `results written to ${opts.out}\n`);
+  }
+  if (summary.total !== accepted) {
+    // Results gone from the dispatcher (its retention, FLEET_RESULT_TTL_S, ran out before the
+    // batch was collected): what came is written and summed up, but the run is not whole.
+    await writeText(
+      ctx.stderr,
+      `error: ${accepted} rollouts accepted but ${summary.total} results returned; the rest are gone ` +
+        "from the dispatcher (past its result retention?)\n",
+    );
+    return 1;
   }
   return 0;
 }
