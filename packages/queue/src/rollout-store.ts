@@ -155,6 +155,12 @@ async function execAll(tx: ChainableCommander, what: string): Promise<unknown[]>
 
 /** Tasks are content-addressed and never change: a worker keeps the ones it has read. */
 const TASK_CACHE_SIZE = 256;
+/**
+ * The task cache's bound in characters of task JSON (a task may be 10 MiB, up to 512 MiB with
+ * FLEET_MAX_TASK_BYTES: 256 of them would be gigabytes in every worker). A task over a quarter of
+ * it is not kept. @defaultValue 64 Mi characters
+ */
+export const DEFAULT_TASK_CACHE_CHARS = 64 * 1024 * 1024;
 
 /**
  * The longest a rollout can be in flight: its deadline is at most the agent's and the verifier's
@@ -173,6 +179,8 @@ export interface RolloutStoreOptions {
    * memory then only grows). @defaultValue `DEFAULT_RESULT_TTL_MS` (a week)
    */
   resultTtlMs?: number;
+  /** The task cache's bound (`DEFAULT_TASK_CACHE_CHARS`). */
+  taskCacheChars?: number;
 }
 
 /**
@@ -202,7 +210,10 @@ export class RolloutStore {
   readonly keys: Keys;
   private readonly redis: ScriptedRedis;
   private readonly batcher: ScriptBatcher;
-  private readonly taskCache = new Map<string, TaskContent>();
+  /** Parsed tasks by digest, oldest first, with their JSON's length (`taskCacheChars` in all). */
+  private readonly taskCache = new Map<string, { task: TaskContent; chars: number }>();
+  private taskCacheChars = 0;
+  private readonly maxTaskCacheChars: number;
 
   /** How long a finished rollout's record and result are kept (0: for good). */
   readonly resultTtlMs: number;
@@ -212,6 +223,7 @@ export class RolloutStore {
     this.batcher = batcherFor(redis);
     this.keys = createKeys(prefix);
     this.resultTtlMs = options.resultTtlMs ?? DEFAULT_RESULT_TTL_MS;
+    this.maxTaskCacheChars = options.taskCacheChars ?? DEFAULT_TASK_CACHE_CHARS;
     if (!Number.isSafeInteger(this.resultTtlMs) || this.resultTtlMs < 0) {
       throw new Error(`resultTtlMs must be a whole number of milliseconds >= 0, got ${this.resultTtlMs}`);
     }
@@ -241,12 +253,22 @@ export class RolloutStore {
 
   async getTask(digest: string): Promise<TaskContent | null> {
     const cached = this.taskCache.get(digest);
-    if (cached) return cached;
+    if (cached) return cached.task;
     const raw = await this.redis.get(this.keys.task(digest));
     if (raw === null) return null;
     const task = TaskContent.parse(JSON.parse(raw));
-    if (this.taskCache.size >= TASK_CACHE_SIZE) this.taskCache.delete(this.taskCache.keys().next().value!);
-    this.taskCache.set(digest, task);
+    const chars = raw.length;
+    if (chars > this.maxTaskCacheChars / 4 || this.taskCache.has(digest)) return task;
+    while (
+      this.taskCache.size > 0 &&
+      (this.taskCache.size >= TASK_CACHE_SIZE || this.taskCacheChars + chars > this.maxTaskCacheChars)
+    ) {
+      const [oldest, entry] = this.taskCache.entries().next().value!;
+      this.taskCache.delete(oldest);
+      this.taskCacheChars -= entry.chars;
+    }
+    this.taskCache.set(digest, { task, chars });
+    this.taskCacheChars += chars;
     return task;
   }
 

@@ -9,7 +9,7 @@ import {
   RolloutRequest,
   type RolloutResult,
   sha256Hex,
-  type TaskContent,
+  TaskContent,
 } from "@fleet/contracts";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -368,6 +368,29 @@ describe("rollout store", () => {
     await store.begin(v, "verify", 10);
     expect((await store.begin(v, "verify", 10)).record!.times["verify:prev"]).toBeUndefined();
     expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBe(10);
+  });
+
+  it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {
+    const names = ["a", "b", "c", "d", "e", "f", "big"];
+    const tasks = names.map((name) =>
+      TaskContent.parse({
+        id: `cache-${name}`,
+        instruction: name === "big" ? "x".repeat(3000) : name.repeat(700),
+        image: "img",
+        tests: { "test.sh": "true" },
+      }),
+    );
+    const digests = tasks.map((t) => digestTask(t));
+    const small = JSON.stringify(tasks[0]).length;
+    // Room for four of the small ones (each a quarter of it); the big one is over a quarter.
+    const cached = new RolloutStore(redis, prefix, { taskCacheChars: 4 * small + 10 });
+    for (const [i, t] of tasks.entries()) await cached.putTask(t, digests[i]!);
+    for (const d of digests) expect((await cached.getTask(d))?.id).toMatch(/^cache-/);
+    // Gone from Redis: only what the cache kept can still be read.
+    await redis.del(...digests.map((d) => cached.keys.task(d)));
+    const kept = [];
+    for (const d of digests) kept.push((await cached.getTask(d))?.id ?? null);
+    expect(kept).toEqual([null, null, "cache-c", "cache-d", "cache-e", "cache-f", null]);
   });
 
   it("a backlog reservation re-sent (a reconnect lost its reply) still holds, not counted against itself", async () => {
