@@ -379,6 +379,39 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([late!, early!])).toBe(0);
   });
 
+  it("a seed that loses the receipt race to another holding the same container (adopted by name) leaves it alone", async () => {
+    const [id] = (await fleet.submit([oracle(byId("hello-file"))])) as [string];
+    // Seed A's lock lapsed while its create hung; seed B was delivered, created the rollout's
+    // container and stored its receipt. A's create then meets the name and adopts that container.
+    let entered!: () => void;
+    const inCreate = new Promise<void>((r) => {
+      entered = r;
+    });
+    let release!: () => void;
+    const released = new Promise<void>((r) => {
+      release = r;
+    });
+    const real = fleet.deps.provider;
+    const hung = Object.assign(Object.create(real) as SandboxProvider, {
+      create: async (spec: Parameters<SandboxProvider["create"]>[0]) => {
+        entered();
+        await released;
+        return real.create(spec);
+      },
+    });
+    const a = runStageJob("seed", job(id), { ...fleet.deps, provider: hung });
+    await inCreate;
+    expect(await runStageJob("seed", job(id, 1), fleet.deps)).toBe("ok");
+    const winner = (await fleet.deps.store.get(id))!.receipts.seed!.handle;
+    release();
+    expect(await a).toBe("ok");
+    // The loser held the rollout's one container: destroying it would lose the run its sandbox.
+    expect((await fleet.deps.store.get(id))!.receipts.seed!.handle.id).toBe(winner.id);
+    expect(await real.alive(winner)).toBe(true);
+    await runStageJob("close", job(id), fleet.deps);
+    expect(await containersOf([id])).toBe(0);
+  });
+
   it("an agent whose processes cannot be confirmed stopped is never verified: masked sandbox_lost (rules 2, 10)", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");

@@ -177,6 +177,11 @@ async function createSandbox(
   return { handle, entry: created, createMs: clock(deps) - t0, reused };
 }
 
+/** One sandbox: the same id on the same provider endpoint. */
+function isSameSandbox(a: SandboxHandle, b: SandboxHandle): boolean {
+  return a.provider === b.provider && a.endpoint === b.endpoint && a.id === b.id;
+}
+
 /**
  * Destroy a sandbox; on failure leave a ledger entry for the janitor. Returns the teardown state.
  * With `deferConfirm`, a confirmed destroy is not yet removed from the sandboxes hash and ledger:
@@ -353,6 +358,10 @@ export const seed: StageHandler = async (rec, deps) => {
   // sandbox is the rollout's, and the entry under the shared key is its. Destroy ours by handle
   // only; should that fail, the janitor's label sweep finds it once the rollout is over.
   if (saved === "taken") {
+    // Unless it is the very sandbox the winner stored: sandbox names are fixed per rollout, so a
+    // create that met the winner's sandbox by its name adopted it (Docker), and it is the rollout's.
+    const winner = (await deps.store.get(rec.meta.id))?.receipts.seed?.handle;
+    if (winner && isSameSandbox(winner, created.handle)) return null;
     const gone = await deps.provider.destroy(created.handle).catch(() => null);
     if (!gone?.confirmed)
       deps.logger.warn({ rolloutId: rec.meta.id }, "could not destroy a losing seed's sandbox");
