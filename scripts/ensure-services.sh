@@ -11,10 +11,19 @@ state="${FLEET_STATE_DIR:-$here/../.fleet}"
 mkdir -p "$state"
 log() { echo "[ensure-services] $*" >&2; }
 
+# dockerd and debootstrap live in sbin, which a non-root user's PATH on Debian leaves out.
+export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
+docker_answers() { command -v docker >/dev/null && docker info >/dev/null 2>&1; }
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
-command -v dockerd >/dev/null || need+=(docker.io)
-command -v debootstrap >/dev/null || need+=(debootstrap)
+# The daemon only when none answers (one started elsewhere, or a remote DOCKER_HOST, will do).
+docker_answers || command -v dockerd >/dev/null || need+=(docker.io)
+# debootstrap only to build the base image, when it is not there already.
+if ! command -v debootstrap >/dev/null; then
+  if ! docker_answers || ! docker image inspect "$(bash "$here/build-base-image.sh" --print-tag)" >/dev/null 2>&1; then
+    need+=(debootstrap)
+  fi
+fi
 command -v bwrap >/dev/null || need+=(bubblewrap)
 if [ ${#need[@]} -gt 0 ]; then
   if [ "$(id -u)" != 0 ]; then
