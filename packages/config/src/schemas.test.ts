@@ -156,6 +156,7 @@ describe("WorkerConfig", () => {
     const cfg = parseWorkerConfig("verifier", {
       FLEET_WORKER_KIND: "agent",
       FLEET_SANDBOX_PROVIDER: "bubblewrap",
+      FLEET_BWRAP_ROOTFS: "/srv/rootfs",
       DOCKER_HOST: "tcp://10.0.0.2:2376",
       DOCKER_CERT_PATH: "/certs",
       FLEET_METRICS_PORT: "9464",
@@ -177,6 +178,22 @@ describe("WorkerConfig", () => {
       credentialsFile: "/run/secrets/fleet.json",
       workerId: "verifier-7",
     });
+  });
+
+  it("refuses bubblewrap without FLEET_BWRAP_ROOTFS, in workers and the janitor, naming the variable", () => {
+    for (const parse of [
+      (env: Record<string, string>) => parseWorkerConfig("agent", env),
+      (env: Record<string, string>) => parseConfig(JanitorConfig, env),
+    ]) {
+      const err = errorOf(() => parse({ FLEET_SANDBOX_PROVIDER: "bubblewrap", FLEET_BWRAP_ROOTFS: " " }));
+      expect(err.issues.map((i) => i.variable)).toEqual(["FLEET_BWRAP_ROOTFS"]);
+      expect(err.message).toMatch(/FLEET_BWRAP_ROOTFS: must be set with FLEET_SANDBOX_PROVIDER=bubblewrap/);
+      expect(
+        parse({ FLEET_SANDBOX_PROVIDER: "bubblewrap", FLEET_BWRAP_ROOTFS: "/srv/rootfs" }),
+      ).toMatchObject({
+        bwrapRootfs: "/srv/rootfs",
+      });
+    }
   });
 
   it("takes an empty DOCKER_HOST or DOCKER_CERT_PATH as unset", () => {

@@ -88,6 +88,21 @@ const metrics = {
   FLEET_METRICS_HOST: wordVar().default(DEFAULT_HOST),
 };
 
+/** bubblewrap runs sandboxes from an unpacked rootfs: without one a worker could make none. */
+function bwrapNeedsRootfs(
+  e: { FLEET_SANDBOX_PROVIDER: string; FLEET_BWRAP_ROOTFS?: string | undefined },
+  ctx: z.RefinementCtx,
+): void {
+  if (e.FLEET_SANDBOX_PROVIDER === "bubblewrap" && !e.FLEET_BWRAP_ROOTFS) {
+    ctx.addIssue({
+      code: "custom",
+      path: ["FLEET_BWRAP_ROOTFS"],
+      message:
+        "must be set with FLEET_SANDBOX_PROVIDER=bubblewrap: the unpacked base rootfs directory (see packages/sandbox/README.md)",
+    });
+  }
+}
+
 function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
   return {
     redisUrl: e.REDIS_URL,
@@ -155,6 +170,7 @@ export const WorkerConfig = z
     FLEET_LOCK_DURATION_MS: durationMsVar(MIN_LOCK_DURATION_MS).default(30_000),
     FLEET_STALLED_INTERVAL_MS: durationMsVar(MIN_STALLED_INTERVAL_MS).default(15_000),
   })
+  .superRefine(bwrapNeedsRootfs)
   .transform((e) => ({
     ...commonConfig(e),
     kind: e.FLEET_WORKER_KIND,
@@ -177,6 +193,7 @@ export const JanitorConfig = z
     FLEET_JANITOR_INTERVAL_MS: durationMsVar(MIN_JANITOR_INTERVAL_MS).default(DEFAULT_JANITOR_INTERVAL_MS),
     FLEET_ORPHAN_GRACE_MS: durationMsVar().default(DEFAULT_ORPHAN_GRACE_MS),
   })
+  .superRefine(bwrapNeedsRootfs)
   .transform((e) => ({
     ...commonConfig(e),
     ...sandboxAndMetricsConfig(e),
