@@ -336,6 +336,33 @@ describe("janitor", () => {
     await janitor.close(300);
   }, 20_000);
 
+  it("a gateway network that will not go fails the networks step (counted), and the others are still removed", async () => {
+    const removed: string[] = [];
+    const networks = {
+      ensure: async () => {
+        throw new Error("not used");
+      },
+      allowGateway: async () => undefined,
+      list: async () => [
+        { name: "fleet-gw-stuck", rolloutId: `gone-stuck-${Date.now()}`, createdAt: 0 },
+        { name: "fleet-gw-fine", rolloutId: `gone-fine-${Date.now()}`, createdAt: 0 },
+      ],
+      remove: async (_id: string, name?: string) => {
+        if (name === "fleet-gw-stuck") throw new Error("network has active endpoints");
+        removed.push(name!);
+        return { alreadyGone: false };
+      },
+    };
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const report = await janitorTick({ ...fleet.deps, networks, metrics }, { orphanGraceMs: 60_000 });
+    expect(removed).toEqual(["fleet-gw-fine"]);
+    expect(report.errors).toEqual([
+      "networks: could not remove 1 gateway network(s): fleet-gw-stuck: network has active endpoints",
+    ]);
+    const failures = (await metrics.janitorStepFailures.get()).values.filter((v) => v.value !== 0);
+    expect(failures.map((v) => [v.labels.step, v.value])).toEqual([["networks", 1]]);
+  });
+
   it("removes the gateway networks of rollouts that are over, this fleet's and those made before networks carried a scope", async () => {
     const scope = `janitor-test-${process.pid}`;
     const networks = new DockerGatewayNetworks({ scope });

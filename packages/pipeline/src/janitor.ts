@@ -158,11 +158,21 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   if (deps.networks) {
     const networks = deps.networks;
     await step("networks", async () => {
+      const failed: string[] = [];
       for (const net of await networks.list()) {
         const rec = await deps.store.get(net.rolloutId);
         if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
-          await networks.remove(net.rolloutId, net.name).catch(() => undefined);
+          // One that will not go stops none of the others; the step still fails (and is
+          // counted for FleetJanitorStepFailing) so a network that never goes is seen.
+          await networks.remove(net.rolloutId, net.name).catch((err: unknown) => {
+            failed.push(`${net.name}: ${err instanceof Error ? err.message : String(err)}`);
+          });
         }
+      }
+      if (failed.length > 0) {
+        throw new Error(
+          `could not remove ${failed.length} gateway network(s): ${failed.slice(0, 3).join("; ")}`,
+        );
       }
     });
   }
