@@ -57,8 +57,10 @@ function config(files: string[], env: Record<string, string | undefined>) {
     return { status: r.status, error: `${r.stdout}${r.stderr}`, services: {} as Record<string, Service> };
   let json = r.stdout;
   if (!isV2) {
+    // Debian's python3, whose python3-yaml docker-compose v1 brings in (not whichever python3
+    // comes first on PATH: a pyenv one may have no yaml).
     const py = spawnSync(
-      "python3",
+      "/usr/bin/python3",
       ["-c", "import sys, json, yaml; print(json.dumps(yaml.safe_load(sys.stdin)))"],
       {
         input: r.stdout,
