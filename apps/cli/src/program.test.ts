@@ -233,6 +233,32 @@ describe("fleet submit", () => {
     expect((await readFile(out, "utf8")).trim().split("\n")).toHaveLength(1);
   });
 
+  it("watch follows batches submitted earlier to the end: summary, results file, one JSON object with --json", async () => {
+    fakeDispatcher((id) => completed(id, id.endsWith("-r0") ? 1 : 0));
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx())).toBe(0);
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx())).toBe(0);
+    expect(stdout.text()).toBe("b-1\nb-2\n");
+    stdout = new Collector();
+    const out = path.join(dir, "watched.jsonl");
+    const code = await runCli(["watch", "b-1", "b-2", "--out", out, "--json", "--poll-interval", "10"], {
+      ...ctx(),
+      stdout,
+    });
+    expect(code, stderr.text()).toBe(0);
+    expect(JSON.parse(stdout.text())).toMatchObject({
+      batchIds: ["b-1", "b-2"],
+      accepted: 4,
+      total: 4,
+      meanReward: 0.5,
+    });
+    expect((await readFile(out, "utf8")).trim().split("\n")).toHaveLength(4);
+    // An unknown batch is an error before any waiting, and writes no file.
+    const missing = path.join(dir, "missing.jsonl");
+    expect(await runCli(["watch", "b-404", "--out", missing, "--poll-interval", "10"], ctx())).toBe(1);
+    expect(stderr.text()).toMatch(/not_found/);
+    expect(existsSync(missing)).toBe(false);
+  });
+
   it("stops at an API error, names batches already submitted, and exits 1", async () => {
     let n = 0;
     server.on("POST", "/v1/batches", (req, res) => {

@@ -4,7 +4,8 @@ import { FleetClient, isApiError } from "./client.ts";
 import { cancelCommand } from "./commands/cancel.ts";
 import { resultsCommand } from "./commands/results.ts";
 import { statusCommand } from "./commands/status.ts";
-import { submitCommand } from "./commands/submit.ts";
+import { type FollowOptions, submitCommand } from "./commands/submit.ts";
+import { watchCommand } from "./commands/watch.ts";
 import { type CliContext, OutputError } from "./context.ts";
 import { DEFAULT_MAX_REQUEST_BYTES, UsageError } from "./requests.ts";
 
@@ -166,6 +167,31 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
     ctx,
   ).action(async (batchId: string, opts: { json?: boolean } & ConnectionOptions) => {
     setExitCode(await statusCommand(clientFor(opts, ctx), batchId, opts, ctx));
+  });
+
+  withConnection(
+    program
+      .command("watch")
+      .description(
+        "Follow batches already submitted to the end (progress bar), then summarise; --out writes their results",
+      )
+      .argument("<batchId...>", "batch ids printed by `fleet submit`")
+      .option("--out <file>", "write the results as JSONL to this file")
+      .option("--json", "print the summary as one JSON object")
+      .addOption(
+        new Option("--poll-interval <ms>", "status poll interval").default(1000).argParser(positiveInt),
+      )
+      .addOption(
+        new Option(
+          "--outage-wait <seconds>",
+          "keep waiting through a dispatcher outage (unreachable, 502/503/504) this long",
+        )
+          .default(600)
+          .argParser(positiveSeconds),
+      ),
+    ctx,
+  ).action(async (batchIds: string[], opts: FollowOptions & ConnectionOptions) => {
+    setExitCode(await watchCommand(clientFor(opts, ctx), batchIds, opts, ctx));
   });
 
   withConnection(

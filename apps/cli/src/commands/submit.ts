@@ -7,7 +7,7 @@ import { formatDuration, ProgressReporter } from "../progress.ts";
 import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
 
-export interface SubmitOptions {
+export interface SubmitOptions extends FollowOptions {
   suite: string;
   agent: string;
   repeat: number;
@@ -15,15 +15,10 @@ export interface SubmitOptions {
   deadline?: number;
   metadata?: string;
   wait?: boolean;
-  out?: string;
-  json?: boolean;
   maxRequestBytes: number;
   inlineTasks?: boolean;
-  pollInterval: number;
   /** How long to keep offering a chunk the fleet's backlog has no room for (s). */
   backlogWait: number;
-  /** With `--wait`: how long to keep waiting through a dispatcher outage (s). */
-  outageWait: number;
   /** Base of the chunks' Idempotency-Keys (`<base>-<n>`); random when absent. */
   idempotencyKey?: string;
 }
@@ -119,7 +114,30 @@ async function submitAndFollow(
       `batch${batchIds.length === 1 ? "" : "es"} to ${client.url}\n`,
   );
   if (!opts.wait) return 0;
+  return followBatches(client, batchIds, accepted, opts, ctx, file);
+}
 
+/** What following batches to their end needs: `submit --wait`'s and `watch`'s options. */
+export interface FollowOptions {
+  out?: string;
+  json?: boolean;
+  pollInterval: number;
+  /** How long to keep waiting through a dispatcher outage (s). */
+  outageWait: number;
+}
+
+/**
+ * Follow batches until every rollout is terminal (progress on stderr), collect their results
+ * (to `file` when given) and print a summary; 1 when fewer results come back than `expected`.
+ */
+export async function followBatches(
+  client: FleetClient,
+  batchIds: readonly string[],
+  expected: number,
+  opts: FollowOptions,
+  ctx: CliContext,
+  file: ResultsFile | null,
+): Promise<number> {
   // From here on nothing is submitted: ride out a dispatcher restart or a proxy's 502/503/504
   // rather than dropping hours of waiting after a few seconds of retries.
   const reporter = new ProgressReporter(ctx.stderr, ctx.progress);
@@ -164,18 +182,18 @@ async function submitAndFollow(
   if (opts.json) {
     await writeText(
       ctx.stdout,
-      `${JSON.stringify({ batchIds, accepted, out: opts.out ?? null, ...summary })}\n`,
+      `${JSON.stringify({ batchIds, accepted: expected, out: opts.out ?? null, ...summary })}\n`,
     );
   } else {
     await writeText(ctx.stdout, `${renderSummary(summary)}\n`);
     if (opts.out !== undefined) await writeText(ctx.stdout, `results written to ${opts.out}\n`);
   }
-  if (summary.total !== accepted) {
+  if (summary.total !== expected) {
     // Results gone from the dispatcher (its retention, FLEET_RESULT_TTL_S, ran out before the
     // batch was collected): what came is written and summed up, but the run is not whole.
     await writeText(
       ctx.stderr,
-      `error: ${accepted} rollouts accepted but ${summary.total} results returned; the rest are gone ` +
+      `error: ${expected} rollouts accepted but ${summary.total} results returned; the rest are gone ` +
         "from the dispatcher (past its result retention?)\n",
     );
     return 1;

@@ -1,0 +1,33 @@
+import type { FleetClient } from "../client.ts";
+import { type CliContext, ResultsFile } from "../context.ts";
+import { UsageError } from "../requests.ts";
+import { type FollowOptions, followBatches } from "./submit.ts";
+
+/**
+ * `fleet watch <batchId...>`: what `submit --wait` does after submitting, for batches already
+ * submitted (by another shell, or a `submit` without `--wait`): the progress bar until every
+ * rollout is finished, then the summary, and with `--out` the results as JSONL.
+ */
+export async function watchCommand(
+  client: FleetClient,
+  batchIds: readonly string[],
+  opts: FollowOptions,
+  ctx: CliContext,
+): Promise<number> {
+  let file: ResultsFile | null = null;
+  if (opts.out !== undefined) {
+    try {
+      file = await ResultsFile.open(opts.out);
+    } catch (err) {
+      throw new UsageError(`cannot write --out ${opts.out}: ${(err as Error).message}`);
+    }
+  }
+  try {
+    // Each batch's size, up front: an unknown batch id is an error now, not after the wait.
+    const totals = await Promise.all(batchIds.map(async (id) => (await client.getBatch(id)).total));
+    const expected = totals.reduce((a, b) => a + b, 0);
+    return await followBatches(client, batchIds, expected, opts, ctx, file);
+  } finally {
+    await file?.discard();
+  }
+}
