@@ -148,6 +148,7 @@ describe("WorkerConfig", () => {
       concurrency: 8,
       allowHostExecution: false,
       credentialsFile: null,
+      gatewaySubnetPool: null,
       shutdownTimeoutMs: 30_000,
     });
   });
@@ -193,6 +194,33 @@ describe("WorkerConfig", () => {
       ).toMatchObject({
         bwrapRootfs: "/srv/rootfs",
       });
+    }
+  });
+
+  it("reads a gateway subnet pool, and refuses one that is not an IPv4 CIDR or is smaller than its networks", () => {
+    expect(
+      parseWorkerConfig("agent", { FLEET_GATEWAY_SUBNET_POOL: "10.213.0.0/16" }).gatewaySubnetPool,
+    ).toEqual({
+      base: "10.213.0.0/16",
+      prefix: 28,
+    });
+    expect(
+      parseWorkerConfig("agent", {
+        FLEET_GATEWAY_SUBNET_POOL: "10.9.0.0/20",
+        FLEET_GATEWAY_SUBNET_PREFIX: "26",
+      }).gatewaySubnetPool,
+    ).toEqual({ base: "10.9.0.0/20", prefix: 26 });
+    for (const [pool, variable] of [
+      ["10.213.0.0", "FLEET_GATEWAY_SUBNET_POOL"],
+      ["10.213.0.300/16", "FLEET_GATEWAY_SUBNET_POOL"],
+      ["10.0.0.0/4", "FLEET_GATEWAY_SUBNET_POOL"],
+      ["10.213.0.0/29", "FLEET_GATEWAY_SUBNET_PREFIX"],
+    ] as const) {
+      const err = errorOf(() => parseWorkerConfig("agent", { FLEET_GATEWAY_SUBNET_POOL: pool }));
+      expect(
+        err.issues.map((i) => i.variable),
+        pool,
+      ).toEqual([variable]);
     }
   });
 

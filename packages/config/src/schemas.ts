@@ -88,6 +88,14 @@ const metrics = {
   FLEET_METRICS_HOST: wordVar().default(DEFAULT_HOST),
 };
 
+/** `a.b.c.d/n`, each octet 0–255, n from 8 to 30. */
+function isPoolCidr(value: string): boolean {
+  const m = /^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})\/(\d{1,2})$/.exec(value);
+  if (!m) return false;
+  const bits = Number(m[5]);
+  return m.slice(1, 5).every((o) => Number(o) <= 255) && bits >= 8 && bits <= 30;
+}
+
 /** bubblewrap runs sandboxes from an unpacked rootfs: without one a worker could make none. */
 function bwrapNeedsRootfs(
   e: { FLEET_SANDBOX_PROVIDER: string; FLEET_BWRAP_ROOTFS?: string | undefined },
@@ -166,11 +174,32 @@ export const WorkerConfig = z
     FLEET_CONCURRENCY: intVar(1, 10_000).optional(),
     FLEET_ALLOW_HOST_EXECUTION: boolVar().default(false),
     FLEET_CREDENTIALS_FILE: z.string().trim().optional(),
+    /**
+     * Agent worker: an IPv4 CIDR reserved for the per-rollout gateway networks of agents that
+     * talk to a model (Docker's default pools hold only about 30 networks), each
+     * `FLEET_GATEWAY_SUBNET_PREFIX` long. Unset: Docker's default pools.
+     */
+    FLEET_GATEWAY_SUBNET_POOL: z
+      .string()
+      .trim()
+      .refine(isPoolCidr, "must be an IPv4 CIDR from /8 to /30, such as 10.213.0.0/16")
+      .optional(),
+    FLEET_GATEWAY_SUBNET_PREFIX: intVar(8, 29).default(28),
     /** A dead worker's job is handed to another after this (BullMQ lock). */
     FLEET_LOCK_DURATION_MS: durationMsVar(MIN_LOCK_DURATION_MS).default(30_000),
     FLEET_STALLED_INTERVAL_MS: durationMsVar(MIN_STALLED_INTERVAL_MS).default(15_000),
   })
   .superRefine(bwrapNeedsRootfs)
+  .superRefine((e, ctx) => {
+    const bits = Number(e.FLEET_GATEWAY_SUBNET_POOL?.split("/")[1]);
+    if (e.FLEET_GATEWAY_SUBNET_POOL && e.FLEET_GATEWAY_SUBNET_PREFIX < bits) {
+      ctx.addIssue({
+        code: "custom",
+        path: ["FLEET_GATEWAY_SUBNET_PREFIX"],
+        message: `must be at least the pool's own /${bits}`,
+      });
+    }
+  })
   .transform((e) => ({
     ...commonConfig(e),
     kind: e.FLEET_WORKER_KIND,
@@ -179,6 +208,9 @@ export const WorkerConfig = z
     concurrency: e.FLEET_CONCURRENCY ?? DEFAULT_CONCURRENCY[e.FLEET_WORKER_KIND],
     allowHostExecution: e.FLEET_ALLOW_HOST_EXECUTION,
     credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
+    gatewaySubnetPool: e.FLEET_GATEWAY_SUBNET_POOL
+      ? { base: e.FLEET_GATEWAY_SUBNET_POOL, prefix: e.FLEET_GATEWAY_SUBNET_PREFIX }
+      : null,
     lockDurationMs: e.FLEET_LOCK_DURATION_MS,
     stalledIntervalMs: e.FLEET_STALLED_INTERVAL_MS,
   }));

@@ -34,6 +34,8 @@ type Env = Record<string, string | undefined>;
 
 interface Common {
   credentialsFile?: string | null;
+  /** Agent worker: subnets for the gateway networks (`FLEET_GATEWAY_SUBNET_POOL`). */
+  gatewaySubnetPool?: { base: string; prefix: number } | null;
   bwrapRootfs: string | null;
   stateDir: string;
   redisUrl: string;
@@ -81,7 +83,11 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     // Sealed per-rollout networks for agents that get a model (needs root/NET_ADMIN and a local daemon).
     networks:
       config.sandboxProvider === "docker"
-        ? new DockerGatewayNetworks({ docker, scope: config.prefix })
+        ? new DockerGatewayNetworks({
+            docker,
+            scope: config.prefix,
+            subnetPool: config.gatewaySubnetPool ?? undefined,
+          })
         : undefined,
     harnessDeps: {
       resolveCredential: createCredentialResolver({

@@ -111,4 +111,37 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
       await fleet.remove(id, legacyName).catch(() => undefined);
     }
   });
+
+  it("with a subnet pool (FLEET_GATEWAY_SUBNET_POOL), each rollout's network gets a subnet of the pool, skipping one taken", async () => {
+    const run = randomUUID().slice(0, 8);
+    const scope = `{pool-${run}}`;
+    const pool = { base: "10.213.77.0/24", prefix: 28 };
+    const networks = new DockerGatewayNetworks({ scope, subnetPool: pool });
+    const [a, b] = [`gpa-${run}`, `gpb-${run}`];
+    made.push(gatewayNetworkName(a, scope), gatewayNetworkName(b, scope), `fleet-pool-squatter-${run}`);
+    const inPool = (subnet: string) => {
+      const [ip, bits] = subnet.split("/");
+      expect(subnet.startsWith("10.213.77."), subnet).toBe(true);
+      expect(Number(bits)).toBe(28);
+      expect(Number(ip!.split(".")[3]) % 16).toBe(0);
+    };
+    const first = await networks.ensure(a);
+    inPool(first.subnet);
+    const other = await networks.ensure(b);
+    inPool(other.subnet);
+    expect(other.subnet).not.toBe(first.subnet);
+    // Something else takes rollout A's subnet while its network is gone: the next ensure moves on.
+    expect(await networks.remove(a)).toEqual({ alreadyGone: false });
+    await docker.createNetwork({
+      Name: `fleet-pool-squatter-${run}`,
+      Internal: true,
+      IPAM: { Config: [{ Subnet: first.subnet }] },
+    });
+    const again = await networks.ensure(a);
+    inPool(again.subnet);
+    expect(again.subnet).not.toBe(first.subnet);
+    expect(again.subnet).not.toBe(other.subnet);
+    await networks.remove(a);
+    await networks.remove(b);
+  });
 });
