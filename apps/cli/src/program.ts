@@ -128,7 +128,7 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
       .addOption(
         new Option(
           "--outage-wait <seconds>",
-          "with --wait: keep waiting through a dispatcher outage (unreachable, 502/503/504) this long",
+          "with --wait: keep waiting through a dispatcher outage (unreachable, 429/502/503/504) this long",
         )
           .default(600)
           .argParser(positiveSeconds),
@@ -184,7 +184,7 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
       .addOption(
         new Option(
           "--outage-wait <seconds>",
-          "keep waiting through a dispatcher outage (unreachable, 502/503/504) this long",
+          "keep waiting through a dispatcher outage (unreachable, 429/502/503/504) this long",
         )
           .default(600)
           .argParser(positiveSeconds),
