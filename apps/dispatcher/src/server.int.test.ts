@@ -363,6 +363,14 @@ describe("POST /v1/rollouts", () => {
       headers: { "content-type": "application/json" },
     });
     expectErrorBody(empty, 400, "malformed");
+    // A prototype-poisoning key is refused, not silently dropped.
+    const poisoned = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: `{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"__proto__":{"x":1}}}`,
+      headers: { "content-type": "application/json" },
+    });
+    expectErrorBody(poisoned, 400, "malformed");
     const text = await h.call({
       method: "POST",
       url: "/v1/rollouts",
@@ -685,8 +693,22 @@ describe("cancel", () => {
     const view = await h.call({ method: "GET", url: `/v1/rollouts/${id}` });
     expect(view.json()).toMatchObject({ cancelRequested: true, failure: { failureKind: "cancelled" } });
 
-    // A second cancel is harmless.
+    // A second cancel is harmless; so is one sent with a JSON content type and no body (a
+    // client that sets the header on every request).
     expect((await h.call({ method: "POST", url: `/v1/rollouts/${id}/cancel` })).statusCode).toBe(202);
+    const typed = await h.call({
+      method: "POST",
+      url: `/v1/rollouts/${id}/cancel`,
+      headers: { "content-type": "application/json" },
+    });
+    expect(typed.statusCode, typed.body).toBe(202);
+    // A submit without a body is still its own 400.
+    const empty = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      headers: { "content-type": "application/json" },
+    });
+    expect(expectErrorBody(empty, 400, "malformed").message).toMatch(/expected a JSON body/);
 
     expectErrorBody(
       await h.call({ method: "POST", url: "/v1/rollouts/unknown-id/cancel" }),

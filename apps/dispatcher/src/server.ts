@@ -55,6 +55,15 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // Bodies: JSON (Fastify's parser: prototype-poisoning keys refused) and NDJSON as raw text,
   // both under `bodyLimit`. No text/plain: any other type is a 415.
   app.removeContentTypeParser("text/plain");
+  // JSON as Fastify parses it, but an empty body is no body (not a 400): a client that sets
+  // `content-type: application/json` on every request may POST a cancel without one, and a
+  // submit without one still gets its own 400 ("expected a JSON body").
+  const parseJson = app.getDefaultJsonParser("error", "error");
+  app.removeContentTypeParser("application/json");
+  app.addContentTypeParser("application/json", { parseAs: "string" }, (req, body, done) => {
+    if (body === "") return done(null, undefined);
+    void parseJson(req, String(body), done); // callback style: it returns nothing to await
+  });
   app.addContentTypeParser(NDJSON_TYPES, { parseAs: "string" }, (_req, body, done) =>
     done(null, new NdjsonText(String(body))),
   );
