@@ -4,7 +4,8 @@ import type { RedisConnection } from "./connection.ts";
  * Lua scripts for every state change that must be atomic. Rollout hash fields:
  * `meta` (JSON), `deadline` (meta's deadlineAt, for scripts), `status`, `stage`,
  * `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
- * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`),
+ * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
+ * (the fence a claim replaced), `verify:before` (the verify begin before the last one),
  * `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
  * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
@@ -325,10 +326,14 @@ const SCRIPTS = {
             if ARGV[1] == 'verify' then
               -- When the attempt before this one began (a verify delivered again waits out its tests).
               prevBegin = redis.call('HGET', KEYS[1], 't:verify:last')
-              -- Its own begin, re-sent by ioredis after a reconnect lost the reply (same 'now'):
-              -- no earlier attempt to wait out.
-              if prevBegin == ARGV[2] then prevBegin = false end
-              redis.call('HSET', KEYS[1], 't:verify:last', ARGV[2])
+              if prevBegin == ARGV[2] then
+                -- Its own begin, re-sent by ioredis after a reconnect lost the reply (same
+                -- 'now'): the attempt before it is the one the first send found.
+                prevBegin = redis.call('HGET', KEYS[1], 'verify:before')
+                if prevBegin == '' then prevBegin = false end
+              else
+                redis.call('HSET', KEYS[1], 't:verify:last', ARGV[2], 'verify:before', prevBegin or '')
+              end
             end
             if ARGV[5] ~= '' then
               -- Not past the deadline either: the stage would be skipped, and an intent left

@@ -368,6 +368,9 @@ describe("rollout store", () => {
     await store.begin(v, "verify", 10);
     expect((await store.begin(v, "verify", 10)).record!.times["verify:prev"]).toBeUndefined();
     expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBe(10);
+    // A re-delivery's begin sent again still waits out the attempt before it.
+    expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBe(10);
+    expect((await store.begin(v, "verify", 30)).record!.times["verify:prev"]).toBe(20);
   });
 
   it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {
