@@ -65,14 +65,20 @@ function parseRequest(
   return { ok: false, issues: describeIssues(parsed.error.issues, prefix) };
 }
 
-function invalid(what: string, issues: Issue[], extra: Record<string, unknown> = {}): HttpError {
+/** 422 with the first issues; `total` counts all of them when the caller kept fewer. */
+function invalid(
+  what: string,
+  issues: Issue[],
+  extra: Record<string, unknown> = {},
+  total?: number,
+): HttpError {
   const first = issues[0];
   const where = first ? `${first.path === "" ? "body" : first.path}: ${first.message}` : "invalid";
   const capped = capIssues(issues);
   return new HttpError(422, "invalid", `${what} is invalid (${where})`, {
     ...extra,
     issues: capped.issues,
-    total: capped.total,
+    total: total ?? capped.total,
   });
 }
 
@@ -99,6 +105,7 @@ export function parseBatchJson(body: unknown): ParsedBatch {
   const prefix: PropertyKey[] = Array.isArray(parsed.data) ? [] : ["rollouts"];
   const requests: RolloutRequest[] = [];
   const issues: Issue[] = [];
+  let total = 0;
   let badRows = 0;
   for (let i = 0; i < rows.length; i++) {
     const row = parseRequest(rows[i], [...prefix, i]);
@@ -106,12 +113,13 @@ export function parseBatchJson(body: unknown): ParsedBatch {
       requests.push(row.data);
       continue;
     }
-    issues.push(...row.issues.slice(0, MAX_ISSUES));
+    total += row.issues.length;
+    if (issues.length < MAX_ISSUES) issues.push(...row.issues.slice(0, MAX_ISSUES - issues.length));
     if (++badRows >= MAX_BAD_ROWS && i + 1 < rows.length) {
-      throw invalid("batch", issues, { checkedRows: i + 1, rows: rows.length, truncated: true });
+      throw invalid("batch", issues, { checkedRows: i + 1, rows: rows.length, truncated: true }, total);
     }
   }
-  if (issues.length > 0) throw invalid("batch", issues);
+  if (issues.length > 0) throw invalid("batch", issues, {}, total);
   return { requests, lines: null };
 }
 
@@ -128,7 +136,8 @@ export function parseBatchNdjson(text: string): ParsedBatch {
   let truncated = false;
   let firstBad: number | null = null;
   let lineNo = 0;
-  for (const raw of text.split("\n")) {
+  const rows = text.split("\n");
+  for (const raw of rows) {
     lineNo++;
     const line = raw.trim();
     if (line === "") continue;
@@ -157,7 +166,8 @@ export function parseBatchNdjson(text: string): ParsedBatch {
       if (issues.length < MAX_ISSUES) issues.push({ line: lineNo, ...issue });
     }
     if (badLines >= MAX_BAD_ROWS) {
-      truncated = true; // the rest is not checked (see MAX_BAD_ROWS)
+      // The rest is not checked (see MAX_BAD_ROWS), if there is a rest.
+      truncated = rows.slice(lineNo).some((l) => l.trim() !== "");
       break;
     }
   }
