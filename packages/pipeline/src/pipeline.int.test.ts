@@ -380,7 +380,7 @@ describe("idempotency and fencing without workers", () => {
   });
 
   it("a seed that loses the receipt race to another holding the same container (adopted by name) leaves it alone", async () => {
-    const [id] = (await fleet.submit([oracle(byId("hello-file"))])) as [string];
+    const [id] = (await fleet.submit([oracle(byId("csv-aggregate"))])) as [string]; // has workspace files
     // Seed A's lock lapsed while its create hung; seed B was delivered, created the rollout's
     // container and stored its receipt. A's create then meets the name and adopts that container.
     let entered!: () => void;
@@ -392,22 +392,39 @@ describe("idempotency and fencing without workers", () => {
       release = r;
     });
     const real = fleet.deps.provider;
+    let staged = 0;
     const hung = Object.assign(Object.create(real) as SandboxProvider, {
       create: async (spec: Parameters<SandboxProvider["create"]>[0]) => {
         entered();
         await released;
         return real.create(spec);
       },
+      put: async (...args: Parameters<SandboxProvider["put"]>) => {
+        staged++;
+        return real.put(...args);
+      },
     });
-    const a = runStageJob("seed", job(id), { ...fleet.deps, provider: hung });
+    // A's job was taken 20 s ago: past half its 30 s lock, another worker may have it.
+    const a = runStageJob(
+      "seed",
+      { ...job(id), processedOn: Date.now() - 20_000 },
+      { ...fleet.deps, provider: hung },
+    );
     await inCreate;
     expect(await runStageJob("seed", job(id, 1), fleet.deps)).toBe("ok");
     const winner = (await fleet.deps.store.get(id))!.receipts.seed!.handle;
+    // B's run may be working in it by now: its agent rewrote a task file.
+    const file = `/workspace/${Object.keys(byId("csv-aggregate").workspace)[0]}`;
+    await real.exec(winner, ["sh", "-c", `echo agent-work > ${file}`], { deadlineMs: 30_000 });
     release();
     expect(await a).toBe("ok");
-    // The loser held the rollout's one container: destroying it would lose the run its sandbox.
+    // The loser held the rollout's one container: it neither destroyed it (the run would lose
+    // its sandbox) nor staged the task into it again (under the running agent).
     expect((await fleet.deps.store.get(id))!.receipts.seed!.handle.id).toBe(winner.id);
     expect(await real.alive(winner)).toBe(true);
+    expect(staged).toBe(0);
+    const kept = await real.exec(winner, ["cat", file], { deadlineMs: 30_000 });
+    expect(kept.stdout.trim()).toBe("agent-work");
     await runStageJob("close", job(id), fleet.deps);
     expect(await containersOf([id])).toBe(0);
   });

@@ -331,6 +331,16 @@ export const seed: StageHandler = async (rec, deps) => {
     throw err;
   }
   if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
+  // Held long enough for its lock to have lapsed: another seed may have stored its receipt, and
+  // its run may use the sandbox now. A create that met that sandbox by its fixed name adopted it:
+  // probing and staging it again would put the task's files back under a running agent.
+  if (mayBeTakenOver(rec)) {
+    const winner = (await deps.store.get(rec.meta.id))?.receipts.seed?.handle;
+    if (winner) {
+      if (!isSameSandbox(winner, created.handle)) await destroyLosingSeed(deps, rec, created.handle);
+      return null;
+    }
+  }
   const t1 = clock(deps);
   const probe = await deps.provider.probe(created.handle);
   const t2 = clock(deps);
@@ -361,13 +371,17 @@ export const seed: StageHandler = async (rec, deps) => {
     // Unless it is the very sandbox the winner stored: sandbox names are fixed per rollout, so a
     // create that met the winner's sandbox by its name adopted it (Docker), and it is the rollout's.
     const winner = (await deps.store.get(rec.meta.id))?.receipts.seed?.handle;
-    if (winner && isSameSandbox(winner, created.handle)) return null;
-    const gone = await deps.provider.destroy(created.handle).catch(() => null);
-    if (!gone?.confirmed)
-      deps.logger.warn({ rolloutId: rec.meta.id }, "could not destroy a losing seed's sandbox");
+    if (!winner || !isSameSandbox(winner, created.handle)) await destroyLosingSeed(deps, rec, created.handle);
   }
   return null;
 };
+
+/** Destroy a losing seed's own sandbox by handle; should that fail, the janitor's label sweep finds it. */
+async function destroyLosingSeed(deps: PipelineDeps, rec: StageRecord, handle: SandboxHandle): Promise<void> {
+  const gone = await deps.provider.destroy(handle).catch(() => null);
+  if (!gone?.confirmed)
+    deps.logger.warn({ rolloutId: rec.meta.id }, "could not destroy a losing seed's sandbox");
+}
 
 export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const seedReceipt = rec.receipts.seed;
