@@ -64,6 +64,21 @@ describe("toHttpError", () => {
       name: "ClusterAllFailedError",
     });
     expect(toHttpError(allFailed)).toMatchObject({ status: 503 });
+    // A MULTI whose writes Redis refused for being full: EXECABORT, the refusals kept beside it.
+    const aborted = Object.assign(
+      new ReplyError("EXECABORT Transaction discarded because of previous errors."),
+      {
+        previousErrors: [new ReplyError("OOM command not allowed when used memory > 'maxmemory'.")],
+      },
+    );
+    expect(toHttpError(aborted)).toMatchObject({ status: 503, code: "unavailable" });
+    const ourBug = Object.assign(
+      new ReplyError("EXECABORT Transaction discarded because of previous errors."),
+      {
+        previousErrors: [new ReplyError("ERR wrong number of arguments for 'hset' command")],
+      },
+    );
+    expect(toHttpError(ourBug)).toMatchObject({ status: 500 });
     // A reply that is our bug (a script error), or a word that only starts like one: still a 500.
     for (const reply of ["ERR Error running script", "OOMPH not a Redis state"]) {
       expect(toHttpError(new ReplyError(reply)), reply).toMatchObject({ status: 500, code: "internal" });

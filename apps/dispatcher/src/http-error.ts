@@ -130,7 +130,16 @@ const REDIS_BUSY_REPLY = /^(OOM|READONLY|LOADING|MASTERDOWN|CLUSTERDOWN|TRYAGAIN
  */
 export function isRedisUnavailable(err: unknown): boolean {
   if (typeof err !== "object" || err === null) return false;
-  const { name, message } = err as { name?: unknown; message?: unknown };
+  const { name, message, previousErrors } = err as {
+    name?: unknown;
+    message?: unknown;
+    previousErrors?: unknown;
+  };
+  // A MULTI whose queued writes Redis refused (full, read-only) ends in EXECABORT; ioredis keeps
+  // the refusals in `previousErrors`.
+  if (name === "ReplyError" && typeof message === "string" && message.startsWith("EXECABORT")) {
+    return Array.isArray(previousErrors) && previousErrors.some((e) => isRedisUnavailable(e));
+  }
   return (
     name === "MaxRetriesPerRequestError" ||
     name === "ClusterAllFailedError" ||

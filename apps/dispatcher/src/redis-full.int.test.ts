@@ -1,0 +1,122 @@
+import { type ChildProcess, spawn } from "node:child_process";
+import { randomUUID } from "node:crypto";
+import { mkdtempSync, rmSync } from "node:fs";
+import { createServer as createNetServer } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { DispatcherConfig, parseConfig } from "@fleet/config";
+import { createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import type { FastifyInstance } from "fastify";
+import type { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { createServer } from "./server.ts";
+
+/**
+ * A real Redis that fills up (`maxmemory` under the `noeviction` the fleet requires): the API
+ * answers 503 with Retry-After, which clients retry, never a 500 they give up on. Its own
+ * private redis-server: filling the shared one would fail every other test.
+ */
+async function freePort(): Promise<number> {
+  return new Promise<number>((resolve) => {
+    const srv = createNetServer().listen(0, "127.0.0.1", () => {
+      const { port } = srv.address() as { port: number };
+      srv.close(() => resolve(port));
+    });
+  });
+}
+
+const task = {
+  id: "t-full",
+  instruction: "Print hello.",
+  image: "fleet-base:test",
+  tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
+};
+const row = { task, agent: { harness: "oracle" } };
+
+describe("the dispatcher on a full Redis", () => {
+  const dir = mkdtempSync(join(tmpdir(), "fleet-redis-full-"));
+  let server: ChildProcess;
+  let redis: Redis;
+  let app: FastifyInstance;
+  let queues: StageQueues;
+
+  beforeAll(async () => {
+    const port = await freePort();
+    server = spawn(
+      "redis-server",
+      [
+        ...["--port", String(port), "--bind", "127.0.0.1", "--dir", dir, "--save", ""],
+        ...["--appendonly", "yes", "--maxmemory", "8mb", "--maxmemory-policy", "noeviction"],
+      ],
+      { stdio: "ignore" },
+    );
+    redis = createRedis(`redis://127.0.0.1:${port}`);
+    redis.on("error", () => undefined); // refused until the server listens
+    for (let i = 0; redis.status !== "ready"; i++) {
+      if (i > 250) throw new Error("the private redis-server did not come up");
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    const prefix = `{t-full-${randomUUID().slice(0, 8)}}`;
+    const config = parseConfig(DispatcherConfig, { FLEET_PREFIX: prefix });
+    const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
+    queues = new StageQueues(redis, prefix);
+    app = createServer({
+      store: new RolloutStore(redis, prefix),
+      queues,
+      ledger: new TeardownLedger(redis, prefix),
+      redis,
+      config,
+      logger: createLogger({ name: "dispatcher-test", level: "silent" }),
+      registry,
+      metrics: createFleetMetrics(registry),
+    });
+    await app.ready();
+  });
+
+  afterAll(async () => {
+    await app?.close();
+    await queues?.close();
+    redis?.disconnect();
+    if (server && server.exitCode === null && server.signalCode === null) {
+      const exited = new Promise((resolve) => server.once("exit", resolve));
+      server.kill("SIGKILL");
+      await exited;
+    }
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("answers 503 with Retry-After to a submission, and to the replay of one admitted before", async () => {
+    const post = (key: string) =>
+      app.inject({
+        method: "POST",
+        url: "/v1/batches",
+        payload: { rollouts: [row, row] },
+        headers: { "idempotency-key": key },
+      });
+    const admitted = await post("before-full");
+    expect(admitted.statusCode, admitted.body).toBe(202);
+
+    // Fill it, in big writes and then small ones: even a small write is refused from here on.
+    let n = 0;
+    for (const size of [256 * 1024, 4 * 1024, 64]) {
+      for (;;) {
+        const refused = await redis.set(`filler:${n++}`, "x".repeat(size)).then(
+          () => false,
+          (err: Error) => /^OOM /.test(err.message),
+        );
+        if (refused) break;
+        if (n > 100_000) throw new Error("Redis never filled up");
+      }
+    }
+
+    // A new submission (its backlog reservation is refused by a script) and the replay of the
+    // one above (its task write is a MULTI that Redis aborts: EXECABORT): both 503, retryable.
+    for (const key of ["after-full", "before-full"]) {
+      const res = await post(key);
+      expect(res.statusCode, `${key}: ${res.body}`).toBe(503);
+      expect(res.headers["retry-after"]).toBe("5");
+      expect(res.json()).toMatchObject({ error: { code: "unavailable" } });
+    }
+  });
+});
