@@ -240,10 +240,13 @@ describe("fleet submit", () => {
     expect(stdout.text()).toBe("b-1\nb-2\n");
     stdout = new Collector();
     const out = path.join(dir, "watched.jsonl");
-    const code = await runCli(["watch", "b-1", "b-2", "--out", out, "--json", "--poll-interval", "10"], {
-      ...ctx(),
-      stdout,
-    });
+    const code = await runCli(
+      ["watch", "b-1", "b-2", "b-1", "--out", out, "--json", "--poll-interval", "10"],
+      {
+        ...ctx(),
+        stdout,
+      },
+    );
     expect(code, stderr.text()).toBe(0);
     expect(JSON.parse(stdout.text())).toMatchObject({
       batchIds: ["b-1", "b-2"],

@@ -23,10 +23,12 @@ export async function watchCommand(
     }
   }
   try {
+    // A batch named twice is followed once (its results written once).
+    const ids = [...new Set(batchIds)];
     // Each batch's size, up front: an unknown batch id is an error now, not after the wait.
-    const totals = await Promise.all(batchIds.map(async (id) => (await client.getBatch(id)).total));
+    const totals = await Promise.all(ids.map(async (id) => (await client.getBatch(id)).total));
     const expected = totals.reduce((a, b) => a + b, 0);
-    return await followBatches(client, batchIds, expected, opts, ctx, file);
+    return await followBatches(client, ids, expected, opts, ctx, file);
   } finally {
     await file?.discard();
   }
