@@ -1,13 +1,10 @@
-import { randomUUID } from "node:crypto";
-import { DispatcherConfig, parseConfig } from "@fleet/config";
 import type { TaskContentInput } from "@fleet/contracts";
-import { createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
-import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import { createRedis, type StageQueues } from "@fleet/queue";
 import fc from "fast-check";
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { createServer } from "./server.ts";
+import { startTestServer, type TestServer } from "./test-server.ts";
 
 /**
  * Property tests against the dispatcher's HTTP surface (in-process, `inject`, real Redis under a
@@ -33,35 +30,22 @@ const row = { task, agent: { harness: "oracle" } };
 let redis: Redis;
 let app: FastifyInstance;
 let queues: StageQueues;
-const prefix = `{t-fuzz-${randomUUID().slice(0, 8)}}`;
+let prefix: string;
+let server: TestServer;
 
 beforeAll(async () => {
   redis = createRedis(REDIS_URL);
-  const config = parseConfig(DispatcherConfig, {
-    FLEET_PREFIX: prefix,
+  server = await startTestServer(redis, "fuzz", {
     FLEET_API_TOKENS: `${TOKEN},admin:fuzz-admin-token`,
     FLEET_MAX_BODY_BYTES: String(MAX_BODY),
     FLEET_MAX_TASK_BYTES: String(MAX_TASK),
   });
-  const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
-  queues = new StageQueues(redis, prefix);
-  app = createServer({
-    store: new RolloutStore(redis, prefix),
-    queues,
-    ledger: new TeardownLedger(redis, prefix),
-    redis,
-    config,
-    logger: createLogger({ name: "dispatcher-fuzz", level: "silent" }),
-    registry,
-    metrics: createFleetMetrics(registry),
-  });
-  await app.ready();
+  ({ app, queues, prefix } = server);
 });
 
 afterAll(async () => {
-  await app?.close();
   await queues?.obliterate();
-  await queues?.close();
+  await server?.close();
   const stream = redis.scanStream({ match: `${prefix}*`, count: 1000 });
   for await (const keys of stream as AsyncIterable<string[]>) {
     if (keys.length > 0) await redis.unlink(...keys);

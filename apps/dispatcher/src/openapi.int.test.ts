@@ -1,41 +1,26 @@
-import { randomUUID } from "node:crypto";
-import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { createRedis, RolloutStore, StageQueues } from "@fleet/queue";
-import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import { createRedis } from "@fleet/queue";
 import type { FastifyInstance } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { BOARD_PATH } from "./board.ts";
 import { registeredRoutes } from "./route-table.ts";
-import { createServer } from "./server.ts";
+import { startTestServer, type TestServer } from "./test-server.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 const TOKEN = "openapi-test-token";
 
 let redis: Redis;
-let queues: StageQueues;
+let server: TestServer;
 let app: FastifyInstance;
 
 beforeAll(async () => {
   redis = createRedis(REDIS_URL);
-  const prefix = `{t-openapi-${randomUUID().slice(0, 8)}}`;
-  queues = new StageQueues(redis, prefix);
-  const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
-  app = createServer({
-    store: new RolloutStore(redis, prefix),
-    queues,
-    redis,
-    config: parseConfig(DispatcherConfig, { FLEET_PREFIX: prefix, FLEET_API_TOKENS: TOKEN }),
-    logger: createLogger({ name: "openapi-test", level: "silent" }),
-    registry,
-    metrics: createFleetMetrics(registry),
-  });
-  await app.ready();
+  server = await startTestServer(redis, "openapi", { FLEET_API_TOKENS: TOKEN });
+  app = server.app;
 });
 
 afterAll(async () => {
-  await app?.close();
-  await queues?.close();
+  await server?.close();
   await redis?.quit();
 });
 

@@ -1,16 +1,13 @@
 import { type ChildProcess, spawn } from "node:child_process";
-import { randomUUID } from "node:crypto";
 import { mkdtempSync, rmSync } from "node:fs";
 import { createServer as createNetServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
-import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import { createRedis } from "@fleet/queue";
 import type { FastifyInstance } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { createServer } from "./server.ts";
+import { startTestServer, type TestServer } from "./test-server.ts";
 
 /**
  * A real Redis that fills up (`maxmemory` under the `noeviction` the fleet requires): the API
@@ -38,8 +35,8 @@ describe("the dispatcher on a full Redis", () => {
   const dir = mkdtempSync(join(tmpdir(), "fleet-redis-full-"));
   let server: ChildProcess;
   let redis: Redis;
+  let testServer: TestServer;
   let app: FastifyInstance;
-  let queues: StageQueues;
 
   beforeAll(async () => {
     const port = await freePort();
@@ -57,26 +54,12 @@ describe("the dispatcher on a full Redis", () => {
       if (i > 250) throw new Error("the private redis-server did not come up");
       await new Promise((r) => setTimeout(r, 20));
     }
-    const prefix = `{t-full-${randomUUID().slice(0, 8)}}`;
-    const config = parseConfig(DispatcherConfig, { FLEET_PREFIX: prefix });
-    const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
-    queues = new StageQueues(redis, prefix);
-    app = createServer({
-      store: new RolloutStore(redis, prefix),
-      queues,
-      ledger: new TeardownLedger(redis, prefix),
-      redis,
-      config,
-      logger: createLogger({ name: "dispatcher-test", level: "silent" }),
-      registry,
-      metrics: createFleetMetrics(registry),
-    });
-    await app.ready();
+    testServer = await startTestServer(redis, "full");
+    app = testServer.app;
   });
 
   afterAll(async () => {
-    await app?.close();
-    await queues?.close();
+    await testServer?.close();
     redis?.disconnect();
     if (server && server.exitCode === null && server.signalCode === null) {
       const exited = new Promise((resolve) => server.once("exit", resolve));

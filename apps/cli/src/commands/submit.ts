@@ -38,14 +38,7 @@ export async function submitCommand(
     throw new UsageError("--out needs --wait (or use `fleet results`)");
   // Opened before anything is submitted: a path that cannot be written is a usage error now,
   // not after hours of waiting.
-  let file: ResultsFile | null = null;
-  if (opts.out !== undefined) {
-    try {
-      file = await ResultsFile.open(opts.out);
-    } catch (err) {
-      throw new UsageError(`cannot write --out ${opts.out}: ${(err as Error).message}`);
-    }
-  }
+  const file = await openOut(opts.out);
   try {
     return await submitAndFollow(client, opts, ctx, file);
   } finally {
@@ -115,6 +108,16 @@ async function submitAndFollow(
   );
   if (!opts.wait) return 0;
   return followBatches(client, batchIds, accepted, opts, ctx, file);
+}
+
+/** The `--out` results file, opened; a path that cannot be written is a usage error (exit 2). */
+export async function openOut(out: string | undefined): Promise<ResultsFile | null> {
+  if (out === undefined) return null;
+  try {
+    return await ResultsFile.open(out);
+  } catch (err) {
+    throw new UsageError(`cannot write --out ${out}: ${(err as Error).message}`);
+  }
 }
 
 /** What following batches to their end needs: `submit --wait`'s and `watch`'s options. */

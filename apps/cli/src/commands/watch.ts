@@ -1,7 +1,6 @@
 import type { FleetClient } from "../client.ts";
-import { type CliContext, ResultsFile } from "../context.ts";
-import { UsageError } from "../requests.ts";
-import { type FollowOptions, followBatches } from "./submit.ts";
+import type { CliContext } from "../context.ts";
+import { type FollowOptions, followBatches, openOut } from "./submit.ts";
 
 /**
  * `fleet watch <batchId...>`: what `submit --wait` does after submitting, for batches already
@@ -14,14 +13,7 @@ export async function watchCommand(
   opts: FollowOptions,
   ctx: CliContext,
 ): Promise<number> {
-  let file: ResultsFile | null = null;
-  if (opts.out !== undefined) {
-    try {
-      file = await ResultsFile.open(opts.out);
-    } catch (err) {
-      throw new UsageError(`cannot write --out ${opts.out}: ${(err as Error).message}`);
-    }
-  }
+  const file = await openOut(opts.out);
   try {
     // A batch named twice is followed once (its results written once).
     const ids = [...new Set(batchIds)];
