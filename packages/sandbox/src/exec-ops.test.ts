@@ -26,6 +26,18 @@ describe("probeWhilePid1Starts", () => {
     expect(stdout).toBe(seen[2]);
   });
 
+  it("probes again while PID 1's command line reads empty (caught mid-exec), and gives up after the settle window", async () => {
+    const seen = [output(""), output("/sbin/docker-init -- sleep infinity")];
+    let calls = 0;
+    expect(await probeWhilePid1Starts(async () => seen[calls++]!, 5_000, 1)).toBe(seen[1]);
+    expect(calls).toBe(2);
+    // Never anything but empty: the last output stands, for the checks to judge.
+    let tries = 0;
+    const stuck = await probeWhilePid1Starts(async () => (tries++, output("")), 30, 1);
+    expect(stuck).toBe(output(""));
+    expect(tries).toBeGreaterThan(1);
+  });
+
   it("probes once when PID 1 is already the sandbox's init (or anything else)", async () => {
     let calls = 0;
     const stdout = await probeWhilePid1Starts(

@@ -364,8 +364,9 @@ export const PID1_SETTLE_MS = 2_000;
 
 /**
  * Run the probe script (`once` returns its stdout) again while the PID 1 line (the second) shows
- * the runtime's start shim, every `pollMs`, for up to `settleMs`; then the last output stands and
- * the checks judge it (a PID 1 that never settles is still refused).
+ * the runtime's start shim, or reads empty (PID 1 caught mid-exec, between the shim and the
+ * sandbox's init: seen under load), every `pollMs`, for up to `settleMs`; then the last output
+ * stands and the checks judge it (a PID 1 that never settles is still refused).
  */
 export async function probeWhilePid1Starts(
   once: () => Promise<string>,
@@ -373,8 +374,12 @@ export async function probeWhilePid1Starts(
   pollMs = 50,
 ): Promise<string> {
   const until = Date.now() + settleMs;
+  const settling = (out: string) => {
+    const pid1 = out.split("\n")[1] ?? "";
+    return pid1Starting(pid1) || pid1.trim() === "";
+  };
   let stdout = await once();
-  while (pid1Starting(stdout.split("\n")[1] ?? "") && Date.now() < until) {
+  while (settling(stdout) && Date.now() < until) {
     await delay(pollMs);
     stdout = await once();
   }
