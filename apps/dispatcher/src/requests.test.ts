@@ -2,6 +2,8 @@ import { describe, expect, it } from "vitest";
 import { HttpError } from "./http-error.ts";
 import {
   MAX_BAD_ROWS,
+  MAX_CHECKED_ISSUES,
+  MAX_REQUEST_VALUES,
   parseBatchJson,
   parseBatchNdjson,
   parseIdempotencyKey,
@@ -174,19 +176,36 @@ describe("parseBatchJson", () => {
     expect(thrown(() => parseBatchJson({ rollouts: [] })).status).toBe(422);
   });
 
-  it("a batch whose rows hold 200,000 bad values between them is a 422 naming the first, not a stack overflow (500)", () => {
+  it("a request holding more than MAX_REQUEST_VALUES JSON values is refused by its size, before the schema (no zod stack overflow, no million issues)", () => {
     const env: Record<string, number> = {};
-    for (let i = 0; i < 200_000; i++) env[`K${i}`] = 0;
+    for (let i = 0; i < MAX_REQUEST_VALUES + 1; i++) env[`K${i}`] = 0;
     const bad = { ...row, agent: { harness: "command", argv: ["x"], env } };
     for (const [body, path] of [
-      [[bad], "[0].agent.env.K0"],
-      [{ rollouts: [row, bad] }, "rollouts[1].agent.env.K0"],
+      [[bad], "[0]"],
+      [{ rollouts: [row, bad] }, "rollouts[1]"],
     ] as const) {
       const err = thrown(() => parseBatchJson(body));
       expect(err.status).toBe(422);
-      expect((err.details as { issues: { path: string }[] }).issues[0]!.path).toBe(path);
+      expect(err.details).toMatchObject({ total: 1, issues: [{ path }] });
+      expect(err.message).toMatch(/more than 100000 JSON values/);
     }
+    expect(thrown(() => parseRolloutBody(bad)).message).toMatch(/more than 100000 JSON values/);
+    // Just under it, the schema runs and names the first bad value.
+    for (let i = 0; i < 50; i++) delete env[`K${i}`];
+    const under = thrown(() => parseBatchJson([bad]));
+    expect((under.details as { issues: { path: string }[] }).issues[0]!.path).toBe("[0].agent.env.K50");
   }, 60_000);
+
+  it("stops checking after MAX_CHECKED_ISSUES problems, however few rows held them", () => {
+    const env: Record<string, number> = {};
+    for (let i = 0; i < 6000; i++) env[`K${i}`] = 0;
+    const bad = { ...row, agent: { harness: "command", argv: ["x"], env } };
+    const err = thrown(() => parseBatchJson([bad, bad, bad, bad]));
+    expect(err.details).toMatchObject({ truncated: true, checkedRows: 2, rows: 4, total: 12_000 });
+    const nd = thrown(() => parseBatchNdjson(Array(4).fill(JSON.stringify(bad)).join("\n")));
+    expect(nd.details).toMatchObject({ truncated: true, badLines: 2 });
+    expect(MAX_CHECKED_ISSUES).toBe(10_000);
+  });
 
   it("stops checking after MAX_BAD_ROWS invalid rows, saying there were more", () => {
     const rows = [row, ...Array(MAX_BAD_ROWS + 5).fill(0)];

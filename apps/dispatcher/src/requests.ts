@@ -2,7 +2,7 @@ import { RolloutRequest } from "@fleet/contracts";
 import secureJson from "secure-json-parse";
 import { z } from "zod";
 import { HttpError } from "./http-error.ts";
-import { capIssues, describeIssues, type Issue, MAX_ISSUES } from "./zod-issues.ts";
+import { capIssues, describeIssues, formatPath, type Issue, MAX_ISSUES } from "./zod-issues.ts";
 
 /** An NDJSON body as its content-type parser hands it over: the raw text, marked as NDJSON. */
 export class NdjsonText {
@@ -55,11 +55,58 @@ const BatchEnvelope = [
  */
 export const MAX_BAD_ROWS = 1000;
 
+/**
+ * Most problems a batch is checked for, counted over its rows: past it the answer says there
+ * are more. zod spends a few microseconds and a few hundred bytes on each bad value, so 32 MiB of
+ * them would hold the event loop for seconds and take gigabytes.
+ */
+export const MAX_CHECKED_ISSUES = 10_000;
+
+/**
+ * Most JSON values (array items and object properties, nested included) one rollout request may
+ * hold; checked before the schema, in one cheap walk. A real request, a large inline task
+ * included, is far below it.
+ */
+export const MAX_REQUEST_VALUES = 100_000;
+
+/** The values in `value`, counted until past `limit` (then it stops: a huge object is not walked). */
+function countValues(value: unknown, limit: number): number {
+  let count = 0;
+  const stack: unknown[] = [value];
+  while (stack.length > 0) {
+    const v = stack.pop();
+    if (Array.isArray(v)) {
+      count += v.length;
+      if (count > limit) return count;
+      for (const c of v) if (typeof c === "object" && c !== null) stack.push(c);
+    } else if (typeof v === "object" && v !== null) {
+      for (const k in v) {
+        if (++count > limit) return count;
+        const c = (v as Record<string, unknown>)[k];
+        if (typeof c === "object" && c !== null) stack.push(c);
+      }
+    }
+  }
+  return count;
+}
+
 /** `ApiRolloutRequest.safeParse` as issues, their paths under `prefix`. */
 function parseRequest(
   value: unknown,
   prefix: readonly PropertyKey[] = [],
 ): { ok: true; data: RolloutRequest } | { ok: false; issues: Issue[] } {
+  if (countValues(value, MAX_REQUEST_VALUES) > MAX_REQUEST_VALUES) {
+    const path = formatPath(prefix);
+    return {
+      ok: false,
+      issues: [
+        {
+          path,
+          message: `holds more than ${MAX_REQUEST_VALUES} JSON values, far more than a rollout request (a large task goes by digest)`,
+        },
+      ],
+    };
+  }
   const parsed = ApiRolloutRequest.safeParse(value);
   if (parsed.success) return { ok: true, data: parsed.data };
   return { ok: false, issues: describeIssues(parsed.error.issues, prefix) };
@@ -115,7 +162,7 @@ export function parseBatchJson(body: unknown): ParsedBatch {
     }
     total += row.issues.length;
     if (issues.length < MAX_ISSUES) issues.push(...row.issues.slice(0, MAX_ISSUES - issues.length));
-    if (++badRows >= MAX_BAD_ROWS && i + 1 < rows.length) {
+    if ((++badRows >= MAX_BAD_ROWS || total >= MAX_CHECKED_ISSUES) && i + 1 < rows.length) {
       throw invalid("batch", issues, { checkedRows: i + 1, rows: rows.length, truncated: true }, total);
     }
   }
@@ -133,6 +180,7 @@ export function parseBatchNdjson(text: string): ParsedBatch {
   const lines: number[] = [];
   const issues: (Issue & { line: number })[] = [];
   let badLines = 0;
+  let checkedIssues = 0;
   let truncated = false;
   let firstBad: number | null = null;
   let lineNo = 0;
@@ -161,12 +209,13 @@ export function parseBatchNdjson(text: string): ParsedBatch {
       continue;
     }
     badLines++;
+    checkedIssues += parsed.issues.length;
     firstBad ??= lineNo;
     for (const issue of parsed.issues) {
       if (issues.length < MAX_ISSUES) issues.push({ line: lineNo, ...issue });
     }
-    if (badLines >= MAX_BAD_ROWS) {
-      // The rest is not checked (see MAX_BAD_ROWS), if there is a rest.
+    if (badLines >= MAX_BAD_ROWS || checkedIssues >= MAX_CHECKED_ISSUES) {
+      // The rest is not checked (see MAX_BAD_ROWS, MAX_CHECKED_ISSUES), if there is a rest.
       truncated = rows.slice(lineNo).some((l) => l.trim() !== "");
       break;
     }
