@@ -194,6 +194,9 @@ describe("model gateway", () => {
     expect(r.status).toBe(307);
     expect(r.headers.get("location")).toBeNull();
     expect(elsewhere.requests).toHaveLength(0);
+    // Every call then fails, through no fault of the agent's: the upstream's failure (a run
+    // that fails on it is masked), not an answer.
+    expect(gateway.health(token)).toEqual({ answered: 0, infraFailures: 1, lastInfraFailure: "HTTP 307" });
   });
 
   it("answers 429 past a token's concurrent-call limit, without forwarding", async () => {

@@ -85,9 +85,15 @@ const AGENTS_OWN_REFUSALS = new Set([
   "token_cap_exceeded",
 ]);
 
-/** Whether an upstream status is an infrastructure failure (see `UpstreamHealth`). */
+/**
+ * Whether an upstream status is an infrastructure failure (see `UpstreamHealth`): the upstream
+ * down, overloaded or refusing the key, or redirecting (it moved, or a proxy wants https: the
+ * gateway follows no redirect, so every call of the agent fails, through no fault of its own).
+ */
 export function isInfraStatus(status: number): boolean {
-  return status >= 500 || status === 429 || status === 401 || status === 403;
+  return (
+    status >= 500 || status === 429 || status === 401 || status === 403 || (status >= 300 && status < 400)
+  );
 }
 
 /** One HTTP error type, rendered in one place as an OpenAI-style error body. */
