@@ -175,6 +175,29 @@ describe("model gateway", () => {
     expect(r.text).toContain("[redacted]");
   });
 
+  it("redacts the credential also as an upstream echoes it escaped in JSON or URL-encoded", async () => {
+    const odd = 'sk-live/ab+c"d\\e';
+    const { upstream, gateway } = await setup({ resolveCredential: async () => odd });
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const escaped = JSON.stringify(odd).slice(1, -1);
+    for (const echo of [
+      `authorization=Bearer ${odd}`, // JSON-escaped in the error body
+      `auth=${encodeURIComponent(odd)}`,
+    ]) {
+      upstream.push(errorReply(400, "bad_request", echo));
+      const r = await chat(baseUrl, token);
+      expect(r.status).toBe(400);
+      expect(r.text, echo).not.toContain(escaped);
+      expect(r.text, echo).not.toContain(encodeURIComponent(odd));
+      expect(r.text, echo).toContain("[redacted]");
+    }
+    // A body an encoder wrote with `/` escaped as `\/`.
+    upstream.push({ status: 400, rawBody: `{"error":{"message":"key ${escaped.replaceAll("/", "\\/")}"}}` });
+    const slashed = await chat(baseUrl, token);
+    expect(slashed.text).not.toContain("ab+c");
+    expect(slashed.text).toContain("[redacted]");
+  });
+
   it("never quotes the credential in its own error: fetch refusing a header value that holds it", async () => {
     const bad = `${CREDENTIAL}\r\nx-injected: 1`;
     const { gateway } = await setup({ resolveCredential: async () => bad });

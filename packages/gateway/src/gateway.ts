@@ -446,7 +446,20 @@ async function readResponse(response: Response, max: number): Promise<string> {
 
 /** `text` without the upstream credential: nothing the gateway sends back may quote it. */
 function redactCredential(text: string, credential: string | null | undefined): string {
-  return credential ? text.split(credential).join("[redacted]") : text;
+  if (!credential) return text;
+  // As it was sent, and as an upstream or proxy echoing the header may have written it: escaped
+  // inside a JSON string (`"` and `\`, and `/` as `\/` by some encoders) or URL-encoded.
+  const json = JSON.stringify(credential).slice(1, -1);
+  const forms = new Set([
+    credential,
+    json,
+    json.replaceAll("/", "\\/"),
+    encodeURIComponent(credential),
+    encodeURI(credential),
+  ]);
+  let out = text;
+  for (const form of [...forms].sort((a, b) => b.length - a.length)) out = out.split(form).join("[redacted]");
+  return out;
 }
 
 function noteInfraFailure(entry: Entry, what: string): void {

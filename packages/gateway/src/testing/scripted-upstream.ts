@@ -6,9 +6,12 @@ import type { AddressInfo } from "node:net";
  * answers each `POST …/chat/completions` with the next scripted reply and records every request.
  */
 
-/** One scripted answer. `destroy` drops the connection without an HTTP answer. */
+/**
+ * One scripted answer: `body` sent as JSON, or `rawBody` as it is. `destroy` drops the
+ * connection without an HTTP answer.
+ */
 export type ScriptedReply =
-  | { status?: number; body?: unknown; headers?: Record<string, string>; delayMs?: number }
+  | { status?: number; body?: unknown; rawBody?: string; headers?: Record<string, string>; delayMs?: number }
   | { destroy: true };
 
 export interface RecordedRequest {
@@ -109,7 +112,7 @@ export async function startScriptedUpstream(initial: ScriptedReply[] = []): Prom
       }
       const send = (): void => {
         res.writeHead(reply.status ?? 200, { "content-type": "application/json", ...reply.headers });
-        res.end(reply.body === undefined ? "" : JSON.stringify(reply.body));
+        res.end(reply.rawBody ?? (reply.body === undefined ? "" : JSON.stringify(reply.body)));
       };
       if (!reply.delayMs) return send();
       const timer = setTimeout(() => {
