@@ -92,7 +92,15 @@ export const CommandAgent = z.strictObject({
    * credential is bound to an upstream, and the API can tell a missing one up front (422).
    */
   model: z
-    .strictObject({ name: z.string().min(1), baseUrl: ModelBaseUrl, credential: CredentialName })
+    .strictObject({
+      name: z.string().min(1),
+      baseUrl: ModelBaseUrl,
+      credential: CredentialName,
+      /** Calls the gateway forwards for this rollout; past it a call gets 429 `call_cap_exceeded`. */
+      maxCalls: z.number().int().positive().optional(),
+      /** Tokens (prompt + completion) after which no call starts (429 `token_cap_exceeded`). */
+      maxTokens: z.number().int().positive().optional(),
+    })
     .optional(),
 });
 

@@ -109,6 +109,43 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 503/);
   });
 
+  it("the agent's model caps hold: past maxCalls a call gets 429 and never reaches the upstream", async () => {
+    // Two calls; the answer is the first's. The second must be refused at the gateway.
+    const twice = `
+import json, os, sys, urllib.request, urllib.error
+def call():
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
+    try:
+        return json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as e:
+        return "%d %s" % (e.code, json.load(e)["error"]["code"])
+first = call()
+print(call(), file=sys.stderr)
+print(first)
+`;
+    // One reply scripted: a second call that got through would reach the upstream all the same.
+    upstream.push(chatReply({ content: "4217" }));
+    const before = upstream.requests.length;
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
+    const [id] = (await fleet.submit([
+      {
+        task,
+        agent: {
+          harness: "command",
+          argv: ["python3", "-c", twice],
+          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream", maxCalls: 1 },
+        },
+      },
+    ])) as [string];
+    const [r] = await fleet.waitForResults([id], 120_000);
+    expect(r).toMatchObject({ status: "completed", reward: 1 });
+    expect(r!.usage).toMatchObject({ calls: 1 });
+    expect(upstream.requests.length - before).toBe(1);
+  });
+
   it("with its own sandbox, only the agent's sandbox joins the gateway network; the task's has none", async () => {
     upstream.push(chatReply({ content: "4217" }));
     const id = await submitClient("own");

@@ -59,7 +59,11 @@ export async function openModelAccess(
   });
   try {
     await deps.networks!.allowGateway(net, gateway.port);
-    const grant = gateway.register(rolloutId, { model: model.name });
+    const grant = gateway.register(rolloutId, {
+      model: model.name,
+      maxCalls: model.maxCalls,
+      maxTokens: model.maxTokens,
+    });
     return {
       env: { OPENAI_BASE_URL: grant.baseUrl, OPENAI_API_KEY: grant.token, FLEET_MODEL: model.name },
       async finish() {
