@@ -137,6 +137,34 @@ describe("model gateway", () => {
     expect(refused.json.error.message).toMatch(/cannot be enforced/);
   });
 
+  it("a call the agent abandons mid-generation counts toward the caps: the call cap, and a token total now unknown", async () => {
+    for (const [limits, code] of [
+      [{ maxTokens: 1_000_000 }, "token_cap_exceeded"],
+      [{ maxCalls: 1 }, "call_cap_exceeded"],
+    ] as const) {
+      const { upstream, gateway } = await setup();
+      const { token, baseUrl } = gateway.register("r1", { model: "m", ...limits });
+      upstream.push({ ...chatReply({ content: "long" }), delayMs: 30_000 });
+      const dropped = new AbortController();
+      const call = fetch(`${baseUrl}/chat/completions`, {
+        method: "POST",
+        headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
+        body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "write a lot" }] }),
+        signal: dropped.signal,
+      }).catch(() => null);
+      await vi.waitFor(() => expect(upstream.requests).toHaveLength(1));
+      dropped.abort();
+      await call;
+      await vi.waitFor(() =>
+        expect(gateway.usage(token)?.gaps).toEqual(["1 failed upstream attempt not counted (usage unknown)"]),
+      );
+      const refused = await chat(baseUrl, token);
+      expect(refused.status, code).toBe(429);
+      expect(refused.json.error.code).toBe(code);
+      expect(upstream.requests).toHaveLength(1);
+    }
+  });
+
   it("refuses stream: true with 400 and a malformed body with 400", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });

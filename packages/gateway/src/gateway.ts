@@ -85,6 +85,9 @@ const AGENTS_OWN_REFUSALS = new Set([
   "token_cap_exceeded",
 ]);
 
+/** The abort reason of a call whose client closed its connection (the agent abandoned it). */
+const CLIENT_GONE = new Error("client disconnected");
+
 /**
  * Whether an upstream status is an infrastructure failure (see `UpstreamHealth`): the upstream
  * down, overloaded or refusing the key, or redirecting (it moved, or a proxy wants https: the
@@ -232,7 +235,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       throw new GatewayHttpError(400, "stream_unsupported", "streaming is not supported; send stream: false");
     }
     const refusal = capRefusal(
-      { calls: entry.meter.callCount + entry.pending, tokens: entry.meter.totalTokens },
+      { calls: entry.meter.cappedCalls + entry.pending, tokens: entry.meter.totalTokens },
       entry.registration,
     );
     if (refusal) throw new GatewayHttpError(429, refusal.code, refusal.message);
@@ -241,7 +244,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     const controller = new AbortController();
     entry.inFlight.add(controller);
     const onClientGone = (): void => {
-      if (!res.writableFinished) controller.abort(new Error("client disconnected"));
+      if (!res.writableFinished) controller.abort(CLIENT_GONE);
     };
     res.on("close", onClientGone);
     const timeout = AbortSignal.timeout(o.upstreamTimeoutMs);
@@ -275,7 +278,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       // the real credential to the sandbox: it never leaves this process.
       text = redactCredential(text, credential);
     } catch (err) {
-      entry.meter.recordFailure();
+      const abandoned = controller.signal.aborted && controller.signal.reason === CLIENT_GONE;
+      if (abandoned) entry.meter.recordAbandoned();
+      else entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) throw err;
       if (timeout.aborted) {
         noteInfraFailure(entry, `no answer in ${o.upstreamTimeoutMs} ms`);

@@ -89,6 +89,7 @@ export class UsageMeter {
     total: [] as number[],
   };
   private failed = 0;
+  private abandoned = 0;
   private readonly notes: string[] = [];
 
   /** Record one answered call; returns its number. */
@@ -114,6 +115,21 @@ export class UsageMeter {
     this.failed += 1;
   }
 
+  /**
+   * An attempt the agent abandoned (closed its connection while the upstream worked on it): a
+   * failure as above, and for the caps a call whose tokens are unknown, so that dropping calls
+   * mid-generation is no way around them.
+   */
+  recordAbandoned(): void {
+    this.failed += 1;
+    this.abandoned += 1;
+  }
+
+  /** Calls that count toward a call cap: answered ones and abandoned ones. */
+  get cappedCalls(): number {
+    return this.calls + this.abandoned;
+  }
+
   /** Any other fact about what could not be observed (bounded by the caller). */
   note(gap: string): void {
     if (this.notes.length < 16) this.notes.push(gap);
@@ -123,9 +139,13 @@ export class UsageMeter {
     return this.calls;
   }
 
-  /** Tokens used so far (prompt + completion); `null` once any call did not report them. */
+  /**
+   * Tokens used so far (prompt + completion); `null` once any call did not report them, or the
+   * agent abandoned one (what the upstream spent on it is unknown).
+   */
   get totalTokens(): number | null {
-    return this.missing.usage.length > 0 || this.missing.total.length > 0 ? null : this.total;
+    const unknown = this.missing.usage.length > 0 || this.missing.total.length > 0 || this.abandoned > 0;
+    return unknown ? null : this.total;
   }
 
   summary(): Usage {
