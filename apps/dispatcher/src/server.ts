@@ -1,3 +1,4 @@
+import { STATUS_CODES } from "node:http";
 import { JANITOR_QUEUE } from "@fleet/queue";
 import { Queue } from "bullmq";
 import Fastify, {
@@ -40,6 +41,26 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     frameworkErrors: (err, _req, reply) => {
       const http = toHttpError(err);
       void refuse(reply as FastifyReply, http);
+    },
+    // And what Node's HTTP parser refuses before Fastify sees a request (headers too large, not
+    // HTTP, too slow): written to the socket, in the same error body.
+    clientErrorHandler: (err, socket) => {
+      const code = (err as { code?: unknown }).code;
+      if (code === "ECONNRESET" || socket.destroyed) return;
+      const http =
+        code === "ERR_HTTP_REQUEST_TIMEOUT"
+          ? new HttpError(408, "malformed", "the request did not arrive in time")
+          : code === "HPE_HEADER_OVERFLOW"
+            ? new HttpError(431, "malformed", "the request's headers are too large")
+            : new HttpError(400, "malformed", "the request is not valid HTTP");
+      const body = JSON.stringify(errorBody(http));
+      if (socket.writable) {
+        socket.write(
+          `HTTP/1.1 ${http.status} ${STATUS_CODES[http.status]}\r\nContent-Type: application/json\r\n` +
+            `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`,
+        );
+      }
+      socket.destroy(err);
     },
   });
 
