@@ -3,6 +3,7 @@ import { setTimeout as sleep } from "node:timers/promises";
 import {
   type CleanupReceipt,
   capText,
+  endedBySignal,
   type FailureRecord,
   FleetError,
   isFleetError,
@@ -334,13 +335,7 @@ export const seed: StageHandler = async (rec, deps) => {
   // Held long enough for its lock to have lapsed: another seed may have stored its receipt, and
   // its run may use the sandbox now. A create that met that sandbox by its fixed name adopted it:
   // probing and staging it again would put the task's files back under a running agent.
-  if (mayBeTakenOver(rec)) {
-    const winner = (await deps.store.get(rec.meta.id))?.receipts.seed?.handle;
-    if (winner) {
-      if (!isSameSandbox(winner, created.handle)) await destroyLosingSeed(deps, rec, created.handle);
-      return null;
-    }
-  }
+  if (mayBeTakenOver(rec) && (await yieldToStoredSeed(deps, rec, created.handle))) return null;
   const t1 = clock(deps);
   const probe = await deps.provider.probe(created.handle);
   const t2 = clock(deps);
@@ -370,11 +365,26 @@ export const seed: StageHandler = async (rec, deps) => {
   if (saved === "taken") {
     // Unless it is the very sandbox the winner stored: sandbox names are fixed per rollout, so a
     // create that met the winner's sandbox by its name adopted it (Docker), and it is the rollout's.
-    const winner = (await deps.store.get(rec.meta.id))?.receipts.seed?.handle;
-    if (!winner || !isSameSandbox(winner, created.handle)) await destroyLosingSeed(deps, rec, created.handle);
+    if (!(await yieldToStoredSeed(deps, rec, created.handle)))
+      await destroyLosingSeed(deps, rec, created.handle);
   }
   return null;
 };
+
+/**
+ * Whether another seed of this rollout stored its receipt; if so this one lost, and its sandbox
+ * is destroyed unless it is the winner's own (a create that met it by its fixed name adopted it).
+ */
+async function yieldToStoredSeed(
+  deps: PipelineDeps,
+  rec: StageRecord,
+  handle: SandboxHandle,
+): Promise<boolean> {
+  const winner = (await deps.store.get(rec.meta.id))?.receipts.seed?.handle;
+  if (!winner) return false;
+  if (!isSameSandbox(winner, handle)) await destroyLosingSeed(deps, rec, handle);
+  return true;
+}
 
 /** Destroy a losing seed's own sandbox by handle; should that fail, the janitor's label sweep finds it. */
 async function destroyLosingSeed(deps: PipelineDeps, rec: StageRecord, handle: SandboxHandle): Promise<void> {
@@ -741,11 +751,7 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   // Tests ended by a signal grade 0 (the agent's code may have killed them), unless the whole
   // sandbox went (killed from outside, its daemon's doing): then nothing was graded (rule 6).
   const ended = verdict.details as { kind?: unknown; exitCode?: unknown };
-  if (
-    ended.kind === "tests" &&
-    typeof ended.exitCode === "number" &&
-    (ended.exitCode >= 128 || ended.exitCode < 0)
-  ) {
+  if (ended.kind === "tests" && typeof ended.exitCode === "number" && endedBySignal(ended.exitCode)) {
     const lost = await sandboxLostIfGone(
       deps,
       seedReceipt.handle,
