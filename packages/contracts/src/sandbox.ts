@@ -76,6 +76,11 @@ export type ExecOptions = z.input<typeof ExecOptions>;
  * One command's outcome. `exitCode` follows the envelope of DESIGN §2 rule 6: the command's
  * own code, `-1` when killed at its deadline (`timedOut`).
  */
+/** An exec's exit code that says it was ended by a signal (128 + n), or by the provider (-1). */
+export function endedBySignal(exitCode: number): boolean {
+  return exitCode >= 128 || exitCode < 0;
+}
+
 export const ExecResult = z.object({
   exitCode: z.number().int(),
   timedOut: z.boolean(),

@@ -4,6 +4,7 @@ import {
   capText,
   ExecOptions,
   type ExecResult,
+  endedBySignal,
   FileSet,
   FleetError,
   isFleetError,
@@ -247,7 +248,7 @@ async function stagingScript(
     stdin,
     maxOutputBytes: 16 * 1024,
   });
-  if (r.timedOut || r.exitCode < 0 || r.exitCode >= 128) {
+  if (r.timedOut || endedBySignal(r.exitCode)) {
     throw FleetError.retryable(
       "provider_unavailable",
       `${what} as ${user} ${r.timedOut ? "ran out of time" : `was killed (exit ${r.exitCode})`}: ${r.stderr.trim()}`,

@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { capText, FleetError, isFleetError } from "@fleet/contracts";
+import { capText, endedBySignal, FleetError, isFleetError } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { parseReward } from "./reward-file.ts";
@@ -275,7 +275,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   // flood never hides it; a report missing from a cut output means something wrote past it, i.e.
   // outlived the runner's reap. That file is then not the tests' verdict: the exit status is (a
   // killed test failed).
-  const killed = ran.exitCode >= 128 || ran.exitCode < 0;
+  const killed = endedBySignal(ran.exitCode);
   if (killed || report.kind === "missing") {
     return {
       reward: result.exitCode === 0 ? 1 : 0,
