@@ -82,6 +82,21 @@ export class CappedBuffer {
   }
 }
 
+/**
+ * An exec's stdout and stderr buffers under `maxBytes` each; `keepTail` (a command's own output,
+ * not the provider's reads) keeps the last half of the cap as well as the first.
+ */
+export function execOutputBuffers(
+  maxBytes: number,
+  keepTail = false,
+): { stdout: CappedBuffer; stderr: CappedBuffer } {
+  const tailBytes = keepTail ? Math.floor(maxBytes / 2) : 0;
+  return {
+    stdout: new CappedBuffer(maxBytes, { tailBytes }),
+    stderr: new CappedBuffer(maxBytes, { tailBytes }),
+  };
+}
+
 /** Drop the continuation bytes of a character cut in half at the very start of `bytes`. */
 export function trimLeadingPartialUtf8(bytes: Buffer): Buffer {
   let i = 0;

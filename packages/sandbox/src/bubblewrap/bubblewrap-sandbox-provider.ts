@@ -39,7 +39,7 @@ import {
   sentinelProbeLine,
   WORKSPACE_PROBE_LINE,
 } from "../exec-ops.ts";
-import { CappedBuffer } from "../output.ts";
+import { execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
   LABEL_EXPIRES,
@@ -444,9 +444,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       Object.entries(env).map(([k, v]) => `${k}=${v}`),
       o.keepCaps ?? [],
     );
-    const tailBytes = o.keepTail ? Math.floor(o.maxOutputBytes / 2) : 0;
-    const stdout = new CappedBuffer(o.maxOutputBytes, { tailBytes });
-    const stderr = new CappedBuffer(o.maxOutputBytes, { tailBytes });
+    const { stdout, stderr } = execOutputBuffers(o.maxOutputBytes, o.keepTail);
     const safetyMs = o.deadlineMs + this.defaults.killGraceS * 1000 + this.defaults.execSlackMs;
     const started = performance.now();
 

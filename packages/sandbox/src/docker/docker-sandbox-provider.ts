@@ -42,7 +42,7 @@ import {
   sentinelProbeLine,
   WORKSPACE_PROBE_LINE,
 } from "../exec-ops.ts";
-import { CappedBuffer, DockerStreamDemuxer, decodeCapped } from "../output.ts";
+import { CappedBuffer, DockerStreamDemuxer, decodeCapped, execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
   LABEL_MANAGED,
@@ -335,9 +335,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       throw classifyDockerError(err, "exec", handle.name);
     }
 
-    const tailBytes = o.keepTail ? Math.floor(o.maxOutputBytes / 2) : 0;
-    const stdout = new CappedBuffer(o.maxOutputBytes, { tailBytes });
-    const stderr = new CappedBuffer(o.maxOutputBytes, { tailBytes });
+    const { stdout, stderr } = execOutputBuffers(o.maxOutputBytes, o.keepTail);
     const safetyMs = o.deadlineMs + this.defaults.killGraceS * 1000 + this.defaults.execSlackMs;
     const hostTimedOut = await this.stream(
       exec,
@@ -431,7 +429,6 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
   }
 
-  /** After a SIGKILL exit: did the memory cgroup's OOM killer act in this sandbox? */
   /**
    * A sandbox's OOM-kill count as this provider last saw it (by container): the count only grows,
    * so an exec killed by SIGKILL after an earlier OOM kill was OOM-killed only if it grew since.
@@ -440,6 +437,7 @@ export class DockerSandboxProvider implements SandboxProvider {
    */
   private readonly oomKillsSeen = new Map<string, number>();
 
+  /** After a SIGKILL exit: did the memory cgroup's OOM killer act in this sandbox? */
   private async oomKilled(handle: SandboxHandle): Promise<boolean> {
     try {
       const info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
@@ -875,7 +873,7 @@ export class DockerSandboxProvider implements SandboxProvider {
    * while it runs on). Retryable: a worker on its host can.
    */
   private async checkDaemon(handle: SandboxHandle): Promise<void> {
-    if (!handle.daemon || (handle.endpoint !== this.endpoint && handle.endpoint !== "")) return;
+    if (!handle.daemon || !this.isLocal(handle)) return;
     const own = await this.localDaemonId();
     if (own !== null && own !== handle.daemon) {
       throw FleetError.retryable(
@@ -883,6 +881,11 @@ export class DockerSandboxProvider implements SandboxProvider {
         `sandbox ${handle.name} lives on Docker daemon ${handle.daemon}, and this worker's ${this.endpoint} leads to ${own}: fleets on several hosts reach their daemons over TCP/TLS (DOCKER_HOST), not each host's own socket`,
       );
     }
+  }
+
+  /** Whether `handle` names this provider's own endpoint (or none: a handle from before endpoints). */
+  private isLocal(handle: SandboxHandle): boolean {
+    return handle.endpoint === this.endpoint || handle.endpoint === "";
   }
 
   /** The daemon holding `handle` (DESIGN §8: a handle names its endpoint). */
@@ -893,7 +896,7 @@ export class DockerSandboxProvider implements SandboxProvider {
         `a ${handle.provider} sandbox handle given to the docker provider`,
       );
     }
-    if (handle.endpoint === this.endpoint || handle.endpoint === "") return this.docker;
+    if (this.isLocal(handle)) return this.docker;
     let client = this.remotes.get(handle.endpoint);
     if (!client) {
       // A daemon of the same fleet over TLS trusts the same CA and client certificate.
