@@ -1,6 +1,7 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
 import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
+import { redactSecrets } from "@fleet/telemetry";
 import { type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
@@ -452,19 +453,16 @@ async function readResponse(response: Response, max: number): Promise<string> {
 /** `text` without the upstream credential: nothing the gateway sends back may quote it. */
 function redactCredential(text: string, credential: string | null | undefined): string {
   if (!credential) return text;
-  // As it was sent, and as an upstream or proxy echoing the header may have written it: escaped
-  // inside a JSON string (`"` and `\`, and `/` as `\/` by some encoders) or URL-encoded.
+  // As sent, and as an upstream or proxy echoing the header may have written it: escaped inside
+  // a JSON string (`redactSecrets` covers that; `/` as `\/` too, by some encoders) or URL-encoded.
   const json = JSON.stringify(credential).slice(1, -1);
-  const forms = new Set([
+  const forms = [
     credential,
-    json,
     json.replaceAll("/", "\\/"),
     encodeURIComponent(credential),
     encodeURI(credential),
-  ]);
-  let out = text;
-  for (const form of [...forms].sort((a, b) => b.length - a.length)) out = out.split(form).join("[redacted]");
-  return out;
+  ];
+  return redactSecrets(text, forms, "[redacted]");
 }
 
 function noteInfraFailure(entry: Entry, what: string): void {

@@ -105,11 +105,16 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
 }
 
 /**
- * Replace every occurrence of each known secret value in `text` with `REDACTED`. Longer
- * secrets are replaced first (so a secret containing another is removed whole); empty strings
- * are ignored. Also replaces each secret's JSON-escaped form, so it works on serialized JSON.
+ * Replace every occurrence of each known secret value in `text` with `replacement` (`REDACTED`).
+ * Longer secrets are replaced first (so a secret containing another is removed whole); empty
+ * strings are ignored. Also replaces each secret's JSON-escaped form, so it works on serialized
+ * JSON.
  */
-export function redactSecrets(text: string, secrets: Iterable<string>): string {
+export function redactSecrets(
+  text: string,
+  secrets: Iterable<string>,
+  replacement: string = REDACTED,
+): string {
   const forms = new Set<string>();
   for (const secret of secrets) {
     if (typeof secret !== "string" || secret.length === 0) continue;
@@ -120,7 +125,7 @@ export function redactSecrets(text: string, secrets: Iterable<string>): string {
   if (forms.size === 0) return text;
   let out = text;
   for (const form of [...forms].sort((a, b) => b.length - a.length)) {
-    if (out.includes(form)) out = out.split(form).join(REDACTED);
+    if (out.includes(form)) out = out.split(form).join(replacement);
   }
   return out;
 }
