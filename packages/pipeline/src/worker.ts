@@ -1,3 +1,4 @@
+import { setMaxListeners } from "node:events";
 import { capText, isTerminal, type StageName } from "@fleet/contracts";
 import { duplicateRedis, type RedisConnection } from "@fleet/queue";
 import { type Job, WaitingError, Worker } from "bullmq";
@@ -63,6 +64,10 @@ export function createStageWorkers(
   options: StageWorkerOptions,
 ): StageWorkers {
   const handBack = new AbortController();
+  // Every job in flight in this process listens for the shutdown (a run, a verifier's provider
+  // calls) and stops listening when it ends: as many listeners as jobs, which Node would take
+  // for a leak past ten and warn about (FLEET_CONCURRENCY can be higher).
+  setMaxListeners(0, handBack.signal);
   let closing = false;
   let recreated = 0;
 

@@ -33,7 +33,14 @@ describe("probeWhilePid1Starts", () => {
     expect(calls).toBe(2);
     // Never anything but empty: the last output stands, for the checks to judge.
     let tries = 0;
-    const stuck = await probeWhilePid1Starts(async () => (tries++, output("")), 30, 1);
+    const stuck = await probeWhilePid1Starts(
+      async () => {
+        tries++;
+        return output("");
+      },
+      30,
+      1,
+    );
     expect(stuck).toBe(output(""));
     expect(tries).toBeGreaterThan(1);
   });
