@@ -668,7 +668,8 @@ export class RolloutStore {
   }
 
   /**
-   * Finalize exactly once (DESIGN §2 rule 1). True if this call did it. `confirmed` names sandbox
+   * Finalize exactly once (DESIGN §2 rule 1). True if this call did it, also when ioredis sent it
+   * twice (its first reply lost to a reconnect): the finalized metrics count it. `confirmed` names sandbox
    * keys whose destroy was confirmed: they leave the sandboxes hash and the teardown ledger in
    * the same script, whether or not this call finalizes. A result with its teardown pending is
    * stored confirmed if by then the ledger holds neither of the rollout's sandboxes.
@@ -679,6 +680,8 @@ export class RolloutStore {
     now: number,
     closeReceipt?: CloseReceipt,
     confirmed: readonly string[] = [],
+    /** Identifies this call (a test may fix it, to send the same call twice). */
+    callId: string = randomUUID(),
   ): Promise<boolean> {
     if (!isTerminal(result.status)) throw new Error(`finalize needs a terminal status, got ${result.status}`);
     const parsed = RolloutResult.parse(result);
@@ -708,6 +711,7 @@ export class RolloutStore {
         sandboxKey(meta.id, "resources"),
         sandboxKey(meta.id, "agent"),
         String(this.resultTtlMs),
+        callId,
       ],
     );
     return r === 1;

@@ -146,7 +146,9 @@ const SCRIPTS = {
    * destroy is confirmed ('' for none): they leave the sandboxes hash and the teardown ledger
    * whether or not this call finalizes; then the rollout's two sandbox keys. A result stored with
    * its teardown pending is stored confirmed when the ledger holds neither sandbox by now (the
-   * janitor finished the teardown while this close ran). Returns 1 if this call finalized.
+   * janitor finished the teardown while this close ran). ARGV[11]: retention (ms, 0 for good);
+   * ARGV[12]: this call's id, stored with the result. Returns 1 if this call finalized, also when
+   * it is the same call sent again (ioredis re-sends one whose reply a reconnect lost).
    */
   fleetFinalize: {
     // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due, failures,
@@ -166,9 +168,11 @@ const SCRIPTS = {
       if not status or terminal[status] then
         -- A closer that lost the race may still have confirmed the last teardown just now.
         confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10])
+        -- This very call sent again (a reconnect lost its reply): it did finalize.
+        if status and redis.call('HGET', KEYS[1], 'finalizer') == ARGV[12] then return 1 end
         return 0
       end
-      redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1')
+      redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
       confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10])
@@ -401,7 +405,7 @@ export type ScriptName = keyof typeof SCRIPTS;
 export const BATCHED = {
   fleetBegin: { args: 10 },
   fleetReceipt: { args: 11 },
-  fleetFinalize: { args: 11 },
+  fleetFinalize: { args: 12 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;
 export const BATCH_ERROR = "__fleet_err";

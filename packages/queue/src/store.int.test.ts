@@ -150,6 +150,18 @@ describe("rollout store", () => {
     finishedAt: 2,
   });
 
+  it("a finalize sent again with the same arguments (a reconnect lost its reply) still says it finalized; another closer's does not", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const result = resultFor(id, "completed");
+    expect(await store.finalize(meta, result, 10, undefined, [], "call-1")).toBe(true);
+    expect(await store.finalize(meta, result, 10, undefined, [], "call-1")).toBe(true);
+    expect(await store.finalize(meta, result, 10, undefined, [], "call-2")).toBe(false);
+    expect(await store.finalize(meta, result, 10)).toBe(false);
+    expect((await store.get(id))?.status).toBe("completed");
+  });
+
   it("finalizes exactly once under concurrent closers", async () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
