@@ -57,3 +57,50 @@ describe("HTTP the parser refuses", () => {
     });
   });
 });
+
+describe("a request that arrives while the dispatcher shuts down", () => {
+  let redis: Redis;
+  let server: TestServer;
+  beforeAll(async () => {
+    redis = createRedis(REDIS_URL);
+    server = await startTestServer(redis, "closing");
+  });
+  afterAll(async () => {
+    await server?.close();
+    await redis?.quit();
+  });
+
+  it("gets a 503 in the API's error body, with retry-after, and its connection closed", async () => {
+    await server.app.listen({ host: "127.0.0.1", port: 0 });
+    const port = (server.app.server.address() as { port: number }).port;
+    const socket = connect(port, "127.0.0.1");
+    let answer = "";
+    socket.on("data", (c: Buffer) => (answer += c.toString("utf8")));
+    const ended = new Promise<void>((resolve, reject) => {
+      socket.on("close", () => resolve());
+      socket.on("error", reject);
+    });
+    // A first request whose body is still arriving keeps the connection busy while close starts.
+    const first = new Promise((resolve) => server.app.server.once("request", resolve));
+    socket.write(
+      "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{",
+    );
+    await first;
+    const closed = server.app.close();
+    while (server.app.server.listening) await new Promise((r) => setImmediate(r));
+    // The rest of its body, and a second request on the same connection.
+    socket.write("}GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n");
+    await ended;
+    await closed;
+    const responses = answer.split(/(?=HTTP\/1\.1 )/);
+    expect(responses).toHaveLength(2);
+    expect(responses[0]).toMatch(/^HTTP\/1\.1 422 /); // `{}` is no rollout request
+    const [head = "", body = ""] = responses[1]!.split("\r\n\r\n");
+    expect(head).toMatch(/^HTTP\/1\.1 503 /);
+    expect(head.toLowerCase()).toContain("retry-after: 5");
+    expect(head.toLowerCase()).toContain("connection: close");
+    expect(JSON.parse(body)).toEqual({
+      error: { code: "unavailable", message: "the dispatcher is shutting down; try again", details: null },
+    });
+  });
+});

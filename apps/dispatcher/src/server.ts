@@ -10,7 +10,7 @@ import Fastify, {
 } from "fastify";
 import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
-import { errorBody, HttpError, toHttpError } from "./http-error.ts";
+import { errorBody, HttpError, RETRY_AFTER_S, toHttpError } from "./http-error.ts";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
 import { NdjsonText } from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
@@ -36,6 +36,9 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     // type parameter would make it incompatible with route modules typed FastifyInstance).
     loggerInstance: logger as FastifyBaseLogger,
     bodyLimit: config.maxBodyBytes,
+    // A request that arrives while the server closes gets the one error body (the hook below),
+    // not Fastify's own 503 body.
+    return503OnClosing: false,
     logController: new RequestLog(),
     // Errors Fastify raises before routing (a URL that does not decode): the one error body too.
     frameworkErrors: (err, _req, reply) => {
@@ -88,6 +91,23 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   app.addContentTypeParser(NDJSON_TYPES, { parseAs: "string" }, (_req, body, done) =>
     done(null, new NdjsonText(String(body))),
   );
+
+  // Shutting down: a request that still arrives (pipelined, or on a busy keep-alive connection)
+  // is told to come back, in the API's error body, and its connection is closed after it.
+  let closing = false;
+  app.addHook("preClose", async () => {
+    closing = true;
+  });
+  app.addHook("onRequest", async (_req, reply) => {
+    if (!closing) return;
+    return refuse(
+      reply,
+      new HttpError(503, "unavailable", "the dispatcher is shutting down; try again", null, {
+        "retry-after": String(RETRY_AFTER_S),
+        connection: "close",
+      }),
+    );
+  });
 
   // Auth runs before the body is read, so an unauthenticated client cannot make us parse 32 MiB.
   // Refusals are sent from here rather than thrown: Bull Board's routes have their own error
