@@ -741,8 +741,12 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       task,
       run: { answer: runReceipt.answer, exec: runReceipt.exec },
       deadlineMs: rec.meta.deadlineAt,
+      signal: shutdown,
     });
   } catch (err) {
+    // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits
+    // out these tests, still running in the sandbox: `waitOutEarlierTests`). Not a cancel.
+    if (shutdown?.aborted) throw new HandBackError();
     // A verifier that crashes masks; the provider being down is retried first.
     const fe = await sandboxLostIfGone(deps, seedReceipt.handle, err);
     if (isFleetError(fe)) throw fe;

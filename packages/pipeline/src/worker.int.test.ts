@@ -1,4 +1,5 @@
-import { RolloutRequest } from "@fleet/contracts";
+import { FleetError, RolloutRequest } from "@fleet/contracts";
+import { stageJobId } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterEach, describe, expect, it } from "vitest";
@@ -44,5 +45,43 @@ describe("stage workers at a concurrency above ten", () => {
     expect(running).toBe(n);
     expect(results.map((r) => r.status)).toEqual(Array(n).fill("completed"));
     expect(warnings.map((w) => `${w.name}: ${w.message}`)).toEqual([]);
+  });
+
+  it("hand a verify still grading back to the queue at shutdown, no attempt spent, not cancelled", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = suite.find((t) => t.id === "hello-file")!;
+    let started!: () => void;
+    const verifying = new Promise<void>((resolve) => {
+      started = resolve;
+    });
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      concurrency: 2,
+      deps: {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
+        }),
+        // Tests that outlast the shutdown: they stop only when told to, as the real verifier's
+        // provider calls do (it throws `cancelled` with the signal's reason).
+        verify: (ctx) => {
+          started();
+          return new Promise((_resolve, reject) => {
+            ctx.signal?.addEventListener("abort", () =>
+              reject(FleetError.nonRetryable("cancelled", "verification stopped: aborted")),
+            );
+          });
+        },
+      },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await verifying;
+    await fleet.workers!.close(2_000);
+    const job = await fleet.deps.queues.queues.verify.getJob(stageJobId(id!, "verify"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(0);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    expect(rec?.status).toBe("ran");
   });
 });
