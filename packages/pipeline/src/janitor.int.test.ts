@@ -2,7 +2,7 @@ import { sandboxKey } from "@fleet/queue";
 import { DockerGatewayNetworks, DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { janitorTick, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
@@ -304,6 +304,33 @@ describe("janitor", () => {
     await b.close();
     expect(passes).toBeGreaterThanOrEqual(5);
     expect(maxActive).toBe(1);
+  });
+
+  it("a Redis outage's connection errors are not printed raw by the janitor's queue (the connection's owner logs them)", async () => {
+    const printed = vi.spyOn(console, "error").mockImplementation(() => undefined);
+    const heard: unknown[] = [];
+    const owner = (err: unknown) => heard.push(err);
+    fleet.redis.on("error", owner);
+    const outage = () => fleet.redis.emit("error", new Error("connect ECONNREFUSED 127.0.0.1:6379"));
+    // What this test's other users of the connection print (the test fleet's stage queues have
+    // no listener of their own: the worker apps add one), before the janitor starts.
+    outage();
+    const before = printed.mock.calls.length;
+    const janitor = await startJanitor(fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      intervalMs: 60_000,
+      orphanGraceMs: 60_000,
+    });
+    try {
+      outage();
+      expect(heard).toHaveLength(2);
+      expect(printed.mock.calls.length - before).toBe(before);
+    } finally {
+      fleet.redis.off("error", owner);
+      printed.mockRestore();
+      await janitor.close();
+    }
   });
 
   it("shutdown cuts off a pass that hangs instead of waiting for it", async () => {

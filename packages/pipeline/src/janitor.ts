@@ -245,6 +245,9 @@ export async function startJanitor(
   options: JanitorOptions & { connection: RedisConnection; prefix: string; intervalMs: number },
 ): Promise<Janitor> {
   const queue = new Queue(JANITOR_QUEUE, { connection: options.connection, prefix: options.prefix });
+  // It re-emits the shared connection's errors, which the connection's owner logs; unheard,
+  // BullMQ would print each one raw on stderr (one per reconnect attempt of an outage).
+  queue.on("error", () => undefined);
   // One pass at a time across every replica: a slow pass must not overlap the next tick.
   await queue.setGlobalConcurrency(1);
   await queue.upsertJobScheduler(
