@@ -719,7 +719,8 @@ export class DockerSandboxProvider implements SandboxProvider {
       await reaper.start({ abortSignal: this.apiSignal() });
       await withTimeout(ended, 60_000, "the reaper did not finish within 60 s");
     } catch (err) {
-      await reaper.remove({ force: true }).catch(() => undefined);
+      // Under the API timeout like every other call: this path runs when the daemon is slow.
+      await reaper.remove({ force: true, abortSignal: this.apiSignal() }).catch(() => undefined);
       if (isFleetError(err)) throw err;
       throw FleetError.retryable(
         "provider_unavailable",
