@@ -1,7 +1,8 @@
 import { randomUUID } from "node:crypto";
-import { isFleetError } from "@fleet/contracts";
+import { FleetError, isFleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { afterAll, describe, expect, it } from "vitest";
+import type { GatewayFirewall } from "./gateway-firewall.ts";
 import {
   buildGatewayNetworkConfig,
   DockerGatewayNetworks,
@@ -81,6 +82,30 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
     } finally {
       await fleetB.remove(other); // the network (by name) and the seal its ensure put on the bridge
     }
+  });
+
+  it("an unseal that meets a busy xtables lock after the network is gone is tried again, not left on the host for good", async () => {
+    const run = randomUUID().slice(0, 8);
+    const sealed = new Set<string>();
+    let busy = 2;
+    const firewall: GatewayFirewall = {
+      seal: async (bridge) => void sealed.add(bridge),
+      allow: async () => undefined,
+      unseal: async (bridge) => {
+        if (busy-- > 0)
+          throw FleetError.retryable("provider_unavailable", "iptables: the xtables lock stayed busy");
+        sealed.delete(bridge);
+      },
+    };
+    const networks = new DockerGatewayNetworks({ scope: `{unseal-${run}}`, firewall });
+    const id = `gwl-${run}`;
+    made.push(gatewayNetworkName(id, `{unseal-${run}}`));
+    const net = await networks.ensure(id);
+    expect([...sealed]).toEqual([net.bridge]);
+    expect(await networks.remove(id)).toEqual({ alreadyGone: false });
+    await expect(docker.getNetwork(net.name).inspect()).rejects.toMatchObject({ statusCode: 404 });
+    expect(sealed.size).toBe(0);
+    expect(busy).toBe(-1);
   });
 
   it("a rollout in flight across the upgrade keeps the network an earlier version made under its unscoped name", async () => {

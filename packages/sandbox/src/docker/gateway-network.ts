@@ -1,12 +1,17 @@
 /// <reference path="./dockerode.d.ts" />
 import { createHash } from "node:crypto";
-import { FleetError } from "@fleet/contracts";
+import { setTimeout as sleep } from "node:timers/promises";
+import { FleetError, isFleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { LABEL_MANAGED, LABEL_ROLLOUT, LABEL_SCOPE } from "../provider.ts";
 import { dockerSafeId, scopeTag } from "./container-config.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { dockerErrorFacts } from "./docker-errors.ts";
 import { type GatewayFirewall, IptablesGatewayFirewall } from "./gateway-firewall.ts";
+
+/** Tries of a bridge's unseal once its network is gone (a busy xtables lock is retryable), 250 ms apart and growing. */
+const UNSEAL_ATTEMPTS = 4;
+const UNSEAL_BACKOFF_MS = 250;
 
 /** Label marking a network as a rollout's gateway network (value `gateway`). */
 export const LABEL_NETWORK = "fleet.network";
@@ -245,8 +250,19 @@ export class DockerGatewayNetworks {
       if (facts.statusCode === 404) alreadyGone = true;
       else throw this.classify(err, `remove gateway network ${name}`);
     }
-    // Only once the bridge is gone: until then the rules keep it sealed.
-    await this.firewall.unseal(gatewayBridgeName(name));
+    // Only once the bridge is gone: until then the rules keep it sealed. Tried a few times: with
+    // the network gone, nothing lists this bridge again (the janitor sweeps networks), so rules
+    // left now stay on the host for good.
+    const bridge = gatewayBridgeName(name);
+    for (let attempt = 1; ; attempt++) {
+      try {
+        await this.firewall.unseal(bridge);
+        break;
+      } catch (err) {
+        if (attempt >= UNSEAL_ATTEMPTS || !isFleetError(err) || !err.retryable) throw err;
+        await sleep(UNSEAL_BACKOFF_MS * attempt);
+      }
+    }
     return { alreadyGone };
   }
 
