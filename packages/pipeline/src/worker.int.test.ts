@@ -2,6 +2,7 @@ import { FleetError, RolloutRequest } from "@fleet/contracts";
 import { stageJobId } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createLogger } from "@fleet/telemetry";
 import { afterEach, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
@@ -83,5 +84,60 @@ describe("stage workers at a concurrency above ten", () => {
     const rec = await fleet.deps.store.get(id!);
     expect(rec?.failure).toBeNull();
     expect(rec?.status).toBe("ran");
+  });
+
+  it("hand a run back at shutdown in good time while a supervisor check hangs on Redis", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = suite.find((t) => t.id === "hello-file")!;
+    let started!: () => void;
+    const running = new Promise<void>((resolve) => {
+      started = resolve;
+    });
+    const lines: string[] = [];
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      concurrency: 2,
+      deps: {
+        logger: createLogger({
+          name: "test",
+          level: "warn",
+          destination: { write: (l: string) => lines.push(l) },
+        }),
+        // An agent that runs until it is stopped (the real harness kills its exec on the signal).
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: (ctx) => {
+            started();
+            return new Promise((_resolve, reject) => {
+              ctx.signal?.addEventListener("abort", () => reject(ctx.signal?.reason));
+            });
+          },
+        }),
+      },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await running;
+    // The supervisor asks an idle stage's queue about its backlog; Redis does not answer (an
+    // outage: the main connection queues commands until it is back).
+    const seedQueue = fleet.deps.queues.queues.seed;
+    let asked!: () => void;
+    const checking = new Promise<void>((resolve) => {
+      asked = resolve;
+    });
+    seedQueue.isPaused = () => {
+      asked();
+      return new Promise<boolean>(() => undefined);
+    };
+    void fleet.workers!.check();
+    await checking;
+    await fleet.workers!.close(2_000);
+    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(0);
+    // Handed back at half the budget, in time: the hung check did not spend the budget first
+    // (the workers were not force-closed at its end).
+    const said = lines.map((l) => JSON.parse(l).msg as string);
+    expect(said).toContain("jobs still running at shutdown; handing them back");
+    expect(said).not.toContain("shutdown budget spent; force-closing the workers");
   });
 });

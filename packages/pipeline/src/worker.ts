@@ -184,6 +184,7 @@ export function createStageWorkers(
       } catch {
         continue; // Redis itself is unreachable: nothing a new worker would fix.
       }
+      if (closing) return; // the workers are being closed: none is replaced any more
       if (waiting === 0 || slot.active > 0) {
         slot.idleWithWorkSince = null;
         continue;
@@ -197,11 +198,21 @@ export function createStageWorkers(
   };
 
   let checking: Promise<void> = Promise.resolve();
+  // One check at a time: during a Redis outage a check waits (the main connection queues its
+  // commands until Redis is back), and ticks meanwhile are skipped rather than queued up.
+  let inFlight = false;
   const timer = supervise
     ? setInterval(() => {
-        checking = checking.then(check).catch((err: unknown) => {
-          deps.logger.warn({ err: String(err) }, "stage worker supervisor check failed");
-        });
+        if (inFlight) return;
+        inFlight = true;
+        checking = checking
+          .then(check)
+          .catch((err: unknown) => {
+            deps.logger.warn({ err: String(err) }, "stage worker supervisor check failed");
+          })
+          .finally(() => {
+            inFlight = false;
+          });
       }, supervise.intervalMs)
     : null;
   timer?.unref();
@@ -221,8 +232,8 @@ export function createStageWorkers(
       closing = true;
       if (timer) clearInterval(timer);
       const started = Date.now();
-      // A supervisor check in flight is waited for, within the budget.
-      await Promise.race([checking.catch(() => undefined), delay(timeoutMs)]);
+      // A supervisor check in flight is not waited for: it replaces no worker once `closing` is
+      // set, and one hung on Redis would spend the budget the jobs need to hand themselves back.
       const workers = slots.map((s) => s.worker);
       const graceful = Promise.all(workers.map((w) => w.close())).then(() => "done" as const);
       graceful.catch(() => undefined);
