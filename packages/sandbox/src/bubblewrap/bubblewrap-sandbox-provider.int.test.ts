@@ -639,4 +639,36 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     const r = await provider.exec(h, ["echo", "still here"], { deadlineMs: 10_000 });
     expect(r).toMatchObject({ exitCode: 0, stdout: "still here\n" });
   });
+
+  it("an exec is not hit by a signal to the worker's process group (Ctrl-C in the worker's terminal)", async () => {
+    const h = await create();
+    const script = join(stateDir, "group-signal.mts");
+    const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");
+    await writeFile(
+      script,
+      [
+        `import { BubblewrapSandboxProvider } from ${JSON.stringify(modulePath)};`,
+        // A worker that shuts down gracefully on SIGINT: it does not die of it.
+        `process.on("SIGINT", () => undefined);`,
+        `const p = new BubblewrapSandboxProvider(${JSON.stringify({ rootfs: provider.rootfs, stateDir, scope: RUN })});`,
+        `const r = await p.exec(${JSON.stringify(h)}, ["sh", "-c", "sleep 2; echo done"], { deadlineMs: 30000 });`,
+        "console.log(JSON.stringify(r));",
+      ].join("\n"),
+    );
+    const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
+    // The worker in a process group of its own, as a shell gives a foreground job.
+    const worker = spawn(tsx, [script], { detached: true, stdio: ["ignore", "pipe", "inherit"] });
+    let out = "";
+    worker.stdout!.on("data", (c: Buffer) => (out += c.toString()));
+    const exited = new Promise<number | null>((resolve) => worker.once("exit", resolve));
+    // Once the command runs in the sandbox, the terminal's Ctrl-C: SIGINT to the whole group.
+    const end = Date.now() + 30_000;
+    while (!(await processesOf(h, 1000)).some((p) => p.includes("sleep 2")) && Date.now() < end) {
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    process.kill(-worker.pid!, "SIGINT");
+    expect(await exited).toBe(0);
+    const result = JSON.parse(out.trim().split("\n").pop()!) as { exitCode: number; stdout: string };
+    expect(result).toMatchObject({ exitCode: 0, stdout: "done\n" });
+  });
 });

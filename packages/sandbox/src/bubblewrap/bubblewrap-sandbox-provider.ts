@@ -456,6 +456,10 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const child = spawn(file!, fileArgs, {
         env: HOST_HELPER_ENV,
         stdio: [o.stdin === null ? "ignore" : "pipe", "pipe", "pipe"],
+        // In a session of its own, like the sandbox: a signal to the worker's process group (a
+        // Ctrl-C in its terminal) must not kill the command and be taken for its exit (130).
+        // Its deadline kills it explicitly.
+        detached: true,
       });
       let hostTimedOut = false;
       let settled = false;
