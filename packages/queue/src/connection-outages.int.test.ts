@@ -27,7 +27,7 @@ describe("logConnectionOutages", () => {
     rmSync(dir, { recursive: true, force: true });
   });
 
-  it("logs an outage once however many reconnects fail, and its end once, through a real Redis going and coming", async () => {
+  it("logs an outage once however many reconnects fail, and its end once, through a real Redis going and coming (a first connection that never came: not an outage)", async () => {
     const port = await freePort();
     // Nothing listens yet: every reconnect attempt fails.
     const redis = createRedis(`redis://127.0.0.1:${port}`, { retryStrategy: () => 20 });
@@ -46,7 +46,8 @@ describe("logConnectionOutages", () => {
     };
     try {
       await until(() => errors >= 5);
-      expect(lines).toEqual(["redis connection lost; reconnecting"]);
+      // Never connected: nothing was lost, and the URL may be the mistake.
+      expect(lines).toEqual(["redis not reachable yet (check REDIS_URL); still trying"]);
 
       // A real Redis comes up on the port: the client reconnects, and the end is logged once.
       server = spawn(
@@ -73,10 +74,20 @@ describe("logConnectionOutages", () => {
       server.kill("SIGKILL");
       await until(() => errors >= before + 5);
       expect(lines).toEqual([
-        "redis connection lost; reconnecting",
-        "redis connection ready again",
+        "redis not reachable yet (check REDIS_URL); still trying",
+        "redis reachable now",
         "redis connection lost; reconnecting",
       ]);
+      // And back again: an outage's end.
+      server = spawn(
+        "redis-server",
+        ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--dir", dir],
+        {
+          stdio: "ignore",
+        },
+      );
+      await until(() => redis.status === "ready");
+      expect(lines.at(-1)).toBe("redis connection ready again");
     } finally {
       redis.disconnect();
     }

@@ -100,13 +100,19 @@ export interface OutageLogger {
  */
 export function logConnectionOutages(redis: RedisConnection, logger: OutageLogger): void {
   let down = false;
+  // Before the first connection, nothing was lost: a wrong REDIS_URL, or Redis not up yet.
+  let connected = false;
   redis.on("error", (err: Error) => {
-    if (!down) logger.warn({ err: err.message }, "redis connection lost; reconnecting");
+    if (!down) {
+      if (connected) logger.warn({ err: err.message }, "redis connection lost; reconnecting");
+      else logger.warn({ err: err.message }, "redis not reachable yet (check REDIS_URL); still trying");
+    }
     down = true;
   });
   redis.on("ready", () => {
-    if (down) logger.info("redis connection ready again");
+    if (down) logger.info(connected ? "redis connection ready again" : "redis reachable now");
     down = false;
+    connected = true;
   });
 }
 
