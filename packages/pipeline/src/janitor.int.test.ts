@@ -1,4 +1,6 @@
+import { FleetError } from "@fleet/contracts";
 import { sandboxKey } from "@fleet/queue";
+import type { GatewayFirewall } from "@fleet/sandbox";
 import { DockerGatewayNetworks, DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
@@ -388,6 +390,48 @@ describe("janitor", () => {
     ]);
     const failures = (await metrics.janitorStepFailures.get()).values.filter((v) => v.value !== 0);
     expect(failures.map((v) => [v.labels.step, v.value])).toEqual([["networks", 1]]);
+  });
+
+  it("firewall rules a close could not remove once its network was gone are removed by the janitor's retry", async () => {
+    // The host firewall, in memory: its unseal fails (the xtables lock busy throughout) until mended.
+    const sealed = new Set<string>();
+    let broken = true;
+    const firewall: GatewayFirewall = {
+      seal: async (bridge) => void sealed.add(bridge),
+      allow: async () => undefined,
+      unseal: async (bridge) => {
+        if (broken) throw FleetError.nonRetryable("isolation_refused", "iptables -D failed (the test)");
+        sealed.delete(bridge);
+      },
+    };
+    const networks = new DockerGatewayNetworks({ scope: `janitor-unseal-${process.pid}`, firewall });
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const model = { name: "m", baseUrl: "http://127.0.0.1:9/v1", credential: "upstream" };
+    const [id] = await fleet.submit([{ task, agent: { harness: "command", argv: ["true"], model } }]);
+    const net = await networks.ensure(id!);
+    expect([...sealed]).toEqual([net.bridge]);
+    const deps = { ...fleet.deps, networks };
+    try {
+      // Cancelled before it ran: close removes its network, and the unseal after it fails.
+      await fleet.deps.store.requestCancel(id!);
+      const job = { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } };
+      expect(await runStageJob("close", job, deps)).toBe("ok");
+      expect((await fleet.deps.store.get(id!))?.status).toBe("cancelled");
+      expect((await networks.list()).map((n) => n.name)).not.toContain(net.name);
+      expect([...sealed]).toEqual([net.bridge]);
+      // The janitor retries it (nothing lists a gone network's rules): failing, it keeps it.
+      expect((await janitorTick(deps, { orphanGraceMs: 60_000 })).errors).toEqual([
+        `networks: could not remove 1 gateway network(s): ${id}'s network: iptables -D failed (the test)`,
+      ]);
+      broken = false;
+      expect((await janitorTick(deps, { orphanGraceMs: 60_000 })).errors).toEqual([]);
+      expect(sealed.size).toBe(0);
+      expect(await fleet.deps.ledger.networkRetries(Date.now())).not.toContain(id);
+    } finally {
+      broken = false;
+      await networks.remove(id!);
+    }
   });
 
   it("removes the gateway networks of rollouts that are over, this fleet's and those made before networks carried a scope", async () => {

@@ -42,7 +42,8 @@ export interface JanitorReport {
  * One janitor pass: (1) retry due teardown-ledger entries (DESIGN §2 rule 3), (2) schedule
  * registry entries of finished or expired rollouts, (3) remove labelled sandboxes whose rollout
  * is terminal or unknown past a grace period or whose `fleet.expires` passed, (4) close
- * rollouts stuck past their deadline, (5) remove gateway networks of finished rollouts, (6) remove
+ * rollouts stuck past their deadline, (5) remove gateway networks of finished rollouts and retry
+ * the network removals close could not finish (`ledger.networkRetries`), (6) remove
  * the provider's stale helper containers (`removeStaleHelpers`). Each
  * step runs whatever the others did: a Docker daemon that is down stops the orphan sweep, not the
  * deadline watchdog, which needs only Redis and runs first (a hung daemon, answering each call
@@ -167,6 +168,16 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           await networks.remove(net.rolloutId, net.name).catch((err: unknown) => {
             failed.push(`${net.name}: ${err instanceof Error ? err.message : String(err)}`);
           });
+        }
+      }
+      // Removals close could not finish (recorded by close): the network by its rollout id, or
+      // (the network gone already) the firewall rules it left.
+      for (const rolloutId of await deps.ledger.networkRetries(now)) {
+        try {
+          await networks.remove(rolloutId);
+          await deps.ledger.networkRemoved(rolloutId);
+        } catch (err) {
+          failed.push(`${rolloutId}'s network: ${err instanceof Error ? err.message : String(err)}`);
         }
       }
       if (failed.length > 0) {

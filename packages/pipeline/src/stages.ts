@@ -812,12 +812,14 @@ export const close: StageHandler = async (rec, deps) => {
     cleanup = r.receipt;
   }
   if (needsModelAccess(fresh.meta.agent) && deps.networks) {
-    // The rollout's gateway network goes with its sandbox; a failure is left to the janitor's sweep.
-    await deps.networks.remove(id).catch((err: unknown) => {
+    // The rollout's gateway network goes with its sandbox; a failure is persisted for the
+    // janitor to retry (the network, or the firewall rules its removal left behind).
+    await deps.networks.remove(id).catch(async (err: unknown) => {
       deps.logger.warn(
         { rolloutId: id, err: String(err) },
         "gateway network removal failed; the janitor retries",
       );
+      await deps.ledger.networkRemovalFailed(id, clock(deps));
     });
   }
   const at = clock(deps);

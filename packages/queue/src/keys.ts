@@ -19,6 +19,8 @@ export interface Keys {
   /** Teardown ledger: due-time sorted set and its entries. */
   teardownDue(): string;
   teardownEntries(): string;
+  /** Gateway networks whose removal at close failed (rollout ids, scored by when): the janitor retries them. */
+  networkRetries(): string;
 }
 
 export function createKeys(prefix = "{fleet}"): Keys {
@@ -32,6 +34,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const sandboxes = `${x}sandboxes`;
   const teardownDue = `${x}teardown:due`;
   const teardownEntries = `${x}teardown:entries`;
+  const networkRetries = `${x}teardown:networks`;
   return {
     prefix,
     rollout: (id) => `${x}rollout:${id}`,
@@ -45,5 +48,6 @@ export function createKeys(prefix = "{fleet}"): Keys {
     sandboxes: () => sandboxes,
     teardownDue: () => teardownDue,
     teardownEntries: () => teardownEntries,
+    networkRetries: () => networkRetries,
   };
 }

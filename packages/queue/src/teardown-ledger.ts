@@ -182,6 +182,25 @@ export class TeardownLedger {
     return this.redis.zcard(this.keys.teardownDue());
   }
 
+  /**
+   * A rollout's gateway network (or its firewall rules) that close could not remove: kept until
+   * the janitor's retry succeeds (DESIGN §2 rule 3). Once the network is gone nothing else would
+   * find its rules again: they would stay on the host for good.
+   */
+  async networkRemovalFailed(rolloutId: string, at: number): Promise<void> {
+    await this.redis.zadd(this.keys.networkRetries(), "NX", at, rolloutId);
+  }
+
+  /** Rollouts whose network removal failed at or before `before`, oldest first. */
+  async networkRetries(before: number, limit = 50): Promise<string[]> {
+    return this.redis.zrangebyscore(this.keys.networkRetries(), "-inf", before, "LIMIT", 0, limit);
+  }
+
+  /** The rollout's network and rules are gone: nothing left to retry. */
+  async networkRemoved(rolloutId: string): Promise<void> {
+    await this.redis.zrem(this.keys.networkRetries(), rolloutId);
+  }
+
   /** Is a teardown still pending for this rollout (any owner)? */
   async isPending(rolloutId: string): Promise<boolean> {
     const [a, b] = await this.redis.hmget(
