@@ -189,11 +189,28 @@ describe("AgentSpec refusals", () => {
 
 describe("TaskContent refusals", () => {
   const base = { id: "t", instruction: "i", image: "img", tests: { "test.sh": "exit 0" } };
+  it("takes a file set at its limits: 32 directories deep, 255-byte names, 10,000 entries", () => {
+    const wide = Object.fromEntries(Array.from({ length: 5_000 }, (_, i) => [`p${i}/f`, ""]));
+    const workspace = { ...wide, [`${"d/".repeat(31)}f`]: "", [`${"é".repeat(127)}x`]: "" };
+    expect(TaskContent.safeParse({ ...base, workspace }).success).toBe(false); // 10,034 entries
+    delete workspace["p0/f"];
+    delete workspace["p1/f"];
+    for (let i = 2; i < 20; i++) delete workspace[`p${i}/f`];
+    // 4,980 files in 4,980 directories, one nested in 31 directories, one with a 255-byte name.
+    expect(TaskContent.safeParse({ ...base, workspace }).success).toBe(true);
+  });
   it.each([
     [{ ".": "x" }, /must name a file/],
     [{ "./": "x" }, /must name a file/],
     [{ a: "1", "./a": "2" }, /same file as "a"/],
     [{ a: "x", "a/b": "y" }, /"a\/b" needs it as a directory/],
+    // Deep or wide enough to make a staging tar of gigabytes from a 10 MiB task.
+    [{ [`${"a/".repeat(33)}f`]: "" }, /nested in at most 32 directories/],
+    [{ [`${"é".repeat(128)}/f`]: "" }, /at most 255 bytes/],
+    [
+      Object.fromEntries(Array.from({ length: 2_000 }, (_, i) => [`p${i}/${"d/".repeat(4)}f`, ""])),
+      /more than 10000 files and directories/,
+    ],
   ])("workspace %j is refused up front, with why", (workspace, why) => {
     const r = TaskContent.safeParse({ ...base, workspace });
     expect(r.success).toBe(false);

@@ -1,6 +1,17 @@
 import { z } from "zod";
 import { Seconds } from "./bounded.ts";
 
+/** Directories a task file may be nested in, at most (each one is a directory the sandbox gets). */
+export const MAX_PATH_DEPTH = 32;
+/** Bytes in one segment of a path, at most (Linux's NAME_MAX). */
+export const MAX_NAME_BYTES = 255;
+/**
+ * Files and the directories they imply, at most, in one file set: each is an entry of the tar
+ * a worker builds in memory to stage them (20,000 files in distinct deep directories of a 10 MiB
+ * task would be millions of entries, gigabytes).
+ */
+export const MAX_FILESET_ENTRIES = 10_000;
+
 /** Relative POSIX path inside a task directory: no absolute paths, no `..`, no NUL. */
 export const RelativePath = z
   .string()
@@ -11,6 +22,12 @@ export const RelativePath = z
   })
   .refine((p) => pathSegments(p).length > 0, {
     message: "must name a file, not '.' or the directory itself",
+  })
+  .refine((p) => pathSegments(p).length <= MAX_PATH_DEPTH + 1, {
+    message: `must be nested in at most ${MAX_PATH_DEPTH} directories`,
+  })
+  .refine((p) => pathSegments(p).every((s) => Buffer.byteLength(s) <= MAX_NAME_BYTES), {
+    message: `each name in the path must be at most ${MAX_NAME_BYTES} bytes`,
   });
 
 /** A relative path's segments, without empty and `.` ones (`a//./b` → `a`, `b`). */
@@ -33,10 +50,13 @@ export const FileSet = z.record(RelativePath, z.string()).superRefine((files, ct
     }
     seen.set(path, key);
   }
+  const dirs = new Set<string>();
   for (const [path, key] of seen) {
-    const parts = path.split("/");
-    for (let i = 1; i < parts.length; i++) {
-      const dir = seen.get(parts.slice(0, i).join("/"));
+    // Each parent directory, by the position of each `/`.
+    for (let i = path.indexOf("/"); i !== -1; i = path.indexOf("/", i + 1)) {
+      const parent = path.slice(0, i);
+      dirs.add(parent);
+      const dir = seen.get(parent);
       if (dir !== undefined) {
         ctx.addIssue({
           code: "custom",
@@ -44,6 +64,14 @@ export const FileSet = z.record(RelativePath, z.string()).superRefine((files, ct
           message: `is a file, but "${key}" needs it as a directory`,
         });
       }
+    }
+    if (seen.size + dirs.size > MAX_FILESET_ENTRIES) {
+      ctx.addIssue({
+        code: "custom",
+        path: [],
+        message: `holds more than ${MAX_FILESET_ENTRIES} files and directories`,
+      });
+      return;
     }
   }
 });
