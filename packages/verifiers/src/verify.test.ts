@@ -353,6 +353,23 @@ describe("tests verifier", () => {
     expect((await failure(verify(ctx()))).kind).toBe("sandbox_lost");
   });
 
+  it.each([
+    // Over 1 KiB, read apart: graded whole, never by its first bytes.
+    ["a number, then padding", `1${" ".repeat(2000)}`, 1, 1, "reward_file"],
+    ["a number, then more after 1 KiB", `1${" ".repeat(2000)}0`, 1, 0, "exit_code"],
+    ["over 64 KiB", `1${" ".repeat(70_000)}`, 1, 0, "exit_code"],
+  ] as const)(
+    "a reward file over 1 KiB (%s) is read whole, up to 64 KiB",
+    async (_what, content, exitCode, reward, source) => {
+      script((call, box) => {
+        box.files.set(REWARD_FILE, { content, user: ROOT_USER });
+        // What the runner reports for a file over 1 KiB: read it apart.
+        return { exitCode, report: false, stderr: `\n${nonceOf(call)} unreadable\n` };
+      });
+      expect(await verify(ctx())).toMatchObject({ reward, details: { source } });
+    },
+  );
+
   it("a task without tests/test.sh is invalid_task", async () => {
     const err = await failure(verify(ctx({}, { ...TESTS_TASK, tests: {} })));
     expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);

@@ -2,7 +2,7 @@ import { randomBytes } from "node:crypto";
 import { capText, endedBySignal, FleetError, isFleetError } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
-import { parseReward } from "./reward-file.ts";
+import { MAX_REWARD_FILE_BYTES, parseReward } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
 
 /** The verifier's own log directory, cleared before every verification. */
@@ -294,7 +294,9 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
       : report.kind === "none"
         ? null
         : await step(ctx, "read the reward file", () =>
-            provider.get(handle, REWARD_FILE, { maxBytes: INLINE_REWARD_BYTES }),
+            // One byte past the most a reward file may hold: a longer one is refused whole, not
+            // graded by its first bytes.
+            provider.get(handle, REWARD_FILE, { maxBytes: MAX_REWARD_FILE_BYTES + 1 }),
           );
   if (rewardText !== null) {
     let reward: number;
