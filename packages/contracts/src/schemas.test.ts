@@ -229,6 +229,8 @@ describe("TaskContent refusals", () => {
     ["regex", "(unclosed", /not a valid regular expression/],
     // Valid as written, but trimmed (as graded) it ends in a lone backslash.
     ["regex", "2\\.10\\.0\\ ", /not a valid regular expression/],
+    // Would escape the whole-answer group: `^(?:42)|(?:[\s\S])$` passes any one-character answer.
+    ["regex", "42)|(?:[\\s\\S]", /not a valid regular expression/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
     const r = TaskContent.safeParse({ ...base, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);
@@ -236,9 +238,15 @@ describe("TaskContent refusals", () => {
     expect(r.error!.issues[0]!.message).toMatch(why);
   });
 
+  it("an exact match expecting more than an answer keeps (4,000 characters) is refused up front: no agent could match it", () => {
+    const r = TaskContent.safeParse({ ...base, verifier: { kind: "match", expected: "x".repeat(4001) } });
+    expect(r.error?.issues[0]?.message).toMatch(/longer than the 4000 characters an answer is kept to/);
+  });
+
   it("a match whose expected an empty answer cannot match is accepted", () => {
     for (const [mode, expected] of [
       ["exact", "0"],
+      ["exact", ` ${"x".repeat(4000)}\n`],
       ["regex", "\\d+"],
       ["regex", "v?2\\.10\\.0\n"],
     ] as const) {

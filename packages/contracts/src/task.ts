@@ -101,21 +101,33 @@ export function matchPattern(expected: string): RegExp {
   return new RegExp(`^(?:${expected.trim()})$`);
 }
 
+/** Characters of an agent's final answer that are kept (and graded): the rest is cut. */
+export const MAX_ANSWER_CHARS = 4000;
+
 /**
- * Why a match verifier's `expected` cannot grade, or `undefined` when it can: blank, or (regex
- * mode) not a valid regular expression as {@link matchPattern} compiles it, or one that matches
- * an empty answer. An agent that prints nothing (even one killed at its deadline) would pass
- * the first and the last.
+ * Why a match verifier's `expected` cannot grade, or `undefined` when it can: blank, (exact)
+ * longer than any kept answer, or (regex mode) not a valid regular expression on its own and as
+ * {@link matchPattern} compiles it, or one that matches an empty answer. An agent that prints
+ * nothing (even one killed at its deadline) would pass the first and the last; none would pass
+ * the second.
  */
 export function matchExpectedProblem(spec: {
   expected: string;
   mode: "exact" | "regex";
 }): string | undefined {
-  if (spec.expected.trim() === "") return "is blank, so an agent that prints nothing would pass";
-  if (spec.mode === "exact") return undefined;
+  const expected = spec.expected.trim();
+  if (expected === "") return "is blank, so an agent that prints nothing would pass";
+  if (spec.mode === "exact") {
+    return expected.length > MAX_ANSWER_CHARS
+      ? `is longer than the ${MAX_ANSWER_CHARS} characters an answer is kept to, so no answer could match`
+      : undefined;
+  }
   let pattern: RegExp;
   try {
     pattern = matchPattern(spec.expected);
+    // And on its own: `a)|(b` compiles inside the whole-answer group, as `^(?:a)|(b)$`, which
+    // anchors neither alternative to the whole answer.
+    new RegExp(expected);
   } catch (err) {
     return `is not a valid regular expression: ${(err as Error).message}`;
   }

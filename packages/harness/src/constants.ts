@@ -4,8 +4,8 @@ export const FLEET_DIR = "/tmp/fleet";
 export const INSTRUCTION_FILE = `${FLEET_DIR}/instruction.md`;
 /** Environment variable naming the instruction file for the agent's command. */
 export const INSTRUCTION_ENV = "FLEET_INSTRUCTION_FILE";
-/** Cap for the final answer (characters), like any stored text field. */
-export const MAX_ANSWER_CHARS = 4000;
+/** Cap for the final answer (characters): the contracts' own, which a match task's `expected` is held to. */
+export { MAX_ANSWER_CHARS } from "@fleet/contracts";
 /** Cap for the stdout/stderr tails kept in a harness outcome (characters, each). */
 export const MAX_OUTPUT_CHARS = 4000;
 /** Bytes of stdout/stderr the provider collects from an agent command (each). */
