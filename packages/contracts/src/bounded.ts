@@ -99,6 +99,9 @@ export const Seconds = z
   })
   .refine((n) => Number.isFinite(n), { message: "must be finite" })
   .refine((n) => n > 0, { message: "must be positive" })
+  // Less leaves nothing once a sandbox is prepared: every attempt would end the same way, as an
+  // infrastructure failure (masked, retried), never the request's own fault.
+  .refine((n) => n <= 0 || n >= 1, { message: "must be at least 1 second" })
   .refine((n) => n <= MAX_DURATION_S, { message: `must be at most ${MAX_DURATION_S} (a week)` });
 
 /** A duration in milliseconds: finite, strictly positive, at most a week. */

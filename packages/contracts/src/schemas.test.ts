@@ -28,7 +28,7 @@ const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
 const text = fc.string({ maxLength: 50 });
 const relPath = fc.stringMatching(/^[a-z]{1,8}(\/[a-z]{1,8}){0,2}\.(sh|py|txt)$/);
 const files = fc.dictionary(relPath, text, { maxKeys: 3 });
-const secs = fc.double({ min: 0.001, max: MAX_DURATION_S, noNaN: true });
+const secs = fc.double({ min: 1, max: MAX_DURATION_S, noNaN: true });
 const nat = fc.nat({ max: 1e12 });
 const json = fc.dictionary(fc.string({ minLength: 1, maxLength: 8 }), fc.jsonValue({ maxDepth: 2 }), {
   maxKeys: 3,
@@ -357,6 +357,13 @@ describe("validation says what is wrong", () => {
   it("rejects non-finite and non-positive timeouts", () => {
     expect(message({ ...base, deadlineS: Number.POSITIVE_INFINITY })).toMatch(/deadlineS: .*finite/);
     expect(message({ ...base, deadlineS: 0 })).toMatch(/deadlineS: must be positive/);
+    // Too short to run anything once a sandbox is ready: refused, not masked attempt after attempt.
+    expect(message({ ...base, agent: { harness: "oracle", timeoutS: 0.001 } })).toMatch(
+      /agent.timeoutS: must be at least 1 second/,
+    );
+    expect(message({ ...base, task: { ...base.task, timeouts: { verifierS: 0.5 } } })).toMatch(
+      /task.timeouts.verifierS: must be at least 1 second/,
+    );
     expect(message({ ...base, deadlineS: Number.NaN })).toMatch(/deadlineS/);
     expect(message({ ...base, task: { ...base.task, timeouts: { agentS: -1 } } })).toMatch(
       /task.*agentS.*positive|timeouts/,
