@@ -422,6 +422,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // launching, look at the fence.
   const fence = async (): Promise<"run" | "lost" | "stop"> =>
     mayBeTakenOver(rec) ? deps.store.launchState(id, token) : "run";
+  /** A stop (cancel, close) came for this rollout: read now, whatever the lock's age. */
+  const stopped = async (): Promise<boolean> =>
+    (await deps.store.launchState(id, token).catch(() => "run")) === "stop";
   /** What to return when the fence is no longer this launch's (undefined: go on). */
   const unlessOurs = async (): Promise<StageName | null | undefined> => {
     const state = await fence();
@@ -553,6 +556,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // Taken over while it ran: the new launch may have replaced or reset the sandbox under this
       // one; its error is not this rollout's failure.
       if ((await fence().catch(() => "run")) === "lost") return null;
+      // Stopped (a cancel, whose close may have destroyed the sandbox under the agent before the
+      // stop poll saw it): not the agent's failure, nor a lost sandbox.
+      if (await stopped()) return "close";
       // The rollout's own deadline was the agent's limit and has passed (preparing the sandbox
       // took what was left, say): whatever failed, the rollout ran out of time.
       if (limitedBy === "rollout" && clock(deps) >= deadlineMs) {
@@ -583,8 +589,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       throw FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline ended the agent's run");
     }
     // Stop the harness and confirm its processes are gone (DESIGN §2 rules 2, 10).
-    cleanup = await deps.provider.killProcesses(handle, AGENT_USER);
+    try {
+      cleanup = await deps.provider.killProcesses(handle, AGENT_USER);
+    } catch (err) {
+      if (isFleetError(err) && err.kind === "sandbox_lost" && (await stopped())) return "close";
+      throw err;
+    }
     if (cleanup.alreadyGone || !(await deps.provider.alive(handle))) {
+      // Destroyed by the close of a cancel (a stop): the close reports the rollout.
+      if (await stopped()) return "close";
       // The sandbox vanished under the agent: exit envelope -2, masked (rule 6).
       throw FleetError.nonRetryable("sandbox_lost", "the sandbox disappeared while the agent ran");
     }
@@ -712,6 +725,12 @@ async function waitOutEarlierTests(
   await deps.store.noteVerifyTestsStart(rec.meta.id, clock(deps));
 }
 
+/** A cancel or close came for the rollout while this stage ran (read now). */
+async function stoppedUnder(deps: PipelineDeps, id: string): Promise<boolean> {
+  const now = await deps.store.get(id).catch(() => null);
+  return now !== null && (now.closed || now.cancelRequested);
+}
+
 export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const runReceipt = rec.receipts.run;
   const seedReceipt = rec.receipts.seed;
@@ -747,6 +766,8 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
     // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits
     // out these tests, still running in the sandbox: `waitOutEarlierTests`). Not a cancel.
     if (shutdown?.aborted) throw new HandBackError();
+    // A cancel's close destroyed the sandbox under the tests: the close reports the rollout.
+    if (await stoppedUnder(deps, rec.meta.id)) return null;
     // A verifier that crashes masks; the provider being down is retried first.
     const fe = await sandboxLostIfGone(deps, seedReceipt.handle, err);
     if (isFleetError(fe)) throw fe;
@@ -761,7 +782,10 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       seedReceipt.handle,
       new Error(`the tests ended by a signal (exit ${ended.exitCode})`),
     );
-    if (isFleetError(lost) && lost.kind === "sandbox_lost") throw lost;
+    if (isFleetError(lost) && lost.kind === "sandbox_lost") {
+      if (await stoppedUnder(deps, rec.meta.id)) return null;
+      throw lost;
+    }
   }
   const at = clock(deps);
   await deps.store.saveReceipt(
