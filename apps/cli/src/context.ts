@@ -1,6 +1,6 @@
 import { once } from "node:events";
 import { createWriteStream } from "node:fs";
-import { rename, rm } from "node:fs/promises";
+import { rename, rm, stat } from "node:fs/promises";
 import type { Writable } from "node:stream";
 import { finished } from "node:stream/promises";
 import type { TaskContent } from "@fleet/contracts";
@@ -54,6 +54,11 @@ export class ResultsFile {
 
   /** Open `<path>.partial` now, so a path that cannot be written fails before any work starts. */
   static async open(path: string): Promise<ResultsFile> {
+    // Only the rename at the end would find out (after the whole batch ran): `<dir>.partial`, or
+    // `<dir>/.partial`, opens fine.
+    if (path.endsWith("/") || (await stat(path).catch(() => null))?.isDirectory()) {
+      throw new Error(`EISDIR: ${path} is a directory; name a file`);
+    }
     const file = new ResultsFile(path);
     const opened = once(file.stream, "open");
     try {

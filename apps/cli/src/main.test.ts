@@ -1,4 +1,7 @@
 import { execFile, spawn } from "node:child_process";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { json, startTestServer, type TestServer } from "./testing/http-server.ts";
@@ -83,6 +86,23 @@ describe("bin/fleet.js", () => {
     );
     expect(r.code).toBe(2);
   });
+
+  it.each(["", "/"])(
+    "an `--out` that is a directory (%j after its name) is a usage error up front, not found out at the end",
+    async (slash) => {
+      const dir = await mkdtemp(join(tmpdir(), "fleet-out-dir-"));
+      try {
+        const r = await run(["results", "b-1", "--out", `${dir}${slash}`], { FLEET_URL: server.url });
+        expect(r.stderr).toBe(
+          `error: cannot write --out ${dir}${slash}: EISDIR: ${dir}${slash} is a directory; name a file\n`,
+        );
+        expect(r.code).toBe(2);
+        expect(server.requests).toHaveLength(0);
+      } finally {
+        await rm(dir, { recursive: true, force: true });
+      }
+    },
+  );
 
   it("`fleet results | head -n1` stops quietly with exit 0 when the reader goes away", async () => {
     let readerGone: Promise<string> = new Promise(() => {});
