@@ -30,11 +30,10 @@ export async function cancelRollout(
   if (previous === null) return { kind: "unknown" };
   if (isTerminal(previous)) return { kind: "terminal", status: previous };
   const record = await store.get(id);
-  const stage = Stage.safeParse(record?.stage);
   const won = await store.recordFailure(
     id,
     {
-      stage: stage.success ? stage.data : "admission",
+      stage: currentStage(record),
       terminal: true,
       failureKind: "cancelled",
       mask: false,
@@ -89,4 +88,24 @@ export async function cancelBatch(
     if (ids.length < BATCH_PAGE) break;
   }
   return cancelled;
+}
+
+const FOLLOWING: Record<Stage, Stage | null> = {
+  admission: "seed",
+  seed: "run",
+  run: "verify",
+  verify: "close",
+  close: null,
+};
+
+/**
+ * The stage a rollout is in: the one after the last that finished (`record.stage`) once it has
+ * begun (its start time is stored), else that last one: a rollout whose agent runs is in `run`,
+ * not in `seed`; one queued for its seed is still in `admission`.
+ */
+export function currentStage(record: { stage: string; times: Record<string, number> } | null): Stage {
+  const last = Stage.safeParse(record?.stage);
+  if (!last.success) return "admission";
+  const next = FOLLOWING[last.data];
+  return next !== null && record!.times[`${next}:start`] !== undefined ? next : last.data;
 }
