@@ -81,9 +81,12 @@ describe("classifyDockerError", () => {
   });
 
   it("missing image → final invalid_task that says images are never pulled", () => {
-    const e = classifyDockerError(httpError(404, "No such image: nope:1"), "create", "nope:1");
+    // The provider passes the container's name as the subject: the message names the image.
+    const e = classifyDockerError(httpError(404, "No such image: nope:1"), "create", "fleet-r1-resources");
     expect([e.kind, e.retryable]).toEqual(["invalid_task", false]);
     expect(e.message).toMatch(/never pulled/);
+    expect(e.message).toContain("No such image: nope:1");
+    expect(e.message).not.toContain("fleet-r1-resources");
   });
 
   it("container gone → final sandbox_lost", () => {

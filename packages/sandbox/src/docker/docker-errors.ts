@@ -117,7 +117,8 @@ export function classifyDockerError(err: unknown, op: DockerOperation, subject =
     case "image_missing":
       return FleetError.nonRetryable(
         "invalid_task",
-        `sandbox image${where} is not present on this Docker host (images are built offline, never pulled): ${detail}`,
+        // The daemon's own words name the image (`No such image: <ref>`); the subject is the container.
+        `the task's sandbox image is not present on this Docker host (images are built offline, never pulled): ${detail}`,
         err,
       );
     case "network_missing":
