@@ -243,9 +243,12 @@ export function createStageWorkers(
           delay(Math.max(0, ms - (Date.now() - started))).then(() => "timeout" as const),
         ]);
       if ((await within(handBackAfterMs(timeoutMs))) === "timeout") {
+        const active = slots.reduce((n, s) => n + s.active, 0);
         deps.logger.warn(
-          { active: slots.reduce((n, s) => n + s.active, 0) },
-          "jobs still running at shutdown; handing them back",
+          { active },
+          active > 0
+            ? "jobs still running at shutdown; handing them back"
+            : "the workers have not closed (is Redis reachable?); still waiting",
         );
         handBack.abort();
         if ((await within(timeoutMs)) === "timeout") {
