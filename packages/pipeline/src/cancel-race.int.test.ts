@@ -87,6 +87,7 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
       await cancelAndClose(id);
       finish();
       expect(await run).toBe("ok");
+      expect(await fleet!.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
       const result = await fleet!.deps.store.getResult(id);
       expect(result).toMatchObject({ status: "cancelled", failureKind: "cancelled" });
       expect(result!.failures.map((f) => f.failureKind)).toEqual(["cancelled"]);
@@ -116,6 +117,8 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     await cancelAndClose(id);
     finish();
     expect(await verify).toBe("ok");
+    // It enqueues close itself: a cancel whose dispatcher died before enqueueing it still closes.
+    expect(await fleet!.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
     const result = await fleet!.deps.store.getResult(id);
     expect(result).toMatchObject({ status: "cancelled", failureKind: "cancelled" });
     expect(result!.failures.map((f) => f.failureKind)).toEqual(["cancelled"]);

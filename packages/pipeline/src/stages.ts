@@ -766,8 +766,9 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
     // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits
     // out these tests, still running in the sandbox: `waitOutEarlierTests`). Not a cancel.
     if (shutdown?.aborted) throw new HandBackError();
-    // A cancel's close destroyed the sandbox under the tests: the close reports the rollout.
-    if (await stoppedUnder(deps, rec.meta.id)) return null;
+    // A cancel's close destroyed the sandbox under the tests: the close reports the rollout
+    // (enqueued again: a cancel whose own enqueue of it never happened is still closed).
+    if (await stoppedUnder(deps, rec.meta.id)) return "close";
     // A verifier that crashes masks; the provider being down is retried first.
     const fe = await sandboxLostIfGone(deps, seedReceipt.handle, err);
     if (isFleetError(fe)) throw fe;
@@ -783,7 +784,7 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       new Error(`the tests ended by a signal (exit ${ended.exitCode})`),
     );
     if (isFleetError(lost) && lost.kind === "sandbox_lost") {
-      if (await stoppedUnder(deps, rec.meta.id)) return null;
+      if (await stoppedUnder(deps, rec.meta.id)) return "close";
       throw lost;
     }
   }
