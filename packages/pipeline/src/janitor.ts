@@ -2,6 +2,7 @@ import { isTerminal } from "@fleet/contracts";
 import {
   duplicateRedis,
   JANITOR_QUEUE,
+  NETWORK_RETRY_MS,
   type RedisConnection,
   type SandboxEntry,
   sandboxKey,
@@ -165,8 +166,10 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
           // One that will not go stops none of the others; the step still fails (and is
           // counted for FleetJanitorStepFailing) so a network that never goes is seen.
-          await networks.remove(net.rolloutId, net.name).catch((err: unknown) => {
+          await networks.remove(net.rolloutId, net.name).catch(async (err: unknown) => {
             failed.push(`${net.name}: ${err instanceof Error ? err.message : String(err)}`);
+            // The network may be gone with its rules left: only the ledger leads back to them.
+            await deps.ledger.networkRemovalFailed(net.rolloutId, now + NETWORK_RETRY_MS);
           });
         }
       }
@@ -178,6 +181,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           await deps.ledger.networkRemoved(rolloutId);
         } catch (err) {
           failed.push(`${rolloutId}'s network: ${err instanceof Error ? err.message : String(err)}`);
+          // Later, and after the others due now: one that never goes cannot hold up the rest.
+          await deps.ledger.networkRetryLater(rolloutId, now);
         }
       }
       if (failed.length > 0) {

@@ -40,6 +40,9 @@ export function teardownBackoffMs(
   return Math.round(ceiling / 2 + (random() * ceiling) / 2);
 }
 
+/** How long a failed gateway network removal waits before the janitor tries it again. */
+export const NETWORK_RETRY_MS = 60_000;
+
 /**
  * Sandbox intents (persisted before create, DESIGN §2 rule 9) and the teardown ledger
  * (failed destroys, retried by the janitor, rule 3). Both are durable in Redis.
@@ -191,9 +194,14 @@ export class TeardownLedger {
     await this.redis.zadd(this.keys.networkRetries(), "NX", at, rolloutId);
   }
 
-  /** Rollouts whose network removal failed at or before `before`, oldest first. */
-  async networkRetries(before: number, limit = 50): Promise<string[]> {
-    return this.redis.zrangebyscore(this.keys.networkRetries(), "-inf", before, "LIMIT", 0, limit);
+  /** Rollouts whose network removal is due for a retry at `now`, the longest due first. */
+  async networkRetries(now: number, limit = 50): Promise<string[]> {
+    return this.redis.zrangebyscore(this.keys.networkRetries(), "-inf", now, "LIMIT", 0, limit);
+  }
+
+  /** A retry failed again: due again `delayMs` from `now` (others due meanwhile come first). */
+  async networkRetryLater(rolloutId: string, now: number, delayMs = NETWORK_RETRY_MS): Promise<void> {
+    await this.redis.zadd(this.keys.networkRetries(), "XX", now + delayMs, rolloutId);
   }
 
   /** The rollout's network and rules are gone: nothing left to retry. */
