@@ -524,6 +524,8 @@ describe("fleet submit", () => {
       await runCli(["submit", "--suite", "s", "--agent", "oracle", "--idempotency-key", "has space"], ctx()),
     ).toBe(2);
     expect(stderr.text()).toContain("printable ASCII");
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--deadline", "0.5"], ctx())).toBe(2);
+    expect(stderr.text()).toContain("must be at least 1 second");
     expect(await runCli(["submit", "--agent", "oracle"], ctx())).toBe(2);
     expect(stderr.text()).toContain("required option '--suite <dir>' not specified");
     expect(server.requests).toHaveLength(0);

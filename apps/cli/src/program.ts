@@ -31,6 +31,13 @@ function positiveSeconds(value: string): number {
   return n;
 }
 
+/** A rollout duration: as the API takes it (at least 1 s: less could run nothing). */
+function durationSeconds(value: string): number {
+  const n = positiveSeconds(value);
+  if (n < 1) throw new InvalidArgumentError("must be at least 1 second");
+  return n;
+}
+
 /** Chunk keys are `<base>-<n>` (and `<base>-<n>.<from>-<to>`), at most 200 printable ASCII characters. */
 function idempotencyBase(value: string): string {
   if (!/^[\x21-\x7e]{1,160}$/.test(value)) {
@@ -96,7 +103,7 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
       .addOption(new Option("--repeat <n>", "rollouts per task").default(1).argParser(positiveInt))
       .option("--task <id...>", "only these task ids (repeatable)")
       .addOption(
-        new Option("--deadline <seconds>", "whole-rollout deadline in seconds").argParser(positiveSeconds),
+        new Option("--deadline <seconds>", "whole-rollout deadline in seconds").argParser(durationSeconds),
       )
       .option("--metadata <json>", "JSON object echoed into every result (plus the repeat index)")
       .option("--wait", "follow progress until every rollout is finished, then summarise")
