@@ -77,7 +77,7 @@ describe("stage workers at a concurrency above ten", () => {
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await verifying;
-    await fleet.workers!.close(2_000);
+    await fleet.workers!.close(4_000);
     const job = await fleet.deps.queues.queues.verify.getJob(stageJobId(id!, "verify"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
@@ -130,7 +130,7 @@ describe("stage workers at a concurrency above ten", () => {
     };
     void fleet.workers!.check();
     await checking;
-    await fleet.workers!.close(2_000);
+    await fleet.workers!.close(4_000);
     const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
