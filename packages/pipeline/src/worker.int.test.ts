@@ -109,12 +109,16 @@ describe("stage workers at a concurrency above ten", () => {
           run: (ctx) => {
             started();
             return new Promise((_resolve, reject) => {
-              ctx.signal?.addEventListener("abort", () => reject(ctx.signal?.reason));
+              ctx.signal?.addEventListener("abort", () => {
+                stoppedAt = Date.now();
+                reject(ctx.signal?.reason);
+              });
             });
           },
         }),
       },
     });
+    let stoppedAt = 0;
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await running;
     // The supervisor asks an idle stage's queue about its backlog; Redis does not answer (an
@@ -130,12 +134,16 @@ describe("stage workers at a concurrency above ten", () => {
     };
     void fleet.workers!.check();
     await checking;
+    const closing = Date.now();
     await fleet.workers!.close(4_000);
     const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
     // Handed back at half the budget, in time: the hung check did not spend the budget first
     // (the workers were not force-closed at its end).
+    // Asked to stop at about half the 4 s budget, not at its end (a bound on the order of events,
+    // with 2 s of margin either way).
+    expect(stoppedAt - closing).toBeLessThan(3_000);
     const said = lines.map((l) => JSON.parse(l).msg as string);
     expect(said).toContain("jobs still running at shutdown; handing them back");
     expect(said).not.toContain("shutdown budget spent; force-closing the workers");
