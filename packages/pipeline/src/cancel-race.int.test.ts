@@ -5,6 +5,7 @@ import { afterEach, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { type Latch, latch } from "./testing/latch.ts";
 
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
 
@@ -36,7 +37,7 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = suite.find((t) => t.id === "hello-file")!;
     const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
-    return { id, provider };
+    return id;
   }
 
   /** What the dispatcher's cancel does, then the close it enqueues. */
@@ -57,24 +58,34 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
   }
 
+  /**
+   * Once the stage works in its sandbox, a cancel and its close; then the stage's exec ends
+   * (killed with the sandbox): the stage ends, enqueueing close, and the rollout is cancelled.
+   */
+  async function cancelUnder(id: string, stage: Promise<unknown>, working: Latch, killed: Latch) {
+    await working.opened;
+    await cancelAndClose(id);
+    killed.open();
+    expect(await stage).toBe("ok");
+    // It enqueues close itself: a cancel whose dispatcher died before enqueueing it still closes.
+    expect(await fleet!.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
+    const result = await fleet!.deps.store.getResult(id);
+    expect(result).toMatchObject({ status: "cancelled", failureKind: "cancelled" });
+    expect(result!.failures.map((f) => f.failureKind)).toEqual(["cancelled"]);
+  }
+
   it.each(["throws", "alreadyGone"] as const)(
     "the run (a kill in the gone sandbox %s): the agent's exec ends (killed with its sandbox); the run stage ends, the rollout is cancelled",
     async (killOnGone) => {
-      let running!: () => void;
-      const started = new Promise<void>((r) => {
-        running = r;
-      });
-      let finish!: () => void;
-      const killed = new Promise<void>((r) => {
-        finish = r;
-      });
-      const { id } = await start(
+      const working = latch();
+      const killed = latch();
+      const id = await start(
         {
           createHarness: (agent) => ({
             name: agent.harness,
             run: async () => {
-              running();
-              await killed;
+              working.open();
+              await killed.opened;
               return { exec: execResult({ exitCode: 137 }), answer: null, transcript: null, usage: null };
             },
           }),
@@ -82,45 +93,22 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
         killOnGone,
       );
       expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
-      const run = runStageJob("run", job(id), fleet!.deps);
-      await started;
-      await cancelAndClose(id);
-      finish();
-      expect(await run).toBe("ok");
-      expect(await fleet!.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
-      const result = await fleet!.deps.store.getResult(id);
-      expect(result).toMatchObject({ status: "cancelled", failureKind: "cancelled" });
-      expect(result!.failures.map((f) => f.failureKind)).toEqual(["cancelled"]);
+      await cancelUnder(id, runStageJob("run", job(id), fleet!.deps), working, killed);
     },
   );
 
   it("the verify: the tests' exec fails with the sandbox gone; the verify stage ends, the rollout is cancelled", async () => {
-    let grading!: () => void;
-    const started = new Promise<void>((r) => {
-      grading = r;
-    });
-    let finish!: () => void;
-    const killed = new Promise<void>((r) => {
-      finish = r;
-    });
-    const { id } = await start({
+    const working = latch();
+    const killed = latch();
+    const id = await start({
       verify: async () => {
-        grading();
-        await killed;
+        working.open();
+        await killed.opened;
         throw new Error("exec failed: no such container");
       },
     });
     for (const stage of ["seed", "run"] as const)
       expect(await runStageJob(stage, job(id), fleet!.deps)).toBe("ok");
-    const verify = runStageJob("verify", job(id), fleet!.deps);
-    await started;
-    await cancelAndClose(id);
-    finish();
-    expect(await verify).toBe("ok");
-    // It enqueues close itself: a cancel whose dispatcher died before enqueueing it still closes.
-    expect(await fleet!.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
-    const result = await fleet!.deps.store.getResult(id);
-    expect(result).toMatchObject({ status: "cancelled", failureKind: "cancelled" });
-    expect(result!.failures.map((f) => f.failureKind)).toEqual(["cancelled"]);
+    await cancelUnder(id, runStageJob("verify", job(id), fleet!.deps), working, killed);
   });
 });

@@ -20,6 +20,7 @@ import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { latch } from "./testing/latch.ts";
 import { createStageWorkers } from "./worker.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
@@ -383,20 +384,14 @@ describe("idempotency and fencing without workers", () => {
     const [id] = (await fleet.submit([oracle(byId("csv-aggregate"))])) as [string]; // has workspace files
     // Seed A's lock lapsed while its create hung; seed B was delivered, created the rollout's
     // container and stored its receipt. A's create then meets the name and adopts that container.
-    let entered!: () => void;
-    const inCreate = new Promise<void>((r) => {
-      entered = r;
-    });
-    let release!: () => void;
-    const released = new Promise<void>((r) => {
-      release = r;
-    });
+    const inCreate = latch();
+    const released = latch();
     const real = fleet.deps.provider;
     let staged = 0;
     const hung = Object.assign(Object.create(real) as SandboxProvider, {
       create: async (spec: Parameters<SandboxProvider["create"]>[0]) => {
-        entered();
-        await released;
+        inCreate.open();
+        await released.opened;
         return real.create(spec);
       },
       put: async (...args: Parameters<SandboxProvider["put"]>) => {
@@ -410,13 +405,13 @@ describe("idempotency and fencing without workers", () => {
       { ...job(id), processedOn: Date.now() - 20_000 },
       { ...fleet.deps, provider: hung },
     );
-    await inCreate;
+    await inCreate.opened;
     expect(await runStageJob("seed", job(id, 1), fleet.deps)).toBe("ok");
     const winner = (await fleet.deps.store.get(id))!.receipts.seed!.handle;
     // B's run may be working in it by now: its agent rewrote a task file.
     const file = `/workspace/${Object.keys(byId("csv-aggregate").workspace)[0]}`;
     await real.exec(winner, ["sh", "-c", `echo agent-work > ${file}`], { deadlineMs: 30_000 });
-    release();
+    released.open();
     expect(await a).toBe("ok");
     // The loser held the rollout's one container: it neither destroyed it (the run would lose
     // its sandbox) nor staged the task into it again (under the running agent).

@@ -1,16 +1,21 @@
-import { FleetError, RolloutRequest } from "@fleet/contracts";
+import { FleetError, RolloutRequest, type TaskContent } from "@fleet/contracts";
 import { stageJobId } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createLogger } from "@fleet/telemetry";
-import { afterEach, describe, expect, it } from "vitest";
+import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { latch } from "./testing/latch.ts";
 
 describe("stage workers at a concurrency above ten", () => {
   let fleet: InProcessFleet | undefined;
   const warnings: Error[] = [];
   const onWarning = (w: Error) => warnings.push(w);
+  let task: TaskContent;
+  beforeAll(async () => {
+    task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+  });
   afterEach(async () => {
     process.off("warning", onWarning);
     await fleet?.close();
@@ -18,20 +23,15 @@ describe("stage workers at a concurrency above ten", () => {
 
   it("run twelve agents at once with no listener-leak warning (each run listens for the worker's shutdown)", async () => {
     process.on("warning", onWarning);
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = suite.find((t) => t.id === "hello-file")!;
     const n = 12;
     let running = 0;
-    let release!: () => void;
-    const allRunning = new Promise<void>((resolve) => {
-      release = resolve;
-    });
+    const allRunning = latch();
     const createHarness: NonNullable<PipelineDeps["createHarness"]> = (agent) => ({
       name: agent.harness,
       async run() {
         // Every run stays in flight until all twelve are: twelve listeners at once.
-        if (++running === n) release();
-        await allRunning;
+        if (++running === n) allRunning.open();
+        await allRunning.opened;
         return { exec: execResult(), answer: null, transcript: null, usage: null };
       },
     });
@@ -49,12 +49,7 @@ describe("stage workers at a concurrency above ten", () => {
   });
 
   it("hand a verify still grading back to the queue at shutdown, no attempt spent, not cancelled", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = suite.find((t) => t.id === "hello-file")!;
-    let started!: () => void;
-    const verifying = new Promise<void>((resolve) => {
-      started = resolve;
-    });
+    const verifying = latch();
     fleet = await startInProcessFleet({
       provider: new InMemorySandboxProvider(),
       concurrency: 2,
@@ -66,7 +61,7 @@ describe("stage workers at a concurrency above ten", () => {
         // Tests that outlast the shutdown: they stop only when told to, as the real verifier's
         // provider calls do (it throws `cancelled` with the signal's reason).
         verify: (ctx) => {
-          started();
+          verifying.open();
           return new Promise((_resolve, reject) => {
             ctx.signal?.addEventListener("abort", () =>
               reject(FleetError.nonRetryable("cancelled", "verification stopped: aborted")),
@@ -76,7 +71,7 @@ describe("stage workers at a concurrency above ten", () => {
       },
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    await verifying;
+    await verifying.opened;
     await fleet.workers!.close(4_000);
     const job = await fleet.deps.queues.queues.verify.getJob(stageJobId(id!, "verify"));
     expect(await job!.getState()).toBe("waiting");
@@ -87,12 +82,7 @@ describe("stage workers at a concurrency above ten", () => {
   });
 
   it("hand a run back at shutdown in good time while a supervisor check hangs on Redis", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = suite.find((t) => t.id === "hello-file")!;
-    let started!: () => void;
-    const running = new Promise<void>((resolve) => {
-      started = resolve;
-    });
+    const running = latch();
     const lines: string[] = [];
     fleet = await startInProcessFleet({
       provider: new InMemorySandboxProvider(),
@@ -107,7 +97,7 @@ describe("stage workers at a concurrency above ten", () => {
         createHarness: (agent) => ({
           name: agent.harness,
           run: (ctx) => {
-            started();
+            running.open();
             return new Promise((_resolve, reject) => {
               ctx.signal?.addEventListener("abort", () => {
                 stoppedAt = Date.now();
@@ -120,20 +110,17 @@ describe("stage workers at a concurrency above ten", () => {
     });
     let stoppedAt = 0;
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    await running;
+    await running.opened;
     // The supervisor asks an idle stage's queue about its backlog; Redis does not answer (an
     // outage: the main connection queues commands until it is back).
     const seedQueue = fleet.deps.queues.queues.seed;
-    let asked!: () => void;
-    const checking = new Promise<void>((resolve) => {
-      asked = resolve;
-    });
+    const checking = latch();
     seedQueue.isPaused = () => {
-      asked();
+      checking.open();
       return new Promise<boolean>(() => undefined);
     };
     void fleet.workers!.check();
-    await checking;
+    await checking.opened;
     const closing = Date.now();
     await fleet.workers!.close(4_000);
     const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
