@@ -553,12 +553,14 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         if (abort.signal.reason instanceof LostLaunchError) return null;
         return "close";
       }
-      // Taken over while it ran: the new launch may have replaced or reset the sandbox under this
-      // one; its error is not this rollout's failure.
-      if ((await fence().catch(() => "run")) === "lost") return null;
-      // Stopped (a cancel, whose close may have destroyed the sandbox under the agent before the
-      // stop poll saw it): not the agent's failure, nor a lost sandbox.
-      if (await stopped()) return "close";
+      // One read of the fence. Taken over while it ran (only possible once its lock may have
+      // lapsed): the new launch may have replaced or reset the sandbox under this one; its error
+      // is not this rollout's failure. Stopped (a cancel, whose close may have destroyed the
+      // sandbox under the agent before the stop poll saw it): not the agent's failure, nor a
+      // lost sandbox.
+      const state = await deps.store.launchState(id, token).catch(() => "run");
+      if (state === "lost" && mayBeTakenOver(rec)) return null;
+      if (state === "stop") return "close";
       // The rollout's own deadline was the agent's limit and has passed (preparing the sandbox
       // took what was left, say): whatever failed, the rollout ran out of time.
       if (limitedBy === "rollout" && clock(deps) >= deadlineMs) {
