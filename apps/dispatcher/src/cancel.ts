@@ -1,4 +1,4 @@
-import { isTerminal, type RolloutStatus, Stage } from "@fleet/contracts";
+import { isTerminal, type RolloutStatus, Stage, stageAfter } from "@fleet/contracts";
 import type { RolloutStore, StageQueues } from "@fleet/queue";
 
 export type CancelOutcome =
@@ -90,14 +90,6 @@ export async function cancelBatch(
   return cancelled;
 }
 
-const FOLLOWING: Record<Stage, Stage | null> = {
-  admission: "seed",
-  seed: "run",
-  run: "verify",
-  verify: "close",
-  close: null,
-};
-
 /**
  * The stage a rollout is in: the one after the last that finished (`record.stage`) once it has
  * begun (its start time is stored), else that last one: a rollout whose agent runs is in `run`,
@@ -106,6 +98,6 @@ const FOLLOWING: Record<Stage, Stage | null> = {
 export function currentStage(record: { stage: string; times: Record<string, number> } | null): Stage {
   const last = Stage.safeParse(record?.stage);
   if (!last.success) return "admission";
-  const next = FOLLOWING[last.data];
+  const next = stageAfter(last.data);
   return next !== null && record!.times[`${next}:start`] !== undefined ? next : last.data;
 }

@@ -5,6 +5,11 @@ import { CappedText } from "./bounded.ts";
 export const Stage = z.enum(["admission", "seed", "run", "verify", "close"]);
 export type Stage = z.infer<typeof Stage>;
 
+/** The stage after `stage`, in the pipeline's order (null after close). */
+export function stageAfter(stage: Stage): Stage | null {
+  return Stage.options[Stage.options.indexOf(stage) + 1] ?? null;
+}
+
 /** Why a rollout did not end with a clean graded result (DESIGN §2). */
 export const FailureKind = z.enum([
   "invalid_task",

@@ -7,6 +7,7 @@ import {
   isTerminal,
   StageJob,
   type StageName,
+  stageAfter,
 } from "@fleet/contracts";
 import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
@@ -156,16 +157,8 @@ const FAIL_RECORD_BACKOFF_MS = 250;
 
 /** The stage a stored receipt of `stage` leads to (null after close). */
 export function nextAfter(stage: StageName): StageName | null {
-  switch (stage) {
-    case "seed":
-      return "run";
-    case "run":
-      return "verify";
-    case "verify":
-      return "close";
-    case "close":
-      return null;
-  }
+  // After a stage job's stage comes another stage job's (never `admission`).
+  return stageAfter(stage) as StageName | null;
 }
 
 function failureRecord(stage: StageName, fe: FleetError, terminal: boolean, at: number) {
