@@ -6,6 +6,7 @@ import { finished } from "node:stream/promises";
 import type { TaskContent } from "@fleet/contracts";
 import type { FleetClientOptions } from "./client.ts";
 import type { ProgressStream } from "./progress.ts";
+import { UsageError } from "./requests.ts";
 
 /** Everything a command touches outside itself; `main.ts` fills it from the process. */
 export interface CliContext {
@@ -108,5 +109,15 @@ export class ResultsFile {
 
   private cannotWrite(err: unknown): OutputError {
     return new OutputError(`cannot write ${this.path}: ${(err as Error).message}`, { cause: err });
+  }
+}
+
+/** The `--out` results file, opened; a path that cannot be written is a usage error (exit 2). */
+export async function openOut(out: string | undefined): Promise<ResultsFile | null> {
+  if (out === undefined) return null;
+  try {
+    return await ResultsFile.open(out);
+  } catch (err) {
+    throw new UsageError(`cannot write --out ${out}: ${(err as Error).message}`);
   }
 }

@@ -1,6 +1,5 @@
 import type { FleetClient } from "../client.ts";
-import { type CliContext, ResultsFile, writeText } from "../context.ts";
-import { UsageError } from "../requests.ts";
+import { type CliContext, openOut, writeText } from "../context.ts";
 
 /** `fleet results <batchId>`: the batch's finished results as JSONL, to stdout or `--out`. */
 export async function resultsCommand(
@@ -14,12 +13,7 @@ export async function resultsCommand(
     return 0;
   }
   // Opened before fetching: a path that cannot be written is a usage error, not a crash.
-  let file: ResultsFile;
-  try {
-    file = await ResultsFile.open(opts.out);
-  } catch (err) {
-    throw new UsageError(`cannot write --out ${opts.out}: ${(err as Error).message}`);
-  }
+  const file = (await openOut(opts.out))!;
   try {
     for await (const line of client.batchResultLines(batchId)) await file.writeLine(line);
     await file.commit();

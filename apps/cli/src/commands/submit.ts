@@ -2,7 +2,7 @@ import { randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 import type { TaskContent } from "@fleet/contracts";
 import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
-import { type CliContext, OutputError, ResultsFile, writeText } from "../context.ts";
+import { type CliContext, OutputError, openOut, type ResultsFile, writeText } from "../context.ts";
 import { formatDuration, ProgressReporter } from "../progress.ts";
 import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
@@ -108,16 +108,6 @@ async function submitAndFollow(
   );
   if (!opts.wait) return 0;
   return followBatches(client, batchIds, accepted, opts, ctx, file);
-}
-
-/** The `--out` results file, opened; a path that cannot be written is a usage error (exit 2). */
-export async function openOut(out: string | undefined): Promise<ResultsFile | null> {
-  if (out === undefined) return null;
-  try {
-    return await ResultsFile.open(out);
-  } catch (err) {
-    throw new UsageError(`cannot write --out ${out}: ${(err as Error).message}`);
-  }
 }
 
 /** What following batches to their end needs: `submit --wait`'s and `watch`'s options. */

@@ -1,6 +1,7 @@
 import type { FleetClient } from "../client.ts";
 import type { CliContext } from "../context.ts";
-import { type FollowOptions, followBatches, openOut } from "./submit.ts";
+import { openOut } from "../context.ts";
+import { type FollowOptions, followBatches } from "./submit.ts";
 
 /**
  * `fleet watch <batchId...>`: what `submit --wait` does after submitting, for batches already
