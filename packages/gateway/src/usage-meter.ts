@@ -121,7 +121,7 @@ export class UsageMeter {
    * mid-generation is no way around them.
    */
   recordAbandoned(): void {
-    this.failed += 1;
+    this.recordFailure();
     this.abandoned += 1;
   }
 
@@ -133,10 +133,6 @@ export class UsageMeter {
   /** Any other fact about what could not be observed (bounded by the caller). */
   note(gap: string): void {
     if (this.notes.length < 16) this.notes.push(gap);
-  }
-
-  get callCount(): number {
-    return this.calls;
   }
 
   /**
