@@ -20,14 +20,16 @@ export const RelativePath = z
   .refine((p) => !p.startsWith("/") && !p.split("/").includes("..") && !p.includes("\0"), {
     message: "must be a relative path without '..'",
   })
-  .refine((p) => pathSegments(p).length > 0, {
-    message: "must name a file, not '.' or the directory itself",
-  })
-  .refine((p) => pathSegments(p).length <= MAX_PATH_DEPTH + 1, {
-    message: `must be nested in at most ${MAX_PATH_DEPTH} directories`,
-  })
-  .refine((p) => pathSegments(p).every((s) => Buffer.byteLength(s) <= MAX_NAME_BYTES), {
-    message: `each name in the path must be at most ${MAX_NAME_BYTES} bytes`,
+  // Every file of every task row comes through here: its segments are split once.
+  .superRefine((p, ctx) => {
+    const segments = pathSegments(p);
+    const problem = (message: string) => ctx.addIssue({ code: "custom", message });
+    if (segments.length === 0) problem("must name a file, not '.' or the directory itself");
+    if (segments.length > MAX_PATH_DEPTH + 1)
+      problem(`must be nested in at most ${MAX_PATH_DEPTH} directories`);
+    if (!segments.every((s) => Buffer.byteLength(s) <= MAX_NAME_BYTES)) {
+      problem(`each name in the path must be at most ${MAX_NAME_BYTES} bytes`);
+    }
   });
 
 /** A relative path's segments, without empty and `.` ones (`a//./b` → `a`, `b`). */
