@@ -1,3 +1,4 @@
+import { MIN_DURATION_S } from "@fleet/contracts";
 import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
 import pkg from "../package.json" with { type: "json" };
 import { FleetClient, isApiError } from "./client.ts";
@@ -34,7 +35,7 @@ function positiveSeconds(value: string): number {
 /** A rollout duration: as the API takes it (at least 1 s: less could run nothing). */
 function durationSeconds(value: string): number {
   const n = positiveSeconds(value);
-  if (n < 1) throw new InvalidArgumentError("must be at least 1 second");
+  if (n < MIN_DURATION_S) throw new InvalidArgumentError(`must be at least ${MIN_DURATION_S} second`);
   return n;
 }
 

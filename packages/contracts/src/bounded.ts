@@ -92,6 +92,9 @@ export function decodeUtf8(bytes: Uint8Array): string {
  */
 export const MAX_DURATION_S = 7 * 24 * 3600;
 
+/** The shortest duration (agent, verifier, tool timeouts, deadlines) a rollout may ask for. */
+export const MIN_DURATION_S = 1;
+
 /** A duration in seconds: finite, strictly positive, at most a week (DESIGN §2 rule 5/13). */
 export const Seconds = z
   .number({
@@ -101,7 +104,7 @@ export const Seconds = z
   .refine((n) => n > 0, { message: "must be positive" })
   // Less leaves nothing once a sandbox is prepared: every attempt would end the same way, as an
   // infrastructure failure (masked, retried), never the request's own fault.
-  .refine((n) => n <= 0 || n >= 1, { message: "must be at least 1 second" })
+  .refine((n) => n <= 0 || n >= MIN_DURATION_S, { message: `must be at least ${MIN_DURATION_S} second` })
   .refine((n) => n <= MAX_DURATION_S, { message: `must be at most ${MAX_DURATION_S} (a week)` });
 
 /** A duration in milliseconds: finite, strictly positive, at most a week. */
