@@ -1,7 +1,7 @@
 import { FleetError } from "@fleet/contracts";
 import { sandboxKey } from "@fleet/queue";
-import type { GatewayFirewall } from "@fleet/sandbox";
 import { DockerGatewayNetworks, DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
+import { MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
@@ -400,16 +400,11 @@ describe("janitor", () => {
 
   it("firewall rules a close could not remove once its network was gone are removed by the janitor's retry", async () => {
     // The host firewall, in memory: its unseal fails (the xtables lock busy throughout) until mended.
-    const sealed = new Set<string>();
+    const firewall = new MemoryGatewayFirewall();
+    const { sealed } = firewall;
     let broken = true;
-    const firewall: GatewayFirewall = {
-      seal: async (bridge) => void sealed.add(bridge),
-      allow: async () => undefined,
-      unseal: async (bridge) => {
-        if (broken) throw FleetError.nonRetryable("isolation_refused", "iptables -D failed (the test)");
-        sealed.delete(bridge);
-      },
-    };
+    firewall.unsealFailure = () =>
+      broken ? FleetError.nonRetryable("isolation_refused", "iptables -D failed (the test)") : null;
     const networks = new DockerGatewayNetworks({ scope: `janitor-unseal-${process.pid}`, firewall });
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };

@@ -2,7 +2,7 @@ import { randomUUID } from "node:crypto";
 import { FleetError, isFleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { afterAll, describe, expect, it } from "vitest";
-import type { GatewayFirewall } from "./gateway-firewall.ts";
+import { MemoryGatewayFirewall } from "../testing/memory-firewall.ts";
 import {
   buildGatewayNetworkConfig,
   DockerGatewayNetworks,
@@ -86,17 +86,13 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
 
   it("an unseal that meets a busy xtables lock after the network is gone is tried again, not left on the host for good", async () => {
     const run = randomUUID().slice(0, 8);
-    const sealed = new Set<string>();
+    const firewall = new MemoryGatewayFirewall();
+    const { sealed } = firewall;
     let busy = 2;
-    const firewall: GatewayFirewall = {
-      seal: async (bridge) => void sealed.add(bridge),
-      allow: async () => undefined,
-      unseal: async (bridge) => {
-        if (busy-- > 0)
-          throw FleetError.retryable("provider_unavailable", "iptables: the xtables lock stayed busy");
-        sealed.delete(bridge);
-      },
-    };
+    firewall.unsealFailure = () =>
+      busy-- > 0
+        ? FleetError.retryable("provider_unavailable", "iptables: the xtables lock stayed busy")
+        : null;
     const networks = new DockerGatewayNetworks({ scope: `{unseal-${run}}`, firewall });
     const id = `gwl-${run}`;
     made.push(gatewayNetworkName(id, `{unseal-${run}}`));

@@ -2,6 +2,7 @@
 // plus a capability check for bubblewrap tests.
 export * from "../bubblewrap/test-rootfs.ts";
 export * from "./in-memory-provider.ts";
+export * from "./memory-firewall.ts";
 
 /**
  * What an agent would leave to be masked instead of graded: a loop in its own session killing
