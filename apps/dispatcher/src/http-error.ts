@@ -47,6 +47,14 @@ export function errorBody(err: HttpError): ErrorBody {
 /** Seconds a client should wait after 429/503 before trying again. */
 export const RETRY_AFTER_S = 5;
 
+/** 503 `unavailable`: try again after `RETRY_AFTER_S` (said in `Retry-After`). */
+export function unavailable(message: string, headers: Readonly<Record<string, string>> = {}): HttpError {
+  return new HttpError(503, "unavailable", message, null, {
+    "retry-after": String(RETRY_AFTER_S),
+    ...headers,
+  });
+}
+
 const ADMISSION_STATUS = { invalid: 422, payload_too_large: 413, conflict: 409 } as const;
 
 /** Fastify's own errors, by code, where the status alone does not say enough. */
@@ -96,15 +104,7 @@ export function toHttpError(err: unknown): HttpError {
     return new HttpError(ADMISSION_STATUS[code], code, message, e.details ?? null);
   }
   if (isRedisUnavailable(err)) {
-    return new HttpError(
-      503,
-      "unavailable",
-      "the fleet's Redis cannot serve now (unreachable, full or failing over); try again",
-      null,
-      {
-        "retry-after": String(RETRY_AFTER_S),
-      },
-    );
+    return unavailable("the fleet's Redis cannot serve now (unreachable, full or failing over); try again");
   }
   if (typeof e.code === "string" && e.code in FASTIFY_CODES) {
     const [status, code] = FASTIFY_CODES[e.code]!;

@@ -10,7 +10,7 @@ import Fastify, {
 } from "fastify";
 import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
-import { errorBody, HttpError, RETRY_AFTER_S, toHttpError } from "./http-error.ts";
+import { errorBody, HttpError, toHttpError, unavailable } from "./http-error.ts";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
 import { NdjsonText } from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
@@ -100,13 +100,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   });
   app.addHook("onRequest", async (_req, reply) => {
     if (!closing) return;
-    return refuse(
-      reply,
-      new HttpError(503, "unavailable", "the dispatcher is shutting down; try again", null, {
-        "retry-after": String(RETRY_AFTER_S),
-        connection: "close",
-      }),
-    );
+    return refuse(reply, unavailable("the dispatcher is shutting down; try again", { connection: "close" }));
   });
 
   // Auth runs before the body is read, so an unauthenticated client cannot make us parse 32 MiB.

@@ -1,7 +1,7 @@
 import type { Queue } from "bullmq";
 import type { FastifyInstance } from "fastify";
 import type { RouteContext } from "../context.ts";
-import { HttpError, RETRY_AFTER_S } from "../http-error.ts";
+import { unavailable } from "../http-error.ts";
 import { buildOpenApi } from "../openapi.ts";
 import { refreshScrapeMetrics, withTimeout } from "../scrape-metrics.ts";
 
@@ -26,13 +26,7 @@ export function registerOpsRoutes(
     try {
       await withTimeout(redis.ping(), REDIS_CHECK_TIMEOUT_MS, "redis ping");
     } catch (err) {
-      throw new HttpError(
-        503,
-        "unavailable",
-        `Redis is not reachable: ${err instanceof Error ? err.message : String(err)}`,
-        null,
-        { "retry-after": String(RETRY_AFTER_S) },
-      );
+      throw unavailable(`Redis is not reachable: ${err instanceof Error ? err.message : String(err)}`);
     }
     return { status: "ready" };
   });
