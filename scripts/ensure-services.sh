@@ -13,14 +13,16 @@ log() { echo "[ensure-services] $*" >&2; }
 
 # dockerd and debootstrap live in sbin, which a non-root user's PATH on Debian leaves out.
 export PATH="$PATH:/usr/local/sbin:/usr/sbin:/sbin"
-docker_answers() { command -v docker >/dev/null && docker info >/dev/null 2>&1; }
+# Asked once here (each `docker info` against a busy daemon can take a while), again only after installs.
+docker_answers=0
+command -v docker >/dev/null && docker info >/dev/null 2>&1 && docker_answers=1
 need=()
 command -v redis-server >/dev/null || need+=(redis-server)
 # The daemon only when none answers (one started elsewhere, or a remote DOCKER_HOST, will do).
-docker_answers || command -v dockerd >/dev/null || need+=(docker.io)
+[ "$docker_answers" = 1 ] || command -v dockerd >/dev/null || need+=(docker.io)
 # debootstrap only to build the base image, when it is not there already.
 if ! command -v debootstrap >/dev/null; then
-  if ! docker_answers || ! docker image inspect "$(bash "$here/build-base-image.sh" --print-tag)" >/dev/null 2>&1; then
+  if [ "$docker_answers" = 0 ] || ! docker image inspect "$(bash "$here/build-base-image.sh" --print-tag)" >/dev/null 2>&1; then
     need+=(debootstrap)
   fi
 fi
@@ -36,7 +38,7 @@ if [ ${#need[@]} -gt 0 ]; then
 fi
 
 # Docker daemon.
-if ! docker info >/dev/null 2>&1; then
+if [ "$docker_answers" = 0 ] && ! docker info >/dev/null 2>&1; then
   if [ "$(id -u)" != 0 ]; then log "no Docker daemon answers and we are not root to start one"; exit 1; fi
   log "starting dockerd"
   (setsid dockerd --iptables=false --ip6tables=false >"$state/dockerd.log" 2>&1 &)
