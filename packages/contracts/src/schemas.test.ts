@@ -21,7 +21,7 @@ import {
   VerifyReceipt,
 } from "./rollout.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";
-import { matchExpectedProblem, TaskContent } from "./task.ts";
+import { fileModes, matchExpectedProblem, TaskContent } from "./task.ts";
 
 const id = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9._-]{0,20}$/);
 const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
@@ -189,6 +189,31 @@ describe("AgentSpec refusals", () => {
 
 describe("TaskContent refusals", () => {
   const base = { id: "t", instruction: "i", image: "img", tests: { "test.sh": "exit 0" } };
+  it("takes file modes that name the task's files, as three octal digits, and keeps a task without them as it was", () => {
+    const workspace = { "bin/deploy.sh": "#!/bin/sh\n", "./key.pem": "k" };
+    const modes = { "workspace/./bin/deploy.sh": "644", "workspace/key.pem": "600", "tests/test.sh": "755" };
+    const task = TaskContent.parse({ ...base, workspace, modes });
+    expect(fileModes(task, "workspace")).toEqual({ "bin/deploy.sh": 0o644, "key.pem": 0o600 });
+    expect(fileModes(task, "tests")).toEqual({ "test.sh": 0o755 });
+    expect(fileModes(task, "solution")).toEqual({});
+    expect("modes" in TaskContent.parse(base)).toBe(false); // no key: the digest of a task without modes is unchanged
+
+    const refused = (m: Record<string, string>) =>
+      TaskContent.safeParse({ ...base, workspace, modes: m }).error?.issues.map((i) => [
+        i.path.join("."),
+        i.message,
+      ]);
+    expect(refused({ "workspace/missing.txt": "644" })?.[0]?.[1]).toMatch(/names no file of the task/);
+    expect(refused({ "deploy.sh": "644" })?.[0]?.[1]).toMatch(/names no file/);
+    expect(refused({ "solution/key.pem": "644" })?.[0]?.[1]).toMatch(/names no file/); // another set's file
+    expect(refused({ "workspace/key.pem": "0600" })?.[0]?.[1]).toMatch(/three octal digits/);
+    expect(refused({ "workspace/key.pem": "4755" })?.[0]?.[1]).toMatch(/three octal digits/); // no setuid
+    expect(refused({ "workspace/key.pem": "689" })?.[0]?.[1]).toMatch(/three octal digits/);
+    expect(refused({ "workspace/key.pem": "600", "workspace/./key.pem": "644" })).toEqual([
+      ["modes.workspace/./key.pem", 'names the same file as "workspace/key.pem"'],
+    ]);
+  });
+
   it("takes a file set at its limits: 32 directories deep, 255-byte names, 10,000 entries", () => {
     const wide = Object.fromEntries(Array.from({ length: 5_000 }, (_, i) => [`p${i}/f`, ""]));
     const workspace = { ...wide, [`${"d/".repeat(31)}f`]: "", [`${"é".repeat(127)}x`]: "" };

@@ -37,6 +37,21 @@ function pathSegments(p: string): string[] {
   return p.split("/").filter((s) => s !== "" && s !== ".");
 }
 
+/** A relative path as one spelling: `./a//b` → `a/b` (how file modes name files). */
+export function normalizeRelativePath(p: string): string {
+  return pathSegments(p).join("/");
+}
+
+/** The file trees of a task, each staged into its own sandbox directory. */
+export const TASK_FILE_SETS = ["workspace", "solution", "tests"] as const;
+export type TaskFileSet = (typeof TASK_FILE_SETS)[number];
+
+/**
+ * A file's permission bits as three octal digits (`"644"`, `"755"`, `"600"`). No setuid, setgid
+ * or sticky bit: staged files are the task's data, not privileges.
+ */
+export const FileMode = z.string().regex(/^[0-7]{3}$/, 'must be three octal digits, e.g. "644" or "755"');
+
 /**
  * A set of text files: relative path → UTF-8 content. Two keys may not name the same file
  * (`a` and `./a`), nor may a file be another's directory (`a` and `a/b`): no tar of them could
@@ -162,8 +177,44 @@ export const TaskContent = z
       .default({ agentS: 120, verifierS: 60 }),
     verifier: VerifierSpec.default({ kind: "tests" }),
     metadata: z.record(z.string(), z.unknown()).default({}),
+    /**
+     * Modes of the files that are not staged at the default (0755 for a file starting with `#!`,
+     * 0644 for any other): `"<set>/<path>"` (e.g. `"workspace/deploy.sh"`) → `"644"`. Optional,
+     * and absent when empty, so a task without it keeps its digest.
+     */
+    modes: z.record(z.string(), FileMode).optional(),
   })
   .superRefine((task, ctx) => {
+    // Each set's files by normalized path, built once (a task may hold thousands of files).
+    const files = new Map<string, Set<string>>();
+    const filesOf = (set: TaskFileSet) => {
+      let names = files.get(set);
+      if (!names) {
+        names = new Set(Object.keys(task[set]).map(normalizeRelativePath));
+        files.set(set, names);
+      }
+      return names;
+    };
+    const moded = new Map<string, string>();
+    for (const key of Object.keys(task.modes ?? {})) {
+      const slash = key.indexOf("/");
+      const set = key.slice(0, slash) as TaskFileSet;
+      const rel = normalizeRelativePath(key.slice(slash + 1));
+      const named = slash > 0 && TASK_FILE_SETS.includes(set) && filesOf(set).has(rel);
+      if (!named) {
+        ctx.addIssue({
+          code: "custom",
+          path: ["modes", key],
+          message: `names no file of the task (a key is "workspace/<path>", "solution/<path>" or "tests/<path>")`,
+        });
+        continue;
+      }
+      const other = moded.get(`${set}/${rel}`);
+      if (other !== undefined) {
+        ctx.addIssue({ code: "custom", path: ["modes", key], message: `names the same file as "${other}"` });
+      }
+      moded.set(`${set}/${rel}`, key);
+    }
     // Graded by `tests/test.sh`: one that runs nothing (blank, comments only) would pass every
     // agent's work with 1.0. (A missing one fails the rollout at verify, `invalid_task`.)
     const script = task.tests["test.sh"];
@@ -183,6 +234,20 @@ export const TaskContent = z
   });
 export type TaskContent = z.infer<typeof TaskContent>;
 export type TaskContentInput = z.input<typeof TaskContent>;
+
+/**
+ * The modes `task.modes` gives the files of one set: normalized relative path → mode bits, for
+ * `SandboxProvider.put` (files not named get the default).
+ */
+export function fileModes(task: Pick<TaskContent, "modes">, set: TaskFileSet): Record<string, number> {
+  const out: Record<string, number> = {};
+  const prefix = `${set}/`;
+  for (const [key, mode] of Object.entries(task.modes ?? {})) {
+    if (key.startsWith(prefix))
+      out[normalizeRelativePath(key.slice(prefix.length))] = Number.parseInt(mode, 8);
+  }
+  return out;
+}
 
 /** Whether a shell script has a line that is neither blank nor a comment. */
 function hasCommand(script: string): boolean {

@@ -22,7 +22,7 @@ const TASK = TaskContent.parse({
   id: "probe-task",
   instruction: "Report who and where you are.",
   image: IMAGE,
-  workspace: { "input.txt": "seed data\n" },
+  workspace: { "input.txt": "seed data\n", "deploy.sh": "#!/bin/sh\necho deployed\n" },
   solution: {
     "solve.sh": [
       "#!/bin/bash",
@@ -31,12 +31,15 @@ const TASK = TaskContent.parse({
       'echo "instruction=$(cat "$FLEET_INSTRUCTION_FILE")"',
       'echo "input=$(cat input.txt)"',
       'echo "helper=$(bash /solution/lib/helper.sh)"',
+      'echo "modes=$(stat -c %a deploy.sh /solution/lib/helper.sh | tr "\\n" " ")"',
       "echo made > output.txt",
       "",
     ].join("\n"),
     "lib/helper.sh": "echo helped\n",
   },
   tests: { "test.sh": "exit 0\n" },
+  // Not the defaults (a script 0755, any other file 0644): the task's own modes are staged.
+  modes: { "workspace/deploy.sh": "644", "solution/lib/helper.sh": "755" },
 });
 
 async function sandbox(label: string): Promise<SandboxHandle> {
@@ -73,7 +76,7 @@ afterAll(async () => {
 });
 
 describe("harnesses in a real Docker sandbox", () => {
-  it("oracle: runs solve.sh (with helpers) as uid 1000 in /workspace, with the instruction file", async () => {
+  it("oracle: runs solve.sh (with helpers) as uid 1000 in /workspace, with the instruction file, files at the task's modes", async () => {
     const handle = await sandbox("oracle");
     await stageWorkspace(provider, handle, TASK);
     const outcome = await createHarness(AgentSpec.parse({ harness: "oracle" })).run(
@@ -87,6 +90,7 @@ describe("harnesses in a real Docker sandbox", () => {
         "instruction=Report who and where you are.",
         "input=seed data",
         "helper=helped",
+        "modes=644 755",
       ].join("\n"),
     );
     expect(outcome.usage).toBeNull();

@@ -1,4 +1,4 @@
-import { FleetError } from "@fleet/contracts";
+import { FleetError, fileModes } from "@fleet/contracts";
 import { ROOT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import type { Harness, HarnessContext, HarnessOutcome } from "./harness.ts";
 import { runAgentCommand } from "./run-command.ts";
@@ -20,7 +20,12 @@ export class OracleHarness implements Harness {
     }
     return runAgentCommand(ctx, ["bash", `${SANDBOX_PATHS.solution}/solve.sh`], {
       // /solution belongs to root (0755): the solution is staged as root, readable by the agent.
-      stage: { dir: SANDBOX_PATHS.solution, files: ctx.task.solution, user: ROOT_USER },
+      stage: {
+        dir: SANDBOX_PATHS.solution,
+        files: ctx.task.solution,
+        user: ROOT_USER,
+        modes: fileModes(ctx.task, "solution"),
+      },
     });
   }
 }

@@ -74,7 +74,7 @@ export async function runAgentCommand(
   options: {
     env?: Record<string, string>;
     /** Files to stage before the command starts, and their owner. */
-    stage?: { dir: string; files: Record<string, string>; user: string };
+    stage?: { dir: string; files: Record<string, string>; user: string; modes?: Record<string, number> };
   } = {},
 ): Promise<HarnessOutcome> {
   const { provider, handle, task } = ctx;
@@ -89,7 +89,7 @@ export async function runAgentCommand(
   const stage = options.stage;
   if (stage !== undefined) {
     await providerStep(ctx, `stage ${stage.dir}`, () =>
-      provider.put(handle, stage.dir, stage.files, { user: stage.user }),
+      provider.put(handle, stage.dir, stage.files, { user: stage.user, modes: stage.modes }),
     );
   }
 

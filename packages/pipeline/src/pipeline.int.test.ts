@@ -698,17 +698,17 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([fresh!, id!])).toBe(0);
   });
 
-  it("a run re-delivered after an interrupted one starts from the task's workspace and clean scratch, not from its leftovers", async () => {
-    const task = byId("python-bugfix");
+  it("a run re-delivered after an interrupted one starts from the task's workspace (at its modes) and clean scratch, not from its leftovers", async () => {
+    const task = { ...byId("python-bugfix"), modes: { "workspace/stats.py": "600" } };
     const original = createHash("md5").update(task.workspace["stats.py"]!).digest("hex");
-    // Lists the workspace, fingerprints the task's file and lists the agent's own scratch files
+    // Lists the workspace, fingerprints the task's file, its mode, and lists the agent's own scratch files
     // (but the instruction, written for each run), then dirties all three.
     const argv = [
       "sh",
       "-c",
-      "ls -A; md5sum stats.py | cut -d' ' -f1; " +
+      "ls -A; md5sum stats.py | cut -d' ' -f1; stat -c %a stats.py; " +
         "find /tmp /logs /dev/shm /dev/mqueue -mindepth 1 -user $(id -u) ! -path '/tmp/fleet*' 2>&1; " +
-        "echo x > leftover.txt; echo x > stats.py; echo plan > /tmp/notes; mkdir /logs/l; echo x > /dev/shm/x; touch /dev/mqueue/q",
+        "echo x > leftover.txt; echo x > stats.py; chmod 777 stats.py; echo plan > /tmp/notes; mkdir /logs/l; echo x > /dev/shm/x; touch /dev/mqueue/q",
     ];
     const [id] = await fleet.submit([{ task, agent: { harness: "command", argv } }]);
     expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
@@ -730,7 +730,7 @@ describe("idempotency and fencing without workers", () => {
     expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
     const run = (await fleet.deps.store.get(id!))!.receipts.run!;
     expect(run.attempts).toBe(2);
-    expect(run.exec.stdout.split("\n").filter(Boolean)).toEqual(["stats.py", original]);
+    expect(run.exec.stdout.split("\n").filter(Boolean)).toEqual(["stats.py", original, "600"]);
     await runStageJob("close", job(id!), fleet.deps);
     expect(await containersOf([id!])).toBe(0);
   });

@@ -6,6 +6,7 @@ import {
   endedBySignal,
   type FailureRecord,
   FleetError,
+  fileModes,
   isFleetError,
   type ProbeReport,
   type RunReceipt,
@@ -289,6 +290,7 @@ async function resetForRerun(
   try {
     await deps.provider.put(handle, SANDBOX_PATHS.workspace, task.workspace, {
       user: AGENT_USER,
+      modes: fileModes(task, "workspace"),
       replace: true,
     });
     await scrubScratch(deps.provider, handle, AGENT_USER);

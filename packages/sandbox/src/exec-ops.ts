@@ -14,7 +14,7 @@ import {
 } from "@fleet/contracts";
 import { KILL_GRACE_S, parseNumericUser } from "./exec-command.ts";
 import type { CappedBuffer } from "./output.ts";
-import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, type SandboxInfo } from "./provider.ts";
+import { AGENT_USER, type PutOptions, ROOT_USER, SANDBOX_PATHS, type SandboxInfo } from "./provider.ts";
 import { buildTar } from "./tar.ts";
 import { formatIssues } from "./validation.ts";
 
@@ -213,11 +213,11 @@ fi`;
 export async function extractViaExec(
   exec: SandboxExec,
   plan: PutPlan,
-  mode?: number,
-  replace = false,
+  options: Pick<PutOptions, "mode" | "modes" | "replace"> = {},
 ): Promise<void> {
   const { target, user } = plan;
-  const archive = await buildTar(plan.files, { ...plan.ids, mode });
+  const replace = options.replace ?? false;
+  const archive = await buildTar(plan.files, { ...plan.ids, mode: options.mode, modes: options.modes });
   const script = `${CLEAR_DIR}
 mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
   const what = `staging ${Object.keys(plan.files).length} file(s) into ${target}`;

@@ -42,7 +42,10 @@ export const ROOT_USER = "0:0";
 export interface PutOptions {
   /** `uid[:gid]` owning the files (and running the extraction); defaults by path. */
   user?: string;
+  /** Mode of every file `modes` does not name (default: 0755 for a file starting with `#!`, else 0644). */
   mode?: number;
+  /** Modes of single files (relative path, as `normalizeRelativePath` spells it → mode bits). */
+  modes?: Readonly<Record<string, number>>;
   /** Empty `dir` first, proving nothing is left (see `SandboxProvider.put`). */
   replace?: boolean;
 }

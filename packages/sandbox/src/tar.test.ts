@@ -63,6 +63,26 @@ describe("buildTar", () => {
     expect(got.map((e) => e.mode)).toEqual([0o600, 0o600]);
   });
 
+  it("gives single files their own modes, by normalized path, over the default and `mode`", async () => {
+    const files = { "./bin//deploy.sh": "#!/bin/sh\n", "key.pem": "k", "plain.txt": "p" };
+    const modes = { "bin/deploy.sh": 0o644, "key.pem": 0o600 };
+    const byName = async (options: Parameters<typeof buildTar>[1]) =>
+      Object.fromEntries((await entries(await buildTar(files, options))).map((e) => [e.name, e.mode]));
+    expect(await byName({ uid: 0, gid: 0, modes })).toMatchObject({
+      "bin/deploy.sh": 0o644,
+      "key.pem": 0o600,
+      "plain.txt": 0o644,
+    });
+    expect(await byName({ uid: 0, gid: 0, modes, mode: 0o640 })).toMatchObject({
+      "bin/deploy.sh": 0o644,
+      "key.pem": 0o600,
+      "plain.txt": 0o640,
+    });
+    await expect(buildTar(files, { uid: 0, gid: 0, modes: { "key.pem": 0o4755 } })).rejects.toThrow(
+      /key\.pem.*0\.\.0o777/,
+    );
+  });
+
   it("refuses paths that climb out", async () => {
     await expect(buildTar({ "../etc/passwd": "x" }, { uid: 0, gid: 0 })).rejects.toThrow(/\.\./);
     expect(() => safeRelativeParts("/abs")).toThrow(/relative/);

@@ -5,7 +5,12 @@ import tar from "tar-stream";
 export interface TarOptions {
   uid: number;
   gid: number;
-  /** File mode; when unset, files starting with `#!` get 0755 and others 0644. */
+  /**
+   * Modes of single files, by relative path spelled as `normalizeRelativePath` spells it
+   * (`a/b`, no `./`); they win over `mode`.
+   */
+  modes?: Readonly<Record<string, number>>;
+  /** File mode of the files `modes` does not name; when unset, files starting with `#!` get 0755 and others 0644. */
   mode?: number;
   /** @defaultValue 0o755 */
   dirMode?: number;
@@ -40,11 +45,16 @@ export async function buildTar(files: FileSet, options: TarOptions): Promise<Buf
   const entries: Array<{ name: string; body: Buffer; mode: number }> = [];
   for (let i = 1; i <= prefix.length; i++) dirs.add(prefix.slice(0, i).join("/"));
   for (const rel of Object.keys(files).sort()) {
-    const parts = [...prefix, ...safeRelativeParts(rel)];
+    const own = safeRelativeParts(rel);
+    const parts = [...prefix, ...own];
     if (parts.length === prefix.length) throw new RangeError(`empty file path: '${rel}'`);
     for (let i = 1; i < parts.length; i++) dirs.add(parts.slice(0, i).join("/"));
     const body = Buffer.from(files[rel]!, "utf8");
-    const mode = options.mode ?? (body.subarray(0, 2).toString("latin1") === "#!" ? 0o755 : 0o644);
+    const given = options.modes?.[own.join("/")];
+    if (given !== undefined && !(Number.isInteger(given) && given >= 0 && given <= 0o777)) {
+      throw new RangeError(`file mode of '${rel}' must be permission bits 0..0o777, got ${given}`);
+    }
+    const mode = given ?? options.mode ?? (body.subarray(0, 2).toString("latin1") === "#!" ? 0o755 : 0o644);
     entries.push({ name: parts.join("/"), body, mode });
   }
 

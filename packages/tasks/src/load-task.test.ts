@@ -1,7 +1,7 @@
-import { mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
+import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { FleetError, isFleetError } from "@fleet/contracts";
+import { FleetError, fileModes, isFleetError } from "@fleet/contracts";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import { loadSuite, loadTask } from "./load-task.ts";
 import { EXAMPLE_SUITE_DIR } from "./paths.ts";
@@ -110,6 +110,11 @@ describe("the bundled example suite", () => {
     expect(Object.keys(byId.get("directory-tree")?.workspace ?? {})).toContain("inbox/cat.png");
   });
 
+  it("stages its scripts at their default modes: only file-permissions' run.sh is not executable", async () => {
+    const moded = (await loadSuite(EXAMPLE_SUITE_DIR)).filter((t) => t.modes !== undefined);
+    expect(moded.map((t) => [t.id, t.modes])).toEqual([["file-permissions", { "workspace/run.sh": "644" }]]);
+  });
+
   it("loads a single task directory as a suite of one", async () => {
     const tasks = await loadSuite(path.join(EXAMPLE_SUITE_DIR, "hello-file"));
     expect(tasks.map((t) => t.id)).toEqual(["hello-file"]);
@@ -147,6 +152,28 @@ describe("loadTask", () => {
     expect(task.image).toBe("img:1");
     expect(task.timeouts).toEqual({ agentS: 120, verifierS: 60 });
     expect(task.metadata).toEqual({ environment: { cpus: 2, memory_mb: 512 } });
+  });
+
+  it("keeps each file's executable bit where staging's default would not give it, and a leading BOM", async () => {
+    const dir = await writeTask("moded", {
+      "workspace/deploy.sh": "#!/bin/sh\necho deploy\n", // 644 on disk, a script: stays 644
+      "workspace/tool": "echo tool\n", // 755 on disk, no #!: stays 755
+      "workspace/secret.txt": "s\n", // 600: not executable, as the default gives (644)
+      "workspace/bom.txt": Buffer.from("\uFEFFhello\n", "utf8"),
+      "tests/test.sh": "#!/bin/bash\nexit 0\n", // 755, a script: the default
+    });
+    await chmod(path.join(dir, "workspace/tool"), 0o755);
+    await chmod(path.join(dir, "workspace/secret.txt"), 0o600);
+    await chmod(path.join(dir, "tests/test.sh"), 0o755);
+    const task = await loadTask(dir);
+    expect(task.modes).toEqual({ "workspace/deploy.sh": "644", "workspace/tool": "755" });
+    expect(fileModes(task, "workspace")).toEqual({ "deploy.sh": 0o644, tool: 0o755 });
+    expect(task.workspace["bom.txt"]).toBe("\uFEFFhello\n");
+    // The instruction is text for the agent, not a file it works on: its BOM goes.
+    const bomInstruction = await writeTask("bom", {
+      "instruction.md": Buffer.from("\uFEFFDo it.\n", "utf8"),
+    });
+    expect((await loadTask(bomInstruction)).instruction).toBe("Do it.\n");
   });
 
   it("accepts a match task without tests/", async () => {

@@ -1,7 +1,13 @@
 import type { Dirent, Stats } from "node:fs";
 import { lstat, readdir, readFile } from "node:fs/promises";
 import path from "node:path";
-import { type FileSet, FleetError, TaskContent, type TaskContentInput } from "@fleet/contracts";
+import {
+  type FileSet,
+  FleetError,
+  TASK_FILE_SETS,
+  TaskContent,
+  type TaskContentInput,
+} from "@fleet/contracts";
 import { parse as parseToml, TomlDate, TomlError } from "smol-toml";
 import { describeIssues, TaskToml } from "./task-toml.ts";
 
@@ -20,7 +26,7 @@ export interface LoadTaskOptions {
 const SKIPPED = new Set(["__pycache__", ".pytest_cache", ".DS_Store", ".git"]);
 
 /** The sub-directories whose files travel with the task, and the TaskContent field each fills. */
-const FILE_TREES = ["workspace", "solution", "tests"] as const;
+const FILE_TREES = TASK_FILE_SETS;
 
 function invalid(file: string, message: string, cause?: unknown): FleetError {
   return new FleetError("invalid_task", `${file}: ${message}`, cause === undefined ? {} : { cause });
@@ -53,7 +59,12 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
   if (instruction.trim() === "") throw invalid(instructionFile, "is empty");
 
   const trees: Record<(typeof FILE_TREES)[number], FileSet> = { workspace: {}, solution: {}, tests: {} };
-  for (const name of FILE_TREES) trees[name] = await readTree(path.join(root, name), budget);
+  const modes: Record<string, string> = {};
+  for (const name of FILE_TREES) {
+    const tree = await readTree(path.join(root, name), budget);
+    trees[name] = tree.files;
+    for (const [rel, mode] of Object.entries(tree.modes)) modes[`${name}/${rel}`] = mode;
+  }
 
   const verifierKind = config.verifier?.kind ?? "tests";
   if (verifierKind === "tests" && trees.tests["test.sh"] === undefined) {
@@ -67,6 +78,8 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
   }
 
   const input = toContent(root, tomlFile, config, instruction, trees);
+  // Only when some file needs it: a task whose files all stage at the default keeps its digest.
+  if (Object.keys(modes).length > 0) input.modes = modes;
   const parsed = TaskContent.safeParse(input);
   if (!parsed.success) {
     const fromDirName = config.task?.id === undefined;
@@ -300,6 +313,19 @@ function cannotRead(file: string, err: unknown): FleetError {
 }
 
 async function readText(file: string, budget: Budget, missing: string): Promise<string> {
+  return (await readTextFile(file, budget, missing, false)).text;
+}
+
+/**
+ * `file`'s text and whether its owner may execute it. With `keepBom`, a leading byte order mark
+ * stays part of the text (a task file is staged as it is on disk).
+ */
+async function readTextFile(
+  file: string,
+  budget: Budget,
+  missing: string,
+  keepBom: boolean,
+): Promise<{ text: string; executable: boolean }> {
   const st = await statOrNull(file);
   if (st === null) throw invalid(file, missing);
   if (st.isSymbolicLink()) throw invalid(file, "is a symbolic link (tasks must hold regular files)");
@@ -310,18 +336,28 @@ async function readText(file: string, budget: Budget, missing: string): Promise<
     throw cannotRead(file, err);
   });
   try {
-    return new TextDecoder("utf-8", { fatal: true }).decode(bytes);
+    const text = new TextDecoder("utf-8", { fatal: true, ignoreBOM: keepBom }).decode(bytes);
+    return { text, executable: (st.mode & 0o100) !== 0 };
   } catch (err) {
     throw invalid(file, "is not UTF-8 text (binary files are not supported in tasks)", err);
   }
 }
 
-/** Every regular file under `dir` as a FileSet keyed by POSIX relative path; `{}` if `dir` is absent. */
-async function readTree(dir: string, budget: Budget): Promise<FileSet> {
-  const st = await statOrNull(dir);
-  if (st === null) return {};
-  if (!st.isDirectory()) throw invalid(dir, "must be a directory");
+/**
+ * Every regular file under `dir` as a FileSet keyed by POSIX relative path (`{}` if `dir` is
+ * absent), and the files whose mode is not the one staging gives by default: a file whose owner
+ * may execute it is 755, any other 644, as git keeps them (the other bits depend on the umask of
+ * whoever checked the task out, and would change its digest from one machine to the next).
+ */
+async function readTree(
+  dir: string,
+  budget: Budget,
+): Promise<{ files: FileSet; modes: Record<string, string> }> {
   const files: FileSet = {};
+  const modes: Record<string, string> = {};
+  const st = await statOrNull(dir);
+  if (st === null) return { files, modes };
+  if (!st.isDirectory()) throw invalid(dir, "must be a directory");
   const walk = async (abs: string, rel: string): Promise<void> => {
     const listed = await readdir(abs, { withFileTypes: true }).catch((err: unknown) => {
       throw cannotRead(abs, err);
@@ -334,10 +370,14 @@ async function readTree(dir: string, budget: Budget): Promise<FileSet> {
       if (entry.isDirectory()) await walk(childAbs, childRel);
       else if (entry.isSymbolicLink())
         throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
-      else if (entry.isFile()) files[childRel] = await readText(childAbs, budget, "vanished while reading");
-      else throw invalid(childAbs, "is not a regular file");
+      else if (entry.isFile()) {
+        const { text, executable } = await readTextFile(childAbs, budget, "vanished while reading", true);
+        files[childRel] = text;
+        // Staged by default at 0755 when it starts with `#!` (`buildTar`), 0644 otherwise.
+        if (executable !== text.startsWith("#!")) modes[childRel] = executable ? "755" : "644";
+      } else throw invalid(childAbs, "is not a regular file");
     }
   };
   await walk(dir, "");
-  return files;
+  return { files, modes };
 }

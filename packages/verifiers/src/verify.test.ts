@@ -124,6 +124,20 @@ describe("tests verifier", () => {
     ]);
   });
 
+  it("stages the tests at the modes the task gives them", async () => {
+    script(() => ({ exitCode: 0 }));
+    expect((await verify(ctx({}, { ...TESTS_TASK, modes: { "tests/helper.py": "600" } }))).reward).toBe(1);
+    expect(provider.putCalls).toEqual([
+      {
+        dir: "/tests",
+        files: TESTS_TASK.tests,
+        user: ROOT_USER,
+        replace: true,
+        modes: { "helper.py": 0o600 },
+      },
+    ]);
+  });
+
   it("a new nonce each time, kept out of argv and the environment", async () => {
     script(() => ({ exitCode: 0 }));
     await verify(ctx());

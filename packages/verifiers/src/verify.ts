@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { capText, endedBySignal, FleetError, isFleetError } from "@fleet/contracts";
+import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { MAX_REWARD_FILE_BYTES, parseReward } from "./reward-file.ts";
@@ -187,7 +187,11 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
 
   // Exactly the task's tests: whatever a previous attempt left in /tests goes in the same step.
   await step(ctx, "stage the tests", () =>
-    provider.put(handle, SANDBOX_PATHS.tests, task.tests, { user: ROOT_USER, replace: true }),
+    provider.put(handle, SANDBOX_PATHS.tests, task.tests, {
+      user: ROOT_USER,
+      modes: fileModes(task, "tests"),
+      replace: true,
+    }),
   );
   const runOnce = async () => {
     const nonce = randomBytes(16).toString("hex");

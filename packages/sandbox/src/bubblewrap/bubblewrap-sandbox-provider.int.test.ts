@@ -263,6 +263,16 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       "0 755 /tests/test.sh\n0 644 /tests/data/x.txt\n1000 755 /workspace/src\n1000 644 /workspace/src/main.py\n",
     );
     expect(await provider.get(h, "/workspace/src/main.py")).toBe("print(1)\n");
+    await provider.put(
+      h,
+      "/workspace/moded",
+      { "deploy.sh": "#!/bin/sh\n", "key.pem": "k", tool: "echo t\n" },
+      { modes: { "deploy.sh": 0o644, "key.pem": 0o600, tool: 0o755 } },
+    );
+    const moded = await provider.exec(h, ["sh", "-c", "cd /workspace/moded && stat -c '%a %n' *"], {
+      deadlineMs: 10_000,
+    });
+    expect(moded.stdout).toBe("644 deploy.sh\n600 key.pem\n755 tool\n");
     expect(await provider.get(h, "/tests/data/x.txt")).toBe("x");
     expect(await provider.get(h, "/workspace/missing")).toBeNull();
     expect(await provider.get(h, "/workspace")).toBeNull();

@@ -549,7 +549,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const plan = planPut(dir, files, options.user, this.defaults.execUser);
     const state = await this.liveState(handle);
     // Extract inside the sandbox, as the user: the host never follows a path the agent controls.
-    await extractViaExec((argv, o) => this.run(state, argv, o), plan, options.mode, options.replace);
+    await extractViaExec((argv, o) => this.run(state, argv, o), plan, options);
   }
 
   async get(

@@ -258,6 +258,25 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(plant.exitCode).not.toBe(0);
 
       expect(await provider.get(h, "/workspace/src/pkg/a.txt")).toBe("alpha");
+
+      // Single files at the modes given, through the archive API and (/tmp is a tmpfs) the exec path.
+      const files = { "deploy.sh": "#!/bin/sh\necho deployed\n", "key.pem": "k", tool: "echo t\n" };
+      const modes = { "deploy.sh": 0o644, "key.pem": 0o600, tool: 0o755 };
+      await provider.put(h, "/workspace/moded", files, { modes });
+      await provider.put(h, "/tmp/moded", files, { modes });
+      const moded = await provider.exec(
+        h,
+        ["sh", "-c", "cd /workspace/moded && stat -c '%a %n' * && cd /tmp/moded && stat -c '%a %n' *"],
+        { deadlineMs: 10_000 },
+      );
+      expect(moded.stdout.split("\n").filter(Boolean)).toEqual([
+        "644 deploy.sh",
+        "600 key.pem",
+        "755 tool",
+        "644 deploy.sh",
+        "600 key.pem",
+        "755 tool",
+      ]);
       expect(await provider.get(h, "/workspace/src/pkg/a.txt", { maxBytes: 3 })).toBe("alp");
       expect(await provider.get(h, "/workspace/nope.txt")).toBeNull();
       expect(await provider.get(h, "/workspace/src")).toBeNull();

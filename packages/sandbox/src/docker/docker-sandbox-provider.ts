@@ -473,7 +473,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     const { target, ids } = plan;
     if (isTmpfsPath(target)) {
       // Docker's archive API cannot see a container's tmpfs mounts: extract inside, as the user.
-      await extractViaExec(this.execOf(handle), plan, options.mode, options.replace);
+      await extractViaExec(this.execOf(handle), plan, options);
       return;
     }
     if (options.replace) await clearViaExec(this.execOf(handle), target, plan.user);
@@ -482,7 +482,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     // directories are created with the right owner.
     const root = isWorkspacePath(target) ? SANDBOX_PATHS.workspace : target;
     const prefix = target.slice(root.length).replace(/^\//, "");
-    const archive = await buildTar(plan.files, { ...ids, mode: options.mode, prefix });
+    const archive = await buildTar(plan.files, { ...ids, mode: options.mode, modes: options.modes, prefix });
     try {
       await this.containerOf(handle).putArchive(archive, { path: root, abortSignal: this.apiSignal() });
     } catch (err) {

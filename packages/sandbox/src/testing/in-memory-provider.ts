@@ -59,7 +59,13 @@ export class InMemorySandboxProvider implements SandboxProvider {
   readonly endpoint = "memory://test";
   readonly sandboxes = new Map<string, FakeSandbox>();
   readonly execCalls: ExecCall[] = [];
-  readonly putCalls: Array<{ dir: string; files: FileSet; user: string | undefined; replace?: boolean }> = [];
+  readonly putCalls: Array<{
+    dir: string;
+    files: FileSet;
+    user: string | undefined;
+    replace?: boolean;
+    modes?: Readonly<Record<string, number>>;
+  }> = [];
   private next = 1;
 
   constructor(public onExec: ExecHandler = () => ({})) {}
@@ -103,7 +109,14 @@ export class InMemorySandboxProvider implements SandboxProvider {
 
   async put(handle: SandboxHandle, dir: string, files: FileSet, options: PutOptions = {}): Promise<void> {
     const box = this.sandbox(handle);
-    this.putCalls.push({ dir, files: { ...files }, user: options.user, replace: options.replace });
+    this.putCalls.push({
+      dir,
+      files: { ...files },
+      user: options.user,
+      replace: options.replace,
+      // Recorded when some file has a mode of its own.
+      ...(options.modes && Object.keys(options.modes).length > 0 ? { modes: { ...options.modes } } : {}),
+    });
     const base = dir.replace(/\/+$/, "");
     if (options.replace) {
       for (const path of [...box.files.keys()]) if (path.startsWith(`${base}/`)) box.files.delete(path);
