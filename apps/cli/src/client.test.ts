@@ -29,10 +29,10 @@ async function caught(p: Promise<unknown>): Promise<ApiError> {
 describe("FleetClient", () => {
   it("posts a batch as JSON with auth and an idempotency key", async () => {
     server.on("POST", "/v1/batches", (_req, res) =>
-      json(res, 202, { batchId: "b1", rolloutIds: ["r1", "r2"], count: 2 }),
+      json(res, 202, { batchId: "b1", rolloutIds: ["r1", "r2"], count: 2, created: true }),
     );
     const accepted = await client().submitBatch([oracleRow, oracleRow]);
-    expect(accepted).toEqual({ batchId: "b1", rolloutIds: ["r1", "r2"], count: 2 });
+    expect(accepted).toEqual({ batchId: "b1", rolloutIds: ["r1", "r2"], count: 2, created: true });
     const [req] = server.requests;
     expect(req?.headers.authorization).toBe("Bearer tok-1");
     expect(req?.headers["content-type"]).toBe("application/json");

@@ -44,8 +44,14 @@ export const BatchAccepted = z.object({
   batchId: z.string().min(1),
   rolloutIds: z.array(z.string()),
   count: z.number().int().nonnegative(),
+  /** false when the Idempotency-Key replayed an earlier batch (nothing new started). */
+  created: z.boolean().default(true),
 });
 export type BatchAccepted = z.infer<typeof BatchAccepted>;
+
+/** `POST /v1/batches/:id/cancel`'s answer: how many rollouts were asked to stop. */
+export const BatchCancelled = z.object({ cancelled: z.number().int().nonnegative() });
+export type BatchCancelled = z.infer<typeof BatchCancelled>;
 
 export const RolloutAccepted = z.object({ id: z.string().min(1), status: z.string() });
 export type RolloutAccepted = z.infer<typeof RolloutAccepted>;
@@ -289,9 +295,9 @@ export class FleetClient {
   }
 
   /** `POST /v1/batches/:id/cancel`. */
-  async cancelBatch(batchId: string): Promise<unknown> {
+  async cancelBatch(batchId: string): Promise<BatchCancelled> {
     const res = await this.request("POST", `/v1/batches/${encodeURIComponent(batchId)}/cancel`);
-    return parseBody(z.unknown(), res);
+    return parseBody(BatchCancelled, res);
   }
 
   private async request(method: string, path: string, options: RequestOptions = {}): Promise<Response> {

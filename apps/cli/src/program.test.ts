@@ -185,6 +185,40 @@ describe("fleet submit", () => {
     expect(stderr.text()).toMatch(/progress 4\/4 \(100\.0%\)/);
   });
 
+  it("says when a submission was a replay of an earlier one with the same --idempotency-key", async () => {
+    // The dispatcher knows the first chunk's key (replayed, 200) and not the second's (created, 202).
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      n++;
+      const body = { batchId: `b-${n}`, rolloutIds: rows.map((_, i) => `r${n}-${i}`), count: rows.length };
+      json(res, n === 1 ? 200 : 202, { ...body, created: n !== 1 });
+    });
+    expect(await runCli([...CHUNKED, "--idempotency-key", "k1"], ctx())).toBe(0);
+    expect(stderr.text()).toMatch(
+      /^submitted 40 rollouts \(2 tasks × 20\) in \d+ batches to http:\S+; \d+ of them \(1 batch\) were already submitted with this --idempotency-key: replayed, nothing started again$/m,
+    );
+    // All of them replayed: nothing was submitted this time (the route is answered anew).
+    n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      n++;
+      json(res, 200, {
+        batchId: `b-${n}`,
+        rolloutIds: rows.map((_, i) => `r${n}-${i}`),
+        count: rows.length,
+        created: false,
+      });
+    });
+    expect(
+      await runCli(["submit", "--suite", "s", "--agent", "oracle", "--idempotency-key", "k2"], ctx()),
+    ).toBe(0);
+    expect(stderr.text()).toMatch(
+      /^already submitted: 2 rollouts \(2 tasks × 1\) in 1 batch at http:\S+, with this --idempotency-key: replayed, nothing started again$/m,
+    );
+    expect(stderr.text()).not.toMatch(/^submitted 2 rollouts/m);
+  });
+
   it("splits a large submission into chunks, referencing tasks by digest after the first, and follows all", async () => {
     fakeDispatcher((id) => completed(id, 0.5));
     const code = await runCli(CHUNKED, ctx());
@@ -644,14 +678,26 @@ describe("fleet status / results / cancel", () => {
     server.on("POST", "/v1/rollouts/r-1/cancel", (_req, res) =>
       json(res, 202, { id: "r-1", status: "cancelled" }),
     );
-    server.on("POST", "/v1/batches/b-1/cancel", (_req, res) => json(res, 202, { id: "b-1", cancelled: 3 }));
+    server.on("POST", "/v1/batches/b-1/cancel", (_req, res) =>
+      json(res, 202, { batchId: "b-1", cancelled: 3 }),
+    );
+    server.on("POST", "/v1/batches/b-2/cancel", (_req, res) =>
+      json(res, 202, { batchId: "b-2", cancelled: 0 }),
+    );
     expect(await runCli(["cancel", "r-1"], ctx())).toBe(0);
     expect(await runCli(["cancel", "b-1"], ctx())).toBe(0);
-    expect(stdout.text()).toBe("cancel requested for rollout r-1\ncancel requested for batch b-1\n");
+    expect(await runCli(["cancel", "b-2"], ctx())).toBe(0);
+    expect(stdout.text()).toBe(
+      "cancel requested for rollout r-1\n" +
+        "cancel requested for batch b-1: 3 rollouts will end cancelled\n" +
+        "cancel requested for batch b-2: no rollout of it was left to stop (all finished or closing)\n",
+    );
     expect(server.requests.map((r) => r.path)).toEqual([
       "/v1/rollouts/r-1/cancel",
       "/v1/rollouts/b-1/cancel",
       "/v1/batches/b-1/cancel",
+      "/v1/rollouts/b-2/cancel",
+      "/v1/batches/b-2/cancel",
     ]);
     expect(await runCli(["cancel", "zzz"], ctx())).toBe(1);
     expect(stderr.text()).toContain("error: not_found: no rollout or batch with id zzz (HTTP 404)");

@@ -10,14 +10,19 @@ export async function cancelCommand(client: FleetClient, id: string, ctx: CliCon
   } catch (err) {
     if (!isApiError(err) || err.status !== 404) throw err;
   }
+  let cancelled: number;
   try {
-    await client.cancelBatch(id);
+    ({ cancelled } = await client.cancelBatch(id));
   } catch (err) {
     if (isApiError(err) && err.status === 404) {
       throw new ApiError(404, "not_found", `no rollout or batch with id ${id}`, { cause: err });
     }
     throw err;
   }
-  await writeText(ctx.stdout, `cancel requested for batch ${id}\n`);
+  const what =
+    cancelled === 0
+      ? "no rollout of it was left to stop (all finished or closing)"
+      : `${cancelled} rollout${cancelled === 1 ? "" : "s"} will end cancelled`;
+  await writeText(ctx.stdout, `cancel requested for batch ${id}: ${what}\n`);
   return 0;
 }

@@ -76,10 +76,16 @@ async function submitAndFollow(
   const keyBase = opts.idempotencyKey ?? randomUUID();
   const batchIds: string[] = [];
   let accepted = 0;
+  /** Rollouts and batches an earlier run of this command (same --idempotency-key) had submitted. */
+  const replayed = { rollouts: 0, batches: 0 };
   const posting: PostingState = { key: "", backlogSplit: false };
   const onAccepted = async (batch: BatchAccepted) => {
     batchIds.push(batch.batchId);
     accepted += batch.count;
+    if (!batch.created) {
+      replayed.rollouts += batch.count;
+      replayed.batches++;
+    }
     // With --wait --json, stdout is the one JSON summary (its batchIds name them): ids to stderr.
     await writeText(opts.json && opts.wait ? ctx.stderr : ctx.stdout, `${batch.batchId}\n`);
   };
@@ -101,10 +107,17 @@ async function submitAndFollow(
       throw err;
     }
   }
+  const batches = (n: number) => `${n} batch${n === 1 ? "" : "es"}`;
+  const what = `${accepted} rollouts (${taskCount} tasks × ${opts.repeat}) in ${batches(batchIds.length)}`;
+  const replay = "with this --idempotency-key: replayed, nothing started again";
   await writeText(
     ctx.stderr,
-    `submitted ${accepted} rollouts (${taskCount} tasks × ${opts.repeat}) in ${batchIds.length} ` +
-      `batch${batchIds.length === 1 ? "" : "es"} to ${client.url}\n`,
+    replayed.batches > 0 && replayed.batches === batchIds.length
+      ? `already submitted: ${what} at ${client.url}, ${replay}\n`
+      : replayed.batches > 0
+        ? `submitted ${what} to ${client.url}; ${replayed.rollouts} of them (${batches(replayed.batches)}) ` +
+          `were already submitted ${replay}\n`
+        : `submitted ${what} to ${client.url}\n`,
   );
   if (!opts.wait) return 0;
   return followBatches(client, batchIds, accepted, opts, ctx, file);
