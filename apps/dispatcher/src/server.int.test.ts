@@ -273,7 +273,7 @@ describe("POST /v1/rollouts", () => {
     const res = await h.call({
       method: "POST",
       url: "/v1/rollouts",
-      payload: { task: { id: "bad id!", image: "img", instruction: "x" }, agent: oracle },
+      payload: { task: { ...task, id: "bad id!" }, agent: oracle },
     });
     const error = expectErrorBody(res, 422, "invalid");
     expect(error.details).toMatchObject({
@@ -290,6 +290,17 @@ describe("POST /v1/rollouts", () => {
     const error = expectErrorBody(res, 422, "invalid");
     expect(error.details).toMatchObject({
       issues: [{ path: "task.tests.test.sh", message: expect.stringContaining("runs nothing") }],
+    });
+  });
+
+  it("answers 422 for a task graded by its tests without tests/test.sh, before any sandbox is made", async () => {
+    const { tests: _, ...noTests } = task;
+    const res = await h.call({ method: "POST", url: "/v1/rollouts", payload: { ...row, task: noTests } });
+    const error = expectErrorBody(res, 422, "invalid");
+    expect(error.details).toMatchObject({
+      issues: [
+        { path: "task.tests.test.sh", message: "is missing: a task graded by its tests needs tests/test.sh" },
+      ],
     });
   });
 
