@@ -41,6 +41,7 @@ describe("a worker that cannot reach its sandbox provider", () => {
       id: `preflight-${randomUUID().slice(0, 6)}`,
       instruction: "noop",
       image: "img",
+      solution: { "solve.sh": "true\n" },
       tests: { "test.sh": "exit 0\n" },
     };
     const { ids } = await admit(

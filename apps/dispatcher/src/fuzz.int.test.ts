@@ -23,6 +23,7 @@ const task = {
   id: "t-fuzz",
   instruction: "Print hello.",
   image: "fleet-base:test",
+  solution: { "solve.sh": "#!/bin/sh\necho hello\n" },
   tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
 } satisfies TaskContentInput;
 const row = { task, agent: { harness: "oracle" } };

@@ -27,6 +27,7 @@ const task = {
   id: "t-full",
   instruction: "Print hello.",
   image: "fleet-base:test",
+  solution: { "solve.sh": "#!/bin/sh\necho hello\n" },
   tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
 };
 const row = { task, agent: { harness: "oracle" } };

@@ -10,7 +10,13 @@ import {
   parseRolloutBody,
 } from "./requests.ts";
 
-const task = { id: "t1", instruction: "say hi", image: "img" };
+const task = {
+  id: "t1",
+  instruction: "say hi",
+  image: "img",
+  solution: { "solve.sh": "true" },
+  tests: { "test.sh": "exit 0" },
+};
 const row = { task, agent: { harness: "oracle" } };
 
 function thrown(fn: () => unknown): HttpError {

@@ -17,6 +17,7 @@ const task = {
   id: "t-echo",
   instruction: "Print hello.",
   image: "fleet-base:test",
+  solution: { "solve.sh": "#!/bin/sh\necho hello\n" },
   tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
 } satisfies TaskContentInput;
 const oracle = { harness: "oracle" } as const;
@@ -273,7 +274,7 @@ describe("POST /v1/rollouts", () => {
     const res = await h.call({
       method: "POST",
       url: "/v1/rollouts",
-      payload: { task: { id: "bad id!", image: "img", instruction: "x" }, agent: oracle },
+      payload: { task: { ...task, id: "bad id!" }, agent: oracle },
     });
     const error = expectErrorBody(res, 422, "invalid");
     expect(error.details).toMatchObject({
@@ -291,6 +292,48 @@ describe("POST /v1/rollouts", () => {
     expect(error.details).toMatchObject({
       issues: [{ path: "task.tests.test.sh", message: expect.stringContaining("runs nothing") }],
     });
+  });
+
+  it("answers 422 for a task graded by its tests without tests/test.sh, before any sandbox is made", async () => {
+    const { tests: _, ...noTests } = task;
+    const res = await h.call({ method: "POST", url: "/v1/rollouts", payload: { ...row, task: noTests } });
+    const error = expectErrorBody(res, 422, "invalid");
+    expect(error.details).toMatchObject({
+      issues: [
+        { path: "task.tests.test.sh", message: "is missing: a task graded by its tests needs tests/test.sh" },
+      ],
+    });
+  });
+
+  it("answers 422 for an oracle rollout whose task has no solution/solve.sh, inline or by digest; a command agent takes the task", async () => {
+    const { solution: _, ...noSolution } = task;
+    const issues = [{ path: "task.solution.solve.sh", message: "is missing: the oracle agent runs it" }];
+    const inline = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { task: noSolution, agent: oracle },
+    });
+    const error = expectErrorBody(inline, 422, "invalid");
+    expect(error.message).toBe(
+      "rollout 0: task t-echo's solution/solve.sh is missing: the oracle agent runs it",
+    );
+    expect(error.details).toEqual({ index: 0, issues });
+
+    const command = { harness: "command", argv: ["echo", "hello"] } as const;
+    const taken = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { task: noSolution, agent: command },
+    });
+    expect(taken.statusCode, taken.body).toBe(202);
+    // Stored now: the same task by its digest is read at admission, and refused for the oracle.
+    const digest = digestTask(TaskContent.parse(noSolution));
+    const byDigest = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: [row, { task: { digest }, agent: oracle }],
+    });
+    expect(expectErrorBody(byDigest, 422, "invalid").details).toEqual({ index: 1, issues });
   });
 
   it("answers 422 for 1e999 (Infinity), negative timeouts, unknown sandbox options and harnesses", async () => {

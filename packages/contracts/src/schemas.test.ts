@@ -34,26 +34,29 @@ const json = fc.dictionary(fc.string({ minLength: 1, maxLength: 8 }), fc.jsonVal
   maxKeys: 3,
 });
 
-const task = fc.record({
-  id,
-  instruction: text.filter((s) => s.length > 0),
-  image: fc.constantFrom("rollout-fleet/base:latest", "img:1"),
-  workspace: files,
-  solution: files,
-  tests: files,
-  timeouts: fc.record({ agentS: secs, verifierS: secs }),
-  verifier: fc.oneof(
-    fc.constant({ kind: "tests" as const }),
-    fc
-      .record({
-        kind: fc.constant("match" as const),
-        expected: text,
-        mode: fc.constantFrom("exact" as const, "regex" as const),
-      })
-      .filter((spec) => matchExpectedProblem(spec) === undefined),
-  ),
-  metadata: json,
-});
+const task = fc
+  .record({
+    id,
+    instruction: text.filter((s) => s.length > 0),
+    image: fc.constantFrom("rollout-fleet/base:latest", "img:1"),
+    workspace: files,
+    solution: files,
+    tests: files,
+    timeouts: fc.record({ agentS: secs, verifierS: secs }),
+    verifier: fc.oneof(
+      fc.constant({ kind: "tests" as const }),
+      fc
+        .record({
+          kind: fc.constant("match" as const),
+          expected: text,
+          mode: fc.constantFrom("exact" as const, "regex" as const),
+        })
+        .filter((spec) => matchExpectedProblem(spec) === undefined),
+    ),
+    metadata: json,
+  })
+  // Graded by its tests: it needs a tests/test.sh that runs something.
+  .map((t) => (t.verifier.kind === "tests" ? { ...t, tests: { ...t.tests, "test.sh": "exit 0" } } : t));
 /** What a process can take as an argument or environment value: no NUL byte. */
 const argText = text.filter((s) => !s.includes("\0"));
 const agent = fc.oneof(
@@ -245,6 +248,42 @@ describe("TaskContent refusals", () => {
     expect(messages(r.error!.issues).join("; ")).toMatch(why);
   });
 
+  it("a task graded by its tests without tests/test.sh is refused up front, naming the file", () => {
+    for (const task of [
+      { id: "t", instruction: "i", image: "img" },
+      { ...base, tests: { "check.py": "assert True" }, verifier: { kind: "tests" } },
+    ]) {
+      const r = TaskContent.safeParse(task);
+      expect(r.success).toBe(false);
+      expect(r.error!.issues).toEqual([
+        expect.objectContaining({
+          path: ["tests", "test.sh"],
+          message: "is missing: a task graded by its tests needs tests/test.sh",
+        }),
+      ]);
+    }
+    // The workers look it up by the key `test.sh` exactly: another spelling is refused, with a hint.
+    const dotted = TaskContent.safeParse({ ...base, tests: { "./test.sh": "exit 0" } });
+    expect(dotted.error?.issues).toEqual([
+      expect.objectContaining({
+        path: ["tests", "test.sh"],
+        message:
+          'is missing: a task graded by its tests needs tests/test.sh (found "./test.sh": name it exactly "test.sh")',
+      }),
+    ]);
+  });
+
+  it("a task graded by a match needs no tests/test.sh", () => {
+    const r = TaskContent.safeParse({
+      id: "t",
+      instruction: "i",
+      image: "img",
+      verifier: { kind: "match", expected: "42" },
+    });
+    expect(r.error?.issues).toBeUndefined();
+    expect(r.data?.tests).toEqual({});
+  });
+
   it.each([
     ["exact", "", /is blank/],
     ["exact", " \n\t", /is blank/],
@@ -372,7 +411,16 @@ describe("every schema round-trips through JSON", () => {
 });
 
 describe("validation says what is wrong", () => {
-  const base = { task: { id: "t", instruction: "x", image: "img" }, agent: { harness: "oracle" } };
+  const base = {
+    task: {
+      id: "t",
+      instruction: "x",
+      image: "img",
+      solution: { "solve.sh": "true" },
+      tests: { "test.sh": "exit 0" },
+    },
+    agent: { harness: "oracle" },
+  };
   const message = (value: unknown) => {
     const r = RolloutRequest.safeParse(value);
     expect(r.success).toBe(false);

@@ -215,9 +215,22 @@ export const TaskContent = z
       }
       moded.set(`${set}/${rel}`, key);
     }
-    // Graded by `tests/test.sh`: one that runs nothing (blank, comments only) would pass every
-    // agent's work with 1.0. (A missing one fails the rollout at verify, `invalid_task`.)
+    // Graded by `tests/test.sh`: a missing one could only fail the rollout at verify
+    // (`invalid_task`) after a sandbox was made and the agent ran; one that runs nothing (blank,
+    // comments only) would pass every agent's work with 1.0. The verifier looks the script up by
+    // the key `test.sh` exactly, so this does too.
     const script = task.tests["test.sh"];
+    if (task.verifier.kind === "tests" && script === undefined) {
+      ctx.addIssue({
+        code: "custom",
+        path: ["tests", "test.sh"],
+        message: missingScriptMessage(
+          "a task graded by its tests needs tests/test.sh",
+          task.tests,
+          "test.sh",
+        ),
+      });
+    }
     if (task.verifier.kind === "tests" && script !== undefined && !hasCommand(script)) {
       ctx.addIssue({
         code: "custom",
@@ -247,6 +260,17 @@ export function fileModes(task: Pick<TaskContent, "modes">, set: TaskFileSet): R
       out[normalizeRelativePath(key.slice(prefix.length))] = Number.parseInt(mode, 8);
   }
   return out;
+}
+
+/**
+ * "is missing: <why>", naming a key of `files` that spells the same file another way (`./test.sh`):
+ * the workers look a script up by its exact key, so such a task is refused with a hint.
+ */
+export function missingScriptMessage(why: string, files: FileSet, name: string): string {
+  const other = Object.keys(files).find((key) => normalizeRelativePath(key) === name);
+  return other === undefined
+    ? `is missing: ${why}`
+    : `is missing: ${why} (found "${other}": name it exactly "${name}")`;
 }
 
 /** Whether a shell script has a line that is neither blank nor a comment. */

@@ -2,6 +2,7 @@ import { randomUUID } from "node:crypto";
 import {
   agentName,
   canonicalJson,
+  missingScriptMessage,
   type RolloutRequest,
   sha256Hex as sha256,
   TaskContent,
@@ -171,6 +172,16 @@ export async function prepareRollouts(
         `rollout ${i}: agent.sandbox "own" leaves the task sandbox untouched, so task ${task.id}'s tests could not see the agent's work; use a match verifier or the default "borrow"`,
         { index: i },
       );
+    }
+    // The oracle runs the task's solution/solve.sh (looked up by that exact key, as the harness
+    // does): without one it could only fail as `invalid_task` after a sandbox was made. Checked
+    // for a task by digest too: it is read here anyway.
+    if (req.agent.harness === "oracle" && task.solution["solve.sh"] === undefined) {
+      const message = missingScriptMessage("the oracle agent runs it", task.solution, "solve.sh");
+      throw new AdmissionError("invalid", `rollout ${i}: task ${task.id}'s solution/solve.sh ${message}`, {
+        index: i,
+        issues: [{ path: "task.solution.solve.sh", message }],
+      });
     }
     const deadlineS =
       req.deadlineS ??

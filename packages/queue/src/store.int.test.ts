@@ -26,7 +26,7 @@ const task: TaskContent = {
   instruction: "do it",
   image: "img",
   workspace: {},
-  solution: {},
+  solution: { "solve.sh": "true" },
   tests: { "test.sh": "exit 0" },
   timeouts: { agentS: 10, verifierS: 10 },
   verifier: { kind: "tests" },

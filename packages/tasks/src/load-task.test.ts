@@ -419,6 +419,16 @@ describe("loadSuite", () => {
     expect(message).toContain(`${path.join(tmp, "stray")}: not a task directory (no task.toml)`);
   });
 
+  it("a suite's task graded by its tests without tests/test.sh is one of its broken tasks, named", async () => {
+    await writeTask("good", {});
+    const bad = await writeTask("no-tests", { "tests/test.sh": null, "tests/check.py": "x\n" });
+    const message = await invalidTask(() => loadSuite(tmp));
+    expect(message).toContain("1 broken task(s)");
+    expect(message).toContain(
+      `${path.join(bad, "tests", "test.sh")}: missing (a [verifier] kind = "tests" task runs tests/test.sh)`,
+    );
+  });
+
   it("a suite's unreadable task file is one of its broken tasks, named", async () => {
     await writeTask("good", {});
     const bad = await writeTask("bad", {});

@@ -103,6 +103,7 @@ const CONTENT_KEYS: Record<string, string> = {
   "timeouts.verifierS": "[verifier] timeout_sec",
   "verifier.expected": "[verifier] expected",
   "verifier.mode": "[verifier] mode",
+  "tests.test.sh": "tests/test.sh",
 };
 
 const MISSING_TOML = "missing (every task needs a task.toml)";

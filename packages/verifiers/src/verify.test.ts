@@ -385,7 +385,9 @@ describe("tests verifier", () => {
   );
 
   it("a task without tests/test.sh is invalid_task", async () => {
-    const err = await failure(verify(ctx({}, { ...TESTS_TASK, tests: {} })));
+    // TaskContent refuses it now; a task stored by an older version can still lack the file.
+    expect(TaskContent.safeParse({ ...TESTS_TASK, tests: {} }).success).toBe(false);
+    const err = await failure(verify(ctx({ task: { ...TESTS_TASK, tests: {} } })));
     expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
   });
 

@@ -9,7 +9,12 @@ const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 const RUN = `tl${process.pid}${Date.now().toString(36)}`;
 const CREDENTIAL = "sk-int-credential-9876543210fedcba";
 const provider = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
-const TASK = TaskContent.parse({ id: "t1", instruction: "Put 42 in answer.txt.", image: IMAGE });
+const TASK = TaskContent.parse({
+  id: "t1",
+  instruction: "Put 42 in answer.txt.",
+  image: IMAGE,
+  tests: { "test.sh": "test -f answer.txt" },
+});
 
 let upstream: ScriptedUpstream;
 let handle: SandboxHandle;

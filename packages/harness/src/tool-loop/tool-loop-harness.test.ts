@@ -22,6 +22,7 @@ const TASK = TaskContent.parse({
   id: "t1",
   instruction: "Write 42 into answer.txt and say done.",
   image: "rollout-fleet/base:latest",
+  tests: { "test.sh": "exit 0" },
 });
 const FAST_RETRY = { baseMs: 20, maxMs: 100, random: () => 0.5 };
 
