@@ -47,6 +47,15 @@ describe("toHttpError", () => {
       code: "unavailable",
       headers: { "retry-after": "5" },
     });
+    // ioredis' own words for a command refused while down (failFastOnceReady), a standalone
+    // Redis's and a cluster's, and for one cut off by a closed connection.
+    for (const message of [
+      "Stream isn't writeable and enableOfflineQueue options is false",
+      "Cluster isn't ready and enableOfflineQueue options is false",
+      "Connection is closed.",
+    ]) {
+      expect(toHttpError(new Error(message)), message).toMatchObject({ status: 503, code: "unavailable" });
+    }
   });
 
   it("answers 503 when Redis replies that it cannot serve now (full, read-only replica, cluster down), 500 for other replies", () => {

@@ -145,6 +145,8 @@ export function isRedisUnavailable(err: unknown): boolean {
     name === "ClusterAllFailedError" ||
     (name === "ReplyError" && typeof message === "string" && REDIS_BUSY_REPLY.test(message)) ||
     (typeof message === "string" &&
-      (message.includes("Connection is closed") || message.includes("Stream isn't writeable")))
+      (message.includes("Connection is closed") ||
+        // Refused at once while down (`failFastOnceReady`): a standalone Redis's words, a cluster's.
+        message.includes("enableOfflineQueue options is false")))
   );
 }

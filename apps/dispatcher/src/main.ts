@@ -2,6 +2,7 @@ import { DispatcherConfig, parseConfig } from "@fleet/config";
 import {
   assertRedisDurable,
   connectRedis,
+  failFastOnceReady,
   logConnectionOutages,
   RolloutStore,
   StageQueues,
@@ -20,8 +21,10 @@ async function main(): Promise<void> {
   const registry = createMetricsRegistry({ app: "dispatcher" });
   const metrics = createFleetMetrics(registry);
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down
-  // (→ 503) instead of waiting for it forever.
+  // (→ 503) instead of waiting for it: at once once it has been up (`failFastOnceReady`), after
+  // two reconnect attempts before that.
   const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
+  failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
   try {
     await assertRedisDurable(redis);

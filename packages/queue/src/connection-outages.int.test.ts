@@ -4,7 +4,7 @@ import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, describe, expect, it } from "vitest";
-import { createRedis, logConnectionOutages } from "./connection.ts";
+import { createRedis, failFastOnceReady, logConnectionOutages } from "./connection.ts";
 
 async function freePort(): Promise<number> {
   return new Promise<number>((resolve) => {
@@ -88,6 +88,52 @@ describe("logConnectionOutages", () => {
       );
       await until(() => redis.status === "ready");
       expect(lines.at(-1)).toBe("redis connection ready again");
+    } finally {
+      redis.disconnect();
+    }
+  });
+});
+
+describe("failFastOnceReady", () => {
+  const dir = mkdtempSync(join(tmpdir(), "fleet-failfast-"));
+  let server: ChildProcess | null = null;
+  afterEach(async () => {
+    if (server && server.exitCode === null && server.signalCode === null) {
+      const exited = new Promise((resolve) => server!.once("exit", resolve));
+      server.kill("SIGKILL");
+      await exited;
+    }
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("a command waits for a Redis not up yet, but once it has been up one sent while it is down fails at once", async () => {
+    const port = await freePort();
+    // Commands are kept until they can go (maxRetriesPerRequest null), through reconnect
+    // attempts 200 ms apart until Redis has come up, and a minute apart after that.
+    const redis = createRedis(`redis://127.0.0.1:${port}`, { retryStrategy: () => 200 });
+    redis.on("error", () => undefined);
+    failFastOnceReady(redis);
+    const start = () => {
+      server = spawn(
+        "redis-server",
+        ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--dir", dir],
+        {
+          stdio: "ignore",
+        },
+      );
+    };
+    try {
+      // Sent before Redis is up: it waits, and is answered once Redis comes.
+      const early = redis.ping();
+      start();
+      expect(await early).toBe("PONG");
+      // Down now, the next attempt a minute away: a command left in the offline queue would
+      // outlast this test by far. It fails at once, in ioredis' words.
+      redis.options.retryStrategy = () => 60_000;
+      const closed = new Promise((resolve) => redis.once("close", resolve));
+      server!.kill("SIGKILL");
+      await closed;
+      await expect(redis.get("x")).rejects.toThrow(/enableOfflineQueue options is false/);
     } finally {
       redis.disconnect();
     }

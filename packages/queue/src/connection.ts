@@ -86,6 +86,22 @@ export function coalesceWrites<R extends RedisConnection>(redis: R): R {
   return redis;
 }
 
+/**
+ * Once `redis` has been ready, a command sent while it is down fails at once ("Stream isn't
+ * writeable…" / "Cluster isn't ready…") instead of waiting in ioredis' offline queue through
+ * reconnect attempts, seconds each and longer as they back off: BullMQ's "failing fast when Redis
+ * is down" for producers. Before the first ready, commands still wait, so a process started
+ * before its Redis carries on when Redis comes up. For connections that serve requests and run no
+ * blocking commands (the dispatcher's); a worker's waits are meant to ride an outage out.
+ */
+export function failFastOnceReady(redis: RedisConnection): void {
+  const failFast = () => {
+    redis.options.enableOfflineQueue = false;
+  };
+  if (redis.status === "ready") failFast();
+  else redis.once("ready", failFast);
+}
+
 /** What `logConnectionOutages` logs with (a pino logger fits). */
 export interface OutageLogger {
   warn(obj: object, msg: string): void;
