@@ -288,6 +288,9 @@ describe("parseBatchNdjson", () => {
     const err = thrown(() => parseBatchNdjson(line));
     expect([err.status, err.code]).toEqual([400, "malformed"]);
     expect(err.details).toEqual({ line: 1 });
+    expect(err.message).toBe(
+      'line 1 has a "__proto__" or "constructor.prototype" key, which no request may carry',
+    );
   });
 
   it("refuses a body of blank lines", () => {

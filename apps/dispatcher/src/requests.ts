@@ -171,6 +171,24 @@ export function parseBatchJson(body: unknown): ParsedBatch {
 }
 
 /**
+ * JSON text as the API reads it, a body or an NDJSON line: a `__proto__` or
+ * `constructor.prototype` key is refused, not silently dropped.
+ *
+ * @throws HttpError 400 `malformed` saying what is wrong with `what` ("the body", "line 3").
+ */
+export function parseJsonText(text: string, what: string, details: unknown = null): unknown {
+  try {
+    return secureJson.parse(text, undefined, { protoAction: "error", constructorAction: "error" });
+  } catch (err) {
+    const message = err instanceof Error ? err.message : String(err);
+    const why = message.includes("forbidden prototype property")
+      ? 'has a "__proto__" or "constructor.prototype" key, which no request may carry'
+      : `is not valid JSON (${message})`;
+    throw new HttpError(400, "malformed", `${what} ${why}`, details);
+  }
+}
+
+/**
  * `POST /v1/batches` with `application/x-ndjson`: one RolloutRequest per line, blank lines
  * ignored. A line that is not JSON → 400 `malformed`; a line that is not a valid request → 422
  * `invalid`; both name the (1-based) line.
@@ -189,20 +207,7 @@ export function parseBatchNdjson(text: string): ParsedBatch {
     lineNo++;
     const line = raw.trim();
     if (line === "") continue;
-    let value: unknown;
-    try {
-      // As the JSON body parser does: a `__proto__` or `constructor.prototype` key is refused,
-      // not silently dropped.
-      value = secureJson.parse(line, undefined, { protoAction: "error", constructorAction: "error" });
-    } catch (err) {
-      throw new HttpError(
-        400,
-        "malformed",
-        `line ${lineNo}: not valid JSON (${err instanceof Error ? err.message : String(err)})`,
-        { line: lineNo },
-      );
-    }
-    const parsed = parseRequest(value);
+    const parsed = parseRequest(parseJsonText(line, `line ${lineNo}`, { line: lineNo }));
     if (parsed.ok) {
       requests.push(parsed.data);
       lines.push(lineNo);

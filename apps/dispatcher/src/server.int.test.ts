@@ -399,6 +399,7 @@ describe("POST /v1/rollouts", () => {
       headers: { "content-type": "application/json" },
     });
     expectErrorBody(bad, 400, "malformed");
+    expect(bad.json().error.message).toMatch(/^the body is not valid JSON \(.+\)$/);
     const empty = await h.call({
       method: "POST",
       url: "/v1/rollouts",
@@ -414,6 +415,9 @@ describe("POST /v1/rollouts", () => {
       headers: { "content-type": "application/json" },
     });
     expectErrorBody(poisoned, 400, "malformed");
+    expect(poisoned.json().error.message).toBe(
+      'the body has a "__proto__" or "constructor.prototype" key, which no request may carry',
+    );
     const text = await h.call({
       method: "POST",
       url: "/v1/rollouts",

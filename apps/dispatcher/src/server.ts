@@ -12,7 +12,7 @@ import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
 import { errorBody, HttpError, toHttpError, unavailable } from "./http-error.ts";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
-import { NdjsonText } from "./requests.ts";
+import { NdjsonText, parseJsonText } from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
 import { registerAdminRoutes, sendLoginPage } from "./routes/admin.ts";
 import { registerBatchRoutes } from "./routes/batches.ts";
@@ -76,17 +76,22 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   }
   trackRoutes(app);
 
-  // Bodies: JSON (Fastify's parser: prototype-poisoning keys refused) and NDJSON as raw text,
+  // Bodies: JSON (prototype-poisoning keys refused, `parseJsonText`) and NDJSON as raw text,
   // both under `bodyLimit`. No text/plain: any other type is a 415.
   app.removeContentTypeParser("text/plain");
-  // JSON as Fastify parses it, but an empty body is no body (not a 400): a client that sets
-  // `content-type: application/json` on every request may POST a cancel without one, and a
-  // submit without one still gets its own 400 ("expected a JSON body").
-  const parseJson = app.getDefaultJsonParser("error", "error");
+  // JSON parsed here rather than by Fastify's parser, whose one message ("Body is not valid
+  // JSON") says nothing of where the syntax breaks or of a refused `__proto__` key. An empty body
+  // is no body (not a 400): a client that sets `content-type: application/json` on every request
+  // may POST a cancel without one, and a submit without one still gets its own 400 ("expected a
+  // JSON body").
   app.removeContentTypeParser("application/json");
-  app.addContentTypeParser("application/json", { parseAs: "string" }, (req, body, done) => {
+  app.addContentTypeParser("application/json", { parseAs: "string" }, (_req, body, done) => {
     if (body === "") return done(null, undefined);
-    void parseJson(req, String(body), done); // callback style: it returns nothing to await
+    try {
+      done(null, parseJsonText(String(body), "the body"));
+    } catch (err) {
+      done(err as Error, undefined);
+    }
   });
   app.addContentTypeParser(NDJSON_TYPES, { parseAs: "string" }, (_req, body, done) =>
     done(null, new NdjsonText(String(body))),
