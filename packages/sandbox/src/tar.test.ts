@@ -64,14 +64,15 @@ describe("buildTar", () => {
   });
 
   it("gives single files their own modes, by normalized path, over the default and `mode`", async () => {
-    const files = { "./bin//deploy.sh": "#!/bin/sh\n", "key.pem": "k", "plain.txt": "p" };
-    const modes = { "bin/deploy.sh": 0o644, "key.pem": 0o600 };
+    const files = { "./bin//deploy.sh": "#!/bin/sh\n", "key.pem": "k", "plain.txt": "p", locked: "l" };
+    const modes = { "bin/deploy.sh": 0o644, "key.pem": 0o600, locked: 0 };
     const byName = async (options: Parameters<typeof buildTar>[1]) =>
       Object.fromEntries((await entries(await buildTar(files, options))).map((e) => [e.name, e.mode]));
     expect(await byName({ uid: 0, gid: 0, modes })).toMatchObject({
       "bin/deploy.sh": 0o644,
       "key.pem": 0o600,
       "plain.txt": 0o644,
+      locked: 0, // no permission at all, not "none given"
     });
     expect(await byName({ uid: 0, gid: 0, modes, mode: 0o640 })).toMatchObject({
       "bin/deploy.sh": 0o644,

@@ -23,6 +23,9 @@ export interface TarOptions {
   mtime?: Date;
 }
 
+/** The regular-file type bits of a `st_mode`. */
+const S_IFREG = 0o100000;
+
 /** Split a relative path into components, refusing absolute paths and `..`. */
 export function safeRelativeParts(path: string): string[] {
   if (path.startsWith("/") || path.includes("\0")) throw new RangeError(`not a relative path: ${path}`);
@@ -69,7 +72,10 @@ export async function buildTar(files: FileSet, options: TarOptions): Promise<Buf
     pack.entry({ name: `${dir}/`, type: "directory", mode: dirMode, mtime, ...owner });
   }
   for (const e of entries) {
-    pack.entry({ name: e.name, type: "file", mode: e.mode, mtime, size: e.body.length, ...owner }, e.body);
+    // With the regular-file type bits: tar-stream takes a mode of 0 for "none given" and writes
+    // 0644 instead; the header keeps only the permission bits either way.
+    const mode = S_IFREG | e.mode;
+    pack.entry({ name: e.name, type: "file", mode, mtime, size: e.body.length, ...owner }, e.body);
   }
   pack.finalize();
   return done;

@@ -266,13 +266,13 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     await provider.put(
       h,
       "/workspace/moded",
-      { "deploy.sh": "#!/bin/sh\n", "key.pem": "k", tool: "echo t\n" },
-      { modes: { "deploy.sh": 0o644, "key.pem": 0o600, tool: 0o755 } },
+      { "deploy.sh": "#!/bin/sh\n", "key.pem": "k", locked: "l", tool: "echo t\n" },
+      { modes: { "deploy.sh": 0o644, "key.pem": 0o600, locked: 0, tool: 0o755 } },
     );
     const moded = await provider.exec(h, ["sh", "-c", "cd /workspace/moded && stat -c '%a %n' *"], {
       deadlineMs: 10_000,
     });
-    expect(moded.stdout).toBe("644 deploy.sh\n600 key.pem\n755 tool\n");
+    expect(moded.stdout).toBe("644 deploy.sh\n600 key.pem\n0 locked\n755 tool\n");
     expect(await provider.get(h, "/tests/data/x.txt")).toBe("x");
     expect(await provider.get(h, "/workspace/missing")).toBeNull();
     expect(await provider.get(h, "/workspace")).toBeNull();

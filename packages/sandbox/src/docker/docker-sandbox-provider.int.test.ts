@@ -260,8 +260,13 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(await provider.get(h, "/workspace/src/pkg/a.txt")).toBe("alpha");
 
       // Single files at the modes given, through the archive API and (/tmp is a tmpfs) the exec path.
-      const files = { "deploy.sh": "#!/bin/sh\necho deployed\n", "key.pem": "k", tool: "echo t\n" };
-      const modes = { "deploy.sh": 0o644, "key.pem": 0o600, tool: 0o755 };
+      const files = {
+        "deploy.sh": "#!/bin/sh\necho deployed\n",
+        "key.pem": "k",
+        locked: "l",
+        tool: "echo t\n",
+      };
+      const modes = { "deploy.sh": 0o644, "key.pem": 0o600, locked: 0, tool: 0o755 };
       await provider.put(h, "/workspace/moded", files, { modes });
       await provider.put(h, "/tmp/moded", files, { modes });
       const moded = await provider.exec(
@@ -272,9 +277,11 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(moded.stdout.split("\n").filter(Boolean)).toEqual([
         "644 deploy.sh",
         "600 key.pem",
+        "0 locked",
         "755 tool",
         "644 deploy.sh",
         "600 key.pem",
+        "0 locked",
         "755 tool",
       ]);
       expect(await provider.get(h, "/workspace/src/pkg/a.txt", { maxBytes: 3 })).toBe("alp");
