@@ -398,7 +398,7 @@ describe("janitor", () => {
     await fleet.deps.ledger.networkRemoved(stuck);
   });
 
-  it("firewall rules a close could not remove once its network was gone are removed by the janitor's retry", async () => {
+  it("firewall rules a close could not remove once its network was gone are removed by the janitor's retry, the teardown pending until then", async () => {
     // The host firewall, in memory: its unseal fails (the xtables lock busy throughout) until mended.
     const firewall = new MemoryGatewayFirewall();
     const { sealed } = firewall;
@@ -421,6 +421,11 @@ describe("janitor", () => {
       expect((await fleet.deps.store.get(id!))?.status).toBe("cancelled");
       expect((await networks.list()).map((n) => n.name)).not.toContain(net.name);
       expect([...sealed]).toEqual([net.bridge]);
+      // Reported as it is: the teardown is not done while the rules stay.
+      expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+        teardown: "pending",
+        failureKind: "cancelled",
+      });
       // The janitor retries it (nothing lists a gone network's rules): failing, it keeps it.
       expect((await janitorTick(deps, { orphanGraceMs: 60_000 })).errors).toEqual([
         `networks: could not remove 1 gateway network(s): ${id}'s network: iptables -D failed (the test)`,
@@ -429,9 +434,14 @@ describe("janitor", () => {
       expect(await fleet.deps.ledger.networkRetries(Date.now())).not.toContain(id);
       broken = false;
       const later = { ...deps, now: () => Date.now() + 120_000 };
+      expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("pending");
       expect((await janitorTick(later, { orphanGraceMs: 60_000 })).errors).toEqual([]);
       expect(sealed.size).toBe(0);
       expect(await fleet.deps.ledger.networkRetries(Date.now())).not.toContain(id);
+      expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+        teardown: "confirmed",
+        status: "cancelled",
+      });
     } finally {
       broken = false;
       await networks.remove(id!);

@@ -842,13 +842,15 @@ export const close: StageHandler = async (rec, deps) => {
   }
   if (needsModelAccess(fresh.meta.agent) && deps.networks) {
     // The rollout's gateway network goes with its sandbox; a failure is persisted for the
-    // janitor to retry (the network, or the firewall rules its removal left behind).
+    // janitor to retry (the network, or the firewall rules its removal left behind), and the
+    // teardown is pending until it has (the janitor's retry marks the result confirmed).
     await deps.networks.remove(id).catch(async (err: unknown) => {
       deps.logger.warn(
         { rolloutId: id, err: String(err) },
         "gateway network removal failed; the janitor retries",
       );
       await deps.ledger.networkRemovalFailed(id, clock(deps));
+      teardown = "pending";
     });
   }
   const at = clock(deps);

@@ -698,6 +698,7 @@ export class RolloutStore {
         this.keys.teardownDue(),
         this.keys.failures(meta.id),
         meta.batchId !== null ? this.keys.batchIds(meta.batchId) : this.keys.rollout(meta.id),
+        this.keys.networkRetries(),
       ],
       [
         fitRecordJson(parsed, MAX_RECORD_BYTES, RESULT_KEEP),

@@ -32,12 +32,14 @@ const CLAIM_LAUNCH = `local function claimLaunch(key, token)
 /**
  * A finalized result's teardown marked confirmed, its reward and status as they are (a no-op
  * without a result, or when it is not pending), once the teardown ledger holds no entry for either
- * of the rollout's sandboxes (`key1`, `key2`) in `ledgerKey`. Returns 1 if it was edited.
+ * of the rollout's sandboxes (`key1`, `key2`) in `ledgerKey` and no gateway network removal of
+ * the rollout (`rolloutId`) is left to retry in `networksKey`. Returns 1 if it was edited.
  */
-const CONFIRM_TEARDOWN = `local function confirmTeardown(rolloutKey, ledgerKey, key1, key2)
+const CONFIRM_TEARDOWN = `local function confirmTeardown(rolloutKey, ledgerKey, key1, key2, networksKey, rolloutId)
         if redis.call('HEXISTS', ledgerKey, key1) == 1 or redis.call('HEXISTS', ledgerKey, key2) == 1 then
           return 0
         end
+        if redis.call('ZSCORE', networksKey, rolloutId) then return 0 end
         local raw = redis.call('HGET', rolloutKey, 'result')
         if not raw then return 0 end
         -- Plain string edits, not cjson: cjson would turn empty arrays into objects. The result
@@ -146,14 +148,15 @@ const SCRIPTS = {
    * destroy is confirmed ('' for none): they leave the sandboxes hash and the teardown ledger
    * whether or not this call finalizes; then the rollout's two sandbox keys. A result stored with
    * its teardown pending is stored confirmed when the ledger holds neither sandbox by now (the
-   * janitor finished the teardown while this close ran). ARGV[11]: retention (ms, 0 for good);
+   * janitor finished the teardown while this close ran, and no network removal is left to retry:
+   * KEYS[9]). ARGV[11]: retention (ms, 0 for good);
    * ARGV[12]: this call's id, stored with the result. Returns 1 if this call finalized, also when
    * it is the same call sent again (ioredis re-sends one whose reply a reconnect lost).
    */
   fleetFinalize: {
     // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due, failures,
-    // batch ids|rollout
-    keys: 8,
+    // batch ids|rollout, network retries
+    keys: 9,
     lua: `
       ${TERMINAL}
       ${CONFIRM_TEARDOWN}
@@ -167,7 +170,7 @@ const SCRIPTS = {
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then
         -- A closer that lost the race may still have confirmed the last teardown just now.
-        confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10])
+        confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5])
         -- This very call sent again (a reconnect lost its reply): it did finalize.
         if status and redis.call('HGET', KEYS[1], 'finalizer') == ARGV[12] then return 1 end
         return 0
@@ -175,7 +178,7 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
-      confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10])
+      confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5])
       local done, total = 0, 1
       if ARGV[4] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
@@ -283,16 +286,30 @@ const SCRIPTS = {
    * A sandbox's destroy is confirmed: forget it (sandboxes hash, teardown ledger), and when it was
    * the rollout's last one on the ledger, mark its finalized result's teardown confirmed (see
    * `CONFIRM_TEARDOWN`), in the same step, so no closer or janitor can miss the edit. ARGV: the
-   * sandbox's key, then the rollout's two sandbox keys. Returns 1 if the result was edited.
+   * sandbox's key, then the rollout's two sandbox keys, then its id. Returns 1 if the result was
+   * edited.
    */
   fleetConfirm: {
-    keys: 4, // sandboxes, teardown entries, teardown due, rollout
+    keys: 5, // sandboxes, teardown entries, teardown due, rollout, network retries
     lua: `
       ${CONFIRM_TEARDOWN}
       redis.call('HDEL', KEYS[1], ARGV[1])
       redis.call('HDEL', KEYS[2], ARGV[1])
       redis.call('ZREM', KEYS[3], ARGV[1])
-      return confirmTeardown(KEYS[4], KEYS[2], ARGV[2], ARGV[3])`,
+      return confirmTeardown(KEYS[4], KEYS[2], ARGV[2], ARGV[3], KEYS[5], ARGV[4])`,
+  },
+  /**
+   * A rollout's gateway network removal, retried by the janitor, is done: forget the retry, and
+   * when nothing else of the rollout is left on the ledger, mark its finalized result's teardown
+   * confirmed (`CONFIRM_TEARDOWN`). ARGV: the rollout's id, then its two sandbox keys. Returns 1 if
+   * the result was edited.
+   */
+  fleetNetworkRemoved: {
+    keys: 3, // network retries, teardown entries, rollout
+    lua: `
+      ${CONFIRM_TEARDOWN}
+      redis.call('ZREM', KEYS[1], ARGV[1])
+      return confirmTeardown(KEYS[3], KEYS[2], ARGV[2], ARGV[3], KEYS[1], ARGV[1])`,
   },
   /**
    * Begin a stage in one round trip. Unless the rollout is terminal: for close, set the tombstone

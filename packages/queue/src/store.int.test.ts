@@ -695,7 +695,7 @@ describe("rollout store", () => {
     expect((await ledger.sandboxesOf(id)).resources).toBeNull();
   });
 
-  it("a pending teardown is confirmed in the result by whichever comes last: the ledger's confirm or finalize", async () => {
+  it("a pending teardown is confirmed in the result by whichever comes last: the ledger's confirm (a sandbox's, a network's) or finalize", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const entryOf = (id: string, owner: "resources" | "agent") => ({
       key: sandboxKey(id, owner),
@@ -753,6 +753,32 @@ describe("rollout store", () => {
     );
     expect(await store.getResult(d)).toMatchObject({ teardown: "confirmed", failureKind: null, reward: 1 });
     expect(await ledger.size()).toBe(0);
+
+    // A gateway network removal left to retry keeps it pending, through a sandbox's confirm and
+    // through finalize, until the retry is done; whichever comes last confirms it.
+    const g = (await admitOne()).ids[0]!;
+    await ledger.schedule(entryOf(g, "agent"), 10);
+    await ledger.networkRemovalFailed(g, 15);
+    const metaG = (await store.begin(g, "close", 20)).record!.meta;
+    expect(await store.finalize(metaG, pendingResult(g), 30)).toBe(true);
+    await ledger.confirm(entryOf(g, "agent"));
+    expect(await store.getResult(g)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
+    await ledger.networkRemoved(g);
+    expect(await store.getResult(g)).toMatchObject({ teardown: "confirmed", failureKind: null, reward: 1 });
+    const h = (await admitOne()).ids[0]!;
+    await ledger.networkRemovalFailed(h, 15);
+    const metaH = (await store.begin(h, "close", 20)).record!.meta;
+    expect(await store.finalize(metaH, pendingResult(h), 30)).toBe(true);
+    expect(await store.getResult(h)).toMatchObject({ teardown: "pending" });
+    await ledger.networkRemoved(h);
+    expect(await store.getResult(h)).toMatchObject({ teardown: "confirmed", failureKind: null });
+    // Removed (by the janitor) before close finalized: finalize stores it confirmed.
+    const k = (await admitOne()).ids[0]!;
+    await ledger.networkRemovalFailed(k, 15);
+    const metaK = (await store.begin(k, "close", 20)).record!.meta;
+    await ledger.networkRemoved(k);
+    expect(await store.finalize(metaK, pendingResult(k), 30)).toBe(true);
+    expect(await store.getResult(k)).toMatchObject({ teardown: "confirmed", failureKind: null });
 
     // The edit is the top-level fields': the same names inside metadata are the user's, echoed as given.
     const infra = { infra: { teardown: "pending", failureKind: "teardown_failed" } };

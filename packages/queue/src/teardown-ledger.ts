@@ -119,9 +119,11 @@ export class TeardownLedger {
       this.keys.teardownEntries(),
       this.keys.teardownDue(),
       this.keys.rollout(entry.rolloutId),
+      this.keys.networkRetries(),
       entry.key,
       sandboxKey(entry.rolloutId, "resources"),
       sandboxKey(entry.rolloutId, "agent"),
+      entry.rolloutId,
     );
   }
 
@@ -204,9 +206,19 @@ export class TeardownLedger {
     await this.redis.zadd(this.keys.networkRetries(), "XX", now + delayMs, rolloutId);
   }
 
-  /** The rollout's network and rules are gone: nothing left to retry. */
+  /**
+   * The rollout's network and rules are gone: nothing left to retry, and if nothing else of the
+   * rollout is on the ledger, its finalized result's teardown is marked confirmed.
+   */
   async networkRemoved(rolloutId: string): Promise<void> {
-    await this.redis.zrem(this.keys.networkRetries(), rolloutId);
+    await this.redis.fleetNetworkRemoved(
+      this.keys.networkRetries(),
+      this.keys.teardownEntries(),
+      this.keys.rollout(rolloutId),
+      rolloutId,
+      sandboxKey(rolloutId, "resources"),
+      sandboxKey(rolloutId, "agent"),
+    );
   }
 
   /** Is a teardown still pending for this rollout (any owner)? */
