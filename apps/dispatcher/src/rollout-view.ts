@@ -10,7 +10,10 @@ export const RolloutView = z.object({
   id: z.string(),
   batchId: z.string().nullable(),
   status: RolloutStatus,
-  /** The stage it is in or last finished (`admission` before seeding starts). */
+  /**
+   * The stage it is in (a worker began it) or last finished: `admission` until its seed begins,
+   * `run` from the moment a worker began the run (its agent starting) until verify begins.
+   */
   stage: Stage,
   taskId: z.string(),
   taskDigest: z.string(),
@@ -29,12 +32,11 @@ export type RolloutView = z.infer<typeof RolloutView>;
 /** The answer for a rollout: its result when terminal, else its progress view. */
 export function presentRollout(record: RolloutRecord): RolloutResult | RolloutView {
   if (isTerminal(record.status) && record.result) return record.result;
-  const stage = Stage.safeParse(record.stage);
   return {
     id: record.meta.id,
     batchId: record.meta.batchId,
     status: record.status,
-    stage: stage.success ? stage.data : "admission",
+    stage: stageOf(record),
     taskId: record.meta.taskId,
     taskDigest: record.meta.taskDigest,
     agent: record.meta.agentName,
@@ -44,4 +46,21 @@ export function presentRollout(record: RolloutRecord): RolloutResult | RolloutVi
     cancelRequested: record.cancelRequested,
     metadata: record.meta.metadata,
   };
+}
+
+/** Stages in the order a rollout goes through them. */
+const ORDER = Stage.options;
+
+/**
+ * The furthest of the stage whose receipt was stored last (`record.stage`) and the last stage a
+ * worker began (its start time, recorded by `store.begin`): the status says the seed is done
+ * (`seeded`) while the agent already runs.
+ */
+function stageOf(record: RolloutRecord): Stage {
+  const stored = Stage.safeParse(record.stage);
+  let at = ORDER.indexOf(stored.success ? stored.data : "admission");
+  for (let i = at + 1; i < ORDER.length; i++) {
+    if (record.times[`${ORDER[i]}:start`] !== undefined) at = i;
+  }
+  return ORDER[at]!;
 }

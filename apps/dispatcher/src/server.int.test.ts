@@ -155,6 +155,14 @@ describe("POST /v1/rollouts", () => {
       agent: "oracle",
       failure: null,
     });
+    // The stage a worker began, not only the one whose receipt was stored last: the agent runs
+    // while the status still says the seed is done.
+    const stageNow = async () =>
+      ((await h.call({ method: "GET", url: `/v1/rollouts/${body.id}` })).json() as { stage: string }).stage;
+    await h.store.begin(body.id, "seed", Date.now());
+    expect(await stageNow()).toBe("seed");
+    await h.store.begin(body.id, "run", Date.now());
+    expect(await stageNow()).toBe("run");
   });
 
   it("is idempotent by key: same body → same id, other body → 409", async () => {
