@@ -192,6 +192,18 @@ describe("AgentSpec refusals", () => {
 
 describe("TaskContent refusals", () => {
   const base = { id: "t", instruction: "i", image: "img", tests: { "test.sh": "exit 0" } };
+  it("refuses a test.sh or solve.sh with CRLF line endings (bash cannot run them); other files may have them", () => {
+    const crlf = "#!/bin/bash\r\nexit 0\r\n";
+    const issues = (task: object) =>
+      TaskContent.safeParse({ ...base, ...task }).error?.issues.map((i) => [i.path.join("/"), i.message]);
+    const message = "has Windows (CRLF) line endings, which bash cannot run: convert it (dos2unix)";
+    expect(issues({ tests: { "test.sh": crlf } })).toEqual([["tests/test.sh", message]]);
+    expect(issues({ solution: { "solve.sh": crlf } })).toEqual([["solution/solve.sh", message]]);
+    expect(
+      issues({ workspace: { "notes.txt": "a\r\nb\r\n" }, solution: { "solve.sh": "true\n" } }),
+    ).toBeUndefined();
+  });
+
   it("takes file modes that name the task's files, as three octal digits, and keeps a task without them as it was", () => {
     const workspace = { "bin/deploy.sh": "#!/bin/sh\n", "./key.pem": "k" };
     const modes = { "workspace/./bin/deploy.sh": "644", "workspace/key.pem": "600", "tests/test.sh": "755" };

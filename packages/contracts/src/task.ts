@@ -159,7 +159,10 @@ export const TaskContent = z
       .string()
       .min(1)
       .max(200)
-      .regex(/^[A-Za-z0-9][A-Za-z0-9._-]*$/, "must be letters, digits, '.', '_' or '-'"),
+      .regex(
+        /^[A-Za-z0-9][A-Za-z0-9._-]*$/,
+        "must start with a letter or digit, then only letters, digits, '.', '_' or '-'",
+      ),
     instruction: z.string().min(1, "must not be empty"),
     /** Sandbox image name; must exist on the worker hosts. */
     image: z.string().min(1).max(300),
@@ -237,6 +240,20 @@ export const TaskContent = z
         path: ["tests", "test.sh"],
         message: "runs nothing (blank or comments only), so every agent would pass",
       });
+    }
+    // The two scripts the fleet runs with bash: with CRLF line endings each line's `\r` is part
+    // of its last word, and the script fails on its first line, after a whole run.
+    for (const [set, name] of [
+      ["tests", "test.sh"],
+      ["solution", "solve.sh"],
+    ] as const) {
+      if (task[set][name]?.includes("\r\n")) {
+        ctx.addIssue({
+          code: "custom",
+          path: [set, name],
+          message: "has Windows (CRLF) line endings, which bash cannot run: convert it (dos2unix)",
+        });
+      }
     }
     // Graded by the answer: an `expected` that an empty answer matches would pass an agent that
     // printed nothing; a pattern the grader cannot compile would fail only after the whole run.

@@ -336,6 +336,11 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(await invalidTask(() => loadTask(dir))).toContain(
       'directory name "bad name" is not a valid task id',
     );
+    // Only allowed characters, but not a letter or digit first: the message names that rule.
+    const draft = await writeTask("_draft", {});
+    expect(await invalidTask(() => loadTask(draft))).toContain(
+      `the directory name "_draft" is not a valid task id (must start with a letter or digit, then only letters, digits, '.', '_' or '-'); set [task] id`,
+    );
   });
 
   it("a binary file", async () => {
