@@ -65,6 +65,19 @@ describe("parseRolloutBody", () => {
     }
   });
 
+  it("says what an agent is when it is given by name, as the CLI takes it, in a row of a batch too", () => {
+    const err = thrown(() => parseRolloutBody({ ...row, agent: "oracle" }));
+    expect(err.status).toBe(422);
+    expect(err.message).toBe(
+      'rollout request is invalid (agent: must be an object, e.g. {"harness":"oracle"} or {"harness":"command","argv":[...]}; a name such as "oracle" is the CLI\'s shorthand for one)',
+    );
+    const batch = thrown(() => parseBatchJson({ rollouts: [row, { ...row, agent: "oracle" }] }));
+    expect((batch.details as { issues: { path: string; message: string }[] }).issues[0]).toMatchObject({
+      path: "rollouts[1].agent",
+      message: expect.stringContaining('e.g. {"harness":"oracle"}'),
+    });
+  });
+
   it("says that Infinity is not a finite number", () => {
     const err = thrown(() => parseRolloutBody({ ...row, deadlineS: Number.POSITIVE_INFINITY }));
     expect(err.message).toMatch(/Infinity/);

@@ -109,7 +109,18 @@ function parseRequest(
   }
   const parsed = ApiRolloutRequest.safeParse(value);
   if (parsed.success) return { ok: true, data: parsed.data };
-  return { ok: false, issues: describeIssues(parsed.error.issues, prefix) };
+  const issues = describeIssues(parsed.error.issues, prefix);
+  // `"agent": "oracle"`, as the CLI's --agent takes it: say what the API takes instead.
+  const agent = (value as { agent?: unknown } | null)?.agent;
+  if (typeof agent === "string") {
+    const path = formatPath([...prefix, "agent"]);
+    for (const issue of issues) {
+      if (issue.path === path) {
+        issue.message = `must be an object, e.g. {"harness":"oracle"} or {"harness":"command","argv":[...]}; a name such as "${agent.slice(0, 40)}" is the CLI's shorthand for one`;
+      }
+    }
+  }
+  return { ok: false, issues };
 }
 
 /** 422 with the first issues; `total` counts all of them when the caller kept fewer. */

@@ -433,6 +433,9 @@ describe("POST /v1/rollouts", () => {
       headers: { "content-type": "text/plain" },
     });
     expectErrorBody(text, 415, "unsupported_media_type");
+    expect(text.json().error.message).toBe(
+      "content type text/plain is not accepted: send application/json (POST /v1/batches also takes application/x-ndjson or application/jsonl)",
+    );
     const ndjson = await h.call({
       method: "POST",
       url: "/v1/rollouts",

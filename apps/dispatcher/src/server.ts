@@ -155,7 +155,16 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   });
 
   app.setErrorHandler((err, req, reply) => {
-    const http = toHttpError(err);
+    let http = toHttpError(err);
+    if (http.code === "unsupported_media_type") {
+      // Fastify says only "Unsupported Media Type": say what is taken instead.
+      const got = String(req.headers["content-type"] ?? "none").slice(0, 100);
+      http = new HttpError(
+        415,
+        http.code,
+        `content type ${got} is not accepted: send application/json (POST /v1/batches also takes ${NDJSON_TYPES.join(" or ")})`,
+      );
+    }
     if (http.status >= 500) req.log.error({ err }, "request failed");
     else req.log.debug({ code: http.code, message: http.message }, "request refused");
     return reply.code(http.status).headers(http.headers).send(errorBody(http));
