@@ -100,6 +100,12 @@ export const CloseReceipt = z.object({
 });
 export type CloseReceipt = z.infer<typeof CloseReceipt>;
 
+/**
+ * Milliseconds: `queuedMs` from admission to the seed's start, each stage's from its start to
+ * its stored receipt, `closeMs` to the finish, `totalMs` admission to finish. `null` for a stage
+ * that stored no receipt (it never started, or was stopped first: a cancel during the run leaves
+ * `runMs` null), never a guess (DESIGN §2 rule 12).
+ */
 export const Timings = z.object({
   queuedMs: z.number().nonnegative().nullable(),
   seedMs: z.number().nonnegative().nullable(),
