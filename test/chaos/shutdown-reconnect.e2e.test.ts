@@ -13,7 +13,8 @@ import { PrivateRedis } from "./lib/private-redis.ts";
 /**
  * Worker lifecycle under operations: a SIGTERM during a long agent run ends the process within
  * FLEET_SHUTDOWN_TIMEOUT_MS and hands the run back, so it completes on another replica exactly
- * once; a Redis restart under running workers does not stop them from taking new jobs.
+ * once; a Redis restart under running workers does not stop them from taking new jobs; a
+ * dispatcher stopped while Redis is down exits cleanly.
  */
 const SHUTDOWN_TIMEOUT_MS = 6_000;
 
@@ -146,6 +147,26 @@ describe("graceful shutdown and Redis reconnection (whole processes)", () => {
       const live = fleet.of(kind)[0]!;
       const log = readFileSync(join(logDir, `${kind}-${live.index}.log`), "utf8");
       expect(log, `${kind}-${live.index} reconnected`).toContain("redis connection ready again");
+    }
+  });
+
+  // Last: it stops the dispatcher.
+  it("a dispatcher stopped while Redis is down answers 503 until then and exits cleanly (0)", async () => {
+    await redis.crash();
+    try {
+      await waitFor("the dispatcher to see Redis gone", async () => {
+        const res = await fetch(`${fleet.url}/v1/rollouts/none`, {
+          headers: { authorization: `Bearer ${fleet.token}` },
+        });
+        return res.status === 503;
+      });
+      // Its shutdown does not wait on, nor fail for, a QUIT that Redis cannot answer.
+      expect(await fleet.kill("dispatcher", 0, "SIGTERM")).toBe(0);
+      const log = readFileSync(join(logDir, "dispatcher-0.log"), "utf8");
+      expect(log).toContain('"msg":"stopped"');
+      expect(log).not.toContain("error while shutting down");
+    } finally {
+      await redis.relaunch();
     }
   });
 });

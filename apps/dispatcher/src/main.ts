@@ -55,7 +55,10 @@ async function main(): Promise<void> {
     (async () => {
       await app.close();
       await queues.close();
-      await redis.quit();
+      // A QUIT needs Redis up (with the offline queue off it is refused at once while it is down):
+      // down, there is nothing to say goodbye to.
+      if (redis.status === "ready") await redis.quit();
+      else redis.disconnect();
     })().then(
       () => {
         logger.info("stopped");

@@ -443,6 +443,7 @@ describe("POST /v1/rollouts", () => {
       headers: { "content-type": "application/x-ndjson" },
     });
     expectErrorBody(ndjson, 415, "unsupported_media_type");
+    expect(ndjson.json().error.message).toBe("this route takes application/json"); // the route's own
   });
 });
 

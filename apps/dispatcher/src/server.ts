@@ -10,7 +10,7 @@ import Fastify, {
 } from "fastify";
 import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
-import { errorBody, HttpError, toHttpError, unavailable } from "./http-error.ts";
+import { errorBody, HttpError, isHttpError, toHttpError, unavailable } from "./http-error.ts";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
 import { NdjsonText, parseJsonText } from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
@@ -156,7 +156,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
 
   app.setErrorHandler((err, req, reply) => {
     let http = toHttpError(err);
-    if (http.code === "unsupported_media_type") {
+    if (http.code === "unsupported_media_type" && !isHttpError(err)) {
       // Fastify says only "Unsupported Media Type": say what is taken instead.
       const got = String(req.headers["content-type"] ?? "none").slice(0, 100);
       http = new HttpError(

@@ -92,6 +92,16 @@ export class PrivateRedis {
   async restart(options: { signal?: "SIGTERM" | "SIGKILL"; downMs?: number } = {}): Promise<void> {
     await this.stopProcess(options.signal ?? "SIGTERM");
     if (options.downMs) await new Promise((r) => setTimeout(r, options.downMs));
+    await this.relaunch();
+  }
+
+  /** Crash the server (SIGKILL) and keep it down until `relaunch`. */
+  async crash(): Promise<void> {
+    await this.stopProcess("SIGKILL");
+  }
+
+  /** Start it again on the same port and directory, after `crash`. */
+  async relaunch(): Promise<void> {
     await this.launch();
     this.restarts++;
   }
