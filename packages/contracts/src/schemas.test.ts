@@ -202,6 +202,37 @@ describe("TaskContent refusals", () => {
     expect(
       issues({ workspace: { "notes.txt": "a\r\nb\r\n" }, solution: { "solve.sh": "true\n" } }),
     ).toBeUndefined();
+    // A match task's tests are never run: nothing to refuse there.
+    const match = { verifier: { kind: "match", expected: "42" } };
+    expect(issues({ ...match, tests: { "test.sh": crlf } })).toBeUndefined();
+  });
+
+  it("refuses a test.sh or solve.sh that starts with a byte order mark (bash runs it as part of the first command)", () => {
+    const issues = (task: object) =>
+      TaskContent.safeParse({ ...base, ...task }).error?.issues.map((i) => [i.path.join("/"), i.message]);
+    const message =
+      "starts with a byte order mark, which bash would run as part of its first command: save it without one";
+    expect(issues({ tests: { "test.sh": "\uFEFFset -e\nexit 0\n" } })).toEqual([["tests/test.sh", message]]);
+    expect(issues({ solution: { "solve.sh": "\uFEFFtrue\n" } })).toEqual([["solution/solve.sh", message]]);
+    expect(issues({ workspace: { "notes.txt": "\uFEFFhi\n" } })).toBeUndefined(); // data, kept as it is
+  });
+
+  it("refuses modes that would leave test.sh or solve.sh unreadable to whoever runs it", () => {
+    const issues = (modes: Record<string, string>) =>
+      TaskContent.safeParse({ ...base, solution: { "solve.sh": "true\n" }, modes }).error?.issues.map((i) => [
+        i.path.join("/"),
+        i.message,
+      ]);
+    expect(issues({ "tests/test.sh": "200" })).toEqual([
+      ["modes/tests/test.sh", "takes away the read bit of its owner (root), so tests/test.sh could not run"],
+    ]);
+    expect(issues({ "solution/./solve.sh": "750" })).toEqual([
+      [
+        "modes/solution/solve.sh",
+        "takes away the read bit of others (the agent's uid runs it), so solution/solve.sh could not run",
+      ],
+    ]);
+    expect(issues({ "tests/test.sh": "400", "solution/solve.sh": "704" })).toBeUndefined();
   });
 
   it("takes file modes that name the task's files, as three octal digits, and keeps a task without them as it was", () => {

@@ -241,17 +241,39 @@ export const TaskContent = z
         message: "runs nothing (blank or comments only), so every agent would pass",
       });
     }
-    // The two scripts the fleet runs with bash: with CRLF line endings each line's `\r` is part
-    // of its last word, and the script fails on its first line, after a whole run.
-    for (const [set, name] of [
-      ["tests", "test.sh"],
-      ["solution", "solve.sh"],
-    ] as const) {
-      if (task[set][name]?.includes("\r\n")) {
+    // The two scripts the fleet runs with bash (test.sh only for a task graded by its tests),
+    // checked for what makes bash fail, or skip a line, only after a whole run: CRLF line endings
+    // (each line's `\r` ends its last word), a byte order mark (part of the first command: a
+    // `set -e` there is lost), a mode that takes away the read bit of whoever runs it (tests run
+    // as root without capabilities, the file's owner; solve.sh as the agent's uid, an "other").
+    const scripts = [
+      {
+        set: "tests",
+        name: "test.sh",
+        runs: task.verifier.kind === "tests",
+        read: 0o400,
+        who: "its owner (root)",
+      },
+      { set: "solution", name: "solve.sh", runs: true, read: 0o004, who: "others (the agent's uid runs it)" },
+    ] as const;
+    for (const { set, name, runs, read, who } of scripts) {
+      const text = task[set][name];
+      if (!runs || text === undefined) continue;
+      const problem = (message: string) => ctx.addIssue({ code: "custom", path: [set, name], message });
+      if (text.includes("\r\n")) {
+        problem("has Windows (CRLF) line endings, which bash cannot run: convert it (dos2unix)");
+      }
+      if (text.startsWith("\uFEFF")) {
+        problem(
+          "starts with a byte order mark, which bash would run as part of its first command: save it without one",
+        );
+      }
+      const mode = fileModes(task, set)[name];
+      if (mode !== undefined && (mode & read) === 0) {
         ctx.addIssue({
           code: "custom",
-          path: [set, name],
-          message: "has Windows (CRLF) line endings, which bash cannot run: convert it (dos2unix)",
+          path: ["modes", `${set}/${name}`],
+          message: `takes away the read bit of ${who}, so ${set}/${name} could not run`,
         });
       }
     }

@@ -161,6 +161,7 @@ describe("loadTask", () => {
       "workspace/secret.txt": "s\n", // 600: not executable, as the default gives (644)
       "workspace/bom.txt": Buffer.from("\uFEFFhello\n", "utf8"),
       "tests/test.sh": "#!/bin/bash\nexit 0\n", // 755, a script: the default
+      "tests/check.sh": "#!/bin/sh\nexit 0\n", // 644 on disk: tests stage at the default all the same
     });
     await chmod(path.join(dir, "workspace/tool"), 0o755);
     await chmod(path.join(dir, "workspace/secret.txt"), 0o600);
@@ -340,6 +341,13 @@ describe("broken tasks give invalid_task naming the file", () => {
     const draft = await writeTask("_draft", {});
     expect(await invalidTask(() => loadTask(draft))).toContain(
       `the directory name "_draft" is not a valid task id (must start with a letter or digit, then only letters, digits, '.', '_' or '-'); set [task] id`,
+    );
+  });
+
+  it("a solve.sh with CRLF line endings, named as the file, not as a key of task.toml", async () => {
+    const dir = await writeTask("t", { "solution/solve.sh": "#!/bin/bash\r\ntrue\r\n" });
+    expect(await invalidTask(() => loadTask(dir))).toBe(
+      `${dir}: solution/solve.sh: has Windows (CRLF) line endings, which bash cannot run: convert it (dos2unix)`,
     );
   });
 

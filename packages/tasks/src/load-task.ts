@@ -63,6 +63,11 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
   for (const name of FILE_TREES) {
     const tree = await readTree(path.join(root, name), budget);
     trees[name] = tree.files;
+    // The workspace's modes are part of what the agent is given (a script it must make
+    // executable); the solution's and tests' scripts are the fleet's to run, and keep staging's
+    // default, as suites written for it before modes travelled rely on. A file system without
+    // exec bits (Windows) says nothing of modes.
+    if (name !== "workspace" || process.platform === "win32") continue;
     for (const [rel, mode] of Object.entries(tree.modes)) modes[`${name}/${rel}`] = mode;
   }
 
@@ -83,14 +88,19 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
   const parsed = TaskContent.safeParse(input);
   if (!parsed.success) {
     const fromDirName = config.task?.id === undefined;
+    const isFile = (p: PropertyKey[]) => (FILE_TREES as readonly PropertyKey[]).includes(p[0] ?? "");
     const lines = parsed.error.issues.map((issue) => {
       const key = issue.path.map(String).join(".");
       if (key === "id" && fromDirName) {
         return `the directory name "${path.basename(root)}" is not a valid task id (${issue.message}); set [task] id`;
       }
+      // A file's problem names the file (`tests/test.sh`), not a dotted key.
+      if (isFile(issue.path)) return `${issue.path.map(String).join("/")}: ${issue.message}`;
       return `${CONTENT_KEYS[key] ?? key}: ${issue.message}`;
     });
-    throw invalid(tomlFile, lines.join("; "), parsed.error);
+    // Named after the task directory when only its files are at fault, else after task.toml.
+    const where = parsed.error.issues.every((i) => isFile(i.path)) ? root : tomlFile;
+    throw invalid(where, lines.join("; "), parsed.error);
   }
   return parsed.data;
 }
@@ -103,7 +113,6 @@ const CONTENT_KEYS: Record<string, string> = {
   "timeouts.verifierS": "[verifier] timeout_sec",
   "verifier.expected": "[verifier] expected",
   "verifier.mode": "[verifier] mode",
-  "tests.test.sh": "tests/test.sh",
 };
 
 const MISSING_TOML = "missing (every task needs a task.toml)";
