@@ -226,7 +226,7 @@ describe("TaskContent refusals", () => {
     expect(issues({ "tests/test.sh": "200" })).toEqual([
       ["modes/tests/test.sh", "takes away the read bit of its owner (root), so tests/test.sh could not run"],
     ]);
-    expect(issues({ "solution/./solve.sh": "750" })).toEqual([
+    expect(issues({ "solution/solve.sh": "750" })).toEqual([
       [
         "modes/solution/solve.sh",
         "takes away the read bit of others (the agent's uid runs it), so solution/solve.sh could not run",
@@ -237,7 +237,7 @@ describe("TaskContent refusals", () => {
 
   it("takes file modes that name the task's files, as three octal digits, and keeps a task without them as it was", () => {
     const workspace = { "bin/deploy.sh": "#!/bin/sh\n", "./key.pem": "k" };
-    const modes = { "workspace/./bin/deploy.sh": "644", "workspace/key.pem": "600", "tests/test.sh": "755" };
+    const modes = { "workspace/bin/deploy.sh": "644", "workspace/key.pem": "600", "tests/test.sh": "755" };
     const task = TaskContent.parse({ ...base, workspace, modes });
     expect(fileModes(task, "workspace")).toEqual({ "bin/deploy.sh": 0o644, "key.pem": 0o600 });
     expect(fileModes(task, "tests")).toEqual({ "test.sh": 0o755 });
@@ -255,9 +255,11 @@ describe("TaskContent refusals", () => {
     expect(refused({ "workspace/key.pem": "0600" })?.[0]?.[1]).toMatch(/three octal digits/);
     expect(refused({ "workspace/key.pem": "4755" })?.[0]?.[1]).toMatch(/three octal digits/); // no setuid
     expect(refused({ "workspace/key.pem": "689" })?.[0]?.[1]).toMatch(/three octal digits/);
+    // One spelling per file (so one digest for one staging), and no empty map.
     expect(refused({ "workspace/key.pem": "600", "workspace/./key.pem": "644" })).toEqual([
-      ["modes.workspace/./key.pem", 'names the same file as "workspace/key.pem"'],
+      ["modes.workspace/./key.pem", 'must be spelled "workspace/key.pem"'],
     ]);
+    expect(refused({})).toEqual([["modes", "is empty: leave it out"]]);
   });
 
   it("takes a file set at its limits: 32 directories deep, 255-byte names, 10,000 entries", () => {

@@ -198,7 +198,10 @@ export const TaskContent = z
       }
       return names;
     };
-    const moded = new Map<string, string>();
+    // One spelling per file, and no empty map: the same staging is always the same digest.
+    if (task.modes !== undefined && Object.keys(task.modes).length === 0) {
+      ctx.addIssue({ code: "custom", path: ["modes"], message: "is empty: leave it out" });
+    }
     for (const key of Object.keys(task.modes ?? {})) {
       const slash = key.indexOf("/");
       const set = key.slice(0, slash) as TaskFileSet;
@@ -210,13 +213,9 @@ export const TaskContent = z
           path: ["modes", key],
           message: `names no file of the task (a key is "workspace/<path>", "solution/<path>" or "tests/<path>")`,
         });
-        continue;
+      } else if (key !== `${set}/${rel}`) {
+        ctx.addIssue({ code: "custom", path: ["modes", key], message: `must be spelled "${set}/${rel}"` });
       }
-      const other = moded.get(`${set}/${rel}`);
-      if (other !== undefined) {
-        ctx.addIssue({ code: "custom", path: ["modes", key], message: `names the same file as "${other}"` });
-      }
-      moded.set(`${set}/${rel}`, key);
     }
     // Graded by `tests/test.sh`: a missing one could only fail the rollout at verify
     // (`invalid_task`) after a sandbox was made and the agent ran; one that runs nothing (blank,
