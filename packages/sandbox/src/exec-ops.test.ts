@@ -1,6 +1,6 @@
 import { type ExecResult, isFleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { clearViaExec, extractViaExec, pid1Starting, probeStdout, probeWhilePid1Starts } from "./exec-ops.ts";
+import { extractViaExec, pid1Starting, probeStdout, probeWhilePid1Starts } from "./exec-ops.ts";
 import { execResult } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
@@ -81,7 +81,7 @@ describe("probeWhilePid1Starts", () => {
   });
 });
 
-describe("clearViaExec / extractViaExec: what a failed staging exec means", () => {
+describe("extractViaExec: what a failed staging exec means", () => {
   const ran = (over: Partial<ExecResult>) => async () => execResult({ stderr: "boom", ...over });
   const kindOf = async (p: Promise<unknown>) =>
     p.then(
@@ -89,8 +89,10 @@ describe("clearViaExec / extractViaExec: what a failed staging exec means", () =
       (err: unknown) => (isFleetError(err) ? [err.kind, err.retryable] : String(err)),
     );
 
-  it("the script's own failure is the task's (final invalid_task)", async () => {
-    expect(await kindOf(clearViaExec(ran({ exitCode: 3 }), "/workspace", "0:0"))).toEqual([
+  const plan = { target: "/tests", files: { "test.sh": "true\n" }, user: "0:0", ids: { uid: 0, gid: 0 } };
+
+  it("the script's own failure (e.g. what replace could not clear) is the task's (final invalid_task)", async () => {
+    expect(await kindOf(extractViaExec(ran({ exitCode: 3 }), plan, { replace: true }))).toEqual([
       "invalid_task",
       false,
     ]);
@@ -101,11 +103,10 @@ describe("clearViaExec / extractViaExec: what a failed staging exec means", () =
     ["killed by a signal", { exitCode: 137 }],
     ["cut off by the host", { exitCode: -1 }],
   ])("an exec %s is the infrastructure's (retryable provider_unavailable)", async (_why, over) => {
-    expect(await kindOf(clearViaExec(ran(over), "/workspace", "0:0"))).toEqual([
+    expect(await kindOf(extractViaExec(ran(over), plan, { replace: true }))).toEqual([
       "provider_unavailable",
       true,
     ]);
-    const plan = { target: "/tests", files: { "test.sh": "true\n" }, user: "0:0", ids: { uid: 0, gid: 0 } };
     expect(await kindOf(extractViaExec(ran(over), plan))).toEqual(["provider_unavailable", true]);
   });
 });

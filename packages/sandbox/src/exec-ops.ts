@@ -224,11 +224,6 @@ mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
   await stagingScript(exec, script, [target, replace ? "1" : "0"], user, archive, what);
 }
 
-/** Empty directory `target` as `user` (nothing to do when it does not exist); see `CLEAR_DIR`. */
-export async function clearViaExec(exec: SandboxExec, target: string, user: string): Promise<void> {
-  await stagingScript(exec, CLEAR_DIR, [target, "1"], user, null, `clearing ${target}`);
-}
-
 /**
  * Run a staging shell script as `user`; a non-zero exit is final `invalid_task` saying `what`
  * failed. Out of time or killed (exit -1, or 128 + a signal: a loaded host, a daemon stall, the

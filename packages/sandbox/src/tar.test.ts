@@ -1,7 +1,6 @@
-import { Readable } from "node:stream";
 import tar from "tar-stream";
 import { describe, expect, it } from "vitest";
-import { buildTar, readFirstTarFile, safeRelativeParts } from "./tar.ts";
+import { buildTar, safeRelativeParts } from "./tar.ts";
 
 interface Entry {
   name: string;
@@ -88,19 +87,5 @@ describe("buildTar", () => {
     await expect(buildTar({ "../etc/passwd": "x" }, { uid: 0, gid: 0 })).rejects.toThrow(/\.\./);
     expect(() => safeRelativeParts("/abs")).toThrow(/relative/);
     expect(safeRelativeParts("./a//b/")).toEqual(["a", "b"]);
-  });
-});
-
-describe("readFirstTarFile", () => {
-  it("reads the first file, capped", async () => {
-    const archive = await buildTar({ "f.txt": "0123456789" }, { uid: 0, gid: 0 });
-    expect((await readFirstTarFile(Readable.from([archive]), 100)).bytes.toString()).toBe("0123456789");
-    const capped = await readFirstTarFile(Readable.from([archive]), 4);
-    expect([capped.bytes.toString(), capped.truncated, capped.isFile]).toEqual(["0123", true, true]);
-  });
-
-  it("reports a directory as not a file", async () => {
-    const archive = await buildTar({ "d/f.txt": "x" }, { uid: 0, gid: 0 });
-    expect((await readFirstTarFile(Readable.from([archive]), 100)).isFile).toBe(false);
   });
 });

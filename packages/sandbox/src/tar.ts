@@ -1,4 +1,3 @@
-import type { Readable } from "node:stream";
 import type { FileSet } from "@fleet/contracts";
 import tar from "tar-stream";
 
@@ -79,70 +78,4 @@ export async function buildTar(files: FileSet, options: TarOptions): Promise<Buf
   }
   pack.finalize();
   return done;
-}
-
-export interface TarFileRead {
-  /** The archive's first entry was a regular file. */
-  isFile: boolean;
-  bytes: Buffer;
-  truncated: boolean;
-}
-
-/**
- * Read the first entry of a tar stream (what Docker's archive API returns for one path), keeping
- * at most `maxBytes` of it. Stops reading once it has what it needs.
- */
-export async function readFirstTarFile(source: Readable, maxBytes: number): Promise<TarFileRead> {
-  const extract = tar.extract();
-  const result = new Promise<TarFileRead>((resolve, reject) => {
-    let settled = false;
-    const finish = (value: TarFileRead) => {
-      if (settled) return;
-      settled = true;
-      resolve(value);
-      source.unpipe(extract);
-      source.destroy();
-      extract.destroy();
-    };
-    extract.on("entry", (header, stream, next) => {
-      if (header.type !== "file" && header.type !== "contiguous-file") {
-        stream.resume();
-        finish({ isFile: false, bytes: Buffer.alloc(0), truncated: false });
-        return;
-      }
-      const chunks: Buffer[] = [];
-      let kept = 0;
-      let seen = 0;
-      stream.on("data", (data: unknown) => {
-        const chunk = data as Buffer;
-        seen += chunk.length;
-        const room = maxBytes - kept;
-        if (room > 0) {
-          const part = chunk.length <= room ? chunk : chunk.subarray(0, room);
-          chunks.push(Buffer.from(part));
-          kept += part.length;
-        }
-        if (seen > maxBytes) finish({ isFile: true, bytes: Buffer.concat(chunks, kept), truncated: true });
-      });
-      stream.on("end", () => {
-        finish({ isFile: true, bytes: Buffer.concat(chunks, kept), truncated: seen > kept });
-        next();
-      });
-    });
-    extract.on("finish", () => finish({ isFile: false, bytes: Buffer.alloc(0), truncated: false }));
-    extract.on("error", (err: Error) => {
-      if (!settled) {
-        settled = true;
-        reject(err);
-      }
-    });
-    source.on("error", (err: Error) => {
-      if (!settled) {
-        settled = true;
-        reject(err);
-      }
-    });
-  });
-  source.pipe(extract as unknown as NodeJS.WritableStream);
-  return result;
 }

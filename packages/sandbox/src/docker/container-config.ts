@@ -67,12 +67,6 @@ export function isTmpfsPath(path: string): boolean {
   return TMPFS_MOUNTS.some((m) => path === m.path || path.startsWith(`${m.path}/`));
 }
 
-/** Whether `path` (absolute) lies in the workspace volume. */
-export function isWorkspacePath(path: string): boolean {
-  const ws = SANDBOX_PATHS.workspace;
-  return path === ws || path.startsWith(`${ws}/`);
-}
-
 const NAME_SAFE = /^[A-Za-z0-9][A-Za-z0-9_.-]*$/;
 
 /**

@@ -777,6 +777,20 @@ describe("DockerSandboxProvider (real Docker)", () => {
     await expect(docker.getVolume(h.volumes[0]!).inspect()).rejects.toMatchObject({ statusCode: 404 });
   });
 
+  it("puts and gets through the container's own view of the workspace, not the daemon's mount of it (gone after a live-restore restart)", async () => {
+    const h = await create();
+    // As after a daemon restarted with live-restore: the daemon's mount of the volume is gone,
+    // the container's stays. (Detached: the daemon still counts it mounted.)
+    const { Mountpoint } = (await docker.getVolume(h.volumes[0]!).inspect()) as unknown as {
+      Mountpoint: string;
+    };
+    execFileSync("umount", ["-l", Mountpoint]);
+    await provider.put(h, "/workspace", { "task.txt": "staged\n" }, { replace: true });
+    const seen = await provider.exec(h, ["cat", "/workspace/task.txt"], { deadlineMs: 10_000 });
+    expect(seen).toMatchObject({ exitCode: 0, stdout: "staged\n" });
+    expect(await provider.get(h, "/workspace/task.txt")).toBe("staged\n");
+  });
+
   it("a probe that times out is a retryable provider_unavailable", async () => {
     const h = await create();
     const err = await fleetError(provider.probe(h, { timeoutMs: 1 }));

@@ -19,7 +19,6 @@ import Dockerode from "dockerode";
 import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-command.ts";
 import {
   assertIsolated,
-  clearViaExec,
   DEFAULT_EXEC_DEFAULTS,
   delay,
   type ExecDefaults,
@@ -42,7 +41,7 @@ import {
   sentinelProbeLine,
   WORKSPACE_PROBE_LINE,
 } from "../exec-ops.ts";
-import { CappedBuffer, DockerStreamDemuxer, decodeCapped, execOutputBuffers } from "../output.ts";
+import { CappedBuffer, DockerStreamDemuxer, execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
   LABEL_MANAGED,
@@ -51,17 +50,13 @@ import {
   LABEL_SCOPE,
   type PutOptions,
   ROOT_USER,
-  SANDBOX_PATHS,
   type SandboxInfo,
   type SandboxProvider,
 } from "../provider.ts";
 import { SCRATCH_PROBE_LINE } from "../scratch.ts";
-import { buildTar, readFirstTarFile } from "../tar.ts";
 import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
-  isTmpfsPath,
-  isWorkspacePath,
   LABEL_REAPER,
   reaperLabels,
   type SandboxLimits,
@@ -470,24 +465,12 @@ export class DockerSandboxProvider implements SandboxProvider {
   async put(handle: SandboxHandle, dir: string, files: FileSet, options: PutOptions = {}): Promise<void> {
     await this.checkDaemon(handle);
     const plan = planPut(dir, files, options.user, this.defaults.execUser);
-    const { target, ids } = plan;
-    if (isTmpfsPath(target)) {
-      // Docker's archive API cannot see a container's tmpfs mounts: extract inside, as the user.
-      await extractViaExec(this.execOf(handle), plan, options);
-      return;
-    }
-    if (options.replace) await clearViaExec(this.execOf(handle), target, plan.user);
-
-    // Volume (or writable root): the archive API, rooted at the workspace so missing
-    // directories are created with the right owner.
-    const root = isWorkspacePath(target) ? SANDBOX_PATHS.workspace : target;
-    const prefix = target.slice(root.length).replace(/^\//, "");
-    const archive = await buildTar(plan.files, { ...ids, mode: options.mode, modes: options.modes, prefix });
-    try {
-      await this.containerOf(handle).putArchive(archive, { path: root, abortSignal: this.apiSignal() });
-    } catch (err) {
-      throw classifyDockerError(err, "put", `${handle.name}:${target}`);
-    }
+    // Extracted inside the container, as the user, whatever the path (volume, tmpfs, writable
+    // root): what the container sees is what counts. Docker's archive API writes through the
+    // daemon's own mount of a volume, which a daemon restarted with live-restore no longer has:
+    // the files went nowhere, the call succeeded, and an agent rerun in an empty workspace was
+    // graded 0. (It cannot see a tmpfs at all.)
+    await extractViaExec(this.execOf(handle), plan, options);
   }
 
   async get(
@@ -497,26 +480,11 @@ export class DockerSandboxProvider implements SandboxProvider {
   ): Promise<string | null> {
     await this.checkDaemon(handle);
     const maxBytes = options.maxBytes ?? this.defaults.maxOutputBytes;
-    const target = getTarget(path);
-    if (isTmpfsPath(target)) return this.getViaExec(handle, target, maxBytes);
-
-    let archive: Awaited<ReturnType<Container["getArchive"]>>;
-    try {
-      archive = await this.containerOf(handle).getArchive({ path: target, abortSignal: this.apiSignal() });
-    } catch (err) {
-      const e = classifyDockerError(err, "get", `${handle.name}:${target}`);
-      if (classifyDockerFacts(dockerErrorFacts(err), "get") === "path_missing") return null;
-      throw e;
-    }
-    try {
-      const file = await readFirstTarFile(archive, maxBytes);
-      return file.isFile ? decodeCapped(file.bytes, file.truncated) : null;
-    } catch (err) {
-      throw classifyDockerError(err, "get", `${handle.name}:${target}`);
-    }
+    // Read inside the container, as `put` writes (see there).
+    return this.getViaExec(handle, getTarget(path), maxBytes);
   }
 
-  /** Read a file on a tmpfs mount with `cat` (root first; the file's owner may be the agent). */
+  /** Read a file with `cat` inside the container (root first; the file's owner may be the agent). */
   private getViaExec(handle: SandboxHandle, path: string, maxBytes: number): Promise<string | null> {
     return readViaExec(this.execOf(handle), path, [ROOT_USER, this.defaults.execUser], maxBytes);
   }

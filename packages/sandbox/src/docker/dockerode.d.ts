@@ -138,8 +138,6 @@ declare module "dockerode" {
       kill(options?: WithSignal & { signal?: string }): Promise<unknown>;
       exec(options: ExecCreateOptions): Promise<Exec>;
       attach(options: { stream: boolean; stdout?: boolean; stderr?: boolean }): Promise<Readable>;
-      putArchive(file: Buffer | Readable, options: WithSignal & { path: string }): Promise<unknown>;
-      getArchive(options: WithSignal & { path: string }): Promise<Readable>;
       stats(
         options: WithSignal & { stream: false; "one-shot"?: boolean },
       ): Promise<{ pids_stats?: { current?: number; limit?: number } }>;
