@@ -16,3 +16,21 @@ export function isHandBack(err: unknown): err is HandBackError {
     (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "HandBackError")
   );
 }
+
+/**
+ * Thrown by the stage runner when a stage failed because the sandbox provider does not answer
+ * at all (a Docker daemon restarting, a hung daemon): the worker puts the job back in the queue,
+ * delayed, without spending an attempt, and stops taking jobs of the provider's stages until the
+ * provider answers again. A short daemon restart then delays rollouts rather than masking them
+ * after their attempts ran out within seconds. The failure is logged (not terminal).
+ */
+export class ProviderHoldError extends Error {
+  override readonly name = "ProviderHoldError";
+}
+
+export function isProviderHold(err: unknown): err is ProviderHoldError {
+  return (
+    err instanceof ProviderHoldError ||
+    (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "ProviderHoldError")
+  );
+}

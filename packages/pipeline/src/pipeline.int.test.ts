@@ -14,7 +14,7 @@ import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fle
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { UnrecoverableError } from "bullmq";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { isHandBack } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -314,7 +314,7 @@ describe("failed teardown is persisted and retried by the janitor", () => {
 });
 
 describe("no host fallback", () => {
-  it("with the sandbox provider unreachable, the rollout is masked provider_unavailable and nothing runs on the host", async () => {
+  it("with the sandbox provider unreachable, the rollout is held, masked once past its deadline, and nothing runs on the host", async () => {
     const dead = new DockerSandboxProvider({ docker: { socketPath: "/tmp/fleet-no-daemon-here.sock" } });
     const fleet = await startInProcessFleet({ provider: dead });
     try {
@@ -323,7 +323,18 @@ describe("no host fallback", () => {
       const [id] = await fleet.submit([
         { task: byId("hello-file"), agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 4 },
       ]);
-      const [r] = await fleet.waitForResults([id!], 60_000);
+      // The provider breaker holds the seed (no daemon answers a listing either) and stops
+      // taking seeds: the rollout waits out its deadline, and the watchdog (the janitor's, run
+      // here by hand) closes it, masked.
+      await vi.waitFor(
+        async () => {
+          await janitorTick(fleet.deps, { orphanGraceMs: 60_000, watchdogGraceMs: 0 });
+          expect(await fleet.deps.store.getResults([id!])).not.toEqual([null]);
+        },
+        { timeout: 30_000, interval: 250 },
+      );
+      const [r] = await fleet.waitForResults([id!], 10_000);
+      expect(fleet.workers!.providerDown).toBe(true);
       expect(r).toMatchObject({ status: "masked", mask: true, reward: null, stage: "seed" });
       expect(["provider_unavailable", "deadline_exceeded"]).toContain(r!.failureKind);
       expect(r!.failures.some((f) => f.failureKind === "provider_unavailable")).toBe(true);

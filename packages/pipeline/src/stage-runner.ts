@@ -12,7 +12,7 @@ import {
 import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { isHandBack } from "./hand-back.ts";
+import { isHandBack, ProviderHoldError } from "./hand-back.ts";
 import { beginOptions, HANDLERS } from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown";
@@ -39,6 +39,15 @@ export async function runStageJob(
     signal?: AbortSignal;
     /** The job's BullMQ lock duration (see `StageRecord.lock`). @defaultValue 30 s */
     lockDurationMs?: number;
+    /**
+     * Whether the sandbox provider is down as a whole (it does not answer a listing). Asked
+     * after a seed, run or verify failed `provider_unavailable`: when it is, the job is held
+     * (`ProviderHoldError`: back to the queue, no attempt spent) rather than retried, for as
+     * long as the rollout's deadline is at least `holdMs` away. Never throws.
+     */
+    providerDown?: () => Promise<boolean>;
+    /** How far ahead of the deadline a hold must end. @defaultValue 2 s */
+    holdMs?: number;
   } = {},
 ): Promise<StageRunOutcome> {
   // When this worker took the job: its lock dates from then (wall clock, as BullMQ's).
@@ -108,6 +117,25 @@ export async function runStageJob(
     const attemptsLeft = attempt < maxAttempts;
     const fitsDeadline = stage === "close" || at + maxBackoffMs(stage, attempt) < rec.meta.deadlineAt;
     const log = deps.logger.child({ rolloutId, stage });
+    if (
+      stage !== "close" &&
+      fe.kind === "provider_unavailable" &&
+      options.providerDown &&
+      at + (options.holdMs ?? DEFAULT_HOLD_MS) < rec.meta.deadlineAt &&
+      (await options.providerDown())
+    ) {
+      // Close is never held: a destroy that fails goes to the teardown ledger, and the result is
+      // recorded all the same.
+      log.warn(
+        { err: fe.message, attempt },
+        "sandbox provider unreachable; holding the job (no attempt spent)",
+      );
+      await deps.store.logFailure(rolloutId, {
+        ...failureRecord(stage, fe, false, at),
+        reason: capText(`held while the sandbox provider is unreachable: ${fe.message}`),
+      });
+      throw new ProviderHoldError(fe.message);
+    }
     if (fe.retryable && attemptsLeft && fitsDeadline) {
       log.warn({ err: fe.message, kind: fe.kind, attempt }, "stage failed; will retry");
       await deps.store.logFailure(rolloutId, failureRecord(stage, fe, false, at));
@@ -150,6 +178,9 @@ export async function runStageJob(
     throw new UnrecoverableError(capText(`${fe.kind}: ${fe.message}`));
   }
 }
+
+/** How far ahead of a rollout's deadline a provider hold must end (see `runStageJob`). */
+export const DEFAULT_HOLD_MS = 2_000;
 
 /** How often, and how far apart, a final failure's record is tried before the watchdog is left to it. */
 const FAIL_RECORD_TRIES = 4;

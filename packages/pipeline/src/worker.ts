@@ -1,9 +1,9 @@
 import { setMaxListeners } from "node:events";
-import { capText, isTerminal, type StageName } from "@fleet/contracts";
+import { capText, isTerminal, type StageName, withTimeout } from "@fleet/contracts";
 import { duplicateRedis, type RedisConnection } from "@fleet/queue";
-import { type Job, WaitingError, Worker } from "bullmq";
+import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { isHandBack } from "./hand-back.ts";
+import { isHandBack, isProviderHold } from "./hand-back.ts";
 import { nextAfter, runStageJob } from "./stage-runner.ts";
 
 export interface StageWorkerOptions {
@@ -21,6 +21,18 @@ export interface StageWorkerOptions {
    * `false` turns it off. @defaultValue `{ intervalMs: 5_000, stuckAfterMs: 30_000 }`
    */
   supervise?: { intervalMs: number; stuckAfterMs: number } | false;
+  /**
+   * The provider breaker: a seed, run or verify that failed because the sandbox provider does
+   * not answer at all (its listing fails or takes longer than `callTimeoutMs`) is put back in its
+   * queue, delayed by `probeMs`, without spending an attempt, and this process stops taking seed,
+   * run and verify jobs; every `probeMs` it asks the provider again and takes jobs again once it
+   * answers. Close jobs keep running (a destroy that fails goes to the teardown ledger). Bounded
+   * by each rollout's deadline: a stage that fails within `probeMs` of it is not held (the
+   * failure stands), and a rollout held past it is closed as `deadline_exceeded` (masked) by its
+   * next stage job or by the janitor's watchdog. `false` turns it off: every failure then
+   * spends an attempt. @defaultValue `{ probeMs: 2_000, callTimeoutMs: 5_000 }`
+   */
+  providerBreaker?: { probeMs: number; callTimeoutMs: number } | false;
   /** Called for every BullMQ worker made, the supervisor's replacements included (listeners, metrics). */
   onWorker?: (worker: Worker, stage: StageName) => void;
 }
@@ -30,6 +42,8 @@ export interface StageWorkers {
   readonly workers: Worker[];
   /** How many times the supervisor replaced a worker. */
   readonly recreated: number;
+  /** Whether the provider breaker is open (seed, run and verify jobs are not taken). */
+  readonly providerDown: boolean;
   /** Run the supervisor's check now (it also runs on its own timer). */
   check(): Promise<void>;
   /**
@@ -43,6 +57,7 @@ export interface StageWorkers {
 }
 
 const DEFAULT_SUPERVISE = { intervalMs: 5_000, stuckAfterMs: 30_000 };
+const DEFAULT_PROVIDER_BREAKER = { probeMs: 2_000, callTimeoutMs: 5_000 };
 
 /** When, within a shutdown budget, still-running jobs are asked to hand themselves back. */
 export function handBackAfterMs(timeoutMs: number): number {
@@ -70,6 +85,16 @@ export function createStageWorkers(
   setMaxListeners(0, handBack.signal);
   let closing = false;
   let recreated = 0;
+  const breakerOptions =
+    options.providerBreaker === undefined ? DEFAULT_PROVIDER_BREAKER : options.providerBreaker;
+  const breaker = breakerOptions
+    ? providerBreaker(
+        deps,
+        breakerOptions,
+        () => slots,
+        () => closing,
+      )
+    : null;
 
   const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
     const { stage } = slot;
@@ -83,6 +108,7 @@ export function createStageWorkers(
           const outcome = await runStageJob(stage, job, deps, {
             signal: handBack.signal,
             lockDurationMs: options.lockDurationMs ?? 30_000,
+            ...(breaker ? { providerDown: breaker.isDown, holdMs: breaker.probeMs } : {}),
           });
           deps.metrics?.stageJobs.inc({ stage, outcome });
           deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
@@ -93,6 +119,15 @@ export function createStageWorkers(
             await job.moveToWait(token);
             deps.logger.info({ stage, rolloutId: job.data?.rolloutId }, "handed the job back");
             throw new WaitingError();
+          }
+          if (breaker && isProviderHold(err) && token) {
+            // The provider is down: back to the queue, delayed, without spending an attempt;
+            // this process takes no seed, run or verify job until the provider answers.
+            await job.moveToDelayed(Date.now() + breaker.probeMs, token);
+            breaker.trip();
+            deps.metrics?.stageJobs.inc({ stage, outcome: "held" });
+            deps.metrics?.stageDuration.observe({ stage, outcome: "held" }, (Date.now() - started) / 1000);
+            throw new DelayedError();
           }
           const name = (err as Error).name;
           const outcome = name === "UnrecoverableError" ? "failed" : "retry";
@@ -168,6 +203,8 @@ export function createStageWorkers(
     if (closing || !supervise) return;
     for (const slot of slots) {
       if (closing) return;
+      // Paused by the provider breaker on purpose (a paused worker also stops "running").
+      if (breaker?.holds(slot.stage) && breaker.open) continue;
       if (!slot.worker.isRunning() && !slot.worker.closing) {
         replace(slot, "the worker stopped running");
         continue;
@@ -224,6 +261,9 @@ export function createStageWorkers(
     get recreated() {
       return recreated;
     },
+    get providerDown() {
+      return breaker?.open ?? false;
+    },
     check: () => {
       checking = checking.then(check);
       return checking;
@@ -231,6 +271,7 @@ export function createStageWorkers(
     async close(timeoutMs = 30_000) {
       closing = true;
       if (timer) clearInterval(timer);
+      breaker?.stop();
       const started = Date.now();
       // A supervisor check in flight is not waited for: it replaces no worker once `closing` is
       // set, and one hung on Redis would spend the budget the jobs need to hand themselves back.
@@ -266,6 +307,99 @@ export function createStageWorkers(
           ]),
         ),
       );
+    },
+  };
+}
+
+interface ProviderBreaker {
+  readonly probeMs: number;
+  readonly open: boolean;
+  /** Whether the provider fails to answer a listing now (concurrent asks share one call). */
+  isDown(): Promise<boolean>;
+  /** Open the breaker (no-op when open): pause the held stages' workers, probe until the provider answers. */
+  trip(): void;
+  /** Whether the breaker pauses this stage's worker. */
+  holds(stage: StageName): boolean;
+  stop(): void;
+}
+
+/** The stages that cannot get anywhere without the provider, and whose attempts a hold saves. */
+const HELD_STAGES: ReadonlySet<StageName> = new Set<StageName>(["seed", "run", "verify"]);
+
+function providerBreaker(
+  deps: PipelineDeps,
+  options: { probeMs: number; callTimeoutMs: number },
+  slots: () => readonly Slot[],
+  closing: () => boolean,
+): ProviderBreaker {
+  let open = false;
+  let since = 0;
+  let probeTimer: NodeJS.Timeout | null = null;
+  let asking: Promise<boolean> | null = null;
+  deps.metrics?.sandboxProviderUp.set(1);
+
+  const isDown = (): Promise<boolean> => {
+    asking ??= (async () => {
+      try {
+        await withTimeout(
+          deps.provider.list({ "fleet.probe": "reachable" }),
+          options.callTimeoutMs,
+          `no answer within ${options.callTimeoutMs} ms`,
+        );
+        return false;
+      } catch {
+        return true;
+      } finally {
+        asking = null;
+      }
+    })();
+    return asking;
+  };
+
+  const close = () => {
+    open = false;
+    deps.metrics?.sandboxProviderUp.set(1);
+    deps.logger.info(
+      { provider: deps.provider.name, endpoint: deps.provider.endpoint, downForMs: Date.now() - since },
+      "sandbox provider answers again; taking seed, run and verify jobs again",
+    );
+    for (const slot of slots()) if (HELD_STAGES.has(slot.stage)) void slot.worker.resume();
+  };
+
+  const probe = async () => {
+    probeTimer = null;
+    if (closing() || !open) return;
+    if (await isDown()) {
+      if (!closing()) probeTimer = setTimeout(() => void probe(), options.probeMs).unref();
+      return;
+    }
+    if (!closing()) close();
+  };
+
+  return {
+    probeMs: options.probeMs,
+    get open() {
+      return open;
+    },
+    isDown,
+    trip() {
+      if (open || closing()) return;
+      open = true;
+      since = Date.now();
+      deps.metrics?.sandboxProviderUp.set(0);
+      deps.logger.warn(
+        { provider: deps.provider.name, endpoint: deps.provider.endpoint, probeMs: options.probeMs },
+        "sandbox provider unreachable; no seed, run or verify job is taken until it answers (jobs held, no attempt spent)",
+      );
+      // Without waiting for the jobs in flight: they fail against the same provider and are
+      // held in turn.
+      for (const slot of slots()) if (HELD_STAGES.has(slot.stage)) void slot.worker.pause(true);
+      probeTimer = setTimeout(() => void probe(), options.probeMs).unref();
+    },
+    holds: (stage) => HELD_STAGES.has(stage),
+    stop() {
+      if (probeTimer) clearTimeout(probeTimer);
+      probeTimer = null;
     },
   };
 }

@@ -36,6 +36,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
         "fleet_queue_stalled_jobs_total",
         "fleet_queue_workers",
         "fleet_redis_up",
+        "fleet_sandbox_provider_up",
         "fleet_rollouts_inflight",
         "fleet_reward",
         "fleet_rollout_duration_seconds",

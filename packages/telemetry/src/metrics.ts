@@ -37,7 +37,7 @@ export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
  * receipt and did nothing again; `retry` threw a retryable error (BullMQ retries it); `failed`
  * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close).
  */
-export const STAGE_OUTCOMES = ["ok", "replayed", "skipped", "unknown", "retry", "failed"] as const;
+export const STAGE_OUTCOMES = ["ok", "replayed", "skipped", "unknown", "retry", "failed", "held"] as const;
 export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
 export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
@@ -87,6 +87,7 @@ export interface FleetMetrics {
   stageJobs: Counter<"stage" | "outcome">;
   rolloutsInflight: Gauge;
   redisUp: Gauge;
+  sandboxProviderUp: Gauge;
   queueWorkers: Gauge<"queue">;
   queueStalledJobs: Counter<"queue">;
   janitorStepFailures: Counter<"step">;
@@ -176,7 +177,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     stageJobs: new Counter({
       name: "fleet_stage_jobs_total",
-      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, retry, failed).",
+      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, retry, failed, held: put back while the sandbox provider did not answer).",
       labelNames: ["stage", "outcome"],
       registers,
     }),
@@ -188,6 +189,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     redisUp: new Gauge({
       name: "fleet_redis_up",
       help: "1 when Redis answered a PING at scrape time, 0 when it did not.",
+      registers,
+    }),
+    sandboxProviderUp: new Gauge({
+      name: "fleet_sandbox_provider_up",
+      help: "1 while this worker's sandbox provider answers, 0 while its breaker holds seed, run and verify jobs because the provider does not answer (set by stage workers only).",
       registers,
     }),
     queueWorkers: new Gauge({
@@ -218,7 +224,12 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   // Gauges without labels start at 0, a made-up sample: sampled ones (Redis up, in flight,
   // ledger entries) appear only once the process that samples them (the dispatcher, the janitor)
   // set them, so a worker's scrape never reports "Redis down" or "nothing in flight".
-  for (const gauge of [metrics.redisUp, metrics.rolloutsInflight, metrics.teardownLedgerEntries]) {
+  for (const gauge of [
+    metrics.redisUp,
+    metrics.rolloutsInflight,
+    metrics.teardownLedgerEntries,
+    metrics.sandboxProviderUp,
+  ]) {
     gauge.remove({});
   }
   return metrics;

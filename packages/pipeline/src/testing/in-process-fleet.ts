@@ -13,7 +13,7 @@ import type { SandboxProvider } from "@fleet/sandbox";
 import { createLogger } from "@fleet/telemetry";
 import { Cluster } from "ioredis";
 import type { PipelineDeps } from "../deps.ts";
-import { createStageWorkers, type StageWorkers } from "../worker.ts";
+import { createStageWorkers, type StageWorkerOptions, type StageWorkers } from "../worker.ts";
 
 /**
  * Test/bench helper: the four stage workers in one process against a real Redis, under a
@@ -35,6 +35,8 @@ export async function startInProcessFleet(options: {
   concurrency?: number;
   startWorkers?: boolean;
   deps?: Partial<PipelineDeps>;
+  /** Stage worker options beyond the fleet's (e.g. `providerBreaker`). */
+  workerOptions?: Partial<StageWorkerOptions>;
 }): Promise<InProcessFleet> {
   const prefix = `{t-${randomUUID().slice(0, 8)}}`;
   const redis = connectRedis(options.redisUrl ?? process.env.REDIS_URL ?? "redis://127.0.0.1:6379");
@@ -62,6 +64,7 @@ export async function startInProcessFleet(options: {
           concurrency: options.concurrency ?? 4,
           lockDurationMs: 10_000,
           stalledIntervalMs: 5_000,
+          ...options.workerOptions,
         });
   return {
     prefix,

@@ -66,11 +66,19 @@ export class InMemorySandboxProvider implements SandboxProvider {
     replace?: boolean;
     modes?: Readonly<Record<string, number>>;
   }> = [];
+  /** While true, every call fails `provider_unavailable`, as a daemon that does not answer. */
+  unreachable = false;
   private next = 1;
 
   constructor(public onExec: ExecHandler = () => ({})) {}
 
+  private gate(): void {
+    if (this.unreachable)
+      throw FleetError.retryable("provider_unavailable", "the in-memory provider is unreachable");
+  }
+
   async create(spec: SandboxSpecInput): Promise<SandboxHandle> {
+    this.gate();
     const id = `fake-${this.next++}`;
     const handle: SandboxHandle = {
       provider: "docker",
@@ -87,12 +95,14 @@ export class InMemorySandboxProvider implements SandboxProvider {
 
   /** The sandbox behind a handle; throws `sandbox_lost` like a real provider when it is gone. */
   sandbox(handle: SandboxHandle): FakeSandbox {
+    this.gate();
     const box = this.sandboxes.get(handle.id);
     if (!box?.alive) throw new FleetError("sandbox_lost", `sandbox ${handle.id} is gone`);
     return box;
   }
 
   async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
+    this.gate();
     for (const box of this.sandboxes.values()) {
       if (box.alive && box.handle.rolloutId === rolloutId && box.handle.owner === owner) return box.handle;
     }
@@ -158,6 +168,7 @@ export class InMemorySandboxProvider implements SandboxProvider {
   }
 
   async destroy(handle: SandboxHandle): Promise<CleanupReceipt> {
+    this.gate();
     const box = this.sandboxes.get(handle.id);
     const alreadyGone = !box?.alive;
     if (box) box.alive = false;
@@ -165,12 +176,14 @@ export class InMemorySandboxProvider implements SandboxProvider {
   }
 
   async list(): Promise<SandboxInfo[]> {
+    this.gate();
     return [...this.sandboxes.values()]
       .filter((b) => b.alive)
       .map((b) => ({ handle: b.handle, labels: { "fleet.managed": "true" }, running: true, createdAt: 0 }));
   }
 
   async alive(handle: SandboxHandle): Promise<boolean> {
+    this.gate();
     return this.sandboxes.get(handle.id)?.alive ?? false;
   }
 }

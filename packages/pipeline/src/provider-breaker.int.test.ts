@@ -1,0 +1,151 @@
+import { FleetError, RolloutRequest, type TaskContent } from "@fleet/contracts";
+import { stageJobId } from "@fleet/queue";
+import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
+import { afterEach, beforeAll, describe, expect, it, vi } from "vitest";
+import type { PipelineDeps } from "./deps.ts";
+import { janitorTick } from "./janitor.ts";
+import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+
+/** An in-memory provider that counts how often it was asked for a listing (the breaker's probe). */
+class CountingProvider extends InMemorySandboxProvider {
+  lists = 0;
+  override async list() {
+    this.lists++;
+    return super.list();
+  }
+}
+
+const harness: Pick<PipelineDeps, "createHarness" | "verify"> = {
+  createHarness: (agent) => ({
+    name: agent.harness,
+    run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
+  }),
+  verify: async () => ({ reward: 1, details: { kind: "test" } }),
+};
+
+describe("the provider breaker (real Redis and BullMQ, an in-memory provider that stops answering)", () => {
+  let fleet: InProcessFleet | undefined;
+  let task: TaskContent;
+  beforeAll(async () => {
+    task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+  });
+  afterEach(async () => {
+    await fleet?.close();
+    fleet = undefined;
+  });
+
+  it("holds seeds while the provider does not answer, spending no attempt however long it lasts, and grades them once it answers", async () => {
+    const provider = new CountingProvider();
+    provider.unreachable = true;
+    const registry = createMetricsRegistry({ app: "breaker-test", defaultMetrics: false });
+    const metrics = createFleetMetrics(registry);
+    fleet = await startInProcessFleet({
+      provider,
+      concurrency: 4,
+      deps: { ...harness, metrics },
+      workerOptions: {
+        providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 },
+        // A supervisor quick to replace a stopped worker must leave the paused ones alone.
+        supervise: { intervalMs: 50, stuckAfterMs: 100 },
+      },
+    });
+    const ids = await fleet.submit(
+      Array.from({ length: 3 }, () => RolloutRequest.parse({ task, agent: { harness: "oracle" } })),
+    );
+    const seedJobs = () =>
+      Promise.all(ids.map((id) => fleet!.deps.queues.queues.seed.getJob(stageJobId(id, "seed"))));
+
+    await vi.waitFor(() => expect(fleet!.workers!.providerDown).toBe(true), { timeout: 10_000 });
+    // Well past the attempts a retry would have spent (8 for seed), with jobs already delayed
+    // by the probe interval each: the breaker keeps asking, nothing is spent, nothing recorded.
+    const listsAtTrip = provider.lists;
+    await vi.waitFor(() => expect(provider.lists).toBeGreaterThan(listsAtTrip + 20), {
+      timeout: 20_000,
+      interval: 50,
+    });
+    for (const job of await seedJobs()) {
+      expect(job!.attemptsMade).toBe(0);
+      expect(["delayed", "waiting"]).toContain(await job!.getState());
+    }
+    for (const id of ids) {
+      const rec = await fleet.deps.store.get(id);
+      expect(rec?.status).toBe("accepted");
+      expect(rec?.failure).toBeNull();
+    }
+    const log = (await Promise.all(ids.map((id) => fleet!.deps.store.failureLog(id)))).flat();
+    expect(log.length).toBeGreaterThan(0);
+    // The workers stopped taking seeds: a job is held once (twice if a fetch already under way
+    // brought it back), not once per probe interval as a worker that kept taking them would.
+    expect(log.length).toBeLessThanOrEqual(2 * ids.length);
+    for (const entry of log) {
+      expect(entry).toMatchObject({ stage: "seed", terminal: false, failureKind: "provider_unavailable" });
+      expect(entry.reason).toMatch(/^held while the sandbox provider is unreachable: /);
+    }
+    expect(await registry.metrics()).toMatch(/^fleet_sandbox_provider_up\{app="breaker-test"\} 0$/m);
+    expect(fleet.workers!.recreated).toBe(0);
+
+    provider.unreachable = false;
+    const results = await fleet.waitForResults(ids, 30_000);
+    expect(results.map((r) => [r.status, r.reward])).toEqual(Array(3).fill(["completed", 1]));
+    expect(fleet.workers!.providerDown).toBe(false);
+    expect(await registry.metrics()).toMatch(/^fleet_sandbox_provider_up\{app="breaker-test"\} 1$/m);
+    expect(await registry.metrics()).toMatch(
+      /^fleet_stage_jobs_total\{stage="seed",outcome="held",app="breaker-test"\} [1-9]/m,
+    );
+  });
+
+  it("does not hold a failure when the provider still answers: the retries are spent as before", async () => {
+    const provider = new CountingProvider();
+    const create = provider.create.bind(provider);
+    let creates = 0;
+    provider.create = async (spec) => {
+      if (++creates <= 1) {
+        throw FleetError.retryable("provider_unavailable", "docker create failed: HTTP 500: boom");
+      }
+      return create(spec);
+    };
+    fleet = await startInProcessFleet({
+      provider,
+      deps: harness,
+      workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const [result] = await fleet.waitForResults([id!], 30_000);
+    expect(result).toMatchObject({ status: "completed", reward: 1 });
+    const log = await fleet.deps.store.failureLog(id!);
+    expect(log).toHaveLength(1);
+    // A retry's entry, not a hold's.
+    expect(log[0]!.reason).toBe("docker create failed: HTTP 500: boom");
+    expect(fleet.workers!.providerDown).toBe(false);
+  });
+
+  it("a rollout held past its deadline ends masked, deadline_exceeded, by the watchdog and a close that runs while the provider is down", async () => {
+    const provider = new CountingProvider();
+    provider.unreachable = true;
+    fleet = await startInProcessFleet({
+      provider,
+      deps: { ...harness, intentGraceMs: 0 },
+      workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
+    });
+    const [id] = await fleet.submit([
+      RolloutRequest.parse({ task, agent: { harness: "oracle" }, deadlineS: 2 }),
+    ]);
+    await vi.waitFor(() => expect(fleet!.workers!.providerDown).toBe(true), { timeout: 10_000 });
+    const rec = await fleet.deps.store.get(id!);
+    // The watchdog (the janitor's, run here by hand) closes it once past the deadline.
+    await vi.waitFor(
+      async () => {
+        const report = await janitorTick(fleet!.deps, { orphanGraceMs: 60_000, watchdogGraceMs: 0 });
+        expect(Date.now()).toBeGreaterThan(rec!.meta.deadlineAt);
+        expect(report.watchdogClosed).toBe(1);
+      },
+      { timeout: 10_000, interval: 200 },
+    );
+    const [result] = await fleet.waitForResults([id!], 10_000);
+    expect(result).toMatchObject({ status: "masked", reward: null });
+    expect(result!.failureKind).toBe("deadline_exceeded");
+    expect(fleet.workers!.providerDown).toBe(true);
+  });
+});
