@@ -322,10 +322,9 @@ describe("POST /v1/rollouts", () => {
       payload: { task: noSolution, agent: oracle },
     });
     const error = expectErrorBody(inline, 422, "invalid");
-    expect(error.message).toBe(
-      "rollout 0: task t-echo's solution/solve.sh is missing: the oracle agent runs it",
-    );
-    expect(error.details).toEqual({ index: 0, issues });
+    // One rollout: no "rollout 0" in what the client reads (a batch's row keeps its index).
+    expect(error.message).toBe("task t-echo's solution/solve.sh is missing: the oracle agent runs it");
+    expect(error.details).toEqual({ issues });
 
     const command = { harness: "command", argv: ["echo", "hello"] } as const;
     const taken = await h.call({

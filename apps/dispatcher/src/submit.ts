@@ -120,7 +120,7 @@ export async function submit(
         options.batch,
       );
     }
-    throw withLine(err, parsed.lines);
+    throw options.batch ? withLine(err, parsed.lines) : withoutIndex(err);
   } finally {
     // Admitted rollouts are in flight now (they count there); refused ones never will be.
     await reservation.release().catch(() => undefined);
@@ -180,6 +180,22 @@ function withLine(err: unknown, lines: number[] | null): unknown {
     ...(e.details as object),
     line,
   });
+}
+
+/** An admission error on the single-rollout route: there is no "rollout 0" to the client, so no index. */
+function withoutIndex(err: unknown): unknown {
+  if (!isAdmissionError(err)) return err;
+  const http = toHttpError(err);
+  const details = http.details;
+  if (typeof details !== "object" || details === null || !("index" in details)) return err;
+  const { index: _, ...rest } = details as Record<string, unknown>;
+  return new HttpError(
+    http.status,
+    http.code,
+    http.message.replace(/^rollout \d+: /, ""),
+    rest,
+    http.headers,
+  );
 }
 
 function isAdmissionError(err: unknown): boolean {
