@@ -1,6 +1,6 @@
 import { type ExecResult, isFleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { extractViaExec, pid1Starting, probeStdout, probeWhilePid1Starts } from "./exec-ops.ts";
+import { extractViaExec, pid1Starting, probeStdout, probeWhilePid1Starts, readViaExec } from "./exec-ops.ts";
 import { execResult } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
@@ -108,6 +108,44 @@ describe("extractViaExec: what a failed staging exec means", () => {
       true,
     ]);
     expect(await kindOf(extractViaExec(ran(over), plan))).toEqual(["provider_unavailable", true]);
+  });
+});
+
+describe("readViaExec: which user's answer counts", () => {
+  /** An exec answering each user with its exit code (0: the content). */
+  const answers = (codes: Record<string, number>) => {
+    const asked: string[] = [];
+    const exec = async (_argv: readonly string[], o: { user?: string }) => {
+      asked.push(o.user!);
+      const exitCode = codes[o.user!]!;
+      return execResult({ exitCode, stdout: exitCode === 0 ? `as ${o.user}` : "" });
+    };
+    return { exec, asked };
+  };
+  const read = (codes: Record<string, number>) => {
+    const { exec, asked } = answers(codes);
+    return readViaExec(exec, "/workspace/p/f", ["0:0", "1000:1000"], 1024).then(
+      (v) => ({ v, asked }),
+      (err: unknown) => ({ v: isFleetError(err) ? err.kind : String(err), asked }),
+    );
+  };
+
+  it("a file root cannot see (an agent's 0700 directory) is read as the next user, not taken for missing", async () => {
+    expect(await read({ "0:0": 44, "1000:1000": 0 })).toEqual({
+      v: "as 1000:1000",
+      asked: ["0:0", "1000:1000"],
+    });
+  });
+  it("root's answer is enough when it reads the file", async () => {
+    expect(await read({ "0:0": 0, "1000:1000": 0 })).toEqual({ v: "as 0:0", asked: ["0:0"] });
+  });
+  it("missing for every user is null; not a regular file (a directory, a FIFO) is null at once", async () => {
+    expect((await read({ "0:0": 44, "1000:1000": 44 })).v).toBeNull();
+    expect(await read({ "0:0": 46, "1000:1000": 0 })).toEqual({ v: null, asked: ["0:0"] });
+  });
+  it("there but readable by no one is the task's (invalid_task); an exec that failed is retryable", async () => {
+    expect((await read({ "0:0": 45, "1000:1000": 44 })).v).toBe("invalid_task");
+    expect((await read({ "0:0": 137, "1000:1000": 0 })).v).toBe("provider_unavailable");
   });
 });
 

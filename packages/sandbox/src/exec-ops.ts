@@ -258,8 +258,9 @@ async function stagingScript(
 }
 
 /**
- * Read a file with `cat`, trying `users` in order: exit 44 = missing or a directory (null),
- * 45 = not readable by that user (next one).
+ * Read a regular file with `cat`, trying `users` in order until one reads it: null when it is
+ * missing (for all of them) or not a regular file; `invalid_task` when it is there and no one
+ * may read it.
  */
 export async function readViaExec(
   exec: SandboxExec,
@@ -267,8 +268,12 @@ export async function readViaExec(
   users: readonly string[],
   maxBytes: number,
 ): Promise<string | null> {
+  // 44: not there, or not visible to this user (root without capabilities cannot search an
+  // agent's 0700 directory): the next user may see it. 46: there, but not a regular file (a
+  // directory, a FIFO `cat` would block on): null, as for a missing one. 45: not readable.
   const script =
-    'if [ ! -e "$1" ] || [ -d "$1" ]; then exit 44; fi; [ -r "$1" ] || exit 45; exec cat -- "$1"';
+    'if [ ! -e "$1" ]; then exit 44; fi; [ -f "$1" ] || exit 46; [ -r "$1" ] || exit 45; exec cat -- "$1"';
+  let unreadable = false;
   for (const user of users) {
     const r = await exec(["sh", "-c", script, "sh", path], {
       deadlineMs: 60_000,
@@ -276,15 +281,17 @@ export async function readViaExec(
       stdin: null,
       maxOutputBytes: maxBytes,
     });
-    if (r.exitCode === 44) return null;
     if (r.exitCode === 0) return r.stdout;
-    if (r.exitCode !== 45) {
+    if (r.exitCode === 46) return null;
+    if (r.exitCode === 45) unreadable = true;
+    else if (r.exitCode !== 44) {
       throw FleetError.retryable(
         "provider_unavailable",
         `reading ${path} failed (exit ${r.exitCode}): ${r.stderr}`,
       );
     }
   }
+  if (!unreadable) return null;
   throw FleetError.nonRetryable("invalid_task", `${path} exists but is not readable in the sandbox`);
 }
 

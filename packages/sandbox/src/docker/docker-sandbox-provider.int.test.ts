@@ -791,6 +791,19 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(await provider.get(h, "/workspace/task.txt")).toBe("staged\n");
   });
 
+  it("gets a file in an agent's 0700 directory (root without capabilities cannot see it), and null for a FIFO", async () => {
+    const h = await create();
+    const made = await provider.exec(
+      h,
+      ["sh", "-c", "mkdir -m 700 /workspace/p && echo mine > /workspace/p/f && mkfifo /workspace/fifo"],
+      { deadlineMs: 10_000 },
+    );
+    expect(made.exitCode, made.stderr).toBe(0);
+    expect(await provider.get(h, "/workspace/p/f")).toBe("mine\n");
+    expect(await provider.get(h, "/workspace/p/none")).toBeNull();
+    expect(await provider.get(h, "/workspace/fifo")).toBeNull();
+  });
+
   it("a probe that times out is a retryable provider_unavailable", async () => {
     const h = await create();
     const err = await fleetError(provider.probe(h, { timeoutMs: 1 }));
