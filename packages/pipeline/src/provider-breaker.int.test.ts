@@ -5,14 +5,19 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
+import { ProviderHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
+import { HELD_REASON, MAX_HOLDS, runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
 /** An in-memory provider that counts how often it was asked for a listing (the breaker's probe). */
 class CountingProvider extends InMemorySandboxProvider {
   lists = 0;
+  /** Only the listing fails (the breaker's question), every other call works. */
+  listFails = false;
   override async list() {
     this.lists++;
+    if (this.listFails) throw FleetError.retryable("provider_unavailable", "no answer to the listing");
     return super.list();
   }
 }
@@ -130,7 +135,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
       workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
     });
     const [id] = await fleet.submit([
-      RolloutRequest.parse({ task, agent: { harness: "oracle" }, deadlineS: 2 }),
+      RolloutRequest.parse({ task, agent: { harness: "oracle" }, deadlineS: 5 }),
     ]);
     await vi.waitFor(() => expect(fleet!.workers!.providerDown).toBe(true), { timeout: 10_000 });
     const rec = await fleet.deps.store.get(id!);
@@ -147,5 +152,58 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     expect(result).toMatchObject({ status: "masked", reward: null });
     expect(result!.failureKind).toBe("deadline_exceeded");
     expect(fleet.workers!.providerDown).toBe(true);
+  });
+
+  it("never holds a final failure: an agent failed for good (the model upstream) is not run again", async () => {
+    const provider = new CountingProvider();
+    let runs = 0;
+    fleet = await startInProcessFleet({
+      provider,
+      deps: {
+        ...harness,
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => {
+            runs++;
+            provider.listFails = true; // and the provider stops answering at the same time
+            throw FleetError.nonRetryable("provider_unavailable", "the model upstream failed for good");
+          },
+        }),
+      },
+      workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const [result] = await fleet.waitForResults([id!], 30_000);
+    expect(result).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "run" });
+    expect(runs).toBe(1);
+    expect(result!.failures.filter((f) => f.reason.startsWith(HELD_REASON))).toEqual([]);
+  });
+
+  it("holds one stage of a rollout at most MAX_HOLDS times: a provider that flaps does not rerun an agent until the deadline", async () => {
+    const provider = new CountingProvider();
+    provider.listFails = true;
+    fleet = await startInProcessFleet({ provider, deps: harness, startWorkers: false });
+    provider.create = async () => {
+      throw FleetError.retryable("provider_unavailable", "docker create failed: ECONNREFUSED");
+    };
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const job = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 8 } };
+    const options = {
+      providerDown: async () =>
+        await provider.list().then(
+          () => false,
+          () => true,
+        ),
+    };
+    for (let hold = 1; hold <= MAX_HOLDS; hold++) {
+      await expect(runStageJob("seed", job, fleet.deps, options)).rejects.toBeInstanceOf(ProviderHoldError);
+    }
+    // The next failure is an attempt like any other: retried, not held.
+    const err = await runStageJob("seed", job, fleet.deps, options).catch((e: unknown) => e);
+    expect(err).not.toBeInstanceOf(ProviderHoldError);
+    expect(err).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    const log = await fleet.deps.store.failureLog(id!);
+    expect(log.filter((f) => f.reason.startsWith(HELD_REASON))).toHaveLength(MAX_HOLDS);
+    expect(log.at(-1)!.reason).toBe("docker create failed: ECONNREFUSED");
   });
 });

@@ -118,21 +118,25 @@ export async function runStageJob(
     const fitsDeadline = stage === "close" || at + maxBackoffMs(stage, attempt) < rec.meta.deadlineAt;
     const log = deps.logger.child({ rolloutId, stage });
     if (
-      stage !== "close" &&
+      // Only what a retry would retry (a final failure stays final), never close (a destroy
+      // that fails goes to the teardown ledger and the result is recorded all the same), and at
+      // most MAX_HOLDS times per stage: each hold of a run starts its agent again, so a provider
+      // that flaps must not rerun it until the deadline.
+      fe.retryable &&
       fe.kind === "provider_unavailable" &&
+      stage !== "close" &&
       options.providerDown &&
       at + (options.holdMs ?? DEFAULT_HOLD_MS) < rec.meta.deadlineAt &&
+      (await heldTimes(deps, rolloutId, stage)) < MAX_HOLDS &&
       (await options.providerDown())
     ) {
-      // Close is never held: a destroy that fails goes to the teardown ledger, and the result is
-      // recorded all the same.
       log.warn(
         { err: fe.message, attempt },
         "sandbox provider unreachable; holding the job (no attempt spent)",
       );
       await deps.store.logFailure(rolloutId, {
         ...failureRecord(stage, fe, false, at),
-        reason: capText(`held while the sandbox provider is unreachable: ${fe.message}`),
+        reason: capText(`${HELD_REASON}${fe.message}`),
       });
       throw new ProviderHoldError(fe.message);
     }
@@ -181,6 +185,16 @@ export async function runStageJob(
 
 /** How far ahead of a rollout's deadline a provider hold must end (see `runStageJob`). */
 export const DEFAULT_HOLD_MS = 2_000;
+/** How many times one stage of a rollout may be held; later failures spend attempts as usual. */
+export const MAX_HOLDS = 5;
+/** The start of a hold's entry in the failure log (how holds are counted). */
+export const HELD_REASON = "held while the sandbox provider is unreachable: ";
+
+/** How many times this stage of the rollout was held (its entries in the failure log; only asked on a hold's path). */
+async function heldTimes(deps: PipelineDeps, rolloutId: string, stage: StageName): Promise<number> {
+  const log = await deps.store.failureLog(rolloutId);
+  return log.filter((f) => f.stage === stage && f.reason.startsWith(HELD_REASON)).length;
+}
 
 /** How often, and how far apart, a final failure's record is tried before the watchdog is left to it. */
 const FAIL_RECORD_TRIES = 4;

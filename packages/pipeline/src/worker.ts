@@ -123,8 +123,10 @@ export function createStageWorkers(
           if (breaker && isProviderHold(err) && token) {
             // The provider is down: back to the queue, delayed, without spending an attempt;
             // this process takes no seed, run or verify job until the provider answers.
-            await job.moveToDelayed(Date.now() + breaker.probeMs, token);
+            // Tripped first: the workers stop taking jobs even if the move fails (a lost lock:
+            // another worker has the job by now).
             breaker.trip();
+            await job.moveToDelayed(Date.now() + breaker.probeMs, token);
             deps.metrics?.stageJobs.inc({ stage, outcome: "held" });
             deps.metrics?.stageDuration.observe({ stage, outcome: "held" }, (Date.now() - started) / 1000);
             throw new DelayedError();
@@ -204,7 +206,10 @@ export function createStageWorkers(
     for (const slot of slots) {
       if (closing) return;
       // Paused by the provider breaker on purpose (a paused worker also stops "running").
-      if (breaker?.holds(slot.stage) && breaker.open) continue;
+      if (breaker?.holds(slot.stage) && breaker.open) {
+        slot.idleWithWorkSince = null; // idle on purpose: no count toward a replacement after it
+        continue;
+      }
       if (!slot.worker.isRunning() && !slot.worker.closing) {
         replace(slot, "the worker stopped running");
         continue;

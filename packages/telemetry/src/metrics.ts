@@ -193,7 +193,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     sandboxProviderUp: new Gauge({
       name: "fleet_sandbox_provider_up",
-      help: "1 while this worker's sandbox provider answers, 0 while its breaker holds seed, run and verify jobs because the provider does not answer (set by stage workers only).",
+      help: "0 while this worker's provider breaker is open (a seed, run or verify failed and the provider did not answer: those jobs are held, none taken), 1 otherwise; set by stage workers only. An idle worker does not probe: 1 says no failure found it down.",
       registers,
     }),
     queueWorkers: new Gauge({
