@@ -150,7 +150,17 @@ describe("WorkerConfig", () => {
       credentialsFile: null,
       gatewaySubnetPool: null,
       shutdownTimeoutMs: 30_000,
+      providerProbeMs: 2_000,
     });
+  });
+
+  it("turns the provider breaker off, or probes at another interval", () => {
+    expect(parseWorkerConfig("resources", {}).providerProbeMs).toBe(2_000);
+    expect(parseWorkerConfig("agent", { FLEET_PROVIDER_BREAKER: "false" }).providerProbeMs).toBeNull();
+    expect(parseWorkerConfig("agent", { FLEET_PROVIDER_PROBE_MS: "500" }).providerProbeMs).toBe(500);
+    expect(() => parseWorkerConfig("agent", { FLEET_PROVIDER_PROBE_MS: "10" })).toThrow(
+      /FLEET_PROVIDER_PROBE_MS/,
+    );
   });
 
   it("reads worker variables; the app's kind wins over the environment's", () => {

@@ -188,6 +188,13 @@ export const WorkerConfig = z
     /** A dead worker's job is handed to another after this (BullMQ lock). */
     FLEET_LOCK_DURATION_MS: durationMsVar(MIN_LOCK_DURATION_MS).default(30_000),
     FLEET_STALLED_INTERVAL_MS: durationMsVar(MIN_STALLED_INTERVAL_MS).default(15_000),
+    /**
+     * The provider breaker: while the sandbox provider does not answer, seed, run and verify
+     * jobs are held (no attempt spent) and none is taken; it is asked again every
+     * `FLEET_PROVIDER_PROBE_MS`. `false`: every failure spends an attempt.
+     */
+    FLEET_PROVIDER_BREAKER: boolVar().default(true),
+    FLEET_PROVIDER_PROBE_MS: durationMsVar(100).default(2_000),
   })
   .superRefine(bwrapNeedsRootfs)
   .superRefine((e, ctx) => {
@@ -213,6 +220,7 @@ export const WorkerConfig = z
       : null,
     lockDurationMs: e.FLEET_LOCK_DURATION_MS,
     stalledIntervalMs: e.FLEET_STALLED_INTERVAL_MS,
+    providerProbeMs: e.FLEET_PROVIDER_BREAKER ? e.FLEET_PROVIDER_PROBE_MS : null,
   }));
 export type WorkerConfig = z.output<typeof WorkerConfig>;
 

@@ -235,6 +235,8 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     concurrency: config.concurrency,
     lockDurationMs: config.lockDurationMs,
     stalledIntervalMs: config.stalledIntervalMs,
+    providerBreaker:
+      config.providerProbeMs === null ? false : { probeMs: config.providerProbeMs, callTimeoutMs: 5_000 },
     // fleet_queue_stalled_jobs_total: BullMQ reports a stalled job to the worker whose check
     // found it (every worker, the supervisor's replacements included).
     onWorker: (worker) => {
