@@ -50,6 +50,8 @@ describe("classifyDockerFacts", () => {
     ["create", 409, 'Conflict. The container name "/fleet-r1-resources" is already in use', "name_conflict"],
     ["create", 400, "invalid reference format", "bad_request"],
     ["exec", 404, "No such container: abc", "sandbox_gone"],
+    // A daemon restarted with live-restore forgets its exec instances; the container runs on.
+    ["exec", 404, "No such exec instance: 172a95a46b34", "daemon_unavailable"],
     ["exec", 409, "Container abc is not running", "sandbox_gone"],
     ["exec", 409, "Container abc is paused, unpause the container before exec", "daemon_unavailable"],
     ["exec", 500, "Container abc is paused, unpause the container before exec", "daemon_unavailable"],

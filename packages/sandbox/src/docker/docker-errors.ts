@@ -54,6 +54,11 @@ const NO_SUCH_IMAGE = /no such image|pull access denied|repository does not exis
 const NO_SUCH_NETWORK = /network .* not found|no such network/i;
 const NO_SUCH_PATH = /could not find the file|no such file|not a directory/i;
 const NAME_CONFLICT = /conflict|already in use/i;
+/**
+ * The daemon no longer knows an exec it started: it restarted (with live-restore the container
+ * runs on, but exec instances are not restored). Not the sandbox's end: a retry finds out.
+ */
+const EXEC_FORGOTTEN = /no such exec instance/i;
 
 /** The Docker outcome as one tag; `classifyDockerError` turns it into a FleetError. */
 export type DockerErrorClass =
@@ -67,7 +72,8 @@ export type DockerErrorClass =
 
 /**
  * Classify a failed Docker call. Pure: unit-tested without a daemon.
- * - socket errors, timeouts, 5xx (other than "container not running"), a paused container → `daemon_unavailable`
+ * - socket errors, timeouts, 5xx (other than "container not running"), a paused container, an exec
+ *   the daemon forgot (404 "no such exec instance": it restarted) → `daemon_unavailable`
  * - 404 for a container / 409 or 500 "is not running" → `sandbox_gone`
  * - 404 "No such image" on create → `image_missing`; 404 network on create → `network_missing`
  * - 404 for a path in put/get → `path_missing`; 409 name in use on create → `name_conflict`
@@ -79,6 +85,7 @@ export function classifyDockerFacts(facts: DockerErrorFacts, op: DockerOperation
   // Never "gone": a kill that cannot exec in a paused sandbox has stopped nothing.
   if (PAUSED.test(message)) return "daemon_unavailable";
   if (statusCode === 404) {
+    if (EXEC_FORGOTTEN.test(message)) return "daemon_unavailable";
     if (op === "create" && NO_SUCH_IMAGE.test(message)) return "image_missing";
     if (op === "create" && NO_SUCH_NETWORK.test(message)) return "network_missing";
     if ((op === "put" || op === "get") && NO_SUCH_PATH.test(message)) return "path_missing";
