@@ -111,7 +111,9 @@ async function rawRound(record: boolean): Promise<void> {
   } finally {
     t = performance.now();
     await container.remove({ force: true, v: true });
-    await docker.getVolume(workspaceVolumeName(config.name!)).remove();
+    // Only an uncapped workspace (`diskMb: null`) has a volume; the capped one is a tmpfs.
+    for (const m of config.HostConfig?.Mounts ?? [])
+      if (m.Type === "volume") await docker.getVolume(m.Source!).remove();
     if (record) s.destroy.push(performance.now() - t);
   }
 }

@@ -2,6 +2,7 @@ import { SandboxSpec, type SandboxSpecInput } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
 import {
   buildContainerConfig,
+  DEFAULT_SANDBOX_LIMITS,
   isTmpfsPath,
   KEEPALIVE_USER,
   reaperLabels,
@@ -37,22 +38,29 @@ describe("buildContainerConfig", () => {
     expect(h.Privileged).toBe(false);
     expect(h.PidMode).toBeUndefined();
     expect(h.Binds).toBeUndefined();
-    expect(Object.keys(h.Tmpfs!).sort()).toEqual(["/logs", "/solution", "/tests", "/tmp"]);
+    expect(Object.keys(h.Tmpfs!).sort()).toEqual(["/logs", "/solution", "/tests", "/tmp", "/workspace"]);
     expect(h.Tmpfs!["/tests"]).toMatch(/size=256m/);
-    expect(h.Mounts).toEqual([
-      expect.objectContaining({
-        Type: "volume",
-        Source: "fleet-r1-resources-workspace",
-        Target: "/workspace",
-      }),
-    ]);
+    expect(h.Mounts).toEqual([]);
     expect(c.Labels).toEqual({
       "fleet.managed": "true",
       "fleet.rollout": "r1",
       "fleet.owner": "resources",
       "fleet.expires": "1700000000000",
     });
-    expect(h.Mounts![0]!.VolumeOptions!.Labels).toEqual(c.Labels);
+  });
+
+  it("puts an uncapped workspace (diskMb null) on a labelled named volume, which copies up the image's /workspace", () => {
+    const c = buildContainerConfig(SandboxSpec.parse(base), { ...DEFAULT_SANDBOX_LIMITS, diskMb: null });
+    const h = c.HostConfig!;
+    expect(Object.keys(h.Tmpfs!)).not.toContain("/workspace");
+    expect(h.Mounts).toEqual([
+      {
+        Type: "volume",
+        Source: "fleet-r1-resources-workspace",
+        Target: "/workspace",
+        VolumeOptions: { Labels: c.Labels },
+      },
+    ]);
   });
 
   it("never mounts anything from the host, least of all the docker socket", () => {
@@ -88,17 +96,14 @@ describe("buildContainerConfig", () => {
     expect(h.SecurityOpt).toEqual(["no-new-privileges"]);
   });
 
-  it("caps the workspace with a tmpfs-backed volume when diskMb is set", () => {
-    const ws = config({ options: { diskMb: 100 } }).HostConfig!.Mounts![0]!;
-    expect(ws.VolumeOptions!.DriverConfig).toEqual({
-      Name: "local",
-      Options: { type: "tmpfs", device: "tmpfs", o: "size=100m,nosuid,nodev,uid=1000,gid=1000,mode=0755" },
-    });
+  it("caps the workspace with an agent-owned tmpfs of the container's own when diskMb is set (no volume)", () => {
+    const h = config({ options: { diskMb: 100 } }).HostConfig!;
+    expect(h.Tmpfs!["/workspace"]).toBe("rw,exec,nosuid,nodev,size=100m,uid=1000,gid=1000,mode=0755");
+    expect(h.Mounts).toEqual([]);
   });
 
   it("caps the workspace by default (an unbounded volume would let a disk filler fill the host)", () => {
-    const ws = config().HostConfig!.Mounts![0]!;
-    expect(ws.VolumeOptions!.DriverConfig?.Options?.o).toMatch(/^size=1024m,/);
+    expect(config().HostConfig!.Tmpfs!["/workspace"]).toMatch(/,size=1024m,/);
   });
 });
 

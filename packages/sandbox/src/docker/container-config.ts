@@ -30,11 +30,13 @@ export interface SandboxLimits {
   /** @defaultValue true */
   readOnlyRoot: boolean;
   /**
-   * Size cap of the workspace volume: a size-capped tmpfs-backed volume (a disk filler gets
-   * ENOSPC; its pages count against the sandbox's memory). `null`: a plain local volume on the
-   * daemon's disk, with no cap at all (the local driver cannot enforce one on a directory, and
-   * `--storage-opt size` needs xfs with project quotas): opt in only where the host disk is
-   * guarded otherwise.
+   * Size cap of the workspace: a size-capped tmpfs mount, agent-owned, 0755 (a disk filler gets
+   * ENOSPC; its pages count against the sandbox's memory). A mount of the container's own, not a
+   * volume: nothing to remove at destroy, and nothing a daemon restarted with live-restore keeps
+   * counting as mounted (such volumes could not be removed until the next restart). `null`: a
+   * plain local volume on the daemon's disk, which copies up the image's /workspace, with no cap
+   * at all (the local driver cannot enforce one on a directory, and `--storage-opt size` needs
+   * xfs with project quotas): opt in only where the host disk is guarded otherwise.
    * @defaultValue 1024
    */
   diskMb: number | null;
@@ -97,7 +99,7 @@ export function scopeTag(scope: string): string {
 
 const [AGENT_UID, AGENT_GID = AGENT_UID] = AGENT_USER.split(":");
 
-/** The sandbox's workspace volume, destroyed with it. */
+/** The sandbox's workspace volume (uncapped workspaces only, `diskMb: null`), destroyed with it. */
 export function workspaceVolumeName(containerName: string): string {
   return `${containerName}-workspace`;
 }
@@ -157,27 +159,22 @@ export function buildContainerConfig(
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
   for (const m of TMPFS_MOUNTS) tmpfs[m.path] = `rw,exec,nosuid,nodev,size=${limits.tmpfsMb}m,mode=${m.mode}`;
 
-  const workspace: Dockerode.MountSpec = {
-    Type: "volume",
-    Source: workspaceVolumeName(name),
-    Target: SANDBOX_PATHS.workspace,
-    VolumeOptions: {
-      Labels: labels,
-      ...(limits.diskMb === null
-        ? {}
-        : {
-            DriverConfig: {
-              Name: "local",
-              // Owned by the agent, 0755, like the image's /workspace a plain volume copies up.
-              Options: {
-                type: "tmpfs",
-                device: "tmpfs",
-                o: `size=${limits.diskMb}m,nosuid,nodev,uid=${AGENT_UID},gid=${AGENT_GID},mode=0755`,
-              },
-            },
-          }),
-    },
-  };
+  // Capped: a tmpfs of its own, like the scratch directories. Uncapped: a named volume.
+  if (limits.diskMb !== null) {
+    tmpfs[SANDBOX_PATHS.workspace] =
+      `rw,exec,nosuid,nodev,size=${limits.diskMb}m,uid=${AGENT_UID},gid=${AGENT_GID},mode=0755`;
+  }
+  const mounts: Dockerode.MountSpec[] =
+    limits.diskMb !== null
+      ? []
+      : [
+          {
+            Type: "volume",
+            Source: workspaceVolumeName(name),
+            Target: SANDBOX_PATHS.workspace,
+            VolumeOptions: { Labels: labels },
+          },
+        ];
 
   return {
     name,
@@ -194,7 +191,7 @@ export function buildContainerConfig(
       SecurityOpt: ["no-new-privileges"],
       ReadonlyRootfs: limits.readOnlyRoot,
       Tmpfs: tmpfs,
-      Mounts: [workspace],
+      Mounts: mounts,
       PidsLimit: limits.pidsLimit,
       Memory: memoryBytes,
       MemorySwap: memoryBytes,

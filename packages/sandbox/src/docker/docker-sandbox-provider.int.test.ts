@@ -26,6 +26,11 @@ const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 const RUN = `it${process.pid}${Date.now().toString(36)}`;
 const docker = new Dockerode({ socketPath: "/var/run/docker.sock" });
 const provider = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
+/** Uncapped workspaces (`diskMb: null`): the one kind still on a named volume. */
+const uncapped = new DockerSandboxProvider({
+  docker: { socketPath: "/var/run/docker.sock" },
+  defaults: { diskMb: null },
+});
 
 const usedRollouts = new Set<string>();
 const live: SandboxHandle[] = [];
@@ -108,7 +113,12 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(hc.Memory).toBe(1024 * 1024 * 1024);
       expect(hc.Init).toBe(true);
       expect(hc.Binds ?? []).toEqual([]);
-      expect(info.Mounts.map((m) => [m.Type, m.Destination])).toEqual([["volume", "/workspace"]]);
+      // The capped workspace is a tmpfs of the container's own: no volume to leak.
+      expect(info.Mounts.map((m) => [m.Type, m.Destination])).toEqual([]);
+      expect(hc.Tmpfs?.["/workspace"]).toMatch(/size=1024m,uid=1000,gid=1000,mode=0755/);
+      expect(h.volumes).toEqual([]);
+      const ws = await provider.exec(h, ["stat", "-c", "%u:%g %a", "/workspace"], { deadlineMs: 10_000 });
+      expect(ws.stdout.trim()).toBe("1000:1000 755");
       expect(info.Config.Labels).toMatchObject({
         "fleet.managed": "true",
         "fleet.rollout": h.rolloutId,
@@ -752,9 +762,9 @@ describe("DockerSandboxProvider (real Docker)", () => {
     }
   });
 
-  it("destroys twice without complaint and removes the workspace volume", async () => {
-    const h = await create();
-    live.pop();
+  it("destroys twice without complaint and removes the workspace volume (an uncapped workspace's)", async () => {
+    const h = await uncapped.create(spec());
+    expect(h.volumes).toHaveLength(1);
     expect(await provider.destroy(h)).toMatchObject({
       confirmed: true,
       alreadyGone: false,
@@ -777,18 +787,16 @@ describe("DockerSandboxProvider (real Docker)", () => {
     await expect(docker.getVolume(h.volumes[0]!).inspect()).rejects.toMatchObject({ statusCode: 404 });
   });
 
-  it("puts and gets through the container's own view of the workspace, not the daemon's mount of it (gone after a live-restore restart)", async () => {
+  it("puts and gets through the container's own view of the workspace, a tmpfs Docker's archive API cannot see", async () => {
     const h = await create();
-    // As after a daemon restarted with live-restore: the daemon's mount of the volume is gone,
-    // the container's stays. (Detached: the daemon still counts it mounted.)
-    const { Mountpoint } = (await docker.getVolume(h.volumes[0]!).inspect()) as unknown as {
-      Mountpoint: string;
-    };
-    execFileSync("umount", ["-l", Mountpoint]);
     await provider.put(h, "/workspace", { "task.txt": "staged\n" }, { replace: true });
     const seen = await provider.exec(h, ["cat", "/workspace/task.txt"], { deadlineMs: 10_000 });
     expect(seen).toMatchObject({ exitCode: 0, stdout: "staged\n" });
     expect(await provider.get(h, "/workspace/task.txt")).toBe("staged\n");
+    // Why not the archive API (`docker cp` uses it): it reads the container's layers, under the mount.
+    expect(() =>
+      execFileSync("docker", ["cp", `${h.id}:/workspace/task.txt`, "-"], { stdio: "pipe" }),
+    ).toThrow(/Could not find the file/);
   });
 
   it("gets a file in an agent's 0700 directory (root without capabilities cannot see it), and null for a FIFO", async () => {

@@ -131,7 +131,9 @@ export class DockerSandboxProvider implements SandboxProvider {
       name,
       rolloutId: spec.rolloutId,
       owner: spec.owner,
-      volumes: [workspaceVolumeName(name)],
+      volumes: (config.HostConfig?.Mounts ?? []).flatMap((m) =>
+        m.Type === "volume" && m.Source ? [m.Source] : [],
+      ),
       ...(daemon ? { daemon } : {}),
     };
 
@@ -728,8 +730,8 @@ export class DockerSandboxProvider implements SandboxProvider {
         );
       }
     }
-    const volumes = new Set([...(handle.volumes ?? []), workspaceVolumeName(handle.name)]);
-    for (const volume of volumes) await this.removeVolume(docker, volume);
+    // The handle names its volumes (none for a capped workspace, a tmpfs of the container's own).
+    for (const volume of new Set(handle.volumes)) await this.removeVolume(docker, volume);
     this.logger?.debug({ sandbox: handle.name, alreadyGone }, "sandbox destroyed");
     return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone, remaining: 0 };
   }
