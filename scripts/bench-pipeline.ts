@@ -55,7 +55,6 @@ import {
   LABEL_ROLLOUT,
   type SandboxInfo,
   type SandboxProvider,
-  workspaceVolumeName,
 } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -735,7 +734,10 @@ async function partB(): Promise<void> {
       }
     } finally {
       await container.remove({ force: true, v: true });
-      await docker.getVolume(workspaceVolumeName(config.name!)).remove({ force: true });
+      // Only an uncapped workspace has a volume (the capped one is a tmpfs).
+      for (const m of config.HostConfig?.Mounts ?? []) {
+        if (m.Type === "volume") await docker.getVolume(m.Source!).remove({ force: true });
+      }
     }
   }
 

@@ -137,7 +137,7 @@ if [ "$force" = 1 ] || [ ! -s "$rootfs_tar" ]; then
   chown -R 1000:1000 "$rootfs/home/agent"
   chmod 0750 "$rootfs/home/agent"
 
-  # Mount points (the provider mounts a volume on /workspace and tmpfs on the others).
+  # Mount points (the provider mounts a tmpfs on each; runc gives it the directory's mode).
   mkdir -p "$rootfs/workspace" "$rootfs/tests" "$rootfs/solution" "$rootfs/logs"
   chown 1000:1000 "$rootfs/workspace"
   chmod 0755 "$rootfs/workspace"

@@ -225,6 +225,20 @@ mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
 }
 
 /**
+ * Extract a tar as Docker's archive API makes it (entries `<dir name>/…`) into `dir`, as `user`
+ * (the files become theirs; modes kept).
+ */
+export async function extractArchiveViaExec(
+  exec: SandboxExec,
+  archive: Buffer,
+  dir: string,
+  user: string,
+): Promise<void> {
+  const script = 'exec tar -x -p --no-same-owner --strip-components=1 -f - -C "$1"';
+  await stagingScript(exec, script, [dir], user, archive, `staging the image's ${dir} files`);
+}
+
+/**
  * Run a staging shell script as `user`; a non-zero exit is final `invalid_task` saying `what`
  * failed. Out of time or killed (exit -1, or 128 + a signal: a loaded host, a daemon stall, the
  * sandbox killed) is nothing the task did: retryable `provider_unavailable`.

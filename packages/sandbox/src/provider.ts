@@ -23,7 +23,7 @@ export const LABEL_SCOPE = "fleet.scope";
 
 /** Fixed paths inside every sandbox. */
 export const SANDBOX_PATHS = {
-  /** The agent's writable working directory (a volume). */
+  /** The agent's writable working directory (a capped tmpfs of the sandbox's own; a volume when uncapped). */
   workspace: "/workspace",
   /** Task tests, staged only after the agent has stopped. */
   tests: "/tests",

@@ -1,6 +1,7 @@
+import { Readable } from "node:stream";
 import tar from "tar-stream";
 import { describe, expect, it } from "vitest";
-import { buildTar, safeRelativeParts } from "./tar.ts";
+import { buildTar, safeRelativeParts, tarHasContent } from "./tar.ts";
 
 interface Entry {
   name: string;
@@ -87,5 +88,24 @@ describe("buildTar", () => {
     await expect(buildTar({ "../etc/passwd": "x" }, { uid: 0, gid: 0 })).rejects.toThrow(/\.\./);
     expect(() => safeRelativeParts("/abs")).toThrow(/relative/);
     expect(safeRelativeParts("./a//b/")).toEqual(["a", "b"]);
+  });
+});
+
+describe("tarHasContent", () => {
+  const archive = async (names: string[]) => {
+    const pack = tar.pack();
+    for (const name of names) {
+      if (name.endsWith("/")) pack.entry({ name, type: "directory" });
+      else pack.entry({ name }, "x");
+    }
+    pack.finalize();
+    const chunks: Buffer[] = [];
+    for await (const chunk of pack) chunks.push(chunk as Buffer);
+    return Readable.from([Buffer.concat(chunks)]);
+  };
+  it("is false for a directory alone, true once anything lies below it", async () => {
+    expect(await tarHasContent(await archive(["workspace/"]))).toBe(false);
+    expect(await tarHasContent(await archive(["workspace/", "workspace/a.txt"]))).toBe(true);
+    expect(await tarHasContent(await archive(["workspace/", "workspace/sub/"]))).toBe(true);
   });
 });

@@ -79,3 +79,29 @@ export async function buildTar(files: FileSet, options: TarOptions): Promise<Buf
   pack.finalize();
   return done;
 }
+
+/**
+ * Whether a tar stream (Docker's archive of a directory, entries named `<dir>/…`) holds anything
+ * below its top directory. Stops reading at the first such entry.
+ */
+export async function tarHasContent(stream: NodeJS.ReadableStream): Promise<boolean> {
+  const extract = tar.extract();
+  let found = false;
+  return new Promise<boolean>((resolve, reject) => {
+    extract.on("entry", (header, body, next) => {
+      const below = header.name.replace(/\/+$/, "").split("/").length > 1;
+      body.resume();
+      if (below) {
+        found = true;
+        extract.destroy();
+        resolve(true);
+        return;
+      }
+      next();
+    });
+    extract.on("finish", () => resolve(found));
+    extract.on("error", (err) => (found ? resolve(true) : reject(err)));
+    stream.on("error", (err) => (found ? resolve(true) : reject(err)));
+    stream.pipe(extract);
+  });
+}

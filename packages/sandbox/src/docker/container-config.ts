@@ -143,7 +143,7 @@ export function reaperLabels(rolloutId: string, scope?: string): Record<string, 
 
 /**
  * The Docker create request for a sandbox: hardened by default (no network, no capabilities,
- * no-new-privileges, read-only root, tmpfs scratch, one workspace volume, pids/memory/CPU limits,
+ * no-new-privileges, read-only root, tmpfs scratch and workspace, pids/memory/CPU limits,
  * an init, no host mounts). Pure; the benchmark's raw loop uses the same request.
  */
 export function buildContainerConfig(
@@ -159,7 +159,9 @@ export function buildContainerConfig(
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
   for (const m of TMPFS_MOUNTS) tmpfs[m.path] = `rw,exec,nosuid,nodev,size=${limits.tmpfsMb}m,mode=${m.mode}`;
 
-  // Capped: a tmpfs of its own, like the scratch directories. Uncapped: a named volume.
+  // Capped: a tmpfs of its own, like the scratch directories (Docker copies no image files into
+  // it, only the directory's mode: the provider stages them). Uncapped: a named volume, which
+  // copies them up.
   if (limits.diskMb !== null) {
     tmpfs[SANDBOX_PATHS.workspace] =
       `rw,exec,nosuid,nodev,size=${limits.diskMb}m,uid=${AGENT_UID},gid=${AGENT_GID},mode=0755`;

@@ -667,6 +667,44 @@ describe("DockerSandboxProvider (real Docker)", () => {
     }
   });
 
+  it("a create that takes over a sandbox made with a workspace volume (another version, other defaults) removes that volume at destroy", async () => {
+    const s = spec();
+    const made = await uncapped.create(s);
+    expect(made.volumes).toHaveLength(1);
+    const h = await provider.create(s); // the name is taken: adopted
+    expect([h.id, h.volumes]).toEqual([made.id, made.volumes]);
+    await provider.destroy(h);
+    await expect(docker.getVolume(made.volumes[0]!).inspect()).rejects.toMatchObject({ statusCode: 404 });
+  });
+
+  it("an image with its own /workspace files gets them on the capped workspace (Docker copies none into a tmpfs), the agent's, modes kept", async () => {
+    const image = `fleet-test/ws-files:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nRUN mkdir -p /workspace/data && echo from-image > /workspace/data/seed.txt && printf '#!/bin/sh\\necho run\\n' > /workspace/run.sh && chmod 750 /workspace/run.sh\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+    });
+    try {
+      const h = await create({ image });
+      expect(h.volumes).toEqual([]);
+      const seen = await provider.exec(
+        h,
+        [
+          "sh",
+          "-c",
+          "cat /workspace/data/seed.txt && stat -c '%U %a' /workspace/run.sh && /workspace/run.sh && df -m /workspace",
+        ],
+        { deadlineMs: 10_000 },
+      );
+      expect(seen.exitCode, seen.stderr).toBe(0);
+      expect(seen.stdout).toMatch(/^from-image\nagent 750\nrun\n/);
+      expect(seen.stdout).toMatch(/tmpfs\s+1024\s/); // still capped
+      expect((await provider.probe(h)).workspaceEmpty).toBe(false);
+    } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore" });
+    }
+  });
+
   it("a paused sandbox's processes are never reported stopped; once it runs again they are", async () => {
     const h = await create();
     await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });

@@ -1,6 +1,7 @@
 /// <reference path="./dockerode.d.ts" />
 import { randomBytes } from "node:crypto";
 import type { Socket } from "node:net";
+import { Readable } from "node:stream";
 import {
   type CleanupReceipt,
   type ExecOptions,
@@ -23,6 +24,7 @@ import {
   delay,
   type ExecDefaults,
   execResult,
+  extractArchiveViaExec,
   extractViaExec,
   findSandbox,
   getTarget,
@@ -50,18 +52,20 @@ import {
   LABEL_SCOPE,
   type PutOptions,
   ROOT_USER,
+  SANDBOX_PATHS,
   type SandboxInfo,
   type SandboxProvider,
 } from "../provider.ts";
 import { SCRATCH_PROBE_LINE } from "../scratch.ts";
+import { tarHasContent } from "../tar.ts";
 import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
+  effectiveLimits,
   LABEL_REAPER,
   reaperLabels,
   type SandboxLimits,
   sandboxName,
-  workspaceVolumeName,
 } from "./container-config.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { classifyDockerError, classifyDockerFacts, dockerErrorFacts } from "./docker-errors.ts";
@@ -131,21 +135,18 @@ export class DockerSandboxProvider implements SandboxProvider {
       name,
       rolloutId: spec.rolloutId,
       owner: spec.owner,
-      volumes: (config.HostConfig?.Mounts ?? []).flatMap((m) =>
-        m.Type === "volume" && m.Source ? [m.Source] : [],
-      ),
+      volumes: volumesOf(config),
       ...(daemon ? { daemon } : {}),
     };
 
     if (spec.network !== "none") await this.checkGatewayNetwork(spec);
-    let container: Container;
-    try {
-      container = await this.docker.createContainer({ ...config, abortSignal: this.apiSignal() });
-    } catch (err) {
-      const facts = dockerErrorFacts(err);
-      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle);
-      throw classifyDockerError(err, "create", name);
-    }
+    const container = await this.createContainer(config, handle);
+    if (!("start" in container)) return container; // adopted
+    // Docker copies an image's /workspace files into a volume, never into a tmpfs: read them
+    // from the image before the start, and stage them after it.
+    const imageFiles = config.HostConfig?.Tmpfs?.[SANDBOX_PATHS.workspace]
+      ? await this.imageWorkspaceFiles(container, handle, spec)
+      : null;
     handle.id = container.id;
     try {
       await container.start({ abortSignal: this.apiSignal() });
@@ -205,8 +206,81 @@ export class DockerSandboxProvider implements SandboxProvider {
         err,
       );
     }
+    if (imageFiles) {
+      try {
+        await extractArchiveViaExec(this.execOf(handle), imageFiles, SANDBOX_PATHS.workspace, AGENT_USER);
+      } catch (err) {
+        await this.destroy(handle).catch(() => undefined);
+        throw err;
+      }
+    }
     this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
     return handle;
+  }
+
+  /** Create the container, or take over the one of that name a re-delivered create made (`adopt`). */
+  private async createContainer(
+    config: Dockerode.ContainerCreateOptions,
+    handle: SandboxHandle,
+  ): Promise<Container | SandboxHandle> {
+    try {
+      return await this.docker.createContainer({ ...config, abortSignal: this.apiSignal() });
+    } catch (err) {
+      const facts = dockerErrorFacts(err);
+      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle);
+      throw classifyDockerError(err, "create", handle.name);
+    }
+  }
+
+  /**
+   * The image's /workspace as Docker's archive (entries `workspace/…`), or null when it has no
+   * files there: the archive of a container not started yet reads its image's layers (the tmpfs
+   * is not mounted). More than the workspace's cap is the task's (final `invalid_task`).
+   */
+  private async imageWorkspaceFiles(
+    container: Container,
+    handle: SandboxHandle,
+    spec: SandboxSpec,
+  ): Promise<Buffer | null> {
+    const capMb = effectiveLimits(spec, this.defaults).diskMb ?? 0;
+    let archive: Buffer;
+    try {
+      const stream = await container.getArchive({
+        path: SANDBOX_PATHS.workspace,
+        abortSignal: this.apiSignal(),
+      });
+      const chunks: Buffer[] = [];
+      let bytes = 0;
+      for await (const chunk of stream) {
+        bytes += (chunk as Buffer).length;
+        if (bytes > capMb * 1024 * 1024) {
+          stream.destroy();
+          await this.removeUnstarted(container, handle).catch(() => undefined);
+          throw FleetError.nonRetryable(
+            "invalid_task",
+            `image ${spec.image} has more in /workspace than the workspace's cap of ${capMb} MiB`,
+          );
+        }
+        chunks.push(chunk as Buffer);
+      }
+      archive = Buffer.concat(chunks);
+    } catch (err) {
+      if (isFleetError(err)) throw err;
+      if (dockerErrorFacts(err).statusCode === 404) return null; // no /workspace in the image
+      await this.removeUnstarted(container, handle).catch(() => undefined);
+      throw classifyDockerError(err, "inspect", handle.name);
+    }
+    return (await tarHasContent(Readable.from([archive]))) ? archive : null;
+  }
+
+  /** Remove a container created and never started (and its volumes); gone already is fine. */
+  private async removeUnstarted(container: Container, handle: SandboxHandle): Promise<void> {
+    try {
+      await container.remove({ force: true, v: true, abortSignal: this.apiSignal() });
+    } catch (err) {
+      if (dockerErrorFacts(err).statusCode !== 404) throw classifyDockerError(err, "destroy", handle.name);
+    }
+    for (const volume of new Set(handle.volumes)) await this.removeVolume(this.docker, volume);
   }
 
   /**
@@ -272,7 +346,9 @@ export class DockerSandboxProvider implements SandboxProvider {
       }
     }
     this.logger?.info({ sandbox: handle.name, id: info.Id }, "sandbox already existed; reusing it");
-    return { ...handle, id: info.Id };
+    // Its volumes as it was made (by another version, or with a volume for the image's files).
+    const volumes = info.Mounts.filter((m) => m.Type === "volume" && m.Name).map((m) => m.Name!);
+    return { ...handle, id: info.Id, volumes };
   }
 
   async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
@@ -905,4 +981,11 @@ export { LABEL_REAPER } from "./container-config.ts";
 /** A sweep that ran but failed inside the sandbox (not a Docker call that failed). */
 function isSweepFailure(err: unknown): boolean {
   return isFleetError(err) && err.cause === undefined;
+}
+
+/** The named volumes a container config mounts (removed with the sandbox). */
+function volumesOf(config: Dockerode.ContainerCreateOptions): string[] {
+  return (config.HostConfig?.Mounts ?? []).flatMap((m) =>
+    m.Type === "volume" && m.Source ? [m.Source] : [],
+  );
 }

@@ -138,6 +138,7 @@ declare module "dockerode" {
       kill(options?: WithSignal & { signal?: string }): Promise<unknown>;
       exec(options: ExecCreateOptions): Promise<Exec>;
       attach(options: { stream: boolean; stdout?: boolean; stderr?: boolean }): Promise<Readable>;
+      getArchive(options: WithSignal & { path: string }): Promise<Readable>;
       stats(
         options: WithSignal & { stream: false; "one-shot"?: boolean },
       ): Promise<{ pids_stats?: { current?: number; limit?: number } }>;
