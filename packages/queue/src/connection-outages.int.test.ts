@@ -15,15 +15,19 @@ async function freePort(): Promise<number> {
   });
 }
 
+/** SIGKILL a redis-server the test started (if it still runs) and wait for its exit. */
+async function killServer(server: ChildProcess | null): Promise<void> {
+  if (!server || server.exitCode !== null || server.signalCode !== null) return;
+  const exited = new Promise((resolve) => server.once("exit", resolve));
+  server.kill("SIGKILL");
+  await exited;
+}
+
 describe("logConnectionOutages", () => {
   let server: ChildProcess | null = null;
   const dir = mkdtempSync(join(tmpdir(), "fleet-outages-"));
   afterEach(async () => {
-    if (server && server.exitCode === null && server.signalCode === null) {
-      const exited = new Promise((resolve) => server!.once("exit", resolve));
-      server.kill("SIGKILL");
-      await exited;
-    }
+    await killServer(server);
     rmSync(dir, { recursive: true, force: true });
   });
 
@@ -98,11 +102,7 @@ describe("failFastOnceReady", () => {
   const dir = mkdtempSync(join(tmpdir(), "fleet-failfast-"));
   let server: ChildProcess | null = null;
   afterEach(async () => {
-    if (server && server.exitCode === null && server.signalCode === null) {
-      const exited = new Promise((resolve) => server!.once("exit", resolve));
-      server.kill("SIGKILL");
-      await exited;
-    }
+    await killServer(server);
     rmSync(dir, { recursive: true, force: true });
   });
 
