@@ -179,7 +179,10 @@ describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
           "bash",
           [
             "-c",
-            'kill -TERM "$(cat /var/run/docker.pid)"; sleep 3; bash scripts/ensure-services.sh >/dev/null',
+            // Waits for the old daemon to exit (it stops the sandboxes first, without
+            // live-restore): started too early, the bring-up saw it still answering and started
+            // none, and then it was gone.
+            'pid="$(cat /var/run/docker.pid)"; kill -TERM "$pid"; for _ in $(seq 600); do kill -0 "$pid" 2>/dev/null || break; sleep 0.1; done; bash scripts/ensure-services.sh >/dev/null',
           ],
           { stdio: "ignore", env: { ...process.env, REDIS_URL: redis.url } },
         );
