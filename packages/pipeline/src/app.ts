@@ -1,7 +1,7 @@
 import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
-import { FailureKind, type StageName, withTimeout } from "@fleet/contracts";
+import { FailureKind, type StageName } from "@fleet/contracts";
 import {
   assertRedisDurable,
   connectRedis,
@@ -21,7 +21,7 @@ import { createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
 import { statusFor } from "./result.ts";
-import { createStageWorkers } from "./worker.ts";
+import { createStageWorkers, providerProblem } from "./worker.ts";
 
 /** Which stages each worker kind runs (DESIGN §2 table). */
 export const STAGES_OF: Record<WorkerKind, StageName[]> = {
@@ -135,26 +135,24 @@ export async function waitForProvider(
   let delayMs = 250;
   for (let attempt = 1; ; attempt++) {
     const callTimeoutMs = options.callTimeoutMs ?? 10_000;
-    try {
-      await withTimeout(provider.list(), callTimeoutMs, `no answer within ${callTimeoutMs} ms`);
+    const message = await providerProblem(provider, callTimeoutMs);
+    if (message === null) {
       if (attempt > 1) logger.info({ provider: provider.name, attempt }, "sandbox provider reachable");
       return;
-    } catch (err) {
-      const message = err instanceof Error ? err.message : String(err);
-      if (now() + delayMs > end) {
-        throw new ProviderUnreachableError(
-          `cannot reach the ${provider.name} sandbox provider at ${provider.endpoint} after ${attempt} attempt(s) in ${Math.round(waitMs / 1000)} s: ${message}${options.hint ? `. ${options.hint}` : ""}`,
-        );
-      }
-      if (attempt === 1) {
-        logger.warn(
-          { provider: provider.name, endpoint: provider.endpoint, err: message, waitMs },
-          "sandbox provider not reachable yet; no stage job is taken until it is",
-        );
-      }
-      await new Promise((r) => setTimeout(r, delayMs));
-      delayMs = Math.min(delayMs * 2, 5_000);
     }
+    if (now() + delayMs > end) {
+      throw new ProviderUnreachableError(
+        `cannot reach the ${provider.name} sandbox provider at ${provider.endpoint} after ${attempt} attempt(s) in ${Math.round(waitMs / 1000)} s: ${message}${options.hint ? `. ${options.hint}` : ""}`,
+      );
+    }
+    if (attempt === 1) {
+      logger.warn(
+        { provider: provider.name, endpoint: provider.endpoint, err: message, waitMs },
+        "sandbox provider not reachable yet; no stage job is taken until it is",
+      );
+    }
+    await new Promise((r) => setTimeout(r, delayMs));
+    delayMs = Math.min(delayMs * 2, 5_000);
   }
 }
 

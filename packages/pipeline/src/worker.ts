@@ -346,14 +346,7 @@ function providerBreaker(
   const isDown = (): Promise<boolean> => {
     asking ??= (async () => {
       try {
-        await withTimeout(
-          deps.provider.list({ "fleet.probe": "reachable" }),
-          options.callTimeoutMs,
-          `no answer within ${options.callTimeoutMs} ms`,
-        );
-        return false;
-      } catch {
-        return true;
+        return (await providerProblem(deps.provider, options.callTimeoutMs)) !== null;
       } finally {
         asking = null;
       }
@@ -407,6 +400,26 @@ function providerBreaker(
       probeTimer = null;
     },
   };
+}
+
+/**
+ * Why the sandbox provider does not answer (its listing, of nothing: a label no sandbox has,
+ * failed or took over `timeoutMs`), or null when it does. Never throws.
+ */
+export async function providerProblem(
+  provider: PipelineDeps["provider"],
+  timeoutMs: number,
+): Promise<string | null> {
+  try {
+    await withTimeout(
+      provider.list({ "fleet.probe": "reachable" }),
+      timeoutMs,
+      `no answer within ${timeoutMs} ms`,
+    );
+    return null;
+  } catch (err) {
+    return err instanceof Error ? err.message : String(err);
+  }
 }
 
 /** Reasons BullMQ fails a job with, without running it (BullMQ 6: a deferred failure). */

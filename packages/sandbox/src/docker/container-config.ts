@@ -162,21 +162,21 @@ export function buildContainerConfig(
   // Capped: a tmpfs of its own, like the scratch directories (Docker copies no image files into
   // it, only the directory's mode: the provider stages them). Uncapped: a named volume, which
   // copies them up.
-  if (limits.diskMb !== null) {
+  const capped = limits.diskMb !== null;
+  if (capped) {
     tmpfs[SANDBOX_PATHS.workspace] =
       `rw,exec,nosuid,nodev,size=${limits.diskMb}m,uid=${AGENT_UID},gid=${AGENT_GID},mode=0755`;
   }
-  const mounts: Dockerode.MountSpec[] =
-    limits.diskMb !== null
-      ? []
-      : [
-          {
-            Type: "volume",
-            Source: workspaceVolumeName(name),
-            Target: SANDBOX_PATHS.workspace,
-            VolumeOptions: { Labels: labels },
-          },
-        ];
+  const mounts: Dockerode.MountSpec[] = capped
+    ? []
+    : [
+        {
+          Type: "volume",
+          Source: workspaceVolumeName(name),
+          Target: SANDBOX_PATHS.workspace,
+          VolumeOptions: { Labels: labels },
+        },
+      ];
 
   return {
     name,

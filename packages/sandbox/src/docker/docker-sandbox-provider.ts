@@ -255,7 +255,7 @@ export class DockerSandboxProvider implements SandboxProvider {
         bytes += (chunk as Buffer).length;
         if (bytes > capMb * 1024 * 1024) {
           stream.destroy();
-          await this.removeUnstarted(container, handle).catch(() => undefined);
+          await this.destroy(handle).catch(() => undefined);
           throw FleetError.nonRetryable(
             "invalid_task",
             `image ${spec.image} has more in /workspace than the workspace's cap of ${capMb} MiB`,
@@ -267,20 +267,10 @@ export class DockerSandboxProvider implements SandboxProvider {
     } catch (err) {
       if (isFleetError(err)) throw err;
       if (dockerErrorFacts(err).statusCode === 404) return null; // no /workspace in the image
-      await this.removeUnstarted(container, handle).catch(() => undefined);
+      await this.destroy(handle).catch(() => undefined);
       throw classifyDockerError(err, "inspect", handle.name);
     }
     return (await tarHasContent(Readable.from([archive]))) ? archive : null;
-  }
-
-  /** Remove a container created and never started (and its volumes); gone already is fine. */
-  private async removeUnstarted(container: Container, handle: SandboxHandle): Promise<void> {
-    try {
-      await container.remove({ force: true, v: true, abortSignal: this.apiSignal() });
-    } catch (err) {
-      if (dockerErrorFacts(err).statusCode !== 404) throw classifyDockerError(err, "destroy", handle.name);
-    }
-    for (const volume of new Set(handle.volumes)) await this.removeVolume(this.docker, volume);
   }
 
   /**
@@ -347,8 +337,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
     this.logger?.info({ sandbox: handle.name, id: info.Id }, "sandbox already existed; reusing it");
     // Its volumes as it was made (by another version, or with a volume for the image's files).
-    const volumes = info.Mounts.filter((m) => m.Type === "volume" && m.Name).map((m) => m.Name!);
-    return { ...handle, id: info.Id, volumes };
+    return { ...handle, id: info.Id, volumes: mountedVolumes(info.Mounts) };
   }
 
   async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
@@ -857,7 +846,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       const owner = c.Labels[LABEL_OWNER];
       const name = (c.Names[0] ?? "").replace(/^\//, "");
       if (!rolloutId || (owner !== "resources" && owner !== "agent") || !name) continue;
-      const volumes = c.Mounts.filter((m) => m.Type === "volume" && m.Name).map((m) => m.Name!);
+      const volumes = mountedVolumes(c.Mounts);
       out.push({
         handle: {
           provider: "docker",
@@ -988,4 +977,9 @@ function volumesOf(config: Dockerode.ContainerCreateOptions): string[] {
   return (config.HostConfig?.Mounts ?? []).flatMap((m) =>
     m.Type === "volume" && m.Source ? [m.Source] : [],
   );
+}
+
+/** The named volumes among a container's mounts (as inspect and list report them). */
+function mountedVolumes(mounts: ReadonlyArray<{ Type?: string; Name?: string }>): string[] {
+  return mounts.flatMap((m) => (m.Type === "volume" && m.Name ? [m.Name] : []));
 }
