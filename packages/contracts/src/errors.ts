@@ -5,6 +5,8 @@ export interface FleetErrorOptions {
   /** Overrides the kind's default retryability (see `classifyFailure`). */
   retryable?: boolean;
   cause?: unknown;
+  /** See `FleetError.nothingStarted`. @defaultValue false */
+  nothingStarted?: boolean;
 }
 
 /**
@@ -15,11 +17,18 @@ export class FleetError extends Error {
   override readonly name = "FleetError";
   readonly kind: FailureKind;
   readonly retryable: boolean;
+  /**
+   * The call failed before it started anything in the sandbox (a provider call refused before
+   * its command was created: the daemon did not answer). False when that is not known: a command
+   * may have started before its stream or its daemon broke.
+   */
+  readonly nothingStarted: boolean;
 
   constructor(kind: FailureKind, message: string, options: FleetErrorOptions = {}) {
     super(capText(message), options.cause === undefined ? undefined : { cause: options.cause });
     this.kind = kind;
     this.retryable = options.retryable ?? classifyFailure(kind).retryable;
+    this.nothingStarted = options.nothingStarted ?? false;
   }
 
   static retryable(kind: FailureKind, message: string, cause?: unknown): FleetError {
@@ -29,6 +38,21 @@ export class FleetError extends Error {
   static nonRetryable(kind: FailureKind, message: string, cause?: unknown): FleetError {
     return new FleetError(kind, message, { retryable: false, cause });
   }
+}
+
+/**
+ * `err`, marked as failing before anything started in the sandbox (`FleetError.nothingStarted`):
+ * for a provider to say so where it knows.
+ */
+export function beforeStart(err: FleetError): FleetError {
+  if (err.nothingStarted) return err;
+  const marked = new FleetError(err.kind, err.message, {
+    retryable: err.retryable,
+    cause: err.cause,
+    nothingStarted: true,
+  });
+  if (err.stack !== undefined) marked.stack = err.stack;
+  return marked;
 }
 
 export function isFleetError(err: unknown): err is FleetError {

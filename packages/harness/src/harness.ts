@@ -3,6 +3,12 @@ import type { SandboxProvider } from "@fleet/sandbox";
 
 /** Everything a harness needs for one run. */
 export interface HarnessContext {
+  /**
+   * The sandbox provider. The agent acts in the sandbox only through `exec`; `put` is for the
+   * harness's own setup outside /workspace (the instruction file, the oracle's solution), which a
+   * new launch writes again. The run stage counts the execs that may have started (see
+   * `FleetError.nothingStarted`): a run that failed before any did ran nothing of the agent.
+   */
   provider: SandboxProvider;
   /** The sandbox the agent works in (borrowed from the resources stage, or its own). */
   handle: SandboxHandle;

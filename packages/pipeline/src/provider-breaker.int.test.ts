@@ -1,4 +1,10 @@
-import { FleetError, RolloutRequest, type TaskContent } from "@fleet/contracts";
+import {
+  type ExecOptions,
+  FleetError,
+  RolloutRequest,
+  type SandboxHandle,
+  type TaskContent,
+} from "@fleet/contracts";
 import { stageJobId } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -21,6 +27,39 @@ class CountingProvider extends InMemorySandboxProvider {
     return super.list();
   }
 }
+
+/**
+ * A task image with its own /workspace files (the seed's probe says so): a run interrupted after
+ * its agent started cannot be put back for another, and is masked `sandbox_lost`. The agent is
+ * one exec, `agent`; `onAgent` runs first (to break the provider as it starts).
+ */
+class OwnWorkspaceProvider extends CountingProvider {
+  agentExecs = 0;
+  onAgent: () => void = () => undefined;
+  override async probe(handle: SandboxHandle) {
+    return { ...(await super.probe(handle)), workspaceEmpty: false };
+  }
+  override async exec(handle: SandboxHandle, argv: string[], options: ExecOptions) {
+    if (argv[0] === "agent") {
+      this.agentExecs++;
+      this.onAgent();
+    }
+    return super.exec(handle, argv, options);
+  }
+}
+
+const execHarness: Pick<PipelineDeps, "createHarness" | "verify"> = {
+  createHarness: (agent) => ({
+    name: agent.harness,
+    run: async (ctx) => ({
+      exec: await ctx.provider.exec(ctx.handle, ["agent"], { deadlineMs: 10_000 }),
+      answer: null,
+      transcript: null,
+      usage: null,
+    }),
+  }),
+  verify: async () => ({ reward: 1, details: { kind: "test" } }),
+};
 
 const harness: Pick<PipelineDeps, "createHarness" | "verify"> = {
   createHarness: (agent) => ({
@@ -152,6 +191,51 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     expect(result).toMatchObject({ status: "masked", reward: null });
     expect(result!.failureKind).toBe("deadline_exceeded");
     expect(fleet.workers!.providerDown).toBe(true);
+  });
+
+  it("a run held before its agent's command was created starts afresh: an image with its own /workspace files is graded, not masked", async () => {
+    const provider = new OwnWorkspaceProvider();
+    // The daemon goes away as the agent's exec is sent: it is refused before anything starts.
+    provider.onAgent = () => {
+      if (provider.agentExecs === 1) provider.unreachable = true;
+    };
+    fleet = await startInProcessFleet({
+      provider,
+      deps: execHarness,
+      workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await vi.waitFor(() => expect(fleet!.workers!.providerDown).toBe(true), { timeout: 10_000 });
+    provider.unreachable = false;
+    const [result] = await fleet.waitForResults([id!], 30_000);
+    expect(result).toMatchObject({ status: "completed", reward: 1 });
+    expect(provider.agentExecs).toBe(2);
+    expect(result!.failures.map((f) => [f.stage, f.reason.startsWith(HELD_REASON)])).toEqual([["run", true]]);
+  });
+
+  it("a run whose agent's command may have started is not taken for a fresh one: the image's own /workspace cannot be put back, masked", async () => {
+    const provider = new OwnWorkspaceProvider();
+    // The exec was created and started; its stream broke (the daemon answered, so no hold).
+    provider.onExec = () => {
+      if (provider.agentExecs === 1)
+        throw FleetError.retryable("provider_unavailable", "docker exec failed: socket hang up");
+      return {};
+    };
+    fleet = await startInProcessFleet({
+      provider,
+      deps: execHarness,
+      workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const [result] = await fleet.waitForResults([id!], 30_000);
+    expect(result).toMatchObject({
+      status: "masked",
+      reward: null,
+      failureKind: "sandbox_lost",
+      stage: "run",
+    });
+    expect(result!.reason).toMatch(/the image has its own \/workspace files/);
+    expect(provider.agentExecs).toBe(1);
   });
 
   it("never holds a final failure: an agent failed for good (the model upstream) is not run again", async () => {

@@ -25,7 +25,7 @@ import {
   type SandboxEntry,
   sandboxKey,
 } from "@fleet/queue";
-import { AGENT_USER, SANDBOX_PATHS, SCRATCH_DIRS, scrubScratch } from "@fleet/sandbox";
+import { AGENT_USER, SANDBOX_PATHS, type SandboxProvider, SCRATCH_DIRS, scrubScratch } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError } from "./hand-back.ts";
@@ -508,6 +508,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   let outcome: Awaited<ReturnType<typeof harness.run>>;
   let cleanup: CleanupReceipt;
   let contested = true;
+  const watched = watchExecs(deps.provider);
   try {
     if (needsModelAccess(rec.meta.agent)) access = await openModelAccess(deps, rec.meta.id, rec.meta.agent);
     const abort = new AbortController();
@@ -540,7 +541,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     }, deps.stopPollMs ?? 1000);
     try {
       outcome = await harness.run({
-        provider: deps.provider,
+        provider: watched.provider,
         handle,
         task,
         agent: rec.meta.agent,
@@ -613,6 +614,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     }
     // The agent is confirmed stopped: revoke its token and keep the usage the gateway saw.
     await finishAccess();
+  } catch (err) {
+    // Failed before any exec of the agent's could have started (the daemon went away before its
+    // command was created; the model gateway did not open): nothing of the agent ran, so the
+    // claim goes back as above, and the next attempt is a first launch with no sandbox reset,
+    // which an image with its own /workspace files could not have had (masked `sandbox_lost`).
+    if (!watched.started()) await giveBack();
+    throw err;
   } finally {
     await finishAccess().catch(() => undefined);
   }
@@ -681,6 +689,32 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // no-op), or another launch took the fence, which is then the run's to finish.
   return (await deps.store.launchState(id, token)) === "lost" ? null : "close";
 };
+
+/**
+ * `provider`, counting the execs that may have started something: every exec from its call on,
+ * less those that failed with `nothingStarted`. (Counted at the call: one still under way may
+ * have started its command.)
+ */
+function watchExecs(provider: SandboxProvider): { provider: SandboxProvider; started(): boolean } {
+  let execs = 0;
+  const exec: SandboxProvider["exec"] = async (handle, argv, options) => {
+    execs++;
+    try {
+      return await provider.exec(handle, argv, options);
+    } catch (err) {
+      if (isFleetError(err) && err.nothingStarted === true) execs--;
+      throw err;
+    }
+  };
+  const watched = new Proxy(provider, {
+    get(target, prop) {
+      if (prop === "exec") return exec;
+      const value: unknown = Reflect.get(target, prop, target);
+      return typeof value === "function" ? value.bind(target) : value;
+    },
+  });
+  return { provider: watched, started: () => execs > 0 };
+}
 
 /** The run's fence went to another launch (see `RolloutStore.launchState`). */
 class LostLaunchError extends Error {

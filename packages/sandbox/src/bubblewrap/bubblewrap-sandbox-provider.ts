@@ -5,6 +5,7 @@ import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/
 import { hostname, constants as osConstants } from "node:os";
 import { dirname, join } from "node:path";
 import {
+  beforeStart,
   type CleanupReceipt,
   type ExecOptions,
   type ExecResult,
@@ -409,7 +410,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
 
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
     const o = parseExecOptions(options, this.defaults.execUser);
-    const state = await this.liveState(handle);
+    let state: BwrapState;
+    try {
+      state = await this.liveState(handle);
+    } catch (err) {
+      // Nothing was spawned yet.
+      throw isFleetError(err) ? beforeStart(err) : err;
+    }
     // The OOM-kill count only grows: this exec was OOM-killed only if it grew while it ran (an
     // OOM kill the agent caused earlier must not turn a later plain SIGKILL into a mask).
     const oomBefore = cgroupOomKills(state.cgroups ?? []);

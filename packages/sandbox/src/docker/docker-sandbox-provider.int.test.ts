@@ -913,9 +913,9 @@ describe("DockerSandboxProvider (real Docker)", () => {
       owner: "resources",
       volumes: [],
     };
-    expect((await fleetError(nowhere.exec(fake, ["true"], { deadlineMs: 1000 }))).kind).toBe(
-      "provider_unavailable",
-    );
+    // The exec was never created: nothing started (the run stage may launch afresh).
+    const execErr = await fleetError(nowhere.exec(fake, ["true"], { deadlineMs: 1000 }));
+    expect([execErr.kind, execErr.nothingStarted]).toEqual(["provider_unavailable", true]);
     expect((await fleetError(nowhere.destroy(fake))).retryable).toBe(true);
   });
 });

@@ -3,6 +3,7 @@ import { randomBytes } from "node:crypto";
 import type { Socket } from "node:net";
 import { Readable } from "node:stream";
 import {
+  beforeStart,
   type CleanupReceipt,
   type ExecOptions,
   type ExecResult,
@@ -349,7 +350,11 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
-    await this.checkDaemon(handle);
+    try {
+      await this.checkDaemon(handle);
+    } catch (err) {
+      throw isFleetError(err) ? beforeStart(err) : err;
+    }
     // A command's output keeps its end as well as its start (see `CappedBuffer`).
     const result = await this.execIn(handle, argv, {
       ...parseExecOptions(options, this.defaults.execUser),
@@ -394,7 +399,8 @@ export class DockerSandboxProvider implements SandboxProvider {
         abortSignal: this.apiSignal(),
       });
     } catch (err) {
-      throw classifyDockerError(err, "exec", handle.name);
+      // Not created: nothing started (a failed start, below, may have started the command).
+      throw beforeStart(classifyDockerError(err, "exec", handle.name));
     }
 
     const { stdout, stderr } = execOutputBuffers(o.maxOutputBytes, o.keepTail);

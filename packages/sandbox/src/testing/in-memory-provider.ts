@@ -7,7 +7,7 @@ import type {
   SandboxHandle,
   SandboxSpecInput,
 } from "@fleet/contracts";
-import { FleetError } from "@fleet/contracts";
+import { beforeStart, FleetError } from "@fleet/contracts";
 import { AGENT_USER, type PutOptions, type SandboxInfo, type SandboxProvider } from "../provider.ts";
 import { SCRATCH_DIRS } from "../scratch.ts";
 
@@ -66,7 +66,10 @@ export class InMemorySandboxProvider implements SandboxProvider {
     replace?: boolean;
     modes?: Readonly<Record<string, number>>;
   }> = [];
-  /** While true, every call fails `provider_unavailable`, as a daemon that does not answer. */
+  /**
+   * While true, every call fails `provider_unavailable` before doing anything
+   * (`nothingStarted`), as a daemon that does not answer.
+   */
   unreachable = false;
   private next = 1;
 
@@ -74,7 +77,9 @@ export class InMemorySandboxProvider implements SandboxProvider {
 
   private gate(): void {
     if (this.unreachable)
-      throw FleetError.retryable("provider_unavailable", "the in-memory provider is unreachable");
+      throw beforeStart(
+        FleetError.retryable("provider_unavailable", "the in-memory provider is unreachable"),
+      );
   }
 
   async create(spec: SandboxSpecInput): Promise<SandboxHandle> {
