@@ -168,6 +168,13 @@ export const DEFAULT_TASK_CACHE_CHARS = 64 * 1024 * 1024;
  */
 const LONGEST_LIFE_MS = (2 * MAX_DURATION_S + 2 * 3600) * 1000;
 
+/**
+ * How long a batch created by an admission lives if none of its rollouts gets recorded (the
+ * admission failed in between): its first rollout makes it live as long as its rollouts. A day:
+ * far longer than any admission takes, so a slow one never loses its batch.
+ */
+export const BATCH_ADMISSION_LEASE_MS = 24 * 3600 * 1000;
+
 /** Default retention of finished rollouts (`FLEET_RESULT_TTL_S`): a week. */
 export const DEFAULT_RESULT_TTL_MS = 7 * 24 * 3600 * 1000;
 
@@ -280,18 +287,20 @@ export class RolloutStore {
 
   /**
    * Create the batch hash if new; returns the stored body hash (the caller's if it created it).
-   * One MULTI: a crash cannot leave a body hash without `createdAt` (a batch nobody could read),
-   * and `total`/`done` are never written here, only counted up by admission and finalize
-   * (`HINCRBY` creates them), so a concurrent replay's admissions are never reset to 0.
+   * One script (`fleetCreateBatch`): a crash cannot leave a body hash without `createdAt` (a batch
+   * nobody could read), a new batch gets a lease (`BATCH_ADMISSION_LEASE_MS`) that its first
+   * admitted rollout ends, and `total`/`done` are never written here, only counted up by
+   * admission and finalize (`HINCRBY` creates them), so a concurrent replay's admissions are
+   * never reset to 0.
    */
   async createBatch(batchId: string, bodyHash: string, now: number): Promise<string> {
-    const key = this.keys.batch(batchId);
-    const tx = this.redis
-      .multi()
-      .hsetnx(key, "bodyHash", bodyHash)
-      .hsetnx(key, "createdAt", String(now))
-      .hget(key, "bodyHash");
-    return ((await execAll(tx, `create batch ${batchId}`))[2] as string | null) ?? bodyHash;
+    const stored = (await this.redis.fleetCreateBatch(
+      this.keys.batch(batchId),
+      bodyHash,
+      String(now),
+      String(BATCH_ADMISSION_LEASE_MS),
+    )) as string | null;
+    return stored ?? bodyHash;
   }
 
   /**

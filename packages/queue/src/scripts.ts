@@ -77,17 +77,39 @@ const SCRIPTS = {
         if stored and stored ~= ARGV[6] then return -1 end
         return 0
       end
-      if ARGV[5] == '1' and redis.call('PTTL', KEYS[2]) > 0 then return -2 end
+      -- A batch that counted rollouts and has a TTL is finished and expiring (a batch gets one
+      -- only from fleetFinalize once done reaches total, or, before its first admission, from
+      -- fleetCreateBatch: that lease is not the end of it).
+      if ARGV[5] == '1' and redis.call('HEXISTS', KEYS[2], 'total') == 1 and redis.call('PTTL', KEYS[2]) > 0 then
+        return -2
+      end
       -- A failure log left by an expired rollout of the same id (a late stage's append) is not this one's.
       redis.call('DEL', KEYS[5])
       redis.call('HSET', KEYS[1], 'meta', ARGV[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3], 'deadline', ARGV[2], 'bodyHash', ARGV[6])
       redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
       if ARGV[5] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:accepted', 1)
-        redis.call('HINCRBY', KEYS[2], 'total', 1)
+        -- Its first rollout: the batch lives as long as its rollouts now (its creation's lease ends).
+        if redis.call('HINCRBY', KEYS[2], 'total', 1) == 1 then redis.call('PERSIST', KEYS[2]) end
         redis.call('RPUSH', KEYS[4], ARGV[4])
       end
       return 1`,
+  },
+  /**
+   * Create a batch hash if new: its body hash and creation time, and a lease of ARGV[3] ms that
+   * its first admitted rollout ends (`fleetAdmit`), so a batch none of whose rollouts was ever
+   * recorded (its dispatcher died, or Redis went away, between the two) does not stay for good.
+   * ARGV: bodyHash, now, leaseMs. Returns the stored body hash. Never writes the counts
+   * (admission and finalize count them up), so a late creation cannot reset a replay's.
+   */
+  fleetCreateBatch: {
+    keys: 1, // batch
+    lua: `
+      if redis.call('HSETNX', KEYS[1], 'bodyHash', ARGV[1]) == 1 and redis.call('HEXISTS', KEYS[1], 'total') == 0 then
+        redis.call('PEXPIRE', KEYS[1], ARGV[3])
+      end
+      redis.call('HSETNX', KEYS[1], 'createdAt', ARGV[2])
+      return redis.call('HGET', KEYS[1], 'bodyHash')`,
   },
   /**
    * Store a stage receipt and move status, unless terminal (or closed, for non-close stages).

@@ -15,7 +15,7 @@ import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { admit, batchIdFor, digestTask, MAX_METADATA_BYTES, rolloutIds } from "./admission.ts";
 import { assertRedisDurable, createRedis } from "./connection.ts";
-import { RolloutStore } from "./rollout-store.ts";
+import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
 import { sandboxKey, TeardownLedger } from "./teardown-ledger.ts";
@@ -521,6 +521,35 @@ describe("rollout store", () => {
     const fresh = `b-fresh-${Date.now()}`;
     expect(await store.createBatch(fresh, bodyHash, 5)).toBe(bodyHash);
     expect(await redis.hgetall(store.keys.batch(fresh))).toEqual({ bodyHash, createdAt: "5" });
+  });
+
+  it("a batch none of whose rollouts was recorded expires after the admission lease; its first rollout ends the lease, and a replay meanwhile admits it", async () => {
+    const key = `lease-${Date.now()}`;
+    const requests = [
+      { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } },
+      { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } },
+    ];
+    const batchId = batchIdFor(rolloutIds(2, key, "batch"));
+    const bodyHash = sha256Hex(`[${requests.map((r) => canonicalJson(RolloutRequest.parse(r))).join(",")}]`);
+    // The dispatcher recorded the batch, then died (or lost Redis) before admitting anything.
+    expect(await store.createBatch(batchId, bodyHash, Date.now())).toBe(bodyHash);
+    const lease = await redis.pttl(store.keys.batch(batchId));
+    expect(lease).toBeGreaterThan(BATCH_ADMISSION_LEASE_MS - 60_000);
+    expect(lease).toBeLessThanOrEqual(BATCH_ADMISSION_LEASE_MS);
+    // The client's replay within the lease admits the batch: the lease is not a finished batch's TTL.
+    const replay = await admit(
+      store,
+      queues,
+      { requests, batch: true, idempotencyKey: key },
+      { maxTaskBytes: 1e6 },
+    );
+    expect(replay.batchId).toBe(batchId);
+    expect(replay.created).toHaveLength(2);
+    expect(await redis.pttl(store.keys.batch(batchId))).toBe(-1);
+    expect(await store.getBatch(batchId)).toMatchObject({ total: 2, done: 0, bodyHash });
+    // Created again by a concurrent replay's late creation: no lease on a batch with rollouts.
+    expect(await store.createBatch(batchId, bodyHash, Date.now())).toBe(bodyHash);
+    expect(await redis.pttl(store.keys.batch(batchId))).toBe(-1);
   });
 
   it("retention: a finished rollout's keys expire after resultTtlMs, a batch's once its last rollout finished, a task a week later still", async () => {
