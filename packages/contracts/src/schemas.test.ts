@@ -55,8 +55,10 @@ const task = fc
     ),
     metadata: json,
   })
-  // Graded by its tests: it needs a tests/test.sh that runs something.
-  .map((t) => (t.verifier.kind === "tests" ? { ...t, tests: { ...t.tests, "test.sh": "exit 0" } } : t));
+  // Graded by its tests: it needs a tests/test.sh that runs something; by a match: no tests.
+  .map((t) =>
+    t.verifier.kind === "tests" ? { ...t, tests: { ...t.tests, "test.sh": "exit 0" } } : { ...t, tests: {} },
+  );
 /** What a process can take as an argument or environment value: no NUL byte. */
 const argText = text.filter((s) => !s.includes("\0"));
 const agent = fc.oneof(
@@ -202,9 +204,11 @@ describe("TaskContent refusals", () => {
     expect(
       issues({ workspace: { "notes.txt": "a\r\nb\r\n" }, solution: { "solve.sh": "true\n" } }),
     ).toBeUndefined();
-    // A match task's tests are never run: nothing to refuse there.
+    // A match task's tests are never run: refused as such, not for their line endings.
     const match = { verifier: { kind: "match", expected: "42" } };
-    expect(issues({ ...match, tests: { "test.sh": crlf } })).toBeUndefined();
+    expect(issues({ ...match, tests: { "test.sh": crlf } })).toEqual([
+      ["tests", expect.stringMatching(/^are never run for a task graded by matching its answer/)],
+    ]);
   });
 
   it("refuses a test.sh or solve.sh that starts with a byte order mark (bash runs it as part of the first command)", () => {
@@ -318,6 +322,22 @@ describe("TaskContent refusals", () => {
     ]);
   });
 
+  it("refuses tests for a task graded by a match: they would never run, and the author expects them to count", () => {
+    const r = TaskContent.safeParse({
+      id: "t",
+      instruction: "i",
+      image: "img",
+      verifier: { kind: "match", expected: "42" },
+      tests: { "test_answer.py": "assert False\n" },
+    });
+    expect(r.error?.issues.map((i) => [i.path.join("/"), i.message])).toEqual([
+      [
+        "tests",
+        'are never run for a task graded by matching its answer ([verifier] kind = "match"): remove tests/, or grade with kind = "tests"',
+      ],
+    ]);
+  });
+
   it("a task graded by a match needs no tests/test.sh", () => {
     const r = TaskContent.safeParse({
       id: "t",
@@ -341,14 +361,18 @@ describe("TaskContent refusals", () => {
     // Would escape the whole-answer group: `^(?:42)|(?:[\s\S])$` passes any one-character answer.
     ["regex", "42)|(?:[\\s\\S]", /not a valid regular expression/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
-    const r = TaskContent.safeParse({ ...base, verifier: { kind: "match", expected, mode } });
+    const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);
     expect(r.error!.issues).toEqual([expect.objectContaining({ path: ["verifier", "expected"] })]);
     expect(r.error!.issues[0]!.message).toMatch(why);
   });
 
   it("an exact match expecting more than an answer keeps (4,000 characters) is refused up front: no agent could match it", () => {
-    const r = TaskContent.safeParse({ ...base, verifier: { kind: "match", expected: "x".repeat(4001) } });
+    const r = TaskContent.safeParse({
+      ...base,
+      tests: {},
+      verifier: { kind: "match", expected: "x".repeat(4001) },
+    });
     expect(r.error?.issues[0]?.message).toMatch(/longer than the 4000 characters an answer is kept to/);
   });
 
@@ -359,7 +383,7 @@ describe("TaskContent refusals", () => {
       ["regex", "\\d+"],
       ["regex", "v?2\\.10\\.0\n"],
     ] as const) {
-      const r = TaskContent.safeParse({ ...base, verifier: { kind: "match", expected, mode } });
+      const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
       expect(r.error?.issues, `${mode} ${expected}`).toBeUndefined();
     }
   });

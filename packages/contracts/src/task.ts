@@ -240,6 +240,16 @@ export const TaskContent = z
         message: "runs nothing (blank or comments only), so every agent would pass",
       });
     }
+    // Graded by matching its answer: its tests would never run. An author who wrote both
+    // expects them to count; a result graded without them is not what they asked for.
+    if (task.verifier.kind === "match" && Object.keys(task.tests).length > 0) {
+      ctx.addIssue({
+        code: "custom",
+        path: ["tests"],
+        message:
+          'are never run for a task graded by matching its answer ([verifier] kind = "match"): remove tests/, or grade with kind = "tests"',
+      });
+    }
     // The two scripts the fleet runs with bash (test.sh only for a task graded by its tests),
     // checked for what makes bash fail, or skip a line, only after a whole run: CRLF line endings
     // (each line's `\r` ends its last word), a byte order mark (part of the first command: a

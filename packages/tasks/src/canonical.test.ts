@@ -55,7 +55,7 @@ describe("taskDigest", () => {
       { ...TINY, workspace: { "a.txt": "" } },
       { ...TINY, solution: { "solve.sh": "" } },
       { ...TINY, timeouts: { agentS: 121 } },
-      { ...TINY, verifier: { kind: "match", expected: "hi" } },
+      { ...TINY, tests: {}, verifier: { kind: "match", expected: "hi" } },
       { ...TINY, metadata: { tag: 1 } },
     ];
     const digests = variants.map(taskDigest);

@@ -192,6 +192,15 @@ describe("loadTask", () => {
 });
 
 describe("broken tasks give invalid_task naming the file", () => {
+  it("a match task with tests/: they would never run", async () => {
+    const dir = await writeTask("mt", {
+      "task.toml": '[task]\nimage = "i"\n[verifier]\nkind = "match"\nexpected = "42"\n',
+    });
+    expect(await invalidTask(() => loadTask(dir))).toMatch(
+      /tests: are never run for a task graded by matching its answer \(\[verifier\] kind = "match"\)/,
+    );
+  });
+
   it("missing instruction.md", async () => {
     const dir = await writeTask("t", { "instruction.md": null });
     expect(await invalidTask(() => loadTask(dir))).toContain(path.join(dir, "instruction.md"));
