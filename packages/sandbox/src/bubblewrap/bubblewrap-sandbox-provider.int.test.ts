@@ -1,5 +1,6 @@
 import { execFile, spawn } from "node:child_process";
-import { existsSync, readdirSync, readFileSync } from "node:fs";
+import { randomUUID } from "node:crypto";
+import { existsSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
@@ -550,6 +551,8 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
    * Start a create in another process with a bwrap that starts the real sandbox but never reports
    * its PID 1, so that create waits (up to 120 s) with the sandbox half-started; resolves once
    * bwrap and its PID 1 run. `pids`: those two and the wrapper (the recorded bwrap pid).
+   * `killCreator` SIGKILLs the creator and resolves once no process of it is left: tsx runs the
+   * script in a child node process, so killing tsx's own pid alone would leave the create running.
    */
   async function halfStartedCreate(s: SandboxSpecInput) {
     const wrapper = join(stateDir, "bwrap-mute.sh");
@@ -567,8 +570,16 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       ].join("\n"),
     );
     const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
-    const creator = spawn(tsx, [script], { stdio: "ignore" });
+    // A process group of its own: tsx and the node process it runs the script in.
+    const creator = spawn(tsx, [script], { stdio: "ignore", detached: true });
     const exited = new Promise<number | null>((resolve) => creator.once("exit", resolve));
+    const killCreator = async () => {
+      process.kill(-creator.pid!, "SIGKILL");
+      await exited;
+      await waitUntil(
+        () => !readdirNumeric("/proc").some((pid) => alive(pid) && cmdline(pid).includes(script)),
+      );
+    };
     const name = sandboxName(s.rolloutId, s.owner, RUN);
     let pids: number[] = [];
     // bwrap and its PID 1 run, and the creator has recorded bwrap's pid (its write right after
@@ -586,15 +597,14 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     });
     pids.push(recordedPid());
     expect(pids.every(alive)).toBe(true);
-    return { creator, exited, name, pids };
+    return { exited, killCreator, name, pids };
   }
 
   it("a sandbox whose creator died before it was ready is listed, and the next create kills it before starting afresh", async () => {
     const s = spec();
     // The creator is killed meanwhile (a worker SIGKILLed during the up-to-10 s start).
-    const { creator, exited, name, pids } = await halfStartedCreate(s);
-    creator.kill("SIGKILL");
-    await exited;
+    const { killCreator, name, pids } = await halfStartedCreate(s);
+    await killCreator();
     expect(pids.every(alive)).toBe(true);
 
     expect(
@@ -604,6 +614,33 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     live.push(h);
     expect(pids.filter(alive)).toEqual([]);
     expect((await provider.exec(h, ["echo", "fresh"], { deadlineMs: 10_000 })).stdout).toBe("fresh\n");
+  });
+
+  it("a destroy that read the state as its own before a newer create of the name wrote its own leaves the newer state in place", async () => {
+    const h = await create();
+    const path = join(stateDir, `${h.name}.json`);
+    const own = JSON.parse(readFileSync(path, "utf8")) as { id: string };
+    const newer = { ...own, id: randomUUID(), bwrapPid: 0, initPid: 0, cgroups: [] };
+    // The interleaving: destroy's last read sees its own state, then (another process) a newer
+    // create of the same name writes its state, then destroy removes the file.
+    const internals = provider as unknown as { readState(name: string): Promise<unknown> };
+    const readState = internals.readState.bind(provider);
+    let reads = 0;
+    internals.readState = async (name: string) => {
+      const state = await readState(name);
+      if (name === h.name && ++reads === 2) writeFileSync(path, JSON.stringify(newer));
+      return state;
+    };
+    try {
+      expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
+    } finally {
+      internals.readState = readState;
+    }
+    expect(reads).toBe(2);
+    // The newer sandbox's state is still there to find it by; nothing was left aside.
+    expect(JSON.parse(readFileSync(path, "utf8")).id).toBe(newer.id);
+    expect(readdirSync(stateDir).filter((f) => f.startsWith(h.name) && f.endsWith(".removing"))).toEqual([]);
+    rmSync(path);
   });
 
   it("a create still starting whose name a newer create took over fails, and leaves the newer sandbox alone", async () => {

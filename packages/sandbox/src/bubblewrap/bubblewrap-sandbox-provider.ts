@@ -1,7 +1,7 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import { closeSync, openSync, readdirSync, readFileSync, renameSync, writeFileSync } from "node:fs";
-import { chown, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
+import { chown, link, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
 import { dirname, join } from "node:path";
 import {
@@ -695,8 +695,39 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // Its directory is its own (named by its id; a sandbox made before that, by its name alone);
     // the state file only while it is still its own: a newer create may have taken the name.
     await rm(dirname(state.workspaceDir), { recursive: true, force: true });
-    if ((await this.readState(state.name))?.id === state.id)
-      await rm(this.statePath(state.name), { force: true });
+    await this.removeStateIfOwn(state);
+  }
+
+  /**
+   * Remove the name's state file if it still is `state`'s. Reading it and then removing it would
+   * race a newer create of the same name, which another process may run meanwhile (a redelivered
+   * create taking over while the create it took over from cleans up after itself): the newer
+   * one's state written between the read and the removal would be removed, and its sandbox left
+   * running with nothing to find it by. So the file is moved aside (atomically) before it is
+   * judged, and put back if it turns out to be another sandbox's.
+   */
+  private async removeStateIfOwn(state: BwrapState): Promise<void> {
+    if ((await this.readState(state.name))?.id !== state.id) return;
+    const path = this.statePath(state.name);
+    const aside = `${path}.${process.pid}.${state.id.slice(0, 8)}.removing`;
+    try {
+      await rename(path, aside);
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === "ENOENT") return; // removed meanwhile
+      throw err;
+    }
+    let text = "";
+    try {
+      text = await readFile(aside, "utf8");
+    } catch {}
+    if (parseState(text, state.name)?.id !== state.id) {
+      // Not ours: back in place, unless its owner has written it again since (that write stands).
+      await link(aside, path).catch((err: NodeJS.ErrnoException) => {
+        if (err.code !== "EEXIST") throw err;
+      });
+      this.logger?.warn({ sandbox: state.name }, "the name was taken over while its sandbox was removed");
+    }
+    await rm(aside, { force: true });
   }
 
   /** Directories of a name with no state file (`<name>`, `<name>-<id>`): nothing runs in them. */
