@@ -263,7 +263,11 @@ export class RolloutStore {
     if (cached) return cached.task;
     const raw = await this.redis.get(this.keys.task(digest));
     if (raw === null) return null;
-    const task = TaskContent.parse(JSON.parse(raw));
+    const stored = JSON.parse(raw) as { verifier?: { kind?: unknown }; tests?: unknown };
+    // A match-graded task with tests/ is refused at admission now; one an earlier version stored
+    // may still run here. Its tests never run (the match grades it): dropped, not a failed rollout.
+    if (stored.verifier?.kind === "match") stored.tests = {};
+    const task = TaskContent.parse(stored);
     const chars = raw.length;
     if (chars > this.maxTaskCacheChars / 4 || this.taskCache.has(digest)) return task;
     while (

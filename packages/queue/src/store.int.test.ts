@@ -408,6 +408,22 @@ describe("rollout store", () => {
     expect(kept).toEqual([null, null, "cache-c", "cache-d", "cache-e", "cache-f", null]);
   });
 
+  it("a match-graded task with tests/ that an earlier version stored is read without them, not refused: its rollout is graded", async () => {
+    const stored = {
+      id: "older-match",
+      instruction: "Answer 42.",
+      image: "img",
+      tests: { "test.sh": "exit 1\n" },
+      verifier: { kind: "match", expected: "42" },
+    };
+    // Admission refuses it now; stored as an older version's admission wrote it.
+    expect(TaskContent.safeParse(stored).success).toBe(false);
+    const digest = `older-${Date.now()}`;
+    await redis.set(store.keys.task(digest), JSON.stringify(stored));
+    const task = await store.getTask(digest);
+    expect(task).toMatchObject({ id: "older-match", tests: {}, verifier: { kind: "match", expected: "42" } });
+  });
+
   it("a backlog reservation re-sent (a reconnect lost its reply) still holds, not counted against itself", async () => {
     const own = new RolloutStore(redis, `${prefix}-res`);
     const scripted = withScripts(redis);
