@@ -619,6 +619,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // command was created; the model gateway did not open): nothing of the agent ran, so the
     // claim goes back as above, and the next attempt is a first launch with no sandbox reset,
     // which an image with its own /workspace files could not have had (masked `sandbox_lost`).
+    // So too for a harness that returned without an exec (a model's answer alone, then a failed
+    // stop): it changed nothing in the sandbox. (Its launch is then not counted in `attempts`.)
     if (!watched.started()) await giveBack();
     throw err;
   } finally {
