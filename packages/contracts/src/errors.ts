@@ -42,10 +42,10 @@ export class FleetError extends Error {
 
 /**
  * `err`, marked as failing before anything started in the sandbox (`FleetError.nothingStarted`):
- * for a provider to say so where it knows.
+ * for a provider to say so where it knows. Anything but a FleetError is returned as it is.
  */
-export function beforeStart(err: FleetError): FleetError {
-  if (err.nothingStarted) return err;
+export function beforeStart<E>(err: E): E | FleetError {
+  if (!isFleetError(err) || err.nothingStarted) return err;
   const marked = new FleetError(err.kind, err.message, {
     retryable: err.retryable,
     cause: err.cause,

@@ -415,7 +415,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       state = await this.liveState(handle);
     } catch (err) {
       // Nothing was spawned yet.
-      throw isFleetError(err) ? beforeStart(err) : err;
+      throw beforeStart(err);
     }
     // The OOM-kill count only grows: this exec was OOM-killed only if it grew while it ran (an
     // OOM kill the agent caused earlier must not turn a later plain SIGKILL into a mask).

@@ -353,7 +353,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     try {
       await this.checkDaemon(handle);
     } catch (err) {
-      throw isFleetError(err) ? beforeStart(err) : err;
+      throw beforeStart(err);
     }
     // A command's output keeps its end as well as its start (see `CappedBuffer`).
     const result = await this.execIn(handle, argv, {
