@@ -163,6 +163,13 @@ describe("WorkerConfig", () => {
     );
   });
 
+  it("bounds the rollouts seeded ahead at 16 by default, another number, or not at all (0)", () => {
+    expect(parseWorkerConfig("resources", {}).seedAhead).toBe(16);
+    expect(parseWorkerConfig("resources", { FLEET_SEED_AHEAD: "64" }).seedAhead).toBe(64);
+    expect(parseWorkerConfig("resources", { FLEET_SEED_AHEAD: "0" }).seedAhead).toBeNull();
+    expect(() => parseWorkerConfig("resources", { FLEET_SEED_AHEAD: "-1" })).toThrow(/FLEET_SEED_AHEAD/);
+  });
+
   it("reads worker variables; the app's kind wins over the environment's", () => {
     const cfg = parseWorkerConfig("verifier", {
       FLEET_WORKER_KIND: "agent",

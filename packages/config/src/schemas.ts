@@ -195,6 +195,11 @@ export const WorkerConfig = z
      */
     FLEET_PROVIDER_BREAKER: boolVar().default(true),
     FLEET_PROVIDER_PROBE_MS: durationMsVar(100).default(2_000),
+    /**
+     * Resources worker: seeding pauses while at least this many rollouts (or as many as agents
+     * are running, if more) are seeded and wait for an agent. `0`: no bound.
+     */
+    FLEET_SEED_AHEAD: intVar(0, 1_000_000).default(16),
   })
   .superRefine(bwrapNeedsRootfs)
   .superRefine((e, ctx) => {
@@ -221,6 +226,7 @@ export const WorkerConfig = z
     lockDurationMs: e.FLEET_LOCK_DURATION_MS,
     stalledIntervalMs: e.FLEET_STALLED_INTERVAL_MS,
     providerProbeMs: e.FLEET_PROVIDER_BREAKER ? e.FLEET_PROVIDER_PROBE_MS : null,
+    seedAhead: e.FLEET_SEED_AHEAD === 0 ? null : e.FLEET_SEED_AHEAD,
   }));
 export type WorkerConfig = z.output<typeof WorkerConfig>;
 

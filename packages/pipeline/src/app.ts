@@ -21,7 +21,7 @@ import { createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
 import { statusFor } from "./result.ts";
-import { createStageWorkers, providerProblem } from "./worker.ts";
+import { createStageWorkers, DEFAULT_SEED_AHEAD, providerProblem } from "./worker.ts";
 
 /** Which stages each worker kind runs (DESIGN §2 table). */
 export const STAGES_OF: Record<WorkerKind, StageName[]> = {
@@ -235,6 +235,7 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     stalledIntervalMs: config.stalledIntervalMs,
     providerBreaker:
       config.providerProbeMs === null ? false : { probeMs: config.providerProbeMs, callTimeoutMs: 5_000 },
+    seedAhead: config.seedAhead === null ? false : { ...DEFAULT_SEED_AHEAD, min: config.seedAhead },
     // fleet_queue_stalled_jobs_total: BullMQ reports a stalled job to the worker whose check
     // found it (every worker, the supervisor's replacements included).
     onWorker: (worker) => {

@@ -3,7 +3,7 @@ import { capText, isTerminal, type StageName, withTimeout } from "@fleet/contrac
 import { duplicateRedis, type RedisConnection } from "@fleet/queue";
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { isHandBack, isProviderHold } from "./hand-back.ts";
+import { HandBackError, isHandBack, isProviderHold } from "./hand-back.ts";
 import { nextAfter, runStageJob } from "./stage-runner.ts";
 
 export interface StageWorkerOptions {
@@ -33,6 +33,19 @@ export interface StageWorkerOptions {
    * spends an attempt. @defaultValue `{ probeMs: 2_000, callTimeoutMs: 5_000 }`
    */
   providerBreaker?: { probeMs: number; callTimeoutMs: number } | false;
+  /**
+   * The seed-ahead bound (workers that run seed): a seed job waits before it begins while at
+   * least `max(min, runs in progress, runs the agents take per interval)` rollouts are seeded and
+   * wait for an agent (their run jobs waiting, prioritized or delayed), counting this process's
+   * seeds in flight. Without it,
+   * resources workers make sandboxes as fast as they go: a batch of thousands holds thousands of
+   * idle sandboxes that spend their deadlines waiting for an agent. The waiting rollouts are
+   * counted (one Redis call) every `intervalMs`, and at most every `recountMs` while a seed
+   * waits; between counts this process adds its own seeds, so one process alone keeps to the
+   * bound, and several overshoot by what the others seeded since the last count. `false` turns
+   * it off. @defaultValue `{ min: 16, intervalMs: 500, recountMs: 5 }`
+   */
+  seedAhead?: SeedAheadOptions | false;
   /** Called for every BullMQ worker made, the supervisor's replacements included (listeners, metrics). */
   onWorker?: (worker: Worker, stage: StageName) => void;
 }
@@ -44,6 +57,8 @@ export interface StageWorkers {
   readonly recreated: number;
   /** Whether the provider breaker is open (seed, run and verify jobs are not taken). */
   readonly providerDown: boolean;
+  /** The seed-ahead bound's state (null without a seed stage or with the bound off). */
+  readonly seedAhead: SeedAheadState | null;
   /** Run the supervisor's check now (it also runs on its own timer). */
   check(): Promise<void>;
   /**
@@ -58,6 +73,7 @@ export interface StageWorkers {
 
 const DEFAULT_SUPERVISE = { intervalMs: 5_000, stuckAfterMs: 30_000 };
 const DEFAULT_PROVIDER_BREAKER = { probeMs: 2_000, callTimeoutMs: 5_000 };
+export const DEFAULT_SEED_AHEAD: SeedAheadOptions = { min: 16, intervalMs: 500, recountMs: 5 };
 
 /** When, within a shutdown budget, still-running jobs are asked to hand themselves back. */
 export function handBackAfterMs(timeoutMs: number): number {
@@ -95,6 +111,9 @@ export function createStageWorkers(
         () => closing,
       )
     : null;
+  const seedAheadOptions = options.seedAhead === undefined ? DEFAULT_SEED_AHEAD : options.seedAhead;
+  const seedAhead =
+    stages.includes("seed") && seedAheadOptions ? seedAheadBound(deps, seedAheadOptions) : null;
 
   const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
     const { stage } = slot;
@@ -104,7 +123,12 @@ export function createStageWorkers(
         const started = Date.now();
         slot.active++;
         slot.idleWithWorkSince = null;
+        let seeding = false;
         try {
+          if (stage === "seed" && seedAhead) {
+            await seedAhead.enter(handBack.signal);
+            seeding = true;
+          }
           const outcome = await runStageJob(stage, job, deps, {
             signal: handBack.signal,
             lockDurationMs: options.lockDurationMs ?? 30_000,
@@ -112,6 +136,11 @@ export function createStageWorkers(
           });
           deps.metrics?.stageJobs.inc({ stage, outcome });
           deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
+          if (seeding) {
+            seeding = false;
+            // A seed that ran, or replayed its stored receipt, enqueued its run.
+            seedAhead?.leave(outcome === "ok" || outcome === "replayed");
+          }
           return outcome;
         } catch (err) {
           if (isHandBack(err) && token) {
@@ -137,6 +166,7 @@ export function createStageWorkers(
           deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
           throw err;
         } finally {
+          if (seeding) seedAhead?.leave(false);
           slot.active--;
         }
       },
@@ -269,6 +299,9 @@ export function createStageWorkers(
     get providerDown() {
       return breaker?.open ?? false;
     },
+    get seedAhead() {
+      return seedAhead?.state() ?? null;
+    },
     check: () => {
       checking = checking.then(check);
       return checking;
@@ -277,6 +310,8 @@ export function createStageWorkers(
       closing = true;
       if (timer) clearInterval(timer);
       breaker?.stop();
+      // Seeds waiting for the bound go back to the queue now, not at the hand-back.
+      seedAhead?.stop();
       const started = Date.now();
       // A supervisor check in flight is not waited for: it replaces no worker once `closing` is
       // set, and one hung on Redis would spend the budget the jobs need to hand themselves back.
@@ -398,6 +433,151 @@ function providerBreaker(
     stop() {
       if (probeTimer) clearTimeout(probeTimer);
       probeTimer = null;
+    },
+  };
+}
+
+export interface SeedAheadOptions {
+  /** The bound when fewer runs are in progress. */
+  min: number;
+  /** How often the waiting rollouts are counted. */
+  intervalMs: number;
+  /** How often, at most, while a seed waits for the bound. */
+  recountMs: number;
+}
+
+export interface SeedAheadState {
+  /** Whether a seed waits for the bound. */
+  held: boolean;
+  /** Rollouts seeded and waiting for an agent: as last counted, plus this process's seeds since. */
+  ahead: number;
+  /** Seeds let through and not finished. */
+  inFlight: number;
+  /** The bound at the last count: `max(min, runs in progress, runs taken per count interval)`. */
+  bound: number;
+}
+
+interface SeedAhead {
+  /** Wait until one more seed fits under the bound; rejects with `HandBackError` on shutdown. */
+  enter(signal: AbortSignal): Promise<void>;
+  /** A seed let through ended; `seeded`: its run job was enqueued. */
+  leave(seeded: boolean): void;
+  state(): SeedAheadState;
+  stop(): void;
+}
+
+/** The seed-ahead bound (see `StageWorkerOptions.seedAhead`). */
+function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhead {
+  let ahead = 0;
+  let inFlight = 0;
+  let bound = options.min;
+  let stopped = false;
+  let held = false;
+  const waiters: Array<{ go: () => void; fail: (err: Error) => void }> = [];
+  let counting = false;
+  let lastCountAt = 0;
+  /** Runs taken by agents per millisecond, smoothed (see `count`). */
+  let takenPerMs = 0;
+  let recount: NodeJS.Timeout | null = null;
+  deps.metrics?.seedingHeld.set(0);
+
+  const setHeld = (now: boolean) => {
+    if (now === held) return;
+    held = now;
+    deps.metrics?.seedingHeld.set(now ? 1 : 0);
+    deps.logger.debug(
+      { ahead, inFlight, bound },
+      now ? "seeding paused: enough rollouts wait for an agent" : "seeding resumed",
+    );
+  };
+  const pump = () => {
+    while (waiters.length > 0 && ahead + inFlight < bound) {
+      inFlight++;
+      waiters.shift()?.go();
+    }
+    setHeld(waiters.length > 0);
+    if (waiters.length > 0 && !recount && !counting && !stopped) {
+      recount = setTimeout(
+        () => {
+          recount = null;
+          void count();
+        },
+        Math.max(0, lastCountAt + options.recountMs - Date.now()),
+      );
+      recount.unref();
+    }
+  };
+  const count = async () => {
+    if (counting || stopped) return;
+    counting = true;
+    try {
+      const c = await deps.queues.queues.run.getJobCounts("wait", "prioritized", "delayed", "active");
+      const now = Date.now();
+      const counted = (c.wait ?? 0) + (c.prioritized ?? 0) + (c.delayed ?? 0);
+      // Runs the agents took since the last count (less what other processes seeded meanwhile),
+      // as a rate smoothed over about `intervalMs`.
+      if (lastCountAt > 0 && now > lastCountAt) {
+        const dt = now - lastCountAt;
+        const taken = Math.max(0, ahead - counted) / dt;
+        takenPerMs += (taken - takenPerMs) * (1 - Math.exp(-dt / options.intervalMs));
+      }
+      ahead = counted;
+      // Never fewer waiting than agents busy (a large agent fleet is not starved by a small
+      // `min`), nor than the agents take within one count interval (fast agents are not starved
+      // between counts).
+      bound = Math.max(options.min, c.active ?? 0, Math.ceil(takenPerMs * options.intervalMs));
+    } catch {
+      // Redis unreachable: counted again later (a seed could not get anywhere meanwhile either).
+    } finally {
+      counting = false;
+      lastCountAt = Date.now();
+    }
+    pump();
+  };
+  const timer = setInterval(() => void count(), options.intervalMs);
+  timer.unref();
+  void count();
+
+  return {
+    enter(signal) {
+      if (stopped || signal.aborted) return Promise.reject(new HandBackError());
+      if (waiters.length === 0 && ahead + inFlight < bound) {
+        inFlight++;
+        return Promise.resolve();
+      }
+      return new Promise<void>((resolve, reject) => {
+        const onAbort = () => {
+          const i = waiters.indexOf(waiter);
+          if (i >= 0) waiters.splice(i, 1);
+          reject(new HandBackError());
+        };
+        const waiter = {
+          go: () => {
+            signal.removeEventListener("abort", onAbort);
+            resolve();
+          },
+          fail: (err: Error) => {
+            signal.removeEventListener("abort", onAbort);
+            reject(err);
+          },
+        };
+        signal.addEventListener("abort", onAbort, { once: true });
+        waiters.push(waiter);
+        pump();
+      });
+    },
+    leave(seeded) {
+      inFlight--;
+      if (seeded) ahead++;
+      pump();
+    },
+    state: () => ({ held, ahead, inFlight, bound }),
+    stop() {
+      stopped = true;
+      clearInterval(timer);
+      if (recount) clearTimeout(recount);
+      for (const waiter of waiters.splice(0)) waiter.fail(new HandBackError());
+      setHeld(false);
     },
   };
 }

@@ -37,6 +37,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
         "fleet_queue_workers",
         "fleet_redis_up",
         "fleet_sandbox_provider_up",
+        "fleet_seeding_held",
         "fleet_rollouts_inflight",
         "fleet_reward",
         "fleet_rollout_duration_seconds",

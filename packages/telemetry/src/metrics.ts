@@ -88,6 +88,7 @@ export interface FleetMetrics {
   rolloutsInflight: Gauge;
   redisUp: Gauge;
   sandboxProviderUp: Gauge;
+  seedingHeld: Gauge;
   queueWorkers: Gauge<"queue">;
   queueStalledJobs: Counter<"queue">;
   janitorStepFailures: Counter<"step">;
@@ -196,6 +197,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       help: "0 while this worker's provider breaker is open (a seed, run or verify failed and the provider did not answer: those jobs are held, none taken), 1 otherwise; set by stage workers only. An idle worker does not probe: 1 says no failure found it down.",
       registers,
     }),
+    seedingHeld: new Gauge({
+      name: "fleet_seeding_held",
+      help: "1 while this worker's seeding is paused by the seed-ahead bound (enough rollouts are seeded and wait for an agent: no more sandboxes are made ahead), 0 otherwise; set by workers that run seed.",
+      registers,
+    }),
     queueWorkers: new Gauge({
       name: "fleet_queue_workers",
       help: "BullMQ workers connected to each queue (sampled by the dispatcher at scrape time).",
@@ -229,6 +235,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     metrics.rolloutsInflight,
     metrics.teardownLedgerEntries,
     metrics.sandboxProviderUp,
+    metrics.seedingHeld,
   ]) {
     gauge.remove({});
   }
