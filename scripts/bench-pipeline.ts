@@ -16,7 +16,7 @@
  *
  *   npx tsx scripts/bench-pipeline.ts [--n 2000] [--concurrency 8] [--sandbox-n 48]
  *     [--warmup 100] [--rounds 3] [--sandbox-warmup 8] [--part a|b|both] [--image <ref>]
- *     [--sides raw,fleet] [--experiment auto-pipeline,bare-handlers]
+ *     [--sides raw,fleet] [--experiment auto-pipeline,bare-handlers] [--seed-ahead <n>|off]
  *
  * Profile one side alone: `node --cpu-prof --import tsx scripts/bench-pipeline.ts --part a --sides fleet`.
  *
@@ -37,7 +37,14 @@ import {
   type TaskContent,
 } from "@fleet/contracts";
 import type { Harness } from "@fleet/harness";
-import { createStageWorkers, HANDLERS, type PipelineDeps, startInProcessFleet } from "@fleet/pipeline";
+import {
+  createStageWorkers,
+  DEFAULT_SEED_AHEAD,
+  HANDLERS,
+  type PipelineDeps,
+  type StageWorkerOptions,
+  startInProcessFleet,
+} from "@fleet/pipeline";
 import {
   admit,
   createRedis,
@@ -75,6 +82,8 @@ const { values } = parseArgs({
     part: { type: "string", default: "both" },
     /** Part A sides to run (`raw,fleet`); one side alone is for profiling, e.g. under `node --cpu-prof`. */
     sides: { type: "string", default: "raw,fleet" },
+    /** The fleet's seed-ahead bound (`FLEET_SEED_AHEAD`): a minimum, or `off`; the workers' default by default. */
+    "seed-ahead": { type: "string", default: "" },
     /** Comma-separated part A experiments (see `EXPERIMENTS`); none by default. */
     experiment: { type: "string", default: "" },
     image: { type: "string", default: process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest" },
@@ -85,6 +94,16 @@ const CONCURRENCY = positiveInt(values.concurrency, "--concurrency");
 const SANDBOX_N = positiveInt(values["sandbox-n"], "--sandbox-n");
 const WARMUP = positiveInt(values.warmup, "--warmup");
 const ROUNDS = positiveInt(values.rounds, "--rounds");
+/** `createStageWorkers` options for the fleet side of both parts. */
+const FLEET_WORKER_OPTIONS: Partial<StageWorkerOptions> =
+  values["seed-ahead"] === ""
+    ? {}
+    : {
+        seedAhead:
+          values["seed-ahead"] === "off"
+            ? false
+            : { ...DEFAULT_SEED_AHEAD, min: positiveInt(values["seed-ahead"], "--seed-ahead") },
+      };
 const SANDBOX_WARMUP = Number(values["sandbox-warmup"]);
 const PART = values.part;
 if (!["a", "b", "both"].includes(PART)) throw new Error(`--part must be a, b or both, got ${PART}`);
@@ -395,6 +414,7 @@ async function partA(): Promise<void> {
       connection: redis,
       prefix,
       concurrency: CONCURRENCY,
+      ...FLEET_WORKER_OPTIONS,
     });
     try {
       await Promise.all(workers.workers.map((w) => w.waitUntilReady()));
@@ -698,6 +718,21 @@ async function partB(): Promise<void> {
   await docker.getImage(IMAGE).inspect();
   const task = await helloFile();
   const provider = new DockerSandboxProvider();
+  // The fleet's sandboxes alive at once (created and not yet destroyed), at most.
+  let live = 0;
+  let peakLive = 0;
+  const create = provider.create.bind(provider);
+  const destroy = provider.destroy.bind(provider);
+  provider.create = async (spec) => {
+    const handle = await create(spec);
+    peakLive = Math.max(peakLive, ++live);
+    return handle;
+  };
+  provider.destroy = async (handle) => {
+    const receipt = await destroy(handle);
+    live--;
+    return receipt;
+  };
   const fleetIds: string[] = [];
   let rawSeq = 0;
 
@@ -755,7 +790,12 @@ async function partB(): Promise<void> {
     return performance.now() - t0;
   }
 
-  const fleet = await startInProcessFleet({ provider, concurrency: CONCURRENCY, redisUrl: REDIS_URL });
+  const fleet = await startInProcessFleet({
+    provider,
+    concurrency: CONCURRENCY,
+    redisUrl: REDIS_URL,
+    workerOptions: FLEET_WORKER_OPTIONS,
+  });
   let rawMs = 0;
   let fleetMs = 0;
   let results: RolloutResult[] = [];
@@ -824,6 +864,9 @@ async function partB(): Promise<void> {
   console.log(
     `fleet stage medians (ms): queued ${med("queuedMs")}, seed ${med("seedMs")}, run ${med("runMs")}, ` +
       `verify ${med("verifyMs")}, close ${med("closeMs")}, total ${med("totalMs")}`,
+  );
+  console.log(
+    `fleet sandboxes alive at once, at most: ${peakLive} (seed-ahead ${values["seed-ahead"] || "default"})`,
   );
   console.log("");
   console.log("profile: Docker API calls per rollout (this process, by method and path)");
