@@ -104,3 +104,59 @@ describe("a request that arrives while the dispatcher shuts down", () => {
     });
   });
 });
+
+describe("a body over the limit, sent whole before the answer is read", () => {
+  const LIMIT = 2 * 1024 * 1024;
+  let redis: Redis;
+  let server: TestServer;
+  let port: number;
+  beforeAll(async () => {
+    redis = createRedis(REDIS_URL);
+    server = await startTestServer(redis, "linger", { FLEET_MAX_BODY_BYTES: String(LIMIT) });
+    await server.app.listen({ host: "127.0.0.1", port: 0 });
+    port = (server.app.server.address() as { port: number }).port;
+  });
+  afterAll(async () => {
+    await server?.close();
+    await redis?.quit();
+  });
+
+  /**
+   * As Python's http.client does: write the request whole (a failed write rejects: the broken
+   * pipe a client saw when the server closed under it), then a second request, then read.
+   */
+  function sendWhole(bodyBytes: number): Promise<string> {
+    return new Promise((resolve, reject) => {
+      const socket = connect(port, "127.0.0.1");
+      let answer = "";
+      socket.on("data", (c: Buffer) => (answer += c.toString("utf8")));
+      socket.on("error", reject);
+      socket.on("close", () => resolve(answer));
+      const head =
+        "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+        `Content-Length: ${bodyBytes}\r\n\r\n`;
+      socket.write(head);
+      socket.write(Buffer.alloc(bodyBytes, 0x20), (err) => {
+        if (err) return reject(err);
+        socket.end("GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+      });
+    });
+  }
+
+  it("is read to its end and answered 413 in the API's error body; the connection serves the next request", async () => {
+    const answer = await sendWhole(3 * LIMIT);
+    const responses = answer.split(/(?=HTTP\/1\.1 )/);
+    expect(responses).toHaveLength(2);
+    const [head = "", body = ""] = responses[0]!.split("\r\n\r\n");
+    expect(head).toMatch(/^HTTP\/1\.1 413 /);
+    expect(head.toLowerCase()).not.toContain("connection: close");
+    expect(JSON.parse(body)).toEqual({
+      error: {
+        code: "payload_too_large",
+        message: `the request body (${3 * LIMIT} bytes) is over the limit of ${LIMIT} bytes`,
+        details: { limit: LIMIT },
+      },
+    });
+    expect(responses[1]).toMatch(/^HTTP\/1\.1 200 /);
+  });
+});

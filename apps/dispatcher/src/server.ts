@@ -97,6 +97,25 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     done(null, new NdjsonText(String(body))),
   );
 
+  // A body over the limit by its Content-Length is read and thrown away before the 413 is sent,
+  // when it is at most LINGER_FACTOR times the limit and arrives within LINGER_MS: a client that
+  // writes its whole body before it reads (Python's http.client and requests do) then gets the
+  // 413, where Fastify's own refusal closed the connection under it (a broken pipe, no answer).
+  // The connection stays open for the next request. Past those bounds the 413 closes it, as
+  // before. (A chunked body without a length is still refused, and closed, once it passes the limit.)
+  app.addHook("preParsing", async (req, _reply, payload) => {
+    const length = Number(req.headers["content-length"]);
+    if (!(length > config.maxBodyBytes)) return payload;
+    const drained = length <= config.maxBodyBytes * LINGER_FACTOR && (await discard(payload, LINGER_MS));
+    throw new HttpError(
+      413,
+      "payload_too_large",
+      `the request body (${length} bytes) is over the limit of ${config.maxBodyBytes} bytes`,
+      { limit: config.maxBodyBytes },
+      drained ? {} : { connection: "close" },
+    );
+  });
+
   // Shutting down: a request that still arrives (pipelined, or on a busy keep-alive connection)
   // is told to come back, in the API's error body, and its connection is closed after it.
   let closing = false;
@@ -196,6 +215,33 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
 }
 
 const SAFE_METHODS = new Set(["GET", "HEAD", "OPTIONS"]);
+
+/** An over-limit body is read and discarded before its 413 up to this many times the limit, */
+export const LINGER_FACTOR = 4;
+/** and for at most this long. */
+export const LINGER_MS = 30_000;
+
+/** Read `payload` to its end and throw it away: true once it ended, false if it broke or took over `ms`. */
+function discard(payload: NodeJS.ReadableStream, ms: number): Promise<boolean> {
+  return new Promise((resolve) => {
+    let settled = false;
+    const settle = (ended: boolean) => {
+      if (settled) return;
+      settled = true;
+      clearTimeout(timer);
+      payload.removeListener("data", ignore);
+      resolve(ended);
+    };
+    const ignore = () => undefined;
+    const timer = setTimeout(() => settle(false), ms);
+    timer.unref();
+    payload.on("data", ignore);
+    payload.once("end", () => settle(true));
+    payload.once("error", () => settle(false));
+    payload.once("close", () => settle(false));
+    payload.resume();
+  });
+}
 
 /** A browser navigating (it asks for HTML), not a script asking for JSON. */
 function wantsHtml(req: FastifyRequest): boolean {
