@@ -69,6 +69,100 @@ describe("the seed-ahead bound", () => {
     expect(live()).toBe(0);
   });
 
+  it("keeps to the bound when a count's answer comes back after seeds that ended meanwhile", async () => {
+    const provider = new InMemorySandboxProvider();
+    fleet = await startInProcessFleet({ provider, startWorkers: false });
+    // Every count's answer arrives 20 ms late (the count itself runs in Redis at once): seeds
+    // that end in between are in it, and this process has counted them too.
+    const run = fleet.deps.queues.queues.run;
+    const getJobCounts = run.getJobCounts.bind(run);
+    let answered = 0;
+    run.getJobCounts = async (...types) => {
+      const counts = await getJobCounts(...types);
+      await new Promise((r) => setTimeout(r, 20));
+      answered++;
+      return counts;
+    };
+    const resources = createStageWorkers(["seed", "close"], fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 4,
+      // Counted again as soon as a seed waits: while the first seeds still run.
+      seedAhead: { min: 3, intervalMs: 50, recountMs: 0 },
+    });
+    started.push(resources);
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    await fleet.submit(Array.from({ length: 16 }, () => request));
+    await until("seeding to pause with no seed in flight", () => {
+      const s = resources.seedAhead!;
+      return s.held && s.inFlight === 0;
+    });
+    // Counts keep landing while it is paused (the one that was on its way too): none lets
+    // another seed through.
+    const mark = answered;
+    await until("three more counts", () => answered >= mark + 3);
+    expect(resources.seedAhead).toMatchObject({ held: true, inFlight: 0 });
+    expect((await getJobCounts("wait")).wait).toBe(3);
+  });
+
+  it("lets no seed through before its first count has landed (a backlog already waits)", async () => {
+    const provider = new InMemorySandboxProvider();
+    fleet = await startInProcessFleet({ provider, startWorkers: false });
+    const common = { connection: fleet.redis, prefix: fleet.prefix, concurrency: 2 } as const;
+    const first = createStageWorkers(["seed"], fleet.deps, {
+      ...common,
+      seedAhead: { min: 4, intervalMs: 50, recountMs: 5 },
+    });
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    await fleet.submit(Array.from({ length: 10 }, () => request));
+    await until("four rollouts seeded", () => {
+      const s = first.seedAhead!;
+      return s.held && s.inFlight === 0;
+    });
+    await first.close(5_000);
+    // A new process, whose counts answer late: until one has, it does not know of the four.
+    const run = fleet.deps.queues.queues.run;
+    const getJobCounts = run.getJobCounts.bind(run);
+    run.getJobCounts = async (...types) => {
+      const counts = await getJobCounts(...types);
+      await new Promise((r) => setTimeout(r, 300));
+      return counts;
+    };
+    const second = createStageWorkers(["seed"], fleet.deps, {
+      ...common,
+      seedAhead: { min: 3, intervalMs: 50, recountMs: 5 },
+    });
+    started.push(second);
+    await until("the new process to count the backlog and hold", () => {
+      const s = second.seedAhead!;
+      return s.held && s.ahead === 4 && s.inFlight === 0;
+    });
+    expect((await getJobCounts("wait")).wait).toBe(4);
+  });
+
+  it("sends a seed that waited its time back to the queue, no attempt spent, and keeps the bound", async () => {
+    const provider = new InMemorySandboxProvider();
+    fleet = await startInProcessFleet({ provider, startWorkers: false });
+    const resources = createStageWorkers(["seed", "close"], fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 2,
+      seedAhead: { min: 2, intervalMs: 50, recountMs: 5, maxWaitMs: 100 },
+    });
+    started.push(resources);
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    await fleet.submit(Array.from({ length: 8 }, () => request));
+    await until(
+      "waiting seeds to go back to the queue a few times",
+      () => resources.seedAhead!.requeued >= 6,
+    );
+    const { seed, run } = fleet.deps.queues.queues;
+    expect((await run.getJobCounts("wait")).wait).toBe(2);
+    const jobs = await seed.getJobs(["wait", "active"]);
+    expect(jobs).toHaveLength(6);
+    expect(jobs.map((j) => j.attemptsMade)).toEqual(Array(6).fill(0));
+  });
+
   it("lets as many rollouts wait as agents are busy, when that is more than the minimum", async () => {
     const provider = new InMemorySandboxProvider();
     const release = latch();
@@ -99,11 +193,13 @@ describe("the seed-ahead bound", () => {
     started.push(createStageWorkers(["run", "verify"], fleet.deps, { ...common, concurrency: 4 }));
     const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
     const ids = await fleet.submit(Array.from({ length: 12 }, () => request));
-    await until("four agents busy and seeding paused at four waiting", () => {
+    await until("four agents busy and seeding paused at a bound of four", () => {
       const s = resources.seedAhead!;
-      return running === 4 && s.held && s.inFlight === 0 && s.bound === 4 && s.ahead === 4;
+      return running === 4 && s.held && s.inFlight === 0 && s.bound === 4;
     });
-    expect((await fleet.deps.queues.queues.run.getJobCounts("wait")).wait).toBe(4);
+    // At least the four (more if the rate of the agents' first takes raised the bound for a moment:
+    // a sandbox made is not taken back).
+    expect((await fleet.deps.queues.queues.run.getJobCounts("wait")).wait).toBeGreaterThanOrEqual(4);
     release.open();
     const results = await fleet.waitForResults(ids, 60_000);
     expect(results.map((r) => r.status)).toEqual(Array(12).fill("completed"));

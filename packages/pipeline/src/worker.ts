@@ -144,9 +144,14 @@ export function createStageWorkers(
           return outcome;
         } catch (err) {
           if (isHandBack(err) && token) {
-            // Shutting down: back to the queue for another worker, without spending an attempt.
+            // Shutting down (or a seed that waited long for the seed-ahead bound): back to the
+            // queue for another worker, without spending an attempt.
             await job.moveToWait(token);
-            deps.logger.info({ stage, rolloutId: job.data?.rolloutId }, "handed the job back");
+            // A seed that waited its time for the seed-ahead bound: routine, not worth a line each.
+            deps.logger[err instanceof SeedWaitOver ? "debug" : "info"](
+              { stage, rolloutId: job.data?.rolloutId },
+              "handed the job back",
+            );
             throw new WaitingError();
           }
           if (breaker && isProviderHold(err) && token) {
@@ -438,12 +443,18 @@ function providerBreaker(
 }
 
 export interface SeedAheadOptions {
-  /** The bound when fewer runs are in progress. */
+  /** The bound when fewer runs are in progress (at least 1). */
   min: number;
   /** How often the waiting rollouts are counted. */
   intervalMs: number;
   /** How often, at most, while a seed waits for the bound. */
   recountMs: number;
+  /**
+   * A seed that waited this long goes back to its queue (no attempt spent) and its worker slot
+   * takes a job again: a job is not held active for as long as a batch backs up (its lock would
+   * have to be renewed all along, and a lapse counts as a stall). @defaultValue 10 s
+   */
+  maxWaitMs?: number;
 }
 
 export interface SeedAheadState {
@@ -455,10 +466,15 @@ export interface SeedAheadState {
   inFlight: number;
   /** The bound at the last count: `max(min, runs in progress, runs taken per count interval)`. */
   bound: number;
+  /** Seeds that waited `maxWaitMs` and went back to their queue. */
+  requeued: number;
 }
 
 interface SeedAhead {
-  /** Wait until one more seed fits under the bound; rejects with `HandBackError` on shutdown. */
+  /**
+   * Wait until one more seed fits under the bound. Rejects with `HandBackError` on shutdown, and
+   * with `SeedWaitOver` (a `HandBackError`) after `maxWaitMs`.
+   */
   enter(signal: AbortSignal): Promise<void>;
   /** A seed let through ended; `seeded`: its run job was enqueued. */
   leave(seeded: boolean): void;
@@ -466,19 +482,38 @@ interface SeedAhead {
   stop(): void;
 }
 
+/** A seed that waited for the seed-ahead bound for `maxWaitMs`: back to its queue, no attempt spent. */
+export class SeedWaitOver extends HandBackError {
+  constructor() {
+    super("waited for the seed-ahead bound; the job goes back to its queue");
+  }
+}
+
+/** How long a count may take before it is given up (and tried again). */
+const SEED_AHEAD_COUNT_TIMEOUT_MS = 5_000;
+
 /** The seed-ahead bound (see `StageWorkerOptions.seedAhead`). */
 function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhead {
+  if (!(options.min >= 1)) throw new Error(`seedAhead.min must be at least 1, got ${options.min}`);
+  const maxWaitMs = options.maxWaitMs ?? 10_000;
+  /** Whether a count has landed: until then nothing is let through (the backlog is unknown). */
+  let known = false;
   let ahead = 0;
   let inFlight = 0;
   let bound = options.min;
+  /** This process's seeds that enqueued a run, ever (see `count`). */
+  let seededTotal = 0;
+  let requeued = 0;
   let stopped = false;
   let held = false;
   const waiters: Array<{ go: () => void; fail: (err: Error) => void }> = [];
   let counting = false;
   let lastCountAt = 0;
+  /** Consecutive failed counts (the next is tried later and later). */
+  let failedCounts = 0;
+  let recount: NodeJS.Timeout | null = null;
   /** Runs taken by agents per millisecond, smoothed (see `count`). */
   let takenPerMs = 0;
-  let recount: NodeJS.Timeout | null = null;
   deps.metrics?.seedingHeld.set(0);
 
   const setHeld = (now: boolean) => {
@@ -490,19 +525,21 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
       now ? "seeding paused: enough rollouts wait for an agent" : "seeding resumed",
     );
   };
+  const fits = () => known && ahead + inFlight < bound;
   const pump = () => {
-    while (waiters.length > 0 && ahead + inFlight < bound) {
+    while (waiters.length > 0 && fits()) {
       inFlight++;
       waiters.shift()?.go();
     }
     setHeld(waiters.length > 0);
     if (waiters.length > 0 && !recount && !counting && !stopped) {
+      const spacing = Math.min(options.intervalMs, options.recountMs * 2 ** Math.min(failedCounts, 10));
       recount = setTimeout(
         () => {
           recount = null;
           void count();
         },
-        Math.max(0, lastCountAt + options.recountMs - Date.now()),
+        Math.max(0, lastCountAt + spacing - Date.now()),
       );
       recount.unref();
     }
@@ -510,13 +547,20 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
   const count = async () => {
     if (counting || stopped) return;
     counting = true;
+    // Seeds that end while the count is on its way may or may not be in it: those are added to
+    // what it says (one may be counted twice until the next count, never missed).
+    const seededBefore = seededTotal;
     try {
-      const c = await deps.queues.queues.run.getJobCounts("wait", "prioritized", "delayed", "active");
+      const c = await withTimeout(
+        deps.queues.queues.run.getJobCounts("wait", "prioritized", "delayed", "active"),
+        SEED_AHEAD_COUNT_TIMEOUT_MS,
+        `no answer within ${SEED_AHEAD_COUNT_TIMEOUT_MS} ms`,
+      );
       const now = Date.now();
-      const counted = (c.wait ?? 0) + (c.prioritized ?? 0) + (c.delayed ?? 0);
+      const counted = (c.wait ?? 0) + (c.prioritized ?? 0) + (c.delayed ?? 0) + (seededTotal - seededBefore);
       // Runs the agents took since the last count (less what other processes seeded meanwhile),
       // as a rate smoothed over about `intervalMs`.
-      if (lastCountAt > 0 && now > lastCountAt) {
+      if (known && now > lastCountAt) {
         const dt = now - lastCountAt;
         const taken = Math.max(0, ahead - counted) / dt;
         takenPerMs += (taken - takenPerMs) * (1 - Math.exp(-dt / options.intervalMs));
@@ -526,11 +570,21 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
       // `min`), nor than the agents take within one count interval (fast agents are not starved
       // between counts).
       bound = Math.max(options.min, c.active ?? 0, Math.ceil(takenPerMs * options.intervalMs));
-    } catch {
-      // Redis unreachable: counted again later (a seed could not get anywhere meanwhile either).
+      known = true;
+      lastCountAt = now;
+      if (failedCounts > 0) deps.logger.info("the seed-ahead bound counts the waiting rollouts again");
+      failedCounts = 0;
+    } catch (err) {
+      // Redis unreachable or slow: counted again later, backing off (a seed could not get
+      // anywhere meanwhile either). Said once per outage.
+      if (failedCounts++ === 0) {
+        deps.logger.warn(
+          { err: err instanceof Error ? err.message : String(err) },
+          "the seed-ahead bound cannot count the rollouts waiting for an agent; seeds wait",
+        );
+      }
     } finally {
       counting = false;
-      lastCountAt = Date.now();
     }
     pump();
   };
@@ -541,23 +595,36 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
   return {
     enter(signal) {
       if (stopped || signal.aborted) return Promise.reject(new HandBackError());
-      if (waiters.length === 0 && ahead + inFlight < bound) {
+      if (waiters.length === 0 && fits()) {
         inFlight++;
         return Promise.resolve();
       }
       return new Promise<void>((resolve, reject) => {
-        const onAbort = () => {
+        const settle = () => {
+          clearTimeout(tooLong);
+          signal.removeEventListener("abort", onAbort);
           const i = waiters.indexOf(waiter);
           if (i >= 0) waiters.splice(i, 1);
-          reject(new HandBackError());
         };
+        const onAbort = () => {
+          settle();
+          reject(new HandBackError());
+          pump();
+        };
+        const tooLong = setTimeout(() => {
+          settle();
+          requeued++;
+          reject(new SeedWaitOver());
+          pump();
+        }, maxWaitMs);
+        tooLong.unref();
         const waiter = {
           go: () => {
-            signal.removeEventListener("abort", onAbort);
+            settle();
             resolve();
           },
           fail: (err: Error) => {
-            signal.removeEventListener("abort", onAbort);
+            settle();
             reject(err);
           },
         };
@@ -568,15 +635,18 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
     },
     leave(seeded) {
       inFlight--;
-      if (seeded) ahead++;
+      if (seeded) {
+        ahead++;
+        seededTotal++;
+      }
       pump();
     },
-    state: () => ({ held, ahead, inFlight, bound }),
+    state: () => ({ held, ahead, inFlight, bound, requeued }),
     stop() {
       stopped = true;
       clearInterval(timer);
       if (recount) clearTimeout(recount);
-      for (const waiter of waiters.splice(0)) waiter.fail(new HandBackError());
+      for (const waiter of [...waiters]) waiter.fail(new HandBackError());
       setHeld(false);
     },
   };
