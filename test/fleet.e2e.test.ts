@@ -124,6 +124,9 @@ describe("the whole fleet as separate processes", () => {
       // Exactly once: one terminal result, and the batch-less rollout left the in-flight set once.
       expect(await redis.zscore(`${prefix}:x:inflight`, id)).toBeNull();
       expect(Number(raw.launches)).toBe(run.attempts);
+      // The result says it was rerun, and how long the launch it was graded on took.
+      expect(r.agentLaunches).toBe(run.attempts);
+      expect(r.timings.agentMs).toBeLessThan(r.timings.runMs!);
     } finally {
       redis.disconnect();
     }

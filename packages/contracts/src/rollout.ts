@@ -116,6 +116,12 @@ export const Timings = z.object({
   verifyMs: z.number().nonnegative().nullable(),
   closeMs: z.number().nonnegative().nullable(),
   totalMs: z.number().nonnegative().nullable(),
+  /**
+   * The agent's last launch, from its start to its confirmed stop (`runMs` spans the run stage,
+   * a rerun's wait for its re-delivery included). Null without a run receipt, and in a result
+   * stored by an earlier version.
+   */
+  agentMs: z.number().nonnegative().nullable().default(null),
 });
 export type Timings = z.infer<typeof Timings>;
 
@@ -135,6 +141,12 @@ export const RolloutResult = z.object({
   teardown: z.enum(["confirmed", "pending"]).nullable(),
   exitCode: z.number().int().nullable(),
   usage: Usage.nullable(),
+  /**
+   * How many times the agent was launched: 0 when it never was, more than 1 when it was run
+   * again (its worker died mid-run, or its sandbox provider failed under it). Null in a result
+   * stored by an earlier version.
+   */
+  agentLaunches: z.number().int().nonnegative().nullable().default(null),
   timings: Timings,
   details: z.record(z.string(), z.unknown()).nullable(),
   failures: z.array(FailureRecord),

@@ -41,6 +41,7 @@ function record(over: Partial<RolloutRecord> = {}): RolloutRecord {
     cancelRequested: false,
     closed: true,
     fence: null,
+    launches: 1,
     result: null,
     times: {
       "seed:start": 1,
@@ -83,7 +84,46 @@ describe("composeResult", () => {
       exitCode: 0,
       metadata: { run: 7 },
     });
-    expect(r.timings).toEqual({ queuedMs: 1, seedMs: 1, runMs: 2, verifyMs: 1, closeMs: 2, totalMs: 10 });
+    expect(r.timings).toEqual({
+      queuedMs: 1,
+      seedMs: 1,
+      runMs: 2,
+      verifyMs: 1,
+      closeMs: 2,
+      totalMs: 10,
+      agentMs: 2,
+    });
+    expect(r.agentLaunches).toBe(1);
+  });
+
+  it("a rerun shows: the launches counted, agentMs the last launch's while runMs spans the stage", () => {
+    const r = composeResult(
+      record({
+        launches: 2,
+        // The first launch began at 3; its worker died; the rerun ran from 40 to 45.
+        times: { "run:start": 3, "run:end": 45 },
+        receipts: {
+          run: runReceipt({ startedAt: 40, stoppedAt: 45, attempts: 2 }),
+          verify: { reward: 1, details: {}, startedAt: 46, at: 47 },
+        },
+      }),
+      closed,
+      50,
+      [],
+    );
+    expect(r).toMatchObject({ status: "completed", agentLaunches: 2 });
+    expect(r.timings).toMatchObject({ runMs: 42, agentMs: 5 });
+  });
+
+  it("a rollout whose agent never launched says 0 launches and no agent time", () => {
+    const r = composeResult(
+      record({ launches: 0, failure: failure("invalid_task", "seed") }),
+      closed,
+      10,
+      [],
+    );
+    expect(r.agentLaunches).toBe(0);
+    expect(r.timings.agentMs).toBeNull();
   });
 
   it("a worker clock behind the dispatcher's gives totalMs 0, not a negative one the result schema refuses", () => {

@@ -28,6 +28,7 @@ export function timings(rec: RolloutRecord, finishedAt: number): Timings {
     // The dispatcher's clock against a worker's: skew must not make it negative (and the result
     // unstorable, `Timings.totalMs` being non-negative).
     totalMs: Math.max(0, finishedAt - rec.meta.createdAt),
+    agentMs: rec.receipts.run ? span(rec.receipts.run.startedAt, rec.receipts.run.stoppedAt) : null,
   };
 }
 
@@ -66,6 +67,7 @@ export function composeResult(
     agent: meta.agentName,
     teardown: close.teardown,
     usage: receipts.run?.usage ?? null,
+    agentLaunches: rec.launches,
     timings: timings(rec, finishedAt),
     failures,
     metadata: meta.metadata,

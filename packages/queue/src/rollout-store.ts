@@ -59,6 +59,8 @@ export interface RolloutRecord {
   cancelRequested: boolean;
   closed: boolean;
   fence: string | null;
+  /** How many times the agent was launched (fenced launches claimed, less those given back). */
+  launches: number;
   result: RolloutResult | null;
   times: Record<string, number>;
 }
@@ -138,6 +140,7 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
     cancelRequested: h.cancel === "1",
     closed: h.closed === "1",
     fence: h.fence ?? null,
+    launches: Number(h.launches ?? 0),
     result: h.result ? (JSON.parse(h.result) as RolloutResult) : null,
     times,
   };
