@@ -5,7 +5,14 @@ describe("ResultTally", () => {
   it("counts statuses, masks and failure kinds, and averages rewards over graded results only", () => {
     const t = new ResultTally();
     const lines = [
-      { status: "completed", reward: 1, mask: false, failureKind: null, teardown: "confirmed" },
+      {
+        status: "completed",
+        reward: 1,
+        mask: false,
+        failureKind: null,
+        teardown: "confirmed",
+        agentLaunches: 2,
+      },
       { status: "completed", reward: 0, mask: false, failureKind: "agent_timeout", teardown: "pending" },
       { status: "masked", reward: null, mask: true, failureKind: "sandbox_lost" },
       { status: "masked", reward: 0, mask: true, failureKind: "verifier_error" }, // a masked 0 is not a score
@@ -28,6 +35,7 @@ describe("ResultTally", () => {
         failed: { invalid_task: 1 },
       },
       teardownPending: 1,
+      rerun: 1,
       unreadable: 2,
     });
     expect(renderSummary(s)).toBe(
@@ -38,6 +46,7 @@ describe("ResultTally", () => {
         "  masked: 2  (failure kinds: sandbox_lost 1, verifier_error 1)",
         "  completed: 2  (failure kinds: agent_timeout 1)",
         "  failed: 1  (failure kinds: invalid_task 1)",
+        "  agent rerun: 1 (launched more than once: its worker died, or its sandbox failed under it)",
         "  teardown pending: 1 (the janitor is retrying)",
         "  unreadable result lines: 2",
       ].join("\n"),
@@ -52,6 +61,7 @@ describe("ResultTally", () => {
     expect(text).toContain("  masked: 0\n");
     expect(text).not.toContain("masked: 0  (");
     expect(text).toContain("  cancelled: 5  (failure kinds: cancelled 5)");
+    expect(text).not.toContain("rerun"); // none was
   });
 
   it("has no mean when nothing was graded", () => {

@@ -5,6 +5,7 @@ interface ResultFields {
   mask?: unknown;
   failureKind?: unknown;
   teardown?: unknown;
+  agentLaunches?: unknown;
 }
 
 export interface ResultSummary {
@@ -23,6 +24,8 @@ export interface ResultSummary {
   failureKindsByStatus: Record<string, Record<string, number>>;
   /** Results whose sandbox teardown is still pending (the janitor retries it). */
   teardownPending: number;
+  /** Results whose agent was launched more than once (rerun after its worker died, say). */
+  rerun: number;
   /** Lines that were not JSON objects. */
   unreadable: number;
 }
@@ -38,6 +41,7 @@ export class ResultTally {
     byFailureKind: {},
     failureKindsByStatus: {},
     teardownPending: 0,
+    rerun: 0,
     unreadable: 0,
   };
   private rewardSum = 0;
@@ -73,6 +77,7 @@ export class ResultTally {
       s.failureKindsByStatus[group] = kinds;
     }
     if (result.teardown === "pending") s.teardownPending++;
+    if (typeof result.agentLaunches === "number" && result.agentLaunches > 1) s.rerun++;
     if (result.mask !== true && typeof result.reward === "number" && Number.isFinite(result.reward)) {
       s.graded++;
       this.rewardSum += result.reward;
@@ -120,6 +125,11 @@ export function renderSummary(s: ResultSummary): string {
     if (status !== "masked" && kindsOf(status) !== "") {
       lines.push(`  ${status}: ${s.byStatus[status] ?? 0}${kindsOf(status)}`);
     }
+  }
+  if (s.rerun > 0) {
+    lines.push(
+      `  agent rerun: ${s.rerun} (launched more than once: its worker died, or its sandbox failed under it)`,
+    );
   }
   if (s.teardownPending > 0) lines.push(`  teardown pending: ${s.teardownPending} (the janitor is retrying)`);
   if (s.unreadable > 0) lines.push(`  unreadable result lines: ${s.unreadable}`);
