@@ -5,7 +5,7 @@ import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
-import { createStageWorkers, type StageWorkers } from "./worker.ts";
+import { createStageWorkers, type SeedAheadOptions, type StageWorkers } from "./worker.ts";
 
 /** Poll a condition (never a fixed sleep). */
 async function until(what: string, probe: () => Promise<boolean> | boolean, timeoutMs = 30_000) {
@@ -27,29 +27,89 @@ describe("the seed-ahead bound", () => {
     for (const w of started.splice(0)) await w.close(5_000);
     await fleet?.close();
   });
+  const submit = (n: number) =>
+    fleet!.submit(
+      Array.from({ length: n }, () => RolloutRequest.parse({ task, agent: { harness: "oracle" } })),
+    );
 
-  it("stops making sandboxes while enough rollouts wait for an agent, and makes the rest once agents take them", async () => {
+  /** A fleet with no workers but resources workers (seed, close) under `seedAhead`. */
+  async function resourcesOnly(
+    seedAhead: SeedAheadOptions | false,
+    options: { concurrency?: number; deps?: Partial<PipelineDeps>; createMs?: number } = {},
+  ) {
     const provider = new InMemorySandboxProvider();
-    const live = () => [...provider.sandboxes.values()].filter((s) => s.alive).length;
-    const deps: Partial<PipelineDeps> = {
-      createHarness: (agent) => ({
-        name: agent.harness,
-        run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
-      }),
-      verify: async () => ({ reward: 1, details: { kind: "test" } }),
-    };
-    fleet = await startInProcessFleet({ provider, startWorkers: false, deps });
-    const common = { connection: fleet.redis, prefix: fleet.prefix, concurrency: 2 } as const;
-    // Resources workers, no agent yet: without the bound, all twenty would be seeded.
+    if (options.createMs) {
+      const create = provider.create.bind(provider);
+      provider.create = async (spec) => {
+        await new Promise((r) => setTimeout(r, options.createMs));
+        return create(spec);
+      };
+    }
+    fleet = await startInProcessFleet({ provider, startWorkers: false, deps: options.deps });
     const resources = createStageWorkers(["seed", "close"], fleet.deps, {
-      ...common,
-      seedAhead: { min: 3, intervalMs: 50, recountMs: 5 },
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: options.concurrency ?? 2,
+      seedAhead,
     });
     started.push(resources);
-    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
-    const ids = await fleet.submit(Array.from({ length: 20 }, () => request));
+    const live = () => [...provider.sandboxes.values()].filter((box) => box.alive).length;
+    return { fleet, resources, live };
+  }
+
+  /**
+   * Count the answers to the bound's counts from now on, each arriving `lagMs` late (the count
+   * itself runs in Redis at once). Returns the run queue's own `getJobCounts` and how many
+   * answers arrived so far.
+   */
+  function watchCounts(lagMs = 0) {
+    const run = fleet!.deps.queues.queues.run;
+    const getJobCounts = run.getJobCounts.bind(run);
+    const state = { answered: 0, getJobCounts };
+    run.getJobCounts = async (...types) => {
+      const counts = await getJobCounts(...types);
+      if (lagMs > 0) await new Promise((r) => setTimeout(r, lagMs));
+      state.answered++;
+      return counts;
+    };
+    return state;
+  }
+
+  /**
+   * Wait until `holds` stays true over three answers to the bound's counts in a row: a state the
+   * counts confirm, not a moment between two (a seed that ended while a count was on its way is
+   * counted twice until the next).
+   */
+  async function settled(what: string, counts: { answered: number }, holds: () => boolean) {
+    let since = -1;
+    await until(what, () => {
+      if (!holds()) {
+        since = -1;
+        return false;
+      }
+      if (since < 0) since = counts.answered;
+      return counts.answered >= since + 3;
+    });
+  }
+
+  it("stops making sandboxes while enough rollouts wait for an agent, and makes the rest once agents take them", async () => {
+    // Resources workers, no agent yet: without the bound, all twenty would be seeded.
+    const { fleet, resources, live } = await resourcesOnly(
+      { min: 3, intervalMs: 50, recountMs: 5 },
+      {
+        deps: {
+          createHarness: (agent) => ({
+            name: agent.harness,
+            run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
+          }),
+          verify: async () => ({ reward: 1, details: { kind: "test" } }),
+        },
+      },
+    );
+    const counts = watchCounts();
+    const ids = await submit(20);
     const { seed, run } = fleet.deps.queues.queues;
-    await until("seeding to pause with no seed in flight", () => {
+    await settled("seeding to pause with no seed in flight", counts, () => {
       const s = resources.seedAhead!;
       return s.held && s.inFlight === 0;
     });
@@ -61,7 +121,11 @@ describe("the seed-ahead bound", () => {
 
     // Agents (and verifiers) come: seeding resumes as they take the waiting rollouts, and every
     // rollout ends graded.
-    const agents = createStageWorkers(["run", "verify"], fleet.deps, common);
+    const agents = createStageWorkers(["run", "verify"], fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 2,
+    });
     started.push(agents);
     const results = await fleet.waitForResults(ids, 60_000);
     expect(results.map((r) => r.status)).toEqual(Array(20).fill("completed"));
@@ -70,39 +134,22 @@ describe("the seed-ahead bound", () => {
   });
 
   it("keeps to the bound when a count's answer comes back after seeds that ended meanwhile", async () => {
-    const provider = new InMemorySandboxProvider();
-    fleet = await startInProcessFleet({ provider, startWorkers: false });
-    // Every count's answer arrives 20 ms late (the count itself runs in Redis at once): seeds
-    // that end in between are in it, and this process has counted them too.
-    const run = fleet.deps.queues.queues.run;
-    const getJobCounts = run.getJobCounts.bind(run);
-    let answered = 0;
-    run.getJobCounts = async (...types) => {
-      const counts = await getJobCounts(...types);
-      await new Promise((r) => setTimeout(r, 20));
-      answered++;
-      return counts;
-    };
-    const resources = createStageWorkers(["seed", "close"], fleet.deps, {
-      connection: fleet.redis,
-      prefix: fleet.prefix,
-      concurrency: 4,
-      // Counted again as soon as a seed waits: while the first seeds still run.
-      seedAhead: { min: 3, intervalMs: 50, recountMs: 0 },
-    });
-    started.push(resources);
-    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
-    await fleet.submit(Array.from({ length: 16 }, () => request));
-    await until("seeding to pause with no seed in flight", () => {
+    // Counted again as soon as a seed waits, while the first seeds still make their sandboxes
+    // (10 ms each): they end while the answer is on its way (50 ms), and this process has counted
+    // them too.
+    const { resources } = await resourcesOnly(
+      { min: 3, intervalMs: 50, recountMs: 0 },
+      { concurrency: 4, createMs: 10 },
+    );
+    const counts = watchCounts(50);
+    await submit(16);
+    // Counts keep landing while it is paused (the one that was on its way too): none lets
+    // another seed through.
+    await settled("seeding to pause with no seed in flight", counts, () => {
       const s = resources.seedAhead!;
       return s.held && s.inFlight === 0;
     });
-    // Counts keep landing while it is paused (the one that was on its way too): none lets
-    // another seed through.
-    const mark = answered;
-    await until("three more counts", () => answered >= mark + 3);
-    expect(resources.seedAhead).toMatchObject({ held: true, inFlight: 0 });
-    expect((await getJobCounts("wait")).wait).toBe(3);
+    expect((await counts.getJobCounts("wait")).wait).toBe(3);
   });
 
   it("lets no seed through before its first count has landed (a backlog already waits)", async () => {
@@ -113,21 +160,15 @@ describe("the seed-ahead bound", () => {
       ...common,
       seedAhead: { min: 4, intervalMs: 50, recountMs: 5 },
     });
-    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
-    await fleet.submit(Array.from({ length: 10 }, () => request));
-    await until("four rollouts seeded", () => {
+    const firstCounts = watchCounts();
+    await submit(10);
+    await settled("four rollouts seeded", firstCounts, () => {
       const s = first.seedAhead!;
       return s.held && s.inFlight === 0;
     });
     await first.close(5_000);
     // A new process, whose counts answer late: until one has, it does not know of the four.
-    const run = fleet.deps.queues.queues.run;
-    const getJobCounts = run.getJobCounts.bind(run);
-    run.getJobCounts = async (...types) => {
-      const counts = await getJobCounts(...types);
-      await new Promise((r) => setTimeout(r, 300));
-      return counts;
-    };
+    const counts = watchCounts(300);
     const second = createStageWorkers(["seed"], fleet.deps, {
       ...common,
       seedAhead: { min: 3, intervalMs: 50, recountMs: 5 },
@@ -137,21 +178,17 @@ describe("the seed-ahead bound", () => {
       const s = second.seedAhead!;
       return s.held && s.ahead === 4 && s.inFlight === 0;
     });
-    expect((await getJobCounts("wait")).wait).toBe(4);
+    expect((await counts.getJobCounts("wait")).wait).toBe(4);
   });
 
   it("sends a seed that waited its time back to the queue, no attempt spent, and keeps the bound", async () => {
-    const provider = new InMemorySandboxProvider();
-    fleet = await startInProcessFleet({ provider, startWorkers: false });
-    const resources = createStageWorkers(["seed", "close"], fleet.deps, {
-      connection: fleet.redis,
-      prefix: fleet.prefix,
-      concurrency: 2,
-      seedAhead: { min: 2, intervalMs: 50, recountMs: 5, maxWaitMs: 100 },
+    const { fleet, resources } = await resourcesOnly({
+      min: 2,
+      intervalMs: 50,
+      recountMs: 5,
+      maxWaitMs: 100,
     });
-    started.push(resources);
-    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
-    await fleet.submit(Array.from({ length: 8 }, () => request));
+    await submit(8);
     await until(
       "waiting seeds to go back to the queue a few times",
       () => resources.seedAhead!.requeued >= 6,
@@ -191,9 +228,9 @@ describe("the seed-ahead bound", () => {
     });
     started.push(resources);
     started.push(createStageWorkers(["run", "verify"], fleet.deps, { ...common, concurrency: 4 }));
-    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
-    const ids = await fleet.submit(Array.from({ length: 12 }, () => request));
-    await until("four agents busy and seeding paused at a bound of four", () => {
+    const counts = watchCounts();
+    const ids = await submit(12);
+    await settled("four agents busy and seeding paused at a bound of four", counts, () => {
       const s = resources.seedAhead!;
       return running === 4 && s.held && s.inFlight === 0 && s.bound === 4;
     });
@@ -206,17 +243,8 @@ describe("the seed-ahead bound", () => {
   });
 
   it("keeps seeding without a bound (`seedAhead: false`)", async () => {
-    const provider = new InMemorySandboxProvider();
-    fleet = await startInProcessFleet({ provider, startWorkers: false });
-    const resources = createStageWorkers(["seed", "close"], fleet.deps, {
-      connection: fleet.redis,
-      prefix: fleet.prefix,
-      concurrency: 2,
-      seedAhead: false,
-    });
-    started.push(resources);
-    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
-    await fleet.submit(Array.from({ length: 12 }, () => request));
+    const { fleet, resources } = await resourcesOnly(false);
+    await submit(12);
     const { run } = fleet.deps.queues.queues;
     await until("every rollout seeded", async () => (await run.getJobCounts("wait")).wait === 12);
     expect(resources.seedAhead).toBeNull();
