@@ -617,6 +617,18 @@ describe("fleet status / results / cancel", () => {
     expect(server.requests[0]?.headers.authorization).toBe("Bearer flag-token");
   });
 
+  it("takes --url and --token before the command too; given after it as well, the command's win", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 0, done: 0, counts: {} }),
+    );
+    const env = ctx({ defaults: { url: "http://127.0.0.1:9", token: "env-token" } });
+    expect(await runCli(["--url", server.url, "--token", "before", "status", "b-1"], env)).toBe(0);
+    expect(server.requests[0]?.headers.authorization).toBe("Bearer before");
+    const after = ["--url", "http://127.0.0.1:9", "--token", "before", "status", "b-1", "--url", server.url];
+    expect(await runCli([...after, "--token", "after"], env)).toBe(0);
+    expect(server.requests[1]?.headers.authorization).toBe("Bearer after");
+  });
+
   it("exits 1 with the API's message on 401 and 404", async () => {
     server.on("GET", "/v1/batches/b-1", (_req, res) => apiError(res, 401, "unauthorized", "bad token"));
     expect(await runCli(["status", "b-1"], ctx())).toBe(1);

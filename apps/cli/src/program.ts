@@ -91,6 +91,18 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
     .configureOutput({
       writeOut: (s) => ctx.stdout.write(s),
       writeErr: (s) => ctx.stderr.write(s),
+    })
+    // `--url`/`--token` before the command too (`fleet --url … submit …`, as with docker or
+    // kubectl), handed to the command; given after it as well, the command's own win.
+    .addOption(new Option("--url <url>", "dispatcher base URL (env FLEET_URL)").argParser(httpUrl))
+    .addOption(new Option("--token <token>", "API bearer token (env FLEET_TOKEN; prefer the env var)"))
+    .hook("preSubcommand", (root, sub) => {
+      for (const name of ["url", "token"]) {
+        const value: unknown = root.getOptionValue(name);
+        if (value !== undefined && sub.getOptionValueSource(name) !== "cli") {
+          sub.setOptionValueWithSource(name, value, "cli");
+        }
+      }
     });
 
   withConnection(
