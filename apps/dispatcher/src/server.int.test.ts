@@ -1,4 +1,5 @@
 import { randomUUID } from "node:crypto";
+import { Readable } from "node:stream";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
 import { RolloutRequest, type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
 import { admit, createRedis, digestTask, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
@@ -601,6 +602,18 @@ describe("limits", () => {
       headers: { "content-type": "application/x-ndjson" },
     });
     expectErrorBody(overNdjson, 413, "payload_too_large");
+    // Chunked (no Content-Length): refused as it passes the limit, in the same words.
+    const chunked = await small.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: Readable.from([Buffer.from(JSON.stringify(huge))]),
+      headers: { "content-type": "application/json" },
+    });
+    const tooLarge = expectErrorBody(chunked, 413, "payload_too_large");
+    expect(tooLarge).toMatchObject({
+      message: "the request body is over the limit of 65536 bytes",
+      details: { limit: 65536 },
+    });
 
     const bigTask = { ...row, task: { ...task, instruction: "y".repeat(5000) } };
     const overTask = await small.call({ method: "POST", url: "/v1/rollouts", payload: bigTask });

@@ -175,7 +175,17 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
 
   app.setErrorHandler((err, req, reply) => {
     let http = toHttpError(err);
-    if (http.code === "unsupported_media_type" && !isHttpError(err)) {
+    if (http.code === "payload_too_large" && !isHttpError(err)) {
+      // Fastify's own (a chunked body that passed the limit as it came): the same answer as a
+      // Content-Length over it. Its connection is closed (the rest of the body is not read).
+      http = new HttpError(
+        413,
+        http.code,
+        `the request body is over the limit of ${config.maxBodyBytes} bytes`,
+        { limit: config.maxBodyBytes },
+        http.headers,
+      );
+    } else if (http.code === "unsupported_media_type" && !isHttpError(err)) {
       // Fastify says only "Unsupported Media Type": say what is taken instead.
       const got = String(req.headers["content-type"] ?? "none").slice(0, 100);
       http = new HttpError(
