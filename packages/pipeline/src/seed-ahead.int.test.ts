@@ -1,6 +1,7 @@
 import { RolloutRequest, type TaskContent } from "@fleet/contracts";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
@@ -242,11 +243,17 @@ describe("the seed-ahead bound", () => {
     expect(results.map((r) => r.status)).toEqual(Array(12).fill("completed"));
   });
 
-  it("keeps seeding without a bound (`seedAhead: false`)", async () => {
-    const { fleet, resources } = await resourcesOnly(false);
+  it("keeps seeding without a bound (`seedAhead: false`), its gauge at 0", async () => {
+    const registry = createMetricsRegistry({ app: "resources-test", defaultMetrics: false });
+    const { fleet, resources } = await resourcesOnly(false, {
+      deps: { metrics: createFleetMetrics(registry) },
+    });
     await submit(12);
     const { run } = fleet.deps.queues.queues;
     await until("every rollout seeded", async () => (await run.getJobCounts("wait")).wait === 12);
     expect(resources.seedAhead).toBeNull();
+    expect(await registry.getSingleMetricAsString("fleet_seeding_held")).toMatch(
+      /^fleet_seeding_held({[^}]*})? 0$/m,
+    );
   });
 });

@@ -114,6 +114,8 @@ export function createStageWorkers(
   const seedAheadOptions = options.seedAhead === undefined ? DEFAULT_SEED_AHEAD : options.seedAhead;
   const seedAhead =
     stages.includes("seed") && seedAheadOptions ? seedAheadBound(deps, seedAheadOptions) : null;
+  // Without the bound, seeding is never held: 0 for those who watch the gauge, not no sample.
+  if (stages.includes("seed") && !seedAhead) deps.metrics?.seedingHeld.set(0);
 
   const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
     const { stage } = slot;
@@ -126,7 +128,7 @@ export function createStageWorkers(
         let seeding = false;
         try {
           if (stage === "seed" && seedAhead) {
-            await seedAhead.enter(handBack.signal);
+            await seedAhead.enter(handBack.signal, job.timestamp);
             seeding = true;
           }
           const outcome = await runStageJob(stage, job, deps, {
@@ -470,12 +472,14 @@ export interface SeedAheadState {
   requeued: number;
 }
 
-interface SeedAhead {
+export interface SeedAhead {
   /**
    * Wait until one more seed fits under the bound. Rejects with `HandBackError` on shutdown, and
-   * with `SeedWaitOver` (a `HandBackError`) after `maxWaitMs`.
+   * with `SeedWaitOver` (a `HandBackError`) after `maxWaitMs`. Waiting seeds go in `order` (the
+   * job's creation time): one that went back to its queue and came again is not passed by
+   * younger ones (a later batch must not overtake an earlier one).
    */
-  enter(signal: AbortSignal): Promise<void>;
+  enter(signal: AbortSignal, order: number): Promise<void>;
   /** A seed let through ended; `seeded`: its run job was enqueued. */
   leave(seeded: boolean): void;
   state(): SeedAheadState;
@@ -493,7 +497,7 @@ export class SeedWaitOver extends HandBackError {
 const SEED_AHEAD_COUNT_TIMEOUT_MS = 5_000;
 
 /** The seed-ahead bound (see `StageWorkerOptions.seedAhead`). */
-function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhead {
+export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhead {
   if (!(options.min >= 1)) throw new Error(`seedAhead.min must be at least 1, got ${options.min}`);
   const maxWaitMs = options.maxWaitMs ?? 10_000;
   /** Whether a count has landed: until then nothing is let through (the backlog is unknown). */
@@ -506,7 +510,7 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
   let requeued = 0;
   let stopped = false;
   let held = false;
-  const waiters: Array<{ go: () => void; fail: (err: Error) => void }> = [];
+  const waiters: Array<{ order: number; go: () => void; fail: (err: Error) => void }> = [];
   let counting = false;
   let lastCountAt = 0;
   /** Consecutive failed counts (the next is tried later and later). */
@@ -593,7 +597,7 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
   void count();
 
   return {
-    enter(signal) {
+    enter(signal, order) {
       if (stopped || signal.aborted) return Promise.reject(new HandBackError());
       if (waiters.length === 0 && fits()) {
         inFlight++;
@@ -619,6 +623,7 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
         }, maxWaitMs);
         tooLong.unref();
         const waiter = {
+          order,
           go: () => {
             settle();
             resolve();
@@ -629,7 +634,10 @@ function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhea
           },
         };
         signal.addEventListener("abort", onAbort, { once: true });
-        waiters.push(waiter);
+        // After every waiter no younger than this one (equals keep their arrival order).
+        let at = waiters.length;
+        while (at > 0 && waiters[at - 1]!.order > order) at--;
+        waiters.splice(at, 0, waiter);
         pump();
       });
     },
