@@ -183,12 +183,11 @@ describe("the seed-ahead bound", () => {
   });
 
   it("sends a seed that waited its time back to the queue, no attempt spent, and keeps the bound", async () => {
-    const { fleet, resources } = await resourcesOnly({
-      min: 2,
-      intervalMs: 50,
-      recountMs: 5,
-      maxWaitMs: 100,
-    });
+    const registry = createMetricsRegistry({ app: "resources-test", defaultMetrics: false });
+    const { fleet, resources } = await resourcesOnly(
+      { min: 2, intervalMs: 50, recountMs: 5, maxWaitMs: 100 },
+      { deps: { metrics: createFleetMetrics(registry) } },
+    );
     await submit(8);
     await until(
       "waiting seeds to go back to the queue a few times",
@@ -199,6 +198,11 @@ describe("the seed-ahead bound", () => {
     const jobs = await seed.getJobs(["wait", "active"]);
     expect(jobs).toHaveLength(6);
     expect(jobs.map((j) => j.attemptsMade)).toEqual(Array(6).fill(0));
+    // Counted as such (not as a stage's outcome, and not without a trace).
+    const counted = await registry.getSingleMetricAsString("fleet_stage_jobs_total");
+    expect(Number(counted.match(/stage="seed",outcome="requeued"[^}]*\} (\d+)/)?.[1])).toBeGreaterThanOrEqual(
+      6,
+    );
   });
 
   it("lets as many rollouts wait as agents are busy, when that is more than the minimum", async () => {

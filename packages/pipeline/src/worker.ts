@@ -149,8 +149,11 @@ export function createStageWorkers(
             // Shutting down (or a seed that waited long for the seed-ahead bound): back to the
             // queue for another worker, without spending an attempt.
             await job.moveToWait(token);
-            // A seed that waited its time for the seed-ahead bound: routine, not worth a line each.
-            deps.logger[err instanceof SeedWaitOver ? "debug" : "info"](
+            // A seed that waited its time for the seed-ahead bound: routine, not worth a line
+            // each; counted (no duration: it did no work).
+            const waited = err instanceof SeedWaitOver;
+            if (waited) deps.metrics?.stageJobs.inc({ stage, outcome: "requeued" });
+            deps.logger[waited ? "debug" : "info"](
               { stage, rolloutId: job.data?.rolloutId },
               "handed the job back",
             );

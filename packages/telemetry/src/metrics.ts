@@ -37,7 +37,16 @@ export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
  * receipt and did nothing again; `retry` threw a retryable error (BullMQ retries it); `failed`
  * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close).
  */
-export const STAGE_OUTCOMES = ["ok", "replayed", "skipped", "unknown", "retry", "failed", "held"] as const;
+export const STAGE_OUTCOMES = [
+  "ok",
+  "replayed",
+  "skipped",
+  "unknown",
+  "retry",
+  "failed",
+  "held",
+  "requeued",
+] as const;
 export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
 export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
