@@ -112,7 +112,10 @@ describe("a body over the limit, sent whole before the answer is read", () => {
   let port: number;
   beforeAll(async () => {
     redis = createRedis(REDIS_URL);
-    server = await startTestServer(redis, "linger", { FLEET_MAX_BODY_BYTES: String(LIMIT) });
+    server = await startTestServer(redis, "linger", {
+      FLEET_MAX_BODY_BYTES: String(LIMIT),
+      FLEET_API_TOKENS: "tok",
+    });
     await server.app.listen({ host: "127.0.0.1", port: 0 });
     port = (server.app.server.address() as { port: number }).port;
   });
@@ -133,12 +136,14 @@ describe("a body over the limit, sent whole before the answer is read", () => {
       socket.on("error", reject);
       socket.on("close", () => resolve(answer));
       const head =
-        "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+        "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\nContent-Type: application/json\r\n" +
         `Content-Length: ${bodyBytes}\r\n\r\n`;
       socket.write(head);
       socket.write(Buffer.alloc(bodyBytes, 0x20), (err) => {
         if (err) return reject(err);
-        socket.end("GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n");
+        socket.end(
+          "GET /healthz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\nConnection: close\r\n\r\n",
+        );
       });
     });
   }
@@ -159,4 +164,24 @@ describe("a body over the limit, sent whole before the answer is read", () => {
     });
     expect(responses[1]).toMatch(/^HTTP\/1\.1 200 /);
   });
+
+  it("closes the connection of a request refused before its body was read when that body is past the drain's bound", async () => {
+    // No token, and a body announced at ten times the limit: the 401 comes at once, and the
+    // connection is closed rather than kept for Node to read and discard 20 MiB.
+    const answer = await new Promise<string>((resolve, reject) => {
+      const socket = connect(port, "127.0.0.1");
+      let text = "";
+      socket.on("data", (c: Buffer) => (text += c.toString("utf8")));
+      socket.on("error", reject);
+      socket.on("close", () => resolve(text));
+      socket.write(
+        "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+          `Content-Length: ${10 * LIMIT}\r\n\r\n${" ".repeat(1024)}`,
+      );
+    });
+    const [head = "", body = ""] = answer.split("\r\n\r\n");
+    expect(head).toMatch(/^HTTP\/1\.1 401 /);
+    expect(head.toLowerCase()).toContain("connection: close");
+    expect(JSON.parse(body)).toMatchObject({ error: { code: "unauthorized" } });
+  }, 10_000);
 });

@@ -116,6 +116,18 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     );
   });
 
+  // Any answer sent before a body was read (401, 403, 503, 413 past the drain's bounds): Node
+  // reads and discards the rest of the body to keep the connection, however large it is. Past the
+  // drain's bound, or chunked (of unknown length), the connection is closed instead: an
+  // unauthenticated client cannot make the dispatcher read gigabytes.
+  app.addHook("onSend", async (req, reply) => {
+    const length = Number(req.headers["content-length"]);
+    const unbounded =
+      length > config.maxBodyBytes * LINGER_FACTOR ||
+      (req.headers["content-length"] === undefined && req.headers["transfer-encoding"] !== undefined);
+    if (unbounded && !req.raw.complete) reply.header("connection", "close");
+  });
+
   // Shutting down: a request that still arrives (pipelined, or on a busy keep-alive connection)
   // is told to come back, in the API's error body, and its connection is closed after it.
   let closing = false;
