@@ -81,6 +81,7 @@ beforeAll(async () => {
     config: parseConfig(DispatcherConfig, {
       FLEET_PREFIX: prefix,
       FLEET_API_TOKENS: `${USER},admin:${ADMIN}`,
+      FLEET_MAX_BODY_BYTES: "65536",
     }),
     logger: createLogger({ name: "board-test", level: "silent" }),
     registry,
@@ -166,6 +167,18 @@ describe("Bull Board at /admin/queues", () => {
     });
     expect(retry.statusCode).toBe(204);
     expect(await queues.queues.run.getJobState("r-d.run")).toBe("waiting");
+  });
+
+  it("answers a board action whose body is over the limit 413, as the API would, not 500", async () => {
+    const res = await call({
+      method: "PUT",
+      url: "/admin/queues/api/queues/seed/pause",
+      token: ADMIN,
+      headers: { "content-type": "application/json" },
+      payload: JSON.stringify({ pad: "x".repeat(100_000) }),
+    });
+    expect(res.statusCode).toBe(413);
+    expect(await queues.queues.seed.isPaused()).toBe(false);
   });
 
   it("signs a browser in with a token: an HMAC-signed session cookie, read-only or admin by the token", async () => {

@@ -28,6 +28,11 @@ export class HttpError extends Error {
   ) {
     super(message);
   }
+
+  /** Fastify's name for the status: error handlers not ours (Bull Board's) read this one. */
+  get statusCode(): number {
+    return this.status;
+  }
 }
 
 export function isHttpError(err: unknown): err is HttpError {

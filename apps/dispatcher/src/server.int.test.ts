@@ -602,6 +602,13 @@ describe("limits", () => {
       headers: { "content-type": "application/x-ndjson" },
     });
     expectErrorBody(overNdjson, 413, "payload_too_large");
+    // A body on a GET is no route's to read: not drained nor refused.
+    const get = await small.call({
+      method: "GET",
+      url: "/v1/rollouts/no-such-rollout",
+      payload: JSON.stringify(huge),
+    });
+    expect(get.statusCode).toBe(404);
     // Chunked (no Content-Length): refused as it passes the limit, in the same words.
     const chunked = await small.call({
       method: "POST",

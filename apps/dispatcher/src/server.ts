@@ -106,6 +106,9 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   app.addHook("preParsing", async (req, _reply, payload) => {
     const length = Number(req.headers["content-length"]);
     if (!(length > config.maxBodyBytes)) return payload;
+    // Not for a body no route reads (GET, HEAD), nor before sign-in (public routes): there Node
+    // discards it after the answer, and the onSend hook below closes past the bound.
+    if (req.method === "GET" || req.method === "HEAD" || req.routeOptions.config?.public) return payload;
     const drained = length <= config.maxBodyBytes * LINGER_FACTOR && (await discard(payload, LINGER_MS));
     throw new HttpError(
       413,
@@ -245,6 +248,7 @@ export const LINGER_MS = 30_000;
 
 /** Read `payload` to its end and throw it away: true once it ended, false if it broke or took over `ms`. */
 function discard(payload: NodeJS.ReadableStream, ms: number): Promise<boolean> {
+  if ((payload as { destroyed?: boolean }).destroyed) return Promise.resolve(false);
   return new Promise((resolve) => {
     let settled = false;
     const settle = (ended: boolean) => {
