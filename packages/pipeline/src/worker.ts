@@ -37,9 +37,8 @@ export interface StageWorkerOptions {
    * The seed-ahead bound (workers that run seed): a seed job waits before it begins while at
    * least `max(min, runs in progress, runs the agents take per interval)` rollouts are seeded and
    * wait for an agent (their run jobs waiting, prioritized or delayed), counting this process's
-   * seeds in flight. Without it,
-   * resources workers make sandboxes as fast as they go: a batch of thousands holds thousands of
-   * idle sandboxes that spend their deadlines waiting for an agent. The waiting rollouts are
+   * seeds in flight. Without it, resources workers make sandboxes as fast as they go: a batch of
+   * thousands holds thousands of idle sandboxes that spend their deadlines waiting for an agent. The waiting rollouts are
    * counted (one Redis call) every `intervalMs`, and at most every `recountMs` while a seed
    * waits; between counts this process adds its own seeds, so one process alone keeps to the
    * bound, and several overshoot by what the others seeded since the last count. `false` turns
@@ -112,10 +111,10 @@ export function createStageWorkers(
       )
     : null;
   const seedAheadOptions = options.seedAhead === undefined ? DEFAULT_SEED_AHEAD : options.seedAhead;
-  const seedAhead =
-    stages.includes("seed") && seedAheadOptions ? seedAheadBound(deps, seedAheadOptions) : null;
-  // Without the bound, seeding is never held: 0 for those who watch the gauge, not no sample.
-  if (stages.includes("seed") && !seedAhead) deps.metrics?.seedingHeld.set(0);
+  const seeds = stages.includes("seed");
+  // 0 until the bound holds seeding (never, without it): a sample for those who watch the gauge.
+  if (seeds) deps.metrics?.seedingHeld.set(0);
+  const seedAhead = seeds && seedAheadOptions ? seedAheadBound(deps, seedAheadOptions) : null;
 
   const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
     const { stage } = slot;
@@ -125,11 +124,14 @@ export function createStageWorkers(
         const started = Date.now();
         slot.active++;
         slot.idleWithWorkSince = null;
-        let seeding = false;
+        // Through the seed-ahead bound; `seeded`: its run job was enqueued (a seed that ran, or
+        // replayed its stored receipt).
+        let entered = false;
+        let seeded = false;
         try {
           if (stage === "seed" && seedAhead) {
             await seedAhead.enter(handBack.signal, job.timestamp);
-            seeding = true;
+            entered = true;
           }
           const outcome = await runStageJob(stage, job, deps, {
             signal: handBack.signal,
@@ -138,11 +140,7 @@ export function createStageWorkers(
           });
           deps.metrics?.stageJobs.inc({ stage, outcome });
           deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
-          if (seeding) {
-            seeding = false;
-            // A seed that ran, or replayed its stored receipt, enqueued its run.
-            seedAhead?.leave(outcome === "ok" || outcome === "replayed");
-          }
+          seeded = outcome === "ok" || outcome === "replayed";
           return outcome;
         } catch (err) {
           if (isHandBack(err) && token) {
@@ -176,7 +174,7 @@ export function createStageWorkers(
           deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
           throw err;
         } finally {
-          if (seeding) seedAhead?.leave(false);
+          if (entered) seedAhead?.leave(seeded);
           slot.active--;
         }
       },
@@ -521,7 +519,6 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   let recount: NodeJS.Timeout | null = null;
   /** Runs taken by agents per millisecond, smoothed (see `count`). */
   let takenPerMs = 0;
-  deps.metrics?.seedingHeld.set(0);
 
   const setHeld = (now: boolean) => {
     if (now === held) return;
