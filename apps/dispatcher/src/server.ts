@@ -31,6 +31,16 @@ export const NDJSON_TYPES = ["application/x-ndjson", "application/jsonl"];
 export function createServer(deps: DispatcherDeps): FastifyInstance {
   const { config, logger } = deps;
   const ctx: RouteContext = { ...deps, now: deps.now ?? Date.now };
+  /** A body over the limit is read and discarded before its 413 up to this size (see below). */
+  const lingerBytes = config.maxBodyBytes * LINGER_FACTOR;
+  const bodyTooLarge = (what: string, headers: Readonly<Record<string, string>> = {}) =>
+    new HttpError(
+      413,
+      "payload_too_large",
+      `${what} is over the limit of ${config.maxBodyBytes} bytes`,
+      { limit: config.maxBodyBytes },
+      headers,
+    );
   const app = Fastify({
     // Typed as Fastify's base logger so the instance is a plain FastifyInstance (a pino Logger
     // type parameter would make it incompatible with route modules typed FastifyInstance).
@@ -109,14 +119,8 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     // Not for a body no route reads (GET, HEAD), nor before sign-in (public routes): there Node
     // discards it after the answer, and the onSend hook below closes past the bound.
     if (req.method === "GET" || req.method === "HEAD" || req.routeOptions.config?.public) return payload;
-    const drained = length <= config.maxBodyBytes * LINGER_FACTOR && (await discard(payload, LINGER_MS));
-    throw new HttpError(
-      413,
-      "payload_too_large",
-      `the request body (${length} bytes) is over the limit of ${config.maxBodyBytes} bytes`,
-      { limit: config.maxBodyBytes },
-      drained ? {} : { connection: "close" },
-    );
+    const drained = length <= lingerBytes && (await discard(payload, LINGER_MS));
+    throw bodyTooLarge(`the request body (${length} bytes)`, drained ? {} : { connection: "close" });
   });
 
   // Any answer sent before a body was read (401, 403, 503, 413 past the drain's bounds): Node
@@ -126,7 +130,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   app.addHook("onSend", async (req, reply) => {
     const length = Number(req.headers["content-length"]);
     const unbounded =
-      length > config.maxBodyBytes * LINGER_FACTOR ||
+      length > lingerBytes ||
       (req.headers["content-length"] === undefined && req.headers["transfer-encoding"] !== undefined);
     if (unbounded && !req.raw.complete) reply.header("connection", "close");
   });
@@ -193,13 +197,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     if (http.code === "payload_too_large" && !isHttpError(err)) {
       // Fastify's own (a chunked body that passed the limit as it came): the same answer as a
       // Content-Length over it. Its connection is closed (the rest of the body is not read).
-      http = new HttpError(
-        413,
-        http.code,
-        `the request body is over the limit of ${config.maxBodyBytes} bytes`,
-        { limit: config.maxBodyBytes },
-        http.headers,
-      );
+      http = bodyTooLarge("the request body", http.headers);
     } else if (http.code === "unsupported_media_type" && !isHttpError(err)) {
       // Fastify says only "Unsupported Media Type": say what is taken instead.
       const got = String(req.headers["content-type"] ?? "none").slice(0, 100);
