@@ -21,36 +21,42 @@ function raw(port: number, request: string): Promise<string> {
   });
 }
 
+/** A dispatcher listening on a free loopback port, for the `describe` block this is called in. */
+function listening(name: string, env: Record<string, string> = {}): { port: number } {
+  const at = { port: 0 };
+  let redis: Redis;
+  let server: TestServer;
+  beforeAll(async () => {
+    redis = createRedis(REDIS_URL);
+    server = await startTestServer(redis, name, env);
+    await server.app.listen({ host: "127.0.0.1", port: 0 });
+    at.port = (server.app.server.address() as { port: number }).port;
+  });
+  afterAll(async () => {
+    await server?.close();
+    await redis?.quit();
+  });
+  return at;
+}
+
 function parse(answer: string): { status: number; body: unknown } {
   const [head = "", body = ""] = answer.split("\r\n\r\n");
   return { status: Number(head.split(" ")[1]), body: JSON.parse(body) };
 }
 
 describe("HTTP the parser refuses", () => {
-  let redis: Redis;
-  let server: TestServer;
-  let port: number;
-  beforeAll(async () => {
-    redis = createRedis(REDIS_URL);
-    server = await startTestServer(redis, "client-errors");
-    await server.app.listen({ host: "127.0.0.1", port: 0 });
-    port = (server.app.server.address() as { port: number }).port;
-  });
-  afterAll(async () => {
-    await server?.close();
-    await redis?.quit();
-  });
+  const dispatcher = listening("client-errors");
 
   it("answers headers too large (431) and a request that is not HTTP (400) with the API's error body", async () => {
     const big = await raw(
-      port,
+      dispatcher.port,
       `GET /healthz HTTP/1.1\r\nHost: x\r\nX-Big: ${"a".repeat(64 * 1024)}\r\n\r\n`,
     );
     expect(parse(big)).toEqual({
       status: 431,
       body: { error: { code: "malformed", message: "the request's headers are too large", details: null } },
     });
-    const junk = await raw(port, "NOT HTTP AT ALL\r\n\r\n");
+    const junk = await raw(dispatcher.port, "NOT HTTP AT ALL\r\n\r\n");
     expect(parse(junk)).toEqual({
       status: 400,
       body: { error: { code: "malformed", message: "the request is not valid HTTP", details: null } },
@@ -107,22 +113,7 @@ describe("a request that arrives while the dispatcher shuts down", () => {
 
 describe("a body over the limit, sent whole before the answer is read", () => {
   const LIMIT = 2 * 1024 * 1024;
-  let redis: Redis;
-  let server: TestServer;
-  let port: number;
-  beforeAll(async () => {
-    redis = createRedis(REDIS_URL);
-    server = await startTestServer(redis, "linger", {
-      FLEET_MAX_BODY_BYTES: String(LIMIT),
-      FLEET_API_TOKENS: "tok",
-    });
-    await server.app.listen({ host: "127.0.0.1", port: 0 });
-    port = (server.app.server.address() as { port: number }).port;
-  });
-  afterAll(async () => {
-    await server?.close();
-    await redis?.quit();
-  });
+  const dispatcher = listening("linger", { FLEET_MAX_BODY_BYTES: String(LIMIT), FLEET_API_TOKENS: "tok" });
 
   /**
    * As Python's http.client does: write the request whole (a failed write rejects: the broken
@@ -130,7 +121,7 @@ describe("a body over the limit, sent whole before the answer is read", () => {
    */
   function sendWhole(bodyBytes: number): Promise<string> {
     return new Promise((resolve, reject) => {
-      const socket = connect(port, "127.0.0.1");
+      const socket = connect(dispatcher.port, "127.0.0.1");
       let answer = "";
       socket.on("data", (c: Buffer) => (answer += c.toString("utf8")));
       socket.on("error", reject);
@@ -169,7 +160,7 @@ describe("a body over the limit, sent whole before the answer is read", () => {
     // No token, and a body announced at ten times the limit: the 401 comes at once, and the
     // connection is closed rather than kept for Node to read and discard 20 MiB.
     const answer = await new Promise<string>((resolve, reject) => {
-      const socket = connect(port, "127.0.0.1");
+      const socket = connect(dispatcher.port, "127.0.0.1");
       let text = "";
       socket.on("data", (c: Buffer) => (text += c.toString("utf8")));
       socket.on("error", reject);
