@@ -139,6 +139,25 @@ describe("pipeline against real Redis and Docker", () => {
     expect(r).toMatchObject({ status: "completed", reward: 0, mask: false, failureKind: null, exitCode: 0 });
   });
 
+  it("an agent that fills its workspace is graded (its writes get ENOSPC), not masked as a lost sandbox", async () => {
+    // A workspace cap as large as the memory: the sandbox's memory limit must leave room for a
+    // full workspace and the tests after it (a mask here would let a policy trade a failure for one).
+    const [id] = await fleet.submit([
+      {
+        task: byId("hello-file"),
+        agent: {
+          harness: "command",
+          argv: ["sh", "-c", "yes > /workspace/out.txt; echo 'Hello, fleet!' > hello.txt"],
+        },
+        sandbox: { memoryMb: 64, diskMb: 64, tmpfsMb: 16 },
+      },
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!]);
+    expect(r).toMatchObject({ status: "completed", reward: 0, mask: false, failureKind: null });
+    expect(r!.exitCode).not.toBe(-2);
+  });
+
   it("an agent past its deadline is graded as agent_timeout after its processes are confirmed gone", async () => {
     const [id] = await fleet.submit([
       {

@@ -385,7 +385,8 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
   });
 
   it("enforces memory and pids limits through cgroups where the host has them", async (ctx) => {
-    const h = await create({ options: { memoryMb: 64, pidsLimit: 32 } });
+    // Small tmpfs caps: the memory limit adds them to memoryMb.
+    const h = await create({ options: { memoryMb: 64, pidsLimit: 32, tmpfsMb: 8 } });
     const report = await provider.probe(h);
     if (!/limits enforced: memory, pids/.test(report.detail)) ctx.skip();
     const hog = await provider.exec(h, ["sh", "-c", "tail /dev/zero"], { deadlineMs: 60_000 });
@@ -403,6 +404,30 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(forks.stderr).toMatch(/fork|Resource temporarily unavailable/i);
     // The kill sweep runs outside the pids cgroup, so a full one does not stop it.
     expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, remaining: 0 });
+  });
+
+  it("a tmpfs filled to a cap as large as the memory is ENOSPC, not an OOM kill: commands still run", async (ctx) => {
+    const h = await create({ options: { memoryMb: 64, tmpfsMb: 64 } });
+    const report = await provider.probe(h);
+    if (!/limits enforced: memory/.test(report.detail)) ctx.skip();
+    const fill = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        'dd if=/dev/zero of=/tmp/fill bs=1M count=128 2>&1 | grep -o "No space left on device"; echo filled',
+      ],
+      { deadlineMs: 60_000 },
+    );
+    expect(fill).toMatchObject({
+      exitCode: 0,
+      oomKilled: false,
+      stdout: "No space left on device\nfilled\n",
+    });
+    const after = await provider.exec(h, ["python3", "-c", "b = bytearray(32 * 1024 * 1024); print('ok')"], {
+      deadlineMs: 60_000,
+    });
+    expect(after).toMatchObject({ exitCode: 0, oomKilled: false, stdout: "ok\n" });
   });
 
   it("a sandbox whose cgroups something still lives in is not reported torn down until they are gone", async (ctx) => {

@@ -231,11 +231,12 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       [LABEL_EXPIRES]: String(spec.expiresAt),
       ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
     };
+    const tmpfsMb = spec.options.tmpfsMb ?? this.defaults.tmpfsMb;
     const args = bwrapArgv({
       rootfs: this.rootfs,
       workspaceDir,
       hostname: "sandbox",
-      tmpfsMb: spec.options.tmpfsMb ?? this.defaults.tmpfsMb,
+      tmpfsMb,
       infoFd: 3,
       hostPid: spec.options.pidMode === "host",
     });
@@ -271,7 +272,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
       await chown(workspaceDir, uid, gid);
       const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
-        memoryMb: spec.options.memoryMb ?? this.defaults.memoryMb,
+        // The processes' memory plus the four tmpfs mounts' caps, whose files are charged to the
+        // same cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
+        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + 4 * tmpfsMb,
         pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
       });
       state.cgroups = cgroups;

@@ -31,8 +31,11 @@ describe("buildContainerConfig", () => {
     expect(h.SecurityOpt).toEqual(["no-new-privileges"]);
     expect(h.ReadonlyRootfs).toBe(true);
     expect(h.PidsLimit).toBe(256);
-    expect(h.Memory).toBe(1024 * 1024 * 1024);
+    // 1 GiB for the processes, plus the tmpfs mounts' caps (4 × 256 MiB, the 1 GiB workspace,
+    // 64 MiB of /dev/shm): their files are memory in the same cgroup.
+    expect(h.Memory).toBe((1024 + 4 * 256 + 1024 + 64) * 1024 * 1024);
     expect(h.MemorySwap).toBe(h.Memory);
+    expect(h.ShmSize).toBe(64 * 1024 * 1024);
     expect(h.NanoCpus).toBe(1e9);
     expect(h.Init).toBe(true);
     expect(h.Privileged).toBe(false);
@@ -53,6 +56,8 @@ describe("buildContainerConfig", () => {
     const c = buildContainerConfig(SandboxSpec.parse(base), { ...DEFAULT_SANDBOX_LIMITS, diskMb: null });
     const h = c.HostConfig!;
     expect(Object.keys(h.Tmpfs!)).not.toContain("/workspace");
+    // No workspace tmpfs to make room for in the memory limit.
+    expect(h.Memory).toBe((1024 + 4 * 256 + 64) * 1024 * 1024);
     expect(h.Mounts).toEqual([
       {
         Type: "volume",
@@ -83,7 +88,7 @@ describe("buildContainerConfig", () => {
       },
       network: "fleet-gateway",
     }).HostConfig!;
-    expect(h.Memory).toBe(2048 * 1024 * 1024);
+    expect(h.Memory).toBe((2048 + 4 * 32 + 1024 + 64) * 1024 * 1024);
     expect(h.MemorySwap).toBe(h.Memory);
     expect(h.NanoCpus).toBe(2.5e9);
     expect(h.PidsLimit).toBe(1000);

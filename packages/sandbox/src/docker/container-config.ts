@@ -19,7 +19,13 @@ export const KEEPALIVE_USER = "65534:65534";
 
 /** Hardened limits every sandbox gets unless its spec's `options` relax them. */
 export interface SandboxLimits {
-  /** Memory limit; swap is capped to the same value. @defaultValue 1024 */
+  /**
+   * Memory for the sandbox's processes. The cgroup's limit is this plus the tmpfs mounts' caps
+   * (see `sandboxMemoryMb`): their files are memory too, and a sandbox whose tmpfs pages alone
+   * reached the limit would be OOM-killed whole (a full workspace would lose the sandbox, and mask
+   * the agent's own failure) instead of its writer getting ENOSPC. Swap is capped to the same.
+   * @defaultValue 1024
+   */
   memoryMb: number;
   /** @defaultValue 1 */
   cpus: number;
@@ -31,7 +37,7 @@ export interface SandboxLimits {
   readOnlyRoot: boolean;
   /**
    * Size cap of the workspace: a size-capped tmpfs mount, agent-owned, 0755 (a disk filler gets
-   * ENOSPC; its pages count against the sandbox's memory). A mount of the container's own, not a
+   * ENOSPC; its pages count against the sandbox's memory, whose limit has room for them). A mount of the container's own, not a
    * volume: nothing to remove at destroy, and nothing a daemon restarted with live-restore keeps
    * counting as mounted (such volumes could not be removed until the next restart). `null`: a
    * plain local volume on the daemon's disk, which copies up the image's /workspace, with no cap
@@ -63,6 +69,19 @@ export const TMPFS_MOUNTS: ReadonlyArray<{ path: string; mode: string }> = [
   { path: SANDBOX_PATHS.solution, mode: "0755" },
   { path: SANDBOX_PATHS.logs, mode: "1777" },
 ];
+
+/**
+ * The sandbox's memory limit in MiB: `memoryMb` for its processes plus the caps of its tmpfs
+ * mounts (a capped workspace included), whose files count against the same cgroup. So a full
+ * tmpfs is ENOSPC for its writer, never an OOM kill of everything in the sandbox, and the tests
+ * still have `memoryMb` to run in after an agent filled its workspace.
+ */
+export function sandboxMemoryMb(limits: Pick<SandboxLimits, "memoryMb" | "tmpfsMb" | "diskMb">): number {
+  return limits.memoryMb + TMPFS_MOUNTS.length * limits.tmpfsMb + (limits.diskMb ?? 0) + SHM_MB;
+}
+
+/** The size of a sandbox's `/dev/shm` (Docker's default, set explicitly since it counts in `sandboxMemoryMb`). */
+export const SHM_MB = 64;
 
 /** Whether `path` (absolute) lies on one of the sandbox's tmpfs mounts. */
 export function isTmpfsPath(path: string): boolean {
@@ -154,7 +173,7 @@ export function buildContainerConfig(
   const limits = effectiveLimits(spec, defaults);
   const name = sandboxName(spec.rolloutId, spec.owner, scope);
   const labels = sandboxLabels(spec, scope);
-  const memoryBytes = limits.memoryMb * 1024 * 1024;
+  const memoryBytes = sandboxMemoryMb(limits) * 1024 * 1024;
   const tmpfs: Record<string, string> = {};
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
   for (const m of TMPFS_MOUNTS) tmpfs[m.path] = `rw,exec,nosuid,nodev,size=${limits.tmpfsMb}m,mode=${m.mode}`;
@@ -195,6 +214,7 @@ export function buildContainerConfig(
       Tmpfs: tmpfs,
       Mounts: mounts,
       PidsLimit: limits.pidsLimit,
+      ShmSize: SHM_MB * 1024 * 1024,
       Memory: memoryBytes,
       MemorySwap: memoryBytes,
       NanoCpus: Math.round(limits.cpus * 1e9),

@@ -18,7 +18,13 @@ import { parseSandboxSpec } from "../exec-ops.ts";
 import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
 import { KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
-import { buildContainerConfig, sandboxName, workspaceVolumeName } from "./container-config.ts";
+import {
+  buildContainerConfig,
+  DEFAULT_SANDBOX_LIMITS,
+  sandboxMemoryMb,
+  sandboxName,
+  workspaceVolumeName,
+} from "./container-config.ts";
 import { DockerSandboxProvider, LABEL_REAPER } from "./docker-sandbox-provider.ts";
 
 // Real Docker, the offline base image (scripts/build-base-image.sh).
@@ -110,7 +116,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(hc.SecurityOpt).toEqual(["no-new-privileges"]);
       expect(hc.ReadonlyRootfs).toBe(true);
       expect(hc.PidsLimit).toBe(256);
-      expect(hc.Memory).toBe(1024 * 1024 * 1024);
+      expect(hc.Memory).toBe(sandboxMemoryMb(DEFAULT_SANDBOX_LIMITS) * 1024 * 1024);
       expect(hc.Init).toBe(true);
       expect(hc.Binds ?? []).toEqual([]);
       // The capped workspace is a tmpfs of the container's own: no volume to leak.
@@ -536,7 +542,8 @@ describe("DockerSandboxProvider (real Docker)", () => {
   });
 
   it("flags an OOM kill", async () => {
-    const h = await create({ options: { memoryMb: 64 } });
+    // Small tmpfs caps: the memory limit adds them (see sandboxMemoryMb), and 512 MiB must exceed it.
+    const h = await create({ options: { memoryMb: 64, tmpfsMb: 8, diskMb: 8 } });
     const r = await provider.exec(h, ["python3", "-c", "x = bytearray(512 * 1024 * 1024)"], {
       deadlineMs: 60_000,
     });

@@ -48,6 +48,7 @@ declare module "dockerode" {
       PidsLimit?: number;
       Memory?: number;
       MemorySwap?: number;
+      ShmSize?: number;
       NanoCpus?: number;
       Init?: boolean;
       PidMode?: string;

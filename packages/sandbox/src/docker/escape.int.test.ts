@@ -5,7 +5,7 @@ import { promisify } from "node:util";
 import type { SandboxHandle, SandboxSpecInput } from "@fleet/contracts";
 import Dockerode from "dockerode";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { AGENT_USER, LABEL_ROLLOUT, LABEL_SCOPE, ROOT_USER } from "../provider.ts";
+import { AGENT_USER, LABEL_ROLLOUT, LABEL_SCOPE, ROOT_USER, SANDBOX_PATHS } from "../provider.ts";
 import { DEFAULT_SANDBOX_LIMITS } from "./container-config.ts";
 import { DockerSandboxProvider } from "./docker-sandbox-provider.ts";
 
@@ -192,7 +192,7 @@ describe("sandbox escape attempts (Docker provider, hardened defaults)", () => {
   });
 
   it("a memory hog is OOM-killed and recorded, while another sandbox keeps serving", async () => {
-    const hog = await sandbox({ options: { memoryMb: 64 } });
+    const hog = await sandbox({ options: { memoryMb: 64, tmpfsMb: 8, diskMb: 8 } });
     const eating = provider.exec(
       hog,
       ["python3", "-c", "x = []\nwhile True:\n  x.append(bytearray(16 * 1024 * 1024))"],
@@ -232,6 +232,37 @@ describe("sandbox escape attempts (Docker provider, hardened defaults)", () => {
     await otherSandboxServes(bystander);
     // The workspace stays the agent's, as with a plain volume.
     expect((await sh(filler, "stat -c '%u:%g %a' /workspace")).stdout.trim()).toBe("1000:1000 755");
+  });
+
+  it("a workspace filled to a cap as large as the memory is ENOSPC, not an OOM kill of the sandbox: the tests still run", async () => {
+    // Tmpfs pages are memory: were they charged against `memoryMb` alone, filling the workspace
+    // would OOM-kill everything in the sandbox (or every later exec), and the agent's own doing
+    // would be masked as a lost sandbox instead of graded.
+    const full = await sandbox({ options: { memoryMb: 64, diskMb: 64, tmpfsMb: 16 } });
+    const r = await sh(
+      full,
+      [
+        "for d in /workspace /tmp /logs; do",
+        '  dd if=/dev/zero of="$d/fill" bs=1M count=128 2>&1 | grep -o "No space left on device" | head -1',
+        "done",
+        "echo filled",
+      ].join("\n"),
+      AGENT_USER,
+      60_000,
+    );
+    expect(r).toMatchObject({ exitCode: 0, oomKilled: false });
+    expect(r.stdout.split("\n").filter((l) => l === "No space left on device")).toHaveLength(3);
+    expect(r.stdout).toContain("filled");
+    expect(await provider.alive(full)).toBe(true);
+    // What the verifier does next: stage files as root, then run a test using some memory.
+    await provider.put(full, SANDBOX_PATHS.tests, { "test.sh": "echo graded\n" });
+    const tests = await sh(
+      full,
+      "python3 -c 'b = bytearray(32 * 1024 * 1024)' && sh /tests/test.sh",
+      ROOT_USER,
+      60_000,
+    );
+    expect(tests).toMatchObject({ exitCode: 0, oomKilled: false, stdout: "graded\n" });
   });
 
   it("a fork bomb is contained by the pids limit; the host and another sandbox keep serving", async () => {
