@@ -283,6 +283,27 @@ EOF`,
     expect(large.calls).toEqual(["put", "exec", "get"]);
   });
 
+  it("a reward file no one may read: tests that failed grade 0 by their exit status; tests that passed mask", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const withTests = (exit: number): TaskContent => ({
+      ...base,
+      tests: {
+        "test.sh": `echo 0.3 > /logs/verifier/reward.txt; chmod 000 /logs/verifier/reward.txt; exit ${exit}\n`,
+      },
+    });
+    // The agent's code under test may have done it: a mask would trade its failure for one.
+    const failed = withTests(1);
+    const graded = await verifyCounting(await sandbox(failed, "unreadable-reward-failed"), failed);
+    expect(graded.verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+    expect(graded.verdict.details.reason).toMatch(/cannot be read/);
+    // Tests that passed and left no readable verdict: the grader's fault, masked.
+    const passed = withTests(0);
+    const err = await verifyCounting(await sandbox(passed, "unreadable-reward-passed"), passed).catch(
+      (e) => e,
+    );
+    expect(err).toMatchObject({ kind: "verifier_error" });
+  });
+
   it("tests whose stderr passes the output cap: the runner's report, at the end, is kept with the output's tail", async () => {
     const base = tasks.find((t) => t.id === "hello-file")!;
     const task: TaskContent = {

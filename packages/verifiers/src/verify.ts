@@ -292,16 +292,31 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
       },
     };
   }
-  const rewardText =
-    report.kind === "reward"
-      ? report.text
-      : report.kind === "none"
-        ? null
-        : await step(ctx, "read the reward file", () =>
-            // One byte past the most a reward file may hold: a longer one is refused whole, not
-            // graded by its first bytes.
-            provider.get(handle, REWARD_FILE, { maxBytes: MAX_REWARD_FILE_BYTES + 1 }),
-          );
+  let rewardText: string | null;
+  try {
+    rewardText =
+      report.kind === "reward"
+        ? report.text
+        : report.kind === "none"
+          ? null
+          : await step(ctx, "read the reward file", () =>
+              // One byte past the most a reward file may hold: a longer one is refused whole, not
+              // graded by its first bytes.
+              provider.get(handle, REWARD_FILE, { maxBytes: MAX_REWARD_FILE_BYTES + 1 }),
+            );
+  } catch (err) {
+    // A reward file no one may read (not the provider failing to read it): beside tests that
+    // failed, as one that is no number below (the agent's code under test may have made it so).
+    if (result.exitCode === 0 || !unreadableFile(err)) throw err;
+    return {
+      reward: 0,
+      details: {
+        ...details,
+        source: "exit_code",
+        reason: "the tests failed and left a reward file that cannot be read; the exit status grades",
+      },
+    };
+  }
   if (rewardText !== null) {
     let reward: number;
     try {
@@ -329,6 +344,16 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     };
   }
   return { reward: result.exitCode === 0 ? 1 : 0, details: { ...details, source: "exit_code" } };
+}
+
+/** `step`'s error for a file that is there and that no one may read (the provider's `invalid_task`). */
+function unreadableFile(err: unknown): boolean {
+  return (
+    isFleetError(err) &&
+    err.kind === "verifier_error" &&
+    isFleetError(err.cause) &&
+    err.cause.kind === "invalid_task"
+  );
 }
 
 /**
