@@ -1137,6 +1137,40 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a verify whose earlier attempt failed before its tests started (staging them) retries at once, with no tests to wait out", async () => {
+    const task = {
+      ...byId("hello-file"),
+      id: `staging-failed-verify-${Date.now()}`,
+      timeouts: { agentS: 30, verifierS: 30 },
+    };
+    const [id] = await fleet.submit([oracle(task)]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const staged: number[] = [];
+    let failStaging = true;
+    const flaky = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] === "/tests") {
+            staged.push(Date.now());
+            if (failStaging) {
+              failStaging = false;
+              throw FleetError.retryable("provider_unavailable", "the daemon blipped (the test)");
+            }
+          }
+          return fleet.deps.provider.put(...a);
+        },
+      }),
+    };
+    await expect(runStageJob("verify", job(id!), flaky)).rejects.toThrow(/the daemon blipped/);
+    expect(await runStageJob("verify", job(id!, 1), flaky)).toBe("ok");
+    expect(staged).toHaveLength(2);
+    // Waiting out tests that never started would have held it until 30 s + 15 s of grace after
+    // the first attempt.
+    expect(staged[1]! - staged[0]!).toBeLessThan(30_000);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);

@@ -731,9 +731,11 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
  * tests still running in the sandbox as root: a Docker exec outlives its client. Staging new
  * tests and clearing /logs/verifier under them could mix the two runs' rewards. The earlier
  * tests end by their own budget (the in-sandbox `timeout` kills their process group): wait that
- * out, counted from when the attempt just before this one began (`begin` returns it: none on a
- * first delivery). A wait that would pass the rollout's deadline is its end (masked); a shutdown
- * hands the job back.
+ * out, counted from when an earlier attempt last started its tests (noted just before, so a
+ * worker that died after noting may not have started them: waited for all the same; `begin`
+ * returns it). None when no attempt got as far as its tests (it failed staging them, say): a
+ * retry starts at once, not a budget later. A wait that would pass the rollout's deadline is its
+ * end (masked); a shutdown hands the job back.
  */
 async function waitOutEarlierTests(
   rec: StageRecord,
@@ -761,8 +763,6 @@ async function waitOutEarlierTests(
   } catch {
     throw new HandBackError();
   }
-  // This attempt's tests start now, not at its begin: a later re-delivery waits from here.
-  await deps.store.noteVerifyTestsStart(rec.meta.id, clock(deps));
 }
 
 /** A cancel or close came for the rollout while this stage ran (read now). */
@@ -801,6 +801,7 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       run: { answer: runReceipt.answer, exec: runReceipt.exec },
       deadlineMs: rec.meta.deadlineAt,
       signal: shutdown,
+      onTestsStart: () => deps.store.noteVerifyTestsStart(rec.meta.id, clock(deps)),
     });
   } catch (err) {
     // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits

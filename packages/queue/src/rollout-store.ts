@@ -573,8 +573,9 @@ export class RolloutStore {
   }
 
   /**
-   * Note when this verify attempt starts its tests, when that is later than its begin (it waited
-   * out an earlier attempt's): a later re-delivery waits from then. Not on a terminal rollout.
+   * Note that a verify attempt starts its tests now (just before they do): a verify delivered
+   * again waits them out, counted from then (`begin` returns it as `times["verify:prev"]`). Not
+   * on a terminal rollout.
    */
   async noteVerifyTestsStart(id: string, at: number): Promise<void> {
     await this.redis.fleetSetField(this.keys.rollout(id), "t:verify:last", String(at), "0");

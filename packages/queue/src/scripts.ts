@@ -5,8 +5,7 @@ import type { RedisConnection } from "./connection.ts";
  * `meta` (JSON), `deadline` (meta's deadlineAt, for scripts), `status`, `stage`,
  * `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
- * (the fence a claim replaced), `verify:before` (the verify begin before the last one),
- * `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
+ * (the fence a claim replaced), `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
  * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
  */
@@ -367,16 +366,9 @@ const SCRIPTS = {
           if not skip then
             redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2])
             if ARGV[1] == 'verify' then
-              -- When the attempt before this one began (a verify delivered again waits out its tests).
+              -- When an earlier attempt last started its tests (a verify delivered again waits
+              -- them out; see noteVerifyTestsStart).
               prevBegin = redis.call('HGET', KEYS[1], 't:verify:last')
-              if prevBegin == ARGV[2] then
-                -- Its own begin, re-sent by ioredis after a reconnect lost the reply (same
-                -- 'now'): the attempt before it is the one the first send found.
-                prevBegin = redis.call('HGET', KEYS[1], 'verify:before')
-                if prevBegin == '' then prevBegin = false end
-              else
-                redis.call('HSET', KEYS[1], 't:verify:last', ARGV[2], 'verify:before', prevBegin or '')
-              end
             end
             if ARGV[5] ~= '' then
               -- Not past the deadline either: the stage would be skipped, and an intent left

@@ -376,14 +376,17 @@ describe("rollout store", () => {
     expect((await store.begin(id, "run", 2, { launchToken: "b" })).launch).toEqual(second.launch);
     expect(await store.claimLaunch(id, "b")).toEqual({ previous: "launched:a", launches: 2 });
 
-    // Verify: a re-sent begin is not an earlier attempt whose tests it must wait out.
+    // Verify: a begin (sent again or not) is no earlier attempt whose tests it must wait out;
+    // only tests noted as started are, the latest of them.
     const v = (await admitOne()).ids[0]!;
     await store.begin(v, "verify", 10);
     expect((await store.begin(v, "verify", 10)).record!.times["verify:prev"]).toBeUndefined();
-    expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBe(10);
-    // A re-delivery's begin sent again still waits out the attempt before it.
-    expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBe(10);
-    expect((await store.begin(v, "verify", 30)).record!.times["verify:prev"]).toBe(20);
+    expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBeUndefined();
+    await store.noteVerifyTestsStart(v, 25);
+    expect((await store.begin(v, "verify", 30)).record!.times["verify:prev"]).toBe(25);
+    expect((await store.begin(v, "verify", 30)).record!.times["verify:prev"]).toBe(25);
+    await store.noteVerifyTestsStart(v, 35);
+    expect((await store.begin(v, "verify", 40)).record!.times["verify:prev"]).toBe(35);
   });
 
   it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {

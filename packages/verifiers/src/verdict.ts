@@ -12,6 +12,11 @@ export interface VerifyContext {
   deadlineMs?: number;
   /** Abort: stop waiting (throws the reason, or `cancelled`). */
   signal?: AbortSignal;
+  /**
+   * Called (and awaited) just before the tests start in the sandbox, each time they do: a verify
+   * delivered again waits out only tests that may have started (they outlive their client).
+   */
+  onTestsStart?: () => Promise<void>;
 }
 
 export interface Verdict {

@@ -195,6 +195,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   );
   const runOnce = async () => {
     const nonce = randomBytes(16).toString("hex");
+    await ctx.onTestsStart?.();
     const ran = await step(ctx, "run the tests", () =>
       provider.exec(handle, RUN_TESTS_ARGV, {
         deadlineMs: remaining(),
