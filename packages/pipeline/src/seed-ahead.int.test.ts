@@ -134,6 +134,52 @@ describe("the seed-ahead bound", () => {
     expect(live()).toBe(0);
   });
 
+  it("counts the rollouts waiting for a verifier too: agents faster than the verifiers do not pile sandboxes up", async () => {
+    const { fleet, resources, live } = await resourcesOnly(
+      { min: 3, intervalMs: 50, recountMs: 5 },
+      {
+        deps: {
+          createHarness: (agent) => ({
+            name: agent.harness,
+            run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
+          }),
+          verify: async () => ({ reward: 1, details: { kind: "test" } }),
+        },
+      },
+    );
+    // Agents that take every run at once, and no verifier yet.
+    const agents = createStageWorkers(["run"], fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 2,
+    });
+    started.push(agents);
+    const counts = watchCounts();
+    const ids = await submit(20);
+    const { run, verify } = fleet.deps.queues.queues;
+    await settled("seeding to pause with no seed in flight", counts, () => {
+      const s = resources.seedAhead!;
+      return s.held && s.inFlight === 0 && s.bound === 3;
+    });
+    expect((await run.getJobCounts("wait")).wait).toBe(0);
+    // At the bound, plus the runs that were in progress when it was counted (not waiting then,
+    // they joined the verify queue after): at most one per agent slot. Twenty without the bound.
+    const waitingForVerifier = (await verify.getJobCounts("wait")).wait!;
+    expect(waitingForVerifier).toBeGreaterThanOrEqual(3);
+    expect(waitingForVerifier).toBeLessThanOrEqual(3 + 2);
+    expect(live()).toBe(waitingForVerifier);
+    // Verifiers come: every rollout ends graded.
+    const verifiers = createStageWorkers(["verify"], fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 2,
+    });
+    started.push(verifiers);
+    const results = await fleet.waitForResults(ids, 60_000);
+    expect(results.map((r) => r.status)).toEqual(Array(20).fill("completed"));
+    expect(live()).toBe(0);
+  });
+
   it("keeps to the bound when a count's answer comes back after seeds that ended meanwhile", async () => {
     // Counted again as soon as a seed waits, while the first seeds still make their sandboxes
     // (10 ms each): they end while the answer is on its way (50 ms), and this process has counted

@@ -3,7 +3,7 @@ import { afterEach, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type SeedAhead, seedAheadBound } from "./worker.ts";
 
-/** The gate alone, over a run queue whose counts the test sets (a fake of our deps' queues). */
+/** The gate alone, over a run queue whose counts the test sets and an empty verify queue (a fake of our deps' queues). */
 function gate(waiting: { n: number; counts: number }) {
   const deps = {
     logger: createLogger({ name: "seed-ahead-test", level: "silent" }),
@@ -15,6 +15,7 @@ function gate(waiting: { n: number; counts: number }) {
             return { wait: waiting.n, prioritized: 0, delayed: 0, active: 0 };
           },
         },
+        verify: { getJobCounts: async () => ({ wait: 0, prioritized: 0, delayed: 0 }) },
       },
     },
   } as unknown as PipelineDeps;

@@ -35,11 +35,12 @@ export interface StageWorkerOptions {
   providerBreaker?: { probeMs: number; callTimeoutMs: number } | false;
   /**
    * The seed-ahead bound (workers that run seed): a seed job waits before it begins while at
-   * least `max(min, runs in progress, runs the agents take per interval)` rollouts are seeded and
-   * wait for an agent (their run jobs waiting, prioritized or delayed), counting this process's
-   * seeds in flight. Without it, resources workers make sandboxes as fast as they go: a batch of
-   * thousands holds thousands of idle sandboxes that spend their deadlines waiting for an agent. The waiting rollouts are
-   * counted (one Redis call) every `intervalMs`, and at most every `recountMs` while a seed
+   * least `max(min, runs in progress, rollouts taken per interval)` rollouts are seeded and
+   * wait for an agent or a verifier (their run or verify jobs waiting, prioritized or delayed),
+   * counting this process's seeds in flight. Without it, resources workers make sandboxes as fast
+   * as they go: a batch of thousands holds thousands of idle sandboxes that spend their deadlines
+   * waiting for an agent (or, behind slower verifiers, for a verifier). The waiting rollouts are
+   * counted (one round trip) every `intervalMs`, and at most every `recountMs` while a seed
    * waits; between counts this process adds its own seeds, so one process alone keeps to the
    * bound, and several overshoot by what the others seeded since the last count. `false` turns
    * it off. @defaultValue `{ min: 16, intervalMs: 500, recountMs: 5 }`
@@ -463,11 +464,11 @@ export interface SeedAheadOptions {
 export interface SeedAheadState {
   /** Whether a seed waits for the bound. */
   held: boolean;
-  /** Rollouts seeded and waiting for an agent: as last counted, plus this process's seeds since. */
+  /** Rollouts seeded and waiting for an agent or a verifier: as last counted, plus this process's seeds since. */
   ahead: number;
   /** Seeds let through and not finished. */
   inFlight: number;
-  /** The bound at the last count: `max(min, runs in progress, runs taken per count interval)`. */
+  /** The bound at the last count: `max(min, runs in progress, rollouts taken per count interval)`. */
   bound: number;
   /** Seeds that waited `maxWaitMs` and went back to their queue. */
   requeued: number;
@@ -526,7 +527,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     deps.metrics?.seedingHeld.set(now ? 1 : 0);
     deps.logger.debug(
       { ahead, inFlight, bound },
-      now ? "seeding paused: enough rollouts wait for an agent" : "seeding resumed",
+      now ? "seeding paused: enough rollouts wait for an agent or a verifier" : "seeding resumed",
     );
   };
   const fits = () => known && ahead + inFlight < bound;
@@ -555,15 +556,23 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     // what it says (one may be counted twice until the next count, never missed).
     const seededBefore = seededTotal;
     try {
-      const c = await withTimeout(
-        deps.queues.queues.run.getJobCounts("wait", "prioritized", "delayed", "active"),
+      // Rollouts waiting for an agent, and those waiting for a verifier: both hold their sandbox,
+      // and seeding faster than the verifiers take them only piles sandboxes up.
+      const { run, verify } = deps.queues.queues;
+      const [c, v] = await withTimeout(
+        Promise.all([
+          run.getJobCounts("wait", "prioritized", "delayed", "active"),
+          verify.getJobCounts("wait", "prioritized", "delayed"),
+        ]),
         SEED_AHEAD_COUNT_TIMEOUT_MS,
         `no answer within ${SEED_AHEAD_COUNT_TIMEOUT_MS} ms`,
       );
       const now = Date.now();
-      const counted = (c.wait ?? 0) + (c.prioritized ?? 0) + (c.delayed ?? 0) + (seededTotal - seededBefore);
-      // Runs the agents took since the last count (less what other processes seeded meanwhile),
-      // as a rate smoothed over about `intervalMs`.
+      const waiting = (x: Record<string, number>) => (x.wait ?? 0) + (x.prioritized ?? 0) + (x.delayed ?? 0);
+      const counted = waiting(c) + waiting(v) + (seededTotal - seededBefore);
+      // Rollouts taken since the last count (less what other processes seeded meanwhile): in a
+      // steady state what the slower of agents and verifiers take, as a rate smoothed over
+      // about `intervalMs`.
       if (known && now > lastCountAt) {
         const dt = now - lastCountAt;
         const taken = Math.max(0, ahead - counted) / dt;
@@ -584,7 +593,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       if (failedCounts++ === 0) {
         deps.logger.warn(
           { err: err instanceof Error ? err.message : String(err) },
-          "the seed-ahead bound cannot count the rollouts waiting for an agent; seeds wait",
+          "the seed-ahead bound cannot count the rollouts waiting for an agent or a verifier; seeds wait",
         );
       }
     } finally {

@@ -208,7 +208,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     seedingHeld: new Gauge({
       name: "fleet_seeding_held",
-      help: "1 while this worker's seeding is paused by the seed-ahead bound (enough rollouts are seeded and wait for an agent: no more sandboxes are made ahead), 0 otherwise; set by workers that run seed.",
+      help: "1 while this worker's seeding is paused by the seed-ahead bound (enough rollouts are seeded and wait for an agent or a verifier: no more sandboxes are made ahead), 0 otherwise; set by workers that run seed.",
       registers,
     }),
     queueWorkers: new Gauge({
