@@ -360,6 +360,10 @@ describe("TaskContent refusals", () => {
     ["regex", "2\\.10\\.0\\ ", /not a valid regular expression/],
     // Would escape the whole-answer group: `^(?:42)|(?:[\s\S])$` passes any one-character answer.
     ["regex", "42)|(?:[\\s\\S]", /not a valid regular expression/],
+    // Other dialects' syntax, which JavaScript without `u` reads as literals (`\Z` as "Z", the
+    // POSIX class as a class then "]+"), grading even the reference answer 0.
+    ["regex", "\\d+\\Z", /not a valid regular expression/],
+    ["regex", "[[:digit:]]+", /not a valid regular expression/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
     const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);

@@ -110,12 +110,15 @@ export type VerifierSpec = z.infer<typeof VerifierSpec>;
 /**
  * The regular expression a `regex` match verifier grades with: `expected` trimmed (a TOML
  * multi-line string ends in a newline no trimmed answer could match), matching the whole
- * trimmed answer. The loader, the schema and the grader all compile this one.
+ * trimmed answer. The loader, the schema and the grader all compile this one. JavaScript syntax
+ * in Unicode mode (`u`): an escape or a bracket that means something else in another dialect
+ * (Python's `\Z`, POSIX `[[:digit:]]`) is a syntax error, not a literal character that would
+ * silently grade every answer 0.
  *
  * @throws SyntaxError when it is not a valid regular expression.
  */
 export function matchPattern(expected: string): RegExp {
-  return new RegExp(`^(?:${expected.trim()})$`);
+  return new RegExp(`^(?:${expected.trim()})$`, "u");
 }
 
 /** Characters of an agent's final answer that are kept (and graded): the rest is cut. */
@@ -144,7 +147,7 @@ export function matchExpectedProblem(spec: {
     pattern = matchPattern(spec.expected);
     // And on its own: `a)|(b` compiles inside the whole-answer group, as `^(?:a)|(b)$`, which
     // anchors neither alternative to the whole answer.
-    new RegExp(expected);
+    new RegExp(expected, "u");
   } catch (err) {
     return `is not a valid regular expression: ${(err as Error).message}`;
   }
