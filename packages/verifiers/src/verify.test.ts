@@ -546,7 +546,18 @@ describe("parseReward", () => {
     ["1e-1", 0.1],
     ["1.0", 1],
     ["-0", 0],
+    // A sum of float weights, a hair past a bound: that bound, not a mask.
+    ["1.0000000000000002", 1],
+    ["-1e-12", 0],
+    ["0.30000000000000004", 0.30000000000000004],
   ])("%j → %d", (text, value) => {
     expect(parseReward(text)).toBe(value);
   });
+
+  it.each(["1.000001", "-0.001", "2", "NaN", "0x1", ""])(
+    "%j is no reward (masked verifier_error)",
+    (text) => {
+      expect(() => parseReward(text)).toThrow(/number in \[0, 1\]/);
+    },
+  );
 });
