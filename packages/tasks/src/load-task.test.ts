@@ -400,6 +400,14 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(await invalidTask(() => loadTask(dir, { maxBytes: 4096 }))).toContain("larger than 4096 bytes");
     await expect(loadTask(dir, { maxBytes: 10_000 })).resolves.toBeDefined();
   });
+
+  it("a task under the limit on disk but over it as sent (escaped characters take several bytes), as the dispatcher counts", async () => {
+    const dir = await writeTask("t", { "workspace/ctl.txt": "\u0001".repeat(3000) });
+    expect(await invalidTask(() => loadTask(dir, { maxBytes: 10_000 }))).toMatch(
+      /task is \d+ bytes as sent .* over the limit of 10000/,
+    );
+    await expect(loadTask(dir, { maxBytes: 40_000 })).resolves.toBeDefined();
+  });
 });
 
 describe("loadSuite", () => {

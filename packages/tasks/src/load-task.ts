@@ -9,6 +9,7 @@ import {
   type TaskContentInput,
 } from "@fleet/contracts";
 import { parse as parseToml, TomlDate, TomlError } from "smol-toml";
+import { taskSize } from "./canonical.ts";
 import { describeIssues, TaskToml } from "./task-toml.ts";
 
 /** The dispatcher's default task size limit; the loader refuses bigger tasks up front. */
@@ -101,6 +102,15 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
     // Named after the task directory when only its files are at fault, else after task.toml.
     const where = parsed.error.issues.every((i) => isFile(i.path)) ? root : tomlFile;
     throw invalid(where, lines.join("; "), parsed.error);
+  }
+  // What the dispatcher's limit counts: the task as sent, where a control character takes six
+  // bytes (`\u0001`) and a newline two. Refused here, before a submission sends any of a suite.
+  const size = taskSize(parsed.data);
+  if (size > budget.max) {
+    throw invalid(
+      root,
+      `task is ${size} bytes as sent (its JSON, where escaped characters take several bytes each), over the limit of ${budget.max}`,
+    );
   }
   return parsed.data;
 }
