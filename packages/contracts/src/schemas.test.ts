@@ -201,6 +201,13 @@ describe("TaskContent refusals", () => {
     const message = "has Windows (CRLF) line endings, which bash cannot run: convert it (dos2unix)";
     expect(issues({ tests: { "test.sh": crlf } })).toEqual([["tests/test.sh", message]]);
     expect(issues({ solution: { "solve.sh": crlf } })).toEqual([["solution/solve.sh", message]]);
+    // Classic Mac (CR only): one line to bash, a comment when it starts with `#!`; named as such,
+    // not as a script that runs nothing.
+    const cr = "#!/bin/bash\rexit 0\r";
+    const crMessage =
+      "has classic Mac (CR) line endings, which bash reads as one line: convert it (mac2unix)";
+    expect(issues({ tests: { "test.sh": cr } })).toEqual([["tests/test.sh", crMessage]]);
+    expect(issues({ solution: { "solve.sh": cr } })).toEqual([["solution/solve.sh", crMessage]]);
     expect(
       issues({ workspace: { "notes.txt": "a\r\nb\r\n" }, solution: { "solve.sh": "true\n" } }),
     ).toBeUndefined();

@@ -155,6 +155,9 @@ export function matchExpectedProblem(spec: {
   return undefined;
 }
 
+/** A carriage return that does not start a CRLF: classic Mac line endings. */
+const LONE_CR = /\r(?!\n)/;
+
 /** A task's whole content, as it travels with a request and is stored content-addressed. */
 export const TaskContent = z
   .strictObject({
@@ -236,7 +239,13 @@ export const TaskContent = z
         ),
       });
     }
-    if (task.verifier.kind === "tests" && script !== undefined && !hasCommand(script)) {
+    // (One with classic Mac line endings reads as a single comment line: refused for those below.)
+    if (
+      task.verifier.kind === "tests" &&
+      script !== undefined &&
+      !hasCommand(script) &&
+      !LONE_CR.test(script)
+    ) {
       ctx.addIssue({
         code: "custom",
         path: ["tests", "test.sh"],
@@ -274,6 +283,8 @@ export const TaskContent = z
       const problem = (message: string) => ctx.addIssue({ code: "custom", path: [set, name], message });
       if (text.includes("\r\n")) {
         problem("has Windows (CRLF) line endings, which bash cannot run: convert it (dos2unix)");
+      } else if (LONE_CR.test(text)) {
+        problem("has classic Mac (CR) line endings, which bash reads as one line: convert it (mac2unix)");
       }
       if (text.startsWith("\uFEFF")) {
         problem(

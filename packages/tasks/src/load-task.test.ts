@@ -1,3 +1,4 @@
+import { writeFileSync } from "node:fs";
 import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -375,6 +376,33 @@ describe("broken tasks give invalid_task naming the file", () => {
     );
   });
 
+  it("a file set that is a symbolic link to a directory, named as a link", async () => {
+    const dir = await writeTask("t", {});
+    const real = path.join(tmp, "real-tests");
+    await mkdir(real);
+    await writeFile(path.join(real, "test.sh"), "exit 0\n");
+    await rm(path.join(dir, "tests"), { recursive: true, force: true });
+    await symlink(real, path.join(dir, "tests"));
+    expect(await invalidTask(() => loadTask(dir))).toContain(
+      `${path.join(dir, "tests")}: is a symbolic link`,
+    );
+  });
+
+  it("a file whose name is not UTF-8, named as such (not as one that vanished)", async () => {
+    const dir = await writeTask("t", {});
+    await mkdir(path.join(dir, "workspace"), { recursive: true });
+    // (Synchronous `node:fs`: this file's mock of `node:fs/promises` takes paths as strings.)
+    writeFileSync(
+      Buffer.concat([
+        Buffer.from(`${path.join(dir, "workspace")}/`),
+        Buffer.from([0xff, 0xfe]),
+        Buffer.from(".txt"),
+      ]),
+      "x\n",
+    );
+    expect(await invalidTask(() => loadTask(dir))).toContain("has a name that is not UTF-8");
+  });
+
   it("a task.toml spelled in another case: missing, and says what was found", async () => {
     const dir = await writeTask("t", { "task.toml": null, "Task.toml": GOOD_TOML });
     expect(await invalidTask(() => loadTask(dir))).toContain(
@@ -411,6 +439,17 @@ describe("broken tasks give invalid_task naming the file", () => {
 });
 
 describe("loadSuite", () => {
+  it("a suite path that does not exist, or is a file, says which", async () => {
+    expect(await invalidTask(() => loadSuite(path.join(tmp, "nope")))).toContain(
+      "cannot read suite directory (no such directory)",
+    );
+    const file = path.join(tmp, "a-file");
+    await writeFile(file, "x");
+    expect(await invalidTask(() => loadSuite(file))).toContain(
+      "cannot read suite directory (not a directory",
+    );
+  });
+
   it("reports every broken task at once, and skips . and _ directories", async () => {
     await writeTask("good", {});
     await writeTask("no-instruction", { "instruction.md": null });

@@ -162,7 +162,16 @@ export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Pro
   try {
     entries = await readdir(root, { withFileTypes: true });
   } catch (err) {
-    throw invalid(root, "cannot read suite directory", err);
+    const code = (err as NodeJS.ErrnoException).code;
+    const why =
+      code === "ENOENT"
+        ? "no such directory"
+        : code === "ENOTDIR"
+          ? "not a directory (give a suite directory or a task directory)"
+          : code === "EACCES" || code === "EPERM"
+            ? `${code}: permission denied`
+            : (code ?? String(err));
+    throw invalid(root, `cannot read suite directory (${why})`, err);
   }
   const visible = entries.filter((e) => !e.name.startsWith(".") && !e.name.startsWith("_"));
   const dirs = visible
@@ -377,6 +386,7 @@ async function readTree(
   const modes: Record<string, string> = {};
   const st = await statOrNull(dir);
   if (st === null) return { files, modes };
+  if (st.isSymbolicLink()) throw invalid(dir, "is a symbolic link (tasks must hold a directory here)");
   if (!st.isDirectory()) throw invalid(dir, "must be a directory");
   const walk = async (abs: string, rel: string): Promise<void> => {
     const listed = await readdir(abs, { withFileTypes: true }).catch((err: unknown) => {
@@ -391,7 +401,11 @@ async function readTree(
       else if (entry.isSymbolicLink())
         throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
       else if (entry.isFile()) {
-        const { text, executable } = await readTextFile(childAbs, budget, "vanished while reading", true);
+        // A name that is not UTF-8 comes back with U+FFFD in it, and names no file.
+        const gone = entry.name.includes("\uFFFD")
+          ? "has a name that is not UTF-8 (rename it)"
+          : "vanished while reading";
+        const { text, executable } = await readTextFile(childAbs, budget, gone, true);
         files[childRel] = text;
         // Staged by default at 0755 when it starts with `#!` (`buildTar`), 0644 otherwise.
         if (executable !== text.startsWith("#!")) modes[childRel] = executable ? "755" : "644";
