@@ -60,6 +60,12 @@ describe("buildRollouts", () => {
     expect(reqs[0]).not.toHaveProperty("deadlineS");
   });
 
+  it("refuses metadata with its own repeat key, which the repetition index would overwrite", () => {
+    expect(() =>
+      buildRollouts({ tasks, agent: { harness: "oracle" }, repeat: 1, metadata: { repeat: 5 } }),
+    ).toThrow(/--metadata must not set "repeat"/);
+  });
+
   it("filters by task id and sets the deadline", () => {
     const reqs = buildRollouts({
       tasks,

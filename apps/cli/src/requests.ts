@@ -89,6 +89,12 @@ export function buildRollouts(options: BuildRolloutsOptions): RolloutRequestInpu
     tasks = [...new Set(options.taskIds)].map((id) => known.get(id)!);
   }
   if (tasks.length === 0) throw new UsageError("the suite has no tasks");
+  if (options.metadata !== undefined && Object.hasOwn(options.metadata, "repeat")) {
+    // Overwritten by the repetition index, it would come back changed without a word.
+    throw new UsageError(
+      '--metadata must not set "repeat": the CLI sets it to each rollout\'s repetition index',
+    );
+  }
   const requests: RolloutRequestInput[] = [];
   for (let r = 0; r < repeat; r++) {
     for (const task of tasks) {

@@ -485,7 +485,9 @@ describe("loadSuite", () => {
     expect(message).toContain("3 broken task(s)");
     expect(message).toContain(`${path.join(tmp, "misnamed", "task.toml")}: missing (found "TASK.TOML"`);
     expect(message).toContain(`${path.join(tmp, "no-toml", "task.toml")}: missing (every task needs`);
-    expect(message).toContain(`${path.join(tmp, "stray")}: not a task directory (no task.toml)`);
+    expect(message).toContain(
+      `${path.join(tmp, "stray")}: not a task directory (no task.toml; start its name with _ or . to keep it in the suite unloaded)`,
+    );
   });
 
   it("a suite's task graded by its tests without tests/test.sh is one of its broken tasks, named", async () => {

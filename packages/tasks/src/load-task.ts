@@ -190,7 +190,7 @@ export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Pro
         const missing = await missingTaskToml(taskDir);
         problems.push(
           missing === undefined
-            ? `${taskDir}: not a task directory (no task.toml)`
+            ? `${taskDir}: not a task directory (no task.toml; start its name with _ or . to keep it in the suite unloaded)`
             : `${path.join(taskDir, "task.toml")}: ${missing}`,
         );
         continue;
