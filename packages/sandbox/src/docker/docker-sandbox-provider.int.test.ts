@@ -541,6 +541,33 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(await provider.alive(h)).toBe(false);
   });
 
+  it("a command in a sandbox frozen from outside is sandbox_lost once the host's timer fires, not a timeout (its own deadline could not fire)", async () => {
+    const h = await create();
+    const running = provider.exec(h, ["sleep", "60"], { deadlineMs: 1_000 }).then(
+      (r) => r,
+      (e: unknown) => e,
+    );
+    await vi.waitFor(
+      async () => {
+        const ps = await provider.exec(h, ["pgrep", "-f", "sleep 60"], { deadlineMs: 5_000 });
+        expect(ps.exitCode).toBe(0);
+      },
+      { timeout: 10_000, interval: 50 },
+    );
+    execFileSync("docker", ["pause", h.id], { stdio: "pipe" });
+    try {
+      const err = await running;
+      expect(isFleetError(err), `expected a FleetError, got ${JSON.stringify(err)}`).toBe(true);
+      expect(err).toMatchObject({ kind: "sandbox_lost", retryable: false });
+      expect((err as Error).message).toMatch(/was paused/);
+    } finally {
+      execFileSync("docker", ["unpause", h.id], { stdio: "pipe", timeout: 30_000 });
+    }
+    // Running again, a command that outlives its deadline is a timeout as before.
+    const late = await provider.exec(h, ["sleep", "60"], { deadlineMs: 1_000 });
+    expect(late).toMatchObject({ exitCode: -1, timedOut: true });
+  });
+
   it("flags an OOM kill", async () => {
     // Small tmpfs caps: the memory limit adds them (see sandboxMemoryMb), and 512 MiB must exceed it.
     const h = await create({ options: { memoryMb: 64, tmpfsMb: 8, diskMb: 8 } });

@@ -420,6 +420,17 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (info === null) {
       // The host-side safety timer fired and the command still runs (or never reported).
       this.logger?.warn({ sandbox: handle.name, deadlineMs: o.deadlineMs }, "exec outlived its deadline");
+      // In a sandbox frozen or stopped from outside, the in-sandbox `timeout` could not fire: the
+      // sandbox failed under the command, which did not run out of its time (masked, never a
+      // timeout graded 0). Told by the container's state, not the timer alone: code under test
+      // that stops the `timeout` process leaves its sandbox running, and a timeout it is.
+      const frozen = await this.frozenOrStopped(handle);
+      if (frozen !== null) {
+        throw FleetError.nonRetryable(
+          "sandbox_lost",
+          `sandbox ${handle.name} ${frozen} while a command ran (its own deadline could not fire)`,
+        );
+      }
       outcome = { exitCode: -1, timedOut: true };
       rawExitCode = -1;
     } else {
@@ -427,6 +438,21 @@ export class DockerSandboxProvider implements SandboxProvider {
       outcome = execOutcome(info, durationMs, o.deadlineMs);
     }
     return execResult(outcome.exitCode, outcome.timedOut, stdout, stderr, durationMs, rawExitCode);
+  }
+
+  /**
+   * Why the sandbox cannot be running commands (`was paused`, `stopped`, `was removed`), or null
+   * when it runs. A daemon that does not answer is `provider_unavailable` (thrown).
+   */
+  private async frozenOrStopped(handle: SandboxHandle): Promise<string | null> {
+    try {
+      const { State } = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
+      if (State.Paused) return "was paused (frozen from outside)";
+      return State.Running ? null : `stopped (${State.Status})`;
+    } catch (err) {
+      if (dockerErrorFacts(err).statusCode === 404) return "was removed";
+      throw classifyDockerError(err, "inspect", handle.name);
+    }
   }
 
   /** `execIn` bound to one sandbox, for the shared exec-based operations. */

@@ -81,7 +81,14 @@ declare module "dockerode" {
       Image: string;
       Name: string;
       Created: string;
-      State: { Status: string; Running: boolean; OOMKilled: boolean; ExitCode: number; Pid: number };
+      State: {
+        Status: string;
+        Running: boolean;
+        Paused: boolean;
+        OOMKilled: boolean;
+        ExitCode: number;
+        Pid: number;
+      };
       Config: { Labels: Record<string, string> | null; Image: string };
       HostConfig: HostConfig;
       Mounts: Array<{ Type: string; Name?: string; Source: string; Destination: string }>;
