@@ -8,6 +8,15 @@ import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 
+/** Poll a condition (never a fixed sleep). */
+async function until(what: string, probe: () => Promise<boolean> | boolean, timeoutMs = 30_000) {
+  const end = Date.now() + timeoutMs;
+  while (!(await probe())) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await new Promise((r) => setTimeout(r, 25));
+  }
+}
+
 describe("stage workers at a concurrency above ten", () => {
   let fleet: InProcessFleet | undefined;
   const warnings: Error[] = [];
@@ -79,6 +88,39 @@ describe("stage workers at a concurrency above ten", () => {
     const rec = await fleet.deps.store.get(id!);
     expect(rec?.failure).toBeNull();
     expect(rec?.status).toBe("ran");
+  });
+
+  it("a job whose lock lapsed under its worker is said plainly (a warning naming the takeover), not as a bare worker error", async () => {
+    const verifying = latch();
+    const release = latch();
+    const lines: string[] = [];
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      concurrency: 1,
+      deps: {
+        logger: createLogger({
+          name: "test",
+          level: "warn",
+          destination: { write: (l: string) => lines.push(l) },
+        }),
+        verify: async () => {
+          verifying.open();
+          await release.opened;
+          return { reward: 1, details: { kind: "test" } };
+        },
+      },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await verifying.opened;
+    // As when its worker was paused or cut off past the lock's duration: the lock is gone.
+    await fleet.redis.del(`${fleet.prefix}:verify:${stageJobId(id!, "verify")}:lock`);
+    release.open();
+    const said = () => lines.map((l) => JSON.parse(l) as { level: number; msg: string; err?: string });
+    await until("the lapsed lock to be logged", () => said().some((l) => /lock .* lapsed/.test(l.msg)));
+    const lapsed = said().find((l) => /lock .* lapsed/.test(l.msg))!;
+    expect(lapsed.level).toBe(40);
+    expect(lapsed.err).toMatch(/lock/i);
+    expect(said().filter((l) => l.msg === "worker error" && /lock/i.test(l.err ?? ""))).toEqual([]);
   });
 
   it("hand a run back at shutdown in good time while a supervisor check hangs on Redis", async () => {

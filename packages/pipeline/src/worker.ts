@@ -198,6 +198,15 @@ export function createStageWorkers(
       if (err.message === lastError && at - lastErrorAt < 30_000) return;
       lastError = err.message;
       lastErrorAt = at;
+      if (LOST_LOCK.test(err.message)) {
+        // This process was paused or cut off past the lock's duration: not a failure of its own
+        // to chase, and nothing is lost (the job is taken back and its stage replays its receipt).
+        deps.logger.warn(
+          { stage, err: err.message },
+          "this worker's lock on a stage job lapsed (it was paused or cut off from Redis for longer than the lock lasts): another worker takes the job over, and this worker's outcome for it is dropped",
+        );
+        return;
+      }
       deps.logger.error({ stage, err: err.message }, "worker error");
     });
     // A job BullMQ fails by itself, without running it (stalled more often than
@@ -688,6 +697,9 @@ export async function providerProblem(
     return err instanceof Error ? err.message : String(err);
   }
 }
+
+/** BullMQ's errors for a job whose lock this worker no longer holds (its renewal, or its move on). */
+const LOST_LOCK = /could not renew lock|Missing lock for job|Lock mismatch for job/i;
 
 /** Reasons BullMQ fails a job with, without running it (BullMQ 6: a deferred failure). */
 const BULLMQ_OWN_FAILURES = new Set([
