@@ -435,37 +435,6 @@ describe("fleet submit", () => {
     ).toEqual(["r1-0", "r1-1"]);
   });
 
-  it("--wait rides out a dispatcher outage while submitting too (a restart), then follows the batch", async () => {
-    server.on("POST", "/v1/batches", (req, res) => acceptBatch(res, 1, rowsOf(req)));
-    server.on("GET", "/v1/batches/b-1", (_req, res) =>
-      json(res, 200, { id: "b-1", total: 2, done: 2, counts: {} }),
-    );
-    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
-      res.writeHead(200, { "content-type": "application/x-ndjson" });
-      res.end(`${JSON.stringify(completed("r1-0", 1))}\n${JSON.stringify(completed("r1-1", 0))}\n`);
-    });
-    server.down = true; // restarting when the submission starts
-    const running = runCli(
-      ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--poll-interval", "10"],
-      ctx(),
-    );
-    // ctx() allows 1 retry: without patience the submission gave up after 2 failed attempts.
-    await vi.waitFor(() => expect(server.dropped).toBeGreaterThanOrEqual(6), { timeout: 5000 });
-    server.down = false;
-    expect(await running, stderr.text()).toBe(0);
-    expect(stderr.text().match(/dispatcher unreachable \(.*\); still waiting \(since /g)).toHaveLength(1);
-    expect(stderr.text()).toContain("dispatcher answering again after");
-    expect(server.requests.filter((r) => r.path === "/v1/batches")).toHaveLength(1);
-    expect(stdout.text()).toContain("completed 2");
-  });
-
-  it("without --wait, a submission to a dispatcher that does not answer fails fast", async () => {
-    server.down = true;
-    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx())).toBe(1);
-    expect(server.dropped).toBe(2);
-    expect(stderr.text()).not.toContain("still waiting");
-  });
-
   it("--wait --out fetches a results stream cut mid-body again, writing every result once", async () => {
     let fetches = 0;
     server.on("POST", "/v1/batches", (req, res) => acceptBatch(res, 1, rowsOf(req)));
