@@ -1171,6 +1171,21 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a Redis blip while noting that the tests start is retried, not masked as a verifier crash", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const store = Object.create(fleet.deps.store) as typeof fleet.deps.store;
+    store.noteVerifyTestsStart = async () => {
+      throw new Error("Connection is closed.");
+    };
+    const err = await runStageJob("verify", job(id!), { ...fleet.deps, store }).catch((e: unknown) => e);
+    expect(err).not.toBeInstanceOf(UnrecoverableError);
+    expect(err).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    expect(await runStageJob("verify", job(id!, 1), fleet.deps)).toBe("ok");
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);

@@ -801,7 +801,15 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       run: { answer: runReceipt.answer, exec: runReceipt.exec },
       deadlineMs: rec.meta.deadlineAt,
       signal: shutdown,
-      onTestsStart: () => deps.store.noteVerifyTestsStart(rec.meta.id, clock(deps)),
+      // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
+      onTestsStart: () =>
+        deps.store.noteVerifyTestsStart(rec.meta.id, clock(deps)).catch((err: unknown) => {
+          throw FleetError.retryable(
+            "provider_unavailable",
+            `could not note that the tests start: ${err instanceof Error ? err.message : String(err)}`,
+            err,
+          );
+        }),
     });
   } catch (err) {
     // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits
