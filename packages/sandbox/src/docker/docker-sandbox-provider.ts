@@ -363,6 +363,22 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (result.rawExitCode === 137 && !result.timedOut) {
       result.oomKilled = await this.oomKilled(handle);
     }
+    if (result.rawExitCode === -1) {
+      // The host-side timer fired. In a sandbox frozen or stopped from outside, the in-sandbox
+      // `timeout` could not fire: the sandbox failed under the command, which did not run out of
+      // its time (masked, never a timeout graded 0). Told by the container's state, not the
+      // timer alone: code under test that stops the `timeout` process leaves its sandbox
+      // running, and a timeout it is. Here only, for the commands run for callers: the
+      // provider's own execs (the kill sweep, the probe) keep their own reading of a paused
+      // sandbox (its processes are never reported stopped).
+      const frozen = await this.frozenOrStopped(handle);
+      if (frozen !== null) {
+        throw FleetError.nonRetryable(
+          "sandbox_lost",
+          `sandbox ${handle.name} ${frozen} while a command ran (its own deadline could not fire)`,
+        );
+      }
+    }
     const { rawExitCode: _raw, ...out } = result;
     return out;
   }
@@ -420,17 +436,6 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (info === null) {
       // The host-side safety timer fired and the command still runs (or never reported).
       this.logger?.warn({ sandbox: handle.name, deadlineMs: o.deadlineMs }, "exec outlived its deadline");
-      // In a sandbox frozen or stopped from outside, the in-sandbox `timeout` could not fire: the
-      // sandbox failed under the command, which did not run out of its time (masked, never a
-      // timeout graded 0). Told by the container's state, not the timer alone: code under test
-      // that stops the `timeout` process leaves its sandbox running, and a timeout it is.
-      const frozen = await this.frozenOrStopped(handle);
-      if (frozen !== null) {
-        throw FleetError.nonRetryable(
-          "sandbox_lost",
-          `sandbox ${handle.name} ${frozen} while a command ran (its own deadline could not fire)`,
-        );
-      }
       outcome = { exitCode: -1, timedOut: true };
       rawExitCode = -1;
     } else {
