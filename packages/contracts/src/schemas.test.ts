@@ -21,7 +21,7 @@ import {
   VerifyReceipt,
 } from "./rollout.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";
-import { fileModes, matchExpectedProblem, TaskContent } from "./task.ts";
+import { fileModes, matchExpectedProblem, matchPattern, TaskContent } from "./task.ts";
 
 const id = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9._-]{0,20}$/);
 const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
@@ -367,15 +367,24 @@ describe("TaskContent refusals", () => {
     ["regex", "2\\.10\\.0\\ ", /not a valid regular expression/],
     // Would escape the whole-answer group: `^(?:42)|(?:[\s\S])$` passes any one-character answer.
     ["regex", "42)|(?:[\\s\\S]", /not a valid regular expression/],
-    // Other dialects' syntax, which JavaScript without `u` reads as literals (`\Z` as "Z", the
-    // POSIX class as a class then "]+"), grading even the reference answer 0.
-    ["regex", "\\d+\\Z", /not a valid regular expression/],
-    ["regex", "[[:digit:]]+", /not a valid regular expression/],
+    // Other dialects' syntax, which JavaScript reads as literals (`\Z` as "Z", the POSIX class
+    // as a class then "]+"), grading even the reference answer 0.
+    ["regex", "\\d+\\Z", /another dialect's anchor/],
+    ["regex", "\\A\\d+", /another dialect's anchor/],
+    ["regex", "[[:digit:]]+", /\[\[:digit:\]\] is a POSIX class/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
     const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);
     expect(r.error!.issues).toEqual([expect.objectContaining({ path: ["verifier", "expected"] })]);
     expect(r.error!.issues[0]!.message).toMatch(why);
+  });
+
+  it("a regex match keeps JavaScript's own escapes (an escaped '-' or quote), and an escaped backslash before Z is no anchor", () => {
+    for (const expected of ["v1\\-beta", 'say \\"hi\\"', "C:\\\\Z"]) {
+      expect(matchExpectedProblem({ expected, mode: "regex" })).toBeUndefined();
+    }
+    expect(matchPattern("v1\\-beta").test("v1-beta")).toBe(true);
+    expect(matchPattern("C:\\\\Z").test("C:\\Z")).toBe(true);
   });
 
   it("an exact match expecting more than an answer keeps (4,000 characters) is refused up front: no agent could match it", () => {

@@ -110,15 +110,39 @@ export type VerifierSpec = z.infer<typeof VerifierSpec>;
 /**
  * The regular expression a `regex` match verifier grades with: `expected` trimmed (a TOML
  * multi-line string ends in a newline no trimmed answer could match), matching the whole
- * trimmed answer. The loader, the schema and the grader all compile this one. JavaScript syntax
- * in Unicode mode (`u`): an escape or a bracket that means something else in another dialect
- * (Python's `\Z`, POSIX `[[:digit:]]`) is a syntax error, not a literal character that would
- * silently grade every answer 0.
+ * trimmed answer. The loader, the schema and the grader all compile this one. JavaScript syntax;
+ * another dialect's anchors (`\A`, `\Z`, `\z`) and POSIX classes (`[[:digit:]]`) are refused
+ * (see `foreignRegexSyntax`): JavaScript would read them as literal characters and silently
+ * grade every answer 0.
  *
- * @throws SyntaxError when it is not a valid regular expression.
+ * @throws SyntaxError when it is not a valid regular expression, or uses another dialect's syntax.
  */
 export function matchPattern(expected: string): RegExp {
-  return new RegExp(`^(?:${expected.trim()})$`, "u");
+  const pattern = expected.trim();
+  const foreign = foreignRegexSyntax(pattern);
+  if (foreign !== undefined) throw new SyntaxError(foreign);
+  return new RegExp(`^(?:${pattern})$`);
+}
+
+/**
+ * Why `pattern` holds another dialect's syntax that JavaScript reads as something else, or
+ * `undefined`: an escape `\A`, `\Z` or `\z` (Python's, PCRE's anchors; literal letters here), or
+ * a POSIX class `[[:name:]]` (a class of `[`, `:` and letters here, then a literal `]`).
+ */
+export function foreignRegexSyntax(pattern: string): string | undefined {
+  for (let i = 0; i < pattern.length; i++) {
+    const c = pattern[i];
+    if (c === "\\") {
+      const next = pattern[i + 1] ?? "";
+      if (next === "A" || next === "Z" || next === "z") {
+        return `\\${next} is another dialect's anchor, a literal "${next}" in JavaScript: the pattern already matches the whole answer (drop it)`;
+      }
+      i++; // the escaped character
+    } else if (c === "[" && /^\[:[a-z]+:\]/.test(pattern.slice(i + 1))) {
+      return `${pattern.slice(i, pattern.indexOf("]", i) + 2)} is a POSIX class, which JavaScript does not have: use \\d, \\s, \\w or a range such as [0-9]`;
+    }
+  }
+  return undefined;
 }
 
 /** Characters of an agent's final answer that are kept (and graded): the rest is cut. */
@@ -147,7 +171,7 @@ export function matchExpectedProblem(spec: {
     pattern = matchPattern(spec.expected);
     // And on its own: `a)|(b` compiles inside the whole-answer group, as `^(?:a)|(b)$`, which
     // anchors neither alternative to the whole answer.
-    new RegExp(expected, "u");
+    new RegExp(expected);
   } catch (err) {
     return `is not a valid regular expression: ${(err as Error).message}`;
   }
