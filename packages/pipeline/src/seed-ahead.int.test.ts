@@ -17,6 +17,15 @@ async function until(what: string, probe: () => Promise<boolean> | boolean, time
   }
 }
 
+/** An agent and a verifier that do nothing and succeed at once. */
+const NO_OP_AGENT_AND_VERIFIER: Partial<PipelineDeps> = {
+  createHarness: (agent) => ({
+    name: agent.harness,
+    run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
+  }),
+  verify: async () => ({ reward: 1, details: { kind: "test" } }),
+};
+
 describe("the seed-ahead bound", () => {
   let fleet: InProcessFleet | undefined;
   const started: StageWorkers[] = [];
@@ -97,15 +106,7 @@ describe("the seed-ahead bound", () => {
     // Resources workers, no agent yet: without the bound, all twenty would be seeded.
     const { fleet, resources, live } = await resourcesOnly(
       { min: 3, intervalMs: 50, recountMs: 5 },
-      {
-        deps: {
-          createHarness: (agent) => ({
-            name: agent.harness,
-            run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
-          }),
-          verify: async () => ({ reward: 1, details: { kind: "test" } }),
-        },
-      },
+      { deps: NO_OP_AGENT_AND_VERIFIER },
     );
     const counts = watchCounts();
     const ids = await submit(20);
@@ -137,15 +138,7 @@ describe("the seed-ahead bound", () => {
   it("counts the rollouts waiting for a verifier too: agents faster than the verifiers do not pile sandboxes up", async () => {
     const { fleet, resources, live } = await resourcesOnly(
       { min: 3, intervalMs: 50, recountMs: 5 },
-      {
-        deps: {
-          createHarness: (agent) => ({
-            name: agent.harness,
-            run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
-          }),
-          verify: async () => ({ reward: 1, details: { kind: "test" } }),
-        },
-      },
+      { deps: NO_OP_AGENT_AND_VERIFIER },
     );
     // Agents that take every run at once, and no verifier yet.
     const agents = createStageWorkers(["run"], fleet.deps, {
