@@ -310,6 +310,18 @@ export class FleetClient {
         await this.afterFailure(attempt, err, null, err.message);
         continue;
       }
+      if (res.status === 429 && method === "POST") {
+        // A submission's 429 is the fleet's backlog answering, full (or a rate limit): the
+        // dispatcher is up, and the caller decides (`submit` splits the chunk or offers it again).
+        // Retried on the short budget, never ridden out as an outage.
+        this.recovered();
+        if (attempt >= this.retries) throw await errorFromResponse(res);
+        const delay = this.delayFor(attempt, res.headers.get("retry-after"));
+        const reason = `${method} ${path}: HTTP 429 ${res.statusText}`.trim();
+        this.onRetry?.({ attempt: attempt + 2, maxAttempts: this.retries + 1, delayMs: delay, reason });
+        await this.pause(delay);
+        continue;
+      }
       if (RETRY_STATUSES.has(res.status)) {
         const reason = `${method} ${path}: HTTP ${res.status} ${res.statusText}`.trim();
         await this.afterFailure(

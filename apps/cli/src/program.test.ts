@@ -391,6 +391,38 @@ describe("fleet submit", () => {
     expect(new Set(accepted.map((r) => JSON.stringify(r))).size).toBe(20);
   });
 
+  it("with --wait too, a full backlog (429) splits the chunk at once; it is no dispatcher outage to ride out", async () => {
+    const accepted: Array<Record<string, unknown>> = [];
+    let n = 0;
+    let posts = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      posts++;
+      const rows = rowsOf(req);
+      if (rows.length > 3) {
+        return apiError(res, 429, "backpressure", "partly full", {
+          maxBacklog: 7,
+          inflight: 4,
+          admitting: 0,
+          retryAfterS: 0.01,
+        });
+      }
+      accepted.push(...rows);
+      acceptBatch(res, ++n, rows);
+    });
+    // (The batches are not followed here: their status routes are not served, so the command ends
+    // in an error once everything is submitted; the submission is what this test is about.)
+    await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--outage-wait", "30"],
+      ctx(),
+    );
+    expect(accepted).toHaveLength(20);
+    expect(new Set(accepted.map((r) => JSON.stringify(r))).size).toBe(20);
+    expect(stderr.text()).not.toContain("dispatcher unreachable");
+    expect(stderr.text()).toContain("submitted 20 rollouts");
+    // A few 429s per split, not a retry loop for as long as --outage-wait allows.
+    expect(posts).toBeLessThan(40);
+  });
+
   it("stops offering once --backlog-wait has passed, naming what it submitted", async () => {
     let n = 0;
     server.on("POST", "/v1/batches", (req, res) => {
@@ -433,6 +465,37 @@ describe("fleet submit", () => {
         .split("\n")
         .map((l) => JSON.parse(l).id),
     ).toEqual(["r1-0", "r1-1"]);
+  });
+
+  it("--wait rides out a dispatcher outage while submitting too (a restart), then follows the batch", async () => {
+    server.on("POST", "/v1/batches", (req, res) => acceptBatch(res, 1, rowsOf(req)));
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 2, done: 2, counts: {} }),
+    );
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.end(`${JSON.stringify(completed("r1-0", 1))}\n${JSON.stringify(completed("r1-1", 0))}\n`);
+    });
+    server.down = true; // restarting when the submission starts
+    const running = runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--poll-interval", "10"],
+      ctx(),
+    );
+    // ctx() allows 1 retry: without patience the submission gave up after 2 failed attempts.
+    await vi.waitFor(() => expect(server.dropped).toBeGreaterThanOrEqual(6), { timeout: 5000 });
+    server.down = false;
+    expect(await running, stderr.text()).toBe(0);
+    expect(stderr.text().match(/dispatcher unreachable \(.*\); still waiting \(since /g)).toHaveLength(1);
+    expect(stderr.text()).toContain("dispatcher answering again after");
+    expect(server.requests.filter((r) => r.path === "/v1/batches")).toHaveLength(1);
+    expect(stdout.text()).toContain("completed 2");
+  });
+
+  it("without --wait, a submission to a dispatcher that does not answer fails fast", async () => {
+    server.down = true;
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx())).toBe(1);
+    expect(server.dropped).toBe(2);
+    expect(stderr.text()).not.toContain("still waiting");
   });
 
   it("--wait --out fetches a results stream cut mid-body again, writing every result once", async () => {

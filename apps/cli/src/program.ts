@@ -148,7 +148,7 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
       .addOption(
         new Option(
           "--outage-wait <seconds>",
-          "with --wait: keep waiting through a dispatcher outage (unreachable, 429/502/503/504) this long",
+          "with --wait: keep submitting and waiting through a dispatcher outage (unreachable, 429/502/503/504) this long",
         )
           .default(600)
           .argParser(positiveSeconds),

@@ -89,12 +89,17 @@ async function submitAndFollow(
     // With --wait --json, stdout is the one JSON summary (its batchIds name them): ids to stderr.
     await writeText(opts.json && opts.wait ? ctx.stderr : ctx.stdout, `${batch.batchId}\n`);
   };
+  // With --wait, a long run: ride out a dispatcher restart while submitting too (every POST
+  // carries its Idempotency-Key, so one sent again admits nothing twice). Without it, fail fast.
+  const poster = opts.wait
+    ? patientClient(client, opts.outageWait * 1000, (text) => void writeText(ctx.stderr, text))
+    : client;
   for (const [i, lines] of chunks.entries()) {
     const chunkKey = `${keyBase}-${i}`;
     const keyFor = (from: number, to: number) =>
       from === 0 && to === lines.length ? chunkKey : `${chunkKey}.${from}-${to}`;
     try {
-      await submitChunk(client, lines, 0, keyFor, posting, ctx, opts.backlogWait * 1000, onAccepted);
+      await submitChunk(poster, lines, 0, keyFor, posting, ctx, opts.backlogWait * 1000, onAccepted);
     } catch (err) {
       if (batchIds.length > 0) {
         await writeText(
@@ -147,19 +152,7 @@ export async function followBatches(
   // From here on nothing is submitted: ride out a dispatcher restart or a proxy's 502/503/504
   // rather than dropping hours of waiting after a few seconds of retries.
   const reporter = new ProgressReporter(ctx.stderr, ctx.progress);
-  const maxOutageMs = opts.outageWait * 1000;
-  const patient = client.with({
-    patience: {
-      maxOutageMs,
-      onOutage: ({ since, reason }) =>
-        reporter.note(
-          `dispatcher unreachable (${reason}); still waiting (since ${since.toISOString().replace(/\.\d+Z$/, "Z")}, ` +
-            `giving up after ${formatDuration(maxOutageMs)} without an answer)\n`,
-        ),
-      onRecovered: ({ downMs }) =>
-        reporter.note(`dispatcher answering again after ${formatDuration(downMs)}; carrying on\n`),
-    },
-  });
+  const patient = patientClient(client, opts.outageWait * 1000, (text) => reporter.note(text));
   const stayOnDispatcher =
     `the batches keep running on the dispatcher: follow them with \`fleet status <batchId>\` and ` +
     `collect them with \`fleet results <batchId> --out <file>\` for ${batchIds.join(" ")}`;
@@ -205,6 +198,22 @@ export async function followBatches(
     return 1;
   }
   return 0;
+}
+
+/** `client`, riding out an outage of up to `maxOutageMs` without an answer, saying so through `note`. */
+function patientClient(client: FleetClient, maxOutageMs: number, note: (text: string) => void): FleetClient {
+  return client.with({
+    patience: {
+      maxOutageMs,
+      onOutage: ({ since, reason }) =>
+        note(
+          `dispatcher unreachable (${reason}); still waiting (since ${since.toISOString().replace(/\.\d+Z$/, "Z")}, ` +
+            `giving up after ${formatDuration(maxOutageMs)} without an answer)\n`,
+        ),
+      onRecovered: ({ downMs }) =>
+        note(`dispatcher answering again after ${formatDuration(downMs)}; carrying on\n`),
+    },
+  });
 }
 
 /** What the chunk loop knows when a POST fails. */
