@@ -6,7 +6,7 @@ import {
   type TaskContent,
 } from "@fleet/contracts";
 import { stageJobId } from "@fleet/queue";
-import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterEach, beforeAll, describe, expect, it, vi } from "vitest";
@@ -15,6 +15,7 @@ import { ProviderHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { HELD_REASON, MAX_HOLDS, runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { NO_OP_AGENT_AND_VERIFIER } from "./testing/no-op-stages.ts";
 
 /** An in-memory provider that counts how often it was asked for a listing (the breaker's probe). */
 class CountingProvider extends InMemorySandboxProvider {
@@ -61,14 +62,6 @@ const execHarness: Pick<PipelineDeps, "createHarness" | "verify"> = {
   verify: async () => ({ reward: 1, details: { kind: "test" } }),
 };
 
-const harness: Pick<PipelineDeps, "createHarness" | "verify"> = {
-  createHarness: (agent) => ({
-    name: agent.harness,
-    run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
-  }),
-  verify: async () => ({ reward: 1, details: { kind: "test" } }),
-};
-
 describe("the provider breaker (real Redis and BullMQ, an in-memory provider that stops answering)", () => {
   let fleet: InProcessFleet | undefined;
   let task: TaskContent;
@@ -88,7 +81,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     fleet = await startInProcessFleet({
       provider,
       concurrency: 4,
-      deps: { ...harness, metrics },
+      deps: { ...NO_OP_AGENT_AND_VERIFIER, metrics },
       workerOptions: {
         providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 },
         // A supervisor quick to replace a stopped worker must leave the paused ones alone.
@@ -152,7 +145,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     };
     fleet = await startInProcessFleet({
       provider,
-      deps: harness,
+      deps: NO_OP_AGENT_AND_VERIFIER,
       workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
@@ -170,7 +163,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     provider.unreachable = true;
     fleet = await startInProcessFleet({
       provider,
-      deps: { ...harness, intentGraceMs: 0 },
+      deps: { ...NO_OP_AGENT_AND_VERIFIER, intentGraceMs: 0 },
       workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
     });
     const [id] = await fleet.submit([
@@ -244,7 +237,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     fleet = await startInProcessFleet({
       provider,
       deps: {
-        ...harness,
+        ...NO_OP_AGENT_AND_VERIFIER,
         createHarness: (agent) => ({
           name: agent.harness,
           run: async () => {
@@ -266,7 +259,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
   it("holds one stage of a rollout at most MAX_HOLDS times: a provider that flaps does not rerun an agent until the deadline", async () => {
     const provider = new CountingProvider();
     provider.listFails = true;
-    fleet = await startInProcessFleet({ provider, deps: harness, startWorkers: false });
+    fleet = await startInProcessFleet({ provider, deps: NO_OP_AGENT_AND_VERIFIER, startWorkers: false });
     provider.create = async () => {
       throw FleetError.retryable("provider_unavailable", "docker create failed: ECONNREFUSED");
     };

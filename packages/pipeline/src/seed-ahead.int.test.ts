@@ -1,4 +1,4 @@
-import { RolloutRequest, type TaskContent } from "@fleet/contracts";
+import { RolloutRequest, type StageName, type TaskContent } from "@fleet/contracts";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
@@ -6,25 +6,8 @@ import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
+import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
 import { createStageWorkers, type SeedAheadOptions, type StageWorkers } from "./worker.ts";
-
-/** Poll a condition (never a fixed sleep). */
-async function until(what: string, probe: () => Promise<boolean> | boolean, timeoutMs = 30_000) {
-  const end = Date.now() + timeoutMs;
-  while (!(await probe())) {
-    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 25));
-  }
-}
-
-/** An agent and a verifier that do nothing and succeed at once. */
-const NO_OP_AGENT_AND_VERIFIER: Partial<PipelineDeps> = {
-  createHarness: (agent) => ({
-    name: agent.harness,
-    run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
-  }),
-  verify: async () => ({ reward: 1, details: { kind: "test" } }),
-};
 
 describe("the seed-ahead bound", () => {
   let fleet: InProcessFleet | undefined;
@@ -65,6 +48,17 @@ describe("the seed-ahead bound", () => {
     started.push(resources);
     const live = () => [...provider.sandboxes.values()].filter((box) => box.alive).length;
     return { fleet, resources, live };
+  }
+
+  /** Workers for `stages` (without the bound), stopped after the test. */
+  function startWorkers(stages: StageName[]): void {
+    started.push(
+      createStageWorkers(stages, fleet!.deps, {
+        connection: fleet!.redis,
+        prefix: fleet!.prefix,
+        concurrency: 2,
+      }),
+    );
   }
 
   /**
@@ -123,12 +117,7 @@ describe("the seed-ahead bound", () => {
 
     // Agents (and verifiers) come: seeding resumes as they take the waiting rollouts, and every
     // rollout ends graded.
-    const agents = createStageWorkers(["run", "verify"], fleet.deps, {
-      connection: fleet.redis,
-      prefix: fleet.prefix,
-      concurrency: 2,
-    });
-    started.push(agents);
+    startWorkers(["run", "verify"]);
     const results = await fleet.waitForResults(ids, 60_000);
     expect(results.map((r) => r.status)).toEqual(Array(20).fill("completed"));
     expect(resources.seedAhead!.held).toBe(false);
@@ -141,12 +130,7 @@ describe("the seed-ahead bound", () => {
       { deps: NO_OP_AGENT_AND_VERIFIER },
     );
     // Agents that take every run at once, and no verifier yet.
-    const agents = createStageWorkers(["run"], fleet.deps, {
-      connection: fleet.redis,
-      prefix: fleet.prefix,
-      concurrency: 2,
-    });
-    started.push(agents);
+    startWorkers(["run"]);
     const counts = watchCounts();
     const ids = await submit(20);
     const { run, verify } = fleet.deps.queues.queues;
@@ -162,12 +146,7 @@ describe("the seed-ahead bound", () => {
     expect(waitingForVerifier).toBeLessThanOrEqual(3 + 2);
     expect(live()).toBe(waitingForVerifier);
     // Verifiers come: every rollout ends graded.
-    const verifiers = createStageWorkers(["verify"], fleet.deps, {
-      connection: fleet.redis,
-      prefix: fleet.prefix,
-      concurrency: 2,
-    });
-    started.push(verifiers);
+    startWorkers(["verify"]);
     const results = await fleet.waitForResults(ids, 60_000);
     expect(results.map((r) => r.status)).toEqual(Array(20).fill("completed"));
     expect(live()).toBe(0);

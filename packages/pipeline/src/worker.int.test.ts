@@ -7,15 +7,7 @@ import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
-
-/** Poll a condition (never a fixed sleep). */
-async function until(what: string, probe: () => Promise<boolean> | boolean, timeoutMs = 30_000) {
-  const end = Date.now() + timeoutMs;
-  while (!(await probe())) {
-    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
-    await new Promise((r) => setTimeout(r, 25));
-  }
-}
+import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
 
 describe("stage workers at a concurrency above ten", () => {
   let fleet: InProcessFleet | undefined;
@@ -63,10 +55,7 @@ describe("stage workers at a concurrency above ten", () => {
       provider: new InMemorySandboxProvider(),
       concurrency: 2,
       deps: {
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
-        }),
+        createHarness: NO_OP_AGENT_AND_VERIFIER.createHarness,
         // Tests that outlast the shutdown: they stop only when told to, as the real verifier's
         // provider calls do (it throws `cancelled` with the signal's reason).
         verify: (ctx) => {
