@@ -310,25 +310,19 @@ export class FleetClient {
         await this.afterFailure(attempt, err, null, err.message);
         continue;
       }
-      if (res.status === 429 && method === "POST") {
-        // A submission's 429 is the fleet's backlog answering, full (or a rate limit): the
-        // dispatcher is up, and the caller decides (`submit` splits the chunk or offers it again).
-        // Retried on the short budget, never ridden out as an outage.
-        this.recovered();
-        if (attempt >= this.retries) throw await errorFromResponse(res);
-        const delay = this.delayFor(attempt, res.headers.get("retry-after"));
-        const reason = `${method} ${path}: HTTP 429 ${res.statusText}`.trim();
-        this.onRetry?.({ attempt: attempt + 2, maxAttempts: this.retries + 1, delayMs: delay, reason });
-        await this.pause(delay);
-        continue;
-      }
       if (RETRY_STATUSES.has(res.status)) {
         const reason = `${method} ${path}: HTTP ${res.status} ${res.statusText}`.trim();
+        // A submission's 429 is the fleet's backlog answering, full (or a rate limit): the
+        // dispatcher is up, and the caller decides (`submit` splits the chunk or offers it
+        // again). Retried on the short budget, never ridden out as an outage.
+        const answered = res.status === 429 && method === "POST";
+        if (answered) this.recovered();
         await this.afterFailure(
           attempt,
           await errorFromResponse(res),
           res.headers.get("retry-after"),
           reason,
+          !answered,
         );
         continue;
       }
@@ -340,16 +334,18 @@ export class FleetClient {
 
   /**
    * After a retryable failure: wait before the next attempt, or throw `err` when the budget is
-   * spent (`retries` attempts; with `patience`, `maxOutageMs` of failures without a success).
+   * spent (`retries` attempts; with `patience`, for an `outage`, `maxOutageMs` of failures
+   * without a success).
    */
   private async afterFailure(
     attempt: number,
     err: ApiError,
     retryAfter: string | null,
     reason: string,
+    outage = true,
   ): Promise<void> {
     const delay = this.delayFor(attempt, retryAfter);
-    if (this.patience === undefined) {
+    if (this.patience === undefined || !outage) {
       if (attempt >= this.retries) throw err;
       this.onRetry?.({ attempt: attempt + 2, maxAttempts: this.retries + 1, delayMs: delay, reason });
       return this.pause(delay);
