@@ -366,10 +366,15 @@ describe("fleet submit", () => {
     expect(admitted.length).toBeGreaterThanOrEqual(3);
   });
 
-  it("sends the part of a chunk the backlog has room for first, then the rest, losing no row", async () => {
-    const accepted: Array<Record<string, unknown>> = [];
+  /**
+   * A dispatcher whose backlog (7) has room for 3 more rollouts: a batch of more is answered 429
+   * naming the bound and what is in flight, or 413 past the bound itself; smaller ones admitted.
+   */
+  function backlogWithRoomFor3() {
+    const state = { accepted: [] as Array<Record<string, unknown>>, posts: 0 };
     let n = 0;
     server.on("POST", "/v1/batches", (req, res) => {
+      state.posts++;
       const rows = rowsOf(req);
       if (rows.length > 7) return apiError(res, 413, "payload_too_large", "never", { maxBacklog: 7 });
       if (rows.length > 3) {
@@ -380,9 +385,15 @@ describe("fleet submit", () => {
           retryAfterS: 0.01,
         });
       }
-      accepted.push(...rows);
+      state.accepted.push(...rows);
       acceptBatch(res, ++n, rows);
     });
+    return state;
+  }
+
+  it("sends the part of a chunk the backlog has room for first, then the rest, losing no row", async () => {
+    const backlog = backlogWithRoomFor3();
+    const accepted = backlog.accepted;
     const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10"], ctx());
     expect(code, stderr.text()).toBe(0);
     expect(accepted).toHaveLength(20);
@@ -392,23 +403,8 @@ describe("fleet submit", () => {
   });
 
   it("with --wait too, a full backlog (429) splits the chunk at once; it is no dispatcher outage to ride out", async () => {
-    const accepted: Array<Record<string, unknown>> = [];
-    let n = 0;
-    let posts = 0;
-    server.on("POST", "/v1/batches", (req, res) => {
-      posts++;
-      const rows = rowsOf(req);
-      if (rows.length > 3) {
-        return apiError(res, 429, "backpressure", "partly full", {
-          maxBacklog: 7,
-          inflight: 4,
-          admitting: 0,
-          retryAfterS: 0.01,
-        });
-      }
-      accepted.push(...rows);
-      acceptBatch(res, ++n, rows);
-    });
+    const backlog = backlogWithRoomFor3();
+    const accepted = backlog.accepted;
     // (The batches are not followed here: their status routes are not served, so the command ends
     // in an error once everything is submitted; the submission is what this test is about.)
     await runCli(
@@ -420,7 +416,7 @@ describe("fleet submit", () => {
     expect(stderr.text()).not.toContain("dispatcher unreachable");
     expect(stderr.text()).toContain("submitted 20 rollouts");
     // A few 429s per split, not a retry loop for as long as --outage-wait allows.
-    expect(posts).toBeLessThan(40);
+    expect(backlog.posts).toBeLessThan(40);
   });
 
   it("stops offering once --backlog-wait has passed, naming what it submitted", async () => {
