@@ -198,8 +198,7 @@ export const WorkerConfig = z
     /**
      * Resources worker: seeding pauses while at least this many rollouts (or as many as agents
      * are running, or take per half second, if more) are seeded and wait for an agent or a
-     * verifier. `0`: no
-     * bound.
+     * verifier. `0`: no bound.
      */
     FLEET_SEED_AHEAD: intVar(0, 1_000_000).default(16),
   })

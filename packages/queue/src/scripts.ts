@@ -353,7 +353,7 @@ const SCRIPTS = {
       ${TERMINAL}
       ${CLAIM_LAUNCH}
       local status = redis.call('HGET', KEYS[1], 'status')
-      local intent, previous, launches, prevBegin = '', '', 0, false
+      local intent, previous, launches, prevTests = '', '', 0, false
       if status and not terminal[status] then
         if ARGV[3] == '1' then
           redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
@@ -368,7 +368,7 @@ const SCRIPTS = {
             if ARGV[1] == 'verify' then
               -- When an earlier attempt last started its tests (a verify delivered again waits
               -- them out; see noteVerifyTestsStart).
-              prevBegin = redis.call('HGET', KEYS[1], 't:verify:last')
+              prevTests = redis.call('HGET', KEYS[1], 't:verify:last')
             end
             if ARGV[5] ~= '' then
               -- Not past the deadline either: the stage would be skipped, and an intent left
@@ -409,9 +409,9 @@ const SCRIPTS = {
             rec[#rec + 1] = values[i]
           end
         end
-        if prevBegin then
+        if prevTests then
           rec[#rec + 1] = 't:verify:prev'
-          rec[#rec + 1] = prevBegin
+          rec[#rec + 1] = prevTests
         end
       end
       return {rec, failures, intent, previous, launches, sb1, sb2}`,

@@ -17,7 +17,12 @@ import {
   type SandboxSpecInput,
 } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
-import { DEFAULT_SANDBOX_LIMITS, isTmpfsPath, sandboxName } from "../docker/container-config.ts";
+import {
+  DEFAULT_SANDBOX_LIMITS,
+  isTmpfsPath,
+  sandboxName,
+  TMPFS_MOUNTS,
+} from "../docker/container-config.ts";
 import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-command.ts";
 import {
   assertIsolated,
@@ -272,9 +277,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
       await chown(workspaceDir, uid, gid);
       const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
-        // The processes' memory plus the four tmpfs mounts' caps, whose files are charged to the
-        // same cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
-        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + 4 * tmpfsMb,
+        // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
+        // cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
+        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb,
         pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
       });
       state.cgroups = cgroups;

@@ -1,4 +1,5 @@
 import type { SandboxSpec } from "@fleet/contracts";
+import { TMPFS_MOUNTS } from "../docker/container-config.ts";
 import { SANDBOX_PATHS } from "../provider.ts";
 
 /** The PATH every exec gets (Docker's default for Debian images). */
@@ -28,6 +29,7 @@ export interface BwrapLayout {
  */
 export function bwrapArgv(layout: BwrapLayout): string[] {
   const size = String(layout.tmpfsMb * 1024 * 1024);
+  // The Docker provider's scratch mounts, at the same modes (and counted alike in the memory limit).
   const tmpfs = (path: string, mode: string) => ["--perms", mode, "--size", size, "--tmpfs", path];
   return [
     ...(layout.hostPid ? [] : ["--unshare-pid"]),
@@ -44,10 +46,7 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     "/proc",
     "--dev",
     "/dev",
-    ...tmpfs("/tmp", "1777"),
-    ...tmpfs(SANDBOX_PATHS.tests, "0755"),
-    ...tmpfs(SANDBOX_PATHS.solution, "0755"),
-    ...tmpfs(SANDBOX_PATHS.logs, "1777"),
+    ...TMPFS_MOUNTS.flatMap((m) => tmpfs(m.path, m.mode)),
     "--bind",
     layout.workspaceDir,
     SANDBOX_PATHS.workspace,
