@@ -13,6 +13,7 @@ import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
 import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { isHandBack } from "./hand-back.ts";
@@ -1184,6 +1185,90 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
     expect(await runStageJob("verify", job(id!, 1), fleet.deps)).toBe("ok");
     await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
+  it("a verify attempt a later one superseded (paused past its lock) neither stages nor starts its tests, nor stores its verdict or closes the rollout", async () => {
+    const ids = await fleet.submit([1, 2, 3].map(() => oracle(byId("hello-file"))));
+    for (const id of ids)
+      for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id), fleet.deps);
+    const [beforeStaging, beforeTests, afterTests] = ids as [string, string, string];
+    const store = fleet.deps.store;
+    // The job delivered again to worker B, whose verify begins (taking the fence).
+    const laterAttemptBegins = async (id: string) => {
+      await store.begin(
+        id,
+        "verify",
+        Date.now(),
+        beginOptions("verify", { ...fleet.deps, workerId: "worker-b" }),
+      );
+    };
+    const staged: string[] = [];
+    const testsRun: string[] = [];
+    const watching = (onStage: (handleId: string) => Promise<void> = async () => {}) =>
+      Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] === "/tests") {
+            staged.push(a[0].id);
+            await onStage(a[0].id);
+          }
+          return fleet.deps.provider.put(...a);
+        },
+        exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
+          if (a[1] === RUN_TESTS_ARGV) testsRun.push(a[0].id);
+          return fleet.deps.provider.exec(...a);
+        },
+      });
+    const lapsed = (id: string) => ({ ...job(id), processedOn: Date.now() - 25_000 });
+    const closeQueued = async (id: string) =>
+      !!(await fleet.deps.queues.queues.close.getJob(stageJobId(id, "close")));
+
+    // 1. Superseded while it loaded the task: it stages nothing.
+    const loading = {
+      ...fleet.deps,
+      provider: watching(),
+      store: Object.assign(Object.create(store) as typeof store, {
+        getTask: async (digest: string) => {
+          await laterAttemptBegins(beforeStaging);
+          return store.getTask(digest);
+        },
+      }),
+    };
+    expect(await runStageJob("verify", lapsed(beforeStaging), loading)).toBe("ok");
+    expect(staged).toEqual([]);
+
+    // 2. Superseded between staging its tests and starting them (its lock fresh: the note alone
+    // refuses): it does not start them, nor note that it did.
+    const handleOf = async (id: string) => (await store.get(id))!.receipts.seed!.handle.id;
+    const staging = { ...fleet.deps, provider: watching(() => laterAttemptBegins(beforeTests)) };
+    expect(await runStageJob("verify", { ...job(beforeTests), processedOn: Date.now() }, staging)).toBe("ok");
+    expect(staged).toEqual([await handleOf(beforeTests)]);
+    expect(await fleet.redis.hget(store.keys.rollout(beforeTests), "t:verify:last")).toBeNull();
+
+    // 3. Superseded after its tests ran: its verdict is dropped, and close is not enqueued under
+    // the later attempt's tests.
+    const grading = {
+      ...fleet.deps,
+      provider: watching(),
+      verify: async (ctx: Parameters<typeof verify>[0]) => {
+        const verdict = await verify(ctx);
+        await laterAttemptBegins(afterTests);
+        return verdict;
+      },
+    };
+    expect(await runStageJob("verify", lapsed(afterTests), grading)).toBe("ok");
+    expect(testsRun).toEqual([await handleOf(afterTests)]);
+
+    for (const id of ids) {
+      expect((await store.get(id))!.receipts.verify).toBeUndefined();
+      expect(await closeQueued(id)).toBe(false);
+    }
+    // The later attempts verify as usual (the first attempt's tests, seen to end, need no waiting out).
+    await fleet.redis.hdel(store.keys.rollout(afterTests), "t:verify:last");
+    for (const id of ids) {
+      expect(await runStageJob("verify", job(id, 1), fleet.deps)).toBe("ok");
+      expect(await closeQueued(id)).toBe(true);
+      await closeExpecting(id, { status: "completed", reward: 1 });
+    }
   });
 
   it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {

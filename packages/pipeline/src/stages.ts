@@ -68,7 +68,8 @@ export const SANDBOX_EXPIRY_SLACK_MS = 10 * 60_000;
 
 /**
  * What a stage's `store.begin` does besides reading the record, in the same round trip: seed
- * persists its sandbox intent (DESIGN §2 rule 9), run claims the fenced launch (rule 10).
+ * persists its sandbox intent (DESIGN §2 rule 9), run claims the fenced launch (rule 10), verify
+ * takes the verify fence (rule 2: one verify at a time).
  */
 export function beginOptions(stage: StageName, deps: PipelineDeps): BeginOptions {
   switch (stage) {
@@ -78,6 +79,8 @@ export function beginOptions(stage: StageName, deps: PipelineDeps): BeginOptions
       };
     case "run":
       return { launchToken: `${deps.workerId}:${randomUUID()}` };
+    case "verify":
+      return { verifyToken: `${deps.workerId}:${randomUUID()}` };
     default:
       return {};
   }
@@ -765,6 +768,21 @@ async function waitOutEarlierTests(
   }
 }
 
+/**
+ * A later verify attempt began (this one's lock lapsed while it was paused, say, and the job was
+ * delivered again): the verification is that attempt's. This one neither starts its tests nor
+ * stores a receipt; it ends without a trace.
+ */
+class VerifySupersededError extends Error {
+  override readonly name = "VerifySupersededError";
+}
+
+/** A verify attempt that a later one superseded ends here: logged, nothing stored or enqueued. */
+function superseded(deps: PipelineDeps, rolloutId: string, what: string): null {
+  deps.logger.warn({ rolloutId }, `a later verify attempt began; this one ${what}`);
+  return null;
+}
+
 /** A cancel or close came for the rollout while this stage ran (read now). */
 async function stoppedUnder(deps: PipelineDeps, id: string): Promise<boolean> {
   const now = await deps.store.get(id).catch(() => null);
@@ -788,8 +806,17 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       "no confirmed cleanup receipt for the agent: refusing to verify",
     );
   }
+  // DESIGN §2 rule 2: one verify at a time. This attempt's token holds the verify fence until a
+  // later attempt begins; only while it does may this one start its tests or store its receipt.
+  const token = rec.begun.verifyToken;
+  if (token === null) throw new Error("verify began without its fence token (beginOptions)");
   const task = await loadTask(rec, deps);
   await waitOutEarlierTests(rec, deps, task, shutdown);
+  // Before staging the tests (which replaces /tests under a later attempt's tests): still this
+  // attempt's? Only a job held long enough for its lock to lapse can have been delivered again.
+  if (mayBeTakenOver(rec) && !(await deps.store.holdsVerifyFence(rec.meta.id, token))) {
+    return superseded(deps, rec.meta.id, "does not stage its tests");
+  }
   const startedAt = clock(deps);
   const grade = deps.verify ?? defaultVerify;
   let verdict: Awaited<ReturnType<typeof grade>>;
@@ -802,16 +829,22 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       deadlineMs: rec.meta.deadlineAt,
       signal: shutdown,
       // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
-      onTestsStart: () =>
-        deps.store.noteVerifyTestsStart(rec.meta.id, clock(deps)).catch((err: unknown) => {
-          throw FleetError.retryable(
-            "provider_unavailable",
-            `could not note that the tests start: ${err instanceof Error ? err.message : String(err)}`,
-            err,
-          );
-        }),
+      onTestsStart: async () => {
+        const noted = await deps.store
+          .noteVerifyTestsStart(rec.meta.id, clock(deps), token)
+          .catch((err: unknown) => {
+            throw FleetError.retryable(
+              "provider_unavailable",
+              `could not note that the tests start: ${err instanceof Error ? err.message : String(err)}`,
+              err,
+            );
+          });
+        if (noted === "superseded") throw new VerifySupersededError();
+      },
     });
   } catch (err) {
+    if (err instanceof VerifySupersededError)
+      return superseded(deps, rec.meta.id, "does not start its tests");
     // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits
     // out these tests, still running in the sandbox: `waitOutEarlierTests`). Not a cancel.
     if (shutdown?.aborted) throw new HandBackError();
@@ -838,15 +871,25 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
     }
   }
   const at = clock(deps);
-  await deps.store.saveReceipt(
-    rec.meta,
-    "verify",
-    { reward: verdict.reward, details: verdict.details, startedAt, at },
-    "verified",
-    at,
-    { next: { queues: deps.queues, stage: "close" } },
-  );
-  return null;
+  const receipt = { reward: verdict.reward, details: verdict.details, startedAt, at };
+  // Stored only while this attempt holds the verify fence. One whose lock cannot have lapsed
+  // sends close's job with the receipt (one round trip). Otherwise close is enqueued only for a
+  // stored receipt or a stop: an attempt superseded by a later one (paused past its lock, then
+  // woken) must not close the rollout under the tests of the attempt now verifying.
+  if (!mayBeTakenOver(rec)) {
+    await deps.store.saveReceipt(rec.meta, "verify", receipt, "verified", at, {
+      verifyFence: token,
+      next: { queues: deps.queues, stage: "close" },
+    });
+    return null;
+  }
+  if (await deps.store.saveReceipt(rec.meta, "verify", receipt, "verified", at, { verifyFence: token })) {
+    return "close";
+  }
+  if (!(await deps.store.holdsVerifyFence(rec.meta.id, token))) {
+    return superseded(deps, rec.meta.id, "drops its verdict");
+  }
+  return "close"; // refused for a stop (terminal or closed): close must run; a repeat is a no-op
 };
 
 export const close: StageHandler = async (rec, deps) => {

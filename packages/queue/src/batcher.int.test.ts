@@ -14,7 +14,7 @@ function receiptCall(id: string, json: string): [string[], string[]] {
   const rollout = keys.rollout(id);
   return [
     [rollout, rollout, keys.sandboxes()],
-    ["r:seed", json, "seeded", "seed", "t:seed:end", "5", "0", "0", "", "", ""],
+    ["r:seed", json, "seeded", "seed", "t:seed:end", "5", "0", "0", "", "", "", ""],
   ];
 }
 
@@ -104,7 +104,7 @@ describe("ScriptBatcher", () => {
   it("refuses a call with the wrong number of arguments", () => {
     const batcher = new ScriptBatcher(redis);
     expect(() => batcher.call("fleetReceipt", [keys.rollout("d")], ["only one"])).toThrow(
-      /takes 11 arguments/,
+      /takes 12 arguments/,
     );
   });
 });

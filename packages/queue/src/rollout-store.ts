@@ -79,6 +79,11 @@ export interface BeginOptions {
   intent?: { owner: SandboxEntry["owner"]; provider: SandboxEntry["provider"]; expirySlackMs: number };
   /** Run: claim the fenced launch with this token along with the begin. */
   launchToken?: string;
+  /**
+   * Verify: take the verify fence with this token along with the begin (this attempt is the one
+   * that began last: only it may start its tests, `noteVerifyTestsStart`, or store its receipt).
+   */
+  verifyToken?: string;
 }
 
 export interface BeginResult {
@@ -97,6 +102,8 @@ export interface BeginResult {
    * 'stopped' when a stop won, else the previous fence; null when no claim was made.
    */
   launch: { previous: string; launches: number; token: string } | null;
+  /** The verify fence's token taken by this begin (`verifyToken`, stage not skipped), or null. */
+  verifyToken: string | null;
   /** Close only: the rollout's sandbox entries (intents and handles). */
   sandboxes: { resources: SandboxEntry | null; agent: SandboxEntry | null } | null;
 }
@@ -365,8 +372,8 @@ export class RolloutStore {
    * close after setting the tombstone; before close without `times`, which only close reads),
    * plus what the stage asked for: for close, the failure log
    * and the rollout's sandbox entries; with `intent` (seed), its sandbox intent persisted
-   * (DESIGN §2 rule 9); with `launchToken` (run), the fenced launch claimed (rule 10). Intent and
-   * claim happen only when the stage is not to be skipped (closed, failed, cancelled, receipt
+   * (DESIGN §2 rule 9); with `launchToken` (run), the fenced launch claimed (rule 10); with
+   * `verifyToken` (verify), the verify fence taken. Intent, claim and fence happen only when the stage is not to be skipped (closed, failed, cancelled, receipt
    * stored), atomically with that check.
    */
   async begin(id: string, stage: StageName, now: number, options: BeginOptions = {}): Promise<BeginResult> {
@@ -396,7 +403,7 @@ export class RolloutStore {
       intentKey,
       intentPrefix,
       String(options.intent?.expirySlackMs ?? 0),
-      options.launchToken ?? "",
+      options.launchToken ?? options.verifyToken ?? "",
       close ? sandboxKey(id, "resources") : "",
       close ? sandboxKey(id, "agent") : "",
     ];
@@ -416,6 +423,7 @@ export class RolloutStore {
       launch: claimed
         ? { previous: String(previous), launches: Number(launches), token: options.launchToken! }
         : null,
+      verifyToken: stage === "verify" ? (options.verifyToken ?? null) : null,
       sandboxes: close
         ? {
             resources: sbResources ? (JSON.parse(sbResources) as SandboxEntry) : null,
@@ -546,6 +554,8 @@ export class RolloutStore {
       next?: NextStage;
       /** Store only while this launch token holds the rollout's fence (a run's receipt). */
       fence?: string;
+      /** Store only while this token holds the verify fence (a verify's receipt; see `BeginOptions`). */
+      verifyFence?: string;
     } = {},
   ): Promise<"stored" | "refused" | "taken"> {
     // Bounded (DESIGN §2 rule 13); the answer a match verifier grades is never cut.
@@ -563,7 +573,11 @@ export class RolloutStore {
       stage === "close" ? "1" : "0",
       options.attach ? options.attach.key : "",
       options.attach ? JSON.stringify(SandboxEntry.parse(options.attach)) : "",
-      options.fence ?? "",
+      ...(options.fence
+        ? [`launched:${options.fence}`, "fence"]
+        : options.verifyFence
+          ? [options.verifyFence, "vfence"]
+          : ["", ""]),
     ];
     const next = options.next;
     const r = next
@@ -574,11 +588,23 @@ export class RolloutStore {
 
   /**
    * Note that a verify attempt starts its tests now (just before they do): a verify delivered
-   * again waits them out, counted from then (`begin` returns it as `times["verify:prev"]`). Not
-   * on a terminal rollout.
+   * again waits them out, counted from then (`begin` returns it as `times["verify:prev"]`).
+   * Only while `token` holds the verify fence (`BeginOptions.verifyToken`): `superseded` when a
+   * later attempt began since (this one must not start its tests: the other is verifying), and
+   * `terminal` (nothing noted) on a terminal rollout.
    */
-  async noteVerifyTestsStart(id: string, at: number): Promise<void> {
-    await this.redis.fleetSetField(this.keys.rollout(id), "t:verify:last", String(at), "0");
+  async noteVerifyTestsStart(
+    id: string,
+    at: number,
+    token: string,
+  ): Promise<"noted" | "superseded" | "terminal"> {
+    const r = Number(await this.redis.fleetNoteTests(this.keys.rollout(id), String(at), token));
+    return r === 1 ? "noted" : r === -1 ? "superseded" : "terminal";
+  }
+
+  /** Whether `token` still holds the verify fence (no later verify attempt began). */
+  async holdsVerifyFence(id: string, token: string): Promise<boolean> {
+    return (await this.redis.hget(this.keys.rollout(id), "vfence")) === token;
   }
 
   /**

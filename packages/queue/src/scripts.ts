@@ -5,7 +5,8 @@ import type { RedisConnection } from "./connection.ts";
  * `meta` (JSON), `deadline` (meta's deadlineAt, for scripts), `status`, `stage`,
  * `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
- * (the fence a claim replaced), `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
+ * (the fence a claim replaced), `vfence` (the token of the verify attempt that began last),
+ * `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
  * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
  */
@@ -122,8 +123,10 @@ const SCRIPTS = {
   fleetReceipt: {
     keys: 3, // rollout, batch|rollout, sandboxes
     // ARGV: field, receiptJson, newStatus, stage, timeField, now, hasBatch, allowClosed,
-    //       attachKey ('' for none), attachJson, fenceToken ('' for none: a run's receipt is
-    //       stored only while its launch holds the fence, DESIGN §2 rule 10)
+    //       attachKey ('' for none), attachJson, fence value ('' for none), fence field: the
+    //       receipt is stored only while the fence field holds that value (a run's while its
+    //       launch holds 'fence', DESIGN §2 rule 10; a verify's while it is the attempt that
+    //       began last, 'vfence')
     lua: `
       ${TERMINAL}
       local stored = redis.call('HGET', KEYS[1], ARGV[1])
@@ -135,7 +138,7 @@ const SCRIPTS = {
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
       if ARGV[8] ~= '1' and redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
-      if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], 'fence') ~= 'launched:' .. ARGV[11] then return 0 end
+      if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], ARGV[12]) ~= ARGV[11] then return 0 end
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
       if status ~= ARGV[3] then
         redis.call('HSET', KEYS[1], 'status', ARGV[3])
@@ -339,13 +342,14 @@ const SCRIPTS = {
    *  - with an intent key (seed), unless `now` is past the deadline: persist the sandbox intent
    *    (DESIGN §2 rule 9), kept if one exists; the entry is ARGV[6] .. (deadlineAt + ARGV[7]) ..
    *    '}' (its `expiresAt` closes it);
-   *  - with a launch token (run): the fenced launch claim of `fleetClaimLaunch` (rule 10).
+   *  - with a token (ARGV[8]): for run, the fenced launch claim of `fleetClaimLaunch` (rule 10);
+   *    for verify, the verify fence (`vfence`: this attempt is the one that began last).
    * Returns [hash as a flat array (for close all of it; before close the fields those stages
    * read: meta, status, stage, flags, receipts), failure log, intent ('new' when this call
    * recorded it, 'ok' when an earlier attempt had, '' for none), previous fence (or 'stopped'),
    * launches, sandbox entries of ARGV[9], ARGV[10] ('' when absent or not asked)].
    * ARGV: stage, now, tombstone, withFailures, intentKey, intentPrefix, expirySlackMs,
-   * launchToken, sandboxKey1, sandboxKey2 ('' for none).
+   * token (run's launch, verify's fence), sandboxKey1, sandboxKey2 ('' for none).
    */
   fleetBegin: {
     keys: 3, // rollout, failures, sandboxes
@@ -386,7 +390,15 @@ const SCRIPTS = {
                 end
               end
             end
-            if ARGV[8] ~= '' then previous, launches = claimLaunch(KEYS[1], ARGV[8]) end
+            if ARGV[8] ~= '' then
+              if ARGV[1] == 'verify' then
+                -- The verify fence: only the attempt that began last may start its tests or
+                -- store its receipt (fleetNoteTests, fleetReceipt).
+                redis.call('HSET', KEYS[1], 'vfence', ARGV[8])
+              else
+                previous, launches = claimLaunch(KEYS[1], ARGV[8])
+              end
+            end
           end
         end
       end
@@ -416,6 +428,22 @@ const SCRIPTS = {
       end
       return {rec, failures, intent, previous, launches, sb1, sb2}`,
   },
+  /**
+   * Note that a verify attempt starts its tests now (`t:verify:last`), only while it is the
+   * attempt that began last (`vfence` holds its token, ARGV[2]) and the rollout is not terminal.
+   * ARGV: now, token. Returns 1 if noted, 0 if terminal (nothing to protect: its receipt will be
+   * refused), -1 if a later attempt began since: this one must not start its tests.
+   */
+  fleetNoteTests: {
+    keys: 1,
+    lua: `
+      ${TERMINAL}
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if not status or terminal[status] then return 0 end
+      if redis.call('HGET', KEYS[1], 'vfence') ~= ARGV[2] then return -1 end
+      redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1])
+      return 1`,
+  },
   /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */
   fleetAttach: {
     keys: 2, // sandboxes, rollout
@@ -435,7 +463,7 @@ export type ScriptName = keyof typeof SCRIPTS;
  */
 export const BATCHED = {
   fleetBegin: { args: 10 },
-  fleetReceipt: { args: 11 },
+  fleetReceipt: { args: 12 },
   fleetFinalize: { args: 12 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;

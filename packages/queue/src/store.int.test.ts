@@ -379,14 +379,43 @@ describe("rollout store", () => {
     // Verify: a begin (sent again or not) is no earlier attempt whose tests it must wait out;
     // only tests noted as started are, the latest of them.
     const v = (await admitOne()).ids[0]!;
-    await store.begin(v, "verify", 10);
-    expect((await store.begin(v, "verify", 10)).record!.times["verify:prev"]).toBeUndefined();
-    expect((await store.begin(v, "verify", 20)).record!.times["verify:prev"]).toBeUndefined();
-    await store.noteVerifyTestsStart(v, 25);
-    expect((await store.begin(v, "verify", 30)).record!.times["verify:prev"]).toBe(25);
-    expect((await store.begin(v, "verify", 30)).record!.times["verify:prev"]).toBe(25);
-    await store.noteVerifyTestsStart(v, 35);
-    expect((await store.begin(v, "verify", 40)).record!.times["verify:prev"]).toBe(35);
+    await store.begin(v, "verify", 10, { verifyToken: "v1" });
+    expect(
+      (await store.begin(v, "verify", 10, { verifyToken: "v1" })).record!.times["verify:prev"],
+    ).toBeUndefined();
+    expect(
+      (await store.begin(v, "verify", 20, { verifyToken: "v2" })).record!.times["verify:prev"],
+    ).toBeUndefined();
+    expect(await store.noteVerifyTestsStart(v, 25, "v2")).toBe("noted");
+    expect((await store.begin(v, "verify", 30, { verifyToken: "v3" })).record!.times["verify:prev"]).toBe(25);
+    expect((await store.begin(v, "verify", 30, { verifyToken: "v3" })).record!.times["verify:prev"]).toBe(25);
+    expect(await store.noteVerifyTestsStart(v, 35, "v3")).toBe("noted");
+    expect((await store.begin(v, "verify", 40, { verifyToken: "v4" })).record!.times["verify:prev"]).toBe(35);
+  });
+
+  it("only the verify attempt that began last may note its tests' start or store its receipt", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const a = await store.begin(id, "verify", 1, { verifyToken: "a" });
+    expect(a.verifyToken).toBe("a");
+    expect(await store.holdsVerifyFence(id, "a")).toBe(true);
+    // A paused before its tests; its job went to B.
+    await store.begin(id, "verify", 2, { verifyToken: "b" });
+    expect(await store.holdsVerifyFence(id, "a")).toBe(false);
+    expect(await store.noteVerifyTestsStart(id, 3, "a")).toBe("superseded");
+    expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBeNull();
+    expect(await store.noteVerifyTestsStart(id, 4, "b")).toBe("noted");
+    const receipt = { reward: 1, details: { kind: "tests" }, startedAt: 4, at: 5 };
+    expect(await store.saveReceipt(meta, "verify", receipt, "verified", 5, { verifyFence: "a" })).toBe(false);
+    expect((await store.get(id))!.receipts.verify).toBeUndefined();
+    expect(await store.saveReceipt(meta, "verify", receipt, "verified", 6, { verifyFence: "b" })).toBe(true);
+    // A skipped stage takes no fence: B keeps it.
+    expect((await store.begin(id, "verify", 7, { verifyToken: "c" })).record!.receipts.verify).toBeDefined();
+    expect(await store.holdsVerifyFence(id, "b")).toBe(true);
+    // Terminal: nothing to note, nothing to refuse for.
+    await redis.hset(store.keys.rollout(id), "status", "completed");
+    expect(await store.noteVerifyTestsStart(id, 8, "b")).toBe("terminal");
   });
 
   it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {
