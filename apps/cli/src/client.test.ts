@@ -244,6 +244,26 @@ describe("FleetClient", () => {
     expect(retried).toEqual([]); // one note per outage, not one per attempt
   });
 
+  it("a batch status that hangs times out after statusTimeoutMs (not timeoutMs), and a patient client rides it out as an outage", async () => {
+    // A dispatcher that accepts the connection and never answers (frozen): the first two polls.
+    server.on("GET", "/v1/batches/b1", (_req, res) => {
+      if (server.requests.length <= 2) return;
+      json(res, 200, { id: "b1", total: 1, counts: { completed: 1 }, done: 1 });
+    });
+    const outages: string[] = [];
+    const patient = client({ retries: 1, retryMaxMs: 5, timeoutMs: 60_000, statusTimeoutMs: 50 }).with({
+      patience: { maxOutageMs: 60_000, onOutage: ({ reason }) => outages.push(reason) },
+    });
+    expect((await patient.getBatch("b1")).done).toBe(1);
+    expect(server.requests).toHaveLength(3);
+    expect(outages).toHaveLength(1);
+    expect(outages[0]).toMatch(/GET .*\/v1\/batches\/b1: no response within 50 ms/);
+    // Never more than the client's own timeout.
+    const short = client({ retries: 0, timeoutMs: 30 });
+    server.on("GET", "/v1/batches/b2", () => {});
+    expect((await caught(short.getBatch("b2"))).message).toContain("no response within 30 ms");
+  });
+
   it("with patience, gives up once failures have lasted maxOutageMs", async () => {
     server.down = true;
     const patient = client({ retries: 1, retryMaxMs: 5, patience: { maxOutageMs: 100 } });

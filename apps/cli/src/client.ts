@@ -77,6 +77,12 @@ export interface FleetClientOptions {
   token?: string | null;
   /** Time to wait for a response (headers; the whole body for non-streaming calls). @defaultValue 60000 */
   timeoutMs?: number;
+  /**
+   * `timeoutMs` for a batch's status (`getBatch`): a cheap read, polled while following batches,
+   * so a dispatcher that hangs without refusing connections shows as an outage this soon rather
+   * than after `timeoutMs` of silence. At most `timeoutMs`. @defaultValue 10000
+   */
+  statusTimeoutMs?: number;
   /** Extra attempts after a 429/502/503/504 or a connection failure. @defaultValue 5 */
   retries?: number;
   /** First retry delay; doubles each attempt, full jitter, capped at `retryMaxMs`. @defaultValue 250 */
@@ -119,6 +125,8 @@ interface RequestOptions {
   idempotencyKey?: string;
   /** Keep the body unread and return the response (for streams). */
   stream?: boolean;
+  /** Instead of the client's `timeoutMs`. */
+  timeoutMs?: number;
 }
 
 const RETRY_STATUSES = new Set([429, 502, 503, 504]);
@@ -133,6 +141,7 @@ export class FleetClient {
   readonly url: string;
   private readonly token: string | null;
   private readonly timeoutMs: number;
+  private readonly statusTimeoutMs: number;
   private readonly retries: number;
   private readonly retryBaseMs: number;
   private readonly retryMaxMs: number;
@@ -146,6 +155,7 @@ export class FleetClient {
     this.url = options.url.replace(/\/+$/, "");
     this.token = options.token ?? null;
     this.timeoutMs = options.timeoutMs ?? 60_000;
+    this.statusTimeoutMs = Math.min(options.statusTimeoutMs ?? 10_000, this.timeoutMs);
     this.retries = options.retries ?? 5;
     this.retryBaseMs = options.retryBaseMs ?? 250;
     this.retryMaxMs = options.retryMaxMs ?? 10_000;
@@ -205,7 +215,8 @@ export class FleetClient {
 
   /** `GET /v1/batches/:id`. */
   async getBatch(batchId: string): Promise<BatchStatus> {
-    return parseBody(BatchStatus, await this.request("GET", `/v1/batches/${encodeURIComponent(batchId)}`));
+    const path = `/v1/batches/${encodeURIComponent(batchId)}`;
+    return parseBody(BatchStatus, await this.request("GET", path, { timeoutMs: this.statusTimeoutMs }));
   }
 
   /** `GET /v1/rollouts/:id` (a RolloutResult; not validated here, the server owns its shape). */
@@ -396,8 +407,9 @@ export class FleetClient {
     if (this.token !== null) headers.authorization = `Bearer ${this.token}`;
     if (options.contentType !== undefined) headers["content-type"] = options.contentType;
     if (options.idempotencyKey !== undefined) headers["idempotency-key"] = options.idempotencyKey;
+    const timeoutMs = options.timeoutMs ?? this.timeoutMs;
     const timeout = new AbortController();
-    const timer = setTimeout(() => timeout.abort(), this.timeoutMs);
+    const timer = setTimeout(() => timeout.abort(), timeoutMs);
     const signal =
       this.signal === undefined ? timeout.signal : AbortSignal.any([timeout.signal, this.signal]);
     const target = `${this.url}${path}`;
@@ -413,7 +425,7 @@ export class FleetClient {
       if (this.signal?.aborted)
         throw new ApiError(0, "aborted", `${method} ${target}: aborted`, { cause: err });
       if (timeout.signal.aborted) {
-        throw new ApiError(0, "timeout", `${method} ${target}: no response within ${this.timeoutMs} ms`, {
+        throw new ApiError(0, "timeout", `${method} ${target}: no response within ${timeoutMs} ms`, {
           cause: err,
         });
       }
