@@ -1176,7 +1176,7 @@ describe("idempotency and fencing without workers", () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
     const store = Object.create(fleet.deps.store) as typeof fleet.deps.store;
-    store.noteVerifyTestsStart = async () => {
+    store.noteVerifyWork = async () => {
       throw new Error("Connection is closed.");
     };
     const err = await runStageJob("verify", job(id!), { ...fleet.deps, store }).catch((e: unknown) => e);
@@ -1187,11 +1187,17 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
-  it("a verify attempt a later one superseded (paused past its lock) neither stages nor starts its tests, nor stores its verdict or closes the rollout", async () => {
-    const ids = await fleet.submit([1, 2, 3].map(() => oracle(byId("hello-file"))));
+  it("a verify attempt a later one superseded (paused past its lock) neither stages nor starts its tests, nor stores its verdict, records a failure or closes the rollout", async () => {
+    const ids = await fleet.submit([1, 2, 3, 4, 5].map(() => oracle(byId("hello-file"))));
     for (const id of ids)
       for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id), fleet.deps);
-    const [beforeStaging, beforeTests, afterTests] = ids as [string, string, string];
+    const [beforeStaging, beforeTests, afterTests, failingFresh, failingLapsed] = ids as [
+      string,
+      string,
+      string,
+      string,
+      string,
+    ];
     const store = fleet.deps.store;
     // The job delivered again to worker B, whose verify begins (taking the fence).
     const laterAttemptBegins = async (id: string) => {
@@ -1204,12 +1210,12 @@ describe("idempotency and fencing without workers", () => {
     };
     const staged: string[] = [];
     const testsRun: string[] = [];
-    const watching = (onStage: (handleId: string) => Promise<void> = async () => {}) =>
+    const watching = (onStage: () => Promise<void> = async () => {}) =>
       Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
         put: async (...a: Parameters<SandboxProvider["put"]>) => {
           if (a[1] === "/tests") {
             staged.push(a[0].id);
-            await onStage(a[0].id);
+            await onStage();
           }
           return fleet.deps.provider.put(...a);
         },
@@ -1218,11 +1224,14 @@ describe("idempotency and fencing without workers", () => {
           return fleet.deps.provider.exec(...a);
         },
       });
+    // Its lock fresh (the fence alone refuses), or old enough to have lapsed.
+    const fresh = (id: string) => ({ ...job(id), processedOn: Date.now() });
     const lapsed = (id: string) => ({ ...job(id), processedOn: Date.now() - 25_000 });
     const closeQueued = async (id: string) =>
       !!(await fleet.deps.queues.queues.close.getJob(stageJobId(id, "close")));
+    const handleOf = async (id: string) => (await store.get(id))!.receipts.seed!.handle.id;
 
-    // 1. Superseded while it loaded the task: it stages nothing.
+    // 1. Superseded while it loaded the task: the note before staging refuses, nothing is staged.
     const loading = {
       ...fleet.deps,
       provider: watching(),
@@ -1233,42 +1242,76 @@ describe("idempotency and fencing without workers", () => {
         },
       }),
     };
-    expect(await runStageJob("verify", lapsed(beforeStaging), loading)).toBe("ok");
+    expect(await runStageJob("verify", fresh(beforeStaging), loading)).toBe("ok");
     expect(staged).toEqual([]);
 
-    // 2. Superseded between staging its tests and starting them (its lock fresh: the note alone
-    // refuses): it does not start them, nor note that it did.
-    const handleOf = async (id: string) => (await store.get(id))!.receipts.seed!.handle.id;
+    // 2. Superseded between staging its tests and starting them: it does not start them.
     const staging = { ...fleet.deps, provider: watching(() => laterAttemptBegins(beforeTests)) };
-    expect(await runStageJob("verify", { ...job(beforeTests), processedOn: Date.now() }, staging)).toBe("ok");
+    expect(await runStageJob("verify", fresh(beforeTests), staging)).toBe("ok");
     expect(staged).toEqual([await handleOf(beforeTests)]);
-    expect(await fleet.redis.hget(store.keys.rollout(beforeTests), "t:verify:last")).toBeNull();
+    expect(testsRun).toEqual([]);
 
     // 3. Superseded after its tests ran: its verdict is dropped, and close is not enqueued under
-    // the later attempt's tests.
-    const grading = {
+    // the later attempt's tests (not even on the fresh-lock path, whose commands ioredis may
+    // have held through an outage the lock did not survive).
+    const grading = (id: string, fail?: FleetError | Error) => ({
       ...fleet.deps,
       provider: watching(),
       verify: async (ctx: Parameters<typeof verify>[0]) => {
         const verdict = await verify(ctx);
-        await laterAttemptBegins(afterTests);
+        await laterAttemptBegins(id);
+        if (fail) throw fail;
         return verdict;
       },
-    };
-    expect(await runStageJob("verify", lapsed(afterTests), grading)).toBe("ok");
+    });
+    expect(await runStageJob("verify", fresh(afterTests), grading(afterTests))).toBe("ok");
     expect(testsRun).toEqual([await handleOf(afterTests)]);
 
+    // 4. Superseded, then its grading fails: no failure recorded (one that ends the rollout, or a
+    // retry's entry), no close; fenced atomically (fresh lock) or seen first (lapsed lock).
+    const crash = new Error("the verifier crashed");
+    expect(await runStageJob("verify", fresh(failingFresh), grading(failingFresh, crash))).toBe("superseded");
+    const blip = FleetError.retryable("provider_unavailable", "the daemon blipped (the test)");
+    expect(await runStageJob("verify", lapsed(failingLapsed), grading(failingLapsed, blip))).toBe(
+      "superseded",
+    );
+
     for (const id of ids) {
-      expect((await store.get(id))!.receipts.verify).toBeUndefined();
+      const rec = (await store.get(id))!;
+      expect(rec.receipts.verify).toBeUndefined();
+      expect(rec.failure).toBeNull();
+      expect(await store.failureLog(id)).toEqual([]);
       expect(await closeQueued(id)).toBe(false);
     }
-    // The later attempts verify as usual (the first attempt's tests, seen to end, need no waiting out).
-    await fleet.redis.hdel(store.keys.rollout(afterTests), "t:verify:last");
+    // The later attempts verify as usual (the first attempts' tests, seen to end, need no
+    // waiting out).
     for (const id of ids) {
+      await fleet.redis.hdel(store.keys.rollout(id), "t:verify:last");
       expect(await runStageJob("verify", job(id, 1), fleet.deps)).toBe("ok");
       expect(await closeQueued(id)).toBe(true);
       await closeExpecting(id, { status: "completed", reward: 1 });
     }
+  });
+
+  it("a verify whose lock may have lapsed and whose rollout closed under it (a stop) enqueues close", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const closing = {
+      ...fleet.deps,
+      verify: async (ctx: Parameters<typeof verify>[0]) => {
+        const verdict = await verify(ctx);
+        await fleet.deps.store.tombstone(id!); // a close began (its job then lost, say)
+        return verdict;
+      },
+    };
+    expect(await runStageJob("verify", { ...job(id!), processedOn: Date.now() - 25_000 }, closing)).toBe(
+      "ok",
+    );
+    expect((await fleet.deps.store.get(id!))!.receipts.verify).toBeUndefined();
+    expect(await fleet.deps.queues.queues.close.getJob(stageJobId(id!, "close"))).toBeTruthy();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "masked", reward: null });
+    expect(await containersOf([id!])).toBe(0);
   });
 
   it("a fresh launch (its lock cannot have lapsed) sends verify with its receipt; a stop that came meanwhile still ends in close", async () => {

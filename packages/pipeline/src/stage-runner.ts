@@ -13,9 +13,9 @@ import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError } from "./hand-back.ts";
-import { beginOptions, HANDLERS } from "./stages.ts";
+import { beginOptions, HANDLERS, lockMayHaveLapsed } from "./stages.ts";
 
-export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown";
+export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded";
 
 /** Anything thrown, as a FleetError: unclassified errors are infrastructure (retryable, masked). */
 export function asFleetError(err: unknown): FleetError {
@@ -111,6 +111,22 @@ export async function runStageJob(
     return "ok";
   } catch (err) {
     if (isHandBack(err)) throw err; // not a failure: the job goes back to the queue
+    // A verify attempt a later one superseded (its lock lapsed: see `verifyStage`) failed: the
+    // verification is the later attempt's, so nothing of this failure is recorded (no retry
+    // entry, no hold, no failure ending the rollout, no close under the later attempt's tests).
+    // The final record below is fenced too, atomically.
+    const verifyToken = stage === "verify" ? begun.verifyToken : null;
+    if (
+      verifyToken !== null &&
+      lockMayHaveLapsed(lock) &&
+      !(await deps.store.holdsVerifyFence(rolloutId, verifyToken).catch(() => true))
+    ) {
+      deps.logger.warn(
+        { rolloutId, stage, err: err instanceof Error ? err.message : String(err) },
+        "a later verify attempt began; this one's failure is not recorded",
+      );
+      return "superseded";
+    }
     const fe = asFleetError(err);
     const at = clock(deps);
     const maxAttempts = job.opts.attempts ?? STAGE_CATALOG[stage].options.attempts ?? 1;
@@ -161,10 +177,21 @@ export async function runStageJob(
         // is logged once.
         // Not once the result is decided: a verify whose receipt (its reward) was stored and
         // whose close could not be enqueued keeps its reward; close composes it.
-        if (!recorded)
-          await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at), {
+        if (!recorded) {
+          const stored = await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at), {
             beforeDecided: true,
+            ...(verifyToken === null ? {} : { verifyFence: verifyToken }),
           });
+          // Refused for the fence (not for a decided result): a later attempt is verifying.
+          if (
+            !stored &&
+            verifyToken !== null &&
+            !(await deps.store.holdsVerifyFence(rolloutId, verifyToken))
+          ) {
+            log.warn({ err: fe.message }, "a later verify attempt began; this one's failure is not recorded");
+            return "superseded";
+          }
+        }
         recorded = true;
         await deps.queues.enqueue("close", rolloutId);
         break;

@@ -48,7 +48,12 @@ export type StageRecord = RolloutRecord & {
 
 /** Whether another worker may have been handed this job meanwhile (its lock could have lapsed). */
 function mayBeTakenOver(rec: StageRecord): boolean {
-  return rec.lock === undefined || Date.now() - rec.lock.since >= rec.lock.durationMs / 2;
+  return lockMayHaveLapsed(rec.lock);
+}
+
+/** `mayBeTakenOver` for a job's lock (`StageRecord.lock`; none known: it may have). */
+export function lockMayHaveLapsed(lock: StageRecord["lock"]): boolean {
+  return lock === undefined || Date.now() - lock.since >= lock.durationMs / 2;
 }
 
 /**
@@ -734,11 +739,12 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
  * tests still running in the sandbox as root: a Docker exec outlives its client. Staging new
  * tests and clearing /logs/verifier under them could mix the two runs' rewards. The earlier
  * tests end by their own budget (the in-sandbox `timeout` kills their process group): wait that
- * out, counted from when an earlier attempt last started its tests (noted just before, so a
- * worker that died after noting may not have started them: waited for all the same; `begin`
- * returns it). None when no attempt got as far as its tests (it failed staging them, say): a
- * retry starts at once, not a budget later. A wait that would pass the rollout's deadline is its
- * end (masked); a shutdown hands the job back.
+ * out, counted from when an earlier attempt last began work in the sandbox (noted before it
+ * staged its tests and again just before it started them, so a worker that died after noting may
+ * not have started anything: waited for all the same; `begin` returns it). None when no attempt
+ * got that far, or its staging failed (which clears its note): a retry starts at once, not a
+ * budget later. A wait that would pass the rollout's deadline is its end (masked); a shutdown
+ * hands the job back.
  */
 async function waitOutEarlierTests(
   rec: StageRecord,
@@ -807,16 +813,27 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
     );
   }
   // DESIGN §2 rule 2: one verify at a time. This attempt's token holds the verify fence until a
-  // later attempt begins; only while it does may this one start its tests or store its receipt.
+  // later attempt begins; only while it does may this one work in the sandbox (checked with the
+  // note of that work, before staging the tests and again before starting them), record a
+  // failure (`runStageJob`) or store its receipt.
   const token = rec.begun.verifyToken;
-  if (token === null) throw new Error("verify began without its fence token (beginOptions)");
+  if (token === null) {
+    throw FleetError.nonRetryable("verifier_error", "verify began without its fence token (beginOptions)");
+  }
   const task = await loadTask(rec, deps);
   await waitOutEarlierTests(rec, deps, task, shutdown);
-  // Before staging the tests (which replaces /tests under a later attempt's tests): still this
-  // attempt's? Only a job held long enough for its lock to lapse can have been delivered again.
-  if (mayBeTakenOver(rec) && !(await deps.store.holdsVerifyFence(rec.meta.id, token))) {
-    return superseded(deps, rec.meta.id, "does not stage its tests");
-  }
+  const id = rec.meta.id;
+  // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
+  const note = async (at: number | null) => {
+    const noted = await deps.store.noteVerifyWork(id, at, token).catch((err: unknown) => {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `could not note the verifier's work in the sandbox: ${err instanceof Error ? err.message : String(err)}`,
+        err,
+      );
+    });
+    if (noted === "superseded") throw new VerifySupersededError();
+  };
   const startedAt = clock(deps);
   const grade = deps.verify ?? defaultVerify;
   let verdict: Awaited<ReturnType<typeof grade>>;
@@ -828,23 +845,12 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       run: { answer: runReceipt.answer, exec: runReceipt.exec },
       deadlineMs: rec.meta.deadlineAt,
       signal: shutdown,
-      // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
-      onTestsStart: async () => {
-        const noted = await deps.store
-          .noteVerifyTestsStart(rec.meta.id, clock(deps), token)
-          .catch((err: unknown) => {
-            throw FleetError.retryable(
-              "provider_unavailable",
-              `could not note that the tests start: ${err instanceof Error ? err.message : String(err)}`,
-              err,
-            );
-          });
-        if (noted === "superseded") throw new VerifySupersededError();
-      },
+      onSandboxWork: () => note(clock(deps)),
+      // Nothing of the tests started: a retry need not wait for them.
+      onStagingFailed: () => note(null),
     });
   } catch (err) {
-    if (err instanceof VerifySupersededError)
-      return superseded(deps, rec.meta.id, "does not start its tests");
+    if (err instanceof VerifySupersededError) return superseded(deps, id, "does not touch the sandbox");
     // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits
     // out these tests, still running in the sandbox: `waitOutEarlierTests`). Not a cancel.
     if (shutdown?.aborted) throw new HandBackError();
@@ -872,23 +878,14 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   }
   const at = clock(deps);
   const receipt = { reward: verdict.reward, details: verdict.details, startedAt, at };
-  // Stored only while this attempt holds the verify fence. One whose lock cannot have lapsed
-  // sends close's job with the receipt (one round trip). Otherwise close is enqueued only for a
-  // stored receipt or a stop: an attempt superseded by a later one (paused past its lock, then
+  // Stored only while this attempt holds the verify fence, and close enqueued only for a stored
+  // receipt or a stop, after the receipt's reply: an attempt superseded by a later one (paused
+  // past its lock, or its commands held in ioredis's offline queue through an outage, then
   // woken) must not close the rollout under the tests of the attempt now verifying.
-  if (!mayBeTakenOver(rec)) {
-    await deps.store.saveReceipt(rec.meta, "verify", receipt, "verified", at, {
-      verifyFence: token,
-      next: { queues: deps.queues, stage: "close" },
-    });
-    return null;
-  }
   if (await deps.store.saveReceipt(rec.meta, "verify", receipt, "verified", at, { verifyFence: token })) {
     return "close";
   }
-  if (!(await deps.store.holdsVerifyFence(rec.meta.id, token))) {
-    return superseded(deps, rec.meta.id, "drops its verdict");
-  }
+  if (!(await deps.store.holdsVerifyFence(id, token))) return superseded(deps, id, "drops its verdict");
   return "close"; // refused for a stop (terminal or closed): close must run; a repeat is a no-op
 };
 

@@ -102,7 +102,10 @@ export interface BeginResult {
    * 'stopped' when a stop won, else the previous fence; null when no claim was made.
    */
   launch: { previous: string; launches: number; token: string } | null;
-  /** The verify fence's token taken by this begin (`verifyToken`, stage not skipped), or null. */
+  /**
+   * Verify: the token of `verifyToken` (null for other stages), whether or not the begin took the
+   * fence; it did unless the stage is skipped, when no handler runs.
+   */
   verifyToken: string | null;
   /** Close only: the rollout's sandbox entries (intents and handles). */
   sandboxes: { resources: SandboxEntry | null; agent: SandboxEntry | null } | null;
@@ -587,18 +590,21 @@ export class RolloutStore {
   }
 
   /**
-   * Note that a verify attempt starts its tests now (just before they do): a verify delivered
-   * again waits them out, counted from then (`begin` returns it as `times["verify:prev"]`).
-   * Only while `token` holds the verify fence (`BeginOptions.verifyToken`): `superseded` when a
-   * later attempt began since (this one must not start its tests: the other is verifying), and
-   * `terminal` (nothing noted) on a terminal rollout.
+   * Note that a verify attempt works in the sandbox from now (stages, then starts, its tests): a
+   * verify delivered again waits that out, counted from then (`begin` returns it as
+   * `times["verify:prev"]`). With `at` null, clear the note (its staging failed: nothing started,
+   * so a retry need not wait). Only while `token` holds the verify fence
+   * (`BeginOptions.verifyToken`): `superseded` when a later attempt began since (this one must
+   * not touch the sandbox: the other is verifying); `terminal` (nothing done) on a terminal rollout.
    */
-  async noteVerifyTestsStart(
+  async noteVerifyWork(
     id: string,
-    at: number,
+    at: number | null,
     token: string,
   ): Promise<"noted" | "superseded" | "terminal"> {
-    const r = Number(await this.redis.fleetNoteTests(this.keys.rollout(id), String(at), token));
+    const r = Number(
+      await this.redis.fleetNoteVerify(this.keys.rollout(id), at === null ? "" : String(at), token),
+    );
     return r === 1 ? "noted" : r === -1 ? "superseded" : "terminal";
   }
 
@@ -618,6 +624,8 @@ export class RolloutStore {
     options: {
       /** Only while the result is still open: not once close began or the rollout is graded. */
       beforeDecided?: boolean;
+      /** With `beforeDecided`: only while this token holds the verify fence (a verify's failure). */
+      verifyFence?: string;
     } = {},
   ): Promise<boolean> {
     const parsed = FailureRecord.parse(failure);
@@ -625,7 +633,9 @@ export class RolloutStore {
     if (options.beforeDecided && parsed.terminal) {
       // Logged only when it decides: a refused one (the result was decided already) would show
       // in that result's failures as if it had counted.
-      const set = (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "2")) === 1;
+      const fence = options.verifyFence === undefined ? [] : ["vfence", options.verifyFence];
+      const set =
+        (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "2", ...fence)) === 1;
       if (set) await execAll(this.appendFailure(this.redis.multi(), id, json), `log a failure of ${id}`);
       return set;
     }

@@ -5,7 +5,9 @@ import type { RedisConnection } from "./connection.ts";
  * `meta` (JSON), `deadline` (meta's deadlineAt, for scripts), `status`, `stage`,
  * `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
- * (the fence a claim replaced), `vfence` (the token of the verify attempt that began last),
+ * (the fence a claim replaced), `vfence` (the token of the verify attempt that began last;
+ * `vseen:<token>` marks each token that began), `t:verify:last` (when a verify attempt last
+ * began work in the sandbox),
  * `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
  * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
@@ -152,7 +154,8 @@ const SCRIPTS = {
   /**
    * Set a field unless the rollout is terminal. ARGV: field, value, mode: '0' always, '1' only if
    * absent, '2' only if absent and the rollout is neither closing nor graded (its result is
-   * decided already). Returns 1 if set.
+   * decided already); optionally a fence field and the value it must hold (e.g. 'vfence' and a
+   * verify attempt's token). Returns 1 if set.
    */
   fleetSetField: {
     keys: 1,
@@ -160,6 +163,7 @@ const SCRIPTS = {
       ${TERMINAL}
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
+      if ARGV[4] and ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[4]) ~= ARGV[5] then return 0 end
       if ARGV[3] == '2' and (redis.call('HEXISTS', KEYS[1], 'closed') == 1
           or redis.call('HEXISTS', KEYS[1], 'r:verify') == 1) then return 0 end
       if ARGV[3] ~= '0' then return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) end
@@ -392,9 +396,13 @@ const SCRIPTS = {
             end
             if ARGV[8] ~= '' then
               if ARGV[1] == 'verify' then
-                -- The verify fence: only the attempt that began last may start its tests or
-                -- store its receipt (fleetNoteTests, fleetReceipt).
-                redis.call('HSET', KEYS[1], 'vfence', ARGV[8])
+                -- The verify fence: only the attempt that began last may touch the sandbox,
+                -- record a failure or store its receipt (fleetNoteVerify, fleetSetField,
+                -- fleetReceipt). Taken once per token: this very begin sent again by ioredis
+                -- after a reconnect (a later attempt may have begun meanwhile) takes nothing back.
+                if redis.call('HSETNX', KEYS[1], 'vseen:' .. ARGV[8], '1') == 1 then
+                  redis.call('HSET', KEYS[1], 'vfence', ARGV[8])
+                end
               else
                 previous, launches = claimLaunch(KEYS[1], ARGV[8])
               end
@@ -429,19 +437,25 @@ const SCRIPTS = {
       return {rec, failures, intent, previous, launches, sb1, sb2}`,
   },
   /**
-   * Note that a verify attempt starts its tests now (`t:verify:last`), only while it is the
-   * attempt that began last (`vfence` holds its token, ARGV[2]) and the rollout is not terminal.
-   * ARGV: now, token. Returns 1 if noted, 0 if terminal (nothing to protect: its receipt will be
-   * refused), -1 if a later attempt began since: this one must not start its tests.
+   * Note that a verify attempt works in the sandbox from now (stages or starts its tests:
+   * `t:verify:last`), or with an empty time clear that note (its staging failed: nothing
+   * started), only while it is the attempt that began last (`vfence` holds its token, ARGV[2])
+   * and the rollout is not terminal. ARGV: now ('' to clear), token. Returns 1 if done, 0 if
+   * terminal (nothing to protect: its receipt will be refused), -1 if a later attempt began
+   * since: this one must not touch the sandbox.
    */
-  fleetNoteTests: {
+  fleetNoteVerify: {
     keys: 1,
     lua: `
       ${TERMINAL}
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
       if redis.call('HGET', KEYS[1], 'vfence') ~= ARGV[2] then return -1 end
-      redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1])
+      if ARGV[1] == '' then
+        redis.call('HDEL', KEYS[1], 't:verify:last')
+      else
+        redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1])
+      end
       return 1`,
   },
   /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */

@@ -386,10 +386,10 @@ describe("rollout store", () => {
     expect(
       (await store.begin(v, "verify", 20, { verifyToken: "v2" })).record!.times["verify:prev"],
     ).toBeUndefined();
-    expect(await store.noteVerifyTestsStart(v, 25, "v2")).toBe("noted");
+    expect(await store.noteVerifyWork(v, 25, "v2")).toBe("noted");
     expect((await store.begin(v, "verify", 30, { verifyToken: "v3" })).record!.times["verify:prev"]).toBe(25);
     expect((await store.begin(v, "verify", 30, { verifyToken: "v3" })).record!.times["verify:prev"]).toBe(25);
-    expect(await store.noteVerifyTestsStart(v, 35, "v3")).toBe("noted");
+    expect(await store.noteVerifyWork(v, 35, "v3")).toBe("noted");
     expect((await store.begin(v, "verify", 40, { verifyToken: "v4" })).record!.times["verify:prev"]).toBe(35);
   });
 
@@ -403,9 +403,28 @@ describe("rollout store", () => {
     // A paused before its tests; its job went to B.
     await store.begin(id, "verify", 2, { verifyToken: "b" });
     expect(await store.holdsVerifyFence(id, "a")).toBe(false);
-    expect(await store.noteVerifyTestsStart(id, 3, "a")).toBe("superseded");
+    expect(await store.noteVerifyWork(id, 3, "a")).toBe("superseded");
     expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBeNull();
-    expect(await store.noteVerifyTestsStart(id, 4, "b")).toBe("noted");
+    expect(await store.noteVerifyWork(id, 4, "b")).toBe("noted");
+    // A's begin sent again by ioredis after a reconnect (its reply lost) takes nothing back.
+    await store.begin(id, "verify", 1, { verifyToken: "a" });
+    expect(await store.holdsVerifyFence(id, "b")).toBe(true);
+    // A cannot clear B's note, nor record a failure that would end the rollout under B.
+    expect(await store.noteVerifyWork(id, null, "a")).toBe("superseded");
+    expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBe("4");
+    const failure = {
+      stage: "verify",
+      terminal: true,
+      failureKind: "verifier_error",
+      mask: true,
+      reason: "crashed",
+      at: 4,
+    } as const;
+    expect(await store.recordFailure(id, failure, { beforeDecided: true, verifyFence: "a" })).toBe(false);
+    expect((await store.get(id))!.failure).toBeNull();
+    // B's staging failed: its note goes (a retry need not wait for tests that never started).
+    expect(await store.noteVerifyWork(id, null, "b")).toBe("noted");
+    expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBeNull();
     const receipt = { reward: 1, details: { kind: "tests" }, startedAt: 4, at: 5 };
     expect(await store.saveReceipt(meta, "verify", receipt, "verified", 5, { verifyFence: "a" })).toBe(false);
     expect((await store.get(id))!.receipts.verify).toBeUndefined();
@@ -415,7 +434,7 @@ describe("rollout store", () => {
     expect(await store.holdsVerifyFence(id, "b")).toBe(true);
     // Terminal: nothing to note, nothing to refuse for.
     await redis.hset(store.keys.rollout(id), "status", "completed");
-    expect(await store.noteVerifyTestsStart(id, 8, "b")).toBe("terminal");
+    expect(await store.noteVerifyWork(id, 8, "b")).toBe("terminal");
   });
 
   it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {

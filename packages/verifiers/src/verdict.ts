@@ -13,10 +13,14 @@ export interface VerifyContext {
   /** Abort: stop waiting (throws the reason, or `cancelled`). */
   signal?: AbortSignal;
   /**
-   * Called (and awaited) just before the tests start in the sandbox, each time they do: a verify
-   * delivered again waits out only tests that may have started (they outlive their client).
+   * Called (and awaited) before the verifier works in the sandbox: before staging the tests
+   * (`stage`), and again just before they start (`tests`), each time they do. A verify delivered
+   * again waits out only work that may have started (it outlives its client); throwing stops the
+   * verification there.
    */
-  onTestsStart?: () => Promise<void>;
+  onSandboxWork?: (phase: "stage" | "tests") => Promise<void>;
+  /** Staging the tests failed (not aborted): none of them started, so a retry need not wait. */
+  onStagingFailed?: () => Promise<void>;
 }
 
 export interface Verdict {

@@ -186,16 +186,22 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   const remaining = (): number => Math.max(1, Math.floor(endsAt - Date.now()));
 
   // Exactly the task's tests: whatever a previous attempt left in /tests goes in the same step.
-  await step(ctx, "stage the tests", () =>
-    provider.put(handle, SANDBOX_PATHS.tests, task.tests, {
-      user: ROOT_USER,
-      modes: fileModes(task, "tests"),
-      replace: true,
-    }),
-  );
+  await ctx.onSandboxWork?.("stage");
+  try {
+    await step(ctx, "stage the tests", () =>
+      provider.put(handle, SANDBOX_PATHS.tests, task.tests, {
+        user: ROOT_USER,
+        modes: fileModes(task, "tests"),
+        replace: true,
+      }),
+    );
+  } catch (err) {
+    if (!ctx.signal?.aborted) await ctx.onStagingFailed?.().catch(() => undefined);
+    throw err;
+  }
   const runOnce = async () => {
     const nonce = randomBytes(16).toString("hex");
-    await ctx.onTestsStart?.();
+    await ctx.onSandboxWork?.("tests");
     const ran = await step(ctx, "run the tests", () =>
       provider.exec(handle, RUN_TESTS_ARGV, {
         deadlineMs: remaining(),
