@@ -265,13 +265,20 @@ describe("janitor", () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 1 }]);
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    // A pass while the daemon answered counted its sandboxes.
+    await janitorTick({ ...fleet.deps, metrics }, { orphanGraceMs: 3 * 3_600_000 });
+    const active = async () => (await metrics.sandboxesActive.get()).values.map((v) => v.labels.owner).sort();
+    expect(await active()).toEqual(["agent", "resources"]);
     const dead = new DockerSandboxProvider({ docker: { socketPath: "/tmp/fleet-no-daemon-here.sock" } });
-    const later = { ...fleet.deps, provider: dead, now: () => Date.now() + 120_000 };
+    const later = { ...fleet.deps, provider: dead, metrics, now: () => Date.now() + 120_000 };
     const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
     // Every step that needs the daemon reports its own error; the others still ran.
     expect(report.errors).toEqual([expect.stringMatching(/^orphans: /), expect.stringMatching(/^helpers: /)]);
     expect(report.watchdogClosed).toBe(1);
     expect(await fleet.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
+    // No count rather than a stale one (which FleetSandboxLeak would page on).
+    expect(await active()).toEqual([]);
   });
 
   it("replicas share one schedule: two janitors never run a pass at the same time", async () => {

@@ -8,7 +8,7 @@ import {
   sandboxKey,
   stageJobId,
 } from "@fleet/queue";
-import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT } from "@fleet/sandbox";
+import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fleet/sandbox";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { destroyOrLedger } from "./stages.ts";
@@ -116,7 +116,17 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 
   // (3) Orphans by label: what the registry does not know (a worker died before recording).
   await step("orphans", async () => {
-    const listed = await deps.provider.list();
+    let listed: SandboxInfo[];
+    try {
+      listed = await deps.provider.list();
+    } catch (err) {
+      // No count now: fleet_sandboxes_active goes without a sample rather than keep its last
+      // value, which FleetSandboxLeak would take for sandboxes the fleet no longer accounts for.
+      for (const owner of ["resources", "agent"]) {
+        deps.metrics?.sandboxesActive.remove({ provider: deps.provider.name, owner });
+      }
+      throw err;
+    }
     // A sandbox on the teardown ledger is the ledger step's, retried on its backoff: trying it
     // here too would retry a failing destroy every pass and push its backoff out each time.
     const onLedger = new Map((await deps.ledger.pending()).map((e) => [e.key, e]));
