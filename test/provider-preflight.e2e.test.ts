@@ -2,12 +2,16 @@ import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import { RolloutRequest } from "@fleet/contracts";
 import { admit, createRedis, RolloutStore, StageQueues } from "@fleet/queue";
-import { afterAll, describe, expect, it } from "vitest";
+import { afterAll, describe, expect, it, vi } from "vitest";
 import { APP_MAIN, freePort, REPO_ROOT } from "../scripts/lib/fleet-processes.ts";
 import { dropPrefix, REDIS_URL, testPrefix } from "./helpers/env.ts";
 
 /** Run an app's main.ts as its own process; resolves with its exit code and output. */
-function runApp(kind: keyof typeof APP_MAIN, env: Record<string, string>) {
+function runApp(
+  kind: keyof typeof APP_MAIN,
+  env: Record<string, string>,
+  started?: (kill: () => void) => void,
+) {
   const child = spawn(process.execPath, ["--import", "tsx", APP_MAIN[kind]], {
     cwd: REPO_ROOT,
     env: { PATH: process.env.PATH ?? "/usr/bin:/bin", HOME: process.env.HOME ?? "/root", ...env },
@@ -17,6 +21,7 @@ function runApp(kind: keyof typeof APP_MAIN, env: Record<string, string>) {
   child.stdout.on("data", (d: Buffer) => (output += d.toString()));
   child.stderr.on("data", (d: Buffer) => (output += d.toString()));
   const killer = setTimeout(() => child.kill("SIGKILL"), 60_000);
+  started?.(() => child.kill("SIGTERM"));
   return new Promise<{ code: number | null; output: string }>((resolve) =>
     child.on("exit", (code) => {
       clearTimeout(killer);
@@ -71,5 +76,32 @@ describe("a worker that cannot reach its sandbox provider", () => {
     expect(await seed?.getState()).toBe("waiting");
     expect((await store.get(ids[0]!))?.status).toBe("accepted");
     await queues.close();
+  });
+
+  it("while it waits for the provider, its metrics say the provider is down (an alert sees it; its heartbeat is fresh)", async () => {
+    const [dockerPort, metricsPort] = [await freePort(), await freePort()];
+    let kill = () => {};
+    const running = runApp(
+      "verifier",
+      {
+        REDIS_URL,
+        FLEET_PREFIX: prefix,
+        DOCKER_HOST: `tcp://127.0.0.1:${dockerPort}`,
+        FLEET_PROVIDER_WAIT_MS: "30000",
+        FLEET_METRICS_PORT: String(metricsPort),
+      },
+      (k) => (kill = k),
+    );
+    let scraped = "";
+    await vi.waitFor(
+      async () => {
+        scraped = await fetch(`http://127.0.0.1:${metricsPort}/metrics`).then((r) => r.text());
+        expect(scraped).toMatch(/^fleet_sandbox_provider_up(\{[^}]*\})? 0$/m);
+      },
+      { timeout: 20_000, interval: 200 },
+    );
+    expect(scraped).toMatch(/^fleet_worker_heartbeat_timestamp_seconds\{[^}]*\} \d/m);
+    kill();
+    await running;
   });
 });

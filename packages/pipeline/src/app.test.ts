@@ -21,10 +21,15 @@ function flaky(failures: number, hang = false) {
 }
 
 describe("waitForProvider", () => {
-  it("waits through failures until the provider answers", async () => {
+  it("waits through failures until the provider answers, telling onDown once", async () => {
     const { provider, calls } = flaky(2);
-    await waitForProvider(provider, logger, 10_000);
+    let downs = 0;
+    await waitForProvider(provider, logger, 10_000, { onDown: () => downs++ });
     expect(calls()).toBe(3);
+    expect(downs).toBe(1);
+    // Reachable at once: never down.
+    await waitForProvider(flaky(0).provider, logger, 10_000, { onDown: () => downs++ });
+    expect(downs).toBe(1);
   });
 
   it("gives up after the wait with what failed, where, and what to check", async () => {

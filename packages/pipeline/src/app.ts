@@ -128,7 +128,13 @@ export async function waitForProvider(
   provider: PipelineDeps["provider"],
   logger: PipelineDeps["logger"],
   waitMs: number,
-  options: { hint?: string; callTimeoutMs?: number; now?: () => number } = {},
+  options: {
+    hint?: string;
+    callTimeoutMs?: number;
+    now?: () => number;
+    /** Told once, when the first attempt fails (e.g. to export the provider as down meanwhile). */
+    onDown?: () => void;
+  } = {},
 ): Promise<void> {
   const now = options.now ?? Date.now;
   const end = now() + waitMs;
@@ -146,6 +152,7 @@ export async function waitForProvider(
       );
     }
     if (attempt === 1) {
+      options.onDown?.();
       logger.warn(
         { provider: provider.name, endpoint: provider.endpoint, err: message, waitMs },
         "sandbox provider not reachable yet; no stage job is taken until it is",
@@ -176,6 +183,9 @@ async function providerReady(
   try {
     await waitForProvider(deps.provider, logger, config.providerWaitMs, {
       hint: PROVIDER_HINT[config.sandboxProvider],
+      // Its heartbeat is fresh meanwhile: without this, no alert would see the worker is idle
+      // for want of its sandboxes (FleetSandboxProviderDown; the stage workers set it from here on).
+      onDown: () => deps.metrics?.sandboxProviderUp.set(0),
     });
     return true;
   } catch (err) {
