@@ -84,6 +84,12 @@ export const RunReceipt = z.object({
   startedAt: z.number().int(),
   stoppedAt: z.number().int(),
   attempts: z.number().int().positive(),
+  /**
+   * The agent exited 0 while its model upstream was failing (its last call through the gateway an
+   * infrastructure failure; why): its work is graded, and a reward below 1 is masked
+   * (`provider_unavailable`), since a working upstream might have done better (DESIGN §2 rule 6).
+   */
+  upstreamFailing: z.string().nullable().optional(),
   at: z.number().int(),
 });
 export type RunReceipt = z.infer<typeof RunReceipt>;

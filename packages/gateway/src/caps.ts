@@ -12,9 +12,12 @@ export interface CapState {
   calls: number;
   /** Tokens of answered calls; `null` when some call did not report them. */
   tokens: number | null;
+  /** The agent abandoned a call: an unknown total is then its own doing, not the upstream's. */
+  abandoned?: boolean;
 }
 
-export type CapCode = "call_cap_exceeded" | "token_cap_exceeded";
+/** `usage_unreported`: the token cap cannot be checked, the upstream's doing, not the agent's. */
+export type CapCode = "call_cap_exceeded" | "token_cap_exceeded" | "usage_unreported";
 
 export interface CapRefusal {
   code: CapCode;
@@ -30,7 +33,9 @@ export interface CapRefusal {
  *   refused call is the first one started after the running total crossed the cap. Calls in
  *   flight at that moment are not stopped and are counted when answered.
  * - A token cap with a total that is unknown (some call did not report usage) cannot be
- *   checked, so it refuses (fail closed) with the same `token_cap_exceeded` code.
+ *   checked, so it refuses (fail closed): with `usage_unreported` when the upstream did not
+ *   report it (its shortcoming: the gateway counts it as an upstream failure), with
+ *   `token_cap_exceeded` when the agent abandoned a call (its own doing).
  */
 export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | null {
   if (limits.maxCalls !== undefined && state.calls >= limits.maxCalls) {
@@ -41,10 +46,15 @@ export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | nul
   }
   if (limits.maxTokens !== undefined) {
     if (state.tokens === null) {
-      return {
-        code: "token_cap_exceeded",
-        message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: the upstream did not report usage for an earlier call`,
-      };
+      return state.abandoned
+        ? {
+            code: "token_cap_exceeded",
+            message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: the agent abandoned an earlier call, whose tokens are unknown`,
+          }
+        : {
+            code: "usage_unreported",
+            message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: the upstream did not report usage for an earlier call`,
+          };
     }
     if (state.tokens >= limits.maxTokens) {
       return {

@@ -119,7 +119,7 @@ describe("model gateway", () => {
     expect(upstream.requests).toHaveLength(1);
   });
 
-  it("records a response without usage as a gap, and then fails a token cap closed", async () => {
+  it("records a response without usage as a gap, and then fails a token cap closed, as the upstream's failure", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1000 });
     upstream.push(chatReply({ content: "a", usage: null }));
@@ -133,8 +133,10 @@ describe("model gateway", () => {
     });
     const refused = await chat(baseUrl, token);
     expect(refused.status).toBe(429);
-    expect(refused.json.error.code).toBe("token_cap_exceeded");
-    expect(refused.json.error.message).toMatch(/cannot be enforced/);
+    expect(refused.json.error.code).toBe("usage_unreported");
+    expect(refused.json.error.message).toMatch(/cannot be enforced: the upstream did not report usage/);
+    // An agent that stops on it failed for the upstream (masked), not on its own.
+    expect(gateway.health(token)?.lastInfraFailure).toBe("the upstream reports no usage");
   });
 
   it("a call the agent abandons mid-generation counts toward the caps: the call cap, and a token total now unknown", async () => {
@@ -299,6 +301,36 @@ describe("model gateway", () => {
     await chat(baseUrl, token);
     expect(gateway.health(token)?.lastInfraFailure).toMatch(/^unreachable: /);
     expect(gateway.health("not-a-token")).toBeNull();
+  });
+
+  it("a 2xx that is no chat completion, and an answer over the size bound, are the upstream failing, not answering", async () => {
+    const { upstream, gateway } = await setup({ maxResponseBytes: 1024 });
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const health = () => gateway.health(token);
+    upstream.push({ status: 200, rawBody: '{"choices": [ this is not json' });
+    expect((await chat(baseUrl, token)).status).toBe(200); // passed on as it came
+    expect(health()).toEqual({
+      answered: 0,
+      infraFailures: 1,
+      lastInfraFailure: "HTTP 200 with no readable chat completion",
+    });
+    upstream.push({
+      status: 200,
+      rawBody: "<html>gateway ok</html>",
+      headers: { "content-type": "text/html" },
+    });
+    await chat(baseUrl, token);
+    expect(health()?.infraFailures).toBe(2);
+    upstream.push(chatReply({ content: "ok" }));
+    await chat(baseUrl, token);
+    expect(health()).toEqual({ answered: 1, infraFailures: 2, lastInfraFailure: null });
+    upstream.push(chatReply({ content: "x".repeat(4096) }));
+    expect((await chat(baseUrl, token)).status).toBe(502);
+    expect(health()).toEqual({
+      answered: 1,
+      infraFailures: 3,
+      lastInfraFailure: "upstream response over 1024 bytes",
+    });
   });
 
   it("a concurrency refusal, unlike a malformed request, leaves the upstream's last failure as it was", async () => {

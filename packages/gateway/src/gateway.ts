@@ -189,8 +189,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       await admitAndForward(entry, req, res);
     } catch (err) {
       // Refused for the agent's own request (malformed, too large, over a cap): the last call
-      // failed on the agent, whatever the upstream did before. A concurrency refusal, a credential
-      // the worker could not resolve or an upstream answer too large leave the health as it was.
+      // failed on the agent, whatever the upstream did before. A concurrency refusal leaves the
+      // health as it was; a credential the worker could not resolve, an upstream answer too large
+      // and a token cap the upstream's missing usage cannot enforce are upstream failures.
       if (err instanceof GatewayHttpError && AGENTS_OWN_REFUSALS.has(err.code)) {
         entry.health.lastInfraFailure = null;
       }
@@ -236,10 +237,17 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       throw new GatewayHttpError(400, "stream_unsupported", "streaming is not supported; send stream: false");
     }
     const refusal = capRefusal(
-      { calls: entry.meter.cappedCalls + entry.pending, tokens: entry.meter.totalTokens },
+      {
+        calls: entry.meter.cappedCalls + entry.pending,
+        tokens: entry.meter.totalTokens,
+        abandoned: entry.meter.abandonedAny,
+      },
       entry.registration,
     );
-    if (refusal) throw new GatewayHttpError(429, refusal.code, refusal.message);
+    if (refusal) {
+      if (refusal.code === "usage_unreported") noteInfraFailure(entry, "the upstream reports no usage");
+      throw new GatewayHttpError(429, refusal.code, refusal.message);
+    }
 
     entry.pending += 1;
     const controller = new AbortController();
@@ -282,7 +290,11 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       const abandoned = controller.signal.aborted && controller.signal.reason === CLIENT_GONE;
       if (abandoned) entry.meter.recordAbandoned();
       else entry.meter.recordFailure();
-      if (err instanceof GatewayHttpError) throw err;
+      if (err instanceof GatewayHttpError) {
+        // The upstream's answer too large, or the operator's credential not resolvable.
+        noteInfraFailure(entry, err.message);
+        throw err;
+      }
       if (timeout.aborted) {
         noteInfraFailure(entry, `no answer in ${o.upstreamTimeoutMs} ms`);
         throw new GatewayHttpError(
@@ -308,22 +320,26 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       res.off("close", onClientGone);
     }
 
-    if (isInfraStatus(status)) noteInfraFailure(entry, `HTTP ${status}`);
-    else {
-      entry.health.answered += 1;
-      entry.health.lastInfraFailure = null;
-    }
-    if (status >= 200 && status < 300) {
-      let parsed: unknown = null;
+    const ok = status >= 200 && status < 300;
+    let parsed: unknown = null;
+    if (ok) {
       try {
         parsed = JSON.parse(text);
       } catch {
         // Recorded as a call without usage below: an answer we could not read is a gap, not a zero.
       }
-      entry.meter.record(readCallUsage(parsed));
-    } else {
-      entry.meter.recordFailure();
     }
+    if (isInfraStatus(status)) noteInfraFailure(entry, `HTTP ${status}`);
+    else if (ok && !isChatCompletion(parsed)) {
+      // A 2xx that is no chat completion (truncated JSON, a proxy's HTML page): the upstream
+      // did not answer, whatever its status says. Passed on as it came.
+      noteInfraFailure(entry, `HTTP ${status} with no readable chat completion`);
+    } else {
+      entry.health.answered += 1;
+      entry.health.lastInfraFailure = null;
+    }
+    if (ok) entry.meter.record(readCallUsage(parsed));
+    else entry.meter.recordFailure();
     const headers: Record<string, string> = { "content-type": contentType };
     if (retryAfter !== null) headers["retry-after"] = retryAfter;
     res.writeHead(status, headers);
@@ -465,6 +481,11 @@ function redactCredential(text: string, credential: string | null | undefined): 
   return redactSecrets(text, forms, "[redacted]");
 }
 
+/** A chat-completions answer as far as the gateway reads one: a JSON object with a `choices` array. */
+function isChatCompletion(body: unknown): boolean {
+  return typeof body === "object" && body !== null && Array.isArray((body as { choices?: unknown }).choices);
+}
+
 function noteInfraFailure(entry: Entry, what: string): void {
   entry.health.infraFailures += 1;
   entry.health.lastInfraFailure = what;
@@ -478,7 +499,9 @@ function describe(err: unknown): string {
 
 function errorType(status: number, code: string): string {
   if (status === 401) return "authentication_error";
-  if (code === "call_cap_exceeded" || code === "token_cap_exceeded") return "insufficient_quota";
+  if (code === "call_cap_exceeded" || code === "token_cap_exceeded" || code === "usage_unreported") {
+    return "insufficient_quota";
+  }
   return status >= 500 ? "api_error" : "invalid_request_error";
 }
 

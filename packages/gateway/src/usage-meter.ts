@@ -125,6 +125,11 @@ export class UsageMeter {
     this.abandoned += 1;
   }
 
+  /** Whether the agent abandoned a call (whose tokens are then unknown). */
+  get abandonedAny(): boolean {
+    return this.abandoned > 0;
+  }
+
   /** Calls that count toward a call cap: answered ones and abandoned ones. */
   get cappedCalls(): number {
     return this.calls + this.abandoned;

@@ -17,6 +17,19 @@ req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions"
 print(json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"])
 `;
 
+/** CLIENT as many agent CLIs behave: an API error is printed, and it exits 0 with $FALLBACK as its answer. */
+const CLIENT_EXIT_0 = `
+import os, sys
+try:
+${CLIENT.trim()
+  .split("\n")
+  .map((l) => `  ${l}`)
+  .join("\n")}
+except Exception as e:
+  print("API error:", e, file=sys.stderr)
+  print(os.environ.get("FALLBACK", ""))
+`;
+
 /** Docker, noting the network each owner's sandbox was created on (rollout → owner → network). */
 class NetworkNotingProvider extends DockerSandboxProvider {
   readonly networks = new Map<string, Record<string, string>>();
@@ -57,7 +70,11 @@ describe("command agent with a model, through the per-rollout gateway", () => {
   });
 
   /** sum-answer with the CLIENT command agent on the served model, in the task's sandbox or its own. */
-  async function submitClient(sandbox: "borrow" | "own"): Promise<string> {
+  async function submitClient(
+    sandbox: "borrow" | "own",
+    client = CLIENT,
+    env: Record<string, string> = {},
+  ): Promise<string> {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
     const [id] = await fleet.submit([
@@ -66,7 +83,8 @@ describe("command agent with a model, through the per-rollout gateway", () => {
         agent: {
           harness: "command",
           sandbox,
-          argv: ["python3", "-c", CLIENT],
+          argv: ["python3", "-c", client],
+          env,
           model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
         },
       },
@@ -107,6 +125,25 @@ describe("command agent with a model, through the per-rollout gateway", () => {
       failureKind: "provider_unavailable",
     });
     expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 503/);
+  });
+
+  it("an agent that exits 0 while its model upstream fails is masked unless its work earns a full reward", async () => {
+    upstream.push(errorReply(503, "overloaded", "the model is overloaded"));
+    upstream.push(errorReply(503, "overloaded", "the model is overloaded"));
+    const empty = await submitClient("borrow", CLIENT_EXIT_0);
+    const solved = await submitClient("borrow", CLIENT_EXIT_0, { FALLBACK: "4217" });
+    const [r, full] = await fleet.waitForResults([empty, solved], 120_000);
+    expect(r).toMatchObject({
+      status: "masked",
+      reward: null,
+      failureKind: "provider_unavailable",
+      stage: "verify",
+    });
+    expect(r!.reason).toMatch(
+      /model upstream was failing when the agent stopped .*HTTP 503.*graded 0, so not scored/,
+    );
+    // Its work stands: the upstream failing could not have made it better.
+    expect(full).toMatchObject({ status: "completed", reward: 1 });
   });
 
   it("the agent's model caps hold: past maxCalls a call gets 429 and never reaches the upstream", async () => {

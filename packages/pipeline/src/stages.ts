@@ -636,15 +636,17 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   }
   // An agent that did not finish cleanly while its model upstream was failing (its last call
   // through the gateway an outage, a 5xx, a 429, the operator's key refused) failed for the
-  // infrastructure, not on its own: masked, never a zero (rule 6). One that finished cleanly, or
-  // whose last call was answered, is graded as usual.
+  // infrastructure, not on its own: masked, never a zero (rule 6). One that exited 0 all the same
+  // (many agent CLIs do after API errors) is graded, and masked at verify unless its work earns a
+  // full reward. One whose last call was answered is graded as usual.
   const lastFailure = (upstream as UpstreamHealth | null)?.lastInfraFailure ?? null;
-  if (lastFailure !== null && (outcome.exec.exitCode !== 0 || outcome.exec.timedOut)) {
+  let upstreamFailing: string | null = null;
+  if (lastFailure !== null) {
     const { answered, infraFailures } = upstream as unknown as UpstreamHealth;
-    throw FleetError.nonRetryable(
-      "provider_unavailable",
-      `the model upstream was failing when the agent stopped (${infraFailures} failed call(s), ${answered} answered; last: ${capText(lastFailure, 300)})`,
-    );
+    upstreamFailing = `the model upstream was failing when the agent stopped (${infraFailures} failed call(s), ${answered} answered; last: ${capText(lastFailure, 300)})`;
+    if (outcome.exec.exitCode !== 0 || outcome.exec.timedOut) {
+      throw FleetError.nonRetryable("provider_unavailable", upstreamFailing);
+    }
   }
   const usage = gatewayUsage ?? outcome.usage;
   if (usage && deps.metrics) {
@@ -678,6 +680,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     startedAt,
     stoppedAt,
     attempts: launches,
+    upstreamFailing,
     at: stoppedAt,
   };
   // Stored only while this launch holds the fence. A launch that cannot have been taken over
@@ -875,6 +878,13 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       if (await stoppedUnder(deps, rec.meta.id)) return "close";
       throw lost;
     }
+  }
+  // The agent exited 0 while its model upstream was failing: only a full reward stands (rule 6).
+  if (runReceipt.upstreamFailing && verdict.reward < 1) {
+    throw FleetError.nonRetryable(
+      "provider_unavailable",
+      capText(`${runReceipt.upstreamFailing}; its work graded ${verdict.reward}, so not scored`),
+    );
   }
   const at = clock(deps);
   const receipt = { reward: verdict.reward, details: verdict.details, startedAt, at };
