@@ -55,6 +55,12 @@ export const ModelBaseUrl = z.url().superRefine((text, ctx) => {
 /** Whether the agent borrows the task sandbox (default) or gets one of its own. */
 export const SandboxMode = z.enum(["borrow", "own"]);
 
+/** The model a call names (sent to the upstream as it is): not blank. */
+const ModelName = z
+  .string()
+  .min(1)
+  .refine((name) => name.trim() !== "", "must not be blank");
+
 /** A command-line argument or environment value: no process can be given a NUL byte. */
 const NoNulString = z.string().refine((v) => !v.includes("\0"), "must not contain a NUL byte");
 
@@ -93,7 +99,7 @@ export const CommandAgent = z.strictObject({
    */
   model: z
     .strictObject({
-      name: z.string().min(1),
+      name: ModelName,
       baseUrl: ModelBaseUrl,
       credential: CredentialName,
       /** Calls the gateway forwards for this rollout; past it a call gets 429 `call_cap_exceeded`. */
@@ -106,7 +112,7 @@ export const CommandAgent = z.strictObject({
 
 export const ModelSpec = z.strictObject({
   baseUrl: ModelBaseUrl,
-  name: z.string().min(1),
+  name: ModelName,
   temperature: z.number().min(0).max(2).optional(),
   topP: z.number().gt(0).max(1).optional(),
   maxTokens: z.number().int().positive().optional(),

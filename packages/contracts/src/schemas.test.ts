@@ -190,6 +190,24 @@ describe("AgentSpec refusals", () => {
     expect(r1.error?.issues[0]?.message).toMatch(/NUL/);
     expect(r2.error?.issues[0]?.path).toEqual(["env", "A"]);
   });
+
+  it("a blank model name is refused (422), for both harnesses that name one", () => {
+    const url = "http://127.0.0.1:8000/v1";
+    const toolLoop = AgentSpec.safeParse({ harness: "tool-loop", model: { baseUrl: url, name: "   " } });
+    const command = AgentSpec.safeParse({
+      harness: "command",
+      argv: ["true"],
+      model: { name: " \t", baseUrl: url, credential: "default" },
+    });
+    expect(toolLoop.error?.issues[0]).toMatchObject({
+      path: ["model", "name"],
+      message: "must not be blank",
+    });
+    expect(command.error?.issues[0]).toMatchObject({ path: ["model", "name"], message: "must not be blank" });
+    expect(AgentSpec.safeParse({ harness: "tool-loop", model: { baseUrl: url, name: " m " } }).success).toBe(
+      true,
+    );
+  });
 });
 
 describe("TaskContent refusals", () => {

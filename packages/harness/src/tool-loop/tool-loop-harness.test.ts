@@ -199,11 +199,15 @@ describe("ToolLoopHarness", () => {
     expect(out.usage?.calls).toBe(1);
   });
 
-  it("also recognises a context-length error by its message alone (answer null without text)", async () => {
+  it("also recognises a context-length error by its message alone; on the first call it is the spec's mismatch (agent_error), not graded", async () => {
     upstream.push(errorReply(400, "bad_request", "prompt exceeds the maximum context length of 2048"));
-    const out = await harness().run(ctx());
-    expect(out.exec.exitCode).toBe(0);
-    expect(out.answer).toBeNull();
+    const err = await harness()
+      .run(ctx())
+      .catch((e: unknown) => e);
+    expect(err).toMatchObject({ kind: "agent_error", retryable: false });
+    expect((err as Error).message).toMatch(
+      /cannot take the episode's first request: .*maximum context length/,
+    );
   });
 
   it("stops after maxSteps steps, graded", async () => {
@@ -219,6 +223,23 @@ describe("ToolLoopHarness", () => {
     expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
     expect(out.exec.stderr).toMatch(/max_steps/);
     expect(out.answer).toBe("still going");
+  });
+
+  it("sends no per-call limit without the model's own, however much the rollout's cap has left", async () => {
+    upstream.push(chatReply({ content: "done", usage: { prompt: 10, completion: 5 } }));
+    const a = agent({ maxTokens: 100_000 });
+    await harness(a).run(ctx(a));
+    expect(bodyOf(0)).not.toHaveProperty("max_tokens");
+  });
+
+  it("with a token cap and an endpoint that reports no usage, the cap cannot hold: masked, not graded", async () => {
+    upstream.push(chatReply({ bash: ["true"], usage: null }), chatReply({ content: "never" }));
+    const a = agent({ maxTokens: 1000 });
+    const err = await harness(a)
+      .run(ctx(a))
+      .catch((e: unknown) => e);
+    expect(err).toMatchObject({ kind: "provider_unavailable", retryable: false });
+    expect(upstream.requests).toHaveLength(1);
   });
 
   it("stops at the rollout's token cap and never asks for more completion tokens than are left", async () => {

@@ -100,6 +100,11 @@ export class ToolLoopHarness implements Harness {
 
     steps: for (let step = 1; step <= agent.maxSteps; step++) {
       const refusal = capRefusal({ calls: 0, tokens: meter.totalTokens }, { maxTokens: agent.maxTokens });
+      if (refusal?.code === "usage_unreported") {
+        // The endpoint reports no usage, so the rollout's cap cannot hold: the endpoint's
+        // shortcoming (as the gateway counts it), not the agent's; masked, never graded.
+        throw FleetError.nonRetryable("provider_unavailable", refusal.message);
+      }
       if (refusal) {
         stop = "token_cap";
         stopDetail = refusal.message;
@@ -134,6 +139,14 @@ export class ToolLoopHarness implements Harness {
         break;
       }
       if (result.kind === "context_length") {
+        if (step === 1) {
+          // Before the agent did anything: the task's instruction (or the completion tokens
+          // asked for) does not fit this model, the spec's mismatch, not a policy's failure.
+          throw FleetError.nonRetryable(
+            "agent_error",
+            `the model cannot take the episode's first request: ${result.message}`,
+          );
+        }
         meter.recordFailure();
         stop = "context_length";
         stopDetail = `the model refused the conversation as too long: ${result.message}`;
@@ -255,9 +268,12 @@ export class ToolLoopHarness implements Harness {
 
   private requestBody(messages: ChatMessage[], tokensUsed: number | null): Record<string, unknown> {
     const { model, maxTokens: cap } = this.agent;
-    // Never ask for more completion tokens than the rollout's cap has left.
+    // The model's per-call limit, never more than the rollout's cap has left. Without one no
+    // limit is sent: what the cap has left can be far more than the model's context takes, which
+    // it would refuse (the cap then holds between calls, the last call may pass it).
     const left = cap !== undefined && tokensUsed !== null ? cap - tokensUsed : undefined;
-    const maxTokens = left === undefined ? model.maxTokens : Math.min(model.maxTokens ?? left, left);
+    const maxTokens =
+      model.maxTokens === undefined || left === undefined ? model.maxTokens : Math.min(model.maxTokens, left);
     return {
       model: model.name,
       messages,
