@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { REDACTED, redactSecretFields, redactSecrets } from "./redact.ts";
+import { MIN_SECRET_FRAGMENT, REDACTED, redactSecretFields, redactSecrets } from "./redact.ts";
 
 describe("redactSecrets", () => {
   it("replaces every occurrence of each secret, longest first", () => {
@@ -10,6 +10,19 @@ describe("redactSecrets", () => {
 
   it("ignores empty secrets and leaves text without secrets alone", () => {
     expect(redactSecrets("nothing here", ["", "zzz"])).toBe("nothing here");
+  });
+
+  it("also replaces a long enough part of a secret (an upstream quoting a key it refused), not a masked echo", () => {
+    const key = "sk-OBSSECRET-1234567890abcdef";
+    const echoed = `Incorrect API key provided: ${key}. Partial: ${key.slice(0, 18)}, tail ${key.slice(-12)}`;
+    expect(redactSecrets(echoed, [key])).toBe(
+      `Incorrect API key provided: ${REDACTED}. Partial: ${REDACTED}, tail ${REDACTED}`,
+    );
+    // A masked echo, a few characters of it, and a fragment below the bound stay.
+    const masked = `Incorrect API key provided: sk-OBS**********cdef; ${key.slice(3, 3 + MIN_SECRET_FRAGMENT - 1)}`;
+    expect(redactSecrets(masked, [key])).toBe(masked);
+    // Runs next to each other and text around them are kept apart.
+    expect(redactSecrets(`x${key.slice(0, 12)}y${key.slice(10)}z`, [key])).toBe(`x${REDACTED}y${REDACTED}z`);
   });
 
   it("also replaces the JSON-escaped form", () => {

@@ -105,10 +105,18 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
 }
 
 /**
- * Replace every occurrence of each known secret value in `text` with `replacement` (`REDACTED`).
- * Longer secrets are replaced first (so a secret containing another is removed whole); empty
- * strings are ignored. Also replaces each secret's JSON-escaped form, so it works on serialized
- * JSON.
+ * The shortest run of a secret's characters that `redactSecrets` removes wherever it appears:
+ * an upstream that echoes a key it refused often quotes part of it ("Partial: sk-abc…"), and a
+ * long enough part is as good as a leak. A masked echo (a few characters, stars, the last four)
+ * stays. @defaultValue 10
+ */
+export const MIN_SECRET_FRAGMENT = 10;
+
+/**
+ * Replace every occurrence of each known secret value in `text` with `replacement` (`REDACTED`),
+ * and every run of at least `MIN_SECRET_FRAGMENT` characters of one (a prefix quoted back, say).
+ * Also covers each secret's JSON-escaped form, so it works on serialized JSON. Empty strings are
+ * ignored; a secret shorter than the fragment length is replaced where it appears whole.
  */
 export function redactSecrets(
   text: string,
@@ -123,8 +131,47 @@ export function redactSecrets(
     if (escaped !== secret) forms.add(escaped);
   }
   if (forms.size === 0) return text;
-  let out = text;
-  for (const form of [...forms].sort((a, b) => b.length - a.length)) {
+  // Each form's windows of MIN_SECRET_FRAGMENT characters, and where they start in it.
+  const k = MIN_SECRET_FRAGMENT;
+  const grams = new Map<string, { form: string; at: number }[]>();
+  const short: string[] = [];
+  for (const form of forms) {
+    if (form.length < k) {
+      short.push(form);
+      continue;
+    }
+    for (let at = 0; at + k <= form.length; at++) {
+      const gram = form.slice(at, at + k);
+      const list = grams.get(gram);
+      if (list) list.push({ form, at });
+      else grams.set(gram, [{ form, at }]);
+    }
+  }
+  // Scanning left to right, the first window that matches starts the longest run there.
+  const ranges: [number, number][] = [];
+  for (let i = 0; i + k <= text.length; ) {
+    const hits = grams.get(text.slice(i, i + k));
+    if (!hits) {
+      i++;
+      continue;
+    }
+    let end = i + k;
+    for (const { form, at } of hits) {
+      let n = k;
+      while (i + n < text.length && at + n < form.length && text[i + n] === form[at + n]) n++;
+      end = Math.max(end, i + n);
+    }
+    ranges.push([i, end]);
+    i = end;
+  }
+  let out = "";
+  let from = 0;
+  for (const [start, end] of ranges) {
+    out += text.slice(from, start) + replacement;
+    from = end;
+  }
+  out += text.slice(from);
+  for (const form of short.sort((a, b) => b.length - a.length)) {
     if (out.includes(form)) out = out.split(form).join(replacement);
   }
   return out;

@@ -461,12 +461,17 @@ describe("ToolLoopHarness", () => {
   });
 
   it("fails with a final agent_error on a 401 from the endpoint, without the credential in the message", async () => {
-    upstream.push(errorReply(401, "invalid_api_key", `Incorrect API key provided: ${CREDENTIAL}`));
+    const partial = CREDENTIAL.slice(0, 18);
+    upstream.push(
+      errorReply(401, "invalid_api_key", `Incorrect API key provided: ${CREDENTIAL}. Partial: ${partial}`),
+    );
     const err = await rejection(harness().run(ctx()));
     expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["agent_error", false]);
     expect((err as Error).message).toContain("HTTP 401");
     expect((err as Error).message).not.toContain(CREDENTIAL);
-    expect((err as Error).message).toContain("[redacted]");
+    // Nor the part of it the endpoint quoted back.
+    expect((err as Error).message).not.toContain(partial);
+    expect((err as Error).message).toMatch(/provided: \[redacted\]\. Partial: \[redacted\]/);
   });
 
   it.each([401, 403, 404])(

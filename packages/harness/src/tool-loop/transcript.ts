@@ -1,4 +1,5 @@
 import { capText, MAX_FIELD_CHARS } from "@fleet/contracts";
+import { redactSecrets } from "@fleet/telemetry";
 
 /**
  * Cap of the stored transcript (characters): the *last* lines that fit are kept. It is one stored
@@ -47,5 +48,6 @@ export class Transcript {
 /** A function that replaces every occurrence of `secret` (if any) with `[redacted]`. */
 export function redactor(secret: string | null): (text: string) => string {
   if (!secret) return (text) => text;
-  return (text) => text.split(secret).join("[redacted]");
+  // A long enough part of it too: an endpoint refusing the key may quote a prefix back.
+  return (text) => redactSecrets(text, [secret], "[redacted]");
 }
