@@ -127,6 +127,11 @@ describe("the whole fleet as separate processes", () => {
       // The result says it was rerun, and how long the launch it was graded on took.
       expect(r.agentLaunches).toBe(run.attempts);
       expect(r.timings.agentMs).toBeLessThan(r.timings.runMs!);
+      // The stall is in the log of the worker that found it, naming the job (so the rollout).
+      const stalled = readFileSync(join(logDir, "agent-0.log"), "utf8")
+        .split("\n")
+        .filter((l) => l.includes("a stage job stalled"));
+      expect(stalled.some((l) => l.includes(`"jobId":"${id}.run"`))).toBe(true);
     } finally {
       redis.disconnect();
     }

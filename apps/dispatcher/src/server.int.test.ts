@@ -40,6 +40,8 @@ async function makeHarness(
   env: Record<string, string> = {},
   /** Patch the queues before the server gets them (a fault behind our own interface). */
   patchQueues: (queues: StageQueues) => void = () => {},
+  /** Where its log lines go, from debug up (none by default). */
+  log?: (line: string) => void,
 ): Promise<Harness> {
   const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
   const config = parseConfig(DispatcherConfig, {
@@ -47,7 +49,9 @@ async function makeHarness(
     FLEET_API_TOKENS: `${TOKEN},admin:${ADMIN}`,
     ...env,
   });
-  const logger = createLogger({ name: "dispatcher-test", level: "silent" });
+  const logger = log
+    ? createLogger({ name: "dispatcher-test", level: "debug", destination: { write: log } })
+    : createLogger({ name: "dispatcher-test", level: "silent" });
   const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
   const metrics = createFleetMetrics(registry);
   const store = new RolloutStore(redis, prefix);
@@ -705,6 +709,21 @@ describe("auth, 404s and ops routes", () => {
     }
     const admin = await h.call({ method: "GET", url: "/openapi.json", token: ADMIN });
     expect(admin.statusCode).toBe(200);
+  });
+
+  it("logs each request with the id it names; scrapes and probes at debug only", async () => {
+    const lines: Record<string, unknown>[] = [];
+    const logged = await makeHarness({}, undefined, (l) => lines.push(JSON.parse(l)));
+    const accepted = await logged.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    const id = (accepted.json() as { id: string }).id;
+    await logged.call({ method: "GET", url: `/v1/rollouts/${id}` });
+    await logged.call({ method: "GET", url: "/metrics", token: null });
+    const requests = lines.filter((l) => l.msg === "request");
+    expect(requests.map((l) => [l.level, l.method, l.route, l.id ?? null])).toEqual([
+      [30, "POST", "/v1/rollouts", null],
+      [30, "GET", "/v1/rollouts/:id", id],
+      [20, "GET", "/metrics", null],
+    ]);
   });
 
   it("serves health, readiness and metrics without a token", async () => {

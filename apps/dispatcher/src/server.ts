@@ -1,4 +1,5 @@
 import { STATUS_CODES } from "node:http";
+import { capText } from "@fleet/contracts";
 import { JANITOR_QUEUE } from "@fleet/queue";
 import { Queue } from "bullmq";
 import Fastify, {
@@ -281,13 +282,20 @@ class RequestLog extends LogController {
   override incomingRequest(): void {}
 
   override requestCompleted(error: Error | null | undefined, req: FastifyRequest, reply: FastifyReply): void {
+    const route = req.routeOptions.url ?? null;
+    // The rollout or batch a request names, so its lines can be found by id.
+    const id = (req.params as { id?: unknown } | undefined)?.id;
     const line = {
       method: req.method,
-      route: req.routeOptions.url ?? null,
+      route,
+      ...(typeof id === "string" ? { id: capText(id, 200) } : {}),
       status: reply.statusCode,
       ms: Math.round(reply.elapsedTime),
     };
     if (error || reply.statusCode >= 500) reply.log.error({ ...line, err: error ?? undefined }, "request");
+    // Prometheus scrapes and health probes, every few seconds: not worth a line each.
+    else if (route === "/metrics" || route === "/healthz" || route === "/readyz")
+      reply.log.debug(line, "request");
     else reply.log.info(line, "request");
   }
 }

@@ -250,7 +250,12 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     // found it (every worker, the supervisor's replacements included).
     onWorker: (worker) => {
       deps.metrics?.queueStalledJobs.inc({ queue: worker.name }, 0);
-      worker.on("stalled", () => deps.metrics?.queueStalledJobs.inc({ queue: worker.name }));
+      worker.on("stalled", (jobId) => {
+        deps.metrics?.queueStalledJobs.inc({ queue: worker.name });
+        // Its worker died or froze past the lock: the job is delivered again (ids are
+        // `<rolloutId>.<stage>`).
+        logger.warn({ queue: worker.name, jobId }, "a stage job stalled; it is delivered again");
+      });
     },
   });
   // fleet_rollouts_finished_total starts at 0 for every status/failure_kind pair close can

@@ -49,6 +49,33 @@ describe("stage workers at a concurrency above ten", () => {
     expect(warnings.map((w) => `${w.name}: ${w.message}`)).toEqual([]);
   });
 
+  it("log one line per stage job, with the rollout's id: a rollout can be traced across the processes", async () => {
+    const lines: string[] = [];
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      deps: {
+        ...NO_OP_AGENT_AND_VERIFIER,
+        logger: createLogger({
+          name: "test",
+          level: "info",
+          destination: { write: (l: string) => lines.push(l) },
+        }),
+      },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await fleet.waitForResults([id!], 30_000);
+    const done = lines
+      .map((l) => JSON.parse(l) as Record<string, unknown>)
+      .filter((l) => l.msg === "stage job done" && l.rolloutId === id);
+    expect(done.map((l) => [l.stage, l.outcome, l.attempt])).toEqual([
+      ["seed", "ok", 1],
+      ["run", "ok", 1],
+      ["verify", "ok", 1],
+      ["close", "ok", 1],
+    ]);
+    expect(done.every((l) => typeof l.ms === "number")).toBe(true);
+  });
+
   it("hand a verify still grading back to the queue at shutdown, no attempt spent, not cancelled", async () => {
     const verifying = latch();
     fleet = await startInProcessFleet({

@@ -139,8 +139,14 @@ export function createStageWorkers(
             lockDurationMs: options.lockDurationMs ?? 30_000,
             ...(breaker ? { providerDown: breaker.isDown, holdMs: breaker.probeMs } : {}),
           });
+          const ms = Date.now() - started;
           deps.metrics?.stageJobs.inc({ stage, outcome });
-          deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
+          deps.metrics?.stageDuration.observe({ stage, outcome }, ms / 1000);
+          // One line per stage job: a rollout traced across the processes by its id.
+          deps.logger.info(
+            { rolloutId: job.data?.rolloutId, stage, outcome, attempt: job.attemptsMade + 1, ms },
+            "stage job done",
+          );
           seeded = outcome === "ok" || outcome === "replayed";
           return outcome;
         } catch (err) {
