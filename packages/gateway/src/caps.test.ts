@@ -21,10 +21,10 @@ describe("capRefusal", () => {
     });
   });
 
-  it("fails closed when the total is unknown under a token cap: the upstream's doing unless the agent abandoned a call", () => {
+  it("fails closed when the total is unknown under a token cap: the upstream's doing, or the agent's abandoned call", () => {
     expect(capRefusal({ calls: 1, tokens: null }, { maxTokens: 100 })?.code).toBe("usage_unreported");
     expect(capRefusal({ calls: 1, tokens: null, abandoned: true }, { maxTokens: 100 })?.code).toBe(
-      "token_cap_exceeded",
+      "token_total_unknown",
     );
     expect(capRefusal({ calls: 1, tokens: null }, { maxCalls: 5 })).toBeNull();
   });

@@ -16,8 +16,12 @@ export interface CapState {
   abandoned?: boolean;
 }
 
-/** `usage_unreported`: the token cap cannot be checked, the upstream's doing, not the agent's. */
-export type CapCode = "call_cap_exceeded" | "token_cap_exceeded" | "usage_unreported";
+/**
+ * `usage_unreported`: the token cap cannot be checked, the upstream's doing; `token_total_unknown`:
+ * it cannot, the agent having abandoned a call (its own doing, or its client's timeout on an
+ * overloaded upstream: the gateway cannot tell which).
+ */
+export type CapCode = "call_cap_exceeded" | "token_cap_exceeded" | "usage_unreported" | "token_total_unknown";
 
 export interface CapRefusal {
   code: CapCode;
@@ -35,7 +39,8 @@ export interface CapRefusal {
  * - A token cap with a total that is unknown (some call did not report usage) cannot be
  *   checked, so it refuses (fail closed): with `usage_unreported` when the upstream did not
  *   report it (its shortcoming: the gateway counts it as an upstream failure), with
- *   `token_cap_exceeded` when the agent abandoned a call (its own doing).
+ *   `token_total_unknown` when the agent abandoned a call (the gateway leaves the upstream's
+ *   health as it was: an SDK that gave up on an overloaded upstream abandons calls too).
  */
 export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | null {
   if (limits.maxCalls !== undefined && state.calls >= limits.maxCalls) {
@@ -48,7 +53,7 @@ export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | nul
     if (state.tokens === null) {
       return state.abandoned
         ? {
-            code: "token_cap_exceeded",
+            code: "token_total_unknown",
             message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: the agent abandoned an earlier call, whose tokens are unknown`,
           }
         : {

@@ -141,7 +141,7 @@ describe("model gateway", () => {
 
   it("a call the agent abandons mid-generation counts toward the caps: the call cap, and a token total now unknown", async () => {
     for (const [limits, code] of [
-      [{ maxTokens: 1_000_000 }, "token_cap_exceeded"],
+      [{ maxTokens: 1_000_000 }, "token_total_unknown"],
       [{ maxCalls: 1 }, "call_cap_exceeded"],
     ] as const) {
       const { upstream, gateway } = await setup();
@@ -165,6 +165,31 @@ describe("model gateway", () => {
       expect(refused.json.error.code).toBe(code);
       expect(upstream.requests).toHaveLength(1);
     }
+  });
+
+  it("a token cap refused for a total an abandoned call left unknown leaves the upstream's last failure standing", async () => {
+    // An SDK gives up on an overloaded upstream (a 503, then a call it abandons), then retries.
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1_000_000 });
+    upstream.push(errorReply(503, "overloaded", "try later"), {
+      ...chatReply({ content: "slow" }),
+      delayMs: 30_000,
+    });
+    expect((await chat(baseUrl, token)).status).toBe(503);
+    const dropped = new AbortController();
+    const call = fetch(`${baseUrl}/chat/completions`, {
+      method: "POST",
+      headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
+      body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "hi" }] }),
+      signal: dropped.signal,
+    }).catch(() => null);
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
+    dropped.abort();
+    await call;
+    await vi.waitFor(() => expect(gateway.usage(token)?.gaps.join()).toMatch(/2 failed upstream attempts/));
+    const refused = await chat(baseUrl, token);
+    expect(refused.json.error.code).toBe("token_total_unknown");
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
   });
 
   it("refuses stream: true with 400 and a malformed body with 400", async () => {
@@ -303,7 +328,7 @@ describe("model gateway", () => {
     expect(gateway.health("not-a-token")).toBeNull();
   });
 
-  it("a 2xx that is no chat completion, and an answer over the size bound, are the upstream failing, not answering", async () => {
+  it("a 2xx that is no chat completion is the upstream failing; an answer over the size bound is the request's (n, logprobs)", async () => {
     const { upstream, gateway } = await setup({ maxResponseBytes: 1024 });
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
     const health = () => gateway.health(token);
@@ -324,13 +349,42 @@ describe("model gateway", () => {
     upstream.push(chatReply({ content: "ok" }));
     await chat(baseUrl, token);
     expect(health()).toEqual({ answered: 1, infraFailures: 2, lastInfraFailure: null });
-    upstream.push(chatReply({ content: "x".repeat(4096) }));
-    expect((await chat(baseUrl, token)).status).toBe(502);
-    expect(health()).toEqual({
-      answered: 1,
-      infraFailures: 3,
-      lastInfraFailure: "upstream response over 1024 bytes",
-    });
+    upstream.push(errorReply(503, "overloaded", "later"), chatReply({ content: "x".repeat(4096) }));
+    await chat(baseUrl, token);
+    expect(health()?.lastInfraFailure).toBe("HTTP 503");
+    // The agent sets how much comes back: asking for too much is its own failure, not a mask.
+    const big = await chat(baseUrl, token);
+    expect([big.status, big.json.error.code]).toEqual([502, "upstream_response_too_large"]);
+    expect(health()).toEqual({ answered: 1, infraFailures: 3, lastInfraFailure: null });
+  });
+
+  it("the operator's credential refused: the agent gets the gateway's words, not the upstream's (which may quote part of the key)", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    for (const status of [401, 403]) {
+      upstream.push(
+        errorReply(
+          status,
+          "invalid_api_key",
+          `Incorrect API key provided. Partial: ${CREDENTIAL.slice(0, 16)}`,
+        ),
+      );
+      const r = await chat(baseUrl, token);
+      expect(r.status).toBe(status);
+      expect(r.text).not.toContain(CREDENTIAL.slice(0, 16));
+      expect(r.json.error.code).toBe("upstream_credential_refused");
+      expect(gateway.health(token)?.lastInfraFailure).toBe(`HTTP ${status}`);
+    }
+  });
+
+  it("what the agent gets back is redacted of the credential whole, never of parts of it (which would tell it which runs are the key's)", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    // A model told to repeat the prompt, given guesses at the key.
+    const guess = CREDENTIAL.slice(0, 14);
+    upstream.push(chatReply({ content: `${guess} | ${CREDENTIAL}` }));
+    const r = await chat(baseUrl, token);
+    expect(r.json.choices?.[0]?.message?.content).toBe(`${guess} | [redacted]`);
   });
 
   it("a concurrency refusal, unlike a malformed request, leaves the upstream's last failure as it was", async () => {

@@ -84,6 +84,7 @@ const AGENTS_OWN_REFUSALS = new Set([
   "payload_too_large",
   "call_cap_exceeded",
   "token_cap_exceeded",
+  "upstream_response_too_large",
 ]);
 
 /** The abort reason of a call whose client closed its connection (the agent abandoned it). */
@@ -188,10 +189,11 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     try {
       await admitAndForward(entry, req, res);
     } catch (err) {
-      // Refused for the agent's own request (malformed, too large, over a cap): the last call
-      // failed on the agent, whatever the upstream did before. A concurrency refusal leaves the
-      // health as it was; a credential the worker could not resolve, an upstream answer too large
-      // and a token cap the upstream's missing usage cannot enforce are upstream failures.
+      // Refused for the agent's own request (malformed, too large, over a cap, asking for an
+      // answer over the size bound: `n`, logprobs): the last call failed on the agent, whatever
+      // the upstream did before. A concurrency refusal and a token total an abandoned call left
+      // unknown leave the health as it was; a credential the worker could not resolve and a token
+      // cap the upstream's missing usage cannot enforce are upstream failures.
       if (err instanceof GatewayHttpError && AGENTS_OWN_REFUSALS.has(err.code)) {
         entry.health.lastInfraFailure = null;
       }
@@ -291,8 +293,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       if (abandoned) entry.meter.recordAbandoned();
       else entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) {
-        // The upstream's answer too large, or the operator's credential not resolvable.
-        noteInfraFailure(entry, err.message);
+        // The operator's credential not resolvable: the infrastructure's. An answer over the size
+        // bound is the request's (AGENTS_OWN_REFUSALS): the agent sets how much comes back.
+        if (err.code === "credential_unavailable") noteInfraFailure(entry, err.message);
         throw err;
       }
       if (timeout.aborted) {
@@ -340,6 +343,20 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     }
     if (ok) entry.meter.record(readCallUsage(parsed));
     else entry.meter.recordFailure();
+    if ((status === 401 || status === 403) && credential) {
+      // The operator's credential refused: an upstream saying so may quote part of it, which
+      // exact redaction does not catch and the agent must not see. The gateway says it instead
+      // (by the status alone, so nothing in it depends on the key).
+      const code = "upstream_credential_refused";
+      text = JSON.stringify({
+        error: {
+          message: `the upstream refused the fleet's credential for this model (HTTP ${status}); the operator must fix it`,
+          type: errorType(status, code),
+          code,
+        },
+      });
+      contentType = "application/json";
+    }
     const headers: Record<string, string> = { "content-type": contentType };
     if (retryAfter !== null) headers["retry-after"] = retryAfter;
     res.writeHead(status, headers);
@@ -499,7 +516,12 @@ function describe(err: unknown): string {
 
 function errorType(status: number, code: string): string {
   if (status === 401) return "authentication_error";
-  if (code === "call_cap_exceeded" || code === "token_cap_exceeded" || code === "usage_unreported") {
+  if (
+    code === "call_cap_exceeded" ||
+    code === "token_cap_exceeded" ||
+    code === "usage_unreported" ||
+    code === "token_total_unknown"
+  ) {
     return "insufficient_quota";
   }
   return status >= 500 ? "api_error" : "invalid_request_error";

@@ -1,7 +1,8 @@
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
-import { createLogger } from "@fleet/telemetry";
+import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { describe, expect, it } from "vitest";
-import { ProviderUnreachableError, waitForProvider } from "./app.ts";
+import { ProviderUnreachableError, providerReady, waitForProvider } from "./app.ts";
+import type { PipelineDeps } from "./deps.ts";
 
 const logger = createLogger({ name: "app-test", level: "silent" });
 
@@ -48,5 +49,35 @@ describe("waitForProvider", () => {
     const err = await waitForProvider(provider, logger, 300, { callTimeoutMs: 100 }).catch((e) => e);
     expect(err).toBeInstanceOf(ProviderUnreachableError);
     expect(err.message).toContain("no answer within 100 ms");
+  });
+});
+
+describe("providerReady", () => {
+  const gauge = async (metrics: ReturnType<typeof createFleetMetrics>) =>
+    (await metrics.sandboxProviderUp.get()).values.map((v) => v.value);
+
+  it("exports the provider down while it waits, and up once it answers (a janitor has no breaker to set it)", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "app-test", defaultMetrics: false }));
+    const { provider } = flaky(2);
+    const seen: number[][] = [];
+    const list = provider.list.bind(provider);
+    provider.list = async () => {
+      seen.push(await gauge(metrics));
+      return list();
+    };
+    const deps = { provider, metrics } as unknown as PipelineDeps;
+    const config = { providerWaitMs: 10_000, sandboxProvider: "docker" as const };
+    expect(await providerReady(deps, config, logger, async () => {})).toBe(true);
+    expect(seen.slice(1).every((v) => v[0] === 0)).toBe(true); // down while it waited
+    expect(await gauge(metrics)).toEqual([1]);
+  });
+
+  it("leaves the gauge alone when the provider answers at once", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "app-test", defaultMetrics: false }));
+    const deps = { provider: flaky(0).provider, metrics } as unknown as PipelineDeps;
+    expect(
+      await providerReady(deps, { providerWaitMs: 1_000, sandboxProvider: "docker" }, logger, async () => {}),
+    ).toBe(true);
+    expect(await gauge(metrics)).toEqual([]);
   });
 });

@@ -173,20 +173,29 @@ const PROVIDER_HINT: Record<Common["sandboxProvider"], string> = {
   bubblewrap: "Check FLEET_BWRAP_ROOTFS and FLEET_STATE_DIR, and that bwrap is installed",
 };
 
-/** `waitForProvider` for an app at start: on failure logs why, releases everything, exit code 1. */
-async function providerReady(
+/**
+ * `waitForProvider` for an app at start: on failure logs why, releases everything, exit code 1.
+ * Meanwhile `fleet_sandbox_provider_up` is 0, and 1 once the provider answers (the stage
+ * workers' breaker keeps it from then on; a janitor's stays 1).
+ */
+export async function providerReady(
   deps: PipelineDeps,
-  config: Common,
+  config: Pick<Common, "providerWaitMs" | "sandboxProvider">,
   logger: PipelineDeps["logger"],
   shutdown: () => Promise<void>,
 ): Promise<boolean> {
+  let wentDown = false;
   try {
     await waitForProvider(deps.provider, logger, config.providerWaitMs, {
       hint: PROVIDER_HINT[config.sandboxProvider],
       // Its heartbeat is fresh meanwhile: without this, no alert would see the worker is idle
-      // for want of its sandboxes (FleetSandboxProviderDown; the stage workers set it from here on).
-      onDown: () => deps.metrics?.sandboxProviderUp.set(0),
+      // for want of its sandboxes (FleetSandboxProviderDown).
+      onDown: () => {
+        wentDown = true;
+        deps.metrics?.sandboxProviderUp.set(0);
+      },
     });
+    if (wentDown) deps.metrics?.sandboxProviderUp.set(1);
     return true;
   } catch (err) {
     logger.error({ err: (err as Error).message }, "refusing to start: no sandbox provider");

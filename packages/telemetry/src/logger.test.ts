@@ -75,6 +75,11 @@ describe("createLogger", () => {
     expect(out.text()).not.toContain(SECRET);
     expect(out.text()).not.toContain(JSON.stringify('pa"ss\\word').slice(1, -1));
     expect(out.lines()[0]).toMatchObject({ msg: "calling with [Redacted]" });
+    // A part of one an upstream quoted back (a key it refused), added later still.
+    const key = "sk-live-0123456789abcdefghij";
+    secrets.add(key);
+    log.warn(`upstream said: Incorrect API key provided. Partial: ${key.slice(0, 16)}`);
+    expect(out.text()).not.toContain(key.slice(0, 16));
   });
 
   it("logs a Redis error's command by name only, never its arguments (a whole task)", () => {

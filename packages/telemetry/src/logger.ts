@@ -1,6 +1,6 @@
 import { hostname } from "node:os";
 import pino, { type DestinationStream, type Level, type Logger } from "pino";
-import { REDACT_PATHS, REDACTED, redactSecretFields, redactSecrets } from "./redact.ts";
+import { REDACT_PATHS, REDACTED, redactSecretFields, secretRedactor } from "./redact.ts";
 
 export type { Logger } from "pino";
 export type LogLevel = Level | "silent";
@@ -45,7 +45,8 @@ export function createLogger(options: LoggerOptions): Logger {
         secrets === undefined
           ? {}
           : {
-              streamWrite: (line: string) => redactSecrets(line, secrets),
+              // Parts of a secret too (no agent reads the logs): an upstream quoting a key back.
+              streamWrite: liveRedactor(secrets),
             },
     },
     // Synchronous stdout by default, so the last lines before a crash or exit are not lost.
@@ -72,4 +73,19 @@ function serializeError(err: unknown): unknown {
       out[k] = `${v.slice(0, MAX_ERROR_TEXT)}…[truncated]`;
   }
   return out;
+}
+
+/**
+ * A fragment redactor over `secrets`, prepared again only when the set changed size (secrets are
+ * added as they are resolved, never taken out), not for every line.
+ */
+function liveRedactor(secrets: ReadonlySet<string> | readonly string[]): (line: string) => string {
+  let prepared: { size: number; redact: (line: string) => string } | null = null;
+  return (line) => {
+    const size = "size" in secrets ? secrets.size : secrets.length;
+    if (prepared?.size !== size) {
+      prepared = { size, redact: secretRedactor(secrets, REDACTED, { fragments: true }) };
+    }
+    return prepared.redact(line);
+  };
 }

@@ -15,14 +15,21 @@ describe("redactSecrets", () => {
   it("also replaces a long enough part of a secret (an upstream quoting a key it refused), not a masked echo", () => {
     const key = "sk-OBSSECRET-1234567890abcdef";
     const echoed = `Incorrect API key provided: ${key}. Partial: ${key.slice(0, 18)}, tail ${key.slice(-12)}`;
-    expect(redactSecrets(echoed, [key])).toBe(
+    const fragments = { fragments: true };
+    expect(redactSecrets(echoed, [key], REDACTED, fragments)).toBe(
       `Incorrect API key provided: ${REDACTED}. Partial: ${REDACTED}, tail ${REDACTED}`,
+    );
+    // Only when asked: text an agent sees back must not tell it which runs are the key's.
+    expect(redactSecrets(echoed, [key])).toBe(
+      `Incorrect API key provided: ${REDACTED}. Partial: ${key.slice(0, 18)}, tail ${key.slice(-12)}`,
     );
     // A masked echo, a few characters of it, and a fragment below the bound stay.
     const masked = `Incorrect API key provided: sk-OBS**********cdef; ${key.slice(3, 3 + MIN_SECRET_FRAGMENT - 1)}`;
-    expect(redactSecrets(masked, [key])).toBe(masked);
-    // Runs next to each other and text around them are kept apart.
-    expect(redactSecrets(`x${key.slice(0, 12)}y${key.slice(10)}z`, [key])).toBe(`x${REDACTED}y${REDACTED}z`);
+    expect(redactSecrets(masked, [key], REDACTED, fragments)).toBe(masked);
+    // Runs next to each other and text around them are kept apart; short secrets go whole.
+    expect(
+      redactSecrets(`x${key.slice(0, 12)}y${key.slice(10)}z abc`, [key, "abc"], REDACTED, fragments),
+    ).toBe(`x${REDACTED}y${REDACTED}z ${REDACTED}`);
   });
 
   it("also replaces the JSON-escaped form", () => {

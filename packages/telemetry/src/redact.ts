@@ -105,24 +105,44 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
 }
 
 /**
- * The shortest run of a secret's characters that `redactSecrets` removes wherever it appears:
- * an upstream that echoes a key it refused often quotes part of it ("Partial: sk-abc…"), and a
- * long enough part is as good as a leak. A masked echo (a few characters, stars, the last four)
- * stays. @defaultValue 10
+ * The shortest run of a secret's characters that a fragment redactor (`{ fragments: true }`)
+ * removes wherever it appears: an upstream that echoes a key it refused often quotes part of it
+ * ("Partial: sk-abc…"), and a long enough part is as good as a leak. A masked echo (a few
+ * characters, stars, the last four) stays. @defaultValue 10
  */
 export const MIN_SECRET_FRAGMENT = 10;
 
+export interface SecretRedactorOptions {
+  /**
+   * Also remove every run of at least `MIN_SECRET_FRAGMENT` characters of a secret. Only for
+   * text no agent can see the result of (logs, stored reasons, transcripts): where the redacted
+   * text goes back to what produced it, whether a run was removed tells it the run is part of
+   * the secret, and it could rebuild the secret piece by piece. @defaultValue false
+   */
+  fragments?: boolean;
+}
+
 /**
  * Replace every occurrence of each known secret value in `text` with `replacement` (`REDACTED`),
- * and every run of at least `MIN_SECRET_FRAGMENT` characters of one (a prefix quoted back, say).
- * Also covers each secret's JSON-escaped form, so it works on serialized JSON. Empty strings are
- * ignored; a secret shorter than the fragment length is replaced where it appears whole.
+ * longest first, and with `fragments` every run of at least `MIN_SECRET_FRAGMENT` of its
+ * characters. Also covers each secret's JSON-escaped form, so it works on serialized JSON.
+ * Empty strings are ignored.
  */
 export function redactSecrets(
   text: string,
   secrets: Iterable<string>,
   replacement: string = REDACTED,
+  options: SecretRedactorOptions = {},
 ): string {
+  return secretRedactor(secrets, replacement, options)(text);
+}
+
+/** `redactSecrets` for one set of secrets, prepared once (e.g. a logger's, for every line). */
+export function secretRedactor(
+  secrets: Iterable<string>,
+  replacement: string = REDACTED,
+  options: SecretRedactorOptions = {},
+): (text: string) => string {
   const forms = new Set<string>();
   for (const secret of secrets) {
     if (typeof secret !== "string" || secret.length === 0) continue;
@@ -130,16 +150,20 @@ export function redactSecrets(
     const escaped = JSON.stringify(secret).slice(1, -1);
     if (escaped !== secret) forms.add(escaped);
   }
-  if (forms.size === 0) return text;
-  // Each form's windows of MIN_SECRET_FRAGMENT characters, and where they start in it.
   const k = MIN_SECRET_FRAGMENT;
+  const whole = [...forms]
+    .filter((f) => !options.fragments || f.length < k)
+    .sort((a, b) => b.length - a.length);
+  const exact = (text: string): string => {
+    let out = text;
+    for (const form of whole) if (out.includes(form)) out = out.split(form).join(replacement);
+    return out;
+  };
+  if (!options.fragments) return exact;
+  // Each long form's windows of k characters, and where they start in it.
   const grams = new Map<string, { form: string; at: number }[]>();
-  const short: string[] = [];
   for (const form of forms) {
-    if (form.length < k) {
-      short.push(form);
-      continue;
-    }
+    if (form.length < k) continue;
     for (let at = 0; at + k <= form.length; at++) {
       const gram = form.slice(at, at + k);
       const list = grams.get(gram);
@@ -147,32 +171,27 @@ export function redactSecrets(
       else grams.set(gram, [{ form, at }]);
     }
   }
-  // Scanning left to right, the first window that matches starts the longest run there.
-  const ranges: [number, number][] = [];
-  for (let i = 0; i + k <= text.length; ) {
-    const hits = grams.get(text.slice(i, i + k));
-    if (!hits) {
-      i++;
-      continue;
+  if (grams.size === 0) return exact;
+  return (text) => {
+    // Scanning left to right, the first window that matches starts the longest run there.
+    let out = "";
+    let from = 0;
+    for (let i = 0; i + k <= text.length; ) {
+      const hits = grams.get(text.slice(i, i + k));
+      if (!hits) {
+        i++;
+        continue;
+      }
+      let end = i + k;
+      for (const { form, at } of hits) {
+        let n = k;
+        while (i + n < text.length && at + n < form.length && text[i + n] === form[at + n]) n++;
+        end = Math.max(end, i + n);
+      }
+      out += text.slice(from, i) + replacement;
+      from = end;
+      i = end;
     }
-    let end = i + k;
-    for (const { form, at } of hits) {
-      let n = k;
-      while (i + n < text.length && at + n < form.length && text[i + n] === form[at + n]) n++;
-      end = Math.max(end, i + n);
-    }
-    ranges.push([i, end]);
-    i = end;
-  }
-  let out = "";
-  let from = 0;
-  for (const [start, end] of ranges) {
-    out += text.slice(from, start) + replacement;
-    from = end;
-  }
-  out += text.slice(from);
-  for (const form of short.sort((a, b) => b.length - a.length)) {
-    if (out.includes(form)) out = out.split(form).join(replacement);
-  }
-  return out;
+    return exact(out + text.slice(from));
+  };
 }

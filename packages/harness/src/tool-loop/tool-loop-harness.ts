@@ -73,7 +73,10 @@ export class ToolLoopHarness implements Harness {
     const { agent } = this;
     const started = Date.now();
     const apiKey = await this.resolveCredential();
-    const redact = redactor(apiKey);
+    // Reports (errors, the stop reason, the transcript) lose any long part of the key too; the
+    // graded answer only the key itself (whether a part was cut would tell the policy which).
+    const redact = redactor(apiKey, { fragments: true });
+    const redactAnswer = redactor(apiKey);
     const transcript = new Transcript(redact);
     const meter = new UsageMeter();
     const url = `${agent.model.baseUrl.replace(/\/+$/, "")}/chat/completions`;
@@ -225,7 +228,7 @@ export class ToolLoopHarness implements Harness {
     transcript.add({ event: "stop", reason: stop, detail: stopDetail });
     // The final message is the answer; an episode stopped early is graded on the last text.
     const answerText = stop === "answer" ? finalText : lastText;
-    const answer = answerText === null ? null : capText(redact(answerText).trim(), MAX_ANSWER_CHARS);
+    const answer = answerText === null ? null : capText(redactAnswer(answerText).trim(), MAX_ANSWER_CHARS);
     const stdout = answer ?? "";
     return {
       exec: {

@@ -1,5 +1,5 @@
 import { capText, MAX_FIELD_CHARS } from "@fleet/contracts";
-import { redactSecrets } from "@fleet/telemetry";
+import { type SecretRedactorOptions, secretRedactor } from "@fleet/telemetry";
 
 /**
  * Cap of the stored transcript (characters): the *last* lines that fit are kept. It is one stored
@@ -45,9 +45,15 @@ export class Transcript {
   }
 }
 
-/** A function that replaces every occurrence of `secret` (if any) with `[redacted]`. */
-export function redactor(secret: string | null): (text: string) => string {
+/**
+ * A function that replaces every occurrence of `secret` (if any) with `[redacted]`; with
+ * `fragments`, every long enough part of it too (an endpoint refusing the key may quote a prefix
+ * back), for text no agent sees (see `SecretRedactorOptions`).
+ */
+export function redactor(
+  secret: string | null,
+  options: SecretRedactorOptions = {},
+): (text: string) => string {
   if (!secret) return (text) => text;
-  // A long enough part of it too: an endpoint refusing the key may quote a prefix back.
-  return (text) => redactSecrets(text, [secret], "[redacted]");
+  return secretRedactor([secret], "[redacted]", options);
 }
