@@ -5,8 +5,8 @@
  *    `createStageWorkers` + `admit` + `RolloutStore`, but an in-memory `SandboxProvider`, a no-op
  *    harness and a no-op verifier; against a raw BullMQ four-queue chain (four Queues + four
  *    Workers, same concurrency, same Redis, same job options) pushing N ids through four no-op
- *    jobs. Warm-up, then rounds alternating which side goes first; medians and the fleet/raw
- *    ratio (target ≥ 0.7), with a profile: Redis commands and round trips per rollout (counted
+ *    jobs. Warm-up, then rounds alternating which side goes first; medians, and the fleet/raw
+ *    ratio as the median of each round's own ratio (target ≥ 0.7), with a profile: Redis commands and round trips per rollout (counted
  *    client-side in this process), Node and Redis CPU per rollout, in-stage times.
  * B. Real sandboxes: M rollouts of the example suite's `hello-file` with the oracle agent through
  *    `startInProcessFleet` on `DockerSandboxProvider`; against create → start → exec(`true`) →
@@ -645,9 +645,14 @@ function printPartA(rounds: RoundResult[][]): void {
   console.log("A        rollouts/s (median of rounds)");
   console.log(`raw      ${f1(rawRate).padStart(10)}`);
   console.log(`fleet    ${f1(fleetRate).padStart(10)}`);
+  // The verdict rests on the paired ratios: a burst of load elsewhere that slows one side of one
+  // round moves the ratio of the two medians (seen: 0.73 from per-round ratios all but one near
+  // 0.47), not the median of the rounds' own ratios.
+  const verdict = pairRatios.length > 0 ? median(pairRatios) : ratio;
   console.log(
-    `ratio    ${f2(ratio).padStart(10)}  fleet/raw (target >= 0.7: ${ratio >= 0.7 ? "ok" : "BELOW"}); ` +
-      `per-round ratios ${pairRatios.map(f2).join(", ") || "n/a"}, median ${f2(median(pairRatios))}`,
+    `ratio    ${f2(verdict).padStart(10)}  fleet/raw, median of the rounds' own ratios (target >= 0.7: ` +
+      `${verdict >= 0.7 ? "ok" : "BELOW"}); per-round ${pairRatios.map(f2).join(", ") || "n/a"}; ` +
+      `ratio of the medians ${f2(ratio)}`,
   );
 
   // Profile: per-rollout Redis commands by kind, medians over rounds.
