@@ -358,21 +358,20 @@ describe("model gateway", () => {
     expect(health()).toEqual({ answered: 1, infraFailures: 3, lastInfraFailure: null });
   });
 
-  it("the operator's credential refused: the agent gets the gateway's words, not the upstream's (which may quote part of the key)", async () => {
+  it("a refusal (401/403) or a redirect: the agent gets the gateway's words, not the upstream's (which may quote part of the key)", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
-    for (const status of [401, 403]) {
-      upstream.push(
-        errorReply(
-          status,
-          "invalid_api_key",
-          `Incorrect API key provided. Partial: ${CREDENTIAL.slice(0, 16)}`,
-        ),
-      );
+    for (const [status, code] of [
+      [401, "upstream_refused"],
+      [403, "upstream_refused"],
+      [302, "upstream_redirected"],
+    ] as const) {
+      const partial = `Incorrect API key provided. Partial: ${CREDENTIAL.slice(0, 16)}`;
+      upstream.push(errorReply(status, "invalid_api_key", partial));
       const r = await chat(baseUrl, token);
       expect(r.status).toBe(status);
       expect(r.text).not.toContain(CREDENTIAL.slice(0, 16));
-      expect(r.json.error.code).toBe("upstream_credential_refused");
+      expect(r.json.error.code).toBe(code);
       expect(gateway.health(token)?.lastInfraFailure).toBe(`HTTP ${status}`);
     }
   });

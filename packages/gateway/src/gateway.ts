@@ -343,14 +343,18 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     }
     if (ok) entry.meter.record(readCallUsage(parsed));
     else entry.meter.recordFailure();
-    if ((status === 401 || status === 403) && credential) {
-      // The operator's credential refused: an upstream saying so may quote part of it, which
-      // exact redaction does not catch and the agent must not see. The gateway says it instead
-      // (by the status alone, so nothing in it depends on the key).
-      const code = "upstream_credential_refused";
+    if ((status === 401 || status === 403 || (status >= 300 && status < 400)) && credential) {
+      // A refusal (the operator's credential, most likely) or a redirect: its body may quote part
+      // of the credential, which exact redaction does not catch and the agent must not see. The
+      // gateway's own words instead, chosen by the status alone (so nothing in them depends on
+      // the key), claiming no more than the status says.
+      const code = status < 400 ? "upstream_redirected" : "upstream_refused";
       text = JSON.stringify({
         error: {
-          message: `the upstream refused the fleet's credential for this model (HTTP ${status}); the operator must fix it`,
+          message:
+            status < 400
+              ? `the upstream answered HTTP ${status} (a redirect, not followed); its body is not passed on`
+              : `the upstream refused the request (HTTP ${status}: the fleet's credential, or the request); its own message is not passed on (it may quote the credential)`,
           type: errorType(status, code),
           code,
         },

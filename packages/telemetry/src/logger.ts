@@ -14,8 +14,8 @@ export interface LoggerOptions {
   destination?: DestinationStream;
   /**
    * Known secret values (e.g. resolved credentials) scrubbed from every serialized line,
-   * wherever they appear, including inside messages. Pass a `Set` to add secrets later: it is
-   * read on every write.
+   * wherever they appear, including inside messages. Pass a `Set` to add secrets later (only
+   * add: the redactor is prepared again when the set's size changes, so a swap is missed).
    */
   secrets?: ReadonlySet<string> | readonly string[];
   /** Fields bound to every line (e.g. `{ worker: "agent-1" }`). */

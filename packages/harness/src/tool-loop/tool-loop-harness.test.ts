@@ -460,6 +460,21 @@ describe("ToolLoopHarness", () => {
     expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(0);
   });
 
+  it("the graded answer loses the credential whole only; the stop reason and transcript any long part of it", async () => {
+    const prefix = CREDENTIAL.slice(0, 14);
+    upstream.push(
+      chatReply({ content: "checking", bash: ["true"] }),
+      errorReply(400, "bad_request", `conversation refused for key ${prefix}...`),
+    );
+    const stopped = await harness().run(ctx());
+    expect(stopped.exec.stderr).toMatch(/refused/);
+    expect(stopped.exec.stderr).not.toContain(prefix);
+    expect(JSON.stringify(stopped.transcript)).not.toContain(prefix);
+    // Cutting parts of the key from what is graded would tell the policy which are the key's.
+    upstream.push(chatReply({ content: `${prefix} | ${CREDENTIAL}` }));
+    expect((await harness().run(ctx())).answer).toBe(`${prefix} | [redacted]`);
+  });
+
   it("fails with a final agent_error on a 401 from the endpoint, without the credential in the message", async () => {
     const partial = CREDENTIAL.slice(0, 18);
     upstream.push(
