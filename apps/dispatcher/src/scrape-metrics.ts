@@ -92,6 +92,9 @@ async function sampleQueue(queue: Queue, now: number) {
     // CLIENT LIST, which some managed Redis services refuse: then this one gauge is left out.
     queue.getWorkersCount().catch(() => null),
   ]);
-  const oldestAgeS = oldest?.timestamp ? Math.max(0, (now - oldest.timestamp) / 1000) : 0;
+  // Waiting since it was added, or since a worker last took it: a job held, retried or handed
+  // back (a provider outage, a seed waiting for room) was not waiting all its life.
+  const since = oldest?.timestamp ? Math.max(oldest.timestamp, oldest.processedOn ?? 0) : null;
+  const oldestAgeS = since === null ? 0 : Math.max(0, (now - since) / 1000);
   return { name: queue.name, counts, oldestAgeS, workers };
 }

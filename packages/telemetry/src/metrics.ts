@@ -139,7 +139,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     queueOldestWaitingAge: new Gauge({
       name: "fleet_queue_oldest_waiting_age_seconds",
-      help: "Age of the oldest waiting job in each queue (0 when none waits).",
+      help: "How long the oldest waiting job in each queue has waited, since it was added or since a worker last took it (0 when none waits).",
       labelNames: ["queue"],
       registers,
     }),

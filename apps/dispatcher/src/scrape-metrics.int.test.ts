@@ -1,0 +1,48 @@
+import { randomUUID } from "node:crypto";
+import { createRedis } from "@fleet/queue";
+import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
+import { Queue, Worker } from "bullmq";
+import { afterAll, describe, expect, it } from "vitest";
+import { refreshScrapeMetrics } from "./scrape-metrics.ts";
+
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+
+describe("fleet_queue_oldest_waiting_age_seconds", () => {
+  const redis = createRedis(REDIS_URL);
+  const prefix = `{t-scrape-${randomUUID().slice(0, 8)}}`;
+  const queue = new Queue("run", { connection: redis, prefix });
+  afterAll(async () => {
+    await queue.obliterate({ force: true });
+    await queue.close();
+    redis.disconnect();
+  });
+
+  it("counts from when the job last came back to the queue, not from its creation", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }));
+    const age = async () => {
+      await refreshScrapeMetrics({
+        redis,
+        queues: [queue],
+        store: { inflightCount: async () => 0 },
+        metrics,
+        now: Date.now(),
+        timeoutMs: 5_000,
+      });
+      return (await metrics.queueOldestWaitingAge.get()).values.find((v) => v.labels.queue === "run")!.value;
+    };
+    // Added an hour ago and never taken: it has waited an hour.
+    await queue.add("run", { rolloutId: "r" }, { jobId: "r.run", timestamp: Date.now() - 3_600_000 });
+    expect(await age()).toBeGreaterThanOrEqual(3_600);
+    // Taken by a worker, then handed back (a hold, a shutdown): waiting only since then.
+    const worker = new Worker("run", null, { connection: redis.duplicate(), prefix, autorun: false });
+    try {
+      const token = randomUUID();
+      const job = await worker.getNextJob(token);
+      expect(job?.id).toBe("r.run");
+      await job!.moveToWait(token);
+      expect(await age()).toBeLessThan(60);
+    } finally {
+      await worker.close();
+    }
+  });
+});
