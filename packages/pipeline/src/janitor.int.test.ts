@@ -1,9 +1,10 @@
 import { FleetError } from "@fleet/contracts";
-import { sandboxKey } from "@fleet/queue";
+import { JANITOR_QUEUE, sandboxKey } from "@fleet/queue";
 import { DockerGatewayNetworks, DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
+import { Queue } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { janitorTick, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -313,6 +314,28 @@ describe("janitor", () => {
     await b.close();
     expect(passes).toBeGreaterThanOrEqual(5);
     expect(maxActive).toBe(1);
+  });
+
+  it("a replica that has run no pass for a few intervals (another runs them) drops its sandbox count", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const owners = async () => (await metrics.sandboxesActive.get()).values.map((v) => v.labels.owner).sort();
+    const janitor = await startJanitor(
+      { ...fleet.deps, metrics },
+      { connection: fleet.redis, prefix: fleet.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    const schedule = new Queue(JANITOR_QUEUE, { connection: fleet.redis, prefix: fleet.prefix });
+    try {
+      await vi.waitFor(async () => expect(await owners()).toEqual(["agent", "resources"]), {
+        timeout: 10_000,
+      });
+      // Its passes now go elsewhere (here: nowhere).
+      await schedule.pause();
+      await vi.waitFor(async () => expect(await owners()).toEqual([]), { timeout: 10_000 });
+    } finally {
+      await schedule.resume();
+      await schedule.close();
+      await janitor.close();
+    }
   });
 
   it("a Redis outage's connection errors are not printed raw by the janitor's queue (the connection's owner logs them)", async () => {

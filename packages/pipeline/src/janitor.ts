@@ -257,6 +257,9 @@ async function watchdogClose(deps: PipelineDeps, id: string, now: number): Promi
   return true;
 }
 
+/** After this many pass intervals without a pass of its own, a replica drops its sandbox count. */
+export const STALE_SAMPLE_INTERVALS = 3;
+
 export interface Janitor {
   /** Stop within `timeoutMs`: a pass under way gets all but its last 2 s, then is cut off (each step is idempotent). */
   close(timeoutMs?: number): Promise<void>;
@@ -281,10 +284,23 @@ export async function startJanitor(
     { every: options.intervalMs },
     { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
   );
+  // fleet_sandboxes_active is this replica's sample from its last pass. With several replicas
+  // sharing the schedule, another may run every pass for a while: a sample older than a few
+  // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
+  let lastPassAt = Date.now();
+  const staleAfterMs = STALE_SAMPLE_INTERVALS * options.intervalMs;
+  const stale = setInterval(() => {
+    if (Date.now() - lastPassAt <= staleAfterMs) return;
+    for (const owner of ["resources", "agent"]) {
+      deps.metrics?.sandboxesActive.remove({ provider: deps.provider.name, owner });
+    }
+  }, options.intervalMs);
+  stale.unref();
   const worker = new Worker(
     JANITOR_QUEUE,
     async () => {
       const report = await janitorTick(deps, options);
+      lastPassAt = Date.now();
       const did = report.retried + report.orphansRemoved + report.watchdogClosed + report.expiredScheduled;
       if (did + report.errors.length > 0) {
         deps.logger.info(report, "janitor pass");
@@ -297,6 +313,7 @@ export async function startJanitor(
   worker.on("failed", (_job, err) => deps.logger.warn({ err: err.message }, "janitor pass failed"));
   return {
     async close(timeoutMs = 30_000) {
+      clearInterval(stale);
       const graceful = worker.close().then(() => true);
       graceful.catch(() => undefined);
       // The cut-off below takes up to 2 s of the budget: a pass gets the rest.
