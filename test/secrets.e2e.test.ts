@@ -123,7 +123,7 @@ describe("sentinel: a credential value never leaves the worker", () => {
         return res.finishedAt ? res : null;
       });
       expect(r).toMatchObject({ status: "failed", failureKind: "agent_error" });
-      expect(r.reason).toContain("may be sent only to");
+      expect(r.reason).toContain("is not bound to");
       expect(attacker.requests).toHaveLength(0);
       results.push(r);
     } finally {

@@ -163,6 +163,20 @@ describe("WorkerConfig", () => {
     );
   });
 
+  it("lists the model endpoints a tool-loop agent without a credential may call, or none (any)", () => {
+    expect(parseWorkerConfig("agent", {}).modelBaseUrls).toBeNull();
+    expect(
+      parseWorkerConfig("agent", {
+        FLEET_MODEL_BASE_URLS: " http://vllm:8000/v1 , https://api.example.test/v1,",
+      }).modelBaseUrls,
+    ).toEqual(["http://vllm:8000/v1", "https://api.example.test/v1"]);
+    for (const bad of ["not a url", " , "]) {
+      expect(() => parseWorkerConfig("agent", { FLEET_MODEL_BASE_URLS: bad }), bad).toThrow(
+        /FLEET_MODEL_BASE_URLS/,
+      );
+    }
+  });
+
   it("bounds the rollouts seeded ahead at 16 by default, another number, or not at all (0)", () => {
     expect(parseWorkerConfig("resources", {}).seedAhead).toBe(16);
     expect(parseWorkerConfig("resources", { FLEET_SEED_AHEAD: "64" }).seedAhead).toBe(64);

@@ -175,6 +175,26 @@ export const WorkerConfig = z
     FLEET_ALLOW_HOST_EXECUTION: boolVar().default(false),
     FLEET_CREDENTIALS_FILE: z.string().trim().optional(),
     /**
+     * Agent worker: the model endpoints (comma-separated base URLs) a tool-loop agent naming no
+     * credential may call from the worker's host. Unset: any (a credential's own binding still
+     * limits where it goes; a link-local host is always refused).
+     */
+    FLEET_MODEL_BASE_URLS: z
+      .string()
+      .trim()
+      .transform((v) =>
+        v
+          .split(",")
+          .map((u) => u.trim())
+          .filter((u) => u !== ""),
+      )
+      .pipe(
+        z
+          .array(z.url({ error: "must be comma-separated http(s) URLs" }))
+          .min(1, "must name at least one URL"),
+      )
+      .optional(),
+    /**
      * Agent worker: an IPv4 CIDR reserved for the per-rollout gateway networks of agents that
      * talk to a model (Docker's default pools hold only about 30 networks), each
      * `FLEET_GATEWAY_SUBNET_PREFIX` long. Unset: Docker's default pools.
@@ -221,6 +241,7 @@ export const WorkerConfig = z
     concurrency: e.FLEET_CONCURRENCY ?? DEFAULT_CONCURRENCY[e.FLEET_WORKER_KIND],
     allowHostExecution: e.FLEET_ALLOW_HOST_EXECUTION,
     credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
+    modelBaseUrls: e.FLEET_MODEL_BASE_URLS ?? null,
     gatewaySubnetPool: e.FLEET_GATEWAY_SUBNET_POOL
       ? { base: e.FLEET_GATEWAY_SUBNET_POOL, prefix: e.FLEET_GATEWAY_SUBNET_PREFIX }
       : null,

@@ -32,6 +32,29 @@ export function looksLikeCredential(name: string): boolean {
  * An OpenAI-compatible base URL (`…/v1`): http(s), with no credentials, query or fragment in it
  * (a `?` would swallow the `/chat/completions` the fleet appends and let a request pick any path).
  */
+/** A base URL compared as the fleet sends it: parsed, without trailing slashes (null if invalid). */
+export function normalizeBaseUrl(url: string): string | null {
+  try {
+    return new URL(url.trim()).href.replace(/\/+$/, "");
+  } catch {
+    return null;
+  }
+}
+
+/**
+ * Whether a URL's host is a link-local address (169.254.0.0/16, fe80::/10): a cloud's metadata
+ * service lives there, never a model endpoint.
+ */
+export function isLinkLocalUrl(url: string): boolean {
+  let host: string;
+  try {
+    host = new URL(url).hostname.replace(/^\[|\]$/g, "").toLowerCase();
+  } catch {
+    return false;
+  }
+  return /^169\.254\.\d+\.\d+$/.test(host) || /^fe[89ab][0-9a-f]?:/.test(host);
+}
+
 export const ModelBaseUrl = z.url().superRefine((text, ctx) => {
   let url: URL;
   try {

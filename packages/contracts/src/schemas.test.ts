@@ -81,7 +81,7 @@ const agent = fc.oneof(
     sandbox: fc.constant("borrow" as const),
     model: fc.record({
       baseUrl: fc.constant("http://127.0.0.1:8000/v1"),
-      name: text.filter((s) => s.length > 0),
+      name: text.filter((s) => s.trim().length > 0),
     }),
     credential: fc.stringMatching(/^[a-z]{1,10}$/),
     maxSteps: fc.integer({ min: 1, max: 100 }),

@@ -59,4 +59,10 @@ export interface HarnessDeps {
    * out just for the upstreams its operator bound it to, and refuses (final) any other.
    */
   resolveCredential?: (name: string, baseUrl: string) => Promise<string>;
+  /**
+   * The model endpoints (base URLs) a tool-loop agent naming no credential may call from this
+   * worker (`FLEET_MODEL_BASE_URLS`); null or absent: any. With a credential, its binding decides.
+   * A link-local host (a cloud's metadata service) is refused either way.
+   */
+  modelEndpoints?: readonly string[] | null;
 }

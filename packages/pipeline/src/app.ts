@@ -34,6 +34,8 @@ type Env = Record<string, string | undefined>;
 
 interface Common {
   credentialsFile?: string | null;
+  /** Agent worker: `FLEET_MODEL_BASE_URLS`. */
+  modelBaseUrls?: readonly string[] | null;
   /** Agent worker: subnets for the gateway networks (`FLEET_GATEWAY_SUBNET_POOL`). */
   gatewaySubnetPool?: { base: string; prefix: number } | null;
   bwrapRootfs: string | null;
@@ -95,6 +97,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
         file: config.credentialsFile ?? null,
         known: knownSecrets,
       }),
+      modelEndpoints: config.modelBaseUrls ?? null,
     },
   };
   // A Queue re-emits its connection's errors; unheard, BullMQ prints each one raw to stderr.

@@ -52,8 +52,10 @@ describe("credential resolver", () => {
     for (const url of ["http://attacker.test/v1", "http://127.0.0.1:8000/v1/../../latest", "not a url"]) {
       const err = await failure(resolve("a", url));
       expect([err.kind, err.retryable], url).toEqual(["agent_error", false]);
-      expect(err.message).toContain("may be sent only to");
+      expect(err.message).toContain("is not bound to");
       expect(err.message).not.toContain("secret-a");
+      // Nor where it is bound: a submitter learns nothing of the operator's upstreams.
+      expect(err.message).not.toContain("api.example.test");
     }
     const unbound = await failure(resolve("b", UPSTREAM));
     expect(unbound.message).toContain("FLEET_CREDENTIAL_B_BASE_URL");

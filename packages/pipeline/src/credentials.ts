@@ -1,5 +1,7 @@
 import { readFile } from "node:fs/promises";
-import { FleetError } from "@fleet/contracts";
+import { FleetError, normalizeBaseUrl } from "@fleet/contracts";
+
+export { normalizeBaseUrl };
 
 /** Environment variable holding credential `name`: `FLEET_CREDENTIAL_<NAME>` (non-alphanumerics → `_`). */
 export function credentialEnvName(name: string): string {
@@ -9,15 +11,6 @@ export function credentialEnvName(name: string): string {
 /** Environment variable naming the base URLs credential `name` may be sent to (comma-separated). */
 export function credentialBaseUrlEnvName(name: string): string {
   return `${credentialEnvName(name)}_BASE_URL`;
-}
-
-/** A base URL compared as the fleet sends it: parsed, without trailing slashes. */
-export function normalizeBaseUrl(url: string): string | null {
-  try {
-    return new URL(url.trim()).href.replace(/\/+$/, "");
-  } catch {
-    return null;
-  }
 }
 
 interface FileEntry {
@@ -87,7 +80,8 @@ export function createCredentialResolver(options: {
         "agent_error",
         allowed.length === 0
           ? `credential "${name}" is bound to no upstream on this worker (set ${credentialBaseUrlEnvName(name)}), so it is sent nowhere`
-          : `credential "${name}" may be sent only to ${allowed.join(", ")}, not to ${wanted ?? "an invalid URL"}`,
+          : // Not the upstreams it is bound to: a submitter learns nothing of the operator's setup.
+            `credential "${name}" is not bound to ${wanted ?? "an invalid URL"} on this worker (${credentialBaseUrlEnvName(name)})`,
       );
     }
     options.known?.add(value);

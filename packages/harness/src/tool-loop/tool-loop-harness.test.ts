@@ -225,6 +225,28 @@ describe("ToolLoopHarness", () => {
     expect(out.answer).toBe("still going");
   });
 
+  it("calls a model with no credential only at the operator's endpoints when listed, and never a link-local host", async () => {
+    const open = agent({ credential: undefined });
+    const listed = (endpoints: string[]) =>
+      new ToolLoopHarness(open, { modelEndpoints: endpoints }, { retry: FAST_RETRY });
+    const refused = await rejection(listed(["http://127.0.0.1:9/v1"]).run(ctx(open)));
+    expect(isFleetError(refused) && [refused.kind, refused.retryable]).toEqual(["agent_error", false]);
+    expect((refused as Error).message).toMatch(
+      /not one of this worker's model endpoints \(FLEET_MODEL_BASE_URLS\)/,
+    );
+    expect(upstream.requests).toHaveLength(0);
+    upstream.push(chatReply({ content: "done" }));
+    expect((await listed([`${upstream.baseUrl}/`]).run(ctx(open))).answer).toBe("done");
+    // A cloud's metadata service, with or without a list.
+    const metadata = agent({
+      credential: undefined,
+      model: { baseUrl: "http://169.254.169.254/latest", name: "m" },
+    });
+    const err = await rejection(new ToolLoopHarness(metadata, {}, { retry: FAST_RETRY }).run(ctx(metadata)));
+    expect((err as Error).message).toMatch(/link-local/);
+    expect(upstream.requests).toHaveLength(1);
+  });
+
   it("sends no per-call limit without the model's own, however much the rollout's cap has left", async () => {
     upstream.push(chatReply({ content: "done", usage: { prompt: 10, completion: 5 } }));
     const a = agent({ maxTokens: 100_000 });

@@ -1,4 +1,11 @@
-import { type AgentSpec, capText, FleetError, isFleetError } from "@fleet/contracts";
+import {
+  type AgentSpec,
+  capText,
+  FleetError,
+  isFleetError,
+  isLinkLocalUrl,
+  normalizeBaseUrl,
+} from "@fleet/contracts";
 import { capRefusal, readCallUsage, UsageMeter } from "@fleet/gateway";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import {
@@ -73,6 +80,7 @@ export class ToolLoopHarness implements Harness {
     const { agent } = this;
     const started = Date.now();
     const apiKey = await this.resolveCredential();
+    this.checkEndpoint(apiKey !== null);
     // Reports (errors, the stop reason, the transcript) lose any long part of the key too; the
     // graded answer only the key itself (whether a part was cut would tell the policy which).
     const redact = redactor(apiKey, { fragments: true });
@@ -245,6 +253,27 @@ export class ToolLoopHarness implements Harness {
       transcript: transcript.toString(),
       usage: meter.summary(),
     };
+  }
+
+  /**
+   * The worker POSTs to the agent's `model.baseUrl` from the host, and quotes part of a refusal
+   * in the result: without a credential (whose binding limits where it goes) only to the
+   * operator's endpoints when listed, and never to a link-local host (a cloud's metadata service).
+   */
+  private checkEndpoint(credentialed: boolean): void {
+    const { baseUrl } = this.agent.model;
+    if (isLinkLocalUrl(baseUrl)) {
+      throw FleetError.nonRetryable("agent_error", "model.baseUrl is a link-local address; refused");
+    }
+    const allowed = this.deps.modelEndpoints;
+    if (credentialed || !allowed) return;
+    const wanted = normalizeBaseUrl(baseUrl);
+    if (wanted === null || !allowed.map(normalizeBaseUrl).includes(wanted)) {
+      throw FleetError.nonRetryable(
+        "agent_error",
+        `model.baseUrl ${wanted ?? "(invalid)"} is not one of this worker's model endpoints (FLEET_MODEL_BASE_URLS)`,
+      );
+    }
   }
 
   /** The credential's value, resolved by name in the worker; `null` when the agent names none. */
