@@ -158,7 +158,10 @@ describe("model gateway", () => {
       dropped.abort();
       await call;
       await vi.waitFor(() =>
-        expect(gateway.usage(token)?.gaps).toEqual(["1 failed upstream attempt not counted (usage unknown)"]),
+        expect(gateway.usage(token)?.gaps).toEqual([
+          "1 failed upstream attempt not counted (usage unknown)",
+          "1 call abandoned by the agent mid-generation: token totals unknown",
+        ]),
       );
       const refused = await chat(baseUrl, token);
       expect(refused.status, code).toBe(429);

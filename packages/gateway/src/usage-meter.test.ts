@@ -103,6 +103,22 @@ describe("UsageMeter", () => {
     });
   });
 
+  it("a call the agent abandoned leaves the token totals unknown (null), not an undercount", () => {
+    const m = new UsageMeter();
+    m.record(full(10, 5, 0));
+    m.recordAbandoned();
+    expect(m.summary()).toEqual({
+      calls: 1,
+      promptTokens: null,
+      completionTokens: null,
+      cachedTokens: null,
+      gaps: [
+        "1 failed upstream attempt not counted (usage unknown)",
+        "1 call abandoned by the agent mid-generation: token totals unknown",
+      ],
+    });
+  });
+
   it("zero calls is a fact: zeros and no gaps", () => {
     expect(new UsageMeter().summary()).toEqual({
       calls: 0,

@@ -164,12 +164,20 @@ export class UsageMeter {
         `${this.failed} failed upstream attempt${this.failed === 1 ? "" : "s"} not counted (usage unknown)`,
       );
     }
+    // A call the agent abandoned mid-generation was likely billed: the token sums would be an
+    // undercount that looks whole (DESIGN §2 rule 12: a gap, never a made-up number).
+    const abandoned = this.abandoned > 0;
+    if (abandoned) {
+      gaps.push(
+        `${this.abandoned} call${this.abandoned === 1 ? "" : "s"} abandoned by the agent mid-generation: token totals unknown`,
+      );
+    }
     gaps.push(...this.notes);
     return {
       calls: this.calls,
-      promptTokens: noUsage || m.prompt.length > 0 ? null : this.prompt,
-      completionTokens: noUsage || m.completion.length > 0 ? null : this.completion,
-      cachedTokens: noUsage || m.cached.length > 0 ? null : this.cached,
+      promptTokens: noUsage || abandoned || m.prompt.length > 0 ? null : this.prompt,
+      completionTokens: noUsage || abandoned || m.completion.length > 0 ? null : this.completion,
+      cachedTokens: noUsage || abandoned || m.cached.length > 0 ? null : this.cached,
       gaps,
     };
   }
