@@ -37,6 +37,21 @@ interface Reply {
   choices: Array<{ message: { content: string } }>;
 }
 
+/** A call the agent gives up on once the upstream has it (its connection closed mid-generation). */
+async function abandonCall(baseUrl: string, token: string, upstream: ScriptedUpstream): Promise<void> {
+  const before = upstream.requests.length;
+  const dropped = new AbortController();
+  const call = fetch(`${baseUrl}/chat/completions`, {
+    method: "POST",
+    headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
+    body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "write a lot" }] }),
+    signal: dropped.signal,
+  }).catch(() => null);
+  await vi.waitFor(() => expect(upstream.requests).toHaveLength(before + 1));
+  dropped.abort();
+  await call;
+}
+
 async function chat(
   baseUrl: string,
   token: string | null,
@@ -147,16 +162,7 @@ describe("model gateway", () => {
       const { upstream, gateway } = await setup();
       const { token, baseUrl } = gateway.register("r1", { model: "m", ...limits });
       upstream.push({ ...chatReply({ content: "long" }), delayMs: 30_000 });
-      const dropped = new AbortController();
-      const call = fetch(`${baseUrl}/chat/completions`, {
-        method: "POST",
-        headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
-        body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "write a lot" }] }),
-        signal: dropped.signal,
-      }).catch(() => null);
-      await vi.waitFor(() => expect(upstream.requests).toHaveLength(1));
-      dropped.abort();
-      await call;
+      await abandonCall(baseUrl, token, upstream);
       await vi.waitFor(() =>
         expect(gateway.usage(token)?.gaps).toEqual([
           "1 failed upstream attempt not counted (usage unknown)",
@@ -179,16 +185,7 @@ describe("model gateway", () => {
       delayMs: 30_000,
     });
     expect((await chat(baseUrl, token)).status).toBe(503);
-    const dropped = new AbortController();
-    const call = fetch(`${baseUrl}/chat/completions`, {
-      method: "POST",
-      headers: { authorization: `Bearer ${token}`, "content-type": "application/json" },
-      body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "hi" }] }),
-      signal: dropped.signal,
-    }).catch(() => null);
-    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
-    dropped.abort();
-    await call;
+    await abandonCall(baseUrl, token, upstream);
     await vi.waitFor(() => expect(gateway.usage(token)?.gaps.join()).toMatch(/2 failed upstream attempts/));
     const refused = await chat(baseUrl, token);
     expect(refused.json.error.code).toBe("token_total_unknown");
