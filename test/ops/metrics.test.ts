@@ -191,6 +191,7 @@ describe("metrics of a real run", () => {
     expect(sampleValue(d, "fleet_redis_up")).toBe(1);
     expect(sampleValue(d, "fleet_rollouts_inflight")).toBe(0);
     expect(sampleValue(d, "fleet_teardown_ledger_entries")).toBe(0);
+    expect(sampleValue(d, "fleet_teardown_ledger_oldest_age_seconds")).toBe(0);
     for (const queue of STAGES) {
       const at = (state: string) => sampleValue(d, "fleet_queue_jobs", { queue, state });
       expect({
@@ -220,6 +221,7 @@ describe("metrics of a real run", () => {
     // The janitor: ledger empty; the heartbeat beats.
     const j = await scrape("janitor");
     expect(sampleValue(j, "fleet_teardown_ledger_entries")).toBe(0);
+    expect(sampleValue(j, "fleet_teardown_ledger_oldest_age_seconds")).toBe(0);
     expect(
       Date.now() / 1000 - sampleValue(j, "fleet_worker_heartbeat_timestamp_seconds", { worker: "janitor" }),
     ).toBeLessThan(30);

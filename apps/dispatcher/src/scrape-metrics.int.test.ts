@@ -1,5 +1,5 @@
 import { randomUUID } from "node:crypto";
-import { createRedis } from "@fleet/queue";
+import { createRedis, sandboxKey, TeardownLedger } from "@fleet/queue";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { afterAll, describe, expect, it } from "vitest";
@@ -15,6 +15,40 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
     await queue.obliterate({ force: true });
     await queue.close();
     redis.disconnect();
+  });
+
+  it("fleet_teardown_ledger_oldest_age_seconds: how long the oldest entry has awaited its teardown", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }));
+    const ledger = new TeardownLedger(redis, prefix);
+    const now = Date.now();
+    const refresh = async () => {
+      await refreshScrapeMetrics({
+        redis,
+        queues: [],
+        store: { inflightCount: async () => 0 },
+        ledger,
+        metrics,
+        now,
+        timeoutMs: 5_000,
+      });
+      return (await metrics.teardownLedgerOldestAge.get()).values[0]?.value;
+    };
+    expect(await refresh()).toBe(0);
+    const entry = (id: string) => ({
+      key: sandboxKey(id, "resources"),
+      rolloutId: id,
+      owner: "resources" as const,
+      provider: "docker" as const,
+      handle: null,
+      createdAt: 1,
+      expiresAt: 2,
+    });
+    await ledger.recordFailure(entry("old"), "boom", now - 1_200_000);
+    await ledger.recordFailure(entry("new"), "boom", now - 60_000);
+    expect(await refresh()).toBe(1_200);
+    await ledger.confirm(entry("old"));
+    expect(await refresh()).toBe(60);
+    await ledger.confirm(entry("new"));
   });
 
   it("counts from when the job last came back to the queue, not from its creation", async () => {

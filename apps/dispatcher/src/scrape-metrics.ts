@@ -20,7 +20,7 @@ export interface ScrapeSources {
   /** The stage queues and the janitor's, by the name used as the `queue` label. */
   queues: readonly Queue[];
   store: Pick<RolloutStore, "inflightCount">;
-  ledger?: Pick<TeardownLedger, "size">;
+  ledger?: Pick<TeardownLedger, "size" | "oldestSince">;
   metrics: FleetMetrics;
   now: number;
   /** Bound on the whole refresh (Redis may hang rather than fail). */
@@ -49,7 +49,10 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
     metrics.queueOldestWaitingAge.reset();
     metrics.queueWorkers.reset();
     metrics.rolloutsInflight.remove({});
-    if (src.ledger) metrics.teardownLedgerEntries.remove({});
+    if (src.ledger) {
+      metrics.teardownLedgerEntries.remove({});
+      metrics.teardownLedgerOldestAge.remove({});
+    }
   };
   const started = Date.now();
   try {
@@ -61,11 +64,12 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
     throw err;
   }
   try {
-    const [perQueue, inflight, ledgerSize] = await withTimeout(
+    const [perQueue, inflight, ledgerSize, ledgerSince] = await withTimeout(
       Promise.all([
         Promise.all(src.queues.map((q) => sampleQueue(q, src.now))),
         src.store.inflightCount(),
         src.ledger ? src.ledger.size() : Promise.resolve(null),
+        src.ledger ? src.ledger.oldestSince() : Promise.resolve(null),
       ]),
       Math.max(1, src.timeoutMs - (Date.now() - started)),
       "queue metrics",
@@ -77,7 +81,12 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
       if (workers !== null) metrics.queueWorkers.set({ queue: name }, workers);
     }
     metrics.rolloutsInflight.set(inflight);
-    if (ledgerSize !== null) metrics.teardownLedgerEntries.set(ledgerSize);
+    if (ledgerSize !== null) {
+      metrics.teardownLedgerEntries.set(ledgerSize);
+      metrics.teardownLedgerOldestAge.set(
+        ledgerSince === null ? 0 : Math.max(0, (src.now - ledgerSince) / 1000),
+      );
+    }
   } catch (err) {
     clear();
     throw err;

@@ -213,7 +213,9 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   }
 
   await step("metrics", async () => {
-    deps.metrics?.teardownLedgerEntries.set(await deps.ledger.size());
+    const [size, since] = await Promise.all([deps.ledger.size(), deps.ledger.oldestSince()]);
+    deps.metrics?.teardownLedgerEntries.set(size);
+    deps.metrics?.teardownLedgerOldestAge.set(since === null ? 0 : Math.max(0, (Date.now() - since) / 1000));
   });
   return report;
 }

@@ -918,15 +918,22 @@ describe("rollout store", () => {
       expiresAt: 2,
     };
     const now = 1_000_000;
+    expect(await ledger.oldestSince()).toBeNull();
     const first = await ledger.recordFailure(entry, "boom", now, () => 1);
-    const second = await ledger.recordFailure(entry, "boom again", now, () => 1);
+    const second = await ledger.recordFailure(entry, "boom again", now + 500, () => 1);
+    // Waiting since its first failure, however often it failed since; the oldest entry counts.
+    const other = { ...entry, key: sandboxKey(ids[0]!, "agent"), owner: "agent" as const };
+    await ledger.recordFailure(other, "boom", now + 100, () => 1);
+    expect(await ledger.oldestSince()).toBe(now);
+    await ledger.confirm(other);
     expect(second.attempts).toBe(2);
     expect(second.dueAt - now).toBeGreaterThan(first.dueAt - now);
-    expect(await ledger.due(now)).toHaveLength(0);
+    expect(await ledger.due(now + 500)).toHaveLength(0);
     expect(await ledger.due(second.dueAt)).toHaveLength(1);
     expect(await ledger.isPending(ids[0]!)).toBe(true);
     await ledger.confirm(entry);
     expect(await ledger.size()).toBe(0);
+    expect(await ledger.oldestSince()).toBeNull();
     expect(await ledger.isPending(ids[0]!)).toBe(false);
   });
 });

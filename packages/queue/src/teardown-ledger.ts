@@ -188,6 +188,20 @@ export class TeardownLedger {
   }
 
   /**
+   * Since when the ledger's oldest entry has awaited a confirmed destroy (its first failure, or
+   * when close handed it over), epoch ms; null when empty. Reads every entry: the ledger holds
+   * failed teardowns only, a few at a time.
+   */
+  async oldestSince(): Promise<number | null> {
+    let oldest: number | null = null;
+    for (const raw of await this.redis.hvals(this.keys.teardownEntries())) {
+      const at = Number((JSON.parse(raw) as { firstFailedAt?: unknown }).firstFailedAt);
+      if (Number.isFinite(at) && (oldest === null || at < oldest)) oldest = at;
+    }
+    return oldest;
+  }
+
+  /**
    * A rollout's gateway network (or its firewall rules) that close could not remove: kept until
    * the janitor's retry succeeds (DESIGN §2 rule 3). Once the network is gone nothing else would
    * find its rules again: they would stay on the host for good.

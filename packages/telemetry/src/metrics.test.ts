@@ -48,6 +48,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
         "fleet_stage_jobs_total",
         "fleet_teardown_attempts_total",
         "fleet_teardown_ledger_entries",
+        "fleet_teardown_ledger_oldest_age_seconds",
         "fleet_worker_heartbeat_timestamp_seconds",
       ].sort(),
     );
@@ -63,7 +64,12 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     const r = createMetricsRegistry({ app: "agent-worker", defaultMetrics: false });
     const m = createFleetMetrics(r);
     const samples = async () => (await r.metrics()).split("\n").filter((l) => !l.startsWith("#"));
-    for (const name of ["fleet_redis_up", "fleet_rollouts_inflight", "fleet_teardown_ledger_entries"]) {
+    for (const name of [
+      "fleet_redis_up",
+      "fleet_rollouts_inflight",
+      "fleet_teardown_ledger_entries",
+      "fleet_teardown_ledger_oldest_age_seconds",
+    ]) {
       expect((await samples()).filter((l) => l.startsWith(`${name}{`))).toEqual([]);
     }
     m.redisUp.set(1);

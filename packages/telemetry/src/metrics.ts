@@ -89,6 +89,7 @@ export interface FleetMetrics {
   sandboxesActive: Gauge<"provider" | "owner">;
   sandboxCreateDuration: Histogram<"provider">;
   teardownLedgerEntries: Gauge;
+  teardownLedgerOldestAge: Gauge;
   teardownAttempts: Counter<"result">;
   reward: Histogram;
   modelTokens: Counter<"kind">;
@@ -159,6 +160,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     teardownLedgerEntries: new Gauge({
       name: "fleet_teardown_ledger_entries",
       help: "Sandboxes in the teardown ledger awaiting a confirmed destroy.",
+      registers,
+    }),
+    teardownLedgerOldestAge: new Gauge({
+      name: "fleet_teardown_ledger_oldest_age_seconds",
+      help: "How long the teardown ledger's oldest sandbox has awaited a confirmed destroy (0 when the ledger is empty).",
       registers,
     }),
     teardownAttempts: new Counter({
@@ -243,6 +249,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     metrics.redisUp,
     metrics.rolloutsInflight,
     metrics.teardownLedgerEntries,
+    metrics.teardownLedgerOldestAge,
     metrics.sandboxProviderUp,
     metrics.seedingHeld,
   ]) {
