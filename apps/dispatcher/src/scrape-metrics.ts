@@ -1,6 +1,6 @@
 import { withTimeout as boundedBy } from "@fleet/contracts";
 import type { RolloutStore, TeardownLedger } from "@fleet/queue";
-import type { FleetMetrics } from "@fleet/telemetry";
+import { ageSeconds, type FleetMetrics } from "@fleet/telemetry";
 import type { Queue } from "bullmq";
 import type { Redis } from "ioredis";
 
@@ -83,9 +83,7 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
     metrics.rolloutsInflight.set(inflight);
     if (ledgerSize !== null) {
       metrics.teardownLedgerEntries.set(ledgerSize);
-      metrics.teardownLedgerOldestAge.set(
-        ledgerSince === null ? 0 : Math.max(0, (src.now - ledgerSince) / 1000),
-      );
+      metrics.teardownLedgerOldestAge.set(ageSeconds(ledgerSince, src.now));
     }
   } catch (err) {
     clear();
@@ -104,6 +102,6 @@ async function sampleQueue(queue: Queue, now: number) {
   // Waiting since it was added, or since a worker last took it: a job held, retried or handed
   // back (a provider outage, a seed waiting for room) was not waiting all its life.
   const since = oldest?.timestamp ? Math.max(oldest.timestamp, oldest.processedOn ?? 0) : null;
-  const oldestAgeS = since === null ? 0 : Math.max(0, (now - since) / 1000);
+  const oldestAgeS = ageSeconds(since, now);
   return { name: queue.name, counts, oldestAgeS, workers };
 }

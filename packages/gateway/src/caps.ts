@@ -22,6 +22,13 @@ export interface CapState {
  * overloaded upstream: the gateway cannot tell which).
  */
 export type CapCode = "call_cap_exceeded" | "token_cap_exceeded" | "usage_unreported" | "token_total_unknown";
+/** Every code a cap refusal may carry. */
+export const CAP_CODES: ReadonlySet<string> = new Set<CapCode>([
+  "call_cap_exceeded",
+  "token_cap_exceeded",
+  "usage_unreported",
+  "token_total_unknown",
+]);
 
 export interface CapRefusal {
   code: CapCode;

@@ -2,7 +2,7 @@ import { createServer, type IncomingMessage, type Server, type ServerResponse } 
 import type { AddressInfo } from "node:net";
 import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
 import { redactSecrets } from "@fleet/telemetry";
-import { type CapLimits, capRefusal } from "./caps.ts";
+import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
 
@@ -520,14 +520,7 @@ function describe(err: unknown): string {
 
 function errorType(status: number, code: string): string {
   if (status === 401) return "authentication_error";
-  if (
-    code === "call_cap_exceeded" ||
-    code === "token_cap_exceeded" ||
-    code === "usage_unreported" ||
-    code === "token_total_unknown"
-  ) {
-    return "insufficient_quota";
-  }
+  if (CAP_CODES.has(code)) return "insufficient_quota";
   return status >= 500 ? "api_error" : "invalid_request_error";
 }
 

@@ -1,8 +1,6 @@
 import { readFile } from "node:fs/promises";
 import { FleetError, normalizeBaseUrl } from "@fleet/contracts";
 
-export { normalizeBaseUrl };
-
 /** Environment variable holding credential `name`: `FLEET_CREDENTIAL_<NAME>` (non-alphanumerics → `_`). */
 export function credentialEnvName(name: string): string {
   return `FLEET_CREDENTIAL_${name.toUpperCase().replace(/[^A-Z0-9]/g, "_")}`;

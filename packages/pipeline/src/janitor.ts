@@ -9,6 +9,7 @@ import {
   stageJobId,
 } from "@fleet/queue";
 import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fleet/sandbox";
+import { ageSeconds, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { destroyOrLedger } from "./stages.ts";
@@ -122,9 +123,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     } catch (err) {
       // No count now: fleet_sandboxes_active goes without a sample rather than keep its last
       // value, which FleetSandboxLeak would take for sandboxes the fleet no longer accounts for.
-      for (const owner of ["resources", "agent"]) {
-        deps.metrics?.sandboxesActive.remove({ provider: deps.provider.name, owner });
-      }
+      dropSandboxCount(deps);
       throw err;
     }
     // A sandbox on the teardown ledger is the ledger step's, retried on its backoff: trying it
@@ -215,7 +214,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   await step("metrics", async () => {
     const [size, since] = await Promise.all([deps.ledger.size(), deps.ledger.oldestSince()]);
     deps.metrics?.teardownLedgerEntries.set(size);
-    deps.metrics?.teardownLedgerOldestAge.set(since === null ? 0 : Math.max(0, (Date.now() - since) / 1000));
+    deps.metrics?.teardownLedgerOldestAge.set(ageSeconds(since));
   });
   return report;
 }
@@ -259,6 +258,12 @@ async function watchdogClose(deps: PipelineDeps, id: string, now: number): Promi
   return true;
 }
 
+/** `fleet_sandboxes_active` without a sample (no count that is a fact now). */
+function dropSandboxCount(deps: PipelineDeps): void {
+  for (const owner of SANDBOX_OWNERS)
+    deps.metrics?.sandboxesActive.remove({ provider: deps.provider.name, owner });
+}
+
 /** After this many pass intervals without a pass of its own, a replica drops its sandbox count. */
 export const STALE_SAMPLE_INTERVALS = 3;
 
@@ -292,10 +297,7 @@ export async function startJanitor(
   let lastPassAt = Date.now();
   const staleAfterMs = STALE_SAMPLE_INTERVALS * options.intervalMs;
   const stale = setInterval(() => {
-    if (Date.now() - lastPassAt <= staleAfterMs) return;
-    for (const owner of ["resources", "agent"]) {
-      deps.metrics?.sandboxesActive.remove({ provider: deps.provider.name, owner });
-    }
+    if (Date.now() - lastPassAt > staleAfterMs) dropSandboxCount(deps);
   }, options.intervalMs);
   stale.unref();
   const worker = new Worker(

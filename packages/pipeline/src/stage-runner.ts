@@ -13,7 +13,7 @@ import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError } from "./hand-back.ts";
-import { beginOptions, HANDLERS, lockMayHaveLapsed } from "./stages.ts";
+import { beginOptions, HANDLERS, lockMayHaveLapsed, superseded } from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded";
 
@@ -121,10 +121,7 @@ export async function runStageJob(
       lockMayHaveLapsed(lock) &&
       !(await deps.store.holdsVerifyFence(rolloutId, verifyToken).catch(() => true))
     ) {
-      deps.logger.warn(
-        { rolloutId, stage, err: err instanceof Error ? err.message : String(err) },
-        "a later verify attempt began; this one's failure is not recorded",
-      );
+      superseded(deps, rolloutId, "does not record its failure", err);
       return "superseded";
     }
     const fe = asFleetError(err);
@@ -188,7 +185,7 @@ export async function runStageJob(
             verifyToken !== null &&
             !(await deps.store.holdsVerifyFence(rolloutId, verifyToken))
           ) {
-            log.warn({ err: fe.message }, "a later verify attempt began; this one's failure is not recorded");
+            superseded(deps, rolloutId, "does not record its failure", fe);
             return "superseded";
           }
         }

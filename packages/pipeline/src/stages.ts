@@ -787,8 +787,9 @@ class VerifySupersededError extends Error {
 }
 
 /** A verify attempt that a later one superseded ends here: logged, nothing stored or enqueued. */
-function superseded(deps: PipelineDeps, rolloutId: string, what: string): null {
-  deps.logger.warn({ rolloutId }, `a later verify attempt began; this one ${what}`);
+export function superseded(deps: PipelineDeps, rolloutId: string, what: string, err?: unknown): null {
+  const detail = err === undefined ? {} : { err: err instanceof Error ? err.message : String(err) };
+  deps.logger.warn({ rolloutId, ...detail }, `a later verify attempt began; this one ${what}`);
   return null;
 }
 

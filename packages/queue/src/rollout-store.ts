@@ -81,7 +81,7 @@ export interface BeginOptions {
   launchToken?: string;
   /**
    * Verify: take the verify fence with this token along with the begin (this attempt is the one
-   * that began last: only it may start its tests, `noteVerifyTestsStart`, or store its receipt).
+   * that began last: only it may work in the sandbox, `noteVerifyWork`, or store its receipt).
    */
   verifyToken?: string;
 }

@@ -14,6 +14,11 @@ import type { RedisConnection } from "./connection.ts";
  */
 const TERMINAL = `local terminal = {completed=true, masked=true, failed=true, cancelled=true}`;
 
+/** A script's start that returns 0 for a rollout unknown or terminal (KEYS[1]), and sets `status`. */
+const OPEN_OR_RETURN_0 = `${TERMINAL}
+      local status = redis.call('HGET', KEYS[1], 'status')
+      if not status or terminal[status] then return 0 end`;
+
 /**
  * The fenced launch claim (DESIGN §2 rule 10), shared by `fleetClaimLaunch` and `fleetBegin`:
  * returns 'stopped', 0 when a stop already won, else the previous fence ('' for the first
@@ -160,9 +165,7 @@ const SCRIPTS = {
   fleetSetField: {
     keys: 1,
     lua: `
-      ${TERMINAL}
-      local status = redis.call('HGET', KEYS[1], 'status')
-      if not status or terminal[status] then return 0 end
+      ${OPEN_OR_RETURN_0}
       if ARGV[4] and ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[4]) ~= ARGV[5] then return 0 end
       if ARGV[3] == '2' and (redis.call('HEXISTS', KEYS[1], 'closed') == 1
           or redis.call('HEXISTS', KEYS[1], 'r:verify') == 1) then return 0 end
@@ -374,8 +377,8 @@ const SCRIPTS = {
           if not skip then
             redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2])
             if ARGV[1] == 'verify' then
-              -- When an earlier attempt last started its tests (a verify delivered again waits
-              -- them out; see noteVerifyTestsStart).
+              -- When an earlier attempt last began work in the sandbox (a verify delivered again
+              -- waits it out; see fleetNoteVerify).
               prevTests = redis.call('HGET', KEYS[1], 't:verify:last')
             end
             if ARGV[5] ~= '' then
@@ -447,9 +450,7 @@ const SCRIPTS = {
   fleetNoteVerify: {
     keys: 1,
     lua: `
-      ${TERMINAL}
-      local status = redis.call('HGET', KEYS[1], 'status')
-      if not status or terminal[status] then return 0 end
+      ${OPEN_OR_RETURN_0}
       if redis.call('HGET', KEYS[1], 'vfence') ~= ARGV[2] then return -1 end
       if ARGV[1] == '' then
         redis.call('HDEL', KEYS[1], 't:verify:last')

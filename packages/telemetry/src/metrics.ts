@@ -64,6 +64,10 @@ export type TeardownResult = (typeof TEARDOWN_RESULTS)[number];
 /** `owner` of a sandbox (the `fleet.owner` label): the resources worker's task sandbox or an agent-owned one. */
 export const SANDBOX_OWNERS = ["resources", "agent"] as const;
 export type SandboxOwner = (typeof SANDBOX_OWNERS)[number];
+/** Seconds from `since` (epoch ms) to `now`, for an age gauge; 0 when there is nothing (`null`) or clocks disagree. */
+export function ageSeconds(since: number | null, now: number = Date.now()): number {
+  return since === null ? 0 : Math.max(0, (now - since) / 1000);
+}
 /** `kind` of model tokens. */
 export const TOKEN_KINDS = ["prompt", "completion", "cached"] as const;
 export type TokenKind = (typeof TOKEN_KINDS)[number];
