@@ -1,5 +1,6 @@
 import { randomUUID } from "node:crypto";
-import { createRedis, sandboxKey, TeardownLedger } from "@fleet/queue";
+import { createRedis, TeardownLedger } from "@fleet/queue";
+import { sandboxEntry } from "@fleet/queue/testing";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { afterAll, describe, expect, it } from "vitest";
@@ -34,15 +35,7 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
       return (await metrics.teardownLedgerOldestAge.get()).values[0]?.value;
     };
     expect(await refresh()).toBe(0);
-    const entry = (id: string) => ({
-      key: sandboxKey(id, "resources"),
-      rolloutId: id,
-      owner: "resources" as const,
-      provider: "docker" as const,
-      handle: null,
-      createdAt: 1,
-      expiresAt: 2,
-    });
+    const entry = (id: string) => sandboxEntry(id);
     await ledger.recordFailure(entry("old"), "boom", now - 1_200_000);
     await ledger.recordFailure(entry("new"), "boom", now - 60_000);
     expect(await refresh()).toBe(1_200);

@@ -9,6 +9,11 @@ import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-f
 import { latch } from "./testing/latch.ts";
 import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
 
+/** A logger whose lines (JSON) go into `lines`, from `level` up. */
+function loggerInto(lines: string[], level: "info" | "warn") {
+  return createLogger({ name: "test", level, destination: { write: (l: string) => lines.push(l) } });
+}
+
 describe("stage workers at a concurrency above ten", () => {
   let fleet: InProcessFleet | undefined;
   const warnings: Error[] = [];
@@ -55,11 +60,7 @@ describe("stage workers at a concurrency above ten", () => {
       provider: new InMemorySandboxProvider(),
       deps: {
         ...NO_OP_AGENT_AND_VERIFIER,
-        logger: createLogger({
-          name: "test",
-          level: "info",
-          destination: { write: (l: string) => lines.push(l) },
-        }),
+        logger: loggerInto(lines, "info"),
       },
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
@@ -114,11 +115,7 @@ describe("stage workers at a concurrency above ten", () => {
       provider: new InMemorySandboxProvider(),
       concurrency: 1,
       deps: {
-        logger: createLogger({
-          name: "test",
-          level: "warn",
-          destination: { write: (l: string) => lines.push(l) },
-        }),
+        logger: loggerInto(lines, "warn"),
         verify: async () => {
           verifying.open();
           await release.opened;
@@ -146,11 +143,7 @@ describe("stage workers at a concurrency above ten", () => {
       provider: new InMemorySandboxProvider(),
       concurrency: 2,
       deps: {
-        logger: createLogger({
-          name: "test",
-          level: "warn",
-          destination: { write: (l: string) => lines.push(l) },
-        }),
+        logger: loggerInto(lines, "warn"),
         // An agent that runs until it is stopped (the real harness kills its exec on the signal).
         createHarness: (agent) => ({
           name: agent.harness,

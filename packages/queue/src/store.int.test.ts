@@ -19,6 +19,7 @@ import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
 import { sandboxKey, TeardownLedger } from "./teardown-ledger.ts";
+import { sandboxEntry } from "./testing/sandbox-entry.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 const task: TaskContent = {
@@ -768,16 +769,8 @@ describe("rollout store", () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
     const id = ids[0]!;
-    const key = sandboxKey(id, "resources");
-    const entry = {
-      key,
-      rolloutId: id,
-      owner: "resources" as const,
-      provider: "docker" as const,
-      handle: null,
-      createdAt: 1,
-      expiresAt: 2,
-    };
+    const entry = sandboxEntry(id);
+    const { key } = entry;
     expect(await ledger.recordIntent(entry)).toBe("ok");
     await ledger.recordFailure(entry, "boom", 10);
     const begun = await store.begin(id, "close", 20);
@@ -794,15 +787,7 @@ describe("rollout store", () => {
 
   it("a pending teardown is confirmed in the result by whichever comes last: the ledger's confirm (a sandbox's, a network's) or finalize", async () => {
     const ledger = new TeardownLedger(redis, prefix);
-    const entryOf = (id: string, owner: "resources" | "agent") => ({
-      key: sandboxKey(id, owner),
-      rolloutId: id,
-      owner,
-      provider: "docker" as const,
-      handle: null,
-      createdAt: 1,
-      expiresAt: 2,
-    });
+    const entryOf = sandboxEntry;
     const pendingResult = (id: string) => ({
       ...resultFor(id, "completed"),
       teardown: "pending" as const,
@@ -908,21 +893,13 @@ describe("rollout store", () => {
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
-    const entry = {
-      key: sandboxKey(ids[0]!, "resources"),
-      rolloutId: ids[0]!,
-      owner: "resources" as const,
-      provider: "docker" as const,
-      handle: null,
-      createdAt: 1,
-      expiresAt: 2,
-    };
+    const entry = sandboxEntry(ids[0]!);
     const now = 1_000_000;
     expect(await ledger.oldestSince()).toBeNull();
     const first = await ledger.recordFailure(entry, "boom", now, () => 1);
     const second = await ledger.recordFailure(entry, "boom again", now + 500, () => 1);
     // Waiting since its first failure, however often it failed since; the oldest entry counts.
-    const other = { ...entry, key: sandboxKey(ids[0]!, "agent"), owner: "agent" as const };
+    const other = sandboxEntry(ids[0]!, "agent");
     await ledger.recordFailure(other, "boom", now + 100, () => 1);
     expect(await ledger.oldestSince()).toBe(now);
     await ledger.confirm(other);

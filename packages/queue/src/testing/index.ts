@@ -1,0 +1,2 @@
+export * from "./redis-cluster.ts";
+export * from "./sandbox-entry.ts";
