@@ -1,5 +1,5 @@
 import { capText } from "./bounded.ts";
-import { classifyFailure, FailureKind } from "./failure.ts";
+import { classifyFailure, FailureKind, type Usage } from "./failure.ts";
 
 export interface FleetErrorOptions {
   /** Overrides the kind's default retryability (see `classifyFailure`). */
@@ -7,6 +7,8 @@ export interface FleetErrorOptions {
   cause?: unknown;
   /** See `FleetError.nothingStarted`. @defaultValue false */
   nothingStarted?: boolean;
+  /** See `FleetError.usage`. @defaultValue null */
+  usage?: Usage | null;
 }
 
 /**
@@ -23,12 +25,18 @@ export class FleetError extends Error {
    * may have started before its stream or its daemon broke.
    */
   readonly nothingStarted: boolean;
+  /**
+   * The model usage spent before the failure (an agent's calls, then an upstream that stopped
+   * answering): kept in the failure record, so a masked run still reports what it cost.
+   */
+  readonly usage: Usage | null;
 
   constructor(kind: FailureKind, message: string, options: FleetErrorOptions = {}) {
     super(capText(message), options.cause === undefined ? undefined : { cause: options.cause });
     this.kind = kind;
     this.retryable = options.retryable ?? classifyFailure(kind).retryable;
     this.nothingStarted = options.nothingStarted ?? false;
+    this.usage = options.usage ?? null;
   }
 
   static retryable(kind: FailureKind, message: string, cause?: unknown): FleetError {
@@ -50,9 +58,26 @@ export function beforeStart<E>(err: E): E | FleetError {
     retryable: err.retryable,
     cause: err.cause,
     nothingStarted: true,
+    usage: err.usage,
   });
   if (err.stack !== undefined) marked.stack = err.stack;
   return marked;
+}
+
+/**
+ * `err` carrying the model usage spent before it (`FleetError.usage`). Anything but a
+ * FleetError, one that already carries usage, and a null `usage` leave `err` as it is.
+ */
+export function withUsage<E>(err: E, usage: Usage | null): E | FleetError {
+  if (usage === null || !isFleetError(err) || (err.usage ?? null) !== null) return err;
+  const carried = new FleetError(err.kind, err.message, {
+    retryable: err.retryable,
+    cause: err.cause,
+    nothingStarted: err.nothingStarted,
+    usage,
+  });
+  if (err.stack !== undefined) carried.stack = err.stack;
+  return carried;
 }
 
 export function isFleetError(err: unknown): err is FleetError {

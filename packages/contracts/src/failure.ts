@@ -70,6 +70,16 @@ export function isInfrastructureFailure(kind: FailureKind): boolean {
   return classifyFailure(kind).outcome === "mask";
 }
 
+/** Model usage; `gaps` names what the harness could not observe (never a silent zero). */
+export const Usage = z.object({
+  calls: z.number().int().nonnegative(),
+  promptTokens: z.number().int().nonnegative().nullable(),
+  completionTokens: z.number().int().nonnegative().nullable(),
+  cachedTokens: z.number().int().nonnegative().nullable(),
+  gaps: z.array(z.string()),
+});
+export type Usage = z.infer<typeof Usage>;
+
 /** A stored failure fact (DESIGN §2 rule 12). */
 export const FailureRecord = z.object({
   stage: Stage,
@@ -78,5 +88,10 @@ export const FailureRecord = z.object({
   mask: z.boolean(),
   reason: CappedText,
   at: z.number().int().nonnegative(),
+  /**
+   * The model usage the failed attempt had spent (a run whose agent called a model and then
+   * failed: masked for its upstream, say). Absent when none was measured.
+   */
+  usage: Usage.optional(),
 });
 export type FailureRecord = z.infer<typeof FailureRecord>;

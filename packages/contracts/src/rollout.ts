@@ -1,7 +1,7 @@
 import { z } from "zod";
 import { AgentSpec } from "./agent.ts";
 import { CappedText, Seconds } from "./bounded.ts";
-import { FailureKind, FailureRecord, Stage } from "./failure.ts";
+import { FailureKind, FailureRecord, Stage, Usage } from "./failure.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxOptions } from "./sandbox.ts";
 import { TaskRef } from "./task.ts";
 
@@ -49,16 +49,6 @@ export const StageName = z.enum(["seed", "run", "verify", "close"]);
 export type StageName = z.infer<typeof StageName>;
 export const StageJob = z.strictObject({ rolloutId: RolloutId });
 export type StageJob = z.infer<typeof StageJob>;
-
-/** Model usage; `gaps` names what the harness could not observe (never a silent zero). */
-export const Usage = z.object({
-  calls: z.number().int().nonnegative(),
-  promptTokens: z.number().int().nonnegative().nullable(),
-  completionTokens: z.number().int().nonnegative().nullable(),
-  cachedTokens: z.number().int().nonnegative().nullable(),
-  gaps: z.array(z.string()),
-});
-export type Usage = z.infer<typeof Usage>;
 
 export const SeedReceipt = z.object({
   handle: SandboxHandle,

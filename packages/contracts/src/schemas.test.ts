@@ -10,14 +10,13 @@ import {
   MAX_FIELD_CHARS,
   MAX_RECORD_BYTES,
 } from "./bounded.ts";
-import { classifyFailure, FailureKind, FailureRecord } from "./failure.ts";
+import { classifyFailure, FailureKind, FailureRecord, Usage } from "./failure.ts";
 import {
   CloseReceipt,
   RolloutRequest,
   RolloutResult,
   RunReceipt,
   SeedReceipt,
-  Usage,
   VerifyReceipt,
 } from "./rollout.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";

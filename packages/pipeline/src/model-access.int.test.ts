@@ -4,6 +4,7 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { createCredentialResolver } from "./credentials.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { until } from "./testing/no-op-stages.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 const SECRET = `sk-upstream-${Math.random().toString(36).slice(2)}`;
@@ -125,6 +126,29 @@ describe("command agent with a model, through the per-rollout gateway", () => {
       failureKind: "provider_unavailable",
     });
     expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 503/);
+  });
+
+  it("a masked run still reports what its answered calls spent", async () => {
+    upstream.push(chatReply({ content: "thinking", usage: { prompt: 17, completion: 2, cached: 0 } }));
+    upstream.push(errorReply(503, "overloaded", "the model is overloaded"));
+    // Two calls in a row; the second's HTTP error ends the agent with a non-zero exit.
+    const id = await submitClient("borrow", `${CLIENT}\n${CLIENT.trim()}`);
+    const [r] = await fleet.waitForResults([id], 120_000);
+    expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "run" });
+    expect(r!.usage).toMatchObject({ calls: 1, promptTokens: 17, completionTokens: 2, cachedTokens: 0 });
+    expect(r!.usage!.gaps).toEqual([expect.stringMatching(/1 failed upstream attempt/)]);
+  });
+
+  it("a run whose sandbox is lost after the agent's model calls is masked and keeps their usage", async () => {
+    upstream.push(chatReply({ content: "thinking", usage: { prompt: 23, completion: 5, cached: 1 } }));
+    const before = upstream.requests.length;
+    const id = await submitClient("borrow", `${CLIENT}\nimport time\ntime.sleep(120)`);
+    await until("the agent's model call", () => upstream.requests.length > before, 60_000);
+    const rec = await fleet.deps.store.get(id);
+    await provider.destroy(rec!.receipts.seed!.handle);
+    const [r] = await fleet.waitForResults([id], 120_000);
+    expect(r).toMatchObject({ status: "masked", failureKind: "sandbox_lost", stage: "run" });
+    expect(r!.usage).toMatchObject({ calls: 1, promptTokens: 23, completionTokens: 5, cachedTokens: 1 });
   });
 
   it("an agent that exits 0 while its model upstream fails is masked unless its work earns a full reward", async () => {

@@ -178,6 +178,34 @@ describe("composeResult", () => {
     expect(r.exitCode).toBe(-2);
   });
 
+  it("a run that failed after its agent's model calls keeps their usage; a failure elsewhere, or none measured, reports none", () => {
+    const usage = { calls: 2, promptTokens: 40, completionTokens: 6, cachedTokens: 0, gaps: [] };
+    const masked = composeResult(
+      record({ failure: { ...failure("provider_unavailable", "run"), usage } }),
+      closed,
+      10,
+      [],
+    );
+    expect(masked).toMatchObject({ status: "masked", usage });
+    expect(
+      composeResult(record({ failure: failure("provider_unavailable", "run") }), closed, 10, []).usage,
+    ).toBe(null);
+    // The run's receipt, when it has one, is what its usage was.
+    const ran = composeResult(
+      record({
+        failure: { ...failure("verifier_error", "verify"), usage: { ...usage, calls: 9 } },
+        receipts: { run: runReceipt({ usage }) },
+      }),
+      closed,
+      10,
+      [],
+    );
+    expect(ran.usage).toEqual(usage);
+    expect(
+      composeResult(record({ failure: { ...failure("sandbox_lost", "seed"), usage } }), closed, 10, []).usage,
+    ).toBe(null);
+  });
+
   it("final failures are failed, cancels cancelled, neither masked", () => {
     expect(composeResult(record({ failure: failure("invalid_task", "seed") }), closed, 10, [])).toMatchObject(
       {

@@ -66,7 +66,8 @@ export function composeResult(
     taskDigest: meta.taskDigest,
     agent: meta.agentName,
     teardown: close.teardown,
-    usage: receipts.run?.usage ?? null,
+    // A run that failed after its agent called a model (masked for its upstream, say) keeps what it spent.
+    usage: receipts.run?.usage ?? (rec.failure?.stage === "run" ? rec.failure.usage : undefined) ?? null,
     agentLaunches: rec.launches,
     timings: timings(rec, finishedAt),
     failures,

@@ -238,6 +238,7 @@ function failureRecord(stage: StageName, fe: FleetError, terminal: boolean, at: 
     mask: classifyFailure(fe.kind).outcome === "mask",
     reason: capText(fe.message),
     at,
+    ...(fe.usage ? { usage: fe.usage } : {}),
   };
 }
 

@@ -14,6 +14,7 @@ import {
   type StageName,
   type TaskContent,
   type Usage,
+  withUsage,
 } from "@fleet/contracts";
 import type { UpstreamHealth } from "@fleet/gateway";
 import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } from "@fleet/harness";
@@ -254,6 +255,14 @@ export const SANDBOX_SETTLE_MS = 2_000;
  * were killed, so the check is repeated for up to `SANDBOX_SETTLE_MS` before the error stands
  * (only on this error path).
  */
+/** Count what an agent's model calls spent (`fleet_model_tokens_total`), whatever its run's outcome. */
+function countTokens(deps: PipelineDeps, usage: Usage | null): void {
+  if (!usage || !deps.metrics) return;
+  if (usage.promptTokens) deps.metrics.modelTokens.inc({ kind: "prompt" }, usage.promptTokens);
+  if (usage.completionTokens) deps.metrics.modelTokens.inc({ kind: "completion" }, usage.completionTokens);
+  if (usage.cachedTokens) deps.metrics.modelTokens.inc({ kind: "cached" }, usage.cachedTokens);
+}
+
 async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err: unknown): Promise<unknown> {
   if (isFleetError(err) && (err.kind === "sandbox_lost" || err.kind === "provider_unavailable")) return err;
   const isAlive = () => deps.provider.alive(handle).catch(() => true);
@@ -576,12 +585,18 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // took what was left, say): whatever failed, the rollout ran out of time.
       if (limitedBy === "rollout" && clock(deps) >= deadlineMs) {
         const why = err instanceof Error ? err.message : String(err);
-        throw FleetError.nonRetryable(
-          "deadline_exceeded",
-          capText(`the rollout's deadline passed during the agent's run (${why})`),
+        throw withUsage(
+          FleetError.nonRetryable(
+            "deadline_exceeded",
+            capText(`the rollout's deadline passed during the agent's run (${why})`),
+          ),
+          isFleetError(err) ? (err.usage ?? null) : null,
         );
       }
-      throw await sandboxLostIfGone(deps, handle, err);
+      throw withUsage(
+        await sandboxLostIfGone(deps, handle, err),
+        isFleetError(err) ? (err.usage ?? null) : null,
+      );
     } finally {
       clearInterval(poll);
       shutdown?.removeEventListener("abort", onShutdown);
@@ -630,7 +645,12 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // So too for a harness that returned without an exec (a model's answer alone, then a failed
     // stop): it changed nothing in the sandbox. (Its launch is then not counted in `attempts`.)
     if (!watched.started()) await giveBack();
-    throw err;
+    // What the agent's calls through the gateway spent goes with the failure (a masked run
+    // still reports its cost); a harness's own error may carry its usage already.
+    await finishAccess().catch(() => undefined);
+    const spent = gatewayUsage as Usage | null; // set by finishAccess
+    countTokens(deps, spent ?? (isFleetError(err) ? (err.usage ?? null) : null));
+    throw withUsage(err, spent);
   } finally {
     await finishAccess().catch(() => undefined);
   }
@@ -640,19 +660,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // (many agent CLIs do after API errors) is graded, and masked at verify unless its work earns a
   // full reward. One whose last call was answered is graded as usual.
   const lastFailure = (upstream as UpstreamHealth | null)?.lastInfraFailure ?? null;
+  const usage = gatewayUsage ?? outcome.usage;
+  countTokens(deps, usage);
   let upstreamFailing: string | null = null;
   if (lastFailure !== null) {
     const { answered, infraFailures } = upstream as unknown as UpstreamHealth;
     upstreamFailing = `the model upstream was failing when the agent stopped (${infraFailures} failed call(s), ${answered} answered; last: ${capText(lastFailure, 300)})`;
     if (outcome.exec.exitCode !== 0 || outcome.exec.timedOut) {
-      throw FleetError.nonRetryable("provider_unavailable", upstreamFailing);
+      throw new FleetError("provider_unavailable", upstreamFailing, { retryable: false, usage });
     }
-  }
-  const usage = gatewayUsage ?? outcome.usage;
-  if (usage && deps.metrics) {
-    if (usage.promptTokens) deps.metrics.modelTokens.inc({ kind: "prompt" }, usage.promptTokens);
-    if (usage.completionTokens) deps.metrics.modelTokens.inc({ kind: "completion" }, usage.completionTokens);
-    if (usage.cachedTokens) deps.metrics.modelTokens.inc({ kind: "cached" }, usage.cachedTokens);
   }
   let ownedSandbox: RunReceipt["ownedSandbox"] = null;
   if (owned?.handle) {

@@ -172,6 +172,32 @@ describe("ToolLoopHarness", () => {
     expect(Date.now() - started).toBeLessThan(10_000); // at its deadline, not retrying on
   });
 
+  it("a failure mid-episode carries what the episode's calls spent (a masked run still reports its cost)", async () => {
+    upstream.push(
+      chatReply({ content: "looking", bash: ["echo hi"], usage: { prompt: 12, completion: 4, cached: 2 } }),
+    );
+    upstream.push(errorReply(403, "key_revoked", "key revoked"));
+    const err = await rejection(harness().run(ctx()));
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
+    expect((err as FleetError).usage).toEqual({
+      calls: 1,
+      promptTokens: 12,
+      completionTokens: 4,
+      cachedTokens: 2,
+      gaps: [],
+    });
+  });
+
+  it("an endpoint down from the first call reports its failed attempts as a gap on the error", async () => {
+    await upstream.close();
+    const err = await rejection(harness().run(ctx(agent(), { deadlineMs: Date.now() + 1500 })));
+    expect(isFleetError(err) && err.kind).toBe("provider_unavailable");
+    expect((err as FleetError).usage).toMatchObject({
+      calls: 0,
+      gaps: [expect.stringMatching(/failed upstream attempt/)],
+    });
+  });
+
   it("records a gap, never a zero, when a response has no usage", async () => {
     upstream.push(
       chatReply({ bash: ["true"], usage: { prompt: 10, completion: 5, cached: 0 } }),

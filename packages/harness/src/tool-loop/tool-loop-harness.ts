@@ -5,6 +5,7 @@ import {
   isFleetError,
   isLinkLocalUrl,
   normalizeBaseUrl,
+  withUsage,
 } from "@fleet/contracts";
 import { capRefusal, readCallUsage, UsageMeter } from "@fleet/gateway";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
@@ -109,128 +110,141 @@ export class ToolLoopHarness implements Harness {
     let stop: ToolLoopStop = "max_steps";
     let stopDetail = `${agent.maxSteps} steps used`;
 
-    steps: for (let step = 1; step <= agent.maxSteps; step++) {
-      const refusal = capRefusal({ calls: 0, tokens: meter.totalTokens }, { maxTokens: agent.maxTokens });
-      if (refusal?.code === "usage_unreported") {
-        // The endpoint reports no usage, so the rollout's cap cannot hold: the endpoint's
-        // shortcoming (as the gateway counts it), not the agent's; masked, never graded.
-        throw FleetError.nonRetryable("provider_unavailable", refusal.message);
-      }
-      if (refusal) {
-        stop = "token_cap";
-        stopDetail = refusal.message;
-        break;
-      }
-      const result = await callChatCompletion({
-        url,
-        apiKey,
-        body: this.requestBody(messages, meter.totalTokens),
-        deadlineMs: ctx.deadlineMs,
-        signal: ctx.signal,
-        retry: this.retry,
-        redact,
-        onRetry: ({ attempt, status, reason, waitMs }) => {
+    try {
+      steps: for (let step = 1; step <= agent.maxSteps; step++) {
+        const refusal = capRefusal({ calls: 0, tokens: meter.totalTokens }, { maxTokens: agent.maxTokens });
+        if (refusal?.code === "usage_unreported") {
+          // The endpoint reports no usage, so the rollout's cap cannot hold: the endpoint's
+          // shortcoming (as the gateway counts it), not the agent's; masked, never graded.
+          throw FleetError.nonRetryable("provider_unavailable", refusal.message);
+        }
+        if (refusal) {
+          stop = "token_cap";
+          stopDetail = refusal.message;
+          break;
+        }
+        const result = await callChatCompletion({
+          url,
+          apiKey,
+          body: this.requestBody(messages, meter.totalTokens),
+          deadlineMs: ctx.deadlineMs,
+          signal: ctx.signal,
+          retry: this.retry,
+          redact,
+          onRetry: ({ attempt, status, reason, waitMs }) => {
+            meter.recordFailure();
+            transcript.add({ event: "retry", step, attempt, status, reason, waitMs });
+          },
+          // Every call before this one was answered (the loop stops at any other outcome).
+          answeredBefore: step > 1,
+        });
+        if (result.kind === "deadline") {
+          stop = "deadline";
+          stopDetail = `the agent's deadline came during model call ${step}`;
+          // The endpoint may still finish and bill the call this episode gave up on.
+          meter.note(`model call ${step} abandoned at the deadline (usage unknown)`);
+          break;
+        }
+        if (result.kind === "refused") {
           meter.recordFailure();
-          transcript.add({ event: "retry", step, attempt, status, reason, waitMs });
-        },
-        // Every call before this one was answered (the loop stops at any other outcome).
-        answeredBefore: step > 1,
-      });
-      if (result.kind === "deadline") {
-        stop = "deadline";
-        stopDetail = `the agent's deadline came during model call ${step}`;
-        // The endpoint may still finish and bill the call this episode gave up on.
-        meter.note(`model call ${step} abandoned at the deadline (usage unknown)`);
-        break;
-      }
-      if (result.kind === "refused") {
-        meter.recordFailure();
-        stop = "refused";
-        stopDetail = `the model endpoint refused the conversation at call ${step}: ${result.message}`;
-        break;
-      }
-      if (result.kind === "context_length") {
-        if (step === 1) {
-          // Before the agent did anything: the task's instruction (or the completion tokens
-          // asked for) does not fit this model, the spec's mismatch, not a policy's failure.
-          throw FleetError.nonRetryable(
-            "agent_error",
-            `the model cannot take the episode's first request: ${result.message}`,
-          );
+          stop = "refused";
+          stopDetail = `the model endpoint refused the conversation at call ${step}: ${result.message}`;
+          break;
         }
-        meter.recordFailure();
-        stop = "context_length";
-        stopDetail = `the model refused the conversation as too long: ${result.message}`;
-        break;
-      }
-      const callUsage = readCallUsage(result.body);
-      meter.record(callUsage);
-      const turn = readAssistantTurn(result.body, step);
-      if (turn === null) {
-        // Unreachable in practice: callChatCompletion only returns bodies with a choice.
-        throw FleetError.nonRetryable("agent_error", "model answer has no assistant message");
-      }
-      if (turn.content !== null && turn.content.trim() !== "") lastText = turn.content;
-      // One answer may hold hundreds of thousands of tool calls (a 32 MiB response): at most
-      // MAX_TOOL_CALLS_PER_TURN run and go back in the history; the model is told of the rest.
-      const dropped = Math.max(0, turn.toolCalls.length - MAX_TOOL_CALLS_PER_TURN);
-      if (dropped > 0) turn.toolCalls = turn.toolCalls.slice(0, MAX_TOOL_CALLS_PER_TURN);
-      messages.push({
-        role: "assistant",
-        content: turn.content === null ? null : capText(turn.content, MAX_HISTORY_CONTENT_CHARS),
-        // As the history the endpoint gets back: arguments that are not a JSON object (cut off at
-        // max_tokens, say) become "{}" and a missing name "unknown", since some servers re-parse
-        // them and would refuse every later call; the tool result tells the model what was wrong.
-        ...(turn.toolCalls.length > 0 ? { tool_calls: turn.toolCalls.map(historyCall) } : {}),
-      });
-      transcript.add({
-        step,
-        role: "assistant",
-        content: turn.content,
-        ...(turn.toolCalls.length > 0
-          ? {
-              toolCalls: turn.toolCalls.map((c) => ({
-                id: c.id,
-                name: c.function.name,
-                arguments: c.function.arguments,
-              })),
-            }
-          : {}),
-        finishReason: turn.finishReason,
-        usage: callUsage.usageMissing
-          ? null
-          : {
-              prompt: callUsage.promptTokens,
-              completion: callUsage.completionTokens,
-              cached: callUsage.cachedTokens,
-            },
-      });
-      if (turn.toolCalls.length === 0) {
-        finalText = turn.content;
-        stop = "answer";
-        stopDetail = "the model answered without tool calls";
-        break;
-      }
+        if (result.kind === "context_length") {
+          if (step === 1) {
+            // Before the agent did anything: the task's instruction (or the completion tokens
+            // asked for) does not fit this model, the spec's mismatch, not a policy's failure.
+            throw FleetError.nonRetryable(
+              "agent_error",
+              `the model cannot take the episode's first request: ${result.message}`,
+            );
+          }
+          meter.recordFailure();
+          stop = "context_length";
+          stopDetail = `the model refused the conversation as too long: ${result.message}`;
+          break;
+        }
+        const callUsage = readCallUsage(result.body);
+        meter.record(callUsage);
+        const turn = readAssistantTurn(result.body, step);
+        if (turn === null) {
+          // Unreachable in practice: callChatCompletion only returns bodies with a choice.
+          throw FleetError.nonRetryable("agent_error", "model answer has no assistant message");
+        }
+        if (turn.content !== null && turn.content.trim() !== "") lastText = turn.content;
+        // One answer may hold hundreds of thousands of tool calls (a 32 MiB response): at most
+        // MAX_TOOL_CALLS_PER_TURN run and go back in the history; the model is told of the rest.
+        const dropped = Math.max(0, turn.toolCalls.length - MAX_TOOL_CALLS_PER_TURN);
+        if (dropped > 0) turn.toolCalls = turn.toolCalls.slice(0, MAX_TOOL_CALLS_PER_TURN);
+        messages.push({
+          role: "assistant",
+          content: turn.content === null ? null : capText(turn.content, MAX_HISTORY_CONTENT_CHARS),
+          // As the history the endpoint gets back: arguments that are not a JSON object (cut off at
+          // max_tokens, say) become "{}" and a missing name "unknown", since some servers re-parse
+          // them and would refuse every later call; the tool result tells the model what was wrong.
+          ...(turn.toolCalls.length > 0 ? { tool_calls: turn.toolCalls.map(historyCall) } : {}),
+        });
+        transcript.add({
+          step,
+          role: "assistant",
+          content: turn.content,
+          ...(turn.toolCalls.length > 0
+            ? {
+                toolCalls: turn.toolCalls.map((c) => ({
+                  id: c.id,
+                  name: c.function.name,
+                  arguments: c.function.arguments,
+                })),
+              }
+            : {}),
+          finishReason: turn.finishReason,
+          usage: callUsage.usageMissing
+            ? null
+            : {
+                prompt: callUsage.promptTokens,
+                completion: callUsage.completionTokens,
+                cached: callUsage.cachedTokens,
+              },
+        });
+        if (turn.toolCalls.length === 0) {
+          finalText = turn.content;
+          stop = "answer";
+          stopDetail = "the model answered without tool calls";
+          break;
+        }
 
-      for (const call of turn.toolCalls) {
-        const remaining = Math.floor(ctx.deadlineMs - Date.now());
-        if (remaining <= 0) {
-          stop = "deadline";
-          stopDetail = `the agent's deadline came before tool call ${call.id}`;
-          break steps;
-        }
-        const content = await this.runTool(ctx, call.function.name, call.function.arguments, remaining);
-        if (dropped > 0 && call === turn.toolCalls[turn.toolCalls.length - 1]) {
-          content.text += `\n(note: ${dropped} more tool call(s) in this answer were not run; at most ${MAX_TOOL_CALLS_PER_TURN} run per answer)`;
-        }
-        messages.push({ role: "tool", tool_call_id: call.id, content: content.text });
-        transcript.add({ step, role: "tool", toolCallId: call.id, ...content.facts, content: content.text });
-        if (Date.now() >= ctx.deadlineMs) {
-          stop = "deadline";
-          stopDetail = `the agent's deadline came during tool call ${call.id}`;
-          break steps;
+        for (const call of turn.toolCalls) {
+          const remaining = Math.floor(ctx.deadlineMs - Date.now());
+          if (remaining <= 0) {
+            stop = "deadline";
+            stopDetail = `the agent's deadline came before tool call ${call.id}`;
+            break steps;
+          }
+          const content = await this.runTool(ctx, call.function.name, call.function.arguments, remaining);
+          if (dropped > 0 && call === turn.toolCalls[turn.toolCalls.length - 1]) {
+            content.text += `\n(note: ${dropped} more tool call(s) in this answer were not run; at most ${MAX_TOOL_CALLS_PER_TURN} run per answer)`;
+          }
+          messages.push({ role: "tool", tool_call_id: call.id, content: content.text });
+          transcript.add({
+            step,
+            role: "tool",
+            toolCallId: call.id,
+            ...content.facts,
+            content: content.text,
+          });
+          if (Date.now() >= ctx.deadlineMs) {
+            stop = "deadline";
+            stopDetail = `the agent's deadline came during tool call ${call.id}`;
+            break steps;
+          }
         }
       }
+    } catch (err) {
+      // A failure mid-episode (the endpoint gone, the sandbox lost) still reports what the
+      // episode's calls spent: the run is masked or failed, its cost is a fact all the same.
+      const spent = meter.summary();
+      throw withUsage(err, spent.calls > 0 || spent.gaps.length > 0 ? spent : null);
     }
 
     transcript.add({ event: "stop", reason: stop, detail: stopDetail });
