@@ -159,6 +159,55 @@ describe("pipeline against real Redis and Docker", () => {
     expect(r!.exitCode).not.toBe(-2);
   });
 
+  it("an agent that fills the sandbox's memory with what no process holds (detached System V shared memory, empty files on every tmpfs) is graded, not masked", async () => {
+    // Empty files use no data pages (a tmpfs size cap does not bound them) but pin kernel memory,
+    // and a detached System V segment outlives its process unless the IPC namespace removes it:
+    // without the inode caps and kernel.shm_rmid_forced, verification would start in a full
+    // cgroup, its staging be OOM-killed, and the rollout masked instead of graded 0.
+    const fill = `
+import ctypes, os
+open("/workspace/hello.txt", "w").write("wrong\\n")
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+libc.shmat.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
+libc.shmdt.argtypes = [ctypes.c_void_p]
+for _ in range(40):
+    sid = libc.shmget(0, 8 << 20, 0o1600)
+    if sid < 0:
+        break
+    addr = libc.shmat(sid, None, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        break
+    ctypes.memset(addr, 1, 8 << 20)
+    libc.shmdt(addr)
+for base in ["/workspace/.f", "/tmp/.f", "/logs/.f", "/dev/shm/.f"]:
+    n = 0
+    try:
+        os.mkdir(base)
+        while True:
+            if n % 1000 == 0:
+                os.mkdir(f"{base}/{n // 1000}")
+            os.close(os.open(f"{base}/{n // 1000}/{n}", os.O_CREAT | os.O_WRONLY, 0o600))
+            n += 1
+    except OSError:
+        pass
+`;
+    const [id] = await fleet.submit([
+      {
+        task: byId("hello-file"),
+        agent: {
+          harness: "command",
+          argv: ["sh", "-c", `python3 -c '${fill}'; head -c 100000000 /dev/zero > /tmp/last`],
+        },
+        sandbox: { memoryMb: 96, diskMb: 16, tmpfsMb: 16 },
+      },
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!], 240_000);
+    expect(r).toMatchObject({ status: "completed", reward: 0, mask: false, failureKind: null });
+    expect(r!.exitCode).not.toBe(-2);
+  });
+
   it("an agent past its deadline is graded as agent_timeout after its processes are confirmed gone", async () => {
     const [id] = await fleet.submit([
       {

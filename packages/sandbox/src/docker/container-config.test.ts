@@ -32,17 +32,40 @@ describe("buildContainerConfig", () => {
     expect(h.ReadonlyRootfs).toBe(true);
     expect(h.PidsLimit).toBe(256);
     // 1 GiB for the processes, plus the tmpfs mounts' caps (4 × 256 MiB, the 1 GiB workspace,
-    // 64 MiB of /dev/shm): their files are memory in the same cgroup.
-    expect(h.Memory).toBe((1024 + 4 * 256 + 1024 + 64) * 1024 * 1024);
+    // 64 MiB of /dev/shm): their files are memory in the same cgroup; plus the kernel memory of
+    // as many inodes as they may hold (256 per MiB, 1 KiB each: a quarter of their size), plus
+    // the IPC objects' 8 MiB.
+    const tmpfsMb = 4 * 256 + 1024 + 64;
+    expect(h.Memory).toBe((1024 + tmpfsMb + tmpfsMb / 4 + 8) * 1024 * 1024);
     expect(h.MemorySwap).toBe(h.Memory);
-    expect(h.ShmSize).toBe(64 * 1024 * 1024);
+    expect(h.ShmSize).toBeUndefined();
+    expect(h.Sysctls).toMatchObject({
+      "kernel.shm_rmid_forced": "1",
+      "kernel.msgmni": "32",
+      "kernel.sem": "250 32000 32 128",
+      "fs.mqueue.queues_max": "16",
+    });
     expect(h.NanoCpus).toBe(1e9);
     expect(h.Init).toBe(true);
     expect(h.Privileged).toBe(false);
     expect(h.PidMode).toBeUndefined();
     expect(h.Binds).toBeUndefined();
-    expect(Object.keys(h.Tmpfs!).sort()).toEqual(["/logs", "/solution", "/tests", "/tmp", "/workspace"]);
+    expect(Object.keys(h.Tmpfs!).sort()).toEqual([
+      "/dev/shm",
+      "/logs",
+      "/solution",
+      "/tests",
+      "/tmp",
+      "/workspace",
+    ]);
+    // Every tmpfs caps its inodes with its size: empty files use no pages, only kernel memory.
+    for (const [path, options] of Object.entries(h.Tmpfs!)) {
+      const size = Number(/size=(\d+)m/.exec(options)?.[1]);
+      expect(size, path).toBeGreaterThan(0);
+      expect(options, path).toContain(`nr_inodes=${size * 256}`);
+    }
     expect(h.Tmpfs!["/tests"]).toMatch(/size=256m/);
+    expect(h.Tmpfs!["/dev/shm"]).toMatch(/size=64m.*mode=1777/);
     expect(h.Mounts).toEqual([]);
     expect(c.Labels).toEqual({
       "fleet.managed": "true",
@@ -57,7 +80,7 @@ describe("buildContainerConfig", () => {
     const h = c.HostConfig!;
     expect(Object.keys(h.Tmpfs!)).not.toContain("/workspace");
     // No workspace tmpfs to make room for in the memory limit.
-    expect(h.Memory).toBe((1024 + 4 * 256 + 64) * 1024 * 1024);
+    expect(h.Memory).toBe((1024 + (4 * 256 + 64) * 1.25 + 8) * 1024 * 1024);
     expect(h.Mounts).toEqual([
       {
         Type: "volume",
@@ -88,7 +111,7 @@ describe("buildContainerConfig", () => {
       },
       network: "fleet-gateway",
     }).HostConfig!;
-    expect(h.Memory).toBe((2048 + 4 * 32 + 1024 + 64) * 1024 * 1024);
+    expect(h.Memory).toBe((2048 + (4 * 32 + 1024 + 64) * 1.25 + 8) * 1024 * 1024);
     expect(h.MemorySwap).toBe(h.Memory);
     expect(h.NanoCpus).toBe(2.5e9);
     expect(h.PidsLimit).toBe(1000);
@@ -103,7 +126,9 @@ describe("buildContainerConfig", () => {
 
   it("caps the workspace with an agent-owned tmpfs of the container's own when diskMb is set (no volume)", () => {
     const h = config({ options: { diskMb: 100 } }).HostConfig!;
-    expect(h.Tmpfs!["/workspace"]).toBe("rw,exec,nosuid,nodev,size=100m,uid=1000,gid=1000,mode=0755");
+    expect(h.Tmpfs!["/workspace"]).toBe(
+      "rw,exec,nosuid,nodev,size=100m,nr_inodes=25600,uid=1000,gid=1000,mode=0755",
+    );
     expect(h.Mounts).toEqual([]);
   });
 

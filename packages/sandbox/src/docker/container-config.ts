@@ -71,17 +71,60 @@ export const TMPFS_MOUNTS: ReadonlyArray<{ path: string; mode: string }> = [
 ];
 
 /**
- * The sandbox's memory limit in MiB: `memoryMb` for its processes plus the caps of its tmpfs
- * mounts (a capped workspace included), whose files count against the same cgroup. So a full
- * tmpfs is ENOSPC for its writer, never an OOM kill of everything in the sandbox, and the tests
- * still have `memoryMb` to run in after an agent filled its workspace.
+ * The sandbox's memory limit in MiB: `memoryMb` for its processes, plus everything an agent can
+ * leave behind that no process holds and that counts against the same cgroup:
+ * - the caps of its tmpfs mounts (a capped workspace and `/dev/shm` included): their files;
+ * - the kernel memory of their inodes (`INODES_PER_MB`, `INODE_KMEM_BYTES`): empty files use no
+ *   data pages, so a size cap alone does not bound them, and millions of them would fill the cgroup;
+ * - the System V and POSIX message queues and semaphores `IPC_SYSCTLS` allow (`IPC_MB`); System V
+ *   shared memory goes with the last process attached to it (`kernel.shm_rmid_forced`).
+ * So a full tmpfs is ENOSPC for its writer, never an OOM kill of everything in the sandbox, and
+ * the tests still have `memoryMb` to run in whatever the agent left: an agent cannot make
+ * verification fail for memory (and be masked) instead of being graded.
  */
 export function sandboxMemoryMb(limits: Pick<SandboxLimits, "memoryMb" | "tmpfsMb" | "diskMb">): number {
-  return limits.memoryMb + TMPFS_MOUNTS.length * limits.tmpfsMb + (limits.diskMb ?? 0) + SHM_MB;
+  const tmpfsMb = TMPFS_MOUNTS.length * limits.tmpfsMb + (limits.diskMb ?? 0) + SHM_MB;
+  return (
+    limits.memoryMb + tmpfsMb + Math.ceil((tmpfsMb * INODES_PER_MB * INODE_KMEM_BYTES) / 2 ** 20) + IPC_MB
+  );
 }
 
 /** The size of a sandbox's `/dev/shm` (Docker's default, set explicitly since it counts in `sandboxMemoryMb`). */
 export const SHM_MB = 64;
+
+/**
+ * Inodes per MiB of each tmpfs (`nr_inodes`): an average of 4 KiB per file, so a 1 GiB workspace
+ * holds 262,144 files and directories. Without a cap a tmpfs allows about one per page of RAM on
+ * the host, millions, each pinning kernel memory charged to the sandbox.
+ */
+export const INODES_PER_MB = 256;
+
+/** Kernel memory one tmpfs inode pins with its dentry (measured: about 960 bytes). */
+export const INODE_KMEM_BYTES = 1024;
+
+/**
+ * IPC objects outlive the processes that made them: bounded here, in the sandbox's own IPC
+ * namespace, and counted in `sandboxMemoryMb` (`IPC_MB`). System V message queues: 32 of up to
+ * 16 KiB; semaphores: 128 sets of up to 250, 32,000 in all; POSIX message queues: 16 of up to
+ * 10 messages of 8 KiB. System V shared memory is removed once no process is attached to it.
+ */
+export const IPC_SYSCTLS: Readonly<Record<string, string>> = Object.freeze({
+  "kernel.shm_rmid_forced": "1",
+  "kernel.msgmni": "32",
+  "kernel.msgmnb": "16384",
+  "kernel.sem": "250 32000 32 128",
+  "fs.mqueue.queues_max": "16",
+  "fs.mqueue.msg_max": "10",
+  "fs.mqueue.msgsize_max": "8192",
+});
+
+/** What the objects `IPC_SYSCTLS` allows can hold, with room for their kernel structures. */
+export const IPC_MB = 8;
+
+/** Docker tmpfs options: its size cap and the inode cap that goes with it. */
+function tmpfsCaps(sizeMb: number): string {
+  return `size=${sizeMb}m,nr_inodes=${sizeMb * INODES_PER_MB}`;
+}
 
 /** Whether `path` (absolute) lies on one of the sandbox's tmpfs mounts. */
 export function isTmpfsPath(path: string): boolean {
@@ -176,7 +219,10 @@ export function buildContainerConfig(
   const memoryBytes = sandboxMemoryMb(limits) * 1024 * 1024;
   const tmpfs: Record<string, string> = {};
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
-  for (const m of TMPFS_MOUNTS) tmpfs[m.path] = `rw,exec,nosuid,nodev,size=${limits.tmpfsMb}m,mode=${m.mode}`;
+  for (const m of TMPFS_MOUNTS)
+    tmpfs[m.path] = `rw,exec,nosuid,nodev,${tmpfsCaps(limits.tmpfsMb)},mode=${m.mode}`;
+  // Docker's own /dev/shm (ShmSize) takes no inode cap: the sandbox gets a tmpfs of its own there.
+  tmpfs["/dev/shm"] = `rw,noexec,nosuid,nodev,${tmpfsCaps(SHM_MB)},mode=1777`;
 
   // Capped: a tmpfs of its own, like the scratch directories (Docker copies no image files into
   // it, only the directory's mode: the provider stages them). Uncapped: a named volume, which
@@ -184,7 +230,7 @@ export function buildContainerConfig(
   const capped = limits.diskMb !== null;
   if (capped) {
     tmpfs[SANDBOX_PATHS.workspace] =
-      `rw,exec,nosuid,nodev,size=${limits.diskMb}m,uid=${AGENT_UID},gid=${AGENT_GID},mode=0755`;
+      `rw,exec,nosuid,nodev,${tmpfsCaps(limits.diskMb!)},uid=${AGENT_UID},gid=${AGENT_GID},mode=0755`;
   }
   const mounts: Dockerode.MountSpec[] = capped
     ? []
@@ -214,7 +260,7 @@ export function buildContainerConfig(
       Tmpfs: tmpfs,
       Mounts: mounts,
       PidsLimit: limits.pidsLimit,
-      ShmSize: SHM_MB * 1024 * 1024,
+      Sysctls: { ...IPC_SYSCTLS },
       Memory: memoryBytes,
       MemorySwap: memoryBytes,
       NanoCpus: Math.round(limits.cpus * 1e9),

@@ -121,7 +121,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(hc.Binds ?? []).toEqual([]);
       // The capped workspace is a tmpfs of the container's own: no volume to leak.
       expect(info.Mounts.map((m) => [m.Type, m.Destination])).toEqual([]);
-      expect(hc.Tmpfs?.["/workspace"]).toMatch(/size=1024m,uid=1000,gid=1000,mode=0755/);
+      expect(hc.Tmpfs?.["/workspace"]).toMatch(/size=1024m,nr_inodes=262144,uid=1000,gid=1000,mode=0755/);
       expect(h.volumes).toEqual([]);
       const ws = await provider.exec(h, ["stat", "-c", "%u:%g %a", "/workspace"], { deadlineMs: 10_000 });
       expect(ws.stdout.trim()).toBe("1000:1000 755");
@@ -393,19 +393,25 @@ describe("DockerSandboxProvider (real Docker)", () => {
         expect(after.stdout.split("\n").filter(Boolean)).toEqual(["/tmp/roots"]);
         expect((await provider.probe(fresh)).scratchClean).toBe(true);
 
-        // SysV IPC objects live in the sandbox's IPC namespace, not in files: a segment, a queue
-        // and a semaphore set of the agent's are seen and removed; root's stays.
+        // SysV IPC objects live in the sandbox's IPC namespace, not in files. A shared memory
+        // segment goes with the last process attached to it (kernel.shm_rmid_forced): ipcmk's is
+        // gone when ipcmk exits. A queue and a semaphore set of the agent's are seen and removed;
+        // root's stay.
         const ipc = await sh("ipcmk -M 4096 && ipcmk -Q && ipcmk -S 1");
         expect(ipc.exitCode, ipc.stderr).toBe(0);
+        expect((await sh("tail -n +2 /proc/sysvipc/shm", ROOT_USER)).stdout).toBe("");
         expect((await provider.probe(fresh)).scratchClean).toBe(false);
-        expect((await sh("ipcmk -M 512", ROOT_USER)).exitCode).toBe(0);
+        expect((await sh("ipcmk -S 3", ROOT_USER)).exitCode).toBe(0);
         await scrubScratch(provider, fresh);
         const ipcLeft = await sh(
           "cat /proc/sysvipc/shm /proc/sysvipc/msg /proc/sysvipc/sem | grep -vc key",
           ROOT_USER,
         );
         expect(ipcLeft.stdout.trim()).toBe("1");
-        expect((await sh("tail -n +2 /proc/sysvipc/shm", ROOT_USER)).stdout).toMatch(/\s512\s/);
+        // Root's set of 3 (the columns: key semid perms nsems …).
+        expect((await sh("tail -n +2 /proc/sysvipc/sem", ROOT_USER)).stdout).toMatch(
+          /^\s*\d+\s+\d+\s+\d+\s+3\s/,
+        );
         expect((await provider.probe(fresh)).scratchClean).toBe(true);
 
         // A directory the agent can write into but not search (root's, mode 0733): refused, retryable.

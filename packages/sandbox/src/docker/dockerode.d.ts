@@ -49,6 +49,7 @@ declare module "dockerode" {
       Memory?: number;
       MemorySwap?: number;
       ShmSize?: number;
+      Sysctls?: Record<string, string>;
       NanoCpus?: number;
       Init?: boolean;
       PidMode?: string;
