@@ -246,12 +246,51 @@ EOF`,
     };
     const handle = await sandbox(task, "leftovers");
     const { verdict } = await runAndVerify(handle, task, WRONG);
-    expect(verdict.reward).toBe(1);
+    // Tests that exit 0 but leave processes running: whatever they said, it is not trusted.
+    // (Two background jobs; a setsid that had not yet forked counts as one, one that had as two.)
+    expect(verdict).toMatchObject({ reward: 0, details: { source: "stray_processes" } });
+    expect(verdict.details.strays).toBeGreaterThanOrEqual(2);
     const left = await provider.exec(handle, ["bash", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"], {
       deadlineMs: 10_000,
       user: "0:0",
     });
     expect(left.stdout).not.toMatch(/ 99[12] /);
+  });
+
+  it("a writer the agent's code starts in the tests, silent until their last command, cannot give a wrong answer 1.0", async () => {
+    // Tests as many task authors write them: run the agent's program, write the reward, end.
+    // The agent's program starts detached writers (a session of their own; one a fork chain whose
+    // pid keeps changing) that write 1 only once the tests' last command ran: every write lands
+    // after the tests' own verdict, in the last moments of the tests or after them.
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: {
+        "test.sh": [
+          "cd /workspace",
+          "touch /tmp/testing",
+          "out=$(timeout 10 python3 sol.py 2>/dev/null)",
+          'if [ "$out" = "42" ]; then echo 1 > /logs/verifier/reward.txt; else echo 0 > /logs/verifier/reward.txt; fi',
+          'echo "got: $out"',
+          "rm -f /tmp/testing",
+        ].join("\n"),
+      },
+    };
+    const sol = `import subprocess
+loop = "while :; do [ -e /tmp/testing ] || echo 1 > /logs/verifier/reward.txt 2>/dev/null; done"
+chain = "x() { [ -e /tmp/testing ] || echo 1 > /logs/verifier/reward.txt 2>/dev/null; x & }; x"
+for cmd in [loop, loop, chain]:
+    subprocess.Popen(["setsid", "-f", "bash", "-c", cmd], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+print(41)
+`;
+    const handle = await sandbox(task, "late-writer");
+    const { verdict } = await runAndVerify(handle, task, {
+      harness: "command",
+      argv: ["bash", "-c", `cat > sol.py <<'EOF'\n${sol}EOF`],
+    });
+    expect(verdict.reward, JSON.stringify(verdict.details)).toBe(0);
+    expect(verdict.details).toMatchObject({ source: "stray_processes" });
+    expect(verdict.details.stdoutTail).toContain("got: 41");
   });
 
   it("poem-stats: 3 of 4 correct lines → reward 0.75 from the reward file", async () => {

@@ -160,6 +160,17 @@ describe("tests verifier", () => {
     expect(verdict.details.stderrTail).toBe("boom");
   });
 
+  it("tests that left processes running grade 0 whatever their reward file and exit status say", async () => {
+    provider.onExec = async (call) => {
+      const nonce = nonceOf(call);
+      return execResult({ exitCode: 0, stderr: `${nonce} ready\n\n${nonce} strays 2\n` });
+    };
+    const v = await verify(ctx());
+    expect(v).toMatchObject({ reward: 0, details: { source: "stray_processes", strays: 2 } });
+    expect(String(v.details.reason)).toMatch(/2 process\(es\) the tests started were still running/);
+    expect(log).not.toContain("get");
+  });
+
   it("the reward file wins over the exit status", async () => {
     script(() => ({ exitCode: 1, reward: "0.75\n", stderr: "1 failed" }));
     const partial = await verify(ctx());
@@ -420,6 +431,14 @@ describe("parseRunReport", () => {
       stderr: "",
       ready: true,
       report: { kind: "none" },
+    });
+  });
+
+  it("a strays report says how many processes outlived the tests", () => {
+    expect(parseRunReport(`${nonce} ready\nout\n${nonce} strays 3\n`, nonce)).toEqual({
+      stderr: "out",
+      ready: true,
+      report: { kind: "strays", count: 3 },
     });
   });
 

@@ -62,19 +62,21 @@ function assertNever(x: never): never {
  */
 export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
+# This runner's start time and its own line (it and its parents), taken before the tests: what
+# reap may never kill. Builtins only.
+line=; read -r -d '' line 2>/dev/null < /proc/$$/stat; set -- \${line##*) }; mine=\${20:-0}
+keep=" "; p=$$
+while [ "$p" -gt 0 ] 2>/dev/null; do
+  keep="$keep$p "
+  line=; read -r -d '' line 2>/dev/null < /proc/$p/stat; [ -n "$line" ] || break
+  set -- \${line##*) }; p=\${2:-0}
+done
 # Kill what the tests left running (started since this runner, so never the sandbox's own
-# processes; not this runner nor its parents), in rounds until a round finds none, so that
-# nothing the agent's code started can write the reward file after the tests. Builtins only.
+# processes; not this runner nor its parents), in rounds until a round finds none, counting them.
+strays=0
 reap() {
-  local line p f n round mine keep=" "
-  line=; read -r -d '' line 2>/dev/null < /proc/$$/stat; set -- \${line##*) }; mine=\${20:-0}
+  local line p f n round
   [ "$mine" -gt 0 ] 2>/dev/null || return 0 # no start time of its own: nothing is safe to kill
-  p=$$
-  while [ "$p" -gt 0 ] 2>/dev/null; do
-    keep="$keep$p "
-    read -r -d '' line 2>/dev/null < /proc/$p/stat; [ -n "$line" ] || break
-    set -- \${line##*) }; p=\${2:-0}; line=
-  done
   for round in 1 2 3 4 5 6 7 8 9 10; do
     n=0
     for f in /proc/[0-9]*/stat; do
@@ -86,6 +88,7 @@ reap() {
       [ "\${20:-0}" -lt "$mine" ] 2>/dev/null && continue
       kill -9 "$p" 2>/dev/null && n=$((n + 1))
     done
+    strays=$((strays + n))
     [ "$n" -eq 0 ] && break
   done
 }
@@ -98,7 +101,16 @@ mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 bash ${SANDBOX_PATHS.tests}/test.sh < /dev/null
 rc=$?
+# Freeze everything else at once (one signal to all this runner may signal), so that nothing the
+# tests left running writes the reward file while reap looks for it, nor exits uncounted; then
+# reap, and let the sandbox's own processes go on.
+kill -s STOP -- -1 2>/dev/null
+for p in $keep; do kill -s CONT "$p" 2>/dev/null; done
 reap
+kill -s CONT -- -1 2>/dev/null
+# Processes the tests started were still running when the tests ended: any of them, the agent's
+# code among them (root too), may have written the reward file.
+if [ "$strays" -gt 0 ]; then report strays "$strays"; exit $rc; fi
 f=${REWARD_FILE}
 if [ ! -e "$f" ] || [ -d "$f" ]; then report none
 elif [ -r "$f" ] && n=$(wc -c < "$f") && n=$((n)) && [ "$n" -le ${INLINE_REWARD_BYTES} ]; then
@@ -118,6 +130,8 @@ export type RunReport =
   | { kind: "prepare"; reason: string }
   | { kind: "none" }
   | { kind: "reward"; text: string }
+  /** Processes the tests started were still running when they ended (`count` of them, killed). */
+  | { kind: "strays"; count: number }
   /** Unreadable, too large, or its size does not match: read the file apart. */
   | { kind: "read" }
   /**
@@ -160,6 +174,8 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
       return { stderr: own, report: { kind: "prepare", reason: words.join(" ") } };
     case "none":
       return { stderr: own, report: { kind: "none" } };
+    case "strays":
+      return { stderr: own, report: { kind: "strays", count: Number(words[0]) || 1 } };
     case "reward":
       return {
         stderr: own,
@@ -280,6 +296,23 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   // Tests too big for the sandbox's memory show up as 0 for the oracle agent too.
   if (result.oomKilled) details.oomKilled = true;
 
+  // Processes the tests started outlived them: the agent's code runs in the tests as root, and
+  // what it started may have written the reward file at any time until the runner froze it, the
+  // moment the tests ended included. Neither the file nor the exit status (which a test script
+  // that writes its reward last leaves at 0) is the tests' verdict then: graded 0, never masked
+  // (a mask would be the agent's to take). Tests of a task must wait for what they start: the
+  // oracle agent's 0 shows a suite whose tests do not.
+  if (report.kind === "strays") {
+    return {
+      reward: 0,
+      details: {
+        ...details,
+        source: "stray_processes",
+        strays: report.count,
+        reason: `${report.count} process(es) the tests started were still running when the tests ended (killed); the reward file is not trusted`,
+      },
+    };
+  }
   // Tests or runner killed by a signal (exit 128 + n), or a runner that never reported: something
   // the tests ran killed them (the agent's code runs as root too), after it may have written the
   // reward file. The report is printed last and the output cap keeps the output's end, so a
