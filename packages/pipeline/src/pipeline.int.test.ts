@@ -208,6 +208,36 @@ for base in ["/workspace/.f", "/tmp/.f", "/logs/.f", "/dev/shm/.f"]:
     expect(r!.exitCode).not.toBe(-2);
   });
 
+  it("an agent that plants as many files as it can in /logs/verifier costs the verification none of its budget's attempts", async () => {
+    // Clearing /logs/verifier is part of the tests' budget: with no inode cap on /logs an agent
+    // could leave millions of files there, more than the runner can remove before a short budget
+    // runs out, and each attempt would fail (masked) instead of grading the agent.
+    const plant = `
+import os, time
+end = time.time() + 20
+os.makedirs("/logs/verifier", exist_ok=True)
+n = 0
+try:
+    while time.time() < end:
+        if n % 1000 == 0:
+            os.mkdir(f"/logs/verifier/{n // 1000}")
+        os.close(os.open(f"/logs/verifier/{n // 1000}/{n}", os.O_CREAT | os.O_WRONLY, 0o600))
+        n += 1
+except OSError:
+    pass
+`;
+    const [id] = await fleet.submit([
+      {
+        task: { ...byId("hello-file"), timeouts: { agentS: 60, verifierS: 2 } },
+        agent: { harness: "command", argv: ["python3", "-c", plant] },
+      },
+    ]);
+    allIds.push(id!);
+    const [r] = await fleet.waitForResults([id!], 240_000);
+    expect(r).toMatchObject({ status: "completed", reward: 0, mask: false, failureKind: null });
+    expect(r!.failures.filter((f) => f.stage === "verify")).toEqual([]);
+  });
+
   it("an agent past its deadline is graded as agent_timeout after its processes are confirmed gone", async () => {
     const [id] = await fleet.submit([
       {
