@@ -12,8 +12,12 @@ export const SandboxOptions = z.strictObject({
   memoryMb: z.number().int().min(16).max(65536).optional(),
   cpus: z.number().gt(0).max(64).optional(),
   pidsLimit: z.number().int().min(8).max(32768).optional(),
-  /** Size of the writable workspace, where the provider can enforce it. */
+  /**
+   * Size of the writable workspace, where the provider can enforce it (Docker: also 256 files or
+   * directories per MiB, an average of 4 KiB each).
+   */
   diskMb: z.number().int().min(1).max(1_048_576).optional(),
+  /** Size of each scratch tmpfs (`/tmp`, `/tests`, `/solution`, `/logs`; Docker: 256 inodes per MiB). */
   tmpfsMb: z.number().int().min(1).max(65536).optional(),
   readOnlyRoot: z.boolean().optional(),
   /** `host` exists only so the isolation probe can be proven to refuse it. */

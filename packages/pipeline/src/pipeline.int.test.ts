@@ -16,6 +16,7 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
 import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
+import type { PipelineDeps } from "./deps.ts";
 import { isHandBack } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -546,9 +547,18 @@ describe("idempotency and fencing without workers", () => {
         remaining: 2,
       }),
     });
-    const err = await runStageJob("run", job(id!), { ...fleet.deps, provider: stubborn }).catch(
-      (e: unknown) => e,
-    );
+    // A harness that reports what its model calls spent (as the tool-loop does): that survives
+    // the failure after it returned.
+    const usage = { calls: 3, promptTokens: 30, completionTokens: 9, cachedTokens: 0, gaps: [] };
+    const spending: PipelineDeps["createHarness"] = (agent, harnessDeps) => {
+      const real = createHarness(agent, harnessDeps);
+      return { name: real.name, run: async (ctx) => ({ ...(await real.run(ctx)), usage }) };
+    };
+    const err = await runStageJob("run", job(id!), {
+      ...fleet.deps,
+      provider: stubborn,
+      createHarness: spending,
+    }).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(UnrecoverableError);
     expect(String((err as Error).message)).toMatch(/sandbox_lost.*could not be confirmed stopped/);
     const rec = (await fleet.deps.store.get(id!))!;
@@ -559,6 +569,7 @@ describe("idempotency and fencing without workers", () => {
       status: "masked",
       failureKind: "sandbox_lost",
       reward: null,
+      usage,
     });
   });
 

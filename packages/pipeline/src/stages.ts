@@ -523,6 +523,16 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     if (open) ({ usage: gatewayUsage, health: upstream } = await open.finish());
   };
   let outcome: Awaited<ReturnType<typeof harness.run>>;
+  // What the harness reported spending (its outcome's usage, or the usage its error carries):
+  // counted once, whatever the run's end (`countSpent`), the gateway's count first.
+  let harnessUsage: Usage | null = null;
+  let counted = false;
+  const countSpent = (): Usage | null => {
+    const spent = (gatewayUsage as Usage | null) ?? harnessUsage;
+    if (!counted) countTokens(deps, spent);
+    counted = true;
+    return spent;
+  };
   let cleanup: CleanupReceipt;
   let contested = true;
   const watched = watchExecs(deps.provider);
@@ -566,7 +576,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         signal: abort.signal,
         env: access?.env,
       });
+      harnessUsage = outcome.usage;
     } catch (err) {
+      if (isFleetError(err)) harnessUsage = err.usage ?? null;
       if (abort.signal.aborted) {
         await stopping;
         if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
@@ -648,11 +660,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // What the agent's calls through the gateway spent goes with the failure (a masked run
     // still reports its cost); a harness's own error may carry its usage already.
     await finishAccess().catch(() => undefined);
-    const spent = gatewayUsage as Usage | null; // set by finishAccess
-    countTokens(deps, spent ?? (isFleetError(err) ? (err.usage ?? null) : null));
-    throw withUsage(err, spent);
+    throw withUsage(err, countSpent());
   } finally {
+    // Stopped or taken over mid-run (no receipt, no failure of its own): counted all the same.
     await finishAccess().catch(() => undefined);
+    countSpent();
   }
   // An agent that did not finish cleanly while its model upstream was failing (its last call
   // through the gateway an outage, a 5xx, a 429, the operator's key refused) failed for the
@@ -660,8 +672,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // (many agent CLIs do after API errors) is graded, and masked at verify unless its work earns a
   // full reward. One whose last call was answered is graded as usual.
   const lastFailure = (upstream as UpstreamHealth | null)?.lastInfraFailure ?? null;
-  const usage = gatewayUsage ?? outcome.usage;
-  countTokens(deps, usage);
+  const usage = countSpent();
   let upstreamFailing: string | null = null;
   if (lastFailure !== null) {
     const { answered, infraFailures } = upstream as unknown as UpstreamHealth;

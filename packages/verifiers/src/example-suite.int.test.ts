@@ -247,14 +247,37 @@ EOF`,
     const handle = await sandbox(task, "leftovers");
     const { verdict } = await runAndVerify(handle, task, WRONG);
     // Tests that exit 0 but leave processes running: whatever they said, it is not trusted.
-    // (Two background jobs; a setsid that had not yet forked counts as one, one that had as two.)
-    expect(verdict).toMatchObject({ reward: 0, details: { source: "stray_processes" } });
-    expect(verdict.details.strays).toBeGreaterThanOrEqual(2);
+    // Two processes, each counted once (one still exiting as reap goes round again is no second).
+    expect(verdict).toMatchObject({ reward: 0, details: { source: "stray_processes", strays: 2 } });
     const left = await provider.exec(handle, ["bash", "-c", "cat /proc/[0-9]*/cmdline | tr '\\0' ' '"], {
       deadlineMs: 10_000,
       user: "0:0",
     });
     expect(left.stdout).not.toMatch(/ 99[12] /);
+  });
+
+  it("tests that stop what they started without waiting for it (a fatal signal already on its way) leave no stray", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: {
+        "test.sh": [
+          // A server the tests start, ignoring SIGHUP; then stopped with a plain kill, no wait.
+          "python3 -c 'import time, signal; signal.signal(signal.SIGHUP, signal.SIG_IGN); time.sleep(300)' &",
+          "sleep 300 &",
+          "sleep 0.3",
+          "kill %1 %2; echo 0.5 > /logs/verifier/reward.txt",
+        ].join("\n"),
+      },
+    };
+    const handle = await sandbox(task, "stopped-unwaited");
+    for (let i = 0; i < 3; i++) {
+      const { verdict } = await runAndVerify(handle, task, WRONG);
+      expect(verdict, JSON.stringify(verdict.details)).toMatchObject({
+        reward: 0.5,
+        details: { source: "reward_file" },
+      });
+    }
   });
 
   it("a writer the agent's code starts in the tests, silent until their last command, cannot give a wrong answer 1.0", async () => {

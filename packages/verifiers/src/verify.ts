@@ -72,21 +72,34 @@ while [ "$p" -gt 0 ] 2>/dev/null; do
   set -- \${line##*) }; p=\${2:-0}
 done
 # Kill what the tests left running (started since this runner, so never the sandbox's own
-# processes; not this runner nor its parents), in rounds until a round finds none, counting them.
-strays=0
+# processes; not this runner nor its parents), in rounds until a round finds none new, counting
+# each stray once. One already dying is no stray: exiting (PF_EXITING), or with a SIGKILL pending
+# (which a fatal signal the tests sent and did not wait for, a "kill $server", becomes at once): it
+# can run none of its own code again.
+strays=0; seen=" "
 reap() {
-  local line p f n round
+  local line p f n round l v dying
   [ "$mine" -gt 0 ] 2>/dev/null || return 0 # no start time of its own: nothing is safe to kill
   for round in 1 2 3 4 5 6 7 8 9 10; do
     n=0
     for f in /proc/[0-9]*/stat; do
       p=\${f#/proc/}; p=\${p%/stat}
-      case "$keep" in *" $p "*) continue ;; esac
+      case "$keep$seen" in *" $p "*) continue ;; esac
       line=; read -r -d '' line 2>/dev/null < "$f"; [ -n "$line" ] || continue
       set -- \${line##*) }
       [ "$1" = Z ] && continue
       [ "\${20:-0}" -lt "$mine" ] 2>/dev/null && continue
-      kill -9 "$p" 2>/dev/null && n=$((n + 1))
+      dying=0
+      case "$7" in *[!0-9]* | "") ;; *) [ $(($7 & 4)) -ne 0 ] && dying=1 ;; esac
+      while [ "$dying" = 0 ] && IFS= read -r l; do
+        case "$l" in
+          SigPnd:* | ShdPnd:*) v=\${l##*[[:space:]]}
+            case "$v" in *[!0-9a-fA-F]* | "") ;; *) [ $((0x$v & 256)) -ne 0 ] && dying=1 ;; esac ;;
+        esac
+      done 2>/dev/null < "/proc/$p/status"
+      kill -9 "$p" 2>/dev/null || continue
+      [ "$dying" = 1 ] && continue
+      seen="$seen$p "; n=$((n + 1))
     done
     strays=$((strays + n))
     [ "$n" -eq 0 ] && break
@@ -101,9 +114,11 @@ mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 bash ${SANDBOX_PATHS.tests}/test.sh < /dev/null
 rc=$?
-# Freeze everything else at once (one signal to all this runner may signal), so that nothing the
-# tests left running writes the reward file while reap looks for it, nor exits uncounted; then
-# reap, and let the sandbox's own processes go on.
+# Freeze everything else at once (one signal to all this runner may signal; it lands as each
+# process next runs), so that what the tests left running neither goes on writing while reap
+# looks for it nor exits uncounted; then reap, and let the sandbox's own processes go on. (What
+# ended before the tests did is not seen: tests that run the agent's code reap before they write
+# their reward, as the example suite's do.)
 kill -s STOP -- -1 2>/dev/null
 for p in $keep; do kill -s CONT "$p" 2>/dev/null; done
 reap

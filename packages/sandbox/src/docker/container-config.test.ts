@@ -33,10 +33,10 @@ describe("buildContainerConfig", () => {
     expect(h.PidsLimit).toBe(256);
     // 1 GiB for the processes, plus the tmpfs mounts' caps (4 × 256 MiB, the 1 GiB workspace,
     // 64 MiB of /dev/shm): their files are memory in the same cgroup; plus the kernel memory of
-    // as many inodes as they may hold (256 per MiB, 1 KiB each: a quarter of their size), plus
-    // the IPC objects' 8 MiB.
+    // as many inodes as they may hold (256 per MiB, 1.5 KiB each: 3/8 of their size), plus the
+    // IPC objects' 8 MiB.
     const tmpfsMb = 4 * 256 + 1024 + 64;
-    expect(h.Memory).toBe((1024 + tmpfsMb + tmpfsMb / 4 + 8) * 1024 * 1024);
+    expect(h.Memory).toBe((1024 + tmpfsMb + (tmpfsMb * 3) / 8 + 8) * 1024 * 1024);
     expect(h.MemorySwap).toBe(h.Memory);
     expect(h.ShmSize).toBeUndefined();
     expect(h.Sysctls).toMatchObject({
@@ -80,7 +80,7 @@ describe("buildContainerConfig", () => {
     const h = c.HostConfig!;
     expect(Object.keys(h.Tmpfs!)).not.toContain("/workspace");
     // No workspace tmpfs to make room for in the memory limit.
-    expect(h.Memory).toBe((1024 + (4 * 256 + 64) * 1.25 + 8) * 1024 * 1024);
+    expect(h.Memory).toBe((1024 + (4 * 256 + 64) * 1.375 + 8) * 1024 * 1024);
     expect(h.Mounts).toEqual([
       {
         Type: "volume",
@@ -111,7 +111,7 @@ describe("buildContainerConfig", () => {
       },
       network: "fleet-gateway",
     }).HostConfig!;
-    expect(h.Memory).toBe((2048 + (4 * 32 + 1024 + 64) * 1.25 + 8) * 1024 * 1024);
+    expect(h.Memory).toBe((2048 + (4 * 32 + 1024 + 64) * 1.375 + 8) * 1024 * 1024);
     expect(h.MemorySwap).toBe(h.Memory);
     expect(h.NanoCpus).toBe(2.5e9);
     expect(h.PidsLimit).toBe(1000);

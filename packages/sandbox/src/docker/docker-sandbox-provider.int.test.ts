@@ -574,6 +574,58 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(late).toMatchObject({ exitCode: -1, timedOut: true });
   });
 
+  it("leaves the processes their memory however many files (of the longest names) the agent left on every tmpfs", async () => {
+    const memoryMb = 64;
+    const h = await create({ options: { memoryMb, tmpfsMb: 16, diskMb: 16 } });
+    // Fill every tmpfs to its size cap with one file's data, then to its inode cap with empty
+    // files (no data pages, only kernel memory), each name 255 bytes (too long for a dentry's own
+    // buffer: the most kernel memory per file).
+    const fill = await provider.exec(
+      h,
+      [
+        "python3",
+        "-c",
+        `import os
+total = 0
+for base in ["/workspace", "/tmp", "/logs", "/dev/shm"]:
+    try:
+        with open(f"{base}/data", "wb") as f:
+            while True:
+                f.write(b"x" * 65536)
+                f.flush()
+    except OSError:
+        pass
+    n = 0
+    try:
+        while True:
+            d = f"{base}/{n // 1000:0255d}"
+            if n % 1000 == 0:
+                os.mkdir(d)
+            os.close(os.open(f"{d}/{n:0255d}", os.O_CREAT | os.O_WRONLY, 0o600))
+            n += 1
+    except OSError:
+        pass
+    total += n
+print(total)`,
+      ],
+      { deadlineMs: 120_000 },
+    );
+    expect(fill.exitCode, fill.stderr).toBe(0);
+    expect(Number(fill.stdout)).toBeGreaterThan(20_000);
+    const free = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "d=/sys/fs/cgroup/memory; if [ -e $d/memory.limit_in_bytes ]; then echo $(( $(cat $d/memory.limit_in_bytes) - $(cat $d/memory.usage_in_bytes) )); else echo $(( $(cat /sys/fs/cgroup/memory.max) - $(cat /sys/fs/cgroup/memory.current) )); fi",
+      ],
+      { deadlineMs: 10_000 },
+    );
+    expect(free.exitCode, free.stderr).toBe(0);
+    // What the processes were promised is still there (less a little: the shell reading it).
+    expect(Number(free.stdout) / 2 ** 20).toBeGreaterThan(memoryMb * 0.95);
+  });
+
   it("flags an OOM kill", async () => {
     // Small tmpfs caps: the memory limit adds them (see sandboxMemoryMb), and 512 MiB must exceed it.
     const h = await create({ options: { memoryMb: 64, tmpfsMb: 8, diskMb: 8 } });
