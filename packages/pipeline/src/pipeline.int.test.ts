@@ -11,7 +11,7 @@ import {
 import { createHarness } from "@fleet/harness";
 import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
-import { execResult } from "@fleet/sandbox/testing";
+import { execResult, fillWithEmptyFilesPy } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
 import { UnrecoverableError } from "bullmq";
@@ -181,24 +181,18 @@ for _ in range(40):
         break
     ctypes.memset(addr, 1, 8 << 20)
     libc.shmdt(addr)
-for base in ["/workspace/.f", "/tmp/.f", "/logs/.f", "/dev/shm/.f"]:
-    n = 0
-    try:
-        os.mkdir(base)
-        while True:
-            if n % 1000 == 0:
-                os.mkdir(f"{base}/{n // 1000}")
-            os.close(os.open(f"{base}/{n // 1000}/{n}", os.O_CREAT | os.O_WRONLY, 0o600))
-            n += 1
-    except OSError:
-        pass
 `;
+    const files = fillWithEmptyFilesPy(["/workspace/.f", "/tmp/.f", "/logs/.f", "/dev/shm/.f"]);
     const [id] = await fleet.submit([
       {
         task: byId("hello-file"),
         agent: {
           harness: "command",
-          argv: ["sh", "-c", `python3 -c '${fill}'; head -c 100000000 /dev/zero > /tmp/last`],
+          argv: [
+            "sh",
+            "-c",
+            `python3 -c '${fill}'; python3 -c '${files}'; head -c 100000000 /dev/zero > /tmp/last`,
+          ],
         },
         sandbox: { memoryMb: 96, diskMb: 16, tmpfsMb: 16 },
       },
@@ -213,20 +207,7 @@ for base in ["/workspace/.f", "/tmp/.f", "/logs/.f", "/dev/shm/.f"]:
     // Clearing /logs/verifier is part of the tests' budget: with no inode cap on /logs an agent
     // could leave millions of files there, more than the runner can remove before a short budget
     // runs out, and each attempt would fail (masked) instead of grading the agent.
-    const plant = `
-import os, time
-end = time.time() + 20
-os.makedirs("/logs/verifier", exist_ok=True)
-n = 0
-try:
-    while time.time() < end:
-        if n % 1000 == 0:
-            os.mkdir(f"/logs/verifier/{n // 1000}")
-        os.close(os.open(f"/logs/verifier/{n // 1000}/{n}", os.O_CREAT | os.O_WRONLY, 0o600))
-        n += 1
-except OSError:
-    pass
-`;
+    const plant = fillWithEmptyFilesPy(["/logs/verifier"], { untilS: 20 });
     const [id] = await fleet.submit([
       {
         task: { ...byId("hello-file"), timeouts: { agentS: 60, verifierS: 2 } },

@@ -17,7 +17,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest
 import { parseSandboxSpec } from "../exec-ops.ts";
 import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
-import { KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
+import { fillWithEmptyFilesPy, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
@@ -586,7 +586,6 @@ describe("DockerSandboxProvider (real Docker)", () => {
         "python3",
         "-c",
         `import os
-total = 0
 for base in ["/workspace", "/tmp", "/logs", "/dev/shm"]:
     try:
         with open(f"{base}/data", "wb") as f:
@@ -595,18 +594,7 @@ for base in ["/workspace", "/tmp", "/logs", "/dev/shm"]:
                 f.flush()
     except OSError:
         pass
-    n = 0
-    try:
-        while True:
-            d = f"{base}/{n // 1000:0255d}"
-            if n % 1000 == 0:
-                os.mkdir(d)
-            os.close(os.open(f"{d}/{n:0255d}", os.O_CREAT | os.O_WRONLY, 0o600))
-            n += 1
-    except OSError:
-        pass
-    total += n
-print(total)`,
+${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth: 255 })}`,
       ],
       { deadlineMs: 120_000 },
     );

@@ -13,3 +13,34 @@ export const KILL_EVERY_SWEEP_ARGV = [
   "-c",
   "setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null & echo started",
 ];
+
+/**
+ * Python that creates empty files (1,000 to a directory) in each of `bases` (made first) until the
+ * filesystem refuses one (its inode cap, or memory) or `untilS` seconds pass, and prints how many
+ * it made: what an agent leaves to fill a sandbox with what no process holds. `nameWidth` pads
+ * every name with zeros to that many characters (255: the most kernel memory per file).
+ */
+export function fillWithEmptyFilesPy(
+  bases: readonly string[],
+  options: { nameWidth?: number; untilS?: number } = {},
+): string {
+  const width = options.nameWidth ?? 1;
+  return `import os, time
+end = time.time() + ${options.untilS ?? 3600}
+total = 0
+for base in ${JSON.stringify(bases)}:
+    n = 0
+    try:
+        os.makedirs(base, exist_ok=True)
+        while time.time() < end:
+            d = f"{base}/{n // 1000:0${width}d}"
+            if n % 1000 == 0:
+                os.mkdir(d)
+            os.close(os.open(f"{d}/{n:0${width}d}", os.O_CREAT | os.O_WRONLY, 0o600))
+            n += 1
+    except OSError:
+        pass
+    total += n
+print(total)
+`;
+}
