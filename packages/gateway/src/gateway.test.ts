@@ -346,16 +346,27 @@ describe("model gateway", () => {
     });
     await chat(baseUrl, token);
     expect(health()?.infraFailures).toBe(2);
+    // JSON with no usable choice: none, a null message, an error object under a 200.
+    for (const rawBody of [
+      '{"choices": [], "usage": {"prompt_tokens": 1, "completion_tokens": 0, "total_tokens": 1}}',
+      '{"choices": [{"message": null}]}',
+      '{"error": {"message": "upstream overloaded"}, "choices": []}',
+    ]) {
+      upstream.push({ status: 200, rawBody });
+      await chat(baseUrl, token);
+      expect(health()?.lastInfraFailure, rawBody).toBe("HTTP 200 with no readable chat completion");
+    }
+    expect(health()?.infraFailures).toBe(5);
     upstream.push(chatReply({ content: "ok" }));
     await chat(baseUrl, token);
-    expect(health()).toEqual({ answered: 1, infraFailures: 2, lastInfraFailure: null });
+    expect(health()).toEqual({ answered: 1, infraFailures: 5, lastInfraFailure: null });
     upstream.push(errorReply(503, "overloaded", "later"), chatReply({ content: "x".repeat(4096) }));
     await chat(baseUrl, token);
     expect(health()?.lastInfraFailure).toBe("HTTP 503");
     // The agent sets how much comes back: asking for too much is its own failure, not a mask.
     const big = await chat(baseUrl, token);
     expect([big.status, big.json.error.code]).toEqual([502, "upstream_response_too_large"]);
-    expect(health()).toEqual({ answered: 1, infraFailures: 3, lastInfraFailure: null });
+    expect(health()).toEqual({ answered: 1, infraFailures: 6, lastInfraFailure: null });
   });
 
   it("a refusal (401/403) or a redirect: the agent gets the gateway's words, not the upstream's (which may quote part of the key)", async () => {

@@ -503,8 +503,19 @@ function redactCredential(text: string, credential: string | null | undefined): 
 }
 
 /** A chat-completions answer as far as the gateway reads one: a JSON object with a `choices` array. */
-function isChatCompletion(body: unknown): boolean {
-  return typeof body === "object" && body !== null && Array.isArray((body as { choices?: unknown }).choices);
+/**
+ * Whether a 2xx body is a chat completion an agent can use: a first choice that carries a message
+ * object. No choices, a null message, or an error object under a 200 is the upstream not
+ * answering, whatever its status says.
+ */
+export function isChatCompletion(body: unknown): boolean {
+  const choices =
+    typeof body === "object" && body !== null ? (body as { choices?: unknown }).choices : undefined;
+  if (!Array.isArray(choices) || choices.length === 0) return false;
+  const first = choices[0] as { message?: unknown } | null;
+  return (
+    typeof first === "object" && first !== null && typeof first.message === "object" && first.message !== null
+  );
 }
 
 function noteInfraFailure(entry: Entry, what: string): void {

@@ -4,6 +4,7 @@ export {
   GatewayHttpError,
   type GatewayOptions,
   type GatewayRegistration,
+  isChatCompletion,
   isInfraStatus,
   type ModelGateway,
   startGateway,

@@ -1,5 +1,6 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
+import { isChatCompletion } from "@fleet/gateway";
 import { abortError } from "../run-command.ts";
 
 /** Jittered exponential backoff between attempts of one model call. */
@@ -237,16 +238,6 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
 const CONTENT_REFUSAL = /moderation|flagged|content[ _-]?(policy|filter|management)|safety|violat/i;
 
 /** A chat completion whose first choice carries a message (else the answer is malformed: retried). */
-function isChatCompletion(body: unknown): boolean {
-  const choices =
-    typeof body === "object" && body !== null ? (body as { choices?: unknown }).choices : undefined;
-  if (!Array.isArray(choices) || choices.length === 0) return false;
-  const first = choices[0] as { message?: unknown } | null;
-  return (
-    typeof first === "object" && first !== null && typeof first.message === "object" && first.message !== null
-  );
-}
-
 function errorMessage(body: unknown, text: string): string {
   const { message, code } = errorFields(body);
   if (message === undefined) return text;
