@@ -120,6 +120,12 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
   const { redact } = input;
   let attempt = 0;
   let lastFailure: string | null = null;
+  // Whether the last failure was the endpoint failing for sure (an error status, a refused
+  // connection, an unusable answer). An attempt cut by its own timeout is not: a long generation
+  // looks the same, and a deadline after it is the agent's timeout (graded), never a mask a policy
+  // could buy with answers that take long.
+  let definite = false;
+  const failedForSure = (): boolean => lastFailure !== null && definite;
   const unavailable = (): FleetError =>
     FleetError.nonRetryable(
       "provider_unavailable",
@@ -131,7 +137,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     if (input.signal.aborted) throw abortError(input.signal);
     const remaining = input.deadlineMs - Date.now();
     if (remaining <= 0) {
-      if (lastFailure !== null) throw unavailable();
+      if (failedForSure()) throw unavailable();
       return { kind: "deadline", failedAttempts: attempt };
     }
     attempt += 1;
@@ -168,6 +174,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       if (res.ok) {
         if (isChatCompletion(body)) return { kind: "ok", body, failedAttempts: attempt - 1 };
         lastFailure = `HTTP ${status} with an unreadable chat completion: ${snippet(text, redact)}`;
+        definite = true;
       } else if (isContextLengthError(status, body)) {
         return {
           kind: "context_length",
@@ -202,6 +209,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         };
       } else if (isRetryableStatus(status)) {
         lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
+        definite = true;
         waitAtLeast = retryAfterMs(res.headers);
       } else {
         throw FleetError.nonRetryable(
@@ -214,17 +222,23 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       if (input.signal.aborted) throw abortError(input.signal);
       if (timeout.aborted && cutByDeadline) {
         // The deadline came mid-attempt: still the endpoint's fault if it had already failed us.
-        if (lastFailure !== null) throw unavailable();
+        if (failedForSure()) throw unavailable();
         return { kind: "deadline", failedAttempts: attempt - 1 };
       }
       if (timeout.aborted) {
         lastFailure = `no answer within ${attemptMs} ms`;
-      } else
+        definite = false;
+      } else {
         lastFailure = `${status === null ? "connection failed" : `HTTP ${status}, body unreadable`}: ${snippet(describe(err), redact)}`;
+        definite = true;
+      }
     }
 
     const waitMs = Math.max(backoffMs(attempt, input.retry), waitAtLeast ?? 0);
-    if (Date.now() + waitMs >= input.deadlineMs) throw unavailable();
+    if (Date.now() + waitMs >= input.deadlineMs) {
+      if (failedForSure()) throw unavailable();
+      return { kind: "deadline", failedAttempts: attempt };
+    }
     input.onRetry?.({ attempt, status, reason: lastFailure ?? "", waitMs });
     try {
       await sleep(waitMs, undefined, { signal: input.signal });

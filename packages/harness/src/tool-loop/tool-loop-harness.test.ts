@@ -437,6 +437,40 @@ describe("ToolLoopHarness", () => {
     expect(result).toMatchObject({ kind: "ok", failedAttempts: 1 });
   });
 
+  it("answers slower than the attempt timeout until the deadline are the agent's timeout (graded), not a mask: a long generation looks the same", async () => {
+    const slow = () => {
+      for (let i = 0; i < 10; i++) upstream.push({ ...chatReply({ content: "slow" }), delayMs: 3000 });
+    };
+    slow();
+    const call = () =>
+      callChatCompletion({
+        url: `${upstream.baseUrl}/chat/completions`,
+        apiKey: null,
+        body: { model: "m", messages: [] },
+        deadlineMs: Date.now() + 1_000,
+        signal: new AbortController().signal,
+        retry: FAST_RETRY,
+        redact: (t) => t,
+        attemptTimeoutMs: 300,
+      });
+    // Cut by the deadline mid-attempt, after an attempt that timed out...
+    expect(await call()).toMatchObject({ kind: "deadline" });
+    // ...and out of time for the retry's backoff: the same.
+    slow();
+    expect(
+      await callChatCompletion({
+        url: `${upstream.baseUrl}/chat/completions`,
+        apiKey: null,
+        body: { model: "m", messages: [] },
+        deadlineMs: Date.now() + 400,
+        signal: new AbortController().signal,
+        retry: { ...FAST_RETRY, baseMs: 5_000, maxMs: 5_000 },
+        redact: (t) => t,
+        attemptTimeoutMs: 300,
+      }),
+    ).toMatchObject({ kind: "deadline" });
+  });
+
   it("bounds a tool call by the time left and ends timed out when it was the deadline that stopped it", async () => {
     provider.onExec = async (call) => {
       await new Promise((r) => setTimeout(r, call.options.deadlineMs));
