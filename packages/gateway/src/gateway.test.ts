@@ -134,6 +134,55 @@ describe("model gateway", () => {
     expect(upstream.requests).toHaveLength(1);
   });
 
+  it("the call cap counts calls the upstream refused or failed, and its refusal leaves the upstream's health as it was", async () => {
+    const { upstream, gateway } = await setup();
+    // Requests the upstream refuses (400) are no way past the cap.
+    const bogus = gateway.register("r1", { model: "m", maxCalls: 2 });
+    upstream.push(
+      errorReply(400, "invalid_request", "bad role"),
+      errorReply(400, "invalid_request", "bad role"),
+    );
+    for (let i = 0; i < 5; i++) await chat(bogus.baseUrl, bogus.token);
+    expect(upstream.requests).toHaveLength(2);
+    expect(gateway.health(bogus.token)).toEqual({ answered: 2, infraFailures: 0, lastInfraFailure: null });
+    // An agent retrying a failing upstream up to its cap: still the upstream's failure.
+    const retrying = gateway.register("r2", { model: "m", maxCalls: 2 });
+    upstream.push(errorReply(503, "overloaded", "busy"), errorReply(503, "overloaded", "busy"));
+    for (let i = 0; i < 2; i++) expect((await chat(retrying.baseUrl, retrying.token)).status).toBe(503);
+    const refused = await chat(retrying.baseUrl, retrying.token);
+    expect([refused.status, refused.json.error.code]).toEqual([429, "call_cap_exceeded"]);
+    expect(gateway.health(retrying.token)?.lastInfraFailure).toBe("HTTP 503");
+    expect(upstream.requests).toHaveLength(4);
+  });
+
+  it("forwards at most maxCallsPerMinute calls of a rollout a minute; past it, its own 429, health as it was", async () => {
+    const { upstream, gateway } = await setup({ maxCallsPerMinute: 3 });
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(
+      errorReply(400, "invalid_request", "bad"),
+      errorReply(400, "invalid_request", "bad"),
+      errorReply(503, "overloaded", "busy"),
+    );
+    for (let i = 0; i < 3; i++) await chat(baseUrl, token);
+    const limited = await chat(baseUrl, token);
+    expect([limited.status, limited.json.error.code]).toEqual([429, "rate_limited"]);
+    expect(upstream.requests).toHaveLength(3);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
+    // Another rollout's calls are its own.
+    const other = gateway.register("r2", { model: "m" });
+    upstream.push(chatReply({ content: "ok" }));
+    expect((await chat(other.baseUrl, other.token)).status).toBe(200);
+  });
+
+  it("a call with no answer within the upstream timeout is no upstream failure (a long generation looks the same)", async () => {
+    const { upstream, gateway } = await setup({ upstreamTimeoutMs: 200 });
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push({ ...chatReply({ content: "late" }), delayMs: 2_000 });
+    const r = await chat(baseUrl, token);
+    expect([r.status, r.json.error.code]).toEqual([504, "upstream_timeout"]);
+    expect(gateway.health(token)).toEqual({ answered: 0, infraFailures: 0, lastInfraFailure: null });
+  });
+
   it("records a response without usage as a gap, and then fails a token cap closed, as the upstream's failure", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1000 });

@@ -21,8 +21,18 @@ export interface GatewayOptions {
   host: string;
   /** @defaultValue 0 (an ephemeral port; read it back from `port`) */
   port?: number;
-  /** Budget of one upstream call. @defaultValue 600_000 */
+  /**
+   * Budget of one upstream call. A call past it is no upstream failure (a long generation looks
+   * the same): the upstream's health stays as it was. @defaultValue 600_000
+   */
   upstreamTimeoutMs?: number;
+  /**
+   * Calls one token may forward in any 60 s; more get 429 `rate_limited` from the gateway itself
+   * (the upstream's health left as it was). One rollout hammering the upstream with requests it
+   * refuses must not make the operator's key rate-limited (and every rollout on it masked).
+   * @defaultValue 120
+   */
+  maxCallsPerMinute?: number;
   /** Largest request body accepted from a client. @defaultValue 4 MiB */
   maxRequestBytes?: number;
   /** Calls one token may have open at once (reading, forwarding or answering); more get 429. @defaultValue 4 */
@@ -67,8 +77,9 @@ export interface ModelGateway {
 
 /**
  * How the upstream fared for one token's calls. An infrastructure failure is the upstream being
- * unreachable or timing out, a 5xx, a 429, or a 401/403 (the operator's credential refused); any
- * other answer, a 4xx about the request included, is the upstream answering.
+ * unreachable, a 5xx, a 429, or a 401/403 (the operator's credential refused); any other answer,
+ * a 4xx about the request included, is the upstream answering. A call with no answer within the
+ * gateway's budget is neither (a long generation looks the same).
  */
 export interface UpstreamHealth {
   answered: number;
@@ -77,12 +88,15 @@ export interface UpstreamHealth {
   lastInfraFailure: string | null;
 }
 
-/** The gateway's refusals of a request for the agent's own doing: they clear the upstream's last failure. */
+/**
+ * The gateway's refusals of a request for the agent's own doing: they clear the upstream's last
+ * failure. Not the call cap nor the rate limit: the calls they count include the ones the
+ * upstream failed, so an agent retrying a failing upstream reaches them (and stays masked).
+ */
 const AGENTS_OWN_REFUSALS = new Set([
   "malformed",
   "stream_unsupported",
   "payload_too_large",
-  "call_cap_exceeded",
   "token_cap_exceeded",
   "upstream_response_too_large",
 ]);
@@ -121,6 +135,8 @@ interface Entry {
   meter: UsageMeter;
   /** Calls admitted and not yet answered (they count against the call cap). */
   pending: number;
+  /** When this token's recent calls were forwarded (the last 60 s: `maxCallsPerMinute`). */
+  recent: number[];
   /** Calls open right now, from authentication to the answer (bounded by `maxConcurrentCalls`). */
   open: number;
   inFlight: Set<AbortController>;
@@ -135,6 +151,7 @@ const DEFAULTS = {
   maxResponseBytes: 32 * 1024 * 1024,
   maxConcurrentCalls: 4,
   maxConnections: 32,
+  maxCallsPerMinute: 120,
 };
 
 /**
@@ -191,9 +208,10 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     } catch (err) {
       // Refused for the agent's own request (malformed, too large, over a cap, asking for an
       // answer over the size bound: `n`, logprobs): the last call failed on the agent, whatever
-      // the upstream did before. A concurrency refusal and a token total an abandoned call left
-      // unknown leave the health as it was; a credential the worker could not resolve and a token
-      // cap the upstream's missing usage cannot enforce are upstream failures.
+      // the upstream did before. A concurrency refusal, the call cap, the rate limit (both count
+      // calls the upstream failed) and a token total an abandoned call left unknown leave the
+      // health as it was; a credential the worker could not resolve and a token cap the
+      // upstream's missing usage cannot enforce are upstream failures.
       if (err instanceof GatewayHttpError && AGENTS_OWN_REFUSALS.has(err.code)) {
         entry.health.lastInfraFailure = null;
       }
@@ -250,6 +268,16 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       if (refusal.code === "usage_unreported") noteInfraFailure(entry, "the upstream reports no usage");
       throw new GatewayHttpError(429, refusal.code, refusal.message);
     }
+    const now = Date.now();
+    while (entry.recent.length > 0 && entry.recent[0]! <= now - 60_000) entry.recent.shift();
+    if (entry.recent.length >= o.maxCallsPerMinute) {
+      throw new GatewayHttpError(
+        429,
+        "rate_limited",
+        `at most ${o.maxCallsPerMinute} calls per minute per rollout; retry later`,
+      );
+    }
+    entry.recent.push(now);
 
     entry.pending += 1;
     const controller = new AbortController();
@@ -299,7 +327,8 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         throw err;
       }
       if (timeout.aborted) {
-        noteInfraFailure(entry, `no answer in ${o.upstreamTimeoutMs} ms`);
+        // Not counted against the upstream: a hung upstream and a long generation the agent
+        // asked for look alike, and a policy must not buy a mask with answers that take long.
         throw new GatewayHttpError(
           504,
           "upstream_timeout",
@@ -401,6 +430,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         registration: { ...registration },
         meter: new UsageMeter(),
         pending: 0,
+        recent: [],
         open: 0,
         inFlight: new Set(),
         revoked: null,

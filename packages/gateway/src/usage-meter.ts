@@ -130,9 +130,13 @@ export class UsageMeter {
     return this.abandoned > 0;
   }
 
-  /** Calls that count toward a call cap: answered ones and abandoned ones. */
+  /**
+   * Calls that count toward a call cap: every one forwarded, answered or not (failed and
+   * abandoned ones included): requests the upstream refuses are no way around the cap, nor a way
+   * to provoke its rate limit.
+   */
   get cappedCalls(): number {
-    return this.calls + this.abandoned;
+    return this.calls + this.failed;
   }
 
   /** Any other fact about what could not be observed (bounded by the caller). */
