@@ -198,6 +198,19 @@ describe("ToolLoopHarness", () => {
     });
   });
 
+  it("never runs a tool call that carries the credential (an upstream echoing the Authorization header): the sandbox never gets it", async () => {
+    upstream.push(
+      chatReply({ bash: [`echo 'Bearer ${CREDENTIAL}' > /workspace/leak; rev /workspace/leak`] }),
+      chatReply({ content: "done" }),
+    );
+    const out = await harness().run(ctx());
+    expect(out.answer).toBe("done");
+    expect(provider.execCalls.filter((c) => JSON.stringify(c).includes(CREDENTIAL))).toEqual([]);
+    expect(bodyOf(1).messages.find((m) => m.role === "tool")!.content).toMatch(
+      /not run: it contains the model endpoint's credential/,
+    );
+  });
+
   it("records a gap, never a zero, when a response has no usage", async () => {
     upstream.push(
       chatReply({ bash: ["true"], usage: { prompt: 10, completion: 5, cached: 0 } }),

@@ -221,7 +221,13 @@ export class ToolLoopHarness implements Harness {
             stopDetail = `the agent's deadline came before tool call ${call.id}`;
             break steps;
           }
-          const content = await this.runTool(ctx, call.function.name, call.function.arguments, remaining);
+          const content = await this.runTool(
+            ctx,
+            call.function.name,
+            call.function.arguments,
+            remaining,
+            apiKey,
+          );
           if (dropped > 0 && call === turn.toolCalls[turn.toolCalls.length - 1]) {
             content.text += `\n(note: ${dropped} more tool call(s) in this answer were not run; at most ${MAX_TOOL_CALLS_PER_TURN} run per answer)`;
           }
@@ -338,6 +344,7 @@ export class ToolLoopHarness implements Harness {
     name: string,
     args: string,
     remainingMs: number,
+    apiKey: string | null,
   ): Promise<{ text: string; facts: Record<string, unknown> }> {
     if (name !== BASH_TOOL.function.name) {
       return {
@@ -347,6 +354,15 @@ export class ToolLoopHarness implements Harness {
     }
     const parsed = parseBashArguments(args);
     if ("error" in parsed) return { text: parsed.error, facts: { error: "bad_arguments" } };
+    // An upstream (or a proxy before it) that echoes the request's Authorization header into an
+    // answer would have the sandbox run, and keep, the operator's credential: never run. (The key
+    // whole only: refusing on parts of it would tell the policy which characters are the key's.)
+    if (apiKey && parsed.command.includes(apiKey)) {
+      return {
+        text: "error: the command was not run: it contains the model endpoint's credential",
+        facts: { error: "credential_in_command" },
+      };
+    }
     const limitMs = Math.min(this.agent.toolTimeoutS * 1000, remainingMs);
     const result = await providerStep(ctx, "run a bash tool call", () =>
       ctx.provider.exec(ctx.handle, ["bash", "-c", parsed.command], {
