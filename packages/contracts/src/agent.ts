@@ -42,8 +42,28 @@ export function normalizeBaseUrl(url: string): string | null {
 }
 
 /**
- * Whether a URL's host is a link-local address (169.254.0.0/16, fe80::/10): a cloud's metadata
- * service lives there, never a model endpoint.
+ * Whether an address (IPv4, or IPv6 without brackets) is link-local or a cloud's metadata
+ * service, never a model endpoint: 169.254.0.0/16, fe80::/10, either of the first as an
+ * IPv4-mapped IPv6 address, AWS's IPv6 metadata address (fd00:ec2::254), Alibaba Cloud's
+ * (100.100.100.200).
+ */
+export function isLinkLocalAddress(address: string): boolean {
+  const a = address.toLowerCase();
+  return (
+    /^169\.254\.\d+\.\d+$/.test(a) ||
+    /^fe[89ab][0-9a-f]?:/.test(a) ||
+    /^::ffff:(169\.254\.\d+\.\d+|a9fe:[0-9a-f]{1,4})$/.test(a) ||
+    a === "fd00:ec2::254" ||
+    a === "100.100.100.200"
+  );
+}
+
+/** Names of cloud metadata services (they resolve to a link-local address only inside the cloud). */
+const METADATA_HOSTS = new Set(["metadata.google.internal", "metadata.goog"]);
+
+/**
+ * Whether a URL's host is a link-local or metadata address, or a metadata service's name (see
+ * `isLinkLocalAddress`). A name that resolves to one is not seen here: resolve it too.
  */
 export function isLinkLocalUrl(url: string): boolean {
   let host: string;
@@ -52,7 +72,7 @@ export function isLinkLocalUrl(url: string): boolean {
   } catch {
     return false;
   }
-  return /^169\.254\.\d+\.\d+$/.test(host) || /^fe[89ab][0-9a-f]?:/.test(host);
+  return isLinkLocalAddress(host) || METADATA_HOSTS.has(host.replace(/\.$/, ""));
 }
 
 export const ModelBaseUrl = z.url().superRefine((text, ctx) => {

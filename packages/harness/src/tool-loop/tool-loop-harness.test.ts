@@ -14,7 +14,7 @@ import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import type { HarnessContext } from "../harness.ts";
 import { callChatCompletion } from "./chat-client.ts";
-import { MAX_TOOL_CALLS_PER_TURN, ToolLoopHarness } from "./tool-loop-harness.ts";
+import { MAX_TOOL_CALLS_PER_TURN, refuseLinkLocalHost, ToolLoopHarness } from "./tool-loop-harness.ts";
 
 // The loop against a scripted OpenAI-compatible upstream on 127.0.0.1 and an in-memory sandbox.
 const CREDENTIAL = "sk-test-credential-0123456789abcdef";
@@ -284,6 +284,47 @@ describe("ToolLoopHarness", () => {
     const err = await rejection(new ToolLoopHarness(metadata, {}, { retry: FAST_RETRY }).run(ctx(metadata)));
     expect((err as Error).message).toMatch(/link-local/);
     expect(upstream.requests).toHaveLength(1);
+  });
+
+  it.each([
+    "http://[::ffff:169.254.169.254]/v1",
+    "http://[fe80::1]/v1",
+    "http://[fd00:ec2::254]/latest",
+    "http://100.100.100.200/latest",
+    "http://metadata.google.internal/computeMetadata/v1",
+    "http://METADATA.GOOGLE.INTERNAL./v1",
+  ])("never calls %s (a metadata service however written)", async (baseUrl) => {
+    const a = agent({ credential: undefined, model: { baseUrl, name: "m" } });
+    const err = await rejection(new ToolLoopHarness(a, {}, { retry: FAST_RETRY }).run(ctx(a)));
+    expect([isFleetError(err) && err.kind, (err as Error).message]).toEqual([
+      "agent_error",
+      expect.stringMatching(/link-local/),
+    ]);
+  });
+
+  it("refuses a host name that resolves to a link-local address; leaves other names, and addresses, alone", async () => {
+    const resolvesTo = (address: string) => async () => [{ address }];
+    await expect(
+      refuseLinkLocalHost("http://169.254.169.254.nip.io/v1", resolvesTo("169.254.169.254")),
+    ).rejects.toThrow(/resolves to a link-local address \(169\.254\.169\.254\); refused/);
+    await expect(
+      refuseLinkLocalHost("http://evil.example/v1", resolvesTo("::ffff:a9fe:a9fe")),
+    ).rejects.toThrow(/link-local/);
+    await expect(
+      refuseLinkLocalHost("http://vllm.internal/v1", resolvesTo("10.0.0.7")),
+    ).resolves.toBeUndefined();
+    const unresolvable = async () => {
+      throw new Error("ENOTFOUND");
+    };
+    await expect(refuseLinkLocalHost("http://nowhere.invalid/v1", unresolvable)).resolves.toBeUndefined();
+    let asked = false;
+    await expect(
+      refuseLinkLocalHost("http://127.0.0.1:8000/v1", async () => {
+        asked = true;
+        return [];
+      }),
+    ).resolves.toBeUndefined();
+    expect(asked).toBe(false);
   });
 
   it("sends no per-call limit without the model's own, however much the rollout's cap has left", async () => {

@@ -1,8 +1,11 @@
+import { lookup as dnsLookup } from "node:dns/promises";
+import { isIP } from "node:net";
 import {
   type AgentSpec,
   capText,
   FleetError,
   isFleetError,
+  isLinkLocalAddress,
   isLinkLocalUrl,
   normalizeBaseUrl,
   withUsage,
@@ -82,6 +85,7 @@ export class ToolLoopHarness implements Harness {
     const started = Date.now();
     const apiKey = await this.resolveCredential();
     this.checkEndpoint(apiKey !== null);
+    await refuseLinkLocalHost(this.agent.model.baseUrl);
     // Reports (errors, the stop reason, the transcript) lose any long part of the key too; the
     // graded answer only the key itself (whether a part was cut would tell the policy which).
     const redact = redactor(apiKey, { fragments: true });
@@ -381,6 +385,32 @@ export class ToolLoopHarness implements Harness {
         durationMs: Math.round(result.durationMs),
       },
     };
+  }
+}
+
+/**
+ * Refuse a base URL whose host name resolves to a link-local or metadata address (a name made to
+ * point at a cloud's metadata service). A name that does not resolve is left to the call, which
+ * fails on its own. (A name that resolves elsewhere now and to such an address later is not seen.)
+ */
+export async function refuseLinkLocalHost(
+  baseUrl: string,
+  lookup: (host: string) => Promise<Array<{ address: string }>> = (host) => dnsLookup(host, { all: true }),
+): Promise<void> {
+  let host: string;
+  try {
+    host = new URL(baseUrl).hostname.replace(/^\[|\]$/g, "");
+  } catch {
+    return;
+  }
+  if (isIP(host) !== 0) return; // an address: isLinkLocalUrl has judged it
+  const addresses = await lookup(host).catch(() => []);
+  const bad = addresses.find((a) => isLinkLocalAddress(a.address));
+  if (bad) {
+    throw FleetError.nonRetryable(
+      "agent_error",
+      `model.baseUrl's host ${host} resolves to a link-local address (${bad.address}); refused`,
+    );
   }
 }
 
