@@ -1,4 +1,5 @@
 import { type ApiErrorCode, capText } from "@fleet/contracts";
+import { isRedisUnavailable } from "@fleet/queue";
 
 /**
  * Codes of the API's one error body (DESIGN §7). `unsupported_media_type` (415) is the
@@ -120,38 +121,4 @@ export function toHttpError(err: unknown): HttpError {
     return new HttpError(e.statusCode, STATUS_CODES[e.statusCode] ?? "malformed", message);
   }
   return new HttpError(500, "internal", "internal error");
-}
-
-/**
- * Redis replies that say it cannot serve now, not that the request is wrong: full under
- * `noeviction` (OOM), a replica after a failover (READONLY), still loading its data, a cluster
- * without a quorum or mid-resharding, a script past its time limit.
- */
-const REDIS_BUSY_REPLY = /^(OOM|READONLY|LOADING|MASTERDOWN|CLUSTERDOWN|TRYAGAIN|BUSY|NOREPLICAS) /;
-
-/**
- * ioredis gave up on a command because the connection is down (see `createRedis` options in
- * main), or Redis answered that it cannot serve now (`REDIS_BUSY_REPLY`): 503, try again.
- */
-export function isRedisUnavailable(err: unknown): boolean {
-  if (typeof err !== "object" || err === null) return false;
-  const { name, message, previousErrors } = err as {
-    name?: unknown;
-    message?: unknown;
-    previousErrors?: unknown;
-  };
-  // A MULTI whose queued writes Redis refused (full, read-only) ends in EXECABORT; ioredis keeps
-  // the refusals in `previousErrors`.
-  if (name === "ReplyError" && typeof message === "string" && message.startsWith("EXECABORT")) {
-    return Array.isArray(previousErrors) && previousErrors.some((e) => isRedisUnavailable(e));
-  }
-  return (
-    name === "MaxRetriesPerRequestError" ||
-    name === "ClusterAllFailedError" ||
-    (name === "ReplyError" && typeof message === "string" && REDIS_BUSY_REPLY.test(message)) ||
-    (typeof message === "string" &&
-      (message.includes("Connection is closed") ||
-        // Refused at once while down (`failFastOnceReady`): a standalone Redis's words, a cluster's.
-        message.includes("enableOfflineQueue options is false")))
-  );
 }

@@ -953,6 +953,41 @@ describe("idempotency and fencing without workers", () => {
     },
   );
 
+  it("a rollout whose job BullMQ failed while Redis refused writes is closed once Redis takes them again, not left to its deadline", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await fleet.redis.hset(
+      `${fleet.prefix}:seed:${id}.seed`,
+      "atm",
+      String(STAGE_CATALOG.seed.options.attempts! - 1),
+    );
+    const store = fleet.deps.store;
+    // The last attempt's begin, and the next three tries of the close that follows, are refused.
+    let refusals = 0;
+    const oom = () => new Error("OOM command not allowed when used memory > 'maxmemory'.");
+    const full = Object.assign(Object.create(store) as typeof store, {
+      begin: async (...a: Parameters<typeof store.begin>) => {
+        if (a[0] === id && a[1] === "seed" && refusals++ === 0) throw oom();
+        return store.begin(...a);
+      },
+      get: async (...a: Parameters<typeof store.get>) => {
+        if (a[0] === id && refusals > 0 && refusals++ <= 3) throw oom();
+        return store.get(...a);
+      },
+    });
+    const workers = createStageWorkers(
+      STAGES,
+      { ...fleet.deps, store: full },
+      { connection: fleet.redis, prefix: fleet.prefix, concurrency: 2, supervise: false },
+    );
+    try {
+      const [r] = await fleet.waitForResults([id!], 45_000);
+      expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
+      expect(refusals).toBe(5);
+    } finally {
+      await workers.close(10_000);
+    }
+  });
+
   it("a final failure stays final when recording it hits a Redis blip: no BullMQ retry, the failure recorded on a later try", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     const store = fleet.deps.store;

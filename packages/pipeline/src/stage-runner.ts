@@ -9,7 +9,7 @@ import {
   type StageName,
   stageAfter,
 } from "@fleet/contracts";
-import { maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
+import { isRedisUnavailable, maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError } from "./hand-back.ts";
@@ -17,11 +17,16 @@ import { beginOptions, HANDLERS, lockMayHaveLapsed, superseded } from "./stages.
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded";
 
-/** Anything thrown, as a FleetError: unclassified errors are infrastructure (retryable, masked). */
+/**
+ * Anything thrown, as a FleetError: unclassified errors are infrastructure (retryable, masked).
+ * One from the fleet's Redis (down, or refusing writes: full, read-only) says so in its reason,
+ * so that a page for masks sends the operator to Redis, not to the sandbox provider.
+ */
 export function asFleetError(err: unknown): FleetError {
   if (isFleetError(err)) return err as FleetError;
   const message = err instanceof Error ? err.message : String(err);
-  return FleetError.retryable("provider_unavailable", message, err);
+  const why = isRedisUnavailable(err) ? `the fleet's Redis cannot serve now: ${message}` : message;
+  return FleetError.retryable("provider_unavailable", why, err);
 }
 
 /**

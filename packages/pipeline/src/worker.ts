@@ -226,7 +226,7 @@ export function createStageWorkers(
       const lastAttemptUnhandled =
         err.name !== "UnrecoverableError" && job.attemptsMade >= (job.opts.attempts ?? 1);
       if (!BULLMQ_OWN_FAILURES.has(err.message) && !lastAttemptUnhandled) return;
-      void closeAfterBullmqFailure(deps, stage, job, err.message).catch((e: unknown) =>
+      void closeAfterBullmqFailureRetrying(deps, stage, job, err.message, () => closing).catch((e: unknown) =>
         deps.logger.error(
           { stage, rolloutId: job.data?.rolloutId, err: String(e) },
           "could not close a rollout whose job BullMQ failed; the watchdog will",
@@ -755,6 +755,40 @@ async function closeAfterBullmqFailure(
     );
   }
   await deps.queues.enqueue("close", rolloutId);
+}
+
+/** How long a worker keeps trying to close a rollout whose job BullMQ failed (see below). */
+export const CLOSE_AFTER_FAILURE_RETRY_MS = 15 * 60_000;
+
+/**
+ * `closeAfterBullmqFailure`, tried again with backoff (1 s doubling to 30 s) while Redis refuses
+ * it (out of memory under noeviction, a read-only replica after a failover: the same outage that
+ * failed the job), for up to `CLOSE_AFTER_FAILURE_RETRY_MS` and while this process runs: a rollout
+ * is not left running, its sandbox up, until the watchdog's pass at its deadline an hour on.
+ */
+async function closeAfterBullmqFailureRetrying(
+  deps: PipelineDeps,
+  stage: StageName,
+  job: Job,
+  reason: string,
+  closing: () => boolean,
+): Promise<void> {
+  const until = Date.now() + CLOSE_AFTER_FAILURE_RETRY_MS;
+  for (let wait = 1_000, tries = 1; ; wait = Math.min(wait * 2, 30_000), tries++) {
+    try {
+      await closeAfterBullmqFailure(deps, stage, job, reason);
+      return;
+    } catch (err) {
+      if (closing() || Date.now() + wait > until) throw err;
+      if (tries === 1) {
+        deps.logger.warn(
+          { stage, rolloutId: job.data?.rolloutId, err: String(err) },
+          "could not close a rollout whose job BullMQ failed; trying again",
+        );
+      }
+      await delay(wait);
+    }
+  }
 }
 
 /** Close a worker (force: without waiting for its jobs), giving up after `ms`. */

@@ -226,3 +226,36 @@ async function assertNodeDurable(redis: Redis): Promise<void> {
     );
   }
 }
+
+/**
+ * Redis replies that say it cannot serve now, not that the request is wrong: full under
+ * `noeviction` (OOM), a replica after a failover (READONLY), still loading its data, a cluster
+ * without a quorum or mid-resharding, a script past its time limit.
+ */
+const REDIS_BUSY_REPLY = /^(OOM|READONLY|LOADING|MASTERDOWN|CLUSTERDOWN|TRYAGAIN|BUSY|NOREPLICAS) /;
+
+/**
+ * ioredis gave up on a command because the connection is down (see `createRedis`'s options), or Redis answered that it cannot serve now (`REDIS_BUSY_REPLY`): the caller should try again later (the dispatcher answers 503).
+ */
+export function isRedisUnavailable(err: unknown): boolean {
+  if (typeof err !== "object" || err === null) return false;
+  const { name, message, previousErrors } = err as {
+    name?: unknown;
+    message?: unknown;
+    previousErrors?: unknown;
+  };
+  // A MULTI whose queued writes Redis refused (full, read-only) ends in EXECABORT; ioredis keeps
+  // the refusals in `previousErrors`.
+  if (name === "ReplyError" && typeof message === "string" && message.startsWith("EXECABORT")) {
+    return Array.isArray(previousErrors) && previousErrors.some((e) => isRedisUnavailable(e));
+  }
+  return (
+    name === "MaxRetriesPerRequestError" ||
+    name === "ClusterAllFailedError" ||
+    (name === "ReplyError" && typeof message === "string" && REDIS_BUSY_REPLY.test(message)) ||
+    (typeof message === "string" &&
+      (message.includes("Connection is closed") ||
+        // Refused at once while down (`failFastOnceReady`): a standalone Redis's words, a cluster's.
+        message.includes("enableOfflineQueue options is false")))
+  );
+}
