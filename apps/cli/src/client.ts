@@ -127,6 +127,8 @@ interface RequestOptions {
   stream?: boolean;
   /** Instead of the client's `timeoutMs`. */
   timeoutMs?: number;
+  /** A 429 goes back to the caller at once, not retried here (it decides how long to wait). */
+  returnBusy?: boolean;
 }
 
 const RETRY_STATUSES = new Set([429, 502, 503, 504]);
@@ -189,7 +191,7 @@ export class FleetClient {
    */
   async submitBatchLines(
     lines: readonly string[],
-    options: { format?: BatchFormat; idempotencyKey?: string } = {},
+    options: { format?: BatchFormat; idempotencyKey?: string; returnBusy?: boolean } = {},
   ): Promise<BatchAccepted> {
     const ndjsonBytes = lines.reduce((n, line) => n + Buffer.byteLength(line) + 1, 0);
     const format = options.format ?? (ndjsonBytes > NDJSON_THRESHOLD_BYTES ? "ndjson" : "json");
@@ -198,6 +200,7 @@ export class FleetClient {
       body,
       contentType: format === "ndjson" ? "application/x-ndjson" : "application/json",
       idempotencyKey: options.idempotencyKey ?? randomUUID(),
+      ...(options.returnBusy ? { returnBusy: true } : {}),
     });
     return parseBody(BatchAccepted, res);
   }
@@ -328,6 +331,7 @@ export class FleetClient {
         // again). Retried on the short budget, never ridden out as an outage.
         const answered = res.status === 429 && method === "POST";
         if (answered) this.recovered();
+        if (answered && options.returnBusy) throw await errorFromResponse(res);
         await this.afterFailure(
           attempt,
           await errorFromResponse(res),

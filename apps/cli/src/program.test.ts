@@ -431,6 +431,22 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain("backpressure");
   });
 
+  it("a full backlog is offered again as --backlog-wait says, not retried by the client first (a Retry-After of 5 s)", async () => {
+    server.on("POST", "/v1/batches", (_req, res) => {
+      res.setHeader("retry-after", "5");
+      apiError(res, 429, "backpressure", "no room", { maxBacklog: 10, inflight: 10, retryAfterS: 5 });
+    });
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "1", "--backlog-wait", "1"],
+      ctx(),
+    );
+    expect(code).toBe(1);
+    // The first offer, and one more once the wait is over: no five retries of 5 s in between.
+    expect(server.requests.filter((r) => r.method === "POST").length).toBeLessThanOrEqual(2);
+    expect(stderr.text()).toContain("the fleet's backlog is full; offering 2 more rollouts again in 1 s");
+    expect(stderr.text()).not.toMatch(/attempt \d\/\d/);
+  });
+
   it("--wait rides out a dispatcher outage far past the retry budget, then writes complete results", async () => {
     let back = false;
     server.on("POST", "/v1/batches", (req, res) => acceptBatch(res, 1, rowsOf(req)));
@@ -709,6 +725,18 @@ describe("fleet status / results / cancel", () => {
     expect(stderr.text()).toContain(`wrote 2 results to ${out}`);
   });
 
+  it("results of a batch still running says so on stderr (the lines are not all of it), exit 0 as documented", async () => {
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');
+    });
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 20, done: 4, counts: { completed: 4, running: 16 } }),
+    );
+    expect(await runCli(["results", "b-1"], ctx())).toBe(0);
+    expect(stdout.text()).toBe('{"id":"r1"}\n');
+    expect(stderr.text()).toContain("note: 4 of 20 rollouts of batch b-1 have finished; it is still running");
+  });
+
   it("results --out: a path that cannot be written is a usage error before fetching, not a crash", async () => {
     server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
       res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');
@@ -772,6 +800,19 @@ describe("fleet status / results / cancel", () => {
     ]);
     expect(await runCli(["cancel", "zzz"], ctx())).toBe(1);
     expect(stderr.text()).toContain("error: not_found: no rollout or batch with id zzz (HTTP 404)");
+  });
+
+  it("a rollout cancelled already is what was asked for (exit 0); one that ended otherwise is not", async () => {
+    const conflict = (status: string) => ({
+      error: { code: "conflict", message: `rollout already finished (${status})`, details: { status } },
+    });
+    server.on("POST", "/v1/rollouts/r-c/cancel", (_req, res) => json(res, 409, conflict("cancelled")));
+    server.on("POST", "/v1/rollouts/r-d/cancel", (_req, res) => json(res, 409, conflict("completed")));
+    expect(await runCli(["cancel", "r-c"], ctx())).toBe(0);
+    expect(stdout.text()).toBe("rollout r-c is already cancelled\n");
+    expect(await runCli(["cancel", "r-d"], ctx())).toBe(1);
+    expect(stderr.text()).toContain("rollout already finished (completed)");
+    expect(server.requests.some((r) => r.path.startsWith("/v1/batches/"))).toBe(false);
   });
 
   it("prints help for every command with exit 0", async () => {

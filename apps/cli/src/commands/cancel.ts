@@ -8,6 +8,12 @@ export async function cancelCommand(client: FleetClient, id: string, ctx: CliCon
     await writeText(ctx.stdout, `cancel requested for rollout ${id}\n`);
     return 0;
   } catch (err) {
+    // Cancelled already (a retried cancel, or one a batch cancel reached first): what was asked
+    // for holds, as the API says; any other end (completed, masked, closing for a failure) does not.
+    if (isApiError(err) && err.status === 409 && alreadyCancelled(err.details)) {
+      await writeText(ctx.stdout, `rollout ${id} is already cancelled\n`);
+      return 0;
+    }
     if (!isApiError(err) || err.status !== 404) throw err;
   }
   let cancelled: number;
@@ -25,4 +31,12 @@ export async function cancelCommand(client: FleetClient, id: string, ctx: CliCon
       : `${cancelled} rollout${cancelled === 1 ? "" : "s"} will end cancelled`;
   await writeText(ctx.stdout, `cancel requested for batch ${id}: ${what}\n`);
   return 0;
+}
+
+function alreadyCancelled(details: unknown): boolean {
+  return (
+    typeof details === "object" &&
+    details !== null &&
+    (details as { status?: unknown }).status === "cancelled"
+  );
 }

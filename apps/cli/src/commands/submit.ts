@@ -258,7 +258,10 @@ async function submitChunk(
   for (;;) {
     try {
       posting.key = keyFor(from, from + lines.length);
-      await onAccepted(await client.submitBatchLines(lines, { idempotencyKey: posting.key }));
+      // A full backlog (429) comes straight back here, which waits as `--backlog-wait` says.
+      await onAccepted(
+        await client.submitBatchLines(lines, { idempotencyKey: posting.key, returnBusy: true }),
+      );
       return;
     } catch (err) {
       if (!isApiError(err)) throw err;
@@ -278,10 +281,13 @@ async function submitChunk(
         await part(room, lines.length);
         return;
       }
-      const waitS = typeof details.retryAfterS === "number" ? details.retryAfterS : 5;
+      const waitS = Math.min(
+        typeof details.retryAfterS === "number" ? details.retryAfterS : 5,
+        Math.max(0.01, (until - Date.now()) / 1000),
+      );
       await writeText(
         ctx.stderr,
-        `the fleet's backlog is full; offering ${lines.length} more rollouts again in ${waitS} s\n`,
+        `the fleet's backlog is full; offering ${lines.length} more rollouts again in ${Math.round(waitS * 10) / 10} s\n`,
       );
       try {
         await sleep(waitS * 1000, undefined, { signal: ctx.signal });
