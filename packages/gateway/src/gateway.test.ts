@@ -418,6 +418,21 @@ describe("model gateway", () => {
     expect(health()).toEqual({ answered: 1, infraFailures: 6, lastInfraFailure: null });
   });
 
+  it("a 403 while the upstream answers a plain request with the same key is the request's (a firewall's rule): answered, not a failure", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "served" });
+    upstream.push(errorReply(403, "forbidden", "Forbidden"), chatReply({ content: "OK" }));
+    expect((await chat(baseUrl, token)).status).toBe(403);
+    expect(gateway.health(token)).toEqual({ answered: 1, infraFailures: 0, lastInfraFailure: null });
+    // The probe: the rollout's model, the operator's key, one token.
+    expect(upstream.requests[1]!.body).toMatchObject({ model: "served", max_tokens: 1 });
+    expect(upstream.requests[1]!.headers.authorization).toBe(`Bearer ${CREDENTIAL}`);
+    // Refused as well: the key, the upstream's failure.
+    upstream.push(errorReply(403, "forbidden", "Forbidden"), errorReply(403, "forbidden", "Forbidden"));
+    await chat(baseUrl, token);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 403");
+  });
+
   it("a refusal (401/403) or a redirect: the agent gets the gateway's words, not the upstream's (which may quote part of the key)", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });

@@ -361,7 +361,11 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         // Recorded as a call without usage below: an answer we could not read is a gap, not a zero.
       }
     }
-    if (isInfraStatus(status)) noteInfraFailure(entry, `HTTP ${status}`);
+    // A 403 from a firewall in front of the model (a rule matched what the agent sent) looks like
+    // the operator's key refused: the upstream answering a plain request with that key tells them
+    // apart, and the first is the agent's own doing (answered), never a mask it could provoke.
+    const refusedRequest = status === 403 && (await answersPlainRequest(entry, credential));
+    if (isInfraStatus(status) && !refusedRequest) noteInfraFailure(entry, `HTTP ${status}`);
     else if (ok && !isChatCompletion(parsed)) {
       // A 2xx that is no chat completion (truncated JSON, a proxy's HTML page): the upstream
       // did not answer, whatever its status says. Passed on as it came.
@@ -394,6 +398,33 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     if (retryAfter !== null) headers["retry-after"] = retryAfter;
     res.writeHead(status, headers);
     res.end(text);
+  }
+
+  /** Whether the upstream answers one short message (one token) with this rollout's model and key. */
+  async function answersPlainRequest(entry: Entry, credential: string | null | undefined): Promise<boolean> {
+    const headers: Record<string, string> = {
+      "content-type": "application/json",
+      accept: "application/json",
+    };
+    if (credential) headers.authorization = `Bearer ${credential}`;
+    try {
+      const res = await fetch(upstreamUrl, {
+        method: "POST",
+        headers,
+        body: JSON.stringify({
+          model: entry.registration.model,
+          messages: [{ role: "user", content: "Reply with OK." }],
+          max_tokens: 1,
+          stream: false,
+        }),
+        signal: AbortSignal.timeout(Math.min(30_000, o.upstreamTimeoutMs)),
+        redirect: "manual",
+      });
+      await res.body?.cancel().catch(() => undefined);
+      return res.ok;
+    } catch {
+      return false;
+    }
   }
 
   function summaryOf(entry: Entry): UsageSummary {

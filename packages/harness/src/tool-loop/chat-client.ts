@@ -186,7 +186,10 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         (status === 401 ||
           status === 404 ||
           (status === 403 &&
-            !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorFields(body).type ?? ""}`)))
+            !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorFields(body).type ?? ""}`) &&
+            // A bare 403 from a firewall in front of the model (its rules matched what the policy
+            // wrote) looks like a key refused: the endpoint answering a plain request tells them apart.
+            !(await answersPlainRequest(input))))
       ) {
         // The same endpoint, key and model answered this episode's earlier calls: a key rotated
         // or revoked, or a server restarted without the model, is the infrastructure's (masked,
@@ -250,6 +253,32 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
 
 /** A refusal of the content itself (moderation), by its message or error code. */
 const CONTENT_REFUSAL = /moderation|flagged|content[ _-]?(policy|filter|management)|safety|violat/i;
+
+/**
+ * Whether the endpoint answers a plain request (one short user message, one token) with the same
+ * key and model: after a 403 on the episode's own request, yes means it refused that request's
+ * content, no that it refuses the key (or is down). Bounded by 30 s and the episode's deadline.
+ */
+async function answersPlainRequest(input: ChatCallInput): Promise<boolean> {
+  const model = (input.body as { model?: unknown } | null)?.model;
+  const headers: Record<string, string> = { "content-type": "application/json", accept: "application/json" };
+  if (input.apiKey) headers.authorization = `Bearer ${input.apiKey}`;
+  const ms = Math.min(30_000, input.deadlineMs - Date.now());
+  if (ms <= 0) return false;
+  try {
+    const res = await fetch(input.url, {
+      method: "POST",
+      headers,
+      body: JSON.stringify({ model, messages: [{ role: "user", content: "Reply with OK." }], max_tokens: 1 }),
+      signal: AbortSignal.any([input.signal, AbortSignal.timeout(ms)]),
+      redirect: "manual",
+    });
+    await res.body?.cancel().catch(() => undefined);
+    return res.ok;
+  } catch {
+    return false;
+  }
+}
 
 /** A chat completion whose first choice carries a message (else the answer is malformed: retried). */
 function errorMessage(body: unknown, text: string): string {

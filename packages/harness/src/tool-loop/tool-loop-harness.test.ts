@@ -460,13 +460,29 @@ describe("ToolLoopHarness", () => {
     },
   );
 
-  it("a later 403 with no word about the content (a proxy's bare Forbidden) is masked", async () => {
+  it("a later bare 403 (a proxy's Forbidden) is masked when the endpoint refuses a plain request too (the key)", async () => {
     upstream.push(
       chatReply({ bash: ["true"], content: "working" }),
+      errorReply(403, "forbidden", "Forbidden"),
       errorReply(403, "forbidden", "Forbidden"),
     );
     const err = await rejection(harness().run(ctx()));
     expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
+    // The probe: one short message, one token, the same key and model.
+    expect(upstream.requests).toHaveLength(3);
+    expect(bodyOf(2)).toMatchObject({ model: "test-model", max_tokens: 1 });
+    expect(upstream.requests[2]!.headers.authorization).toBe(`Bearer ${CREDENTIAL}`);
+  });
+
+  it("a later bare 403 while the endpoint answers a plain request is the conversation's (a firewall's rule on what the policy wrote): graded", async () => {
+    upstream.push(
+      chatReply({ bash: ["echo '<script>x</script>'"], content: "working" }),
+      errorReply(403, "forbidden", "Forbidden"),
+      chatReply({ content: "OK" }),
+    );
+    const out = await harness().run(ctx());
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 403/);
   });
 
   it("retries a 200 whose first choice has no message (malformed), then goes on", async () => {
@@ -635,7 +651,8 @@ describe("ToolLoopHarness", () => {
       expect(classifyFailure((err as FleetError).kind).outcome).toBe("mask");
       expect((err as Error).message).toContain(`HTTP ${status}`);
       expect((err as Error).message).not.toContain(CREDENTIAL);
-      expect(upstream.requests).toHaveLength(2);
+      // A 403 is asked again with a plain request (refused too: the script is exhausted).
+      expect(upstream.requests).toHaveLength(status === 403 ? 3 : 2);
     },
   );
 
