@@ -123,6 +123,41 @@ describe("model gateway", () => {
     expect(gateway.usage(token)).toMatchObject({ calls: 2, promptTokens: 20, completionTokens: 10 });
   });
 
+  it("with a token cap, lowers the completion limit a call asks for to what the cap has left after the calls answered and in flight", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 100 });
+    const ask = (field: string, n: number) => ({
+      model: "m",
+      messages: [{ role: "user", content: "hi" }],
+      [field]: n,
+    });
+    upstream.push(chatReply({ content: "a", usage: { prompt: 20, completion: 10 } }));
+    expect((await chat(baseUrl, token, ask("max_tokens", 100_000))).status).toBe(200);
+    expect(upstream.requests[0]!.body).toMatchObject({ max_tokens: 100 });
+    upstream.push(chatReply({ content: "b", usage: { prompt: 5, completion: 5 } }));
+    await chat(baseUrl, token, ask("max_completion_tokens", 100_000));
+    expect(upstream.requests[1]!.body).toMatchObject({ max_completion_tokens: 70 });
+    expect(upstream.requests[1]!.body).not.toHaveProperty("max_tokens");
+    // Asked for less than is left: as asked. Asked for none: sent as it came.
+    upstream.push(
+      chatReply({ content: "c", usage: { prompt: 1, completion: 1 } }),
+      chatReply({ content: "d" }),
+    );
+    await chat(baseUrl, token, ask("max_tokens", 7));
+    expect(upstream.requests[2]!.body).toMatchObject({ max_tokens: 7 });
+    await chat(baseUrl, token);
+    expect(upstream.requests[3]!.body).not.toHaveProperty("max_tokens");
+    // Two at once: the first takes what is left (all 40); the second finds nothing left for it.
+    const { token: t2, baseUrl: b2 } = gateway.register("r2", { model: "m", maxTokens: 40 });
+    upstream.push({ ...chatReply({ content: "slow", usage: { prompt: 1, completion: 1 } }), delayMs: 500 });
+    const first = chat(b2, t2, ask("max_tokens", 100_000));
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(5));
+    const second = await chat(b2, t2, ask("max_tokens", 100_000));
+    expect([second.status, second.json.error.code]).toEqual([429, "token_cap_exceeded"]);
+    expect((await first).status).toBe(200);
+    expect(upstream.requests[4]!.body).toMatchObject({ max_tokens: 40 });
+  });
+
   it("refuses call maxCalls + 1", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m", maxCalls: 1 });

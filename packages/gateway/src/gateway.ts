@@ -137,6 +137,8 @@ interface Entry {
   pending: number;
   /** When this token's recent calls were forwarded (the last 60 s: `maxCallsPerMinute`). */
   recent: number[];
+  /** Completion tokens the calls in flight may still use (their clamped limits: `clampCompletion`). */
+  reservedTokens: number;
   /** Calls open right now, from authentication to the answer (bounded by `maxConcurrentCalls`). */
   open: number;
   inFlight: Set<AbortController>;
@@ -278,6 +280,20 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       );
     }
     entry.recent.push(now);
+    // The completion limit the agent asked for, never more than the token cap has left after the
+    // calls in flight took theirs (the call that crosses the cap crosses it by its prompt at most,
+    // not by whatever it asked for). A request that asks for none is sent as it came: a limit
+    // added to it could make a long prompt overflow the model's context.
+    const reserved = clampCompletion(request, entry);
+    if (reserved === 0) {
+      throw new GatewayHttpError(
+        429,
+        "token_cap_exceeded",
+        `this rollout's token cap (${entry.registration.maxTokens}) is taken by the calls in flight and the ones answered`,
+      );
+    }
+    const reserve = Math.max(0, reserved);
+    entry.reservedTokens += reserve;
 
     entry.pending += 1;
     const controller = new AbortController();
@@ -348,6 +364,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       throw new GatewayHttpError(502, "upstream_unavailable", `upstream unreachable: ${why}`);
     } finally {
       entry.pending -= 1;
+      entry.reservedTokens -= reserve;
       entry.inFlight.delete(controller);
       res.off("close", onClientGone);
     }
@@ -462,6 +479,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         meter: new UsageMeter(),
         pending: 0,
         recent: [],
+        reservedTokens: 0,
         open: 0,
         inFlight: new Set(),
         revoked: null,
@@ -577,6 +595,25 @@ export function isChatCompletion(body: unknown): boolean {
   return (
     typeof first === "object" && first !== null && typeof first.message === "object" && first.message !== null
   );
+}
+
+/**
+ * With a token cap, lower the request's `max_completion_tokens` (else `max_tokens`) to what the
+ * cap has left after the answered calls and the calls in flight: returns the limit reserved for
+ * this call, 0 when nothing is left, and -1 (nothing reserved) without a cap or an asked limit.
+ */
+function clampCompletion(request: Record<string, unknown>, entry: Entry): number {
+  const cap = entry.registration.maxTokens;
+  const used = entry.meter.totalTokens;
+  if (cap === undefined || used === null) return -1;
+  const field = typeof request.max_completion_tokens === "number" ? "max_completion_tokens" : "max_tokens";
+  const asked = request[field];
+  if (typeof asked !== "number" || !(asked > 0)) return -1;
+  const left = Math.max(0, cap - used - entry.reservedTokens);
+  if (left === 0) return 0;
+  const limit = Math.min(Math.floor(asked), left);
+  request[field] = limit;
+  return limit;
 }
 
 function noteInfraFailure(entry: Entry, what: string): void {
