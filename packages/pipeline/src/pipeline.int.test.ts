@@ -697,6 +697,27 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a rerun's usage says that the earlier launches' spend is not in it (a gap, not a silent undercount)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    await fleet.deps.store.claimLaunch(id!, "dead-worker:1");
+    const usage = { calls: 1, promptTokens: 10, completionTokens: 5, cachedTokens: 0, gaps: [] };
+    const spending: PipelineDeps["createHarness"] = (agent, harnessDeps) => {
+      const real = createHarness(agent, harnessDeps);
+      return { name: real.name, run: async (ctx) => ({ ...(await real.run(ctx)), usage }) };
+    };
+    expect(await runStageJob("run", job(id!, 1), { ...fleet.deps, createHarness: spending })).toBe("ok");
+    await runStageJob("verify", job(id!), fleet.deps);
+    await closeExpecting(id!, {
+      status: "completed",
+      agentLaunches: 2,
+      usage: {
+        ...usage,
+        gaps: [expect.stringMatching(/^1 earlier launch\(es\) of this rollout not counted here/)],
+      },
+    });
+  });
+
   it("a re-delivered seed that finds the earlier attempt's sandbox stopped replaces it instead of probing it to death", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     // The first attempt recorded its intent and created the sandbox, whose container then

@@ -672,7 +672,19 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // (many agent CLIs do after API errors) is graded, and masked at verify unless its work earns a
   // full reward. One whose last call was answered is graded as usual.
   const lastFailure = (upstream as UpstreamHealth | null)?.lastInfraFailure ?? null;
-  const usage = countSpent();
+  const spent = countSpent();
+  // The earlier launches of a rerun spent too (what their failures recorded is in the failure
+  // log; a launch whose worker died recorded nothing): a gap, never a silent undercount.
+  const usage =
+    spent !== null && launches > 1
+      ? {
+          ...spent,
+          gaps: [
+            ...spent.gaps,
+            `${launches - 1} earlier launch(es) of this rollout not counted here (see failures[].usage for what was recorded)`,
+          ],
+        }
+      : spent;
   let upstreamFailing: string | null = null;
   if (lastFailure !== null) {
     const { answered, infraFailures } = upstream as unknown as UpstreamHealth;
