@@ -114,7 +114,8 @@ export interface Patience {
   /** Give up once calls have failed for this long without a success in between. */
   maxOutageMs: number;
   /** Told once when an outage starts (instead of `onRetry` on every attempt). */
-  onOutage?: (outage: { since: Date; reason: string }) => void;
+  /** `unavailable`: the dispatcher answered that the fleet cannot serve now (its Redis). */
+  onOutage?: (outage: { since: Date; reason: string; code: string }) => void;
   /** Told once when the dispatcher answers again after an outage. */
   onRecovered?: (outage: { since: Date; downMs: number }) => void;
 }
@@ -368,7 +369,7 @@ export class FleetClient {
     const now = Date.now();
     if (this.outageSince === null) {
       this.outageSince = now;
-      this.patience.onOutage?.({ since: new Date(now), reason });
+      this.patience.onOutage?.({ since: new Date(now), reason, code: err.code });
     }
     const downMs = now - this.outageSince;
     if (downMs >= this.patience.maxOutageMs) {

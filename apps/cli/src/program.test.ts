@@ -550,7 +550,9 @@ describe("fleet submit", () => {
     );
     expect(code).toBe(1);
     const err = stderr.text();
-    expect(err).toContain("dispatcher unreachable");
+    // The dispatcher answered: it is the fleet's Redis that cannot serve, not the dispatcher down.
+    expect(err).toContain("the fleet's Redis is unavailable (GET /v1/batches/b-1: HTTP 503");
+    expect(err).not.toContain("dispatcher unreachable");
     expect(err).toMatch(/error: unavailable: redis down \(still failing after \d+s; gave up\) \(HTTP 503\)/);
     expect(err).toContain("`fleet results <batchId> --out <file>` for b-1");
     expect(err).not.toMatch(/\n\s+at /); // no stack trace

@@ -987,6 +987,10 @@ describe("Redis down", () => {
       expect((await app.inject({ method: "GET", url: "/healthz" })).statusCode).toBe(200);
       const ready = await app.inject({ method: "GET", url: "/readyz" });
       expectErrorBody(ready, 503, "unavailable");
+      // Its words, not the Redis client's (this route is public).
+      expect(ready.json().error.message).toBe(
+        "the fleet's Redis does not answer (unreachable, or too slow); not ready",
+      );
       const submit = await app.inject({ method: "POST", url: "/v1/rollouts", payload: row });
       expectErrorBody(submit, 503, "unavailable");
       expect(submit.headers["retry-after"]).toBe("5");

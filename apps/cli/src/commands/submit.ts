@@ -205,9 +205,11 @@ function patientClient(client: FleetClient, maxOutageMs: number, note: (text: st
   return client.with({
     patience: {
       maxOutageMs,
-      onOutage: ({ since, reason }) =>
+      onOutage: ({ since, reason, code }) =>
         note(
-          `dispatcher unreachable (${reason}); still waiting (since ${since.toISOString().replace(/\.\d+Z$/, "Z")}, ` +
+          // A 503 `unavailable` is the dispatcher answering that the fleet's Redis cannot serve.
+          `${code === "unavailable" ? "the fleet's Redis is unavailable" : "dispatcher unreachable"} (${reason}); ` +
+            `still waiting (since ${since.toISOString().replace(/\.\d+Z$/, "Z")}, ` +
             `giving up after ${formatDuration(maxOutageMs)} without an answer)\n`,
         ),
       onRecovered: ({ downMs }) =>

@@ -22,11 +22,17 @@ export function registerOpsRoutes(
   // dispatcher restarted (readiness takes it out of rotation instead).
   app.get("/healthz", { config: { public: true } }, async () => ({ status: "ok" }));
 
-  app.get("/readyz", { config: { public: true } }, async () => {
+  app.get("/readyz", { config: { public: true } }, async (req) => {
     try {
       await withTimeout(redis.ping(), REDIS_CHECK_TIMEOUT_MS, "redis ping");
     } catch (err) {
-      throw unavailable(`Redis is not reachable: ${err instanceof Error ? err.message : String(err)}`);
+      // The client's own words stay in the log: this route is public, and they say nothing to a
+      // load balancer or a user.
+      req.log.warn(
+        { err: err instanceof Error ? err.message : String(err) },
+        "readiness: Redis does not answer",
+      );
+      throw unavailable("the fleet's Redis does not answer (unreachable, or too slow); not ready");
     }
     return { status: "ready" };
   });
