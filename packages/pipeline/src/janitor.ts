@@ -13,7 +13,7 @@ import { ageSeconds, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { destroyOrLedger } from "./stages.ts";
-import { boundedClose } from "./worker.ts";
+import { boundedClose, freshErrors } from "./worker.ts";
 
 export interface JanitorOptions {
   /** A labelled sandbox with no known rollout is left alone this long (it may be mid-seed). */
@@ -313,7 +313,10 @@ export async function startJanitor(
     },
     { connection: duplicateRedis(options.connection), prefix: options.prefix, concurrency: 1 },
   );
-  worker.on("error", (err) => deps.logger.error({ err: err.message }, "janitor worker error"));
+  const fresh = freshErrors();
+  worker.on("error", (err) => {
+    if (fresh(err.message)) deps.logger.error({ err: err.message }, "janitor worker error");
+  });
   worker.on("failed", (_job, err) => deps.logger.warn({ err: err.message }, "janitor pass failed"));
   return {
     async close(timeoutMs = 30_000) {

@@ -195,15 +195,9 @@ export function createStageWorkers(
         autorun: true,
       },
     );
-    // BullMQ repeats the same connection error on every reconnect attempt: log each distinct
-    // error at most every 30 s, so an outage is visible without flooding the log.
-    let lastError = "";
-    let lastErrorAt = 0;
+    const fresh = freshErrors();
     worker.on("error", (err) => {
-      const at = Date.now();
-      if (err.message === lastError && at - lastErrorAt < 30_000) return;
-      lastError = err.message;
-      lastErrorAt = at;
+      if (!fresh(err.message)) return;
       if (LOST_LOCK.test(err.message)) {
         // This process was paused or cut off past the lock's duration: not a failure of its own
         // to chase, and nothing is lost (the job is taken back and its stage replays its receipt).
@@ -755,6 +749,23 @@ async function closeAfterBullmqFailure(
     );
   }
   await deps.queues.enqueue("close", rolloutId);
+}
+
+/**
+ * BullMQ repeats the same connection error on every reconnect attempt: whether an error is worth
+ * a log line, each distinct one at most every `windowMs`, so an outage is visible without
+ * flooding the log.
+ */
+export function freshErrors(windowMs = 30_000): (message: string) => boolean {
+  let last = "";
+  let lastAt = 0;
+  return (message) => {
+    const at = Date.now();
+    if (message === last && at - lastAt < windowMs) return false;
+    last = message;
+    lastAt = at;
+    return true;
+  };
 }
 
 /** How long a worker keeps trying to close a rollout whose job BullMQ failed (see below). */
