@@ -45,16 +45,17 @@ export function normalizeBaseUrl(url: string): string | null {
  * Whether an address (IPv4, or IPv6 without brackets) is link-local or a cloud's metadata
  * service, never a model endpoint: 169.254.0.0/16, fe80::/10, either of the first as an
  * IPv4-mapped IPv6 address, AWS's IPv6 metadata address (fd00:ec2::254), Alibaba Cloud's
- * (100.100.100.200).
+ * (100.100.100.200), Oracle Cloud's (192.0.0.192).
  */
 export function isLinkLocalAddress(address: string): boolean {
   const a = address.toLowerCase();
   return (
     /^169\.254\.\d+\.\d+$/.test(a) ||
-    /^fe[89ab][0-9a-f]?:/.test(a) ||
+    /^fe[89ab][0-9a-f]:/.test(a) ||
     /^::ffff:(169\.254\.\d+\.\d+|a9fe:[0-9a-f]{1,4})$/.test(a) ||
     a === "fd00:ec2::254" ||
-    a === "100.100.100.200"
+    a === "100.100.100.200" ||
+    a === "192.0.0.192"
   );
 }
 

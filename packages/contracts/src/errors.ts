@@ -66,10 +66,11 @@ export function beforeStart<E>(err: E): E | FleetError {
 
 /**
  * `err` carrying the model usage spent before it (`FleetError.usage`). Anything but a
- * FleetError, one that already carries usage, and a null `usage` leave `err` as it is.
+ * FleetError, one that already carries usage (unless `replace`), and a null `usage` leave `err`
+ * as it is.
  */
-export function withUsage<E>(err: E, usage: Usage | null): E | FleetError {
-  if (usage === null || !isFleetError(err) || (err.usage ?? null) !== null) return err;
+export function withUsage<E>(err: E, usage: Usage | null, replace = false): E | FleetError {
+  if (usage === null || !isFleetError(err) || (!replace && (err.usage ?? null) !== null)) return err;
   const carried = new FleetError(err.kind, err.message, {
     retryable: err.retryable,
     cause: err.cause,

@@ -153,9 +153,61 @@ describe("model gateway", () => {
     const first = chat(b2, t2, ask("max_tokens", 100_000));
     await vi.waitFor(() => expect(upstream.requests).toHaveLength(5));
     const second = await chat(b2, t2, ask("max_tokens", 100_000));
-    expect([second.status, second.json.error.code]).toEqual([429, "token_cap_exceeded"]);
+    // It passes once the first is answered: no failure of the agent's, and it may retry.
+    expect([second.status, second.json.error.code]).toEqual([429, "token_cap_reserved"]);
+    expect(second.headers.get("retry-after")).toBe("1");
     expect((await first).status).toBe(200);
     expect(upstream.requests[4]!.body).toMatchObject({ max_tokens: 40 });
+  });
+
+  it("the token cap's clamp takes a limit from either field, numbers or numeric strings, times n; a call asking for none holds all that is left", async () => {
+    const { upstream, gateway } = await setup();
+    const base = { model: "m", messages: [{ role: "user", content: "hi" }] };
+    const one = gateway.register("r1", { model: "m", maxTokens: 40 });
+    upstream.push(chatReply({ content: "a", usage: { prompt: 1, completion: 1 } }));
+    await chat(one.baseUrl, one.token, { ...base, n: 8, max_completion_tokens: 0, max_tokens: 100_000 });
+    expect(upstream.requests[0]!.body).toMatchObject({ n: 8, max_completion_tokens: 5, max_tokens: 5 });
+    const two = gateway.register("r2", { model: "m", maxTokens: 40 });
+    upstream.push(chatReply({ content: "b", usage: { prompt: 1, completion: 1 } }));
+    await chat(two.baseUrl, two.token, { ...base, max_tokens: "100000" });
+    expect(upstream.requests[1]!.body).toMatchObject({ max_tokens: 40 });
+    // No limit asked: sent as it came, holding what is left while it runs.
+    const three = gateway.register("r3", { model: "m", maxTokens: 40 });
+    upstream.push(errorReply(503, "overloaded", "busy"), {
+      ...chatReply({ content: "c", usage: { prompt: 1, completion: 1 } }),
+      delayMs: 500,
+    });
+    await chat(three.baseUrl, three.token, base);
+    const first = chat(three.baseUrl, three.token, base);
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(4));
+    expect(upstream.requests[3]!.body).not.toHaveProperty("max_tokens");
+    const second = await chat(three.baseUrl, three.token, base);
+    expect([second.status, second.json.error.code]).toEqual([429, "token_cap_reserved"]);
+    // A refusal that passes: the upstream's failure before it still stands.
+    expect(gateway.health(three.token)?.lastInfraFailure).toBe("HTTP 503");
+    expect((await first).status).toBe(200);
+  });
+
+  it("the rate window slides: a minute after a call, its slot is free again; a refused call takes none", async () => {
+    vi.useFakeTimers({ toFake: ["performance"] });
+    try {
+      const { upstream, gateway } = await setup({ maxCallsPerMinute: 2 });
+      const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1000 });
+      upstream.push(chatReply({ content: "a" }), chatReply({ content: "b" }), chatReply({ content: "c" }));
+      await chat(baseUrl, token);
+      vi.advanceTimersByTime(30_000);
+      await chat(baseUrl, token);
+      const limited = await chat(baseUrl, token);
+      expect([limited.status, limited.json.error.code]).toEqual([429, "rate_limited"]);
+      expect(limited.headers.get("retry-after")).toBe("30");
+      vi.advanceTimersByTime(29_999);
+      expect((await chat(baseUrl, token)).status).toBe(429);
+      vi.advanceTimersByTime(1);
+      expect((await chat(baseUrl, token)).status).toBe(200);
+      expect(upstream.requests).toHaveLength(3);
+    } finally {
+      vi.useRealTimers();
+    }
   });
 
   it("refuses call maxCalls + 1", async () => {
@@ -466,6 +518,60 @@ describe("model gateway", () => {
     upstream.push(errorReply(403, "forbidden", "Forbidden"), errorReply(403, "forbidden", "Forbidden"));
     await chat(baseUrl, token);
     expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 403");
+  });
+
+  it("a probe answered with a 4xx about itself (a model that wants max_completion_tokens) still shows the key works; a 5xx shows nothing", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "o-reasoning" });
+    upstream.push(
+      errorReply(403, "forbidden", "Forbidden"),
+      errorReply(400, "unsupported_parameter", "use max_completion_tokens"),
+    );
+    await chat(baseUrl, token);
+    expect(gateway.health(token)?.lastInfraFailure).toBeNull();
+    upstream.push(errorReply(403, "forbidden", "Forbidden"), errorReply(503, "overloaded", "busy"));
+    await chat(baseUrl, token);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 403");
+    // The probes are a gap in the usage, never tokens silently left out.
+    expect(gateway.usage(token)?.gaps).toContain(
+      "2 one-token probe request(s) the gateway sent after a 403, to tell a refused key from a refused request (not counted)",
+    );
+  });
+
+  it("a call waiting on its 403's probe still counts toward the call cap", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxCalls: 1 });
+    upstream.push(errorReply(403, "forbidden", "Forbidden"), {
+      ...chatReply({ content: "OK" }),
+      delayMs: 500,
+    });
+    const first = chat(baseUrl, token);
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2)); // the probe is out
+    const second = await chat(baseUrl, token);
+    expect([second.status, second.json.error.code]).toEqual([429, "call_cap_exceeded"]);
+    await first;
+    expect(upstream.requests).toHaveLength(2);
+  });
+
+  it("a proxy's gateway timeout (504, 524, 408) leaves the upstream's health as it was: a long generation looks the same", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(chatReply({ content: "a" }));
+    await chat(baseUrl, token);
+    for (const status of [504, 524, 408]) {
+      upstream.push({
+        status,
+        rawBody: "<html>Gateway Time-out</html>",
+        headers: { "content-type": "text/html" },
+      });
+      await chat(baseUrl, token);
+    }
+    expect(gateway.health(token)).toEqual({ answered: 1, infraFailures: 0, lastInfraFailure: null });
+    // Not answered either: an upstream failing before stays failing.
+    upstream.push(errorReply(503, "overloaded", "busy"), { status: 504, rawBody: "timeout" });
+    await chat(baseUrl, token);
+    await chat(baseUrl, token);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
   });
 
   it("a refusal (401/403) or a redirect: the agent gets the gateway's words, not the upstream's (which may quote part of the key)", async () => {

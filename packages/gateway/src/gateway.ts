@@ -122,6 +122,8 @@ export class GatewayHttpError extends Error {
     readonly status: number,
     readonly code: string,
     message: string,
+    /** Seconds for a `Retry-After` header (a refusal that passes). */
+    readonly retryAfterS: number | null = null,
   ) {
     super(message);
   }
@@ -139,6 +141,8 @@ interface Entry {
   recent: number[];
   /** Completion tokens the calls in flight may still use (their clamped limits: `clampCompletion`). */
   reservedTokens: number;
+  /** Probe requests sent after a 403 (`probeKey`). */
+  probes: number;
   /** Calls open right now, from authentication to the answer (bounded by `maxConcurrentCalls`). */
   open: number;
   inFlight: Set<AbortController>;
@@ -270,30 +274,33 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       if (refusal.code === "usage_unreported") noteInfraFailure(entry, "the upstream reports no usage");
       throw new GatewayHttpError(429, refusal.code, refusal.message);
     }
-    const now = Date.now();
+    const now = performance.now();
     while (entry.recent.length > 0 && entry.recent[0]! <= now - 60_000) entry.recent.shift();
     if (entry.recent.length >= o.maxCallsPerMinute) {
       throw new GatewayHttpError(
         429,
         "rate_limited",
         `at most ${o.maxCallsPerMinute} calls per minute per rollout; retry later`,
+        Math.max(1, Math.ceil((entry.recent[0]! + 60_000 - now) / 1000)),
       );
     }
-    entry.recent.push(now);
     // The completion limit the agent asked for, never more than the token cap has left after the
     // calls in flight took theirs (the call that crosses the cap crosses it by its prompt at most,
     // not by whatever it asked for). A request that asks for none is sent as it came: a limit
     // added to it could make a long prompt overflow the model's context.
-    const reserved = clampCompletion(request, entry);
-    if (reserved === 0) {
+    const reserve = clampCompletion(request, entry);
+    if (reserve === null) {
+      // Passes once the calls in flight are answered: not the agent's failure (the upstream's
+      // health stays as it was), and no call of its own that it should stop on.
       throw new GatewayHttpError(
         429,
-        "token_cap_exceeded",
-        `this rollout's token cap (${entry.registration.maxTokens}) is taken by the calls in flight and the ones answered`,
+        "token_cap_reserved",
+        `this rollout's token cap (${entry.registration.maxTokens}) is held by its calls in flight; retry when they are answered`,
+        1,
       );
     }
-    const reserve = Math.max(0, reserved);
     entry.reservedTokens += reserve;
+    entry.recent.push(now);
 
     entry.pending += 1;
     const controller = new AbortController();
@@ -378,11 +385,18 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         // Recorded as a call without usage below: an answer we could not read is a gap, not a zero.
       }
     }
+    if (ok) entry.meter.record(readCallUsage(parsed));
+    else entry.meter.recordFailure();
     // A 403 from a firewall in front of the model (a rule matched what the agent sent) looks like
-    // the operator's key refused: the upstream answering a plain request with that key tells them
-    // apart, and the first is the agent's own doing (answered), never a mask it could provoke.
-    const refusedRequest = status === 403 && (await answersPlainRequest(entry, credential));
-    if (isInfraStatus(status) && !refusedRequest) noteInfraFailure(entry, `HTTP ${status}`);
+    // the operator's key refused: a plain request with that key tells them apart (refused too:
+    // the key; any other answer: the key works, and the 403 was the agent's own request's).
+    const refusedRequest = status === 403 && (await probeKey(entry, credential)) === "works";
+    // A gateway timeout from a proxy before the upstream (nginx's 504 at 60 s, Cloudflare's 524)
+    // is a long generation as often as a hung upstream: as the gateway's own timeout, neither.
+    const proxyTimeout = status === 504 || status === 524 || status === 408;
+    if (proxyTimeout) {
+      // health as it was
+    } else if (isInfraStatus(status) && !refusedRequest) noteInfraFailure(entry, `HTTP ${status}`);
     else if (ok && !isChatCompletion(parsed)) {
       // A 2xx that is no chat completion (truncated JSON, a proxy's HTML page): the upstream
       // did not answer, whatever its status says. Passed on as it came.
@@ -391,8 +405,6 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       entry.health.answered += 1;
       entry.health.lastInfraFailure = null;
     }
-    if (ok) entry.meter.record(readCallUsage(parsed));
-    else entry.meter.recordFailure();
     if ((status === 401 || status === 403 || (status >= 300 && status < 400)) && credential) {
       // A refusal (the operator's credential, most likely) or a redirect: its body may quote part
       // of the credential, which exact redaction does not catch and the agent must not see. The
@@ -417,8 +429,21 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     res.end(text);
   }
 
-  /** Whether the upstream answers one short message (one token) with this rollout's model and key. */
-  async function answersPlainRequest(entry: Entry, credential: string | null | undefined): Promise<boolean> {
+  /**
+   * How the upstream answers one short message with this rollout's model and key: `refused`
+   * (401, 403 or a redirect: the key), `works` (a 2xx, or a 4xx about the probe itself, such as
+   * a model that wants `max_completion_tokens`), `silent` (a 429 or 5xx, no answer in 30 s, or
+   * unreachable: the upstream failing, which says nothing of the key). Counted as a gap in the usage (its
+   * few tokens are not metered).
+   */
+  async function probeKey(
+    entry: Entry,
+    credential: string | null | undefined,
+  ): Promise<"refused" | "works" | "silent"> {
+    entry.probes += 1;
+    // Aborted with the rollout's calls in flight (its token revoked, the gateway closing).
+    const controller = new AbortController();
+    entry.inFlight.add(controller);
     const headers: Record<string, string> = {
       "content-type": "application/json",
       accept: "application/json",
@@ -434,18 +459,35 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
           max_tokens: 1,
           stream: false,
         }),
-        signal: AbortSignal.timeout(Math.min(30_000, o.upstreamTimeoutMs)),
+        signal: AbortSignal.any([
+          controller.signal,
+          AbortSignal.timeout(Math.min(30_000, o.upstreamTimeoutMs)),
+        ]),
         redirect: "manual",
       });
       await res.body?.cancel().catch(() => undefined);
-      return res.ok;
+      const s = res.status;
+      return s === 401 || s === 403 || (s >= 300 && s < 400)
+        ? "refused"
+        : s === 429 || s >= 500
+          ? "silent"
+          : "works";
     } catch {
-      return false;
+      return "silent";
+    } finally {
+      entry.inFlight.delete(controller);
     }
   }
 
   function summaryOf(entry: Entry): UsageSummary {
-    return entry.revoked ?? entry.meter.summary();
+    if (entry.revoked) return entry.revoked;
+    const summary = entry.meter.summary();
+    if (entry.probes > 0) {
+      summary.gaps.push(
+        `${entry.probes} one-token probe request(s) the gateway sent after a 403, to tell a refused key from a refused request (not counted)`,
+      );
+    }
+    return summary;
   }
 
   await new Promise<void>((resolve, reject) => {
@@ -480,6 +522,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         pending: 0,
         recent: [],
         reservedTokens: 0,
+        probes: 0,
         open: 0,
         inFlight: new Set(),
         revoked: null,
@@ -598,22 +641,29 @@ export function isChatCompletion(body: unknown): boolean {
 }
 
 /**
- * With a token cap, lower the request's `max_completion_tokens` (else `max_tokens`) to what the
- * cap has left after the answered calls and the calls in flight: returns the limit reserved for
- * this call, 0 when nothing is left, and -1 (nothing reserved) without a cap or an asked limit.
+ * With a token cap, lower the request's completion limit to what the cap has left after the
+ * answered calls and the calls in flight, and return what this call reserves of it (its limit
+ * times `n`, the choices it asks for); `null` when nothing is left now (calls in flight hold
+ * it). A limit in either field (`max_completion_tokens`, `max_tokens`; a number, or a numeric
+ * string an upstream would coerce) is lowered in both; a call that asks for none reserves all
+ * that is left (no limit written into it: one added could make a long prompt overflow the
+ * model's context), so no other call runs beside it. Without a cap: 0, nothing changed.
  */
-function clampCompletion(request: Record<string, unknown>, entry: Entry): number {
+function clampCompletion(request: Record<string, unknown>, entry: Entry): number | null {
   const cap = entry.registration.maxTokens;
   const used = entry.meter.totalTokens;
-  if (cap === undefined || used === null) return -1;
-  const field = typeof request.max_completion_tokens === "number" ? "max_completion_tokens" : "max_tokens";
-  const asked = request[field];
-  if (typeof asked !== "number" || !(asked > 0)) return -1;
+  if (cap === undefined || used === null) return 0;
   const left = Math.max(0, cap - used - entry.reservedTokens);
-  if (left === 0) return 0;
-  const limit = Math.min(Math.floor(asked), left);
-  request[field] = limit;
-  return limit;
+  if (left < 1) return null;
+  const n = typeof request.n === "number" && Number.isInteger(request.n) && request.n > 1 ? request.n : 1;
+  const asked = ["max_completion_tokens", "max_tokens"]
+    .map((f) => Number(request[f]))
+    .filter((v) => Number.isFinite(v) && v > 0);
+  if (asked.length === 0) return left;
+  const limit = Math.min(Math.max(1, Math.floor(Math.min(...asked))), Math.floor(left / n));
+  if (limit < 1) return null;
+  for (const f of ["max_completion_tokens", "max_tokens"]) if (f in request) request[f] = limit;
+  return limit * n;
 }
 
 function noteInfraFailure(entry: Entry, what: string): void {
@@ -648,6 +698,7 @@ function sendError(res: ServerResponse, err: unknown): void {
       ? err
       : new GatewayHttpError(500, "internal", `gateway error: ${describe(err)}`);
   if (e.status === 413) res.setHeader("connection", "close");
+  if (e.retryAfterS !== null) res.setHeader("retry-after", String(e.retryAfterS));
   sendJson(res, e.status, {
     error: { message: e.message, type: errorType(e.status, e.code), code: e.code, param: null },
   });

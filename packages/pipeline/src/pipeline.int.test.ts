@@ -7,6 +7,7 @@ import {
   type RolloutRequestInput,
   type SandboxHandle,
   TaskContent,
+  withUsage,
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
 import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
@@ -716,6 +717,26 @@ describe("idempotency and fencing without workers", () => {
         gaps: [expect.stringMatching(/^1 earlier launch\(es\) of this rollout not counted here/)],
       },
     });
+    // A rerun that fails, its error carrying its usage: the same gap.
+    const [failed] = await fleet.submit([oracle(byId("hello-file"))]);
+    expect(await runStageJob("seed", job(failed!), fleet.deps)).toBe("ok");
+    await fleet.deps.store.claimLaunch(failed!, "dead-worker:1");
+    const failing: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async () => {
+        throw withUsage(FleetError.nonRetryable("agent_error", "the agent's spec is wrong"), usage);
+      },
+    });
+    await runStageJob("run", job(failed!, 1), { ...fleet.deps, createHarness: failing }).catch(
+      () => undefined,
+    );
+    await closeExpecting(failed!, {
+      status: "failed",
+      usage: {
+        ...usage,
+        gaps: [expect.stringMatching(/^1 earlier launch\(es\) of this rollout not counted here/)],
+      },
+    });
   });
 
   it("a re-delivered seed that finds the earlier attempt's sandbox stopped replaces it instead of probing it to death", async () => {
@@ -984,7 +1005,10 @@ describe("idempotency and fencing without workers", () => {
     const store = fleet.deps.store;
     // The last attempt's begin, and the next three tries of the close that follows, are refused.
     let refusals = 0;
-    const oom = () => new Error("OOM command not allowed when used memory > 'maxmemory'.");
+    const oom = () =>
+      Object.assign(new Error("OOM command not allowed when used memory > 'maxmemory'."), {
+        name: "ReplyError",
+      });
     const full = Object.assign(Object.create(store) as typeof store, {
       begin: async (...a: Parameters<typeof store.begin>) => {
         if (a[0] === id && a[1] === "seed" && refusals++ === 0) throw oom();

@@ -533,6 +533,18 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     counted = true;
     return spent;
   };
+  // The earlier launches of a rerun spent too (what their failures recorded is in the failure
+  // log; a launch whose worker died recorded nothing): a gap, never a silent undercount.
+  const withRerunGap = (usage: Usage | null): Usage | null =>
+    usage !== null && launches > 1
+      ? {
+          ...usage,
+          gaps: [
+            ...usage.gaps,
+            `${launches - 1} earlier launch(es) of this rollout not counted here (see failures[].usage for what was recorded)`,
+          ],
+        }
+      : usage;
   let cleanup: CleanupReceipt;
   let contested = true;
   const watched = watchExecs(deps.provider);
@@ -660,7 +672,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // What the agent's calls through the gateway spent goes with the failure (a masked run
     // still reports its cost); a harness's own error may carry its usage already.
     await finishAccess().catch(() => undefined);
-    throw withUsage(err, countSpent());
+    const spent = countSpent();
+    const own = isFleetError(err) ? (err.usage ?? null) : null;
+    throw withUsage(err, withRerunGap(own ?? spent), true);
   } finally {
     // Stopped or taken over mid-run (no receipt, no failure of its own): counted all the same.
     await finishAccess().catch(() => undefined);
@@ -672,19 +686,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // (many agent CLIs do after API errors) is graded, and masked at verify unless its work earns a
   // full reward. One whose last call was answered is graded as usual.
   const lastFailure = (upstream as UpstreamHealth | null)?.lastInfraFailure ?? null;
-  const spent = countSpent();
-  // The earlier launches of a rerun spent too (what their failures recorded is in the failure
-  // log; a launch whose worker died recorded nothing): a gap, never a silent undercount.
-  const usage =
-    spent !== null && launches > 1
-      ? {
-          ...spent,
-          gaps: [
-            ...spent.gaps,
-            `${launches - 1} earlier launch(es) of this rollout not counted here (see failures[].usage for what was recorded)`,
-          ],
-        }
-      : spent;
+  const usage = withRerunGap(countSpent());
   let upstreamFailing: string | null = null;
   if (lastFailure !== null) {
     const { answered, infraFailures } = upstream as unknown as UpstreamHealth;

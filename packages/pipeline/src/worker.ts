@@ -1,6 +1,6 @@
 import { setMaxListeners } from "node:events";
 import { capText, isTerminal, type StageName, withTimeout } from "@fleet/contracts";
-import { duplicateRedis, type RedisConnection } from "@fleet/queue";
+import { duplicateRedis, isRedisUnavailable, type RedisConnection } from "@fleet/queue";
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isHandBack, isProviderHold } from "./hand-back.ts";
@@ -790,7 +790,8 @@ async function closeAfterBullmqFailureRetrying(
       await closeAfterBullmqFailure(deps, stage, job, reason);
       return;
     } catch (err) {
-      if (closing() || Date.now() + wait > until) throw err;
+      // Only Redis refusing or unreachable is worth waiting out; anything else will not pass.
+      if (!isRedisUnavailable(err) || closing() || Date.now() + wait > until) throw err;
       if (tries === 1) {
         deps.logger.warn(
           { stage, rolloutId: job.data?.rolloutId, err: String(err) },

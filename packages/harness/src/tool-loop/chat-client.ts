@@ -86,6 +86,8 @@ export interface ChatCallInput {
   retry: RetryPolicy;
   /** Removes the credential from any text before it is kept (errors, transcript). */
   redact: (text: string) => string;
+  /** Called after each probe request (`probeKey`), whose usage is not metered. */
+  onProbe?: () => void;
   /** Called before each backoff wait. */
   onRetry?: (info: { attempt: number; status: number | null; reason: string; waitMs: number }) => void;
   /**
@@ -181,44 +183,56 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           message: redact(errorMessage(body, text)),
           failedAttempts: attempt - 1,
         };
-      } else if (
-        input.answeredBefore === true &&
-        (status === 401 ||
-          status === 404 ||
-          (status === 403 &&
-            !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorFields(body).type ?? ""}`) &&
-            // A bare 403 from a firewall in front of the model (its rules matched what the policy
-            // wrote) looks like a key refused: the endpoint answering a plain request tells them apart.
-            !(await answersPlainRequest(input))))
-      ) {
-        // The same endpoint, key and model answered this episode's earlier calls: a key rotated
-        // or revoked, or a server restarted without the model, is the infrastructure's (masked,
-        // as the command harness's gateway counts it), never the agent's. On a first call it is
-        // the agent spec's (below). A 403 that says it refused the content (a moderation flag on
-        // what the policy wrote) is the conversation's: graded, as a 400 is (below); any other
-        // 403 (a key revoked, an organisation disabled, a proxy's bare "Forbidden") is masked.
-        throw FleetError.nonRetryable(
-          "provider_unavailable",
-          `model endpoint stopped accepting the episode's requests: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
-        );
-      } else if (
-        (status === 400 || status === 403 || status === 413 || status === 422) &&
-        input.answeredBefore === true
-      ) {
-        return {
-          kind: "refused",
-          message: `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
-          failedAttempts: attempt - 1,
-        };
-      } else if (isRetryableStatus(status)) {
-        lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
-        definite = true;
-        waitAtLeast = retryAfterMs(res.headers);
       } else {
-        throw FleetError.nonRetryable(
-          "agent_error",
-          `model endpoint refused the request: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
-        );
+        // A bare 403 after answered calls (no word about the content) is a key refused or a
+        // firewall's rule on what the policy wrote: a plain request with the same key tells them
+        // apart. Answered (any answer but 401/403/3xx): the key works, the 403 was the request's.
+        const bare403 =
+          status === 403 &&
+          input.answeredBefore === true &&
+          !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorFields(body).type ?? ""}`);
+        const probe = bare403 ? await probeKey(input) : null;
+        if (probe !== null) input.onProbe?.();
+        if (probe === "silent" && Date.now() >= input.deadlineMs) {
+          // The deadline came while the endpoint was asked: nothing showed the key refused.
+          return { kind: "deadline", failedAttempts: attempt - 1 };
+        }
+        if (
+          input.answeredBefore === true &&
+          (status === 401 || status === 404 || (bare403 && probe !== "works"))
+        ) {
+          // The same endpoint, key and model answered this episode's earlier calls: a key rotated
+          // or revoked, or a server restarted without the model, is the infrastructure's (masked,
+          // as the command harness's gateway counts it), never the agent's. On a first call it is
+          // the agent spec's (below). A 403 that says it refused the content (a moderation flag
+          // on what the policy wrote), or one beside a key that still works, is the
+          // conversation's: graded, as a 400 is (below).
+          throw FleetError.nonRetryable(
+            "provider_unavailable",
+            `model endpoint stopped accepting the episode's requests: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
+          );
+        }
+        if (
+          (status === 400 || status === 403 || status === 413 || status === 422) &&
+          input.answeredBefore === true
+        ) {
+          return {
+            kind: "refused",
+            message: `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
+            failedAttempts: attempt - 1,
+          };
+        }
+        if (!isRetryableStatus(status)) {
+          throw FleetError.nonRetryable(
+            "agent_error",
+            `model endpoint refused the request: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
+          );
+        }
+        lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
+        // A proxy's gateway timeout (nginx's 504 at 60 s, Cloudflare's 524, a 408) is a long
+        // generation as often as a hung endpoint: as the attempt's own timeout, no sure failure.
+        definite = !(status === 504 || status === 524 || status === 408);
+        waitAtLeast = retryAfterMs(res.headers);
       }
     } catch (err) {
       if (err instanceof FleetError) throw err;
@@ -255,16 +269,17 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
 const CONTENT_REFUSAL = /moderation|flagged|content[ _-]?(policy|filter|management)|safety|violat/i;
 
 /**
- * Whether the endpoint answers a plain request (one short user message, one token) with the same
- * key and model: after a 403 on the episode's own request, yes means it refused that request's
- * content, no that it refuses the key (or is down). Bounded by 30 s and the episode's deadline.
+ * How the endpoint answers a plain request (one short user message, one token) with the same key
+ * and model, after a 403 on the episode's own request: `refused` (401, 403, a redirect: the key),
+ * `works` (a 2xx, or a 4xx about the probe itself: the 403 was the request's content), `silent`
+ * (a 429 or 5xx, or no answer: down, or out of time). Bounded by 30 s and the deadline.
  */
-async function answersPlainRequest(input: ChatCallInput): Promise<boolean> {
+async function probeKey(input: ChatCallInput): Promise<"refused" | "works" | "silent"> {
   const model = (input.body as { model?: unknown } | null)?.model;
   const headers: Record<string, string> = { "content-type": "application/json", accept: "application/json" };
   if (input.apiKey) headers.authorization = `Bearer ${input.apiKey}`;
   const ms = Math.min(30_000, input.deadlineMs - Date.now());
-  if (ms <= 0) return false;
+  if (ms <= 0) return "silent";
   try {
     const res = await fetch(input.url, {
       method: "POST",
@@ -274,9 +289,15 @@ async function answersPlainRequest(input: ChatCallInput): Promise<boolean> {
       redirect: "manual",
     });
     await res.body?.cancel().catch(() => undefined);
-    return res.ok;
+    const s = res.status;
+    return s === 401 || s === 403 || (s >= 300 && s < 400)
+      ? "refused"
+      : s === 429 || s >= 500
+        ? "silent"
+        : "works";
   } catch {
-    return false;
+    if (input.signal.aborted) throw abortError(input.signal);
+    return "silent";
   }
 }
 

@@ -176,7 +176,10 @@ describe("ToolLoopHarness", () => {
     upstream.push(
       chatReply({ content: "looking", bash: ["echo hi"], usage: { prompt: 12, completion: 4, cached: 2 } }),
     );
-    upstream.push(errorReply(403, "key_revoked", "key revoked"));
+    upstream.push(
+      errorReply(403, "key_revoked", "key revoked"),
+      errorReply(403, "key_revoked", "key revoked"),
+    );
     const err = await rejection(harness().run(ctx()));
     expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
     expect((err as FleetError).usage).toEqual({
@@ -184,7 +187,7 @@ describe("ToolLoopHarness", () => {
       promptTokens: 12,
       completionTokens: 4,
       cachedTokens: 2,
-      gaps: [],
+      gaps: [expect.stringMatching(/^a one-token probe request after a 403 at model call 2/)],
     });
   });
 
@@ -291,6 +294,7 @@ describe("ToolLoopHarness", () => {
     "http://[fe80::1]/v1",
     "http://[fd00:ec2::254]/latest",
     "http://100.100.100.200/latest",
+    "http://192.0.0.192/opc/v2",
     "http://metadata.google.internal/computeMetadata/v1",
     "http://METADATA.GOOGLE.INTERNAL./v1",
   ])("never calls %s (a metadata service however written)", async (baseUrl) => {
@@ -485,6 +489,32 @@ describe("ToolLoopHarness", () => {
     expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 403/);
   });
 
+  it("a later bare 403 whose probe gets a 4xx about itself (a model wanting max_completion_tokens) is the conversation's: graded", async () => {
+    upstream.push(
+      chatReply({ bash: ["true"], content: "working" }),
+      errorReply(403, "forbidden", "Forbidden"),
+      errorReply(400, "unsupported_parameter", "use max_completion_tokens"),
+    );
+    const out = await harness().run(ctx());
+    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 403/);
+  });
+
+  it("a later bare 403 whose probe the deadline cuts is the agent's timeout (graded), not a mask", async () => {
+    upstream.push(
+      chatReply({ bash: ["true"], content: "working" }),
+      errorReply(403, "forbidden", "Forbidden"),
+      { ...chatReply({ content: "OK" }), delayMs: 5_000 },
+    );
+    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 1_500 }));
+    expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
+  });
+
+  it("a proxy's gateway timeout (504) until the deadline is the agent's timeout (graded): a long generation looks the same", async () => {
+    for (let i = 0; i < 30; i++) upstream.push({ status: 504, rawBody: "<html>504 Gateway Time-out</html>" });
+    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 1_000 }));
+    expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
+  });
+
   it("retries a 200 whose first choice has no message (malformed), then goes on", async () => {
     upstream.push({ body: { choices: [{ text: "legacy completion" }] } }, chatReply({ content: "done" }));
     const out = await harness().run(ctx(agent()));
@@ -646,12 +676,13 @@ describe("ToolLoopHarness", () => {
     async (status) => {
       upstream.push(chatReply({ content: "looking", bash: ["echo hi"] }));
       upstream.push(errorReply(status, "gone", `key revoked: ${CREDENTIAL}`));
+      // A 403 is asked again with a plain request: refused as well (the key).
+      if (status === 403) upstream.push(errorReply(403, "gone", "key revoked"));
       const err = await rejection(harness().run(ctx()));
       expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
       expect(classifyFailure((err as FleetError).kind).outcome).toBe("mask");
       expect((err as Error).message).toContain(`HTTP ${status}`);
       expect((err as Error).message).not.toContain(CREDENTIAL);
-      // A 403 is asked again with a plain request (refused too: the script is exhausted).
       expect(upstream.requests).toHaveLength(status === 403 ? 3 : 2);
     },
   );

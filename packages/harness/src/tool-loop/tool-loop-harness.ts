@@ -135,6 +135,10 @@ export class ToolLoopHarness implements Harness {
           signal: ctx.signal,
           retry: this.retry,
           redact,
+          onProbe: () =>
+            meter.note(
+              `a one-token probe request after a 403 at model call ${step}, to tell a refused key from a refused request (not counted)`,
+            ),
           onRetry: ({ attempt, status, reason, waitMs }) => {
             meter.recordFailure();
             transcript.add({ event: "retry", step, attempt, status, reason, waitMs });
