@@ -4,6 +4,7 @@ import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
 import { redactSecrets } from "@fleet/telemetry";
 import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
+import { type KeyProbe, probeKey } from "./probe-key.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
 
 /** A rollout's usage as the gateway reports it: the contracts `Usage` shape. */
@@ -390,7 +391,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     // A 403 from a firewall in front of the model (a rule matched what the agent sent) looks like
     // the operator's key refused: a plain request with that key tells them apart (refused too:
     // the key; any other answer: the key works, and the 403 was the agent's own request's).
-    const refusedRequest = status === 403 && (await probeKey(entry, credential)) === "works";
+    const refusedRequest = status === 403 && (await probeRolloutKey(entry, credential)) === "works";
     // A gateway timeout from a proxy before the upstream (nginx's 504 at 60 s, Cloudflare's 524)
     // is a long generation as often as a hung upstream: as the gateway's own timeout, neither.
     const proxyTimeout = status === 504 || status === 524 || status === 408;
@@ -429,51 +430,19 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     res.end(text);
   }
 
-  /**
-   * How the upstream answers one short message with this rollout's model and key: `refused`
-   * (401, 403 or a redirect: the key), `works` (a 2xx, or a 4xx about the probe itself, such as
-   * a model that wants `max_completion_tokens`), `silent` (a 429 or 5xx, no answer in 30 s, or
-   * unreachable: the upstream failing, which says nothing of the key). Counted as a gap in the usage (its
-   * few tokens are not metered).
-   */
-  async function probeKey(
-    entry: Entry,
-    credential: string | null | undefined,
-  ): Promise<"refused" | "works" | "silent"> {
+  /** `probeKey` with this rollout's model and the operator's key, aborted with its calls in flight. */
+  async function probeRolloutKey(entry: Entry, credential: string | null | undefined): Promise<KeyProbe> {
     entry.probes += 1;
-    // Aborted with the rollout's calls in flight (its token revoked, the gateway closing).
     const controller = new AbortController();
     entry.inFlight.add(controller);
-    const headers: Record<string, string> = {
-      "content-type": "application/json",
-      accept: "application/json",
-    };
-    if (credential) headers.authorization = `Bearer ${credential}`;
     try {
-      const res = await fetch(upstreamUrl, {
-        method: "POST",
-        headers,
-        body: JSON.stringify({
-          model: entry.registration.model,
-          messages: [{ role: "user", content: "Reply with OK." }],
-          max_tokens: 1,
-          stream: false,
-        }),
-        signal: AbortSignal.any([
-          controller.signal,
-          AbortSignal.timeout(Math.min(30_000, o.upstreamTimeoutMs)),
-        ]),
-        redirect: "manual",
+      return await probeKey({
+        url: upstreamUrl,
+        apiKey: credential,
+        model: entry.registration.model,
+        timeoutMs: Math.min(30_000, o.upstreamTimeoutMs),
+        signal: controller.signal,
       });
-      await res.body?.cancel().catch(() => undefined);
-      const s = res.status;
-      return s === 401 || s === 403 || (s >= 300 && s < 400)
-        ? "refused"
-        : s === 429 || s >= 500
-          ? "silent"
-          : "works";
-    } catch {
-      return "silent";
     } finally {
       entry.inFlight.delete(controller);
     }

@@ -12,4 +12,5 @@ export {
   type UsageSummary,
 } from "./gateway.ts";
 export { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
+export { type KeyProbe, probeKey } from "./probe-key.ts";
 export { type CallUsage, describeCalls, readCallUsage, UsageMeter } from "./usage-meter.ts";

@@ -1,6 +1,6 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
-import { isChatCompletion } from "@fleet/gateway";
+import { isChatCompletion, probeKey } from "@fleet/gateway";
 import { abortError } from "../run-command.ts";
 
 /** Jittered exponential backoff between attempts of one model call. */
@@ -191,7 +191,16 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           status === 403 &&
           input.answeredBefore === true &&
           !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorFields(body).type ?? ""}`);
-        const probe = bare403 ? await probeKey(input) : null;
+        const probe = bare403
+          ? await probeKey({
+              url: input.url,
+              apiKey: input.apiKey,
+              model: (input.body as { model?: unknown } | null)?.model,
+              timeoutMs: Math.min(30_000, input.deadlineMs - Date.now()),
+              signal: input.signal,
+            })
+          : null;
+        if (input.signal.aborted) throw abortError(input.signal);
         if (probe !== null) input.onProbe?.();
         if (probe === "silent" && Date.now() >= input.deadlineMs) {
           // The deadline came while the endpoint was asked: nothing showed the key refused.
@@ -267,39 +276,6 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
 
 /** A refusal of the content itself (moderation), by its message or error code. */
 const CONTENT_REFUSAL = /moderation|flagged|content[ _-]?(policy|filter|management)|safety|violat/i;
-
-/**
- * How the endpoint answers a plain request (one short user message, one token) with the same key
- * and model, after a 403 on the episode's own request: `refused` (401, 403, a redirect: the key),
- * `works` (a 2xx, or a 4xx about the probe itself: the 403 was the request's content), `silent`
- * (a 429 or 5xx, or no answer: down, or out of time). Bounded by 30 s and the deadline.
- */
-async function probeKey(input: ChatCallInput): Promise<"refused" | "works" | "silent"> {
-  const model = (input.body as { model?: unknown } | null)?.model;
-  const headers: Record<string, string> = { "content-type": "application/json", accept: "application/json" };
-  if (input.apiKey) headers.authorization = `Bearer ${input.apiKey}`;
-  const ms = Math.min(30_000, input.deadlineMs - Date.now());
-  if (ms <= 0) return "silent";
-  try {
-    const res = await fetch(input.url, {
-      method: "POST",
-      headers,
-      body: JSON.stringify({ model, messages: [{ role: "user", content: "Reply with OK." }], max_tokens: 1 }),
-      signal: AbortSignal.any([input.signal, AbortSignal.timeout(ms)]),
-      redirect: "manual",
-    });
-    await res.body?.cancel().catch(() => undefined);
-    const s = res.status;
-    return s === 401 || s === 403 || (s >= 300 && s < 400)
-      ? "refused"
-      : s === 429 || s >= 500
-        ? "silent"
-        : "works";
-  } catch {
-    if (input.signal.aborted) throw abortError(input.signal);
-    return "silent";
-  }
-}
 
 /** A chat completion whose first choice carries a message (else the answer is malformed: retried). */
 function errorMessage(body: unknown, text: string): string {

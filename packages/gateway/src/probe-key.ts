@@ -1,0 +1,46 @@
+/** What a plain request says of a key (see `probeKey`). */
+export type KeyProbe = "refused" | "works" | "silent";
+
+/**
+ * Ask a chat-completions endpoint one short message (one token) with a key and model, after a
+ * bare 403 on a request of an episode whose earlier calls were answered: `refused` (401, 403 or
+ * a redirect: the key), `works` (a 2xx, or a 4xx about the probe itself, such as a model that
+ * wants `max_completion_tokens`: the 403 was the request's, e.g. a firewall's rule on what the
+ * policy wrote), `silent` (a 429 or 5xx, or no answer within `timeoutMs`: the endpoint failing,
+ * which says nothing of the key). The caller's `signal` aborting ends it with `silent` too; a
+ * caller that must tell that apart checks its signal. Its few tokens are nobody's usage: the
+ * callers note each probe as a gap.
+ */
+export async function probeKey(options: {
+  url: string;
+  apiKey: string | null | undefined;
+  model: unknown;
+  timeoutMs: number;
+  signal?: AbortSignal;
+}): Promise<KeyProbe> {
+  if (options.timeoutMs <= 0) return "silent";
+  const headers: Record<string, string> = { "content-type": "application/json", accept: "application/json" };
+  if (options.apiKey) headers.authorization = `Bearer ${options.apiKey}`;
+  const timeout = AbortSignal.timeout(options.timeoutMs);
+  try {
+    const res = await fetch(options.url, {
+      method: "POST",
+      headers,
+      body: JSON.stringify({
+        model: options.model,
+        messages: [{ role: "user", content: "Reply with OK." }],
+        max_tokens: 1,
+        stream: false,
+      }),
+      signal: options.signal ? AbortSignal.any([options.signal, timeout]) : timeout,
+      // The key goes to this endpoint only, never where a redirect points.
+      redirect: "manual",
+    });
+    await res.body?.cancel().catch(() => undefined);
+    const s = res.status;
+    if (s === 401 || s === 403 || (s >= 300 && s < 400)) return "refused";
+    return s === 429 || s >= 500 ? "silent" : "works";
+  } catch {
+    return "silent";
+  }
+}
