@@ -114,15 +114,11 @@ mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 bash ${SANDBOX_PATHS.tests}/test.sh < /dev/null
 rc=$?
-# Freeze everything else at once (one signal to all this runner may signal; it lands as each
-# process next runs), so that what the tests left running neither goes on writing while reap
-# looks for it nor exits uncounted; then reap, and let the sandbox's own processes go on. (What
-# ended before the tests did is not seen: tests that run the agent's code reap before they write
-# their reward, as the example suite's do.)
-kill -s STOP -- -1 2>/dev/null
-for p in $keep; do kill -s CONT "$p" 2>/dev/null; done
+# Kill and count what the tests left running. (What ended before the tests did is not seen, nor
+# what exits in the moments reap takes to find it: tests that run the agent's code reap before
+# they write their reward, as the example suite's do. No freeze of every process first: under
+# bubblewrap a SIGSTOP to all the runner may signal stops the exec's own plumbing.)
 reap
-kill -s CONT -- -1 2>/dev/null
 # Processes the tests started were still running when the tests ended: any of them, the agent's
 # code among them (root too), may have written the reward file.
 if [ "$strays" -gt 0 ]; then report strays "$strays"; exit $rc; fi
@@ -312,7 +308,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   if (result.oomKilled) details.oomKilled = true;
 
   // Processes the tests started outlived them: the agent's code runs in the tests as root, and
-  // what it started may have written the reward file at any time until the runner froze it, the
+  // what it started may have written the reward file at any time until the runner killed it, the
   // moment the tests ended included. Neither the file nor the exit status (which a test script
   // that writes its reward last leaves at 0) is the tests' verdict then: graded 0, never masked
   // (a mask would be the agent's to take). Tests of a task must wait for what they start: the
