@@ -149,6 +149,7 @@ describe("WorkerConfig", () => {
       allowHostExecution: false,
       credentialsFile: null,
       gatewaySubnetPool: null,
+      gatewayMaxCallsPerMinute: 120,
       shutdownTimeoutMs: 30_000,
       providerProbeMs: 2_000,
     });
@@ -225,6 +226,17 @@ describe("WorkerConfig", () => {
       ).toMatchObject({
         bwrapRootfs: "/srv/rootfs",
       });
+    }
+  });
+
+  it("reads the gateway's calls per minute, and refuses one that is not a positive integer", () => {
+    expect(
+      parseWorkerConfig("agent", { FLEET_GATEWAY_MAX_CALLS_PER_MINUTE: "600" }).gatewayMaxCallsPerMinute,
+    ).toBe(600);
+    for (const bad of ["0", "-1", "1.5", "lots"]) {
+      expect(() => parseWorkerConfig("agent", { FLEET_GATEWAY_MAX_CALLS_PER_MINUTE: bad }), bad).toThrow(
+        /FLEET_GATEWAY_MAX_CALLS_PER_MINUTE/,
+      );
     }
   });
 

@@ -195,6 +195,12 @@ export const WorkerConfig = z
       )
       .optional(),
     /**
+     * Agent worker: calls a command agent's model gateway forwards per rollout in any 60 s (past
+     * it, 429 `rate_limited` with Retry-After): one rollout cannot by itself exhaust the
+     * operator's key's request rate.
+     */
+    FLEET_GATEWAY_MAX_CALLS_PER_MINUTE: intVar(1, 1_000_000).default(120),
+    /**
      * Agent worker: an IPv4 CIDR reserved for the per-rollout gateway networks of agents that
      * talk to a model (Docker's default pools hold only about 30 networks), each
      * `FLEET_GATEWAY_SUBNET_PREFIX` long. Unset: Docker's default pools.
@@ -242,6 +248,7 @@ export const WorkerConfig = z
     allowHostExecution: e.FLEET_ALLOW_HOST_EXECUTION,
     credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
     modelBaseUrls: e.FLEET_MODEL_BASE_URLS ?? null,
+    gatewayMaxCallsPerMinute: e.FLEET_GATEWAY_MAX_CALLS_PER_MINUTE,
     gatewaySubnetPool: e.FLEET_GATEWAY_SUBNET_POOL
       ? { base: e.FLEET_GATEWAY_SUBNET_POOL, prefix: e.FLEET_GATEWAY_SUBNET_PREFIX }
       : null,

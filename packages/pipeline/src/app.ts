@@ -36,6 +36,8 @@ interface Common {
   credentialsFile?: string | null;
   /** Agent worker: `FLEET_MODEL_BASE_URLS`. */
   modelBaseUrls?: readonly string[] | null;
+  /** Agent worker: `FLEET_GATEWAY_MAX_CALLS_PER_MINUTE`. */
+  gatewayMaxCallsPerMinute?: number;
   /** Agent worker: subnets for the gateway networks (`FLEET_GATEWAY_SUBNET_POOL`). */
   gatewaySubnetPool?: { base: string; prefix: number } | null;
   bwrapRootfs: string | null;
@@ -82,6 +84,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     logger,
     metrics,
     workerId,
+    ...(config.gatewayMaxCallsPerMinute ? { gatewayMaxCallsPerMinute: config.gatewayMaxCallsPerMinute } : {}),
     // Sealed per-rollout networks for agents that get a model (needs root/NET_ADMIN and a local daemon).
     networks:
       config.sandboxProvider === "docker"

@@ -35,6 +35,8 @@ export interface PipelineDeps {
   stopPollMs?: number;
   /** Per-rollout sealed networks for sandboxes that get model access (command agents with a model). */
   networks?: GatewayNetworks;
+  /** The model gateway's `maxCallsPerMinute` (`FLEET_GATEWAY_MAX_CALLS_PER_MINUTE`). @defaultValue 120 */
+  gatewayMaxCallsPerMinute?: number;
   /** Age after which an intent without a handle is taken as never created. */
   intentGraceMs?: number;
   /** How long a sandbox is watched for its removal after an in-sandbox error (`SANDBOX_SETTLE_MS`). */

@@ -31,6 +31,18 @@ except Exception as e:
   print(os.environ.get("FALLBACK", ""))
 `;
 
+/** A python prelude: \`call()\` makes one chat-completions call, returning its answer or "<status> <error code>". */
+const CALLER = `
+import json, os, sys, urllib.request, urllib.error
+def call():
+    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
+        data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
+    try:
+        return json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"]
+    except urllib.error.HTTPError as e:
+        return "%d %s" % (e.code, json.load(e)["error"]["code"])`;
+
 /** Docker, noting the network each owner's sandbox was created on (rollout → owner → network). */
 class NetworkNotingProvider extends DockerSandboxProvider {
   readonly networks = new Map<string, Record<string, string>>();
@@ -57,6 +69,7 @@ describe("command agent with a model, through the per-rollout gateway", () => {
       provider,
       deps: {
         networks,
+        gatewayMaxCallsPerMinute: 3,
         harnessDeps: {
           resolveCredential: createCredentialResolver({
             env: { FLEET_CREDENTIAL_UPSTREAM: SECRET, FLEET_CREDENTIAL_UPSTREAM_BASE_URL: upstream.baseUrl },
@@ -172,16 +185,7 @@ describe("command agent with a model, through the per-rollout gateway", () => {
 
   it("the agent's model caps hold: past maxCalls a call gets 429 and never reaches the upstream", async () => {
     // Two calls; the answer is the first's. The second must be refused at the gateway.
-    const twice = `
-import json, os, sys, urllib.request, urllib.error
-def call():
-    req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions",
-        data=json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
-        headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
-    try:
-        return json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"]
-    except urllib.error.HTTPError as e:
-        return "%d %s" % (e.code, json.load(e)["error"]["code"])
+    const twice = `${CALLER}
 first = call()
 print(call(), file=sys.stderr)
 print(first)
@@ -205,6 +209,33 @@ print(first)
     expect(r).toMatchObject({ status: "completed", reward: 1 });
     expect(r!.usage).toMatchObject({ calls: 1 });
     expect(upstream.requests.length - before).toBe(1);
+  });
+
+  it("the gateway forwards at most FLEET_GATEWAY_MAX_CALLS_PER_MINUTE calls a minute per rollout (here 3): the next is its own 429", async () => {
+    const four = `${CALLER}
+answers = [call() for _ in range(4)]
+print(" | ".join(answers[1:]), file=sys.stderr)
+print(answers[0])
+`;
+    upstream.push(chatReply({ content: "4217" }), chatReply({ content: "b" }), chatReply({ content: "c" }));
+    const before = upstream.requests.length;
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
+    const [id] = (await fleet.submit([
+      {
+        task,
+        agent: {
+          harness: "command",
+          argv: ["python3", "-c", four],
+          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
+        },
+      },
+    ])) as [string];
+    const [r] = await fleet.waitForResults([id], 120_000);
+    expect(r).toMatchObject({ status: "completed", reward: 1 });
+    expect(upstream.requests.length - before).toBe(3);
+    const rec = await fleet.deps.store.get(id);
+    expect(rec!.receipts.run!.exec.stderr).toContain("b | c | 429 rate_limited");
   });
 
   it("with its own sandbox, only the agent's sandbox joins the gateway network; the task's has none", async () => {

@@ -56,6 +56,7 @@ export async function openModelAccess(
     upstreamBaseUrl: model.baseUrl,
     resolveCredential: async () => credential,
     host: net.gatewayIp,
+    ...(deps.gatewayMaxCallsPerMinute ? { maxCallsPerMinute: deps.gatewayMaxCallsPerMinute } : {}),
   });
   try {
     await deps.networks!.allowGateway(net, gateway.port);
