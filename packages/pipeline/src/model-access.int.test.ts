@@ -88,6 +88,7 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     sandbox: "borrow" | "own",
     client = CLIENT,
     env: Record<string, string> = {},
+    caps: { maxCalls?: number } = {},
   ): Promise<string> {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
@@ -99,7 +100,7 @@ describe("command agent with a model, through the per-rollout gateway", () => {
           sandbox,
           argv: ["python3", "-c", client],
           env,
-          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
+          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream", ...caps },
         },
       },
     ]);
@@ -193,18 +194,7 @@ print(first)
     // One reply scripted: a second call that got through would reach the upstream all the same.
     upstream.push(chatReply({ content: "4217" }));
     const before = upstream.requests.length;
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
-    const [id] = (await fleet.submit([
-      {
-        task,
-        agent: {
-          harness: "command",
-          argv: ["python3", "-c", twice],
-          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream", maxCalls: 1 },
-        },
-      },
-    ])) as [string];
+    const id = await submitClient("borrow", twice, {}, { maxCalls: 1 });
     const [r] = await fleet.waitForResults([id], 120_000);
     expect(r).toMatchObject({ status: "completed", reward: 1 });
     expect(r!.usage).toMatchObject({ calls: 1 });
@@ -219,18 +209,7 @@ print(answers[0])
 `;
     upstream.push(chatReply({ content: "4217" }), chatReply({ content: "b" }), chatReply({ content: "c" }));
     const before = upstream.requests.length;
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "sum-answer")!, image: IMAGE };
-    const [id] = (await fleet.submit([
-      {
-        task,
-        agent: {
-          harness: "command",
-          argv: ["python3", "-c", four],
-          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
-        },
-      },
-    ])) as [string];
+    const id = await submitClient("borrow", four);
     const [r] = await fleet.waitForResults([id], 120_000);
     expect(r).toMatchObject({ status: "completed", reward: 1 });
     expect(upstream.requests.length - before).toBe(3);
