@@ -408,9 +408,9 @@ describe("DockerSandboxProvider (real Docker)", () => {
           ROOT_USER,
         );
         expect(ipcLeft.stdout.trim()).toBe("1");
-        // Root's set of 3 (the columns: key semid perms nsems …).
+        // Root's set of 3 (the columns: key, which ipcmk draws at random and may be negative, semid, perms, nsems …).
         expect((await sh("tail -n +2 /proc/sysvipc/sem", ROOT_USER)).stdout).toMatch(
-          /^\s*\d+\s+\d+\s+\d+\s+3\s/,
+          /^\s*-?\d+\s+\d+\s+\d+\s+3\s/,
         );
         expect((await provider.probe(fresh)).scratchClean).toBe(true);
 
