@@ -64,13 +64,18 @@ export function beforeStart<E>(err: E): E | FleetError {
   return marked;
 }
 
+/** The model usage an error carries (`FleetError.usage`), or null (any other error too). */
+export function usageOf(err: unknown): Usage | null {
+  return isFleetError(err) ? (err.usage ?? null) : null;
+}
+
 /**
  * `err` carrying the model usage spent before it (`FleetError.usage`). Anything but a
  * FleetError, one that already carries usage (unless `replace`), and a null `usage` leave `err`
  * as it is.
  */
 export function withUsage<E>(err: E, usage: Usage | null, replace = false): E | FleetError {
-  if (usage === null || !isFleetError(err) || (!replace && (err.usage ?? null) !== null)) return err;
+  if (usage === null || !isFleetError(err) || (!replace && usageOf(err) !== null)) return err;
   const carried = new FleetError(err.kind, err.message, {
     retryable: err.retryable,
     cause: err.cause,

@@ -5,6 +5,7 @@ import { redactSecrets } from "@fleet/telemetry";
 import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { type KeyProbe, probeKey } from "./probe-key.ts";
+import { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus } from "./status.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
 
 /** A rollout's usage as the gateway reports it: the contracts `Usage` shape. */
@@ -104,17 +105,6 @@ const AGENTS_OWN_REFUSALS = new Set([
 
 /** The abort reason of a call whose client closed its connection (the agent abandoned it). */
 const CLIENT_GONE = new Error("client disconnected");
-
-/**
- * Whether an upstream status is an infrastructure failure (see `UpstreamHealth`): the upstream
- * down, overloaded or refusing the key, or redirecting (it moved, or a proxy wants https: the
- * gateway follows no redirect, so every call of the agent fails, through no fault of its own).
- */
-export function isInfraStatus(status: number): boolean {
-  return (
-    status >= 500 || status === 429 || status === 401 || status === 403 || (status >= 300 && status < 400)
-  );
-}
 
 /** One HTTP error type, rendered in one place as an OpenAI-style error body. */
 export class GatewayHttpError extends Error {
@@ -392,11 +382,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     // the operator's key refused: a plain request with that key tells them apart (refused too:
     // the key; any other answer: the key works, and the 403 was the agent's own request's).
     const refusedRequest = status === 403 && (await probeRolloutKey(entry, credential)) === "works";
-    // A gateway timeout from a proxy before the upstream (nginx's 504 at 60 s, Cloudflare's 524)
-    // is a long generation as often as a hung upstream: as the gateway's own timeout, neither.
-    const proxyTimeout = status === 504 || status === 524 || status === 408;
-    if (proxyTimeout) {
-      // health as it was
+    // A proxy's gateway timeout is neither a failure nor an answer: health as it was.
+    if (isGatewayTimeoutStatus(status)) {
+      // (as the gateway's own timeout)
     } else if (isInfraStatus(status) && !refusedRequest) noteInfraFailure(entry, `HTTP ${status}`);
     else if (ok && !isChatCompletion(parsed)) {
       // A 2xx that is no chat completion (truncated JSON, a proxy's HTML page): the upstream
@@ -406,7 +394,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       entry.health.answered += 1;
       entry.health.lastInfraFailure = null;
     }
-    if ((status === 401 || status === 403 || (status >= 300 && status < 400)) && credential) {
+    if (isRefusalStatus(status) && credential) {
       // A refusal (the operator's credential, most likely) or a redirect: its body may quote part
       // of the credential, which exact redaction does not catch and the agent must not see. The
       // gateway's own words instead, chosen by the status alone (so nothing in them depends on

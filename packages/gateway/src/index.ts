@@ -5,7 +5,6 @@ export {
   type GatewayOptions,
   type GatewayRegistration,
   isChatCompletion,
-  isInfraStatus,
   type ModelGateway,
   startGateway,
   type UpstreamHealth,
@@ -13,4 +12,5 @@ export {
 } from "./gateway.ts";
 export { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 export { type KeyProbe, probeKey } from "./probe-key.ts";
+export { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus } from "./status.ts";
 export { type CallUsage, describeCalls, readCallUsage, UsageMeter } from "./usage-meter.ts";

@@ -1,3 +1,5 @@
+import { isRefusalStatus } from "./status.ts";
+
 /** What a plain request says of a key (see `probeKey`). */
 export type KeyProbe = "refused" | "works" | "silent";
 
@@ -37,9 +39,8 @@ export async function probeKey(options: {
       redirect: "manual",
     });
     await res.body?.cancel().catch(() => undefined);
-    const s = res.status;
-    if (s === 401 || s === 403 || (s >= 300 && s < 400)) return "refused";
-    return s === 429 || s >= 500 ? "silent" : "works";
+    if (isRefusalStatus(res.status)) return "refused";
+    return res.status === 429 || res.status >= 500 ? "silent" : "works";
   } catch {
     return "silent";
   }

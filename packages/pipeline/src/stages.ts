@@ -14,6 +14,7 @@ import {
   type StageName,
   type TaskContent,
   type Usage,
+  usageOf,
   withUsage,
 } from "@fleet/contracts";
 import type { UpstreamHealth } from "@fleet/gateway";
@@ -590,7 +591,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       });
       harnessUsage = outcome.usage;
     } catch (err) {
-      if (isFleetError(err)) harnessUsage = err.usage ?? null;
+      harnessUsage = usageOf(err);
       if (abort.signal.aborted) {
         await stopping;
         if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
@@ -614,13 +615,10 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
             "deadline_exceeded",
             capText(`the rollout's deadline passed during the agent's run (${why})`),
           ),
-          isFleetError(err) ? (err.usage ?? null) : null,
+          harnessUsage,
         );
       }
-      throw withUsage(
-        await sandboxLostIfGone(deps, handle, err),
-        isFleetError(err) ? (err.usage ?? null) : null,
-      );
+      throw withUsage(await sandboxLostIfGone(deps, handle, err), harnessUsage);
     } finally {
       clearInterval(poll);
       shutdown?.removeEventListener("abort", onShutdown);
@@ -673,8 +671,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // still reports its cost); a harness's own error may carry its usage already.
     await finishAccess().catch(() => undefined);
     const spent = countSpent();
-    const own = isFleetError(err) ? (err.usage ?? null) : null;
-    throw withUsage(err, withRerunGap(own ?? spent), true);
+    throw withUsage(err, withRerunGap(usageOf(err) ?? spent), true);
   } finally {
     // Stopped or taken over mid-run (no receipt, no failure of its own): counted all the same.
     await finishAccess().catch(() => undefined);

@@ -1,6 +1,6 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
-import { isChatCompletion, probeKey } from "@fleet/gateway";
+import { isChatCompletion, isGatewayTimeoutStatus, probeKey } from "@fleet/gateway";
 import { abortError } from "../run-command.ts";
 
 /** Jittered exponential backoff between attempts of one model call. */
@@ -238,9 +238,8 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           );
         }
         lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
-        // A proxy's gateway timeout (nginx's 504 at 60 s, Cloudflare's 524, a 408) is a long
-        // generation as often as a hung endpoint: as the attempt's own timeout, no sure failure.
-        definite = !(status === 504 || status === 524 || status === 408);
+        // A proxy's gateway timeout: as the attempt's own timeout, no sure failure.
+        definite = !isGatewayTimeoutStatus(status);
         waitAtLeast = retryAfterMs(res.headers);
       }
     } catch (err) {

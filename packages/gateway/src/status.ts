@@ -1,0 +1,26 @@
+/**
+ * Whether an upstream status refuses the key or sends the call elsewhere: 401, 403, or a redirect
+ * (never followed with the key).
+ */
+export function isRefusalStatus(status: number): boolean {
+  return status === 401 || status === 403 || (status >= 300 && status < 400);
+}
+
+/**
+ * Whether an upstream status is a gateway timeout from a proxy before the model (nginx's 504 at
+ * 60 s, Cloudflare's 524, a 408): a long generation as often as a hung upstream, so, like a
+ * timeout of the fleet's own, no sure failure of the upstream.
+ */
+export function isGatewayTimeoutStatus(status: number): boolean {
+  return status === 504 || status === 524 || status === 408;
+}
+
+/**
+ * Whether an upstream status is an infrastructure failure (see `UpstreamHealth`): the upstream
+ * down, overloaded or refusing the key, or redirecting (it moved, or a proxy wants https: the
+ * gateway follows no redirect, so every call of the agent fails, through no fault of its own).
+ * A gateway timeout is not (`isGatewayTimeoutStatus`).
+ */
+export function isInfraStatus(status: number): boolean {
+  return (status >= 500 || status === 429 || isRefusalStatus(status)) && !isGatewayTimeoutStatus(status);
+}
