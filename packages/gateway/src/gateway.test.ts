@@ -1,6 +1,7 @@
 import { Usage } from "@fleet/contracts";
 import { afterEach, describe, expect, it, vi } from "vitest";
 import { type ModelGateway, startGateway } from "./gateway.ts";
+import { guardedDispatcher, guardedLookup } from "./model-fetch.ts";
 import {
   chatReply,
   errorReply,
@@ -626,6 +627,35 @@ describe("model gateway", () => {
     const r = await chat(baseUrl, token);
     expect(r.status).toBe(502);
     expect(r.json.error.code).toBe("upstream_unavailable");
+  });
+
+  it("never forwards to an upstream whose name resolves to a link-local address when called (DNS rebinding): 502, nothing sent", async () => {
+    const upstream = await startScriptedUpstream();
+    open.push(upstream);
+    const dispatcher = guardedDispatcher(
+      guardedLookup((_host, options, callback) =>
+        options.all
+          ? callback(null, [{ address: "169.254.169.254", family: 4 }])
+          : callback(null, "169.254.169.254", 4),
+      ),
+    );
+    open.push(dispatcher);
+    const gateway = await startGateway({
+      upstreamBaseUrl: `http://model.test:${new URL(upstream.url).port}/v1`,
+      resolveCredential: async () => CREDENTIAL,
+      host: "127.0.0.1",
+      dispatcher,
+    });
+    open.push(gateway);
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(chatReply({ content: "never" }));
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(502);
+    expect(r.json.error).toMatchObject({ code: "upstream_unavailable" });
+    expect(r.json.error.message).toMatch(
+      /model\.test resolves to a link-local address \(169\.254\.169\.254\); refused/,
+    );
+    expect(upstream.requests).toHaveLength(0);
   });
 
   it("revoke: later calls get 401; an in-flight call is aborted and noted", async () => {

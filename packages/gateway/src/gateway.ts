@@ -4,6 +4,7 @@ import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
 import { redactSecrets } from "@fleet/telemetry";
 import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
+import { type ModelDispatcher, modelFetch } from "./model-fetch.ts";
 import { type KeyProbe, probeKey } from "./probe-key.ts";
 import { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus } from "./status.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
@@ -43,6 +44,8 @@ export interface GatewayOptions {
   maxConnections?: number;
   /** Largest upstream response passed back. @defaultValue 32 MiB */
   maxResponseBytes?: number;
+  /** The upstream connections' dispatcher. @defaultValue `modelFetch`'s, which never connects to a link-local address */
+  dispatcher?: ModelDispatcher;
 }
 
 /** What a rollout may use through the gateway. */
@@ -314,15 +317,19 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         accept: "application/json",
       };
       if (credential) headers.authorization = `Bearer ${credential}`;
-      const upstream = await fetch(upstreamUrl, {
-        method: "POST",
-        headers,
-        body: JSON.stringify({ ...request, model: entry.registration.model, stream: false }),
-        signal,
-        // The credential goes to the configured upstream only, never where a redirect points: a
-        // 3xx is answered as it is.
-        redirect: "manual",
-      });
+      const upstream = await modelFetch(
+        upstreamUrl,
+        {
+          method: "POST",
+          headers,
+          body: JSON.stringify({ ...request, model: entry.registration.model, stream: false }),
+          signal,
+          // The credential goes to the configured upstream only, never where a redirect points: a
+          // 3xx is answered as it is.
+          redirect: "manual",
+        },
+        o.dispatcher,
+      );
       status = upstream.status;
       contentType = upstream.headers.get("content-type") ?? "application/json";
       retryAfter = upstream.headers.get("retry-after");

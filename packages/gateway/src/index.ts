@@ -11,6 +11,14 @@ export {
   type UsageSummary,
 } from "./gateway.ts";
 export { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
+export {
+  guardedDispatcher,
+  guardedLookup,
+  LINK_LOCAL_REFUSED,
+  linkLocalRefusal,
+  type ModelDispatcher,
+  modelFetch,
+} from "./model-fetch.ts";
 export { type KeyProbe, probeKey } from "./probe-key.ts";
 export { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus } from "./status.ts";
 export { type CallUsage, describeCalls, readCallUsage, UsageMeter } from "./usage-meter.ts";

@@ -1,3 +1,4 @@
+import { modelFetch } from "./model-fetch.ts";
 import { isRefusalStatus } from "./status.ts";
 
 /** What a plain request says of a key (see `probeKey`). */
@@ -25,7 +26,7 @@ export async function probeKey(options: {
   if (options.apiKey) headers.authorization = `Bearer ${options.apiKey}`;
   const timeout = AbortSignal.timeout(options.timeoutMs);
   try {
-    const res = await fetch(options.url, {
+    const res = await modelFetch(options.url, {
       method: "POST",
       headers,
       body: JSON.stringify({

@@ -1,6 +1,13 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
-import { isChatCompletion, isGatewayTimeoutStatus, probeKey } from "@fleet/gateway";
+import {
+  isChatCompletion,
+  isGatewayTimeoutStatus,
+  linkLocalRefusal,
+  type ModelDispatcher,
+  modelFetch,
+  probeKey,
+} from "@fleet/gateway";
 import { abortError } from "../run-command.ts";
 
 /** Jittered exponential backoff between attempts of one model call. */
@@ -104,6 +111,8 @@ export interface ChatCallInput {
    * anyway. @defaultValue `ATTEMPT_TIMEOUT_MS`
    */
   attemptTimeoutMs?: number;
+  /** The connections' dispatcher. @defaultValue `modelFetch`'s, which never connects to a link-local address */
+  dispatcher?: ModelDispatcher;
 }
 
 /** Default per-attempt wait for a model answer (Node's fetch's own headers timeout). */
@@ -154,15 +163,19 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     let status: number | null = null;
     let waitAtLeast: number | null = null;
     try {
-      const res = await fetch(input.url, {
-        method: "POST",
-        headers,
-        body: JSON.stringify(input.body),
-        signal: AbortSignal.any([input.signal, timeout]),
-        // The credential goes to the agent's base URL only, never where a redirect points: a
-        // 3xx is a refusal (final), like any other non-retryable status.
-        redirect: "manual",
-      });
+      const res = await modelFetch(
+        input.url,
+        {
+          method: "POST",
+          headers,
+          body: JSON.stringify(input.body),
+          signal: AbortSignal.any([input.signal, timeout]),
+          // The credential goes to the agent's base URL only, never where a redirect points: a
+          // 3xx is a refusal (final), like any other non-retryable status.
+          redirect: "manual",
+        },
+        input.dispatcher,
+      );
       status = res.status;
       const capped = await readBodyCapped(res, MAX_RESPONSE_BYTES);
       if (capped === null) throw new Error(`model response over ${MAX_RESPONSE_BYTES} bytes`);
@@ -245,6 +258,10 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     } catch (err) {
       if (err instanceof FleetError) throw err;
       if (input.signal.aborted) throw abortError(input.signal);
+      // The base URL's name resolves to a link-local or metadata address now (it did not when
+      // the episode started): the agent spec's endpoint, never called, and no retry.
+      const linkLocal = linkLocalRefusal(err);
+      if (linkLocal) throw FleetError.nonRetryable("agent_error", linkLocal.message);
       if (timeout.aborted && cutByDeadline) {
         // The deadline came mid-attempt: still the endpoint's fault if it had already failed us.
         if (failedForSure()) throw unavailable();

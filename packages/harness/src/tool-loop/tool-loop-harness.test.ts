@@ -8,6 +8,7 @@ import {
   TaskContent,
   Usage,
 } from "@fleet/contracts";
+import { guardedDispatcher, guardedLookup } from "@fleet/gateway";
 import { chatReply, errorReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
 import { AGENT_USER } from "@fleet/sandbox";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
@@ -535,6 +536,40 @@ describe("ToolLoopHarness", () => {
       attemptTimeoutMs: 300,
     });
     expect(result).toMatchObject({ kind: "ok", failedAttempts: 1 });
+  });
+
+  it("never connects to a model endpoint whose name resolves to a link-local address when called (DNS rebinding): the agent spec's error at once, not retried into a mask", async () => {
+    const port = new URL(upstream.url).port;
+    const dispatcher = guardedDispatcher(
+      guardedLookup((_host, options, callback) =>
+        options.all
+          ? callback(null, [{ address: "169.254.169.254", family: 4 }])
+          : callback(null, "169.254.169.254", 4),
+      ),
+    );
+    upstream.push(chatReply({ content: "never" }));
+    const retries: string[] = [];
+    const err = await callChatCompletion({
+      url: `http://model.test:${port}/v1/chat/completions`,
+      apiKey: CREDENTIAL,
+      body: { model: "m", messages: [] },
+      deadlineMs: Date.now() + 10_000,
+      signal: new AbortController().signal,
+      retry: FAST_RETRY,
+      redact: (t) => t,
+      onRetry: ({ reason }) => retries.push(reason),
+      dispatcher,
+    }).catch((e: unknown) => e);
+    await dispatcher.close();
+    expect(isFleetError(err)).toBe(true);
+    expect(err).toMatchObject({
+      kind: "agent_error",
+      retryable: false,
+      message:
+        "the model endpoint's host model.test resolves to a link-local address (169.254.169.254); refused",
+    });
+    expect(retries).toEqual([]);
+    expect(upstream.requests).toHaveLength(0);
   });
 
   it("answers slower than the attempt timeout until the deadline are the agent's timeout (graded), not a mask: a long generation looks the same", async () => {

@@ -395,7 +395,8 @@ export class ToolLoopHarness implements Harness {
 /**
  * Refuse a base URL whose host name resolves to a link-local or metadata address (a name made to
  * point at a cloud's metadata service). A name that does not resolve is left to the call, which
- * fails on its own. (A name that resolves elsewhere now and to such an address later is not seen.)
+ * fails on its own. A name that resolves elsewhere now and to such an address later (DNS
+ * rebinding) is refused at its connection: every model call goes through `modelFetch`.
  */
 export async function refuseLinkLocalHost(
   baseUrl: string,
