@@ -24,6 +24,7 @@ beforeAll(async () => {
   server = createServer((req, res) => {
     requests += 1;
     req.resume();
+
     // A new connection (and so a new lookup) for every request.
     res.writeHead(200, { "content-type": "application/json", connection: "close" });
     res.end('{"ok":true}');

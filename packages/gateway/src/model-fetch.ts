@@ -49,9 +49,15 @@ export function linkLocalRefusal(err: unknown): Error | null {
 /** The connection pool `modelFetch` sends through. */
 export type ModelDispatcher = Agent;
 
-/** A dispatcher whose connections go through `guardedLookup` (one per lookup, for tests). */
+/**
+ * A dispatcher whose connections go through `guardedLookup` (one per lookup, for tests), with no
+ * timeout of its own: each caller bounds its call with its signal (the tool-loop's attempt
+ * timeout and deadline, the gateway's upstream timeout, the probe's). undici's default, 300 s
+ * without response headers, would fail a long generation the caller still waits for, as a
+ * connection error (an unreachable upstream: a mask the policy could buy with long answers).
+ */
 export function guardedDispatcher(lookup: LookupFunction = guardedLookup()): ModelDispatcher {
-  return new Agent({ connect: { lookup } });
+  return new Agent({ connect: { lookup }, headersTimeout: 0, bodyTimeout: 0 });
 }
 
 let shared: ModelDispatcher | undefined;

@@ -107,15 +107,15 @@ export interface ChatCallInput {
   answeredBefore?: boolean;
   /**
    * Longest wait for one attempt's answer; past it the attempt counts as failed and is retried
-   * (within the deadline). Node's fetch gives up on a response without headers after 300 s
-   * anyway. @defaultValue `ATTEMPT_TIMEOUT_MS`
+   * (within the deadline). The only timeout of an attempt: `modelFetch` sets none of its own.
+   * @defaultValue `ATTEMPT_TIMEOUT_MS`
    */
   attemptTimeoutMs?: number;
   /** The connections' dispatcher. @defaultValue `modelFetch`'s, which never connects to a link-local address */
   dispatcher?: ModelDispatcher;
 }
 
-/** Default per-attempt wait for a model answer (Node's fetch's own headers timeout). */
+/** Default per-attempt wait for a model answer: an attempt unanswered after it is taken for a hung connection. */
 export const ATTEMPT_TIMEOUT_MS = 300_000;
 
 /**
