@@ -9,7 +9,7 @@ import {
   TaskContent,
   withUsage,
 } from "@fleet/contracts";
-import { createHarness } from "@fleet/harness";
+import { createHarness, RUN_MARGIN_MS } from "@fleet/harness";
 import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult, fillWithEmptyFilesPy } from "@fleet/sandbox/testing";
@@ -350,13 +350,30 @@ for _ in range(40):
     expect(await containersOf([id!])).toBe(0);
   });
 
-  it("a rollout past its deadline is masked deadline_exceeded", async () => {
-    const [id] = await fleet.submit([
-      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 3 },
+  it("a run the rollout's deadline would cut before its agent's timeout and the tests is masked before its agent starts, a quick agent as a slow one (rule 6: no mask a policy chooses by being slow)", async () => {
+    // hello-file: the agent's 60 s and the tests' 30 s; a 20 s deadline covers neither. Started,
+    // the oracle would be graded 1.0 and the sleeper masked: masks that only slow agents get.
+    const ids = await fleet.submit([
+      { ...oracle(byId("hello-file")), deadlineS: 20 },
+      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 20 },
     ]);
-    allIds.push(id!);
-    const [r] = await fleet.waitForResults([id!], 60_000);
-    expect(r).toMatchObject({ status: "masked", mask: true, failureKind: "deadline_exceeded", reward: null });
+    allIds.push(...ids);
+    const results = await fleet.waitForResults(ids, 60_000);
+    for (const r of results) {
+      expect(r).toMatchObject({
+        status: "masked",
+        mask: true,
+        failureKind: "deadline_exceeded",
+        stage: "run",
+        reward: null,
+        teardown: "confirmed",
+      });
+      expect(r!.reason).toMatch(
+        /^the rollout's deadline leaves 1?\d(\.\d)? s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need: the agent was not started/,
+      );
+      expect(r!.timings.agentMs ?? null).toBeNull();
+    }
+    expect(await containersOf(ids)).toBe(0);
   });
 });
 
@@ -555,39 +572,45 @@ describe("idempotency and fencing without workers", () => {
     });
   });
 
-  it("an agent whose preparation outlasts the rollout's own deadline ends deadline_exceeded, not as a provider failure", async () => {
-    // The rollout's deadline, not the agent's own hour, limits the agent.
-    const [id] = await fleet.submit([
-      { task: byId("hello-file"), agent: { harness: "oracle", timeoutS: 3600 }, deadlineS: 120 },
+  it("a run whose rollout has less time left than its agent's own timeout, the tests and the margin never starts its agent: deadline_exceeded, masked; with that much left it starts", async () => {
+    // hello-file's tests take up to 30 s; the agent's own budget is 60 s here.
+    const [short, enough] = await fleet.submit([
+      { task: byId("hello-file"), agent: { harness: "oracle", timeoutS: 60 }, deadlineS: 600 },
+      { task: byId("hello-file"), agent: { harness: "oracle", timeoutS: 60 }, deadlineS: 600 },
     ]);
-    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
-    const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
-    let now = Date.now();
-    // Preparing the sandbox takes the rest of the rollout's time; the harness then gives up.
-    const slow = {
+    let launched = 0;
+    const counting = {
       ...fleet.deps,
-      now: () => now,
       createHarness: () => ({
         name: "oracle" as const,
         run: async () => {
-          now = deadlineAt + 1;
-          throw FleetError.retryable(
-            "provider_unavailable",
-            "the agent's time ran out before its command started",
-          );
+          launched += 1;
+          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
         },
       }),
     };
-    const err = await runStageJob("run", job(id!), slow).catch((e: unknown) => e);
+    /** The deps of a run that starts `leftMs` before the rollout's deadline. */
+    const at = async (id: string, leftMs: number) => {
+      const deadlineAt = (await fleet.deps.store.get(id))!.meta.deadlineAt;
+      return { ...counting, now: () => deadlineAt - leftMs };
+    };
+    for (const id of [short!, enough!]) expect(await runStageJob("seed", job(id), fleet.deps)).toBe("ok");
+    // 1 ms short of 60 s + 30 s + the margin.
+    const need = (60 + 30) * 1000 + RUN_MARGIN_MS;
+    const err = await runStageJob("run", job(short!), await at(short!, need - 1)).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(UnrecoverableError);
-    expect((await fleet.deps.store.get(id!))!.failure).toMatchObject({
+    expect(launched).toBe(0);
+    expect((await fleet.deps.store.get(short!))!.failure).toMatchObject({
       failureKind: "deadline_exceeded",
       stage: "run",
+      reason: expect.stringMatching(
+        /^the rollout's deadline leaves 94\.9 s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need/,
+      ),
     });
-    await closeExpecting(id!, {
-      status: "masked",
-      failureKind: "deadline_exceeded",
-    });
+    await closeExpecting(short!, { status: "masked", failureKind: "deadline_exceeded", reward: null });
+    expect(await runStageJob("run", job(enough!), await at(enough!, need))).toBe("ok");
+    expect(launched).toBe(1);
+    await runStageJob("close", job(enough!), fleet.deps);
   });
 
   /** A harness that starts, says so (`started`), and returns exit 0 once `release` is called. */
@@ -1204,17 +1227,18 @@ describe("idempotency and fencing without workers", () => {
     const task = {
       ...byId("hello-file"),
       id: `late-verify-${Date.now()}`,
-      timeouts: { agentS: 5, verifierS: 1 },
+      timeouts: { agentS: 1, verifierS: 30 },
     };
     const [late, stopping] = await fleet.submit([
-      { ...oracle(task), deadlineS: 12 },
+      // Time for the run (1 s + 30 s + the margin), not for waiting out 30 s of tests + 15 s of grace.
+      { ...oracle(task), deadlineS: 44 },
       { ...oracle(task), deadlineS: 600 },
     ]);
     for (const id of [late!, stopping!]) {
       for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id), fleet.deps);
       await fleet.redis.hset(fleet.deps.store.keys.rollout(id), "t:verify:last", String(Date.now()));
     }
-    // 1 s of tests + 15 s of grace from now passes the 12 s deadline: no point sleeping into it.
+    // 30 s of tests + 15 s of grace from now passes the 44 s deadline: no point sleeping into it.
     await expect(runStageJob("verify", job(late!), fleet.deps)).rejects.toThrow(/deadline_exceeded/);
     const shutdown = new AbortController();
     const waiting = runStageJob("verify", job(stopping!), fleet.deps, { signal: shutdown.signal }).catch(

@@ -18,7 +18,12 @@ import {
   withUsage,
 } from "@fleet/contracts";
 import type { UpstreamHealth } from "@fleet/gateway";
-import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } from "@fleet/harness";
+import {
+  agentDeadline,
+  createHarness as defaultCreateHarness,
+  runBudgetShortfall,
+  stageWorkspace,
+} from "@fleet/harness";
 import {
   type BeginOptions,
   type BeginResult,
@@ -460,6 +465,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     task = await loadTask(rec, deps);
     const notOurs = await unlessOurs();
     if (notOurs !== undefined) return notOurs;
+    // DESIGN §2 rule 6: a run the rollout's deadline would cut before its agent's own timeout and
+    // the verification is masked now, before its agent can make the mask depend on its speed.
+    const short = runBudgetShortfall({
+      task,
+      agent: rec.meta.agent,
+      at: clock(deps),
+      rolloutDeadlineMs: rec.meta.deadlineAt,
+    });
+    if (short) throw FleetError.nonRetryable("deadline_exceeded", short);
     if (rec.meta.agent.sandbox === "own") {
       // An earlier attempt's own sandbox is never reused: it may have failed between create and
       // staging (a probe that timed out), and an agent run in an unstaged workspace would be graded.
