@@ -80,10 +80,16 @@ export type ExecOptions = z.input<typeof ExecOptions>;
  * One command's outcome. `exitCode` follows the envelope of DESIGN §2 rule 6: the command's
  * own code, `-1` when killed at its deadline (`timedOut`).
  */
-/** An exec's exit code that says it was ended by a signal (128 + n), or by the provider (-1). */
+/**
+ * An exec's exit code that says it was ended by a signal (128 + n, for the signals 1 to 64), or
+ * by the provider (-1). Not 128 or 193 to 255: a program's own code (`exit -1` is 255).
+ */
 export function endedBySignal(exitCode: number): boolean {
-  return exitCode >= 128 || exitCode < 0;
+  return (exitCode > 128 && exitCode <= 128 + MAX_SIGNAL) || exitCode < 0;
 }
+
+/** Linux's highest signal number (SIGRTMAX). */
+const MAX_SIGNAL = 64;
 
 export const ExecResult = z.object({
   exitCode: z.number().int(),

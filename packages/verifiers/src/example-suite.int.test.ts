@@ -387,6 +387,81 @@ print(41)
     expect(killed.calls).toEqual(["put", "exec"]);
   });
 
+  it.each([
+    ["#!/bin/bash -e", 0],
+    ["#!/usr/bin/env -S bash -euo pipefail", 0],
+    ["#!/bin/bash", 1],
+    ["", 1],
+  ] as const)(
+    "test.sh runs as its #! line says (%j): a failing command under -e fails the tests",
+    async (shebang, reward) => {
+      const base = tasks.find((t) => t.id === "hello-file")!;
+      const task: TaskContent = {
+        ...base,
+        tests: { "test.sh": `${shebang}\ngrep -qx hi /workspace/no-such-file\necho "all checks passed"\n` },
+      };
+      const label = `shebang-${shebang.length}-${reward}`;
+      const graded = await verifyCounting(await sandbox(task, label), task);
+      expect(graded.verdict).toMatchObject({ reward, details: { source: "exit_code" } });
+    },
+  );
+
+  it("a test.sh in Python (#!/usr/bin/env python3) runs in Python", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: {
+        "test.sh":
+          "#!/usr/bin/env python3\nimport pathlib\npathlib.Path('/logs/verifier/reward.txt').write_text(str(0.25))\n",
+      },
+    };
+    const graded = await verifyCounting(await sandbox(task, "python-tests"), task);
+    expect(graded.verdict).toMatchObject({ reward: 0.25, details: { source: "reward_file" } });
+  });
+
+  it("a reward.json (Harbor's other reward file) grades when there is no reward.txt; reward.txt wins beside it", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const withTests = (body: string): TaskContent => ({ ...base, tests: { "test.sh": body } });
+    const json = withTests(`echo '{"reward": 0.3, "accuracy": 0.5}' > /logs/verifier/reward.json\nexit 0\n`);
+    const graded = await verifyCounting(await sandbox(json, "reward-json"), json);
+    expect(graded.verdict).toMatchObject({
+      reward: 0.3,
+      details: { source: "reward_file", rewardFile: "reward.json", rewards: { accuracy: 0.5 } },
+    });
+    expect(graded.calls).toEqual(["put", "exec"]);
+    const both = withTests(
+      `echo '{"reward": 0.3}' > /logs/verifier/reward.json; echo 0.6 > /logs/verifier/reward.txt\n`,
+    );
+    const txt = await verifyCounting(await sandbox(both, "reward-both"), both);
+    expect(txt.verdict).toMatchObject({ reward: 0.6, details: { source: "reward_file", rewardText: "0.6" } });
+    expect(txt.verdict.details.rewardFile).toBeUndefined();
+  });
+
+  it("tests that exit 255 (`exit -1`) keep the reward they wrote: no signal ended them", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: { "test.sh": "echo 0.5 > /logs/verifier/reward.txt\nexit -1\n" },
+    };
+    const graded = await verifyCounting(await sandbox(task, "exit-255"), task);
+    expect(graded.verdict).toMatchObject({ reward: 0.5, details: { source: "reward_file", exitCode: 255 } });
+  });
+
+  it("the tests never see the oracle's /solution: tests leaning on it fail the oracle as they fail every agent", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      solution: { ...base.solution, "expected.txt": "hi\n" },
+      tests: {
+        "test.sh": "ls -A /solution >&2; test ! -e /solution/expected.txt && test ! -e /solution/solve.sh\n",
+      },
+    };
+    const handle = await sandbox(task, "solution-hidden");
+    const { outcome, verdict } = await runAndVerify(handle, task, ORACLE);
+    expect(outcome.exec.exitCode).toBe(0);
+    expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
+  });
+
   it("a reward file the agent planted in /logs/verifier is cleared, and the agent graded on its work", async () => {
     const task = tasks.find((t) => t.id === "hello-file")!;
     const handle = await sandbox(task, "tamper");

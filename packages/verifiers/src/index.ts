@@ -1,4 +1,11 @@
 export { matchAnswer } from "./match.ts";
 export { parseReward } from "./reward-file.ts";
 export type { Verdict, VerifyContext } from "./verdict.ts";
-export { capTail, MAX_DETAIL_CHARS, REWARD_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
+export {
+  capTail,
+  MAX_DETAIL_CHARS,
+  REWARD_FILE,
+  REWARD_JSON_FILE,
+  RUN_TESTS_ARGV,
+  verify,
+} from "./verify.ts";

@@ -31,12 +31,57 @@ export function parseReward(text: string): number {
   }
   const trimmed = text.trim();
   const value = DECIMAL.test(trimmed) ? Number(trimmed) : Number.NaN;
-  if (!Number.isFinite(value) || value < -REWARD_TOLERANCE || value > 1 + REWARD_TOLERANCE) {
+  const reward = inRange(value);
+  if (reward === null) {
     throw FleetError.nonRetryable(
       "verifier_error",
       `reward file must hold a number in [0, 1], got ${JSON.stringify(capText(trimmed, 100))}`,
     );
   }
-  // Clamped into [0, 1]; -0 (parsed from "-0") stored as 0.
+  return reward;
+}
+
+/** A finite number in [0, 1] (within `REWARD_TOLERANCE`), clamped; -0 is 0. `null` otherwise. */
+function inRange(value: number): number | null {
+  if (!Number.isFinite(value) || value < -REWARD_TOLERANCE || value > 1 + REWARD_TOLERANCE) return null;
   return value <= 0 ? 0 : Math.min(value, 1);
+}
+
+/** Most numeric fields of a reward.json kept beside its reward (in the verdict's details). */
+const MAX_REWARD_FIELDS = 32;
+
+/**
+ * Parse a Harbor `reward.json`: a JSON object whose `reward` is a number in [0, 1] (as
+ * `parseReward`); its other numeric fields (a grader's sub-scores, not booleans) come back as
+ * `fields`, at most `MAX_REWARD_FIELDS`, for the verdict's details.
+ *
+ * @throws FleetError `verifier_error` (masked) for anything else: not JSON, not an object, no
+ * numeric `reward`, one out of range.
+ */
+export function parseRewardJson(text: string): { reward: number; fields: Record<string, number> } {
+  const refuse = (why: string): never => {
+    throw FleetError.nonRetryable(
+      "verifier_error",
+      `reward.json must be a JSON object with a "reward" number in [0, 1]: ${why}`,
+    );
+  };
+  if (Buffer.byteLength(text) > MAX_REWARD_FILE_BYTES) refuse(`it is over ${MAX_REWARD_FILE_BYTES} bytes`);
+  let parsed: unknown;
+  try {
+    parsed = JSON.parse(text);
+  } catch {
+    return refuse(`it is not JSON (${JSON.stringify(capText(text.trim(), 100))})`);
+  }
+  if (parsed === null || typeof parsed !== "object" || Array.isArray(parsed)) {
+    return refuse(`got ${JSON.stringify(capText(text.trim(), 100))}`);
+  }
+  const value = (parsed as Record<string, unknown>).reward;
+  const reward = typeof value === "number" ? inRange(value) : null;
+  if (reward === null) return refuse(`its "reward" is ${capText(JSON.stringify(value) ?? "missing", 100)}`);
+  const fields: Record<string, number> = {};
+  for (const [k, v] of Object.entries(parsed)) {
+    if (Object.keys(fields).length >= MAX_REWARD_FIELDS) break;
+    if (k !== "reward" && typeof v === "number" && Number.isFinite(v)) fields[capText(k, 100)] = v;
+  }
+  return { reward, fields };
 }

@@ -9,11 +9,11 @@ import {
 } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
 import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
-import { beforeEach, describe, expect, it } from "vitest";
+import { beforeEach, describe, expect, it, vi } from "vitest";
 import { matchAnswer } from "./match.ts";
-import { parseReward } from "./reward-file.ts";
+import { parseReward, parseRewardJson } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
-import { parseRunReport, REWARD_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
+import { parseRunReport, REWARD_FILE, REWARD_JSON_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
 
 const TESTS_TASK = TaskContent.parse({
   id: "t1",
@@ -334,6 +334,93 @@ describe("tests verifier", () => {
     expect(err.message).toContain("did not start");
   });
 
+  it("a runner the image cannot start (no bash: exit 127) fails the task for good (invalid_task), not masked after retries", async () => {
+    provider.onExec = async () => ({
+      ...execResult({ exitCode: 127 }),
+      stderr: "timeout: failed to run command 'bash': No such file or directory\n",
+    });
+    const err = await failure(verify(ctx()));
+    expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+    expect(err.message).toMatch(
+      /cannot run the tests' runner \(exit 127; .*bash\): timeout: failed to run command 'bash'/,
+    );
+  });
+
+  it("the tests' budget starts when they are staged: copying them in takes none of it", async () => {
+    vi.useFakeTimers({ toFake: ["Date"] });
+    try {
+      const put = provider.put.bind(provider);
+      provider.put = async (...args) => {
+        await put(...args);
+        vi.setSystemTime(Date.now() + 15_000); // a large tests/ on a loaded host
+      };
+      script(() => ({ exitCode: 0 }));
+      expect((await verify(ctx())).reward).toBe(1);
+      expect(provider.execCalls[0]?.options.deadlineMs).toBe(20_000);
+    } finally {
+      vi.useRealTimers();
+    }
+  });
+
+  it("exit 255 (a test's `exit -1`) is its own code, not a signal: its reward file stands", async () => {
+    script(() => ({ exitCode: 255, reward: "0.5" }));
+    expect(await verify(ctx())).toMatchObject({
+      reward: 0.5,
+      details: { source: "reward_file", exitCode: 255 },
+    });
+  });
+
+  it("a reward.json without a reward.txt grades by its reward, its other numbers kept; a malformed one masks beside passing tests, and the exit status grades failing ones", async () => {
+    const json = (content: string, exitCode = 0) => {
+      provider.onExec = async (call) => {
+        const nonce = nonceOf(call);
+        const closing = `\n${nonce} reward ${Buffer.byteLength(content)} json\n${content}`;
+        return { ...execResult({ exitCode }), stderr: `${nonce} ready\n${closing}` };
+      };
+    };
+    json('{"reward": 0.3, "accuracy": 0.5, "passed": true, "note": "x"}');
+    expect(await verify(ctx())).toMatchObject({
+      reward: 0.3,
+      details: { source: "reward_file", rewardFile: "reward.json", rewards: { accuracy: 0.5 } },
+    });
+    for (const bad of [
+      '{"score": 1}',
+      '{"reward": "1"}',
+      '{"reward": 2}',
+      "[1]",
+      "1",
+      "not json",
+      '{"reward": true}',
+    ]) {
+      json(bad);
+      const err = await failure(verify(ctx()));
+      expect([err.kind, err.retryable], bad).toEqual(["verifier_error", false]);
+      expect(err.message, bad).toMatch(
+        /^reward\.json must be a JSON object with a "reward" number in \[0, 1\]/,
+      );
+      json(bad, 1);
+      expect(await verify(ctx()), bad).toMatchObject({
+        reward: 0,
+        details: {
+          source: "exit_code",
+          rewardFile: "reward.json",
+          reason: expect.stringContaining("reward.json"),
+        },
+      });
+    }
+  });
+
+  it("a reward.json too large to come back with the tests is read apart", async () => {
+    const content = `{"reward": 1, "pad": "${"x".repeat(2000)}"}`;
+    provider.onExec = async (call, box) => {
+      box.files.set(REWARD_JSON_FILE, { content, user: ROOT_USER });
+      const nonce = nonceOf(call);
+      return { ...execResult({ exitCode: 0 }), stderr: `${nonce} ready\n\n${nonce} unreadable json\n` };
+    };
+    expect(await verify(ctx())).toMatchObject({ reward: 1, details: { rewardFile: "reward.json" } });
+    expect(log).toEqual(["put /tests", "get"]);
+  });
+
   it("tests killed for memory grade as they exited (0), noted in details, not masked", async () => {
     script(() => ({ exitCode: 137, oomKilled: true }));
     expect(await verify(ctx())).toMatchObject({ reward: 0, details: { exitCode: 137, oomKilled: true } });
@@ -425,7 +512,15 @@ describe("parseRunReport", () => {
     expect(parseRunReport(`${nonce} ready\nwarn\n${nonce} x\n\n${nonce} reward 4\n0.5\n`, nonce)).toEqual({
       stderr: `warn\n${nonce} x\n`,
       ready: true,
-      report: { kind: "reward", text: "0.5\n" },
+      report: { kind: "reward", text: "0.5\n", json: false },
+    });
+    // No reward.txt, a reward.json: said so.
+    expect(
+      parseRunReport(`${nonce} ready\n\n${nonce} reward 15 json\n{"reward": 0.3}`, nonce).report,
+    ).toEqual({
+      kind: "reward",
+      text: '{"reward": 0.3}',
+      json: true,
     });
     expect(parseRunReport(`${nonce} ready\n\n${nonce} none\n`, nonce)).toEqual({
       stderr: "",
@@ -450,11 +545,18 @@ describe("parseRunReport", () => {
       // Sizes count bytes: "é" is 2 (what a decoding with replacement changed no longer matches).
       `${nonce} ready\n\n${nonce} reward 1\né`,
     ]) {
-      expect(parseRunReport(raw, nonce).report).toEqual({ kind: "read" });
+      expect(parseRunReport(raw, nonce).report).toEqual({ kind: "read", json: false });
+    }
+    for (const raw of [
+      `${nonce} ready\n\n${nonce} unreadable json\n`,
+      `${nonce} ready\n\n${nonce} reward 9 json\n{}`,
+    ]) {
+      expect(parseRunReport(raw, nonce).report).toEqual({ kind: "read", json: true });
     }
     expect(parseRunReport(`${nonce} ready\n\n${nonce} reward 2\né`, nonce).report).toEqual({
       kind: "reward",
       text: "é",
+      json: false,
     });
     expect(parseRunReport(`${nonce} ready\n\n${nonce} none\n`, "x".repeat(32)).ready).toBe(false);
   });
@@ -552,6 +654,24 @@ describe("match verifier", () => {
       );
       expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
       expect(TaskContent.safeParse(matchTask(expected, mode)).success).toBe(false);
+    },
+  );
+});
+
+describe("parseRewardJson", () => {
+  it("takes the reward and the other finite numbers (not booleans)", () => {
+    expect(parseRewardJson('{"reward": 1.0000000000000002, "f1": 0.5, "ok": true, "n": null}')).toEqual({
+      reward: 1,
+      fields: { f1: 0.5 },
+    });
+  });
+
+  it.each(["", "{", "null", "[]", '{"reward": null}', '{"reward": -0.5}', '{"Reward": 1}'])(
+    "%j is no reward (masked verifier_error)",
+    (text) => {
+      expect(() => parseRewardJson(text)).toThrow(
+        /reward\.json must be a JSON object with a "reward" number in \[0, 1\]/,
+      );
     },
   );
 });

@@ -2,21 +2,28 @@ import { randomBytes } from "node:crypto";
 import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
-import { MAX_REWARD_FILE_BYTES, parseReward } from "./reward-file.ts";
+import { MAX_REWARD_FILE_BYTES, parseReward, parseRewardJson } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
 
 /** The verifier's own log directory, cleared before every verification. */
 const VERIFIER_LOGS = `${SANDBOX_PATHS.logs}/verifier`;
 /** Where tests may leave a reward (a number in [0, 1]) that wins over their exit status. */
 export const REWARD_FILE = `${VERIFIER_LOGS}/reward.txt`;
+/**
+ * Harbor's other reward file, read when there is no `REWARD_FILE`: a JSON object whose `reward`
+ * is a number in [0, 1] (its other numeric fields are kept in the verdict's details).
+ */
+export const REWARD_JSON_FILE = `${VERIFIER_LOGS}/reward.json`;
 /** Cap for each of the stdout/stderr tails kept in verdict details (characters). */
 export const MAX_DETAIL_CHARS = 2000;
 /** Reward files up to this size come back with the tests' exec; a larger one is read on its own. */
 const INLINE_REWARD_BYTES = 1024;
 
 /**
- * Grade one run. `tests`: stage the task's tests at /tests and run `bash /tests/test.sh` as root
- * (no capabilities) in /workspace; the reward file wins, else exit 0 → 1.0, non-zero → 0.0.
+ * Grade one run. `tests`: stage the task's tests at /tests and run /tests/test.sh as root (no
+ * capabilities) in /workspace, by the interpreter its `#!` line names (with its option), else
+ * with bash; the reward file (`reward.txt`, else `reward.json`) wins, else exit 0 → 1.0,
+ * non-zero → 0.0.
  * `match`: compare the answer (exact, trimmed; or regex, full match); no answer → 0.
  *
  * Tests that time out or are killed for memory grade the agent's work as the tests left it (0
@@ -51,9 +58,14 @@ function assertNever(x: never): never {
  *    planted in the sticky, world-writable /logs cannot be removed, and grading on top of it
  *    could be gamed; if that fails, reports `prepare <why>` and stops; else writes `<nonce> ready`
  *    as the first line of stderr (the output cap keeps the head and the end: it is always seen);
- * 2. runs `bash /tests/test.sh` (stdin /dev/null);
- * 3. reports the reward file: `none`, `reward <bytes>` followed by its content (up to
- *    `INLINE_REWARD_BYTES`), or `unreadable` (too large, or not readable by root: read apart);
+ * 2. empties /solution (the oracle agent's reference solution: tests that lean on it would pass
+ *    the oracle and fail every other agent), then runs /tests/test.sh (stdin /dev/null) as the
+ *    kernel would run it as a program, by its `#!` line's interpreter and option (a
+ *    `#!/bin/bash -e` keeps its `-e`, a `#!/usr/bin/env python3` test runs in Python), or with
+ *    bash when it has none;
+ * 3. reports the reward file, `reward.txt` or else `reward.json`: `none`, `reward <bytes> [json]`
+ *    followed by its content (up to `INLINE_REWARD_BYTES`), or `unreadable [json]` (too large, or
+ *    not readable by root: read apart);
  * and exits with the tests' status. Reports go to stderr after the tests' own output, each as a
  * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again. A runner that
  * never reported (the cap keeps the output's end, where the report is) is graded by its exit
@@ -112,7 +124,22 @@ if [ -e "$d" ] || [ -L "$d" ]; then
 fi
 mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
-bash ${SANDBOX_PATHS.tests}/test.sh < /dev/null
+s=${SANDBOX_PATHS.solution}
+[ -d "$s" ] && rm -rf "$s"/* "$s"/.[!.]* "$s"/..?* 2>/dev/null
+t=${SANDBOX_PATHS.tests}/test.sh
+first=; IFS= read -r first < "$t"
+case "$first" in
+  '#!'*)
+    # The kernel's reading of a #! line: the interpreter, then the rest as one argument.
+    line=\${first#??}; line=\${line#"\${line%%[![:space:]]*}"}
+    interp=\${line%%[[:space:]]*}; arg=\${line#"$interp"}
+    arg=\${arg#"\${arg%%[![:space:]]*}"}; arg=\${arg%"\${arg##*[![:space:]]}"}
+    if [ -z "$interp" ]; then bash "$t"
+    elif [ -n "$arg" ]; then "$interp" "$arg" "$t"
+    else "$interp" "$t"
+    fi < /dev/null ;;
+  *) bash "$t" < /dev/null ;;
+esac
 rc=$?
 # Kill and count what the tests left running. (What ended before the tests did is not seen, nor
 # what exits in the moments reap takes to find it: tests that run the agent's code reap before
@@ -122,11 +149,12 @@ reap
 # Processes the tests started were still running when the tests ended: any of them, the agent's
 # code among them (root too), may have written the reward file.
 if [ "$strays" -gt 0 ]; then report strays "$strays"; exit $rc; fi
-f=${REWARD_FILE}
+f=${REWARD_FILE}; kind=
+if [ ! -e "$f" ] || [ -d "$f" ]; then f=${REWARD_JSON_FILE}; kind=json; fi
 if [ ! -e "$f" ] || [ -d "$f" ]; then report none
 elif [ -r "$f" ] && n=$(wc -c < "$f") && n=$((n)) && [ "$n" -le ${INLINE_REWARD_BYTES} ]; then
-  report reward "$n"; cat "$f" >&2
-else report unreadable
+  report reward "$n" $kind; cat "$f" >&2
+else report unreadable $kind
 fi
 exit $rc`;
 
@@ -140,11 +168,12 @@ export const RUN_TESTS_ARGV = ["bash", "--norc", "--noprofile", "-c", RUN_TESTS_
 export type RunReport =
   | { kind: "prepare"; reason: string }
   | { kind: "none" }
-  | { kind: "reward"; text: string }
+  /** The reward file's content; `json`: it is `reward.json` (there was no `reward.txt`). */
+  | { kind: "reward"; text: string; json: boolean }
   /** Processes the tests started were still running when they ended (`count` of them, killed). */
   | { kind: "strays"; count: number }
-  /** Unreadable, too large, or its size does not match: read the file apart. */
-  | { kind: "read" }
+  /** Unreadable, too large, or its size does not match: read the file (`json`: reward.json) apart. */
+  | { kind: "read"; json: boolean }
   /**
    * No report line at all: the runner was killed before it reported, or something wrote past its
    * report (the output cap keeps the end, where it is): graded by the exit status.
@@ -187,14 +216,18 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
       return { stderr: own, report: { kind: "none" } };
     case "strays":
       return { stderr: own, report: { kind: "strays", count: Number(words[0]) || 1 } };
-    case "reward":
+    case "reward": {
+      const json = words[1] === "json";
       return {
         stderr: own,
         report:
-          Buffer.byteLength(body) === Number(words[0]) ? { kind: "reward", text: body } : { kind: "read" },
+          Buffer.byteLength(body) === Number(words[0])
+            ? { kind: "reward", text: body, json }
+            : { kind: "read", json },
       };
+    }
     default:
-      return { stderr: own, report: { kind: "read" } };
+      return { stderr: own, report: { kind: "read", json: words[0] === "json" } };
   }
 }
 
@@ -203,14 +236,11 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   if (task.tests["test.sh"] === undefined) {
     throw FleetError.nonRetryable("invalid_task", `task "${task.id}" has no tests/test.sh to verify with`);
   }
-  const started = Date.now();
   const ownMs = task.timeouts.verifierS * 1000;
-  const leftMs = ctx.deadlineMs === undefined ? Number.POSITIVE_INFINITY : ctx.deadlineMs - started;
-  if (leftMs <= 0)
+  const leftAt = (at: number) =>
+    ctx.deadlineMs === undefined ? Number.POSITIVE_INFINITY : ctx.deadlineMs - at;
+  if (leftAt(Date.now()) <= 0)
     throw new FleetError("deadline_exceeded", "the rollout deadline passed before verification");
-  const cutByRollout = leftMs < ownMs;
-  const endsAt = started + Math.min(ownMs, leftMs);
-  const remaining = (): number => Math.max(1, Math.floor(endsAt - Date.now()));
 
   // Exactly the task's tests: whatever a previous attempt left in /tests goes in the same step.
   await ctx.onSandboxWork?.("stage");
@@ -226,6 +256,15 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     if (!ctx.signal?.aborted) await ctx.onStagingFailed?.().catch(() => undefined);
     throw err;
   }
+  // The tests' budget (`timeouts.verifierS`) is theirs from here: copying them in (many files,
+  // on a loaded host) takes none of it.
+  const started = Date.now();
+  const leftMs = leftAt(started);
+  if (leftMs <= 0)
+    throw new FleetError("deadline_exceeded", "the rollout deadline passed before the tests started");
+  const cutByRollout = leftMs < ownMs;
+  const endsAt = started + Math.min(ownMs, leftMs);
+  const remaining = (): number => Math.max(1, Math.floor(endsAt - Date.now()));
   const runOnce = async () => {
     const nonce = randomBytes(16).toString("hex");
     await ctx.onSandboxWork?.("tests");
@@ -255,7 +294,18 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     throw FleetError.retryable(
       "verifier_error",
       capText(
-        `the tests' runner did not start within the tests' ${Math.round(ownMs / 1000)} s: ${stderr.trim()}`,
+        `the tests' runner did not start within the tests' ${Math.round(ownMs / 1000)} s (its start shares the tests' budget: [verifier] timeout_sec)${stderr.trim() ? `: ${stderr.trim()}` : ""}`,
+        600,
+      ),
+    );
+  }
+  if (!ready && ran.exitCode === 127) {
+    // Not found: the image has no bash (which runs the runner, as it runs solve.sh and the
+    // tool-loop's commands). Nothing a retry fixes: the task's image.
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      capText(
+        `the sandbox image cannot run the tests' runner (exit 127; the fleet runs it, and solve.sh, with bash): ${stderr.trim()}`,
         600,
       ),
     );
@@ -344,6 +394,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     };
   }
   let rewardText: string | null;
+  const json = (report.kind === "reward" || report.kind === "read") && report.json;
   try {
     rewardText =
       report.kind === "reward"
@@ -353,7 +404,9 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
           : await step(ctx, "read the reward file", () =>
               // One byte past the most a reward file may hold: a longer one is refused whole, not
               // graded by its first bytes.
-              provider.get(handle, REWARD_FILE, { maxBytes: MAX_REWARD_FILE_BYTES + 1 }),
+              provider.get(handle, json ? REWARD_JSON_FILE : REWARD_FILE, {
+                maxBytes: MAX_REWARD_FILE_BYTES + 1,
+              }),
             );
   } catch (err) {
     // A reward file no one may read (not the provider failing to read it): beside tests that
@@ -370,8 +423,10 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   }
   if (rewardText !== null) {
     let reward: number;
+    let fields: Record<string, number> | undefined;
     try {
-      reward = parseReward(rewardText);
+      if (json) ({ reward, fields } = parseRewardJson(rewardText));
+      else reward = parseReward(rewardText);
     } catch (err) {
       // Tests that failed, and a reward file that is no number: the tests' agent code (root
       // too) may have written it, and a mask here would let a policy trade its failures for
@@ -383,15 +438,22 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
         details: {
           ...details,
           source: "exit_code",
-          reason:
-            "the tests failed and left a reward file that is not a number in [0, 1]; the exit status grades",
+          reason: json
+            ? "the tests failed and left a reward.json without a reward in [0, 1]; the exit status grades"
+            : "the tests failed and left a reward file that is not a number in [0, 1]; the exit status grades",
           rewardText: capText(rewardText.trim(), 100),
+          ...(json ? { rewardFile: "reward.json" } : {}),
         },
       };
     }
     return {
       reward,
-      details: { ...details, source: "reward_file", rewardText: capText(rewardText.trim(), 100) },
+      details: {
+        ...details,
+        source: "reward_file",
+        rewardText: capText(rewardText.trim(), 100),
+        ...(json ? { rewardFile: "reward.json", rewards: fields } : {}),
+      },
     };
   }
   return { reward: result.exitCode === 0 ? 1 : 0, details: { ...details, source: "exit_code" } };
