@@ -30,7 +30,7 @@ const code = await runCli(process.argv.slice(2), {
   stderr: process.stderr,
   defaults,
   readFile: (path) => readFile(path, "utf8"),
-  loadSuite: (dir) => loadSuite(dir),
+  loadSuite: (dir, options) => loadSuite(dir, options),
   digestOf: taskDigest,
   signal: interrupt.signal,
 });

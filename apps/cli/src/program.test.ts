@@ -651,6 +651,31 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain("cannot load suite missing: missing: not a task directory");
   });
 
+  it("loads the suite under --max-task-bytes (the fleet's FLEET_MAX_TASK_BYTES may allow more than the default), and says so when a task is over it", async () => {
+    const bounds: number[] = [];
+    const over = (dir: string, options: { maxBytes: number }) => {
+      bounds.push(options.maxBytes);
+      return Promise.reject(
+        new Error(`${dir}/t: task is 12000000 bytes as sent (...), over the limit of ${options.maxBytes}`),
+      );
+    };
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx({ loadSuite: over }))).toBe(2);
+    expect(stderr.text()).toContain(
+      "over the limit of 10485760 (a fleet whose FLEET_MAX_TASK_BYTES allows more: --max-task-bytes)",
+    );
+    const loaded: number[] = [];
+    await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--max-task-bytes", "31457280"],
+      ctx({
+        loadSuite: async (_dir, options) => {
+          loaded.push(options.maxBytes);
+          return tasks;
+        },
+      }),
+    );
+    expect([...bounds, ...loaded]).toEqual([10 * 1024 * 1024, 31457280]);
+  });
+
   it("stops waiting on Ctrl-C with exit 130, leaving the batch running", async () => {
     server.on("POST", "/v1/batches", (_req, res) =>
       json(res, 202, { batchId: "b-1", rolloutIds: [], count: 2 }),

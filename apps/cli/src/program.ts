@@ -1,4 +1,5 @@
 import { MIN_DURATION_S } from "@fleet/contracts";
+import { DEFAULT_MAX_TASK_BYTES } from "@fleet/tasks";
 import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
 import pkg from "../package.json" with { type: "json" };
 import { FleetClient, isApiError } from "./client.ts";
@@ -125,6 +126,14 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
       .addOption(
         new Option("--max-request-bytes <n>", "largest POST body; bigger submissions go as several batches")
           .default(DEFAULT_MAX_REQUEST_BYTES)
+          .argParser(positiveInt),
+      )
+      .addOption(
+        new Option(
+          "--max-task-bytes <n>",
+          "largest task the suite may hold, as the dispatcher's FLEET_MAX_TASK_BYTES (which still decides)",
+        )
+          .default(DEFAULT_MAX_TASK_BYTES)
           .argParser(positiveInt),
       )
       .option(

@@ -1,3 +1,4 @@
+import { leafIssues } from "@fleet/contracts";
 import type { z } from "zod";
 
 /** One readable validation problem: where (`agent.timeoutS`, `""` for the body) and what. */
@@ -12,27 +13,14 @@ export const MAX_ISSUES = 20;
 type Path = readonly PropertyKey[];
 
 /**
- * Flatten zod issues into `{ path, message }`. A union failure (task: inline content or
- * `{ digest }`) reports the branch that came closest (fewest issues) rather than every branch,
- * so "instruction: required" is not buried under "digest: required".
+ * Flatten zod issues into `{ path, message }` (`leafIssues`: a union's closest branch, a refused
+ * record key's own reasons).
  */
 export function describeIssues(issues: readonly z.core.$ZodIssue[], prefix: Path = []): Issue[] {
-  const out: Issue[] = [];
-  for (const issue of issues) {
-    const path = [...prefix, ...issue.path];
-    if (issue.code === "invalid_union" && issue.errors.length > 0) {
-      const closest = issue.errors.reduce((best, branch) => (branch.length < best.length ? branch : best));
-      out.push(...describeIssues(closest, path));
-      continue;
-    }
-    if (issue.code === "invalid_key" && issue.issues.length > 0) {
-      // A record key refused by its own schema: say why, not "Invalid key in record".
-      out.push(...describeIssues(issue.issues, path));
-      continue;
-    }
-    out.push({ path: formatPath(path), message: messageOf(issue) });
-  }
-  return out;
+  return leafIssues(issues, prefix).map((leaf) => ({
+    path: formatPath(leaf.path),
+    message: messageOf(leaf.issue),
+  }));
 }
 
 function messageOf(issue: z.core.$ZodIssue): string {

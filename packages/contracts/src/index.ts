@@ -3,6 +3,7 @@ export * from "./bounded.ts";
 export * from "./canonical.ts";
 export * from "./errors.ts";
 export * from "./failure.ts";
+export * from "./issues.ts";
 export * from "./rollout.ts";
 export * from "./sandbox.ts";
 export * from "./task.ts";

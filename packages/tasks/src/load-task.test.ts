@@ -361,6 +361,23 @@ describe("broken tasks give invalid_task naming the file", () => {
     );
   });
 
+  it("a file nested too deep says why (its name's own rule), not zod's \"Invalid key in record\"", async () => {
+    const deep = `${Array.from({ length: 33 }, (_, i) => `d${i}`).join("/")}/f.txt`;
+    const dir = await writeTask("t", { [`workspace/${deep}`]: "x\n" });
+    const message = await invalidTask(() => loadTask(dir));
+    expect(message).toContain(`workspace/${deep}: must be nested in at most 32 directories`);
+    expect(message).not.toMatch(/Invalid key/);
+  });
+
+  it("a task directory named through a symbolic link loads (the link is the suite the user gave); links inside it do not", async () => {
+    const dir = await writeTask("t", {});
+    const link = path.join(tmp, "link-to-t");
+    await symlink(dir, link);
+    expect((await loadSuite(link)).map((t) => t.id)).toEqual(["t"]);
+    await symlink("/etc/passwd", path.join(dir, "tests", "passwd"));
+    expect(await invalidTask(() => loadTask(link))).toContain("is a symbolic link");
+  });
+
   it("a binary file", async () => {
     const dir = await writeTask("t", { "workspace/blob.bin": Buffer.from([0xff, 0xfe, 0x00, 0x80]) });
     expect(await invalidTask(() => loadTask(dir))).toContain(

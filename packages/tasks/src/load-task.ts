@@ -1,9 +1,10 @@
 import type { Dirent, Stats } from "node:fs";
-import { lstat, readdir, readFile } from "node:fs/promises";
+import { lstat, readdir, readFile, realpath } from "node:fs/promises";
 import path from "node:path";
 import {
   type FileSet,
   FleetError,
+  leafIssues,
   TASK_FILE_SETS,
   TaskContent,
   type TaskContentInput,
@@ -41,7 +42,9 @@ function invalid(file: string, message: string, cause?: unknown): FleetError {
  * instruction, bad TOML, unknown keys, unreadable or non-text files, symlinks or an oversize task.
  */
 export async function loadTask(dir: string, options: LoadTaskOptions = {}): Promise<TaskContent> {
-  const root = path.resolve(dir);
+  // The directory named may be a link to the task (`--suite` given a link): the task is where it
+  // points (its name the id's default); what the task holds may not be a link.
+  const root = await realpath(path.resolve(dir)).catch(() => path.resolve(dir));
   const budget = {
     left: options.maxBytes ?? DEFAULT_MAX_TASK_BYTES,
     max: options.maxBytes ?? DEFAULT_MAX_TASK_BYTES,
@@ -90,7 +93,9 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
   if (!parsed.success) {
     const fromDirName = config.task?.id === undefined;
     const isFile = (p: PropertyKey[]) => (FILE_TREES as readonly PropertyKey[]).includes(p[0] ?? "");
-    const lines = parsed.error.issues.map((issue) => {
+    // A refused file name says why (`leafIssues`), not zod's "Invalid key in record".
+    const issues = leafIssues(parsed.error.issues);
+    const lines = issues.map((issue) => {
       const key = issue.path.map(String).join(".");
       if (key === "id" && fromDirName) {
         return `the directory name "${path.basename(root)}" is not a valid task id (${issue.message}); set [task] id`;
@@ -100,7 +105,7 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
       return `${CONTENT_KEYS[key] ?? key}: ${issue.message}`;
     });
     // Named after the task directory when only its files are at fault, else after task.toml.
-    const where = parsed.error.issues.every((i) => isFile(i.path)) ? root : tomlFile;
+    const where = issues.every((i) => isFile(i.path)) ? root : tomlFile;
     throw invalid(where, lines.join("; "), parsed.error);
   }
   // What the dispatcher's limit counts: the task as sent, where a control character takes six

@@ -16,6 +16,8 @@ export interface SubmitOptions extends FollowOptions {
   metadata?: string;
   wait?: boolean;
   maxRequestBytes: number;
+  /** The loader's task size bound (the dispatcher's `FLEET_MAX_TASK_BYTES` decides). */
+  maxTaskBytes: number;
   inlineTasks?: boolean;
   /** How long to keep offering a chunk the fleet's backlog has no room for (s). */
   backlogWait: number;
@@ -55,9 +57,14 @@ async function submitAndFollow(
   const agent = await resolveAgent(opts.agent, ctx.readFile);
   let tasks: TaskContent[];
   try {
-    tasks = await ctx.loadSuite(opts.suite);
+    tasks = await ctx.loadSuite(opts.suite, { maxBytes: opts.maxTaskBytes });
   } catch (err) {
-    throw new UsageError(`cannot load suite ${opts.suite}: ${(err as Error).message}`);
+    const message = (err as Error).message;
+    // The loader's bound is this command's: a fleet that takes bigger tasks says so in its own.
+    const hint = /over the limit of \d+/.test(message)
+      ? " (a fleet whose FLEET_MAX_TASK_BYTES allows more: --max-task-bytes)"
+      : "";
+    throw new UsageError(`cannot load suite ${opts.suite}: ${message}${hint}`);
   }
   const requests = buildRollouts({
     tasks,

@@ -1,0 +1,36 @@
+import type { z } from "zod";
+
+/** A zod issue reduced to where (the full path) and what. */
+export interface LeafIssue {
+  path: PropertyKey[];
+  message: string;
+  /** zod's issue, for what a caller says of its kind (`received`). */
+  issue: z.core.$ZodIssue;
+}
+
+/**
+ * The issues a reader can act on, each with its full path: a union's failure as the branch that
+ * came closest (fewest issues; a task given inline or by `{ digest }`), so "instruction: required"
+ * is not buried under "digest: required"; a record key refused by its own schema as that
+ * schema's issues (why, not zod's "Invalid key in record").
+ */
+export function leafIssues(
+  issues: readonly z.core.$ZodIssue[],
+  prefix: readonly PropertyKey[] = [],
+): LeafIssue[] {
+  const out: LeafIssue[] = [];
+  for (const issue of issues) {
+    const path = [...prefix, ...issue.path];
+    if (issue.code === "invalid_union" && issue.errors.length > 0) {
+      const closest = issue.errors.reduce((best, branch) => (branch.length < best.length ? branch : best));
+      out.push(...leafIssues(closest, path));
+      continue;
+    }
+    if (issue.code === "invalid_key" && issue.issues.length > 0) {
+      out.push(...leafIssues(issue.issues, path));
+      continue;
+    }
+    out.push({ path, message: issue.message, issue });
+  }
+  return out;
+}
