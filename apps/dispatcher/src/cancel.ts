@@ -65,7 +65,8 @@ export const BATCH_PAGE = 500;
 
 /**
  * Cancel every non-terminal rollout of a batch; returns how many it asked to stop (a repeated
- * cancel counts those still on their way to close again).
+ * cancel counts those still on their way to close again). A batch still being admitted has its
+ * later rollouts recorded cancelled (they stop at their seed; not in the count).
  */
 export async function cancelBatch(
   store: RolloutStore,
@@ -73,6 +74,9 @@ export async function cancelBatch(
   batchId: string,
   now: number,
 ): Promise<number> {
+  // First: a rollout recorded after this is cancelled as it is recorded; one recorded before is
+  // in the list walked below.
+  await store.cancelBatchAdmission(batchId);
   let cancelled = 0;
   for (let start = 0; ; start += BATCH_PAGE) {
     const ids = await store.batchRolloutIds(batchId, start, start + BATCH_PAGE - 1);

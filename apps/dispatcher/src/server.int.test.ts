@@ -2,12 +2,21 @@ import { randomUUID } from "node:crypto";
 import { Readable } from "node:stream";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
 import { RolloutRequest, type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
-import { admit, createRedis, digestTask, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import {
+  admit,
+  batchIdFor,
+  createRedis,
+  digestTask,
+  RolloutStore,
+  rolloutIds,
+  StageQueues,
+  TeardownLedger,
+} from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { cancelRollout } from "./cancel.ts";
+import { cancelBatch, cancelRollout } from "./cancel.ts";
 import { createServer } from "./server.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
@@ -901,6 +910,25 @@ describe("cancel", () => {
       kind: "terminal",
       status: "completed",
     });
+  });
+
+  it("a batch cancelled while it is being admitted (its id seen through another replica) cancels what its admission records afterwards too", async () => {
+    // The batch and its first rollout are recorded; the rest of its admission is still to come.
+    const key = `admitting-${Date.now()}`;
+    const ids = rolloutIds(3, key, "batch");
+    const batchId = batchIdFor(ids);
+    const requests = [row, row, row].map((r) => RolloutRequest.parse(r));
+    const admitting = Object.create(h.store) as typeof h.store;
+    let cancelled: number | null = null;
+    admitting.admit = async (metas, now) => {
+      const first = await h.store.admit(metas.slice(0, 1), now);
+      cancelled = await cancelBatch(h.store, h.queues, batchId, Date.now());
+      const rest = await h.store.admit(metas.slice(1), now);
+      return { ...rest, created: [...first.created, ...rest.created] };
+    };
+    await admit(admitting, h.queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e7 });
+    expect(cancelled).toBe(1);
+    for (const id of ids) expect((await h.store.get(id))?.cancelRequested, id).toBe(true);
   });
 
   it("cancels every non-terminal rollout of a batch", async () => {

@@ -1,5 +1,5 @@
-import { FleetError } from "@fleet/contracts";
-import { JANITOR_QUEUE, sandboxKey } from "@fleet/queue";
+import { FleetError, RolloutRequest } from "@fleet/contracts";
+import { admit, JANITOR_QUEUE, rolloutIds, sandboxKey } from "@fleet/queue";
 import { DockerGatewayNetworks, DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -183,6 +183,45 @@ describe("janitor", () => {
     expect(report.watchdogClosed).toBe(1);
     const closeJob = await fleet.deps.queues.queues.close.getJob(`${id}.close`);
     expect(closeJob).toBeTruthy();
+  });
+
+  it("finishes an admission its dispatcher died in once past its grace: the recorded rollouts' seeds are enqueued, so they run instead of waiting out their deadline", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const requests = [0, 1, 2].map(() => RolloutRequest.parse({ task, agent: { harness: "oracle" } }));
+    const { store, queues } = fleet.deps;
+    const key = `stranded-${Date.now()}`;
+    // The dispatcher recorded 2 of the batch's 3 rollouts, then died before enqueueing any seed.
+    const dying = Object.create(store) as typeof store;
+    dying.admit = async (metas, now) => {
+      await store.admit(metas.slice(0, 2), now);
+      throw new Error("the dispatcher died");
+    };
+    await expect(
+      admit(
+        dying,
+        queues,
+        { requests, batch: true, idempotencyKey: key },
+        { maxTaskBytes: 10 * 1024 * 1024 },
+      ),
+    ).rejects.toThrow("the dispatcher died");
+    const ids = rolloutIds(3, key, "batch");
+    const seedJob = (id: string) => queues.queues.seed.getJob(`${id}.seed`);
+    // Within its grace it may still be under way: left alone.
+    expect((await janitorTick(fleet.deps, { orphanGraceMs: 60_000 })).admissionsFinished).toBe(0);
+    expect(await seedJob(ids[0]!)).toBeUndefined();
+    const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
+    expect((await janitorTick(later, { orphanGraceMs: 60_000 })).admissionsFinished).toBe(1);
+    for (const id of ids.slice(0, 2)) expect(await seedJob(id)).toBeDefined();
+    expect(await store.get(ids[2]!)).toBeNull(); // never recorded: the client's replay sends it
+    expect((await janitorTick(later, { orphanGraceMs: 60_000 })).admissionsFinished).toBe(0);
+    for (const id of ids.slice(0, 2)) {
+      await runStageJob(
+        "close",
+        { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } },
+        fleet.deps,
+      );
+    }
   });
 
   it("a graded rollout past its deadline keeps its reward; a queued close is left alone; a pass never logs twice", async () => {

@@ -22,7 +22,14 @@ export interface JanitorOptions {
   watchdogGraceMs?: number;
   /** No destroy is started once a pass has run this long; the rest wait for the next pass. @defaultValue 60 s */
   destroyBudgetMs?: number;
+  /**
+   * An admission under way this long (its seeds not enqueued) is taken for one its dispatcher
+   * died in, and finished: the seeds of its recorded rollouts enqueued. @defaultValue 60 s
+   */
+  admissionGraceMs?: number;
 }
+
+export const DEFAULT_ADMISSION_GRACE_MS = 60_000;
 
 export const DEFAULT_DESTROY_BUDGET_MS = 60_000;
 
@@ -36,6 +43,8 @@ export interface JanitorReport {
   orphansRemoved: number;
   expiredScheduled: number;
   watchdogClosed: number;
+  /** Admissions a dispatcher did not finish whose recorded rollouts' seeds this pass enqueued. */
+  admissionsFinished: number;
   /** Steps of this pass that failed (e.g. `orphans: docker list: …`); the other steps still ran. */
   errors: string[];
 }
@@ -60,6 +69,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     orphansRemoved: 0,
     expiredScheduled: 0,
     watchdogClosed: 0,
+    admissionsFinished: 0,
     errors: [],
   };
   const now = clock(deps);
@@ -90,6 +100,26 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       if (await watchdogClose(deps, id, now)) report.watchdogClosed++;
     });
   }
+
+  // (0) Admissions their dispatcher never finished (it died between recording the rollouts and
+  // enqueueing their seeds): the recorded rollouts' seeds are enqueued now (deduplicated by job
+  // id), so they run instead of holding backlog until their deadline and ending masked. What the
+  // admission never recorded is the client's to send again (a replay with its key finishes it).
+  await step("admissions", async () => {
+    const grace = options.admissionGraceMs ?? DEFAULT_ADMISSION_GRACE_MS;
+    for (const admission of await deps.store.admissionsBefore(now - grace)) {
+      const waiting = await deps.store.unseededOf(admission);
+      if (waiting.length > 0) {
+        await deps.queues.enqueueSeeds(waiting);
+        deps.logger.warn(
+          { admission, rollouts: waiting.length },
+          "finished an admission its dispatcher did not: enqueued its recorded rollouts' seeds",
+        );
+      }
+      await deps.store.admissionDone(admission);
+      report.admissionsFinished++;
+    }
+  });
 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.
   await step("registry", async () => {

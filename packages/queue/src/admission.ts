@@ -7,7 +7,7 @@ import {
   sha256Hex as sha256,
   TaskContent,
 } from "@fleet/contracts";
-import type { RolloutMeta, RolloutStore } from "./rollout-store.ts";
+import { admissionOf, type RolloutMeta, type RolloutStore } from "./rollout-store.ts";
 import type { StageQueues } from "./stage-queues.ts";
 
 /** Slack added to the task's own timeouts for queueing, seeding and closing, when no deadline is given. */
@@ -269,7 +269,10 @@ export async function admit(
       }
       // A replay after a crash between recording the rollout and enqueueing its seed: enqueue
       // it now (deduplicated by job id when it is already there).
-      if (existing.status === "accepted") await queues.enqueueSeeds(ids);
+      if (existing.status === "accepted") {
+        await queues.enqueueSeeds(ids);
+        await store.admissionDone(admissionOf({ rolloutId: ids[0]! }));
+      }
       return { batchId: null, ids, created: [] };
     }
   }
@@ -300,5 +303,10 @@ export async function admit(
     });
   }
   await queues.enqueueSeeds(ids);
+  // Not under way any more; one cut short before here is finished by the janitor (its seeds
+  // enqueued) or by a replay.
+  await store.admissionDone(
+    batchId !== null ? admissionOf({ batchId }) : admissionOf({ rolloutId: ids[0]! }),
+  );
   return { batchId, ids, created };
 }

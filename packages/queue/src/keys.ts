@@ -14,6 +14,11 @@ export interface Keys {
   inflight(): string;
   /** Backlog reservations of submissions being admitted: `<id>:<count>`, scored by expiry. */
   reservations(): string;
+  /**
+   * Admissions under way (`b:<batchId>`, `r:<rolloutId>`), scored by when they began: one whose
+   * dispatcher died before it enqueued its seeds stays here, and the janitor finishes it.
+   */
+  admitting(): string;
   /** Hash of live sandbox intents/handles: `<rolloutId>:<owner>` → JSON. */
   sandboxes(): string;
   /** Teardown ledger: due-time sorted set and its entries. */
@@ -31,6 +36,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const x = `${prefix}:x:`;
   const inflight = `${x}inflight`;
   const reservations = `${x}reservations`;
+  const admitting = `${x}admitting`;
   const sandboxes = `${x}sandboxes`;
   const teardownDue = `${x}teardown:due`;
   const teardownEntries = `${x}teardown:entries`;
@@ -45,6 +51,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     idempotency: (keyHash) => `${x}idem:${keyHash}`,
     inflight: () => inflight,
     reservations: () => reservations,
+    admitting: () => admitting,
     sandboxes: () => sandboxes,
     teardownDue: () => teardownDue,
     teardownEntries: () => teardownEntries,

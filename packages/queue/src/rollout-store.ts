@@ -313,11 +313,42 @@ export class RolloutStore {
   async createBatch(batchId: string, bodyHash: string, now: number): Promise<string> {
     const stored = (await this.redis.fleetCreateBatch(
       this.keys.batch(batchId),
+      this.keys.admitting(),
       bodyHash,
       String(now),
       String(BATCH_ADMISSION_LEASE_MS),
+      admissionOf({ batchId }),
     )) as string | null;
     return stored ?? bodyHash;
+  }
+
+  /** An admission's seeds are enqueued: it is no longer under way (see `Keys.admitting`). */
+  async admissionDone(admission: string): Promise<void> {
+    await this.redis.zrem(this.keys.admitting(), admission);
+  }
+
+  /** Admissions still under way that began before `before` (their dispatcher may have died). */
+  async admissionsBefore(before: number, limit = 20): Promise<string[]> {
+    return this.redis.zrangebyscore(this.keys.admitting(), "-inf", before, "LIMIT", 0, limit);
+  }
+
+  /** Of an admission's rollouts, those recorded and never started (their seed may never have been enqueued). */
+  async unseededOf(admission: string): Promise<string[]> {
+    const batch = admission.startsWith("b:") ? admission.slice(2) : null;
+    const waiting: string[] = [];
+    for (let start = 0; ; start += 500) {
+      const ids =
+        batch === null ? [admission.slice(2)] : await this.batchRolloutIds(batch, start, start + 499);
+      if (ids.length === 0) break;
+      const pipe = this.redis.pipeline();
+      for (const id of ids) pipe.hget(this.keys.rollout(id), "status");
+      const statuses = (await pipe.exec()) ?? [];
+      ids.forEach((id, i) => {
+        if (statuses[i]?.[1] === "accepted") waiting.push(id);
+      });
+      if (batch === null || ids.length < 500) break;
+    }
+    return waiting;
   }
 
   /**
@@ -345,6 +376,7 @@ export class RolloutStore {
           this.keys.inflight(),
           batch ? this.keys.batchIds(m.batchId!) : this.keys.rollout(m.id),
           this.keys.failures(m.id),
+          this.keys.admitting(),
           JSON.stringify(m),
           String(m.deadlineAt),
           String(now),
@@ -353,7 +385,15 @@ export class RolloutStore {
           m.bodyHash,
         );
       }
-      const results = (await pipe.exec()) ?? [];
+      // A long admission keeps its note fresh: the janitor finishes only one left for dead.
+      if (chunk[0]!.batchId !== null) {
+        (pipe as unknown as ChainableCommander).zadd(
+          this.keys.admitting(),
+          Date.now(),
+          admissionOf({ batchId: chunk[0]!.batchId }),
+        );
+      }
+      const results = ((await pipe.exec()) ?? []).slice(0, chunk.length);
       results.forEach(([err, value], j) => {
         if (err) throw err;
         if (value === 1) created.push(chunk[j]!.id);
@@ -692,6 +732,15 @@ export class RolloutStore {
   }
 
   /** Request cancellation; returns the status it found, or null for an unknown rollout. */
+  /**
+   * Cancel what a batch's admission records from now on (a batch cancelled while it is being
+   * admitted: its later rollouts are recorded cancelled, and stop at their seed). False for no
+   * such batch.
+   */
+  async cancelBatchAdmission(batchId: string): Promise<boolean> {
+    return Number(await this.redis.fleetCancelBatch(this.keys.batch(batchId))) === 1;
+  }
+
   async requestCancel(id: string): Promise<RolloutStatus | null> {
     const prev = String(await this.redis.fleetCancel(this.keys.rollout(id)));
     return prev === "" ? null : RolloutStatus.parse(prev);
@@ -770,4 +819,9 @@ export class RolloutStore {
     );
     return r === 1;
   }
+}
+
+/** An admission's member in `Keys.admitting`: a batch's, or a single rollout's. */
+export function admissionOf(of: { batchId: string } | { rolloutId: string }): string {
+  return "batchId" in of ? `b:${of.batchId}` : `r:${of.rolloutId}`;
 }

@@ -74,10 +74,11 @@ const SCRIPTS = {
    * body hash (an idempotent replay), -1 if it existed with another (a conflicting reuse of the
    * id's idempotency key, however close together the two requests came), -2 if it is gone from
    * a batch that finished and is expiring (retention): a replay may not add it again, which
-   * would count it twice in a batch about to vanish.
+   * would count it twice in a batch about to vanish. A batch's rollout is noted as admitting by
+   * `fleetCreateBatch`; a single one here (`r:<id>` in `admitting`, KEYS[6]).
    */
   fleetAdmit: {
-    keys: 5, // rollout, batch|rollout, inflight, batchIds|rollout, failures
+    keys: 6, // rollout, batch|rollout, inflight, batchIds|rollout, failures, admitting
     lua: `
       if redis.call('HEXISTS', KEYS[1], 'meta') == 1 then
         local stored = redis.call('HGET', KEYS[1], 'bodyHash')
@@ -86,9 +87,16 @@ const SCRIPTS = {
       end
       -- A batch that counted rollouts and has a TTL is finished and expiring (a batch gets one
       -- only from fleetFinalize once done reaches total, or, before its first admission, from
-      -- fleetCreateBatch: that lease is not the end of it).
+      -- fleetCreateBatch: that lease is not the end of it). A rollout of it that was never
+      -- admitted (one cut short: its dispatcher died, and the rollouts it had admitted finished)
+      -- comes now, a replay finishing that admission, and the batch lives as long as it does.
+      -- Every admission records a batch's rollouts in their order (ids end in -<index>), so those
+      -- ever admitted are the first 'total' of them.
       if ARGV[5] == '1' and redis.call('HEXISTS', KEYS[2], 'total') == 1 and redis.call('PTTL', KEYS[2]) > 0 then
-        return -2
+        local index = tonumber(string.match(ARGV[4], '%-(%d+)$') or '0')
+        if index < tonumber(redis.call('HGET', KEYS[2], 'total')) then return -2 end
+        redis.call('PERSIST', KEYS[2])
+        redis.call('PERSIST', KEYS[4])
       end
       -- A failure log left by an expired rollout of the same id (a late stage's append) is not this one's.
       redis.call('DEL', KEYS[5])
@@ -99,6 +107,13 @@ const SCRIPTS = {
         -- Its first rollout: the batch lives as long as its rollouts now (its creation's lease ends).
         if redis.call('HINCRBY', KEYS[2], 'total', 1) == 1 then redis.call('PERSIST', KEYS[2]) end
         redis.call('RPUSH', KEYS[4], ARGV[4])
+        -- The batch was cancelled while it was being admitted: so is this rollout (its seed stops it).
+        if redis.call('HGET', KEYS[2], 'cancel') == '1' then
+          redis.call('HSET', KEYS[1], 'cancel', '1', 'fence', 'stopped')
+        end
+      else
+        -- Under way until its seed is enqueued (a batch's admission is noted by fleetCreateBatch).
+        redis.call('ZADD', KEYS[6], ARGV[3], 'r:' .. ARGV[4])
       end
       return 1`,
   },
@@ -106,17 +121,21 @@ const SCRIPTS = {
    * Create a batch hash if new: its body hash and creation time, and a lease of ARGV[3] ms that
    * its first admitted rollout ends (`fleetAdmit`), so a batch none of whose rollouts was ever
    * recorded (its dispatcher died, or Redis went away, between the two) does not stay for good.
-   * ARGV: bodyHash, now, leaseMs. Returns the stored body hash. Never writes the counts
-   * (admission and finalize count them up), so a late creation cannot reset a replay's.
+   * For its own body, the admission is noted as under way (`admitting`). ARGV: bodyHash, now,
+   * leaseMs, admitting member. Returns the stored body hash. Never writes the counts (admission and finalize count them up), so a late
+   * creation cannot reset a replay's.
    */
   fleetCreateBatch: {
-    keys: 1, // batch
+    keys: 2, // batch, admitting
     lua: `
       if redis.call('HSETNX', KEYS[1], 'bodyHash', ARGV[1]) == 1 and redis.call('HEXISTS', KEYS[1], 'total') == 0 then
         redis.call('PEXPIRE', KEYS[1], ARGV[3])
       end
       redis.call('HSETNX', KEYS[1], 'createdAt', ARGV[2])
-      return redis.call('HGET', KEYS[1], 'bodyHash')`,
+      local stored = redis.call('HGET', KEYS[1], 'bodyHash')
+      -- Its admission is under way until its seeds are enqueued (ARGV[4]: its member there).
+      if stored == ARGV[1] then redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4]) end
+      return stored`,
   },
   /**
    * Store a stage receipt and move status, unless terminal (or closed, for non-close stages).
@@ -297,6 +316,17 @@ const SCRIPTS = {
       if ARGV[2] == '' then redis.call('HDEL', KEYS[1], 'fence') else redis.call('HSET', KEYS[1], 'fence', ARGV[2]) end
       redis.call('HDEL', KEYS[1], 'fence:prev')
       redis.call('HINCRBY', KEYS[1], 'launches', -1)
+      return 1`,
+  },
+  /**
+   * Cancel a batch's rollouts still to come: those its admission records from now on are
+   * recorded cancelled (`fleetAdmit`). Returns 1, or 0 for no such batch (nothing created).
+   */
+  fleetCancelBatch: {
+    keys: 1, // batch
+    lua: `
+      if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+      redis.call('HSET', KEYS[1], 'cancel', '1')
       return 1`,
   },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */

@@ -699,6 +699,78 @@ describe("rollout store", () => {
     expect(await pttl(forever.keys.rollout(c))).toBe(-1);
   });
 
+  it("an admission cut short after recording some of its rollouts is noted as under way with them; a replay once those finished admits the rest (no 409) and finishes it", async () => {
+    const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const key = `cut-${Date.now()}`;
+    const requests = Array.from({ length: 5 }, () => ({
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+    }));
+    const submit = (s: RolloutStore) =>
+      admit(s, queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e6 });
+    // The dispatcher recorded the batch and its first 2 rollouts, then died: no seeds enqueued.
+    const dying = Object.create(kept) as RolloutStore;
+    dying.admit = async (metas, now) => {
+      await kept.admit(metas.slice(0, 2), now);
+      throw new Error("the dispatcher died");
+    };
+    await expect(submit(dying)).rejects.toThrow("the dispatcher died");
+    const ids = rolloutIds(5, key, "batch");
+    const batchId = batchIdFor(ids);
+    const member = `b:${batchId}`;
+    expect(await kept.admissionsBefore(Date.now() + 1, 1000)).toContain(member);
+    expect(await kept.unseededOf(member)).toEqual(ids.slice(0, 2));
+    expect(await queues.queues.seed.getJob(`${ids[0]}.seed`)).toBeUndefined();
+    // Its 2 rollouts ran out their deadline and were closed (the watchdog's): the batch looks finished.
+    for (const id of ids.slice(0, 2)) {
+      const m = (await kept.get(id))!.meta;
+      expect(await kept.finalize(m, { ...resultFor(id, "masked"), batchId }, Date.now())).toBe(true);
+    }
+    expect(await kept.getBatch(batchId)).toMatchObject({ total: 2, done: 2 });
+    expect(await redis.pttl(kept.keys.batch(batchId))).toBeGreaterThan(0);
+    // The client's replay with its key admits the 3 never recorded, seeds them, and the batch lives on.
+    const replay = await submit(kept);
+    expect(replay.ids).toEqual(ids);
+    expect(replay.created).toEqual(ids.slice(2));
+    expect(await kept.getBatch(batchId)).toMatchObject({ total: 5, done: 2 });
+    for (const k of [kept.keys.batch(batchId), kept.keys.batchIds(batchId)])
+      expect(await redis.pttl(k)).toBe(-1);
+    expect(await queues.queues.seed.getJob(`${ids[4]}.seed`)).toBeDefined();
+    expect(await kept.admissionsBefore(Date.now() + 1, 1000)).not.toContain(member);
+    // A replay of a batch that finished whole still admits none of its expired rollouts again.
+    for (const id of ids.slice(2)) {
+      const m = (await kept.get(id))!.meta;
+      await kept.finalize(m, { ...resultFor(id, "completed"), batchId }, Date.now());
+    }
+    await redis.del(kept.keys.rollout(ids[3]!));
+    expect(await submit(kept).catch((e: unknown) => e)).toMatchObject({
+      name: "AdmissionError",
+      code: "conflict",
+    });
+  });
+
+  it("a batch cancelled while it is being admitted: the rollouts its admission records afterwards are recorded cancelled", async () => {
+    const requests = Array.from({ length: 3 }, () => ({
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+    }));
+    let batchId = "";
+    const cancelling = Object.create(store) as RolloutStore;
+    cancelling.admit = async (metas, now) => {
+      batchId = metas[0]!.batchId!;
+      const first = await store.admit(metas.slice(0, 1), now);
+      // A cancel from another replica lands between two of the admission's chunks.
+      expect(await store.cancelBatchAdmission(batchId)).toBe(true);
+      const rest = await store.admit(metas.slice(1), now);
+      return { ...rest, created: [...first.created, ...rest.created] };
+    };
+    const { ids } = await admit(cancelling, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
+    const records = await Promise.all(ids.map((id) => store.get(id)));
+    expect(records.map((r) => r!.cancelRequested)).toEqual([false, true, true]);
+    expect(await store.cancelBatchAdmission("b-no-such-batch")).toBe(false);
+    expect(await redis.exists(store.keys.batch("b-no-such-batch"))).toBe(0);
+  });
+
   it("admission refuses metadata over MAX_METADATA_BYTES (422 at the API)", async () => {
     const digest = digestTask(task);
     await store.putTask(task, digest);
