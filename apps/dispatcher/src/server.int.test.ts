@@ -654,6 +654,45 @@ describe("limits", () => {
     expect(await redis.zcard(`${tight.prefix}:x:reservations`)).toBe(0);
   });
 
+  it("the same keyed request sent again while the first is still being admitted shares its room: never a 429, one set of rollouts", async () => {
+    const tight = await makeHarness({ FLEET_MAX_BACKLOG: "10" });
+    const six = { rollouts: [row, row, row, row, row, row] };
+    for (let trial = 0; trial < 3; trial++) {
+      const key = randomUUID();
+      const answers = await Promise.all(
+        Array.from({ length: 3 }, () =>
+          tight.call({
+            method: "POST",
+            url: "/v1/batches",
+            payload: six,
+            headers: { "idempotency-key": key },
+          }),
+        ),
+      );
+      expect(
+        answers.map((a) => a.statusCode).every((c) => c === 200 || c === 202),
+        answers.map((a) => a.body).join("\n"),
+      ).toBe(true);
+      expect(new Set(answers.map((a) => a.json().batchId)).size).toBe(1);
+      expect(await tight.store.inflightCount()).toBe(6);
+      expect(await redis.zcard(`${tight.prefix}:x:reservations`)).toBe(0);
+      for (const id of answers[0]!.json().rolloutIds as string[]) {
+        await tight.store.finalize(
+          { id, batchId: answers[0]!.json().batchId },
+          resultFor(id, null, 1),
+          Date.now(),
+        );
+      }
+    }
+    // Another request (no key) while one holds room is still bound: 6 + 6 > 10.
+    const key = randomUUID();
+    const [keyed, other] = await Promise.all([
+      tight.call({ method: "POST", url: "/v1/batches", payload: six, headers: { "idempotency-key": key } }),
+      tight.call({ method: "POST", url: "/v1/batches", payload: six }),
+    ]);
+    expect([keyed.statusCode, other.statusCode].sort()).toEqual([202, 429]);
+  });
+
   it("answers 429 with Retry-After past the backlog bound, but still replays an admitted batch", async () => {
     const tight = await makeHarness({ FLEET_MAX_BACKLOG: "3" });
     const key = randomUUID();

@@ -85,7 +85,13 @@ export async function submit(
   const reservation = { release: async () => {} };
   const reserve = async () => {
     if (replay) return;
-    const room = await store.reserveBacklog(incoming, config.maxBacklog, deps.now());
+    // A request with the client's key, sent again while the first is still being admitted
+    // (a client-side timeout's retry, ranks sending the same step), shares its reservation.
+    const share =
+      generatedKey === null && idempotencyKey !== null
+        ? sha256Hex(`${options.batch ? "batch" : "rollout"}:${idempotencyKey}`).slice(0, 24)
+        : "";
+    const room = await store.reserveBacklog(incoming, config.maxBacklog, deps.now(), undefined, share);
     reservation.release = room.release;
     if (room.reserved) return;
     const busy = room.inflight + room.reservedByOthers;

@@ -529,10 +529,16 @@ export class RolloutStore {
     max: number,
     now: number,
     ttlMs = 60_000,
+    /**
+     * What names the request (from its idempotency key): a call for the same request while
+     * another holds a reservation for it shares that one (it admits the same rollouts), never
+     * refused for backpressure; its release leaves the other's alone.
+     */
+    share = "",
   ): Promise<{ reserved: boolean; inflight: number; reservedByOthers: number; release(): Promise<void> }> {
     const id = randomUUID();
-    const member = `${id}:${count}`; // as the script stores it
-    const [ok, inflight, others] = (await this.redis.fleetReserve(
+    const member = share === "" ? `${id}:${count}` : `${id}:${share}:${count}`; // as the script stores it
+    const [ok, inflight, others, shared] = (await this.redis.fleetReserve(
       this.keys.inflight(),
       this.keys.reservations(),
       id,
@@ -540,13 +546,14 @@ export class RolloutStore {
       String(max),
       String(now),
       String(now + ttlMs),
-    )) as [number, number, number];
+      share,
+    )) as [number, number, number, number];
     return {
       reserved: ok === 1,
       inflight: Number(inflight),
       reservedByOthers: Number(others),
       release: async () => {
-        if (ok === 1) await this.redis.zrem(this.keys.reservations(), member);
+        if (ok === 1 && Number(shared) !== 1) await this.redis.zrem(this.keys.reservations(), member);
       },
     };
   }

@@ -271,21 +271,30 @@ const SCRIPTS = {
    */
   fleetReserve: {
     keys: 2, // inflight, reservations
+    // ARGV: id, count, max, now, expiresAt, share ('' for none)
     lua: `
       redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
-      local own = ARGV[1] .. ':' .. ARGV[2]
-      local reserved, mine = 0, false
+      local share = ARGV[6] or ''
+      local own = ARGV[1] .. ':' .. (share ~= '' and (share .. ':') or '') .. ARGV[2]
+      local shareTag = ':' .. share .. ':'
+      local reserved, mine, shared = 0, false, false
       for _, member in ipairs(redis.call('ZRANGE', KEYS[2], 0, -1)) do
         -- Its own member: this reservation re-sent by ioredis after a reconnect lost the reply
         -- (ids are unique per call). It holds already; counting it as another's would refuse it.
         if member == own then mine = true
-        else reserved = reserved + tonumber(string.match(member, ':(%d+)$')) end
+        else
+          reserved = reserved + tonumber(string.match(member, ':(%d+)$'))
+          -- The same request (its idempotency key) being admitted by another call: its room is
+          -- reserved already, and this one admits the same rollouts (a replay, never refused).
+          if share ~= '' and string.find(member, shareTag, 1, true) then shared = true end
+        end
       end
       local inflight = redis.call('ZCARD', KEYS[1])
-      if mine then return {1, inflight, reserved} end
-      if inflight + reserved + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return {0, inflight, reserved} end
+      if mine then return {1, inflight, reserved, 0} end
+      if shared then return {1, inflight, reserved, 1} end
+      if inflight + reserved + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return {0, inflight, reserved, 0} end
       redis.call('ZADD', KEYS[2], ARGV[5], own)
-      return {1, inflight, reserved}`,
+      return {1, inflight, reserved, 0}`,
   },
   /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */
   fleetTombstone: {

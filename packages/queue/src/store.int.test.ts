@@ -482,8 +482,8 @@ describe("rollout store", () => {
     const scripted = withScripts(redis);
     const keys = [own.keys.inflight(), own.keys.reservations()];
     const args = ["res-1", "3", "4", "1000", "61000"];
-    expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0]);
-    expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0]);
+    expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0, 0]);
+    expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0, 0]);
     expect(await redis.zrange(own.keys.reservations(), "0", "-1")).toEqual(["res-1:3"]);
     // Another submission still sees it: 3 reserved + 2 > 4.
     const other = await own.reserveBacklog(2, 4, 2000);
