@@ -207,10 +207,33 @@ describe("POST /v1/rollouts", () => {
     expect(error.details).toMatchObject({ rolloutId: first.json().id });
   });
 
+  it("one key names one request: the same key on the other route (a rollout's on a batch, a batch's on a rollout) is 409, nothing admitted twice", async () => {
+    for (const [firstUrl, firstPayload, secondUrl, secondPayload] of [
+      ["/v1/rollouts", row, "/v1/batches", { rollouts: [row] }],
+      ["/v1/batches", { rollouts: [row] }, "/v1/rollouts", row],
+    ] as const) {
+      const key = randomUUID();
+      const headers = { "idempotency-key": key };
+      const first = await h.call({ method: "POST", url: firstUrl, payload: firstPayload, headers });
+      expect(first.statusCode).toBe(202);
+      const before = await h.store.inflightCount();
+      const second = await h.call({ method: "POST", url: secondUrl, payload: secondPayload, headers });
+      expect(expectErrorBody(second, 409, "conflict").message).toMatch(/a key names one request/);
+      expect(await h.store.inflightCount()).toBe(before);
+    }
+  });
+
   it("scopes a key to the token: another token's same key gets its own rollout and batch, never 409", async () => {
     const key = randomUUID();
+    // A key names one request: the batches below take one of their own.
     const post = (token: string, url: string, payload: object) =>
-      h.call({ method: "POST", url, payload, token, headers: { "idempotency-key": key } });
+      h.call({
+        method: "POST",
+        url,
+        payload,
+        token,
+        headers: { "idempotency-key": url === "/v1/batches" ? `${key}-b` : key },
+      });
     const mine = await post(TOKEN, "/v1/rollouts", row);
     const theirs = await post(ADMIN, "/v1/rollouts", { ...row, metadata: { n: 2 } });
     expect([mine.statusCode, theirs.statusCode], theirs.body).toEqual([202, 202]);

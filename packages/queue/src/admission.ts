@@ -258,6 +258,22 @@ export async function admit(
   const canonical = input.requests.map((r) => canonicalJson(r));
   const bodyHash = sha256(`[${canonical.join(",")}]`);
 
+  if (key) {
+    // One key names one request: the same key on the other route is another body (409), not a
+    // second admission under it.
+    const other = input.batch
+      ? await store.exists(rolloutIds(1, key, "rollout")[0]!)
+      : await store.batchExists(batchIdFor(rolloutIds(1, key, "batch")));
+    if (other) {
+      throw new AdmissionError(
+        "conflict",
+        `Idempotency-Key was used for ${input.batch ? "a single rollout (POST /v1/rollouts)" : "a batch (POST /v1/batches)"}; a key names one request`,
+        input.batch
+          ? { rolloutId: rolloutIds(1, key, "rollout")[0] }
+          : { batchId: batchIdFor(rolloutIds(1, key, "batch")) },
+      );
+    }
+  }
   if (key && !input.batch) {
     const existing = await store.get(ids[0]!);
     if (existing) {

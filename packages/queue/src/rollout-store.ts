@@ -481,6 +481,16 @@ export class RolloutStore {
     return raw ? RolloutResult.parse(JSON.parse(raw)) : null;
   }
 
+  /** Whether a rollout is recorded under this id. */
+  async exists(id: string): Promise<boolean> {
+    return (await this.redis.exists(this.keys.rollout(id))) === 1;
+  }
+
+  /** Whether a batch is recorded under this id (its creation at least). */
+  async batchExists(id: string): Promise<boolean> {
+    return (await this.redis.exists(this.keys.batch(id))) === 1;
+  }
+
   async getBatch(id: string): Promise<BatchProgress | null> {
     const h = await this.redis.hgetall(this.keys.batch(id));
     if (!h.createdAt) return null;
