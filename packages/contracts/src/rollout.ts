@@ -15,9 +15,33 @@ export const RolloutRequest = z.strictObject({
   deadlineS: Seconds.optional(),
   sandbox: SandboxOptions.optional(),
   /** Free JSON echoed into the result. */
-  metadata: z.record(z.string(), z.unknown()).optional(),
+  metadata: z.record(z.string(), z.unknown()).superRefine(refuseUnsafeIntegers).optional(),
 });
 export type RolloutRequest = z.infer<typeof RolloutRequest>;
+
+/**
+ * Metadata is echoed as it was read: an integer past 2^53 (a step counter, a token id) was
+ * already rounded by JSON parsing (12345678901234567890 reads back 12345678901234567000), and
+ * two such values would even hash alike (a different request taken for a replay). Refused, with
+ * where and what to send instead.
+ */
+function refuseUnsafeIntegers(value: Record<string, unknown>, ctx: z.RefinementCtx): void {
+  const walk = (v: unknown, path: PropertyKey[], depth: number): void => {
+    if (typeof v === "number") {
+      if (Number.isInteger(v) && !Number.isSafeInteger(v)) {
+        ctx.addIssue({
+          code: "custom",
+          path,
+          message: `${v} is an integer beyond 2^53, which JSON numbers cannot hold exactly: send it as a string`,
+        });
+      }
+      return;
+    }
+    if (depth > 64 || v === null || typeof v !== "object") return;
+    for (const [k, x] of Object.entries(v)) walk(x, [...path, Array.isArray(v) ? Number(k) : k], depth + 1);
+  };
+  walk(value, [], 0);
+}
 export type RolloutRequestInput = z.input<typeof RolloutRequest>;
 
 export const BatchRequest = z.strictObject({

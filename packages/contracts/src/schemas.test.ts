@@ -29,9 +29,14 @@ const relPath = fc.stringMatching(/^[a-z]{1,8}(\/[a-z]{1,8}){0,2}\.(sh|py|txt)$/
 const files = fc.dictionary(relPath, text, { maxKeys: 3 });
 const secs = fc.double({ min: 1, max: MAX_DURATION_S, noNaN: true });
 const nat = fc.nat({ max: 1e12 });
-const json = fc.dictionary(fc.string({ minLength: 1, maxLength: 8 }), fc.jsonValue({ maxDepth: 2 }), {
-  maxKeys: 3,
-});
+/** No number JSON cannot hold exactly as an integer (refused in metadata: see the test below). */
+const exact = (v: unknown): boolean =>
+  typeof v === "number"
+    ? !Number.isInteger(v) || Number.isSafeInteger(v)
+    : v === null || typeof v !== "object" || Object.values(v).every(exact);
+const json = fc
+  .dictionary(fc.string({ minLength: 1, maxLength: 8 }), fc.jsonValue({ maxDepth: 2 }), { maxKeys: 3 })
+  .filter(exact);
 
 const task = fc
   .record({
@@ -429,6 +434,28 @@ describe("TaskContent refusals", () => {
 describe("every schema round-trips through JSON", () => {
   it("TaskContent", () => roundTrips(TaskContent, task));
   it("AgentSpec", () => roundTrips(AgentSpec, agent));
+  it("RolloutRequest metadata refuses integers past 2^53 (JSON parsing rounded them already), saying where", () => {
+    const parsed = JSON.parse(
+      '{"step": 12345678901234567890, "nested": [{"id": 1152921504606846976}], "ok": 9007199254740991, "lr": 0.5, "s": "12345678901234567890"}',
+    );
+    const r = RolloutRequest.safeParse({
+      task: { digest: "a".repeat(64) },
+      agent: { harness: "oracle" },
+      metadata: parsed,
+    });
+    expect(r.success).toBe(false);
+    expect(r.error!.issues.map((i) => [i.path.join("."), i.message])).toEqual([
+      [
+        "metadata.step",
+        "12345678901234567000 is an integer beyond 2^53, which JSON numbers cannot hold exactly: send it as a string",
+      ],
+      [
+        "metadata.nested.0.id",
+        "1152921504606847000 is an integer beyond 2^53, which JSON numbers cannot hold exactly: send it as a string",
+      ],
+    ]);
+  });
+
   it("RolloutRequest", () =>
     roundTrips(RolloutRequest, fc.record({ task, agent, deadlineS: secs, metadata: json })));
   it("RolloutRequest by digest", () =>
