@@ -97,6 +97,8 @@ export interface ChatCallInput {
   onProbe?: () => void;
   /** Called before each backoff wait. */
   onRetry?: (info: { attempt: number; status: number | null; reason: string; waitMs: number }) => void;
+  /** Called for each attempt that failed (before a retry's wait, or before giving up). */
+  onFailedAttempt?: () => void;
   /**
    * Whether the endpoint has answered an earlier call of this episode: only then is a 400, 413 or
    * 422 a refusal of the conversation the policy wrote (`refused`, graded) rather than of the
@@ -276,6 +278,9 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       }
     }
 
+    // This attempt failed (an error status, no answer in time, a broken connection, an unusable
+    // answer): counted whether a retry follows or not.
+    input.onFailedAttempt?.();
     const waitMs = Math.max(backoffMs(attempt, input.retry), waitAtLeast ?? 0);
     if (Date.now() + waitMs >= input.deadlineMs) {
       if (failedForSure()) throw unavailable();

@@ -200,6 +200,11 @@ describe("ToolLoopHarness", () => {
       calls: 0,
       gaps: [expect.stringMatching(/failed upstream attempt/)],
     });
+    // Every attempt the reason counts is in the gap, the last one (no retry after it) too.
+    const attempts = /\((\d+) attempts?; last/.exec((err as Error).message)?.[1];
+    expect((err as FleetError).usage!.gaps).toEqual([
+      `${attempts} failed upstream attempts not counted (usage unknown)`,
+    ]);
   });
 
   it("never runs a tool call that carries the credential (an upstream echoing the Authorization header): the sandbox never gets it", async () => {

@@ -139,8 +139,8 @@ export class ToolLoopHarness implements Harness {
             meter.note(
               `a one-token probe request after a 403 at model call ${step}, to tell a refused key from a refused request (not counted)`,
             ),
+          onFailedAttempt: () => meter.recordFailure(),
           onRetry: ({ attempt, status, reason, waitMs }) => {
-            meter.recordFailure();
             transcript.add({ event: "retry", step, attempt, status, reason, waitMs });
           },
           // Every call before this one was answered (the loop stops at any other outcome).
