@@ -328,6 +328,23 @@ describe("POST /v1/rollouts", () => {
     });
   });
 
+  it("answers 422 for a deadlineS shorter than its run needs (the agent's timeout, the tests', 5 s): it could only be masked", async () => {
+    const { agentS, verifierS } = TaskContent.parse(task).timeouts;
+    const need = agentS + verifierS + 5;
+    const short = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { ...row, deadlineS: need - 1 },
+    });
+    const error = expectErrorBody(short, 422, "invalid");
+    expect(error.message).toMatch(
+      new RegExp(`deadlineS ${need - 1} s is shorter than the ${need} s a run needs`),
+    );
+    expect(error.details).toMatchObject({ issues: [{ path: "deadlineS" }] });
+    const own = { ...row, agent: { ...row.agent, timeoutS: 1 }, deadlineS: 1 + verifierS + 5 };
+    expect((await h.call({ method: "POST", url: "/v1/rollouts", payload: own })).statusCode).toBe(202);
+  });
+
   it("answers 422 for a task whose tests/test.sh runs nothing (every agent would pass)", async () => {
     const res = await h.call({
       method: "POST",

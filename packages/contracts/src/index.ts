@@ -5,5 +5,6 @@ export * from "./errors.ts";
 export * from "./failure.ts";
 export * from "./issues.ts";
 export * from "./rollout.ts";
+export * from "./run-budget.ts";
 export * from "./sandbox.ts";
 export * from "./task.ts";

@@ -8,7 +8,7 @@ export {
   MAX_OUTPUT_CHARS,
 } from "./constants.ts";
 export { createHarness } from "./create-harness.ts";
-export { agentDeadline, RUN_MARGIN_MS, runBudgetShortfall } from "./deadline.ts";
+export { agentDeadline } from "./deadline.ts";
 export type { Harness, HarnessContext, HarnessDeps, HarnessOutcome } from "./harness.ts";
 export { OracleHarness } from "./oracle-harness.ts";
 export { capTail } from "./run-command.ts";

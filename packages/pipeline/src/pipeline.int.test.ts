@@ -5,11 +5,12 @@ import {
   type CleanupReceipt,
   FleetError,
   type RolloutRequestInput,
+  RUN_MARGIN_MS,
   type SandboxHandle,
   TaskContent,
   withUsage,
 } from "@fleet/contracts";
-import { createHarness, RUN_MARGIN_MS } from "@fleet/harness";
+import { createHarness } from "@fleet/harness";
 import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
 import { execResult, fillWithEmptyFilesPy } from "@fleet/sandbox/testing";
@@ -351,11 +352,17 @@ for _ in range(40):
   });
 
   it("a run the rollout's deadline would cut before its agent's timeout and the tests is masked before its agent starts, a quick agent as a slow one (rule 6: no mask a policy chooses by being slow)", async () => {
-    // hello-file: the agent's 60 s and the tests' 30 s; a 20 s deadline covers neither. Started,
-    // the oracle would be graded 1.0 and the sleeper masked: masks that only slow agents get.
+    // hello-file: the agent's 60 s, the tests' 30 s and the 5 s margin. A deadline shorter than
+    // those 95 s is refused at admission (it could only mask); one of exactly 95 s is admitted,
+    // and its run, starting after the seed, has less left. Started, the oracle would be graded
+    // 1.0 and the sleeper masked: masks that only slow agents get.
+    await expect(fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 94.9 }])).rejects.toMatchObject({
+      code: "invalid",
+      message: expect.stringMatching(/deadlineS 94\.9 s is shorter than the 95 s a run needs/),
+    });
     const ids = await fleet.submit([
-      { ...oracle(byId("hello-file")), deadlineS: 20 },
-      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 20 },
+      { ...oracle(byId("hello-file")), deadlineS: 95 },
+      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 95 },
     ]);
     allIds.push(...ids);
     const results = await fleet.waitForResults(ids, 60_000);
@@ -369,7 +376,7 @@ for _ in range(40):
         teardown: "confirmed",
       });
       expect(r!.reason).toMatch(
-        /^the rollout's deadline leaves 1?\d(\.\d)? s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need: the agent was not started/,
+        /^the rollout's deadline leaves \d+(\.\d)? s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need: the agent was not started/,
       );
       expect(r!.timings.agentMs ?? null).toBeNull();
     }
@@ -419,8 +426,10 @@ describe("no host fallback", () => {
     try {
       suite ??= await loadSuite(EXAMPLE_SUITE_DIR);
       const marker = `/tmp/fleet-host-fallback-${Date.now()}`;
+      // Timeouts as short as a task has (1 s each), so the shortest deadline it admits is 7 s.
+      const quick = { ...byId("hello-file"), timeouts: { agentS: 1, verifierS: 1 } };
       const [id] = await fleet.submit([
-        { task: byId("hello-file"), agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 4 },
+        { task: quick, agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 7 },
       ]);
       // The provider breaker holds the seed (no daemon answers a listing either) and stops
       // taking seeds: the rollout waits out its deadline, and the watchdog (the janitor's, run
@@ -466,9 +475,11 @@ describe("idempotency and fencing without workers", () => {
   };
 
   it("a retryable failure is retried only while its next attempt can start before the rollout's one deadline (rule 5)", async () => {
-    const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 1 }]);
+    // The shortest deadline a run of hello-file admits: 95 s (its agent's 60, its tests' 30, 5).
+    const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 95 }]);
     const [early] = await fleet.submit([oracle(byId("hello-file"))]);
-    const at = Date.now(); // both before their deadlines; `late`'s next attempt would start after its own
+    // Both before their deadlines; `late`'s next attempt (1 s of backoff) would start after its own.
+    const at = (await fleet.deps.store.get(late!))!.meta.deadlineAt - 500;
     const daemonDown = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
       create: async () => {
         throw FleetError.retryable("provider_unavailable", "the daemon is restarting");

@@ -10,6 +10,7 @@ import {
   isFleetError,
   type ProbeReport,
   type RunReceipt,
+  runBudgetShortfall,
   type SandboxHandle,
   type StageName,
   type TaskContent,
@@ -18,12 +19,7 @@ import {
   withUsage,
 } from "@fleet/contracts";
 import type { UpstreamHealth } from "@fleet/gateway";
-import {
-  agentDeadline,
-  createHarness as defaultCreateHarness,
-  runBudgetShortfall,
-  stageWorkspace,
-} from "@fleet/harness";
+import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } from "@fleet/harness";
 import {
   type BeginOptions,
   type BeginResult,

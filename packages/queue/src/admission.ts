@@ -4,6 +4,8 @@ import {
   canonicalJson,
   missingScriptMessage,
   type RolloutRequest,
+  RUN_MARGIN_MS,
+  runNeeds,
   sha256Hex as sha256,
   TaskContent,
 } from "@fleet/contracts";
@@ -181,6 +183,16 @@ export async function prepareRollouts(
       throw new AdmissionError("invalid", `rollout ${i}: task ${task.id}'s solution/solve.sh ${message}`, {
         index: i,
         issues: [{ path: "task.solution.solve.sh", message }],
+      });
+    }
+    // A deadline shorter than what a run needs (the agent's timeout, the tests', the margin) could
+    // only mask the rollout (its run is masked before it starts: `runBudgetShortfall`): refused.
+    const needs = runNeeds(task, req.agent);
+    if (req.deadlineS !== undefined && req.deadlineS * 1000 < needs.needMs) {
+      const message = `${req.deadlineS} s is shorter than the ${needs.needMs / 1000} s a run needs (the agent's timeout, ${needs.ownS} s${needs.verifyS > 0 ? `, the tests', ${needs.verifyS} s,` : ""} and ${RUN_MARGIN_MS / 1000} s to stop and grade): the rollout could never be graded, only masked; raise deadlineS or lower agent.timeoutS`;
+      throw new AdmissionError("invalid", `rollout ${i}: deadlineS ${message}`, {
+        index: i,
+        issues: [{ path: "deadlineS", message }],
       });
     }
     const deadlineS =
