@@ -20,7 +20,7 @@ import {
   VerifyReceipt,
 } from "./rollout.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";
-import { fileModes, matchExpectedProblem, matchPattern, TaskContent } from "./task.ts";
+import { fileModes, imageReferenceProblem, matchExpectedProblem, matchPattern, TaskContent } from "./task.ts";
 
 const id = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9._-]{0,20}$/);
 const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
@@ -434,6 +434,36 @@ describe("TaskContent refusals", () => {
 describe("every schema round-trips through JSON", () => {
   it("TaskContent", () => roundTrips(TaskContent, task));
   it("AgentSpec", () => roundTrips(AgentSpec, agent));
+  it.each([
+    ["rollout-fleet/base:latest", undefined],
+    ["localhost:5000/team/img:1.2", undefined],
+    ["registry.example.com/x@sha256:" + "a".repeat(64), undefined],
+    ["[::1]:5000/x", undefined],
+    [" rollout-fleet/base:latest", "must have no whitespace"],
+    ["Rollout-Fleet/base:latest", "has a name that is not lowercase"],
+    ["a//b", "has a name that is not lowercase"],
+    ["x/y:", "has a tag that is not"],
+    ["x@sha256:zz", "has a digest that is not"],
+  ])("image %j: %s", (ref, problem) => {
+    const found = imageReferenceProblem(ref);
+    if (problem === undefined) expect(found).toBeUndefined();
+    else expect(found).toContain(problem);
+  });
+
+  it("TaskContent refuses an image Docker cannot parse, at its path (a 422 at the API, not a failed seed)", () => {
+    const r = TaskContent.safeParse({
+      id: "t",
+      instruction: "x",
+      image: "Rollout-Fleet/base:latest",
+      tests: { "test.sh": "exit 0\n" },
+    });
+    expect(r.success).toBe(false);
+    expect(r.error!.issues[0]).toMatchObject({
+      path: ["image"],
+      message: expect.stringMatching(/not a Docker image reference$/),
+    });
+  });
+
   it("RolloutRequest metadata refuses integers past 2^53 (JSON parsing rounded them already), saying where", () => {
     const parsed = JSON.parse(
       '{"step": 12345678901234567890, "nested": [{"id": 1152921504606846976}], "ok": 9007199254740991, "lr": 0.5, "s": "12345678901234567890"}',

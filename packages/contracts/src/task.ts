@@ -183,6 +183,48 @@ export function matchExpectedProblem(spec: {
 const LONE_CR = /\r(?!\n)/;
 
 /** A task's whole content, as it travels with a request and is stored content-addressed. */
+const DOMAIN_COMPONENT = "(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])";
+/** A registry host (with its port): a name with a dot, an IPv6 address in brackets, or one with a port, or localhost. */
+const REGISTRY = new RegExp(
+  `^(?:${DOMAIN_COMPONENT}(?:\\.${DOMAIN_COMPONENT})+(?::\\d+)?|${DOMAIN_COMPONENT}:\\d+|\\[[0-9a-fA-F:.]+\\](?::\\d+)?|localhost)$`,
+);
+const PATH_COMPONENT = /^[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*$/;
+const TAG = /^\w[\w.-]{0,127}$/;
+const DIGEST = /^[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,}$/;
+
+/**
+ * Why `ref` is no Docker image reference (`[registry/]name[:tag][@digest]`, the name's path
+ * lowercase), or `undefined` when it is one. The daemon refuses such a name only once a worker
+ * asks it for a sandbox: the API can tell first.
+ */
+export function imageReferenceProblem(ref: string): string | undefined {
+  if (ref.length === 0 || ref.length > 300) return "must be 1 to 300 characters";
+  if (/\s/.test(ref)) return "must have no whitespace";
+  let rest = ref;
+  const at = rest.indexOf("@");
+  if (at >= 0) {
+    if (!DIGEST.test(rest.slice(at + 1))) return "has a digest that is not <algorithm>:<hex>";
+    rest = rest.slice(0, at);
+  }
+  const parts = rest.split("/");
+  const last = parts[parts.length - 1]!;
+  const colon = last.lastIndexOf(":");
+  if (colon >= 0) {
+    if (!TAG.test(last.slice(colon + 1))) return "has a tag that is not [A-Za-z0-9_][A-Za-z0-9_.-]{0,127}";
+    parts[parts.length - 1] = last.slice(0, colon);
+  }
+  if (parts.length > 1 && REGISTRY.test(parts[0]!)) parts.shift();
+  if (!parts.every((p) => PATH_COMPONENT.test(p))) {
+    return "has a name that is not lowercase letters, digits and separators (. _ __ -) between slashes";
+  }
+  return undefined;
+}
+
+const ImageReference = z.string().superRefine((ref, ctx) => {
+  const problem = imageReferenceProblem(ref);
+  if (problem) ctx.addIssue({ code: "custom", message: `${problem}: not a Docker image reference` });
+});
+
 export const TaskContent = z
   .strictObject({
     id: z
@@ -195,7 +237,7 @@ export const TaskContent = z
       ),
     instruction: z.string().min(1, "must not be empty"),
     /** Sandbox image name; must exist on the worker hosts. */
-    image: z.string().min(1).max(300),
+    image: ImageReference,
     /** Files placed in the agent's workspace before it starts. */
     workspace: FileSet.default({}),
     /** The reference solution (`solve.sh` and helpers); used by the `oracle` agent only. */
