@@ -437,7 +437,7 @@ describe("every schema round-trips through JSON", () => {
   it.each([
     ["rollout-fleet/base:latest", undefined],
     ["localhost:5000/team/img:1.2", undefined],
-    ["registry.example.com/x@sha256:" + "a".repeat(64), undefined],
+    [`registry.example.com/x@sha256:${"a".repeat(64)}`, undefined],
     ["[::1]:5000/x", undefined],
     [" rollout-fleet/base:latest", "must have no whitespace"],
     ["Rollout-Fleet/base:latest", "has a name that is not lowercase"],
