@@ -89,7 +89,8 @@ export async function submit(
     // (a client-side timeout's retry, ranks sending the same step), shares its reservation.
     const share =
       generatedKey === null && idempotencyKey !== null
-        ? sha256Hex(`${options.batch ? "batch" : "rollout"}:${idempotencyKey}`).slice(0, 24)
+        ? // Its row count too: a request sharing the room admits as many rollouts as it holds.
+          sha256Hex(`${options.batch ? "batch" : "rollout"}:${idempotencyKey}:${incoming}`).slice(0, 24)
         : "";
     const room = await store.reserveBacklog(incoming, config.maxBacklog, deps.now(), undefined, share);
     reservation.release = room.release;

@@ -107,7 +107,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // admission never recorded is the client's to send again (a replay with its key finishes it).
   await step("admissions", async () => {
     const grace = options.admissionGraceMs ?? DEFAULT_ADMISSION_GRACE_MS;
-    for (const admission of await deps.store.admissionsBefore(now - grace)) {
+    for (const { admission, score } of await deps.store.admissionsBefore(now - grace)) {
       const waiting = await deps.store.unseededOf(admission);
       if (waiting.length > 0) {
         await deps.queues.enqueueSeeds(waiting);
@@ -116,7 +116,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           "finished an admission its dispatcher did not: enqueued its recorded rollouts' seeds",
         );
       }
-      await deps.store.admissionDone(admission);
+      // Only the note read: one a live admission refreshed meanwhile (a chunk recorded since) stays.
+      await deps.store.admissionDone(admission, score);
       report.admissionsFinished++;
     }
   });

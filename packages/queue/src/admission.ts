@@ -307,7 +307,19 @@ export async function admit(
   // Every check that can refuse the request comes before anything of it is recorded: a refused
   // batch leaves no batch behind, and its key stays free for the corrected body.
   const metas = await prepareRollouts(store, input.requests, ids, batchId, { ...options, now }, canonical);
+  const expiring = (expired: readonly string[]) =>
+    new AdmissionError(
+      "conflict",
+      `batch ${batchId} has finished and its rollouts are expiring (retention): its Idempotency-Key replays it only while it is kept; submit it again under a new key`,
+      { batchId, expired: expired.slice(0, 10) },
+    );
+  const admission = batchId !== null ? admissionOf({ batchId }) : admissionOf({ rolloutId: ids[0]! });
   if (batchId !== null) {
+    // A replay of a batch that finished and is expiring, some of whose rollouts are gone: refused
+    // before anything of it is recorded (admitting its never-recorded rest would bring a batch
+    // about to vanish back, and a client told to use a new key would run that rest twice).
+    const gone = await store.expiredOfBatch(batchId);
+    if (gone.length > 0) throw expiring(gone);
     const stored = await store.createBatch(batchId, bodyHash, now);
     if (stored !== bodyHash) {
       throw new AdmissionError("conflict", "Idempotency-Key was used with a different batch body", {
@@ -316,13 +328,12 @@ export async function admit(
     }
   }
   const { created, conflicting, expired } = await store.admit(metas, now);
-  if (expired.length > 0) {
-    throw new AdmissionError(
-      "conflict",
-      `batch ${batchId} has finished and its rollouts are expiring (retention): its Idempotency-Key replays it only while it is kept; submit it again under a new key`,
-      { batchId, expired: expired.slice(0, 10) },
-    );
+  if (expired.length > 0 && created.length === 0) {
+    await store.admissionDone(admission);
+    throw expiring(expired);
   }
+  // (Expired rollouts beside created ones: a retention ended between the check above and the
+  // admission. The rest is admitted and runs, as the check would have let it; those are gone.)
   if (conflicting.length > 0) {
     // Only a single rollout can get here (a batch's body is checked whole, atomically, above):
     // a concurrent request with the same key and another body recorded it first.
@@ -333,8 +344,6 @@ export async function admit(
   await queues.enqueueSeeds(ids);
   // Not under way any more; one cut short before here is finished by the janitor (its seeds
   // enqueued) or by a replay.
-  await store.admissionDone(
-    batchId !== null ? admissionOf({ batchId }) : admissionOf({ rolloutId: ids[0]! }),
-  );
+  await store.admissionDone(admission);
   return { batchId, ids, created };
 }

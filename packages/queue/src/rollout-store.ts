@@ -318,18 +318,62 @@ export class RolloutStore {
       String(now),
       String(BATCH_ADMISSION_LEASE_MS),
       admissionOf({ batchId }),
+      // The note's time is now, not the admission's start: its task uploads may have taken long.
+      String(Date.now()),
     )) as string | null;
     return stored ?? bodyHash;
   }
 
-  /** An admission's seeds are enqueued: it is no longer under way (see `Keys.admitting`). */
-  async admissionDone(admission: string): Promise<void> {
-    await this.redis.zrem(this.keys.admitting(), admission);
+  /**
+   * Of a batch that finished and is expiring (retention), the rollouts it admitted that are gone
+   * already (at most `limit`); none for a batch that is not expiring.
+   */
+  async expiredOfBatch(batchId: string, limit = 10): Promise<string[]> {
+    const [ttl, total] = await Promise.all([
+      this.redis.pttl(this.keys.batch(batchId)),
+      this.redis.hget(this.keys.batch(batchId), "total"),
+    ]);
+    if (ttl <= 0 || total === null) return [];
+    const gone: string[] = [];
+    for (let start = 0; gone.length < limit; start += 500) {
+      const ids = await this.batchRolloutIds(batchId, start, start + 499);
+      if (ids.length === 0) break;
+      const pipe = this.redis.pipeline();
+      for (const id of ids) pipe.exists(this.keys.rollout(id));
+      const found = (await pipe.exec()) ?? [];
+      ids.forEach((id, i) => {
+        if (found[i]?.[1] === 0 && gone.length < limit) gone.push(id);
+      });
+      if (ids.length < 500) break;
+    }
+    return gone;
   }
 
-  /** Admissions still under way that began before `before` (their dispatcher may have died). */
-  async admissionsBefore(before: number, limit = 20): Promise<string[]> {
-    return this.redis.zrangebyscore(this.keys.admitting(), "-inf", before, "LIMIT", 0, limit);
+  /**
+   * An admission's seeds are enqueued: it is no longer under way (see `Keys.admitting`). With
+   * `ifScore`, only while its note still has that score (the janitor's: a live admission that
+   * noted a new chunk since the janitor read it keeps its note).
+   */
+  async admissionDone(admission: string, ifScore?: number): Promise<void> {
+    if (ifScore === undefined) await this.redis.zrem(this.keys.admitting(), admission);
+    else await this.redis.fleetAdmissionDone(this.keys.admitting(), admission, String(ifScore));
+  }
+
+  /** Admissions still under way that began before `before` (their dispatcher may have died), with their notes' scores. */
+  async admissionsBefore(before: number, limit = 20): Promise<Array<{ admission: string; score: number }>> {
+    const flat = await this.redis.zrangebyscore(
+      this.keys.admitting(),
+      "-inf",
+      before,
+      "WITHSCORES",
+      "LIMIT",
+      0,
+      limit,
+    );
+    const out: Array<{ admission: string; score: number }> = [];
+    for (let i = 0; i + 1 < flat.length; i += 2)
+      out.push({ admission: flat[i]!, score: Number(flat[i + 1]) });
+    return out;
   }
 
   /** Of an admission's rollouts, those recorded and never started (their seed may never have been enqueued). */

@@ -122,7 +122,7 @@ const SCRIPTS = {
    * its first admitted rollout ends (`fleetAdmit`), so a batch none of whose rollouts was ever
    * recorded (its dispatcher died, or Redis went away, between the two) does not stay for good.
    * For its own body, the admission is noted as under way (`admitting`). ARGV: bodyHash, now,
-   * leaseMs, admitting member. Returns the stored body hash. Never writes the counts (admission and finalize count them up), so a late
+   * leaseMs, admitting member, the note's time. Returns the stored body hash. Never writes the counts (admission and finalize count them up), so a late
    * creation cannot reset a replay's.
    */
   fleetCreateBatch: {
@@ -133,8 +133,9 @@ const SCRIPTS = {
       end
       redis.call('HSETNX', KEYS[1], 'createdAt', ARGV[2])
       local stored = redis.call('HGET', KEYS[1], 'bodyHash')
-      -- Its admission is under way until its seeds are enqueued (ARGV[4]: its member there).
-      if stored == ARGV[1] then redis.call('ZADD', KEYS[2], ARGV[2], ARGV[4]) end
+      -- Its admission is under way until its seeds are enqueued (ARGV[4]: its member there,
+      -- ARGV[5]: the note's time).
+      if stored == ARGV[1] then redis.call('ZADD', KEYS[2], ARGV[5] or ARGV[2], ARGV[4]) end
       return stored`,
   },
   /**
@@ -337,6 +338,14 @@ const SCRIPTS = {
       if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
       redis.call('HSET', KEYS[1], 'cancel', '1')
       return 1`,
+  },
+  /** An admission's note removed only while it has the score read (ARGV: member, score). Returns 1 if removed. */
+  fleetAdmissionDone: {
+    keys: 1, // admitting
+    lua: `
+      local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+      if score and tonumber(score) == tonumber(ARGV[2]) then return redis.call('ZREM', KEYS[1], ARGV[1]) end
+      return 0`,
   },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
   fleetCancel: {

@@ -718,7 +718,13 @@ describe("rollout store", () => {
     const ids = rolloutIds(5, key, "batch");
     const batchId = batchIdFor(ids);
     const member = `b:${batchId}`;
-    expect(await kept.admissionsBefore(Date.now() + 1, 1000)).toContain(member);
+    const noted = await kept.admissionsBefore(Date.now() + 1, 1000);
+    expect(noted.map((a) => a.admission)).toContain(member);
+    // The janitor removes only the note it read: one a live admission refreshed stays.
+    const score = noted.find((a) => a.admission === member)!.score;
+    await redis.zadd(kept.keys.admitting(), score + 1, member);
+    await kept.admissionDone(member, score);
+    expect(await redis.zscore(kept.keys.admitting(), member)).toBe(String(score + 1));
     expect(await kept.unseededOf(member)).toEqual(ids.slice(0, 2));
     expect(await queues.queues.seed.getJob(`${ids[0]}.seed`)).toBeUndefined();
     // Its 2 rollouts ran out their deadline and were closed (the watchdog's): the batch looks finished.
@@ -736,7 +742,7 @@ describe("rollout store", () => {
     for (const k of [kept.keys.batch(batchId), kept.keys.batchIds(batchId)])
       expect(await redis.pttl(k)).toBe(-1);
     expect(await queues.queues.seed.getJob(`${ids[4]}.seed`)).toBeDefined();
-    expect(await kept.admissionsBefore(Date.now() + 1, 1000)).not.toContain(member);
+    expect((await kept.admissionsBefore(Date.now() + 1, 1000)).map((a) => a.admission)).not.toContain(member);
     // A replay of a batch that finished whole still admits none of its expired rollouts again.
     for (const id of ids.slice(2)) {
       const m = (await kept.get(id))!.meta;
@@ -747,6 +753,41 @@ describe("rollout store", () => {
       name: "AdmissionError",
       code: "conflict",
     });
+    expect(await kept.get(ids[3]!)).toBeNull();
+  });
+
+  it("a replay of a batch cut short whose admitted rollouts finished and one of them expired is refused whole: nothing of it recorded, nothing left noted", async () => {
+    const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const key = `cut-expired-${Date.now()}`;
+    const requests = Array.from({ length: 5 }, () => ({
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+    }));
+    const dying = Object.create(kept) as RolloutStore;
+    dying.admit = async (metas, now) => {
+      await kept.admit(metas.slice(0, 2), now);
+      throw new Error("the dispatcher died");
+    };
+    const submit = (s: RolloutStore) =>
+      admit(s, queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e6 });
+    await expect(submit(dying)).rejects.toThrow("the dispatcher died");
+    const ids = rolloutIds(5, key, "batch");
+    const batchId = batchIdFor(ids);
+    for (const id of ids.slice(0, 2)) {
+      const m = (await kept.get(id))!.meta;
+      await kept.finalize(m, { ...resultFor(id, "masked"), batchId }, Date.now());
+    }
+    await kept.admissionDone(`b:${batchId}`); // the janitor's
+    await redis.del(kept.keys.rollout(ids[0]!)); // its retention ended first
+    expect(await submit(kept).catch((e: unknown) => e)).toMatchObject({
+      name: "AdmissionError",
+      code: "conflict",
+    });
+    expect(await Promise.all(ids.slice(2).map((id) => kept.get(id)))).toEqual([null, null, null]);
+    expect(await kept.getBatch(batchId)).toMatchObject({ total: 2, done: 2 });
+    expect((await kept.admissionsBefore(Date.now() + 1, 1000)).map((a) => a.admission)).not.toContain(
+      `b:${batchId}`,
+    );
   });
 
   it("a batch cancelled while it is being admitted: the rollouts its admission records afterwards are recorded cancelled", async () => {
