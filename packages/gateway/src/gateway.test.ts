@@ -656,6 +656,12 @@ describe("model gateway", () => {
       /model\.test resolves to a link-local address \(169\.254\.169\.254\); refused/,
     );
     expect(upstream.requests).toHaveLength(0);
+    // Not the upstream failing (no mask for the run): the spec's endpoint, which the run fails on.
+    expect(gateway.health(token)).toMatchObject({
+      infraFailures: 0,
+      lastInfraFailure: null,
+      refusedEndpoint: expect.stringMatching(/link-local/),
+    });
   });
 
   it("revoke: later calls get 401; an in-flight call is aborted and noted", async () => {

@@ -4,7 +4,7 @@ import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
 import { redactSecrets } from "@fleet/telemetry";
 import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
-import { type ModelDispatcher, modelFetch } from "./model-fetch.ts";
+import { linkLocalRefusal, type ModelDispatcher, modelFetch } from "./model-fetch.ts";
 import { type KeyProbe, probeKey } from "./probe-key.ts";
 import { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus } from "./status.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
@@ -91,6 +91,12 @@ export interface UpstreamHealth {
   infraFailures: number;
   /** The last call's infrastructure failure, or null when the last call was answered (or none was made). */
   lastInfraFailure: string | null;
+  /**
+   * Why a call was never sent: the upstream's name resolved to a link-local or metadata address
+   * (`modelFetch`). The agent spec's endpoint, neither the upstream failing nor the agent's work:
+   * the run fails `agent_error`, as the tool-loop's does.
+   */
+  refusedEndpoint?: string | null;
 }
 
 /**
@@ -362,6 +368,11 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
           "call_aborted",
           "the call was aborted (token revoked or gateway closing)",
         );
+      }
+      const linkLocal = linkLocalRefusal(err);
+      if (linkLocal) {
+        entry.health.refusedEndpoint = linkLocal.message;
+        throw new GatewayHttpError(502, "upstream_unavailable", linkLocal.message);
       }
       // fetch's own errors can quote the request (a header value it refused): redacted as well.
       const why = redactCredential(describe(err), credential);

@@ -622,6 +622,34 @@ describe("idempotency and fencing without workers", () => {
     expect(await runStageJob("run", job(enough!), await at(enough!, need))).toBe("ok");
     expect(launched).toBe(1);
     await runStageJob("close", job(enough!), fleet.deps);
+
+    // An own sandbox that takes its time to make (a loaded host): the time left is counted
+    // again at launch. sum-answer: the agent's 60 s, a match verifier (no tests), 5 s.
+    const [own] = await fleet.submit([
+      { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },
+    ]);
+    expect(await runStageJob("seed", job(own!), fleet.deps)).toBe("ok");
+    const deadlineAt = (await fleet.deps.store.get(own!))!.meta.deadlineAt;
+    let clockAt = deadlineAt - (60_000 + RUN_MARGIN_MS); // just enough before the sandbox is made
+    const slowCreate = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+      create: async (...args: Parameters<SandboxProvider["create"]>) => {
+        const made = await fleet.deps.provider.create(...args);
+        clockAt += 3_000;
+        return made;
+      },
+    });
+    const ownErr = await runStageJob("run", job(own!), {
+      ...counting,
+      provider: slowCreate,
+      now: () => clockAt,
+    }).catch((e: unknown) => e);
+    expect(ownErr).toBeInstanceOf(UnrecoverableError);
+    expect(launched).toBe(1);
+    expect((await fleet.deps.store.get(own!))!.failure).toMatchObject({
+      failureKind: "deadline_exceeded",
+      reason: expect.stringMatching(/^the rollout's deadline leaves 62 s, less than the 65 s/),
+    });
+    await closeExpecting(own!, { status: "masked", failureKind: "deadline_exceeded" });
   });
 
   /** A harness that starts, says so (`started`), and returns exit 0 once `release` is called. */

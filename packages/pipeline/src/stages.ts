@@ -514,6 +514,20 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // Launching now, after a takeover, would run a second agent beside the new launch.
   const notOursAtLaunch = await unlessOurs();
   if (notOursAtLaunch !== undefined) return notOursAtLaunch;
+  // Again at launch: making, probing and staging an own sandbox, or resetting for a rerun, took
+  // time the check before them did not count.
+  const shortAtLaunch = runBudgetShortfall({
+    task,
+    agent: rec.meta.agent,
+    at: clock(deps),
+    rolloutDeadlineMs: rec.meta.deadlineAt,
+  });
+  if (shortAtLaunch) {
+    await giveBack();
+    // Its own sandbox is this stage's to destroy (rule 11); a failure goes to the ledger.
+    if (owned) await destroyOrLedger(deps, owned);
+    throw FleetError.nonRetryable("deadline_exceeded", shortAtLaunch);
+  }
 
   const make = deps.createHarness ?? defaultCreateHarness;
   const harness = make(rec.meta.agent, deps.harnessDeps ?? {});
@@ -694,6 +708,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // full reward. One whose last call was answered is graded as usual.
   const lastFailure = (upstream as UpstreamHealth | null)?.lastInfraFailure ?? null;
   const usage = withRerunGap(countSpent());
+  // A call the gateway never sent: the spec's endpoint resolved to a link-local address.
+  const refused = (upstream as UpstreamHealth | null)?.refusedEndpoint ?? null;
+  if (refused !== null) throw new FleetError("agent_error", refused, { retryable: false, usage });
   let upstreamFailing: string | null = null;
   if (lastFailure !== null) {
     const { answered, infraFailures } = upstream as unknown as UpstreamHealth;

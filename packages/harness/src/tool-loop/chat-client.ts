@@ -265,8 +265,12 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       const linkLocal = linkLocalRefusal(err);
       if (linkLocal) throw FleetError.nonRetryable("agent_error", linkLocal.message);
       if (timeout.aborted && cutByDeadline) {
-        // The deadline came mid-attempt: still the endpoint's fault if it had already failed us.
-        if (failedForSure()) throw unavailable();
+        // The deadline came mid-attempt: still the endpoint's fault if it had already failed us
+        // (this attempt, which the reason counts, in the usage gap too: it may have been billed).
+        if (failedForSure()) {
+          input.onFailedAttempt?.();
+          throw unavailable();
+        }
         return { kind: "deadline", failedAttempts: attempt - 1 };
       }
       if (timeout.aborted) {
