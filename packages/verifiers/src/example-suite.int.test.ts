@@ -406,6 +406,25 @@ print(41)
     },
   );
 
+  it.each([
+    "#!/usr/bin/env no-such-interpreter",
+    "#!/usr/bin/env -S no-such-interpreter -e",
+    "#!/bin/no-such-shell",
+  ])(
+    "a #! interpreter the image does not have (%s) fails the task (invalid_task), never a 0 for every agent",
+    async (shebang) => {
+      const base = tasks.find((t) => t.id === "hello-file")!;
+      const task: TaskContent = { ...base, tests: { "test.sh": `${shebang}\nexit 0\n` } };
+      const err = await verifyCounting(await sandbox(task, `no-interp-${shebang.length}`), task).catch(
+        (e) => e,
+      );
+      expect(err).toMatchObject({ kind: "invalid_task", retryable: false });
+      expect(err.message).toMatch(
+        /#! line names (\/usr\/bin\/env |)?\/?[a-z/-]*no-such-(interpreter|shell), which the sandbox image does not have/,
+      );
+    },
+  );
+
   it("a test.sh in Python (#!/usr/bin/env python3) runs in Python", async () => {
     const base = tasks.find((t) => t.id === "hello-file")!;
     const task: TaskContent = {

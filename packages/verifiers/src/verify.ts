@@ -134,6 +134,16 @@ case "$first" in
     line=\${first#??}; line=\${line#"\${line%%[![:space:]]*}"}
     interp=\${line%%[[:space:]]*}; arg=\${line#"$interp"}
     arg=\${arg#"\${arg%%[![:space:]]*}"}; arg=\${arg%"\${arg##*[![:space:]]}"}
+    # An interpreter the image does not have (#!/usr/bin/env python3 without python): the task's
+    # image, not the agent's work, so never a 0 for every agent.
+    if [ -n "$interp" ] && [ ! -x "$interp" ]; then report interpreter "$interp"; exit 3; fi
+    if [ "\${interp##*/}" = env ]; then
+      prog=\${arg#-S}; prog=\${prog#"\${prog%%[![:space:]]*}"}; prog=\${prog%%[[:space:]]*}
+      case "$prog" in
+        "" | -* | *=*) ;;
+        *) command -v "$prog" > /dev/null 2>&1 || { report interpreter "$prog"; exit 3; } ;;
+      esac
+    fi
     if [ -z "$interp" ]; then bash "$t"
     elif [ -n "$arg" ]; then "$interp" "$arg" "$t"
     else "$interp" "$t"
@@ -172,6 +182,8 @@ export type RunReport =
   | { kind: "reward"; text: string; json: boolean }
   /** Processes the tests started were still running when they ended (`count` of them, killed). */
   | { kind: "strays"; count: number }
+  /** test.sh's `#!` interpreter is not in the image (`name`): nothing ran. */
+  | { kind: "interpreter"; name: string }
   /** Unreadable, too large, or its size does not match: read the file (`json`: reward.json) apart. */
   | { kind: "read"; json: boolean }
   /**
@@ -216,6 +228,8 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
       return { stderr: own, report: { kind: "none" } };
     case "strays":
       return { stderr: own, report: { kind: "strays", count: Number(words[0]) || 1 } };
+    case "interpreter":
+      return { stderr: own, report: { kind: "interpreter", name: words.join(" ") } };
     case "reward": {
       const json = words[1] === "json";
       return {
@@ -326,6 +340,15 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     );
   }
 
+  if (report.kind === "interpreter") {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      capText(
+        `tests/test.sh's #! line names ${report.name}, which the sandbox image does not have: install it in the image, or drop the #! line (bash runs it then)`,
+        600,
+      ),
+    );
+  }
   const details: Record<string, unknown> = {
     kind: "tests",
     exitCode: result.exitCode,
