@@ -23,12 +23,15 @@ export type RolloutRequest = z.infer<typeof RolloutRequest>;
  * Metadata is echoed as it was read: an integer past 2^53 (a step counter, a token id) was
  * already rounded by JSON parsing (12345678901234567890 reads back 12345678901234567000), and
  * two such values would even hash alike (a different request taken for a replay). Refused, with
- * where and what to send instead.
+ * where and what to send instead. Numbers of 1e21 and more (written and read back in exponent
+ * form, floats) are left alone.
  */
 function refuseUnsafeIntegers(value: Record<string, unknown>, ctx: z.RefinementCtx): void {
   const walk = (v: unknown, path: PropertyKey[], depth: number): void => {
     if (typeof v === "number") {
-      if (Number.isInteger(v) && !Number.isSafeInteger(v)) {
+      // Below 1e21 JSON writes such a number back as all its digits (an integer literal it no
+      // longer is); from 1e21 up in exponent form, as a float: left alone (6e23 is 6e23).
+      if (Number.isInteger(v) && !Number.isSafeInteger(v) && Math.abs(v) < 1e21) {
         ctx.addIssue({
           code: "custom",
           path,
