@@ -34,4 +34,23 @@ describe("buildOpenApi", () => {
     expect(doc.components.schemas.RolloutResult!.properties).toHaveProperty("reward");
     expect(() => JSON.stringify(doc)).not.toThrow();
   });
+
+  it("documents that every /v1 operation may answer 500 and 503 (its Redis unavailable), and the batch route's NDJSON types", () => {
+    const doc = buildOpenApi() as {
+      paths: Record<
+        string,
+        Record<string, { responses: Record<string, unknown>; requestBody?: { content: object } }>
+      >;
+    };
+    for (const [path, ops] of Object.entries(doc.paths).filter(([p]) => p.startsWith("/v1/"))) {
+      for (const [method, op] of Object.entries(ops)) {
+        expect(Object.keys(op.responses), `${method} ${path}`).toEqual(
+          expect.arrayContaining(["500", "503"]),
+        );
+      }
+    }
+    expect(Object.keys(doc.paths["/v1/batches"]!.post!.requestBody!.content)).toEqual(
+      expect.arrayContaining(["application/json", "application/x-ndjson", "application/jsonl"]),
+    );
+  });
 });

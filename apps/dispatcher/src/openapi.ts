@@ -23,8 +23,14 @@ function schema(s: z.ZodType, io: "input" | "output"): JsonObject {
 const ref = (name: string) => ({ $ref: `#/components/schemas/${name}` });
 const html = { "text/html": { schema: { type: "string" } } };
 const json = (name: string) => ({ "application/json": { schema: ref(name) } });
+/** A route's error answers; every one may also answer 500 and 503 (its Redis unavailable). */
 const errors = (...statuses: number[]) =>
-  Object.fromEntries(statuses.map((s) => [String(s), { description: "error", content: json("Error") }]));
+  Object.fromEntries(
+    [...new Set([...statuses, 500, 503])].map((s) => [
+      String(s),
+      { description: "error", content: json("Error") },
+    ]),
+  );
 const idParam = (what: string) => ({
   name: "id",
   in: "path",
@@ -98,6 +104,9 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
             content: {
               ...json("BatchRequest"),
               "application/x-ndjson": {
+                schema: { type: "string", description: "one RolloutRequest per line" },
+              },
+              "application/jsonl": {
                 schema: { type: "string", description: "one RolloutRequest per line" },
               },
             },

@@ -1,5 +1,6 @@
 import { randomUUID } from "node:crypto";
 import { Readable } from "node:stream";
+import { gzipSync } from "node:zlib";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
 import { RolloutRequest, type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
 import {
@@ -498,6 +499,24 @@ describe("POST /v1/rollouts", () => {
     });
     expectErrorBody(ndjson, 415, "unsupported_media_type");
     expect(ndjson.json().error.message).toBe("this route takes application/json"); // the route's own
+    // A compressed body says so, not "not valid JSON".
+    const gzipped = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: gzipSync(JSON.stringify(row)),
+      headers: { "content-type": "application/json", "content-encoding": "gzip" },
+    });
+    expectErrorBody(gzipped, 415, "unsupported_media_type");
+    expect(gzipped.json().error.message).toBe(
+      "Content-Encoding gzip is not supported: send the body uncompressed",
+    );
+    const identity = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: row,
+      headers: { "content-encoding": "identity" },
+    });
+    expect(identity.statusCode).toBe(202);
   });
 });
 

@@ -146,6 +146,21 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     if (!closing) return;
     return refuse(reply, unavailable("the dispatcher is shutting down; try again", { connection: "close" }));
   });
+  // A compressed body would be read as its bytes (a 400 "not valid JSON" that hides why): 415.
+  app.addHook("onRequest", async (req, reply) => {
+    const encoding = String(req.headers["content-encoding"] ?? "identity")
+      .trim()
+      .toLowerCase();
+    if (encoding === "identity" || encoding === "") return;
+    return refuse(
+      reply,
+      new HttpError(
+        415,
+        "unsupported_media_type",
+        `Content-Encoding ${encoding.slice(0, 40)} is not supported: send the body uncompressed`,
+      ),
+    );
+  });
 
   // Auth runs before the body is read, so an unauthenticated client cannot make us parse 32 MiB.
   // Refusals are sent from here rather than thrown: Bull Board's routes have their own error
