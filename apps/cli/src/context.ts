@@ -16,7 +16,7 @@ export interface CliContext {
   defaults: { url: string; token: string | null };
   readFile: (path: string) => Promise<string>;
   /** `loadSuite` from `@fleet/tasks`. */
-  loadSuite: (dir: string, options: { maxBytes: number }) => Promise<TaskContent[]>;
+  loadSuite: (dir: string, options: { maxBytes: number; only: readonly string[] }) => Promise<TaskContent[]>;
   /** `taskDigest` from `@fleet/tasks`: lets later chunks reference tasks by digest. */
   digestOf?: (task: TaskContent) => string;
   /** Aborted on Ctrl-C. */

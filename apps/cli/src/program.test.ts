@@ -674,6 +674,18 @@ describe("fleet submit", () => {
       }),
     );
     expect([...bounds, ...loaded]).toEqual([10 * 1024 * 1024, 31457280]);
+    // --task asks the loader for those tasks only: another broken task of the suite stops nothing.
+    const asked: Array<readonly string[]> = [];
+    await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--task", "beta"],
+      ctx({
+        loadSuite: async (_dir, options) => {
+          asked.push(options.only);
+          return tasks;
+        },
+      }),
+    );
+    expect(asked).toEqual([["beta"]]);
   });
 
   it("stops waiting on Ctrl-C with exit 130, leaving the batch running", async () => {

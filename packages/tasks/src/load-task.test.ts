@@ -467,6 +467,18 @@ describe("loadSuite", () => {
     );
   });
 
+  it("with the tasks asked for (--task), a broken task not among them does not refuse the suite; one among them does", async () => {
+    await writeTask("good", {});
+    await writeTask("other", {});
+    await writeTask("no-instruction", { "instruction.md": null });
+    await mkdir(path.join(tmp, "stray"));
+    expect((await loadSuite(tmp, { only: ["good"] })).map((t) => t.id)).toEqual(["good", "other"]);
+    const message = await invalidTask(() => loadSuite(tmp, { only: ["good", "no-instruction"] }));
+    expect(message).toContain("1 broken task(s)");
+    expect(message).toContain(path.join(tmp, "no-instruction", "instruction.md"));
+    expect(await invalidTask(() => loadSuite(tmp, { only: [] }))).toContain("2 broken task(s)");
+  });
+
   it("reports every broken task at once, and skips . and _ directories", async () => {
     await writeTask("good", {});
     await writeTask("no-instruction", { "instruction.md": null });

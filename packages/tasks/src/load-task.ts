@@ -24,6 +24,15 @@ export interface LoadTaskOptions {
   maxBytes?: number;
 }
 
+export interface LoadSuiteOptions extends LoadTaskOptions {
+  /**
+   * The tasks asked for (ids, which for one that does not load are its directory's name): a
+   * broken task of the suite not among them does not refuse the load (it is left out). The
+   * tasks that load are returned all the same, for the caller to pick from.
+   */
+  only?: readonly string[];
+}
+
 /** Names skipped while reading a task's file trees (tool litter, never task content). */
 const SKIPPED = new Set(["__pycache__", ".pytest_cache", ".DS_Store", ".git"]);
 
@@ -157,7 +166,8 @@ async function missingTaskToml(dir: string): Promise<string | undefined> {
  * of one. Directories whose names start with `.` or `_` are skipped. All broken tasks are
  * reported together in one `invalid_task` error.
  */
-export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Promise<TaskContent[]> {
+export async function loadSuite(dir: string, options: LoadSuiteOptions = {}): Promise<TaskContent[]> {
+  const only = options.only !== undefined && options.only.length > 0 ? new Set(options.only) : null;
   const root = path.resolve(dir);
   const rootToml = path.join(root, "task.toml");
   if ((await statOrNull(rootToml)) !== null) return [await loadTask(root, options)];
@@ -186,12 +196,13 @@ export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Pro
   const loaded: Array<{ dir: string; task: TaskContent }> = [];
   // A symlinked task is refused like any symlink in a task (not skipped without a word).
   const problems: string[] = visible
-    .filter((e) => e.isSymbolicLink())
+    .filter((e) => e.isSymbolicLink() && (only === null || only.has(e.name)))
     .map((e) => `${path.join(root, e.name)}: is a symlink (refused; copy the task into the suite)`);
   for (const name of dirs) {
     const taskDir = path.join(root, name);
     try {
       if ((await statOrNull(path.join(taskDir, "task.toml"))) === null) {
+        if (only !== null && !only.has(name)) continue;
         const missing = await missingTaskToml(taskDir);
         problems.push(
           missing === undefined
@@ -202,6 +213,8 @@ export async function loadSuite(dir: string, options: LoadTaskOptions = {}): Pro
       }
       loaded.push({ dir: name, task: await loadTask(taskDir, options) });
     } catch (err) {
+      // Not a task asked for (by its directory's name: one that does not load has no id).
+      if (only !== null && !only.has(name)) continue;
       problems.push(err instanceof Error ? err.message : String(err));
     }
   }

@@ -57,7 +57,8 @@ async function submitAndFollow(
   const agent = await resolveAgent(opts.agent, ctx.readFile);
   let tasks: TaskContent[];
   try {
-    tasks = await ctx.loadSuite(opts.suite, { maxBytes: opts.maxTaskBytes });
+    // A broken task of the suite that --task did not ask for does not stop the submission.
+    tasks = await ctx.loadSuite(opts.suite, { maxBytes: opts.maxTaskBytes, only: opts.task ?? [] });
   } catch (err) {
     const message = (err as Error).message;
     // The loader's bound is this command's: a fleet that takes bigger tasks says so in its own.
