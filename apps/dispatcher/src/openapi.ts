@@ -153,13 +153,29 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
       "/v1/batches/{id}/results": {
         get: {
           summary: "NDJSON stream of the batch's terminal results",
-          parameters: [idParam("batch")],
+          parameters: [
+            idParam("batch"),
+            {
+              name: "after",
+              in: "query",
+              required: false,
+              schema: { type: "integer", minimum: 0 },
+              description:
+                "a cursor: only the rollouts that finished after the first `after`, in the order they finished (start at 0; the next value is in the fleet-results-next header)",
+            },
+          ],
           responses: {
             "200": {
               description: "one RolloutResult per line",
+              headers: {
+                "fleet-results-next": {
+                  description: "with ?after: the after of the next call",
+                  schema: { type: "integer" },
+                },
+              },
               content: { "application/x-ndjson": { schema: { type: "string" } } },
             },
-            ...errors(401, 404),
+            ...errors(400, 401, 404),
           },
         },
       },

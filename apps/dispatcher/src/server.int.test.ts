@@ -1089,6 +1089,39 @@ describe("results", () => {
       .map((l) => (JSON.parse(l) as RolloutResult).id);
     expect(ids).toEqual(picked);
   });
+
+  it("a cursor (?after=n) gives only what finished since, in the order it finished, and the next n in a header", async () => {
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: [row, row, row, row] },
+    });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    const read = async (after: string) => {
+      const r = await h.call({ method: "GET", url: `/v1/batches/${batchId}/results?after=${after}` });
+      expect(r.statusCode, r.body).toBe(200);
+      const ids = r.body
+        .split("\n")
+        .filter((l) => l !== "")
+        .map((l) => (JSON.parse(l) as RolloutResult).id);
+      return { ids, next: r.headers["fleet-results-next"] };
+    };
+    expect(await read("0")).toEqual({ ids: [], next: "0" });
+    const finish = async (id: string) =>
+      expect(await h.store.finalize({ id, batchId }, resultFor(id, batchId, 1), Date.now())).toBe(true);
+    // Finishing out of batch order: the cursor follows the finish order.
+    await finish(rolloutIds[2]!);
+    await finish(rolloutIds[0]!);
+    expect(await read("0")).toEqual({ ids: [rolloutIds[2], rolloutIds[0]], next: "2" });
+    expect(await read("2")).toEqual({ ids: [], next: "2" });
+    await finish(rolloutIds[3]!);
+    expect(await read("2")).toEqual({ ids: [rolloutIds[3]], next: "3" });
+    expect(await read("1")).toEqual({ ids: [rolloutIds[0], rolloutIds[3]], next: "3" });
+    for (const bad of ["-1", "x", "1.5", "9999999999"]) {
+      const r = await h.call({ method: "GET", url: `/v1/batches/${batchId}/results?after=${bad}` });
+      expectErrorBody(r, 400, "malformed");
+    }
+  });
 });
 
 describe("Redis down", () => {

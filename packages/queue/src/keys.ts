@@ -8,6 +8,8 @@ export interface Keys {
   failures(id: string): string;
   batch(id: string): string;
   batchIds(id: string): string;
+  /** A batch's finished rollouts in the order they finished (the results cursor's list). */
+  batchDone(id: string): string;
   task(digest: string): string;
   idempotency(keyHash: string): string;
   /** Sorted set of non-terminal rollouts, scored by deadline (epoch ms). */
@@ -47,6 +49,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     failures: (id) => `${x}rollout:${id}:failures`,
     batch: (id) => `${x}batch:${id}`,
     batchIds: (id) => `${x}batch:${id}:ids`,
+    batchDone: (id) => `${x}batch:${id}:done`,
     task: (digest) => `${x}task:${digest}`,
     idempotency: (keyHash) => `${x}idem:${keyHash}`,
     inflight: () => inflight,

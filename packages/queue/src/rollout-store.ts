@@ -421,6 +421,7 @@ export class RolloutStore {
           batch ? this.keys.batchIds(m.batchId!) : this.keys.rollout(m.id),
           this.keys.failures(m.id),
           this.keys.admitting(),
+          batch ? this.keys.batchDone(m.batchId!) : this.keys.rollout(m.id),
           JSON.stringify(m),
           String(m.deadlineAt),
           String(now),
@@ -553,6 +554,16 @@ export class RolloutStore {
 
   async batchRolloutIds(id: string, start = 0, stop = -1): Promise<string[]> {
     return this.redis.lrange(this.keys.batchIds(id), start, stop);
+  }
+
+  /** How many of a batch's rollouts have finished, as the results cursor counts them. */
+  async batchDoneCount(id: string): Promise<number> {
+    return this.redis.llen(this.keys.batchDone(id));
+  }
+
+  /** A batch's finished rollouts in the order they finished, positions `start` to `stop`. */
+  async batchDoneIds(id: string, start: number, stop: number): Promise<string[]> {
+    return this.redis.lrange(this.keys.batchDone(id), start, stop);
   }
 
   /** Results of many rollouts in one round trip (null where not terminal yet). */
@@ -862,6 +873,7 @@ export class RolloutStore {
         this.keys.failures(meta.id),
         meta.batchId !== null ? this.keys.batchIds(meta.batchId) : this.keys.rollout(meta.id),
         this.keys.networkRetries(),
+        meta.batchId !== null ? this.keys.batchDone(meta.batchId) : this.keys.rollout(meta.id),
       ],
       [
         fitRecordJson(parsed, MAX_RECORD_BYTES, RESULT_KEEP),

@@ -78,7 +78,7 @@ const SCRIPTS = {
    * `fleetCreateBatch`; a single one here (`r:<id>` in `admitting`, KEYS[6]).
    */
   fleetAdmit: {
-    keys: 6, // rollout, batch|rollout, inflight, batchIds|rollout, failures, admitting
+    keys: 7, // rollout, batch|rollout, inflight, batchIds|rollout, failures, admitting, batchDone|rollout
     lua: `
       if redis.call('HEXISTS', KEYS[1], 'meta') == 1 then
         local stored = redis.call('HGET', KEYS[1], 'bodyHash')
@@ -97,6 +97,7 @@ const SCRIPTS = {
         if index < tonumber(redis.call('HGET', KEYS[2], 'total')) then return -2 end
         redis.call('PERSIST', KEYS[2])
         redis.call('PERSIST', KEYS[4])
+        if KEYS[7] then redis.call('PERSIST', KEYS[7]) end
       end
       -- A failure log left by an expired rollout of the same id (a late stage's append) is not this one's.
       redis.call('DEL', KEYS[5])
@@ -206,8 +207,8 @@ const SCRIPTS = {
    */
   fleetFinalize: {
     // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due, failures,
-    // batch ids|rollout, network retries
-    keys: 9,
+    // batch ids|rollout, network retries, batch done|rollout
+    keys: 10,
     lua: `
       ${TERMINAL}
       ${CONFIRM_TEARDOWN}
@@ -236,6 +237,8 @@ const SCRIPTS = {
         redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[2], 1)
         done = redis.call('HINCRBY', KEYS[2], 'done', 1)
         total = tonumber(redis.call('HGET', KEYS[2], 'total') or '0')
+        -- In the order they finish: the results cursor (GET …/results?after=n) reads from here.
+        redis.call('RPUSH', KEYS[10], ARGV[5])
       end
       -- Retention: the result and its failure log live ARGV[11] ms from now; a batch's keys from
       -- when its last rollout finished (its seeds are enqueued only once all are admitted).
@@ -246,6 +249,7 @@ const SCRIPTS = {
         if ARGV[4] == '1' and done >= total then
           redis.call('PEXPIRE', KEYS[2], ttl)
           redis.call('PEXPIRE', KEYS[8], ttl)
+          redis.call('PEXPIRE', KEYS[10], ttl)
         end
       end
       return 1`,

@@ -658,9 +658,15 @@ describe("rollout store", () => {
     expect(await pttl(kept.keys.rollout(b))).toBe(-1);
     const metaB = (await kept.get(b))!.meta;
     expect(await kept.finalize(metaB, { ...resultFor(b, "completed"), batchId }, Date.now())).toBe(true);
-    for (const key of [kept.keys.batch(batchId!), kept.keys.batchIds(batchId!), kept.keys.rollout(b)]) {
+    for (const key of [
+      kept.keys.batch(batchId!),
+      kept.keys.batchIds(batchId!),
+      kept.keys.batchDone(batchId!),
+      kept.keys.rollout(b),
+    ]) {
       expect(await pttl(key)).toBeGreaterThan(50_000);
     }
+    expect(await kept.batchDoneIds(batchId!, 0, -1)).toEqual([a, b]);
     expect(await kept.getBatch(batchId!)).toMatchObject({ total: 2, done: 2 });
 
     // A replay of the finished batch after one of its rollouts expired admits nothing again.
@@ -739,8 +745,9 @@ describe("rollout store", () => {
     expect(replay.ids).toEqual(ids);
     expect(replay.created).toEqual(ids.slice(2));
     expect(await kept.getBatch(batchId)).toMatchObject({ total: 5, done: 2 });
-    for (const k of [kept.keys.batch(batchId), kept.keys.batchIds(batchId)])
+    for (const k of [kept.keys.batch(batchId), kept.keys.batchIds(batchId), kept.keys.batchDone(batchId)]) {
       expect(await redis.pttl(k)).toBe(-1);
+    }
     expect(await queues.queues.seed.getJob(`${ids[4]}.seed`)).toBeDefined();
     expect((await kept.admissionsBefore(Date.now() + 1, 1000)).map((a) => a.admission)).not.toContain(member);
     // A replay of a batch that finished whole still admits none of its expired rollouts again.

@@ -3,6 +3,7 @@ import type { RolloutStore } from "@fleet/queue";
 import type { FastifyInstance } from "fastify";
 import { BATCH_PAGE, cancelBatch } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
+import { HttpError } from "../http-error.ts";
 import { NdjsonText, parseBatchJson, parseBatchNdjson, parseIdempotencyKey } from "../requests.ts";
 import type { BatchAccepted, BatchView } from "../responses.ts";
 import { submit } from "../submit.ts";
@@ -52,7 +53,20 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
 
   app.get("/v1/batches/:id/results", async (req, reply) => {
     const id = idParam(req.params, "batch");
+    const after = afterParam(req.query);
     if (!(await store.getBatch(id))) throw notFound("batch", id);
+    if (after !== null) {
+      // The cursor: the rollouts that finished after the first `after`, in the order they
+      // finished, up to how many had finished now; the next call's `after` in the header.
+      const next = Math.max(after, await store.batchDoneCount(id));
+      const stream = Readable.from(finishedLines(store, id, after, next));
+      stream.on("error", (err) => req.log.error({ err, batchId: id }, "results stream failed"));
+      return reply
+        .code(200)
+        .header(RESULTS_NEXT_HEADER, String(next))
+        .type("application/x-ndjson; charset=utf-8")
+        .send(stream);
+    }
     const stream = Readable.from(resultLines(store, id));
     stream.on("error", (err) => req.log.error({ err, batchId: id }, "results stream failed"));
     return reply.code(200).type("application/x-ndjson; charset=utf-8").send(stream);
@@ -81,5 +95,41 @@ export async function* resultLines(store: RolloutStore, batchId: string): AsyncG
     }
     if (chunk !== "") yield chunk;
     if (ids.length < BATCH_PAGE) return;
+  }
+}
+
+/** The results cursor's next position (`GET /v1/batches/:id/results?after=n`). */
+export const RESULTS_NEXT_HEADER = "fleet-results-next";
+
+/** `?after=<n>` (n ≥ 0, an integer), or null without one. */
+function afterParam(query: unknown): number | null {
+  const raw = (query as { after?: unknown } | null)?.after;
+  if (raw === undefined) return null;
+  if (typeof raw !== "string" || !/^\d{1,9}$/.test(raw)) {
+    throw new HttpError(400, "malformed", "after must be a whole number of finished rollouts (0 to start)", {
+      after: String(raw).slice(0, 40),
+    });
+  }
+  return Number(raw);
+}
+
+/**
+ * Results of the rollouts at positions `from` to `to - 1` of a batch's finish order, a page at a
+ * time (one whose result expired is left out; it still counts toward `to`).
+ */
+export async function* finishedLines(
+  store: RolloutStore,
+  batchId: string,
+  from: number,
+  to: number,
+): AsyncGenerator<string> {
+  for (let start = from; start < to; start += BATCH_PAGE) {
+    const ids = await store.batchDoneIds(batchId, start, Math.min(start + BATCH_PAGE, to) - 1);
+    if (ids.length === 0) return;
+    let chunk = "";
+    for (const result of await store.getResults(ids)) {
+      if (result !== null) chunk += `${JSON.stringify(result)}\n`;
+    }
+    if (chunk !== "") yield chunk;
   }
 }
