@@ -1,4 +1,4 @@
-import { randomUUID } from "node:crypto";
+import { createHash, randomUUID } from "node:crypto";
 import { Readable } from "node:stream";
 import { gzipSync } from "node:zlib";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
@@ -750,6 +750,52 @@ describe("limits", () => {
       tight.call({ method: "POST", url: "/v1/batches", payload: six }),
     ]);
     expect([keyed.statusCode, other.statusCode].sort()).toEqual([202, 429]);
+  });
+
+  it("a keyed request finishing an admission cut short reserves room for what it still admits: the bound holds", async () => {
+    const tight = await makeHarness({ FLEET_MAX_BACKLOG: "10" });
+    const key = randomUUID();
+    const six = [row, row, row, row, row, row];
+    // A dispatcher recorded 2 of the 6, then died.
+    const dying = Object.create(tight.store) as typeof tight.store;
+    dying.admit = async (metas, now) => {
+      await tight.store.admit(metas.slice(0, 2), now);
+      throw new Error("the dispatcher died");
+    };
+    const requests = six.map((r) => RolloutRequest.parse(r));
+    await expect(
+      admit(dying, tight.queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e7 }),
+    ).rejects.toThrow("the dispatcher died");
+    // Another client fills the room meanwhile: 2 + 6 in flight.
+    const other = await tight.call({ method: "POST", url: "/v1/batches", payload: { rollouts: six } });
+    expect(other.statusCode).toBe(202);
+    // The replay would admit 4 more: 8 + 4 > 10.
+    const replay = await tight.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: six },
+      headers: { "idempotency-key": key },
+    });
+    expect(expectErrorBody(replay, 429, "backpressure").details).toMatchObject({ inflight: 8, incoming: 4 });
+    expect(await tight.store.inflightCount()).toBe(8);
+    // The same under a key scoped to the token (the path of every key sent since keys were scoped).
+    const scoped = randomUUID();
+    const principal = createHash("sha256").update(TOKEN).digest("hex");
+    await expect(
+      admit(
+        dying,
+        tight.queues,
+        { requests, batch: true, idempotencyKey: `${principal}\n${scoped}` },
+        { maxTaskBytes: 1e7 },
+      ),
+    ).rejects.toThrow("the dispatcher died");
+    const again = await tight.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: six },
+      headers: { "idempotency-key": scoped },
+    });
+    expect(expectErrorBody(again, 429, "backpressure").details).toMatchObject({ inflight: 10, incoming: 4 });
   });
 
   it("answers 429 with Retry-After past the backlog bound, but still replays an admitted batch", async () => {

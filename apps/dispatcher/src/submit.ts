@@ -51,10 +51,13 @@ export async function submit(
       { incoming, maxBacklog: config.maxBacklog },
     );
   }
-  let replay =
-    generatedKey === null &&
-    idempotencyKey !== null &&
-    (await alreadyAdmitted(store, idempotencyKey, options.batch, incoming));
+  // A keyed request some of whose rollouts are admitted already (a replay, or one finishing an
+  // admission cut short) reserves room only for the rest.
+  let toAdmit =
+    generatedKey === null && idempotencyKey !== null
+      ? await notYetAdmitted(store, idempotencyKey, options.batch, incoming)
+      : incoming;
+  let replay = toAdmit === 0;
   if (
     !replay &&
     generatedKey === null &&
@@ -75,7 +78,8 @@ export async function submit(
     }
     if (await admittedWithBody(store, legacy, options.batch, parsed.requests)) {
       idempotencyKey = legacy;
-      replay = true;
+      toAdmit = await notYetAdmitted(store, legacy, options.batch, incoming);
+      replay = toAdmit === 0;
     }
   }
   // The room is reserved in the same step as the check: submissions arriving together cannot
@@ -92,18 +96,18 @@ export async function submit(
         ? // Its row count too: a request sharing the room admits as many rollouts as it holds.
           sha256Hex(`${options.batch ? "batch" : "rollout"}:${idempotencyKey}:${incoming}`).slice(0, 24)
         : "";
-    const room = await store.reserveBacklog(incoming, config.maxBacklog, deps.now(), undefined, share);
+    const room = await store.reserveBacklog(toAdmit, config.maxBacklog, deps.now(), undefined, share);
     reservation.release = room.release;
     if (room.reserved) return;
     const busy = room.inflight + room.reservedByOthers;
     throw new HttpError(
       429,
       "backpressure",
-      `the fleet has ${busy} rollouts in flight or being admitted; ${incoming} more would pass the bound of ${config.maxBacklog}`,
+      `the fleet has ${busy} rollouts in flight or being admitted; ${toAdmit} more would pass the bound of ${config.maxBacklog}`,
       {
         inflight: room.inflight,
         admitting: room.reservedByOthers,
-        incoming,
+        incoming: toAdmit,
         maxBacklog: config.maxBacklog,
         retryAfterS: RETRY_AFTER_S,
       },
@@ -145,17 +149,19 @@ export function scopedKey(principal: string, key: string | null): string | null 
 }
 
 /**
- * Whether this idempotency key already names an admitted rollout or batch. Uses the id
+ * How many of the `count` rollouts this idempotency key names are not admitted yet: 0 for a
+ * replay of what was admitted whole, fewer than `count` for an admission cut short. Uses the id
  * derivation of `admit` (`rolloutIds`, `batchIdFor`).
  */
-async function alreadyAdmitted(
+async function notYetAdmitted(
   store: RolloutStore,
   key: string,
   batch: boolean,
   count: number,
-): Promise<boolean> {
-  if (!batch) return (await store.get(rolloutIds(1, key, "rollout")[0]!)) !== null;
-  return (await store.getBatch(batchIdFor(rolloutIds(count, key, "batch")))) !== null;
+): Promise<number> {
+  if (!batch) return (await store.get(rolloutIds(1, key, "rollout")[0]!)) !== null ? 0 : 1;
+  const existing = await store.getBatch(batchIdFor(rolloutIds(count, key, "batch")));
+  return existing === null ? count : Math.max(0, count - existing.total);
 }
 
 /** Whether this key names an admitted rollout or batch whose stored body hash is this body's. */
