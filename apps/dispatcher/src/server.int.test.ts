@@ -222,6 +222,17 @@ describe("POST /v1/rollouts", () => {
       expect(expectErrorBody(second, 409, "conflict").message).toMatch(/a key names one request/);
       expect(await h.store.inflightCount()).toBe(before);
     }
+    // Both at the same moment: one of the two, never both (checked with the writes).
+    for (let i = 0; i < 10; i++) {
+      const headers = { "idempotency-key": randomUUID() };
+      const answers = await Promise.all([
+        h.call({ method: "POST", url: "/v1/rollouts", payload: row, headers }),
+        h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row] }, headers }),
+      ]);
+      expect(answers.map((a) => a.statusCode).sort(), answers.map((a) => a.body).join("\n")).toEqual([
+        202, 409,
+      ]);
+    }
   });
 
   it("scopes a key to the token: another token's same key gets its own rollout and batch, never 409", async () => {

@@ -9,7 +9,7 @@ import {
   sha256Hex as sha256,
   TaskContent,
 } from "@fleet/contracts";
-import { admissionOf, type RolloutMeta, type RolloutStore } from "./rollout-store.ts";
+import { admissionOf, OTHER_ROUTE, type RolloutMeta, type RolloutStore } from "./rollout-store.ts";
 import type { StageQueues } from "./stage-queues.ts";
 
 /** Slack added to the task's own timeouts for queueing, seeding and closing, when no deadline is given. */
@@ -270,22 +270,19 @@ export async function admit(
   const canonical = input.requests.map((r) => canonicalJson(r));
   const bodyHash = sha256(`[${canonical.join(",")}]`);
 
-  if (key) {
-    // One key names one request: the same key on the other route is another body (409), not a
-    // second admission under it.
-    const other = input.batch
-      ? await store.exists(rolloutIds(1, key, "rollout")[0]!)
-      : await store.batchExists(batchIdFor(rolloutIds(1, key, "batch")));
-    if (other) {
-      throw new AdmissionError(
-        "conflict",
-        `Idempotency-Key was used for ${input.batch ? "a single rollout (POST /v1/rollouts)" : "a batch (POST /v1/batches)"}; a key names one request`,
-        input.batch
-          ? { rolloutId: rolloutIds(1, key, "rollout")[0] }
-          : { batchId: batchIdFor(rolloutIds(1, key, "batch")) },
-      );
-    }
-  }
+  // One key names one request: the same key on the other route is another body (409), not a
+  // second admission under it. Checked first here (no work for a request that is refused), and
+  // atomically with the writes (`createBatch`, `store.admit`): two at once cannot both pass.
+  const keyRolloutId = key && input.batch ? rolloutIds(1, key, "rollout")[0]! : undefined;
+  const keyBatchId = key && !input.batch ? batchIdFor(rolloutIds(1, key, "batch")) : undefined;
+  const otherRoute = () =>
+    new AdmissionError(
+      "conflict",
+      `Idempotency-Key was used for ${input.batch ? "a single rollout (POST /v1/rollouts)" : "a batch (POST /v1/batches)"}; a key names one request`,
+      keyRolloutId !== undefined ? { rolloutId: keyRolloutId } : { batchId: keyBatchId },
+    );
+  if (keyRolloutId !== undefined && (await store.exists(keyRolloutId))) throw otherRoute();
+  if (keyBatchId !== undefined && (await store.batchExists(keyBatchId))) throw otherRoute();
   if (key && !input.batch) {
     const existing = await store.get(ids[0]!);
     if (existing) {
@@ -320,14 +317,16 @@ export async function admit(
     // about to vanish back, and a client told to use a new key would run that rest twice).
     const gone = await store.expiredOfBatch(batchId);
     if (gone.length > 0) throw expiring(gone);
-    const stored = await store.createBatch(batchId, bodyHash, now);
+    const stored = await store.createBatch(batchId, bodyHash, now, keyRolloutId);
+    if (stored === OTHER_ROUTE) throw otherRoute();
     if (stored !== bodyHash) {
       throw new AdmissionError("conflict", "Idempotency-Key was used with a different batch body", {
         batchId,
       });
     }
   }
-  const { created, conflicting, expired } = await store.admit(metas, now);
+  const { created, conflicting, expired, otherRoute: refused } = await store.admit(metas, now, keyBatchId);
+  if (refused.length > 0) throw otherRoute();
   if (expired.length > 0 && created.length === 0) {
     await store.admissionDone(admission);
     throw expiring(expired);

@@ -310,10 +310,17 @@ export class RolloutStore {
    * admission and finalize (`HINCRBY` creates them), so a concurrent replay's admissions are
    * never reset to 0.
    */
-  async createBatch(batchId: string, bodyHash: string, now: number): Promise<string> {
+  async createBatch(
+    batchId: string,
+    bodyHash: string,
+    now: number,
+    /** The single rollout the batch's idempotency key would name: none may exist (`OTHER_ROUTE`). */
+    keyRolloutId?: string,
+  ): Promise<string> {
     const stored = (await this.redis.fleetCreateBatch(
       this.keys.batch(batchId),
       this.keys.admitting(),
+      keyRolloutId !== undefined ? this.keys.rollout(keyRolloutId) : this.keys.batch(batchId),
       bodyHash,
       String(now),
       String(BATCH_ADMISSION_LEASE_MS),
@@ -403,10 +410,13 @@ export class RolloutStore {
   async admit(
     metas: readonly RolloutMeta[],
     now: number,
-  ): Promise<{ created: string[]; conflicting: string[]; expired: string[] }> {
+    /** For a single rollout with an idempotency key: the batch that key would name (none may exist). */
+    keyBatchId?: string,
+  ): Promise<{ created: string[]; conflicting: string[]; expired: string[]; otherRoute: string[] }> {
     const created: string[] = [];
     const conflicting: string[] = [];
     const expired: string[] = [];
+    const otherRoute: string[] = [];
     for (let i = 0; i < metas.length; i += 500) {
       const chunk = metas.slice(i, i + 500);
       const pipe = this.redis.pipeline() as unknown as ScriptedRedis & {
@@ -422,6 +432,7 @@ export class RolloutStore {
           this.keys.failures(m.id),
           this.keys.admitting(),
           batch ? this.keys.batchDone(m.batchId!) : this.keys.rollout(m.id),
+          !batch && keyBatchId !== undefined ? this.keys.batch(keyBatchId) : this.keys.rollout(m.id),
           JSON.stringify(m),
           String(m.deadlineAt),
           String(now),
@@ -444,9 +455,10 @@ export class RolloutStore {
         if (value === 1) created.push(chunk[j]!.id);
         if (value === -1) conflicting.push(chunk[j]!.id);
         if (value === -2) expired.push(chunk[j]!.id);
+        if (value === -3) otherRoute.push(chunk[j]!.id);
       });
     }
-    return { created, conflicting, expired };
+    return { created, conflicting, expired, otherRoute };
   }
 
   // ---- reads ----
@@ -893,6 +905,9 @@ export class RolloutStore {
     return r === 1;
   }
 }
+
+/** What `createBatch` returns when the idempotency key names a single rollout already. */
+export const OTHER_ROUTE = "@other-route";
 
 /** An admission's member in `Keys.admitting`: a batch's, or a single rollout's. */
 export function admissionOf(of: { batchId: string } | { rolloutId: string }): string {

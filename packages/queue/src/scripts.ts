@@ -74,16 +74,24 @@ const SCRIPTS = {
    * body hash (an idempotent replay), -1 if it existed with another (a conflicting reuse of the
    * id's idempotency key, however close together the two requests came), -2 if it is gone from
    * a batch that finished and is expiring (retention): a replay may not add it again, which
-   * would count it twice in a batch about to vanish. A batch's rollout is noted as admitting by
+   * would count it twice in a batch about to vanish; -3 if its idempotency key names a batch
+   * (KEYS[8]) already. A batch's rollout is noted as admitting by
    * `fleetCreateBatch`; a single one here (`r:<id>` in `admitting`, KEYS[6]).
    */
   fleetAdmit: {
-    keys: 7, // rollout, batch|rollout, inflight, batchIds|rollout, failures, admitting, batchDone|rollout
+    // rollout, batch|rollout, inflight, batchIds|rollout, failures, admitting, batchDone|rollout,
+    // the batch its idempotency key would name|rollout (a single rollout's)
+    keys: 8,
     lua: `
       if redis.call('HEXISTS', KEYS[1], 'meta') == 1 then
         local stored = redis.call('HGET', KEYS[1], 'bodyHash')
         if stored and stored ~= ARGV[6] then return -1 end
         return 0
+      end
+      -- A single rollout's key that names a batch already (sent on the other route): -3. Checked
+      -- here, with the write, so two requests on the two routes cannot both pass.
+      if ARGV[5] == '0' and KEYS[8] and KEYS[8] ~= KEYS[1] and redis.call('EXISTS', KEYS[8]) == 1 then
+        return -3
       end
       -- A batch that counted rollouts and has a TTL is finished and expiring (a batch gets one
       -- only from fleetFinalize once done reaches total, or, before its first admission, from
@@ -127,8 +135,10 @@ const SCRIPTS = {
    * creation cannot reset a replay's.
    */
   fleetCreateBatch: {
-    keys: 2, // batch, admitting
+    keys: 3, // batch, admitting, the single rollout its idempotency key would name|batch
     lua: `
+      -- The key names a single rollout already (sent on the other route): nothing created.
+      if KEYS[3] and KEYS[3] ~= KEYS[1] and redis.call('EXISTS', KEYS[3]) == 1 then return '@other-route' end
       if redis.call('HSETNX', KEYS[1], 'bodyHash', ARGV[1]) == 1 and redis.call('HEXISTS', KEYS[1], 'total') == 0 then
         redis.call('PEXPIRE', KEYS[1], ARGV[3])
       end
