@@ -340,9 +340,9 @@ describe("POST /v1/rollouts", () => {
     });
   });
 
-  it("answers 422 for a deadlineS shorter than its run needs (the agent's timeout, the tests', 5 s): it could only be masked", async () => {
+  it("answers 422 for a deadlineS shorter than a rollout needs (the agent's timeout, the tests', 5 s, 10 s before its run): it could only be masked", async () => {
     const { agentS, verifierS } = TaskContent.parse(task).timeouts;
-    const need = agentS + verifierS + 5;
+    const need = agentS + verifierS + 5 + 10;
     const short = await h.call({
       method: "POST",
       url: "/v1/rollouts",
@@ -350,10 +350,10 @@ describe("POST /v1/rollouts", () => {
     });
     const error = expectErrorBody(short, 422, "invalid");
     expect(error.message).toMatch(
-      new RegExp(`deadlineS ${need - 1} s is shorter than the ${need} s a run needs`),
+      new RegExp(`deadlineS ${need - 1} s is shorter than the ${need} s a rollout needs`),
     );
     expect(error.details).toMatchObject({ issues: [{ path: "deadlineS" }] });
-    const own = { ...row, agent: { ...row.agent, timeoutS: 1 }, deadlineS: 1 + verifierS + 5 };
+    const own = { ...row, agent: { ...row.agent, timeoutS: 1 }, deadlineS: 1 + verifierS + 5 + 10 };
     expect((await h.call({ method: "POST", url: "/v1/rollouts", payload: own })).statusCode).toBe(202);
   });
 

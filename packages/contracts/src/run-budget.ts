@@ -43,3 +43,9 @@ export function runNeeds(
   const verifyS = task.verifier.kind === "tests" ? task.timeouts.verifierS : 0;
   return { ownS, verifyS, needMs: (ownS + verifyS) * 1000 + RUN_MARGIN_MS };
 }
+
+/**
+ * What admission adds to `runNeeds` for the time before the run starts (queueing, the sandbox's
+ * making and probe): a `deadlineS` with less could never reach its run with enough left (422).
+ */
+export const ADMISSION_ALLOWANCE_MS = 10_000;

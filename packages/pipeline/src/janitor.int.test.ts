@@ -88,7 +88,7 @@ describe("janitor", () => {
   it("a slow or hung daemon holds up neither the deadline watchdog (it runs first) nor the pass (destroys stop at the budget)", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const [overdue] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 95 }]);
+    const [overdue] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
     const at = Date.now() + 120_000;
     const stamp = Date.now();
     const entries = ["a", "b"].map((n) => ({
@@ -177,7 +177,7 @@ describe("janitor", () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     // No workers run: the rollout sits in `accepted` until the watchdog closes it.
-    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 95 }]);
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
     const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
     const report = await janitorTick(later, { orphanGraceMs: 60_000, watchdogGraceMs: 1000 });
     expect(report.watchdogClosed).toBe(1);
@@ -230,7 +230,7 @@ describe("janitor", () => {
     const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
     const [graded, stuck] = await fleet.submit([
       { task, agent: { harness: "oracle" } },
-      { task, agent: { harness: "oracle" }, deadlineS: 95 },
+      { task, agent: { harness: "oracle" }, deadlineS: 105 },
     ]);
     for (const stage of ["seed", "run", "verify"] as const) {
       expect(await runStageJob(stage, job(graded!), fleet.deps)).toBe("ok");
@@ -304,7 +304,7 @@ describe("janitor", () => {
   it("with the Docker daemon down, the pass reports the orphan sweep's error and still runs the watchdog", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 95 }]);
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
     const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
     // A pass while the daemon answered counted its sandboxes.
     await janitorTick({ ...fleet.deps, metrics }, { orphanGraceMs: 3 * 3_600_000 });

@@ -352,35 +352,46 @@ for _ in range(40):
   });
 
   it("a run the rollout's deadline would cut before its agent's timeout and the tests is masked before its agent starts, a quick agent as a slow one (rule 6: no mask a policy chooses by being slow)", async () => {
-    // hello-file: the agent's 60 s, the tests' 30 s and the 5 s margin. A deadline shorter than
-    // those 95 s is refused at admission (it could only mask); one of exactly 95 s is admitted,
-    // and its run, starting after the seed, has less left. Started, the oracle would be graded
-    // 1.0 and the sleeper masked: masks that only slow agents get.
-    await expect(fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 94.9 }])).rejects.toMatchObject({
+    // hello-file: the agent's 60 s, the tests' 30 s, 5 s to stop and grade, and 10 s before the
+    // run starts. A deadline shorter than those 105 s is refused at admission (it could only mask).
+    await expect(fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 104.9 }])).rejects.toMatchObject({
       code: "invalid",
-      message: expect.stringMatching(/deadlineS 94\.9 s is shorter than the 95 s a run needs/),
+      message: expect.stringMatching(/deadlineS 104\.9 s is shorter than the 105 s a rollout needs/),
     });
-    const ids = await fleet.submit([
-      { ...oracle(byId("hello-file")), deadlineS: 95 },
-      { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 95 },
-    ]);
-    allIds.push(...ids);
-    const results = await fleet.waitForResults(ids, 60_000);
-    for (const r of results) {
-      expect(r).toMatchObject({
-        status: "masked",
-        mask: true,
-        failureKind: "deadline_exceeded",
-        stage: "run",
-        reward: null,
-        teardown: "confirmed",
-      });
-      expect(r!.reason).toMatch(
-        /^the rollout's deadline leaves \d+(\.\d)? s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need: the agent was not started/,
-      );
-      expect(r!.timings.agentMs ?? null).toBeNull();
+    // Admitted with 105 s, then kept waiting 15 s for a worker (no workers run in this fleet; the
+    // stages run by hand, the run's clock 15 s on): 90 s left at its start. Started, the oracle
+    // would be graded 1.0 and the sleeper cut and masked: masks that only slow agents get.
+    const waiting = await startInProcessFleet({ provider: docker, startWorkers: false });
+    try {
+      const ids = await waiting.submit([
+        { ...oracle(byId("hello-file")), deadlineS: 105 },
+        { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 105 },
+      ]);
+      const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+      const late = { ...waiting.deps, now: () => Date.now() + 15_000 };
+      for (const id of ids) {
+        expect(await runStageJob("seed", job(id), waiting.deps)).toBe("ok");
+        await expect(runStageJob("run", job(id), late)).rejects.toBeInstanceOf(UnrecoverableError);
+        await runStageJob("close", job(id), waiting.deps);
+      }
+      for (const r of await waiting.deps.store.getResults(ids)) {
+        expect(r).toMatchObject({
+          status: "masked",
+          mask: true,
+          failureKind: "deadline_exceeded",
+          stage: "run",
+          reward: null,
+          teardown: "confirmed",
+          agentLaunches: 0,
+        });
+        expect(r!.reason).toMatch(
+          /^the rollout's deadline leaves (8\d|90)(\.\d)? s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need: the agent was not started/,
+        );
+      }
+      expect(await containersOf(ids)).toBe(0);
+    } finally {
+      await waiting.close();
     }
-    expect(await containersOf(ids)).toBe(0);
   });
 });
 
@@ -426,10 +437,10 @@ describe("no host fallback", () => {
     try {
       suite ??= await loadSuite(EXAMPLE_SUITE_DIR);
       const marker = `/tmp/fleet-host-fallback-${Date.now()}`;
-      // Timeouts as short as a task has (1 s each), so the shortest deadline it admits is 7 s.
+      // Timeouts as short as a task has (1 s each), so the shortest deadline it admits is 17 s.
       const quick = { ...byId("hello-file"), timeouts: { agentS: 1, verifierS: 1 } };
       const [id] = await fleet.submit([
-        { task: quick, agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 7 },
+        { task: quick, agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 17 },
       ]);
       // The provider breaker holds the seed (no daemon answers a listing either) and stops
       // taking seeds: the rollout waits out its deadline, and the watchdog (the janitor's, run
@@ -439,7 +450,7 @@ describe("no host fallback", () => {
           await janitorTick(fleet.deps, { orphanGraceMs: 60_000, watchdogGraceMs: 0 });
           expect(await fleet.deps.store.getResults([id!])).not.toEqual([null]);
         },
-        { timeout: 30_000, interval: 250 },
+        { timeout: 45_000, interval: 250 },
       );
       const [r] = await fleet.waitForResults([id!], 10_000);
       expect(fleet.workers!.providerDown).toBe(true);
@@ -475,8 +486,8 @@ describe("idempotency and fencing without workers", () => {
   };
 
   it("a retryable failure is retried only while its next attempt can start before the rollout's one deadline (rule 5)", async () => {
-    // The shortest deadline a run of hello-file admits: 95 s (its agent's 60, its tests' 30, 5).
-    const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 95 }]);
+    // The shortest deadline hello-file admits: 105 s (its agent's 60, its tests' 30, 5, and 10).
+    const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 105 }]);
     const [early] = await fleet.submit([oracle(byId("hello-file"))]);
     // Both before their deadlines; `late`'s next attempt (1 s of backoff) would start after its own.
     const at = (await fleet.deps.store.get(late!))!.meta.deadlineAt - 500;
@@ -1269,15 +1280,18 @@ describe("idempotency and fencing without workers", () => {
       timeouts: { agentS: 1, verifierS: 30 },
     };
     const [late, stopping] = await fleet.submit([
-      // Time for the run (1 s + 30 s + the margin), not for waiting out 30 s of tests + 15 s of grace.
-      { ...oracle(task), deadlineS: 44 },
+      // Time for the run (1 s + 30 s + 5 s, and 10 s before it), not for waiting out 30 s of
+      // tests + 15 s of grace.
+      { ...oracle(task), deadlineS: 46 },
       { ...oracle(task), deadlineS: 600 },
     ]);
     for (const id of [late!, stopping!]) {
       for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id), fleet.deps);
-      await fleet.redis.hset(fleet.deps.store.keys.rollout(id), "t:verify:last", String(Date.now()));
+      // The earlier attempt began its tests just now, by its worker's clock 5 s ahead of ours.
+      const earlier = Date.now() + 5_000;
+      await fleet.redis.hset(fleet.deps.store.keys.rollout(id), "t:verify:last", String(earlier));
     }
-    // 30 s of tests + 15 s of grace from now passes the 44 s deadline: no point sleeping into it.
+    // 30 s of tests + 15 s of grace from then passes the 46 s deadline: no point sleeping into it.
     await expect(runStageJob("verify", job(late!), fleet.deps)).rejects.toThrow(/deadline_exceeded/);
     const shutdown = new AbortController();
     const waiting = runStageJob("verify", job(stopping!), fleet.deps, { signal: shutdown.signal }).catch(

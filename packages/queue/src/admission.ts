@@ -1,5 +1,6 @@
 import { randomUUID } from "node:crypto";
 import {
+  ADMISSION_ALLOWANCE_MS,
   agentName,
   canonicalJson,
   missingScriptMessage,
@@ -188,8 +189,9 @@ export async function prepareRollouts(
     // A deadline shorter than what a run needs (the agent's timeout, the tests', the margin) could
     // only mask the rollout (its run is masked before it starts: `runBudgetShortfall`): refused.
     const needs = runNeeds(task, req.agent);
-    if (req.deadlineS !== undefined && req.deadlineS * 1000 < needs.needMs) {
-      const message = `${req.deadlineS} s is shorter than the ${needs.needMs / 1000} s a run needs (the agent's timeout, ${needs.ownS} s${needs.verifyS > 0 ? `, the tests', ${needs.verifyS} s,` : ""} and ${RUN_MARGIN_MS / 1000} s to stop and grade): the rollout could never be graded, only masked; raise deadlineS or lower agent.timeoutS`;
+    const leastMs = needs.needMs + ADMISSION_ALLOWANCE_MS;
+    if (req.deadlineS !== undefined && req.deadlineS * 1000 < leastMs) {
+      const message = `${req.deadlineS} s is shorter than the ${leastMs / 1000} s a rollout needs (the agent's timeout, ${needs.ownS} s${needs.verifyS > 0 ? `, the tests', ${needs.verifyS} s,` : ""} ${RUN_MARGIN_MS / 1000} s to stop and grade, and ${ADMISSION_ALLOWANCE_MS / 1000} s before its run starts): the rollout could never be graded, only masked; raise deadlineS or lower agent.timeoutS`;
       throw new AdmissionError("invalid", `rollout ${i}: deadlineS ${message}`, {
         index: i,
         issues: [{ path: "deadlineS", message }],
