@@ -26,6 +26,11 @@ export interface AdmissionOptions {
    * request it must refuse (422, 413) gets that answer, never a 429 to retry for.
    */
   beforeRecord?: () => Promise<void>;
+  /**
+   * A replay of a batch admitted already (its stored body this one): its deadlines were admitted
+   * under the bound of their day, and its rest must stay admittable (no stricter bound since).
+   */
+  replay?: boolean;
 }
 
 export interface Admitted {
@@ -190,7 +195,7 @@ export async function prepareRollouts(
     // only mask the rollout (its run is masked before it starts: `runBudgetShortfall`): refused.
     const needs = runNeeds(task, req.agent);
     const leastMs = needs.needMs + ADMISSION_ALLOWANCE_MS;
-    if (req.deadlineS !== undefined && req.deadlineS * 1000 < leastMs) {
+    if (req.deadlineS !== undefined && req.deadlineS * 1000 < leastMs && !options.replay) {
       const message = `${req.deadlineS} s is shorter than the ${leastMs / 1000} s a rollout needs (the agent's timeout, ${needs.ownS} s${needs.verifyS > 0 ? `, the tests', ${needs.verifyS} s,` : ""} ${RUN_MARGIN_MS / 1000} s to stop and grade, and ${ADMISSION_ALLOWANCE_MS / 1000} s before its run starts): the rollout could never be graded, only masked; raise deadlineS or lower agent.timeoutS`;
       throw new AdmissionError("invalid", `rollout ${i}: deadlineS ${message}`, {
         index: i,
@@ -305,7 +310,17 @@ export async function admit(
   }
   // Every check that can refuse the request comes before anything of it is recorded: a refused
   // batch leaves no batch behind, and its key stays free for the corrected body.
-  const metas = await prepareRollouts(store, input.requests, ids, batchId, { ...options, now }, canonical);
+  // A replay of a batch recorded already (cut short, or its answer lost) finishes it as it was
+  // admitted, whatever bound a later release put on deadlines.
+  const replay = batchId !== null && key !== null && (await store.getBatch(batchId))?.bodyHash === bodyHash;
+  const metas = await prepareRollouts(
+    store,
+    input.requests,
+    ids,
+    batchId,
+    { ...options, now, replay },
+    canonical,
+  );
   const expiring = (expired: readonly string[]) =>
     new AdmissionError(
       "conflict",

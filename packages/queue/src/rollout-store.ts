@@ -321,6 +321,7 @@ export class RolloutStore {
       this.keys.batch(batchId),
       this.keys.admitting(),
       keyRolloutId !== undefined ? this.keys.rollout(keyRolloutId) : this.keys.batch(batchId),
+      this.keys.batchDone(batchId),
       bodyHash,
       String(now),
       String(BATCH_ADMISSION_LEASE_MS),
@@ -568,9 +569,20 @@ export class RolloutStore {
     return this.redis.lrange(this.keys.batchIds(id), start, stop);
   }
 
-  /** How many of a batch's rollouts have finished, as the results cursor counts them. */
+  /**
+   * How many of a batch's rollouts have finished, as the results cursor counts them. A list
+   * without the expiry its batch has (an older release's finalize ended the batch: it knows no
+   * list) takes the batch's.
+   */
   async batchDoneCount(id: string): Promise<number> {
-    return this.redis.llen(this.keys.batchDone(id));
+    const [len, listTtl, batchTtl] = await Promise.all([
+      this.redis.llen(this.keys.batchDone(id)),
+      this.redis.pttl(this.keys.batchDone(id)),
+      this.redis.pttl(this.keys.batch(id)),
+    ]);
+    if (len > 0 && listTtl === -1 && batchTtl > 0)
+      await this.redis.pexpire(this.keys.batchDone(id), batchTtl);
+    return len;
   }
 
   /** A batch's finished rollouts in the order they finished, positions `start` to `stop`. */

@@ -135,12 +135,16 @@ const SCRIPTS = {
    * creation cannot reset a replay's.
    */
   fleetCreateBatch: {
-    keys: 3, // batch, admitting, the single rollout its idempotency key would name|batch
+    // batch, admitting, the single rollout its idempotency key would name|batch, its finish-order list|batch
+    keys: 4,
     lua: `
       -- The key names a single rollout already (sent on the other route): nothing created.
       if KEYS[3] and KEYS[3] ~= KEYS[1] and redis.call('EXISTS', KEYS[3]) == 1 then return '@other-route' end
       if redis.call('HSETNX', KEYS[1], 'bodyHash', ARGV[1]) == 1 and redis.call('HEXISTS', KEYS[1], 'total') == 0 then
         redis.call('PEXPIRE', KEYS[1], ARGV[3])
+        -- A new batch: a finish-order list left by an earlier one of the same id (one that an
+        -- older release's finalize let outlive its batch) is not this one's.
+        if KEYS[4] and KEYS[4] ~= KEYS[1] then redis.call('DEL', KEYS[4]) end
       end
       redis.call('HSETNX', KEYS[1], 'createdAt', ARGV[2])
       local stored = redis.call('HGET', KEYS[1], 'bodyHash')

@@ -13,7 +13,14 @@ import {
 } from "@fleet/contracts";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { admit, batchIdFor, digestTask, MAX_METADATA_BYTES, rolloutIds } from "./admission.ts";
+import {
+  admit,
+  batchIdFor,
+  digestTask,
+  MAX_METADATA_BYTES,
+  prepareRollouts,
+  rolloutIds,
+} from "./admission.ts";
 import { assertRedisDurable, createRedis } from "./connection.ts";
 import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
@@ -795,6 +802,50 @@ describe("rollout store", () => {
     expect((await kept.admissionsBefore(Date.now() + 1, 1000)).map((a) => a.admission)).not.toContain(
       `b:${batchId}`,
     );
+  });
+
+  it("a replay finishes a batch admitted under an older, looser deadline bound (not a 422), and a batch made anew drops a finish-order list an older release left behind", async () => {
+    const key = `old-bound-${Date.now()}`;
+    // deadlineS 30: under today's bound for this task (10 + 10 + 5 + 10 = 35 s), over the old one.
+    const requests = Array.from({ length: 3 }, () =>
+      RolloutRequest.parse({ task, agent: { harness: "oracle" }, deadlineS: 30 }),
+    );
+    await expect(
+      admit(store, queues, { requests, batch: true, idempotencyKey: `fresh-${key}` }, { maxTaskBytes: 1e6 }),
+    ).rejects.toMatchObject({ code: "invalid" });
+    // As an older release admitted it, cut short after 1 of its 3 rollouts.
+    const ids = rolloutIds(3, key, "batch");
+    const batchId = batchIdFor(ids);
+    const canonical = requests.map((r) => canonicalJson(r));
+    const metas = await prepareRollouts(
+      store,
+      requests,
+      ids,
+      batchId,
+      { maxTaskBytes: 1e6, replay: true },
+      canonical,
+    );
+    expect(await store.createBatch(batchId, sha256Hex(`[${canonical.join(",")}]`), Date.now())).toBeTruthy();
+    await store.admit(metas.slice(0, 1), Date.now());
+    const replay = await admit(
+      store,
+      queues,
+      { requests, batch: true, idempotencyKey: key },
+      { maxTaskBytes: 1e6 },
+    );
+    expect(replay.created).toEqual(ids.slice(1));
+
+    // A finish-order list that outlived its batch (an older finalize set no expiry on it).
+    const stale = `b-stale-${Date.now()}`;
+    await redis.rpush(store.keys.batchDone(stale), "old-0", "old-1");
+    expect(await store.createBatch(stale, "h", Date.now())).toBe("h");
+    expect(await redis.exists(store.keys.batchDone(stale))).toBe(0);
+    // One left without expiry beside a batch that has one: the cursor's read gives it the batch's.
+    await redis.hset(store.keys.batch(stale), "total", "2");
+    await redis.pexpire(store.keys.batch(stale), 60_000);
+    await redis.rpush(store.keys.batchDone(stale), "r-0");
+    expect(await store.batchDoneCount(stale)).toBe(1);
+    expect(await redis.pttl(store.keys.batchDone(stale))).toBeGreaterThan(50_000);
   });
 
   it("a batch cancelled while it is being admitted: the rollouts its admission records afterwards are recorded cancelled", async () => {
