@@ -457,18 +457,21 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   let handle = seedReceipt.handle;
   let owned: SandboxEntry | null = null;
   let task: TaskContent;
+  /** Why a run starting now cannot be graded whatever its agent does (`runBudgetShortfall`), or null. */
+  const shortfallNow = () =>
+    runBudgetShortfall({
+      task,
+      agent: rec.meta.agent,
+      at: clock(deps),
+      rolloutDeadlineMs: rec.meta.deadlineAt,
+    });
   try {
     task = await loadTask(rec, deps);
     const notOurs = await unlessOurs();
     if (notOurs !== undefined) return notOurs;
     // DESIGN §2 rule 6: a run the rollout's deadline would cut before its agent's own timeout and
     // the verification is masked now, before its agent can make the mask depend on its speed.
-    const short = runBudgetShortfall({
-      task,
-      agent: rec.meta.agent,
-      at: clock(deps),
-      rolloutDeadlineMs: rec.meta.deadlineAt,
-    });
+    const short = shortfallNow();
     if (short) throw FleetError.nonRetryable("deadline_exceeded", short);
     if (rec.meta.agent.sandbox === "own") {
       // An earlier attempt's own sandbox is never reused: it may have failed between create and
@@ -516,12 +519,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   if (notOursAtLaunch !== undefined) return notOursAtLaunch;
   // Again at launch: making, probing and staging an own sandbox, or resetting for a rerun, took
   // time the check before them did not count.
-  const shortAtLaunch = runBudgetShortfall({
-    task,
-    agent: rec.meta.agent,
-    at: clock(deps),
-    rolloutDeadlineMs: rec.meta.deadlineAt,
-  });
+  const shortAtLaunch = shortfallNow();
   if (shortAtLaunch) {
     await giveBack();
     // Its own sandbox is this stage's to destroy (rule 11); a failure goes to the ledger.

@@ -342,19 +342,32 @@ export class RolloutStore {
       this.redis.hget(this.keys.batch(batchId), "total"),
     ]);
     if (ttl <= 0 || total === null) return [];
-    const gone: string[] = [];
-    for (let start = 0; gone.length < limit; start += 500) {
+    return this.batchRolloutsWhere(batchId, (status) => status === null, limit);
+  }
+
+  /**
+   * A batch's rollouts (a page of ids at a time) whose record's status passes `keep` (null: no
+   * record), at most `limit`.
+   */
+  private async batchRolloutsWhere(
+    batchId: string,
+    keep: (status: string | null) => boolean,
+    limit = Number.POSITIVE_INFINITY,
+  ): Promise<string[]> {
+    const kept: string[] = [];
+    for (let start = 0; kept.length < limit; start += 500) {
       const ids = await this.batchRolloutIds(batchId, start, start + 499);
       if (ids.length === 0) break;
       const pipe = this.redis.pipeline();
-      for (const id of ids) pipe.exists(this.keys.rollout(id));
-      const found = (await pipe.exec()) ?? [];
+      for (const id of ids) pipe.hget(this.keys.rollout(id), "status");
+      const statuses = (await pipe.exec()) ?? [];
       ids.forEach((id, i) => {
-        if (found[i]?.[1] === 0 && gone.length < limit) gone.push(id);
+        if (kept.length < limit && keep((statuses[i]?.[1] as string | null | undefined) ?? null))
+          kept.push(id);
       });
       if (ids.length < 500) break;
     }
-    return gone;
+    return kept;
   }
 
   /**
@@ -386,21 +399,10 @@ export class RolloutStore {
 
   /** Of an admission's rollouts, those recorded and never started (their seed may never have been enqueued). */
   async unseededOf(admission: string): Promise<string[]> {
-    const batch = admission.startsWith("b:") ? admission.slice(2) : null;
-    const waiting: string[] = [];
-    for (let start = 0; ; start += 500) {
-      const ids =
-        batch === null ? [admission.slice(2)] : await this.batchRolloutIds(batch, start, start + 499);
-      if (ids.length === 0) break;
-      const pipe = this.redis.pipeline();
-      for (const id of ids) pipe.hget(this.keys.rollout(id), "status");
-      const statuses = (await pipe.exec()) ?? [];
-      ids.forEach((id, i) => {
-        if (statuses[i]?.[1] === "accepted") waiting.push(id);
-      });
-      if (batch === null || ids.length < 500) break;
-    }
-    return waiting;
+    const accepted = (status: string | null) => status === "accepted";
+    if (admission.startsWith("b:")) return this.batchRolloutsWhere(admission.slice(2), accepted);
+    const id = admission.slice(2);
+    return accepted(await this.redis.hget(this.keys.rollout(id), "status")) ? [id] : [];
   }
 
   /**

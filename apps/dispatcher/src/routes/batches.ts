@@ -55,19 +55,17 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
     const id = idParam(req.params, "batch");
     const after = afterParam(req.query);
     if (!(await store.getBatch(id))) throw notFound("batch", id);
+    let lines: AsyncGenerator<string>;
     if (after !== null) {
       // The cursor: the rollouts that finished after the first `after`, in the order they
       // finished, up to how many had finished now; the next call's `after` in the header.
       const next = Math.max(after, await store.batchDoneCount(id));
-      const stream = Readable.from(finishedLines(store, id, after, next));
-      stream.on("error", (err) => req.log.error({ err, batchId: id }, "results stream failed"));
-      return reply
-        .code(200)
-        .header(RESULTS_NEXT_HEADER, String(next))
-        .type("application/x-ndjson; charset=utf-8")
-        .send(stream);
+      lines = finishedLines(store, id, after, next);
+      reply.header(RESULTS_NEXT_HEADER, String(next));
+    } else {
+      lines = resultLines(store, id);
     }
-    const stream = Readable.from(resultLines(store, id));
+    const stream = Readable.from(lines);
     stream.on("error", (err) => req.log.error({ err, batchId: id }, "results stream failed"));
     return reply.code(200).type("application/x-ndjson; charset=utf-8").send(stream);
   });
@@ -89,10 +87,7 @@ export async function* resultLines(store: RolloutStore, batchId: string): AsyncG
   for (let start = 0; ; start += BATCH_PAGE) {
     const ids = await store.batchRolloutIds(batchId, start, start + BATCH_PAGE - 1);
     if (ids.length === 0) return;
-    let chunk = "";
-    for (const result of await store.getResults(ids)) {
-      if (result !== null) chunk += `${JSON.stringify(result)}\n`;
-    }
+    const chunk = await resultsNdjson(store, ids);
     if (chunk !== "") yield chunk;
     if (ids.length < BATCH_PAGE) return;
   }
@@ -126,10 +121,16 @@ export async function* finishedLines(
   for (let start = from; start < to; start += BATCH_PAGE) {
     const ids = await store.batchDoneIds(batchId, start, Math.min(start + BATCH_PAGE, to) - 1);
     if (ids.length === 0) return;
-    let chunk = "";
-    for (const result of await store.getResults(ids)) {
-      if (result !== null) chunk += `${JSON.stringify(result)}\n`;
-    }
+    const chunk = await resultsNdjson(store, ids);
     if (chunk !== "") yield chunk;
   }
+}
+
+/** The results of `ids` as NDJSON lines, those not there (not terminal, or expired) left out. */
+async function resultsNdjson(store: RolloutStore, ids: readonly string[]): Promise<string> {
+  let chunk = "";
+  for (const result of await store.getResults(ids)) {
+    if (result !== null) chunk += `${JSON.stringify(result)}\n`;
+  }
+  return chunk;
 }
