@@ -3,9 +3,10 @@ import { isRedisUnavailable } from "@fleet/queue";
 
 /**
  * Codes of the API's one error body (DESIGN §7). `unsupported_media_type` (415) is the
- * dispatcher's addition for a body in a format it does not read.
+ * dispatcher's addition for a body in a format it does not read, `method_not_allowed` (405) for
+ * a route asked with a method it does not serve.
  */
-export type HttpErrorCode = ApiErrorCode | "unsupported_media_type";
+export type HttpErrorCode = ApiErrorCode | "unsupported_media_type" | "method_not_allowed";
 
 /** The body of every error answer: `{ "error": { "code", "message", "details" } }`. */
 export interface ErrorBody {
@@ -81,6 +82,7 @@ const STATUS_CODES: Record<number, HttpErrorCode> = {
   401: "unauthorized",
   403: "forbidden",
   404: "not_found",
+  405: "method_not_allowed",
   409: "conflict",
   413: "payload_too_large",
   415: "unsupported_media_type",

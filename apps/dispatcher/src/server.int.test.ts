@@ -921,7 +921,26 @@ describe("auth, 404s and ops routes", () => {
     expectErrorBody(await h.call({ method: "GET", url: "/v1/batches/nope/results" }), 404, "not_found");
     expectErrorBody(await h.call({ method: "POST", url: "/v1/batches/nope/cancel" }), 404, "not_found");
     expectErrorBody(await h.call({ method: "GET", url: "/v2/anything" }), 404, "not_found");
-    expectErrorBody(await h.call({ method: "DELETE", url: "/v1/rollouts" }), 404, "not_found");
+    expectErrorBody(await h.call({ method: "DELETE", url: "/v1/rollouts/nope/cancel/x" }), 404, "not_found");
+  });
+
+  it("answers 405 with the methods it takes for a route asked with another method", async () => {
+    for (const [method, url, allow] of [
+      ["DELETE", "/v1/rollouts", "POST"],
+      ["GET", "/v1/batches", "POST"],
+      ["PUT", "/v1/rollouts/some-id", "GET, HEAD"],
+      ["DELETE", "/v1/batches/some-id?x=1", "GET, HEAD"],
+      ["GET", "/v1/rollouts/some-id/cancel", "POST"],
+    ] as const) {
+      const res = await h.call({ method, url });
+      const error = expectErrorBody(res, 405, "method_not_allowed");
+      expect(res.headers.allow, `${method} ${url}`).toBe(allow);
+      expect(error.details).toEqual({ allow: allow.split(", ") });
+      expect(error.message).toContain(method);
+    }
+    // Without a token the route table is not told: 401 first.
+    const anon = await h.call({ method: "DELETE", url: "/v1/rollouts", token: null });
+    expect(anon.statusCode).toBe(401);
   });
 
   it("serves an OpenAPI 3.1 document", async () => {

@@ -229,7 +229,20 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   });
 
   app.setNotFoundHandler((req, reply) => {
-    const path = req.url.split("?")[0]!.slice(0, 200);
+    const fullPath = req.url.split("?")[0]!;
+    const path = fullPath.slice(0, 200);
+    // A route that exists with other methods: 405 and the methods it has (RFC 9110 §15.5.6).
+    const allowed = ROUTE_METHODS.filter((method) => app.findRoute({ method, url: fullPath }) !== null);
+    if (allowed.length > 0) {
+      const http = new HttpError(
+        405,
+        "method_not_allowed",
+        `${path} does not take ${req.method.slice(0, 20)}; it takes ${allowed.join(", ")}`,
+        { allow: allowed },
+        { allow: allowed.join(", ") },
+      );
+      return reply.code(405).headers(http.headers).send(errorBody(http));
+    }
     const http = new HttpError(404, "not_found", `no route ${req.method} ${path}`);
     return reply.code(404).send(errorBody(http));
   });
@@ -254,6 +267,8 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
 }
 
 const SAFE_METHODS = new Set(["GET", "HEAD", "OPTIONS"]);
+/** The methods a 405's `Allow` may name (those Fastify routes; HEAD comes with every GET). */
+const ROUTE_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"] as const;
 
 /** An over-limit body is read and discarded before its 413 up to this many times the limit, */
 export const LINGER_FACTOR = 4;
