@@ -14,6 +14,8 @@ export interface ParsedBatch {
   requests: RolloutRequest[];
   /** `lines[i]` is the 1-based NDJSON line of `requests[i]`; null for a JSON body. */
   lines: number[] | null;
+  /** Where the rows are in a JSON body (`["rollouts"]`, or `[]` for a bare array); null for NDJSON. */
+  rowsAt: PropertyKey[] | null;
 }
 
 /**
@@ -178,7 +180,7 @@ export function parseBatchJson(body: unknown): ParsedBatch {
     }
   }
   if (issues.length > 0) throw invalid("batch", issues, {}, total);
-  return { requests, lines: null };
+  return { requests, lines: null, rowsAt: prefix };
 }
 
 /**
@@ -250,7 +252,7 @@ export function parseBatchNdjson(text: string): ParsedBatch {
   if (requests.length === 0) {
     throw invalid("batch", [{ path: "", message: "a batch needs at least one rollout" }]);
   }
-  return { requests, lines };
+  return { requests, lines, rowsAt: null };
 }
 
 /** Longest `Idempotency-Key` accepted. */

@@ -407,7 +407,42 @@ describe("POST /v1/rollouts", () => {
       url: "/v1/batches",
       payload: [row, { task: { digest }, agent: oracle }],
     });
-    expect(expectErrorBody(byDigest, 422, "invalid").details).toEqual({ index: 1, issues });
+    // A batch's row: its issues' paths start at the row, as a schema 422's do.
+    expect(expectErrorBody(byDigest, 422, "invalid").details).toEqual({
+      index: 1,
+      issues: [{ ...issues[0], path: "[1].task.solution.solve.sh" }],
+    });
+  });
+
+  it("places a batch row's admission 422 in the body as its schema 422s are: rollouts[i].path in JSON, the line in NDJSON", async () => {
+    const short = { ...row, deadlineS: 20 };
+    const json = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, short] } });
+    const jsonError = expectErrorBody(json, 422, "invalid");
+    expect(jsonError.message).toMatch(/^rollout 1: deadlineS 20 s is shorter/);
+    expect(jsonError.details).toMatchObject({ index: 1, issues: [{ path: "rollouts[1].deadlineS" }] });
+    // The same path a schema issue of that row gets.
+    const schema = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: [row, { ...row, deadlineS: -1 }] },
+    });
+    expect(expectErrorBody(schema, 422, "invalid").details).toMatchObject({
+      issues: [{ path: "rollouts[1].deadlineS" }],
+    });
+
+    const ndjson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      headers: { "content-type": "application/x-ndjson" },
+      payload: `${JSON.stringify(row)}\n\n${JSON.stringify(short)}\n`,
+    });
+    const ndjsonError = expectErrorBody(ndjson, 422, "invalid");
+    expect(ndjsonError.message).toMatch(/^line 3: deadlineS 20 s is shorter/);
+    expect(ndjsonError.details).toMatchObject({
+      line: 3,
+      index: 1,
+      issues: [{ line: 3, path: "deadlineS" }],
+    });
   });
 
   it("answers 422 for 1e999 (Infinity), negative timeouts, unknown sandbox options and harnesses", async () => {

@@ -12,6 +12,7 @@ import {
 } from "@fleet/queue";
 import { HttpError, RETRY_AFTER_S, toHttpError } from "./http-error.ts";
 import type { ParsedBatch } from "./requests.ts";
+import { formatPath, type Issue } from "./zod-issues.ts";
 
 export interface SubmitDeps {
   store: RolloutStore;
@@ -74,7 +75,7 @@ export async function submit(
     try {
       checkRequestShapes(parsed.requests);
     } catch (err) {
-      throw withLine(err, parsed.lines);
+      throw inBody(err, parsed);
     }
     if (await admittedWithBody(store, legacy, options.batch, parsed.requests)) {
       idempotencyKey = legacy;
@@ -131,7 +132,7 @@ export async function submit(
         options.batch,
       );
     }
-    throw options.batch ? withLine(err, parsed.lines) : withoutIndex(err);
+    throw options.batch ? inBody(err, parsed) : withoutIndex(err);
   } finally {
     // Admitted rollouts are in flight now (they count there); refused ones never will be.
     await reservation.release().catch(() => undefined);
@@ -180,18 +181,38 @@ async function admittedWithBody(
   return existing !== null && existing.bodyHash === sha256Hex(`[${canonical.join(",")}]`);
 }
 
-/** An admission error about request `index` of an NDJSON body: name its line instead. */
-function withLine(err: unknown, lines: number[] | null): unknown {
-  if (lines === null || typeof err !== "object" || err === null) return err;
-  const e = err as { name?: unknown; details?: unknown };
-  const index = (e.details as { index?: unknown } | null)?.index;
-  if (e.name !== "AdmissionError" || typeof index !== "number" || lines[index] === undefined) return err;
-  const line = lines[index];
+/**
+ * An admission error about request `index` of a batch, placed in the body as a schema 422 is: of
+ * an NDJSON body, the message and every issue name its line; of a JSON body, the issues' paths
+ * start at the row (`rollouts[3].deadlineS`, where admission says `deadlineS` of rollout 3).
+ */
+function inBody(err: unknown, parsed: ParsedBatch): unknown {
+  if (!isAdmissionError(err)) return err;
   const http = toHttpError(err);
-  const message = http.message.replace(/^rollout \d+: /, "");
-  return new HttpError(http.status, http.code, `line ${line}: ${message}`, {
-    ...(e.details as object),
-    line,
+  const details = http.details as { index?: unknown; issues?: unknown } | null;
+  const index = details?.index;
+  if (typeof index !== "number") return err;
+  const issues = Array.isArray(details?.issues) ? (details.issues as Issue[]) : null;
+  const line = parsed.lines?.[index];
+  if (line !== undefined) {
+    return new HttpError(
+      http.status,
+      http.code,
+      `line ${line}: ${http.message.replace(/^rollout \d+: /, "")}`,
+      {
+        ...details,
+        line,
+        ...(issues ? { issues: issues.map((issue) => ({ line, ...issue })) } : {}),
+      },
+    );
+  }
+  if (parsed.rowsAt === null || issues === null) return err;
+  const row = formatPath([...parsed.rowsAt, index]);
+  const under = (path: string) =>
+    path === "" ? row : path.startsWith("[") ? `${row}${path}` : `${row}.${path}`;
+  return new HttpError(http.status, http.code, http.message, {
+    ...details,
+    issues: issues.map((issue) => ({ ...issue, path: under(issue.path) })),
   });
 }
 

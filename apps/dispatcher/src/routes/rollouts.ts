@@ -25,7 +25,7 @@ export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): 
     const request = parseRolloutBody(req.body);
     const admitted = await submit(
       ctx,
-      { requests: [request], lines: null },
+      { requests: [request], lines: null, rowsAt: null },
       { batch: false, idempotencyKey, principal: req.principal },
     );
     const id = admitted.ids[0]!;
