@@ -479,6 +479,19 @@ describe("loadSuite", () => {
     expect(await invalidTask(() => loadSuite(tmp, { only: [] }))).toContain("2 broken task(s)");
   });
 
+  it("a broken task asked for by the [task] id its task.toml declares (not its directory's name) refuses the suite", async () => {
+    await writeTask("good", {});
+    await writeTask("dir-name", {
+      "task.toml": GOOD_TOML.replace("[task]\n", '[task]\nid = "declared"\n'),
+      "instruction.md": null,
+    });
+    const message = await invalidTask(() => loadSuite(tmp, { only: ["declared"] }));
+    expect(message).toContain("1 broken task(s)");
+    expect(message).toContain(path.join(tmp, "dir-name", "instruction.md"));
+    // Asked for another task, it is still left out.
+    expect((await loadSuite(tmp, { only: ["good"] })).map((t) => t.id)).toEqual(["good"]);
+  });
+
   it("reports every broken task at once, and skips . and _ directories", async () => {
     await writeTask("good", {});
     await writeTask("no-instruction", { "instruction.md": null });

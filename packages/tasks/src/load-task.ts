@@ -26,8 +26,9 @@ export interface LoadTaskOptions {
 
 export interface LoadSuiteOptions extends LoadTaskOptions {
   /**
-   * The tasks asked for (ids, which for one that does not load are its directory's name): a
-   * broken task of the suite not among them does not refuse the load (it is left out). The
+   * The tasks asked for (ids; one that does not load is matched by its directory's name and by
+   * the `[task] id` its task.toml declares): a broken task of the suite not among them does not
+   * refuse the load (it is left out). The
    * tasks that load are returned all the same, for the caller to pick from.
    */
   only?: readonly string[];
@@ -213,8 +214,9 @@ export async function loadSuite(dir: string, options: LoadSuiteOptions = {}): Pr
       }
       loaded.push({ dir: name, task: await loadTask(taskDir, options) });
     } catch (err) {
-      // Not a task asked for (by its directory's name: one that does not load has no id).
-      if (only !== null && !only.has(name)) continue;
+      // Not a task asked for, by its directory's name or by the id its task.toml declares (it
+      // did not load, so that id is read on its own, as far as the file parses).
+      if (only !== null && !only.has(name) && !only.has((await declaredId(taskDir)) ?? name)) continue;
       problems.push(err instanceof Error ? err.message : String(err));
     }
   }
@@ -232,6 +234,18 @@ export async function loadSuite(dir: string, options: LoadSuiteOptions = {}): Pr
   }
   if (loaded.length === 0) throw invalid(root, "no tasks found (expected sub-directories holding task.toml)");
   return loaded.map((l) => l.task);
+}
+
+/** The `[task] id` a task directory's task.toml declares, when it parses that far; else null. */
+async function declaredId(taskDir: string): Promise<string | null> {
+  try {
+    const raw = parseToml(await readFile(path.join(taskDir, "task.toml"), "utf8")) as {
+      task?: { id?: unknown };
+    };
+    return typeof raw.task?.id === "string" ? raw.task.id : null;
+  } catch {
+    return null;
+  }
 }
 
 function parseConfig(file: string, text: string): TaskToml {
