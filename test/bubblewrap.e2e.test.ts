@@ -46,4 +46,22 @@ describe.skipIf(unavailable !== null)("the pipeline on bubblewrap sandboxes", ()
     expect(seed.handle.provider).toBe("bubblewrap");
     expect(seed.probe.isolated).toBe(true);
   });
+
+  it.each([
+    ["000", "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & "],
+    ["700", ""],
+  ])(
+    "an agent that makes its workspace unenterable to root (chmod %s) is graded 0, not masked nor failed",
+    async (mode, leftover) => {
+      // Root in a bwrap sandbox has no capability to enter the agent's 0700 workspace: the kill
+      // sweep, the tests' staging and their runner start elsewhere, so nothing fails but the tests.
+      const [task] = await loadSuite(EXAMPLE_SUITE_DIR, { only: ["hello-file"] }).then((s) =>
+        s.filter((t) => t.id === "hello-file"),
+      );
+      const argv = ["sh", "-c", `echo 'Hello, fleet!' > hello.txt; ${leftover}chmod ${mode} /workspace`];
+      const [id] = await fleet.submit([{ task: task!, agent: { harness: "command", argv } }]);
+      const [r] = await fleet.waitForResults([id!], 120_000);
+      expect(r).toMatchObject({ status: "completed", reward: 0, mask: false, failureKind: null });
+    },
+  );
 });

@@ -162,6 +162,31 @@ describe("pipeline against real Redis and Docker", () => {
     expect(r!.exitCode).not.toBe(-2);
   });
 
+  it.each([
+    ["000", "a leftover process"],
+    ["700", "none left"],
+  ])(
+    "an agent that makes its workspace unenterable to root (chmod %s /workspace, %s) is graded, not masked",
+    async (mode, left) => {
+      // Root in the sandbox has no capability: it cannot enter a 0700 directory of the agent's.
+      // The kill sweep, the tests' staging and runner must not fail on it (a mask, or an
+      // ungraded failure, the agent chose); the tests cannot read the work: 0.
+      const leftover = left === "none left" ? "" : "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & ";
+      const [id] = await fleet.submit([
+        {
+          task: byId("hello-file"),
+          agent: {
+            harness: "command",
+            argv: ["sh", "-c", `echo 'Hello, fleet!' > hello.txt; ${leftover}chmod ${mode} /workspace`],
+          },
+        },
+      ]);
+      allIds.push(id!);
+      const [r] = await fleet.waitForResults([id!]);
+      expect(r).toMatchObject({ status: "completed", reward: 0, mask: false, failureKind: null });
+    },
+  );
+
   it("an agent that fills the sandbox's memory with what no process holds (detached System V shared memory, empty files on every tmpfs) is graded, not masked", async () => {
     // Empty files use no data pages (a tmpfs size cap does not bound them) but pin kernel memory,
     // and a detached System V segment outlives its process unless the IPC namespace removes it:

@@ -14,7 +14,14 @@ import {
 } from "@fleet/contracts";
 import { KILL_GRACE_S, parseNumericUser } from "./exec-command.ts";
 import type { CappedBuffer } from "./output.ts";
-import { AGENT_USER, type PutOptions, ROOT_USER, SANDBOX_PATHS, type SandboxInfo } from "./provider.ts";
+import {
+  AGENT_USER,
+  OPS_CWD,
+  type PutOptions,
+  ROOT_USER,
+  SANDBOX_PATHS,
+  type SandboxInfo,
+} from "./provider.ts";
 import { buildTar } from "./tar.ts";
 import { formatIssues } from "./validation.ts";
 
@@ -59,6 +66,8 @@ export interface ExecCall {
    * from providers whose exec can grant one (bubblewrap's).
    */
   keepCaps?: readonly string[];
+  /** Where the command starts: the operations below pass `OPS_CWD`. */
+  cwd?: string;
 }
 
 /** A provider's exec, bound to one sandbox. */
@@ -253,6 +262,7 @@ async function stagingScript(
 ): Promise<void> {
   const r = await exec(["sh", "-c", script, "sh", ...args], {
     deadlineMs: 120_000,
+    cwd: OPS_CWD,
     user,
     stdin,
     maxOutputBytes: 16 * 1024,
@@ -291,6 +301,7 @@ export async function readViaExec(
   for (const user of users) {
     const r = await exec(["sh", "-c", script, "sh", path], {
       deadlineMs: 60_000,
+      cwd: OPS_CWD,
       user,
       stdin: null,
       maxOutputBytes: maxBytes,
@@ -479,6 +490,7 @@ export async function killProcessesViaExec(
     try {
       const r = await exec(argv, {
         deadlineMs: 30_000,
+        cwd: OPS_CWD,
         user: asRoot ? ROOT_USER : user,
         stdin: null,
         maxOutputBytes: 4096,

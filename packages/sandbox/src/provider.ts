@@ -33,6 +33,14 @@ export const SANDBOX_PATHS = {
   logs: "/logs",
 } as const;
 
+/**
+ * Where the fleet's own commands in a sandbox start (kill sweeps, staging, reads, scratch
+ * scrubs): never the default, `/workspace`, which is the agent's, and one it made unenterable
+ * (`chmod 000 /workspace`) must not fail them (a failed sweep masks its rollout; a failed staging
+ * step fails it, ungraded).
+ */
+export const OPS_CWD = "/";
+
 /** The unprivileged user harness commands run as by default. */
 export const AGENT_USER = "1000:1000";
 /** Root inside the sandbox (no capabilities): used for staging and verification. */

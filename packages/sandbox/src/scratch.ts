@@ -1,7 +1,7 @@
 import type { SandboxHandle } from "@fleet/contracts";
 import { FleetError } from "@fleet/contracts";
 import { parseNumericUser } from "./exec-command.ts";
-import { AGENT_USER, SANDBOX_PATHS, type SandboxProvider } from "./provider.ts";
+import { AGENT_USER, OPS_CWD, SANDBOX_PATHS, type SandboxProvider } from "./provider.ts";
 
 /**
  * Besides the workspace, the directories an agent can write to in every provider's sandbox (the
@@ -73,6 +73,7 @@ export async function scrubScratch(
   user: string = AGENT_USER,
 ): Promise<void> {
   const r = await provider.exec(handle, ["sh", "-c", SCRUB_SCRATCH, "sh", ...SCRATCH_DIRS], {
+    cwd: OPS_CWD,
     user,
     deadlineMs: 60_000,
     maxOutputBytes: 16 * 1024,

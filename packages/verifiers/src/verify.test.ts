@@ -114,7 +114,9 @@ describe("tests verifier", () => {
 
     const [tests] = provider.execCalls;
     expect(provider.execCalls).toHaveLength(1);
-    expect(tests?.options).toMatchObject({ cwd: "/workspace", user: ROOT_USER });
+    // The runner starts in / and enters the workspace itself (an agent's 0700 workspace is no
+    // runner that cannot start).
+    expect(tests?.options).toMatchObject({ cwd: "/", user: ROOT_USER });
     expect(tests?.options.stdin).toMatch(/^[0-9a-f]{32}\n$/);
     expect(tests?.options.deadlineMs).toBeLessThanOrEqual(20_000);
     expect(tests?.options.deadlineMs).toBeGreaterThan(15_000);

@@ -1,6 +1,6 @@
 import { randomBytes } from "node:crypto";
 import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fleet/contracts";
-import { AGENT_USER, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
+import { AGENT_USER, OPS_CWD, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { MAX_REWARD_FILE_BYTES, parseReward, parseRewardJson } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
@@ -21,7 +21,7 @@ const INLINE_REWARD_BYTES = 1024;
 
 /**
  * Grade one run. `tests`: stage the task's tests at /tests and run /tests/test.sh as root (no
- * capabilities) in /workspace, by the interpreter its `#!` line names (with its option), else
+ * capabilities) in /workspace (or / when the agent made it unenterable), by the interpreter its `#!` line names (with its option), else
  * with bash; the reward file (`reward.txt`, else `reward.json`) wins, else exit 0 → 1.0,
  * non-zero → 0.0.
  * `match`: compare the answer (exact, trimmed; or regex, full match); no answer → 0.
@@ -126,6 +126,10 @@ mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 s=${SANDBOX_PATHS.solution}
 [ -d "$s" ] && rm -rf "$s"/* "$s"/.[!.]* "$s"/..?* 2>/dev/null
+# The tests start in the workspace. The runner itself starts in / (root here has no capability to
+# enter an agent's 0700 workspace): a workspace the agent made unenterable gets its tests run from
+# /, and graded, not a runner that could not start (a mask the agent chose).
+cd ${SANDBOX_PATHS.workspace} 2>/dev/null
 t=${SANDBOX_PATHS.tests}/test.sh
 first=; IFS= read -r first < "$t"
 case "$first" in
@@ -285,7 +289,8 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     const ran = await step(ctx, "run the tests", () =>
       provider.exec(handle, RUN_TESTS_ARGV, {
         deadlineMs: remaining(),
-        cwd: SANDBOX_PATHS.workspace,
+        // The runner enters the workspace itself (see RUN_TESTS_SCRIPT).
+        cwd: OPS_CWD,
         user: ROOT_USER,
         stdin: `${nonce}\n`,
       }),

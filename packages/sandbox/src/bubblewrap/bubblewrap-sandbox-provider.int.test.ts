@@ -288,6 +288,57 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(none).toMatchObject({ exitCode: 0, stdout: "" });
   });
 
+  it("root in the sandbox cannot set host kernel settings, nor kill the keepalive; the agent has a /dev/shm", async () => {
+    const h = await create();
+    // Asked without writing anything: `test -w` says what a write would meet (EROFS when read-only).
+    const sys = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "for f in /proc/sys/kernel/core_pattern /proc/sys/vm/swappiness; do test -w $f && echo $f writable; done; grep -c ' /proc/sys ro,' /proc/self/mountinfo",
+      ],
+      { deadlineMs: 10_000, user: ROOT_USER },
+    );
+    expect(sys).toMatchObject({ exitCode: 0, stdout: "1\n" });
+    // The keepalive is nobody's: root without capabilities (the tests, and the agent's code they
+    // run) cannot signal it, so cannot end the sandbox to turn a grade into a mask.
+    const keepalive = await provider.exec(
+      h,
+      ["sh", "-c", "ps -o uid=,comm= -p 2; kill -9 2 || echo refused; kill -9 -1; echo swept"],
+      { deadlineMs: 10_000, user: ROOT_USER },
+    );
+    expect(keepalive.stdout).toMatch(/^\s*65534 sleep\nrefused\n/);
+    expect(await provider.alive(h)).toBe(true);
+    const again = await provider.exec(h, ["true"], { deadlineMs: 10_000 });
+    expect(again.exitCode).toBe(0);
+    const shm = await provider.exec(
+      h,
+      ["sh", "-c", "stat -c '%a %U' /dev/shm && touch /dev/shm/x && echo ok"],
+      { deadlineMs: 10_000 },
+    );
+    expect(shm).toMatchObject({ exitCode: 0, stdout: "1777 root\nok\n" });
+  });
+
+  it("an agent's unenterable workspace (chmod 000) does not stop the kill sweep, nor reads, staging and scrubs as root", async () => {
+    const h = await create();
+    const start = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "echo hi > hello.txt; setsid sleep 1000 >/dev/null 2>&1 & chmod 000 /workspace; echo started",
+      ],
+      { deadlineMs: 10_000 },
+    );
+    expect(start.stdout).toBe("started\n");
+    const receipt = await provider.killProcesses(h, AGENT_USER);
+    expect(receipt).toMatchObject({ confirmed: true, remaining: 0 });
+    await provider.put(h, "/tests", { "test.sh": "exit 0\n" }, { user: ROOT_USER, replace: true });
+    expect(await provider.get(h, "/tests/test.sh")).toBe("exit 0\n");
+    await scrubScratch(provider, h, AGENT_USER);
+  });
+
   it("has no network: a TCP server on the host's 127.0.0.1 is unreachable", async () => {
     const h = await create();
     let connections = 0;

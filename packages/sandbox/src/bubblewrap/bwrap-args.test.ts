@@ -23,7 +23,11 @@ describe("bwrapArgv", () => {
     expect(joined).toContain("--cap-drop ALL");
     expect(joined).toContain("--perms 0755 --size 16777216 --tmpfs /tests");
     expect(joined).toContain("--perms 1777 --size 16777216 --tmpfs /logs");
-    expect(argv.slice(-3)).toEqual(["--", "sleep", "infinity"]);
+    expect(argv.slice(-2)).toEqual(["sleep", "infinity"]);
+    // /proc/sys read-only, a /dev/shm, and the keepalive as nobody.
+    expect(joined).toContain("--proc /proc --ro-bind /proc/sys /proc/sys");
+    expect(joined).toContain("--perms 1777 --size 67108864 --tmpfs /dev/shm");
+    expect(joined).toContain("-- setpriv --reuid 65534 --regid 65534 --clear-groups --no-new-privs");
   });
 
   it("shares the host PID namespace only when asked (so the probe can refuse it)", () => {

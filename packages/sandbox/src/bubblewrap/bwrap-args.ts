@@ -1,5 +1,5 @@
 import type { SandboxSpec } from "@fleet/contracts";
-import { TMPFS_MOUNTS } from "../docker/container-config.ts";
+import { KEEPALIVE_USER, SHM_MB, TMPFS_MOUNTS } from "../docker/container-config.ts";
 import { SANDBOX_PATHS } from "../provider.ts";
 
 /** The PATH every exec gets (Docker's default for Debian images). */
@@ -23,14 +23,21 @@ export interface BwrapLayout {
 
 /**
  * `bwrap` arguments for a sandbox: every namespace but the user one private (the caller is
- * root, so uids inside are the host's), the rootfs read-only, fresh `/proc`, a minimal `/dev`,
+ * root, so uids inside are the host's), the rootfs read-only, fresh `/proc` (its `sys` read-only),
+ * a minimal `/dev` with a `/dev/shm` tmpfs,
  * size-capped tmpfs for `/tmp`, `/tests`, `/solution`, `/logs`, the workspace bound read-write,
- * every capability dropped, and `sleep infinity` as the child of bwrap's PID-1 reaper.
+ * every capability dropped, and `sleep infinity` as nobody as the child of bwrap's PID-1 reaper.
  */
 export function bwrapArgv(layout: BwrapLayout): string[] {
-  const size = String(layout.tmpfsMb * 1024 * 1024);
   // The Docker provider's scratch mounts, at the same modes (and counted alike in the memory limit).
-  const tmpfs = (path: string, mode: string) => ["--perms", mode, "--size", size, "--tmpfs", path];
+  const tmpfs = (path: string, mode: string, mb = layout.tmpfsMb) => [
+    "--perms",
+    mode,
+    "--size",
+    String(mb * 1024 * 1024),
+    "--tmpfs",
+    path,
+  ];
   return [
     ...(layout.hostPid ? [] : ["--unshare-pid"]),
     "--unshare-net",
@@ -44,8 +51,18 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     "/",
     "--proc",
     "/proc",
+    // Read-only, as Docker has it: bwrap leaves the new /proc's sys writable (its own check of
+    // it fails), and uid 0 here is the host's root, so the tests (run as root) and the agent's
+    // code they run could set host-wide kernel settings (kernel.core_pattern: a command run as
+    // the host's root). Per-namespace values still read as the reader's own.
+    "--ro-bind",
+    "/proc/sys",
+    "/proc/sys",
     "--dev",
     "/dev",
+    // A /dev/shm like Docker's (bwrap's --dev has only a root-owned 0755 directory there):
+    // POSIX shared memory (Python's multiprocessing locks) works for the agent too.
+    ...tmpfs("/dev/shm", "1777", SHM_MB),
     ...TMPFS_MOUNTS.flatMap((m) => tmpfs(m.path, m.mode)),
     "--bind",
     layout.workspaceDir,
@@ -55,8 +72,37 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     "--new-session",
     "--cap-drop",
     "ALL",
+    // Only for the keepalive's setpriv below, which gives both up (and every other) as it
+    // switches to nobody.
+    "--cap-add",
+    "CAP_SETUID",
+    "--cap-add",
+    "CAP_SETGID",
     "--info-fd",
     String(layout.infoFd),
+    "--",
+    // The keepalive runs as nobody, as Docker's does (`KEEPALIVE_USER`): as root, the tests (root
+    // without capabilities) and the agent's code they run could kill it, ending the sandbox,
+    // and turn a failing grade into a `sandbox_lost` mask.
+    ...keepaliveArgv(),
+  ];
+}
+
+/** The keepalive: `sleep infinity` as nobody with no capability (in any set) and no_new_privs. */
+export function keepaliveArgv(): string[] {
+  const [uid, gid] = KEEPALIVE_USER.split(":") as [string, string];
+  return [
+    "setpriv",
+    "--reuid",
+    uid,
+    "--regid",
+    gid,
+    "--clear-groups",
+    "--no-new-privs",
+    "--bounding-set",
+    "-all",
+    "--inh-caps",
+    "-all",
     "--",
     "sleep",
     "infinity",
