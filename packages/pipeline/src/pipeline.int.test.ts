@@ -12,7 +12,7 @@ import {
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
 import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
-import { DockerSandboxProvider, LABEL_ROLLOUT, type SandboxProvider } from "@fleet/sandbox";
+import { DockerSandboxProvider, LABEL_ROLLOUT, ROOT_USER, type SandboxProvider } from "@fleet/sandbox";
 import { execResult, fillWithEmptyFilesPy } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
@@ -1358,6 +1358,44 @@ describe("idempotency and fencing without workers", () => {
     expect(kills).toEqual([]);
     expect((await store.get(id!))!.fence).toBe("launched:worker-b:1");
     await runStageJob("close", job(id!), fleet.deps);
+  });
+
+  it("a verify handed back at shutdown stops its tests first, so the next attempt starts at once instead of waiting out their budget", async () => {
+    const task = {
+      ...byId("hello-file"),
+      id: `handed-back-verify-${Date.now()}`,
+      timeouts: { agentS: 30, verifierS: 90 },
+      // The first run of the tests hangs; the next one passes.
+      tests: {
+        "test.sh": "#!/bin/sh\n[ -e /tmp/handed-back ] && exit 0\ntouch /tmp/handed-back\nsleep 600\n",
+      },
+    };
+    const [id] = await fleet.submit([oracle(task)]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+    const rootSleeps = async () =>
+      (
+        await fleet.deps.provider.exec(
+          handle,
+          ["sh", "-c", "ps -o uid=,args= -u 0 | grep -c '[s]leep 600'"],
+          {
+            deadlineMs: 10_000,
+            user: ROOT_USER,
+          },
+        )
+      ).stdout.trim();
+    const shutdown = new AbortController();
+    const verifying = runStageJob("verify", job(id!), fleet.deps, { signal: shutdown.signal }).catch(
+      (e) => e,
+    );
+    await waitFor(async () => (await rootSleeps()) === "1");
+    shutdown.abort();
+    expect(isHandBack(await verifying)).toBe(true);
+    // Its tests are gone, and so is its note of them: nothing for the next attempt to wait out.
+    expect(await rootSleeps()).toBe("0");
+    expect((await fleet.deps.store.get(id!))!.times["verify:last"]).toBeUndefined();
+    expect(await runStageJob("verify", job(id!), fleet.deps)).toBe("ok");
+    await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
   it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {

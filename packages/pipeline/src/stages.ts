@@ -28,7 +28,14 @@ import {
   type SandboxEntry,
   sandboxKey,
 } from "@fleet/queue";
-import { AGENT_USER, SANDBOX_PATHS, type SandboxProvider, SCRATCH_DIRS, scrubScratch } from "@fleet/sandbox";
+import {
+  AGENT_USER,
+  ROOT_USER,
+  SANDBOX_PATHS,
+  type SandboxProvider,
+  SCRATCH_DIRS,
+  scrubScratch,
+} from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError } from "./hand-back.ts";
@@ -841,6 +848,38 @@ async function waitOutEarlierTests(
 }
 
 /**
+ * A verify handed back at shutdown stops its tests (every root process in the sandbox: the
+ * tests run as root, the keepalive as nobody, and the agent's processes were confirmed gone
+ * before verify) and, once none is left, clears its note of work in the sandbox (`note(null)`),
+ * so the next attempt has no tests to wait out. Only while this attempt holds the verify fence:
+ * a later attempt's tests are not its to stop. Best effort: whatever fails leaves the note, and
+ * the next attempt waits as before.
+ */
+async function stopOwnTests(
+  deps: PipelineDeps,
+  handle: SandboxHandle,
+  id: string,
+  token: string,
+  note: (at: number | null) => Promise<void>,
+): Promise<void> {
+  try {
+    if (!(await deps.store.holdsVerifyFence(id, token))) return;
+    const stopped = await deps.provider.killProcesses(handle, ROOT_USER);
+    if (stopped.confirmed) await note(null);
+    else
+      deps.logger.warn(
+        { rolloutId: id, detail: stopped.detail },
+        "handing back a verify whose tests did not stop",
+      );
+  } catch (err) {
+    deps.logger.warn(
+      { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+      "handing back a verify without stopping its tests; the next attempt waits them out",
+    );
+  }
+}
+
+/**
  * A later verify attempt began (this one's lock lapsed while it was paused, say, and the job was
  * delivered again): the verification is that attempt's. This one neither starts its tests nor
  * stores a receipt; it ends without a trace.
@@ -918,9 +957,14 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
     });
   } catch (err) {
     if (err instanceof VerifySupersededError) return superseded(deps, id, "does not touch the sandbox");
-    // Worker shutdown: the job goes back to the queue, no attempt spent (the next attempt waits
-    // out these tests, still running in the sandbox: `waitOutEarlierTests`). Not a cancel.
-    if (shutdown?.aborted) throw new HandBackError();
+    // Worker shutdown: the job goes back to the queue, no attempt spent. Not a cancel. Its tests
+    // are stopped first, as a run stops its agent, so the next attempt starts at once; else it
+    // waits them out (`waitOutEarlierTests`: their whole budget, which at a rolling restart of
+    // the verifiers delayed every verification in flight by it, and masked tight deadlines).
+    if (shutdown?.aborted) {
+      await stopOwnTests(deps, seedReceipt.handle, id, token, note);
+      throw new HandBackError();
+    }
     // A cancel's close destroyed the sandbox under the tests: the close reports the rollout
     // (enqueued again: a cancel whose own enqueue of it never happened is still closed).
     if (await stoppedUnder(deps, rec.meta.id)) return "close";
