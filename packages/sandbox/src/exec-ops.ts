@@ -440,13 +440,28 @@ export function assertIsolated(name: string, checks: Record<string, boolean>, de
  * none remains or the rounds (`$<roundsArg>`) run out; prints `remaining=<n>`.
  */
 function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: string): string {
-  const count = `n=0; for s in /proc/[0-9]*/status; do p=\${s#/proc/}; p=\${p%/status}; [ "$p" = "$$" ] && continue; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$${uidVar}" ] && [ "$st" != Z ] && n=$((n+1)); done;`;
+  const count = `n=0; for s in /proc/[0-9]*/status; do p=\${s#/proc/}; p=\${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$${uidVar}" ] && [ "$st" != Z ] && n=$((n+1)); done;`;
   return `${setup} i=0; while :; do ${kill} ${count} [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$${roundsArg}" ] && break; sleep 0.1; done; echo "remaining=$n"`;
 }
 
 // Runs as the user itself: with every capability dropped, only that uid may signal its
 // processes. `kill -9 -1` spares the caller. Rounds: $1.
-const KILL_SWEEP_SCRIPT = sweepScript("uid=$(id -u);", "kill -9 -1 2>/dev/null;", "uid", "1");
+const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 2>/dev/null;", "uid", "1");
+
+/**
+ * The kill sweep for root's own processes (the tests', which run as root), run as root without
+ * capabilities: `kill -9 -1` would take the sweep's own parents (the exec's `timeout`, ending
+ * the exec before it reports) and count the sandbox's PID 1 (bubblewrap's, root's) for ever. It
+ * spares PID 1, itself and its parents (walked up `/proc/<pid>/stat`), stops then kills every
+ * other process of uid 0. Rounds: $1.
+ */
+export const ROOT_SELF_SWEEP_SCRIPT = sweepScript(
+  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+  'r=$1; uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
+  "sig STOP; sig KILL;",
+  "uid",
+  "r",
+);
 
 /**
  * The kill sweep for a target uid ($1, not root) run by a root process holding CAP_KILL (a reaper
@@ -457,7 +472,7 @@ const KILL_SWEEP_SCRIPT = sweepScript("uid=$(id -u);", "kill -9 -1 2>/dev/null;"
  */
 export const ROOT_KILL_SWEEP_SCRIPT = sweepScript(
   // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-  't=$1; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && kill -"$1" "$p" 2>/dev/null; done; };',
+  't=$1; keep=" $$ "; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && kill -"$1" "$p" 2>/dev/null; done; };',
   "sig STOP; sig KILL;",
   "t",
   "2",
@@ -485,7 +500,9 @@ export async function killProcessesViaExec(
   const asRoot = options.rootSweep === true && uid !== undefined && uid !== 0;
   const argv = asRoot
     ? ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(rounds)]
-    : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
+    : uid === 0
+      ? ["sh", "-c", ROOT_SELF_SWEEP_SCRIPT, "sh", String(rounds)]
+      : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
   for (let attempt = 1; attempt <= 3; attempt++) {
     try {
       const r = await exec(argv, {

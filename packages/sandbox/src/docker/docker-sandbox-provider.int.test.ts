@@ -469,6 +469,31 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(await reapers()).toBe("");
     });
 
+    it("a sweep of root's own processes (the tests') kills them all and keeps the sandbox and the sweep's own exec", async () => {
+      const start = await provider.exec(
+        h,
+        [
+          "sh",
+          "-c",
+          "setsid sleep 1000 >/dev/null 2>&1 </dev/null & sleep 1001 >/dev/null 2>&1 </dev/null & echo started",
+        ],
+        { deadlineMs: 10_000, user: ROOT_USER },
+      );
+      expect(start.stdout).toBe("started\n");
+      const sleeps = async () => (await processesOf(h, 0)).filter((l) => /sleep 100[01]/.test(l));
+      expect(await sleeps()).toHaveLength(2);
+      const receipt = await provider.killProcesses(h, ROOT_USER);
+      expect(receipt).toMatchObject({
+        scope: "processes",
+        confirmed: true,
+        remaining: 0,
+        alreadyGone: false,
+      });
+      expect(await sleeps()).toEqual([]);
+      expect(await provider.alive(h)).toBe(true);
+      expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
+    });
+
     it("kills every agent process, including ones that left the process group, and keeps the sandbox", async () => {
       const bg = await provider.exec(
         h,
