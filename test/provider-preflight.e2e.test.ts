@@ -1,5 +1,8 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
+import { mkdtemp, rm } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { RolloutRequest } from "@fleet/contracts";
 import { admit, createRedis, RolloutStore, StageQueues } from "@fleet/queue";
 import { afterAll, describe, expect, it, vi } from "vitest";
@@ -76,6 +79,28 @@ describe("a worker that cannot reach its sandbox provider", () => {
     expect(await seed?.getState()).toBe("waiting");
     expect((await store.get(ids[0]!))?.status).toBe("accepted");
     await queues.close();
+  });
+
+  it("on bubblewrap, a rootfs that is not one, or a bwrap that is not there, refuses the start, saying which", async () => {
+    const empty = await mkdtemp(join(tmpdir(), "fleet-preflight-rootfs-"));
+    try {
+      const base = {
+        REDIS_URL,
+        FLEET_PREFIX: prefix,
+        FLEET_SANDBOX_PROVIDER: "bubblewrap",
+        FLEET_STATE_DIR: empty,
+        FLEET_PROVIDER_WAIT_MS: "1000",
+      };
+      const rootfs = await runApp("agent", { ...base, FLEET_BWRAP_ROOTFS: empty });
+      expect(rootfs.code, rootfs.output).toBe(1);
+      expect(rootfs.output).toContain("refusing to start: no sandbox provider");
+      expect(rootfs.output).toContain(`the rootfs ${empty} has no usr/bin/setpriv`);
+      const host = await runApp("agent", { ...base, FLEET_BWRAP_ROOTFS: "/" });
+      expect(host.code, host.output).toBe(1);
+      expect(host.output).toContain("FLEET_BWRAP_ROOTFS is / (the host's own root)");
+    } finally {
+      await rm(empty, { recursive: true, force: true });
+    }
   });
 
   it("while it waits for the provider, its metrics say the provider is down (an alert sees it; its heartbeat is fresh)", async () => {

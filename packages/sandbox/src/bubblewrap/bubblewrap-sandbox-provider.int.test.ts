@@ -535,6 +535,36 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
   });
 
+  it("a host without bwrap, or a rootfs that is not one, is provider_unavailable saying what (never an invalid task)", async () => {
+    const empty = await mkdtemp(join(tmpdir(), "fleet-bwrap-empty-"));
+    try {
+      const noRootfs = new BubblewrapSandboxProvider({ rootfs: empty, stateDir, scope: RUN });
+      expect(await fleetError(noRootfs.list())).toMatchObject({
+        kind: "provider_unavailable",
+        retryable: true,
+        message: expect.stringContaining(`the rootfs ${empty} has no usr/bin/setpriv`),
+      });
+      const noBwrap = new BubblewrapSandboxProvider({
+        rootfs: provider.rootfs,
+        stateDir,
+        scope: RUN,
+        bwrapPath: "/nonexistent/bwrap",
+      });
+      expect(await fleetError(noBwrap.list())).toMatchObject({
+        kind: "provider_unavailable",
+        message: expect.stringContaining("bwrap (/nonexistent/bwrap) is not installed"),
+      });
+      expect(await fleetError(noBwrap.create(spec()))).toMatchObject({
+        kind: "provider_unavailable",
+        retryable: true,
+        message: expect.stringContaining("bwrap is not installed"),
+      });
+      expect(await provider.hostProblem()).toBeNull();
+    } finally {
+      await rm(empty, { recursive: true, force: true });
+    }
+  });
+
   it("killProcesses kills the agent's processes, even ones in their own session", async () => {
     const h = await create();
     const start = await provider.exec(

@@ -1,9 +1,17 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { closeSync, openSync, readdirSync, readFileSync, renameSync, writeFileSync } from "node:fs";
-import { chown, link, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
+import {
+  closeSync,
+  constants as fsConstants,
+  openSync,
+  readdirSync,
+  readFileSync,
+  renameSync,
+  writeFileSync,
+} from "node:fs";
+import { access, chown, link, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
-import { dirname, join } from "node:path";
+import { dirname, join, resolve } from "node:path";
 import {
   beforeStart,
   type CleanupReceipt,
@@ -107,6 +115,21 @@ export interface BubblewrapSandboxProviderOptions {
   bwrapPath?: string;
   /** `nsenter` executable (util-linux). @defaultValue "nsenter" */
   nsenterPath?: string;
+}
+
+/** What every exec runs from the rootfs (`nsenterArgv`, `deadlineArgv`), by its path there. */
+const ROOTFS_NEEDS = ["usr/bin/setpriv", "usr/bin/env", "usr/bin/timeout", "bin/sh"] as const;
+
+/** Whether `file` is an executable: a path as it is, a bare name on the sandbox PATH. */
+async function onPath(file: string): Promise<boolean> {
+  const candidates = file.includes("/") ? [file] : SANDBOX_PATH_ENV.split(":").map((d) => join(d, file));
+  for (const candidate of candidates) {
+    try {
+      await access(candidate, fsConstants.X_OK);
+      return true;
+    } catch {}
+  }
+  return false;
 }
 
 /** What a sandbox's state file holds: enough for any process on the host to reach it. */
@@ -358,8 +381,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         } catch {}
         const detail = `${message}${logText ? `: ${logText}` : ""}`;
         reject(
+          // The host's, not the task's: retried (and held by the breaker, whose probe says so).
           (err as NodeJS.ErrnoException | undefined)?.code === "ENOENT"
-            ? FleetError.nonRetryable("invalid_task", `bwrap is not installed: ${detail}`, err)
+            ? FleetError.retryable("provider_unavailable", `bwrap is not installed: ${detail}`, err)
             : FleetError.retryable("provider_unavailable", `sandbox ${name} failed to start: ${detail}`, err),
         );
       };
@@ -756,7 +780,35 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     }
   }
 
+  /**
+   * What this host lacks to make sandboxes (root, `bwrap` and `nsenter` on the sandbox PATH, a
+   * rootfs holding what every exec runs), or null. Asked by `list`, so a worker on a host that
+   * lacks one refuses to start (`waitForProvider`) and its breaker holds jobs, rather than failing
+   * or masking every rollout it takes. Never throws.
+   */
+  async hostProblem(): Promise<string | null> {
+    if (process.getuid?.() !== 0) return "the bubblewrap provider needs root on the host";
+    for (const [what, file] of [
+      ["bwrap", this.bwrapPath],
+      ["nsenter", this.nsenterPath],
+    ] as const) {
+      if (!(await onPath(file)))
+        return `${what} (${file}) is not installed: no executable on ${SANDBOX_PATH_ENV}`;
+    }
+    if (resolve(this.rootfs) === "/") return "FLEET_BWRAP_ROOTFS is / (the host's own root), not a rootfs";
+    for (const tool of ROOTFS_NEEDS) {
+      try {
+        await access(join(this.rootfs, tool), fsConstants.X_OK);
+      } catch {
+        return `the rootfs ${this.rootfs} has no ${tool} (give FLEET_BWRAP_ROOTFS an unpacked base rootfs: packages/sandbox/README.md)`;
+      }
+    }
+    return null;
+  }
+
   async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
+    const problem = await this.hostProblem();
+    if (problem !== null) throw FleetError.retryable("provider_unavailable", problem);
     let names: string[];
     try {
       names = await readdir(this.stateDir);
