@@ -510,6 +510,74 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id])).toBe(0);
   };
 
+  it("a stage taken for the first time past the rollout's deadline does not start: it closes the rollout, masked deadline_exceeded (rules 1, 5)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
+    const late = { ...fleet.deps, now: () => deadlineAt + 1 };
+    let staged = 0;
+    late.provider = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+      put: async (...a: Parameters<SandboxProvider["put"]>) => {
+        staged++;
+        return fleet.deps.provider.put(...a);
+      },
+    });
+    expect(await runStageJob("verify", job(id!), late)).toBe("skipped");
+    expect(staged).toBe(0);
+    expect(await fleet.deps.queues.queues.close.getJob(stageJobId(id!, "close"))).toBeDefined();
+    await closeExpecting(id!, { status: "masked", failureKind: "deadline_exceeded", reward: null });
+
+    // A seed past its deadline makes no sandbox and records no intent.
+    const [seedLate] = await fleet.submit([oracle(byId("hello-file"))]);
+    const seedDeadline = (await fleet.deps.store.get(seedLate!))!.meta.deadlineAt;
+    expect(await runStageJob("seed", job(seedLate!), { ...fleet.deps, now: () => seedDeadline + 1 })).toBe(
+      "skipped",
+    );
+    expect(await containersOf([seedLate!])).toBe(0);
+    expect((await fleet.deps.ledger.sandboxesOf(seedLate!)).resources).toBeNull();
+    await closeExpecting(seedLate!, { status: "masked", failureKind: "deadline_exceeded" });
+  });
+
+  it("a stage job that finds a failure recorded and no close job enqueues close itself (rule 1: close always runs)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // A failure recorded by a worker that died before it enqueued close.
+    await fleet.deps.store.recordFailure(id!, {
+      stage: "run",
+      terminal: true,
+      failureKind: "agent_error",
+      mask: false,
+      reason: "recorded by a worker that died before its close enqueue (the test)",
+      at: Date.now(),
+    });
+    expect(await fleet.deps.queues.queues.close.getJob(stageJobId(id!, "close"))).toBeUndefined();
+    expect(await runStageJob("run", job(id!), fleet.deps)).toBe("skipped");
+    expect(await fleet.deps.queues.queues.close.getJob(stageJobId(id!, "close"))).toBeDefined();
+    await closeExpecting(id!, { status: "failed", failureKind: "agent_error" });
+  });
+
+  it("a run whose kill sweep fails (throws) stores no run receipt and is retried: never verified unconfirmed (rules 2, 10)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const sweepFails = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async () => {
+          throw FleetError.retryable("provider_unavailable", "the sweep's exec failed (the test)");
+        },
+      }),
+    };
+    await expect(runStageJob("run", job(id!), sweepFails)).rejects.toThrow(/the sweep's exec failed/);
+    const rec = (await fleet.deps.store.get(id!))!;
+    expect(rec.receipts.run).toBeUndefined();
+    expect(rec.times["verify:start"]).toBeUndefined();
+    expect(await fleet.deps.queues.queues.verify.getJob(stageJobId(id!, "verify"))).toBeUndefined();
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    expect((await fleet.deps.store.get(id!))!.receipts.run!.cleanup.confirmed).toBe(true);
+    await runStageJob("verify", job(id!), fleet.deps);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("a retryable failure is retried only while its next attempt can start before the rollout's one deadline (rule 5)", async () => {
     // The shortest deadline hello-file admits: 105 s (its agent's 60, its tests' 30, 5, and 10).
     const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 105 }]);
