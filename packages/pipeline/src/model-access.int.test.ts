@@ -133,13 +133,16 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     upstream.push(errorReply(503, "overloaded", "the model is overloaded"));
     const id = await submitClient("borrow");
     const [r] = await fleet.waitForResults([id], 120_000);
+    // At the run: its work is never put to the tests (rule 6).
     expect(r).toMatchObject({
       status: "masked",
       mask: true,
       reward: null,
       failureKind: "provider_unavailable",
+      stage: "run",
     });
     expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 503/);
+    expect((await fleet.deps.store.get(id))!.times["verify:start"]).toBeUndefined();
   });
 
   it("a masked run still reports what its answered calls spent", async () => {

@@ -1757,7 +1757,11 @@ describe("idempotency and fencing without workers", () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
     await fleet.deps.store.requestCancel(id!);
-    expect((await fleet.deps.store.claimLaunch(id!, "late")).previous).toBe("stopped");
+    const claim = await fleet.deps.store.claimLaunch(id!, "late");
+    expect(claim).toMatchObject({ previous: "stopped", launches: 0 });
+    // The stop keeps the fence: the late claim took nothing (rule 10).
+    expect((await fleet.deps.store.get(id!))!.fence).toBe("stopped");
+    expect(await fleet.deps.store.launchState(id!, "late")).toBe("stop");
     await runStageJob("run", job(id!), fleet.deps);
     const rec = await fleet.deps.store.get(id!);
     expect(rec!.receipts.run).toBeUndefined();

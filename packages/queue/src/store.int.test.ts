@@ -936,6 +936,17 @@ describe("rollout store", () => {
     expect((await ledger.sandboxesOf(late)).resources?.handle).not.toBeNull();
   });
 
+  it("an intent is refused once the rollout is tombstoned, before it is terminal (rule 9: nothing made after a close began)", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    await store.tombstone(id);
+    expect((await store.get(id))!.status).not.toBe("completed");
+    const entry = { ...sandboxEntry(id), key: sandboxKey(id, "agent"), owner: "agent" as const };
+    expect(await ledger.recordIntent(entry)).toBe("closed");
+    expect(await redis.hexists(store.keys.sandboxes(), sandboxKey(id, "agent"))).toBe(0);
+  });
+
   it("close's begin reads the sandbox entries; finalize forgets the confirmed ones even when not first", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
