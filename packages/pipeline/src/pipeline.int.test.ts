@@ -510,6 +510,46 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id])).toBe(0);
   };
 
+  it("close hands an agent's own sandbox it finds (its worker died holding it) to the janitor, never destroys it itself (rule 11)", async () => {
+    const task = byId("sum-answer");
+    const [id] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["true"], sandbox: "own" } },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // The agent worker made its own sandbox, recorded it, and died before it released it.
+    const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
+    const handle = await fleet.deps.provider.create({
+      image: task.image,
+      rolloutId: id!,
+      owner: "agent",
+      expiresAt: deadlineAt + 60_000,
+    });
+    const entry = {
+      key: sandboxKey(id!, "agent"),
+      rolloutId: id!,
+      owner: "agent" as const,
+      provider: handle.provider,
+      handle,
+      createdAt: Date.now(),
+      expiresAt: deadlineAt + 60_000,
+    };
+    expect(await fleet.deps.ledger.recordIntent(entry)).toBe("ok");
+    await fleet.deps.store.requestCancel(id!);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({ status: "cancelled", teardown: "pending" });
+    // Still there: the janitor's to destroy, from the ledger.
+    expect(await fleet.deps.provider.find(id!, "agent")).not.toBeNull();
+    expect(await fleet.deps.ledger.isPending(id!)).toBe(true);
+    const later = { ...fleet.deps, now: () => Date.now() + 10 * 60_000 };
+    await janitorTick(later, { orphanGraceMs: 60_000 });
+    expect(await fleet.deps.provider.find(id!, "agent")).toBeNull();
+    expect(await containersOf([id!])).toBe(0);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "cancelled",
+      teardown: "confirmed",
+    });
+  });
+
   it("a stage taken for the first time past the rollout's deadline does not start: it closes the rollout, masked deadline_exceeded (rules 1, 5)", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);

@@ -285,4 +285,27 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     expect(log.filter((f) => f.reason.startsWith(HELD_REASON))).toHaveLength(MAX_HOLDS);
     expect(log.at(-1)!.reason).toBe("docker create failed: ECONNREFUSED");
   });
+
+  it("does not hold a failure whose hold could not end before the rollout's deadline (holdMs): it is a failure like any other", async () => {
+    const provider = new CountingProvider();
+    provider.listFails = true;
+    fleet = await startInProcessFleet({ provider, deps: NO_OP_AGENT_AND_VERIFIER, startWorkers: false });
+    provider.create = async () => {
+      throw FleetError.retryable("provider_unavailable", "docker create failed: ECONNREFUSED");
+    };
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
+    const job = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 8 } };
+    const options = { providerDown: async () => true, holdMs: 2_000 };
+    // 3 s before the deadline: a hold (ending 2 s before it) fits.
+    const early = { ...fleet.deps, now: () => deadlineAt - 3_000 };
+    await expect(runStageJob("seed", job, early, options)).rejects.toBeInstanceOf(ProviderHoldError);
+    // 1 s before it: none fits; a final failure (no retry fits either), recorded, close enqueued.
+    const late = { ...fleet.deps, now: () => deadlineAt - 1_000 };
+    const err = await runStageJob("seed", job, late, options).catch((e: unknown) => e);
+    expect(err).not.toBeInstanceOf(ProviderHoldError);
+    const log = await fleet.deps.store.failureLog(id!);
+    expect(log.filter((f) => f.reason.startsWith(HELD_REASON))).toHaveLength(1);
+    expect(log.at(-1)).toMatchObject({ stage: "seed", failureKind: "provider_unavailable" });
+  });
 });

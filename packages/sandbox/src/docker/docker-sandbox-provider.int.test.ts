@@ -884,6 +884,16 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       const err = await fleetError(provider.create({ ...s, network: name }));
       expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
       await made.remove();
+      // This rollout's labels on a network that is not internal (it routes out): refused.
+      const open = await docker.createNetwork({
+        Name: name,
+        Internal: false,
+        Labels: { [LABEL_MANAGED]: "true", "fleet.network": "gateway", [LABEL_ROLLOUT]: s.rolloutId },
+      });
+      const routed = await fleetError(provider.create({ ...s, network: name }));
+      expect([routed.kind, routed.retryable]).toEqual(["isolation_refused", false]);
+      expect(await provider.find(s.rolloutId, "resources")).toBeNull();
+      await open.remove();
       const own = await docker.createNetwork({
         Name: name,
         Internal: true,
