@@ -510,6 +510,39 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id])).toBe(0);
   };
 
+  it("no agent process is alive when verify starts: the tests never share the sandbox with the agent (rule 2)", async () => {
+    const [id] = await fleet.submit([
+      {
+        task: byId("hello-file"),
+        agent: {
+          harness: "command",
+          argv: [
+            "sh",
+            "-c",
+            "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & nohup sleep 1001 >/dev/null 2>&1 & sleep 1000",
+          ],
+          timeoutS: 2,
+        },
+      },
+    ]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const seen: string[] = [];
+    const looking = {
+      ...fleet.deps,
+      verify: async (ctx: Parameters<typeof verify>[0]) => {
+        const ps = await ctx.provider.exec(ctx.handle, ["ps", "-u", "1000", "-o", "pid=,args="], {
+          deadlineMs: 10_000,
+          user: ROOT_USER,
+        });
+        seen.push(ps.stdout.trim());
+        return verify(ctx);
+      },
+    };
+    expect(await runStageJob("verify", job(id!), looking)).toBe("ok");
+    expect(seen).toEqual([""]);
+    await closeExpecting(id!, { status: "completed", reward: 0, failureKind: "agent_timeout" });
+  });
+
   it("close hands an agent's own sandbox it finds (its worker died holding it) to the janitor, never destroys it itself (rule 11)", async () => {
     const task = byId("sum-answer");
     const [id] = await fleet.submit([
