@@ -543,6 +543,24 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 0, failureKind: "agent_timeout" });
   });
 
+  it("tests ended by a signal grade 0 while the sandbox is there, and mask sandbox_lost when it is gone (rule 6)", async () => {
+    const ids = await fleet.submit([oracle(byId("hello-file")), oracle(byId("hello-file"))]);
+    for (const id of ids)
+      for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id), fleet.deps);
+    const killedTests = (destroyFirst: boolean) => ({
+      ...fleet.deps,
+      verify: async (ctx: Parameters<typeof verify>[0]) => {
+        if (destroyFirst) await ctx.provider.destroy(ctx.handle);
+        return { reward: 0, details: { kind: "tests", exitCode: 137 } };
+      },
+    });
+    const [alive, gone] = ids as [string, string];
+    expect(await runStageJob("verify", job(alive), killedTests(false))).toBe("ok");
+    await closeExpecting(alive, { status: "completed", reward: 0, mask: false });
+    await expect(runStageJob("verify", job(gone, 6), killedTests(true))).rejects.toThrow(/sandbox_lost/);
+    await closeExpecting(gone, { status: "masked", reward: null, failureKind: "sandbox_lost" });
+  });
+
   it("close hands an agent's own sandbox it finds (its worker died holding it) to the janitor, never destroys it itself (rule 11)", async () => {
     const task = byId("sum-answer");
     const [id] = await fleet.submit([
