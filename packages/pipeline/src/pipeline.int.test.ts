@@ -561,6 +561,50 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(gone, { status: "masked", reward: null, failureKind: "sandbox_lost" });
   });
 
+  it("a seed whose sandbox dies under its staging is retried in a new one, never failed as the task's (rule 6); under a cancel's close it just ends", async () => {
+    // A task with workspace files to stage.
+    const [id, cancelled] = await fleet.submit([
+      oracle(byId("python-bugfix")),
+      oracle(byId("python-bugfix")),
+    ]);
+    // The staging's exec meets a sandbox going away: runc's exit 126, which reads as the task's.
+    const dying = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] !== "/workspace") return fleet.deps.provider.put(...a);
+          await fleet.deps.provider.destroy(a[0]);
+          throw FleetError.nonRetryable(
+            "invalid_task",
+            "staging 1 file(s) into /workspace as 1000:1000 failed (exit 126)",
+          );
+        },
+      }),
+    };
+    const err = await runStageJob("seed", job(id!), dying).catch((e: unknown) => e);
+    expect(err).toMatchObject({ kind: "sandbox_lost", retryable: true });
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    expect(await runStageJob("seed", job(id!, 1), fleet.deps)).toBe("ok");
+    for (const stage of ["run", "verify"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+
+    // A cancel whose close destroyed the sandbox during the staging: no failure, no retry.
+    const closing = {
+      ...dying,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] !== "/workspace") return fleet.deps.provider.put(...a);
+          await fleet.deps.store.requestCancel(cancelled!);
+          await fleet.deps.store.begin(cancelled!, "close", Date.now());
+          return dying.provider.put(...a);
+        },
+      }),
+    };
+    expect(await runStageJob("seed", job(cancelled!), closing)).toBe("ok");
+    expect((await fleet.deps.store.failureLog(cancelled!)).length).toBe(0);
+    await closeExpecting(cancelled!, { status: "cancelled" });
+  });
+
   it("close hands an agent's own sandbox it finds (its worker died holding it) to the janitor, never destroys it itself (rule 11)", async () => {
     const task = byId("sum-answer");
     const [id] = await fleet.submit([

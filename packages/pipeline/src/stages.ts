@@ -365,9 +365,22 @@ export const seed: StageHandler = async (rec, deps) => {
   // probing and staging it again would put the task's files back under a running agent.
   if (mayBeTakenOver(rec) && (await yieldToStoredSeed(deps, rec, created.handle))) return null;
   const t1 = clock(deps);
-  const probe = await deps.provider.probe(created.handle);
-  const t2 = clock(deps);
-  await stageWorkspace(deps.provider, created.handle, task);
+  let t2: number;
+  let probe: Awaited<ReturnType<SandboxProvider["probe"]>>;
+  try {
+    probe = await deps.provider.probe(created.handle);
+    t2 = clock(deps);
+    await stageWorkspace(deps.provider, created.handle, task);
+  } catch (err) {
+    // A cancel's close destroyed the sandbox under the staging: the close reports the rollout.
+    if (await stoppedUnder(deps, rec.meta.id)) return null;
+    // A sandbox that died under the staging (killed from outside, its daemon's doing) fails its
+    // commands in ways that read as the task's (a staging step's exit 126 is `invalid_task`):
+    // the sandbox's, so retried, and the next attempt makes it anew (rule 6: never the task's).
+    const fe = await sandboxLostIfGone(deps, created.handle, err);
+    if (fe !== err && isFleetError(fe)) throw FleetError.retryable("sandbox_lost", fe.message, err);
+    throw fe;
+  }
   const t3 = clock(deps);
   const saved = await deps.store.storeReceipt(
     rec.meta,
