@@ -5,8 +5,6 @@
 # 40 s, so the reward below is always written within the tests' 60 s.
 set -uo pipefail
 export PYTHONDONTWRITEBYTECODE=1
-timeout -k 5 40 pytest -q -c /tests/pytest.ini --rootdir=/tests /tests/test_stats.py
-code=$?
 # Before the reward: kill everything started since this script (all that the agent's code
 # started, however it hid: a session of its own, another name), except this script and its
 # parents, in rounds until none is left. Builtins only.
@@ -50,5 +48,14 @@ write_reward() { # reward
   echo "ERROR: cannot write the reward ($1) to $d/reward.txt" >&2
   exit 3
 }
-if [ "$code" = 0 ]; then write_reward 1; else write_reward 0; fi
-exit "$code"
+# Everything after the agent's code runs is in main, and the last line calls it and exits: bash
+# reads a script as it runs it, and the agent's code (root, as we are) could rewrite the rest of
+# this file under us; a function is read whole before it runs, and nothing after that line is read.
+main() {
+  local code
+  timeout -k 5 40 pytest -q -c /tests/pytest.ini --rootdir=/tests /tests/test_stats.py
+  code=$?
+  if [ "$code" = 0 ]; then write_reward 1; else write_reward 0; fi
+  return "$code"
+}
+main "$@"; exit $?

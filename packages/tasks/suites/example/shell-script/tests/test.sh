@@ -58,20 +58,26 @@ write_reward() { # reward
   echo "ERROR: cannot write the reward ($1) to $d/reward.txt" >&2
   exit 3
 }
-if [ ! -f greet.sh ]; then
-  echo "FAIL: greet.sh does not exist"
-  exit 1
-fi
-out=$(agent bash greet.sh Ada 2>/dev/null); code=$?
-[ "$out" = "Hello, Ada!" ] && [ "$code" = 0 ]; check "greet.sh Ada prints 'Hello, Ada!' and exits 0 (got '$out', $code)" $?
-out=$(agent bash greet.sh "Grace Hopper" 2>/dev/null)
-[ "$out" = "Hello, Grace Hopper!" ]; check "a quoted name with a space (got '$out')" $?
-# stderr captured directly, not through a fixed path in /tmp (the agent could have made that
-# file first, and root here cannot write a file the agent owns).
-err=$(agent bash greet.sh 2>&1 >/dev/null); code=$?
-out=$(agent bash greet.sh 2>/dev/null)
-[ "$code" = 2 ]; check "no argument exits 2 (got $code)" $?
-[ -z "$out" ]; check "no argument prints nothing on stdout (got '$out')" $?
-[[ "$err" == *"usage: greet.sh NAME"* ]]; check "no argument prints the usage on stderr (got '$err')" $?
-write_reward $((1 - fail))
-exit "$fail"
+# Everything that runs the agent's code is in main, and the last line calls it and exits: bash
+# reads a script as it runs it, and the agent's code (root, as we are) could rewrite the rest of
+# this file under us; a function is read whole before it runs, and nothing after that line is read.
+main() {
+  if [ ! -f greet.sh ]; then
+    echo "FAIL: greet.sh does not exist"
+    exit 1
+  fi
+  out=$(agent bash greet.sh Ada 2>/dev/null); code=$?
+  [ "$out" = "Hello, Ada!" ] && [ "$code" = 0 ]; check "greet.sh Ada prints 'Hello, Ada!' and exits 0 (got '$out', $code)" $?
+  out=$(agent bash greet.sh "Grace Hopper" 2>/dev/null)
+  [ "$out" = "Hello, Grace Hopper!" ]; check "a quoted name with a space (got '$out')" $?
+  # stderr captured directly, not through a fixed path in /tmp (the agent could have made that
+  # file first, and root here cannot write a file the agent owns).
+  err=$(agent bash greet.sh 2>&1 >/dev/null); code=$?
+  out=$(agent bash greet.sh 2>/dev/null)
+  [ "$code" = 2 ]; check "no argument exits 2 (got $code)" $?
+  [ -z "$out" ]; check "no argument prints nothing on stdout (got '$out')" $?
+  [[ "$err" == *"usage: greet.sh NAME"* ]]; check "no argument prints the usage on stderr (got '$err')" $?
+  write_reward $((1 - fail))
+  exit "$fail"
+}
+main "$@"; exit $?
