@@ -973,6 +973,8 @@ describe("auth, 404s and ops routes", () => {
       expect(error.details).toEqual({ allow: allow.split(", ") });
       expect(error.message).toContain(method);
     }
+    // A route of this very method that sent its own not-found (a missing file of Bull Board's): 404.
+    expectErrorBody(await h.call({ method: "GET", url: "/admin/queues/static/nope.js" }), 404, "not_found");
     // Without a token the route table is not told: 401 first.
     const anon = await h.call({ method: "DELETE", url: "/v1/rollouts", token: null });
     expect(anon.statusCode).toBe(401);

@@ -232,8 +232,10 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     const fullPath = req.url.split("?")[0]!;
     const path = fullPath.slice(0, 200);
     // A route that exists with other methods: 405 and the methods it has (RFC 9110 §15.5.6).
+    // Not when a route of this method matched and sent its own not-found (a missing static file
+    // of Bull Board's): that is a 404.
     const allowed = ROUTE_METHODS.filter((method) => app.findRoute({ method, url: fullPath }) !== null);
-    if (allowed.length > 0) {
+    if (allowed.length > 0 && !allowed.includes(req.method as (typeof ROUTE_METHODS)[number])) {
       const http = new HttpError(
         405,
         "method_not_allowed",

@@ -611,20 +611,22 @@ describe("idempotency and fencing without workers", () => {
     for (const stage of ["run", "verify"] as const) await runStageJob(stage, job(id!), fleet.deps);
     await closeExpecting(id!, { status: "completed", reward: 1 });
 
-    // A cancel whose close destroyed the sandbox during the staging: no failure, no retry.
+    // A cancel (its dispatcher died before it enqueued close) and the sandbox gone under the
+    // staging: no failure, no retry, and close enqueued by the seed.
     const closing = {
       ...dying,
       provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
         put: async (...a: Parameters<SandboxProvider["put"]>) => {
           if (a[1] !== "/workspace") return fleet.deps.provider.put(...a);
           await fleet.deps.store.requestCancel(cancelled!);
-          await fleet.deps.store.begin(cancelled!, "close", Date.now());
           return dying.provider.put(...a);
         },
       }),
     };
+    expect(await fleet.deps.queues.queues.close.getJob(stageJobId(cancelled!, "close"))).toBeUndefined();
     expect(await runStageJob("seed", job(cancelled!), closing)).toBe("ok");
     expect((await fleet.deps.store.failureLog(cancelled!)).length).toBe(0);
+    expect(await fleet.deps.queues.queues.close.getJob(stageJobId(cancelled!, "close"))).toBeDefined();
     await closeExpecting(cancelled!, { status: "cancelled" });
   });
 
@@ -1622,6 +1624,37 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.get(id!))!.times["verify:last"]).toBeUndefined();
     expect(await runStageJob("verify", job(id!), fleet.deps)).toBe("ok");
     await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
+  it("a verify handed back whose tests' sweep does not answer still hands back within its bound, its note kept for the next attempt", async () => {
+    const task = {
+      ...byId("hello-file"),
+      id: `handed-back-hung-sweep-${Date.now()}`,
+      timeouts: { agentS: 30, verifierS: 90 },
+      tests: { "test.sh": "#!/bin/sh\nsleep 600\n" },
+    };
+    const [id] = await fleet.submit([oracle(task)]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const hung = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: (...a: Parameters<SandboxProvider["killProcesses"]>) =>
+          a[1] === ROOT_USER ? new Promise<never>(() => undefined) : fleet.deps.provider.killProcesses(...a),
+      }),
+    };
+    const shutdown = new AbortController();
+    const verifying = runStageJob("verify", job(id!), hung, { signal: shutdown.signal }).catch((e) => e);
+    await waitFor(async () => (await fleet.deps.store.get(id!))!.times["verify:last"] !== undefined);
+    shutdown.abort();
+    // Within the bound (10 s), not never.
+    const handedBack = await Promise.race([
+      verifying,
+      new Promise((r) => setTimeout(r, 30_000, "still waiting")),
+    ]);
+    expect(isHandBack(handedBack)).toBe(true);
+    // Not confirmed stopped: the note stays, so the next attempt waits the tests out.
+    expect((await fleet.deps.store.get(id!))!.times["verify:last"]).toBeDefined();
+    await runStageJob("close", job(id!), fleet.deps);
   });
 
   it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {

@@ -372,8 +372,9 @@ export const seed: StageHandler = async (rec, deps) => {
     t2 = clock(deps);
     await stageWorkspace(deps.provider, created.handle, task);
   } catch (err) {
-    // A cancel's close destroyed the sandbox under the staging: the close reports the rollout.
-    if (await stoppedUnder(deps, rec.meta.id)) return null;
+    // A cancel's close destroyed the sandbox under the staging: the close reports the rollout
+    // (enqueued again: a cancel whose own enqueue of it never happened is still closed).
+    if (await stoppedUnder(deps, rec.meta.id)) return "close";
     // A sandbox that died under the staging (killed from outside, its daemon's doing) fails its
     // commands in ways that read as the task's (a staging step's exit 126 is `invalid_task`):
     // the sandbox's, so retried, and the next attempt makes it anew (rule 6: never the task's).
@@ -860,6 +861,9 @@ async function waitOutEarlierTests(
   }
 }
 
+/** The bound of the sweep that stops a handed-back verify's tests (see `stopOwnTests`). */
+const STOP_TESTS_MS = 5_000;
+
 /**
  * A verify handed back at shutdown stops its tests (every root process in the sandbox: the
  * tests run as root, the keepalive as nobody, and the agent's processes were confirmed gone
@@ -877,11 +881,17 @@ async function stopOwnTests(
 ): Promise<void> {
   try {
     if (!(await deps.store.holdsVerifyFence(id, token))) return;
-    const stopped = await deps.provider.killProcesses(handle, ROOT_USER);
-    if (stopped.confirmed) await note(null);
+    // One quick sweep (the shutdown's budget is seconds), and no longer than twice its bound
+    // whatever the provider does: unconfirmed, the note stays, and the next attempt waits the
+    // tests out as before.
+    const stopped = await Promise.race([
+      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
+      sleep(2 * STOP_TESTS_MS).then(() => null),
+    ]);
+    if (stopped?.confirmed) await note(null);
     else
       deps.logger.warn(
-        { rolloutId: id, detail: stopped.detail },
+        { rolloutId: id, detail: stopped?.detail ?? `no answer within ${2 * STOP_TESTS_MS} ms` },
         "handing back a verify whose tests did not stop",
       );
   } catch (err) {

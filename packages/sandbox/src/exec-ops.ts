@@ -493,6 +493,8 @@ export async function killProcessesViaExec(
      * CAP_KILL (`keepCaps`); the exec must grant it and nothing else.
      */
     rootSweep?: boolean;
+    /** One attempt, its exec bounded by this (`KillOptions.quickMs`). */
+    quickMs?: number;
   } = {},
 ): Promise<CleanupReceipt> {
   let lastError = "";
@@ -503,10 +505,11 @@ export async function killProcessesViaExec(
     : uid === 0
       ? ["sh", "-c", ROOT_SELF_SWEEP_SCRIPT, "sh", String(rounds)]
       : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
-  for (let attempt = 1; attempt <= 3; attempt++) {
+  const attempts = options.quickMs === undefined ? 3 : 1;
+  for (let attempt = 1; attempt <= attempts; attempt++) {
     try {
       const r = await exec(argv, {
-        deadlineMs: 30_000,
+        deadlineMs: options.quickMs ?? 30_000,
         cwd: OPS_CWD,
         user: asRoot ? ROOT_USER : user,
         stdin: null,
@@ -541,7 +544,7 @@ export async function killProcessesViaExec(
       // e.g. the pids limit is exhausted and the sweep itself cannot start: try again.
       lastError = err instanceof Error ? err.message : String(err);
     }
-    await delay(200 * attempt);
+    if (attempt < attempts) await delay(200 * attempt);
   }
   return {
     confirmed: false,

@@ -33,6 +33,16 @@ export const SANDBOX_PATHS = {
   logs: "/logs",
 } as const;
 
+/** How hard `killProcesses` tries. */
+export interface KillOptions {
+  /**
+   * One sweep whose exec is bounded by this many ms (a stop at shutdown, with seconds to spare),
+   * instead of up to 3 of 30 s each and, on Docker, a reaper after them. Unconfirmed when it runs
+   * out.
+   */
+  quickMs?: number;
+}
+
 /**
  * Where the fleet's own commands in a sandbox start (kill sweeps, staging, reads, scratch
  * scrubs): never the default, `/workspace`, which is the agent's, and one it made unenterable
@@ -93,7 +103,7 @@ export interface SandboxProvider {
   /** The isolation probe (DESIGN §5). Throws final `isolation_refused` or retryable `provider_unavailable`. */
   probe(handle: SandboxHandle, options?: { timeoutMs?: number }): Promise<ProbeReport>;
   /** Kill every process of `user` in the sandbox and confirm none remains. */
-  killProcesses(handle: SandboxHandle, user?: string): Promise<CleanupReceipt>;
+  killProcesses(handle: SandboxHandle, user?: string, options?: KillOptions): Promise<CleanupReceipt>;
   /** Destroy the sandbox and its volumes. Idempotent: already gone is a confirmed cleanup. */
   destroy(handle: SandboxHandle): Promise<CleanupReceipt>;
   /** Sandboxes carrying all of `labels` (plus `fleet.managed=true`). */

@@ -9,7 +9,18 @@ import {
   renameSync,
   writeFileSync,
 } from "node:fs";
-import { access, chown, link, mkdir, readdir, readFile, rename, rm, writeFile } from "node:fs/promises";
+import {
+  access,
+  chown,
+  link,
+  lstat,
+  mkdir,
+  readdir,
+  readFile,
+  rename,
+  rm,
+  writeFile,
+} from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import {
@@ -28,6 +39,7 @@ import type { Logger } from "@fleet/telemetry";
 import {
   DEFAULT_SANDBOX_LIMITS,
   isTmpfsPath,
+  SHM_MB,
   sandboxName,
   TMPFS_MOUNTS,
 } from "../docker/container-config.ts";
@@ -56,6 +68,7 @@ import {
 import { execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
+  type KillOptions,
   LABEL_EXPIRES,
   LABEL_MANAGED,
   LABEL_OWNER,
@@ -302,7 +315,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
         // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
         // cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
-        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb,
+        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb + SHM_MB,
         pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
       });
       state.cgroups = cgroups;
@@ -659,7 +672,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     };
   }
 
-  async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
+  async killProcesses(
+    handle: SandboxHandle,
+    user: string = AGENT_USER,
+    options: KillOptions = {},
+  ): Promise<CleanupReceipt> {
     // The sweep runs outside the sandbox's cgroups so it can start even at the pids limit, and a
     // sandbox found gone is a confirmed receipt. For a uid other than root's it runs as root in
     // the sandbox's namespaces holding CAP_KILL and no other capability (`rootSweep`): nothing of
@@ -675,7 +692,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       user,
       this.defaults.killRounds,
       () => false,
-      { rootSweep: true },
+      { rootSweep: true, quickMs: options.quickMs },
     );
   }
 
@@ -798,7 +815,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     if (resolve(this.rootfs) === "/") return "FLEET_BWRAP_ROOTFS is / (the host's own root), not a rootfs";
     for (const tool of ROOTFS_NEEDS) {
       try {
-        await access(join(this.rootfs, tool), fsConstants.X_OK);
+        // There, not followed: a link in the rootfs may be absolute (busybox's `/bin/busybox`),
+        // which the host would resolve in its own root.
+        await lstat(join(this.rootfs, tool));
       } catch {
         return `the rootfs ${this.rootfs} has no ${tool} (give FLEET_BWRAP_ROOTFS an unpacked base rootfs: packages/sandbox/README.md)`;
       }

@@ -72,8 +72,7 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     "--new-session",
     "--cap-drop",
     "ALL",
-    // Only for the keepalive's setpriv below, which gives both up (and every other) as it
-    // switches to nobody.
+    // Only for the keepalive's setpriv below: its switch to nobody clears them.
     "--cap-add",
     "CAP_SETUID",
     "--cap-add",
@@ -88,7 +87,11 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
   ];
 }
 
-/** The keepalive: `sleep infinity` as nobody with no capability (in any set) and no_new_privs. */
+/**
+ * The keepalive: `sleep infinity` as nobody with no_new_privs (setuid to nobody clears its
+ * effective and permitted sets; without CAP_SETPCAP `--bounding-set -all` may leave SETUID/SETGID
+ * in its bounding set, which nothing it runs can use).
+ */
 export function keepaliveArgv(): string[] {
   const [uid, gid] = KEEPALIVE_USER.split(":") as [string, string];
   return [

@@ -47,10 +47,12 @@ import {
 import { CappedBuffer, DockerStreamDemuxer, execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
+  type KillOptions,
   LABEL_MANAGED,
   LABEL_OWNER,
   LABEL_ROLLOUT,
   LABEL_SCOPE,
+  OPS_CWD,
   type PutOptions,
   ROOT_USER,
   SANDBOX_PATHS,
@@ -545,7 +547,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       const r = await this.execIn(
         handle,
         ["sh", "-c", "cat /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events 2>/dev/null"],
-        { deadlineMs: 5_000, user: ROOT_USER, stdin: null, maxOutputBytes: 4096 },
+        { deadlineMs: 5_000, cwd: OPS_CWD, user: ROOT_USER, stdin: null, maxOutputBytes: 4096 },
       );
       const m = /oom_kill (\d+)/.exec(r.stdout);
       if (m === null) return false;
@@ -669,7 +671,11 @@ export class DockerSandboxProvider implements SandboxProvider {
     };
   }
 
-  async killProcesses(handle: SandboxHandle, user: string = AGENT_USER): Promise<CleanupReceipt> {
+  async killProcesses(
+    handle: SandboxHandle,
+    user: string = AGENT_USER,
+    options: KillOptions = {},
+  ): Promise<CleanupReceipt> {
     await this.checkDaemon(handle);
     // The daemon itself is unreachable (no HTTP answer at all): a retry later, not a sweep.
     const daemonUnreachable = (err: unknown) =>
@@ -679,9 +685,10 @@ export class DockerSandboxProvider implements SandboxProvider {
       user,
       this.defaults.killRounds,
       daemonUnreachable,
+      { quickMs: options.quickMs },
     );
     const uid = parseNumericUser(user)?.uid;
-    if (receipt.confirmed || uid === undefined || uid === 0) return receipt;
+    if (receipt.confirmed || uid === undefined || uid === 0 || options.quickMs !== undefined) return receipt;
     // The sweep, run as the user itself (the sandbox grants no capability), could not confirm:
     // something of that uid resisted it (killed every sweep with its own `kill -9 -1` loop,
     // outran it). Escalate to a reaper it cannot signal, or the rollout would be masked where
