@@ -1123,6 +1123,37 @@ describe("idempotency and fencing without workers", () => {
     expect(await fleet.deps.store.getResult(id!)).toMatchObject({ teardown: "confirmed", reward: null });
   });
 
+  it("a run that dies between creating its own sandbox and recording its handle left the intent first: the janitor destroys the sandbox by it (rule 9)", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("sum-answer"), agent: { harness: "command", argv: ["true"], sandbox: "own" } },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const key = sandboxKey(id!, "agent");
+    let intentAtCreate: unknown = "create never called";
+    const diesAfterCreate = Object.assign(Object.create(docker) as SandboxProvider, {
+      create: async (...a: Parameters<SandboxProvider["create"]>) => {
+        if (a[0].owner !== "agent") return docker.create(...a);
+        intentAtCreate = await fleet.deps.ledger.getSandbox(key);
+        await docker.create(...a);
+        throw new Error("the worker died here");
+      },
+    });
+    await expect(runStageJob("run", job(id!), { ...fleet.deps, provider: diesAfterCreate })).rejects.toThrow(
+      /the worker died here/,
+    );
+    // The intent was persisted before anything was made, and nothing recorded a handle.
+    expect(intentAtCreate).toMatchObject({ rolloutId: id, owner: "agent", handle: null });
+    expect(await docker.find(id!, "agent")).not.toBeNull();
+    await fleet.deps.store.requestCancel(id!);
+    await runStageJob("close", job(id!), fleet.deps);
+    // Not close's to destroy (rule 11): the janitor's, found by the intent the run left.
+    expect(await docker.find(id!, "agent")).not.toBeNull();
+    const later = { ...fleet.deps, now: () => Date.now() + 10 * 60_000 };
+    await janitorTick(later, { orphanGraceMs: 60_000 });
+    expect(await containersOf([id!])).toBe(0);
+    expect(await fleet.deps.ledger.getSandbox(key)).toBeNull();
+  });
+
   it("a first seed does not look for its sandbox by label; one re-delivered after dying past staging finds it and replaces it", async () => {
     /** Counts label lookups; the first staging put fails after staging, as if the worker died then. */
     class DiesAfterCreate extends FlakyDestroyProvider {
