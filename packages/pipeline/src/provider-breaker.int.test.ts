@@ -73,6 +73,23 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
     fleet = undefined;
   });
 
+  /** A fleet without workers whose provider answers no listing and fails every create, and one rollout. */
+  const downFleet = async () => {
+    const provider = new CountingProvider();
+    provider.listFails = true;
+    const started = await startInProcessFleet({
+      provider,
+      deps: NO_OP_AGENT_AND_VERIFIER,
+      startWorkers: false,
+    });
+    fleet = started; // closed by afterEach
+    provider.create = async () => {
+      throw FleetError.retryable("provider_unavailable", "docker create failed: ECONNREFUSED");
+    };
+    const [id] = await started.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    return { provider, id, fleet: started };
+  };
+
   it("holds seeds while the provider does not answer, spending no attempt however long it lasts, and grades them once it answers", async () => {
     const provider = new CountingProvider();
     provider.unreachable = true;
@@ -259,13 +276,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
   });
 
   it("holds one stage of a rollout at most MAX_HOLDS times: a provider that flaps does not rerun an agent until the deadline", async () => {
-    const provider = new CountingProvider();
-    provider.listFails = true;
-    fleet = await startInProcessFleet({ provider, deps: NO_OP_AGENT_AND_VERIFIER, startWorkers: false });
-    provider.create = async () => {
-      throw FleetError.retryable("provider_unavailable", "docker create failed: ECONNREFUSED");
-    };
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const { provider, id, fleet } = await downFleet();
     const job = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 8 } };
     const options = {
       providerDown: async () =>
@@ -287,13 +298,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
   });
 
   it("does not hold a failure whose hold could not end before the rollout's deadline (holdMs): it is a failure like any other", async () => {
-    const provider = new CountingProvider();
-    provider.listFails = true;
-    fleet = await startInProcessFleet({ provider, deps: NO_OP_AGENT_AND_VERIFIER, startWorkers: false });
-    provider.create = async () => {
-      throw FleetError.retryable("provider_unavailable", "docker create failed: ECONNREFUSED");
-    };
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const { id, fleet } = await downFleet();
     const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
     const job = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 8 } };
     const options = { providerDown: async () => true, holdMs: 2_000 };

@@ -28,8 +28,8 @@ export interface LoadSuiteOptions extends LoadTaskOptions {
   /**
    * The tasks asked for (ids; one that does not load is matched by its directory's name and by
    * the `[task] id` its task.toml declares): a broken task of the suite not among them does not
-   * refuse the load (it is left out). The
-   * tasks that load are returned all the same, for the caller to pick from.
+   * refuse the load (it is left out). The tasks that load are returned all the same, for the
+   * caller to pick from.
    */
   only?: readonly string[];
 }

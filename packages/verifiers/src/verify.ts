@@ -21,9 +21,9 @@ const INLINE_REWARD_BYTES = 1024;
 
 /**
  * Grade one run. `tests`: stage the task's tests at /tests and run /tests/test.sh as root (no
- * capabilities) in /workspace (or / when the agent made it unenterable), by the interpreter its `#!` line names (with its option), else
- * with bash; the reward file (`reward.txt`, else `reward.json`) wins, else exit 0 → 1.0,
- * non-zero → 0.0.
+ * capabilities) in /workspace (or / when the agent made it unenterable), by the interpreter its
+ * `#!` line names (with its option), else with bash; the reward file (`reward.txt`, else
+ * `reward.json`) wins, else exit 0 → 1.0, non-zero → 0.0.
  * `match`: compare the answer (exact, trimmed; or regex, full match); no answer → 0.
  *
  * Tests that time out or are killed for memory grade the agent's work as the tests left it (0
