@@ -1688,6 +1688,70 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
+  it("a verify that begins while a handed-back attempt sweeps its tests waits for the sweep to end: the sweep never kills the new attempt's tests", async () => {
+    const task = {
+      ...byId("hello-file"),
+      id: `sweep-race-${Date.now()}`,
+      timeouts: { agentS: 30, verifierS: 90 },
+      // The first run of the tests hangs; the next one takes a few seconds, then passes.
+      tests: {
+        "test.sh": "#!/bin/sh\nif [ -e /tmp/swept ]; then sleep 4; exit 0; fi\ntouch /tmp/swept\nsleep 600\n",
+      },
+    };
+    const [id] = await fleet.submit([oracle(task)]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+    const rootSleeps = async (seconds: number) =>
+      (
+        await fleet.deps.provider.exec(
+          handle,
+          ["sh", "-c", `ps -o args= -u 0 | grep -c '^[s]leep ${seconds}$'`],
+          { deadlineMs: 10_000, user: ROOT_USER },
+        )
+      ).stdout.trim();
+    // Attempt A: handed back at shutdown, its sweep held until the gate opens.
+    const gate = latch();
+    const a = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async (...args: Parameters<SandboxProvider["killProcesses"]>) => {
+          if (args[1] === ROOT_USER) await gate.opened;
+          return fleet.deps.provider.killProcesses(...args);
+        },
+      }),
+    };
+    const shutdown = new AbortController();
+    const verifyingA = runStageJob("verify", job(id!), a, { signal: shutdown.signal }).catch((e) => e);
+    await waitFor(async () => (await rootSleeps(600)) === "1");
+    shutdown.abort();
+    await waitFor(async () => (await fleet.deps.store.testsSweepUntil(id!)) !== null);
+    // A's tests began long ago (it stalled past their budget before the shutdown): B, delivered
+    // again meanwhile, has no tests of A's to wait out; only the sweep.
+    await fleet.redis.hset(
+      fleet.deps.store.keys.rollout(id!),
+      "t:verify:last",
+      String(Date.now() - 3_600_000),
+    );
+    let waitsForSweep = false;
+    const logger = fleet.deps.logger;
+    const b = {
+      ...fleet.deps,
+      logger: Object.assign(Object.create(logger) as typeof logger, {
+        info: (obj: unknown, msg?: string) => {
+          if ((obj as { sweep?: unknown }).sweep === true) waitsForSweep = true;
+          logger.info(obj, msg);
+        },
+      }),
+    };
+    const verifyingB = runStageJob("verify", job(id!), b);
+    // B waits for the sweep (without that wait, it runs its tests under it).
+    await waitFor(async () => waitsForSweep || (await rootSleeps(4)) === "1");
+    gate.open();
+    expect(isHandBack(await verifyingA)).toBe(true);
+    expect(await verifyingB).toBe("ok");
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {
     const task = {
       ...byId("hello-file"),

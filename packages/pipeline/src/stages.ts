@@ -839,10 +839,15 @@ async function waitOutEarlierTests(
   task: TaskContent,
   shutdown?: AbortSignal,
 ): Promise<void> {
+  if (task.verifier.kind !== "tests") return;
   const earlier = rec.times["verify:prev"];
-  if (task.verifier.kind !== "tests" || earlier === undefined) return;
+  const testsUntil =
+    earlier === undefined ? 0 : earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
+  // An earlier attempt handed back at shutdown may be sweeping its tests (every root process):
+  // until its claim ends (`stopOwnTests`), or lapses, nothing of this attempt's may run there.
+  const sweepUntil = rec.times["verify:sweep"] ?? 0;
   const now = clock(deps);
-  const until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
+  const until = Math.max(testsUntil, sweepUntil);
   if (until <= now) return;
   if (until >= rec.meta.deadlineAt) {
     throw FleetError.nonRetryable(
@@ -851,26 +856,47 @@ async function waitOutEarlierTests(
     );
   }
   deps.logger.info(
-    { rolloutId: rec.meta.id, waitMs: until - now },
+    { rolloutId: rec.meta.id, waitMs: until - now, sweep: sweepUntil > now },
     "verify delivered again: waiting out the earlier attempt's tests before starting",
   );
   try {
-    await sleep(until - now, undefined, { signal: shutdown });
-  } catch {
-    throw new HandBackError();
+    if (testsUntil > now) await sleep(testsUntil - now, undefined, { signal: shutdown });
+    // A sweep's claim ends as soon as the sweep does: look again now and then. (Only an attempt
+    // holding the verify fence may claim one, and this one holds it now: another value is none.)
+    while (sweepUntil > clock(deps)) {
+      const current = await deps.store.testsSweepUntil(rec.meta.id).catch(() => sweepUntil);
+      if (current !== sweepUntil) break;
+      await sleep(Math.min(SWEEP_POLL_MS, Math.max(1, sweepUntil - clock(deps))), undefined, {
+        signal: shutdown,
+      });
+    }
+  } catch (err) {
+    if (shutdown?.aborted) throw new HandBackError();
+    throw err;
   }
 }
 
+/** How often a verify waiting for a handed-back attempt's sweep looks whether it ended. */
+const SWEEP_POLL_MS = 250;
+
 /** The bound of the sweep that stops a handed-back verify's tests (see `stopOwnTests`). */
 const STOP_TESTS_MS = 5_000;
+/**
+ * How long a handed-back verify's claim on the sweep of its tests holds a later attempt back
+ * when it is not ended: the sweep is given up here after `2 × STOP_TESTS_MS`, and its exec ends
+ * in the sandbox `STOP_TESTS_MS` + the `timeout -k` grace after it started; the rest is slack
+ * for an exec that starts late.
+ */
+const SWEEP_CLAIM_MS = 2 * STOP_TESTS_MS + 10_000;
 
 /**
  * A verify handed back at shutdown stops its tests (every root process in the sandbox: the
  * tests run as root, the keepalive as nobody, and the agent's processes were confirmed gone
  * before verify) and, once none is left, clears its note of work in the sandbox (`note(null)`),
- * so the next attempt has no tests to wait out. Only while this attempt holds the verify fence:
- * a later attempt's tests are not its to stop. Best effort: whatever fails leaves the note, and
- * the next attempt waits as before.
+ * so the next attempt has no tests to wait out. Only while this attempt holds the verify fence,
+ * atomically with that check (`claimTestsSweep`): a later attempt's tests are not its to stop,
+ * and one that begins during the sweep waits for it to end. Best effort: whatever fails leaves
+ * the note, and the next attempt waits as before.
  */
 async function stopOwnTests(
   deps: PipelineDeps,
@@ -879,8 +905,9 @@ async function stopOwnTests(
   token: string,
   note: (at: number | null) => Promise<void>,
 ): Promise<void> {
+  const until = clock(deps) + SWEEP_CLAIM_MS;
   try {
-    if (!(await deps.store.holdsVerifyFence(id, token))) return;
+    if ((await deps.store.claimTestsSweep(id, token, until)) !== "claimed") return;
     // One quick sweep (the shutdown's budget is seconds), and no longer than twice its bound
     // whatever the provider does: unconfirmed, the note stays, and the next attempt waits the
     // tests out as before.
@@ -888,6 +915,8 @@ async function stopOwnTests(
       deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
       sleep(2 * STOP_TESTS_MS).then(() => null),
     ]);
+    // Given up on, the sweep may still run: its claim lapses by itself.
+    if (stopped !== null) await deps.store.endTestsSweep(id, until);
     if (stopped?.confirmed) await note(null);
     else
       deps.logger.warn(
@@ -895,6 +924,8 @@ async function stopOwnTests(
         "handing back a verify whose tests did not stop",
       );
   } catch (err) {
+    // A later attempt began once the sweep was over: the note is its own now.
+    if (err instanceof VerifySupersededError) return;
     deps.logger.warn(
       { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
       "handing back a verify without stopping its tests; the next attempt waits them out",

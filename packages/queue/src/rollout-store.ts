@@ -746,6 +746,32 @@ export class RolloutStore {
     return r === 1 ? "noted" : r === -1 ? "superseded" : "terminal";
   }
 
+  /**
+   * A verify attempt handed back at shutdown claims the sweep of its tests until `until`
+   * (`fleetTestsSweep`): only while `token` holds the verify fence, atomically with that check.
+   * A later attempt's `begin` returns the claim (`times["verify:sweep"]`); it waits for
+   * `endTestsSweep` or `until`, whichever is first, before it works in the sandbox.
+   */
+  async claimTestsSweep(
+    id: string,
+    token: string,
+    until: number,
+  ): Promise<"claimed" | "superseded" | "terminal"> {
+    const r = Number(await this.redis.fleetTestsSweep(this.keys.rollout(id), "claim", String(until), token));
+    return r === 1 ? "claimed" : r === -1 ? "superseded" : "terminal";
+  }
+
+  /** The sweep claimed with `until` ended (a later claim's note is left alone). */
+  async endTestsSweep(id: string, until: number): Promise<void> {
+    await this.redis.fleetTestsSweep(this.keys.rollout(id), "end", String(until));
+  }
+
+  /** Until when a handed-back verify attempt may still be sweeping its tests (null: none). */
+  async testsSweepUntil(id: string): Promise<number | null> {
+    const raw = await this.redis.hget(this.keys.rollout(id), "t:verify:sweep");
+    return raw === null ? null : Number(raw);
+  }
+
   /** Whether `token` still holds the verify fence (no later verify attempt began). */
   async holdsVerifyFence(id: string, token: string): Promise<boolean> {
     return (await this.redis.hget(this.keys.rollout(id), "vfence")) === token;

@@ -7,8 +7,8 @@ import type { RedisConnection } from "./connection.ts";
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
  * (the fence a claim replaced), `vfence` (the token of the verify attempt that began last;
  * `vseen:<token>` marks each token that began), `t:verify:last` (when a verify attempt last
- * began work in the sandbox),
- * `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
+ * began work in the sandbox), `t:verify:sweep` (until when an attempt handed back may sweep
+ * its tests), `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
  * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
  */
@@ -430,7 +430,7 @@ const SCRIPTS = {
       ${TERMINAL}
       ${CLAIM_LAUNCH}
       local status = redis.call('HGET', KEYS[1], 'status')
-      local intent, previous, launches, prevTests = '', '', 0, false
+      local intent, previous, launches, prevTests, sweepUntil = '', '', 0, false, false
       if status and not terminal[status] then
         if ARGV[3] == '1' then
           redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
@@ -446,6 +446,9 @@ const SCRIPTS = {
               -- When an earlier attempt last began work in the sandbox (a verify delivered again
               -- waits it out; see fleetNoteVerify).
               prevTests = redis.call('HGET', KEYS[1], 't:verify:last')
+              -- Until when an earlier attempt handed back at shutdown may be sweeping its tests
+              -- (every root process): this one starts nothing before that (fleetTestsSweep).
+              sweepUntil = redis.call('HGET', KEYS[1], 't:verify:sweep')
             end
             if ARGV[5] ~= '' then
               -- Not past the deadline either: the stage would be skipped, and an intent left
@@ -502,6 +505,10 @@ const SCRIPTS = {
           rec[#rec + 1] = 't:verify:prev'
           rec[#rec + 1] = prevTests
         end
+        if sweepUntil then
+          rec[#rec + 1] = 't:verify:sweep'
+          rec[#rec + 1] = sweepUntil
+        end
       end
       return {rec, failures, intent, previous, launches, sb1, sb2}`,
   },
@@ -523,6 +530,27 @@ const SCRIPTS = {
       else
         redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1])
       end
+      return 1`,
+  },
+  /**
+   * A verify attempt handed back at shutdown sweeps its tests (every root process in the
+   * sandbox): ARGV[1] 'claim' notes until when (ARGV[2]) it may sweep, only while its token
+   * (ARGV[3]) holds the verify fence and the rollout is open, atomically with that check; a later
+   * attempt's begin returns the note and starts nothing in the sandbox before it ends, so the
+   * sweep never kills that attempt's tests. Returns 1 if noted, 0 if terminal, -1 if a later
+   * attempt began (nothing to sweep: the tests are not this attempt's to stop). ARGV[1] 'end'
+   * deletes the note if it is still this claim's (ARGV[2]); returns 1 if it did.
+   */
+  fleetTestsSweep: {
+    keys: 1,
+    lua: `
+      if ARGV[1] == 'end' then
+        if redis.call('HGET', KEYS[1], 't:verify:sweep') ~= ARGV[2] then return 0 end
+        return redis.call('HDEL', KEYS[1], 't:verify:sweep')
+      end
+      ${OPEN_OR_RETURN_0}
+      if redis.call('HGET', KEYS[1], 'vfence') ~= ARGV[3] then return -1 end
+      redis.call('HSET', KEYS[1], 't:verify:sweep', ARGV[2])
       return 1`,
   },
   /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */

@@ -445,6 +445,31 @@ describe("rollout store", () => {
     expect(await store.noteVerifyWork(id, 8, "b")).toBe("terminal");
   });
 
+  it("a handed-back verify claims the sweep of its tests only while it holds the fence, and a later attempt's begin sees the claim until it ends", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    await store.begin(id, "verify", 1, { verifyToken: "a" });
+    expect(await store.claimTestsSweep(id, "a", 100)).toBe("claimed");
+    // B begins during A's sweep: it is told until when A may sweep.
+    expect((await store.begin(id, "verify", 2, { verifyToken: "b" })).record!.times["verify:sweep"]).toBe(
+      100,
+    );
+    expect(await store.testsSweepUntil(id)).toBe(100);
+    // A can claim no other sweep now: the tests there are B's.
+    expect(await store.claimTestsSweep(id, "a", 200)).toBe("superseded");
+    expect(await store.testsSweepUntil(id)).toBe(100);
+    // Ending another claim than its own changes nothing; ending its own clears it.
+    await store.endTestsSweep(id, 99);
+    expect(await store.testsSweepUntil(id)).toBe(100);
+    await store.endTestsSweep(id, 100);
+    expect(await store.testsSweepUntil(id)).toBeNull();
+    expect(
+      (await store.begin(id, "verify", 3, { verifyToken: "c" })).record!.times["verify:sweep"],
+    ).toBeUndefined();
+    await redis.hset(store.keys.rollout(id), "status", "completed");
+    expect(await store.claimTestsSweep(id, "c", 300)).toBe("terminal");
+  });
+
   it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {
     const names = ["a", "b", "c", "d", "e", "f", "big"];
     const tasks = names.map((name) =>
