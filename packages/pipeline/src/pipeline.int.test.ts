@@ -1590,6 +1590,30 @@ describe("idempotency and fencing without workers", () => {
     });
   });
 
+  it("a run taken over during its kill sweep (after its last look at the fence) stores no receipt over the new launch's", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const store = fleet.deps.store;
+    const late = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
+          // While this launch stops its agent, its lock lapses and worker B takes the run over.
+          await store.claimLaunch(id!, "worker-b:1");
+          return fleet.deps.provider.killProcesses(...a);
+        },
+      }),
+    };
+    // Its lock may have lapsed (taken 25 s ago): its receipt is stored only under its fence.
+    expect(await runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, late)).toBe("ok");
+    const rec = (await store.get(id!))!;
+    expect(rec.receipts.run).toBeUndefined();
+    expect(rec.status).not.toBe("ran");
+    expect(rec.fence).toBe("launched:worker-b:1");
+    expect(await fleet.deps.queues.queues.verify.getJob(stageJobId(id!, "verify"))).toBeUndefined();
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
   it("a rerun taken over while it prepared neither kills nor resets what the new launch runs", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
