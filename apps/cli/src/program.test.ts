@@ -442,9 +442,27 @@ describe("fleet submit", () => {
     );
     expect(code).toBe(1);
     // The first offer, and one more once the wait is over: no five retries of 5 s in between.
-    expect(server.requests.filter((r) => r.method === "POST").length).toBeLessThanOrEqual(2);
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(2);
     expect(stderr.text()).toContain("the fleet's backlog is full; offering 2 more rollouts again in 1 s");
     expect(stderr.text()).not.toMatch(/attempt \d\/\d/);
+  });
+
+  it("--backlog-wait counts from the answer that the backlog is full, not from before a slow first answer", async () => {
+    let posts = 0;
+    server.on("POST", "/v1/batches", (_req, res) => {
+      // The first answer is slow (a loaded dispatcher, a slow link): that is no wait for room.
+      const answer = () =>
+        apiError(res, 429, "backpressure", "no room", { maxBacklog: 10, inflight: 10, retryAfterS: 5 });
+      if (posts++ === 0) setTimeout(answer, 400);
+      else answer();
+    });
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "1", "--backlog-wait", "1"],
+      ctx(),
+    );
+    expect(code).toBe(1);
+    expect(posts).toBe(2);
+    expect(stderr.text()).toContain("the fleet's backlog is full; offering 2 more rollouts again in 1 s");
   });
 
   it("--wait rides out a dispatcher outage far past the retry budget, then writes complete results", async () => {

@@ -264,7 +264,11 @@ async function submitChunk(
       backlogWaitMs,
       onAccepted,
     );
-  const until = Date.now() + backlogWaitMs;
+  // The `--backlog-wait` window opens at the first answer that the backlog is full, not before the
+  // first POST: a slow answer is no time spent waiting for room. A wait that runs to the window's
+  // end makes the offer after it the last one, whatever the clocks say about the timer's precision.
+  let until: number | null = null;
+  let lastOffer = false;
   for (;;) {
     try {
       posting.key = keyFor(from, from + lines.length);
@@ -282,7 +286,10 @@ async function submitChunk(
         for (let i = 0; i < lines.length; i += max) await part(i, i + max);
         return;
       }
-      if (err.status !== 429 || Date.now() >= until) throw err;
+      if (err.status !== 429) throw err;
+      const now = Date.now();
+      until ??= now + backlogWaitMs;
+      if (lastOffer || now >= until) throw err;
       // Room for some of the chunk now: send that much, and offer the rest after it.
       const room = max === null ? 0 : max - (num("inflight") ?? max) - (num("admitting") ?? 0);
       if (room >= 1 && room < lines.length) {
@@ -291,10 +298,12 @@ async function submitChunk(
         await part(room, lines.length);
         return;
       }
+      const leftS = (until - now) / 1000;
       const waitS = Math.min(
         typeof details.retryAfterS === "number" ? details.retryAfterS : 5,
-        Math.max(0.01, (until - Date.now()) / 1000),
+        Math.max(0.01, leftS),
       );
+      lastOffer = waitS >= leftS;
       await writeText(
         ctx.stderr,
         `the fleet's backlog is full; offering ${lines.length} more rollouts again in ${Math.round(waitS * 10) / 10} s\n`,
