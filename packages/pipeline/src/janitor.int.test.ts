@@ -1,6 +1,12 @@
+import { randomUUID } from "node:crypto";
 import { FleetError, RolloutRequest } from "@fleet/contracts";
 import { admit, JANITOR_QUEUE, rolloutIds, sandboxKey } from "@fleet/queue";
-import { DockerGatewayNetworks, DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
+import {
+  DockerGatewayNetworks,
+  DockerSandboxProvider,
+  gatewayNetworkName,
+  LABEL_ROLLOUT,
+} from "@fleet/sandbox";
 import { MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
@@ -12,8 +18,11 @@ import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-f
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 // Scoped to this file's run: its janitor passes sweep every sandbox their provider lists, and
-// must never take another test file's (they run at the same time on the one daemon).
-const docker = new DockerSandboxProvider({ scope: `janitor-test-${process.pid}` });
+// must never take another test file's (they run at the same time on the one daemon). A random
+// run id, not the pid: jobs in containers sharing one daemon (or a killed run's leftovers) have
+// the same pids.
+const RUN = randomUUID().slice(0, 8);
+const docker = new DockerSandboxProvider({ scope: `janitor-test-${RUN}` });
 
 describe("janitor", () => {
   let fleet: InProcessFleet;
@@ -474,7 +483,16 @@ describe("janitor", () => {
     let broken = true;
     firewall.unsealFailure = () =>
       broken ? FleetError.nonRetryable("isolation_refused", "iptables -D failed (the test)") : null;
-    const networks = new DockerGatewayNetworks({ scope: `janitor-unseal-${process.pid}`, firewall });
+    const scope = `janitor-unseal-${RUN}`;
+    const scoped = new DockerGatewayNetworks({ scope, firewall });
+    // Its passes see this test's networks only. `list` also gives every network made before
+    // networks carried a scope, anyone's on the shared daemon (another job's test network, a
+    // killed run's): one past the grace would be removed by this test, unsealed through its
+    // failing firewall and reported beside the failure this test expects.
+    const networks = Object.assign(Object.create(scoped) as typeof scoped, {
+      list: async () =>
+        (await scoped.list()).filter((n) => n.name === gatewayNetworkName(n.rolloutId, scope)),
+    });
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     const model = { name: "m", baseUrl: "http://127.0.0.1:9/v1", credential: "upstream" };
@@ -518,7 +536,7 @@ describe("janitor", () => {
   });
 
   it("removes the gateway networks of rollouts that are over, this fleet's and those made before networks carried a scope", async () => {
-    const scope = `janitor-test-${process.pid}`;
+    const scope = `janitor-test-${RUN}`;
     const networks = new DockerGatewayNetworks({ scope });
     const run = `${Date.now()}`;
     const [scopedId, legacyId] = [`gwj-${run}`, `gwjl-${run}`];
