@@ -66,6 +66,15 @@ describe("DispatcherConfig", () => {
     );
   });
 
+  it("FLEET_PREFIX starts with a hash tag in braces (one Redis Cluster slot), said with the variable's name", () => {
+    expect(parseConfig(DispatcherConfig, { FLEET_PREFIX: "{eval}:run2" }).prefix).toBe("{eval}:run2");
+    for (const bad of ["walk", "eval{x}", "{}x"]) {
+      expect(() => parseConfig(WorkerConfig, { FLEET_PREFIX: bad })).toThrow(
+        /FLEET_PREFIX: must start with a hash tag in braces/,
+      );
+    }
+  });
+
   it("treats empty values as unset", () => {
     expect(parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: "", REDIS_URL: "  " }).httpPort).toBe(8080);
   });

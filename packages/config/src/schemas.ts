@@ -49,7 +49,11 @@ const MIN_RESULT_TTL_S = 2 * 24 * 3600;
 
 const common = {
   REDIS_URL: redisUrlVar().default(DEFAULT_REDIS_URL),
-  FLEET_PREFIX: wordVar().default(DEFAULT_PREFIX),
+  // One hash tag first, so that every key of the fleet hashes to one Redis Cluster slot (the
+  // queue's own check, said here with the variable's name).
+  FLEET_PREFIX: wordVar()
+    .regex(/^\{[^{}]+\}/, 'must start with a hash tag in braces, such as "{fleet}" or "{fleet}:eval"')
+    .default(DEFAULT_PREFIX),
   FLEET_LOG_LEVEL: z.string().trim().toLowerCase().pipe(LogLevel).default("info"),
   FLEET_SHUTDOWN_TIMEOUT_MS: durationMsVar().default(DEFAULT_SHUTDOWN_TIMEOUT_MS),
   /**
