@@ -1,6 +1,8 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import { mkdtemp, rm } from "node:fs/promises";
+import type { AddressInfo } from "node:net";
+import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest } from "@fleet/contracts";
@@ -128,5 +130,30 @@ describe("a worker that cannot reach its sandbox provider", () => {
     expect(scraped).toMatch(/^fleet_worker_heartbeat_timestamp_seconds\{[^}]*\} \d/m);
     kill();
     await running;
+  });
+
+  it("a metrics port in use, or a bad variable, refuses the start in one line naming the variable (no stack trace)", async () => {
+    const taken = createServer();
+    await new Promise<void>((r) => taken.listen(0, "127.0.0.1", () => r()));
+    try {
+      const port = (taken.address() as AddressInfo).port;
+      const busy = await runApp("agent", {
+        REDIS_URL,
+        FLEET_PREFIX: prefix,
+        FLEET_METRICS_PORT: String(port),
+      });
+      expect(busy.code, busy.output).toBe(1);
+      expect(busy.output).toContain(`refusing to start: FLEET_METRICS_PORT ${port} is in use on 127.0.0.1`);
+      expect(busy.output).not.toMatch(/^\s+at /m);
+    } finally {
+      taken.close();
+    }
+    for (const kind of ["janitor", "dispatcher"] as const) {
+      const bad = await runApp(kind, { REDIS_URL, FLEET_PREFIX: "walk" });
+      expect(bad.code, bad.output).toBe(1);
+      expect(bad.output).toContain("refusing to start:");
+      expect(bad.output).toContain("FLEET_PREFIX: must start with a hash tag in braces");
+      expect(bad.output).not.toMatch(/^\s+at /m);
+    }
   });
 });

@@ -8,7 +8,12 @@ import {
   StageQueues,
   TeardownLedger,
 } from "@fleet/queue";
-import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
+import {
+  createFleetMetrics,
+  createLogger,
+  createMetricsRegistry,
+  exitOnStartFailure,
+} from "@fleet/telemetry";
 import { createServer } from "./server.ts";
 
 /**
@@ -82,7 +87,4 @@ async function main(): Promise<void> {
   });
 }
 
-main().catch((err: unknown) => {
-  console.error(err instanceof Error ? err.message : err);
-  process.exit(1);
-});
+main().catch(exitOnStartFailure);

@@ -1,5 +1,5 @@
 // The verifier worker: runs the verify stage (DESIGN §2). All wiring lives in
 // @fleet/pipeline's runWorkerApp; this file is the only one that reads the environment.
-import { runWorkerApp } from "@fleet/pipeline";
+import { exitOnStartFailure, runWorkerApp } from "@fleet/pipeline";
 
-await runWorkerApp("verifier", process.env);
+await runWorkerApp("verifier", process.env).catch(exitOnStartFailure);

@@ -107,7 +107,14 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   for (const queue of Object.values(deps.queues.queues)) queue.on("error", () => undefined);
   const server =
     config.metricsPort !== null
-      ? await startMetricsServer({ registry, port: config.metricsPort, host: config.metricsHost })
+      ? await startMetricsServer({ registry, port: config.metricsPort, host: config.metricsHost }).catch(
+          (err: unknown) => {
+            if ((err as NodeJS.ErrnoException).code !== "EADDRINUSE") throw err;
+            throw new Error(
+              `FLEET_METRICS_PORT ${config.metricsPort} is in use on ${config.metricsHost ?? "127.0.0.1"}: each replica on a host needs a port of its own (0 picks a free one)`,
+            );
+          },
+        )
       : null;
   if (server) logger.info({ port: server.port }, "metrics server listening");
   const heartbeat = setInterval(() => metrics.workerHeartbeat.set({ worker: app }, Date.now() / 1000), 5000);

@@ -89,3 +89,15 @@ function liveRedactor(secrets: ReadonlySet<string> | readonly string[]): (line: 
     return prepared.redact(line);
   };
 }
+
+/**
+ * An app's `main` that failed to start (bad configuration, Redis refused, a port in use): its
+ * message on stderr, one error rather than a stack trace (the stack with `FLEET_LOG_LEVEL`
+ * debug or trace), and exit 1.
+ */
+export function exitOnStartFailure(err: unknown): never {
+  const debug = /^(debug|trace)$/i.test(process.env.FLEET_LOG_LEVEL?.trim() ?? "");
+  const text = err instanceof Error ? (debug && err.stack ? err.stack : err.message) : String(err);
+  process.stderr.write(`refusing to start: ${text}\n`);
+  process.exit(1);
+}
