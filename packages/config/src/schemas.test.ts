@@ -266,6 +266,8 @@ describe("WorkerConfig", () => {
       ["10.213.0.0", "FLEET_GATEWAY_SUBNET_POOL"],
       ["10.213.0.300/16", "FLEET_GATEWAY_SUBNET_POOL"],
       ["10.0.0.0/4", "FLEET_GATEWAY_SUBNET_POOL"],
+      // Not also "FLEET_GATEWAY_SUBNET_PREFIX: must be at least the pool's own /31".
+      ["10.213.0.0/31", "FLEET_GATEWAY_SUBNET_POOL"],
       ["10.213.0.0/29", "FLEET_GATEWAY_SUBNET_PREFIX"],
     ] as const) {
       const err = errorOf(() => parseWorkerConfig("agent", { FLEET_GATEWAY_SUBNET_POOL: pool }));

@@ -235,7 +235,9 @@ export const WorkerConfig = z
   .superRefine(bwrapNeedsRootfs)
   .superRefine((e, ctx) => {
     const bits = Number(e.FLEET_GATEWAY_SUBNET_POOL?.split("/")[1]);
-    if (e.FLEET_GATEWAY_SUBNET_POOL && e.FLEET_GATEWAY_SUBNET_PREFIX < bits) {
+    // Only for a pool that is one (a bad one is said once, as the pool's own error).
+    const pool = e.FLEET_GATEWAY_SUBNET_POOL;
+    if (pool && isPoolCidr(pool) && e.FLEET_GATEWAY_SUBNET_PREFIX < bits) {
       ctx.addIssue({
         code: "custom",
         path: ["FLEET_GATEWAY_SUBNET_PREFIX"],
