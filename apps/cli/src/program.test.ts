@@ -219,6 +219,15 @@ describe("fleet submit", () => {
     expect(stderr.text()).not.toMatch(/^submitted 2 rollouts/m);
   });
 
+  it("counts one rollout, one task and one batch in the singular", async () => {
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      json(res, 202, { batchId: "b-1", rolloutIds: rows.map((_, i) => `r-${i}`), count: rows.length });
+    });
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--task", "alpha"], ctx())).toBe(0);
+    expect(stderr.text()).toMatch(/^submitted 1 rollout \(1 task × 1\) in 1 batch to http:/m);
+  });
+
   it("splits a large submission into chunks, referencing tasks by digest after the first, and follows all", async () => {
     fakeDispatcher((id) => completed(id, 0.5));
     const code = await runCli(CHUNKED, ctx());

@@ -120,15 +120,14 @@ async function submitAndFollow(
       throw err;
     }
   }
-  const batches = (n: number) => `${n} batch${n === 1 ? "" : "es"}`;
-  const what = `${accepted} rollouts (${taskCount} tasks × ${opts.repeat}) in ${batches(batchIds.length)}`;
+  const what = `${counted(accepted, "rollout")} (${counted(taskCount, "task")} × ${opts.repeat}) in ${counted(batchIds.length, "batch", "batches")}`;
   const replay = "with this --idempotency-key: replayed, nothing started again";
   await writeText(
     ctx.stderr,
     replayed.batches > 0 && replayed.batches === batchIds.length
       ? `already submitted: ${what} at ${client.url}, ${replay}\n`
       : replayed.batches > 0
-        ? `submitted ${what} to ${client.url}; ${replayed.rollouts} of them (${batches(replayed.batches)}) ` +
+        ? `submitted ${what} to ${client.url}; ${replayed.rollouts} of them (${counted(replayed.batches, "batch", "batches")}) ` +
           `were already submitted ${replay}\n`
         : `submitted ${what} to ${client.url}\n`,
   );
@@ -307,7 +306,7 @@ async function submitChunk(
       lastOffer = waitS >= leftS;
       await writeText(
         ctx.stderr,
-        `the fleet's backlog is full; offering ${lines.length} more rollouts again in ${Math.round(waitS * 10) / 10} s\n`,
+        `the fleet's backlog is full; offering ${lines.length} more ${lines.length === 1 ? "rollout" : "rollouts"} again in ${Math.round(waitS * 10) / 10} s\n`,
       );
       try {
         await sleep(waitS * 1000, undefined, { signal: ctx.signal });
@@ -399,4 +398,9 @@ export async function waitForBatches(
     reporter.interrupt();
     throw err;
   }
+}
+
+/** `n` and the noun, singular for 1. */
+function counted(n: number, one: string, many = `${one}s`): string {
+  return `${n} ${n === 1 ? one : many}`;
 }
