@@ -1712,14 +1712,14 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
-  it("a verify that begins while a handed-back attempt sweeps its tests waits for the sweep to end: the sweep never kills the new attempt's tests", async () => {
+  it("a verify that begins while a handed-back attempt sweeps its tests waits for the sweep to end: the sweep never kills the new attempt's tests, and a confirmed sweep frees it at once", async () => {
     const task = {
       ...byId("hello-file"),
       id: `sweep-race-${Date.now()}`,
       timeouts: { agentS: 30, verifierS: 90 },
       // The first run of the tests hangs; the next one takes a few seconds, then passes.
       tests: {
-        "test.sh": "#!/bin/sh\nif [ -e /tmp/swept ]; then sleep 4; exit 0; fi\ntouch /tmp/swept\nsleep 600\n",
+        "test.sh": "#!/bin/sh\nif [ -e /tmp/swept ]; then sleep 8; exit 0; fi\ntouch /tmp/swept\nsleep 600\n",
       },
     };
     const [id] = await fleet.submit([oracle(task)]);
@@ -1748,31 +1748,38 @@ describe("idempotency and fencing without workers", () => {
     const verifyingA = runStageJob("verify", job(id!), a, { signal: shutdown.signal }).catch((e) => e);
     await waitFor(async () => (await rootSleeps(600)) === "1");
     shutdown.abort();
-    await waitFor(async () => (await fleet.deps.store.testsSweepUntil(id!)) !== null);
-    // A's tests began long ago (it stalled past their budget before the shutdown): B, delivered
-    // again meanwhile, has no tests of A's to wait out; only the sweep.
-    await fleet.redis.hset(
-      fleet.deps.store.keys.rollout(id!),
-      "t:verify:last",
-      String(Date.now() - 3_600_000),
-    );
+    await waitFor(async () => (await fleet.deps.store.testsSweepLeftMs(id!)) > 0);
+    // B: delivered again meanwhile (A's lock lapsed in a stall). A's tests began just now, so
+    // B's begin also finds their note: it would wait out their 90 s budget, but for the sweep.
     let waitsForSweep = false;
+    const staged: number[] = [];
     const logger = fleet.deps.logger;
     const b = {
       ...fleet.deps,
       logger: Object.assign(Object.create(logger) as typeof logger, {
         info: (obj: unknown, msg?: string) => {
-          if ((obj as { sweep?: unknown }).sweep === true) waitsForSweep = true;
+          if (msg?.includes("sweep")) waitsForSweep = true;
           logger.info(obj, msg);
+        },
+      }),
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...args: Parameters<SandboxProvider["put"]>) => {
+          if (args[1] === "/tests") staged.push(Date.now());
+          return fleet.deps.provider.put(...args);
         },
       }),
     };
     const verifyingB = runStageJob("verify", job(id!), b);
-    // B waits for the sweep (without that wait, it runs its tests under it).
-    await waitFor(async () => waitsForSweep || (await rootSleeps(4)) === "1");
+    // B waits for the sweep (without that wait, it runs its tests under it, or waits out A's).
+    await waitFor(async () => waitsForSweep || (await rootSleeps(8)) === "1");
+    const opened = Date.now();
     gate.open();
     expect(isHandBack(await verifyingA)).toBe(true);
     expect(await verifyingB).toBe("ok");
+    // Freed by the sweep's end, A's tests confirmed stopped: neither the claim's 30 s nor the
+    // tests' budget.
+    expect(staged).toHaveLength(1);
+    expect(staged[0]! - opened).toBeLessThan(10_000);
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 

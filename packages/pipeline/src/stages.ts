@@ -840,14 +840,15 @@ async function waitOutEarlierTests(
   shutdown?: AbortSignal,
 ): Promise<void> {
   if (task.verifier.kind !== "tests") return;
-  const earlier = rec.times["verify:prev"];
-  const testsUntil =
-    earlier === undefined ? 0 : earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
-  // An earlier attempt handed back at shutdown may be sweeping its tests (every root process):
-  // until its claim ends (`stopOwnTests`), or lapses, nothing of this attempt's may run there.
-  const sweepUntil = rec.times["verify:sweep"] ?? 0;
+  let earlier = rec.times["verify:prev"];
+  if (rec.begun.testsSweepLeftMs > 0) {
+    await waitOutSweep(rec, deps, shutdown);
+    // A sweep that confirmed the earlier tests stopped took their note with it: read it again.
+    earlier = await deps.store.verifyNotedAt(rec.meta.id).catch(() => earlier);
+  }
+  if (earlier === undefined) return;
   const now = clock(deps);
-  const until = Math.max(testsUntil, sweepUntil);
+  const until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
   if (until <= now) return;
   if (until >= rec.meta.deadlineAt) {
     throw FleetError.nonRetryable(
@@ -856,78 +857,127 @@ async function waitOutEarlierTests(
     );
   }
   deps.logger.info(
-    { rolloutId: rec.meta.id, waitMs: until - now, sweep: sweepUntil > now },
+    { rolloutId: rec.meta.id, waitMs: until - now },
     "verify delivered again: waiting out the earlier attempt's tests before starting",
   );
   try {
-    if (testsUntil > now) await sleep(testsUntil - now, undefined, { signal: shutdown });
-    // A sweep's claim ends as soon as the sweep does: look again now and then. (Only an attempt
-    // holding the verify fence may claim one, and this one holds it now: another value is none.)
-    while (sweepUntil > clock(deps)) {
-      const current = await deps.store.testsSweepUntil(rec.meta.id).catch(() => sweepUntil);
-      if (current !== sweepUntil) break;
-      await sleep(Math.min(SWEEP_POLL_MS, Math.max(1, sweepUntil - clock(deps))), undefined, {
-        signal: shutdown,
-      });
-    }
-  } catch (err) {
-    if (shutdown?.aborted) throw new HandBackError();
-    throw err;
+    await sleep(until - now, undefined, { signal: shutdown });
+  } catch {
+    throw new HandBackError();
   }
 }
 
-/** How often a verify waiting for a handed-back attempt's sweep looks whether it ended. */
+/** How often a verify waiting for a handed-back attempt's sweep asks whether it ended. */
 const SWEEP_POLL_MS = 250;
+
+/**
+ * An earlier attempt handed back at shutdown may be sweeping its tests (every root process:
+ * `stopOwnTests`): nothing of this attempt's may run in the sandbox before its claim ends (the
+ * sweep ended) or lapses. Its time left is Redis's, counted here on this process's monotonic
+ * clock. Past the rollout's deadline it is the end (masked); a shutdown hands the job back.
+ */
+async function waitOutSweep(rec: StageRecord, deps: PipelineDeps, shutdown?: AbortSignal): Promise<void> {
+  const lapses = performance.now() + rec.begun.testsSweepLeftMs;
+  deps.logger.info(
+    { rolloutId: rec.meta.id, atMostMs: rec.begun.testsSweepLeftMs },
+    "verify delivered again: waiting for the earlier attempt's sweep of its tests to end",
+  );
+  let onAbort = () => {};
+  const handBack = new Promise<never>((_, reject) => {
+    onAbort = () => reject(new HandBackError());
+    if (shutdown?.aborted) onAbort();
+    shutdown?.addEventListener("abort", onAbort, { once: true });
+  });
+  handBack.catch(() => undefined);
+  try {
+    for (;;) {
+      const left = lapses - performance.now();
+      if (left <= 0) return;
+      if (clock(deps) >= rec.meta.deadlineAt) {
+        throw FleetError.nonRetryable(
+          "deadline_exceeded",
+          "a verify delivered again could not start before the rollout's deadline: an earlier attempt was still sweeping its tests",
+        );
+      }
+      await Promise.race([sleep(Math.min(SWEEP_POLL_MS, left)), handBack]);
+      // A Redis blip: not ended, as far as this attempt can tell.
+      const claimLeft = await Promise.race([
+        deps.store.testsSweepLeftMs(rec.meta.id).catch(() => 1),
+        handBack,
+      ]);
+      if (claimLeft === 0) return;
+    }
+  } finally {
+    shutdown?.removeEventListener("abort", onAbort);
+  }
+}
 
 /** The bound of the sweep that stops a handed-back verify's tests (see `stopOwnTests`). */
 const STOP_TESTS_MS = 5_000;
 /**
- * How long a handed-back verify's claim on the sweep of its tests holds a later attempt back
- * when it is not ended: the sweep is given up here after `2 × STOP_TESTS_MS`, and its exec ends
- * in the sandbox `STOP_TESTS_MS` + the `timeout -k` grace after it started; the rest is slack
- * for an exec that starts late.
+ * The claim on the sweep of a handed-back verify's tests, from when it lands in Redis: the sweep
+ * is given up here after `2 × STOP_TESTS_MS`, and its exec ends in the sandbox `STOP_TESTS_MS`
+ * + the `timeout -k` grace after it starts; the rest is slack for an exec that starts late. A
+ * claim ended by its sweep frees the next attempt at once; one given up on holds it this long.
  */
-const SWEEP_CLAIM_MS = 2 * STOP_TESTS_MS + 10_000;
+const SWEEP_CLAIM_MS = 30_000;
+
+/** `promise`'s value, or null if it has none within `ms` (it is not cancelled). */
+function within<T>(promise: Promise<T>, ms: number): Promise<T | null> {
+  return Promise.race([promise, sleep(ms).then(() => null)]);
+}
 
 /**
  * A verify handed back at shutdown stops its tests (every root process in the sandbox: the
  * tests run as root, the keepalive as nobody, and the agent's processes were confirmed gone
- * before verify) and, once none is left, clears its note of work in the sandbox (`note(null)`),
- * so the next attempt has no tests to wait out. Only while this attempt holds the verify fence,
- * atomically with that check (`claimTestsSweep`): a later attempt's tests are not its to stop,
- * and one that begins during the sweep waits for it to end. Best effort: whatever fails leaves
- * the note, and the next attempt waits as before.
+ * before verify) and, once none is left, clears its note of work in the sandbox (`notedAt`), so
+ * the next attempt has no tests to wait out. Only under a claim taken while this attempt holds
+ * the verify fence, atomically with that check (`claimTestsSweep`): a later attempt's tests are
+ * not its to stop, and one that begins during the sweep waits for its end. Best effort: whatever
+ * fails leaves the note, and the next attempt waits as before.
  */
 async function stopOwnTests(
   deps: PipelineDeps,
   handle: SandboxHandle,
   id: string,
   token: string,
-  note: (at: number | null) => Promise<void>,
+  notedAt: number | null,
 ): Promise<void> {
-  const until = clock(deps) + SWEEP_CLAIM_MS;
+  const warn = (detail: string, msg: string) => deps.logger.warn({ rolloutId: id, detail }, msg);
   try {
-    if ((await deps.store.claimTestsSweep(id, token, until)) !== "claimed") return;
-    // One quick sweep (the shutdown's budget is seconds), and no longer than twice its bound
-    // whatever the provider does: unconfirmed, the note stays, and the next attempt waits the
-    // tests out as before.
-    const stopped = await Promise.race([
-      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
-      sleep(2 * STOP_TESTS_MS).then(() => null),
-    ]);
-    // Given up on, the sweep may still run: its claim lapses by itself.
-    if (stopped !== null) await deps.store.endTestsSweep(id, until);
-    if (stopped?.confirmed) await note(null);
-    else
-      deps.logger.warn(
-        { rolloutId: id, detail: stopped?.detail ?? `no answer within ${2 * STOP_TESTS_MS} ms` },
-        "handing back a verify whose tests did not stop",
+    // Each step bounded (the shutdown's budget is seconds): the claim (one that lands late
+    // frees the next attempt when it lapses), one quick sweep, the claim's end.
+    const claimed = await within(deps.store.claimTestsSweep(id, token, SWEEP_CLAIM_MS), STOP_TESTS_MS);
+    if (claimed === null) {
+      warn(
+        `no answer within ${STOP_TESTS_MS} ms`,
+        "handing back a verify without stopping its tests; the next attempt waits them out",
       );
+      return;
+    }
+    if (!claimed.claimed) return;
+    const stopped = await within(
+      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
+      2 * STOP_TESTS_MS,
+    );
+    // Ended only once the sweep is known to have: it confirmed, or counted what is left. Given up
+    // on, or failed as it started (it may have started all the same), its claim lapses.
+    if (stopped !== null && (stopped.confirmed || stopped.remaining > 0)) {
+      const ended = await within(
+        deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null).then(() => true),
+        STOP_TESTS_MS,
+      ).catch(() => null);
+      if (ended === null) warn("no answer", "could not end the claim on a verify's sweep; it lapses");
+    }
+    if (!stopped?.confirmed) {
+      warn(
+        stopped?.detail ?? `no answer within ${2 * STOP_TESTS_MS} ms`,
+        "handing back a verify whose tests did not stop; the next attempt waits them out",
+      );
+    }
   } catch (err) {
-    // A later attempt began once the sweep was over: the note is its own now.
-    if (err instanceof VerifySupersededError) return;
-    deps.logger.warn(
-      { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+    warn(
+      err instanceof Error ? err.message : String(err),
       "handing back a verify without stopping its tests; the next attempt waits them out",
     );
   }
@@ -984,6 +1034,8 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   await waitOutEarlierTests(rec, deps, task, shutdown);
   const id = rec.meta.id;
   // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
+  // When this attempt last noted its work in the sandbox (a sweep that stops its tests clears it).
+  let notedAt: number | null = null;
   const note = async (at: number | null) => {
     const noted = await deps.store.noteVerifyWork(id, at, token).catch((err: unknown) => {
       throw FleetError.retryable(
@@ -993,6 +1045,7 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
       );
     });
     if (noted === "superseded") throw new VerifySupersededError();
+    notedAt = at;
   };
   const startedAt = clock(deps);
   const grade = deps.verify ?? defaultVerify;
@@ -1016,7 +1069,7 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
     // waits them out (`waitOutEarlierTests`: their whole budget, which at a rolling restart of
     // the verifiers delayed every verification in flight by it, and masked tight deadlines).
     if (shutdown?.aborted) {
-      await stopOwnTests(deps, seedReceipt.handle, id, token, note);
+      await stopOwnTests(deps, seedReceipt.handle, id, token, notedAt);
       throw new HandBackError();
     }
     // A cancel's close destroyed the sandbox under the tests: the close reports the rollout

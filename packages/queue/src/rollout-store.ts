@@ -109,6 +109,11 @@ export interface BeginResult {
   verifyToken: string | null;
   /** Close only: the rollout's sandbox entries (intents and handles). */
   sandboxes: { resources: SandboxEntry | null; agent: SandboxEntry | null } | null;
+  /**
+   * Verify: how long an earlier attempt handed back at shutdown may still sweep its tests
+   * (`claimTestsSweep`), by Redis's clock; 0 for none.
+   */
+  testsSweepLeftMs: number;
 }
 
 /** After a stage's receipt, in the same round trip: the next stage's job. */
@@ -510,11 +515,17 @@ export class RolloutStore {
       close ? sandboxKey(id, "resources") : "",
       close ? sandboxKey(id, "agent") : "",
     ];
-    const [flat, failures, intent, previous, launches, sbResources, sbAgent] = (await this.batcher.call(
-      "fleetBegin",
-      keys,
-      args,
-    )) as [string[], string[], string, string, number, string, string];
+    const [flat, failures, intent, previous, launches, sbResources, sbAgent, sweepLeft] =
+      (await this.batcher.call("fleetBegin", keys, args)) as [
+        string[],
+        string[],
+        string,
+        string,
+        number,
+        string,
+        string,
+        number | undefined,
+      ];
     const h: Record<string, string> = {};
     for (let i = 0; i + 1 < flat.length; i += 2) h[flat[i]!] = flat[i + 1]!;
     const claimed = options.launchToken !== undefined && (previous === "stopped" || Number(launches) > 0);
@@ -527,6 +538,7 @@ export class RolloutStore {
         ? { previous: String(previous), launches: Number(launches), token: options.launchToken! }
         : null,
       verifyToken: stage === "verify" ? (options.verifyToken ?? null) : null,
+      testsSweepLeftMs: Number(sweepLeft ?? 0),
       sandboxes: close
         ? {
             resources: sbResources ? (JSON.parse(sbResources) as SandboxEntry) : null,
@@ -747,29 +759,50 @@ export class RolloutStore {
   }
 
   /**
-   * A verify attempt handed back at shutdown claims the sweep of its tests until `until`
-   * (`fleetTestsSweep`): only while `token` holds the verify fence, atomically with that check.
-   * A later attempt's `begin` returns the claim (`times["verify:sweep"]`); it waits for
-   * `endTestsSweep` or `until`, whichever is first, before it works in the sandbox.
+   * A verify attempt handed back at shutdown claims the sweep of its tests for `windowMs` (by
+   * Redis's clock) before it sweeps (`fleetTestsSweep`): only while `token` holds the verify
+   * fence, atomically with that check. A later attempt's `begin` returns how long the claim has
+   * left (`testsSweepLeftMs`); it waits for `endTestsSweep` or the claim's end before it works in
+   * the sandbox.
    */
   async claimTestsSweep(
     id: string,
     token: string,
-    until: number,
-  ): Promise<"claimed" | "superseded" | "terminal"> {
-    const r = Number(await this.redis.fleetTestsSweep(this.keys.rollout(id), "claim", String(until), token));
-    return r === 1 ? "claimed" : r === -1 ? "superseded" : "terminal";
+    windowMs: number,
+  ): Promise<{ claimed: true; claim: string } | { claimed: false; why: "superseded" | "terminal" }> {
+    const r: unknown = await this.redis.fleetTestsSweep(
+      this.keys.rollout(id),
+      "claim",
+      String(windowMs),
+      token,
+    );
+    if (typeof r === "string") return { claimed: true, claim: r };
+    return { claimed: false, why: Number(r) === -1 ? "superseded" : "terminal" };
   }
 
-  /** The sweep claimed with `until` ended (a later claim's note is left alone). */
-  async endTestsSweep(id: string, until: number): Promise<void> {
-    await this.redis.fleetTestsSweep(this.keys.rollout(id), "end", String(until));
+  /**
+   * The sweep `claim` ended (a later claim is left alone). With `notedAt`, its tests were
+   * confirmed stopped: the note of that attempt's work in the sandbox goes too, if it is still
+   * the note (`noteVerifyWork` at `notedAt`), so the next attempt has nothing to wait out.
+   */
+  async endTestsSweep(id: string, claim: string, notedAt: number | null): Promise<void> {
+    await this.redis.fleetTestsSweep(
+      this.keys.rollout(id),
+      "end",
+      claim,
+      notedAt === null ? "" : String(notedAt),
+    );
   }
 
-  /** Until when a handed-back verify attempt may still be sweeping its tests (null: none). */
-  async testsSweepUntil(id: string): Promise<number | null> {
-    const raw = await this.redis.hget(this.keys.rollout(id), "t:verify:sweep");
-    return raw === null ? null : Number(raw);
+  /** How long a sweep claim has left, by Redis's clock (0: none). */
+  async testsSweepLeftMs(id: string): Promise<number> {
+    return Number(await this.redis.fleetTestsSweep(this.keys.rollout(id), "left"));
+  }
+
+  /** When a verify attempt last noted work in the sandbox (`noteVerifyWork`), if one did. */
+  async verifyNotedAt(id: string): Promise<number | undefined> {
+    const raw = await this.redis.hget(this.keys.rollout(id), "t:verify:last");
+    return raw === null ? undefined : Number(raw);
   }
 
   /** Whether `token` still holds the verify fence (no later verify attempt began). */

@@ -7,8 +7,8 @@ import type { RedisConnection } from "./connection.ts";
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
  * (the fence a claim replaced), `vfence` (the token of the verify attempt that began last;
  * `vseen:<token>` marks each token that began), `t:verify:last` (when a verify attempt last
- * began work in the sandbox), `t:verify:sweep` (until when an attempt handed back may sweep
- * its tests), `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
+ * began work in the sandbox), `t:verify:sweep` (until when, by Redis's clock, an attempt
+ * handed back may sweep its tests), `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
  * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
  */
@@ -430,7 +430,7 @@ const SCRIPTS = {
       ${TERMINAL}
       ${CLAIM_LAUNCH}
       local status = redis.call('HGET', KEYS[1], 'status')
-      local intent, previous, launches, prevTests, sweepUntil = '', '', 0, false, false
+      local intent, previous, launches, prevTests, sweepLeft = '', '', 0, false, 0
       if status and not terminal[status] then
         if ARGV[3] == '1' then
           redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
@@ -446,9 +446,14 @@ const SCRIPTS = {
               -- When an earlier attempt last began work in the sandbox (a verify delivered again
               -- waits it out; see fleetNoteVerify).
               prevTests = redis.call('HGET', KEYS[1], 't:verify:last')
-              -- Until when an earlier attempt handed back at shutdown may be sweeping its tests
-              -- (every root process): this one starts nothing before that (fleetTestsSweep).
-              sweepUntil = redis.call('HGET', KEYS[1], 't:verify:sweep')
+              -- How long an earlier attempt handed back at shutdown may still sweep its tests
+              -- (every root process), by Redis's clock: this one starts nothing before that ends
+              -- (fleetTestsSweep).
+              local sweepUntil = tonumber(redis.call('HGET', KEYS[1], 't:verify:sweep'))
+              if sweepUntil then
+                local t = redis.call('TIME')
+                sweepLeft = math.max(0, sweepUntil - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
+              end
             end
             if ARGV[5] ~= '' then
               -- Not past the deadline either: the stage would be skipped, and an intent left
@@ -505,12 +510,8 @@ const SCRIPTS = {
           rec[#rec + 1] = 't:verify:prev'
           rec[#rec + 1] = prevTests
         end
-        if sweepUntil then
-          rec[#rec + 1] = 't:verify:sweep'
-          rec[#rec + 1] = sweepUntil
-        end
       end
-      return {rec, failures, intent, previous, launches, sb1, sb2}`,
+      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft}`,
   },
   /**
    * Note that a verify attempt works in the sandbox from now (stages or starts its tests:
@@ -534,24 +535,41 @@ const SCRIPTS = {
   },
   /**
    * A verify attempt handed back at shutdown sweeps its tests (every root process in the
-   * sandbox): ARGV[1] 'claim' notes until when (ARGV[2]) it may sweep, only while its token
-   * (ARGV[3]) holds the verify fence and the rollout is open, atomically with that check; a later
-   * attempt's begin returns the note and starts nothing in the sandbox before it ends, so the
-   * sweep never kills that attempt's tests. Returns 1 if noted, 0 if terminal, -1 if a later
-   * attempt began (nothing to sweep: the tests are not this attempt's to stop). ARGV[1] 'end'
-   * deletes the note if it is still this claim's (ARGV[2]); returns 1 if it did.
+   * sandbox) only under a claim, taken while its token holds the verify fence and the rollout is
+   * open, atomically with that check; a later attempt's begin (`fleetBegin`) returns how long the
+   * claim has left, and that attempt starts nothing in the sandbox before it ends. Times are
+   * Redis's (`TIME`): the workers' clocks may disagree.
+   * - ARGV 'claim', windowMs, token: the claim's id (its end, ms, as a string), or 0 for a
+   *   terminal rollout, -1 when a later attempt began (the tests there are not this one's).
+   * - ARGV 'end', id, notedAt ('' for none): if the claim is still that one, deletes it and,
+   *   with `notedAt` (the tests were confirmed stopped), the note of work in the sandbox if it is
+   *   still that attempt's (`t:verify:last` equal to it), whoever holds the fence now: an attempt
+   *   waiting on the claim has noted nothing yet. Returns 1 if it ended the claim.
+   * - ARGV 'left': ms the claim has left (0: none).
    */
   fleetTestsSweep: {
     keys: 1,
     lua: `
+      local t = redis.call('TIME')
+      local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+      if ARGV[1] == 'left' then
+        local u = tonumber(redis.call('HGET', KEYS[1], 't:verify:sweep'))
+        if not u then return 0 end
+        return math.max(0, u - now)
+      end
       if ARGV[1] == 'end' then
         if redis.call('HGET', KEYS[1], 't:verify:sweep') ~= ARGV[2] then return 0 end
-        return redis.call('HDEL', KEYS[1], 't:verify:sweep')
+        redis.call('HDEL', KEYS[1], 't:verify:sweep')
+        if ARGV[3] ~= '' and redis.call('HGET', KEYS[1], 't:verify:last') == ARGV[3] then
+          redis.call('HDEL', KEYS[1], 't:verify:last')
+        end
+        return 1
       end
       ${OPEN_OR_RETURN_0}
       if redis.call('HGET', KEYS[1], 'vfence') ~= ARGV[3] then return -1 end
-      redis.call('HSET', KEYS[1], 't:verify:sweep', ARGV[2])
-      return 1`,
+      local id = string.format('%.0f', now + tonumber(ARGV[2]))
+      redis.call('HSET', KEYS[1], 't:verify:sweep', id)
+      return id`,
   },
   /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */
   fleetAttach: {

@@ -12,7 +12,7 @@ import {
   TaskContent,
 } from "@fleet/contracts";
 import type { Redis } from "ioredis";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import {
   admit,
   batchIdFor,
@@ -445,29 +445,46 @@ describe("rollout store", () => {
     expect(await store.noteVerifyWork(id, 8, "b")).toBe("terminal");
   });
 
-  it("a handed-back verify claims the sweep of its tests only while it holds the fence, and a later attempt's begin sees the claim until it ends", async () => {
+  it("a handed-back verify claims the sweep of its tests only while it holds the fence, timed by Redis; a later attempt's begin sees the claim's time left until it ends", async () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
     await store.begin(id, "verify", 1, { verifyToken: "a" });
-    expect(await store.claimTestsSweep(id, "a", 100)).toBe("claimed");
-    // B begins during A's sweep: it is told until when A may sweep.
-    expect((await store.begin(id, "verify", 2, { verifyToken: "b" })).record!.times["verify:sweep"]).toBe(
-      100,
-    );
-    expect(await store.testsSweepUntil(id)).toBe(100);
+    expect((await store.begin(id, "verify", 1, { verifyToken: "a" })).testsSweepLeftMs).toBe(0);
+    expect(await store.noteVerifyWork(id, 5, "a")).toBe("noted");
+    const claimed = await store.claimTestsSweep(id, "a", 30_000);
+    if (!claimed.claimed) throw new Error(`not claimed: ${claimed.why}`);
+    // Its end is Redis's clock plus the window, whatever this process's clock says.
+    const [sec, micro] = await redis.time();
+    const redisNow = Number(sec) * 1000 + Math.floor(Number(micro) / 1000);
+    expect(Number(claimed.claim) - redisNow).toBeGreaterThan(29_000);
+    expect(Number(claimed.claim) - redisNow).toBeLessThanOrEqual(30_000);
+    // B begins during A's sweep (by its own clock, far off): it is told how long the claim has left.
+    const b = await store.begin(id, "verify", 10_000_000_000_000, { verifyToken: "b" });
+    expect(b.testsSweepLeftMs).toBeGreaterThan(29_000);
+    expect(b.testsSweepLeftMs).toBeLessThanOrEqual(30_000);
+    expect(await store.testsSweepLeftMs(id)).toBeGreaterThan(0);
     // A can claim no other sweep now: the tests there are B's.
-    expect(await store.claimTestsSweep(id, "a", 200)).toBe("superseded");
-    expect(await store.testsSweepUntil(id)).toBe(100);
-    // Ending another claim than its own changes nothing; ending its own clears it.
-    await store.endTestsSweep(id, 99);
-    expect(await store.testsSweepUntil(id)).toBe(100);
-    await store.endTestsSweep(id, 100);
-    expect(await store.testsSweepUntil(id)).toBeNull();
-    expect(
-      (await store.begin(id, "verify", 3, { verifyToken: "c" })).record!.times["verify:sweep"],
-    ).toBeUndefined();
+    expect(await store.claimTestsSweep(id, "a", 30_000)).toEqual({ claimed: false, why: "superseded" });
+    // Ending another claim changes nothing; A's own end, its tests confirmed stopped, takes the
+    // claim and A's note of its work (B, waiting on the claim, noted nothing).
+    await store.endTestsSweep(id, "1", 5);
+    expect(await store.testsSweepLeftMs(id)).toBeGreaterThan(0);
+    expect(await store.verifyNotedAt(id)).toBe(5);
+    await store.endTestsSweep(id, claimed.claim, 5);
+    expect(await store.testsSweepLeftMs(id)).toBe(0);
+    expect(await store.verifyNotedAt(id)).toBeUndefined();
+    expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).testsSweepLeftMs).toBe(0);
+    expect(await store.noteVerifyWork(id, 7, "c")).toBe("noted");
+    const c = await store.claimTestsSweep(id, "c", 50);
+    if (!c.claimed) throw new Error(`not claimed: ${c.why}`);
+    // A claim lapses by Redis's clock, ended or not.
+    await vi.waitFor(async () => expect(await store.testsSweepLeftMs(id)).toBe(0));
+    // A note that is no longer the ender's (another was noted since) stays.
+    await store.endTestsSweep(id, c.claim, 6);
+    expect(await store.verifyNotedAt(id)).toBe(7);
+    expect(await store.testsSweepLeftMs(id)).toBe(0);
     await redis.hset(store.keys.rollout(id), "status", "completed");
-    expect(await store.claimTestsSweep(id, "c", 300)).toBe("terminal");
+    expect(await store.claimTestsSweep(id, "c", 30_000)).toEqual({ claimed: false, why: "terminal" });
   });
 
   it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {
