@@ -132,7 +132,7 @@ describe("a worker that cannot reach its sandbox provider", () => {
     await running;
   });
 
-  it("a metrics port in use, or a bad variable, refuses the start in one line naming the variable (no stack trace)", async () => {
+  it("a metrics or HTTP port in use, or a bad variable, refuses the start in one line naming the variable (no stack trace)", async () => {
     const taken = createServer();
     await new Promise<void>((r) => taken.listen(0, "127.0.0.1", () => r()));
     try {
@@ -145,6 +145,14 @@ describe("a worker that cannot reach its sandbox provider", () => {
       expect(busy.code, busy.output).toBe(1);
       expect(busy.output).toContain(`refusing to start: FLEET_METRICS_PORT ${port} is in use on 127.0.0.1`);
       expect(busy.output).not.toMatch(/^\s+at /m);
+      const http = await runApp("dispatcher", {
+        REDIS_URL,
+        FLEET_PREFIX: prefix,
+        FLEET_HTTP_HOST: "127.0.0.1",
+        FLEET_HTTP_PORT: String(port),
+      });
+      expect(http.code, http.output).toBe(1);
+      expect(http.output).toContain(`refusing to start: FLEET_HTTP_PORT ${port} is in use on 127.0.0.1`);
     } finally {
       taken.close();
     }

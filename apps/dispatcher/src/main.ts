@@ -31,14 +31,7 @@ async function main(): Promise<void> {
   const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
-  try {
-    await assertRedisDurable(redis);
-  } catch (err) {
-    logger.fatal({ err }, "refusing to start");
-    redis.disconnect();
-    process.exitCode = 1;
-    return;
-  }
+  await assertRedisDurable(redis);
   const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);
@@ -80,11 +73,16 @@ async function main(): Promise<void> {
 
   logger.info({ prefix: config.prefix, maxBacklog: config.maxBacklog }, "starting");
   // Fastify logs the one "listening" line, with the bound address (port 0 → the real port).
-  await app.listen({
-    host: config.httpHost,
-    port: config.httpPort,
-    listenTextResolver: (address) => `dispatcher listening on ${address}`,
-  });
+  await app
+    .listen({
+      host: config.httpHost,
+      port: config.httpPort,
+      listenTextResolver: (address) => `dispatcher listening on ${address}`,
+    })
+    .catch((err: NodeJS.ErrnoException) => {
+      if (err.code !== "EADDRINUSE") throw err;
+      throw new Error(`FLEET_HTTP_PORT ${config.httpPort} is in use on ${config.httpHost}`);
+    });
 }
 
 main().catch(exitOnStartFailure);
