@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # Bring up what the fleet's tests and demo need on this machine, idempotently:
-#   - Debian packages (redis-server, docker.io, debootstrap, bubblewrap) when missing and run as root;
+#   - Debian packages when missing and run as root: redis-server and bubblewrap; docker.io when no
+#     daemon answers; debootstrap when the base image must be built;
 #   - a Docker daemon when none answers;
 #   - a Redis with AOF and noeviction on 127.0.0.1:${FLEET_TEST_REDIS_PORT:-6379} unless REDIS_URL is set;
 #   - the offline sandbox base image.
-# Prints `export` lines for what it started (eval-able); logs go to stderr.
+# Prints `export` lines for what it started (eval-able); logs go to stderr. Its own state (the
+# private Redis's data, dockerd's log) goes to FLEET_STATE_DIR, .fleet/ here by default.
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 state="${FLEET_STATE_DIR:-$here/../.fleet}"
