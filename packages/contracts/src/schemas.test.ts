@@ -250,6 +250,26 @@ describe("TaskContent refusals", () => {
     expect(issues({ workspace: { "notes.txt": "\uFEFFhi\n" } })).toBeUndefined(); // data, kept as it is
   });
 
+  it("refuses a test.sh whose #! interpreter is relative (looked up in the agent's workspace); an absolute one, env or none is fine", () => {
+    const issues = (script: string) =>
+      TaskContent.safeParse({ ...base, tests: { "test.sh": script } }).error?.issues.map((i) => [
+        i.path.join("/"),
+        i.message,
+      ]);
+    expect(issues("#!bash\nexit 0\n")).toEqual([
+      [
+        "tests/test.sh",
+        "names a relative #! interpreter (bash), which would be looked up in the agent's workspace: name its path (#!/bin/bash, or #!/usr/bin/env bash)",
+      ],
+    ]);
+    expect(issues("#! python3 -u\nexit 0\n")?.[0]?.[1]).toMatch(/relative #! interpreter \(python3\)/);
+    for (const fine of ["#!/bin/bash\nexit 0\n", "#! /usr/bin/env python3\nexit 0\n", "exit 0\n"]) {
+      expect(issues(fine), fine).toBeUndefined();
+    }
+    // solve.sh runs with bash, whatever its #! line says.
+    expect(TaskContent.safeParse({ ...base, solution: { "solve.sh": "#!bash\ntrue\n" } }).success).toBe(true);
+  });
+
   it("refuses modes that would leave test.sh or solve.sh unreadable to whoever runs it", () => {
     const issues = (modes: Record<string, string>) =>
       TaskContent.safeParse({ ...base, solution: { "solve.sh": "true\n" }, modes }).error?.issues.map((i) => [

@@ -352,6 +352,14 @@ export const TaskContent = z
       } else if (LONE_CR.test(text)) {
         problem("has classic Mac (CR) line endings, which bash reads as one line: convert it (mac2unix)");
       }
+      // test.sh runs by its #! line as the kernel reads it: a relative interpreter (`#!bash`)
+      // would be looked up in the working directory, the agent's workspace.
+      const interpreter = set === "tests" ? /^#![ \t]*([^ \t\n]+)/.exec(text)?.[1] : undefined;
+      if (interpreter !== undefined && !interpreter.startsWith("/")) {
+        problem(
+          `names a relative #! interpreter (${interpreter}), which would be looked up in the agent's workspace: name its path (#!/bin/bash, or #!/usr/bin/env ${interpreter})`,
+        );
+      }
       if (text.startsWith("\uFEFF")) {
         problem(
           "starts with a byte order mark, which bash would run as part of its first command: save it without one",

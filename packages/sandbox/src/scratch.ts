@@ -63,16 +63,18 @@ for d in "$@"; do
 done`;
 
 /**
- * Remove what `user` (the agent) left in the scratch directories, for a run that starts again
- * after an interrupted one: its notes in /tmp must not reach the new run. Fails closed: anything
- * of the user's left, or a directory that cannot be searched, is a retryable `sandbox_lost`.
+ * Remove what `user` (the agent) left in the scratch directories (`dirs`, all of them by
+ * default), for a run that starts again after an interrupted one: its notes in /tmp must not
+ * reach the new run. Fails closed: anything of the user's left, or a directory that cannot be
+ * searched, is a retryable `sandbox_lost`.
  */
 export async function scrubScratch(
   provider: SandboxProvider,
   handle: SandboxHandle,
   user: string = AGENT_USER,
+  dirs: readonly string[] = SCRATCH_DIRS,
 ): Promise<void> {
-  const r = await provider.exec(handle, ["sh", "-c", SCRUB_SCRATCH, "sh", ...SCRATCH_DIRS], {
+  const r = await provider.exec(handle, ["sh", "-c", SCRUB_SCRATCH, "sh", ...dirs], {
     cwd: OPS_CWD,
     user,
     deadlineMs: 60_000,
@@ -81,7 +83,7 @@ export async function scrubScratch(
   if (r.exitCode !== 0) {
     throw FleetError.retryable(
       "sandbox_lost",
-      `could not clear ${user}'s files from ${SCRATCH_DIRS.join(", ")} (exit ${r.exitCode}${r.timedOut ? ", timed out" : ""}): ${r.stderr.trim()}`,
+      `could not clear ${user}'s files from ${dirs.join(", ")} (exit ${r.exitCode}${r.timedOut ? ", timed out" : ""}): ${r.stderr.trim()}`,
     );
   }
 }

@@ -493,6 +493,65 @@ print(41)
     expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
   });
 
+  it("an agent that filled /logs (all its inodes but one, or its space) is graded on its work: its files there are cleared before the tests", async () => {
+    // poem-stats' test.sh ends with an echo (exit 0): were its reward write to fail for want of
+    // room, the exit status would grade the agent's nothing 1.0.
+    const task = tasks.find((t) => t.id === "poem-stats")!;
+    for (const [name, fill] of [
+      [
+        "inodes",
+        "mkdir -p /logs/.x && cd /logs/.x && i=0; while : > f$i 2>/dev/null; do i=$((i+1)); done; rm -f f0",
+      ],
+      ["space", "head -c 2000000000 /dev/zero > /logs/.fill; true"],
+    ] as const) {
+      const handle = await sandbox(task, `fill-logs-${name}`);
+      const { verdict } = await runAndVerify(handle, task, {
+        harness: "command",
+        argv: ["bash", "-c", fill],
+      });
+      // No stats.env: no line right, 0 from the reward file; neither 1.0 nor masked.
+      expect(verdict, name).toMatchObject({ reward: 0, details: { source: "reward_file" } });
+    }
+  });
+
+  it("clearing the agent's files from /logs leaves what it left in /tmp for the tests", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: {
+        "test.sh":
+          'if [ "$(cat /tmp/agent-note)" = hi ]; then echo 1; else echo 0; fi > /logs/verifier/reward.txt\n',
+      },
+    };
+    const handle = await sandbox(task, "logs-and-tmp");
+    const agent: AgentSpecInput = {
+      harness: "command",
+      argv: [
+        "bash",
+        "-c",
+        "echo hi > /tmp/agent-note && mkdir -p /logs/agent && echo log > /logs/agent/run.log",
+      ],
+    };
+    const { verdict } = await runAndVerify(handle, task, agent);
+    expect(verdict).toMatchObject({ reward: 1, details: { source: "reward_file" } });
+  });
+
+  it("a reward file that is no regular file (a FIFO, a device) is unreadable: tests that passed mask, none waits on it", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    for (const [name, make] of [
+      ["fifo", "mkfifo /logs/verifier/reward.txt"],
+      ["device", "ln -s /dev/zero /logs/verifier/reward.txt"],
+    ] as const) {
+      const task: TaskContent = {
+        ...base,
+        tests: { "test.sh": `${make}; exit 0\n` },
+        timeouts: { ...base.timeouts, verifierS: 20 },
+      };
+      const err = await verifyCounting(await sandbox(task, `reward-${name}`), task).catch((e) => e);
+      expect(err, name).toMatchObject({ kind: "verifier_error" });
+    }
+  });
+
   it("agent code that hangs the tests past their budget is graded 0, not masked", async () => {
     const base = tasks.find((t) => t.id === "hello-file")!;
     // The tests run what the agent wrote; the agent's answer never returns.

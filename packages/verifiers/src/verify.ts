@@ -1,12 +1,20 @@
 import { randomBytes } from "node:crypto";
 import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fleet/contracts";
-import { AGENT_USER, OPS_CWD, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
+import {
+  AGENT_USER,
+  OPS_CWD,
+  parseNumericUser,
+  ROOT_USER,
+  SANDBOX_PATHS,
+  scrubScratch,
+} from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { MAX_REWARD_FILE_BYTES, parseReward, parseRewardJson } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
 
 /** The verifier's own log directory, cleared before every verification. */
 const VERIFIER_LOGS = `${SANDBOX_PATHS.logs}/verifier`;
+const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
 /** Where tests may leave a reward (a number in [0, 1]) that wins over their exit status. */
 export const REWARD_FILE = `${VERIFIER_LOGS}/reward.txt`;
 /**
@@ -64,8 +72,8 @@ function assertNever(x: never): never {
  *    `#!/bin/bash -e` keeps its `-e`, a `#!/usr/bin/env python3` test runs in Python), or with
  *    bash when it has none;
  * 3. reports the reward file, `reward.txt` or else `reward.json`: `none`, `reward <bytes> [json]`
- *    followed by its content (up to `INLINE_REWARD_BYTES`), or `unreadable [json]` (too large, or
- *    not readable by root: read apart);
+ *    followed by its content (up to `INLINE_REWARD_BYTES`), `irregular [json]` (no regular file:
+ *    a FIFO, a device), or `unreadable [json]` (too large, or not readable by root: read apart);
  * and exits with the tests' status. Reports go to stderr after the tests' own output, each as a
  * line `<nonce> <report>` after a newline; `parseRunReport` takes them off again. A runner that
  * never reported (the cap keeps the output's end, where the report is) is graded by its exit
@@ -117,6 +125,12 @@ reap() {
     [ "$n" -eq 0 ] && break
   done
 }
+# Nothing of the agent's may be left in /logs, the tmpfs the reward is written to: an agent that
+# filled it (its space, or its inodes but one) would decide whether the tests' reward lands.
+# Root has no capability to remove it (the sticky /logs): the agent's uid does, then this again.
+if ! a=$(find ${SANDBOX_PATHS.logs} -mindepth 1 -user ${AGENT_UID} -prune 2>&1) || [ -n "$a" ]; then
+  report prepare "the agent left files in ${SANDBOX_PATHS.logs}"; exit 3
+fi
 d=${VERIFIER_LOGS}
 rm -rf "$d" 2>/dev/null
 if [ -e "$d" ] || [ -L "$d" ]; then
@@ -166,6 +180,7 @@ if [ "$strays" -gt 0 ]; then report strays "$strays"; exit $rc; fi
 f=${REWARD_FILE}; kind=
 if [ ! -e "$f" ] || [ -d "$f" ]; then f=${REWARD_JSON_FILE}; kind=json; fi
 if [ ! -e "$f" ] || [ -d "$f" ]; then report none
+elif [ ! -f "$f" ]; then report irregular $kind
 elif [ -r "$f" ] && n=$(wc -c < "$f") && n=$((n)) && [ "$n" -le ${INLINE_REWARD_BYTES} ]; then
   report reward "$n" $kind; cat "$f" >&2
 else report unreadable $kind
@@ -188,6 +203,8 @@ export type RunReport =
   | { kind: "strays"; count: number }
   /** test.sh's `#!` interpreter is not in the image (`name`): nothing ran. */
   | { kind: "interpreter"; name: string }
+  /** No regular file (a FIFO, a device, a link to one): nothing to read (`json`: reward.json). */
+  | { kind: "irregular"; json: boolean }
   /** Unreadable, too large, or its size does not match: read the file (`json`: reward.json) apart. */
   | { kind: "read"; json: boolean }
   /**
@@ -234,6 +251,8 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
       return { stderr: own, report: { kind: "strays", count: Number(words[0]) || 1 } };
     case "interpreter":
       return { stderr: own, report: { kind: "interpreter", name: words.join(" ") } };
+    case "irregular":
+      return { stderr: own, report: { kind: "irregular", json: words[0] === "json" } };
     case "reward": {
       const json = words[1] === "json";
       return {
@@ -299,11 +318,14 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   };
   let { ran, stderr, ready, report } = await runOnce();
   if (!ready && !ran.timedOut && report.kind === "prepare") {
-    // Root here cannot remove what the agent made in the sticky /logs (a planted
-    // /logs/verifier): the agent's uid can. Its processes are confirmed gone, so everything
-    // of its uid in scratch is leftovers: removed, then the tests run once more. An agent
-    // cannot choose to be masked instead of graded this way.
-    await step(ctx, "clear the agent's scratch", () => scrubScratch(provider, handle, AGENT_USER));
+    // Root here cannot remove what the agent left in the sticky /logs (a planted
+    // /logs/verifier, a /logs filled up): the agent's uid can. Its processes are confirmed
+    // gone, so everything of its uid there is leftovers: removed, then the tests run once
+    // more. An agent cannot choose to be masked, nor to pass, this way. (Its files elsewhere in
+    // scratch, /tmp, stay: tests may look at what it left there.)
+    await step(ctx, "clear the agent's files from /logs", () =>
+      scrubScratch(provider, handle, AGENT_USER, [SANDBOX_PATHS.logs]),
+    );
     ({ ran, stderr, ready, report } = await runOnce());
   }
   const result = { ...ran, stderr };
@@ -421,6 +443,17 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
       },
     };
   }
+  // A reward file that is no regular file (a FIFO would block its reader, /dev/zero never end):
+  // no reward to read. Beside tests that failed, the exit status grades, as for one no one may
+  // read; tests that passed and left it mask.
+  if (report.kind === "irregular") {
+    const what = `the tests left ${report.json ? "reward.json" : "reward.txt"} as no regular file (a FIFO, a device, or a link to one)`;
+    if (result.exitCode === 0) throw FleetError.nonRetryable("verifier_error", `${what}: no reward to read`);
+    return {
+      reward: 0,
+      details: { ...details, source: "exit_code", reason: `${what}; the exit status grades` },
+    };
+  }
   let rewardText: string | null;
   const json = (report.kind === "reward" || report.kind === "read") && report.json;
   try {
@@ -526,9 +559,8 @@ async function step<T>(ctx: VerifyContext, what: string, call: () => Promise<T>)
     ) {
       throw err;
     }
-    const kind = isFleetError(err) ? `${err.kind}: ` : "";
     const message = err instanceof Error ? err.message : String(err);
-    throw new FleetError("verifier_error", `verifier failed to ${what}: ${kind}${message}`, {
+    throw new FleetError("verifier_error", `verifier failed to ${what}: ${message}`, {
       retryable: isFleetError(err) ? err.retryable : false,
       cause: err,
     });
