@@ -1230,6 +1230,11 @@ describe("results", () => {
     await finish(rolloutIds[3]!);
     expect(await read("2")).toEqual({ ids: [rolloutIds[3]], next: "3" });
     expect(await read("1")).toEqual({ ids: [rolloutIds[0], rolloutIds[3]], next: "3" });
+    // A cursor past what has finished is none of ours: refused, not echoed back (a poller keeping
+    // it would skip the results that finish up to it).
+    const past = await h.call({ method: "GET", url: `/v1/batches/${batchId}/results?after=4` });
+    expectErrorBody(past, 400, "malformed");
+    expect(past.json()).toMatchObject({ error: { details: { after: 4, finished: 3 } } });
     for (const bad of ["-1", "x", "1.5", "9999999999"]) {
       const r = await h.call({ method: "GET", url: `/v1/batches/${batchId}/results?after=${bad}` });
       expectErrorBody(r, 400, "malformed");

@@ -59,7 +59,17 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
     if (after !== null) {
       // The cursor: the rollouts that finished after the first `after`, in the order they
       // finished, up to how many had finished now; the next call's `after` in the header.
-      const next = Math.max(after, await store.batchDoneCount(id));
+      const next = await store.batchDoneCount(id);
+      // Past what has finished: no cursor of ours (they only grow to it). Echoed back, it would
+      // skip the results that finish up to it.
+      if (after > next) {
+        throw new HttpError(
+          400,
+          "malformed",
+          `after (${after}) is past the ${next} rollout(s) of this batch that have finished: use the fleet-results-next header's value (0 to start)`,
+          { after, finished: next },
+        );
+      }
       lines = finishedLines(store, id, after, next);
       reply.header(RESULTS_NEXT_HEADER, String(next));
     } else {
