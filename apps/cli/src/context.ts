@@ -1,6 +1,6 @@
 import { once } from "node:events";
 import { createWriteStream } from "node:fs";
-import { rename, rm, stat } from "node:fs/promises";
+import { lstat, rename, rm, stat } from "node:fs/promises";
 import type { Writable } from "node:stream";
 import { finished } from "node:stream/promises";
 import type { TaskContent } from "@fleet/contracts";
@@ -57,8 +57,17 @@ export class ResultsFile {
   static async open(path: string): Promise<ResultsFile> {
     // Only the rename at the end would find out (after the whole batch ran): `<dir>.partial`, or
     // `<dir>/.partial`, opens fine.
+    if (path === "") throw new Error("an empty path; name a file");
     if (path.endsWith("/") || (await stat(path).catch(() => null))?.isDirectory()) {
       throw new Error(`EISDIR: ${path} is a directory; name a file`);
+    }
+    // The finished file is renamed over the path: whatever else is there (a link, a device such
+    // as /dev/stdout or /dev/null, a FIFO) would be replaced by it, not written to.
+    const there = await lstat(path).catch(() => null);
+    if (there !== null && !there.isFile()) {
+      throw new Error(
+        `${path} is ${there.isSymbolicLink() ? "a symbolic link" : "not a regular file (a device, a FIFO or a socket)"}, which the results file would replace; name a regular file (a pipe: fleet results writes to stdout)`,
+      );
     }
     const file = new ResultsFile(path);
     const opened = once(file.stream, "open");

@@ -1,5 +1,6 @@
+import { execFileSync } from "node:child_process";
 import { existsSync } from "node:fs";
-import { mkdtemp, readdir, readFile, rm, symlink } from "node:fs/promises";
+import { lstat, mkdtemp, readdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { TaskContent } from "@fleet/contracts";
@@ -327,6 +328,33 @@ describe("fleet submit", () => {
     expect(code).toBe(2);
     expect(stderr.text()).toContain(`cannot write --out ${out}`);
     expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
+  });
+
+  it("an --out that is empty, a link or a FIFO (as a device) is a usage error before anything is submitted, and is left as it was", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const target = path.join(dir, "target.jsonl");
+    await writeFile(target, "kept\n");
+    const link = path.join(dir, "link.jsonl");
+    await symlink(target, link);
+    const fifo = path.join(dir, "fifo");
+    execFileSync("mkfifo", [fifo]);
+    for (const [out, why] of [
+      ["", "an empty path"],
+      [link, "is a symbolic link"],
+      [fifo, "is not a regular file"],
+    ] as const) {
+      stderr = new Collector();
+      const code = await runCli(
+        ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--out", out],
+        ctx(),
+      );
+      expect(code, out).toBe(2);
+      expect(stderr.text(), out).toContain(why);
+    }
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
+    expect((await lstat(link)).isSymbolicLink()).toBe(true);
+    expect(await readFile(target, "utf8")).toBe("kept\n");
+    expect((await lstat(fifo)).isFIFO()).toBe(true);
   });
 
   it.skipIf(!existsSync("/dev/full"))(
