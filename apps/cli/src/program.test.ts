@@ -321,6 +321,15 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain('details: {"limit":10485760}');
   });
 
+  it("a --token that cannot go into an HTTP header is a usage error, not an unreachable dispatcher", async () => {
+    for (const token of ["tok€", "a b", "tok\nX-Injected: 1"]) {
+      stderr = new Collector();
+      expect(await runCli(["status", "b-1", "--token", token], ctx()), token).toBe(2);
+      expect(stderr.text()).toContain("must be printable ASCII without spaces");
+    }
+    expect(server.requests).toHaveLength(0);
+  });
+
   it("an --out path that cannot be written is a usage error before anything is submitted", async () => {
     fakeDispatcher((id) => completed(id, 1));
     const out = path.join(dir, "no-such-dir", "results.jsonl");

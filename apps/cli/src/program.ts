@@ -1,3 +1,4 @@
+import { TOKEN_CHARS } from "@fleet/config";
 import { MIN_DURATION_S } from "@fleet/contracts";
 import { DEFAULT_MAX_TASK_BYTES } from "@fleet/tasks";
 import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
@@ -58,6 +59,20 @@ function httpUrl(value: string): string {
   throw new InvalidArgumentError("must be an http:// or https:// URL");
 }
 
+/** `--token`: sent as an HTTP header value, so printable ASCII only (else a usage error, not an unreachable dispatcher). */
+function tokenOption(): Option {
+  return new Option("--token <token>", "API bearer token (env FLEET_TOKEN; prefer the env var)").argParser(
+    (value: string) => {
+      if (!TOKEN_CHARS.test(value)) {
+        throw new InvalidArgumentError(
+          "must be printable ASCII without spaces (it goes into an HTTP header)",
+        );
+      }
+      return value;
+    },
+  );
+}
+
 /** `--url` and `--token` on every command; flags win over `FLEET_URL` / `FLEET_TOKEN`. */
 function withConnection(cmd: Command, ctx: CliContext): Command {
   return cmd
@@ -66,7 +81,7 @@ function withConnection(cmd: Command, ctx: CliContext): Command {
         .default(ctx.defaults.url)
         .argParser(httpUrl),
     )
-    .addOption(new Option("--token <token>", "API bearer token (env FLEET_TOKEN; prefer the env var)"));
+    .addOption(tokenOption());
 }
 
 function clientFor(opts: ConnectionOptions, ctx: CliContext): FleetClient {
@@ -96,7 +111,7 @@ export function createProgram(ctx: CliContext, setExitCode: (code: number) => vo
     // `--url`/`--token` before the command too (`fleet --url … submit …`, as with docker or
     // kubectl), handed to the command; given after it as well, the command's own win.
     .addOption(new Option("--url <url>", "dispatcher base URL (env FLEET_URL)").argParser(httpUrl))
-    .addOption(new Option("--token <token>", "API bearer token (env FLEET_TOKEN; prefer the env var)"))
+    .addOption(tokenOption())
     .hook("preSubcommand", (root, sub) => {
       for (const name of ["url", "token"]) {
         const value: unknown = root.getOptionValue(name);

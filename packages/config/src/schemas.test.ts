@@ -75,6 +75,13 @@ describe("DispatcherConfig", () => {
     }
   });
 
+  it("FLEET_TOKEN (the CLI's) must be printable ASCII without spaces: it goes into an HTTP header", () => {
+    expect(parseConfig(CliConfig, { FLEET_TOKEN: " tok-1 " }).token).toBe("tok-1");
+    expect(() => parseConfig(CliConfig, { FLEET_TOKEN: "tok€" })).toThrow(
+      /FLEET_TOKEN: must be printable ASCII/,
+    );
+  });
+
   it("treats empty values as unset", () => {
     expect(parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: "", REDIS_URL: "  " }).httpPort).toBe(8080);
   });

@@ -283,11 +283,18 @@ export const JanitorConfig = z
   }));
 export type JanitorConfig = z.output<typeof JanitorConfig>;
 
+/** What an API token may hold: it is sent as an HTTP header value (`Authorization: Bearer …`). */
+export const TOKEN_CHARS = /^[\x21-\x7e]+$/;
+
 /** `apps/cli`: where the dispatcher is. Command-line flags override these. */
 export const CliConfig = z
   .object({
     FLEET_URL: urlVar(["http:", "https:"]).default(DEFAULT_DISPATCHER_URL),
-    FLEET_TOKEN: z.string().trim().optional(),
+    FLEET_TOKEN: z
+      .string()
+      .trim()
+      .regex(TOKEN_CHARS, "must be printable ASCII without spaces (it goes into an HTTP header)")
+      .optional(),
   })
   .transform((e) => ({
     url: e.FLEET_URL.replace(/\/+$/, ""),
