@@ -380,6 +380,24 @@ describe("POST /v1/rollouts", () => {
     });
   });
 
+  it("names no row of POST /v1/rollouts's 422 found at admission, keyed or not", async () => {
+    const body = `{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"x":1e999}}`;
+    const headers = { "content-type": "application/json" };
+    const keyless = await h.call({ method: "POST", url: "/v1/rollouts", payload: body, headers });
+    const keyed = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: body,
+      headers: { ...headers, "idempotency-key": randomUUID() },
+    });
+    const a = expectErrorBody(keyless, 422, "invalid");
+    const b = expectErrorBody(keyed, 422, "invalid");
+    expect(a.message).not.toMatch(/^rollout 0:/);
+    expect(a.details).not.toHaveProperty("index");
+    expect(b.message).toBe(a.message);
+    expect(b.details).not.toHaveProperty("index");
+  });
+
   it("answers 422 for an oracle rollout whose task has no solution/solve.sh, inline or by digest; a command agent takes the task", async () => {
     const { solution: _, ...noSolution } = task;
     const issues = [{ path: "task.solution.solve.sh", message: "is missing: the oracle agent runs it" }];

@@ -75,7 +75,7 @@ export async function submit(
     try {
       checkRequestShapes(parsed.requests);
     } catch (err) {
-      throw inBody(err, parsed);
+      throw options.batch ? inBody(err, parsed) : withoutIndex(err);
     }
     if (await admittedWithBody(store, legacy, options.batch, parsed.requests)) {
       idempotencyKey = legacy;
