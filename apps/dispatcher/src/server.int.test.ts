@@ -518,6 +518,40 @@ describe("POST /v1/rollouts", () => {
     expect(res.body).not.toContain(secret);
   });
 
+  it("answers 400 for a body that is not valid UTF-8 (never read with its bytes replaced: two bodies would read the same), JSON or NDJSON", async () => {
+    const key = randomUUID();
+    const withByte = (byte: number) =>
+      Buffer.concat([
+        Buffer.from(`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"k":"`),
+        Buffer.from([byte]),
+        Buffer.from('"}}'),
+      ]);
+    for (const byte of [0xff, 0xfe]) {
+      const res = await h.call({
+        method: "POST",
+        url: "/v1/rollouts",
+        payload: withByte(byte),
+        headers: { "content-type": "application/json", "idempotency-key": key },
+      });
+      expect(expectErrorBody(res, 400, "malformed").message).toBe("the body is not valid UTF-8");
+    }
+    const ndjson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: Buffer.concat([withByte(0xff), Buffer.from("\n")]),
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expectErrorBody(ndjson, 400, "malformed");
+    // Nothing was admitted under the key: the same key with a valid body is a first request.
+    const valid = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: row,
+      headers: { "idempotency-key": key },
+    });
+    expect(valid.statusCode, valid.body).toBe(202);
+  });
+
   it("answers 400 for malformed JSON and 415 for an unsupported content type", async () => {
     const bad = await h.call({
       method: "POST",

@@ -96,17 +96,21 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // may POST a cancel without one, and a submit without one still gets its own 400 ("expected a
   // JSON body").
   app.removeContentTypeParser("application/json");
-  app.addContentTypeParser("application/json", { parseAs: "string" }, (_req, body, done) => {
-    if (body === "") return done(null, undefined);
+  app.addContentTypeParser("application/json", { parseAs: "buffer" }, (_req, body, done) => {
     try {
-      done(null, parseJsonText(String(body), "the body"));
+      const text = utf8Body(body as Buffer);
+      done(null, text === "" ? undefined : parseJsonText(text, "the body"));
     } catch (err) {
       done(err as Error, undefined);
     }
   });
-  app.addContentTypeParser(NDJSON_TYPES, { parseAs: "string" }, (_req, body, done) =>
-    done(null, new NdjsonText(String(body))),
-  );
+  app.addContentTypeParser(NDJSON_TYPES, { parseAs: "buffer" }, (_req, body, done) => {
+    try {
+      done(null, new NdjsonText(utf8Body(body as Buffer)));
+    } catch (err) {
+      done(err as Error, undefined);
+    }
+  });
 
   // A body over the limit by its Content-Length is read and thrown away before the 413 is sent,
   // when it is at most LINGER_FACTOR times the limit and arrives within LINGER_MS: a client that
@@ -339,4 +343,19 @@ class RequestLog extends LogController {
  */
 function onAdminRoute(req: FastifyRequest): boolean {
   return isAdminPath(req.routeOptions.url ?? req.url) || isAdminPath(req.url);
+}
+
+const STRICT_UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
+
+/**
+ * A body's text. Bytes that are no UTF-8 are refused (400), not replaced with U+FFFD: two
+ * different bodies would read the same (one request's Idempotency-Key replaying the other's),
+ * and what is stored would not be what was sent.
+ */
+function utf8Body(body: Buffer): string {
+  try {
+    return STRICT_UTF8.decode(body);
+  } catch {
+    throw new HttpError(400, "malformed", "the body is not valid UTF-8");
+  }
 }
