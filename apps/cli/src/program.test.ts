@@ -21,6 +21,7 @@ const tasks = ["alpha", "beta"].map((id) =>
     id,
     instruction: `do ${id}`,
     image: "fleet-base:latest",
+    solution: { "solve.sh": "true\n" },
     tests: { "test.sh": "exit 0" },
   }),
 );
@@ -319,6 +320,20 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain("before the error: b-1");
     expect(stderr.text()).toContain("error: payload_too_large: task over 10 MiB (HTTP 413)");
     expect(stderr.text()).toContain('details: {"limit":10485760}');
+  });
+
+  it("with the oracle agent, a task without solution/solve.sh is a usage error before anything is submitted; another agent takes it", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const { solution: _, ...beta } = tasks[1]!;
+    const suite = async () => [tasks[0]!, TaskContent.parse(beta)];
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx({ loadSuite: suite }))).toBe(2);
+    expect(stderr.text()).toContain(
+      "the oracle agent runs each task's solution/solve.sh, which this task lacks: beta",
+    );
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
+    const command = ["submit", "--suite", "s", "--agent", '{"harness":"command","argv":["true"]}'];
+    expect(await runCli(command, ctx({ loadSuite: suite }))).toBe(0);
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(1);
   });
 
   it("a --token that cannot go into an HTTP header is a usage error, not an unreachable dispatcher", async () => {

@@ -67,6 +67,19 @@ async function submitAndFollow(
       : "";
     throw new UsageError(`cannot load suite ${opts.suite}: ${message}${hint}`);
   }
+  // The oracle runs each task's solution/solve.sh: the dispatcher refuses a rollout of a task
+  // without one, which for a suite split into several requests would be after the first ones
+  // were admitted and started. Said here, before anything is sent.
+  if (agent.harness === "oracle") {
+    const without = tasks.filter((t) => t.solution["solve.sh"] === undefined).map((t) => t.id);
+    if (without.length > 0) {
+      const named =
+        without.slice(0, 10).join(", ") + (without.length > 10 ? `, and ${without.length - 10} more` : "");
+      throw new UsageError(
+        `the oracle agent runs each task's solution/solve.sh, which ${without.length === 1 ? "this task lacks" : `${without.length} tasks lack`}: ${named} (leave them out with --task, or choose another agent)`,
+      );
+    }
+  }
   const requests = buildRollouts({
     tasks,
     agent,
