@@ -1294,6 +1294,49 @@ describe("results", () => {
   });
 });
 
+describe("the backlog bound while an admission enqueues its seeds", () => {
+  it("counts the admission's recorded rollouts once: a request that fits beside them is admitted", async () => {
+    const gate = latchPair();
+    let first = true;
+    const tight = await makeHarness({ FLEET_MAX_BACKLOG: "10" }, (queues) => {
+      const enqueueSeeds = queues.enqueueSeeds.bind(queues);
+      queues.enqueueSeeds = async (ids) => {
+        if (first) {
+          first = false;
+          gate.entered();
+          // The first batch's five rollouts are recorded (in flight); its seeds wait here.
+          await gate.released;
+        }
+        return enqueueSeeds(ids);
+      };
+    });
+    const five = { rollouts: [row, row, row, row, row] };
+    const a = tight.call({ method: "POST", url: "/v1/batches", payload: five });
+    await gate.enteredP;
+    // Five in flight, a bound of ten: five more fit (they were refused, counted with the first
+    // five again as being admitted).
+    const b = await tight.call({ method: "POST", url: "/v1/batches", payload: five });
+    gate.release();
+    expect((await a).statusCode).toBe(202);
+    expect(b.statusCode, b.body).toBe(202);
+    // And no more than the bound: one more is refused.
+    const c = await tight.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row] } });
+    expectErrorBody(c, 429, "backpressure");
+  });
+});
+
+function latchPair() {
+  let entered = () => {};
+  let release = () => {};
+  const enteredP = new Promise<void>((r) => {
+    entered = r;
+  });
+  const released = new Promise<void>((r) => {
+    release = r;
+  });
+  return { entered: () => entered(), enteredP, release: () => release(), released };
+}
+
 describe("Redis down", () => {
   it("stays live, answers /readyz 503 and a submission 503 unavailable with Retry-After", async () => {
     // A real client pointed at a port nothing listens on.

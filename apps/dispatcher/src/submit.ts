@@ -120,7 +120,13 @@ export async function submit(
       store,
       queues,
       { requests: parsed.requests, batch: options.batch, idempotencyKey },
-      { maxTaskBytes: config.maxTaskBytes, now: deps.now(), beforeRecord: reserve },
+      {
+        maxTaskBytes: config.maxTaskBytes,
+        now: deps.now(),
+        beforeRecord: reserve,
+        // Recorded, they count as in flight: the room goes back now, not once their seeds are in.
+        afterRecord: () => reservation.release().catch(() => undefined),
+      },
     );
   } catch (err) {
     if (err instanceof HttpError) throw err; // the 429 above: nothing was written
@@ -134,7 +140,8 @@ export async function submit(
     }
     throw options.batch ? inBody(err, parsed) : withoutIndex(err);
   } finally {
-    // Admitted rollouts are in flight now (they count there); refused ones never will be.
+    // Admitted rollouts are in flight now (they count there); refused ones never will be. (Given
+    // back already once they were recorded; again is a no-op.)
     await reservation.release().catch(() => undefined);
   }
 }

@@ -27,6 +27,12 @@ export interface AdmissionOptions {
    */
   beforeRecord?: () => Promise<void>;
   /**
+   * Called once the rollouts are recorded (they count as in flight from then), before their
+   * seeds are enqueued: the dispatcher gives back the room it reserved, which would otherwise
+   * count them twice while the seeds go in.
+   */
+  afterRecord?: () => Promise<void>;
+  /**
    * A replay of a batch admitted already (its stored body this one): its deadlines were admitted
    * under the bound of their day, and its rest must stay admittable (no stricter bound since).
    */
@@ -343,6 +349,7 @@ export async function admit(
     }
   }
   const { created, conflicting, expired, otherRoute: refused } = await store.admit(metas, now, keyBatchId);
+  await options.afterRecord?.();
   if (refused.length > 0) throw otherRoute();
   if (expired.length > 0 && created.length === 0) {
     await store.admissionDone(admission);
