@@ -16,6 +16,7 @@ import {
   type TaskContent,
   type Usage,
   usageOf,
+  withTimeout,
   withUsage,
 } from "@fleet/contracts";
 import type { UpstreamHealth } from "@fleet/gateway";
@@ -882,13 +883,6 @@ async function waitOutSweep(rec: StageRecord, deps: PipelineDeps, shutdown?: Abo
     { rolloutId: rec.meta.id, atMostMs: rec.begun.testsSweepLeftMs },
     "verify delivered again: waiting for the earlier attempt's sweep of its tests to end",
   );
-  let onAbort = () => {};
-  const handBack = new Promise<never>((_, reject) => {
-    onAbort = () => reject(new HandBackError());
-    if (shutdown?.aborted) onAbort();
-    shutdown?.addEventListener("abort", onAbort, { once: true });
-  });
-  handBack.catch(() => undefined);
   try {
     for (;;) {
       const left = lapses - performance.now();
@@ -899,16 +893,18 @@ async function waitOutSweep(rec: StageRecord, deps: PipelineDeps, shutdown?: Abo
           "a verify delivered again could not start before the rollout's deadline: an earlier attempt was still sweeping its tests",
         );
       }
-      await Promise.race([sleep(Math.min(SWEEP_POLL_MS, left)), handBack]);
-      // A Redis blip: not ended, as far as this attempt can tell.
-      const claimLeft = await Promise.race([
-        deps.store.testsSweepLeftMs(rec.meta.id).catch(() => 1),
-        handBack,
-      ]);
+      await sleep(Math.min(SWEEP_POLL_MS, left), undefined, { signal: shutdown });
+      // A Redis blip, or no answer in time: not ended, as far as this attempt can tell.
+      const claimLeft = await withTimeout(
+        deps.store.testsSweepLeftMs(rec.meta.id),
+        4 * SWEEP_POLL_MS,
+        "no answer",
+      ).catch(() => 1);
       if (claimLeft === 0) return;
     }
-  } finally {
-    shutdown?.removeEventListener("abort", onAbort);
+  } catch (err) {
+    if (shutdown?.aborted) throw new HandBackError();
+    throw err;
   }
 }
 
@@ -921,11 +917,6 @@ const STOP_TESTS_MS = 5_000;
  * claim ended by its sweep frees the next attempt at once; one given up on holds it this long.
  */
 const SWEEP_CLAIM_MS = 30_000;
-
-/** `promise`'s value, or null if it has none within `ms` (it is not cancelled). */
-function within<T>(promise: Promise<T>, ms: number): Promise<T | null> {
-  return Promise.race([promise, sleep(ms).then(() => null)]);
-}
 
 /**
  * A verify handed back at shutdown stops its tests (every root process in the sandbox: the
@@ -944,42 +935,38 @@ async function stopOwnTests(
   notedAt: number | null,
 ): Promise<void> {
   const warn = (detail: string, msg: string) => deps.logger.warn({ rolloutId: id, detail }, msg);
+  const reason = (err: unknown) => (err instanceof Error ? err.message : String(err));
   try {
     // Each step bounded (the shutdown's budget is seconds): the claim (one that lands late
     // frees the next attempt when it lapses), one quick sweep, the claim's end.
-    const claimed = await within(deps.store.claimTestsSweep(id, token, SWEEP_CLAIM_MS), STOP_TESTS_MS);
-    if (claimed === null) {
-      warn(
-        `no answer within ${STOP_TESTS_MS} ms`,
-        "handing back a verify without stopping its tests; the next attempt waits them out",
-      );
-      return;
-    }
+    const claimed = await withTimeout(
+      deps.store.claimTestsSweep(id, token, SWEEP_CLAIM_MS),
+      STOP_TESTS_MS,
+      `no answer within ${STOP_TESTS_MS} ms`,
+    );
     if (!claimed.claimed) return;
-    const stopped = await within(
+    const stopped = await withTimeout(
       deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
       2 * STOP_TESTS_MS,
+      `the sweep had no answer within ${2 * STOP_TESTS_MS} ms`,
     );
     // Ended only once the sweep is known to have: it confirmed, or counted what is left. Given up
     // on, or failed as it started (it may have started all the same), its claim lapses.
-    if (stopped !== null && (stopped.confirmed || stopped.remaining > 0)) {
-      const ended = await within(
-        deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null).then(() => true),
+    if (stopped.confirmed || stopped.remaining > 0) {
+      await withTimeout(
+        deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null),
         STOP_TESTS_MS,
-      ).catch(() => null);
-      if (ended === null) warn("no answer", "could not end the claim on a verify's sweep; it lapses");
+        "no answer",
+      ).catch((err: unknown) => warn(reason(err), "could not end the claim on a verify's sweep; it lapses"));
     }
-    if (!stopped?.confirmed) {
+    if (!stopped.confirmed) {
       warn(
-        stopped?.detail ?? `no answer within ${2 * STOP_TESTS_MS} ms`,
+        stopped.detail ?? "",
         "handing back a verify whose tests did not stop; the next attempt waits them out",
       );
     }
   } catch (err) {
-    warn(
-      err instanceof Error ? err.message : String(err),
-      "handing back a verify without stopping its tests; the next attempt waits them out",
-    );
+    warn(reason(err), "handing back a verify without stopping its tests; the next attempt waits them out");
   }
 }
 
