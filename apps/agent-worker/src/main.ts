@@ -1,5 +1,5 @@
 // The agent worker: runs the run stage (DESIGN §2). All wiring lives in
 // @fleet/pipeline's runWorkerApp; this file is the only one that reads the environment.
-import { exitOnStartFailure, runWorkerApp } from "@fleet/pipeline";
+import { onStartFailure, runWorkerApp } from "@fleet/pipeline";
 
-await runWorkerApp("agent", process.env).catch(exitOnStartFailure);
+await runWorkerApp("agent", process.env).catch(onStartFailure(process.env));

@@ -12,7 +12,8 @@ import {
   createFleetMetrics,
   createLogger,
   createMetricsRegistry,
-  exitOnStartFailure,
+  onStartFailure,
+  portInUse,
 } from "@fleet/telemetry";
 import { createServer } from "./server.ts";
 
@@ -79,10 +80,7 @@ async function main(): Promise<void> {
       port: config.httpPort,
       listenTextResolver: (address) => `dispatcher listening on ${address}`,
     })
-    .catch((err: NodeJS.ErrnoException) => {
-      if (err.code !== "EADDRINUSE") throw err;
-      throw new Error(`FLEET_HTTP_PORT ${config.httpPort} is in use on ${config.httpHost}`);
-    });
+    .catch(portInUse("FLEET_HTTP_PORT", config.httpPort, config.httpHost));
 }
 
-main().catch(exitOnStartFailure);
+main().catch(onStartFailure(process.env));

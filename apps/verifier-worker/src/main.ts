@@ -1,5 +1,5 @@
 // The verifier worker: runs the verify stage (DESIGN §2). All wiring lives in
 // @fleet/pipeline's runWorkerApp; this file is the only one that reads the environment.
-import { exitOnStartFailure, runWorkerApp } from "@fleet/pipeline";
+import { onStartFailure, runWorkerApp } from "@fleet/pipeline";
 
-await runWorkerApp("verifier", process.env).catch(exitOnStartFailure);
+await runWorkerApp("verifier", process.env).catch(onStartFailure(process.env));

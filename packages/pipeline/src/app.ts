@@ -15,6 +15,7 @@ import {
   createFleetMetrics,
   createLogger,
   createMetricsRegistry,
+  portInUse,
   startMetricsServer,
 } from "@fleet/telemetry";
 import { createCredentialResolver } from "./credentials.ts";
@@ -108,12 +109,12 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   const server =
     config.metricsPort !== null
       ? await startMetricsServer({ registry, port: config.metricsPort, host: config.metricsHost }).catch(
-          (err: unknown) => {
-            if ((err as NodeJS.ErrnoException).code !== "EADDRINUSE") throw err;
-            throw new Error(
-              `FLEET_METRICS_PORT ${config.metricsPort} is in use on ${config.metricsHost ?? "127.0.0.1"}: each replica on a host needs a port of its own (0 picks a free one)`,
-            );
-          },
+          portInUse(
+            "FLEET_METRICS_PORT",
+            config.metricsPort,
+            config.metricsHost ?? "127.0.0.1",
+            ": each replica on a host needs a port of its own (0 picks a free one)",
+          ),
         )
       : null;
   if (server) logger.info({ port: server.port }, "metrics server listening");

@@ -1,4 +1,4 @@
-export { exitOnStartFailure } from "@fleet/telemetry";
+export { onStartFailure } from "@fleet/telemetry";
 export * from "./app.ts";
 export * from "./deps.ts";
 export * from "./hand-back.ts";

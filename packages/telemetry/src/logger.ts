@@ -91,13 +91,26 @@ function liveRedactor(secrets: ReadonlySet<string> | readonly string[]): (line: 
 }
 
 /**
- * An app's `main` that failed to start (bad configuration, Redis refused, a port in use): its
- * message on stderr, one error rather than a stack trace (the stack with `FLEET_LOG_LEVEL`
- * debug or trace), and exit 1.
+ * For an app's `main` that failed to start (bad configuration, Redis refused, a port in use): its
+ * message on stderr, one error rather than a stack trace (the stack with `FLEET_LOG_LEVEL` debug
+ * or trace in `env`), and exit 1.
  */
-export function exitOnStartFailure(err: unknown): never {
-  const debug = /^(debug|trace)$/i.test(process.env.FLEET_LOG_LEVEL?.trim() ?? "");
-  const text = err instanceof Error ? (debug && err.stack ? err.stack : err.message) : String(err);
-  process.stderr.write(`refusing to start: ${text}\n`);
-  process.exit(1);
+export function onStartFailure(env: Record<string, string | undefined>): (err: unknown) => never {
+  const debug = /^(debug|trace)$/i.test(env.FLEET_LOG_LEVEL?.trim() ?? "");
+  return (err) => {
+    const text = err instanceof Error ? (debug && err.stack ? err.stack : err.message) : String(err);
+    process.stderr.write(`refusing to start: ${text}\n`);
+    process.exit(1);
+  };
+}
+
+/**
+ * A listen's failure for a port in use (EADDRINUSE), said with the variable that set the port
+ * (and `hint`); any other failure as it was.
+ */
+export function portInUse(variable: string, port: number, host: string, hint = ""): (err: unknown) => never {
+  return (err) => {
+    if ((err as NodeJS.ErrnoException).code !== "EADDRINUSE") throw err;
+    throw new Error(`${variable} ${port} is in use on ${host}${hint}`);
+  };
 }
