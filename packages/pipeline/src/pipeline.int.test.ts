@@ -527,6 +527,23 @@ describe("idempotency and fencing without workers", () => {
   });
 
   /** Close the rollout as the resources worker would; its result, and no sandbox left. */
+  /**
+   * `docker`, whose create of `owner`'s sandbox makes it and then throws, as a worker that died
+   * before recording its handle; `intentAtCreate` is the sandbox entry (`key`) it found then.
+   */
+  const diesAfterCreate = (owner: "resources" | "agent", key: string) => {
+    let found: unknown = "create never called";
+    const provider = Object.assign(Object.create(docker) as SandboxProvider, {
+      create: async (...a: Parameters<SandboxProvider["create"]>) => {
+        if (a[0].owner !== owner) return docker.create(...a);
+        found = await fleet.deps.ledger.getSandbox(key);
+        await docker.create(...a);
+        throw new Error("the worker died here");
+      },
+    });
+    return { provider, intentAtCreate: () => found };
+  };
+
   const closeExpecting = async (id: string, result: Record<string, unknown>) => {
     await runStageJob("close", job(id), fleet.deps);
     expect(await fleet.deps.store.getResult(id)).toMatchObject(result);
@@ -1102,19 +1119,12 @@ describe("idempotency and fencing without workers", () => {
   it("a seed that dies between creating its sandbox and recording its handle left the intent first: close destroys the sandbox by it (rule 9)", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     const key = sandboxKey(id!, "resources");
-    let intentAtCreate: unknown = "create never called";
-    const diesAfterCreate = Object.assign(Object.create(docker) as SandboxProvider, {
-      create: async (...a: Parameters<SandboxProvider["create"]>) => {
-        intentAtCreate = await fleet.deps.ledger.getSandbox(key);
-        await docker.create(...a);
-        throw new Error("the worker died here");
-      },
-    });
-    await expect(runStageJob("seed", job(id!), { ...fleet.deps, provider: diesAfterCreate })).rejects.toThrow(
+    const dies = diesAfterCreate("resources", key);
+    await expect(runStageJob("seed", job(id!), { ...fleet.deps, provider: dies.provider })).rejects.toThrow(
       /the worker died here/,
     );
     // The intent was persisted before anything was made, and nothing recorded a handle.
-    expect(intentAtCreate).toMatchObject({ rolloutId: id, owner: "resources", handle: null });
+    expect(dies.intentAtCreate()).toMatchObject({ rolloutId: id, owner: "resources", handle: null });
     expect(await containersOf([id!])).toBe(1);
     expect((await fleet.deps.ledger.getSandbox(key))?.handle).toBeNull();
     await runStageJob("close", job(id!), fleet.deps);
@@ -1129,20 +1139,12 @@ describe("idempotency and fencing without workers", () => {
     ]);
     await runStageJob("seed", job(id!), fleet.deps);
     const key = sandboxKey(id!, "agent");
-    let intentAtCreate: unknown = "create never called";
-    const diesAfterCreate = Object.assign(Object.create(docker) as SandboxProvider, {
-      create: async (...a: Parameters<SandboxProvider["create"]>) => {
-        if (a[0].owner !== "agent") return docker.create(...a);
-        intentAtCreate = await fleet.deps.ledger.getSandbox(key);
-        await docker.create(...a);
-        throw new Error("the worker died here");
-      },
-    });
-    await expect(runStageJob("run", job(id!), { ...fleet.deps, provider: diesAfterCreate })).rejects.toThrow(
+    const dies = diesAfterCreate("agent", key);
+    await expect(runStageJob("run", job(id!), { ...fleet.deps, provider: dies.provider })).rejects.toThrow(
       /the worker died here/,
     );
     // The intent was persisted before anything was made, and nothing recorded a handle.
-    expect(intentAtCreate).toMatchObject({ rolloutId: id, owner: "agent", handle: null });
+    expect(dies.intentAtCreate()).toMatchObject({ rolloutId: id, owner: "agent", handle: null });
     expect(await docker.find(id!, "agent")).not.toBeNull();
     await fleet.deps.store.requestCancel(id!);
     await runStageJob("close", job(id!), fleet.deps);

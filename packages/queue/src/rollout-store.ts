@@ -651,12 +651,17 @@ export class RolloutStore {
       String(now + ttlMs),
       share,
     )) as [number, number, number, number];
+    // Its own, once: released once, a release again (an admission gives its room back when its
+    // rollouts are recorded, and again however it ends) sends nothing.
+    let held = ok === 1 && Number(shared) !== 1;
     return {
       reserved: ok === 1,
       inflight: Number(inflight),
       reservedByOthers: Number(others),
       release: async () => {
-        if (ok === 1 && Number(shared) !== 1) await this.redis.zrem(this.keys.reservations(), member);
+        if (!held) return;
+        await this.redis.zrem(this.keys.reservations(), member);
+        held = false;
       },
     };
   }

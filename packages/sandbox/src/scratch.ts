@@ -11,7 +11,8 @@ import { AGENT_USER, OPS_CWD, SANDBOX_PATHS, type SandboxProvider } from "./prov
  */
 export const SCRATCH_DIRS: readonly string[] = ["/tmp", SANDBOX_PATHS.logs, "/dev/shm", "/dev/mqueue"];
 
-const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
+/** The agent's numeric uid (`AGENT_USER`'s). */
+export const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
 
 /**
  * Sets `o` to the mount options of `/` (the last mount there, the one on top). Read from

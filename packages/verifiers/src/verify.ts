@@ -1,20 +1,12 @@
 import { randomBytes } from "node:crypto";
 import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fleet/contracts";
-import {
-  AGENT_USER,
-  OPS_CWD,
-  parseNumericUser,
-  ROOT_USER,
-  SANDBOX_PATHS,
-  scrubScratch,
-} from "@fleet/sandbox";
+import { AGENT_UID, AGENT_USER, OPS_CWD, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { MAX_REWARD_FILE_BYTES, parseReward, parseRewardJson } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
 
 /** The verifier's own log directory, cleared before every verification. */
 const VERIFIER_LOGS = `${SANDBOX_PATHS.logs}/verifier`;
-const AGENT_UID = parseNumericUser(AGENT_USER)!.uid;
 /** Where tests may leave a reward (a number in [0, 1]) that wins over their exit status. */
 export const REWARD_FILE = `${VERIFIER_LOGS}/reward.txt`;
 /**
