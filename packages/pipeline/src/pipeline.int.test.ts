@@ -527,6 +527,29 @@ describe("idempotency and fencing without workers", () => {
   });
 
   /** Close the rollout as the resources worker would; its result, and no sandbox left. */
+  /** An oracle rollout of hello-file with this test.sh (90 s of budget), seeded and run: its id and sandbox. */
+  const ranWithTests = async (name: string, testSh: string) => {
+    const task = {
+      ...byId("hello-file"),
+      id: `${name}-${Date.now()}`,
+      timeouts: { agentS: 30, verifierS: 90 },
+      tests: { "test.sh": testSh },
+    };
+    const [id] = await fleet.submit([oracle(task)]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    return { id, handle: (await fleet.deps.store.get(id!))!.receipts.seed!.handle };
+  };
+
+  /** How many of root's processes in the sandbox run `sleep <seconds>` (the tests'), as text. */
+  const rootSleeping = async (handle: SandboxHandle, seconds: number) =>
+    (
+      await fleet.deps.provider.exec(
+        handle,
+        ["sh", "-c", `ps -o args= -u 0 | grep -c '^[s]leep ${seconds}$'`],
+        { deadlineMs: 10_000, user: ROOT_USER },
+      )
+    ).stdout.trim();
+
   /**
    * `docker`, whose create of `owner`'s sandbox makes it and then throws, as a worker that died
    * before recording its handle; `intentAtCreate` is the sandbox entry (`key`) it found then.
@@ -1646,29 +1669,12 @@ describe("idempotency and fencing without workers", () => {
   });
 
   it("a verify handed back at shutdown stops its tests first, so the next attempt starts at once instead of waiting out their budget", async () => {
-    const task = {
-      ...byId("hello-file"),
-      id: `handed-back-verify-${Date.now()}`,
-      timeouts: { agentS: 30, verifierS: 90 },
-      // The first run of the tests hangs; the next one passes.
-      tests: {
-        "test.sh": "#!/bin/sh\n[ -e /tmp/handed-back ] && exit 0\ntouch /tmp/handed-back\nsleep 600\n",
-      },
-    };
-    const [id] = await fleet.submit([oracle(task)]);
-    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
-    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
-    const rootSleeps = async () =>
-      (
-        await fleet.deps.provider.exec(
-          handle,
-          ["sh", "-c", "ps -o uid=,args= -u 0 | grep -c '[s]leep 600'"],
-          {
-            deadlineMs: 10_000,
-            user: ROOT_USER,
-          },
-        )
-      ).stdout.trim();
+    // The first run of the tests hangs; the next one passes.
+    const { id, handle } = await ranWithTests(
+      "handed-back-verify",
+      "#!/bin/sh\n[ -e /tmp/handed-back ] && exit 0\ntouch /tmp/handed-back\nsleep 600\n",
+    );
+    const rootSleeps = () => rootSleeping(handle, 600);
     const shutdown = new AbortController();
     const verifying = runStageJob("verify", job(id!), fleet.deps, { signal: shutdown.signal }).catch(
       (e) => e,
@@ -1715,26 +1721,12 @@ describe("idempotency and fencing without workers", () => {
   });
 
   it("a verify that begins while a handed-back attempt sweeps its tests waits for the sweep to end: the sweep never kills the new attempt's tests, and a confirmed sweep frees it at once", async () => {
-    const task = {
-      ...byId("hello-file"),
-      id: `sweep-race-${Date.now()}`,
-      timeouts: { agentS: 30, verifierS: 90 },
-      // The first run of the tests hangs; the next one takes a few seconds, then passes.
-      tests: {
-        "test.sh": "#!/bin/sh\nif [ -e /tmp/swept ]; then sleep 8; exit 0; fi\ntouch /tmp/swept\nsleep 600\n",
-      },
-    };
-    const [id] = await fleet.submit([oracle(task)]);
-    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
-    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
-    const rootSleeps = async (seconds: number) =>
-      (
-        await fleet.deps.provider.exec(
-          handle,
-          ["sh", "-c", `ps -o args= -u 0 | grep -c '^[s]leep ${seconds}$'`],
-          { deadlineMs: 10_000, user: ROOT_USER },
-        )
-      ).stdout.trim();
+    // The first run of the tests hangs; the next one takes a few seconds, then passes.
+    const { id, handle } = await ranWithTests(
+      "sweep-race",
+      "#!/bin/sh\nif [ -e /tmp/swept ]; then sleep 8; exit 0; fi\ntouch /tmp/swept\nsleep 600\n",
+    );
+    const rootSleeps = (seconds: number) => rootSleeping(handle, seconds);
     // Attempt A: handed back at shutdown, its sweep held until the gate opens.
     const gate = latch();
     const a = {
