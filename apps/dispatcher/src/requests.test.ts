@@ -65,6 +65,21 @@ describe("parseRolloutBody", () => {
     }
   });
 
+  it("refuses a JSON null or a string as a body of the wrong shape (422), and no body at all as malformed (400)", () => {
+    for (const body of [null, "x"]) {
+      for (const err of [thrown(() => parseRolloutBody(body)), thrown(() => parseBatchJson(body))]) {
+        expect([err.status, err.code], JSON.stringify(body)).toEqual([422, "invalid"]);
+      }
+    }
+    for (const err of [thrown(() => parseRolloutBody(undefined)), thrown(() => parseBatchJson(undefined))]) {
+      expect([err.status, err.code, err.message]).toEqual([
+        400,
+        "malformed",
+        expect.stringMatching(/^expected a JSON body/),
+      ]);
+    }
+  });
+
   it("says what an agent is when it is given by name, as the CLI takes it, in a row of a batch too", () => {
     const err = thrown(() => parseRolloutBody({ ...row, agent: "oracle" }));
     expect(err.status).toBe(422);

@@ -144,7 +144,8 @@ function invalid(
 
 /** `POST /v1/rollouts`: one RolloutRequest (strict: unknown fields, e.g. an `apiKey`, are refused). */
 export function parseRolloutBody(body: unknown): RolloutRequest {
-  if (body === undefined || body === null) {
+  // No body at all is malformed; a JSON `null` is a body of the wrong shape (422, as `"x"` is).
+  if (body === undefined) {
     throw new HttpError(400, "malformed", "expected a JSON body (content-type: application/json)");
   }
   const parsed = parseRequest(body);
@@ -154,7 +155,7 @@ export function parseRolloutBody(body: unknown): RolloutRequest {
 
 /** `POST /v1/batches` with `application/json`. */
 export function parseBatchJson(body: unknown): ParsedBatch {
-  if (body === undefined || body === null) {
+  if (body === undefined) {
     throw new HttpError(400, "malformed", 'expected a JSON body { "rollouts": [...] } or NDJSON');
   }
   // Pick the shape the client meant, so errors name `rollouts[3].task` rather than both shapes.

@@ -552,7 +552,7 @@ describe("POST /v1/rollouts", () => {
     expect(valid.statusCode, valid.body).toBe(202);
   });
 
-  it("answers 400 for malformed JSON and 415 for an unsupported content type", async () => {
+  it("answers 400 for malformed JSON, 422 for JSON of the wrong shape (null, a string), and 415 for an unsupported content type", async () => {
     const bad = await h.call({
       method: "POST",
       url: "/v1/rollouts",
@@ -568,6 +568,18 @@ describe("POST /v1/rollouts", () => {
       headers: { "content-type": "application/json" },
     });
     expectErrorBody(empty, 400, "malformed");
+    // JSON `null` is JSON: a body of the wrong shape, as `"x"` is, on both routes.
+    for (const url of ["/v1/rollouts", "/v1/batches"]) {
+      for (const payload of ["null", '"x"']) {
+        const res = await h.call({
+          method: "POST",
+          url,
+          payload,
+          headers: { "content-type": "application/json" },
+        });
+        expectErrorBody(res, 422, "invalid");
+      }
+    }
     // A prototype-poisoning key is refused, not silently dropped.
     const poisoned = await h.call({
       method: "POST",
