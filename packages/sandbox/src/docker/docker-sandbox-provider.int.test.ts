@@ -940,6 +940,31 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     await expect(docker.getVolume(h.volumes[0]!).inspect()).rejects.toMatchObject({ statusCode: 404 });
   });
 
+  it("destroys racing each other (a close and the janitor at once) confirm only once the container is gone", async () => {
+    // The daemon answers the later removals 409 "removal … already in progress": such a destroy
+    // waits for the first one to end rather than confirming a container that is still there.
+    let confirmedWhileThere = 0;
+    let confirmed = 0;
+    for (let i = 0; i < 4; i++) {
+      const h = await create();
+      await Promise.all(
+        [0, 1, 2].map(async () => {
+          const receipt = await provider.destroy(h);
+          const there = await docker
+            .getContainer(h.id)
+            .inspect()
+            .then(
+              () => true,
+              (err: { statusCode?: number }) => err.statusCode !== 404,
+            );
+          if (receipt.confirmed) confirmed++;
+          if (receipt.confirmed && there) confirmedWhileThere++;
+        }),
+      );
+    }
+    expect([confirmed, confirmedWhileThere]).toEqual([12, 0]);
+  });
+
   it("puts and gets through the container's own view of the workspace, a tmpfs Docker's archive API cannot see", async () => {
     const h = await create();
     await provider.put(h, "/workspace", { "task.txt": "staged\n" }, { replace: true });

@@ -831,7 +831,11 @@ export class DockerSandboxProvider implements SandboxProvider {
     } catch (err) {
       const facts = dockerErrorFacts(err);
       if (facts.statusCode === 404) alreadyGone = true;
-      else if (!(facts.statusCode === 409 && /already in progress/i.test(facts.message))) {
+      else if (facts.statusCode === 409 && /already in progress/i.test(facts.message)) {
+        // Another removal is under way (a close and the janitor at once, say): not confirmed
+        // until the container is gone, since that removal may yet fail and leave it.
+        await this.waitRemoved(docker, handle);
+      } else {
         throw FleetError.retryable(
           "provider_unavailable",
           `removing sandbox ${handle.name} failed: ${facts.message}`,
@@ -843,6 +847,26 @@ export class DockerSandboxProvider implements SandboxProvider {
     for (const volume of new Set(handle.volumes)) await this.removeVolume(docker, volume);
     this.logger?.debug({ sandbox: handle.name, alreadyGone }, "sandbox destroyed");
     return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone, remaining: 0 };
+  }
+
+  /** Wait (bounded by the API timeout) until a container another caller is removing is gone. */
+  private async waitRemoved(docker: Dockerode, handle: SandboxHandle): Promise<void> {
+    const until = performance.now() + this.defaults.apiTimeoutMs;
+    for (let attempt = 0; ; attempt++) {
+      try {
+        await docker.getContainer(handle.id || handle.name).inspect({ abortSignal: this.apiSignal() });
+      } catch (err) {
+        if (dockerErrorFacts(err).statusCode === 404) return;
+        throw classifyDockerError(err, "inspect", handle.name);
+      }
+      if (performance.now() >= until) {
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `sandbox ${handle.name} is still there after another removal of it began`,
+        );
+      }
+      await delay(Math.min(20 * 2 ** attempt, 500));
+    }
   }
 
   private async removeVolume(docker: Dockerode, volume: string): Promise<void> {
