@@ -218,8 +218,10 @@ export async function destroyOrLedger(
   confirmedKey: string | null;
 }> {
   const now = clock(deps);
-  const confirm = async () => {
-    if (!options.deferConfirm) await deps.ledger.confirm(entry);
+  // Only the entry of the sandbox destroyed here (or of none): one recorded meanwhile for a
+  // sandbox that replaced it under the same key is not this destroy's to forget.
+  const confirm = async (destroyed: SandboxHandle | null) => {
+    if (!options.deferConfirm) await deps.ledger.confirm(entry, destroyed);
   };
   try {
     const handle = entry.handle ?? (await deps.provider.find(entry.rolloutId, entry.owner));
@@ -228,7 +230,7 @@ export async function destroyOrLedger(
       if (now - entry.createdAt < (deps.intentGraceMs ?? 5 * 60_000)) {
         throw FleetError.retryable("provider_unavailable", "sandbox intent without a handle yet");
       }
-      await confirm();
+      await confirm(null);
       deps.metrics?.teardownAttempts.inc({ result: "already_gone" });
       return {
         teardown: "confirmed",
@@ -239,7 +241,7 @@ export async function destroyOrLedger(
     const receipt = await deps.provider.destroy(handle);
     if (!receipt.confirmed)
       throw FleetError.retryable("provider_unavailable", receipt.detail ?? "destroy not confirmed");
-    await confirm();
+    await confirm(handle);
     deps.metrics?.teardownAttempts.inc({ result: receipt.alreadyGone ? "already_gone" : "confirmed" });
     return { teardown: "confirmed", receipt, confirmedKey: entry.key };
   } catch (err) {
@@ -337,7 +339,7 @@ export const seed: StageHandler = async (rec, deps) => {
     // teardown at once instead of waiting out the intent grace period. Not one an earlier attempt
     // recorded: that attempt may have created the sandbox, and close must still find it.
     if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
-      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id });
+      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id }, null);
     }
     throw err;
   }
@@ -356,7 +358,7 @@ export const seed: StageHandler = async (rec, deps) => {
     // this attempt's intent will never get a sandbox, so close need not wait it out. (Should the
     // provider have left a container behind, the janitor's label sweep still finds it.)
     if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
-      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id });
+      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id }, null);
     }
     throw err;
   }

@@ -279,7 +279,11 @@ const SCRIPTS = {
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status then return 'missing' end
       if terminal[status] or redis.call('HGET', KEYS[1], 'closed') == '1' then return 'closed' end
-      redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2])
+      if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then
+        -- A handle-less intent of an earlier attempt: its grace counts from this one (see fleetBegin).
+        local existing = redis.call('HGET', KEYS[2], ARGV[1])
+        if string.find(existing, '"handle":null', 1, true) then redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end
+      end
       return 'ok'`,
   },
   /**
@@ -388,11 +392,23 @@ const SCRIPTS = {
    */
   fleetConfirm: {
     keys: 5, // sandboxes, teardown entries, teardown due, rollout, network retries
+    // ARGV[5]: '' forgets the key whatever it holds; otherwise only an entry without a handle or,
+    // unless ARGV[5] is '-', one whose handle is the sandbox destroyed (id ARGV[5]). An entry
+    // recorded meanwhile for another sandbox under the same key (one that replaced the destroyed
+    // one) is not this destroy's to forget.
     lua: `
       ${CONFIRM_TEARDOWN}
-      redis.call('HDEL', KEYS[1], ARGV[1])
-      redis.call('HDEL', KEYS[2], ARGV[1])
-      redis.call('ZREM', KEYS[3], ARGV[1])
+      local function destroyedOne(raw)
+        if not raw or ARGV[5] == nil or ARGV[5] == '' then return true end
+        local ok, e = pcall(cjson.decode, raw)
+        if not ok or type(e) ~= 'table' or type(e.handle) ~= 'table' then return true end
+        return ARGV[5] ~= '-' and e.handle.id == ARGV[5]
+      end
+      if destroyedOne(redis.call('HGET', KEYS[1], ARGV[1])) then redis.call('HDEL', KEYS[1], ARGV[1]) end
+      if destroyedOne(redis.call('HGET', KEYS[2], ARGV[1])) then
+        redis.call('HDEL', KEYS[2], ARGV[1])
+        redis.call('ZREM', KEYS[3], ARGV[1])
+      end
       return confirmTeardown(KEYS[4], KEYS[2], ARGV[2], ARGV[3], KEYS[5], ARGV[4])`,
   },
   /**
@@ -467,6 +483,13 @@ const SCRIPTS = {
                 if redis.call('HSETNX', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}') == 1 then
                   intent = 'new'
                 else
+                  -- An earlier attempt's intent that never got a handle: this attempt may be the
+                  -- one creating the sandbox now, so the intent grace (a close or the janitor
+                  -- taking a handle-less intent for "never created") counts from this begin.
+                  local existing = redis.call('HGET', KEYS[3], ARGV[5])
+                  if string.find(existing, '"handle":null', 1, true) then
+                    redis.call('HSET', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}')
+                  end
                   intent = 'ok'
                 end
               end

@@ -306,7 +306,8 @@ describe("rollout store", () => {
     const begun = await store.begin(id, "seed", 1_000, { intent });
     expect([begun.intentRecorded, begun.intentFresh]).toEqual([true, true]);
     // A re-delivered seed finds the intent an earlier attempt recorded: not fresh (its sandbox
-    // may exist, to be found by label), and the entry is kept as it was.
+    // may exist, to be found by label); the entry, still without a handle, dates from this
+    // attempt (which may be the one creating the sandbox: the intent grace counts from it).
     const again = await store.begin(id, "seed", 2_000, { intent });
     expect([again.intentRecorded, again.intentFresh]).toEqual([true, false]);
     const entry = JSON.parse((await redis.hget(store.keys.sandboxes(), sandboxKey(id, "resources")))!);
@@ -317,7 +318,7 @@ describe("rollout store", () => {
       owner: "resources",
       provider: "docker",
       handle: null,
-      createdAt: 1_000,
+      createdAt: 2_000,
       expiresAt: begun.record!.meta.deadlineAt + 600_000,
     });
     // Before close, the record carries what the stages read, not the timings.

@@ -113,7 +113,16 @@ export class TeardownLedger {
    * Destroy confirmed: forget the sandbox and any ledger entry for it, and if that was the
    * rollout's last teardown on the ledger, mark its finalized result's teardown confirmed.
    */
-  async confirm(entry: Pick<SandboxEntry, "key" | "rolloutId">): Promise<void> {
+  async confirm(
+    entry: Pick<SandboxEntry, "key" | "rolloutId">,
+    /**
+     * The sandbox whose destroy was confirmed (null: none was found). Given, only entries without
+     * a handle or with this one are forgotten: one recorded meanwhile for a sandbox that replaced
+     * it under the same key stays. Omitted: the key is forgotten whatever it holds.
+     */
+    destroyed?: SandboxHandle | null,
+  ): Promise<void> {
+    const only = destroyed === undefined ? "" : destroyed === null || !destroyed.id ? "-" : destroyed.id;
     await this.redis.fleetConfirm(
       this.keys.sandboxes(),
       this.keys.teardownEntries(),
@@ -124,6 +133,7 @@ export class TeardownLedger {
       sandboxKey(entry.rolloutId, "resources"),
       sandboxKey(entry.rolloutId, "agent"),
       entry.rolloutId,
+      only,
     );
   }
 

@@ -1,0 +1,212 @@
+import { randomUUID } from "node:crypto";
+import { FleetError, type SandboxHandle, type TaskContent } from "@fleet/contracts";
+import { sandboxKey } from "@fleet/queue";
+import { DockerSandboxProvider, type SandboxProvider } from "@fleet/sandbox";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { janitorTick } from "./janitor.ts";
+import { runStageJob } from "./stage-runner.ts";
+import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+
+/**
+ * Teardown that races the stages (DESIGN §2 rules 3 and 9): a result that says `teardown:
+ * "confirmed"` has nothing of its rollout alive. Real Redis, real Docker; stages driven one job
+ * at a time, the provider wrapped to hold or fail a call at a chosen point. A scope of the file's
+ * own, so its janitor passes see no other test's sandboxes.
+ */
+const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
+const docker = new DockerSandboxProvider({ scope: `races-${randomUUID().slice(0, 8)}` });
+let suite: TaskContent[];
+const task = (id: string) => ({ ...suite.find((t) => t.id === id)!, image: IMAGE });
+const job = (rolloutId: string, attemptsMade = 0) => ({
+  data: { rolloutId },
+  attemptsMade,
+  opts: { attempts: 8 },
+});
+const ORPHAN_GRACE_MS = 120_000;
+
+/** A point a provider call waits at until the test opens it. */
+function gate() {
+  let open!: () => void;
+  const opened = new Promise<void>((r) => {
+    open = r;
+  });
+  return { open, opened };
+}
+
+/** The Docker provider with some of its calls replaced. */
+function wrapped(over: Partial<SandboxProvider>): SandboxProvider {
+  return Object.assign(Object.create(docker) as SandboxProvider, over);
+}
+
+describe("teardown racing the stages (real Docker)", () => {
+  let fleet: InProcessFleet;
+  beforeAll(async () => {
+    suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    fleet = await startInProcessFleet({ provider: docker, startWorkers: false });
+  });
+  afterAll(async () => {
+    for (const s of await docker.list()) await docker.destroy(s.handle).catch(() => undefined);
+    await fleet.close();
+  });
+
+  for (const closer of ["close", "the janitor"] as const) {
+    it(`${closer} never takes a retried seed's intent for "never created" while that retry creates the sandbox (the intent grace counts from the latest attempt)`, async () => {
+      const [id] = await fleet.submit([
+        { task: task("hello-file"), agent: { harness: "oracle" }, deadlineS: 3600 },
+      ]);
+      const t0 = Date.now();
+      // Attempt 1 records the intent, then the daemon blips before anything is made.
+      const blip = wrapped({
+        create: async () => {
+          throw FleetError.retryable("provider_unavailable", "daemon blip");
+        },
+      });
+      await expect(runStageJob("seed", job(id!, 0), { ...fleet.deps, provider: blip })).rejects.toThrow(
+        /blip/,
+      );
+      expect(await fleet.deps.ledger.getSandbox(sandboxKey(id!, "resources"))).toMatchObject({
+        handle: null,
+      });
+
+      // Attempt 2 comes later than the grace after attempt 1 (close's is 5 min, the janitor's
+      // 2): its create is held at the daemon, and its worker dies right after (no handle stored).
+      const later = t0 + (closer === "close" ? 6 : 3) * 60_000;
+      const inCreate = gate();
+      const release = gate();
+      let made: SandboxHandle | null = null;
+      const slow = wrapped({
+        create: async (...args) => {
+          inCreate.open();
+          await release.opened;
+          made = await docker.create(...args);
+          throw new Error("the seed worker died right after its create");
+        },
+      });
+      const seeding = runStageJob("seed", job(id!, 1), {
+        ...fleet.deps,
+        provider: slow,
+        now: () => later,
+      }).catch((err: unknown) => err);
+      await inCreate.opened;
+
+      // Cancelled now: close runs (and, for the janitor, a pass just after it).
+      await fleet.deps.store.requestCancel(id!);
+      await runStageJob("close", job(id!), { ...fleet.deps, now: () => later });
+      if (closer === "the janitor") {
+        await janitorTick(
+          { ...fleet.deps, intentGraceMs: ORPHAN_GRACE_MS, now: () => later + 5_000 },
+          { orphanGraceMs: ORPHAN_GRACE_MS },
+        );
+      }
+      release.open();
+      expect(String(await seeding)).toMatch(/died right after its create/);
+      expect(made).not.toBeNull();
+      expect(await docker.alive(made!)).toBe(true);
+      // Reported pending, on the ledger: not confirmed while the sandbox lives.
+      expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("pending");
+      expect(await fleet.deps.ledger.isPending(id!)).toBe(true);
+
+      // Past the grace from the creating attempt, the janitor finds it by label and removes it.
+      await janitorTick(
+        { ...fleet.deps, intentGraceMs: ORPHAN_GRACE_MS, now: () => later + ORPHAN_GRACE_MS + 60_000 },
+        { orphanGraceMs: ORPHAN_GRACE_MS },
+      );
+      expect(await docker.alive(made!)).toBe(false);
+      expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
+    });
+  }
+
+  it("a confirmed destroy of an agent sandbox forgets only its own entry, never that of the sandbox which replaced it", async () => {
+    const [id] = await fleet.submit([
+      {
+        task: task("sum-answer"),
+        agent: { harness: "command", argv: ["true"], sandbox: "own" },
+        deadlineS: 3600,
+      },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const isAgent = (h: { owner: string }) => h.owner === "agent";
+    // Run attempt 1 makes and records its own sandbox H1, then its worker dies.
+    let h1: SandboxHandle | null = null;
+    const dies = wrapped({
+      create: async (...args) => {
+        const h = await docker.create(...args);
+        if (isAgent(h)) h1 = h;
+        return h;
+      },
+      probe: async (...args) => {
+        if (isAgent(args[0])) throw new Error("the agent worker died");
+        return docker.probe(...args);
+      },
+    });
+    await expect(runStageJob("run", job(id!, 0), { ...fleet.deps, provider: dies })).rejects.toThrow(/died/);
+    expect((await fleet.deps.ledger.getSandbox(sandboxKey(id!, "agent")))?.handle?.id).toBe(h1!.id);
+
+    // Run attempt 2 (re-delivered) replaces H1; its create of H2 is held, and its destroy of H2
+    // will fail (a daemon blip).
+    const inCreate = gate();
+    const releaseCreate = gate();
+    let h2: SandboxHandle | null = null;
+    const second = wrapped({
+      create: async (...args) => {
+        inCreate.open();
+        await releaseCreate.opened;
+        h2 = await docker.create(...args);
+        return h2;
+      },
+      destroy: async (...args) => {
+        if (h2 && args[0].id === h2.id) throw FleetError.retryable("provider_unavailable", "daemon blip");
+        return docker.destroy(...args);
+      },
+    });
+    const running = runStageJob("run", job(id!, 1), { ...fleet.deps, provider: second }).catch(
+      (err: unknown) => err,
+    );
+    await inCreate.opened;
+
+    // Cancelled: close hands the agent entry it read (H1) to the janitor.
+    await fleet.deps.store.requestCancel(id!);
+    await runStageJob("close", job(id!), fleet.deps);
+    const agentEntry = async () => (await fleet.deps.ledger.pending()).find((e) => e.owner === "agent");
+    expect((await agentEntry())?.handle?.id).toBe(h1!.id);
+
+    // A janitor pass takes H1's entry; its destroy is held.
+    const inDestroy = gate();
+    const releaseDestroy = gate();
+    const slowJanitor = wrapped({
+      destroy: async (...args) => {
+        if (args[0].id === h1!.id) {
+          inDestroy.open();
+          await releaseDestroy.opened;
+        }
+        return docker.destroy(...args);
+      },
+    });
+    const pass = janitorTick(
+      { ...fleet.deps, provider: slowJanitor, now: () => Date.now() + 10_000 },
+      { orphanGraceMs: ORPHAN_GRACE_MS },
+    );
+    await inDestroy.opened;
+    // Attempt 2 goes on: H2 made, its attach finds the rollout closed, its destroy fails: H2 is
+    // put on the ledger under the same key.
+    releaseCreate.open();
+    await running;
+    expect((await agentEntry())?.handle?.id).toBe(h2!.id);
+    // The janitor's destroy of H1 ends (gone already): H2's entry stays, the teardown pending.
+    releaseDestroy.open();
+    await pass;
+    expect(await docker.alive(h2!)).toBe(true);
+    expect((await agentEntry())?.handle?.id).toBe(h2!.id);
+    expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("pending");
+
+    // The next pass (its backoff over) removes H2, and only then is the teardown confirmed.
+    await janitorTick(
+      { ...fleet.deps, now: () => Date.now() + 20 * 60_000 },
+      { orphanGraceMs: ORPHAN_GRACE_MS },
+    );
+    expect(await docker.alive(h2!)).toBe(false);
+    expect(await agentEntry()).toBeUndefined();
+    expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
+  });
+});
