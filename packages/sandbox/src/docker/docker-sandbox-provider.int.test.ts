@@ -7,7 +7,7 @@ import { join } from "node:path";
 import { promisify } from "node:util";
 import {
   type CleanupReceipt,
-  type FleetError,
+  FleetError,
   isFleetError,
   type SandboxHandle,
   type SandboxSpecInput,
@@ -806,6 +806,39 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       expect((await provider.probe(h)).workspaceEmpty).toBe(false);
     } finally {
       while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore" });
+    }
+  });
+
+  it("an image with more in /workspace than the workspace's cap is the task's (final), its container removed; one that cannot be removed makes the create retryable", async () => {
+    const image = `fleet-test/ws-big:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nRUN mkdir -p /workspace && head -c 2097152 /dev/zero > /workspace/big.bin\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+    });
+    const ofRollout = async (rolloutId: string) =>
+      docker.listContainers({ all: true, filters: { label: [`${LABEL_ROLLOUT}=${rolloutId}`] } });
+    const small = { image, options: { diskMb: 1 } };
+    const t = spec(small);
+    try {
+      const s = spec(small);
+      const tooBig = await fleetError(provider.create(s));
+      expect([tooBig.kind, tooBig.retryable]).toEqual(["invalid_task", false]);
+      expect(tooBig.message).toMatch(/more in \/workspace than the workspace's cap of 1 MiB/);
+      expect(await ofRollout(s.rolloutId)).toEqual([]);
+
+      // The daemon fails the removal: the container is still there, so the create is retryable
+      // (a final error would have the seed forget its intent and close report it torn down).
+      const stuck = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
+      stuck.destroy = async () => {
+        throw FleetError.retryable("provider_unavailable", "the daemon failed the removal");
+      };
+      const kept = await fleetError(stuck.create(t));
+      expect([kept.kind, kept.retryable]).toEqual(["provider_unavailable", true]);
+      expect(kept.message).toMatch(/has too much in its image's \/workspace and could not be removed/);
+      expect(await ofRollout(t.rolloutId)).toHaveLength(1);
+    } finally {
+      for (const c of await ofRollout(t.rolloutId)) await docker.getContainer(c.Id).remove({ force: true });
       execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore" });
     }
   });

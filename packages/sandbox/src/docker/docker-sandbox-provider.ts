@@ -166,30 +166,7 @@ export class DockerSandboxProvider implements SandboxProvider {
         facts.statusCode !== 404 &&
         facts.statusCode !== 409;
       const startFailedOnImage = /executable file not found|no such file or directory/i.test(facts.message);
-      const removed = await this.destroy(handle).then(
-        (r) => r.confirmed,
-        async (cleanupErr: unknown) => {
-          this.logger?.warn(
-            { err: cleanupErr, sandbox: name },
-            "could not remove a sandbox that failed to start",
-          );
-          // Removing its volume may have failed after the container went: what matters here is
-          // whether the container is still there.
-          return container.inspect({ abortSignal: this.apiSignal() }).then(
-            () => false,
-            (inspectErr: unknown) => dockerErrorFacts(inspectErr).statusCode === 404,
-          );
-        },
-      );
-      if (!removed) {
-        // Still there: whatever the start's error, a retry must come and find it (a final error
-        // here would let the caller take the sandbox for never made, and report it torn down).
-        throw FleetError.retryable(
-          "provider_unavailable",
-          `sandbox ${name} failed to start (${facts.message}) and could not be removed`,
-          err,
-        );
-      }
+      await this.removeFailed(container, handle, `failed to start (${facts.message})`, err);
       if (startFailedOnImage) {
         throw FleetError.nonRetryable(
           "invalid_task",
@@ -213,12 +190,47 @@ export class DockerSandboxProvider implements SandboxProvider {
       try {
         await extractArchiveViaExec(this.execOf(handle), imageFiles, SANDBOX_PATHS.workspace, AGENT_USER);
       } catch (err) {
-        await this.destroy(handle).catch(() => undefined);
+        await this.removeFailed(container, handle, "could not get its image's /workspace files", err);
         throw err;
       }
     }
     this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
     return handle;
+  }
+
+  /**
+   * Remove a container whose create failed part way. One still there afterwards makes the create
+   * retryable whatever went wrong (a final error would let the caller take the sandbox for never
+   * made, and report it torn down): a retry finds it by name and takes it over or removes it.
+   */
+  private async removeFailed(
+    container: Container,
+    handle: SandboxHandle,
+    what: string,
+    err: unknown,
+  ): Promise<void> {
+    const removed = await this.destroy(handle).then(
+      (r) => r.confirmed,
+      async (cleanupErr: unknown) => {
+        this.logger?.warn(
+          { err: cleanupErr, sandbox: handle.name },
+          `could not remove a sandbox that ${what}`,
+        );
+        // Removing its volume may have failed after the container went: what matters here is
+        // whether the container is still there.
+        return container.inspect({ abortSignal: this.apiSignal() }).then(
+          () => false,
+          (inspectErr: unknown) => dockerErrorFacts(inspectErr).statusCode === 404,
+        );
+      },
+    );
+    if (!removed) {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `sandbox ${handle.name} ${what} and could not be removed`,
+        err,
+      );
+    }
   }
 
   /** Create the container, or take over the one of that name a re-delivered create made (`adopt`). */
@@ -258,11 +270,12 @@ export class DockerSandboxProvider implements SandboxProvider {
         bytes += (chunk as Buffer).length;
         if (bytes > capMb * 1024 * 1024) {
           stream.destroy();
-          await this.destroy(handle).catch(() => undefined);
-          throw FleetError.nonRetryable(
+          const tooBig = FleetError.nonRetryable(
             "invalid_task",
             `image ${spec.image} has more in /workspace than the workspace's cap of ${capMb} MiB`,
           );
+          await this.removeFailed(container, handle, "has too much in its image's /workspace", tooBig);
+          throw tooBig;
         }
         chunks.push(chunk as Buffer);
       }
@@ -270,8 +283,9 @@ export class DockerSandboxProvider implements SandboxProvider {
     } catch (err) {
       if (isFleetError(err)) throw err;
       if (dockerErrorFacts(err).statusCode === 404) return null; // no /workspace in the image
-      await this.destroy(handle).catch(() => undefined);
-      throw classifyDockerError(err, "inspect", handle.name);
+      const failed = classifyDockerError(err, "inspect", handle.name);
+      await this.removeFailed(container, handle, "could not read its image's /workspace", failed);
+      throw failed;
     }
     return (await tarHasContent(Readable.from([archive]))) ? archive : null;
   }
