@@ -158,6 +158,61 @@ describe("janitor", () => {
     expect(failures.map(([step]) => step)).toContain("orphans");
   });
 
+  it("a stored entry or rollout record that does not parse is reported and skipped: every other teardown, retry and orphan still goes", async () => {
+    const { redis } = fleet;
+    const { ledger, store } = fleet.deps;
+    const now = Date.now();
+    const later = { ...fleet.deps, now: () => now + 120_000 };
+    const mk = (rolloutId: string) =>
+      docker.create({ image: IMAGE, rolloutId, owner: "resources", expiresAt: now + 3_600_000 });
+    // Torn or of another shape: a registry entry, a due ledger entry, a rollout's record.
+    const badReg = `badreg${RUN}:resources`;
+    const badDue = `baddue${RUN}:resources`;
+    await redis.hset(ledger.keys.sandboxes(), badReg, '{"key":');
+    await redis.hset(ledger.keys.teardownEntries(), badDue, JSON.stringify({ key: badDue, rolloutId: "x" }));
+    await redis.zadd(ledger.keys.teardownDue(), now - 1_000, badDue);
+    const unreadable = `unreadable${RUN}`;
+    await redis.hset(store.keys.rollout(unreadable), "meta", "{torn");
+    // Beside them: a due retry of a real sandbox, and an orphan of an unknown rollout.
+    const retried = await mk(`retried${RUN}`);
+    await ledger.schedule(
+      {
+        key: sandboxKey(retried.rolloutId, "resources"),
+        rolloutId: retried.rolloutId,
+        owner: "resources",
+        provider: docker.name,
+        handle: retried,
+        createdAt: now,
+        expiresAt: now + 3_600_000,
+      },
+      now,
+    );
+    const orphan = await mk(`orphan${RUN}`);
+    const ofUnreadable = await mk(unreadable);
+    try {
+      const report = await janitorTick(later, { orphanGraceMs: 60_000 });
+      expect(await docker.alive(retried)).toBe(false);
+      expect(await docker.alive(orphan)).toBe(false);
+      expect(await docker.alive(ofUnreadable)).toBe(true); // its rollout's state cannot be read
+      expect(report.errors).toEqual(
+        expect.arrayContaining([
+          expect.stringMatching(new RegExp(`^registry ${badReg}: stored entry does not parse`)),
+          expect.stringMatching(new RegExp(`^ledger ${badDue}: stored entry does not parse`)),
+          expect.stringMatching(new RegExp(`^orphans ${unreadable}:resources: `)),
+        ]),
+      );
+      // The bad due entry is kept, put off, not read again every pass.
+      expect(Number(await redis.zscore(ledger.keys.teardownDue(), badDue))).toBeGreaterThan(now + 120_000);
+      expect(await redis.hexists(ledger.keys.teardownEntries(), badDue)).toBe(1);
+    } finally {
+      for (const h of [retried, orphan, ofUnreadable]) await docker.destroy(h);
+      await redis.hdel(ledger.keys.sandboxes(), badReg);
+      await redis.hdel(ledger.keys.teardownEntries(), badDue);
+      await redis.zrem(ledger.keys.teardownDue(), badDue);
+      await redis.del(store.keys.rollout(unreadable));
+    }
+  });
+
   it("removes a sandbox whose fleet.expires passed, even for a live rollout", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };

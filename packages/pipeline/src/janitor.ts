@@ -77,16 +77,23 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // Destroys stop being started once the pass has taken this long (wall clock): with a daemon
   // that answers each call only at its timeout, a pass of 50 due entries would take 25 minutes.
   const overBudget = () => Date.now() - started > (options.destroyBudgetMs ?? DEFAULT_DESTROY_BUDGET_MS);
+  const stepFailed = (name: string, err: unknown) => {
+    const message = err instanceof Error ? err.message : String(err);
+    report.errors.push(`${name}: ${message}`);
+    deps.metrics?.janitorStepFailures.inc({ step: name.split(" ")[0]! });
+    deps.logger.warn({ step: name, err: message }, "janitor step failed; the next pass retries it");
+  };
   const step = async (name: string, body: () => Promise<void>) => {
     try {
       await body();
     } catch (err) {
-      const message = err instanceof Error ? err.message : String(err);
-      report.errors.push(`${name}: ${message}`);
-      deps.metrics?.janitorStepFailures.inc({ step: name.split(" ")[0]! });
-      deps.logger.warn({ step: name, err: message }, "janitor step failed; the next pass retries it");
+      stepFailed(name, err);
     }
   };
+  // A stored entry that does not parse (torn, or another release's shape) is reported and
+  // skipped: it must not stop the sweep of every other one.
+  const invalidIn = (name: string) => (key: string, err: Error) =>
+    stepFailed(`${name} ${key}`, new Error(`stored entry does not parse: ${err.message.slice(0, 300)}`));
 
   // (4) Watchdog: rollouts past their deadline that no stage is closing. First: it needs only
   // Redis, and the steps below wait on the provider (a hung daemon answers each call only at
@@ -124,20 +131,22 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.
   await step("registry", async () => {
-    for (const entry of await deps.ledger.listSandboxes()) {
-      const rec = await deps.store.get(entry.rolloutId);
-      const over = !rec || isTerminal(rec.status);
-      if ((over && now - entry.createdAt > options.orphanGraceMs) || entry.expiresAt < now) {
-        await deps.ledger.schedule(entry, now);
-        report.expiredScheduled++;
-      }
+    for (const entry of await deps.ledger.listSandboxes(invalidIn("registry"))) {
+      await step(`registry ${entry.key}`, async () => {
+        const rec = await deps.store.get(entry.rolloutId);
+        const over = !rec || isTerminal(rec.status);
+        if ((over && now - entry.createdAt > options.orphanGraceMs) || entry.expiresAt < now) {
+          await deps.ledger.schedule(entry, now);
+          report.expiredScheduled++;
+        }
+      });
     }
   });
 
   // (1) Ledger retries. A confirmed destroy that was the rollout's last on the ledger marks its
   // result's teardown confirmed (in the ledger's confirm).
   await step("ledger", async () => {
-    for (const entry of await deps.ledger.due(now)) {
+    for (const entry of await deps.ledger.due(now, undefined, invalidIn("ledger"))) {
       if (overBudget()) break; // the rest are still due next pass
       report.retried++;
       const r = await destroyOrLedger(deps, entry);
@@ -159,7 +168,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     }
     // A sandbox on the teardown ledger is the ledger step's, retried on its backoff: trying it
     // here too would retry a failing destroy every pass and push its backoff out each time.
-    const onLedger = new Map((await deps.ledger.pending()).map((e) => [e.key, e]));
+    // (One that does not parse was reported by the ledger step, when due.)
+    const onLedger = new Map((await deps.ledger.pending(() => undefined)).map((e) => [e.key, e]));
     // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
     const active = { resources: 0, agent: 0 };
     for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
@@ -168,28 +178,31 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
       const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
       if (!rolloutId) continue;
-      const rec = await deps.store.get(rolloutId);
-      const old = now - info.createdAt > options.orphanGraceMs;
-      const orphan =
-        (rec === null && old) || (rec !== null && isTerminal(rec.status) && old) || expires < now;
-      if (!orphan) continue;
-      if (overBudget()) continue; // counted as active; removed next pass
-      const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
-      if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) continue;
-      const entry: SandboxEntry = {
-        key: sandboxKey(rolloutId, owner),
-        rolloutId,
-        owner,
-        provider: deps.provider.name,
-        handle: info.handle,
-        createdAt: info.createdAt,
-        expiresAt: Number.isFinite(expires) ? expires : now,
-      };
-      const r = await destroyOrLedger(deps, entry);
-      if (r.teardown === "confirmed") {
-        active[owner]--;
-        report.orphansRemoved++;
-      }
+      // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
+      await step(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
+        const rec = await deps.store.get(rolloutId);
+        const old = now - info.createdAt > options.orphanGraceMs;
+        const orphan =
+          (rec === null && old) || (rec !== null && isTerminal(rec.status) && old) || expires < now;
+        if (!orphan) return;
+        if (overBudget()) return; // counted as active; removed next pass
+        const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
+        if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) return;
+        const entry: SandboxEntry = {
+          key: sandboxKey(rolloutId, owner),
+          rolloutId,
+          owner,
+          provider: deps.provider.name,
+          handle: info.handle,
+          createdAt: info.createdAt,
+          expiresAt: Number.isFinite(expires) ? expires : now,
+        };
+        const r = await destroyOrLedger(deps, entry);
+        if (r.teardown === "confirmed") {
+          active[owner]--;
+          report.orphansRemoved++;
+        }
+      });
     }
     for (const [owner, n] of Object.entries(active)) {
       deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);

@@ -40,6 +40,29 @@ export function teardownBackoffMs(
   return Math.round(ceiling / 2 + (random() * ceiling) / 2);
 }
 
+/** A stored entry that does not parse: its key, and why. */
+export type OnInvalidEntry = (key: string, err: Error) => void;
+
+/** How long a due ledger entry that does not parse is put off before it is read again. */
+export const INVALID_PUT_OFF_MS = 3_600_000;
+
+function parseEntries<T>(
+  schema: z.ZodType<T>,
+  stored: readonly (readonly [string, string])[],
+  onInvalid: OnInvalidEntry | undefined,
+): T[] {
+  const entries: T[] = [];
+  for (const [key, raw] of stored) {
+    try {
+      entries.push(schema.parse(JSON.parse(raw)));
+    } catch (err) {
+      if (!onInvalid) throw err;
+      onInvalid(key, err instanceof Error ? err : new Error(String(err)));
+    }
+  }
+  return entries;
+}
+
 /** How long a failed gateway network removal waits before the janitor tries it again. */
 export const NETWORK_RETRY_MS = 60_000;
 
@@ -104,9 +127,13 @@ export class TeardownLedger {
     return raw ? SandboxEntry.parse(JSON.parse(raw)) : null;
   }
 
-  async listSandboxes(): Promise<SandboxEntry[]> {
-    const all = await this.redis.hvals(this.keys.sandboxes());
-    return all.map((raw) => SandboxEntry.parse(JSON.parse(raw)));
+  /**
+   * Every sandbox registered. An entry that does not parse (torn, or another release's shape)
+   * goes to `onInvalid` and is skipped, so it stops no sweep; without `onInvalid` it throws.
+   */
+  async listSandboxes(onInvalid?: OnInvalidEntry): Promise<SandboxEntry[]> {
+    const all = await this.redis.hgetall(this.keys.sandboxes());
+    return parseEntries(SandboxEntry, Object.entries(all), onInvalid);
   }
 
   /**
@@ -180,17 +207,35 @@ export class TeardownLedger {
       .exec();
   }
 
-  /** Ledger entries due at `now`. */
-  async due(now: number, limit = 50): Promise<LedgerEntry[]> {
+  /**
+   * Ledger entries due at `now`. One that does not parse goes to `onInvalid` (without it, throws)
+   * and is put off by an hour, kept for a release that can read it: left due, a few of them
+   * would fill every pass's `limit` and hold up the retries behind them.
+   */
+  async due(now: number, limit = 50, onInvalid?: OnInvalidEntry): Promise<LedgerEntry[]> {
     const keys = await this.redis.zrangebyscore(this.keys.teardownDue(), "-inf", now, "LIMIT", 0, limit);
     if (keys.length === 0) return [];
     const raws = await this.redis.hmget(this.keys.teardownEntries(), ...keys);
-    return raws.filter((r): r is string => r !== null).map((r) => LedgerEntry.parse(JSON.parse(r)));
+    const stored = keys.flatMap((key, i) => (raws[i] == null ? [] : [[key, raws[i]] as [string, string]]));
+    const putOff: string[] = [];
+    const entries = parseEntries(
+      LedgerEntry,
+      stored,
+      onInvalid &&
+        ((key, err) => {
+          putOff.push(key);
+          onInvalid(key, err);
+        }),
+    );
+    for (const key of putOff)
+      await this.redis.zadd(this.keys.teardownDue(), "XX", now + INVALID_PUT_OFF_MS, key);
+    return entries;
   }
 
-  async pending(): Promise<LedgerEntry[]> {
-    const all = await this.redis.hvals(this.keys.teardownEntries());
-    return all.map((r) => LedgerEntry.parse(JSON.parse(r)));
+  /** Every ledger entry; one that does not parse goes to `onInvalid` (without it, throws). */
+  async pending(onInvalid?: OnInvalidEntry): Promise<LedgerEntry[]> {
+    const all = await this.redis.hgetall(this.keys.teardownEntries());
+    return parseEntries(LedgerEntry, Object.entries(all), onInvalid);
   }
 
   async size(): Promise<number> {
@@ -205,7 +250,12 @@ export class TeardownLedger {
   async oldestSince(): Promise<number | null> {
     let oldest: number | null = null;
     for (const raw of await this.redis.hvals(this.keys.teardownEntries())) {
-      const at = Number((JSON.parse(raw) as { firstFailedAt?: unknown }).firstFailedAt);
+      let at: number;
+      try {
+        at = Number((JSON.parse(raw) as { firstFailedAt?: unknown }).firstFailedAt);
+      } catch {
+        continue; // torn: the janitor reports it
+      }
       if (Number.isFinite(at) && (oldest === null || at < oldest)) oldest = at;
     }
     return oldest;
