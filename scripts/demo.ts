@@ -56,6 +56,8 @@ async function startPrivateRedis(): Promise<{ url: string; proc: ChildProcess }>
       dir,
       "--appendonly",
       "yes",
+      "--appendfsync",
+      "always",
       "--maxmemory-policy",
       "noeviction",
       "--save",

@@ -55,17 +55,18 @@ if [ -z "${REDIS_URL:-}" ]; then
   # (Debian's own service, say) is left alone and a private one runs on the next port.
   durable() {
     [ "$(redis-cli -p "$1" config get appendonly 2>/dev/null | tail -1)" = yes ] &&
-      [ "$(redis-cli -p "$1" config get maxmemory-policy 2>/dev/null | tail -1)" = noeviction ]
+      [ "$(redis-cli -p "$1" config get maxmemory-policy 2>/dev/null | tail -1)" = noeviction ] &&
+      [ "$(redis-cli -p "$1" config get appendfsync 2>/dev/null | tail -1)" = always ]
   }
   if redis-cli -p "$port" ping >/dev/null 2>&1 && ! durable "$port"; then
-    log "the Redis on 127.0.0.1:$port has no AOF/noeviction; starting a private one on $((port + 1))"
+    log "the Redis on 127.0.0.1:$port lacks AOF (appendfsync always) or noeviction; starting a private one on $((port + 1))"
     port=$((port + 1))
   fi
   if ! redis-cli -p "$port" ping >/dev/null 2>&1; then
     log "starting redis on 127.0.0.1:$port"
     mkdir -p "$state/redis"
     redis-server --bind 127.0.0.1 --port "$port" --dir "$state/redis" --appendonly yes \
-      --maxmemory-policy noeviction --save "" --daemonize yes --logfile "$state/redis/redis.log" >&2
+      --appendfsync always --maxmemory-policy noeviction --save "" --daemonize yes --logfile "$state/redis/redis.log" >&2
     for _ in $(seq 1 50); do redis-cli -p "$port" ping >/dev/null 2>&1 && break; sleep 0.1; done
   fi
   redis-cli -p "$port" ping >/dev/null 2>&1 || { log "redis did not come up on 127.0.0.1:$port; see $state/redis/redis.log"; exit 1; }

@@ -32,7 +32,7 @@ async function main(): Promise<void> {
   const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
-  await assertRedisDurable(redis);
+  await assertRedisDurable(redis, { acceptWriteLoss: config.acceptRedisWriteLoss });
   const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);

@@ -66,6 +66,14 @@ const common = {
       message: `must be 0 (keep for good) or at least ${MIN_RESULT_TTL_S} (two days)`,
     })
     .default(DEFAULT_RESULT_TTL_S),
+  /**
+   * Start on a Redis whose AOF is not fsynced before each reply (`appendfsync everysec`, Redis's
+   * default, or `no`). A crash of its host then loses the last second or two of acknowledged
+   * writes: rollouts answered 202 come back 404, finished ones are decided again (a reward
+   * reported and then retracted, or a verification run twice at once and graded 0). Off: the
+   * apps refuse such a Redis (`assertRedisDurable`).
+   */
+  FLEET_REDIS_ACCEPT_WRITE_LOSS: boolVar().default(false),
 };
 
 const sandbox = {
@@ -122,6 +130,7 @@ function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
     logLevel: e.FLEET_LOG_LEVEL,
     shutdownTimeoutMs: e.FLEET_SHUTDOWN_TIMEOUT_MS,
     resultTtlMs: e.FLEET_RESULT_TTL_S * 1000,
+    acceptRedisWriteLoss: e.FLEET_REDIS_ACCEPT_WRITE_LOSS,
   };
 }
 

@@ -44,6 +44,8 @@ interface Common {
   bwrapRootfs: string | null;
   stateDir: string;
   redisUrl: string;
+  /** `FLEET_REDIS_ACCEPT_WRITE_LOSS`: start on a Redis without `appendfsync always`. */
+  acceptRedisWriteLoss: boolean;
   prefix: string;
   logLevel: string;
   shutdownTimeoutMs: number;
@@ -65,7 +67,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   const redis = connectRedis(config.redisUrl);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);
-  await assertRedisDurable(redis);
+  await assertRedisDurable(redis, { acceptWriteLoss: config.acceptRedisWriteLoss });
   const docker = dockerConnectionFromEnv(config.dockerHost, config.dockerCertPath);
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,

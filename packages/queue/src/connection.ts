@@ -161,7 +161,18 @@ export class RedisDurabilityError extends Error {
  * must never evict a key. Refuse to start otherwise, saying exactly what to change. On a cluster
  * every master is checked (a slot may move to any of them).
  */
-export async function assertRedisDurable(redis: RedisConnection): Promise<void> {
+export interface DurabilityOptions {
+  /**
+   * Accept `appendfsync everysec`/`no` (`FLEET_REDIS_ACCEPT_WRITE_LOSS`): a crash of Redis's host
+   * then loses up to about two seconds of acknowledged writes.
+   */
+  acceptWriteLoss?: boolean;
+}
+
+export async function assertRedisDurable(
+  redis: RedisConnection,
+  options: DurabilityOptions = {},
+): Promise<void> {
   if (redis instanceof Cluster) {
     await clusterReady(redis);
     const masters = redis.nodes("master");
@@ -169,7 +180,7 @@ export async function assertRedisDurable(redis: RedisConnection): Promise<void> 
     const problems: string[] = [];
     for (const node of masters) {
       try {
-        await assertNodeDurable(node);
+        await assertNodeDurable(node, options);
       } catch (err) {
         if (!(err instanceof RedisDurabilityError)) throw err;
         problems.push(`${node.options.host}:${node.options.port}: ${err.message}`);
@@ -178,7 +189,7 @@ export async function assertRedisDurable(redis: RedisConnection): Promise<void> 
     if (problems.length > 0) throw new RedisDurabilityError(problems.join(" | "));
     return;
   }
-  await assertNodeDurable(redis);
+  await assertNodeDurable(redis, options);
 }
 
 /** Resolves once the cluster's slots are known (its `nodes()` are filled in). */
@@ -198,13 +209,16 @@ async function clusterReady(cluster: Cluster): Promise<void> {
   });
 }
 
-async function assertNodeDurable(redis: Redis): Promise<void> {
+async function assertNodeDurable(redis: Redis, options: DurabilityOptions): Promise<void> {
   const problems: string[] = [];
   let appendonly: string | undefined;
   let policy: string | undefined;
+  // Unknown where CONFIG is disabled (INFO does not say): not refused on a guess.
+  let fsync: string | undefined;
   try {
     appendonly = ((await redis.config("GET", "appendonly")) as string[])[1];
     policy = ((await redis.config("GET", "maxmemory-policy")) as string[])[1];
+    fsync = ((await redis.config("GET", "appendfsync")) as string[])[1];
   } catch (err) {
     // Managed Redis often disables CONFIG; fall back to INFO persistence.
     const info = await redis.info("persistence");
@@ -218,6 +232,14 @@ async function assertNodeDurable(redis: Redis): Promise<void> {
   if (policy !== "noeviction") {
     problems.push(
       `maxmemory-policy is "${policy}" (need "noeviction": CONFIG SET maxmemory-policy noeviction)`,
+    );
+  }
+  // An acknowledged write must survive a crash of Redis's host: with `everysec` (Redis's default)
+  // a host crash loses the last second or two of them, and the fleet's Docker side effects
+  // (sandboxes made, destroyed, tests run) do not roll back with it.
+  if (appendonly === "yes" && fsync !== undefined && fsync !== "always" && !options.acceptWriteLoss) {
+    problems.push(
+      `appendfsync is "${fsync}": a crash of Redis's host loses the last second or two of acknowledged writes (need "always": CONFIG SET appendfsync always; or set FLEET_REDIS_ACCEPT_WRITE_LOSS=true to accept that)`,
     );
   }
   if (problems.length > 0) {

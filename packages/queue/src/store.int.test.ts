@@ -98,6 +98,15 @@ describe("Redis durability check", () => {
       await r.config("SET", "appendonly", "yes");
       await expect(assertRedisDurable(r)).rejects.toThrow(/maxmemory-policy is "allkeys-lru"/);
       await r.config("SET", "maxmemory-policy", "noeviction");
+      // AOF fsynced once a second (Redis's default): a crash of its host loses the last second or
+      // two of acknowledged writes (a 202'd rollout comes back 404, a finished one is decided
+      // again): refused unless the operator accepts that.
+      await r.config("SET", "appendfsync", "everysec");
+      await expect(assertRedisDurable(r)).rejects.toThrow(
+        /appendfsync is "everysec".*CONFIG SET appendfsync always.*FLEET_REDIS_ACCEPT_WRITE_LOSS/s,
+      );
+      await expect(assertRedisDurable(r, { acceptWriteLoss: true })).resolves.toBeUndefined();
+      await r.config("SET", "appendfsync", "always");
       await expect(assertRedisDurable(r)).resolves.toBeUndefined();
     } finally {
       r.disconnect();

@@ -72,7 +72,7 @@ export async function startLoopbackRedisCluster(
     return spawn("redis-server", [
       "--port", String(port), "--bind", "127.0.0.1", "--dir", join(dir, String(port)),
       "--cluster-enabled", "yes", "--cluster-config-file", join(dir, `nodes-${port}.conf`),
-      "--appendonly", "yes", "--maxmemory-policy", "noeviction", "--save", "",
+      "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction", "--save", "",
     ], { stdio: "ignore" });
   });
   const stop = async () => {
