@@ -316,9 +316,11 @@ for _ in range(40):
     allIds.push(id!);
     await waitFor(async () => (await fleet.deps.store.get(id!))?.times["verify:start"] !== undefined);
     const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
-    // The tests are running (their sleep is up) when the container is killed, not removed.
+    // The tests are running (their sleep is up) when the container is killed, not removed. By
+    // the whole command line: `pgrep -f "sleep 60"` matches its own `timeout ... pgrep -f sleep
+    // 60` wrapper, so it answers yes before the tests have started.
     await waitFor(async () => {
-      const ps = await docker.exec(handle, ["pgrep", "-f", "sleep 60"], { deadlineMs: 5_000 });
+      const ps = await docker.exec(handle, ["pgrep", "-f", "^sleep 60$"], { deadlineMs: 5_000 });
       return ps.exitCode === 0;
     });
     execFileSync("docker", ["kill", handle.id], { stdio: "pipe" });

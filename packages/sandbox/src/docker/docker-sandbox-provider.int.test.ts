@@ -578,9 +578,13 @@ describe("DockerSandboxProvider (real Docker)", () => {
       (r) => r,
       (e: unknown) => e,
     );
+    // Paused only once the command runs: paused while its exec still starts, the exec's `runc
+    // init` freezes half-joined and the daemon holds the container's lock for good (no unpause,
+    // inspect nor removal answers again). By the whole command line: `pgrep -f "sleep 60"` also
+    // matches its own `timeout ... pgrep -f sleep 60` wrapper, and so answered yes at once.
     await vi.waitFor(
       async () => {
-        const ps = await provider.exec(h, ["pgrep", "-f", "sleep 60"], { deadlineMs: 5_000 });
+        const ps = await provider.exec(h, ["pgrep", "-f", "^sleep 60$"], { deadlineMs: 5_000 });
         expect(ps.exitCode).toBe(0);
       },
       { timeout: 10_000, interval: 50 },
