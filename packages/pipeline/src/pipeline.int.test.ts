@@ -323,7 +323,7 @@ for _ in range(40):
       const ps = await docker.exec(handle, ["pgrep", "-f", "^sleep 60$"], { deadlineMs: 5_000 });
       return ps.exitCode === 0;
     });
-    execFileSync("docker", ["kill", handle.id], { stdio: "pipe" });
+    execFileSync("docker", ["kill", handle.id], { stdio: "pipe", timeout: 60_000 });
     const [r] = await fleet.waitForResults([id!]);
     expect(r).toMatchObject({ status: "masked", mask: true, reward: null, failureKind: "sandbox_lost" });
   });
@@ -1118,7 +1118,7 @@ describe("idempotency and fencing without workers", () => {
       owner: "resources",
       expiresAt: Date.now() + 600_000,
     });
-    execFileSync("docker", ["stop", "-t", "0", first.id], { stdio: "pipe" });
+    execFileSync("docker", ["stop", "-t", "0", first.id], { stdio: "pipe", timeout: 60_000 });
     expect(await docker.alive(first)).toBe(false);
     expect(await runStageJob("seed", job(id!, 1), fleet.deps)).toBe("ok");
     const seeded = (await fleet.deps.store.get(id!))!.receipts.seed!;

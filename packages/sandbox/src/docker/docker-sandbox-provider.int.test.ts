@@ -589,7 +589,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
       },
       { timeout: 10_000, interval: 50 },
     );
-    execFileSync("docker", ["pause", h.id], { stdio: "pipe" });
+    execFileSync("docker", ["pause", h.id], { stdio: "pipe", timeout: 60_000 });
     try {
       const err = await running;
       expect(isFleetError(err), `expected a FleetError, got ${JSON.stringify(err)}`).toBe(true);
@@ -764,6 +764,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     execFileSync("docker", ["build", "-q", "-t", image, "-"], {
       input: `FROM ${IMAGE}\nRUN rm -f /usr/bin/timeout\n`,
       stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
     });
     try {
       const h = await create({ image });
@@ -772,7 +773,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       expect(err.message).toMatch(/exit 12[67].*\/usr\/bin\/timeout/);
     } finally {
       while (live.length > 0) await provider.destroy(live.pop()!);
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore" });
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
     }
   });
 
@@ -791,6 +792,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     execFileSync("docker", ["build", "-q", "-t", image, "-"], {
       input: `FROM ${IMAGE}\nRUN mkdir -p /workspace/data && echo from-image > /workspace/data/seed.txt && printf '#!/bin/sh\\necho run\\n' > /workspace/run.sh && chmod 750 /workspace/run.sh\n`,
       stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
     });
     try {
       const h = await create({ image });
@@ -810,7 +812,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       expect((await provider.probe(h)).workspaceEmpty).toBe(false);
     } finally {
       while (live.length > 0) await provider.destroy(live.pop()!);
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore" });
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
     }
   });
 
@@ -819,6 +821,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     execFileSync("docker", ["build", "-q", "-t", image, "-"], {
       input: `FROM ${IMAGE}\nRUN mkdir -p /workspace && head -c 2097152 /dev/zero > /workspace/big.bin\n`,
       stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
     });
     const ofRollout = async (rolloutId: string) =>
       docker.listContainers({ all: true, filters: { label: [`${LABEL_ROLLOUT}=${rolloutId}`] } });
@@ -843,14 +846,14 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       expect(await ofRollout(t.rolloutId)).toHaveLength(1);
     } finally {
       for (const c of await ofRollout(t.rolloutId)) await docker.getContainer(c.Id).remove({ force: true });
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore" });
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
     }
   });
 
   it("a paused sandbox's processes are never reported stopped; once it runs again they are", async () => {
     const h = await create();
     await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });
-    execFileSync("docker", ["pause", h.id], { stdio: "pipe" });
+    execFileSync("docker", ["pause", h.id], { stdio: "pipe", timeout: 60_000 });
     let paused: CleanupReceipt | null = null;
     try {
       // Never "gone", which would let verify start on a sandbox whose agent resumes on unpause:
@@ -859,7 +862,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       paused = await provider.killProcesses(h);
       expect(paused.alreadyGone).toBe(false);
     } finally {
-      execFileSync("docker", ["unpause", h.id], { stdio: "pipe" });
+      execFileSync("docker", ["unpause", h.id], { stdio: "pipe", timeout: 60_000 });
     }
     if (paused?.confirmed) expect(await processesOf(h, 1000)).toEqual([]);
     expect(await provider.killProcesses(h)).toMatchObject({
@@ -1010,7 +1013,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     expect(await provider.get(h, "/workspace/task.txt")).toBe("staged\n");
     // Why not the archive API (`docker cp` uses it): it reads the container's layers, under the mount.
     expect(() =>
-      execFileSync("docker", ["cp", `${h.id}:/workspace/task.txt`, "-"], { stdio: "pipe" }),
+      execFileSync("docker", ["cp", `${h.id}:/workspace/task.txt`, "-"], { stdio: "pipe", timeout: 60_000 }),
     ).toThrow(/Could not find the file/);
   });
 
@@ -1045,15 +1048,11 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
   it("removeStaleHelpers removes this fleet's reapers that never ran, and nobody else's", async () => {
     const scoped = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" }, scope: RUN });
     const make = (scope: string) =>
-      execFileSync("docker", [
-        "create",
-        "--label",
-        `${LABEL_REAPER}=true`,
-        "--label",
-        `fleet.scope=${scope}`,
-        IMAGE,
-        "true",
-      ])
+      execFileSync(
+        "docker",
+        ["create", "--label", `${LABEL_REAPER}=true`, "--label", `fleet.scope=${scope}`, IMAGE, "true"],
+        { timeout: 60_000 },
+      )
         .toString()
         .trim();
     const mine = make(RUN);
@@ -1061,19 +1060,17 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     try {
       expect(await scoped.removeStaleHelpers(60_000)).toBe(0); // too young yet
       expect(await scoped.removeStaleHelpers(0)).toBe(1);
-      const left = execFileSync("docker", [
-        "ps",
-        "-aq",
-        "--no-trunc",
-        "--filter",
-        `label=${LABEL_REAPER}=true`,
-      ])
+      const left = execFileSync(
+        "docker",
+        ["ps", "-aq", "--no-trunc", "--filter", `label=${LABEL_REAPER}=true`],
+        { timeout: 60_000 },
+      )
         .toString()
         .split("\n");
       expect(left).not.toContain(mine);
       expect(left).toContain(theirs);
     } finally {
-      execFileSync("docker", ["rm", "-f", mine, theirs], { stdio: "ignore" });
+      execFileSync("docker", ["rm", "-f", mine, theirs], { stdio: "ignore", timeout: 60_000 });
     }
   });
 
