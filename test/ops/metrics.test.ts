@@ -133,6 +133,20 @@ describe("metrics of a real run", () => {
       expect(r).toMatchObject({ status: "completed", reward: 1 });
     }
 
+    // A close's job ends a moment after its result shows (its stage counted, then BullMQ moves
+    // the job to completed): wait for both before reading what follows.
+    await waitFor("the last close counted and its job completed", async () => {
+      const closes = sampleValue(await scrape("resources"), "fleet_stage_jobs_total", {
+        stage: "close",
+        outcome: "ok",
+      });
+      const moved = sampleValue(await scrape("dispatcher"), "fleet_queue_jobs", {
+        queue: "close",
+        state: "completed",
+      });
+      return closes === n && moved === n;
+    });
+
     // The resources worker finalises (close): finished count, rollout duration, reward.
     const res = await scrape("resources");
     expect(

@@ -488,7 +488,7 @@ describe("rollout store", () => {
     const c = await store.claimTestsSweep(id, "c", 50);
     if (!c.claimed) throw new Error(`not claimed: ${c.why}`);
     // A claim lapses by Redis's clock, ended or not.
-    await vi.waitFor(async () => expect(await store.testsSweepLeftMs(id)).toBe(0));
+    await vi.waitFor(async () => expect(await store.testsSweepLeftMs(id)).toBe(0), { timeout: 10_000 });
     // A note that is no longer the ender's (another was noted since) stays.
     await store.endTestsSweep(id, c.claim, 6);
     expect(await store.verifyNotedAt(id)).toBe(7);
