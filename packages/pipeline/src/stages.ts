@@ -216,6 +216,8 @@ export async function destroyOrLedger(
   teardown: "confirmed" | "pending";
   receipt: CleanupReceipt | null;
   confirmedKey: string | null;
+  /** With `confirmedKey`: the sandbox destroyed (null: none was found), for `store.finalize`. */
+  destroyed?: SandboxHandle | null;
 }> {
   const now = clock(deps);
   // Only the entry of the sandbox destroyed here (or of none): one recorded meanwhile for a
@@ -236,6 +238,7 @@ export async function destroyOrLedger(
         teardown: "confirmed",
         receipt: { confirmed: true, scope: "sandbox", at: now, alreadyGone: true, remaining: 0 },
         confirmedKey: entry.key,
+        destroyed: null,
       };
     }
     const receipt = await deps.provider.destroy(handle);
@@ -243,7 +246,7 @@ export async function destroyOrLedger(
       throw FleetError.retryable("provider_unavailable", receipt.detail ?? "destroy not confirmed");
     await confirm(handle);
     deps.metrics?.teardownAttempts.inc({ result: receipt.alreadyGone ? "already_gone" : "confirmed" });
-    return { teardown: "confirmed", receipt, confirmedKey: entry.key };
+    return { teardown: "confirmed", receipt, confirmedKey: entry.key, destroyed: handle };
   } catch (err) {
     const reason = err instanceof Error ? err.message : String(err);
     await deps.ledger.recordFailure(entry, reason, now);
@@ -1111,7 +1114,7 @@ export const close: StageHandler = async (rec, deps) => {
   let cleanup: CleanupReceipt | null = null;
   // Read by this stage's begin, after the tombstone (no intent can be added after it).
   const entries = fresh.begun.sandboxes ?? (await deps.ledger.sandboxesOf(id));
-  const confirmed: string[] = [];
+  const confirmed: { key: string; destroyed: SandboxHandle | null }[] = [];
   for (const owner of ["resources", "agent"] as const) {
     const key = sandboxKey(id, owner);
     let entry = entries[owner];
@@ -1135,7 +1138,9 @@ export const close: StageHandler = async (rec, deps) => {
     }
     // The confirm is folded into finalize's script below.
     const r = await destroyOrLedger(deps, entry, { deferConfirm: true });
-    if (r.confirmedKey) confirmed.push(r.confirmedKey);
+    // Only the sandbox it destroyed: one that replaced it meanwhile (a seed attempt still
+    // creating, whose own destroy failed) keeps its ledger entry.
+    if (r.confirmedKey) confirmed.push({ key: r.confirmedKey, destroyed: r.destroyed ?? null });
     if (r.teardown === "pending") teardown = "pending";
     cleanup = r.receipt;
   }

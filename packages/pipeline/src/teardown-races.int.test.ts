@@ -209,4 +209,138 @@ describe("teardown racing the stages (real Docker)", () => {
     expect(await agentEntry()).toBeUndefined();
     expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
   });
+
+  it("close's confirm (folded into finalize) never forgets the ledger entry of a sandbox that replaced the one it destroyed", async () => {
+    const [id] = await fleet.submit([
+      { task: task("hello-file"), agent: { harness: "oracle" }, deadlineS: 3600 },
+    ]);
+    // Seed attempt 1 makes H1, then its worker dies (probe).
+    let h1: SandboxHandle | null = null;
+    const dies = wrapped({
+      create: async (...a) => (h1 = await docker.create(...a)),
+      probe: async () => {
+        throw new Error("the seed worker died");
+      },
+    });
+    await expect(runStageJob("seed", job(id!, 0), { ...fleet.deps, provider: dies })).rejects.toThrow(/died/);
+    expect(await docker.alive(h1!)).toBe(true);
+
+    // Seed attempt 2 begins (before close's tombstone); its label lookup is held.
+    const inFind = gate();
+    const releaseFind = gate();
+    let h2: SandboxHandle | null = null;
+    const second = wrapped({
+      find: async (...a) => {
+        inFind.open();
+        await releaseFind.opened;
+        return docker.find(...a);
+      },
+      create: async (...a) => (h2 = await docker.create(...a)),
+      destroy: async (...a) => {
+        if (h2 && a[0].id === h2.id) throw FleetError.retryable("provider_unavailable", "daemon blip");
+        return docker.destroy(...a);
+      },
+    });
+    const seeding = runStageJob("seed", job(id!, 1), { ...fleet.deps, provider: second }).catch(
+      (e: unknown) => e,
+    );
+    await inFind.opened;
+
+    // Cancelled: close finds H1 and destroys it; it is slow to get from there to its finalize.
+    await fleet.deps.store.requestCancel(id!);
+    const destroyed = gate();
+    const releaseClose = gate();
+    const slowClose = wrapped({
+      destroy: async (...a) => {
+        const r = await docker.destroy(...a);
+        destroyed.open();
+        await releaseClose.opened;
+        return r;
+      },
+    });
+    const closing = runStageJob("close", job(id!), { ...fleet.deps, provider: slowClose });
+    await destroyed.opened;
+    // Seed attempt 2 goes on: finds nothing, makes H2, its receipt is refused (closed), its
+    // destroy of H2 fails: H2 goes on the ledger under the resources key.
+    releaseFind.open();
+    await seeding;
+    expect(h2).not.toBeNull();
+    expect(h2!.id).not.toBe(h1!.id);
+    expect((await fleet.deps.ledger.pending()).map((e) => e.handle?.id)).toEqual([h2!.id]);
+    releaseClose.open();
+    await closing;
+    const alive = await docker.alive(h2!);
+    const result = await fleet.deps.store.getResult(id!);
+    const pendingAfter = await fleet.deps.ledger.pending();
+    expect(alive).toBe(true);
+    // Not confirmed while H2 lives, and H2's entry kept for the janitor.
+    expect(result?.teardown).toBe("pending");
+    expect(pendingAfter.some((e) => e.handle?.id === h2!.id)).toBe(true);
+  });
+
+  it("the janitor's confirm of H1 does not mark the teardown confirmed while H2 (attached under the same key, its run worker dead before its own destroy) lives", async () => {
+    const [id] = await fleet.submit([
+      {
+        task: task("sum-answer"),
+        agent: { harness: "command", argv: ["true"], sandbox: "own" },
+        deadlineS: 3600,
+      },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const isAgent = (h: { owner: string }) => h.owner === "agent";
+    let h1: SandboxHandle | null = null;
+    const dies = wrapped({
+      create: async (...a) => {
+        const h = await docker.create(...a);
+        if (isAgent(h)) h1 = h;
+        return h;
+      },
+      probe: async (...a) => {
+        if (isAgent(a[0])) throw new Error("the agent worker died");
+        return docker.probe(...a);
+      },
+    });
+    await expect(runStageJob("run", job(id!, 0), { ...fleet.deps, provider: dies })).rejects.toThrow(/died/);
+    const inCreate = gate();
+    const releaseCreate = gate();
+    const inDestroyH2 = gate();
+    let h2: SandboxHandle | null = null;
+    const second = wrapped({
+      create: async (...a) => {
+        inCreate.open();
+        await releaseCreate.opened;
+        h2 = await docker.create(...a);
+        return h2;
+      },
+      // The run worker dies here: its destroy of H2 never happens.
+      destroy: async (...a) => {
+        if (h2 && a[0].id === h2.id) {
+          inDestroyH2.open();
+          return new Promise<never>(() => undefined);
+        }
+        return docker.destroy(...a);
+      },
+    });
+    void runStageJob("run", job(id!, 1), { ...fleet.deps, provider: second }).catch(() => undefined);
+    await inCreate.opened;
+    await fleet.deps.store.requestCancel(id!);
+    await runStageJob("close", job(id!), fleet.deps);
+    releaseCreate.open();
+    await inDestroyH2.opened;
+    expect((await fleet.deps.ledger.getSandbox(sandboxKey(id!, "agent")))?.handle?.id).toBe(h2!.id);
+    await janitorTick({ ...fleet.deps, now: () => Date.now() + 10_000 }, { orphanGraceMs: ORPHAN_GRACE_MS });
+    const alive = await docker.alive(h2!);
+    const result = await fleet.deps.store.getResult(id!);
+    expect(alive).toBe(true);
+    expect(result?.teardown).toBe("pending");
+    // Past the orphan grace the registry step puts H2 on the ledger; the pass after removes it.
+    for (const m of [5, 20]) {
+      await janitorTick(
+        { ...fleet.deps, now: () => Date.now() + m * 60_000 },
+        { orphanGraceMs: ORPHAN_GRACE_MS },
+      );
+    }
+    expect(await docker.alive(h2!)).toBe(false);
+    expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
+  });
 });

@@ -10,6 +10,7 @@ import {
   RolloutResult,
   RolloutStatus,
   RunReceipt,
+  type SandboxHandle,
   SandboxOptions,
   SeedReceipt,
   type StageName,
@@ -943,7 +944,11 @@ export class RolloutStore {
     result: RolloutResult,
     now: number,
     closeReceipt?: CloseReceipt,
-    confirmed: readonly string[] = [],
+    /**
+     * Sandbox keys whose destroy was confirmed; with `destroyed`, only the entries of that sandbox
+     * (or handle-less ones) are forgotten (see `TeardownLedger.confirm`).
+     */
+    confirmed: readonly (string | { key: string; destroyed: SandboxHandle | null })[] = [],
     /** Identifies this call (a test may fix it, to send the same call twice). */
     callId: string = randomUUID(),
   ): Promise<boolean> {
@@ -972,16 +977,27 @@ export class RolloutStore {
         hasBatch,
         meta.id,
         closeReceipt ? JSON.stringify(CloseReceipt.parse(closeReceipt)) : "",
-        confirmed[0] ?? "",
-        confirmed[1] ?? "",
+        confirmedKeyOf(confirmed[0]),
+        confirmedKeyOf(confirmed[1]),
         sandboxKey(meta.id, "resources"),
         sandboxKey(meta.id, "agent"),
         String(this.resultTtlMs),
         callId,
+        confirmedOnlyOf(confirmed[0]),
+        confirmedOnlyOf(confirmed[1]),
       ],
     );
     return r === 1;
   }
+}
+
+type Confirmed = string | { key: string; destroyed: SandboxHandle | null } | undefined;
+function confirmedKeyOf(c: Confirmed): string {
+  return c === undefined ? "" : typeof c === "string" ? c : c.key;
+}
+function confirmedOnlyOf(c: Confirmed): string {
+  if (c === undefined || typeof c === "string") return "";
+  return c.destroyed === null || !c.destroyed.id ? "-" : c.destroyed.id;
 }
 
 /** What `createBatch` returns when the idempotency key names a single rollout already. */

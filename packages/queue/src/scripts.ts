@@ -38,33 +38,66 @@ const CLAIM_LAUNCH = `local function claimLaunch(key, token)
 
 /**
  * A finalized result's teardown marked confirmed, its reward and status as they are (a no-op
- * without a result, or when it is not pending), once the teardown ledger holds no entry for either
- * of the rollout's sandboxes (`key1`, `key2`) in `ledgerKey` and no gateway network removal of
- * the rollout (`rolloutId`) is left to retry in `networksKey`. Returns 1 if it was edited.
+ * without a result, or when it is not pending), once neither of the rollout's sandboxes (`key1`,
+ * `key2`) may still live (`teardownLeft`: none on the ledger `ledgerKey`, none registered with a
+ * handle in `sandboxesKey`) and no gateway network removal of the rollout (`rolloutId`) is left
+ * to retry in `networksKey`. Returns 1 if it was edited.
  */
-const CONFIRM_TEARDOWN = `local function confirmTeardown(rolloutKey, ledgerKey, key1, key2, networksKey, rolloutId)
-        if redis.call('HEXISTS', ledgerKey, key1) == 1 or redis.call('HEXISTS', ledgerKey, key2) == 1 then
-          return 0
+const CONFIRM_TEARDOWN = `
+      -- A finalized result's top-level field \`name\` edited from \`from\` to \`to\` (the text as it
+      -- was when it does not hold \`from\` there). Plain string edits, not cjson: cjson would turn
+      -- empty arrays into objects. The result is serialised in schema order, and every field
+      -- before \`teardown\` and \`failureKind\` is a scalar or a string (where a quote is always
+      -- escaped), so the first occurrence of the key is the top-level field; its value is edited
+      -- only if it is the one given (never a same-named field further on, in details or metadata).
+      local function editResult(text, name, from, to)
+        local i, j = string.find(text, '"' .. name .. '":', 1, true)
+        if not i then return text end
+        if string.sub(text, j + 1, j + #from) ~= from then return text end
+        return string.sub(text, 1, j) .. to .. string.sub(text, j + #from + 1)
+      end
+      -- Whether a sandbox of the rollout (\`key1\`, \`key2\`) may still live: one on the teardown
+      -- ledger, or one still registered with a handle (one that replaced a sandbox destroyed
+      -- under the same key, its creator gone before its own destroy or still at it; the
+      -- janitor's registry step puts it on the ledger).
+      local function teardownLeft(ledgerKey, sandboxesKey, key1, key2)
+        for _, k in ipairs({key1, key2}) do
+          if redis.call('HEXISTS', ledgerKey, k) == 1 then return true end
+          local raw = redis.call('HGET', sandboxesKey, k)
+          if raw and not string.find(raw, '"handle":null', 1, true) then return true end
         end
+        return false
+      end
+      local function confirmTeardown(rolloutKey, ledgerKey, key1, key2, networksKey, rolloutId, sandboxesKey)
+        if teardownLeft(ledgerKey, sandboxesKey, key1, key2) then return 0 end
         if redis.call('ZSCORE', networksKey, rolloutId) then return 0 end
         local raw = redis.call('HGET', rolloutKey, 'result')
         if not raw then return 0 end
-        -- Plain string edits, not cjson: cjson would turn empty arrays into objects. The result
-        -- is serialised in schema order, and every field before these two is a scalar or a
-        -- string (where a quote is always escaped), so the first occurrence of the key is the
-        -- top-level field; its value is edited only if it is the one given (never a same-named
-        -- field further on, in details or metadata).
-        local function sub(text, name, from, to)
-          local i, j = string.find(text, '"' .. name .. '":', 1, true)
-          if not i then return text end
-          if string.sub(text, j + 1, j + #from) ~= from then return text end
-          return string.sub(text, 1, j) .. to .. string.sub(text, j + #from + 1)
-        end
-        local edited = sub(raw, 'teardown', '"pending"', '"confirmed"')
+        local edited = editResult(raw, 'teardown', '"pending"', '"confirmed"')
         if edited == raw then return 0 end
-        edited = sub(edited, 'failureKind', '"teardown_failed"', 'null')
+        edited = editResult(edited, 'failureKind', '"teardown_failed"', 'null')
         redis.call('HSET', rolloutKey, 'result', edited)
         return 1
+      end`;
+
+/**
+ * Forget a confirmed destroy's sandbox entry (`sandboxes`) and ledger entry (`entries`, `due`)
+ * under `key`: `only` '' forgets whatever they hold; otherwise only an entry without a handle or,
+ * unless `only` is '-', one whose handle id is `only` (the sandbox destroyed). An entry recorded
+ * meanwhile for another sandbox under the same key is not this destroy's to forget.
+ */
+const FORGET_DESTROYED = `local function forgetDestroyed(sandboxes, entries, due, key, only)
+        local function destroyedOne(raw)
+          if not raw or only == nil or only == '' then return true end
+          local ok, e = pcall(cjson.decode, raw)
+          if not ok or type(e) ~= 'table' or type(e.handle) ~= 'table' then return true end
+          return only ~= '-' and e.handle.id == only
+        end
+        if destroyedOne(redis.call('HGET', sandboxes, key)) then redis.call('HDEL', sandboxes, key) end
+        if destroyedOne(redis.call('HGET', entries, key)) then
+          redis.call('HDEL', entries, key)
+          redis.call('ZREM', due, key)
+        end
       end`;
 
 const SCRIPTS = {
@@ -226,17 +259,27 @@ const SCRIPTS = {
     lua: `
       ${TERMINAL}
       ${CONFIRM_TEARDOWN}
+      ${FORGET_DESTROYED}
+      -- ARGV[13], ARGV[14]: which sandbox's destroy confirmed ARGV[7], ARGV[8] (see forgetDestroyed).
       for i = 7, 8 do
-        if ARGV[i] ~= '' then
-          redis.call('HDEL', KEYS[4], ARGV[i])
-          redis.call('HDEL', KEYS[5], ARGV[i])
-          redis.call('ZREM', KEYS[6], ARGV[i])
+        if ARGV[i] ~= '' then forgetDestroyed(KEYS[4], KEYS[5], KEYS[6], ARGV[i], ARGV[i + 6] or '') end
+      end
+      -- A sandbox left under either key (recorded meanwhile for one that replaced the sandbox this
+      -- close destroyed): the result cannot say the teardown is confirmed.
+      if teardownLeft(KEYS[5], KEYS[4], ARGV[9], ARGV[10]) then
+        -- (As result.ts composes a pending teardown: a completed result's failureKind says so,
+        -- unless the agent's timeout already does.)
+        local edited = editResult(ARGV[1], 'teardown', '"confirmed"', '"pending"')
+        if edited ~= ARGV[1] and ARGV[2] == 'completed' then
+          edited = editResult(edited, 'failureKind', 'null', '"teardown_failed"')
         end
+        ARGV[1] = edited
+        if ARGV[6] ~= '' then ARGV[6] = editResult(ARGV[6], 'teardown', '"confirmed"', '"pending"') end
       end
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then
         -- A closer that lost the race may still have confirmed the last teardown just now.
-        confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5])
+        confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5], KEYS[4])
         -- This very call sent again (a reconnect lost its reply): it did finalize.
         if status and redis.call('HGET', KEYS[1], 'finalizer') == ARGV[12] then return 1 end
         return 0
@@ -244,7 +287,7 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
-      confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5])
+      confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5], KEYS[4])
       local done, total = 0, 1
       if ARGV[4] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
@@ -398,18 +441,9 @@ const SCRIPTS = {
     // one) is not this destroy's to forget.
     lua: `
       ${CONFIRM_TEARDOWN}
-      local function destroyedOne(raw)
-        if not raw or ARGV[5] == nil or ARGV[5] == '' then return true end
-        local ok, e = pcall(cjson.decode, raw)
-        if not ok or type(e) ~= 'table' or type(e.handle) ~= 'table' then return true end
-        return ARGV[5] ~= '-' and e.handle.id == ARGV[5]
-      end
-      if destroyedOne(redis.call('HGET', KEYS[1], ARGV[1])) then redis.call('HDEL', KEYS[1], ARGV[1]) end
-      if destroyedOne(redis.call('HGET', KEYS[2], ARGV[1])) then
-        redis.call('HDEL', KEYS[2], ARGV[1])
-        redis.call('ZREM', KEYS[3], ARGV[1])
-      end
-      return confirmTeardown(KEYS[4], KEYS[2], ARGV[2], ARGV[3], KEYS[5], ARGV[4])`,
+      ${FORGET_DESTROYED}
+      forgetDestroyed(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[5])
+      return confirmTeardown(KEYS[4], KEYS[2], ARGV[2], ARGV[3], KEYS[5], ARGV[4], KEYS[1])`,
   },
   /**
    * A rollout's gateway network removal, retried by the janitor, is done: forget the retry, and
@@ -418,11 +452,11 @@ const SCRIPTS = {
    * the result was edited.
    */
   fleetNetworkRemoved: {
-    keys: 3, // network retries, teardown entries, rollout
+    keys: 4, // network retries, teardown entries, rollout, sandboxes
     lua: `
       ${CONFIRM_TEARDOWN}
       redis.call('ZREM', KEYS[1], ARGV[1])
-      return confirmTeardown(KEYS[3], KEYS[2], ARGV[2], ARGV[3], KEYS[1], ARGV[1])`,
+      return confirmTeardown(KEYS[3], KEYS[2], ARGV[2], ARGV[3], KEYS[1], ARGV[1], KEYS[4])`,
   },
   /**
    * Begin a stage in one round trip. Unless the rollout is terminal: for close, set the tombstone
@@ -614,7 +648,7 @@ export type ScriptName = keyof typeof SCRIPTS;
 export const BATCHED = {
   fleetBegin: { args: 10 },
   fleetReceipt: { args: 12 },
-  fleetFinalize: { args: 12 },
+  fleetFinalize: { args: 14 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;
 export const BATCH_ERROR = "__fleet_err";

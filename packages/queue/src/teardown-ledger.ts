@@ -289,6 +289,7 @@ export class TeardownLedger {
       this.keys.networkRetries(),
       this.keys.teardownEntries(),
       this.keys.rollout(rolloutId),
+      this.keys.sandboxes(),
       rolloutId,
       sandboxKey(rolloutId, "resources"),
       sandboxKey(rolloutId, "agent"),
