@@ -3,7 +3,8 @@
 #   - Debian packages when missing and run as root: redis-server and bubblewrap; docker.io when no
 #     daemon answers; debootstrap when the base image must be built;
 #   - a Docker daemon when none answers;
-#   - a Redis with AOF and noeviction on 127.0.0.1:${FLEET_TEST_REDIS_PORT:-6379} unless REDIS_URL is set;
+#   - a Redis with AOF (appendfsync always) and noeviction on 127.0.0.1:${FLEET_TEST_REDIS_PORT:-6379}
+#     unless REDIS_URL is set;
 #   - the offline sandbox base image.
 # Prints `export` lines for what it started (eval-able); logs go to stderr. Its own state (the
 # private Redis's data, dockerd's log) goes to FLEET_STATE_DIR, .fleet/ here by default.

@@ -999,6 +999,34 @@ describe("rollout store", () => {
     expect(await redis.hexists(store.keys.sandboxes(), sandboxKey(id, "agent"))).toBe(0);
   });
 
+  it("an intent recorded again (a re-delivered run making its own sandbox) dates a handle-less entry from now, and leaves one with a handle as it is", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const entry = { ...sandboxEntry(id, "agent"), handle: null, createdAt: 1_000 };
+    expect(await ledger.recordIntent(entry)).toBe("ok");
+    // The earlier attempt never got a handle: the grace before "never created" counts from now.
+    expect(await ledger.recordIntent({ ...entry, createdAt: 2_000 })).toBe("ok");
+    expect((await ledger.getSandbox(entry.key))?.createdAt).toBe(2_000);
+    // One that got its handle is the earlier attempt's sandbox: kept as it is.
+    const handle = {
+      provider: "docker" as const,
+      endpoint: "unix:///var/run/docker.sock",
+      id: `c-${id}`,
+      name: `n-${id}`,
+      rolloutId: id,
+      owner: "agent" as const,
+      volumes: [],
+    };
+    await redis.hset(
+      store.keys.sandboxes(),
+      entry.key,
+      JSON.stringify({ ...entry, handle, createdAt: 2_000 }),
+    );
+    expect(await ledger.recordIntent({ ...entry, createdAt: 3_000 })).toBe("ok");
+    expect(await ledger.getSandbox(entry.key)).toMatchObject({ handle: { id: handle.id }, createdAt: 2_000 });
+  });
+
   it("close's begin reads the sandbox entries; finalize forgets the confirmed ones even when not first", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
