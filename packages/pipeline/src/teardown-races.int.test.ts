@@ -50,6 +50,36 @@ describe("teardown racing the stages (real Docker)", () => {
     await fleet.close();
   });
 
+  /**
+   * A rollout whose agent asks for its own sandbox, seeded; its run's first attempt makes and
+   * records that sandbox (H1), then its worker dies.
+   */
+  async function ownSandboxThenWorkerDies(): Promise<{ id: string; h1: SandboxHandle }> {
+    const [id] = await fleet.submit([
+      {
+        task: task("sum-answer"),
+        agent: { harness: "command", argv: ["true"], sandbox: "own" },
+        deadlineS: 3600,
+      },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    let h1: SandboxHandle | null = null;
+    const dies = wrapped({
+      create: async (...args) => {
+        const h = await docker.create(...args);
+        if (h.owner === "agent") h1 = h;
+        return h;
+      },
+      probe: async (...args) => {
+        if (args[0].owner === "agent") throw new Error("the agent worker died");
+        return docker.probe(...args);
+      },
+    });
+    await expect(runStageJob("run", job(id!, 0), { ...fleet.deps, provider: dies })).rejects.toThrow(/died/);
+    expect((await fleet.deps.ledger.getSandbox(sandboxKey(id!, "agent")))?.handle?.id).toBe(h1!.id);
+    return { id: id!, h1: h1! };
+  }
+
   for (const closer of ["close", "the janitor"] as const) {
     it(`${closer} never takes a retried seed's intent for "never created" while that retry creates the sandbox (the intent grace counts from the latest attempt)`, async () => {
       const [id] = await fleet.submit([
@@ -118,30 +148,8 @@ describe("teardown racing the stages (real Docker)", () => {
   }
 
   it("a confirmed destroy of an agent sandbox forgets only its own entry, never that of the sandbox which replaced it", async () => {
-    const [id] = await fleet.submit([
-      {
-        task: task("sum-answer"),
-        agent: { harness: "command", argv: ["true"], sandbox: "own" },
-        deadlineS: 3600,
-      },
-    ]);
-    await runStageJob("seed", job(id!), fleet.deps);
-    const isAgent = (h: { owner: string }) => h.owner === "agent";
     // Run attempt 1 makes and records its own sandbox H1, then its worker dies.
-    let h1: SandboxHandle | null = null;
-    const dies = wrapped({
-      create: async (...args) => {
-        const h = await docker.create(...args);
-        if (isAgent(h)) h1 = h;
-        return h;
-      },
-      probe: async (...args) => {
-        if (isAgent(args[0])) throw new Error("the agent worker died");
-        return docker.probe(...args);
-      },
-    });
-    await expect(runStageJob("run", job(id!, 0), { ...fleet.deps, provider: dies })).rejects.toThrow(/died/);
-    expect((await fleet.deps.ledger.getSandbox(sandboxKey(id!, "agent")))?.handle?.id).toBe(h1!.id);
+    const { id, h1 } = await ownSandboxThenWorkerDies();
 
     // Run attempt 2 (re-delivered) replaces H1; its create of H2 is held, and its destroy of H2
     // will fail (a daemon blip).
@@ -279,28 +287,7 @@ describe("teardown racing the stages (real Docker)", () => {
   });
 
   it("the janitor's confirm of H1 does not mark the teardown confirmed while H2 (attached under the same key, its run worker dead before its own destroy) lives", async () => {
-    const [id] = await fleet.submit([
-      {
-        task: task("sum-answer"),
-        agent: { harness: "command", argv: ["true"], sandbox: "own" },
-        deadlineS: 3600,
-      },
-    ]);
-    await runStageJob("seed", job(id!), fleet.deps);
-    const isAgent = (h: { owner: string }) => h.owner === "agent";
-    let h1: SandboxHandle | null = null;
-    const dies = wrapped({
-      create: async (...a) => {
-        const h = await docker.create(...a);
-        if (isAgent(h)) h1 = h;
-        return h;
-      },
-      probe: async (...a) => {
-        if (isAgent(a[0])) throw new Error("the agent worker died");
-        return docker.probe(...a);
-      },
-    });
-    await expect(runStageJob("run", job(id!, 0), { ...fleet.deps, provider: dies })).rejects.toThrow(/died/);
+    const { id, h1 } = await ownSandboxThenWorkerDies();
     const inCreate = gate();
     const releaseCreate = gate();
     const inDestroyH2 = gate();
@@ -329,10 +316,9 @@ describe("teardown racing the stages (real Docker)", () => {
     await inDestroyH2.opened;
     expect((await fleet.deps.ledger.getSandbox(sandboxKey(id!, "agent")))?.handle?.id).toBe(h2!.id);
     await janitorTick({ ...fleet.deps, now: () => Date.now() + 10_000 }, { orphanGraceMs: ORPHAN_GRACE_MS });
-    const alive = await docker.alive(h2!);
-    const result = await fleet.deps.store.getResult(id!);
-    expect(alive).toBe(true);
-    expect(result?.teardown).toBe("pending");
+    // H1 is gone (replaced, then its entry confirmed by the janitor); H2 lives, registered.
+    expect([await docker.alive(h1), await docker.alive(h2!)]).toEqual([false, true]);
+    expect((await fleet.deps.store.getResult(id))?.teardown).toBe("pending");
     // Past the orphan grace the registry step puts H2 on the ledger; the pass after removes it.
     for (const m of [5, 20]) {
       await janitorTick(
