@@ -12,7 +12,7 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
-import { janitorTick, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
+import { janitorTick, REPORTED_ENTRY_FAILURES, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
@@ -189,10 +189,20 @@ describe("janitor", () => {
     );
     const orphan = await mk(`orphan${RUN}`);
     const ofUnreadable = await mk(unreadable);
+    // Past its fleet.expires, a sandbox goes whatever its rollout: its record is not even read.
+    const expiredUnreadable = `expunreadable${RUN}`;
+    await redis.hset(store.keys.rollout(expiredUnreadable), "meta", "{torn");
+    const expired = await docker.create({
+      image: IMAGE,
+      rolloutId: expiredUnreadable,
+      owner: "resources",
+      expiresAt: now + 60_000,
+    });
     try {
       const report = await janitorTick(later, { orphanGraceMs: 60_000 });
       expect(await docker.alive(retried)).toBe(false);
       expect(await docker.alive(orphan)).toBe(false);
+      expect(await docker.alive(expired)).toBe(false);
       expect(await docker.alive(ofUnreadable)).toBe(true); // its rollout's state cannot be read
       expect(report.errors).toEqual(
         expect.arrayContaining([
@@ -205,11 +215,34 @@ describe("janitor", () => {
       expect(Number(await redis.zscore(ledger.keys.teardownDue(), badDue))).toBeGreaterThan(now + 120_000);
       expect(await redis.hexists(ledger.keys.teardownEntries(), badDue)).toBe(1);
     } finally {
-      for (const h of [retried, orphan, ofUnreadable]) await docker.destroy(h);
+      for (const h of [retried, orphan, ofUnreadable, expired]) await docker.destroy(h);
       await redis.hdel(ledger.keys.sandboxes(), badReg);
       await redis.hdel(ledger.keys.teardownEntries(), badDue);
       await redis.zrem(ledger.keys.teardownDue(), badDue);
-      await redis.del(store.keys.rollout(unreadable));
+      await redis.del(store.keys.rollout(unreadable), store.keys.rollout(expiredUnreadable));
+    }
+  });
+
+  it("a loop reports its first few failing entries one by one and the rest in one line (a rolling upgrade's old-shape registry is not a warning per entry per pass)", async () => {
+    const { redis } = fleet;
+    const { ledger } = fleet.deps;
+    const keys = Array.from({ length: 10 }, (_, i) => `oldshape${RUN}-${i}:resources`);
+    for (const key of keys)
+      await redis.hset(ledger.keys.sandboxes(), key, JSON.stringify({ key, shape: "old" }));
+    try {
+      const report = await janitorTick(fleet.deps, { orphanGraceMs: 60_000 });
+      const registry = report.errors.filter((e) => e.startsWith("registry"));
+      expect(registry).toHaveLength(REPORTED_ENTRY_FAILURES + 1);
+      expect(
+        registry.slice(0, REPORTED_ENTRY_FAILURES).every((e) => /^registry oldshape.*does not parse/.test(e)),
+      ).toBe(true);
+      expect(registry.at(-1)).toMatch(
+        new RegExp(
+          `^registry: ${keys.length - REPORTED_ENTRY_FAILURES} more entries failed .*does not parse`,
+        ),
+      );
+    } finally {
+      await redis.hdel(ledger.keys.sandboxes(), ...keys);
     }
   });
 

@@ -33,6 +33,9 @@ export const DEFAULT_ADMISSION_GRACE_MS = 60_000;
 
 export const DEFAULT_DESTROY_BUDGET_MS = 60_000;
 
+/** A janitor loop's first this many failing entries are reported one by one; the rest in one report. */
+export const REPORTED_ENTRY_FAILURES = 3;
+
 /** A helper container not running after this long was left behind (reapers finish in seconds). */
 export const STALE_HELPER_MS = 5 * 60_000;
 
@@ -90,10 +93,41 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       stepFailed(name, err);
     }
   };
-  // A stored entry that does not parse (torn, or another release's shape) is reported and
-  // skipped: it must not stop the sweep of every other one.
-  const invalidIn = (name: string) => (key: string, err: Error) =>
-    stepFailed(`${name} ${key}`, new Error(`stored entry does not parse: ${err.message.slice(0, 300)}`));
+  // Per-entry steps of one loop: every entry is tried whatever the others did, but only the first
+  // few failures are reported one by one; the rest are summed up in one report when the loop ends
+  // (`done`). Redis or the daemon failing every call (a busy script, an outage that answers
+  // errors) is otherwise one warning and one count per entry, for a registry of thousands,
+  // every pass.
+  const entrySteps = (loop: string) => {
+    let more = 0;
+    let last = "";
+    let reported = 0;
+    const failed = (name: string, err: unknown) => {
+      if (reported < REPORTED_ENTRY_FAILURES) {
+        reported++;
+        stepFailed(name, err);
+        return;
+      }
+      more++;
+      last = `${name}: ${err instanceof Error ? err.message : String(err)}`;
+    };
+    const run = async (name: string, body: () => Promise<void>) => {
+      try {
+        await body();
+      } catch (err) {
+        failed(name, err);
+      }
+    };
+    // A stored entry that does not parse (torn, or another release's shape: every entry of it,
+    // in a rolling upgrade) is reported and skipped: it must not stop the sweep of every other.
+    const invalid = (key: string, err: Error) =>
+      failed(`${loop} ${key}`, new Error(`stored entry does not parse: ${err.message.slice(0, 300)}`));
+    const done = () => {
+      if (more > 0)
+        stepFailed(loop, new Error(`${more} more entries failed (not reported one by one); last, ${last}`));
+    };
+    return { run, invalid, done };
+  };
 
   // (4) Watchdog: rollouts past their deadline that no stage is closing. First: it needs only
   // Redis, and the steps below wait on the provider (a hung daemon answers each call only at
@@ -102,11 +136,13 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   await step("watchdog", async () => {
     overdue = await deps.store.pastDeadline(now - (options.watchdogGraceMs ?? 30_000));
   });
+  const watchdogSteps = entrySteps("watchdog");
   for (const id of overdue) {
-    await step(`watchdog ${id}`, async () => {
+    await watchdogSteps.run(`watchdog ${id}`, async () => {
       if (await watchdogClose(deps, id, now)) report.watchdogClosed++;
     });
   }
+  watchdogSteps.done();
 
   // (0) Admissions their dispatcher never finished (it died between recording the rollouts and
   // enqueueing their seeds): the recorded rollouts' seeds are enqueued now (deduplicated by job
@@ -131,22 +167,30 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.
   await step("registry", async () => {
-    for (const entry of await deps.ledger.listSandboxes(invalidIn("registry"))) {
-      await step(`registry ${entry.key}`, async () => {
-        const rec = await deps.store.get(entry.rolloutId);
+    const registrySteps = entrySteps("registry");
+    for (const entry of await deps.ledger.listSandboxes(registrySteps.invalid)) {
+      await registrySteps.run(`registry ${entry.key}`, async () => {
+        // Expired: removed whatever its rollout (its record is not read: one that cannot be read
+        // must not keep an expired sandbox alive).
+        const expired = entry.expiresAt < now;
+        const rec = expired ? null : await deps.store.get(entry.rolloutId);
         const over = !rec || isTerminal(rec.status);
-        if ((over && now - entry.createdAt > options.orphanGraceMs) || entry.expiresAt < now) {
+        if (expired || (over && now - entry.createdAt > options.orphanGraceMs)) {
           await deps.ledger.schedule(entry, now);
           report.expiredScheduled++;
         }
       });
     }
+    registrySteps.done();
   });
 
   // (1) Ledger retries. A confirmed destroy that was the rollout's last on the ledger marks its
   // result's teardown confirmed (in the ledger's confirm).
   await step("ledger", async () => {
-    for (const entry of await deps.ledger.due(now, undefined, invalidIn("ledger"))) {
+    const ledgerSteps = entrySteps("ledger");
+    const due = await deps.ledger.due(now, undefined, ledgerSteps.invalid);
+    ledgerSteps.done();
+    for (const entry of due) {
       if (overBudget()) break; // the rest are still due next pass
       report.retried++;
       const r = await destroyOrLedger(deps, entry);
@@ -173,17 +217,18 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
     const active = { resources: 0, agent: 0 };
     for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
+    const orphanSteps = entrySteps("orphans");
     for (const info of listed) {
       const rolloutId = info.labels[LABEL_ROLLOUT];
       const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
       const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
       if (!rolloutId) continue;
       // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
-      await step(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
-        const rec = await deps.store.get(rolloutId);
+      await orphanSteps.run(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
         const old = now - info.createdAt > options.orphanGraceMs;
-        const orphan =
-          (rec === null && old) || (rec !== null && isTerminal(rec.status) && old) || expires < now;
+        // Expired: an orphan whatever its rollout (its record not read, as in the registry step).
+        const rec = expires < now || !old ? null : await deps.store.get(rolloutId);
+        const orphan = expires < now || (old && (rec === null || isTerminal(rec.status)));
         if (!orphan) return;
         if (overBudget()) return; // counted as active; removed next pass
         const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
@@ -207,6 +252,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     for (const [owner, n] of Object.entries(active)) {
       deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
     }
+    orphanSteps.done();
   });
 
   // (5) Gateway networks whose rollout is over (a close that could not remove one).
