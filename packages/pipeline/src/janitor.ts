@@ -36,6 +36,8 @@ export const DEFAULT_DESTROY_BUDGET_MS = 60_000;
 /** A janitor loop's first this many failing entries are reported one by one; the rest in one report. */
 export const REPORTED_ENTRY_FAILURES = 3;
 
+const errorText = (err: unknown) => (err instanceof Error ? err.message : String(err));
+
 /** A helper container not running after this long was left behind (reapers finish in seconds). */
 export const STALE_HELPER_MS = 5 * 60_000;
 
@@ -81,18 +83,21 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // that answers each call only at its timeout, a pass of 50 due entries would take 25 minutes.
   const overBudget = () => Date.now() - started > (options.destroyBudgetMs ?? DEFAULT_DESTROY_BUDGET_MS);
   const stepFailed = (name: string, err: unknown) => {
-    const message = err instanceof Error ? err.message : String(err);
+    const message = errorText(err);
     report.errors.push(`${name}: ${message}`);
     deps.metrics?.janitorStepFailures.inc({ step: name.split(" ")[0]! });
     deps.logger.warn({ step: name, err: message }, "janitor step failed; the next pass retries it");
   };
-  const step = async (name: string, body: () => Promise<void>) => {
-    try {
-      await body();
-    } catch (err) {
-      stepFailed(name, err);
-    }
-  };
+  /** Run `body`; a failure goes to `failed` instead of ending the pass. */
+  const guarded =
+    (failed: (name: string, err: unknown) => void) => async (name: string, body: () => Promise<void>) => {
+      try {
+        await body();
+      } catch (err) {
+        failed(name, err);
+      }
+    };
+  const step = guarded(stepFailed);
   // Per-entry steps of one loop: every entry is tried whatever the others did, but only the first
   // few failures are reported one by one; the rest are summed up in one report when the loop ends
   // (`done`). Redis or the daemon failing every call (a busy script, an outage that answers
@@ -109,15 +114,9 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         return;
       }
       more++;
-      last = `${name}: ${err instanceof Error ? err.message : String(err)}`;
+      last = `${name}: ${errorText(err)}`;
     };
-    const run = async (name: string, body: () => Promise<void>) => {
-      try {
-        await body();
-      } catch (err) {
-        failed(name, err);
-      }
-    };
+    const run = guarded(failed);
     // A stored entry that does not parse (torn, or another release's shape: every entry of it,
     // in a rolling upgrade) is reported and skipped: it must not stop the sweep of every other.
     const invalid = (key: string, err: Error) =>
@@ -266,7 +265,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           // One that will not go stops none of the others; the step still fails (and is
           // counted for FleetJanitorStepFailing) so a network that never goes is seen.
           await networks.remove(net.rolloutId, net.name).catch(async (err: unknown) => {
-            failed.push(`${net.name}: ${err instanceof Error ? err.message : String(err)}`);
+            failed.push(`${net.name}: ${errorText(err)}`);
             // The network may be gone with its rules left: only the ledger leads back to them.
             await deps.ledger.networkRemovalFailed(net.rolloutId, now + NETWORK_RETRY_MS);
           });
@@ -279,7 +278,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           await networks.remove(rolloutId);
           await deps.ledger.networkRemoved(rolloutId);
         } catch (err) {
-          failed.push(`${rolloutId}'s network: ${err instanceof Error ? err.message : String(err)}`);
+          failed.push(`${rolloutId}'s network: ${errorText(err)}`);
           // Later, and after the others due now: one that never goes cannot hold up the rest.
           await deps.ledger.networkRetryLater(rolloutId, now);
         }

@@ -100,6 +100,21 @@ const FORGET_DESTROYED = `local function forgetDestroyed(sandboxes, entries, due
         end
       end`;
 
+/**
+ * Record a sandbox intent `json` under `key` in the registry `hash`: 1 when new (no earlier
+ * attempt recorded one, so none can have created the sandbox); else 0, and an earlier attempt's
+ * intent that never got a handle is re-dated to this one: this attempt may be the one creating
+ * the sandbox now, so the intent grace (close or the janitor taking a handle-less intent for
+ * "never created") counts from it. One with a handle is the earlier attempt's sandbox: kept.
+ */
+const RECORD_INTENT = `local function recordIntent(hash, key, json)
+        if redis.call('HSETNX', hash, key, json) == 1 then return 1 end
+        if string.find(redis.call('HGET', hash, key), '"handle":null', 1, true) then
+          redis.call('HSET', hash, key, json)
+        end
+        return 0
+      end`;
+
 const SCRIPTS = {
   /**
    * Admit one rollout if new: meta, status, inflight entry, batch count. ARGV: metaJson,
@@ -319,14 +334,11 @@ const SCRIPTS = {
     keys: 2, // rollout, sandboxes
     lua: `
       ${TERMINAL}
+      ${RECORD_INTENT}
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status then return 'missing' end
       if terminal[status] or redis.call('HGET', KEYS[1], 'closed') == '1' then return 'closed' end
-      if redis.call('HSETNX', KEYS[2], ARGV[1], ARGV[2]) == 0 then
-        -- A handle-less intent of an earlier attempt: its grace counts from this one (see fleetBegin).
-        local existing = redis.call('HGET', KEYS[2], ARGV[1])
-        if string.find(existing, '"handle":null', 1, true) then redis.call('HSET', KEYS[2], ARGV[1], ARGV[2]) end
-      end
+      recordIntent(KEYS[2], ARGV[1], ARGV[2])
       return 'ok'`,
   },
   /**
@@ -479,6 +491,7 @@ const SCRIPTS = {
     lua: `
       ${TERMINAL}
       ${CLAIM_LAUNCH}
+      ${RECORD_INTENT}
       local status = redis.call('HGET', KEYS[1], 'status')
       local intent, previous, launches, prevTests, sweepLeft = '', '', 0, false, 0
       if status and not terminal[status] then
@@ -514,16 +527,9 @@ const SCRIPTS = {
               if deadline and tonumber(ARGV[2]) < deadline then
                 local expires = string.format('%.0f', deadline + tonumber(ARGV[7]))
                 -- 'new': no earlier attempt recorded it, so none can have created the sandbox.
-                if redis.call('HSETNX', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}') == 1 then
+                if recordIntent(KEYS[3], ARGV[5], ARGV[6] .. expires .. '}') == 1 then
                   intent = 'new'
                 else
-                  -- An earlier attempt's intent that never got a handle: this attempt may be the
-                  -- one creating the sandbox now, so the intent grace (a close or the janitor
-                  -- taking a handle-less intent for "never created") counts from this begin.
-                  local existing = redis.call('HGET', KEYS[3], ARGV[5])
-                  if string.find(existing, '"handle":null', 1, true) then
-                    redis.call('HSET', KEYS[3], ARGV[5], ARGV[6] .. expires .. '}')
-                  end
                   intent = 'ok'
                 end
               end
