@@ -334,16 +334,21 @@ async function resetForRerun(
 }
 
 export const seed: StageHandler = async (rec, deps) => {
+  // A final failure (the task, a missing image, an isolation refusal): the intent this begin
+  // recorded will never get a sandbox (a create that fails for good leaves no container; one it
+  // could not remove is retryable): drop it, so close can confirm the teardown at once instead
+  // of waiting out the intent grace period. Not one an earlier attempt recorded: that attempt may
+  // have created the sandbox, and close must still find it.
+  const dropFreshIntent = async (err: unknown) => {
+    if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
+      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id }, null);
+    }
+  };
   let task: TaskContent;
   try {
     task = await loadTask(rec, deps);
   } catch (err) {
-    // The intent this begin recorded will never get a sandbox: drop it, so close can confirm the
-    // teardown at once instead of waiting out the intent grace period. Not one an earlier attempt
-    // recorded: that attempt may have created the sandbox, and close must still find it.
-    if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
-      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id }, null);
-    }
+    await dropFreshIntent(err);
     throw err;
   }
   // The intent was persisted by this stage's begin (same round trip as the record read); the
@@ -357,12 +362,7 @@ export const seed: StageHandler = async (rec, deps) => {
       replace: true,
     });
   } catch (err) {
-    // A final failure to create (a missing image, an isolation refusal): as for the task above,
-    // this attempt's intent will never get a sandbox, so close need not wait it out. (Should the
-    // provider have left a container behind, the janitor's label sweep still finds it.)
-    if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
-      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id }, null);
-    }
+    await dropFreshIntent(err);
     throw err;
   }
   if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
