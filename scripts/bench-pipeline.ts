@@ -7,7 +7,8 @@
  *    Workers, same concurrency, same Redis, same job options) pushing N ids through four no-op
  *    jobs. Warm-up, then rounds alternating which side goes first; medians, and the fleet/raw
  *    ratio as the median of each round's own ratio (target ≥ 0.7), with a profile: Redis commands and round trips per rollout (counted
- *    client-side in this process), Node and Redis CPU per rollout, in-stage times.
+ *    client-side in this process), Node and Redis CPU per rollout, the data commands Redis ran
+ *    (scripts' calls included) and its time in scripts (`INFO commandstats`), in-stage times.
  * B. Real sandboxes: M rollouts of the example suite's `hello-file` with the oracle agent through
  *    `startInProcessFleet` on `DockerSandboxProvider`; against create → start → exec(`true`) →
  *    remove of M containers with dockerode directly and the provider's container config; then
@@ -202,10 +203,31 @@ interface Snapshot {
   /** Server-wide bytes Redis read from and wrote to its clients. */
   netIn: number;
   netOut: number;
+  /** Server-wide `INFO commandstats`: data commands run (sent or called by a script), µs in scripts. */
+  dataCalls: number;
+  scriptUs: number;
+}
+
+/**
+ * From `INFO commandstats`: the data commands Redis ran, whether a client sent them or a script
+ * called them (Redis counts a script's `redis.call`s under their own names), and the µs spent in
+ * scripts (EVALSHA's time includes its calls'). Where the scripts' cost goes, which the
+ * client-side count (one EVALSHA) cannot show.
+ */
+function commandStats(info: string): { dataCalls: number; scriptUs: number } {
+  let dataCalls = 0;
+  let scriptUs = 0;
+  for (const m of info.matchAll(/^cmdstat_([^:]+):calls=(\d+),usec=(\d+)/gm)) {
+    const [, name, calls, usec] = m;
+    if (name === "evalsha" || name === "eval") scriptUs += Number(usec);
+    else if (name !== "info") dataCalls += Number(calls);
+  }
+  return { dataCalls, scriptUs };
 }
 
 async function snapshot(probe: Redis): Promise<Snapshot> {
   const info = (await probe.info("cpu")) + (await probe.info("stats"));
+  const stats = commandStats(await probe.info("commandstats"));
   const field = (k: string) => Number(new RegExp(`${k}:([\\d.]+)`).exec(info)?.[1] ?? 0);
   return {
     commands: tally.commands,
@@ -216,6 +238,7 @@ async function snapshot(probe: Redis): Promise<Snapshot> {
     redisCpuS: field("used_cpu_user") + field("used_cpu_sys"),
     netIn: field("total_net_input_bytes"),
     netOut: field("total_net_output_bytes"),
+    ...stats,
   };
 }
 
@@ -228,6 +251,8 @@ interface Cost {
   redisCpuMs: number;
   bytesToRedis: number;
   bytesFromRedis: number;
+  dataCalls: number;
+  scriptUs: number;
 }
 
 /** Per-rollout costs between two snapshots. */
@@ -247,6 +272,8 @@ function costPerRollout(a: Snapshot, b: Snapshot, n: number): Cost {
     redisCpuMs: ((b.redisCpuS - a.redisCpuS) * 1000) / n,
     bytesToRedis: (b.netIn - a.netIn) / n,
     bytesFromRedis: (b.netOut - a.netOut) / n,
+    dataCalls: (b.dataCalls - a.dataCalls) / n,
+    scriptUs: (b.scriptUs - a.scriptUs) / n,
   };
 }
 
@@ -675,6 +702,8 @@ function printPartA(rounds: RoundResult[][]): void {
     ["bytes to redis", (c) => c.bytesToRedis, (x) => x.toFixed(0)],
     ["bytes from redis", (c) => c.bytesFromRedis, (x) => x.toFixed(0)],
     ["redis cpu ms (server-wide)", (c) => c.redisCpuMs, f2],
+    ["data cmds run (server-wide)", (c) => c.dataCalls, f1],
+    ["script us (server-wide)", (c) => c.scriptUs, (x) => x.toFixed(0)],
   ];
   for (const [label, pick, fmt] of summary) {
     console.log(
