@@ -1160,12 +1160,13 @@ export const close: StageHandler = async (rec, deps) => {
   const at = clock(deps);
   const closeReceipt = { cleanup, teardown, at };
   const result = composeResult(fresh, closeReceipt, at, fresh.failureLog);
-  // The close receipt is stored with the result, in the one finalizing script.
-  const finalized = await deps.store.finalize(fresh.meta, result, at, closeReceipt, confirmed);
-  if (finalized && deps.metrics) {
-    deps.metrics.rolloutsFinished.inc({ status: result.status, failure_kind: result.failureKind ?? "none" });
-    deps.metrics.rolloutDuration.observe({ status: result.status }, (result.timings.totalMs ?? 0) / 1000);
-    if (result.reward !== null) deps.metrics.reward.observe(result.reward);
+  // The close receipt is stored with the result, in the one finalizing script; the metrics count
+  // the result as stored (its teardown, and so a completed one's failure kind, may differ).
+  const stored = await deps.store.finalizeStored(fresh.meta, result, at, closeReceipt, confirmed);
+  if (stored && deps.metrics) {
+    deps.metrics.rolloutsFinished.inc({ status: stored.status, failure_kind: stored.failureKind ?? "none" });
+    deps.metrics.rolloutDuration.observe({ status: stored.status }, (stored.timings.totalMs ?? 0) / 1000);
+    if (stored.reward !== null) deps.metrics.reward.observe(stored.reward);
   }
   return null;
 };

@@ -3,6 +3,7 @@ import { FleetError, type SandboxHandle, type TaskContent } from "@fleet/contrac
 import { sandboxKey } from "@fleet/queue";
 import { DockerSandboxProvider, type SandboxProvider } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -328,5 +329,54 @@ describe("teardown racing the stages (real Docker)", () => {
     }
     expect(await docker.alive(h2!)).toBe(false);
     expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
+  });
+
+  it("close's metrics count the result as finalize stored it: a sandbox put on the ledger while close ran makes it teardown_failed, not none", async () => {
+    const [id] = await fleet.submit([
+      { task: task("hello-file"), agent: { harness: "oracle" }, deadlineS: 3600 },
+    ]);
+    for (const stage of ["seed", "run", "verify"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    // Between close's begin (its read of the rollout's sandboxes) and its finalize, a sandbox
+    // of the rollout goes on the ledger (a replacement whose own destroy failed).
+    const { store, ledger } = fleet.deps;
+    const racing = Object.assign(Object.create(store) as typeof store, {
+      begin: async (...a: Parameters<typeof store.begin>) => {
+        const begun = await store.begin(...a);
+        if (a[1] === "close") {
+          const handle = {
+            ...begun.record!.receipts.seed!.handle,
+            id: "replacement",
+            owner: "agent" as const,
+          };
+          const entry = { key: sandboxKey(id!, "agent"), rolloutId: id!, owner: "agent" as const };
+          await ledger.recordFailure(
+            {
+              ...entry,
+              provider: handle.provider,
+              handle,
+              createdAt: Date.now(),
+              expiresAt: Date.now() + 60_000,
+            },
+            "daemon blip",
+            Date.now(),
+          );
+        }
+        return begun;
+      },
+    });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "races-test", defaultMetrics: false }));
+    await runStageJob("close", job(id!), { ...fleet.deps, store: racing, metrics });
+    expect(await store.getResult(id!)).toMatchObject({
+      status: "completed",
+      reward: 1,
+      teardown: "pending",
+      failureKind: "teardown_failed",
+    });
+    const finished = (await metrics.rolloutsFinished.get()).values.map((v) => [
+      v.labels.failure_kind,
+      v.value,
+    ]);
+    expect(finished).toEqual([["teardown_failed", 1]]);
+    await ledger.confirm({ key: sandboxKey(id!, "agent"), rolloutId: id! });
   });
 });

@@ -934,12 +934,23 @@ export class RolloutStore {
 
   /**
    * Finalize exactly once (DESIGN §2 rule 1). True if this call did it, also when ioredis sent it
-   * twice (its first reply lost to a reconnect): the finalized metrics count it. `confirmed` names sandbox
-   * keys whose destroy was confirmed: they leave the sandboxes hash and the teardown ledger in
-   * the same script, whether or not this call finalizes. A result with its teardown pending is
-   * stored confirmed if by then the ledger holds neither of the rollout's sandboxes.
+   * twice (its first reply lost to a reconnect): the finalized metrics count it. See `finalizeStored`.
    */
-  async finalize(
+  async finalize(...args: Parameters<RolloutStore["finalizeStored"]>): Promise<boolean> {
+    return (await this.finalizeStored(...args)) !== null;
+  }
+
+  /**
+   * Finalize exactly once (DESIGN §2 rule 1): the result as stored if this call did it, else null
+   * (the same call sent again by ioredis, its first reply lost to a reconnect, did it: its answer
+   * is the result as given). `confirmed` names
+   * sandbox keys whose destroy was confirmed: they leave the sandboxes hash and the teardown ledger
+   * in the same script, whether or not this call finalizes. The teardown stored may differ from
+   * `result`'s: pending when a sandbox of the rollout is left on the ledger or registered (one
+   * that replaced the sandbox destroyed), confirmed when a pending one's sandboxes are all gone
+   * by then (the janitor finished the teardown while this close ran).
+   */
+  async finalizeStored(
     meta: Pick<RolloutMeta, "id" | "batchId">,
     result: RolloutResult,
     now: number,
@@ -951,7 +962,7 @@ export class RolloutStore {
     confirmed: readonly (string | { key: string; destroyed: SandboxHandle | null })[] = [],
     /** Identifies this call (a test may fix it, to send the same call twice). */
     callId: string = randomUUID(),
-  ): Promise<boolean> {
+  ): Promise<RolloutResult | null> {
     if (!isTerminal(result.status)) throw new Error(`finalize needs a terminal status, got ${result.status}`);
     const parsed = RolloutResult.parse(result);
     const [batchKey, hasBatch] = this.batchArgs(meta);
@@ -987,7 +998,20 @@ export class RolloutStore {
         confirmedOnlyOf(confirmed[1]),
       ],
     );
-    return r === 1;
+    // The script's edits of the result (see fleetFinalize), made here on the parsed copy.
+    if (r === 2) {
+      const kind =
+        parsed.status === "completed" && parsed.failureKind === null ? "teardown_failed" : parsed.failureKind;
+      return { ...parsed, teardown: "pending", failureKind: kind };
+    }
+    if (r === 3) {
+      return {
+        ...parsed,
+        teardown: "confirmed",
+        failureKind: parsed.failureKind === "teardown_failed" ? null : parsed.failureKind,
+      };
+    }
+    return r === 1 ? parsed : null;
   }
 }
 

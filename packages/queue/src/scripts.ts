@@ -265,7 +265,9 @@ const SCRIPTS = {
    * janitor finished the teardown while this close ran, and no network removal is left to retry:
    * KEYS[9]). ARGV[11]: retention (ms, 0 for good);
    * ARGV[12]: this call's id, stored with the result. Returns 1 if this call finalized, also when
-   * it is the same call sent again (ioredis re-sends one whose reply a reconnect lost).
+   * it is the same call sent again (ioredis re-sends one whose reply a reconnect lost), 2 when it
+   * finalized with the result's teardown turned pending (a sandbox left, above), 3 when it
+   * finalized with it turned confirmed (none left), 0 if not.
    */
   fleetFinalize: {
     // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due, failures,
@@ -281,10 +283,12 @@ const SCRIPTS = {
       end
       -- A sandbox left under either key (recorded meanwhile for one that replaced the sandbox this
       -- close destroyed): the result cannot say the teardown is confirmed.
+      local turnedPending = false
       if teardownLeft(KEYS[5], KEYS[4], ARGV[9], ARGV[10]) then
         -- (As result.ts composes a pending teardown: a completed result's failureKind says so,
         -- unless the agent's timeout already does.)
         local edited = editResult(ARGV[1], 'teardown', '"confirmed"', '"pending"')
+        turnedPending = edited ~= ARGV[1]
         if edited ~= ARGV[1] and ARGV[2] == 'completed' then
           edited = editResult(edited, 'failureKind', 'null', '"teardown_failed"')
         end
@@ -302,7 +306,7 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
-      confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5], KEYS[4])
+      local turnedConfirmed = confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5], KEYS[4]) == 1
       local done, total = 0, 1
       if ARGV[4] == '1' then
         redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
@@ -324,6 +328,8 @@ const SCRIPTS = {
           redis.call('PEXPIRE', KEYS[10], ttl)
         end
       end
+      if turnedPending then return 2 end
+      if turnedConfirmed then return 3 end
       return 1`,
   },
   /**

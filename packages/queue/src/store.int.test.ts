@@ -1152,6 +1152,47 @@ describe("rollout store", () => {
     });
   });
 
+  it("finalizeStored answers the result as stored when finalize edited its teardown (what close's metrics count), null for a closer that lost", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const finalizeAndRead = async (id: string, result: RolloutResult) => {
+      const meta = (await store.begin(id, "close", 20)).record!.meta;
+      const stored = await store.finalizeStored(meta, result, 30);
+      expect(stored).toEqual(await store.getResult(id));
+      return stored;
+    };
+    // Composed confirmed, but a sandbox of the rollout is on the ledger: stored pending.
+    const a = (await admitOne()).ids[0]!;
+    await ledger.schedule(sandboxEntry(a, "agent"), 10);
+    expect(await finalizeAndRead(a, resultFor(a, "completed"))).toMatchObject({
+      teardown: "pending",
+      failureKind: "teardown_failed",
+      reward: 1,
+    });
+    // Composed pending, but the ledger was emptied meanwhile: stored confirmed.
+    const b = (await admitOne()).ids[0]!;
+    const pending = {
+      ...resultFor(b, "completed"),
+      teardown: "pending" as const,
+      failureKind: "teardown_failed" as const,
+    };
+    expect(await finalizeAndRead(b, pending)).toMatchObject({ teardown: "confirmed", failureKind: null });
+    // Neither: stored as given. A masked result keeps its own failure kind when turned pending.
+    const c = (await admitOne()).ids[0]!;
+    expect(await finalizeAndRead(c, resultFor(c, "completed"))).toEqual(resultFor(c, "completed"));
+    const d = (await admitOne()).ids[0]!;
+    await ledger.schedule(sandboxEntry(d, "resources"), 10);
+    const masked = { ...resultFor(d, "masked"), failureKind: "sandbox_lost" as const };
+    expect(await finalizeAndRead(d, masked)).toMatchObject({
+      teardown: "pending",
+      failureKind: "sandbox_lost",
+    });
+    // Another closer's finalize: not this call's to count.
+    const meta = (await store.begin(c, "close", 40)).record!.meta;
+    expect(await store.finalizeStored(meta, resultFor(c, "completed"), 50)).toBeNull();
+    await ledger.confirm(sandboxEntry(a, "agent"));
+    await ledger.confirm(sandboxEntry(d, "resources"));
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
