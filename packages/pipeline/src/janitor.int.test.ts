@@ -12,7 +12,13 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
-import { janitorTick, REPORTED_ENTRY_FAILURES, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
+import {
+  janitorTick,
+  REPORTED_ENTRY_FAILURES,
+  STALE_HELPER_MS,
+  startJanitor,
+  WATCHDOG_CLOSE_LIMIT,
+} from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
@@ -362,6 +368,61 @@ describe("janitor", () => {
       status: "masked",
       failureKind: "deadline_exceeded",
     });
+  });
+
+  it(`a rollout whose close keeps ending without finalizing gets ${WATCHDOG_CLOSE_LIMIT} closes from the watchdog, then the janitor closes it: its sandbox through the ledger, a graded reward kept`, async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const [graded, stuck] = (await fleet.submit([
+      { task, agent: { harness: "oracle" }, deadlineS: 3600 },
+      { task, agent: { harness: "oracle" }, deadlineS: 3600 },
+    ])) as [string, string];
+    for (const stage of ["seed", "run", "verify"] as const) {
+      expect(await runStageJob(stage, job(graded), fleet.deps)).toBe("ok");
+    }
+    expect(await runStageJob("seed", job(stuck), fleet.deps)).toBe("ok");
+    const { store, queues } = fleet.deps;
+    const handles = await Promise.all(
+      [graded, stuck].map(async (id) => (await store.get(id))!.receipts.seed!.handle),
+    );
+    // A minute past the deadline: within the sandboxes' expiry slack, so only close (or the
+    // janitor's close) may take them.
+    const later = { ...fleet.deps, now: () => Date.now() + 3_660_000 };
+    const opts = { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 };
+    const closeJobs = () =>
+      Promise.all([graded, stuck].map((id) => queues.queues.close.getJob(`${id}.close`)));
+    // Each close ends without finalizing (it failed, or killed its worker until BullMQ gave up).
+    for (let i = 0; i < WATCHDOG_CLOSE_LIMIT; i++) {
+      for (const j of await closeJobs()) await j?.remove();
+      const report = await janitorTick(later, opts);
+      expect(report.errors).toEqual([]);
+      expect((await closeJobs()).map((j) => j?.id)).toEqual([`${graded}.close`, `${stuck}.close`]);
+    }
+    expect(await Promise.all(handles.map((h) => docker.alive(h)))).toEqual([true, true]);
+    expect(await store.getResult(graded)).toBeNull();
+    for (const j of await closeJobs()) await j?.remove();
+    const report = await janitorTick(later, opts);
+    expect(report.errors).toEqual([]);
+    expect(report.closedByJanitor).toBeGreaterThanOrEqual(2);
+    expect(report.retried).toBeGreaterThanOrEqual(2); // the ledger step's destroys
+    // No close enqueued again; the sandboxes went through the ledger in the same pass.
+    expect(await closeJobs()).toEqual([undefined, undefined]);
+    expect(await Promise.all(handles.map((h) => docker.alive(h)))).toEqual([false, false]);
+    expect(await store.getResult(graded)).toMatchObject({
+      status: "completed",
+      reward: 1,
+      teardown: "confirmed",
+    });
+    expect(await store.getResult(stuck)).toMatchObject({
+      status: "masked",
+      reward: null,
+      failureKind: "deadline_exceeded",
+      teardown: "confirmed",
+    });
+    expect((await fleet.deps.ledger.pending()).filter((e) => [graded, stuck].includes(e.rolloutId))).toEqual(
+      [],
+    );
   });
 
   it("a verify that stores its reward between the watchdog's read and its write keeps it; a claimed cancel stays cancelled", async () => {

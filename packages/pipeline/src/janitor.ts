@@ -12,7 +12,7 @@ import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fl
 import { ageSeconds, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { destroyOrLedger } from "./stages.ts";
+import { closeRollout, destroyOrLedger } from "./stages.ts";
 import { boundedClose, freshErrors } from "./worker.ts";
 
 export interface JanitorOptions {
@@ -48,6 +48,8 @@ export interface JanitorReport {
   orphansRemoved: number;
   expiredScheduled: number;
   watchdogClosed: number;
+  /** Rollouts the janitor closed itself, their closes having ended unfinalized too often (`WATCHDOG_CLOSE_LIMIT`). */
+  closedByJanitor: number;
   /** Admissions a dispatcher did not finish whose recorded rollouts' seeds this pass enqueued. */
   admissionsFinished: number;
   /** Steps of this pass that failed (e.g. `orphans: docker list: …`); the other steps still ran. */
@@ -74,6 +76,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     orphansRemoved: 0,
     expiredScheduled: 0,
     watchdogClosed: 0,
+    closedByJanitor: 0,
     admissionsFinished: 0,
     errors: [],
   };
@@ -138,7 +141,9 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   const watchdogSteps = entrySteps("watchdog");
   for (const id of overdue) {
     await watchdogSteps.run(`watchdog ${id}`, async () => {
-      if (await watchdogClose(deps, id, now)) report.watchdogClosed++;
+      const done = await watchdogClose(deps, id, now);
+      if (done === "enqueued") report.watchdogClosed++;
+      if (done === "closed") report.closedByJanitor++;
     });
   }
   watchdogSteps.done();
@@ -312,18 +317,33 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", "waiting-children"]);
 
 /**
+ * The deadline watchdog enqueues close for a rollout this many times at most. A close job that
+ * ended without finalizing this often (it failed every attempt, or it killed every worker that
+ * took it: a stalled job is failed after `maxStalledCount` re-deliveries) would otherwise be
+ * enqueued again every pass for good, a poison job crash-looping the resources workers; the
+ * janitor closes the rollout itself instead (`closeRollout` without destroys: every sandbox goes
+ * to the teardown ledger, whose retries back off, and the result says the teardown is pending).
+ */
+export const WATCHDOG_CLOSE_LIMIT = 3;
+
+/**
  * Close a rollout past its deadline that nothing is closing. One whose close job is queued,
  * delayed or running is left to it (a backed-up close queue is not a stuck rollout). Otherwise
  * the deadline failure is recorded, unless the rollout is already graded (a verify receipt: its
  * reward stands, close only has to report it) or has a failure recorded, and close is enqueued,
- * replacing a close job that ended without finalizing. True when it enqueued a close.
+ * replacing a close job that ended without finalizing; past `WATCHDOG_CLOSE_LIMIT` enqueued
+ * closes, the janitor closes it itself. Says which it did (null: neither).
  */
-async function watchdogClose(deps: PipelineDeps, id: string, now: number): Promise<boolean> {
+async function watchdogClose(
+  deps: PipelineDeps,
+  id: string,
+  now: number,
+): Promise<"enqueued" | "closed" | null> {
   const rec = await deps.store.get(id);
-  if (!rec || isTerminal(rec.status)) return false;
+  if (!rec || isTerminal(rec.status)) return null;
   const closeJob = await deps.queues.queues.close.getJob(stageJobId(id, "close"));
   if (closeJob) {
-    if (CLOSE_UNDER_WAY.has(await closeJob.getState())) return false;
+    if (CLOSE_UNDER_WAY.has(await closeJob.getState())) return null;
     await closeJob.remove();
   }
   // Not over a claimed cancel (close composes `cancelled` from it), and only while the result is
@@ -343,8 +363,26 @@ async function watchdogClose(deps: PipelineDeps, id: string, now: number): Promi
       { beforeDecided: true },
     );
   }
+  const closes = await deps.store.noteWatchdogClose(id);
+  if (closes > WATCHDOG_CLOSE_LIMIT) {
+    deps.logger.warn(
+      { rolloutId: id, closes: closes - 1 },
+      "the rollout's closes keep ending without finalizing: the janitor closes it, its sandboxes left to the teardown ledger",
+    );
+    // As a close job's runner would: begin sets the tombstone and reads what close needs.
+    const { record, failures, ...begun } = await deps.store.begin(id, "close", now);
+    if (!record || isTerminal(record.status)) return null;
+    // At this pass's time: the sandboxes it hands to the ledger are due in this pass's ledger step.
+    await closeRollout(
+      { ...record, failureLog: failures, begun },
+      { ...deps, now: () => now },
+      { destroy: false },
+    );
+    return "closed";
+  }
+  if (closes === 0) return null; // it finished meanwhile
   await deps.queues.enqueue("close", id);
-  return true;
+  return "enqueued";
 }
 
 /** `fleet_sandboxes_active` without a sample (no count that is a fact now). */
@@ -394,7 +432,12 @@ export async function startJanitor(
     async () => {
       const report = await janitorTick(deps, options);
       lastPassAt = Date.now();
-      const did = report.retried + report.orphansRemoved + report.watchdogClosed + report.expiredScheduled;
+      const did =
+        report.retried +
+        report.orphansRemoved +
+        report.watchdogClosed +
+        report.closedByJanitor +
+        report.expiredScheduled;
       if (did + report.errors.length > 0) {
         deps.logger.info(report, "janitor pass");
       }

@@ -1106,7 +1106,18 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   return "close"; // refused for a stop (terminal or closed): close must run; a repeat is a no-op
 };
 
-export const close: StageHandler = async (rec, deps) => {
+export const close: StageHandler = (rec, deps) => closeRollout(rec, deps, { destroy: true });
+
+/**
+ * Close a rollout: destroy its sandboxes (or, without `destroy`, hand every one to the teardown
+ * ledger, as the janitor's close does: see `WATCHDOG_CLOSE_LIMIT`), remove its gateway network (a
+ * failed removal goes to the ledger's network retries), and finalize the result composed from `rec`.
+ */
+export async function closeRollout(
+  rec: StageRecord,
+  deps: PipelineDeps,
+  options: { destroy: boolean },
+): Promise<null> {
   // `rec` was read by `store.begin`, which set the tombstone first: no stage writes after it.
   const id = rec.meta.id;
   const fresh = rec;
@@ -1130,7 +1141,7 @@ export const close: StageHandler = async (rec, deps) => {
       };
     }
     if (!entry) continue;
-    if (owner === "agent") {
+    if (owner === "agent" || !options.destroy) {
       // Not ours to destroy (rule 11): the agent worker that owned it is gone; hand it to the janitor.
       await deps.ledger.schedule(entry, clock(deps));
       teardown = "pending";
@@ -1169,6 +1180,6 @@ export const close: StageHandler = async (rec, deps) => {
     if (stored.reward !== null) deps.metrics.reward.observe(stored.reward);
   }
   return null;
-};
+}
 
 export const HANDLERS: Record<StageName, StageHandler> = { seed, run, verify: verifyStage, close };

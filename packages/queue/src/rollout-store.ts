@@ -812,6 +812,15 @@ export class RolloutStore {
   }
 
   /** Whether `token` still holds the verify fence (no later verify attempt began). */
+  /**
+   * Count a close the deadline watchdog enqueues for this rollout: the count so far, this one
+   * included (0 for a rollout unknown or terminal). The janitor closes a rollout itself once its
+   * closes keep ending without finalizing (see `WATCHDOG_CLOSE_LIMIT`).
+   */
+  async noteWatchdogClose(id: string): Promise<number> {
+    return Number(await this.redis.fleetNoteWatchdogClose(this.keys.rollout(id)));
+  }
+
   async holdsVerifyFence(id: string, token: string): Promise<boolean> {
     return (await this.redis.hget(this.keys.rollout(id), "vfence")) === token;
   }

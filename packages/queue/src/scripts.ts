@@ -640,6 +640,16 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], 't:verify:sweep', id)
       return id`,
   },
+  /**
+   * Count one more close the janitor's deadline watchdog enqueued for a rollout (the one before
+   * ended without finalizing). Returns the count, or 0 for a rollout unknown or terminal.
+   */
+  fleetNoteWatchdogClose: {
+    keys: 1,
+    lua: `
+      ${OPEN_OR_RETURN_0}
+      return redis.call('HINCRBY', KEYS[1], 'watchdog:closes', 1)`,
+  },
   /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */
   fleetAttach: {
     keys: 2, // sandboxes, rollout
