@@ -402,9 +402,11 @@ describe("janitor", () => {
     expect(await Promise.all(handles.map((h) => docker.alive(h)))).toEqual([true, true]);
     expect(await store.getResult(graded)).toBeNull();
     for (const j of await closeJobs()) await j?.remove();
-    const report = await janitorTick(later, opts);
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const report = await janitorTick({ ...later, metrics }, opts);
     expect(report.errors).toEqual([]);
     expect(report.closedByJanitor).toBeGreaterThanOrEqual(2);
+    expect((await metrics.janitorClosed.get()).values[0]?.value).toBe(report.closedByJanitor);
     expect(report.retried).toBeGreaterThanOrEqual(2); // the ledger step's destroys
     // No close enqueued again; the sandboxes went through the ledger in the same pass.
     expect(await closeJobs()).toEqual([undefined, undefined]);

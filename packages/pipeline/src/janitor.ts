@@ -143,7 +143,10 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     await watchdogSteps.run(`watchdog ${id}`, async () => {
       const done = await watchdogClose(deps, id, now);
       if (done === "enqueued") report.watchdogClosed++;
-      if (done === "closed") report.closedByJanitor++;
+      if (done === "closed") {
+        report.closedByJanitor++;
+        deps.metrics?.janitorClosed.inc();
+      }
     });
   }
   watchdogSteps.done();

@@ -106,6 +106,7 @@ export interface FleetMetrics {
   queueWorkers: Gauge<"queue">;
   queueStalledJobs: Counter<"queue">;
   janitorStepFailures: Counter<"step">;
+  janitorClosed: Counter;
 }
 
 /**
@@ -233,6 +234,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       labelNames: ["step"],
       registers,
     }),
+    janitorClosed: new Counter({
+      name: "fleet_janitor_closed_rollouts_total",
+      help: "Rollouts the janitor closed itself, their sandboxes handed to the teardown ledger: the deadline watchdog had enqueued close for each WATCHDOG_CLOSE_LIMIT times and none finalized (a close failing every attempt, or killing every worker that took it).",
+      registers,
+    }),
     queueStalledJobs: new Counter({
       name: "fleet_queue_stalled_jobs_total",
       help: "Jobs this worker found stalled (lock lost: a worker died or blocked) and moved back to wait, by queue.",
@@ -246,6 +252,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   for (const result of TEARDOWN_RESULTS) metrics.teardownAttempts.inc({ result }, 0);
   for (const kind of TOKEN_KINDS) metrics.modelTokens.inc({ kind }, 0);
   for (const step of JANITOR_STEPS) metrics.janitorStepFailures.inc({ step }, 0);
+  metrics.janitorClosed.inc(0);
   // Gauges without labels start at 0, a made-up sample: sampled ones (Redis up, in flight,
   // ledger entries) appear only once the process that samples them (the dispatcher, the janitor)
   // set them, so a worker's scrape never reports "Redis down" or "nothing in flight".
