@@ -637,6 +637,9 @@ function checkResults(results: (RolloutResult | null)[], n: number): void {
   }
 }
 
+/** Part A gives no verdict when its rounds' own ratios spread over more than this share of their median. */
+const MAX_RATIO_SPREAD = 0.25;
+
 const f1 = (x: number) => x.toFixed(1);
 const f2 = (x: number) => x.toFixed(2);
 
@@ -676,9 +679,14 @@ function printPartA(rounds: RoundResult[][]): void {
   // round moves the ratio of the two medians (seen: 0.73 from per-round ratios all but one near
   // 0.47), not the median of the rounds' own ratios.
   const verdict = pairRatios.length > 0 ? median(pairRatios) : ratio;
+  // Rounds that disagree this much had the machine's load change under them (seen: 0.71, 0.78
+  // and 0.45 while another process ran tests): no verdict from such a run.
+  const spread = pairRatios.length > 1 ? (Math.max(...pairRatios) - Math.min(...pairRatios)) / verdict : 0;
+  const unstable = spread > MAX_RATIO_SPREAD;
+  const judged = unstable ? "UNSTABLE, rerun on an idle machine" : verdict >= 0.7 ? "ok" : "BELOW";
   console.log(
     `ratio    ${f2(verdict).padStart(10)}  fleet/raw, median of the rounds' own ratios (target >= 0.7: ` +
-      `${verdict >= 0.7 ? "ok" : "BELOW"}); per-round ${pairRatios.map(f2).join(", ") || "n/a"}; ` +
+      `${judged}); per-round ${pairRatios.map(f2).join(", ") || "n/a"}; ` +
       `ratio of the medians ${f2(ratio)}`,
   );
 
