@@ -173,15 +173,15 @@ describe("stage workers at a concurrency above ten", () => {
     void fleet.workers!.check();
     await checking.opened;
     const closing = Date.now();
-    await fleet.workers!.close(4_000);
+    await fleet.workers!.close(8_000);
     const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
     // Handed back at half the budget, in time: the hung check did not spend the budget first
     // (the workers were not force-closed at its end).
-    // Asked to stop at about half the 4 s budget, not at its end (a bound on the order of events,
-    // with 2 s of margin either way).
-    expect(stoppedAt - closing).toBeLessThan(3_000);
+    // Asked to stop at about half the 8 s budget, not at its end (a bound on the order of events,
+    // with 2 s of margin either way: a loaded machine may delay the stop by a second).
+    expect(stoppedAt - closing).toBeLessThan(6_000);
     const said = lines.map((l) => JSON.parse(l).msg as string);
     expect(said).toContain("jobs still running at shutdown; handing them back");
     expect(said).not.toContain("shutdown budget spent; force-closing the workers");
