@@ -811,7 +811,6 @@ export class RolloutStore {
     return raw === null ? undefined : Number(raw);
   }
 
-  /** Whether `token` still holds the verify fence (no later verify attempt began). */
   /**
    * Count a close the deadline watchdog enqueues for this rollout: the count so far, this one
    * included (0 for a rollout unknown or terminal). The janitor closes a rollout itself once its
@@ -821,6 +820,7 @@ export class RolloutStore {
     return Number(await this.redis.fleetNoteWatchdogClose(this.keys.rollout(id)));
   }
 
+  /** Whether `token` still holds the verify fence (no later verify attempt began). */
   async holdsVerifyFence(id: string, token: string): Promise<boolean> {
     return (await this.redis.hget(this.keys.rollout(id), "vfence")) === token;
   }
