@@ -1,5 +1,5 @@
 import { randomUUID } from "node:crypto";
-import { FleetError, RolloutRequest } from "@fleet/contracts";
+import { FleetError, RolloutRequest, type SandboxHandle } from "@fleet/contracts";
 import { admit, JANITOR_QUEUE, rolloutIds, sandboxKey } from "@fleet/queue";
 import {
   DockerGatewayNetworks,
@@ -9,18 +9,14 @@ import {
 } from "@fleet/sandbox";
 import { MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
-import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
+import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
-import {
-  janitorTick,
-  REPORTED_ENTRY_FAILURES,
-  STALE_HELPER_MS,
-  startJanitor,
-  WATCHDOG_CLOSE_LIMIT,
-} from "./janitor.ts";
+import { janitorTick, REPORTED_ENTRY_FAILURES, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
+import { WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { createStageWorkers } from "./worker.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 // Scoped to this file's run: its janitor passes sweep every sandbox their provider lists, and
@@ -427,6 +423,121 @@ describe("janitor", () => {
     );
   });
 
+  it(`a close that kills every worker taking it (BullMQ fails it as stalled, and the stage workers enqueue it again) is enqueued at most ${WATCHDOG_CLOSE_LIMIT} times, then the janitor closes the rollout`, async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
+    const seedJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
+    expect(await runStageJob("seed", seedJob, fleet.deps)).toBe("ok");
+    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+    const closeQueue = fleet.deps.queues.queues.close;
+    // Every close job of this rollout kills each worker that takes it until BullMQ fails it as
+    // stalled: what BullMQ's stalled check then leaves on it (a deferred failure) is set before
+    // any worker may take it (the queue paused meanwhile).
+    let enqueued = 0;
+    const queues = Object.assign(Object.create(fleet.deps.queues) as typeof fleet.deps.queues, {
+      enqueue: async (...a: Parameters<typeof fleet.deps.queues.enqueue>) => {
+        if (a[0] !== "close" || a[1] !== id) return fleet.deps.queues.enqueue(...a);
+        await closeQueue.pause();
+        await fleet.deps.queues.enqueue(...a);
+        await fleet.redis.hset(
+          `${fleet.prefix}:close:${id}.close`,
+          "defa",
+          "job stalled more than allowable limit",
+        );
+        enqueued++;
+        await closeQueue.resume();
+      },
+    });
+    const deps = { ...fleet.deps, queues };
+    const later = { ...deps, now: () => Date.now() + 3_660_000 };
+    const workers = createStageWorkers(["close"], deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 1,
+      supervise: false,
+    });
+    // Janitor passes one after another (their first enqueues the rollout's first close).
+    let passes = true;
+    const janitor = (async () => {
+      while (passes) await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
+    })();
+    try {
+      await vi.waitFor(
+        async () => {
+          const over = enqueued > 4 * WATCHDOG_CLOSE_LIMIT;
+          expect(over || (await fleet.deps.store.getResult(id!)) !== null).toBe(true);
+        },
+        { timeout: 60_000, interval: 50 },
+      );
+      // Without a bound the closes went on for good, each killing workers.
+      expect(enqueued).toBeLessThanOrEqual(WATCHDOG_CLOSE_LIMIT);
+      expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+        status: "masked",
+        failureKind: "deadline_exceeded",
+      });
+      await vi.waitFor(async () => expect(await docker.alive(handle)).toBe(false), { timeout: 30_000 });
+    } finally {
+      passes = false;
+      await janitor;
+      await workers.close(5_000);
+      await docker.destroy(handle).catch(() => undefined);
+    }
+  });
+
+  it("a close job that finalizes while the janitor closes the same rollout: one result, its sandbox gone, and the janitor does not count a close it lost", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
+    const stageJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
+    expect(await runStageJob("seed", stageJob, fleet.deps)).toBe("ok");
+    const { store, ledger } = fleet.deps;
+    const handle = (await store.get(id!))!.receipts.seed!.handle;
+    // Its closes so far ended without finalizing: the next pass closes it itself.
+    for (let i = 0; i < WATCHDOG_CLOSE_LIMIT; i++) await store.noteWatchdogClose(id!);
+    // The janitor's close is held at its finalize while a close job (enqueued again meanwhile,
+    // e.g. for one BullMQ failed as stalled) runs and finalizes.
+    let reached!: () => void;
+    const atFinalize = new Promise<void>((r) => {
+      reached = r;
+    });
+    let release!: () => void;
+    const held = new Promise<void>((r) => {
+      release = r;
+    });
+    const holding = Object.assign(Object.create(store) as typeof store, {
+      finalizeStored: async (...a: Parameters<typeof store.finalizeStored>) => {
+        reached();
+        await held;
+        return store.finalizeStored(...a);
+      },
+    });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const later = { ...fleet.deps, store: holding, metrics, now: () => Date.now() + 3_660_000 };
+    try {
+      const pass = janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
+      await atFinalize;
+      expect(await runStageJob("close", stageJob, fleet.deps)).toBe("ok");
+      release();
+      const report = await pass;
+      expect(report.errors).toEqual([]);
+      expect(await docker.alive(handle)).toBe(false);
+      expect(await store.getResult(id!)).toMatchObject({
+        status: "masked",
+        failureKind: "deadline_exceeded",
+        teardown: "confirmed",
+      });
+      expect((await ledger.pending()).filter((e) => e.rolloutId === id)).toEqual([]);
+      // The close job finalized: not a rollout the janitor closed.
+      expect(report.closedByJanitor).toBe(0);
+      expect((await metrics.janitorClosed.get()).values[0]?.value).toBe(0);
+      expect((await metrics.rolloutsFinished.get()).values.filter((v) => v.value > 0)).toEqual([]);
+    } finally {
+      release();
+      await docker.destroy(handle).catch(() => undefined);
+    }
+  });
+
   it("a verify that stores its reward between the watchdog's read and its write keeps it; a claimed cancel stays cancelled", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
@@ -683,6 +794,63 @@ describe("janitor", () => {
     } finally {
       broken = false;
       await networks.remove(id!);
+    }
+  });
+
+  it("the janitor's own close of a rollout with model access removes its gateway network only after its sandbox is gone (no Docker call in the watchdog)", async () => {
+    const firewall = new MemoryGatewayFirewall();
+    const scope = `janitor-test-${RUN}`;
+    const scoped = new DockerGatewayNetworks({ scope, firewall });
+    // Each removal notes whether the rollout's sandbox was still there (a network with a
+    // container on it cannot be removed).
+    const removals: boolean[] = [];
+    let handle: SandboxHandle | undefined;
+    const networks = Object.assign(Object.create(scoped) as typeof scoped, {
+      list: async () =>
+        (await scoped.list()).filter((n) => n.name === gatewayNetworkName(n.rolloutId, scope)),
+      remove: async (...a: Parameters<typeof scoped.remove>) => {
+        removals.push(handle ? await docker.alive(handle) : false);
+        return scoped.remove(...a);
+      },
+    });
+    const lines: string[] = [];
+    const logger = createLogger({
+      name: "test",
+      level: "warn",
+      destination: { write: (l: string) => lines.push(l) },
+    });
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const model = { name: "m", baseUrl: "http://127.0.0.1:9/v1", credential: "upstream" };
+    const [id] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["true"], model }, deadlineS: 3600 },
+    ]);
+    const deps = { ...fleet.deps, networks, logger };
+    const stageJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
+    try {
+      expect(await runStageJob("seed", stageJob, deps)).toBe("ok");
+      handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+      expect(firewall.sealed.size).toBe(1);
+      for (let i = 0; i < WATCHDOG_CLOSE_LIMIT; i++) await fleet.deps.store.noteWatchdogClose(id!);
+      const later = { ...deps, now: () => Date.now() + 3_660_000 };
+      const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
+      expect(report.errors).toEqual([]);
+      expect(report.closedByJanitor).toBe(1);
+      // Gone in the same pass, in order: the sandbox (ledger step), then its network (networks step).
+      expect(await docker.alive(handle)).toBe(false);
+      expect((await networks.list()).map((n) => n.rolloutId)).not.toContain(id);
+      expect(firewall.sealed.size).toBe(0);
+      expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+        status: "masked",
+        teardown: "confirmed",
+      });
+      expect(removals).toEqual([false]);
+      expect(lines.map((l) => JSON.parse(l).msg)).not.toContain(
+        "gateway network removal failed; the janitor retries",
+      );
+    } finally {
+      if (handle) await docker.destroy(handle).catch(() => undefined);
+      await scoped.remove(id!).catch(() => undefined);
     }
   });
 

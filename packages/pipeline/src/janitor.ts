@@ -12,7 +12,7 @@ import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fl
 import { ageSeconds, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { closeRollout, destroyOrLedger } from "./stages.ts";
+import { closeRollout, destroyOrLedger, WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
 import { boundedClose, freshErrors } from "./worker.ts";
 
 export interface JanitorOptions {
@@ -320,16 +320,6 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", "waiting-children"]);
 
 /**
- * The deadline watchdog enqueues close for a rollout this many times at most. A close job that
- * ended without finalizing this often (it failed every attempt, or it killed every worker that
- * took it: a stalled job is failed after `maxStalledCount` re-deliveries) would otherwise be
- * enqueued again every pass for good, a poison job crash-looping the resources workers; the
- * janitor closes the rollout itself instead (`closeRollout` without destroys: every sandbox goes
- * to the teardown ledger, whose retries back off, and the result says the teardown is pending).
- */
-export const WATCHDOG_CLOSE_LIMIT = 3;
-
-/**
  * Close a rollout past its deadline that nothing is closing. One whose close job is queued,
  * delayed or running is left to it (a backed-up close queue is not a stuck rollout). Otherwise
  * the deadline failure is recorded, unless the rollout is already graded (a verify receipt: its
@@ -376,12 +366,13 @@ async function watchdogClose(
     const { record, failures, ...begun } = await deps.store.begin(id, "close", now);
     if (!record || isTerminal(record.status)) return null;
     // At this pass's time: the sandboxes it hands to the ledger are due in this pass's ledger step.
-    await closeRollout(
+    const stored = await closeRollout(
       { ...record, failureLog: failures, begun },
       { ...deps, now: () => now },
       { destroy: false },
     );
-    return "closed";
+    // Not counted when another closer finalized meanwhile (a close job, another pass).
+    return stored ? "closed" : null;
   }
   if (closes === 0) return null; // it finished meanwhile
   await deps.queues.enqueue("close", id);

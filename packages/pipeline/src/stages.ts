@@ -9,6 +9,7 @@ import {
   fileModes,
   isFleetError,
   type ProbeReport,
+  type RolloutResult,
   type RunReceipt,
   runBudgetShortfall,
   type SandboxHandle,
@@ -1106,18 +1107,36 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   return "close"; // refused for a stop (terminal or closed): close must run; a repeat is a no-op
 };
 
-export const close: StageHandler = (rec, deps) => closeRollout(rec, deps, { destroy: true });
+/**
+ * Close is enqueued again for a rollout whose close ended without finalizing (by the deadline
+ * watchdog, or by a stage worker for a close job BullMQ failed as stalled) this many times at most,
+ * both counted together (`store.noteWatchdogClose`). A close job that
+ * ended without finalizing this often (it failed every attempt, or it killed every worker that
+ * took it: a stalled job is failed after `maxStalledCount` re-deliveries) would otherwise be
+ * enqueued again every pass for good, a poison job crash-looping the resources workers; the
+ * janitor closes the rollout itself instead (`closeRollout` without destroys: every sandbox goes
+ * to the teardown ledger, whose retries back off, and the result says the teardown is pending).
+ */
+export const WATCHDOG_CLOSE_LIMIT = 3;
+
+export const close: StageHandler = async (rec, deps) => {
+  await closeRollout(rec, deps, { destroy: true });
+  return null;
+};
 
 /**
  * Close a rollout: destroy its sandboxes (or, without `destroy`, hand every one to the teardown
  * ledger, as the janitor's close does: see `WATCHDOG_CLOSE_LIMIT`), remove its gateway network (a
- * failed removal goes to the ledger's network retries), and finalize the result composed from `rec`.
+ * failed removal goes to the ledger's network retries; without `destroy`, the removal goes there
+ * at once), and finalize the result composed from `rec`.
+ * The result as stored if this call finalized it; null if another closer did (a close job running
+ * meanwhile, or another janitor pass): only the one that finalized counts it.
  */
 export async function closeRollout(
   rec: StageRecord,
   deps: PipelineDeps,
   options: { destroy: boolean },
-): Promise<null> {
+): Promise<RolloutResult | null> {
   // `rec` was read by `store.begin`, which set the tombstone first: no stage writes after it.
   const id = rec.meta.id;
   const fresh = rec;
@@ -1155,7 +1174,13 @@ export async function closeRollout(
     if (r.teardown === "pending") teardown = "pending";
     cleanup = r.receipt;
   }
-  if (needsModelAccess(fresh.meta.agent) && deps.networks) {
+  if (needsModelAccess(fresh.meta.agent) && deps.networks && !options.destroy) {
+    // Its sandbox is left to the ledger, still on the network (which Docker will not remove with
+    // a container on it): the janitor's networks step removes it, after its ledger step, and no
+    // Docker call is made here (the janitor's close runs in its watchdog, which needs only Redis).
+    await deps.ledger.networkRemovalFailed(id, clock(deps));
+    teardown = "pending";
+  } else if (needsModelAccess(fresh.meta.agent) && deps.networks) {
     // The rollout's gateway network goes with its sandbox; a failure is persisted for the
     // janitor to retry (the network, or the firewall rules its removal left behind), and the
     // teardown is pending until it has (the janitor's retry marks the result confirmed).
@@ -1179,7 +1204,7 @@ export async function closeRollout(
     deps.metrics.rolloutDuration.observe({ status: stored.status }, (stored.timings.totalMs ?? 0) / 1000);
     if (stored.reward !== null) deps.metrics.reward.observe(stored.reward);
   }
-  return null;
+  return stored;
 }
 
 export const HANDLERS: Record<StageName, StageHandler> = { seed, run, verify: verifyStage, close };

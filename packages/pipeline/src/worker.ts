@@ -5,6 +5,7 @@ import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isHandBack, isProviderHold } from "./hand-back.ts";
 import { nextAfter, runStageJob } from "./stage-runner.ts";
+import { WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
 
 export interface StageWorkerOptions {
   connection: RedisConnection;
@@ -728,6 +729,19 @@ async function closeAfterBullmqFailure(
   if (stage === "close") {
     // Its id is taken while the failed job is kept: make room for a new close.
     await job.remove().catch(() => undefined);
+    // A close that kills every worker taking it comes back here each time BullMQ fails it: it is
+    // enqueued again only within the watchdog's count, then left to the janitor (which closes the
+    // rollout itself, without destroys, once past its deadline). Unbounded, it crash-looped the
+    // resources workers for good, and the watchdog never saw it (always queued or running).
+    const closes = await deps.store.noteWatchdogClose(rolloutId);
+    if (closes === 0) return; // it finished meanwhile
+    if (closes > WATCHDOG_CLOSE_LIMIT) {
+      deps.logger.warn(
+        { rolloutId, closes: closes - 1 },
+        "the rollout's closes keep ending without finalizing: not enqueued again, the janitor closes it",
+      );
+      return;
+    }
   } else if (!rec.cancelRequested) {
     // (A stop a cancel claimed ends cancelled: close composes it from the claim; a failure
     // recorded here would turn it into a mask.) Only while the result is still undecided.

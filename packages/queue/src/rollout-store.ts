@@ -812,9 +812,10 @@ export class RolloutStore {
   }
 
   /**
-   * Count a close the deadline watchdog enqueues for this rollout: the count so far, this one
-   * included (0 for a rollout unknown or terminal). The janitor closes a rollout itself once its
-   * closes keep ending without finalizing (see `WATCHDOG_CLOSE_LIMIT`).
+   * Count a close enqueued for this rollout after one ended without finalizing (by the deadline
+   * watchdog, or by a stage worker for a close job BullMQ failed as stalled): the count so far,
+   * this one included (0 for a rollout unknown or terminal). Past `WATCHDOG_CLOSE_LIMIT` no close
+   * is enqueued again and the janitor closes the rollout itself.
    */
   async noteWatchdogClose(id: string): Promise<number> {
     return Number(await this.redis.fleetNoteWatchdogClose(this.keys.rollout(id)));
