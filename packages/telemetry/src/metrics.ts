@@ -236,7 +236,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     janitorClosed: new Counter({
       name: "fleet_janitor_closed_rollouts_total",
-      help: "Rollouts the janitor closed itself, their sandboxes handed to the teardown ledger: the deadline watchdog had enqueued close for each WATCHDOG_CLOSE_LIMIT times and none finalized (a close failing every attempt, or killing every worker that took it).",
+      help: "Rollouts the janitor closed itself, their sandboxes handed to the teardown ledger: close had been enqueued again for each WATCHDOG_CLOSE_LIMIT times (by the deadline watchdog, or by the stage workers after BullMQ failed it as stalled) and none finalized (a close failing every attempt, or killing every worker that took it).",
       registers,
     }),
     queueStalledJobs: new Counter({
