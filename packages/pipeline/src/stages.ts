@@ -1145,6 +1145,18 @@ export async function closeRollout(
   // Read by this stage's begin, after the tombstone (no intent can be added after it).
   const entries = fresh.begun.sandboxes ?? (await deps.ledger.sandboxesOf(id));
   const confirmed: { key: string; destroyed: SandboxHandle | null }[] = [];
+  for (const owner of entries.unreadable) {
+    // A registry entry this release cannot read (torn, or another release's shape in a rolling
+    // upgrade): it cannot be put on the ledger, nor its sandbox destroyed from it (the task's is,
+    // from the seed's receipt, below). The teardown is pending: the janitor's label sweep
+    // removes what is left of the rollout once it is over, and its confirm forgets the entry and
+    // confirms the teardown. Close goes on: it must end the rollout whatever it cannot read.
+    deps.logger.warn(
+      { rolloutId: id, owner },
+      "a sandbox registry entry does not parse; its sandbox is left to the janitor's label sweep",
+    );
+    teardown = "pending";
+  }
   for (const owner of ["resources", "agent"] as const) {
     const key = sandboxKey(id, owner);
     let entry = entries[owner];

@@ -331,6 +331,40 @@ describe("teardown racing the stages (real Docker)", () => {
     expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
   });
 
+  it("close ends the rollout when a sandbox registry entry does not parse (another release's shape): teardown pending, then the janitor's label sweep removes that sandbox and confirms", async () => {
+    const [id] = await fleet.submit([
+      { task: task("hello-file"), agent: { harness: "oracle" }, deadlineS: 3600 },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const { store, ledger } = fleet.deps;
+    const seeded = (await store.get(id!))!.receipts.seed!.handle;
+    // An agent sandbox a release with another entry shape recorded.
+    const other = await docker.create({
+      image: IMAGE,
+      rolloutId: id!,
+      owner: "agent",
+      expiresAt: Date.now() + 3_600_000,
+    });
+    const key = sandboxKey(id!, "agent");
+    await fleet.redis.hset(
+      ledger.keys.sandboxes(),
+      key,
+      JSON.stringify({ v: 2, key, sandbox: { id: other.id } }),
+    );
+    await store.requestCancel(id!);
+    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+    expect(await store.getResult(id!)).toMatchObject({ status: "cancelled", teardown: "pending" });
+    // The task's sandbox went (from the seed's receipt); the one close could not read is left.
+    expect([await docker.alive(seeded), await docker.alive(other)]).toEqual([false, true]);
+    await janitorTick(
+      { ...fleet.deps, now: () => Date.now() + ORPHAN_GRACE_MS + 60_000 },
+      { orphanGraceMs: ORPHAN_GRACE_MS },
+    );
+    expect(await docker.alive(other)).toBe(false);
+    expect((await store.getResult(id!))?.teardown).toBe("confirmed");
+    expect(await fleet.redis.hexists(ledger.keys.sandboxes(), key)).toBe(0);
+  });
+
   it("close's metrics count the result as finalize stored it: a sandbox put on the ledger while close ran makes it teardown_failed, not none", async () => {
     const [id] = await fleet.submit([
       { task: task("hello-file"), agent: { harness: "oracle" }, deadlineS: 3600 },

@@ -24,7 +24,7 @@ import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
 import { type ScriptedRedis, withScripts } from "./scripts.ts";
 import type { StageQueues } from "./stage-queues.ts";
-import { SandboxEntry, sandboxKey } from "./teardown-ledger.ts";
+import { type RolloutSandboxes, readRolloutSandboxes, SandboxEntry, sandboxKey } from "./teardown-ledger.ts";
 
 /** What admission fixes about a rollout; never changes afterwards. No secrets: credentials are names. */
 export const RolloutMeta = z.object({
@@ -109,7 +109,7 @@ export interface BeginResult {
    */
   verifyToken: string | null;
   /** Close only: the rollout's sandbox entries (intents and handles). */
-  sandboxes: { resources: SandboxEntry | null; agent: SandboxEntry | null } | null;
+  sandboxes: RolloutSandboxes | null;
   /**
    * Verify: how long an earlier attempt handed back at shutdown may still sweep its tests
    * (`claimTestsSweep`), by Redis's clock; 0 for none.
@@ -540,12 +540,7 @@ export class RolloutStore {
         : null,
       verifyToken: stage === "verify" ? (options.verifyToken ?? null) : null,
       testsSweepLeftMs: Number(sweepLeft ?? 0),
-      sandboxes: close
-        ? {
-            resources: sbResources ? (JSON.parse(sbResources) as SandboxEntry) : null,
-            agent: sbAgent ? (JSON.parse(sbAgent) as SandboxEntry) : null,
-          }
-        : null,
+      sandboxes: close ? readRolloutSandboxes(sbResources || null, sbAgent || null) : null,
     };
   }
 

@@ -1036,7 +1036,7 @@ describe("rollout store", () => {
     expect(await ledger.recordIntent(entry)).toBe("ok");
     await ledger.recordFailure(entry, "boom", 10);
     const begun = await store.begin(id, "close", 20);
-    expect(begun.sandboxes).toEqual({ resources: entry, agent: null });
+    expect(begun.sandboxes).toEqual({ resources: entry, agent: null, unreadable: [] });
     const meta = begun.record!.meta;
     expect(await store.finalize(meta, resultFor(id, "completed"), 30)).toBe(true);
     expect(await ledger.isPending(id)).toBe(true);

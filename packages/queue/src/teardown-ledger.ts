@@ -25,6 +25,37 @@ export const LedgerEntry = SandboxEntry.extend({
 });
 export type LedgerEntry = z.infer<typeof LedgerEntry>;
 
+/**
+ * A rollout's two registry entries as close reads them. One that does not parse (torn, or
+ * another release's shape in a rolling upgrade) is neither of them but is named in `unreadable`:
+ * close cannot destroy it nor put it on the ledger, and must not report its teardown confirmed.
+ */
+export interface RolloutSandboxes {
+  resources: SandboxEntry | null;
+  agent: SandboxEntry | null;
+  unreadable: SandboxEntry["owner"][];
+}
+
+/** `RolloutSandboxes` from the stored entries (null: none stored). */
+export function readRolloutSandboxes(resources: string | null, agent: string | null): RolloutSandboxes {
+  const out: RolloutSandboxes = { resources: null, agent: null, unreadable: [] };
+  for (const [owner, raw] of [
+    ["resources", resources],
+    ["agent", agent],
+  ] as const) {
+    if (!raw) continue;
+    let parsed: ReturnType<typeof SandboxEntry.safeParse> | null = null;
+    try {
+      parsed = SandboxEntry.safeParse(JSON.parse(raw));
+    } catch {
+      // Not JSON: torn.
+    }
+    if (parsed?.success) out[owner] = parsed.data;
+    else out.unreadable.push(owner);
+  }
+  return out;
+}
+
 export function sandboxKey(rolloutId: string, owner: SandboxEntry["owner"]): string {
   return `${rolloutId}:${owner}`;
 }
@@ -108,18 +139,13 @@ export class TeardownLedger {
   }
 
   /** Both sandbox entries of a rollout (resources, agent) in one round trip. */
-  async sandboxesOf(
-    rolloutId: string,
-  ): Promise<{ resources: SandboxEntry | null; agent: SandboxEntry | null }> {
+  async sandboxesOf(rolloutId: string): Promise<RolloutSandboxes> {
     const [r, a] = await this.redis.hmget(
       this.keys.sandboxes(),
       sandboxKey(rolloutId, "resources"),
       sandboxKey(rolloutId, "agent"),
     );
-    return {
-      resources: r ? (JSON.parse(r) as SandboxEntry) : null,
-      agent: a ? (JSON.parse(a) as SandboxEntry) : null,
-    };
+    return readRolloutSandboxes(r ?? null, a ?? null);
   }
 
   async getSandbox(key: string): Promise<SandboxEntry | null> {
