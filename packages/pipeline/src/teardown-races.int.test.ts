@@ -148,6 +148,84 @@ describe("teardown racing the stages (real Docker)", () => {
     });
   }
 
+  for (const closer of ["close", "the janitor"] as const) {
+    it(`${closer}, finding no sandbox for a handle-less intent, never forgets the handle a seed attempt attached meanwhile`, async () => {
+      const [id] = await fleet.submit([
+        { task: task("hello-file"), agent: { harness: "oracle" }, deadlineS: 3600 },
+      ]);
+      const key = sandboxKey(id!, "resources");
+      // Attempt 1 records the intent, then the daemon blips before anything is made.
+      const blip = wrapped({
+        create: async () => {
+          throw FleetError.retryable("provider_unavailable", "daemon blip");
+        },
+      });
+      await expect(runStageJob("seed", job(id!, 0), { ...fleet.deps, provider: blip })).rejects.toThrow(
+        /blip/,
+      );
+      // Attempt 2 (begun before the close's tombstone) is held in its create; once made, its
+      // sandbox's handle is attached (the rollout closed meanwhile) and its own destroy fails.
+      const inCreate = gate();
+      const releaseCreate = gate();
+      let made: SandboxHandle | null = null;
+      const second = wrapped({
+        create: async (...args) => {
+          inCreate.open();
+          await releaseCreate.opened;
+          made = await docker.create(...args);
+          return made;
+        },
+        destroy: async (...args) => {
+          if (made && args[0].id === made.id)
+            throw FleetError.retryable("provider_unavailable", "daemon blip");
+          return docker.destroy(...args);
+        },
+      });
+      const seeding = runStageJob("seed", job(id!, 1), { ...fleet.deps, provider: second }).catch(
+        (err: unknown) => err,
+      );
+      await inCreate.opened;
+      // The closer's label lookup finds nothing: then the held create goes on, and the lookup's
+      // answer (none) arrives only once that sandbox is attached and on the ledger.
+      const lateFind = wrapped({
+        find: async (...args) => {
+          const found = await docker.find(...args);
+          releaseCreate.open();
+          await seeding;
+          return found;
+        },
+      });
+      await fleet.deps.store.requestCancel(id!);
+      // Past the intent grace (5 min) from the intent: taken for "never created" if nothing is found.
+      const later = Date.now() + 6 * 60_000;
+      if (closer === "close") {
+        await runStageJob("close", job(id!), { ...fleet.deps, provider: lateFind, now: () => later });
+      } else {
+        // Close (within the grace) hands the handle-less intent to the ledger; the janitor,
+        // later, finds no sandbox for it. (A long orphan grace: its label sweep leaves the
+        // sandbox to the ledger here.)
+        await runStageJob("close", job(id!), fleet.deps);
+        expect((await fleet.deps.ledger.pending()).find((e) => e.key === key)?.handle).toBeNull();
+        await janitorTick(
+          { ...fleet.deps, provider: lateFind, now: () => later },
+          { orphanGraceMs: 3_600_000 },
+        );
+      }
+      await seeding;
+      expect(made).not.toBeNull();
+      expect(await docker.alive(made!)).toBe(true);
+      // The sandbox made meanwhile keeps its entries, and the teardown is not confirmed.
+      expect((await fleet.deps.ledger.getSandbox(key))?.handle?.id).toBe(made!.id);
+      expect((await fleet.deps.ledger.pending()).find((e) => e.key === key)?.handle?.id).toBe(made!.id);
+      expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("pending");
+
+      // The janitor's next retry of it (its backoff over) removes it, and then it is confirmed.
+      await janitorTick({ ...fleet.deps, now: () => later + 20 * 60_000 }, { orphanGraceMs: 3_600_000 });
+      expect(await docker.alive(made!)).toBe(false);
+      expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
+    });
+  }
+
   it("a confirmed destroy of an agent sandbox forgets only its own entry, never that of the sandbox which replaced it", async () => {
     // Run attempt 1 makes and records its own sandbox H1, then its worker dies.
     const { id, h1 } = await ownSandboxThenWorkerDies();

@@ -1193,6 +1193,60 @@ describe("rollout store", () => {
     await ledger.confirm(sandboxEntry(d, "resources"));
   });
 
+  it("a destroy that found no sandbox forgets only a handle-less entry: one that got its handle meanwhile stays, through the ledger's confirm and finalize's", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const handleOf = (id: string) => ({
+      provider: "docker" as const,
+      endpoint: "unix:///var/run/docker.sock",
+      id: `c-${id}`,
+      name: `n-${id}`,
+      rolloutId: id,
+      owner: "resources" as const,
+      volumes: [],
+    });
+    // The janitor read a handle-less intent and found no sandbox by label (null); meanwhile the
+    // attempt still creating made one and attached its handle (its own destroy then failed).
+    const a = (await admitOne()).ids[0]!;
+    const intentA = sandboxEntry(a);
+    await ledger.recordIntent(intentA);
+    await ledger.recordFailure(intentA, "sandbox intent without a handle yet", 10);
+    const metaA = (await store.begin(a, "close", 20)).record!.meta;
+    const pendingResult = { ...resultFor(a, "completed"), teardown: "pending" as const };
+    expect(await store.finalize(metaA, { ...pendingResult, failureKind: "teardown_failed" }, 30)).toBe(true);
+    const madeA = { ...intentA, handle: handleOf(a) };
+    await ledger.attachHandle(madeA);
+    await ledger.recordFailure(madeA, "daemon blip", 40);
+    await ledger.confirm(intentA, null);
+    expect((await ledger.getSandbox(intentA.key))?.handle?.id).toBe(`c-${a}`);
+    expect(await ledger.isPending(a)).toBe(true);
+    expect(await store.getResult(a)).toMatchObject({ teardown: "pending" });
+
+    // The same at close (its confirm folded into finalize): the sandbox attached meanwhile stays.
+    const b = (await admitOne()).ids[0]!;
+    const intentB = sandboxEntry(b);
+    await ledger.recordIntent(intentB);
+    const metaB = (await store.begin(b, "close", 20)).record!.meta;
+    await ledger.attachHandle({ ...intentB, handle: handleOf(b) });
+    const confirmedB = [{ key: intentB.key, destroyed: null }];
+    expect(await store.finalize(metaB, resultFor(b, "completed"), 30, undefined, confirmedB)).toBe(true);
+    expect((await ledger.getSandbox(intentB.key))?.handle?.id).toBe(`c-${b}`);
+    expect(await store.getResult(b)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
+    // Still handle-less at the confirm: forgotten, and the teardown confirmed.
+    const c = (await admitOne()).ids[0]!;
+    const intentC = sandboxEntry(c);
+    await ledger.recordIntent(intentC);
+    const metaC = (await store.begin(c, "close", 20)).record!.meta;
+    const confirmedC = [{ key: intentC.key, destroyed: null }];
+    expect(await store.finalize(metaC, resultFor(c, "completed"), 30, undefined, confirmedC)).toBe(true);
+    expect(await ledger.getSandbox(intentC.key)).toBeNull();
+    expect(await store.getResult(c)).toMatchObject({ teardown: "confirmed", failureKind: null });
+    // The sandboxes attached meanwhile, once destroyed, confirm their rollouts' teardowns.
+    await ledger.confirm(intentA, handleOf(a));
+    await ledger.confirm(intentB, handleOf(b));
+    expect(await store.getResult(a)).toMatchObject({ teardown: "confirmed", failureKind: null });
+    expect(await store.getResult(b)).toMatchObject({ teardown: "confirmed", failureKind: null });
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
