@@ -1247,6 +1247,54 @@ describe("rollout store", () => {
     expect(await store.getResult(b)).toMatchObject({ teardown: "confirmed", failureKind: null });
   });
 
+  it("a finalize that finds a sandbox left stores the teardown pending as result.ts composes it: a completed result says teardown_failed, its close receipt says pending", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const handle = (id: string) => ({
+      provider: "docker" as const,
+      endpoint: "unix:///var/run/docker.sock",
+      id: `c2-${id}`,
+      name: `n2-${id}`,
+      rolloutId: id,
+      owner: "resources" as const,
+      volumes: [],
+    });
+    const closeReceipt = { cleanup: null, teardown: "confirmed" as const, at: 30 };
+    // A sandbox registered with a handle that this close did not destroy (it replaced the one it did).
+    const finalizeWithOneLeft = async (result: (id: string) => RolloutResult) => {
+      const id = (await admitOne()).ids[0]!;
+      await ledger.recordIntent(sandboxEntry(id));
+      await ledger.attachHandle({ ...sandboxEntry(id), handle: handle(id) });
+      const meta = (await store.begin(id, "close", 20)).record!.meta;
+      expect(await store.finalize(meta, result(id), 30, closeReceipt)).toBe(true);
+      return id;
+    };
+    const completed = await finalizeWithOneLeft((id) => resultFor(id, "completed"));
+    expect(await store.getResult(completed)).toMatchObject({
+      status: "completed",
+      reward: 1,
+      teardown: "pending",
+      failureKind: "teardown_failed",
+    });
+    expect((await store.get(completed))?.receipts.close).toMatchObject({ teardown: "pending" });
+    // Not over a failure kind the result already has.
+    const timedOut = await finalizeWithOneLeft((id) => ({
+      ...resultFor(id, "completed"),
+      failureKind: "agent_timeout",
+    }));
+    expect(await store.getResult(timedOut)).toMatchObject({
+      teardown: "pending",
+      failureKind: "agent_timeout",
+    });
+    const masked = await finalizeWithOneLeft((id) => resultFor(id, "masked"));
+    expect(await store.getResult(masked)).toMatchObject({
+      teardown: "pending",
+      failureKind: "provider_unavailable",
+    });
+    // Its destroy confirmed later: confirmed, and the teardown_failed it was given goes with it.
+    for (const id of [completed, timedOut, masked]) await ledger.confirm(sandboxEntry(id), handle(id));
+    expect(await store.getResult(completed)).toMatchObject({ teardown: "confirmed", failureKind: null });
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
