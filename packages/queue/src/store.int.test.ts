@@ -1295,6 +1295,28 @@ describe("rollout store", () => {
     expect(await store.getResult(completed)).toMatchObject({ teardown: "confirmed", failureKind: null });
   });
 
+  it("a confirm whose key holds a torn entry (a registry or ledger entry that does not parse) forgets it rather than failing", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const entry = sandboxEntry(id);
+    await redis.hset(ledger.keys.sandboxes(), entry.key, '{"key":');
+    await redis.hset(ledger.keys.teardownEntries(), entry.key, "{torn");
+    await redis.zadd(ledger.keys.teardownDue(), 10, entry.key);
+    const handle = {
+      provider: "docker" as const,
+      endpoint: "unix:///var/run/docker.sock",
+      id: `c3-${id}`,
+      name: `n3-${id}`,
+      rolloutId: id,
+      owner: "resources" as const,
+      volumes: [],
+    };
+    await ledger.confirm(entry, handle);
+    expect(await redis.hexists(ledger.keys.sandboxes(), entry.key)).toBe(0);
+    expect(await redis.hexists(ledger.keys.teardownEntries(), entry.key)).toBe(0);
+    expect(await redis.zscore(ledger.keys.teardownDue(), entry.key)).toBeNull();
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
