@@ -225,6 +225,49 @@ describe("janitor", () => {
     }
   });
 
+  it("reads no rollout record it need not: a registered sandbox past its expiry goes on the ledger whatever its rollout (an unreadable record kept it for good), a young labelled one is left unread", async () => {
+    const { redis } = fleet;
+    const { ledger, store } = fleet.deps;
+    const now = Date.now();
+    // A handle-less intent past its expiry (its create never happened), younger than the orphan
+    // grace, of a rollout whose record cannot be read.
+    const expiredId = `expreg${RUN}`;
+    const key = sandboxKey(expiredId, "resources");
+    const intent = {
+      key,
+      rolloutId: expiredId,
+      owner: "resources" as const,
+      provider: docker.name,
+      handle: null,
+      createdAt: now - 10 * 60_000,
+      expiresAt: now - 1_000,
+    };
+    await redis.hset(ledger.keys.sandboxes(), key, JSON.stringify(intent));
+    // A labelled sandbox younger than the orphan grace, of another unreadable rollout.
+    const youngId = `youngunreadable${RUN}`;
+    const young = await docker.create({
+      image: IMAGE,
+      rolloutId: youngId,
+      owner: "resources",
+      expiresAt: now + 3_600_000,
+    });
+    for (const id of [expiredId, youngId]) await redis.hset(store.keys.rollout(id), "meta", "{torn");
+    try {
+      const report = await janitorTick(fleet.deps, { orphanGraceMs: 3_600_000 });
+      expect(report.errors.filter((e) => e.includes(expiredId) || e.includes(youngId))).toEqual([]);
+      expect(report.expiredScheduled).toBeGreaterThanOrEqual(1);
+      // Scheduled, then retried in the same pass: no sandbox by its label, past the intent grace.
+      expect(await ledger.getSandbox(key)).toBeNull();
+      expect(await docker.alive(young)).toBe(true);
+    } finally {
+      await docker.destroy(young);
+      await redis.hdel(ledger.keys.sandboxes(), key);
+      await redis.hdel(ledger.keys.teardownEntries(), key);
+      await redis.zrem(ledger.keys.teardownDue(), key);
+      await redis.del(store.keys.rollout(expiredId), store.keys.rollout(youngId));
+    }
+  });
+
   it("a loop reports its first few failing entries one by one and the rest in one line (a rolling upgrade's old-shape registry is not a warning per entry per pass)", async () => {
     const { redis } = fleet;
     const { ledger } = fleet.deps;
