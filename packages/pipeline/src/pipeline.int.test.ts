@@ -1779,6 +1779,60 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a verify handed back after a later attempt began sweeps nothing: the tests in the sandbox are not its to stop", async () => {
+    const { id, handle } = await ranWithTests("superseded-hand-back", "#!/bin/sh\nsleep 600\n");
+    const rootSleeps = () => rootSleeping(handle, 600);
+    const swept: string[] = [];
+    const a = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async (...args: Parameters<SandboxProvider["killProcesses"]>) => {
+          swept.push(args[1] ?? "");
+          return fleet.deps.provider.killProcesses(...args);
+        },
+      }),
+    };
+    const shutdown = new AbortController();
+    const verifyingA = runStageJob("verify", job(id!), a, { signal: shutdown.signal }).catch((e) => e);
+    await waitFor(async () => (await rootSleeps()) === "1");
+    // A later attempt began (A's lock lapsed in a stall): it holds the verify fence now.
+    await fleet.deps.store.begin(id!, "verify", Date.now(), { verifyToken: "later-attempt" });
+    shutdown.abort();
+    expect(isHandBack(await verifyingA)).toBe(true);
+    // A swept nothing: what runs in the sandbox now is the later attempt's to stop.
+    expect(swept).not.toContain(ROOT_USER);
+    expect(await rootSleeps()).toBe("1");
+    expect(await fleet.deps.store.testsSweepLeftMs(id!)).toBe(0);
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
+  it("a verify handed back whose sweep counted tests it could not stop ends its claim (the sweep is over) and keeps its note: the next attempt waits the tests out, not the claim", async () => {
+    const { id } = await ranWithTests("hand-back-resisted", "#!/bin/sh\nsleep 600\n");
+    const resisted = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async (...args: Parameters<SandboxProvider["killProcesses"]>) =>
+          args[1] === ROOT_USER
+            ? {
+                confirmed: false,
+                scope: "processes" as const,
+                at: Date.now(),
+                alreadyGone: false,
+                remaining: 1,
+              }
+            : fleet.deps.provider.killProcesses(...args),
+      }),
+    };
+    const shutdown = new AbortController();
+    const verifying = runStageJob("verify", job(id!), resisted, { signal: shutdown.signal }).catch((e) => e);
+    await waitFor(async () => (await fleet.deps.store.get(id!))!.times["verify:last"] !== undefined);
+    shutdown.abort();
+    expect(isHandBack(await verifying)).toBe(true);
+    expect(await fleet.deps.store.testsSweepLeftMs(id!)).toBe(0);
+    expect((await fleet.deps.store.get(id!))!.times["verify:last"]).toBeDefined();
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
   it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {
     const task = {
       ...byId("hello-file"),
