@@ -1295,6 +1295,32 @@ describe("rollout store", () => {
     expect(await store.getResult(completed)).toMatchObject({ teardown: "confirmed", failureKind: null });
   });
 
+  it("a gateway network's removal, done last, does not mark the teardown confirmed while a sandbox of the rollout is registered with a handle", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const entry = sandboxEntry(id, "agent");
+    const handle = {
+      provider: "docker" as const,
+      endpoint: "unix:///var/run/docker.sock",
+      id: `c4-${id}`,
+      name: `n4-${id}`,
+      rolloutId: id,
+      owner: "agent" as const,
+      volumes: [],
+    };
+    await ledger.recordIntent(entry);
+    await ledger.networkRemovalFailed(id, 15);
+    const meta = (await store.begin(id, "close", 20)).record!.meta;
+    // A sandbox that replaced the one close destroyed, attached after close read the entries.
+    await ledger.attachHandle({ ...entry, handle });
+    expect(await store.finalize(meta, resultFor(id, "completed"), 30)).toBe(true);
+    expect(await store.getResult(id)).toMatchObject({ teardown: "pending" });
+    await ledger.networkRemoved(id);
+    expect(await store.getResult(id)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
+    await ledger.confirm(entry, handle);
+    expect(await store.getResult(id)).toMatchObject({ teardown: "confirmed", failureKind: null });
+  });
+
   it("a confirm whose key holds a torn entry (a registry or ledger entry that does not parse) forgets it rather than failing", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const id = (await admitOne()).ids[0]!;
