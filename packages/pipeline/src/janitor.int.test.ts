@@ -268,6 +268,35 @@ describe("janitor", () => {
     }
   });
 
+  it("removes a labelled orphan whose key's ledger entry is another sandbox's (the one it replaced), leaving that entry to its backoff", async () => {
+    const { ledger } = fleet.deps;
+    const now = Date.now();
+    const rolloutId = `replaced${RUN}`;
+    const key = sandboxKey(rolloutId, "resources");
+    const h2 = await docker.create({
+      image: IMAGE,
+      rolloutId,
+      owner: "resources",
+      expiresAt: now + 3_600_000,
+    });
+    // On the ledger and backing off: H1, the sandbox H2 replaced under the same key.
+    const h1 = { ...h2, id: `gone-${RUN}`, name: `gone-${RUN}` };
+    const base = { key, rolloutId, owner: "resources" as const, provider: docker.name, createdAt: now };
+    await ledger.recordFailure(
+      { ...base, handle: h1, expiresAt: now + 3_600_000 },
+      "daemon blip",
+      now + 600_000,
+    );
+    try {
+      await janitorTick({ ...fleet.deps, now: () => now + 120_000 }, { orphanGraceMs: 60_000 });
+      expect(await docker.alive(h2)).toBe(false);
+      expect((await ledger.pending()).find((e) => e.key === key)?.handle?.id).toBe(h1.id);
+    } finally {
+      await docker.destroy(h2);
+      await ledger.confirm({ key, rolloutId });
+    }
+  });
+
   it("a loop reports its first few failing entries one by one and the rest in one line (a rolling upgrade's old-shape registry is not a warning per entry per pass)", async () => {
     const { redis } = fleet;
     const { ledger } = fleet.deps;
