@@ -850,6 +850,37 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("an image whose /workspace files cannot be staged (a device node) is the task's (final), its container removed; one that cannot be removed makes the create retryable", async () => {
+    const image = `fleet-test/ws-device:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nRUN mkdir -p /workspace && echo x > /workspace/a.txt && mknod /workspace/null c 1 3\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
+    });
+    const ofRollout = async (rolloutId: string) =>
+      docker.listContainers({ all: true, filters: { label: [`${LABEL_ROLLOUT}=${rolloutId}`] } });
+    const t = spec({ image });
+    try {
+      const s = spec({ image });
+      const refused = await fleetError(provider.create(s));
+      expect([refused.kind, refused.retryable]).toEqual(["invalid_task", false]);
+      expect(await ofRollout(s.rolloutId)).toEqual([]);
+
+      // The daemon fails the removal: the container is still there, so the create is retryable.
+      const stuck = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
+      stuck.destroy = async () => {
+        throw FleetError.retryable("provider_unavailable", "the daemon failed the removal");
+      };
+      const kept = await fleetError(stuck.create(t));
+      expect([kept.kind, kept.retryable]).toEqual(["provider_unavailable", true]);
+      expect(kept.message).toMatch(/could not get its image's \/workspace files and could not be removed/);
+      expect(await ofRollout(t.rolloutId)).toHaveLength(1);
+    } finally {
+      for (const c of await ofRollout(t.rolloutId)) await docker.getContainer(c.Id).remove({ force: true });
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
+  });
+
   it("a paused sandbox's processes are never reported stopped; once it runs again they are", async () => {
     const h = await create();
     await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });
