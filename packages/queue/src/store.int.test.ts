@@ -112,6 +112,42 @@ describe("Redis durability check", () => {
       r.disconnect();
     }
   });
+
+  it("a Redis whose CONFIG is disabled (managed Redis) is judged by INFO: AOF on and noeviction pass, its appendfsync unknown and not refused on a guess", async () => {
+    const port = await freePort();
+    const managed = spawn("redis-server", [
+      "--port",
+      String(port),
+      "--bind",
+      "127.0.0.1",
+      "--appendonly",
+      "yes",
+      "--maxmemory-policy",
+      "noeviction",
+      "--save",
+      "",
+      "--rename-command",
+      "CONFIG",
+      "",
+      "--dir",
+      mkdtempSync(join(tmpdir(), "redis-")),
+    ]);
+    // Wait until it answers (a condition, not a sleep), then connect.
+    await vi.waitFor(() => execFileSync("redis-cli", ["-p", String(port), "ping"], { stdio: "pipe" }), {
+      timeout: 10_000,
+      interval: 50,
+    });
+    const r = createRedis(`redis://127.0.0.1:${port}`);
+    try {
+      await expect(r.config("GET", "appendfsync")).rejects.toThrow(/unknown command/i);
+      await expect(assertRedisDurable(r)).resolves.toBeUndefined();
+    } finally {
+      r.disconnect();
+      const exited = new Promise((resolve) => managed.once("exit", resolve));
+      managed.kill("SIGKILL");
+      await exited;
+    }
+  });
 });
 
 describe("rollout store", () => {
