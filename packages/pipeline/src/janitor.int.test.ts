@@ -320,6 +320,31 @@ describe("janitor", () => {
     }
   });
 
+  it("the ledger loop sums up its failing entries past the first few too, even one more; torn entries stop no gauge", async () => {
+    const { redis } = fleet;
+    const { ledger } = fleet.deps;
+    const now = Date.now();
+    const keys = Array.from(
+      { length: REPORTED_ENTRY_FAILURES + 1 },
+      (_, i) => `torndue${RUN}-${i}:resources`,
+    );
+    for (const key of keys) {
+      await redis.hset(ledger.keys.teardownEntries(), key, "{torn");
+      await redis.zadd(ledger.keys.teardownDue(), now - 1_000, key);
+    }
+    try {
+      const report = await janitorTick(fleet.deps, { orphanGraceMs: 60_000 });
+      const failed = report.errors.filter((e) => e.startsWith("ledger"));
+      expect(failed).toHaveLength(REPORTED_ENTRY_FAILURES + 1);
+      expect(failed.at(-1)).toMatch(/^ledger: 1 more entries failed .*does not parse/);
+      // Nor does a torn entry stop the ledger's gauges (its age is skipped, not a failed step).
+      expect(report.errors.filter((e) => e.startsWith("metrics"))).toEqual([]);
+    } finally {
+      await redis.hdel(ledger.keys.teardownEntries(), ...keys);
+      await redis.zrem(ledger.keys.teardownDue(), ...keys);
+    }
+  });
+
   it("removes a sandbox whose fleet.expires passed, even for a live rollout", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
