@@ -1,6 +1,6 @@
 import { execFile, execFileSync } from "node:child_process";
 import { rm } from "node:fs/promises";
-import { createServer as createHttpServer, request as httpRequest } from "node:http";
+import { createServer as createHttpServer, request as httpRequest, type ServerResponse } from "node:http";
 import { createServer, type Server, connect as tcpConnect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -756,6 +756,65 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     } finally {
       await new Promise((resolve) => proxy.close(resolve));
       await rm(path, { force: true });
+    }
+  });
+
+  it("a sandbox that fails to start is removed before a final error; one whose removal fails, or that cannot be seen gone, makes the create retryable", async () => {
+    // The real daemon behind a proxy that refuses every start as the image's fault (no `sleep`)
+    // and, as the case asks, fails the container's removal and then its inspect.
+    const path = join(tmpdir(), `fleet-docker-proxy-start-${RUN}.sock`);
+    const fail = { removal: false, inspect: false };
+    let startRefused = false;
+    const answer = (res: ServerResponse, code: number, message: string) => {
+      res.writeHead(code, { "content-type": "application/json" });
+      res.end(JSON.stringify({ message }));
+    };
+    const proxy = createHttpServer((req, res) => {
+      const url = req.url ?? "";
+      if (req.method === "POST" && /\/containers\/[^/]+\/start/.test(url)) {
+        startRefused = true;
+        return answer(res, 400, 'failed to create task: exec: "sleep": executable file not found in $PATH');
+      }
+      if (startRefused && fail.removal && req.method === "DELETE" && /\/containers\//.test(url))
+        return answer(res, 500, "the daemon failed the removal");
+      if (startRefused && fail.inspect && req.method === "GET" && /\/containers\/[^/]+\/json/.test(url))
+        return answer(res, 500, "the daemon failed the inspect");
+      const up = httpRequest(
+        { socketPath: "/var/run/docker.sock", method: req.method, path: url, headers: req.headers },
+        (upRes) => {
+          res.writeHead(upRes.statusCode ?? 502, upRes.headers);
+          upRes.pipe(res);
+        },
+      );
+      up.on("error", () => res.destroy());
+      req.pipe(up);
+    });
+    await new Promise<void>((resolve) => proxy.listen(path, resolve));
+    const ofRollout = async (rolloutId: string) =>
+      docker.listContainers({ all: true, filters: { label: [`${LABEL_ROLLOUT}=${rolloutId}`] } });
+    const refusing = new DockerSandboxProvider({ docker: { socketPath: path } });
+    const specs: SandboxSpecInput[] = [];
+    const attempt = async (removal: boolean, inspect: boolean) => {
+      Object.assign(fail, { removal, inspect });
+      startRefused = false;
+      const s = spec();
+      specs.push(s);
+      return { err: await fleetError(refusing.create(s)), left: (await ofRollout(s.rolloutId)).length };
+    };
+    try {
+      const removed = await attempt(false, false);
+      expect([removed.err.kind, removed.err.retryable, removed.left]).toEqual(["invalid_task", false, 0]);
+      const kept = await attempt(true, false);
+      expect([kept.err.kind, kept.err.retryable, kept.left]).toEqual(["provider_unavailable", true, 1]);
+      expect(kept.err.message).toMatch(/failed to start .* and could not be removed/s);
+      const unseen = await attempt(true, true);
+      expect([unseen.err.kind, unseen.err.retryable, unseen.left]).toEqual(["provider_unavailable", true, 1]);
+    } finally {
+      await new Promise((resolve) => proxy.close(resolve));
+      await rm(path, { force: true });
+      for (const s of specs)
+        for (const c of await ofRollout(s.rolloutId))
+          await docker.getContainer(c.Id).remove({ force: true, v: true });
     }
   });
 
