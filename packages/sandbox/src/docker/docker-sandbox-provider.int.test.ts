@@ -1070,6 +1070,56 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     await expect(docker.getVolume(h.volumes[0]!).inspect()).rejects.toMatchObject({ statusCode: 404 });
   });
 
+  it("a destroy that meets another removal in progress (409) confirms nothing it cannot see gone: an inspect that fails, or a container still there at the API timeout, is retryable", async () => {
+    // The real daemon behind a proxy that answers every removal 409 "already in progress" and,
+    // as the case asks, fails the inspects that follow.
+    const path = join(tmpdir(), `fleet-docker-proxy-409-${RUN}.sock`);
+    const mode = { refuse: false, inspectFails: false };
+    const proxy = createHttpServer((req, res) => {
+      const url = req.url ?? "";
+      const answer = (code: number, message: string) => {
+        res.writeHead(code, { "content-type": "application/json" });
+        res.end(JSON.stringify({ message }));
+      };
+      if (mode.refuse && req.method === "DELETE" && /\/containers\//.test(url))
+        return answer(409, "removal of container is already in progress");
+      if (mode.refuse && mode.inspectFails && req.method === "GET" && /\/containers\/[^/]+\/json/.test(url))
+        return answer(500, "the daemon failed the inspect");
+      const up = httpRequest(
+        { socketPath: "/var/run/docker.sock", method: req.method, path: url, headers: req.headers },
+        (upRes) => {
+          res.writeHead(upRes.statusCode ?? 502, upRes.headers);
+          upRes.pipe(res);
+        },
+      );
+      up.on("error", () => res.destroy());
+      req.pipe(up);
+    });
+    await new Promise<void>((resolve) => proxy.listen(path, resolve));
+    const racing = new DockerSandboxProvider({
+      docker: { socketPath: path },
+      defaults: { apiTimeoutMs: 2_000 },
+    });
+    const made: SandboxHandle[] = [];
+    try {
+      for (const inspectFails of [true, false]) {
+        Object.assign(mode, { refuse: false, inspectFails });
+        const h = await racing.create(spec());
+        made.push(h);
+        mode.refuse = true;
+        const err = await fleetError(racing.destroy(h));
+        expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+        mode.refuse = false;
+        expect(await racing.alive(h)).toBe(true);
+      }
+    } finally {
+      mode.refuse = false;
+      for (const h of made) await racing.destroy(h);
+      await new Promise((resolve) => proxy.close(resolve));
+      await rm(path, { force: true });
+    }
+  });
+
   it("destroys racing each other (a close and the janitor at once) confirm only once the container is gone", async () => {
     // The daemon answers the later removals 409 "removal … already in progress": such a destroy
     // waits for the first one to end rather than confirming a container that is still there.
