@@ -1833,6 +1833,37 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
+  it("a verify waiting for a handed-back attempt's sweep ends masked once the rollout's deadline passes, not at the claim's end", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    // Attempt A, handed back, holds a claim on the sweep of its tests (30 s, by Redis's clock).
+    await fleet.deps.store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
+    expect(await fleet.deps.store.claimTestsSweep(id!, "attempt-a", 30_000)).toMatchObject({ claimed: true });
+    // B begins and waits for it; meanwhile the rollout's deadline passes (its clock jumps past it).
+    const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
+    let waiting = false;
+    const logger = fleet.deps.logger;
+    const b = {
+      ...fleet.deps,
+      now: () => (waiting ? deadlineAt + 1 : Date.now()),
+      logger: Object.assign(Object.create(logger) as typeof logger, {
+        info: (obj: unknown, msg?: string) => {
+          if (msg?.includes("sweep")) waiting = true;
+          logger.info(obj, msg);
+        },
+      }),
+    };
+    const started = Date.now();
+    await expect(runStageJob("verify", job(id!), b)).rejects.toThrow(/deadline_exceeded/);
+    expect(waiting).toBe(true);
+    expect(Date.now() - started).toBeLessThan(10_000);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "masked",
+      failureKind: "deadline_exceeded",
+    });
+  });
+
   it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {
     const task = {
       ...byId("hello-file"),
