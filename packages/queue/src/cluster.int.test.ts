@@ -67,6 +67,17 @@ describe("the fleet on a 3-master Redis Cluster (loopback)", () => {
     } finally {
       await cluster.cli(bad, "config", "set", "maxmemory-policy", "noeviction");
     }
+    // One master fsyncing once a second: refused, naming it, unless the operator accepts write loss.
+    await cluster.cli(bad, "config", "set", "appendfsync", "everysec");
+    try {
+      const err = await assertRedisDurable(conn).catch((e: unknown) => e);
+      expect(err).toBeInstanceOf(RedisDurabilityError);
+      expect(String((err as Error).message)).toContain(`127.0.0.1:${bad}: `);
+      expect(String((err as Error).message)).toContain("appendfsync");
+      await expect(assertRedisDurable(conn, { acceptWriteLoss: true })).resolves.toBeUndefined();
+    } finally {
+      await cluster.cli(bad, "config", "set", "appendfsync", "always");
+    }
     await assertRedisDurable(conn);
   });
 
