@@ -1,6 +1,11 @@
 import { execFile, execFileSync } from "node:child_process";
 import { rm } from "node:fs/promises";
-import { createServer as createHttpServer, request as httpRequest, type ServerResponse } from "node:http";
+import {
+  createServer as createHttpServer,
+  request as httpRequest,
+  type IncomingMessage,
+  type ServerResponse,
+} from "node:http";
 import { createServer, type Server, connect as tcpConnect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -30,6 +35,46 @@ import { DockerSandboxProvider, LABEL_REAPER } from "./docker-sandbox-provider.t
 // Real Docker, the offline base image (scripts/build-base-image.sh).
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 const RUN = `it${process.pid}${Date.now().toString(36)}`;
+
+/**
+ * The real daemon behind a proxy on a unix socket of its own: `intercept` answers a request
+ * itself or takes it to forward later (`forward`), returning true; otherwise it goes through.
+ */
+async function dockerProxy(
+  name: string,
+  intercept: (req: IncomingMessage, res: ServerResponse, forward: () => void) => boolean,
+): Promise<{ path: string; close: () => Promise<void> }> {
+  const path = join(tmpdir(), `fleet-docker-proxy-${name}-${RUN}.sock`);
+  const server = createHttpServer((req, res) => {
+    const forward = () => {
+      const up = httpRequest(
+        { socketPath: "/var/run/docker.sock", method: req.method, path: req.url, headers: req.headers },
+        (upRes) => {
+          res.writeHead(upRes.statusCode ?? 502, upRes.headers);
+          upRes.pipe(res);
+        },
+      );
+      up.on("error", () => res.destroy());
+      req.pipe(up);
+    };
+    if (!intercept(req, res, forward)) forward();
+  });
+  await new Promise<void>((resolve) => server.listen(path, resolve));
+  return {
+    path,
+    close: async () => {
+      await new Promise((resolve) => server.close(resolve));
+      await rm(path, { force: true });
+    },
+  };
+}
+
+/** A proxied request answered as the daemon refuses one (Docker's JSON error body). */
+function answerDocker(res: ServerResponse, code: number, message: string): true {
+  res.writeHead(code, { "content-type": "application/json" });
+  res.end(JSON.stringify({ message }));
+  return true;
+}
 const docker = new Dockerode({ socketPath: "/var/run/docker.sock" });
 const provider = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
 /** Uncapped workspaces (`diskMb: null`): the one kind still on a named volume. */
@@ -719,29 +764,16 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
   it("a container removed between its create and its start is the infrastructure's (retryable), not the task's", async () => {
     // The real daemon behind a proxy that removes the container just before its start goes
     // through: what a re-delivered seed taking over, or a close, does in that window.
-    const path = join(tmpdir(), `fleet-docker-proxy-${RUN}.sock`);
     const removedFirst: string[] = [];
-    const proxy = createHttpServer((req, res) => {
+    const proxy = await dockerProxy("start-race", (req, _res, forward) => {
       const started = /^\/(?:v[\d.]+\/)?containers\/([^/]+)\/start/.exec(req.url ?? "");
-      const forward = () => {
-        const up = httpRequest(
-          { socketPath: "/var/run/docker.sock", method: req.method, path: req.url, headers: req.headers },
-          (upRes) => {
-            res.writeHead(upRes.statusCode ?? 502, upRes.headers);
-            upRes.pipe(res);
-          },
-        );
-        up.on("error", () => res.destroy());
-        req.pipe(up);
-      };
-      if (started && removedFirst.length === 0) {
-        removedFirst.push(started[1]!);
-        execFile("docker", ["rm", "-f", started[1]!], () => forward());
-      } else forward();
+      if (!started || removedFirst.length > 0) return false;
+      removedFirst.push(started[1]!);
+      execFile("docker", ["rm", "-f", started[1]!], () => forward());
+      return true;
     });
-    await new Promise<void>((resolve) => proxy.listen(path, resolve));
     try {
-      const racing = new DockerSandboxProvider({ docker: { socketPath: path } });
+      const racing = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
       const s = spec();
       const err = await fleetError(racing.create(s));
       expect(removedFirst).toHaveLength(1);
@@ -754,45 +786,34 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
         expect(await racing.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
       }
     } finally {
-      await new Promise((resolve) => proxy.close(resolve));
-      await rm(path, { force: true });
+      await proxy.close();
     }
   });
 
   it("a sandbox that fails to start is removed before a final error; one whose removal fails, or that cannot be seen gone, makes the create retryable", async () => {
     // The real daemon behind a proxy that refuses every start as the image's fault (no `sleep`)
     // and, as the case asks, fails the container's removal and then its inspect.
-    const path = join(tmpdir(), `fleet-docker-proxy-start-${RUN}.sock`);
     const fail = { removal: false, inspect: false };
     let startRefused = false;
-    const answer = (res: ServerResponse, code: number, message: string) => {
-      res.writeHead(code, { "content-type": "application/json" });
-      res.end(JSON.stringify({ message }));
-    };
-    const proxy = createHttpServer((req, res) => {
+    const proxy = await dockerProxy("start-refused", (req, res) => {
       const url = req.url ?? "";
       if (req.method === "POST" && /\/containers\/[^/]+\/start/.test(url)) {
         startRefused = true;
-        return answer(res, 400, 'failed to create task: exec: "sleep": executable file not found in $PATH');
+        return answerDocker(
+          res,
+          400,
+          'failed to create task: exec: "sleep": executable file not found in $PATH',
+        );
       }
       if (startRefused && fail.removal && req.method === "DELETE" && /\/containers\//.test(url))
-        return answer(res, 500, "the daemon failed the removal");
+        return answerDocker(res, 500, "the daemon failed the removal");
       if (startRefused && fail.inspect && req.method === "GET" && /\/containers\/[^/]+\/json/.test(url))
-        return answer(res, 500, "the daemon failed the inspect");
-      const up = httpRequest(
-        { socketPath: "/var/run/docker.sock", method: req.method, path: url, headers: req.headers },
-        (upRes) => {
-          res.writeHead(upRes.statusCode ?? 502, upRes.headers);
-          upRes.pipe(res);
-        },
-      );
-      up.on("error", () => res.destroy());
-      req.pipe(up);
+        return answerDocker(res, 500, "the daemon failed the inspect");
+      return false;
     });
-    await new Promise<void>((resolve) => proxy.listen(path, resolve));
     const ofRollout = async (rolloutId: string) =>
       docker.listContainers({ all: true, filters: { label: [`${LABEL_ROLLOUT}=${rolloutId}`] } });
-    const refusing = new DockerSandboxProvider({ docker: { socketPath: path } });
+    const refusing = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
     const specs: SandboxSpecInput[] = [];
     const attempt = async (removal: boolean, inspect: boolean) => {
       Object.assign(fail, { removal, inspect });
@@ -810,8 +831,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       const unseen = await attempt(true, true);
       expect([unseen.err.kind, unseen.err.retryable, unseen.left]).toEqual(["provider_unavailable", true, 1]);
     } finally {
-      await new Promise((resolve) => proxy.close(resolve));
-      await rm(path, { force: true });
+      await proxy.close();
       for (const s of specs)
         for (const c of await ofRollout(s.rolloutId))
           await docker.getContainer(c.Id).remove({ force: true, v: true });
@@ -1073,31 +1093,17 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
   it("a destroy that meets another removal in progress (409) confirms nothing it cannot see gone: an inspect that fails, or a container still there at the API timeout, is retryable", async () => {
     // The real daemon behind a proxy that answers every removal 409 "already in progress" and,
     // as the case asks, fails the inspects that follow.
-    const path = join(tmpdir(), `fleet-docker-proxy-409-${RUN}.sock`);
     const mode = { refuse: false, inspectFails: false };
-    const proxy = createHttpServer((req, res) => {
+    const proxy = await dockerProxy("409", (req, res) => {
       const url = req.url ?? "";
-      const answer = (code: number, message: string) => {
-        res.writeHead(code, { "content-type": "application/json" });
-        res.end(JSON.stringify({ message }));
-      };
       if (mode.refuse && req.method === "DELETE" && /\/containers\//.test(url))
-        return answer(409, "removal of container is already in progress");
+        return answerDocker(res, 409, "removal of container is already in progress");
       if (mode.refuse && mode.inspectFails && req.method === "GET" && /\/containers\/[^/]+\/json/.test(url))
-        return answer(500, "the daemon failed the inspect");
-      const up = httpRequest(
-        { socketPath: "/var/run/docker.sock", method: req.method, path: url, headers: req.headers },
-        (upRes) => {
-          res.writeHead(upRes.statusCode ?? 502, upRes.headers);
-          upRes.pipe(res);
-        },
-      );
-      up.on("error", () => res.destroy());
-      req.pipe(up);
+        return answerDocker(res, 500, "the daemon failed the inspect");
+      return false;
     });
-    await new Promise<void>((resolve) => proxy.listen(path, resolve));
     const racing = new DockerSandboxProvider({
-      docker: { socketPath: path },
+      docker: { socketPath: proxy.path },
       defaults: { apiTimeoutMs: 2_000 },
     });
     const made: SandboxHandle[] = [];
@@ -1115,8 +1121,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     } finally {
       mode.refuse = false;
       for (const h of made) await racing.destroy(h);
-      await new Promise((resolve) => proxy.close(resolve));
-      await rm(path, { force: true });
+      await proxy.close();
     }
   });
 
