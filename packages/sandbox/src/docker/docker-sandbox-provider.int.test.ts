@@ -895,69 +895,68 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
-  it("an image with more in /workspace than the workspace's cap is the task's (final), its container removed; one that cannot be removed makes the create retryable", async () => {
-    const image = `fleet-test/ws-big:${RUN}`;
+  /**
+   * A create refused for its image (built from `run` on the base image): the task's (final), its
+   * container removed; when the daemon fails that removal, the container is still there, so the
+   * create is retryable (a final error would have the seed forget its intent and close report it
+   * torn down).
+   */
+  async function expectImageRefused(
+    tag: string,
+    run: string,
+    options: SandboxSpecInput["options"],
+    refusedMessage: RegExp,
+    keptMessage: RegExp,
+  ): Promise<void> {
+    const image = `fleet-test/${tag}:${RUN}`;
     execFileSync("docker", ["build", "-q", "-t", image, "-"], {
-      input: `FROM ${IMAGE}\nRUN mkdir -p /workspace && head -c 2097152 /dev/zero > /workspace/big.bin\n`,
+      input: `FROM ${IMAGE}\nRUN ${run}\n`,
       stdio: ["pipe", "ignore", "pipe"],
       timeout: 120_000,
     });
     const ofRollout = async (rolloutId: string) =>
       docker.listContainers({ all: true, filters: { label: [`${LABEL_ROLLOUT}=${rolloutId}`] } });
-    const small = { image, options: { diskMb: 1 } };
-    const t = spec(small);
+    const over = options ? { image, options } : { image };
+    const t = spec(over);
     try {
-      const s = spec(small);
-      const tooBig = await fleetError(provider.create(s));
-      expect([tooBig.kind, tooBig.retryable]).toEqual(["invalid_task", false]);
-      expect(tooBig.message).toMatch(/more in \/workspace than the workspace's cap of 1 MiB/);
+      const s = spec(over);
+      const refused = await fleetError(provider.create(s));
+      expect([refused.kind, refused.retryable]).toEqual(["invalid_task", false]);
+      expect(refused.message).toMatch(refusedMessage);
       expect(await ofRollout(s.rolloutId)).toEqual([]);
 
-      // The daemon fails the removal: the container is still there, so the create is retryable
-      // (a final error would have the seed forget its intent and close report it torn down).
       const stuck = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
       stuck.destroy = async () => {
         throw FleetError.retryable("provider_unavailable", "the daemon failed the removal");
       };
       const kept = await fleetError(stuck.create(t));
       expect([kept.kind, kept.retryable]).toEqual(["provider_unavailable", true]);
-      expect(kept.message).toMatch(/has too much in its image's \/workspace and could not be removed/);
+      expect(kept.message).toMatch(keptMessage);
       expect(await ofRollout(t.rolloutId)).toHaveLength(1);
     } finally {
       for (const c of await ofRollout(t.rolloutId)) await docker.getContainer(c.Id).remove({ force: true });
       execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
     }
+  }
+
+  it("an image with more in /workspace than the workspace's cap is the task's (final), its container removed; one that cannot be removed makes the create retryable", async () => {
+    await expectImageRefused(
+      "ws-big",
+      "mkdir -p /workspace && head -c 2097152 /dev/zero > /workspace/big.bin",
+      { diskMb: 1 },
+      /more in \/workspace than the workspace's cap of 1 MiB/,
+      /has too much in its image's \/workspace and could not be removed/,
+    );
   });
 
   it("an image whose /workspace files cannot be staged (a device node) is the task's (final), its container removed; one that cannot be removed makes the create retryable", async () => {
-    const image = `fleet-test/ws-device:${RUN}`;
-    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
-      input: `FROM ${IMAGE}\nRUN mkdir -p /workspace && echo x > /workspace/a.txt && mknod /workspace/null c 1 3\n`,
-      stdio: ["pipe", "ignore", "pipe"],
-      timeout: 120_000,
-    });
-    const ofRollout = async (rolloutId: string) =>
-      docker.listContainers({ all: true, filters: { label: [`${LABEL_ROLLOUT}=${rolloutId}`] } });
-    const t = spec({ image });
-    try {
-      const s = spec({ image });
-      const refused = await fleetError(provider.create(s));
-      expect([refused.kind, refused.retryable]).toEqual(["invalid_task", false]);
-      expect(await ofRollout(s.rolloutId)).toEqual([]);
-
-      // The daemon fails the removal: the container is still there, so the create is retryable.
-      const stuck = new DockerSandboxProvider({ docker: { socketPath: "/var/run/docker.sock" } });
-      stuck.destroy = async () => {
-        throw FleetError.retryable("provider_unavailable", "the daemon failed the removal");
-      };
-      const kept = await fleetError(stuck.create(t));
-      expect([kept.kind, kept.retryable]).toEqual(["provider_unavailable", true]);
-      expect(kept.message).toMatch(/could not get its image's \/workspace files and could not be removed/);
-      expect(await ofRollout(t.rolloutId)).toHaveLength(1);
-    } finally {
-      for (const c of await ofRollout(t.rolloutId)) await docker.getContainer(c.Id).remove({ force: true });
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
-    }
+    await expectImageRefused(
+      "ws-device",
+      "mkdir -p /workspace && echo x > /workspace/a.txt && mknod /workspace/null c 1 3",
+      undefined,
+      /\/workspace/,
+      /could not get its image's \/workspace files and could not be removed/,
+    );
   });
 
   it("a paused sandbox's processes are never reported stopped; once it runs again they are", async () => {
