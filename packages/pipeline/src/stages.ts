@@ -1108,14 +1108,13 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
 };
 
 /**
- * Close is enqueued again for a rollout whose close ended without finalizing (by the deadline
- * watchdog, or by a stage worker for a close job BullMQ failed as stalled) this many times at most,
- * both counted together (`store.noteWatchdogClose`). A close job that
- * ended without finalizing this often (it failed every attempt, or it killed every worker that
- * took it: a stalled job is failed after `maxStalledCount` re-deliveries) would otherwise be
- * enqueued again every pass for good, a poison job crash-looping the resources workers; the
- * janitor closes the rollout itself instead (`closeRollout` without destroys: every sandbox goes
- * to the teardown ledger, whose retries back off, and the result says the teardown is pending).
+ * How many times close is enqueued again for a rollout whose close ended without finalizing, by
+ * the deadline watchdog and by the stage workers (for a close job BullMQ failed as stalled) counted
+ * together (`store.noteWatchdogClose`). A close that fails every attempt, or kills every worker
+ * that takes it, was otherwise enqueued again for good: a poison job crash-looping the resources
+ * workers. Past it, the janitor closes the rollout itself once it is past its deadline
+ * (`closeRollout` without destroys: its sandboxes go to the teardown ledger, whose retries back
+ * off, and its result says the teardown is pending until they are gone).
  */
 export const WATCHDOG_CLOSE_LIMIT = 3;
 
@@ -1173,7 +1172,8 @@ export async function closeRollout(
     }
     if (!entry) continue;
     if (owner === "agent" || !options.destroy) {
-      // Not ours to destroy (rule 11): the agent worker that owned it is gone; hand it to the janitor.
+      // Not ours to destroy (rule 11): the agent worker that owned it is gone; hand it to the
+      // janitor. Without `destroy` (the janitor's own close), every sandbox goes there.
       await deps.ledger.schedule(entry, clock(deps));
       teardown = "pending";
       continue;
