@@ -499,7 +499,7 @@ describe("janitor", () => {
     const report = await janitorTick({ ...later, metrics }, opts);
     expect(report.errors).toEqual([]);
     expect(report.closedByJanitor).toBeGreaterThanOrEqual(2);
-    expect((await metrics.janitorClosed.get()).values[0]?.value).toBe(report.closedByJanitor);
+    expect((await metrics.closesGivenUp.get()).values[0]?.value).toBe(report.closedByJanitor);
     expect(report.retried).toBeGreaterThanOrEqual(2); // the ledger step's destroys
     // No close enqueued again; the sandboxes went through the ledger in the same pass.
     expect(await closeJobs()).toEqual([undefined, undefined]);
@@ -520,17 +520,13 @@ describe("janitor", () => {
     );
   });
 
-  it(`a close that kills every worker taking it (BullMQ fails it as stalled, and the stage workers enqueue it again) is enqueued at most ${WATCHDOG_CLOSE_LIMIT} times, then the janitor closes the rollout`, async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
-    const seedJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
-    expect(await runStageJob("seed", seedJob, fleet.deps)).toBe("ok");
-    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+  /**
+   * `fleet.deps` under which every close job of rollout `id` kills each worker that takes it until
+   * BullMQ fails it as stalled: what BullMQ's stalled check then leaves on it (a deferred failure)
+   * is set before any worker may take it (the queue paused meanwhile). `enqueued`: how many.
+   */
+  function poisonedCloses(id: string) {
     const closeQueue = fleet.deps.queues.queues.close;
-    // Every close job of this rollout kills each worker that takes it until BullMQ fails it as
-    // stalled: what BullMQ's stalled check then leaves on it (a deferred failure) is set before
-    // any worker may take it (the queue paused meanwhile).
     let enqueued = 0;
     const queues = Object.assign(Object.create(fleet.deps.queues) as typeof fleet.deps.queues, {
       enqueue: async (...a: Parameters<typeof fleet.deps.queues.enqueue>) => {
@@ -546,7 +542,17 @@ describe("janitor", () => {
         await closeQueue.resume();
       },
     });
-    const deps = { ...fleet.deps, queues };
+    return { deps: { ...fleet.deps, queues }, enqueued: () => enqueued };
+  }
+
+  it(`a close that kills every worker taking it (BullMQ fails it as stalled, and the stage workers enqueue it again) is enqueued at most ${WATCHDOG_CLOSE_LIMIT} times, then the rollout is closed without it`, async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
+    const seedJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
+    expect(await runStageJob("seed", seedJob, fleet.deps)).toBe("ok");
+    const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
+    const { deps, enqueued } = poisonedCloses(id!);
     const later = { ...deps, now: () => Date.now() + 3_660_000 };
     const workers = createStageWorkers(["close"], deps, {
       connection: fleet.redis,
@@ -562,13 +568,13 @@ describe("janitor", () => {
     try {
       await vi.waitFor(
         async () => {
-          const over = enqueued > 4 * WATCHDOG_CLOSE_LIMIT;
+          const over = enqueued() > 4 * WATCHDOG_CLOSE_LIMIT;
           expect(over || (await fleet.deps.store.getResult(id!)) !== null).toBe(true);
         },
         { timeout: 60_000, interval: 50 },
       );
       // Without a bound the closes went on for good, each killing workers.
-      expect(enqueued).toBeLessThanOrEqual(WATCHDOG_CLOSE_LIMIT);
+      expect(enqueued()).toBeLessThanOrEqual(WATCHDOG_CLOSE_LIMIT);
       expect(await fleet.deps.store.getResult(id!)).toMatchObject({
         status: "masked",
         failureKind: "deadline_exceeded",
@@ -577,6 +583,48 @@ describe("janitor", () => {
     } finally {
       passes = false;
       await janitor;
+      await workers.close(5_000);
+      await docker.destroy(handle).catch(() => undefined);
+    }
+  });
+
+  it(`a stage worker closes a rollout whose close it would enqueue a ${WATCHDOG_CLOSE_LIMIT + 1}th time at once, without destroys (no wait for the deadline); the janitor's next pass removes its sandbox`, async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
+    const seedJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
+    expect(await runStageJob("seed", seedJob, fleet.deps)).toBe("ok");
+    const { store } = fleet.deps;
+    const handle = (await store.get(id!))!.receipts.seed!.handle;
+    const { deps, enqueued } = poisonedCloses(id!);
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const workers = createStageWorkers(
+      ["close"],
+      { ...deps, metrics },
+      {
+        connection: fleet.redis,
+        prefix: fleet.prefix,
+        concurrency: 1,
+        supervise: false,
+      },
+    );
+    try {
+      // Cancelled an hour before its deadline: its close is enqueued, and fails as stalled.
+      expect(await store.requestCancel(id!)).toBe("seeded");
+      await deps.queues.enqueue("close", id!);
+      await vi.waitFor(async () => expect(await store.getResult(id!)).not.toBeNull(), {
+        timeout: 60_000,
+        interval: 50,
+      });
+      expect(enqueued()).toBe(1 + WATCHDOG_CLOSE_LIMIT); // its first close, then 3 again
+      expect(await store.getResult(id!)).toMatchObject({ status: "cancelled", teardown: "pending" });
+      expect((await metrics.closesGivenUp.get()).values[0]?.value).toBe(1);
+      // No Docker call was made for it: the sandbox is the ledger's, gone at the next pass.
+      expect(await docker.alive(handle)).toBe(true);
+      await janitorTick(fleet.deps, { orphanGraceMs: 3 * 3_600_000 });
+      expect(await docker.alive(handle)).toBe(false);
+      expect(await store.getResult(id!)).toMatchObject({ status: "cancelled", teardown: "confirmed" });
+    } finally {
       await workers.close(5_000);
       await docker.destroy(handle).catch(() => undefined);
     }
@@ -627,7 +675,7 @@ describe("janitor", () => {
       expect((await ledger.pending()).filter((e) => e.rolloutId === id)).toEqual([]);
       // The close job finalized: not a rollout the janitor closed.
       expect(report.closedByJanitor).toBe(0);
-      expect((await metrics.janitorClosed.get()).values[0]?.value).toBe(0);
+      expect((await metrics.closesGivenUp.get()).values[0]?.value).toBe(0);
       expect((await metrics.rolloutsFinished.get()).values.filter((v) => v.value > 0)).toEqual([]);
     } finally {
       release();

@@ -12,7 +12,7 @@ import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fl
 import { ageSeconds, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { closeRollout, destroyOrLedger, WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
+import { closeWithoutDestroys, destroyOrLedger, WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
 import { boundedClose, freshErrors } from "./worker.ts";
 
 export interface JanitorOptions {
@@ -143,10 +143,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     await watchdogSteps.run(`watchdog ${id}`, async () => {
       const done = await watchdogClose(deps, id, now);
       if (done === "enqueued") report.watchdogClosed++;
-      if (done === "closed") {
-        report.closedByJanitor++;
-        deps.metrics?.janitorClosed.inc();
-      }
+      if (done === "closed") report.closedByJanitor++;
     });
   }
   watchdogSteps.done();
@@ -362,17 +359,9 @@ async function watchdogClose(
       { rolloutId: id, closes: closes - 1 },
       "the rollout's closes keep ending without finalizing: the janitor closes it, its sandboxes left to the teardown ledger",
     );
-    // As a close job's runner would: begin sets the tombstone and reads what close needs.
-    const { record, failures, ...begun } = await deps.store.begin(id, "close", now);
-    if (!record || isTerminal(record.status)) return null;
-    // At this pass's time: the sandboxes it hands to the ledger are due in this pass's ledger step.
-    const stored = await closeRollout(
-      { ...record, failureLog: failures, begun },
-      { ...deps, now: () => now },
-      { destroy: false },
-    );
-    // Not counted when another closer finalized meanwhile (a close job, another pass).
-    return stored ? "closed" : null;
+    // At this pass's time: the sandboxes it hands to the ledger are due in this pass's ledger
+    // step. Not counted when another closer finalized meanwhile (a close job, another pass).
+    return (await closeWithoutDestroys(deps, id, now)) ? "closed" : null;
   }
   if (closes === 0) return null; // it finished meanwhile
   await deps.queues.enqueue("close", id);

@@ -8,6 +8,7 @@ import {
   FleetError,
   fileModes,
   isFleetError,
+  isTerminal,
   type ProbeReport,
   type RolloutResult,
   type RunReceipt,
@@ -1112,11 +1113,35 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
  * the deadline watchdog and by the stage workers (for a close job BullMQ failed as stalled) counted
  * together (`store.noteWatchdogClose`). A close that fails every attempt, or kills every worker
  * that takes it, was otherwise enqueued again for good: a poison job crash-looping the resources
- * workers. Past it, the janitor closes the rollout itself once it is past its deadline
- * (`closeRollout` without destroys: its sandboxes go to the teardown ledger, whose retries back
- * off, and its result says the teardown is pending until they are gone).
+ * workers. Past it, whichever finds it next (a stage worker at once, or the janitor's watchdog
+ * past the deadline) gives up on close jobs: `closeWithoutDestroys`.
  */
 export const WATCHDOG_CLOSE_LIMIT = 3;
+
+/**
+ * Close a rollout whose close jobs keep ending without finalizing (`WATCHDOG_CLOSE_LIMIT`): as a
+ * close job's runner would (begin sets the tombstone and reads what close needs), then
+ * `closeRollout` without destroys, at `now` (the sandboxes it hands to the ledger are due then).
+ * No Docker call: its sandboxes go to the teardown ledger, whose retries back off, its gateway
+ * network to the network retries, and its result says the teardown is pending until they are
+ * gone. The result as stored, or null when another closer finalized (only a close this call
+ * finalized is counted in `fleet_closes_given_up_total`).
+ */
+export async function closeWithoutDestroys(
+  deps: PipelineDeps,
+  rolloutId: string,
+  now: number,
+): Promise<RolloutResult | null> {
+  const { record, failures, ...begun } = await deps.store.begin(rolloutId, "close", now);
+  if (!record || isTerminal(record.status)) return null;
+  const stored = await closeRollout(
+    { ...record, failureLog: failures, begun },
+    { ...deps, now: () => now },
+    { destroy: false },
+  );
+  if (stored) deps.metrics?.closesGivenUp.inc();
+  return stored;
+}
 
 export const close: StageHandler = async (rec, deps) => {
   await closeRollout(rec, deps, { destroy: true });

@@ -5,7 +5,7 @@ import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isHandBack, isProviderHold } from "./hand-back.ts";
 import { nextAfter, runStageJob } from "./stage-runner.ts";
-import { WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
+import { closeWithoutDestroys, WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
 
 export interface StageWorkerOptions {
   connection: RedisConnection;
@@ -730,16 +730,17 @@ async function closeAfterBullmqFailure(
     // Its id is taken while the failed job is kept: make room for a new close.
     await job.remove().catch(() => undefined);
     // A close that kills every worker taking it comes back here each time BullMQ fails it: it is
-    // enqueued again only within the watchdog's count, then left to the janitor (which closes the
-    // rollout itself, without destroys, once past its deadline). Unbounded, it crash-looped the
+    // enqueued again only within the watchdog's count, then closed here without destroys (no
+    // Docker call: what killed the workers is likelier there). Unbounded, it crash-looped the
     // resources workers for good, and the watchdog never saw it (always queued or running).
     const closes = await deps.store.noteWatchdogClose(rolloutId);
     if (closes === 0) return; // it finished meanwhile
     if (closes > WATCHDOG_CLOSE_LIMIT) {
       deps.logger.warn(
         { rolloutId, closes: closes - 1 },
-        "the rollout's closes keep ending without finalizing: not enqueued again, the janitor closes it",
+        "the rollout's closes keep ending without finalizing: closed without destroys, its sandboxes left to the teardown ledger",
       );
+      await closeWithoutDestroys(deps, rolloutId, clock(deps));
       return;
     }
   } else if (!rec.cancelRequested) {

@@ -899,7 +899,6 @@ export class RolloutStore {
     return { previous: String(previous), launches: Number(launches) };
   }
 
-  /** Request cancellation; returns the status it found, or null for an unknown rollout. */
   /**
    * Cancel what a batch's admission records from now on (a batch cancelled while it is being
    * admitted: its later rollouts are recorded cancelled, and stop at their seed). False for no
@@ -909,6 +908,7 @@ export class RolloutStore {
     return Number(await this.redis.fleetCancelBatch(this.keys.batch(batchId))) === 1;
   }
 
+  /** Request cancellation; returns the status it found, or null for an unknown rollout. */
   async requestCancel(id: string): Promise<RolloutStatus | null> {
     const prev = String(await this.redis.fleetCancel(this.keys.rollout(id)));
     return prev === "" ? null : RolloutStatus.parse(prev);

@@ -29,7 +29,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     const names = (await r.getMetricsAsJSON()).map((m) => m.name).sort();
     expect(names).toEqual(
       [
-        "fleet_janitor_closed_rollouts_total",
+        "fleet_closes_given_up_total",
         "fleet_janitor_step_failures_total",
         "fleet_model_tokens_total",
         "fleet_queue_jobs",

@@ -106,7 +106,7 @@ export interface FleetMetrics {
   queueWorkers: Gauge<"queue">;
   queueStalledJobs: Counter<"queue">;
   janitorStepFailures: Counter<"step">;
-  janitorClosed: Counter;
+  closesGivenUp: Counter;
 }
 
 /**
@@ -234,9 +234,9 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       labelNames: ["step"],
       registers,
     }),
-    janitorClosed: new Counter({
-      name: "fleet_janitor_closed_rollouts_total",
-      help: "Rollouts the janitor closed itself, their sandboxes handed to the teardown ledger: close had been enqueued again for each WATCHDOG_CLOSE_LIMIT times (by the deadline watchdog, or by the stage workers after BullMQ failed it as stalled) and none finalized (a close failing every attempt, or killing every worker that took it).",
+    closesGivenUp: new Counter({
+      name: "fleet_closes_given_up_total",
+      help: "Rollouts closed without destroys, their sandboxes handed to the teardown ledger, once close had been enqueued again for each WATCHDOG_CLOSE_LIMIT times (by the deadline watchdog, or by the stage workers after BullMQ failed it as stalled) and none finalized (a close failing every attempt, or killing every worker that took it); counted by the process that closed it (a stage worker, or the janitor past the deadline).",
       registers,
     }),
     queueStalledJobs: new Counter({
@@ -252,7 +252,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   for (const result of TEARDOWN_RESULTS) metrics.teardownAttempts.inc({ result }, 0);
   for (const kind of TOKEN_KINDS) metrics.modelTokens.inc({ kind }, 0);
   for (const step of JANITOR_STEPS) metrics.janitorStepFailures.inc({ step }, 0);
-  metrics.janitorClosed.inc(0);
+  metrics.closesGivenUp.inc(0);
   // Gauges without labels start at 0, a made-up sample: sampled ones (Redis up, in flight,
   // ledger entries) appear only once the process that samples them (the dispatcher, the janitor)
   // set them, so a worker's scrape never reports "Redis down" or "nothing in flight".
