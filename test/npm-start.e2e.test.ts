@@ -1,7 +1,8 @@
-import { execFileSync, spawn } from "node:child_process";
+import { execFileSync } from "node:child_process";
 import { afterAll, describe, expect, it } from "vitest";
-import { freePort, REPO_ROOT } from "../scripts/lib/fleet-processes.ts";
+import { freePort } from "../scripts/lib/fleet-processes.ts";
 import { dropPrefix, REDIS_URL, testPrefix, waitFor } from "./helpers/env.ts";
+import { npmStart } from "./helpers/npm-app.ts";
 
 /** Every process under `pid` (children first found, then theirs). */
 function descendants(pid: number): number[] {
@@ -49,36 +50,24 @@ describe("apps started the README's way (npm start -w <app>)", () => {
     const port = await freePort();
     const results = await Promise.all(
       APPS.map(async ({ workspace, ready }) => {
-        const npm = spawn("npm", ["start", "-w", workspace], {
-          cwd: REPO_ROOT,
-          env: {
-            PATH: process.env.PATH ?? "/usr/bin:/bin",
-            HOME: process.env.HOME ?? "/root",
-            ...(process.env.DOCKER_HOST ? { DOCKER_HOST: process.env.DOCKER_HOST } : {}),
-            REDIS_URL,
-            FLEET_PREFIX: prefix,
-            FLEET_HTTP_HOST: "127.0.0.1",
-            FLEET_HTTP_PORT: String(port),
-            FLEET_METRICS_PORT: "0",
-            FLEET_API_TOKENS: "npm-start-test",
-            FLEET_LOG_LEVEL: "info",
-          },
-          stdio: ["ignore", "pipe", "pipe"],
+        const { npm, output } = npmStart(workspace, {
+          REDIS_URL,
+          FLEET_PREFIX: prefix,
+          FLEET_HTTP_HOST: "127.0.0.1",
+          FLEET_HTTP_PORT: String(port),
+          FLEET_API_TOKENS: "npm-start-test",
         });
-        let output = "";
-        npm.stdout.on("data", (d: Buffer) => (output += d.toString()));
-        npm.stderr.on("data", (d: Buffer) => (output += d.toString()));
         const npmExited = new Promise<void>((r) => npm.once("exit", () => r()));
         let tree: number[] = [];
         try {
-          await waitFor(`${workspace} to start`, async () => ready.test(output), 90_000);
+          await waitFor(`${workspace} to start`, async () => ready.test(output()), 90_000);
           tree = descendants(npm.pid!);
           expect(tree.length).toBeGreaterThan(0);
           npm.kill("SIGTERM");
           await npmExited;
           // The app itself got the signal (not only npm and its shell): it shut down and exited.
           await waitFor(`${workspace}'s processes to exit`, async () => tree.every((p) => !alive(p)), 60_000);
-          return { workspace, output };
+          return { workspace, output: output() };
         } finally {
           // Whatever is left (a failed run's orphans) goes.
           for (const p of [...descendants(npm.pid!), ...tree]) if (alive(p)) process.kill(p, "SIGKILL");

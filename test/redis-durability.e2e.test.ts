@@ -1,27 +1,12 @@
-import { spawn } from "node:child_process";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { freePort, REPO_ROOT } from "../scripts/lib/fleet-processes.ts";
+import { freePort } from "../scripts/lib/fleet-processes.ts";
 import { PrivateRedis } from "./chaos/lib/private-redis.ts";
 import { testPrefix, waitFor } from "./helpers/env.ts";
+import { npmStart } from "./helpers/npm-app.ts";
 
 /** An app started the README's way (`npm start -w <app>`): its output so far, and its exit code once it ends. */
 function startApp(workspace: string, env: Record<string, string>) {
-  const npm = spawn("npm", ["start", "-w", workspace], {
-    cwd: REPO_ROOT,
-    env: {
-      PATH: process.env.PATH ?? "/usr/bin:/bin",
-      HOME: process.env.HOME ?? "/root",
-      ...(process.env.DOCKER_HOST ? { DOCKER_HOST: process.env.DOCKER_HOST } : {}),
-      FLEET_METRICS_PORT: "0",
-      FLEET_API_TOKENS: "durability-test",
-      FLEET_LOG_LEVEL: "info",
-      ...env,
-    },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
-  let output = "";
-  npm.stdout.on("data", (d: Buffer) => (output += d.toString()));
-  npm.stderr.on("data", (d: Buffer) => (output += d.toString()));
+  const { npm, output } = npmStart(workspace, { FLEET_API_TOKENS: "durability-test", ...env });
   let ended = false;
   const exited = new Promise<number | null>((resolve) =>
     npm.once("exit", (code) => {
@@ -29,7 +14,7 @@ function startApp(workspace: string, env: Record<string, string>) {
       resolve(code);
     }),
   );
-  return { output: () => output, ended: () => ended, exited, stop: () => npm.kill("SIGTERM") };
+  return { output, ended: () => ended, exited, stop: () => npm.kill("SIGTERM") };
 }
 
 const APPS = [
