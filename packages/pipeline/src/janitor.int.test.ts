@@ -14,7 +14,7 @@ import { Queue } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { janitorTick, REPORTED_ENTRY_FAILURES, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
-import { WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
+import { CLOSE_AGAIN_LIMIT } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { createStageWorkers } from "./worker.ts";
 
@@ -463,7 +463,7 @@ describe("janitor", () => {
     });
   });
 
-  it(`a rollout whose close keeps ending without finalizing gets ${WATCHDOG_CLOSE_LIMIT} closes from the watchdog, then the janitor closes it: its sandbox through the ledger, a graded reward kept`, async () => {
+  it(`a rollout whose close keeps ending without finalizing gets ${CLOSE_AGAIN_LIMIT} closes from the watchdog, then the janitor closes it: its sandbox through the ledger, a graded reward kept`, async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
@@ -486,7 +486,7 @@ describe("janitor", () => {
     const closeJobs = () =>
       Promise.all([graded, stuck].map((id) => queues.queues.close.getJob(`${id}.close`)));
     // Each close ends without finalizing (it failed, or killed its worker until BullMQ gave up).
-    for (let i = 0; i < WATCHDOG_CLOSE_LIMIT; i++) {
+    for (let i = 0; i < CLOSE_AGAIN_LIMIT; i++) {
       for (const j of await closeJobs()) await j?.remove();
       const report = await janitorTick(later, opts);
       expect(report.errors).toEqual([]);
@@ -545,7 +545,7 @@ describe("janitor", () => {
     return { deps: { ...fleet.deps, queues }, enqueued: () => enqueued };
   }
 
-  it(`a close that kills every worker taking it (BullMQ fails it as stalled, and the stage workers enqueue it again) is enqueued at most ${WATCHDOG_CLOSE_LIMIT} times, then the rollout is closed without it`, async () => {
+  it(`a close that kills every worker taking it (BullMQ fails it as stalled, and the stage workers enqueue it again) is enqueued at most ${CLOSE_AGAIN_LIMIT} times, then the rollout is closed without it`, async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
@@ -568,13 +568,13 @@ describe("janitor", () => {
     try {
       await vi.waitFor(
         async () => {
-          const over = enqueued() > 4 * WATCHDOG_CLOSE_LIMIT;
+          const over = enqueued() > 4 * CLOSE_AGAIN_LIMIT;
           expect(over || (await fleet.deps.store.getResult(id!)) !== null).toBe(true);
         },
         { timeout: 60_000, interval: 50 },
       );
       // Without a bound the closes went on for good, each killing workers.
-      expect(enqueued()).toBeLessThanOrEqual(WATCHDOG_CLOSE_LIMIT);
+      expect(enqueued()).toBeLessThanOrEqual(CLOSE_AGAIN_LIMIT);
       expect(await fleet.deps.store.getResult(id!)).toMatchObject({
         status: "masked",
         failureKind: "deadline_exceeded",
@@ -588,7 +588,7 @@ describe("janitor", () => {
     }
   });
 
-  it(`a stage worker closes a rollout whose close it would enqueue a ${WATCHDOG_CLOSE_LIMIT + 1}th time at once, without destroys (no wait for the deadline); the janitor's next pass removes its sandbox`, async () => {
+  it(`a stage worker closes a rollout whose close it would enqueue a ${CLOSE_AGAIN_LIMIT + 1}th time at once, without destroys (no wait for the deadline); the janitor's next pass removes its sandbox`, async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
@@ -616,7 +616,7 @@ describe("janitor", () => {
         timeout: 60_000,
         interval: 50,
       });
-      expect(enqueued()).toBe(1 + WATCHDOG_CLOSE_LIMIT); // its first close, then 3 again
+      expect(enqueued()).toBe(1 + CLOSE_AGAIN_LIMIT); // its first close, then 3 again
       expect(await store.getResult(id!)).toMatchObject({ status: "cancelled", teardown: "pending" });
       expect((await metrics.closesGivenUp.get()).values[0]?.value).toBe(1);
       // No Docker call was made for it: the sandbox is the ledger's, gone at the next pass.
@@ -639,7 +639,7 @@ describe("janitor", () => {
     const { store, ledger } = fleet.deps;
     const handle = (await store.get(id!))!.receipts.seed!.handle;
     // Its closes so far ended without finalizing: the next pass closes it itself.
-    for (let i = 0; i < WATCHDOG_CLOSE_LIMIT; i++) await store.noteWatchdogClose(id!);
+    for (let i = 0; i < CLOSE_AGAIN_LIMIT; i++) await store.noteCloseAgain(id!);
     // The janitor's close is held at its finalize while a close job (enqueued again meanwhile,
     // e.g. for one BullMQ failed as stalled) runs and finalizes.
     let reached!: () => void;
@@ -976,7 +976,7 @@ describe("janitor", () => {
       expect(await runStageJob("seed", stageJob, deps)).toBe("ok");
       handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
       expect(firewall.sealed.size).toBe(1);
-      for (let i = 0; i < WATCHDOG_CLOSE_LIMIT; i++) await fleet.deps.store.noteWatchdogClose(id!);
+      for (let i = 0; i < CLOSE_AGAIN_LIMIT; i++) await fleet.deps.store.noteCloseAgain(id!);
       const later = { ...deps, now: () => Date.now() + 3_660_000 };
       const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
       expect(report.errors).toEqual([]);

@@ -12,7 +12,7 @@ import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fl
 import { ageSeconds, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { closeWithoutDestroys, destroyOrLedger, WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
+import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
 import { boundedClose, freshErrors } from "./worker.ts";
 
 export interface JanitorOptions {
@@ -48,7 +48,7 @@ export interface JanitorReport {
   orphansRemoved: number;
   expiredScheduled: number;
   watchdogClosed: number;
-  /** Rollouts the janitor closed itself, their closes having ended unfinalized too often (`WATCHDOG_CLOSE_LIMIT`). */
+  /** Rollouts the janitor closed itself, their closes having ended unfinalized too often (`CLOSE_AGAIN_LIMIT`). */
   closedByJanitor: number;
   /** Admissions a dispatcher did not finish whose recorded rollouts' seeds this pass enqueued. */
   admissionsFinished: number;
@@ -321,7 +321,7 @@ const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", 
  * delayed or running is left to it (a backed-up close queue is not a stuck rollout). Otherwise
  * the deadline failure is recorded, unless the rollout is already graded (a verify receipt: its
  * reward stands, close only has to report it) or has a failure recorded, and close is enqueued,
- * replacing a close job that ended without finalizing; past `WATCHDOG_CLOSE_LIMIT` enqueued
+ * replacing a close job that ended without finalizing; past `CLOSE_AGAIN_LIMIT` enqueued
  * closes, the janitor closes it itself. Says which it did (null: neither).
  */
 async function watchdogClose(
@@ -353,8 +353,8 @@ async function watchdogClose(
       { beforeDecided: true },
     );
   }
-  const closes = await deps.store.noteWatchdogClose(id);
-  if (closes > WATCHDOG_CLOSE_LIMIT) {
+  const closes = await deps.store.noteCloseAgain(id);
+  if (closes > CLOSE_AGAIN_LIMIT) {
     deps.logger.warn(
       { rolloutId: id, closes: closes - 1 },
       "the rollout's closes keep ending without finalizing: the janitor closes it, its sandboxes left to the teardown ledger",

@@ -1111,15 +1111,15 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
 /**
  * How many times close is enqueued again for a rollout whose close ended without finalizing, by
  * the deadline watchdog and by the stage workers (for a close job BullMQ failed as stalled) counted
- * together (`store.noteWatchdogClose`). A close that fails every attempt, or kills every worker
+ * together (`store.noteCloseAgain`). A close that fails every attempt, or kills every worker
  * that takes it, was otherwise enqueued again for good: a poison job crash-looping the resources
  * workers. Past it, whichever finds it next (a stage worker at once, or the janitor's watchdog
  * past the deadline) gives up on close jobs: `closeWithoutDestroys`.
  */
-export const WATCHDOG_CLOSE_LIMIT = 3;
+export const CLOSE_AGAIN_LIMIT = 3;
 
 /**
- * Close a rollout whose close jobs keep ending without finalizing (`WATCHDOG_CLOSE_LIMIT`): as a
+ * Close a rollout whose close jobs keep ending without finalizing (`CLOSE_AGAIN_LIMIT`): as a
  * close job's runner would (begin sets the tombstone and reads what close needs), then
  * `closeRollout` without destroys, at `now` (the sandboxes it hands to the ledger are due then).
  * No Docker call: its sandboxes go to the teardown ledger, whose retries back off, its gateway
@@ -1150,7 +1150,7 @@ export const close: StageHandler = async (rec, deps) => {
 
 /**
  * Close a rollout: destroy its sandboxes (or, without `destroy`, hand every one to the teardown
- * ledger, as the janitor's close does: see `WATCHDOG_CLOSE_LIMIT`), remove its gateway network (a
+ * ledger, as the janitor's close does: see `CLOSE_AGAIN_LIMIT`), remove its gateway network (a
  * failed removal goes to the ledger's network retries; without `destroy`, the removal goes there
  * at once), and finalize the result composed from `rec`.
  * The result as stored if this call finalized it; null if another closer did (a close job running

@@ -5,7 +5,7 @@ import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isHandBack, isProviderHold } from "./hand-back.ts";
 import { nextAfter, runStageJob } from "./stage-runner.ts";
-import { closeWithoutDestroys, WATCHDOG_CLOSE_LIMIT } from "./stages.ts";
+import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys } from "./stages.ts";
 
 export interface StageWorkerOptions {
   connection: RedisConnection;
@@ -733,9 +733,9 @@ async function closeAfterBullmqFailure(
     // enqueued again only within the watchdog's count, then closed here without destroys (no
     // Docker call: what killed the workers is likelier there). Unbounded, it crash-looped the
     // resources workers for good, and the watchdog never saw it (always queued or running).
-    const closes = await deps.store.noteWatchdogClose(rolloutId);
+    const closes = await deps.store.noteCloseAgain(rolloutId);
     if (closes === 0) return; // it finished meanwhile
-    if (closes > WATCHDOG_CLOSE_LIMIT) {
+    if (closes > CLOSE_AGAIN_LIMIT) {
       deps.logger.warn(
         { rolloutId, closes: closes - 1 },
         "the rollout's closes keep ending without finalizing: closed without destroys, its sandboxes left to the teardown ledger",

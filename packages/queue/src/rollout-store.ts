@@ -809,11 +809,11 @@ export class RolloutStore {
   /**
    * Count a close enqueued for this rollout after one ended without finalizing (by the deadline
    * watchdog, or by a stage worker for a close job BullMQ failed as stalled): the count so far,
-   * this one included (0 for a rollout unknown or terminal). Past `WATCHDOG_CLOSE_LIMIT` no close
+   * this one included (0 for a rollout unknown or terminal). Past `CLOSE_AGAIN_LIMIT` no close
    * is enqueued again and the janitor closes the rollout itself.
    */
-  async noteWatchdogClose(id: string): Promise<number> {
-    return Number(await this.redis.fleetNoteWatchdogClose(this.keys.rollout(id)));
+  async noteCloseAgain(id: string): Promise<number> {
+    return Number(await this.redis.fleetNoteCloseAgain(this.keys.rollout(id)));
   }
 
   /** Whether `token` still holds the verify fence (no later verify attempt began). */

@@ -641,14 +641,14 @@ const SCRIPTS = {
       return id`,
   },
   /**
-   * Count one more close the janitor's deadline watchdog enqueued for a rollout (the one before
-   * ended without finalizing). Returns the count, or 0 for a rollout unknown or terminal.
+   * Count one more close enqueued again for a rollout whose close ended without finalizing (by the
+   * deadline watchdog or a stage worker). Returns the count, or 0 for a rollout unknown or terminal.
    */
-  fleetNoteWatchdogClose: {
+  fleetNoteCloseAgain: {
     keys: 1,
     lua: `
       ${OPEN_OR_RETURN_0}
-      return redis.call('HINCRBY', KEYS[1], 'watchdog:closes', 1)`,
+      return redis.call('HINCRBY', KEYS[1], 'closes:again', 1)`,
   },
   /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */
   fleetAttach: {

@@ -236,7 +236,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     closesGivenUp: new Counter({
       name: "fleet_closes_given_up_total",
-      help: "Rollouts closed without destroys, their sandboxes handed to the teardown ledger, once close had been enqueued again for each WATCHDOG_CLOSE_LIMIT times (by the deadline watchdog, or by the stage workers after BullMQ failed it as stalled) and none finalized (a close failing every attempt, or killing every worker that took it); counted by the process that closed it (a stage worker, or the janitor past the deadline).",
+      help: "Rollouts closed without destroys, their sandboxes handed to the teardown ledger, once close had been enqueued again for each CLOSE_AGAIN_LIMIT times (by the deadline watchdog, or by the stage workers after BullMQ failed it as stalled) and none finalized (a close failing every attempt, or killing every worker that took it); counted by the process that closed it (a stage worker, or the janitor past the deadline).",
       registers,
     }),
     queueStalledJobs: new Counter({
