@@ -10,10 +10,11 @@
  * 4. Print a summary (counts by status, mean reward, p50/p95 of each stage) and the results path;
  *    shut everything down. Exit 0 only if the oracle scored 1.0 and the wrong agent 0 everywhere.
  */
-import { type ChildProcess, execFileSync, spawn } from "node:child_process";
+import { execFileSync } from "node:child_process";
 import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
-import { FleetProcesses, freePort, REPO_ROOT } from "./lib/fleet-processes.ts";
+import { LocalRedisServer } from "@fleet/queue";
+import { FleetProcesses, REPO_ROOT } from "./lib/fleet-processes.ts";
 
 interface ResultLine {
   status: string;
@@ -41,43 +42,16 @@ function ensureServices(): Record<string, string> {
   return exported;
 }
 
-async function startPrivateRedis(): Promise<{ url: string; proc: ChildProcess }> {
-  const port = await freePort();
+/**
+ * The demo's Redis, in its own process group: a Ctrl-C must not take Redis away before the fleet
+ * has shut down (workers hand their jobs back through it); this process stops it last, or at exit.
+ */
+async function startPrivateRedis(): Promise<LocalRedisServer> {
   const dir = join(runDir, "redis");
   mkdirSync(dir, { recursive: true });
-  const proc = spawn(
-    "redis-server",
-    [
-      "--bind",
-      "127.0.0.1",
-      "--port",
-      String(port),
-      "--dir",
-      dir,
-      "--appendonly",
-      "yes",
-      "--appendfsync",
-      "always",
-      "--maxmemory-policy",
-      "noeviction",
-      "--save",
-      "",
-    ],
-    // Its own process group: a Ctrl-C must not take Redis away before the fleet has shut down
-    // (workers hand their jobs back through it); this process stops it last, or at exit.
-    { stdio: "ignore", detached: true },
-  );
-  process.on("exit", () => proc.kill("SIGTERM"));
-  const url = `redis://127.0.0.1:${port}`;
-  for (let i = 0; i < 100; i++) {
-    try {
-      execFileSync("redis-cli", ["-p", String(port), "ping"], { stdio: "pipe" });
-      return { url, proc };
-    } catch {
-      await new Promise((r) => setTimeout(r, 100));
-    }
-  }
-  throw new Error(`private Redis did not start on port ${port}`);
+  const server = await LocalRedisServer.start({ dir, detached: true });
+  process.on("exit", () => server.process?.kill("SIGTERM"));
+  return server;
 }
 
 function runCli(args: string[], env: Record<string, string>): void {
@@ -170,7 +144,7 @@ async function main(): Promise<number> {
     });
   }
   const exported = ensureServices();
-  let redis: { url: string; proc: ChildProcess } | null = null;
+  let redis: LocalRedisServer | null = null;
   let redisUrl = process.env.REDIS_URL;
   if (!redisUrl) {
     redis = await startPrivateRedis();
@@ -226,7 +200,7 @@ async function main(): Promise<number> {
     // Longer than a worker's own bounded shutdown (30 s), so none is cut off handing back.
     await fleet?.stop(35_000);
     removeDemoSandboxes(prefix);
-    redis?.proc.kill("SIGTERM");
+    await redis?.kill("SIGTERM");
   }
 }
 

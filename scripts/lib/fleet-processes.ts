@@ -1,8 +1,8 @@
 import { type ChildProcess, spawn } from "node:child_process";
 import { createWriteStream, mkdirSync, type WriteStream } from "node:fs";
-import { createServer } from "node:net";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
+import { freeLoopbackPort } from "@fleet/queue";
 
 /** The fleet's processes, each a separate `node` running an app's `src/main.ts` through tsx. */
 export const APP_MAIN = {
@@ -42,17 +42,8 @@ export interface FleetProcess {
   metricsPort?: number;
 }
 
-export async function freePort(): Promise<number> {
-  return new Promise((resolvePort, reject) => {
-    const srv = createServer();
-    srv.once("error", reject);
-    srv.listen(0, "127.0.0.1", () => {
-      const address = srv.address();
-      const port = typeof address === "object" && address ? address.port : 0;
-      srv.close(() => resolvePort(port));
-    });
-  });
-}
+/** A free loopback port (for a dispatcher's HTTP or a worker's metrics). */
+export const freePort = freeLoopbackPort;
 
 /**
  * Start the dispatcher, the three stage workers and the janitor as separate processes against

@@ -1,27 +1,11 @@
-import { type ChildProcess, spawn } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
-import { createServer as createNetServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { createRedis } from "@fleet/queue";
+import { createRedis, LocalRedisServer } from "@fleet/queue";
 import type { FastifyInstance } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { startTestServer, type TestServer } from "./test-server.ts";
-
-/**
- * A real Redis that fills up (`maxmemory` under the `noeviction` the fleet requires): the API
- * answers 503 with Retry-After, which clients retry, never a 500 they give up on. Its own
- * private redis-server: filling the shared one would fail every other test.
- */
-async function freePort(): Promise<number> {
-  return new Promise<number>((resolve) => {
-    const srv = createNetServer().listen(0, "127.0.0.1", () => {
-      const { port } = srv.address() as { port: number };
-      srv.close(() => resolve(port));
-    });
-  });
-}
 
 const task = {
   id: "t-full",
@@ -32,29 +16,21 @@ const task = {
 };
 const row = { task, agent: { harness: "oracle" } };
 
+/**
+ * A real Redis that fills up (`maxmemory` under the `noeviction` the fleet requires): the API
+ * answers 503 with Retry-After, which clients retry, never a 500 they give up on. Its own
+ * private redis-server: filling the shared one would fail every other test.
+ */
 describe("the dispatcher on a full Redis", () => {
   const dir = mkdtempSync(join(tmpdir(), "fleet-redis-full-"));
-  let server: ChildProcess;
+  let server: LocalRedisServer;
   let redis: Redis;
   let testServer: TestServer;
   let app: FastifyInstance;
 
   beforeAll(async () => {
-    const port = await freePort();
-    server = spawn(
-      "redis-server",
-      [
-        ...["--port", String(port), "--bind", "127.0.0.1", "--dir", dir, "--save", ""],
-        ...["--appendonly", "yes", "--maxmemory", "8mb", "--maxmemory-policy", "noeviction"],
-      ],
-      { stdio: "ignore" },
-    );
-    redis = createRedis(`redis://127.0.0.1:${port}`);
-    redis.on("error", () => undefined); // refused until the server listens
-    for (let i = 0; redis.status !== "ready"; i++) {
-      if (i > 250) throw new Error("the private redis-server did not come up");
-      await new Promise((r) => setTimeout(r, 20));
-    }
+    server = await LocalRedisServer.start({ dir, args: ["--maxmemory", "8mb"] });
+    redis = createRedis(server.url);
     testServer = await startTestServer(redis, "full");
     app = testServer.app;
   });
@@ -62,11 +38,7 @@ describe("the dispatcher on a full Redis", () => {
   afterAll(async () => {
     await testServer?.close();
     redis?.disconnect();
-    if (server && server.exitCode === null && server.signalCode === null) {
-      const exited = new Promise((resolve) => server.once("exit", resolve));
-      server.kill("SIGKILL");
-      await exited;
-    }
+    await server?.kill();
     rmSync(dir, { recursive: true, force: true });
   });
 

@@ -1,38 +1,20 @@
-import { type ChildProcess, spawn } from "node:child_process";
 import { mkdtempSync, rmSync } from "node:fs";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { afterEach, describe, expect, it } from "vitest";
 import { createRedis, failFastOnceReady, logConnectionOutages } from "./connection.ts";
-
-async function freePort(): Promise<number> {
-  return new Promise<number>((resolve) => {
-    const srv = createServer().listen(0, "127.0.0.1", () => {
-      const { port } = srv.address() as { port: number };
-      srv.close(() => resolve(port));
-    });
-  });
-}
-
-/** SIGKILL a redis-server the test started (if it still runs) and wait for its exit. */
-async function killServer(server: ChildProcess | null): Promise<void> {
-  if (!server || server.exitCode !== null || server.signalCode !== null) return;
-  const exited = new Promise((resolve) => server.once("exit", resolve));
-  server.kill("SIGKILL");
-  await exited;
-}
+import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
 
 describe("logConnectionOutages", () => {
-  let server: ChildProcess | null = null;
+  let server: LocalRedisServer | null = null;
   const dir = mkdtempSync(join(tmpdir(), "fleet-outages-"));
   afterEach(async () => {
-    await killServer(server);
+    await server?.kill();
     rmSync(dir, { recursive: true, force: true });
   });
 
   it("logs an outage once however many reconnects fail, and its end once, through a real Redis going and coming (a first connection that never came: not an outage)", async () => {
-    const port = await freePort();
+    const port = await freeLoopbackPort();
     // Nothing listens yet: every reconnect attempt fails.
     const redis = createRedis(`redis://127.0.0.1:${port}`, { retryStrategy: () => 20 });
     const lines: string[] = [];
@@ -54,13 +36,7 @@ describe("logConnectionOutages", () => {
       expect(lines).toEqual(["redis not reachable yet (check REDIS_URL); still trying"]);
 
       // A real Redis comes up on the port: the client reconnects, and the end is logged once.
-      server = spawn(
-        "redis-server",
-        ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--dir", dir],
-        {
-          stdio: "ignore",
-        },
-      );
+      server = await LocalRedisServer.start({ dir, port });
       await until(() => redis.status === "ready");
       expect(await redis.ping()).toBe("PONG");
       // A client that connects first time round logs nothing: there was no outage to end.
@@ -75,7 +51,7 @@ describe("logConnectionOutages", () => {
       expect(freshLines).toEqual([]);
       // It goes again (killed): one more outage line, however many reconnects fail.
       const before = errors;
-      server.kill("SIGKILL");
+      await server.kill();
       await until(() => errors >= before + 5);
       expect(lines).toEqual([
         "redis not reachable yet (check REDIS_URL); still trying",
@@ -83,13 +59,7 @@ describe("logConnectionOutages", () => {
         "redis connection lost; reconnecting",
       ]);
       // And back again: an outage's end.
-      server = spawn(
-        "redis-server",
-        ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--dir", dir],
-        {
-          stdio: "ignore",
-        },
-      );
+      await server.relaunch();
       await until(() => redis.status === "ready");
       expect(lines.at(-1)).toBe("redis connection ready again");
     } finally {
@@ -100,38 +70,29 @@ describe("logConnectionOutages", () => {
 
 describe("failFastOnceReady", () => {
   const dir = mkdtempSync(join(tmpdir(), "fleet-failfast-"));
-  let server: ChildProcess | null = null;
+  let server: LocalRedisServer | null = null;
   afterEach(async () => {
-    await killServer(server);
+    await server?.kill();
     rmSync(dir, { recursive: true, force: true });
   });
 
   it("a command waits for a Redis not up yet, but once it has been up one sent while it is down fails at once", async () => {
-    const port = await freePort();
+    const port = await freeLoopbackPort();
     // Commands are kept until they can go (maxRetriesPerRequest null), through reconnect
     // attempts 200 ms apart until Redis has come up, and a minute apart after that.
     const redis = createRedis(`redis://127.0.0.1:${port}`, { retryStrategy: () => 200 });
     redis.on("error", () => undefined);
     failFastOnceReady(redis);
-    const start = () => {
-      server = spawn(
-        "redis-server",
-        ["--port", String(port), "--bind", "127.0.0.1", "--save", "", "--dir", dir],
-        {
-          stdio: "ignore",
-        },
-      );
-    };
     try {
       // Sent before Redis is up: it waits, and is answered once Redis comes.
       const early = redis.ping();
-      start();
+      server = await LocalRedisServer.start({ dir, port });
       expect(await early).toBe("PONG");
       // Down now, the next attempt a minute away: a command left in the offline queue would
       // outlast this test by far. It fails at once, in ioredis' words.
       redis.options.retryStrategy = () => 60_000;
       const closed = new Promise((resolve) => redis.once("close", resolve));
-      server!.kill("SIGKILL");
+      await server.kill();
       await closed;
       await expect(redis.get("x")).rejects.toThrow(/enableOfflineQueue options is false/);
     } finally {

@@ -1,6 +1,4 @@
-import { type ChildProcess, execFileSync, spawn } from "node:child_process";
 import { mkdtempSync } from "node:fs";
-import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import {
@@ -22,6 +20,7 @@ import {
   rolloutIds,
 } from "./admission.ts";
 import { assertRedisDurable, createRedis } from "./connection.ts";
+import { LocalRedisServer } from "./local-redis.ts";
 import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
@@ -41,53 +40,19 @@ const task: TaskContent = {
   metadata: {},
 };
 
-async function freePort(): Promise<number> {
-  return new Promise((resolve) => {
-    const s = createServer().listen(0, "127.0.0.1", () => {
-      const a = s.address();
-      s.close(() => resolve(typeof a === "object" && a ? a.port : 0));
-    });
-  });
-}
-
 describe("Redis durability check", () => {
-  let proc: ChildProcess;
+  let server: LocalRedisServer;
   let url: string;
   beforeAll(async () => {
-    const port = await freePort();
     // A Redis without AOF and with an evicting policy: the fleet must refuse it.
-    proc = spawn("redis-server", [
-      "--port",
-      String(port),
-      "--bind",
-      "127.0.0.1",
-      "--appendonly",
-      "no",
-      "--maxmemory-policy",
-      "allkeys-lru",
-      "--save",
-      "",
-      "--dir",
-      mkdtempSync(join(tmpdir(), "redis-")),
-    ]);
-    url = `redis://127.0.0.1:${port}`;
-    // Wait until it answers (a condition, not a sleep).
-    for (let i = 0; ; i++) {
-      try {
-        execFileSync("redis-cli", ["-p", String(port), "ping"], { stdio: "pipe" });
-        break;
-      } catch (err) {
-        if (i > 100) throw err;
-        await new Promise((r) => setTimeout(r, 50));
-      }
-    }
+    server = await LocalRedisServer.start({
+      dir: mkdtempSync(join(tmpdir(), "redis-")),
+      args: ["--appendonly", "no", "--maxmemory-policy", "allkeys-lru"],
+    });
+    url = server.url;
   });
-  afterAll(async () => {
-    // SIGKILL: a SIGTERM that lands during the AOF rewrite this test triggers can leave it running.
-    const exited = new Promise((resolve) => proc.once("exit", resolve));
-    proc.kill("SIGKILL");
-    await exited;
-  });
+  // SIGKILL: a SIGTERM that lands during the AOF rewrite this test triggers can leave it running.
+  afterAll(async () => server?.kill("SIGKILL"));
 
   it("refuses a Redis without AOF and noeviction, saying what to change", async () => {
     const r = createRedis(url);
@@ -114,38 +79,18 @@ describe("Redis durability check", () => {
   });
 
   it("a Redis whose CONFIG is disabled (managed Redis) is judged by INFO: AOF on and noeviction pass, its appendfsync unknown and not refused on a guess", async () => {
-    const port = await freePort();
-    const managed = spawn("redis-server", [
-      "--port",
-      String(port),
-      "--bind",
-      "127.0.0.1",
-      "--appendonly",
-      "yes",
-      "--maxmemory-policy",
-      "noeviction",
-      "--save",
-      "",
-      "--rename-command",
-      "CONFIG",
-      "",
-      "--dir",
-      mkdtempSync(join(tmpdir(), "redis-")),
-    ]);
-    // Wait until it answers (a condition, not a sleep), then connect.
-    await vi.waitFor(() => execFileSync("redis-cli", ["-p", String(port), "ping"], { stdio: "pipe" }), {
-      timeout: 10_000,
-      interval: 50,
+    const managed = await LocalRedisServer.start({
+      dir: mkdtempSync(join(tmpdir(), "redis-")),
+      // Its appendfsync left at Redis's default (everysec), which the check cannot read here.
+      args: ["--appendfsync", "everysec", "--rename-command", "CONFIG", ""],
     });
-    const r = createRedis(`redis://127.0.0.1:${port}`);
+    const r = createRedis(managed.url);
     try {
       await expect(r.config("GET", "appendfsync")).rejects.toThrow(/unknown command/i);
       await expect(assertRedisDurable(r)).resolves.toBeUndefined();
     } finally {
       r.disconnect();
-      const exited = new Promise((resolve) => managed.once("exit", resolve));
-      managed.kill("SIGKILL");
-      await exited;
+      await managed.kill();
     }
   });
 });
