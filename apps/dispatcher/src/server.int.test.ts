@@ -908,6 +908,28 @@ describe("limits", () => {
     expect(expectErrorBody(again, 429, "backpressure").details).toMatchObject({ inflight: 10, incoming: 4 });
   });
 
+  it("a batch's key sent with another body is a 409 at a full backlog too, never a 429 to retry for", async () => {
+    const tight = await makeHarness({ FLEET_MAX_BACKLOG: "3" });
+    const key = randomUUID();
+    const headers = { "idempotency-key": key };
+    const first = await tight.call({ method: "POST", url: "/v1/batches", payload: [row, row], headers });
+    expect(first.statusCode, first.body).toBe(202);
+    const fill = await tight.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    expect(fill.statusCode, fill.body).toBe(202);
+    // Other rows under the key, more of them than it admitted: no room would ever make it a batch.
+    const other = { ...row, metadata: { n: 1 } };
+    for (const payload of [
+      [other, other, other],
+      [row, row, other],
+    ]) {
+      const refused = await tight.call({ method: "POST", url: "/v1/batches", payload, headers });
+      const error = expectErrorBody(refused, 409, "conflict");
+      expect(error.details).toEqual({ batchId: first.json().batchId });
+    }
+    expect(await tight.store.inflightCount()).toBe(3);
+    expect(await redis.zcard(`${tight.prefix}:x:reservations`)).toBe(0);
+  });
+
   it("answers 429 with Retry-After past the backlog bound, but still replays an admitted batch", async () => {
     const tight = await makeHarness({ FLEET_MAX_BACKLOG: "3" });
     const key = randomUUID();

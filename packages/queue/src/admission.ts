@@ -288,6 +288,8 @@ export async function admit(
   // atomically with the writes (`createBatch`, `store.admit`): two at once cannot both pass.
   const keyRolloutId = key && input.batch ? rolloutIds(1, key, "rollout")[0]! : undefined;
   const keyBatchId = key && !input.batch ? batchIdFor(rolloutIds(1, key, "batch")) : undefined;
+  const differentBatchBody = () =>
+    new AdmissionError("conflict", "Idempotency-Key was used with a different batch body", { batchId });
   const otherRoute = () =>
     new AdmissionError(
       "conflict",
@@ -318,7 +320,13 @@ export async function admit(
   // batch leaves no batch behind, and its key stays free for the corrected body.
   // A replay of a batch recorded already (cut short, or its answer lost) finishes it as it was
   // admitted, whatever bound a later release put on deadlines.
-  const replay = batchId !== null && key !== null && (await store.getBatch(batchId))?.bodyHash === bodyHash;
+  const storedHash = batchId !== null && key !== null ? (await store.getBatch(batchId))?.bodyHash : null;
+  const replay = storedHash === bodyHash;
+  // Another body under a batch's key is a 409 whatever else holds, told now: it must not wait
+  // behind `beforeRecord` (the dispatcher's backlog room), whose 429 a client retries for as long
+  // as the fleet stays busy, for a request that can never be admitted. (`createBatch` below still
+  // decides atomically, for two first requests at once.)
+  if (typeof storedHash === "string" && !replay) throw differentBatchBody();
   const metas = await prepareRollouts(
     store,
     input.requests,
@@ -342,11 +350,7 @@ export async function admit(
     if (gone.length > 0) throw expiring(gone);
     const stored = await store.createBatch(batchId, bodyHash, now, keyRolloutId);
     if (stored === OTHER_ROUTE) throw otherRoute();
-    if (stored !== bodyHash) {
-      throw new AdmissionError("conflict", "Idempotency-Key was used with a different batch body", {
-        batchId,
-      });
-    }
+    if (stored !== bodyHash) throw differentBatchBody();
   }
   const { created, conflicting, expired, otherRoute: refused } = await store.admit(metas, now, keyBatchId);
   await options.afterRecord?.();
