@@ -855,6 +855,29 @@ describe("fleet status / results / cancel", () => {
     expect(stderr.text()).toContain("note: 4 of 20 rollouts of batch b-1 have finished; it is still running");
   });
 
+  it("results of a batch that finishes while they are read says the lines are not all of it", async () => {
+    // One of two finished when the results are read; the other finishes as they are sent.
+    let sent = false;
+    server.on("GET", "/v1/batches/b-1", (_req, res) => {
+      const done = sent ? 2 : 1;
+      json(res, 200, { id: "b-1", total: 2, done, counts: { completed: done, running: 2 - done } });
+    });
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      sent = true;
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');
+    });
+    expect(await runCli(["results", "b-1"], ctx())).toBe(0);
+    expect(stdout.text()).toBe('{"id":"r1"}\n');
+    expect(stderr.text()).toContain(
+      "note: batch b-1 finished while its results were being read: 1 of its 2 results are here; `fleet results b-1` again gives them all",
+    );
+    const out = path.join(dir, "r.jsonl");
+    sent = false;
+    expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(0);
+    expect(await readFile(out, "utf8")).toBe('{"id":"r1"}\n');
+    expect(stderr.text().match(/finished while its results were being read/g)).toHaveLength(2);
+  });
+
   it("results --out: a path that cannot be written is a usage error before fetching, not a crash", async () => {
     server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
       res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');

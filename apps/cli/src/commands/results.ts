@@ -1,4 +1,4 @@
-import type { FleetClient } from "../client.ts";
+import type { BatchStatus, FleetClient } from "../client.ts";
 import { type CliContext, openOut, writeText } from "../context.ts";
 
 /**
@@ -12,13 +12,20 @@ export async function resultsCommand(
   ctx: CliContext,
 ): Promise<number> {
   if (opts.out === undefined) {
-    for await (const line of client.batchResultLines(batchId)) await writeText(ctx.stdout, `${line}\n`);
-    await noteUnfinished(client, batchId, ctx);
+    const before = await statusBefore(client, batchId);
+    let lines = 0;
+    for await (const line of client.batchResultLines(batchId)) {
+      await writeText(ctx.stdout, `${line}\n`);
+      lines++;
+    }
+    await noteUnfinished(client, batchId, before, lines, ctx);
     return 0;
   }
   // Opened before fetching: a path that cannot be written is a usage error, not a crash.
   const file = (await openOut(opts.out))!;
+  let before: BatchStatus | null;
   try {
+    before = await statusBefore(client, batchId);
     for await (const line of client.batchResultLines(batchId)) await file.writeLine(line);
     await file.commit();
   } catch (err) {
@@ -26,14 +33,45 @@ export async function resultsCommand(
     throw err;
   }
   await writeText(ctx.stderr, `wrote ${file.lines} results to ${opts.out}\n`);
-  await noteUnfinished(client, batchId, ctx);
+  await noteUnfinished(client, batchId, before, file.lines, ctx);
   return 0;
 }
 
-/** A note on stderr when the batch has rollouts still running; nothing when it cannot tell. */
-async function noteUnfinished(client: FleetClient, batchId: string, ctx: CliContext): Promise<void> {
+/**
+ * The batch's status before its results are read, or null when it cannot be read: asked once (no
+ * retries), so a dispatcher that does not answer fails the results call as before, not later.
+ */
+function statusBefore(client: FleetClient, batchId: string): Promise<BatchStatus | null> {
+  return client
+    .with({ retries: 0 })
+    .getBatch(batchId)
+    .catch(() => null);
+}
+
+/**
+ * A note on stderr when the lines are not all of the batch: it has rollouts still running, or it
+ * was running when its results were read (`before`, its status read first: a rollout that finished
+ * after its part of the stream was sent is not in it). Nothing when it cannot tell.
+ */
+async function noteUnfinished(
+  client: FleetClient,
+  batchId: string,
+  before: BatchStatus | null,
+  /** Result lines written. */
+  lines: number,
+  ctx: CliContext,
+): Promise<void> {
+  if (before !== null && before.done >= before.total) return;
   const batch = await client.getBatch(batchId).catch(() => null);
-  if (batch === null || batch.done >= batch.total) return;
+  if (batch === null) return;
+  if (batch.done >= batch.total) {
+    if (before === null || lines >= batch.total) return;
+    await writeText(
+      ctx.stderr,
+      `note: batch ${batchId} finished while its results were being read: ${lines} of its ${batch.total} results are here; \`fleet results ${batchId}\` again gives them all\n`,
+    );
+    return;
+  }
   await writeText(
     ctx.stderr,
     `note: ${batch.done} of ${batch.total} rollouts of batch ${batchId} have finished; it is still running (\`fleet watch ${batchId}\` follows it to the end)\n`,
