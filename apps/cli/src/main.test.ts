@@ -31,7 +31,11 @@ function run(
 function runReadingOneLine(
   args: string[],
   env: Record<string, string>,
-): { readerGone: Promise<string>; exited: Promise<{ code: number | null; stderr: string }> } {
+): {
+  readerGone: Promise<string>;
+  exited: Promise<{ code: number | null; stderr: string }>;
+  kill: () => void;
+} {
   const child = spawn(process.execPath, [BIN, ...args], {
     env: { PATH: process.env.PATH ?? "", ...env },
     stdio: ["ignore", "pipe", "pipe"],
@@ -51,7 +55,7 @@ function runReadingOneLine(
   const exited = new Promise<{ code: number | null; stderr: string }>((resolve) =>
     child.on("close", (code) => resolve({ code, stderr })),
   );
-  return { readerGone, exited };
+  return { readerGone, exited, kill: () => child.kill("SIGKILL") };
 }
 
 let server: TestServer;
@@ -118,6 +122,30 @@ describe("bin/fleet.js", () => {
     expect(await child.readerGone).toBe('{"id":"r0"}');
     expect(await child.exited).toEqual({ code: 0, stderr: "" });
   });
+
+  it("`fleet --url <url> results | head -n1` (the option before the command) stops too, not reading the rest", async () => {
+    let readerGone: Promise<string> = new Promise(() => {});
+    server.on("GET", "/v1/batches/b-1/results", async (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.write('{"id":"r0"}\n');
+      await readerGone;
+      // A batch far larger than anyone reads through `head`: its lines keep coming.
+      const more = setInterval(() => res.write('{"id":"rn"}\n'), 20);
+      res.on("close", () => clearInterval(more));
+    });
+    const child = runReadingOneLine(["--url", server.url, "results", "b-1"], {});
+    readerGone = child.readerGone;
+    try {
+      expect(await child.readerGone).toBe('{"id":"r0"}');
+      const ended = await Promise.race([
+        child.exited,
+        new Promise<"still reading">((resolve) => setTimeout(() => resolve("still reading"), 5000)),
+      ]);
+      expect(ended).toEqual({ code: 0, stderr: "" });
+    } finally {
+      child.kill();
+    }
+  }, 20_000);
 
   it("`fleet submit | head -n1` still submits every chunk, and exits 0 when it has", async () => {
     let readerGone: Promise<string> = new Promise(() => {});

@@ -1,7 +1,7 @@
 import { readFile } from "node:fs/promises";
 import { CliConfig, ConfigError, parseConfig } from "@fleet/config";
 import { loadSuite, taskDigest } from "@fleet/tasks";
-import { runCli } from "./program.ts";
+import { commandName, runCli } from "./program.ts";
 import { PipeOutput } from "./stdout.ts";
 
 // The only file of the CLI that reads the environment.
@@ -20,7 +20,7 @@ process.once("SIGTERM", () => interrupt.abort());
 // only print, so they stop there with 0. `submit` and `cancel` change the fleet: they finish
 // (stopping between chunks would leave a submission half made, with exit 0), print nothing more
 // to stdout, and exit with the code the work earned.
-const printsOnly = ["results", "status"].includes(process.argv[2] ?? "");
+const printsOnly = ["results", "status"].includes(commandName(process.argv.slice(2)) ?? "");
 const stdout = new PipeOutput(process.stdout, () => {
   if (printsOnly) process.exit(0);
 });

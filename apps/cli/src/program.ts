@@ -262,6 +262,22 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
   return program;
 }
 
+/** The global options that take a value (`fleet --url <url> <command> ...`). */
+const GLOBAL_VALUE_OPTIONS = new Set(["--url", "--token"]);
+
+/**
+ * The command `argv` names (without the node and script paths): its first word that is no option
+ * nor a global option's value (`fleet --url http://h:8080 results b-1` → `results`).
+ */
+export function commandName(argv: readonly string[]): string | undefined {
+  for (let i = 0; i < argv.length; i++) {
+    const arg = argv[i]!;
+    if (GLOBAL_VALUE_OPTIONS.has(arg)) i++;
+    else if (!arg.startsWith("-")) return arg;
+  }
+  return undefined;
+}
+
 /** Run `fleet` with `argv` (without the node and script paths); resolves to the exit code. */
 export async function runCli(argv: readonly string[], ctx: CliContext): Promise<number> {
   let exitCode: number = EXIT.ok;
