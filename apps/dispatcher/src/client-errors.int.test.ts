@@ -176,3 +176,39 @@ describe("a body over the limit, sent whole before the answer is read", () => {
     expect(JSON.parse(body)).toMatchObject({ error: { code: "unauthorized" } });
   }, 10_000);
 });
+
+describe("a body far over a low limit, sent whole before the answer is read", () => {
+  const LIMIT = 64 * 1024;
+  const dispatcher = listening("linger-low", {
+    FLEET_MAX_BODY_BYTES: String(LIMIT),
+    FLEET_API_TOKENS: "tok",
+  });
+
+  it("gets its 413 in the API's error body, not a connection closed under it (EPIPE, taken for an outage)", async () => {
+    // 8 MiB, the fleet CLI's default chunk: 128 times this limit, far past LINGER_FACTOR times it.
+    // Node's fetch, as the CLI sends it, failed with EPIPE here (the 413 unread) and the CLI said
+    // it could not reach the dispatcher; written whole and then read, as here, the write failed.
+    const bytes = 8 * 1024 * 1024;
+    const answer = await new Promise<string>((resolve, reject) => {
+      const socket = connect(dispatcher.port, "127.0.0.1");
+      let text = "";
+      socket.on("data", (c: Buffer) => (text += c.toString("utf8")));
+      socket.on("error", reject);
+      socket.on("close", () => resolve(text));
+      socket.write(
+        "POST /v1/batches HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n" +
+          `Content-Type: application/x-ndjson\r\nContent-Length: ${bytes}\r\nConnection: close\r\n\r\n`,
+      );
+      socket.write(Buffer.alloc(bytes, 0x20), (err) => (err ? reject(err) : socket.end()));
+    });
+    const { status, body } = parse(answer);
+    expect(status).toBe(413);
+    expect(body).toEqual({
+      error: {
+        code: "payload_too_large",
+        message: `the request body (${bytes} bytes) is over the limit of ${LIMIT} bytes`,
+        details: { limit: LIMIT },
+      },
+    });
+  }, 60_000);
+});

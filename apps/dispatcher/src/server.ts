@@ -34,6 +34,8 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   const ctx: RouteContext = { ...deps, now: deps.now ?? Date.now };
   /** A body over the limit is read and discarded before its 413 up to this size (see below). */
   const lingerBytes = config.maxBodyBytes * LINGER_FACTOR;
+  /** A signed-in client's body over the limit is drained up to this size (see `preParsing` below). */
+  const drainBytes = Math.max(lingerBytes, LINGER_FLOOR_BYTES);
   const bodyTooLarge = (what: string, headers: Readonly<Record<string, string>> = {}) =>
     new HttpError(
       413,
@@ -118,13 +120,17 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // 413, where Fastify's own refusal closed the connection under it (a broken pipe, no answer).
   // The connection stays open for the next request. Past those bounds the 413 closes it, as
   // before. (A chunked body without a length is still refused, and closed, once it passes the limit.)
+  // Whatever the limit, up to LINGER_FLOOR_BYTES is drained: with a limit set low, the fleet CLI's
+  // chunks (8 MiB) are far past four times it, and Node's fetch, which fails on the closed
+  // connection while it still writes (EPIPE), reported the 413 as a dispatcher it could not reach.
+  // Only here, after sign-in: an unauthenticated client stays bound by LINGER_FACTOR (onSend below).
   app.addHook("preParsing", async (req, _reply, payload) => {
     const length = Number(req.headers["content-length"]);
     if (!(length > config.maxBodyBytes)) return payload;
     // Not for a body no route reads (GET, HEAD), nor before sign-in (public routes): there Node
     // discards it after the answer, and the onSend hook below closes past the bound.
     if (req.method === "GET" || req.method === "HEAD" || req.routeOptions.config?.public) return payload;
-    const drained = length <= lingerBytes && (await discard(payload, LINGER_MS));
+    const drained = length <= drainBytes && (await discard(payload, LINGER_MS));
     throw bodyTooLarge(`the request body (${length} bytes)`, drained ? {} : { connection: "close" });
   });
 
@@ -278,8 +284,10 @@ const ROUTE_METHODS = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS
 
 /** An over-limit body is read and discarded before its 413 up to this many times the limit, */
 export const LINGER_FACTOR = 4;
-/** and for at most this long. */
+/** and for at most this long; */
 export const LINGER_MS = 30_000;
+/** but at least this much of a signed-in client's body, whatever the limit (twice the CLI's chunk). */
+export const LINGER_FLOOR_BYTES = 16 * 1024 * 1024;
 
 /** Read `payload` to its end and throw it away: true once it ended, false if it broke or took over `ms`. */
 function discard(payload: NodeJS.ReadableStream, ms: number): Promise<boolean> {
