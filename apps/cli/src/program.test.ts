@@ -427,6 +427,60 @@ describe("fleet submit", () => {
     expect(admitted.length).toBeGreaterThanOrEqual(3);
   });
 
+  it("a chunk over the dispatcher's body limit (413 naming it) goes as bodies under it, losing no row", async () => {
+    const limit = 3000; // a few rows' worth: the CLI's 8 MiB chunk is far over it
+    const accepted: Array<Record<string, unknown>> = [];
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const bytes = Buffer.byteLength(req.body);
+      if (bytes > limit) {
+        return apiError(
+          res,
+          413,
+          "payload_too_large",
+          `the request body (${bytes} bytes) is over the limit`,
+          {
+            limit,
+          },
+        );
+      }
+      accepted.push(...rowsOf(req));
+      acceptBatch(res, ++n, rowsOf(req));
+    });
+    const args = ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--idempotency-key", "k"];
+    expect(await runCli(args, ctx()), stderr.text()).toBe(0);
+    expect(accepted).toHaveLength(20);
+    expect(new Set(accepted.map((r) => JSON.stringify(r))).size).toBe(20);
+    expect(stderr.text()).toContain(`submitted 20 rollouts (2 tasks × 10) in ${n} batches`);
+    // Each part under its own key, the same on a re-run: nothing admitted twice.
+    const keys = server.requests
+      .filter((r) => Buffer.byteLength(r.body) <= limit)
+      .map((r) => r.headers["idempotency-key"]);
+    expect(new Set(keys).size).toBe(n);
+    const first = server.requests.length;
+    expect(await runCli(args, ctx())).toBe(0);
+    const again = server.requests.slice(first).filter((r) => Buffer.byteLength(r.body) <= limit);
+    expect(again.map((r) => r.headers["idempotency-key"])).toEqual(keys);
+  });
+
+  it("a single row over the dispatcher's body limit is not split: the 413 and exit 1", async () => {
+    server.on("POST", "/v1/batches", (req, res) =>
+      apiError(
+        res,
+        413,
+        "payload_too_large",
+        `the request body (${req.body.length} bytes) is over the limit`,
+        {
+          limit: 10,
+        },
+      ),
+    );
+    const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--task", "alpha"], ctx());
+    expect(code).toBe(1);
+    expect(stderr.text()).toContain("error: payload_too_large:");
+    expect(server.requests).toHaveLength(1);
+  });
+
   /**
    * A dispatcher whose backlog (7) has room for 3 more rollouts: a batch of more is answered 429
    * naming the bound and what is in flight, or 413 past the bound itself; smaller ones admitted.

@@ -110,6 +110,9 @@ export function buildRollouts(options: BuildRolloutsOptions): RolloutRequestInpu
   return requests;
 }
 
+/** Bytes of `{"rollouts":[` + `]}` around a batch's rows (NDJSON needs fewer). */
+export const BATCH_ENVELOPE_BYTES = 14;
+
 /** Largest request body the CLI sends in one POST (kept under the dispatcher's body limit). */
 export const DEFAULT_MAX_REQUEST_BYTES = 8 * 1024 * 1024;
 
@@ -146,8 +149,7 @@ export function chunkRollouts(
           }
           return digest;
         };
-  /** Bytes of `{"rollouts":[` + `]}`; NDJSON needs fewer. */
-  const envelope = 14;
+  const envelope = BATCH_ENVELOPE_BYTES;
   const chunks: string[][] = [];
   /** Digests of tasks sent inline in a chunk already closed (so stored by the time the next one is sent). */
   const stored = new Set<string>();

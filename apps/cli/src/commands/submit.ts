@@ -4,7 +4,7 @@ import type { TaskContent } from "@fleet/contracts";
 import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
 import { type CliContext, OutputError, openOut, type ResultsFile, writeText } from "../context.ts";
 import { formatDuration, ProgressReporter } from "../progress.ts";
-import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
+import { BATCH_ENVELOPE_BYTES, buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
 
 export interface SubmitOptions extends FollowOptions {
@@ -249,7 +249,8 @@ interface PostingState {
 /**
  * POST one chunk (or the part of it from row `from`) as a batch. A chunk with more rows than the
  * fleet's backlog bound can ever hold (413 naming `maxBacklog`) goes as several batches of at most
- * that many rows. When the backlog has room for only part of it (429 naming the bound and what is
+ * that many rows; one whose body is over the dispatcher's body limit (413 naming `limit`), as
+ * several bodies under it. When the backlog has room for only part of it (429 naming the bound and what is
  * in flight), that part goes first. While the backlog is full, the chunk is offered again after
  * the server's `Retry-After` for up to `backlogWaitMs` from the first answer that it is full (a
  * slow answer is no wait for room), saying so on stderr: a submission larger
@@ -299,6 +300,14 @@ async function submitChunk(
         for (let i = 0; i < lines.length; i += max) await part(i, i + max);
         return;
       }
+      // A body over the dispatcher's FLEET_MAX_BODY_BYTES (413 naming `limit`, and no row: a task
+      // over its size names the row, and no split helps it): as bodies it takes, split by the same
+      // bytes every time (a re-run with this --idempotency-key sends the same parts).
+      const limit = num("limit");
+      if (err.status === 413 && limit !== null && details.index === undefined && lines.length > 1) {
+        for (const [start, end] of underLimit(lines, limit)) await part(start, end);
+        return;
+      }
       if (err.status !== 429) throw err;
       const now = Date.now();
       until ??= now + backlogWaitMs;
@@ -328,6 +337,33 @@ async function submitChunk(
       }
     }
   }
+}
+
+/**
+ * Row ranges `[from, to)` of `lines` whose bodies are at most `limit` bytes (as `chunkRollouts`
+ * counts a body), a row over it alone; never `lines` whole (two halves then), so a split always
+ * makes progress.
+ */
+export function underLimit(lines: readonly string[], limit: number): [number, number][] {
+  const parts: [number, number][] = [];
+  let from = 0;
+  let bytes = BATCH_ENVELOPE_BYTES;
+  for (const [i, line] of lines.entries()) {
+    const size = Buffer.byteLength(line) + 1;
+    if (i > from && bytes + size > limit) {
+      parts.push([from, i]);
+      from = i;
+      bytes = BATCH_ENVELOPE_BYTES;
+    }
+    bytes += size;
+  }
+  parts.push([from, lines.length]);
+  if (parts.length > 1) return parts;
+  const half = Math.ceil(lines.length / 2);
+  return [
+    [0, half],
+    [half, lines.length],
+  ];
 }
 
 /**
