@@ -122,6 +122,13 @@ export const apiTokensVar = () =>
           ctx.addIssue({ code: "custom", message: "has an empty token after 'admin:'" });
         } else if (/\s/.test(token)) {
           ctx.addIssue({ code: "custom", message: "has a token containing whitespace" });
+        } else if (entry.length > 0 && !/^[\x21-\x7e]+$/.test(token)) {
+          // A header cannot carry it (UTF-8 bytes come back as latin1) and the fleet CLI refuses
+          // it: every request with it would be a 401.
+          ctx.addIssue({
+            code: "custom",
+            message: "has a token with characters other than printable ASCII, which no client can send",
+          });
         }
       }
       // Set but holding only commas (`,`, or `$A,$B` with both unset): no token would turn auth

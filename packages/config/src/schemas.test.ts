@@ -129,6 +129,27 @@ describe("DispatcherConfig", () => {
     expect(parseConfig(DispatcherConfig, { FLEET_API_TOKENS: ",a," }).apiTokens.tokens).toEqual(["a"]);
   });
 
+  it("refuses a FLEET_API_TOKENS token no client can send: characters beyond printable ASCII", () => {
+    // The CLI refuses such a --token/FLEET_TOKEN, and a header carries no UTF-8 (curl's bytes are
+    // read back as latin1): every request with it would be a 401.
+    for (const [bad, secret] of [
+      ["a1,pässwört", "pässwört"],
+      ["admin:t€ken", "t€ken"],
+      ["s3cret\u0001", "s3cret"],
+    ] as const) {
+      const err = errorOf(() => parseConfig(DispatcherConfig, { FLEET_API_TOKENS: bad }));
+      expect(err.issues).toEqual([
+        { variable: "FLEET_API_TOKENS", message: expect.stringContaining("printable ASCII") },
+      ]);
+      expect(err.message).toContain("(value hidden)");
+      expect(err.message).not.toContain(secret);
+    }
+    expect(parseConfig(DispatcherConfig, { FLEET_API_TOKENS: "a~!Z9,admin:{x}" }).apiTokens.tokens).toEqual([
+      "a~!Z9",
+      "{x}",
+    ]);
+  });
+
   it("hides the userinfo of a bad REDIS_URL, even one that does not parse", () => {
     const cases = [
       ["redis://:s3cr#t@redis:6379", "s3cr", "redis://***@redis:6379"],
