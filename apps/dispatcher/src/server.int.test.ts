@@ -1274,6 +1274,37 @@ describe("results", () => {
     expect(one.json()).toMatchObject({ id: rolloutIds[2], status: "completed", reward: 1, stage: "close" });
   });
 
+  it("HEAD answers as GET would, without reading the batch's results (Fastify's HEAD drains a stream it was given)", async () => {
+    const own = await makeHarness();
+    const res = await own.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row] } });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    for (const id of rolloutIds)
+      await own.store.finalize({ id, batchId }, resultFor(id, batchId, 1), Date.now());
+    let reads = 0;
+    const getResults = own.store.getResults.bind(own.store);
+    own.store.getResults = async (ids) => {
+      reads++;
+      return getResults(ids);
+    };
+    for (const url of [`/v1/batches/${batchId}/results`, `/v1/batches/${batchId}/results?after=0`]) {
+      const head = await own.call({ method: "HEAD", url });
+      expect(head.statusCode, head.body).toBe(200);
+      expect(head.headers["content-type"]).toContain("application/x-ndjson");
+      expect(head.body).toBe("");
+    }
+    expect(
+      (await own.call({ method: "HEAD", url: `/v1/batches/${batchId}/results?after=0` })).headers[
+        "fleet-results-next"
+      ],
+    ).toBe("2");
+    expect((await own.call({ method: "HEAD", url: "/v1/batches/bnope/results" })).statusCode).toBe(404);
+    await new Promise((resolve) => setImmediate(resolve));
+    expect(reads).toBe(0);
+    const get = await own.call({ method: "GET", url: `/v1/batches/${batchId}/results` });
+    expect(get.body.trim().split("\n")).toHaveLength(2);
+    expect(reads).toBe(1);
+  });
+
   it("pages through a batch bigger than one page", async () => {
     const payload = { rollouts: Array.from({ length: 1201 }, (_, i) => ({ ...row, metadata: { i } })) };
     const res = await h.call({ method: "POST", url: "/v1/batches", payload });

@@ -55,7 +55,7 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
     const id = idParam(req.params, "batch");
     const after = afterParam(req.query);
     if (!(await store.getBatch(id))) throw notFound("batch", id);
-    let lines: AsyncGenerator<string>;
+    let lines: AsyncGenerator<string> | null = null;
     if (after !== null) {
       // The cursor: the rollouts that finished after the first `after`, in the order they
       // finished, up to how many had finished now; the next call's `after` in the header.
@@ -70,14 +70,18 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
           { after, finished: next },
         );
       }
-      lines = finishedLines(store, id, after, next);
+      if (req.method !== "HEAD") lines = finishedLines(store, id, after, next);
       reply.header(RESULTS_NEXT_HEADER, String(next));
-    } else {
+    } else if (req.method !== "HEAD") {
       lines = resultLines(store, id);
     }
+    reply.code(200).type("application/x-ndjson; charset=utf-8");
+    // HEAD: the headers only. Given a stream, Fastify's HEAD route reads it to its end and throws
+    // it away: every result of the batch read from Redis for nothing.
+    if (lines === null) return reply.send();
     const stream = Readable.from(lines);
     stream.on("error", (err) => req.log.error({ err, batchId: id }, "results stream failed"));
-    return reply.code(200).type("application/x-ndjson; charset=utf-8").send(stream);
+    return reply.send(stream);
   });
 
   app.post("/v1/batches/:id/cancel", async (req, reply) => {
