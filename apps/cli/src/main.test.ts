@@ -31,17 +31,25 @@ function run(
 function runReadingOneLine(
   args: string[],
   env: Record<string, string>,
+  /** stderr into the same pipe as stdout (`2>&1 | head -n1`): it goes away with the reader too. */
+  stderrToo = false,
 ): {
   readerGone: Promise<string>;
   exited: Promise<{ code: number | null; stderr: string }>;
   kill: () => void;
 } {
-  const child = spawn(process.execPath, [BIN, ...args], {
-    env: { PATH: process.env.PATH ?? "", ...env },
-    stdio: ["ignore", "pipe", "pipe"],
-  });
+  const quoted = [process.execPath, BIN, ...args].map((a) => `'${a.replaceAll("'", "'\\''")}'`).join(" ");
+  const child = stderrToo
+    ? spawn("/bin/sh", ["-c", `exec ${quoted} 2>&1`], {
+        env: { PATH: process.env.PATH ?? "", ...env },
+        stdio: ["ignore", "pipe", "ignore"],
+      })
+    : spawn(process.execPath, [BIN, ...args], {
+        env: { PATH: process.env.PATH ?? "", ...env },
+        stdio: ["ignore", "pipe", "pipe"],
+      });
   let stderr = "";
-  child.stderr.setEncoding("utf8").on("data", (s: string) => {
+  child.stderr?.setEncoding("utf8").on("data", (s: string) => {
     stderr += s;
   });
   let out = "";
@@ -121,6 +129,29 @@ describe("bin/fleet.js", () => {
     readerGone = child.readerGone;
     expect(await child.readerGone).toBe('{"id":"r0"}');
     expect(await child.exited).toEqual({ code: 0, stderr: "" });
+  });
+
+  it("`fleet submit 2>&1 | head -n1` (stderr gone with the reader too) still submits every chunk, and exits 0", async () => {
+    let readerGone: Promise<string> = new Promise(() => {});
+    const rows: number[] = [];
+    server.on("POST", "/v1/batches", async (req, res) => {
+      const n = rows.push(0);
+      if (n === 2) await readerGone; // the rest, and the notes on stderr, after `head` has gone
+      rows[n - 1] = (JSON.parse(req.body) as { rollouts: unknown[] }).rollouts.length;
+      json(res, 202, { batchId: `b-${n}`, rolloutIds: [], count: rows[n - 1] });
+    });
+    const args = ["submit", "--suite", SUITE, "--task", "hello-file", "--agent", "oracle", "--repeat", "60"];
+    const child = runReadingOneLine(
+      [...args, "--max-request-bytes", "2048"],
+      { FLEET_URL: server.url },
+      true,
+    );
+    readerGone = child.readerGone;
+    expect(await child.readerGone).toBe("b-1");
+    const { code } = await child.exited;
+    expect(code).toBe(0);
+    expect(rows.length).toBeGreaterThanOrEqual(3);
+    expect(rows.reduce((a, b) => a + b, 0)).toBe(60);
   });
 
   it("`fleet --url <url> results | head -n1` (the option before the command) stops too, not reading the rest", async () => {

@@ -2,6 +2,7 @@ import { readFile } from "node:fs/promises";
 import { CliConfig, ConfigError, parseConfig } from "@fleet/config";
 import { loadSuite, taskDigest } from "@fleet/tasks";
 import { commandName, runCli } from "./program.ts";
+import type { ProgressStream } from "./progress.ts";
 import { PipeOutput } from "./stdout.ts";
 
 // The only file of the CLI that reads the environment.
@@ -24,10 +25,17 @@ const printsOnly = ["results", "status"].includes(commandName(process.argv.slice
 const stdout = new PipeOutput(process.stdout, () => {
   if (printsOnly) process.exit(0);
 });
+// `fleet ... 2>&1 | head`: stderr goes away with that reader too. Its writes (notes, progress) are
+// then dropped as stdout's are, and the work goes on: unheard, the EPIPE was an uncaught exception
+// (exit 1 after a whole submission, or a `--wait` ended in the middle).
+const stderr = Object.defineProperties(new PipeOutput(process.stderr, () => {}), {
+  isTTY: { get: () => process.stderr.isTTY },
+  columns: { get: () => process.stderr.columns },
+}) as PipeOutput & ProgressStream;
 
 const code = await runCli(process.argv.slice(2), {
   stdout,
-  stderr: process.stderr,
+  stderr,
   defaults,
   readFile: (path) => readFile(path, "utf8"),
   loadSuite: (dir, options) => loadSuite(dir, options),
