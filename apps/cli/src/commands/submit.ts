@@ -250,8 +250,8 @@ interface PostingState {
  * POST one chunk (or the part of it from row `from`) as a batch. A chunk with more rows than the
  * fleet's backlog bound can ever hold (413 naming `maxBacklog`) goes as several batches of at most
  * that many rows; one whose body is over the dispatcher's body limit (413 naming `limit`), as
- * several bodies under it. When the backlog has room for only part of it (429 naming the bound and what is
- * in flight), that part goes first. While the backlog is full, the chunk is offered again after
+ * several bodies under it. When the backlog has room for only part of it (429 naming the bound and
+ * what is in flight), that part goes first. While the backlog is full, the chunk is offered again after
  * the server's `Retry-After` for up to `backlogWaitMs` from the first answer that it is full (a
  * slow answer is no wait for room), saying so on stderr: a submission larger
  * than the backlog goes in as its earlier batches finish. Each POST's Idempotency-Key is
