@@ -303,9 +303,12 @@ async function submitChunk(
       // A body over the dispatcher's FLEET_MAX_BODY_BYTES (413 naming `limit`, and no row: a task
       // over its size names the row, and no split helps it): as bodies it takes, split by the same
       // bytes every time (a re-run with this --idempotency-key sends the same parts).
+      // Not when the body is under that limit already: the 413 is then about something else.
       const limit = num("limit");
-      if (err.status === 413 && limit !== null && details.index === undefined && lines.length > 1) {
-        for (const [start, end] of underLimit(lines, limit)) await part(start, end);
+      const parts =
+        err.status === 413 && limit !== null && details.index === undefined ? underLimit(lines, limit) : [];
+      if (parts.length > 1) {
+        for (const [start, end] of parts) await part(start, end);
         return;
       }
       if (err.status !== 429) throw err;
@@ -340,9 +343,9 @@ async function submitChunk(
 }
 
 /**
- * Row ranges `[from, to)` of `lines` whose bodies are at most `limit` bytes (as `chunkRollouts`
- * counts a body), a row over it alone; never `lines` whole (two halves then), so a split always
- * makes progress.
+ * Row ranges `[from, to)` of `lines` whose bodies are at most `limit` bytes (counted as
+ * `chunkRollouts` counts a body: at least its size as JSON or NDJSON), a row over it alone. One
+ * range, `lines` whole, when their body is not over it.
  */
 export function underLimit(lines: readonly string[], limit: number): [number, number][] {
   const parts: [number, number][] = [];
@@ -358,12 +361,7 @@ export function underLimit(lines: readonly string[], limit: number): [number, nu
     bytes += size;
   }
   parts.push([from, lines.length]);
-  if (parts.length > 1) return parts;
-  const half = Math.ceil(lines.length / 2);
-  return [
-    [0, half],
-    [half, lines.length],
-  ];
+  return parts;
 }
 
 /**
