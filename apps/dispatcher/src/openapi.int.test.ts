@@ -72,3 +72,46 @@ describe("/openapi.json", () => {
     }
   });
 });
+
+describe("the cancel routes' documented answers", () => {
+  it("list the 4xx a body brings them (400 not JSON, 413 over the limit, 415 another type), which they answer", async () => {
+    const auth = { authorization: `Bearer ${TOKEN}` };
+    const doc = (await app.inject({ method: "GET", url: "/openapi.json", headers: auth })).json() as {
+      paths: Record<string, { post: { responses: Record<string, unknown> } }>;
+    };
+    for (const [path, url] of [
+      ["/v1/rollouts/{id}/cancel", "/v1/rollouts/r-nope/cancel"],
+      ["/v1/batches/{id}/cancel", "/v1/batches/b-nope/cancel"],
+    ] as const) {
+      const answers = [
+        await app.inject({
+          method: "POST",
+          url,
+          headers: { ...auth, "content-type": "application/json" },
+          payload: "{",
+        }),
+        await app.inject({
+          method: "POST",
+          url,
+          headers: {
+            ...auth,
+            "content-type": "application/json",
+            "content-length": String(64 * 1024 * 1024),
+          },
+          payload: "{}",
+        }),
+        await app.inject({
+          method: "POST",
+          url,
+          headers: { ...auth, "content-type": "text/plain" },
+          payload: "x",
+        }),
+      ];
+      const statuses = answers.map((a) => a.statusCode);
+      expect(statuses, path).toEqual([400, 413, 415]);
+      expect(Object.keys(doc.paths[path]!.post.responses), path).toEqual(
+        expect.arrayContaining(statuses.map(String)),
+      );
+    }
+  });
+});

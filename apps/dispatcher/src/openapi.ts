@@ -139,7 +139,8 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
           parameters: [idParam("rollout")],
           responses: {
             "202": { description: "cancelling", content: json("RolloutCancelAccepted") },
-            ...errors(401, 404, 409),
+            // 400, 413, 415: a body it was sent (none is needed) that is not JSON, too large, or another type.
+            ...errors(400, 401, 404, 409, 413, 415),
           },
         },
       },
@@ -185,7 +186,7 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
           parameters: [idParam("batch")],
           responses: {
             "202": { description: "cancelling", content: json("BatchCancelAccepted") },
-            ...errors(401, 404),
+            ...errors(400, 401, 404, 413, 415),
           },
         },
       },
