@@ -519,6 +519,29 @@ describe("fleet submit", () => {
     expect(new Set(accepted.map((r) => JSON.stringify(r))).size).toBe(20);
   });
 
+  it("a submission that stops after part of a split chunk went in counts what went in, not whole chunks", async () => {
+    let posts = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      // Room for 3, once: then the backlog stays full.
+      if (posts++ > 1)
+        return apiError(res, 429, "backpressure", "full", { maxBacklog: 7, inflight: 7, retryAfterS: 0.01 });
+      if (rowsOf(req).length > 3) {
+        return apiError(res, 429, "backpressure", "partly full", {
+          maxBacklog: 7,
+          inflight: 4,
+          retryAfterS: 0.01,
+        });
+      }
+      acceptBatch(res, 1, rowsOf(req));
+    });
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "3", "--backlog-wait", "1"],
+      ctx(),
+    );
+    expect(code).toBe(1);
+    expect(stderr.text()).toContain("submitted 3 of 6 rollouts in 1 batch before the error: b-1");
+  });
+
   it("with --wait too, a full backlog (429) splits the chunk at once; it is no dispatcher outage to ride out", async () => {
     const backlog = backlogWithRoomFor3();
     const accepted = backlog.accepted;

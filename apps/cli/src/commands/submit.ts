@@ -123,10 +123,11 @@ async function submitAndFollow(
       await submitChunk(poster, lines, 0, keyFor, posting, ctx, opts.backlogWait * 1000, onAccepted);
     } catch (err) {
       if (batchIds.length > 0) {
+        // Counted in rollouts: a chunk split (backlog room, body limit) may be in part of them.
         await writeText(
           ctx.stderr,
-          `submitted ${i} of ${chunks.length} chunks before the error: ${batchIds.join(" ")} ` +
-            "(cancel them with `fleet cancel <batchId>`)\n",
+          `submitted ${accepted} of ${requests.length} rollouts in ${counted(batchIds.length, "batch", "batches")} ` +
+            `before the error: ${batchIds.join(" ")} (cancel them with \`fleet cancel <batchId>\`)\n`,
         );
       }
       await writeText(ctx.stderr, chunkFailureNote(err, { i, chunks, keyBase, posting, opts }));
