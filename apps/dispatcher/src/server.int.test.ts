@@ -930,6 +930,56 @@ describe("limits", () => {
     expect(await redis.zcard(`${tight.prefix}:x:reservations`)).toBe(0);
   });
 
+  it("replays an admitted batch larger than a backlog bound lowered since (a restart): never a 413 that a client splits into new batches", async () => {
+    const before = await makeHarness({ FLEET_MAX_BACKLOG: "10" });
+    const key = randomUUID();
+    const payload = { rollouts: [row, row, row, row] };
+    const first = await before.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload,
+      headers: { "idempotency-key": key },
+    });
+    expect(first.statusCode, first.body).toBe(202);
+    // The dispatcher restarted with FLEET_MAX_BACKLOG=3, on the same Redis and prefix.
+    const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
+    const lowered = createServer({
+      store: before.store,
+      queues: before.queues,
+      ledger: new TeardownLedger(redis, before.prefix),
+      redis,
+      config: parseConfig(DispatcherConfig, {
+        FLEET_PREFIX: before.prefix,
+        FLEET_API_TOKENS: TOKEN,
+        FLEET_MAX_BACKLOG: "3",
+      }),
+      logger: createLogger({ name: "dispatcher-test", level: "silent" }),
+      registry,
+      metrics: createFleetMetrics(registry),
+    });
+    try {
+      await lowered.ready();
+      const replay = await lowered.inject({
+        method: "POST",
+        url: "/v1/batches",
+        payload,
+        headers: { authorization: `Bearer ${TOKEN}`, "idempotency-key": key },
+      });
+      expect(replay.statusCode, replay.body).toBe(200);
+      expect(replay.json()).toEqual({ ...first.json(), created: false });
+      // A new batch that size still can never fit.
+      const fresh = await lowered.inject({
+        method: "POST",
+        url: "/v1/batches",
+        payload,
+        headers: { authorization: `Bearer ${TOKEN}` },
+      });
+      expectErrorBody(fresh, 413, "payload_too_large");
+    } finally {
+      await lowered.close();
+    }
+  });
+
   it("answers 429 with Retry-After past the backlog bound, but still replays an admitted batch", async () => {
     const tight = await makeHarness({ FLEET_MAX_BACKLOG: "3" });
     const key = randomUUID();

@@ -44,14 +44,6 @@ export async function submit(
   const generatedKey = options.idempotencyKey === null ? `fleet-${randomUUID()}` : null;
   let idempotencyKey = scopedKey(options.principal ?? "", options.idempotencyKey ?? generatedKey);
   const incoming = parsed.requests.length;
-  if (incoming > config.maxBacklog) {
-    throw new HttpError(
-      413,
-      "payload_too_large",
-      `a batch of ${incoming} rollouts can never fit the backlog bound of ${config.maxBacklog}; split it`,
-      { incoming, maxBacklog: config.maxBacklog },
-    );
-  }
   // A keyed request some of whose rollouts are admitted already (a replay, or one finishing an
   // admission cut short) reserves room only for the rest.
   let toAdmit =
@@ -82,6 +74,18 @@ export async function submit(
       toAdmit = await notYetAdmitted(store, legacy, options.batch, incoming);
       replay = toAdmit === 0;
     }
+  }
+  // What it would admit can never fit the bound: 413, not a 429 to retry forever. Checked on what
+  // is not admitted yet: a replay of a batch admitted under a higher bound (the dispatcher
+  // restarted with a lower FLEET_MAX_BACKLOG) gets its batch back, where a 413 made a client split
+  // it into new batches under new keys, admitting its rollouts twice.
+  if (toAdmit > config.maxBacklog) {
+    throw new HttpError(
+      413,
+      "payload_too_large",
+      `a batch of ${incoming} rollouts can never fit the backlog bound of ${config.maxBacklog}; split it`,
+      { incoming, maxBacklog: config.maxBacklog },
+    );
   }
   // The room is reserved in the same step as the check: submissions arriving together cannot
   // each see room for themselves and pass the bound together. Reserved once the request has
