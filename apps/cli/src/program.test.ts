@@ -454,6 +454,9 @@ describe("fleet submit", () => {
     expect(accepted).toHaveLength(20);
     expect(new Set(accepted.map((r) => JSON.stringify(r))).size).toBe(20);
     expect(stderr.text()).toContain(`submitted 20 rollouts (2 tasks × 10) in ${n} batches`);
+    expect(stderr.text()).toContain(
+      `the dispatcher takes request bodies of at most ${limit} bytes: sending these 20 rollouts as ${n} batches`,
+    );
     // Each part under its own key, the same on a re-run: nothing admitted twice.
     const keys = server.requests
       .filter((r) => Buffer.byteLength(r.body) <= limit)

@@ -309,6 +309,10 @@ async function submitChunk(
       const parts =
         err.status === 413 && limit !== null && details.index === undefined ? underLimit(lines, limit) : [];
       if (parts.length > 1) {
+        await writeText(
+          ctx.stderr,
+          `the dispatcher takes request bodies of at most ${limit} bytes: sending these ${lines.length} rollouts as ${parts.length} batches (--max-request-bytes ${limit} would from the start)\n`,
+        );
         for (const [start, end] of parts) await part(start, end);
         return;
       }
