@@ -1331,10 +1331,10 @@ describe("results", () => {
     for (const id of rolloutIds)
       await own.store.finalize({ id, batchId }, resultFor(id, batchId, 1), Date.now());
     let reads = 0;
-    const getResults = own.store.getResults.bind(own.store);
-    own.store.getResults = async (ids) => {
+    const getResultsJson = own.store.getResultsJson.bind(own.store);
+    own.store.getResultsJson = async (ids) => {
       reads++;
-      return getResults(ids);
+      return getResultsJson(ids);
     };
     for (const url of [`/v1/batches/${batchId}/results`, `/v1/batches/${batchId}/results?after=0`]) {
       const head = await own.call({ method: "HEAD", url });
@@ -1353,6 +1353,33 @@ describe("results", () => {
     const get = await own.call({ method: "GET", url: `/v1/batches/${batchId}/results` });
     expect(get.body.trim().split("\n")).toHaveLength(2);
     expect(reads).toBe(1);
+  });
+
+  it("streams each result as stored, as GET /v1/rollouts/:id answers it: one another release wrote (a field this one does not know, one it lacks) does not break the stream", async () => {
+    const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row, row] } });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    for (const [i, id] of rolloutIds.entries()) {
+      await h.store.finalize({ id, batchId }, resultFor(id, batchId, i % 2), Date.now());
+    }
+    // As a later release would store it (a new field), and as an earlier one would (no `usage`).
+    const stored = (id: string) => h.store.getResultsJson([id]).then(([json]) => JSON.parse(json!));
+    const newer = { ...(await stored(rolloutIds[0]!)), costUsd: 0.25 };
+    const { usage: _usage, ...older } = await stored(rolloutIds[1]!);
+    await redis.hset(h.store.keys.rollout(rolloutIds[0]!), "result", JSON.stringify(newer));
+    await redis.hset(h.store.keys.rollout(rolloutIds[1]!), "result", JSON.stringify(older));
+
+    for (const url of [`/v1/batches/${batchId}/results`, `/v1/batches/${batchId}/results?after=0`]) {
+      const stream = await h.call({ method: "GET", url });
+      expect(stream.statusCode, stream.body.slice(0, 300)).toBe(200);
+      const lines = stream.body.split("\n").filter((l) => l !== "");
+      expect(lines.map((l) => JSON.parse(l).id)).toEqual(rolloutIds);
+      for (const [i, id] of rolloutIds.entries()) {
+        const one = await h.call({ method: "GET", url: `/v1/rollouts/${id}` });
+        expect(JSON.parse(lines[i]!), id).toEqual(one.json());
+      }
+      expect(JSON.parse(lines[0]!)).toMatchObject({ costUsd: 0.25 });
+      expect(JSON.parse(lines[1]!)).not.toHaveProperty("usage");
+    }
   });
 
   it("pages through a batch bigger than one page", async () => {

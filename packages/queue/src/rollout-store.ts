@@ -602,13 +602,25 @@ export class RolloutStore {
 
   /** Results of many rollouts in one round trip (null where not terminal yet). */
   async getResults(ids: readonly string[]): Promise<(RolloutResult | null)[]> {
+    return (await this.getResultsJson(ids)).map((raw) =>
+      raw === null ? null : RolloutResult.parse(JSON.parse(raw)),
+    );
+  }
+
+  /**
+   * The stored results of `ids` as stored (one JSON line each; null where there is none), for
+   * what passes them on: the results stream answers what `GET /v1/rollouts/:id` does, and a result
+   * another release of the fleet wrote (a field this one does not know, or lacks) is passed on
+   * whole, never a stream broken for the whole batch.
+   */
+  async getResultsJson(ids: readonly string[]): Promise<(string | null)[]> {
     if (ids.length === 0) return [];
     const pipe = this.redis.pipeline();
     for (const id of ids) pipe.hget(this.keys.rollout(id), "result");
     const rows = (await pipe.exec()) ?? [];
     return rows.map(([err, raw]) => {
       if (err) throw err;
-      return typeof raw === "string" ? RolloutResult.parse(JSON.parse(raw)) : null;
+      return typeof raw === "string" ? raw : null;
     });
   }
 

@@ -140,11 +140,14 @@ export async function* finishedLines(
   }
 }
 
-/** The results of `ids` as NDJSON lines, those not there (not terminal, or expired) left out. */
+/**
+ * The results of `ids` as NDJSON lines, as stored (as `GET /v1/rollouts/:id` answers them), those
+ * not there (not terminal, or expired) left out.
+ */
 async function resultsNdjson(store: RolloutStore, ids: readonly string[]): Promise<string> {
   let chunk = "";
-  for (const result of await store.getResults(ids)) {
-    if (result !== null) chunk += `${JSON.stringify(result)}\n`;
+  for (const json of await store.getResultsJson(ids)) {
+    if (json !== null) chunk += `${json}\n`;
   }
   return chunk;
 }
