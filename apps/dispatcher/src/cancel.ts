@@ -81,7 +81,8 @@ export async function cancelBatch(
   for (let start = 0; ; start += BATCH_PAGE) {
     const ids = await store.batchRolloutIds(batchId, start, start + BATCH_PAGE - 1);
     if (ids.length === 0) break;
-    const results = await store.getResults(ids);
+    // Which have a result (read as stored: a result another release wrote must not fail the cancel).
+    const results = await store.getResultsJson(ids);
     const open = ids.filter((_, i) => results[i] === null);
     for (let i = 0; i < open.length; i += CANCEL_CONCURRENCY) {
       const outcomes = await Promise.all(

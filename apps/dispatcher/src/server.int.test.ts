@@ -1380,6 +1380,10 @@ describe("results", () => {
       expect(JSON.parse(lines[0]!)).toMatchObject({ costUsd: 0.25 });
       expect(JSON.parse(lines[1]!)).not.toHaveProperty("usage");
     }
+    // Nor a cancel of the batch, which reads which of its rollouts have a result.
+    const cancel = await h.call({ method: "POST", url: `/v1/batches/${batchId}/cancel` });
+    expect(cancel.statusCode, cancel.body).toBe(202);
+    expect(cancel.json()).toMatchObject({ cancelled: 0 });
   });
 
   it("pages through a batch bigger than one page", async () => {
