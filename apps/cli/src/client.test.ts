@@ -280,4 +280,20 @@ describe("FleetClient", () => {
     await client().cancelRollout("a/b");
     expect(server.requests[0]?.path).toBe("/v1/rollouts/a%2Fb/cancel");
   });
+
+  it("waits for a batch's cancel past timeoutMs (the dispatcher answers once every rollout was asked to stop), up to batchCancelTimeoutMs", async () => {
+    const later = (body: object) => (_req: unknown, res: Parameters<typeof json>[0]) => {
+      setTimeout(() => json(res, 202, body), 300);
+    };
+    server.on("POST", "/v1/batches/b1/cancel", later({ batchId: "b1", cancelled: 5000 }));
+    server.on("POST", "/v1/rollouts/r1/cancel", later({ id: "r1", status: "cancelling" }));
+    const patient = client({ timeoutMs: 100, retries: 0 });
+    expect(await patient.cancelBatch("b1")).toMatchObject({ cancelled: 5000 });
+    expect(await caught(patient.cancelRollout("r1"))).toMatchObject({ status: 0, code: "timeout" });
+    const err = await caught(
+      client({ timeoutMs: 50, batchCancelTimeoutMs: 100, retries: 0 }).cancelBatch("b1"),
+    );
+    expect(err).toMatchObject({ status: 0, code: "timeout" });
+    expect(err.message).toContain("within 100 ms");
+  });
 });

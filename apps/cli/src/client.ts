@@ -83,6 +83,13 @@ export interface FleetClientOptions {
    * than after `timeoutMs` of silence. At most `timeoutMs`. @defaultValue 10000
    */
   statusTimeoutMs?: number;
+  /**
+   * `timeoutMs` for a batch's cancel, which the dispatcher answers once it has asked every
+   * rollout of the batch to stop (about 2 s per 5,000 rollouts on a small host): a big batch's
+   * must not time out, to be sent again while the first still runs. At least `timeoutMs`.
+   * @defaultValue 600000
+   */
+  batchCancelTimeoutMs?: number;
   /** Extra attempts after a 429/502/503/504 or a connection failure. @defaultValue 5 */
   retries?: number;
   /** First retry delay; doubles each attempt, full jitter, capped at `retryMaxMs`. @defaultValue 250 */
@@ -145,6 +152,7 @@ export class FleetClient {
   private readonly token: string | null;
   private readonly timeoutMs: number;
   private readonly statusTimeoutMs: number;
+  private readonly batchCancelTimeoutMs: number;
   private readonly retries: number;
   private readonly retryBaseMs: number;
   private readonly retryMaxMs: number;
@@ -159,6 +167,7 @@ export class FleetClient {
     this.token = options.token ?? null;
     this.timeoutMs = options.timeoutMs ?? 60_000;
     this.statusTimeoutMs = Math.min(options.statusTimeoutMs ?? 10_000, this.timeoutMs);
+    this.batchCancelTimeoutMs = Math.max(options.batchCancelTimeoutMs ?? 600_000, this.timeoutMs);
     this.retries = options.retries ?? 5;
     this.retryBaseMs = options.retryBaseMs ?? 250;
     this.retryMaxMs = options.retryMaxMs ?? 10_000;
@@ -311,7 +320,9 @@ export class FleetClient {
 
   /** `POST /v1/batches/:id/cancel`. */
   async cancelBatch(batchId: string): Promise<BatchCancelled> {
-    const res = await this.request("POST", `/v1/batches/${encodeURIComponent(batchId)}/cancel`);
+    const res = await this.request("POST", `/v1/batches/${encodeURIComponent(batchId)}/cancel`, {
+      timeoutMs: this.batchCancelTimeoutMs,
+    });
     return parseBody(BatchCancelled, res);
   }
 
