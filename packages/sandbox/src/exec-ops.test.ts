@@ -1,6 +1,16 @@
-import { type ExecResult, isFleetError } from "@fleet/contracts";
+import { type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { extractViaExec, pid1Starting, probeStdout, probeWhilePid1Starts, readViaExec } from "./exec-ops.ts";
+import {
+  assertIsolated,
+  type ExecCall,
+  extractViaExec,
+  killProcessesViaExec,
+  pid1Starting,
+  planPut,
+  probeStdout,
+  probeWhilePid1Starts,
+  readViaExec,
+} from "./exec-ops.ts";
 import { execResult } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
@@ -187,5 +197,92 @@ describe("probeStdout", () => {
     } catch (e) {
       expect(isFleetError(e)).toBe(false); // the provider wraps it as retryable provider_unavailable
     }
+  });
+});
+
+describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
+  /** An exec answering each sweep in turn (a result, or an error thrown), recording its calls. */
+  const sweeps = (...answers: Array<Partial<ExecResult> | Error>) => {
+    const calls: ExecCall[] = [];
+    const exec = async (_argv: readonly string[], o: ExecCall) => {
+      calls.push(o);
+      const a = answers[Math.min(calls.length, answers.length) - 1]!;
+      if (a instanceof Error) throw a;
+      return execResult(a);
+    };
+    return { exec, calls };
+  };
+
+  it("confirms only a sweep that counted no process left", async () => {
+    const clean = sweeps({ stdout: "remaining=0\n" });
+    expect(await killProcessesViaExec(clean.exec, "1000:1000", 5)).toMatchObject({
+      confirmed: true,
+      alreadyGone: false,
+      remaining: 0,
+    });
+    const resisted = sweeps({ stdout: "remaining=2\n" });
+    expect(await killProcessesViaExec(resisted.exec, "1000:1000", 5)).toMatchObject({
+      confirmed: false,
+      remaining: 2,
+    });
+  });
+
+  it("never confirms when no sweep reported (three attempts, then an unconfirmed receipt)", async () => {
+    const silent = sweeps({ exitCode: 137, stderr: "killed" });
+    const receipt = await killProcessesViaExec(silent.exec, "1000:1000", 5);
+    expect(receipt).toMatchObject({ confirmed: false, alreadyGone: false });
+    expect(receipt.detail).toMatch(/exited 137/);
+    expect(silent.calls).toHaveLength(3);
+  });
+
+  it("retries a sweep that could not start, and confirms what a later one counted", async () => {
+    const flaky = sweeps(new Error("pids limit reached"), { stdout: "remaining=0\n" });
+    expect(await killProcessesViaExec(flaky.exec, "1000:1000", 5)).toMatchObject({ confirmed: true });
+    expect(flaky.calls).toHaveLength(2);
+  });
+
+  it("a quick sweep tries once, within its bound", async () => {
+    const silent = sweeps({ exitCode: 1 });
+    const receipt = await killProcessesViaExec(silent.exec, "1000:1000", 5, undefined, { quickMs: 500 });
+    expect(receipt.confirmed).toBe(false);
+    expect(silent.calls.map((c) => c.deadlineMs)).toEqual([500]);
+  });
+
+  it("a sandbox gone is confirmed already gone; an error the caller calls fatal is thrown, not retried", async () => {
+    const gone = sweeps(FleetError.nonRetryable("sandbox_lost", "no such container"));
+    expect(await killProcessesViaExec(gone.exec, "1000:1000", 5)).toMatchObject({
+      confirmed: true,
+      alreadyGone: true,
+    });
+    const down = FleetError.retryable("provider_unavailable", "daemon unreachable");
+    const unreachable = sweeps(down);
+    await expect(killProcessesViaExec(unreachable.exec, "1000:1000", 5, (e) => e === down)).rejects.toBe(
+      down,
+    );
+    expect(unreachable.calls).toHaveLength(1);
+  });
+});
+
+describe("assertIsolated", () => {
+  it("refuses (final isolation_refused) when any one check fails, naming it", () => {
+    const checks = { pidNamespaceDiffers: true, pidModeNotHost: false, hostSentinelInvisible: true };
+    let err: unknown = null;
+    try {
+      assertIsolated("fleet-r1-resources", checks, "detail");
+    } catch (e) {
+      err = e;
+    }
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+    expect((err as Error).message).toMatch(/failed: pidModeNotHost\)/);
+    expect(assertIsolated("fleet-r1-resources", { ...checks, pidModeNotHost: true }, "detail")).toBe(true);
+  });
+});
+
+describe("planPut", () => {
+  it("stages /tests and /solution as root unless told otherwise (the agent must not plant files there)", () => {
+    expect(planPut("/tests", { "test.sh": "x" }, undefined, "1000:1000").user).toBe("0:0");
+    expect(planPut("/solution/lib", { "a.sh": "x" }, undefined, "1000:1000").user).toBe("0:0");
+    expect(planPut("/testsuite", { a: "x" }, undefined, "1000:1000").user).toBe("1000:1000");
+    expect(planPut("/workspace", { a: "x" }, undefined, "1000:1000").user).toBe("1000:1000");
   });
 });
