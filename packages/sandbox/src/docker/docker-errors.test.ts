@@ -61,6 +61,12 @@ describe("classifyDockerFacts", () => {
     ["put", 404, "Could not find the file /nope in container abc", "path_missing"],
     ["get", 404, "No such container: abc", "sandbox_gone"],
     ["inspect", 404, "No such container: abc", "sandbox_gone"],
+    // Older daemons answer a missing path in a put/get with 400.
+    ["put", 400, "Could not find the file /nope in container abc", "path_missing"],
+    // A create the daemon answers 404 without naming an image or network: still the task's image.
+    ["create", 404, "reference does not exist", "image_missing"],
+    // "is not running" on a create is no sandbox of ours gone: the daemon's trouble, retried.
+    ["create", 500, "container abc is not running", "daemon_unavailable"],
   ];
   it.each(cases)("%s HTTP %s %j → %s", (op, statusCode, message, expected) => {
     expect(classifyDockerFacts({ statusCode, code: null, message }, op)).toBe(expected);
@@ -94,6 +100,25 @@ describe("classifyDockerError", () => {
   it("container gone → final sandbox_lost", () => {
     const e = classifyDockerError(httpError(404, "No such container: abc"), "exec");
     expect([e.kind, e.retryable]).toEqual(["sandbox_lost", false]);
+  });
+
+  it("maps each class to its kind and retryability (final vs retryable, DESIGN §2 rule 5)", () => {
+    const kinds = (err: Error, op: DockerOperation) => {
+      const e = classifyDockerError(err, op, "fleet-r1-resources");
+      return [e.kind, e.retryable];
+    };
+    // A name in use on create: a re-delivered create or a removal still under way; retried.
+    expect(kinds(httpError(409, 'Conflict. The container name "/x" is already in use'), "create")).toEqual([
+      "provider_unavailable",
+      true,
+    ]);
+    // The daemon refused the request itself (e.g. an option it does not know): no retry fixes it.
+    expect(kinds(httpError(400, "invalid reference format"), "create")).toEqual(["invalid_task", false]);
+    expect(kinds(httpError(404, "network fleet-gw not found"), "create")).toEqual(["invalid_task", false]);
+    expect(kinds(httpError(404, "Could not find the file /x in container abc"), "get")).toEqual([
+      "invalid_task",
+      false,
+    ]);
   });
 
   it("passes FleetErrors through", () => {
