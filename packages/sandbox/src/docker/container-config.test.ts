@@ -64,6 +64,19 @@ describe("buildContainerConfig", () => {
       expect(size, path).toBeGreaterThan(0);
       expect(options, path).toContain(`nr_inodes=${size * 256}`);
     }
+    // No setuid binary or device node on a writable mount; nothing executable in /dev/shm.
+    for (const [path, options] of Object.entries(h.Tmpfs!)) {
+      expect(options.split(","), path).toEqual(expect.arrayContaining(["nosuid", "nodev"]));
+    }
+    expect(h.Tmpfs!["/dev/shm"]!.split(",")).toContain("noexec");
+    // Where tests and solutions are staged belongs to root, not writable by the agent.
+    expect(h.Tmpfs!["/tests"]).toMatch(/,mode=0755$/);
+    expect(h.Tmpfs!["/solution"]).toMatch(/,mode=0755$/);
+    expect(h.Tmpfs!["/tmp"]).toMatch(/,mode=1777$/);
+    // Its own IPC namespace (never the host's or another container's), and under host memory
+    // pressure a sandbox goes before the fleet's own processes.
+    expect(h.IpcMode).toBe("private");
+    expect(h.OomScoreAdj).toBeGreaterThan(0);
     expect(h.Tmpfs!["/tests"]).toMatch(/size=256m/);
     expect(h.Tmpfs!["/dev/shm"]).toMatch(/size=64m.*mode=1777/);
     expect(h.Mounts).toEqual([]);
@@ -130,6 +143,11 @@ describe("buildContainerConfig", () => {
       "rw,exec,nosuid,nodev,size=100m,nr_inodes=25600,uid=1000,gid=1000,mode=0755",
     );
     expect(h.Mounts).toEqual([]);
+  });
+
+  it("sets a PidMode only to share the host's (which the probe refuses): a private one is Docker's default", () => {
+    expect(config({ options: { pidMode: "private" } }).HostConfig!).not.toHaveProperty("PidMode");
+    expect(config().HostConfig!).not.toHaveProperty("PidMode");
   });
 
   it("caps the workspace by default (an unbounded volume would let a disk filler fill the host)", () => {
