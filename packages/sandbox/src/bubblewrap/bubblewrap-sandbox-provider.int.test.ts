@@ -1,6 +1,6 @@
 import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { existsSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import { existsSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
 import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
@@ -631,6 +631,44 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await fleetError(provider.exec(h, ["true"], { deadlineMs: 5_000 }))).kind).toBe("sandbox_lost");
     expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, alreadyGone: true });
     expect(hostProcessesOfRun()).toEqual([]);
+  });
+
+  it("a command runs in the sandbox's own IPC, UTS and cgroup namespaces, never the host's", async () => {
+    const h = await create();
+    const r = await provider.exec(
+      h,
+      ["sh", "-c", "readlink /proc/self/ns/ipc /proc/self/ns/uts /proc/self/ns/cgroup; hostname"],
+      { deadlineMs: 10_000 },
+    );
+    expect(r.exitCode, r.stderr).toBe(0);
+    const [ipc, uts, cgroup, name] = r.stdout.trim().split("\n");
+    // Its cgroup paths are the sandbox's own view (bwrap's --unshare-cgroup-try), not the host's tree.
+    if (existsSync("/proc/self/ns/cgroup")) expect(cgroup).not.toBe(readlinkSync("/proc/self/ns/cgroup"));
+    // The host's SysV IPC objects and hostname are out of the agent's reach.
+    expect(ipc).toMatch(/^ipc:\[\d+\]$/);
+    expect(ipc).not.toBe(readlinkSync("/proc/self/ns/ipc"));
+    expect(uts).not.toBe(readlinkSync("/proc/self/ns/uts"));
+    expect(name).toBe("sandbox");
+  });
+
+  it("a destroy with the handle of an earlier sandbox of the name leaves the newer one running", async () => {
+    // A stale close (its sandbox already replaced by a re-delivered seed's) must not take the new one.
+    const s = spec();
+    const old = await provider.create(s);
+    expect(await provider.destroy(old)).toMatchObject({ confirmed: true, alreadyGone: false });
+    const newer = await provider.create(s);
+    live.push(newer);
+    expect(newer.name).toBe(old.name);
+    expect(newer.id).not.toBe(old.id);
+    expect(await provider.destroy(old)).toMatchObject({ confirmed: true, alreadyGone: true });
+    expect((await provider.exec(newer, ["echo", "alive"], { deadlineMs: 10_000 })).stdout).toBe("alive\n");
+  });
+
+  it("a probe of a destroyed sandbox is sandbox_lost (final), never retried as an unreachable provider", async () => {
+    const h = await provider.create(spec());
+    await provider.destroy(h);
+    const err = await fleetError(provider.probe(h));
+    expect([err.kind, err.retryable]).toEqual(["sandbox_lost", false]);
   });
 
   it("a re-delivered create adopts the running sandbox", async () => {
