@@ -6,7 +6,7 @@ import {
   type IncomingMessage,
   type ServerResponse,
 } from "node:http";
-import { createServer, type Server, connect as tcpConnect } from "node:net";
+import { createServer, type Server, type Socket, connect as tcpConnect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
@@ -58,6 +58,20 @@ async function dockerProxy(
       req.pipe(up);
     };
     if (!intercept(req, res, forward)) forward();
+  });
+  // A hijacked exec stream (`Connection: Upgrade`) goes through as raw bytes both ways.
+  server.on("upgrade", (req: IncomingMessage, client: Socket, head: Buffer) => {
+    const up = tcpConnect({ path: "/var/run/docker.sock" }, () => {
+      const headers = Object.entries(req.headersDistinct).flatMap(([k, vs]) =>
+        (vs ?? []).map((v) => `${k}: ${v}`),
+      );
+      up.write(`${req.method} ${req.url} HTTP/1.1\r\n${headers.join("\r\n")}\r\n\r\n`);
+      up.write(head);
+      up.pipe(client);
+      client.pipe(up);
+    });
+    up.on("error", () => client.destroy());
+    client.on("error", () => up.destroy());
   });
   await new Promise<void>((resolve) => server.listen(path, resolve));
   return {
@@ -721,6 +735,60 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     expect((await provider.find(s.rolloutId, "resources"))?.id).toBe(a.id);
     expect(await provider.find(s.rolloutId, "agent")).toBeNull();
     expect((await provider.list({ [LABEL_ROLLOUT]: s.rolloutId })).map((i) => i.handle.id)).toEqual([a.id]);
+  });
+
+  it("a re-delivered create takes over the container its first attempt made but never started (its worker died in between), and starts it", async () => {
+    const s = spec();
+    // What the first attempt left: the container, created with the provider's own request, not started.
+    const made = await docker.createContainer(buildContainerConfig(parseSandboxSpec(s), provider.defaults));
+    const h = await provider.create(s);
+    live.push(h);
+    expect(h.id).toBe(made.id);
+    expect(await provider.alive(h)).toBe(true);
+    expect(await provider.exec(h, ["echo", "up"], { deadlineMs: 10_000 })).toMatchObject({
+      exitCode: 0,
+      stdout: "up\n",
+    });
+  });
+
+  it("the probe refuses a sandbox the daemon reports in the host's PID namespace, whatever its other checks say", async () => {
+    // A worker in a container of its own sees a host-PID sandbox's namespace as another one
+    // (pidNamespaceDiffers passes there): the daemon's PidMode is what tells. The real daemon,
+    // behind a proxy that reports this sandbox's PidMode as "host".
+    let asHost = false;
+    const proxy = await dockerProxy("pidmode", (req, res) => {
+      if (!asHost || req.method !== "GET" || !/\/containers\/[^/]+\/json/.test(req.url ?? "")) return false;
+      const up = httpRequest(
+        { socketPath: "/var/run/docker.sock", method: "GET", path: req.url, headers: req.headers },
+        (upRes) => {
+          const chunks: Buffer[] = [];
+          upRes.on("data", (c: Buffer) => chunks.push(c));
+          upRes.on("end", () => {
+            const info = JSON.parse(Buffer.concat(chunks).toString("utf8"));
+            info.HostConfig.PidMode = "host";
+            res.writeHead(upRes.statusCode ?? 200, { "content-type": "application/json" });
+            res.end(JSON.stringify(info));
+          });
+        },
+      );
+      up.on("error", () => res.destroy());
+      up.end();
+      return true;
+    });
+    const seen = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
+    // Made, probed and destroyed through the proxy (a handle names the endpoint that made it).
+    const h = await seen.create(spec());
+    try {
+      expect((await seen.probe(h)).isolated).toBe(true);
+      asHost = true;
+      const err = await fleetError(seen.probe(h));
+      expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+      expect(err.message).toMatch(/failed: pidModeNotHost\)/);
+    } finally {
+      asHost = false;
+      await seen.destroy(h);
+      await proxy.close();
+    }
   });
 
   it("two fleets sharing the daemon never take each other's sandbox for a rollout id they share", async () => {
