@@ -1,5 +1,6 @@
 import { isFleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
+import { BubblewrapSandboxProvider } from "./bubblewrap/bubblewrap-sandbox-provider.ts";
 import { createSandboxProvider } from "./create-sandbox-provider.ts";
 import { DockerSandboxProvider } from "./docker/docker-sandbox-provider.ts";
 
@@ -8,6 +9,22 @@ describe("createSandboxProvider", () => {
     const p = createSandboxProvider({ provider: "docker", docker: { endpoint: "unix:///tmp/x.sock" } });
     expect(p).toBeInstanceOf(DockerSandboxProvider);
     expect([p.name, p.endpoint]).toEqual(["docker", "unix:///tmp/x.sock"]);
+  });
+
+  it("passes the fleet's scope to either provider (the janitor must never reap another fleet's sandboxes)", () => {
+    const docker = createSandboxProvider({
+      provider: "docker",
+      docker: { endpoint: "unix:///tmp/x.sock" },
+      scope: "{fleet-a}",
+    });
+    expect((docker as DockerSandboxProvider).scope).toBe("{fleet-a}");
+    const bwrap = createSandboxProvider({
+      provider: "bubblewrap",
+      bubblewrap: { rootfs: "/nonexistent/rootfs", stateDir: "/nonexistent/state" },
+      scope: "{fleet-a}",
+    });
+    expect(bwrap).toBeInstanceOf(BubblewrapSandboxProvider);
+    expect((bwrap as BubblewrapSandboxProvider).scope).toBe("{fleet-a}");
   });
 
   it("refuses a provider it cannot offer with a final error (no host fallback)", () => {
