@@ -26,6 +26,7 @@ import { fillWithEmptyFilesPy, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts
 import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
+  reaperLabels,
   sandboxMemoryMb,
   sandboxName,
   workspaceVolumeName,
@@ -586,6 +587,18 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(r).toMatchObject({ exitCode: -1, timedOut: true });
     expect(Date.now() - started).toBeLessThan(10_000);
     expect(await processesOf(h, 1000)).toEqual([]);
+  });
+
+  it("at the deadline, keeps what a command prints in its kill grace (SIGTERM handled before the SIGKILL)", async () => {
+    // The host waits past the in-sandbox deadline by the kill grace: an agent that saves its
+    // work on SIGTERM is graded on it, not on output cut at the deadline.
+    const h = await create();
+    const r = await provider.exec(
+      h,
+      ["sh", "-c", "trap 'sleep 1; echo saved; exit 3' TERM; echo working; sleep 1000 & wait"],
+      { deadlineMs: 1_000 },
+    );
+    expect(r).toMatchObject({ exitCode: -1, timedOut: true, stdout: "working\nsaved\n" });
   });
 
   it("contains a fork bomb with the pids limit while the host stays responsive, then destroys it", async () => {
@@ -1255,6 +1268,21 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     expect(bad.message).toMatch(/bogus/);
     const missing = await fleetError(provider.create(spec({ image: "rollout-fleet/does-not-exist:never" })));
     expect([missing.kind, missing.retryable]).toEqual(["invalid_task", false]);
+  });
+
+  it("list never takes a reaper (fleet.managed, no fleet.owner) for a sandbox, so no sweep of sandboxes destroys one at work", async () => {
+    const s = spec();
+    const h = await create({ rolloutId: s.rolloutId });
+    const reaper = await docker.createContainer({
+      Image: IMAGE,
+      Entrypoint: ["true"],
+      Labels: reaperLabels(s.rolloutId),
+    });
+    try {
+      expect((await provider.list({ [LABEL_ROLLOUT]: s.rolloutId })).map((i) => i.handle.id)).toEqual([h.id]);
+    } finally {
+      await reaper.remove({ force: true });
+    }
   });
 
   it("removeStaleHelpers removes this fleet's reapers that never ran, and nobody else's", async () => {
