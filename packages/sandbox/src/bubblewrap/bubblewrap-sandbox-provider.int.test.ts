@@ -209,6 +209,16 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await processesOf(h, 1000)).toEqual([]);
   });
 
+  it("at the deadline, keeps what a command prints in its kill grace (SIGTERM handled before the SIGKILL)", async () => {
+    const h = await create();
+    const r = await provider.exec(
+      h,
+      ["sh", "-c", "trap 'sleep 1; echo saved; exit 3' TERM; echo working; sleep 1000 & wait"],
+      { deadlineMs: 1_000 },
+    );
+    expect(r).toMatchObject({ exitCode: -1, timedOut: true, stdout: "working\nsaved\n" });
+  });
+
   it("caps 10 MB of output at maxOutputBytes and says so", async () => {
     const h = await create();
     const r = await provider.exec(
@@ -442,6 +452,9 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     if (!/limits enforced: memory, pids/.test(report.detail)) ctx.skip();
     const hog = await provider.exec(h, ["sh", "-c", "tail /dev/zero"], { deadlineMs: 60_000 });
     expect(hog).toMatchObject({ exitCode: 137, timedOut: false, oomKilled: true });
+    // A later plain SIGKILL is no OOM kill, though the sandbox had one before it.
+    const killed = await provider.exec(h, ["sh", "-c", "kill -9 $$"], { deadlineMs: 10_000 });
+    expect(killed).toMatchObject({ exitCode: 137, timedOut: false, oomKilled: false });
     const forks = await provider.exec(
       h,
       [
