@@ -623,6 +623,9 @@ describe("ToolLoopHarness", () => {
     expect(exec.options.deadlineMs).toBeLessThanOrEqual(800);
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(upstream.requests).toHaveLength(1);
+    // The episode ended with the tool call: no model call was started, so none was abandoned.
+    expect(out.exec.stderr).toMatch(/deadline came during tool call/);
+    expect(out.usage?.gaps.filter((g) => /abandoned/.test(g))).toEqual([]);
   });
 
   it("gives a timed-out tool call back to the model when the agent still has time", async () => {
