@@ -1270,6 +1270,51 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     expect([missing.kind, missing.retryable]).toEqual(["invalid_task", false]);
   });
 
+  it("a reaper whose report is lost, or a sandbox the daemon cannot inspect for one, never gives a confirmed receipt", async () => {
+    // DESIGN §2 rule 10: verify needs a positive receipt. The real daemon behind a proxy that, as
+    // the case asks, ends every attach (the reaper's report) at once, or fails the sandbox's inspect.
+    const mode = { attachEmpty: false, inspectFails: false };
+    const proxy = await dockerProxy("reaper", (req, res) => {
+      const url = req.url ?? "";
+      if (mode.attachEmpty && req.method === "POST" && /\/containers\/[^/]+\/attach/.test(url)) {
+        res.writeHead(200, { "content-type": "application/vnd.docker.raw-stream" });
+        res.end();
+        return true;
+      }
+      if (mode.inspectFails && req.method === "GET" && /\/containers\/[^/]+\/json/.test(url))
+        return answerDocker(res, 500, "the daemon failed the inspect");
+      return false;
+    });
+    const seen = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
+    const h = await seen.create(spec());
+    try {
+      for (const which of ["attachEmpty", "inspectFails"] as const) {
+        // An agent no sweep of its own uid can stop: only a reaper can.
+        const start = await seen.exec(h, KILL_EVERY_SWEEP_ARGV, { deadlineMs: 10_000 });
+        expect(start.stdout).toContain("started");
+        Object.assign(mode, { attachEmpty: false, inspectFails: false, [which]: true });
+        const outcome = await seen.killProcesses(h, AGENT_USER).then(
+          (receipt) => ({ confirmed: receipt.confirmed, kind: null }),
+          (err: unknown) => ({ confirmed: false, kind: isFleetError(err) ? err.kind : String(err) }),
+        );
+        expect(outcome.confirmed, which).toBe(false);
+        if (which === "inspectFails") expect(outcome.kind).toBe("provider_unavailable");
+        Object.assign(mode, { attachEmpty: false, inspectFails: false });
+      }
+    } finally {
+      Object.assign(mode, { attachEmpty: false, inspectFails: false });
+      await seen.destroy(h);
+      await proxy.close();
+      // The reaper whose report was lost still ran; the daemon removes it once it exits.
+      const reapers = () =>
+        docker.listContainers({
+          all: true,
+          filters: { label: ["fleet.reaper=true", `fleet.rollout=${h.rolloutId}`] },
+        });
+      await vi.waitFor(async () => expect(await reapers()).toEqual([]), { timeout: 30_000, interval: 200 });
+    }
+  });
+
   it("list never takes a reaper (fleet.managed, no fleet.owner) for a sandbox, so no sweep of sandboxes destroys one at work", async () => {
     const s = spec();
     const h = await create({ rolloutId: s.rolloutId });
