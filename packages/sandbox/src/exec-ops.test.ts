@@ -4,6 +4,8 @@ import {
   assertIsolated,
   type ExecCall,
   extractViaExec,
+  findSandbox,
+  getTarget,
   killProcessesViaExec,
   pid1Starting,
   planPut,
@@ -284,5 +286,45 @@ describe("planPut", () => {
     expect(planPut("/solution/lib", { "a.sh": "x" }, undefined, "1000:1000").user).toBe("0:0");
     expect(planPut("/testsuite", { a: "x" }, undefined, "1000:1000").user).toBe("1000:1000");
     expect(planPut("/workspace", { a: "x" }, undefined, "1000:1000").user).toBe("1000:1000");
+  });
+});
+
+describe("getTarget / planPut paths", () => {
+  it("refuses '..' in a get or put path as the task's (final invalid_task), never resolving it elsewhere", () => {
+    for (const bad of [
+      () => getTarget("/workspace/../etc/shadow"),
+      () => planPut("/tests/../workspace", {}, undefined, "1000:1000"),
+    ]) {
+      let err: unknown = null;
+      try {
+        bad();
+      } catch (e) {
+        err = e;
+      }
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["invalid_task", false]);
+    }
+    expect(getTarget("/workspace//./out.txt")).toBe("/workspace/out.txt");
+  });
+});
+
+describe("findSandbox", () => {
+  it("takes the sandbox of its own name when labels match several (another fleet's on the same daemon)", async () => {
+    const info = (name: string) => ({
+      handle: {
+        provider: "docker" as const,
+        endpoint: "unix:///var/run/docker.sock",
+        id: `id-${name}`,
+        name,
+        rolloutId: "r1",
+        owner: "resources" as const,
+        volumes: [],
+      },
+      labels: {},
+      running: true,
+      createdAt: 0,
+    });
+    const list = async () => [info("fleet-sabcdef01-r1-resources"), info("fleet-r1-resources")];
+    expect((await findSandbox(list, {}, "fleet-r1-resources"))?.id).toBe("id-fleet-r1-resources");
+    expect(await findSandbox(async () => [], {}, "fleet-r1-resources")).toBeNull();
   });
 });
