@@ -189,6 +189,15 @@ describe("model gateway", () => {
     expect((await first).status).toBe(200);
   });
 
+  it("the token cap's clamp reads an `n` sent as a numeric string too (an upstream coerces it): one call cannot take n times what is left", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 40 });
+    upstream.push(chatReply({ content: "a", usage: { prompt: 1, completion: 1 } }));
+    const base = { model: "m", messages: [{ role: "user", content: "hi" }] };
+    expect((await chat(baseUrl, token, { ...base, n: "8", max_tokens: 100_000 })).status).toBe(200);
+    expect(upstream.requests[0]!.body).toMatchObject({ n: "8", max_tokens: 5 });
+  });
+
   it("the rate window slides: a minute after a call, its slot is free again; a refused call takes none", async () => {
     vi.useFakeTimers({ toFake: ["performance"] });
     try {

@@ -630,7 +630,10 @@ function clampCompletion(request: Record<string, unknown>, entry: Entry): number
   if (cap === undefined || used === null) return 0;
   const left = Math.max(0, cap - used - entry.reservedTokens);
   if (left < 1) return null;
-  const n = typeof request.n === "number" && Number.isInteger(request.n) && request.n > 1 ? request.n : 1;
+  // `n` as an upstream would coerce it (a numeric string too, as for the limits): an `n` the clamp
+  // did not read would let one call take `n` times what the cap has left.
+  const asN = Number(request.n);
+  const n = Number.isFinite(asN) && asN > 1 ? Math.ceil(asN) : 1;
   const asked = ["max_completion_tokens", "max_tokens"]
     .map((f) => Number(request[f]))
     .filter((v) => Number.isFinite(v) && v > 0);
