@@ -543,9 +543,12 @@ describe("model gateway", () => {
     await chat(baseUrl, token);
     expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 403");
     // The probes are a gap in the usage, never tokens silently left out.
-    expect(gateway.usage(token)?.gaps).toContain(
-      "2 one-token probe request(s) the gateway sent after a 403, to tell a refused key from a refused request (not counted)",
-    );
+    const probes =
+      "2 one-token probe request(s) the gateway sent after a 403, to tell a refused key from a refused request (not counted)";
+    expect(gateway.usage(token)?.gaps).toContain(probes);
+    // ...and in the usage the run keeps: the summary at revocation.
+    expect(gateway.revoke(token).gaps).toContain(probes);
+    expect(gateway.usage(token)?.gaps).toContain(probes);
   });
 
   it("a call waiting on its 403's probe still counts toward the call cap", async () => {

@@ -515,7 +515,8 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
             `${aborted} call${aborted === 1 ? "" : "s"} in flight at revocation aborted (usage unknown)`,
           );
         }
-        entry.revoked = entry.meter.summary();
+        // With the probes' gap, as `usage` reports it: the run keeps this summary.
+        entry.revoked = summaryOf(entry);
         for (const c of entry.inFlight) c.abort(new Error("gateway token revoked"));
       }
       return entry.revoked;
