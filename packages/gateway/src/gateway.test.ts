@@ -1,3 +1,4 @@
+import { connect } from "node:net";
 import { Usage } from "@fleet/contracts";
 import { afterEach, describe, expect, it, vi } from "vitest";
 import { type ModelGateway, startGateway } from "./gateway.ts";
@@ -691,6 +692,26 @@ describe("model gateway", () => {
     const after = await chat(baseUrl, token);
     expect(after.status).toBe(401);
     expect(() => gateway.revoke("fgw_0000000000000000_x")).toThrow(/never issued|not a token/);
+  });
+
+  it("answers a request target no URL parser reads with 400, not a gateway error", async () => {
+    const { gateway } = await setup();
+    for (const target of ["//[", "//:99999/v1/chat/completions"]) {
+      const statusLine = await new Promise<string>((resolve, reject) => {
+        const socket = connect(gateway.port, "127.0.0.1", () =>
+          socket.write(
+            `POST ${target} HTTP/1.1\r\nhost: x\r\nconnection: close\r\ncontent-length: 0\r\n\r\n`,
+          ),
+        );
+        let got = "";
+        socket.on("data", (d: Buffer) => {
+          got += d.toString("latin1");
+        });
+        socket.on("end", () => resolve(got.split("\r\n")[0]!));
+        socket.on("error", reject);
+      });
+      expect(statusLine).toBe("HTTP/1.1 400 Bad Request");
+    }
   });
 
   it("lists the registered model", async () => {

@@ -178,7 +178,13 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
   server.maxConnections = o.maxConnections;
 
   async function handle(req: IncomingMessage, res: ServerResponse): Promise<void> {
-    const path = new URL(req.url ?? "/", "http://gateway").pathname.replace(/\/+$/, "");
+    let path: string;
+    try {
+      path = new URL(req.url ?? "/", "http://gateway").pathname.replace(/\/+$/, "");
+    } catch {
+      // A request target no URL parser reads (`//[`): the client's, a 400, not a gateway error.
+      throw new GatewayHttpError(400, "malformed", "the request target is not a valid path");
+    }
     if (path === "/v1/chat/completions") {
       if (req.method !== "POST") throw new GatewayHttpError(405, "method_not_allowed", "use POST");
       const entry = authenticate(req);
