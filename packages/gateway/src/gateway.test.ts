@@ -475,6 +475,18 @@ describe("model gateway", () => {
     expect(gateway.health("not-a-token")).toBeNull();
   });
 
+  it("a 404 is the upstream failing (no such model or route: the gateway sets both), not an answer about the agent's request", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(
+      chatReply({ content: "ok" }),
+      errorReply(404, "model_not_found", "The model `m` does not exist."),
+    );
+    expect((await chat(baseUrl, token)).status).toBe(200);
+    expect((await chat(baseUrl, token)).status).toBe(404);
+    expect(gateway.health(token)).toEqual({ answered: 1, infraFailures: 1, lastInfraFailure: "HTTP 404" });
+  });
+
   it("a 2xx that is no chat completion is the upstream failing; an answer over the size bound is the request's (n, logprobs)", async () => {
     const { upstream, gateway } = await setup({ maxResponseBytes: 1024 });
     const { token, baseUrl } = gateway.register("r1", { model: "m" });

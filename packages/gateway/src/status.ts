@@ -19,8 +19,14 @@ export function isGatewayTimeoutStatus(status: number): boolean {
  * Whether an upstream status is an infrastructure failure (see `UpstreamHealth`): the upstream
  * down, overloaded or refusing the key, or redirecting (it moved, or a proxy wants https: the
  * gateway follows no redirect, so every call of the agent fails, through no fault of its own).
+ * A 404 too: the gateway sets the path and the model of every call, so the upstream has no such
+ * model (a server restarted without it, or a spec naming one it never had) or route, never the
+ * agent's request (as the tool-loop counts a 404 after answered calls).
  * A gateway timeout is not (`isGatewayTimeoutStatus`).
  */
 export function isInfraStatus(status: number): boolean {
-  return (status >= 500 || status === 429 || isRefusalStatus(status)) && !isGatewayTimeoutStatus(status);
+  return (
+    (status >= 500 || status === 429 || status === 404 || isRefusalStatus(status)) &&
+    !isGatewayTimeoutStatus(status)
+  );
 }
