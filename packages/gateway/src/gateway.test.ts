@@ -199,6 +199,20 @@ describe("model gateway", () => {
     expect(upstream.requests[0]!.body).toMatchObject({ n: "8", max_tokens: 5 });
   });
 
+  it("a call asking for more choices than the token cap has left, with nothing in flight, gets a 400 no retry passes, not token_cap_reserved", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 40 });
+    const res = await chat(baseUrl, token, {
+      model: "m",
+      messages: [{ role: "user", content: "hi" }],
+      n: 100,
+      max_tokens: 10,
+    });
+    expect([res.status, res.json.error.code]).toEqual([400, "token_cap_too_small"]);
+    expect(res.json.error.message).toMatch(/40 tokens/);
+    expect(upstream.requests).toHaveLength(0);
+  });
+
   it("the rate window slides: a minute after a call, its slot is free again; a refused call takes none", async () => {
     vi.useFakeTimers({ toFake: ["performance"] });
     try {

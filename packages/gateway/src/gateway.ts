@@ -110,6 +110,7 @@ const AGENTS_OWN_REFUSALS = new Set([
   "payload_too_large",
   "token_cap_exceeded",
   "upstream_response_too_large",
+  "token_cap_too_small",
 ]);
 
 /** The abort reason of a call whose client closed its connection (the agent abandoned it). */
@@ -295,6 +296,15 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     // not by whatever it asked for). A request that asks for none is sent as it came: a limit
     // added to it could make a long prompt overflow the model's context.
     const reserve = clampCompletion(request, entry);
+    if (reserve === null && entry.reservedTokens === 0) {
+      // Nothing in flight holds the cap: the call asks for more choices (`n`) than the tokens the
+      // cap has left, one each. No retry passes; the request's own, as a too large answer is.
+      throw new GatewayHttpError(
+        400,
+        "token_cap_too_small",
+        `this call asks for more choices (n) than the ${entry.registration.maxTokens! - entry.meter.totalTokens!} tokens this rollout's token cap (${entry.registration.maxTokens}) has left; lower n`,
+      );
+    }
     if (reserve === null) {
       // Passes once the calls in flight are answered: not the agent's failure (the upstream's
       // health stays as it was), and no call of its own that it should stop on.
