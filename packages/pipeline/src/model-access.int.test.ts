@@ -145,6 +145,20 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     expect((await fleet.deps.store.get(id))!.times["verify:start"]).toBeUndefined();
   });
 
+  it("an agent that fails on an upstream 404 (the model gone from the server) is masked, never graded 0", async () => {
+    // The gateway sets the model and the path: a 404 is never the agent's request.
+    upstream.push(errorReply(404, "model_not_found", "The model `served-model` does not exist."));
+    const id = await submitClient("borrow");
+    const [r] = await fleet.waitForResults([id], 120_000);
+    expect(r).toMatchObject({
+      status: "masked",
+      mask: true,
+      reward: null,
+      failureKind: "provider_unavailable",
+    });
+    expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 404/);
+  });
+
   it("a masked run still reports what its answered calls spent", async () => {
     upstream.push(chatReply({ content: "thinking", usage: { prompt: 17, completion: 2, cached: 0 } }));
     upstream.push(errorReply(503, "overloaded", "the model is overloaded"));
