@@ -1287,8 +1287,18 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     });
     const seen = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
     const h = await seen.create(spec());
+    // A reaper whose report was lost still runs its rounds; the daemon removes it once it exits.
+    const reapers = () =>
+      docker.listContainers({
+        all: true,
+        filters: { label: ["fleet.reaper=true", `fleet.rollout=${h.rolloutId}`] },
+      });
+    const noReaper = () =>
+      vi.waitFor(async () => expect(await reapers()).toEqual([]), { timeout: 30_000, interval: 200 });
     try {
       for (const which of ["attachEmpty", "inspectFails"] as const) {
+        // The last case's reaper gone first: it would kill this case's agent before it starts.
+        await noReaper();
         // An agent no sweep of its own uid can stop: only a reaper can.
         const start = await seen.exec(h, KILL_EVERY_SWEEP_ARGV, { deadlineMs: 10_000 });
         expect(start.stdout).toContain("started");
@@ -1305,13 +1315,7 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       Object.assign(mode, { attachEmpty: false, inspectFails: false });
       await seen.destroy(h);
       await proxy.close();
-      // The reaper whose report was lost still ran; the daemon removes it once it exits.
-      const reapers = () =>
-        docker.listContainers({
-          all: true,
-          filters: { label: ["fleet.reaper=true", `fleet.rollout=${h.rolloutId}`] },
-        });
-      await vi.waitFor(async () => expect(await reapers()).toEqual([]), { timeout: 30_000, interval: 200 });
+      await noReaper();
     }
   });
 
