@@ -1,6 +1,6 @@
 import { execFileSync } from "node:child_process";
+import { freeLoopbackPort } from "@fleet/queue";
 import { afterAll, describe, expect, it } from "vitest";
-import { freePort } from "../scripts/lib/fleet-processes.ts";
 import { dropPrefix, REDIS_URL, testPrefix, waitFor } from "./helpers/env.ts";
 import { npmStart } from "./helpers/npm-app.ts";
 
@@ -47,7 +47,7 @@ describe("apps started the README's way (npm start -w <app>)", () => {
   afterAll(() => dropPrefix(REDIS_URL, prefix));
 
   it("each shuts down gracefully when npm is sent SIGTERM, leaving no process behind", async () => {
-    const port = await freePort();
+    const port = await freeLoopbackPort();
     const results = await Promise.all(
       APPS.map(async ({ workspace, ready }) => {
         const { npm, output } = npmStart(workspace, {

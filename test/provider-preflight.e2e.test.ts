@@ -6,9 +6,9 @@ import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest } from "@fleet/contracts";
-import { admit, createRedis, RolloutStore, StageQueues } from "@fleet/queue";
+import { admit, createRedis, freeLoopbackPort, RolloutStore, StageQueues } from "@fleet/queue";
 import { afterAll, describe, expect, it, vi } from "vitest";
-import { APP_MAIN, freePort, REPO_ROOT } from "../scripts/lib/fleet-processes.ts";
+import { APP_MAIN, REPO_ROOT } from "../scripts/lib/fleet-processes.ts";
 import { dropPrefix, REDIS_URL, testPrefix } from "./helpers/env.ts";
 
 /** Run an app's main.ts as its own process; resolves with its exit code and output. */
@@ -62,7 +62,7 @@ describe("a worker that cannot reach its sandbox provider", () => {
     );
     // A daemon address nothing listens on: what compose gives a worker without DOCKER_HOST is a
     // socket that is not there; both fail the same way.
-    const port = await freePort();
+    const port = await freeLoopbackPort();
     const env = {
       REDIS_URL,
       FLEET_PREFIX: prefix,
@@ -106,7 +106,7 @@ describe("a worker that cannot reach its sandbox provider", () => {
   });
 
   it("while it waits for the provider, its metrics say the provider is down (an alert sees it; its heartbeat is fresh)", async () => {
-    const [dockerPort, metricsPort] = [await freePort(), await freePort()];
+    const [dockerPort, metricsPort] = [await freeLoopbackPort(), await freeLoopbackPort()];
     let kill = () => {};
     const running = runApp(
       "verifier",

@@ -1,5 +1,5 @@
+import { freeLoopbackPort } from "@fleet/queue";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
-import { freePort } from "../scripts/lib/fleet-processes.ts";
 import { PrivateRedis } from "./chaos/lib/private-redis.ts";
 import { testPrefix, waitFor } from "./helpers/env.ts";
 import { npmStart } from "./helpers/npm-app.ts";
@@ -38,7 +38,7 @@ describe("apps against a Redis with appendfsync everysec", () => {
   afterAll(async () => redis?.stop());
 
   it("refuse to start, saying why and what to set, and start with FLEET_REDIS_ACCEPT_WRITE_LOSS=true", async () => {
-    const port = await freePort();
+    const port = await freeLoopbackPort();
     const env = {
       REDIS_URL: redis.url,
       FLEET_PREFIX: prefix,

@@ -42,9 +42,6 @@ export interface FleetProcess {
   metricsPort?: number;
 }
 
-/** A free loopback port (for a dispatcher's HTTP or a worker's metrics). */
-export const freePort = freeLoopbackPort;
-
 /**
  * Start the dispatcher, the three stage workers and the janitor as separate processes against
  * one Redis under one prefix; wait until the dispatcher answers and every worker logged that it
@@ -78,7 +75,7 @@ export class FleetProcesses {
 
   static async start(options: FleetProcessOptions): Promise<FleetProcesses> {
     mkdirSync(options.logDir, { recursive: true });
-    const fleet = new FleetProcesses(options, await freePort());
+    const fleet = new FleetProcesses(options, await freeLoopbackPort());
     const replicas = { dispatcher: 1, resources: 1, agent: 1, verifier: 1, janitor: 1, ...options.replicas };
     const starting: Promise<void>[] = [];
     for (const kind of Object.keys(APP_MAIN) as AppKind[]) {
