@@ -1271,8 +1271,9 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
   });
 
   it("a reaper whose report is lost, or a sandbox the daemon cannot inspect for one, never gives a confirmed receipt", async () => {
-    // DESIGN §2 rule 10: verify needs a positive receipt. The real daemon behind a proxy that, as
-    // the case asks, ends every attach (the reaper's report) at once, or fails the sandbox's inspect.
+    // DESIGN §2 rule 2 (close-before-verify): verify needs a positive receipt. The real daemon
+    // behind a proxy that, as the case asks, ends every attach (the reaper's report) at once, or
+    // fails the sandbox's inspect.
     const mode = { attachEmpty: false, inspectFails: false };
     const proxy = await dockerProxy("reaper", (req, res) => {
       const url = req.url ?? "";
