@@ -10,14 +10,21 @@ import { startTestServer, type TestServer } from "./test-server.ts";
  */
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 
-/** Send raw bytes; the whole answer, once the server closes the connection. */
-function raw(port: number, request: string): Promise<string> {
+/**
+ * Send raw bytes; the whole answer, once the server closes the connection. With `whole`, as
+ * Python's http.client does: `body` is written after `request` (a failed write rejects: the
+ * broken pipe a client sees when the server closes under it), then `next` (if any) and the end of
+ * our side; the answer is read only after.
+ */
+function raw(port: number, request: string, whole?: { body: Buffer; next?: string }): Promise<string> {
   return new Promise((resolve, reject) => {
-    const socket = connect(port, "127.0.0.1", () => socket.write(request));
+    const socket = connect(port, "127.0.0.1");
     let answer = "";
     socket.on("data", (c: Buffer) => (answer += c.toString("utf8")));
     socket.on("close", () => resolve(answer));
     socket.on("error", reject);
+    socket.write(request);
+    if (whole) socket.write(whole.body, (err) => (err ? reject(err) : socket.end(whole.next ?? "")));
   });
 }
 
@@ -115,28 +122,17 @@ describe("a body over the limit, sent whole before the answer is read", () => {
   const LIMIT = 2 * 1024 * 1024;
   const dispatcher = listening("linger", { FLEET_MAX_BODY_BYTES: String(LIMIT), FLEET_API_TOKENS: "tok" });
 
-  /**
-   * As Python's http.client does: write the request whole (a failed write rejects: the broken
-   * pipe a client saw when the server closed under it), then a second request, then read.
-   */
+  /** The request written whole, then a second request, then the answers read. */
   function sendWhole(bodyBytes: number): Promise<string> {
-    return new Promise((resolve, reject) => {
-      const socket = connect(dispatcher.port, "127.0.0.1");
-      let answer = "";
-      socket.on("data", (c: Buffer) => (answer += c.toString("utf8")));
-      socket.on("error", reject);
-      socket.on("close", () => resolve(answer));
-      const head =
-        "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\nContent-Type: application/json\r\n" +
-        `Content-Length: ${bodyBytes}\r\n\r\n`;
-      socket.write(head);
-      socket.write(Buffer.alloc(bodyBytes, 0x20), (err) => {
-        if (err) return reject(err);
-        socket.end(
-          "GET /healthz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\nConnection: close\r\n\r\n",
-        );
-      });
-    });
+    return raw(
+      dispatcher.port,
+      "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\nContent-Type: application/json\r\n" +
+        `Content-Length: ${bodyBytes}\r\n\r\n`,
+      {
+        body: Buffer.alloc(bodyBytes, 0x20),
+        next: "GET /healthz HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\nConnection: close\r\n\r\n",
+      },
+    );
   }
 
   it("is read to its end and answered 413 in the API's error body; the connection serves the next request", async () => {
@@ -159,17 +155,11 @@ describe("a body over the limit, sent whole before the answer is read", () => {
   it("closes the connection of a request refused before its body was read when that body is past the drain's bound", async () => {
     // No token, and a body announced at ten times the limit: the 401 comes at once, and the
     // connection is closed rather than kept for Node to read and discard 20 MiB.
-    const answer = await new Promise<string>((resolve, reject) => {
-      const socket = connect(dispatcher.port, "127.0.0.1");
-      let text = "";
-      socket.on("data", (c: Buffer) => (text += c.toString("utf8")));
-      socket.on("error", reject);
-      socket.on("close", () => resolve(text));
-      socket.write(
-        "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
-          `Content-Length: ${10 * LIMIT}\r\n\r\n${" ".repeat(1024)}`,
-      );
-    });
+    const answer = await raw(
+      dispatcher.port,
+      "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" +
+        `Content-Length: ${10 * LIMIT}\r\n\r\n${" ".repeat(1024)}`,
+    );
     const [head = "", body = ""] = answer.split("\r\n\r\n");
     expect(head).toMatch(/^HTTP\/1\.1 401 /);
     expect(head.toLowerCase()).toContain("connection: close");
@@ -189,18 +179,12 @@ describe("a body far over a low limit, sent whole before the answer is read", ()
     // Node's fetch, as the CLI sends it, failed with EPIPE here (the 413 unread) and the CLI said
     // it could not reach the dispatcher; written whole and then read, as here, the write failed.
     const bytes = 8 * 1024 * 1024;
-    const answer = await new Promise<string>((resolve, reject) => {
-      const socket = connect(dispatcher.port, "127.0.0.1");
-      let text = "";
-      socket.on("data", (c: Buffer) => (text += c.toString("utf8")));
-      socket.on("error", reject);
-      socket.on("close", () => resolve(text));
-      socket.write(
-        "POST /v1/batches HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n" +
-          `Content-Type: application/x-ndjson\r\nContent-Length: ${bytes}\r\nConnection: close\r\n\r\n`,
-      );
-      socket.write(Buffer.alloc(bytes, 0x20), (err) => (err ? reject(err) : socket.end()));
-    });
+    const answer = await raw(
+      dispatcher.port,
+      "POST /v1/batches HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n" +
+        `Content-Type: application/x-ndjson\r\nContent-Length: ${bytes}\r\nConnection: close\r\n\r\n`,
+      { body: Buffer.alloc(bytes, 0x20) },
+    );
     const { status, body } = parse(answer);
     expect(status).toBe(413);
     expect(body).toEqual({

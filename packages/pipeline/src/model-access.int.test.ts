@@ -129,35 +129,31 @@ describe("command agent with a model, through the per-rollout gateway", () => {
     expect((await networks.list()).some((n) => n.rolloutId === id)).toBe(false);
   });
 
-  it("an agent that fails while its model upstream fails is masked provider_unavailable, never graded 0", async () => {
-    upstream.push(errorReply(503, "overloaded", "the model is overloaded"));
-    const id = await submitClient("borrow");
-    const [r] = await fleet.waitForResults([id], 120_000);
-    // At the run: its work is never put to the tests (rule 6).
-    expect(r).toMatchObject({
-      status: "masked",
-      mask: true,
-      reward: null,
-      failureKind: "provider_unavailable",
-      stage: "run",
-    });
-    expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 503/);
-    expect((await fleet.deps.store.get(id))!.times["verify:start"]).toBeUndefined();
-  });
-
-  it("an agent that fails on an upstream 404 (the model gone from the server) is masked, never graded 0", async () => {
-    // The gateway sets the model and the path: a 404 is never the agent's request.
-    upstream.push(errorReply(404, "model_not_found", "The model `served-model` does not exist."));
-    const id = await submitClient("borrow");
-    const [r] = await fleet.waitForResults([id], 120_000);
-    expect(r).toMatchObject({
-      status: "masked",
-      mask: true,
-      reward: null,
-      failureKind: "provider_unavailable",
-    });
-    expect(r!.reason).toMatch(/model upstream was failing when the agent stopped .*HTTP 404/);
-  });
+  // The gateway sets the model and the path: a 404 (the model gone from the server) is never the
+  // agent's request, so it masks like an overloaded upstream.
+  it.each([
+    [503, "overloaded", "the model is overloaded"],
+    [404, "model_not_found", "The model `served-model` does not exist."],
+  ] as const)(
+    "an agent that fails while its model upstream answers %i is masked provider_unavailable, never graded 0",
+    async (httpStatus, code, message) => {
+      upstream.push(errorReply(httpStatus, code, message));
+      const id = await submitClient("borrow");
+      const [r] = await fleet.waitForResults([id], 120_000);
+      // At the run: its work is never put to the tests (rule 6).
+      expect(r).toMatchObject({
+        status: "masked",
+        mask: true,
+        reward: null,
+        failureKind: "provider_unavailable",
+        stage: "run",
+      });
+      expect(r!.reason).toMatch(
+        new RegExp(`model upstream was failing when the agent stopped .*HTTP ${httpStatus}`),
+      );
+      expect((await fleet.deps.store.get(id))!.times["verify:start"]).toBeUndefined();
+    },
+  );
 
   it("a masked run still reports what its answered calls spent", async () => {
     upstream.push(chatReply({ content: "thinking", usage: { prompt: 17, completion: 2, cached: 0 } }));
