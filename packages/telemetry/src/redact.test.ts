@@ -50,6 +50,16 @@ describe("redactSecretFields", () => {
     expect(out.self).toBe(out);
   });
 
+  it("never passes a secret through below its depth limit: what it does not walk is cut, not kept", () => {
+    let deep: Record<string, unknown> = { apiKey: "sk-deep", items: [{ token: "t-deep" }] };
+    for (let i = 0; i < 15; i++) deep = { level: i, next: deep };
+    const out = JSON.stringify(redactSecretFields(deep));
+    expect(out).not.toContain("sk-deep");
+    expect(out).not.toContain("t-deep");
+    // The levels it walked are kept as they were.
+    expect(out.startsWith('{"level":14,"next":{"level":13,')).toBe(true);
+  });
+
   it("keeps an error an error, with its message and cause", () => {
     const cause = new Error("inner");
     const err = Object.assign(new Error("outer", { cause }), { token: "t" });

@@ -61,7 +61,9 @@ const MAX_DEPTH = 10;
 /**
  * A copy of `value` with every secret-named field (any depth, see `SECRET_KEYS`) replaced by
  * `REDACTED`. Plain objects, arrays and Errors are walked; other class instances (Buffers,
- * Dates, Maps) are kept as they are. Never mutates its input. Cycles are kept as cycles.
+ * Dates, Maps) are kept as they are. Never mutates its input. Cycles are kept as cycles. An
+ * object or array nested deeper than `MAX_DEPTH` is not walked: it becomes `"[Object]"` or
+ * `"[Array]"` (as pino's depth-limited serializer writes one), never passed on unredacted.
  */
 export function redactSecretFields<T>(value: T): T {
   return walk(value, 0, new WeakMap()) as T;
@@ -71,8 +73,8 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
   if (value === null || typeof value !== "object") return value;
   const done = seen.get(value);
   if (done !== undefined) return done;
-  if (depth > MAX_DEPTH) return value;
   if (Array.isArray(value)) {
+    if (depth > MAX_DEPTH) return "[Array]";
     const out: unknown[] = [];
     seen.set(value, out);
     for (const item of value) out.push(walk(item, depth + 1, seen));
@@ -81,6 +83,7 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
   const proto = Object.getPrototypeOf(value) as object | null;
   const isError = value instanceof Error;
   if (!isError && proto !== Object.prototype && proto !== null) return value;
+  if (depth > MAX_DEPTH) return "[Object]";
   // Errors keep their prototype (so serializers still see an Error) and their non-enumerable
   // `message`/`stack`/`cause`; only own enumerable fields are walked.
   const out = isError
