@@ -46,6 +46,22 @@ describe("createLogger", () => {
     expect(lines[5]).toMatchObject({ token: "[Redacted]", job: { password: "[Redacted]" } });
   });
 
+  it("redacts the errors an AggregateError holds (pino writes them as aggregateErrors)", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    // As Node's happy-eyeballs connect or Promise.any fail: the inner errors carry the fields.
+    const inner = Object.assign(new Error("401 from upstream"), { config: { apiKey: SECRET } });
+    log.error({ err: new AggregateError([inner], "all attempts failed") }, "aggregate");
+    expect(out.text()).not.toContain(SECRET);
+    expect(out.lines()[0]).toMatchObject({
+      err: {
+        type: "AggregateError",
+        message: "all attempts failed",
+        aggregateErrors: [{ message: "401 from upstream", config: { apiKey: "[Redacted]" } }],
+      },
+    });
+  });
+
   it("keeps count fields whose names merely contain a secret word", () => {
     const out = sink();
     const log = createLogger({ name: "t", destination: out.stream });

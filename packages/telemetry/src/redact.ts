@@ -85,7 +85,7 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
   if (!isError && proto !== Object.prototype && proto !== null) return value;
   if (depth > MAX_DEPTH) return "[Object]";
   // Errors keep their prototype (so serializers still see an Error) and their non-enumerable
-  // `message`/`stack`/`cause`; only own enumerable fields are walked.
+  // `message`/`stack`/`cause`/`errors`; own enumerable fields, `cause` and `errors` are walked.
   const out = isError
     ? (Object.create(proto, Object.getOwnPropertyDescriptors(value)) as Record<string, unknown>)
     : ({} as Record<string, unknown>);
@@ -102,6 +102,12 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
         writable: true,
         configurable: true,
       });
+    }
+    // An AggregateError's `errors` (own, not enumerable), which pino's serializer writes out as
+    // `aggregateErrors`: walked like `cause`, or each inner error's fields would go out as they are.
+    const errors = Object.getOwnPropertyDescriptor(value, "errors");
+    if (errors !== undefined && !errors.enumerable && "value" in errors) {
+      Object.defineProperty(out, "errors", { ...errors, value: walk(errors.value, depth + 1, seen) });
     }
   }
   return out;
