@@ -62,6 +62,21 @@ describe("createLogger", () => {
     });
   });
 
+  it("logs a URL object without its credentials, and without throwing", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    // A URL's `password` getter, read off a copy by the `*.password` redact path, threw
+    // "Cannot read private member"; and its JSON (its href) carried the credentials.
+    const url = () => new URL(`redis://fleet:${SECRET}@redis.internal:6379/0?api_key=${SECRET}&db=0`);
+    expect(() => log.info({ target: url() }, "top")).not.toThrow();
+    log.info({ conn: { target: url() } }, "nested");
+    expect(out.text()).not.toContain(SECRET);
+    expect(out.lines().map((l) => l.msg)).toEqual(["top", "nested"]);
+    expect(out.lines()[1]).toMatchObject({
+      conn: { target: "redis://[Redacted]@redis.internal:6379/0?api_key=[Redacted]&db=0" },
+    });
+  });
+
   it("keeps count fields whose names merely contain a secret word", () => {
     const out = sink();
     const log = createLogger({ name: "t", destination: out.stream });

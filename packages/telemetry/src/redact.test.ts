@@ -60,6 +60,21 @@ describe("redactSecretFields", () => {
     expect(out.startsWith('{"level":14,"next":{"level":13,')).toBe(true);
   });
 
+  it("writes a URL as its href without credentials: userinfo and secret-named query values", () => {
+    const out = redactSecretFields({
+      git: new URL("https://ghp_abc123@github.com/o/r.git"),
+      api: new URL("https://api.example.com/v1/x?Api-Key=k1&limit=5&access_token=k2#top"),
+      plain: new URL("http://example.com:8080/a?b=c"),
+      file: new URL("file:///tmp/x"),
+    });
+    expect(out).toEqual({
+      git: `https://${REDACTED}@github.com/o/r.git`,
+      api: `https://api.example.com/v1/x?Api-Key=${REDACTED}&limit=5&access_token=${REDACTED}#top`,
+      plain: "http://example.com:8080/a?b=c",
+      file: "file:///tmp/x",
+    });
+  });
+
   it("keeps an error an error, with its message and cause", () => {
     const cause = new Error("inner");
     const err = Object.assign(new Error("outer", { cause }), { token: "t" });

@@ -60,8 +60,8 @@ const MAX_DEPTH = 10;
 
 /**
  * A copy of `value` with every secret-named field (any depth, see `SECRET_KEYS`) replaced by
- * `REDACTED`. Plain objects, arrays and Errors are walked; other class instances (Buffers,
- * Dates, Maps) are kept as they are. Never mutates its input. Cycles are kept as cycles. An
+ * `REDACTED`. Plain objects, arrays and Errors are walked; a URL becomes its href without
+ * credentials (`redactUrl`); other class instances (Buffers, Dates, Maps) are kept as they are. Never mutates its input. Cycles are kept as cycles. An
  * object or array nested deeper than `MAX_DEPTH` is not walked: it becomes `"[Object]"` or
  * `"[Array]"` (as pino's depth-limited serializer writes one), never passed on unredacted.
  */
@@ -73,6 +73,7 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
   if (value === null || typeof value !== "object") return value;
   const done = seen.get(value);
   if (done !== undefined) return done;
+  if (value instanceof URL) return redactUrl(value);
   if (Array.isArray(value)) {
     if (depth > MAX_DEPTH) return "[Array]";
     const out: unknown[] = [];
@@ -111,6 +112,38 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
     }
   }
   return out;
+}
+
+/**
+ * A URL as its JSON (`href`) would write it, minus credentials: its userinfo (`user:password@`,
+ * or a token as the user) and the values of secret-named query parameters (`?api_key=`) become
+ * `REDACTED`. As a string: a URL object left in a logged object has its `href` written out, and
+ * pino's redact paths, reading its `password` off a copy, throw.
+ */
+function redactUrl(url: URL): string {
+  // `href` is what comes before the query, then `search` and `hash` as they are.
+  let head = url.href.slice(0, url.href.length - url.search.length - url.hash.length);
+  if (url.username !== "" || url.password !== "") {
+    // `scheme://userinfo@host…`; userinfo is percent-encoded in `href`, so its end is the first `@`.
+    const from = url.protocol.length + 2;
+    head = `${head.slice(0, from)}${REDACTED}${head.slice(head.indexOf("@", from))}`;
+  }
+  const search = url.search
+    .split("&")
+    .map((pair, i) => {
+      const eq = pair.indexOf("=");
+      if (eq < 0) return pair;
+      const name = pair.slice(i === 0 ? 1 : 0, eq);
+      let decoded = name;
+      try {
+        decoded = decodeURIComponent(name.replace(/\+/g, " "));
+      } catch {
+        // A malformed escape: the name as written.
+      }
+      return isSecretKey(decoded) ? `${pair.slice(0, eq)}=${REDACTED}` : pair;
+    })
+    .join("&");
+  return `${head}${search}${url.hash}`;
 }
 
 /**
