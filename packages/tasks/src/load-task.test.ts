@@ -2,7 +2,7 @@ import { writeFileSync } from "node:fs";
 import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { FleetError, fileModes, isFleetError } from "@fleet/contracts";
+import { FleetError, fileModes, isFleetError, MAX_FILESET_ENTRIES } from "@fleet/contracts";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import { loadSuite, loadTask } from "./load-task.ts";
 import { EXAMPLE_SUITE_DIR } from "./paths.ts";
@@ -10,6 +10,8 @@ import { EXAMPLE_SUITE_DIR } from "./paths.ts";
 // Paths the loader is refused to read, as for a file or directory mode 000 is to a user without
 // CAP_DAC_OVERRIDE (these tests may run as root, which reads everything).
 const unreadable = vi.hoisted(() => new Set<string>());
+/** Files the loader read (`readFile` calls). */
+const reads = vi.hoisted(() => ({ count: 0 }));
 vi.mock("node:fs/promises", async (importOriginal) => {
   const real = await importOriginal<typeof import("node:fs/promises")>();
   const refuse = (what: string, p: unknown): void => {
@@ -24,6 +26,7 @@ vi.mock("node:fs/promises", async (importOriginal) => {
   return {
     ...real,
     readFile: (async (p: string, ...rest: []) => {
+      reads.count++;
       refuse("open", p);
       return real.readFile(p, ...rest);
     }) as typeof real.readFile,
@@ -445,6 +448,20 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(await invalidTask(() => loadTask(dir, { maxBytes: 4096 }))).toContain("larger than 4096 bytes");
     await expect(loadTask(dir, { maxBytes: 10_000 })).resolves.toBeDefined();
   });
+
+  it("a file set of more files than a task may hold is refused once it has that many, not after reading them all", async () => {
+    // Empty files take none of the size budget: a tree of a million of them was read whole
+    // (minutes, and each file held in memory) before the schema refused the task.
+    const dir = await writeTask("t", {});
+    await mkdir(path.join(dir, "workspace", "many"), { recursive: true });
+    const files = MAX_FILESET_ENTRIES + 1000;
+    for (let i = 0; i < files; i++) writeFileSync(path.join(dir, "workspace", "many", `f${i}`), "");
+    reads.count = 0;
+    expect(await invalidTask(() => loadTask(dir))).toContain(
+      `workspace: holds more than ${MAX_FILESET_ENTRIES} files`,
+    );
+    expect(reads.count).toBeLessThanOrEqual(MAX_FILESET_ENTRIES + 2);
+  }, 60_000);
 
   it("a task under the limit on disk but over it as sent (escaped characters take several bytes), as the dispatcher counts", async () => {
     const dir = await writeTask("t", { "workspace/ctl.txt": "\u0001".repeat(3000) });

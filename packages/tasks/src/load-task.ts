@@ -5,6 +5,7 @@ import {
   type FileSet,
   FleetError,
   leafIssues,
+  MAX_FILESET_ENTRIES,
   TASK_FILE_SETS,
   TaskContent,
   type TaskContentInput,
@@ -420,6 +421,9 @@ async function readTree(
   if (st === null) return { files, modes };
   if (st.isSymbolicLink()) throw invalid(dir, "is a symbolic link (tasks must hold a directory here)");
   if (!st.isDirectory()) throw invalid(dir, "must be a directory");
+  // Empty files take none of the size budget: past as many files as a file set may hold
+  // (`FileSet` counts them with the directories they imply), the rest is not read.
+  let count = 0;
   const walk = async (abs: string, rel: string): Promise<void> => {
     const listed = await readdir(abs, { withFileTypes: true }).catch((err: unknown) => {
       throw cannotRead(abs, err);
@@ -433,6 +437,12 @@ async function readTree(
       else if (entry.isSymbolicLink())
         throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
       else if (entry.isFile()) {
+        if (++count > MAX_FILESET_ENTRIES) {
+          throw invalid(
+            path.dirname(dir),
+            `${path.basename(dir)}: holds more than ${MAX_FILESET_ENTRIES} files and directories`,
+          );
+        }
         // A name that is not UTF-8 comes back with U+FFFD in it, and names no file.
         const gone = entry.name.includes("\uFFFD")
           ? "has a name that is not UTF-8 (rename it)"
