@@ -588,6 +588,18 @@ describe("loadSuite", () => {
     expect(await invalidTask(() => loadSuite(tmp))).toContain('task id "same" is used twice (a, b)');
   });
 
+  it("with the tasks asked for (--task), duplicate ids refuse the suite only when that id is asked for", async () => {
+    await writeTask("a", { "task.toml": '[task]\nid = "same"\nimage = "i"\n' });
+    await writeTask("b", { "task.toml": '[task]\nid = "same"\nimage = "i"\n' });
+    await writeTask("good", {});
+    // Two other tasks sharing an id are no reason to refuse the one asked for (as a broken task
+    // not asked for is none).
+    expect((await loadSuite(tmp, { only: ["good"] })).map((t) => t.id)).toContain("good");
+    expect(await invalidTask(() => loadSuite(tmp, { only: ["same"] }))).toContain(
+      'task id "same" is used twice (a, b)',
+    );
+  });
+
   it("refuses an empty suite", async () => {
     expect(await invalidTask(() => loadSuite(tmp))).toContain("no tasks found");
   });

@@ -29,8 +29,8 @@ export interface LoadSuiteOptions extends LoadTaskOptions {
   /**
    * The tasks asked for (ids; one that does not load is matched by its directory's name and by
    * the `[task] id` its task.toml declares): a broken task of the suite not among them does not
-   * refuse the load (it is left out). The tasks that load are returned all the same, for the
-   * caller to pick from.
+   * refuse the load (it is left out), nor do two not among them that share an id. The tasks that
+   * load are returned all the same, for the caller to pick from.
    */
   only?: readonly string[];
 }
@@ -224,7 +224,11 @@ export async function loadSuite(dir: string, options: LoadSuiteOptions = {}): Pr
   const seen = new Map<string, string>();
   for (const { dir: name, task } of loaded) {
     const other = seen.get(task.id);
-    if (other !== undefined) problems.push(`${root}: task id "${task.id}" is used twice (${other}, ${name})`);
+    // With the tasks asked for, two others sharing an id are left out like any broken task.
+    const asked =
+      only === null || only.has(task.id) || only.has(name) || (other !== undefined && only.has(other));
+    if (other !== undefined && asked)
+      problems.push(`${root}: task id "${task.id}" is used twice (${other}, ${name})`);
     seen.set(task.id, name);
   }
   if (problems.length > 0) {
