@@ -425,6 +425,15 @@ print(41)
     },
   );
 
+  it("a #! interpreter that is a directory (#!/usr/bin) fails the task (invalid_task), never a 0 for every agent", async () => {
+    // `[ -x ]` holds for a directory: the tests were run by it, and exit 126 graded every agent 0.
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = { ...base, tests: { "test.sh": "#!/usr/bin\nexit 0\n" } };
+    const err = await verifyCounting(await sandbox(task, "dir-interp"), task).catch((e) => e);
+    expect(err).toMatchObject({ kind: "invalid_task", retryable: false });
+    expect(err.message).toMatch(/#! line names \/usr\/bin, which the sandbox image does not have/);
+  });
+
   it("a test.sh in Python (#!/usr/bin/env python3) runs in Python", async () => {
     const base = tasks.find((t) => t.id === "hello-file")!;
     const task: TaskContent = {

@@ -144,9 +144,9 @@ case "$first" in
     line=\${first#??}; line=\${line#"\${line%%[![:space:]]*}"}
     interp=\${line%%[[:space:]]*}; arg=\${line#"$interp"}
     arg=\${arg#"\${arg%%[![:space:]]*}"}; arg=\${arg%"\${arg##*[![:space:]]}"}
-    # An interpreter the image does not have (#!/usr/bin/env python3 without python): the task's
-    # image, not the agent's work, so never a 0 for every agent.
-    if [ -n "$interp" ] && [ ! -x "$interp" ]; then report interpreter "$interp"; exit 3; fi
+    # An interpreter the image does not have (#!/usr/bin/env python3 without python), or a
+    # directory (which -x passes): the task's image, not the agent's work, so never a 0 for every agent.
+    if [ -n "$interp" ] && { [ ! -x "$interp" ] || [ -d "$interp" ]; }; then report interpreter "$interp"; exit 3; fi
     if [ "\${interp##*/}" = env ]; then
       prog=\${arg#-S}; prog=\${prog#"\${prog%%[![:space:]]*}"}; prog=\${prog%%[[:space:]]*}
       case "$prog" in
