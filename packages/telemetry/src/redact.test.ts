@@ -66,12 +66,15 @@ describe("redactSecretFields", () => {
       api: new URL("https://api.example.com/v1/x?Api-Key=k1&limit=5&access_token=k2#top"),
       plain: new URL("http://example.com:8080/a?b=c"),
       file: new URL("file:///tmp/x"),
+      // An empty fragment, and credentials beside a secret query value.
+      bare: new URL("https://u:p@example.com/p?token=t&x=1#"),
     });
     expect(out).toEqual({
       git: `https://${REDACTED}@github.com/o/r.git`,
       api: `https://api.example.com/v1/x?Api-Key=${REDACTED}&limit=5&access_token=${REDACTED}#top`,
       plain: "http://example.com:8080/a?b=c",
       file: "file:///tmp/x",
+      bare: `https://${REDACTED}@example.com/p?token=${REDACTED}&x=1`,
     });
   });
 

@@ -61,9 +61,10 @@ const MAX_DEPTH = 10;
 /**
  * A copy of `value` with every secret-named field (any depth, see `SECRET_KEYS`) replaced by
  * `REDACTED`. Plain objects, arrays and Errors are walked; a URL becomes its href without
- * credentials (`redactUrl`); other class instances (Buffers, Dates, Maps) are kept as they are. Never mutates its input. Cycles are kept as cycles. An
- * object or array nested deeper than `MAX_DEPTH` is not walked: it becomes `"[Object]"` or
- * `"[Array]"` (as pino's depth-limited serializer writes one), never passed on unredacted.
+ * credentials (`redactUrl`); other class instances (Buffers, Dates, Maps) are kept as they are.
+ * Never mutates its input. Cycles are kept as cycles. An object or array nested deeper than
+ * `MAX_DEPTH` is not walked: it becomes `"[Object]"` or `"[Array]"` (as pino's depth-limited
+ * serializer writes one), never passed on unredacted.
  */
 export function redactSecretFields<T>(value: T): T {
   return walk(value, 0, new WeakMap()) as T;
@@ -121,13 +122,15 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
  * pino's redact paths, reading its `password` off a copy, throw.
  */
 function redactUrl(url: URL): string {
-  // `href` is what comes before the query, then `search` and `hash` as they are.
-  let head = url.href.slice(0, url.href.length - url.search.length - url.hash.length);
-  if (url.username !== "" || url.password !== "") {
-    // `scheme://userinfo@host…`; userinfo is percent-encoded in `href`, so its end is the first `@`.
-    const from = url.protocol.length + 2;
-    head = `${head.slice(0, from)}${REDACTED}${head.slice(head.indexOf("@", from))}`;
-  }
+  // What comes before the query, without userinfo (only a URL with a host has one, after `//`).
+  const copy = new URL(url.href);
+  const auth = copy.username !== "" || copy.password !== "";
+  copy.username = "";
+  copy.password = "";
+  copy.search = "";
+  copy.hash = "";
+  const from = copy.protocol.length + 2;
+  const head = auth ? `${copy.href.slice(0, from)}${REDACTED}@${copy.href.slice(from)}` : copy.href;
   const search = url.search
     .split("&")
     .map((pair, i) => {
