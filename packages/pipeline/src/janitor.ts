@@ -9,7 +9,7 @@ import {
   stageJobId,
 } from "@fleet/queue";
 import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fleet/sandbox";
-import { ageSeconds, SANDBOX_OWNERS } from "@fleet/telemetry";
+import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
@@ -56,6 +56,9 @@ export interface JanitorReport {
   errors: string[];
 }
 
+/** A janitor step's name: the step, or one entry of its loop (`<step> <entry key>`). */
+type StepName = JanitorStep | `${JanitorStep} ${string}`;
+
 /**
  * One janitor pass: (1) retry due teardown-ledger entries (DESIGN §2 rule 3), (2) schedule
  * registry entries of finished or expired rollouts, (3) remove labelled sandboxes whose rollout
@@ -85,15 +88,17 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // Destroys stop being started once the pass has taken this long (wall clock): with a daemon
   // that answers each call only at its timeout, a pass of 50 due entries would take 25 minutes.
   const overBudget = () => Date.now() - started > (options.destroyBudgetMs ?? DEFAULT_DESTROY_BUDGET_MS);
-  const stepFailed = (name: string, err: unknown) => {
+  // A step's name is its `JanitorStep`, and for one entry of a loop `<step> <entry key>`: the
+  // metric counts it under the step, which `JANITOR_STEPS` lists so that its series starts at 0.
+  const stepFailed = (name: StepName, err: unknown) => {
     const message = errorText(err);
     report.errors.push(`${name}: ${message}`);
-    deps.metrics?.janitorStepFailures.inc({ step: name.split(" ")[0]! });
+    deps.metrics?.janitorStepFailures.inc({ step: name.split(" ")[0] as JanitorStep });
     deps.logger.warn({ step: name, err: message }, "janitor step failed; the next pass retries it");
   };
   /** Run `body`; a failure goes to `failed` instead of ending the pass. */
   const guarded =
-    (failed: (name: string, err: unknown) => void) => async (name: string, body: () => Promise<void>) => {
+    (failed: (name: StepName, err: unknown) => void) => async (name: StepName, body: () => Promise<void>) => {
       try {
         await body();
       } catch (err) {
@@ -106,11 +111,11 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // (`done`). Redis or the daemon failing every call (a busy script, an outage that answers
   // errors) is otherwise one warning and one count per entry, for a registry of thousands,
   // every pass.
-  const entrySteps = (loop: string) => {
+  const entrySteps = (loop: JanitorStep) => {
     let more = 0;
     let last = "";
     let reported = 0;
-    const failed = (name: string, err: unknown) => {
+    const failed = (name: StepName, err: unknown) => {
       if (reported < REPORTED_ENTRY_FAILURES) {
         reported++;
         stepFailed(name, err);

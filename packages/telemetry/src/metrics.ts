@@ -50,16 +50,18 @@ export const STAGE_OUTCOMES = [
 export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
 export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const;
-/** The janitor's steps (`fleet_janitor_step_failures_total{step}`); a per-rollout step counts under its kind. */
+/** The janitor's steps in pass order (`fleet_janitor_step_failures_total{step}`); a per-rollout step counts under its kind. */
 export const JANITOR_STEPS = [
+  "watchdog",
+  "admissions",
   "registry",
   "ledger",
   "orphans",
-  "watchdog",
   "networks",
   "helpers",
   "metrics",
 ] as const;
+export type JanitorStep = (typeof JANITOR_STEPS)[number];
 export type TeardownResult = (typeof TEARDOWN_RESULTS)[number];
 /** `owner` of a sandbox (the `fleet.owner` label): the resources worker's task sandbox or an agent-owned one. */
 export const SANDBOX_OWNERS = ["resources", "agent"] as const;
