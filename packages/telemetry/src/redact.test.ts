@@ -50,6 +50,29 @@ describe("redactSecretFields", () => {
     expect(out.self).toBe(out);
   });
 
+  it("redacts the common spellings of tokens and keys, and not counts that merely end in token", () => {
+    const out = redactSecretFields({
+      apiToken: "a",
+      auth_token: "b",
+      "Session-Token": "c",
+      secretKey: "d",
+      secret_access_key: "e",
+      bearerToken: "f",
+      promptTokens: 12,
+      maxTokens: 64,
+    });
+    expect(out).toEqual({
+      apiToken: REDACTED,
+      auth_token: REDACTED,
+      "Session-Token": REDACTED,
+      secretKey: REDACTED,
+      secret_access_key: REDACTED,
+      bearerToken: REDACTED,
+      promptTokens: 12,
+      maxTokens: 64,
+    });
+  });
+
   it("never passes a secret through below its depth limit: what it does not walk is cut, not kept", () => {
     let deep: Record<string, unknown> = { apiKey: "sk-deep", items: [{ token: "t-deep" }] };
     for (let i = 0; i < 15; i++) deep = { level: i, next: deep };
