@@ -421,6 +421,8 @@ describe("rollout store", () => {
     } as const;
     expect(await store.recordFailure(id, failure, { beforeDecided: true, verifyFence: "a" })).toBe(false);
     expect((await store.get(id))!.failure).toBeNull();
+    // Nor logged: a refused failure would show in the result's failures as if it had counted.
+    expect(await store.failureLog(id)).toEqual([]);
     // B's staging failed: its note goes (a retry need not wait for tests that never started).
     expect(await store.noteVerifyWork(id, null, "b")).toBe("noted");
     expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBeNull();
@@ -1347,5 +1349,250 @@ describe("rollout store", () => {
     expect(await ledger.size()).toBe(0);
     expect(await ledger.oldestSince()).toBeNull();
     expect(await ledger.isPending(ids[0]!)).toBe(false);
+  });
+
+  it("close's begin is the tombstone (rule 9): a seed begun after it records no intent, a sandbox intent is refused, a launch claim loses", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const intent = { owner: "resources" as const, provider: "docker" as const, expirySlackMs: 600_000 };
+    const id = (await admitOne()).ids[0]!;
+    await store.begin(id, "close", 10);
+    const late = await store.begin(id, "seed", 11, { intent });
+    expect([late.intentRecorded, late.intentFresh]).toEqual([false, false]);
+    expect(await ledger.recordIntent(sandboxEntry(id, "agent"))).toBe("closed");
+    expect(await ledger.sandboxesOf(id)).toEqual({ resources: null, agent: null, unreadable: [] });
+    expect(await store.claimLaunch(id, "late")).toEqual({ previous: "stopped", launches: 0 });
+  });
+
+  it("a stage begun after a terminal failure is skipped atomically: no sandbox intent, no launch claim", async () => {
+    const intent = { owner: "resources" as const, provider: "docker" as const, expirySlackMs: 600_000 };
+    const id = (await admitOne()).ids[0]!;
+    const failure = {
+      stage: "seed",
+      terminal: true,
+      failureKind: "isolation_refused",
+      mask: false,
+      reason: "shared PID namespace",
+      at: 1,
+    } as const;
+    expect(await store.recordFailure(id, failure)).toBe(true);
+    const seed = await store.begin(id, "seed", 2, { intent });
+    expect([seed.intentRecorded, seed.record!.failure?.failureKind]).toEqual([false, "isolation_refused"]);
+    expect(await redis.hexists(store.keys.sandboxes(), sandboxKey(id, "resources"))).toBe(0);
+    expect((await store.begin(id, "run", 3, { launchToken: "a" })).launch).toBeNull();
+    expect(await redis.hmget(store.keys.rollout(id), "fence", "launches")).toEqual([null, null]);
+  });
+
+  it("close's begin reads the failure log, and a stage begun again keeps its first start time (its timings are facts)", async () => {
+    const id = (await admitOne()).ids[0]!;
+    const retried = {
+      stage: "seed",
+      terminal: false,
+      failureKind: "provider_unavailable",
+      mask: true,
+      reason: "daemon unreachable",
+      at: 150,
+    } as const;
+    await store.begin(id, "seed", 100);
+    await store.logFailure(id, retried);
+    await store.begin(id, "seed", 200);
+    const first = await store.begin(id, "close", 300);
+    const again = await store.begin(id, "close", 400);
+    expect(first.failures).toEqual([retried]);
+    expect(again.failures).toEqual([retried]);
+    expect(again.record!.times).toMatchObject({ "seed:start": 100, "close:start": 300 });
+  });
+
+  it("a cancel claims the stop, so a later launch claim loses; once close began it sets nothing (close composed the result already)", async () => {
+    const a = (await admitOne()).ids[0]!;
+    expect(await store.requestCancel(a)).toBe("accepted");
+    expect(await store.claimLaunch(a, "after-cancel")).toEqual({ previous: "stopped", launches: 0 });
+    const b = (await admitOne()).ids[0]!;
+    await store.begin(b, "close", 10);
+    expect(await store.requestCancel(b)).toBe("accepted");
+    expect((await store.get(b))!.cancelRequested).toBe(false);
+    expect(await store.requestCancel("no-such-rollout")).toBeNull();
+  });
+
+  it("a close enqueued again is counted only while the rollout is open: a finished one counts 0", async () => {
+    const id = (await admitOne()).ids[0]!;
+    expect(await store.noteCloseAgain(id)).toBe(1);
+    expect(await store.noteCloseAgain(id)).toBe(2);
+    const meta = (await store.begin(id, "close", 10)).record!.meta;
+    expect(await store.finalize(meta, resultFor(id, "completed"), 20)).toBe(true);
+    expect(await store.noteCloseAgain(id)).toBe(0);
+    expect(await store.noteCloseAgain("no-such-rollout")).toBe(0);
+  });
+
+  it("a sandbox attached after the rollout closed tells its creator so (it destroys it); an intent for an unknown rollout is refused; a confirm without the sandbox named forgets the entry whatever it holds", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const entry = sandboxEntry(id);
+    const made = {
+      ...entry,
+      handle: {
+        provider: "docker" as const,
+        endpoint: "unix:///var/run/docker.sock",
+        id: `c5-${id}`,
+        name: `n5-${id}`,
+        rolloutId: id,
+        owner: "resources" as const,
+        volumes: [],
+      },
+    };
+    expect(await ledger.recordIntent(entry)).toBe("ok");
+    expect(await ledger.attachHandle(made)).toBe(false);
+    await store.tombstone(id);
+    expect(await ledger.attachHandle(made)).toBe(true);
+    // Stored all the same, for whoever destroys it.
+    expect((await ledger.getSandbox(entry.key))?.handle?.id).toBe(`c5-${id}`);
+    await ledger.confirm(entry);
+    expect(await ledger.getSandbox(entry.key)).toBeNull();
+
+    const unknown = `no-such-${Date.now()}`;
+    expect(await ledger.recordIntent(sandboxEntry(unknown))).toBe("missing");
+    expect(await ledger.getSandbox(sandboxKey(unknown, "resources"))).toBeNull();
+  });
+
+  it("the backlog bound counts rollouts in flight and live reservations, admits up to it exactly, forgets lapsed reservations, and lets a request's replay share its reservation", async () => {
+    const own = new RolloutStore(redis, `${prefix}-bound`);
+    await redis.zadd(own.keys.inflight(), 1, "r1", 2, "r2");
+    const a = await own.reserveBacklog(3, 6, 1_000); // 2 + 0 + 3 = 5
+    expect(a).toMatchObject({ reserved: true, inflight: 2, reservedByOthers: 0 });
+    // 2 + 3 + 2 = 7 > 6
+    expect(await own.reserveBacklog(2, 6, 1_000)).toMatchObject({
+      reserved: false,
+      inflight: 2,
+      reservedByOthers: 3,
+    });
+    // 2 + 3 + 1 = 6: the bound itself is allowed. Its holder dies without a release: it lapses at 1_500.
+    expect((await own.reserveBacklog(1, 6, 1_000, 500)).reserved).toBe(true);
+    expect(await own.reserveBacklog(1, 6, 1_200)).toMatchObject({ reserved: false, reservedByOthers: 4 });
+    const after = await own.reserveBacklog(1, 6, 1_500);
+    expect(after).toMatchObject({ reserved: true, reservedByOthers: 3 });
+    await after.release();
+    await a.release();
+    // The same request (its idempotency key) while its first call still admits: it shares that
+    // room, never refused for it; its release leaves the first's reservation alone.
+    const first = await own.reserveBacklog(4, 6, 2_000, 60_000, "key-x"); // 2 + 0 + 4 = 6
+    expect(first.reserved).toBe(true);
+    const replay = await own.reserveBacklog(4, 6, 2_000, 60_000, "key-x");
+    expect(replay).toMatchObject({ reserved: true, reservedByOthers: 4 });
+    await replay.release();
+    expect(await own.reserveBacklog(1, 6, 2_000)).toMatchObject({ reserved: false, reservedByOthers: 4 });
+    await first.release();
+    const last = await own.reserveBacklog(1, 6, 2_000);
+    expect(last).toMatchObject({ reserved: true, reservedByOthers: 0 });
+    await redis.del(own.keys.inflight(), own.keys.reservations());
+  });
+
+  it("admission records a rollout in flight scored by its deadline (what the watchdog reads) and a single rollout's admission as under way until its seed is enqueued", async () => {
+    const ids = rolloutIds(1, null, "rollout");
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    const [meta] = await prepareRollouts(store, [request], ids, null, { maxTaskBytes: 1e6, now: 5_000 });
+    expect((await store.admit([meta!], 5_000)).created).toEqual(ids);
+    expect(Number(await redis.zscore(store.keys.inflight(), meta!.id))).toBe(meta!.deadlineAt);
+    expect(await store.pastDeadline(meta!.deadlineAt - 1, 1000)).not.toContain(meta!.id);
+    expect(await store.pastDeadline(meta!.deadlineAt, 1000)).toContain(meta!.id);
+    const member = `r:${meta!.id}`;
+    expect(await store.admissionsBefore(Date.now() + 1, 1000)).toContainEqual({
+      admission: member,
+      score: 5_000,
+    });
+    expect(await store.unseededOf(member)).toEqual(ids);
+    // Seeded since (its seed was enqueued after all): nothing of it left to seed.
+    expect(await store.saveReceipt(meta!, "seed", seedReceipt(meta!.id), "seeded", 6_000)).toBe(true);
+    expect(await store.unseededOf(member)).toEqual([]);
+    await store.admissionDone(member);
+  });
+
+  it("a batch of a single rollout ends its admission lease with that rollout: it lives as long as its rollout", async () => {
+    const { batchId } = await admit(
+      store,
+      queues,
+      { requests: [{ task, agent: { harness: "oracle", sandbox: "borrow" } }], batch: true },
+      { maxTaskBytes: 1e6 },
+    );
+    expect(await redis.pttl(store.keys.batch(batchId!))).toBe(-1);
+    expect(await store.getBatch(batchId!)).toMatchObject({ total: 1, done: 0 });
+  });
+
+  it("admission's own write refuses what the checks before it refuse, for a request that raced past them: another body, a key that names a batch, a gone rollout of an expiring batch", async () => {
+    const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    const key = `race-${Date.now()}`;
+    const [id] = rolloutIds(1, key, "rollout") as [string];
+    const [meta] = await prepareRollouts(store, [request], [id], null, { maxTaskBytes: 1e6 });
+    // The same id under another body (a concurrent request with the same key).
+    expect((await store.admit([meta!], Date.now())).created).toEqual([id]);
+    const other = { ...meta!, bodyHash: "another-body" };
+    expect(await store.admit([other], Date.now())).toMatchObject({ created: [], conflicting: [id] });
+    expect((await store.get(id))!.meta.bodyHash).toBe(meta!.bodyHash);
+    // A single rollout whose key names a batch recorded meanwhile on the other route.
+    const key2 = `race2-${Date.now()}`;
+    const [single] = rolloutIds(1, key2, "rollout") as [string];
+    const keyBatch = batchIdFor(rolloutIds(1, key2, "batch"));
+    expect(await store.createBatch(keyBatch, "h", Date.now())).toBe("h");
+    const [meta2] = await prepareRollouts(store, [request], [single], null, { maxTaskBytes: 1e6 });
+    expect(await store.admit([meta2!], Date.now(), keyBatch)).toMatchObject({
+      created: [],
+      otherRoute: [single],
+    });
+    expect(await store.exists(single)).toBe(false);
+    // A batch that finished and is expiring, one of whose rollouts is gone already.
+    const { batchId, ids } = await admit(
+      kept,
+      queues,
+      { requests: [request, request], batch: true },
+      { maxTaskBytes: 1e6 },
+    );
+    for (const rid of ids) {
+      const m = (await kept.get(rid))!.meta;
+      expect(await kept.finalize(m, { ...resultFor(rid, "completed"), batchId }, Date.now())).toBe(true);
+    }
+    await redis.del(kept.keys.rollout(ids[0]!));
+    const metas = await prepareRollouts(kept, [request, request], ids, batchId, { maxTaskBytes: 1e6 });
+    expect(await kept.admit(metas.slice(0, 1), Date.now())).toMatchObject({ created: [], expired: [ids[0]] });
+    expect(await kept.get(ids[0]!)).toBeNull();
+    expect(await kept.getBatch(batchId!)).toMatchObject({ total: 2, done: 2 });
+  });
+
+  it("a stage's receipt moves its batch's count from the old status to the new once, and records the stage and its end time", async () => {
+    const r = await admit(
+      store,
+      queues,
+      {
+        requests: [1, 2].map(() => ({
+          task,
+          agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+        })),
+        batch: true,
+      },
+      { maxTaskBytes: 1e6 },
+    );
+    const counts = async () => (await store.getBatch(r.batchId!))!.counts;
+    const meta = (await store.get(r.ids[0]!))!.meta;
+    expect(await store.saveReceipt(meta, "seed", seedReceipt(meta.id), "seeded", 50)).toBe(true);
+    expect(await counts()).toMatchObject({ accepted: 1, seeded: 1 });
+    const rec = (await store.get(meta.id))!;
+    expect(rec).toMatchObject({ status: "seeded", stage: "seed" });
+    expect(rec.times["seed:end"]).toBe(50);
+    // Sent again (a reconnect lost its reply): counted once.
+    expect(await store.saveReceipt(meta, "seed", seedReceipt(meta.id), "seeded", 50)).toBe(true);
+    expect(await counts()).toMatchObject({ accepted: 1, seeded: 1 });
+    const result = { ...resultFor(meta.id, "completed"), batchId: r.batchId };
+    expect(await store.finalize(meta, result, 60)).toBe(true);
+    expect(await counts()).toMatchObject({ accepted: 1, seeded: 0, completed: 1 });
+  });
+
+  it("a task admitted again lives on from that admission: its expiry is refreshed, not left to the first one's", async () => {
+    const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const t = TaskContent.parse({ ...task, id: `refresh-${Date.now()}` });
+    const digest = digestTask(t);
+    await kept.putTask(t, digest);
+    const full = await redis.pttl(kept.keys.task(digest));
+    // Much later: the first admission's expiry is near.
+    await redis.pexpire(kept.keys.task(digest), 5_000);
+    await kept.putTask(t, digest);
+    expect(await redis.pttl(kept.keys.task(digest))).toBeGreaterThan(full - 60_000);
   });
 });
