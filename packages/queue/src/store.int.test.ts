@@ -24,7 +24,7 @@ import { LocalRedisServer } from "./local-redis.ts";
 import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
-import { sandboxKey, TeardownLedger } from "./teardown-ledger.ts";
+import { sandboxKey, TeardownLedger, teardownBackoffMs } from "./teardown-ledger.ts";
 import { sandboxEntry } from "./testing/sandbox-entry.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
@@ -88,6 +88,22 @@ describe("Redis durability check", () => {
     try {
       await expect(r.config("GET", "appendfsync")).rejects.toThrow(/unknown command/i);
       await expect(assertRedisDurable(r)).resolves.toBeUndefined();
+    } finally {
+      r.disconnect();
+      await managed.kill();
+    }
+  });
+
+  it("judged by INFO (CONFIG disabled), a Redis without AOF and with an evicting policy is refused as well", async () => {
+    const managed = await LocalRedisServer.start({
+      dir: mkdtempSync(join(tmpdir(), "redis-")),
+      args: ["--appendonly", "no", "--maxmemory-policy", "allkeys-lru", "--rename-command", "CONFIG", ""],
+    });
+    const r = createRedis(managed.url);
+    try {
+      await expect(assertRedisDurable(r)).rejects.toThrow(
+        /appendonly is "no".*maxmemory-policy is "allkeys-lru"/s,
+      );
     } finally {
       r.disconnect();
       await managed.kill();
@@ -1594,5 +1610,30 @@ describe("rollout store", () => {
     await redis.pexpire(kept.keys.task(digest), 5_000);
     await kept.putTask(t, digest);
     expect(await redis.pttl(kept.keys.task(digest))).toBeGreaterThan(full - 60_000);
+  });
+
+  it("teardown backoff is jittered between half and all of base·2^n, capped; a sandbox scheduled again keeps its failures' backoff; a network retry keeps its first time and, once done, is not brought back", async () => {
+    expect([teardownBackoffMs(0, () => 0), teardownBackoffMs(0, () => 1)]).toEqual([1_000, 2_000]);
+    expect(teardownBackoffMs(3, () => 0)).toBe(8_000);
+    expect([teardownBackoffMs(30, () => 0), teardownBackoffMs(30, () => 1)]).toEqual([150_000, 300_000]);
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const entry = sandboxEntry(id);
+    await ledger.recordFailure(entry, "boom", 1_000, () => 1);
+    const failed = await ledger.recordFailure(entry, "boom again", 2_000, () => 1);
+    // The janitor's orphan sweep finds the same sandbox: its attempts and backoff stand.
+    await ledger.schedule(entry, 2_500);
+    const mine = (entries: { key: string }[]) => entries.filter((e) => e.key === entry.key);
+    expect(mine(await ledger.pending())).toEqual([failed]);
+    expect(mine(await ledger.due(failed.dueAt - 1, 1000))).toEqual([]);
+    await ledger.confirm(entry);
+
+    await ledger.networkRemovalFailed(id, 3_000);
+    await ledger.networkRemovalFailed(id, 3_500);
+    expect(await redis.zscore(ledger.keys.networkRetries(), id)).toBe("3000");
+    await ledger.networkRemoved(id);
+    // A janitor pass that read it before the removal puts it off: nothing to put off any more.
+    await ledger.networkRetryLater(id, 4_000);
+    expect(await redis.zscore(ledger.keys.networkRetries(), id)).toBeNull();
   });
 });
