@@ -90,6 +90,17 @@ describe("ScriptBatcher", () => {
     expect(seen).toBe('{"x":1}');
   });
 
+  it("an item whose `after` fails rejects with that error once its script replied; the script's write stands", async () => {
+    const batcher = new ScriptBatcher(redis);
+    await accepted("f1");
+    await expect(
+      batcher.call("fleetReceipt", ...receiptCall("f1", '{"y":1}'), async () => {
+        throw new Error("the next stage's enqueue failed");
+      }),
+    ).rejects.toThrow("the next stage's enqueue failed");
+    expect(await redis.hget(keys.rollout("f1"), "r:seed")).toBe('{"y":1}');
+  });
+
   it("splits a large tick into calls of at most MAX_BATCH items", async () => {
     const batcher = new ScriptBatcher(redis);
     const ids = Array.from({ length: MAX_BATCH + 10 }, (_, i) => `e${i}`);
