@@ -1,11 +1,20 @@
 import {
   type AgentSpecInput,
+  canonicalJson,
   RolloutRequest,
   type RolloutRequestInput,
-  type TaskContent,
+  TaskContent,
 } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { AdmissionError, digestTask, prepareRollouts } from "./admission.ts";
+import {
+  AdmissionError,
+  checkRequestShapes,
+  digestTask,
+  jsonDepth,
+  MAX_METADATA_BYTES,
+  MAX_REQUEST_DEPTH,
+  prepareRollouts,
+} from "./admission.ts";
 import type { RolloutStore } from "./rollout-store.ts";
 
 /** The two calls `prepareRollouts` makes of a store, over a Map. */
@@ -86,5 +95,49 @@ describe("admission of an oracle rollout", () => {
     expect(metas.map((m) => m.agentName)).toEqual(["command", "oracle"]);
     expect(tasks.size).toBe(2);
     expect(metas[0]!.taskDigest).toBe(digestTask(tasks.get(metas[0]!.taskDigest)!));
+  });
+});
+
+describe("admission's bounds", () => {
+  const task = { ...noSolution, solution: { "solve.sh": "true" } };
+
+  it("admits a task of exactly maxTaskBytes, and refuses one a byte over (413)", async () => {
+    const { store } = memoryStore();
+    const request = RolloutRequest.parse({ task, agent: command });
+    const bytes = Buffer.byteLength(canonicalJson(TaskContent.parse(task)));
+    const prepareWith = (maxTaskBytes: number) =>
+      prepareRollouts(store, [request], ["r0"], null, { maxTaskBytes });
+    expect(await prepareWith(bytes)).toHaveLength(1);
+    expect((await refusal(prepareWith(bytes - 1))).code).toBe("payload_too_large");
+  });
+
+  it("admits metadata of exactly MAX_METADATA_BYTES and a request nested exactly MAX_REQUEST_DEPTH deep; one more is refused (422)", () => {
+    const withMetadata = (metadata: Record<string, unknown>) =>
+      RolloutRequest.parse({ task, agent: command, metadata });
+    // {"k":"…"}: 8 bytes around the value.
+    const atBound = withMetadata({ k: "x".repeat(MAX_METADATA_BYTES - 8) });
+    expect(Buffer.byteLength(JSON.stringify(atBound.metadata))).toBe(MAX_METADATA_BYTES);
+    expect(() => checkRequestShapes([atBound])).not.toThrow();
+    const over = withMetadata({ k: "x".repeat(MAX_METADATA_BYTES - 7) });
+    expect(() => checkRequestShapes([over])).toThrow(AdmissionError);
+
+    const nested = (levels: number): Record<string, unknown> => {
+      let v: Record<string, unknown> = {};
+      for (let i = 1; i < levels; i++) v = { a: v };
+      return v;
+    };
+    // The request is one level, its metadata the rest.
+    const deepest = withMetadata(nested(MAX_REQUEST_DEPTH - 1));
+    expect(jsonDepth(deepest)).toBe(MAX_REQUEST_DEPTH);
+    expect(() => checkRequestShapes([deepest])).not.toThrow();
+    const deeper = withMetadata(nested(MAX_REQUEST_DEPTH));
+    expect(() => checkRequestShapes([deeper])).toThrow(/nested more than 64 levels deep/);
+  });
+
+  it("refuses an agent in its own sandbox on a task its tests grade in the task sandbox (they could not see its work)", async () => {
+    const { store } = memoryStore();
+    const err = await refusal(prepare(store, [{ task, agent: { ...command, sandbox: "own" } }]));
+    expect(err.code).toBe("invalid");
+    expect(err.message).toMatch(/agent.sandbox "own"/);
   });
 });
