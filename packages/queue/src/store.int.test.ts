@@ -1636,4 +1636,47 @@ describe("rollout store", () => {
     await ledger.networkRetryLater(id, 4_000);
     expect(await redis.zscore(ledger.keys.networkRetries(), id)).toBeNull();
   });
+
+  it("admit() refuses another body under its batch's key, or a key that names the other route, recorded between its checks and its write (409, nothing admitted)", async () => {
+    const requests = [1, 2].map(() => ({
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+    }));
+    const key = `late-${Date.now()}`;
+    const ids = rolloutIds(2, key, "batch");
+    const batchId = batchIdFor(ids);
+    // Another body under the key lands right after this request read nothing there.
+    const racing = Object.create(store) as RolloutStore;
+    racing.getBatch = async () => {
+      await store.createBatch(batchId, "another-body", Date.now());
+      return null;
+    };
+    await expect(
+      admit(racing, queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e6 }),
+    ).rejects.toMatchObject({ name: "AdmissionError", code: "conflict" });
+    expect(await store.getBatch(batchId)).toMatchObject({ total: 0, bodyHash: "another-body" });
+    expect(await store.exists(ids[0]!)).toBe(false);
+    await store.admissionDone(`b:${batchId}`);
+
+    // A batch under a single rollout's key lands right after that request checked there was none.
+    const key2 = `late2-${Date.now()}`;
+    const [single] = rolloutIds(1, key2, "rollout") as [string];
+    const keyBatch = batchIdFor(rolloutIds(1, key2, "batch"));
+    const racing2 = Object.create(store) as RolloutStore;
+    racing2.batchExists = async () => {
+      await store.createBatch(keyBatch, "h", Date.now());
+      return false;
+    };
+    await expect(
+      admit(
+        racing2,
+        queues,
+        { requests: [requests[0]!], batch: false, idempotencyKey: key2 },
+        { maxTaskBytes: 1e6 },
+      ),
+    ).rejects.toMatchObject({ name: "AdmissionError", code: "conflict" });
+    expect(await store.exists(single)).toBe(false);
+    expect(await queues.queues.seed.getJob(`${single}.seed`)).toBeUndefined();
+    await store.admissionDone(`b:${keyBatch}`);
+  });
 });
