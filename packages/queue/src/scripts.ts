@@ -122,7 +122,8 @@ const SCRIPTS = {
    * body hash (an idempotent replay), -1 if it existed with another (a conflicting reuse of the
    * id's idempotency key, however close together the two requests came), -2 if it is gone from
    * a batch that finished and is expiring (retention): a replay may not add it again, which
-   * would count it twice in a batch about to vanish; -3 if its idempotency key names a batch
+   * would count it twice in a batch about to vanish (0 if it is gone from a batch still running:
+   * it finished early and its own retention ended; not added again either); -3 if its idempotency key names a batch
    * (KEYS[8]) already. A batch's rollout is noted as admitting by
    * `fleetCreateBatch`; a single one here (`r:<id>` in `admitting`, KEYS[6]).
    */
@@ -148,12 +149,22 @@ const SCRIPTS = {
       -- comes now, a replay finishing that admission, and the batch lives as long as it does.
       -- Every admission records a batch's rollouts in their order (ids end in -<index>), so those
       -- ever admitted are the first 'total' of them.
-      if ARGV[5] == '1' and redis.call('HEXISTS', KEYS[2], 'total') == 1 and redis.call('PTTL', KEYS[2]) > 0 then
+      -- One of those first 'total' with no record is gone (its retention ended), whether or not
+      -- its batch is expiring: a batch still running keeps its rollouts that finished early only
+      -- for their own retention. Admitted again it would run twice and count twice: never. A
+      -- batch still running answers its replay as it is (0, as for one that exists).
+      if ARGV[5] == '1' and redis.call('HEXISTS', KEYS[2], 'total') == 1 then
         local index = tonumber(string.match(ARGV[4], '%-(%d+)$') or '0')
-        if index < tonumber(redis.call('HGET', KEYS[2], 'total')) then return -2 end
-        redis.call('PERSIST', KEYS[2])
-        redis.call('PERSIST', KEYS[4])
-        if KEYS[7] then redis.call('PERSIST', KEYS[7]) end
+        local expiring = redis.call('PTTL', KEYS[2]) > 0
+        if index < tonumber(redis.call('HGET', KEYS[2], 'total')) then
+          if expiring then return -2 end
+          return 0
+        end
+        if expiring then
+          redis.call('PERSIST', KEYS[2])
+          redis.call('PERSIST', KEYS[4])
+          if KEYS[7] then redis.call('PERSIST', KEYS[7]) end
+        end
       end
       -- A failure log left by an expired rollout of the same id (a late stage's append) is not this one's.
       redis.call('DEL', KEYS[5])

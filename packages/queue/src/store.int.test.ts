@@ -1679,4 +1679,30 @@ describe("rollout store", () => {
     expect(await queues.queues.seed.getJob(`${single}.seed`)).toBeUndefined();
     await store.admissionDone(`b:${keyBatch}`);
   });
+
+  it("a replay of a batch still running, one of whose finished rollouts expired already (its retention ended first), admits that rollout never again: nothing runs twice, nothing counts twice", async () => {
+    const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const key = `live-expired-${Date.now()}`;
+    const requests = [1, 2].map(() => ({
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+    }));
+    const submit = () =>
+      admit(kept, queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e6 });
+    const { batchId, ids } = await submit();
+    const [a, b] = ids as [string, string];
+    // A finished quickly; B still runs when A's retention ends.
+    const metaA = (await kept.get(a))!.meta;
+    expect(await kept.finalize(metaA, { ...resultFor(a, "completed"), batchId }, Date.now())).toBe(true);
+    expect(await redis.pttl(kept.keys.batch(batchId!))).toBe(-1);
+    await redis.del(kept.keys.rollout(a));
+    // The client sends the batch again under its key (its first answer lost).
+    const replay = await submit();
+    expect(replay).toMatchObject({ batchId, ids, created: [] });
+    expect(await kept.get(a)).toBeNull();
+    // (Its seed, enqueued again with the others', finds no rollout: the stage runner drops it.)
+    expect(await kept.getBatch(batchId!)).toMatchObject({ total: 2, done: 1 });
+    expect(await kept.batchRolloutIds(batchId!)).toEqual([a, b]);
+    expect(await redis.zscore(kept.keys.inflight(), a)).toBeNull();
+  });
 });
