@@ -648,6 +648,9 @@ describe("rollout store", () => {
     const fresh = `b-fresh-${Date.now()}`;
     expect(await store.createBatch(fresh, bodyHash, 5)).toBe(bodyHash);
     expect(await redis.hgetall(store.keys.batch(fresh))).toEqual({ bodyHash, createdAt: "5" });
+    // A creation again (a replay's) keeps when the batch was created.
+    expect(await store.createBatch(fresh, bodyHash, 9)).toBe(bodyHash);
+    expect((await store.getBatch(fresh))!.createdAt).toBe(5);
   });
 
   it("a batch none of whose rollouts was recorded expires after the admission lease; its first rollout ends the lease, and a replay meanwhile admits it", async () => {
