@@ -1708,4 +1708,20 @@ describe("rollout store", () => {
     expect(await kept.batchRolloutIds(batchId!)).toEqual([a, b]);
     expect(await redis.zscore(kept.keys.inflight(), a)).toBeNull();
   });
+
+  it("a batch's admission refreshes its note with every chunk it records: the janitor finishes only an admission left for dead", async () => {
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    const ids = rolloutIds(2, null, "batch");
+    const batchId = batchIdFor(ids);
+    const member = `b:${batchId}`;
+    expect(await store.createBatch(batchId, "h", Date.now())).toBe("h");
+    // Its note as an admission that began long ago (its task uploads took long) would show it.
+    await redis.zadd(store.keys.admitting(), 1, member);
+    const metas = await prepareRollouts(store, [request, request], ids, batchId, { maxTaskBytes: 1e6 });
+    const before = Date.now();
+    expect((await store.admit(metas.slice(0, 1), Date.now())).created).toEqual(ids.slice(0, 1));
+    expect(Number(await redis.zscore(store.keys.admitting(), member))).toBeGreaterThanOrEqual(before);
+    expect((await store.admissionsBefore(before - 1, 1000)).map((a) => a.admission)).not.toContain(member);
+    await store.admissionDone(member);
+  });
 });
