@@ -302,7 +302,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       throw new GatewayHttpError(
         400,
         "token_cap_too_small",
-        `this call asks for more choices (n) than the ${entry.registration.maxTokens! - entry.meter.totalTokens!} tokens this rollout's token cap (${entry.registration.maxTokens}) has left; lower n`,
+        `this call asks for more choices (n) than the ${capLeft(entry)} tokens this rollout's token cap (${entry.registration.maxTokens}) has left; lower n`,
       );
     }
     if (reserve === null) {
@@ -633,6 +633,17 @@ export function isChatCompletion(body: unknown): boolean {
 }
 
 /**
+ * What the rollout's token cap has left after its answered calls and its calls in flight; null
+ * without a cap (or with usage no longer counted).
+ */
+function capLeft(entry: Entry): number | null {
+  const cap = entry.registration.maxTokens;
+  const used = entry.meter.totalTokens;
+  if (cap === undefined || used === null) return null;
+  return Math.max(0, cap - used - entry.reservedTokens);
+}
+
+/**
  * With a token cap, lower the request's completion limit to what the cap has left after the
  * answered calls and the calls in flight, and return what this call reserves of it (its limit
  * times `n`, the choices it asks for); `null` when nothing is left now (calls in flight hold
@@ -642,10 +653,8 @@ export function isChatCompletion(body: unknown): boolean {
  * model's context), so no other call runs beside it. Without a cap: 0, nothing changed.
  */
 function clampCompletion(request: Record<string, unknown>, entry: Entry): number | null {
-  const cap = entry.registration.maxTokens;
-  const used = entry.meter.totalTokens;
-  if (cap === undefined || used === null) return 0;
-  const left = Math.max(0, cap - used - entry.reservedTokens);
+  const left = capLeft(entry);
+  if (left === null) return 0;
   if (left < 1) return null;
   // `n` as an upstream would coerce it (a numeric string too, as for the limits): an `n` the clamp
   // did not read would let one call take `n` times what the cap has left.
