@@ -52,6 +52,9 @@ export type TaskFileSet = (typeof TASK_FILE_SETS)[number];
  */
 export const FileMode = z.string().regex(/^[0-7]{3}$/, 'must be three octal digits, e.g. "644" or "755"');
 
+/** Why a file set (or a task directory, `@fleet/tasks`) holding too many entries is refused. */
+export const FILESET_TOO_LARGE = `holds more than ${MAX_FILESET_ENTRIES} files and directories`;
+
 /**
  * A set of text files: relative path → UTF-8 content. Two keys may not name the same file
  * (`a` and `./a`), nor may a file be another's directory (`a` and `a/b`): no tar of them could
@@ -86,7 +89,7 @@ export const FileSet = z.record(RelativePath, z.string()).superRefine((files, ct
       ctx.addIssue({
         code: "custom",
         path: [],
-        message: `holds more than ${MAX_FILESET_ENTRIES} files and directories`,
+        message: FILESET_TOO_LARGE,
       });
       return;
     }

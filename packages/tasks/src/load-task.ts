@@ -2,6 +2,7 @@ import type { Dirent, Stats } from "node:fs";
 import { lstat, readdir, readFile, realpath } from "node:fs/promises";
 import path from "node:path";
 import {
+  FILESET_TOO_LARGE,
   type FileSet,
   FleetError,
   leafIssues,
@@ -442,10 +443,7 @@ async function readTree(
         throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
       else if (entry.isFile()) {
         if (++count > MAX_FILESET_ENTRIES) {
-          throw invalid(
-            path.dirname(dir),
-            `${path.basename(dir)}: holds more than ${MAX_FILESET_ENTRIES} files and directories`,
-          );
+          throw invalid(path.dirname(dir), `${path.basename(dir)}: ${FILESET_TOO_LARGE}`);
         }
         // A name that is not UTF-8 comes back with U+FFFD in it, and names no file.
         const gone = entry.name.includes("\uFFFD")
