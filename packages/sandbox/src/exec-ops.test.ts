@@ -13,7 +13,7 @@ import {
   probeWhilePid1Starts,
   readViaExec,
 } from "./exec-ops.ts";
-import { execResult } from "./testing/index.ts";
+import { execResult, fleetError } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
 const output = (pid1: string) => `pid:[4026533275]\n${pid1}\n\n`;
@@ -266,16 +266,11 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
 });
 
 describe("assertIsolated", () => {
-  it("refuses (final isolation_refused) when any one check fails, naming it", () => {
+  it("refuses (final isolation_refused) when any one check fails, naming it", async () => {
     const checks = { pidNamespaceDiffers: true, pidModeNotHost: false, hostSentinelInvisible: true };
-    let err: unknown = null;
-    try {
-      assertIsolated("fleet-r1-resources", checks, "detail");
-    } catch (e) {
-      err = e;
-    }
-    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["isolation_refused", false]);
-    expect((err as Error).message).toMatch(/failed: pidModeNotHost\)/);
+    const err = await fleetError(() => assertIsolated("fleet-r1-resources", checks, "detail"));
+    expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+    expect(err.message).toMatch(/failed: pidModeNotHost\)/);
     expect(assertIsolated("fleet-r1-resources", { ...checks, pidModeNotHost: true }, "detail")).toBe(true);
   });
 });
@@ -290,18 +285,13 @@ describe("planPut", () => {
 });
 
 describe("getTarget / planPut paths", () => {
-  it("refuses '..' in a get or put path as the task's (final invalid_task), never resolving it elsewhere", () => {
+  it("refuses '..' in a get or put path as the task's (final invalid_task), never resolving it elsewhere", async () => {
     for (const bad of [
       () => getTarget("/workspace/../etc/shadow"),
       () => planPut("/tests/../workspace", {}, undefined, "1000:1000"),
     ]) {
-      let err: unknown = null;
-      try {
-        bad();
-      } catch (e) {
-        err = e;
-      }
-      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["invalid_task", false]);
+      const err = await fleetError(bad);
+      expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
     }
     expect(getTarget("/workspace//./out.txt")).toBe("/workspace/out.txt");
   });

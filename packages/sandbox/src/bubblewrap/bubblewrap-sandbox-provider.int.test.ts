@@ -6,12 +6,12 @@ import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
-import { type FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
+import type { SandboxHandle, SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { sandboxName } from "../docker/container-config.ts";
 import { AGENT_USER, ROOT_USER } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
-import { KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
+import { fleetError, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
 import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
 
@@ -39,16 +39,6 @@ async function create(over: Partial<SandboxSpecInput> = {}): Promise<SandboxHand
   const h = await provider.create(spec(over));
   live.push(h);
   return h;
-}
-
-async function fleetError(promise: Promise<unknown>): Promise<FleetError> {
-  try {
-    await promise;
-  } catch (err) {
-    expect(isFleetError(err), `expected a FleetError, got ${String(err)}`).toBe(true);
-    return err as FleetError;
-  }
-  throw new Error("expected the call to fail");
 }
 
 /** Non-zombie processes of a uid inside the sandbox (listed by root, which is never the agent). */

@@ -22,7 +22,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest
 import { parseSandboxSpec } from "../exec-ops.ts";
 import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
-import { fillWithEmptyFilesPy, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
+import { fillWithEmptyFilesPy, fleetError, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
@@ -114,16 +114,6 @@ async function create(over: Partial<SandboxSpecInput> = {}): Promise<SandboxHand
   const h = await provider.create(s);
   live.push(h);
   return h;
-}
-
-async function fleetError(promise: Promise<unknown>): Promise<FleetError> {
-  try {
-    await promise;
-  } catch (err) {
-    expect(isFleetError(err), `expected a FleetError, got ${String(err)}`).toBe(true);
-    return err as FleetError;
-  }
-  throw new Error("expected the call to fail");
 }
 
 /** Processes of a uid inside the sandbox, read by root (uid 0 is never the agent). */

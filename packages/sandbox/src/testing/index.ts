@@ -1,8 +1,24 @@
 // Test support, not for production code: an in-memory provider for unit tests, and a base rootfs
 // plus a capability check for bubblewrap tests.
+import { type FleetError, isFleetError } from "@fleet/contracts";
+
 export * from "../bubblewrap/test-rootfs.ts";
 export * from "./in-memory-provider.ts";
 export * from "./memory-firewall.ts";
+
+/**
+ * The FleetError `run` (a promise, or a function called now) fails with; throws when it does not
+ * fail, or fails with anything else.
+ */
+export async function fleetError(run: Promise<unknown> | (() => unknown)): Promise<FleetError> {
+  try {
+    await (typeof run === "function" ? run() : run);
+  } catch (err) {
+    if (isFleetError(err)) return err as FleetError;
+    throw new Error(`expected a FleetError, got ${String(err)}`, { cause: err });
+  }
+  throw new Error("expected the call to fail");
+}
 
 /**
  * What an agent would leave to be masked instead of graded: a loop in its own session killing
