@@ -64,9 +64,9 @@ describe("the seed-ahead bound", () => {
   /**
    * Count the answers to the bound's counts from now on, each arriving `lagMs` late (the count
    * itself runs in Redis at once). Returns the run queue's own `getJobCounts` and how many
-   * answers arrived so far.
+   * answers arrived so far. `used`, if given, is called once the bound has used an answer.
    */
-  function watchCounts(lagMs = 0) {
+  function watchCounts(lagMs = 0, used?: () => void) {
     const run = fleet!.deps.queues.queues.run;
     const getJobCounts = run.getJobCounts.bind(run);
     const state = { answered: 0, getJobCounts };
@@ -74,6 +74,9 @@ describe("the seed-ahead bound", () => {
       const counts = await getJobCounts(...types);
       if (lagMs > 0) await new Promise((r) => setTimeout(r, lagMs));
       state.answered++;
+      // The bound uses the answer in the microtasks that follow (it sets the bound, then lets
+      // seeds through): over by the next macrotask.
+      if (used) setImmediate(used);
       return counts;
     };
     return state;
@@ -131,7 +134,12 @@ describe("the seed-ahead bound", () => {
     );
     // Agents that take every run at once, and no verifier yet.
     startWorkers(["run"]);
-    const counts = watchCounts();
+    // The bound follows how fast the agents take rollouts as well as \`min\`: the largest any
+    // count set is what the seeds were held to.
+    let maxBound = 0;
+    const counts = watchCounts(0, () => {
+      maxBound = Math.max(maxBound, resources.seedAhead!.bound);
+    });
     const ids = await submit(20);
     const { run, verify } = fleet.deps.queues.queues;
     await settled("seeding to pause with no seed in flight", counts, () => {
@@ -140,10 +148,13 @@ describe("the seed-ahead bound", () => {
     });
     expect((await run.getJobCounts("wait")).wait).toBe(0);
     // At the bound, plus the runs that were in progress when it was counted (not waiting then,
-    // they joined the verify queue after): at most one per agent slot. Twenty without the bound.
+    // they joined the verify queue after): at most one per agent slot. The bound is \`min\` (3)
+    // unless a count found the agents taking more than that per interval (4 was seen on a loaded
+    // machine). Twenty without the bound.
     const waitingForVerifier = (await verify.getJobCounts("wait")).wait!;
     expect(waitingForVerifier).toBeGreaterThanOrEqual(3);
-    expect(waitingForVerifier).toBeLessThanOrEqual(3 + 2);
+    expect(waitingForVerifier).toBeLessThanOrEqual(maxBound + 2);
+    expect(waitingForVerifier).toBeLessThanOrEqual(10);
     expect(live()).toBe(waitingForVerifier);
     // Verifiers come: every rollout ends graded.
     startWorkers(["verify"]);
