@@ -368,7 +368,14 @@ export async function admit(
       rolloutId: conflicting[0],
     });
   }
-  await queues.enqueueSeeds(ids);
+  // Seeds for the rollouts this call recorded, and of those a replay found, the ones still
+  // waiting for theirs (an admission cut short before its seeds): not for one gone (a batch still
+  // running keeps a rollout that finished early only for its retention), seeded or finished,
+  // whose seed job would only be dropped (unknown) or replayed by a worker.
+  const recorded = new Set(created);
+  const found = ids.filter((id) => !recorded.has(id));
+  const waiting = new Set(found.length > 0 ? await store.unseeded(found) : []);
+  await queues.enqueueSeeds(ids.filter((id) => recorded.has(id) || waiting.has(id)));
   // Not under way any more; one cut short before here is finished by the janitor (its seeds
   // enqueued) or by a replay.
   await store.admissionDone(admission);

@@ -407,8 +407,24 @@ export class RolloutStore {
   async unseededOf(admission: string): Promise<string[]> {
     const accepted = (status: string | null) => status === "accepted";
     if (admission.startsWith("b:")) return this.batchRolloutsWhere(admission.slice(2), accepted);
-    const id = admission.slice(2);
-    return accepted(await this.redis.hget(this.keys.rollout(id), "status")) ? [id] : [];
+    return this.unseeded([admission.slice(2)]);
+  }
+
+  /** Of `ids` (in their order), those recorded and never started: gone, seeded or finished ones are left out. */
+  async unseeded(ids: readonly string[]): Promise<string[]> {
+    const out: string[] = [];
+    for (let i = 0; i < ids.length; i += 500) {
+      const chunk = ids.slice(i, i + 500);
+      const pipe = this.redis.pipeline();
+      for (const id of chunk) pipe.hget(this.keys.rollout(id), "status");
+      const statuses = (await pipe.exec()) ?? [];
+      chunk.forEach((id, j) => {
+        const [err, status] = statuses[j] ?? [null, null];
+        if (err) throw err;
+        if (status === "accepted") out.push(id);
+      });
+    }
+    return out;
   }
 
   /**

@@ -1703,10 +1703,43 @@ describe("rollout store", () => {
     const replay = await submit();
     expect(replay).toMatchObject({ batchId, ids, created: [] });
     expect(await kept.get(a)).toBeNull();
-    // (Its seed, enqueued again with the others', finds no rollout: the stage runner drops it.)
+    // (Nor is its seed enqueued again: see the next test.)
     expect(await kept.getBatch(batchId!)).toMatchObject({ total: 2, done: 1 });
     expect(await kept.batchRolloutIds(batchId!)).toEqual([a, b]);
     expect(await redis.zscore(kept.keys.inflight(), a)).toBeNull();
+  });
+
+  it("a replay of a batch still running enqueues seeds only for its rollouts still waiting for one: none for one gone (its retention ended), one seeded or one finished", async () => {
+    const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const key = `live-seeds-${Date.now()}`;
+    const requests = [1, 2, 3, 4].map(() => ({
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+    }));
+    const submit = () =>
+      admit(kept, queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e6 });
+    const { batchId, ids } = await submit();
+    const [gone, seeded, finished, waiting] = ids as [string, string, string, string];
+    // Their seed jobs ran and were trimmed (removeOnComplete), or were never taken (`waiting`).
+    for (const id of ids) await queues.queues.seed.remove(`${id}.seed`);
+    const meta = async (id: string) => (await kept.get(id))!.meta;
+    expect(
+      await kept.finalize(await meta(gone), { ...resultFor(gone, "completed"), batchId }, Date.now()),
+    ).toBe(true);
+    await redis.del(kept.keys.rollout(gone));
+    const receipt = seedReceipt(seeded);
+    expect(
+      await kept.saveReceipt(await meta(seeded), "seed", receipt, "seeded", Date.now(), {
+        attach: seedEntry(seeded, receipt),
+      }),
+    ).toBe(true);
+    expect(
+      await kept.finalize(await meta(finished), { ...resultFor(finished, "completed"), batchId }, Date.now()),
+    ).toBe(true);
+    // The client sends the batch again under its key (its first answer lost).
+    expect(await submit()).toMatchObject({ batchId, ids, created: [] });
+    const seeds = await Promise.all(ids.map((id) => queues.queues.seed.getJob(`${id}.seed`)));
+    expect(seeds.map((job) => job?.data ?? null)).toEqual([null, null, null, { rolloutId: waiting }]);
   });
 
   it("a batch's admission refreshes its note with every chunk it records: the janitor finishes only an admission left for dead", async () => {
