@@ -77,6 +77,50 @@ describe("createLogger", () => {
     });
   });
 
+  it("redacts class instances at any depth and URL strings with credentials", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    class RedisOptions {
+      constructor(
+        readonly host: string,
+        readonly password: string,
+      ) {}
+    }
+    class Upstream {
+      readonly apiKey = SECRET;
+      readonly options = new RedisOptions("redis.internal", SECRET);
+    }
+    log.info({ job: { upstream: new Upstream() } }, "instances");
+    log.info({ redisUrl: `redis://fleet:${SECRET}@redis.internal:6379/0` }, "url string");
+    expect(out.text()).not.toContain(SECRET);
+    expect(out.lines()[0]).toMatchObject({
+      job: {
+        upstream: { apiKey: "[Redacted]", options: { host: "redis.internal", password: "[Redacted]" } },
+      },
+    });
+    expect(out.lines()[1]).toMatchObject({ redisUrl: "redis://[Redacted]@redis.internal:6379/0" });
+  });
+
+  it("hands a class instance to the serializer a child added for its field (Fastify's req), as it is", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    // As a Fastify request: what its serializer reads comes from getters on its prototype.
+    class Request {
+      constructor(readonly raw: { method: string; url: string }) {}
+      get method() {
+        return this.raw.method;
+      }
+      get url() {
+        return this.raw.url;
+      }
+    }
+    const serializers = { req: (req: Request) => ({ method: req.method, url: req.url }) };
+    // Fastify makes its child once, then a child of that per request.
+    const request = log.child({}, { serializers }).child({ reqId: "req-1" });
+    request.info({ req: new Request({ method: "GET", url: "/v1/x" }) }, "incoming request");
+    expect(out.lines()[0]).toMatchObject({ reqId: "req-1", req: { method: "GET", url: "/v1/x" } });
+  });
+
   it("keeps count fields whose names merely contain a secret word", () => {
     const out = sink();
     const log = createLogger({ name: "t", destination: out.stream });

@@ -30,7 +30,10 @@ export interface LoggerOptions {
  */
 export function createLogger(options: LoggerOptions): Logger {
   const secrets = options.secrets;
-  return pino(
+  // Fields a serializer writes, this logger's and its children's (Fastify adds `req` and `res`):
+  // their class instances go to the serializer as they are (see `redactSecretFields`).
+  const serialized = new Set<string>(["err"]);
+  const logger = pino(
     {
       name: options.name,
       level: options.level ?? "info",
@@ -38,7 +41,7 @@ export function createLogger(options: LoggerOptions): Logger {
       redact: { paths: [...REDACT_PATHS], censor: REDACTED },
       serializers: { err: serializeError },
       formatters: {
-        log: (object) => redactSecretFields(object),
+        log: (object) => redactSecretFields(object, { serialized }),
         bindings: (bindings) => redactSecretFields(bindings),
       },
       hooks:
@@ -52,6 +55,13 @@ export function createLogger(options: LoggerOptions): Logger {
     // Synchronous stdout by default, so the last lines before a crash or exit are not lost.
     options.destination ?? pino.destination({ dest: 1, sync: true }),
   );
+  // Children are made from their parent's prototype chain, so every child's child comes here too.
+  const child = logger.child;
+  logger.child = function (this: Logger, bindings, childOptions) {
+    for (const key of Object.keys(childOptions?.serializers ?? {})) serialized.add(key);
+    return child.call(this, bindings, childOptions);
+  } as typeof child;
+  return logger;
 }
 
 /** Longest error message or stack logged; the rest is cut (an error can quote a whole payload). */

@@ -40,7 +40,7 @@ describe("redactSecrets", () => {
 });
 
 describe("redactSecretFields", () => {
-  it("handles cycles and leaves non-plain objects alone", () => {
+  it("handles cycles and leaves objects written by their own toJSON (a Date) alone", () => {
     const date = new Date(0);
     const obj: Record<string, unknown> = { when: date, password: "p" };
     obj.self = obj;
@@ -98,6 +98,59 @@ describe("redactSecretFields", () => {
       plain: "http://example.com:8080/a?b=c",
       file: "file:///tmp/x",
       bare: `https://${REDACTED}@example.com/p?token=${REDACTED}&x=1`,
+    });
+  });
+
+  it("redacts the secret fields of class instances at any depth, as their JSON would write them", () => {
+    class Options {
+      constructor(
+        readonly host: string,
+        readonly password: string,
+      ) {}
+    }
+    class Client {
+      readonly options: Options;
+      readonly apiToken = "tok-client";
+      constructor(password: string) {
+        this.options = new Options("redis.internal", password);
+      }
+    }
+    const when = new Date(0);
+    const out = redactSecretFields({
+      top: new Client("pw-top"),
+      job: { conn: { client: new Client("pw-deep") }, when },
+      list: [[new Options("h", "pw-list")]],
+    });
+    const json = JSON.stringify(out);
+    for (const secret of ["pw-top", "pw-deep", "pw-list", "tok-client"]) expect(json).not.toContain(secret);
+    expect(out.job.conn.client).toEqual({
+      options: { host: "redis.internal", password: REDACTED },
+      apiToken: REDACTED,
+    });
+    // What JSON writes by its own toJSON (a Date, a Buffer) is kept as it is.
+    expect(out.job.when).toBe(when);
+  });
+
+  it("writes a URL string without credentials, and leaves every other string as it is", () => {
+    const kept = [
+      "http://example.com:8080/a?b=c",
+      "see https://example.com/@user for a@b.c, ok?",
+      "https://example.com/a@b",
+      "git@github.com:o/r.git",
+      "what? 100% sure://@",
+      "  https://example.com/x?limit=5  ",
+    ];
+    const out = redactSecretFields({
+      redis: "redis://fleet:s3cret@redis.internal:6379/0",
+      git: "https://ghp_abc123@github.com/o/r.git",
+      api: ["https://api.example.com/v1/x?Api-Key=k1&limit=5#top"],
+      kept,
+    });
+    expect(out).toEqual({
+      redis: `redis://${REDACTED}@redis.internal:6379/0`,
+      git: `https://${REDACTED}@github.com/o/r.git`,
+      api: [`https://api.example.com/v1/x?Api-Key=${REDACTED}&limit=5#top`],
+      kept,
     });
   });
 

@@ -66,17 +66,35 @@ const MAX_DEPTH = 10;
 
 /**
  * A copy of `value` with every secret-named field (any depth, see `SECRET_KEYS`) replaced by
- * `REDACTED`. Plain objects, arrays and Errors are walked; a URL becomes its href without
- * credentials (`redactUrl`); other class instances (Buffers, Dates, Maps) are kept as they are.
+ * `REDACTED`. Plain objects, arrays, Errors and other class instances are walked (an instance
+ * becomes a plain object of its own enumerable fields, what its JSON would write); a URL, and a
+ * string that parses as one with credentials, becomes its href without them (`redactUrl`); an
+ * object written by its own `toJSON` (a Date, a Buffer) or a typed array is kept as it is.
  * Never mutates its input. Cycles are kept as cycles. An object or array nested deeper than
  * `MAX_DEPTH` is not walked: it becomes `"[Object]"` or `"[Array]"` (as pino's depth-limited
  * serializer writes one), never passed on unredacted.
  */
-export function redactSecretFields<T>(value: T): T {
-  return walk(value, 0, new WeakMap()) as T;
+export function redactSecretFields<T>(value: T, options: RedactFieldsOptions = {}): T {
+  return walk(value, 0, new WeakMap(), options.serialized) as T;
 }
 
-function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): unknown {
+export interface RedactFieldsOptions {
+  /**
+   * Fields of the top-level object that a serializer writes (pino's, by field name: `err`, and
+   * Fastify's `req` and `res`): a class instance there is kept as it is, for its serializer,
+   * which reads what its prototype's getters give (a Fastify request's `method` and `url`). An
+   * Error there is still walked (it keeps its prototype). @defaultValue none
+   */
+  serialized?: ReadonlySet<string>;
+}
+
+function walk(
+  value: unknown,
+  depth: number,
+  seen: WeakMap<object, unknown>,
+  serialized?: ReadonlySet<string>,
+): unknown {
+  if (typeof value === "string") return redactUrlString(value);
   if (value === null || typeof value !== "object") return value;
   const done = seen.get(value);
   if (done !== undefined) return done;
@@ -90,16 +108,27 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
   }
   const proto = Object.getPrototypeOf(value) as object | null;
   const isError = value instanceof Error;
-  if (!isError && proto !== Object.prototype && proto !== null) return value;
+  const instance = isInstance(value);
+  // What JSON writes through the object's own toJSON (a Date's string, a Buffer's bytes), and a
+  // typed array's elements: no fields of it to redact.
+  if (instance && (typeof (value as { toJSON?: unknown }).toJSON === "function" || ArrayBuffer.isView(value)))
+    return value;
   if (depth > MAX_DEPTH) return "[Object]";
   // Errors keep their prototype (so serializers still see an Error) and their non-enumerable
   // `message`/`stack`/`cause`/`errors`; own enumerable fields, `cause` and `errors` are walked.
+  // Any other instance (a client's options, a Map) becomes a plain object of its own enumerable
+  // fields: what JSON writes of it, and what pino's `*.password` paths could reach only one level down.
   const out = isError
     ? (Object.create(proto, Object.getOwnPropertyDescriptors(value)) as Record<string, unknown>)
     : ({} as Record<string, unknown>);
   seen.set(value, out);
   for (const [key, field] of Object.entries(value)) {
-    out[key] = isSecretKey(key) && field !== undefined ? REDACTED : walk(field, depth + 1, seen);
+    out[key] =
+      isSecretKey(key) && field !== undefined
+        ? REDACTED
+        : serialized?.has(key) && isInstance(field)
+          ? field
+          : walk(field, depth + 1, seen);
   }
   if (isError) {
     const cause = (value as Error).cause;
@@ -121,6 +150,14 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
   return out;
 }
 
+/** Whether `value` is an object of a class other than Object, Array, Error or URL. */
+function isInstance(value: unknown): boolean {
+  if (value === null || typeof value !== "object") return false;
+  if (Array.isArray(value) || value instanceof Error || value instanceof URL) return false;
+  const proto = Object.getPrototypeOf(value) as object | null;
+  return proto !== Object.prototype && proto !== null;
+}
+
 /**
  * A URL as its JSON (`href`) would write it, minus credentials: its userinfo (`user:password@`,
  * or a token as the user) and the values of secret-named query parameters (`?api_key=`) become
@@ -128,7 +165,29 @@ function walk(value: unknown, depth: number, seen: WeakMap<object, unknown>): un
  * pino's redact paths, reading its `password` off a copy, throw.
  */
 function redactUrl(url: URL): string {
-  // What comes before the query, without userinfo (only a URL with a host has one, after `//`).
+  return `${urlHead(url)}${redactQuery(url.search)}${url.hash}`;
+}
+
+/**
+ * A string as `redactUrl` writes it when it parses as a URL with userinfo or a secret-named
+ * query parameter (`redis://user:pw@host`, `https://x/?api_key=k`); any other string as it is
+ * (a URL without credentials is not rewritten). Cheap for most strings: one without `://`, or
+ * with neither `@` nor `?`, is not parsed.
+ */
+function redactUrlString(text: string): string {
+  if (!text.includes("://") || (!text.includes("@") && !text.includes("?"))) return text;
+  let url: URL;
+  try {
+    url = new URL(text);
+  } catch {
+    return text;
+  }
+  if (url.username === "" && url.password === "" && redactQuery(url.search) === url.search) return text;
+  return redactUrl(url);
+}
+
+/** What comes before a URL's query, its userinfo (only a URL with a host has one, after `//`) as `REDACTED`. */
+function urlHead(url: URL): string {
   const copy = new URL(url.href);
   const auth = copy.username !== "" || copy.password !== "";
   copy.username = "";
@@ -136,8 +195,12 @@ function redactUrl(url: URL): string {
   copy.search = "";
   copy.hash = "";
   const from = copy.protocol.length + 2;
-  const head = auth ? `${copy.href.slice(0, from)}${REDACTED}@${copy.href.slice(from)}` : copy.href;
-  const search = url.search
+  return auth ? `${copy.href.slice(0, from)}${REDACTED}@${copy.href.slice(from)}` : copy.href;
+}
+
+/** A URL's query (`search`, with its `?`) with the values of secret-named parameters as `REDACTED`. */
+function redactQuery(search: string): string {
+  return search
     .split("&")
     .map((pair, i) => {
       const eq = pair.indexOf("=");
@@ -152,7 +215,6 @@ function redactUrl(url: URL): string {
       return isSecretKey(decoded) ? `${pair.slice(0, eq)}=${REDACTED}` : pair;
     })
     .join("&");
-  return `${head}${search}${url.hash}`;
 }
 
 /**
