@@ -45,6 +45,16 @@ describe("parseRolloutBody", () => {
     expect(err.message).toContain("task.instruction");
   });
 
+  it("refuses a task file path not spelled plainly (422), naming its plain spelling: `./a` and `a` are one file, and one digest", () => {
+    const err = thrown(() =>
+      parseRolloutBody({ ...row, task: { ...task, workspace: { "./src//main.py": "x" } } }),
+    );
+    expect([err.status, err.code]).toEqual([422, "invalid"]);
+    expect(err.details).toMatchObject({
+      issues: [{ path: "task.workspace../src//main.py", message: 'must be spelled "src/main.py"' }],
+    });
+  });
+
   it("refuses non-finite and negative timeouts, unknown sandbox options and unknown harnesses", () => {
     const cases: [unknown, string][] = [
       [{ ...row, deadlineS: Number.POSITIVE_INFINITY }, "deadlineS"],

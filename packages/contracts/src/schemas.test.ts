@@ -11,6 +11,7 @@ import {
   MAX_RECORD_BYTES,
 } from "./bounded.ts";
 import { classifyFailure, FailureKind, FailureRecord, Usage } from "./failure.ts";
+import { leafIssues } from "./issues.ts";
 import {
   CloseReceipt,
   RolloutRequest,
@@ -289,7 +290,7 @@ describe("TaskContent refusals", () => {
   });
 
   it("takes file modes that name the task's files, as three octal digits, and keeps a task without them as it was", () => {
-    const workspace = { "bin/deploy.sh": "#!/bin/sh\n", "./key.pem": "k" };
+    const workspace = { "bin/deploy.sh": "#!/bin/sh\n", "key.pem": "k" };
     const modes = { "workspace/bin/deploy.sh": "644", "workspace/key.pem": "600", "tests/test.sh": "755" };
     const task = TaskContent.parse({ ...base, workspace, modes });
     expect(fileModes(task, "workspace")).toEqual({ "bin/deploy.sh": 0o644, "key.pem": 0o600 });
@@ -328,7 +329,8 @@ describe("TaskContent refusals", () => {
   it.each([
     [{ ".": "x" }, /must name a file/],
     [{ "./": "x" }, /must name a file/],
-    [{ a: "1", "./a": "2" }, /same file as "a"/],
+    // One spelling per file: `./a` and `a` would stage the same file under two task digests.
+    [{ a: "1", "./a": "2" }, /must be spelled "a"/],
     [{ a: "x", "a/b": "y" }, /"a\/b" needs it as a directory/],
     // Deep or wide enough to make a staging tar of gigabytes from a 10 MiB task.
     [{ [`${"a/".repeat(33)}f`]: "" }, /nested in at most 32 directories/],
@@ -346,6 +348,29 @@ describe("TaskContent refusals", () => {
     expect(messages(r.error!.issues).join("; ")).toMatch(why);
   });
 
+  it("a file path spelled other than plainly is refused, naming its plain spelling: one staging, one digest", () => {
+    for (const [path, plain] of [
+      ["./a", "a"],
+      ["a//b", "a/b"],
+      ["a/./b", "a/b"],
+      ["a/", "a"],
+      ["dir/sub/", "dir/sub"],
+    ] as const) {
+      for (const set of ["workspace", "solution", "tests"] as const) {
+        const files = set === "tests" ? { ...base.tests, [path]: "x" } : { [path]: "x" };
+        const r = TaskContent.safeParse({ ...base, [set]: files });
+        expect(r.success, `${set}/${path}`).toBe(false);
+        expect(leafIssues(r.error!.issues).map((i) => [i.path.join("/"), i.message])).toEqual([
+          [`${set}/${path}`, `must be spelled "${plain}"`],
+        ]);
+      }
+    }
+    // Spelled plainly, it is taken (a name may start with a dot or hold one).
+    expect(TaskContent.safeParse({ ...base, workspace: { ".env": "x", "a/.b/c.d": "y" } }).success).toBe(
+      true,
+    );
+  });
+
   it("a task graded by its tests without tests/test.sh is refused up front, naming the file", () => {
     for (const task of [
       { id: "t", instruction: "i", image: "img" },
@@ -360,14 +385,10 @@ describe("TaskContent refusals", () => {
         }),
       ]);
     }
-    // The workers look it up by the key `test.sh` exactly: another spelling is refused, with a hint.
+    // The workers look it up by the key `test.sh` exactly: another spelling is refused, naming it.
     const dotted = TaskContent.safeParse({ ...base, tests: { "./test.sh": "exit 0" } });
-    expect(dotted.error?.issues).toEqual([
-      expect.objectContaining({
-        path: ["tests", "test.sh"],
-        message:
-          'is missing: a task graded by its tests needs tests/test.sh (found "./test.sh": name it exactly "test.sh")',
-      }),
+    expect(leafIssues(dotted.error!.issues).map((i) => [i.path.join("/"), i.message])).toEqual([
+      ["tests/./test.sh", 'must be spelled "test.sh"'],
     ]);
   });
 

@@ -12,7 +12,11 @@ export const MAX_NAME_BYTES = 255;
  */
 export const MAX_FILESET_ENTRIES = 10_000;
 
-/** Relative POSIX path inside a task directory: no absolute paths, no `..`, no NUL. */
+/**
+ * Relative POSIX path inside a task directory: no absolute paths, no `..`, no NUL, and spelled
+ * plainly (`a/b`, as `normalizeRelativePath` writes it: no `./`, `//`, `/./` or trailing `/`), so
+ * one set of files has one spelling, and one task one digest.
+ */
 export const RelativePath = z
   .string()
   .min(1)
@@ -25,6 +29,7 @@ export const RelativePath = z
     const segments = pathSegments(p);
     const problem = (message: string) => ctx.addIssue({ code: "custom", message });
     if (segments.length === 0) problem("must name a file, not '.' or the directory itself");
+    else if (segments.length !== p.split("/").length) problem(`must be spelled "${segments.join("/")}"`);
     if (segments.length > MAX_PATH_DEPTH + 1)
       problem(`must be nested in at most ${MAX_PATH_DEPTH} directories`);
     if (!segments.every((s) => Buffer.byteLength(s) <= MAX_NAME_BYTES)) {
@@ -56,36 +61,27 @@ export const FileMode = z.string().regex(/^[0-7]{3}$/, 'must be three octal digi
 export const FILESET_TOO_LARGE = `holds more than ${MAX_FILESET_ENTRIES} files and directories`;
 
 /**
- * A set of text files: relative path → UTF-8 content. Two keys may not name the same file
- * (`a` and `./a`), nor may a file be another's directory (`a` and `a/b`): no tar of them could
- * be unpacked as given.
+ * A set of text files: relative path (spelled plainly, so two keys never name the same file) →
+ * UTF-8 content. A file may not be another's directory (`a` and `a/b`): no tar of them could be
+ * unpacked as given.
  */
 export const FileSet = z.record(RelativePath, z.string()).superRefine((files, ctx) => {
-  const seen = new Map<string, string>();
-  for (const key of Object.keys(files)) {
-    const path = pathSegments(key).join("/");
-    const other = seen.get(path);
-    if (other !== undefined) {
-      ctx.addIssue({ code: "custom", path: [key], message: `names the same file as "${other}"` });
-    }
-    seen.set(path, key);
-  }
+  const paths = new Set(Object.keys(files));
   const dirs = new Set<string>();
-  for (const [path, key] of seen) {
+  for (const path of paths) {
     // Each parent directory, by the position of each `/`.
     for (let i = path.indexOf("/"); i !== -1; i = path.indexOf("/", i + 1)) {
       const parent = path.slice(0, i);
       dirs.add(parent);
-      const dir = seen.get(parent);
-      if (dir !== undefined) {
+      if (paths.has(parent)) {
         ctx.addIssue({
           code: "custom",
-          path: [dir],
-          message: `is a file, but "${key}" needs it as a directory`,
+          path: [parent],
+          message: `is a file, but "${path}" needs it as a directory`,
         });
       }
     }
-    if (seen.size + dirs.size > MAX_FILESET_ENTRIES) {
+    if (paths.size + dirs.size > MAX_FILESET_ENTRIES) {
       ctx.addIssue({
         code: "custom",
         path: [],
@@ -263,12 +259,12 @@ export const TaskContent = z
     modes: z.record(z.string(), FileMode).optional(),
   })
   .superRefine((task, ctx) => {
-    // Each set's files by normalized path, built once (a task may hold thousands of files).
+    // Each set's files (spelled plainly), built once (a task may hold thousands of files).
     const files = new Map<string, Set<string>>();
     const filesOf = (set: TaskFileSet) => {
       let names = files.get(set);
       if (!names) {
-        names = new Set(Object.keys(task[set]).map(normalizeRelativePath));
+        names = new Set(Object.keys(task[set]));
         files.set(set, names);
       }
       return names;
@@ -301,11 +297,7 @@ export const TaskContent = z
       ctx.addIssue({
         code: "custom",
         path: ["tests", "test.sh"],
-        message: missingScriptMessage(
-          "a task graded by its tests needs tests/test.sh",
-          task.tests,
-          "test.sh",
-        ),
+        message: "is missing: a task graded by its tests needs tests/test.sh",
       });
     }
     // (One with classic Mac line endings reads as a single comment line: refused for those below.)
@@ -399,17 +391,6 @@ export function fileModes(task: Pick<TaskContent, "modes">, set: TaskFileSet): R
       out[normalizeRelativePath(key.slice(prefix.length))] = Number.parseInt(mode, 8);
   }
   return out;
-}
-
-/**
- * "is missing: <why>", naming a key of `files` that spells the same file another way (`./test.sh`):
- * the workers look a script up by its exact key, so such a task is refused with a hint.
- */
-export function missingScriptMessage(why: string, files: FileSet, name: string): string {
-  const other = Object.keys(files).find((key) => normalizeRelativePath(key) === name);
-  return other === undefined
-    ? `is missing: ${why}`
-    : `is missing: ${why} (found "${other}": name it exactly "${name}")`;
 }
 
 /** Whether a shell script has a line that is neither blank nor a comment. */

@@ -79,13 +79,6 @@ describe("admission of an oracle rollout", () => {
     expect(err.details).toMatchObject({ index: 0, issues: [{ path: "task.solution.solve.sh" }] });
   });
 
-  it("names another spelling of solve.sh: the harness looks it up by that exact key", async () => {
-    const { store } = memoryStore();
-    const task = { ...noSolution, solution: { "./solve.sh": "true" } };
-    const err = await refusal(prepare(store, [{ task, agent: { harness: "oracle" } }]));
-    expect(err.message).toContain('(found "./solve.sh": name it exactly "solve.sh")');
-  });
-
   it("accepts a command agent with the same task, and an oracle one once solve.sh is there", async () => {
     const { store, tasks } = memoryStore();
     const metas = await prepare(store, [

@@ -3,7 +3,6 @@ import {
   ADMISSION_ALLOWANCE_MS,
   agentName,
   canonicalJson,
-  missingScriptMessage,
   type RolloutRequest,
   RUN_MARGIN_MS,
   runNeeds,
@@ -191,7 +190,7 @@ export async function prepareRollouts(
     // does): without one it could only fail as `invalid_task` after a sandbox was made. Checked
     // for a task by digest too: it is read here anyway.
     if (req.agent.harness === "oracle" && task.solution["solve.sh"] === undefined) {
-      const message = missingScriptMessage("the oracle agent runs it", task.solution, "solve.sh");
+      const message = "is missing: the oracle agent runs it";
       throw new AdmissionError("invalid", `rollout ${i}: task ${task.id}'s solution/solve.sh ${message}`, {
         index: i,
         issues: [{ path: "task.solution.solve.sh", message }],

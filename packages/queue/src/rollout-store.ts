@@ -7,6 +7,7 @@ import {
   isTerminal,
   MAX_DURATION_S,
   MAX_RECORD_BYTES,
+  normalizeRelativePath,
   RolloutResult,
   RolloutStatus,
   RunReceipt,
@@ -14,6 +15,7 @@ import {
   SandboxOptions,
   SeedReceipt,
   type StageName,
+  TASK_FILE_SETS,
   TaskContent,
   VerifyReceipt,
 } from "@fleet/contracts";
@@ -282,10 +284,22 @@ export class RolloutStore {
     if (cached) return cached.task;
     const raw = await this.redis.get(this.keys.task(digest));
     if (raw === null) return null;
-    const stored = JSON.parse(raw) as { verifier?: { kind?: unknown }; tests?: unknown };
+    const stored = JSON.parse(raw) as { verifier?: { kind?: unknown } } & Record<string, unknown>;
     // A match-graded task with tests/ is refused at admission now; one an earlier version stored
     // may still run here. Its tests never run (the match grades it): dropped, not a failed rollout.
     if (stored.verifier?.kind === "match") stored.tests = {};
+    // So is a file path not spelled plainly (`./a`, `a//b`); an earlier version took it (never
+    // two spellings of one file) and staged it as `a`, `a/b`: read so, not a failed rollout.
+    for (const set of TASK_FILE_SETS) {
+      const files = stored[set];
+      if (files === null || typeof files !== "object") continue;
+      const keys = Object.keys(files);
+      if (keys.some((key) => normalizeRelativePath(key) !== key)) {
+        stored[set] = Object.fromEntries(
+          Object.entries(files).map(([key, text]) => [normalizeRelativePath(key), text]),
+        );
+      }
+    }
     const task = TaskContent.parse(stored);
     const chars = raw.length;
     if (chars > this.maxTaskCacheChars / 4 || this.taskCache.has(digest)) return task;

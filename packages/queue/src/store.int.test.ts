@@ -535,6 +535,27 @@ describe("rollout store", () => {
     expect(task).toMatchObject({ id: "older-match", tests: {}, verifier: { kind: "match", expected: "42" } });
   });
 
+  it("a task an earlier version stored with file paths not spelled plainly is read with them spelled as they were staged, not refused: its rollout runs", async () => {
+    const stored = {
+      id: "older-paths",
+      instruction: "Fix it.",
+      image: "img",
+      workspace: { "./src//main.py": "print(1)\n", "docs/./a.md": "a", "ok.txt": "k" },
+      solution: { "./solve.sh": "true" },
+      tests: { "test.sh": "exit 0\n", "data/": "d" },
+    };
+    // Admission refuses it now; stored as an older version's admission wrote it.
+    expect(TaskContent.safeParse(stored).success).toBe(false);
+    const digest = `older-paths-${Date.now()}`;
+    await redis.set(store.keys.task(digest), JSON.stringify(stored));
+    const task = await store.getTask(digest);
+    expect(task).toMatchObject({
+      workspace: { "src/main.py": "print(1)\n", "docs/a.md": "a", "ok.txt": "k" },
+      solution: { "solve.sh": "true" },
+      tests: { "test.sh": "exit 0\n", data: "d" },
+    });
+  });
+
   it("a backlog reservation re-sent (a reconnect lost its reply) still holds, not counted against itself", async () => {
     const own = new RolloutStore(redis, `${prefix}-res`);
     const scripted = withScripts(redis);
