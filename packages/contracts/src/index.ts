@@ -4,6 +4,7 @@ export * from "./canonical.ts";
 export * from "./errors.ts";
 export * from "./failure.ts";
 export * from "./issues.ts";
+export * from "./json-object.ts";
 export * from "./rollout.ts";
 export * from "./run-budget.ts";
 export * from "./sandbox.ts";

@@ -2,6 +2,7 @@ import { z } from "zod";
 import { AgentSpec } from "./agent.ts";
 import { CappedText, Seconds } from "./bounded.ts";
 import { FailureKind, FailureRecord, Stage, Usage } from "./failure.ts";
+import { JsonObject } from "./json-object.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxOptions } from "./sandbox.ts";
 import { TaskRef } from "./task.ts";
 
@@ -14,8 +15,8 @@ export const RolloutRequest = z.strictObject({
   /** Whole-rollout budget from acceptance; retries share it. Defaults from the task's timeouts. */
   deadlineS: Seconds.optional(),
   sandbox: SandboxOptions.optional(),
-  /** Free JSON echoed into the result. */
-  metadata: z.record(z.string(), z.unknown()).superRefine(refuseUnsafeIntegers).optional(),
+  /** Free JSON echoed into the result (no `__proto__` key: `JsonObject`). */
+  metadata: JsonObject.superRefine(refuseUnsafeIntegers).optional(),
 });
 export type RolloutRequest = z.infer<typeof RolloutRequest>;
 

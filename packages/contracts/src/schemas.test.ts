@@ -527,6 +527,47 @@ describe("every schema round-trips through JSON", () => {
     ]);
   });
 
+  it("a __proto__ key in metadata, at any depth, is refused, saying where (zod's record dropped it without a word)", () => {
+    const request = (metadata: string) =>
+      RolloutRequest.safeParse(
+        JSON.parse(
+          `{"task":{"digest":"${"a".repeat(64)}"},"agent":{"harness":"oracle"},"metadata":${metadata}}`,
+        ),
+      );
+    const message =
+      'is a "__proto__" key, which JavaScript readers drop (it names an object\'s prototype): rename it';
+    for (const [metadata, path] of [
+      ['{"__proto__":{"x":1},"k":2}', "metadata.__proto__"],
+      ['{"k":{"__proto__":1}}', "metadata.k.__proto__"],
+      ['{"k":[0,{"__proto__":null}]}', "metadata.k.1.__proto__"],
+    ] as const) {
+      const r = request(metadata);
+      expect(
+        r.error?.issues.map((i) => [i.path.join("."), i.message]),
+        metadata,
+      ).toEqual([[path, message]]);
+    }
+    // A task's metadata (its task.toml's [metadata]) as well.
+    const task = TaskContent.safeParse({
+      ...JSON.parse('{"metadata":{"__proto__":"x"}}'),
+      id: "t",
+      instruction: "i",
+      image: "img",
+      tests: { "test.sh": "exit 0" },
+    });
+    expect(task.error?.issues.map((i) => [i.path.join("."), i.message])).toEqual([
+      ["metadata.__proto__", message],
+    ]);
+    // Keys that merely look like it, and metadata without one, are kept as they are.
+    const kept = request('{"proto":1,"__proto":2,"constructor":{"prototype":3},"k":{"a":[1]}}');
+    expect(kept.data?.metadata).toEqual({
+      proto: 1,
+      __proto: 2,
+      constructor: { prototype: 3 },
+      k: { a: [1] },
+    });
+  });
+
   it("RolloutRequest", () =>
     roundTrips(RolloutRequest, fc.record({ task, agent, deadlineS: secs, metadata: json })));
   it("RolloutRequest by digest", () =>

@@ -1,5 +1,6 @@
 import { z } from "zod";
 import { Seconds } from "./bounded.ts";
+import { JsonObject } from "./json-object.ts";
 
 /** Directories a task file may be nested in, at most (each one is a directory the sandbox gets). */
 export const MAX_PATH_DEPTH = 32;
@@ -250,7 +251,7 @@ export const TaskContent = z
       })
       .default({ agentS: 120, verifierS: 60 }),
     verifier: VerifierSpec.default({ kind: "tests" }),
-    metadata: z.record(z.string(), z.unknown()).default({}),
+    metadata: JsonObject.default({}),
     /**
      * Modes of the files that are not staged at the default (0755 for a file starting with `#!`,
      * 0644 for any other): `"<set>/<path>"` (e.g. `"workspace/deploy.sh"`) → `"644"`. Optional,

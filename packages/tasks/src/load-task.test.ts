@@ -196,6 +196,15 @@ describe("loadTask", () => {
 });
 
 describe("broken tasks give invalid_task naming the file", () => {
+  it("a __proto__ key in [metadata], at any depth: refused, not dropped", async () => {
+    for (const toml of [`${GOOD_TOML}__proto__ = "x"\n`, `${GOOD_TOML}[metadata.env]\n__proto__ = 1\n`]) {
+      const dir = await writeTask("proto", { "task.toml": toml });
+      expect(await invalidTask(() => loadTask(dir))).toMatch(
+        /task\.toml.*__proto__.*"__proto__" key, which JavaScript readers drop/,
+      );
+    }
+  });
+
   it("a match task with tests/: they would never run", async () => {
     const dir = await writeTask("mt", {
       "task.toml": '[task]\nimage = "i"\n[verifier]\nkind = "match"\nexpected = "42"\n',

@@ -1,3 +1,4 @@
+import { JsonObject } from "@fleet/contracts";
 import { z } from "zod";
 
 /** A timeout in seconds: a finite, positive number (an `inf` or `nan` from TOML is refused). */
@@ -50,7 +51,8 @@ export const TaskToml = z.strictObject({
       storage_mb: z.number().optional(),
     })
     .optional(),
-  metadata: z.record(z.string(), z.unknown()).optional(),
+  /** Free values (no `__proto__` key: `JsonObject`). */
+  metadata: JsonObject.optional(),
 });
 export type TaskToml = z.infer<typeof TaskToml>;
 
