@@ -43,7 +43,11 @@ async function main(): Promise<void> {
 
   let closing = false;
   const shutdown = (signal: string) => {
-    if (closing) return;
+    // A second signal (a second Ctrl-C, an impatient supervisor) exits at once, as the workers do.
+    if (closing) {
+      logger.error({ signal }, "second signal while shutting down; exiting at once");
+      process.exit(1);
+    }
     closing = true;
     logger.info({ signal }, "shutting down");
     const force = setTimeout(() => {
