@@ -164,4 +164,16 @@ describe("a worker that cannot reach its sandbox provider", () => {
       expect(bad.output).not.toMatch(/^\s+at /m);
     }
   });
+
+  it("a dispatcher that cannot reach Redis refuses the start saying so and naming REDIS_URL", async () => {
+    const port = await freeLoopbackPort();
+    const { code, output } = await runApp("dispatcher", {
+      REDIS_URL: `redis://127.0.0.1:${port}`,
+      FLEET_PREFIX: prefix,
+      FLEET_HTTP_PORT: "0",
+    });
+    expect(code, output).toBe(1);
+    expect(output).toMatch(/^refusing to start: cannot reach Redis \(REDIS_URL\): .*ECONNREFUSED/m);
+    expect(output).not.toMatch(/^\s+at /m);
+  });
 });

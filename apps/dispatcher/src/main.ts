@@ -3,6 +3,7 @@ import {
   assertRedisDurable,
   connectRedis,
   failFastOnceReady,
+  isRedisUnavailable,
   logConnectionOutages,
   RolloutStore,
   StageQueues,
@@ -32,7 +33,20 @@ async function main(): Promise<void> {
   const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
-  await assertRedisDurable(redis, { acceptWriteLoss: config.acceptRedisWriteLoss });
+  let lastRedisError = "";
+  const noteRedisError = (err: Error) => {
+    lastRedisError = err.message;
+  };
+  redis.on("error", noteRedisError);
+  // Before Redis was first reached, the check's commands give up after two reconnect attempts:
+  // say that Redis is not there, not ioredis' "Reached the max retries per request limit".
+  await assertRedisDurable(redis, { acceptWriteLoss: config.acceptRedisWriteLoss }).catch((err: unknown) => {
+    if (!isRedisUnavailable(err)) throw err;
+    throw new Error(`cannot reach Redis (REDIS_URL): ${lastRedisError || (err as Error).message}`, {
+      cause: err,
+    });
+  });
+  redis.off("error", noteRedisError);
   const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);
