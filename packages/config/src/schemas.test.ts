@@ -301,6 +301,8 @@ describe("WorkerConfig", () => {
       ["10.213.0.0/31", "FLEET_GATEWAY_SUBNET_POOL"],
       ["10.213.0.0/29", "FLEET_GATEWAY_SUBNET_PREFIX"],
     ] as const) {
+      // A /30 holds no network of the longest prefix (/29): the pool's error, not a prefix it cannot take.
+      ["10.213.0.0/30", "FLEET_GATEWAY_SUBNET_POOL"],
       const err = errorOf(() => parseWorkerConfig("agent", { FLEET_GATEWAY_SUBNET_POOL: pool }));
       expect(
         err.issues.map((i) => i.variable),

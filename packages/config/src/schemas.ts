@@ -100,12 +100,15 @@ const metrics = {
   FLEET_METRICS_HOST: wordVar().default(DEFAULT_HOST),
 };
 
-/** `a.b.c.d/n`, each octet 0–255, n from 8 to 30. */
+/**
+ * `a.b.c.d/n`, each octet 0–255, n from 8 to 29: a gateway network is at most a /29
+ * (`FLEET_GATEWAY_SUBNET_PREFIX`), so a smaller pool could hold none.
+ */
 function isPoolCidr(value: string): boolean {
   const m = /^(\d{1,3})\.(\d{1,3})\.(\d{1,3})\.(\d{1,3})\/(\d{1,2})$/.exec(value);
   if (!m) return false;
   const bits = Number(m[5]);
-  return m.slice(1, 5).every((o) => Number(o) <= 255) && bits >= 8 && bits <= 30;
+  return m.slice(1, 5).every((o) => Number(o) <= 255) && bits >= 8 && bits <= 29;
 }
 
 /** bubblewrap runs sandboxes from an unpacked rootfs: without one a worker could make none. */
@@ -221,7 +224,7 @@ export const WorkerConfig = z
     FLEET_GATEWAY_SUBNET_POOL: z
       .string()
       .trim()
-      .refine(isPoolCidr, "must be an IPv4 CIDR from /8 to /30, such as 10.213.0.0/16")
+      .refine(isPoolCidr, "must be an IPv4 CIDR from /8 to /29, such as 10.213.0.0/16")
       .optional(),
     FLEET_GATEWAY_SUBNET_PREFIX: intVar(8, 29).default(28),
     /** A dead worker's job is handed to another after this (BullMQ lock). */
