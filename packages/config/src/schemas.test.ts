@@ -211,7 +211,9 @@ describe("WorkerConfig", () => {
         FLEET_MODEL_BASE_URLS: " http://vllm:8000/v1 , https://api.example.test/v1,",
       }).modelBaseUrls,
     ).toEqual(["http://vllm:8000/v1", "https://api.example.test/v1"]);
-    for (const bad of ["not a url", " , "]) {
+    // A URL of another scheme (a typo of http) could never match a model's baseUrl: every such
+    // rollout would fail, where the variable's error says what is wrong at start.
+    for (const bad of ["not a url", " , ", "htp://vllm:8000/v1", "http://vllm:8000/v1,file:///etc/passwd"]) {
       expect(() => parseWorkerConfig("agent", { FLEET_MODEL_BASE_URLS: bad }), bad).toThrow(
         /FLEET_MODEL_BASE_URLS/,
       );
@@ -299,10 +301,10 @@ describe("WorkerConfig", () => {
       ["10.0.0.0/4", "FLEET_GATEWAY_SUBNET_POOL"],
       // Not also "FLEET_GATEWAY_SUBNET_PREFIX: must be at least the pool's own /31".
       ["10.213.0.0/31", "FLEET_GATEWAY_SUBNET_POOL"],
-      ["10.213.0.0/29", "FLEET_GATEWAY_SUBNET_PREFIX"],
-    ] as const) {
       // A /30 holds no network of the longest prefix (/29): the pool's error, not a prefix it cannot take.
       ["10.213.0.0/30", "FLEET_GATEWAY_SUBNET_POOL"],
+      ["10.213.0.0/29", "FLEET_GATEWAY_SUBNET_PREFIX"],
+    ] as const) {
       const err = errorOf(() => parseWorkerConfig("agent", { FLEET_GATEWAY_SUBNET_POOL: pool }));
       expect(
         err.issues.map((i) => i.variable),

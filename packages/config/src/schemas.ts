@@ -206,7 +206,7 @@ export const WorkerConfig = z
       )
       .pipe(
         z
-          .array(z.url({ error: "must be comma-separated http(s) URLs" }))
+          .array(z.url({ protocol: /^https?$/, error: "must be comma-separated http(s) URLs" }))
           .min(1, "must name at least one URL"),
       )
       .optional(),
