@@ -38,6 +38,17 @@ describe("credential resolver", () => {
     expect(credentialEnvName("my-model.key")).toBe("FLEET_CREDENTIAL_MY_MODEL_KEY");
   });
 
+  it("an empty FLEET_CREDENTIAL_<NAME> or _BASE_URL is unset (as compose passes an unset one): the secrets file's entry applies", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "cred-"));
+    const file = join(dir, "secrets.json");
+    writeFileSync(file, JSON.stringify({ default: { value: "from-file", baseUrls: [UPSTREAM] } }));
+    const resolve = createCredentialResolver({
+      env: { FLEET_CREDENTIAL_DEFAULT: "", FLEET_CREDENTIAL_DEFAULT_BASE_URL: " " },
+      file,
+    });
+    expect(await resolve("default", UPSTREAM)).toBe("from-file");
+  });
+
   it("hands a credential out only for a base URL it is bound to; unbound, for none", async () => {
     const known = new Set<string>();
     const resolve = createCredentialResolver({

@@ -49,9 +49,15 @@ export function createCredentialResolver(options: {
       });
     return fileEntries;
   };
+  // Empty or whitespace only is unset, as for every other variable (`parseConfig`): compose's
+  // `FLEET_CREDENTIAL_X: ${X:-}` must not hide the secrets file's entry for X.
+  const fromEnv = (variable: string): string | undefined => {
+    const value = options.env[variable];
+    return value === undefined || value.trim() === "" ? undefined : value;
+  };
   return async (name, baseUrl) => {
     const fromFile = options.file ? (await loadFile(options.file))[name] : undefined;
-    const raw = options.env[credentialEnvName(name)] ?? fromFile?.value;
+    const raw = fromEnv(credentialEnvName(name)) ?? fromFile?.value;
     // Sent as `Authorization: Bearer <value>`: the usual trailing newline of a secret made from a
     // file is dropped (fetch would drop it too, and then no redactor would find the value as
     // stored); anything else a header cannot carry is refused, without quoting it.
@@ -68,7 +74,7 @@ export function createCredentialResolver(options: {
         `credential "${name}" is not configured on this worker (set ${credentialEnvName(name)} or FLEET_CREDENTIALS_FILE)`,
       );
     }
-    const boundEnv = options.env[credentialBaseUrlEnvName(name)];
+    const boundEnv = fromEnv(credentialBaseUrlEnvName(name));
     const allowed = (boundEnv !== undefined ? boundEnv.split(",") : (fromFile?.baseUrls ?? []))
       .map(normalizeBaseUrl)
       .filter((u): u is string => u !== null);
