@@ -165,6 +165,28 @@ describe("a worker that cannot reach its sandbox provider", () => {
     }
   });
 
+  it("a metrics or HTTP host it cannot listen on refuses the start naming the variable", async () => {
+    const metrics = await runApp("agent", {
+      REDIS_URL,
+      FLEET_PREFIX: prefix,
+      FLEET_METRICS_PORT: "0",
+      FLEET_METRICS_HOST: "no-such-host.invalid",
+    });
+    expect(metrics.code, metrics.output).toBe(1);
+    expect(metrics.output).toMatch(
+      /^refusing to start: FLEET_METRICS_HOST no-such-host\.invalid: .*ENOTFOUND/m,
+    );
+    const http = await runApp("dispatcher", {
+      REDIS_URL,
+      FLEET_PREFIX: prefix,
+      FLEET_HTTP_PORT: "0",
+      // TEST-NET-3: no interface of this host has it.
+      FLEET_HTTP_HOST: "203.0.113.7",
+    });
+    expect(http.code, http.output).toBe(1);
+    expect(http.output).toMatch(/^refusing to start: FLEET_HTTP_HOST 203\.0\.113\.7: .*EADDRNOTAVAIL/m);
+  });
+
   it("a dispatcher that cannot reach Redis refuses the start saying so and naming REDIS_URL", async () => {
     const port = await freeLoopbackPort();
     const { code, output } = await runApp("dispatcher", {

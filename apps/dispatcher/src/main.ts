@@ -98,7 +98,7 @@ async function main(): Promise<void> {
       port: config.httpPort,
       listenTextResolver: (address) => `dispatcher listening on ${address}`,
     })
-    .catch(portInUse("FLEET_HTTP_PORT", config.httpPort, config.httpHost));
+    .catch(portInUse("FLEET_HTTP_PORT", config.httpPort, config.httpHost, "", "FLEET_HTTP_HOST"));
 }
 
 main().catch(onStartFailure(process.env));

@@ -116,6 +116,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
             config.metricsPort,
             config.metricsHost ?? "127.0.0.1",
             ": each replica on a host needs a port of its own (0 picks a free one)",
+            "FLEET_METRICS_HOST",
           ),
         )
       : null;

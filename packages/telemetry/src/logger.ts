@@ -114,13 +114,27 @@ export function onStartFailure(env: Record<string, string | undefined>): (err: u
   };
 }
 
+/** A listen's failures that say its host is wrong: not resolvable, or no address of this machine. */
+const HOST_ERRORS = new Set(["ENOTFOUND", "EAI_AGAIN", "EAI_FAIL", "EAI_NONAME", "EADDRNOTAVAIL"]);
+
 /**
  * A listen's failure for a port in use (EADDRINUSE), said with the variable that set the port
- * (and `hint`); any other failure as it was.
+ * (and `hint`); for a host it cannot listen on, with `hostVariable` when given; any other failure
+ * as it was.
  */
-export function portInUse(variable: string, port: number, host: string, hint = ""): (err: unknown) => never {
+export function portInUse(
+  variable: string,
+  port: number,
+  host: string,
+  hint = "",
+  hostVariable?: string,
+): (err: unknown) => never {
   return (err) => {
-    if ((err as NodeJS.ErrnoException).code !== "EADDRINUSE") throw err;
-    throw new Error(`${variable} ${port} is in use on ${host}${hint}`);
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === "EADDRINUSE") throw new Error(`${variable} ${port} is in use on ${host}${hint}`);
+    if (hostVariable && code !== undefined && HOST_ERRORS.has(code)) {
+      throw new Error(`${hostVariable} ${host}: cannot listen there (${(err as Error).message})`);
+    }
+    throw err;
   };
 }
