@@ -77,6 +77,13 @@ export function dockerConnectionFromEnv(
   certPath: string | null,
 ): DockerConnection | undefined {
   if (dockerHost === null && certPath === null) return undefined;
+  if (dockerHost !== null && certPath !== null) {
+    const options = dockerOptionsFromEndpoint(dockerHost);
+    // Certificates given: a daemon over TCP is spoken to over TLS whatever its port (only 2376
+    // implied it), or they went unused and the client spoke plain HTTP to a TLS port.
+    if (options.host !== undefined)
+      return { ...options, protocol: "https", ...dockerTlsFromCertPath(certPath) };
+  }
   return {
     ...(dockerHost === null ? {} : { endpoint: dockerHost }),
     ...(certPath === null ? {} : dockerTlsFromCertPath(certPath)),
