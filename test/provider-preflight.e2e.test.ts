@@ -1,6 +1,6 @@
 import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { mkdtemp, rm } from "node:fs/promises";
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import type { AddressInfo } from "node:net";
 import { createServer } from "node:net";
 import { tmpdir } from "node:os";
@@ -185,6 +185,31 @@ describe("a worker that cannot reach its sandbox provider", () => {
     });
     expect(http.code, http.output).toBe(1);
     expect(http.output).toMatch(/^refusing to start: FLEET_HTTP_HOST 203\.0\.113\.7: .*EADDRNOTAVAIL/m);
+  });
+
+  it("an agent worker whose FLEET_CREDENTIALS_FILE cannot be read or is not JSON refuses the start, not quoting it", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-preflight-creds-"));
+    try {
+      const missing = await runApp("agent", {
+        REDIS_URL,
+        FLEET_PREFIX: prefix,
+        FLEET_CREDENTIALS_FILE: join(dir, "missing.json"),
+      });
+      expect(missing.code, missing.output).toBe(1);
+      expect(missing.output).toContain(
+        `refusing to start: FLEET_CREDENTIALS_FILE ${join(dir, "missing.json")}: cannot read the credentials file: ENOENT`,
+      );
+      const file = join(dir, "secrets.json");
+      await writeFile(file, '{"default": sk-live-SUPERSECRET}');
+      const broken = await runApp("agent", { REDIS_URL, FLEET_PREFIX: prefix, FLEET_CREDENTIALS_FILE: file });
+      expect(broken.code, broken.output).toBe(1);
+      expect(broken.output).toContain(
+        `refusing to start: FLEET_CREDENTIALS_FILE ${file}: the credentials file is not valid JSON`,
+      );
+      expect(broken.output).not.toContain("SUPERSECRET");
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 
   it("a dispatcher that cannot reach Redis refuses the start saying so and naming REDIS_URL", async () => {

@@ -18,7 +18,7 @@ import {
   portInUse,
   startMetricsServer,
 } from "@fleet/telemetry";
-import { createCredentialResolver } from "./credentials.ts";
+import { checkCredentialsFile, createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
 import { statusFor } from "./result.ts";
@@ -260,6 +260,8 @@ function onSignals(
 /** The whole of a stage worker app's `main.ts`. */
 export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   const config = parseWorkerConfig(kind, env);
+  // Only the agent worker resolves credentials (its harnesses' model calls).
+  if (kind === "agent" && config.credentialsFile) await checkCredentialsFile(config.credentialsFile);
   const workerId = config.workerId ?? `${kind}-${hostname()}-${process.pid}-${randomUUID().slice(0, 8)}`;
   const { deps, redis, logger, shutdown } = await buildDeps(`${kind}-worker`, config, workerId, env);
   if (!(await providerReady(deps, config, logger, shutdown))) return;

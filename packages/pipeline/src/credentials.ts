@@ -94,6 +94,24 @@ export function createCredentialResolver(options: {
   };
 }
 
+/**
+ * At an agent worker's start: the secrets file `FLEET_CREDENTIALS_FILE` names can be read and is
+ * the expected JSON; otherwise an error naming the variable and why (never quoting the file).
+ * Unchecked, a typo in its path was found only by the rollouts naming a credential, each retried
+ * and then masked `provider_unavailable`.
+ */
+export async function checkCredentialsFile(file: string): Promise<void> {
+  try {
+    parseCredentialsFile(await readFile(file, "utf8"));
+  } catch (err) {
+    const reason =
+      err instanceof FleetError
+        ? err.message
+        : `cannot read the credentials file: ${(err as NodeJS.ErrnoException).code ?? "read error"}`;
+    throw new Error(`FLEET_CREDENTIALS_FILE ${file}: ${reason}`);
+  }
+}
+
 /** The secrets file's entries; a file that is not the expected JSON is refused without quoting it. */
 function parseCredentialsFile(text: string): Record<string, FileEntry> {
   let data: unknown;
