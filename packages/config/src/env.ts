@@ -77,7 +77,19 @@ export function redisUrlVar() {
       } catch {
         return false;
       }
-    }, message);
+    }, message)
+    .refine((s) => {
+      // ioredis SELECTs what the path (or `?db=`) says: anything but a number crashed the app.
+      let url: URL;
+      try {
+        url = new URL(s);
+      } catch {
+        return true; // said above
+      }
+      if (!["redis:", "rediss:"].includes(url.protocol)) return true;
+      const db = url.searchParams.get("db");
+      return /^\/?\d*$/.test(url.pathname) && (db === null || /^\d+$/.test(db));
+    }, "must name its database as a whole number, such as redis://host:6379/0, or none");
 }
 
 /** A non-empty string without whitespace (names, ids, prefixes, hosts). */

@@ -165,6 +165,30 @@ describe("DispatcherConfig", () => {
     }
   });
 
+  it("refuses a REDIS_URL whose database is not a number (the apps crashed on it with a stack trace)", () => {
+    for (const url of [
+      "redis://redis:6379/x",
+      "redis://redis:6379/1/2",
+      "rediss://redis:6379?db=x",
+      "redis://redis:6379/-1",
+    ]) {
+      const err = errorOf(() => parseConfig(DispatcherConfig, { REDIS_URL: url }));
+      expect(
+        err.issues.map((i) => i.variable),
+        url,
+      ).toEqual(["REDIS_URL"]);
+      expect(err.message).toContain("database");
+    }
+    for (const url of [
+      "redis://redis:6379",
+      "redis://redis:6379/",
+      "redis://redis:6379/3",
+      "redis://redis?db=2",
+    ]) {
+      expect(parseConfig(DispatcherConfig, { REDIS_URL: url }).redisUrl, url).toBe(url);
+    }
+  });
+
   it("rejects ports out of range and non-decimal numbers", () => {
     for (const bad of ["65536", "-1", "1e3", "0x50", "8080.5"]) {
       expect(errorOf(() => parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: bad })).message).toContain(
