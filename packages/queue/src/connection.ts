@@ -210,6 +210,19 @@ async function clusterReady(cluster: Cluster): Promise<void> {
 }
 
 async function assertNodeDurable(redis: Redis, options: DurabilityOptions): Promise<void> {
+  // A database the server does not have (REDIS_URL `.../99`): ioredis' SELECT on connect fails
+  // only as an 'error' event, and every command then runs in database 0.
+  const db = Number(redis.options.db ?? 0);
+  if (db !== 0) {
+    try {
+      await redis.select(db);
+    } catch (err) {
+      if ((err as Error).name !== "ReplyError") throw err;
+      throw new RedisDurabilityError(
+        `REDIS_URL names database ${db}, which this Redis refuses: ${(err as Error).message}. Refusing to start.`,
+      );
+    }
+  }
   const problems: string[] = [];
   let appendonly: string | undefined;
   let policy: string | undefined;

@@ -78,6 +78,24 @@ describe("Redis durability check", () => {
     }
   });
 
+  it("refuses a database the Redis does not have (REDIS_URL .../99), whose SELECT failed and left every write in database 0", async () => {
+    const at = (db: number) => {
+      const u = new URL(REDIS_URL);
+      u.pathname = `/${db}`;
+      return u.href;
+    };
+    const missing = createRedis(at(99));
+    missing.on("error", () => undefined);
+    const present = createRedis(at(1));
+    try {
+      await expect(assertRedisDurable(missing)).rejects.toThrow(/REDIS_URL names database 99.*out of range/);
+      await expect(assertRedisDurable(present)).resolves.toBeUndefined();
+    } finally {
+      missing.disconnect();
+      present.disconnect();
+    }
+  });
+
   it("a Redis whose CONFIG is disabled (managed Redis) is judged by INFO: AOF on and noeviction pass, its appendfsync unknown and not refused on a guess", async () => {
     const managed = await LocalRedisServer.start({
       dir: mkdtempSync(join(tmpdir(), "redis-")),
