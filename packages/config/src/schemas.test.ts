@@ -62,6 +62,19 @@ describe("DispatcherConfig", () => {
     });
   });
 
+  it("FLEET_MAX_BODY_BYTES unset follows a raised FLEET_MAX_TASK_BYTES (a task within its limit is not refused as too large a body)", () => {
+    const MiB = 1024 * 1024;
+    expect(parseConfig(DispatcherConfig, {}).maxBodyBytes).toBe(32 * MiB);
+    expect(parseConfig(DispatcherConfig, { FLEET_MAX_TASK_BYTES: String(64 * MiB) }).maxBodyBytes).toBe(
+      65 * MiB,
+    );
+    // Set, it is what it says.
+    expect(
+      parseConfig(DispatcherConfig, { FLEET_MAX_TASK_BYTES: String(64 * MiB), FLEET_MAX_BODY_BYTES: "65536" })
+        .maxBodyBytes,
+    ).toBe(65536);
+  });
+
   it("FLEET_RESULT_TTL_S is 0 or at least two days", () => {
     expect(parseConfig(DispatcherConfig, { FLEET_RESULT_TTL_S: "172800" }).resultTtlMs).toBe(172_800_000);
     expect(() => parseConfig(DispatcherConfig, { FLEET_RESULT_TTL_S: "3600" })).toThrow(

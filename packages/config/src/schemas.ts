@@ -160,7 +160,7 @@ export const DispatcherConfig = z
     FLEET_API_TOKENS: apiTokensVar().default(() => ({ tokens: [], adminTokens: [] })),
     FLEET_MAX_BACKLOG: intVar(1, 1_000_000_000).default(DEFAULT_MAX_BACKLOG),
     FLEET_MAX_TASK_BYTES: intVar(1, 512 * 1024 * 1024).default(DEFAULT_MAX_TASK_BYTES),
-    FLEET_MAX_BODY_BYTES: intVar(1024, 1024 * 1024 * 1024).default(DEFAULT_MAX_BODY_BYTES),
+    FLEET_MAX_BODY_BYTES: intVar(1024, 1024 * 1024 * 1024).optional(),
   })
   .transform((e) => ({
     ...commonConfig(e),
@@ -169,8 +169,17 @@ export const DispatcherConfig = z
     apiTokens: e.FLEET_API_TOKENS,
     maxBacklog: e.FLEET_MAX_BACKLOG,
     maxTaskBytes: e.FLEET_MAX_TASK_BYTES,
-    maxBodyBytes: e.FLEET_MAX_BODY_BYTES,
+    maxBodyBytes: e.FLEET_MAX_BODY_BYTES ?? defaultMaxBodyBytes(e.FLEET_MAX_TASK_BYTES),
   }));
+
+/**
+ * `FLEET_MAX_BODY_BYTES` unset: 32 MiB, or a task at `FLEET_MAX_TASK_BYTES` plus 1 MiB for the
+ * request around it when that is more (a raised task limit alone would otherwise meet a 413 for
+ * the body).
+ */
+export function defaultMaxBodyBytes(maxTaskBytes: number): number {
+  return Math.max(DEFAULT_MAX_BODY_BYTES, maxTaskBytes + 1024 * 1024);
+}
 export type DispatcherConfig = z.output<typeof DispatcherConfig>;
 
 /**
