@@ -134,21 +134,26 @@ describe("the seed-ahead bound", () => {
     );
     // Agents that take every run at once, and no verifier yet.
     startWorkers(["run"]);
-    // The bound follows how fast the agents take rollouts as well as \`min\`: the largest any
+    // The bound follows how fast the agents take rollouts as well as `min`: the largest any
     // count set is what the seeds were held to.
     let maxBound = 0;
     const counts = watchCounts(0, () => {
       maxBound = Math.max(maxBound, resources.seedAhead!.bound);
     });
     const ids = await submit(20);
-    const { run, verify } = fleet.deps.queues.queues;
+    const { verify } = fleet.deps.queues.queues;
     await settled("seeding to pause with no seed in flight", counts, () => {
       const s = resources.seedAhead!;
       return s.held && s.inFlight === 0 && s.bound === 3;
     });
-    expect((await run.getJobCounts("wait")).wait).toBe(0);
+    // The agents take every run: read the queues once they have (on a loaded machine a run can
+    // still wait or be in progress after the counts settled, its sandbox in no verify queue yet).
+    await until("the agents to take and end every run", async () => {
+      const { wait, active } = await counts.getJobCounts("wait", "active");
+      return wait === 0 && active === 0;
+    });
     // At the bound, plus the runs that were in progress when it was counted (not waiting then,
-    // they joined the verify queue after): at most one per agent slot. The bound is \`min\` (3)
+    // they joined the verify queue after): at most one per agent slot. The bound is `min` (3)
     // unless a count found the agents taking more than that per interval (4 was seen on a loaded
     // machine). Twenty without the bound.
     const waitingForVerifier = (await verify.getJobCounts("wait")).wait!;
