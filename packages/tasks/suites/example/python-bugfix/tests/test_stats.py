@@ -22,9 +22,10 @@ except Exception as e:
 
 def call(fn, *args):
     """stats.<fn>(*args) run in a fresh interpreter: {"value": ...} or {"raised": "<Exception>"}.
-    At most 5 s, in a session of its own that is killed when it returns: the agent's code runs as
-    root, as the tests do, and nothing it starts may outlive the call (to write the reward file
-    after test.sh, say)."""
+    At most 30 s (a call takes well under a second; the room is for a loaded host: a timeout
+    fails the test), in a session of its own that is killed when it returns: the agent's code
+    runs as root, as the tests do, and nothing it starts may outlive the call (to write the
+    reward file after test.sh, say)."""
     with subprocess.Popen(
         [sys.executable, "-I", "-c", CHILD, fn, json.dumps(args)],
         stdout=subprocess.PIPE,
@@ -34,7 +35,7 @@ def call(fn, *args):
         start_new_session=True,
     ) as child:
         try:
-            out, err = child.communicate(timeout=5)
+            out, err = child.communicate(timeout=30)
         finally:
             try:
                 os.killpg(child.pid, signal.SIGKILL)
