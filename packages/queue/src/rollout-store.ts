@@ -378,12 +378,9 @@ export class RolloutStore {
     for (let start = 0; kept.length < limit; start += 500) {
       const ids = await this.batchRolloutIds(batchId, start, start + 499);
       if (ids.length === 0) break;
-      const pipe = this.redis.pipeline();
-      for (const id of ids) pipe.hget(this.keys.rollout(id), "status");
-      const statuses = (await pipe.exec()) ?? [];
+      const statuses = await this.statusesOf(ids);
       ids.forEach((id, i) => {
-        if (kept.length < limit && keep((statuses[i]?.[1] as string | null | undefined) ?? null))
-          kept.push(id);
+        if (kept.length < limit && keep(statuses[i]!)) kept.push(id);
       });
       if (ids.length < 500) break;
     }
@@ -429,16 +426,27 @@ export class RolloutStore {
     const out: string[] = [];
     for (let i = 0; i < ids.length; i += 500) {
       const chunk = ids.slice(i, i + 500);
-      const pipe = this.redis.pipeline();
-      for (const id of chunk) pipe.hget(this.keys.rollout(id), "status");
-      const statuses = (await pipe.exec()) ?? [];
+      const statuses = await this.statusesOf(chunk);
       chunk.forEach((id, j) => {
-        const [err, status] = statuses[j] ?? [null, null];
-        if (err) throw err;
-        if (status === "accepted") out.push(id);
+        if (statuses[j] === "accepted") out.push(id);
       });
     }
     return out;
+  }
+
+  /**
+   * The status of each of `ids`' records, in their order (null: no record), in one round trip.
+   * A command's error is thrown: a record that could not be read is not one that is gone.
+   */
+  private async statusesOf(ids: readonly string[]): Promise<Array<string | null>> {
+    const pipe = this.redis.pipeline();
+    for (const id of ids) pipe.hget(this.keys.rollout(id), "status");
+    const replies = (await pipe.exec()) ?? [];
+    return ids.map((_, i) => {
+      const [err, status] = replies[i] ?? [null, null];
+      if (err) throw err;
+      return (status as string | null) ?? null;
+    });
   }
 
   /**

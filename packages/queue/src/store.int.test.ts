@@ -832,6 +832,12 @@ describe("rollout store", () => {
     await kept.admissionDone(member, score);
     expect(await redis.zscore(kept.keys.admitting(), member)).toBe(String(score + 1));
     expect(await kept.unseededOf(member)).toEqual(ids.slice(0, 2));
+    // A record Redis cannot read is an error, never taken for one that is gone.
+    const record = kept.keys.rollout(ids[1]!);
+    await redis.rename(record, `${record}:aside`);
+    await redis.set(record, "not a hash");
+    await expect(kept.unseededOf(member)).rejects.toThrow(/WRONGTYPE/);
+    await redis.rename(`${record}:aside`, record);
     expect(await queues.queues.seed.getJob(`${ids[0]}.seed`)).toBeUndefined();
     // Its 2 rollouts ran out their deadline and were closed (the watchdog's): the batch looks finished.
     for (const id of ids.slice(0, 2)) {
