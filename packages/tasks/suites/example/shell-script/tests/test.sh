@@ -4,11 +4,12 @@ fail=0
 check() { # description, condition result
   if [ "$2" = 0 ]; then echo "ok:   $1"; else echo "FAIL: $1"; fail=1; fi
 }
-# The agent's script runs as root here, as we do: each run at most 3 s, in a process group of
-# its own (timeout makes one) that is killed when it returns, so nothing it started in the
-# background is left to write the reward file after us.
+# The agent's script runs as root here, as we do: each run at most 10 s (a greeting takes
+# milliseconds; the room is for a loaded host, where a timeout would grade working code 0), in a
+# process group of its own (timeout makes one) that is killed when it returns, so nothing it
+# started in the background is left to write the reward file after us.
 agent() {
-  timeout -k 1 3 "$@" &
+  timeout -k 1 10 "$@" &
   local pid=$! code
   wait "$pid"
   code=$?
