@@ -1172,25 +1172,29 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
         return answerDocker(res, 500, "the daemon failed the inspect");
       return false;
     });
+    // Only the destroy has a short API timeout (the second case waits it out); the sandboxes are
+    // made, checked and removed with the usual timeouts, which a loaded host needs for a create.
+    // Both providers talk to the proxy: a handle names the endpoint that made it.
     const racing = new DockerSandboxProvider({
       docker: { socketPath: proxy.path },
       defaults: { apiTimeoutMs: 2_000 },
     });
+    const viaProxy = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
     const made: SandboxHandle[] = [];
     try {
       for (const inspectFails of [true, false]) {
         Object.assign(mode, { refuse: false, inspectFails });
-        const h = await racing.create(spec());
+        const h = await viaProxy.create(spec());
         made.push(h);
         mode.refuse = true;
         const err = await fleetError(racing.destroy(h));
         expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
         mode.refuse = false;
-        expect(await racing.alive(h)).toBe(true);
+        expect(await viaProxy.alive(h)).toBe(true);
       }
     } finally {
       mode.refuse = false;
-      for (const h of made) await racing.destroy(h);
+      for (const h of made) await viaProxy.destroy(h);
       await proxy.close();
     }
   });
