@@ -121,6 +121,37 @@ describe("createLogger", () => {
     expect(out.lines()[0]).toMatchObject({ reqId: "req-1", req: { method: "GET", url: "/v1/x" } });
   });
 
+  it("redacts URL credentials in messages, error messages and stacks, and what a serializer wrote (Fastify's req.url)", () => {
+    const out = sink();
+    const log = createLogger({ name: "t", destination: out.stream });
+    log.error(`connect to https://fleet:${SECRET}@redis.internal:6379 failed`);
+    log.error({ err: new Error(`GET https://api.example.com/v1?api_key=${SECRET} refused`) }, "upstream");
+    // As Fastify's request serializer and its 404 line: the request target, query and all.
+    const serializers = {
+      req: (req: { method: string; url: string }) => ({ method: req.method, url: req.url }),
+    };
+    const request = log.child({}, { serializers }).child({ reqId: "req-1" });
+    request.error(
+      { req: { method: "GET", url: `/v1/batches/b1/results?token=${SECRET}` } },
+      "request errored",
+    );
+    request.info(`Route GET:/nope?access_token=${SECRET}&x=1 not found`);
+    expect(out.text()).not.toContain(SECRET);
+    const lines = out.lines();
+    expect(lines.map((l) => l.msg)).toEqual([
+      "connect to https://[Redacted]@redis.internal:6379 failed",
+      "upstream",
+      "request errored",
+      "Route GET:/nope?access_token=[Redacted]&x=1 not found",
+    ]);
+    expect(lines[1]).toMatchObject({
+      err: { message: "GET https://api.example.com/v1?api_key=[Redacted] refused" },
+    });
+    expect(lines[2]).toMatchObject({
+      req: { method: "GET", url: "/v1/batches/b1/results?token=[Redacted]" },
+    });
+  });
+
   it("keeps count fields whose names merely contain a secret word", () => {
     const out = sink();
     const log = createLogger({ name: "t", destination: out.stream });

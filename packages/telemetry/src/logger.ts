@@ -1,6 +1,12 @@
 import { hostname } from "node:os";
 import pino, { type DestinationStream, type Level, type Logger } from "pino";
-import { REDACT_PATHS, REDACTED, redactSecretFields, secretRedactor } from "./redact.ts";
+import {
+  REDACT_PATHS,
+  REDACTED,
+  redactSecretFields,
+  redactUrlCredentials,
+  secretRedactor,
+} from "./redact.ts";
 
 export type { Logger } from "pino";
 export type LogLevel = Level | "silent";
@@ -25,14 +31,24 @@ export interface LoggerOptions {
 /**
  * A pino logger that never writes a secret-shaped field: fields named like `apiKey`,
  * `api_key`, `token`, `password`, `secret`, `authorization`, `credentialValue` (any depth, see
- * `SECRET_KEYS`) are replaced with `[Redacted]`, and known secret values are scrubbed from the
- * serialized line.
+ * `SECRET_KEYS`) are replaced with `[Redacted]`; the credentials of every URL on the serialized
+ * line (its userinfo, secret-named query parameters), messages and serializers' output included,
+ * are redacted; and known secret values are scrubbed from it.
  */
 export function createLogger(options: LoggerOptions): Logger {
   const secrets = options.secrets;
   // Fields a serializer writes, this logger's and its children's (Fastify adds `req` and `res`):
   // their class instances go to the serializer as they are (see `redactSecretFields`).
   const serialized = new Set<string>(["err"]);
+  // The whole line, after every serializer: the credentials of a URL in a message, an error's
+  // message or stack, or what a serializer wrote (Fastify's `req.url`, with its `?token=`), which
+  // the field walk never sees; and known secrets, parts of one too (no agent reads the logs): an
+  // upstream quoting a key back.
+  const known = secrets === undefined ? null : liveRedactor(secrets);
+  const streamWrite = (line: string) => {
+    const out = redactUrlCredentials(line);
+    return known === null ? out : known(out);
+  };
   const logger = pino(
     {
       name: options.name,
@@ -44,13 +60,7 @@ export function createLogger(options: LoggerOptions): Logger {
         log: (object) => redactSecretFields(object, { serialized }),
         bindings: (bindings) => redactSecretFields(bindings),
       },
-      hooks:
-        secrets === undefined
-          ? {}
-          : {
-              // Parts of a secret too (no agent reads the logs): an upstream quoting a key back.
-              streamWrite: liveRedactor(secrets),
-            },
+      hooks: { streamWrite },
     },
     // Synchronous stdout by default, so the last lines before a crash or exit are not lost.
     options.destination ?? pino.destination({ dest: 1, sync: true }),

@@ -1,5 +1,11 @@
 import { describe, expect, it } from "vitest";
-import { MIN_SECRET_FRAGMENT, REDACTED, redactSecretFields, redactSecrets } from "./redact.ts";
+import {
+  MIN_SECRET_FRAGMENT,
+  REDACTED,
+  redactSecretFields,
+  redactSecrets,
+  redactUrlCredentials,
+} from "./redact.ts";
 
 describe("redactSecrets", () => {
   it("replaces every occurrence of each secret, longest first", () => {
@@ -36,6 +42,60 @@ describe("redactSecrets", () => {
     const secret = 'a"b\\c';
     const json = JSON.stringify({ v: secret });
     expect(redactSecrets(json, [secret])).toBe(`{"v":"${REDACTED}"}`);
+  });
+});
+
+describe("redactUrlCredentials", () => {
+  it("redacts the credentials of a URL inside a longer text, and keeps the rest byte for byte", () => {
+    expect(redactUrlCredentials("connect to https://u:p@host failed")).toBe(
+      `connect to https://${REDACTED}@host failed`,
+    );
+    expect(
+      redactUrlCredentials(
+        "fetch HTTPS://ghp_abc123@github.com/o/r.git (and redis://:pw@10.0.0.1:6379/0), then https://Api.Example.com/x?limit=5&api_key=k1#top.",
+      ),
+    ).toBe(
+      `fetch HTTPS://${REDACTED}@github.com/o/r.git (and redis://${REDACTED}@10.0.0.1:6379/0), then https://Api.Example.com/x?limit=5&api_key=${REDACTED}#top.`,
+    );
+    // A password holding an @ (the last @ of the authority ends the userinfo), on a new line.
+    expect(redactUrlCredentials("error:\n  at amqp://fleet:p@ss@mq.internal/vh")).toBe(
+      `error:\n  at amqp://${REDACTED}@mq.internal/vh`,
+    );
+    // A request target without a scheme (a logged req.url), a fragment parameter, an encoded name.
+    expect(redactUrlCredentials("GET /v1/batches/b1/results?token=t0k&x=1 404")).toBe(
+      `GET /v1/batches/b1/results?token=${REDACTED}&x=1 404`,
+    );
+    expect(redactUrlCredentials("https://h/cb#access_token=at1&state=s")).toBe(
+      `https://h/cb#access_token=${REDACTED}&state=s`,
+    );
+    expect(redactUrlCredentials("https://h/?api%5Fkey=k2")).toBe(`https://h/?api%5Fkey=${REDACTED}`);
+    // Already redacted text stays as it is.
+    const once = redactUrlCredentials("https://u:p@h/?token=t");
+    expect(redactUrlCredentials(once)).toBe(once);
+  });
+
+  it("redacts inside serialized JSON without breaking it, an escaped quote in a secret included", () => {
+    const line = JSON.stringify({
+      msg: 'redis connect to redis://fleet:pa"ss@redis:6379 failed',
+      req: { url: '/v1/x?token=ab"cd&limit=5' },
+    });
+    const out = redactUrlCredentials(line);
+    expect(JSON.parse(out)).toEqual({
+      msg: `redis connect to redis://${REDACTED}@redis:6379 failed`,
+      req: { url: `/v1/x?token=${REDACTED}&limit=5` },
+    });
+  });
+
+  it("leaves text without URL credentials as it is", () => {
+    const kept = [
+      "see https://example.com/@user for a@b.c, ok?",
+      "https://example.com/a@b?limit=5&tokenCount=3",
+      "git@github.com:o/r.git",
+      "what? 100% sure://@",
+      "a=b c?d=e&promptTokens=7",
+      "token=abc without a ? or & before it",
+    ];
+    for (const text of kept) expect(redactUrlCredentials(text)).toBe(text);
   });
 });
 
@@ -151,6 +211,17 @@ describe("redactSecretFields", () => {
       git: `https://${REDACTED}@github.com/o/r.git`,
       api: [`https://api.example.com/v1/x?Api-Key=${REDACTED}&limit=5#top`],
       kept,
+    });
+  });
+
+  it("redacts URL credentials inside a longer string field", () => {
+    const out = redactSecretFields({
+      reason: "connect to https://u:p@host failed",
+      nested: [{ stderr: "curl: (22) https://api.example.com/v1?api_key=sk-1 returned 401" }],
+    });
+    expect(out).toEqual({
+      reason: `connect to https://${REDACTED}@host failed`,
+      nested: [{ stderr: `curl: (22) https://api.example.com/v1?api_key=${REDACTED} returned 401` }],
     });
   });
 

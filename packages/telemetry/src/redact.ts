@@ -67,9 +67,9 @@ const MAX_DEPTH = 10;
 /**
  * A copy of `value` with every secret-named field (any depth, see `SECRET_KEYS`) replaced by
  * `REDACTED`. Plain objects, arrays, Errors and other class instances are walked (an instance
- * becomes a plain object of its own enumerable fields, what its JSON would write); a URL, and a
- * string that parses as one with credentials, becomes its href without them (`redactUrl`); an
- * object written by its own `toJSON` (a Date, a Buffer) or a typed array is kept as it is.
+ * becomes a plain object of its own enumerable fields, what its JSON would write); a URL becomes
+ * its href without credentials (`redactUrl`), and every string has the credentials of the URLs in
+ * it redacted, wherever they stand in it (`redactUrlCredentials`); an object written by its own `toJSON` (a Date, a Buffer) or a typed array is kept as it is.
  * Never mutates its input. Cycles are kept as cycles. An object or array nested deeper than
  * `MAX_DEPTH` is not walked: it becomes `"[Object]"` or `"[Array]"` (as pino's depth-limited
  * serializer writes one), never passed on unredacted.
@@ -94,7 +94,7 @@ function walk(
   seen: WeakMap<object, unknown>,
   serialized?: ReadonlySet<string>,
 ): unknown {
-  if (typeof value === "string") return redactUrlString(value);
+  if (typeof value === "string") return redactUrlCredentials(value);
   if (value === null || typeof value !== "object") return value;
   const done = seen.get(value);
   if (done !== undefined) return done;
@@ -169,21 +169,51 @@ function redactUrl(url: URL): string {
 }
 
 /**
- * A string as `redactUrl` writes it when it parses as a URL with userinfo or a secret-named
- * query parameter (`redis://user:pw@host`, `https://x/?api_key=k`); any other string as it is
- * (a URL without credentials is not rewritten). Cheap for most strings: one without `://`, or
- * with neither `@` nor `?`, is not parsed.
+ * `text` with the credentials of every URL in it redacted, wherever it stands (the whole string,
+ * or inside a message: "connect to https://u:p@host failed"): a URL's userinfo (`user:password@`,
+ * or a token as the user) and the value of each secret-named query or fragment parameter
+ * (`?api_key=`, `&token=`, `#access_token=`; also in a request target without a scheme,
+ * `/v1/x?token=`) become `REDACTED`. The rest of the text is kept as it was, byte for byte (no
+ * URL is normalised). Works on serialized JSON too (a logged line): a JSON escape (`\"`) is read
+ * as one character, so a replacement never splits one. Cheap for most strings: one without `://`
+ * and without `=` is not scanned.
  */
-function redactUrlString(text: string): string {
-  if (!text.includes("://") || (!text.includes("@") && !text.includes("?"))) return text;
-  let url: URL;
+export function redactUrlCredentials(text: string): string {
+  let out = text;
+  if (out.includes("://")) out = out.replace(URL_AUTHORITY, redactAuthority);
+  if (out.includes("=")) out = out.replace(URL_PARAMETER, redactParameter);
+  return out;
+}
+
+/**
+ * A scheme (from its first character only: a match tried at each letter of a long word would
+ * take time quadratic in its length), `//`, then the authority: up to whitespace (a JSON `\n`, `\t` too), a quote, or the
+ * `/`, `?` or `#` that ends it (another backslash escape, `\"`, taken as one character). Its
+ * userinfo is what comes before its last `@`.
+ */
+const URL_AUTHORITY = /(?<![a-z0-9+.-])([a-z][a-z0-9+.-]*:\/\/)((?:\\[^\snrtbf]|[^\s/?#"\\])*)/gi;
+
+/** A query or fragment parameter, `?name=value`, `&name=value`, `#name=value` (escapes as above). */
+const URL_PARAMETER = /([?&#])([^=&#?\s"\\]+)=((?:\\[^\snrtbf]|[^&#\s"\\])*)/g;
+
+function redactAuthority(match: string, scheme: string, authority: string): string {
+  const at = authority.lastIndexOf("@");
+  return at > 0 ? `${scheme}${REDACTED}${authority.slice(at)}` : match;
+}
+
+function redactParameter(match: string, sep: string, name: string, value: string): string {
+  return value !== "" && value !== REDACTED && isSecretKey(decodeName(name))
+    ? `${sep}${name}=${REDACTED}`
+    : match;
+}
+
+/** A query parameter's name decoded (`+` as a space, `%5F` as `_`), or as written if malformed. */
+function decodeName(name: string): string {
   try {
-    url = new URL(text);
+    return decodeURIComponent(name.replace(/\+/g, " "));
   } catch {
-    return text;
+    return name;
   }
-  if (url.username === "" && url.password === "" && redactQuery(url.search) === url.search) return text;
-  return redactUrl(url);
 }
 
 /** What comes before a URL's query, its userinfo (only a URL with a host has one, after `//`) as `REDACTED`. */
@@ -206,13 +236,7 @@ function redactQuery(search: string): string {
       const eq = pair.indexOf("=");
       if (eq < 0) return pair;
       const name = pair.slice(i === 0 ? 1 : 0, eq);
-      let decoded = name;
-      try {
-        decoded = decodeURIComponent(name.replace(/\+/g, " "));
-      } catch {
-        // A malformed escape: the name as written.
-      }
-      return isSecretKey(decoded) ? `${pair.slice(0, eq)}=${REDACTED}` : pair;
+      return isSecretKey(decodeName(name)) ? `${pair.slice(0, eq)}=${REDACTED}` : pair;
     })
     .join("&");
 }
