@@ -803,6 +803,20 @@ describe("fleet submit", () => {
     expect(server.requests).toHaveLength(0);
   });
 
+  it("refuses --metadata the contract refuses (a __proto__ key at any depth, an integer past 2^53) before sending, as a usage error", async () => {
+    const submit = (metadata: string) =>
+      runCli(["submit", "--suite", "s", "--agent", "oracle", "--metadata", metadata], ctx());
+    expect(await submit('{"run":"x","__proto__":{"admin":true}}')).toBe(2);
+    expect(stderr.text()).toContain('--metadata is refused: __proto__ is a "__proto__" key');
+    expect(await submit('{"cfg":{"items":[{"__proto__":1}]}}')).toBe(2);
+    expect(stderr.text()).toContain('--metadata is refused: cfg.items.0.__proto__ is a "__proto__" key');
+    expect(await submit('{"step":12345678901234567890}')).toBe(2);
+    expect(stderr.text()).toContain(
+      "--metadata is refused: step 12345678901234567000 is an integer beyond 2^53",
+    );
+    expect(server.requests).toHaveLength(0);
+  });
+
   it("reports a suite that does not load as a usage error", async () => {
     const code = await runCli(
       ["submit", "--suite", "missing", "--agent", "oracle"],

@@ -1,6 +1,6 @@
 import { randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
-import type { TaskContent } from "@fleet/contracts";
+import { RolloutRequest, type TaskContent } from "@fleet/contracts";
 import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
 import { type CliContext, OutputError, openOut, type ResultsFile, writeText } from "../context.ts";
 import { formatDuration, ProgressReporter } from "../progress.ts";
@@ -417,6 +417,15 @@ function parseMetadata(text: string | undefined): Record<string, unknown> | unde
   }
   if (typeof value !== "object" || value === null || Array.isArray(value)) {
     throw new UsageError("--metadata must be a JSON object");
+  }
+  // What the dispatcher would refuse (a "__proto__" key at any depth, an integer past 2^53 that
+  // JSON.parse already rounded), refused here, before anything is sent: the contract's own schema.
+  const parsed = RolloutRequest.shape.metadata.safeParse(value);
+  if (!parsed.success) {
+    const problems = parsed.error.issues.map((i) =>
+      i.path.length === 0 ? i.message : `${i.path.map(String).join(".")} ${i.message}`,
+    );
+    throw new UsageError(`--metadata is refused: ${problems.join("; ")}`);
   }
   return value as Record<string, unknown>;
 }
