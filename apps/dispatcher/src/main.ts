@@ -1,13 +1,12 @@
 import { DispatcherConfig, parseConfig } from "@fleet/config";
 import {
-  assertRedisDurable,
   connectRedis,
   failFastOnceReady,
-  isRedisUnavailable,
   logConnectionOutages,
   RolloutStore,
   StageQueues,
   TeardownLedger,
+  waitForRedis,
 } from "@fleet/queue";
 import {
   createFleetMetrics,
@@ -33,20 +32,9 @@ async function main(): Promise<void> {
   const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
-  let lastRedisError = "";
-  const noteRedisError = (err: Error) => {
-    lastRedisError = err.message;
-  };
-  redis.on("error", noteRedisError);
-  // Before Redis was first reached, the check's commands give up after two reconnect attempts:
-  // say that Redis is not there, not ioredis' "Reached the max retries per request limit".
-  await assertRedisDurable(redis, { acceptWriteLoss: config.acceptRedisWriteLoss }).catch((err: unknown) => {
-    if (!isRedisUnavailable(err)) throw err;
-    throw new Error(`cannot reach Redis (REDIS_URL): ${lastRedisError || (err as Error).message}`, {
-      cause: err,
-    });
-  });
-  redis.off("error", noteRedisError);
+  // Redis not up yet (started beside it, restarting): wait for it, as the workers do, saying so;
+  // a Redis that answers but is not safe for the fleet's state refuses the start at once.
+  await waitForRedis(redis, { acceptWriteLoss: config.acceptRedisWriteLoss, logger });
   const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);

@@ -3,12 +3,12 @@ import { hostname } from "node:os";
 import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
 import { FailureKind, type StageName } from "@fleet/contracts";
 import {
-  assertRedisDurable,
   connectRedis,
   logConnectionOutages,
   RolloutStore,
   StageQueues,
   TeardownLedger,
+  waitForRedis,
 } from "@fleet/queue";
 import { createSandboxProvider, DockerGatewayNetworks, dockerConnectionFromEnv } from "@fleet/sandbox";
 import {
@@ -67,7 +67,9 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   const redis = connectRedis(config.redisUrl);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);
-  await assertRedisDurable(redis, { acceptWriteLoss: config.acceptRedisWriteLoss });
+  // Redis not up yet: wait for it, saying so (the dispatcher too); a Redis that is not safe for
+  // the fleet's state refuses the start at once.
+  await waitForRedis(redis, { acceptWriteLoss: config.acceptRedisWriteLoss, logger });
   const docker = dockerConnectionFromEnv(config.dockerHost, config.dockerCertPath);
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,

@@ -15,6 +15,7 @@ import {
   RedisDurabilityError,
 } from "./connection.ts";
 import { createKeys } from "./keys.ts";
+import { waitForRedis } from "./redis-wait.ts";
 import { RolloutStore } from "./rollout-store.ts";
 import { type LoopbackRedisCluster, startLoopbackRedisCluster } from "./testing/redis-cluster.ts";
 
@@ -79,6 +80,18 @@ describe("the fleet on a 3-master Redis Cluster (loopback)", () => {
       await cluster.cli(bad, "config", "set", "appendfsync", "always");
     }
     await assertRedisDurable(conn);
+  });
+
+  it("an app's start (waitForRedis) on a fresh Cluster connection: ready, checked, no warning", async () => {
+    const fresh = connectRedis(cluster.url, { maxRetriesPerRequest: 2 });
+    const warnings: string[] = [];
+    try {
+      await waitForRedis(fresh, { logger: { warn: (_o, msg) => warnings.push(msg) } });
+      expect(fresh.status).toBe("ready");
+      expect(warnings).toEqual([]);
+    } finally {
+      fresh.disconnect();
+    }
   });
 
   it("refuses a prefix without a hash tag (its keys would spread over slots)", async () => {

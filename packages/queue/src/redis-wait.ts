@@ -1,0 +1,86 @@
+import { setTimeout as sleep } from "node:timers/promises";
+import {
+  assertRedisDurable,
+  type DurabilityOptions,
+  isRedisUnavailable,
+  type RedisConnection,
+} from "./connection.ts";
+
+/** What `waitForRedis` logs with (a pino logger fits). */
+export interface RedisWaitLogger {
+  warn(obj: object, msg: string): void;
+}
+
+export interface RedisWaitOptions extends DurabilityOptions {
+  logger: RedisWaitLogger;
+  /** The first wait between attempts, doubled after each. @defaultValue 1000 */
+  firstDelayMs?: number;
+  /** The longest wait between attempts. @defaultValue 30000 */
+  maxDelayMs?: number;
+}
+
+/**
+ * An app's start against its Redis: wait, however long it takes, until `redis` is reachable and
+ * passes `assertRedisDurable`, as a production operator expects of a service started beside (or
+ * before) its Redis: a compose file, a Kubernetes Deployment, a Redis restarting. While it is not,
+ * a warning names REDIS_URL, the connection's last error and how long it has waited, at most once
+ * per wait (1 s, 2 s, 4 s … then every 30 s). A Redis that answers but refuses the fleet (AOF off,
+ * an evicting `maxmemory-policy`, a database it does not have: `RedisDurabilityError`) and any
+ * other error end the wait at once, thrown. Every app (dispatcher, workers, janitor) starts
+ * through this, whatever its connection's `maxRetriesPerRequest`: no command is sent before the
+ * connection is ready. Throws when the connection is closed meanwhile (`disconnect`).
+ */
+export async function waitForRedis(redis: RedisConnection, options: RedisWaitOptions): Promise<void> {
+  const { logger } = options;
+  const started = Date.now();
+  let lastError = "";
+  const noteError = (err: Error) => {
+    lastError = err.message;
+  };
+  redis.on("error", noteError);
+  let delayMs = options.firstDelayMs ?? 1_000;
+  const maxDelayMs = options.maxDelayMs ?? 30_000;
+  try {
+    for (;;) {
+      if (await readyWithin(redis, delayMs)) {
+        try {
+          await assertRedisDurable(redis, options);
+          return;
+        } catch (err) {
+          // Down again before the check was through, or busy (LOADING its data, a failover):
+          // the check again after a wait. A refusal is not retried.
+          if (!isRedisUnavailable(err)) throw err;
+          lastError = (err as Error).message;
+          await sleep(delayMs);
+        }
+      }
+      logger.warn(
+        { err: lastError || "no answer yet", waitedS: Math.round((Date.now() - started) / 1000) },
+        "cannot reach Redis (REDIS_URL) yet; waiting for it, no request or job is served until it answers",
+      );
+      delayMs = Math.min(delayMs * 2, maxDelayMs);
+    }
+  } finally {
+    redis.off("error", noteError);
+  }
+}
+
+/** Whether `redis` is ready now or becomes ready within `ms`; throws once its connection ended. */
+async function readyWithin(redis: RedisConnection, ms: number): Promise<boolean> {
+  if (redis.status === "ready") return true;
+  if (redis.status === "end") throw new Error("the Redis connection was closed before Redis was reached");
+  return new Promise<boolean>((resolve, reject) => {
+    const done = (ready: boolean, err?: Error) => {
+      clearTimeout(timer);
+      redis.off("ready", onReady);
+      redis.off("end", onEnd);
+      if (err) reject(err);
+      else resolve(ready);
+    };
+    const onReady = () => done(true);
+    const onEnd = () => done(false, new Error("the Redis connection was closed before Redis was reached"));
+    const timer = setTimeout(() => done(false), ms);
+    redis.once("ready", onReady);
+    redis.once("end", onEnd);
+  });
+}
