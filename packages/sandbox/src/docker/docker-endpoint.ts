@@ -26,7 +26,23 @@ export function dockerOptionsFromEndpoint(endpoint: string): Dockerode.DockerOpt
       `unsupported docker endpoint: ${endpoint} (use unix://, tcp://, http:// or https://)`,
     );
   }
-  return { host: url.hostname, port: url.port || (tls ? "2376" : "2375"), protocol: tls ? "https" : "http" };
+  // The URL API drops a scheme's default port (`https://h:443` has port ""): an explicit :443 or
+  // :80 is kept, not taken for no port (which means Docker's 2376 for TLS, 2375 without).
+  const port = url.port || explicitDefaultPort(endpoint, url) || (tls ? "2376" : "2375");
+  return { host: url.hostname, port, protocol: tls ? "https" : "http" };
+}
+
+/** `443`/`80` when `endpoint` names its scheme's default port explicitly (`https://h:443`), else "". */
+function explicitDefaultPort(endpoint: string, url: URL): string {
+  const defaults: Record<string, string> = { "https:": "443", "http:": "80" };
+  const port = defaults[url.protocol];
+  if (port === undefined) return "";
+  // The authority: after `://`, up to the path, query or fragment; its port after the host
+  // (a bracketed IPv6 address holds colons of its own) and any userinfo.
+  const authority = (endpoint.split("://")[1] ?? "").split(/[/?#]/)[0] ?? "";
+  const hostPort = authority.slice(authority.lastIndexOf("@") + 1);
+  const m = /:(\d+)$/.exec(hostPort.startsWith("[") ? hostPort.slice(hostPort.indexOf("]") + 1) : hostPort);
+  return m !== null && Number(m[1]) === Number(port) ? port : "";
 }
 
 /** Resolve a connection to dockerode options and the canonical endpoint string handles carry. */
