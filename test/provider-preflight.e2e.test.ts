@@ -223,6 +223,42 @@ describe("a worker that cannot reach its sandbox provider", () => {
     }
   });
 
+  it("a misspelt FLEET_ variable is warned of at start, naming the closest known one (not refused)", async () => {
+    const typos = { FLEET_CONCURENCY: "64", FLEET_LOGLEVEL: "debug" };
+    const expected = [
+      "FLEET_CONCURENCY is not a variable of the fleet: it is ignored (did you mean FLEET_CONCURRENCY?)",
+      "FLEET_LOGLEVEL is not a variable of the fleet: it is ignored (did you mean FLEET_LOG_LEVEL?)",
+    ];
+    // Each app ends early on its own (an address it cannot listen on, no sandbox provider): the
+    // warnings come first, at start.
+    const dispatcher = await runApp("dispatcher", {
+      REDIS_URL,
+      FLEET_PREFIX: prefix,
+      FLEET_HTTP_PORT: "0",
+      FLEET_HTTP_HOST: "203.0.113.7",
+      ...typos,
+    });
+    const janitor = await runApp("janitor", {
+      REDIS_URL,
+      FLEET_PREFIX: prefix,
+      DOCKER_HOST: `tcp://127.0.0.1:${await freeLoopbackPort()}`,
+      FLEET_PROVIDER_WAIT_MS: "500",
+      ...typos,
+    });
+    for (const { output } of [dispatcher, janitor]) {
+      const warnings = output
+        .split("\n")
+        .filter((l) => l.startsWith("{"))
+        .map((l) => JSON.parse(l) as { level: number; msg: string })
+        .filter((l) => l.msg.includes("is not a variable of the fleet"));
+      expect(
+        warnings.map((w) => w.msg),
+        output,
+      ).toEqual(expected);
+      expect(warnings.every((w) => w.level === 40)).toBe(true);
+    }
+  });
+
   it("a dispatcher started before its Redis waits for it, saying so and naming REDIS_URL, and serves once Redis answers", async () => {
     const [redisPort, httpPort] = [await freeLoopbackPort(), await freeLoopbackPort()];
     const dir = await mkdtemp(join(tmpdir(), "fleet-preflight-redis-"));

@@ -6,6 +6,8 @@ import {
   JanitorConfig,
   parseConfig,
   parseWorkerConfig,
+  unknownFleetVariables,
+  variablesOf,
   WorkerConfig,
 } from "@fleet/config";
 import { describe, expect, it } from "vitest";
@@ -23,23 +25,22 @@ function entries(): { name: string; value: string; set: boolean }[] {
     .map((m) => ({ name: m[2]!, value: m[3]!, set: m[1] === undefined }));
 }
 
-/** The variables a schema reads (its object's keys, under the refine and transform). */
-function variables(schema: unknown): string[] {
-  return Object.keys((schema as { in: { shape: Record<string, unknown> } }).in.shape);
-}
-
 describe("configs/fleet.env.example", () => {
   const all = entries();
   const set = Object.fromEntries(all.filter((e) => e.set).map((e) => [e.name, e.value]));
 
   it("names every variable the apps read, and only those (plus credential pairs)", () => {
     const known = new Set(
-      [WorkerConfig, JanitorConfig, DispatcherConfig, CliConfig].flatMap((schema) => variables(schema)),
+      [WorkerConfig, JanitorConfig, DispatcherConfig, CliConfig].flatMap((schema) => variablesOf(schema)),
     );
     const names = all.map((e) => e.name);
     expect([...known].filter((k) => !names.includes(k))).toEqual([]);
     expect(names.filter((n) => !known.has(n) && !n.startsWith("FLEET_CREDENTIAL_"))).toEqual([]);
     expect(new Set(names).size).toBe(names.length);
+  });
+
+  it("holds no variable an app would warn of as unknown at start", () => {
+    expect(unknownFleetVariables(Object.fromEntries(all.map((e) => [e.name, e.value])))).toEqual([]);
   });
 
   it("its values, and each commented example switched on, parse for every app", () => {

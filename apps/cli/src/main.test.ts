@@ -85,6 +85,18 @@ describe("bin/fleet.js", () => {
     expect(server.requests[0]?.headers.authorization).toBe("Bearer t0k");
   });
 
+  it("warns of a misspelt FLEET_ variable (ignored otherwise), naming the closest known one, and goes on", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 1, done: 1, counts: { completed: 1 } }),
+    );
+    const r = await run(["status", "b-1"], { FLEET_URL: server.url, FLEET_TOKN: "t0k" });
+    expect(r.stderr).toBe(
+      "warning: FLEET_TOKN is not a variable of the fleet: it is ignored (did you mean FLEET_TOKEN?)\n",
+    );
+    expect(r.code).toBe(0);
+    expect(server.requests[0]?.headers.authorization).toBeUndefined();
+  });
+
   it("refuses a bad FLEET_URL with exit 2, naming the variable", async () => {
     const r = await run(["status", "b-1"], { FLEET_URL: "ftp://nowhere" });
     expect(r.code).toBe(2);

@@ -1,5 +1,11 @@
 import { readFile } from "node:fs/promises";
-import { CliConfig, ConfigError, parseConfig } from "@fleet/config";
+import {
+  CliConfig,
+  ConfigError,
+  parseConfig,
+  unknownFleetVariables,
+  unknownVariableMessage,
+} from "@fleet/config";
 import { loadSuite, taskDigest } from "@fleet/tasks";
 import { commandName, runCli } from "./program.ts";
 import type { ProgressStream } from "./progress.ts";
@@ -12,6 +18,10 @@ try {
 } catch (err) {
   process.stderr.write(`${err instanceof ConfigError ? err.message : String(err)}\n`);
   process.exit(2);
+}
+// A misspelt FLEET_URL or FLEET_TOKEN would be ignored without a word.
+for (const unknown of unknownFleetVariables(process.env)) {
+  process.stderr.write(`warning: ${unknownVariableMessage(unknown)}\n`);
 }
 
 const interrupt = new AbortController();

@@ -1,4 +1,4 @@
-import { DispatcherConfig, parseConfig } from "@fleet/config";
+import { DispatcherConfig, parseConfig, warnUnknownVariables } from "@fleet/config";
 import {
   connectRedis,
   failFastOnceReady,
@@ -24,6 +24,8 @@ import { createServer } from "./server.ts";
 async function main(): Promise<void> {
   const config = parseConfig(DispatcherConfig, process.env);
   const logger = createLogger({ name: "dispatcher", level: config.logLevel });
+  // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
+  warnUnknownVariables(process.env, logger);
   const registry = createMetricsRegistry({ app: "dispatcher" });
   const metrics = createFleetMetrics(registry);
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down

@@ -1,6 +1,12 @@
 import { randomUUID } from "node:crypto";
 import { hostname } from "node:os";
-import { JanitorConfig, parseConfig, parseWorkerConfig, type WorkerKind } from "@fleet/config";
+import {
+  JanitorConfig,
+  parseConfig,
+  parseWorkerConfig,
+  type WorkerKind,
+  warnUnknownVariables,
+} from "@fleet/config";
 import { FailureKind, type StageName } from "@fleet/contracts";
 import {
   connectRedis,
@@ -62,6 +68,8 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   // Credential values this worker resolved: the logger scrubs them from every line.
   const knownSecrets = new Set<string>();
   const logger = createLogger({ name: app, level: config.logLevel as "info", secrets: knownSecrets });
+  // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
+  warnUnknownVariables(env, logger);
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
   const redis = connectRedis(config.redisUrl);
