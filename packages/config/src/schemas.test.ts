@@ -223,7 +223,6 @@ describe("WorkerConfig", () => {
       metricsPort: null,
       metricsHost: "127.0.0.1",
       concurrency: 8,
-      allowHostExecution: false,
       credentialsFile: null,
       gatewaySubnetPool: null,
       gatewayMaxCallsPerMinute: 120,
@@ -274,7 +273,7 @@ describe("WorkerConfig", () => {
       FLEET_METRICS_PORT: "9464",
       FLEET_METRICS_HOST: "0.0.0.0",
       FLEET_CONCURRENCY: "3",
-      FLEET_ALLOW_HOST_EXECUTION: "Yes",
+      FLEET_ALLOW_HOST_EXECUTION: "No",
       FLEET_CREDENTIALS_FILE: "/run/secrets/fleet.json",
       FLEET_WORKER_ID: "verifier-7",
     });
@@ -286,7 +285,6 @@ describe("WorkerConfig", () => {
       metricsPort: 9464,
       metricsHost: "0.0.0.0",
       concurrency: 3,
-      allowHostExecution: true,
       credentialsFile: "/run/secrets/fleet.json",
       workerId: "verifier-7",
     });
@@ -355,6 +353,22 @@ describe("WorkerConfig", () => {
       dockerHost: null,
       dockerCertPath: null,
     });
+  });
+
+  it("refuses FLEET_ALLOW_HOST_EXECUTION=true (there is no host execution: no host fallback, DESIGN §2 rule 4), naming the variable", () => {
+    for (const value of ["true", "1", "YES", "on"]) {
+      const err = errorOf(() => parseWorkerConfig("agent", { FLEET_ALLOW_HOST_EXECUTION: value }));
+      expect(
+        err.issues.map((i) => i.variable),
+        value,
+      ).toEqual(["FLEET_ALLOW_HOST_EXECUTION"]);
+      expect(err.message).toContain(
+        "FLEET_ALLOW_HOST_EXECUTION: must be false: this build has no host execution",
+      );
+    }
+    for (const value of ["false", "0", "no", "off", ""]) {
+      expect(() => parseWorkerConfig("agent", { FLEET_ALLOW_HOST_EXECUTION: value }), value).not.toThrow();
+    }
   });
 
   it("accepts metrics port 0 (a free port)", () => {

@@ -197,7 +197,17 @@ export const WorkerConfig = z
       .pipe(z.enum(WorkerKind.options, { error: `must be one of ${WorkerKind.options.join(", ")}` })),
     FLEET_WORKER_ID: wordVar().optional(),
     FLEET_CONCURRENCY: intVar(1, 10_000).optional(),
-    FLEET_ALLOW_HOST_EXECUTION: boolVar().default(false),
+    /**
+     * DESIGN §2 rule 4: no host fallback. This build has no host execution at all (model-directed
+     * commands run only in Docker or bubblewrap sandboxes), so `true` asks for what cannot be
+     * given: refused, rather than read and ignored. `false` (or unset) is accepted.
+     */
+    FLEET_ALLOW_HOST_EXECUTION: boolVar()
+      .refine((allow) => !allow, {
+        message:
+          "must be false: this build has no host execution (model-directed commands run only in Docker or bubblewrap sandboxes, never on the host: DESIGN §2 rule 4); unset it",
+      })
+      .default(false),
     FLEET_CREDENTIALS_FILE: z.string().trim().optional(),
     /**
      * Agent worker: the model endpoints (comma-separated base URLs) a tool-loop agent naming no
@@ -272,7 +282,6 @@ export const WorkerConfig = z
     workerId: e.FLEET_WORKER_ID ?? null,
     ...sandboxAndMetricsConfig(e),
     concurrency: e.FLEET_CONCURRENCY ?? DEFAULT_CONCURRENCY[e.FLEET_WORKER_KIND],
-    allowHostExecution: e.FLEET_ALLOW_HOST_EXECUTION,
     credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
     modelBaseUrls: e.FLEET_MODEL_BASE_URLS ?? null,
     gatewayMaxCallsPerMinute: e.FLEET_GATEWAY_MAX_CALLS_PER_MINUTE,
