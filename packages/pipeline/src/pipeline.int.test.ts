@@ -4,6 +4,7 @@ import { existsSync } from "node:fs";
 import {
   type CleanupReceipt,
   FleetError,
+  MAX_FIELD_CHARS,
   type RolloutRequestInput,
   RUN_MARGIN_MS,
   type SandboxHandle,
@@ -805,6 +806,52 @@ describe("idempotency and fencing without workers", () => {
     // Closed here: their seed jobs stay queued, and a later test's workers would take them.
     for (const id of [late!, early!]) await runStageJob("close", job(id), fleet.deps);
     expect(await containersOf([late!, early!])).toBe(0);
+  });
+
+  it("failure records are facts (rule 12): each keeps its stage, terminal flag, failure kind, its own mask and a bounded reason", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    let creates = 0;
+    // The first create meets a daemon restarting (infrastructure: masked kind, retried), the
+    // second a refusal no retry can fix (final, not masked): the result is failed, and its log
+    // still says the first failure was an infrastructure one.
+    const provider = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+      create: async () => {
+        creates++;
+        throw creates === 1
+          ? FleetError.retryable("provider_unavailable", `the daemon is restarting ${"x".repeat(10_000)}`)
+          : FleetError.nonRetryable("isolation_refused", "the sandbox shares the host's PID namespace");
+      },
+    });
+    const deps = { ...fleet.deps, provider };
+    const first = await runStageJob("seed", job(id!), deps).catch((e: unknown) => e);
+    expect(first).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    const second = await runStageJob("seed", job(id!, 1), deps).catch((e: unknown) => e);
+    expect(second).toBeInstanceOf(UnrecoverableError);
+    expect(creates).toBe(2);
+    // No sandbox was made: the intent's grace need not be waited out.
+    await runStageJob("close", job(id!), { ...fleet.deps, intentGraceMs: 0 });
+    const r = await fleet.deps.store.getResult(id!);
+    expect(r).toMatchObject({
+      status: "failed",
+      mask: false,
+      reward: null,
+      failureKind: "isolation_refused",
+      stage: "seed",
+    });
+    const facts = r!.failures.map(({ stage, terminal, failureKind, mask }) => ({
+      stage,
+      terminal,
+      failureKind,
+      mask,
+    }));
+    expect(facts).toEqual([
+      { stage: "seed", terminal: false, failureKind: "provider_unavailable", mask: true },
+      { stage: "seed", terminal: true, failureKind: "isolation_refused", mask: false },
+    ]);
+    expect(r!.failures[0]!.reason).toMatch(/^the daemon is restarting x{100}/);
+    expect(r!.failures[0]!.reason.length).toBeLessThanOrEqual(MAX_FIELD_CHARS);
+    expect(r!.failures[1]!.reason).toBe("the sandbox shares the host's PID namespace");
+    expect(await containersOf([id!])).toBe(0);
   });
 
   it("a seed that loses the receipt race to another holding the same container (adopted by name) leaves it alone", async () => {
