@@ -4,6 +4,7 @@ import { existsSync } from "node:fs";
 import {
   type CleanupReceipt,
   FleetError,
+  isTerminal,
   MAX_FIELD_CHARS,
   type RolloutRequestInput,
   RUN_MARGIN_MS,
@@ -2177,24 +2178,42 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.getResult(again!))?.teardown).toBe("confirmed");
   });
 
-  it("a seed that arrives after a close is refused and creates no sandbox", async () => {
+  it("a seed that arrives after a close began is refused and creates no sandbox, while the close is under way as after it (rule 9)", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
-    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
-    const closed = await fleet.deps.store.getResult(id!);
-    expect(closed?.status).toBe("masked"); // closed before any verdict: never a 0
-    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("replayed");
-    // Even bypassing the terminal check, the tombstone refuses the sandbox intent.
+    let creates = 0;
+    const counting = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+      create: async (...a: Parameters<SandboxProvider["create"]>) => {
+        creates++;
+        return fleet.deps.provider.create(...a);
+      },
+    });
+    const deps = { ...fleet.deps, provider: counting };
+    // A close began (its begin set the tombstone) and has not finalized (its worker died, say):
+    // the rollout is not terminal, so only the tombstone stands between a late seed and a sandbox.
+    await fleet.deps.store.tombstone(id!);
+    expect(isTerminal((await fleet.deps.store.get(id!))!.status)).toBe(false);
+    expect(await runStageJob("seed", job(id!), deps)).toBe("skipped");
+    // Even bypassing the stage runner's checks, the tombstone refuses the sandbox intent.
     const rec = (await fleet.deps.store.get(id!))!;
-    const refused = await fleet.deps.ledger.recordIntent({
+    const intent = {
       key: `${id}:resources`,
       rolloutId: id!,
-      owner: "resources",
-      provider: "docker",
+      owner: "resources" as const,
+      provider: "docker" as const,
       handle: null,
       createdAt: Date.now(),
       expiresAt: rec.meta.deadlineAt,
-    });
-    expect(refused).toBe("closed");
+    };
+    expect(await fleet.deps.ledger.recordIntent(intent)).toBe("closed");
+    expect(await fleet.deps.ledger.getSandbox(intent.key)).toBeNull();
+    expect(creates).toBe(0);
+    expect(await containersOf([id!])).toBe(0);
+    // The close finishes; a seed after it replays the terminal state and still makes nothing.
+    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("masked"); // closed before any verdict: never a 0
+    expect(await runStageJob("seed", job(id!), deps)).toBe("replayed");
+    expect(await fleet.deps.ledger.recordIntent(intent)).toBe("closed");
+    expect(creates).toBe(0);
     expect(await containersOf([id!])).toBe(0);
   });
 
