@@ -1053,6 +1053,61 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!, refused!])).toBe(0);
   });
 
+  it("a probe that reports a sandbox not isolated, without throwing, refuses it for good: the task's sandbox as an agent's own, nothing staged in it (rule 4)", async () => {
+    /** `docker`, whose probe of `owner`'s sandbox answers "not isolated" instead of throwing. */
+    const reportsShared = (owner: "resources" | "agent") => {
+      const staged: string[] = [];
+      const provider = Object.assign(Object.create(docker) as SandboxProvider, {
+        probe: async (h: SandboxHandle) => {
+          const report = await docker.probe(h);
+          if (h.owner !== owner) return report;
+          return { ...report, isolated: false, checks: { ...report.checks, pidNamespaceDiffers: false } };
+        },
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[0].owner === owner) staged.push(a[1]);
+          return docker.put(...a);
+        },
+      });
+      return { provider, staged };
+    };
+    const own = { task: byId("sum-answer"), agent: { harness: "oracle" as const, sandbox: "own" as const } };
+    const [seeded, owned] = await fleet.submit([oracle(byId("hello-file")), own]);
+
+    const task = reportsShared("resources");
+    const seedErr = await runStageJob("seed", job(seeded!), { ...fleet.deps, provider: task.provider }).catch(
+      (e: unknown) => e,
+    );
+    expect(seedErr).toBeInstanceOf(UnrecoverableError);
+    expect((seedErr as Error).message).toMatch(/^isolation_refused: .*not isolated.*pidNamespaceDiffers/);
+    expect(task.staged).toEqual([]);
+    await runStageJob("close", job(seeded!), fleet.deps);
+    expect(await fleet.deps.store.getResult(seeded!)).toMatchObject({
+      status: "failed",
+      mask: false,
+      reward: null,
+      failureKind: "isolation_refused",
+      stage: "seed",
+    });
+
+    const agent = reportsShared("agent");
+    const deps = { ...fleet.deps, provider: agent.provider };
+    expect(await runStageJob("seed", job(owned!), deps)).toBe("ok");
+    const runErr = await runStageJob("run", job(owned!), deps).catch((e: unknown) => e);
+    expect(runErr).toBeInstanceOf(UnrecoverableError);
+    expect((runErr as Error).message).toMatch(/^isolation_refused: /);
+    expect(agent.staged).toEqual([]);
+    expect((await fleet.deps.store.get(owned!))!.receipts.run).toBeUndefined();
+    await runStageJob("close", job(owned!), fleet.deps);
+    expect(await fleet.deps.store.getResult(owned!)).toMatchObject({
+      status: "failed",
+      failureKind: "isolation_refused",
+      stage: "run",
+    });
+    // The refused sandbox was its failed run's; close hands it to the janitor (rule 11).
+    await janitorTick(fleet.deps, { orphanGraceMs: 10 * 60_000 });
+    expect(await containersOf([seeded!, owned!])).toBe(0);
+  });
+
   it("a stored task that no longer parses (stored under a looser schema) fails the rollout for good, not masked after retries", async () => {
     const task = { ...byId("hello-file"), id: `stale-${Date.now()}` };
     const [id] = await fleet.submit([oracle(task)]);

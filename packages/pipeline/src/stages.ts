@@ -200,6 +200,28 @@ async function createSandbox(
   return { handle, entry: created, createMs: clock(deps) - t0, reused };
 }
 
+/**
+ * The isolation probe, its verdict checked here too (DESIGN §2 rule 4, §5): a provider is to
+ * throw final `isolation_refused` for a sandbox that is not isolated, and one that reports
+ * `isolated: false` instead is refused all the same, never used.
+ */
+async function probeIsolated(deps: PipelineDeps, handle: SandboxHandle): Promise<ProbeReport> {
+  const report = await deps.provider.probe(handle);
+  if (!report.isolated) {
+    const failed = Object.entries(report.checks)
+      .filter(([, ok]) => !ok)
+      .map(([name]) => name);
+    throw FleetError.nonRetryable(
+      "isolation_refused",
+      capText(
+        `sandbox ${handle.name} is not isolated from the host (failed: ${failed.join(", ") || "none named"}): ${report.detail}`,
+        1000,
+      ),
+    );
+  }
+  return report;
+}
+
 /** One sandbox: the same id on the same provider endpoint. */
 function isSameSandbox(a: SandboxHandle, b: SandboxHandle): boolean {
   return a.provider === b.provider && a.endpoint === b.endpoint && a.id === b.id;
@@ -376,7 +398,7 @@ export const seed: StageHandler = async (rec, deps) => {
   let t2: number;
   let probe: Awaited<ReturnType<SandboxProvider["probe"]>>;
   try {
-    probe = await deps.provider.probe(created.handle);
+    probe = await probeIsolated(deps, created.handle);
     t2 = clock(deps);
     await stageWorkspace(deps.provider, created.handle, task);
   } catch (err) {
@@ -511,7 +533,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       owned = created.entry;
       // Isolation is proven before anything is staged or run in it (DESIGN §5), as the seed did
       // for the task's sandbox: a refusal is final, a probe that could not run is retried.
-      await deps.provider.probe(handle);
+      await probeIsolated(deps, handle);
       if (!created.reused) await stageWorkspace(deps.provider, handle, task);
     }
     // A rerun in the task's sandbox kills what the earlier launch left and resets the sandbox; an
