@@ -35,9 +35,19 @@ const exact = (v: unknown): boolean =>
   typeof v === "number"
     ? !Number.isInteger(v) || Number.isSafeInteger(v) || Math.abs(v) >= 1e21
     : v === null || typeof v !== "object" || Object.values(v).every(exact);
+/**
+ * No own `__proto__` key at any depth: metadata refuses one on purpose (tested below), and
+ * fast-check's strings make one now and then (about 1 run of 50 of 150 values each), which failed
+ * a round trip at random.
+ */
+const noProtoKey = (v: unknown): boolean =>
+  v === null ||
+  typeof v !== "object" ||
+  (!Object.hasOwn(v, "__proto__") && Object.values(v).every(noProtoKey));
 const json = fc
   .dictionary(fc.string({ minLength: 1, maxLength: 8 }), fc.jsonValue({ maxDepth: 2 }), { maxKeys: 3 })
-  .filter(exact);
+  .filter(exact)
+  .filter(noProtoKey);
 
 const task = fc
   .record({
