@@ -248,6 +248,33 @@ describe("rollout store", () => {
     expect(jobs.filter((j) => j.id === `${a.ids[0]}.seed`)).toHaveLength(1);
   });
 
+  it("a rollout's one deadline counts from its acceptance, and a replay of its request never moves it (rule 5)", async () => {
+    const accepted = Date.now() - 60_000; // accepted a minute ago
+    const request = {
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+      deadlineS: 300,
+    };
+    const send = (now?: number) =>
+      admit(
+        store,
+        queues,
+        { requests: [request], batch: false, idempotencyKey: "one-deadline" },
+        { maxTaskBytes: 1e6, ...(now === undefined ? {} : { now }) },
+      );
+    const first = await send(accepted);
+    const id = first.ids[0]!;
+    const deadline = accepted + 300_000;
+    expect((await store.get(id))!.meta).toMatchObject({ createdAt: accepted, deadlineAt: deadline });
+    // The field the stage scripts read, and the in-flight index the watchdog reads, agree.
+    expect(Number(await redis.hget(store.keys.rollout(id), "deadline"))).toBe(deadline);
+    expect(Number(await redis.zscore(store.keys.inflight(), id))).toBe(deadline);
+    // The client sends it again now (its answer was lost): the same rollout, the same deadline.
+    const again = await send();
+    expect(again).toMatchObject({ ids: [id], created: [] });
+    expect((await store.get(id))!.meta.deadlineAt).toBe(deadline);
+  });
+
   it("batch counters follow status changes and count terminal rollouts once", async () => {
     const r = await admit(
       store,
