@@ -84,7 +84,9 @@ describe("graceful shutdown and Redis reconnection (whole processes)", () => {
       const code = await fleet.kill("agent", index, "SIGTERM");
       const tookMs = Date.now() - started;
       expect(code).toBe(0);
-      expect(tookMs).toBeLessThan(SHUTDOWN_TIMEOUT_MS + 500);
+      // Within its bound, far short of the 20 s run it hands back; 2 s of room for a loaded host
+      // to deliver the signal and reap the process.
+      expect(tookMs).toBeLessThan(SHUTDOWN_TIMEOUT_MS + 2_000);
       const log = readFileSync(join(logDir, `agent-${index}.log`), "utf8");
       expect(log).toContain("handed the job back");
 
