@@ -264,7 +264,7 @@ export class FleetClient {
 
   /**
    * The batch's result lines (raw JSON text, one per result, blank lines dropped). When the
-   * stream breaks off, it is fetched again from the start (the API has no offset) and the
+   * stream breaks off, it is fetched again from the start (the plain stream has no offset) and the
    * results already yielded (by rollout id) are skipped, so each result comes once. Gives up
    * after `retries` breaks in a row without a new result, or, with `patience`, after breaking
    * for `maxOutageMs` without one.
