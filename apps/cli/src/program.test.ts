@@ -900,7 +900,7 @@ describe("fleet status / results / cancel", () => {
     );
     const code = await runCli(
       ["status", "b-1", "--url", server.url, "--token", "flag-token"],
-      ctx({ defaults: { url: "http://127.0.0.1:9", token: "env-token" } }),
+      ctx({ defaults: { url: "http://127.0.0.1:59", token: "env-token" } }),
     );
     expect(code).toBe(0);
     expect(server.requests[0]?.headers.authorization).toBe("Bearer flag-token");
@@ -910,12 +910,25 @@ describe("fleet status / results / cancel", () => {
     server.on("GET", "/v1/batches/b-1", (_req, res) =>
       json(res, 200, { id: "b-1", total: 0, done: 0, counts: {} }),
     );
-    const env = ctx({ defaults: { url: "http://127.0.0.1:9", token: "env-token" } });
+    const env = ctx({ defaults: { url: "http://127.0.0.1:59", token: "env-token" } });
     expect(await runCli(["--url", server.url, "--token", "before", "status", "b-1"], env)).toBe(0);
     expect(server.requests[0]?.headers.authorization).toBe("Bearer before");
-    const after = ["--url", "http://127.0.0.1:9", "--token", "before", "status", "b-1", "--url", server.url];
+    const after = ["--url", "http://127.0.0.1:59", "--token", "before", "status", "b-1", "--url", server.url];
     expect(await runCli([...after, "--token", "after"], env)).toBe(0);
     expect(server.requests[1]?.headers.authorization).toBe("Bearer after");
+  });
+
+  it("refuses a --url on a port fetch never connects to (6000, 10080) as bad usage, asking nothing", async () => {
+    for (const url of ["http://127.0.0.1:6000", "https://fleet.example:10080/"]) {
+      for (const argv of [
+        ["status", "b-1", "--url", url],
+        ["--url", url, "status", "b-1"],
+      ]) {
+        expect(await runCli(argv, ctx())).toBe(2);
+        expect(stderr.text()).toContain("fetch and browsers refuse to connect to");
+      }
+    }
+    expect(server.requests).toHaveLength(0);
   });
 
   it("exits 1 with the API's message on 401 and 404", async () => {

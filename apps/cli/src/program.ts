@@ -1,4 +1,4 @@
-import { TOKEN_CHARS } from "@fleet/config";
+import { FETCH_BLOCKED_PORT_MESSAGE, fetchBlockedPort, TOKEN_CHARS } from "@fleet/config";
 import { MIN_DURATION_S } from "@fleet/contracts";
 import { DEFAULT_MAX_TASK_BYTES } from "@fleet/tasks";
 import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
@@ -50,13 +50,17 @@ function idempotencyBase(value: string): string {
 }
 
 function httpUrl(value: string): string {
+  let ok = false;
   try {
     const url = new URL(value);
-    if (url.protocol === "http:" || url.protocol === "https:") return value.replace(/\/+$/, "");
+    ok = url.protocol === "http:" || url.protocol === "https:";
   } catch {
     // fall through
   }
-  throw new InvalidArgumentError("must be an http:// or https:// URL");
+  if (!ok) throw new InvalidArgumentError("must be an http:// or https:// URL");
+  // fetch would refuse it on every attempt ("bad port"), retried as if the dispatcher were down.
+  if (fetchBlockedPort(value) !== null) throw new InvalidArgumentError(FETCH_BLOCKED_PORT_MESSAGE);
+  return value.replace(/\/+$/, "");
 }
 
 /** `--token`: sent as an HTTP header value, so printable ASCII only (else a usage error, not an unreachable dispatcher). */

@@ -44,6 +44,34 @@ export const boolVar = () =>
     .refine((s) => TRUE.has(s) || FALSE.has(s), "must be true or false (also 1/0, yes/no, on/off)")
     .transform((s) => TRUE.has(s));
 
+/**
+ * The Fetch standard's "bad ports": Node's `fetch` (the CLI's client) and browsers (Bull Board)
+ * refuse to connect to them, whatever listens there, so a dispatcher URL naming one can never be
+ * reached.
+ */
+export const FETCH_BLOCKED_PORTS: ReadonlySet<number> = new Set([
+  1, 7, 9, 11, 13, 15, 17, 19, 20, 21, 22, 23, 25, 37, 42, 43, 53, 69, 77, 79, 87, 95, 101, 102, 103, 104,
+  109, 110, 111, 113, 115, 117, 119, 123, 135, 137, 139, 143, 161, 179, 389, 427, 465, 512, 513, 514, 515,
+  526, 530, 531, 532, 540, 548, 554, 556, 563, 587, 601, 636, 989, 990, 993, 995, 1719, 1720, 1723, 2049,
+  3659, 4045, 4190, 5060, 5061, 6000, 6566, 6665, 6666, 6667, 6668, 6669, 6679, 6697, 10080,
+]);
+
+/** The port of an http(s) URL that `fetch` refuses to connect to (`FETCH_BLOCKED_PORTS`), or null. */
+export function fetchBlockedPort(url: string): number | null {
+  let port: string;
+  try {
+    port = new URL(url).port;
+  } catch {
+    return null;
+  }
+  // An empty port is the scheme's default (80, 443): never a blocked one.
+  return port !== "" && FETCH_BLOCKED_PORTS.has(Number(port)) ? Number(port) : null;
+}
+
+/** What a URL naming a blocked port is told (`fetchBlockedPort`). */
+export const FETCH_BLOCKED_PORT_MESSAGE =
+  "names a port that fetch and browsers refuse to connect to (one of the Fetch standard's bad ports, such as 6000, 6667 or 10080): no client can reach a dispatcher there; run it on another port";
+
 /** A URL whose scheme is one of `protocols` (e.g. `["redis:", "rediss:"]`). */
 export function urlVar(protocols: readonly string[]) {
   const message = `must be a URL starting with ${protocols.map((p) => `${p}//`).join(" or ")}`;

@@ -465,6 +465,17 @@ describe("CliConfig", () => {
     expect(err.message).toContain("FLEET_URL: must be a URL starting with http:// or https://");
   });
 
+  it("refuses a FLEET_URL on a port fetch never connects to (the Fetch standard's bad ports)", () => {
+    for (const url of ["http://127.0.0.1:6000", "https://fleet.example:6667/", "http://h:10080"]) {
+      const err = errorOf(() => parseConfig(CliConfig, { FLEET_URL: url }));
+      expect(err.message).toContain("FLEET_URL: names a port that fetch and browsers refuse to connect to");
+    }
+    // The scheme's default port (an empty one) and ports next to bad ones are fine.
+    for (const url of ["http://h", "https://h:443", "http://h:6001", "http://h:8080"]) {
+      expect(parseConfig(CliConfig, { FLEET_URL: url }).url).toBe(url);
+    }
+  });
+
   it("hides the userinfo of a bad FLEET_URL, even one that does not parse", () => {
     for (const [url, shown] of [
       ["https://bob:hun#ter2@fleet.example", "https://***@fleet.example"],

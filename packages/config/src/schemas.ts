@@ -4,6 +4,8 @@ import {
   apiTokensVar,
   boolVar,
   durationMsVar,
+  FETCH_BLOCKED_PORT_MESSAGE,
+  fetchBlockedPort,
   intVar,
   LogLevel,
   portVar,
@@ -319,7 +321,9 @@ export const TOKEN_CHARS = /^[\x21-\x7e]+$/;
 /** `apps/cli`: where the dispatcher is. Command-line flags override these. */
 export const CliConfig = z
   .object({
-    FLEET_URL: urlVar(["http:", "https:"]).default(DEFAULT_DISPATCHER_URL),
+    FLEET_URL: urlVar(["http:", "https:"])
+      .refine((url) => fetchBlockedPort(url) === null, FETCH_BLOCKED_PORT_MESSAGE)
+      .default(DEFAULT_DISPATCHER_URL),
     FLEET_TOKEN: z
       .string()
       .trim()
