@@ -1,4 +1,4 @@
-import { DispatcherConfig, parseConfig, warnUnknownVariables } from "@fleet/config";
+import { DispatcherConfig, parseConfig, warnFetchBlockedPort, warnUnknownVariables } from "@fleet/config";
 import {
   connectRedis,
   failFastOnceReady,
@@ -26,6 +26,8 @@ async function main(): Promise<void> {
   const logger = createLogger({ name: "dispatcher", level: config.logLevel });
   // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
   warnUnknownVariables(process.env, logger);
+  // A port fetch refuses (6000, 10080, ...): curl works, the CLI (which refuses such a URL) and a browser never will.
+  warnFetchBlockedPort("FLEET_HTTP_PORT", config.httpPort, logger);
   const registry = createMetricsRegistry({ app: "dispatcher" });
   const metrics = createFleetMetrics(registry);
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down

@@ -72,6 +72,24 @@ export function fetchBlockedPort(url: string): number | null {
 export const FETCH_BLOCKED_PORT_MESSAGE =
   "names a port that fetch and browsers refuse to connect to (one of the Fetch standard's bad ports, such as 6000, 6667 or 10080): no client can reach a dispatcher there; run it on another port";
 
+/**
+ * At a server's start: a warning when it is to listen on a port `fetch` and browsers refuse
+ * (`FETCH_BLOCKED_PORTS`). Not a refusal: curl and most other clients still connect, but the
+ * fleet CLI and Bull Board in a browser never will. Returns whether it warned.
+ */
+export function warnFetchBlockedPort(
+  variable: string,
+  port: number,
+  logger: { warn(obj: object, msg: string): void },
+): boolean {
+  if (!FETCH_BLOCKED_PORTS.has(port)) return false;
+  logger.warn(
+    { variable, port },
+    `${variable}=${port} is a port fetch and browsers refuse to connect to (one of the Fetch standard's bad ports): the fleet CLI and Bull Board in a browser cannot reach this server; choose another port`,
+  );
+  return true;
+}
+
 /** A URL whose scheme is one of `protocols` (e.g. `["redis:", "rediss:"]`). */
 export function urlVar(protocols: readonly string[]) {
   const message = `must be a URL starting with ${protocols.map((p) => `${p}//`).join(" or ")}`;
