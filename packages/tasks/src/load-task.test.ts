@@ -1,4 +1,5 @@
-import { writeFileSync } from "node:fs";
+import { execFileSync } from "node:child_process";
+import { appendFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -10,8 +11,16 @@ import { EXAMPLE_SUITE_DIR } from "./paths.ts";
 // Paths the loader is refused to read, as for a file or directory mode 000 is to a user without
 // CAP_DAC_OVERRIDE (these tests may run as root, which reads everything).
 const unreadable = vi.hoisted(() => new Set<string>());
-/** Files the loader read (`readFile` calls). */
+/** Files the loader opened to read (`open` calls). */
 const reads = vi.hoisted(() => ({ count: 0 }));
+/**
+ * A file changed under the loader: run (once) just before the loader opens the path, after it
+ * has listed and checked it (`before`), or just after it took the opened file's size (`afterStat`).
+ */
+const changes = vi.hoisted(() => ({
+  before: new Map<string, () => void>(),
+  afterStat: new Map<string, () => void>(),
+}));
 vi.mock("node:fs/promises", async (importOriginal) => {
   const real = await importOriginal<typeof import("node:fs/promises")>();
   const refuse = (what: string, p: unknown): void => {
@@ -23,11 +32,30 @@ vi.mock("node:fs/promises", async (importOriginal) => {
       path: String(p),
     });
   };
+  const runChange = (changes: Map<string, () => void>, p: unknown): void => {
+    const change = changes.get(String(p));
+    changes.delete(String(p));
+    change?.();
+  };
   return {
     ...real,
-    readFile: (async (p: string, ...rest: []) => {
+    open: (async (p: string, ...rest: []) => {
       reads.count++;
       refuse("open", p);
+      runChange(changes.before, p);
+      const handle = await real.open(p, ...rest);
+      if (!changes.afterStat.has(String(p))) return handle;
+      const stat = handle.stat.bind(handle);
+      return Object.assign(handle, {
+        stat: async (...args: []) => {
+          const st = await stat(...args);
+          runChange(changes.afterStat, p);
+          return st;
+        },
+      });
+    }) as typeof real.open,
+    readFile: (async (p: string, ...rest: []) => {
+      runChange(changes.before, p);
       return real.readFile(p, ...rest);
     }) as typeof real.readFile,
     readdir: (async (p: string, ...rest: []) => {
@@ -58,6 +86,8 @@ beforeEach(async () => {
 });
 afterEach(async () => {
   unreadable.clear();
+  changes.before.clear();
+  changes.afterStat.clear();
   await rm(tmp, { recursive: true, force: true });
 });
 
@@ -403,6 +433,52 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(await invalidTask(() => loadTask(dir))).toContain(
       `${path.join(dir, "tests", "passwd")}: is a symbolic link`,
     );
+  });
+
+  it("a file swapped for a symbolic link after it was listed: refused, its target never read", async () => {
+    const dir = await writeTask("t", { "tests/data.txt": "plain\n" });
+    const secret = path.join(tmp, "secret.txt");
+    await writeFile(secret, "host secret\n");
+    const file = path.join(dir, "tests", "data.txt");
+    // Synchronous: the change lands between the loader's check and its read.
+    changes.before.set(file, () => {
+      rmSync(file);
+      symlinkSync(secret, file);
+    });
+    const message = await invalidTask(() => loadTask(dir));
+    expect(message).toContain(`${file}: is a symbolic link`);
+    expect(message).not.toContain("host secret");
+    expect(changes.before.size).toBe(0);
+  });
+
+  it("a file swapped for a FIFO after it was listed: refused at once, not waited on for a writer", async () => {
+    const dir = await writeTask("t", {});
+    const file = path.join(dir, "instruction.md");
+    changes.before.set(file, () => {
+      rmSync(file);
+      execFileSync("mkfifo", [file]);
+    });
+    expect(await invalidTask(() => loadTask(dir))).toContain(`${file}: is not a regular file`);
+    expect(changes.before.size).toBe(0);
+  });
+
+  it("a suite whose unasked-for task has a FIFO for its task.toml loads the task asked for, not waiting on the FIFO", async () => {
+    await writeTask("a", {});
+    const fifo = path.join(await writeTask("b", { "task.toml": null }), "task.toml");
+    execFileSync("mkfifo", [fifo]);
+    // Its id is looked for in its task.toml (it might be the one asked for): refused, not opened for a writer.
+    expect((await loadSuite(tmp, { only: ["a"] })).map((t) => t.id)).toEqual(["a"]);
+    expect(await invalidTask(() => loadSuite(tmp))).toContain(`${fifo}: is not a regular file`);
+  });
+
+  it("a file that grows past the size counted against the limit while it is read: refused", async () => {
+    const dir = await writeTask("t", { "workspace/log.txt": "short\n" });
+    const file = path.join(dir, "workspace", "log.txt");
+    changes.afterStat.set(file, () => appendFileSync(file, "x".repeat(100_000)));
+    expect(await invalidTask(() => loadTask(dir, { maxBytes: 10_000 }))).toContain(
+      `${file}: changed while it was read`,
+    );
+    expect(changes.afterStat.size).toBe(0);
   });
 
   it("a file set that is a symbolic link to a directory, named as a link", async () => {

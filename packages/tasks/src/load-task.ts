@@ -1,5 +1,5 @@
 import type { Dirent, Stats } from "node:fs";
-import { lstat, readdir, readFile, realpath } from "node:fs/promises";
+import { constants, type FileHandle, lstat, open, readdir, realpath } from "node:fs/promises";
 import path from "node:path";
 import {
   FILESET_TOO_LARGE,
@@ -245,7 +245,9 @@ export async function loadSuite(dir: string, options: LoadSuiteOptions = {}): Pr
 /** The `[task] id` a task directory's task.toml declares, when it parses that far; else null. */
 async function declaredId(taskDir: string): Promise<string | null> {
   try {
-    const raw = parseToml(await readFile(path.join(taskDir, "task.toml"), "utf8")) as {
+    // Read as a task's files are (never a FIFO's wait, a link's target or an endless file).
+    const budget = { left: DEFAULT_MAX_TASK_BYTES, max: DEFAULT_MAX_TASK_BYTES };
+    const raw = parseToml(await readText(path.join(taskDir, "task.toml"), budget, "missing")) as {
       task?: { id?: unknown };
     };
     return typeof raw.task?.id === "string" ? raw.task.id : null;
@@ -386,6 +388,10 @@ async function readText(file: string, budget: Budget, missing: string): Promise<
 /**
  * `file`'s text and whether its owner may execute it. With `keepBom`, a leading byte order mark
  * stays part of the text (a task file is staged as it is on disk).
+ *
+ * The checks are made on the file as opened, not on its path before a read: a file swapped for
+ * a symbolic link (`O_NOFOLLOW`), a FIFO (`O_NONBLOCK`: opening one would wait for a writer, and
+ * the load with it) or a bigger file between a check and the read is refused, never read.
  */
 async function readTextFile(
   file: string,
@@ -393,21 +399,49 @@ async function readTextFile(
   missing: string,
   keepBom: boolean,
 ): Promise<{ text: string; executable: boolean }> {
-  const st = await statOrNull(file);
-  if (st === null) throw invalid(file, missing);
-  if (st.isSymbolicLink()) throw invalid(file, "is a symbolic link (tasks must hold regular files)");
-  if (!st.isFile()) throw invalid(file, "is not a regular file");
-  budget.left -= st.size;
-  if (budget.left < 0) throw invalid(file, `task is larger than ${budget.max} bytes`);
-  const bytes = await readFile(file).catch((err: unknown) => {
+  let handle: FileHandle;
+  try {
+    handle = await open(file, constants.O_RDONLY | constants.O_NOFOLLOW | constants.O_NONBLOCK);
+  } catch (err) {
+    const code = (err as NodeJS.ErrnoException).code;
+    if (code === "ENOENT" || code === "ENOTDIR") throw invalid(file, missing);
+    if (code === "ELOOP") throw invalid(file, "is a symbolic link (tasks must hold regular files)");
     throw cannotRead(file, err);
-  });
+  }
+  let bytes: Buffer;
+  let executable: boolean;
+  try {
+    const st = await handle.stat();
+    if (!st.isFile()) throw invalid(file, "is not a regular file");
+    budget.left -= st.size;
+    if (budget.left < 0) throw invalid(file, `task is larger than ${budget.max} bytes`);
+    executable = (st.mode & 0o100) !== 0;
+    bytes = await readAtMost(handle, st.size).catch((err: unknown) => {
+      throw cannotRead(file, err);
+    });
+    // Grown since its size was counted: what it holds now was not.
+    if (bytes.length > st.size) throw invalid(file, "changed while it was read (read it again)");
+  } finally {
+    await handle.close().catch(() => undefined);
+  }
   try {
     const text = new TextDecoder("utf-8", { fatal: true, ignoreBOM: keepBom }).decode(bytes);
-    return { text, executable: (st.mode & 0o100) !== 0 };
+    return { text, executable };
   } catch (err) {
     throw invalid(file, "is not UTF-8 text (binary files are not supported in tasks)", err);
   }
+}
+
+/** Up to `size + 1` bytes of an open file from its start (one more than `size` tells it grew). */
+async function readAtMost(handle: FileHandle, size: number): Promise<Buffer> {
+  const buf = Buffer.alloc(size + 1);
+  let n = 0;
+  while (n < buf.length) {
+    const { bytesRead } = await handle.read(buf, n, buf.length - n, n);
+    if (bytesRead === 0) break;
+    n += bytesRead;
+  }
+  return buf.subarray(0, n);
 }
 
 /**
