@@ -1,8 +1,11 @@
-import { describe, expect, it } from "vitest";
+import { MAX_METADATA_BYTES } from "@fleet/queue";
+import { describe, expect, it, vi } from "vitest";
 import { HttpError } from "./http-error.ts";
 import {
+  ApiRolloutRequest,
   MAX_BAD_ROWS,
   MAX_CHECKED_ISSUES,
+  MAX_METADATA_VALUES,
   MAX_REQUEST_VALUES,
   parseBatchJson,
   parseBatchNdjson,
@@ -239,6 +242,36 @@ describe("parseBatchJson", () => {
     const under = thrown(() => parseBatchJson([bad]));
     expect((under.details as { issues: { path: string }[] }).issues[0]!.path).toBe("[0].agent.env.K50");
   }, 60_000);
+
+  it("refuses metadata with more values than its byte bound has room for before the schema walks it (32 MiB of such rows held the event loop for seconds)", () => {
+    const fat = { ...row, metadata: { tokens: Array(MAX_METADATA_VALUES).fill(0) } };
+    // No JSON of that many values fits the bound: refusing by the count never refuses what admission takes.
+    expect(Buffer.byteLength(JSON.stringify(fat.metadata))).toBeGreaterThan(MAX_METADATA_BYTES);
+    const schema = vi.spyOn(ApiRolloutRequest, "safeParse");
+    try {
+      const rows = Array(50).fill(fat);
+      for (const [run, path] of [
+        [() => parseBatchJson({ rollouts: rows }), "rollouts[0].metadata"],
+        [() => parseBatchNdjson(rows.map((r) => JSON.stringify(r)).join("\n")), "metadata"],
+        [() => parseRolloutBody(fat), "metadata"],
+      ] as const) {
+        const err = thrown(run);
+        expect([err.status, err.code]).toEqual([422, "invalid"]);
+        const first = (err.details as { issues: { path: string; message: string }[] }).issues[0];
+        expect(first).toMatchObject({
+          path,
+          message: expect.stringContaining("over the limit of 4096 bytes"),
+        });
+      }
+      expect(schema).not.toHaveBeenCalled();
+      // One value fewer: the schema reads it (admission then measures its bytes).
+      const under = { ...row, metadata: { tokens: Array(MAX_METADATA_VALUES - 1).fill(0) } };
+      expect(parseRolloutBody(under).metadata).toEqual(under.metadata);
+      expect(schema).toHaveBeenCalledTimes(1);
+    } finally {
+      schema.mockRestore();
+    }
+  });
 
   it("stops checking after MAX_CHECKED_ISSUES problems, however few rows held them", () => {
     const env: Record<string, number> = {};

@@ -1,4 +1,5 @@
 import { RolloutRequest } from "@fleet/contracts";
+import { MAX_METADATA_BYTES } from "@fleet/queue";
 import secureJson from "secure-json-parse";
 import { z } from "zod";
 import { HttpError } from "./http-error.ts";
@@ -71,6 +72,12 @@ export const MAX_CHECKED_ISSUES = 10_000;
  */
 export const MAX_REQUEST_VALUES = 100_000;
 
+/**
+ * Most JSON values `metadata` can hold within MAX_METADATA_BYTES: JSON of n values (array items
+ * and object properties, nested included) takes at least 2n + 1 bytes.
+ */
+export const MAX_METADATA_VALUES = Math.floor((MAX_METADATA_BYTES - 1) / 2);
+
 /** The values in `value`, counted until past `limit` (then it stops: a huge object is not walked). */
 function countValues(value: unknown, limit: number): number {
   let count = 0;
@@ -105,6 +112,26 @@ function parseRequest(
         {
           path,
           message: `holds more than ${MAX_REQUEST_VALUES} JSON values, far more than a rollout request (a large task goes by digest)`,
+        },
+      ],
+    };
+  }
+  // `metadata` is free JSON that the schema walks value by value (about a microsecond each), and
+  // admission refuses it over MAX_METADATA_BYTES only after the schema: a 32 MiB batch of rows
+  // with large metadata held the event loop for seconds before its 422. One with more values
+  // than its bound has room for is refused here, before the schema.
+  const metadata = (value as { metadata?: unknown } | null)?.metadata;
+  if (
+    typeof metadata === "object" &&
+    metadata !== null &&
+    countValues(metadata, MAX_METADATA_VALUES) > MAX_METADATA_VALUES
+  ) {
+    return {
+      ok: false,
+      issues: [
+        {
+          path: formatPath([...prefix, "metadata"]),
+          message: `holds more than ${MAX_METADATA_VALUES} JSON values, so its JSON is over the limit of ${MAX_METADATA_BYTES} bytes; keep bulk data on the client, keyed by the rollout id`,
         },
       ],
     };
