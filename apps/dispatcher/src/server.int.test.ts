@@ -1357,6 +1357,26 @@ describe("results", () => {
     expect(reads).toBe(1);
   });
 
+  it("a results stream whose first read fails (Redis gone) answers 503 in the API's JSON error body, not labelled NDJSON", async () => {
+    const own = await makeHarness();
+    const res = await own.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row] } });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    await own.store.finalize(
+      { id: rolloutIds[0]!, batchId },
+      resultFor(rolloutIds[0]!, batchId, 1),
+      Date.now(),
+    );
+    // The batch is found, then its results are read on a connection that is gone (a real client's error).
+    const gone = createRedis(REDIS_URL);
+    await gone.quit();
+    const cut = new RolloutStore(gone, own.prefix);
+    own.store.getResultsJson = (ids) => cut.getResultsJson(ids);
+    const failed = await own.call({ method: "GET", url: `/v1/batches/${batchId}/results` });
+    expectErrorBody(failed, 503, "unavailable");
+    expect(failed.headers["retry-after"]).toBe("5");
+    expect(failed.headers["content-type"]).not.toContain("ndjson");
+  });
+
   it("streams each result as stored, as GET /v1/rollouts/:id answers it: one another release wrote (a field this one does not know, one it lacks) does not break the stream", async () => {
     const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row, row] } });
     const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };

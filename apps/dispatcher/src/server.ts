@@ -235,7 +235,13 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     }
     if (http.status >= 500) req.log.error({ err }, "request failed");
     else req.log.debug({ code: http.code, message: http.message }, "request refused");
-    return reply.code(http.status).headers(http.headers).send(errorBody(http));
+    // JSON whatever the route had set before it failed: the results stream sets NDJSON before its
+    // first read, and a read that fails (Redis gone) is answered here, by this body.
+    return reply
+      .code(http.status)
+      .headers(http.headers)
+      .type("application/json; charset=utf-8")
+      .send(errorBody(http));
   });
 
   app.setNotFoundHandler((req, reply) => {
