@@ -630,6 +630,30 @@ describe("POST /v1/rollouts", () => {
     });
     expect(identity.statusCode).toBe(202);
   });
+
+  it("a request without a body is not refused for a Content-Encoding a client sends on every request (415 is for a compressed body)", async () => {
+    const headers = { "content-encoding": "gzip" };
+    const accepted = await h.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    const { id } = accepted.json() as { id: string };
+    for (const [method, url, status] of [
+      ["GET", "/healthz", 200],
+      ["GET", "/readyz", 200],
+      ["GET", `/v1/rollouts/${id}`, 200],
+      ["GET", "/v1/batches/bnope", 404],
+      ["POST", `/v1/rollouts/${id}/cancel`, 202],
+    ] as const) {
+      const res = await h.call({ method, url, headers });
+      expect(res.statusCode, `${method} ${url}: ${res.body}`).toBe(status);
+    }
+    // With a body, it is what it says: compressed, refused.
+    const gzipped = await h.call({
+      method: "POST",
+      url: `/v1/rollouts/${id}/cancel`,
+      payload: gzipSync("{}"),
+      headers: { ...headers, "content-type": "application/json" },
+    });
+    expectErrorBody(gzipped, 415, "unsupported_media_type");
+  });
 });
 
 describe("POST /v1/batches", () => {

@@ -157,7 +157,13 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     return refuse(reply, unavailable("the dispatcher is shutting down; try again", { connection: "close" }));
   });
   // A compressed body would be read as its bytes (a 400 "not valid JSON" that hides why): 415.
+  // Only a body: a request without one (a GET, a health probe, a cancel) from a client that sends
+  // the header on every request has nothing compressed to refuse.
   app.addHook("onRequest", async (req, reply) => {
+    const length = req.headers["content-length"];
+    const hasBody =
+      req.headers["transfer-encoding"] !== undefined || (length !== undefined && Number(length) !== 0);
+    if (!hasBody) return;
     const encoding = String(req.headers["content-encoding"] ?? "identity")
       .trim()
       .toLowerCase();
