@@ -886,6 +886,44 @@ describe("janitor", () => {
     await fleet.deps.ledger.networkRemoved(stuck);
   });
 
+  it("a gateway network whose rollout record cannot be read is reported and skipped: the other networks and the due network retries still go", async () => {
+    const { redis } = fleet;
+    const { store, ledger } = fleet.deps;
+    const unreadable = `gwunreadable${RUN}`;
+    const over = `gwover${RUN}`;
+    const retry = `gwretry${RUN}`;
+    await redis.hset(store.keys.rollout(unreadable), "meta", "{torn");
+    await ledger.networkRemovalFailed(retry, Date.now() - 1_000);
+    const removed: string[] = [];
+    const networks = {
+      ensure: async () => {
+        throw new Error("not used");
+      },
+      allowGateway: async () => undefined,
+      list: async () => [
+        { name: `fleet-gw-${unreadable}`, rolloutId: unreadable, createdAt: 0 },
+        { name: `fleet-gw-${over}`, rolloutId: over, createdAt: 0 },
+      ],
+      remove: async (id: string) => {
+        removed.push(id);
+        return { alreadyGone: false };
+      },
+    };
+    try {
+      const report = await janitorTick({ ...fleet.deps, networks }, { orphanGraceMs: 60_000 });
+      expect(removed).toEqual([over, retry]);
+      expect(await ledger.networkRetries(Date.now() + 3_600_000)).not.toContain(retry);
+      const failed = report.errors.filter((e) => e.startsWith("networks"));
+      expect(failed).toHaveLength(1);
+      expect(failed[0]).toMatch(
+        new RegExp(`^networks: could not remove 1 gateway network\\(s\\): fleet-gw-${unreadable}: `),
+      );
+    } finally {
+      await redis.del(store.keys.rollout(unreadable));
+      await ledger.networkRemoved(retry);
+    }
+  });
+
   it("firewall rules a close could not remove once its network was gone are removed by the janitor's retry, the teardown pending until then", async () => {
     // The host firewall, in memory: its unseal fails (the xtables lock busy throughout) until mended.
     const firewall = new MemoryGatewayFirewall();

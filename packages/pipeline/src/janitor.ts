@@ -270,7 +270,15 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     await step("networks", async () => {
       const failed: string[] = [];
       for (const net of await networks.list()) {
-        const rec = await deps.store.get(net.rolloutId);
+        // A record that cannot be read is reported and its network left: it must not stop the
+        // other networks' removal nor the retries below, every pass.
+        let rec: Awaited<ReturnType<typeof deps.store.get>>;
+        try {
+          rec = await deps.store.get(net.rolloutId);
+        } catch (err) {
+          failed.push(`${net.name}: its rollout's record cannot be read: ${errorText(err)}`);
+          continue;
+        }
         if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
           // One that will not go stops none of the others; the step still fails (and is
           // counted for FleetJanitorStepFailing) so a network that never goes is seen.
