@@ -271,6 +271,41 @@ describe("janitor", () => {
     }
   });
 
+  it("counts a registered sandbox as scheduled only when it put it on the ledger: one already there, backing off, is not counted again every pass (the pass is logged for it)", async () => {
+    const { ledger } = fleet.deps;
+    const now = Date.now();
+    const rolloutId = `backingoff${RUN}`;
+    const key = sandboxKey(rolloutId, "resources");
+    const entry = {
+      key,
+      rolloutId,
+      owner: "resources" as const,
+      provider: docker.name,
+      handle: {
+        provider: docker.name,
+        endpoint: "",
+        id: `id-${rolloutId}`,
+        name: rolloutId,
+        rolloutId,
+        owner: "resources" as const,
+        volumes: [],
+      },
+      createdAt: now - 3_600_000,
+      expiresAt: now + 3_600_000,
+    };
+    // Registered, its rollout unknown (over) past the grace; its destroy failed and backs off.
+    await fleet.redis.hset(ledger.keys.sandboxes(), key, JSON.stringify(entry));
+    await ledger.recordFailure(entry, "daemon blip", now + 600_000);
+    try {
+      const report = await janitorTick(fleet.deps, { orphanGraceMs: 60_000 });
+      expect(report.expiredScheduled).toBe(0);
+      expect(report.retried).toBe(0);
+      expect((await ledger.pending()).find((e) => e.key === key)?.attempts).toBe(1);
+    } finally {
+      await ledger.confirm({ key, rolloutId });
+    }
+  });
+
   it("removes a labelled orphan whose key's ledger entry is another sandbox's (the one it replaced), leaving that entry to its backoff", async () => {
     const { ledger } = fleet.deps;
     const now = Date.now();

@@ -46,6 +46,7 @@ export interface JanitorReport {
   confirmed: number;
   stillPending: number;
   orphansRemoved: number;
+  /** Registered sandboxes this pass put on the ledger (their rollout over, or their expiry passed). */
   expiredScheduled: number;
   watchdogClosed: number;
   /** Rollouts the janitor closed itself, their closes having ended unfinalized too often (`CLOSE_AGAIN_LIMIT`). */
@@ -185,8 +186,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         const rec = expired ? null : await deps.store.get(entry.rolloutId);
         const over = !rec || isTerminal(rec.status);
         if (expired || (over && now - entry.createdAt > options.orphanGraceMs)) {
-          await deps.ledger.schedule(entry, now);
-          report.expiredScheduled++;
+          // Not counted when on the ledger already (backing off): that pass scheduled nothing.
+          if (await deps.ledger.schedule(entry, now)) report.expiredScheduled++;
         }
       });
     }

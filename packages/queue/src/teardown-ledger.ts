@@ -215,10 +215,13 @@ export class TeardownLedger {
     return ledger;
   }
 
-  /** Put a sandbox on the ledger to be destroyed now (e.g. an orphan found by the janitor). */
-  async schedule(entry: SandboxEntry, now: number): Promise<void> {
+  /**
+   * Put a sandbox on the ledger to be destroyed now (e.g. an orphan found by the janitor). One
+   * already on it keeps its entry and backoff. True if this call put it there.
+   */
+  async schedule(entry: SandboxEntry, now: number): Promise<boolean> {
     const exists = await this.redis.hexists(this.keys.teardownEntries(), entry.key);
-    if (exists) return;
+    if (exists) return false;
     const ledger = LedgerEntry.parse({
       ...entry,
       attempts: 0,
@@ -231,6 +234,7 @@ export class TeardownLedger {
       .hset(this.keys.teardownEntries(), entry.key, JSON.stringify(ledger))
       .zadd(this.keys.teardownDue(), now, entry.key)
       .exec();
+    return true;
   }
 
   /**
