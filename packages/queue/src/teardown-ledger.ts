@@ -60,7 +60,7 @@ export function sandboxKey(rolloutId: string, owner: SandboxEntry["owner"]): str
   return `${rolloutId}:${owner}`;
 }
 
-/** Jittered exponential backoff for teardown retries: full jitter over base·2^n, capped. */
+/** Jittered exponential backoff for teardown retries: between half and all of base·2^n, capped. */
 export function teardownBackoffMs(
   attempts: number,
   random = Math.random,
