@@ -1418,6 +1418,28 @@ describe("rollout store", () => {
     expect(await redis.zscore(ledger.keys.teardownDue(), entry.key)).toBeNull();
   });
 
+  it("a failed destroy whose key holds a torn ledger entry is recorded over it, with a backoff, not thrown", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const entry = sandboxEntry(id);
+    for (const torn of ["{torn", '{"key":"x","attempts":"many"}']) {
+      await redis.hset(ledger.keys.teardownEntries(), entry.key, torn);
+      await redis.zadd(ledger.keys.teardownDue(), 10, entry.key);
+      const recorded = await ledger.recordFailure(entry, "device busy", 1_000, () => 1);
+      expect(recorded).toMatchObject({
+        key: entry.key,
+        attempts: 1,
+        lastError: "device busy",
+        firstFailedAt: 1_000,
+      });
+      expect(recorded.dueAt).toBeGreaterThan(1_000);
+      expect(JSON.parse((await redis.hget(ledger.keys.teardownEntries(), entry.key))!)).toEqual(recorded);
+      expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(recorded.dueAt);
+    }
+    await ledger.confirm(entry);
+    expect(await ledger.size()).toBe(0);
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();

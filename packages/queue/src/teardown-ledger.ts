@@ -198,7 +198,10 @@ export class TeardownLedger {
     random = Math.random,
   ): Promise<LedgerEntry> {
     const prevRaw = await this.redis.hget(this.keys.teardownEntries(), entry.key);
-    const prev = prevRaw ? LedgerEntry.parse(JSON.parse(prevRaw)) : null;
+    // A torn entry (or one this release cannot read) under the key: this failure is recorded over
+    // it, its count starting again, rather than throwing and leaving the failure unrecorded (an
+    // orphan's destroy then retried every janitor pass, without backoff).
+    const prev = prevRaw ? parseLedgerEntry(prevRaw) : null;
     const attempts = (prev?.attempts ?? 0) + 1;
     const ledger: LedgerEntry = LedgerEntry.parse({
       ...SandboxEntry.parse(entry),
@@ -334,5 +337,15 @@ export class TeardownLedger {
       sandboxKey(rolloutId, "agent"),
     );
     return a !== null || b !== null;
+  }
+}
+
+/** A stored ledger entry, or null when it does not parse. */
+function parseLedgerEntry(raw: string): LedgerEntry | null {
+  try {
+    const parsed = LedgerEntry.safeParse(JSON.parse(raw));
+    return parsed.success ? parsed.data : null;
+  } catch {
+    return null;
   }
 }
