@@ -656,6 +656,40 @@ describe("POST /v1/rollouts", () => {
   });
 });
 
+describe("a request without a body, whatever its Content-Type", () => {
+  it("cancels (curl -d '' sends a form's type, fetch with an empty body text/plain); a submit without a body gets its 400, not a 415", async () => {
+    const accepted = await h.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    const { id } = accepted.json() as { id: string };
+    for (const type of ["application/x-www-form-urlencoded", "text/plain;charset=UTF-8"]) {
+      // As those clients send it: the type, and a length of 0.
+      const headers = { "content-type": type, "content-length": "0" };
+      const res = await h.call({ method: "POST", url: `/v1/rollouts/${id}/cancel`, payload: "", headers });
+      expect(res.statusCode, `${type}: ${res.body}`).toBe(202);
+      const submit = await h.call({ method: "POST", url: "/v1/rollouts", payload: "", headers });
+      expectErrorBody(submit, 400, "malformed");
+    }
+    // Node's own fetch over a socket, as a client script would: text/plain, Content-Length: 0.
+    const url = await h.app.listen({ host: "127.0.0.1", port: 0 });
+    const other = (await h.call({ method: "POST", url: "/v1/rollouts", payload: row })).json() as {
+      id: string;
+    };
+    const res = await fetch(`${url}/v1/rollouts/${other.id}/cancel`, {
+      method: "POST",
+      body: "",
+      headers: { authorization: `Bearer ${TOKEN}` },
+    });
+    expect(res.status, await res.clone().text()).toBe(202);
+    // With a body, the type is what it says: refused.
+    const typed = await h.call({
+      method: "POST",
+      url: `/v1/rollouts/${id}/cancel`,
+      payload: "a=1",
+      headers: { "content-type": "application/x-www-form-urlencoded" },
+    });
+    expectErrorBody(typed, 415, "unsupported_media_type");
+  });
+});
+
 describe("POST /v1/batches", () => {
   it("admits 10,000 NDJSON rows (one task inline, then by digest) with every seed job", async () => {
     const big = await makeHarness();

@@ -158,12 +158,19 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   });
   // A compressed body would be read as its bytes (a 400 "not valid JSON" that hides why): 415.
   // Only a body: a request without one (a GET, a health probe, a cancel) from a client that sends
-  // the header on every request has nothing compressed to refuse.
+  // the header on every request has nothing compressed to refuse. Nor a type: without a body, its
+  // Content-Type types nothing (`curl -d ''` sends a form's, `fetch` with `body: ""` text/plain,
+  // each with `Content-Length: 0`),
+  // and Fastify would refuse it with a 415 for want of a parser; dropped, the request is one
+  // without a body (a cancel goes through, a submit gets its 400 for the missing body).
   app.addHook("onRequest", async (req, reply) => {
     const length = req.headers["content-length"];
     const hasBody =
       req.headers["transfer-encoding"] !== undefined || (length !== undefined && Number(length) !== 0);
-    if (!hasBody) return;
+    if (!hasBody) {
+      if (length !== undefined) delete req.headers["content-type"];
+      return;
+    }
     const encoding = String(req.headers["content-encoding"] ?? "identity")
       .trim()
       .toLowerCase();
