@@ -384,6 +384,23 @@ describe("ToolLoopHarness", () => {
     expect(out.usage!.gaps).toContain("model call 1 abandoned at the deadline (usage unknown)");
   });
 
+  it("does not start an episode whose time went on preparing it (the instruction file's write): masked (provider_unavailable, retryable), never a graded timeout", async () => {
+    upstream.push(chatReply({ content: "done" }));
+    const a = agent();
+    // The daemon is slow: writing the instruction file takes the agent's whole budget.
+    const deadlineMs = Date.now() + 200;
+    const put = provider.put.bind(provider);
+    provider.put = async (...args: Parameters<typeof provider.put>) => {
+      await vi.waitFor(() => expect(Date.now()).toBeGreaterThan(deadlineMs), { timeout: 5000, interval: 20 });
+      return put(...args);
+    };
+    const err = await rejection(harness(a).run(ctx(a, { deadlineMs })));
+    expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+    expect((err as Error).message).toMatch(/nothing of the agent ran/);
+    expect(upstream.requests).toHaveLength(0);
+    expect(provider.execCalls).toHaveLength(0);
+  });
+
   it("sends a tool call whose arguments were cut off back in the history as {} (the tool result says why), not as it came", async () => {
     const cut = chatReply({ bash: ["true"] });
     const call = (

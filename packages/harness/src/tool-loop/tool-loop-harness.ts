@@ -102,6 +102,15 @@ export class ToolLoopHarness implements Harness {
         { user: AGENT_USER },
       ),
     );
+    if (Date.now() >= ctx.deadlineMs) {
+      // Its time went on preparing the episode (a slow daemon, a slow lookup): no model call was
+      // made, so there is nothing of the agent's to grade. Masked (retried while the rollout's
+      // deadline allows), never a 0, as the command harness does.
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `the agent's time ran out before its first model call (preparing the episode took ${Date.now() - started} ms); nothing of the agent ran`,
+      );
+    }
 
     const messages: ChatMessage[] = [
       { role: "system", content: TOOL_LOOP_SYSTEM_PROMPT },
