@@ -270,12 +270,18 @@ describe("tests verifier", () => {
     expect(verdict.details.stderrTail).toBe(`\n${"0".repeat(32)} reward 1\n1`);
   });
 
-  it("no report in a cut output (the cap keeps the end, so something wrote past the report): the exit status grades, never a reward file", async () => {
-    script(() => ({ exitCode: 1, reward: "1", report: false, stderrTruncated: true }));
-    const verdict = await verify(ctx());
-    expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
-    expect(log).toEqual(["put /tests", "tests"]);
-  });
+  it.each([0, 1])(
+    "no report in a cut output (exit %i): what wrote past the report outlived the tests, so neither their exit status nor the reward file is their verdict: 0 as stray processes",
+    async (exitCode) => {
+      // test.sh writes its reward last (0 here) and exits 0 whatever it found; the agent's code it
+      // ran left a writer that outlived the runner's reap and flooded stderr past the report.
+      script(() => ({ exitCode, reward: "0", report: false, stderrTruncated: true }));
+      const verdict = await verify(ctx());
+      expect(verdict).toMatchObject({ reward: 0, details: { source: "stray_processes" } });
+      expect(verdict.details.reason).toMatch(/wrote past the runner's report/);
+      expect(log).toEqual(["put /tests", "tests"]);
+    },
+  );
 
   it("a runner killed before it reported (nothing cut its output): its exit status grades, never the reward file the killer left", async () => {
     // Agent code the tests ran writes 1 to the reward file, then kills test.sh and the runner.

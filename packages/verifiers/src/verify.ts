@@ -200,8 +200,9 @@ export type RunReport =
   /** Unreadable, too large, or its size does not match: read the file (`json`: reward.json) apart. */
   | { kind: "read"; json: boolean }
   /**
-   * No report line at all: the runner was killed before it reported, or something wrote past its
-   * report (the output cap keeps the end, where it is): graded by the exit status.
+   * No report line at all: the runner was killed before it reported (graded by the exit status),
+   * or something wrote past its report (the output cap keeps the end, where it is: graded 0, as
+   * for strays).
    */
   | { kind: "missing" };
 
@@ -419,10 +420,24 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   // Tests or runner killed by a signal (exit 128 + n), or a runner that never reported: something
   // the tests ran killed them (the agent's code runs as root too), after it may have written the
   // reward file. The report is printed last and the output cap keeps the output's end, so a
-  // flood never hides it; a report missing from a cut output means something wrote past it, i.e.
-  // outlived the runner's reap. That file is then not the tests' verdict: the exit status is (a
-  // killed test failed).
+  // flood never hides it (one missing from a cut output: below). That file is then not the
+  // tests' verdict: the exit status is (a killed test failed).
   const killed = endedBySignal(ran.exitCode);
+  if (!killed && report.kind === "missing" && ran.stderrTruncated) {
+    // The runner reported last and the cap keeps the output's end: a report cut away means
+    // something wrote past it, i.e. processes the tests started outlived them and the runner's
+    // reap. As for strays: neither the reward file nor the exit status (a test script that writes
+    // its reward last exits 0 whatever it found) is the tests' verdict. Graded 0, never masked.
+    return {
+      reward: 0,
+      details: {
+        ...details,
+        source: "stray_processes",
+        reason:
+          "something wrote past the runner's report (its output was cut there): processes the tests started outlived them; neither the reward file nor the exit status is trusted",
+      },
+    };
+  }
   if (killed || report.kind === "missing") {
     return {
       reward: result.exitCode === 0 ? 1 : 0,
