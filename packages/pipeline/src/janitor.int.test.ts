@@ -831,6 +831,29 @@ describe("janitor", () => {
     }
   });
 
+  it("a replica that has run no pass for a few intervals drops its teardown ledger gauges (a stale oldest age would page)", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const samples = async () => [
+      (await metrics.teardownLedgerEntries.get()).values.length,
+      (await metrics.teardownLedgerOldestAge.get()).values.length,
+    ];
+    const janitor = await startJanitor(
+      { ...fleet.deps, metrics },
+      { connection: fleet.redis, prefix: fleet.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    const schedule = new Queue(JANITOR_QUEUE, { connection: fleet.redis, prefix: fleet.prefix });
+    try {
+      await vi.waitFor(async () => expect(await samples()).toEqual([1, 1]), { timeout: 10_000 });
+      // Its passes now go elsewhere (here: nowhere); the dispatcher still samples the ledger.
+      await schedule.pause();
+      await vi.waitFor(async () => expect(await samples()).toEqual([0, 0]), { timeout: 10_000 });
+    } finally {
+      await schedule.resume();
+      await schedule.close();
+      await janitor.close();
+    }
+  });
+
   it("a Redis outage's connection errors are not printed raw by the janitor's queue (the connection's owner logs them)", async () => {
     const printed = vi.spyOn(console, "error").mockImplementation(() => undefined);
     const heard: unknown[] = [];

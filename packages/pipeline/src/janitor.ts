@@ -420,8 +420,14 @@ export async function startJanitor(
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
   let lastPassAt = Date.now();
   const staleAfterMs = STALE_SAMPLE_INTERVALS * options.intervalMs;
+  // The same for its teardown ledger gauges: a stale oldest age over the threshold (the ledger
+  // drained since, by another replica) would page FleetTeardownLedgerNotDraining, a max over all.
   const stale = setInterval(() => {
-    if (Date.now() - lastPassAt > staleAfterMs) dropSandboxCount(deps);
+    if (Date.now() - lastPassAt > staleAfterMs) {
+      dropSandboxCount(deps);
+      deps.metrics?.teardownLedgerEntries.remove({});
+      deps.metrics?.teardownLedgerOldestAge.remove({});
+    }
   }, options.intervalMs);
   stale.unref();
   const worker = new Worker(
