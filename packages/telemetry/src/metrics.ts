@@ -35,13 +35,15 @@ export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
 /**
  * `outcome` of one stage job: `ok` finished and stored its receipt; `replayed` found a stored
  * receipt and did nothing again; `retry` threw a retryable error (BullMQ retries it); `failed`
- * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close).
+ * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close);
+ * `superseded` a verify attempt whose failure a later attempt (its lock lapsed) made moot.
  */
 export const STAGE_OUTCOMES = [
   "ok",
   "replayed",
   "skipped",
   "unknown",
+  "superseded",
   "retry",
   "failed",
   "held",
@@ -200,7 +202,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     stageJobs: new Counter({
       name: "fleet_stage_jobs_total",
-      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, retry, failed, held: put back while the sandbox provider did not answer).",
+      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, superseded, retry, failed, held: put back while the sandbox provider did not answer, requeued).",
       labelNames: ["stage", "outcome"],
       registers,
     }),
