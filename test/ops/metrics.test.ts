@@ -236,6 +236,14 @@ describe("metrics of a real run", () => {
     const j = await scrape("janitor");
     expect(sampleValue(j, "fleet_teardown_ledger_entries")).toBe(0);
     expect(sampleValue(j, "fleet_teardown_ledger_oldest_age_seconds")).toBe(0);
+    // It finalizes rollouts too (those whose closes keep failing, past their deadline): their
+    // series start at 0, or increase() (the masked-ratio alert) would miss its first.
+    expect(
+      sampleValue(j, "fleet_rollouts_finished_total", {
+        status: "masked",
+        failure_kind: "deadline_exceeded",
+      }),
+    ).toBe(0);
     expect(
       Date.now() / 1000 - sampleValue(j, "fleet_worker_heartbeat_timestamp_seconds", { worker: "janitor" }),
     ).toBeLessThan(30);

@@ -267,6 +267,20 @@ function onSignals(
   process.on("SIGINT", () => handler("SIGINT"));
 }
 
+/**
+ * fleet_rollouts_finished_total from 0 for every status/failure_kind pair a close can report, so
+ * increase() (the masked- and failed-ratio alerts) sees each pair's first rollout: in the
+ * processes that finalize rollouts (the close stage's workers, and the janitor, which closes
+ * those whose close jobs keep failing: `closeWithoutDestroys`).
+ */
+function countFinishedFromZero(deps: PipelineDeps): void {
+  if (!deps.metrics) return;
+  deps.metrics.rolloutsFinished.inc({ status: "completed", failure_kind: "none" }, 0);
+  for (const failureKind of FailureKind.options) {
+    deps.metrics.rolloutsFinished.inc({ status: statusFor(failureKind), failure_kind: failureKind }, 0);
+  }
+}
+
 /** The whole of a stage worker app's `main.ts`. */
 export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   const config = parseWorkerConfig(kind, env);
@@ -296,14 +310,7 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
       });
     },
   });
-  // fleet_rollouts_finished_total starts at 0 for every status/failure_kind pair close can
-  // report, so increase() (the masked-ratio alert) sees each pair's first rollout.
-  if (deps.metrics && STAGES_OF[kind].includes("close")) {
-    deps.metrics.rolloutsFinished.inc({ status: "completed", failure_kind: "none" }, 0);
-    for (const failureKind of FailureKind.options) {
-      deps.metrics.rolloutsFinished.inc({ status: statusFor(failureKind), failure_kind: failureKind }, 0);
-    }
-  }
+  if (STAGES_OF[kind].includes("close")) countFinishedFromZero(deps);
   logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
   onSignals(
     logger,
@@ -324,6 +331,7 @@ export async function runJanitorApp(env: Env): Promise<void> {
   // A sandbox intent whose container never appeared: trusted as never created after the same
   // grace as an unknown labelled sandbox (the label sweep still catches a late create).
   deps.intentGraceMs = config.orphanGraceMs;
+  countFinishedFromZero(deps);
   const janitor = await startJanitor(deps, {
     connection: redis,
     prefix: config.prefix,
