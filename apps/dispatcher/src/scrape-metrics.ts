@@ -36,9 +36,9 @@ export function withTimeout<T>(promise: Promise<T>, ms: number, what: string): P
  * Set the gauges the dispatcher computes at scrape time: `fleet_redis_up` (a PING),
  * `fleet_queue_jobs{queue,state}`, `fleet_queue_oldest_waiting_age_seconds{queue}`,
  * `fleet_queue_workers{queue}`, `fleet_rollouts_inflight` and, given a ledger,
- * `fleet_teardown_ledger_entries`. When Redis does not answer, `fleet_redis_up` is 0, the
- * other gauges are left out of the scrape (a stale depth would mislead an alert), and the
- * error is rethrown for the caller to log.
+ * `fleet_teardown_ledger_entries` and `fleet_teardown_ledger_oldest_age_seconds`. When Redis
+ * does not answer, `fleet_redis_up` is 0, the other gauges are left out of the scrape (a stale
+ * depth would mislead an alert), and the error is rethrown for the caller to log.
  */
 export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
   const { metrics } = src;
