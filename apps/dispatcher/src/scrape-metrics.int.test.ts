@@ -1,5 +1,8 @@
 import { randomUUID } from "node:crypto";
-import { createRedis, TeardownLedger } from "@fleet/queue";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { createRedis, LocalRedisServer, TeardownLedger } from "@fleet/queue";
 import { sandboxEntry } from "@fleet/queue/testing";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
@@ -70,6 +73,48 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
       expect(await age()).toBeLessThan(60);
     } finally {
       await worker.close();
+    }
+  });
+});
+
+/**
+ * A Redis without the CLIENT command (renamed away, as some managed services do): BullMQ then
+ * answers `getWorkers` with one made-up entry rather than an error. Its own private
+ * redis-server: the shared one must keep CLIENT.
+ */
+describe("fleet_queue_workers on a Redis without CLIENT", () => {
+  const dir = mkdtempSync(join(tmpdir(), "fleet-no-client-"));
+  let server: LocalRedisServer;
+  afterAll(async () => {
+    await server?.kill();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("is left out (not a made-up 1 worker), the other queue gauges still there", async () => {
+    server = await LocalRedisServer.start({ dir, args: ["--rename-command", "CLIENT", ""] });
+    const redis = createRedis(server.url);
+    const queue = new Queue("run", { connection: redis, prefix: "{t-no-client}" });
+    try {
+      await queue.add("run", { rolloutId: "r" }, { jobId: "r.run" });
+      const metrics = createFleetMetrics(
+        createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }),
+      );
+      await refreshScrapeMetrics({
+        redis,
+        queues: [queue],
+        store: { inflightCount: async () => 0 },
+        metrics,
+        now: Date.now(),
+        timeoutMs: 5_000,
+      });
+      const waiting = (await metrics.queueJobs.get()).values.find(
+        (v) => v.labels.queue === "run" && v.labels.state === "waiting",
+      );
+      expect(waiting?.value).toBe(1);
+      expect((await metrics.queueWorkers.get()).values).toEqual([]);
+    } finally {
+      await queue.close();
+      redis.disconnect();
     }
   });
 });

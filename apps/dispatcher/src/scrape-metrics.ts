@@ -91,13 +91,20 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
   }
 }
 
+/** The one entry BullMQ's `getWorkers` returns when Redis has no CLIENT command (renamed away). */
+const NO_CLIENT_LIST = "GCP does not support client list";
+
 async function sampleQueue(queue: Queue, now: number) {
   const [counts, [oldest], workers] = await Promise.all([
     queue.getJobCounts(...QUEUE_STATES),
     // Oldest first: the head of the wait list.
     queue.getJobs(["waiting"], 0, 0, true),
     // CLIENT LIST, which some managed Redis services refuse: then this one gauge is left out.
-    queue.getWorkersCount().catch(() => null),
+    // BullMQ answers a Redis without the CLIENT command with one made-up entry, not an error.
+    queue.getWorkers().then(
+      (workers) => (workers.some((w) => w.name === NO_CLIENT_LIST) ? null : workers.length),
+      () => null,
+    ),
   ]);
   // Waiting since it was added, or since a worker last took it: a job held, retried or handed
   // back (a provider outage, a seed waiting for room) was not waiting all its life.
