@@ -445,6 +445,11 @@ describe("TaskContent refusals", () => {
     ["regex", "\\d+\\Z", /another dialect's anchor/],
     ["regex", "\\A\\d+", /another dialect's anchor/],
     ["regex", "[[:digit:]]+", /\[\[:digit:\]\] is a POSIX class/],
+    // Escapes JavaScript without the `u` flag reads as a bare letter: `\p{L}+` matches "p{L}".
+    ["regex", "\\p{L}+", /\\p is a Unicode property class/],
+    ["regex", "[\\P{N}]+", /\\P is a negated Unicode property class/],
+    ["regex", "a\\hb", /\\h is PCRE's horizontal whitespace/],
+    ["regex", "\\Q1+1\\E", /\\Q is PCRE's quoting/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
     const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);

@@ -111,7 +111,7 @@ export type VerifierSpec = z.infer<typeof VerifierSpec>;
  * The regular expression a `regex` match verifier grades with: `expected` trimmed (a TOML
  * multi-line string ends in a newline no trimmed answer could match), matching the whole
  * trimmed answer. The loader, the schema and the grader all compile this one. JavaScript syntax;
- * another dialect's anchors (`\A`, `\Z`, `\z`) and POSIX classes (`[[:digit:]]`) are refused
+ * another dialect's anchors (`\A`, `\Z`, `\z`), escapes (`\p{L}`, `\h`, `\Q`) and POSIX classes (`[[:digit:]]`) are refused
  * (see `foreignRegexSyntax`): JavaScript would read them as literal characters and silently
  * grade every answer 0.
  *
@@ -125,9 +125,21 @@ export function matchPattern(expected: string): RegExp {
 }
 
 /**
+ * Escapes of other dialects that JavaScript without the `u` flag (as the grader compiles) reads
+ * as the bare letter, with what each is there and what to write instead.
+ */
+const OTHER_DIALECT_ESCAPES: Record<string, string> = {
+  p: 'a Unicode property class (`\\p{L}`), which JavaScript reads without the `u` flag as the letters "p{L}": use a class such as [A-Za-z\\u00C0-\\u024F]',
+  P: 'a negated Unicode property class (`\\P{L}`), which JavaScript reads without the `u` flag as the letters "P{L}": use a negated class',
+  h: 'PCRE\'s horizontal whitespace, a literal "h" in JavaScript: use [ \\t]',
+  Q: 'PCRE\'s quoting (`\\Q…\\E`), a literal "Q" in JavaScript: escape each special character instead',
+};
+
+/**
  * Why `pattern` holds another dialect's syntax that JavaScript reads as something else, or
- * `undefined`: an escape `\A`, `\Z` or `\z` (Python's, PCRE's anchors; literal letters here), or
- * a POSIX class `[[:name:]]` (a class of `[`, `:` and letters here, then a literal `]`).
+ * `undefined`: an escape `\A`, `\Z` or `\z` (Python's, PCRE's anchors; literal letters here),
+ * `\p`/`\P` (property classes, which need the `u` flag), `\h` or `\Q` (PCRE's), or a POSIX class
+ * `[[:name:]]` (a class of `[`, `:` and letters here, then a literal `]`).
  */
 export function foreignRegexSyntax(pattern: string): string | undefined {
   for (let i = 0; i < pattern.length; i++) {
@@ -137,6 +149,8 @@ export function foreignRegexSyntax(pattern: string): string | undefined {
       if (next === "A" || next === "Z" || next === "z") {
         return `\\${next} is another dialect's anchor, a literal "${next}" in JavaScript: the pattern already matches the whole answer (drop it)`;
       }
+      const other = OTHER_DIALECT_ESCAPES[next];
+      if (other !== undefined) return `\\${next} is ${other}`;
       i++; // the escaped character
     } else if (c === "[" && /^\[:[a-z]+:\]/.test(pattern.slice(i + 1))) {
       return `${pattern.slice(i, pattern.indexOf("]", i) + 2)} is a POSIX class, which JavaScript does not have: use \\d, \\s, \\w or a range such as [0-9]`;
