@@ -122,6 +122,17 @@ describe("ProgressReporter", () => {
     expect(writes.at(-1)).toContain("progress 30/30 (100.0%)");
   });
 
+  it("draws at 80 columns on a TTY that reports a width of 0 (its size never set)", () => {
+    const writes: string[] = [];
+    const r = new ProgressReporter({ isTTY: true, columns: 0, write: (s: string) => writes.push(s) });
+    r.update({ done: 1, total: 4, masked: 0, failed: 0 });
+    r.finish({ done: 4, total: 4, masked: 0, failed: 0 });
+    expect(writes[0]).toMatch(/^\r\[#+\.+\] {2}1\/4 {3}25%.*elapsed 0s/);
+    expect(writes[0]?.endsWith("\x1b[K")).toBe(true);
+    expect(writes[1]).toMatch(/^\r\[#+\] {2}4\/4 {2}100%/);
+    expect(writes.every((w) => w.length <= 80 + "\r\x1b[K\n".length)).toBe(true);
+  });
+
   it("ends the TTY line when interrupted", () => {
     const { writes, stream } = recorder(true);
     const r = new ProgressReporter(stream);

@@ -137,7 +137,7 @@ export class ProgressReporter {
     const now = this.now();
     const snapshot = this.snapshot(now, counts);
     if (this.tty) {
-      const line = renderProgress(snapshot, { width: this.stream.columns ?? 80 });
+      const line = renderProgress(snapshot, { width: this.width() });
       if (line !== this.lastLine) this.stream.write(`\r${line}\x1b[K`);
       this.lastLine = line;
       return;
@@ -146,6 +146,15 @@ export class ProgressReporter {
       this.stream.write(`${renderProgress(snapshot, { bar: false })}\n`);
       this.lastPlainAt = now;
     }
+  }
+
+  /**
+   * The terminal's width, 80 when it says none: a terminal whose size was never set (a serial
+   * console, `script` or `docker exec -t` without a size) reports 0 columns, which drew an empty line.
+   */
+  private width(): number {
+    const columns = this.stream.columns;
+    return columns !== undefined && columns > 0 ? columns : 80;
   }
 
   private snapshot(
@@ -162,8 +171,7 @@ export class ProgressReporter {
     const now = this.now();
     const snapshot = this.snapshot(now, counts);
     this.finished = true;
-    if (this.tty)
-      this.stream.write(`\r${renderProgress(snapshot, { width: this.stream.columns ?? 80 })}\x1b[K\n`);
+    if (this.tty) this.stream.write(`\r${renderProgress(snapshot, { width: this.width() })}\x1b[K\n`);
     else this.stream.write(`${renderProgress(snapshot, { bar: false })}\n`);
   }
 
