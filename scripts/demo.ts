@@ -14,7 +14,7 @@ import { execFileSync } from "node:child_process";
 import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { LocalRedisServer } from "@fleet/queue";
-import { FleetProcesses, REPO_ROOT } from "./lib/fleet-processes.ts";
+import { FleetProcesses, REPO_ROOT, runAttached } from "./lib/fleet-processes.ts";
 
 interface ResultLine {
   status: string;
@@ -54,11 +54,15 @@ async function startPrivateRedis(): Promise<LocalRedisServer> {
   return server;
 }
 
-function runCli(args: string[], env: Record<string, string>): void {
-  execFileSync(process.execPath, [join(REPO_ROOT, "apps/cli/bin/fleet.js"), ...args], {
-    env: { ...process.env, ...env },
-    stdio: ["ignore", "inherit", "inherit"],
-  });
+/**
+ * The `fleet` CLI, run to its end while this process goes on draining the fleet's log pipes (see
+ * `runAttached`: with `execFileSync` the dispatcher stopped once a `--wait` had polled it for about
+ * five minutes). Throws when it fails (as when Ctrl-C ended it).
+ */
+async function runCli(args: string[], env: Record<string, string>): Promise<void> {
+  const cli = join(REPO_ROOT, "apps/cli/bin/fleet.js");
+  const code = await runAttached(process.execPath, [cli, ...args], { ...process.env, ...env });
+  if (code !== 0) throw new Error(`fleet ${args[0]} exited with ${code}`);
 }
 
 function percentile(values: number[], p: number): number | null {
@@ -169,10 +173,10 @@ async function main(): Promise<number> {
 
     const oracleOut = join(runDir, "results-oracle.jsonl");
     say("submitting the example suite with the oracle agent…");
-    runCli(["submit", "--suite", suite, "--agent", "oracle", "--wait", "--out", oracleOut], env);
+    await runCli(["submit", "--suite", suite, "--agent", "oracle", "--wait", "--out", oracleOut], env);
     const wrongOut = join(runDir, "results-wrong.jsonl");
     say("submitting the example suite with a deliberately wrong agent (does nothing)…");
-    runCli(
+    await runCli(
       [
         "submit",
         "--suite",

@@ -1,5 +1,6 @@
 import { type ChildProcess, spawn } from "node:child_process";
 import { createWriteStream, mkdirSync, type WriteStream } from "node:fs";
+import { constants as osConstants } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { fileURLToPath } from "node:url";
 import { freeLoopbackPort } from "@fleet/queue";
@@ -15,6 +16,23 @@ export const APP_MAIN = {
 export type AppKind = keyof typeof APP_MAIN;
 
 export const REPO_ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../..");
+
+/**
+ * Run a command to its end on this process's terminal (stdin ignored) and resolve its exit code
+ * (128 + the signal's number when a signal ended it). Unlike `execFileSync`, it leaves the event
+ * loop running meanwhile: a `FleetProcesses` fleet logs through pipes that only this process's
+ * event loop drains, and a process whose pipe is full (64 KiB of logs: five minutes of a CLI's
+ * status polls in the dispatcher's) stops dead, mid-request, until it is drained.
+ */
+export function runAttached(file: string, args: readonly string[], env: NodeJS.ProcessEnv): Promise<number> {
+  return new Promise((resolveExit, reject) => {
+    const child = spawn(file, args, { env, stdio: ["ignore", "inherit", "inherit"] });
+    child.once("error", reject);
+    child.once("exit", (code, signal) =>
+      resolveExit(code ?? 128 + (signal ? (osConstants.signals[signal] ?? 0) : 0)),
+    );
+  });
+}
 
 export interface FleetProcessOptions {
   redisUrl: string;

@@ -1,0 +1,55 @@
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { afterAll, describe, expect, it } from "vitest";
+import { FleetProcesses, runAttached } from "../scripts/lib/fleet-processes.ts";
+import { dropPrefix, REDIS_URL, testPrefix } from "./helpers/env.ts";
+
+// A client of the fleet run the way `npm run demo` runs the `fleet` CLI: 1,000 requests, each
+// answered within 5 s, else exit 1. The dispatcher logs a line of about 200 bytes for each.
+const CLIENT = `
+const url = process.argv[1];
+for (let i = 0; i < 1000; i++) {
+  try {
+    const res = await fetch(url, { headers: { authorization: "Bearer fleet-dev-token" }, signal: AbortSignal.timeout(5000) });
+    await res.arrayBuffer();
+    if (res.status !== 404) throw new Error("status " + res.status);
+  } catch (err) {
+    console.error("request " + i + " failed: " + err.message);
+    process.exit(1);
+  }
+}
+`;
+
+describe("runAttached (the demo's way of running the fleet CLI)", () => {
+  const prefix = testPrefix("attached");
+  const logDir = mkdtempSync(join(tmpdir(), "fleet-attached-"));
+  let fleet: FleetProcesses | null = null;
+  afterAll(async () => {
+    await fleet?.stop();
+    await dropPrefix(REDIS_URL, prefix);
+    rmSync(logDir, { recursive: true, force: true });
+  });
+
+  it("keeps draining the fleet's log pipes while the command runs, so the dispatcher keeps answering", async () => {
+    fleet = await FleetProcesses.start({
+      redisUrl: REDIS_URL,
+      prefix,
+      logDir,
+      replicas: { resources: 0, agent: 0, verifier: 0, janitor: 0 },
+    });
+    // Far more than a pipe holds (64 KiB) of the dispatcher's request log lines: with the CLI run
+    // by execFileSync the dispatcher stopped at its pipe's end, and request ~300 timed out.
+    const code = await runAttached(
+      process.execPath,
+      ["--input-type=module", "-e", CLIENT, `${fleet.url}/v1/batches/nope`],
+      process.env,
+    );
+    expect(code).toBe(0);
+  });
+
+  it("resolves a command's exit code, and 128 + n for one a signal ended", async () => {
+    expect(await runAttached("sh", ["-c", "exit 3"], process.env)).toBe(3);
+    expect(await runAttached("sh", ["-c", "kill -TERM $$"], process.env)).toBe(128 + 15);
+  });
+});
