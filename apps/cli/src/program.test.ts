@@ -800,6 +800,16 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain("must be at least 1 second");
     expect(await runCli(["submit", "--agent", "oracle"], ctx())).toBe(2);
     expect(stderr.text()).toContain("required option '--suite <dir>' not specified");
+    // What only --wait prints (its stdout would otherwise be batch ids, not the JSON asked for).
+    expect(
+      await runCli(
+        ["submit", "--suite", "s", "--agent", "oracle", "--out", path.join(dir, "r.jsonl")],
+        ctx(),
+      ),
+    ).toBe(2);
+    expect(stderr.text()).toContain("--out needs --wait");
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--json"], ctx())).toBe(2);
+    expect(stderr.text()).toContain("--json needs --wait");
     expect(server.requests).toHaveLength(0);
   });
 

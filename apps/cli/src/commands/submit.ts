@@ -38,6 +38,12 @@ export async function submitCommand(
 ): Promise<number> {
   if (opts.out !== undefined && !opts.wait)
     throw new UsageError("--out needs --wait (or use `fleet results`)");
+  // Without --wait stdout is the batch ids, not JSON: said before anything is submitted, not
+  // found by the script parsing it after the rollouts went in.
+  if (opts.json && !opts.wait)
+    throw new UsageError(
+      "--json needs --wait (without it, stdout is the batch ids, one a line; or use `fleet watch --json`)",
+    );
   // Opened before anything is submitted: a path that cannot be written is a usage error now,
   // not after hours of waiting.
   const file = await openOut(opts.out);
@@ -108,7 +114,7 @@ async function submitAndFollow(
       replayed.batches++;
     }
     // With --wait --json, stdout is the one JSON summary (its batchIds name them): ids to stderr.
-    await writeText(opts.json && opts.wait ? ctx.stderr : ctx.stdout, `${batch.batchId}\n`);
+    await writeText(opts.json ? ctx.stderr : ctx.stdout, `${batch.batchId}\n`);
   };
   // With --wait, a long run: ride out a dispatcher restart while submitting too (every POST
   // carries its Idempotency-Key, so one sent again admits nothing twice). Without it, fail fast.
