@@ -79,4 +79,42 @@ describe("apps started the README's way (npm start -w <app>)", () => {
       expect(output, workspace).toMatch(/"msg":"shutting down"/);
     }
   }, 240_000);
+
+  it("each stops gracefully on Ctrl-C (SIGINT to the terminal's whole process group: npm, its shell, the app)", async () => {
+    const port = await freeLoopbackPort();
+    const results = await Promise.all(
+      APPS.map(async ({ workspace, ready }) => {
+        const { npm, output } = npmStart(
+          workspace,
+          {
+            REDIS_URL,
+            FLEET_PREFIX: prefix,
+            FLEET_HTTP_HOST: "127.0.0.1",
+            FLEET_HTTP_PORT: String(port),
+            FLEET_API_TOKENS: "npm-start-test",
+          },
+          { group: true },
+        );
+        const npmExited = new Promise<number | null>((r) => npm.once("exit", (code) => r(code)));
+        try {
+          await waitFor(`${workspace} to start`, async () => ready.test(output()), 90_000);
+          // npm passes the SIGINT on to its child, which had it from the terminal already: the app
+          // is sent it twice, and a tsx CLI in between killed an app slow to answer it.
+          process.kill(-npm.pid!, "SIGINT");
+          return { workspace, code: await npmExited, output: output() };
+        } finally {
+          try {
+            process.kill(-npm.pid!, "SIGKILL");
+          } catch {
+            // gone already
+          }
+        }
+      }),
+    );
+    for (const { workspace, code, output } of results) {
+      expect(output, workspace).toMatch(/"msg":"stopped"/);
+      expect(output, workspace).not.toMatch(/npm error/);
+      expect(code, workspace).toBe(0);
+    }
+  }, 240_000);
 });

@@ -10,6 +10,8 @@ import { REPO_ROOT } from "../../scripts/lib/fleet-processes.ts";
 export function npmStart(
   workspace: string,
   env: Record<string, string>,
+  /** In a process group of its own (npm's id), as a terminal runs it: a Ctrl-C goes to all of it. */
+  options: { group?: boolean } = {},
 ): { npm: ChildProcessByStdio<null, Readable, Readable>; output: () => string } {
   const npm = spawn("npm", ["start", "-w", workspace], {
     cwd: REPO_ROOT,
@@ -22,6 +24,7 @@ export function npmStart(
       ...env,
     },
     stdio: ["ignore", "pipe", "pipe"],
+    ...(options.group ? { detached: true } : {}),
   });
   let output = "";
   npm.stdout.on("data", (d: Buffer) => (output += d.toString()));

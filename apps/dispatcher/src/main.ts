@@ -12,6 +12,7 @@ import {
   createFleetMetrics,
   createLogger,
   createMetricsRegistry,
+  isRepeatedSignal,
   onStartFailure,
   portInUse,
 } from "@fleet/telemetry";
@@ -48,13 +49,17 @@ async function main(): Promise<void> {
   const app = createServer({ store, queues, ledger, redis, config, logger, registry, metrics });
 
   let closing = false;
+  let closingSince = 0;
   const shutdown = (signal: string) => {
-    // A second signal (a second Ctrl-C, an impatient supervisor) exits at once, as the workers do.
+    // A second signal (a second Ctrl-C, an impatient supervisor) exits at once, as the workers do;
+    // not the same Ctrl-C come again (`npm start` passes on the SIGINT the terminal sent it too).
     if (closing) {
+      if (isRepeatedSignal(closingSince)) return;
       logger.error({ signal }, "second signal while shutting down; exiting at once");
       process.exit(1);
     }
     closing = true;
+    closingSince = Date.now();
     logger.info({ signal }, "shutting down");
     const force = setTimeout(() => {
       logger.error({ timeoutMs: config.shutdownTimeoutMs }, "graceful shutdown timed out; exiting");

@@ -21,6 +21,7 @@ import {
   createFleetMetrics,
   createLogger,
   createMetricsRegistry,
+  isRepeatedSignal,
   portInUse,
   startMetricsServer,
 } from "@fleet/telemetry";
@@ -235,7 +236,7 @@ export async function providerReady(
 /**
  * Bounded graceful stop on SIGTERM/SIGINT: `stop` gets `timeoutMs` minus a moment for closing
  * connections, and the process exits within `timeoutMs` whatever happens. A second signal
- * exits at once.
+ * exits at once (one within a second of the first is taken for the same one, sent twice).
  */
 function onSignals(
   logger: PipelineDeps["logger"],
@@ -243,9 +244,13 @@ function onSignals(
   timeoutMs: number,
 ): void {
   let stopping = false;
+  let stoppingSince = 0;
   const handler = (signal: string) => {
-    if (stopping) process.exit(1);
+    // Not the same Ctrl-C come again (`npm start` passes on the SIGINT the terminal sent it too).
+    if (stopping && !isRepeatedSignal(stoppingSince)) process.exit(1);
+    if (stopping) return;
     stopping = true;
+    stoppingSince = Date.now();
     logger.info({ signal, timeoutMs }, "shutting down");
     const force = setTimeout(() => {
       logger.error({ timeoutMs }, "graceful shutdown timed out; exiting");

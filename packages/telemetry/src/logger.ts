@@ -124,6 +124,17 @@ export function onStartFailure(env: Record<string, string | undefined>): (err: u
   };
 }
 
+/**
+ * Whether a shutdown signal that comes while the app is stopping (since `stoppingSince`, ms) is the
+ * first one sent again rather than a second Ctrl-C: one within a second of it. `npm start` passes
+ * on the SIGINT that the terminal sent its whole process group, the app included, so a single
+ * Ctrl-C reaches the app twice, moments apart; taken for a second signal, it cut every graceful
+ * stop short.
+ */
+export function isRepeatedSignal(stoppingSince: number, now = Date.now()): boolean {
+  return now - stoppingSince < 1_000;
+}
+
 /** A listen's failures that say its host is wrong: not resolvable, or no address of this machine. */
 const HOST_ERRORS = new Set(["ENOTFOUND", "EAI_AGAIN", "EAI_FAIL", "EAI_NONAME", "EADDRNOTAVAIL"]);
 
