@@ -1,10 +1,12 @@
 # syntax=docker/dockerfile:1
 # The one image of every fleet app: the dispatcher, the three stage workers and the janitor
-# (and the `fleet` CLI). Apps run from their TypeScript sources with tsx (no build step);
-# docker-compose.yml picks the app with its command:
+# (and the `fleet` CLI). Apps run from their TypeScript sources with `node --import tsx` (no
+# build step; not the `tsx` command, which SIGKILLs an app that has not answered a relayed
+# SIGTERM within 30 ms, i.e. mid-shutdown on a busy event loop); docker-compose.yml picks the
+# app with its command:
 #
 #   docker build -t rollout-fleet/app .
-#   docker run --rm -e REDIS_URL=redis://redis:6379 rollout-fleet/app tsx apps/janitor/src/main.ts
+#   docker run --rm -e REDIS_URL=redis://redis:6379 rollout-fleet/app node --import tsx apps/janitor/src/main.ts
 #
 # Needs a registry for node:20-slim and the npm registry for `npm ci`; where there is none
 # (an air-gapped host), build it elsewhere and `docker save` / `docker load` it.
@@ -27,11 +29,9 @@ COPY --from=manifests /out/ ./
 RUN npm ci --omit=dev --no-audit --no-fund \
  && npm cache clean --force
 
-# 3. Runtime: node, tsx, the production node_modules and the sources; an unprivileged user.
+# 3. Runtime: node, the production node_modules (tsx among them: the CLI's dependency) and the
+#    sources; an unprivileged user.
 FROM ${NODE_IMAGE} AS runtime
-ARG TSX_VERSION=4.23.15
-RUN npm install --global "tsx@${TSX_VERSION}" --no-audit --no-fund \
- && npm cache clean --force
 WORKDIR /app
 ENV NODE_ENV=production \
     FLEET_HTTP_HOST=0.0.0.0 \
@@ -43,4 +43,4 @@ COPY apps ./apps
 USER node
 # 8080: the dispatcher's API, Bull Board and /metrics; 9464: a worker's or the janitor's /metrics.
 EXPOSE 8080 9464
-CMD ["tsx", "apps/dispatcher/src/main.ts"]
+CMD ["node", "--import", "tsx", "apps/dispatcher/src/main.ts"]
