@@ -138,15 +138,20 @@ function removeDemoSandboxes(prefix: string): void {
   }
 }
 
+/** Set by Ctrl-C (SIGINT), SIGTERM or a closed terminal (SIGHUP); see `main`. */
+let interrupted = false;
+
 async function main(): Promise<number> {
   // Ctrl-C reaches the CLI and the fleet's processes too (one process group): the CLI ends, and
-  // this process goes on to shut the fleet down and clean up instead of dying with it.
-  let interrupted = false;
-  for (const signal of ["SIGINT", "SIGTERM"] as const) {
+  // this process goes on to shut the fleet down and clean up instead of dying with it. So does a
+  // closed terminal (SIGHUP): dying of it would leave the private Redis (its own process group)
+  // and the sandboxes behind. Writes to a terminal that is gone fail; the clean-up goes on.
+  for (const signal of ["SIGINT", "SIGTERM", "SIGHUP"] as const) {
     process.on(signal, () => {
       interrupted = true;
     });
   }
+  for (const stream of [process.stdout, process.stderr]) stream.on("error", () => undefined);
   const exported = ensureServices();
   let redis: LocalRedisServer | null = null;
   let redisUrl = process.env.REDIS_URL;
@@ -174,6 +179,8 @@ async function main(): Promise<number> {
     const oracleOut = join(runDir, "results-oracle.jsonl");
     say("submitting the example suite with the oracle agent…");
     await runCli(["submit", "--suite", suite, "--agent", "oracle", "--wait", "--out", oracleOut], env);
+    // A Ctrl-C just as that CLI finished must not start the next against a fleet shutting down.
+    if (interrupted) throw new Error("interrupted");
     const wrongOut = join(runDir, "results-wrong.jsonl");
     say("submitting the example suite with a deliberately wrong agent (does nothing)…");
     await runCli(
@@ -211,6 +218,11 @@ async function main(): Promise<number> {
 main().then(
   (code) => process.exit(code),
   (err: unknown) => {
+    // Interrupted: the CLI's own exit (130) is no failure of the demo's; 130 as a shell says it.
+    if (interrupted) {
+      console.error("[demo] interrupted: the fleet was shut down");
+      process.exit(130);
+    }
     console.error(`[demo] failed: ${err instanceof Error ? err.message : String(err)}`);
     process.exit(1);
   },
