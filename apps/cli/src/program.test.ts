@@ -945,8 +945,11 @@ describe("fleet status / results / cancel", () => {
     server.on("GET", "/v1/batches/b-1", (_req, res) => apiError(res, 401, "unauthorized", "bad token"));
     expect(await runCli(["status", "b-1"], ctx())).toBe(1);
     expect(stderr.text()).toContain("error: unauthorized: bad token (HTTP 401)");
+    expect(stderr.text()).toContain("hint: set FLEET_TOKEN (or pass --token)");
+    const before = stderr.text().length;
     expect(await runCli(["status", "nope"], ctx())).toBe(1);
     expect(stderr.text()).toContain("error: not_found:");
+    expect(stderr.text().slice(before)).not.toContain("hint:");
   });
 
   it("streams results to stdout or to a file", async () => {

@@ -316,6 +316,11 @@ function reportError(err: unknown, ctx: CliContext): number {
   if (isApiError(err)) {
     const status = err.status === 0 ? "" : ` (HTTP ${err.status})`;
     ctx.stderr.write(`error: ${err.code}: ${err.message}${status}\n`);
+    if (err.status === 401) {
+      ctx.stderr.write(
+        "  hint: set FLEET_TOKEN (or pass --token) to one of the dispatcher's FLEET_API_TOKENS\n",
+      );
+    }
     if (err.details !== null && err.details !== undefined) {
       const details = JSON.stringify(err.details);
       ctx.stderr.write(`  details: ${details.length > 2000 ? `${details.slice(0, 2000)}…` : details}\n`);

@@ -37,6 +37,12 @@ describe("resolveAgent", () => {
     await expect(resolveAgent("gpt-agent", noFiles)).rejects.toThrow(
       /unknown agent "gpt-agent": expected oracle/,
     );
+    // Written as a path: the missing file is named as such, not taken for an unknown name.
+    for (const path of ["agents/mine.json", "mine.json", "./agent"]) {
+      await expect(resolveAgent(path, noFiles)).rejects.toThrow(
+        `no such agent file: ${path} (an agent is oracle`,
+      );
+    }
     await expect(resolveAgent("{nope", noFiles)).rejects.toThrow(/inline --agent JSON is not valid JSON/);
     const err = await resolveAgent('{"harness":"command","argv":[]}', noFiles).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(UsageError);

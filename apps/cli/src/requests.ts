@@ -35,6 +35,13 @@ export async function resolveAgent(
     } catch (err) {
       const code = (err as { code?: string }).code;
       if (code === "ENOENT") {
+        // Written as a path (agents/x.json): the file is what is missing, not a name.
+        if (/[/\\]|\.json$/i.test(trimmed)) {
+          throw new UsageError(
+            `no such agent file: ${trimmed} (an agent is ${Object.keys(NAMED_AGENTS).join(", ")}, ` +
+              "a JSON file with an agent spec, or inline JSON)",
+          );
+        }
         throw new UsageError(
           `unknown agent "${trimmed}": expected ${Object.keys(NAMED_AGENTS).join(", ")}, ` +
             "a JSON file with an agent spec, or inline JSON",
