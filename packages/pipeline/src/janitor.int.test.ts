@@ -419,6 +419,45 @@ describe("janitor", () => {
     expect(closeJob).toBeTruthy();
   });
 
+  it("an overdue rollout whose record cannot be read (torn, or gone) is set aside, its record kept: 100 of them do not hold up the watchdog for every other", async () => {
+    const { redis } = fleet;
+    const { store } = fleet.deps;
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }])) as [string];
+    // The watchdog reads the first 100 overdue rollouts: 99 torn records and one gone, all due
+    // before the real one.
+    const torn = Array.from({ length: 99 }, (_, i) => `torn${RUN}-${i}`);
+    const gone = `gone${RUN}`;
+    for (const [i, t] of torn.entries()) {
+      await redis.hset(store.keys.rollout(t), "meta", "{torn", "status", "accepted");
+      await redis.zadd(store.keys.inflight(), i + 1, t);
+    }
+    await redis.zadd(store.keys.inflight(), 100, gone);
+    const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
+    const options = { orphanGraceMs: 60_000, watchdogGraceMs: 1000 };
+    try {
+      const first = await janitorTick(later, options);
+      const second = await janitorTick(later, options);
+      // The second pass reaches the real rollout: the first took the unreadable ones out.
+      expect(await fleet.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
+      expect([first.setAside, second.setAside]).toEqual([100, 0]);
+      expect(first.errors).toEqual(
+        expect.arrayContaining([
+          expect.stringMatching(new RegExp(`^watchdog ${torn[0]}: its record cannot be read: set aside`)),
+        ]),
+      );
+      // Out of the in-flight index (no place, no backlog room held), into the unreadable one,
+      // in deadline order; each torn record kept as it was.
+      expect(await redis.zscore(store.keys.inflight(), torn[0]!)).toBeNull();
+      expect(await store.unreadable(200)).toEqual([...torn, gone]);
+      expect(await redis.hget(store.keys.rollout(torn[98]!), "meta")).toBe("{torn");
+    } finally {
+      await redis.del(store.keys.unreadable(), ...torn.map((t) => store.keys.rollout(t)));
+      await redis.zrem(store.keys.inflight(), ...torn, gone);
+    }
+  });
+
   it("finishes an admission its dispatcher died in once past its grace: the recorded rollouts' seeds are enqueued, so they run instead of waiting out their deadline", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };

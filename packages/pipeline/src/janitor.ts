@@ -7,6 +7,7 @@ import {
   type SandboxEntry,
   sandboxKey,
   stageJobId,
+  UnreadableRecordError,
 } from "@fleet/queue";
 import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fleet/sandbox";
 import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
@@ -49,6 +50,11 @@ export interface JanitorReport {
   /** Registered sandboxes this pass put on the ledger (their rollout over, or their expiry passed). */
   expiredScheduled: number;
   watchdogClosed: number;
+  /**
+   * Overdue rollouts whose record cannot be read (torn, or gone) that this pass took out of the
+   * in-flight index into the unreadable one (`keys.unreadable()`), their record kept.
+   */
+  setAside: number;
   /** Rollouts the janitor closed itself, their closes having ended unfinalized too often (`CLOSE_AGAIN_LIMIT`). */
   closedByJanitor: number;
   /** Admissions a dispatcher did not finish whose recorded rollouts' seeds this pass enqueued. */
@@ -80,6 +86,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     orphansRemoved: 0,
     expiredScheduled: 0,
     watchdogClosed: 0,
+    setAside: 0,
     closedByJanitor: 0,
     admissionsFinished: 0,
     errors: [],
@@ -147,9 +154,33 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   const watchdogSteps = entrySteps("watchdog");
   for (const id of overdue) {
     await watchdogSteps.run(`watchdog ${id}`, async () => {
-      const done = await watchdogClose(deps, id, now);
+      let done: Awaited<ReturnType<typeof watchdogClose>> | "unreadable";
+      try {
+        done = await watchdogClose(deps, id, now);
+      } catch (err) {
+        if (!(err instanceof UnreadableRecordError)) throw err; // Redis failing: next pass
+        done = "unreadable";
+      }
       if (done === "enqueued") report.watchdogClosed++;
       if (done === "closed") report.closedByJanitor++;
+      if (done === "unreadable" || done === "gone") {
+        // No pass can close it: left in flight it would hold one of the first overdue places
+        // every pass (enough of them, all of them) and backlog room for good. Its record is kept
+        // as it is, for an operator (or a release that reads it) to find in `unreadable`.
+        // Logged with its id here (the loop sums up failures past the first few) and failed as
+        // an entry, once: counted for FleetJanitorStepFailing.
+        if (await deps.store.setAsideUnreadable(id)) {
+          report.setAside++;
+          const where = deps.store.keys.unreadable();
+          deps.logger.error(
+            { rolloutId: id, record: done, key: where },
+            "a rollout past its deadline whose record cannot be read was taken out of the in-flight index; its record is kept",
+          );
+          throw new Error(
+            `its record ${done === "gone" ? "is gone" : "cannot be read"}: set aside in ${where}`,
+          );
+        }
+      }
     });
   }
   watchdogSteps.done();
@@ -336,15 +367,18 @@ const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", 
  * the deadline failure is recorded, unless the rollout is already graded (a verify receipt: its
  * reward stands, close only has to report it) or has a failure recorded, and close is enqueued,
  * replacing a close job that ended without finalizing; past `CLOSE_AGAIN_LIMIT` enqueued
- * closes, the janitor closes it itself. Says which it did (null: neither).
+ * closes, the janitor closes it itself. Says which it did (null: neither; "gone": its record is
+ * missing). @throws UnreadableRecordError when its record cannot be read.
  */
 async function watchdogClose(
   deps: PipelineDeps,
   id: string,
   now: number,
-): Promise<"enqueued" | "closed" | null> {
+): Promise<"enqueued" | "closed" | "gone" | null> {
   const rec = await deps.store.get(id);
-  if (!rec || isTerminal(rec.status)) return null;
+  // In flight with no record (its hash deleted by hand, or lost): nothing can close it.
+  if (!rec) return "gone";
+  if (isTerminal(rec.status)) return null;
   const closeJob = await deps.queues.queues.close.getJob(stageJobId(id, "close"));
   if (closeJob) {
     if (CLOSE_UNDER_WAY.has(await closeJob.getState())) return null;
@@ -440,6 +474,7 @@ export async function startJanitor(
         report.orphansRemoved +
         report.watchdogClosed +
         report.closedByJanitor +
+        report.setAside +
         report.expiredScheduled;
       if (did + report.errors.length > 0) {
         deps.logger.info(report, "janitor pass");

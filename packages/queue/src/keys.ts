@@ -14,6 +14,11 @@ export interface Keys {
   idempotency(keyHash: string): string;
   /** Sorted set of non-terminal rollouts, scored by deadline (epoch ms). */
   inflight(): string;
+  /**
+   * Rollouts the deadline watchdog took out of `inflight` because their record cannot be read
+   * (torn, or gone), scored by their deadline: kept for an operator, their record untouched.
+   */
+  unreadable(): string;
   /** Backlog reservations of submissions being admitted: `<id>:<count>`, scored by expiry. */
   reservations(): string;
   /**
@@ -37,6 +42,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   // Built on every stage's hot path: plain concatenation onto a fixed base.
   const x = `${prefix}:x:`;
   const inflight = `${x}inflight`;
+  const unreadable = `${x}unreadable`;
   const reservations = `${x}reservations`;
   const admitting = `${x}admitting`;
   const sandboxes = `${x}sandboxes`;
@@ -53,6 +59,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     task: (digest) => `${x}task:${digest}`,
     idempotency: (keyHash) => `${x}idem:${keyHash}`,
     inflight: () => inflight,
+    unreadable: () => unreadable,
     reservations: () => reservations,
     admitting: () => admitting,
     sandboxes: () => sandboxes,

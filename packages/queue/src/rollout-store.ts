@@ -164,6 +164,23 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
   };
 }
 
+/**
+ * A rollout record that cannot be read: a field that does not parse (torn), or a key that is not
+ * a hash. No retry reads it; a Redis error that may pass is thrown as it is, never as this.
+ */
+export class UnreadableRecordError extends Error {
+  override readonly name = "UnreadableRecordError";
+  constructor(
+    readonly rolloutId: string,
+    cause: unknown,
+  ) {
+    super(
+      `rollout ${rolloutId}'s record cannot be read: ${(cause instanceof Error ? cause.message : String(cause)).slice(0, 300)}`,
+      { cause },
+    );
+  }
+}
+
 /** Run a MULTI; its replies, or the first command's error. */
 async function execAll(tx: ChainableCommander, what: string): Promise<unknown[]> {
   const replies = await tx.exec();
@@ -510,8 +527,21 @@ export class RolloutStore {
 
   // ---- reads ----
 
+  /** @throws UnreadableRecordError when the stored record does not parse or is not a hash. */
   async get(id: string): Promise<RolloutRecord | null> {
-    return parseRecord(await this.redis.hgetall(this.keys.rollout(id)));
+    let h: Record<string, string>;
+    try {
+      h = await this.redis.hgetall(this.keys.rollout(id));
+    } catch (err) {
+      if (err instanceof Error && err.message.startsWith("WRONGTYPE"))
+        throw new UnreadableRecordError(id, err);
+      throw err;
+    }
+    try {
+      return parseRecord(h);
+    } catch (err) {
+      throw new UnreadableRecordError(id, err);
+    }
   }
 
   /**
@@ -710,6 +740,21 @@ export class RolloutStore {
         held = false;
       },
     };
+  }
+
+  /**
+   * Take a rollout whose record cannot be read (`UnreadableRecordError`, or gone) out of the
+   * in-flight index into `keys.unreadable()`, scored by its deadline: it no longer holds a place
+   * among the watchdog's overdue rollouts nor backlog room. Its record is kept as it is.
+   * True if it was in flight.
+   */
+  async setAsideUnreadable(id: string): Promise<boolean> {
+    return (await this.redis.fleetSetAside(this.keys.inflight(), this.keys.unreadable(), id)) === 1;
+  }
+
+  /** Rollouts set aside by `setAsideUnreadable`, the earliest deadline first. */
+  async unreadable(limit = 100): Promise<string[]> {
+    return this.redis.zrange(this.keys.unreadable(), "0", String(limit - 1));
   }
 
   /** Non-terminal rollouts whose deadline passed before `before`. */

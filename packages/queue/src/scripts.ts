@@ -391,6 +391,19 @@ const SCRIPTS = {
       redis.call('ZADD', KEYS[2], ARGV[5], own)
       return {1, inflight, reserved, 0}`,
   },
+  /**
+   * Move a rollout from the in-flight index (KEYS[1]) to the unreadable one (KEYS[2]), its score
+   * (deadline) kept. ARGV: rolloutId. Returns 1 if it was in flight.
+   */
+  fleetSetAside: {
+    keys: 2,
+    lua: `
+      local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
+      if not score then return 0 end
+      redis.call('ZADD', KEYS[2], score, ARGV[1])
+      redis.call('ZREM', KEYS[1], ARGV[1])
+      return 1`,
+  },
   /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */
   fleetTombstone: {
     keys: 1,
