@@ -383,6 +383,62 @@ describe("janitor", () => {
     }
   });
 
+  it("removes a sandbox volume its container left (a destroy cut off between the two) once its rollout is over or unknown past the grace period; never one a container uses, nor a live rollout's", async () => {
+    const uncapped = new DockerSandboxProvider({ scope: `janitor-test-${RUN}`, defaults: { diskMb: null } });
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [liveId] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [
+      string,
+    ];
+    const now = Date.now();
+    const mk = (rolloutId: string) =>
+      uncapped.create({ image: IMAGE, rolloutId, owner: "resources", expiresAt: now + 3_600_000 });
+    // Left by a destroy cut off after its container went: an unknown rollout's and a live one's.
+    const left = await mk(`volleft${RUN}`);
+    const ofLive = await mk(liveId);
+    // Still used by its container, an orphan the ledger backs off (the orphan sweep leaves it).
+    const used = await mk(`volused${RUN}`);
+    const usedEntry = {
+      key: sandboxKey(used.rolloutId, "resources"),
+      rolloutId: used.rolloutId,
+      owner: "resources" as const,
+      provider: docker.name,
+      handle: used,
+      createdAt: now,
+      expiresAt: now + 3_600_000,
+    };
+    await fleet.deps.ledger.recordFailure(usedEntry, "device or resource busy", now + 120_000);
+    // The volumes of this file's fleet no container uses.
+    const unused = async () => (await docker.listUnusedVolumes()).map((v) => v.name);
+    try {
+      // A destroy cut off after the container: the handle's volumes not reached.
+      for (const h of [left, ofLive]) await uncapped.destroy({ ...h, volumes: [] });
+      expect(left.volumes).toHaveLength(1);
+      expect(await unused()).toEqual(expect.arrayContaining([left.volumes[0], ofLive.volumes[0]]));
+      // Young: left alone (it may be a create under way).
+      const young = await janitorTick(fleet.deps, { orphanGraceMs: 60_000 });
+      expect(young.volumesRemoved).toBe(0);
+      expect(await unused()).toContain(left.volumes[0]);
+      const report = await janitorTick(
+        { ...fleet.deps, now: () => now + 120_000 },
+        { orphanGraceMs: 60_000 },
+      );
+      expect(await unused()).not.toContain(left.volumes[0]);
+      expect(report.volumesRemoved).toBe(1);
+      expect(await unused()).toContain(ofLive.volumes[0]); // its rollout is in flight
+      expect(report.errors).toEqual([]);
+      // The used one outlived the pass: its container still runs, and without it the volume is there.
+      expect(await docker.alive(used)).toBe(true);
+      await uncapped.destroy({ ...used, volumes: [] });
+      expect(await unused()).toContain(used.volumes[0]);
+    } finally {
+      await fleet.deps.ledger.confirm({ key: usedEntry.key, rolloutId: used.rolloutId });
+      for (const h of [left, ofLive, used]) await uncapped.destroy(h);
+      // Out of the in-flight index: no later test's watchdog pass takes it for one of its own.
+      await fleet.redis.zrem(fleet.deps.store.keys.inflight(), liveId);
+    }
+  });
+
   it("removes a sandbox whose fleet.expires passed, even for a live rollout", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
@@ -807,7 +863,11 @@ describe("janitor", () => {
     const later = { ...fleet.deps, provider: dead, metrics, now: () => Date.now() + 120_000 };
     const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
     // Every step that needs the daemon reports its own error; the others still ran.
-    expect(report.errors).toEqual([expect.stringMatching(/^orphans: /), expect.stringMatching(/^helpers: /)]);
+    expect(report.errors).toEqual([
+      expect.stringMatching(/^orphans: /),
+      expect.stringMatching(/^volumes: /),
+      expect.stringMatching(/^helpers: /),
+    ]);
     expect(report.watchdogClosed).toBe(1);
     expect(await fleet.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
     // No count rather than a stale one (which FleetSandboxLeak would page on).

@@ -47,6 +47,8 @@ export interface JanitorReport {
   confirmed: number;
   stillPending: number;
   orphansRemoved: number;
+  /** Sandbox volumes no container used, of rollouts over or unknown (or past their expiry), removed. */
+  volumesRemoved: number;
   /** Registered sandboxes this pass put on the ledger (their rollout over, or their expiry passed). */
   expiredScheduled: number;
   watchdogClosed: number;
@@ -69,7 +71,8 @@ type StepName = JanitorStep | `${JanitorStep} ${string}`;
 /**
  * One janitor pass: (1) retry due teardown-ledger entries (DESIGN §2 rule 3), (2) schedule
  * registry entries of finished or expired rollouts, (3) remove labelled sandboxes whose rollout
- * is terminal or unknown past a grace period or whose `fleet.expires` passed, (4) close
+ * is terminal or unknown past a grace period or whose `fleet.expires` passed, and by the same rules
+ * sandbox volumes no container uses (`listUnusedVolumes`), (4) close
  * rollouts stuck past their deadline, (5) remove gateway networks of finished rollouts and retry
  * the network removals close could not finish (`ledger.networkRetries`), (6) remove
  * the provider's stale helper containers (`removeStaleHelpers`). Each
@@ -84,6 +87,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     confirmed: 0,
     stillPending: 0,
     orphansRemoved: 0,
+    volumesRemoved: 0,
     expiredScheduled: 0,
     watchdogClosed: 0,
     setAside: 0,
@@ -296,6 +300,32 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     orphanSteps.done();
   });
 
+  // (3b) Sandbox volumes no container uses (`diskMb: null` workspaces): a destroy cut off between
+  // removing the container and removing its volume leaves the volume, which the orphan sweep
+  // (by container label) never finds. The same rules as for containers, by the volume's labels;
+  // one a container uses is never listed, and the daemon refuses its removal if one took it since.
+  const listUnusedVolumes = deps.provider.listUnusedVolumes?.bind(deps.provider);
+  const removeUnusedVolume = deps.provider.removeUnusedVolume?.bind(deps.provider);
+  if (listUnusedVolumes && removeUnusedVolume) {
+    await step("volumes", async () => {
+      const volumeSteps = entrySteps("volumes");
+      for (const volume of await listUnusedVolumes()) {
+        const rolloutId = volume.labels[LABEL_ROLLOUT];
+        if (!rolloutId) continue;
+        await volumeSteps.run(`volumes ${volume.name}`, async () => {
+          const expires = Number(volume.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
+          // Not old when the daemon gave no creation time: then only its expiry removes it.
+          const old = now - volume.createdAt > options.orphanGraceMs;
+          const rec = expires < now || !old ? null : await deps.store.get(rolloutId);
+          const orphan = expires < now || (old && (rec === null || isTerminal(rec.status)));
+          if (!orphan || overBudget()) return;
+          if (await removeUnusedVolume(volume.name)) report.volumesRemoved++;
+        });
+      }
+      volumeSteps.done();
+    });
+  }
+
   // (5) Gateway networks whose rollout is over (a close that could not remove one).
   if (deps.networks) {
     const networks = deps.networks;
@@ -472,6 +502,7 @@ export async function startJanitor(
       const did =
         report.retried +
         report.orphansRemoved +
+        report.volumesRemoved +
         report.watchdogClosed +
         report.closedByJanitor +
         report.setAside +

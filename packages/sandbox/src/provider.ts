@@ -76,6 +76,14 @@ export interface SandboxInfo {
   createdAt: number;
 }
 
+/** A sandbox's named volume that no container uses (`listUnusedVolumes`). */
+export interface UnusedVolumeInfo {
+  name: string;
+  labels: Record<string, string>;
+  /** Epoch ms; NaN when the daemon did not say. */
+  createdAt: number;
+}
+
 /**
  * Where model-directed commands run. Implementations: `DockerSandboxProvider`,
  * `BubblewrapSandboxProvider`; tests may use an in-memory one.
@@ -116,5 +124,16 @@ export interface SandboxProvider {
    * calls) does not remove itself. Returns how many went. For the janitor.
    */
   removeStaleHelpers?(olderThanMs: number): Promise<number>;
+  /**
+   * This provider's sandbox volumes (labelled as their sandbox: `fleet.managed=true`, its scope)
+   * that no container uses: a destroy removes the container, then its volumes, so one cut off
+   * between the two leaves the volume, which no container label leads back to. For the janitor.
+   */
+  listUnusedVolumes?(): Promise<UnusedVolumeInfo[]>;
+  /**
+   * Remove such a volume, unless a container uses it (false: the daemon refused). One gone
+   * already counts as removed.
+   */
+  removeUnusedVolume?(name: string): Promise<boolean>;
   close?(): Promise<void>;
 }

@@ -59,6 +59,7 @@ export const JANITOR_STEPS = [
   "registry",
   "ledger",
   "orphans",
+  "volumes",
   "networks",
   "helpers",
   "metrics",

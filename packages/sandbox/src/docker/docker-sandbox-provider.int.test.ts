@@ -927,6 +927,25 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("lists a sandbox volume only once no container uses it, and never removes one in use (the janitor's volume sweep)", async () => {
+    const h = await uncapped.create(spec());
+    live.push(h);
+    const [volume] = h.volumes as [string];
+    const unused = async () => (await uncapped.listUnusedVolumes()).map((v) => v.name);
+    expect(await unused()).not.toContain(volume);
+    // Asked anyway (a container took it between the listing and the removal): refused, kept.
+    expect(await uncapped.removeUnusedVolume(volume)).toBe(false);
+    await expect(docker.getVolume(volume).inspect()).resolves.toMatchObject({ Name: volume });
+    // Its container gone, the volume left (a destroy cut off before its volumes).
+    await uncapped.destroy({ ...h, volumes: [] });
+    const listed = (await uncapped.listUnusedVolumes()).find((v) => v.name === volume);
+    expect(listed?.labels[LABEL_ROLLOUT]).toBe(h.rolloutId);
+    expect(Date.now() - listed!.createdAt).toBeLessThan(600_000);
+    expect(await uncapped.removeUnusedVolume(volume)).toBe(true);
+    expect(await uncapped.removeUnusedVolume(volume)).toBe(true); // gone already
+    await expect(docker.getVolume(volume).inspect()).rejects.toMatchObject({ statusCode: 404 });
+  });
+
   it("a create that takes over a sandbox made with a workspace volume (another version, other defaults) removes that volume at destroy", async () => {
     const s = spec();
     const made = await uncapped.create(s);

@@ -58,6 +58,7 @@ import {
   SANDBOX_PATHS,
   type SandboxInfo,
   type SandboxProvider,
+  type UnusedVolumeInfo,
 } from "../provider.ts";
 import { SCRATCH_PROBE_LINE } from "../scratch.ts";
 import { tarHasContent } from "../tar.ts";
@@ -739,6 +740,40 @@ export class DockerSandboxProvider implements SandboxProvider {
       }
     }
     return removed;
+  }
+
+  async listUnusedVolumes(): Promise<UnusedVolumeInfo[]> {
+    let listed: Awaited<ReturnType<Dockerode["listVolumes"]>>;
+    try {
+      listed = await this.docker.listVolumes({
+        filters: {
+          label: [`${LABEL_MANAGED}=true`, ...(this.scope ? [`${LABEL_SCOPE}=${this.scope}`] : [])],
+          // Referenced by no container, running or not.
+          dangling: ["true"],
+        },
+        abortSignal: this.apiSignal(),
+      });
+    } catch (err) {
+      throw classifyDockerError(err, "list");
+    }
+    return (listed.Volumes ?? []).map((v) => ({
+      name: v.Name,
+      labels: v.Labels ?? {},
+      createdAt: v.CreatedAt ? Date.parse(v.CreatedAt) : Number.NaN,
+    }));
+  }
+
+  async removeUnusedVolume(name: string): Promise<boolean> {
+    try {
+      // Not forced: the daemon refuses (409) a volume a container uses, whatever the listing said.
+      await this.docker.getVolume(name).remove({ abortSignal: this.apiSignal() });
+      return true;
+    } catch (err) {
+      const { statusCode } = dockerErrorFacts(err);
+      if (statusCode === 404) return true;
+      if (statusCode === 409) return false;
+      throw classifyDockerError(err, "destroy", name);
+    }
   }
 
   /**

@@ -217,9 +217,9 @@ declare module "dockerode" {
     listContainers(
       options?: Dockerode.WithSignal & { all?: boolean; filters?: Record<string, string[]> | string },
     ): Promise<Dockerode.ContainerInfo[]>;
-    listVolumes(
-      options?: Dockerode.WithSignal & { filters?: Record<string, string[]> | string },
-    ): Promise<{ Volumes: Array<{ Name: string; Labels: Record<string, string> | null }> | null }>;
+    listVolumes(options?: Dockerode.WithSignal & { filters?: Record<string, string[]> | string }): Promise<{
+      Volumes: Array<{ Name: string; Labels: Record<string, string> | null; CreatedAt?: string }> | null;
+    }>;
     ping(options?: Dockerode.WithSignal): Promise<unknown>;
     /** `GET /info`: the daemon's facts; `ID` is its own identity. */
     info(options?: Dockerode.WithSignal): Promise<{ ID?: string; Name?: string }>;
