@@ -228,6 +228,77 @@ describe("janitor", () => {
     }
   });
 
+  it("retires a registry entry that does not parse once its rollout is over past the grace period and nothing labelled with it is left: kept aside, its rollout's teardown confirmed", async () => {
+    const { redis } = fleet;
+    const { ledger, store } = fleet.deps;
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    // A rollout closed with a torn entry in the registry: its teardown is pending.
+    const [closed] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [
+      string,
+    ];
+    const tornClosed = sandboxKey(closed, "agent");
+    await redis.hset(ledger.keys.sandboxes(), tornClosed, '{"key":');
+    await runStageJob(
+      "close",
+      { data: { rolloutId: closed }, attemptsMade: 0, opts: { attempts: 3 } },
+      fleet.deps,
+    );
+    expect((await store.getResult(closed))?.teardown).toBe("pending");
+    // Of an unknown rollout, one with a container still labelled with it, one of a live rollout.
+    const tornUnknown = `retire${RUN}:resources`;
+    const withSandbox = `retirekeep${RUN}`;
+    const sandbox = await docker.create({
+      image: IMAGE,
+      rolloutId: withSandbox,
+      owner: "agent",
+      expiresAt: Date.now() + 3_600_000,
+    });
+    const [live] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [
+      string,
+    ];
+    const torn = [
+      tornClosed,
+      tornUnknown,
+      sandboxKey(withSandbox, "resources"),
+      sandboxKey(live, "resources"),
+    ];
+    for (const key of torn.slice(1)) await redis.hset(ledger.keys.sandboxes(), key, '{"key":');
+    const options = { orphanGraceMs: 60_000 };
+    const registered = async () =>
+      (
+        await Promise.all(
+          torn.map(async (k) => [k, await redis.hexists(ledger.keys.sandboxes(), k)] as const),
+        )
+      )
+        .filter(([, n]) => n === 1)
+        .map(([k]) => k);
+    try {
+      // The closed rollout's, within the grace period: kept, reported. The unknown rollout's (a
+      // record gone: over for its retention already) goes; the one with a sandbox stays this
+      // pass (the orphan sweep removes the sandbox after the registry step).
+      const young = await janitorTick(fleet.deps, options);
+      expect(await registered()).toEqual([torn[0], torn[2], torn[3]]);
+      expect(young.registryRetired).toBe(1);
+      // Kept as it was stored, for an operator.
+      expect(await redis.hget(ledger.keys.retiredSandboxes(), tornUnknown)).toBe('{"key":');
+      const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
+      const first = await janitorTick(later, options);
+      expect((await store.getResult(closed))?.teardown).toBe("confirmed");
+      expect(await docker.alive(sandbox)).toBe(false);
+      expect(first.registryRetired).toBe(1);
+      expect(await registered()).toEqual([torn[2], torn[3]]);
+      const second = await janitorTick(later, options);
+      expect(second.registryRetired).toBe(1);
+      expect(await registered()).toEqual([torn[3]]); // its rollout is in flight: its close reads it
+    } finally {
+      await docker.destroy(sandbox);
+      await redis.hdel(ledger.keys.sandboxes(), ...torn);
+      await redis.del(ledger.keys.retiredSandboxes());
+      await redis.zrem(store.keys.inflight(), live, closed);
+    }
+  });
+
   it("reads no rollout record it need not: a registered sandbox past its expiry goes on the ledger whatever its rollout (an unreadable record kept it for good), a young labelled one is left unread", async () => {
     const { redis } = fleet;
     const { ledger, store } = fleet.deps;

@@ -51,6 +51,11 @@ export interface JanitorReport {
   volumesRemoved: number;
   /** Registered sandboxes this pass put on the ledger (their rollout over, or their expiry passed). */
   expiredScheduled: number;
+  /**
+   * Registry entries that do not parse this pass retired (`retireUnreadableEntry`): their rollout
+   * over past the grace period, nothing of it left on the provider.
+   */
+  registryRetired: number;
   watchdogClosed: number;
   /**
    * Overdue rollouts whose record cannot be read (torn, or gone) that this pass took out of the
@@ -89,6 +94,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     orphansRemoved: 0,
     volumesRemoved: 0,
     expiredScheduled: 0,
+    registryRetired: 0,
     watchdogClosed: 0,
     setAside: 0,
     closedByJanitor: 0,
@@ -213,7 +219,19 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.
   await step("registry", async () => {
     const registrySteps = entrySteps("registry");
-    for (const entry of await deps.ledger.listSandboxes(registrySteps.invalid)) {
+    const unreadable: string[] = [];
+    const listed = await deps.ledger.listSandboxes((key, err) => {
+      unreadable.push(key);
+      registrySteps.invalid(key, err);
+    });
+    // One that does not parse with nothing of its rollout left behind it: retired, or it would
+    // be reported every pass and keep its rollout's teardown pending for good.
+    for (const key of unreadable) {
+      await registrySteps.run(`registry ${key}`, async () => {
+        if (await retireUnreadableEntry(deps, key, now, options.orphanGraceMs)) report.registryRetired++;
+      });
+    }
+    for (const entry of listed) {
       await registrySteps.run(`registry ${entry.key}`, async () => {
         // Expired: removed whatever its rollout (its record is not read: one that cannot be read
         // must not keep an expired sandbox alive).
@@ -388,6 +406,42 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   return report;
 }
 
+/**
+ * Retire a registry entry `key` (`<rolloutId>:<owner>`) that does not parse, once its rollout is
+ * over (finalized past `graceMs`, or its record gone: no intent is recorded for a rollout without
+ * one, nor after its close) and the provider holds nothing labelled with it: no sandbox, no
+ * volume, no gateway network. Then no sandbox can be behind it; the label sweeps would have found
+ * one. The entry is moved as it is to `keys.retiredSandboxes()` (never deleted: a release that
+ * reads it may need it), the rollout's teardown confirmed if nothing else of it is pending, and a
+ * warning logged. True if retired; false (it stays, reported) otherwise.
+ */
+async function retireUnreadableEntry(
+  deps: PipelineDeps,
+  key: string,
+  now: number,
+  graceMs: number,
+): Promise<boolean> {
+  const at = key.lastIndexOf(":");
+  const rolloutId = key.slice(0, at);
+  const owner = key.slice(at + 1);
+  if (at <= 0 || (owner !== "resources" && owner !== "agent")) return false;
+  const rec = await deps.store.get(rolloutId);
+  if (rec && !isTerminal(rec.status)) return false; // its close reads it
+  const overSince = rec ? rec.result?.finishedAt : Number.NEGATIVE_INFINITY;
+  if (overSince == null || now - overSince <= graceMs) return false;
+  if ((await deps.provider.list({ [LABEL_ROLLOUT]: rolloutId })).length > 0) return false;
+  const volumes = (await deps.provider.listUnusedVolumes?.()) ?? [];
+  if (volumes.some((v) => v.labels[LABEL_ROLLOUT] === rolloutId)) return false;
+  if (deps.networks && (await deps.networks.list()).some((n) => n.rolloutId === rolloutId)) return false;
+  const raw = await deps.ledger.rawSandbox(key);
+  if (raw === null || !(await deps.ledger.retireUnreadable(key, raw, rolloutId))) return false;
+  deps.logger.warn(
+    { key, rolloutId, retiredTo: deps.ledger.keys.retiredSandboxes() },
+    "a sandbox registry entry that does not parse was retired: its rollout is over and nothing labelled with it is left",
+  );
+  return true;
+}
+
 /** Close states in which the close is still on its way: the watchdog leaves those alone. */
 const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", "waiting-children"]);
 
@@ -506,6 +560,7 @@ export async function startJanitor(
         report.watchdogClosed +
         report.closedByJanitor +
         report.setAside +
+        report.registryRetired +
         report.expiredScheduled;
       if (did + report.errors.length > 0) {
         deps.logger.info(report, "janitor pass");

@@ -1196,7 +1196,7 @@ export async function closeRollout(
     // upgrade): it cannot be put on the ledger, nor its sandbox destroyed from it (the task's is,
     // from the seed's receipt, below). The teardown is pending: the janitor's label sweep
     // removes what is left of the rollout once it is over, and its confirm forgets the entry and
-    // confirms the teardown. Close goes on: it must end the rollout whatever it cannot read.
+    // confirms the teardown (nothing left: the janitor retires the entry, `retireUnreadableEntry`). Close goes on: it must end the rollout whatever it cannot read.
     deps.logger.warn(
       { rolloutId: id, owner },
       "a sandbox registry entry does not parse; its sandbox is left to the janitor's label sweep",

@@ -28,6 +28,11 @@ export interface Keys {
   admitting(): string;
   /** Hash of live sandbox intents/handles: `<rolloutId>:<owner>` → JSON. */
   sandboxes(): string;
+  /**
+   * Registry entries that did not parse and had nothing of their rollout left behind them,
+   * retired by the janitor: `<rolloutId>:<owner>` → the entry as it was stored.
+   */
+  retiredSandboxes(): string;
   /** Teardown ledger: due-time sorted set and its entries. */
   teardownDue(): string;
   teardownEntries(): string;
@@ -46,6 +51,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const reservations = `${x}reservations`;
   const admitting = `${x}admitting`;
   const sandboxes = `${x}sandboxes`;
+  const retiredSandboxes = `${x}sandboxes:retired`;
   const teardownDue = `${x}teardown:due`;
   const teardownEntries = `${x}teardown:entries`;
   const networkRetries = `${x}teardown:networks`;
@@ -63,6 +69,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     reservations: () => reservations,
     admitting: () => admitting,
     sandboxes: () => sandboxes,
+    retiredSandboxes: () => retiredSandboxes,
     teardownDue: () => teardownDue,
     teardownEntries: () => teardownEntries,
     networkRetries: () => networkRetries,

@@ -404,6 +404,24 @@ const SCRIPTS = {
       redis.call('ZREM', KEYS[1], ARGV[1])
       return 1`,
   },
+  /**
+   * Retire a registry entry that does not parse: moved as it is from the registry (KEYS[1]) to
+   * the retired hash (KEYS[2]), unless it changed since it was read (ARGV[2], its text) or the
+   * ledger (KEYS[3]) has the key; then the rollout's (KEYS[4]) finalized result's teardown is
+   * confirmed if nothing else of it is left (network retries KEYS[5]). ARGV: key, text, key1,
+   * key2, rolloutId. Returns 1 if retired.
+   */
+  fleetRetireUnreadable: {
+    keys: 5,
+    lua: `
+      ${CONFIRM_TEARDOWN}
+      if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+      if redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then return 0 end
+      redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
+      redis.call('HDEL', KEYS[1], ARGV[1])
+      confirmTeardown(KEYS[4], KEYS[3], ARGV[3], ARGV[4], KEYS[5], ARGV[5], KEYS[1])
+      return 1`,
+  },
   /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */
   fleetTombstone: {
     keys: 1,

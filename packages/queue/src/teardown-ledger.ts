@@ -148,6 +148,34 @@ export class TeardownLedger {
     return readRolloutSandboxes(r ?? null, a ?? null);
   }
 
+  /** A registry entry as stored (null: none), for one that does not parse. */
+  async rawSandbox(key: string): Promise<string | null> {
+    return this.redis.hget(this.keys.sandboxes(), key);
+  }
+
+  /**
+   * Retire a registry entry that does not parse (`raw`, as `rawSandbox` read it) once nothing of
+   * its rollout is left (the caller checked the provider): moved as it is to
+   * `keys.retiredSandboxes()`, and the rollout's finalized result's teardown confirmed if nothing
+   * else of it is pending. Not when it changed since it was read, nor while the ledger has its key.
+   * True if retired.
+   */
+  async retireUnreadable(key: string, raw: string, rolloutId: string): Promise<boolean> {
+    const r = await this.redis.fleetRetireUnreadable(
+      this.keys.sandboxes(),
+      this.keys.retiredSandboxes(),
+      this.keys.teardownEntries(),
+      this.keys.rollout(rolloutId),
+      this.keys.networkRetries(),
+      key,
+      raw,
+      sandboxKey(rolloutId, "resources"),
+      sandboxKey(rolloutId, "agent"),
+      rolloutId,
+    );
+    return Number(r) === 1;
+  }
+
   async getSandbox(key: string): Promise<SandboxEntry | null> {
     const raw = await this.redis.hget(this.keys.sandboxes(), key);
     return raw ? SandboxEntry.parse(JSON.parse(raw)) : null;
