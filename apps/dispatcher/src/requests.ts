@@ -5,9 +5,13 @@ import { z } from "zod";
 import { HttpError } from "./http-error.ts";
 import { capIssues, describeIssues, formatPath, type Issue, MAX_ISSUES } from "./zod-issues.ts";
 
-/** An NDJSON body as its content-type parser hands it over: the raw text, marked as NDJSON. */
-export class NdjsonText {
-  constructor(readonly text: string) {}
+/**
+ * An NDJSON body as its content-type parser hands it over: read line by line as it arrived
+ * (`readNdjsonBatch`), `read()` gives the batch or throws what is wrong with it (the route calls
+ * it once its headers are checked). On a route that takes no NDJSON it is left unread.
+ */
+export class NdjsonBody {
+  constructor(readonly read: () => ParsedBatch) {}
 }
 
 /** Requests of one submission, and for NDJSON the line each came from (for error messages). */
@@ -232,55 +236,155 @@ export function parseJsonText(text: string, what: string, details: unknown = nul
 /**
  * `POST /v1/batches` with `application/x-ndjson`: one RolloutRequest per line, blank lines
  * ignored. A line that is not JSON → 400 `malformed`; a line that is not a valid request → 422
- * `invalid`; both name the (1-based) line.
+ * `invalid`; both name the (1-based) line. (The server reads a body line by line as it arrives,
+ * with `NdjsonBatchReader`; this is the same for a whole text.)
  */
 export function parseBatchNdjson(text: string): ParsedBatch {
-  const requests: RolloutRequest[] = [];
-  const lines: number[] = [];
-  const issues: (Issue & { line: number })[] = [];
-  let badLines = 0;
-  let checkedIssues = 0;
-  let truncated = false;
-  let firstBad: number | null = null;
-  let lineNo = 0;
-  const rows = text.split("\n");
-  for (const raw of rows) {
-    lineNo++;
+  const reader = new NdjsonBatchReader();
+  for (const line of text.split("\n")) reader.line(line);
+  return reader.finish();
+}
+
+/**
+ * An NDJSON batch read one line at a time, as its body arrives: each line is parsed and checked
+ * when it is handed over, so the body is never held whole, nor parsed in one go once it has all
+ * arrived (which held the event loop for as long as the whole batch took). What is wrong is
+ * answered by `finish`, as `parseBatchNdjson` answers it: the first line that is not JSON (400;
+ * the lines after it are not parsed), else the invalid lines (422; checked up to `MAX_BAD_ROWS`
+ * lines or `MAX_CHECKED_ISSUES` problems).
+ */
+export class NdjsonBatchReader {
+  private readonly requests: RolloutRequest[] = [];
+  private readonly lines: number[] = [];
+  private readonly issues: (Issue & { line: number })[] = [];
+  private badLines = 0;
+  private checkedIssues = 0;
+  private truncated = false;
+  private checkedLines = 0;
+  private firstBad: number | null = null;
+  private malformed: HttpError | null = null;
+  private lineNo = 0;
+
+  /** Whether lines are still parsed: false once a line was not JSON or the checks' caps were reached. */
+  get parsing(): boolean {
+    return this.malformed === null && this.checkedLines === 0;
+  }
+
+  /** The next line of the body (without its `\n`). */
+  line(raw: string): void {
+    const lineNo = ++this.lineNo;
+    if (this.malformed !== null) return;
+    if (this.checkedLines > 0) {
+      // Past the caps: the rest is not checked, only noted (see MAX_BAD_ROWS, MAX_CHECKED_ISSUES).
+      if (!this.truncated && raw.trim() !== "") this.truncated = true;
+      return;
+    }
     const line = raw.trim();
-    if (line === "") continue;
-    const parsed = parseRequest(parseJsonText(line, `line ${lineNo}`, { line: lineNo }));
+    if (line === "") return;
+    let value: unknown;
+    try {
+      value = parseJsonText(line, `line ${lineNo}`, { line: lineNo });
+    } catch (err) {
+      this.malformed = err as HttpError;
+      return;
+    }
+    const parsed = parseRequest(value);
     if (parsed.ok) {
-      requests.push(parsed.data);
-      lines.push(lineNo);
-      continue;
+      this.requests.push(parsed.data);
+      this.lines.push(lineNo);
+      return;
     }
-    badLines++;
-    checkedIssues += parsed.issues.length;
-    firstBad ??= lineNo;
+    this.badLines++;
+    this.checkedIssues += parsed.issues.length;
+    this.firstBad ??= lineNo;
     for (const issue of parsed.issues) {
-      if (issues.length < MAX_ISSUES) issues.push({ line: lineNo, ...issue });
+      if (this.issues.length < MAX_ISSUES) this.issues.push({ line: lineNo, ...issue });
     }
-    if (badLines >= MAX_BAD_ROWS || checkedIssues >= MAX_CHECKED_ISSUES) {
-      // The rest is not checked (see MAX_BAD_ROWS, MAX_CHECKED_ISSUES), if there is a rest.
-      truncated = rows.slice(lineNo).some((l) => l.trim() !== "");
-      break;
+    if (this.badLines >= MAX_BAD_ROWS || this.checkedIssues >= MAX_CHECKED_ISSUES) this.checkedLines = lineNo;
+  }
+
+  /** The batch, once every line was handed over; throws what is wrong with it. */
+  finish(): ParsedBatch {
+    if (this.malformed !== null) throw this.malformed;
+    const { issues, badLines, firstBad, truncated } = this;
+    if (firstBad !== null) {
+      const first = issues[0]!;
+      const more = badLines - 1;
+      throw new HttpError(
+        422,
+        "invalid",
+        `line ${firstBad}: ${first.path === "" ? "" : `${first.path}: `}${first.message}` +
+          (more > 0 ? ` (and ${truncated ? "at least " : ""}${more} more invalid lines)` : ""),
+        {
+          line: firstBad,
+          badLines,
+          issues,
+          ...(truncated ? { truncated, checkedLines: this.checkedLines } : {}),
+        },
+      );
     }
+    if (this.requests.length === 0) {
+      throw invalid("batch", [{ path: "", message: "a batch needs at least one rollout" }]);
+    }
+    return { requests: this.requests, lines: this.lines, rowsAt: null };
   }
-  if (firstBad !== null) {
-    const first = issues[0]!;
-    const more = badLines - 1;
-    throw new HttpError(
-      422,
-      "invalid",
-      `line ${firstBad}: ${first.path === "" ? "" : `${first.path}: `}${first.message}` +
-        (more > 0 ? ` (and ${truncated ? "at least " : ""}${more} more invalid lines)` : ""),
-      { line: firstBad, badLines, issues, ...(truncated ? { truncated, checkedLines: lineNo } : {}) },
-    );
+}
+
+/**
+ * Longest stretch of the event loop that reading one NDJSON body keeps: past it, the lines left
+ * wait for the loop's next turn, so other requests (`/healthz`, results, a small submit) are
+ * answered while a large batch is read.
+ */
+export const NDJSON_SLICE_MS = 10;
+
+/**
+ * An NDJSON batch body read as it arrives: decoded (strict UTF-8), split into lines, each line
+ * parsed and checked at once (`NdjsonBatchReader`), the event loop handed on every
+ * `NDJSON_SLICE_MS`. Resolves once the body has ended, to what `NdjsonBatchReader.finish` answers
+ * (the batch, or its 400/422, thrown when called). Throws at once, the rest unread, for a body
+ * that is no UTF-8 (400) or passes `maxBytes` (`tooLarge()`).
+ */
+export async function readNdjsonBatch(
+  payload: AsyncIterable<Buffer | string>,
+  options: { maxBytes: number; tooLarge: () => Error; sliceMs?: number },
+): Promise<() => ParsedBatch> {
+  const sliceMs = options.sliceMs ?? NDJSON_SLICE_MS;
+  const reader = new NdjsonBatchReader();
+  const decoder = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
+  const decode = (bytes?: Buffer) => {
+    try {
+      return bytes === undefined ? decoder.decode() : decoder.decode(bytes, { stream: true });
+    } catch {
+      throw notUtf8();
+    }
+  };
+  let received = 0;
+  let partial = "";
+  let sliceStart = performance.now();
+  for await (const chunk of payload) {
+    const bytes = typeof chunk === "string" ? Buffer.from(chunk) : chunk;
+    received += bytes.length;
+    if (received > options.maxBytes) throw options.tooLarge();
+    const text = decode(bytes);
+    let from = 0;
+    for (let nl = text.indexOf("\n"); nl !== -1; nl = text.indexOf("\n", from)) {
+      reader.line(partial === "" ? text.slice(from, nl) : partial + text.slice(from, nl));
+      partial = "";
+      from = nl + 1;
+      if (reader.parsing && performance.now() - sliceStart >= sliceMs) {
+        await new Promise<void>((resolve) => setImmediate(resolve));
+        sliceStart = performance.now();
+      }
+    }
+    partial += text.slice(from);
   }
-  if (requests.length === 0) {
-    throw invalid("batch", [{ path: "", message: "a batch needs at least one rollout" }]);
-  }
-  return { requests, lines, rowsAt: null };
+  reader.line(partial + decode());
+  return () => reader.finish();
+}
+
+/** A body whose bytes are no UTF-8: refused, never read with U+FFFD in their place (see `utf8Body`). */
+export function notUtf8(): HttpError {
+  return new HttpError(400, "malformed", "the body is not valid UTF-8");
 }
 
 /** Longest `Idempotency-Key` accepted. */

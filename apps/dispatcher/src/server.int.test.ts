@@ -691,6 +691,108 @@ describe("a request without a body, whatever its Content-Type", () => {
 });
 
 describe("POST /v1/batches", () => {
+  it("reads an NDJSON body line by line as it arrives: /healthz answers while it is parsed", async () => {
+    const h = await makeHarness();
+    const digest = digestTask(TaskContent.parse(task));
+    const half = Array.from(
+      { length: 8_000 },
+      (_, i) => `${JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } })}\n`,
+    ).join("");
+    // The last line is no JSON, so the answer (a 400) comes as soon as the body is parsed,
+    // with nothing of admission after it.
+    const body = [Buffer.from(half), Buffer.from(`${half}{"task":\n`)];
+    let healthz: Promise<LightMyRequestResponse> | null = null;
+    let healthzDone = false;
+    let batchDone = false;
+    // The body's second half is handed over when the server asks for it: it has read the first
+    // (the old parser read the whole body before parsing any of it, then parsed it in one go).
+    // A health probe started then must be answered before the batch's answer, which comes only
+    // once that second half is parsed too.
+    const payload = new Readable({
+      read() {
+        const next = body.shift();
+        if (next === undefined) {
+          this.push(null);
+          return;
+        }
+        if (body.length === 0) {
+          healthz = h.call({ method: "GET", url: "/healthz", token: null }).finally(() => {
+            healthzDone = true;
+          });
+        }
+        this.push(next);
+      },
+    });
+    const batch = h
+      .call({
+        method: "POST",
+        url: "/v1/batches",
+        payload,
+        headers: { "content-type": "application/x-ndjson" },
+      })
+      .finally(() => {
+        batchDone = true;
+        // The probe must have finished by now.
+        expect(healthzDone, "/healthz answered before the batch").toBe(true);
+      });
+    const res = await batch;
+    expectErrorBody(res, 400, "malformed");
+    expect(res.json().error.details).toEqual({ line: 16_001 });
+    expect(healthz).not.toBeNull();
+    expect((await healthz!).statusCode).toBe(200);
+    expect(batchDone).toBe(true);
+  });
+
+  it("takes a JSON batch body up to FLEET_MAX_JSON_BATCH_BYTES; past it a 413 that says to send NDJSON, which takes the same rows", async () => {
+    const h = await makeHarness({ FLEET_MAX_JSON_BATCH_BYTES: "4096" });
+    const rows = Array.from({ length: 20 }, (_, i) => ({ ...row, metadata: { i } }));
+    const json = JSON.stringify({ rollouts: rows });
+    expect(json.length).toBeGreaterThan(4096);
+    const expectJson413 = (res: LightMyRequestResponse) => {
+      const err = expectErrorBody(res, 413, "payload_too_large");
+      expect(err.message).toMatch(/^a JSON batch body is at most 4096 bytes.*send a large batch as NDJSON/);
+      expect(err.details).toMatchObject({ limit: 4096, ndjsonLimit: 32 * 1024 * 1024 });
+    };
+    // By its Content-Length, and chunked (no length: counted as it is read).
+    const sized = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: json,
+      headers: { "content-type": "application/json" },
+    });
+    expectJson413(sized);
+    expect(sized.json().error.details.bytes).toBe(json.length);
+    expectJson413(
+      await h.call({
+        method: "POST",
+        url: "/v1/batches",
+        payload: Readable.from([Buffer.from(json)]),
+        headers: { "content-type": "application/json", "transfer-encoding": "chunked" },
+      }),
+    );
+    const ndjson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: rows.map((r) => JSON.stringify(r)).join("\n"),
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expect(ndjson.statusCode, ndjson.body).toBe(202);
+    expect(ndjson.json().count).toBe(20);
+    // Under the bound, JSON as before; a single rollout is not bounded by it.
+    const small = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: rows.slice(0, 2) },
+    });
+    expect(small.statusCode, small.body).toBe(202);
+    const single = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: { ...row, metadata: { pad: "x".repeat(4000) } },
+    });
+    expect(single.statusCode, single.body).toBe(202);
+  });
+
   it("admits 10,000 NDJSON rows (one task inline, then by digest) with every seed job", async () => {
     const big = await makeHarness();
     const digest = digestTask(TaskContent.parse(task));

@@ -13,7 +13,7 @@ import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
 import { errorBody, HttpError, isHttpError, toHttpError, unavailable } from "./http-error.ts";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
-import { NdjsonText, parseJsonText } from "./requests.ts";
+import { NdjsonBody, notUtf8, parseJsonText, readNdjsonBatch } from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
 import { registerAdminRoutes, sendLoginPage } from "./routes/admin.ts";
 import { registerBatchRoutes } from "./routes/batches.ts";
@@ -21,6 +21,9 @@ import { registerOpsRoutes } from "./routes/ops.ts";
 import { registerRolloutRoutes } from "./routes/rollouts.ts";
 
 export type { DispatcherDeps } from "./context.ts";
+
+/** The route that takes batches, JSON or NDJSON. */
+const BATCHES_PATH = "/v1/batches";
 
 /** Content types read as NDJSON (one RolloutRequest per line) by `POST /v1/batches`. */
 export const NDJSON_TYPES = ["application/x-ndjson", "application/jsonl"];
@@ -89,8 +92,28 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   }
   trackRoutes(app);
 
-  // Bodies: JSON (prototype-poisoning keys refused, `parseJsonText`) and NDJSON as raw text,
-  // both under `bodyLimit`. No text/plain: any other type is a 415.
+  // A JSON batch is parsed whole (`JSON.parse` cannot be cut into turns of the event loop), so its
+  // body is bounded far lower than an NDJSON one, which is read line by line as it arrives.
+  const jsonBatchTooLarge = (bytes: number | null, headers: Readonly<Record<string, string>> = {}) =>
+    new HttpError(
+      413,
+      "payload_too_large",
+      `a JSON batch body is at most ${config.maxJsonBatchBytes} bytes${bytes === null ? "" : ` (this one is ${bytes})`}: send a large batch as NDJSON (Content-Type: application/x-ndjson, one rollout request per line), which may be up to ${config.maxBodyBytes} bytes`,
+      {
+        limit: config.maxJsonBatchBytes,
+        ...(bytes === null ? {} : { bytes }),
+        ndjsonLimit: config.maxBodyBytes,
+      },
+      headers,
+    );
+  const isJsonBatch = (req: FastifyRequest) =>
+    req.method === "POST" &&
+    req.routeOptions.url === BATCHES_PATH &&
+    /^application\/json\s*(;|$)/i.test(String(req.headers["content-type"] ?? ""));
+
+  // Bodies: JSON (prototype-poisoning keys refused, `parseJsonText`) under `bodyLimit`, a JSON
+  // batch under `maxJsonBatchBytes`; NDJSON read line by line as it arrives. No text/plain: any
+  // other type is a 415.
   app.removeContentTypeParser("text/plain");
   // JSON parsed here rather than by Fastify's parser, whose one message ("Body is not valid
   // JSON") says nothing of where the syntax breaks or of a refused `__proto__` key. An empty body
@@ -98,20 +121,35 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // may POST a cancel without one, and a submit without one still gets its own 400 ("expected a
   // JSON body").
   app.removeContentTypeParser("application/json");
-  app.addContentTypeParser("application/json", { parseAs: "buffer" }, (_req, body, done) => {
+  app.addContentTypeParser("application/json", { parseAs: "buffer" }, (req, body, done) => {
     try {
+      // A chunked one (no Content-Length to refuse it by before it is read: `preParsing` below).
+      if ((body as Buffer).length > config.maxJsonBatchBytes && isJsonBatch(req)) {
+        throw jsonBatchTooLarge((body as Buffer).length);
+      }
       const text = utf8Body(body as Buffer);
       done(null, text === "" ? undefined : parseJsonText(text, "the body"));
     } catch (err) {
       done(err as Error, undefined);
     }
   });
-  app.addContentTypeParser(NDJSON_TYPES, { parseAs: "buffer" }, (_req, body, done) => {
-    try {
-      done(null, new NdjsonText(utf8Body(body as Buffer)));
-    } catch (err) {
-      done(err as Error, undefined);
+  // NDJSON: each line parsed and checked as it arrives, the event loop handed on between turns
+  // (`readNdjsonBatch`): a batch of any size the body limit allows never holds the dispatcher
+  // (its health probes included) for longer than a turn. Its bytes are counted here (Fastify
+  // bounds only the bodies it reads itself), past `bodyLimit` a 413 with the rest unread. What is
+  // wrong with the lines is thrown by the route, once it has checked its headers. Only
+  // `POST /v1/batches` reads it: elsewhere it is left unread, for the route's 415.
+  app.addContentTypeParser(NDJSON_TYPES, async (req: FastifyRequest, payload: NodeJS.ReadableStream) => {
+    if (req.method !== "POST" || req.routeOptions.url !== BATCHES_PATH) {
+      return new NdjsonBody(() => {
+        throw new HttpError(415, "unsupported_media_type", "this route takes application/json");
+      });
     }
+    const read = await readNdjsonBatch(payload as AsyncIterable<Buffer>, {
+      maxBytes: config.maxBodyBytes,
+      tooLarge: () => bodyTooLarge("the request body", { connection: "close" }),
+    });
+    return new NdjsonBody(read);
   });
 
   // A body over the limit by its Content-Length is read and thrown away before the 413 is sent,
@@ -124,14 +162,19 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // chunks (8 MiB) are far past four times it, and Node's fetch, which fails on the closed
   // connection while it still writes (EPIPE), reported the 413 as a dispatcher it could not reach.
   // Only here, after sign-in: an unauthenticated client stays bound by LINGER_FACTOR (onSend below).
+  // A JSON batch over `maxJsonBatchBytes` by its Content-Length is refused the same way, its body
+  // drained, not parsed.
   app.addHook("preParsing", async (req, _reply, payload) => {
     const length = Number(req.headers["content-length"]);
-    if (!(length > config.maxBodyBytes)) return payload;
+    const overJsonBatch = length > config.maxJsonBatchBytes && isJsonBatch(req);
+    if (!(length > config.maxBodyBytes) && !overJsonBatch) return payload;
     // Not for a body no route reads (GET, HEAD), nor before sign-in (public routes): there Node
     // discards it after the answer, and the onSend hook below closes past the bound.
     if (req.method === "GET" || req.method === "HEAD" || req.routeOptions.config?.public) return payload;
     const drained = length <= drainBytes && (await discard(payload, LINGER_MS));
-    throw bodyTooLarge(`the request body (${length} bytes)`, drained ? {} : { connection: "close" });
+    const headers: Record<string, string> = drained ? {} : { connection: "close" };
+    if (length > config.maxBodyBytes) throw bodyTooLarge(`the request body (${length} bytes)`, headers);
+    throw jsonBatchTooLarge(length, headers);
   });
 
   // Any answer sent before a body was read (401, 403, 503, 413 past the drain's bounds): Node
@@ -383,6 +426,6 @@ function utf8Body(body: Buffer): string {
   try {
     return STRICT_UTF8.decode(body);
   } catch {
-    throw new HttpError(400, "malformed", "the body is not valid UTF-8");
+    throw notUtf8();
   }
 }

@@ -28,6 +28,7 @@ describe("DispatcherConfig", () => {
       maxBacklog: 100_000,
       maxTaskBytes: 10 * 1024 * 1024,
       maxBodyBytes: 32 * 1024 * 1024,
+      maxJsonBatchBytes: 2 * 1024 * 1024,
     });
   });
 
@@ -45,6 +46,7 @@ describe("DispatcherConfig", () => {
       FLEET_MAX_BACKLOG: "10",
       FLEET_MAX_TASK_BYTES: "2048",
       FLEET_MAX_BODY_BYTES: "65536",
+      FLEET_MAX_JSON_BATCH_BYTES: "4096",
     });
     expect(cfg).toEqual({
       redisUrl: "rediss://r.example:6380/2",
@@ -59,6 +61,7 @@ describe("DispatcherConfig", () => {
       maxBacklog: 10,
       maxTaskBytes: 2048,
       maxBodyBytes: 65536,
+      maxJsonBatchBytes: 4096,
     });
   });
 

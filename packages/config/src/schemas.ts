@@ -25,6 +25,12 @@ export const DEFAULT_MAX_BACKLOG = 100_000;
 export const DEFAULT_MAX_TASK_BYTES = 10 * 1024 * 1024;
 /** Room for a 10 MiB task inline in one request, JSON escaping included; the CLI sends at most 8 MiB. */
 export const DEFAULT_MAX_BODY_BYTES = 32 * 1024 * 1024;
+/**
+ * Largest `application/json` body of `POST /v1/batches` (a JSON batch is parsed in one go, which
+ * holds the event loop; NDJSON is read line by line). Twice the JSON body the `fleet` CLI sends
+ * (it sends NDJSON past 1 MiB).
+ */
+export const DEFAULT_MAX_JSON_BATCH_BYTES = 2 * 1024 * 1024;
 export const DEFAULT_SHUTDOWN_TIMEOUT_MS = 30_000;
 export const DEFAULT_JANITOR_INTERVAL_MS = 10_000;
 export const DEFAULT_ORPHAN_GRACE_MS = 120_000;
@@ -163,6 +169,7 @@ export const DispatcherConfig = z
     FLEET_MAX_BACKLOG: intVar(1, 1_000_000_000).default(DEFAULT_MAX_BACKLOG),
     FLEET_MAX_TASK_BYTES: intVar(1, 512 * 1024 * 1024).default(DEFAULT_MAX_TASK_BYTES),
     FLEET_MAX_BODY_BYTES: intVar(1024, 1024 * 1024 * 1024).optional(),
+    FLEET_MAX_JSON_BATCH_BYTES: intVar(1024, 1024 * 1024 * 1024).default(DEFAULT_MAX_JSON_BATCH_BYTES),
   })
   .transform((e) => ({
     ...commonConfig(e),
@@ -172,6 +179,7 @@ export const DispatcherConfig = z
     maxBacklog: e.FLEET_MAX_BACKLOG,
     maxTaskBytes: e.FLEET_MAX_TASK_BYTES,
     maxBodyBytes: e.FLEET_MAX_BODY_BYTES ?? defaultMaxBodyBytes(e.FLEET_MAX_TASK_BYTES),
+    maxJsonBatchBytes: e.FLEET_MAX_JSON_BATCH_BYTES,
   }));
 
 /**

@@ -4,7 +4,7 @@ import type { FastifyInstance } from "fastify";
 import { BATCH_PAGE, cancelBatch } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
 import { HttpError } from "../http-error.ts";
-import { NdjsonText, parseBatchJson, parseBatchNdjson, parseIdempotencyKey } from "../requests.ts";
+import { NdjsonBody, parseBatchJson, parseIdempotencyKey } from "../requests.ts";
 import type { BatchAccepted, BatchView } from "../responses.ts";
 import { submit } from "../submit.ts";
 import { idParam, notFound } from "./params.ts";
@@ -18,10 +18,9 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
 
   app.post("/v1/batches", async (req, reply) => {
     const idempotencyKey = parseIdempotencyKey(req.headers["idempotency-key"]);
-    // The NDJSON parser hands over its text wrapped, so a JSON body that is a string is not
-    // mistaken for NDJSON; the JSON parser an already-parsed value.
-    const parsed =
-      req.body instanceof NdjsonText ? parseBatchNdjson(req.body.text) : parseBatchJson(req.body);
+    // The NDJSON parser hands over the batch it read as the body arrived, wrapped (a JSON body
+    // that is a string is not mistaken for it); the JSON parser an already-parsed value.
+    const parsed = req.body instanceof NdjsonBody ? req.body.read() : parseBatchJson(req.body);
     const started = performance.now();
     const admitted = await submit(ctx, parsed, { batch: true, idempotencyKey, principal: req.principal });
     const created = admitted.created.length > 0;

@@ -2,7 +2,7 @@ import type { FastifyInstance } from "fastify";
 import { cancelRollout } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
 import { HttpError } from "../http-error.ts";
-import { NdjsonText, parseIdempotencyKey, parseRolloutBody } from "../requests.ts";
+import { NdjsonBody, parseIdempotencyKey, parseRolloutBody } from "../requests.ts";
 import type { RolloutAccepted } from "../responses.ts";
 import { presentRollout } from "../rollout-view.ts";
 import { submit } from "../submit.ts";
@@ -10,7 +10,7 @@ import { idParam, notFound } from "./params.ts";
 
 /** A JSON route got a body some other parser read (NDJSON): say which format it takes. */
 export function requireJson(body: unknown): void {
-  if (body instanceof NdjsonText) {
+  if (body instanceof NdjsonBody) {
     throw new HttpError(415, "unsupported_media_type", "this route takes application/json");
   }
 }
