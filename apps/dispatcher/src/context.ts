@@ -19,6 +19,11 @@ export interface DispatcherDeps {
   metrics: FleetMetrics;
   /** Clock, for tests. @defaultValue `Date.now` */
   now?: () => number;
+  /**
+   * How long a submission's backlog reservation outlives its last refresh (`submit`), for tests.
+   * @defaultValue `BACKLOG_RESERVATION_TTL_MS` (a minute)
+   */
+  reservationTtlMs?: number;
 }
 
 /** What route modules get: the deps with the clock resolved. */

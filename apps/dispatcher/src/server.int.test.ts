@@ -16,7 +16,7 @@ import {
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
 import type { Redis } from "ioredis";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it, onTestFinished } from "vitest";
 import { cancelBatch, cancelRollout } from "./cancel.ts";
 import { createServer } from "./server.ts";
 
@@ -52,6 +52,8 @@ async function makeHarness(
   patchQueues: (queues: StageQueues) => void = () => {},
   /** Where its log lines go, from debug up (none by default). */
   log?: (line: string) => void,
+  /** Patch the store before the server gets it; its backlog reservations' TTL. */
+  extra: { patchStore?: (store: RolloutStore) => void; reservationTtlMs?: number } = {},
 ): Promise<Harness> {
   const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
   const config = parseConfig(DispatcherConfig, {
@@ -67,8 +69,19 @@ async function makeHarness(
   const store = new RolloutStore(redis, prefix);
   const queues = new StageQueues(redis, prefix);
   patchQueues(queues);
+  extra.patchStore?.(store);
   const ledger = new TeardownLedger(redis, prefix);
-  const app = createServer({ store, queues, ledger, redis, config, logger, registry, metrics });
+  const app = createServer({
+    store,
+    queues,
+    ledger,
+    redis,
+    config,
+    logger,
+    registry,
+    metrics,
+    ...(extra.reservationTtlMs !== undefined ? { reservationTtlMs: extra.reservationTtlMs } : {}),
+  });
   await app.ready();
   const h: Harness = {
     app,
@@ -741,6 +754,62 @@ describe("POST /v1/batches", () => {
     expect(healthz).not.toBeNull();
     expect((await healthz!).statusCode).toBe(200);
     expect(batchDone).toBe(true);
+  });
+
+  it("holds a batch's backlog room for as long as its admission goes on, past the reservation's TTL (by Redis's clock)", async () => {
+    const ttlMs = 1000;
+    let recording!: () => void;
+    const recordingNow = new Promise<void>((resolve) => {
+      recording = resolve;
+    });
+    let proceed!: () => void;
+    const gate = new Promise<void>((resolve) => {
+      proceed = resolve;
+    });
+    // The first admission's recording waits for the test: an admission as slow as a loaded host's.
+    let slow = true;
+    const h = await makeHarness({ FLEET_MAX_BACKLOG: "2" }, undefined, undefined, {
+      reservationTtlMs: ttlMs,
+      patchStore: (store) => {
+        const record = store.admit.bind(store);
+        store.admit = async (...args) => {
+          if (slow) {
+            slow = false;
+            recording();
+            await gate;
+          }
+          return record(...args);
+        };
+      },
+    });
+    const first = h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row] } });
+    // However this test ends, the first admission is let go.
+    onTestFinished(() => proceed());
+    await recordingNow;
+    const reservations = h.store.keys.reservations();
+    const taken = await redis.zrange(reservations, "0", "-1", "WITHSCORES");
+    expect(taken).toHaveLength(2);
+    // Expiring by Redis's clock, not this process's.
+    const redisNow = async () => {
+      const [sec, usec] = await redis.time();
+      return Number(sec) * 1000 + Math.floor(Number(usec) / 1000);
+    };
+    expect(Number(taken[1])).toBeGreaterThan((await redisNow()) - 1);
+    expect(Number(taken[1])).toBeLessThanOrEqual((await redisNow()) + ttlMs);
+    // Past the TTL it was taken with, the admission still going on:
+    while ((await redisNow()) <= Number(taken[1]) + ttlMs / 2) {
+      await new Promise((resolve) => setTimeout(resolve, 25));
+    }
+    // its room is still held (refreshed), so one more rollout would pass the bound of 2.
+    const second = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row] } });
+    expectErrorBody(second, 429, "backpressure");
+    expect(second.json().error.details).toMatchObject({ inflight: 0, admitting: 2, incoming: 1 });
+    proceed();
+    const res = await first;
+    expect(res.statusCode, res.body).toBe(202);
+    // Given back once recorded: the rollouts count as in flight now.
+    expect(await redis.zcard(reservations)).toBe(0);
+    expect(await h.store.inflightCount()).toBe(2);
   });
 
   it("takes a JSON batch body up to FLEET_MAX_JSON_BATCH_BYTES; past it a 413 that says to send NDJSON, which takes the same rows", async () => {

@@ -4,6 +4,7 @@ import { canonicalJson, type RolloutRequest, sha256Hex } from "@fleet/contracts"
 import {
   type Admitted,
   admit,
+  BACKLOG_RESERVATION_TTL_MS,
   batchIdFor,
   checkRequestShapes,
   type RolloutStore,
@@ -19,6 +20,11 @@ export interface SubmitDeps {
   queues: StageQueues;
   config: Pick<DispatcherConfig, "maxBacklog" | "maxTaskBytes">;
   now: () => number;
+  /**
+   * How long an admission's backlog reservation outlives its last refresh (it is refreshed every
+   * third of this while the admission goes on). @defaultValue `BACKLOG_RESERVATION_TTL_MS`
+   */
+  reservationTtlMs?: number;
 }
 
 /**
@@ -92,6 +98,7 @@ export async function submit(
   // passed every check that refuses it for good: a request that can never be admitted gets its
   // 4xx, not a 429 that a client retries for as long as the fleet stays busy.
   const reservation = { release: async () => {} };
+  const ttlMs = deps.reservationTtlMs ?? BACKLOG_RESERVATION_TTL_MS;
   const reserve = async () => {
     if (replay) return;
     // A request with the client's key, sent again while the first is still being admitted
@@ -101,9 +108,23 @@ export async function submit(
         ? // Its row count too: a request sharing the room admits as many rollouts as it holds.
           sha256Hex(`${options.batch ? "batch" : "rollout"}:${idempotencyKey}:${incoming}`).slice(0, 24)
         : "";
-    const room = await store.reserveBacklog(toAdmit, config.maxBacklog, deps.now(), undefined, share);
-    reservation.release = room.release;
-    if (room.reserved) return;
+    // By Redis's clock: every replica's reservations lapse by the same one.
+    const room = await store.reserveBacklog(toAdmit, config.maxBacklog, null, ttlMs, share);
+    if (room.reserved) {
+      // Held for as long as the admission goes on, however long that is (100,000 rows took 28 s
+      // on a loaded host): lapsed under it, its rollouts not yet recorded would not count
+      // against the bound, and other submissions could pass it. A holder that dies stops
+      // refreshing it, and it lapses `ttlMs` later.
+      const keepAlive = setInterval(() => {
+        room.refresh().catch(() => undefined);
+      }, ttlMs / 3);
+      keepAlive.unref();
+      reservation.release = () => {
+        clearInterval(keepAlive);
+        return room.release();
+      };
+      return;
+    }
     const busy = room.inflight + room.reservedByOthers;
     throw new HttpError(
       429,

@@ -216,6 +216,13 @@ export const BATCH_ADMISSION_LEASE_MS = 24 * 3600 * 1000;
 /** Default retention of finished rollouts (`FLEET_RESULT_TTL_S`): a week. */
 export const DEFAULT_RESULT_TTL_MS = 7 * 24 * 3600 * 1000;
 
+/**
+ * How long a backlog reservation (`reserveBacklog`) outlives its last refresh: the room of a
+ * dispatcher that died mid-admission comes back after it. The admission refreshes it while it
+ * goes on (every third of it), however long it takes.
+ */
+export const BACKLOG_RESERVATION_TTL_MS = 60_000;
+
 export interface RolloutStoreOptions {
   /**
    * Retention: a finished rollout's record, result and failure log expire this long after it
@@ -700,31 +707,41 @@ export class RolloutStore {
   /**
    * Reserve room for `count` rollouts under the backlog bound `max` (see `fleetReserve`): the
    * check and the reservation are one step, so concurrent submissions never pass the bound
-   * together. `release` once the rollouts are admitted (they are in flight then) or refused; a
-   * reservation never released lapses after `ttlMs`.
+   * together. `release` once the rollouts are admitted (they are in flight then) or refused;
+   * `refresh` while the admission goes on, more often than `ttlMs`: a reservation neither
+   * released nor refreshed lapses `ttlMs` after it was taken or last refreshed (its holder died).
    */
   async reserveBacklog(
     count: number,
     max: number,
-    now: number,
-    ttlMs = 60_000,
+    /** The clock reservations lapse by; null for Redis's own (one clock for every dispatcher). */
+    now: number | null,
+    ttlMs = BACKLOG_RESERVATION_TTL_MS,
     /**
      * What names the request (from its idempotency key): a call for the same request while
      * another holds a reservation for it shares that one (it admits the same rollouts), never
      * refused for backpressure; its release leaves the other's alone.
      */
     share = "",
-  ): Promise<{ reserved: boolean; inflight: number; reservedByOthers: number; release(): Promise<void> }> {
+  ): Promise<{
+    reserved: boolean;
+    inflight: number;
+    reservedByOthers: number;
+    release(): Promise<void>;
+    /** Move its expiry to `ttlMs` from now; false when it is not held (released, lapsed, shared). */
+    refresh(): Promise<boolean>;
+  }> {
     const id = randomUUID();
     const member = share === "" ? `${id}:${count}` : `${id}:${share}:${count}`; // as the script stores it
+    const clock = now === null ? "" : String(now);
     const [ok, inflight, others, shared] = (await this.redis.fleetReserve(
       this.keys.inflight(),
       this.keys.reservations(),
       id,
       String(count),
       String(max),
-      String(now),
-      String(now + ttlMs),
+      clock,
+      String(ttlMs),
       share,
     )) as [number, number, number, number];
     // Its own, once: released once, a release again (an admission gives its room back when its
@@ -738,6 +755,16 @@ export class RolloutStore {
         if (!held) return;
         await this.redis.zrem(this.keys.reservations(), member);
         held = false;
+      },
+      refresh: async () => {
+        if (!held) return false;
+        const refreshed = await this.redis.fleetReserveRefresh(
+          this.keys.reservations(),
+          member,
+          clock,
+          String(ttlMs),
+        );
+        return Number(refreshed) === 1;
       },
     };
   }

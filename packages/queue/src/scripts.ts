@@ -12,6 +12,13 @@ import type { RedisConnection } from "./connection.ts";
  *
  * KEYS[2] is the rollout's batch hash, or the rollout hash itself when it has none (ARGV flag).
  */
+/** Milliseconds by the clock given (a test's), or by Redis's own (`TIME`) when it is ''. */
+const CLOCK = `local function clock(given)
+  if given ~= nil and given ~= '' then return tonumber(given) end
+  local t = redis.call('TIME')
+  return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+end`;
+
 const TERMINAL = `local terminal = {completed=true, masked=true, failed=true, cancelled=true}`;
 
 /** A script's start that returns 0 for a rollout unknown or terminal (KEYS[1]), and sets `status`. */
@@ -361,14 +368,17 @@ const SCRIPTS = {
   /**
    * Reserve room for `n` rollouts under the backlog bound, atomically with the check, so that
    * concurrent submissions cannot together pass it: rollouts in flight plus live reservations
-   * plus `n` must not exceed `max`. ARGV: reservationId, n, max, now, expiresAt. Returns
+   * plus `n` must not exceed `max`. ARGV: reservationId, n, max, now ('' for Redis's clock, so
+   * every dispatcher's reservations lapse by one clock), ttlMs. Returns
    * [1 reserved | 0 refused, in flight, reserved by others].
    */
   fleetReserve: {
     keys: 2, // inflight, reservations
-    // ARGV: id, count, max, now, expiresAt, share ('' for none)
+    // ARGV: id, count, max, now ('' for TIME), ttlMs, share ('' for none)
     lua: `
-      redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', ARGV[4])
+      ${CLOCK}
+      local now = clock(ARGV[4])
+      redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', string.format('%.0f', now))
       local share = ARGV[6] or ''
       local own = ARGV[1] .. ':' .. (share ~= '' and (share .. ':') or '') .. ARGV[2]
       local shareTag = ':' .. share .. ':'
@@ -388,7 +398,7 @@ const SCRIPTS = {
       if mine then return {1, inflight, reserved, 0} end
       if shared then return {1, inflight, reserved, 1} end
       if inflight + reserved + tonumber(ARGV[2]) > tonumber(ARGV[3]) then return {0, inflight, reserved, 0} end
-      redis.call('ZADD', KEYS[2], ARGV[5], own)
+      redis.call('ZADD', KEYS[2], string.format('%.0f', now + tonumber(ARGV[5])), own)
       return {1, inflight, reserved, 0}`,
   },
   /**
@@ -420,6 +430,19 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[2], ARGV[1], ARGV[2])
       redis.call('HDEL', KEYS[1], ARGV[1])
       confirmTeardown(KEYS[4], KEYS[3], ARGV[3], ARGV[4], KEYS[5], ARGV[5], KEYS[1])
+      return 1`,
+  },
+  /**
+   * Keep a backlog reservation (`fleetReserve`) alive while its admission goes on: its expiry
+   * moved to now + ttlMs, if it is still there (not lapsed, not released). ARGV: member, now (''
+   * for Redis's clock), ttlMs. Returns 1 if refreshed.
+   */
+  fleetReserveRefresh: {
+    keys: 1, // reservations
+    lua: `
+      ${CLOCK}
+      if not redis.call('ZSCORE', KEYS[1], ARGV[1]) then return 0 end
+      redis.call('ZADD', KEYS[1], string.format('%.0f', clock(ARGV[2]) + tonumber(ARGV[3])), ARGV[1])
       return 1`,
   },
   /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */

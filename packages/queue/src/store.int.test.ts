@@ -605,7 +605,7 @@ describe("rollout store", () => {
     const own = new RolloutStore(redis, `${prefix}-res`);
     const scripted = withScripts(redis);
     const keys = [own.keys.inflight(), own.keys.reservations()];
-    const args = ["res-1", "3", "4", "1000", "61000"];
+    const args = ["res-1", "3", "4", "1000", "60000"];
     expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0, 0]);
     expect(await scripted.fleetReserve(...keys, ...args)).toEqual([1, 0, 0, 0]);
     expect(await redis.zrange(own.keys.reservations(), "0", "-1")).toEqual(["res-1:3"]);
@@ -1596,6 +1596,31 @@ describe("rollout store", () => {
     const last = await own.reserveBacklog(1, 6, 2_000);
     expect(last).toMatchObject({ reserved: true, reservedByOthers: 0 });
     await redis.del(own.keys.inflight(), own.keys.reservations());
+  });
+
+  it("a backlog reservation taken without a clock lapses by Redis's (TIME); refreshed, it lapses that long after the refresh", async () => {
+    const own = new RolloutStore(redis, `${prefix}-time`);
+    const redisNow = async () => {
+      const [sec, usec] = await redis.time();
+      return Number(sec) * 1000 + Math.floor(Number(usec) / 1000);
+    };
+    const score = async () => Number(await redis.zscore(own.keys.reservations(), (await members())[0]!));
+    const members = () => redis.zrange(own.keys.reservations(), "0", "-1");
+    const before = await redisNow();
+    const room = await own.reserveBacklog(2, 6, null, 5_000);
+    const after = await redisNow();
+    expect(room.reserved).toBe(true);
+    expect(await score()).toBeGreaterThanOrEqual(before + 5_000);
+    expect(await score()).toBeLessThanOrEqual(after + 5_000);
+    const taken = await score();
+    while ((await redisNow()) <= taken - 5_000) await new Promise((resolve) => setTimeout(resolve, 5));
+    expect(await room.refresh()).toBe(true);
+    expect(await score()).toBeGreaterThan(taken);
+    await room.release();
+    expect(await members()).toEqual([]);
+    // Released: nothing to refresh, nothing brought back.
+    expect(await room.refresh()).toBe(false);
+    expect(await members()).toEqual([]);
   });
 
   it("admission records a rollout in flight scored by its deadline (what the watchdog reads) and a single rollout's admission as under way until its seed is enqueued", async () => {
