@@ -53,7 +53,12 @@ async function makeHarness(
   /** Where its log lines go, from debug up (none by default). */
   log?: (line: string) => void,
   /** Patch the store before the server gets it; its backlog reservations' TTL. */
-  extra: { patchStore?: (store: RolloutStore) => void; reservationTtlMs?: number } = {},
+  extra: {
+    patchStore?: (store: RolloutStore) => void;
+    reservationTtlMs?: number;
+    /** Hooks of the test's own, added before the server is ready. */
+    hooks?: (app: FastifyInstance) => void;
+  } = {},
 ): Promise<Harness> {
   const prefix = `{t-disp-${randomUUID().slice(0, 8)}}`;
   const config = parseConfig(DispatcherConfig, {
@@ -82,6 +87,7 @@ async function makeHarness(
     metrics,
     ...(extra.reservationTtlMs !== undefined ? { reservationTtlMs: extra.reservationTtlMs } : {}),
   });
+  extra.hooks?.(app);
   await app.ready();
   const h: Harness = {
     app,
@@ -754,6 +760,49 @@ describe("POST /v1/batches", () => {
     expect(healthz).not.toBeNull();
     expect((await healthz!).statusCode).toBe(200);
     expect(batchDone).toBe(true);
+  });
+
+  it("admits a large batch handing the event loop on between rows: /healthz, asked as its admission starts, is answered before the admission first asks Redis", async () => {
+    let healthz: Promise<LightMyRequestResponse> | null = null;
+    let healthzDone = false;
+    let answeredFirst: boolean | null = null;
+    const h = await makeHarness({ FLEET_MAX_BACKLOG: "20000" }, undefined, undefined, {
+      // The route's handler starts right after this: from there to its first question to Redis
+      // (whether its key names a rollout), admission checks and serialises every row.
+      hooks: (app) =>
+        app.addHook("preHandler", async (req) => {
+          if (req.url !== "/v1/batches") return;
+          healthz = app.inject({ method: "GET", url: "/healthz" }).finally(() => {
+            healthzDone = true;
+          });
+        }),
+      patchStore: (store) => {
+        const exists = store.exists.bind(store);
+        store.exists = (...args) => {
+          answeredFirst ??= healthzDone;
+          return exists(...args);
+        };
+      },
+    });
+    // The backlog is full: the batch gets its 429 at the reservation, nothing recorded.
+    await redis.zadd(
+      h.store.keys.inflight(),
+      ...Array.from({ length: 15_000 }, (_, i) => [Date.now() + 3_600_000, `busy-${i}`]).flat(),
+    );
+    const digest = digestTask(TaskContent.parse(task));
+    const lines = [JSON.stringify(row)];
+    for (let i = 1; i < 8_000; i++)
+      lines.push(JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } }));
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: lines.join("\n"),
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expectErrorBody(res, 429, "backpressure");
+    expect(healthz).not.toBeNull();
+    expect((await healthz!).statusCode).toBe(200);
+    expect(answeredFirst, "/healthz answered while the batch's rows were checked").toBe(true);
   });
 
   it("holds a batch's backlog room for as long as its admission goes on, past the reservation's TTL (by Redis's clock)", async () => {
