@@ -1,6 +1,6 @@
 import { randomUUID } from "node:crypto";
 import { FleetError, RolloutRequest, type SandboxHandle } from "@fleet/contracts";
-import { admit, JANITOR_QUEUE, rolloutIds, sandboxKey } from "@fleet/queue";
+import { admit, duplicateRedis, JANITOR_QUEUE, rolloutIds, sandboxKey } from "@fleet/queue";
 import {
   DockerGatewayNetworks,
   DockerSandboxProvider,
@@ -10,7 +10,7 @@ import {
 import { MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
-import { Queue } from "bullmq";
+import { Queue, Worker } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { janitorTick, REPORTED_ENTRY_FAILURES, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -1048,6 +1048,48 @@ describe("janitor", () => {
       fleet.redis.off("error", owner);
       printed.mockRestore();
       await janitor.close();
+    }
+  });
+
+  it("counts a pass whose replica died holding it as stalled on the janitor queue (FleetJobsStalling)", async () => {
+    // Its own prefix: no other test's schedule or passes on this janitor queue.
+    const prefix = `{jstall-${randomUUID().slice(0, 8)}}`;
+    const queue = new Queue(JANITOR_QUEUE, { connection: fleet.redis, prefix });
+    // A replica that took a pass and died: the job active under a 200 ms lock nobody renews
+    // (a manual fetch extends no lock).
+    const dead = new Worker(JANITOR_QUEUE, null, {
+      connection: duplicateRedis(fleet.redis),
+      prefix,
+      lockDuration: 200,
+    });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const stalled = async () =>
+      (await metrics.queueStalledJobs.get()).values.find((v) => v.labels.queue === JANITOR_QUEUE)?.value;
+    let janitor: Awaited<ReturnType<typeof startJanitor>> | null = null;
+    try {
+      await queue.add("tick", {});
+      const taken = await dead.getNextJob("dead-replica");
+      expect(taken?.name).toBe("tick");
+      await dead.close(true);
+      janitor = await startJanitor(
+        { ...fleet.deps, metrics },
+        {
+          connection: fleet.redis,
+          prefix,
+          intervalMs: 60_000,
+          orphanGraceMs: 60_000,
+          stalledIntervalMs: 300,
+        },
+      );
+      expect(await stalled()).toBe(0); // the series is there from the start
+      const end = Date.now() + 30_000;
+      while ((await stalled()) !== 1 && Date.now() < end) await new Promise((r) => setTimeout(r, 50));
+      expect(await stalled()).toBe(1);
+    } finally {
+      await janitor?.close();
+      await dead.close(true).catch(() => undefined);
+      await queue.obliterate({ force: true });
+      await queue.close();
     }
   });
 

@@ -520,7 +520,13 @@ export interface Janitor {
  */
 export async function startJanitor(
   deps: PipelineDeps,
-  options: JanitorOptions & { connection: RedisConnection; prefix: string; intervalMs: number },
+  options: JanitorOptions & {
+    connection: RedisConnection;
+    prefix: string;
+    intervalMs: number;
+    /** How often the worker checks for passes whose worker died (BullMQ's `stalledInterval`). @defaultValue 30 s */
+    stalledIntervalMs?: number;
+  },
 ): Promise<Janitor> {
   const queue = new Queue(JANITOR_QUEUE, { connection: options.connection, prefix: options.prefix });
   // It re-emits the shared connection's errors, which the connection's owner logs; unheard,
@@ -567,8 +573,23 @@ export async function startJanitor(
       }
       return report;
     },
-    { connection: duplicateRedis(options.connection), prefix: options.prefix, concurrency: 1 },
+    {
+      connection: duplicateRedis(options.connection),
+      prefix: options.prefix,
+      concurrency: 1,
+      ...(options.stalledIntervalMs === undefined ? {} : { stalledInterval: options.stalledIntervalMs }),
+    },
   );
+  // fleet_queue_stalled_jobs_total{queue="janitor"}, as the stage workers count theirs: a pass
+  // whose replica died or froze past its lock (FleetJobsStalling).
+  deps.metrics?.queueStalledJobs.inc({ queue: JANITOR_QUEUE }, 0);
+  worker.on("stalled", (jobId) => {
+    deps.metrics?.queueStalledJobs.inc({ queue: JANITOR_QUEUE });
+    deps.logger.warn(
+      { queue: JANITOR_QUEUE, jobId },
+      "a janitor pass stalled (its replica died or froze); it runs again",
+    );
+  });
   const fresh = freshErrors();
   worker.on("error", (err) => {
     if (fresh(err.message)) deps.logger.error({ err: err.message }, "janitor worker error");
