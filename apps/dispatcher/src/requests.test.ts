@@ -1,8 +1,10 @@
 import { MAX_METADATA_BYTES } from "@fleet/queue";
+import fc from "fast-check";
 import { describe, expect, it, vi } from "vitest";
 import { HttpError } from "./http-error.ts";
 import {
   ApiRolloutRequest,
+  countJsonTextValues,
   MAX_BAD_ROWS,
   MAX_CHECKED_ISSUES,
   MAX_METADATA_VALUES,
@@ -11,6 +13,7 @@ import {
   parseBatchNdjson,
   parseIdempotencyKey,
   parseRolloutBody,
+  textHasTooManyValues,
 } from "./requests.ts";
 
 const task = {
@@ -221,6 +224,46 @@ describe("parseBatchJson", () => {
 
   it("refuses an empty batch", () => {
     expect(thrown(() => parseBatchJson({ rollouts: [] })).status).toBe(422);
+  });
+
+  it("counts a JSON text's values off the text as they are counted parsed (array items and properties, nested)", () => {
+    // The parsed count: array items and object properties, nested included.
+    const parsedCount = (v: unknown): number => {
+      if (Array.isArray(v)) return v.length + v.reduce((n: number, c) => n + parsedCount(c), 0);
+      if (typeof v === "object" && v !== null) {
+        const values = Object.values(v);
+        return values.length + values.reduce((n: number, c) => n + parsedCount(c), 0);
+      }
+      return 0;
+    };
+    fc.assert(
+      fc.property(fc.jsonValue(), fc.constantFrom(undefined, 2, "\t"), (value, indent) => {
+        const text = JSON.stringify(value, null, indent);
+        expect(countJsonTextValues(text, Number.POSITIVE_INFINITY)).toBe(parsedCount(JSON.parse(text)));
+      }),
+      { numRuns: 500 },
+    );
+    // Strings holding the characters that count elsewhere, escapes included.
+    expect(countJsonTextValues('{"a:,[":"],{\\":,","b":[ ]}', 100)).toBe(2);
+    expect(countJsonTextValues('[[],[ ],{},"x",[1,[2,3]]]', 100)).toBe(9);
+    // It stops past the limit.
+    expect(countJsonTextValues(`[${"0,".repeat(1000)}0]`, 10)).toBe(11);
+  });
+
+  it("tells a text of more than MAX_REQUEST_VALUES values before parsing it; a large task's text is no such text", () => {
+    const values = `{"x":[${"{},".repeat(MAX_REQUEST_VALUES)}{}`; // cut short: not even JSON
+    expect(textHasTooManyValues(values)).toBe(true);
+    expect(textHasTooManyValues(`{"x":[${"{},".repeat(MAX_REQUEST_VALUES - 2)}{}]}`)).toBe(false);
+    const bigTask = JSON.stringify({ ...row, task: { ...task, instruction: "x".repeat(10 * 1024 * 1024) } });
+    expect(textHasTooManyValues(bigTask)).toBe(false);
+  });
+
+  it("an NDJSON line of more than MAX_REQUEST_VALUES values is that line's 422, never parsed (so one cut short is no 400)", () => {
+    const line = `{"x":[${"{},".repeat(MAX_REQUEST_VALUES)}{}`;
+    const err = thrown(() => parseBatchNdjson(`${JSON.stringify(row)}\n${line}\n`));
+    expect(err.status).toBe(422);
+    expect(err.details).toMatchObject({ line: 2, badLines: 1 });
+    expect(err.message).toMatch(/^line 2: holds more than 100000 JSON values/);
   });
 
   it("a request holding more than MAX_REQUEST_VALUES JSON values is refused by its size, before the schema (no zod stack overflow, no million issues)", () => {

@@ -103,6 +103,81 @@ function countValues(value: unknown, limit: number): number {
   return count;
 }
 
+/**
+ * The JSON values in `text` as `countValues` counts them (array items and object properties,
+ * nested included), read off the text without parsing it, until past `limit`. For valid JSON it is
+ * exact but for duplicate keys (each counted here; parsed, the last one wins): never fewer. Text
+ * that is not JSON gets a count all the same (its parse fails anyway).
+ */
+export function countJsonTextValues(text: string, limit: number): number {
+  let count = 0;
+  // For each open container, whether it is an array (a comma in it separates items).
+  const inArray: boolean[] = [];
+  // Just after a '[': the next token, unless it closes the array, is its first item.
+  let arrayOpened = false;
+  for (let i = 0; i < text.length; i++) {
+    const c = text.charCodeAt(i);
+    if (c === 0x20 || c === 0x0a || c === 0x0d || c === 0x09) continue;
+    if (arrayOpened) {
+      arrayOpened = false;
+      if (c !== 0x5d && ++count > limit) return count;
+    }
+    switch (c) {
+      case 0x22: {
+        // A string: on to its closing quote (one after an even run of backslashes), found with
+        // indexOf, which skips a long string (a large task's file) far faster than a loop.
+        let end = i;
+        for (;;) {
+          end = text.indexOf('"', end + 1);
+          if (end === -1) return count; // unterminated: no more values to count
+          let b = end - 1;
+          while (text.charCodeAt(b) === 0x5c) b--;
+          if ((end - 1 - b) % 2 === 0) break;
+        }
+        i = end;
+        break;
+      }
+      case 0x5b: // [
+        inArray.push(true);
+        arrayOpened = true;
+        break;
+      case 0x7b: // {
+        inArray.push(false);
+        break;
+      case 0x5d: // ]
+      case 0x7d: // }
+        inArray.pop();
+        break;
+      case 0x3a: // : (a property)
+        if (++count > limit) return count;
+        break;
+      case 0x2c: // , (another item, in an array)
+        if (inArray[inArray.length - 1] === true && ++count > limit) return count;
+        break;
+    }
+  }
+  return count;
+}
+
+/**
+ * Whether the text of one rollout request (a `POST /v1/rollouts` body, an NDJSON line) holds more
+ * than `MAX_REQUEST_VALUES` values, told from the text before it is parsed: `JSON.parse` cannot be
+ * cut into turns of the event loop, and 32 MiB of `{"x":[{},{},…]}` held it for seconds before
+ * `parseRequest` could refuse the result. Text under 2 bytes a value cannot hold that many.
+ */
+export function textHasTooManyValues(text: string): boolean {
+  return (
+    text.length > 2 * MAX_REQUEST_VALUES && countJsonTextValues(text, MAX_REQUEST_VALUES) > MAX_REQUEST_VALUES
+  );
+}
+
+const TOO_MANY_VALUES = `holds more than ${MAX_REQUEST_VALUES} JSON values, far more than a rollout request (a large task goes by digest)`;
+
+/** `POST /v1/rollouts`'s 422 for a body `textHasTooManyValues` refused (as `parseRolloutBody` refuses a parsed one). */
+export function tooManyValuesError(): HttpError {
+  return invalid("rollout request", [{ path: "", message: TOO_MANY_VALUES }]);
+}
+
 /** `ApiRolloutRequest.safeParse` as issues, their paths under `prefix`. */
 function parseRequest(
   value: unknown,
@@ -115,7 +190,7 @@ function parseRequest(
       issues: [
         {
           path,
-          message: `holds more than ${MAX_REQUEST_VALUES} JSON values, far more than a rollout request (a large task goes by digest)`,
+          message: TOO_MANY_VALUES,
         },
       ],
     };
@@ -281,14 +356,20 @@ export class NdjsonBatchReader {
     }
     const line = raw.trim();
     if (line === "") return;
-    let value: unknown;
-    try {
-      value = parseJsonText(line, `line ${lineNo}`, { line: lineNo });
-    } catch (err) {
-      this.malformed = err as HttpError;
-      return;
+    let parsed: ReturnType<typeof parseRequest>;
+    if (textHasTooManyValues(line)) {
+      // Refused as `parseRequest` would refuse it parsed, without the parse (see the function).
+      parsed = { ok: false, issues: [{ path: "", message: TOO_MANY_VALUES }] };
+    } else {
+      let value: unknown;
+      try {
+        value = parseJsonText(line, `line ${lineNo}`, { line: lineNo });
+      } catch (err) {
+        this.malformed = err as HttpError;
+        return;
+      }
+      parsed = parseRequest(value);
     }
-    const parsed = parseRequest(value);
     if (parsed.ok) {
       this.requests.push(parsed.data);
       this.lines.push(lineNo);

@@ -993,6 +993,29 @@ describe("POST /v1/batches", () => {
     expectErrorBody(res, 422, "invalid");
   });
 
+  it("a rollout body of more than 100,000 JSON values is its 422 before it is parsed (JSON.parse cannot be cut short)", async () => {
+    // Cut short, so not even JSON: parsed first, it would be a 400; unparsed, the count refuses it.
+    const values = `{"x":[${"{},".repeat(100_001)}{}`;
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      headers: { "content-type": "application/json" },
+      payload: values,
+    });
+    const error = expectErrorBody(res, 422, "invalid");
+    expect(error.message).toMatch(/^rollout request is invalid \(body: holds more than 100000 JSON values/);
+    // The same as NDJSON: that line's 422.
+    const ndjson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      headers: { "content-type": "application/x-ndjson" },
+      payload: `${JSON.stringify(row)}\n${values}\n`,
+    });
+    expect(expectErrorBody(ndjson, 422, "invalid").message).toMatch(
+      /^line 2: holds more than 100000 JSON values/,
+    );
+  });
+
   it("metadata over 4 KiB of JSON is a 422 naming the limit", async () => {
     const metadata = { tokens: Array.from({ length: 1000 }, (_, i) => 100_000 + i) };
     const res = await h.call({ method: "POST", url: "/v1/rollouts", payload: { ...row, metadata } });

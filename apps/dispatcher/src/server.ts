@@ -13,7 +13,14 @@ import { BOARD_PATH, registerBoard } from "./board.ts";
 import type { DispatcherDeps, RouteContext } from "./context.ts";
 import { errorBody, HttpError, isHttpError, toHttpError, unavailable } from "./http-error.ts";
 import { createAuthenticator, isAdminPath, sameOrigin } from "./request-auth.ts";
-import { NdjsonBody, notUtf8, parseJsonText, readNdjsonBatch } from "./requests.ts";
+import {
+  NdjsonBody,
+  notUtf8,
+  parseJsonText,
+  readNdjsonBatch,
+  textHasTooManyValues,
+  tooManyValuesError,
+} from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
 import { registerAdminRoutes, sendLoginPage } from "./routes/admin.ts";
 import { registerBatchRoutes } from "./routes/batches.ts";
@@ -24,6 +31,7 @@ export type { DispatcherDeps } from "./context.ts";
 
 /** The route that takes batches, JSON or NDJSON. */
 const BATCHES_PATH = "/v1/batches";
+const ROLLOUTS_PATH = "/v1/rollouts";
 
 /** Content types read as NDJSON (one RolloutRequest per line) by `POST /v1/batches`. */
 export const NDJSON_TYPES = ["application/x-ndjson", "application/jsonl"];
@@ -106,6 +114,8 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       },
       headers,
     );
+  const isRolloutSubmit = (req: FastifyRequest) =>
+    req.method === "POST" && req.routeOptions.url === ROLLOUTS_PATH;
   const isJsonBatch = (req: FastifyRequest) =>
     req.method === "POST" &&
     req.routeOptions.url === BATCHES_PATH &&
@@ -128,6 +138,8 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
         throw jsonBatchTooLarge((body as Buffer).length);
       }
       const text = utf8Body(body as Buffer);
+      // One rollout request of more values than any is refused before its parse holds the loop.
+      if (isRolloutSubmit(req) && textHasTooManyValues(text)) throw tooManyValuesError();
       done(null, text === "" ? undefined : parseJsonText(text, "the body"));
     } catch (err) {
       done(err as Error, undefined);
