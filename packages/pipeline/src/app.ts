@@ -29,7 +29,7 @@ import { checkCredentialsFile, createCredentialResolver } from "./credentials.ts
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
 import { statusFor } from "./result.ts";
-import { createStageWorkers, DEFAULT_SEED_AHEAD, providerProblem } from "./worker.ts";
+import { countStalledJobs, createStageWorkers, DEFAULT_SEED_AHEAD, providerProblem } from "./worker.ts";
 
 /** Which stages each worker kind runs (DESIGN §2 table). */
 export const STAGES_OF: Record<WorkerKind, StageName[]> = {
@@ -303,17 +303,8 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     providerBreaker:
       config.providerProbeMs === null ? false : { probeMs: config.providerProbeMs, callTimeoutMs: 5_000 },
     seedAhead: config.seedAhead === null ? false : { ...DEFAULT_SEED_AHEAD, min: config.seedAhead },
-    // fleet_queue_stalled_jobs_total: BullMQ reports a stalled job to the worker whose check
-    // found it (every worker, the supervisor's replacements included).
-    onWorker: (worker) => {
-      deps.metrics?.queueStalledJobs.inc({ queue: worker.name }, 0);
-      worker.on("stalled", (jobId) => {
-        deps.metrics?.queueStalledJobs.inc({ queue: worker.name });
-        // Its worker died or froze past the lock: the job is delivered again (ids are
-        // `<rolloutId>.<stage>`).
-        logger.warn({ queue: worker.name, jobId }, "a stage job stalled; it is delivered again");
-      });
-    },
+    // Every worker, the supervisor's replacements included (job ids are `<rolloutId>.<stage>`).
+    onWorker: (worker) => countStalledJobs(worker, deps, "a stage job stalled; it is delivered again"),
   });
   if (STAGES_OF[kind].includes("close")) countFinishedFromZero(deps);
   logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");

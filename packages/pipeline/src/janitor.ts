@@ -14,7 +14,7 @@ import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
-import { boundedClose, freshErrors } from "./worker.ts";
+import { boundedClose, countStalledJobs, freshErrors } from "./worker.ts";
 
 export interface JanitorOptions {
   /** A labelled sandbox with no known rollout is left alone this long (it may be mid-seed). */
@@ -226,9 +226,17 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     });
     // One that does not parse with nothing of its rollout left behind it: retired, or it would
     // be reported every pass and keep its rollout's teardown pending for good.
+    // What the provider holds beside sandboxes, listed once for all of them (and only if any).
+    // Asked for where it is awaited at once (a listing that fails is never left unheard).
+    let leftoversListing: Promise<Leftovers> | null = null;
+    const leftovers = () => {
+      leftoversListing ??= listLeftovers(deps);
+      return leftoversListing;
+    };
     for (const key of unreadable) {
       await registrySteps.run(`registry ${key}`, async () => {
-        if (await retireUnreadableEntry(deps, key, now, options.orphanGraceMs)) report.registryRetired++;
+        const retired = await retireUnreadableEntry(deps, key, now, options.orphanGraceMs, leftovers);
+        if (retired) report.registryRetired++;
       });
     }
     for (const entry of listed) {
@@ -288,11 +296,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       if (!rolloutId) continue;
       // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
       await orphanSteps.run(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
-        const old = now - info.createdAt > options.orphanGraceMs;
-        // Expired: an orphan whatever its rollout (its record not read, as in the registry step).
-        const rec = expires < now || !old ? null : await deps.store.get(rolloutId);
-        const orphan = expires < now || (old && (rec === null || isTerminal(rec.status)));
-        if (!orphan) return;
+        if (!(await isOrphan(deps, rolloutId, expires, info.createdAt, now, options.orphanGraceMs))) return;
         if (overBudget()) return; // counted as active; removed next pass
         const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
         if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) return;
@@ -332,10 +336,14 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         if (!rolloutId) continue;
         await volumeSteps.run(`volumes ${volume.name}`, async () => {
           const expires = Number(volume.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
-          // Not old when the daemon gave no creation time: then only its expiry removes it.
-          const old = now - volume.createdAt > options.orphanGraceMs;
-          const rec = expires < now || !old ? null : await deps.store.get(rolloutId);
-          const orphan = expires < now || (old && (rec === null || isTerminal(rec.status)));
+          const orphan = await isOrphan(
+            deps,
+            rolloutId,
+            expires,
+            volume.createdAt,
+            now,
+            options.orphanGraceMs,
+          );
           if (!orphan || overBudget()) return;
           if (await removeUnusedVolume(volume.name)) report.volumesRemoved++;
         });
@@ -407,6 +415,40 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 }
 
 /**
+ * Whether a labelled sandbox or volume of `rolloutId` is an orphan: its `fleet.expires` passed
+ * (whatever its rollout: the record is not read, as in the registry step, so one that cannot be
+ * read keeps nothing expired alive), or it is older than `graceMs` and its rollout is over or
+ * unknown. Not old when the provider gave no creation time (NaN): then only its expiry counts.
+ */
+async function isOrphan(
+  deps: PipelineDeps,
+  rolloutId: string,
+  expires: number,
+  createdAt: number,
+  now: number,
+  graceMs: number,
+): Promise<boolean> {
+  if (expires < now) return true;
+  if (!(now - createdAt > graceMs)) return false;
+  const rec = await deps.store.get(rolloutId);
+  return rec === null || isTerminal(rec.status);
+}
+
+interface Leftovers {
+  volumes: { labels: Record<string, string> }[];
+  networks: { rolloutId: string }[];
+}
+
+/** The provider's volumes no container uses and the gateway networks (none without either). */
+async function listLeftovers(deps: PipelineDeps): Promise<Leftovers> {
+  const [volumes, networks] = await Promise.all([
+    deps.provider.listUnusedVolumes?.() ?? [],
+    deps.networks?.list() ?? [],
+  ]);
+  return { volumes, networks };
+}
+
+/**
  * Retire a registry entry `key` (`<rolloutId>:<owner>`) that does not parse, once its rollout is
  * over (finalized past `graceMs`, or its record gone: no intent is recorded for a rollout without
  * one, nor after its close) and the provider holds nothing labelled with it: no sandbox, no
@@ -420,6 +462,7 @@ async function retireUnreadableEntry(
   key: string,
   now: number,
   graceMs: number,
+  leftovers: () => Promise<Leftovers>,
 ): Promise<boolean> {
   const at = key.lastIndexOf(":");
   const rolloutId = key.slice(0, at);
@@ -430,9 +473,9 @@ async function retireUnreadableEntry(
   const overSince = rec ? rec.result?.finishedAt : Number.NEGATIVE_INFINITY;
   if (overSince == null || now - overSince <= graceMs) return false;
   if ((await deps.provider.list({ [LABEL_ROLLOUT]: rolloutId })).length > 0) return false;
-  const volumes = (await deps.provider.listUnusedVolumes?.()) ?? [];
+  const { volumes, networks } = await leftovers();
   if (volumes.some((v) => v.labels[LABEL_ROLLOUT] === rolloutId)) return false;
-  if (deps.networks && (await deps.networks.list()).some((n) => n.rolloutId === rolloutId)) return false;
+  if (networks.some((n) => n.rolloutId === rolloutId)) return false;
   const raw = await deps.ledger.rawSandbox(key);
   if (raw === null || !(await deps.ledger.retireUnreadable(key, raw, rolloutId))) return false;
   deps.logger.warn(
@@ -580,16 +623,8 @@ export async function startJanitor(
       ...(options.stalledIntervalMs === undefined ? {} : { stalledInterval: options.stalledIntervalMs }),
     },
   );
-  // fleet_queue_stalled_jobs_total{queue="janitor"}, as the stage workers count theirs: a pass
-  // whose replica died or froze past its lock (FleetJobsStalling).
-  deps.metrics?.queueStalledJobs.inc({ queue: JANITOR_QUEUE }, 0);
-  worker.on("stalled", (jobId) => {
-    deps.metrics?.queueStalledJobs.inc({ queue: JANITOR_QUEUE });
-    deps.logger.warn(
-      { queue: JANITOR_QUEUE, jobId },
-      "a janitor pass stalled (its replica died or froze); it runs again",
-    );
-  });
+  // Its passes too: one whose replica died or froze past its lock (FleetJobsStalling).
+  countStalledJobs(worker, deps, "a janitor pass stalled (its replica died or froze); it runs again");
   const fresh = freshErrors();
   worker.on("error", (err) => {
     if (fresh(err.message)) deps.logger.error({ err: err.message }, "janitor worker error");

@@ -767,6 +767,23 @@ async function closeAfterBullmqFailure(
 }
 
 /**
+ * fleet_queue_stalled_jobs_total{queue}: BullMQ reports a stalled job (its worker died or froze
+ * past the lock; it goes back to wait) to the worker whose check found it. The series starts at 0;
+ * each is counted and logged with `message`.
+ */
+export function countStalledJobs(
+  worker: Worker,
+  deps: Pick<PipelineDeps, "metrics" | "logger">,
+  message: string,
+): void {
+  deps.metrics?.queueStalledJobs.inc({ queue: worker.name }, 0);
+  worker.on("stalled", (jobId) => {
+    deps.metrics?.queueStalledJobs.inc({ queue: worker.name });
+    deps.logger.warn({ queue: worker.name, jobId }, message);
+  });
+}
+
+/**
  * BullMQ repeats the same connection error on every reconnect attempt: whether an error is worth
  * a log line, each distinct one at most every `windowMs`, so an outage is visible without
  * flooding the log.
