@@ -58,6 +58,8 @@ describe("apps started the README's way (npm start -w <app>)", () => {
           FLEET_API_TOKENS: "npm-start-test",
         });
         const npmExited = new Promise<void>((r) => npm.once("exit", () => r()));
+        // Its output read to the end: "exit" can come before the last lines written to the pipe.
+        const npmClosed = new Promise<void>((r) => npm.once("close", () => r()));
         let tree: number[] = [];
         try {
           await waitFor(`${workspace} to start`, async () => ready.test(output()), 90_000);
@@ -67,6 +69,7 @@ describe("apps started the README's way (npm start -w <app>)", () => {
           await npmExited;
           // The app itself got the signal (not only npm and its shell): it shut down and exited.
           await waitFor(`${workspace}'s processes to exit`, async () => tree.every((p) => !alive(p)), 60_000);
+          await npmClosed;
           return { workspace, output: output() };
         } finally {
           // Whatever is left (a failed run's orphans) goes.
@@ -96,12 +99,16 @@ describe("apps started the README's way (npm start -w <app>)", () => {
           { group: true },
         );
         const npmExited = new Promise<number | null>((r) => npm.once("exit", (code) => r(code)));
+        // Its output read to the end: "exit" can come before the last lines written to the pipe.
+        const npmClosed = new Promise<void>((r) => npm.once("close", () => r()));
         try {
           await waitFor(`${workspace} to start`, async () => ready.test(output()), 90_000);
           // npm passes the SIGINT on to its child, which had it from the terminal already: the app
           // is sent it twice, and a tsx CLI in between killed an app slow to answer it.
           process.kill(-npm.pid!, "SIGINT");
-          return { workspace, code: await npmExited, output: output() };
+          const code = await npmExited;
+          await npmClosed;
+          return { workspace, code, output: output() };
         } finally {
           try {
             process.kill(-npm.pid!, "SIGKILL");
