@@ -200,8 +200,16 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
   });
 
   it("at the deadline, keeps what a command prints in its kill grace (SIGTERM handled before the SIGKILL)", async () => {
+    // A kill grace far longer than the handler's 1 s, so a loaded host (CI once took 2 s past the
+    // deadline here with the default 2 s grace) cannot SIGKILL it first; it still ends at the handler's exit.
+    const graceful = new BubblewrapSandboxProvider({
+      rootfs: provider.rootfs,
+      stateDir,
+      scope: RUN,
+      defaults: { killGraceS: 15 },
+    });
     const h = await create();
-    const r = await provider.exec(
+    const r = await graceful.exec(
       h,
       ["sh", "-c", "trap 'sleep 1; echo saved; exit 3' TERM; echo working; sleep 1000 & wait"],
       { deadlineMs: 1_000 },

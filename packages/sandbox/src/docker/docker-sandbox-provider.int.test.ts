@@ -581,9 +581,15 @@ describe("DockerSandboxProvider (real Docker)", () => {
 
   it("at the deadline, keeps what a command prints in its kill grace (SIGTERM handled before the SIGKILL)", async () => {
     // The host waits past the in-sandbox deadline by the kill grace: an agent that saves its
-    // work on SIGTERM is graded on it, not on output cut at the deadline.
+    // work on SIGTERM is graded on it, not on output cut at the deadline. A kill grace far longer
+    // than the handler's 1 s, so a loaded host cannot SIGKILL it first (bubblewrap's twin of this
+    // test once missed "saved" in CI with the default 2 s grace); it still ends at the handler's exit.
+    const graceful = new DockerSandboxProvider({
+      docker: { socketPath: "/var/run/docker.sock" },
+      defaults: { killGraceS: 15 },
+    });
     const h = await create();
-    const r = await provider.exec(
+    const r = await graceful.exec(
       h,
       ["sh", "-c", "trap 'sleep 1; echo saved; exit 3' TERM; echo working; sleep 1000 & wait"],
       { deadlineMs: 1_000 },
