@@ -888,8 +888,40 @@ describe("fleet submit", () => {
     await vi.waitFor(() => expect(server.requests.some((r) => r.method === "GET")).toBe(true));
     interrupt.abort();
     expect(await running).toBe(130);
-    expect(stderr.text()).toContain("interrupted; submitted rollouts keep running");
+    // The batch is named (it was printed when submitted), not left as `<batchId>`.
+    expect(stderr.text()).toContain(
+      "interrupted; submitted rollouts keep running on the dispatcher in batch b-1 (`fleet status b-1` shows it, `fleet watch b-1` follows it",
+    );
+    expect(stderr.text()).not.toContain("fleet status <batchId>");
     expect(server.requests.filter((r) => r.path.startsWith("/v1/batches/b-1/cancel"))).toHaveLength(0);
+  });
+});
+
+describe("Ctrl-C in the commands that submit nothing", () => {
+  /** Run `argv` against a dispatcher that never finishes answering `path`; Ctrl-C once it is asked. */
+  async function interrupted(argv: string[], path: string, partial?: string): Promise<number> {
+    server.on("GET", path, (_req, res) => {
+      if (partial !== undefined)
+        res.writeHead(200, { "content-type": "application/x-ndjson" }).write(partial);
+    });
+    const interrupt = new AbortController();
+    const running = runCli(argv, ctx({ signal: interrupt.signal }));
+    await vi.waitFor(() => expect(server.requests.some((r) => r.path === path)).toBe(true));
+    interrupt.abort();
+    return running;
+  }
+
+  it("fleet status says nothing was cancelled and the batch keeps running, not that it submitted rollouts", async () => {
+    expect(await interrupted(["status", "b-7"], "/v1/batches/b-7")).toBe(130);
+    expect(stderr.text()).toContain("interrupted; nothing was cancelled: batch b-7 keeps running");
+    expect(stderr.text()).not.toContain("submitted");
+  });
+
+  it("fleet results says the same", async () => {
+    const line = '{"id":"r1","status":"completed"}\n';
+    expect(await interrupted(["results", "b-8"], "/v1/batches/b-8/results", line)).toBe(130);
+    expect(stderr.text()).toContain("interrupted; nothing was cancelled: batch b-8 keeps running");
+    expect(stderr.text()).not.toContain("submitted");
   });
 });
 

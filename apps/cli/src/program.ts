@@ -101,8 +101,43 @@ function clientFor(opts: ConnectionOptions, ctx: CliContext): FleetClient {
   });
 }
 
-/** The `fleet` command tree. Commands report their exit code through `setExitCode`. */
-export function createProgram(ctx: CliContext, setExitCode: (code: number) => void): Command {
+/**
+ * What to say after "interrupted" when Ctrl-C stops a command: what it leaves behind. `submit`
+ * names the batches it submitted (`batchIds`, as they are admitted); the commands that only read
+ * or follow a batch cancelled nothing.
+ */
+export function interruptedNote(command: string, ids: readonly string[] = []): string {
+  const unique = [...new Set(ids)];
+  const named = unique.join(" ");
+  switch (command) {
+    case "submit":
+      if (unique.length === 0) return "interrupted; no batch was confirmed submitted";
+      return (
+        `interrupted; submitted rollouts keep running on the dispatcher in ${unique.length === 1 ? "batch" : "batches"} ${named} ` +
+        `(\`fleet status ${unique[0]}\` shows ${unique.length === 1 ? "it" : "one"}, \`fleet watch ${named}\` follows ${unique.length === 1 ? "it" : "them"}, ` +
+        `\`fleet cancel <batchId>\` stops one)`
+      );
+    case "watch":
+      return `interrupted; nothing was cancelled: the batches keep running (\`fleet watch ${named}\` follows them again)`;
+    case "status":
+    case "results":
+      return `interrupted; nothing was cancelled: batch ${named} keeps running if it was`;
+    case "cancel":
+      return `interrupted; the cancel of ${named} may or may not have reached the dispatcher (\`fleet cancel ${named}\` again is safe)`;
+    default:
+      return "interrupted";
+  }
+}
+
+/**
+ * The `fleet` command tree. Commands report their exit code through `setExitCode`, and what an
+ * interruption would leave behind through `setInterruptedNote` (see `interruptedNote`).
+ */
+export function createProgram(
+  ctx: CliContext,
+  setExitCode: (code: number) => void,
+  setInterruptedNote: (note: string) => void = () => {},
+): Command {
   const program = new Command("fleet")
     .description("Submit and follow LLM-agent rollouts on a rollout-fleet dispatcher.")
     .version(pkg.version)
@@ -203,7 +238,12 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
       ),
     ctx,
   ).action(async (opts: Parameters<typeof submitCommand>[1] & ConnectionOptions) => {
-    setExitCode(await submitCommand(clientFor(opts, ctx), opts, ctx));
+    setInterruptedNote(interruptedNote("submit"));
+    setExitCode(
+      await submitCommand(clientFor(opts, ctx), opts, ctx, (ids) =>
+        setInterruptedNote(interruptedNote("submit", ids)),
+      ),
+    );
   });
 
   withConnection(
@@ -214,6 +254,7 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
       .option("--json", "print the API's JSON"),
     ctx,
   ).action(async (batchId: string, opts: { json?: boolean } & ConnectionOptions) => {
+    setInterruptedNote(interruptedNote("status", [batchId]));
     setExitCode(await statusCommand(clientFor(opts, ctx), batchId, opts, ctx));
   });
 
@@ -239,6 +280,7 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
       ),
     ctx,
   ).action(async (batchIds: string[], opts: FollowOptions & ConnectionOptions) => {
+    setInterruptedNote(interruptedNote("watch", [...new Set(batchIds)]));
     setExitCode(await watchCommand(clientFor(opts, ctx), batchIds, opts, ctx));
   });
 
@@ -250,6 +292,7 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
       .option("--out <file>", "write to this file instead of stdout"),
     ctx,
   ).action(async (batchId: string, opts: { out?: string } & ConnectionOptions) => {
+    setInterruptedNote(interruptedNote("results", [batchId]));
     setExitCode(await resultsCommand(clientFor(opts, ctx), batchId, opts, ctx));
   });
 
@@ -260,6 +303,7 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
       .argument("<id>", "rollout id or batch id (tried in that order)"),
     ctx,
   ).action(async (id: string, opts: ConnectionOptions) => {
+    setInterruptedNote(interruptedNote("cancel", [id]));
     setExitCode(await cancelCommand(clientFor(opts, ctx), id, ctx));
   });
 
@@ -285,24 +329,31 @@ export function commandName(argv: readonly string[]): string | undefined {
 /** Run `fleet` with `argv` (without the node and script paths); resolves to the exit code. */
 export async function runCli(argv: readonly string[], ctx: CliContext): Promise<number> {
   let exitCode: number = EXIT.ok;
-  const program = createProgram(ctx, (code) => {
-    exitCode = code;
-  });
+  let interrupted = interruptedNote("");
+  const program = createProgram(
+    ctx,
+    (code) => {
+      exitCode = code;
+    },
+    (note) => {
+      interrupted = note;
+    },
+  );
   try {
     await program.parseAsync([...argv], { from: "user" });
     return exitCode;
   } catch (err) {
-    return reportError(err, ctx);
+    return reportError(err, ctx, interrupted);
   }
 }
 
-function reportError(err: unknown, ctx: CliContext): number {
+function reportError(err: unknown, ctx: CliContext, interrupted: string): number {
   if (err instanceof CommanderError) {
     // Commander already printed the help, version or usage error.
     return err.code === "commander.helpDisplayed" || err.code === "commander.version" ? EXIT.ok : EXIT.usage;
   }
   if (ctx.signal.aborted) {
-    ctx.stderr.write("interrupted; submitted rollouts keep running (see `fleet status <batchId>`)\n");
+    ctx.stderr.write(`${interrupted}\n`);
     return EXIT.interrupted;
   }
   if (err instanceof UsageError) {

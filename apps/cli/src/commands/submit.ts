@@ -35,6 +35,8 @@ export async function submitCommand(
   client: FleetClient,
   opts: SubmitOptions,
   ctx: CliContext,
+  /** Told the ids of the batches admitted so far, after each one (what Ctrl-C would leave running). */
+  onSubmitted: (batchIds: readonly string[]) => void = () => {},
 ): Promise<number> {
   if (opts.out !== undefined && !opts.wait)
     throw new UsageError("--out needs --wait (or use `fleet results`)");
@@ -48,7 +50,7 @@ export async function submitCommand(
   // not after hours of waiting.
   const file = await openOut(opts.out);
   try {
-    return await submitAndFollow(client, opts, ctx, file);
+    return await submitAndFollow(client, opts, ctx, file, onSubmitted);
   } finally {
     await file?.discard();
   }
@@ -59,6 +61,7 @@ async function submitAndFollow(
   opts: SubmitOptions,
   ctx: CliContext,
   file: ResultsFile | null,
+  onSubmitted: (batchIds: readonly string[]) => void,
 ): Promise<number> {
   const agent = await resolveAgent(opts.agent, ctx.readFile);
   let tasks: TaskContent[];
@@ -108,6 +111,7 @@ async function submitAndFollow(
   const posting: PostingState = { key: "", backlogSplit: false };
   const onAccepted = async (batch: BatchAccepted) => {
     batchIds.push(batch.batchId);
+    onSubmitted([...batchIds]);
     accepted += batch.count;
     if (!batch.created) {
       replayed.rollouts += batch.count;
