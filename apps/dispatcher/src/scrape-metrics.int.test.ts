@@ -73,7 +73,86 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
       expect(await age()).toBeLessThan(60);
     } finally {
       await worker.close();
+      await queue.obliterate({ force: true });
     }
+  });
+
+  describe("a retried job", () => {
+    const HOUR = 3_600_000;
+    const prefix = `{t-scrape-retry-${randomUUID().slice(0, 8)}}`;
+    const queue = new Queue("run", { connection: redis, prefix });
+    const worker = new Worker("run", null, { connection: redis.duplicate(), prefix, autorun: false });
+    afterAll(async () => {
+      await worker.close();
+      await queue.obliterate({ force: true });
+      await queue.close();
+    });
+    const age = async (now = Date.now()) => {
+      const metrics = createFleetMetrics(
+        createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }),
+      );
+      await refreshScrapeMetrics({
+        redis,
+        queues: [queue],
+        store: { inflightCount: async () => 0 },
+        metrics,
+        now,
+        timeoutMs: 5_000,
+      });
+      return (await metrics.queueOldestWaitingAge.get()).values.find((v) => v.labels.queue === "run")!.value;
+    };
+
+    /** `r.run`, added three hours ago, taken, run for two hours and failed: an hour's backoff. */
+    const failedAfterTwoHours = async () => {
+      await queue.obliterate({ force: true });
+      await queue.add(
+        "run",
+        { rolloutId: "r" },
+        {
+          jobId: "r.run",
+          attempts: 3,
+          backoff: { type: "fixed", delay: HOUR },
+          timestamp: Date.now() - 3 * HOUR,
+        },
+      );
+      const token = randomUUID();
+      const job = (await worker.getNextJob(token))!;
+      expect(job.id).toBe("r.run");
+      await redis.hset(`${prefix}:run:r.run`, "processedOn", String(Date.now() - 2 * HOUR));
+      await job.moveToFailed(new Error("sandbox lost"), token);
+      expect(await job.getState()).toBe("delayed");
+      return job;
+    };
+
+    it("back on the wait list after its backoff: waiting since then, not since its attempt started", async () => {
+      const job = await failedAfterTwoHours();
+      // Waiting out its backoff: not ready, so not waiting for a worker.
+      expect(await age()).toBe(0);
+      // Moved to the wait list (as a worker looking for a job does once the backoff is over).
+      await job.promote();
+      expect(await job.getState()).toBe("waiting");
+      expect(await age()).toBeLessThan(60);
+    });
+
+    it("past its backoff but not yet moved to the wait list (no free worker): waiting since its backoff ended", async () => {
+      await failedAfterTwoHours();
+      const now = Date.now() + HOUR + 600_000;
+      expect(await age(now)).toBeGreaterThanOrEqual(600);
+      expect(await age(now)).toBeLessThan(660);
+    });
+
+    it("is not hidden behind a handed-back job put in front of the jobs that waited longer", async () => {
+      await queue.obliterate({ force: true });
+      await queue.add("run", { rolloutId: "a" }, { jobId: "a.run", timestamp: Date.now() - 2 * HOUR });
+      await queue.add("run", { rolloutId: "b" }, { jobId: "b.run", timestamp: Date.now() - HOUR });
+      const token = randomUUID();
+      const a = (await worker.getNextJob(token))!;
+      expect(a.id).toBe("a.run");
+      // Handed back (a shutdown): in front of b, which has waited an hour.
+      await a.moveToWait(token);
+      expect((await queue.getJobs(["waiting"], 0, 0, true))[0]?.id).toBe("a.run");
+      expect(await age()).toBeGreaterThanOrEqual(3_600);
+    });
   });
 });
 

@@ -16,7 +16,8 @@ export const QUEUE_STATES = [
 ] as const;
 
 export interface ScrapeSources {
-  redis: Pick<Redis, "ping">;
+  /** The queues' Redis: pinged, and read for the delayed jobs' due times and the queues' events. */
+  redis: Pick<Redis, "ping" | "zrangebyscore" | "xrevrange">;
   /** The stage queues and the janitor's, by the name used as the `queue` label. */
   queues: readonly Queue[];
   store: Pick<RolloutStore, "inflightCount">;
@@ -66,7 +67,7 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
   try {
     const [perQueue, inflight, ledgerSize, ledgerSince] = await withTimeout(
       Promise.all([
-        Promise.all(src.queues.map((q) => sampleQueue(q, src.now))),
+        Promise.all(src.queues.map((q) => sampleQueue(q, src.redis, src.now))),
         src.store.inflightCount(),
         src.ledger ? src.ledger.size() : Promise.resolve(null),
         src.ledger ? src.ledger.oldestSince() : Promise.resolve(null),
@@ -94,11 +95,27 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
 /** The one entry BullMQ's `getWorkers` returns when Redis has no CLIENT command (renamed away). */
 const NO_CLIENT_LIST = "GCP does not support client list";
 
-async function sampleQueue(queue: Queue, now: number) {
-  const [counts, [oldest], workers] = await Promise.all([
+/**
+ * How many jobs at the head of the wait list are looked at: a job handed back (a shutdown, a seed
+ * waiting for room) or found stalled goes back in front of the jobs already waiting, so the head
+ * alone may be the youngest of them.
+ */
+export const WAIT_HEAD_SAMPLE = 100;
+/** How many of the queue's newest events are read to find when a job last came back to the wait list. */
+export const WAITING_EVENTS_SCAN = 2_000;
+
+/** The millisecond time of a stream entry id (`<ms>-<seq>`). */
+const entryTime = (id: string) => Number(id.slice(0, id.indexOf("-")));
+
+async function sampleQueue(queue: Queue, client: ScrapeSources["redis"], now: number) {
+  const [counts, head, [, dueScore], workers] = await Promise.all([
     queue.getJobCounts(...QUEUE_STATES),
-    // Oldest first: the head of the wait list.
-    queue.getJobs(["waiting"], 0, 0, true),
+    // Next to be taken first: the right end of the wait list.
+    queue.getJobs(["waiting"], 0, WAIT_HEAD_SAMPLE - 1, true),
+    // A delayed job (a retry's backoff, a hold) whose time has come but that no worker has moved
+    // to the wait list yet (BullMQ's workers move them when they look for a job): ready since
+    // its due time, which its score holds (the time in ms, times 0x1000, plus a counter).
+    client.zrangebyscore(queue.toKey("delayed"), 0, now * 0x1000 + 0xfff, "WITHSCORES", "LIMIT", 0, 1),
     // CLIENT LIST, which some managed Redis services refuse: then this one gauge is left out.
     // BullMQ answers a Redis without the CLIENT command with one made-up entry, not an error.
     queue.getWorkers().then(
@@ -106,9 +123,42 @@ async function sampleQueue(queue: Queue, now: number) {
       () => null,
     ),
   ]);
-  // Waiting since it was added, or since a worker last took it: a job held, retried or handed
-  // back (a provider outage, a seed waiting for room) was not waiting all its life.
-  const since = oldest?.timestamp ? Math.max(oldest.timestamp, oldest.processedOn ?? 0) : null;
-  const oldestAgeS = ageSeconds(since, now);
+  const readySince: number[] = [];
+  if (dueScore !== undefined) readySince.push(Math.floor(Number(dueScore) / 0x1000));
+  // Waiting since it came to the wait list: a job never taken and never delayed, since it was
+  // added; any other (taken and retried after its backoff, handed back, held, stalled, added with
+  // a delay), since its last `waiting` event: neither its attempts' run time nor its backoff is
+  // time spent waiting for a worker.
+  const jobs = head.filter((job) => job?.timestamp > 0);
+  const returned = jobs.filter((job) => job.processedOn || job.opts.delay);
+  const lastWaiting = new Map<string, number>();
+  let scannedSince: number | null = null;
+  if (returned.length > 0) {
+    // Newest first: the first `waiting` event of a job is its last.
+    const entries = await client.xrevrange(queue.toKey("events"), "+", "-", "COUNT", WAITING_EVENTS_SCAN);
+    for (const [id, fields] of entries) {
+      const event = new Map<string, string>();
+      for (let i = 0; i + 1 < fields.length; i += 2) event.set(fields[i]!, fields[i + 1]!);
+      const jobId = event.get("event") === "waiting" ? event.get("jobId") : undefined;
+      if (jobId !== undefined && !lastWaiting.has(jobId)) lastWaiting.set(jobId, entryTime(id));
+    }
+    const oldest = entries.at(-1);
+    if (oldest !== undefined) scannedSince = entryTime(oldest[0]);
+  }
+  for (const job of jobs) {
+    if (!(job.processedOn || job.opts.delay)) {
+      readySince.push(job.timestamp);
+      continue;
+    }
+    // Its `waiting` event is older than the events read (or trimmed away): waiting since before
+    // the oldest of them, and at least since a worker last took it.
+    const since =
+      lastWaiting.get(job.id ?? "") ??
+      scannedSince ??
+      job.processedOn ??
+      job.timestamp + (job.opts.delay ?? 0);
+    readySince.push(Math.max(since, job.processedOn ?? 0));
+  }
+  const oldestAgeS = readySince.length === 0 ? 0 : ageSeconds(Math.min(...readySince), now);
   return { name: queue.name, counts, oldestAgeS, workers };
 }

@@ -150,7 +150,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     queueOldestWaitingAge: new Gauge({
       name: "fleet_queue_oldest_waiting_age_seconds",
-      help: "How long the oldest waiting job in each queue has waited, since it was added or since a worker last took it (0 when none waits).",
+      help: "How long the job in each queue that has waited longest for a worker has waited: since it became ready to run (added, back on the wait list after a retry's backoff, a hold or a hand-back, or a delay past its due time), not counting its earlier attempts nor its backoff (0 when none waits).",
       labelNames: ["queue"],
       registers,
     }),
