@@ -644,6 +644,27 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(hostProcessesOfRun()).toEqual([]);
   });
 
+  it("destroy removes a workspace tree deeper than PATH_MAX (an agent's mkdir-and-cd loop), confirmed", async () => {
+    const h = await create();
+    // 2 × 1,100 levels of `d/`, each made from the one before by a relative path: the host path
+    // of the innermost is over PATH_MAX (4096), which a removal walking by full paths cannot
+    // name (ENAMETOOLONG).
+    const deep = await provider.exec(
+      h,
+      [
+        "bash",
+        "-c",
+        'p=$(printf "d/%.0s" {1..1100}); for i in 1 2; do mkdir -p "$p" && cd "$p" || exit 1; done; echo deep',
+      ],
+      { deadlineMs: 60_000 },
+    );
+    expect(deep.stdout).toBe("deep\n");
+    live.pop();
+    expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
+    expect((await provider.list()).map((s) => s.handle.name)).not.toContain(h.name);
+    expect(readdirSync(stateDir).filter((n) => n.startsWith(h.name))).toEqual([]);
+  });
+
   it("a command runs in the sandbox's own IPC, UTS and cgroup namespaces, never the host's", async () => {
     const h = await create();
     const r = await provider.exec(

@@ -1,4 +1,4 @@
-import { spawn } from "node:child_process";
+import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import {
   closeSync,
@@ -23,6 +23,7 @@ import {
 } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
 import { dirname, join, resolve } from "node:path";
+import { promisify } from "node:util";
 import {
   beforeStart,
   type CleanupReceipt,
@@ -743,7 +744,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     }
     // Its directory is its own (named by its id; a sandbox made before that, by its name alone);
     // the state file only while it is still its own: a newer create may have taken the name.
-    await rm(dirname(state.workspaceDir), { recursive: true, force: true });
+    await removeTree(dirname(state.workspaceDir));
     await this.removeStateIfOwn(state);
   }
 
@@ -792,7 +793,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         entry === name ||
         (entry.startsWith(`${name}-`) && /^[0-9a-f]{8}$/.test(entry.slice(name.length + 1)))
       ) {
-        await rm(join(this.stateDir, entry), { recursive: true, force: true });
+        await removeTree(join(this.stateDir, entry));
       }
     }
   }
@@ -1033,6 +1034,22 @@ function parentOf(pid: number): number | null {
 /** The process `pid` started at `start` still runs (an unknown start never matches: a pid is reused). */
 function sameProcess(pid: number, start: string): boolean {
   return pid > 0 && start !== "" && startTime(pid) === start;
+}
+
+/**
+ * Remove a sandbox's directory tree (`rm -rf`). Node's `rm` walks it by full paths, so a tree the
+ * agent made deeper than PATH_MAX in its workspace (`mkdir d; cd d` in a loop) is ENAMETOOLONG
+ * there, every time: the sandbox could never be reported torn down. coreutils `rm` walks by
+ * directory descriptors, at any depth; it runs with `HOST_HELPER_ENV` (and the sandbox's
+ * processes are dead by now: nothing moves the tree under it).
+ */
+async function removeTree(path: string): Promise<void> {
+  try {
+    await rm(path, { recursive: true, force: true });
+  } catch (err) {
+    if ((err as NodeJS.ErrnoException).code !== "ENAMETOOLONG") throw err;
+    await promisify(execFile)("rm", ["-rf", "--one-file-system", "--", path], { env: HOST_HELPER_ENV });
+  }
 }
 
 function killQuietly(pid: number): void {
