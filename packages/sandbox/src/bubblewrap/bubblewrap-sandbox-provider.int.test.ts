@@ -1,7 +1,7 @@
 import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import { existsSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
-import { mkdtemp, readFile, rm, writeFile } from "node:fs/promises";
+import { mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -573,6 +573,24 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       expect(await provider.hostProblem()).toBeNull();
     } finally {
       await rm(empty, { recursive: true, force: true });
+    }
+  });
+
+  it("a rootfs that is the host's own root by another name (a symlink to /) is refused like / itself", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-bwrap-hostroot-"));
+    try {
+      const link = join(dir, "rootfs");
+      await symlink("/", link);
+      const hostRoot = new BubblewrapSandboxProvider({ rootfs: link, stateDir, scope: RUN });
+      expect(await hostRoot.hostProblem()).toBe(
+        `FLEET_BWRAP_ROOTFS is / (the host's own root), not a rootfs: ${link} leads there`,
+      );
+      expect(await fleetError(hostRoot.list())).toMatchObject({
+        kind: "provider_unavailable",
+        retryable: true,
+      });
+    } finally {
+      await rm(dir, { recursive: true, force: true });
     }
   });
 

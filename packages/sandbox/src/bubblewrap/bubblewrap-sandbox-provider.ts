@@ -19,6 +19,7 @@ import {
   readFile,
   rename,
   rm,
+  stat,
   writeFile,
 } from "node:fs/promises";
 import { hostname, constants as osConstants } from "node:os";
@@ -813,7 +814,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       if (!(await onPath(file)))
         return `${what} (${file}) is not installed: no executable on ${SANDBOX_PATH_ENV}`;
     }
-    if (resolve(this.rootfs) === "/") return "FLEET_BWRAP_ROOTFS is / (the host's own root), not a rootfs";
+    // By what it is, not its name: a symlink to / (or a bind mount of it) is the host's root too,
+    // which would hand every sandbox the host's files (its secrets, other sandboxes' workspaces).
+    if (resolve(this.rootfs) === "/" || (await sameDirectory(this.rootfs, "/"))) {
+      return `FLEET_BWRAP_ROOTFS is / (the host's own root), not a rootfs${resolve(this.rootfs) === "/" ? "" : `: ${this.rootfs} leads there`}`;
+    }
     for (const tool of ROOTFS_NEEDS) {
       try {
         // There, not followed: a link in the rootfs may be absolute (busybox's `/bin/busybox`),
@@ -1034,6 +1039,16 @@ function parentOf(pid: number): number | null {
 /** The process `pid` started at `start` still runs (an unknown start never matches: a pid is reused). */
 function sameProcess(pid: number, start: string): boolean {
   return pid > 0 && start !== "" && startTime(pid) === start;
+}
+
+/** Whether two paths (links followed) are the same directory; false when either cannot be read. */
+async function sameDirectory(a: string, b: string): Promise<boolean> {
+  try {
+    const [sa, sb] = await Promise.all([stat(a), stat(b)]);
+    return sa.isDirectory() && sa.dev === sb.dev && sa.ino === sb.ino;
+  } catch {
+    return false;
+  }
 }
 
 /**
