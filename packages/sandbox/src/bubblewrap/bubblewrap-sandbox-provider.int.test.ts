@@ -576,6 +576,27 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     }
   });
 
+  it("a create on a rootfs that is not there, or is no rootfs, says why in bwrap's words (its log goes with the failed start)", async () => {
+    const empty = await mkdtemp(join(tmpdir(), "fleet-bwrap-empty-"));
+    try {
+      const missing = join(empty, "missing");
+      const noRootfs = new BubblewrapSandboxProvider({ rootfs: missing, stateDir, scope: RUN });
+      expect(await fleetError(noRootfs.create(spec()))).toMatchObject({
+        kind: "provider_unavailable",
+        retryable: true,
+        message: expect.stringMatching(new RegExp(`exited before its keepalive started: .*${missing}`)),
+      });
+      // An empty directory: no mount point for /proc in a read-only root.
+      const notRootfs = new BubblewrapSandboxProvider({ rootfs: empty, stateDir, scope: RUN });
+      expect(await fleetError(notRootfs.create(spec()))).toMatchObject({
+        kind: "provider_unavailable",
+        message: expect.stringMatching(/exited before its keepalive started: bwrap: .*\/proc/),
+      });
+    } finally {
+      await rm(empty, { recursive: true, force: true });
+    }
+  });
+
   it("a rootfs that is the host's own root by another name (a symlink to /) is refused like / itself", async () => {
     const dir = await mkdtemp(join(tmpdir(), "fleet-bwrap-hostroot-"));
     try {

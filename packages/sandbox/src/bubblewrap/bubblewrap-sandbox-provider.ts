@@ -330,7 +330,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         stillOurs(this.readStateSync(name));
         this.writeStateSync(state);
       });
-      await this.waitUntilReady(name, initPid);
+      await this.waitUntilReady(name, initPid, join(dir, "bwrap.log"));
       await moveIntoCgroups(cgroups, [bwrapPid, initPid, ...childrenOf(initPid)]);
       const initStart = startTime(initPid);
       if (initStart === null) {
@@ -433,14 +433,21 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
    * bwrap reports its child's pid before that child has built the sandbox's mounts; the sandbox is
    * ready (and safe to `nsenter`) once the keepalive `sleep` has been exec'd.
    */
-  private async waitUntilReady(name: string, initPid: number): Promise<void> {
+  private async waitUntilReady(name: string, initPid: number, logPath: string): Promise<void> {
     const until = performance.now() + this.defaults.startTimeoutMs;
     for (let attempt = 0; ; attempt++) {
       if ([initPid, ...childrenOf(initPid)].some((pid) => commOf(pid) === "sleep")) return;
-      if (startTime(initPid) === null || performance.now() >= until) {
+      const died = startTime(initPid) === null;
+      if (died || performance.now() >= until) {
+        // Why is in bwrap's log (a rootfs that is not there, a mount that failed, no `setpriv` in
+        // it), which goes with the sandbox's directory when the failed start is cleaned up.
+        let log = "";
+        try {
+          log = readFileSync(logPath, "utf8").slice(-2000).trim();
+        } catch {}
         throw FleetError.retryable(
           "provider_unavailable",
-          `sandbox ${name} did not start its keepalive in time`,
+          `sandbox ${name} ${died ? "exited before its keepalive started" : "did not start its keepalive in time"}${log ? `: ${log}` : ""}`,
         );
       }
       await delay(Math.min(2 * 2 ** attempt, 50));
