@@ -854,6 +854,48 @@ describe("POST /v1/batches", () => {
     expect((await pipe.exec())!.filter(([, v]) => v === 1)).toHaveLength(rows);
   });
 
+  it("checks and hashes a token's keyed batch handing the event loop on: /healthz, asked once the key's batch is looked up, is answered before the key's unscoped batch is", async () => {
+    let app: FastifyInstance | null = null;
+    let healthz: Promise<LightMyRequestResponse> | null = null;
+    let healthzDone = false;
+    let answeredFirst: boolean | null = null;
+    let lookups = 0;
+    const h = await makeHarness({}, undefined, undefined, {
+      patchStore: (store) => {
+        const getBatch = store.getBatch.bind(store);
+        store.getBatch = async (...args) => {
+          // The first: what the key (scoped to the token) has admitted; the second: whether the
+          // bare key, from before keys were scoped, names this very body. Between them every row
+          // is checked and serialised, and the body hashed.
+          if (++lookups === 2) answeredFirst = healthzDone;
+          const found = await getBatch(...args);
+          if (lookups === 1) {
+            healthz = app!.inject({ method: "GET", url: "/healthz" }).finally(() => {
+              healthzDone = true;
+            });
+          }
+          return found;
+        };
+      },
+    });
+    app = h.app;
+    const digest = digestTask(TaskContent.parse(task));
+    const lines = [JSON.stringify(row)];
+    for (let i = 1; i < 8_000; i++)
+      lines.push(JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } }));
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: lines.join("\n"),
+      headers: { "content-type": "application/x-ndjson", "idempotency-key": randomUUID() },
+    });
+    expect(res.statusCode, res.body.slice(0, 500)).toBe(202);
+    expect(res.json().count).toBe(8_000);
+    expect(healthz).not.toBeNull();
+    expect((await healthz!).statusCode).toBe(200);
+    expect(answeredFirst, "/healthz answered while the rows were checked and hashed").toBe(true);
+  });
+
   it("holds a batch's backlog room for as long as its admission goes on, past the reservation's TTL (by Redis's clock)", async () => {
     const ttlMs = 1000;
     let recording!: () => void;

@@ -3,6 +3,7 @@ import {
   canonicalJson,
   RolloutRequest,
   type RolloutRequestInput,
+  sha256Hex,
   TaskContent,
 } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
@@ -14,6 +15,7 @@ import {
   MAX_METADATA_BYTES,
   MAX_REQUEST_DEPTH,
   prepareRollouts,
+  serializeRequests,
 } from "./admission.ts";
 import type { RolloutStore } from "./rollout-store.ts";
 
@@ -125,6 +127,28 @@ describe("admission's bounds", () => {
     expect(() => checkRequestShapes([deepest])).not.toThrow();
     const deeper = withMetadata(nested(MAX_REQUEST_DEPTH));
     expect(() => checkRequestShapes([deeper])).toThrow(/nested more than 64 levels deep/);
+  });
+
+  it("hashes a submission row by row to what hashing its rows joined gives (the body hash replays are matched by)", async () => {
+    const requests = [
+      RolloutRequest.parse({ task: noSolution, agent: command }),
+      RolloutRequest.parse({
+        task: { digest: "a".repeat(64) },
+        agent: command,
+        metadata: { s: "é😀\u2028" },
+      }),
+      RolloutRequest.parse({
+        task: noSolution,
+        agent: command,
+        deadlineS: 3600,
+        metadata: { n: [1, 2.5, null] },
+      }),
+    ];
+    for (const rows of [requests.slice(0, 1), requests]) {
+      const { canonical, bodyHash } = await serializeRequests(rows);
+      expect(canonical).toEqual(rows.map((r) => canonicalJson(r)));
+      expect(bodyHash).toBe(sha256Hex(`[${canonical.join(",")}]`));
+    }
   });
 
   it("refuses an agent in its own sandbox on a task its tests grade in the task sandbox (they could not see its work)", async () => {

@@ -1,4 +1,4 @@
-import { randomUUID } from "node:crypto";
+import { createHash, randomUUID } from "node:crypto";
 import {
   ADMISSION_ALLOWANCE_MS,
   agentName,
@@ -140,6 +140,29 @@ function eventLoopPacer(sliceMs = ADMISSION_SLICE_MS): () => Promise<void> {
     await new Promise<void>((resolve) => setImmediate(resolve));
     since = performance.now();
   };
+}
+
+/**
+ * Each request checked (`checkRequestShapes`) and serialised once, and the submission's body hash
+ * (sha256 of the array of them: `[c0,c1,...]`) taken row by row, the event loop handed on every
+ * `ADMISSION_SLICE_MS`. Joined and hashed whole after the rows, 40,000 of them (8.5 MiB) held the
+ * loop for 0.23-0.38 s.
+ */
+export async function serializeRequests(
+  requests: readonly RolloutRequest[],
+): Promise<{ canonical: string[]; bodyHash: string }> {
+  const pace = eventLoopPacer();
+  const canonical: string[] = [];
+  const hash = createHash("sha256").update("[");
+  for (const [i, req] of requests.entries()) {
+    await pace();
+    checkRequestShape(req, i);
+    const json = canonicalJson(req);
+    canonical.push(json);
+    if (i > 0) hash.update(",");
+    hash.update(json, "utf8");
+  }
+  return { canonical, bodyHash: hash.update("]").digest("hex") };
 }
 
 /** Digest of a task: sha256 of its canonical JSON. Pass a parsed `TaskContent` (defaults applied): raw input digests differently. */
@@ -297,20 +320,11 @@ export async function admit(
   input: { requests: readonly RolloutRequest[]; batch: boolean; idempotencyKey?: string | null },
   options: AdmissionOptions,
 ): Promise<Admitted> {
-  // Each request is checked and serialised once (the batch's canonical JSON is the array of
-  // them), the event loop handed on between rows.
-  const pace = eventLoopPacer();
-  const canonical: string[] = [];
-  for (const [i, req] of input.requests.entries()) {
-    await pace();
-    checkRequestShape(req, i);
-    canonical.push(canonicalJson(req));
-  }
+  const { canonical, bodyHash } = await serializeRequests(input.requests);
   const now = options.now ?? Date.now();
   const key = input.idempotencyKey ?? null;
   const ids = rolloutIds(input.requests.length, key, input.batch ? "batch" : "rollout");
   const batchId = input.batch ? batchIdFor(ids) : null;
-  const bodyHash = sha256(`[${canonical.join(",")}]`);
 
   // One key names one request: the same key on the other route is another body (409), not a
   // second admission under it. Checked first here (no work for a request that is refused), and
