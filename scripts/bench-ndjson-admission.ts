@@ -3,12 +3,13 @@
  * (in this process, its own key prefix on REDIS_URL) is sent `--rows` small valid rollouts
  * (`POST /v1/batches`, application/x-ndjson; the first row's task inline, the rest by digest,
  * or every one inline with `--inline`; with `--auth` as the fleet CLI sends it, with a token and
- * an Idempotency-Key), while a 10 ms timer measures how late it fires (the
+ * an Idempotency-Key; with `--json` as one JSON body, `{ "rollouts": [...] }`, which
+ * FLEET_MAX_JSON_BATCH_BYTES bounds: about 15,000 such rows), while a 10 ms timer measures how late it fires (the
  * event loop's longest stall) and another process asks `/healthz` every 20 ms. Prints the
  * batch's status and time, the longest stalls (with when they began, from the POST) and the
  * slowest /healthz answer; deletes its keys.
  *
- *   node --import tsx scripts/bench-ndjson-admission.ts [--rows 40000] [--inline] [--auth]
+ *   node --import tsx scripts/bench-ndjson-admission.ts [--rows 40000] [--inline] [--auth] [--json]
  *   node --cpu-prof --cpu-prof-dir=/tmp/prof --import tsx scripts/bench-ndjson-admission.ts
  *
  * Needs Redis at REDIS_URL (default redis://127.0.0.1:6379).
@@ -30,6 +31,7 @@ const { values } = parseArgs({
     rows: { type: "string", default: "40000" },
     inline: { type: "boolean", default: false },
     auth: { type: "boolean", default: false },
+    json: { type: "boolean", default: false },
   },
 });
 const ROWS = positiveInt(values.rows, "--rows");
@@ -49,7 +51,8 @@ for (let i = 0; i < ROWS; i++) {
   const ref = i === 0 || values.inline ? task : { digest };
   lines.push(JSON.stringify({ task: ref, agent, metadata: { i } }));
 }
-const body = Buffer.from(`${lines.join("\n")}\n`);
+const CONTENT_TYPE = values.json ? "application/json" : "application/x-ndjson";
+const body = Buffer.from(values.json ? `{"rollouts":[${lines.join(",")}]}` : `${lines.join("\n")}\n`);
 
 const redis = createRedis(process.env.REDIS_URL ?? "redis://127.0.0.1:6379");
 const prefix = `{bench-ndj-${randomUUID().slice(0, 8)}}`;
@@ -82,7 +85,7 @@ function call(method: string, path: string, payload?: Buffer): Promise<{ status:
         method,
         path,
         headers: {
-          ...(payload ? { "content-type": "application/x-ndjson", "content-length": payload.length } : {}),
+          ...(payload ? { "content-type": CONTENT_TYPE, "content-length": payload.length } : {}),
           // As the fleet CLI sends a batch: a token, and a key of its own.
           ...(payload && values.auth
             ? { authorization: `Bearer ${TOKEN}`, "idempotency-key": randomUUID() }
@@ -104,7 +107,11 @@ function call(method: string, path: string, payload?: Buffer): Promise<{ status:
 }
 
 // Warm up (JIT, connections, scripts loaded) with a small batch.
-await call("POST", "/v1/batches", Buffer.from(`${lines.slice(0, 50).join("\n")}\n`));
+await call(
+  "POST",
+  "/v1/batches",
+  Buffer.from(values.json ? `[${lines.slice(0, 50).join(",")}]` : `${lines.slice(0, 50).join("\n")}\n`),
+);
 
 const started = performance.now();
 const stalls: { at: number; ms: number }[] = [];
@@ -123,6 +130,7 @@ const prober = spawn(
     "-e",
     `const http = require("node:http"); let slowest = 0, answered = 0, stop = false;
 process.on("SIGTERM", () => { stop = true; });
+process.stderr.write("ready");
 (async () => {
   while (!stop) {
     const t = performance.now();
@@ -134,8 +142,11 @@ process.on("SIGTERM", () => { stop = true; });
   process.stdout.write(JSON.stringify({ slowest, answered }));
 })();`,
   ],
-  { stdio: ["ignore", "pipe", "inherit"] },
+  { stdio: ["ignore", "pipe", "pipe"] },
 );
+// Started (its SIGTERM handler set) before the batch is sent.
+await new Promise((resolve) => prober.stderr.once("data", resolve));
+prober.stderr.on("data", (c: Buffer) => process.stderr.write(c));
 let probed = "";
 prober.stdout.on("data", (c: Buffer) => {
   probed += c;
@@ -153,6 +164,7 @@ console.log(
   JSON.stringify({
     rows: ROWS,
     inline: values.inline,
+    json: values.json,
     bodyMiB: +(body.length / 2 ** 20).toFixed(1),
     status: res.status,
     count: answer.count ?? res.text.slice(0, 300),

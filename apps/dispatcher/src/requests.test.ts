@@ -13,6 +13,7 @@ import {
   parseBatchNdjson,
   parseIdempotencyKey,
   parseRolloutBody,
+  readBatchJson,
   textHasTooManyValues,
 } from "./requests.ts";
 
@@ -220,6 +221,32 @@ describe("parseBatchJson", () => {
     expect(details.issues).toHaveLength(20);
     expect(details.total).toBe(50);
     expect(details.issues[3]!.path).toBe("rollouts[3].deadlineS");
+  });
+
+  it("reads a body as readBatchJson does, handing the event loop on between rows: the same batch, the same 422", async () => {
+    const bad = { ...row, deadlineS: -1 };
+    const bodies = [
+      { rollouts: [row, row] },
+      [row],
+      { rollouts: [row, bad, row, bad] },
+      { rollouts: [] },
+      undefined,
+    ];
+    const outcome = (value: unknown) =>
+      value instanceof HttpError
+        ? { status: value.status, message: value.message, details: value.details }
+        : { batch: value };
+    for (const body of bodies) {
+      let sync: unknown;
+      try {
+        sync = parseBatchJson(body);
+      } catch (err) {
+        sync = err;
+      }
+      // A slice of 0: the loop is handed on before every row.
+      const paced = await readBatchJson(body, 0).catch((err: unknown) => err);
+      expect(outcome(paced)).toEqual(outcome(sync));
+    }
   });
 
   it("refuses an empty batch", () => {

@@ -259,35 +259,79 @@ export function parseRolloutBody(body: unknown): RolloutRequest {
   return parsed.data;
 }
 
-/** `POST /v1/batches` with `application/json`. */
+/**
+ * `POST /v1/batches` with `application/json`, checked whole. (The server reads one with
+ * `readBatchJson`, which checks the same rows the same way, handing the event loop on.)
+ */
 export function parseBatchJson(body: unknown): ParsedBatch {
-  if (body === undefined) {
-    throw new HttpError(400, "malformed", 'expected a JSON body { "rollouts": [...] } or NDJSON');
+  const batch = new JsonBatchChecker(body);
+  for (let i = 0; i < batch.rows.length; i++) batch.row(i);
+  return batch.finish();
+}
+
+/**
+ * `parseBatchJson`, handing the event loop on every `sliceMs` between rows: checked in one go, the
+ * rows of a JSON batch at its 2 MiB bound (15,000 small ones) held it for 0.37-0.5 s, far longer
+ * than its `JSON.parse`.
+ */
+export async function readBatchJson(body: unknown, sliceMs = NDJSON_SLICE_MS): Promise<ParsedBatch> {
+  const batch = new JsonBatchChecker(body);
+  let sliceStart = performance.now();
+  for (let i = 0; i < batch.rows.length; i++) {
+    if (performance.now() - sliceStart >= sliceMs) {
+      await new Promise<void>((resolve) => setImmediate(resolve));
+      sliceStart = performance.now();
+    }
+    batch.row(i);
   }
-  // Pick the shape the client meant, so errors name `rollouts[3].task` rather than both shapes.
-  const envelope = Array.isArray(body) ? BatchEnvelope[1] : BatchEnvelope[0];
-  const parsed = envelope.safeParse(body);
-  if (!parsed.success) throw invalid("batch", describeIssues(parsed.error.issues));
-  const rows = Array.isArray(parsed.data) ? parsed.data : parsed.data.rollouts;
-  const prefix: PropertyKey[] = Array.isArray(parsed.data) ? [] : ["rollouts"];
-  const requests: RolloutRequest[] = [];
-  const issues: Issue[] = [];
-  let total = 0;
-  let badRows = 0;
-  for (let i = 0; i < rows.length; i++) {
-    const row = parseRequest(rows[i], [...prefix, i]);
+  return batch.finish();
+}
+
+/**
+ * A JSON batch body's envelope checked when it is made (`BatchEnvelope`), then its rows one by
+ * one (`row`), up to `MAX_BAD_ROWS` bad rows or `MAX_CHECKED_ISSUES` problems; `finish` gives the
+ * batch or throws its 422.
+ */
+class JsonBatchChecker {
+  readonly rows: unknown[];
+  private readonly prefix: PropertyKey[];
+  private readonly requests: RolloutRequest[] = [];
+  private readonly issues: Issue[] = [];
+  private total = 0;
+  private badRows = 0;
+
+  constructor(body: unknown) {
+    if (body === undefined) {
+      throw new HttpError(400, "malformed", 'expected a JSON body { "rollouts": [...] } or NDJSON');
+    }
+    // Pick the shape the client meant, so errors name `rollouts[3].task` rather than both shapes.
+    const envelope = Array.isArray(body) ? BatchEnvelope[1] : BatchEnvelope[0];
+    const parsed = envelope.safeParse(body);
+    if (!parsed.success) throw invalid("batch", describeIssues(parsed.error.issues));
+    this.rows = Array.isArray(parsed.data) ? parsed.data : parsed.data.rollouts;
+    this.prefix = Array.isArray(parsed.data) ? [] : ["rollouts"];
+  }
+
+  /** Row `i` checked; throws the batch's 422 once the caps are reached with rows left. */
+  row(i: number): void {
+    const { rows, issues } = this;
+    const row = parseRequest(rows[i], [...this.prefix, i]);
     if (row.ok) {
-      requests.push(row.data);
-      continue;
+      this.requests.push(row.data);
+      return;
     }
-    total += row.issues.length;
+    this.total += row.issues.length;
     if (issues.length < MAX_ISSUES) issues.push(...row.issues.slice(0, MAX_ISSUES - issues.length));
-    if ((++badRows >= MAX_BAD_ROWS || total >= MAX_CHECKED_ISSUES) && i + 1 < rows.length) {
-      throw invalid("batch", issues, { checkedRows: i + 1, rows: rows.length, truncated: true }, total);
+    if ((++this.badRows >= MAX_BAD_ROWS || this.total >= MAX_CHECKED_ISSUES) && i + 1 < rows.length) {
+      throw invalid("batch", issues, { checkedRows: i + 1, rows: rows.length, truncated: true }, this.total);
     }
   }
-  if (issues.length > 0) throw invalid("batch", issues, {}, total);
-  return { requests, lines: null, rowsAt: prefix };
+
+  /** The batch, once every row was checked; throws its 422 if any was bad. */
+  finish(): ParsedBatch {
+    if (this.issues.length > 0) throw invalid("batch", this.issues, {}, this.total);
+    return { requests: this.requests, lines: null, rowsAt: this.prefix };
+  }
 }
 
 /**

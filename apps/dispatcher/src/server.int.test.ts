@@ -896,6 +896,46 @@ describe("POST /v1/batches", () => {
     expect(answeredFirst, "/healthz answered while the rows were checked and hashed").toBe(true);
   });
 
+  it("checks a JSON batch's rows handing the event loop on: /healthz, asked as its handler starts, is answered before the submission first asks Redis", async () => {
+    let healthz: Promise<LightMyRequestResponse> | null = null;
+    let healthzDone = false;
+    let answeredFirst: boolean | null = null;
+    const h = await makeHarness({}, undefined, undefined, {
+      // The route's handler starts right after this; its body's rows are checked there, then the
+      // submission asks Redis what its key has admitted.
+      hooks: (app) =>
+        app.addHook("preHandler", async (req) => {
+          if (req.url !== "/v1/batches") return;
+          healthz = app.inject({ method: "GET", url: "/healthz" }).finally(() => {
+            healthzDone = true;
+          });
+        }),
+      patchStore: (store) => {
+        const getBatch = store.getBatch.bind(store);
+        store.getBatch = (...args) => {
+          answeredFirst ??= healthzDone;
+          return getBatch(...args);
+        };
+      },
+    });
+    const digest = digestTask(TaskContent.parse(task));
+    const rows = [
+      row,
+      ...Array.from({ length: 7_999 }, (_, i) => ({ task: { digest }, agent: oracle, metadata: { i } })),
+    ];
+    const res = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: rows },
+      headers: { "idempotency-key": randomUUID() },
+    });
+    expect(res.statusCode, res.body.slice(0, 500)).toBe(202);
+    expect(res.json().count).toBe(8_000);
+    expect(healthz).not.toBeNull();
+    expect((await healthz!).statusCode).toBe(200);
+    expect(answeredFirst, "/healthz answered while the batch's rows were checked").toBe(true);
+  });
+
   it("holds a batch's backlog room for as long as its admission goes on, past the reservation's TTL (by Redis's clock)", async () => {
     const ttlMs = 1000;
     let recording!: () => void;

@@ -4,7 +4,7 @@ import type { FastifyInstance } from "fastify";
 import { BATCH_PAGE, cancelBatch } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
 import { HttpError } from "../http-error.ts";
-import { NdjsonBody, parseBatchJson, parseIdempotencyKey } from "../requests.ts";
+import { NdjsonBody, parseIdempotencyKey, readBatchJson } from "../requests.ts";
 import type { BatchAccepted, BatchView } from "../responses.ts";
 import { submit } from "../submit.ts";
 import { idParam, notFound } from "./params.ts";
@@ -20,7 +20,7 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
     const idempotencyKey = parseIdempotencyKey(req.headers["idempotency-key"]);
     // The NDJSON parser hands over the batch it read as the body arrived, wrapped (a JSON body
     // that is a string is not mistaken for it); the JSON parser an already-parsed value.
-    const parsed = req.body instanceof NdjsonBody ? req.body.read() : parseBatchJson(req.body);
+    const parsed = req.body instanceof NdjsonBody ? req.body.read() : await readBatchJson(req.body);
     const started = performance.now();
     const admitted = await submit(ctx, parsed, { batch: true, idempotencyKey, principal: req.principal });
     const created = admitted.created.length > 0;
