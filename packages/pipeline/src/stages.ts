@@ -94,6 +94,7 @@ export function beginOptions(stage: StageName, deps: PipelineDeps): BeginOptions
     case "seed":
       return {
         intent: { owner: "resources", provider: deps.provider.name, expirySlackMs: SANDBOX_EXPIRY_SLACK_MS },
+        seedToken: `${deps.workerId}:${randomUUID()}`,
       };
     case "run":
       return { launchToken: `${deps.workerId}:${randomUUID()}` };
@@ -413,6 +414,10 @@ export const seed: StageHandler = async (rec, deps) => {
     throw fe;
   }
   const t3 = clock(deps);
+  // Held long enough for its lock to have lapsed: a later delivery may hold the seed fence, and
+  // run is enqueued only for a stored receipt (a run sent behind a refused one would spend its
+  // attempts waiting for that delivery's). Otherwise run's job goes with the receipt.
+  const contested = mayBeTakenOver(rec);
   const saved = await deps.store.storeReceipt(
     rec.meta,
     "seed",
@@ -427,8 +432,26 @@ export const seed: StageHandler = async (rec, deps) => {
     },
     "seeded",
     t3,
-    { attach: created.entry, next: { queues: deps.queues, stage: "run" } },
+    {
+      attach: created.entry,
+      ...(contested ? {} : { next: { queues: deps.queues, stage: "run" as const } }),
+      // Only while this delivery is the one that began last: a later one (this one's lock
+      // lapsed) may be replacing this sandbox by now, as an earlier attempt's.
+      ...(rec.begun.seedToken ? { seedFence: rec.begun.seedToken } : {}),
+    },
   );
+  // A later delivery of this seed began (this one's lock lapsed): the seed is its to finish. It
+  // finds this sandbox by its labels and replaces it, or met it by its fixed name and adopted
+  // it, so it is left alone, unless that delivery stored its receipt with another sandbox.
+  if (saved === "superseded") {
+    if (!(await yieldToStoredSeed(deps, rec, created.handle))) {
+      deps.logger.warn(
+        { rolloutId: rec.meta.id },
+        "a later delivery of the seed began; this one stores no receipt and leaves its sandbox to it",
+      );
+    }
+    return null;
+  }
   // A close that ran meanwhile may not have seen the handle: destroy the sandbox ourselves.
   if (saved === "refused") await destroyOrLedger(deps, created.entry);
   // Another seed of this rollout stored its receipt first (this one's lock had lapsed): its
@@ -440,7 +463,7 @@ export const seed: StageHandler = async (rec, deps) => {
     if (!(await yieldToStoredSeed(deps, rec, created.handle)))
       await destroyLosingSeed(deps, rec, created.handle);
   }
-  return null;
+  return contested && saved === "stored" ? "run" : null;
 };
 
 /**

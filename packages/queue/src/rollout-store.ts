@@ -87,6 +87,11 @@ export interface BeginOptions {
    * that began last: only it may work in the sandbox, `noteVerifyWork`, or store its receipt).
    */
   verifyToken?: string;
+  /**
+   * Seed: take the seed fence with this token along with the begin (this delivery is the one
+   * that began last: only it may store the seed's receipt, `storeReceipt`'s `seedFence`).
+   */
+  seedToken?: string;
 }
 
 export interface BeginResult {
@@ -110,6 +115,8 @@ export interface BeginResult {
    * fence; it did unless the stage is skipped, when no handler runs.
    */
   verifyToken: string | null;
+  /** Seed: the token of `seedToken` (null for other stages), as `verifyToken`. */
+  seedToken: string | null;
   /** Close only: the rollout's sandbox entries (intents and handles). */
   sandboxes: RolloutSandboxes | null;
   /**
@@ -587,7 +594,7 @@ export class RolloutStore {
       intentKey,
       intentPrefix,
       String(options.intent?.expirySlackMs ?? 0),
-      options.launchToken ?? options.verifyToken ?? "",
+      options.launchToken ?? options.verifyToken ?? options.seedToken ?? "",
       close ? sandboxKey(id, "resources") : "",
       close ? sandboxKey(id, "agent") : "",
     ];
@@ -614,6 +621,7 @@ export class RolloutStore {
         ? { previous: String(previous), launches: Number(launches), token: options.launchToken! }
         : null,
       verifyToken: stage === "verify" ? (options.verifyToken ?? null) : null,
+      seedToken: stage === "seed" ? (options.seedToken ?? null) : null,
       testsSweepLeftMs: Number(sweepLeft ?? 0),
       sandboxes: close ? readRolloutSandboxes(sbResources || null, sbAgent || null) : null,
     };
@@ -815,9 +823,10 @@ export class RolloutStore {
   }
 
   /**
-   * `saveReceipt`, saying why a receipt was not stored: `refused` (terminal, closed, or the fence
-   * is not this launch's; an `attach` entry was stored) or `taken` (another receipt of the stage
-   * is stored: nothing was written).
+   * `saveReceipt`, saying why a receipt was not stored: `refused` (terminal or closed; an
+   * `attach` entry was stored), `superseded` (fenced, and the fence is not this launch's or
+   * delivery's: nothing was written) or `taken` (another receipt of the stage is stored: nothing
+   * was written).
    */
   async storeReceipt<S extends StageName>(
     meta: Pick<RolloutMeta, "id" | "batchId">,
@@ -832,8 +841,10 @@ export class RolloutStore {
       fence?: string;
       /** Store only while this token holds the verify fence (a verify's receipt; see `BeginOptions`). */
       verifyFence?: string;
+      /** Store only while this token holds the seed fence (a seed's receipt; see `BeginOptions`). */
+      seedFence?: string;
     } = {},
-  ): Promise<"stored" | "refused" | "taken"> {
+  ): Promise<"stored" | "refused" | "taken" | "superseded"> {
     // Bounded (DESIGN §2 rule 13); the answer a match verifier grades is never cut.
     const json = fitRecordJson(RECEIPT_SCHEMAS[stage].parse(receipt), MAX_RECORD_BYTES, RECEIPT_KEEP);
     const [batchKey, hasBatch] = this.batchArgs(meta);
@@ -853,13 +864,15 @@ export class RolloutStore {
         ? [`launched:${options.fence}`, "fence"]
         : options.verifyFence
           ? [options.verifyFence, "vfence"]
-          : ["", ""]),
+          : options.seedFence
+            ? [options.seedFence, "sfence"]
+            : ["", ""]),
     ];
     const next = options.next;
     const r = next
       ? await next.queues.enqueueAfter(next.stage, meta.id, "fleetReceipt", keys, args)
       : await this.batcher.call("fleetReceipt", keys, args);
-    return r === 1 ? "stored" : r === 2 ? "taken" : "refused";
+    return r === 1 ? "stored" : r === 2 ? "taken" : r === 3 ? "superseded" : "refused";
   }
 
   /**

@@ -6,7 +6,8 @@ import type { RedisConnection } from "./connection.ts";
  * `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
  * (the fence a claim replaced), `vfence` (the token of the verify attempt that began last;
- * `vseen:<token>` marks each token that began), `t:verify:last` (when a verify attempt last
+ * `vseen:<token>` marks each token that began), `sfence` / `sseen:<token>` (the same for the
+ * seed's deliveries), `t:verify:last` (when a verify attempt last
  * began work in the sandbox), `t:verify:sweep` (until when, by Redis's clock, an attempt
  * handed back may sweep its tests), `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
  *
@@ -226,7 +227,8 @@ const SCRIPTS = {
    * A receipt is written once: a second attempt of the stage that ran alongside the first (its
    * lock lapsed) is refused (2) before it attaches anything, so it cannot replace the sandbox the
    * next stage already uses; it destroys its own sandbox. The same receipt sent again (ioredis
-   * resends a command whose reply a reconnect lost) is stored already: 1.
+   * resends a command whose reply a reconnect lost) is stored already: 1. A fenced receipt whose
+   * fence another holds is refused (3) before it attaches anything.
    */
   fleetReceipt: {
     keys: 3, // rollout, batch|rollout, sandboxes
@@ -234,7 +236,7 @@ const SCRIPTS = {
     //       attachKey ('' for none), attachJson, fence value ('' for none), fence field: the
     //       receipt is stored only while the fence field holds that value (a run's while its
     //       launch holds 'fence', DESIGN §2 rule 10; a verify's while it is the attempt that
-    //       began last, 'vfence')
+    //       began last, 'vfence'; a seed's likewise, 'sfence')
     lua: `
       ${TERMINAL}
       local stored = redis.call('HGET', KEYS[1], ARGV[1])
@@ -242,11 +244,15 @@ const SCRIPTS = {
         if stored == ARGV[2] then return 1 end
         return 2
       end
+      -- Fenced and the fence is another's (a later delivery of the stage began): 3, before the
+      -- attach, so the registry entry stays the later delivery's. (A record gone is refused as
+      -- below: its creator destroys the sandbox.)
+      if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], ARGV[12]) ~= ARGV[11]
+          and redis.call('EXISTS', KEYS[1]) == 1 then return 3 end
       if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], ARGV[9], ARGV[10]) end
       local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then return 0 end
       if ARGV[8] ~= '1' and redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
-      if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], ARGV[12]) ~= ARGV[11] then return 0 end
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
       if status ~= ARGV[3] then
         redis.call('HSET', KEYS[1], 'status', ARGV[3])
@@ -549,7 +555,8 @@ const SCRIPTS = {
    *    (DESIGN §2 rule 9), kept if one exists; the entry is ARGV[6] .. (deadlineAt + ARGV[7]) ..
    *    '}' (its `expiresAt` closes it);
    *  - with a token (ARGV[8]): for run, the fenced launch claim of `fleetClaimLaunch` (rule 10);
-   *    for verify, the verify fence (`vfence`: this attempt is the one that began last).
+   *    for verify, the verify fence (`vfence`: this attempt is the one that began last); for
+   *    seed, the seed fence (`sfence`, likewise).
    * Returns [hash as a flat array (for close all of it; before close the fields those stages
    * read: meta, status, stage, flags, receipts), failure log, intent ('new' when this call
    * recorded it, 'ok' when an earlier attempt had, '' for none), previous fence (or 'stopped'),
@@ -606,7 +613,14 @@ const SCRIPTS = {
               end
             end
             if ARGV[8] ~= '' then
-              if ARGV[1] == 'verify' then
+              if ARGV[1] == 'seed' then
+                -- The seed fence: only the delivery that began last may store the seed's receipt
+                -- (fleetReceipt): an earlier one, its lock lapsed, must not store a sandbox the
+                -- later one is replacing. Taken once per token, as the verify fence below.
+                if redis.call('HSETNX', KEYS[1], 'sseen:' .. ARGV[8], '1') == 1 then
+                  redis.call('HSET', KEYS[1], 'sfence', ARGV[8])
+                end
+              elseif ARGV[1] == 'verify' then
                 -- The verify fence: only the attempt that began last may touch the sandbox,
                 -- record a failure or store its receipt (fleetNoteVerify, fleetSetField,
                 -- fleetReceipt). Taken once per token: this very begin sent again by ioredis

@@ -1034,6 +1034,35 @@ describe("rollout store", () => {
     expect((await ledger.sandboxesOf(id)).resources?.handle?.id).toBe(`c-${id}`);
   });
 
+  it("a seed's receipt is stored only by the delivery that began last (the seed fence), and a superseded one attaches nothing", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const meta = (await store.get(id))!.meta;
+    const intent = { owner: "resources" as const, provider: "docker" as const, expirySlackMs: 0 };
+    expect((await store.begin(id, "seed", 1, { intent, seedToken: "a" })).seedToken).toBe("a");
+    await store.begin(id, "seed", 2, { intent, seedToken: "b" });
+    // "a" sent again by ioredis (a reconnect lost its reply) takes nothing back.
+    await store.begin(id, "seed", 1, { intent, seedToken: "a" });
+    const first = seedReceipt(id);
+    expect(
+      await store.storeReceipt(meta, "seed", first, "seeded", 5, {
+        attach: seedEntry(id, first),
+        seedFence: "a",
+      }),
+    ).toBe("superseded");
+    expect((await store.get(id))!.receipts.seed).toBeUndefined();
+    // The registry keeps the later delivery's intent.
+    expect((await ledger.sandboxesOf(id)).resources?.handle).toBeNull();
+    const second = { ...seedReceipt(id), handle: { ...first.handle, id: `c2-${id}`, name: `n2-${id}` } };
+    expect(
+      await store.storeReceipt(meta, "seed", second, "seeded", 6, {
+        attach: seedEntry(id, second),
+        seedFence: "b",
+      }),
+    ).toBe("stored");
+    expect((await ledger.sandboxesOf(id)).resources?.handle?.id).toBe(`c2-${id}`);
+  });
+
   it("a receipt with a next stage enqueues it in the same write; attach keeps the handle even when closed", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
