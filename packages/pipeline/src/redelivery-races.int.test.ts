@@ -7,9 +7,9 @@ import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 
-const job = (id: string, processedOn?: number) => ({
+const job = (id: string, processedOn?: number, attemptsMade = 0) => ({
   data: { rolloutId: id },
-  attemptsMade: 0,
+  attemptsMade,
   opts: { attempts: 3 },
   ...(processedOn === undefined ? {} : { processedOn }),
 });
@@ -90,5 +90,39 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     // Its agent runs there (not masked as a lost sandbox).
     expect(await runStageJob("run", job(id), deps)).toBe("ok");
     expect((await deps.store.get(id))!.receipts.run?.cleanup.confirmed).toBe(true);
+  });
+
+  /**
+   * The earlier delivery, on the job's last attempt, fails because the later one replaced its
+   * sandbox under it (an earlier attempt's sandbox, as far as the later one can tell): its failure
+   * is not the rollout's. Recorded, it masked a rollout the later delivery seeded.
+   */
+  it("a seed taken over records no failure of its own once a later delivery began", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider);
+    const deps = fleet!.deps;
+    const probing = latch();
+    const goOn = latch();
+    // Its last attempt (3 of 3), its lock lapsed while it probed its sandbox.
+    const first = runStageJob("seed", job(id, Date.now() - 60_000, 2), {
+      ...deps,
+      provider: patched(provider, {
+        probe: async (h: SandboxHandle) => {
+          probing.open();
+          await goOn.opened;
+          return provider.probe(h);
+        },
+      }),
+    }).catch((err: unknown) => err);
+    await probing.opened;
+    // The later delivery replaces that sandbox and seeds the rollout.
+    expect(await runStageJob("seed", job(id, undefined, 2), deps)).toBe("ok");
+    goOn.open();
+    // The earlier one's probe meets its sandbox gone.
+    expect(await first).toBe("superseded");
+    const rec = (await deps.store.get(id))!;
+    expect(rec.failure).toBeNull();
+    expect(await provider.alive(rec.receipts.seed!.handle)).toBe(true);
+    expect(await runStageJob("run", job(id), deps)).toBe("ok");
   });
 });

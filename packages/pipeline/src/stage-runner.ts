@@ -119,14 +119,19 @@ export async function runStageJob(
     // A verify attempt a later one superseded (its lock lapsed: see `verifyStage`) failed: the
     // verification is the later attempt's, so nothing of this failure is recorded (no retry
     // entry, no hold, no failure ending the rollout, no close under the later attempt's tests).
-    // The final record below is fenced too, atomically.
+    // So too a seed delivery a later one superseded: that one replaces this one's sandbox (an
+    // earlier attempt's, to it), and this one's failure (its sandbox gone under it) is not the
+    // rollout's. The final record below is fenced too, atomically.
     const verifyToken = stage === "verify" ? begun.verifyToken : null;
-    if (
-      verifyToken !== null &&
-      lockMayHaveLapsed(lock) &&
-      !(await deps.store.holdsVerifyFence(rolloutId, verifyToken).catch(() => true))
-    ) {
-      superseded(deps, rolloutId, "does not record its failure", err);
+    const seedToken = stage === "seed" ? begun.seedToken : null;
+    const holdsFence = (): Promise<boolean> =>
+      verifyToken !== null
+        ? deps.store.holdsVerifyFence(rolloutId, verifyToken)
+        : seedToken !== null
+          ? deps.store.holdsSeedFence(rolloutId, seedToken)
+          : Promise.resolve(true);
+    if (lockMayHaveLapsed(lock) && !(await holdsFence().catch(() => true))) {
+      superseded(deps, rolloutId, "does not record its failure", err, stage === "seed" ? "seed" : "verify");
       return "superseded";
     }
     const fe = asFleetError(err);
@@ -183,14 +188,17 @@ export async function runStageJob(
           const stored = await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at), {
             beforeDecided: true,
             ...(verifyToken === null ? {} : { verifyFence: verifyToken }),
+            ...(seedToken === null ? {} : { seedFence: seedToken }),
           });
-          // Refused for the fence (not for a decided result): a later attempt is verifying.
-          if (
-            !stored &&
-            verifyToken !== null &&
-            !(await deps.store.holdsVerifyFence(rolloutId, verifyToken))
-          ) {
-            superseded(deps, rolloutId, "does not record its failure", fe);
+          // Refused for the fence (not for a decided result): a later attempt is verifying (seeding).
+          if (!stored && !(await holdsFence())) {
+            superseded(
+              deps,
+              rolloutId,
+              "does not record its failure",
+              fe,
+              stage === "seed" ? "seed" : "verify",
+            );
             return "superseded";
           }
         }

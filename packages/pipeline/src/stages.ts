@@ -1031,10 +1031,16 @@ class VerifySupersededError extends Error {
   override readonly name = "VerifySupersededError";
 }
 
-/** A verify attempt that a later one superseded ends here: logged, nothing stored or enqueued. */
-export function superseded(deps: PipelineDeps, rolloutId: string, what: string, err?: unknown): null {
+/** A verify (or seed) attempt that a later one superseded ends here: logged, nothing stored or enqueued. */
+export function superseded(
+  deps: PipelineDeps,
+  rolloutId: string,
+  what: string,
+  err?: unknown,
+  stage: "verify" | "seed" = "verify",
+): null {
   const detail = err === undefined ? {} : { err: err instanceof Error ? err.message : String(err) };
-  deps.logger.warn({ rolloutId, ...detail }, `a later verify attempt began; this one ${what}`);
+  deps.logger.warn({ rolloutId, ...detail }, `a later ${stage} attempt began; this one ${what}`);
   return null;
 }
 

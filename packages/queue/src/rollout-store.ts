@@ -951,6 +951,11 @@ export class RolloutStore {
     return Number(await this.redis.fleetNoteCloseAgain(this.keys.rollout(id)));
   }
 
+  /** Whether `token` still holds the seed fence (no later delivery of the seed began). */
+  async holdsSeedFence(id: string, token: string): Promise<boolean> {
+    return (await this.redis.hget(this.keys.rollout(id), "sfence")) === token;
+  }
+
   /** Whether `token` still holds the verify fence (no later verify attempt began). */
   async holdsVerifyFence(id: string, token: string): Promise<boolean> {
     return (await this.redis.hget(this.keys.rollout(id), "vfence")) === token;
@@ -969,6 +974,8 @@ export class RolloutStore {
       beforeDecided?: boolean;
       /** With `beforeDecided`: only while this token holds the verify fence (a verify's failure). */
       verifyFence?: string;
+      /** With `beforeDecided`: only while this token holds the seed fence (a seed's failure). */
+      seedFence?: string;
     } = {},
   ): Promise<boolean> {
     const parsed = FailureRecord.parse(failure);
@@ -976,7 +983,12 @@ export class RolloutStore {
     if (options.beforeDecided && parsed.terminal) {
       // Logged only when it decides: a refused one (the result was decided already) would show
       // in that result's failures as if it had counted.
-      const fence = options.verifyFence === undefined ? [] : ["vfence", options.verifyFence];
+      const fence =
+        options.verifyFence !== undefined
+          ? ["vfence", options.verifyFence]
+          : options.seedFence !== undefined
+            ? ["sfence", options.seedFence]
+            : [];
       const set =
         (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "2", ...fence)) === 1;
       if (set) await execAll(this.appendFailure(this.redis.multi(), id, json), `log a failure of ${id}`);
