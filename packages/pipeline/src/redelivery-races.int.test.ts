@@ -1,9 +1,10 @@
 import type { SandboxHandle } from "@fleet/contracts";
-import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterEach, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { runStageJob } from "./stage-runner.ts";
+import { beginOptions } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 
@@ -32,11 +33,16 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
   let fleet: InProcessFleet | undefined;
   afterEach(async () => fleet?.close());
 
-  async function start(provider: InMemorySandboxProvider, deps: Partial<PipelineDeps> = {}) {
+  async function start(
+    provider: InMemorySandboxProvider,
+    deps: Partial<PipelineDeps> = {},
+    agent: { harness: "oracle"; sandbox?: "own" } = { harness: "oracle" },
+    taskId = "hello-file",
+  ) {
     fleet = await startInProcessFleet({ provider, startWorkers: false, deps });
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = suite.find((t) => t.id === "hello-file")!;
-    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+    const task = suite.find((t) => t.id === taskId)!;
+    const [id] = (await fleet.submit([{ task, agent }])) as [string];
     return id;
   }
 
@@ -123,6 +129,82 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     const rec = (await deps.store.get(id))!;
     expect(rec.failure).toBeNull();
     expect(await provider.alive(rec.receipts.seed!.handle)).toBe(true);
+    expect(await runStageJob("run", job(id), deps)).toBe("ok");
+  });
+
+  /**
+   * A run whose lock lapsed passed its look at the fence, then looked for an earlier attempt's
+   * own sandbox, to replace it: by then the delivery that took over had made its own and launched
+   * its agent there, and the earlier one destroyed it under that agent (retried: the agent run
+   * again, or masked on a last attempt).
+   */
+  it("a run taken over while it made its own sandbox leaves the new launch's sandbox alone", async () => {
+    const provider = new InMemorySandboxProvider();
+    // A match-graded task: an agent with its own sandbox leaves the task's untouched.
+    const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    const running = latch();
+    const finish = latch();
+    const blocking: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async () => {
+        running.open();
+        await finish.opened;
+        return { exec: execResult(), answer: null, transcript: null, usage: null };
+      },
+    });
+    let second: Promise<unknown> = Promise.resolve();
+    const first = runStageJob("run", job(id, Date.now() - 60_000), {
+      ...deps,
+      provider: patched(provider, {
+        find: async (rolloutId: string, owner: SandboxHandle["owner"]) => {
+          // The job is handed to another worker, whose agent starts in a sandbox of its own.
+          second = runStageJob("run", job(id), { ...deps, createHarness: blocking });
+          await running.opened;
+          return provider.find(rolloutId, owner);
+        },
+      }),
+    });
+    expect(await first).toBe("ok"); // it stops: the run is the other's
+    finish.open();
+    expect(await second).toBe("ok");
+    const rec = (await deps.store.get(id))!;
+    expect(rec.failure).toBeNull();
+    expect(rec.receipts.run?.cleanup.confirmed).toBe(true);
+    expect(rec.launches).toBe(2);
+    // Nothing of the earlier delivery's is left: no own sandbox of the rollout lives.
+    expect((await provider.list()).map((s) => s.handle.owner)).toEqual(["resources"]);
+  });
+
+  /**
+   * A seed delivery whose lock lapsed (an attempt after one that recorded the intent) looked for
+   * that attempt's sandbox to replace it: by then a later delivery had seeded the rollout, and
+   * the earlier one destroyed that sandbox (its run's) as an earlier attempt's.
+   */
+  it("a seed taken over while it looked for an earlier attempt's sandbox leaves the later delivery's alone", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider);
+    const deps = fleet!.deps;
+    // An earlier attempt recorded the intent and died before it created anything.
+    await deps.store.begin(id, "seed", Date.now(), beginOptions("seed", deps));
+    let second: Promise<unknown> = Promise.resolve();
+    const first = runStageJob("seed", job(id, Date.now() - 60_000), {
+      ...deps,
+      provider: patched(provider, {
+        find: async (rolloutId: string, owner: SandboxHandle["owner"]) => {
+          // The job is handed to another worker, which seeds the rollout.
+          second = runStageJob("seed", job(id), deps);
+          await second;
+          return provider.find(rolloutId, owner);
+        },
+      }),
+    });
+    expect(await first).toBe("ok");
+    expect(await second).toBe("ok");
+    const handle = (await deps.store.get(id))!.receipts.seed!.handle;
+    expect(await provider.alive(handle)).toBe(true);
+    expect((await provider.list()).map((s) => s.handle.id)).toEqual([handle.id]);
     expect(await runStageJob("run", job(id), deps)).toBe("ok");
   });
 });

@@ -139,6 +139,11 @@ async function createSandbox(
     deferAttach?: boolean;
     /** Replace a sandbox an earlier attempt left, even a running one, instead of reusing it. */
     replace?: boolean;
+    /**
+     * Asked right before a sandbox found is destroyed to be replaced: false leaves it and returns
+     * null (this attempt was taken over meanwhile, and the sandbox may be the later one's).
+     */
+    mayReplace?: () => Promise<boolean>;
   } = {},
 ): Promise<{ handle: SandboxHandle; entry: SandboxEntry; createMs: number; reused: boolean } | null> {
   const now = clock(deps);
@@ -167,6 +172,7 @@ async function createSandbox(
     // A seed replaces even a running one: the earlier attempt may have staged the task already,
     // and a probe of it would take those files for the image's own (`workspaceEmpty` false),
     // which would turn any later rerun of the agent into a mask.
+    if (options.mayReplace && !(await options.mayReplace())) return null;
     const gone = await deps.provider.destroy(handle);
     if (!gone.confirmed)
       throw FleetError.retryable("provider_unavailable", "could not remove a dead sandbox");
@@ -385,12 +391,22 @@ export const seed: StageHandler = async (rec, deps) => {
       intentFresh: rec.begun.intentFresh,
       deferAttach: true,
       replace: true,
+      // Held long enough for its lock to have lapsed: the sandbox found may be the one of a later
+      // delivery (its run working there by now), not an earlier attempt's.
+      mayReplace: async () => {
+        const token = rec.begun.seedToken;
+        return (
+          !mayBeTakenOver(rec) || token === null || (await deps.store.holdsSeedFence(rec.meta.id, token))
+        );
+      },
     });
   } catch (err) {
     await dropFreshIntent(err);
     throw err;
   }
-  if (!created) return null; // closed meanwhile (tombstone): nothing to do, no sandbox made.
+  // Closed meanwhile (tombstone): nothing to do, no sandbox made. Or taken over meanwhile: the
+  // sandbox found is left to the later delivery.
+  if (!created) return null;
   // Held long enough for its lock to have lapsed: another seed may have stored its receipt, and
   // its run may use the sandbox now. A create that met that sandbox by its fixed name adopted it:
   // probing and staging it again would put the task's files back under a running agent.
@@ -550,7 +566,18 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     if (rec.meta.agent.sandbox === "own") {
       // An earlier attempt's own sandbox is never reused: it may have failed between create and
       // staging (a probe that timed out), and an agent run in an unstaged workspace would be graded.
-      const created = await createSandbox(rec, deps, "agent", task, { replace: true });
+      // The sandbox found may be the own sandbox of a launch that took this run over since the
+      // look at the fence above (its agent running there): looked at again right before replacing.
+      const taken: { notOurs?: StageName | null } = {};
+      const created = await createSandbox(rec, deps, "agent", task, {
+        replace: true,
+        mayReplace: async () => {
+          const notOurs = await unlessOurs();
+          if (notOurs !== undefined) taken.notOurs = notOurs;
+          return notOurs === undefined;
+        },
+      });
+      if ("notOurs" in taken) return taken.notOurs ?? null;
       if (!created) return "close";
       handle = created.handle;
       owned = created.entry;
