@@ -1047,8 +1047,8 @@ describe("idempotency and fencing without workers", () => {
       failureKind: "isolation_refused",
       stage: "run",
     });
-    // The refused sandbox was its failed run's; close hands it to the janitor (rule 11).
-    await janitorTick(deps, { orphanGraceMs: 10 * 60_000 });
+    // The refused sandbox was its failed run's, destroyed by that run (rule 11): the close
+    // destroyed the task's and reports the teardown confirmed, with no janitor pass to wait for.
     expect(await fleet.deps.store.getResult(refused!)).toMatchObject({ teardown: "confirmed" });
     expect(await containersOf([id!, refused!])).toBe(0);
   });

@@ -608,6 +608,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // handing it back would make that launch (perhaps only cut off, and already killed by this
     // attempt) the fence's holder again, free to store its interrupted run.
     await giveBack();
+    // An own sandbox made for this launch (its probe refused it, staging failed) is this stage's
+    // to destroy (rule 11), as at the deadline check below: close only hands an agent's sandbox to
+    // the janitor, so it would stay up and the result say teardown "pending" until the janitor's
+    // next pass. A retry makes a fresh one anyway. A failed destroy goes to the ledger.
+    if (owned) await destroyOrLedger(deps, owned).catch(() => undefined);
     throw err;
   }
   // Shutting down before the harness started: hand the job back with the claim, as nothing ran.
