@@ -19,11 +19,9 @@ import { randomUUID } from "node:crypto";
 import { request } from "node:http";
 import type { AddressInfo } from "node:net";
 import { parseArgs } from "node:util";
-import { DispatcherConfig, parseConfig } from "@fleet/config";
 import { TaskContent } from "@fleet/contracts";
-import { createRedis, digestTask, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
-import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
-import { createServer } from "../apps/dispatcher/src/server.ts";
+import { createRedis, digestTask } from "@fleet/queue";
+import { startTestServer } from "../apps/dispatcher/src/test-server.ts";
 import { positiveInt } from "./lib/bench-stats.ts";
 
 const { values } = parseArgs({
@@ -55,24 +53,11 @@ const CONTENT_TYPE = values.json ? "application/json" : "application/x-ndjson";
 const body = Buffer.from(values.json ? `{"rollouts":[${lines.join(",")}]}` : `${lines.join("\n")}\n`);
 
 const redis = createRedis(process.env.REDIS_URL ?? "redis://127.0.0.1:6379");
-const prefix = `{bench-ndj-${randomUUID().slice(0, 8)}}`;
-const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
-const store = new RolloutStore(redis, prefix);
-const queues = new StageQueues(redis, prefix);
-const app = createServer({
-  store,
-  queues,
-  ledger: new TeardownLedger(redis, prefix),
-  redis,
-  config: parseConfig(DispatcherConfig, {
-    FLEET_PREFIX: prefix,
-    FLEET_MAX_BACKLOG: String(ROWS + 100),
-    ...(values.auth ? { FLEET_API_TOKENS: TOKEN } : {}),
-  }),
-  logger: createLogger({ name: "bench", level: "warn" }),
-  registry,
-  metrics: createFleetMetrics(registry),
+const server = await startTestServer(redis, "bench-ndj", {
+  FLEET_MAX_BACKLOG: String(ROWS + 100),
+  ...(values.auth ? { FLEET_API_TOKENS: TOKEN } : {}),
 });
+const { app, prefix, queues } = server;
 await app.listen({ host: "127.0.0.1", port: 0 });
 const { port } = app.server.address() as AddressInfo;
 
@@ -176,9 +161,8 @@ console.log(
   }),
 );
 
-await app.close();
 await queues.obliterate();
-await queues.close();
+await server.close();
 let cursor = "0";
 do {
   const [next, keys] = await redis.scan(cursor, "MATCH", `${prefix}*`, "COUNT", 1000);
