@@ -709,6 +709,38 @@ describe("a request without a body, whatever its Content-Type", () => {
   });
 });
 
+/**
+ * A `/healthz` request sent while another request is handled: whether it has been answered
+ * yet, then that it was answered 200.
+ */
+function healthzProbe() {
+  let answer: Promise<LightMyRequestResponse> | null = null;
+  let answered = false;
+  return {
+    send(ask: () => Promise<LightMyRequestResponse>): void {
+      answer = ask().finally(() => {
+        answered = true;
+      });
+    },
+    get answered(): boolean {
+      return answered;
+    },
+    async expectOk(): Promise<void> {
+      expect(answer, "/healthz was asked").not.toBeNull();
+      expect((await answer!).statusCode).toBe(200);
+    },
+  };
+}
+
+/** A batch's NDJSON lines: the test's `row`, then `count - 1` rows of the same task by digest. */
+function batchLines(count: number): string[] {
+  const digest = digestTask(TaskContent.parse(task));
+  const lines = [JSON.stringify(row)];
+  for (let i = 1; i < count; i++)
+    lines.push(JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } }));
+  return lines;
+}
+
 describe("POST /v1/batches", () => {
   it("reads an NDJSON body line by line as it arrives: /healthz answers while it is parsed", async () => {
     const h = await makeHarness();
@@ -720,8 +752,7 @@ describe("POST /v1/batches", () => {
     // The last line is no JSON, so the answer (a 400) comes as soon as the body is parsed,
     // with nothing of admission after it.
     const body = [Buffer.from(half), Buffer.from(`${half}{"task":\n`)];
-    let healthz: Promise<LightMyRequestResponse> | null = null;
-    let healthzDone = false;
+    const healthz = healthzProbe();
     let batchDone = false;
     // The body's second half is handed over when the server asks for it: it has read the first
     // (the old parser read the whole body before parsing any of it, then parsed it in one go).
@@ -734,11 +765,7 @@ describe("POST /v1/batches", () => {
           this.push(null);
           return;
         }
-        if (body.length === 0) {
-          healthz = h.call({ method: "GET", url: "/healthz", token: null }).finally(() => {
-            healthzDone = true;
-          });
-        }
+        if (body.length === 0) healthz.send(() => h.call({ method: "GET", url: "/healthz", token: null }));
         this.push(next);
       },
     });
@@ -752,34 +779,29 @@ describe("POST /v1/batches", () => {
       .finally(() => {
         batchDone = true;
         // The probe must have finished by now.
-        expect(healthzDone, "/healthz answered before the batch").toBe(true);
+        expect(healthz.answered, "/healthz answered before the batch").toBe(true);
       });
     const res = await batch;
     expectErrorBody(res, 400, "malformed");
     expect(res.json().error.details).toEqual({ line: 16_001 });
-    expect(healthz).not.toBeNull();
-    expect((await healthz!).statusCode).toBe(200);
+    await healthz.expectOk();
     expect(batchDone).toBe(true);
   });
 
   it("admits a large batch handing the event loop on between rows: /healthz, asked as its admission starts, is answered before the admission first asks Redis", async () => {
-    let healthz: Promise<LightMyRequestResponse> | null = null;
-    let healthzDone = false;
+    const healthz = healthzProbe();
     let answeredFirst: boolean | null = null;
     const h = await makeHarness({ FLEET_MAX_BACKLOG: "20000" }, undefined, undefined, {
       // The route's handler starts right after this: from there to its first question to Redis
       // (whether its key names a rollout), admission checks and serialises every row.
       hooks: (app) =>
         app.addHook("preHandler", async (req) => {
-          if (req.url !== "/v1/batches") return;
-          healthz = app.inject({ method: "GET", url: "/healthz" }).finally(() => {
-            healthzDone = true;
-          });
+          if (req.url === "/v1/batches") healthz.send(() => app.inject({ method: "GET", url: "/healthz" }));
         }),
       patchStore: (store) => {
         const exists = store.exists.bind(store);
         store.exists = (...args) => {
-          answeredFirst ??= healthzDone;
+          answeredFirst ??= healthz.answered;
           return exists(...args);
         };
       },
@@ -789,58 +811,45 @@ describe("POST /v1/batches", () => {
       h.store.keys.inflight(),
       ...Array.from({ length: 15_000 }, (_, i) => [Date.now() + 3_600_000, `busy-${i}`]).flat(),
     );
-    const digest = digestTask(TaskContent.parse(task));
-    const lines = [JSON.stringify(row)];
-    for (let i = 1; i < 8_000; i++)
-      lines.push(JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } }));
     const res = await h.call({
       method: "POST",
       url: "/v1/batches",
-      payload: lines.join("\n"),
+      payload: batchLines(8_000).join("\n"),
       headers: { "content-type": "application/x-ndjson" },
     });
     expectErrorBody(res, 429, "backpressure");
-    expect(healthz).not.toBeNull();
-    expect((await healthz!).statusCode).toBe(200);
+    await healthz.expectOk();
     expect(answeredFirst, "/healthz answered while the batch's rows were checked").toBe(true);
   });
 
   it("enqueues a large batch's seeds handing the event loop on: /healthz, asked as the seeds start, is answered before the last of them is sent", async () => {
     const rows = 2_500;
     let app: FastifyInstance | null = null;
-    let healthz: Promise<LightMyRequestResponse> | null = null;
-    let healthzDone = false;
+    const healthz = healthzProbe();
     // For each transaction of seed jobs sent, whether /healthz had been answered by then.
     const sends: { jobs: number; healthzDone: boolean }[] = [];
     const h = await makeHarness({}, (queues) => {
       const enqueueSeeds = queues.enqueueSeeds.bind(queues);
       queues.enqueueSeeds = (ids) => {
-        healthz = app!.inject({ method: "GET", url: "/healthz" }).finally(() => {
-          healthzDone = true;
-        });
+        healthz.send(() => app!.inject({ method: "GET", url: "/healthz" }));
         return enqueueSeeds(ids);
       };
       const seed = queues.queues.seed;
       const addBulk = seed.addBulk.bind(seed);
       seed.addBulk = (jobs) => {
-        sends.push({ jobs: jobs.length, healthzDone });
+        sends.push({ jobs: jobs.length, healthzDone: healthz.answered });
         return addBulk(jobs);
       };
     });
     app = h.app;
-    const digest = digestTask(TaskContent.parse(task));
-    const lines = [JSON.stringify(row)];
-    for (let i = 1; i < rows; i++)
-      lines.push(JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } }));
     const res = await h.call({
       method: "POST",
       url: "/v1/batches",
-      payload: lines.join("\n"),
+      payload: batchLines(rows).join("\n"),
       headers: { "content-type": "application/x-ndjson" },
     });
     expect(res.statusCode, res.body.slice(0, 500)).toBe(202);
-    expect(healthz).not.toBeNull();
-    expect((await healthz!).statusCode).toBe(200);
+    await healthz.expectOk();
     // One transaction of every seed was built in one stretch of the event loop (40,000 rows: 2.4 s).
     expect(
       sends.at(-1)?.healthzDone,
@@ -856,8 +865,7 @@ describe("POST /v1/batches", () => {
 
   it("checks and hashes a token's keyed batch handing the event loop on: /healthz, asked once the key's batch is looked up, is answered before the key's unscoped batch is", async () => {
     let app: FastifyInstance | null = null;
-    let healthz: Promise<LightMyRequestResponse> | null = null;
-    let healthzDone = false;
+    const healthz = healthzProbe();
     let answeredFirst: boolean | null = null;
     let lookups = 0;
     const h = await makeHarness({}, undefined, undefined, {
@@ -867,53 +875,40 @@ describe("POST /v1/batches", () => {
           // The first: what the key (scoped to the token) has admitted; the second: whether the
           // bare key, from before keys were scoped, names this very body. Between them every row
           // is checked and serialised, and the body hashed.
-          if (++lookups === 2) answeredFirst = healthzDone;
+          if (++lookups === 2) answeredFirst = healthz.answered;
           const found = await getBatch(...args);
-          if (lookups === 1) {
-            healthz = app!.inject({ method: "GET", url: "/healthz" }).finally(() => {
-              healthzDone = true;
-            });
-          }
+          if (lookups === 1) healthz.send(() => app!.inject({ method: "GET", url: "/healthz" }));
           return found;
         };
       },
     });
     app = h.app;
-    const digest = digestTask(TaskContent.parse(task));
-    const lines = [JSON.stringify(row)];
-    for (let i = 1; i < 8_000; i++)
-      lines.push(JSON.stringify({ task: { digest }, agent: oracle, metadata: { i } }));
     const res = await h.call({
       method: "POST",
       url: "/v1/batches",
-      payload: lines.join("\n"),
+      payload: batchLines(8_000).join("\n"),
       headers: { "content-type": "application/x-ndjson", "idempotency-key": randomUUID() },
     });
     expect(res.statusCode, res.body.slice(0, 500)).toBe(202);
     expect(res.json().count).toBe(8_000);
-    expect(healthz).not.toBeNull();
-    expect((await healthz!).statusCode).toBe(200);
+    await healthz.expectOk();
     expect(answeredFirst, "/healthz answered while the rows were checked and hashed").toBe(true);
   });
 
   it("checks a JSON batch's rows handing the event loop on: /healthz, asked as its handler starts, is answered before the submission first asks Redis", async () => {
-    let healthz: Promise<LightMyRequestResponse> | null = null;
-    let healthzDone = false;
+    const healthz = healthzProbe();
     let answeredFirst: boolean | null = null;
     const h = await makeHarness({}, undefined, undefined, {
       // The route's handler starts right after this; its body's rows are checked there, then the
       // submission asks Redis what its key has admitted.
       hooks: (app) =>
         app.addHook("preHandler", async (req) => {
-          if (req.url !== "/v1/batches") return;
-          healthz = app.inject({ method: "GET", url: "/healthz" }).finally(() => {
-            healthzDone = true;
-          });
+          if (req.url === "/v1/batches") healthz.send(() => app.inject({ method: "GET", url: "/healthz" }));
         }),
       patchStore: (store) => {
         const getBatch = store.getBatch.bind(store);
         store.getBatch = (...args) => {
-          answeredFirst ??= healthzDone;
+          answeredFirst ??= healthz.answered;
           return getBatch(...args);
         };
       },
@@ -931,8 +926,7 @@ describe("POST /v1/batches", () => {
     });
     expect(res.statusCode, res.body.slice(0, 500)).toBe(202);
     expect(res.json().count).toBe(8_000);
-    expect(healthz).not.toBeNull();
-    expect((await healthz!).statusCode).toBe(200);
+    await healthz.expectOk();
     expect(answeredFirst, "/healthz answered while the batch's rows were checked").toBe(true);
   });
 
