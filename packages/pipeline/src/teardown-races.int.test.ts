@@ -372,6 +372,73 @@ describe("teardown racing the stages (real Docker)", () => {
     expect(pendingAfter.some((e) => e.handle?.id === h2!.id)).toBe(true);
   });
 
+  it("a seed whose receipt a finished close refused turns the result's teardown pending while its sandbox lives (its worker dead before its own destroy)", async () => {
+    const [id] = await fleet.submit([
+      { task: task("hello-file"), agent: { harness: "oracle" }, deadlineS: 3600 },
+    ]);
+    // Seed attempt 1 makes H1, then fails (its probe): H1 is left for the next attempt to replace.
+    let h1: SandboxHandle | null = null;
+    const first = wrapped({
+      create: async (...a) => (h1 = await docker.create(...a)),
+      probe: async () => {
+        throw new Error("the seed's probe failed");
+      },
+    });
+    await expect(runStageJob("seed", job(id!, 0), { ...fleet.deps, provider: first })).rejects.toThrow(
+      /probe failed/,
+    );
+    // Seed attempt 2 begins (before close's tombstone); its label lookup is held.
+    const inFind = gate();
+    const releaseFind = gate();
+    const inDestroyH2 = gate();
+    let h2: SandboxHandle | null = null;
+    const second = wrapped({
+      find: async (...a) => {
+        inFind.open();
+        await releaseFind.opened;
+        return docker.find(...a);
+      },
+      create: async (...a) => (h2 = await docker.create(...a)),
+      // The seed worker dies here: its destroy of H2 (its receipt refused) never happens.
+      destroy: async (...a) => {
+        if (h2 && a[0].id === h2.id) {
+          inDestroyH2.open();
+          return new Promise<never>(() => undefined);
+        }
+        return docker.destroy(...a);
+      },
+    });
+    void runStageJob("seed", job(id!, 1), { ...fleet.deps, provider: second }).catch(() => undefined);
+    await inFind.opened;
+    // Cancelled: close finds H1 by its label, destroys it and finalizes, nothing else of the
+    // rollout known: confirmed.
+    await fleet.deps.store.requestCancel(id!);
+    expect(await runStageJob("close", job(id!), fleet.deps)).toBe("ok");
+    expect(await docker.alive(h1!)).toBe(false);
+    expect(await fleet.deps.store.getResult(id!)).toMatchObject({
+      status: "cancelled",
+      teardown: "confirmed",
+    });
+    // Attempt 2 goes on: finds nothing, makes H2, probes and stages it; its receipt is refused.
+    releaseFind.open();
+    await inDestroyH2.opened;
+    expect(await docker.alive(h2!)).toBe(true);
+    expect((await fleet.deps.ledger.getSandbox(sandboxKey(id!, "resources")))?.handle?.id).toBe(h2!.id);
+    // Not confirmed while H2 lives.
+    expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("pending");
+
+    // Past the orphan grace the registry step puts H2 on the ledger, and the pass after removes
+    // it: only then is the teardown confirmed.
+    for (const m of [5, 20]) {
+      await janitorTick(
+        { ...fleet.deps, now: () => Date.now() + m * 60_000 },
+        { orphanGraceMs: ORPHAN_GRACE_MS },
+      );
+    }
+    expect(await docker.alive(h2!)).toBe(false);
+    expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
+  });
+
   it("the janitor's confirm of H1 does not mark the teardown confirmed while H2 (attached under the same key, its run worker dead before its own destroy) lives", async () => {
     const { id, h1 } = await ownSandboxThenWorkerDies();
     const inCreate = gate();

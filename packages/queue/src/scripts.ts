@@ -223,7 +223,9 @@ const SCRIPTS = {
   /**
    * Store a stage receipt and move status, unless terminal (or closed, for non-close stages).
    * With an attach key, first store a created sandbox's entry (handle included) in the sandboxes
-   * hash whatever the status, so a close or the janitor can find it. Returns 1 if stored.
+   * hash whatever the status, so a close or the janitor can find it; one attached to a finalized
+   * rollout turns its result's teardown pending (a close that finalized first could not see it).
+   * Returns 1 if stored.
    * A receipt is written once: a second attempt of the stage that ran alongside the first (its
    * lock lapsed) is refused (2) before it attaches anything, so it cannot replace the sandbox the
    * next stage already uses; it destroys its own sandbox. The same receipt sent again (ioredis
@@ -239,6 +241,7 @@ const SCRIPTS = {
     //       began last, 'vfence'; a seed's likewise, 'sfence')
     lua: `
       ${TERMINAL}
+      ${CONFIRM_TEARDOWN}
       local stored = redis.call('HGET', KEYS[1], ARGV[1])
       if stored then
         if stored == ARGV[2] then return 1 end
@@ -251,7 +254,24 @@ const SCRIPTS = {
           and redis.call('EXISTS', KEYS[1]) == 1 then return 3 end
       if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], ARGV[9], ARGV[10]) end
       local status = redis.call('HGET', KEYS[1], 'status')
-      if not status or terminal[status] then return 0 end
+      if not status or terminal[status] then
+        -- Finalized already (a close ran while this stage made its sandbox, and could not see
+        -- it): the sandbox attached now lives until its creator's destroy (or, its worker dead,
+        -- the janitor's) is confirmed, so the result cannot say the teardown is confirmed. It is
+        -- turned pending, as finalize turns one with a sandbox registered (\`teardownLeft\`); that
+        -- confirm turns it back (\`confirmTeardown\`).
+        if status and ARGV[9] ~= '' and not string.find(ARGV[10], '"handle":null', 1, true) then
+          local raw = redis.call('HGET', KEYS[1], 'result')
+          local edited = raw and editResult(raw, 'teardown', '"confirmed"', '"pending"')
+          if raw and edited ~= raw then
+            if status == 'completed' then
+              edited = editResult(edited, 'failureKind', 'null', '"teardown_failed"')
+            end
+            redis.call('HSET', KEYS[1], 'result', edited)
+          end
+        end
+        return 0
+      end
       if ARGV[8] ~= '1' and redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
       if status ~= ARGV[3] then
