@@ -1,4 +1,5 @@
-import type { SandboxHandle } from "@fleet/contracts";
+import { FleetError, type SandboxHandle } from "@fleet/contracts";
+import { sandboxKey } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterEach, describe, expect, it } from "vitest";
@@ -130,6 +131,49 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect(rec.failure).toBeNull();
     expect(await provider.alive(rec.receipts.seed!.handle)).toBe(true);
     expect(await runStageJob("run", job(id), deps)).toBe("ok");
+  });
+
+  /**
+   * A first seed delivery (its intent fresh) whose lock lapsed failed for good after a later
+   * delivery began: it dropped the intent as one no sandbox would ever answer, while the later
+   * delivery was making that sandbox (its handle is stored only with its receipt). That worker
+   * dying then, the sandbox had no trail: close found nothing to destroy and said confirmed.
+   */
+  it("a seed superseded before it fails for good leaves the intent of the delivery that took over", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider);
+    const deps = fleet!.deps;
+    const made = latch();
+    let h2: SandboxHandle | null = null;
+    // The later delivery makes the sandbox, and its worker dies right after (the create never returns).
+    const dies = patched(provider, {
+      create: async (...a: Parameters<InMemorySandboxProvider["create"]>) => {
+        h2 = await provider.create(...a);
+        made.open();
+        return new Promise<never>(() => undefined);
+      },
+    });
+    let second: Promise<unknown> = Promise.resolve();
+    const first = runStageJob("seed", job(id, Date.now() - 60_000), {
+      ...deps,
+      provider: patched(provider, {
+        create: async () => {
+          // Paused past its lock: the job is handed to another worker, which begins the seed.
+          second = runStageJob("seed", job(id), { ...deps, provider: dies });
+          await made.opened;
+          throw FleetError.nonRetryable("invalid_task", "the image is not there");
+        },
+      }),
+    });
+    expect(await first).toBe("superseded");
+    void second.catch(() => undefined);
+    // The later delivery's intent is there still (re-dated by its begin).
+    expect(await deps.ledger.getSandbox(sandboxKey(id, "resources"))).toMatchObject({ handle: null });
+    // Cancelled: close finds the sandbox by its labels from that intent, and destroys it.
+    await deps.store.requestCancel(id);
+    expect(await runStageJob("close", job(id), deps)).toBe("ok");
+    expect(await provider.alive(h2!)).toBe(false);
+    expect(await deps.store.getResult(id)).toMatchObject({ status: "cancelled", teardown: "confirmed" });
   });
 
   /**

@@ -369,10 +369,17 @@ export const seed: StageHandler = async (rec, deps) => {
   // recorded will never get a sandbox (a create that fails for good leaves no container; one it
   // could not remove is retryable): drop it, so close can confirm the teardown at once instead
   // of waiting out the intent grace period. Not one an earlier attempt recorded: that attempt may
-  // have created the sandbox, and close must still find it.
+  // have created the sandbox, and close must still find it. Nor once a later delivery began (this
+  // one's lock lapsed): the intent is that delivery's, which may be making the sandbox now (its
+  // handle is stored only with its receipt), so only while this one holds the seed fence.
   const dropFreshIntent = async (err: unknown) => {
     if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
-      await deps.ledger.confirm({ key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id }, null);
+      const seedFence = rec.begun.seedToken ?? undefined;
+      await deps.ledger.confirm(
+        { key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id },
+        null,
+        seedFence === undefined ? {} : { seedFence },
+      );
     }
   };
   let task: TaskContent;

@@ -548,9 +548,12 @@ const SCRIPTS = {
     // unless ARGV[5] is '-', one whose handle is the sandbox destroyed (id ARGV[5]). An entry
     // recorded meanwhile for another sandbox under the same key (one that replaced the destroyed
     // one) is not this destroy's to forget.
+    // ARGV[6], ARGV[7] (optional): a fence field of the rollout and the value it must hold, or
+    // nothing is done (0): a seed delivery drops its intent only while it holds the seed fence.
     lua: `
       ${CONFIRM_TEARDOWN}
       ${FORGET_DESTROYED}
+      if ARGV[6] and ARGV[6] ~= '' and redis.call('HGET', KEYS[4], ARGV[6]) ~= ARGV[7] then return 0 end
       forgetDestroyed(KEYS[1], KEYS[2], KEYS[3], ARGV[1], ARGV[5])
       return confirmTeardown(KEYS[4], KEYS[2], ARGV[2], ARGV[3], KEYS[5], ARGV[4], KEYS[1])`,
   },

@@ -202,6 +202,13 @@ export class TeardownLedger {
      * it under the same key stays. Omitted: the key is forgotten whatever it holds.
      */
     destroyed?: SandboxHandle | null,
+    options: {
+      /**
+       * Only while this token holds the rollout's seed fence (a seed delivery dropping the intent
+       * its begin recorded: once a later delivery began, the intent is that one's).
+       */
+      seedFence?: string;
+    } = {},
   ): Promise<void> {
     const only = destroyed === undefined ? "" : destroyed === null || !destroyed.id ? "-" : destroyed.id;
     await this.redis.fleetConfirm(
@@ -215,6 +222,7 @@ export class TeardownLedger {
       sandboxKey(entry.rolloutId, "agent"),
       entry.rolloutId,
       only,
+      ...(options.seedFence === undefined ? [] : ["sfence", options.seedFence]),
     );
   }
 
