@@ -1029,7 +1029,10 @@ export class RolloutStore {
     return rows.map((r) => FailureRecord.parse(JSON.parse(r)));
   }
 
-  /** Durable tombstone; after it no seed creates a sandbox. Returns the previous fence. */
+  /**
+   * Durable tombstone; after it no seed creates a sandbox. Returns the previous fence ('' for none,
+   * and for a rollout with no record, for which nothing is written).
+   */
   async tombstone(id: string): Promise<string> {
     return String(await this.redis.fleetTombstone(this.keys.rollout(id)));
   }

@@ -471,10 +471,14 @@ const SCRIPTS = {
       redis.call('ZADD', KEYS[1], string.format('%.0f', clock(ARGV[2]) + tonumber(ARGV[3])), ARGV[1])
       return 1`,
   },
-  /** Tombstone: no seed may create a sandbox after this. Returns the previous fence. */
+  /**
+   * Tombstone: no seed may create a sandbox after this. Returns the previous fence; '' and nothing
+   * written for a rollout with no record (a bare hash there would have no TTL, and stay for good).
+   */
   fleetTombstone: {
     keys: 1,
     lua: `
+      if redis.call('EXISTS', KEYS[1]) == 0 then return '' end
       local fence = redis.call('HGET', KEYS[1], 'fence')
       redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
       return fence or ''`,

@@ -1092,6 +1092,13 @@ describe("rollout store", () => {
     expect((await ledger.sandboxesOf(late)).resources?.handle?.id).toBe(`c-${id}`);
   });
 
+  it("a tombstone for a rollout with no record (never admitted, or its retention ended) writes nothing", async () => {
+    const id = `gone-${Date.now()}`;
+    expect(await store.tombstone(id)).toBe("");
+    // A bare hash there (no status, no TTL) would stay for good.
+    expect(await redis.exists(store.keys.rollout(id))).toBe(0);
+  });
+
   it("an intent is refused once the rollout is tombstoned, before it is terminal (rule 9: nothing made after a close began)", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
