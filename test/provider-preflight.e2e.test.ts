@@ -2,7 +2,7 @@ import { spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import type { AddressInfo } from "node:net";
-import { createServer } from "node:net";
+import { connect, createServer, type Server, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest } from "@fleet/contracts";
@@ -14,9 +14,10 @@ import {
   RolloutStore,
   StageQueues,
 } from "@fleet/queue";
+import { DockerSandboxProvider } from "@fleet/sandbox";
 import { afterAll, describe, expect, it, vi } from "vitest";
 import { APP_MAIN, REPO_ROOT } from "../scripts/lib/fleet-processes.ts";
-import { dropPrefix, REDIS_URL, testPrefix } from "./helpers/env.ts";
+import { dropPrefix, IMAGE, REDIS_URL, testPrefix } from "./helpers/env.ts";
 
 /** Run an app's main.ts as its own process; resolves with its exit code and output. */
 function runApp(
@@ -45,6 +46,20 @@ function runApp(
   );
 }
 
+/** A unix socket at `path` that relays every connection to the Docker daemon at `dockerHost`. */
+async function relayTo(path: string, dockerHost: string): Promise<Server> {
+  const target = new URL(dockerHost);
+  const server = createServer((client: Socket) => {
+    const daemon =
+      target.protocol === "unix:" ? connect(target.pathname) : connect(Number(target.port), target.hostname);
+    client.pipe(daemon).pipe(client);
+    client.on("error", () => daemon.destroy());
+    daemon.on("error", () => client.destroy());
+  });
+  await new Promise<void>((resolve) => server.listen(path, resolve));
+  return server;
+}
+
 describe("a worker that cannot reach its sandbox provider", () => {
   const prefix = testPrefix("preflight");
   const redis = createRedis(REDIS_URL);
@@ -54,7 +69,7 @@ describe("a worker that cannot reach its sandbox provider", () => {
     redis.disconnect();
   });
 
-  it("refuses to start, saying what to set, and takes no stage job (nothing masked)", async () => {
+  it("a stage worker refuses to start, saying what to set, and takes no stage job (nothing masked)", async () => {
     const store = new RolloutStore(redis, prefix);
     const queues = new StageQueues(redis, prefix);
     const task = {
@@ -79,13 +94,11 @@ describe("a worker that cannot reach its sandbox provider", () => {
       DOCKER_HOST: `tcp://127.0.0.1:${port}`,
       FLEET_PROVIDER_WAIT_MS: "1500",
     };
-    for (const kind of ["resources", "janitor"] as const) {
-      const { code, output } = await runApp(kind, env);
-      expect(code, output).toBe(1);
-      expect(output).toContain("refusing to start: no sandbox provider");
-      expect(output).toContain(`cannot reach the docker sandbox provider at tcp://127.0.0.1:${port}`);
-      expect(output).toContain("DOCKER_HOST");
-    }
+    const { code, output } = await runApp("resources", env);
+    expect(code, output).toBe(1);
+    expect(output).toContain("refusing to start: no sandbox provider");
+    expect(output).toContain(`cannot reach the docker sandbox provider at tcp://127.0.0.1:${port}`);
+    expect(output).toContain("DOCKER_HOST");
     const seed = await queues.queues.seed.getJob(`${ids[0]}.seed`);
     expect(seed?.attemptsMade).toBe(0);
     expect(await seed?.getState()).toBe("waiting");
@@ -113,6 +126,102 @@ describe("a worker that cannot reach its sandbox provider", () => {
     } finally {
       await rm(empty, { recursive: true, force: true });
     }
+  });
+
+  it("a janitor that cannot reach its provider starts anyway: says so (log, fleet_sandbox_provider_up 0), closes rollouts past their deadline meanwhile, and sweeps its sandboxes once the daemon answers", async () => {
+    const store = new RolloutStore(redis, prefix);
+    const queues = new StageQueues(redis, prefix);
+    const task = {
+      id: `preflight-${randomUUID().slice(0, 6)}`,
+      instruction: "noop",
+      image: "img",
+      solution: { "solve.sh": "true\n" },
+      tests: { "test.sh": "exit 0\n" },
+    };
+    // Accepted 3 hours ago: past its deadline and the watchdog's grace, with no stage closing it.
+    const {
+      ids: [overdue],
+    } = await admit(
+      store,
+      queues,
+      { requests: [RolloutRequest.parse({ task, agent: { harness: "oracle" } })], batch: false },
+      { maxTaskBytes: 1 << 20, now: Date.now() - 3 * 3_600_000 },
+    );
+    // A sandbox of this fleet (its scope is the prefix) whose rollout is unknown: an orphan.
+    const docker = new DockerSandboxProvider({ scope: prefix });
+    const orphan = await docker.create({
+      image: IMAGE,
+      rolloutId: `orphan-${randomUUID().slice(0, 8)}`,
+      owner: "resources",
+      expiresAt: Date.now() + 3_600_000,
+    });
+    // The janitor's daemon address: nothing there yet (as a daemon that is down, or not up yet).
+    const dir = await mkdtemp(join(tmpdir(), "fleet-preflight-janitor-"));
+    const socket = join(dir, "docker.sock");
+    const metricsPort = await freeLoopbackPort();
+    const gauge = async () =>
+      /^fleet_sandbox_provider_up(?:\{[^}]*\})? (\d)$/m.exec(
+        await fetch(`http://127.0.0.1:${metricsPort}/metrics`).then((r) => r.text()),
+      )?.[1];
+    let kill = () => {};
+    let output = () => "";
+    let exited = false;
+    const running = runApp(
+      "janitor",
+      {
+        REDIS_URL,
+        FLEET_PREFIX: prefix,
+        DOCKER_HOST: `unix://${socket}`,
+        FLEET_JANITOR_INTERVAL_MS: "300",
+        FLEET_ORPHAN_GRACE_MS: "1000",
+        FLEET_METRICS_PORT: String(metricsPort),
+      },
+      (k, o) => {
+        kill = k;
+        output = o;
+      },
+    ).finally(() => (exited = true));
+    let proxy: Server | null = null;
+    try {
+      // Started (it used to wait FLEET_PROVIDER_WAIT_MS, then exit 1), saying what is wrong.
+      await vi.waitFor(() => expect(output()).toContain('"msg":"janitor started"'), {
+        timeout: 30_000,
+        interval: 100,
+      });
+      expect(output()).toContain(`"endpoint":"unix://${socket}"`);
+      expect(output()).toContain("sandbox provider not reachable; the janitor runs its Redis-only steps");
+      await vi.waitFor(async () => expect(await gauge()).toBe("0"), { timeout: 10_000, interval: 100 });
+      // Its Redis-only duty goes on: the overdue rollout is failed (masked) and its close enqueued.
+      await vi.waitFor(
+        async () => {
+          const rec = await store.get(overdue!);
+          expect(rec?.failure?.failureKind).toBe("deadline_exceeded");
+          expect(await queues.queues.close.getJob(`${overdue}.close`)).toBeDefined();
+        },
+        { timeout: 30_000, interval: 200 },
+      );
+      expect(exited, output()).toBe(false);
+      expect(await docker.alive(orphan)).toBe(true);
+      expect(await gauge()).toBe("0");
+      // The daemon answers at that address (a relay to this host's daemon): the janitor finds it
+      // by itself and does its Docker duties: the orphan goes.
+      proxy = await relayTo(socket, process.env.DOCKER_HOST ?? "unix:///var/run/docker.sock");
+      await vi.waitFor(async () => expect(await docker.alive(orphan)).toBe(false), {
+        timeout: 60_000,
+        interval: 200,
+      });
+      expect(output()).toContain("sandbox provider answers again");
+      expect(await gauge()).toBe("1");
+      expect(exited, output()).toBe(false);
+    } finally {
+      kill();
+      await running;
+      proxy?.close();
+      await docker.destroy(orphan);
+      await queues.close();
+      await rm(dir, { recursive: true, force: true });
+    }
+    expect((await running).code, output()).toBe(0);
   });
 
   it("while it waits for the provider, its metrics say the provider is down (an alert sees it; its heartbeat is fresh)", async () => {
@@ -229,8 +338,8 @@ describe("a worker that cannot reach its sandbox provider", () => {
       "FLEET_CONCURENCY is not a variable of the fleet: it is ignored (did you mean FLEET_CONCURRENCY?)",
       "FLEET_LOGLEVEL is not a variable of the fleet: it is ignored (did you mean FLEET_LOG_LEVEL?)",
     ];
-    // Each app ends early on its own (an address it cannot listen on, no sandbox provider): the
-    // warnings come first, at start.
+    // Each app ends early on its own (an address it cannot listen on): the warnings come first,
+    // at start. (A janitor without its sandbox provider no longer ends: it starts without it.)
     const dispatcher = await runApp("dispatcher", {
       REDIS_URL,
       FLEET_PREFIX: prefix,
@@ -241,10 +350,11 @@ describe("a worker that cannot reach its sandbox provider", () => {
     const janitor = await runApp("janitor", {
       REDIS_URL,
       FLEET_PREFIX: prefix,
-      DOCKER_HOST: `tcp://127.0.0.1:${await freeLoopbackPort()}`,
-      FLEET_PROVIDER_WAIT_MS: "500",
+      FLEET_METRICS_PORT: "0",
+      FLEET_METRICS_HOST: "203.0.113.7",
       ...typos,
     });
+    expect(janitor.code, janitor.output).toBe(1);
     for (const { output } of [dispatcher, janitor]) {
       const warnings = output
         .split("\n")

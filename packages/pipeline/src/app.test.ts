@@ -56,7 +56,7 @@ describe("providerReady", () => {
   const gauge = async (metrics: ReturnType<typeof createFleetMetrics>) =>
     (await metrics.sandboxProviderUp.get()).values.map((v) => v.value);
 
-  it("exports the provider down while it waits, and up once it answers (a janitor has no breaker to set it)", async () => {
+  it("exports the provider down while it waits, and up once it answers (before the breaker takes over)", async () => {
     const metrics = createFleetMetrics(createMetricsRegistry({ app: "app-test", defaultMetrics: false }));
     const { provider } = flaky(2);
     const seen: number[][] = [];

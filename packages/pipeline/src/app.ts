@@ -28,6 +28,7 @@ import {
 import { checkCredentialsFile, createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
+import { watchProvider } from "./provider-gate.ts";
 import { statusFor } from "./result.ts";
 import { countStalledJobs, createStageWorkers, DEFAULT_SEED_AHEAD, providerProblem } from "./worker.ts";
 
@@ -204,7 +205,7 @@ const PROVIDER_HINT: Record<Common["sandboxProvider"], string> = {
 /**
  * `waitForProvider` for an app at start: on failure logs why, releases everything, exit code 1.
  * Meanwhile `fleet_sandbox_provider_up` is 0, and 1 once the provider answers (the stage
- * workers' breaker keeps it from then on; a janitor's stays 1).
+ * workers' breaker keeps it from then on). The janitor does not wait: `watchProvider`.
  */
 export async function providerReady(
   deps: PipelineDeps,
@@ -323,7 +324,11 @@ export async function runJanitorApp(env: Env): Promise<void> {
   const config = parseConfig(JanitorConfig, env);
   const workerId = `janitor-${hostname()}-${process.pid}`;
   const { deps, redis, logger, shutdown } = await buildDeps("janitor", config, workerId, env);
-  if (!(await providerReady(deps, config, logger, shutdown))) return;
+  // Not `providerReady`: the janitor's watchdog, admissions and registry need only Redis, so it
+  // starts without its provider (a daemon down, restarting, or a wrong DOCKER_HOST), says so
+  // (fleet_sandbox_provider_up 0, a warning with what to check), and runs its sandbox steps once
+  // the provider answers, probed with backoff.
+  const providerGate = await watchProvider(deps, { hint: PROVIDER_HINT[config.sandboxProvider] });
   // A sandbox intent whose container never appeared: trusted as never created after the same
   // grace as an unknown labelled sandbox (the label sweep still catches a late create).
   deps.intentGraceMs = config.orphanGraceMs;
@@ -333,11 +338,13 @@ export async function runJanitorApp(env: Env): Promise<void> {
     prefix: config.prefix,
     intervalMs: config.intervalMs,
     orphanGraceMs: config.orphanGraceMs,
+    providerGate,
   });
-  logger.info({ intervalMs: config.intervalMs }, "janitor started");
+  logger.info({ intervalMs: config.intervalMs, providerUp: providerGate.up }, "janitor started");
   onSignals(
     logger,
     async (budgetMs) => {
+      providerGate.stop();
       await janitor.close(budgetMs);
       await shutdown();
     },

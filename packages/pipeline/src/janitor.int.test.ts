@@ -546,6 +546,41 @@ describe("janitor", () => {
     expect(closeJob).toBeTruthy();
   });
 
+  it("while its provider gate says the provider is down, a pass runs only its Redis steps (the watchdog closes) and asks the provider nothing; a pass whose orphan listing fails marks the gate down", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
+    // The daemon gone: every listing fails; each call the janitor makes is noted.
+    const calls: string[] = [];
+    const gone = new Proxy(docker, {
+      get(target, prop, receiver) {
+        const value = Reflect.get(target, prop, receiver);
+        if (typeof value !== "function") return value;
+        return (...args: unknown[]) => {
+          calls.push(String(prop));
+          if (prop === "list") return Promise.reject(new Error("docker list failed: ENOENT"));
+          return value.apply(target, args);
+        };
+      },
+    });
+    const later = { ...fleet.deps, provider: gone, now: () => Date.now() + 120_000 };
+    const trips: string[] = [];
+    const providerGate = { up: false, trip: (reason: string) => void trips.push(reason) };
+    const options = { orphanGraceMs: 60_000, watchdogGraceMs: 1000, providerGate };
+    const down = await janitorTick(later, options);
+    expect(down.watchdogClosed).toBe(1);
+    expect(await fleet.deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
+    expect(down.providerDown).toBe(true);
+    expect(down.errors).toEqual([]);
+    expect(calls).toEqual([]);
+    // Up by the gate, but the listing fails: the gate is told.
+    providerGate.up = true;
+    const up = await janitorTick(later, options);
+    expect(up.providerDown).toBe(false);
+    expect(up.errors).toContainEqual(expect.stringMatching(/^orphans: .*ENOENT/));
+    expect(trips).toEqual([expect.stringContaining("ENOENT")]);
+  });
+
   it("an overdue rollout whose record cannot be read (torn, or gone) is set aside, its record kept: 100 of them do not hold up the watchdog for every other", async () => {
     const { redis } = fleet;
     const { store } = fleet.deps;

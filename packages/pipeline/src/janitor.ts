@@ -13,6 +13,7 @@ import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fl
 import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
+import type { ProviderGate } from "./provider-gate.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
 import { boundedClose, countStalledJobs, freshErrors } from "./worker.ts";
 
@@ -28,6 +29,12 @@ export interface JanitorOptions {
    * died in, and finished: the seeds of its recorded rollouts enqueued. @defaultValue 60 s
    */
   admissionGraceMs?: number;
+  /**
+   * Whether the sandbox provider answers (`watchProvider`): while it does not, a pass runs only
+   * its Redis steps, and the orphan sweep's listing failing marks it down. Without one, every
+   * step runs every pass.
+   */
+  providerGate?: Pick<ProviderGate, "up" | "trip">;
 }
 
 export const DEFAULT_ADMISSION_GRACE_MS = 60_000;
@@ -68,6 +75,11 @@ export interface JanitorReport {
   admissionsFinished: number;
   /** Steps of this pass that failed (e.g. `orphans: docker list: …`); the other steps still ran. */
   errors: string[];
+  /**
+   * The provider did not answer (`JanitorOptions.providerGate`): the steps that need it were not
+   * run (ledger retries, orphans, volumes, networks, helpers; the registry only scheduled).
+   */
+  providerDown: boolean;
 }
 
 /** A janitor step's name: the step, or one entry of its loop (`<step> <entry key>`). */
@@ -84,7 +96,9 @@ type StepName = JanitorStep | `${JanitorStep} ${string}`;
  * step runs whatever the others did: a Docker daemon that is down stops the orphan sweep, not the
  * deadline watchdog, which needs only Redis and runs first (a hung daemon, answering each call
  * only at its timeout, cannot hold it up); no destroy starts once the pass has run
- * `destroyBudgetMs`. A step's failure is logged and reported in `errors`.
+ * `destroyBudgetMs`. A step's failure is logged and reported in `errors`. While
+ * `options.providerGate` says the provider does not answer, the steps that need it are not run
+ * (`providerDown`); the orphan sweep's listing failing marks it down.
  */
 export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): Promise<JanitorReport> {
   const report: JanitorReport = {
@@ -100,6 +114,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     closedByJanitor: 0,
     admissionsFinished: 0,
     errors: [],
+    providerDown: false,
   };
   const now = clock(deps);
   const started = Date.now();
@@ -124,6 +139,13 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       }
     };
   const step = guarded(stepFailed);
+  // The steps below that need the provider run only while it answers (asked at each: the orphan
+  // sweep's listing failing marks it down for the rest of the pass).
+  const providerUp = () => {
+    const up = options.providerGate?.up ?? true;
+    if (!up) report.providerDown = true;
+    return up;
+  };
   // Per-entry steps of one loop: every entry is tried whatever the others did, but only the first
   // few failures are reported one by one; the rest are summed up in one report when the loop ends
   // (`done`). Redis or the daemon failing every call (a busy script, an outage that answers
@@ -233,7 +255,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       leftoversListing ??= listLeftovers(deps);
       return leftoversListing;
     };
-    for (const key of unreadable) {
+    // Retiring one asks the provider what it holds: not while it does not answer.
+    for (const key of providerUp() ? unreadable : []) {
       await registrySteps.run(`registry ${key}`, async () => {
         const retired = await retireUnreadableEntry(deps, key, now, options.orphanGraceMs, leftovers);
         if (retired) report.registryRetired++;
@@ -257,70 +280,75 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 
   // (1) Ledger retries. A confirmed destroy that was the rollout's last on the ledger marks its
   // result's teardown confirmed (in the ledger's confirm).
-  await step("ledger", async () => {
-    const ledgerSteps = entrySteps("ledger");
-    const due = await deps.ledger.due(now, undefined, ledgerSteps.invalid);
-    ledgerSteps.done();
-    for (const entry of due) {
-      if (overBudget()) break; // the rest are still due next pass
-      report.retried++;
-      const r = await destroyOrLedger(deps, entry);
-      if (r.teardown === "confirmed") report.confirmed++;
-      else report.stillPending++;
-    }
-  });
+  if (providerUp())
+    await step("ledger", async () => {
+      const ledgerSteps = entrySteps("ledger");
+      const due = await deps.ledger.due(now, undefined, ledgerSteps.invalid);
+      ledgerSteps.done();
+      for (const entry of due) {
+        if (overBudget()) break; // the rest are still due next pass
+        report.retried++;
+        const r = await destroyOrLedger(deps, entry);
+        if (r.teardown === "confirmed") report.confirmed++;
+        else report.stillPending++;
+      }
+    });
 
   // (3) Orphans by label: what the registry does not know (a worker died before recording).
-  await step("orphans", async () => {
-    let listed: SandboxInfo[];
-    try {
-      listed = await deps.provider.list();
-    } catch (err) {
-      // No count now: fleet_sandboxes_active goes without a sample rather than keep its last
-      // value, which FleetSandboxLeak would take for sandboxes the fleet no longer accounts for.
-      dropSandboxCount(deps);
-      throw err;
-    }
-    // A sandbox on the teardown ledger is the ledger step's, retried on its backoff: trying it
-    // here too would retry a failing destroy every pass and push its backoff out each time.
-    // (One that does not parse was reported by the ledger step, when due.)
-    const onLedger = new Map((await deps.ledger.pending(() => undefined)).map((e) => [e.key, e]));
-    // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
-    const active = { resources: 0, agent: 0 };
-    for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
-    const orphanSteps = entrySteps("orphans");
-    for (const info of listed) {
-      const rolloutId = info.labels[LABEL_ROLLOUT];
-      const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
-      const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
-      if (!rolloutId) continue;
-      // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
-      await orphanSteps.run(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
-        if (!(await isOrphan(deps, rolloutId, expires, info.createdAt, now, options.orphanGraceMs))) return;
-        if (overBudget()) return; // counted as active; removed next pass
-        const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
-        if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) return;
-        const entry: SandboxEntry = {
-          key: sandboxKey(rolloutId, owner),
-          rolloutId,
-          owner,
-          provider: deps.provider.name,
-          handle: info.handle,
-          createdAt: info.createdAt,
-          expiresAt: Number.isFinite(expires) ? expires : now,
-        };
-        const r = await destroyOrLedger(deps, entry);
-        if (r.teardown === "confirmed") {
-          active[owner]--;
-          report.orphansRemoved++;
-        }
-      });
-    }
-    for (const [owner, n] of Object.entries(active)) {
-      deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
-    }
-    orphanSteps.done();
-  });
+  if (providerUp())
+    await step("orphans", async () => {
+      let listed: SandboxInfo[];
+      try {
+        listed = await deps.provider.list();
+      } catch (err) {
+        // The provider does not answer: the steps that need it wait until it does (probed with
+        // backoff), instead of failing every pass.
+        options.providerGate?.trip(errorText(err));
+        // No count now: fleet_sandboxes_active goes without a sample rather than keep its last
+        // value, which FleetSandboxLeak would take for sandboxes the fleet no longer accounts for.
+        dropSandboxCount(deps);
+        throw err;
+      }
+      // A sandbox on the teardown ledger is the ledger step's, retried on its backoff: trying it
+      // here too would retry a failing destroy every pass and push its backoff out each time.
+      // (One that does not parse was reported by the ledger step, when due.)
+      const onLedger = new Map((await deps.ledger.pending(() => undefined)).map((e) => [e.key, e]));
+      // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
+      const active = { resources: 0, agent: 0 };
+      for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
+      const orphanSteps = entrySteps("orphans");
+      for (const info of listed) {
+        const rolloutId = info.labels[LABEL_ROLLOUT];
+        const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
+        const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
+        if (!rolloutId) continue;
+        // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
+        await orphanSteps.run(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
+          if (!(await isOrphan(deps, rolloutId, expires, info.createdAt, now, options.orphanGraceMs))) return;
+          if (overBudget()) return; // counted as active; removed next pass
+          const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
+          if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) return;
+          const entry: SandboxEntry = {
+            key: sandboxKey(rolloutId, owner),
+            rolloutId,
+            owner,
+            provider: deps.provider.name,
+            handle: info.handle,
+            createdAt: info.createdAt,
+            expiresAt: Number.isFinite(expires) ? expires : now,
+          };
+          const r = await destroyOrLedger(deps, entry);
+          if (r.teardown === "confirmed") {
+            active[owner]--;
+            report.orphansRemoved++;
+          }
+        });
+      }
+      for (const [owner, n] of Object.entries(active)) {
+        deps.metrics?.sandboxesActive.set({ provider: deps.provider.name, owner }, n);
+      }
+      orphanSteps.done();
+    });
 
   // (3b) Sandbox volumes no container uses (`diskMb: null` workspaces): a destroy cut off between
   // removing the container and removing its volume leaves the volume, which the orphan sweep
@@ -328,7 +356,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // one a container uses is never listed, and the daemon refuses its removal if one took it since.
   const listUnusedVolumes = deps.provider.listUnusedVolumes?.bind(deps.provider);
   const removeUnusedVolume = deps.provider.removeUnusedVolume?.bind(deps.provider);
-  if (listUnusedVolumes && removeUnusedVolume) {
+  if (listUnusedVolumes && removeUnusedVolume && providerUp()) {
     await step("volumes", async () => {
       const volumeSteps = entrySteps("volumes");
       for (const volume of await listUnusedVolumes()) {
@@ -353,7 +381,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   }
 
   // (5) Gateway networks whose rollout is over (a close that could not remove one).
-  if (deps.networks) {
+  if (deps.networks && providerUp()) {
     const networks = deps.networks;
     await step("networks", async () => {
       const failed: string[] = [];
@@ -400,7 +428,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // (6) The provider's helper containers left behind (a kill-sweep reaper whose worker died
   // before starting it): only the provider knows them.
   const removeStaleHelpers = deps.provider.removeStaleHelpers?.bind(deps.provider);
-  if (removeStaleHelpers) {
+  if (removeStaleHelpers && providerUp()) {
     await step("helpers", async () => {
       await removeStaleHelpers(STALE_HELPER_MS);
     });

@@ -219,7 +219,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     sandboxProviderUp: new Gauge({
       name: "fleet_sandbox_provider_up",
-      help: "0 while this worker's provider breaker is open (a seed, run or verify failed and the provider did not answer: those jobs are held, none taken), or while it waits at start for its provider; 1 otherwise. Set by stage workers (and by a janitor that had to wait at start). An idle worker does not probe: 1 says no failure found it down.",
+      help: "0 while this worker's provider breaker is open (a seed, run or verify failed and the provider did not answer: those jobs are held, none taken), or while it waits at start for its provider; 1 otherwise. Set by stage workers, and by the janitor (0 while its provider does not answer: its sandbox steps wait). An idle worker does not probe: 1 says no failure found it down.",
       registers,
     }),
     seedingHeld: new Gauge({
