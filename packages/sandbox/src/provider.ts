@@ -108,7 +108,10 @@ export interface SandboxProvider {
   put(handle: SandboxHandle, dir: string, files: FileSet, options?: PutOptions): Promise<void>;
   /** Read one file; `null` if it does not exist. Capped at `maxBytes` (default 1 MiB). */
   get(handle: SandboxHandle, path: string, options?: { maxBytes?: number }): Promise<string | null>;
-  /** The isolation probe (DESIGN §5). Throws final `isolation_refused` or retryable `provider_unavailable`. */
+  /**
+   * The isolation probe (DESIGN §5). Throws final `isolation_refused`, final `sandbox_lost` when
+   * the sandbox no longer exists (destroyed, its PID 1 gone), or retryable `provider_unavailable`.
+   */
   probe(handle: SandboxHandle, options?: { timeoutMs?: number }): Promise<ProbeReport>;
   /** Kill every process of `user` in the sandbox and confirm none remains. */
   killProcesses(handle: SandboxHandle, user?: string, options?: KillOptions): Promise<CleanupReceipt>;

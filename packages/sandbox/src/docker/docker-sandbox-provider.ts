@@ -644,6 +644,9 @@ export class DockerSandboxProvider implements SandboxProvider {
     } catch (err) {
       if (isFleetError(err) && err.kind === "invalid_task") throw err; // the image's (probeStdout)
       const e = isFleetError(err) ? err : classifyDockerError(err, "probe", handle.name);
+      // A container that is gone is lost (final, masked), as bubblewrap's is: not an unreachable
+      // daemon, which a retry against the same handle could never get past.
+      if (e.kind === "sandbox_lost") throw e;
       throw FleetError.retryable(
         "provider_unavailable",
         `isolation probe of ${handle.name} failed: ${e.message}`,
