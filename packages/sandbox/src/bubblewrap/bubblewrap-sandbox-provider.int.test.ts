@@ -1,7 +1,7 @@
 import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import { existsSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
-import { mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import { mkdir, mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -568,7 +568,7 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       expect(await fleetError(noBwrap.create(spec()))).toMatchObject({
         kind: "provider_unavailable",
         retryable: true,
-        message: expect.stringContaining("bwrap is not installed"),
+        message: expect.stringContaining("bwrap (/nonexistent/bwrap) is not installed"),
       });
       expect(await provider.hostProblem()).toBeNull();
     } finally {
@@ -576,24 +576,60 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     }
   });
 
-  it("a create on a rootfs that is not there, or is no rootfs, says why in bwrap's words (its log goes with the failed start)", async () => {
-    const empty = await mkdtemp(join(tmpdir(), "fleet-bwrap-empty-"));
+  it("a create on a host the preflight refuses fails with the preflight's own retryable error, starting nothing", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-bwrap-preflight-"));
     try {
-      const missing = join(empty, "missing");
-      const noRootfs = new BubblewrapSandboxProvider({ rootfs: missing, stateDir, scope: RUN });
-      expect(await fleetError(noRootfs.create(spec()))).toMatchObject({
-        kind: "provider_unavailable",
-        retryable: true,
-        message: expect.stringMatching(new RegExp(`exited before its keepalive started: .*${missing}`)),
-      });
-      // An empty directory: no mount point for /proc in a read-only root.
-      const notRootfs = new BubblewrapSandboxProvider({ rootfs: empty, stateDir, scope: RUN });
+      const hostRootLink = join(dir, "rootfs");
+      await symlink("/", hostRootLink);
+      const cases = [
+        // Without the preflight these two started a sandbox: one nothing could ever exec in, one
+        // whose root was the host's own.
+        [{ nsenterPath: "/nonexistent/nsenter" }, "nsenter (/nonexistent/nsenter) is not installed"],
+        [
+          { rootfs: hostRootLink },
+          `FLEET_BWRAP_ROOTFS is / (the host's own root), not a rootfs: ${hostRootLink} leads there`,
+        ],
+        [{ rootfs: join(dir, "missing") }, `the rootfs ${join(dir, "missing")} has no usr/bin/setpriv`],
+      ] as const;
+      for (const [options, message] of cases) {
+        const refused = new BubblewrapSandboxProvider({
+          rootfs: provider.rootfs,
+          stateDir,
+          scope: RUN,
+          ...options,
+        });
+        const s = spec();
+        const err = await fleetError(refused.create(s));
+        expect(err).toMatchObject({ kind: "provider_unavailable", retryable: true });
+        expect(err.message).toBe(await refused.hostProblem());
+        expect(err.message).toContain(message);
+        expect(await provider.list({ "fleet.rollout": s.rolloutId })).toEqual([]);
+        expect(
+          readdirSync(stateDir).filter((f) => f.startsWith(sandboxName(s.rolloutId, "resources", RUN))),
+        ).toEqual([]);
+      }
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("a create on a rootfs the preflight passes but bwrap cannot use says why in bwrap's words (its log goes with the failed start)", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-bwrap-notrootfs-"));
+    try {
+      // What the preflight looks for, and nothing else: no mount point for /proc in a read-only root.
+      for (const tool of ["usr/bin/setpriv", "usr/bin/env", "usr/bin/timeout", "bin/sh"]) {
+        await mkdir(join(dir, tool, ".."), { recursive: true });
+        await writeFile(join(dir, tool), "");
+      }
+      const notRootfs = new BubblewrapSandboxProvider({ rootfs: dir, stateDir, scope: RUN });
+      expect(await notRootfs.hostProblem()).toBeNull();
       expect(await fleetError(notRootfs.create(spec()))).toMatchObject({
         kind: "provider_unavailable",
+        retryable: true,
         message: expect.stringMatching(/exited before its keepalive started: bwrap: .*\/proc/),
       });
     } finally {
-      await rm(empty, { recursive: true, force: true });
+      await rm(dir, { recursive: true, force: true });
     }
   });
 

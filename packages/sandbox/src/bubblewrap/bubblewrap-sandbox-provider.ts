@@ -234,12 +234,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     if (unsupported) {
       throw FleetError.nonRetryable("invalid_task", `the bubblewrap provider cannot give ${unsupported}`);
     }
-    if (process.getuid?.() !== 0) {
-      throw FleetError.nonRetryable(
-        "invalid_task",
-        "the bubblewrap provider needs root on the host (nsenter into the sandbox, agent uid 1000)",
-      );
-    }
+    // The host's preflight, as `list` (a worker's start) runs it: a host that lost a tool since,
+    // or a provider used without that start, fails here with the host's fault (retryable: another
+    // host can run the rollout), not with a sandbox nothing can exec in or whose root is the host's.
+    const problem = await this.hostProblem();
+    if (problem !== null) throw FleetError.retryable("provider_unavailable", problem);
     const name = sandboxName(spec.rolloutId, spec.owner, this.scope);
     const existing = await this.readState(name);
     if (existing) {
@@ -810,7 +809,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
    * What this host lacks to make sandboxes (root, `bwrap` and `nsenter` on the sandbox PATH, a
    * rootfs holding what every exec runs), or null. Asked by `list`, so a worker on a host that
    * lacks one refuses to start (`waitForProvider`) and its breaker holds jobs, rather than failing
-   * or masking every rollout it takes. Never throws.
+   * or masking every rollout it takes; and by `create`, before anything is made. Never throws.
    */
   async hostProblem(): Promise<string | null> {
     if (process.getuid?.() !== 0) return "the bubblewrap provider needs root on the host";
