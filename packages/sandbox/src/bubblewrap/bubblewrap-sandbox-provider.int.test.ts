@@ -937,6 +937,32 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     ).toEqual([[h.id, true]]);
   });
 
+  it("two creates of one rollout at once in one process: one sandbox stands, the other create fails as taken over (never on a state file the other wrote)", async () => {
+    // Before each create wrote its state through its own temporary file, both wrote through one
+    // (`<name>.json.<pid>.tmp`): one's rename took the other's file, the other's then found
+    // nothing (ENOENT), and most often both creates failed.
+    for (let round = 0; round < 5; round++) {
+      const s = spec();
+      const outcomes = await Promise.allSettled([provider.create(s), provider.create(s)]);
+      const made = outcomes.flatMap((o) => (o.status === "fulfilled" ? [o.value] : []));
+      live.push(...made);
+      for (const o of outcomes) {
+        if (o.status === "rejected") {
+          // Taken over at its next state write, or its bwrap killed by the other while it started.
+          expect(o.reason).toMatchObject({ kind: "provider_unavailable", retryable: true });
+          expect((o.reason as Error).message).not.toMatch(/ENOENT|\.tmp/);
+        }
+      }
+      expect(made.length).toBeGreaterThan(0);
+      expect(new Set(made.map((h) => h.id)).size).toBe(1);
+      expect(await provider.alive(made[0]!)).toBe(true);
+      expect(
+        (await provider.list({ "fleet.rollout": s.rolloutId })).map((i) => [i.handle.id, i.running]),
+      ).toEqual([[made[0]!.id, true]]);
+      expect(readdirSync(stateDir).filter((f) => f.endsWith(".tmp"))).toEqual([]);
+    }
+  });
+
   it("outlives the process that created it", async () => {
     const script = join(stateDir, "creator.mts");
     const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");

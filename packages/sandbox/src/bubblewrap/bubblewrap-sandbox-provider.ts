@@ -964,8 +964,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     renameSync(tmp, this.statePath(state.name));
   }
 
+  /**
+   * A temporary file of this write alone: two creates of one name in one process (a seed
+   * redelivered to the worker still running it) write at once, and with one path per process one's
+   * rename took the other's file and the other's found nothing (ENOENT).
+   */
   private stateTmpPath(name: string): string {
-    return `${this.statePath(name)}.${process.pid}.tmp`;
+    return `${this.statePath(name)}.${process.pid}.${randomUUID().slice(0, 8)}.tmp`;
   }
 }
 
