@@ -1,6 +1,15 @@
 import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
-import { existsSync, readdirSync, readFileSync, readlinkSync, rmSync, writeFileSync } from "node:fs";
+import {
+  existsSync,
+  mkdirSync,
+  readdirSync,
+  readFileSync,
+  readlinkSync,
+  rmdirSync,
+  rmSync,
+  writeFileSync,
+} from "node:fs";
 import { mkdir, mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
@@ -961,6 +970,111 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       ).toEqual([[made[0]!.id, true]]);
       expect(readdirSync(stateDir).filter((f) => f.endsWith(".tmp"))).toEqual([]);
     }
+  });
+
+  /** Host pids of every process in a sandbox's PID namespace (its PID 1's, read from its state). */
+  function sandboxProcesses(h: SandboxHandle): number[] {
+    const { initPid } = JSON.parse(readFileSync(join(stateDir, `${h.name}.json`), "utf8")) as {
+      initPid: number;
+    };
+    const ns = readlinkSync(`/proc/${initPid}/ns/pid`);
+    return readdirNumeric("/proc").filter((pid) => {
+      try {
+        return readlinkSync(`/proc/${pid}/ns/pid`) === ns;
+      } catch {
+        return false;
+      }
+    });
+  }
+
+  /** A provider whose host-side exec timer fires soon after a command's deadline and kill grace. */
+  const quickTimer = () =>
+    new BubblewrapSandboxProvider({
+      rootfs: provider.rootfs,
+      stateDir,
+      scope: RUN,
+      defaults: { execSlackMs: 500 },
+    });
+
+  /** `sleep 60` with a 1 s deadline, and a wait until it runs in the sandbox. */
+  async function sleepingExec(
+    p: BubblewrapSandboxProvider,
+    h: SandboxHandle,
+  ): Promise<{ outcome: Promise<unknown> }> {
+    const running = p.exec(h, ["sleep", "60"], { deadlineMs: 1_000 }).then(
+      (r) => r,
+      (e: unknown) => e,
+    );
+    await waitUntil(() => sandboxProcesses(h).some((pid) => cmdline(pid) === "sleep\x0060\x00"));
+    return { outcome: running };
+  }
+
+  it("a command in a sandbox stopped from outside (SIGSTOP) is sandbox_lost once the host's timer fires, not a timeout; one that stops its own timeout is a timeout", async () => {
+    const quick = quickTimer();
+    const h = await create();
+    const running = (await sleepingExec(quick, h)).outcome;
+    const signalAll = (signal: NodeJS.Signals) => {
+      for (const pid of sandboxProcesses(h)) {
+        try {
+          process.kill(pid, signal);
+        } catch {}
+      }
+    };
+    signalAll("SIGSTOP");
+    try {
+      expect(await running).toMatchObject({
+        kind: "sandbox_lost",
+        retryable: false,
+        message: expect.stringMatching(/was stopped from outside .* while a command ran/),
+      });
+    } finally {
+      signalAll("SIGCONT");
+    }
+    // The command's own code stopping its `timeout` (it may: same uid) is no infrastructure
+    // failure: the host timer fires, the sandbox's PID 1 runs, a timeout it is.
+    expect(
+      await quick.exec(h, ["sh", "-c", "kill -STOP $PPID; sleep 60"], { deadlineMs: 1_000 }),
+    ).toMatchObject({ exitCode: -1, timedOut: true });
+  });
+
+  it("a command in a sandbox frozen from outside (cgroup v1 freezer) is sandbox_lost once the host's timer fires, not a timeout", async (ctx) => {
+    const own = /^\d+:(?:[^:]*,)?freezer(?:,[^:]*)?:(.*)$/m.exec(
+      readFileSync("/proc/self/cgroup", "utf8"),
+    )?.[1];
+    if (own === undefined || !existsSync("/sys/fs/cgroup/freezer/cgroup.procs")) ctx.skip();
+    const parent = join("/sys/fs/cgroup/freezer", own!);
+    const dir = join(parent, `fleet-it-${RUN}`);
+    const quick = quickTimer();
+    const h = await create();
+    const running = (await sleepingExec(quick, h)).outcome;
+    mkdirSync(dir);
+    try {
+      for (const pid of sandboxProcesses(h)) writeFileSync(join(dir, "cgroup.procs"), String(pid));
+      writeFileSync(join(dir, "freezer.state"), "FROZEN");
+      expect(await running).toMatchObject({
+        kind: "sandbox_lost",
+        retryable: false,
+        message: expect.stringMatching(/was frozen from outside .* while a command ran/),
+      });
+    } finally {
+      writeFileSync(join(dir, "freezer.state"), "THAWED");
+      for (const pid of readFileSync(join(dir, "cgroup.procs"), "utf8").split("\n").filter(Boolean)) {
+        writeFileSync(join(parent, "cgroup.procs"), pid);
+      }
+      // Busy while a process that exited in it is not yet reaped.
+      await waitUntil(() => {
+        try {
+          rmdirSync(dir);
+          return true;
+        } catch (err) {
+          if ((err as NodeJS.ErrnoException).code !== "EBUSY") throw err;
+          return false;
+        }
+      });
+    }
+    expect(await quick.exec(h, ["echo", "thawed"], { deadlineMs: 10_000 })).toMatchObject({
+      stdout: "thawed\n",
+    });
   });
 
   it("outlives the process that created it", async () => {

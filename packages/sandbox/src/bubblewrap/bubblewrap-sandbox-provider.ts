@@ -87,6 +87,7 @@ import { bwrapArgv, HOST_HELPER_ENV, nsenterArgv, SANDBOX_PATH_ENV, unsupportedS
 import {
   cgroupOomKills,
   createSandboxCgroups,
+  freezerState,
   joinCgroupsArgv,
   moveIntoCgroups,
   removeCgroups,
@@ -475,6 +476,22 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const oomBefore = cgroupOomKills(state.cgroups ?? []);
     // A command's output keeps its end as well as its start (see `CappedBuffer`).
     const { rawExitCode, ...out } = await this.run(state, argv, { ...o, keepTail: true });
+    if (rawExitCode === -1) {
+      // The host-side timer fired. In a sandbox frozen from outside (its processes SIGSTOPped, a
+      // cgroup freezer) the in-sandbox `timeout` could not fire: the sandbox failed under the
+      // command, which did not run out of its time (masked, never a timeout graded 0), as Docker
+      // reports a paused container. Told by the sandbox's PID 1, which nothing inside can stop
+      // (its PID namespace's init ignores SIGSTOP from it, and the freezer is the host's): code
+      // under test that stops the `timeout` process itself still gets a timeout. Here only, for
+      // the commands run for callers, as in the Docker provider.
+      const frozen = frozenFromOutside(state.initPid);
+      if (frozen !== null) {
+        throw FleetError.nonRetryable(
+          "sandbox_lost",
+          `sandbox ${state.name} ${frozen} while a command ran (its own deadline could not fire)`,
+        );
+      }
+    }
     if (rawExitCode === 137 && !out.timedOut) {
       const oomAfter = cgroupOomKills(state.cgroups ?? []);
       out.oomKilled = oomAfter !== null && oomAfter > (oomBefore ?? 0);
@@ -998,6 +1015,25 @@ function startTime(pid: number): string | null {
   } catch {
     return null;
   }
+}
+
+/**
+ * Why the process (a sandbox's PID 1) cannot run, stopped (SIGSTOP, a tracer) or in a frozen
+ * cgroup v1 freezer, or null when it can (or is gone: that is told elsewhere).
+ */
+function frozenFromOutside(pid: number): string | null {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+    const state = stat.slice(stat.lastIndexOf(")") + 2, stat.lastIndexOf(")") + 3);
+    if (state === "T" || state === "t")
+      return `was stopped from outside (its PID 1, host pid ${pid}, is stopped)`;
+  } catch {
+    return null;
+  }
+  const freezer = freezerState(pid);
+  return freezer === "FROZEN" || freezer === "FREEZING"
+    ? `was frozen from outside (its PID 1's cgroup freezer is ${freezer})`
+    : null;
 }
 
 /** Live processes whose environment holds `name=value` (root reads every `/proc/<pid>/environ`). */

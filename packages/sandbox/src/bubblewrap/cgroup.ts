@@ -115,6 +115,21 @@ export function cgroupOomKills(cgroups: readonly SandboxCgroup[]): number | null
   }
 }
 
+/**
+ * The state (`THAWED`, `FREEZING`, `FROZEN`) of the cgroup v1 freezer a host process is in, or
+ * null without one (no v1 freezer hierarchy; cgroup v2's freezer is not looked at).
+ */
+export function freezerState(pid: number): string | null {
+  try {
+    for (const line of readFileSync(`/proc/${pid}/cgroup`, "utf8").split("\n")) {
+      const [, controllers, path] = line.split(":");
+      if (!controllers?.split(",").includes("freezer") || path === undefined) continue;
+      return readFileSync(join(V1_ROOT, "freezer", path, "freezer.state"), "utf8").trim();
+    }
+  } catch {}
+  return null;
+}
+
 /** Remove the (by now empty) cgroups; returns the ones that could not be removed. */
 export async function removeCgroups(cgroups: readonly SandboxCgroup[]): Promise<string[]> {
   const left: string[] = [];
