@@ -1044,12 +1044,20 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     if (own === undefined || !existsSync("/sys/fs/cgroup/freezer/cgroup.procs")) ctx.skip();
     const parent = join("/sys/fs/cgroup/freezer", own!);
     const dir = join(parent, `fleet-it-${RUN}`);
+    /** Into a freezer cgroup; one that exited meanwhile (ESRCH, a zombie too) needs no moving. */
+    const moveTo = (cgroup: string, pid: number) => {
+      try {
+        writeFileSync(join(cgroup, "cgroup.procs"), String(pid));
+      } catch (err) {
+        if ((err as NodeJS.ErrnoException).code !== "ESRCH") throw err;
+      }
+    };
     const quick = quickTimer();
     const h = await create();
     const running = (await sleepingExec(quick, h)).outcome;
     mkdirSync(dir);
     try {
-      for (const pid of sandboxProcesses(h)) writeFileSync(join(dir, "cgroup.procs"), String(pid));
+      for (const pid of sandboxProcesses(h)) moveTo(dir, pid);
       writeFileSync(join(dir, "freezer.state"), "FROZEN");
       expect(await running).toMatchObject({
         kind: "sandbox_lost",
@@ -1059,7 +1067,7 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     } finally {
       writeFileSync(join(dir, "freezer.state"), "THAWED");
       for (const pid of readFileSync(join(dir, "cgroup.procs"), "utf8").split("\n").filter(Boolean)) {
-        writeFileSync(join(parent, "cgroup.procs"), pid);
+        moveTo(parent, Number(pid));
       }
       // Busy while a process that exited in it is not yet reaped.
       await waitUntil(() => {
