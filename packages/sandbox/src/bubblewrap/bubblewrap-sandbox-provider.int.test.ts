@@ -337,6 +337,35 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(shm).toMatchObject({ exitCode: 0, stdout: "1777 root\nok\n" });
   });
 
+  it("masks the host kernel's /proc files as Docker does: root inside reads nothing from /proc/keys or /proc/timer_list, and cannot write /proc/sysrq-trigger", async () => {
+    // This kernel's own: a host without them has nothing there to leak (and the test nothing to show).
+    expect(existsSync("/proc/keys") && existsSync("/proc/timer_list")).toBe(true);
+    const h = await create();
+    const read = await provider.exec(
+      h,
+      ["sh", "-c", 'for f in /proc/keys /proc/timer_list; do echo "$f $(cat $f 2>&1 | wc -c)"; done'],
+      { deadlineMs: 10_000, user: ROOT_USER, cwd: "/" },
+    );
+    expect(read).toMatchObject({ exitCode: 0, stdout: "/proc/keys 0\n/proc/timer_list 0\n" });
+    const readOnly = ["/proc/bus", "/proc/fs", "/proc/irq", "/proc/sysrq-trigger"].filter((p) =>
+      existsSync(p),
+    );
+    const writes = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        // Opened for writing and nothing written (a write to sysrq-trigger would act on the host).
+        'for p in "$@"; do if [ -d "$p" ]; then grep -q " $p ro," /proc/self/mountinfo && echo "$p ro" || echo "$p rw"; ' +
+          'else (exec 3>>"$p") 2>/dev/null && echo "$p rw" || echo "$p ro"; fi; done; ls -A /proc/acpi | wc -l',
+        "sh",
+        ...readOnly,
+      ],
+      { deadlineMs: 10_000, user: ROOT_USER, cwd: "/" },
+    );
+    expect(writes.stdout).toBe(`${readOnly.map((p) => `${p} ro\n`).join("")}0\n`);
+  });
+
   it("an agent's unenterable workspace (chmod 000) does not stop the kill sweep, nor reads, staging and scrubs as root", async () => {
     const h = await create();
     const start = await provider.exec(

@@ -2,6 +2,7 @@ import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import {
   closeSync,
+  existsSync,
   constants as fsConstants,
   openSync,
   readdirSync,
@@ -282,6 +283,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       tmpfsMb,
       infoFd: 3,
       hostPid: spec.options.pidMode === "host",
+      // This host's /proc is the same kernel's as the sandbox's.
+      procHas: (path) => existsSync(path),
     });
     // Written before anything is made (no pids yet), again once bwrap runs and once the sandbox
     // is ready: a creator that dies at any point leaves something to find and destroy. Each

@@ -25,9 +25,29 @@ describe("bwrapArgv", () => {
     expect(joined).toContain("--perms 1777 --size 16777216 --tmpfs /logs");
     expect(argv.slice(-2)).toEqual(["sleep", "infinity"]);
     // /proc/sys read-only, a /dev/shm, and the keepalive as nobody.
-    expect(joined).toContain("--proc /proc --ro-bind /proc/sys /proc/sys");
+    expect(joined).toContain("--proc /proc --ro-bind /proc/bus /proc/bus");
+    expect(joined).toContain("--ro-bind /proc/sys /proc/sys");
     expect(joined).toContain("--perms 1777 --size 67108864 --tmpfs /dev/shm");
     expect(joined).toContain("-- setpriv --reuid 65534 --regid 65534 --clear-groups --no-new-privs");
+  });
+
+  it("masks host kernel files in /proc after mounting it, as Docker does, skipping what this kernel lacks", () => {
+    const argv = bwrapArgv(layout);
+    const joined = argv.join(" ");
+    const proc = argv.indexOf("--proc");
+    for (const masked of ["--dev-bind /dev/null /proc/keys", "--dev-bind /dev/null /proc/timer_list"]) {
+      expect(joined).toContain(masked);
+      expect(argv.indexOf(masked.split(" ")[2]!)).toBeGreaterThan(proc);
+    }
+    expect(joined).toContain("--perms 0555 --tmpfs /proc/acpi --remount-ro /proc/acpi");
+    expect(joined).toContain("--ro-bind /proc/sysrq-trigger /proc/sysrq-trigger");
+    const without = bwrapArgv({
+      ...layout,
+      procHas: (p) => p !== "/proc/keys" && p !== "/proc/sysrq-trigger",
+    });
+    expect(without).not.toContain("/proc/keys");
+    expect(without).not.toContain("/proc/sysrq-trigger");
+    expect(without).toContain("/proc/timer_list");
   });
 
   it("shares the host PID namespace only when asked (so the probe can refuse it)", () => {

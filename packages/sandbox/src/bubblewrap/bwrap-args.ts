@@ -19,11 +19,47 @@ export interface BwrapLayout {
   infoFd: number;
   /** Share the host's PID namespace (only so the probe can be shown to refuse it). */
   hostPid?: boolean;
+  /**
+   * Whether a `/proc` path exists on this kernel (bwrap cannot mount over one that does not).
+   * @defaultValue every path exists
+   */
+  procHas?: (path: string) => boolean;
 }
 
 /**
+ * Host kernel files in `/proc` the sandbox sees empty, as Docker masks them (`maskedPaths`; its
+ * `/sys/firmware` is not here: the sandbox has no `/sys`). Uid 0 inside is the host's root, so
+ * without this the tests (run as root) and the agent's code they run read the host's keyrings
+ * (`/proc/keys`) and kernel timers (`/proc/timer_list`).
+ */
+export const MASKED_PROC_FILES = [
+  "/proc/kcore",
+  "/proc/keys",
+  "/proc/latency_stats",
+  "/proc/timer_list",
+  "/proc/timer_stats",
+  "/proc/sched_debug",
+] as const;
+export const MASKED_PROC_DIRS = ["/proc/acpi", "/proc/asound", "/proc/scsi"] as const;
+/**
+ * Read-only, as Docker has them (`readonlyPaths`): bwrap leaves the new /proc's `sys` writable (its
+ * own check of it fails), and root here could set host-wide kernel settings
+ * (kernel.core_pattern: a command run as the host's root); `sysrq-trigger` takes no capability,
+ * only its file's owner (a write could reboot the host). Per-namespace values still read as the
+ * reader's own.
+ */
+export const READ_ONLY_PROC_PATHS = [
+  "/proc/bus",
+  "/proc/fs",
+  "/proc/irq",
+  "/proc/sys",
+  "/proc/sysrq-trigger",
+] as const;
+
+/**
  * `bwrap` arguments for a sandbox: every namespace but the user one private (the caller is
- * root, so uids inside are the host's), the rootfs read-only, fresh `/proc` (its `sys` read-only),
+ * root, so uids inside are the host's), the rootfs read-only, fresh `/proc` (host kernel files in
+ * it masked or read-only, as Docker has them),
  * a minimal `/dev` with a `/dev/shm` tmpfs,
  * size-capped tmpfs for `/tmp`, `/tests`, `/solution`, `/logs`, the workspace bound read-write,
  * every capability dropped, and `sleep infinity` as nobody as the child of bwrap's PID-1 reaper.
@@ -38,6 +74,7 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     "--tmpfs",
     path,
   ];
+  const procHas = layout.procHas ?? (() => true);
   return [
     ...(layout.hostPid ? [] : ["--unshare-pid"]),
     "--unshare-net",
@@ -51,13 +88,11 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     "/",
     "--proc",
     "/proc",
-    // Read-only, as Docker has it: bwrap leaves the new /proc's sys writable (its own check of
-    // it fails), and uid 0 here is the host's root, so the tests (run as root) and the agent's
-    // code they run could set host-wide kernel settings (kernel.core_pattern: a command run as
-    // the host's root). Per-namespace values still read as the reader's own.
-    "--ro-bind",
-    "/proc/sys",
-    "/proc/sys",
+    ...READ_ONLY_PROC_PATHS.filter(procHas).flatMap((p) => ["--ro-bind", p, p]),
+    // `--dev-bind`, as Docker binds it: bwrap's other binds are nodev, where opening /dev/null is
+    // EACCES rather than empty. Writing to it writes to /dev/null.
+    ...MASKED_PROC_FILES.filter(procHas).flatMap((p) => ["--dev-bind", "/dev/null", p]),
+    ...MASKED_PROC_DIRS.filter(procHas).flatMap((p) => ["--perms", "0555", "--tmpfs", p, "--remount-ro", p]),
     "--dev",
     "/dev",
     // A /dev/shm like Docker's (bwrap's --dev has only a root-owned 0755 directory there):
