@@ -1114,6 +1114,51 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     });
   });
 
+  /** A host process (`sleep`) given `pid` (free), by setting the kernel's last pid just below it. */
+  async function hostProcessWithPid(pid: number): Promise<ReturnType<typeof spawn>> {
+    for (let attempt = 0; attempt < 50; attempt++) {
+      writeFileSync("/proc/sys/kernel/ns_last_pid", String(pid - 1));
+      const child = spawn("sleep", ["60"], { stdio: "ignore" });
+      if (child.pid === pid) return child;
+      child.kill("SIGKILL"); // another process took it first: again
+      await new Promise((resolve) => child.once("exit", resolve));
+    }
+    throw new Error(`could not start a host process with pid ${pid}`);
+  }
+
+  it("a sandbox whose PID 1 died, its pid reused by a host process, between the liveness check and the exec is sandbox_lost; the command never runs in the host's namespaces", async () => {
+    const h = await create();
+    const hostPidNs = readlinkSync("/proc/self/ns/pid");
+    const internals = provider as unknown as {
+      liveState(handle: SandboxHandle): Promise<{ initPid: number }>;
+    };
+    const liveState = internals.liveState.bind(provider);
+    let impostor: ReturnType<typeof spawn> | undefined;
+    // The interleaving: the exec finds the sandbox alive, then (a destroy elsewhere) its PID 1 dies
+    // and the pid is recycled for a host process before the exec enters it.
+    internals.liveState = async (handle) => {
+      const state = await liveState(handle);
+      process.kill(state.initPid, "SIGKILL");
+      await waitUntil(() => !existsSync(`/proc/${state.initPid}`));
+      impostor = await hostProcessWithPid(state.initPid);
+      return state;
+    };
+    try {
+      const outcome = await provider
+        .exec(h, ["readlink", "/proc/self/ns/pid"], { deadlineMs: 10_000, cwd: "/" })
+        .then(
+          (r) => r,
+          (e: unknown) => e,
+        );
+      expect(impostor?.pid).toBeGreaterThan(0);
+      expect(outcome).not.toMatchObject({ stdout: `${hostPidNs}\n` });
+      expect(outcome).toMatchObject({ kind: "sandbox_lost", retryable: false, nothingStarted: true });
+    } finally {
+      internals.liveState = liveState;
+      impostor?.kill("SIGKILL");
+    }
+  });
+
   it("outlives the process that created it", async () => {
     const script = join(stateDir, "creator.mts");
     const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");

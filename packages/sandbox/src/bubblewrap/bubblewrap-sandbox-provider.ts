@@ -84,7 +84,15 @@ import {
   type SandboxProvider,
 } from "../provider.ts";
 import { SCRATCH_PROBE_LINE } from "../scratch.ts";
-import { bwrapArgv, HOST_HELPER_ENV, nsenterArgv, SANDBOX_PATH_ENV, unsupportedSpec } from "./bwrap-args.ts";
+import {
+  bwrapArgv,
+  HOST_HELPER_ENV,
+  NSENTER_PROC_ENTRIES,
+  type NsenterFiles,
+  nsenterArgv,
+  SANDBOX_PATH_ENV,
+  unsupportedSpec,
+} from "./bwrap-args.ts";
 import {
   cgroupOomKills,
   createSandboxCgroups,
@@ -515,9 +523,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const i = kv.indexOf("=");
       env[kv.slice(0, i)] = kv.slice(i + 1);
     }
+    // By descriptors opened here and checked to be the sandbox's, not by its pid: between the
+    // liveness check and nsenter's own open of /proc/<pid>/ns, the sandbox's PID 1 could die and
+    // its pid go to a host process, whose namespaces (the host's) the command would run in.
+    const pinned = pinSandbox(state);
     // The command's environment goes to `env` inside, after setpriv; the host side gets none of it.
     const args = nsenterArgv(
-      state.initPid,
+      pinned.files,
       user,
       o.cwd ?? SANDBOX_PATHS.workspace,
       cmd,
@@ -547,6 +559,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const settle = (code: number | null) => {
         if (settled) return;
         settled = true;
+        pinned.close();
         clearTimeout(timer);
         clearTimeout(drain);
         child.stdout!.destroy();
@@ -563,6 +576,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       child.once("error", (err) => {
         if (settled) return;
         settled = true;
+        pinned.close();
         clearTimeout(timer);
         reject(
           FleetError.retryable(
@@ -584,7 +598,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         child.stdin!.on("error", () => undefined); // the command may not read its stdin
         child.stdin!.end(o.stdin);
       }
-    });
+    }).finally(() => pinned.close()); // closed at the latest here (a spawn that threw)
     const durationMs = performance.now() - started;
     if (exit.hostTimedOut || exit.code === null) {
       this.logger?.warn({ sandbox: state.name, deadlineMs: o.deadlineMs }, "exec outlived its deadline");
@@ -1018,6 +1032,40 @@ function startTime(pid: number): string | null {
   } catch {
     return null;
   }
+}
+
+/**
+ * Open the namespaces and root of the sandbox's PID 1, then check it still is that process: the
+ * descriptors are then the sandbox's whatever becomes of its pid. `files` names them for `nsenter`
+ * by this process's `/proc/<pid>/fd` (Node opens them close-on-exec: no command inherits them);
+ * `close` once nsenter is done. A PID 1 gone is final `sandbox_lost` (nothing was started).
+ */
+function pinSandbox(state: BwrapState): { files: NsenterFiles; close(): void } {
+  const fds: number[] = [];
+  const close = () => {
+    for (const fd of fds.splice(0)) {
+      try {
+        closeSync(fd);
+      } catch {}
+    }
+  };
+  const files: Partial<NsenterFiles> = {};
+  try {
+    for (const [key, entry] of Object.entries(NSENTER_PROC_ENTRIES) as Array<[keyof NsenterFiles, string]>) {
+      const fd = openSync(`/proc/${state.initPid}/${entry}`, "r");
+      fds.push(fd);
+      files[key] = `/proc/${process.pid}/fd/${fd}`;
+    }
+  } catch {
+    // Gone (ENOENT, ESRCH): told below.
+  }
+  if (fds.length < Object.keys(NSENTER_PROC_ENTRIES).length || !sameProcess(state.initPid, state.initStart)) {
+    close();
+    throw beforeStart(
+      FleetError.nonRetryable("sandbox_lost", `sandbox ${state.name} is gone (its PID 1 exited)`),
+    );
+  }
+  return { files: files as NsenterFiles, close };
 }
 
 /**

@@ -56,6 +56,29 @@ describe("bwrapArgv", () => {
 });
 
 describe("nsenterArgv", () => {
+  it("joins namespaces and root by the files given, when given files instead of a pid", () => {
+    const files = {
+      pid: "/proc/7/fd/20",
+      mount: "/proc/7/fd/21",
+      net: "/proc/7/fd/22",
+      ipc: "/proc/7/fd/23",
+      uts: "/proc/7/fd/24",
+      cgroup: "/proc/7/fd/25",
+      root: "/proc/7/fd/26",
+    };
+    const argv = nsenterArgv(files, { uid: "1000", gid: "1000" }, "/tmp", ["true"]);
+    expect(argv.slice(0, argv.indexOf("--"))).toEqual([
+      "--pid=/proc/7/fd/20",
+      "--mount=/proc/7/fd/21",
+      "--net=/proc/7/fd/22",
+      "--ipc=/proc/7/fd/23",
+      "--uts=/proc/7/fd/24",
+      "--cgroup=/proc/7/fd/25",
+      "--root=/proc/7/fd/26",
+    ]);
+    expect(argv).not.toContain("--target");
+  });
+
   it("enters the sandbox's namespaces and root, then drops to the user without capabilities", () => {
     const argv = nsenterArgv(42, { uid: "1000", gid: "1000" }, "/tmp", ["timeout", "1", "true"]);
     expect(argv.slice(0, 2)).toEqual(["--target", "42"]);

@@ -149,7 +149,7 @@ export function keepaliveArgv(): string[] {
 
 /**
  * The host command that runs `argv` inside a sandbox: `nsenter` joins the namespaces and root of
- * the sandbox's PID 1 (`initPid`, a host pid); the sandbox's own `setpriv` then switches to
+ * the sandbox's PID 1 (`target`: its host pid, or files of them); the sandbox's own `setpriv` then switches to
  * `user`, clears supplementary groups, sets no_new_privs and empties the bounding and inheritable
  * capability sets (so even uid 0 ends with no capability after the next execve), and `env -i
  * --chdir` enters `cwd` with exactly `env` (`K=V` entries). `argv` is expected to be
@@ -159,8 +159,34 @@ export function keepaliveArgv(): string[] {
  * process itself runs with `HOST_HELPER_ENV` only, so nothing a caller sets (PATH, LD_PRELOAD,
  * ...) reaches `nsenter` or `setpriv`, which run with full capabilities.
  */
+/**
+ * What `nsenter` joins, by path: each namespace and the root directory (`/proc/<pid>/fd/<n>` of
+ * descriptors the worker holds, so they are the sandbox's and no process's that took its pid).
+ */
+export interface NsenterFiles {
+  pid: string;
+  mount: string;
+  net: string;
+  ipc: string;
+  uts: string;
+  cgroup: string;
+  root: string;
+}
+
+/** The `/proc/<pid>/` entries behind each of `NsenterFiles`. */
+export const NSENTER_PROC_ENTRIES: Readonly<Record<keyof NsenterFiles, string>> = {
+  pid: "ns/pid",
+  mount: "ns/mnt",
+  net: "ns/net",
+  ipc: "ns/ipc",
+  uts: "ns/uts",
+  cgroup: "ns/cgroup",
+  root: "root",
+};
+
 export function nsenterArgv(
-  initPid: number,
+  /** The sandbox's PID 1 (a host pid), or the files of its namespaces and root. */
+  target: number | NsenterFiles,
   user: { uid: string; gid: string },
   cwd: string,
   argv: readonly string[],
@@ -168,16 +194,12 @@ export function nsenterArgv(
   /** Capabilities kept in the bounding set (e.g. `kill`, for root's kill sweep); none by default. */
   keepCaps: readonly string[] = [],
 ): string[] {
+  const joins =
+    typeof target === "number"
+      ? ["--target", String(target), "--pid", "--mount", "--net", "--ipc", "--uts", "--cgroup", "--root"]
+      : (Object.keys(NSENTER_PROC_ENTRIES) as Array<keyof NsenterFiles>).map((k) => `--${k}=${target[k]}`);
   return [
-    "--target",
-    String(initPid),
-    "--pid",
-    "--mount",
-    "--net",
-    "--ipc",
-    "--uts",
-    "--cgroup",
-    "--root",
+    ...joins,
     "--",
     "setpriv",
     "--reuid",
