@@ -674,6 +674,27 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(cancelled!, { status: "cancelled" });
   });
 
+  it("a seed whose new sandbox is gone by its probe (the provider's own final sandbox_lost) is retried in a new one, never masked at once (rule 6)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    // The container is removed from outside between its create and the isolation probe: the
+    // provider's probe finds it gone.
+    const gone = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        probe: async (h: SandboxHandle) => {
+          await fleet.deps.provider.destroy(h);
+          return fleet.deps.provider.probe(h);
+        },
+      }),
+    };
+    const err = await runStageJob("seed", job(id!), gone).catch((e: unknown) => e);
+    expect(err).toMatchObject({ kind: "sandbox_lost", retryable: true });
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    expect(await runStageJob("seed", job(id!, 1), fleet.deps)).toBe("ok");
+    for (const stage of ["run", "verify"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("close hands an agent's own sandbox it finds (its worker died holding it) to the janitor, never destroys it itself (rule 11)", async () => {
     const task = byId("sum-answer");
     const [id] = await fleet.submit([

@@ -293,14 +293,6 @@ export async function destroyOrLedger(
 /** How long a sandbox that still looks alive after an error is watched before the error stands. */
 export const SANDBOX_SETTLE_MS = 2_000;
 
-/**
- * An error from inside a sandbox that has meanwhile disappeared is `sandbox_lost` (masked),
- * whatever surface it came through: a put racing the container's removal can look like a missing
- * path or a killed `tar` (invalid_task) and must not fail the rollout as the task's fault. A
- * container being force-removed still reports itself running for a moment after its processes
- * were killed, so the check is repeated for up to `SANDBOX_SETTLE_MS` before the error stands
- * (only on this error path).
- */
 /** Count what an agent's model calls spent (`fleet_model_tokens_total`), whatever its run's outcome. */
 function countTokens(deps: PipelineDeps, usage: Usage | null): void {
   if (!usage || !deps.metrics) return;
@@ -309,6 +301,14 @@ function countTokens(deps: PipelineDeps, usage: Usage | null): void {
   if (usage.cachedTokens) deps.metrics.modelTokens.inc({ kind: "cached" }, usage.cachedTokens);
 }
 
+/**
+ * An error from inside a sandbox that has meanwhile disappeared is `sandbox_lost` (masked),
+ * whatever surface it came through: a put racing the container's removal can look like a missing
+ * path or a killed `tar` (invalid_task) and must not fail the rollout as the task's fault. A
+ * container being force-removed still reports itself running for a moment after its processes
+ * were killed, so the check is repeated for up to `SANDBOX_SETTLE_MS` before the error stands
+ * (only on this error path).
+ */
 async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err: unknown): Promise<unknown> {
   if (isFleetError(err) && (err.kind === "sandbox_lost" || err.kind === "provider_unavailable")) return err;
   const isAlive = () => deps.provider.alive(handle).catch(() => true);
@@ -432,8 +432,12 @@ export const seed: StageHandler = async (rec, deps) => {
     // A sandbox that died under the staging (killed from outside, its daemon's doing) fails its
     // commands in ways that read as the task's (a staging step's exit 126 is `invalid_task`):
     // the sandbox's, so retried, and the next attempt makes it anew (rule 6: never the task's).
+    // So is one the provider found gone (its probe's or its staging's own `sandbox_lost`): this
+    // seed made it, before any agent ran there, and the next attempt makes another.
     const fe = await sandboxLostIfGone(deps, created.handle, err);
-    if (fe !== err && isFleetError(fe)) throw FleetError.retryable("sandbox_lost", fe.message, err);
+    if (isFleetError(fe) && fe.kind === "sandbox_lost" && !fe.retryable) {
+      throw FleetError.retryable("sandbox_lost", fe.message, err);
+    }
     throw fe;
   }
   const t3 = clock(deps);

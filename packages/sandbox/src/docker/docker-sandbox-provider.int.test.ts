@@ -1173,9 +1173,10 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     const lost = await fleetError(provider.exec(h, ["true"], { deadlineMs: 5_000 }));
     expect(lost.kind).toBe("sandbox_lost");
     expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, alreadyGone: true });
-    // A probe that cannot run is retryable, never a verdict on isolation.
+    // A probe of a sandbox that is gone is that sandbox's loss (final, masked; a seed makes another),
+    // never a verdict on isolation, as with bubblewrap (probe-after-destroy.int.test.ts).
     const probe = await fleetError(provider.probe(h));
-    expect([probe.kind, probe.retryable]).toEqual(["provider_unavailable", true]);
+    expect([probe.kind, probe.retryable]).toEqual(["sandbox_lost", false]);
     // Calls on a closed sandbox never bring it back (DESIGN §2 rule 7): a put and a get fail as
     // lost too, and neither the container nor its volume exists after them.
     expect((await fleetError(provider.put(h, "/workspace", { "x.txt": "x" }))).kind).toBe("sandbox_lost");
