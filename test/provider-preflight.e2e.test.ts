@@ -60,6 +60,24 @@ async function relayTo(path: string, dockerHost: string): Promise<Server> {
   return server;
 }
 
+/** Admit one oracle rollout of a no-op task (accepted at `now`); its id. */
+async function admitOne(store: RolloutStore, queues: StageQueues, now = Date.now()): Promise<string> {
+  const task = {
+    id: `preflight-${randomUUID().slice(0, 6)}`,
+    instruction: "noop",
+    image: "img",
+    solution: { "solve.sh": "true\n" },
+    tests: { "test.sh": "exit 0\n" },
+  };
+  const { ids } = await admit(
+    store,
+    queues,
+    { requests: [RolloutRequest.parse({ task, agent: { harness: "oracle" } })], batch: false },
+    { maxTaskBytes: 1 << 20, now },
+  );
+  return ids[0]!;
+}
+
 describe("a worker that cannot reach its sandbox provider", () => {
   const prefix = testPrefix("preflight");
   const redis = createRedis(REDIS_URL);
@@ -72,19 +90,7 @@ describe("a worker that cannot reach its sandbox provider", () => {
   it("a stage worker refuses to start, saying what to set, and takes no stage job (nothing masked)", async () => {
     const store = new RolloutStore(redis, prefix);
     const queues = new StageQueues(redis, prefix);
-    const task = {
-      id: `preflight-${randomUUID().slice(0, 6)}`,
-      instruction: "noop",
-      image: "img",
-      solution: { "solve.sh": "true\n" },
-      tests: { "test.sh": "exit 0\n" },
-    };
-    const { ids } = await admit(
-      store,
-      queues,
-      { requests: [RolloutRequest.parse({ task, agent: { harness: "oracle" } })], batch: false },
-      { maxTaskBytes: 1 << 20 },
-    );
+    const ids = [await admitOne(store, queues)];
     // A daemon address nothing listens on: what compose gives a worker without DOCKER_HOST is a
     // socket that is not there; both fail the same way.
     const port = await freeLoopbackPort();
@@ -131,22 +137,8 @@ describe("a worker that cannot reach its sandbox provider", () => {
   it("a janitor that cannot reach its provider starts anyway: says so (log, fleet_sandbox_provider_up 0), closes rollouts past their deadline meanwhile, and sweeps its sandboxes once the daemon answers", async () => {
     const store = new RolloutStore(redis, prefix);
     const queues = new StageQueues(redis, prefix);
-    const task = {
-      id: `preflight-${randomUUID().slice(0, 6)}`,
-      instruction: "noop",
-      image: "img",
-      solution: { "solve.sh": "true\n" },
-      tests: { "test.sh": "exit 0\n" },
-    };
     // Accepted 3 hours ago: past its deadline and the watchdog's grace, with no stage closing it.
-    const {
-      ids: [overdue],
-    } = await admit(
-      store,
-      queues,
-      { requests: [RolloutRequest.parse({ task, agent: { harness: "oracle" } })], batch: false },
-      { maxTaskBytes: 1 << 20, now: Date.now() - 3 * 3_600_000 },
-    );
+    const overdue = await admitOne(store, queues, Date.now() - 3 * 3_600_000);
     // A sandbox of this fleet (its scope is the prefix) whose rollout is unknown: an orphan.
     const docker = new DockerSandboxProvider({ scope: prefix });
     const orphan = await docker.create({

@@ -55,6 +55,19 @@ describe("teardown racing the stages (real Docker)", () => {
    * A rollout whose agent asks for its own sandbox, seeded; its run's first attempt makes and
    * records that sandbox (H1), then its worker dies.
    */
+  /**
+   * Two janitor passes 5 and 20 minutes on: past the orphan grace the registry step puts a
+   * registered sandbox no worker destroyed on the ledger, and the pass after removes it.
+   */
+  async function janitorPastOrphanGrace(): Promise<void> {
+    for (const m of [5, 20]) {
+      await janitorTick(
+        { ...fleet.deps, now: () => Date.now() + m * 60_000 },
+        { orphanGraceMs: ORPHAN_GRACE_MS },
+      );
+    }
+  }
+
   async function ownSandboxThenWorkerDies(): Promise<{ id: string; h1: SandboxHandle }> {
     const [id] = await fleet.submit([
       {
@@ -429,12 +442,7 @@ describe("teardown racing the stages (real Docker)", () => {
 
     // Past the orphan grace the registry step puts H2 on the ledger, and the pass after removes
     // it: only then is the teardown confirmed.
-    for (const m of [5, 20]) {
-      await janitorTick(
-        { ...fleet.deps, now: () => Date.now() + m * 60_000 },
-        { orphanGraceMs: ORPHAN_GRACE_MS },
-      );
-    }
+    await janitorPastOrphanGrace();
     expect(await docker.alive(h2!)).toBe(false);
     expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
   });
@@ -473,12 +481,7 @@ describe("teardown racing the stages (real Docker)", () => {
     expect([await docker.alive(h1), await docker.alive(h2!)]).toEqual([false, true]);
     expect((await fleet.deps.store.getResult(id))?.teardown).toBe("pending");
     // Past the orphan grace the registry step puts H2 on the ledger; the pass after removes it.
-    for (const m of [5, 20]) {
-      await janitorTick(
-        { ...fleet.deps, now: () => Date.now() + m * 60_000 },
-        { orphanGraceMs: ORPHAN_GRACE_MS },
-      );
-    }
+    await janitorPastOrphanGrace();
     expect(await docker.alive(h2!)).toBe(false);
     expect((await fleet.deps.store.getResult(id!))?.teardown).toBe("confirmed");
   });
