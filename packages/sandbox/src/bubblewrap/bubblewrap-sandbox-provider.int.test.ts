@@ -1066,6 +1066,41 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     ).toMatchObject({ exitCode: -1, timedOut: true });
   });
 
+  it("root in the sandbox that stops its PID 1 itself (a ptrace attach, then a detach with SIGSTOP) and its own timeout gets a timeout, never sandbox_lost (masked)", async () => {
+    const quick = quickTimer();
+    const h = await create();
+    const { initPid } = JSON.parse(readFileSync(join(stateDir, `${h.name}.json`), "utf8")) as {
+      initPid: number;
+    };
+    // What the tests (root), or the agent's code they run, can do: PID 1 is root's and holds no
+    // capability, so root without capabilities may trace it; the detach leaves it stopped (T).
+    const script = [
+      "import ctypes, os, signal, time",
+      "libc = ctypes.CDLL(None, use_errno=True)",
+      "assert libc.ptrace(16, 1, 0, 0) == 0",
+      "os.waitpid(1, 0x40000000)",
+      "assert libc.ptrace(17, 1, 0, signal.SIGSTOP) == 0",
+      "os.kill(os.getppid(), signal.SIGSTOP)",
+      "time.sleep(60)",
+    ].join("\n");
+    const stateOf = (pid: number) => {
+      const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+      return stat.slice(stat.lastIndexOf(")") + 2, stat.lastIndexOf(")") + 3);
+    };
+    try {
+      const outcome = await quick
+        .exec(h, ["python3", "-c", script], { deadlineMs: 1_000, user: ROOT_USER })
+        .then(
+          (r) => r,
+          (e: unknown) => e,
+        );
+      expect(stateOf(initPid)).toBe("T");
+      expect(outcome).toMatchObject({ exitCode: -1, timedOut: true });
+    } finally {
+      process.kill(initPid, "SIGCONT");
+    }
+  });
+
   it("a command in a sandbox frozen from outside (cgroup v1 freezer) is sandbox_lost once the host's timer fires, not a timeout", async (ctx) => {
     const own = /^\d+:(?:[^:]*,)?freezer(?:,[^:]*)?:(.*)$/m.exec(
       readFileSync("/proc/self/cgroup", "utf8"),

@@ -42,6 +42,7 @@ import type { Logger } from "@fleet/telemetry";
 import {
   DEFAULT_SANDBOX_LIMITS,
   isTmpfsPath,
+  KEEPALIVE_USER,
   SHM_MB,
   sandboxName,
   TMPFS_MOUNTS,
@@ -491,10 +492,10 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       // The host-side timer fired. In a sandbox frozen from outside (its processes SIGSTOPped, a
       // cgroup freezer) the in-sandbox `timeout` could not fire: the sandbox failed under the
       // command, which did not run out of its time (masked, never a timeout graded 0), as Docker
-      // reports a paused container. Told by the sandbox's PID 1, which nothing inside can stop
-      // (its PID namespace's init ignores SIGSTOP from it, and the freezer is the host's): code
-      // under test that stops the `timeout` process itself still gets a timeout. Here only, for
-      // the commands run for callers, as in the Docker provider.
+      // reports a paused container. Told by what nothing inside can stop: the sandbox's PID 1
+      // together with its keepalive (nobody's), and the host's freezer (see `frozenFromOutside`):
+      // code under test that stops the `timeout` process itself, even with PID 1, still gets a
+      // timeout. Here only, for the commands run for callers, as in the Docker provider.
       const frozen = frozenFromOutside(state.initPid);
       if (frozen !== null) {
         throw FleetError.nonRetryable(
@@ -1069,22 +1070,51 @@ function pinSandbox(state: BwrapState): { files: NsenterFiles; close(): void } {
 }
 
 /**
- * Why the process (a sandbox's PID 1) cannot run, stopped (SIGSTOP, a tracer) or in a frozen
- * cgroup v1 freezer, or null when it can (or is gone: that is told elsewhere).
+ * Why the sandbox whose PID 1 is `pid` cannot run, stopped from outside (SIGSTOP, a tracer) or
+ * in a frozen cgroup v1 freezer, or null when it can (or is gone: that is told elsewhere).
+ * Stopped means its PID 1 and its keepalive both: root in the sandbox (the tests, and the agent's
+ * code they run) can stop PID 1 itself (its init's shield is only against signals: a ptrace
+ * attach, same uid and PID 1 holding no capability, then a detach with SIGSTOP, leaves it `T`
+ * with no tracer), but not the keepalive, which runs as nobody. The freezer is the host's.
  */
 function frozenFromOutside(pid: number): string | null {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
-    const state = stat.slice(stat.lastIndexOf(")") + 2, stat.lastIndexOf(")") + 3);
-    if (state === "T" || state === "t")
-      return `was stopped from outside (its PID 1, host pid ${pid}, is stopped)`;
-  } catch {
-    return null;
+  if (isStopped(pid) && keepalivesOf(pid).some(isStopped)) {
+    return `was stopped from outside (its PID 1, host pid ${pid}, and its keepalive are stopped)`;
   }
   const freezer = freezerState(pid);
   return freezer === "FROZEN" || freezer === "FREEZING"
     ? `was frozen from outside (its PID 1's cgroup freezer is ${freezer})`
     : null;
+}
+
+/** Stopped (`T`) or in a tracing stop (`t`); false when gone. */
+function isStopped(pid: number): boolean {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+    const state = stat.slice(stat.lastIndexOf(")") + 2, stat.lastIndexOf(")") + 3);
+    return state === "T" || state === "t";
+  } catch {
+    return false;
+  }
+}
+
+/**
+ * The keepalive among the children of a sandbox's PID 1: `sleep infinity` with every uid
+ * `KEEPALIVE_USER`'s (nothing the sandbox runs can take that uid: no capability, no_new_privs).
+ */
+function keepalivesOf(initPid: number): number[] {
+  const uid = KEEPALIVE_USER.split(":")[0];
+  return childrenOf(initPid).filter((child) => {
+    try {
+      if (readFileSync(`/proc/${child}/cmdline`, "latin1") !== "sleep\0infinity\0") return false;
+      const uids = /^Uid:\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)/m.exec(
+        readFileSync(`/proc/${child}/status`, "latin1"),
+      );
+      return uids?.slice(1).every((u) => u === uid) ?? false;
+    } catch {
+      return false;
+    }
+  });
 }
 
 /** Live processes whose environment holds `name=value` (root reads every `/proc/<pid>/environ`). */
