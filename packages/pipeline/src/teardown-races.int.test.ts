@@ -52,10 +52,6 @@ describe("teardown racing the stages (real Docker)", () => {
   });
 
   /**
-   * A rollout whose agent asks for its own sandbox, seeded; its run's first attempt makes and
-   * records that sandbox (H1), then its worker dies.
-   */
-  /**
    * Two janitor passes 5 and 20 minutes on: past the orphan grace the registry step puts a
    * registered sandbox no worker destroyed on the ledger, and the pass after removes it.
    */
@@ -68,6 +64,10 @@ describe("teardown racing the stages (real Docker)", () => {
     }
   }
 
+  /**
+   * A rollout whose agent asks for its own sandbox, seeded; its run's first attempt makes and
+   * records that sandbox (H1), then its worker dies.
+   */
   async function ownSandboxThenWorkerDies(): Promise<{ id: string; h1: SandboxHandle }> {
     const [id] = await fleet.submit([
       {
