@@ -9,7 +9,7 @@ import {
   type StageName,
   stageAfter,
 } from "@fleet/contracts";
-import { isRedisUnavailable, maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
+import { deliveryFence, isRedisUnavailable, maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError } from "./hand-back.ts";
@@ -122,14 +122,9 @@ export async function runStageJob(
     // So too a seed delivery a later one superseded: that one replaces this one's sandbox (an
     // earlier attempt's, to it), and this one's failure (its sandbox gone under it) is not the
     // rollout's. The final record below is fenced too, atomically.
-    const verifyToken = stage === "verify" ? begun.verifyToken : null;
-    const seedToken = stage === "seed" ? begun.seedToken : null;
-    const holdsFence = (): Promise<boolean> =>
-      verifyToken !== null
-        ? deps.store.holdsVerifyFence(rolloutId, verifyToken)
-        : seedToken !== null
-          ? deps.store.holdsSeedFence(rolloutId, seedToken)
-          : Promise.resolve(true);
+    const fence = deliveryFence(begun);
+    const holdsFence = async (): Promise<boolean> =>
+      fence === null || (await deps.store.holdsFence(rolloutId, fence));
     if (lockMayHaveLapsed(lock) && !(await holdsFence().catch(() => true))) {
       superseded(deps, rolloutId, "does not record its failure", err, stage === "seed" ? "seed" : "verify");
       return "superseded";
@@ -187,8 +182,7 @@ export async function runStageJob(
         if (!recorded) {
           const stored = await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at), {
             beforeDecided: true,
-            ...(verifyToken === null ? {} : { verifyFence: verifyToken }),
-            ...(seedToken === null ? {} : { seedFence: seedToken }),
+            ...(fence === null ? {} : { deliveryFence: fence }),
           });
           // Refused for the fence (not for a decided result): a later attempt is verifying (seeding).
           if (!stored && !(await holdsFence())) {

@@ -26,6 +26,7 @@ import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } 
 import {
   type BeginOptions,
   type BeginResult,
+  deliveryFence,
   isInvalidStoredData,
   type RolloutRecord,
   type SandboxEntry,
@@ -372,13 +373,13 @@ export const seed: StageHandler = async (rec, deps) => {
   // have created the sandbox, and close must still find it. Nor once a later delivery began (this
   // one's lock lapsed): the intent is that delivery's, which may be making the sandbox now (its
   // handle is stored only with its receipt), so only while this one holds the seed fence.
+  const seedFence = deliveryFence(rec.begun);
   const dropFreshIntent = async (err: unknown) => {
     if (rec.begun.intentFresh && isFleetError(err) && !err.retryable) {
-      const seedFence = rec.begun.seedToken ?? undefined;
       await deps.ledger.confirm(
         { key: sandboxKey(rec.meta.id, "resources"), rolloutId: rec.meta.id },
         null,
-        seedFence === undefined ? {} : { seedFence },
+        seedFence ? { deliveryFence: seedFence } : {},
       );
     }
   };
@@ -400,12 +401,8 @@ export const seed: StageHandler = async (rec, deps) => {
       replace: true,
       // Held long enough for its lock to have lapsed: the sandbox found may be the one of a later
       // delivery (its run working there by now), not an earlier attempt's.
-      mayReplace: async () => {
-        const token = rec.begun.seedToken;
-        return (
-          !mayBeTakenOver(rec) || token === null || (await deps.store.holdsSeedFence(rec.meta.id, token))
-        );
-      },
+      mayReplace: async () =>
+        !mayBeTakenOver(rec) || seedFence === null || (await deps.store.holdsFence(rec.meta.id, seedFence)),
     });
   } catch (err) {
     await dropFreshIntent(err);
@@ -464,7 +461,7 @@ export const seed: StageHandler = async (rec, deps) => {
       ...(contested ? {} : { next: { queues: deps.queues, stage: "run" as const } }),
       // Only while this delivery is the one that began last: a later one (this one's lock
       // lapsed) may be replacing this sandbox by now, as an earlier attempt's.
-      ...(rec.begun.seedToken ? { seedFence: rec.begun.seedToken } : {}),
+      ...(seedFence ? { deliveryFence: seedFence } : {}),
     },
   );
   // A later delivery of this seed began (this one's lock lapsed): the seed is its to finish. It
@@ -1114,10 +1111,11 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   // later attempt begins; only while it does may this one work in the sandbox (checked with the
   // note of that work, before staging the tests and again before starting them), record a
   // failure (`runStageJob`) or store its receipt.
-  const token = rec.begun.verifyToken;
-  if (token === null) {
+  const fence = deliveryFence(rec.begun);
+  if (fence === null) {
     throw FleetError.nonRetryable("verifier_error", "verify began without its fence token (beginOptions)");
   }
+  const token = fence.token;
   const task = await loadTask(rec, deps);
   await waitOutEarlierTests(rec, deps, task, shutdown);
   const id = rec.meta.id;
@@ -1195,10 +1193,10 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   // receipt or a stop, after the receipt's reply: an attempt superseded by a later one (paused
   // past its lock, or its commands held in ioredis's offline queue through an outage, then
   // woken) must not close the rollout under the tests of the attempt now verifying.
-  if (await deps.store.saveReceipt(rec.meta, "verify", receipt, "verified", at, { verifyFence: token })) {
+  if (await deps.store.saveReceipt(rec.meta, "verify", receipt, "verified", at, { deliveryFence: fence })) {
     return "close";
   }
-  if (!(await deps.store.holdsVerifyFence(id, token))) return superseded(deps, id, "drops its verdict");
+  if (!(await deps.store.holdsFence(id, fence))) return superseded(deps, id, "drops its verdict");
   return "close"; // refused for a stop (terminal or closed): close must run; a repeat is a no-op
 };
 

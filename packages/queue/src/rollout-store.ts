@@ -89,7 +89,7 @@ export interface BeginOptions {
   verifyToken?: string;
   /**
    * Seed: take the seed fence with this token along with the begin (this delivery is the one
-   * that began last: only it may store the seed's receipt, `storeReceipt`'s `seedFence`).
+   * that began last: only it may store the seed's receipt, `storeReceipt`'s `deliveryFence`).
    */
   seedToken?: string;
 }
@@ -124,6 +124,24 @@ export interface BeginResult {
    * (`claimTestsSweep`), by Redis's clock; 0 for none.
    */
   testsSweepLeftMs: number;
+}
+
+/**
+ * A delivery's hold on its stage: the rollout hash field its begin wrote its token to (`vfence`
+ * for verify, `sfence` for seed: the one that began last holds it) and that token. A write fenced
+ * by it (a receipt, a failure, an intent dropped) happens only while the field still holds the
+ * token, atomically with the check.
+ */
+export interface DeliveryFence {
+  field: "vfence" | "sfence";
+  token: string;
+}
+
+/** The fence a verify or a seed took with its begin (`verifyToken`, `seedToken`); else null. */
+export function deliveryFence(begun: Pick<BeginResult, "verifyToken" | "seedToken">): DeliveryFence | null {
+  if (begun.verifyToken !== null) return { field: "vfence", token: begun.verifyToken };
+  if (begun.seedToken !== null) return { field: "sfence", token: begun.seedToken };
+  return null;
 }
 
 /** After a stage's receipt, in the same round trip: the next stage's job. */
@@ -839,10 +857,8 @@ export class RolloutStore {
       next?: NextStage;
       /** Store only while this launch token holds the rollout's fence (a run's receipt). */
       fence?: string;
-      /** Store only while this token holds the verify fence (a verify's receipt; see `BeginOptions`). */
-      verifyFence?: string;
-      /** Store only while this token holds the seed fence (a seed's receipt; see `BeginOptions`). */
-      seedFence?: string;
+      /** Store only while this delivery holds its stage's fence (a verify's or a seed's receipt). */
+      deliveryFence?: DeliveryFence;
     } = {},
   ): Promise<"stored" | "refused" | "taken" | "superseded"> {
     // Bounded (DESIGN §2 rule 13); the answer a match verifier grades is never cut.
@@ -862,11 +878,9 @@ export class RolloutStore {
       options.attach ? JSON.stringify(SandboxEntry.parse(options.attach)) : "",
       ...(options.fence
         ? [`launched:${options.fence}`, "fence"]
-        : options.verifyFence
-          ? [options.verifyFence, "vfence"]
-          : options.seedFence
-            ? [options.seedFence, "sfence"]
-            : ["", ""]),
+        : options.deliveryFence
+          ? [options.deliveryFence.token, options.deliveryFence.field]
+          : ["", ""]),
     ];
     const next = options.next;
     const r = next
@@ -951,14 +965,9 @@ export class RolloutStore {
     return Number(await this.redis.fleetNoteCloseAgain(this.keys.rollout(id)));
   }
 
-  /** Whether `token` still holds the seed fence (no later delivery of the seed began). */
-  async holdsSeedFence(id: string, token: string): Promise<boolean> {
-    return (await this.redis.hget(this.keys.rollout(id), "sfence")) === token;
-  }
-
-  /** Whether `token` still holds the verify fence (no later verify attempt began). */
-  async holdsVerifyFence(id: string, token: string): Promise<boolean> {
-    return (await this.redis.hget(this.keys.rollout(id), "vfence")) === token;
+  /** Whether the delivery still holds its stage's fence (no later delivery of the stage began). */
+  async holdsFence(id: string, fence: DeliveryFence): Promise<boolean> {
+    return (await this.redis.hget(this.keys.rollout(id), fence.field)) === fence.token;
   }
 
   /**
@@ -972,10 +981,8 @@ export class RolloutStore {
     options: {
       /** Only while the result is still open: not once close began or the rollout is graded. */
       beforeDecided?: boolean;
-      /** With `beforeDecided`: only while this token holds the verify fence (a verify's failure). */
-      verifyFence?: string;
-      /** With `beforeDecided`: only while this token holds the seed fence (a seed's failure). */
-      seedFence?: string;
+      /** With `beforeDecided`: only while this delivery holds its stage's fence (a verify's or a seed's failure). */
+      deliveryFence?: DeliveryFence;
     } = {},
   ): Promise<boolean> {
     const parsed = FailureRecord.parse(failure);
@@ -983,12 +990,7 @@ export class RolloutStore {
     if (options.beforeDecided && parsed.terminal) {
       // Logged only when it decides: a refused one (the result was decided already) would show
       // in that result's failures as if it had counted.
-      const fence =
-        options.verifyFence !== undefined
-          ? ["vfence", options.verifyFence]
-          : options.seedFence !== undefined
-            ? ["sfence", options.seedFence]
-            : [];
+      const fence = options.deliveryFence ? [options.deliveryFence.field, options.deliveryFence.token] : [];
       const set =
         (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "2", ...fence)) === 1;
       if (set) await execAll(this.appendFailure(this.redis.multi(), id, json), `log a failure of ${id}`);

@@ -459,16 +459,16 @@ describe("rollout store", () => {
     const meta = (await store.get(id))!.meta;
     const a = await store.begin(id, "verify", 1, { verifyToken: "a" });
     expect(a.verifyToken).toBe("a");
-    expect(await store.holdsVerifyFence(id, "a")).toBe(true);
+    expect(await store.holdsFence(id, { field: "vfence", token: "a" })).toBe(true);
     // A paused before its tests; its job went to B.
     await store.begin(id, "verify", 2, { verifyToken: "b" });
-    expect(await store.holdsVerifyFence(id, "a")).toBe(false);
+    expect(await store.holdsFence(id, { field: "vfence", token: "a" })).toBe(false);
     expect(await store.noteVerifyWork(id, 3, "a")).toBe("superseded");
     expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBeNull();
     expect(await store.noteVerifyWork(id, 4, "b")).toBe("noted");
     // A's begin sent again by ioredis after a reconnect (its reply lost) takes nothing back.
     await store.begin(id, "verify", 1, { verifyToken: "a" });
-    expect(await store.holdsVerifyFence(id, "b")).toBe(true);
+    expect(await store.holdsFence(id, { field: "vfence", token: "b" })).toBe(true);
     // A cannot clear B's note, nor record a failure that would end the rollout under B.
     expect(await store.noteVerifyWork(id, null, "a")).toBe("superseded");
     expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBe("4");
@@ -480,7 +480,12 @@ describe("rollout store", () => {
       reason: "crashed",
       at: 4,
     } as const;
-    expect(await store.recordFailure(id, failure, { beforeDecided: true, verifyFence: "a" })).toBe(false);
+    expect(
+      await store.recordFailure(id, failure, {
+        beforeDecided: true,
+        deliveryFence: { field: "vfence", token: "a" },
+      }),
+    ).toBe(false);
     expect((await store.get(id))!.failure).toBeNull();
     // Nor logged: a refused failure would show in the result's failures as if it had counted.
     expect(await store.failureLog(id)).toEqual([]);
@@ -488,12 +493,20 @@ describe("rollout store", () => {
     expect(await store.noteVerifyWork(id, null, "b")).toBe("noted");
     expect(await redis.hget(store.keys.rollout(id), "t:verify:last")).toBeNull();
     const receipt = { reward: 1, details: { kind: "tests" }, startedAt: 4, at: 5 };
-    expect(await store.saveReceipt(meta, "verify", receipt, "verified", 5, { verifyFence: "a" })).toBe(false);
+    expect(
+      await store.saveReceipt(meta, "verify", receipt, "verified", 5, {
+        deliveryFence: { field: "vfence", token: "a" },
+      }),
+    ).toBe(false);
     expect((await store.get(id))!.receipts.verify).toBeUndefined();
-    expect(await store.saveReceipt(meta, "verify", receipt, "verified", 6, { verifyFence: "b" })).toBe(true);
+    expect(
+      await store.saveReceipt(meta, "verify", receipt, "verified", 6, {
+        deliveryFence: { field: "vfence", token: "b" },
+      }),
+    ).toBe(true);
     // A skipped stage takes no fence: B keeps it.
     expect((await store.begin(id, "verify", 7, { verifyToken: "c" })).record!.receipts.verify).toBeDefined();
-    expect(await store.holdsVerifyFence(id, "b")).toBe(true);
+    expect(await store.holdsFence(id, { field: "vfence", token: "b" })).toBe(true);
     // Terminal: nothing to note, nothing to refuse for.
     await redis.hset(store.keys.rollout(id), "status", "completed");
     expect(await store.noteVerifyWork(id, 8, "b")).toBe("terminal");
@@ -1047,7 +1060,7 @@ describe("rollout store", () => {
     expect(
       await store.storeReceipt(meta, "seed", first, "seeded", 5, {
         attach: seedEntry(id, first),
-        seedFence: "a",
+        deliveryFence: { field: "sfence", token: "a" },
       }),
     ).toBe("superseded");
     expect((await store.get(id))!.receipts.seed).toBeUndefined();
@@ -1057,7 +1070,7 @@ describe("rollout store", () => {
     expect(
       await store.storeReceipt(meta, "seed", second, "seeded", 6, {
         attach: seedEntry(id, second),
-        seedFence: "b",
+        deliveryFence: { field: "sfence", token: "b" },
       }),
     ).toBe("stored");
     expect((await ledger.sandboxesOf(id)).resources?.handle?.id).toBe(`c2-${id}`);

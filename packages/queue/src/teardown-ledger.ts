@@ -2,6 +2,7 @@ import { CappedText, ProviderName, SandboxHandle } from "@fleet/contracts";
 import { z } from "zod";
 import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
+import type { DeliveryFence } from "./rollout-store.ts";
 import { type ScriptedRedis, withScripts } from "./scripts.ts";
 
 /** A sandbox the fleet intends to create or has created (its handle is null until created). */
@@ -204,10 +205,10 @@ export class TeardownLedger {
     destroyed?: SandboxHandle | null,
     options: {
       /**
-       * Only while this token holds the rollout's seed fence (a seed delivery dropping the intent
-       * its begin recorded: once a later delivery began, the intent is that one's).
+       * Only while this delivery holds its stage's fence (a seed delivery dropping the intent its
+       * begin recorded: once a later delivery began, the intent is that one's).
        */
-      seedFence?: string;
+      deliveryFence?: DeliveryFence;
     } = {},
   ): Promise<void> {
     const only = destroyed === undefined ? "" : destroyed === null || !destroyed.id ? "-" : destroyed.id;
@@ -222,7 +223,7 @@ export class TeardownLedger {
       sandboxKey(entry.rolloutId, "agent"),
       entry.rolloutId,
       only,
-      ...(options.seedFence === undefined ? [] : ["sfence", options.seedFence]),
+      ...(options.deliveryFence ? [options.deliveryFence.field, options.deliveryFence.token] : []),
     );
   }
 
