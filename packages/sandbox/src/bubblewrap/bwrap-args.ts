@@ -148,18 +148,6 @@ export function keepaliveArgv(): string[] {
 }
 
 /**
- * The host command that runs `argv` inside a sandbox: `nsenter` joins the namespaces and root of
- * the sandbox's PID 1 (`target`: its host pid, or files of them); the sandbox's own `setpriv` then switches to
- * `user`, clears supplementary groups, sets no_new_privs and empties the bounding and inheritable
- * capability sets (so even uid 0 ends with no capability after the next execve), and `env -i
- * --chdir` enters `cwd` with exactly `env` (`K=V` entries). `argv` is expected to be
- * deadline-wrapped already (`deadlineArgv`).
- *
- * The command's environment is given here, to `env`, after every privileged step: the host
- * process itself runs with `HOST_HELPER_ENV` only, so nothing a caller sets (PATH, LD_PRELOAD,
- * ...) reaches `nsenter` or `setpriv`, which run with full capabilities.
- */
-/**
  * What `nsenter` joins, by path: each namespace and the root directory (`/proc/<pid>/fd/<n>` of
  * descriptors the worker holds, so they are the sandbox's and no process's that took its pid).
  */
@@ -184,9 +172,21 @@ export const NSENTER_PROC_ENTRIES: Readonly<Record<keyof NsenterFiles, string>> 
   root: "root",
 };
 
+/**
+ * The host command that runs `argv` inside a sandbox: `nsenter` joins the namespaces and root of
+ * the sandbox's PID 1 (`target`: files of them the worker holds, never its pid, which a host
+ * process may have taken by the time nsenter opens it); the sandbox's own `setpriv` then switches to
+ * `user`, clears supplementary groups, sets no_new_privs and empties the bounding and inheritable
+ * capability sets (so even uid 0 ends with no capability after the next execve), and `env -i
+ * --chdir` enters `cwd` with exactly `env` (`K=V` entries). `argv` is expected to be
+ * deadline-wrapped already (`deadlineArgv`).
+ *
+ * The command's environment is given here, to `env`, after every privileged step: the host
+ * process itself runs with `HOST_HELPER_ENV` only, so nothing a caller sets (PATH, LD_PRELOAD,
+ * ...) reaches `nsenter` or `setpriv`, which run with full capabilities.
+ */
 export function nsenterArgv(
-  /** The sandbox's PID 1 (a host pid), or the files of its namespaces and root. */
-  target: number | NsenterFiles,
+  target: NsenterFiles,
   user: { uid: string; gid: string },
   cwd: string,
   argv: readonly string[],
@@ -194,10 +194,9 @@ export function nsenterArgv(
   /** Capabilities kept in the bounding set (e.g. `kill`, for root's kill sweep); none by default. */
   keepCaps: readonly string[] = [],
 ): string[] {
-  const joins =
-    typeof target === "number"
-      ? ["--target", String(target), "--pid", "--mount", "--net", "--ipc", "--uts", "--cgroup", "--root"]
-      : (Object.keys(NSENTER_PROC_ENTRIES) as Array<keyof NsenterFiles>).map((k) => `--${k}=${target[k]}`);
+  const joins = (Object.keys(NSENTER_PROC_ENTRIES) as Array<keyof NsenterFiles>).map(
+    (k) => `--${k}=${target[k]}`,
+  );
   return [
     ...joins,
     "--",
