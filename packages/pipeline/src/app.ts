@@ -28,9 +28,9 @@ import {
 import { checkCredentialsFile, createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
-import { watchProvider } from "./provider-gate.ts";
+import { providerProblem, watchProvider } from "./provider-gate.ts";
 import { statusFor } from "./result.ts";
-import { countStalledJobs, createStageWorkers, DEFAULT_SEED_AHEAD, providerProblem } from "./worker.ts";
+import { countStalledJobs, createStageWorkers, DEFAULT_SEED_AHEAD } from "./worker.ts";
 
 /** Which stages each worker kind runs (DESIGN §2 table). */
 export const STAGES_OF: Record<WorkerKind, StageName[]> = {

@@ -4,6 +4,7 @@ import { duplicateRedis, isRedisUnavailable, type RedisConnection } from "@fleet
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isHandBack, isProviderHold } from "./hand-back.ts";
+import { providerGate, providerProblem } from "./provider-gate.ts";
 import { nextAfter, runStageJob } from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys } from "./stages.ts";
 
@@ -170,7 +171,7 @@ export function createStageWorkers(
             // this process takes no seed, run or verify job until the provider answers.
             // Tripped first: the workers stop taking jobs even if the move fails (a lost lock:
             // another worker has the job by now).
-            breaker.trip();
+            breaker.trip(err instanceof Error ? err.message : String(err));
             await job.moveToDelayed(Date.now() + breaker.probeMs, token);
             deps.metrics?.stageJobs.inc({ stage, outcome: "held" });
             deps.metrics?.stageDuration.observe({ stage, outcome: "held" }, (Date.now() - started) / 1000);
@@ -376,7 +377,7 @@ interface ProviderBreaker {
   /** Whether the provider fails to answer a listing now (concurrent asks share one call). */
   isDown(): Promise<boolean>;
   /** Open the breaker (no-op when open): pause the held stages' workers, probe until the provider answers. */
-  trip(): void;
+  trip(reason: string): void;
   /** Whether the breaker pauses this stage's worker. */
   holds(stage: StageName): boolean;
   stop(): void;
@@ -385,18 +386,17 @@ interface ProviderBreaker {
 /** The stages that cannot get anywhere without the provider, and whose attempts a hold saves. */
 const HELD_STAGES: ReadonlySet<StageName> = new Set<StageName>(["seed", "run", "verify"]);
 
+/**
+ * The stage workers' breaker: a `providerGate` probed every `probeMs`, which pauses the held
+ * stages' workers while the provider is down and resumes them once it answers.
+ */
 function providerBreaker(
   deps: PipelineDeps,
   options: { probeMs: number; callTimeoutMs: number },
   slots: () => readonly Slot[],
   closing: () => boolean,
 ): ProviderBreaker {
-  let open = false;
-  let since = 0;
-  let probeTimer: NodeJS.Timeout | null = null;
   let asking: Promise<boolean> | null = null;
-  deps.metrics?.sandboxProviderUp.set(1);
-
   const isDown = (): Promise<boolean> => {
     asking ??= (async () => {
       try {
@@ -407,52 +407,33 @@ function providerBreaker(
     })();
     return asking;
   };
-
-  const close = () => {
-    open = false;
-    deps.metrics?.sandboxProviderUp.set(1);
-    deps.logger.info(
-      { provider: deps.provider.name, endpoint: deps.provider.endpoint, downForMs: Date.now() - since },
-      "sandbox provider answers again; taking seed, run and verify jobs again",
-    );
-    for (const slot of slots()) if (HELD_STAGES.has(slot.stage)) void slot.worker.resume();
-  };
-
-  const probe = async () => {
-    probeTimer = null;
-    if (closing() || !open) return;
-    if (await isDown()) {
-      if (!closing()) probeTimer = setTimeout(() => void probe(), options.probeMs).unref();
-      return;
-    }
-    if (!closing()) close();
-  };
-
+  const gate = providerGate(deps, {
+    callTimeoutMs: options.callTimeoutMs,
+    firstDelayMs: options.probeMs,
+    maxDelayMs: options.probeMs,
+    words: {
+      down: "sandbox provider unreachable; no seed, run or verify job is taken until it answers (jobs held, no attempt spent)",
+      up: "sandbox provider answers again; taking seed, run and verify jobs again",
+    },
+    closing,
+    // Without waiting for the jobs in flight: they fail against the same provider and are held
+    // in turn.
+    onDown: () => {
+      for (const slot of slots()) if (HELD_STAGES.has(slot.stage)) void slot.worker.pause(true);
+    },
+    onUp: () => {
+      for (const slot of slots()) if (HELD_STAGES.has(slot.stage)) void slot.worker.resume();
+    },
+  });
   return {
     probeMs: options.probeMs,
     get open() {
-      return open;
+      return !gate.up;
     },
     isDown,
-    trip() {
-      if (open || closing()) return;
-      open = true;
-      since = Date.now();
-      deps.metrics?.sandboxProviderUp.set(0);
-      deps.logger.warn(
-        { provider: deps.provider.name, endpoint: deps.provider.endpoint, probeMs: options.probeMs },
-        "sandbox provider unreachable; no seed, run or verify job is taken until it answers (jobs held, no attempt spent)",
-      );
-      // Without waiting for the jobs in flight: they fail against the same provider and are
-      // held in turn.
-      for (const slot of slots()) if (HELD_STAGES.has(slot.stage)) void slot.worker.pause(true);
-      probeTimer = setTimeout(() => void probe(), options.probeMs).unref();
-    },
+    trip: (reason) => gate.trip(reason),
     holds: (stage) => HELD_STAGES.has(stage),
-    stop() {
-      if (probeTimer) clearTimeout(probeTimer);
-      probeTimer = null;
-    },
+    stop: () => gate.stop(),
   };
 }
 
@@ -677,26 +658,6 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       setHeld(false);
     },
   };
-}
-
-/**
- * Why the sandbox provider does not answer (its listing, of nothing: a label no sandbox has,
- * failed or took over `timeoutMs`), or null when it does. Never throws.
- */
-export async function providerProblem(
-  provider: PipelineDeps["provider"],
-  timeoutMs: number,
-): Promise<string | null> {
-  try {
-    await withTimeout(
-      provider.list({ "fleet.probe": "reachable" }),
-      timeoutMs,
-      `no answer within ${timeoutMs} ms`,
-    );
-    return null;
-  } catch (err) {
-    return err instanceof Error ? err.message : String(err);
-  }
 }
 
 /** BullMQ's errors for a job whose lock this worker no longer holds (its renewal, or its move on). */
