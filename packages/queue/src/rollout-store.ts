@@ -24,7 +24,7 @@ import { z } from "zod";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
-import { type ScriptedRedis, withScripts } from "./scripts.ts";
+import { BEGIN_CLOSE_FIELDS, BEGIN_FIELDS, type ScriptedRedis, withScripts } from "./scripts.ts";
 import type { StageQueues } from "./stage-queues.ts";
 import { type RolloutSandboxes, readRolloutSandboxes, SandboxEntry, sandboxKey } from "./teardown-ledger.ts";
 
@@ -578,7 +578,8 @@ export class RolloutStore {
 
   /**
    * Begin a stage in one round trip: the record (after recording the stage's start time, and for
-   * close after setting the tombstone; before close without `times`, which only close reads),
+   * close after setting the tombstone), only the fields the stage reads (`BEGIN_FIELDS`: before
+   * close without `times`; for close `BEGIN_CLOSE_FIELDS`, with the stages' timings),
    * plus what the stage asked for: for close, the failure log
    * and the rollout's sandbox entries; with `intent` (seed), its sandbox intent persisted
    * (DESIGN §2 rule 9); with `launchToken` (run), the fenced launch claimed (rule 10); with
@@ -616,19 +617,25 @@ export class RolloutStore {
       close ? sandboxKey(id, "resources") : "",
       close ? sandboxKey(id, "agent") : "",
     ];
-    const [flat, failures, intent, previous, launches, sbResources, sbAgent, sweepLeft] =
+    const [values, failures, intent, previous, launches, sbResources, sbAgent, sweepLeft, verifyPrev] =
       (await this.batcher.call("fleetBegin", keys, args)) as [
-        string[],
+        (string | null)[],
         string[],
         string,
         string,
         number,
         string,
         string,
-        number | undefined,
+        number,
+        string | null,
       ];
+    const names = close ? BEGIN_CLOSE_FIELDS : BEGIN_FIELDS;
     const h: Record<string, string> = {};
-    for (let i = 0; i + 1 < flat.length; i += 2) h[flat[i]!] = flat[i + 1]!;
+    for (let i = 0; i < names.length; i++) {
+      const value = values[i];
+      if (value !== null && value !== undefined) h[names[i]!] = value;
+    }
+    if (verifyPrev !== null && verifyPrev !== undefined) h["t:verify:prev"] = verifyPrev;
     const claimed = options.launchToken !== undefined && (previous === "stopped" || Number(launches) > 0);
     return {
       record: parseRecord(h),
@@ -640,7 +647,7 @@ export class RolloutStore {
         : null,
       verifyToken: stage === "verify" ? (options.verifyToken ?? null) : null,
       seedToken: stage === "seed" ? (options.seedToken ?? null) : null,
-      testsSweepLeftMs: Number(sweepLeft ?? 0),
+      testsSweepLeftMs: Number(sweepLeft),
       sandboxes: close ? readRolloutSandboxes(sbResources || null, sbAgent || null) : null,
     };
   }

@@ -123,6 +123,47 @@ const RECORD_INTENT = `local function recordIntent(hash, key, json)
         return 0
       end`;
 
+/**
+ * The rollout fields `fleetBegin` returns before close, in this order: what the stages before
+ * close read (not the timings, nor the fences' tokens).
+ */
+export const BEGIN_FIELDS = [
+  "meta",
+  "status",
+  "stage",
+  "failure",
+  "cancel",
+  "closed",
+  "fence",
+  "r:seed",
+  "r:run",
+  "r:verify",
+] as const;
+
+/**
+ * The rollout fields `fleetBegin` returns for close, in this order: what close reads to compose
+ * the result (`composeResult`: the receipts, the launches, the stages' timings), not the fences'
+ * tokens nor the times only the other stages read.
+ */
+export const BEGIN_CLOSE_FIELDS = [
+  ...BEGIN_FIELDS,
+  "launches",
+  "result",
+  "r:close",
+  "t:seed:start",
+  "t:seed:end",
+  "t:run:start",
+  "t:run:end",
+  "t:verify:start",
+  "t:verify:end",
+  "t:close:start",
+] as const;
+
+/** Names as a Lua list's items. */
+function luaList(names: readonly string[]): string {
+  return names.map((n) => `'${n}'`).join(", ");
+}
+
 const SCRIPTS = {
   /**
    * Admit one rollout if new: meta, status, inflight entry, batch count. ARGV: metaJson,
@@ -584,10 +625,12 @@ const SCRIPTS = {
    *  - with a token (ARGV[8]): for run, the fenced launch claim of `fleetClaimLaunch` (rule 10);
    *    for verify, the verify fence (`vfence`: this attempt is the one that began last); for
    *    seed, the seed fence (`sfence`, likewise).
-   * Returns [hash as a flat array (for close all of it; before close the fields those stages
-   * read: meta, status, stage, flags, receipts), failure log, intent ('new' when this call
-   * recorded it, 'ok' when an earlier attempt had, '' for none), previous fence (or 'stopped'),
-   * launches, sandbox entries of ARGV[9], ARGV[10] ('' when absent or not asked)].
+   * Returns [the values of `BEGIN_FIELDS` (for close `BEGIN_CLOSE_FIELDS`) in their order, nil
+   * where absent, as they are after this call's writes; failure log, intent ('new' when this
+   * call recorded it, 'ok' when an earlier attempt had, '' for none), previous fence (or
+   * 'stopped'), launches, sandbox entries of ARGV[9], ARGV[10] ('' when absent or not asked),
+   * ms an earlier verify attempt's sweep has left, when an earlier verify attempt last began
+   * work in the sandbox (`t:verify:last`; nil for none or not verify)].
    * ARGV: stage, now, tombstone, withFailures, intentKey, intentPrefix, expirySlackMs,
    * token (run's launch, verify's fence), sandboxKey1, sandboxKey2 ('' for none).
    */
@@ -595,41 +638,83 @@ const SCRIPTS = {
     keys: 3, // rollout, failures, sandboxes
     lua: `
       ${TERMINAL}
-      ${CLAIM_LAUNCH}
       ${RECORD_INTENT}
-      local status = redis.call('HGET', KEYS[1], 'status')
+      local stage, now, token = ARGV[1], ARGV[2], ARGV[8]
+      local close = ARGV[3] == '1'
+      -- Every field of the rollout this call checks or returns, read in one HMGET before it
+      -- writes anything (a script runs alone: what it read holds until its own writes, which
+      -- are applied to the values returned); its writes to the rollout go in one HSET.
+      local names
+      if close then names = {${luaList(BEGIN_CLOSE_FIELDS)}} else names = {${luaList(BEGIN_FIELDS)}} end
+      local returned = #names
+      local at = {}
+      for i, name in ipairs(names) do at[name] = i end
+      local function want(name)
+        if not at[name] then
+          names[#names + 1] = name
+          at[name] = #names
+        end
+        return at[name]
+      end
+      local iStart = want('t:' .. stage .. ':start')
+      local iReceipt = want('r:' .. stage)
+      local iDeadline, iSeen, iPrev, iLaunches, iLast, iSweep
+      if not close then
+        if ARGV[5] ~= '' then iDeadline = want('deadline') end
+        if token ~= '' then
+          if stage == 'seed' then iSeen = want('sseen:' .. token)
+          elseif stage == 'verify' then iSeen = want('vseen:' .. token)
+          else
+            iPrev = want('fence:prev')
+            iLaunches = want('launches')
+          end
+        end
+        if stage == 'verify' then
+          iLast = want('t:verify:last')
+          iSweep = want('t:verify:sweep')
+        end
+      end
+      local v = redis.call('HMGET', KEYS[1], unpack(names))
+      local status = v[at['status']]
+      local writes = {}
+      local function write(i, name, value)
+        writes[#writes + 1] = name
+        writes[#writes + 1] = value
+        if i then v[i] = value end
+      end
       local intent, previous, launches, prevTests, sweepLeft = '', '', 0, false, 0
       if status and not terminal[status] then
-        if ARGV[3] == '1' then
-          redis.call('HSET', KEYS[1], 'closed', '1', 'fence', 'stopped')
-          redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2])
+        if close then
+          write(at['closed'], 'closed', '1')
+          write(at['fence'], 'fence', 'stopped')
+          if not v[iStart] then write(iStart, 't:' .. stage .. ':start', now) end
         else
-          local skip = redis.call('HGET', KEYS[1], 'closed') == '1'
-            or redis.call('HEXISTS', KEYS[1], 'failure') == 1
-            or redis.call('HGET', KEYS[1], 'cancel') == '1'
-            or redis.call('HEXISTS', KEYS[1], 'r:' .. ARGV[1]) == 1
+          local skip = v[at['closed']] == '1'
+            or v[at['failure']]
+            or v[at['cancel']] == '1'
+            or v[iReceipt]
           if not skip then
-            redis.call('HSETNX', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2])
-            if ARGV[1] == 'verify' then
+            if not v[iStart] then write(iStart, 't:' .. stage .. ':start', now) end
+            if stage == 'verify' then
               -- When an earlier attempt last began work in the sandbox (a verify delivered again
               -- waits it out; see fleetNoteVerify).
-              prevTests = redis.call('HGET', KEYS[1], 't:verify:last')
+              prevTests = v[iLast]
               -- How long an earlier attempt handed back at shutdown may still sweep its tests
               -- (every root process), by Redis's clock: this one starts nothing before that ends
               -- (fleetTestsSweep).
-              local sweepUntil = tonumber(redis.call('HGET', KEYS[1], 't:verify:sweep'))
+              local sweepUntil = tonumber(v[iSweep])
               if sweepUntil then
                 local t = redis.call('TIME')
                 sweepLeft = math.max(0, sweepUntil - (tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)))
               end
             end
-            if ARGV[5] ~= '' then
+            if iDeadline then
               -- Not past the deadline either: the stage would be skipped, and an intent left
               -- without a sandbox would hold the close's teardown for the intent grace period.
               -- The deadline is its own field (admission); meta is never decoded here (cjson
               -- refuses some JSON that JSON.parse accepts, e.g. lone surrogates in metadata).
-              local deadline = tonumber(redis.call('HGET', KEYS[1], 'deadline'))
-              if deadline and tonumber(ARGV[2]) < deadline then
+              local deadline = tonumber(v[iDeadline])
+              if deadline and tonumber(now) < deadline then
                 local expires = string.format('%.0f', deadline + tonumber(ARGV[7]))
                 -- 'new': no earlier attempt recorded it, so none can have created the sandbox.
                 if recordIntent(KEYS[3], ARGV[5], ARGV[6] .. expires .. '}') == 1 then
@@ -639,54 +724,48 @@ const SCRIPTS = {
                 end
               end
             end
-            if ARGV[8] ~= '' then
-              if ARGV[1] == 'seed' then
-                -- The seed fence: only the delivery that began last may store the seed's receipt
-                -- (fleetReceipt): an earlier one, its lock lapsed, must not store a sandbox the
-                -- later one is replacing. Taken once per token, as the verify fence below.
-                if redis.call('HSETNX', KEYS[1], 'sseen:' .. ARGV[8], '1') == 1 then
-                  redis.call('HSET', KEYS[1], 'sfence', ARGV[8])
-                end
-              elseif ARGV[1] == 'verify' then
-                -- The verify fence: only the attempt that began last may touch the sandbox,
-                -- record a failure or store its receipt (fleetNoteVerify, fleetSetField,
-                -- fleetReceipt). Taken once per token: this very begin sent again by ioredis
-                -- after a reconnect (a later attempt may have begun meanwhile) takes nothing back.
-                if redis.call('HSETNX', KEYS[1], 'vseen:' .. ARGV[8], '1') == 1 then
-                  redis.call('HSET', KEYS[1], 'vfence', ARGV[8])
-                end
+            if iSeen then
+              -- The seed fence: only the delivery that began last may store the seed's receipt
+              -- (fleetReceipt): an earlier one, its lock lapsed, must not store a sandbox the
+              -- later one is replacing. The verify fence: only the attempt that began last may
+              -- touch the sandbox, record a failure or store its receipt (fleetNoteVerify,
+              -- fleetSetField, fleetReceipt). Each taken once per token: this very begin sent
+              -- again by ioredis after a reconnect (a later delivery may have begun meanwhile)
+              -- takes nothing back.
+              if not v[iSeen] then
+                local prefix = stage == 'seed' and 's' or 'v'
+                write(iSeen, prefix .. 'seen:' .. token, '1')
+                write(at[prefix .. 'fence'], prefix .. 'fence', token)
+              end
+            elseif iLaunches then
+              -- The fenced launch claim, as claimLaunch (fleetClaimLaunch) makes it.
+              local fence = v[at['fence']]
+              if fence == 'launched:' .. token then
+                -- This very claim again (tokens are unique per attempt): ioredis re-sent the
+                -- command after a reconnect lost its reply. Answer as the first time, counting
+                -- no launch.
+                previous, launches = v[iPrev] or '', tonumber(v[iLaunches] or '1')
+              elseif fence == 'stopped' or v[at['closed']] == '1' then
+                previous, launches = 'stopped', 0
               else
-                previous, launches = claimLaunch(KEYS[1], ARGV[8])
+                write(at['fence'], 'fence', 'launched:' .. token)
+                write(iPrev, 'fence:prev', fence or '')
+                previous = fence or ''
+                launches = redis.call('HINCRBY', KEYS[1], 'launches', 1)
               end
             end
           end
         end
       end
+      if #writes > 0 then redis.call('HSET', KEYS[1], unpack(writes)) end
       local failures = {}
       if ARGV[4] == '1' then failures = redis.call('LRANGE', KEYS[2], 0, -1) end
       local sb1, sb2 = '', ''
       if ARGV[9] ~= '' then sb1 = redis.call('HGET', KEYS[3], ARGV[9]) or '' end
       if ARGV[10] ~= '' then sb2 = redis.call('HGET', KEYS[3], ARGV[10]) or '' end
-      local rec
-      if ARGV[3] == '1' then
-        rec = redis.call('HGETALL', KEYS[1])
-      else
-        -- The fields a stage before close reads (not the timings): less to send and to parse.
-        local names = {'meta', 'status', 'stage', 'failure', 'cancel', 'closed', 'fence', 'r:seed', 'r:run', 'r:verify'}
-        local values = redis.call('HMGET', KEYS[1], unpack(names))
-        rec = {}
-        for i = 1, #names do
-          if values[i] then
-            rec[#rec + 1] = names[i]
-            rec[#rec + 1] = values[i]
-          end
-        end
-        if prevTests then
-          rec[#rec + 1] = 't:verify:prev'
-          rec[#rec + 1] = prevTests
-        end
-      end
-      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft}`,
+      local rec = {}
+      for i = 1, returned do rec[i] = v[i] end
+      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests}`,
   },
   /**
    * Note that a verify attempt works in the sandbox from now (stages or starts its tests:

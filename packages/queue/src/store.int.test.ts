@@ -408,6 +408,8 @@ describe("rollout store", () => {
     const id = ids[0]!;
     const first = await store.begin(id, "run", 1, { launchToken: "a" });
     expect(first.launch).toEqual({ previous: "", launches: 1, token: "a" });
+    // The record is as the begin left it: its fence is this claim.
+    expect(first.record!.fence).toBe("launched:a");
     const again = await store.begin(id, "run", 2, { launchToken: "b" });
     expect(again.launch).toEqual({ previous: "launched:a", launches: 2, token: "b" });
     await redis.hset(store.keys.rollout(id), "fence", "stopped");
@@ -1562,6 +1564,12 @@ describe("rollout store", () => {
     expect(first.failures).toEqual([retried]);
     expect(again.failures).toEqual([retried]);
     expect(again.record!.times).toMatchObject({ "seed:start": 100, "close:start": 300 });
+    // The record is as the begin left it: the tombstone and its start time are in the first's.
+    expect([first.record!.closed, first.record!.fence, first.record!.times["close:start"]]).toEqual([
+      true,
+      "stopped",
+      300,
+    ]);
   });
 
   it("a cancel claims the stop, so a later launch claim loses; once close began it sets nothing (close composed the result already)", async () => {
