@@ -283,7 +283,12 @@ const SCRIPTS = {
     lua: `
       ${TERMINAL}
       ${CONFIRM_TEARDOWN}
-      local stored = redis.call('HGET', KEYS[1], ARGV[1])
+      -- The fields checked below, read in one HMGET before anything is written (the attach
+      -- writes another key).
+      local names = {ARGV[1], 'status', 'closed'}
+      if ARGV[11] ~= '' then names[4] = ARGV[12] end
+      local v = redis.call('HMGET', KEYS[1], unpack(names))
+      local stored, status = v[1], v[2]
       if stored then
         if stored == ARGV[2] then return 1 end
         return 2
@@ -291,10 +296,8 @@ const SCRIPTS = {
       -- Fenced and the fence is another's (a later delivery of the stage began): 3, before the
       -- attach, so the registry entry stays the later delivery's. (A record gone is refused as
       -- below: its creator destroys the sandbox.)
-      if ARGV[11] ~= '' and redis.call('HGET', KEYS[1], ARGV[12]) ~= ARGV[11]
-          and redis.call('EXISTS', KEYS[1]) == 1 then return 3 end
+      if ARGV[11] ~= '' and v[4] ~= ARGV[11] and redis.call('EXISTS', KEYS[1]) == 1 then return 3 end
       if ARGV[9] ~= '' then redis.call('HSET', KEYS[3], ARGV[9], ARGV[10]) end
-      local status = redis.call('HGET', KEYS[1], 'status')
       if not status or terminal[status] then
         -- Finalized already (a close ran while this stage made its sandbox, and could not see
         -- it): the sandbox attached now lives until its creator's destroy (or, its worker dead,
@@ -313,14 +316,16 @@ const SCRIPTS = {
         end
         return 0
       end
-      if ARGV[8] ~= '1' and redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
-      redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
+      if ARGV[8] ~= '1' and v[3] == '1' then return 0 end
+      -- The receipt, the stage, its time and (when it moves) the status, in one write.
       if status ~= ARGV[3] then
-        redis.call('HSET', KEYS[1], 'status', ARGV[3])
+        redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6], 'status', ARGV[3])
         if ARGV[7] == '1' then
           redis.call('HINCRBY', KEYS[2], 'count:' .. status, -1)
           redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[3], 1)
         end
+      else
+        redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
       end
       return 1`,
   },
