@@ -11,15 +11,13 @@ function stageJob(
   rolloutId: string,
   delayMs?: number,
 ): { name: StageName; data: { rolloutId: string }; opts: JobsOptions & { jobId: string } } {
-  return {
-    name: stage,
-    data: { rolloutId },
-    opts: {
-      ...STAGE_CATALOG[stage].options,
-      jobId: stageJobId(rolloutId, stage),
-      ...(delayMs ? { delay: delayMs } : {}),
-    },
-  };
+  // The catalog's options, then the job's own, in that order. Not `{ ...options, jobId }`: V8
+  // (Node 20) adds a property to a spread clone on a slow path, several µs a job.
+  const opts: JobsOptions & { jobId: string } = Object.assign({}, STAGE_CATALOG[stage].options, {
+    jobId: stageJobId(rolloutId, stage),
+  });
+  if (delayMs) opts.delay = delayMs;
+  return { name: stage, data: { rolloutId }, opts };
 }
 
 /**
