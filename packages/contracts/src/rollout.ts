@@ -6,7 +6,10 @@ import { JsonObject } from "./json-object.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxOptions } from "./sandbox.ts";
 import { TaskRef } from "./task.ts";
 
-export const RolloutId = z.string().regex(/^[A-Za-z0-9_-]{1,64}$/, "must be a rollout id");
+/** What a rollout id is made of (`RolloutId`). */
+const ROLLOUT_ID = /^[A-Za-z0-9_-]{1,64}$/;
+
+export const RolloutId = z.string().regex(ROLLOUT_ID, "must be a rollout id");
 
 /** One rollout request (DESIGN §9). */
 export const RolloutRequest = z.strictObject({
@@ -77,6 +80,28 @@ export const StageName = z.enum(["seed", "run", "verify", "close"]);
 export type StageName = z.infer<typeof StageName>;
 export const StageJob = z.strictObject({ rolloutId: RolloutId });
 export type StageJob = z.infer<typeof StageJob>;
+
+/**
+ * `StageJob.parse`, for every stage job a worker takes: a payload as the fleet enqueues it (a
+ * plain object holding a valid `rolloutId` and nothing else) is checked by hand, with the same
+ * pattern, without zod's parse; anything else goes to `StageJob.parse`, which answers it (or
+ * throws) exactly as before.
+ */
+export function parseStageJob(data: unknown): StageJob {
+  if (typeof data === "object" && data !== null && Object.getPrototypeOf(data) === Object.prototype) {
+    const keys = Object.keys(data);
+    const rolloutId = (data as { rolloutId?: unknown }).rolloutId;
+    if (
+      keys.length === 1 &&
+      keys[0] === "rolloutId" &&
+      typeof rolloutId === "string" &&
+      ROLLOUT_ID.test(rolloutId)
+    ) {
+      return { rolloutId };
+    }
+  }
+  return StageJob.parse(data);
+}
 
 export const SeedReceipt = z.object({
   handle: SandboxHandle,

@@ -14,10 +14,12 @@ import { classifyFailure, FailureKind, FailureRecord, Usage } from "./failure.ts
 import { leafIssues } from "./issues.ts";
 import {
   CloseReceipt,
+  parseStageJob,
   RolloutRequest,
   RolloutResult,
   RunReceipt,
   SeedReceipt,
+  StageJob,
   VerifyReceipt,
 } from "./rollout.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";
@@ -734,6 +736,60 @@ describe("failures", () => {
   it("caps text and decodes bytes with replacement characters", () => {
     fc.assert(fc.property(fc.string({ maxLength: 10_000 }), (s) => capText(s).length <= MAX_FIELD_CHARS));
     expect(decodeUtf8(new Uint8Array([0x61, 0xff, 0x62]))).toBe("a\uFFFDb");
+  });
+});
+
+describe("parseStageJob", () => {
+  /** What a parse gives: the value, or the error's words. */
+  const outcome = (parse: (d: unknown) => unknown, data: unknown) => {
+    try {
+      return { ok: parse(data) };
+    } catch (err) {
+      return { error: String(err) };
+    }
+  };
+
+  it("answers every payload as StageJob.parse does: the id, or the same error", () => {
+    const payloads: unknown[] = [
+      { rolloutId: "a1b2-c3_d4" },
+      { rolloutId: "x".repeat(64) },
+      { rolloutId: "x".repeat(65) },
+      { rolloutId: "" },
+      { rolloutId: "has space" },
+      { rolloutId: "../etc" },
+      { rolloutId: 7 },
+      { rolloutId: "ok", task: { secret: 1 } },
+      { rolloutId: undefined },
+      {},
+      Object.assign(Object.create(null), { rolloutId: "no-prototype" }),
+      Object.assign(Object.create({ inherited: 1 }), { rolloutId: "own-prototype" }),
+      ["rolloutId"],
+      "rollout",
+      null,
+      undefined,
+    ];
+    for (const data of payloads) {
+      expect(outcome(parseStageJob, data), JSON.stringify(data)).toEqual(
+        outcome((d) => StageJob.parse(d), data),
+      );
+    }
+    fc.assert(
+      fc.property(
+        fc.oneof(fc.string({ maxLength: 80 }), fc.stringMatching(/^[A-Za-z0-9_-]{1,70}$/)),
+        (rolloutId) => {
+          expect(outcome(parseStageJob, { rolloutId })).toEqual(
+            outcome((d) => StageJob.parse(d), { rolloutId }),
+          );
+        },
+      ),
+    );
+  });
+
+  it("returns a new object holding the id alone", () => {
+    const data = { rolloutId: "r-1" };
+    const parsed = parseStageJob(data);
+    expect(parsed).toEqual({ rolloutId: "r-1" });
+    expect(parsed).not.toBe(data);
   });
 });
 

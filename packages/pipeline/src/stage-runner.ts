@@ -5,7 +5,7 @@ import {
   FleetError,
   isFleetError,
   isTerminal,
-  StageJob,
+  parseStageJob,
   type StageName,
   stageAfter,
 } from "@fleet/contracts";
@@ -57,7 +57,7 @@ export async function runStageJob(
 ): Promise<StageRunOutcome> {
   // When this worker took the job: its lock dates from then (wall clock, as BullMQ's).
   const lock = { since: job.processedOn ?? Date.now(), durationMs: options.lockDurationMs ?? 30_000 };
-  const { rolloutId } = StageJob.parse(job.data);
+  const { rolloutId } = parseStageJob(job.data);
   // One round trip: the record, the stage's start time, for close the tombstone, failure log and
   // sandbox entries, for seed its sandbox intent, for run its launch claim.
   // The same `now` for begin and the deadline check below: begin records seed's intent only
