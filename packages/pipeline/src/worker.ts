@@ -119,6 +119,13 @@ export function createStageWorkers(
   if (seeds) deps.metrics?.seedingHeld.set(0);
   const seedAhead = seeds && seedAheadOptions ? seedAheadBound(deps, seedAheadOptions) : null;
 
+  // The same for every job: made once, not per job.
+  const runOptions: Parameters<typeof runStageJob>[3] = {
+    signal: handBack.signal,
+    lockDurationMs: options.lockDurationMs ?? 30_000,
+    ...(breaker ? { providerDown: breaker.isDown, holdMs: breaker.probeMs } : {}),
+  };
+
   const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
     const { stage } = slot;
     const worker = new Worker(
@@ -136,11 +143,7 @@ export function createStageWorkers(
             await seedAhead.enter(handBack.signal, job.timestamp);
             entered = true;
           }
-          const outcome = await runStageJob(stage, job, deps, {
-            signal: handBack.signal,
-            lockDurationMs: options.lockDurationMs ?? 30_000,
-            ...(breaker ? { providerDown: breaker.isDown, holdMs: breaker.probeMs } : {}),
-          });
+          const outcome = await runStageJob(stage, job, deps, runOptions);
           const ms = Date.now() - started;
           deps.metrics?.stageJobs.inc({ stage, outcome });
           deps.metrics?.stageDuration.observe({ stage, outcome }, ms / 1000);
