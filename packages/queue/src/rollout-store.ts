@@ -24,7 +24,7 @@ import { z } from "zod";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
-import { BEGIN_CLOSE_FIELDS, BEGIN_FIELDS, type ScriptedRedis, withScripts } from "./scripts.ts";
+import { BATCH_ERROR, BEGIN_CLOSE_FIELDS, BEGIN_FIELDS, type ScriptedRedis, withScripts } from "./scripts.ts";
 import type { StageQueues } from "./stage-queues.ts";
 import { type RolloutSandboxes, readRolloutSandboxes, SandboxEntry, sandboxKey } from "./teardown-ledger.ts";
 
@@ -237,6 +237,12 @@ const LONGEST_LIFE_MS = (2 * MAX_DURATION_S + 2 * 3600) * 1000;
  * far longer than any admission takes, so a slow one never loses its batch.
  */
 export const BATCH_ADMISSION_LEASE_MS = 24 * 3600 * 1000;
+
+/**
+ * Most rollouts one `fleetAdmit` call records (as many as `enqueueSeeds` enqueues a round trip):
+ * its reply and its inflight and id-list writes grow with it, and Redis runs nothing else meanwhile.
+ */
+const ADMIT_CHUNK = 500;
 
 /** Default retention of finished rollouts (`FLEET_RESULT_TTL_S`): a week. */
 export const DEFAULT_RESULT_TTL_MS = 7 * 24 * 3600 * 1000;
@@ -513,46 +519,58 @@ export class RolloutStore {
     const conflicting: string[] = [];
     const expired: string[] = [];
     const otherRoute: string[] = [];
-    for (let i = 0; i < metas.length; i += 500) {
-      const chunk = metas.slice(i, i + 500);
-      const pipe = this.redis.pipeline() as unknown as ScriptedRedis & {
-        exec(): Promise<[Error | null, unknown][]>;
-      };
+    const sorted: Record<number, string[]> = {
+      1: created,
+      [-1]: conflicting,
+      [-2]: expired,
+      [-3]: otherRoute,
+    };
+    const inflight = this.keys.inflight();
+    // In order, up to 500 at a time, one `fleetAdmit` call per run of rollouts of one batch (or
+    // of single ones): an admission's are all of one.
+    for (let i = 0; i < metas.length; ) {
+      const batchId = metas[i]!.batchId;
+      let end = i + 1;
+      while (end < metas.length && end - i < ADMIT_CHUNK && metas[end]!.batchId === batchId) end++;
+      const chunk = metas.slice(i, end);
+      i = end;
+      const keys =
+        batchId !== null
+          ? [
+              inflight,
+              this.keys.admitting(),
+              this.keys.batch(batchId),
+              this.keys.batchIds(batchId),
+              this.keys.batchDone(batchId),
+            ]
+          : [
+              inflight,
+              this.keys.admitting(),
+              keyBatchId !== undefined ? this.keys.batch(keyBatchId) : inflight,
+              inflight,
+              inflight,
+            ];
+      const args = [
+        String(now),
+        batchId !== null ? "batch" : keyBatchId !== undefined ? "keyed" : "single",
+        // A long admission keeps its note fresh: the janitor finishes only one left for dead.
+        String(Date.now()),
+        batchId !== null ? admissionOf({ batchId }) : "",
+      ];
       for (const m of chunk) {
-        const batch = m.batchId !== null;
-        (pipe as unknown as Record<string, (...a: unknown[]) => unknown>).fleetAdmit!(
-          this.keys.rollout(m.id),
-          batch ? this.keys.batch(m.batchId!) : this.keys.rollout(m.id),
-          this.keys.inflight(),
-          batch ? this.keys.batchIds(m.batchId!) : this.keys.rollout(m.id),
-          this.keys.failures(m.id),
-          this.keys.admitting(),
-          batch ? this.keys.batchDone(m.batchId!) : this.keys.rollout(m.id),
-          !batch && keyBatchId !== undefined ? this.keys.batch(keyBatchId) : this.keys.rollout(m.id),
-          JSON.stringify(m),
-          String(m.deadlineAt),
-          String(now),
-          m.id,
-          batch ? "1" : "0",
-          m.bodyHash,
-        );
+        keys.push(this.keys.rollout(m.id), this.keys.failures(m.id));
+        args.push(JSON.stringify(m), String(m.deadlineAt), m.id, m.bodyHash);
       }
-      // A long admission keeps its note fresh: the janitor finishes only one left for dead.
-      if (chunk[0]!.batchId !== null) {
-        (pipe as unknown as ChainableCommander).zadd(
-          this.keys.admitting(),
-          Date.now(),
-          admissionOf({ batchId: chunk[0]!.batchId }),
-        );
-      }
-      const results = ((await pipe.exec()) ?? []).slice(0, chunk.length);
-      results.forEach(([err, value], j) => {
-        if (err) throw err;
-        if (value === 1) created.push(chunk[j]!.id);
-        if (value === -1) conflicting.push(chunk[j]!.id);
-        if (value === -2) expired.push(chunk[j]!.id);
-        if (value === -3) otherRoute.push(chunk[j]!.id);
+      const replies = (await this.redis.fleetAdmit(keys.length, ...keys, ...args)) as unknown[];
+      let failed: Error | null = null;
+      chunk.forEach((m, j) => {
+        const reply = replies[j];
+        if (Array.isArray(reply) && reply[0] === BATCH_ERROR)
+          failed ??= new Error(`fleetAdmit: ${String(reply[1])}`);
+        else sorted[reply as number]?.push(m.id);
       });
+      // As a pipeline of one call per rollout did: the others ran, the first error is thrown.
+      if (failed) throw failed;
     }
     return { created, conflicting, expired, otherRoute };
   }

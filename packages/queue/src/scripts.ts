@@ -164,75 +164,124 @@ function luaList(names: readonly string[]): string {
   return names.map((n) => `'${n}'`).join(", ");
 }
 
+/** A batched item's error in its reply slot: `{BATCH_ERROR, message}` (see `BATCHED`, `fleetAdmit`). */
+export const BATCH_ERROR = "__fleet_err";
+
 const SCRIPTS = {
   /**
-   * Admit one rollout if new: meta, status, inflight entry, batch count. ARGV: metaJson,
-   * deadlineAt, now, id, hasBatch, bodyHash. Returns 1 if created, 0 if it existed with the same
-   * body hash (an idempotent replay), -1 if it existed with another (a conflicting reuse of the
-   * id's idempotency key, however close together the two requests came), -2 if it is gone from
-   * a batch that finished and is expiring (retention): a replay may not add it again, which
-   * would count it twice in a batch about to vanish (0 if it is gone from a batch still running:
-   * it finished early and its own retention ended; not added again either); -3 if its idempotency key names a batch
-   * (KEYS[8]) already. A batch's rollout is noted as admitting by
-   * `fleetCreateBatch`; a single one here (`r:<id>` in `admitting`, KEYS[6]).
+   * Admit the rollouts of one admission in their order, each if new: meta, status, inflight entry,
+   * and a batch's count and id list. All of one batch (ARGV[2] 'batch'), or single rollouts
+   * ('single'; 'keyed': their idempotency key names the batch KEYS[3]). Per rollout: 1 if created,
+   * 0 if it existed with the same body hash (an idempotent replay), -1 if it existed with another
+   * (a conflicting reuse of the id's idempotency key, however close together the two requests
+   * came), -2 if it is gone from a batch that finished and is expiring (retention): a replay may
+   * not add it again, which would count it twice in a batch about to vanish (0 if it is gone from
+   * a batch still running: it finished early and its own retention ended; not added again
+   * either); -3 if its idempotency key names a batch (KEYS[3]) already; `{'__fleet_err', message}`
+   * if its commands failed (the others are unaffected, as separate calls would be).
+   * A batch's admission is noted as under way in `admitting` (KEYS[2]) with the score ARGV[3] and
+   * the member ARGV[4] (`fleetCreateBatch` noted it first: a long admission keeps its note fresh,
+   * so the janitor finishes only one left for dead); a single rollout created, as `r:<id>`.
+   * One call for many rollouts: the batch's state is read once and its count, id list and the
+   * inflight entries are written once, for all of them (each rollout's own call ran 11 commands).
    */
   fleetAdmit: {
-    // rollout, batch|rollout, inflight, batchIds|rollout, failures, admitting, batchDone|rollout,
-    // the batch its idempotency key would name|rollout (a single rollout's)
-    keys: 8,
+    // inflight, admitting, batch|the batch the singles' key names|inflight, batchIds|inflight,
+    // batchDone|inflight, then per rollout: its hash, its failure log.
+    // ARGV: now, mode, note score, note member, then per rollout: metaJson, deadlineAt, id, bodyHash.
+    keys: null,
     lua: `
-      if redis.call('HEXISTS', KEYS[1], 'meta') == 1 then
-        local stored = redis.call('HGET', KEYS[1], 'bodyHash')
-        if stored and stored ~= ARGV[6] then return -1 end
-        return 0
+      local now, mode = ARGV[1], ARGV[2]
+      local batched = mode == 'batch'
+      -- The batch's state, read once: nothing else runs meanwhile, and what this call changes of
+      -- it is kept here as it goes (\`total\`: its rollouts admitted so far, nil before the first).
+      local total, cancelled, expiring = nil, false, false
+      if batched then
+        local b = redis.call('HMGET', KEYS[3], 'total', 'cancel')
+        total = tonumber(b[1])
+        cancelled = b[2] == '1'
+        -- A batch that counted rollouts and has a TTL is finished and expiring (a batch gets one
+        -- only from fleetFinalize once done reaches total, or, before its first admission, from
+        -- fleetCreateBatch: that lease is not the end of it).
+        expiring = total ~= nil and redis.call('PTTL', KEYS[3]) > 0
       end
-      -- A single rollout's key that names a batch already (sent on the other route): -3. Checked
-      -- here, with the write, so two requests on the two routes cannot both pass.
-      if ARGV[5] == '0' and KEYS[8] and KEYS[8] ~= KEYS[1] and redis.call('EXISTS', KEYS[8]) == 1 then
-        return -3
-      end
-      -- A batch that counted rollouts and has a TTL is finished and expiring (a batch gets one
-      -- only from fleetFinalize once done reaches total, or, before its first admission, from
-      -- fleetCreateBatch: that lease is not the end of it). A rollout of it that was never
-      -- admitted (one cut short: its dispatcher died, and the rollouts it had admitted finished)
-      -- comes now, a replay finishing that admission, and the batch lives as long as it does.
-      -- Every admission records a batch's rollouts in their order (ids end in -<index>), so those
-      -- ever admitted are the first 'total' of them.
-      -- One of those first 'total' with no record is gone (its retention ended), whether or not
-      -- its batch is expiring: a batch still running keeps its rollouts that finished early only
-      -- for their own retention. Admitted again it would run twice and count twice: never. A
-      -- batch still running answers its replay as it is (0, as for one that exists).
-      if ARGV[5] == '1' and redis.call('HEXISTS', KEYS[2], 'total') == 1 then
-        local index = tonumber(string.match(ARGV[4], '%-(%d+)$') or '0')
-        local expiring = redis.call('PTTL', KEYS[2]) > 0
-        if index < tonumber(redis.call('HGET', KEYS[2], 'total')) then
-          if expiring then return -2 end
+      local function admitOne(key, failures, meta, deadline, id, bodyHash)
+        if redis.call('HEXISTS', key, 'meta') == 1 then
+          local stored = redis.call('HGET', key, 'bodyHash')
+          if stored and stored ~= bodyHash then return -1 end
           return 0
         end
-        if expiring then
-          redis.call('PERSIST', KEYS[2])
-          redis.call('PERSIST', KEYS[4])
-          if KEYS[7] then redis.call('PERSIST', KEYS[7]) end
+        -- A single rollout's key that names a batch already (sent on the other route): -3. Checked
+        -- here, with the write, so two requests on the two routes cannot both pass.
+        if mode == 'keyed' and redis.call('EXISTS', KEYS[3]) == 1 then return -3 end
+        -- A rollout of a finished, expiring batch that was never admitted (one cut short: its
+        -- dispatcher died, and the rollouts it had admitted finished) comes now, a replay
+        -- finishing that admission, and the batch lives as long as it does.
+        -- Every admission records a batch's rollouts in their order (ids end in -<index>), so those
+        -- ever admitted are the first 'total' of them.
+        -- One of those first 'total' with no record is gone (its retention ended), whether or not
+        -- its batch is expiring: a batch still running keeps its rollouts that finished early only
+        -- for their own retention. Admitted again it would run twice and count twice: never. A
+        -- batch still running answers its replay as it is (0, as for one that exists).
+        if batched and total ~= nil then
+          local index = tonumber(string.match(id, '%-(%d+)$') or '0')
+          if index < total then
+            if expiring then return -2 end
+            return 0
+          end
+          if expiring then
+            redis.call('PERSIST', KEYS[3])
+            redis.call('PERSIST', KEYS[4])
+            redis.call('PERSIST', KEYS[5])
+            expiring = false
+          end
+        end
+        -- A failure log left by an expired rollout of the same id (a late stage's append) is not this one's.
+        redis.call('DEL', failures)
+        if cancelled then
+          -- The batch was cancelled while it was being admitted: so is this rollout (its seed stops it).
+          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'cancel', '1', 'fence', 'stopped')
+        else
+          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash)
+        end
+        return 1
+      end
+      local out, inflight, ids = {}, {}, {}
+      for i = 1, (#KEYS - 5) / 2 do
+        local a = 4 + (i - 1) * 4
+        local id, deadline = ARGV[a + 3], ARGV[a + 2]
+        local ok, r = pcall(admitOne, KEYS[4 + 2 * i], KEYS[5 + 2 * i], ARGV[a + 1], deadline, id, ARGV[a + 4])
+        if ok then
+          out[i] = r
+          if r == 1 then
+            inflight[#inflight + 1] = deadline
+            inflight[#inflight + 1] = id
+            ids[#ids + 1] = id
+            if batched then total = (total or 0) + 1 end
+          end
+        else
+          out[i] = {'${BATCH_ERROR}', tostring(r)}
         end
       end
-      -- A failure log left by an expired rollout of the same id (a late stage's append) is not this one's.
-      redis.call('DEL', KEYS[5])
-      redis.call('HSET', KEYS[1], 'meta', ARGV[1], 'status', 'accepted', 'stage', 'admission', 't:accepted', ARGV[3], 'deadline', ARGV[2], 'bodyHash', ARGV[6])
-      redis.call('ZADD', KEYS[3], ARGV[2], ARGV[4])
-      if ARGV[5] == '1' then
-        redis.call('HINCRBY', KEYS[2], 'count:accepted', 1)
-        -- Its first rollout: the batch lives as long as its rollouts now (its creation's lease ends).
-        if redis.call('HINCRBY', KEYS[2], 'total', 1) == 1 then redis.call('PERSIST', KEYS[2]) end
-        redis.call('RPUSH', KEYS[4], ARGV[4])
-        -- The batch was cancelled while it was being admitted: so is this rollout (its seed stops it).
-        if redis.call('HGET', KEYS[2], 'cancel') == '1' then
-          redis.call('HSET', KEYS[1], 'cancel', '1', 'fence', 'stopped')
+      if #ids > 0 then
+        redis.call('ZADD', KEYS[1], unpack(inflight))
+        if batched then
+          redis.call('HINCRBY', KEYS[3], 'count:accepted', #ids)
+          -- Its first rollouts: the batch lives as long as its rollouts now (its creation's lease ends).
+          if redis.call('HINCRBY', KEYS[3], 'total', #ids) == #ids then redis.call('PERSIST', KEYS[3]) end
+          redis.call('RPUSH', KEYS[4], unpack(ids))
+        else
+          -- Under way until its seed is enqueued (a batch's admission is noted by fleetCreateBatch).
+          local notes = {}
+          for _, id in ipairs(ids) do
+            notes[#notes + 1] = now
+            notes[#notes + 1] = 'r:' .. id
+          end
+          redis.call('ZADD', KEYS[2], unpack(notes))
         end
-      else
-        -- Under way until its seed is enqueued (a batch's admission is noted by fleetCreateBatch).
-        redis.call('ZADD', KEYS[6], ARGV[3], 'r:' .. ARGV[4])
       end
-      return 1`,
+      if batched then redis.call('ZADD', KEYS[2], ARGV[3], ARGV[4]) end
+      return out`,
   },
   /**
    * Create a batch hash if new: its body hash and creation time, and a lease of ARGV[3] ms that
@@ -863,7 +912,6 @@ export const BATCHED = {
   fleetFinalize: { args: 14 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;
-export const BATCH_ERROR = "__fleet_err";
 
 function batchedLua(name: BatchedScript): string {
   return `
@@ -892,7 +940,8 @@ export function withScripts(redis: RedisConnection): ScriptedRedis {
   const r = redis as ScriptedRedis;
   const has = (name: string) => typeof (r as unknown as Record<string, unknown>)[name] === "function";
   for (const [name, def] of Object.entries(SCRIPTS)) {
-    if (!has(name)) redis.defineCommand(name, { numberOfKeys: def.keys, lua: def.lua });
+    // A script whose key count is null takes it first, from the caller (`fleetAdmit`).
+    if (!has(name)) redis.defineCommand(name, { numberOfKeys: def.keys ?? undefined, lua: def.lua });
   }
   for (const name of Object.keys(BATCHED) as BatchedScript[]) {
     // No fixed key count: the caller passes it first.

@@ -1751,6 +1751,32 @@ describe("rollout store", () => {
     expect(await kept.getBatch(batchId!)).toMatchObject({ total: 2, done: 2 });
   });
 
+  it("a batch's rollouts are recorded in one call, each on its own: one whose record cannot be written fails the admission, the others are recorded, listed and counted", async () => {
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    const ids = rolloutIds(3, null, "batch");
+    const batchId = batchIdFor(ids);
+    const metas = await prepareRollouts(store, [request, request, request], ids, batchId, {
+      maxTaskBytes: 1e6,
+    });
+    expect(await store.createBatch(batchId, "h", Date.now())).toBe("h");
+    // The middle one's key holds a string (not a hash): its commands fail with WRONGTYPE.
+    await redis.set(store.keys.rollout(ids[1]!), "not a hash");
+    await expect(store.admit(metas, Date.now())).rejects.toThrow(/fleetAdmit: .*WRONGTYPE/);
+    expect((await store.get(ids[0]!))?.status).toBe("accepted");
+    expect((await store.get(ids[2]!))?.status).toBe("accepted");
+    expect(await store.getBatch(batchId)).toMatchObject({ total: 2, done: 0, counts: { accepted: 2 } });
+    expect(await store.batchRolloutIds(batchId)).toEqual([ids[0], ids[2]]);
+    expect(await redis.zscore(store.keys.inflight(), ids[1]!)).toBeNull();
+    expect(Number(await redis.zscore(store.keys.inflight(), ids[2]!))).toBe(metas[2]!.deadlineAt);
+    // Its first rollout ended the batch's admission lease; its admission is noted as under way.
+    expect(await redis.pttl(store.keys.batch(batchId))).toBe(-1);
+    expect((await store.admissionsBefore(Date.now() + 1, 1000)).map((a) => a.admission)).toContain(
+      `b:${batchId}`,
+    );
+    await store.admissionDone(`b:${batchId}`);
+    await redis.del(store.keys.rollout(ids[1]!));
+  });
+
   it("a stage's receipt moves its batch's count from the old status to the new once, and records the stage and its end time", async () => {
     const r = await admit(
       store,
