@@ -19,7 +19,7 @@ import {
   TaskContent,
   VerifyReceipt,
 } from "@fleet/contracts";
-import type { ChainableCommander } from "ioredis";
+import { type ChainableCommander, ReplyError } from "ioredis";
 import { z } from "zod";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import type { RedisConnection } from "./connection.ts";
@@ -565,8 +565,11 @@ export class RolloutStore {
       let failed: Error | null = null;
       chunk.forEach((m, j) => {
         const reply = replies[j];
+        // Redis's reply as it is, a ReplyError as ioredis makes one: callers tell by it a Redis
+        // that cannot serve now (READONLY after a failover, NOREPLICAS, OOM: isRedisUnavailable,
+        // the dispatcher's 503) from a request that is wrong.
         if (Array.isArray(reply) && reply[0] === BATCH_ERROR)
-          failed ??= new Error(`fleetAdmit: ${String(reply[1])}`);
+          failed ??= new ReplyError(String(reply[1])) as Error;
         else sorted[reply as number]?.push(m.id);
       });
       // As a pipeline of one call per rollout did: the others ran, the first error is thrown.

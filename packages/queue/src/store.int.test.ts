@@ -19,7 +19,7 @@ import {
   prepareRollouts,
   rolloutIds,
 } from "./admission.ts";
-import { assertRedisDurable, createRedis } from "./connection.ts";
+import { assertRedisDurable, createRedis, isRedisUnavailable } from "./connection.ts";
 import { LocalRedisServer } from "./local-redis.ts";
 import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
@@ -1761,7 +1761,7 @@ describe("rollout store", () => {
     expect(await store.createBatch(batchId, "h", Date.now())).toBe("h");
     // The middle one's key holds a string (not a hash): its commands fail with WRONGTYPE.
     await redis.set(store.keys.rollout(ids[1]!), "not a hash");
-    await expect(store.admit(metas, Date.now())).rejects.toThrow(/fleetAdmit: .*WRONGTYPE/);
+    await expect(store.admit(metas, Date.now())).rejects.toThrow(/^WRONGTYPE /);
     expect((await store.get(ids[0]!))?.status).toBe("accepted");
     expect((await store.get(ids[2]!))?.status).toBe("accepted");
     expect(await store.getBatch(batchId)).toMatchObject({ total: 2, done: 0, counts: { accepted: 2 } });
@@ -1775,6 +1775,39 @@ describe("rollout store", () => {
     );
     await store.admissionDone(`b:${batchId}`);
     await redis.del(store.keys.rollout(ids[1]!));
+  });
+
+  it("an admission Redis refuses for now (no good replicas: NOREPLICAS; a demoted master: READONLY) throws Redis's own reply, single rollout or batch, so the dispatcher answers 503 (try again), not 500", async () => {
+    // Its own Redis: min-replicas-to-write makes every script's first write fail with NOREPLICAS
+    // (caught by fleetAdmit's per-rollout pcall, as READONLY on a replica is).
+    const server = await LocalRedisServer.start({ dir: mkdtempSync(join(tmpdir(), "redis-")) });
+    const r = createRedis(server.url);
+    try {
+      const own = new RolloutStore(r, prefix);
+      const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+      const single = rolloutIds(1, null, "single");
+      const singleMetas = await prepareRollouts(own, [request], single, null, { maxTaskBytes: 1e6 });
+      const batch = rolloutIds(2, null, "batch");
+      const batchId = batchIdFor(batch);
+      const batchMetas = await prepareRollouts(own, [request, request], batch, batchId, {
+        maxTaskBytes: 1e6,
+      });
+      expect(await own.createBatch(batchId, "h", Date.now())).toBe("h");
+      await r.config("SET", "min-replicas-to-write", "1");
+      for (const metas of [singleMetas, batchMetas]) {
+        const err = await own.admit(metas, Date.now()).then(
+          () => null,
+          (e: unknown) => e,
+        );
+        expect((err as Error).message).toMatch(/^NOREPLICAS /);
+        expect(isRedisUnavailable(err)).toBe(true);
+      }
+      await r.config("SET", "min-replicas-to-write", "0");
+      expect(await own.get(single[0]!)).toBeNull();
+    } finally {
+      r.disconnect();
+      await server.kill();
+    }
   });
 
   it("a stage's receipt moves its batch's count from the old status to the new once, and records the stage and its end time", async () => {
