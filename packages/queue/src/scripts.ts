@@ -28,19 +28,21 @@ const OPEN_OR_RETURN_0 = `${TERMINAL}
       if not status or terminal[status] then return 0 end`;
 
 /**
- * The fenced launch claim (DESIGN §2 rule 10), shared by `fleetClaimLaunch` and `fleetBegin`:
- * returns 'stopped', 0 when a stop already won, else the previous fence ('' for the first
- * launch, 'launched:<token>' on a re-delivery) and the launches so far, this one included.
+ * The fenced launch claim (DESIGN §2 rule 10), shared by `fleetClaimLaunch` and `fleetBegin`,
+ * on the rollout's fields as its caller read them (`fence`, `fence:prev`, `launches`, `closed`;
+ * false when absent), writing through `write(name, value)`: returns 'stopped', 0 when a stop
+ * already won, else the previous fence ('' for the first launch, 'launched:<token>' on a
+ * re-delivery) and the launches so far, this one included.
  */
-const CLAIM_LAUNCH = `local function claimLaunch(key, token)
-        local fence = redis.call('HGET', key, 'fence')
+const CLAIM_LAUNCH = `local function claimLaunch(key, token, fence, prev, launches, closed, write)
         if fence == 'launched:' .. token then
           -- This very claim again (tokens are unique per attempt): ioredis re-sent the command
           -- after a reconnect lost its reply. Answer as the first time, counting no launch.
-          return redis.call('HGET', key, 'fence:prev') or '', tonumber(redis.call('HGET', key, 'launches') or '1')
+          return prev or '', tonumber(launches or '1')
         end
-        if fence == 'stopped' or redis.call('HGET', key, 'closed') == '1' then return 'stopped', 0 end
-        redis.call('HSET', key, 'fence', 'launched:' .. token, 'fence:prev', fence or '')
+        if fence == 'stopped' or closed == '1' then return 'stopped', 0 end
+        write('fence', 'launched:' .. token)
+        write('fence:prev', fence or '')
         return fence or '', redis.call('HINCRBY', key, 'launches', 1)
       end`;
 
@@ -583,7 +585,10 @@ const SCRIPTS = {
     keys: 1,
     lua: `
       ${CLAIM_LAUNCH}
-      local previous, launches = claimLaunch(KEYS[1], ARGV[1])
+      local f = redis.call('HMGET', KEYS[1], 'fence', 'fence:prev', 'launches', 'closed')
+      local previous, launches = claimLaunch(KEYS[1], ARGV[1], f[1], f[2], f[3], f[4], function(name, value)
+        redis.call('HSET', KEYS[1], name, value)
+      end)
       return {previous, launches}`,
   },
   /**
@@ -692,6 +697,7 @@ const SCRIPTS = {
     keys: 3, // rollout, failures, sandboxes
     lua: `
       ${TERMINAL}
+      ${CLAIM_LAUNCH}
       ${RECORD_INTENT}
       local stage, now, token = ARGV[1], ARGV[2], ARGV[8]
       local close = ARGV[3] == '1'
@@ -792,21 +798,9 @@ const SCRIPTS = {
                 write(at[prefix .. 'fence'], prefix .. 'fence', token)
               end
             elseif iLaunches then
-              -- The fenced launch claim, as claimLaunch (fleetClaimLaunch) makes it.
-              local fence = v[at['fence']]
-              if fence == 'launched:' .. token then
-                -- This very claim again (tokens are unique per attempt): ioredis re-sent the
-                -- command after a reconnect lost its reply. Answer as the first time, counting
-                -- no launch.
-                previous, launches = v[iPrev] or '', tonumber(v[iLaunches] or '1')
-              elseif fence == 'stopped' or v[at['closed']] == '1' then
-                previous, launches = 'stopped', 0
-              else
-                write(at['fence'], 'fence', 'launched:' .. token)
-                write(iPrev, 'fence:prev', fence or '')
-                previous = fence or ''
-                launches = redis.call('HINCRBY', KEYS[1], 'launches', 1)
-              end
+              -- The fenced launch claim (fleetClaimLaunch's), on the values read above.
+              previous, launches = claimLaunch(KEYS[1], token, v[at['fence']], v[iPrev], v[iLaunches], v[at['closed']],
+                function(name, value) write(at[name], name, value) end)
             end
           end
         end
