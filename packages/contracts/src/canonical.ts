@@ -8,78 +8,59 @@ import { hash } from "node:crypto";
  */
 export function canonicalJson(value: unknown): string {
   try {
-    return writeFast(value);
+    return write(value, null);
   } catch (err) {
-    // Refused somewhere: `write` names where (its path), and says the same for the same value.
+    // Refused somewhere (or an array with holes): again with paths, so the error names where.
     if (err === NOT_CANONICAL) return write(value, "$");
     throw err;
   }
 }
 
-/** What `writeFast` throws for a value `write` refuses (without building the path to it). */
+/** What `write` throws for a value it refuses when it is not tracking paths (`at` null). */
 const NOT_CANONICAL = new Error("no canonical JSON form");
 
+function refused(at: string | null, what: string): Error {
+  return at === null ? NOT_CANONICAL : new TypeError(`${at}: ${what}`);
+}
+
 /**
- * `write` without tracking the path to each value (only an error uses it) or the intermediate
- * arrays of its filter/sort/map/join: admission writes every request of a batch, and this halves
- * the time. The same text for every value it writes; whatever it does not write as `write` would
- * (a refused value, an array with holes) it leaves to `write` by throwing `NOT_CANONICAL`.
+ * `at`: the JSON path of `value`, for the error of a value refused; null to track none (every
+ * request of a batch is written at admission: building a path per value doubled the time), in
+ * which case a refused value, or an array with holes (written as `Array.map` leaves them), throws
+ * `NOT_CANONICAL` and `canonicalJson` writes it again with paths.
  */
-function writeFast(value: unknown): string {
+function write(value: unknown, at: string | null): string {
   if (value === null) return "null";
   switch (typeof value) {
     case "string":
     case "boolean":
       return JSON.stringify(value);
     case "number":
-      if (!Number.isFinite(value)) throw NOT_CANONICAL;
+      if (!Number.isFinite(value)) throw refused(at, "non-finite number has no canonical JSON form");
       return JSON.stringify(value);
     case "object": {
       if (Array.isArray(value)) {
+        if (at !== null) return `[${value.map((v, i) => write(v, `${at}[${i}]`)).join(",")}]`;
         let out = "[";
         for (let i = 0; i < value.length; i++) {
-          if (!(i in value)) throw NOT_CANONICAL; // a hole: `write`'s map skips it
+          if (!(i in value)) throw NOT_CANONICAL;
           if (i > 0) out += ",";
-          out += writeFast(value[i]);
+          out += write(value[i], null);
         }
         return `${out}]`;
       }
       if (value instanceof Date) return JSON.stringify(value.toISOString());
-      const keys = Object.keys(value).sort();
       let out = "{";
-      for (const k of keys) {
+      for (const k of Object.keys(value).sort()) {
         const v = (value as Record<string, unknown>)[k];
         if (v === undefined) continue;
         if (out.length > 1) out += ",";
-        out += `${JSON.stringify(k)}:${writeFast(v)}`;
+        out += `${JSON.stringify(k)}:${write(v, at === null ? null : `${at}.${k}`)}`;
       }
       return `${out}}`;
     }
     default:
-      throw NOT_CANONICAL;
-  }
-}
-
-function write(value: unknown, at: string): string {
-  if (value === null) return "null";
-  switch (typeof value) {
-    case "string":
-    case "boolean":
-      return JSON.stringify(value);
-    case "number":
-      if (!Number.isFinite(value)) throw new TypeError(`${at}: non-finite number has no canonical JSON form`);
-      return JSON.stringify(value);
-    case "object": {
-      if (Array.isArray(value)) return `[${value.map((v, i) => write(v, `${at}[${i}]`)).join(",")}]`;
-      if (value instanceof Date) return JSON.stringify(value.toISOString());
-      const entries = Object.keys(value)
-        .filter((k) => (value as Record<string, unknown>)[k] !== undefined)
-        .sort()
-        .map((k) => `${JSON.stringify(k)}:${write((value as Record<string, unknown>)[k], `${at}.${k}`)}`);
-      return `{${entries.join(",")}}`;
-    }
-    default:
-      throw new TypeError(`${at}: a ${typeof value} has no canonical JSON form`);
+      throw refused(at, `a ${typeof value} has no canonical JSON form`);
   }
 }
 
