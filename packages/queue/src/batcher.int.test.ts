@@ -1,9 +1,13 @@
+import { mkdtempSync, rmSync } from "node:fs";
 import type { Socket } from "node:net";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { MAX_BATCH, ScriptBatcher } from "./batcher.ts";
-import { coalesceWrites, createRedis } from "./connection.ts";
+import { coalesceWrites, createRedis, isRedisUnavailable } from "./connection.ts";
 import { createKeys } from "./keys.ts";
+import { LocalRedisServer } from "./local-redis.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 const prefix = `{t-batch-${Math.random().toString(36).slice(2, 8)}}`;
@@ -63,6 +67,44 @@ describe("ScriptBatcher", () => {
     expect(ok).toEqual({ status: "fulfilled", value: 1 });
     expect(bad.status).toBe("rejected");
     expect(String((bad as PromiseRejectedResult).reason)).toMatch(/WRONGTYPE/);
+  });
+
+  it("an item a Redis that cannot serve now refuses (a demoted master: READONLY) rejects with Redis's own ReplyError, batched as alone, so callers know to wait it out", async () => {
+    // A replica of its own primary: every script write there fails with READONLY, inside the
+    // batched form's per-item pcall as in the plain script's call.
+    const dirs = [0, 1].map(() => mkdtempSync(join(tmpdir(), "redis-")));
+    const primary = await LocalRedisServer.start({ dir: dirs[0]! });
+    const replica = await LocalRedisServer.start({ dir: dirs[1]! });
+    const p = createRedis(primary.url);
+    const r = createRedis(replica.url);
+    try {
+      const ids = ["d1", "d2", "d3"];
+      for (const id of ids) {
+        await p.hset(keys.rollout(id), "meta", "{}", "status", "accepted", "stage", "admission");
+      }
+      const { hostname, port } = new URL(primary.url);
+      await r.call("REPLICAOF", hostname, port);
+      await expect.poll(() => r.exists(keys.rollout("d3")), { timeout: 30_000 }).toBe(1);
+      const batcher = new ScriptBatcher(r);
+      const alone = await batcher.call("fleetReceipt", ...receiptCall("d1", "{}")).catch((e: unknown) => e);
+      const batched = await Promise.allSettled(
+        ["d2", "d3"].map((id) => batcher.call("fleetReceipt", ...receiptCall(id, "{}"))),
+      );
+      expect(batcher.stats).toEqual({ calls: 3, sent: 2 });
+      for (const err of [alone, ...batched.map((b) => (b as PromiseRejectedResult).reason)]) {
+        expect(err).toBeInstanceOf(Error);
+        expect((err as Error).name).toBe("ReplyError");
+        expect((err as Error).message).toMatch(/^READONLY /);
+        expect(isRedisUnavailable(err)).toBe(true);
+      }
+      expect(await p.hget(keys.rollout("d2"), "r:seed")).toBeNull();
+    } finally {
+      p.disconnect();
+      r.disconnect();
+      await replica.kill();
+      await primary.kill();
+      for (const dir of dirs) rmSync(dir, { recursive: true, force: true });
+    }
   });
 
   it("what `after` sends goes out before the script's reply is back, and runs after the script", async () => {
