@@ -13,7 +13,7 @@ import { deliveryFence, isRedisUnavailable, maxBackoffMs, STAGE_CATALOG } from "
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError } from "./hand-back.ts";
-import { beginOptions, HANDLERS, lockMayHaveLapsed, superseded } from "./stages.ts";
+import { beginOptions, begunOf, HANDLERS, lockMayHaveLapsed, superseded } from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded";
 
@@ -63,11 +63,10 @@ export async function runStageJob(
   // The same `now` for begin and the deadline check below: begin records seed's intent only
   // before the deadline, exactly when this runner does not skip for it.
   const now = clock(deps);
-  const {
-    record: rec,
-    failures,
-    ...begun
-  } = await deps.store.begin(rolloutId, stage, now, beginOptions(stage, deps));
+  const begin = await deps.store.begin(rolloutId, stage, now, beginOptions(stage, deps));
+  const rec = begin.record;
+  const failures = begin.failures;
+  const begun = begunOf(begin);
   if (!rec) {
     deps.logger.warn({ rolloutId, stage }, "stage job for an unknown rollout; dropping it");
     return "unknown";
