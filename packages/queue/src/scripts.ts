@@ -169,6 +169,16 @@ function luaList(names: readonly string[]): string {
 /** A batched item's error in its reply slot: `{BATCH_ERROR, message}` (see `BATCHED`, `fleetAdmit`). */
 export const BATCH_ERROR = "__fleet_err";
 
+/**
+ * A batched script (`BATCHED`) in two parts: `prelude`, the helpers it defines (constant tables
+ * and functions that take everything of an item as parameters), and `body`, the rest. The single
+ * form is the two in a row; the batched one defines the helpers once per call, not once per item
+ * (each item's body sees them as upvalues).
+ */
+function withPrelude(prelude: string, body: string): { prelude: string; body: string; lua: string } {
+  return { prelude, body, lua: prelude + body };
+}
+
 const SCRIPTS = {
   /**
    * Admit the rollouts of one admission in their order, each if new: meta, status, inflight entry,
@@ -331,9 +341,11 @@ const SCRIPTS = {
     //       receipt is stored only while the fence field holds that value (a run's while its
     //       launch holds 'fence', DESIGN §2 rule 10; a verify's while it is the attempt that
     //       began last, 'vfence'; a seed's likewise, 'sfence')
-    lua: `
+    ...withPrelude(
+      `
       ${TERMINAL}
-      ${CONFIRM_TEARDOWN}
+      ${CONFIRM_TEARDOWN}`,
+      `
       -- The fields checked below, read in one HMGET before anything is written (the attach
       -- writes another key).
       local names = {ARGV[1], 'status', 'closed'}
@@ -379,6 +391,7 @@ const SCRIPTS = {
         redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6])
       end
       return 1`,
+    ),
   },
   /**
    * Set a field unless the rollout is terminal. ARGV: field, value, mode: '0' always, '1' only if
@@ -414,10 +427,12 @@ const SCRIPTS = {
     // rollout, batch|rollout, inflight, sandboxes, teardown entries, teardown due, failures,
     // batch ids|rollout, network retries, batch done|rollout
     keys: 10,
-    lua: `
+    ...withPrelude(
+      `
       ${TERMINAL}
       ${CONFIRM_TEARDOWN}
-      ${FORGET_DESTROYED}
+      ${FORGET_DESTROYED}`,
+      `
       -- ARGV[13], ARGV[14]: which sandbox's destroy confirmed ARGV[7], ARGV[8] (see forgetDestroyed).
       for i = 7, 8 do
         if ARGV[i] ~= '' then forgetDestroyed(KEYS[4], KEYS[5], KEYS[6], ARGV[i], ARGV[i + 6] or '') end
@@ -472,6 +487,7 @@ const SCRIPTS = {
       if turnedPending then return 2 end
       if turnedConfirmed then return 3 end
       return 1`,
+    ),
   },
   /**
    * Persist a sandbox intent before creating it (DESIGN §2 rule 9), refused when the rollout is
@@ -695,10 +711,12 @@ const SCRIPTS = {
    */
   fleetBegin: {
     keys: 3, // rollout, failures, sandboxes
-    lua: `
+    ...withPrelude(
+      `
       ${TERMINAL}
       ${CLAIM_LAUNCH}
-      ${RECORD_INTENT}
+      ${RECORD_INTENT}`,
+      `
       local stage, now, token = ARGV[1], ARGV[2], ARGV[8]
       local close = ARGV[3] == '1'
       -- Every field of the rollout this call checks or returns, read in one HMGET before it
@@ -814,6 +832,7 @@ const SCRIPTS = {
       local rec = {}
       for i = 1, returned do rec[i] = v[i] end
       return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests}`,
+    ),
   },
   /**
    * Note that a verify attempt works in the sandbox from now (stages or starts its tests:
@@ -908,9 +927,11 @@ export const BATCHED = {
 export type BatchedScript = keyof typeof BATCHED;
 
 function batchedLua(name: BatchedScript): string {
+  // \`one\` is declared on the prelude's last line: the body's lines, and so the line numbers in
+  // its errors' messages, are where they were when the helpers were defined inside it.
   return `
-    local function one(KEYS, ARGV)
-      ${SCRIPTS[name].lua}
+    -- The helpers, once for all the items (upvalues of \`one\`).
+      ${SCRIPTS[name].prelude} local function one(KEYS, ARGV)${SCRIPTS[name].body}
     end
     local nk, na = ${SCRIPTS[name].keys}, ${BATCHED[name].args}
     local out = {}
