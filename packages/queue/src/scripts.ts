@@ -166,6 +166,41 @@ function luaList(names: readonly string[]): string {
   return names.map((n) => `'${n}'`).join(", ");
 }
 
+/**
+ * `fleetBegin`'s HMGET by the kind of begin (its stage; close or not; with an intent key or not;
+ * with a token or not), worked out once per kind and script call (a batch's items share it):
+ * `names`, the fields it reads, the returned ones (`BEGIN_FIELDS` or `BEGIN_CLOSE_FIELDS`) first,
+ * then the others the begin checks, each once (`want`); `at`, where each is; `i<Field>`, where
+ * the fields the begin checks by name are (nil when not read). A seed's or verify's token field
+ * (`seen` .. token, the token's own) has the slot `iSeen`, filled in by each begin before its
+ * HMGET. Compact (lines shared): fleetBegin's body keeps the line numbers its errors report.
+ */
+const BEGIN_SHAPES = `local shapes = {}
+      local function shapeOf(stage, close, withIntent, withToken)
+        local byKind = shapes[stage] or {}
+        local kind = (close and 4 or 0) + (withIntent and 2 or 0) + (withToken and 1 or 0)
+        if byKind[kind] then return byKind[kind] end
+        local names
+        if close then names = {${luaList(BEGIN_CLOSE_FIELDS)}} else names = {${luaList(BEGIN_FIELDS)}} end
+        local at = {}
+        for i, name in ipairs(names) do at[name] = i end
+        local s = {names = names, at = at, returned = #names}
+        local function want(name)
+          if not at[name] then names[#names + 1] = name; at[name] = #names end
+          return at[name]
+        end
+        s.iStart = want('t:' .. stage .. ':start'); s.iReceipt = want('r:' .. stage)
+        if not close and withIntent then s.iDeadline = want('deadline') end
+        if not close and withToken and (stage == 'seed' or stage == 'verify') then
+          s.seen = stage == 'seed' and 'sseen:' or 'vseen:'; s.iSeen = #names + 1; names[s.iSeen] = ''
+        elseif not close and withToken then
+          s.iPrev = want('fence:prev'); s.iLaunches = want('launches')
+        end
+        if not close and stage == 'verify' then s.iLast = want('t:verify:last'); s.iSweep = want('t:verify:sweep') end
+        byKind[kind], shapes[stage] = s, byKind
+        return s
+      end`;
+
 /** A batched item's error in its reply slot: `{BATCH_ERROR, message}` (see `BATCHED`, `fleetAdmit`). */
 export const BATCH_ERROR = "__fleet_err";
 
@@ -715,43 +750,19 @@ const SCRIPTS = {
       `
       ${TERMINAL}
       ${CLAIM_LAUNCH}
-      ${RECORD_INTENT}`,
+      ${RECORD_INTENT}
+      ${BEGIN_SHAPES}`,
       `
       local stage, now, token = ARGV[1], ARGV[2], ARGV[8]
       local close = ARGV[3] == '1'
       -- Every field of the rollout this call checks or returns, read in one HMGET before it
       -- writes anything (a script runs alone: what it read holds until its own writes, which
       -- are applied to the values returned); its writes to the rollout go in one HSET.
-      local names
-      if close then names = {${luaList(BEGIN_CLOSE_FIELDS)}} else names = {${luaList(BEGIN_FIELDS)}} end
-      local returned = #names
-      local at = {}
-      for i, name in ipairs(names) do at[name] = i end
-      local function want(name)
-        if not at[name] then
-          names[#names + 1] = name
-          at[name] = #names
-        end
-        return at[name]
-      end
-      local iStart = want('t:' .. stage .. ':start')
-      local iReceipt = want('r:' .. stage)
-      local iDeadline, iSeen, iPrev, iLaunches, iLast, iSweep
-      if not close then
-        if ARGV[5] ~= '' then iDeadline = want('deadline') end
-        if token ~= '' then
-          if stage == 'seed' then iSeen = want('sseen:' .. token)
-          elseif stage == 'verify' then iSeen = want('vseen:' .. token)
-          else
-            iPrev = want('fence:prev')
-            iLaunches = want('launches')
-          end
-        end
-        if stage == 'verify' then
-          iLast = want('t:verify:last')
-          iSweep = want('t:verify:sweep')
-        end
-      end
+      local shape = shapeOf(stage, close, ARGV[5] ~= '', token ~= '')
+      local names, at, returned = shape.names, shape.at, shape.returned
+      local iStart, iReceipt, iDeadline, iSeen = shape.iStart, shape.iReceipt, shape.iDeadline, shape.iSeen
+      local iPrev, iLaunches, iLast, iSweep = shape.iPrev, shape.iLaunches, shape.iLast, shape.iSweep
+      if iSeen then names[iSeen] = shape.seen .. token end
       local v = redis.call('HMGET', KEYS[1], unpack(names))
       local status = v[at['status']]
       local writes = {}
