@@ -96,15 +96,15 @@ const CONFIRM_TEARDOWN = `
  * unless `only` is '-', one whose handle id is `only` (the sandbox destroyed). An entry recorded
  * meanwhile for another sandbox under the same key is not this destroy's to forget.
  */
-const FORGET_DESTROYED = `local function forgetDestroyed(sandboxes, entries, due, key, only)
-        local function destroyedOne(raw)
-          if not raw or only == nil or only == '' then return true end
-          local ok, e = pcall(cjson.decode, raw)
-          if not ok or type(e) ~= 'table' or type(e.handle) ~= 'table' then return true end
-          return only ~= '-' and e.handle.id == only
-        end
-        if destroyedOne(redis.call('HGET', sandboxes, key)) then redis.call('HDEL', sandboxes, key) end
-        if destroyedOne(redis.call('HGET', entries, key)) then
+const FORGET_DESTROYED = `local function destroyedOne(raw, only)
+        if not raw or only == nil or only == '' then return true end
+        local ok, e = pcall(cjson.decode, raw)
+        if not ok or type(e) ~= 'table' or type(e.handle) ~= 'table' then return true end
+        return only ~= '-' and e.handle.id == only
+      end
+      local function forgetDestroyed(sandboxes, entries, due, key, only)
+        if destroyedOne(redis.call('HGET', sandboxes, key), only) then redis.call('HDEL', sandboxes, key) end
+        if destroyedOne(redis.call('HGET', entries, key), only) then
           redis.call('HDEL', entries, key)
           redis.call('ZREM', due, key)
         end
