@@ -1,6 +1,5 @@
-import { ReplyError } from "ioredis";
 import type { RedisConnection } from "./connection.ts";
-import { BATCH_ERROR, BATCHED, type BatchedScript, type ScriptedRedis, withScripts } from "./scripts.ts";
+import { BATCHED, type BatchedScript, type ScriptedRedis, slotError, withScripts } from "./scripts.ts";
 
 interface Item {
   keys: readonly string[];
@@ -99,12 +98,9 @@ export class ScriptBatcher {
       return after;
     });
     const settle = (item: Item, after: Promise<unknown> | undefined, row: unknown) => {
-      if (Array.isArray(row) && row[0] === BATCH_ERROR) {
-        // Redis's reply as it is, a ReplyError as ioredis makes one for the plain script (a
-        // batch of one): callers tell by it a Redis that cannot serve now (READONLY after a
-        // failover, NOREPLICAS, OOM: `isRedisUnavailable`) from an error that will not pass.
-        item.reject(new ReplyError(String(row[1])));
-      } else if (after) after.then(() => item.resolve(row), item.reject);
+      const err = slotError(row);
+      if (err) item.reject(err);
+      else if (after) after.then(() => item.resolve(row), item.reject);
       else item.resolve(row);
     };
     replies.then(

@@ -19,12 +19,12 @@ import {
   TaskContent,
   VerifyReceipt,
 } from "@fleet/contracts";
-import { type ChainableCommander, ReplyError } from "ioredis";
+import type { ChainableCommander } from "ioredis";
 import { z } from "zod";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
-import { BATCH_ERROR, BEGIN_CLOSE_FIELDS, BEGIN_FIELDS, type ScriptedRedis, withScripts } from "./scripts.ts";
+import { BEGIN_CLOSE_FIELDS, BEGIN_FIELDS, type ScriptedRedis, slotError, withScripts } from "./scripts.ts";
 import type { StageQueues } from "./stage-queues.ts";
 import { type RolloutSandboxes, readRolloutSandboxes, SandboxEntry, sandboxKey } from "./teardown-ledger.ts";
 
@@ -565,11 +565,8 @@ export class RolloutStore {
       let failed: Error | null = null;
       chunk.forEach((m, j) => {
         const reply = replies[j];
-        // Redis's reply as it is, a ReplyError as ioredis makes one: callers tell by it a Redis
-        // that cannot serve now (READONLY after a failover, NOREPLICAS, OOM: isRedisUnavailable,
-        // the dispatcher's 503) from a request that is wrong.
-        if (Array.isArray(reply) && reply[0] === BATCH_ERROR)
-          failed ??= new ReplyError(String(reply[1])) as Error;
+        const err = slotError(reply);
+        if (err) failed ??= err;
         else sorted[reply as number]?.push(m.id);
       });
       // As a pipeline of one call per rollout did: the others ran, the first error is thrown.

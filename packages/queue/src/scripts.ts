@@ -1,3 +1,4 @@
+import { ReplyError } from "ioredis";
 import type { RedisConnection } from "./connection.ts";
 
 /**
@@ -203,6 +204,16 @@ const BEGIN_SHAPES = `local shapes = {}
 
 /** A batched item's error in its reply slot: `{BATCH_ERROR, message}` (see `BATCHED`, `fleetAdmit`). */
 export const BATCH_ERROR = "__fleet_err";
+
+/**
+ * The error a batched item's reply slot holds (`{BATCH_ERROR, message}`), as the plain script
+ * alone would have rejected: a ReplyError with Redis's message, by which callers tell a Redis
+ * that cannot serve now (READONLY after a failover, NOREPLICAS, OOM: `isRedisUnavailable`, the
+ * dispatcher's 503) from an error that will not pass. Null for a slot holding a reply.
+ */
+export function slotError(slot: unknown): Error | null {
+  return Array.isArray(slot) && slot[0] === BATCH_ERROR ? new ReplyError(String(slot[1])) : null;
+}
 
 /**
  * A batched script (`BATCHED`) in two parts: `prelude`, the helpers it defines (constant tables
