@@ -40,12 +40,16 @@ function write(value: unknown, at: string | null): string {
       return JSON.stringify(value);
     case "object": {
       if (Array.isArray(value)) {
-        if (at !== null) return `[${value.map((v, i) => write(v, `${at}[${i}]`)).join(",")}]`;
         let out = "[";
         for (let i = 0; i < value.length; i++) {
-          if (!(i in value)) throw NOT_CANONICAL;
           if (i > 0) out += ",";
-          out += write(value[i], null);
+          // A hole is written as nothing (as `Array.map` and `join` always left it); not when
+          // tracking no path: written again with paths.
+          if (!(i in value)) {
+            if (at === null) throw NOT_CANONICAL;
+            continue;
+          }
+          out += write(value[i], at === null ? null : `${at}[${i}]`);
         }
         return `${out}]`;
       }
