@@ -1,0 +1,137 @@
+/**
+ * Redis cost of the stages' `begin` (`fleetBegin`, batched as `fleetBeginMany` by `ScriptBatcher`)
+ * per rollout, beside a floor measured in the same run: the same batched calls (same keys and
+ * arguments, same item count per call) of a script whose per-item body does nothing.
+ *
+ * Per round: M fresh rollouts are admitted (no workers run), then `store.begin` is called for all
+ * of them at once, stage by stage (seed with its intent and seed fence, run with its launch
+ * claim, verify with its fence, close with its tombstone), as the stage workers call it. Redis's
+ * time in scripts comes from `INFO commandstats` (EVALSHA's usec), Node's from `process.cpuUsage`.
+ *
+ *   npx tsx scripts/bench-begin.ts [--m 1000] [--rounds 3]
+ *
+ * Needs Redis at REDIS_URL (default redis://127.0.0.1:6379).
+ */
+import { randomBytes, randomUUID } from "node:crypto";
+import { parseArgs } from "node:util";
+import { RolloutRequest, type StageName } from "@fleet/contracts";
+import { admit, type BeginOptions, createRedis, digestTask, RolloutStore, StageQueues } from "@fleet/queue";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { median, positiveInt } from "./lib/bench-stats.ts";
+
+const { values } = parseArgs({
+  options: { m: { type: "string", default: "1000" }, rounds: { type: "string", default: "3" } },
+});
+const M = positiveInt(values.m, "--m");
+const ROUNDS = positiveInt(values.rounds, "--rounds");
+const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+
+const redis = createRedis(REDIS_URL);
+const probe = createRedis(REDIS_URL);
+const prefix = `{bench-begin-${randomBytes(4).toString("hex")}}`;
+const store = new RolloutStore(redis, prefix);
+const queues = new StageQueues(redis, prefix);
+
+/** EVALSHA's calls and µs so far (server-wide). */
+async function scriptStats(): Promise<{ calls: number; us: number }> {
+  const m = /^cmdstat_evalsha:calls=(\d+),usec=(\d+)/m.exec(await probe.info("commandstats"));
+  return { calls: Number(m?.[1] ?? 0), us: Number(m?.[2] ?? 0) };
+}
+
+/** Redis µs (scripts), calls and Node µs per item of `n` concurrent calls of `f`. */
+async function measure(n: number, f: (i: number) => Promise<unknown>) {
+  const a = await scriptStats();
+  const cpu = process.cpuUsage();
+  await Promise.all(Array.from({ length: n }, (_, i) => f(i)));
+  const used = process.cpuUsage(cpu);
+  const b = await scriptStats();
+  return { redisUs: (b.us - a.us) / n, calls: b.calls - a.calls, nodeUs: (used.user + used.system) / n };
+}
+
+const OPTIONS: Record<StageName, () => BeginOptions> = {
+  seed: () => ({
+    intent: { owner: "resources", provider: "docker", expirySlackMs: 60_000 },
+    seedToken: `bench:${randomUUID()}`,
+  }),
+  run: () => ({ launchToken: `bench:${randomUUID()}` }),
+  verify: () => ({ verifyToken: `bench:${randomUUID()}` }),
+  close: () => ({}),
+};
+
+/** A batched script of fleetBeginMany's shape (3 keys, 10 arguments an item) whose items do nothing. */
+const FLOOR_LUA = `
+  local function one(KEYS, ARGV) return 1 end
+  local nk, na = 3, 10
+  local out = {}
+  for i = 0, #ARGV / na - 1 do
+    local k, a = {}, {}
+    for j = 1, nk do k[j] = KEYS[i * nk + j] end
+    for j = 1, na do a[j] = ARGV[i * na + j] end
+    local ok, r = pcall(one, k, a)
+    out[i + 1] = r
+  end
+  return out`;
+
+try {
+  const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file");
+  if (!task) throw new Error(`no hello-file task in ${EXAMPLE_SUITE_DIR}`);
+  const digest = digestTask(task);
+  await store.putTask(task, digest);
+  const request = RolloutRequest.parse({ task: { digest }, agent: { harness: "oracle" } });
+  const floorSha = (await probe.script("LOAD", FLOOR_LUA)) as string;
+  const rows: Record<string, { redisUs: number[]; nodeUs: number[]; perCall: number[] }> = {};
+  const note = (name: string, r: { redisUs: number; nodeUs: number; calls: number }) => {
+    rows[name] ??= { redisUs: [], nodeUs: [], perCall: [] };
+    rows[name].redisUs.push(r.redisUs);
+    rows[name].nodeUs.push(r.nodeUs);
+    rows[name].perCall.push(M / Math.max(1, r.calls));
+  };
+  for (let round = 0; round < ROUNDS; round++) {
+    const { ids } = await admit(
+      store,
+      queues,
+      { requests: Array.from({ length: M }, () => request), batch: true, idempotencyKey: null },
+      { maxTaskBytes: 10 * 1024 * 1024 },
+    );
+    for (const stage of ["seed", "run", "verify", "close"] as const) {
+      note(stage, await measure(M, (i) => store.begin(ids[i]!, stage, Date.now(), OPTIONS[stage]())));
+    }
+    // The floor: as many items, as many per call as the begins went in (256 at most, ScriptBatcher's).
+    const keys = ids.flatMap((id) => [
+      store.keys.rollout(id),
+      store.keys.failures(id),
+      store.keys.sandboxes(),
+    ]);
+    const args = ids.flatMap(() => ["run", String(Date.now()), "0", "0", "", "", "0", "t", "", ""]);
+    note(
+      "floor",
+      await measure(Math.ceil(M / 256), async (c) => {
+        const from = c * 256;
+        const to = Math.min(M, from + 256);
+        await probe.evalsha(
+          floorSha,
+          (to - from) * 3,
+          ...keys.slice(from * 3, to * 3),
+          ...args.slice(from * 10, to * 10),
+        );
+      }).then((r) => ({ ...r, redisUs: (r.redisUs * Math.ceil(M / 256)) / M, nodeUs: 0 })),
+    );
+  }
+  const floor = median(rows.floor!.redisUs);
+  console.log(
+    `begin per rollout: ${M} rollouts a round, ${ROUNDS} round(s), medians; floor = a batched no-op item of the same shape (${floor.toFixed(1)} us)`,
+  );
+  console.log("stage    redis us/item  x floor  node us/item  items/call");
+  for (const stage of ["seed", "run", "verify", "close"]) {
+    const r = rows[stage]!;
+    const us = median(r.redisUs);
+    console.log(
+      `${stage.padEnd(8)} ${us.toFixed(1).padStart(13)} ${(us / floor).toFixed(1).padStart(8)} ${median(r.nodeUs).toFixed(1).padStart(13)} ${median(r.perCall).toFixed(0).padStart(11)}`,
+    );
+  }
+} finally {
+  const left = await probe.keys(`${prefix}*`);
+  for (let i = 0; i < left.length; i += 500) await probe.del(...left.slice(i, i + 500));
+  redis.disconnect();
+  probe.disconnect();
+}
