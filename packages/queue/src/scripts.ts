@@ -948,14 +948,18 @@ export const BATCHED = {
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;
 export type BatchedScript = keyof typeof BATCHED;
 
-function batchedLua(name: BatchedScript): string {
+/**
+ * The batched form of a script split by \`withPrelude\` (\`keys\` and \`args\` per item): its
+ * prelude once, its body run for each item in a \`pcall\`, an item's error in its slot.
+ */
+export function batchedLua(def: { prelude: string; body: string; keys: number }, args: number): string {
   // \`one\` is declared on the prelude's last line: the body's lines, and so the line numbers in
   // its errors' messages, are where they were when the helpers were defined inside it.
   return `
     -- The helpers, once for all the items (upvalues of \`one\`).
-      ${SCRIPTS[name].prelude} local function one(KEYS, ARGV)${SCRIPTS[name].body}
+      ${def.prelude} local function one(KEYS, ARGV)${def.body}
     end
-    local nk, na = ${SCRIPTS[name].keys}, ${BATCHED[name].args}
+    local nk, na = ${def.keys}, ${args}
     local out = {}
     for i = 0, #ARGV / na - 1 do
       local k, a = {}, {}
@@ -982,7 +986,8 @@ export function withScripts(redis: RedisConnection): ScriptedRedis {
   }
   for (const name of Object.keys(BATCHED) as BatchedScript[]) {
     // No fixed key count: the caller passes it first.
-    if (!has(`${name}Many`)) redis.defineCommand(`${name}Many`, { lua: batchedLua(name) });
+    if (!has(`${name}Many`))
+      redis.defineCommand(`${name}Many`, { lua: batchedLua(SCRIPTS[name], BATCHED[name].args) });
   }
   return r;
 }
