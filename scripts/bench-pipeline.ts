@@ -5,7 +5,12 @@
  *    `createStageWorkers` + `admit` + `RolloutStore`, but an in-memory `SandboxProvider`, a no-op
  *    harness and a no-op verifier; against a raw BullMQ four-queue chain (four Queues + four
  *    Workers, same concurrency, same Redis, same job options) pushing N ids through four no-op
- *    jobs. Warm-up, then rounds alternating which side goes first; medians, and the fleet/raw
+ *    jobs. Beside them a third side, "durable": that raw chain plus the least a chain that keeps
+ *    durable per-rollout records must write (a record per rollout at admission; per stage, one
+ *    script that reads the record and stamps the start, one that stores a receipt and moves the
+ *    batch's counters, sent with the next stage's job), written plainly, one call per job, as a
+ *    BullMQ user would; it splits the gap into the records' own cost and the fleet's machinery.
+ *    Warm-up, then rounds alternating which side goes first; medians, and the fleet/raw
  *    ratio as the median of each round's own ratio (target ≥ 0.7), with a profile: Redis commands and round trips per rollout (counted
  *    client-side in this process), Node and Redis CPU per rollout, the data commands Redis ran
  *    (scripts' calls included) and its time in scripts (`INFO commandstats`), in-stage times.
@@ -17,7 +22,7 @@
  *
  *   npx tsx scripts/bench-pipeline.ts [--n 2000] [--concurrency 8] [--sandbox-n 48]
  *     [--warmup 100] [--rounds 3] [--sandbox-warmup 8] [--part a|b|both] [--image <ref>]
- *     [--sides raw,fleet] [--experiment auto-pipeline,bare-handlers] [--seed-ahead <n>|off]
+ *     [--sides raw,fleet,durable] [--experiment auto-pipeline,bare-handlers] [--seed-ahead <n>|off]
  *
  * Profile one side alone: `node --cpu-prof --import tsx scripts/bench-pipeline.ts --part a --sides fleet`.
  *
@@ -81,8 +86,8 @@ const { values } = parseArgs({
     rounds: { type: "string", default: "3" },
     "sandbox-warmup": { type: "string", default: "8" },
     part: { type: "string", default: "both" },
-    /** Part A sides to run (`raw,fleet`); one side alone is for profiling, e.g. under `node --cpu-prof`. */
-    sides: { type: "string", default: "raw,fleet" },
+    /** Part A sides to run (`raw,fleet,durable`); one side alone is for profiling, e.g. under `node --cpu-prof`. */
+    sides: { type: "string", default: "raw,fleet,durable" },
     /** The fleet's seed-ahead bound (`FLEET_SEED_AHEAD`): a minimum, or `off`; the workers' default by default. */
     "seed-ahead": { type: "string", default: "" },
     /** Comma-separated part A experiments (see `EXPERIMENTS`); none by default. */
@@ -371,8 +376,10 @@ const noopHarness: Harness = {
   },
 };
 
+type Side = "raw" | "fleet" | "durable";
+
 interface RoundResult {
-  side: "raw" | "fleet";
+  side: Side;
   ms: number;
   admitMs: number;
   rate: number;
@@ -387,6 +394,101 @@ async function helloFile(): Promise<TaskContent> {
   const task = suite.find((t) => t.id === "hello-file");
   if (!task) throw new Error(`no hello-file task in ${EXAMPLE_SUITE_DIR}`);
   return { ...task, image: IMAGE };
+}
+
+/**
+ * The durable side's records (see the header): per stage, the status it sets, the one it leaves
+ * (the batch's counters move from one to the other), and a receipt about the size of the fleet's.
+ */
+const DURABLE_STAGES: Record<
+  (typeof STAGES)[number],
+  { status: string; previous: string; receipt: (id: string, at: number) => Record<string, unknown> }
+> = {
+  seed: {
+    status: "seeded",
+    previous: "accepted",
+    receipt: (id, at) => ({
+      handle: {
+        provider: "docker",
+        endpoint: "memory://bench",
+        id: `mem-${id}`,
+        name: `mem-${id}-resources`,
+        rolloutId: id,
+        owner: "resources",
+        volumes: [],
+      },
+      probe: {
+        isolated: true,
+        checks: { ownPid1: true, hostSentinelHidden: true },
+        detail: "bench",
+        durationMs: 0,
+      },
+      createMs: 0,
+      probeMs: 0,
+      stageMs: 0,
+      reused: false,
+      at,
+    }),
+  },
+  run: {
+    status: "ran",
+    previous: "seeded",
+    receipt: (_id, at) => ({
+      exec: { exitCode: 0, signal: null, stdout: "", stderr: "", timedOut: false, durationMs: 0 },
+      answer: null,
+      cleanup: { confirmed: true, scope: "processes", alreadyGone: false, remaining: 0 },
+      attempts: 1,
+      at,
+    }),
+  },
+  verify: {
+    status: "verified",
+    previous: "ran",
+    receipt: (_id, at) => ({ reward: 1, details: { kind: "bench" }, at }),
+  },
+  close: {
+    status: "completed",
+    previous: "verified",
+    receipt: (id, at) => ({
+      rolloutId: id,
+      status: "completed",
+      reward: 1,
+      teardown: "confirmed",
+      destroyed: [`mem-${id}`],
+      at,
+    }),
+  },
+};
+
+type DurableRedis = Redis & {
+  durableBegin(record: string, stage: string, now: string): Promise<unknown>;
+  durableReceipt(
+    record: string,
+    batch: string,
+    stage: string,
+    receipt: string,
+    status: string,
+    previous: string,
+    now: string,
+  ): Promise<unknown>;
+};
+
+/** The durable side's two scripts, defined on `redis`. */
+function withDurableScripts(redis: Redis): DurableRedis {
+  redis.defineCommand("durableBegin", {
+    numberOfKeys: 1,
+    lua: `local v = redis.call('HMGET', KEYS[1], 'meta', 'status', 'r:seed', 'r:run', 'r:verify')
+if v[1] then redis.call('HSET', KEYS[1], 't:' .. ARGV[1] .. ':start', ARGV[2]) end
+return v`,
+  });
+  redis.defineCommand("durableReceipt", {
+    numberOfKeys: 2,
+    lua: `redis.call('HSET', KEYS[1], 'r:' .. ARGV[1], ARGV[2], 'status', ARGV[3], 't:' .. ARGV[1] .. ':end', ARGV[5])
+redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[4], -1)
+redis.call('HINCRBY', KEYS[2], 'count:' .. ARGV[3], 1)
+return 1`,
+  });
+  return redis as DurableRedis;
 }
 
 async function partA(): Promise<void> {
@@ -423,6 +525,17 @@ async function partA(): Promise<void> {
   const digest = digestTask(task);
   const request = RolloutRequest.parse({ task: { digest }, agent: { harness: "oracle" } });
   const doneKey = `${prefix}:raw:done`;
+  const durableRedis = withDurableScripts(rawRedis);
+  const durableMeta = {
+    batchId: "bench",
+    bodyHash: digest,
+    taskDigest: digest,
+    taskId: task.id,
+    agent: { harness: "oracle", sandbox: "borrow" },
+    agentName: "oracle",
+    metadata: null,
+    deadlineAt: Date.now() + 3_600_000,
+  };
   let rawSeq = 0;
 
   /** The same worker options `createStageWorkers` uses (its defaults). */
@@ -480,18 +593,49 @@ async function partA(): Promise<void> {
     }
   }
 
-  async function rawRound(n: number): Promise<RoundResult> {
+  /**
+   * The raw chain; `durable`: with the records a durable chain writes (see the header), through
+   * `DURABLE_SCRIPTS` on the raw chain's connection, each job's receipt sent in the same tick as
+   * the next stage's job (so the receipt runs first, as the fleet's does).
+   */
+  async function rawRound(n: number, durable = false): Promise<RoundResult> {
+    const side: Side = durable ? "durable" : "raw";
     const connections: Redis[] = [];
+    const batchKey = `${prefix}:durable:batch`;
     const workers = STAGES.map((stage, i) => {
       const next = STAGES[i + 1];
       const connection = rawRedis.duplicate();
       connections.push(connection);
+      const { status, previous, receipt } = DURABLE_STAGES[stage];
       return new Worker(
         `raw-${stage}`,
         async (job: Job<{ rolloutId: string }>) => {
           const id = job.data.rolloutId;
-          if (next) await rawQueues[i + 1]!.add(next, { rolloutId: id }, { jobId: `${id}.${next}` });
-          else await rawRedis.sadd(doneKey, id);
+          const add = () =>
+            next
+              ? rawQueues[i + 1]!.add(next, { rolloutId: id }, { jobId: `${id}.${next}` })
+              : rawRedis.sadd(doneKey, id);
+          if (!durable) {
+            await add();
+            return;
+          }
+          const record = `${prefix}:durable:r:${id}`;
+          const read = (await durableRedis.durableBegin(record, stage, String(Date.now()))) as (
+            | string
+            | null
+          )[];
+          if (read[0] === null) throw new Error(`no record for ${id}`);
+          const at = Date.now();
+          const stored = durableRedis.durableReceipt(
+            record,
+            batchKey,
+            stage,
+            JSON.stringify(receipt(id, at)),
+            status,
+            previous,
+            String(at),
+          );
+          await Promise.all([stored, add()]);
         },
         { ...workerOptions, connection },
       );
@@ -499,9 +643,22 @@ async function partA(): Promise<void> {
     try {
       await Promise.all(workers.map((w) => w.waitUntilReady()));
       const round = ++rawSeq;
-      const ids = Array.from({ length: n }, (_, i) => `raw${round}-${i}`);
+      const ids = Array.from({ length: n }, (_, i) => `${side}${round}-${i}`);
       const before = await snapshot(poller);
       const t0 = performance.now();
+      if (durable) {
+        const now = Date.now();
+        const tx = rawRedis.multi();
+        for (const id of ids) {
+          tx.hset(`${prefix}:durable:r:${id}`, {
+            meta: JSON.stringify({ ...durableMeta, id, createdAt: now }),
+            status: "accepted",
+            "t:accepted": String(now),
+          });
+        }
+        tx.hincrby(batchKey, "count:accepted", n);
+        await tx.exec();
+      }
       await rawQueues[0]!.addBulk(
         ids.map((rolloutId) => ({
           name: "seed",
@@ -510,10 +667,16 @@ async function partA(): Promise<void> {
         })),
       );
       const admitMs = performance.now() - t0;
-      await waitFor("raw chain", async () => (await poller.scard(doneKey)) === n, 600_000);
+      await waitFor(`${side} chain`, async () => (await poller.scard(doneKey)) === n, 600_000);
       const ms = performance.now() - t0;
       const after = await snapshot(poller);
-      return { side: "raw", ms, admitMs, rate: (n / ms) * 1000, cost: costPerRollout(before, after, n) };
+      if (durable) {
+        const counts = await poller.hgetall(batchKey);
+        if (counts["count:completed"] !== String(n)) {
+          throw new Error(`durable chain: ${counts["count:completed"]} of ${n} records completed`);
+        }
+      }
+      return { side, ms, admitMs, rate: (n / ms) * 1000, cost: costPerRollout(before, after, n) };
     } finally {
       await Promise.all(workers.map((w) => w.close()));
       await Promise.all(connections.map((c) => c.quit().catch(() => undefined)));
@@ -528,9 +691,10 @@ async function partA(): Promise<void> {
   );
   const rounds: RoundResult[][] = [];
   try {
-    const sides = { raw: rawRound, fleet: fleetRound };
-    const order = (["raw", "fleet"] as const).filter((s) => SIDES.has(s));
-    if (order.length === 0) throw new Error(`--sides must name raw and/or fleet, got ${values.sides}`);
+    const sides = { raw: rawRound, fleet: fleetRound, durable: (n: number) => rawRound(n, true) };
+    const order = (["raw", "fleet", "durable"] as const).filter((s) => SIDES.has(s));
+    if (order.length === 0)
+      throw new Error(`--sides must name raw, fleet and/or durable, got ${values.sides}`);
     for (const s of order) await sides[s](WARMUP);
     for (let i = 0; i < ROUNDS; i++) {
       // Alternate who goes first so neither side always runs on a warmer Redis.
@@ -652,7 +816,7 @@ function printPartA(rounds: RoundResult[][]): void {
   rounds.forEach((pair, i) => {
     for (const r of pair) {
       console.log(
-        `${String(i + 1).padStart(5)} ${r.side.padEnd(5)} ${f1(r.rate).padStart(11)} ${f1(r.ms).padStart(8)} ${f1(r.admitMs).padStart(9)} | ` +
+        `${String(i + 1).padStart(5)} ${r.side.padEnd(7)} ${f1(r.rate).padStart(9)} ${f1(r.ms).padStart(8)} ${f1(r.admitMs).padStart(9)} | ` +
           `${f1(r.cost.commands).padStart(10)} ${f1(r.cost.roundTrips).padStart(12)} ${f1(r.cost.blocking).padStart(9)} | ` +
           `${f2(r.cost.nodeCpuMs).padStart(11)} ${f2(r.cost.redisCpuMs).padStart(13)}`,
       );
@@ -660,48 +824,67 @@ function printPartA(rounds: RoundResult[][]): void {
   });
   const raw = all.filter((r) => r.side === "raw");
   const fleet = all.filter((r) => r.side === "fleet");
+  const durable = all.filter((r) => r.side === "durable");
   const rawRate = median(raw.map((r) => r.rate));
   const fleetRate = median(fleet.map((r) => r.rate));
   const ratio = fleetRate / rawRate;
-  // Each round's own fleet/raw ratio: the two ran back to back, so they share the machine's load.
-  const pairRatios = rounds
-    .map((pair) => {
-      const f = pair.find((r) => r.side === "fleet");
-      const r = pair.find((x) => x.side === "raw");
-      return f && r ? f.rate / r.rate : Number.NaN;
-    })
-    .filter(Number.isFinite);
+  // Each round's own ratio of two sides: they ran back to back, so they share the machine's load.
+  const pairRatios = (of: Side, to: Side) =>
+    rounds
+      .map((pair) => {
+        const a = pair.find((r) => r.side === of);
+        const b = pair.find((r) => r.side === to);
+        return a && b ? a.rate / b.rate : Number.NaN;
+      })
+      .filter(Number.isFinite);
+  const fleetToRaw = pairRatios("fleet", "raw");
   console.log("");
   console.log("A        rollouts/s (median of rounds)");
   console.log(`raw      ${f1(rawRate).padStart(10)}`);
   console.log(`fleet    ${f1(fleetRate).padStart(10)}`);
+  if (durable.length > 0) console.log(`durable  ${f1(median(durable.map((r) => r.rate))).padStart(10)}`);
   // The verdict rests on the paired ratios: a burst of load elsewhere that slows one side of one
   // round moves the ratio of the two medians (seen: 0.73 from per-round ratios all but one near
   // 0.47), not the median of the rounds' own ratios.
-  const verdict = pairRatios.length > 0 ? median(pairRatios) : ratio;
+  const verdict = fleetToRaw.length > 0 ? median(fleetToRaw) : ratio;
   // Rounds that disagree this much had the machine's load change under them (seen: 0.71, 0.78
   // and 0.45 while another process ran tests): no verdict from such a run.
-  const spread = pairRatios.length > 1 ? (Math.max(...pairRatios) - Math.min(...pairRatios)) / verdict : 0;
+  const spread = fleetToRaw.length > 1 ? (Math.max(...fleetToRaw) - Math.min(...fleetToRaw)) / verdict : 0;
   const unstable = spread > MAX_RATIO_SPREAD;
   const judged = unstable ? "UNSTABLE, rerun on an idle machine" : verdict >= 0.7 ? "ok" : "BELOW";
   console.log(
     `ratio    ${f2(verdict).padStart(10)}  fleet/raw, median of the rounds' own ratios (target >= 0.7: ` +
-      `${judged}); per-round ${pairRatios.map(f2).join(", ") || "n/a"}; ` +
+      `${judged}); per-round ${fleetToRaw.map(f2).join(", ") || "n/a"}; ` +
       `ratio of the medians ${f2(ratio)}`,
   );
+  // What the records alone cost (durable/raw), and the fleet against a chain keeping them (fleet/durable).
+  for (const [of, to, what] of [
+    ["durable", "raw", "the records' own cost"],
+    ["fleet", "durable", "the fleet against a plain chain keeping them"],
+  ] as const) {
+    const rs = pairRatios(of, to);
+    if (rs.length === 0) continue;
+    console.log(
+      `${`${of}/${to}`.padEnd(16)} ${f2(median(rs)).padStart(4)}  ${what}, median of the rounds' own ratios; per-round ${rs.map(f2).join(", ")}`,
+    );
+  }
 
   // Profile: per-rollout Redis commands by kind, medians over rounds.
   const kinds = new Set<string>();
   for (const r of all) for (const k of r.cost.byName.keys()) kinds.add(k);
   const med = (rs: RoundResult[], k: string) => median(rs.map((r) => r.cost.byName.get(k) ?? 0));
   const rows = [...kinds]
-    .map((k) => ({ k, fleet: med(fleet, k), raw: med(raw, k) }))
-    .filter((r) => r.fleet >= 0.05 || r.raw >= 0.05)
-    .sort((a, b) => b.fleet - a.fleet || b.raw - a.raw);
+    .map((k) => ({ k, fleet: med(fleet, k), raw: med(raw, k), durable: med(durable, k) }))
+    .filter((r) => r.fleet >= 0.05 || r.raw >= 0.05 || r.durable >= 0.05)
+    .sort((a, b) => b.fleet - a.fleet || b.durable - a.durable || b.raw - a.raw);
   console.log("");
   console.log("profile: Redis commands per rollout (client-side count, median of rounds; lua:* = EVALSHA)");
-  console.log(`${"command".padEnd(28)} ${"fleet".padStart(7)} ${"raw".padStart(7)}`);
-  for (const r of rows) console.log(`${r.k.padEnd(28)} ${f2(r.fleet).padStart(7)} ${f2(r.raw).padStart(7)}`);
+  console.log(`${"command".padEnd(28)} ${"fleet".padStart(7)} ${"raw".padStart(7)} ${"durable".padStart(7)}`);
+  for (const r of rows) {
+    console.log(
+      `${r.k.padEnd(28)} ${f2(r.fleet).padStart(7)} ${f2(r.raw).padStart(7)} ${f2(r.durable).padStart(7)}`,
+    );
+  }
   const sum = (rs: RoundResult[], pick: (c: Cost) => number) => median(rs.map((r) => pick(r.cost)));
   const summary: [string, (c: Cost) => number, (x: number) => string][] = [
     ["total", (c) => c.commands, f2],
@@ -715,7 +898,7 @@ function printPartA(rounds: RoundResult[][]): void {
   ];
   for (const [label, pick, fmt] of summary) {
     console.log(
-      `${label.padEnd(28)} ${fmt(sum(fleet, pick)).padStart(7)} ${fmt(sum(raw, pick)).padStart(7)}`,
+      `${label.padEnd(28)} ${fmt(sum(fleet, pick)).padStart(7)} ${fmt(sum(raw, pick)).padStart(7)} ${fmt(sum(durable, pick)).padStart(7)}`,
     );
   }
   const stage = (k: string) => median(fleet.map((r) => r.stageMs?.[k] ?? Number.NaN));
