@@ -158,7 +158,16 @@ export function createStageWorkers(
           if (isHandBack(err) && token) {
             // Shutting down (or a seed that waited long for the seed-ahead bound): back to the
             // queue for another worker, without spending an attempt.
-            await job.moveToWait(token);
+            await job.moveToWait(token).catch((moveErr: unknown) => {
+              // Refused (the lock lapsed or another worker holds the job) or Redis unreachable:
+              // the job stays active until a stalled check takes it back. Said here: BullMQ
+              // drops the error it makes of this while its worker closes.
+              deps.logger.warn(
+                { stage, rolloutId: job.data?.rolloutId, err: String(moveErr) },
+                "could not hand the job back to the queue; it stays active until a stalled check takes it back",
+              );
+              throw moveErr;
+            });
             // A seed that waited its time for the seed-ahead bound: routine, not worth a line
             // each; counted (no duration: it did no work).
             const waited = err instanceof SeedWaitOver;
