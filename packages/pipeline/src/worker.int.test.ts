@@ -77,17 +77,18 @@ describe("stage workers at a concurrency above ten", () => {
     expect(done.every((l) => typeof l.ms === "number")).toBe(true);
   });
 
-  it("hand a verify still grading back to the queue at shutdown, no attempt spent, not cancelled", async () => {
+  /**
+   * A fleet whose verify grades until it is stopped, as the real verifier's provider calls do
+   * (they throw `cancelled` with the signal's reason), with one rollout verifying; warnings in `lines`.
+   */
+  async function verifyingUntilStopped(lines: string[]): Promise<string> {
     const verifying = latch();
-    const lines: string[] = [];
     fleet = await startInProcessFleet({
       provider: new InMemorySandboxProvider(),
       concurrency: 2,
       deps: {
         logger: loggerInto(lines, "warn"),
         createHarness: NO_OP_AGENT_AND_VERIFIER.createHarness,
-        // Tests that outlast the shutdown: they stop only when told to, as the real verifier's
-        // provider calls do (it throws `cancelled` with the signal's reason).
         verify: (ctx) => {
           verifying.open();
           return new Promise((_resolve, reject) => {
@@ -100,44 +101,32 @@ describe("stage workers at a concurrency above ten", () => {
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await verifying.opened;
-    await fleet.workers!.close(4_000);
+    return id!;
+  }
+
+  it("hand a verify still grading back to the queue at shutdown, no attempt spent, not cancelled", async () => {
+    const lines: string[] = [];
+    const id = await verifyingUntilStopped(lines);
+    await fleet!.workers!.close(4_000);
     // A move back that failed says why (else only the state below shows it, as `active`).
     expect(lines.filter((l) => /could not hand the job back/.test(l))).toEqual([]);
-    const job = await fleet.deps.queues.queues.verify.getJob(stageJobId(id!, "verify"));
+    const job = await fleet!.deps.queues.queues.verify.getJob(stageJobId(id, "verify"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
-    const rec = await fleet.deps.store.get(id!);
+    const rec = await fleet!.deps.store.get(id);
     expect(rec?.failure).toBeNull();
     expect(rec?.status).toBe("ran");
   });
 
   it("a hand-back whose move back to the queue fails is said plainly (BullMQ drops its error while closing)", async () => {
-    const verifying = latch();
     const lines: string[] = [];
-    fleet = await startInProcessFleet({
-      provider: new InMemorySandboxProvider(),
-      concurrency: 2,
-      deps: {
-        logger: loggerInto(lines, "warn"),
-        createHarness: NO_OP_AGENT_AND_VERIFIER.createHarness,
-        verify: (ctx) => {
-          verifying.open();
-          return new Promise((_resolve, reject) => {
-            ctx.signal?.addEventListener("abort", () =>
-              reject(FleetError.nonRetryable("cancelled", "verification stopped: aborted")),
-            );
-          });
-        },
-      },
-    });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    await verifying.opened;
+    const id = await verifyingUntilStopped(lines);
     // The job's lock lapsed before the hand-back (its worker paused or cut off past the lock's
     // duration): the move back to the queue is refused, and the job stays active until a stalled
     // check takes it back.
-    await fleet.redis.del(`${fleet.prefix}:verify:${stageJobId(id!, "verify")}:lock`);
-    await fleet.workers!.close(4_000);
-    const job = await fleet.deps.queues.queues.verify.getJob(stageJobId(id!, "verify"));
+    await fleet!.redis.del(`${fleet!.prefix}:verify:${stageJobId(id, "verify")}:lock`);
+    await fleet!.workers!.close(4_000);
+    const job = await fleet!.deps.queues.queues.verify.getJob(stageJobId(id, "verify"));
     expect(await job!.getState()).toBe("active");
     const said = lines.map((l) => JSON.parse(l) as { msg: string; err?: string; rolloutId?: string });
     const failed = said.find((l) => /could not hand the job back/.test(l.msg));
