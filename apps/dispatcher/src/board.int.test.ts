@@ -125,6 +125,33 @@ describe("Bull Board at /admin/queues", () => {
     ).toBe(401);
   });
 
+  it("serves a signed-in token the board's page and the static files it loads", async () => {
+    const page = await call({
+      method: "GET",
+      url: "/admin/queues",
+      token: USER,
+      headers: { accept: "text/html" },
+    });
+    expect(page.statusCode).toBe(200);
+    expect(page.headers["content-type"]).toContain("text/html");
+    const scripts = [...page.body.matchAll(/<script[^>]* src="([^"]+)"/g)].map((m) => m[1]!);
+    expect(scripts.length).toBeGreaterThan(0);
+    for (const src of scripts) {
+      const js = await call({
+        method: "GET",
+        url: new URL(src, "http://board/admin/queues/").pathname,
+        token: USER,
+      });
+      expect(js.statusCode, src).toBe(200);
+      expect(js.headers["content-type"], src).toMatch(/javascript/);
+      expect(js.body.length, src).toBeGreaterThan(0);
+    }
+    const icon = await call({ method: "GET", url: "/admin/queues/static/favicon-32x32.png", token: USER });
+    expect(icon.statusCode).toBe(200);
+    expect(icon.headers["content-type"]).toBe("image/png");
+    expect(icon.rawPayload.subarray(1, 4).toString()).toBe("PNG");
+  });
+
   it("shows the four stage queues and the janitor's, read-only for an ordinary token", async () => {
     const res = await call({ method: "GET", url: "/admin/queues/api/queues", token: USER });
     expect(res.statusCode).toBe(200);
