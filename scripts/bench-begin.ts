@@ -15,10 +15,19 @@
 import { randomBytes, randomUUID } from "node:crypto";
 import { parseArgs } from "node:util";
 import { RolloutRequest, type StageName } from "@fleet/contracts";
-import { admit, type BeginOptions, createRedis, digestTask, RolloutStore, StageQueues } from "@fleet/queue";
+import {
+  admit,
+  type BeginOptions,
+  createRedis,
+  digestTask,
+  MAX_BATCH,
+  RolloutStore,
+  StageQueues,
+} from "@fleet/queue";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 // The batched wrapper itself, for the floor (not part of the package's API).
 import { BATCHED, batchedLua } from "../packages/queue/src/scripts.ts";
+import { deleteKeys } from "./lib/bench-redis.ts";
 import { median, positiveInt } from "./lib/bench-stats.ts";
 
 const { values } = parseArgs({
@@ -97,25 +106,27 @@ try {
     for (const stage of ["seed", "run", "verify", "close"] as const) {
       note(stage, await measure(M, (i) => store.begin(ids[i]!, stage, Date.now(), OPTIONS[stage]())));
     }
-    // The floor: as many items, as many per call as the begins went in (256 at most, ScriptBatcher's).
+    // The floor: as many items, as many per call as the begins went in (ScriptBatcher's MAX_BATCH at most).
     const keys = ids.flatMap((id) => [
       store.keys.rollout(id),
       store.keys.failures(id),
       store.keys.sandboxes(),
     ]);
+    const na = BATCHED.fleetBegin.args;
     const args = ids.flatMap(() => ["run", String(Date.now()), "0", "0", "", "", "0", "t", "", ""]);
+    const calls = Math.ceil(M / MAX_BATCH);
     note(
       "floor",
-      await measure(Math.ceil(M / 256), async (c) => {
-        const from = c * 256;
-        const to = Math.min(M, from + 256);
+      await measure(calls, async (c) => {
+        const from = c * MAX_BATCH;
+        const to = Math.min(M, from + MAX_BATCH);
         await probe.evalsha(
           floorSha,
           (to - from) * 3,
           ...keys.slice(from * 3, to * 3),
-          ...args.slice(from * 10, to * 10),
+          ...args.slice(from * na, to * na),
         );
-      }).then((r) => ({ ...r, redisUs: (r.redisUs * Math.ceil(M / 256)) / M, nodeUs: 0 })),
+      }).then((r) => ({ ...r, redisUs: (r.redisUs * calls) / M, nodeUs: 0 })),
     );
   }
   const floor = median(rows.floor!.redisUs);
@@ -131,8 +142,7 @@ try {
     );
   }
 } finally {
-  const left = await probe.keys(`${prefix}*`);
-  for (let i = 0; i < left.length; i += 500) await probe.del(...left.slice(i, i + 500));
+  await deleteKeys(probe, `${prefix}*`);
   redis.disconnect();
   probe.disconnect();
 }

@@ -22,6 +22,7 @@ import { parseArgs } from "node:util";
 import { TaskContent } from "@fleet/contracts";
 import { createRedis, digestTask } from "@fleet/queue";
 import { startTestServer } from "../apps/dispatcher/src/test-server.ts";
+import { deleteKeys } from "./lib/bench-redis.ts";
 import { positiveInt } from "./lib/bench-stats.ts";
 
 const { values } = parseArgs({
@@ -163,10 +164,5 @@ console.log(
 
 await queues.obliterate();
 await server.close();
-let cursor = "0";
-do {
-  const [next, keys] = await redis.scan(cursor, "MATCH", `${prefix}*`, "COUNT", 1000);
-  cursor = next;
-  if (keys.length > 0) await redis.unlink(...keys);
-} while (cursor !== "0");
+await deleteKeys(redis, `${prefix}*`);
 await redis.quit();

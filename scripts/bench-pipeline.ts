@@ -75,6 +75,7 @@ import { createLogger } from "@fleet/telemetry";
 import { type Job, Queue, Worker } from "bullmq";
 import Dockerode from "dockerode";
 import { Redis } from "ioredis";
+import { deleteKeys } from "./lib/bench-redis.ts";
 import { median, positiveInt } from "./lib/bench-stats.ts";
 
 const { values } = parseArgs({
@@ -288,17 +289,6 @@ async function waitFor(what: string, cond: () => Promise<boolean>, timeoutMs: nu
     if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, 5));
   }
-}
-
-async function deleteKeys(redis: Redis, pattern: string): Promise<number> {
-  let cursor = "0";
-  let deleted = 0;
-  do {
-    const [next, keys] = await redis.scan(cursor, "MATCH", pattern, "COUNT", 1000);
-    cursor = next;
-    if (keys.length > 0) deleted += await redis.del(...keys);
-  } while (cursor !== "0");
-  return deleted;
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -38,6 +38,10 @@ const call = (o: InjectOptions & { token?: string; cookie?: string }) => {
   });
 };
 
+/** The board's page as a browser asks for it, with `auth` (a bearer token or a session cookie) if any. */
+const boardPage = (auth: { token?: string; cookie?: string } = {}) =>
+  call({ method: "GET", url: "/admin/queues", headers: { accept: "text/html" }, ...auth });
+
 async function login(token: string): Promise<string> {
   const res = await call({
     method: "POST",
@@ -105,7 +109,7 @@ afterAll(async () => {
 
 describe("Bull Board at /admin/queues", () => {
   it("without a token: 401 on the board, its API and the API; a browser gets the sign-in form", async () => {
-    const page = await call({ method: "GET", url: "/admin/queues", headers: { accept: "text/html" } });
+    const page = await boardPage();
     expect(page.statusCode).toBe(401);
     expect(page.headers["content-type"]).toContain("text/html");
     expect(page.body).toContain('action="/admin/login"');
@@ -126,12 +130,7 @@ describe("Bull Board at /admin/queues", () => {
   });
 
   it("serves a signed-in token the board's page and the static files it loads", async () => {
-    const page = await call({
-      method: "GET",
-      url: "/admin/queues",
-      token: USER,
-      headers: { accept: "text/html" },
-    });
+    const page = await boardPage({ token: USER });
     expect(page.statusCode).toBe(200);
     expect(page.headers["content-type"]).toContain("text/html");
     const scripts = [...page.body.matchAll(/<script[^>]* src="([^"]+)"/g)].map((m) => m[1]!);
@@ -213,12 +212,7 @@ describe("Bull Board at /admin/queues", () => {
     const asUser = await call({ method: "GET", url: "/admin/queues/api/queues", cookie: user });
     expect(asUser.statusCode).toBe(200);
     expect((asUser.json() as { queues: QueueJson[] }).queues.every((q) => q.readOnlyMode)).toBe(true);
-    const page = await call({
-      method: "GET",
-      url: "/admin/queues",
-      cookie: user,
-      headers: { accept: "text/html" },
-    });
+    const page = await boardPage({ cookie: user });
     expect(page.statusCode).toBe(200);
     expect(page.body).toContain("rollout-fleet (read-only)");
     // The cookie is for the board only, not the API.

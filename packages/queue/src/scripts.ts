@@ -949,11 +949,11 @@ export const BATCHED = {
 export type BatchedScript = keyof typeof BATCHED;
 
 /**
- * The batched form of a script split by \`withPrelude\` (\`keys\` and \`args\` per item): its
- * prelude once, its body run for each item in a \`pcall\`, an item's error in its slot.
+ * The batched form of a script split by `withPrelude` (`keys` and `args` per item): its
+ * prelude once, its body run for each item in a `pcall`, an item's error in its slot.
  */
 export function batchedLua(def: { prelude: string; body: string; keys: number }, args: number): string {
-  // \`one\` is declared on the prelude's last line: the body's lines, and so the line numbers in
+  // `one` is declared on the prelude's last line: the body's lines, and so the line numbers in
   // its errors' messages, are where they were when the helpers were defined inside it.
   return `
     -- The helpers, once for all the items (upvalues of \`one\`).
