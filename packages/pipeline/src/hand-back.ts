@@ -34,3 +34,21 @@ export function isProviderHold(err: unknown): err is ProviderHoldError {
     (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "ProviderHoldError")
   );
 }
+
+/**
+ * Thrown by the stage runner when a stage failed because the fleet's Redis refused it: full
+ * under `noeviction` (OOM), a read-only replica after a failover, still loading, or out of
+ * reach. The worker puts the job back in the queue, delayed, without spending an attempt (a
+ * Redis full for a minute would otherwise spend a stage's attempts within that minute and mask
+ * its rollouts). Nothing is logged in Redis: it is what refuses.
+ */
+export class RedisHoldError extends Error {
+  override readonly name = "RedisHoldError";
+}
+
+export function isRedisHold(err: unknown): err is RedisHoldError {
+  return (
+    err instanceof RedisHoldError ||
+    (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "RedisHoldError")
+  );
+}

@@ -21,7 +21,7 @@ import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
 import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
-import { isHandBack } from "./hand-back.ts";
+import { isHandBack, RedisHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
@@ -1458,10 +1458,10 @@ describe("idempotency and fencing without workers", () => {
     ["masked", false],
     ["cancelled, when a cancel had claimed the stop", true],
   ] as const)(
-    "a last attempt that fails before its stage begins (a Redis blip on begin) closes the rollout at once: %s",
+    "a last attempt that fails before its stage begins (an error on begin, not Redis refusing: that holds the job) closes the rollout at once: %s",
     async (_how, cancelled) => {
       const [id] = await fleet.submit([oracle(byId("hello-file"))]);
-      // Its attempts but one are spent (as after an outage); the last one's begin hits a blip.
+      // Its attempts but one are spent; the last one's begin fails.
       await fleet.redis.hset(
         `${fleet.prefix}:seed:${id}.seed`,
         "atm",
@@ -1473,7 +1473,7 @@ describe("idempotency and fencing without workers", () => {
       const store = fleet.deps.store;
       const blipping = Object.assign(Object.create(store) as typeof store, {
         begin: async (...a: Parameters<typeof store.begin>) => {
-          if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("Connection is closed.");
+          if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("the begin broke");
           return store.begin(...a);
         },
       });
@@ -1494,7 +1494,7 @@ describe("idempotency and fencing without workers", () => {
           expect(r).toMatchObject({ status: "cancelled", failureKind: "cancelled", mask: false });
         else {
           expect(r).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "seed" });
-          expect(r!.reason).toMatch(/last attempt failed before its stage began: Connection is closed/);
+          expect(r!.reason).toMatch(/last attempt failed before its stage began: the begin broke/);
         }
         expect(blips).toBe(1);
       } finally {
@@ -1503,7 +1503,7 @@ describe("idempotency and fencing without workers", () => {
     },
   );
 
-  it("a rollout whose job BullMQ failed while Redis refused writes is closed once Redis takes them again, not left to its deadline", async () => {
+  it("a rollout whose job BullMQ failed is closed once Redis takes writes again, when Redis refused the close at first: not left to its deadline", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await fleet.redis.hset(
       `${fleet.prefix}:seed:${id}.seed`,
@@ -1511,7 +1511,8 @@ describe("idempotency and fencing without workers", () => {
       String(STAGE_CATALOG.seed.options.attempts! - 1),
     );
     const store = fleet.deps.store;
-    // The last attempt's begin, and the next three tries of the close that follows, are refused.
+    // The last attempt's begin fails (not a refusal by Redis, which would hold the job: see
+    // redis-refusal.int.test.ts), and Redis refuses the next three tries of the close that follows.
     let refusals = 0;
     const oom = () =>
       Object.assign(new Error("OOM command not allowed when used memory > 'maxmemory'."), {
@@ -1519,7 +1520,7 @@ describe("idempotency and fencing without workers", () => {
       });
     const full = Object.assign(Object.create(store) as typeof store, {
       begin: async (...a: Parameters<typeof store.begin>) => {
-        if (a[0] === id && a[1] === "seed" && refusals++ === 0) throw oom();
+        if (a[0] === id && a[1] === "seed" && refusals++ === 0) throw new Error("the begin broke");
         return store.begin(...a);
       },
       get: async (...a: Parameters<typeof store.get>) => {
@@ -2053,7 +2054,7 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
-  it("a Redis blip while noting that the tests start is retried, not masked as a verifier crash", async () => {
+  it("a Redis blip while noting that the tests start is held (no attempt spent), not masked as a verifier crash", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);
     const store = Object.create(fleet.deps.store) as typeof fleet.deps.store;
@@ -2061,8 +2062,8 @@ describe("idempotency and fencing without workers", () => {
       throw new Error("Connection is closed.");
     };
     const err = await runStageJob("verify", job(id!), { ...fleet.deps, store }).catch((e: unknown) => e);
-    expect(err).not.toBeInstanceOf(UnrecoverableError);
-    expect(err).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    expect(err).toBeInstanceOf(RedisHoldError);
+    expect((err as Error).message).toMatch(/^the fleet's Redis cannot serve now: .*Connection is closed\.$/);
     expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
     expect(await runStageJob("verify", job(id!, 1), fleet.deps)).toBe("ok");
     await closeExpecting(id!, { status: "completed", reward: 1 });

@@ -12,7 +12,7 @@ import {
 import { deliveryFence, isRedisUnavailable, maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { isHandBack, ProviderHoldError } from "./hand-back.ts";
+import { isHandBack, ProviderHoldError, RedisHoldError } from "./hand-back.ts";
 import { beginOptions, begunOf, HANDLERS, lockMayHaveLapsed, superseded } from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded";
@@ -130,6 +130,15 @@ export async function runStageJob(
     if (lockMayHaveLapsed(lock) && !(await holdsFence().catch(() => true))) {
       superseded(deps, rolloutId, "does not record its failure", err, stage === "seed" ? "seed" : "verify");
       return "superseded";
+    }
+    if (isRedisUnavailable(err)) {
+      // Redis refused (full, read-only, loading) or is out of reach: nothing the stage did, and
+      // nothing to record (Redis is what refuses). Before the attempts are counted: a refusal on
+      // the last attempt is no more final than on the first. The worker puts the job back,
+      // delayed, without spending an attempt (`RedisHoldError`).
+      throw new RedisHoldError(`the fleet's Redis cannot serve now: ${(err as Error).message}`, {
+        cause: err,
+      });
     }
     const fe = asFleetError(err);
     const at = clock(deps);

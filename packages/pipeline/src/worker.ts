@@ -3,7 +3,7 @@ import { capText, isTerminal, type StageName, withTimeout } from "@fleet/contrac
 import { duplicateRedis, isRedisUnavailable, type RedisConnection } from "@fleet/queue";
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { HandBackError, isHandBack, isProviderHold } from "./hand-back.ts";
+import { HandBackError, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
 import { providerGate, providerProblem } from "./provider-gate.ts";
 import { nextAfter, runStageJob } from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys } from "./stages.ts";
@@ -126,6 +126,9 @@ export function createStageWorkers(
     ...(breaker ? { providerDown: breaker.isDown, holdMs: breaker.probeMs } : {}),
   };
 
+  /** One "holding stage jobs" line per half-minute, however many jobs Redis refuses. */
+  const freshHold = freshErrors();
+
   const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
     const { stage } = slot;
     const worker = new Worker(
@@ -177,6 +180,32 @@ export function createStageWorkers(
               "handed the job back",
             );
             throw new WaitingError();
+          }
+          if (token && (isRedisHold(err) || isRedisUnavailable(err))) {
+            // Redis refused the stage (full under noeviction, read-only after a failover): back
+            // to the queue, delayed, without spending an attempt. Moving the job is a write too,
+            // but one a full Redis takes (BullMQ's move frees the job's lock first, and a script
+            // that has freed memory may go on writing). Not moved (Redis out of reach, or the
+            // lock lapsed): BullMQ's own retry, as for any failure.
+            const moved = await job.moveToDelayed(Date.now() + REDIS_HOLD_MS, token).then(
+              () => true,
+              () => false,
+            );
+            if (moved) {
+              deps.metrics?.stageJobs.inc({ stage, outcome: "redis_held" });
+              deps.metrics?.stageDuration.observe(
+                { stage, outcome: "redis_held" },
+                (Date.now() - started) / 1000,
+              );
+              // Thousands of jobs may be held at once: a line now and then, not one each.
+              if (freshHold("held")) {
+                deps.logger.warn(
+                  { stage, rolloutId: job.data?.rolloutId, err: (err as Error).message },
+                  "the fleet's Redis refuses writes (full, read-only) or cannot be reached: holding stage jobs (no attempt spent) until it takes them",
+                );
+              }
+              throw new DelayedError();
+            }
           }
           if (breaker && isProviderHold(err) && token) {
             // The provider is down: back to the queue, delayed, without spending an attempt;
@@ -772,6 +801,12 @@ export function freshErrors(windowMs = 30_000): (message: string) => boolean {
     return true;
   };
 }
+
+/**
+ * How long a stage job Redis refused waits before it is taken again. Short: a held job costs
+ * Redis one move, and a full Redis does not hand it out (taking a job is a write it refuses).
+ */
+export const REDIS_HOLD_MS = 2_000;
 
 /** How long a worker keeps trying to close a rollout whose job BullMQ failed (see below). */
 export const CLOSE_AFTER_FAILURE_RETRY_MS = 15 * 60_000;

@@ -47,6 +47,7 @@ export const STAGE_OUTCOMES = [
   "retry",
   "failed",
   "held",
+  "redis_held",
   "requeued",
 ] as const;
 export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
@@ -203,7 +204,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     stageJobs: new Counter({
       name: "fleet_stage_jobs_total",
-      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, superseded, retry, failed, held: put back while the sandbox provider did not answer, requeued).",
+      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, superseded, retry, failed, held: put back while the sandbox provider did not answer, redis_held: put back while the fleet's Redis refused writes or could not be reached, requeued).",
       labelNames: ["stage", "outcome"],
       registers,
     }),

@@ -1,0 +1,138 @@
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { RolloutRequest, type SandboxSpecInput } from "@fleet/contracts";
+import { LocalRedisServer, STAGE_CATALOG, STAGES, stageJobId } from "@fleet/queue";
+import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createLogger } from "@fleet/telemetry";
+import { Redis } from "ioredis";
+import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { type Latch, latch } from "./testing/latch.ts";
+import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
+import { createStageWorkers, type StageWorkers } from "./worker.ts";
+
+/** An in-memory provider whose creates wait for `createGate`; `entered` opens when one has begun. */
+class GatedProvider extends InMemorySandboxProvider {
+  readonly entered: Latch = latch();
+  readonly createGate: Latch = latch();
+  override async create(spec: SandboxSpecInput) {
+    this.entered.open();
+    await this.createGate.opened;
+    return super.create(spec);
+  }
+}
+
+// A Redis of the test's own: it is made full (maxmemory under what it holds, noeviction), which
+// the shared one must never be.
+describe("a Redis that refuses writes (full under noeviction)", () => {
+  let dir = "";
+  let server: LocalRedisServer | null = null;
+  let admin: Redis | null = null;
+  let fleet: InProcessFleet | null = null;
+  let workers: StageWorkers | null = null;
+  beforeEach(() => {
+    dir = mkdtempSync(join(tmpdir(), "fleet-refusal-"));
+  });
+  afterEach(async () => {
+    await admin?.config("SET", "maxmemory", "0").catch(() => undefined);
+    await workers?.close(10_000);
+    await fleet?.close();
+    admin?.disconnect();
+    await server?.kill();
+    [server, admin, fleet, workers] = [null, null, null, null];
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("holds a stage it refused, on its last attempt, without spending the attempt; the rollout completes once Redis takes writes again", async () => {
+    server = await LocalRedisServer.start({ dir });
+    admin = new Redis(server.url);
+    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+    const provider = new GatedProvider();
+    const lines: string[] = [];
+    fleet = await startInProcessFleet({
+      provider,
+      redisUrl: server.url,
+      startWorkers: false,
+      deps: {
+        ...NO_OP_AGENT_AND_VERIFIER,
+        logger: createLogger({
+          name: "test",
+          level: "warn",
+          destination: { write: (l: string) => lines.push(l) },
+        }),
+      },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    // The seed's last attempt: a refusal BullMQ counted would end the rollout.
+    const attempts = STAGE_CATALOG.seed.options.attempts!;
+    const seedJob = `${fleet.prefix}:seed:${stageJobId(id!, "seed")}`;
+    await fleet.redis.hset(seedJob, "atm", String(attempts - 1));
+    workers = createStageWorkers(STAGES, fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 1,
+      supervise: false,
+    });
+
+    // The seed has begun (its intent stored) and is creating its sandbox: Redis fills up now,
+    // so the seed's receipt is refused.
+    await provider.entered.opened;
+    await admin.config("SET", "maxmemory", "1");
+    await expect(admin.set(`${fleet.prefix}:probe`, "x")).rejects.toThrow(/^OOM /);
+    provider.createGate.open();
+
+    // Put back, delayed, while Redis still refuses: not failed, not closed.
+    const seedQueue = fleet.deps.queues.queues.seed;
+    await until(
+      "the refused seed held",
+      async () => (await seedQueue.getJobState(stageJobId(id!, "seed"))) === "delayed",
+    );
+    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(attempts - 1);
+    expect((await fleet.deps.store.get(id!))!.status).toBe("accepted");
+    expect(lines.join("\n")).toMatch(
+      /the fleet's Redis refuses writes \(full, read-only\) or cannot be reached: holding stage jobs/,
+    );
+
+    await admin.config("SET", "maxmemory", "0");
+    const [result] = await fleet.waitForResults([id!], 60_000);
+    expect(result).toMatchObject({ status: "completed", reward: 1 });
+    // The seed ran again and stored its receipt on the same, last, attempt.
+    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(attempts);
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+  });
+
+  it("holds a last attempt whose begin hit a connection blip (the connection back by the move): not spent, the rollout completes", async () => {
+    server = await LocalRedisServer.start({ dir });
+    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      redisUrl: server.url,
+      startWorkers: false,
+      deps: NO_OP_AGENT_AND_VERIFIER,
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const attempts = STAGE_CATALOG.seed.options.attempts!;
+    const seedJob = `${fleet.prefix}:seed:${stageJobId(id!, "seed")}`;
+    await fleet.redis.hset(seedJob, "atm", String(attempts - 1));
+    const store = fleet.deps.store;
+    let blips = 0;
+    const blipping = Object.assign(Object.create(store) as typeof store, {
+      begin: async (...a: Parameters<typeof store.begin>) => {
+        if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("Connection is closed.");
+        return store.begin(...a);
+      },
+    });
+    workers = createStageWorkers(
+      STAGES,
+      { ...fleet.deps, store: blipping },
+      { connection: fleet.redis, prefix: fleet.prefix, concurrency: 1, supervise: false },
+    );
+    const [result] = await fleet.waitForResults([id!], 30_000);
+    expect(result).toMatchObject({ status: "completed", reward: 1 });
+    expect(blips).toBe(2);
+    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(attempts);
+    expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
+  });
+});
