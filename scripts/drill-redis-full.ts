@@ -3,8 +3,8 @@
  * through the four stages in one process, on a Redis of the drill's own; once the first agents
  * ran, its maxmemory is set under what it holds (`noeviction`: every write that needs memory is
  * refused) for `--full-s`, then lifted. Prints the rollouts' outcomes (status / failure kind), how
- * many stage jobs were held (`redis_held`) and retried, and how long the last result took after
- * Redis took writes again. With Redis refusals held (no attempt spent) every rollout completes.
+ * many stage jobs were held (`redis_held`) and retried, how many commands a second Redis ran while
+ * full (refused ones included), and how long the last result took after Redis took writes again. With Redis refusals held (no attempt spent) every rollout completes.
  *
  *   npx tsx scripts/drill-redis-full.ts [--n 200] [--full-s 60] [--agent-ms 50] [--concurrency 4]
  *
@@ -69,7 +69,11 @@ try {
   console.log(
     `Redis full (maxmemory under its ${used} bytes) after ${runs} agent runs, for ${FULL_MS / 1000} s`,
   );
+  const processed = async () =>
+    Number((await admin.info("stats")).match(/total_commands_processed:(\d+)/)?.[1]);
+  const before = await processed();
   await new Promise((r) => setTimeout(r, FULL_MS));
+  const whileFull = (await processed()) - before;
   await admin.config("SET", "maxmemory", "0");
   const freedAt = Date.now();
   console.log(`Redis takes writes again; ${runs} agent runs so far`);
@@ -88,6 +92,7 @@ try {
   console.log(`  stage jobs held (redis_held)          ${count("redis_held")}`);
   console.log(`  stage jobs retried (an attempt spent) ${count("retry")}`);
   console.log(`  last result, after Redis took writes  ${(lastMs / 1000).toFixed(1)} s`);
+  console.log(`  commands Redis ran while full, a second ${(whileFull / (FULL_MS / 1000)).toFixed(0)}`);
 } finally {
   await admin.config("SET", "maxmemory", "0").catch(() => undefined);
   await fleet.close();

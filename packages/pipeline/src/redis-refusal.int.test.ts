@@ -135,4 +135,43 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
     expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(attempts);
     expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
   });
+
+  it("pauses a worker Redis refuses to give a job, longer each time, instead of asking again at once; the supervisor replaces none for it", async () => {
+    server = await LocalRedisServer.start({ dir });
+    admin = new Redis(server.url);
+    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      redisUrl: server.url,
+      startWorkers: false,
+      deps: NO_OP_AGENT_AND_VERIFIER,
+    });
+    const ids = await fleet.submit(
+      Array.from({ length: 5 }, () => RolloutRequest.parse({ task, agent: { harness: "oracle" } })),
+    );
+    // Full before any worker starts: the seed worker's every fetch is refused.
+    await admin.config("SET", "maxmemory", "1");
+    const pauses: number[] = [];
+    workers = createStageWorkers(STAGES, fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 2,
+      // A worker idle while jobs wait would be replaced after half a second.
+      supervise: { intervalMs: 50, stuckAfterMs: 500 },
+      onWorker: (worker, stage) => {
+        if (stage === "seed") worker.on("paused", () => pauses.push(Date.now()));
+      },
+    });
+    await until("the seed worker paused five times", () => pauses.length >= 5, 20_000);
+    // 250 ms, 500, 1 s, 2 s: asked again after each pause, not thousands of times a second.
+    const gaps = pauses.slice(1).map((at, i) => at - pauses[i]!);
+    expect(gaps.at(-1)).toBeGreaterThanOrEqual(1_500);
+    expect(workers.recreated).toBe(0);
+    expect((await fleet.deps.store.get(ids[0]!))!.status).toBe("accepted");
+
+    // Redis takes writes again: the rollouts go through.
+    await admin.config("SET", "maxmemory", "0");
+    const results = await fleet.waitForResults(ids, 30_000);
+    expect(results.map((r) => r.status)).toEqual(Array(5).fill("completed"));
+  });
 });

@@ -88,6 +88,10 @@ interface Slot {
   active: number;
   /** Since when jobs wait while this worker is idle (null: not the case at the last check). */
   idleWithWorkSince: number | null;
+  /** When Redis last refused this worker (0: never); its pause's length, doubling; its resume. */
+  refusedAt: number;
+  refusalPauseMs: number;
+  refusalResume: NodeJS.Timeout | null;
 }
 
 /** One BullMQ worker per stage, each running `runStageJob` with the shared deps. */
@@ -137,6 +141,7 @@ export function createStageWorkers(
         const started = Date.now();
         slot.active++;
         slot.idleWithWorkSince = null;
+        slot.refusalPauseMs = 0;
         // Through the seed-ahead bound; `seeded`: its run job was enqueued (a seed that ran, or
         // replayed its stored receipt).
         let entered = false;
@@ -240,6 +245,7 @@ export function createStageWorkers(
     );
     const fresh = freshErrors();
     worker.on("error", (err) => {
+      if (isRedisUnavailable(err)) pauseForRefusal(slot as Slot, worker);
       if (!fresh(err.message)) return;
       if (LOST_LOCK.test(err.message)) {
         // This process was paused or cut off past the lock's duration: not a failure of its own
@@ -274,8 +280,39 @@ export function createStageWorkers(
     return worker;
   };
 
+  /**
+   * Redis refused a worker's own call (taking a job, renewing locks, the stalled check: full
+   * under noeviction, read-only). BullMQ asks again at once for what is not a connection error:
+   * thousands of refused calls a second against a Redis already in trouble. Paused instead, 250 ms
+   * doubling to `REFUSAL_PAUSE_MAX_MS`, then resumed to ask again; a job taken resets the pause.
+   * The jobs in flight go on (a refusal of theirs holds them: `RedisHoldError`).
+   */
+  const pauseForRefusal = (slot: Slot, worker: Worker) => {
+    slot.refusedAt = Date.now();
+    if (closing || slot.worker !== worker) return;
+    // Resumed meanwhile by someone else (the provider breaker): paused again all the same.
+    if (!worker.isPaused()) void worker.pause(true).catch(() => undefined);
+    if (slot.refusalResume) return;
+    slot.refusalPauseMs = Math.min(Math.max(slot.refusalPauseMs * 2, 250), REFUSAL_PAUSE_MAX_MS);
+    slot.refusalResume = setTimeout(() => {
+      slot.refusalResume = null;
+      if (closing || slot.worker !== worker) return;
+      // The provider breaker paused it too: the breaker resumes it.
+      if (breaker?.open && breaker.holds(slot.stage)) return;
+      void worker.resume();
+    }, slot.refusalPauseMs);
+    slot.refusalResume.unref();
+  };
+
   const slots: Slot[] = stages.map((stage) => {
-    const slot = { stage, active: 0, idleWithWorkSince: null } as unknown as Slot;
+    const slot = {
+      stage,
+      active: 0,
+      idleWithWorkSince: null,
+      refusedAt: 0,
+      refusalPauseMs: 0,
+      refusalResume: null,
+    } as unknown as Slot;
     slot.worker = make(slot);
     return slot;
   });
@@ -299,6 +336,11 @@ export function createStageWorkers(
       // Paused by the provider breaker on purpose (a paused worker also stops "running").
       if (breaker?.holds(slot.stage) && breaker.open) {
         slot.idleWithWorkSince = null; // idle on purpose: no count toward a replacement after it
+        continue;
+      }
+      // Paused, or idle, because Redis refuses it: a new worker would be refused the same way.
+      if (slot.refusalResume || Date.now() - slot.refusedAt < supervise.stuckAfterMs) {
+        slot.idleWithWorkSince = null;
         continue;
       }
       if (!slot.worker.isRunning() && !slot.worker.closing) {
@@ -801,6 +843,9 @@ export function freshErrors(windowMs = 30_000): (message: string) => boolean {
     return true;
   };
 }
+
+/** The longest a worker Redis refused pauses before it asks again (see `pauseForRefusal`). */
+export const REFUSAL_PAUSE_MAX_MS = 2_000;
 
 /**
  * How long a stage job Redis refused waits before it is taken again. Short: a held job costs
