@@ -8,6 +8,7 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createLogger } from "@fleet/telemetry";
 import { Redis } from "ioredis";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { type Latch, latch } from "./testing/latch.ts";
 import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
@@ -23,6 +24,9 @@ class GatedProvider extends InMemorySandboxProvider {
     return super.create(spec);
   }
 }
+
+const SEED_ATTEMPTS = STAGE_CATALOG.seed.options.attempts!;
+const seedJobKey = (fleet: InProcessFleet, id: string) => `${fleet.prefix}:seed:${stageJobId(id, "seed")}`;
 
 // A Redis of the test's own: it is made full (maxmemory under what it holds, noeviction), which
 // the shared one must never be.
@@ -45,30 +49,43 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
     rmSync(dir, { recursive: true, force: true });
   });
 
-  it("holds a stage it refused, on its last attempt, without spending the attempt; the rollout completes once Redis takes writes again", async () => {
+  /**
+   * A Redis of the test's own (and `admin` on it), a fleet on it whose workers the test starts,
+   * and `n` hello-file rollouts submitted; with `lastSeedAttempt`, their seeds' attempts but one
+   * spent (a refusal BullMQ counted would end them).
+   */
+  async function submitted(
+    n: number,
+    provider: InMemorySandboxProvider,
+    deps: Partial<PipelineDeps> = NO_OP_AGENT_AND_VERIFIER,
+    lastSeedAttempt = false,
+  ): Promise<{ fleet: InProcessFleet; ids: string[]; admin: Redis }> {
     server = await LocalRedisServer.start({ dir });
-    admin = new Redis(server.url);
+    const client = new Redis(server.url);
+    admin = client;
     const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+    const started = await startInProcessFleet({ provider, redisUrl: server.url, startWorkers: false, deps });
+    fleet = started;
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    const ids = await started.submit(Array.from({ length: n }, () => request));
+    if (lastSeedAttempt) {
+      for (const id of ids)
+        await started.redis.hset(seedJobKey(started, id), "atm", String(SEED_ATTEMPTS - 1));
+    }
+    return { fleet: started, ids, admin: client };
+  }
+
+  it("holds a stage it refused, on its last attempt, without spending the attempt; the rollout completes once Redis takes writes again", async () => {
     const provider = new GatedProvider();
     const lines: string[] = [];
-    fleet = await startInProcessFleet({
-      provider,
-      redisUrl: server.url,
-      startWorkers: false,
-      deps: {
-        ...NO_OP_AGENT_AND_VERIFIER,
-        logger: createLogger({
-          name: "test",
-          level: "warn",
-          destination: { write: (l: string) => lines.push(l) },
-        }),
-      },
+    const logger = createLogger({
+      name: "test",
+      level: "warn",
+      destination: { write: (l: string) => lines.push(l) },
     });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    // The seed's last attempt: a refusal BullMQ counted would end the rollout.
-    const attempts = STAGE_CATALOG.seed.options.attempts!;
-    const seedJob = `${fleet.prefix}:seed:${stageJobId(id!, "seed")}`;
-    await fleet.redis.hset(seedJob, "atm", String(attempts - 1));
+    const { fleet, ids, admin } = await submitted(1, provider, { ...NO_OP_AGENT_AND_VERIFIER, logger }, true);
+    const id = ids[0]!;
+    const seedJob = seedJobKey(fleet, id);
     workers = createStageWorkers(STAGES, fleet.deps, {
       connection: fleet.redis,
       prefix: fleet.prefix,
@@ -87,35 +104,26 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
     const seedQueue = fleet.deps.queues.queues.seed;
     await until(
       "the refused seed held",
-      async () => (await seedQueue.getJobState(stageJobId(id!, "seed"))) === "delayed",
+      async () => (await seedQueue.getJobState(stageJobId(id, "seed"))) === "delayed",
     );
-    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(attempts - 1);
-    expect((await fleet.deps.store.get(id!))!.status).toBe("accepted");
+    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(SEED_ATTEMPTS - 1);
+    expect((await fleet.deps.store.get(id))!.status).toBe("accepted");
     expect(lines.join("\n")).toMatch(
       /the fleet's Redis refuses writes \(full, read-only\) or cannot be reached: holding stage jobs/,
     );
 
     await admin.config("SET", "maxmemory", "0");
-    const [result] = await fleet.waitForResults([id!], 60_000);
+    const [result] = await fleet.waitForResults([id], 60_000);
     expect(result).toMatchObject({ status: "completed", reward: 1 });
     // The seed ran again and stored its receipt on the same, last, attempt.
-    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(attempts);
-    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(SEED_ATTEMPTS);
+    expect((await fleet.deps.store.get(id))!.failure).toBeNull();
   });
 
   it("holds a last attempt whose begin hit a connection blip (the connection back by the move): not spent, the rollout completes", async () => {
-    server = await LocalRedisServer.start({ dir });
-    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
-    fleet = await startInProcessFleet({
-      provider: new InMemorySandboxProvider(),
-      redisUrl: server.url,
-      startWorkers: false,
-      deps: NO_OP_AGENT_AND_VERIFIER,
-    });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    const attempts = STAGE_CATALOG.seed.options.attempts!;
-    const seedJob = `${fleet.prefix}:seed:${stageJobId(id!, "seed")}`;
-    await fleet.redis.hset(seedJob, "atm", String(attempts - 1));
+    const { fleet, ids } = await submitted(1, new InMemorySandboxProvider(), undefined, true);
+    const id = ids[0]!;
+    const seedJob = seedJobKey(fleet, id);
     const store = fleet.deps.store;
     let blips = 0;
     const blipping = Object.assign(Object.create(store) as typeof store, {
@@ -129,26 +137,15 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
       { ...fleet.deps, store: blipping },
       { connection: fleet.redis, prefix: fleet.prefix, concurrency: 1, supervise: false },
     );
-    const [result] = await fleet.waitForResults([id!], 30_000);
+    const [result] = await fleet.waitForResults([id], 30_000);
     expect(result).toMatchObject({ status: "completed", reward: 1 });
     expect(blips).toBe(2);
-    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(attempts);
-    expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
+    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(SEED_ATTEMPTS);
+    expect(await fleet.deps.store.failureLog(id)).toEqual([]);
   });
 
   it("pauses a worker Redis refuses to give a job, longer each time, instead of asking again at once; the supervisor replaces none for it", async () => {
-    server = await LocalRedisServer.start({ dir });
-    admin = new Redis(server.url);
-    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
-    fleet = await startInProcessFleet({
-      provider: new InMemorySandboxProvider(),
-      redisUrl: server.url,
-      startWorkers: false,
-      deps: NO_OP_AGENT_AND_VERIFIER,
-    });
-    const ids = await fleet.submit(
-      Array.from({ length: 5 }, () => RolloutRequest.parse({ task, agent: { harness: "oracle" } })),
-    );
+    const { fleet, ids, admin } = await submitted(5, new InMemorySandboxProvider());
     // Full before any worker starts: the seed worker's every fetch is refused.
     await admin.config("SET", "maxmemory", "1");
     const pauses: number[] = [];
