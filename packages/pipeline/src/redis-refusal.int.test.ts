@@ -12,7 +12,7 @@ import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { type Latch, latch } from "./testing/latch.ts";
 import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
-import { createStageWorkers, type StageWorkers } from "./worker.ts";
+import { createStageWorkers, MAX_REDIS_HOLDS, type StageWorkers } from "./worker.ts";
 
 /** An in-memory provider whose creates wait for `createGate`; `entered` opens when one has begun. */
 class GatedProvider extends InMemorySandboxProvider {
@@ -120,29 +120,49 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
     expect((await fleet.deps.store.get(id))!.failure).toBeNull();
   });
 
-  it("holds a last attempt whose begin hit a connection blip (the connection back by the move): not spent, the rollout completes", async () => {
-    const { fleet, ids } = await submitted(1, new InMemorySandboxProvider(), undefined, true);
-    const id = ids[0]!;
-    const seedJob = seedJobKey(fleet, id);
-    const store = fleet.deps.store;
-    let blips = 0;
-    const blipping = Object.assign(Object.create(store) as typeof store, {
-      begin: async (...a: Parameters<typeof store.begin>) => {
-        if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("Connection is closed.");
-        return store.begin(...a);
-      },
-    });
-    workers = createStageWorkers(
-      STAGES,
-      { ...fleet.deps, store: blipping },
-      { connection: fleet.redis, prefix: fleet.prefix, concurrency: 1, supervise: false },
-    );
-    const [result] = await fleet.waitForResults([id], 30_000);
-    expect(result).toMatchObject({ status: "completed", reward: 1 });
-    expect(blips).toBe(2);
-    expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(SEED_ATTEMPTS);
-    expect(await fleet.deps.store.failureLog(id)).toEqual([]);
-  });
+  it.each([
+    ["holds it: not spent, the rollout completes", 0],
+    [
+      `spends it once the job had ${MAX_REDIS_HOLDS} deliveries that spent none: the rollout ends masked`,
+      MAX_REDIS_HOLDS,
+    ],
+  ] as const)(
+    "a last attempt whose begin hit a connection blip (back by the move): %s",
+    async (_what, spentNone) => {
+      const { fleet, ids } = await submitted(1, new InMemorySandboxProvider(), undefined, true);
+      const id = ids[0]!;
+      const seedJob = seedJobKey(fleet, id);
+      // Deliveries that spent no attempt (BullMQ counts every delivery in `ats`, attempts in `atm`).
+      await fleet.redis.hset(seedJob, "ats", String(SEED_ATTEMPTS - 1 + spentNone));
+      const store = fleet.deps.store;
+      let blips = 0;
+      const blipping = Object.assign(Object.create(store) as typeof store, {
+        begin: async (...a: Parameters<typeof store.begin>) => {
+          if (a[0] === id && a[1] === "seed" && blips++ === 0) throw new Error("Connection is closed.");
+          return store.begin(...a);
+        },
+      });
+      workers = createStageWorkers(
+        STAGES,
+        { ...fleet.deps, store: blipping },
+        { connection: fleet.redis, prefix: fleet.prefix, concurrency: 1, supervise: false },
+      );
+      const [result] = await fleet.waitForResults([id], 30_000);
+      if (spentNone === 0) {
+        expect(result).toMatchObject({ status: "completed", reward: 1 });
+        expect(blips).toBe(2);
+        expect(await fleet.deps.store.failureLog(id)).toEqual([]);
+      } else {
+        expect(result).toMatchObject({
+          status: "masked",
+          failureKind: "provider_unavailable",
+          stage: "seed",
+        });
+        expect(blips).toBe(1);
+      }
+      expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(SEED_ATTEMPTS);
+    },
+  );
 
   it("pauses a worker Redis refuses to give a job, longer each time, instead of asking again at once; the supervisor replaces none for it", async () => {
     const { fleet, ids, admin } = await submitted(5, new InMemorySandboxProvider());

@@ -2,7 +2,7 @@ import { FleetError } from "@fleet/contracts";
 import { STAGES } from "@fleet/queue";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { describe, expect, it } from "vitest";
-import { asFleetError, type StageRunOutcome } from "./stage-runner.ts";
+import { asFleetError, isRedisRefusal, type StageRunOutcome } from "./stage-runner.ts";
 
 describe("asFleetError", () => {
   it("names the fleet's Redis in the reason when it is what failed (down, or refusing writes)", () => {
@@ -23,6 +23,42 @@ describe("asFleetError", () => {
     );
     const fe = FleetError.nonRetryable("sandbox_lost", "gone");
     expect(asFleetError(fe)).toBe(fe);
+  });
+});
+
+describe("isRedisRefusal", () => {
+  const oom = () =>
+    Object.assign(new Error("OOM command not allowed when used memory > 'maxmemory'."), {
+      name: "ReplyError",
+    });
+  it("is what ioredis throws when Redis refuses or is out of reach, as it is or as a retryable stage error's cause", () => {
+    const readOnly = Object.assign(new Error("READONLY You can't write against a read only replica."), {
+      name: "ReplyError",
+    });
+    const maxRetries = Object.assign(new Error("Reached the max retries per request limit"), {
+      name: "MaxRetriesPerRequestError",
+    });
+    for (const err of [oom(), readOnly, maxRetries, new Error("Connection is closed.")]) {
+      expect(isRedisRefusal(err)).toBe(true);
+      expect(isRedisRefusal(FleetError.retryable("provider_unavailable", "could not note it", err))).toBe(
+        true,
+      );
+    }
+  });
+
+  it("is never a final failure, nor an error that only quotes Redis's words (a model upstream's body, a test's output)", () => {
+    expect(isRedisRefusal(FleetError.nonRetryable("provider_unavailable", "upstream gave up", oom()))).toBe(
+      false,
+    );
+    // The words, in a stage's own message or an error of someone else's: not Redis's.
+    const quoted = "the model upstream failed: HTTP 502: Connection is closed.";
+    expect(isRedisRefusal(FleetError.retryable("provider_unavailable", quoted))).toBe(false);
+    expect(isRedisRefusal(FleetError.nonRetryable("agent_error", quoted))).toBe(false);
+    expect(isRedisRefusal(new Error(quoted))).toBe(false);
+    expect(isRedisRefusal(new Error("OOM command not allowed when used memory > 'maxmemory'."))).toBe(false);
+    expect(isRedisRefusal(FleetError.retryable("sandbox_lost", "gone", new Error("socket hang up")))).toBe(
+      false,
+    );
   });
 });
 

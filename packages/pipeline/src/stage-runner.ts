@@ -30,6 +30,29 @@ export function asFleetError(err: unknown): FleetError {
 }
 
 /**
+ * Whether Redis itself refused what failed, or could not be reached: an error of ioredis's
+ * (`isRedisUnavailable`), thrown as it is or as the cause of a retryable FleetError (a stage that
+ * says what it was doing). Never an error that merely quotes such words (a model upstream's body,
+ * a test's output): a final failure stays final, and a sandbox's error is the provider's.
+ */
+export function isRedisRefusal(err: unknown): boolean {
+  const raw = isFleetError(err)
+    ? (err as FleetError).retryable
+      ? (err as FleetError).cause
+      : undefined
+    : err;
+  if (raw === undefined || isFleetError(raw) || !isRedisUnavailable(raw)) return false;
+  const { name, message } = raw as { name?: unknown; message?: unknown };
+  return (
+    name === "ReplyError" ||
+    name === "MaxRetriesPerRequestError" ||
+    name === "ClusterAllFailedError" ||
+    message === "Connection is closed." ||
+    (typeof message === "string" && message.endsWith("enableOfflineQueue options is false"))
+  );
+}
+
+/**
  * Runs one stage job with the lifecycle contract around the handler: replay of stored
  * receipts (idempotency), skip-ahead to close on a recorded failure, cancel or deadline, and the
  * retry decision (retryable errors retry only while attempts remain and the next attempt can
@@ -131,7 +154,7 @@ export async function runStageJob(
       superseded(deps, rolloutId, "does not record its failure", err, stage === "seed" ? "seed" : "verify");
       return "superseded";
     }
-    if (isRedisUnavailable(err)) {
+    if (isRedisRefusal(err)) {
       // Redis refused (full, read-only, loading) or is out of reach: nothing the stage did, and
       // nothing to record (Redis is what refuses). Before the attempts are counted: a refusal on
       // the last attempt is no more final than on the first. The worker puts the job back,

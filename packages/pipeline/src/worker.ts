@@ -5,7 +5,7 @@ import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
 import { providerGate, providerProblem } from "./provider-gate.ts";
-import { nextAfter, runStageJob } from "./stage-runner.ts";
+import { isRedisRefusal, nextAfter, runStageJob } from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys } from "./stages.ts";
 
 export interface StageWorkerOptions {
@@ -186,7 +186,14 @@ export function createStageWorkers(
             );
             throw new WaitingError();
           }
-          if (token && (isRedisHold(err) || isRedisUnavailable(err))) {
+          if (
+            token &&
+            (isRedisHold(err) || ((err as Error).name !== "UnrecoverableError" && isRedisRefusal(err))) &&
+            // Each hold is a delivery that spent no attempt: past MAX_REDIS_HOLDS of them (a
+            // Redis at its memory's edge, taking the begin and refusing the receipt, would run
+            // the agent again every hold until the deadline), attempts are spent as before.
+            job.attemptsStarted - job.attemptsMade <= MAX_REDIS_HOLDS
+          ) {
             // Redis refused the stage (full under noeviction, read-only after a failover): back
             // to the queue, delayed, without spending an attempt. Moving the job is a write too,
             // but one a full Redis takes (BullMQ's move frees the job's lock first, and a script
@@ -288,8 +295,8 @@ export function createStageWorkers(
    * The jobs in flight go on (a refusal of theirs holds them: `RedisHoldError`).
    */
   const pauseForRefusal = (slot: Slot, worker: Worker) => {
+    if (closing || slot.worker !== worker) return; // a replaced worker's errors are not the slot's
     slot.refusedAt = Date.now();
-    if (closing || slot.worker !== worker) return;
     // Resumed meanwhile by someone else (the provider breaker): paused again all the same.
     if (!worker.isPaused()) void worker.pause(true).catch(() => undefined);
     if (slot.refusalResume) return;
@@ -321,6 +328,10 @@ export function createStageWorkers(
 
   const replace = (slot: Slot, why: string) => {
     const old = slot.worker;
+    // A pause for a refusal is the old worker's: its resume must not be waited for by the new one.
+    if (slot.refusalResume) clearTimeout(slot.refusalResume);
+    slot.refusalResume = null;
+    slot.refusalPauseMs = 0;
     slot.worker = make(slot);
     slot.idleWithWorkSince = null;
     recreated++;
@@ -852,6 +863,11 @@ export const REFUSAL_PAUSE_MAX_MS = 2_000;
  * Redis one move, and a full Redis does not hand it out (taking a job is a write it refuses).
  */
 export const REDIS_HOLD_MS = 2_000;
+/**
+ * How many deliveries of one stage job may spend no attempt (Redis holds; hand-backs, a seed's
+ * wait for the seed-ahead bound and stalls count too) before a Redis refusal spends one.
+ */
+export const MAX_REDIS_HOLDS = 30;
 
 /** How long a worker keeps trying to close a rollout whose job BullMQ failed (see below). */
 export const CLOSE_AFTER_FAILURE_RETRY_MS = 15 * 60_000;
