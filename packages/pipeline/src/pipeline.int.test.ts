@@ -522,7 +522,12 @@ describe("idempotency and fencing without workers", () => {
     suite ??= await loadSuite(EXAMPLE_SUITE_DIR);
     fleet = await startInProcessFleet({ provider: docker, startWorkers: false });
   });
-  afterAll(async () => fleet.close());
+  afterAll(async () => {
+    await fleet.close();
+    // Each test here closes its rollouts itself and checks that no sandbox is left; one that
+    // failed midway left its sandbox, which must not outlive the run.
+    for (const s of await docker.list()) await docker.destroy(s.handle);
+  });
 
   const job = (id: string, attemptsMade = 0) => ({
     data: { rolloutId: id },
