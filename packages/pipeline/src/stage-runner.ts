@@ -32,24 +32,14 @@ export function asFleetError(err: unknown): FleetError {
 /**
  * Whether Redis itself refused what failed, or could not be reached: an error of ioredis's
  * (`isRedisUnavailable`), thrown as it is or as the cause of a retryable FleetError (a stage that
- * says what it was doing). Never an error that merely quotes such words (a model upstream's body,
- * a test's output): a final failure stays final, and a sandbox's error is the provider's.
+ * says what it was doing). Never a FleetError's own message (one that quotes such words: a model
+ * upstream's body, a test's output): a final failure stays final, and a sandbox's error is the
+ * provider's.
  */
 export function isRedisRefusal(err: unknown): boolean {
-  const raw = isFleetError(err)
-    ? (err as FleetError).retryable
-      ? (err as FleetError).cause
-      : undefined
-    : err;
-  if (raw === undefined || isFleetError(raw) || !isRedisUnavailable(raw)) return false;
-  const { name, message } = raw as { name?: unknown; message?: unknown };
-  return (
-    name === "ReplyError" ||
-    name === "MaxRetriesPerRequestError" ||
-    name === "ClusterAllFailedError" ||
-    message === "Connection is closed." ||
-    (typeof message === "string" && message.endsWith("enableOfflineQueue options is false"))
-  );
+  if (!isFleetError(err)) return isRedisUnavailable(err);
+  const fe = err as FleetError;
+  return fe.retryable && fe.cause !== undefined && !isFleetError(fe.cause) && isRedisUnavailable(fe.cause);
 }
 
 /**

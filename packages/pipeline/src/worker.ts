@@ -1,6 +1,7 @@
 import { setMaxListeners } from "node:events";
 import { capText, isTerminal, type StageName, withTimeout } from "@fleet/contracts";
 import { duplicateRedis, isRedisUnavailable, type RedisConnection } from "@fleet/queue";
+import type { StageOutcome } from "@fleet/telemetry";
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
@@ -153,8 +154,7 @@ export function createStageWorkers(
           }
           const outcome = await runStageJob(stage, job, deps, runOptions);
           const ms = Date.now() - started;
-          deps.metrics?.stageJobs.inc({ stage, outcome });
-          deps.metrics?.stageDuration.observe({ stage, outcome }, ms / 1000);
+          countStageJob(deps, stage, outcome, ms);
           // One line per stage job: a rollout traced across the processes by its id.
           deps.logger.info(
             { rolloutId: job.data?.rolloutId, stage, outcome, attempt: job.attemptsMade + 1, ms },
@@ -204,11 +204,7 @@ export function createStageWorkers(
               () => false,
             );
             if (moved) {
-              deps.metrics?.stageJobs.inc({ stage, outcome: "redis_held" });
-              deps.metrics?.stageDuration.observe(
-                { stage, outcome: "redis_held" },
-                (Date.now() - started) / 1000,
-              );
+              countStageJob(deps, stage, "redis_held", Date.now() - started);
               // Thousands of jobs may be held at once: a line now and then, not one each.
               if (freshHold("held")) {
                 deps.logger.warn(
@@ -226,14 +222,16 @@ export function createStageWorkers(
             // another worker has the job by now).
             breaker.trip(err instanceof Error ? err.message : String(err));
             await job.moveToDelayed(Date.now() + breaker.probeMs, token);
-            deps.metrics?.stageJobs.inc({ stage, outcome: "held" });
-            deps.metrics?.stageDuration.observe({ stage, outcome: "held" }, (Date.now() - started) / 1000);
+            countStageJob(deps, stage, "held", Date.now() - started);
             throw new DelayedError();
           }
           const name = (err as Error).name;
-          const outcome = name === "UnrecoverableError" ? "failed" : "retry";
-          deps.metrics?.stageJobs.inc({ stage, outcome });
-          deps.metrics?.stageDuration.observe({ stage, outcome }, (Date.now() - started) / 1000);
+          countStageJob(
+            deps,
+            stage,
+            name === "UnrecoverableError" ? "failed" : "retry",
+            Date.now() - started,
+          );
           throw err;
         } finally {
           if (entered) seedAhead?.leave(seeded);
@@ -853,6 +851,12 @@ export function freshErrors(windowMs = 30_000): (message: string) => boolean {
     lastAt = at;
     return true;
   };
+}
+
+/** A stage job's outcome and its wall time in `fleet_stage_jobs_total` and the duration histogram. */
+function countStageJob(deps: PipelineDeps, stage: StageName, outcome: StageOutcome, ms: number): void {
+  deps.metrics?.stageJobs.inc({ stage, outcome });
+  deps.metrics?.stageDuration.observe({ stage, outcome }, ms / 1000);
 }
 
 /** The longest a worker Redis refused pauses before it asks again (see `pauseForRefusal`). */

@@ -288,9 +288,10 @@ export function isRedisUnavailable(err: unknown): boolean {
     name === "MaxRetriesPerRequestError" ||
     name === "ClusterAllFailedError" ||
     (name === "ReplyError" && typeof message === "string" && REDIS_BUSY_REPLY.test(message)) ||
+    // ioredis's own words exactly, not a message that quotes them (a model upstream's body).
     (typeof message === "string" &&
-      (message.includes("Connection is closed") ||
+      (message === "Connection is closed." ||
         // Refused at once while down (`failFastOnceReady`): a standalone Redis's words, a cluster's.
-        message.includes("enableOfflineQueue options is false")))
+        message.endsWith("enableOfflineQueue options is false")))
   );
 }
