@@ -11,10 +11,7 @@ export class HandBackError extends Error {
 }
 
 export function isHandBack(err: unknown): err is HandBackError {
-  return (
-    err instanceof HandBackError ||
-    (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "HandBackError")
-  );
+  return err instanceof HandBackError || named(err, "HandBackError");
 }
 
 /**
@@ -29,10 +26,7 @@ export class ProviderHoldError extends Error {
 }
 
 export function isProviderHold(err: unknown): err is ProviderHoldError {
-  return (
-    err instanceof ProviderHoldError ||
-    (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "ProviderHoldError")
-  );
+  return err instanceof ProviderHoldError || named(err, "ProviderHoldError");
 }
 
 /**
@@ -47,8 +41,10 @@ export class RedisHoldError extends Error {
 }
 
 export function isRedisHold(err: unknown): err is RedisHoldError {
-  return (
-    err instanceof RedisHoldError ||
-    (typeof err === "object" && err !== null && (err as { name?: unknown }).name === "RedisHoldError")
-  );
+  return err instanceof RedisHoldError || named(err, "RedisHoldError");
+}
+
+/** An error of this name: one that crossed a module boundary fails `instanceof`. */
+function named(err: unknown, name: string): boolean {
+  return typeof err === "object" && err !== null && (err as { name?: unknown }).name === name;
 }
