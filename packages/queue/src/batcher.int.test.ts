@@ -8,6 +8,7 @@ import { MAX_BATCH, ScriptBatcher } from "./batcher.ts";
 import { coalesceWrites, createRedis, isRedisUnavailable } from "./connection.ts";
 import { createKeys } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
+import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "./testing/index.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 const prefix = `{t-batch-${Math.random().toString(36).slice(2, 8)}}`;
@@ -73,7 +74,7 @@ describe("ScriptBatcher", () => {
     // A replica of its own primary: every script write there fails with READONLY, inside the
     // batched form's per-item pcall as in the plain script's call.
     const dirs = [0, 1].map(() => mkdtempSync(join(tmpdir(), "redis-")));
-    const primary = await LocalRedisServer.start({ dir: dirs[0]! });
+    const primary = await LocalRedisServer.start({ dir: dirs[0]!, args: REPLICATION_ARGS });
     const replica = await LocalRedisServer.start({ dir: dirs[1]! });
     const p = createRedis(primary.url);
     const r = createRedis(replica.url);
@@ -103,6 +104,47 @@ describe("ScriptBatcher", () => {
       r.disconnect();
       await replica.kill();
       await primary.kill();
+      for (const dir of dirs) rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("a batched item's READONLY makes its connection reconnect, as the plain script's reply does: a connection left on a demoted master finds the new one behind the URL's name", async () => {
+    const dirs = ["a", "b"].map(() => mkdtempSync(join(tmpdir(), "redis-")));
+    const servers = await Promise.all(
+      dirs.map((dir) => LocalRedisServer.start({ dir, args: REPLICATION_ARGS })),
+    );
+    const [a, b] = servers as [LocalRedisServer, LocalRedisServer];
+    const [adminA, adminB] = [new Redis(a.url), new Redis(b.url)];
+    const proxy = await TcpProxy.start(a.port);
+    const c = createRedis(proxy.url);
+    try {
+      await replicate(adminB, a.port);
+      const ids = ["f1", "f2"];
+      for (const id of ids) {
+        await adminA.hset(keys.rollout(id), "meta", "{}", "status", "accepted", "stage", "admission");
+      }
+      const batcher = new ScriptBatcher(c);
+      const both = () =>
+        Promise.allSettled(ids.map((id) => batcher.call("fleetReceipt", ...receiptCall(id, "{}"))));
+      await c.ping();
+      await failOver(adminA, adminB, b.port, proxy);
+      const reconnected = new Promise((resolve) => c.once("reconnecting", resolve));
+      // Refused inside the batched script's pcall, never as a reply ioredis sees.
+      const refused = await both();
+      expect(batcher.stats.sent).toBe(1);
+      for (const r of refused) expect(String((r as PromiseRejectedResult).reason)).toMatch(/READONLY /);
+      await Promise.race([
+        reconnected,
+        new Promise((_, reject) => setTimeout(() => reject(new Error("no reconnect within 10 s")), 10_000)),
+      ]);
+      expect(await both()).toEqual(ids.map(() => ({ status: "fulfilled", value: 1 })));
+      for (const id of ids) expect(await adminB.hget(keys.rollout(id), "r:seed")).toBe("{}");
+    } finally {
+      c.disconnect();
+      adminA.disconnect();
+      adminB.disconnect();
+      await proxy.close();
+      for (const s of servers) await s.kill();
       for (const dir of dirs) rmSync(dir, { recursive: true, force: true });
     }
   });

@@ -98,7 +98,7 @@ export class ScriptBatcher {
       return after;
     });
     const settle = (item: Item, after: Promise<unknown> | undefined, row: unknown) => {
-      const err = slotError(row);
+      const err = slotError(row, this.redis);
       if (err) item.reject(err);
       else if (after) after.then(() => item.resolve(row), item.reject);
       else item.resolve(row);

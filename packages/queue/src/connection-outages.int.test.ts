@@ -1,9 +1,11 @@
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { createRedis, failFastOnceReady, logConnectionOutages } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
+import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "./testing/index.ts";
 
 describe("logConnectionOutages", () => {
   let server: LocalRedisServer | null = null;
@@ -100,3 +102,58 @@ describe("failFastOnceReady", () => {
     }
   });
 });
+
+describe("a failover behind the Redis URL's name", () => {
+  const dir = mkdtempSync(join(tmpdir(), "fleet-failover-"));
+  const servers: LocalRedisServer[] = [];
+  const clients: Redis[] = [];
+  let proxy: TcpProxy | null = null;
+  afterEach(async () => {
+    for (const c of clients.splice(0)) c.disconnect();
+    await proxy?.close();
+    proxy = null;
+    for (const s of servers.splice(0)) await s.kill();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("a connection left on the demoted master reconnects at its first READONLY, and its next write reaches the new master", async () => {
+    const [a, b] = await Promise.all(
+      ["a", "b"].map((name) => {
+        mkdirSync(join(dir, name), { recursive: true });
+        return LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS });
+      }),
+    );
+    servers.push(a!, b!);
+    const [adminA, adminB] = [new Redis(a!.url), new Redis(b!.url)];
+    clients.push(adminA, adminB);
+    await replicate(adminB, a!.port);
+    proxy = await TcpProxy.start(a!.port);
+    const redis = createRedis(proxy.url);
+    clients.push(redis);
+    redis.on("error", () => undefined);
+    await redis.set("k", "before");
+
+    await failOver(adminA, adminB, b!.port, proxy);
+    // Its TCP connection still goes to the old master, a replica now: the write is refused, as
+    // a write Redis refuses is (the caller holds or retries it), not resent...
+    await expect(redis.set("k", "after")).rejects.toThrow(/^READONLY /);
+    // ...and the connection is made again, through the name: to the new master.
+    let refusals = 0;
+    for (;;) {
+      try {
+        await redis.set("k", "after");
+        break;
+      } catch (err) {
+        if (!/^READONLY /.test((err as Error).message) || ++refusals > 100) throw err;
+        await new Promise((r) => setTimeout(r, 20));
+      }
+    }
+    expect(await adminB.get("k")).toBe("after");
+    // B is the master now: the write went there, not to a stale copy.
+    expect(field(await adminB.info("replication"), "role")).toBe("master");
+  });
+});
+
+function field(info: string, name: string): string | undefined {
+  return new RegExp(`^${name}:(\\S+)`, "m").exec(info)?.[1];
+}

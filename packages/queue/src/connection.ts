@@ -54,7 +54,41 @@ export function createRedis(url: string, options: RedisOptions = {}): Redis {
   if (isClusterUrl(url)) {
     throw new Error("createRedis connects to a standalone Redis; a Redis Cluster URL needs connectRedis");
   }
-  return coalesceWrites(new Redis(url, { maxRetriesPerRequest: null, enableReadyCheck: true, ...options }));
+  return coalesceWrites(
+    new Redis(url, {
+      maxRetriesPerRequest: null,
+      enableReadyCheck: true,
+      reconnectOnError: reconnectOnReadOnly,
+      ...options,
+    }),
+  );
+}
+
+/**
+ * ioredis's `reconnectOnError` for the fleet's standalone connections: a `READONLY` reply means
+ * the connection reached a replica. After a failover that is the old master, which the
+ * connection's TCP stream still goes to while the name in the URL (DNS, a managed Redis's
+ * endpoint, a proxy) now leads to the new one; nothing else would ever make it look again, so
+ * every write of the process would be refused for good. So the connection is made again (1), and
+ * the refused command fails as any refusal does (held or retried by its caller), not resent: a
+ * Redis that stays read-only costs one reconnect per refusal, never a command waiting forever.
+ * Safe to reconnect with commands in flight: a replica ran none of their writes, so ioredis
+ * sending them again after the reconnect runs each once. (A Cluster needs none of this: its
+ * demoted master answers MOVED, which ioredis follows.)
+ */
+export function reconnectOnReadOnly(err: Error): 1 | false {
+  return err.message.startsWith("READONLY ") ? 1 : false;
+}
+
+/**
+ * A refusal that came back inside a script's reply (a batched item's error caught by the script's
+ * per-item `pcall`: `slotError`), not as the reply itself, so ioredis's `reconnectOnError` never
+ * saw it: give it to it now. A connection whose writes all go through batched scripts (the
+ * dispatcher's admissions) would otherwise stay on a demoted master for good.
+ */
+export function reconnectOnSlotError(redis: RedisConnection, err: Error): void {
+  if (!(redis instanceof Redis) || redis.status !== "ready") return;
+  if (redis.options.reconnectOnError?.(err)) redis.disconnect(true);
 }
 
 const coalescing = new WeakSet<Redis>();

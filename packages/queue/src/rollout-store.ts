@@ -565,7 +565,7 @@ export class RolloutStore {
       let failed: Error | null = null;
       chunk.forEach((m, j) => {
         const reply = replies[j];
-        const err = slotError(reply);
+        const err = slotError(reply, this.redis);
         if (err) failed ??= err;
         else sorted[reply as number]?.push(m.id);
       });

@@ -1,5 +1,5 @@
 import { ReplyError } from "ioredis";
-import type { RedisConnection } from "./connection.ts";
+import { type RedisConnection, reconnectOnSlotError } from "./connection.ts";
 
 /**
  * Lua scripts for every state change that must be atomic. Rollout hash fields:
@@ -209,10 +209,15 @@ export const BATCH_ERROR = "__fleet_err";
  * The error a batched item's reply slot holds (`{BATCH_ERROR, message}`), as the plain script
  * alone would have rejected: a ReplyError with Redis's message, by which callers tell a Redis
  * that cannot serve now (READONLY after a failover, NOREPLICAS, OOM: `isRedisUnavailable`, the
- * dispatcher's 503) from an error that will not pass. Null for a slot holding a reply.
+ * dispatcher's 503) from an error that will not pass. Null for a slot holding a reply. The
+ * connection the reply came on (`via`) reconnects for it where ioredis would have for the plain
+ * script's reply (`reconnectOnSlotError`: a READONLY).
  */
-export function slotError(slot: unknown): Error | null {
-  return Array.isArray(slot) && slot[0] === BATCH_ERROR ? new ReplyError(String(slot[1])) : null;
+export function slotError(slot: unknown, via: RedisConnection): Error | null {
+  if (!Array.isArray(slot) || slot[0] !== BATCH_ERROR) return null;
+  const err: Error = new ReplyError(String(slot[1]));
+  reconnectOnSlotError(via, err);
+  return err;
 }
 
 /**

@@ -1,2 +1,4 @@
+export * from "./failover.ts";
 export * from "./redis-cluster.ts";
 export * from "./sandbox-entry.ts";
+export * from "./tcp-proxy.ts";

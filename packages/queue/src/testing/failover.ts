@@ -1,0 +1,48 @@
+import type { Redis } from "ioredis";
+import type { TcpProxy } from "./tcp-proxy.ts";
+
+async function poll(what: string, check: () => Promise<boolean>, timeoutMs = 20_000): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!(await check())) {
+    if (Date.now() > end) throw new Error(`timed out waiting until ${what}`);
+    await new Promise((r) => setTimeout(r, 20));
+  }
+}
+
+function field(info: string, name: string): string | undefined {
+  return new RegExp(`^${name}:(\\S+)`, "m").exec(info)?.[1];
+}
+
+/** `redis-server` arguments for a master a test's replica syncs from: the first sync at once, not 5 s later. */
+export const REPLICATION_ARGS = ["--repl-diskless-sync-delay", "0"] as const;
+
+/** Make `replica` (an admin connection to it) a replica of the Redis on loopback `masterPort`, in sync. */
+export async function replicate(replica: Redis, masterPort: number): Promise<void> {
+  await replica.call("REPLICAOF", "127.0.0.1", String(masterPort));
+  await poll(
+    `the replica's link to port ${masterPort} is up`,
+    async () => field(await replica.info("replication"), "master_link_status") === "up",
+  );
+}
+
+/**
+ * A manual failover from the master `from` to its replica `to` (admin connections to each), as a
+ * managed Redis does one: writes paused on `from` until `to` has every one of them, `to`
+ * promoted, the name clients use (`proxy`) moved to `to`, and `from` made `to`'s replica. Clients
+ * connected before stay connected to `from`: their writes get `READONLY` from now on.
+ */
+export async function failOver(from: Redis, to: Redis, toPort: number, proxy: TcpProxy): Promise<void> {
+  await from.call("CLIENT", "PAUSE", "10000", "WRITE");
+  try {
+    const offset = field(await from.info("replication"), "master_repl_offset");
+    await poll(
+      "the replica has every write",
+      async () => field(await to.info("replication"), "master_repl_offset") === offset,
+    );
+    await to.call("REPLICAOF", "NO", "ONE");
+    proxy.retarget(toPort);
+    await from.call("REPLICAOF", "127.0.0.1", String(toPort));
+  } finally {
+    await from.call("CLIENT", "UNPAUSE");
+  }
+}
