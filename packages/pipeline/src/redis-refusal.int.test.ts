@@ -159,6 +159,9 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
           failureKind: "provider_unavailable",
           stage: "seed",
         });
+        expect(result!.reason).toMatch(
+          /^the seed job's last attempt was refused by the fleet's Redis and not held for it \(held 30 times already, /,
+        );
         expect(blips).toBe(1);
       }
       expect(Number(await fleet.redis.hget(seedJob, "atm"))).toBe(SEED_ATTEMPTS);

@@ -274,7 +274,8 @@ export function createStageWorkers(
       const lastAttemptUnhandled =
         err.name !== "UnrecoverableError" && job.attemptsMade >= (job.opts.attempts ?? 1);
       if (!BULLMQ_OWN_FAILURES.has(err.message) && !lastAttemptUnhandled) return;
-      void closeAfterBullmqFailureRetrying(deps, stage, job, err.message, () => closing).catch((e: unknown) =>
+      const reason = bullmqFailureReason(stage, err);
+      void closeAfterBullmqFailureRetrying(deps, stage, job, reason, () => closing).catch((e: unknown) =>
         deps.logger.error(
           { stage, rolloutId: job.data?.rolloutId, err: String(e) },
           "could not close a rollout whose job BullMQ failed; the watchdog will",
@@ -761,6 +762,23 @@ const BULLMQ_OWN_FAILURES = new Set([
   "job started more than allowable limit",
 ]);
 
+/**
+ * Why a rollout is masked when BullMQ failed its stage job for good without the stage runner
+ * deciding it: BullMQ's own failure (its workers kept dying on it), a last attempt that Redis
+ * refused and that was not held (past `MAX_REDIS_HOLDS`, or its move back failed too: out of
+ * reach, or the lock lapsed; BullMQ's retry instead, and none was left), or a last attempt that
+ * failed before its stage began.
+ */
+export function bullmqFailureReason(stage: StageName, err: Error): string {
+  if (BULLMQ_OWN_FAILURES.has(err.message)) {
+    return `the ${stage} job failed in BullMQ: ${err.message} (its workers kept dying on it)`;
+  }
+  if (isRedisHold(err) || (err.name !== "UnrecoverableError" && isRedisRefusal(err))) {
+    return `the ${stage} job's last attempt was refused by the fleet's Redis and not held for it (held ${MAX_REDIS_HOLDS} times already, or the move back failed): ${err.message}`;
+  }
+  return `the ${stage} job's last attempt failed before its stage began: ${err.message}`;
+}
+
 async function closeAfterBullmqFailure(
   deps: PipelineDeps,
   stage: StageName,
@@ -806,11 +824,7 @@ async function closeAfterBullmqFailure(
         terminal: true,
         failureKind: "provider_unavailable",
         mask: true,
-        reason: capText(
-          BULLMQ_OWN_FAILURES.has(reason)
-            ? `the ${stage} job failed in BullMQ: ${reason} (its workers kept dying on it)`
-            : `the ${stage} job's last attempt failed before its stage began: ${reason}`,
-        ),
+        reason: capText(reason),
         at: clock(deps),
       },
       { beforeDecided: true },
