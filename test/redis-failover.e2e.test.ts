@@ -1,0 +1,142 @@
+import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { RolloutResult, TaskContent } from "@fleet/contracts";
+import { LocalRedisServer, RolloutStore } from "@fleet/queue";
+import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "@fleet/queue/testing";
+import { DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
+import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
+
+const TERMINAL = ["completed", "masked", "failed", "cancelled"];
+
+/**
+ * A managed Redis's failover, as the apps meet it: two Redis servers of the test's own (B a
+ * replica of A) behind one name (a TCP forwarder standing for a DNS name or a provider's
+ * endpoint), the dispatcher, the three stage workers and the janitor as separate processes on
+ * that name. Mid-run the name moves to B and A becomes B's replica; every connection the apps
+ * hold stays on A, where each write is refused (READONLY).
+ */
+describe("the fleet's processes through a failover of their Redis", () => {
+  const dir = mkdtempSync(join(tmpdir(), "fleet-failover-e2e-"));
+  const prefix = testPrefix("failover");
+  const servers: LocalRedisServer[] = [];
+  const admins: Redis[] = [];
+  const ids: string[] = [];
+  let proxy: TcpProxy | null = null;
+  let fleet: FleetProcesses | null = null;
+  let suite: TaskContent[];
+
+  beforeAll(async () => {
+    suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    for (const name of ["a", "b"]) {
+      mkdirSync(join(dir, name));
+      servers.push(await LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS }));
+    }
+    admins.push(...servers.map((s) => new Redis(s.url)));
+    await replicate(admins[1]!, servers[0]!.port);
+    proxy = await TcpProxy.start(servers[0]!.port);
+    fleet = await FleetProcesses.start({
+      redisUrl: proxy.url,
+      prefix,
+      logDir: join(dir, "logs"),
+      env: { FLEET_JANITOR_INTERVAL_MS: "2000" },
+    });
+  }, 180_000);
+
+  afterAll(async () => {
+    await fleet?.stop();
+    for (const a of admins) a.disconnect();
+    await proxy?.close();
+    for (const s of servers) await s.kill();
+    const left = await containersOf(ids);
+    // Counted, then swept: a failed run must not leave its sandboxes to the next.
+    const docker = new DockerSandboxProvider();
+    for (const s of await docker.list()) {
+      if (ids.includes(s.labels[LABEL_ROLLOUT] ?? "")) await docker.destroy(s.handle).catch(() => undefined);
+    }
+    rmSync(dir, { recursive: true, force: true });
+    expect(left).toBe(0);
+  });
+
+  const api = async (method: string, path: string, body?: unknown) => {
+    const res = await fetch(`${fleet!.url}${path}`, {
+      method,
+      headers: {
+        authorization: `Bearer ${fleet!.token}`,
+        ...(body === undefined ? {} : { "content-type": "application/json" }),
+      },
+      body: body === undefined ? undefined : JSON.stringify(body),
+    });
+    const text = await res.text();
+    return { status: res.status, body: text ? (JSON.parse(text) as Record<string, unknown>) : null };
+  };
+  const request = () => ({
+    task: { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE },
+    agent: { harness: "oracle" },
+  });
+
+  it("rollouts in flight at the failover complete once, on the new master; the dispatcher admits again after a 503 or so", async () => {
+    const [adminA, adminB] = admins as [Redis, Redis];
+    const batch = await api("POST", "/v1/batches", { rollouts: Array.from({ length: 6 }, request) });
+    expect(batch.status).toBe(202);
+    ids.push(...(batch.body!.rolloutIds as string[]));
+    // Some have begun (a seed's receipt stored): the master is demoted mid-run.
+    await waitFor("a rollout past admission", async () => {
+      for (const id of ids) {
+        const r = await api("GET", `/v1/rollouts/${id}`);
+        if (r.body?.status !== "accepted") return true;
+      }
+      return false;
+    });
+    await failOver(adminA, adminB, servers[1]!.port, proxy!);
+    const failedOverAt = Date.now();
+
+    // A new rollout: refused while the dispatcher's connection is still on A (503, try again),
+    // then admitted on B.
+    const statuses: number[] = [];
+    const late = await waitFor(
+      "the dispatcher to admit a rollout again",
+      async () => {
+        const r = await api("POST", "/v1/rollouts", request());
+        statuses.push(r.status);
+        if (r.status === 202) return r.body!.id as string;
+        expect(r.status).toBe(503);
+        return null;
+      },
+      30_000,
+      100,
+    );
+    ids.push(late);
+
+    const results = await Promise.all(
+      ids.map((id) =>
+        waitFor(
+          `the result of ${id}`,
+          async () => {
+            const r = await api("GET", `/v1/rollouts/${id}`);
+            return TERMINAL.includes(String(r.body?.status)) ? (r.body as unknown as RolloutResult) : null;
+          },
+          120_000,
+        ),
+      ),
+    );
+    expect(results.map((r) => [r.status, r.reward, r.teardown])).toEqual(
+      ids.map(() => ["completed", 1, "confirmed"]),
+    );
+    // On B, the master now, each ended once with no failure noted; A still answers as its replica.
+    const onB = new RolloutStore(adminB, prefix);
+    for (const id of ids) {
+      const record = await onB.get(id);
+      expect(record?.status).toBe("completed");
+      expect(record?.failure).toBeNull();
+    }
+    expect(/^role:slave/m.test(await adminA.info("replication"))).toBe(true);
+    console.log(
+      `[failover] ${ids.length} rollouts completed; dispatcher answers before its first 202: ${statuses.join(",")}; last result ${((Date.now() - failedOverAt) / 1000).toFixed(1)} s after the failover`,
+    );
+  }, 240_000);
+});
