@@ -93,6 +93,20 @@ try {
   console.log(`  stage jobs retried (an attempt spent) ${count("retry")}`);
   console.log(`  last result, after Redis took writes  ${(lastMs / 1000).toFixed(1)} s`);
   console.log(`  commands Redis ran while full, a second ${(whileFull / (FULL_MS / 1000)).toFixed(0)}`);
+  // Why attempts were spent: BullMQ keeps a job's last failure (`failedReason`) after it retried
+  // and completed (finished jobs are trimmed past 10,000 a queue, more than this drill makes).
+  const reasons = new Map<string, number>();
+  for (const key of await admin.keys(`${fleet.prefix}:*`)) {
+    const m = /:(seed|run|verify|close):[^:]+$/.exec(key);
+    if (!m || (await admin.type(key)) !== "hash") continue;
+    const reason = await admin.hget(key, "failedReason");
+    if (!reason) continue;
+    const k = `${m[1]}: ${reason.slice(0, 160)}`;
+    reasons.set(k, (reasons.get(k) ?? 0) + 1);
+  }
+  if (reasons.size > 0) console.log("  stage jobs with a failure kept (their last), by stage and reason:");
+  for (const [k, n] of [...reasons].sort((a, b) => b[1] - a[1]))
+    console.log(`    ${String(n).padStart(4)}  ${k}`);
 } finally {
   await admin.config("SET", "maxmemory", "0").catch(() => undefined);
   await fleet.close();
