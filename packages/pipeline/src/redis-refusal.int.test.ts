@@ -122,19 +122,27 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
   });
 
   it.each([
-    ["holds it: not spent, the rollout completes", 0],
+    ["holds it: not spent, the rollout completes", 0, 0],
     [
       `spends it once the job had ${MAX_REDIS_HOLDS} deliveries that spent none: the rollout ends masked`,
       MAX_REDIS_HOLDS,
+      0,
+    ],
+    [
+      `holds it after ${MAX_REDIS_HOLDS + 20} deliveries that spent none, 30 of them hand-backs (a seed that waited for the seed-ahead bound): the rollout completes`,
+      MAX_REDIS_HOLDS + 20,
+      30,
     ],
   ] as const)(
     "a last attempt whose begin hit a connection blip (back by the move): %s",
-    async (_what, spentNone) => {
+    async (_what, spentNone, handBacks) => {
       const { fleet, ids } = await submitted(1, new InMemorySandboxProvider(), undefined, true);
       const id = ids[0]!;
       const seedJob = seedJobKey(fleet, id);
-      // Deliveries that spent no attempt (BullMQ counts every delivery in `ats`, attempts in `atm`).
+      // Deliveries that spent no attempt (BullMQ counts every delivery in `ats`, attempts in `atm`),
+      // and those of them that were hand-backs (counted in the job's progress).
       await fleet.redis.hset(seedJob, "ats", String(SEED_ATTEMPTS - 1 + spentNone));
+      if (handBacks > 0) await fleet.redis.hset(seedJob, "progress", JSON.stringify({ handBacks }));
       const store = fleet.deps.store;
       let blips = 0;
       const blipping = Object.assign(Object.create(store) as typeof store, {
@@ -149,7 +157,7 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
         { connection: fleet.redis, prefix: fleet.prefix, concurrency: 1, supervise: false },
       );
       const [result] = await fleet.waitForResults([id], 30_000);
-      if (spentNone === 0) {
+      if (spentNone - handBacks <= MAX_REDIS_HOLDS - 1) {
         expect(result).toMatchObject({ status: "completed", reward: 1 });
         expect(blips).toBe(2);
         expect(await fleet.deps.store.failureLog(id)).toEqual([]);

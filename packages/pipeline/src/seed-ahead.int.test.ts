@@ -7,7 +7,7 @@ import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
-import { createStageWorkers, type SeedAheadOptions, type StageWorkers } from "./worker.ts";
+import { createStageWorkers, handBacksOf, type SeedAheadOptions, type StageWorkers } from "./worker.ts";
 
 describe("the seed-ahead bound", () => {
   let fleet: InProcessFleet | undefined;
@@ -232,6 +232,10 @@ describe("the seed-ahead bound", () => {
     const jobs = await seed.getJobs(["wait", "active"]);
     expect(jobs).toHaveLength(6);
     expect(jobs.map((j) => j.attemptsMade)).toEqual(Array(6).fill(0));
+    // Each hand-back counted on its job (so its deliveries are not taken for Redis holds).
+    const handBacks = jobs.map((j) => handBacksOf(j));
+    expect(handBacks.reduce((a, b) => a + b, 0)).toBeGreaterThanOrEqual(3);
+    for (const j of jobs) expect(j.attemptsStarted - j.attemptsMade).toBeGreaterThanOrEqual(handBacksOf(j));
     // Counted as such (not as a stage's outcome, and not without a trace).
     const counted = await registry.getSingleMetricAsString("fleet_stage_jobs_total");
     expect(Number(counted.match(/stage="seed",outcome="requeued"[^}]*\} (\d+)/)?.[1])).toBeGreaterThanOrEqual(

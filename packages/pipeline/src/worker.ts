@@ -165,7 +165,10 @@ export function createStageWorkers(
         } catch (err) {
           if (isHandBack(err) && token) {
             // Shutting down (or a seed that waited long for the seed-ahead bound): back to the
-            // queue for another worker, without spending an attempt.
+            // queue for another worker, without spending an attempt. Counted on the job first
+            // (`handBacksOf`), so that its deliveries are not taken for Redis holds; a count
+            // that fails leaves the hand-back to go on (the move says whether Redis takes it).
+            await job.updateProgress({ handBacks: handBacksOf(job) + 1 }).catch(() => undefined);
             await job.moveToWait(token).catch((moveErr: unknown) => {
               // Refused (the lock lapsed or another worker holds the job) or Redis unreachable:
               // the job stays active until a stalled check takes it back. Said here: BullMQ
@@ -189,10 +192,12 @@ export function createStageWorkers(
           if (
             token &&
             (isRedisHold(err) || ((err as Error).name !== "UnrecoverableError" && isRedisRefusal(err))) &&
-            // Each hold is a delivery that spent no attempt: past MAX_REDIS_HOLDS of them (a
-            // Redis at its memory's edge, taking the begin and refusing the receipt, would run
-            // the agent again every hold until the deadline), attempts are spent as before.
-            job.attemptsStarted - job.attemptsMade <= MAX_REDIS_HOLDS
+            // Each hold is a delivery that spent no attempt and was not handed back: past
+            // MAX_REDIS_HOLDS of them (a Redis at its memory's edge, taking the begin and refusing
+            // the receipt, would run the agent again every hold until the deadline), attempts are
+            // spent as before. (A seed waiting for the seed-ahead bound is handed back every 10 s:
+            // those deliveries are not holds.)
+            job.attemptsStarted - job.attemptsMade - handBacksOf(job) <= MAX_REDIS_HOLDS
           ) {
             // Redis refused the stage (full under noeviction, read-only after a failover): back
             // to the queue, delayed, without spending an attempt. Moving the job is a write too,
@@ -761,6 +766,17 @@ const BULLMQ_OWN_FAILURES = new Set([
   "job stalled more than allowable limit",
   "job started more than allowable limit",
 ]);
+
+/**
+ * How many times a job was handed back to its queue without an attempt spent (shutdown, the
+ * seed-ahead bound's wait): kept in its BullMQ `progress` as `{ handBacks }`, which the fleet
+ * uses for nothing else (Bull Board shows it). 0 for any other progress.
+ */
+export function handBacksOf(job: Pick<Job, "progress">): number {
+  const p = job.progress;
+  const n = typeof p === "object" && p !== null ? (p as { handBacks?: unknown }).handBacks : undefined;
+  return typeof n === "number" && Number.isInteger(n) && n > 0 ? n : 0;
+}
 
 /**
  * Why a rollout is masked when BullMQ failed its stage job for good without the stage runner
