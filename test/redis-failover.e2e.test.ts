@@ -135,6 +135,14 @@ describe("the fleet's processes through a failover of their Redis", () => {
       expect(record?.failure).toBeNull();
     }
     expect(/^role:slave/m.test(await adminA.info("replication"))).toBe(true);
+    // The janitor, which no rollout needed meanwhile, ticks on B too (its job scheduler's ticks,
+    // each a job its worker completes).
+    await waitFor(
+      "a janitor tick completed on the new master",
+      async () =>
+        (await adminB.zrangebyscore(`${prefix}:janitor:completed`, failedOverAt, "+inf")).length > 0,
+      30_000,
+    );
     console.log(
       `[failover] ${ids.length} rollouts completed; dispatcher answers before its first 202: ${statuses.join(",")}; last result ${((Date.now() - failedOverAt) / 1000).toFixed(1)} s after the failover`,
     );
