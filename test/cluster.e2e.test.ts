@@ -8,6 +8,7 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import type { Cluster } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
+import { callApi } from "./helpers/api.ts";
 import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
 
 /**
@@ -22,18 +23,8 @@ describe("the fleet as separate processes on a Redis Cluster", () => {
   let suite: TaskContent[];
   const ids: string[] = [];
 
-  const api = async (method: string, path: string, body?: unknown) => {
-    const res = await fetch(`${fleet!.url}${path}`, {
-      method,
-      headers: {
-        authorization: `Bearer ${fleet!.token}`,
-        ...(body === undefined ? {} : { "content-type": "application/json" }),
-      },
-      body: body === undefined ? undefined : JSON.stringify(body),
-    });
-    const text = await res.text();
-    return { status: res.status, body: text ? (JSON.parse(text) as Record<string, unknown>) : null };
-  };
+  const api = (method: string, path: string, body?: unknown, headers?: Record<string, string>) =>
+    callApi(fleet!, method, path, body, headers);
 
   beforeAll(async () => {
     suite = await loadSuite(EXAMPLE_SUITE_DIR);

@@ -6,6 +6,7 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
+import { callApi } from "./helpers/api.ts";
 import { containersOf, dropPrefix, IMAGE, REDIS_URL, testPrefix, waitFor } from "./helpers/env.ts";
 
 /** A value that must never be stored anywhere (DESIGN §2 rule 8). */
@@ -18,19 +19,8 @@ describe("the whole fleet as separate processes", () => {
   let suite: TaskContent[];
   const ids: string[] = [];
 
-  const api = async (method: string, path: string, body?: unknown, headers: Record<string, string> = {}) => {
-    const res = await fetch(`${fleet.url}${path}`, {
-      method,
-      headers: {
-        authorization: `Bearer ${fleet.token}`,
-        ...(body === undefined ? {} : { "content-type": "application/json" }),
-        ...headers,
-      },
-      body: body === undefined ? undefined : JSON.stringify(body),
-    });
-    const text = await res.text();
-    return { status: res.status, body: text ? (JSON.parse(text) as Record<string, unknown>) : null };
-  };
+  const api = (method: string, path: string, body?: unknown, headers?: Record<string, string>) =>
+    callApi(fleet!, method, path, body, headers);
   const task = (id: string) => ({ ...suite.find((t) => t.id === id)!, image: IMAGE });
   const result = async (id: string) =>
     waitFor(`result of ${id}`, async () => {

@@ -1,14 +1,14 @@
-import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
-import { LocalRedisServer, RolloutStore } from "@fleet/queue";
-import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "@fleet/queue/testing";
+import { RolloutStore } from "@fleet/queue";
+import { FailoverPair } from "@fleet/queue/testing";
 import { DockerSandboxProvider, LABEL_ROLLOUT } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
-import { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
+import { callApi } from "./helpers/api.ts";
 import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
 
 const TERMINAL = ["completed", "masked", "failed", "cancelled"];
@@ -21,66 +21,46 @@ const TERMINAL = ["completed", "masked", "failed", "cancelled"];
  * hold stays on A, where each write is refused (READONLY).
  */
 describe("the fleet's processes through a failover of their Redis", () => {
-  const dir = mkdtempSync(join(tmpdir(), "fleet-failover-e2e-"));
+  const logDir = mkdtempSync(join(tmpdir(), "fleet-failover-e2e-"));
   const prefix = testPrefix("failover");
-  const servers: LocalRedisServer[] = [];
-  const admins: Redis[] = [];
   const ids: string[] = [];
-  let proxy: TcpProxy | null = null;
+  let pair: FailoverPair | null = null;
   let fleet: FleetProcesses | null = null;
   let suite: TaskContent[];
 
   beforeAll(async () => {
     suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    for (const name of ["a", "b"]) {
-      mkdirSync(join(dir, name));
-      servers.push(await LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS }));
-    }
-    admins.push(...servers.map((s) => new Redis(s.url)));
-    await replicate(admins[1]!, servers[0]!.port);
-    proxy = await TcpProxy.start(servers[0]!.port);
+    pair = await FailoverPair.start();
     fleet = await FleetProcesses.start({
-      redisUrl: proxy.url,
+      redisUrl: pair.url,
       prefix,
-      logDir: join(dir, "logs"),
+      logDir,
       env: { FLEET_JANITOR_INTERVAL_MS: "2000" },
     });
   }, 180_000);
 
   afterAll(async () => {
     await fleet?.stop();
-    for (const a of admins) a.disconnect();
-    await proxy?.close();
-    for (const s of servers) await s.kill();
+    await pair?.stop();
     const left = await containersOf(ids);
     // Counted, then swept: a failed run must not leave its sandboxes to the next.
     const docker = new DockerSandboxProvider();
     for (const s of await docker.list()) {
       if (ids.includes(s.labels[LABEL_ROLLOUT] ?? "")) await docker.destroy(s.handle).catch(() => undefined);
     }
-    rmSync(dir, { recursive: true, force: true });
+    rmSync(logDir, { recursive: true, force: true });
     expect(left).toBe(0);
   });
 
-  const api = async (method: string, path: string, body?: unknown) => {
-    const res = await fetch(`${fleet!.url}${path}`, {
-      method,
-      headers: {
-        authorization: `Bearer ${fleet!.token}`,
-        ...(body === undefined ? {} : { "content-type": "application/json" }),
-      },
-      body: body === undefined ? undefined : JSON.stringify(body),
-    });
-    const text = await res.text();
-    return { status: res.status, body: text ? (JSON.parse(text) as Record<string, unknown>) : null };
-  };
+  const api = (method: string, path: string, body?: unknown, headers?: Record<string, string>) =>
+    callApi(fleet!, method, path, body, headers);
   const request = () => ({
     task: { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE },
     agent: { harness: "oracle" },
   });
 
   it("rollouts in flight at the failover complete once, on the new master; the dispatcher admits again after a 503 or so", async () => {
-    const [adminA, adminB] = admins as [Redis, Redis];
+    const { adminA, adminB } = pair!;
     const batch = await api("POST", "/v1/batches", { rollouts: Array.from({ length: 6 }, request) });
     expect(batch.status).toBe(202);
     ids.push(...(batch.body!.rolloutIds as string[]));
@@ -92,7 +72,7 @@ describe("the fleet's processes through a failover of their Redis", () => {
       }
       return false;
     });
-    await failOver(adminA, adminB, servers[1]!.port, proxy!);
+    await pair!.failOver();
     const failedOverAt = Date.now();
 
     // A new rollout: refused while the dispatcher's connection is still on A (503, try again),

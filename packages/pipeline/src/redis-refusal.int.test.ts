@@ -1,9 +1,9 @@
-import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest, type SandboxSpecInput } from "@fleet/contracts";
 import { LocalRedisServer, RolloutStore, STAGE_CATALOG, STAGES, stageJobId } from "@fleet/queue";
-import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "@fleet/queue/testing";
+import { FailoverPair } from "@fleet/queue/testing";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createLogger } from "@fleet/telemetry";
@@ -208,44 +208,27 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
 // Two Redis servers of the test's own, B a replica of A, and the fleet's URL a name (a TCP
 // forwarder) that a failover moves from A to B, as a managed Redis's endpoint or a DNS name does.
 describe("a failover of the fleet's Redis behind its URL's name", () => {
-  let dir = "";
-  const servers: LocalRedisServer[] = [];
-  const admins: Redis[] = [];
-  let proxy: TcpProxy | null = null;
+  let pair: FailoverPair | null = null;
   let fleet: InProcessFleet | null = null;
-  beforeEach(() => {
-    dir = mkdtempSync(join(tmpdir(), "fleet-failover-"));
-  });
   afterEach(async () => {
     await fleet?.close();
-    fleet = null;
-    for (const a of admins.splice(0)) a.disconnect();
-    await proxy?.close();
-    proxy = null;
-    for (const s of servers.splice(0)) await s.kill();
-    rmSync(dir, { recursive: true, force: true });
+    await pair?.stop();
+    [fleet, pair] = [null, null];
   });
 
   it("rollouts in flight when the master is demoted complete on the new one: the workers' connections, left on the old master and refused (READONLY), reconnect through the name", async () => {
-    for (const name of ["a", "b"]) {
-      mkdirSync(join(dir, name));
-      servers.push(await LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS }));
-    }
-    const [a, b] = servers as [LocalRedisServer, LocalRedisServer];
-    const [adminA, adminB] = [new Redis(a.url), new Redis(b.url)];
-    admins.push(adminA, adminB);
-    await replicate(adminB, a.port);
-    proxy = await TcpProxy.start(a.port);
+    pair = await FailoverPair.start();
+    const { adminA, adminB } = pair;
 
     const provider = new GatedProvider();
-    fleet = await startInProcessFleet({ provider, redisUrl: proxy.url, deps: NO_OP_AGENT_AND_VERIFIER });
+    fleet = await startInProcessFleet({ provider, redisUrl: pair.url, deps: NO_OP_AGENT_AND_VERIFIER });
     const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
     const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
     const ids = await fleet.submit(Array.from({ length: 4 }, () => request));
     // Seeds have begun on A (their intents stored) and are creating sandboxes: A is demoted now,
     // so their receipts, and every write after, meet a read-only replica.
     await provider.entered.opened;
-    await failOver(adminA, adminB, b.port, proxy);
+    await pair.failOver();
     expect(await adminA.set(`${fleet.prefix}:probe`, "x").catch((e: Error) => e.message)).toMatch(
       /^READONLY /,
     );

@@ -8,7 +8,7 @@ import { MAX_BATCH, ScriptBatcher } from "./batcher.ts";
 import { coalesceWrites, createRedis, isRedisUnavailable } from "./connection.ts";
 import { createKeys } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
-import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "./testing/index.ts";
+import { FailoverPair, REPLICATION_ARGS } from "./testing/index.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 const prefix = `{t-batch-${Math.random().toString(36).slice(2, 8)}}`;
@@ -109,16 +109,10 @@ describe("ScriptBatcher", () => {
   });
 
   it("a batched item's READONLY makes its connection reconnect, as the plain script's reply does: a connection left on a demoted master finds the new one behind the URL's name", async () => {
-    const dirs = ["a", "b"].map(() => mkdtempSync(join(tmpdir(), "redis-")));
-    const servers = await Promise.all(
-      dirs.map((dir) => LocalRedisServer.start({ dir, args: REPLICATION_ARGS })),
-    );
-    const [a, b] = servers as [LocalRedisServer, LocalRedisServer];
-    const [adminA, adminB] = [new Redis(a.url), new Redis(b.url)];
-    const proxy = await TcpProxy.start(a.port);
-    const c = createRedis(proxy.url);
+    const pair = await FailoverPair.start();
+    const { adminA, adminB } = pair;
+    const c = createRedis(pair.url);
     try {
-      await replicate(adminB, a.port);
       const ids = ["f1", "f2"];
       for (const id of ids) {
         await adminA.hset(keys.rollout(id), "meta", "{}", "status", "accepted", "stage", "admission");
@@ -127,7 +121,7 @@ describe("ScriptBatcher", () => {
       const both = () =>
         Promise.allSettled(ids.map((id) => batcher.call("fleetReceipt", ...receiptCall(id, "{}"))));
       await c.ping();
-      await failOver(adminA, adminB, b.port, proxy);
+      await pair.failOver();
       const reconnected = new Promise((resolve) => c.once("reconnecting", resolve));
       // Refused inside the batched script's pcall, never as a reply ioredis sees.
       const refused = await both();
@@ -141,11 +135,7 @@ describe("ScriptBatcher", () => {
       for (const id of ids) expect(await adminB.hget(keys.rollout(id), "r:seed")).toBe("{}");
     } finally {
       c.disconnect();
-      adminA.disconnect();
-      adminB.disconnect();
-      await proxy.close();
-      for (const s of servers) await s.kill();
-      for (const dir of dirs) rmSync(dir, { recursive: true, force: true });
+      await pair.stop();
     }
   });
 

@@ -1,11 +1,11 @@
-import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { Redis } from "ioredis";
+import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { createRedis, failFastOnceReady, logConnectionOutages } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
-import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "./testing/index.ts";
+import { FailoverPair } from "./testing/index.ts";
 
 describe("logConnectionOutages", () => {
   let server: LocalRedisServer | null = null;
@@ -104,53 +104,39 @@ describe("failFastOnceReady", () => {
 });
 
 describe("a failover behind the Redis URL's name", () => {
-  const dir = mkdtempSync(join(tmpdir(), "fleet-failover-"));
-  const servers: LocalRedisServer[] = [];
-  const clients: Redis[] = [];
-  let proxy: TcpProxy | null = null;
+  let pair: FailoverPair | null = null;
+  let redis: Redis | null = null;
   afterEach(async () => {
-    for (const c of clients.splice(0)) c.disconnect();
-    await proxy?.close();
-    proxy = null;
-    for (const s of servers.splice(0)) await s.kill();
-    rmSync(dir, { recursive: true, force: true });
+    redis?.disconnect();
+    await pair?.stop();
+    [pair, redis] = [null, null];
   });
 
   it("a connection left on the demoted master reconnects at its first READONLY, and its next write reaches the new master", async () => {
-    const [a, b] = await Promise.all(
-      ["a", "b"].map((name) => {
-        mkdirSync(join(dir, name), { recursive: true });
-        return LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS });
-      }),
-    );
-    servers.push(a!, b!);
-    const [adminA, adminB] = [new Redis(a!.url), new Redis(b!.url)];
-    clients.push(adminA, adminB);
-    await replicate(adminB, a!.port);
-    proxy = await TcpProxy.start(a!.port);
-    const redis = createRedis(proxy.url);
-    clients.push(redis);
-    redis.on("error", () => undefined);
-    await redis.set("k", "before");
+    pair = await FailoverPair.start();
+    const conn = createRedis(pair.url);
+    redis = conn;
+    conn.on("error", () => undefined);
+    await conn.set("k", "before");
 
-    await failOver(adminA, adminB, b!.port, proxy);
+    await pair.failOver();
     // Its TCP connection still goes to the old master, a replica now: the write is refused, as
     // a write Redis refuses is (the caller holds or retries it), not resent...
-    await expect(redis.set("k", "after")).rejects.toThrow(/^READONLY /);
+    await expect(conn.set("k", "after")).rejects.toThrow(/^READONLY /);
     // ...and the connection is made again, through the name: to the new master.
     let refusals = 0;
     for (;;) {
       try {
-        await redis.set("k", "after");
+        await conn.set("k", "after");
         break;
       } catch (err) {
         if (!/^READONLY /.test((err as Error).message) || ++refusals > 100) throw err;
         await new Promise((r) => setTimeout(r, 20));
       }
     }
-    expect(await adminB.get("k")).toBe("after");
+    expect(await pair.adminB.get("k")).toBe("after");
     // B is the master now: the write went there, not to a stale copy.
-    expect(field(await adminB.info("replication"), "role")).toBe("master");
+    expect(field(await pair.adminB.info("replication"), "role")).toBe("master");
   });
 });
 

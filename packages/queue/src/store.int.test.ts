@@ -25,7 +25,7 @@ import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
 import { sandboxKey, TeardownLedger, teardownBackoffMs } from "./teardown-ledger.ts";
-import { failOver, REPLICATION_ARGS, replicate, TcpProxy } from "./testing/index.ts";
+import { FailoverPair } from "./testing/index.ts";
 import { sandboxEntry } from "./testing/sandbox-entry.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
@@ -1812,22 +1812,15 @@ describe("rollout store", () => {
   });
 
   it("an admission on a connection left on a demoted master is refused once (READONLY, 503), and the next reaches the new master behind the URL's name: the refusal, caught per rollout inside fleetAdmit, still makes the connection reconnect", async () => {
-    const dirs = ["a", "b"].map(() => mkdtempSync(join(tmpdir(), "redis-")));
-    const servers = await Promise.all(
-      dirs.map((dir) => LocalRedisServer.start({ dir, args: REPLICATION_ARGS })),
-    );
-    const [a, b] = servers as [LocalRedisServer, LocalRedisServer];
-    const [adminA, adminB] = [createRedis(a.url), createRedis(b.url)];
-    const proxy = await TcpProxy.start(a.port);
-    const r = createRedis(proxy.url);
+    const pair = await FailoverPair.start();
+    const r = createRedis(pair.url);
     try {
-      await replicate(adminB, a.port);
       const own = new RolloutStore(r, prefix);
       const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
       const ids = rolloutIds(1, null, "failover");
       const metas = await prepareRollouts(own, [request], ids, null, { maxTaskBytes: 1e6 });
       await r.ping();
-      await failOver(adminA, adminB, b.port, proxy);
+      await pair.failOver();
       const refused = await own.admit(metas, Date.now()).then(
         () => null,
         (e: unknown) => e,
@@ -1845,11 +1838,10 @@ describe("rollout store", () => {
           await new Promise((resolve) => setTimeout(resolve, 20));
         }
       }
-      expect((await new RolloutStore(adminB, prefix).get(ids[0]!))?.status).toBe("accepted");
+      expect((await new RolloutStore(pair.adminB, prefix).get(ids[0]!))?.status).toBe("accepted");
     } finally {
-      for (const c of [r, adminA, adminB]) c.disconnect();
-      await proxy.close();
-      for (const s of servers) await s.kill();
+      r.disconnect();
+      await pair.stop();
     }
   });
 

@@ -1,5 +1,9 @@
-import type { Redis } from "ioredis";
-import type { TcpProxy } from "./tcp-proxy.ts";
+import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { Redis } from "ioredis";
+import { LocalRedisServer } from "../local-redis.ts";
+import { TcpProxy } from "./tcp-proxy.ts";
 
 async function poll(what: string, check: () => Promise<boolean>, timeoutMs = 20_000): Promise<void> {
   const end = Date.now() + timeoutMs;
@@ -44,5 +48,51 @@ export async function failOver(from: Redis, to: Redis, toPort: number, proxy: Tc
     await from.call("REPLICAOF", "127.0.0.1", String(toPort));
   } finally {
     await from.call("CLIENT", "UNPAUSE");
+  }
+}
+
+/**
+ * Two Redis servers of a test's own behind one name: `a` the master, `b` its replica in sync,
+ * and `proxy` (the name: `url`) leading to `a`; `failOver()` moves the name to `b` and demotes
+ * `a` (see `failOver`). `adminA` and `adminB` are connections of the test's straight to each.
+ */
+export class FailoverPair {
+  private constructor(
+    readonly a: LocalRedisServer,
+    readonly b: LocalRedisServer,
+    readonly adminA: Redis,
+    readonly adminB: Redis,
+    readonly proxy: TcpProxy,
+    private readonly dir: string,
+  ) {}
+
+  static async start(): Promise<FailoverPair> {
+    const dir = mkdtempSync(join(tmpdir(), "fleet-failover-"));
+    const [a, b] = await Promise.all(
+      ["a", "b"].map((name) => {
+        mkdirSync(join(dir, name));
+        return LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS });
+      }),
+    );
+    const [adminA, adminB] = [new Redis(a!.url), new Redis(b!.url)];
+    await replicate(adminB, a!.port);
+    return new FailoverPair(a!, b!, adminA, adminB, await TcpProxy.start(a!.port), dir);
+  }
+
+  /** The name the fleet is given. */
+  get url(): string {
+    return this.proxy.url;
+  }
+
+  failOver(): Promise<void> {
+    return failOver(this.adminA, this.adminB, this.b.port, this.proxy);
+  }
+
+  async stop(): Promise<void> {
+    this.adminA.disconnect();
+    this.adminB.disconnect();
+    await this.proxy.close();
+    await Promise.all([this.a.kill(), this.b.kill()]);
+    rmSync(this.dir, { recursive: true, force: true });
   }
 }
