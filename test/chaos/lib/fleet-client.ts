@@ -1,9 +1,5 @@
+import { type ApiReply, callApi } from "../../helpers/api.ts";
 import { TERMINAL_STATUSES } from "./terminal.ts";
-
-export interface ApiAnswer {
-  status: number;
-  body: Record<string, unknown> | null;
-}
 
 /**
  * A small client for the dispatcher under test that rides out the faults the chaos tests
@@ -21,25 +17,8 @@ export class FleetClient {
     path: string,
     body?: unknown,
     headers: Record<string, string> = {},
-  ): Promise<ApiAnswer> {
-    const res = await fetch(`${this.url}${path}`, {
-      method,
-      headers: {
-        authorization: `Bearer ${this.token}`,
-        ...(body === undefined ? {} : { "content-type": "application/json" }),
-        ...headers,
-      },
-      body: body === undefined ? undefined : JSON.stringify(body),
-      signal: AbortSignal.timeout(30_000),
-    });
-    const text = await res.text();
-    let parsed: Record<string, unknown> | null = null;
-    try {
-      parsed = text ? (JSON.parse(text) as Record<string, unknown>) : null;
-    } catch {
-      parsed = { raw: text };
-    }
-    return { status: res.status, body: parsed };
+  ): Promise<ApiReply> {
+    return callApi({ url: this.url, token: this.token }, method, path, body, headers);
   }
 
   /** `call`, retried (bounded) on network errors and 5xx answers. */
@@ -49,7 +28,7 @@ export class FleetClient {
     body?: unknown,
     headers: Record<string, string> = {},
     timeoutMs = 120_000,
-  ): Promise<ApiAnswer> {
+  ): Promise<ApiReply> {
     const end = Date.now() + timeoutMs;
     let last = "";
     for (let attempt = 0; ; attempt++) {
