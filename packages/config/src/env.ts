@@ -106,20 +106,24 @@ export function urlVar(protocols: readonly string[]) {
 }
 
 /**
- * A Redis URL: `redis://` / `rediss://`, or a Redis Cluster's seed nodes as
- * `redis-cluster://[user:pass@]host:port,host:port` (`rediss-cluster://` for TLS).
+ * A Redis URL: `redis://` / `rediss://`, a Redis Cluster's seed nodes as
+ * `redis-cluster://[user:pass@]host:port,host:port` (`rediss-cluster://` for TLS), or Redis
+ * Sentinels and the name of the master they watch as
+ * `redis-sentinel://[user:pass@]host:port,host:port/mymaster[/db]`.
  */
 export function redisUrlVar() {
   const message =
-    "must be a URL starting with redis:// or rediss:// (or redis-cluster://host:port,host:port)";
+    "must be a URL starting with redis:// or rediss:// (or redis-cluster://host:port,host:port, or redis-sentinel://host:port,host:port/mastername)";
   return z
     .string()
     .trim()
     .refine((s) => {
       const cluster = /^rediss?-cluster:\/\/(?:[^@/]*@)?([^@/?#]+)\/?$/i.exec(s);
+      const sentinel = /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/[^/?#]+(?:\/\d+)?\/?$/i.exec(s);
+      const nodes = (cluster ?? sentinel)?.[1];
       try {
-        if (!cluster) return ["redis:", "rediss:"].includes(new URL(s).protocol);
-        return cluster[1]!.split(",").every((node) => new URL(`redis://${node}`).hostname !== "");
+        if (nodes === undefined) return ["redis:", "rediss:"].includes(new URL(s).protocol);
+        return nodes.split(",").every((node) => new URL(`redis://${node}`).hostname !== "");
       } catch {
         return false;
       }

@@ -105,6 +105,18 @@ describe("DispatcherConfig", () => {
     expect(parseConfig(DispatcherConfig, { FLEET_HTTP_PORT: "", REDIS_URL: "  " }).httpPort).toBe(8080);
   });
 
+  it.each([
+    ["redis-sentinel://s1:26379,s2:26379/mymaster", true],
+    ["redis-sentinel://u:pw@s1/mymaster/2", true],
+    ["redis-sentinel://s1:26379", false], // no master named
+    ["redis-sentinel://s1:26379/m/x", false], // a database that is not a number
+    ["redis-sentinel://s1:26379/m?db=1", false],
+  ])("REDIS_URL %s: accepted %s", (url, ok) => {
+    const parsed = () => parseConfig(DispatcherConfig, { REDIS_URL: url });
+    if (ok) expect(parsed().redisUrl).toBe(url);
+    else expect(errorOf(parsed).message).toContain("or redis-sentinel://host:port,host:port/mastername");
+  });
+
   it("names every bad variable in one error", () => {
     const err = errorOf(() =>
       parseConfig(DispatcherConfig, {

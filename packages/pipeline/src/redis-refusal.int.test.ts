@@ -3,7 +3,7 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest, type SandboxSpecInput } from "@fleet/contracts";
 import { LocalRedisServer, RolloutStore, STAGE_CATALOG, STAGES, stageJobId } from "@fleet/queue";
-import { FailoverPair } from "@fleet/queue/testing";
+import { FailoverPair, LocalSentinel } from "@fleet/queue/testing";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createLogger } from "@fleet/telemetry";
@@ -210,10 +210,40 @@ describe("a Redis that refuses writes (full under noeviction)", () => {
 describe("a failover of the fleet's Redis behind its URL's name", () => {
   let pair: FailoverPair | null = null;
   let fleet: InProcessFleet | null = null;
+  let sentinel: LocalSentinel | null = null;
+  let dir = "";
   afterEach(async () => {
     await fleet?.close();
+    await sentinel?.stop();
     await pair?.stop();
-    [fleet, pair] = [null, null];
+    [fleet, pair, sentinel] = [null, null, null];
+    if (dir) rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("a Redis Sentinel's failover (REDIS_URL=redis-sentinel://…/name): rollouts in flight complete on the master it promoted", async () => {
+    pair = await FailoverPair.start();
+    dir = mkdtempSync(join(tmpdir(), "fleet-sentinel-"));
+    const watching = await LocalSentinel.start(dir, pair.a.port);
+    sentinel = watching;
+    const provider = new GatedProvider();
+    fleet = await startInProcessFleet({ provider, redisUrl: watching.url, deps: NO_OP_AGENT_AND_VERIFIER });
+    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    const ids = await fleet.submit(Array.from({ length: 4 }, () => request));
+    await provider.entered.opened;
+    expect(await watching.failOver()).toBe(pair.b.port);
+    // Until the sentinel demotes A (its next check, within 10 s), A still takes the writes of a
+    // connection not yet moved, and loses them when it resyncs from B (Redis's replication is
+    // asynchronous; `min-replicas-to-write` narrows that window): the seeds go on once it has.
+    const adminA = pair.adminA;
+    await until("A demoted", async () => /^role:slave/m.test(await adminA.info("replication")), 30_000);
+    provider.createGate.open();
+
+    const results = await fleet.waitForResults(ids, 60_000);
+    expect(results.map((r) => [r.status, r.reward])).toEqual(ids.map(() => ["completed", 1]));
+    const onB = new RolloutStore(pair.adminB, fleet.prefix);
+    for (const id of ids) expect((await onB.get(id))?.status).toBe("completed");
+    expect(await provider.list()).toEqual([]);
   });
 
   it("rollouts in flight when the master is demoted complete on the new one: the workers' connections, left on the old master and refused (READONLY), reconnect through the name", async () => {

@@ -1,6 +1,6 @@
 import { ReplyError } from "ioredis";
 import { describe, expect, it } from "vitest";
-import { createRedis, reconnectOnReadOnly } from "./connection.ts";
+import { createRedis, parseSentinelUrl, reconnectOnReadOnly } from "./connection.ts";
 
 describe("reconnectOnReadOnly", () => {
   it.each([
@@ -23,5 +23,45 @@ describe("reconnectOnReadOnly", () => {
     expect(overridden.options.reconnectOnError).toBe(own);
     redis.disconnect();
     overridden.disconnect();
+  });
+});
+
+describe("parseSentinelUrl", () => {
+  it("takes the sentinels (26379 by default), the master's name, its database and credentials", () => {
+    expect(parseSentinelUrl("redis-sentinel://s1,s2:26380/mymaster")).toEqual({
+      sentinels: [
+        { host: "s1", port: 26379 },
+        { host: "s2", port: 26380 },
+      ],
+      name: "mymaster",
+      redisOptions: {},
+    });
+    expect(parseSentinelUrl("redis-sentinel://u:p%40ss@[::1]:5000/m%20x/3/")).toEqual({
+      sentinels: [{ host: "::1", port: 5000 }],
+      name: "m x",
+      redisOptions: { username: "u", password: "p@ss", db: 3 },
+    });
+  });
+
+  it.each([
+    "redis-sentinel://s1:26379",
+    "redis-sentinel://s1:26379/",
+    "redis-sentinel://s1:26379/m/x",
+    "redis-sentinel://s1:26379/m?db=1",
+  ])("refuses %s: no master named, or a query", (url) => {
+    expect(() => parseSentinelUrl(url)).toThrow(/names its master and no query/);
+  });
+
+  it("createRedis connects through the sentinels, ready for BullMQ (no retry limit, READONLY reconnects)", () => {
+    const redis = createRedis("redis-sentinel://127.0.0.1:1/m", { lazyConnect: true });
+    expect(redis.options).toMatchObject({
+      sentinels: [{ host: "127.0.0.1", port: 1 }],
+      name: "m",
+      failoverDetector: true,
+      maxRetriesPerRequest: null,
+      reconnectOnError: reconnectOnReadOnly,
+    });
+    expect(redis.duplicate().options).toMatchObject({ name: "m", failoverDetector: true });
+    redis.disconnect();
   });
 });

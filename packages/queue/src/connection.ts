@@ -22,9 +22,58 @@ export function isClusterUrl(url: string): boolean {
 export function parseClusterUrl(url: string): { nodes: ClusterNode[]; redisOptions: RedisOptions } {
   const scheme = CLUSTER_SCHEMES.find((s) => url.toLowerCase().startsWith(`${s}//`));
   if (!scheme) throw new Error(`not a Redis Cluster URL: ${JSON.stringify(url)}`);
-  let rest = url.slice(scheme.length + 2).replace(/\/+$/, "");
-  const redisOptions: RedisOptions = scheme === "rediss-cluster:" ? { tls: {} } : {};
-  const at = rest.lastIndexOf("@");
+  const refused = new Error(`Redis Cluster URL takes no database or query: ${JSON.stringify(url)}`);
+  if (url.includes("?")) throw refused;
+  const { hosts, path, redisOptions } = splitMultiHostUrl(url, scheme, "Redis Cluster node", 6379);
+  if (path !== "") throw refused;
+  if (scheme === "rediss-cluster:") redisOptions.tls = {};
+  return { nodes: hosts, redisOptions };
+}
+
+const SENTINEL_SCHEME = "redis-sentinel:";
+
+/** True for `redis-sentinel://…` URLs. */
+export function isSentinelUrl(url: string): boolean {
+  return url.toLowerCase().startsWith(`${SENTINEL_SCHEME}//`);
+}
+
+/**
+ * Parse `redis-sentinel://[user:password@]host1:port1,host2:port2/masterName[/db]` (a sentinel's
+ * port defaults to 26379) into ioredis's sentinel options: the sentinels to ask, the master's
+ * name, and the options for the master's connection (its credentials, its database). The
+ * sentinels themselves are asked without credentials.
+ */
+export function parseSentinelUrl(url: string): {
+  sentinels: { host: string; port: number }[];
+  name: string;
+  redisOptions: RedisOptions;
+} {
+  if (!isSentinelUrl(url)) throw new Error(`not a Redis Sentinel URL: ${JSON.stringify(url)}`);
+  const refused = new Error(
+    `a Redis Sentinel URL names its master and no query: redis-sentinel://host:26379/mymaster[/db], got ${JSON.stringify(url)}`,
+  );
+  if (url.includes("?")) throw refused;
+  const { hosts, path, redisOptions } = splitMultiHostUrl(url, SENTINEL_SCHEME, "Redis Sentinel", 26379);
+  const m = /^\/([^/?#]+)(?:\/(\d+))?\/?$/.exec(path);
+  if (!m) throw refused;
+  if (m[2] !== undefined) redisOptions.db = Number(m[2]);
+  return { sentinels: hosts, name: decodeURIComponent(m[1]!), redisOptions };
+}
+
+/**
+ * `scheme//[user:password@]host:port,host:port[/path]`: its hosts (ports defaulting to
+ * `defaultPort`), its path ('' for none) and the credentials as ioredis options.
+ */
+function splitMultiHostUrl(
+  url: string,
+  scheme: string,
+  what: string,
+  defaultPort: number,
+): { hosts: { host: string; port: number }[]; path: string; redisOptions: RedisOptions } {
+  let rest = url.slice(scheme.length + 2);
+  const redisOptions: RedisOptions = {};
+  const slash = rest.indexOf("/");
+  const at = rest.lastIndexOf("@", slash >= 0 ? slash : rest.length);
   if (at >= 0) {
     const auth = rest.slice(0, at);
     rest = rest.slice(at + 1);
@@ -34,34 +83,40 @@ export function parseClusterUrl(url: string): { nodes: ClusterNode[]; redisOptio
     if (user) redisOptions.username = user;
     if (password) redisOptions.password = password;
   }
-  if (rest.includes("/") || rest.includes("?")) {
-    throw new Error(`Redis Cluster URL takes no database or query: ${JSON.stringify(url)}`);
-  }
-  const nodes = rest.split(",").map((hostPort) => {
+  const end = rest.indexOf("/");
+  const path = end >= 0 ? rest.slice(end).replace(/^\/+$/, "") : "";
+  const hosts = (end >= 0 ? rest.slice(0, end) : rest).split(",").map((hostPort) => {
     const m = /^(\[[^\]]+\]|[^:]+)(?::(\d+))?$/.exec(hostPort.trim());
-    if (!m) throw new Error(`bad Redis Cluster node ${JSON.stringify(hostPort)} in ${JSON.stringify(url)}`);
-    return { host: m[1]!.replace(/^\[|\]$/g, ""), port: m[2] ? Number(m[2]) : 6379 };
+    if (!m) throw new Error(`bad ${what} ${JSON.stringify(hostPort)} in ${JSON.stringify(url)}`);
+    return { host: m[1]!.replace(/^\[|\]$/g, ""), port: m[2] ? Number(m[2]) : defaultPort };
   });
-  return { nodes, redisOptions };
+  return { hosts, path, redisOptions };
 }
 
 /**
  * A connection suitable for BullMQ workers (blocking commands must not time out), to a
- * standalone Redis (`redis://`, `rediss://`). Use `connectRedis` where a Redis Cluster URL must
+ * standalone Redis (`redis://`, `rediss://`), or to the master a Redis Sentinel names
+ * (`redis-sentinel://host:26379,host:26379/mymaster`). Use `connectRedis` where a Redis Cluster URL must
  * also be accepted.
  */
 export function createRedis(url: string, options: RedisOptions = {}): Redis {
   if (isClusterUrl(url)) {
     throw new Error("createRedis connects to a standalone Redis; a Redis Cluster URL needs connectRedis");
   }
-  return coalesceWrites(
-    new Redis(url, {
-      maxRetriesPerRequest: null,
-      enableReadyCheck: true,
-      reconnectOnError: reconnectOnReadOnly,
-      ...options,
-    }),
-  );
+  const defaults: RedisOptions = {
+    maxRetriesPerRequest: null,
+    enableReadyCheck: true,
+    reconnectOnError: reconnectOnReadOnly,
+  };
+  if (isSentinelUrl(url)) {
+    // The master the sentinels name: asked again at every connection, and at once when they
+    // announce a failover (`failoverDetector`), besides at a READONLY.
+    const { sentinels, name, redisOptions } = parseSentinelUrl(url);
+    return coalesceWrites(
+      new Redis({ ...defaults, sentinels, name, failoverDetector: true, ...redisOptions, ...options }),
+    );
+  }
+  return coalesceWrites(new Redis(url, { ...defaults, ...options }));
 }
 
 /**

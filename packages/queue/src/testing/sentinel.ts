@@ -1,0 +1,93 @@
+import { type ChildProcess, spawn } from "node:child_process";
+import { writeFileSync } from "node:fs";
+import { join } from "node:path";
+import { Redis } from "ioredis";
+import { freeLoopbackPort } from "../local-redis.ts";
+
+async function poll(what: string, check: () => Promise<boolean>, timeoutMs = 30_000): Promise<void> {
+  const end = Date.now() + timeoutMs;
+  while (!(await check().catch(() => false))) {
+    if (Date.now() > end) throw new Error(`timed out waiting until ${what}`);
+    await new Promise((r) => setTimeout(r, 50));
+  }
+}
+
+/**
+ * A Redis Sentinel of a test's own on loopback (`redis-server --sentinel`), watching the master
+ * on `masterPort` as `name` with a quorum of one. `admin` is a connection to it.
+ */
+export class LocalSentinel {
+  private constructor(
+    private readonly proc: ChildProcess,
+    readonly port: number,
+    readonly name: string,
+    readonly admin: Redis,
+  ) {}
+
+  static async start(dir: string, masterPort: number, name = "fleetmaster"): Promise<LocalSentinel> {
+    const port = await freeLoopbackPort();
+    const conf = join(dir, `sentinel-${port}.conf`);
+    // Its config file must be writable: a sentinel records what it learns there.
+    writeFileSync(
+      conf,
+      [
+        `port ${port}`,
+        "bind 127.0.0.1",
+        `dir ${dir}`,
+        `logfile ${join(dir, `sentinel-${port}.log`)}`,
+        `sentinel monitor ${name} 127.0.0.1 ${masterPort} 1`,
+        `sentinel down-after-milliseconds ${name} 2000`,
+        `sentinel failover-timeout ${name} 10000`,
+        "",
+      ].join("\n"),
+    );
+    const proc = spawn("redis-server", [conf, "--sentinel"], { stdio: "ignore" });
+    const admin = new Redis({ port, host: "127.0.0.1", lazyConnect: true, retryStrategy: () => 50 });
+    admin.on("error", () => undefined);
+    const sentinel = new LocalSentinel(proc, port, name, admin);
+    try {
+      await poll(`the sentinel on ${port} answers`, async () => (await admin.ping()) === "PONG");
+    } catch (err) {
+      await sentinel.stop();
+      throw err;
+    }
+    return sentinel;
+  }
+
+  get url(): string {
+    return `redis-sentinel://127.0.0.1:${this.port}/${this.name}`;
+  }
+
+  /** The port of the master it names now. */
+  async masterPort(): Promise<number> {
+    const [, port] = (await this.admin.call("SENTINEL", "GET-MASTER-ADDR-BY-NAME", this.name)) as string[];
+    return Number(port);
+  }
+
+  /**
+   * A failover it runs (`SENTINEL FAILOVER`), once it knows a replica to promote; resolves when
+   * it names the new master.
+   */
+  async failOver(): Promise<number> {
+    const before = await this.masterPort();
+    await poll("the sentinel knows a replica it can promote", async () => {
+      const replicas = (await this.admin.call("SENTINEL", "REPLICAS", this.name)) as string[][];
+      return replicas.some((fields) => {
+        const flags = fields[fields.indexOf("flags") + 1] ?? "";
+        const link = fields[fields.indexOf("master-link-status") + 1];
+        return flags === "slave" && link === "ok";
+      });
+    });
+    await this.admin.call("SENTINEL", "FAILOVER", this.name);
+    await poll("the sentinel names the new master", async () => (await this.masterPort()) !== before);
+    return this.masterPort();
+  }
+
+  async stop(): Promise<void> {
+    this.admin.disconnect();
+    if (this.proc.exitCode !== null || this.proc.signalCode !== null) return;
+    const exited = new Promise((r) => this.proc.once("exit", r));
+    this.proc.kill("SIGKILL");
+    await exited;
+  }
+}
