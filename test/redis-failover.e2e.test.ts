@@ -1,4 +1,4 @@
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
@@ -10,6 +10,7 @@ import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
 import { callApi } from "./helpers/api.ts";
 import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
+import { parseMetrics, sampleValue } from "./ops/prom.ts";
 
 const TERMINAL = ["completed", "masked", "failed", "cancelled"];
 
@@ -59,8 +60,11 @@ describe("the fleet's processes through a failover of their Redis", () => {
     agent: { harness: "oracle" },
   });
 
-  it("rollouts in flight at the failover complete once, on the new master; the dispatcher admits again after a 503 or so", async () => {
+  it("rollouts in flight at the failover complete once, on the new master; the dispatcher admits again after a 503 or so, and says the new master evicts", async () => {
     const { adminA, adminB } = pair!;
+    // The replica to be promoted evicts keys when full, as replicas kept for reads sometimes do:
+    // the apps, checking it again once they reconnect, say so (and run on).
+    await adminB.config("SET", "maxmemory-policy", "allkeys-lru");
     const batch = await api("POST", "/v1/batches", { rollouts: Array.from({ length: 6 }, request) });
     expect(batch.status).toBe(202);
     ids.push(...(batch.body!.rolloutIds as string[]));
@@ -115,6 +119,13 @@ describe("the fleet's processes through a failover of their Redis", () => {
       expect(record?.failure).toBeNull();
     }
     expect(/^role:slave/m.test(await adminA.info("replication"))).toBe(true);
+    const dispatcherMetrics = async () => parseMetrics(await (await fetch(`${fleet!.url}/metrics`)).text());
+    expect(sampleValue(await dispatcherMetrics(), "fleet_redis_durable")).toBe(0);
+    const said = readFileSync(join(logDir, "dispatcher-0.log"), "utf8")
+      .split("\n")
+      .filter((line) => line.includes("not safe for its state"));
+    expect(said).toHaveLength(1);
+    expect(said[0]).toContain('maxmemory-policy is \\"allkeys-lru\\"');
     // The janitor, which no rollout needed meanwhile, ticks on B too (its job scheduler's ticks,
     // each a job its worker completes).
     await waitFor(

@@ -232,6 +232,10 @@ describe("metrics of a real run", () => {
       const names = new Set((await scrape(kind)).map((s) => s.name));
       expect(names.has("fleet_redis_up") || names.has("fleet_rollouts_inflight"), kind).toBe(false);
     }
+    // Every app checked the Redis it runs on at its start (and checks it again at each reconnect).
+    for (const kind of ["dispatcher", "resources", "agent", "verifier", "janitor"] as const) {
+      expect(sampleValue(await scrape(kind), "fleet_redis_durable"), kind).toBe(1);
+    }
     // The janitor: ledger empty; the heartbeat beats.
     const j = await scrape("janitor");
     expect(sampleValue(j, "fleet_teardown_ledger_entries")).toBe(0);

@@ -39,7 +39,12 @@ async function main(): Promise<void> {
   logConnectionOutages(redis, logger);
   // Redis not up yet (started beside it, restarting): wait for it, as the workers do, saying so;
   // a Redis that answers but is not safe for the fleet's state refuses the start at once.
-  await waitForRedis(redis, { acceptWriteLoss: config.acceptRedisWriteLoss, logger });
+  // Checked again at every reconnect (after a failover: the promoted replica), in the gauge.
+  await waitForRedis(redis, {
+    acceptWriteLoss: config.acceptRedisWriteLoss,
+    logger,
+    durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
+  });
   const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);

@@ -79,7 +79,12 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   logConnectionOutages(redis, logger);
   // Redis not up yet: wait for it, saying so (the dispatcher too); a Redis that is not safe for
   // the fleet's state refuses the start at once.
-  await waitForRedis(redis, { acceptWriteLoss: config.acceptRedisWriteLoss, logger });
+  // Checked again at every reconnect (after a failover: the promoted replica), in the gauge.
+  await waitForRedis(redis, {
+    acceptWriteLoss: config.acceptRedisWriteLoss,
+    logger,
+    durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
+  });
   const docker = dockerConnectionFromEnv(config.dockerHost, config.dockerCertPath);
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,

@@ -1,10 +1,12 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import type { Redis } from "ioredis";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
 import { createRedis, RedisDurabilityError } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
 import { waitForRedis } from "./redis-wait.ts";
+import { FailoverPair } from "./testing/index.ts";
 
 describe("waitForRedis", () => {
   let server: LocalRedisServer | null = null;
@@ -87,5 +89,64 @@ describe("waitForRedis", () => {
     const waiting = waitForRedis(redis, { logger: { warn: () => undefined }, firstDelayMs: 20 });
     redis.disconnect();
     await expect(waiting).rejects.toThrow("closed before Redis was reached");
+  });
+});
+
+describe("waitForRedis's durability watch (`durable`)", () => {
+  let pair: FailoverPair | null = null;
+  let redis: Redis | null = null;
+  afterEach(async () => {
+    redis?.disconnect();
+    await pair?.stop();
+    [pair, redis] = [null, null];
+  });
+
+  it("checks the Redis reached at every reconnect: a failover to a replica that evicts is said once and told false; true again once it is fixed", async () => {
+    pair = await FailoverPair.start();
+    const { adminB } = pair;
+    // The replica runs with an evicting policy, as replicas kept for reads sometimes do.
+    await adminB.config("SET", "maxmemory-policy", "allkeys-lru");
+    const conn = createRedis(pair.url);
+    redis = conn;
+    conn.on("error", () => undefined);
+    const lines: string[] = [];
+    const told: boolean[] = [];
+    const logger = {
+      warn: (_o: object, msg: string) => lines.push(`warn ${msg}`),
+      error: (o: object, msg: string) => lines.push(`error ${msg} ${JSON.stringify(o)}`),
+      info: (_o: object, msg: string) => lines.push(`info ${msg}`),
+    };
+    await waitForRedis(conn, { logger, durable: (ok) => told.push(ok), recheckMs: 100 });
+    expect(told).toEqual([true]);
+
+    await pair.failOver();
+    // The next write meets the demoted master, and the connection reconnects, to B.
+    await expect
+      .poll(
+        () =>
+          conn.set("k", "v").then(
+            () => true,
+            () => false,
+          ),
+        { timeout: 10_000 },
+      )
+      .toBe(true);
+    await expect.poll(() => told.at(-1), { timeout: 10_000 }).toBe(false);
+    expect(lines.filter((l) => l.startsWith("error"))).toHaveLength(1);
+    expect(lines.find((l) => l.startsWith("error"))).toMatch(
+      /not safe for its state.*maxmemory-policy is \\"allkeys-lru\\"/,
+    );
+
+    // Checked again while it fails, said once: fixed, it is seen without a reconnect.
+    await expect.poll(() => told.length, { timeout: 10_000 }).toBeGreaterThanOrEqual(4);
+    expect(lines.filter((l) => l.startsWith("error"))).toHaveLength(1);
+    await adminB.config("SET", "maxmemory-policy", "noeviction");
+    await expect.poll(() => told.at(-1), { timeout: 10_000 }).toBe(true);
+    expect(lines.at(-1)).toBe("info the fleet's Redis is safe for its state again");
+    // And checked again at the next reconnect (a restart, another failover), not meanwhile.
+    const checks = told.length;
+    conn.disconnect(true);
+    await expect.poll(() => told.length, { timeout: 10_000 }).toBe(checks + 1);
+    expect(told.at(-1)).toBe(true);
   });
 });

@@ -4,6 +4,7 @@ import {
   type DurabilityOptions,
   isRedisUnavailable,
   type RedisConnection,
+  RedisDurabilityError,
 } from "./connection.ts";
 
 /** What `waitForRedis` logs with (a pino logger fits). */
@@ -12,7 +13,14 @@ export interface RedisWaitLogger {
 }
 
 export interface RedisWaitOptions extends DurabilityOptions {
-  logger: RedisWaitLogger;
+  logger: RedisWaitLogger & Partial<DurabilityWatchLogger>;
+  /**
+   * Told true once the start's check passed, then after every reconnect whether the Redis
+   * reached passes it again (`watchRedisDurability`; its lines at `logger.error`, else `.warn`).
+   */
+  durable?: (ok: boolean) => void;
+  /** While that check fails, how often it runs again. @defaultValue 60000 */
+  recheckMs?: number;
   /** The first wait between attempts, doubled after each. @defaultValue 1000 */
   firstDelayMs?: number;
   /** The longest wait between attempts. @defaultValue 30000 */
@@ -45,6 +53,13 @@ export async function waitForRedis(redis: RedisConnection, options: RedisWaitOpt
       if (await readyWithin(redis, delayMs)) {
         try {
           await assertRedisDurable(redis, options);
+          const { durable } = options;
+          if (durable) {
+            durable(true);
+            const error = logger.error?.bind(logger) ?? logger.warn.bind(logger);
+            const info = logger.info?.bind(logger) ?? (() => undefined);
+            watchRedisDurability(redis, { ...options, logger: { error, info }, durable });
+          }
           return;
         } catch (err) {
           // Down again before the check was through, or busy (LOADING its data, a failover):
@@ -83,4 +98,64 @@ async function readyWithin(redis: RedisConnection, ms: number): Promise<boolean>
     redis.once("ready", onReady);
     redis.once("end", onEnd);
   });
+}
+
+/** What `watchRedisDurability` logs with (a pino logger fits). */
+export interface DurabilityWatchLogger {
+  error(obj: object, msg: string): void;
+  info(obj: object, msg: string): void;
+}
+
+/**
+ * After the start, each time `redis` is ready again (a reconnect: to the same Redis, or after a
+ * failover to the replica promoted in its place), check again what `waitForRedis` checked at the
+ * start: a promoted replica often runs without AOF, or with an evicting `maxmemory-policy`, and
+ * the fleet's state would then be lost or evicted silently. The app runs on (refusing at this
+ * point would stop the whole fleet at once): an error line says what to change, and `durable`
+ * (an app's `fleet_redis_durable` gauge; alert `FleetRedisNotDurable`) is told false; true when a
+ * check passes. While it fails, it is checked again every `recheckMs` (default a minute), so the
+ * fix is seen without a restart. A check Redis could not answer (gone again) waits for the next
+ * ready. Returns a function that stops watching.
+ */
+export function watchRedisDurability(
+  redis: RedisConnection,
+  options: DurabilityOptions & {
+    logger: DurabilityWatchLogger;
+    durable: (ok: boolean) => void;
+    recheckMs?: number;
+  },
+): () => void {
+  let checking: Promise<void> = Promise.resolve();
+  let failing = false;
+  let recheck: NodeJS.Timeout | undefined;
+  const check = () => {
+    // One check at a time, in the order of the readies.
+    checking = checking.then(async () => {
+      try {
+        await assertRedisDurable(redis, options);
+      } catch (err) {
+        if (!(err instanceof RedisDurabilityError)) return; // not answered: the next ready checks
+        options.durable(false);
+        if (!failing) {
+          options.logger.error(
+            { err: err.message },
+            "the Redis the fleet reconnected to is not safe for its state (a replica promoted in a failover?); the fleet runs on, at risk",
+          );
+        }
+        failing = true;
+        recheck ??= setInterval(check, options.recheckMs ?? 60_000).unref();
+        return;
+      }
+      options.durable(true);
+      if (failing) options.logger.info({}, "the fleet's Redis is safe for its state again");
+      failing = false;
+      clearInterval(recheck);
+      recheck = undefined;
+    });
+  };
+  redis.on("ready", check);
+  return () => {
+    redis.off("ready", check);
+    clearInterval(recheck);
+  };
 }

@@ -37,6 +37,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
         "fleet_queue_stalled_jobs_total",
         "fleet_queue_workers",
         "fleet_redis_up",
+        "fleet_redis_durable",
         "fleet_sandbox_provider_up",
         "fleet_seeding_held",
         "fleet_rollouts_inflight",
@@ -67,6 +68,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     const samples = async () => (await r.metrics()).split("\n").filter((l) => !l.startsWith("#"));
     for (const name of [
       "fleet_redis_up",
+      "fleet_redis_durable",
       "fleet_rollouts_inflight",
       "fleet_teardown_ledger_entries",
       "fleet_teardown_ledger_oldest_age_seconds",

@@ -107,6 +107,7 @@ export interface FleetMetrics {
   stageJobs: Counter<"stage" | "outcome">;
   rolloutsInflight: Gauge;
   redisUp: Gauge;
+  redisDurable: Gauge;
   sandboxProviderUp: Gauge;
   seedingHeld: Gauge;
   queueWorkers: Gauge<"queue">;
@@ -218,6 +219,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       help: "1 when Redis answered a PING at scrape time, 0 when it did not.",
       registers,
     }),
+    redisDurable: new Gauge({
+      name: "fleet_redis_durable",
+      help: "1 when the Redis this process is connected to passed the start's durability check (AOF on, fsynced as required, maxmemory-policy noeviction) at its last connection; 0 when a reconnect (a failover's promoted replica) found it not safe for the fleet's state. Set by every app.",
+      registers,
+    }),
     sandboxProviderUp: new Gauge({
       name: "fleet_sandbox_provider_up",
       help: "0 while this worker's provider breaker is open (a seed, run or verify failed and the provider did not answer: those jobs are held, none taken), or while it waits at start for its provider; 1 otherwise. Set by stage workers, and by the janitor (0 while its provider does not answer: its sandbox steps wait). An idle worker does not probe: 1 says no failure found it down.",
@@ -264,6 +270,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   // set them, so a worker's scrape never reports "Redis down" or "nothing in flight".
   for (const gauge of [
     metrics.redisUp,
+    metrics.redisDurable,
     metrics.rolloutsInflight,
     metrics.teardownLedgerEntries,
     metrics.teardownLedgerOldestAge,
