@@ -119,10 +119,11 @@ export function redisUrlVar() {
     .trim()
     .refine((s) => {
       const cluster = /^rediss?-cluster:\/\/(?:[^@/]*@)?([^@/?#]+)\/?$/i.exec(s);
-      const sentinel = /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/[^/?#]+(?:\/\d+)?\/?$/i.exec(s);
+      const sentinel = /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/([^/?#]+)(?:\/\d+)?\/?$/i.exec(s);
       const nodes = (cluster ?? sentinel)?.[1];
       try {
         if (nodes === undefined) return ["redis:", "rediss:"].includes(new URL(s).protocol);
+        if (sentinel) decodeURIComponent(sentinel[2]!); // the master's name: throws if badly encoded
         return nodes.split(",").every((node) => new URL(`redis://${node}`).hostname !== "");
       } catch {
         return false;

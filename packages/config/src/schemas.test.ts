@@ -111,6 +111,7 @@ describe("DispatcherConfig", () => {
     ["redis-sentinel://s1:26379", false], // no master named
     ["redis-sentinel://s1:26379/m/x", false], // a database that is not a number
     ["redis-sentinel://s1:26379/m?db=1", false],
+    ["redis-sentinel://s1:26379/m%zz", false], // a name that does not decode
   ])("REDIS_URL %s: accepted %s", (url, ok) => {
     const parsed = () => parseConfig(DispatcherConfig, { REDIS_URL: url });
     if (ok) expect(parsed().redisUrl).toBe(url);

@@ -898,8 +898,12 @@ export const REFUSAL_PAUSE_MAX_MS = 2_000;
  */
 export const REDIS_HOLD_MS = 2_000;
 /**
- * How many deliveries of one stage job may spend no attempt (Redis holds; hand-backs, a seed's
- * wait for the seed-ahead bound and stalls count too) before a Redis refusal spends one.
+ * How many deliveries of one stage job may spend no attempt before a Redis refusal spends one:
+ * Redis holds, provider holds and stalls count; hand-backs (shutdown, a seed's wait for the
+ * seed-ahead bound) do not, being counted on the job (`handBacksOf`). A hand-back's count is
+ * itself a write a full Redis refuses (its move back is not): one made while Redis is full is
+ * not counted, and counts as a hold (the cap comes sooner, an attempt is spent: never an extra
+ * run of the agent).
  */
 export const MAX_REDIS_HOLDS = 30;
 

@@ -1,6 +1,6 @@
 import { ReplyError } from "ioredis";
 import { describe, expect, it } from "vitest";
-import { createRedis, parseSentinelUrl, reconnectOnReadOnly } from "./connection.ts";
+import { createRedis, parseClusterUrl, parseSentinelUrl, reconnectOnReadOnly } from "./connection.ts";
 
 describe("reconnectOnReadOnly", () => {
   it.each([
@@ -41,6 +41,29 @@ describe("parseSentinelUrl", () => {
       name: "m x",
       redisOptions: { username: "u", password: "p@ss", db: 3 },
     });
+  });
+
+  it("takes a password's `?`, `/` and `@` as they are (the credentials end at the last @), as the cluster URL's parser always did", () => {
+    expect(parseSentinelUrl("redis-sentinel://:p?a/s@s@s1/m").redisOptions).toEqual({ password: "p?a/s@s" });
+    expect(parseClusterUrl("redis-cluster://:pa?ss@h:1").redisOptions).toEqual({ password: "pa?ss" });
+  });
+
+  it.each([
+    ["redis-sentinel://u:s3cret@s1/m%zz", /names its master/],
+    ["redis-sentinel://u:s3%zzcret@s1/m", /bad %-encoding in the credentials/],
+    ["redis-sentinel://u:s3cret@s1:x/m", /bad Redis Sentinel "s1:x"/],
+    ["redis-cluster://u:s3cret@a:1?x=1", /takes no database or query/],
+  ])("refuses %s, showing no password", (url, why) => {
+    const err = (() => {
+      try {
+        return url.startsWith("redis-cluster") ? parseClusterUrl(url) : parseSentinelUrl(url);
+      } catch (e) {
+        return e as Error;
+      }
+    })() as Error;
+    expect(err.message).toMatch(why);
+    expect(err.message).not.toContain("s3");
+    expect(err.message).toContain("***@");
   });
 
   it.each([

@@ -22,10 +22,15 @@ export function isClusterUrl(url: string): boolean {
 export function parseClusterUrl(url: string): { nodes: ClusterNode[]; redisOptions: RedisOptions } {
   const scheme = CLUSTER_SCHEMES.find((s) => url.toLowerCase().startsWith(`${s}//`));
   if (!scheme) throw new Error(`not a Redis Cluster URL: ${JSON.stringify(url)}`);
-  const refused = new Error(`Redis Cluster URL takes no database or query: ${JSON.stringify(url)}`);
-  if (url.includes("?")) throw refused;
-  const { hosts, path, redisOptions } = splitMultiHostUrl(url, scheme, "Redis Cluster node", 6379);
-  if (path !== "") throw refused;
+  const { hosts, path, query, redisOptions, shown } = splitMultiHostUrl(
+    url,
+    scheme,
+    "Redis Cluster node",
+    6379,
+  );
+  if (path !== "" || query) {
+    throw new Error(`Redis Cluster URL takes no database or query: ${JSON.stringify(shown)}`);
+  }
   if (scheme === "rediss-cluster:") redisOptions.tls = {};
   return { nodes: hosts, redisOptions };
 }
@@ -49,48 +54,76 @@ export function parseSentinelUrl(url: string): {
   redisOptions: RedisOptions;
 } {
   if (!isSentinelUrl(url)) throw new Error(`not a Redis Sentinel URL: ${JSON.stringify(url)}`);
-  const refused = new Error(
-    `a Redis Sentinel URL names its master and no query: redis-sentinel://host:26379/mymaster[/db], got ${JSON.stringify(url)}`,
+  const { hosts, path, query, redisOptions, shown } = splitMultiHostUrl(
+    url,
+    SENTINEL_SCHEME,
+    "Redis Sentinel",
+    26379,
   );
-  if (url.includes("?")) throw refused;
-  const { hosts, path, redisOptions } = splitMultiHostUrl(url, SENTINEL_SCHEME, "Redis Sentinel", 26379);
-  const m = /^\/([^/?#]+)(?:\/(\d+))?\/?$/.exec(path);
-  if (!m) throw refused;
+  const m = /^\/([^/]+)(?:\/(\d+))?\/?$/.exec(path);
+  let name: string | undefined;
+  try {
+    name = m ? decodeURIComponent(m[1]!) : undefined;
+  } catch {
+    name = undefined;
+  }
+  if (!m || name === undefined || query) {
+    throw new Error(
+      `a Redis Sentinel URL names its master and no query: redis-sentinel://host:26379/mymaster[/db], got ${JSON.stringify(shown)}`,
+    );
+  }
   if (m[2] !== undefined) redisOptions.db = Number(m[2]);
-  return { sentinels: hosts, name: decodeURIComponent(m[1]!), redisOptions };
+  return { sentinels: hosts, name, redisOptions };
 }
 
 /**
- * `scheme//[user:password@]host:port,host:port[/path]`: its hosts (ports defaulting to
- * `defaultPort`), its path ('' for none) and the credentials as ioredis options.
+ * `scheme//[user:password@]host:port,host:port[/path][?query]`: its hosts (ports defaulting to
+ * `defaultPort`), its path ('' for none), whether it has a query, the credentials as ioredis
+ * options, and the URL as errors show it (`shown`: credentials as `***`). The credentials end at
+ * the last `@` (a password may hold `/`, `?` or `@` unencoded).
  */
 function splitMultiHostUrl(
   url: string,
   scheme: string,
   what: string,
   defaultPort: number,
-): { hosts: { host: string; port: number }[]; path: string; redisOptions: RedisOptions } {
+): {
+  hosts: { host: string; port: number }[];
+  path: string;
+  query: boolean;
+  redisOptions: RedisOptions;
+  shown: string;
+} {
   let rest = url.slice(scheme.length + 2);
   const redisOptions: RedisOptions = {};
-  const slash = rest.indexOf("/");
-  const at = rest.lastIndexOf("@", slash >= 0 ? slash : rest.length);
+  const at = rest.lastIndexOf("@");
+  const shown = at >= 0 ? `${scheme}//***@${rest.slice(at + 1)}` : url;
   if (at >= 0) {
     const auth = rest.slice(0, at);
     rest = rest.slice(at + 1);
     const colon = auth.indexOf(":");
-    const user = decodeURIComponent(colon >= 0 ? auth.slice(0, colon) : "");
-    const password = decodeURIComponent(colon >= 0 ? auth.slice(colon + 1) : auth);
+    let user: string;
+    let password: string;
+    try {
+      user = decodeURIComponent(colon >= 0 ? auth.slice(0, colon) : "");
+      password = decodeURIComponent(colon >= 0 ? auth.slice(colon + 1) : auth);
+    } catch {
+      throw new Error(`bad %-encoding in the credentials of ${JSON.stringify(shown)}`);
+    }
     if (user) redisOptions.username = user;
     if (password) redisOptions.password = password;
   }
+  const q = rest.indexOf("?");
+  const query = q >= 0;
+  if (query) rest = rest.slice(0, q);
   const end = rest.indexOf("/");
   const path = end >= 0 ? rest.slice(end).replace(/^\/+$/, "") : "";
   const hosts = (end >= 0 ? rest.slice(0, end) : rest).split(",").map((hostPort) => {
     const m = /^(\[[^\]]+\]|[^:]+)(?::(\d+))?$/.exec(hostPort.trim());
-    if (!m) throw new Error(`bad ${what} ${JSON.stringify(hostPort)} in ${JSON.stringify(url)}`);
+    if (!m) throw new Error(`bad ${what} ${JSON.stringify(hostPort)} in ${JSON.stringify(shown)}`);
     return { host: m[1]!.replace(/^\[|\]$/g, ""), port: m[2] ? Number(m[2]) : defaultPort };
   });
-  return { hosts, path, redisOptions };
+  return { hosts, path, query, redisOptions, shown };
 }
 
 /**

@@ -36,12 +36,13 @@ export async function replicate(replica: Redis, masterPort: number): Promise<voi
  * connected before stay connected to `from`: their writes get `READONLY` from now on.
  */
 export async function failOver(from: Redis, to: Redis, toPort: number, proxy: TcpProxy): Promise<void> {
-  await from.call("CLIENT", "PAUSE", "10000", "WRITE");
+  // Paused longer than the wait below may take: a pause that lapsed would let writes in unseen.
+  await from.call("CLIENT", "PAUSE", "30000", "WRITE");
   try {
-    const offset = field(await from.info("replication"), "master_repl_offset");
+    const offset = Number(field(await from.info("replication"), "master_repl_offset"));
     await poll(
       "the replica has every write",
-      async () => field(await to.info("replication"), "master_repl_offset") === offset,
+      async () => Number(field(await to.info("replication"), "master_repl_offset")) >= offset,
     );
     await to.call("REPLICAOF", "NO", "ONE");
     proxy.retarget(toPort);
@@ -68,15 +69,24 @@ export class FailoverPair {
 
   static async start(): Promise<FailoverPair> {
     const dir = mkdtempSync(join(tmpdir(), "fleet-failover-"));
-    const [a, b] = await Promise.all(
-      ["a", "b"].map((name) => {
+    const started: LocalRedisServer[] = [];
+    const admins: Redis[] = [];
+    try {
+      for (const name of ["a", "b"]) {
         mkdirSync(join(dir, name));
-        return LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS });
-      }),
-    );
-    const [adminA, adminB] = [new Redis(a!.url), new Redis(b!.url)];
-    await replicate(adminB, a!.port);
-    return new FailoverPair(a!, b!, adminA, adminB, await TcpProxy.start(a!.port), dir);
+        started.push(await LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS }));
+      }
+      const [a, b] = started as [LocalRedisServer, LocalRedisServer];
+      admins.push(new Redis(a.url), new Redis(b.url));
+      const [adminA, adminB] = admins as [Redis, Redis];
+      await replicate(adminB, a.port);
+      return new FailoverPair(a, b, adminA, adminB, await TcpProxy.start(a.port), dir);
+    } catch (err) {
+      for (const c of admins) c.disconnect();
+      await Promise.all(started.map((s) => s.kill()));
+      rmSync(dir, { recursive: true, force: true });
+      throw err;
+    }
   }
 
   /** The name the fleet is given. */

@@ -42,6 +42,8 @@ export class LocalSentinel {
       ].join("\n"),
     );
     const proc = spawn("redis-server", [conf, "--sentinel"], { stdio: "ignore" });
+    // Not started (no redis-server): said by the wait below, not as an unheard 'error'.
+    proc.on("error", () => undefined);
     const admin = new Redis({ port, host: "127.0.0.1", lazyConnect: true, retryStrategy: () => 50 });
     admin.on("error", () => undefined);
     const sentinel = new LocalSentinel(proc, port, name, admin);
@@ -85,9 +87,10 @@ export class LocalSentinel {
 
   async stop(): Promise<void> {
     this.admin.disconnect();
-    if (this.proc.exitCode !== null || this.proc.signalCode !== null) return;
+    if (this.proc.exitCode !== null || this.proc.signalCode !== null || this.proc.pid === undefined) return;
     const exited = new Promise((r) => this.proc.once("exit", r));
     this.proc.kill("SIGKILL");
-    await exited;
+    // A SIGKILL ends it; bounded all the same, so a cleanup never hangs a test run.
+    await Promise.race([exited, new Promise((r) => setTimeout(r, 5_000).unref())]);
   }
 }
