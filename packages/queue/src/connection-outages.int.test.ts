@@ -1,7 +1,6 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { Redis } from "ioredis";
 import { afterEach, describe, expect, it } from "vitest";
 import { createRedis, failFastOnceReady, logConnectionOutages } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
@@ -105,18 +104,14 @@ describe("failFastOnceReady", () => {
 
 describe("a failover behind the Redis URL's name", () => {
   let pair: FailoverPair | null = null;
-  let redis: Redis | null = null;
   afterEach(async () => {
-    redis?.disconnect();
     await pair?.stop();
-    [pair, redis] = [null, null];
+    pair = null;
   });
 
   it("a connection left on the demoted master reconnects at its first READONLY, and its next write reaches the new master", async () => {
     pair = await FailoverPair.start();
-    const conn = createRedis(pair.url);
-    redis = conn;
-    conn.on("error", () => undefined);
+    const conn = pair.connect();
     await conn.set("k", "before");
 
     await pair.failOver();

@@ -1,7 +1,6 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { Redis } from "ioredis";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
 import { createRedis, RedisDurabilityError } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
@@ -94,11 +93,9 @@ describe("waitForRedis", () => {
 
 describe("waitForRedis's durability watch (`durable`)", () => {
   let pair: FailoverPair | null = null;
-  let redis: Redis | null = null;
   afterEach(async () => {
-    redis?.disconnect();
     await pair?.stop();
-    [pair, redis] = [null, null];
+    pair = null;
   });
 
   it("checks the Redis reached at every reconnect: a failover to a replica that evicts is said once and told false; true again once it is fixed", async () => {
@@ -106,9 +103,7 @@ describe("waitForRedis's durability watch (`durable`)", () => {
     const { adminB } = pair;
     // The replica runs with an evicting policy, as replicas kept for reads sometimes do.
     await adminB.config("SET", "maxmemory-policy", "allkeys-lru");
-    const conn = createRedis(pair.url);
-    redis = conn;
-    conn.on("error", () => undefined);
+    const conn = pair.connect();
     const lines: string[] = [];
     const told: boolean[] = [];
     const logger = {

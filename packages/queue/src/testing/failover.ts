@@ -2,6 +2,7 @@ import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Redis } from "ioredis";
+import { createRedis } from "../connection.ts";
 import { LocalRedisServer } from "../local-redis.ts";
 import { TcpProxy } from "./tcp-proxy.ts";
 
@@ -58,6 +59,8 @@ export async function failOver(from: Redis, to: Redis, toPort: number, proxy: Tc
  * `a` (see `failOver`). `adminA` and `adminB` are connections of the test's straight to each.
  */
 export class FailoverPair {
+  private readonly connections: Redis[] = [];
+
   private constructor(
     readonly a: LocalRedisServer,
     readonly b: LocalRedisServer,
@@ -89,6 +92,14 @@ export class FailoverPair {
     }
   }
 
+  /** A fleet connection (`createRedis`) through the name; `stop` closes it. */
+  connect(): Redis {
+    const conn = createRedis(this.url);
+    conn.on("error", () => undefined);
+    this.connections.push(conn);
+    return conn;
+  }
+
   /** The name the fleet is given. */
   get url(): string {
     return this.proxy.url;
@@ -99,6 +110,7 @@ export class FailoverPair {
   }
 
   async stop(): Promise<void> {
+    for (const conn of this.connections.splice(0)) conn.disconnect();
     this.adminA.disconnect();
     this.adminB.disconnect();
     await this.proxy.close();
