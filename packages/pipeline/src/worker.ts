@@ -191,7 +191,7 @@ export function createStageWorkers(
           }
           if (
             token &&
-            (isRedisHold(err) || ((err as Error).name !== "UnrecoverableError" && isRedisRefusal(err))) &&
+            refusedByRedis(err) &&
             // Each hold is a delivery that spent no attempt and was not handed back: past
             // MAX_REDIS_HOLDS of them (a Redis at its memory's edge, taking the begin and refusing
             // the receipt, would run the agent again every hold until the deadline), attempts are
@@ -768,6 +768,15 @@ const BULLMQ_OWN_FAILURES = new Set([
 ]);
 
 /**
+ * A stage job's failure that Redis caused by refusing or not answering (`RedisHoldError` from the
+ * stage runner, or ioredis's own error thrown before it ran), never a final failure: what the
+ * worker holds, and what a masked rollout's reason says when it could not.
+ */
+function refusedByRedis(err: unknown): boolean {
+  return isRedisHold(err) || ((err as Error).name !== "UnrecoverableError" && isRedisRefusal(err));
+}
+
+/**
  * How many times a job was handed back to its queue without an attempt spent (shutdown, the
  * seed-ahead bound's wait): kept in its BullMQ `progress` as `{ handBacks }`, which the fleet
  * uses for nothing else (Bull Board shows it). 0 for any other progress.
@@ -789,7 +798,7 @@ export function bullmqFailureReason(stage: StageName, err: Error): string {
   if (BULLMQ_OWN_FAILURES.has(err.message)) {
     return `the ${stage} job failed in BullMQ: ${err.message} (its workers kept dying on it)`;
   }
-  if (isRedisHold(err) || (err.name !== "UnrecoverableError" && isRedisRefusal(err))) {
+  if (refusedByRedis(err)) {
     return `the ${stage} job's last attempt was refused by the fleet's Redis and not held for it (held ${MAX_REDIS_HOLDS} times already, or the move back failed): ${err.message}`;
   }
   return `the ${stage} job's last attempt failed before its stage began: ${err.message}`;
