@@ -86,7 +86,9 @@ describe("the fleet on a 3-master Redis Cluster (loopback)", () => {
     const fresh = connectRedis(cluster.url, { maxRetriesPerRequest: 2 });
     const warnings: string[] = [];
     try {
-      await waitForRedis(fresh, { logger: { warn: (_o, msg) => warnings.push(msg) } });
+      await waitForRedis(fresh, {
+        logger: { warn: (_o, msg) => warnings.push(msg), error: () => undefined, info: () => undefined },
+      });
       expect(fresh.status).toBe("ready");
       expect(warnings).toEqual([]);
     } finally {

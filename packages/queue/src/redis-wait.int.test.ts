@@ -7,6 +7,9 @@ import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
 import { waitForRedis } from "./redis-wait.ts";
 import { FailoverPair } from "./testing/index.ts";
 
+/** A logger that says nothing (each test keeps the lines it looks at). */
+const SILENT = { warn: () => undefined, error: () => undefined, info: () => undefined };
+
 describe("waitForRedis", () => {
   let server: LocalRedisServer | null = null;
   const dir = mkdtempSync(join(tmpdir(), "fleet-redis-wait-"));
@@ -34,6 +37,7 @@ describe("waitForRedis", () => {
     redis.on("error", () => undefined);
     const warnings: Array<{ obj: Record<string, unknown>; msg: string }> = [];
     const logger = {
+      ...SILENT,
       warn: (obj: object, msg: string) => warnings.push({ obj: obj as Record<string, unknown>, msg }),
     };
     let settled: "pending" | "resolved" | Error = "pending";
@@ -70,9 +74,9 @@ describe("waitForRedis", () => {
     const redis = createRedis(server.url, { maxRetriesPerRequest: 2 });
     const warnings: string[] = [];
     try {
-      const err = await waitForRedis(redis, { logger: { warn: (_o, msg) => warnings.push(msg) } }).catch(
-        (e: unknown) => e,
-      );
+      const err = await waitForRedis(redis, {
+        logger: { ...SILENT, warn: (_o, msg) => warnings.push(msg) },
+      }).catch((e: unknown) => e);
       expect(err).toBeInstanceOf(RedisDurabilityError);
       expect((err as Error).message).toMatch(/appendonly is "no".*maxmemory-policy is "allkeys-lru"/);
       expect(warnings).toEqual([]);
@@ -85,7 +89,7 @@ describe("waitForRedis", () => {
     const port = await freeLoopbackPort();
     const redis = createRedis(`redis://127.0.0.1:${port}`, { retryStrategy: () => 20 });
     redis.on("error", () => undefined);
-    const waiting = waitForRedis(redis, { logger: { warn: () => undefined }, firstDelayMs: 20 });
+    const waiting = waitForRedis(redis, { logger: SILENT, firstDelayMs: 20 });
     redis.disconnect();
     await expect(waiting).rejects.toThrow("closed before Redis was reached");
   });

@@ -8,15 +8,15 @@ import {
 } from "./connection.ts";
 
 /** What `waitForRedis` logs with (a pino logger fits). */
-export interface RedisWaitLogger {
+export interface RedisWaitLogger extends DurabilityWatchLogger {
   warn(obj: object, msg: string): void;
 }
 
 export interface RedisWaitOptions extends DurabilityOptions {
-  logger: RedisWaitLogger & Partial<DurabilityWatchLogger>;
+  logger: RedisWaitLogger;
   /**
    * Told true once the start's check passed, then after every reconnect whether the Redis
-   * reached passes it again (`watchRedisDurability`; its lines at `logger.error`, else `.warn`).
+   * reached passes it again (`watchRedisDurability`).
    */
   durable?: (ok: boolean) => void;
   /** While that check fails, how often it runs again. @defaultValue 60000 */
@@ -56,9 +56,7 @@ export async function waitForRedis(redis: RedisConnection, options: RedisWaitOpt
           const { durable } = options;
           if (durable) {
             durable(true);
-            const error = logger.error?.bind(logger) ?? logger.warn.bind(logger);
-            const info = logger.info?.bind(logger) ?? (() => undefined);
-            watchRedisDurability(redis, { ...options, logger: { error, info }, durable });
+            watchRedisDurability(redis, { ...options, durable });
           }
           return;
         } catch (err) {
