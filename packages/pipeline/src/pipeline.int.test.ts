@@ -2059,6 +2059,84 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a verify whose exec broke mid-tests (the daemon's answer lost) leaves the sandbox: the next attempt stops the tests it left and starts at once, not a budget later", async () => {
+    // The first run of the tests hangs; the next one passes.
+    const { id, handle } = await ranWithTests(
+      "broken-exec-verify",
+      "#!/bin/sh\n[ -e /tmp/broke ] && exit 0\ntouch /tmp/broke\nsleep 600\n",
+    );
+    const rootSleeps = () => rootSleeping(handle, 600);
+    let brokeAt = 0;
+    const breaking = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
+          if (a[1] !== RUN_TESTS_ARGV) return fleet.deps.provider.exec(...a);
+          // The tests start in the sandbox, and their answer never comes back.
+          void fleet.deps.provider.exec(...a).catch(() => undefined);
+          await waitFor(async () => (await rootSleeps()) === "1");
+          brokeAt = Date.now();
+          throw FleetError.retryable("provider_unavailable", "the daemon went away mid-exec (the test)");
+        },
+      }),
+    };
+    await expect(runStageJob("verify", job(id!), breaking)).rejects.toThrow(/the daemon went away/);
+    // A gave the job back and left the sandbox; its tests run on there.
+    expect(await rootSleeps()).toBe("1");
+    expect((await fleet.deps.store.verifyNote(id!))?.left).toBe(true);
+    const staged: number[] = [];
+    const watching = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] === "/tests") staged.push(Date.now());
+          return fleet.deps.provider.put(...a);
+        },
+      }),
+    };
+    expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
+    // B stopped A's tests before staging its own: not their 90 s budget (+ 15 s) later.
+    expect(await rootSleeps()).toBe("0");
+    expect(staged).toHaveLength(1);
+    expect(staged[0]! - brokeAt).toBeLessThan(30_000);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
+  it("a verify whose earlier attempt noted its tests and never left (its worker died, or it is paused past its lock) stops nothing of them: it waits them out", async () => {
+    const { id, handle } = await ranWithTests("never-left-verify", "#!/bin/sh\nexit 0\n");
+    const store = fleet.deps.store;
+    // A began and noted its tests 102 s ago (90 s budget + 15 s grace: 3 s left), then died.
+    const notedAt = Date.now() - 102_000;
+    await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
+    expect(await store.noteVerifyWork(id!, notedAt, "attempt-a")).toBe("noted");
+    // What runs as root in the sandbox (A's tests, as far as B can tell) is not B's to stop.
+    const aTests = fleet.deps.provider
+      .exec(handle, ["sleep", "600"], { deadlineMs: 120_000, user: ROOT_USER })
+      .catch(() => undefined);
+    await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
+    const swept: string[] = [];
+    const staged: number[] = [];
+    const watching = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
+          swept.push(a[1] ?? "");
+          return fleet.deps.provider.killProcesses(...a);
+        },
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] === "/tests") staged.push(Date.now());
+          return fleet.deps.provider.put(...a);
+        },
+      }),
+    };
+    expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
+    expect(swept).not.toContain(ROOT_USER);
+    expect(await rootSleeping(handle, 600)).toBe("1");
+    expect(staged[0]!).toBeGreaterThanOrEqual(notedAt + 90_000 + 15_000);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+    await aTests;
+  });
+
   it("a Redis blip while noting that the tests start is held (no attempt spent), not masked as a verifier crash", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);

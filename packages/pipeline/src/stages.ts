@@ -61,6 +61,7 @@ export function begunOf(b: BeginResult): Begun {
     verifyToken: b.verifyToken,
     seedToken: b.seedToken,
     testsSweepLeftMs: b.testsSweepLeftMs,
+    earlierVerifyLeft: b.earlierVerifyLeft,
     sandboxes: b.sandboxes,
   };
 }
@@ -943,29 +944,39 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
 /**
  * A verify delivered again (its worker died, or its exec broke) may find the earlier attempt's
  * tests still running in the sandbox as root: a Docker exec outlives its client. Staging new
- * tests and clearing /logs/verifier under them could mix the two runs' rewards. The earlier
- * tests end by their own budget (the in-sandbox `timeout` kills their process group): wait that
- * out, counted from when an earlier attempt last began work in the sandbox (noted before it
- * staged its tests and again just before it started them, so a worker that died after noting may
- * not have started anything: waited for all the same; `begin` returns it). None when no attempt
- * got that far, or its staging failed (which clears its note): a retry starts at once, not a
- * budget later. A wait that would pass the rollout's deadline is its end (masked); a shutdown
- * hands the job back.
+ * tests and clearing /logs/verifier under them could mix the two runs' rewards. None when no
+ * attempt got that far, or its staging failed (which clears its note): a retry starts at once.
+ * - The earlier attempt left the sandbox (`leaveVerifyWork`: its exec broke, say, and it gave the
+ *   job back): its code starts nothing there any more, so this attempt, holding the verify fence,
+ *   stops what of its tests still runs (`stopLeftTests`) and starts at once once none is left.
+ * - Else (its worker died, or it may be paused past its lock and still start them), or that stop
+ *   could not confirm: the earlier tests end by their own budget (the in-sandbox `timeout` kills
+ *   their process group): wait that out, counted from when an earlier attempt last began work in
+ *   the sandbox (noted before it staged its tests and again just before it started them, so a
+ *   worker that died after noting may not have started anything: waited for all the same; `begin`
+ *   returns it). A wait that would pass the rollout's deadline is its end (masked); a shutdown
+ *   hands the job back.
  */
 async function waitOutEarlierTests(
   rec: StageRecord,
   deps: PipelineDeps,
   task: TaskContent,
+  handle: SandboxHandle,
   shutdown?: AbortSignal,
 ): Promise<void> {
   if (task.verifier.kind !== "tests") return;
   let earlier = rec.times["verify:prev"];
+  let left = rec.begun.earlierVerifyLeft;
   if (rec.begun.testsSweepLeftMs > 0) {
     await waitOutSweep(rec, deps, shutdown);
-    // A sweep that confirmed the earlier tests stopped took their note with it: read it again.
-    earlier = await deps.store.verifyNotedAt(rec.meta.id).catch(() => earlier);
+    // A sweep that confirmed the earlier tests stopped took their note with it, and the attempt
+    // that swept left the sandbox after it: read both again.
+    const note = await deps.store.verifyNote(rec.meta.id).catch(() => ({ at: earlier, left }));
+    earlier = note?.at;
+    left = note?.left ?? false;
   }
   if (earlier === undefined) return;
+  if (left && (await stopLeftTests(rec, deps, handle))) return;
   const now = clock(deps);
   const until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
   if (until <= now) return;
@@ -984,6 +995,45 @@ async function waitOutEarlierTests(
   } catch {
     throw new HandBackError();
   }
+}
+
+/**
+ * The earlier attempt left the sandbox (`earlierVerifyLeft`): what of its tests still runs there
+ * (every root process: see `stopOwnTests`) is nobody's. This attempt holds the verify fence, so
+ * no attempt but a later one (which then waits for this one's note, or sweeps likewise: harmless)
+ * starts anything there. True once none is left; false when the stop could not confirm (a
+ * process that outlives SIGKILL, a sweep with no answer): the caller waits them out. A daemon
+ * still down is the provider's error (retried, the note kept for the next attempt).
+ */
+async function stopLeftTests(rec: StageRecord, deps: PipelineDeps, handle: SandboxHandle): Promise<boolean> {
+  const id = rec.meta.id;
+  let stopped: Awaited<ReturnType<SandboxProvider["killProcesses"]>>;
+  try {
+    stopped = await withTimeout(
+      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
+      2 * STOP_TESTS_MS,
+      `the sweep had no answer within ${2 * STOP_TESTS_MS} ms`,
+    );
+  } catch (err) {
+    if (isFleetError(err) && (err.kind === "provider_unavailable" || err.kind === "sandbox_lost")) throw err;
+    deps.logger.warn(
+      { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+      "verify delivered again: could not stop the tests the earlier attempt left; waiting them out",
+    );
+    return false;
+  }
+  if (!stopped.confirmed) {
+    deps.logger.warn(
+      { rolloutId: id, remaining: stopped.remaining, detail: stopped.detail },
+      "verify delivered again: the tests the earlier attempt left did not stop; waiting them out",
+    );
+    return false;
+  }
+  deps.logger.info(
+    { rolloutId: id },
+    "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
+  );
+  return true;
 }
 
 /** How often a verify waiting for a handed-back attempt's sweep asks whether it ended. */
@@ -1116,7 +1166,45 @@ async function stoppedUnder(deps: PipelineDeps, id: string): Promise<boolean> {
   return now !== null && (now.closed || now.cancelRequested);
 }
 
-export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) => {
+export const verifyStage: StageHandler = async (rec, deps, attempt, shutdown) => {
+  const work: VerifyWork = { token: null };
+  try {
+    return await verifyAttempt(rec, deps, attempt, shutdown, work);
+  } catch (err) {
+    // It noted work in the sandbox and ends without a verdict (its exec broke in a daemon
+    // outage, say): it leaves the sandbox, so the next attempt stops what of its tests still
+    // runs rather than wait out their budget (`waitOutEarlierTests`). Not at a shutdown: its
+    // own sweep (`stopOwnTests`) did that, and an exec of its still queued in the client could
+    // yet start.
+    if (work.token !== null && !shutdown?.aborted && !(err instanceof HandBackError)) {
+      await leaveVerifyWork(deps, rec.meta.id, work.token);
+    }
+    throw err;
+  }
+};
+
+/** Whether a verify attempt noted work in the sandbox (its token, once it tried to). */
+interface VerifyWork {
+  token: string | null;
+}
+
+/** `store.leaveVerifyWork`, bounded and best effort: without it the next attempt waits as before. */
+async function leaveVerifyWork(deps: PipelineDeps, id: string, token: string): Promise<void> {
+  await withTimeout(deps.store.leaveVerifyWork(id, token), STOP_TESTS_MS, "no answer").catch((err: unknown) =>
+    deps.logger.warn(
+      { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+      "could not mark a verify as gone from the sandbox; the next attempt waits its tests out",
+    ),
+  );
+}
+
+const verifyAttempt = async (
+  rec: StageRecord,
+  deps: PipelineDeps,
+  _attempt: number,
+  shutdown: AbortSignal | undefined,
+  work: VerifyWork,
+): Promise<StageName | null> => {
   const runReceipt = rec.receipts.run;
   const seedReceipt = rec.receipts.seed;
   // DESIGN §2 rule 10: never verify without a positive cleanup receipt. A run receipt not
@@ -1143,12 +1231,13 @@ export const verifyStage: StageHandler = async (rec, deps, _attempt, shutdown) =
   }
   const token = fence.token;
   const task = await loadTask(rec, deps);
-  await waitOutEarlierTests(rec, deps, task, shutdown);
+  await waitOutEarlierTests(rec, deps, task, seedReceipt.handle, shutdown);
   const id = rec.meta.id;
   // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
   // When this attempt last noted its work in the sandbox (a sweep that stops its tests clears it).
   let notedAt: number | null = null;
   const note = async (at: number | null) => {
+    work.token = token;
     const noted = await deps.store.noteVerifyWork(id, at, token).catch((err: unknown) => {
       throw FleetError.retryable(
         "provider_unavailable",

@@ -124,6 +124,13 @@ export interface BeginResult {
    * (`claimTestsSweep`), by Redis's clock; 0 for none.
    */
   testsSweepLeftMs: number;
+  /**
+   * Verify: the attempt whose note of work in the sandbox `record.times["verify:prev"]` is
+   * (`noteVerifyWork`) has left the sandbox since (`leaveVerifyWork`): whatever of its tests still
+   * runs there is nobody's. False when none noted, or it may still be at work (its worker died,
+   * or is paused past its lock).
+   */
+  earlierVerifyLeft: boolean;
 }
 
 /**
@@ -635,18 +642,29 @@ export class RolloutStore {
       close ? sandboxKey(id, "resources") : "",
       close ? sandboxKey(id, "agent") : "",
     ];
-    const [values, failures, intent, previous, launches, sbResources, sbAgent, sweepLeft, verifyPrev] =
-      (await this.batcher.call("fleetBegin", keys, args)) as [
-        (string | null)[],
-        string[],
-        string,
-        string,
-        number,
-        string,
-        string,
-        number,
-        string | null,
-      ];
+    const [
+      values,
+      failures,
+      intent,
+      previous,
+      launches,
+      sbResources,
+      sbAgent,
+      sweepLeft,
+      verifyPrev,
+      prevLeft,
+    ] = (await this.batcher.call("fleetBegin", keys, args)) as [
+      (string | null)[],
+      string[],
+      string,
+      string,
+      number,
+      string,
+      string,
+      number,
+      string | null,
+      number,
+    ];
     const names = close ? BEGIN_CLOSE_FIELDS : BEGIN_FIELDS;
     const h: Record<string, string> = {};
     for (let i = 0; i < names.length; i++) {
@@ -666,6 +684,7 @@ export class RolloutStore {
       verifyToken: stage === "verify" ? (options.verifyToken ?? null) : null,
       seedToken: stage === "seed" ? (options.seedToken ?? null) : null,
       testsSweepLeftMs: Number(sweepLeft),
+      earlierVerifyLeft: Number(prevLeft) === 1,
       sandboxes: close ? readRolloutSandboxes(sbResources || null, sbAgent || null) : null,
     };
   }
@@ -974,10 +993,24 @@ export class RolloutStore {
     return Number(await this.redis.fleetTestsSweep(this.keys.rollout(id), "left"));
   }
 
-  /** When a verify attempt last noted work in the sandbox (`noteVerifyWork`), if one did. */
-  async verifyNotedAt(id: string): Promise<number | undefined> {
-    const raw = await this.redis.hget(this.keys.rollout(id), "t:verify:last");
-    return raw === null ? undefined : Number(raw);
+  /**
+   * When a verify attempt last noted work in the sandbox (`noteVerifyWork`), if one did, and
+   * whether that attempt has left it since (`leaveVerifyWork`).
+   */
+  async verifyNote(id: string): Promise<{ at: number; left: boolean } | undefined> {
+    const [at, by] = await this.redis.hmget(this.keys.rollout(id), "t:verify:last", "vnote");
+    return at === null || at === undefined ? undefined : { at: Number(at), left: !!by?.startsWith("left:") };
+  }
+
+  /**
+   * A verify attempt that noted work in the sandbox ends without handing its verdict on (its exec
+   * broke, say): its code touches the sandbox no more. If the note is still its own (`token`'s),
+   * a later attempt's `begin` says so (`earlierVerifyLeft`), and that attempt may stop the
+   * tests still running there rather than wait out their budget. False when the note is not
+   * its own (none, a later attempt's, or already marked).
+   */
+  async leaveVerifyWork(id: string, token: string): Promise<boolean> {
+    return Number(await this.redis.fleetLeaveVerify(this.keys.rollout(id), token)) === 1;
   }
 
   /**

@@ -197,7 +197,9 @@ const BEGIN_SHAPES = `local shapes = {}
         elseif not close and withToken then
           s.iPrev = want('fence:prev'); s.iLaunches = want('launches')
         end
-        if not close and stage == 'verify' then s.iLast = want('t:verify:last'); s.iSweep = want('t:verify:sweep') end
+        if not close and stage == 'verify' then
+          s.iLast = want('t:verify:last'); s.iSweep = want('t:verify:sweep'); s.iNote = want('vnote')
+        end
         byKind[kind], shapes[stage] = s, byKind
         return s
       end`;
@@ -756,7 +758,8 @@ const SCRIPTS = {
    * call recorded it, 'ok' when an earlier attempt had, '' for none), previous fence (or
    * 'stopped'), launches, sandbox entries of ARGV[9], ARGV[10] ('' when absent or not asked),
    * ms an earlier verify attempt's sweep has left, when an earlier verify attempt last began
-   * work in the sandbox (`t:verify:last`; nil for none or not verify)].
+   * work in the sandbox (`t:verify:last`; nil for none or not verify), 1 if the attempt that
+   * noted it has left the sandbox since (`fleetLeaveVerify`), else 0].
    * ARGV: stage, now, tombstone, withFailures, intentKey, intentPrefix, expirySlackMs,
    * token (run's launch, verify's fence), sandboxKey1, sandboxKey2 ('' for none).
    */
@@ -778,6 +781,7 @@ const SCRIPTS = {
       local names, at, returned = shape.names, shape.at, shape.returned
       local iStart, iReceipt, iDeadline, iSeen = shape.iStart, shape.iReceipt, shape.iDeadline, shape.iSeen
       local iPrev, iLaunches, iLast, iSweep = shape.iPrev, shape.iLaunches, shape.iLast, shape.iSweep
+      local iNote = shape.iNote
       if iSeen then names[iSeen] = shape.seen .. token end
       local v = redis.call('HMGET', KEYS[1], unpack(names))
       local status = v[at['status']]
@@ -787,7 +791,7 @@ const SCRIPTS = {
         writes[#writes + 1] = value
         if i then v[i] = value end
       end
-      local intent, previous, launches, prevTests, sweepLeft = '', '', 0, false, 0
+      local intent, previous, launches, prevTests, sweepLeft, prevLeft = '', '', 0, false, 0, 0
       if status and not terminal[status] then
         if close then
           write(at['closed'], 'closed', '1')
@@ -804,6 +808,8 @@ const SCRIPTS = {
               -- When an earlier attempt last began work in the sandbox (a verify delivered again
               -- waits it out; see fleetNoteVerify).
               prevTests = v[iLast]
+              -- Whether the attempt that noted it has left the sandbox (fleetLeaveVerify).
+              if v[iNote] and string.sub(v[iNote], 1, 5) == 'left:' then prevLeft = 1 end
               -- How long an earlier attempt handed back at shutdown may still sweep its tests
               -- (every root process), by Redis's clock: this one starts nothing before that ends
               -- (fleetTestsSweep).
@@ -858,16 +864,16 @@ const SCRIPTS = {
       if ARGV[10] ~= '' then sb2 = redis.call('HGET', KEYS[3], ARGV[10]) or '' end
       local rec = {}
       for i = 1, returned do rec[i] = v[i] end
-      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests}`,
+      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests, prevLeft}`,
     ),
   },
   /**
    * Note that a verify attempt works in the sandbox from now (stages or starts its tests:
-   * `t:verify:last`), or with an empty time clear that note (its staging failed: nothing
-   * started), only while it is the attempt that began last (`vfence` holds its token, ARGV[2])
-   * and the rollout is not terminal. ARGV: now ('' to clear), token. Returns 1 if done, 0 if
-   * terminal (nothing to protect: its receipt will be refused), -1 if a later attempt began
-   * since: this one must not touch the sandbox.
+   * `t:verify:last`, and whose note it is: `vnote`, its token), or with an empty time clear that
+   * note (its staging failed: nothing started), only while it is the attempt that began last
+   * (`vfence` holds its token, ARGV[2]) and the rollout is not terminal. ARGV: now ('' to clear),
+   * token. Returns 1 if done, 0 if terminal (nothing to protect: its receipt will be refused), -1
+   * if a later attempt began since: this one must not touch the sandbox.
    */
   fleetNoteVerify: {
     keys: 1,
@@ -877,8 +883,22 @@ const SCRIPTS = {
       if ARGV[1] == '' then
         redis.call('HDEL', KEYS[1], 't:verify:last')
       else
-        redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1])
+        redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1], 'vnote', ARGV[2])
       end
+      return 1`,
+  },
+  /**
+   * A verify attempt that noted work in the sandbox (`fleetNoteVerify`) ends without handing its
+   * verdict on (its exec broke, say): its code touches the sandbox no more, though its tests may
+   * still run there. If the note is still its own (`vnote` holds its token, ARGV[1]), mark it
+   * so (`left:` .. token): a later attempt's begin returns it, and that attempt may stop those
+   * tests itself rather than wait out their budget. Returns 1 if marked.
+   */
+  fleetLeaveVerify: {
+    keys: 1,
+    lua: `
+      if redis.call('HGET', KEYS[1], 'vnote') ~= ARGV[1] then return 0 end
+      redis.call('HSET', KEYS[1], 'vnote', 'left:' .. ARGV[1])
       return 1`,
   },
   /**

@@ -539,10 +539,10 @@ describe("rollout store", () => {
     // claim and A's note of its work (B, waiting on the claim, noted nothing).
     await store.endTestsSweep(id, "1", 5);
     expect(await store.testsSweepLeftMs(id)).toBeGreaterThan(0);
-    expect(await store.verifyNotedAt(id)).toBe(5);
+    expect((await store.verifyNote(id))?.at).toBe(5);
     await store.endTestsSweep(id, claimed.claim, 5);
     expect(await store.testsSweepLeftMs(id)).toBe(0);
-    expect(await store.verifyNotedAt(id)).toBeUndefined();
+    expect(await store.verifyNote(id)).toBeUndefined();
     expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).testsSweepLeftMs).toBe(0);
     expect(await store.noteVerifyWork(id, 7, "c")).toBe("noted");
     const c = await store.claimTestsSweep(id, "c", 50);
@@ -551,10 +551,39 @@ describe("rollout store", () => {
     await vi.waitFor(async () => expect(await store.testsSweepLeftMs(id)).toBe(0), { timeout: 10_000 });
     // A note that is no longer the ender's (another was noted since) stays.
     await store.endTestsSweep(id, c.claim, 6);
-    expect(await store.verifyNotedAt(id)).toBe(7);
+    expect((await store.verifyNote(id))?.at).toBe(7);
     expect(await store.testsSweepLeftMs(id)).toBe(0);
     await redis.hset(store.keys.rollout(id), "status", "completed");
     expect(await store.claimTestsSweep(id, "c", 30_000)).toEqual({ claimed: false, why: "terminal" });
+  });
+
+  it("a verify attempt that leaves the sandbox marks only its own note: a later attempt's begin is told so, never for a note another attempt took since", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    const prevLeft = async (token: string) => {
+      const b = await store.begin(id, "verify", 1, { verifyToken: token });
+      return { at: b.record!.times["verify:prev"], left: b.earlierVerifyLeft };
+    };
+    // No note yet: nothing to leave.
+    expect(await prevLeft("a")).toEqual({ at: undefined, left: false });
+    expect(await store.leaveVerifyWork(id, "a")).toBe(false);
+    expect(await store.noteVerifyWork(id, 5, "a")).toBe("noted");
+    // A's note, A still at work (say its worker died): B must wait its tests out.
+    expect(await prevLeft("b")).toEqual({ at: 5, left: false });
+    // B began but noted nothing; B leaving marks nothing: the note is A's, and A may be paused.
+    expect(await store.leaveVerifyWork(id, "b")).toBe(false);
+    expect(await store.verifyNote(id)).toEqual({ at: 5, left: false });
+    // A leaves (its exec broke): its note is marked, and the next attempt's begin says so.
+    expect(await store.leaveVerifyWork(id, "a")).toBe(true);
+    expect(await store.leaveVerifyWork(id, "a")).toBe(false);
+    expect(await store.verifyNote(id)).toEqual({ at: 5, left: true });
+    expect(await prevLeft("c")).toEqual({ at: 5, left: true });
+    // C notes its own work: the mark is gone with A's note.
+    expect(await store.noteVerifyWork(id, 9, "c")).toBe("noted");
+    expect(await prevLeft("d")).toEqual({ at: 9, left: false });
+    // A late leave by A (its call held through an outage) marks nothing of C's.
+    expect(await store.leaveVerifyWork(id, "a")).toBe(false);
+    expect(await store.verifyNote(id)).toEqual({ at: 9, left: false });
   });
 
   it("the task cache is bounded by size, not only by count: the oldest go first, a task over a quarter of it is never kept", async () => {
