@@ -109,7 +109,8 @@ export function urlVar(protocols: readonly string[]) {
  * A Redis URL: `redis://` / `rediss://`, a Redis Cluster's seed nodes as
  * `redis-cluster://[user:pass@]host:port,host:port` (`rediss-cluster://` for TLS), or Redis
  * Sentinels and the name of the master they watch as
- * `redis-sentinel://[user:pass@]host:port,host:port/mymaster[/db]`.
+ * `redis-sentinel://[user:pass@]host:port,host:port/mymaster[/db][?sentinelUsername=…&sentinelPassword=…]`
+ * (the master's credentials before the hosts, the sentinels' own in the query).
  */
 export function redisUrlVar() {
   const message =
@@ -119,11 +120,23 @@ export function redisUrlVar() {
     .trim()
     .refine((s) => {
       const cluster = /^rediss?-cluster:\/\/(?:[^@/]*@)?([^@/?#]+)\/?$/i.exec(s);
-      const sentinel = /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/([^/?#]+)(?:\/\d+)?\/?$/i.exec(s);
+      const sentinel =
+        /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/([^/?#]+)(?:\/\d+)?\/?(?:\?([^#]*))?$/i.exec(s);
       const nodes = (cluster ?? sentinel)?.[1];
       try {
         if (nodes === undefined) return ["redis:", "rediss:"].includes(new URL(s).protocol);
-        if (sentinel) decodeURIComponent(sentinel[2]!); // the master's name: throws if badly encoded
+        if (sentinel) {
+          decodeURIComponent(sentinel[2]!); // the master's name: throws if badly encoded
+          // The sentinels' own credentials, each at most once (see the queue's parseSentinelUrl).
+          const keys = sentinel[3] === undefined ? [] : sentinel[3].split("&");
+          const seen = new Set<string>();
+          for (const pair of keys) {
+            const [key = "", ...value] = pair.split("=");
+            if (!["sentinelUsername", "sentinelPassword"].includes(key) || seen.has(key)) return false;
+            seen.add(key);
+            decodeURIComponent(value.join("="));
+          }
+        }
         return nodes.split(",").every((node) => new URL(`redis://${node}`).hostname !== "");
       } catch {
         return false;

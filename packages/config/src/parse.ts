@@ -4,14 +4,18 @@ import type { z } from "zod";
 const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
 
 /**
- * `scheme://user:pass@host…` → `scheme://***@host…`. Heuristic, so it works on a URL that does not
- * parse (a password with `#`, `/` or `?`): everything between the first `://` and the last `@`.
+ * `scheme://user:pass@host…?query` → `scheme://***@host…?***`. Heuristic, so it works on a URL
+ * that does not parse (a password with `#`, `/` or `?`): everything between the first `://` and
+ * the last `@`, and the query after that (a Sentinel URL's `sentinelPassword`).
  */
 function redactUserinfo(value: string): string {
   const start = value.indexOf("://");
+  if (start === -1) return value;
   const at = value.lastIndexOf("@");
-  if (start === -1 || at < start + 3) return value;
-  return `${value.slice(0, start + 3)}***${value.slice(at)}`;
+  const hostAt = Math.max(at, start + 3);
+  const q = value.indexOf("?", hostAt);
+  const tail = q === -1 ? value.slice(hostAt) : `${value.slice(hostAt, q)}?***`;
+  return `${value.slice(0, start + 3)}${at < start + 3 ? "" : "***"}${tail}`;
 }
 
 export interface ConfigIssue {

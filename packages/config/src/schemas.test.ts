@@ -111,6 +111,10 @@ describe("DispatcherConfig", () => {
     ["redis-sentinel://s1:26379", false], // no master named
     ["redis-sentinel://s1:26379/m/x", false], // a database that is not a number
     ["redis-sentinel://s1:26379/m?db=1", false],
+    ["redis-sentinel://u:pw@s1/m/2?sentinelPassword=s%2Fp&sentinelUsername=w", true],
+    ["redis-sentinel://s1/m?sentinelPassword=a&sentinelPassword=b", false], // twice
+    ["redis-sentinel://s1/m?sentinelPassword=%zz", false],
+    ["redis-sentinel://s1/m?", false],
     ["redis-sentinel://s1:26379/m%zz", false], // a name that does not decode
   ])("REDIS_URL %s: accepted %s", (url, ok) => {
     const parsed = () => parseConfig(DispatcherConfig, { REDIS_URL: url });
@@ -185,6 +189,8 @@ describe("DispatcherConfig", () => {
       ["redis://admin:pa/ss?w0rd@redis:6379/0", "w0rd", "redis://***@redis:6379/0"],
       ["http://user:hunter2@redis:6379", "hunter2", "http://***@redis:6379"],
       [`redis://:${"x".repeat(100)}#@redis:6379`, "xxx", "redis://***@redis:6379"],
+      ["redis-sentinel://s1/m?sentinelPassword=hunter2&x=1", "hunter2", "redis-sentinel://s1/m?***"],
+      ["redis-sentinel://u:pw1@s1/m?sentinelPassword=hunter2&", "hunter2", "redis-sentinel://***@s1/m?***"],
     ] as const;
     for (const [url, secret, shown] of cases) {
       const err = errorOf(() => parseConfig(DispatcherConfig, { REDIS_URL: url }));

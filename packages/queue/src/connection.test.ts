@@ -66,13 +66,41 @@ describe("parseSentinelUrl", () => {
     expect(err.message).toContain("***@");
   });
 
+  it.each(["redis-sentinel://s1:26379", "redis-sentinel://s1:26379/", "redis-sentinel://s1:26379/m/x"])(
+    "refuses %s: no master named",
+    (url) => {
+      expect(() => parseSentinelUrl(url)).toThrow(/names its master/);
+    },
+  );
+
+  it("takes the sentinels' own credentials from the query, %-decoded (a `+` stays a `+`)", () => {
+    expect(
+      parseSentinelUrl("redis-sentinel://u:p@s1/m/2?sentinelUsername=watch%20er&sentinelPassword=s%26p+x="),
+    ).toEqual({
+      sentinels: [{ host: "s1", port: 26379 }],
+      name: "m",
+      redisOptions: { username: "u", password: "p", db: 2 },
+      sentinelUsername: "watch er",
+      sentinelPassword: "s&p+x=",
+    });
+    expect(parseSentinelUrl("redis-sentinel://s1/m?sentinelPassword=").sentinelPassword).toBe("");
+  });
+
   it.each([
-    "redis-sentinel://s1:26379",
-    "redis-sentinel://s1:26379/",
-    "redis-sentinel://s1:26379/m/x",
-    "redis-sentinel://s1:26379/m?db=1",
-  ])("refuses %s: no master named, or a query", (url) => {
-    expect(() => parseSentinelUrl(url)).toThrow(/names its master and no query/);
+    ["redis-sentinel://s1/m?db=1", /sets only sentinelUsername and sentinelPassword, each once \(got "db"\)/],
+    ["redis-sentinel://s1/m?sentinelPassword=s3cret&sentinelPassword=s3", /each once/],
+    ["redis-sentinel://s1/m?sentinelPassword=s3%zz", /bad %-encoding in the sentinelPassword/],
+    ["redis-sentinel://s1:x/m?sentinelPassword=s3cret", /bad Redis Sentinel "s1:x"/],
+  ])("refuses the query of %s, showing no password", (url, why) => {
+    let err: Error | undefined;
+    try {
+      parseSentinelUrl(url);
+    } catch (e) {
+      err = e as Error;
+    }
+    expect(err?.message).toMatch(why);
+    expect(err?.message).not.toContain("s3");
+    expect(err?.message).toContain("/m?***");
   });
 
   it("createRedis connects through the sentinels, ready for BullMQ (no retry limit, READONLY reconnects)", () => {
@@ -86,5 +114,9 @@ describe("parseSentinelUrl", () => {
     });
     expect(redis.duplicate().options).toMatchObject({ name: "m", failoverDetector: true });
     redis.disconnect();
+    const authed = createRedis("redis-sentinel://127.0.0.1:1/m?sentinelPassword=sp", { lazyConnect: true });
+    expect(authed.options).toMatchObject({ sentinelPassword: "sp" });
+    expect(authed.options.password ?? null).toBeNull();
+    authed.disconnect();
   });
 });

@@ -42,19 +42,25 @@ export function isSentinelUrl(url: string): boolean {
   return url.toLowerCase().startsWith(`${SENTINEL_SCHEME}//`);
 }
 
+/** What a Redis Sentinel URL's query may set: the sentinels' own credentials (ioredis's options). */
+const SENTINEL_QUERY = ["sentinelUsername", "sentinelPassword"] as const;
+
 /**
  * Parse `redis-sentinel://[user:password@]host1:port1,host2:port2/masterName[/db]` (a sentinel's
- * port defaults to 26379) into ioredis's sentinel options: the sentinels to ask, the master's
- * name, and the options for the master's connection (its credentials, its database). The
- * sentinels themselves are asked without credentials.
+ * port defaults to 26379), optionally followed by `?sentinelUsername=…&sentinelPassword=…` (the
+ * sentinels' own credentials, %-encoded; a `+` is a `+`), into ioredis's sentinel options: the
+ * sentinels to ask and their credentials, the master's name, and the options for the master's
+ * connection (its credentials, its database). Errors show the credentials and query as `***`.
  */
 export function parseSentinelUrl(url: string): {
   sentinels: { host: string; port: number }[];
   name: string;
   redisOptions: RedisOptions;
+  sentinelUsername?: string;
+  sentinelPassword?: string;
 } {
   if (!isSentinelUrl(url)) throw new Error(`not a Redis Sentinel URL: ${JSON.stringify(url)}`);
-  const { hosts, path, query, redisOptions, shown } = splitMultiHostUrl(
+  const { hosts, path, query, search, redisOptions, shown } = splitMultiHostUrl(
     url,
     SENTINEL_SCHEME,
     "Redis Sentinel",
@@ -67,13 +73,31 @@ export function parseSentinelUrl(url: string): {
   } catch {
     name = undefined;
   }
-  if (!m || name === undefined || query) {
+  if (!m || name === undefined) {
     throw new Error(
-      `a Redis Sentinel URL names its master and no query: redis-sentinel://host:26379/mymaster[/db], got ${JSON.stringify(shown)}`,
+      `a Redis Sentinel URL names its master: redis-sentinel://host:26379/mymaster[/db][?sentinelPassword=…], got ${JSON.stringify(shown)}`,
     );
   }
   if (m[2] !== undefined) redisOptions.db = Number(m[2]);
-  return { sentinels: hosts, name, redisOptions };
+  const auth: { sentinelUsername?: string; sentinelPassword?: string } = {};
+  if (query) {
+    for (const pair of search.split("&")) {
+      const eq = pair.indexOf("=");
+      const key = eq >= 0 ? pair.slice(0, eq) : pair;
+      const known = SENTINEL_QUERY.find((k) => k === key);
+      if (known === undefined || auth[known] !== undefined) {
+        throw new Error(
+          `a Redis Sentinel URL's query sets only ${SENTINEL_QUERY.join(" and ")}, each once (got ${JSON.stringify(key.slice(0, 40))}), in ${JSON.stringify(shown)}`,
+        );
+      }
+      try {
+        auth[known] = decodeURIComponent(eq >= 0 ? pair.slice(eq + 1) : "");
+      } catch {
+        throw new Error(`bad %-encoding in the ${known} of ${JSON.stringify(shown)}`);
+      }
+    }
+  }
+  return { sentinels: hosts, name, redisOptions, ...auth };
 }
 
 /**
@@ -91,13 +115,18 @@ function splitMultiHostUrl(
   hosts: { host: string; port: number }[];
   path: string;
   query: boolean;
+  /** The query, after `?` ('' for none). */
+  search: string;
   redisOptions: RedisOptions;
   shown: string;
 } {
   let rest = url.slice(scheme.length + 2);
   const redisOptions: RedisOptions = {};
   const at = rest.lastIndexOf("@");
-  const shown = at >= 0 ? `${scheme}//***@${rest.slice(at + 1)}` : url;
+  // Credentials and the query (which may hold the sentinels' password) as `***`.
+  const afterAt = at >= 0 ? rest.slice(at + 1) : rest;
+  const qAt = afterAt.indexOf("?");
+  const shown = `${scheme}//${at >= 0 ? "***@" : ""}${qAt >= 0 ? `${afterAt.slice(0, qAt)}?***` : afterAt}`;
   if (at >= 0) {
     const auth = rest.slice(0, at);
     rest = rest.slice(at + 1);
@@ -115,6 +144,7 @@ function splitMultiHostUrl(
   }
   const q = rest.indexOf("?");
   const query = q >= 0;
+  const search = query ? rest.slice(q + 1) : "";
   if (query) rest = rest.slice(0, q);
   const end = rest.indexOf("/");
   const path = end >= 0 ? rest.slice(end).replace(/^\/+$/, "") : "";
@@ -123,7 +153,7 @@ function splitMultiHostUrl(
     if (!m) throw new Error(`bad ${what} ${JSON.stringify(hostPort)} in ${JSON.stringify(shown)}`);
     return { host: m[1]!.replace(/^\[|\]$/g, ""), port: m[2] ? Number(m[2]) : defaultPort };
   });
-  return { hosts, path, query, redisOptions, shown };
+  return { hosts, path, query, search, redisOptions, shown };
 }
 
 /**
@@ -144,9 +174,17 @@ export function createRedis(url: string, options: RedisOptions = {}): Redis {
   if (isSentinelUrl(url)) {
     // The master the sentinels name: asked again at every connection, and at once when they
     // announce a failover (`failoverDetector`), besides at a READONLY.
-    const { sentinels, name, redisOptions } = parseSentinelUrl(url);
+    const { sentinels, name, redisOptions, ...sentinelAuth } = parseSentinelUrl(url);
     return coalesceWrites(
-      new Redis({ ...defaults, sentinels, name, failoverDetector: true, ...redisOptions, ...options }),
+      new Redis({
+        ...defaults,
+        sentinels,
+        name,
+        failoverDetector: true,
+        ...sentinelAuth,
+        ...redisOptions,
+        ...options,
+      }),
     );
   }
   return coalesceWrites(new Redis(url, { ...defaults, ...options }));

@@ -1,7 +1,7 @@
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { Redis } from "ioredis";
+import { Redis } from "ioredis";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { assertRedisDurable, createRedis, RedisDurabilityError } from "./connection.ts";
 import { FailoverPair, LocalSentinel } from "./testing/index.ts";
@@ -46,6 +46,28 @@ describe("REDIS_URL=redis-sentinel://host:port/name", () => {
     await redis.set("k", "after");
     expect(await pair.adminB.get("k")).toBe("after");
     expect(/^role:master/m.test(await pair.adminB.info("replication"))).toBe(true);
+  });
+
+  it("asks sentinels that want a password with the URL's sentinelPassword (the master's own credentials are apart)", async () => {
+    pair = await FailoverPair.start();
+    sentinel = await LocalSentinel.start(dir, pair.a.port, "fleetmaster", { password: "s&nt+nel pw" });
+    // The sentinel does refuse a client without it.
+    const anonymous = new Redis({
+      port: sentinel.port,
+      host: "127.0.0.1",
+      lazyConnect: true,
+      maxRetriesPerRequest: 0,
+    });
+    anonymous.on("error", () => undefined);
+    await expect(anonymous.call("SENTINEL", "MASTERS")).rejects.toThrow(/NOAUTH|Authentication required/);
+    anonymous.disconnect();
+    expect(sentinel.url).toContain("?sentinelPassword=s%26nt%2Bnel%20pw");
+    const redis = createRedis(sentinel.url);
+    conn = redis;
+    redis.on("error", () => undefined);
+    await assertRedisDurable(redis);
+    await redis.set("k", "through an authenticated sentinel");
+    expect(await pair.adminA.get("k")).toBe("through an authenticated sentinel");
   });
 
   it("refuses a master the sentinel names that could evict, as it refuses a plain URL's", async () => {

@@ -14,7 +14,8 @@ async function poll(what: string, check: () => Promise<boolean>, timeoutMs = 30_
 
 /**
  * A Redis Sentinel of a test's own on loopback (`redis-server --sentinel`), watching the master
- * on `masterPort` as `name` with a quorum of one. `admin` is a connection to it.
+ * on `masterPort` as `name` with a quorum of one. `admin` is a connection to it. With `password`,
+ * it asks its clients for that password (`requirepass`), and `url` carries it.
  */
 export class LocalSentinel {
   private constructor(
@@ -22,9 +23,16 @@ export class LocalSentinel {
     readonly port: number,
     readonly name: string,
     readonly admin: Redis,
+    readonly password: string | null,
   ) {}
 
-  static async start(dir: string, masterPort: number, name = "fleetmaster"): Promise<LocalSentinel> {
+  static async start(
+    dir: string,
+    masterPort: number,
+    name = "fleetmaster",
+    options: { password?: string } = {},
+  ): Promise<LocalSentinel> {
+    const password = options.password ?? null;
     const port = await freeLoopbackPort();
     const conf = join(dir, `sentinel-${port}.conf`);
     // Its config file must be writable: a sentinel records what it learns there.
@@ -38,15 +46,22 @@ export class LocalSentinel {
         `sentinel monitor ${name} 127.0.0.1 ${masterPort} 1`,
         `sentinel down-after-milliseconds ${name} 2000`,
         `sentinel failover-timeout ${name} 10000`,
+        ...(password === null ? [] : [`requirepass "${password}"`]),
         "",
       ].join("\n"),
     );
     const proc = spawn("redis-server", [conf, "--sentinel"], { stdio: "ignore" });
     // Not started (no redis-server): said by the wait below, not as an unheard 'error'.
     proc.on("error", () => undefined);
-    const admin = new Redis({ port, host: "127.0.0.1", lazyConnect: true, retryStrategy: () => 50 });
+    const admin = new Redis({
+      port,
+      host: "127.0.0.1",
+      lazyConnect: true,
+      retryStrategy: () => 50,
+      ...(password === null ? {} : { password }),
+    });
     admin.on("error", () => undefined);
-    const sentinel = new LocalSentinel(proc, port, name, admin);
+    const sentinel = new LocalSentinel(proc, port, name, admin, password);
     try {
       await poll(`the sentinel on ${port} answers`, async () => (await admin.ping()) === "PONG");
     } catch (err) {
@@ -57,7 +72,8 @@ export class LocalSentinel {
   }
 
   get url(): string {
-    return `redis-sentinel://127.0.0.1:${this.port}/${this.name}`;
+    const auth = this.password === null ? "" : `?sentinelPassword=${encodeURIComponent(this.password)}`;
+    return `redis-sentinel://127.0.0.1:${this.port}/${this.name}${auth}`;
   }
 
   /** The port of the master it names now. */
