@@ -15,6 +15,28 @@ export function isHandBack(err: unknown): err is HandBackError {
 }
 
 /**
+ * A hand-back until a time (epoch ms, `until`): thrown by a stage that can do nothing before it
+ * (a verify delivered again, waiting out the tests an earlier attempt may still run). The job
+ * goes back to the queue delayed until then, no attempt spent, rather than hold one of the
+ * worker's slots asleep for it (a tests' budget can be half an hour).
+ */
+export class DeferralError extends HandBackError {
+  constructor(
+    readonly until: number,
+    message = "the job can do nothing before a later time; it is handed back until then",
+  ) {
+    super(message);
+  }
+}
+
+export function isDeferral(err: unknown): err is DeferralError {
+  return (
+    err instanceof DeferralError ||
+    (named(err, "HandBackError") && typeof (err as { until?: unknown }).until === "number")
+  );
+}
+
+/**
  * Thrown by the stage runner when a stage failed because the sandbox provider does not answer
  * at all (a Docker daemon restarting, a hung daemon): the worker puts the job back in the queue,
  * delayed, without spending an attempt, and stops taking jobs of the provider's stages until the

@@ -2105,8 +2105,8 @@ describe("idempotency and fencing without workers", () => {
   it("a verify whose earlier attempt noted its tests and never left (its worker died, or it is paused past its lock) stops nothing of them: it waits them out", async () => {
     const { id, handle } = await ranWithTests("never-left-verify", "#!/bin/sh\nexit 0\n");
     const store = fleet.deps.store;
-    // A began and noted its tests 102 s ago (90 s budget + 15 s grace: 3 s left), then died.
-    const notedAt = Date.now() - 102_000;
+    // A began and noted its tests 103.5 s ago (90 s budget + 15 s grace: 1.5 s left), then died.
+    const notedAt = Date.now() - 103_500;
     await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
     expect(await store.noteVerifyWork(id!, notedAt, "attempt-a")).toBe("noted");
     // What runs as root in the sandbox (A's tests, as far as B can tell) is not B's to stop.

@@ -42,7 +42,7 @@ import {
 } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { HandBackError } from "./hand-back.ts";
+import { DeferralError, HandBackError } from "./hand-back.ts";
 import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
 import { composeResult } from "./result.ts";
 
@@ -986,6 +986,15 @@ async function waitOutEarlierTests(
       "a verify delivered again could not wait out the earlier attempt's tests before the rollout's deadline",
     );
   }
+  if (until - now > DEFER_ABOVE_MS) {
+    // Not asleep in one of the worker's slots for it (a tests' budget can be half an hour, and a
+    // verifier that died had as many rollouts verifying as its concurrency): back to the queue
+    // until then, no attempt spent. Taken again then, it begins anew and finds the wait over.
+    throw new DeferralError(
+      until,
+      "verify delivered again: waiting out the earlier attempt's tests before starting",
+    );
+  }
   deps.logger.info(
     { rolloutId: rec.meta.id, waitMs: until - now },
     "verify delivered again: waiting out the earlier attempt's tests before starting",
@@ -996,6 +1005,9 @@ async function waitOutEarlierTests(
     throw new HandBackError();
   }
 }
+
+/** A verify's wait for an earlier attempt's tests longer than this hands its job back until then. */
+const DEFER_ABOVE_MS = 2_000;
 
 /**
  * The earlier attempt left the sandbox (`earlierVerifyLeft`): what of its tests still runs there

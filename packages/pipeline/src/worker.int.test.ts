@@ -77,6 +77,58 @@ describe("stage workers at a concurrency above ten", () => {
     expect(done.every((l) => typeof l.ms === "number")).toBe(true);
   });
 
+  it("a verify that must wait out an earlier attempt's tests hands its job back until then: no attempt spent, its slot free for other rollouts", async () => {
+    const lines: string[] = [];
+    const noted = latch();
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      concurrency: 1,
+      deps: {
+        ...NO_OP_AGENT_AND_VERIFIER,
+        logger: loggerInto(lines, "info"),
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => {
+            await noted.opened;
+            return { exec: execResult(), answer: null, transcript: null, usage: null };
+          },
+        }),
+      },
+    });
+    const { store, queues } = fleet.deps;
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle" } });
+    const [a] = await fleet.submit([request]);
+    // An earlier verify of A noted its tests (30 s budget + 15 s grace) 39 s ago, then its worker
+    // died: 6 s of them left when A's verify begins, which it must wait out.
+    const notedAt = Date.now() - 39_000;
+    const waitEnds = notedAt + task.timeouts.verifierS * 1000 + 15_000;
+    await store.begin(a!, "verify", Date.now(), { verifyToken: "attempt-that-died" });
+    expect(await store.noteVerifyWork(a!, notedAt, "attempt-that-died")).toBe("noted");
+    noted.open();
+    const jobA = async () => queues.queues.verify.getJob(stageJobId(a!, "verify"));
+    await until("A's verify is handed back until the earlier tests are over", async () => {
+      const job = await jobA();
+      return (await job?.getState()) === "delayed";
+    });
+    expect((await jobA())!.attemptsMade).toBe(0);
+    // The only verify slot takes another rollout meanwhile (asleep in it, A would hold it).
+    const [b] = await fleet.submit([request]);
+    const [resultB] = await fleet.waitForResults([b!], 30_000);
+    expect(resultB!.status).toBe("completed");
+    expect(Date.now()).toBeLessThan(waitEnds);
+    const [resultA] = await fleet.waitForResults([a!], 60_000);
+    expect(resultA).toMatchObject({ status: "completed", reward: 1 });
+    const said = lines.map((l) => JSON.parse(l) as { msg: string; rolloutId?: string; until?: number });
+    const deferred = said.filter((l) => l.rolloutId === a && /until a later time/.test(l.msg));
+    expect(deferred.length).toBeGreaterThanOrEqual(1);
+    expect(deferred[0]!.until).toBe(waitEnds);
+    // Verified once the wait was over, on its first attempt.
+    const done = said.find(
+      (l) => l.rolloutId === a && l.msg === "stage job done" && (l as { stage?: string }).stage === "verify",
+    );
+    expect(done).toMatchObject({ outcome: "ok", attempt: 1 });
+  });
+
   /**
    * A fleet whose verify grades until it is stopped, as the real verifier's provider calls do
    * (they throw `cancelled` with the signal's reason), with one rollout verifying; warnings in `lines`.

@@ -4,7 +4,7 @@ import { duplicateRedis, isRedisUnavailable, type RedisConnection } from "@fleet
 import type { StageOutcome } from "@fleet/telemetry";
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { HandBackError, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
+import { HandBackError, isDeferral, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
 import { providerGate, providerProblem } from "./provider-gate.ts";
 import { isRedisRefusal, nextAfter, runStageJob } from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys } from "./stages.ts";
@@ -169,7 +169,9 @@ export function createStageWorkers(
             // (`handBacksOf`), so that its deliveries are not taken for Redis holds; a count
             // that fails leaves the hand-back to go on (the move says whether Redis takes it).
             await job.updateProgress({ handBacks: handBacksOf(job) + 1 }).catch(() => undefined);
-            await job.moveToWait(token).catch((moveErr: unknown) => {
+            const deferral = isDeferral(err);
+            const move = deferral ? job.moveToDelayed(err.until, token) : job.moveToWait(token);
+            await move.catch((moveErr: unknown) => {
               // Refused (the lock lapsed or another worker holds the job) or Redis unreachable:
               // the job stays active until a stalled check takes it back. Said here: BullMQ
               // drops the error it makes of this while its worker closes.
@@ -182,7 +184,14 @@ export function createStageWorkers(
             // A seed that waited its time for the seed-ahead bound: routine, not worth a line
             // each; counted (no duration: it did no work).
             const waited = err instanceof SeedWaitOver;
-            if (waited) deps.metrics?.stageJobs.inc({ stage, outcome: "requeued" });
+            if (waited || deferral) deps.metrics?.stageJobs.inc({ stage, outcome: "requeued" });
+            if (deferral) {
+              deps.logger.info(
+                { stage, rolloutId: job.data?.rolloutId, until: err.until, why: err.message },
+                "handed the job back until a later time (no attempt spent)",
+              );
+              throw new DelayedError();
+            }
             deps.logger[waited ? "debug" : "info"](
               { stage, rolloutId: job.data?.rolloutId },
               "handed the job back",
