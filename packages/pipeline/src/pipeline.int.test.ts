@@ -560,6 +560,29 @@ describe("idempotency and fencing without workers", () => {
     ).stdout.trim();
 
   /**
+   * The fleet's deps with a provider that notes when tests are staged (`staged`, epoch ms) and
+   * which users' processes it was asked to sweep (`swept`).
+   */
+  const watchStaging = () => {
+    const staged: number[] = [];
+    const swept: string[] = [];
+    const deps = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (...a: Parameters<SandboxProvider["put"]>) => {
+          if (a[1] === "/tests") staged.push(Date.now());
+          return fleet.deps.provider.put(...a);
+        },
+        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
+          swept.push(a[1] ?? "");
+          return fleet.deps.provider.killProcesses(...a);
+        },
+      }),
+    };
+    return { deps, staged, swept };
+  };
+
+  /**
    * `docker`, whose create of `owner`'s sandbox makes it and then throws, as a worker that died
    * before recording its handle; `intentAtCreate` is the sandbox entry (`key`) it found then.
    */
@@ -2006,16 +2029,7 @@ describe("idempotency and fencing without workers", () => {
     // 1 s + the 15 s grace after that: 1.5 s from now.
     const earlier = Date.now() - 14_500;
     await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "t:verify:last", String(earlier));
-    const staged: number[] = [];
-    const watching = {
-      ...fleet.deps,
-      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
-        put: async (...a: Parameters<SandboxProvider["put"]>) => {
-          if (a[1] === "/tests") staged.push(Date.now());
-          return fleet.deps.provider.put(...a);
-        },
-      }),
-    };
+    const { deps: watching, staged } = watchStaging();
     expect(await runStageJob("verify", job(id!), watching)).toBe("ok");
     expect(staged).toHaveLength(1);
     expect(staged[0]!).toBeGreaterThanOrEqual(earlier + 1_000 + 15_000);
@@ -2084,16 +2098,7 @@ describe("idempotency and fencing without workers", () => {
     // A gave the job back and left the sandbox; its tests run on there.
     expect(await rootSleeps()).toBe("1");
     expect((await fleet.deps.store.verifyNote(id!))?.left).toBe(true);
-    const staged: number[] = [];
-    const watching = {
-      ...fleet.deps,
-      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
-        put: async (...a: Parameters<SandboxProvider["put"]>) => {
-          if (a[1] === "/tests") staged.push(Date.now());
-          return fleet.deps.provider.put(...a);
-        },
-      }),
-    };
+    const { deps: watching, staged } = watchStaging();
     expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
     // B stopped A's tests before staging its own: not their 90 s budget (+ 15 s) later.
     expect(await rootSleeps()).toBe("0");
@@ -2114,21 +2119,7 @@ describe("idempotency and fencing without workers", () => {
       .exec(handle, ["sleep", "600"], { deadlineMs: 120_000, user: ROOT_USER })
       .catch(() => undefined);
     await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
-    const swept: string[] = [];
-    const staged: number[] = [];
-    const watching = {
-      ...fleet.deps,
-      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
-        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
-          swept.push(a[1] ?? "");
-          return fleet.deps.provider.killProcesses(...a);
-        },
-        put: async (...a: Parameters<SandboxProvider["put"]>) => {
-          if (a[1] === "/tests") staged.push(Date.now());
-          return fleet.deps.provider.put(...a);
-        },
-      }),
-    };
+    const { deps: watching, staged, swept } = watchStaging();
     expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
     expect(swept).not.toContain(ROOT_USER);
     expect(await rootSleeping(handle, 600)).toBe("1");
