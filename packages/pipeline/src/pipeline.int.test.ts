@@ -21,7 +21,7 @@ import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
 import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
-import { isHandBack, RedisHoldError } from "./hand-back.ts";
+import { type DeferralError, isDeferral, isHandBack, RedisHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
@@ -1870,8 +1870,10 @@ describe("idempotency and fencing without workers", () => {
       new Promise((r) => setTimeout(r, 30_000, "still waiting")),
     ]);
     expect(isHandBack(handedBack)).toBe(true);
-    // Not confirmed stopped: the note stays, so the next attempt waits the tests out.
+    // Not confirmed stopped: the note stays, so the next attempt waits the tests out. Nor is it
+    // marked left: an exec of the attempt's still queued in its client could yet start.
     expect((await fleet.deps.store.get(id!))!.times["verify:last"]).toBeDefined();
+    expect((await fleet.deps.store.verifyNote(id!))?.left).toBe(false);
     await runStageJob("close", job(id!), fleet.deps);
   });
 
@@ -2105,6 +2107,38 @@ describe("idempotency and fencing without workers", () => {
     expect(staged).toHaveLength(1);
     expect(staged[0]! - brokeAt).toBeLessThan(30_000);
     await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
+  it("a verify whose sweep of the tests an earlier attempt left has no answer starts nothing before its claim on the sweep lapses: it hands its job back until then", async () => {
+    const { id, handle } = await ranWithTests("unanswered-sweep", "#!/bin/sh\nsleep 600\n");
+    const store = fleet.deps.store;
+    // A noted its tests 104 s ago (90 s budget + 15 s grace: 1 s left), and left (its exec broke).
+    await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
+    expect(await store.noteVerifyWork(id!, Date.now() - 104_000, "attempt-a")).toBe("noted");
+    const aTests = fleet.deps.provider
+      .exec(handle, ["sleep", "600"], { deadlineMs: 120_000, user: ROOT_USER })
+      .catch(() => undefined);
+    await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
+    expect(await store.leaveVerifyWork(id!, "attempt-a")).toBe(true);
+    // B's sweep of them never answers (a hung daemon): it may yet land.
+    const { deps: watching, staged } = watchStaging();
+    const hung = {
+      ...watching,
+      provider: Object.assign(Object.create(watching.provider) as SandboxProvider, {
+        killProcesses: (...a: Parameters<SandboxProvider["killProcesses"]>) =>
+          a[1] === ROOT_USER ? new Promise<never>(() => undefined) : watching.provider.killProcesses(...a),
+      }),
+    };
+    const began = Date.now();
+    const err = await runStageJob("verify", job(id!, 1), hung).catch((e: unknown) => e);
+    // Handed back until its claim (30 s) lapses at the earliest, nothing staged.
+    expect(isDeferral(err)).toBe(true);
+    expect((err as DeferralError).until).toBeGreaterThanOrEqual(began + 30_000);
+    expect(staged).toEqual([]);
+    // A later attempt that begins meanwhile waits for that claim too.
+    expect(await store.testsSweepLeftMs(id!)).toBeGreaterThan(0);
+    await runStageJob("close", job(id!), fleet.deps);
+    await aTests;
   });
 
   it("a verify whose earlier attempt noted its tests and never left (its worker died, or it is paused past its lock) stops nothing of them: it waits them out", async () => {

@@ -42,7 +42,7 @@ import {
 } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
-import { DeferralError, HandBackError } from "./hand-back.ts";
+import { DeferralError, HandBackError, isHandBack } from "./hand-back.ts";
 import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
 import { composeResult } from "./result.ts";
 
@@ -962,6 +962,7 @@ async function waitOutEarlierTests(
   deps: PipelineDeps,
   task: TaskContent,
   handle: SandboxHandle,
+  token: string,
   shutdown?: AbortSignal,
 ): Promise<void> {
   if (task.verifier.kind !== "tests") return;
@@ -976,10 +977,20 @@ async function waitOutEarlierTests(
     left = note?.left ?? false;
   }
   if (earlier === undefined) return;
-  if (left && (await stopLeftTests(rec, deps, handle))) return;
-  const now = clock(deps);
-  const until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
+  let now = clock(deps);
+  let until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
+  // Past their budget: nothing of them is left to stop (nor a sweep to risk).
   if (until <= now) return;
+  if (left) {
+    const stopped = await stopLeftTests(rec, deps, handle, token, earlier);
+    if (stopped.outcome === "stopped") return;
+    if (stopped.outcome === "superseded") throw new VerifySupersededError();
+    if (stopped.outcome === "terminal") throw new VerifyStoppedError();
+    // A sweep with no answer may yet land: nothing of this attempt's starts before its claim
+    // lapses (nor before the earlier tests' budget ends).
+    now = clock(deps);
+    if (stopped.outcome === "unanswered") until = Math.max(until, now + SWEEP_CLAIM_MS);
+  }
   if (until >= rec.meta.deadlineAt) {
     throw FleetError.nonRetryable(
       "deadline_exceeded",
@@ -1011,14 +1022,34 @@ const DEFER_ABOVE_MS = 2_000;
 
 /**
  * The earlier attempt left the sandbox (`earlierVerifyLeft`): what of its tests still runs there
- * (every root process: see `stopOwnTests`) is nobody's. This attempt holds the verify fence, so
- * no attempt but a later one (which then waits for this one's note, or sweeps likewise: harmless)
- * starts anything there. True once none is left; false when the stop could not confirm (a
- * process that outlives SIGKILL, a sweep with no answer): the caller waits them out. A daemon
- * still down is the provider's error (retried, the note kept for the next attempt).
+ * (every root process: see `stopOwnTests`) is nobody's, and this attempt, holding the verify
+ * fence, stops it, as a handed-back attempt stops its own: under a claim on the sweep taken while
+ * its token holds the fence (`claimTestsSweep`), so that an attempt beginning meanwhile waits for
+ * the sweep's end (the claim's) before it starts anything, and one that began since (this one
+ * paused) is not swept under. The outcome:
+ * - `stopped`: none is left; the claim ended with the earlier note (start at once);
+ * - `resisted`: the sweep counted processes it could not stop; the claim ended (wait them out);
+ * - `unanswered`: the sweep failed or had no answer and may yet land; the claim lapses by itself
+ *   (start nothing before it has);
+ * - `superseded` / `terminal`: no claim (a later attempt began; the rollout ended): no sweep.
+ * A daemon still down is the provider's error (retried; the claim lapses, the note is kept).
  */
-async function stopLeftTests(rec: StageRecord, deps: PipelineDeps, handle: SandboxHandle): Promise<boolean> {
+async function stopLeftTests(
+  rec: StageRecord,
+  deps: PipelineDeps,
+  handle: SandboxHandle,
+  token: string,
+  notedAt: number,
+): Promise<{ outcome: "stopped" | "resisted" | "unanswered" | "superseded" | "terminal" }> {
   const id = rec.meta.id;
+  const claimed = await deps.store.claimTestsSweep(id, token, SWEEP_CLAIM_MS).catch((err: unknown) => {
+    throw FleetError.retryable(
+      "provider_unavailable",
+      `could not claim the sweep of the tests an earlier verify left: ${err instanceof Error ? err.message : String(err)}`,
+      err,
+    );
+  });
+  if (!claimed.claimed) return { outcome: claimed.why };
   let stopped: Awaited<ReturnType<SandboxProvider["killProcesses"]>>;
   try {
     stopped = await withTimeout(
@@ -1030,22 +1061,33 @@ async function stopLeftTests(rec: StageRecord, deps: PipelineDeps, handle: Sandb
     if (isFleetError(err) && (err.kind === "provider_unavailable" || err.kind === "sandbox_lost")) throw err;
     deps.logger.warn(
       { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
-      "verify delivered again: could not stop the tests the earlier attempt left; waiting them out",
+      "verify delivered again: the sweep of the tests the earlier attempt left had no answer; starting nothing before its claim lapses",
     );
-    return false;
+    return { outcome: "unanswered" };
   }
+  // The sweep is over: its claim ends (with the earlier note, once none is left).
+  await withTimeout(
+    deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null),
+    STOP_TESTS_MS,
+    "no answer",
+  ).catch((err: unknown) =>
+    deps.logger.warn(
+      { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+      "could not end the claim on a verify's sweep; it lapses",
+    ),
+  );
   if (!stopped.confirmed) {
     deps.logger.warn(
       { rolloutId: id, remaining: stopped.remaining, detail: stopped.detail },
       "verify delivered again: the tests the earlier attempt left did not stop; waiting them out",
     );
-    return false;
+    return { outcome: "resisted" };
   }
   deps.logger.info(
     { rolloutId: id },
     "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
   );
-  return true;
+  return { outcome: "stopped" };
 }
 
 /** How often a verify waiting for a handed-back attempt's sweep asks whether it ended. */
@@ -1159,6 +1201,11 @@ class VerifySupersededError extends Error {
   override readonly name = "VerifySupersededError";
 }
 
+/** The rollout became terminal while a verify waited to start: close reports it. */
+class VerifyStoppedError extends Error {
+  override readonly name = "VerifyStoppedError";
+}
+
 /** A verify (or seed) attempt that a later one superseded ends here: logged, nothing stored or enqueued. */
 export function superseded(
   deps: PipelineDeps,
@@ -1188,7 +1235,7 @@ export const verifyStage: StageHandler = async (rec, deps, attempt, shutdown) =>
     // runs rather than wait out their budget (`waitOutEarlierTests`). Not at a shutdown: its
     // own sweep (`stopOwnTests`) did that, and an exec of its still queued in the client could
     // yet start.
-    if (work.token !== null && !shutdown?.aborted && !(err instanceof HandBackError)) {
+    if (work.token !== null && !shutdown?.aborted && !isHandBack(err)) {
       await leaveVerifyWork(deps, rec.meta.id, work.token);
     }
     throw err;
@@ -1243,8 +1290,15 @@ const verifyAttempt = async (
   }
   const token = fence.token;
   const task = await loadTask(rec, deps);
-  await waitOutEarlierTests(rec, deps, task, seedReceipt.handle, shutdown);
   const id = rec.meta.id;
+  try {
+    await waitOutEarlierTests(rec, deps, task, seedReceipt.handle, token, shutdown);
+  } catch (err) {
+    if (err instanceof VerifySupersededError) return superseded(deps, id, "does not touch the sandbox");
+    // The rollout ended meanwhile (a cancel, its deadline): close reports it (a repeat is a no-op).
+    if (err instanceof VerifyStoppedError) return "close";
+    throw err;
+  }
   // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
   // When this attempt last noted its work in the sandbox (a sweep that stops its tests clears it).
   let notedAt: number | null = null;

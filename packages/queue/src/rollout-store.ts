@@ -999,7 +999,7 @@ export class RolloutStore {
    */
   async verifyNote(id: string): Promise<{ at: number; left: boolean } | undefined> {
     const [at, by] = await this.redis.hmget(this.keys.rollout(id), "t:verify:last", "vnote");
-    return at === null || at === undefined ? undefined : { at: Number(at), left: !!by?.startsWith("left:") };
+    return at === null || at === undefined ? undefined : { at: Number(at), left: by === `left:${at}` };
   }
 
   /**

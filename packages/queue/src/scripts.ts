@@ -809,7 +809,8 @@ const SCRIPTS = {
               -- waits it out; see fleetNoteVerify).
               prevTests = v[iLast]
               -- Whether the attempt that noted it has left the sandbox (fleetLeaveVerify).
-              if v[iNote] and string.sub(v[iNote], 1, 5) == 'left:' then prevLeft = 1 end
+              -- Its mark names the note it left (an attempt of an older release notes without one).
+              if v[iNote] and v[iLast] and v[iNote] == 'left:' .. v[iLast] then prevLeft = 1 end
               -- How long an earlier attempt handed back at shutdown may still sweep its tests
               -- (every root process), by Redis's clock: this one starts nothing before that ends
               -- (fleetTestsSweep).
@@ -891,14 +892,16 @@ const SCRIPTS = {
    * A verify attempt that noted work in the sandbox (`fleetNoteVerify`) ends without handing its
    * verdict on (its exec broke, say): its code touches the sandbox no more, though its tests may
    * still run there. If the note is still its own (`vnote` holds its token, ARGV[1]), mark it
-   * so (`left:` .. token): a later attempt's begin returns it, and that attempt may stop those
-   * tests itself rather than wait out their budget. Returns 1 if marked.
+   * so (`left:` .. the note's time): a later attempt's begin returns it while `t:verify:last` is
+   * still that note (one noted since, even by a release that sets no `vnote`, is not left), and
+   * that attempt may stop those tests itself rather than wait out their budget. Returns 1 if
+   * marked.
    */
   fleetLeaveVerify: {
     keys: 1,
     lua: `
       if redis.call('HGET', KEYS[1], 'vnote') ~= ARGV[1] then return 0 end
-      redis.call('HSET', KEYS[1], 'vnote', 'left:' .. ARGV[1])
+      redis.call('HSET', KEYS[1], 'vnote', 'left:' .. (redis.call('HGET', KEYS[1], 't:verify:last') or ''))
       return 1`,
   },
   /**

@@ -578,6 +578,10 @@ describe("rollout store", () => {
     expect(await store.leaveVerifyWork(id, "a")).toBe(false);
     expect(await store.verifyNote(id)).toEqual({ at: 5, left: true });
     expect(await prevLeft("c")).toEqual({ at: 5, left: true });
+    // An attempt of an older release (it notes no vnote) notes since: its tests are not left.
+    await redis.hset(store.keys.rollout(id), "t:verify:last", "6");
+    expect(await prevLeft("c")).toEqual({ at: 6, left: false });
+    await redis.hset(store.keys.rollout(id), "t:verify:last", "5");
     // C notes its own work: the mark is gone with A's note.
     expect(await store.noteVerifyWork(id, 9, "c")).toBe("noted");
     expect(await prevLeft("d")).toEqual({ at: 9, left: false });
