@@ -121,7 +121,7 @@ export function redisUrlVar() {
     .refine((s) => {
       const cluster = /^rediss?-cluster:\/\/(?:[^@/]*@)?([^@/?#]+)\/?$/i.exec(s);
       const sentinel =
-        /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/([^/?#]+)(?:\/\d+)?\/?(?:\?([^#]*))?$/i.exec(s);
+        /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/([^/?#]+)(?:\/\d+)?\/?(?:\?([^#@]*))?$/i.exec(s);
       const nodes = (cluster ?? sentinel)?.[1];
       try {
         if (nodes === undefined) return ["redis:", "rediss:"].includes(new URL(s).protocol);

@@ -12,6 +12,9 @@ function redactUserinfo(value: string): string {
   const start = value.indexOf("://");
   if (start === -1) return value;
   const at = value.lastIndexOf("@");
+  // An `@` after a query's `name=` (a Sentinel URL's password) may not end the userinfo at all.
+  const q0 = value.indexOf("?", start + 3);
+  if (q0 !== -1 && q0 < at && value.slice(q0, at).includes("=")) return `${value.slice(0, start + 3)}***`;
   const hostAt = Math.max(at, start + 3);
   const q = value.indexOf("?", hostAt);
   const tail = q === -1 ? value.slice(hostAt) : `${value.slice(hostAt, q)}?***`;

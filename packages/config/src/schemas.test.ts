@@ -115,6 +115,8 @@ describe("DispatcherConfig", () => {
     ["redis-sentinel://s1/m?sentinelPassword=a&sentinelPassword=b", false], // twice
     ["redis-sentinel://s1/m?sentinelPassword=%zz", false],
     ["redis-sentinel://s1/m?", false],
+    ["redis-sentinel://s1/m?sentinelPassword=p@ss", false], // a raw @ in the query (%40)
+    ["redis-sentinel://s1/m?sentinelPassword=p%40ss", true],
     ["redis-sentinel://s1:26379/m%zz", false], // a name that does not decode
   ])("REDIS_URL %s: accepted %s", (url, ok) => {
     const parsed = () => parseConfig(DispatcherConfig, { REDIS_URL: url });
@@ -191,6 +193,7 @@ describe("DispatcherConfig", () => {
       [`redis://:${"x".repeat(100)}#@redis:6379`, "xxx", "redis://***@redis:6379"],
       ["redis-sentinel://s1/m?sentinelPassword=hunter2&x=1", "hunter2", "redis-sentinel://s1/m?***"],
       ["redis-sentinel://u:pw1@s1/m?sentinelPassword=hunter2&", "hunter2", "redis-sentinel://***@s1/m?***"],
+      ["redis-sentinel://s1/m?sentinelPassword=hunt@er2", "er2", "redis-sentinel://***"],
     ] as const;
     for (const [url, secret, shown] of cases) {
       const err = errorOf(() => parseConfig(DispatcherConfig, { REDIS_URL: url }));

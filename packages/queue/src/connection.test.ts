@@ -103,6 +103,26 @@ describe("parseSentinelUrl", () => {
     expect(err?.message).toContain("/m?***");
   });
 
+  it.each([
+    "redis-sentinel://s1/m?sentinelPassword=p@ss3",
+    "redis-sentinel://u:pw@s1/m?sentinelPassword=x@h2:1/m2s3",
+    "redis-sentinel://s1/m?sentinelUsername=a@b&sentinelPassword=s3",
+  ])(
+    "refuses a raw @ in the query of %s (it would pass for the credentials' end), showing nothing past the scheme",
+    (url) => {
+      let err: Error | undefined;
+      try {
+        parseSentinelUrl(url);
+      } catch (e) {
+        err = e as Error;
+      }
+      expect(err?.message).toBe(
+        'write a "@" in a Redis Sentinel URL\'s query as %40: "redis-sentinel://***"',
+      );
+      expect(parseSentinelUrl(url.replace(/@(?=[^@]*$)/, "%40")).sentinels).toHaveLength(1);
+    },
+  );
+
   it("createRedis connects through the sentinels, ready for BullMQ (no retry limit, READONLY reconnects)", () => {
     const redis = createRedis("redis-sentinel://127.0.0.1:1/m", { lazyConnect: true });
     expect(redis.options).toMatchObject({

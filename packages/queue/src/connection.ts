@@ -123,6 +123,11 @@ function splitMultiHostUrl(
   let rest = url.slice(scheme.length + 2);
   const redisOptions: RedisOptions = {};
   const at = rest.lastIndexOf("@");
+  // A raw `@` in a Sentinel URL's query (its password's) would pass for the end of the
+  // credentials: refused, showing nothing of the URL past its scheme.
+  if (at >= 0 && /[?&]sentinel(?:Username|Password)=/i.test(rest.slice(0, at))) {
+    throw new Error(`write a "@" in a ${what} URL's query as %40: ${JSON.stringify(`${scheme}//***`)}`);
+  }
   // Credentials and the query (which may hold the sentinels' password) as `***`.
   const afterAt = at >= 0 ? rest.slice(at + 1) : rest;
   const qAt = afterAt.indexOf("?");

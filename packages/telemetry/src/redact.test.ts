@@ -118,6 +118,7 @@ describe("redactSecretFields", () => {
       secretKey: "d",
       secret_access_key: "e",
       bearerToken: "f",
+      sentinelPassword: "g",
       promptTokens: 12,
       maxTokens: 64,
     });
@@ -128,6 +129,7 @@ describe("redactSecretFields", () => {
       secretKey: REDACTED,
       secret_access_key: REDACTED,
       bearerToken: REDACTED,
+      sentinelPassword: REDACTED,
       promptTokens: 12,
       maxTokens: 64,
     });
@@ -204,12 +206,14 @@ describe("redactSecretFields", () => {
       redis: "redis://fleet:s3cret@redis.internal:6379/0",
       git: "https://ghp_abc123@github.com/o/r.git",
       api: ["https://api.example.com/v1/x?Api-Key=k1&limit=5#top"],
+      sentinel: "redis-sentinel://u:p@s1:26379/m?sentinelPassword=sp1&sentinelUsername=w",
       kept,
     });
     expect(out).toEqual({
       redis: `redis://${REDACTED}@redis.internal:6379/0`,
       git: `https://${REDACTED}@github.com/o/r.git`,
       api: [`https://api.example.com/v1/x?Api-Key=${REDACTED}&limit=5#top`],
+      sentinel: `redis-sentinel://${REDACTED}@s1:26379/m?sentinelPassword=${REDACTED}&sentinelUsername=w`,
       kept,
     });
   });

@@ -23,6 +23,7 @@ export const SECRET_KEYS: ReadonlySet<string> = new Set([
   "secretaccesskey",
   "password",
   "passwd",
+  "sentinelpassword",
   "secret",
   "clientsecret",
   "authorization",
