@@ -114,7 +114,7 @@ export function urlVar(protocols: readonly string[]) {
  */
 export function redisUrlVar() {
   const message =
-    "must be a URL starting with redis:// or rediss:// (or redis-cluster://host:port,host:port, or redis-sentinel://host:port,host:port/mastername)";
+    "must be a URL starting with redis:// or rediss:// (or redis-cluster://host:port,host:port, or redis-sentinel://host:port,host:port/mastername[?sentinelPassword=…, a @ in it as %40])";
   return z
     .string()
     .trim()
