@@ -1042,22 +1042,17 @@ async function stopLeftTests(
   notedAt: number,
 ): Promise<{ outcome: "stopped" | "resisted" | "unanswered" | "superseded" | "terminal" }> {
   const id = rec.meta.id;
-  const claimed = await deps.store.claimTestsSweep(id, token, SWEEP_CLAIM_MS).catch((err: unknown) => {
+  const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt).catch((err: unknown) => {
     throw FleetError.retryable(
       "provider_unavailable",
       `could not claim the sweep of the tests an earlier verify left: ${err instanceof Error ? err.message : String(err)}`,
       err,
     );
   });
-  if (!claimed.claimed) return { outcome: claimed.why };
-  let stopped: Awaited<ReturnType<SandboxProvider["killProcesses"]>>;
-  try {
-    stopped = await withTimeout(
-      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
-      2 * STOP_TESTS_MS,
-      `the sweep had no answer within ${2 * STOP_TESTS_MS} ms`,
-    );
-  } catch (err) {
+  if (!swept.claimed) return { outcome: swept.why };
+  const { stopped } = swept;
+  if (!("confirmed" in stopped)) {
+    const err = stopped.error;
     if (isFleetError(err) && (err.kind === "provider_unavailable" || err.kind === "sandbox_lost")) throw err;
     deps.logger.warn(
       { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
@@ -1065,29 +1060,68 @@ async function stopLeftTests(
     );
     return { outcome: "unanswered" };
   }
-  // The sweep is over: its claim ends (with the earlier note, once none is left).
-  await withTimeout(
-    deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null),
-    STOP_TESTS_MS,
-    "no answer",
-  ).catch((err: unknown) =>
-    deps.logger.warn(
-      { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
-      "could not end the claim on a verify's sweep; it lapses",
-    ),
-  );
   if (!stopped.confirmed) {
     deps.logger.warn(
       { rolloutId: id, remaining: stopped.remaining, detail: stopped.detail },
       "verify delivered again: the tests the earlier attempt left did not stop; waiting them out",
     );
-    return { outcome: "resisted" };
+    return { outcome: stopped.remaining > 0 ? "resisted" : "unanswered" };
   }
   deps.logger.info(
     { rolloutId: id },
     "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
   );
   return { outcome: "stopped" };
+}
+
+/**
+ * The sweep of a verify's tests in the sandbox (every root process), as both a handed-back
+ * attempt (`stopOwnTests`) and one that finds tests an earlier attempt left (`stopLeftTests`) run
+ * it: under a claim taken while `token` holds the verify fence (`claimTestsSweep`; not claimed:
+ * superseded or terminal, no sweep), each step bounded (a shutdown has seconds). The claim ends
+ * only once the sweep is known to have: it confirmed (the note at `notedAt` goes too: nothing to
+ * wait out), or counted what is left. Given up on, or failed as it started (it may have started
+ * all the same), its claim lapses, and `stopped` holds the error. A claim that fails throws.
+ */
+async function sweepTestsUnderClaim(
+  deps: PipelineDeps,
+  handle: SandboxHandle,
+  id: string,
+  token: string,
+  notedAt: number | null,
+): Promise<
+  | { claimed: false; why: "superseded" | "terminal" }
+  | { claimed: true; stopped: CleanupReceipt | { error: unknown } }
+> {
+  const claimed = await withTimeout(
+    deps.store.claimTestsSweep(id, token, SWEEP_CLAIM_MS),
+    STOP_TESTS_MS,
+    `no answer within ${STOP_TESTS_MS} ms`,
+  );
+  if (!claimed.claimed) return claimed;
+  let stopped: CleanupReceipt;
+  try {
+    stopped = await withTimeout(
+      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
+      2 * STOP_TESTS_MS,
+      `the sweep had no answer within ${2 * STOP_TESTS_MS} ms`,
+    );
+  } catch (error) {
+    return { claimed: true, stopped: { error } };
+  }
+  if (stopped.confirmed || stopped.remaining > 0) {
+    await withTimeout(
+      deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null),
+      STOP_TESTS_MS,
+      "no answer",
+    ).catch((err: unknown) =>
+      deps.logger.warn(
+        { rolloutId: id, detail: err instanceof Error ? err.message : String(err) },
+        "could not end the claim on a verify's sweep; it lapses",
+      ),
+    );
+  }
+  return { claimed: true, stopped };
 }
 
 /** How often a verify waiting for a handed-back attempt's sweep asks whether it ended. */
@@ -1159,29 +1193,15 @@ async function stopOwnTests(
   const warn = (detail: string, msg: string) => deps.logger.warn({ rolloutId: id, detail }, msg);
   const reason = (err: unknown) => (err instanceof Error ? err.message : String(err));
   try {
-    // Each step bounded (the shutdown's budget is seconds): the claim (one that lands late
-    // frees the next attempt when it lapses), one quick sweep, the claim's end.
-    const claimed = await withTimeout(
-      deps.store.claimTestsSweep(id, token, SWEEP_CLAIM_MS),
-      STOP_TESTS_MS,
-      `no answer within ${STOP_TESTS_MS} ms`,
-    );
-    if (!claimed.claimed) return;
-    const stopped = await withTimeout(
-      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
-      2 * STOP_TESTS_MS,
-      `the sweep had no answer within ${2 * STOP_TESTS_MS} ms`,
-    );
-    // Ended only once the sweep is known to have: it confirmed, or counted what is left. Given up
-    // on, or failed as it started (it may have started all the same), its claim lapses.
-    if (stopped.confirmed || stopped.remaining > 0) {
-      await withTimeout(
-        deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null),
-        STOP_TESTS_MS,
-        "no answer",
-      ).catch((err: unknown) => warn(reason(err), "could not end the claim on a verify's sweep; it lapses"));
-    }
-    if (!stopped.confirmed) {
+    const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt);
+    if (!swept.claimed) return;
+    const { stopped } = swept;
+    if (!("confirmed" in stopped)) {
+      warn(
+        reason(stopped.error),
+        "handing back a verify without stopping its tests; the next attempt waits them out",
+      );
+    } else if (!stopped.confirmed) {
       warn(
         stopped.detail ?? "",
         "handing back a verify whose tests did not stop; the next attempt waits them out",
