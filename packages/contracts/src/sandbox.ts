@@ -113,6 +113,8 @@ export const CleanupReceipt = z.object({
   alreadyGone: z.boolean().default(false),
   remaining: z.number().int().nonnegative().default(0),
   detail: CappedText.optional(),
+  /** A root sweep asked to raise the sandbox's verify fence did (`KillOptions.fenceEpoch`). */
+  fenced: z.boolean().optional(),
 });
 export type CleanupReceipt = z.infer<typeof CleanupReceipt>;
 

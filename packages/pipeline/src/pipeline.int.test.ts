@@ -14,7 +14,14 @@ import {
 } from "@fleet/contracts";
 import { createHarness } from "@fleet/harness";
 import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
-import { DockerSandboxProvider, LABEL_ROLLOUT, ROOT_USER, type SandboxProvider } from "@fleet/sandbox";
+import {
+  DockerSandboxProvider,
+  LABEL_ROLLOUT,
+  ROOT_USER,
+  type SandboxProvider,
+  VERIFY_FENCE_DIR,
+  VERIFY_FENCE_FILE,
+} from "@fleet/sandbox";
 import { execResult, fillWithEmptyFilesPy } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
@@ -1737,7 +1744,21 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
-  it("a verify delivered again that cannot wait out the earlier tests before the deadline ends masked; a shutdown hands it back", async () => {
+  /**
+   * Make the sandbox's verify fence unwritable (root without capabilities writes only what its
+   * mode lets the owner): as a sandbox made before it had one, a verify delivered again cannot
+   * fence it, and waits out the earlier attempt's tests.
+   */
+  const unfenceable = async (id: string) => {
+    const handle = (await fleet.deps.store.get(id))!.receipts.seed!.handle;
+    const r = await fleet.deps.provider.exec(handle, ["chmod", "0500", VERIFY_FENCE_DIR], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(r.exitCode).toBe(0);
+  };
+
+  it("a verify delivered again to a sandbox it cannot fence that cannot wait out the earlier tests before the deadline ends masked; a shutdown hands it back", async () => {
     const task = {
       ...byId("hello-file"),
       id: `late-verify-${Date.now()}`,
@@ -1754,6 +1775,7 @@ describe("idempotency and fencing without workers", () => {
       // The earlier attempt began its tests just now, by its worker's clock 5 s ahead of ours.
       const earlier = Date.now() + 5_000;
       await fleet.redis.hset(fleet.deps.store.keys.rollout(id), "t:verify:last", String(earlier));
+      await unfenceable(id);
     }
     // 30 s of tests + 15 s of grace from then passes the 46 s deadline: no point sleeping into it.
     await expect(runStageJob("verify", job(late!), fleet.deps)).rejects.toThrow(/deadline_exceeded/);
@@ -2019,7 +2041,7 @@ describe("idempotency and fencing without workers", () => {
     });
   });
 
-  it("a verify delivered again waits out the earlier attempt's tests (their own budget) before staging its own", async () => {
+  it("a verify delivered again to a sandbox it cannot fence waits out the earlier attempt's tests (their own budget) before staging its own", async () => {
     const task = {
       ...byId("hello-file"),
       id: `slow-verify-${Date.now()}`,
@@ -2031,6 +2053,7 @@ describe("idempotency and fencing without workers", () => {
     // 1 s + the 15 s grace after that: 1.5 s from now.
     const earlier = Date.now() - 14_500;
     await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "t:verify:last", String(earlier));
+    await unfenceable(id!);
     const { deps: watching, staged } = watchStaging();
     expect(await runStageJob("verify", job(id!), watching)).toBe("ok");
     expect(staged).toHaveLength(1);
@@ -2141,25 +2164,62 @@ describe("idempotency and fencing without workers", () => {
     await aTests;
   });
 
-  it("a verify whose earlier attempt noted its tests and never left (its worker died, or it is paused past its lock) stops nothing of them: it waits them out", async () => {
-    const { id, handle } = await ranWithTests("never-left-verify", "#!/bin/sh\nexit 0\n");
-    const store = fleet.deps.store;
-    // A began and noted its tests 103.5 s ago (90 s budget + 15 s grace: 1.5 s left), then died.
-    const notedAt = Date.now() - 103_500;
-    await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
-    expect(await store.noteVerifyWork(id!, notedAt, "attempt-a")).toBe("noted");
-    // What runs as root in the sandbox (A's tests, as far as B can tell) is not B's to stop.
+  it("a verify whose earlier attempt noted its tests and never left (its worker died, or it is paused past its lock) fences the sandbox and stops them, then starts at once; the earlier attempt's runner, started after, starts nothing", async () => {
+    const { id, handle } = await ranWithTests(
+      "never-left-verify",
+      "#!/bin/sh\necho ran >> /tmp/runs\nexit 0\n",
+    );
+    const runs = async () =>
+      (await fleet.deps.provider.exec(handle, ["cat", "/tmp/runs"], { deadlineMs: 10_000, user: ROOT_USER }))
+        .stdout;
+    // A noted its tests and is paused before its runner's exec reaches the sandbox.
+    const reached = latch();
+    const resume = latch();
+    const pausedA = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
+          if (a[1] === RUN_TESTS_ARGV) {
+            reached.open();
+            await resume.opened;
+          }
+          return fleet.deps.provider.exec(...a);
+        },
+      }),
+    };
+    const a = runStageJob("verify", job(id!), pausedA);
+    await reached.opened;
+    const notedByA = Number(await fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "t:verify:last"));
+    // What runs as root in the sandbox (A's tests, as far as B can tell).
     const aTests = fleet.deps.provider
       .exec(handle, ["sleep", "600"], { deadlineMs: 120_000, user: ROOT_USER })
       .catch(() => undefined);
     await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
+    // The job delivered again: B (epoch 2) fences the sandbox, stops A's tests, and verifies at
+    // once, not 90 s + 15 s after A's note.
     const { deps: watching, staged, swept } = watchStaging();
     expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
-    expect(swept).not.toContain(ROOT_USER);
-    expect(await rootSleeping(handle, 600)).toBe("1");
-    expect(staged[0]!).toBeGreaterThanOrEqual(notedAt + 90_000 + 15_000);
-    await closeExpecting(id!, { status: "completed", reward: 1 });
+    expect(swept).toContain(ROOT_USER);
+    expect(await rootSleeping(handle, 600)).toBe("0");
+    expect(staged[0]!).toBeLessThan(notedByA + 90_000);
     await aTests;
+    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(fence.stdout).toBe("2\n");
+    const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
+    expect(verified).toMatchObject({ reward: 1 });
+    // A wakes: its runner finds the sandbox fenced past its epoch and starts nothing; A stores
+    // nothing, fails nothing.
+    expect(await runs()).toBe("ran\n");
+    resume.open();
+    await a;
+    // B's tests ran; A's did not.
+    expect(await runs()).toBe("ran\n");
+    expect((await fleet.deps.store.get(id!))!.receipts.verify).toEqual(verified);
+    expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
   it("a Redis blip while noting that the tests start is held (no attempt spent), not masked as a verifier crash", async () => {

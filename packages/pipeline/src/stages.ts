@@ -40,7 +40,7 @@ import {
   SCRATCH_DIRS,
   scrubScratch,
 } from "@fleet/sandbox";
-import { verify as defaultVerify } from "@fleet/verifiers";
+import { verify as defaultVerify, TestsSupersededError } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { DeferralError, HandBackError, isHandBack } from "./hand-back.ts";
 import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
@@ -62,6 +62,7 @@ export function begunOf(b: BeginResult): Begun {
     seedToken: b.seedToken,
     testsSweepLeftMs: b.testsSweepLeftMs,
     earlierVerifyLeft: b.earlierVerifyLeft,
+    verifyEpoch: b.verifyEpoch,
     sandboxes: b.sandboxes,
   };
 }
@@ -949,8 +950,12 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
  * - The earlier attempt left the sandbox (`leaveVerifyWork`: its exec broke, say, and it gave the
  *   job back): its code starts nothing there any more, so this attempt, holding the verify fence,
  *   stops what of its tests still runs (`stopLeftTests`) and starts at once once none is left.
- * - Else (its worker died, or it may be paused past its lock and still start them), or that stop
- *   could not confirm: the earlier tests end by their own budget (the in-sandbox `timeout` kills
+ * - It did not (its worker died, or it may be paused past its lock and still start them): this
+ *   attempt raises the sandbox's verify fence to its epoch as it stops them (the same sweep), so
+ *   that the earlier attempt's runner, started later, refuses to start anything
+ *   (`TestsSupersededError`); fenced and stopped, it starts at once.
+ * - Else (the sandbox has no fence, or that stop could not confirm): the earlier tests end by
+ *   their own budget (the in-sandbox `timeout` kills
  *   their process group): wait that out, counted from when an earlier attempt last began work in
  *   the sandbox (noted before it staged its tests and again just before it started them, so a
  *   worker that died after noting may not have started anything: waited for all the same; `begin`
@@ -981,8 +986,11 @@ async function waitOutEarlierTests(
   let until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
   // Past their budget: nothing of them is left to stop (nor a sweep to risk).
   if (until <= now) return;
-  if (left) {
-    const stopped = await stopLeftTests(rec, deps, handle, token, earlier);
+  // Left, or not (its worker died, or it is paused past its lock and may yet start them) where
+  // this attempt has an epoch to raise the sandbox's verify fence to: stop them and start at once.
+  const epoch = rec.begun.verifyEpoch;
+  if (left || epoch !== null) {
+    const stopped = await stopLeftTests(rec, deps, handle, token, earlier, left ? null : epoch);
     if (stopped.outcome === "stopped") return;
     if (stopped.outcome === "superseded") throw new VerifySupersededError();
     if (stopped.outcome === "terminal") throw new VerifyStoppedError();
@@ -1021,9 +1029,10 @@ async function waitOutEarlierTests(
 const DEFER_ABOVE_MS = 2_000;
 
 /**
- * The earlier attempt left the sandbox (`earlierVerifyLeft`): what of its tests still runs there
- * (every root process: see `stopOwnTests`) is nobody's, and this attempt, holding the verify
- * fence, stops it, as a handed-back attempt stops its own: under a claim on the sweep taken while
+ * The earlier attempt left the sandbox (`earlierVerifyLeft`), or it did not and this attempt
+ * fences the sandbox against it first (`fenceEpoch`: the sweep raises the sandbox's verify fence
+ * before it kills; `resisted` when it could not): what of its tests still runs there (every root
+ * process: see `stopOwnTests`) is nobody's, and this attempt, holding the verify fence, stops it, as a handed-back attempt stops its own: under a claim on the sweep taken while
  * its token holds the fence (`claimTestsSweep`), so that an attempt beginning meanwhile waits for
  * the sweep's end (the claim's) before it starts anything, and one that began since (this one
  * paused) is not swept under. The outcome:
@@ -1040,15 +1049,18 @@ async function stopLeftTests(
   handle: SandboxHandle,
   token: string,
   notedAt: number,
+  fenceEpoch: number | null,
 ): Promise<{ outcome: "stopped" | "resisted" | "unanswered" | "superseded" | "terminal" }> {
   const id = rec.meta.id;
-  const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt).catch((err: unknown) => {
-    throw FleetError.retryable(
-      "provider_unavailable",
-      `could not claim the sweep of the tests an earlier verify left: ${err instanceof Error ? err.message : String(err)}`,
-      err,
-    );
-  });
+  const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, fenceEpoch).catch(
+    (err: unknown) => {
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `could not claim the sweep of the tests an earlier verify left: ${err instanceof Error ? err.message : String(err)}`,
+        err,
+      );
+    },
+  );
   if (!swept.claimed) return { outcome: swept.why };
   const { stopped } = swept;
   if (!("confirmed" in stopped)) {
@@ -1067,9 +1079,20 @@ async function stopLeftTests(
     );
     return { outcome: stopped.remaining > 0 ? "resisted" : "unanswered" };
   }
+  if (fenceEpoch !== null && stopped.fenced !== true) {
+    // Stopped, but the earlier attempt may still start them (the sandbox has no fence: made
+    // before it had one, or on a provider without): its note stands, and is waited out.
+    deps.logger.warn(
+      { rolloutId: id },
+      "verify delivered again: could not fence the sandbox against the earlier attempt; waiting its tests out",
+    );
+    return { outcome: "resisted" };
+  }
   deps.logger.info(
-    { rolloutId: id },
-    "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
+    { rolloutId: id, ...(fenceEpoch !== null ? { fence: fenceEpoch } : {}) },
+    fenceEpoch !== null
+      ? "verify delivered again: fenced the sandbox against the earlier attempt and stopped its tests; starting at once"
+      : "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
   );
   return { outcome: "stopped" };
 }
@@ -1080,7 +1103,8 @@ async function stopLeftTests(
  * it: under a claim taken while `token` holds the verify fence (`claimTestsSweep`; not claimed:
  * superseded or terminal, no sweep), each step bounded (a shutdown has seconds). The claim ends
  * only once the sweep is known to have: it confirmed (the note at `notedAt` goes too: nothing to
- * wait out), or counted what is left. Given up on, or failed as it started (it may have started
+ * wait out; when asked to raise the sandbox's verify fence to `fenceEpoch` first, only if it
+ * did), or counted what is left. Given up on, or failed as it started (it may have started
  * all the same), its claim lapses, and `stopped` holds the error. A claim that fails throws.
  */
 async function sweepTestsUnderClaim(
@@ -1089,6 +1113,7 @@ async function sweepTestsUnderClaim(
   id: string,
   token: string,
   notedAt: number | null,
+  fenceEpoch: number | null = null,
 ): Promise<
   | { claimed: false; why: "superseded" | "terminal" }
   | { claimed: true; stopped: CleanupReceipt | { error: unknown } }
@@ -1102,7 +1127,10 @@ async function sweepTestsUnderClaim(
   let stopped: CleanupReceipt;
   try {
     stopped = await withTimeout(
-      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS }),
+      deps.provider.killProcesses(handle, ROOT_USER, {
+        quickMs: STOP_TESTS_MS,
+        ...(fenceEpoch !== null ? { fenceEpoch } : {}),
+      }),
       2 * STOP_TESTS_MS,
       `the sweep had no answer within ${2 * STOP_TESTS_MS} ms`,
     );
@@ -1110,8 +1138,11 @@ async function sweepTestsUnderClaim(
     return { claimed: true, stopped: { error } };
   }
   if (stopped.confirmed || stopped.remaining > 0) {
+    // The note goes with a confirmed sweep, unless it was to fence the sandbox and could not:
+    // the attempt that noted may still start its tests then.
+    const settled = stopped.confirmed && (fenceEpoch === null || stopped.fenced === true);
     await withTimeout(
-      deps.store.endTestsSweep(id, claimed.claim, stopped.confirmed ? notedAt : null),
+      deps.store.endTestsSweep(id, claimed.claim, settled ? notedAt : null),
       STOP_TESTS_MS,
       "no answer",
     ).catch((err: unknown) =>
@@ -1345,12 +1376,15 @@ const verifyAttempt = async (
       run: { answer: runReceipt.answer, exec: runReceipt.exec },
       deadlineMs: rec.meta.deadlineAt,
       signal: shutdown,
+      fenceEpoch: rec.begun.verifyEpoch ?? undefined,
       onSandboxWork: () => note(clock(deps)),
       // Nothing of the tests started: a retry need not wait for them.
       onStagingFailed: () => note(null),
     });
   } catch (err) {
     if (err instanceof VerifySupersededError) return superseded(deps, id, "does not touch the sandbox");
+    // Its runner found the sandbox's fence raised by a later attempt: it started nothing.
+    if (err instanceof TestsSupersededError) return superseded(deps, id, "does not start its tests", err);
     // Worker shutdown: the job goes back to the queue, no attempt spent. Not a cancel. Its tests
     // are stopped first, as a run stops its agent, so the next attempt starts at once; else it
     // waits them out (`waitOutEarlierTests`: their whole budget, which at a rolling restart of

@@ -131,6 +131,13 @@ export interface BeginResult {
    * or is paused past its lock).
    */
   earlierVerifyLeft: boolean;
+  /**
+   * Verify: the epoch of `verifyToken` (1 for the rollout's first verify attempt, one more for
+   * each later one; the same for this very begin sent again); null for other stages or a skipped
+   * verify. A root sweep raises the sandbox's verify fence to it (`KillOptions.fenceEpoch`), and
+   * the tests' runner of an attempt with a lower one then refuses to start.
+   */
+  verifyEpoch: number | null;
 }
 
 /**
@@ -653,6 +660,7 @@ export class RolloutStore {
       sweepLeft,
       verifyPrev,
       prevLeft,
+      epoch,
     ] = (await this.batcher.call("fleetBegin", keys, args)) as [
       (string | null)[],
       string[],
@@ -663,6 +671,7 @@ export class RolloutStore {
       string,
       number,
       string | null,
+      number,
       number,
     ];
     const names = close ? BEGIN_CLOSE_FIELDS : BEGIN_FIELDS;
@@ -685,6 +694,7 @@ export class RolloutStore {
       seedToken: stage === "seed" ? (options.seedToken ?? null) : null,
       testsSweepLeftMs: Number(sweepLeft),
       earlierVerifyLeft: Number(prevLeft) === 1,
+      verifyEpoch: stage === "verify" && Number(epoch) > 0 ? Number(epoch) : null,
       sandboxes: close ? readRolloutSandboxes(sbResources || null, sbAgent || null) : null,
     };
   }

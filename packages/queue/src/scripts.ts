@@ -7,7 +7,7 @@ import { type RedisConnection, reconnectOnSlotError } from "./connection.ts";
  * `r:<stage>` (receipt JSON), `t:<name>` (epoch ms),
  * `failure` (first terminal FailureRecord JSON), `fence` (`launched:<token>` | `stopped`), `fence:prev`
  * (the fence a claim replaced), `vfence` (the token of the verify attempt that began last;
- * `vseen:<token>` marks each token that began), `sfence` / `sseen:<token>` (the same for the
+ * `vseen:<token>` marks each token that began, holding its epoch; `vepoch`, the last epoch given), `sfence` / `sseen:<token>` (the same for the
  * seed's deliveries), `t:verify:last` (when a verify attempt last
  * began work in the sandbox), `t:verify:sweep` (until when, by Redis's clock, an attempt
  * handed back may sweep its tests), `cancel` ("1"), `closed` ("1", the tombstone), `result` (JSON).
@@ -199,6 +199,7 @@ const BEGIN_SHAPES = `local shapes = {}
         end
         if not close and stage == 'verify' then
           s.iLast = want('t:verify:last'); s.iSweep = want('t:verify:sweep'); s.iNote = want('vnote')
+          if withToken then s.iEpoch = want('vepoch') end
         end
         byKind[kind], shapes[stage] = s, byKind
         return s
@@ -781,7 +782,7 @@ const SCRIPTS = {
       local names, at, returned = shape.names, shape.at, shape.returned
       local iStart, iReceipt, iDeadline, iSeen = shape.iStart, shape.iReceipt, shape.iDeadline, shape.iSeen
       local iPrev, iLaunches, iLast, iSweep = shape.iPrev, shape.iLaunches, shape.iLast, shape.iSweep
-      local iNote = shape.iNote
+      local iNote, iEpoch = shape.iNote, shape.iEpoch
       if iSeen then names[iSeen] = shape.seen .. token end
       local v = redis.call('HMGET', KEYS[1], unpack(names))
       local status = v[at['status']]
@@ -791,7 +792,7 @@ const SCRIPTS = {
         writes[#writes + 1] = value
         if i then v[i] = value end
       end
-      local intent, previous, launches, prevTests, sweepLeft, prevLeft = '', '', 0, false, 0, 0
+      local intent, previous, launches, prevTests, sweepLeft, prevLeft, epoch = '', '', 0, false, 0, 0, 0
       if status and not terminal[status] then
         if close then
           write(at['closed'], 'closed', '1')
@@ -844,10 +845,22 @@ const SCRIPTS = {
               -- fleetSetField, fleetReceipt). Each taken once per token: this very begin sent
               -- again by ioredis after a reconnect (a later delivery may have begun meanwhile)
               -- takes nothing back.
+              -- A verify's token also gets its epoch (\`vepoch\`: one more than the attempt's
+              -- before it), kept as its seen mark: in the sandbox, the tests' runner of an
+              -- attempt with a lower one refuses to start once a later attempt raised the fence
+              -- there (\`KillOptions.fenceEpoch\`).
               if not v[iSeen] then
                 local prefix = stage == 'seed' and 's' or 'v'
-                write(iSeen, prefix .. 'seen:' .. token, '1')
+                local seen = '1'
+                if iEpoch then
+                  epoch = (tonumber(v[iEpoch]) or 0) + 1
+                  seen = tostring(epoch)
+                  write(iEpoch, 'vepoch', seen)
+                end
+                write(iSeen, prefix .. 'seen:' .. token, seen)
                 write(at[prefix .. 'fence'], prefix .. 'fence', token)
+              elseif iEpoch then
+                epoch = tonumber(v[iSeen]) or 0
               end
             elseif iLaunches then
               -- The fenced launch claim (fleetClaimLaunch's), on the values read above.
@@ -865,7 +878,7 @@ const SCRIPTS = {
       if ARGV[10] ~= '' then sb2 = redis.call('HGET', KEYS[3], ARGV[10]) or '' end
       local rec = {}
       for i = 1, returned do rec[i] = v[i] end
-      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests, prevLeft}`,
+      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests, prevLeft, epoch}`,
     ),
   },
   /**

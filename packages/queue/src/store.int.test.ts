@@ -456,6 +456,24 @@ describe("rollout store", () => {
     expect((await store.begin(v, "verify", 40, { verifyToken: "v4" })).record!.times["verify:prev"]).toBe(35);
   });
 
+  it("each verify attempt gets an epoch one above the attempt's before it; a begin sent again gets its own again, and other stages none", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    expect((await store.begin(id, "seed", 1, { seedToken: "s" })).verifyEpoch).toBeNull();
+    expect((await store.begin(id, "verify", 1)).verifyEpoch).toBeNull();
+    expect((await store.begin(id, "verify", 1, { verifyToken: "a" })).verifyEpoch).toBe(1);
+    expect((await store.begin(id, "verify", 2, { verifyToken: "b" })).verifyEpoch).toBe(2);
+    // A's begin sent again (a reconnect lost its reply): its epoch, not a new one, and the fence stays B's.
+    expect((await store.begin(id, "verify", 1, { verifyToken: "a" })).verifyEpoch).toBe(1);
+    expect(await store.holdsFence(id, { field: "vfence", token: "b" })).toBe(true);
+    expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).verifyEpoch).toBe(3);
+    expect((await store.begin(id, "verify", 3, { verifyToken: "b" })).verifyEpoch).toBe(2);
+    // A verify skipped (a cancel came) takes no epoch.
+    await store.requestCancel(id);
+    expect((await store.begin(id, "verify", 4, { verifyToken: "d" })).verifyEpoch).toBeNull();
+    expect(await redis.hget(store.keys.rollout(id), "vepoch")).toBe("3");
+  });
+
   it("only the verify attempt that began last may note its tests' start or store its receipt", async () => {
     const { ids } = await admitOne();
     const id = ids[0]!;

@@ -21,6 +21,7 @@ import {
   ROOT_USER,
   SANDBOX_PATHS,
   type SandboxInfo,
+  VERIFY_FENCE_FILE,
 } from "./provider.ts";
 import { buildTar } from "./tar.ts";
 import { formatIssues } from "./validation.ts";
@@ -449,6 +450,15 @@ function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: str
 const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 2>/dev/null;", "uid", "1");
 
 /**
+ * The root sweep's first step when given an epoch ($2, `KillOptions.fenceEpoch`): raise the
+ * verify fence to it (never lower it: a later attempt's stands) before anything is killed, and
+ * say whether the fence holds at least it (`fenced=1`, else `fenced=0`: a sandbox made before the
+ * fence's mount, say). Not atomic, and need not be: a runner that reads it half-written started
+ * before the sweep, which kills it.
+ */
+const FENCE_SETUP = `f=; if [ -n "$2" ]; then f=0; c=; read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}; case "$c" in "" | *[!0-9]*) c=0;; esac; if [ "$c" -ge "$2" ] 2>/dev/null; then f=1; elif printf '%s\\n' "$2" 2>/dev/null > ${VERIFY_FENCE_FILE}; then f=1; fi; echo "fenced=$f"; fi;`;
+
+/**
  * The kill sweep for root's own processes (the tests', which run as root), run as root without
  * capabilities: `kill -9 -1` would take the sweep's own parents (the exec's `timeout`, ending
  * the exec before it reports) and count the sandbox's PID 1 (bubblewrap's, root's) for ever. It
@@ -456,8 +466,9 @@ const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 
  * other process of uid 0. Rounds: $1.
  */
 export const ROOT_SELF_SWEEP_SCRIPT = sweepScript(
-  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-  'r=$1; uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
+  `r=$1; ${FENCE_SETUP}` +
+    // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+    ' uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
   "sig STOP; sig KILL;",
   "uid",
   "r",
@@ -495,6 +506,8 @@ export async function killProcessesViaExec(
     rootSweep?: boolean;
     /** One attempt, its exec bounded by this (`KillOptions.quickMs`). */
     quickMs?: number;
+    /** For root's own sweep: raise the verify fence first (`KillOptions.fenceEpoch`). */
+    fenceEpoch?: number;
   } = {},
 ): Promise<CleanupReceipt> {
   let lastError = "";
@@ -503,7 +516,14 @@ export async function killProcessesViaExec(
   const argv = asRoot
     ? ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(rounds)]
     : uid === 0
-      ? ["sh", "-c", ROOT_SELF_SWEEP_SCRIPT, "sh", String(rounds)]
+      ? [
+          "sh",
+          "-c",
+          ROOT_SELF_SWEEP_SCRIPT,
+          "sh",
+          String(rounds),
+          ...(options.fenceEpoch === undefined ? [] : [String(options.fenceEpoch)]),
+        ]
       : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
   const attempts = options.quickMs === undefined ? 3 : 1;
   for (let attempt = 1; attempt <= attempts; attempt++) {
@@ -526,6 +546,9 @@ export async function killProcessesViaExec(
           alreadyGone: false,
           remaining,
           detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
+          ...(uid === 0 && options.fenceEpoch !== undefined
+            ? { fenced: /(^|\n)fenced=1\n/.test(r.stdout) }
+            : {}),
         };
       }
       lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;

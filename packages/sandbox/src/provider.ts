@@ -41,7 +41,24 @@ export interface KillOptions {
    * out.
    */
   quickMs?: number;
+  /**
+   * A root sweep that first raises the sandbox's verify fence (`VERIFY_FENCE_FILE`) to this
+   * epoch (a verify attempt's, from Redis: later attempts have higher ones), then kills: the
+   * tests' runner of an older attempt that starts after it refuses to (it reads the fence
+   * first), and one that started before it is a root process the sweep kills. The receipt's
+   * `fenced` says the fence holds at least this epoch.
+   */
+  fenceEpoch?: number;
 }
+
+/**
+ * The sandbox's verify fence: the epoch of the latest verify attempt that took the sandbox over
+ * from an earlier one (`KillOptions.fenceEpoch`). On a tmpfs of its own, root's and 0700
+ * (`FENCE_MOUNT`): nothing of the agent's can write or plant it, and root without capabilities
+ * can.
+ */
+export const VERIFY_FENCE_DIR = "/run/fleet";
+export const VERIFY_FENCE_FILE = `${VERIFY_FENCE_DIR}/verify-epoch`;
 
 /**
  * Where the fleet's own commands in a sandbox start (kill sweeps, staging, reads, scratch

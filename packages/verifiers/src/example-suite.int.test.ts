@@ -1,10 +1,10 @@
 import { AgentSpec, type AgentSpecInput, type SandboxHandle, type TaskContent } from "@fleet/contracts";
 import { createHarness, type HarnessOutcome, stageWorkspace } from "@fleet/harness";
-import { AGENT_USER, DockerSandboxProvider, type SandboxProvider } from "@fleet/sandbox";
+import { AGENT_USER, DockerSandboxProvider, ROOT_USER, type SandboxProvider } from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
-import { verify } from "./verify.ts";
+import { REWARD_FILE, TestsSupersededError, verify } from "./verify.ts";
 
 // The bundled example suite end to end on real Docker: in one sandbox per task, a wrong agent
 // scores 0, then the oracle scores 1.0 (re-verifying the same sandbox also proves the verifier
@@ -488,6 +488,54 @@ print(41)
     const { outcome, verdict } = await runAndVerify(handle, task, ORACLE);
     expect(outcome.exec.exitCode).toBe(0);
     expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
+  });
+
+  it("a verify attempt whose epoch is below the sandbox's verify fence starts nothing (a later attempt took the sandbox over); one at or above it grades", async () => {
+    const task = tasks.find((t) => t.id === "hello-file")!;
+    const handle = await sandbox(task, "fenced");
+    const { verdict } = await runAndVerify(handle, task, ORACLE);
+    expect(verdict.reward).toBe(1);
+    // A later attempt (epoch 4) fences the sandbox as it sweeps it.
+    expect(await provider.killProcesses(handle, ROOT_USER, { fenceEpoch: 4 })).toMatchObject({
+      confirmed: true,
+      fenced: true,
+    });
+    // What the later attempt's tests wrote in /logs/verifier (a runner clears it first).
+    const mark = `${REWARD_FILE}.mark`;
+    const written = async () =>
+      (await provider.exec(handle, ["cat", mark], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
+    await provider.exec(handle, ["sh", "-c", `echo later > ${mark}`], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(await written()).toBe("later\n");
+    // The earlier attempt (epoch 3), paused past its lock, wakes and starts its tests' runner.
+    const stale = await verify({
+      provider,
+      handle,
+      task,
+      run: { answer: null, exec: execResult() },
+      deadlineMs: Date.now() + 120_000,
+      fenceEpoch: 3,
+    }).catch((e: unknown) => e);
+    expect(stale).toBeInstanceOf(TestsSupersededError);
+    expect(stale).toMatchObject({ fence: 4, epoch: 3 });
+    // It touched nothing: what the later attempt's tests wrote is there as it was.
+    expect(await written()).toBe("later\n");
+    // The attempt that holds the fence, and any later one, grades.
+    for (const fenceEpoch of [4, 5]) {
+      const { verdict: again } = await runAndVerify(handle, task, ORACLE);
+      expect(again.reward).toBe(1);
+      const graded = await verify({
+        provider,
+        handle,
+        task,
+        run: { answer: null, exec: execResult() },
+        deadlineMs: Date.now() + 120_000,
+        fenceEpoch,
+      });
+      expect(graded.reward).toBe(1);
+    }
   });
 
   it("a reward file the agent planted in /logs/verifier is cleared, and the agent graded on its work", async () => {

@@ -7,5 +7,6 @@ export {
   REWARD_FILE,
   REWARD_JSON_FILE,
   RUN_TESTS_ARGV,
+  TestsSupersededError,
   verify,
 } from "./verify.ts";

@@ -19,6 +19,12 @@ export interface VerifyContext {
    * verification there.
    */
   onSandboxWork?: (phase: "stage" | "tests") => Promise<void>;
+  /**
+   * This verify attempt's epoch (`BeginResult.verifyEpoch`): its tests' runner starts nothing
+   * once a later attempt raised the sandbox's verify fence past it (`TestsSupersededError`).
+   * None: no check.
+   */
+  fenceEpoch?: number;
   /** Staging the tests failed (not aborted): none of them started, so a retry need not wait. */
   onStagingFailed?: () => Promise<void>;
 }

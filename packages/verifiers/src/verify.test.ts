@@ -13,7 +13,14 @@ import { beforeEach, describe, expect, it, vi } from "vitest";
 import { matchAnswer } from "./match.ts";
 import { parseReward, parseRewardJson } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
-import { parseRunReport, REWARD_FILE, REWARD_JSON_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
+import {
+  parseRunReport,
+  REWARD_FILE,
+  REWARD_JSON_FILE,
+  RUN_TESTS_ARGV,
+  TestsSupersededError,
+  verify,
+} from "./verify.ts";
 
 const TESTS_TASK = TaskContent.parse({
   id: "t1",
@@ -34,7 +41,7 @@ let log: string[];
 type TestsOutcome = Partial<ExecResult> & { reward?: string; report?: boolean };
 
 /** The nonce the verifier handed the runner on stdin. */
-const nonceOf = (call: ExecCall) => String(call.options.stdin ?? "").trim();
+const nonceOf = (call: ExecCall) => String(call.options.stdin ?? "").split("\n")[0]!;
 
 /**
  * Script the sandbox's side of `RUN_TESTS_SCRIPT`: clear /logs/verifier, write the `ready` line,
@@ -117,7 +124,8 @@ describe("tests verifier", () => {
     // The runner starts in / and enters the workspace itself (an agent's 0700 workspace is no
     // runner that cannot start).
     expect(tests?.options).toMatchObject({ cwd: "/", user: ROOT_USER });
-    expect(tests?.options.stdin).toMatch(/^[0-9a-f]{32}\n$/);
+    // The nonce, then an empty line: no verify epoch to check the sandbox's fence against.
+    expect(tests?.options.stdin).toMatch(/^[0-9a-f]{32}\n\n$/);
     expect(tests?.options.deadlineMs).toBeLessThanOrEqual(20_000);
     expect(tests?.options.deadlineMs).toBeGreaterThan(15_000);
     // Whatever a previous attempt left in /tests is replaced in the same put.
@@ -138,6 +146,24 @@ describe("tests verifier", () => {
         modes: { "helper.py": 0o600 },
       },
     ]);
+  });
+
+  it("hands the runner the attempt's verify epoch after the nonce, and a runner that finds the sandbox fenced by a later attempt is TestsSupersededError: nothing graded, nothing read", async () => {
+    script(() => ({ exitCode: 0 }));
+    expect((await verify(ctx({ fenceEpoch: 3 }))).reward).toBe(1);
+    expect(provider.execCalls[0]!.options.stdin).toMatch(/^[0-9a-f]{32}\n3\n$/);
+
+    // The runner's report when the fence holds a higher epoch: no `ready` line, exit 5.
+    provider.onExec = async (call) => {
+      log.push("tests");
+      return execResult({ exitCode: 5, stderr: `\n${nonceOf(call)} superseded 4\n` });
+    };
+    log = [];
+    const err = await verify(ctx({ fenceEpoch: 3 })).catch((e: unknown) => e);
+    expect(err).toBeInstanceOf(TestsSupersededError);
+    expect(err).toMatchObject({ fence: 4, epoch: 3 });
+    // Not run again (the `prepare` retry), and no reward file read.
+    expect(log).toEqual(["put /tests", "tests"]);
   });
 
   it("a new nonce each time, kept out of argv and the environment", async () => {

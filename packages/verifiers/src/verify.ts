@@ -1,6 +1,14 @@
 import { randomBytes } from "node:crypto";
 import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fleet/contracts";
-import { AGENT_UID, AGENT_USER, OPS_CWD, ROOT_USER, SANDBOX_PATHS, scrubScratch } from "@fleet/sandbox";
+import {
+  AGENT_UID,
+  AGENT_USER,
+  OPS_CWD,
+  ROOT_USER,
+  SANDBOX_PATHS,
+  scrubScratch,
+  VERIFY_FENCE_FILE,
+} from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { MAX_REWARD_FILE_BYTES, parseReward, parseRewardJson } from "./reward-file.ts";
 import type { Verdict, VerifyContext } from "./verdict.ts";
@@ -53,7 +61,9 @@ function assertNever(x: never): never {
 /**
  * The tests' exec, as root in /workspace (one exec for what took three). It reads a nonce from
  * stdin (never in argv or the environment, where the processes the tests start could read it),
- * then:
+ * and on the next line the verify attempt's epoch (`VerifyContext.fenceEpoch`; an empty line for
+ * none). When the sandbox's verify fence (`VERIFY_FENCE_FILE`) holds a higher one, a later
+ * attempt took the sandbox over: it reports `superseded <epoch>` and starts nothing. Else it:
  * 1. clears /logs/verifier and proves it gone: root has no CAP_FOWNER, so a directory the agent
  *    planted in the sticky, world-writable /logs cannot be removed, and grading on top of it
  *    could be gamed; if that fails, reports `prepare <why>` and stops; else writes `<nonce> ready`
@@ -74,6 +84,14 @@ function assertNever(x: never): never {
  */
 export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
+# Taken over: a later attempt raised the fence past this one's epoch before it swept the sandbox.
+# Read before anything here touches the sandbox; a runner that read it before that sweep is one
+# of the processes the sweep kills.
+IFS= read -r epoch || epoch=
+case "$epoch" in "" | *[!0-9]*) ;; *)
+  f=; IFS= read -r f 2>/dev/null < ${VERIFY_FENCE_FILE}
+  case "$f" in "" | *[!0-9]*) ;; *) if [ "$f" -gt "$epoch" ] 2>/dev/null; then report superseded "$f"; exit 5; fi ;; esac ;;
+esac
 # This runner's start time and its own line (it and its parents), taken before the tests: what
 # reap may never kill. Builtins only.
 line=; read -r -d '' line 2>/dev/null < /proc/$$/stat; set -- \${line##*) }; mine=\${20:-0}
@@ -197,6 +215,8 @@ export type RunReport =
   | { kind: "interpreter"; name: string }
   /** No regular file (a FIFO, a device, a link to one): nothing to read (`json`: reward.json). */
   | { kind: "irregular"; json: boolean }
+  /** A later verify attempt took the sandbox over (its fence holds `epoch`): nothing started. */
+  | { kind: "superseded"; epoch: number }
   /** Unreadable, too large, or its size does not match: read the file (`json`: reward.json) apart. */
   | { kind: "read"; json: boolean }
   /**
@@ -240,6 +260,8 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
       return { stderr: own, report: { kind: "prepare", reason: words.join(" ") } };
     case "none":
       return { stderr: own, report: { kind: "none" } };
+    case "superseded":
+      return { stderr: own, report: { kind: "superseded", epoch: Number(words[0]) || 0 } };
     case "strays":
       return { stderr: own, report: { kind: "strays", count: Number(words[0]) || 1 } };
     case "interpreter":
@@ -258,6 +280,23 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
     }
     default:
       return { stderr: own, report: { kind: "read", json: words[0] === "json" } };
+  }
+}
+
+/**
+ * The tests' runner found the sandbox taken over by a later verify attempt (its verify fence
+ * holds a higher epoch than this attempt's, `VerifyContext.fenceEpoch`): it started nothing. The
+ * verification is that attempt's; this one ends without a verdict.
+ */
+export class TestsSupersededError extends Error {
+  override readonly name = "TestsSupersededError";
+  constructor(
+    readonly fence: number,
+    readonly epoch: number,
+  ) {
+    super(
+      `a later verify attempt (epoch ${fence}) took the sandbox over from this one (epoch ${epoch}); its tests did not start`,
+    );
   }
 }
 
@@ -304,10 +343,14 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
         // The runner enters the workspace itself (see RUN_TESTS_SCRIPT).
         cwd: OPS_CWD,
         user: ROOT_USER,
-        stdin: `${nonce}\n`,
+        stdin: `${nonce}\n${ctx.fenceEpoch ?? ""}\n`,
       }),
     );
-    return { ran, ...parseRunReport(ran.stderr, nonce) };
+    const parsed = parseRunReport(ran.stderr, nonce);
+    if (!parsed.ready && parsed.report.kind === "superseded") {
+      throw new TestsSupersededError(parsed.report.epoch, ctx.fenceEpoch ?? 0);
+    }
+    return { ran, ...parsed };
   };
   let { ran, stderr, ready, report } = await runOnce();
   if (!ready && !ran.timedOut && report.kind === "prepare") {

@@ -18,7 +18,7 @@ import { promisify } from "node:util";
 import type { SandboxHandle, SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { sandboxName } from "../docker/container-config.ts";
-import { AGENT_USER, ROOT_USER } from "../provider.ts";
+import { AGENT_USER, ROOT_USER, VERIFY_FENCE_FILE } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
 import { fleetError, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
@@ -582,6 +582,29 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await sleeps()).toEqual([]);
     expect(await provider.alive(h)).toBe(true);
     expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
+  });
+
+  it("a root sweep given a verify epoch raises the sandbox's fence to it (root's alone: the agent can neither write nor read it), never lowering it", async () => {
+    const h = await create();
+    const fence = async () =>
+      (await provider.exec(h, ["cat", VERIFY_FENCE_FILE], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
+    expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 5 })).toMatchObject({
+      confirmed: true,
+      fenced: true,
+    });
+    expect(await fence()).toBe("5\n");
+    expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 4 })).toMatchObject({ fenced: true });
+    expect(await fence()).toBe("5\n");
+    const agent = await provider.exec(
+      h,
+      ["sh", "-c", `echo 99 > ${VERIFY_FENCE_FILE}; cat ${VERIFY_FENCE_FILE}`],
+      {
+        deadlineMs: 10_000,
+      },
+    );
+    expect(agent.stdout).toBe("");
+    expect(agent.exitCode).not.toBe(0);
+    expect(await fence()).toBe("5\n");
   });
 
   it("a host without bwrap, or a rootfs that is not one, is provider_unavailable saying what (never an invalid task)", async () => {

@@ -41,6 +41,7 @@ import {
 import type { Logger } from "@fleet/telemetry";
 import {
   DEFAULT_SANDBOX_LIMITS,
+  FENCE_MOUNT,
   isTmpfsPath,
   KEEPALIVE_USER,
   SHM_MB,
@@ -294,6 +295,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       hostPid: spec.options.pidMode === "host",
       // This host's /proc is the same kernel's as the sandbox's.
       procHas: (path) => existsSync(path),
+      fenceMount: existsSync(join(this.rootfs, FENCE_MOUNT.path)),
     });
     // Written before anything is made (no pids yet), again once bwrap runs and once the sandbox
     // is ready: a creator that dies at any point leaves something to find and destroy. Each
@@ -329,7 +331,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
         // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
         // cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
-        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb + SHM_MB,
+        memoryMb:
+          (spec.options.memoryMb ?? this.defaults.memoryMb) +
+          TMPFS_MOUNTS.length * tmpfsMb +
+          SHM_MB +
+          FENCE_MOUNT.mb,
         pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
       });
       state.cgroups = cgroups;
@@ -735,7 +741,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       user,
       this.defaults.killRounds,
       () => false,
-      { rootSweep: true, quickMs: options.quickMs },
+      { rootSweep: true, quickMs: options.quickMs, fenceEpoch: options.fenceEpoch },
     );
   }
 

@@ -1,5 +1,5 @@
 import type { SandboxSpec } from "@fleet/contracts";
-import { KEEPALIVE_USER, SHM_MB, TMPFS_MOUNTS } from "../docker/container-config.ts";
+import { FENCE_MOUNT, KEEPALIVE_USER, SHM_MB, TMPFS_MOUNTS } from "../docker/container-config.ts";
 import { SANDBOX_PATHS } from "../provider.ts";
 
 /** The PATH every exec gets (Docker's default for Debian images). */
@@ -24,6 +24,13 @@ export interface BwrapLayout {
    * @defaultValue every path exists
    */
   procHas?: (path: string) => boolean;
+  /**
+   * Whether the rootfs has the verify fence's mount point (`FENCE_MOUNT`; bwrap cannot make one
+   * in a read-only rootfs): without it the sandbox has no fence, and a verify delivered again
+   * waits out the tests of the attempt before it, as before there was one.
+   * @defaultValue false
+   */
+  fenceMount?: boolean;
 }
 
 /**
@@ -99,6 +106,7 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     // POSIX shared memory (Python's multiprocessing locks) works for the agent too.
     ...tmpfs("/dev/shm", "1777", SHM_MB),
     ...TMPFS_MOUNTS.flatMap((m) => tmpfs(m.path, m.mode)),
+    ...(layout.fenceMount ? tmpfs(FENCE_MOUNT.path, FENCE_MOUNT.mode, FENCE_MOUNT.mb) : []),
     "--bind",
     layout.workspaceDir,
     SANDBOX_PATHS.workspace,

@@ -32,11 +32,11 @@ describe("buildContainerConfig", () => {
     expect(h.ReadonlyRootfs).toBe(true);
     expect(h.PidsLimit).toBe(256);
     // 1 GiB for the processes, plus the tmpfs mounts' caps (4 × 256 MiB, the 1 GiB workspace,
-    // 64 MiB of /dev/shm): their files are memory in the same cgroup; plus the kernel memory of
-    // as many inodes as they may hold (256 per MiB, 1.5 KiB each: 3/8 of their size), plus the
-    // IPC objects' 8 MiB.
-    const tmpfsMb = 4 * 256 + 1024 + 64;
-    expect(h.Memory).toBe((1024 + tmpfsMb + (tmpfsMb * 3) / 8 + 8) * 1024 * 1024);
+    // 64 MiB of /dev/shm, the verify fence's 1 MiB): their files are memory in the same cgroup;
+    // plus the kernel memory of as many inodes as they may hold (256 per MiB, 1.5 KiB each: 3/8
+    // of their size, rounded up), plus the IPC objects' 8 MiB.
+    const tmpfsMb = 4 * 256 + 1024 + 64 + 1;
+    expect(h.Memory).toBe((1024 + tmpfsMb + Math.ceil((tmpfsMb * 3) / 8) + 8) * 1024 * 1024);
     expect(h.MemorySwap).toBe(h.Memory);
     expect(h.ShmSize).toBeUndefined();
     expect(h.Sysctls).toMatchObject({
@@ -53,11 +53,14 @@ describe("buildContainerConfig", () => {
     expect(Object.keys(h.Tmpfs!).sort()).toEqual([
       "/dev/shm",
       "/logs",
+      "/run/fleet",
       "/solution",
       "/tests",
       "/tmp",
       "/workspace",
     ]);
+    // The verify fence: root's alone, nothing run from it.
+    expect(h.Tmpfs!["/run/fleet"]).toBe("rw,noexec,nosuid,nodev,size=1m,nr_inodes=256,mode=0700");
     // Every tmpfs caps its inodes with its size: empty files use no pages, only kernel memory.
     for (const [path, options] of Object.entries(h.Tmpfs!)) {
       const size = Number(/size=(\d+)m/.exec(options)?.[1]);
@@ -93,7 +96,9 @@ describe("buildContainerConfig", () => {
     const h = c.HostConfig!;
     expect(Object.keys(h.Tmpfs!)).not.toContain("/workspace");
     // No workspace tmpfs to make room for in the memory limit.
-    expect(h.Memory).toBe((1024 + (4 * 256 + 64) * 1.375 + 8) * 1024 * 1024);
+    expect(h.Memory).toBe(
+      (1024 + (4 * 256 + 64 + 1) + Math.ceil(((4 * 256 + 64 + 1) * 3) / 8) + 8) * 1024 * 1024,
+    );
     expect(h.Mounts).toEqual([
       {
         Type: "volume",
@@ -124,7 +129,9 @@ describe("buildContainerConfig", () => {
       },
       network: "fleet-gateway",
     }).HostConfig!;
-    expect(h.Memory).toBe((2048 + (4 * 32 + 1024 + 64) * 1.375 + 8) * 1024 * 1024);
+    expect(h.Memory).toBe(
+      (2048 + (4 * 32 + 1024 + 64 + 1) + Math.ceil(((4 * 32 + 1024 + 64 + 1) * 3) / 8) + 8) * 1024 * 1024,
+    );
     expect(h.MemorySwap).toBe(h.Memory);
     expect(h.NanoCpus).toBe(2.5e9);
     expect(h.PidsLimit).toBe(1000);

@@ -9,6 +9,7 @@ import {
   LABEL_ROLLOUT,
   LABEL_SCOPE,
   SANDBOX_PATHS,
+  VERIFY_FENCE_DIR,
 } from "../provider.ts";
 
 /**
@@ -71,6 +72,12 @@ export const TMPFS_MOUNTS: ReadonlyArray<{ path: string; mode: string }> = [
 ];
 
 /**
+ * The verify fence's mount (`VERIFY_FENCE_DIR`): root's, 0700, one small file in it. Not a
+ * scratch mount: nothing else is written there.
+ */
+export const FENCE_MOUNT = { path: VERIFY_FENCE_DIR, mode: "0700", mb: 1 } as const;
+
+/**
  * The sandbox's memory limit in MiB: `memoryMb` for its processes, plus everything an agent can
  * leave behind that no process holds and that counts against the same cgroup:
  * - the caps of its tmpfs mounts (a capped workspace and `/dev/shm` included): their files;
@@ -83,7 +90,7 @@ export const TMPFS_MOUNTS: ReadonlyArray<{ path: string; mode: string }> = [
  * verification fail for memory (and be masked) instead of being graded.
  */
 export function sandboxMemoryMb(limits: Pick<SandboxLimits, "memoryMb" | "tmpfsMb" | "diskMb">): number {
-  const tmpfsMb = TMPFS_MOUNTS.length * limits.tmpfsMb + (limits.diskMb ?? 0) + SHM_MB;
+  const tmpfsMb = TMPFS_MOUNTS.length * limits.tmpfsMb + (limits.diskMb ?? 0) + SHM_MB + FENCE_MOUNT.mb;
   return (
     limits.memoryMb + tmpfsMb + Math.ceil((tmpfsMb * INODES_PER_MB * INODE_KMEM_BYTES) / 2 ** 20) + IPC_MB
   );
@@ -225,6 +232,7 @@ export function buildContainerConfig(
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
   for (const m of TMPFS_MOUNTS)
     tmpfs[m.path] = `rw,exec,nosuid,nodev,${tmpfsCaps(limits.tmpfsMb)},mode=${m.mode}`;
+  tmpfs[FENCE_MOUNT.path] = `rw,noexec,nosuid,nodev,${tmpfsCaps(FENCE_MOUNT.mb)},mode=${FENCE_MOUNT.mode}`;
   // Docker's own /dev/shm (ShmSize) takes no inode cap: the sandbox gets a tmpfs of its own there.
   tmpfs["/dev/shm"] = `rw,noexec,nosuid,nodev,${tmpfsCaps(SHM_MB)},mode=1777`;
 

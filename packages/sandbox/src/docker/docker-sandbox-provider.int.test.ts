@@ -20,7 +20,14 @@ import {
 import Dockerode from "dockerode";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { parseSandboxSpec } from "../exec-ops.ts";
-import { AGENT_USER, LABEL_MANAGED, LABEL_ROLLOUT, ROOT_USER } from "../provider.ts";
+import {
+  AGENT_USER,
+  LABEL_MANAGED,
+  LABEL_ROLLOUT,
+  ROOT_USER,
+  VERIFY_FENCE_DIR,
+  VERIFY_FENCE_FILE,
+} from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
 import { fillWithEmptyFilesPy, fleetError, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import {
@@ -542,6 +549,36 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(await sleeps()).toEqual([]);
       expect(await provider.alive(h)).toBe(true);
       expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
+    });
+
+    it("a root sweep given a verify epoch raises the sandbox's fence to it before it kills, never lowers it, and nothing of the agent's can write or read the fence", async () => {
+      const fence = async () =>
+        (await provider.exec(h, ["cat", VERIFY_FENCE_FILE], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
+      await provider.exec(h, ["sh", "-c", "sleep 1000 >/dev/null 2>&1 </dev/null & echo started"], {
+        deadlineMs: 10_000,
+        user: ROOT_USER,
+      });
+      expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 3 })).toMatchObject({
+        confirmed: true,
+        fenced: true,
+      });
+      expect((await processesOf(h, 0)).filter((l) => /sleep 1000/.test(l))).toEqual([]);
+      expect(await fence()).toBe("3\n");
+      // An older attempt's sweep leaves the later one's fence; it holds at least its epoch.
+      expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 2 })).toMatchObject({ fenced: true });
+      expect(await fence()).toBe("3\n");
+      expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 7 })).toMatchObject({ fenced: true });
+      expect(await fence()).toBe("7\n");
+      // A sweep asked for no fence says nothing of one.
+      expect((await provider.killProcesses(h, ROOT_USER)).fenced).toBeUndefined();
+      const agent = await provider.exec(
+        h,
+        ["sh", "-c", `echo 99 > ${VERIFY_FENCE_FILE}; cat ${VERIFY_FENCE_FILE}; ls ${VERIFY_FENCE_DIR}`],
+        { deadlineMs: 10_000 },
+      );
+      expect(agent.stdout).toBe("");
+      expect(agent.exitCode).not.toBe(0);
+      expect(await fence()).toBe("7\n");
     });
 
     it("kills every agent process, including ones that left the process group, and keeps the sandbox", async () => {
