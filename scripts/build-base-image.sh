@@ -145,9 +145,11 @@ if [ "$force" = 1 ] || [ ! -s "$rootfs_tar" ]; then
   # /solution stay root's (the agent must not plant files where tests are staged later).
   chmod 0755 "$rootfs/tests" "$rootfs/solution"
   chmod 1777 "$rootfs/logs"
-  # The verify fence's mount point (root's alone): bubblewrap cannot make one in a read-only root.
+  # The verify fence's mount point (bubblewrap cannot make one in a read-only root), as the
+  # provider mounts it: nobody's (the keepalive's user, who alone writes the fence), 0755.
   mkdir -p "$rootfs/run/fleet"
-  chmod 0700 "$rootfs/run/fleet"
+  chown 65534:65534 "$rootfs/run/fleet"
+  chmod 0755 "$rootfs/run/fleet"
 
   # No host leftovers, no package caches.
   rm -f "$rootfs/etc/resolv.conf" "$rootfs/etc/hostname"

@@ -16,6 +16,7 @@ import { createHarness } from "@fleet/harness";
 import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import {
   DockerSandboxProvider,
+  KEEPALIVE_USER,
   LABEL_ROLLOUT,
   ROOT_USER,
   type SandboxProvider,
@@ -1745,15 +1746,18 @@ describe("idempotency and fencing without workers", () => {
   });
 
   /**
-   * Make the sandbox's verify fence unwritable (root without capabilities writes only what its
-   * mode lets the owner): as a sandbox made before it had one, a verify delivered again cannot
-   * fence it, and waits out the earlier attempt's tests.
+   * An earlier verify attempt (of this release: it honours the fence) noted its tests `at`, in a
+   * sandbox whose verify fence cannot be raised (its directory made read-only by its owner, as
+   * a sandbox made before it had one): a verify delivered again waits those tests out.
    */
-  const unfenceable = async (id: string) => {
-    const handle = (await fleet.deps.store.get(id))!.receipts.seed!.handle;
-    const r = await fleet.deps.provider.exec(handle, ["chmod", "0500", VERIFY_FENCE_DIR], {
+  const notedUnfenceable = async (id: string, at: number) => {
+    const { store, provider } = fleet.deps;
+    await store.begin(id, "verify", Date.now(), { verifyToken: `earlier-${id}` });
+    expect(await store.noteVerifyWork(id, at, `earlier-${id}`)).toBe("noted");
+    const handle = (await store.get(id))!.receipts.seed!.handle;
+    const r = await provider.exec(handle, ["chmod", "0555", VERIFY_FENCE_DIR], {
       deadlineMs: 10_000,
-      user: ROOT_USER,
+      user: KEEPALIVE_USER,
     });
     expect(r.exitCode).toBe(0);
   };
@@ -1773,9 +1777,7 @@ describe("idempotency and fencing without workers", () => {
     for (const id of [late!, stopping!]) {
       for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id), fleet.deps);
       // The earlier attempt began its tests just now, by its worker's clock 5 s ahead of ours.
-      const earlier = Date.now() + 5_000;
-      await fleet.redis.hset(fleet.deps.store.keys.rollout(id), "t:verify:last", String(earlier));
-      await unfenceable(id);
+      await notedUnfenceable(id, Date.now() + 5_000);
     }
     // 30 s of tests + 15 s of grace from then passes the 46 s deadline: no point sleeping into it.
     await expect(runStageJob("verify", job(late!), fleet.deps)).rejects.toThrow(/deadline_exceeded/);
@@ -2052,8 +2054,7 @@ describe("idempotency and fencing without workers", () => {
     // The attempt before began verifying 14.5 s ago; its tests (1 s budget) may run until
     // 1 s + the 15 s grace after that: 1.5 s from now.
     const earlier = Date.now() - 14_500;
-    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "t:verify:last", String(earlier));
-    await unfenceable(id!);
+    await notedUnfenceable(id!, earlier);
     const { deps: watching, staged } = watchStaging();
     expect(await runStageJob("verify", job(id!), watching)).toBe("ok");
     expect(staged).toHaveLength(1);

@@ -63,6 +63,7 @@ export function begunOf(b: BeginResult): Begun {
     testsSweepLeftMs: b.testsSweepLeftMs,
     earlierVerifyLeft: b.earlierVerifyLeft,
     verifyEpoch: b.verifyEpoch,
+    earlierVerifyFenceAware: b.earlierVerifyFenceAware,
     sandboxes: b.sandboxes,
   };
 }
@@ -987,8 +988,9 @@ async function waitOutEarlierTests(
   // Past their budget: nothing of them is left to stop (nor a sweep to risk).
   if (until <= now) return;
   // Left, or not (its worker died, or it is paused past its lock and may yet start them) where
-  // this attempt has an epoch to raise the sandbox's verify fence to: stop them and start at once.
-  const epoch = rec.begun.verifyEpoch;
+  // this attempt has an epoch to raise the sandbox's verify fence to and that attempt honours
+  // the fence (not one of an older release): stop them and start at once.
+  const epoch = rec.begun.earlierVerifyFenceAware ? rec.begun.verifyEpoch : null;
   if (left || epoch !== null) {
     const stopped = await stopLeftTests(rec, deps, handle, token, earlier, left ? null : epoch);
     if (stopped.outcome === "stopped") return;
@@ -1079,7 +1081,7 @@ async function stopLeftTests(
     );
     return { outcome: stopped.remaining > 0 ? "resisted" : "unanswered" };
   }
-  if (fenceEpoch !== null && stopped.fenced !== true) {
+  if (fenceEpoch !== null && stopped.fenced !== true && !stopped.alreadyGone) {
     // Stopped, but the earlier attempt may still start them (the sandbox has no fence: made
     // before it had one, or on a provider without): its note stands, and is waited out.
     deps.logger.warn(
@@ -1140,7 +1142,8 @@ async function sweepTestsUnderClaim(
   if (stopped.confirmed || stopped.remaining > 0) {
     // The note goes with a confirmed sweep, unless it was to fence the sandbox and could not:
     // the attempt that noted may still start its tests then.
-    const settled = stopped.confirmed && (fenceEpoch === null || stopped.fenced === true);
+    const settled =
+      stopped.confirmed && (fenceEpoch === null || stopped.fenced === true || stopped.alreadyGone);
     await withTimeout(
       deps.store.endTestsSweep(id, claimed.claim, settled ? notedAt : null),
       STOP_TESTS_MS,

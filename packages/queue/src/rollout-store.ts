@@ -138,6 +138,12 @@ export interface BeginResult {
    * the tests' runner of an attempt with a lower one then refuses to start.
    */
   verifyEpoch: number | null;
+  /**
+   * Verify: the attempt whose note is `record.times["verify:prev"]` honours the sandbox's verify
+   * fence (its release's staging and tests' runner read it first): a later attempt may fence the
+   * sandbox against it and start at once. False when none noted, or an older release did.
+   */
+  earlierVerifyFenceAware: boolean;
 }
 
 /**
@@ -661,6 +667,7 @@ export class RolloutStore {
       verifyPrev,
       prevLeft,
       epoch,
+      prevAware,
     ] = (await this.batcher.call("fleetBegin", keys, args)) as [
       (string | null)[],
       string[],
@@ -671,6 +678,7 @@ export class RolloutStore {
       string,
       number,
       string | null,
+      number,
       number,
       number,
     ];
@@ -695,6 +703,7 @@ export class RolloutStore {
       testsSweepLeftMs: Number(sweepLeft),
       earlierVerifyLeft: Number(prevLeft) === 1,
       verifyEpoch: stage === "verify" && Number(epoch) > 0 ? Number(epoch) : null,
+      earlierVerifyFenceAware: Number(prevAware) === 1,
       sandboxes: close ? readRolloutSandboxes(sbResources || null, sbAgent || null) : null,
     };
   }
@@ -957,7 +966,8 @@ export class RolloutStore {
     token: string,
   ): Promise<"noted" | "superseded" | "terminal"> {
     const r = Number(
-      await this.redis.fleetNoteVerify(this.keys.rollout(id), at === null ? "" : String(at), token),
+      // '1': this release's verify honours the sandbox's verify fence (its staging and runner).
+      await this.redis.fleetNoteVerify(this.keys.rollout(id), at === null ? "" : String(at), token, "1"),
     );
     return r === 1 ? "noted" : r === -1 ? "superseded" : "terminal";
   }

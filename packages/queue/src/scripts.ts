@@ -199,6 +199,7 @@ const BEGIN_SHAPES = `local shapes = {}
         end
         if not close and stage == 'verify' then
           s.iLast = want('t:verify:last'); s.iSweep = want('t:verify:sweep'); s.iNote = want('vnote')
+          s.iAware = want('vaware')
           if withToken then s.iEpoch = want('vepoch') end
         end
         byKind[kind], shapes[stage] = s, byKind
@@ -782,7 +783,7 @@ const SCRIPTS = {
       local names, at, returned = shape.names, shape.at, shape.returned
       local iStart, iReceipt, iDeadline, iSeen = shape.iStart, shape.iReceipt, shape.iDeadline, shape.iSeen
       local iPrev, iLaunches, iLast, iSweep = shape.iPrev, shape.iLaunches, shape.iLast, shape.iSweep
-      local iNote, iEpoch = shape.iNote, shape.iEpoch
+      local iNote, iEpoch, iAware = shape.iNote, shape.iEpoch, shape.iAware
       if iSeen then names[iSeen] = shape.seen .. token end
       local v = redis.call('HMGET', KEYS[1], unpack(names))
       local status = v[at['status']]
@@ -792,7 +793,7 @@ const SCRIPTS = {
         writes[#writes + 1] = value
         if i then v[i] = value end
       end
-      local intent, previous, launches, prevTests, sweepLeft, prevLeft, epoch = '', '', 0, false, 0, 0, 0
+      local intent, previous, launches, prevTests, sweepLeft, prevLeft, epoch, prevAware = '', '', 0, false, 0, 0, 0, 0
       if status and not terminal[status] then
         if close then
           write(at['closed'], 'closed', '1')
@@ -812,6 +813,8 @@ const SCRIPTS = {
               -- Whether the attempt that noted it has left the sandbox (fleetLeaveVerify).
               -- Its mark names the note it left (an attempt of an older release notes without one).
               if v[iNote] and v[iLast] and v[iNote] == 'left:' .. v[iLast] then prevLeft = 1 end
+              -- Whether that attempt honours the sandbox's verify fence (its release does).
+              if v[iNote] and v[iAware] == v[iNote] then prevAware = 1 end
               -- How long an earlier attempt handed back at shutdown may still sweep its tests
               -- (every root process), by Redis's clock: this one starts nothing before that ends
               -- (fleetTestsSweep).
@@ -878,14 +881,15 @@ const SCRIPTS = {
       if ARGV[10] ~= '' then sb2 = redis.call('HGET', KEYS[3], ARGV[10]) or '' end
       local rec = {}
       for i = 1, returned do rec[i] = v[i] end
-      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests, prevLeft, epoch}`,
+      return {rec, failures, intent, previous, launches, sb1, sb2, sweepLeft, prevTests, prevLeft, epoch, prevAware}`,
     ),
   },
   /**
    * Note that a verify attempt works in the sandbox from now (stages or starts its tests:
    * `t:verify:last`, and whose note it is: `vnote`, its token), or with an empty time clear that
    * note (its staging failed: nothing started), only while it is the attempt that began last
-   * (`vfence` holds its token, ARGV[2]) and the rollout is not terminal. ARGV: now ('' to clear),
+   * (`vfence` holds its token, ARGV[2]) and the rollout is not terminal; with ARGV[3] '1', the
+   * attempt honours the sandbox's verify fence (`vaware`). ARGV: now ('' to clear),
    * token. Returns 1 if done, 0 if terminal (nothing to protect: its receipt will be refused), -1
    * if a later attempt began since: this one must not touch the sandbox.
    */
@@ -896,6 +900,10 @@ const SCRIPTS = {
       if redis.call('HGET', KEYS[1], 'vfence') ~= ARGV[2] then return -1 end
       if ARGV[1] == '' then
         redis.call('HDEL', KEYS[1], 't:verify:last')
+      elseif ARGV[3] == '1' then
+        -- An attempt whose tests' runner and staging honour the sandbox's verify fence
+        -- (\`vaware\`, its token too): a later attempt may fence the sandbox against it.
+        redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1], 'vnote', ARGV[2], 'vaware', ARGV[2])
       else
         redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1], 'vnote', ARGV[2])
       end

@@ -468,6 +468,14 @@ describe("rollout store", () => {
     expect(await store.holdsFence(id, { field: "vfence", token: "b" })).toBe(true);
     expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).verifyEpoch).toBe(3);
     expect((await store.begin(id, "verify", 3, { verifyToken: "b" })).verifyEpoch).toBe(2);
+    // Whether the attempt whose note a begin reads honours the sandbox's fence: one of this
+    // release does; one of an older release (it notes no `vaware`) does not, even after one
+    // that did.
+    expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).earlierVerifyFenceAware).toBe(false);
+    expect(await store.noteVerifyWork(id, 3, "c")).toBe("noted");
+    expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).earlierVerifyFenceAware).toBe(true);
+    await redis.hset(store.keys.rollout(id), "t:verify:last", "4", "vnote", "older-release");
+    expect((await store.begin(id, "verify", 4, { verifyToken: "c" })).earlierVerifyFenceAware).toBe(false);
     // A verify skipped (a cancel came) takes no epoch.
     await store.requestCancel(id);
     expect((await store.begin(id, "verify", 4, { verifyToken: "d" })).verifyEpoch).toBeNull();

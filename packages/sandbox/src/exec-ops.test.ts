@@ -1,5 +1,6 @@
 import { type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
+import { KEEPALIVE_USER } from "./docker/container-config.ts";
 import {
   assertIsolated,
   type ExecCall,
@@ -13,6 +14,7 @@ import {
   probeWhilePid1Starts,
   readViaExec,
 } from "./exec-ops.ts";
+import { ROOT_USER } from "./provider.ts";
 import { execResult, fleetError } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
@@ -241,6 +243,34 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     const flaky = sweeps(new Error("pids limit reached"), { stdout: "remaining=0\n" });
     expect(await killProcessesViaExec(flaky.exec, "1000:1000", 5)).toMatchObject({ confirmed: true });
     expect(flaky.calls).toHaveLength(2);
+  });
+
+  it("a root sweep given a verify epoch raises the fence first, as the fence's owner (nobody), in an exec of its own; says whether it holds", async () => {
+    const fencedFirst = sweeps({ stdout: "fenced=1\n" }, { stdout: "remaining=0\n" });
+    expect(
+      await killProcessesViaExec(fencedFirst.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
+    ).toMatchObject({ confirmed: true, fenced: true });
+    expect(fencedFirst.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, ROOT_USER]);
+    // A fence it could not raise (no mount: a sandbox older than the fence) is said, and the
+    // sweep still runs.
+    const unfenced = sweeps({ stdout: "fenced=0\n" }, { stdout: "remaining=0\n" });
+    expect(
+      await killProcessesViaExec(unfenced.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
+    ).toMatchObject({ confirmed: true, fenced: false });
+    const failed = sweeps(new Error("exec failed"), { stdout: "remaining=0\n" });
+    expect(
+      await killProcessesViaExec(failed.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
+    ).toMatchObject({ confirmed: true, fenced: false });
+    // A sandbox gone: nothing of it can start; confirmed already gone.
+    const gone = sweeps(FleetError.nonRetryable("sandbox_lost", "no such container"));
+    expect(
+      await killProcessesViaExec(gone.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
+    ).toMatchObject({ confirmed: true, alreadyGone: true });
+    expect(gone.calls).toHaveLength(1);
+    // Not asked: one exec, and nothing said of a fence.
+    const plain = sweeps({ stdout: "remaining=0\n" });
+    expect((await killProcessesViaExec(plain.exec, ROOT_USER, 5)).fenced).toBeUndefined();
+    expect(plain.calls).toHaveLength(1);
   });
 
   it("a quick sweep tries once, within its bound", async () => {

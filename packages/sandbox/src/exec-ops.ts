@@ -12,6 +12,7 @@ import {
   SandboxSpec,
   type SandboxSpecInput,
 } from "@fleet/contracts";
+import { KEEPALIVE_USER } from "./docker/container-config.ts";
 import { KILL_GRACE_S, parseNumericUser } from "./exec-command.ts";
 import type { CappedBuffer } from "./output.ts";
 import {
@@ -21,6 +22,7 @@ import {
   ROOT_USER,
   SANDBOX_PATHS,
   type SandboxInfo,
+  TestsSupersededError,
   VERIFY_FENCE_FILE,
 } from "./provider.ts";
 import { buildTar } from "./tar.ts";
@@ -217,21 +219,59 @@ const CLEAR_DIR = `if [ "$2" = 1 ] && [ -d "$1" ]; then
 fi`;
 
 /**
+ * Shell fragment: when `$<epochVar>` is a verify attempt's epoch and the sandbox's verify fence
+ * (`VERIFY_FENCE_FILE`) holds a higher one, run `refuse` with the fence's epoch in `$f`. Reads
+ * only; a fence absent or unreadable as a number refuses nothing.
+ */
+export function fenceCheck(epochVar: string, refuse: string): string {
+  return `case "$${epochVar}" in "" | *[!0-9]*) ;; *)
+  f=; IFS= read -r f 2>/dev/null < ${VERIFY_FENCE_FILE}
+  case "$f" in "" | *[!0-9]*) ;; *) if [ "$f" -gt "$${epochVar}" ] 2>/dev/null; then ${refuse}; fi ;; esac ;;
+esac`;
+}
+
+/** The exit status of a staging exec that found the sandbox fenced by a later verify attempt. */
+const FENCED_EXIT = 75;
+
+/**
+ * Raise the sandbox's verify fence to the epoch `$1`, never lowering it (a later attempt's
+ * stands): run as the fence's owner (`KEEPALIVE_USER`; the tests, root without capabilities,
+ * can neither write nor replace it), through a temporary file renamed over it. Prints
+ * `fenced=1` when the fence holds at least `$1`, else `fenced=0` (a sandbox without the fence's
+ * mount, say).
+ */
+export const RAISE_FENCE_SCRIPT = `c=; IFS= read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}
+case "$c" in "" | *[!0-9]*) c=0 ;; esac
+if [ "$c" -ge "$1" ] 2>/dev/null; then echo fenced=1; exit 0; fi
+t=${VERIFY_FENCE_FILE}.$$
+if printf '%s\n' "$1" 2>/dev/null > "$t" && mv -f "$t" ${VERIFY_FENCE_FILE} 2>/dev/null; then
+  echo fenced=1
+else
+  rm -f "$t" 2>/dev/null; echo fenced=0
+fi`;
+
+/**
  * Extract the files inside the sandbox with `tar -x` on stdin, as the plan's user; with
- * `replace`, the target directory is emptied first in the same exec.
+ * `replace`, the target directory is emptied first in the same exec. With `fenceEpoch`, nothing
+ * is touched when the sandbox's verify fence holds a higher epoch (`TestsSupersededError`).
  */
 export async function extractViaExec(
   exec: SandboxExec,
   plan: PutPlan,
-  options: Pick<PutOptions, "mode" | "modes" | "replace"> = {},
+  options: Pick<PutOptions, "mode" | "modes" | "replace" | "fenceEpoch"> = {},
 ): Promise<void> {
   const { target, user } = plan;
   const replace = options.replace ?? false;
   const archive = await buildTar(plan.files, { ...plan.ids, mode: options.mode, modes: options.modes });
-  const script = `${CLEAR_DIR}
+  const script = `${fenceCheck("3", `echo "fenced $f" >&2; cat > /dev/null 2>&1; exit ${FENCED_EXIT}`)}
+${CLEAR_DIR}
 mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
   const what = `staging ${Object.keys(plan.files).length} file(s) into ${target}`;
-  await stagingScript(exec, script, [target, replace ? "1" : "0"], user, archive, what);
+  const epoch = options.fenceEpoch === undefined ? "" : String(options.fenceEpoch);
+  await stagingScript(exec, script, [target, replace ? "1" : "0", epoch], user, archive, what, (r) => {
+    const fenced = r.exitCode === FENCED_EXIT ? /(?:^|\n)fenced (\d+)\n/.exec(r.stderr) : null;
+    if (fenced) throw new TestsSupersededError(Number(fenced[1]), options.fenceEpoch ?? 0);
+  });
 }
 
 /**
@@ -260,6 +300,7 @@ async function stagingScript(
   user: string,
   stdin: Buffer | null,
   what: string,
+  check?: (r: ExecResult) => void,
 ): Promise<void> {
   const r = await exec(["sh", "-c", script, "sh", ...args], {
     deadlineMs: 120_000,
@@ -268,6 +309,7 @@ async function stagingScript(
     stdin,
     maxOutputBytes: 16 * 1024,
   });
+  check?.(r);
   if (r.timedOut || endedBySignal(r.exitCode)) {
     throw FleetError.retryable(
       "provider_unavailable",
@@ -450,15 +492,6 @@ function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: str
 const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 2>/dev/null;", "uid", "1");
 
 /**
- * The root sweep's first step when given an epoch ($2, `KillOptions.fenceEpoch`): raise the
- * verify fence to it (never lower it: a later attempt's stands) before anything is killed, and
- * say whether the fence holds at least it (`fenced=1`, else `fenced=0`: a sandbox made before the
- * fence's mount, say). Not atomic, and need not be: a runner that reads it half-written started
- * before the sweep, which kills it.
- */
-const FENCE_SETUP = `f=; if [ -n "$2" ]; then f=0; c=; read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}; case "$c" in "" | *[!0-9]*) c=0;; esac; if [ "$c" -ge "$2" ] 2>/dev/null; then f=1; elif printf '%s\\n' "$2" 2>/dev/null > ${VERIFY_FENCE_FILE}; then f=1; fi; echo "fenced=$f"; fi;`;
-
-/**
  * The kill sweep for root's own processes (the tests', which run as root), run as root without
  * capabilities: `kill -9 -1` would take the sweep's own parents (the exec's `timeout`, ending
  * the exec before it reports) and count the sandbox's PID 1 (bubblewrap's, root's) for ever. It
@@ -466,9 +499,8 @@ const FENCE_SETUP = `f=; if [ -n "$2" ]; then f=0; c=; read -r c 2>/dev/null < $
  * other process of uid 0. Rounds: $1.
  */
 export const ROOT_SELF_SWEEP_SCRIPT = sweepScript(
-  `r=$1; ${FENCE_SETUP}` +
-    // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-    ' uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
+  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+  'r=$1; uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
   "sig STOP; sig KILL;",
   "uid",
   "r",
@@ -525,6 +557,25 @@ export async function killProcessesViaExec(
           ...(options.fenceEpoch === undefined ? [] : [String(options.fenceEpoch)]),
         ]
       : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
+  // The fence first, by its owner, in an exec of its own: whatever of an older attempt's starts
+  // after it refuses to, and whatever started before it is one of the processes swept below.
+  let fenced: boolean | undefined;
+  if (uid === 0 && options.fenceEpoch !== undefined) {
+    try {
+      const r = await exec(["sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
+        deadlineMs: options.quickMs ?? 30_000,
+        cwd: OPS_CWD,
+        user: KEEPALIVE_USER,
+        stdin: null,
+        maxOutputBytes: 4096,
+      });
+      fenced = /(?:^|\n)fenced=1\n/.test(r.stdout);
+    } catch (err) {
+      if (isFleetError(err) && err.kind === "sandbox_lost") return goneReceipt();
+      if (isFatal(err)) throw err;
+      fenced = false;
+    }
+  }
   const attempts = options.quickMs === undefined ? 3 : 1;
   for (let attempt = 1; attempt <= attempts; attempt++) {
     try {
@@ -546,23 +597,12 @@ export async function killProcessesViaExec(
           alreadyGone: false,
           remaining,
           detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
-          ...(uid === 0 && options.fenceEpoch !== undefined
-            ? { fenced: /(^|\n)fenced=1\n/.test(r.stdout) }
-            : {}),
+          ...(fenced !== undefined ? { fenced } : {}),
         };
       }
       lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
     } catch (err) {
-      if (isFleetError(err) && err.kind === "sandbox_lost") {
-        return {
-          confirmed: true,
-          scope: "processes",
-          at: Date.now(),
-          alreadyGone: true,
-          remaining: 0,
-          detail: "sandbox is gone",
-        };
-      }
+      if (isFleetError(err) && err.kind === "sandbox_lost") return goneReceipt();
       if (isFatal(err)) throw err;
       // e.g. the pids limit is exhausted and the sweep itself cannot start: try again.
       lastError = err instanceof Error ? err.message : String(err);
@@ -576,6 +616,19 @@ export async function killProcessesViaExec(
     alreadyGone: false,
     remaining: 0,
     detail: lastError,
+    ...(fenced !== undefined ? { fenced } : {}),
+  };
+}
+
+/** A sweep's receipt for a sandbox found gone: nothing of it runs, nor can start. */
+function goneReceipt(): CleanupReceipt {
+  return {
+    confirmed: true,
+    scope: "processes",
+    at: Date.now(),
+    alreadyGone: true,
+    remaining: 0,
+    detail: "sandbox is gone",
   };
 }
 

@@ -53,9 +53,9 @@ export interface KillOptions {
 
 /**
  * The sandbox's verify fence: the epoch of the latest verify attempt that took the sandbox over
- * from an earlier one (`KillOptions.fenceEpoch`). On a tmpfs of its own, root's and 0700
- * (`FENCE_MOUNT`): nothing of the agent's can write or plant it, and root without capabilities
- * can.
+ * from an earlier one (`KillOptions.fenceEpoch`). In a directory of its own (`FENCE_MOUNT`),
+ * owned by the keepalive's user, nobody, 0755, and written only as that user: the tests (root
+ * without capabilities, running the agent's code) and the agent can read it, never write it.
  */
 export const VERIFY_FENCE_DIR = "/run/fleet";
 export const VERIFY_FENCE_FILE = `${VERIFY_FENCE_DIR}/verify-epoch`;
@@ -83,6 +83,28 @@ export interface PutOptions {
   modes?: Readonly<Record<string, number>>;
   /** Empty `dir` first, proving nothing is left (see `SandboxProvider.put`). */
   replace?: boolean;
+  /**
+   * A verify attempt's epoch: touch nothing when the sandbox's verify fence holds a higher one
+   * (a later attempt took the sandbox over): `TestsSupersededError`.
+   */
+  fenceEpoch?: number;
+}
+
+/**
+ * A verify attempt found the sandbox taken over by a later one: its verify fence
+ * (`VERIFY_FENCE_FILE`) holds `fence`, above this attempt's `epoch`. Nothing was started or
+ * staged; the verification is the later attempt's.
+ */
+export class TestsSupersededError extends Error {
+  override readonly name = "TestsSupersededError";
+  constructor(
+    readonly fence: number,
+    readonly epoch: number,
+  ) {
+    super(
+      `a later verify attempt (epoch ${fence}) took the sandbox over from this one (epoch ${epoch}); it did not start its tests`,
+    );
+  }
 }
 
 /** A sandbox as `list` reports it. */

@@ -1,10 +1,16 @@
 import { AgentSpec, type AgentSpecInput, type SandboxHandle, type TaskContent } from "@fleet/contracts";
 import { createHarness, type HarnessOutcome, stageWorkspace } from "@fleet/harness";
-import { AGENT_USER, DockerSandboxProvider, ROOT_USER, type SandboxProvider } from "@fleet/sandbox";
+import {
+  AGENT_USER,
+  DockerSandboxProvider,
+  ROOT_USER,
+  type SandboxProvider,
+  TestsSupersededError,
+} from "@fleet/sandbox";
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
-import { REWARD_FILE, TestsSupersededError, verify } from "./verify.ts";
+import { REWARD_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
 
 // The bundled example suite end to end on real Docker: in one sandbox per task, a wrong agent
 // scores 0, then the oracle scores 1.0 (re-verifying the same sandbox also proves the verifier
@@ -490,7 +496,7 @@ print(41)
     expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
   });
 
-  it("a verify attempt whose epoch is below the sandbox's verify fence starts nothing (a later attempt took the sandbox over); one at or above it grades", async () => {
+  it("a verify attempt whose epoch is below the sandbox's verify fence stages nothing and starts nothing (a later attempt took the sandbox over); one at or above it grades", async () => {
     const task = tasks.find((t) => t.id === "hello-file")!;
     const handle = await sandbox(task, "fenced");
     const { verdict } = await runAndVerify(handle, task, ORACLE);
@@ -500,16 +506,21 @@ print(41)
       confirmed: true,
       fenced: true,
     });
-    // What the later attempt's tests wrote in /logs/verifier (a runner clears it first).
-    const mark = `${REWARD_FILE}.mark`;
-    const written = async () =>
-      (await provider.exec(handle, ["cat", mark], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
-    await provider.exec(handle, ["sh", "-c", `echo later > ${mark}`], {
+    // What the later attempt staged and its tests wrote (staging replaces /tests; a runner
+    // clears /logs/verifier first).
+    const marks = async () =>
+      (
+        await provider.exec(handle, ["sh", "-c", `cat /tests/mark ${REWARD_FILE}.mark`], {
+          deadlineMs: 10_000,
+          user: ROOT_USER,
+        })
+      ).stdout;
+    await provider.exec(handle, ["sh", "-c", `echo staged > /tests/mark; echo later > ${REWARD_FILE}.mark`], {
       deadlineMs: 10_000,
       user: ROOT_USER,
     });
-    expect(await written()).toBe("later\n");
-    // The earlier attempt (epoch 3), paused past its lock, wakes and starts its tests' runner.
+    expect(await marks()).toBe("staged\nlater\n");
+    // The earlier attempt (epoch 3), paused past its lock, wakes and stages its tests: refused.
     const stale = await verify({
       provider,
       handle,
@@ -520,8 +531,19 @@ print(41)
     }).catch((e: unknown) => e);
     expect(stale).toBeInstanceOf(TestsSupersededError);
     expect(stale).toMatchObject({ fence: 4, epoch: 3 });
-    // It touched nothing: what the later attempt's tests wrote is there as it was.
-    expect(await written()).toBe("later\n");
+    // Its tests' runner, had it staged before the fence and woken only now, refuses too.
+    const nonce = "0".repeat(32);
+    const runner = await provider.exec(handle, RUN_TESTS_ARGV, {
+      deadlineMs: 30_000,
+      cwd: "/",
+      user: ROOT_USER,
+      stdin: `${nonce}\n3\n`,
+    });
+    expect(runner.exitCode).toBe(5);
+    expect(runner.stderr).toContain(`\n${nonce} superseded 4\n`);
+    expect(runner.stderr).not.toContain(`${nonce} ready`);
+    // Neither touched anything.
+    expect(await marks()).toBe("staged\nlater\n");
     // The attempt that holds the fence, and any later one, grades.
     for (const fenceEpoch of [4, 5]) {
       const { verdict: again } = await runAndVerify(handle, task, ORACLE);

@@ -1,3 +1,5 @@
+/** Where a verify attempt a later one took the sandbox from ends (staging or its tests' runner). */
+export { TestsSupersededError } from "@fleet/sandbox";
 export { matchAnswer } from "./match.ts";
 export { parseReward } from "./reward-file.ts";
 export type { Verdict, VerifyContext } from "./verdict.ts";
@@ -7,6 +9,5 @@ export {
   REWARD_FILE,
   REWARD_JSON_FILE,
   RUN_TESTS_ARGV,
-  TestsSupersededError,
   verify,
 } from "./verify.ts";

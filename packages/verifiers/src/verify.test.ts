@@ -7,20 +7,13 @@ import {
   TaskContent,
   type TaskContentInput,
 } from "@fleet/contracts";
-import { AGENT_USER, ROOT_USER } from "@fleet/sandbox";
+import { AGENT_USER, ROOT_USER, TestsSupersededError } from "@fleet/sandbox";
 import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it, vi } from "vitest";
 import { matchAnswer } from "./match.ts";
 import { parseReward, parseRewardJson } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
-import {
-  parseRunReport,
-  REWARD_FILE,
-  REWARD_JSON_FILE,
-  RUN_TESTS_ARGV,
-  TestsSupersededError,
-  verify,
-} from "./verify.ts";
+import { parseRunReport, REWARD_FILE, REWARD_JSON_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
 
 const TESTS_TASK = TaskContent.parse({
   id: "t1",
@@ -152,6 +145,8 @@ describe("tests verifier", () => {
     script(() => ({ exitCode: 0 }));
     expect((await verify(ctx({ fenceEpoch: 3 }))).reward).toBe(1);
     expect(provider.execCalls[0]!.options.stdin).toMatch(/^[0-9a-f]{32}\n3\n$/);
+    // Its staging is fenced too (the put's own check: see exec-ops' extractViaExec).
+    expect(provider.putCalls[0]).toMatchObject({ dir: "/tests", fenceEpoch: 3 });
 
     // The runner's report when the fence holds a higher epoch: no `ready` line, exit 5.
     provider.onExec = async (call) => {

@@ -3,11 +3,12 @@ import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fl
 import {
   AGENT_UID,
   AGENT_USER,
+  fenceCheck,
   OPS_CWD,
   ROOT_USER,
   SANDBOX_PATHS,
   scrubScratch,
-  VERIFY_FENCE_FILE,
+  TestsSupersededError,
 } from "@fleet/sandbox";
 import { matchAnswer } from "./match.ts";
 import { MAX_REWARD_FILE_BYTES, parseReward, parseRewardJson } from "./reward-file.ts";
@@ -88,10 +89,7 @@ report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
 # Read before anything here touches the sandbox; a runner that read it before that sweep is one
 # of the processes the sweep kills.
 IFS= read -r epoch || epoch=
-case "$epoch" in "" | *[!0-9]*) ;; *)
-  f=; IFS= read -r f 2>/dev/null < ${VERIFY_FENCE_FILE}
-  case "$f" in "" | *[!0-9]*) ;; *) if [ "$f" -gt "$epoch" ] 2>/dev/null; then report superseded "$f"; exit 5; fi ;; esac ;;
-esac
+${fenceCheck("epoch", 'report superseded "$f"; exit 5')}
 # This runner's start time and its own line (it and its parents), taken before the tests: what
 # reap may never kill. Builtins only.
 line=; read -r -d '' line 2>/dev/null < /proc/$$/stat; set -- \${line##*) }; mine=\${20:-0}
@@ -283,23 +281,6 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
   }
 }
 
-/**
- * The tests' runner found the sandbox taken over by a later verify attempt (its verify fence
- * holds a higher epoch than this attempt's, `VerifyContext.fenceEpoch`): it started nothing. The
- * verification is that attempt's; this one ends without a verdict.
- */
-export class TestsSupersededError extends Error {
-  override readonly name = "TestsSupersededError";
-  constructor(
-    readonly fence: number,
-    readonly epoch: number,
-  ) {
-    super(
-      `a later verify attempt (epoch ${fence}) took the sandbox over from this one (epoch ${epoch}); its tests did not start`,
-    );
-  }
-}
-
 async function runTests(ctx: VerifyContext): Promise<Verdict> {
   const { provider, handle, task } = ctx;
   if (task.tests["test.sh"] === undefined) {
@@ -319,6 +300,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
         user: ROOT_USER,
         modes: fileModes(task, "tests"),
         replace: true,
+        ...(ctx.fenceEpoch !== undefined ? { fenceEpoch: ctx.fenceEpoch } : {}),
       }),
     );
   } catch (err) {
@@ -598,6 +580,8 @@ async function step<T>(ctx: VerifyContext, what: string, call: () => Promise<T>)
     });
   } catch (err) {
     if (signal?.aborted && err === signal.reason) throw err;
+    // A later attempt took the sandbox over: no failure of this verification's, its own end.
+    if (err instanceof TestsSupersededError) throw err;
     // The provider's own failures keep their kind: a daemon outage is `provider_unavailable`,
     // a vanished sandbox `sandbox_lost` (both masked), not a verifier crash.
     if (

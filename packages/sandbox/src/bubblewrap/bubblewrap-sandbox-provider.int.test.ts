@@ -584,7 +584,7 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
   });
 
-  it("a root sweep given a verify epoch raises the sandbox's fence to it (root's alone: the agent can neither write nor read it), never lowering it", async () => {
+  it("a root sweep given a verify epoch raises the sandbox's fence to it, never lowering it; neither the tests (root) nor the agent can write the fence", async () => {
     const h = await create();
     const fence = async () =>
       (await provider.exec(h, ["cat", VERIFY_FENCE_FILE], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
@@ -595,15 +595,14 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await fence()).toBe("5\n");
     expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 4 })).toMatchObject({ fenced: true });
     expect(await fence()).toBe("5\n");
-    const agent = await provider.exec(
-      h,
-      ["sh", "-c", `echo 99 > ${VERIFY_FENCE_FILE}; cat ${VERIFY_FENCE_FILE}`],
-      {
-        deadlineMs: 10_000,
-      },
-    );
-    expect(agent.stdout).toBe("");
-    expect(agent.exitCode).not.toBe(0);
+    for (const user of [ROOT_USER, AGENT_USER]) {
+      const tamper = await provider.exec(
+        h,
+        ["sh", "-c", `echo 99 > ${VERIFY_FENCE_FILE}; rm -f ${VERIFY_FENCE_FILE}; cat ${VERIFY_FENCE_FILE}`],
+        { deadlineMs: 10_000, user },
+      );
+      expect(tamper.stdout).toBe("5\n");
+    }
     expect(await fence()).toBe("5\n");
   });
 

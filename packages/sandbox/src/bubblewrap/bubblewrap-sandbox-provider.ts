@@ -278,6 +278,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const id = randomUUID();
     const dir = join(this.stateDir, `${name}-${id.slice(0, 8)}`);
     const workspaceDir = join(dir, "workspace");
+    const fenceDir = existsSync(join(this.rootfs, FENCE_MOUNT.path)) ? join(dir, "fence") : undefined;
     const labels: Record<string, string> = {
       [LABEL_MANAGED]: "true",
       [LABEL_ROLLOUT]: spec.rolloutId,
@@ -295,7 +296,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       hostPid: spec.options.pidMode === "host",
       // This host's /proc is the same kernel's as the sandbox's.
       procHas: (path) => existsSync(path),
-      fenceMount: existsSync(join(this.rootfs, FENCE_MOUNT.path)),
+      ...(fenceDir ? { fenceDir } : {}),
     });
     // Written before anything is made (no pids yet), again once bwrap runs and once the sandbox
     // is ready: a creator that dies at any point leaves something to find and destroy. Each
@@ -328,14 +329,15 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       await mkdir(workspaceDir, { recursive: true, mode: 0o755 });
       const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
       await chown(workspaceDir, uid, gid);
+      if (fenceDir) {
+        await mkdir(fenceDir, { mode: 0o755 });
+        const [keepUid, keepGid] = KEEPALIVE_USER.split(":").map(Number) as [number, number];
+        await chown(fenceDir, keepUid, keepGid);
+      }
       const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
         // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
         // cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
-        memoryMb:
-          (spec.options.memoryMb ?? this.defaults.memoryMb) +
-          TMPFS_MOUNTS.length * tmpfsMb +
-          SHM_MB +
-          FENCE_MOUNT.mb,
+        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb + SHM_MB,
         pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
       });
       state.cgroups = cgroups;

@@ -50,6 +50,14 @@ describe("bwrapArgv", () => {
     expect(without).toContain("/proc/timer_list");
   });
 
+  it("binds the verify fence's directory at /run/fleet only when given one (a rootfs with the mount point)", () => {
+    expect(bwrapArgv(layout)).not.toContain("/run/fleet");
+    const joined = bwrapArgv({ ...layout, fenceDir: "/s/fence" }).join(" ");
+    expect(joined).toContain("--bind /s/fence /run/fleet");
+    // After the rootfs: a bind before it would be hidden under it.
+    expect(joined.indexOf("--bind /s/fence")).toBeGreaterThan(joined.indexOf("--ro-bind /r /"));
+  });
+
   it("shares the host PID namespace only when asked (so the probe can refuse it)", () => {
     expect(bwrapArgv({ ...layout, hostPid: true })).not.toContain("--unshare-pid");
   });

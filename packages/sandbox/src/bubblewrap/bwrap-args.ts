@@ -25,12 +25,13 @@ export interface BwrapLayout {
    */
   procHas?: (path: string) => boolean;
   /**
-   * Whether the rootfs has the verify fence's mount point (`FENCE_MOUNT`; bwrap cannot make one
-   * in a read-only rootfs): without it the sandbox has no fence, and a verify delivered again
-   * waits out the tests of the attempt before it, as before there was one.
-   * @defaultValue false
+   * Host directory (the keepalive user's, 0755) bound read-write at the verify fence's mount
+   * point (`FENCE_MOUNT`), when the rootfs has one (bwrap cannot make one in a read-only root).
+   * A bind, not a tmpfs: bwrap makes its tmpfs mounts root's, and the tests run as root. Without
+   * it the sandbox has no fence, and a verify delivered again waits out the tests of the attempt
+   * before it, as before there was one.
    */
-  fenceMount?: boolean;
+  fenceDir?: string;
 }
 
 /**
@@ -106,7 +107,7 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     // POSIX shared memory (Python's multiprocessing locks) works for the agent too.
     ...tmpfs("/dev/shm", "1777", SHM_MB),
     ...TMPFS_MOUNTS.flatMap((m) => tmpfs(m.path, m.mode)),
-    ...(layout.fenceMount ? tmpfs(FENCE_MOUNT.path, FENCE_MOUNT.mode, FENCE_MOUNT.mb) : []),
+    ...(layout.fenceDir ? ["--bind", layout.fenceDir, FENCE_MOUNT.path] : []),
     "--bind",
     layout.workspaceDir,
     SANDBOX_PATHS.workspace,

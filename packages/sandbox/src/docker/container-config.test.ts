@@ -59,8 +59,10 @@ describe("buildContainerConfig", () => {
       "/tmp",
       "/workspace",
     ]);
-    // The verify fence: root's alone, nothing run from it.
-    expect(h.Tmpfs!["/run/fleet"]).toBe("rw,noexec,nosuid,nodev,size=1m,nr_inodes=256,mode=0700");
+    // The verify fence: nobody's (the keepalive's user: the tests, root, cannot write it), nothing run from it.
+    expect(h.Tmpfs!["/run/fleet"]).toBe(
+      "rw,noexec,nosuid,nodev,size=1m,nr_inodes=256,uid=65534,gid=65534,mode=0755",
+    );
     // Every tmpfs caps its inodes with its size: empty files use no pages, only kernel memory.
     for (const [path, options] of Object.entries(h.Tmpfs!)) {
       const size = Number(/size=(\d+)m/.exec(options)?.[1]);

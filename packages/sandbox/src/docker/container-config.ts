@@ -72,10 +72,10 @@ export const TMPFS_MOUNTS: ReadonlyArray<{ path: string; mode: string }> = [
 ];
 
 /**
- * The verify fence's mount (`VERIFY_FENCE_DIR`): root's, 0700, one small file in it. Not a
- * scratch mount: nothing else is written there.
+ * The verify fence's mount (`VERIFY_FENCE_DIR`): the keepalive user's (nobody), 0755, one small
+ * file in it, written only as that user. Not a scratch mount: nothing else is written there.
  */
-export const FENCE_MOUNT = { path: VERIFY_FENCE_DIR, mode: "0700", mb: 1 } as const;
+export const FENCE_MOUNT = { path: VERIFY_FENCE_DIR, mode: "0755", mb: 1 } as const;
 
 /**
  * The sandbox's memory limit in MiB: `memoryMb` for its processes, plus everything an agent can
@@ -232,7 +232,9 @@ export function buildContainerConfig(
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
   for (const m of TMPFS_MOUNTS)
     tmpfs[m.path] = `rw,exec,nosuid,nodev,${tmpfsCaps(limits.tmpfsMb)},mode=${m.mode}`;
-  tmpfs[FENCE_MOUNT.path] = `rw,noexec,nosuid,nodev,${tmpfsCaps(FENCE_MOUNT.mb)},mode=${FENCE_MOUNT.mode}`;
+  const [keepUid, keepGid] = KEEPALIVE_USER.split(":");
+  tmpfs[FENCE_MOUNT.path] =
+    `rw,noexec,nosuid,nodev,${tmpfsCaps(FENCE_MOUNT.mb)},uid=${keepUid},gid=${keepGid},mode=${FENCE_MOUNT.mode}`;
   // Docker's own /dev/shm (ShmSize) takes no inode cap: the sandbox gets a tmpfs of its own there.
   tmpfs["/dev/shm"] = `rw,noexec,nosuid,nodev,${tmpfsCaps(SHM_MB)},mode=1777`;
 

@@ -551,7 +551,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
     });
 
-    it("a root sweep given a verify epoch raises the sandbox's fence to it before it kills, never lowers it, and nothing of the agent's can write or read the fence", async () => {
+    it("a root sweep given a verify epoch raises the sandbox's fence to it before it kills, never lowers it; neither the tests (root) nor the agent can write the fence", async () => {
       const fence = async () =>
         (await provider.exec(h, ["cat", VERIFY_FENCE_FILE], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
       await provider.exec(h, ["sh", "-c", "sleep 1000 >/dev/null 2>&1 </dev/null & echo started"], {
@@ -571,13 +571,21 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(await fence()).toBe("7\n");
       // A sweep asked for no fence says nothing of one.
       expect((await provider.killProcesses(h, ROOT_USER)).fenced).toBeUndefined();
-      const agent = await provider.exec(
-        h,
-        ["sh", "-c", `echo 99 > ${VERIFY_FENCE_FILE}; cat ${VERIFY_FENCE_FILE}; ls ${VERIFY_FENCE_DIR}`],
-        { deadlineMs: 10_000 },
-      );
-      expect(agent.stdout).toBe("");
-      expect(agent.exitCode).not.toBe(0);
+      // The tests run the agent's code as root: a fence they could raise would refuse every
+      // later attempt (a mask the agent chose). Neither they nor the agent can write, replace or
+      // remove it; both may read it.
+      for (const user of [ROOT_USER, AGENT_USER]) {
+        const tamper = await provider.exec(
+          h,
+          [
+            "sh",
+            "-c",
+            `echo 99 > ${VERIFY_FENCE_FILE}; echo 99 > ${VERIFY_FENCE_DIR}/x && mv -f ${VERIFY_FENCE_DIR}/x ${VERIFY_FENCE_FILE}; rm -f ${VERIFY_FENCE_FILE}; cat ${VERIFY_FENCE_FILE}`,
+          ],
+          { deadlineMs: 10_000, user },
+        );
+        expect(tamper.stdout).toBe("7\n");
+      }
       expect(await fence()).toBe("7\n");
     });
 

@@ -115,7 +115,7 @@ describe("sandbox escape attempts (Docker provider, hardened defaults)", () => {
               !/^\/(etc\/(hostname|hosts|resolv\.conf)|(usr\/)?sbin\/docker-init)?$/.test(mnt),
           );
         for (const mnt of binds)
-          expect(mnt).toMatch(/^\/(workspace|tmp|tests|solution|logs|proc|sys|dev)(\/|$)/);
+          expect(mnt).toMatch(/^\/(workspace|tmp|tests|solution|logs|proc|sys|dev|run\/fleet)(\/|$)/);
       }
     } finally {
       rmSync(path, { force: true });

@@ -65,6 +65,7 @@ export class InMemorySandboxProvider implements SandboxProvider {
     user: string | undefined;
     replace?: boolean;
     modes?: Readonly<Record<string, number>>;
+    fenceEpoch?: number;
   }> = [];
   /**
    * While true, every call fails `provider_unavailable` before doing anything
@@ -131,6 +132,8 @@ export class InMemorySandboxProvider implements SandboxProvider {
       replace: options.replace,
       // Recorded when some file has a mode of its own.
       ...(options.modes && Object.keys(options.modes).length > 0 ? { modes: { ...options.modes } } : {}),
+      // Recorded when given (a verify attempt's staging).
+      ...(options.fenceEpoch !== undefined ? { fenceEpoch: options.fenceEpoch } : {}),
     });
     const base = dir.replace(/\/+$/, "");
     if (options.replace) {
