@@ -2223,6 +2223,19 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a verify that finds the sandbox's fence above its epoch while no later attempt began (Redis lost the epochs) raises Redis's past it and is retried, then grades", async () => {
+    const { id, handle } = await ranWithTests("fence-ahead-verify", "#!/bin/sh\nexit 0\n");
+    // The fence holds 9: Redis gave out epochs up to 9 before a failover lost them.
+    expect(await fleet.deps.provider.killProcesses(handle, ROOT_USER, { fenceEpoch: 9 })).toMatchObject({
+      fenced: true,
+    });
+    await expect(runStageJob("verify", job(id!), fleet.deps)).rejects.toThrow(/verify fence \(epoch 9\)/);
+    expect(await fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "vepoch")).toBe("9");
+    expect(await runStageJob("verify", job(id!, 1), fleet.deps)).toBe("ok");
+    expect((await fleet.deps.store.get(id!))!.receipts.verify).toMatchObject({ reward: 1 });
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("a Redis blip while noting that the tests start is held (no attempt spent), not masked as a verifier crash", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     for (const stage of ["seed", "run"] as const) await runStageJob(stage, job(id!), fleet.deps);

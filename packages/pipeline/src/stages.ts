@@ -26,6 +26,7 @@ import { agentDeadline, createHarness as defaultCreateHarness, stageWorkspace } 
 import {
   type BeginOptions,
   type BeginResult,
+  type DeliveryFence,
   deliveryFence,
   isInvalidStoredData,
   type RolloutRecord,
@@ -34,6 +35,7 @@ import {
 } from "@fleet/queue";
 import {
   AGENT_USER,
+  FENCE_EXEC_MS,
   ROOT_USER,
   SANDBOX_PATHS,
   type SandboxProvider,
@@ -1128,13 +1130,15 @@ async function sweepTestsUnderClaim(
   if (!claimed.claimed) return claimed;
   let stopped: CleanupReceipt;
   try {
+    // With a fence to raise first, that exec's bound and its kill grace on top (FENCE_EXEC_MS).
+    const bound = 2 * STOP_TESTS_MS + (fenceEpoch !== null ? 2 * FENCE_EXEC_MS : 0);
     stopped = await withTimeout(
       deps.provider.killProcesses(handle, ROOT_USER, {
         quickMs: STOP_TESTS_MS,
         ...(fenceEpoch !== null ? { fenceEpoch } : {}),
       }),
-      2 * STOP_TESTS_MS,
-      `the sweep had no answer within ${2 * STOP_TESTS_MS} ms`,
+      bound,
+      `the sweep had no answer within ${bound} ms`,
     );
   } catch (error) {
     return { claimed: true, stopped: { error } };
@@ -1258,6 +1262,28 @@ class VerifySupersededError extends Error {
 /** The rollout became terminal while a verify waited to start: close reports it. */
 class VerifyStoppedError extends Error {
   override readonly name = "VerifyStoppedError";
+}
+
+/**
+ * A verify attempt's staging or runner found the sandbox's verify fence above its epoch. Taken
+ * over by a later attempt: it ends as superseded. But while it still holds the verify fence in
+ * Redis, no later attempt began: the fence holds an epoch Redis lost (a failover since it was
+ * given out, say). Redis's epochs are raised past it, and the verify is retried: the next
+ * attempt's epoch is above the fence.
+ */
+async function fencedOut(
+  deps: PipelineDeps,
+  id: string,
+  fence: DeliveryFence,
+  err: TestsSupersededError,
+): Promise<null> {
+  if (!(await deps.store.holdsFence(id, fence))) return superseded(deps, id, "does not start its tests", err);
+  await deps.store.raiseVerifyEpoch(id, err.fence);
+  throw FleetError.retryable(
+    "verifier_error",
+    `the sandbox's verify fence (epoch ${err.fence}) is above this attempt's (${err.epoch}) though no later attempt began (Redis lost the epochs?); retried with a later one`,
+    err,
+  );
 }
 
 /** A verify (or seed) attempt that a later one superseded ends here: logged, nothing stored or enqueued. */
@@ -1386,8 +1412,8 @@ const verifyAttempt = async (
     });
   } catch (err) {
     if (err instanceof VerifySupersededError) return superseded(deps, id, "does not touch the sandbox");
-    // Its runner found the sandbox's fence raised by a later attempt: it started nothing.
-    if (err instanceof TestsSupersededError) return superseded(deps, id, "does not start its tests", err);
+    // Its staging or runner found the sandbox's fence raised by a later attempt: nothing started.
+    if (err instanceof TestsSupersededError) return fencedOut(deps, id, fence, err);
     // Worker shutdown: the job goes back to the queue, no attempt spent. Not a cancel. Its tests
     // are stopped first, as a run stops its agent, so the next attempt starts at once; else it
     // waits them out (`waitOutEarlierTests`: their whole budget, which at a rolling restart of

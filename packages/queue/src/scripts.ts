@@ -814,7 +814,7 @@ const SCRIPTS = {
               -- Its mark names the note it left (an attempt of an older release notes without one).
               if v[iNote] and v[iLast] and v[iNote] == 'left:' .. v[iLast] then prevLeft = 1 end
               -- Whether that attempt honours the sandbox's verify fence (its release does).
-              if v[iNote] and v[iAware] == v[iNote] then prevAware = 1 end
+              if v[iNote] and v[iLast] and v[iAware] == v[iNote] .. '@' .. v[iLast] then prevAware = 1 end
               -- How long an earlier attempt handed back at shutdown may still sweep its tests
               -- (every root process), by Redis's clock: this one starts nothing before that ends
               -- (fleetTestsSweep).
@@ -893,6 +893,22 @@ const SCRIPTS = {
    * token. Returns 1 if done, 0 if terminal (nothing to protect: its receipt will be refused), -1
    * if a later attempt began since: this one must not touch the sandbox.
    */
+  /**
+   * The sandbox's verify fence holds an epoch Redis never gave this rollout's attempts (its
+   * \`vepoch\` lost in a failover, say): raise \`vepoch\` to at least ARGV[1], so that the next
+   * attempt's is above the fence. Returns the epoch now.
+   */
+  fleetRaiseVerifyEpoch: {
+    keys: 1,
+    lua: `
+      local e = tonumber(redis.call('HGET', KEYS[1], 'vepoch') or '0') or 0
+      local want = tonumber(ARGV[1]) or 0
+      if want > e and redis.call('EXISTS', KEYS[1]) == 1 then
+        redis.call('HSET', KEYS[1], 'vepoch', tostring(want))
+        e = want
+      end
+      return e`,
+  },
   fleetNoteVerify: {
     keys: 1,
     lua: `
@@ -902,8 +918,10 @@ const SCRIPTS = {
         redis.call('HDEL', KEYS[1], 't:verify:last')
       elseif ARGV[3] == '1' then
         -- An attempt whose tests' runner and staging honour the sandbox's verify fence
-        -- (\`vaware\`, its token too): a later attempt may fence the sandbox against it.
-        redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1], 'vnote', ARGV[2], 'vaware', ARGV[2])
+        -- (\`vaware\`: its token and this note's time, so that a note of an older release
+        -- since, which sets neither, is not taken for it): a later attempt may fence the
+        -- sandbox against it.
+        redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1], 'vnote', ARGV[2], 'vaware', ARGV[2] .. '@' .. ARGV[1])
       else
         redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1], 'vnote', ARGV[2])
       end

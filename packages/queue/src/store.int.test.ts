@@ -474,12 +474,19 @@ describe("rollout store", () => {
     expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).earlierVerifyFenceAware).toBe(false);
     expect(await store.noteVerifyWork(id, 3, "c")).toBe("noted");
     expect((await store.begin(id, "verify", 3, { verifyToken: "c" })).earlierVerifyFenceAware).toBe(true);
+    // A note of a release older still (it sets only the time) after an aware one: not aware.
+    await redis.hset(store.keys.rollout(id), "t:verify:last", "5");
+    expect((await store.begin(id, "verify", 4, { verifyToken: "c" })).earlierVerifyFenceAware).toBe(false);
     await redis.hset(store.keys.rollout(id), "t:verify:last", "4", "vnote", "older-release");
     expect((await store.begin(id, "verify", 4, { verifyToken: "c" })).earlierVerifyFenceAware).toBe(false);
+    // A fence above Redis's epochs (Redis lost them): raised past it, never lowered.
+    expect(await store.raiseVerifyEpoch(id, 9)).toBe(9);
+    expect(await store.raiseVerifyEpoch(id, 2)).toBe(9);
+    expect((await store.begin(id, "verify", 5, { verifyToken: "e" })).verifyEpoch).toBe(10);
     // A verify skipped (a cancel came) takes no epoch.
     await store.requestCancel(id);
     expect((await store.begin(id, "verify", 4, { verifyToken: "d" })).verifyEpoch).toBeNull();
-    expect(await redis.hget(store.keys.rollout(id), "vepoch")).toBe("3");
+    expect(await redis.hget(store.keys.rollout(id), "vepoch")).toBe("10");
   });
 
   it("only the verify attempt that began last may note its tests' start or store its receipt", async () => {

@@ -246,18 +246,25 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
   });
 
   it("a root sweep given a verify epoch raises the fence first, as the fence's owner (nobody), in an exec of its own; says whether it holds", async () => {
-    const fencedFirst = sweeps({ stdout: "fenced=1\n" }, { stdout: "remaining=0\n" });
+    const fencedFirst = sweeps({ stdout: "fenced=1\n" }, { stdout: "fence-seen=1\nremaining=0\n" });
     expect(
       await killProcessesViaExec(fencedFirst.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
     ).toMatchObject({ confirmed: true, fenced: true });
     expect(fencedFirst.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, ROOT_USER]);
+    // The fence's exec is bounded apart (the sweep has the caller's budget).
+    expect(fencedFirst.calls.map((c) => c.deadlineMs)).toEqual([500, 500]);
+    // Raised, but root (the tests' staging and runner) cannot read it (a strict umask): no fence.
+    const unseen = sweeps({ stdout: "fenced=1\n" }, { stdout: "fence-seen=0\nremaining=0\n" });
+    expect(
+      await killProcessesViaExec(unseen.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
+    ).toMatchObject({ confirmed: true, fenced: false });
     // A fence it could not raise (no mount: a sandbox older than the fence) is said, and the
     // sweep still runs.
-    const unfenced = sweeps({ stdout: "fenced=0\n" }, { stdout: "remaining=0\n" });
+    const unfenced = sweeps({ stdout: "fenced=0\n" }, { stdout: "fence-seen=0\nremaining=0\n" });
     expect(
       await killProcessesViaExec(unfenced.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
     ).toMatchObject({ confirmed: true, fenced: false });
-    const failed = sweeps(new Error("exec failed"), { stdout: "remaining=0\n" });
+    const failed = sweeps(new Error("exec failed"), { stdout: "fence-seen=1\nremaining=0\n" });
     expect(
       await killProcessesViaExec(failed.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
     ).toMatchObject({ confirmed: true, fenced: false });

@@ -240,11 +240,12 @@ const FENCED_EXIT = 75;
  * `fenced=1` when the fence holds at least `$1`, else `fenced=0` (a sandbox without the fence's
  * mount, say).
  */
-export const RAISE_FENCE_SCRIPT = `c=; IFS= read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}
+export const RAISE_FENCE_SCRIPT = `umask 022
+c=; IFS= read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}
 case "$c" in "" | *[!0-9]*) c=0 ;; esac
 if [ "$c" -ge "$1" ] 2>/dev/null; then echo fenced=1; exit 0; fi
 t=${VERIFY_FENCE_FILE}.$$
-if printf '%s\n' "$1" 2>/dev/null > "$t" && mv -f "$t" ${VERIFY_FENCE_FILE} 2>/dev/null; then
+if printf '%s\\n' "$1" 2>/dev/null > "$t" && chmod 0644 "$t" && mv -f "$t" ${VERIFY_FENCE_FILE} 2>/dev/null; then
   echo fenced=1
 else
   rm -f "$t" 2>/dev/null; echo fenced=0
@@ -492,6 +493,13 @@ function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: str
 const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 2>/dev/null;", "uid", "1");
 
 /**
+ * The root sweep's first step when given a verify epoch (`$2`): whether root, as the tests'
+ * staging and runner read it, sees the fence at least at that epoch (`fence-seen=1`; else 0: a
+ * fence it cannot read is none to them). A fence raised but unreadable to root fences nothing.
+ */
+const ROOT_SEES_FENCE = `if [ -n "$2" ]; then v=0; c=; IFS= read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}; case "$c" in "" | *[!0-9]*) ;; *) if [ "$c" -ge "$2" ] 2>/dev/null; then v=1; fi ;; esac; echo "fence-seen=$v"; fi;`;
+
+/**
  * The kill sweep for root's own processes (the tests', which run as root), run as root without
  * capabilities: `kill -9 -1` would take the sweep's own parents (the exec's `timeout`, ending
  * the exec before it reports) and count the sandbox's PID 1 (bubblewrap's, root's) for ever. It
@@ -499,8 +507,9 @@ const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 
  * other process of uid 0. Rounds: $1.
  */
 export const ROOT_SELF_SWEEP_SCRIPT = sweepScript(
-  // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
-  'r=$1; uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
+  `r=$1; ${ROOT_SEES_FENCE}` +
+    // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
+    ' uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
   "sig STOP; sig KILL;",
   "uid",
   "r",
@@ -563,7 +572,8 @@ export async function killProcessesViaExec(
   if (uid === 0 && options.fenceEpoch !== undefined) {
     try {
       const r = await exec(["sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
-        deadlineMs: options.quickMs ?? 30_000,
+        // Short: the sweep after it has the caller's budget (`FENCE_EXEC_MS`).
+        deadlineMs: Math.min(options.quickMs ?? 30_000, FENCE_EXEC_MS),
         cwd: OPS_CWD,
         user: KEEPALIVE_USER,
         stdin: null,
@@ -597,7 +607,8 @@ export async function killProcessesViaExec(
           alreadyGone: false,
           remaining,
           detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
-          ...(fenced !== undefined ? { fenced } : {}),
+          // Raised, and seen by root as the tests' staging and runner will read it.
+          ...(fenced !== undefined ? { fenced: fenced && /(?:^|\n)fence-seen=1\n/.test(r.stdout) } : {}),
         };
       }
       lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
@@ -619,6 +630,13 @@ export async function killProcessesViaExec(
     ...(fenced !== undefined ? { fenced } : {}),
   };
 }
+
+/**
+ * The bound of the exec that raises the verify fence before a root sweep (`killProcessesViaExec`
+ * with `fenceEpoch`): one read, one write and a rename; a caller's budget for the sweep is this
+ * plus its exec's kill grace longer.
+ */
+export const FENCE_EXEC_MS = 2_000;
 
 /** A sweep's receipt for a sandbox found gone: nothing of it runs, nor can start. */
 function goneReceipt(): CleanupReceipt {

@@ -8,7 +8,7 @@ export * from "./docker/docker-sandbox-provider.ts";
 export * from "./docker/gateway-firewall.ts";
 export * from "./docker/gateway-network.ts";
 export * from "./exec-command.ts";
-export { fenceCheck } from "./exec-ops.ts";
+export { FENCE_EXEC_MS, fenceCheck } from "./exec-ops.ts";
 export * from "./output.ts";
 export * from "./provider.ts";
 export * from "./scratch.ts";

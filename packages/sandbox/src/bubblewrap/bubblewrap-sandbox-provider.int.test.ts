@@ -584,8 +584,15 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
   });
 
-  it("a root sweep given a verify epoch raises the sandbox's fence to it, never lowering it; neither the tests (root) nor the agent can write the fence", async () => {
+  it("a root sweep given a verify epoch raises the sandbox's fence to it, never lowering it, readable to root whatever the worker's umask; neither the tests (root) nor the agent can write the fence", async () => {
     const h = await create();
+    // A worker under a strict umask (its execs inherit it): the fence must still be root's to read.
+    const umask = process.umask(0o077);
+    try {
+      expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 2 })).toMatchObject({ fenced: true });
+    } finally {
+      process.umask(umask);
+    }
     const fence = async () =>
       (await provider.exec(h, ["cat", VERIFY_FENCE_FILE], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
     expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 5 })).toMatchObject({

@@ -8,10 +8,12 @@ import {
   readdirSync,
   readFileSync,
   renameSync,
+  statSync,
   writeFileSync,
 } from "node:fs";
 import {
   access,
+  chmod,
   chown,
   link,
   lstat,
@@ -278,7 +280,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const id = randomUUID();
     const dir = join(this.stateDir, `${name}-${id.slice(0, 8)}`);
     const workspaceDir = join(dir, "workspace");
-    const fenceDir = existsSync(join(this.rootfs, FENCE_MOUNT.path)) ? join(dir, "fence") : undefined;
+    const fenceDir = isDirectory(join(this.rootfs, FENCE_MOUNT.path)) ? join(dir, "fence") : undefined;
     const labels: Record<string, string> = {
       [LABEL_MANAGED]: "true",
       [LABEL_ROLLOUT]: spec.rolloutId,
@@ -333,6 +335,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         await mkdir(fenceDir, { mode: 0o755 });
         const [keepUid, keepGid] = KEEPALIVE_USER.split(":").map(Number) as [number, number];
         await chown(fenceDir, keepUid, keepGid);
+        // Whatever this process's umask: root in the sandbox (no capabilities) must enter it.
+        await chmod(fenceDir, 0o755);
       }
       const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
         // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
@@ -1211,4 +1215,13 @@ function killQuietly(pid: number): void {
 
 function signalNumber(signal: NodeJS.Signals): number {
   return osConstants.signals[signal] ?? 9;
+}
+
+/** Whether `path` is a directory (false when it is missing or anything else). */
+function isDirectory(path: string): boolean {
+  try {
+    return statSync(path).isDirectory();
+  } catch {
+    return false;
+  }
 }
