@@ -520,15 +520,18 @@ print(41)
       user: ROOT_USER,
     });
     expect(await marks()).toBe("staged\nlater\n");
+    /** Grade an untouched run as the verify attempt of this epoch. */
+    const verifyAs = (fenceEpoch: number) =>
+      verify({
+        provider,
+        handle,
+        task,
+        run: { answer: null, exec: execResult() },
+        deadlineMs: Date.now() + 120_000,
+        fenceEpoch,
+      });
     // The earlier attempt (epoch 3), paused past its lock, wakes and stages its tests: refused.
-    const stale = await verify({
-      provider,
-      handle,
-      task,
-      run: { answer: null, exec: execResult() },
-      deadlineMs: Date.now() + 120_000,
-      fenceEpoch: 3,
-    }).catch((e: unknown) => e);
+    const stale = await verifyAs(3).catch((e: unknown) => e);
     expect(stale).toBeInstanceOf(TestsSupersededError);
     expect(stale).toMatchObject({ fence: 4, epoch: 3 });
     // Its tests' runner, had it staged before the fence and woken only now, refuses too.
@@ -548,15 +551,7 @@ print(41)
     for (const fenceEpoch of [4, 5]) {
       const { verdict: again } = await runAndVerify(handle, task, ORACLE);
       expect(again.reward).toBe(1);
-      const graded = await verify({
-        provider,
-        handle,
-        task,
-        run: { answer: null, exec: execResult() },
-        deadlineMs: Date.now() + 120_000,
-        fenceEpoch,
-      });
-      expect(graded.reward).toBe(1);
+      expect((await verifyAs(fenceEpoch)).reward).toBe(1);
     }
   });
 
