@@ -41,8 +41,9 @@ import {
   type SandboxProvider,
   SCRATCH_DIRS,
   scrubScratch,
+  TestsSupersededError,
 } from "@fleet/sandbox";
-import { verify as defaultVerify, TestsSupersededError } from "@fleet/verifiers";
+import { verify as defaultVerify } from "@fleet/verifiers";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { DeferralError, HandBackError, isHandBack } from "./hand-back.ts";
 import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
@@ -995,13 +996,13 @@ async function waitOutEarlierTests(
   const epoch = rec.begun.earlierVerifyFenceAware ? rec.begun.verifyEpoch : null;
   if (left || epoch !== null) {
     const stopped = await stopLeftTests(rec, deps, handle, token, earlier, left ? null : epoch);
-    if (stopped.outcome === "stopped") return;
-    if (stopped.outcome === "superseded") throw new VerifySupersededError();
-    if (stopped.outcome === "terminal") throw new VerifyStoppedError();
+    if (stopped === "stopped") return;
+    if (stopped === "superseded") throw new VerifySupersededError();
+    if (stopped === "terminal") throw new VerifyStoppedError();
     // A sweep with no answer may yet land: nothing of this attempt's starts before its claim
     // lapses (nor before the earlier tests' budget ends).
     now = clock(deps);
-    if (stopped.outcome === "unanswered") until = Math.max(until, now + SWEEP_CLAIM_MS);
+    if (stopped === "unanswered") until = Math.max(until, now + SWEEP_CLAIM_MS);
   }
   if (until >= rec.meta.deadlineAt) {
     throw FleetError.nonRetryable(
@@ -1054,7 +1055,7 @@ async function stopLeftTests(
   token: string,
   notedAt: number,
   fenceEpoch: number | null,
-): Promise<{ outcome: "stopped" | "resisted" | "unanswered" | "superseded" | "terminal" }> {
+): Promise<"stopped" | "resisted" | "unanswered" | "superseded" | "terminal"> {
   const id = rec.meta.id;
   const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, fenceEpoch).catch(
     (err: unknown) => {
@@ -1065,7 +1066,7 @@ async function stopLeftTests(
       );
     },
   );
-  if (!swept.claimed) return { outcome: swept.why };
+  if (!swept.claimed) return swept.why;
   const { stopped } = swept;
   if (!("confirmed" in stopped)) {
     const err = stopped.error;
@@ -1074,23 +1075,23 @@ async function stopLeftTests(
       { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
       "verify delivered again: the sweep of the tests the earlier attempt left had no answer; starting nothing before its claim lapses",
     );
-    return { outcome: "unanswered" };
+    return "unanswered";
   }
   if (!stopped.confirmed) {
     deps.logger.warn(
       { rolloutId: id, remaining: stopped.remaining, detail: stopped.detail },
       "verify delivered again: the tests the earlier attempt left did not stop; waiting them out",
     );
-    return { outcome: stopped.remaining > 0 ? "resisted" : "unanswered" };
+    return stopped.remaining > 0 ? "resisted" : "unanswered";
   }
-  if (fenceEpoch !== null && stopped.fenced !== true && !stopped.alreadyGone) {
+  if (!fenceHolds(stopped, fenceEpoch)) {
     // Stopped, but the earlier attempt may still start them (the sandbox has no fence: made
     // before it had one, or on a provider without): its note stands, and is waited out.
     deps.logger.warn(
       { rolloutId: id },
       "verify delivered again: could not fence the sandbox against the earlier attempt; waiting its tests out",
     );
-    return { outcome: "resisted" };
+    return "resisted";
   }
   deps.logger.info(
     { rolloutId: id, ...(fenceEpoch !== null ? { fence: fenceEpoch } : {}) },
@@ -1098,7 +1099,7 @@ async function stopLeftTests(
       ? "verify delivered again: fenced the sandbox against the earlier attempt and stopped its tests; starting at once"
       : "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
   );
-  return { outcome: "stopped" };
+  return "stopped";
 }
 
 /**
@@ -1146,8 +1147,7 @@ async function sweepTestsUnderClaim(
   if (stopped.confirmed || stopped.remaining > 0) {
     // The note goes with a confirmed sweep, unless it was to fence the sandbox and could not:
     // the attempt that noted may still start its tests then.
-    const settled =
-      stopped.confirmed && (fenceEpoch === null || stopped.fenced === true || stopped.alreadyGone);
+    const settled = stopped.confirmed && fenceHolds(stopped, fenceEpoch);
     await withTimeout(
       deps.store.endTestsSweep(id, claimed.claim, settled ? notedAt : null),
       STOP_TESTS_MS,
@@ -1160,6 +1160,14 @@ async function sweepTestsUnderClaim(
     );
   }
   return { claimed: true, stopped };
+}
+
+/**
+ * Whether a sweep asked to raise the sandbox's verify fence to `fenceEpoch` (null: not asked)
+ * left it raised, or found the sandbox gone (nothing of it can start).
+ */
+function fenceHolds(stopped: CleanupReceipt, fenceEpoch: number | null): boolean {
+  return fenceEpoch === null || stopped.fenced === true || stopped.alreadyGone;
 }
 
 /** How often a verify waiting for a handed-back attempt's sweep asks whether it ended. */

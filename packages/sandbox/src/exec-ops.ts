@@ -17,6 +17,7 @@ import { KILL_GRACE_S, parseNumericUser } from "./exec-command.ts";
 import type { CappedBuffer } from "./output.ts";
 import {
   AGENT_USER,
+  type KillOptions,
   OPS_CWD,
   type PutOptions,
   ROOT_USER,
@@ -218,6 +219,9 @@ const CLEAR_DIR = `if [ "$2" = 1 ] && [ -d "$1" ]; then
   fi
 fi`;
 
+/** Shell fragment: the sandbox's verify fence in `$f`, 0 when it is absent or no number. */
+const READ_FENCE = `f=; IFS= read -r f 2>/dev/null < ${VERIFY_FENCE_FILE}; case "$f" in "" | *[!0-9]*) f=0 ;; esac;`;
+
 /**
  * Shell fragment: when `$<epochVar>` is a verify attempt's epoch and the sandbox's verify fence
  * (`VERIFY_FENCE_FILE`) holds a higher one, run `refuse` with the fence's epoch in `$f`. Reads
@@ -225,8 +229,8 @@ fi`;
  */
 export function fenceCheck(epochVar: string, refuse: string): string {
   return `case "$${epochVar}" in "" | *[!0-9]*) ;; *)
-  f=; IFS= read -r f 2>/dev/null < ${VERIFY_FENCE_FILE}
-  case "$f" in "" | *[!0-9]*) ;; *) if [ "$f" -gt "$${epochVar}" ] 2>/dev/null; then ${refuse}; fi ;; esac ;;
+  ${READ_FENCE}
+  if [ "$f" -gt "$${epochVar}" ] 2>/dev/null; then ${refuse}; fi ;;
 esac`;
 }
 
@@ -240,16 +244,23 @@ const FENCED_EXIT = 75;
  * `fenced=1` when the fence holds at least `$1`, else `fenced=0` (a sandbox without the fence's
  * mount, say).
  */
-export const RAISE_FENCE_SCRIPT = `umask 022
-c=; IFS= read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}
-case "$c" in "" | *[!0-9]*) c=0 ;; esac
-if [ "$c" -ge "$1" ] 2>/dev/null; then echo fenced=1; exit 0; fi
+const RAISE_FENCE_SCRIPT = `umask 022
+${READ_FENCE}
+if [ "$f" -ge "$1" ] 2>/dev/null; then echo fenced=1; exit 0; fi
 t=${VERIFY_FENCE_FILE}.$$
 if printf '%s\\n' "$1" 2>/dev/null > "$t" && chmod 0644 "$t" && mv -f "$t" ${VERIFY_FENCE_FILE} 2>/dev/null; then
   echo fenced=1
 else
   rm -f "$t" 2>/dev/null; echo fenced=0
 fi`;
+
+/**
+ * `extractViaExec`'s script: `$1` the directory, `$2` 1 to empty it first, `$3` a verify epoch
+ * the sandbox's verify fence must not be above ('' for none).
+ */
+const EXTRACT_SCRIPT = `${fenceCheck("3", `echo "fenced $f" >&2; cat > /dev/null 2>&1; exit ${FENCED_EXIT}`)}
+${CLEAR_DIR}
+mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
 
 /**
  * Extract the files inside the sandbox with `tar -x` on stdin, as the plan's user; with
@@ -264,15 +275,20 @@ export async function extractViaExec(
   const { target, user } = plan;
   const replace = options.replace ?? false;
   const archive = await buildTar(plan.files, { ...plan.ids, mode: options.mode, modes: options.modes });
-  const script = `${fenceCheck("3", `echo "fenced $f" >&2; cat > /dev/null 2>&1; exit ${FENCED_EXIT}`)}
-${CLEAR_DIR}
-mkdir -p -- "$1" && exec tar -x -p --no-same-owner -f - -C "$1"`;
   const what = `staging ${Object.keys(plan.files).length} file(s) into ${target}`;
   const epoch = options.fenceEpoch === undefined ? "" : String(options.fenceEpoch);
-  await stagingScript(exec, script, [target, replace ? "1" : "0", epoch], user, archive, what, (r) => {
-    const fenced = r.exitCode === FENCED_EXIT ? /(?:^|\n)fenced (\d+)\n/.exec(r.stderr) : null;
-    if (fenced) throw new TestsSupersededError(Number(fenced[1]), options.fenceEpoch ?? 0);
-  });
+  await stagingScript(
+    exec,
+    EXTRACT_SCRIPT,
+    [target, replace ? "1" : "0", epoch],
+    user,
+    archive,
+    what,
+    (r) => {
+      const fenced = r.exitCode === FENCED_EXIT ? /(?:^|\n)fenced (\d+)\n/.exec(r.stderr) : null;
+      if (fenced) throw new TestsSupersededError(Number(fenced[1]), options.fenceEpoch ?? 0);
+    },
+  );
 }
 
 /**
@@ -497,7 +513,7 @@ const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 
  * staging and runner read it, sees the fence at least at that epoch (`fence-seen=1`; else 0: a
  * fence it cannot read is none to them). A fence raised but unreadable to root fences nothing.
  */
-const ROOT_SEES_FENCE = `if [ -n "$2" ]; then v=0; c=; IFS= read -r c 2>/dev/null < ${VERIFY_FENCE_FILE}; case "$c" in "" | *[!0-9]*) ;; *) if [ "$c" -ge "$2" ] 2>/dev/null; then v=1; fi ;; esac; echo "fence-seen=$v"; fi;`;
+const ROOT_SEES_FENCE = `if [ -n "$2" ]; then v=0; ${READ_FENCE} if [ "$f" -ge "$2" ] 2>/dev/null; then v=1; fi; echo "fence-seen=$v"; fi;`;
 
 /**
  * The kill sweep for root's own processes (the tests', which run as root), run as root without
@@ -539,16 +555,12 @@ export async function killProcessesViaExec(
   user: string,
   rounds: number,
   isFatal: (err: unknown) => boolean = () => false,
-  options: {
+  options: KillOptions & {
     /**
      * For a uid other than root's, run `ROOT_KILL_SWEEP_SCRIPT` as root, asking the exec to keep
      * CAP_KILL (`keepCaps`); the exec must grant it and nothing else.
      */
     rootSweep?: boolean;
-    /** One attempt, its exec bounded by this (`KillOptions.quickMs`). */
-    quickMs?: number;
-    /** For root's own sweep: raise the verify fence first (`KillOptions.fenceEpoch`). */
-    fenceEpoch?: number;
   } = {},
 ): Promise<CleanupReceipt> {
   let lastError = "";

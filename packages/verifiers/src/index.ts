@@ -1,5 +1,3 @@
-/** Where a verify attempt a later one took the sandbox from ends (staging or its tests' runner). */
-export { TestsSupersededError } from "@fleet/sandbox";
 export { matchAnswer } from "./match.ts";
 export { parseReward } from "./reward-file.ts";
 export type { Verdict, VerifyContext } from "./verdict.ts";

@@ -45,6 +45,7 @@ import {
   DEFAULT_SANDBOX_LIMITS,
   FENCE_MOUNT,
   isTmpfsPath,
+  KEEPALIVE_IDS,
   KEEPALIVE_USER,
   SHM_MB,
   sandboxName,
@@ -242,6 +243,19 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     this.endpoint = `bwrap://${hostname()}`;
   }
 
+  /** Whether the rootfs has the verify fence's mount point, a directory: looked at once. */
+  private fenceMount: boolean | undefined;
+  private rootfsHasFenceMount(): boolean {
+    if (this.fenceMount === undefined) {
+      try {
+        this.fenceMount = statSync(join(this.rootfs, FENCE_MOUNT.path)).isDirectory();
+      } catch {
+        this.fenceMount = false;
+      }
+    }
+    return this.fenceMount;
+  }
+
   async create(input: SandboxSpecInput): Promise<SandboxHandle> {
     const spec = parseSandboxSpec(input);
     const unsupported = unsupportedSpec(spec);
@@ -280,7 +294,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const id = randomUUID();
     const dir = join(this.stateDir, `${name}-${id.slice(0, 8)}`);
     const workspaceDir = join(dir, "workspace");
-    const fenceDir = isDirectory(join(this.rootfs, FENCE_MOUNT.path)) ? join(dir, "fence") : undefined;
+    const fenceDir = this.rootfsHasFenceMount() ? join(dir, "fence") : undefined;
     const labels: Record<string, string> = {
       [LABEL_MANAGED]: "true",
       [LABEL_ROLLOUT]: spec.rolloutId,
@@ -332,11 +346,10 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
       await chown(workspaceDir, uid, gid);
       if (fenceDir) {
-        await mkdir(fenceDir, { mode: 0o755 });
-        const [keepUid, keepGid] = KEEPALIVE_USER.split(":").map(Number) as [number, number];
-        await chown(fenceDir, keepUid, keepGid);
+        await mkdir(fenceDir);
+        await chown(fenceDir, KEEPALIVE_IDS.uid, KEEPALIVE_IDS.gid);
         // Whatever this process's umask: root in the sandbox (no capabilities) must enter it.
-        await chmod(fenceDir, 0o755);
+        await chmod(fenceDir, Number.parseInt(FENCE_MOUNT.mode, 8));
       }
       const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
         // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
@@ -747,7 +760,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       user,
       this.defaults.killRounds,
       () => false,
-      { rootSweep: true, quickMs: options.quickMs, fenceEpoch: options.fenceEpoch },
+      { ...options, rootSweep: true },
     );
   }
 
@@ -1215,13 +1228,4 @@ function killQuietly(pid: number): void {
 
 function signalNumber(signal: NodeJS.Signals): number {
   return osConstants.signals[signal] ?? 9;
-}
-
-/** Whether `path` is a directory (false when it is missing or anything else). */
-function isDirectory(path: string): boolean {
-  try {
-    return statSync(path).isDirectory();
-  } catch {
-    return false;
-  }
 }

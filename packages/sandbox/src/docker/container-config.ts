@@ -1,6 +1,7 @@
 import { createHash } from "node:crypto";
 import type { SandboxSpec } from "@fleet/contracts";
 import type Dockerode from "dockerode";
+import { parseNumericUser } from "../exec-command.ts";
 import {
   AGENT_USER,
   LABEL_EXPIRES,
@@ -17,6 +18,8 @@ import {
  * that killing every process of the agent's uid never kills the keepalive.
  */
 export const KEEPALIVE_USER = "65534:65534";
+/** `KEEPALIVE_USER`'s uid and gid. */
+export const KEEPALIVE_IDS = parseNumericUser(KEEPALIVE_USER)!;
 
 /** Hardened limits every sandbox gets unless its spec's `options` relax them. */
 export interface SandboxLimits {
@@ -137,6 +140,9 @@ function tmpfsCaps(sizeMb: number): string {
   return `size=${sizeMb}m,nr_inodes=${sizeMb * INODES_PER_MB}`;
 }
 
+/** The verify fence's Docker tmpfs: nobody's (the keepalive's user), not executable. */
+const FENCE_TMPFS = `rw,noexec,nosuid,nodev,${tmpfsCaps(FENCE_MOUNT.mb)},uid=${KEEPALIVE_IDS.uid},gid=${KEEPALIVE_IDS.gid},mode=${FENCE_MOUNT.mode}`;
+
 /** Whether `path` (absolute) lies on one of the sandbox's tmpfs mounts. */
 export function isTmpfsPath(path: string): boolean {
   return TMPFS_MOUNTS.some((m) => path === m.path || path.startsWith(`${m.path}/`));
@@ -232,9 +238,7 @@ export function buildContainerConfig(
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.
   for (const m of TMPFS_MOUNTS)
     tmpfs[m.path] = `rw,exec,nosuid,nodev,${tmpfsCaps(limits.tmpfsMb)},mode=${m.mode}`;
-  const [keepUid, keepGid] = KEEPALIVE_USER.split(":");
-  tmpfs[FENCE_MOUNT.path] =
-    `rw,noexec,nosuid,nodev,${tmpfsCaps(FENCE_MOUNT.mb)},uid=${keepUid},gid=${keepGid},mode=${FENCE_MOUNT.mode}`;
+  tmpfs[FENCE_MOUNT.path] = FENCE_TMPFS;
   // Docker's own /dev/shm (ShmSize) takes no inode cap: the sandbox gets a tmpfs of its own there.
   tmpfs["/dev/shm"] = `rw,noexec,nosuid,nodev,${tmpfsCaps(SHM_MB)},mode=1777`;
 

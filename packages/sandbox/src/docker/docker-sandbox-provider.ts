@@ -703,7 +703,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       user,
       this.defaults.killRounds,
       daemonUnreachable,
-      { quickMs: options.quickMs, fenceEpoch: options.fenceEpoch },
+      options,
     );
     const uid = parseNumericUser(user)?.uid;
     if (receipt.confirmed || uid === undefined || uid === 0 || options.quickMs !== undefined) return receipt;
