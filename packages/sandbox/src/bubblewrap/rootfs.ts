@@ -1,6 +1,6 @@
 import { execFile } from "node:child_process";
 import { existsSync } from "node:fs";
-import { chmod, mkdir, mkdtemp, readdir, rename, rm } from "node:fs/promises";
+import { chmod, mkdir, mkdtemp, readdir, rename, rm, stat } from "node:fs/promises";
 import { basename, join } from "node:path";
 import { promisify } from "node:util";
 import { FleetError } from "@fleet/contracts";
@@ -34,7 +34,12 @@ export async function unpackRootfs(tarPath: string, cacheDir: string): Promise<s
   return dir;
 }
 
-/** The newest `base-rootfs-*.tar` in `cacheDir` (what `scripts/build-base-image.sh` caches), or null. */
+/**
+ * The newest `base-rootfs-*.tar` in `cacheDir` (what `scripts/build-base-image.sh` caches), by
+ * modification time, or null. Not the last by name: the name holds the recipe's hash, and a
+ * cache that kept an older recipe's tarball must not hand that one out (an older rootfs may lack
+ * what the sandbox now expects, e.g. `/run/fleet`, the verify fence's mount point).
+ */
 export async function findCachedRootfsTar(cacheDir: string): Promise<string | null> {
   let names: string[];
   try {
@@ -42,6 +47,14 @@ export async function findCachedRootfsTar(cacheDir: string): Promise<string | nu
   } catch {
     return null;
   }
-  const tars = names.filter((n) => /^base-rootfs-[0-9a-f]+\.tar$/.test(n)).sort();
-  return tars.length > 0 ? join(cacheDir, tars[tars.length - 1]!) : null;
+  let newest: { path: string; mtimeMs: number } | null = null;
+  for (const name of names.filter((n) => /^base-rootfs-[0-9a-f]+\.tar$/.test(n)).sort()) {
+    const path = join(cacheDir, name);
+    const mtimeMs = await stat(path).then(
+      (s) => s.mtimeMs,
+      () => null, // removed meanwhile (a rebuild deleting older recipes' tarballs)
+    );
+    if (mtimeMs !== null && (newest === null || mtimeMs >= newest.mtimeMs)) newest = { path, mtimeMs };
+  }
+  return newest?.path ?? null;
 }
