@@ -345,6 +345,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       await mkdir(workspaceDir, { recursive: true, mode: 0o755 });
       const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
       await chown(workspaceDir, uid, gid);
+      // Whatever this process's umask (mkdir's mode is masked by it): bwrap, root without
+      // capabilities by then, enters it for --chdir, and so do the tests, as root.
+      await chmod(workspaceDir, 0o755);
       if (fenceDir) {
         await mkdir(fenceDir);
         await chown(fenceDir, KEEPALIVE_IDS.uid, KEEPALIVE_IDS.gid);
