@@ -280,11 +280,33 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     expect(plain.calls).toHaveLength(1);
   });
 
-  it("a quick sweep tries once, within its bound", async () => {
-    const silent = sweeps({ exitCode: 1 });
-    const receipt = await killProcessesViaExec(silent.exec, "1000:1000", 5, undefined, { quickMs: 500 });
-    expect(receipt.confirmed).toBe(false);
-    expect(silent.calls.map((c) => c.deadlineMs)).toEqual([500]);
+  it("a quick sweep tries once, within its bound: again only when it was killed as it ran (the reaper of the tests it stops took it for a stray)", async () => {
+    for (const answer of [{ exitCode: 1 }, { exitCode: 137, timedOut: true }, new Error("exec failed")]) {
+      const once = sweeps(answer);
+      const receipt = await killProcessesViaExec(once.exec, "1000:1000", 5, undefined, { quickMs: 500 });
+      expect(receipt.confirmed).toBe(false);
+      expect(once.calls.map((c) => c.deadlineMs)).toEqual([500]);
+    }
+    const reaped = sweeps({ exitCode: 137 }, { stdout: "remaining=0\n" });
+    expect(await killProcessesViaExec(reaped.exec, ROOT_USER, 5, undefined, { quickMs: 500 })).toMatchObject({
+      confirmed: true,
+    });
+    expect(reaped.calls.map((c) => c.deadlineMs)).toEqual([500, 500]);
+    // With a fence: raised once, then the sweep, and the sweep again.
+    const fencedReaped = sweeps(
+      { stdout: "fenced=1\n" },
+      { exitCode: 137 },
+      { stdout: "fence-seen=1\nremaining=0\n" },
+    );
+    expect(
+      await killProcessesViaExec(fencedReaped.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
+    ).toMatchObject({ confirmed: true, fenced: true });
+    expect(fencedReaped.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, ROOT_USER, ROOT_USER]);
+    const twice = sweeps({ exitCode: 137 });
+    expect(
+      (await killProcessesViaExec(twice.exec, ROOT_USER, 5, undefined, { quickMs: 500 })).confirmed,
+    ).toBe(false);
+    expect(twice.calls).toHaveLength(2);
   });
 
   it("a sandbox gone is confirmed already gone; an error the caller calls fatal is thrown, not retried", async () => {

@@ -598,7 +598,12 @@ export async function killProcessesViaExec(
       fenced = false;
     }
   }
-  const attempts = options.quickMs === undefined ? 3 : 1;
+  // A quick sweep (its caller has seconds) tries again only when it was killed as it ran, at
+  // once (a signal, not its deadline): the reaper of the very tests it stops (the tests' runner
+  // kills every process started after it as a stray) may take it for one of theirs; the second
+  // sweep kills that reaper.
+  const quick = options.quickMs !== undefined;
+  const attempts = quick ? 2 : 3;
   for (let attempt = 1; attempt <= attempts; attempt++) {
     try {
       const r = await exec(argv, {
@@ -624,13 +629,15 @@ export async function killProcessesViaExec(
         };
       }
       lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
+      if (quick && (r.timedOut || !endedBySignal(r.exitCode))) break;
     } catch (err) {
       if (isFleetError(err) && err.kind === "sandbox_lost") return goneReceipt();
       if (isFatal(err)) throw err;
       // e.g. the pids limit is exhausted and the sweep itself cannot start: try again.
       lastError = err instanceof Error ? err.message : String(err);
+      if (quick) break;
     }
-    if (attempt < attempts) await delay(200 * attempt);
+    if (attempt < attempts && !quick) await delay(200 * attempt);
   }
   return {
     confirmed: false,
