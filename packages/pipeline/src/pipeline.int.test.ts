@@ -2223,6 +2223,100 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it.each([
+    ["its note is past the tests' budget (it was paused longer than that)", "past"],
+    ["it has no note (handed back: its own sweep took it, its runner's exec still queued)", "none"],
+  ] as const)(
+    "a verify delivered again whose earlier attempt may still start its tests though %s fences the sandbox before staging: that runner, started after, starts nothing",
+    async (_, note) => {
+      const { id, handle } = await ranWithTests(
+        `unnoted-verify-${note}`,
+        "#!/bin/sh\necho ran >> /tmp/runs\nexit 0\n",
+      );
+      const runs = async () =>
+        (
+          await fleet.deps.provider.exec(handle, ["cat", "/tmp/runs"], {
+            deadlineMs: 10_000,
+            user: ROOT_USER,
+          })
+        ).stdout;
+      // A noted its tests and is paused before its runner's exec reaches the sandbox.
+      const reached = latch();
+      const resume = latch();
+      const pausedA = {
+        ...fleet.deps,
+        provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+          exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
+            if (a[1] === RUN_TESTS_ARGV) {
+              reached.open();
+              await resume.opened;
+            }
+            return fleet.deps.provider.exec(...a);
+          },
+        }),
+      };
+      const a = runStageJob("verify", job(id!), pausedA);
+      await reached.opened;
+      const key = fleet.deps.store.keys.rollout(id!);
+      if (note === "past") await fleet.redis.hset(key, "t:verify:last", String(Date.now() - 90_000 - 16_000));
+      else await fleet.redis.hdel(key, "t:verify:last");
+      // The job delivered again: B (epoch 2) has nothing to wait out, and fences the sandbox first.
+      const { deps: watching, staged, swept } = watchStaging();
+      expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
+      expect(swept).toEqual([ROOT_USER]);
+      expect(staged).toHaveLength(1);
+      const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
+        deadlineMs: 10_000,
+        user: ROOT_USER,
+      });
+      expect(fence.stdout).toBe("2\n");
+      const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
+      expect(verified).toMatchObject({ reward: 1 });
+      expect(await runs()).toBe("ran\n");
+      // A wakes: its runner finds the sandbox fenced past its epoch and starts nothing.
+      resume.open();
+      await a;
+      expect(await runs()).toBe("ran\n");
+      expect((await fleet.deps.store.get(id!))!.receipts.verify).toEqual(verified);
+      expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
+      await closeExpecting(id!, { status: "completed", reward: 1 });
+    },
+  );
+
+  it("a verify delivered again whose fencing sweep has no answer (no tests noted) starts nothing before its claim on the sweep lapses: that sweep could yet kill its tests", async () => {
+    const { id } = await ranWithTests("unnoted-unanswered", "#!/bin/sh\nexit 0\n");
+    // A began and is gone without a note.
+    await fleet.deps.store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
+    const { deps: watching, staged } = watchStaging();
+    const hung = {
+      ...watching,
+      provider: Object.assign(Object.create(watching.provider) as SandboxProvider, {
+        killProcesses: (...a: Parameters<SandboxProvider["killProcesses"]>) =>
+          a[1] === ROOT_USER ? new Promise<never>(() => undefined) : watching.provider.killProcesses(...a),
+      }),
+    };
+    const began = Date.now();
+    const err = await runStageJob("verify", job(id!, 1), hung).catch((e: unknown) => e);
+    expect(isDeferral(err)).toBe(true);
+    expect((err as DeferralError).until).toBeGreaterThanOrEqual(began + 30_000);
+    expect(staged).toEqual([]);
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
+  it("a first verify attempt neither sweeps nor fences the sandbox: only one delivered again pays for that", async () => {
+    const { id, handle } = await ranWithTests("first-verify", "#!/bin/sh\nexit 0\n");
+    const { deps: watching, staged, swept } = watchStaging();
+    expect(await runStageJob("verify", job(id!), watching)).toBe("ok");
+    expect(staged).toHaveLength(1);
+    expect(swept).toEqual([]);
+    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(fence.exitCode).not.toBe(0);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("a verify that finds the sandbox's fence above its epoch while no later attempt began (Redis lost the epochs) raises Redis's past it and is retried, then grades", async () => {
     const { id, handle } = await ranWithTests("fence-ahead-verify", "#!/bin/sh\nexit 0\n");
     // The fence holds 9: Redis gave out epochs up to 9 before a failover lost them.

@@ -965,6 +965,14 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
  *   worker that died after noting may not have started anything: waited for all the same; `begin`
  *   returns it). A wait that would pass the rollout's deadline is its end (masked); a shutdown
  *   hands the job back.
+ * - No note, or one past its tests' budget, and an earlier attempt began all the same (this
+ *   attempt's epoch is not the first): nothing of its tests is known to run, but it may yet start
+ *   some: one paused for longer than the budget between its note and its exec, or one handed back
+ *   whose exec was still queued in its client when its own sweep ended. This attempt fences the
+ *   sandbox against it (and stops whatever it started) before it stages anything; a sandbox
+ *   without the fence starts at once, as it always did.
+ * Returns `start`, or why not: `superseded` (a later attempt began) or `terminal` (the rollout
+ * ended meanwhile: close reports it).
  */
 async function waitOutEarlierTests(
   rec: StageRecord,
@@ -973,8 +981,8 @@ async function waitOutEarlierTests(
   handle: SandboxHandle,
   token: string,
   shutdown?: AbortSignal,
-): Promise<void> {
-  if (task.verifier.kind !== "tests") return;
+): Promise<"start" | "superseded" | "terminal"> {
+  if (task.verifier.kind !== "tests") return "start";
   let earlier = rec.times["verify:prev"];
   let left = rec.begun.earlierVerifyLeft;
   if (rec.begun.testsSweepLeftMs > 0) {
@@ -985,24 +993,41 @@ async function waitOutEarlierTests(
     earlier = note?.at;
     left = note?.left ?? false;
   }
-  if (earlier === undefined) return;
   let now = clock(deps);
-  let until = earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
-  // Past their budget: nothing of them is left to stop (nor a sweep to risk).
-  if (until <= now) return;
-  // Left, or not (its worker died, or it is paused past its lock and may yet start them) where
-  // this attempt has an epoch to raise the sandbox's verify fence to and that attempt honours
-  // the fence (not one of an older release): stop them and start at once.
-  const epoch = rec.begun.earlierVerifyFenceAware ? rec.begun.verifyEpoch : null;
-  if (left || epoch !== null) {
-    const stopped = await stopLeftTests(rec, deps, handle, token, earlier, left ? null : epoch);
-    if (stopped === "stopped") return;
-    if (stopped === "superseded") throw new VerifySupersededError();
-    if (stopped === "terminal") throw new VerifyStoppedError();
-    // A sweep with no answer may yet land: nothing of this attempt's starts before its claim
-    // lapses (nor before the earlier tests' budget ends).
+  let until = earlier === undefined ? now : earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
+  if (until <= now) {
+    // Nothing of an earlier attempt's tests to wait out (no note, or past its budget).
+    const epoch = rec.begun.verifyEpoch;
+    if (epoch === null || epoch <= 1) return "start";
+    const fenced = await stopLeftTests(rec, deps, handle, token, null, epoch, "unnoted");
+    if (fenced === "superseded" || fenced === "terminal") return fenced;
+    if (fenced !== "unanswered") return "start";
+    // A sweep with no answer may yet land, and kill this attempt's tests: start nothing before
+    // its claim lapses.
     now = clock(deps);
-    if (stopped === "unanswered") until = Math.max(until, now + SWEEP_CLAIM_MS);
+    until = now + SWEEP_CLAIM_MS;
+  } else {
+    // Left, or not (its worker died, or it is paused past its lock and may yet start them) where
+    // this attempt has an epoch to raise the sandbox's verify fence to and that attempt honours
+    // the fence (not one of an older release): stop them and start at once.
+    const epoch = rec.begun.earlierVerifyFenceAware ? rec.begun.verifyEpoch : null;
+    if (left || epoch !== null) {
+      const stopped = await stopLeftTests(
+        rec,
+        deps,
+        handle,
+        token,
+        earlier ?? null,
+        left ? null : epoch,
+        "noted",
+      );
+      if (stopped === "stopped") return "start";
+      if (stopped === "superseded" || stopped === "terminal") return stopped;
+      // A sweep with no answer may yet land: nothing of this attempt's starts before its claim
+      // lapses (nor before the earlier tests' budget ends).
+      now = clock(deps);
+      if (stopped === "unanswered") until = Math.max(until, now + SWEEP_CLAIM_MS);
+    }
   }
   if (until >= rec.meta.deadlineAt) {
     throw FleetError.nonRetryable(
@@ -1028,6 +1053,7 @@ async function waitOutEarlierTests(
   } catch {
     throw new HandBackError();
   }
+  return "start";
 }
 
 /** A verify's wait for an earlier attempt's tests longer than this hands its job back until then. */
@@ -1042,7 +1068,8 @@ const DEFER_ABOVE_MS = 2_000;
  * the sweep's end (the claim's) before it starts anything, and one that began since (this one
  * paused) is not swept under. The outcome:
  * - `stopped`: none is left; the claim ended with the earlier note (start at once);
- * - `resisted`: the sweep counted processes it could not stop; the claim ended (wait them out);
+ * - `resisted`: the sweep counted processes it could not stop, or could not fence the sandbox;
+ *   the claim ended (wait them out; `unnoted`: start all the same, as before the fence);
  * - `unanswered`: the sweep failed or had no answer and may yet land; the claim lapses by itself
  *   (start nothing before it has);
  * - `superseded` / `terminal`: no claim (a later attempt began; the rollout ended): no sweep.
@@ -1053,10 +1080,16 @@ async function stopLeftTests(
   deps: PipelineDeps,
   handle: SandboxHandle,
   token: string,
-  notedAt: number,
+  notedAt: number | null,
   fenceEpoch: number | null,
+  /** `noted`: the earlier tests' budget is not over (what resists is waited out); `unnoted`: it is, or there was no note (this attempt starts all the same). */
+  earlier: "noted" | "unnoted",
 ): Promise<"stopped" | "resisted" | "unanswered" | "superseded" | "terminal"> {
   const id = rec.meta.id;
+  const then =
+    earlier === "noted"
+      ? "waiting them out"
+      : "starting all the same (no budget of theirs is left to wait out)";
   const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, fenceEpoch).catch(
     (err: unknown) => {
       throw FleetError.retryable(
@@ -1080,7 +1113,7 @@ async function stopLeftTests(
   if (!stopped.confirmed) {
     deps.logger.warn(
       { rolloutId: id, remaining: stopped.remaining, detail: stopped.detail },
-      "verify delivered again: the tests the earlier attempt left did not stop; waiting them out",
+      `verify delivered again: the tests the earlier attempt left did not stop; ${then}`,
     );
     return stopped.remaining > 0 ? "resisted" : "unanswered";
   }
@@ -1089,15 +1122,17 @@ async function stopLeftTests(
     // before it had one, or on a provider without): its note stands, and is waited out.
     deps.logger.warn(
       { rolloutId: id },
-      "verify delivered again: could not fence the sandbox against the earlier attempt; waiting its tests out",
+      `verify delivered again: could not fence the sandbox against the earlier attempt; ${then}`,
     );
     return "resisted";
   }
   deps.logger.info(
     { rolloutId: id, ...(fenceEpoch !== null ? { fence: fenceEpoch } : {}) },
-    fenceEpoch !== null
-      ? "verify delivered again: fenced the sandbox against the earlier attempt and stopped its tests; starting at once"
-      : "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
+    earlier === "unnoted"
+      ? "verify delivered again: fenced the sandbox against earlier attempts (no tests of theirs noted within their budget); starting at once"
+      : fenceEpoch !== null
+        ? "verify delivered again: fenced the sandbox against the earlier attempt and stopped its tests; starting at once"
+        : "verify delivered again: stopped the tests the earlier attempt left behind; starting at once",
   );
   return "stopped";
 }
@@ -1267,11 +1302,6 @@ class VerifySupersededError extends Error {
   override readonly name = "VerifySupersededError";
 }
 
-/** The rollout became terminal while a verify waited to start: close reports it. */
-class VerifyStoppedError extends Error {
-  override readonly name = "VerifyStoppedError";
-}
-
 /**
  * A verify attempt's staging or runner found the sandbox's verify fence above its epoch. Taken
  * over by a later attempt: it ends as superseded. But while it still holds the verify fence in
@@ -1379,14 +1409,10 @@ const verifyAttempt = async (
   const token = fence.token;
   const task = await loadTask(rec, deps);
   const id = rec.meta.id;
-  try {
-    await waitOutEarlierTests(rec, deps, task, seedReceipt.handle, token, shutdown);
-  } catch (err) {
-    if (err instanceof VerifySupersededError) return superseded(deps, id, "does not touch the sandbox");
-    // The rollout ended meanwhile (a cancel, its deadline): close reports it (a repeat is a no-op).
-    if (err instanceof VerifyStoppedError) return "close";
-    throw err;
-  }
+  const earlier = await waitOutEarlierTests(rec, deps, task, seedReceipt.handle, token, shutdown);
+  if (earlier === "superseded") return superseded(deps, id, "does not touch the sandbox");
+  // The rollout ended meanwhile (a cancel, its deadline): close reports it (a repeat is a no-op).
+  if (earlier === "terminal") return "close";
   // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
   // When this attempt last noted its work in the sandbox (a sweep that stops its tests clears it).
   let notedAt: number | null = null;
