@@ -520,13 +520,18 @@ const ROOT_SEES_FENCE = `if [ -n "$2" ]; then v=0; ${READ_FENCE} if [ "$f" -ge "
  * capabilities: `kill -9 -1` would take the sweep's own parents (the exec's `timeout`, ending
  * the exec before it reports) and count the sandbox's PID 1 (bubblewrap's, root's) for ever. It
  * spares PID 1, itself and its parents (walked up `/proc/<pid>/stat`), stops then kills every
- * other process of uid 0. Rounds: $1.
+ * other process of uid 0. Rounds: $1. With a verify epoch (`$2`), it says whether root sees the
+ * fence at it (`ROOT_SEES_FENCE`), and stops, killing nothing more, once the fence is above it
+ * (`superseded=<fence>`).
  */
 export const ROOT_SELF_SWEEP_SCRIPT = sweepScript(
-  `r=$1; ${ROOT_SEES_FENCE}` +
+  `r=$1; e=$2; ${ROOT_SEES_FENCE}` +
     // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
     ' uid=0; keep=" 1 "; p=$$; while [ "$p" -gt 1 ] 2>/dev/null; do keep="$keep$p "; line=; read -r line 2>/dev/null < "/proc/$p/stat" || break; set -- ${line##*) }; p=${2:-0}; done; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = 0 ] && kill -"$1" "$p" 2>/dev/null; done; };',
-  "sig STOP; sig KILL;",
+  // Given an epoch, before each round: a fence above it (a later verify attempt took the
+  // sandbox over since this sweep was sent: it landed late) stops the sweep, killing nothing of
+  // that attempt's tests.
+  `${fenceCheck("e", 'echo "superseded=$f"; exit 0')}; sig STOP; sig KILL;`,
   "uid",
   "r",
 );
@@ -547,8 +552,10 @@ export const ROOT_KILL_SWEEP_SCRIPT = sweepScript(
 );
 
 /**
- * `killProcesses` on an exec: up to 3 sweeps as `user`. A `sandbox_lost` exec error is a
- * confirmed "already gone"; an error `isFatal` accepts is rethrown; any other is retried.
+ * `killProcesses` on an exec: up to 3 sweeps as `user` (quick: 2, the second only for a sweep
+ * killed as it ran, within the one budget). A `sandbox_lost` exec error is a confirmed "already
+ * gone"; an error `isFatal` accepts is rethrown; any other is retried. A root sweep given a verify
+ * epoch that finds the fence above it throws `TestsSupersededError`, having killed nothing since.
  */
 export async function killProcessesViaExec(
   exec: SandboxExec,
@@ -602,18 +609,26 @@ export async function killProcessesViaExec(
   // once (a signal, not its deadline): the reaper of the very tests it stops (the tests' runner
   // kills every process started after it as a stray) may take it for one of theirs; the second
   // sweep kills that reaper.
+  // The retry gets what is left of the one budget: the caller's bound holds.
   const quick = options.quickMs !== undefined;
   const attempts = quick ? 2 : 3;
+  const started = Date.now();
   for (let attempt = 1; attempt <= attempts; attempt++) {
+    const deadlineMs = quick ? (options.quickMs ?? 0) - (Date.now() - started) : 30_000;
+    if (quick && attempt > 1 && deadlineMs < QUICK_RETRY_MIN_MS) break;
     try {
       const r = await exec(argv, {
-        deadlineMs: options.quickMs ?? 30_000,
+        deadlineMs,
         cwd: OPS_CWD,
         user: asRoot ? ROOT_USER : user,
         stdin: null,
         maxOutputBytes: 4096,
         ...(asRoot ? { keepCaps: ["kill"] } : {}),
       });
+      const later = /(?:^|\n)superseded=(\d+)\n/.exec(r.stdout);
+      if (later && options.fenceEpoch !== undefined) {
+        throw new TestsSupersededError(Number(later[1]), options.fenceEpoch);
+      }
       const m = /remaining=(\d+)/.exec(r.stdout);
       if (m) {
         const remaining = Number(m[1]);
@@ -631,6 +646,7 @@ export async function killProcessesViaExec(
       lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
       if (quick && (r.timedOut || !endedBySignal(r.exitCode))) break;
     } catch (err) {
+      if (err instanceof TestsSupersededError) throw err;
       if (isFleetError(err) && err.kind === "sandbox_lost") return goneReceipt();
       if (isFatal(err)) throw err;
       // e.g. the pids limit is exhausted and the sweep itself cannot start: try again.
@@ -649,6 +665,9 @@ export async function killProcessesViaExec(
     ...(fenced !== undefined ? { fenced } : {}),
   };
 }
+
+/** A quick sweep killed as it ran tries again only with at least this much of its budget left. */
+const QUICK_RETRY_MIN_MS = 250;
 
 /**
  * The bound of the exec that raises the verify fence before a root sweep (`killProcessesViaExec`

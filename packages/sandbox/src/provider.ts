@@ -37,8 +37,8 @@ export const SANDBOX_PATHS = {
 export interface KillOptions {
   /**
    * One sweep whose exec is bounded by this many ms (a stop at shutdown, with seconds to spare),
-   * instead of up to 3 of 30 s each and, on Docker, a reaper after them. Unconfirmed when it runs
-   * out.
+   * instead of up to 3 of 30 s each and, on Docker, a reaper after them; a second one within the
+   * same bound only when the first was killed as it ran. Unconfirmed when it runs out.
    */
   quickMs?: number;
   /**
@@ -46,7 +46,9 @@ export interface KillOptions {
    * epoch (a verify attempt's, from Redis: later attempts have higher ones), then kills: the
    * tests' runner of an older attempt that starts after it refuses to (it reads the fence
    * first), and one that started before it is a root process the sweep kills. The receipt's
-   * `fenced` says the fence holds at least this epoch.
+   * `fenced` says the fence holds at least this epoch. A fence above it (a later attempt took the
+   * sandbox over, this sweep landing late) stops the sweep before its next round:
+   * `TestsSupersededError`.
    */
   fenceEpoch?: number;
 }

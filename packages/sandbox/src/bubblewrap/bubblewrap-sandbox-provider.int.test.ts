@@ -624,7 +624,14 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       fenced: true,
     });
     expect(await fence()).toBe("5\n");
-    expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 4 })).toMatchObject({ fenced: true });
+    // A sweep of an older attempt, landing late, kills nothing once the fence is above it.
+    await provider.exec(h, ["sh", "-c", "sleep 1001 >/dev/null 2>&1 </dev/null & echo started"], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    const late = await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 4 }).catch((e: unknown) => e);
+    expect(late).toMatchObject({ name: "TestsSupersededError", fence: 5, epoch: 4 });
+    expect((await processesOf(h, 0)).filter((l) => /sleep 1001/.test(l))).toHaveLength(1);
     expect(await fence()).toBe("5\n");
     for (const user of [ROOT_USER, AGENT_USER]) {
       const tamper = await provider.exec(

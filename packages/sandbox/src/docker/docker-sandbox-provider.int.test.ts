@@ -25,6 +25,7 @@ import {
   LABEL_MANAGED,
   LABEL_ROLLOUT,
   ROOT_USER,
+  TestsSupersededError,
   VERIFY_FENCE_DIR,
   VERIFY_FENCE_FILE,
 } from "../provider.ts";
@@ -551,7 +552,7 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
     });
 
-    it("a root sweep given a verify epoch raises the sandbox's fence to it before it kills, never lowers it; neither the tests (root) nor the agent can write the fence", async () => {
+    it("a root sweep given a verify epoch raises the sandbox's fence to it before it kills, never lowers it, and kills nothing once it is above its epoch; neither the tests (root) nor the agent can write the fence", async () => {
       const fence = async () =>
         (await provider.exec(h, ["cat", VERIFY_FENCE_FILE], { deadlineMs: 10_000, user: ROOT_USER })).stdout;
       await provider.exec(h, ["sh", "-c", "sleep 1000 >/dev/null 2>&1 </dev/null & echo started"], {
@@ -564,8 +565,16 @@ describe("DockerSandboxProvider (real Docker)", () => {
       });
       expect((await processesOf(h, 0)).filter((l) => /sleep 1000/.test(l))).toEqual([]);
       expect(await fence()).toBe("3\n");
-      // An older attempt's sweep leaves the later one's fence; it holds at least its epoch.
-      expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 2 })).toMatchObject({ fenced: true });
+      // An older attempt's sweep that lands late leaves the later one's fence, and kills nothing
+      // of the later attempt's tests: it stops, superseded.
+      await provider.exec(h, ["sh", "-c", "sleep 1001 >/dev/null 2>&1 </dev/null & echo started"], {
+        deadlineMs: 10_000,
+        user: ROOT_USER,
+      });
+      const late = await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 2 }).catch((e: unknown) => e);
+      expect(late).toBeInstanceOf(TestsSupersededError);
+      expect(late).toMatchObject({ fence: 3, epoch: 2 });
+      expect((await processesOf(h, 0)).filter((l) => /sleep 1001/.test(l))).toHaveLength(1);
       expect(await fence()).toBe("3\n");
       expect(await provider.killProcesses(h, ROOT_USER, { fenceEpoch: 7 })).toMatchObject({ fenced: true });
       expect(await fence()).toBe("7\n");
