@@ -574,20 +574,25 @@ describe("idempotency and fencing without workers", () => {
   const watchStaging = () => {
     const staged: number[] = [];
     const swept: string[] = [];
+    /** Sweeps (ended) and stagings of the tests (begun), in their order. */
+    const order: Array<"swept" | "staged"> = [];
     const deps = {
       ...fleet.deps,
       provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
         put: async (...a: Parameters<SandboxProvider["put"]>) => {
-          if (a[1] === "/tests") staged.push(Date.now());
+          if (a[1] === "/tests") {
+            staged.push(Date.now());
+            order.push("staged");
+          }
           return fleet.deps.provider.put(...a);
         },
         killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
           swept.push(a[1] ?? "");
-          return fleet.deps.provider.killProcesses(...a);
+          return fleet.deps.provider.killProcesses(...a).finally(() => order.push("swept"));
         },
       }),
     };
-    return { deps, staged, swept };
+    return { deps, staged, swept, order };
   };
 
   /**
@@ -2261,10 +2266,10 @@ describe("idempotency and fencing without workers", () => {
       if (note === "past") await fleet.redis.hset(key, "t:verify:last", String(Date.now() - 90_000 - 16_000));
       else await fleet.redis.hdel(key, "t:verify:last");
       // The job delivered again: B (epoch 2) has nothing to wait out, and fences the sandbox first.
-      const { deps: watching, staged, swept } = watchStaging();
+      const { deps: watching, swept, order } = watchStaging();
       expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
       expect(swept).toEqual([ROOT_USER]);
-      expect(staged).toHaveLength(1);
+      expect(order).toEqual(["swept", "staged"]);
       const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
         deadlineMs: 10_000,
         user: ROOT_USER,
@@ -2301,6 +2306,54 @@ describe("idempotency and fencing without workers", () => {
     expect((err as DeferralError).until).toBeGreaterThanOrEqual(began + 30_000);
     expect(staged).toEqual([]);
     await runStageJob("close", job(id!), fleet.deps);
+  });
+
+  it("a verify delivered again whose fencing sweep lands after a later attempt fenced the sandbox kills nothing of that attempt's tests, and ends superseded without a trace", async () => {
+    const { id, handle } = await ranWithTests("late-sweep", "#!/bin/sh\nexit 0\n");
+    const { store, provider } = fleet.deps;
+    // A began and is gone without a note; B is delivered again (epoch 2).
+    await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
+    const { deps: watching, staged } = watchStaging();
+    const late = {
+      ...watching,
+      provider: Object.assign(Object.create(watching.provider) as SandboxProvider, {
+        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
+          // B's sweep is delayed past its claim: C (epoch 3) begins, fences the sandbox and
+          // starts its tests meanwhile.
+          await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-c" });
+          expect(await provider.killProcesses(handle, ROOT_USER, { fenceEpoch: 3 })).toMatchObject({
+            fenced: true,
+          });
+          void provider
+            .exec(handle, ["sleep", "602"], { deadlineMs: 120_000, user: ROOT_USER })
+            .catch(() => undefined);
+          await waitFor(async () => (await rootSleeping(handle, 602)) === "1");
+          return watching.provider.killProcesses(...a);
+        },
+      }),
+    };
+    // Superseded: it ends without a trace (no verdict, no failure, nothing enqueued).
+    expect(await runStageJob("verify", job(id!, 1), late)).toBe("ok");
+    expect(await rootSleeping(handle, 602)).toBe("1");
+    expect(staged).toEqual([]);
+    expect((await store.get(id!))!.receipts.verify).toBeUndefined();
+    expect(await store.failureLog(id!)).toEqual([]);
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
+  it("a verify delivered again to a sandbox it cannot fence, with no earlier tests noted, starts at once as before the fence", async () => {
+    const { id, handle } = await ranWithTests("unnoted-unfenceable", "#!/bin/sh\nexit 0\n");
+    await fleet.deps.store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
+    const r = await fleet.deps.provider.exec(handle, ["chmod", "0555", VERIFY_FENCE_DIR], {
+      deadlineMs: 10_000,
+      user: KEEPALIVE_USER,
+    });
+    expect(r.exitCode).toBe(0);
+    const { deps: watching, staged, swept } = watchStaging();
+    expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
+    expect(swept).toEqual([ROOT_USER]);
+    expect(staged).toHaveLength(1);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
   it("a first verify attempt neither sweeps nor fences the sandbox: only one delivered again pays for that", async () => {

@@ -950,7 +950,8 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
  * A verify delivered again (its worker died, or its exec broke) may find the earlier attempt's
  * tests still running in the sandbox as root: a Docker exec outlives its client. Staging new
  * tests and clearing /logs/verifier under them could mix the two runs' rewards. None when no
- * attempt got that far, or its staging failed (which clears its note): a retry starts at once.
+ * attempt got that far, or its staging failed (which clears its note): a retry starts at once
+ * (once it has fenced the sandbox: the last case below).
  * - The earlier attempt left the sandbox (`leaveVerifyWork`: its exec broke, say, and it gave the
  *   job back): its code starts nothing there any more, so this attempt, holding the verify fence,
  *   stops what of its tests still runs (`stopLeftTests`) and starts at once once none is left.
@@ -995,6 +996,7 @@ async function waitOutEarlierTests(
   }
   let now = clock(deps);
   let until = earlier === undefined ? now : earlier + task.timeouts.verifierS * 1000 + EARLIER_TESTS_GRACE_MS;
+  let awaiting = "the earlier attempt's tests";
   if (until <= now) {
     // Nothing of an earlier attempt's tests to wait out (no note, or past its budget).
     const epoch = rec.begun.verifyEpoch;
@@ -1006,6 +1008,7 @@ async function waitOutEarlierTests(
     // its claim lapses.
     now = clock(deps);
     until = now + SWEEP_CLAIM_MS;
+    awaiting = "its own sweep's claim to lapse (that sweep had no answer, and could yet kill its tests)";
   } else {
     // Left, or not (its worker died, or it is paused past its lock and may yet start them) where
     // this attempt has an epoch to raise the sandbox's verify fence to and that attempt honours
@@ -1032,21 +1035,18 @@ async function waitOutEarlierTests(
   if (until >= rec.meta.deadlineAt) {
     throw FleetError.nonRetryable(
       "deadline_exceeded",
-      "a verify delivered again could not wait out the earlier attempt's tests before the rollout's deadline",
+      `a verify delivered again could not wait out ${awaiting} before the rollout's deadline`,
     );
   }
   if (until - now > DEFER_ABOVE_MS) {
     // Not asleep in one of the worker's slots for it (a tests' budget can be half an hour, and a
     // verifier that died had as many rollouts verifying as its concurrency): back to the queue
     // until then, no attempt spent. Taken again then, it begins anew and finds the wait over.
-    throw new DeferralError(
-      until,
-      "verify delivered again: waiting out the earlier attempt's tests before starting",
-    );
+    throw new DeferralError(until, `verify delivered again: waiting out ${awaiting} before starting`);
   }
   deps.logger.info(
     { rolloutId: rec.meta.id, waitMs: until - now },
-    "verify delivered again: waiting out the earlier attempt's tests before starting",
+    `verify delivered again: waiting out ${awaiting} before starting`,
   );
   try {
     await sleep(until - now, undefined, { signal: shutdown });
@@ -1104,6 +1104,8 @@ async function stopLeftTests(
   if (!("confirmed" in stopped)) {
     const err = stopped.error;
     if (isFleetError(err) && (err.kind === "provider_unavailable" || err.kind === "sandbox_lost")) throw err;
+    // The sandbox is fenced past this attempt's epoch (`fencedOut` tells why).
+    if (err instanceof TestsSupersededError) throw err;
     deps.logger.warn(
       { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
       "verify delivered again: the sweep of the tests the earlier attempt left had no answer; starting nothing before its claim lapses",
@@ -1111,16 +1113,23 @@ async function stopLeftTests(
     return "unanswered";
   }
   if (!stopped.confirmed) {
+    const resisted = stopped.remaining > 0;
     deps.logger.warn(
       { rolloutId: id, remaining: stopped.remaining, detail: stopped.detail },
-      `verify delivered again: the tests the earlier attempt left did not stop; ${then}`,
+      resisted
+        ? `verify delivered again: the tests the earlier attempt left did not stop; ${then}`
+        : "verify delivered again: the sweep of the earlier attempt's tests did not report; starting nothing before its claim lapses",
     );
-    return stopped.remaining > 0 ? "resisted" : "unanswered";
+    return resisted ? "resisted" : "unanswered";
   }
   if (!fenceHolds(stopped, fenceEpoch)) {
     // Stopped, but the earlier attempt may still start them (the sandbox has no fence: made
-    // before it had one, or on a provider without): its note stands, and is waited out.
-    deps.logger.warn(
+    // before it had one, or on a provider without): a note stands, and is waited out; with none
+    // within its budget, this attempt starts as it did before the fence (said at info: every
+    // verify delivered again to such a sandbox comes here).
+    const log = earlier === "noted" ? deps.logger.warn : deps.logger.info;
+    log.call(
+      deps.logger,
       { rolloutId: id },
       `verify delivered again: could not fence the sandbox against the earlier attempt; ${then}`,
     );
@@ -1177,24 +1186,33 @@ async function sweepTestsUnderClaim(
       `the sweep had no answer within ${bound} ms`,
     );
   } catch (error) {
+    // Found the sandbox fenced past its epoch: the sweep stopped there, and is over.
+    if (error instanceof TestsSupersededError) await endSweep(deps, id, claimed.claim, null);
     return { claimed: true, stopped: { error } };
   }
   if (stopped.confirmed || stopped.remaining > 0) {
     // The note goes with a confirmed sweep, unless it was to fence the sandbox and could not:
     // the attempt that noted may still start its tests then.
     const settled = stopped.confirmed && fenceHolds(stopped, fenceEpoch);
-    await withTimeout(
-      deps.store.endTestsSweep(id, claimed.claim, settled ? notedAt : null),
-      STOP_TESTS_MS,
-      "no answer",
-    ).catch((err: unknown) =>
+    await endSweep(deps, id, claimed.claim, settled ? notedAt : null);
+  }
+  return { claimed: true, stopped };
+}
+
+/** `store.endTestsSweep`, bounded and best effort: a claim not ended lapses. */
+async function endSweep(
+  deps: PipelineDeps,
+  id: string,
+  claim: string,
+  notedAt: number | null,
+): Promise<void> {
+  await withTimeout(deps.store.endTestsSweep(id, claim, notedAt), STOP_TESTS_MS, "no answer").catch(
+    (err: unknown) =>
       deps.logger.warn(
         { rolloutId: id, detail: err instanceof Error ? err.message : String(err) },
         "could not end the claim on a verify's sweep; it lapses",
       ),
-    );
-  }
-  return { claimed: true, stopped };
+  );
 }
 
 /**
@@ -1409,7 +1427,14 @@ const verifyAttempt = async (
   const token = fence.token;
   const task = await loadTask(rec, deps);
   const id = rec.meta.id;
-  const earlier = await waitOutEarlierTests(rec, deps, task, seedReceipt.handle, token, shutdown);
+  const earlier = await waitOutEarlierTests(rec, deps, task, seedReceipt.handle, token, shutdown).catch(
+    (err: unknown) => {
+      // Its sweep found the sandbox fenced past its epoch: it killed nothing of that attempt's.
+      if (err instanceof TestsSupersededError) return fencedOut(deps, id, fence, err);
+      throw err;
+    },
+  );
+  if (earlier === null) return null;
   if (earlier === "superseded") return superseded(deps, id, "does not touch the sandbox");
   // The rollout ended meanwhile (a cancel, its deadline): close reports it (a repeat is a no-op).
   if (earlier === "terminal") return "close";
