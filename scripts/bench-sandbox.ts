@@ -2,7 +2,9 @@
  * Sandbox latency benchmark: create / exec(`true`) / destroy through `DockerSandboxProvider`,
  * against a raw dockerode loop doing the same Docker calls with the same container config, in
  * the same run, interleaved (alternating which goes first). Prints p50/p95 of both and the
- * provider/raw ratio (target: ≤ 1.1×).
+ * provider/raw ratio (target: ≤ 1.1×). Beside them, what a verify delivered again pays before it
+ * stages its tests: the provider's fenced root sweep (`killProcesses` as root with a verify epoch:
+ * the fence raised as nobody, then every root process swept), against the provider's own exec.
  *
  *   npx tsx scripts/bench-sandbox.ts [--n 30] [--execs 5] [--image rollout-fleet/base:latest]
  */
@@ -16,6 +18,7 @@ import {
   deadlineArgv,
   LABEL_MANAGED,
   LABEL_ROLLOUT,
+  ROOT_USER,
   workspaceVolumeName,
 } from "@fleet/sandbox";
 import Dockerode from "dockerode";
@@ -47,6 +50,8 @@ const samples: Record<"provider" | "raw", Samples> = {
 };
 /** Raw execs of `timeout -k 2 30 true`: what the provider's deadline wrapper costs by itself. */
 const rawWrappedExec: number[] = [];
+/** The provider's fenced root sweeps (a verify delivered again, before it stages its tests). */
+const fencedSweep: number[] = [];
 
 let seq = 0;
 function spec(kind: string): SandboxSpecInput {
@@ -70,6 +75,12 @@ async function providerRound(record: boolean): Promise<void> {
       if (r.exitCode !== 0) throw new Error(`provider exec exited ${r.exitCode}: ${r.stderr}`);
       if (record) s.exec.push(performance.now() - t);
     }
+    t = performance.now();
+    const swept = await provider.killProcesses(h, ROOT_USER, { quickMs: 5_000, fenceEpoch: seq });
+    if (!swept.confirmed || swept.fenced !== true) {
+      throw new Error(`the fenced root sweep did not confirm: ${JSON.stringify(swept)}`);
+    }
+    if (record) fencedSweep.push(performance.now() - t);
   } finally {
     t = performance.now();
     await provider.destroy(h);
@@ -168,6 +179,11 @@ async function main(): Promise<void> {
   const [e50, e95] = [percentile(samples.raw.exec, 50), percentile(samples.raw.exec, 95)];
   console.log(
     `${"exec+wrap".padEnd(9)} ${String(rawWrappedExec.length).padStart(7)} |   (raw loop running \`timeout -k 2 30 true\`) ${fmt(w50)} ${fmt(w95)}      | ${ratio(w50, e50)} ${ratio(w95, e95)}`,
+  );
+  const [f50, f95] = [percentile(fencedSweep, 50), percentile(fencedSweep, 95)];
+  const [x50, x95] = [percentile(samples.provider.exec, 50), percentile(samples.provider.exec, 95)];
+  console.log(
+    `${"fenced".padEnd(9)} ${String(fencedSweep.length).padStart(7)} | ${fmt(f50)} ${fmt(f95)}      |   (the provider's fenced root sweep, against its exec)   | ${ratio(f50, x50)} ${ratio(f95, x95)}`,
   );
   console.log(`\ntarget provider/raw p50 <= 1.1x: ${verdicts.join(", ")}`);
 }
