@@ -568,6 +568,64 @@ describe("idempotency and fencing without workers", () => {
     ).stdout.trim();
 
   /**
+   * A rollout ready to verify, whose tests append a line to /tmp/runs (`runs` reads it), and its
+   * first verify attempt A (`a`): it noted its tests and is paused before its runner's exec
+   * reaches the sandbox, until `resume` opens.
+   */
+  const verifyPausedAtRunner = async (name: string) => {
+    const { id, handle } = await ranWithTests(name, "#!/bin/sh\necho ran >> /tmp/runs\nexit 0\n");
+    const runs = async () =>
+      (await fleet.deps.provider.exec(handle, ["cat", "/tmp/runs"], { deadlineMs: 10_000, user: ROOT_USER }))
+        .stdout;
+    const reached = latch();
+    const resume = latch();
+    const pausedA = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
+          if (a[1] === RUN_TESTS_ARGV) {
+            reached.open();
+            await resume.opened;
+          }
+          return fleet.deps.provider.exec(...a);
+        },
+      }),
+    };
+    const a = runStageJob("verify", job(id!), pausedA);
+    await reached.opened;
+    return { id, handle, runs, a, resume };
+  };
+
+  /**
+   * A (`verifyPausedAtRunner`) was fenced out by B (epoch 2), which verified: the fence holds 2,
+   * B's verdict is stored and its tests ran once. A wakes: its runner finds the sandbox fenced
+   * past its epoch and starts nothing; A stores nothing, fails nothing. The rollout completes.
+   */
+  const expectFencedOut = async ({
+    id,
+    handle,
+    runs,
+    a,
+    resume,
+  }: Awaited<ReturnType<typeof verifyPausedAtRunner>>) => {
+    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(fence.stdout).toBe("2\n");
+    const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
+    expect(verified).toMatchObject({ reward: 1 });
+    expect(await runs()).toBe("ran\n");
+    resume.open();
+    await a;
+    // B's tests ran; A's did not.
+    expect(await runs()).toBe("ran\n");
+    expect((await fleet.deps.store.get(id!))!.receipts.verify).toEqual(verified);
+    expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  };
+
+  /**
    * The fleet's deps with a provider that notes when tests are staged (`staged`, epoch ms) and
    * which users' processes it was asked to sweep (`swept`).
    */
@@ -593,6 +651,27 @@ describe("idempotency and fencing without workers", () => {
       }),
     };
     return { deps, staged, swept, order };
+  };
+
+  /**
+   * A verify delivered again (attempt 1) whose root sweep never answers (a hung daemon: it may
+   * yet land) is handed back until its claim on the sweep (30 s) lapses at the earliest, having
+   * staged nothing.
+   */
+  const expectHeldByUnansweredSweep = async (id: string) => {
+    const { deps: watching, staged } = watchStaging();
+    const hung = {
+      ...watching,
+      provider: Object.assign(Object.create(watching.provider) as SandboxProvider, {
+        killProcesses: (...a: Parameters<SandboxProvider["killProcesses"]>) =>
+          a[1] === ROOT_USER ? new Promise<never>(() => undefined) : watching.provider.killProcesses(...a),
+      }),
+    };
+    const began = Date.now();
+    const err = await runStageJob("verify", job(id, 1), hung).catch((e: unknown) => e);
+    expect(isDeferral(err)).toBe(true);
+    expect((err as DeferralError).until).toBeGreaterThanOrEqual(began + 30_000);
+    expect(staged).toEqual([]);
   };
 
   /**
@@ -2150,20 +2229,7 @@ describe("idempotency and fencing without workers", () => {
     await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
     expect(await store.leaveVerifyWork(id!, "attempt-a")).toBe(true);
     // B's sweep of them never answers (a hung daemon): it may yet land.
-    const { deps: watching, staged } = watchStaging();
-    const hung = {
-      ...watching,
-      provider: Object.assign(Object.create(watching.provider) as SandboxProvider, {
-        killProcesses: (...a: Parameters<SandboxProvider["killProcesses"]>) =>
-          a[1] === ROOT_USER ? new Promise<never>(() => undefined) : watching.provider.killProcesses(...a),
-      }),
-    };
-    const began = Date.now();
-    const err = await runStageJob("verify", job(id!, 1), hung).catch((e: unknown) => e);
-    // Handed back until its claim (30 s) lapses at the earliest, nothing staged.
-    expect(isDeferral(err)).toBe(true);
-    expect((err as DeferralError).until).toBeGreaterThanOrEqual(began + 30_000);
-    expect(staged).toEqual([]);
+    await expectHeldByUnansweredSweep(id!);
     // A later attempt that begins meanwhile waits for that claim too.
     expect(await store.testsSweepLeftMs(id!)).toBeGreaterThan(0);
     await runStageJob("close", job(id!), fleet.deps);
@@ -2171,30 +2237,8 @@ describe("idempotency and fencing without workers", () => {
   });
 
   it("a verify whose earlier attempt noted its tests and never left (its worker died, or it is paused past its lock) fences the sandbox and stops them, then starts at once; the earlier attempt's runner, started after, starts nothing", async () => {
-    const { id, handle } = await ranWithTests(
-      "never-left-verify",
-      "#!/bin/sh\necho ran >> /tmp/runs\nexit 0\n",
-    );
-    const runs = async () =>
-      (await fleet.deps.provider.exec(handle, ["cat", "/tmp/runs"], { deadlineMs: 10_000, user: ROOT_USER }))
-        .stdout;
-    // A noted its tests and is paused before its runner's exec reaches the sandbox.
-    const reached = latch();
-    const resume = latch();
-    const pausedA = {
-      ...fleet.deps,
-      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
-        exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
-          if (a[1] === RUN_TESTS_ARGV) {
-            reached.open();
-            await resume.opened;
-          }
-          return fleet.deps.provider.exec(...a);
-        },
-      }),
-    };
-    const a = runStageJob("verify", job(id!), pausedA);
-    await reached.opened;
+    const paused = await verifyPausedAtRunner("never-left-verify");
+    const { id, handle } = paused;
     const notedByA = Number(await fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "t:verify:last"));
     // What runs as root in the sandbox (A's tests, as far as B can tell).
     const aTests = fleet.deps.provider
@@ -2209,23 +2253,7 @@ describe("idempotency and fencing without workers", () => {
     expect(await rootSleeping(handle, 600)).toBe("0");
     expect(staged[0]!).toBeLessThan(notedByA + 90_000);
     await aTests;
-    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
-      deadlineMs: 10_000,
-      user: ROOT_USER,
-    });
-    expect(fence.stdout).toBe("2\n");
-    const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
-    expect(verified).toMatchObject({ reward: 1 });
-    // A wakes: its runner finds the sandbox fenced past its epoch and starts nothing; A stores
-    // nothing, fails nothing.
-    expect(await runs()).toBe("ran\n");
-    resume.open();
-    await a;
-    // B's tests ran; A's did not.
-    expect(await runs()).toBe("ran\n");
-    expect((await fleet.deps.store.get(id!))!.receipts.verify).toEqual(verified);
-    expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
-    await closeExpecting(id!, { status: "completed", reward: 1 });
+    await expectFencedOut(paused);
   });
 
   it.each([
@@ -2234,34 +2262,8 @@ describe("idempotency and fencing without workers", () => {
   ] as const)(
     "a verify delivered again whose earlier attempt may still start its tests though %s fences the sandbox before staging: that runner, started after, starts nothing",
     async (_, note) => {
-      const { id, handle } = await ranWithTests(
-        `unnoted-verify-${note}`,
-        "#!/bin/sh\necho ran >> /tmp/runs\nexit 0\n",
-      );
-      const runs = async () =>
-        (
-          await fleet.deps.provider.exec(handle, ["cat", "/tmp/runs"], {
-            deadlineMs: 10_000,
-            user: ROOT_USER,
-          })
-        ).stdout;
-      // A noted its tests and is paused before its runner's exec reaches the sandbox.
-      const reached = latch();
-      const resume = latch();
-      const pausedA = {
-        ...fleet.deps,
-        provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
-          exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
-            if (a[1] === RUN_TESTS_ARGV) {
-              reached.open();
-              await resume.opened;
-            }
-            return fleet.deps.provider.exec(...a);
-          },
-        }),
-      };
-      const a = runStageJob("verify", job(id!), pausedA);
-      await reached.opened;
+      const paused = await verifyPausedAtRunner(`unnoted-verify-${note}`);
+      const { id } = paused;
       const key = fleet.deps.store.keys.rollout(id!);
       if (note === "past") await fleet.redis.hset(key, "t:verify:last", String(Date.now() - 90_000 - 16_000));
       else await fleet.redis.hdel(key, "t:verify:last");
@@ -2270,21 +2272,7 @@ describe("idempotency and fencing without workers", () => {
       expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
       expect(swept).toEqual([ROOT_USER]);
       expect(order).toEqual(["swept", "staged"]);
-      const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
-        deadlineMs: 10_000,
-        user: ROOT_USER,
-      });
-      expect(fence.stdout).toBe("2\n");
-      const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
-      expect(verified).toMatchObject({ reward: 1 });
-      expect(await runs()).toBe("ran\n");
-      // A wakes: its runner finds the sandbox fenced past its epoch and starts nothing.
-      resume.open();
-      await a;
-      expect(await runs()).toBe("ran\n");
-      expect((await fleet.deps.store.get(id!))!.receipts.verify).toEqual(verified);
-      expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
-      await closeExpecting(id!, { status: "completed", reward: 1 });
+      await expectFencedOut(paused);
     },
   );
 
@@ -2292,19 +2280,7 @@ describe("idempotency and fencing without workers", () => {
     const { id } = await ranWithTests("unnoted-unanswered", "#!/bin/sh\nexit 0\n");
     // A began and is gone without a note.
     await fleet.deps.store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
-    const { deps: watching, staged } = watchStaging();
-    const hung = {
-      ...watching,
-      provider: Object.assign(Object.create(watching.provider) as SandboxProvider, {
-        killProcesses: (...a: Parameters<SandboxProvider["killProcesses"]>) =>
-          a[1] === ROOT_USER ? new Promise<never>(() => undefined) : watching.provider.killProcesses(...a),
-      }),
-    };
-    const began = Date.now();
-    const err = await runStageJob("verify", job(id!, 1), hung).catch((e: unknown) => e);
-    expect(isDeferral(err)).toBe(true);
-    expect((err as DeferralError).until).toBeGreaterThanOrEqual(began + 30_000);
-    expect(staged).toEqual([]);
+    await expectHeldByUnansweredSweep(id!);
     await runStageJob("close", job(id!), fleet.deps);
   });
 
