@@ -2312,6 +2312,8 @@ describe("idempotency and fencing without workers", () => {
     expect(await runStageJob("verify", job(id!, 1), late)).toBe("ok");
     expect(await rootSleeping(handle, 602)).toBe("1");
     expect(staged).toEqual([]);
+    // Its sweep is over (it stopped there): its claim ended, holding no later attempt back.
+    expect(await store.testsSweepLeftMs(id!)).toBe(0);
     expect((await store.get(id!))!.receipts.verify).toBeUndefined();
     expect(await store.failureLog(id!)).toEqual([]);
     await runStageJob("close", job(id!), fleet.deps);
@@ -2329,6 +2331,12 @@ describe("idempotency and fencing without workers", () => {
     expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
     expect(swept).toEqual([ROOT_USER]);
     expect(staged).toHaveLength(1);
+    // It tried, and the fence did not go up.
+    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(fence.exitCode).not.toBe(0);
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 

@@ -973,7 +973,8 @@ const EARLIER_TESTS_GRACE_MS = 15_000;
  *   sandbox against it (and stops whatever it started) before it stages anything; a sandbox
  *   without the fence starts at once, as it always did.
  * Returns `start`, or why not: `superseded` (a later attempt began) or `terminal` (the rollout
- * ended meanwhile: close reports it).
+ * ended meanwhile: close reports it). A sweep that found the sandbox fenced past this attempt's
+ * epoch throws `TestsSupersededError` (the caller's `fencedOut` tells why).
  */
 async function waitOutEarlierTests(
   rec: StageRecord,
@@ -1008,7 +1009,7 @@ async function waitOutEarlierTests(
     // its claim lapses.
     now = clock(deps);
     until = now + SWEEP_CLAIM_MS;
-    awaiting = "its own sweep's claim to lapse (that sweep had no answer, and could yet kill its tests)";
+    awaiting = UNANSWERED_SWEEP;
   } else {
     // Left, or not (its worker died, or it is paused past its lock and may yet start them) where
     // this attempt has an epoch to raise the sandbox's verify fence to and that attempt honours
@@ -1029,7 +1030,10 @@ async function waitOutEarlierTests(
       // A sweep with no answer may yet land: nothing of this attempt's starts before its claim
       // lapses (nor before the earlier tests' budget ends).
       now = clock(deps);
-      if (stopped === "unanswered") until = Math.max(until, now + SWEEP_CLAIM_MS);
+      if (stopped === "unanswered" && now + SWEEP_CLAIM_MS > until) {
+        until = now + SWEEP_CLAIM_MS;
+        awaiting = UNANSWERED_SWEEP;
+      }
     }
   }
   if (until >= rec.meta.deadlineAt) {
@@ -1056,6 +1060,10 @@ async function waitOutEarlierTests(
   return "start";
 }
 
+/** What a verify waits out after its own sweep had no answer (it could yet land, and kill its tests). */
+const UNANSWERED_SWEEP =
+  "the claim on its own sweep, which had no answer (it could yet land and kill its tests)";
+
 /** A verify's wait for an earlier attempt's tests longer than this hands its job back until then. */
 const DEFER_ABOVE_MS = 2_000;
 
@@ -1073,7 +1081,9 @@ const DEFER_ABOVE_MS = 2_000;
  * - `unanswered`: the sweep failed or had no answer and may yet land; the claim lapses by itself
  *   (start nothing before it has);
  * - `superseded` / `terminal`: no claim (a later attempt began; the rollout ended): no sweep.
- * A daemon still down is the provider's error (retried; the claim lapses, the note is kept).
+ * A daemon still down is the provider's error (retried; the claim lapses, the note is kept). A
+ * sweep that found the sandbox fenced past `fenceEpoch` (a later attempt's, raised while this
+ * sweep was on its way) stopped there: `TestsSupersededError` is thrown (its claim ended).
  */
 async function stopLeftTests(
   rec: StageRecord,
@@ -1154,7 +1164,8 @@ async function stopLeftTests(
  * only once the sweep is known to have: it confirmed (the note at `notedAt` goes too: nothing to
  * wait out; when asked to raise the sandbox's verify fence to `fenceEpoch` first, only if it
  * did), or counted what is left. Given up on, or failed as it started (it may have started
- * all the same), its claim lapses, and `stopped` holds the error. A claim that fails throws.
+ * all the same), its claim lapses, and `stopped` holds the error; one that stopped at a fence
+ * above its epoch (`TestsSupersededError`) is over, and its claim ends. A claim that fails throws.
  */
 async function sweepTestsUnderClaim(
   deps: PipelineDeps,

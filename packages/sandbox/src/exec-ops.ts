@@ -614,7 +614,8 @@ export async function killProcessesViaExec(
   const attempts = quick ? 2 : 3;
   const started = Date.now();
   for (let attempt = 1; attempt <= attempts; attempt++) {
-    const deadlineMs = quick ? (options.quickMs ?? 0) - (Date.now() - started) : 30_000;
+    const budgetMs = options.quickMs ?? 30_000;
+    const deadlineMs = quick && attempt > 1 ? budgetMs - (Date.now() - started) : budgetMs;
     if (quick && attempt > 1 && deadlineMs < QUICK_RETRY_MIN_MS) break;
     try {
       const r = await exec(argv, {
