@@ -597,6 +597,24 @@ describe("idempotency and fencing without workers", () => {
   };
 
   /**
+   * A later verify attempt, which Redis gives `epoch`, begins, fences the sandbox (its sweep
+   * stopping every root process) and starts its tests (a root `sleep <seconds>`).
+   */
+  const laterAttemptTakesOver = async (id: string, handle: SandboxHandle, epoch: number, seconds: number) => {
+    const { store, provider } = fleet.deps;
+    expect(
+      (await store.begin(id, "verify", Date.now(), { verifyToken: `attempt-${epoch}` })).verifyEpoch,
+    ).toBe(epoch);
+    expect(await provider.killProcesses(handle, ROOT_USER, { fenceEpoch: epoch })).toMatchObject({
+      fenced: true,
+    });
+    void provider
+      .exec(handle, ["sleep", String(seconds)], { deadlineMs: 120_000, user: ROOT_USER })
+      .catch(() => undefined);
+    await waitFor(async () => (await rootSleeping(handle, seconds)) === "1");
+  };
+
+  /**
    * A (`verifyPausedAtRunner`) was fenced out by B (epoch 2), which verified: the fence holds 2,
    * B's verdict is stored and its tests ran once. A wakes: its runner finds the sandbox fenced
    * past its epoch and starts nothing; A stores nothing, fails nothing. The rollout completes.
@@ -1952,6 +1970,32 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a verify handed back whose sweep lands after a later attempt fenced the sandbox kills nothing of that attempt's tests", async () => {
+    const { id, handle } = await ranWithTests("handed-back-late-sweep", "#!/bin/sh\nsleep 600\n");
+    const { store, provider } = fleet.deps;
+    const shutdown = new AbortController();
+    const lateSweep = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(provider) as SandboxProvider, {
+        killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
+          if (a[1] !== ROOT_USER) return provider.killProcesses(...a);
+          // A's sweep is delayed past its claim: B (epoch 2) begins, fences the sandbox (its
+          // sweep stops A's tests) and starts its own meanwhile.
+          await laterAttemptTakesOver(id!, handle, 2, 603);
+          return provider.killProcesses(...a);
+        },
+      }),
+    };
+    const verifying = runStageJob("verify", job(id!), lateSweep, { signal: shutdown.signal }).catch((e) => e);
+    await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
+    shutdown.abort();
+    expect(isHandBack(await verifying)).toBe(true);
+    // B's tests run on; A's sweep stopped at B's fence, and its claim ended.
+    expect(await rootSleeping(handle, 603)).toBe("1");
+    expect(await store.testsSweepLeftMs(id!)).toBe(0);
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
   it("a verify handed back whose tests' sweep does not answer still hands back within its bound, its note kept for the next attempt", async () => {
     const task = {
       ...byId("hello-file"),
@@ -2286,7 +2330,7 @@ describe("idempotency and fencing without workers", () => {
 
   it("a verify delivered again whose fencing sweep lands after a later attempt fenced the sandbox kills nothing of that attempt's tests, and ends superseded without a trace", async () => {
     const { id, handle } = await ranWithTests("late-sweep", "#!/bin/sh\nexit 0\n");
-    const { store, provider } = fleet.deps;
+    const { store } = fleet.deps;
     // A began and is gone without a note; B is delivered again (epoch 2).
     await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
     const { deps: watching, staged } = watchStaging();
@@ -2296,14 +2340,7 @@ describe("idempotency and fencing without workers", () => {
         killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
           // B's sweep is delayed past its claim: C (epoch 3) begins, fences the sandbox and
           // starts its tests meanwhile.
-          await store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-c" });
-          expect(await provider.killProcesses(handle, ROOT_USER, { fenceEpoch: 3 })).toMatchObject({
-            fenced: true,
-          });
-          void provider
-            .exec(handle, ["sleep", "602"], { deadlineMs: 120_000, user: ROOT_USER })
-            .catch(() => undefined);
-          await waitFor(async () => (await rootSleeping(handle, 602)) === "1");
+          await laterAttemptTakesOver(id!, handle, 3, 602);
           return watching.provider.killProcesses(...a);
         },
       }),

@@ -1174,6 +1174,8 @@ async function sweepTestsUnderClaim(
   token: string,
   notedAt: number | null,
   fenceEpoch: number | null = null,
+  /** Raise no fence, but stop at one above this epoch (`KillOptions.refuseAbove`). */
+  refuseAbove: number | null = null,
 ): Promise<
   | { claimed: false; why: "superseded" | "terminal" }
   | { claimed: true; stopped: CleanupReceipt | { error: unknown } }
@@ -1191,7 +1193,7 @@ async function sweepTestsUnderClaim(
     stopped = await withTimeout(
       deps.provider.killProcesses(handle, ROOT_USER, {
         quickMs: STOP_TESTS_MS,
-        ...(fenceEpoch !== null ? { fenceEpoch } : {}),
+        ...(fenceEpoch !== null ? { fenceEpoch } : refuseAbove !== null ? { refuseAbove } : {}),
       }),
       bound,
       `the sweep had no answer within ${bound} ms`,
@@ -1290,8 +1292,10 @@ const SWEEP_CLAIM_MS = 30_000;
  * before verify) and, once none is left, clears its note of work in the sandbox (`notedAt`), so
  * the next attempt has no tests to wait out. Only under a claim taken while this attempt holds
  * the verify fence, atomically with that check (`claimTestsSweep`): a later attempt's tests are
- * not its to stop, and one that begins during the sweep waits for its end. Best effort: whatever
- * fails leaves the note, and the next attempt waits as before.
+ * not its to stop, and one that begins during the sweep waits for its end; a sweep that lands
+ * late, after its claim lapsed and a later attempt fenced the sandbox, stops at that fence
+ * (`KillOptions.refuseAbove`: its own epoch). Best effort: whatever fails leaves the note, and
+ * the next attempt waits as before.
  */
 async function stopOwnTests(
   deps: PipelineDeps,
@@ -1299,14 +1303,22 @@ async function stopOwnTests(
   id: string,
   token: string,
   notedAt: number | null,
+  epoch: number | null,
 ): Promise<void> {
   const warn = (detail: string, msg: string) => deps.logger.warn({ rolloutId: id, detail }, msg);
   const reason = (err: unknown) => (err instanceof Error ? err.message : String(err));
   try {
-    const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt);
+    // Its own epoch: a sweep that lands late, once a later attempt fenced the sandbox, stops
+    // there (the tests it finds then are that attempt's).
+    const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, null, epoch);
     if (!swept.claimed) return;
     const { stopped } = swept;
-    if (!("confirmed" in stopped)) {
+    if (!("confirmed" in stopped) && stopped.error instanceof TestsSupersededError) {
+      deps.logger.info(
+        { rolloutId: id, fence: stopped.error.fence },
+        "handing back a verify whose sweep found the sandbox fenced by a later attempt: the tests there are that attempt's",
+      );
+    } else if (!("confirmed" in stopped)) {
       warn(
         reason(stopped.error),
         "handing back a verify without stopping its tests; the next attempt waits them out",
@@ -1489,7 +1501,7 @@ const verifyAttempt = async (
     // waits them out (`waitOutEarlierTests`: their whole budget, which at a rolling restart of
     // the verifiers delayed every verification in flight by it, and masked tight deadlines).
     if (shutdown?.aborted) {
-      await stopOwnTests(deps, seedReceipt.handle, id, token, notedAt);
+      await stopOwnTests(deps, seedReceipt.handle, id, token, notedAt, rec.begun.verifyEpoch);
       throw new HandBackError();
     }
     // A cancel's close destroyed the sandbox under the tests: the close reports the rollout

@@ -346,6 +346,30 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     expect(err).toBeInstanceOf(TestsSupersededError);
     expect(err).toMatchObject({ fence: 7, epoch: 4 });
     expect(late.calls).toHaveLength(2);
+    // Asked only to stop at a fence above its epoch (a hand-back's own sweep): nothing raised,
+    // one exec, the same refusal.
+    const own = sweeps({ stdout: "fence-seen=1\nsuperseded=7\n" });
+    const refused = await killProcessesViaExec(own.exec, ROOT_USER, 5, undefined, {
+      quickMs: 500,
+      refuseAbove: 4,
+    }).catch((e: unknown) => e);
+    expect(refused).toMatchObject({ name: "TestsSupersededError", fence: 7, epoch: 4 });
+    expect(own.calls.map((c) => c.user)).toEqual([ROOT_USER]);
+    const ownArgv: string[] = [];
+    const clean = sweeps({ stdout: "fence-seen=1\nremaining=0\n" });
+    const receipt = await killProcessesViaExec(
+      async (argv, o) => {
+        ownArgv.push(...argv);
+        return clean.exec(argv, o);
+      },
+      ROOT_USER,
+      5,
+      undefined,
+      { quickMs: 500, refuseAbove: 4 },
+    );
+    expect(receipt).toMatchObject({ confirmed: true });
+    expect(receipt.fenced).toBeUndefined();
+    expect(ownArgv.at(-1)).toBe("4");
     // The script checks before every round, from the epoch it was given.
     expect(ROOT_SELF_SWEEP_SCRIPT).toMatch(/superseded=\$f"; exit 0.*sig STOP; sig KILL/s);
   });

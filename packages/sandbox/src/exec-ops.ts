@@ -555,7 +555,8 @@ export const ROOT_KILL_SWEEP_SCRIPT = sweepScript(
  * `killProcesses` on an exec: up to 3 sweeps as `user` (quick: 2, the second only for a sweep
  * killed as it ran, within the one budget). A `sandbox_lost` exec error is a confirmed "already
  * gone"; an error `isFatal` accepts is rethrown; any other is retried. A root sweep given a verify
- * epoch that finds the fence above it throws `TestsSupersededError`, having killed nothing since.
+ * epoch (`fenceEpoch`, `refuseAbove`) that finds the fence above it throws `TestsSupersededError`,
+ * having killed nothing since.
  */
 export async function killProcessesViaExec(
   exec: SandboxExec,
@@ -573,6 +574,8 @@ export async function killProcessesViaExec(
   let lastError = "";
   const uid = parseNumericUser(user)?.uid;
   const asRoot = options.rootSweep === true && uid !== undefined && uid !== 0;
+  // The epoch a root sweep of root's own processes stops at (the fence above it).
+  const epoch = options.fenceEpoch ?? options.refuseAbove;
   const argv = asRoot
     ? ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(rounds)]
     : uid === 0
@@ -582,7 +585,7 @@ export async function killProcessesViaExec(
           ROOT_SELF_SWEEP_SCRIPT,
           "sh",
           String(rounds),
-          ...(options.fenceEpoch === undefined ? [] : [String(options.fenceEpoch)]),
+          ...(epoch === undefined ? [] : [String(epoch)]),
         ]
       : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
   // The fence first, by its owner, in an exec of its own: whatever of an older attempt's starts
@@ -627,9 +630,7 @@ export async function killProcessesViaExec(
         ...(asRoot ? { keepCaps: ["kill"] } : {}),
       });
       const later = /(?:^|\n)superseded=(\d+)\n/.exec(r.stdout);
-      if (later && options.fenceEpoch !== undefined) {
-        throw new TestsSupersededError(Number(later[1]), options.fenceEpoch);
-      }
+      if (later && uid === 0 && epoch !== undefined) throw new TestsSupersededError(Number(later[1]), epoch);
       const m = /remaining=(\d+)/.exec(r.stdout);
       if (m) {
         const remaining = Number(m[1]);

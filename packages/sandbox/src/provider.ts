@@ -51,6 +51,13 @@ export interface KillOptions {
    * `TestsSupersededError`.
    */
   fenceEpoch?: number;
+  /**
+   * A root sweep that stops, killing nothing more, once the sandbox's verify fence is above this
+   * epoch (`TestsSupersededError`), without raising it: a verify attempt's sweep of its own tests
+   * as it hands its job back, which, landing late, must not take a later attempt's tests for its
+   * own. (`fenceEpoch` does this too, after raising the fence.)
+   */
+  refuseAbove?: number;
 }
 
 /**
