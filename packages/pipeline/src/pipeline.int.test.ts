@@ -567,6 +567,22 @@ describe("idempotency and fencing without workers", () => {
       )
     ).stdout.trim();
 
+  /** The sandbox's verify fence, read as root (the tests' staging and runner read it so). */
+  const readFence = (handle: SandboxHandle) =>
+    fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], { deadlineMs: 10_000, user: ROOT_USER });
+
+  /**
+   * A sandbox whose verify fence cannot be raised: its directory made read-only by its owner, as
+   * on a sandbox made before it had one.
+   */
+  const makeUnfenceable = async (handle: SandboxHandle) => {
+    const r = await fleet.deps.provider.exec(handle, ["chmod", "0555", VERIFY_FENCE_DIR], {
+      deadlineMs: 10_000,
+      user: KEEPALIVE_USER,
+    });
+    expect(r.exitCode).toBe(0);
+  };
+
   /**
    * A rollout ready to verify, whose tests append a line to /tmp/runs (`runs` reads it), and its
    * first verify attempt A (`a`): it noted its tests and is paused before its runner's exec
@@ -626,10 +642,7 @@ describe("idempotency and fencing without workers", () => {
     a,
     resume,
   }: Awaited<ReturnType<typeof verifyPausedAtRunner>>) => {
-    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
-      deadlineMs: 10_000,
-      user: ROOT_USER,
-    });
+    const fence = await readFence(handle);
     expect(fence.stdout).toBe("2\n");
     const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
     expect(verified).toMatchObject({ reward: 1 });
@@ -1853,15 +1866,10 @@ describe("idempotency and fencing without workers", () => {
    * a sandbox made before it had one): a verify delivered again waits those tests out.
    */
   const notedUnfenceable = async (id: string, at: number) => {
-    const { store, provider } = fleet.deps;
+    const { store } = fleet.deps;
     await store.begin(id, "verify", Date.now(), { verifyToken: `earlier-${id}` });
     expect(await store.noteVerifyWork(id, at, `earlier-${id}`)).toBe("noted");
-    const handle = (await store.get(id))!.receipts.seed!.handle;
-    const r = await provider.exec(handle, ["chmod", "0555", VERIFY_FENCE_DIR], {
-      deadlineMs: 10_000,
-      user: KEEPALIVE_USER,
-    });
-    expect(r.exitCode).toBe(0);
+    await makeUnfenceable((await store.get(id))!.receipts.seed!.handle);
   };
 
   it("a verify delivered again to a sandbox it cannot fence that cannot wait out the earlier tests before the deadline ends masked; a shutdown hands it back", async () => {
@@ -2359,20 +2367,13 @@ describe("idempotency and fencing without workers", () => {
   it("a verify delivered again to a sandbox it cannot fence, with no earlier tests noted, starts at once as before the fence", async () => {
     const { id, handle } = await ranWithTests("unnoted-unfenceable", "#!/bin/sh\nexit 0\n");
     await fleet.deps.store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
-    const r = await fleet.deps.provider.exec(handle, ["chmod", "0555", VERIFY_FENCE_DIR], {
-      deadlineMs: 10_000,
-      user: KEEPALIVE_USER,
-    });
-    expect(r.exitCode).toBe(0);
+    await makeUnfenceable(handle);
     const { deps: watching, staged, swept } = watchStaging();
     expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
     expect(swept).toEqual([ROOT_USER]);
     expect(staged).toHaveLength(1);
     // It tried, and the fence did not go up.
-    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
-      deadlineMs: 10_000,
-      user: ROOT_USER,
-    });
+    const fence = await readFence(handle);
     expect(fence.exitCode).not.toBe(0);
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
@@ -2383,10 +2384,7 @@ describe("idempotency and fencing without workers", () => {
     expect(await runStageJob("verify", job(id!), watching)).toBe("ok");
     expect(staged).toHaveLength(1);
     expect(swept).toEqual([]);
-    const fence = await fleet.deps.provider.exec(handle, ["cat", VERIFY_FENCE_FILE], {
-      deadlineMs: 10_000,
-      user: ROOT_USER,
-    });
+    const fence = await readFence(handle);
     expect(fence.exitCode).not.toBe(0);
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });

@@ -36,6 +36,7 @@ import {
 import {
   AGENT_USER,
   FENCE_EXEC_MS,
+  type KillOptions,
   ROOT_USER,
   SANDBOX_PATHS,
   type SandboxProvider,
@@ -1100,15 +1101,14 @@ async function stopLeftTests(
     earlier === "noted"
       ? "waiting them out"
       : "starting all the same (no budget of theirs is left to wait out)";
-  const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, fenceEpoch).catch(
-    (err: unknown) => {
-      throw FleetError.retryable(
-        "provider_unavailable",
-        `could not claim the sweep of the tests an earlier verify left: ${err instanceof Error ? err.message : String(err)}`,
-        err,
-      );
-    },
-  );
+  const fence = fenceEpoch === null ? {} : { fenceEpoch };
+  const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, fence).catch((err: unknown) => {
+    throw FleetError.retryable(
+      "provider_unavailable",
+      `could not claim the sweep of the tests an earlier verify left: ${err instanceof Error ? err.message : String(err)}`,
+      err,
+    );
+  });
   if (!swept.claimed) return swept.why;
   const { stopped } = swept;
   if (!("confirmed" in stopped)) {
@@ -1173,9 +1173,8 @@ async function sweepTestsUnderClaim(
   id: string,
   token: string,
   notedAt: number | null,
-  fenceEpoch: number | null = null,
-  /** Raise no fence, but stop at one above this epoch (`KillOptions.refuseAbove`). */
-  refuseAbove: number | null = null,
+  /** Raise the fence to `fenceEpoch` first, or only stop at one above `refuseAbove` (`KillOptions`). */
+  fence: Pick<KillOptions, "fenceEpoch" | "refuseAbove"> = {},
 ): Promise<
   | { claimed: false; why: "superseded" | "terminal" }
   | { claimed: true; stopped: CleanupReceipt | { error: unknown } }
@@ -1189,12 +1188,9 @@ async function sweepTestsUnderClaim(
   let stopped: CleanupReceipt;
   try {
     // With a fence to raise first, that exec's bound and its kill grace on top (FENCE_EXEC_MS).
-    const bound = 2 * STOP_TESTS_MS + (fenceEpoch !== null ? 2 * FENCE_EXEC_MS : 0);
+    const bound = 2 * STOP_TESTS_MS + (fence.fenceEpoch !== undefined ? 2 * FENCE_EXEC_MS : 0);
     stopped = await withTimeout(
-      deps.provider.killProcesses(handle, ROOT_USER, {
-        quickMs: STOP_TESTS_MS,
-        ...(fenceEpoch !== null ? { fenceEpoch } : refuseAbove !== null ? { refuseAbove } : {}),
-      }),
+      deps.provider.killProcesses(handle, ROOT_USER, { quickMs: STOP_TESTS_MS, ...fence }),
       bound,
       `the sweep had no answer within ${bound} ms`,
     );
@@ -1206,7 +1202,7 @@ async function sweepTestsUnderClaim(
   if (stopped.confirmed || stopped.remaining > 0) {
     // The note goes with a confirmed sweep, unless it was to fence the sandbox and could not:
     // the attempt that noted may still start its tests then.
-    const settled = stopped.confirmed && fenceHolds(stopped, fenceEpoch);
+    const settled = stopped.confirmed && fenceHolds(stopped, fence.fenceEpoch ?? null);
     await endSweep(deps, id, claimed.claim, settled ? notedAt : null);
   }
   return { claimed: true, stopped };
@@ -1310,7 +1306,8 @@ async function stopOwnTests(
   try {
     // Its own epoch: a sweep that lands late, once a later attempt fenced the sandbox, stops
     // there (the tests it finds then are that attempt's).
-    const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, null, epoch);
+    const refuse = epoch === null ? {} : { refuseAbove: epoch };
+    const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, refuse);
     if (!swept.claimed) return;
     const { stopped } = swept;
     if (!("confirmed" in stopped) && stopped.error instanceof TestsSupersededError) {

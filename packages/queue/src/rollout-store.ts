@@ -960,15 +960,6 @@ export class RolloutStore {
    * (`BeginOptions.verifyToken`): `superseded` when a later attempt began since (this one must
    * not touch the sandbox: the other is verifying); `terminal` (nothing done) on a terminal rollout.
    */
-  /**
-   * The sandbox's verify fence holds `atLeast`, above every epoch Redis gave the rollout's verify
-   * attempts (Redis lost `vepoch`: a failover, a restore): raise it, so that the next attempt's
-   * epoch is above the fence. Returns the epoch now.
-   */
-  async raiseVerifyEpoch(id: string, atLeast: number): Promise<number> {
-    return Number(await this.redis.fleetRaiseVerifyEpoch(this.keys.rollout(id), String(atLeast)));
-  }
-
   async noteVerifyWork(
     id: string,
     at: number | null,
@@ -979,6 +970,15 @@ export class RolloutStore {
       await this.redis.fleetNoteVerify(this.keys.rollout(id), at === null ? "" : String(at), token, "1"),
     );
     return r === 1 ? "noted" : r === -1 ? "superseded" : "terminal";
+  }
+
+  /**
+   * The sandbox's verify fence holds `atLeast`, above every epoch Redis gave the rollout's verify
+   * attempts (Redis lost `vepoch`: a failover, a restore): raise it, so that the next attempt's
+   * epoch is above the fence. Returns the epoch now.
+   */
+  async raiseVerifyEpoch(id: string, atLeast: number): Promise<number> {
+    return Number(await this.redis.fleetRaiseVerifyEpoch(this.keys.rollout(id), String(atLeast)));
   }
 
   /**

@@ -893,22 +893,6 @@ const SCRIPTS = {
    * token. Returns 1 if done, 0 if terminal (nothing to protect: its receipt will be refused), -1
    * if a later attempt began since: this one must not touch the sandbox.
    */
-  /**
-   * The sandbox's verify fence holds an epoch Redis never gave this rollout's attempts (its
-   * \`vepoch\` lost in a failover, say): raise \`vepoch\` to at least ARGV[1], so that the next
-   * attempt's is above the fence. Returns the epoch now.
-   */
-  fleetRaiseVerifyEpoch: {
-    keys: 1,
-    lua: `
-      local e = tonumber(redis.call('HGET', KEYS[1], 'vepoch') or '0') or 0
-      local want = tonumber(ARGV[1]) or 0
-      if want > e and redis.call('EXISTS', KEYS[1]) == 1 then
-        redis.call('HSET', KEYS[1], 'vepoch', tostring(want))
-        e = want
-      end
-      return e`,
-  },
   fleetNoteVerify: {
     keys: 1,
     lua: `
@@ -926,6 +910,22 @@ const SCRIPTS = {
         redis.call('HSET', KEYS[1], 't:verify:last', ARGV[1], 'vnote', ARGV[2])
       end
       return 1`,
+  },
+  /**
+   * The sandbox's verify fence holds an epoch Redis never gave this rollout's attempts (its
+   * `vepoch` lost in a failover, say): raise `vepoch` to at least ARGV[1], so that the next
+   * attempt's is above the fence. Returns the epoch now.
+   */
+  fleetRaiseVerifyEpoch: {
+    keys: 1,
+    lua: `
+      local e = tonumber(redis.call('HGET', KEYS[1], 'vepoch') or '0') or 0
+      local want = tonumber(ARGV[1]) or 0
+      if want > e and redis.call('EXISTS', KEYS[1]) == 1 then
+        redis.call('HSET', KEYS[1], 'vepoch', tostring(want))
+        e = want
+      end
+      return e`,
   },
   /**
    * A verify attempt that noted work in the sandbox (`fleetNoteVerify`) ends without handing its

@@ -615,9 +615,9 @@ export async function killProcessesViaExec(
   // The retry gets what is left of the one budget: the caller's bound holds.
   const quick = options.quickMs !== undefined;
   const attempts = quick ? 2 : 3;
+  const budgetMs = options.quickMs ?? 30_000;
   const started = Date.now();
   for (let attempt = 1; attempt <= attempts; attempt++) {
-    const budgetMs = options.quickMs ?? 30_000;
     const deadlineMs = quick && attempt > 1 ? budgetMs - (Date.now() - started) : budgetMs;
     if (quick && attempt > 1 && deadlineMs < QUICK_RETRY_MIN_MS) break;
     try {
