@@ -663,6 +663,8 @@ describe("idempotency and fencing without workers", () => {
   const watchStaging = () => {
     const staged: number[] = [];
     const swept: string[] = [];
+    /** The sweeps' receipts, as they answered. */
+    const sweeps: CleanupReceipt[] = [];
     /** Sweeps (ended) and stagings of the tests (begun), in their order. */
     const order: Array<"swept" | "staged"> = [];
     const deps = {
@@ -677,11 +679,17 @@ describe("idempotency and fencing without workers", () => {
         },
         killProcesses: async (...a: Parameters<SandboxProvider["killProcesses"]>) => {
           swept.push(a[1] ?? "");
-          return fleet.deps.provider.killProcesses(...a).finally(() => order.push("swept"));
+          return fleet.deps.provider
+            .killProcesses(...a)
+            .then((receipt) => {
+              sweeps.push(receipt);
+              return receipt;
+            })
+            .finally(() => order.push("swept"));
         },
       }),
     };
-    return { deps, staged, swept, order };
+    return { deps, staged, swept, sweeps, order };
   };
 
   /**
@@ -2368,13 +2376,15 @@ describe("idempotency and fencing without workers", () => {
     const { id, handle } = await ranWithTests("unnoted-unfenceable", "#!/bin/sh\nexit 0\n");
     await fleet.deps.store.begin(id!, "verify", Date.now(), { verifyToken: "attempt-a" });
     await makeUnfenceable(handle);
-    const { deps: watching, staged, swept } = watchStaging();
+    const { deps: watching, staged, swept, sweeps } = watchStaging();
     expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
     expect(swept).toEqual([ROOT_USER]);
     expect(staged).toHaveLength(1);
-    // It tried, and the fence did not go up.
+    // It tried, and the fence did not go up; its receipt says why.
     const fence = await readFence(handle);
     expect(fence.exitCode).not.toBe(0);
+    expect(sweeps[0]).toMatchObject({ confirmed: true, fenced: false });
+    expect(sweeps[0]!.detail).toMatch(/fence not raised: its file could not be written/);
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 

@@ -1140,7 +1140,7 @@ async function stopLeftTests(
     const log = earlier === "noted" ? deps.logger.warn : deps.logger.info;
     log.call(
       deps.logger,
-      { rolloutId: id },
+      { rolloutId: id, detail: stopped.detail },
       `verify delivered again: could not fence the sandbox against the earlier attempt; ${then}`,
     );
     return "resisted";

@@ -5,6 +5,7 @@ import {
   assertIsolated,
   type ExecCall,
   extractViaExec,
+  FENCE_EXEC_MS,
   findSandbox,
   getTarget,
   killProcessesViaExec,
@@ -262,13 +263,25 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     // A fence it could not raise (no mount: a sandbox older than the fence) is said, and the
     // sweep still runs.
     const unfenced = sweeps({ stdout: "fenced=0\n" }, { stdout: "fence-seen=0\nremaining=0\n" });
-    expect(
-      await killProcessesViaExec(unfenced.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
-    ).toMatchObject({ confirmed: true, fenced: false });
-    const failed = sweeps(new Error("exec failed"), { stdout: "fence-seen=1\nremaining=0\n" });
-    expect(
-      await killProcessesViaExec(failed.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
-    ).toMatchObject({ confirmed: true, fenced: false });
+    const noMount = await killProcessesViaExec(unfenced.exec, ROOT_USER, 5, undefined, {
+      quickMs: 500,
+      fenceEpoch: 4,
+    });
+    expect(noMount).toMatchObject({ confirmed: true, fenced: false });
+    expect(noMount.detail).toMatch(/fence not raised: its file could not be written/);
+    // Its script ran and could not write it: not tried again.
+    expect(unfenced.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, ROOT_USER]);
+    // An exec that failed twice (a second try within the fence's bound): no fence, and why.
+    const failed = sweeps(new Error("exec failed"), new Error("exec failed again"), {
+      stdout: "fence-seen=1\nremaining=0\n",
+    });
+    const failedTwice = await killProcessesViaExec(failed.exec, ROOT_USER, 5, undefined, {
+      quickMs: 500,
+      fenceEpoch: 4,
+    });
+    expect(failedTwice).toMatchObject({ confirmed: true, fenced: false });
+    expect(failedTwice.detail).toMatch(/fence not raised: its exec failed: exec failed again/);
+    expect(failed.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, KEEPALIVE_USER, ROOT_USER]);
     // A sandbox gone: nothing of it can start; confirmed already gone.
     const gone = sweeps(FleetError.nonRetryable("sandbox_lost", "no such container"));
     expect(
@@ -279,6 +292,56 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     const plain = sweeps({ stdout: "remaining=0\n" });
     expect((await killProcessesViaExec(plain.exec, ROOT_USER, 5)).fenced).toBeUndefined();
     expect(plain.calls).toHaveLength(1);
+  });
+
+  it("a fence exec that failed before its end (an exec refused or broken) is tried once more within the fence's bound; one out of time is not", async () => {
+    vi.useFakeTimers({ toFake: ["Date"] });
+    try {
+      /** Answers in turn; the first exec takes `ranMs` of the clock. */
+      const slowFirst = (ranMs: number, ...answers: Array<Partial<ExecResult> | Error>) => {
+        const s = sweeps(...answers);
+        const exec: typeof s.exec = async (argv, o) => {
+          if (s.calls.length === 0) vi.setSystemTime(Date.now() + ranMs);
+          return s.exec(argv, o);
+        };
+        return { exec, calls: s.calls };
+      };
+      const ok = { stdout: "fence-seen=1\nremaining=0\n" };
+      // Refused at once, then raised: the second try gets what is left of the fence's bound.
+      const refused = slowFirst(300, new Error("container is restarting"), { stdout: "fenced=1\n" }, ok);
+      expect(
+        await killProcessesViaExec(refused.exec, ROOT_USER, 5, undefined, { quickMs: 5000, fenceEpoch: 4 }),
+      ).toMatchObject({ confirmed: true, fenced: true });
+      expect(refused.calls.map((c) => [c.user, c.deadlineMs])).toEqual([
+        [KEEPALIVE_USER, FENCE_EXEC_MS],
+        [KEEPALIVE_USER, FENCE_EXEC_MS - 300],
+        [ROOT_USER, 5000],
+      ]);
+      // Killed before its end (not its deadline), then raised.
+      const killed = slowFirst(10, { exitCode: 137 }, { stdout: "fenced=1\n" }, ok);
+      expect(
+        await killProcessesViaExec(killed.exec, ROOT_USER, 5, undefined, { quickMs: 5000, fenceEpoch: 4 }),
+      ).toMatchObject({ confirmed: true, fenced: true });
+      expect(killed.calls).toHaveLength(3);
+      // Out of time (none of its bound left): no second try; the sweep still runs, and the receipt
+      // says why.
+      const slow = slowFirst(FENCE_EXEC_MS, { exitCode: 137, timedOut: true }, ok);
+      const timedOut = await killProcessesViaExec(slow.exec, ROOT_USER, 5, undefined, {
+        quickMs: 5000,
+        fenceEpoch: 4,
+      });
+      expect(timedOut).toMatchObject({ confirmed: true, fenced: false });
+      expect(timedOut.detail).toMatch(/fence not raised: its exec timed out/);
+      expect(slow.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, ROOT_USER]);
+      // Failed with less than 250 ms of the bound left: no second try.
+      const late = slowFirst(FENCE_EXEC_MS - 200, new Error("exec failed"), ok);
+      expect(
+        await killProcessesViaExec(late.exec, ROOT_USER, 5, undefined, { quickMs: 5000, fenceEpoch: 4 }),
+      ).toMatchObject({ confirmed: true, fenced: false });
+      expect(late.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, ROOT_USER]);
+    } finally {
+      vi.useRealTimers();
+    }
   });
 
   it("a quick sweep tries once, within its bound: again only when it was killed as it ran (the reaper of the tests it stops took it for a stray)", async () => {

@@ -591,23 +591,48 @@ export async function killProcessesViaExec(
   // The fence first, by its owner, in an exec of its own: whatever of an older attempt's starts
   // after it refuses to, and whatever started before it is one of the processes swept below.
   let fenced: boolean | undefined;
+  /** Why the fence was not raised, for the receipt's detail. */
+  let unfencedWhy = "";
   if (uid === 0 && options.fenceEpoch !== undefined) {
-    try {
-      const r = await exec(["sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
-        // Short: the sweep after it has the caller's budget (`FENCE_EXEC_MS`).
-        deadlineMs: Math.min(options.quickMs ?? 30_000, FENCE_EXEC_MS),
-        cwd: OPS_CWD,
-        user: KEEPALIVE_USER,
-        stdin: null,
-        maxOutputBytes: 4096,
-      });
-      fenced = /(?:^|\n)fenced=1\n/.test(r.stdout);
-    } catch (err) {
-      if (isFleetError(err) && err.kind === "sandbox_lost") return goneReceipt();
-      if (isFatal(err)) throw err;
-      fenced = false;
+    // Short: the sweep after it has the caller's budget (`FENCE_EXEC_MS`). Tried again, with what
+    // is left of that bound, when it failed before its end (an exec refused or broken, as Docker
+    // may do for a moment after a restart); not when its script ran and could not write the fence
+    // (no mount: a sandbox older than the fence), nor once less than QUICK_RETRY_MIN_MS of it is left
+    // (one that timed out has none).
+    const fenceBudgetMs = Math.min(options.quickMs ?? 30_000, FENCE_EXEC_MS);
+    const fenceStarted = Date.now();
+    for (let attempt = 1; attempt <= 2; attempt++) {
+      const deadlineMs = fenceBudgetMs - (Date.now() - fenceStarted);
+      if (attempt > 1 && deadlineMs < QUICK_RETRY_MIN_MS) break;
+      try {
+        const r = await exec(["sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
+          deadlineMs,
+          cwd: OPS_CWD,
+          user: KEEPALIVE_USER,
+          stdin: null,
+          maxOutputBytes: 4096,
+        });
+        fenced = /(?:^|\n)fenced=1\n/.test(r.stdout);
+        if (fenced) break;
+        const refused = /(?:^|\n)fenced=0\n/.test(r.stdout);
+        unfencedWhy = refused
+          ? "its file could not be written"
+          : `its exec ${r.timedOut ? "timed out" : `exited ${r.exitCode}`}${r.stderr.trim() ? `: ${r.stderr.trim()}` : ""}`;
+        if (refused) break;
+      } catch (err) {
+        if (isFleetError(err) && err.kind === "sandbox_lost") return goneReceipt();
+        if (isFatal(err)) throw err;
+        fenced = false;
+        unfencedWhy = `its exec failed: ${err instanceof Error ? err.message : String(err)}`;
+      }
     }
   }
+  /** A receipt with its word on the fence, when asked to raise one (`CleanupReceipt.fenced`; `seen` by root). */
+  const withFence = (receipt: CleanupReceipt, seen: boolean): CleanupReceipt => {
+    if (fenced === undefined) return receipt;
+    if (fenced) return { ...receipt, fenced: seen };
+    return { ...receipt, fenced: false, detail: `${receipt.detail ?? ""}; fence not raised: ${unfencedWhy}` };
+  };
   // A quick sweep (its caller has seconds) tries again only when it was killed as it ran, at
   // once (a signal, not its deadline): the reaper of the very tests it stops (the tests' runner
   // kills every process started after it as a stray) may take it for one of theirs; the second
@@ -634,16 +659,18 @@ export async function killProcessesViaExec(
       const m = /remaining=(\d+)/.exec(r.stdout);
       if (m) {
         const remaining = Number(m[1]);
-        return {
-          confirmed: remaining === 0,
-          scope: "processes",
-          at: Date.now(),
-          alreadyGone: false,
-          remaining,
-          detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
+        return withFence(
+          {
+            confirmed: remaining === 0,
+            scope: "processes",
+            at: Date.now(),
+            alreadyGone: false,
+            remaining,
+            detail: `uid of ${user}: ${remaining === 0 ? "no process left" : `${remaining} process(es) still alive`}`,
+          },
           // Raised, and seen by root as the tests' staging and runner will read it.
-          ...(fenced !== undefined ? { fenced: fenced && /(?:^|\n)fence-seen=1\n/.test(r.stdout) } : {}),
-        };
+          /(?:^|\n)fence-seen=1\n/.test(r.stdout),
+        );
       }
       lastError = `kill sweep exited ${r.exitCode}: ${r.stderr.trim()}`;
       if (quick && (r.timedOut || !endedBySignal(r.exitCode))) break;
@@ -657,15 +684,17 @@ export async function killProcessesViaExec(
     }
     if (attempt < attempts && !quick) await delay(200 * attempt);
   }
-  return {
-    confirmed: false,
-    scope: "processes",
-    at: Date.now(),
-    alreadyGone: false,
-    remaining: 0,
-    detail: lastError,
-    ...(fenced !== undefined ? { fenced } : {}),
-  };
+  return withFence(
+    {
+      confirmed: false,
+      scope: "processes",
+      at: Date.now(),
+      alreadyGone: false,
+      remaining: 0,
+      detail: lastError,
+    },
+    true,
+  );
 }
 
 /** A quick sweep killed as it ran tries again only with at least this much of its budget left. */
