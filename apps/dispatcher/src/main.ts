@@ -4,6 +4,7 @@ import {
   failFastOnceReady,
   logConnectionOutages,
   RolloutStore,
+  readRedisTls,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -34,7 +35,11 @@ async function main(): Promise<void> {
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down
   // (→ 503) instead of waiting for it: at once once it has been up (`failFastOnceReady`), after
   // two reconnect attempts before that.
-  const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 });
+  const redis = connectRedis(
+    config.redisUrl,
+    { maxRetriesPerRequest: 2 },
+    readRedisTls(config.redisTlsCaFile),
+  );
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
   // Redis not up yet (started beside it, restarting): wait for it, as the workers do, saying so;

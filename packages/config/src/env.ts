@@ -110,18 +110,19 @@ export function urlVar(protocols: readonly string[]) {
  * `redis-cluster://[user:pass@]host:port,host:port` (`rediss-cluster://` for TLS), or Redis
  * Sentinels and the name of the master they watch as
  * `redis-sentinel://[user:pass@]host:port,host:port/mymaster[/db][?sentinelUsername=…&sentinelPassword=…]`
- * (the master's credentials before the hosts, the sentinels' own in the query).
+ * (the master's credentials before the hosts, the sentinels' own in the query;
+ * `rediss-sentinel://` for TLS to the sentinels and the master).
  */
 export function redisUrlVar() {
   const message =
-    "must be a URL starting with redis:// or rediss:// (or redis-cluster://host:port,host:port, or redis-sentinel://host:port,host:port/mastername[?sentinelPassword=…, a @ in it as %40])";
+    "must be a URL starting with redis:// or rediss:// (or redis-cluster://host:port,host:port, or redis-sentinel://host:port,host:port/mastername[?sentinelPassword=…, a @ in it as %40]; rediss-cluster:// and rediss-sentinel:// for TLS)";
   return z
     .string()
     .trim()
     .refine((s) => {
       const cluster = /^rediss?-cluster:\/\/(?:[^@/]*@)?([^@/?#]+)\/?$/i.exec(s);
       const sentinel =
-        /^redis-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/([^/?#]+)(?:\/\d+)?\/?(?:\?([^#@]*))?$/i.exec(s);
+        /^rediss?-sentinel:\/\/(?:[^@/]*@)?([^@/?#]+)\/([^/?#]+)(?:\/\d+)?\/?(?:\?([^#@]*))?$/i.exec(s);
       const nodes = (cluster ?? sentinel)?.[1];
       try {
         if (nodes === undefined) return ["redis:", "rediss:"].includes(new URL(s).protocol);

@@ -22,6 +22,7 @@ describe("DispatcherConfig", () => {
       shutdownTimeoutMs: 30_000,
       resultTtlMs: 7 * 24 * 3600 * 1000,
       acceptRedisWriteLoss: false,
+      redisTlsCaFile: null,
       httpPort: 8080,
       httpHost: "127.0.0.1",
       apiTokens: { tokens: [], adminTokens: [] },
@@ -40,6 +41,7 @@ describe("DispatcherConfig", () => {
       FLEET_SHUTDOWN_TIMEOUT_MS: "5000",
       FLEET_RESULT_TTL_S: "0",
       FLEET_REDIS_ACCEPT_WRITE_LOSS: "true",
+      FLEET_REDIS_TLS_CA_FILE: " /etc/fleet/redis-ca.pem ",
       FLEET_HTTP_PORT: "0",
       FLEET_HTTP_HOST: "0.0.0.0",
       FLEET_API_TOKENS: " t1 , admin:boss,,t1 ",
@@ -55,6 +57,7 @@ describe("DispatcherConfig", () => {
       shutdownTimeoutMs: 5000,
       resultTtlMs: 0,
       acceptRedisWriteLoss: true,
+      redisTlsCaFile: "/etc/fleet/redis-ca.pem",
       httpPort: 0,
       httpHost: "0.0.0.0",
       apiTokens: { tokens: ["t1", "boss"], adminTokens: ["boss"] },
@@ -118,6 +121,10 @@ describe("DispatcherConfig", () => {
     ["redis-sentinel://s1/m?sentinelPassword=p@ss", false], // a raw @ in the query (%40)
     ["redis-sentinel://s1/m?sentinelPassword=p%40ss", true],
     ["redis-sentinel://s1:26379/m%zz", false], // a name that does not decode
+    ["rediss-sentinel://s1:26379,s2:26379/mymaster", true], // TLS
+    ["rediss-sentinel://u:pw@s1/m/2?sentinelPassword=p%40ss", true],
+    ["rediss-sentinel://s1:26379", false],
+    ["redisss-sentinel://s1:26379/m", false],
   ])("REDIS_URL %s: accepted %s", (url, ok) => {
     const parsed = () => parseConfig(DispatcherConfig, { REDIS_URL: url });
     if (ok) expect(parsed().redisUrl).toBe(url);

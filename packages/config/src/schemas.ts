@@ -82,6 +82,12 @@ const common = {
    * apps refuse such a Redis (`assertRedisDurable`).
    */
   FLEET_REDIS_ACCEPT_WRITE_LOSS: boolVar().default(false),
+  /**
+   * For a Redis over TLS (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`) whose
+   * certificate a private CA signed: a PEM file of the CAs to trust for it, in place of Node's
+   * public roots. Read at start.
+   */
+  FLEET_REDIS_TLS_CA_FILE: z.string().trim().optional(),
 };
 
 const sandbox = {
@@ -142,6 +148,8 @@ function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
     shutdownTimeoutMs: e.FLEET_SHUTDOWN_TIMEOUT_MS,
     resultTtlMs: e.FLEET_RESULT_TTL_S * 1000,
     acceptRedisWriteLoss: e.FLEET_REDIS_ACCEPT_WRITE_LOSS,
+    // Empty is unset (compose passes `${VAR:-}` through).
+    redisTlsCaFile: e.FLEET_REDIS_TLS_CA_FILE || null,
   };
 }
 

@@ -12,6 +12,7 @@ import {
   connectRedis,
   logConnectionOutages,
   RolloutStore,
+  readRedisTls,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -54,6 +55,8 @@ interface Common {
   redisUrl: string;
   /** `FLEET_REDIS_ACCEPT_WRITE_LOSS`: start on a Redis without `appendfsync always`. */
   acceptRedisWriteLoss: boolean;
+  /** `FLEET_REDIS_TLS_CA_FILE`: the CAs a Redis over TLS is checked against (null: Node's public roots). */
+  redisTlsCaFile: string | null;
   prefix: string;
   logLevel: string;
   shutdownTimeoutMs: number;
@@ -74,7 +77,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   warnUnknownVariables(env, logger);
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
-  const redis = connectRedis(config.redisUrl);
+  const redis = connectRedis(config.redisUrl, {}, readRedisTls(config.redisTlsCaFile));
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);
   // Redis not up yet: wait for it, saying so (the dispatcher too); a Redis that is not safe for

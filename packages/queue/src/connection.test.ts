@@ -1,6 +1,16 @@
-import { ReplyError } from "ioredis";
+import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { type Cluster, ReplyError } from "ioredis";
 import { describe, expect, it } from "vitest";
-import { createRedis, parseClusterUrl, parseSentinelUrl, reconnectOnReadOnly } from "./connection.ts";
+import {
+  connectRedis,
+  createRedis,
+  parseClusterUrl,
+  parseSentinelUrl,
+  readRedisTls,
+  reconnectOnReadOnly,
+} from "./connection.ts";
 
 describe("reconnectOnReadOnly", () => {
   it.each([
@@ -138,5 +148,75 @@ describe("parseSentinelUrl", () => {
     expect(authed.options).toMatchObject({ sentinelPassword: "sp" });
     expect(authed.options.password ?? null).toBeNull();
     authed.disconnect();
+  });
+
+  it("rediss-sentinel:// speaks TLS to the sentinels and to the master they name; redis-sentinel:// to neither", () => {
+    expect(parseSentinelUrl("rediss-sentinel://u:p@s1/m/1?sentinelPassword=sp")).toEqual({
+      sentinels: [{ host: "s1", port: 26379 }],
+      name: "m",
+      redisOptions: { username: "u", password: "p", db: 1, tls: {} },
+      sentinelPassword: "sp",
+      sentinelTLS: {},
+      enableTLSForSentinelMode: true,
+    });
+    const plain = parseSentinelUrl("redis-sentinel://s1/m");
+    expect(plain).not.toHaveProperty("sentinelTLS");
+    expect(plain.redisOptions).not.toHaveProperty("tls");
+    expect(() => parseSentinelUrl("rediss-sentinel://s1")).toThrow(
+      /rediss-sentinel:\/\/host:26379\/mymaster/,
+    );
+    // A CA given: both sides check against it; a duplicate (a BullMQ worker's) keeps it.
+    const redis = createRedis("rediss-sentinel://127.0.0.1:1/m", { lazyConnect: true }, { ca: "PEM" });
+    expect(redis.options).toMatchObject({
+      tls: { ca: "PEM" },
+      sentinelTLS: { ca: "PEM" },
+      enableTLSForSentinelMode: true,
+    });
+    expect(redis.duplicate().options).toMatchObject({ tls: { ca: "PEM" }, sentinelTLS: { ca: "PEM" } });
+    redis.disconnect();
+    // Ignored for a URL without TLS.
+    const noTls = createRedis("redis-sentinel://127.0.0.1:1/m", { lazyConnect: true }, { ca: "PEM" });
+    expect(noTls.options.tls).toBeUndefined();
+    expect(noTls.options.sentinelTLS).toBeUndefined();
+    noTls.disconnect();
+  });
+});
+
+describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FILE)", () => {
+  it("rediss:// checks against the CA given, else Node's roots; redis:// never speaks TLS", () => {
+    const withCa = createRedis("rediss://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
+    expect(withCa.options.tls).toEqual({ ca: "PEM" });
+    withCa.disconnect();
+    const roots = createRedis("rediss://127.0.0.1:1", { lazyConnect: true });
+    expect(roots.options.tls).toBe(true);
+    roots.disconnect();
+    const plain = createRedis("redis://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
+    expect(plain.options.tls).toBeUndefined();
+    plain.disconnect();
+    const cluster = connectRedis("rediss-cluster://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
+    expect((cluster as Cluster).options.redisOptions?.tls).toEqual({ ca: "PEM" });
+    cluster.disconnect();
+    const plainCluster = connectRedis("redis-cluster://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
+    expect((plainCluster as Cluster).options.redisOptions?.tls).toBeUndefined();
+    plainCluster.disconnect();
+  });
+
+  it("readRedisTls reads the CA file, refusing one it cannot read or that holds no certificate, naming the variable", () => {
+    const dir = mkdtempSync(join(tmpdir(), "fleet-ca-"));
+    try {
+      const pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+      writeFileSync(join(dir, "ca.pem"), pem);
+      writeFileSync(join(dir, "key.pem"), "-----BEGIN PRIVATE KEY-----\n");
+      expect(readRedisTls(join(dir, "ca.pem"))).toEqual({ ca: pem });
+      expect(readRedisTls(null)).toEqual({});
+      expect(() => readRedisTls(join(dir, "missing.pem"))).toThrow(
+        /^FLEET_REDIS_TLS_CA_FILE: cannot read ".*missing\.pem": ENOENT/,
+      );
+      expect(() => readRedisTls(join(dir, "key.pem"))).toThrow(
+        /^FLEET_REDIS_TLS_CA_FILE: ".*key\.pem" holds no PEM certificate$/,
+      );
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 });

@@ -1,3 +1,5 @@
+import { readFileSync } from "node:fs";
+import type { ConnectionOptions } from "node:tls";
 import { Cluster, type ClusterNode, Redis, type RedisOptions } from "ioredis";
 
 /**
@@ -35,11 +37,11 @@ export function parseClusterUrl(url: string): { nodes: ClusterNode[]; redisOptio
   return { nodes: hosts, redisOptions };
 }
 
-const SENTINEL_SCHEME = "redis-sentinel:";
+const SENTINEL_SCHEMES = ["redis-sentinel:", "rediss-sentinel:"] as const;
 
-/** True for `redis-sentinel://…` URLs. */
+/** True for `redis-sentinel://…` and `rediss-sentinel://…` URLs. */
 export function isSentinelUrl(url: string): boolean {
-  return url.toLowerCase().startsWith(`${SENTINEL_SCHEME}//`);
+  return SENTINEL_SCHEMES.some((s) => url.toLowerCase().startsWith(`${s}//`));
 }
 
 /** What a Redis Sentinel URL's query may set: the sentinels' own credentials (ioredis's options). */
@@ -50,7 +52,8 @@ const SENTINEL_QUERY = ["sentinelUsername", "sentinelPassword"] as const;
  * port defaults to 26379), optionally followed by `?sentinelUsername=…&sentinelPassword=…` (the
  * sentinels' own credentials, %-encoded; a `+` is a `+`), into ioredis's sentinel options: the
  * sentinels to ask and their credentials, the master's name, and the options for the master's
- * connection (its credentials, its database). Errors show the credentials and query as `***`.
+ * connection (its credentials, its database). `rediss-sentinel://` speaks TLS to the sentinels
+ * and to the master they name. Errors show the credentials and query as `***`.
  */
 export function parseSentinelUrl(url: string): {
   sentinels: { host: string; port: number }[];
@@ -58,11 +61,16 @@ export function parseSentinelUrl(url: string): {
   redisOptions: RedisOptions;
   sentinelUsername?: string;
   sentinelPassword?: string;
+  /** TLS to the sentinels (`rediss-sentinel://`). */
+  sentinelTLS?: ConnectionOptions;
+  /** TLS to the master they name, with `redisOptions.tls` (`rediss-sentinel://`). */
+  enableTLSForSentinelMode?: boolean;
 } {
-  if (!isSentinelUrl(url)) throw new Error(`not a Redis Sentinel URL: ${JSON.stringify(url)}`);
+  const scheme = SENTINEL_SCHEMES.find((s) => url.toLowerCase().startsWith(`${s}//`));
+  if (!scheme) throw new Error(`not a Redis Sentinel URL: ${JSON.stringify(url)}`);
   const { hosts, path, query, search, redisOptions, shown } = splitMultiHostUrl(
     url,
-    SENTINEL_SCHEME,
+    scheme,
     "Redis Sentinel",
     26379,
   );
@@ -75,7 +83,7 @@ export function parseSentinelUrl(url: string): {
   }
   if (!m || name === undefined) {
     throw new Error(
-      `a Redis Sentinel URL names its master: redis-sentinel://host:26379/mymaster[/db][?sentinelPassword=…], got ${JSON.stringify(shown)}`,
+      `a Redis Sentinel URL names its master: ${scheme}//host:26379/mymaster[/db][?sentinelPassword=…], got ${JSON.stringify(shown)}`,
     );
   }
   if (m[2] !== undefined) redisOptions.db = Number(m[2]);
@@ -96,6 +104,10 @@ export function parseSentinelUrl(url: string): {
         throw new Error(`bad %-encoding in the ${known} of ${JSON.stringify(shown)}`);
       }
     }
+  }
+  if (scheme === "rediss-sentinel:") {
+    redisOptions.tls = {};
+    return { sentinels: hosts, name, redisOptions, ...auth, sentinelTLS: {}, enableTLSForSentinelMode: true };
   }
   return { sentinels: hosts, name, redisOptions, ...auth };
 }
@@ -162,12 +174,50 @@ function splitMultiHostUrl(
 }
 
 /**
+ * How the fleet's TLS connections to Redis (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`)
+ * check the server's certificate.
+ */
+export interface RedisTls {
+  /**
+   * The certificate authorities (PEM) to trust, in place of Node's public roots, for a private
+   * CA (`FLEET_REDIS_TLS_CA_FILE`). Ignored for a URL without TLS.
+   */
+  ca?: string;
+}
+
+/**
+ * The `RedisTls` of a CA file (`FLEET_REDIS_TLS_CA_FILE`; null: Node's public roots), read now:
+ * a file that cannot be read, or holds no PEM certificate, is refused, naming the variable.
+ */
+export function readRedisTls(caFile: string | null): RedisTls {
+  if (caFile === null) return {};
+  let ca: string;
+  try {
+    ca = readFileSync(caFile, "utf8");
+  } catch (err) {
+    throw new Error(
+      `FLEET_REDIS_TLS_CA_FILE: cannot read ${JSON.stringify(caFile)}: ${err instanceof Error ? err.message : String(err)}`,
+    );
+  }
+  if (!ca.includes("-----BEGIN CERTIFICATE-----")) {
+    throw new Error(`FLEET_REDIS_TLS_CA_FILE: ${JSON.stringify(caFile)} holds no PEM certificate`);
+  }
+  return { ca };
+}
+
+/** The URL's TLS options (`{}` where it speaks TLS, with `tls.ca` when given), or none for plain TCP. */
+function tlsOf(enabled: boolean, tls: RedisTls): ConnectionOptions | undefined {
+  if (!enabled) return undefined;
+  return tls.ca === undefined ? {} : { ca: tls.ca };
+}
+
+/**
  * A connection suitable for BullMQ workers (blocking commands must not time out), to a
  * standalone Redis (`redis://`, `rediss://`), or to the master a Redis Sentinel names
- * (`redis-sentinel://host:26379,host:26379/mymaster`). Use `connectRedis` where a Redis Cluster URL must
- * also be accepted.
+ * (`redis-sentinel://host:26379,host:26379/mymaster`; `rediss-sentinel://` over TLS). Use
+ * `connectRedis` where a Redis Cluster URL must also be accepted.
  */
-export function createRedis(url: string, options: RedisOptions = {}): Redis {
+export function createRedis(url: string, options: RedisOptions = {}, tls: RedisTls = {}): Redis {
   if (isClusterUrl(url)) {
     throw new Error("createRedis connects to a standalone Redis; a Redis Cluster URL needs connectRedis");
   }
@@ -180,6 +230,7 @@ export function createRedis(url: string, options: RedisOptions = {}): Redis {
     // The master the sentinels name: asked again at every connection, and at once when they
     // announce a failover (`failoverDetector`), besides at a READONLY.
     const { sentinels, name, redisOptions, ...sentinelAuth } = parseSentinelUrl(url);
+    const withTls = sentinelAuth.enableTLSForSentinelMode === true;
     return coalesceWrites(
       new Redis({
         ...defaults,
@@ -188,11 +239,15 @@ export function createRedis(url: string, options: RedisOptions = {}): Redis {
         failoverDetector: true,
         ...sentinelAuth,
         ...redisOptions,
+        ...(withTls ? { tls: tlsOf(true, tls), sentinelTLS: tlsOf(true, tls) } : {}),
         ...options,
       }),
     );
   }
-  return coalesceWrites(new Redis(url, { ...defaults, ...options }));
+  const standaloneTls = tlsOf(url.toLowerCase().startsWith("rediss://") && tls.ca !== undefined, tls);
+  return coalesceWrites(
+    new Redis(url, { ...defaults, ...(standaloneTls ? { tls: standaloneTls } : {}), ...options }),
+  );
 }
 
 /**
@@ -302,12 +357,19 @@ export function logConnectionOutages(redis: RedisConnection, logger: OutageLogge
  * `Cluster` for `redis-cluster://host:port,host:port` (or `rediss-cluster://`, TLS to every node).
  * `options` apply to every node's connection.
  */
-export function connectRedis(url: string, options: RedisOptions = {}): RedisConnection {
-  if (!isClusterUrl(url)) return createRedis(url, options);
+export function connectRedis(url: string, options: RedisOptions = {}, tls: RedisTls = {}): RedisConnection {
+  if (!isClusterUrl(url)) return createRedis(url, options, tls);
   const { nodes, redisOptions } = parseClusterUrl(url);
+  const nodeTls = tlsOf(redisOptions.tls !== undefined, tls);
   return new Cluster(nodes, {
     enableReadyCheck: true,
-    redisOptions: { maxRetriesPerRequest: null, enableReadyCheck: true, ...redisOptions, ...options },
+    redisOptions: {
+      maxRetriesPerRequest: null,
+      enableReadyCheck: true,
+      ...redisOptions,
+      ...(nodeTls ? { tls: nodeTls } : {}),
+      ...options,
+    },
   });
 }
 

@@ -3,6 +3,7 @@ import { writeFileSync } from "node:fs";
 import { join } from "node:path";
 import { Redis } from "ioredis";
 import { freeLoopbackPort } from "../local-redis.ts";
+import { type TestCertificates, tlsServerArgs } from "./tls.ts";
 
 async function poll(what: string, check: () => Promise<boolean>, timeoutMs = 30_000): Promise<void> {
   const end = Date.now() + timeoutMs;
@@ -15,7 +16,9 @@ async function poll(what: string, check: () => Promise<boolean>, timeoutMs = 30_
 /**
  * A Redis Sentinel of a test's own on loopback (`redis-server --sentinel`), watching the master
  * on `masterPort` as `name` with a quorum of one. `admin` is a connection to it. With `password`,
- * it asks its clients for that password (`requirepass`), and `url` carries it.
+ * it asks its clients for that password (`requirepass`), and `url` carries it. With `tls`, it
+ * also listens for TLS on `tlsPort`, speaks TLS to the master (whose `masterPort` is then its TLS
+ * one), and `url` is a `rediss-sentinel://` to that port; `admin` stays on the plain one.
  */
 export class LocalSentinel {
   private constructor(
@@ -24,16 +27,24 @@ export class LocalSentinel {
     readonly name: string,
     readonly admin: Redis,
     readonly password: string | null,
+    readonly tlsPort: number | null,
   ) {}
 
   static async start(
     dir: string,
     masterPort: number,
     name = "fleetmaster",
-    options: { password?: string } = {},
+    options: { password?: string; tls?: TestCertificates } = {},
   ): Promise<LocalSentinel> {
     const password = options.password ?? null;
     const port = await freeLoopbackPort();
+    const tlsPort = options.tls ? await freeLoopbackPort() : null;
+    const tlsLines: string[] = [];
+    if (options.tls && tlsPort !== null) {
+      const args = tlsServerArgs(options.tls, tlsPort);
+      for (let i = 0; i < args.length; i += 2) tlsLines.push(`${args[i]!.slice(2)} ${args[i + 1]}`);
+      tlsLines.push("tls-replication yes");
+    }
     const conf = join(dir, `sentinel-${port}.conf`);
     // Its config file must be writable: a sentinel records what it learns there.
     writeFileSync(
@@ -47,6 +58,7 @@ export class LocalSentinel {
         `sentinel down-after-milliseconds ${name} 2000`,
         `sentinel failover-timeout ${name} 10000`,
         ...(password === null ? [] : [`requirepass "${password}"`]),
+        ...tlsLines,
         "",
       ].join("\n"),
     );
@@ -61,7 +73,7 @@ export class LocalSentinel {
       ...(password === null ? {} : { password }),
     });
     admin.on("error", () => undefined);
-    const sentinel = new LocalSentinel(proc, port, name, admin, password);
+    const sentinel = new LocalSentinel(proc, port, name, admin, password, tlsPort);
     try {
       await poll(`the sentinel on ${port} answers`, async () => (await admin.ping()) === "PONG");
     } catch (err) {
@@ -73,6 +85,7 @@ export class LocalSentinel {
 
   get url(): string {
     const auth = this.password === null ? "" : `?sentinelPassword=${encodeURIComponent(this.password)}`;
+    if (this.tlsPort !== null) return `rediss-sentinel://127.0.0.1:${this.tlsPort}/${this.name}${auth}`;
     return `redis-sentinel://127.0.0.1:${this.port}/${this.name}${auth}`;
   }
 

@@ -1,0 +1,119 @@
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import { Queue, Worker } from "bullmq";
+import type { Redis } from "ioredis";
+import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import {
+  assertRedisDurable,
+  connectRedis,
+  createRedis,
+  duplicateRedis,
+  type RedisConnection,
+  readRedisTls,
+} from "./connection.ts";
+import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
+import {
+  LocalSentinel,
+  makeTestCertificates,
+  type TestCertificates,
+  tlsServerArgs,
+} from "./testing/index.ts";
+
+/** The server port a connection reached (`CLIENT INFO`'s laddr): its TLS one, or its plain one. */
+async function serverPort(redis: RedisConnection): Promise<number> {
+  const info = String(await (redis as Redis).call("CLIENT", "INFO"));
+  return Number(/laddr=[^ ]*:(\d+)/.exec(info)?.[1]);
+}
+
+/** One job through BullMQ on `redis` (a queue on it, a worker on a duplicate): what it returned. */
+async function oneJob(redis: RedisConnection, prefix: string): Promise<unknown> {
+  const queue = new Queue("tls", { connection: redis, prefix });
+  const own = duplicateRedis(redis);
+  own.on("error", () => undefined);
+  const worker = new Worker("tls", async (job) => (job.data as { n: number }).n * 2, {
+    connection: own,
+    prefix,
+  });
+  try {
+    const done = new Promise((resolve, reject) => {
+      worker.once("completed", (_job, value) => resolve(value));
+      worker.once("failed", (_job, err) => reject(err));
+    });
+    await queue.add("double", { n: 21 });
+    return await done;
+  } finally {
+    await worker.close();
+    own.disconnect();
+    await queue.obliterate({ force: true });
+    await queue.close();
+  }
+}
+
+// A Redis of the test's own serving TLS (beside its plain port, which only the harness uses) with
+// a certificate a CA of the test's own signed: what FLEET_REDIS_TLS_CA_FILE is for.
+describe("Redis over TLS, checked against FLEET_REDIS_TLS_CA_FILE's CA", () => {
+  let dir = "";
+  let certs: TestCertificates;
+  let server: LocalRedisServer | null = null;
+  let sentinel: LocalSentinel | null = null;
+  const conns: RedisConnection[] = [];
+  let tlsPort = 0;
+  beforeEach(async () => {
+    dir = mkdtempSync(join(tmpdir(), "fleet-tls-"));
+    certs = makeTestCertificates(dir);
+    tlsPort = await freeLoopbackPort();
+    server = await LocalRedisServer.start({ dir, args: tlsServerArgs(certs, tlsPort) });
+  });
+  afterEach(async () => {
+    for (const c of conns.splice(0)) c.disconnect();
+    await sentinel?.stop();
+    await server?.kill();
+    [sentinel, server] = [null, null];
+    rmSync(dir, { recursive: true, force: true });
+  });
+  const keep = <T extends RedisConnection>(c: T): T => {
+    conns.push(c);
+    c.on("error", () => undefined);
+    return c;
+  };
+
+  it("rediss://: refused on Node's public roots; with the CA, it passes the durability check and BullMQ runs a job over it", async () => {
+    const url = `rediss://127.0.0.1:${tlsPort}`;
+    const untrusted = keep(
+      createRedis(url, { lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null }),
+    );
+    const said: string[] = [];
+    untrusted.on("error", (err: Error) => said.push(err.message));
+    await expect(untrusted.connect()).rejects.toThrow();
+    expect(said.join("\n")).toMatch(/self.signed|unable to (get|verify)|certificate/i);
+    const redis = keep(connectRedis(url, {}, readRedisTls(certs.caFile)));
+    await assertRedisDurable(redis);
+    expect(await serverPort(redis)).toBe(tlsPort);
+    expect(await oneJob(redis, "{tls-test}")).toBe(42);
+  });
+
+  it("rediss-sentinel://: TLS to the sentinel and to the master it names; the durability check, writes and a BullMQ job go through", async () => {
+    // The sentinel watches the master at its TLS port, and hands that out.
+    sentinel = await LocalSentinel.start(dir, tlsPort, "fleetmaster", { tls: certs });
+    expect(sentinel.url).toBe(`rediss-sentinel://127.0.0.1:${sentinel.tlsPort}/fleetmaster`);
+    const redis = keep(createRedis(sentinel.url, {}, readRedisTls(certs.caFile)));
+    await assertRedisDurable(redis);
+    expect(await serverPort(redis)).toBe(tlsPort);
+    await redis.set("k", "over TLS");
+    const admin = keep(createRedis(server!.url));
+    expect(await admin.get("k")).toBe("over TLS");
+    expect(await oneJob(redis, "{tls-sentinel-test}")).toBe(42);
+    // The same URL without TLS (redis-sentinel://, to the sentinel's TLS port) gets nowhere.
+    const plain = keep(
+      createRedis(sentinel.url.replace("rediss-sentinel:", "redis-sentinel:"), {
+        lazyConnect: true,
+        maxRetriesPerRequest: 0,
+        retryStrategy: () => null,
+        sentinelRetryStrategy: () => null,
+        connectTimeout: 2_000,
+      }),
+    );
+    await expect(plain.connect()).rejects.toThrow();
+  });
+});

@@ -1,0 +1,55 @@
+import { execFileSync } from "node:child_process";
+import { readFileSync, writeFileSync } from "node:fs";
+import { join } from "node:path";
+
+/** A test's own certificate authority and a server certificate it signed, as files in a directory. */
+export interface TestCertificates {
+  /** The CA's certificate (PEM file), what a client trusts (`FLEET_REDIS_TLS_CA_FILE`). */
+  caFile: string;
+  /** Its text. */
+  ca: string;
+  /** The server's certificate, for 127.0.0.1 and localhost, and its key. */
+  certFile: string;
+  keyFile: string;
+}
+
+/**
+ * A CA and a server certificate for 127.0.0.1 and localhost that it signed, made with `openssl`
+ * (on PATH) in `dir`; valid for two days.
+ */
+export function makeTestCertificates(dir: string): TestCertificates {
+  const at = (name: string) => join(dir, name);
+  const openssl = (...args: string[]) =>
+    execFileSync("openssl", args, { stdio: ["ignore", "ignore", "pipe"] });
+  openssl(
+    ...["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=fleet test CA"],
+    ...["-keyout", at("ca.key"), "-out", at("ca.crt")],
+  );
+  openssl(
+    ...["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1"],
+    ...["-keyout", at("server.key"), "-out", at("server.csr")],
+  );
+  writeFileSync(at("server.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
+  openssl(
+    ...["x509", "-req", "-in", at("server.csr"), "-CA", at("ca.crt"), "-CAkey", at("ca.key")],
+    ...["-CAcreateserial", "-days", "2", "-extfile", at("server.ext"), "-out", at("server.crt")],
+  );
+  return {
+    caFile: at("ca.crt"),
+    ca: readFileSync(at("ca.crt"), "utf8"),
+    certFile: at("server.crt"),
+    keyFile: at("server.key"),
+  };
+}
+
+/**
+ * `redis-server` arguments (or, without the dashes, config lines) for a TLS port `port` serving
+ * `certs`' server certificate; clients are not asked for one of their own.
+ */
+export function tlsServerArgs(certs: TestCertificates, port: number): string[] {
+  // biome-ignore format: one flag per pair
+  return [
+    "--tls-port", String(port), "--tls-cert-file", certs.certFile, "--tls-key-file", certs.keyFile,
+    "--tls-ca-cert-file", certs.caFile, "--tls-auth-clients", "no",
+  ];
+}

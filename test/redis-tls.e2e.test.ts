@@ -1,0 +1,102 @@
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
+import type { RolloutResult, TaskContent } from "@fleet/contracts";
+import { freeLoopbackPort, LocalRedisServer } from "@fleet/queue";
+import { makeTestCertificates, tlsServerArgs } from "@fleet/queue/testing";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { Redis } from "ioredis";
+import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
+import { callApi } from "./helpers/api.ts";
+import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
+import { npmStart } from "./helpers/npm-app.ts";
+
+/**
+ * Every app (dispatcher, the three stage workers, the janitor) as its own process against a Redis
+ * that speaks TLS only on the port they are given, with a certificate a CA of the test's own
+ * signed: `REDIS_URL=rediss://…` and `FLEET_REDIS_TLS_CA_FILE` naming that CA.
+ */
+describe("the fleet on a Redis over TLS with a private CA", () => {
+  const prefix = testPrefix("tls");
+  const dir = mkdtempSync(join(tmpdir(), "fleet-tls-e2e-"));
+  let redis: LocalRedisServer;
+  let fleet: FleetProcesses | undefined;
+  let suite: TaskContent[];
+  let tlsPort = 0;
+  const ids: string[] = [];
+
+  beforeAll(async () => {
+    suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const certs = makeTestCertificates(dir);
+    tlsPort = await freeLoopbackPort();
+    redis = await LocalRedisServer.start({ dir, args: tlsServerArgs(certs, tlsPort) });
+    fleet = await FleetProcesses.start({
+      redisUrl: `rediss://127.0.0.1:${tlsPort}`,
+      prefix,
+      logDir: join(dir, "logs"),
+      env: { FLEET_REDIS_TLS_CA_FILE: certs.caFile, FLEET_JANITOR_INTERVAL_MS: "2000" },
+    });
+  });
+
+  afterAll(async () => {
+    await fleet?.stop();
+    await redis?.kill();
+    if (process.env.FLEET_KEEP_LOGS !== "1") rmSync(dir, { recursive: true, force: true });
+    expect(await containersOf(ids)).toBe(0);
+  });
+
+  it("runs oracle rollouts to reward 1, every app's connection on the TLS port", async () => {
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const b = await callApi(fleet!, "POST", "/v1/batches", {
+      rollouts: [0, 1].map(() => ({ task, agent: { harness: "oracle" } })),
+    });
+    expect(b.status).toBe(202);
+    const batchId = String(b.body?.batchId);
+    ids.push(...((b.body?.rolloutIds ?? []) as string[]));
+    const batch = await waitFor(
+      "the batch to finish",
+      async () => {
+        const s = await callApi(fleet!, "GET", `/v1/batches/${batchId}`);
+        return Number(s.body?.done) === 2 ? s.body : null;
+      },
+      180_000,
+    );
+    expect(batch).toMatchObject({ total: 2, done: 2, counts: { completed: 2 } });
+    for (const id of ids) {
+      const r = (await callApi(fleet!, "GET", `/v1/rollouts/${id}`)).body as unknown as RolloutResult;
+      expect(r).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
+    }
+    // The apps' connections all reached the TLS port (the plain one is this test's alone).
+    const admin = new Redis(redis.url);
+    try {
+      const clients = String(await admin.client("LIST"))
+        .split("\n")
+        .filter((line) => line.includes("laddr="));
+      const ports = clients.map((line) => Number(/laddr=[^ ]*:(\d+)/.exec(line)?.[1]));
+      expect(ports.filter((p) => p === tlsPort).length).toBeGreaterThanOrEqual(5);
+      expect(ports.filter((p) => p !== tlsPort)).toEqual([redis.port]);
+    } finally {
+      admin.disconnect();
+    }
+  });
+
+  it("an app given a CA file it cannot read, or one holding no certificate, refuses to start, naming the variable", async () => {
+    for (const [file, said] of [
+      [join(dir, "missing.pem"), /FLEET_REDIS_TLS_CA_FILE: cannot read ".*missing\.pem": ENOENT/],
+      [join(dir, "server.key"), /FLEET_REDIS_TLS_CA_FILE: ".*server\.key" holds no PEM certificate/],
+    ] as const) {
+      for (const workspace of ["@fleet/dispatcher", "@fleet/janitor"]) {
+        const { npm, output } = npmStart(workspace, {
+          REDIS_URL: `rediss://127.0.0.1:${tlsPort}`,
+          FLEET_PREFIX: prefix,
+          FLEET_REDIS_TLS_CA_FILE: file,
+          FLEET_HTTP_PORT: "0",
+        });
+        const code = await new Promise<number | null>((resolve) => npm.once("exit", resolve));
+        expect(code, `${workspace}: ${output()}`).not.toBe(0);
+        expect(output(), workspace).toMatch(said);
+      }
+    }
+  }, 120_000);
+});
