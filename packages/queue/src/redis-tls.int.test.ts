@@ -2,7 +2,7 @@ import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Queue, Worker } from "bullmq";
-import type { Redis } from "ioredis";
+import type { Cluster, Redis } from "ioredis";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import {
   assertRedisDurable,
@@ -15,7 +15,9 @@ import {
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
 import {
   LocalSentinel,
+  type LoopbackRedisCluster,
   makeTestCertificates,
+  startLoopbackRedisCluster,
   type TestCertificates,
   tlsServerArgs,
 } from "./testing/index.ts";
@@ -115,5 +117,32 @@ describe("Redis over TLS, checked against FLEET_REDIS_TLS_CA_FILE's CA", () => {
       }),
     );
     await expect(plain.connect()).rejects.toThrow();
+  });
+});
+
+describe("a Redis Cluster over TLS (rediss-cluster://), checked against FLEET_REDIS_TLS_CA_FILE's CA", () => {
+  let dir = "";
+  let cluster: LoopbackRedisCluster | null = null;
+  let conn: RedisConnection | null = null;
+  afterEach(async () => {
+    conn?.disconnect();
+    await cluster?.stop();
+    [conn, cluster] = [null, null];
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("reaches every master on its TLS port (the ones the cluster hands out too), passes the durability check on each, and BullMQ runs a job", async () => {
+    dir = mkdtempSync(join(tmpdir(), "fleet-tls-cluster-"));
+    const certs = makeTestCertificates(dir);
+    cluster = await startLoopbackRedisCluster({ tls: certs });
+    expect(cluster.url).toBe(`rediss-cluster://${cluster.tlsPorts.map((p) => `127.0.0.1:${p}`).join(",")}`);
+    const redis = connectRedis(cluster.url, {}, readRedisTls(certs.caFile)) as Cluster;
+    conn = redis;
+    redis.on("error", () => undefined);
+    await assertRedisDurable(redis);
+    const masters = redis.nodes("master");
+    expect(masters).toHaveLength(3);
+    expect((await Promise.all(masters.map(serverPort))).sort()).toEqual([...cluster.tlsPorts].sort());
+    expect(await oneJob(redis, "{tls-cluster-test}")).toBe(42);
   });
 });

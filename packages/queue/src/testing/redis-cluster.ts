@@ -4,6 +4,7 @@ import { createServer } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { promisify } from "node:util";
+import { type TestCertificates, tlsServerArgs } from "./tls.ts";
 
 /**
  * Test-only: a Redis Cluster of `redis-server` processes on loopback, for simulating the fleet's
@@ -12,7 +13,9 @@ import { promisify } from "node:util";
 export interface LoopbackRedisCluster {
   /** The masters' ports. */
   readonly ports: number[];
-  /** `redis-cluster://127.0.0.1:P1,127.0.0.1:P2,...` */
+  /** With `tls`: the masters' TLS ports, in the same order (else empty). */
+  readonly tlsPorts: number[];
+  /** `redis-cluster://127.0.0.1:P1,127.0.0.1:P2,...` (with `tls`: `rediss-cluster://` to the TLS ports) */
   readonly url: string;
   /** `redis-cli -p <port> <args>` on one node; resolves its stdout. */
   cli(port: number, ...args: string[]): Promise<string>;
@@ -54,25 +57,34 @@ const cli = async (port: number, ...args: string[]) =>
 /**
  * Start a Redis Cluster of `masters` (default 3, no replicas) on loopback, durable as the fleet
  * requires (AOF, noeviction), in a temp dir that `stop` removes; resolves once every node
- * reports `cluster_state:ok`.
+ * reports `cluster_state:ok`. With `tls`, each node also serves TLS (`certs`' server certificate)
+ * on a port of its own, its cluster bus speaks TLS, and the URL names the TLS ports (the plain
+ * ones stay for `cli`).
  */
 export async function startLoopbackRedisCluster(
-  options: { masters?: number } = {},
+  options: { masters?: number; tls?: TestCertificates } = {},
 ): Promise<LoopbackRedisCluster> {
   const masters = options.masters ?? 3;
   const dir = mkdtempSync(join(tmpdir(), "fleet-cluster-"));
   const ports: number[] = [];
+  const tlsPorts: number[] = [];
   while (ports.length < masters) {
     const p = await freePort();
     if (!ports.includes(p)) ports.push(p);
   }
-  const children: ChildProcess[] = ports.map((port) => {
+  while (options.tls && tlsPorts.length < masters) {
+    const p = await freePort();
+    if (!ports.includes(p) && !tlsPorts.includes(p)) tlsPorts.push(p);
+  }
+  const children: ChildProcess[] = ports.map((port, i) => {
     mkdirSync(join(dir, String(port)));
+    const tls = options.tls ? [...tlsServerArgs(options.tls, tlsPorts[i]!), "--tls-cluster", "yes"] : [];
     // biome-ignore format: one flag per pair
     return spawn("redis-server", [
       "--port", String(port), "--bind", "127.0.0.1", "--dir", join(dir, String(port)),
       "--cluster-enabled", "yes", "--cluster-config-file", join(dir, `nodes-${port}.conf`),
       "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction", "--save", "",
+      ...tls,
     ], { stdio: "ignore" });
   });
   const stop = async () => {
@@ -108,5 +120,8 @@ export async function startLoopbackRedisCluster(
     await stop();
     throw err;
   }
-  return { ports, url: `redis-cluster://${ports.map((p) => `127.0.0.1:${p}`).join(",")}`, cli, stop };
+  const url = options.tls
+    ? `rediss-cluster://${tlsPorts.map((p) => `127.0.0.1:${p}`).join(",")}`
+    : `redis-cluster://${ports.map((p) => `127.0.0.1:${p}`).join(",")}`;
+  return { ports, tlsPorts, url, cli, stop };
 }
