@@ -131,6 +131,36 @@ describe("DispatcherConfig", () => {
     else expect(errorOf(parsed).message).toContain("or redis-sentinel://host:port,host:port/mastername");
   });
 
+  it("refuses FLEET_REDIS_TLS_CA_FILE with a REDIS_URL that speaks no TLS (plain TCP without a word), in every app", () => {
+    const ca = "/etc/fleet/redis-ca.pem";
+    for (const url of ["redis://r:6379", "redis-cluster://a:1,b:2", "redis-sentinel://s:26379/m"]) {
+      const env = { REDIS_URL: url, FLEET_REDIS_TLS_CA_FILE: ca };
+      for (const parse of [
+        () => parseConfig(DispatcherConfig, env),
+        () => parseConfig(JanitorConfig, env),
+        () => parseWorkerConfig("agent", env),
+      ]) {
+        expect(errorOf(parse).message, url).toMatch(
+          /FLEET_REDIS_TLS_CA_FILE: is set, but REDIS_URL speaks no TLS: use rediss:\/\//,
+        );
+      }
+    }
+    for (const url of [
+      "rediss://r:6380",
+      "REDISS://r:6380",
+      "rediss-cluster://a:1,b:2",
+      "rediss-sentinel://s/m",
+    ]) {
+      expect(
+        parseConfig(DispatcherConfig, { REDIS_URL: url, FLEET_REDIS_TLS_CA_FILE: ca }).redisTlsCaFile,
+      ).toBe(ca);
+    }
+    // Unset (or empty) with a plain URL: nothing to say.
+    expect(
+      parseConfig(JanitorConfig, { REDIS_URL: "redis://r", FLEET_REDIS_TLS_CA_FILE: "" }).redisTlsCaFile,
+    ).toBeNull();
+  });
+
   it("names every bad variable in one error", () => {
     const err = errorOf(() =>
       parseConfig(DispatcherConfig, {

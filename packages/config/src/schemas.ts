@@ -140,6 +140,24 @@ function bwrapNeedsRootfs(
   }
 }
 
+/**
+ * A CA file for Redis's TLS with a URL that speaks no TLS: the operator meant TLS, and would get
+ * plain TCP without a word. Refused.
+ */
+function redisCaNeedsTls(
+  e: { REDIS_URL: string; FLEET_REDIS_TLS_CA_FILE?: string | undefined },
+  ctx: z.RefinementCtx,
+): void {
+  if (e.FLEET_REDIS_TLS_CA_FILE && !/^rediss(?:-cluster|-sentinel)?:\/\//i.test(e.REDIS_URL)) {
+    ctx.addIssue({
+      code: "custom",
+      path: ["FLEET_REDIS_TLS_CA_FILE"],
+      message:
+        "is set, but REDIS_URL speaks no TLS: use rediss://, rediss-cluster:// or rediss-sentinel://, or unset it",
+    });
+  }
+}
+
 function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
   return {
     redisUrl: e.REDIS_URL,
@@ -179,6 +197,7 @@ export const DispatcherConfig = z
     FLEET_MAX_BODY_BYTES: intVar(1024, 1024 * 1024 * 1024).optional(),
     FLEET_MAX_JSON_BATCH_BYTES: intVar(1024, 1024 * 1024 * 1024).default(DEFAULT_MAX_JSON_BATCH_BYTES),
   })
+  .superRefine(redisCaNeedsTls)
   .transform((e) => ({
     ...commonConfig(e),
     httpPort: e.FLEET_HTTP_PORT,
@@ -282,6 +301,7 @@ export const WorkerConfig = z
     FLEET_SEED_AHEAD: intVar(0, 1_000_000).default(16),
   })
   .superRefine(bwrapNeedsRootfs)
+  .superRefine(redisCaNeedsTls)
   .superRefine((e, ctx) => {
     const bits = Number(e.FLEET_GATEWAY_SUBNET_POOL?.split("/")[1]);
     // Only for a pool that is one (a bad one is said once, as the pool's own error).
@@ -323,6 +343,7 @@ export const JanitorConfig = z
     FLEET_ORPHAN_GRACE_MS: durationMsVar().default(DEFAULT_ORPHAN_GRACE_MS),
   })
   .superRefine(bwrapNeedsRootfs)
+  .superRefine(redisCaNeedsTls)
   .transform((e) => ({
     ...commonConfig(e),
     ...sandboxAndMetricsConfig(e),

@@ -183,21 +183,43 @@ describe("parseSentinelUrl", () => {
 });
 
 describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FILE)", () => {
-  it("rediss:// checks against the CA given, else Node's roots; redis:// never speaks TLS", () => {
+  it("rediss:// checks against the CA given, else Node's roots; redis:// never speaks TLS", async () => {
     const withCa = createRedis("rediss://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
     expect(withCa.options.tls).toEqual({ ca: "PEM" });
     withCa.disconnect();
     const roots = createRedis("rediss://127.0.0.1:1", { lazyConnect: true });
-    expect(roots.options.tls).toBe(true);
+    expect(roots.options.tls).toEqual({});
     roots.disconnect();
+    // The scheme in capitals is TLS all the same (ioredis alone would speak plain TCP to it).
+    const upper = createRedis("REDISS://127.0.0.1:1", { lazyConnect: true });
+    expect(upper.options.tls).toEqual({});
+    upper.disconnect();
+    // A caller's own TLS options win.
+    const own = createRedis(
+      "rediss://127.0.0.1:1",
+      { lazyConnect: true, tls: { servername: "r" } },
+      { ca: "PEM" },
+    );
+    expect(own.options.tls).toEqual({ servername: "r" });
+    own.disconnect();
     const plain = createRedis("redis://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
     expect(plain.options.tls).toBeUndefined();
     plain.disconnect();
     const cluster = connectRedis("rediss-cluster://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
     expect((cluster as Cluster).options.redisOptions?.tls).toEqual({ ca: "PEM" });
+    // Seed nodes kept by name over TLS (the certificate names them), and so are a duplicate's.
+    const lookup = (cluster as Cluster).options.dnsLookup;
+    expect(lookup).toBeTypeOf("function");
+    const looked = await new Promise((resolve) => lookup!("redis-0.example", (_err, a) => resolve(a)));
+    expect(looked).toBe("redis-0.example");
+    const dup = (cluster as Cluster).duplicate();
+    expect(dup.options.redisOptions?.tls).toEqual({ ca: "PEM" });
+    expect(dup.options.dnsLookup).toBe(lookup);
+    dup.disconnect();
     cluster.disconnect();
     const plainCluster = connectRedis("redis-cluster://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
     expect((plainCluster as Cluster).options.redisOptions?.tls).toBeUndefined();
+    expect((plainCluster as Cluster).options.dnsLookup).not.toBe(lookup);
     plainCluster.disconnect();
   });
 

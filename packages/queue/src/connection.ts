@@ -180,7 +180,7 @@ function splitMultiHostUrl(
 export interface RedisTls {
   /**
    * The certificate authorities (PEM) to trust, in place of Node's public roots, for a private
-   * CA (`FLEET_REDIS_TLS_CA_FILE`). Ignored for a URL without TLS.
+   * CA (`FLEET_REDIS_TLS_CA_FILE`). Ignored for a URL without TLS (the config refuses that pair).
    */
   ca?: string;
 }
@@ -244,7 +244,8 @@ export function createRedis(url: string, options: RedisOptions = {}, tls: RedisT
       }),
     );
   }
-  const standaloneTls = tlsOf(url.toLowerCase().startsWith("rediss://") && tls.ca !== undefined, tls);
+  // Set here, not left to ioredis: it turns TLS on only for a lower-case `rediss://`.
+  const standaloneTls = tlsOf(url.toLowerCase().startsWith("rediss://"), tls);
   return coalesceWrites(
     new Redis(url, { ...defaults, ...(standaloneTls ? { tls: standaloneTls } : {}), ...options }),
   );
@@ -363,6 +364,9 @@ export function connectRedis(url: string, options: RedisOptions = {}, tls: Redis
   const nodeTls = tlsOf(redisOptions.tls !== undefined, tls);
   return new Cluster(nodes, {
     enableReadyCheck: true,
+    // Over TLS, the seed nodes are connected to by the names the URL gives, not by the addresses
+    // they resolve to: the server's certificate is checked against that name.
+    ...(nodeTls ? { dnsLookup: keepHostname } : {}),
     redisOptions: {
       maxRetriesPerRequest: null,
       enableReadyCheck: true,
@@ -371,6 +375,11 @@ export function connectRedis(url: string, options: RedisOptions = {}, tls: Redis
       ...options,
     },
   });
+}
+
+/** ioredis's `dnsLookup` that resolves nothing: a host stays the name it was given. */
+function keepHostname(address: string, callback: (err: Error | null, address: string) => void): void {
+  callback(null, address);
 }
 
 /** A new connection with the same settings (BullMQ workers need one of their own each). */

@@ -145,4 +145,16 @@ describe("a Redis Cluster over TLS (rediss-cluster://), checked against FLEET_RE
     expect((await Promise.all(masters.map(serverPort))).sort()).toEqual([...cluster.tlsPorts].sort());
     expect(await oneJob(redis, "{tls-cluster-test}")).toBe(42);
   });
+
+  it("one whose certificate names its nodes by hostname only (as a managed Redis's does) is reached by those names, not their addresses", async () => {
+    dir = mkdtempSync(join(tmpdir(), "fleet-tls-cluster-"));
+    const certs = makeTestCertificates(dir, { subjectAltName: "DNS:localhost" });
+    cluster = await startLoopbackRedisCluster({ tls: certs, announceHostname: "localhost" });
+    expect(cluster.url).toMatch(/^rediss-cluster:\/\/localhost:\d+,localhost:/);
+    const redis = connectRedis(cluster.url, {}, readRedisTls(certs.caFile)) as Cluster;
+    conn = redis;
+    redis.on("error", () => undefined);
+    await assertRedisDurable(redis);
+    expect(await oneJob(redis, "{tls-cluster-named}")).toBe(42);
+  });
 });

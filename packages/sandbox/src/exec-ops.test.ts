@@ -257,9 +257,12 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     expect(fencedFirst.calls.map((c) => c.deadlineMs)).toEqual([500, 500]);
     // Raised, but root (the tests' staging and runner) cannot read it (a strict umask): no fence.
     const unseen = sweeps({ stdout: "fenced=1\n" }, { stdout: "fence-seen=0\nremaining=0\n" });
-    expect(
-      await killProcessesViaExec(unseen.exec, ROOT_USER, 5, undefined, { quickMs: 500, fenceEpoch: 4 }),
-    ).toMatchObject({ confirmed: true, fenced: false });
+    const notSeen = await killProcessesViaExec(unseen.exec, ROOT_USER, 5, undefined, {
+      quickMs: 500,
+      fenceEpoch: 4,
+    });
+    expect(notSeen).toMatchObject({ confirmed: true, fenced: false });
+    expect(notSeen.detail).toMatch(/fence raised but not seen by root$/);
     // A fence it could not raise (no mount: a sandbox older than the fence) is said, and the
     // sweep still runs.
     const unfenced = sweeps({ stdout: "fenced=0\n" }, { stdout: "fence-seen=0\nremaining=0\n" });
@@ -333,6 +336,18 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
       expect(timedOut).toMatchObject({ confirmed: true, fenced: false });
       expect(timedOut.detail).toMatch(/fence not raised: its exec timed out/);
       expect(slow.calls.map((c) => c.user)).toEqual([KEEPALIVE_USER, ROOT_USER]);
+      // Failed with 250 ms of the bound left: a second try, with those 250 ms.
+      const edge = slowFirst(FENCE_EXEC_MS - 250, new Error("exec failed"), { stdout: "fenced=1\n" }, ok);
+      expect(
+        await killProcessesViaExec(edge.exec, ROOT_USER, 5, undefined, { quickMs: 5000, fenceEpoch: 4 }),
+      ).toMatchObject({ confirmed: true, fenced: true });
+      expect(edge.calls.map((c) => c.deadlineMs)).toEqual([FENCE_EXEC_MS, 250, 5000]);
+      // A caller with less than the fence's bound: that is the fence's whole budget.
+      const short = slowFirst(100, new Error("exec failed"), { stdout: "fenced=1\n" }, ok);
+      expect(
+        await killProcessesViaExec(short.exec, ROOT_USER, 5, undefined, { quickMs: 800, fenceEpoch: 4 }),
+      ).toMatchObject({ confirmed: true, fenced: true });
+      expect(short.calls.map((c) => c.deadlineMs)).toEqual([800, 700, 800]);
       // Failed with less than 250 ms of the bound left: no second try.
       const late = slowFirst(FENCE_EXEC_MS - 200, new Error("exec failed"), ok);
       expect(

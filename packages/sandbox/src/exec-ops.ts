@@ -630,7 +630,14 @@ export async function killProcessesViaExec(
   /** A receipt with its word on the fence, when asked to raise one (`CleanupReceipt.fenced`; `seen` by root). */
   const withFence = (receipt: CleanupReceipt, seen: boolean): CleanupReceipt => {
     if (fenced === undefined) return receipt;
-    if (fenced) return { ...receipt, fenced: seen };
+    if (fenced && seen) return { ...receipt, fenced: true };
+    if (fenced) {
+      return {
+        ...receipt,
+        fenced: false,
+        detail: `${receipt.detail ?? ""}; fence raised but not seen by root`,
+      };
+    }
     return { ...receipt, fenced: false, detail: `${receipt.detail ?? ""}; fence not raised: ${unfencedWhy}` };
   };
   // A quick sweep (its caller has seconds) tries again only when it was killed as it ran, at

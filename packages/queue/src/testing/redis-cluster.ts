@@ -62,7 +62,12 @@ const cli = async (port: number, ...args: string[]) =>
  * ones stay for `cli`).
  */
 export async function startLoopbackRedisCluster(
-  options: { masters?: number; tls?: TestCertificates } = {},
+  options: {
+    masters?: number;
+    tls?: TestCertificates;
+    /** A name each node announces itself by (`cluster-announce-hostname`), handed out instead of its IP; the URL uses it. */
+    announceHostname?: string;
+  } = {},
 ): Promise<LoopbackRedisCluster> {
   const masters = options.masters ?? 3;
   const dir = mkdtempSync(join(tmpdir(), "fleet-cluster-"));
@@ -79,12 +84,17 @@ export async function startLoopbackRedisCluster(
   const children: ChildProcess[] = ports.map((port, i) => {
     mkdirSync(join(dir, String(port)));
     const tls = options.tls ? [...tlsServerArgs(options.tls, tlsPorts[i]!), "--tls-cluster", "yes"] : [];
+    const host = options.announceHostname;
+    // biome-ignore format: one flag per pair
+    const named = host === undefined ? [] : [
+      "--cluster-announce-hostname", host, "--cluster-preferred-endpoint-type", "hostname",
+    ];
     // biome-ignore format: one flag per pair
     return spawn("redis-server", [
       "--port", String(port), "--bind", "127.0.0.1", "--dir", join(dir, String(port)),
       "--cluster-enabled", "yes", "--cluster-config-file", join(dir, `nodes-${port}.conf`),
       "--appendonly", "yes", "--appendfsync", "always", "--maxmemory-policy", "noeviction", "--save", "",
-      ...tls,
+      ...tls, ...named,
     ], { stdio: "ignore" });
   });
   const stop = async () => {
@@ -120,8 +130,9 @@ export async function startLoopbackRedisCluster(
     await stop();
     throw err;
   }
+  const host = options.announceHostname ?? "127.0.0.1";
   const url = options.tls
-    ? `rediss-cluster://${tlsPorts.map((p) => `127.0.0.1:${p}`).join(",")}`
-    : `redis-cluster://${ports.map((p) => `127.0.0.1:${p}`).join(",")}`;
+    ? `rediss-cluster://${tlsPorts.map((p) => `${host}:${p}`).join(",")}`
+    : `redis-cluster://${ports.map((p) => `${host}:${p}`).join(",")}`;
   return { ports, tlsPorts, url, cli, stop };
 }

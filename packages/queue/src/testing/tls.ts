@@ -14,10 +14,14 @@ export interface TestCertificates {
 }
 
 /**
- * A CA and a server certificate for 127.0.0.1 and localhost that it signed, made with `openssl`
- * (on PATH) in `dir`; valid for two days.
+ * A CA and a server certificate for 127.0.0.1 and localhost that it signed (or for the names in
+ * `subjectAltName`, e.g. `DNS:localhost` alone), made with `openssl` (on PATH) in `dir`; valid for
+ * two days.
  */
-export function makeTestCertificates(dir: string): TestCertificates {
+export function makeTestCertificates(
+  dir: string,
+  options: { subjectAltName?: string } = {},
+): TestCertificates {
   const at = (name: string) => join(dir, name);
   const openssl = (...args: string[]) =>
     execFileSync("openssl", args, { stdio: ["ignore", "ignore", "pipe"] });
@@ -29,7 +33,10 @@ export function makeTestCertificates(dir: string): TestCertificates {
     ...["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1"],
     ...["-keyout", at("server.key"), "-out", at("server.csr")],
   );
-  writeFileSync(at("server.ext"), "subjectAltName=IP:127.0.0.1,DNS:localhost\n");
+  writeFileSync(
+    at("server.ext"),
+    `subjectAltName=${options.subjectAltName ?? "IP:127.0.0.1,DNS:localhost"}\n`,
+  );
   openssl(
     ...["x509", "-req", "-in", at("server.csr"), "-CA", at("ca.crt"), "-CAkey", at("ca.key")],
     ...["-CAcreateserial", "-days", "2", "-extfile", at("server.ext"), "-out", at("server.crt")],
