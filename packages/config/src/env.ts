@@ -138,7 +138,13 @@ export function redisUrlVar() {
             decodeURIComponent(value.join("="));
           }
         }
-        return nodes.split(",").every((node) => new URL(`redis://${node}`).hostname !== "");
+        // Each `host[:port]` as the queue's parser takes it (a `:` with no port after it is not one).
+        return nodes
+          .split(",")
+          .every(
+            (node) =>
+              /^(\[[^\]]+\]|[^:]+)(?::\d+)?$/.test(node.trim()) && new URL(`redis://${node}`).hostname !== "",
+          );
       } catch {
         return false;
       }

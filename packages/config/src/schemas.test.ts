@@ -125,6 +125,8 @@ describe("DispatcherConfig", () => {
     ["rediss-sentinel://u:pw@s1/m/2?sentinelPassword=p%40ss", true],
     ["rediss-sentinel://s1:26379", false],
     ["redisss-sentinel://s1:26379/m", false],
+    ["redis-sentinel://s1:/m", false], // a `:` without a port (the queue's parser refuses it at start)
+    ["redis-sentinel://[::1]:26379,s2/m", true],
   ])("REDIS_URL %s: accepted %s", (url, ok) => {
     const parsed = () => parseConfig(DispatcherConfig, { REDIS_URL: url });
     if (ok) expect(parsed().redisUrl).toBe(url);
