@@ -15,9 +15,10 @@ import { npmStart } from "./helpers/npm-app.ts";
 /**
  * Every app (dispatcher, the three stage workers, the janitor) as its own process against a Redis
  * that speaks TLS only on the port they are given, with a certificate a CA of the test's own
- * signed: `REDIS_URL=rediss://…` and `FLEET_REDIS_TLS_CA_FILE` naming that CA.
+ * signed, and that asks them for a client certificate: `REDIS_URL=rediss://…`,
+ * `FLEET_REDIS_TLS_CA_FILE` naming that CA, `FLEET_REDIS_TLS_CERT_FILE`/`_KEY_FILE` theirs.
  */
-describe("the fleet on a Redis over TLS with a private CA", () => {
+describe("the fleet on a Redis over TLS with a private CA and client certificates", () => {
   const prefix = testPrefix("tls");
   const dir = mkdtempSync(join(tmpdir(), "fleet-tls-e2e-"));
   let redis: LocalRedisServer;
@@ -30,12 +31,18 @@ describe("the fleet on a Redis over TLS with a private CA", () => {
     suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const certs = makeTestCertificates(dir);
     tlsPort = await freeLoopbackPort();
-    redis = await LocalRedisServer.start({ dir, args: tlsServerArgs(certs, tlsPort) });
+    // It asks every client for a certificate its CA signed (tls-auth-clients yes, Redis's default).
+    redis = await LocalRedisServer.start({ dir, args: tlsServerArgs(certs, tlsPort, { authClients: true }) });
     fleet = await FleetProcesses.start({
       redisUrl: `rediss://127.0.0.1:${tlsPort}`,
       prefix,
       logDir: join(dir, "logs"),
-      env: { FLEET_REDIS_TLS_CA_FILE: certs.caFile, FLEET_JANITOR_INTERVAL_MS: "2000" },
+      env: {
+        FLEET_REDIS_TLS_CA_FILE: certs.caFile,
+        FLEET_REDIS_TLS_CERT_FILE: certs.clientCertFile,
+        FLEET_REDIS_TLS_KEY_FILE: certs.clientKeyFile,
+        FLEET_JANITOR_INTERVAL_MS: "2000",
+      },
     });
   });
 

@@ -59,8 +59,12 @@ describe("configs/fleet.env.example", () => {
     for (const e of all.filter((x) => !x.set && !x.name.startsWith("FLEET_CREDENTIAL_"))) {
       const env = { ...set, [e.name]: e.value };
       if (e.name === "FLEET_BWRAP_ROOTFS") env.FLEET_SANDBOX_PROVIDER = "bubblewrap";
-      // A CA for Redis's TLS goes with a URL that speaks TLS.
-      if (e.name === "FLEET_REDIS_TLS_CA_FILE") env.REDIS_URL = "rediss://127.0.0.1:6380";
+      // Redis's TLS files go with a URL that speaks TLS; a client certificate with its key.
+      if (e.name.startsWith("FLEET_REDIS_TLS_")) env.REDIS_URL = "rediss://127.0.0.1:6380";
+      if (e.name === "FLEET_REDIS_TLS_CERT_FILE")
+        env.FLEET_REDIS_TLS_KEY_FILE = "/etc/rollout-fleet/redis-client.key";
+      if (e.name === "FLEET_REDIS_TLS_KEY_FILE")
+        env.FLEET_REDIS_TLS_CERT_FILE = "/etc/rollout-fleet/redis-client.pem";
       expect(() => parseAll(env), e.name).not.toThrow();
     }
   });

@@ -5,6 +5,7 @@ import {
   logConnectionOutages,
   RolloutStore,
   readRedisTls,
+  redisTlsFiles,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -38,7 +39,7 @@ async function main(): Promise<void> {
   const redis = connectRedis(
     config.redisUrl,
     { maxRetriesPerRequest: 2 },
-    readRedisTls(config.redisTlsCaFile),
+    readRedisTls(redisTlsFiles(config)),
   );
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);

@@ -23,6 +23,8 @@ describe("DispatcherConfig", () => {
       resultTtlMs: 7 * 24 * 3600 * 1000,
       acceptRedisWriteLoss: false,
       redisTlsCaFile: null,
+      redisTlsCertFile: null,
+      redisTlsKeyFile: null,
       httpPort: 8080,
       httpHost: "127.0.0.1",
       apiTokens: { tokens: [], adminTokens: [] },
@@ -42,6 +44,8 @@ describe("DispatcherConfig", () => {
       FLEET_RESULT_TTL_S: "0",
       FLEET_REDIS_ACCEPT_WRITE_LOSS: "true",
       FLEET_REDIS_TLS_CA_FILE: " /etc/fleet/redis-ca.pem ",
+      FLEET_REDIS_TLS_CERT_FILE: "/etc/fleet/client.pem",
+      FLEET_REDIS_TLS_KEY_FILE: "/etc/fleet/client.key",
       FLEET_HTTP_PORT: "0",
       FLEET_HTTP_HOST: "0.0.0.0",
       FLEET_API_TOKENS: " t1 , admin:boss,,t1 ",
@@ -58,6 +62,8 @@ describe("DispatcherConfig", () => {
       resultTtlMs: 0,
       acceptRedisWriteLoss: true,
       redisTlsCaFile: "/etc/fleet/redis-ca.pem",
+      redisTlsCertFile: "/etc/fleet/client.pem",
+      redisTlsKeyFile: "/etc/fleet/client.key",
       httpPort: 0,
       httpHost: "0.0.0.0",
       apiTokens: { tokens: ["t1", "boss"], adminTokens: ["boss"] },
@@ -157,6 +163,30 @@ describe("DispatcherConfig", () => {
         parseConfig(DispatcherConfig, { REDIS_URL: url, FLEET_REDIS_TLS_CA_FILE: ca }).redisTlsCaFile,
       ).toBe(ca);
     }
+    // A client certificate and key likewise; and each needs the other.
+    const plainMtls = {
+      REDIS_URL: "redis://r",
+      FLEET_REDIS_TLS_CERT_FILE: "/c",
+      FLEET_REDIS_TLS_KEY_FILE: "/k",
+    };
+    expect(errorOf(() => parseConfig(DispatcherConfig, plainMtls)).message).toMatch(
+      /FLEET_REDIS_TLS_CERT_FILE: is set, but REDIS_URL speaks no TLS.*FLEET_REDIS_TLS_KEY_FILE: is set/s,
+    );
+    for (const [env, missing] of [
+      [{ FLEET_REDIS_TLS_CERT_FILE: "/c" }, "FLEET_REDIS_TLS_KEY_FILE"],
+      [{ FLEET_REDIS_TLS_KEY_FILE: "/k" }, "FLEET_REDIS_TLS_CERT_FILE"],
+    ] as const) {
+      expect(
+        errorOf(() => parseWorkerConfig("verifier", { REDIS_URL: "rediss://r", ...env })).message,
+      ).toContain(`${missing}: must be set with the other`);
+    }
+    expect(
+      parseConfig(JanitorConfig, {
+        REDIS_URL: "rediss://r",
+        FLEET_REDIS_TLS_CERT_FILE: "/c",
+        FLEET_REDIS_TLS_KEY_FILE: "/k",
+      }),
+    ).toMatchObject({ redisTlsCertFile: "/c", redisTlsKeyFile: "/k", redisTlsCaFile: null });
     // Unset (or empty) with a plain URL: nothing to say.
     expect(
       parseConfig(JanitorConfig, { REDIS_URL: "redis://r", FLEET_REDIS_TLS_CA_FILE: "" }).redisTlsCaFile,

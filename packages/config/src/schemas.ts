@@ -88,6 +88,12 @@ const common = {
    * public roots. Read at start.
    */
   FLEET_REDIS_TLS_CA_FILE: z.string().trim().optional(),
+  /**
+   * The client certificate (PEM) the apps present to a Redis over TLS that asks for one
+   * (`tls-auth-clients yes`, Redis's default), and its private key: both or neither.
+   */
+  FLEET_REDIS_TLS_CERT_FILE: z.string().trim().optional(),
+  FLEET_REDIS_TLS_KEY_FILE: z.string().trim().optional(),
 };
 
 const sandbox = {
@@ -141,19 +147,40 @@ function bwrapNeedsRootfs(
 }
 
 /**
- * A CA file for Redis's TLS with a URL that speaks no TLS: the operator meant TLS, and would get
- * plain TCP without a word. Refused.
+ * A TLS file for Redis with a URL that speaks no TLS: the operator meant TLS, and would get plain
+ * TCP without a word. Refused; so is a client certificate without its key, or a key without it.
  */
-function redisCaNeedsTls(
-  e: { REDIS_URL: string; FLEET_REDIS_TLS_CA_FILE?: string | undefined },
+function redisTlsNeedsTls(
+  e: {
+    REDIS_URL: string;
+    FLEET_REDIS_TLS_CA_FILE?: string | undefined;
+    FLEET_REDIS_TLS_CERT_FILE?: string | undefined;
+    FLEET_REDIS_TLS_KEY_FILE?: string | undefined;
+  },
   ctx: z.RefinementCtx,
 ): void {
-  if (e.FLEET_REDIS_TLS_CA_FILE && !/^rediss(?:-cluster|-sentinel)?:\/\//i.test(e.REDIS_URL)) {
+  const tls = /^rediss(?:-cluster|-sentinel)?:\/\//i.test(e.REDIS_URL);
+  for (const name of [
+    "FLEET_REDIS_TLS_CA_FILE",
+    "FLEET_REDIS_TLS_CERT_FILE",
+    "FLEET_REDIS_TLS_KEY_FILE",
+  ] as const) {
+    if (e[name] && !tls) {
+      ctx.addIssue({
+        code: "custom",
+        path: [name],
+        message:
+          "is set, but REDIS_URL speaks no TLS: use rediss://, rediss-cluster:// or rediss-sentinel://, or unset it",
+      });
+    }
+  }
+  // A certificate without its key (or a key without its certificate) authenticates nothing.
+  if (!e.FLEET_REDIS_TLS_CERT_FILE !== !e.FLEET_REDIS_TLS_KEY_FILE) {
     ctx.addIssue({
       code: "custom",
-      path: ["FLEET_REDIS_TLS_CA_FILE"],
+      path: [e.FLEET_REDIS_TLS_CERT_FILE ? "FLEET_REDIS_TLS_KEY_FILE" : "FLEET_REDIS_TLS_CERT_FILE"],
       message:
-        "is set, but REDIS_URL speaks no TLS: use rediss://, rediss-cluster:// or rediss-sentinel://, or unset it",
+        "must be set with the other: FLEET_REDIS_TLS_CERT_FILE and FLEET_REDIS_TLS_KEY_FILE go together",
     });
   }
 }
@@ -168,6 +195,8 @@ function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
     acceptRedisWriteLoss: e.FLEET_REDIS_ACCEPT_WRITE_LOSS,
     // Empty is unset (compose passes `${VAR:-}` through).
     redisTlsCaFile: e.FLEET_REDIS_TLS_CA_FILE || null,
+    redisTlsCertFile: e.FLEET_REDIS_TLS_CERT_FILE || null,
+    redisTlsKeyFile: e.FLEET_REDIS_TLS_KEY_FILE || null,
   };
 }
 
@@ -197,7 +226,7 @@ export const DispatcherConfig = z
     FLEET_MAX_BODY_BYTES: intVar(1024, 1024 * 1024 * 1024).optional(),
     FLEET_MAX_JSON_BATCH_BYTES: intVar(1024, 1024 * 1024 * 1024).default(DEFAULT_MAX_JSON_BATCH_BYTES),
   })
-  .superRefine(redisCaNeedsTls)
+  .superRefine(redisTlsNeedsTls)
   .transform((e) => ({
     ...commonConfig(e),
     httpPort: e.FLEET_HTTP_PORT,
@@ -301,7 +330,7 @@ export const WorkerConfig = z
     FLEET_SEED_AHEAD: intVar(0, 1_000_000).default(16),
   })
   .superRefine(bwrapNeedsRootfs)
-  .superRefine(redisCaNeedsTls)
+  .superRefine(redisTlsNeedsTls)
   .superRefine((e, ctx) => {
     const bits = Number(e.FLEET_GATEWAY_SUBNET_POOL?.split("/")[1]);
     // Only for a pool that is one (a bad one is said once, as the pool's own error).
@@ -343,7 +372,7 @@ export const JanitorConfig = z
     FLEET_ORPHAN_GRACE_MS: durationMsVar().default(DEFAULT_ORPHAN_GRACE_MS),
   })
   .superRefine(bwrapNeedsRootfs)
-  .superRefine(redisCaNeedsTls)
+  .superRefine(redisTlsNeedsTls)
   .transform((e) => ({
     ...commonConfig(e),
     ...sandboxAndMetricsConfig(e),

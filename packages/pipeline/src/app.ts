@@ -13,6 +13,7 @@ import {
   logConnectionOutages,
   RolloutStore,
   readRedisTls,
+  redisTlsFiles,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -57,6 +58,9 @@ interface Common {
   acceptRedisWriteLoss: boolean;
   /** `FLEET_REDIS_TLS_CA_FILE`: the CAs a Redis over TLS is checked against (null: Node's public roots). */
   redisTlsCaFile: string | null;
+  /** `FLEET_REDIS_TLS_CERT_FILE` / `FLEET_REDIS_TLS_KEY_FILE`: the client certificate presented to a Redis over TLS, and its key. */
+  redisTlsCertFile: string | null;
+  redisTlsKeyFile: string | null;
   prefix: string;
   logLevel: string;
   shutdownTimeoutMs: number;
@@ -77,7 +81,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   warnUnknownVariables(env, logger);
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
-  const redis = connectRedis(config.redisUrl, {}, readRedisTls(config.redisTlsCaFile));
+  const redis = connectRedis(config.redisUrl, {}, readRedisTls(redisTlsFiles(config)));
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);
   // Redis not up yet: wait for it, saying so (the dispatcher too); a Redis that is not safe for

@@ -174,6 +174,17 @@ describe("parseSentinelUrl", () => {
     });
     expect(redis.duplicate().options).toMatchObject({ tls: { ca: "PEM" }, sentinelTLS: { ca: "PEM" } });
     redis.disconnect();
+    // A client certificate goes to both sides too.
+    const mtls = createRedis(
+      "rediss-sentinel://127.0.0.1:1/m",
+      { lazyConnect: true },
+      { cert: "C", key: "K" },
+    );
+    expect(mtls.options).toMatchObject({
+      tls: { cert: "C", key: "K" },
+      sentinelTLS: { cert: "C", key: "K" },
+    });
+    mtls.disconnect();
     // Ignored for a URL without TLS.
     const noTls = createRedis("redis-sentinel://127.0.0.1:1/m", { lazyConnect: true }, { ca: "PEM" });
     expect(noTls.options.tls).toBeUndefined();
@@ -223,19 +234,39 @@ describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FIL
     plainCluster.disconnect();
   });
 
-  it("readRedisTls reads the CA file, refusing one it cannot read or that holds no certificate, naming the variable", () => {
+  it("readRedisTls reads the TLS files, refusing one it cannot read or that holds no PEM of its kind, naming its variable", () => {
     const dir = mkdtempSync(join(tmpdir(), "fleet-ca-"));
     try {
       const pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+      const key = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
+      const rsaKey = "-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----\n";
       writeFileSync(join(dir, "ca.pem"), pem);
-      writeFileSync(join(dir, "key.pem"), "-----BEGIN PRIVATE KEY-----\n");
-      expect(readRedisTls(join(dir, "ca.pem"))).toEqual({ ca: pem });
-      expect(readRedisTls(null)).toEqual({});
-      expect(() => readRedisTls(join(dir, "missing.pem"))).toThrow(
+      writeFileSync(join(dir, "key.pem"), key);
+      writeFileSync(join(dir, "rsa.pem"), rsaKey);
+      const none = { caFile: null, certFile: null, keyFile: null };
+      const at = (name: string) => join(dir, name);
+      expect(readRedisTls({ ...none, caFile: at("ca.pem") })).toEqual({ ca: pem });
+      expect(readRedisTls(none)).toEqual({});
+      expect(readRedisTls({ caFile: at("ca.pem"), certFile: at("ca.pem"), keyFile: at("key.pem") })).toEqual({
+        ca: pem,
+        cert: pem,
+        key,
+      });
+      expect(readRedisTls({ ...none, certFile: at("ca.pem"), keyFile: at("rsa.pem") })).toEqual({
+        cert: pem,
+        key: rsaKey,
+      });
+      expect(() => readRedisTls({ ...none, caFile: at("missing.pem") })).toThrow(
         /^FLEET_REDIS_TLS_CA_FILE: cannot read ".*missing\.pem": ENOENT/,
       );
-      expect(() => readRedisTls(join(dir, "key.pem"))).toThrow(
+      expect(() => readRedisTls({ ...none, caFile: at("key.pem") })).toThrow(
         /^FLEET_REDIS_TLS_CA_FILE: ".*key\.pem" holds no PEM certificate$/,
+      );
+      expect(() => readRedisTls({ ...none, certFile: at("key.pem"), keyFile: at("key.pem") })).toThrow(
+        /^FLEET_REDIS_TLS_CERT_FILE: ".*key\.pem" holds no PEM certificate$/,
+      );
+      expect(() => readRedisTls({ ...none, certFile: at("ca.pem"), keyFile: at("ca.pem") })).toThrow(
+        /^FLEET_REDIS_TLS_KEY_FILE: ".*ca\.pem" holds no PEM private key$/,
       );
     } finally {
       rmSync(dir, { recursive: true, force: true });

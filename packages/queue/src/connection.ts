@@ -175,40 +175,85 @@ function splitMultiHostUrl(
 
 /**
  * How the fleet's TLS connections to Redis (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`)
- * check the server's certificate.
+ * check the server's certificate, and the certificate they present (a Redis with
+ * `tls-auth-clients yes`, Redis's default, asks every client for one). Ignored for a URL without
+ * TLS (the config refuses that pair).
  */
 export interface RedisTls {
   /**
    * The certificate authorities (PEM) to trust, in place of Node's public roots, for a private
-   * CA (`FLEET_REDIS_TLS_CA_FILE`). Ignored for a URL without TLS (the config refuses that pair).
+   * CA (`FLEET_REDIS_TLS_CA_FILE`).
    */
   ca?: string;
+  /** The fleet's client certificate (PEM, `FLEET_REDIS_TLS_CERT_FILE`), with its `key`. */
+  cert?: string;
+  /** Its private key (PEM, `FLEET_REDIS_TLS_KEY_FILE`). */
+  key?: string;
+}
+
+/** The TLS files of the config, null where unset. */
+export interface RedisTlsFiles {
+  caFile: string | null;
+  certFile: string | null;
+  keyFile: string | null;
 }
 
 /**
- * The `RedisTls` of a CA file (`FLEET_REDIS_TLS_CA_FILE`; null: Node's public roots), read now:
- * a file that cannot be read, or holds no PEM certificate, is refused, naming the variable.
+ * The `RedisTls` of the config's files (`FLEET_REDIS_TLS_CA_FILE`, `FLEET_REDIS_TLS_CERT_FILE`,
+ * `FLEET_REDIS_TLS_KEY_FILE`), read now: a file that cannot be read, or does not hold what it
+ * should in PEM (a certificate; a private key), is refused, naming its variable.
  */
-export function readRedisTls(caFile: string | null): RedisTls {
-  if (caFile === null) return {};
-  let ca: string;
-  try {
-    ca = readFileSync(caFile, "utf8");
-  } catch (err) {
-    throw new Error(
-      `FLEET_REDIS_TLS_CA_FILE: cannot read ${JSON.stringify(caFile)}: ${err instanceof Error ? err.message : String(err)}`,
-    );
-  }
-  if (!ca.includes("-----BEGIN CERTIFICATE-----")) {
-    throw new Error(`FLEET_REDIS_TLS_CA_FILE: ${JSON.stringify(caFile)} holds no PEM certificate`);
-  }
-  return { ca };
+export function readRedisTls(files: RedisTlsFiles): RedisTls {
+  const read = (variable: string, file: string | null, holds: RegExp, what: string) => {
+    if (file === null) return undefined;
+    let text: string;
+    try {
+      text = readFileSync(file, "utf8");
+    } catch (err) {
+      throw new Error(
+        `${variable}: cannot read ${JSON.stringify(file)}: ${err instanceof Error ? err.message : String(err)}`,
+      );
+    }
+    if (!holds.test(text)) throw new Error(`${variable}: ${JSON.stringify(file)} holds no PEM ${what}`);
+    return text;
+  };
+  const certificate = /-----BEGIN CERTIFICATE-----/;
+  const tls: RedisTls = {};
+  const ca = read("FLEET_REDIS_TLS_CA_FILE", files.caFile, certificate, "certificate");
+  const cert = read("FLEET_REDIS_TLS_CERT_FILE", files.certFile, certificate, "certificate");
+  const key = read(
+    "FLEET_REDIS_TLS_KEY_FILE",
+    files.keyFile,
+    /-----BEGIN [A-Z ]*PRIVATE KEY-----/,
+    "private key",
+  );
+  if (ca !== undefined) tls.ca = ca;
+  if (cert !== undefined) tls.cert = cert;
+  if (key !== undefined) tls.key = key;
+  return tls;
 }
 
-/** The URL's TLS options (`{}` where it speaks TLS, with `tls.ca` when given), or none for plain TCP. */
+/** The TLS files a config names (its `redisTls*File` fields). */
+export function redisTlsFiles(config: {
+  redisTlsCaFile: string | null;
+  redisTlsCertFile: string | null;
+  redisTlsKeyFile: string | null;
+}): RedisTlsFiles {
+  return {
+    caFile: config.redisTlsCaFile,
+    certFile: config.redisTlsCertFile,
+    keyFile: config.redisTlsKeyFile,
+  };
+}
+
+/** The URL's TLS options (`{}` where it speaks TLS, with what `tls` gives), or none for plain TCP. */
 function tlsOf(enabled: boolean, tls: RedisTls): ConnectionOptions | undefined {
   if (!enabled) return undefined;
-  return tls.ca === undefined ? {} : { ca: tls.ca };
+  const options: ConnectionOptions = {};
+  if (tls.ca !== undefined) options.ca = tls.ca;
+  if (tls.cert !== undefined) options.cert = tls.cert;
+  if (tls.key !== undefined) options.key = tls.key;
+  return options;
 }
 
 /**

@@ -14,6 +14,7 @@ import {
 } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
 import {
+  fleetTlsFiles,
   LocalSentinel,
   type LoopbackRedisCluster,
   makeTestCertificates,
@@ -89,17 +90,44 @@ describe("Redis over TLS, checked against FLEET_REDIS_TLS_CA_FILE's CA", () => {
     untrusted.on("error", (err: Error) => said.push(err.message));
     await expect(untrusted.connect()).rejects.toThrow();
     expect(said.join("\n")).toMatch(/self.signed|unable to (get|verify)|certificate/i);
-    const redis = keep(connectRedis(url, {}, readRedisTls(certs.caFile)));
+    const redis = keep(connectRedis(url, {}, readRedisTls(fleetTlsFiles(certs))));
     await assertRedisDurable(redis);
     expect(await serverPort(redis)).toBe(tlsPort);
     expect(await oneJob(redis, "{tls-test}")).toBe(42);
+  });
+
+  it("rediss:// to a Redis that asks every client for a certificate (tls-auth-clients yes, Redis's default): refused without one; with FLEET_REDIS_TLS_CERT_FILE/KEY_FILE's it works", async () => {
+    await server?.kill();
+    tlsPort = await freeLoopbackPort();
+    server = await LocalRedisServer.start({
+      dir,
+      args: tlsServerArgs(certs, tlsPort, { authClients: true }),
+    });
+    const url = `rediss://127.0.0.1:${tlsPort}`;
+    const anonymous = keep(
+      createRedis(
+        url,
+        { lazyConnect: true, maxRetriesPerRequest: 0, retryStrategy: () => null },
+        readRedisTls(fleetTlsFiles(certs)),
+      ),
+    );
+    await expect(
+      (async () => {
+        await anonymous.connect();
+        await anonymous.ping();
+      })(),
+    ).rejects.toThrow();
+    const redis = keep(connectRedis(url, {}, readRedisTls(fleetTlsFiles(certs, { client: true }))));
+    await assertRedisDurable(redis);
+    expect(await serverPort(redis)).toBe(tlsPort);
+    expect(await oneJob(redis, "{tls-mtls-test}")).toBe(42);
   });
 
   it("rediss-sentinel://: TLS to the sentinel and to the master it names; the durability check, writes and a BullMQ job go through", async () => {
     // The sentinel watches the master at its TLS port, and hands that out.
     sentinel = await LocalSentinel.start(dir, tlsPort, "fleetmaster", { tls: certs });
     expect(sentinel.url).toBe(`rediss-sentinel://127.0.0.1:${sentinel.tlsPort}/fleetmaster`);
-    const redis = keep(createRedis(sentinel.url, {}, readRedisTls(certs.caFile)));
+    const redis = keep(createRedis(sentinel.url, {}, readRedisTls(fleetTlsFiles(certs))));
     await assertRedisDurable(redis);
     expect(await serverPort(redis)).toBe(tlsPort);
     await redis.set("k", "over TLS");
@@ -136,7 +164,7 @@ describe("a Redis Cluster over TLS (rediss-cluster://), checked against FLEET_RE
     const certs = makeTestCertificates(dir);
     cluster = await startLoopbackRedisCluster({ tls: certs });
     expect(cluster.url).toBe(`rediss-cluster://${cluster.tlsPorts.map((p) => `127.0.0.1:${p}`).join(",")}`);
-    const redis = connectRedis(cluster.url, {}, readRedisTls(certs.caFile)) as Cluster;
+    const redis = connectRedis(cluster.url, {}, readRedisTls(fleetTlsFiles(certs))) as Cluster;
     conn = redis;
     redis.on("error", () => undefined);
     await assertRedisDurable(redis);
@@ -151,7 +179,7 @@ describe("a Redis Cluster over TLS (rediss-cluster://), checked against FLEET_RE
     const certs = makeTestCertificates(dir, { subjectAltName: "DNS:localhost" });
     cluster = await startLoopbackRedisCluster({ tls: certs, announceHostname: "localhost" });
     expect(cluster.url).toMatch(/^rediss-cluster:\/\/localhost:\d+,localhost:/);
-    const redis = connectRedis(cluster.url, {}, readRedisTls(certs.caFile)) as Cluster;
+    const redis = connectRedis(cluster.url, {}, readRedisTls(fleetTlsFiles(certs))) as Cluster;
     conn = redis;
     redis.on("error", () => undefined);
     await assertRedisDurable(redis);

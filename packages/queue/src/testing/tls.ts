@@ -11,6 +11,9 @@ export interface TestCertificates {
   /** The server's certificate, for 127.0.0.1 and localhost, and its key. */
   certFile: string;
   keyFile: string;
+  /** A client's certificate the CA signed, and its key (for a Redis that asks clients for one). */
+  clientCertFile: string;
+  clientKeyFile: string;
 }
 
 /**
@@ -41,7 +44,17 @@ export function makeTestCertificates(
     ...["x509", "-req", "-in", at("server.csr"), "-CA", at("ca.crt"), "-CAkey", at("ca.key")],
     ...["-CAcreateserial", "-days", "2", "-extfile", at("server.ext"), "-out", at("server.crt")],
   );
+  openssl(
+    ...["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=rollout-fleet"],
+    ...["-keyout", at("client.key"), "-out", at("client.csr")],
+  );
+  openssl(
+    ...["x509", "-req", "-in", at("client.csr"), "-CA", at("ca.crt"), "-CAkey", at("ca.key")],
+    ...["-CAcreateserial", "-days", "2", "-out", at("client.crt")],
+  );
   return {
+    clientCertFile: at("client.crt"),
+    clientKeyFile: at("client.key"),
     caFile: at("ca.crt"),
     ca: readFileSync(at("ca.crt"), "utf8"),
     certFile: at("server.crt"),
@@ -51,12 +64,29 @@ export function makeTestCertificates(
 
 /**
  * `redis-server` arguments (or, without the dashes, config lines) for a TLS port `port` serving
- * `certs`' server certificate; clients are not asked for one of their own.
+ * `certs`' server certificate; clients are asked for one of their own, signed by the CA, only
+ * with `authClients` (Redis's default; off here unless asked).
  */
-export function tlsServerArgs(certs: TestCertificates, port: number): string[] {
+export function tlsServerArgs(
+  certs: TestCertificates,
+  port: number,
+  options: { authClients?: boolean } = {},
+): string[] {
   // biome-ignore format: one flag per pair
   return [
     "--tls-port", String(port), "--tls-cert-file", certs.certFile, "--tls-key-file", certs.keyFile,
-    "--tls-ca-cert-file", certs.caFile, "--tls-auth-clients", "no",
+    "--tls-ca-cert-file", certs.caFile, "--tls-auth-clients", options.authClients ? "yes" : "no",
   ];
+}
+
+/** The TLS files of a fleet that trusts `certs`' CA and, with `client`, presents its client certificate. */
+export function fleetTlsFiles(
+  certs: TestCertificates,
+  options: { client?: boolean } = {},
+): { caFile: string; certFile: string | null; keyFile: string | null } {
+  return {
+    caFile: certs.caFile,
+    certFile: options.client ? certs.clientCertFile : null,
+    keyFile: options.client ? certs.clientKeyFile : null,
+  };
 }
