@@ -5,7 +5,6 @@ import {
   logConnectionOutages,
   RolloutStore,
   readRedisTls,
-  redisTlsFiles,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -36,11 +35,7 @@ async function main(): Promise<void> {
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down
   // (→ 503) instead of waiting for it: at once once it has been up (`failFastOnceReady`), after
   // two reconnect attempts before that.
-  const redis = connectRedis(
-    config.redisUrl,
-    { maxRetriesPerRequest: 2 },
-    readRedisTls(redisTlsFiles(config)),
-  );
+  const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 }, readRedisTls(config));
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
   // Redis not up yet (started beside it, restarting): wait for it, as the workers do, saying so;

@@ -13,7 +13,6 @@ import {
   logConnectionOutages,
   RolloutStore,
   readRedisTls,
-  redisTlsFiles,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -81,7 +80,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   warnUnknownVariables(env, logger);
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
-  const redis = connectRedis(config.redisUrl, {}, readRedisTls(redisTlsFiles(config)));
+  const redis = connectRedis(config.redisUrl, {}, readRedisTls(config));
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);
   // Redis not up yet: wait for it, saying so (the dispatcher too); a Redis that is not safe for

@@ -1310,15 +1310,11 @@ async function stopOwnTests(
     const swept = await sweepTestsUnderClaim(deps, handle, id, token, notedAt, refuse);
     if (!swept.claimed) return;
     const { stopped } = swept;
-    if (!("confirmed" in stopped) && stopped.error instanceof TestsSupersededError) {
+    if (!("confirmed" in stopped)) {
+      if (!(stopped.error instanceof TestsSupersededError)) throw stopped.error;
       deps.logger.info(
         { rolloutId: id, fence: stopped.error.fence },
         "handing back a verify whose sweep found the sandbox fenced by a later attempt: the tests there are that attempt's",
-      );
-    } else if (!("confirmed" in stopped)) {
-      warn(
-        reason(stopped.error),
-        "handing back a verify without stopping its tests; the next attempt waits them out",
       );
     } else if (!stopped.confirmed) {
       warn(

@@ -243,31 +243,39 @@ describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FIL
       writeFileSync(join(dir, "ca.pem"), pem);
       writeFileSync(join(dir, "key.pem"), key);
       writeFileSync(join(dir, "rsa.pem"), rsaKey);
-      const none = { caFile: null, certFile: null, keyFile: null };
+      const none = { redisTlsCaFile: null, redisTlsCertFile: null, redisTlsKeyFile: null };
       const at = (name: string) => join(dir, name);
-      expect(readRedisTls({ ...none, caFile: at("ca.pem") })).toEqual({ ca: pem });
+      expect(readRedisTls({ ...none, redisTlsCaFile: at("ca.pem") })).toEqual({ ca: pem });
       expect(readRedisTls(none)).toEqual({});
-      expect(readRedisTls({ caFile: at("ca.pem"), certFile: at("ca.pem"), keyFile: at("key.pem") })).toEqual({
+      expect(
+        readRedisTls({
+          redisTlsCaFile: at("ca.pem"),
+          redisTlsCertFile: at("ca.pem"),
+          redisTlsKeyFile: at("key.pem"),
+        }),
+      ).toEqual({
         ca: pem,
         cert: pem,
         key,
       });
-      expect(readRedisTls({ ...none, certFile: at("ca.pem"), keyFile: at("rsa.pem") })).toEqual({
+      expect(
+        readRedisTls({ ...none, redisTlsCertFile: at("ca.pem"), redisTlsKeyFile: at("rsa.pem") }),
+      ).toEqual({
         cert: pem,
         key: rsaKey,
       });
-      expect(() => readRedisTls({ ...none, caFile: at("missing.pem") })).toThrow(
+      expect(() => readRedisTls({ ...none, redisTlsCaFile: at("missing.pem") })).toThrow(
         /^FLEET_REDIS_TLS_CA_FILE: cannot read ".*missing\.pem": ENOENT/,
       );
-      expect(() => readRedisTls({ ...none, caFile: at("key.pem") })).toThrow(
+      expect(() => readRedisTls({ ...none, redisTlsCaFile: at("key.pem") })).toThrow(
         /^FLEET_REDIS_TLS_CA_FILE: ".*key\.pem" holds no PEM certificate$/,
       );
-      expect(() => readRedisTls({ ...none, certFile: at("key.pem"), keyFile: at("key.pem") })).toThrow(
-        /^FLEET_REDIS_TLS_CERT_FILE: ".*key\.pem" holds no PEM certificate$/,
-      );
-      expect(() => readRedisTls({ ...none, certFile: at("ca.pem"), keyFile: at("ca.pem") })).toThrow(
-        /^FLEET_REDIS_TLS_KEY_FILE: ".*ca\.pem" holds no PEM private key$/,
-      );
+      expect(() =>
+        readRedisTls({ ...none, redisTlsCertFile: at("key.pem"), redisTlsKeyFile: at("key.pem") }),
+      ).toThrow(/^FLEET_REDIS_TLS_CERT_FILE: ".*key\.pem" holds no PEM certificate$/);
+      expect(() =>
+        readRedisTls({ ...none, redisTlsCertFile: at("ca.pem"), redisTlsKeyFile: at("ca.pem") }),
+      ).toThrow(/^FLEET_REDIS_TLS_KEY_FILE: ".*ca\.pem" holds no PEM private key$/);
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

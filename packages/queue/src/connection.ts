@@ -191,21 +191,20 @@ export interface RedisTls {
   key?: string;
 }
 
-/** The TLS files of the config, null where unset. */
-export interface RedisTlsFiles {
-  caFile: string | null;
-  certFile: string | null;
-  keyFile: string | null;
-}
-
 /**
  * The `RedisTls` of the config's files (`FLEET_REDIS_TLS_CA_FILE`, `FLEET_REDIS_TLS_CERT_FILE`,
- * `FLEET_REDIS_TLS_KEY_FILE`), read now: a file that cannot be read, or does not hold what it
- * should in PEM (a certificate; a private key), is refused, naming its variable.
+ * `FLEET_REDIS_TLS_KEY_FILE`; null where unset), read now: a file that cannot be read, or does
+ * not hold what it should in PEM (a certificate; a private key), is refused, naming its variable.
  */
-export function readRedisTls(files: RedisTlsFiles): RedisTls {
-  const read = (variable: string, file: string | null, holds: RegExp, what: string) => {
-    if (file === null) return undefined;
+export function readRedisTls(config: {
+  redisTlsCaFile: string | null;
+  redisTlsCertFile: string | null;
+  redisTlsKeyFile: string | null;
+}): RedisTls {
+  const certificate = { pattern: /-----BEGIN CERTIFICATE-----/, what: "certificate" };
+  const privateKey = { pattern: /-----BEGIN [A-Z ]*PRIVATE KEY-----/, what: "private key" };
+  const read = (field: keyof RedisTls, variable: string, file: string | null, holds: typeof certificate) => {
+    if (file === null) return {};
     let text: string;
     try {
       text = readFileSync(file, "utf8");
@@ -214,46 +213,20 @@ export function readRedisTls(files: RedisTlsFiles): RedisTls {
         `${variable}: cannot read ${JSON.stringify(file)}: ${err instanceof Error ? err.message : String(err)}`,
       );
     }
-    if (!holds.test(text)) throw new Error(`${variable}: ${JSON.stringify(file)} holds no PEM ${what}`);
-    return text;
+    if (!holds.pattern.test(text))
+      throw new Error(`${variable}: ${JSON.stringify(file)} holds no PEM ${holds.what}`);
+    return { [field]: text };
   };
-  const certificate = /-----BEGIN CERTIFICATE-----/;
-  const tls: RedisTls = {};
-  const ca = read("FLEET_REDIS_TLS_CA_FILE", files.caFile, certificate, "certificate");
-  const cert = read("FLEET_REDIS_TLS_CERT_FILE", files.certFile, certificate, "certificate");
-  const key = read(
-    "FLEET_REDIS_TLS_KEY_FILE",
-    files.keyFile,
-    /-----BEGIN [A-Z ]*PRIVATE KEY-----/,
-    "private key",
-  );
-  if (ca !== undefined) tls.ca = ca;
-  if (cert !== undefined) tls.cert = cert;
-  if (key !== undefined) tls.key = key;
-  return tls;
-}
-
-/** The TLS files a config names (its `redisTls*File` fields). */
-export function redisTlsFiles(config: {
-  redisTlsCaFile: string | null;
-  redisTlsCertFile: string | null;
-  redisTlsKeyFile: string | null;
-}): RedisTlsFiles {
   return {
-    caFile: config.redisTlsCaFile,
-    certFile: config.redisTlsCertFile,
-    keyFile: config.redisTlsKeyFile,
+    ...read("ca", "FLEET_REDIS_TLS_CA_FILE", config.redisTlsCaFile, certificate),
+    ...read("cert", "FLEET_REDIS_TLS_CERT_FILE", config.redisTlsCertFile, certificate),
+    ...read("key", "FLEET_REDIS_TLS_KEY_FILE", config.redisTlsKeyFile, privateKey),
   };
 }
 
 /** The URL's TLS options (`{}` where it speaks TLS, with what `tls` gives), or none for plain TCP. */
 function tlsOf(enabled: boolean, tls: RedisTls): ConnectionOptions | undefined {
-  if (!enabled) return undefined;
-  const options: ConnectionOptions = {};
-  if (tls.ca !== undefined) options.ca = tls.ca;
-  if (tls.cert !== undefined) options.cert = tls.cert;
-  if (tls.key !== undefined) options.key = tls.key;
-  return options;
+  return enabled ? { ...tls } : undefined;
 }
 
 /**

@@ -602,8 +602,8 @@ export async function killProcessesViaExec(
     const fenceBudgetMs = Math.min(options.quickMs ?? 30_000, FENCE_EXEC_MS);
     const fenceStarted = Date.now();
     for (let attempt = 1; attempt <= 2; attempt++) {
-      const deadlineMs = fenceBudgetMs - (Date.now() - fenceStarted);
-      if (attempt > 1 && deadlineMs < QUICK_RETRY_MIN_MS) break;
+      const deadlineMs = deadlineWithin(fenceBudgetMs, fenceStarted, attempt);
+      if (deadlineMs === null) break;
       try {
         const r = await exec(["sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
           deadlineMs,
@@ -631,14 +631,8 @@ export async function killProcessesViaExec(
   const withFence = (receipt: CleanupReceipt, seen: boolean): CleanupReceipt => {
     if (fenced === undefined) return receipt;
     if (fenced && seen) return { ...receipt, fenced: true };
-    if (fenced) {
-      return {
-        ...receipt,
-        fenced: false,
-        detail: `${receipt.detail ?? ""}; fence raised but not seen by root`,
-      };
-    }
-    return { ...receipt, fenced: false, detail: `${receipt.detail ?? ""}; fence not raised: ${unfencedWhy}` };
+    const why = fenced ? "fence raised but not seen by root" : `fence not raised: ${unfencedWhy}`;
+    return { ...receipt, fenced: false, detail: `${receipt.detail ?? ""}; ${why}` };
   };
   // A quick sweep (its caller has seconds) tries again only when it was killed as it ran, at
   // once (a signal, not its deadline): the reaper of the very tests it stops (the tests' runner
@@ -650,8 +644,9 @@ export async function killProcessesViaExec(
   const budgetMs = options.quickMs ?? 30_000;
   const started = Date.now();
   for (let attempt = 1; attempt <= attempts; attempt++) {
-    const deadlineMs = quick && attempt > 1 ? budgetMs - (Date.now() - started) : budgetMs;
-    if (quick && attempt > 1 && deadlineMs < QUICK_RETRY_MIN_MS) break;
+    // A slow sweep's tries each get the whole budget; a quick one's share it.
+    const deadlineMs = quick ? deadlineWithin(budgetMs, started, attempt) : budgetMs;
+    if (deadlineMs === null) break;
     try {
       const r = await exec(argv, {
         deadlineMs,
@@ -704,8 +699,19 @@ export async function killProcessesViaExec(
   );
 }
 
-/** A quick sweep killed as it ran tries again only with at least this much of its budget left. */
+/** A quick sweep killed as it ran (or a fence exec that failed) tries again only with at least this much of its budget left. */
 const QUICK_RETRY_MIN_MS = 250;
+
+/**
+ * The deadline of try `attempt` of an exec whose tries share one budget (`budgetMs`, from
+ * `started`): the first gets all of it; a later one what is left, or none (null) when that is
+ * under `QUICK_RETRY_MIN_MS`.
+ */
+function deadlineWithin(budgetMs: number, started: number, attempt: number): number | null {
+  if (attempt === 1) return budgetMs;
+  const left = budgetMs - (Date.now() - started);
+  return left < QUICK_RETRY_MIN_MS ? null : left;
+}
 
 /**
  * The bound of the exec that raises the verify fence before a root sweep (`killProcessesViaExec`

@@ -79,14 +79,14 @@ export function tlsServerArgs(
   ];
 }
 
-/** The TLS files of a fleet that trusts `certs`' CA and, with `client`, presents its client certificate. */
+/** The TLS files of a fleet (as its config names them) that trusts `certs`' CA and, with `client`, presents its client certificate. */
 export function fleetTlsFiles(
   certs: TestCertificates,
   options: { client?: boolean } = {},
-): { caFile: string; certFile: string | null; keyFile: string | null } {
+): { redisTlsCaFile: string; redisTlsCertFile: string | null; redisTlsKeyFile: string | null } {
   return {
-    caFile: certs.caFile,
-    certFile: options.client ? certs.clientCertFile : null,
-    keyFile: options.client ? certs.clientKeyFile : null,
+    redisTlsCaFile: certs.caFile,
+    redisTlsCertFile: options.client ? certs.clientCertFile : null,
+    redisTlsKeyFile: options.client ? certs.clientKeyFile : null,
   };
 }
