@@ -1,9 +1,14 @@
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
 import { freeLoopbackPort, LocalRedisServer } from "@fleet/queue";
-import { makeTestCertificates, tlsServerArgs } from "@fleet/queue/testing";
+import {
+  encryptTestKey,
+  makeTestCertificates,
+  type TestCertificates,
+  tlsServerArgs,
+} from "@fleet/queue/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -16,7 +21,8 @@ import { npmStart } from "./helpers/npm-app.ts";
  * Every app (dispatcher, the three stage workers, the janitor) as its own process against a Redis
  * that speaks TLS only on the port they are given, with a certificate a CA of the test's own
  * signed, and that asks them for a client certificate: `REDIS_URL=rediss://…`,
- * `FLEET_REDIS_TLS_CA_FILE` naming that CA, `FLEET_REDIS_TLS_CERT_FILE`/`_KEY_FILE` theirs.
+ * `FLEET_REDIS_TLS_CA_FILE` naming that CA, `FLEET_REDIS_TLS_CERT_FILE`/`_KEY_FILE` theirs, the
+ * key encrypted, its passphrase in `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`.
  */
 describe("the fleet on a Redis over TLS with a private CA and client certificates", () => {
   const prefix = testPrefix("tls");
@@ -25,11 +31,17 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
   let fleet: FleetProcesses | undefined;
   let suite: TaskContent[];
   let tlsPort = 0;
+  let certs: TestCertificates;
+  let encryptedKey = "";
+  const passphrase = "fleet test passphrase 7f3a";
+  const passphraseFile = join(dir, "passphrase");
   const ids: string[] = [];
 
   beforeAll(async () => {
     suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const certs = makeTestCertificates(dir);
+    certs = makeTestCertificates(dir);
+    encryptedKey = encryptTestKey(certs.clientKeyFile, join(dir, "client-encrypted.key"), passphrase);
+    writeFileSync(passphraseFile, `${passphrase}\n`);
     tlsPort = await freeLoopbackPort();
     // It asks every client for a certificate its CA signed (tls-auth-clients yes, Redis's default).
     redis = await LocalRedisServer.start({ dir, args: tlsServerArgs(certs, tlsPort, { authClients: true }) });
@@ -40,7 +52,8 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
       env: {
         FLEET_REDIS_TLS_CA_FILE: certs.caFile,
         FLEET_REDIS_TLS_CERT_FILE: certs.clientCertFile,
-        FLEET_REDIS_TLS_KEY_FILE: certs.clientKeyFile,
+        FLEET_REDIS_TLS_KEY_FILE: encryptedKey,
+        FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: passphraseFile,
         FLEET_JANITOR_INTERVAL_MS: "2000",
       },
     });
@@ -86,18 +99,41 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
     } finally {
       admin.disconnect();
     }
+    // Neither the passphrase nor the key it opens in any app's log.
+    const logs = readdirSync(join(dir, "logs")).map((f) => readFileSync(join(dir, "logs", f), "utf8"));
+    expect(logs.length).toBeGreaterThanOrEqual(5);
+    const keyBody = readFileSync(encryptedKey, "utf8").split("\n")[1]!;
+    for (const log of logs) {
+      expect(log).not.toContain(passphrase);
+      expect(log).not.toContain(keyBody);
+    }
   });
 
-  it("an app given a CA file it cannot read, or one holding no certificate, refuses to start, naming the variable", async () => {
-    for (const [file, said] of [
-      [join(dir, "missing.pem"), /FLEET_REDIS_TLS_CA_FILE: cannot read ".*missing\.pem": ENOENT/],
-      [join(dir, "server.key"), /FLEET_REDIS_TLS_CA_FILE: ".*server\.key" holds no PEM certificate/],
+  it("an app given a CA file it cannot read or holding no certificate, a key not its certificate's, or an encrypted key without its passphrase, refuses to start, naming the variable", async () => {
+    const client = { FLEET_REDIS_TLS_CERT_FILE: certs.clientCertFile };
+    for (const [env, said] of [
+      [
+        { FLEET_REDIS_TLS_CA_FILE: join(dir, "missing.pem") },
+        /FLEET_REDIS_TLS_CA_FILE: cannot read ".*missing\.pem": ENOENT/,
+      ],
+      [
+        { FLEET_REDIS_TLS_CA_FILE: join(dir, "server.key") },
+        /FLEET_REDIS_TLS_CA_FILE: ".*server\.key" holds no PEM certificate/,
+      ],
+      [
+        { ...client, FLEET_REDIS_TLS_KEY_FILE: certs.keyFile },
+        /FLEET_REDIS_TLS_KEY_FILE: the key in ".*server\.key" is not the key of the certificate in ".*client\.crt"/,
+      ],
+      [
+        { ...client, FLEET_REDIS_TLS_KEY_FILE: encryptedKey },
+        /FLEET_REDIS_TLS_KEY_FILE: ".*client-encrypted\.key" is encrypted: name a file holding its passphrase in FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE/,
+      ],
     ] as const) {
       for (const workspace of ["@fleet/dispatcher", "@fleet/janitor"]) {
         const { npm, output } = npmStart(workspace, {
           REDIS_URL: `rediss://127.0.0.1:${tlsPort}`,
           FLEET_PREFIX: prefix,
-          FLEET_REDIS_TLS_CA_FILE: file,
+          ...env,
           FLEET_HTTP_PORT: "0",
         });
         const code = await new Promise<number | null>((resolve) => npm.once("exit", resolve));

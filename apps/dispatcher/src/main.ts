@@ -5,6 +5,7 @@ import {
   logConnectionOutages,
   RolloutStore,
   readRedisTls,
+  redisTlsSecrets,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -25,7 +26,13 @@ import { createServer } from "./server.ts";
  */
 async function main(): Promise<void> {
   const config = parseConfig(DispatcherConfig, process.env);
-  const logger = createLogger({ name: "dispatcher", level: config.logLevel });
+  const tls = readRedisTls(config);
+  // The Redis TLS key and its passphrase: scrubbed from every line, should any ever carry them.
+  const logger = createLogger({
+    name: "dispatcher",
+    level: config.logLevel,
+    secrets: new Set(redisTlsSecrets(tls)),
+  });
   // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
   warnUnknownVariables(process.env, logger);
   // A port fetch refuses (6000, 10080, ...): curl works, the CLI (which refuses such a URL) and a browser never will.
@@ -35,7 +42,7 @@ async function main(): Promise<void> {
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down
   // (→ 503) instead of waiting for it: at once once it has been up (`failFastOnceReady`), after
   // two reconnect attempts before that.
-  const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 }, readRedisTls(config));
+  const redis = connectRedis(config.redisUrl, { maxRetriesPerRequest: 2 }, tls);
   failFastOnceReady(redis);
   logConnectionOutages(redis, logger);
   // Redis not up yet (started beside it, restarting): wait for it, as the workers do, saying so;

@@ -25,6 +25,7 @@ describe("DispatcherConfig", () => {
       redisTlsCaFile: null,
       redisTlsCertFile: null,
       redisTlsKeyFile: null,
+      redisTlsKeyPassphraseFile: null,
       httpPort: 8080,
       httpHost: "127.0.0.1",
       apiTokens: { tokens: [], adminTokens: [] },
@@ -64,6 +65,7 @@ describe("DispatcherConfig", () => {
       redisTlsCaFile: "/etc/fleet/redis-ca.pem",
       redisTlsCertFile: "/etc/fleet/client.pem",
       redisTlsKeyFile: "/etc/fleet/client.key",
+      redisTlsKeyPassphraseFile: null,
       httpPort: 0,
       httpHost: "0.0.0.0",
       apiTokens: { tokens: ["t1", "boss"], adminTokens: ["boss"] },
@@ -186,7 +188,33 @@ describe("DispatcherConfig", () => {
         FLEET_REDIS_TLS_CERT_FILE: "/c",
         FLEET_REDIS_TLS_KEY_FILE: "/k",
       }),
-    ).toMatchObject({ redisTlsCertFile: "/c", redisTlsKeyFile: "/k", redisTlsCaFile: null });
+    ).toMatchObject({
+      redisTlsCertFile: "/c",
+      redisTlsKeyFile: "/k",
+      redisTlsCaFile: null,
+      redisTlsKeyPassphraseFile: null,
+    });
+    // An encrypted key's passphrase file: with the key, over TLS; never alone, never over plain TCP.
+    expect(
+      parseConfig(JanitorConfig, {
+        REDIS_URL: "rediss://r",
+        FLEET_REDIS_TLS_CERT_FILE: "/c",
+        FLEET_REDIS_TLS_KEY_FILE: "/k",
+        FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: "/p",
+      }).redisTlsKeyPassphraseFile,
+    ).toBe("/p");
+    expect(
+      errorOf(() =>
+        parseWorkerConfig("agent", { REDIS_URL: "rediss://r", FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: "/p" }),
+      ).message,
+    ).toContain(
+      "FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: is set without FLEET_REDIS_TLS_KEY_FILE, the encrypted key it opens",
+    );
+    expect(
+      errorOf(() =>
+        parseConfig(DispatcherConfig, { ...plainMtls, FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: "/p" }),
+      ).message,
+    ).toContain("FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: is set, but REDIS_URL speaks no TLS");
     // Unset (or empty) with a plain URL: nothing to say.
     expect(
       parseConfig(JanitorConfig, { REDIS_URL: "redis://r", FLEET_REDIS_TLS_CA_FILE: "" }).redisTlsCaFile,

@@ -94,6 +94,11 @@ const common = {
    */
   FLEET_REDIS_TLS_CERT_FILE: z.string().trim().optional(),
   FLEET_REDIS_TLS_KEY_FILE: z.string().trim().optional(),
+  /**
+   * For an encrypted FLEET_REDIS_TLS_KEY_FILE: a file whose first line is its passphrase (as
+   * openssl's `-passin file:`). Read at start.
+   */
+  FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: z.string().trim().optional(),
 };
 
 const sandbox = {
@@ -156,6 +161,7 @@ function redisTlsNeedsTls(
     FLEET_REDIS_TLS_CA_FILE?: string | undefined;
     FLEET_REDIS_TLS_CERT_FILE?: string | undefined;
     FLEET_REDIS_TLS_KEY_FILE?: string | undefined;
+    FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE?: string | undefined;
   },
   ctx: z.RefinementCtx,
 ): void {
@@ -164,6 +170,7 @@ function redisTlsNeedsTls(
     "FLEET_REDIS_TLS_CA_FILE",
     "FLEET_REDIS_TLS_CERT_FILE",
     "FLEET_REDIS_TLS_KEY_FILE",
+    "FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE",
   ] as const) {
     if (e[name] && !tls) {
       ctx.addIssue({
@@ -183,6 +190,14 @@ function redisTlsNeedsTls(
         "must be set with the other: FLEET_REDIS_TLS_CERT_FILE and FLEET_REDIS_TLS_KEY_FILE go together",
     });
   }
+  // A passphrase with no key to open.
+  if (e.FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE && !e.FLEET_REDIS_TLS_KEY_FILE) {
+    ctx.addIssue({
+      code: "custom",
+      path: ["FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE"],
+      message: "is set without FLEET_REDIS_TLS_KEY_FILE, the encrypted key it opens",
+    });
+  }
 }
 
 function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
@@ -197,6 +212,7 @@ function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
     redisTlsCaFile: e.FLEET_REDIS_TLS_CA_FILE || null,
     redisTlsCertFile: e.FLEET_REDIS_TLS_CERT_FILE || null,
     redisTlsKeyFile: e.FLEET_REDIS_TLS_KEY_FILE || null,
+    redisTlsKeyPassphraseFile: e.FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE || null,
   };
 }
 

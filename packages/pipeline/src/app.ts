@@ -13,6 +13,7 @@ import {
   logConnectionOutages,
   RolloutStore,
   readRedisTls,
+  redisTlsSecrets,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -60,6 +61,7 @@ interface Common {
   /** `FLEET_REDIS_TLS_CERT_FILE` / `FLEET_REDIS_TLS_KEY_FILE`: the client certificate presented to a Redis over TLS, and its key. */
   redisTlsCertFile: string | null;
   redisTlsKeyFile: string | null;
+  redisTlsKeyPassphraseFile: string | null;
   prefix: string;
   logLevel: string;
   shutdownTimeoutMs: number;
@@ -73,14 +75,16 @@ interface Common {
 }
 
 async function buildDeps(app: string, config: Common, workerId: string, env: Env) {
-  // Credential values this worker resolved: the logger scrubs them from every line.
+  // Credential values this worker resolved, and its Redis TLS key: the logger scrubs them from every line.
   const knownSecrets = new Set<string>();
   const logger = createLogger({ name: app, level: config.logLevel as "info", secrets: knownSecrets });
   // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
   warnUnknownVariables(env, logger);
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
-  const redis = connectRedis(config.redisUrl, {}, readRedisTls(config));
+  const tls = readRedisTls(config);
+  for (const secret of redisTlsSecrets(tls)) knownSecrets.add(secret);
+  const redis = connectRedis(config.redisUrl, {}, tls);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);
   // Redis not up yet: wait for it, saying so (the dispatcher too); a Redis that is not safe for

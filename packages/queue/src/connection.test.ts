@@ -1,6 +1,7 @@
-import { mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { createSecureContext, type SecureContextOptions } from "node:tls";
 import { type Cluster, ReplyError } from "ioredis";
 import { describe, expect, it } from "vitest";
 import {
@@ -10,7 +11,9 @@ import {
   parseSentinelUrl,
   readRedisTls,
   reconnectOnReadOnly,
+  redisTlsSecrets,
 } from "./connection.ts";
+import { encryptTestKey, fleetTlsFiles, makeTestCertificates } from "./testing/tls.ts";
 
 describe("reconnectOnReadOnly", () => {
   it.each([
@@ -237,45 +240,118 @@ describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FIL
   it("readRedisTls reads the TLS files, refusing one it cannot read or that holds no PEM of its kind, naming its variable", () => {
     const dir = mkdtempSync(join(tmpdir(), "fleet-ca-"));
     try {
-      const pem = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
-      const key = "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n";
-      const rsaKey = "-----BEGIN RSA PRIVATE KEY-----\nMIIE\n-----END RSA PRIVATE KEY-----\n";
-      writeFileSync(join(dir, "ca.pem"), pem);
-      writeFileSync(join(dir, "key.pem"), key);
-      writeFileSync(join(dir, "rsa.pem"), rsaKey);
+      const certs = makeTestCertificates(dir);
+      const text = (file: string) => readFileSync(file, "utf8");
+      const at = (name: string, content: string) => {
+        writeFileSync(join(dir, name), content);
+        return join(dir, name);
+      };
       const none = { redisTlsCaFile: null, redisTlsCertFile: null, redisTlsKeyFile: null };
-      const at = (name: string) => join(dir, name);
-      expect(readRedisTls({ ...none, redisTlsCaFile: at("ca.pem") })).toEqual({ ca: pem });
+      expect(readRedisTls({ ...none, redisTlsCaFile: certs.caFile })).toEqual({ ca: certs.ca });
       expect(readRedisTls(none)).toEqual({});
-      expect(
-        readRedisTls({
-          redisTlsCaFile: at("ca.pem"),
-          redisTlsCertFile: at("ca.pem"),
-          redisTlsKeyFile: at("key.pem"),
-        }),
-      ).toEqual({
-        ca: pem,
-        cert: pem,
-        key,
+      expect(readRedisTls(fleetTlsFiles(certs, { client: true }))).toEqual({
+        ca: certs.ca,
+        cert: text(certs.clientCertFile),
+        key: text(certs.clientKeyFile),
       });
-      expect(
-        readRedisTls({ ...none, redisTlsCertFile: at("ca.pem"), redisTlsKeyFile: at("rsa.pem") }),
-      ).toEqual({
-        cert: pem,
-        key: rsaKey,
-      });
-      expect(() => readRedisTls({ ...none, redisTlsCaFile: at("missing.pem") })).toThrow(
+      // A bundle of CAs, each one read.
+      const bundle = at("bundle.pem", certs.ca + text(certs.certFile));
+      expect(readRedisTls({ ...none, redisTlsCaFile: bundle }).ca).toBe(text(bundle));
+      expect(() => readRedisTls({ ...none, redisTlsCaFile: join(dir, "missing.pem") })).toThrow(
         /^FLEET_REDIS_TLS_CA_FILE: cannot read ".*missing\.pem": ENOENT/,
       );
-      expect(() => readRedisTls({ ...none, redisTlsCaFile: at("key.pem") })).toThrow(
-        /^FLEET_REDIS_TLS_CA_FILE: ".*key\.pem" holds no PEM certificate$/,
+      expect(() => readRedisTls({ ...none, redisTlsCaFile: certs.clientKeyFile })).toThrow(
+        /^FLEET_REDIS_TLS_CA_FILE: ".*client\.key" holds no PEM certificate$/,
       );
-      expect(() =>
-        readRedisTls({ ...none, redisTlsCertFile: at("key.pem"), redisTlsKeyFile: at("key.pem") }),
-      ).toThrow(/^FLEET_REDIS_TLS_CERT_FILE: ".*key\.pem" holds no PEM certificate$/);
-      expect(() =>
-        readRedisTls({ ...none, redisTlsCertFile: at("ca.pem"), redisTlsKeyFile: at("ca.pem") }),
-      ).toThrow(/^FLEET_REDIS_TLS_KEY_FILE: ".*ca\.pem" holds no PEM private key$/);
+      const cut = "-----BEGIN CERTIFICATE-----\nMIIB\n-----END CERTIFICATE-----\n";
+      expect(() => readRedisTls({ ...none, redisTlsCaFile: at("cut.pem", cut) })).toThrow(
+        /^FLEET_REDIS_TLS_CA_FILE: ".*cut\.pem": its certificate cannot be read: /,
+      );
+      expect(() => readRedisTls({ ...none, redisTlsCaFile: at("half.pem", certs.ca + cut) })).toThrow(
+        /^FLEET_REDIS_TLS_CA_FILE: ".*half\.pem": certificate 2 of 2 cannot be read: /,
+      );
+      const client = {
+        ...none,
+        redisTlsCertFile: certs.clientCertFile,
+        redisTlsKeyFile: certs.clientKeyFile,
+      };
+      expect(() => readRedisTls({ ...client, redisTlsCertFile: certs.clientKeyFile })).toThrow(
+        /^FLEET_REDIS_TLS_CERT_FILE: ".*client\.key" holds no PEM certificate$/,
+      );
+      expect(() => readRedisTls({ ...client, redisTlsKeyFile: certs.caFile })).toThrow(
+        /^FLEET_REDIS_TLS_KEY_FILE: ".*ca\.crt" holds no PEM private key$/,
+      );
+      const badKey = at("bad.key", "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----\n");
+      expect(() => readRedisTls({ ...client, redisTlsKeyFile: badKey })).toThrow(
+        /^FLEET_REDIS_TLS_KEY_FILE: ".*bad\.key": its private key cannot be read: /,
+      );
+      // Another certificate's key: every connection would fail in OpenSSL ("key values mismatch").
+      expect(() => readRedisTls({ ...client, redisTlsKeyFile: certs.keyFile })).toThrow(
+        /^FLEET_REDIS_TLS_KEY_FILE: the key in ".*server\.key" is not the key of the certificate in ".*client\.crt" \(FLEET_REDIS_TLS_CERT_FILE\)$/,
+      );
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("an encrypted key opens with FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE's first line; without it, or with a wrong one, the start is refused; both are secrets", () => {
+    const dir = mkdtempSync(join(tmpdir(), "fleet-key-"));
+    try {
+      const certs = makeTestCertificates(dir);
+      const client = {
+        redisTlsCaFile: null,
+        redisTlsCertFile: certs.clientCertFile,
+        redisTlsKeyFile: certs.clientKeyFile,
+      };
+      const at = (name: string, content: string) => {
+        writeFileSync(join(dir, name), content);
+        return join(dir, name);
+      };
+      const passphrase = at("passphrase", "correct horse battery\r\nsecond line\n");
+      const empty = at("empty", "\nhunter2\n");
+      const wrong = at("wrong", "hunter2\n");
+      for (const traditional of [false, true]) {
+        const encrypted = encryptTestKey(
+          certs.clientKeyFile,
+          join(dir, `client-${traditional}.key`),
+          "correct horse battery",
+          { traditional },
+        );
+        expect(readFileSync(encrypted, "utf8")).toMatch(
+          traditional ? /Proc-Type: 4,ENCRYPTED/ : /ENCRYPTED PRIVATE KEY/,
+        );
+        const tls = readRedisTls({
+          ...client,
+          redisTlsKeyFile: encrypted,
+          redisTlsKeyPassphraseFile: passphrase,
+        });
+        expect(tls).toEqual({
+          cert: readFileSync(certs.clientCertFile, "utf8"),
+          key: readFileSync(encrypted, "utf8"),
+          passphrase: "correct horse battery",
+        });
+        // What ioredis hands to tls.connect: the key opens with it.
+        const redis = createRedis("rediss://127.0.0.1:1", { lazyConnect: true }, tls);
+        expect(createSecureContext(redis.options.tls as SecureContextOptions)).toBeDefined();
+        redis.disconnect();
+        expect(redisTlsSecrets(tls)).toEqual([tls.key, "correct horse battery"]);
+        expect(() => readRedisTls({ ...client, redisTlsKeyFile: encrypted })).toThrow(
+          /^FLEET_REDIS_TLS_KEY_FILE: ".*\.key" is encrypted: name a file holding its passphrase in FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE$/,
+        );
+        expect(() =>
+          readRedisTls({ ...client, redisTlsKeyFile: encrypted, redisTlsKeyPassphraseFile: wrong }),
+        ).toThrow(
+          /^FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: the passphrase in ".*wrong" does not open the key in ".*\.key" \(FLEET_REDIS_TLS_KEY_FILE\)$/,
+        );
+        expect(() =>
+          readRedisTls({ ...client, redisTlsKeyFile: encrypted, redisTlsKeyPassphraseFile: empty }),
+        ).toThrow(/^FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: ".*empty" has an empty first line/);
+      }
+      // A key in the clear needs none (one given is not used to open it, but is still a secret).
+      expect(redisTlsSecrets(readRedisTls(client))).toEqual([readFileSync(certs.clientKeyFile, "utf8")]);
+      expect(
+        redisTlsSecrets(readRedisTls({ ...client, redisTlsCertFile: null, redisTlsKeyFile: null })),
+      ).toEqual([]);
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

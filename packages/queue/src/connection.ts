@@ -1,3 +1,4 @@
+import { createPrivateKey, type KeyObject, X509Certificate } from "node:crypto";
 import { readFileSync } from "node:fs";
 import type { ConnectionOptions } from "node:tls";
 import { Cluster, type ClusterNode, Redis, type RedisOptions } from "ioredis";
@@ -189,39 +190,104 @@ export interface RedisTls {
   cert?: string;
   /** Its private key (PEM, `FLEET_REDIS_TLS_KEY_FILE`). */
   key?: string;
+  /** The key's passphrase, when it is encrypted (`FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`). */
+  passphrase?: string;
 }
 
-/**
- * The `RedisTls` of the config's files (`FLEET_REDIS_TLS_CA_FILE`, `FLEET_REDIS_TLS_CERT_FILE`,
- * `FLEET_REDIS_TLS_KEY_FILE`; null where unset), read now: a file that cannot be read, or does
- * not hold what it should in PEM (a certificate; a private key), is refused, naming its variable.
- */
-export function readRedisTls(config: {
+/** The config's TLS files for Redis (null where unset). */
+export interface RedisTlsFiles {
   redisTlsCaFile: string | null;
   redisTlsCertFile: string | null;
   redisTlsKeyFile: string | null;
-}): RedisTls {
-  const certificate = { pattern: /-----BEGIN CERTIFICATE-----/, what: "certificate" };
-  const privateKey = { pattern: /-----BEGIN [A-Z ]*PRIVATE KEY-----/, what: "private key" };
-  const read = (field: keyof RedisTls, variable: string, file: string | null, holds: typeof certificate) => {
-    if (file === null) return {};
-    let text: string;
+  redisTlsKeyPassphraseFile?: string | null;
+}
+
+const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[\s\S]*?-----END CERTIFICATE-----/g;
+const PEM_ENCRYPTED_KEY = /-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type: 4,ENCRYPTED/;
+
+/**
+ * The `RedisTls` of the config's files (`FLEET_REDIS_TLS_CA_FILE`, `FLEET_REDIS_TLS_CERT_FILE`,
+ * `FLEET_REDIS_TLS_KEY_FILE`, `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`), read and checked now, so
+ * that a wrong file stops the start with its name rather than every connection with an
+ * OpenSSL code: a file that cannot be read; a certificate file with no certificate, or one that
+ * does not parse; a key that does not parse, is encrypted with no passphrase given, or does not
+ * open with the one given; a key that is not the certificate's. The passphrase is its file's
+ * first line (as openssl's `-passin file:`).
+ */
+export function readRedisTls(config: RedisTlsFiles): RedisTls {
+  const read = (variable: string, file: string): string => {
     try {
-      text = readFileSync(file, "utf8");
+      return readFileSync(file, "utf8");
     } catch (err) {
-      throw new Error(
-        `${variable}: cannot read ${JSON.stringify(file)}: ${err instanceof Error ? err.message : String(err)}`,
-      );
+      throw new Error(`${variable}: cannot read ${JSON.stringify(file)}: ${messageOf(err)}`);
     }
-    if (!holds.pattern.test(text))
-      throw new Error(`${variable}: ${JSON.stringify(file)} holds no PEM ${holds.what}`);
-    return { [field]: text };
   };
-  return {
-    ...read("ca", "FLEET_REDIS_TLS_CA_FILE", config.redisTlsCaFile, certificate),
-    ...read("cert", "FLEET_REDIS_TLS_CERT_FILE", config.redisTlsCertFile, certificate),
-    ...read("key", "FLEET_REDIS_TLS_KEY_FILE", config.redisTlsKeyFile, privateKey),
+  const certificates = (variable: string, file: string | null) => {
+    if (file === null) return null;
+    const text = read(variable, file);
+    const blocks = text.match(PEM_CERTIFICATE) ?? [];
+    if (blocks.length === 0) throw new Error(`${variable}: ${JSON.stringify(file)} holds no PEM certificate`);
+    const parsed = blocks.map((block, i) => {
+      try {
+        return new X509Certificate(block);
+      } catch (err) {
+        const which = blocks.length > 1 ? `certificate ${i + 1} of ${blocks.length}` : "its certificate";
+        throw new Error(`${variable}: ${JSON.stringify(file)}: ${which} cannot be read: ${messageOf(err)}`);
+      }
+    });
+    return { text, first: parsed[0]! };
   };
+  const ca = certificates("FLEET_REDIS_TLS_CA_FILE", config.redisTlsCaFile);
+  const cert = certificates("FLEET_REDIS_TLS_CERT_FILE", config.redisTlsCertFile);
+  const tls: RedisTls = {};
+  if (ca) tls.ca = ca.text;
+  if (cert) tls.cert = cert.text;
+  const keyFile = config.redisTlsKeyFile;
+  if (keyFile === null) return tls;
+  const key = read("FLEET_REDIS_TLS_KEY_FILE", keyFile);
+  if (!/-----BEGIN [A-Z ]*PRIVATE KEY-----/.test(key))
+    throw new Error(`FLEET_REDIS_TLS_KEY_FILE: ${JSON.stringify(keyFile)} holds no PEM private key`);
+  tls.key = key;
+  const passphraseFile = config.redisTlsKeyPassphraseFile ?? null;
+  if (passphraseFile !== null) {
+    const passphrase = read("FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE", passphraseFile).split(/\r?\n/)[0]!;
+    if (passphrase === "")
+      throw new Error(
+        `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: ${JSON.stringify(passphraseFile)} has an empty first line (the passphrase)`,
+      );
+    tls.passphrase = passphrase;
+  }
+  let keyObject: KeyObject;
+  try {
+    keyObject = createPrivateKey({ key, format: "pem", passphrase: tls.passphrase ?? "" });
+  } catch (err) {
+    if (!PEM_ENCRYPTED_KEY.test(key))
+      throw new Error(
+        `FLEET_REDIS_TLS_KEY_FILE: ${JSON.stringify(keyFile)}: its private key cannot be read: ${messageOf(err)}`,
+      );
+    throw new Error(
+      tls.passphrase === undefined
+        ? `FLEET_REDIS_TLS_KEY_FILE: ${JSON.stringify(keyFile)} is encrypted: name a file holding its passphrase in FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`
+        : `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: the passphrase in ${JSON.stringify(passphraseFile)} does not open the key in ${JSON.stringify(keyFile)} (FLEET_REDIS_TLS_KEY_FILE)`,
+    );
+  }
+  if (cert && !cert.first.checkPrivateKey(keyObject))
+    throw new Error(
+      `FLEET_REDIS_TLS_KEY_FILE: the key in ${JSON.stringify(keyFile)} is not the key of the certificate in ${JSON.stringify(config.redisTlsCertFile)} (FLEET_REDIS_TLS_CERT_FILE)`,
+    );
+  return tls;
+}
+
+function messageOf(err: unknown): string {
+  return err instanceof Error ? err.message : String(err);
+}
+
+/**
+ * What of `tls` must never be written anywhere (the client key and its passphrase): for a
+ * logger's secret scrubber.
+ */
+export function redisTlsSecrets(tls: RedisTls): string[] {
+  return [tls.key, tls.passphrase].filter((value): value is string => value !== undefined && value !== "");
 }
 
 /** The URL's TLS options (`{}` where it speaks TLS, with what `tls` gives), or none for plain TCP. */

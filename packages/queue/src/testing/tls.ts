@@ -90,3 +90,23 @@ export function fleetTlsFiles(
     redisTlsKeyFile: options.client ? certs.clientKeyFile : null,
   };
 }
+
+/**
+ * `keyFile`'s key encrypted with `passphrase` (AES-256) into `outFile`, as PKCS#8
+ * (`BEGIN ENCRYPTED PRIVATE KEY`) or, with `traditional`, OpenSSL's older form
+ * (`Proc-Type: 4,ENCRYPTED`); with `openssl` on PATH.
+ */
+export function encryptTestKey(
+  keyFile: string,
+  outFile: string,
+  passphrase: string,
+  options: { traditional?: boolean } = {},
+): string {
+  const args = options.traditional
+    ? ["rsa", "-traditional", "-aes256"]
+    : ["pkcs8", "-topk8", "-v2", "aes256"];
+  execFileSync("openssl", [...args, "-in", keyFile, "-passout", `pass:${passphrase}`, "-out", outFile], {
+    stdio: ["ignore", "ignore", "pipe"],
+  });
+  return outFile;
+}
