@@ -1,18 +1,16 @@
 import { DispatcherConfig, parseConfig, warnFetchBlockedPort, warnUnknownVariables } from "@fleet/config";
 import {
   connectRedis,
+  createAppLogging,
   failFastOnceReady,
   logConnectionOutages,
   RolloutStore,
-  readRedisTls,
-  redisTlsSecrets,
   StageQueues,
   TeardownLedger,
   waitForRedis,
 } from "@fleet/queue";
 import {
   createFleetMetrics,
-  createLogger,
   createMetricsRegistry,
   isRepeatedSignal,
   onStartFailure,
@@ -26,13 +24,8 @@ import { createServer } from "./server.ts";
  */
 async function main(): Promise<void> {
   const config = parseConfig(DispatcherConfig, process.env);
-  const tls = readRedisTls(config);
-  // The Redis TLS key and its passphrase: scrubbed from every line, should any ever carry them.
-  const logger = createLogger({
-    name: "dispatcher",
-    level: config.logLevel,
-    secrets: new Set(redisTlsSecrets(tls)),
-  });
+  // Its Redis TLS files read and checked; the key and passphrase scrubbed from every line.
+  const { logger, tls } = createAppLogging({ name: "dispatcher", level: config.logLevel }, config);
   // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
   warnUnknownVariables(process.env, logger);
   // A port fetch refuses (6000, 10080, ...): curl works, the CLI (which refuses such a URL) and a browser never will.

@@ -10,10 +10,9 @@ import {
 import { FailureKind, type StageName } from "@fleet/contracts";
 import {
   connectRedis,
+  createAppLogging,
   logConnectionOutages,
   RolloutStore,
-  readRedisTls,
-  redisTlsSecrets,
   StageQueues,
   TeardownLedger,
   waitForRedis,
@@ -21,7 +20,6 @@ import {
 import { createSandboxProvider, DockerGatewayNetworks, dockerConnectionFromEnv } from "@fleet/sandbox";
 import {
   createFleetMetrics,
-  createLogger,
   createMetricsRegistry,
   isRepeatedSignal,
   portInUse,
@@ -75,15 +73,17 @@ interface Common {
 }
 
 async function buildDeps(app: string, config: Common, workerId: string, env: Env) {
-  // Credential values this worker resolved, and its Redis TLS key: the logger scrubs them from every line.
-  const knownSecrets = new Set<string>();
-  const logger = createLogger({ name: app, level: config.logLevel as "info", secrets: knownSecrets });
+  // Its Redis TLS key and passphrase, and the credential values this worker resolves: the logger
+  // scrubs them from every line.
+  const {
+    logger,
+    secrets: knownSecrets,
+    tls,
+  } = createAppLogging({ name: app, level: config.logLevel as "info" }, config);
   // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
   warnUnknownVariables(env, logger);
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
-  const tls = readRedisTls(config);
-  for (const secret of redisTlsSecrets(tls)) knownSecrets.add(secret);
   const redis = connectRedis(config.redisUrl, {}, tls);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);

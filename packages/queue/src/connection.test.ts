@@ -1,3 +1,4 @@
+import { execFileSync } from "node:child_process";
 import { mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -5,13 +6,16 @@ import { createSecureContext, type SecureContextOptions } from "node:tls";
 import { type Cluster, ReplyError } from "ioredis";
 import { describe, expect, it } from "vitest";
 import {
+  connectionErrorFields,
   connectRedis,
+  createAppLogging,
   createRedis,
   parseClusterUrl,
   parseSentinelUrl,
   readRedisTls,
   reconnectOnReadOnly,
   redisTlsSecrets,
+  tlsFailureHint,
 } from "./connection.ts";
 import { encryptTestKey, fleetTlsFiles, makeTestCertificates } from "./testing/tls.ts";
 
@@ -285,6 +289,17 @@ describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FIL
       expect(() => readRedisTls({ ...client, redisTlsKeyFile: badKey })).toThrow(
         /^FLEET_REDIS_TLS_KEY_FILE: ".*bad\.key": its private key cannot be read: /,
       );
+      // Expired: Redis would reset every handshake.
+      execFileSync(
+        "openssl",
+        // biome-ignore format: one flag per pair
+        ["x509", "-req", "-in", join(dir, "client.csr"), "-CA", certs.caFile, "-CAkey", join(dir, "ca.key"),
+          "-CAcreateserial", "-days", "-1", "-out", join(dir, "expired.crt")],
+        { stdio: "ignore" },
+      );
+      expect(() => readRedisTls({ ...client, redisTlsCertFile: join(dir, "expired.crt") })).toThrow(
+        /^FLEET_REDIS_TLS_CERT_FILE: the certificate in ".*expired\.crt" expired on \d{4}-\d\d-\d\dT/,
+      );
       // Another certificate's key: every connection would fail in OpenSSL ("key values mismatch").
       expect(() => readRedisTls({ ...client, redisTlsKeyFile: certs.keyFile })).toThrow(
         /^FLEET_REDIS_TLS_KEY_FILE: the key in ".*server\.key" is not the key of the certificate in ".*client\.crt" \(FLEET_REDIS_TLS_CERT_FILE\)$/,
@@ -292,6 +307,69 @@ describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FIL
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }
+  });
+
+  it("createAppLogging: the TLS files read, and a logger that scrubs their key and passphrase from every line", () => {
+    const dir = mkdtempSync(join(tmpdir(), "fleet-logging-"));
+    try {
+      const certs = makeTestCertificates(dir);
+      const passphrase = "a passphrase long enough";
+      const key = encryptTestKey(certs.clientKeyFile, join(dir, "encrypted.key"), passphrase);
+      writeFileSync(join(dir, "passphrase"), `${passphrase}\n`);
+      const lines: string[] = [];
+      const { logger, secrets, tls } = createAppLogging(
+        { name: "test", level: "info", destination: { write: (line: string) => lines.push(line) } },
+        {
+          redisTlsCaFile: certs.caFile,
+          redisTlsCertFile: certs.clientCertFile,
+          redisTlsKeyFile: key,
+          redisTlsKeyPassphraseFile: join(dir, "passphrase"),
+        },
+      );
+      expect(tls).toMatchObject({ ca: certs.ca, passphrase, key: readFileSync(key, "utf8") });
+      expect([...secrets]).toEqual(redisTlsSecrets(tls));
+      const keyLine = tls.key!.split("\n")[3]!;
+      logger.warn({ err: `could not open it with ${passphrase}` }, `the key: ${keyLine}`);
+      secrets.add("a credential resolved later");
+      logger.info("a credential resolved later");
+      expect(lines).toHaveLength(2);
+      expect(lines.join("")).not.toContain(passphrase);
+      expect(lines.join("")).not.toContain(keyLine.slice(0, 20));
+      expect(lines.join("")).not.toContain("a credential resolved later");
+      expect(JSON.parse(lines[0]!)).toMatchObject({ err: "could not open it with [Redacted]" });
+      // A bad file stops it before any logger exists.
+      expect(() =>
+        createAppLogging(
+          { name: "test" },
+          { redisTlsCaFile: null, redisTlsCertFile: certs.clientCertFile, redisTlsKeyFile: key },
+        ),
+      ).toThrow(/is encrypted/);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("tlsFailureHint: a failed TLS handshake (trust, name, client certificate) gets a hint; other errors none", () => {
+    const withCode = (code: string) => Object.assign(new Error(code), { code });
+    for (const code of [
+      "ERR_SSL_TLSV13_ALERT_CERTIFICATE_REQUIRED",
+      "ERR_SSL_TLSV1_ALERT_DECRYPT_ERROR",
+      "SELF_SIGNED_CERT_IN_CHAIN",
+      "DEPTH_ZERO_SELF_SIGNED_CERT",
+      "UNABLE_TO_VERIFY_LEAF_SIGNATURE",
+      "CERT_HAS_EXPIRED",
+      "ERR_TLS_CERT_ALTNAME_INVALID",
+    ]) {
+      expect(tlsFailureHint(withCode(code)), code).toMatch(/^the TLS handshake with Redis failed: check /);
+      expect(connectionErrorFields(withCode(code))).toEqual({
+        err: code,
+        hint: tlsFailureHint(withCode(code)),
+      });
+    }
+    for (const err of [withCode("ECONNREFUSED"), withCode("ECONNRESET"), new Error("NOAUTH"), null, "x"]) {
+      expect(tlsFailureHint(err)).toBeNull();
+    }
+    expect(connectionErrorFields(withCode("ECONNREFUSED"))).toEqual({ err: "ECONNREFUSED" });
   });
 
   it("an encrypted key opens with FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE's first line; without it, or with a wrong one, the start is refused; both are secrets", () => {
@@ -347,11 +425,43 @@ describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FIL
           readRedisTls({ ...client, redisTlsKeyFile: encrypted, redisTlsKeyPassphraseFile: empty }),
         ).toThrow(/^FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: ".*empty" has an empty first line/);
       }
-      // A key in the clear needs none (one given is not used to open it, but is still a secret).
+      // A key in the clear needs none.
       expect(redisTlsSecrets(readRedisTls(client))).toEqual([readFileSync(certs.clientKeyFile, "utf8")]);
       expect(
         redisTlsSecrets(readRedisTls({ ...client, redisTlsCertFile: null, redisTlsKeyFile: null })),
       ).toEqual([]);
+      // A key encrypted with openssl's `-passout file:` of a CRLF file: its `\r` is the passphrase's.
+      const withCr = encryptTestKey(certs.clientKeyFile, join(dir, "cr.key"), "crlf passphrase\r");
+      const crlf = at("crlf", "crlf passphrase\r\n");
+      expect(
+        readRedisTls({ ...client, redisTlsKeyFile: withCr, redisTlsKeyPassphraseFile: crlf }).passphrase,
+      ).toBe("crlf passphrase\r");
+      // A passphrase too short to scrub without mangling the lines (a word) is not a secret to the logger.
+      const short = encryptTestKey(certs.clientKeyFile, join(dir, "short.key"), "redis");
+      const tls = readRedisTls({
+        ...client,
+        redisTlsKeyFile: short,
+        redisTlsKeyPassphraseFile: at("short", "redis\n"),
+      });
+      expect(tls.passphrase).toBe("redis");
+      expect(redisTlsSecrets(tls)).toEqual([tls.key]);
+      // DES (OpenSSL 3 reads it no more): said so, not taken for a wrong passphrase.
+      execFileSync(
+        "openssl",
+        // biome-ignore format: one flag per pair
+        ["rsa", "-in", certs.clientKeyFile, "-traditional", "-des", "-passout", "pass:correct horse battery",
+          "-out", join(dir, "des.key"), "-provider", "legacy", "-provider", "default"],
+        { stdio: "ignore" },
+      );
+      expect(() =>
+        readRedisTls({
+          ...client,
+          redisTlsKeyFile: join(dir, "des.key"),
+          redisTlsKeyPassphraseFile: passphrase,
+        }),
+      ).toThrow(
+        /^FLEET_REDIS_TLS_KEY_FILE: ".*des\.key": its private key cannot be read: .*unsupported \(a cipher OpenSSL 3 no longer reads, such as DES: convert the key/,
+      );
     } finally {
       rmSync(dir, { recursive: true, force: true });
     }

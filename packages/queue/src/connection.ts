@@ -1,6 +1,7 @@
 import { createPrivateKey, type KeyObject, X509Certificate } from "node:crypto";
 import { readFileSync } from "node:fs";
 import type { ConnectionOptions } from "node:tls";
+import { createLogger, type Logger, type LoggerOptions, MIN_SECRET_FRAGMENT } from "@fleet/telemetry";
 import { Cluster, type ClusterNode, Redis, type RedisOptions } from "ioredis";
 
 /**
@@ -210,7 +211,7 @@ const PEM_ENCRYPTED_KEY = /-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type: 4,EN
  * `FLEET_REDIS_TLS_KEY_FILE`, `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`), read and checked now, so
  * that a wrong file stops the start with its name rather than every connection with an
  * OpenSSL code: a file that cannot be read; a certificate file with no certificate, or one that
- * does not parse; a key that does not parse, is encrypted with no passphrase given, or does not
+ * does not parse; a client certificate past its end; a key that does not parse, is encrypted with no passphrase given, or does not
  * open with the one given; a key that is not the certificate's. The passphrase is its file's
  * first line (as openssl's `-passin file:`).
  */
@@ -239,6 +240,11 @@ export function readRedisTls(config: RedisTlsFiles): RedisTls {
   };
   const ca = certificates("FLEET_REDIS_TLS_CA_FILE", config.redisTlsCaFile);
   const cert = certificates("FLEET_REDIS_TLS_CERT_FILE", config.redisTlsCertFile);
+  // Past its end, Redis refuses the handshake; the client sees only a reset, again and again.
+  if (cert && Date.parse(cert.first.validTo) < Date.now())
+    throw new Error(
+      `FLEET_REDIS_TLS_CERT_FILE: the certificate in ${JSON.stringify(config.redisTlsCertFile)} expired on ${new Date(cert.first.validTo).toISOString()}`,
+    );
   const tls: RedisTls = {};
   if (ca) tls.ca = ca.text;
   if (cert) tls.cert = cert.text;
@@ -249,26 +255,43 @@ export function readRedisTls(config: RedisTlsFiles): RedisTls {
     throw new Error(`FLEET_REDIS_TLS_KEY_FILE: ${JSON.stringify(keyFile)} holds no PEM private key`);
   tls.key = key;
   const passphraseFile = config.redisTlsKeyPassphraseFile ?? null;
+  // The first line, as openssl's `-passin file:` reads it (its `\r` kept); a line that then does
+  // not open the key is tried without its `\r` (a file saved with CRLF endings).
+  const passphrases: string[] = [];
   if (passphraseFile !== null) {
-    const passphrase = read("FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE", passphraseFile).split(/\r?\n/)[0]!;
-    if (passphrase === "")
+    const line = read("FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE", passphraseFile).split("\n")[0]!;
+    if (line.replace(/\r$/, "") === "")
       throw new Error(
         `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: ${JSON.stringify(passphraseFile)} has an empty first line (the passphrase)`,
       );
-    tls.passphrase = passphrase;
+    passphrases.push(...new Set([line, line.replace(/\r$/, "")]));
   }
-  let keyObject: KeyObject;
-  try {
-    keyObject = createPrivateKey({ key, format: "pem", passphrase: tls.passphrase ?? "" });
-  } catch (err) {
-    if (!PEM_ENCRYPTED_KEY.test(key))
+  let keyObject: KeyObject | null = null;
+  let failure: unknown = null;
+  for (const passphrase of passphrases.length > 0 ? passphrases : [""]) {
+    try {
+      keyObject = createPrivateKey({ key, format: "pem", passphrase });
+      if (passphraseFile !== null) tls.passphrase = passphrase;
+      break;
+    } catch (err) {
+      failure ??= err;
+    }
+  }
+  if (keyObject === null) {
+    const code = (failure as { code?: unknown } | null)?.code;
+    const where = `${JSON.stringify(keyFile)}`;
+    if (!PEM_ENCRYPTED_KEY.test(key) || code !== "ERR_OSSL_BAD_DECRYPT")
       throw new Error(
-        `FLEET_REDIS_TLS_KEY_FILE: ${JSON.stringify(keyFile)}: its private key cannot be read: ${messageOf(err)}`,
+        `FLEET_REDIS_TLS_KEY_FILE: ${where}: its private key cannot be read: ${messageOf(failure)}${
+          code === "ERR_OSSL_EVP_UNSUPPORTED"
+            ? " (a cipher OpenSSL 3 no longer reads, such as DES: convert the key, e.g. `openssl pkcs8 -topk8 -v2 aes256`)"
+            : ""
+        }`,
       );
     throw new Error(
-      tls.passphrase === undefined
-        ? `FLEET_REDIS_TLS_KEY_FILE: ${JSON.stringify(keyFile)} is encrypted: name a file holding its passphrase in FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`
-        : `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: the passphrase in ${JSON.stringify(passphraseFile)} does not open the key in ${JSON.stringify(keyFile)} (FLEET_REDIS_TLS_KEY_FILE)`,
+      passphraseFile === null
+        ? `FLEET_REDIS_TLS_KEY_FILE: ${where} is encrypted: name a file holding its passphrase in FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`
+        : `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: the passphrase in ${JSON.stringify(passphraseFile)} does not open the key in ${where} (FLEET_REDIS_TLS_KEY_FILE)`,
     );
   }
   if (cert && !cert.first.checkPrivateKey(keyObject))
@@ -283,11 +306,37 @@ function messageOf(err: unknown): string {
 }
 
 /**
- * What of `tls` must never be written anywhere (the client key and its passphrase): for a
- * logger's secret scrubber.
+ * What of `tls` must never be written anywhere, for a logger's secret scrubber: the client key,
+ * and its passphrase unless it is shorter than `MIN_SECRET_FRAGMENT` (10) characters. Replacing
+ * so short a string wherever it stands (a word, a number) would mangle the lines, and nothing
+ * logs it.
  */
 export function redisTlsSecrets(tls: RedisTls): string[] {
-  return [tls.key, tls.passphrase].filter((value): value is string => value !== undefined && value !== "");
+  const secrets = tls.key ? [tls.key] : [];
+  if (tls.passphrase && tls.passphrase.length >= MIN_SECRET_FRAGMENT) secrets.push(tls.passphrase);
+  return secrets;
+}
+
+/** An app's logger and its Redis TLS settings, from `createAppLogging`. */
+export interface AppLogging {
+  logger: Logger;
+  /**
+   * The values its logger scrubs from every line: the Redis TLS key and passphrase
+   * (`redisTlsSecrets`) from the start; the app adds the others it comes to hold (credentials).
+   */
+  secrets: Set<string>;
+  /** The config's Redis TLS files, read (`readRedisTls`). */
+  tls: RedisTls;
+}
+
+/**
+ * An app's start: its Redis TLS files read and checked (`readRedisTls`, which throws on a bad
+ * one), then its logger, which scrubs their secrets from every line it writes.
+ */
+export function createAppLogging(options: Omit<LoggerOptions, "secrets">, files: RedisTlsFiles): AppLogging {
+  const tls = readRedisTls(files);
+  const secrets = new Set(redisTlsSecrets(tls));
+  return { logger: createLogger({ ...options, secrets }), secrets, tls };
 }
 
 /** The URL's TLS options (`{}` where it speaks TLS, with what `tls` gives), or none for plain TCP. */
@@ -407,6 +456,25 @@ export function failFastOnceReady(redis: RedisConnection): void {
   else redis.once("ready", failFast);
 }
 
+/**
+ * What to check when `err` (a connection's error) is a failed TLS handshake: a certificate the
+ * client does not trust, a name it does not match, a client certificate Redis wants and did not
+ * get or does not accept. Null for any other error. Such a failure is the configuration's, not an
+ * outage: it lasts until a file or a certificate changes.
+ */
+export function tlsFailureHint(err: unknown): string | null {
+  const code = (err as { code?: unknown } | null)?.code;
+  if (typeof code !== "string") return null;
+  if (!/^ERR_SSL_|^ERR_TLS_|CERT|SELF_SIGNED|^UNABLE_TO_/.test(code)) return null;
+  return "the TLS handshake with Redis failed: check that FLEET_REDIS_TLS_CA_FILE holds the CA that signed Redis's certificate, that the certificate names the host in REDIS_URL, and, for a Redis that asks clients for a certificate (tls-auth-clients yes, its default), FLEET_REDIS_TLS_CERT_FILE and FLEET_REDIS_TLS_KEY_FILE signed by a CA it trusts";
+}
+
+/** The fields a warning about `err` carries: its message, and a TLS failure's hint. */
+export function connectionErrorFields(err: Error): { err: string; hint?: string } {
+  const hint = tlsFailureHint(err);
+  return hint ? { err: err.message, hint } : { err: err.message };
+}
+
 /** What `logConnectionOutages` logs with (a pino logger fits). */
 export interface OutageLogger {
   warn(obj: object, msg: string): void;
@@ -425,8 +493,9 @@ export function logConnectionOutages(redis: RedisConnection, logger: OutageLogge
   let connected = false;
   redis.on("error", (err: Error) => {
     if (!down) {
-      if (connected) logger.warn({ err: err.message }, "redis connection lost; reconnecting");
-      else logger.warn({ err: err.message }, "redis not reachable yet (check REDIS_URL); still trying");
+      const fields = connectionErrorFields(err);
+      if (connected) logger.warn(fields, "redis connection lost; reconnecting");
+      else logger.warn(fields, "redis not reachable yet (check REDIS_URL); still trying");
     }
     down = true;
   });

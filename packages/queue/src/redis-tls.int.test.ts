@@ -3,16 +3,18 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Queue, Worker } from "bullmq";
 import type { Cluster, Redis } from "ioredis";
-import { afterEach, beforeEach, describe, expect, it } from "vitest";
+import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import {
   assertRedisDurable,
   connectRedis,
   createRedis,
   duplicateRedis,
+  logConnectionOutages,
   type RedisConnection,
   readRedisTls,
 } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
+import { waitForRedis } from "./redis-wait.ts";
 import {
   fleetTlsFiles,
   LocalSentinel,
@@ -117,6 +119,32 @@ describe("Redis over TLS, checked against FLEET_REDIS_TLS_CA_FILE's CA", () => {
         await anonymous.ping();
       })(),
     ).rejects.toThrow();
+    // An app started so says what to check, in its outage line and while it waits.
+    const warned: { obj: object; msg: string }[] = [];
+    const logger = {
+      warn: (obj: object, msg: string) => warned.push({ obj, msg }),
+      info: () => undefined,
+      error: () => undefined,
+    };
+    // Its retries given up after a while: the wait then ends (ioredis ends no connection
+    // disconnected between two attempts).
+    const app = keep(
+      createRedis(
+        url,
+        { retryStrategy: (times) => (times < 100 ? 20 : null) },
+        readRedisTls(fleetTlsFiles(certs)),
+      ),
+    );
+    logConnectionOutages(app, logger);
+    const waited = waitForRedis(app, { logger, firstDelayMs: 20 }).catch((err: unknown) => err);
+    await vi.waitFor(() => expect(warned.length).toBeGreaterThanOrEqual(2), { timeout: 10_000 });
+    const hint = expect.stringMatching(/^the TLS handshake with Redis failed: .*FLEET_REDIS_TLS_CERT_FILE/);
+    expect(warned[0]).toEqual({
+      obj: { err: expect.stringMatching(/certificate required/), hint },
+      msg: "redis not reachable yet (check REDIS_URL); still trying",
+    });
+    expect(warned[1]).toMatchObject({ obj: { hint }, msg: expect.stringMatching(/^cannot reach Redis/) });
+    expect(await waited).toEqual(new Error("the Redis connection was closed before Redis was reached"));
     const redis = keep(connectRedis(url, {}, readRedisTls(fleetTlsFiles(certs, { client: true }))));
     await assertRedisDurable(redis);
     expect(await serverPort(redis)).toBe(tlsPort);

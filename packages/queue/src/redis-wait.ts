@@ -1,6 +1,7 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import {
   assertRedisDurable,
+  connectionErrorFields,
   type DurabilityOptions,
   isRedisUnavailable,
   type RedisConnection,
@@ -36,14 +37,17 @@ export interface RedisWaitOptions extends DurabilityOptions {
  * an evicting `maxmemory-policy`, a database it does not have: `RedisDurabilityError`) and any
  * other error end the wait at once, thrown. Every app (dispatcher, workers, janitor) starts
  * through this, whatever its connection's `maxRetriesPerRequest`: no command is sent before the
- * connection is ready. Throws when the connection is closed meanwhile (`disconnect`).
+ * connection is ready. Throws when the connection ends meanwhile: its retries given up, or
+ * `disconnect` while it connects (ioredis ends no connection disconnected while it waits between
+ * two attempts; the apps install their signal handlers after this, so a signal ends the wait).
+ * A warning about a failed TLS handshake carries a `hint` of what to check (`tlsFailureHint`).
  */
 export async function waitForRedis(redis: RedisConnection, options: RedisWaitOptions): Promise<void> {
   const { logger } = options;
   const started = Date.now();
-  let lastError = "";
+  let lastError: { err: string; hint?: string } | null = null;
   const noteError = (err: Error) => {
-    lastError = err.message;
+    lastError = connectionErrorFields(err);
   };
   redis.on("error", noteError);
   let delayMs = options.firstDelayMs ?? 1_000;
@@ -63,12 +67,12 @@ export async function waitForRedis(redis: RedisConnection, options: RedisWaitOpt
           // Down again before the check was through, or busy (LOADING its data, a failover):
           // the check again after a wait. A refusal is not retried.
           if (!isRedisUnavailable(err)) throw err;
-          lastError = (err as Error).message;
+          lastError = { err: (err as Error).message };
           await sleep(delayMs);
         }
       }
       logger.warn(
-        { err: lastError || "no answer yet", waitedS: Math.round((Date.now() - started) / 1000) },
+        { ...(lastError ?? { err: "no answer yet" }), waitedS: Math.round((Date.now() - started) / 1000) },
         "cannot reach Redis (REDIS_URL) yet; waiting for it, no request or job is served until it answers",
       );
       delayMs = Math.min(delayMs * 2, maxDelayMs);
