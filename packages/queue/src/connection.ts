@@ -1,8 +1,6 @@
-import { createPrivateKey, type KeyObject, X509Certificate } from "node:crypto";
-import { readFileSync } from "node:fs";
 import type { ConnectionOptions } from "node:tls";
-import { createLogger, type Logger, type LoggerOptions, MIN_SECRET_FRAGMENT } from "@fleet/telemetry";
 import { Cluster, type ClusterNode, Redis, type RedisOptions } from "ioredis";
+import { connectionErrorFields, type RedisTls } from "./redis-tls.ts";
 
 /**
  * One connection to the fleet's Redis: a standalone server (`redis://`, `rediss://`) or a Redis
@@ -175,170 +173,6 @@ function splitMultiHostUrl(
   return { hosts, path, query, search, redisOptions, shown };
 }
 
-/**
- * How the fleet's TLS connections to Redis (`rediss://`, `rediss-cluster://`, `rediss-sentinel://`)
- * check the server's certificate, and the certificate they present (a Redis with
- * `tls-auth-clients yes`, Redis's default, asks every client for one). Ignored for a URL without
- * TLS (the config refuses that pair).
- */
-export interface RedisTls {
-  /**
-   * The certificate authorities (PEM) to trust, in place of Node's public roots, for a private
-   * CA (`FLEET_REDIS_TLS_CA_FILE`).
-   */
-  ca?: string;
-  /** The fleet's client certificate (PEM, `FLEET_REDIS_TLS_CERT_FILE`), with its `key`. */
-  cert?: string;
-  /** Its private key (PEM, `FLEET_REDIS_TLS_KEY_FILE`). */
-  key?: string;
-  /** The key's passphrase, when it is encrypted (`FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`). */
-  passphrase?: string;
-}
-
-/** The config's TLS files for Redis (null where unset). */
-export interface RedisTlsFiles {
-  redisTlsCaFile: string | null;
-  redisTlsCertFile: string | null;
-  redisTlsKeyFile: string | null;
-  redisTlsKeyPassphraseFile?: string | null;
-}
-
-const PEM_CERTIFICATE = /-----BEGIN CERTIFICATE-----[\s\S]*?-----END CERTIFICATE-----/g;
-const PEM_ENCRYPTED_KEY = /-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type: 4,ENCRYPTED/;
-
-/**
- * The `RedisTls` of the config's files (`FLEET_REDIS_TLS_CA_FILE`, `FLEET_REDIS_TLS_CERT_FILE`,
- * `FLEET_REDIS_TLS_KEY_FILE`, `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`), read and checked now, so
- * that a wrong file stops the start with its name rather than every connection with an
- * OpenSSL code: a file that cannot be read; a certificate file with no certificate, or one that
- * does not parse; a client certificate past its end; a key that does not parse, is encrypted with no passphrase given, or does not
- * open with the one given; a key that is not the certificate's. The passphrase is its file's
- * first line (as openssl's `-passin file:`).
- */
-export function readRedisTls(config: RedisTlsFiles): RedisTls {
-  const read = (variable: string, file: string): string => {
-    try {
-      return readFileSync(file, "utf8");
-    } catch (err) {
-      throw new Error(`${variable}: cannot read ${JSON.stringify(file)}: ${messageOf(err)}`);
-    }
-  };
-  const certificates = (variable: string, file: string | null) => {
-    if (file === null) return null;
-    const text = read(variable, file);
-    const blocks = text.match(PEM_CERTIFICATE) ?? [];
-    if (blocks.length === 0) throw new Error(`${variable}: ${JSON.stringify(file)} holds no PEM certificate`);
-    const parsed = blocks.map((block, i) => {
-      try {
-        return new X509Certificate(block);
-      } catch (err) {
-        const which = blocks.length > 1 ? `certificate ${i + 1} of ${blocks.length}` : "its certificate";
-        throw new Error(`${variable}: ${JSON.stringify(file)}: ${which} cannot be read: ${messageOf(err)}`);
-      }
-    });
-    return { text, first: parsed[0]! };
-  };
-  const ca = certificates("FLEET_REDIS_TLS_CA_FILE", config.redisTlsCaFile);
-  const cert = certificates("FLEET_REDIS_TLS_CERT_FILE", config.redisTlsCertFile);
-  // Past its end, Redis refuses the handshake; the client sees only a reset, again and again.
-  if (cert && Date.parse(cert.first.validTo) < Date.now())
-    throw new Error(
-      `FLEET_REDIS_TLS_CERT_FILE: the certificate in ${JSON.stringify(config.redisTlsCertFile)} expired on ${new Date(cert.first.validTo).toISOString()}`,
-    );
-  const tls: RedisTls = {};
-  if (ca) tls.ca = ca.text;
-  if (cert) tls.cert = cert.text;
-  const keyFile = config.redisTlsKeyFile;
-  if (keyFile === null) return tls;
-  const key = read("FLEET_REDIS_TLS_KEY_FILE", keyFile);
-  if (!/-----BEGIN [A-Z ]*PRIVATE KEY-----/.test(key))
-    throw new Error(`FLEET_REDIS_TLS_KEY_FILE: ${JSON.stringify(keyFile)} holds no PEM private key`);
-  tls.key = key;
-  const passphraseFile = config.redisTlsKeyPassphraseFile ?? null;
-  // The first line, as openssl's `-passin file:` reads it (its `\r` kept); a line that then does
-  // not open the key is tried without its `\r` (a file saved with CRLF endings).
-  const passphrases: string[] = [];
-  if (passphraseFile !== null) {
-    const line = read("FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE", passphraseFile).split("\n")[0]!;
-    if (line.replace(/\r$/, "") === "")
-      throw new Error(
-        `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: ${JSON.stringify(passphraseFile)} has an empty first line (the passphrase)`,
-      );
-    passphrases.push(...new Set([line, line.replace(/\r$/, "")]));
-  }
-  let keyObject: KeyObject | null = null;
-  let failure: unknown = null;
-  for (const passphrase of passphrases.length > 0 ? passphrases : [""]) {
-    try {
-      keyObject = createPrivateKey({ key, format: "pem", passphrase });
-      if (passphraseFile !== null) tls.passphrase = passphrase;
-      break;
-    } catch (err) {
-      failure ??= err;
-    }
-  }
-  if (keyObject === null) {
-    const code = (failure as { code?: unknown } | null)?.code;
-    const where = `${JSON.stringify(keyFile)}`;
-    if (!PEM_ENCRYPTED_KEY.test(key) || code !== "ERR_OSSL_BAD_DECRYPT")
-      throw new Error(
-        `FLEET_REDIS_TLS_KEY_FILE: ${where}: its private key cannot be read: ${messageOf(failure)}${
-          code === "ERR_OSSL_EVP_UNSUPPORTED"
-            ? " (a cipher OpenSSL 3 no longer reads, such as DES: convert the key, e.g. `openssl pkcs8 -topk8 -v2 aes256`)"
-            : ""
-        }`,
-      );
-    throw new Error(
-      passphraseFile === null
-        ? `FLEET_REDIS_TLS_KEY_FILE: ${where} is encrypted: name a file holding its passphrase in FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`
-        : `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: the passphrase in ${JSON.stringify(passphraseFile)} does not open the key in ${where} (FLEET_REDIS_TLS_KEY_FILE)`,
-    );
-  }
-  if (cert && !cert.first.checkPrivateKey(keyObject))
-    throw new Error(
-      `FLEET_REDIS_TLS_KEY_FILE: the key in ${JSON.stringify(keyFile)} is not the key of the certificate in ${JSON.stringify(config.redisTlsCertFile)} (FLEET_REDIS_TLS_CERT_FILE)`,
-    );
-  return tls;
-}
-
-function messageOf(err: unknown): string {
-  return err instanceof Error ? err.message : String(err);
-}
-
-/**
- * What of `tls` must never be written anywhere, for a logger's secret scrubber: the client key,
- * and its passphrase unless it is shorter than `MIN_SECRET_FRAGMENT` (10) characters. Replacing
- * so short a string wherever it stands (a word, a number) would mangle the lines, and nothing
- * logs it.
- */
-export function redisTlsSecrets(tls: RedisTls): string[] {
-  const secrets = tls.key ? [tls.key] : [];
-  if (tls.passphrase && tls.passphrase.length >= MIN_SECRET_FRAGMENT) secrets.push(tls.passphrase);
-  return secrets;
-}
-
-/** An app's logger and its Redis TLS settings, from `createAppLogging`. */
-export interface AppLogging {
-  logger: Logger;
-  /**
-   * The values its logger scrubs from every line: the Redis TLS key and passphrase
-   * (`redisTlsSecrets`) from the start; the app adds the others it comes to hold (credentials).
-   */
-  secrets: Set<string>;
-  /** The config's Redis TLS files, read (`readRedisTls`). */
-  tls: RedisTls;
-}
-
-/**
- * An app's start: its Redis TLS files read and checked (`readRedisTls`, which throws on a bad
- * one), then its logger, which scrubs their secrets from every line it writes.
- */
-export function createAppLogging(options: Omit<LoggerOptions, "secrets">, files: RedisTlsFiles): AppLogging {
-  const tls = readRedisTls(files);
-  const secrets = new Set(redisTlsSecrets(tls));
-  return { logger: createLogger({ ...options, secrets }), secrets, tls };
-}
-
 /** The URL's TLS options (`{}` where it speaks TLS, with what `tls` gives), or none for plain TCP. */
 function tlsOf(enabled: boolean, tls: RedisTls): ConnectionOptions | undefined {
   return enabled ? { ...tls } : undefined;
@@ -454,25 +288,6 @@ export function failFastOnceReady(redis: RedisConnection): void {
   };
   if (redis.status === "ready") failFast();
   else redis.once("ready", failFast);
-}
-
-/**
- * What to check when `err` (a connection's error) is a failed TLS handshake: a certificate the
- * client does not trust, a name it does not match, a client certificate Redis wants and did not
- * get or does not accept. Null for any other error. Such a failure is the configuration's, not an
- * outage: it lasts until a file or a certificate changes.
- */
-export function tlsFailureHint(err: unknown): string | null {
-  const code = (err as { code?: unknown } | null)?.code;
-  if (typeof code !== "string") return null;
-  if (!/^ERR_SSL_|^ERR_TLS_|CERT|SELF_SIGNED|^UNABLE_TO_/.test(code)) return null;
-  return "the TLS handshake with Redis failed: check that FLEET_REDIS_TLS_CA_FILE holds the CA that signed Redis's certificate, that the certificate names the host in REDIS_URL, and, for a Redis that asks clients for a certificate (tls-auth-clients yes, its default), FLEET_REDIS_TLS_CERT_FILE and FLEET_REDIS_TLS_KEY_FILE signed by a CA it trusts";
-}
-
-/** The fields a warning about `err` carries: its message, and a TLS failure's hint. */
-export function connectionErrorFields(err: Error): { err: string; hint?: string } {
-  const hint = tlsFailureHint(err);
-  return hint ? { err: err.message, hint } : { err: err.message };
 }
 
 /** What `logConnectionOutages` logs with (a pino logger fits). */

@@ -11,9 +11,9 @@ import {
   duplicateRedis,
   logConnectionOutages,
   type RedisConnection,
-  readRedisTls,
 } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
+import { readRedisTls } from "./redis-tls.ts";
 import { waitForRedis } from "./redis-wait.ts";
 import {
   fleetTlsFiles,

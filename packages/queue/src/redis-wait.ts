@@ -1,12 +1,12 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import {
   assertRedisDurable,
-  connectionErrorFields,
   type DurabilityOptions,
   isRedisUnavailable,
   type RedisConnection,
   RedisDurabilityError,
 } from "./connection.ts";
+import { connectionErrorFields } from "./redis-tls.ts";
 
 /** What `waitForRedis` logs with (a pino logger fits). */
 export interface RedisWaitLogger extends DurabilityWatchLogger {
