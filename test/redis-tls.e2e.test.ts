@@ -1,4 +1,12 @@
-import { mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
+import {
+  copyFileSync,
+  mkdirSync,
+  mkdtempSync,
+  readdirSync,
+  readFileSync,
+  rmSync,
+  writeFileSync,
+} from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
@@ -22,7 +30,8 @@ import { npmStart } from "./helpers/npm-app.ts";
  * that speaks TLS only on the port they are given, with a certificate a CA of the test's own
  * signed, and that asks them for a client certificate: `REDIS_URL=rediss://…`,
  * `FLEET_REDIS_TLS_CA_FILE` naming that CA, `FLEET_REDIS_TLS_CERT_FILE`/`_KEY_FILE` theirs, the
- * key encrypted, its passphrase in `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`.
+ * key encrypted, its passphrase in `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`. Then Redis moves to
+ * another CA and the files are rewritten in place: the same processes go on.
  */
 describe("the fleet on a Redis over TLS with a private CA and client certificates", () => {
   const prefix = testPrefix("tls");
@@ -35,13 +44,26 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
   let encryptedKey = "";
   const passphrase = "fleet test passphrase 7f3a";
   const passphraseFile = join(dir, "passphrase");
+  // The files the apps are given, rewritten at a rotation.
+  const live = {
+    ca: join(dir, "live-ca.pem"),
+    cert: join(dir, "live-client.pem"),
+    key: join(dir, "live-client.key"),
+  };
+  const install = (from: TestCertificates, key: string) => {
+    copyFileSync(from.caFile, live.ca);
+    copyFileSync(from.clientCertFile, live.cert);
+    copyFileSync(key, live.key);
+  };
   const ids: string[] = [];
 
   beforeAll(async () => {
     suite = await loadSuite(EXAMPLE_SUITE_DIR);
     certs = makeTestCertificates(dir);
+    mkdirSync(join(dir, "next"));
     encryptedKey = encryptTestKey(certs.clientKeyFile, join(dir, "client-encrypted.key"), passphrase);
     writeFileSync(passphraseFile, `${passphrase}\n`);
+    install(certs, encryptedKey);
     tlsPort = await freeLoopbackPort();
     // It asks every client for a certificate its CA signed (tls-auth-clients yes, Redis's default).
     redis = await LocalRedisServer.start({ dir, args: tlsServerArgs(certs, tlsPort, { authClients: true }) });
@@ -50,10 +72,11 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
       prefix,
       logDir: join(dir, "logs"),
       env: {
-        FLEET_REDIS_TLS_CA_FILE: certs.caFile,
-        FLEET_REDIS_TLS_CERT_FILE: certs.clientCertFile,
-        FLEET_REDIS_TLS_KEY_FILE: encryptedKey,
+        FLEET_REDIS_TLS_CA_FILE: live.ca,
+        FLEET_REDIS_TLS_CERT_FILE: live.cert,
+        FLEET_REDIS_TLS_KEY_FILE: live.key,
         FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: passphraseFile,
+        FLEET_REDIS_TLS_RELOAD_MS: "500",
         FLEET_JANITOR_INTERVAL_MS: "2000",
       },
     });
@@ -66,14 +89,16 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
     expect(await containersOf(ids)).toBe(0);
   });
 
-  it("runs oracle rollouts to reward 1, every app's connection on the TLS port", async () => {
+  /** Two oracle rollouts of `hello-file` through the fleet, each to reward 1. */
+  const twoOracleRollouts = async () => {
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     const b = await callApi(fleet!, "POST", "/v1/batches", {
       rollouts: [0, 1].map(() => ({ task, agent: { harness: "oracle" } })),
     });
     expect(b.status).toBe(202);
     const batchId = String(b.body?.batchId);
-    ids.push(...((b.body?.rolloutIds ?? []) as string[]));
+    const batchIds = (b.body?.rolloutIds ?? []) as string[];
+    ids.push(...batchIds);
     const batch = await waitFor(
       "the batch to finish",
       async () => {
@@ -83,10 +108,14 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
       180_000,
     );
     expect(batch).toMatchObject({ total: 2, done: 2, counts: { completed: 2 } });
-    for (const id of ids) {
+    for (const id of batchIds) {
       const r = (await callApi(fleet!, "GET", `/v1/rollouts/${id}`)).body as unknown as RolloutResult;
       expect(r).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
     }
+  };
+
+  it("runs oracle rollouts to reward 1, every app's connection on the TLS port", async () => {
+    await twoOracleRollouts();
     // The apps' connections all reached the TLS port (the plain one is this test's alone).
     const admin = new Redis(redis.url);
     try {
@@ -107,6 +136,32 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
       expect(log).not.toContain(passphrase);
       expect(log).not.toContain(keyBody);
     }
+  });
+
+  it("after Redis moves to another CA and the files are rewritten in place, the same processes run rollouts again", async () => {
+    const pids = fleet!.procs.map((p) => p.child.pid);
+    const next = makeTestCertificates(join(dir, "next"));
+    const nextKey = encryptTestKey(next.clientKeyFile, join(dir, "next", "client-encrypted.key"), passphrase);
+    // Restarted on the new CA (its data kept: the same directory's AOF); every connection drops.
+    await redis.kill();
+    redis = await LocalRedisServer.start({
+      dir,
+      args: tlsServerArgs(next, tlsPort, { authClients: true }),
+    });
+    install(next, nextKey);
+    // The dispatcher answers 503 until it has reconnected (with the new files), then 404 for a
+    // rollout Redis does not hold.
+    await waitFor(
+      "the dispatcher to reach Redis again",
+      async () => (await callApi(fleet!, "GET", "/v1/rollouts/no-such-rollout")).status === 404 || null,
+      60_000,
+    );
+    await twoOracleRollouts();
+    expect(fleet!.procs.map((p) => p.child.pid)).toEqual(pids);
+    expect(fleet!.procs.every((p) => p.child.exitCode === null)).toBe(true);
+    // Each app said it took the new files.
+    const logs = readdirSync(join(dir, "logs")).map((f) => readFileSync(join(dir, "logs", f), "utf8"));
+    expect(logs.filter((log) => log.includes("the Redis TLS files changed")).length).toBe(pids.length);
   });
 
   it("an app given a CA file it cannot read or holding no certificate, a key not its certificate's, or an encrypted key without its passphrase, refuses to start, naming the variable", async () => {

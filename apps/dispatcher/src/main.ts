@@ -8,6 +8,7 @@ import {
   StageQueues,
   TeardownLedger,
   waitForRedis,
+  watchRedisTls,
 } from "@fleet/queue";
 import {
   createFleetMetrics,
@@ -25,7 +26,9 @@ import { createServer } from "./server.ts";
 async function main(): Promise<void> {
   const config = parseConfig(DispatcherConfig, process.env);
   // Its Redis TLS files read and checked; the key and passphrase scrubbed from every line.
-  const { logger, tls } = createAppLogging({ name: "dispatcher", level: config.logLevel }, config);
+  const { logger, secrets, tls } = createAppLogging({ name: "dispatcher", level: config.logLevel }, config);
+  // A certificate rotated in place is taken without a restart.
+  watchRedisTls(config, tls, { logger, secrets, intervalMs: config.redisTlsReloadMs });
   // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
   warnUnknownVariables(process.env, logger);
   // A port fetch refuses (6000, 10080, ...): curl works, the CLI (which refuses such a URL) and a browser never will.

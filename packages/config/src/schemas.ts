@@ -99,6 +99,11 @@ const common = {
    * openssl's `-passin file:`). Read at start.
    */
   FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: z.string().trim().optional(),
+  /**
+   * How often the apps read the TLS files above again, to take a rotated certificate (or CA, or
+   * key) without a restart: from each connection's next connect.
+   */
+  FLEET_REDIS_TLS_RELOAD_MS: durationMsVar(100).default(60_000),
 };
 
 const sandbox = {
@@ -213,6 +218,7 @@ function commonConfig(e: z.output<z.ZodObject<typeof common>>) {
     redisTlsCertFile: e.FLEET_REDIS_TLS_CERT_FILE || null,
     redisTlsKeyFile: e.FLEET_REDIS_TLS_KEY_FILE || null,
     redisTlsKeyPassphraseFile: e.FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE || null,
+    redisTlsReloadMs: e.FLEET_REDIS_TLS_RELOAD_MS,
   };
 }
 

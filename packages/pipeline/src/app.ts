@@ -16,6 +16,7 @@ import {
   StageQueues,
   TeardownLedger,
   waitForRedis,
+  watchRedisTls,
 } from "@fleet/queue";
 import { createSandboxProvider, DockerGatewayNetworks, dockerConnectionFromEnv } from "@fleet/sandbox";
 import {
@@ -60,6 +61,7 @@ interface Common {
   redisTlsCertFile: string | null;
   redisTlsKeyFile: string | null;
   redisTlsKeyPassphraseFile: string | null;
+  redisTlsReloadMs: number;
   prefix: string;
   logLevel: string;
   shutdownTimeoutMs: number;
@@ -84,6 +86,8 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   warnUnknownVariables(env, logger);
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
+  // A certificate rotated in place is taken without a restart.
+  watchRedisTls(config, tls, { logger, secrets: knownSecrets, intervalMs: config.redisTlsReloadMs });
   const redis = connectRedis(config.redisUrl, {}, tls);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);

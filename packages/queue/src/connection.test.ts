@@ -190,6 +190,25 @@ describe("parseSentinelUrl", () => {
 });
 
 describe("TLS to a standalone Redis or a cluster (a CA of FLEET_REDIS_TLS_CA_FILE)", () => {
+  it("every kind of URL over TLS is given the caller's TLS object itself, and so are its duplicates and a cluster's nodes: an update to it in place (watchRedisTls) reaches them all", () => {
+    const tls = { ca: "PEM" };
+    const standalone = createRedis("rediss://127.0.0.1:1", { lazyConnect: true }, tls);
+    const dup = standalone.duplicate();
+    const sentinel = createRedis("rediss-sentinel://127.0.0.1:1/m", { lazyConnect: true }, tls);
+    const cluster = connectRedis("rediss-cluster://127.0.0.1:1", { lazyConnect: true }, tls) as Cluster;
+    const clusterDup = cluster.duplicate();
+    try {
+      expect(standalone.options.tls).toBe(tls);
+      expect(dup.options.tls).toBe(tls);
+      expect(sentinel.options.tls).toBe(tls);
+      expect(sentinel.options.sentinelTLS).toBe(tls);
+      expect(cluster.options.redisOptions?.tls).toBe(tls);
+      expect(clusterDup.options.redisOptions?.tls).toBe(tls);
+    } finally {
+      for (const c of [standalone, dup, sentinel, cluster, clusterDup]) c.disconnect();
+    }
+  });
+
   it("rediss:// checks against the CA given, else Node's roots; redis:// never speaks TLS", async () => {
     const withCa = createRedis("rediss://127.0.0.1:1", { lazyConnect: true }, { ca: "PEM" });
     expect(withCa.options.tls).toEqual({ ca: "PEM" });

@@ -173,9 +173,13 @@ function splitMultiHostUrl(
   return { hosts, path, query, search, redisOptions, shown };
 }
 
-/** The URL's TLS options (`{}` where it speaks TLS, with what `tls` gives), or none for plain TCP. */
+/**
+ * The URL's TLS options, or none for plain TCP: `tls` itself, not a copy. ioredis reads them at
+ * every connect, and a connection's duplicates (BullMQ's, a cluster's nodes) share them, so
+ * `watchRedisTls`'s updates to it reach every connection made from it at its next connect.
+ */
 function tlsOf(enabled: boolean, tls: RedisTls): ConnectionOptions | undefined {
-  return enabled ? { ...tls } : undefined;
+  return enabled ? tls : undefined;
 }
 
 /**

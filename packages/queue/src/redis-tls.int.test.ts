@@ -1,4 +1,4 @@
-import { mkdtempSync, rmSync } from "node:fs";
+import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Queue, Worker } from "bullmq";
@@ -13,7 +13,7 @@ import {
   type RedisConnection,
 } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
-import { readRedisTls } from "./redis-tls.ts";
+import { readRedisTls, watchRedisTls } from "./redis-tls.ts";
 import { waitForRedis } from "./redis-wait.ts";
 import {
   fleetTlsFiles,
@@ -173,6 +173,96 @@ describe("Redis over TLS, checked against FLEET_REDIS_TLS_CA_FILE's CA", () => {
       }),
     );
     await expect(plain.connect()).rejects.toThrow();
+  });
+});
+
+describe("certificates rotated in place (watchRedisTls)", () => {
+  it("a Redis moved to a new CA and a new client certificate is reached again without a restart: the files rewritten, every connection (a duplicate, BullMQ's) reconnects with them; unusable files are warned of and leave the old ones", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "fleet-tls-rotate-"));
+    const conns: RedisConnection[] = [];
+    let server: LocalRedisServer | null = null;
+    let stop: () => void = () => undefined;
+    try {
+      // Two CAs of their own, each with a server and a client certificate.
+      mkdirSync(join(dir, "old"));
+      mkdirSync(join(dir, "new"));
+      const before = makeTestCertificates(join(dir, "old"));
+      const after = makeTestCertificates(join(dir, "new"));
+      const files = {
+        redisTlsCaFile: join(dir, "ca.pem"),
+        redisTlsCertFile: join(dir, "client.pem"),
+        redisTlsKeyFile: join(dir, "client.key"),
+      };
+      const install = (certs: TestCertificates) => {
+        copyFileSync(certs.caFile, files.redisTlsCaFile);
+        copyFileSync(certs.clientCertFile, files.redisTlsCertFile);
+        copyFileSync(certs.clientKeyFile, files.redisTlsKeyFile);
+      };
+      install(before);
+      const tlsPort = await freeLoopbackPort();
+      const serve = (certs: TestCertificates) =>
+        LocalRedisServer.start({ dir, args: tlsServerArgs(certs, tlsPort, { authClients: true }) });
+      server = await serve(before);
+      const tls = readRedisTls(files);
+      const said: { level: string; obj: object; msg: string }[] = [];
+      const secrets = new Set<string>();
+      stop = watchRedisTls(files, tls, {
+        intervalMs: 50,
+        secrets,
+        logger: {
+          info: (obj, msg) => said.push({ level: "info", obj, msg }),
+          warn: (obj, msg) => said.push({ level: "warn", obj, msg }),
+        },
+      });
+      const url = `rediss://127.0.0.1:${tlsPort}`;
+      const redis = createRedis(url, {}, tls);
+      const dup = duplicateRedis(redis);
+      for (const c of [redis, dup]) {
+        conns.push(c);
+        c.on("error", () => undefined);
+      }
+      expect(await redis.ping()).toBe("PONG");
+      expect(await dup.ping()).toBe("PONG");
+
+      // Half a rotation (the new key beside the old certificate): not taken, said once.
+      copyFileSync(after.clientKeyFile, files.redisTlsKeyFile);
+      await vi.waitFor(() => expect(said.filter((s) => s.level === "warn")).toHaveLength(1), {
+        timeout: 10_000,
+      });
+      expect(said[0]!.obj).toEqual({ err: expect.stringMatching(/is not the key of the certificate/) });
+      expect(tls.key).toBe(readFileSync(before.clientKeyFile, "utf8"));
+
+      // The Redis moves to the new CA (restarted: every connection drops), the files follow.
+      await server.kill();
+      server = await serve(after);
+      install(after);
+      await vi.waitFor(() => expect(redis.status).toBe("ready"), { timeout: 30_000 });
+      await vi.waitFor(() => expect(dup.status).toBe("ready"), { timeout: 30_000 });
+      expect(await redis.ping()).toBe("PONG");
+      expect(await dup.ping()).toBe("PONG");
+      expect(await serverPort(redis)).toBe(tlsPort);
+      expect(tls).toEqual({
+        ca: after.ca,
+        cert: readFileSync(after.clientCertFile, "utf8"),
+        key: readFileSync(after.clientKeyFile, "utf8"),
+      });
+      expect([...secrets]).toEqual([tls.key]);
+      expect(said.filter((s) => s.level === "info")).toEqual([
+        {
+          level: "info",
+          obj: { changed: ["ca", "cert", "key"] },
+          msg: "the Redis TLS files changed; connections present and trust the new ones from their next connect",
+        },
+      ]);
+      expect(said.filter((s) => s.level === "warn")).toHaveLength(1);
+      // A BullMQ queue and worker (its own duplicates) made from it work on the new files.
+      expect(await oneJob(redis, "{tls-rotate-test}")).toBe(42);
+    } finally {
+      stop();
+      for (const c of conns) c.disconnect();
+      await server?.kill();
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 });
 

@@ -184,3 +184,61 @@ export function connectionErrorFields(err: Error): { err: string; hint?: string 
   const hint = tlsFailureHint(err);
   return hint ? { err: err.message, hint } : { err: err.message };
 }
+
+/** What `watchRedisTls` logs with (a pino logger fits). */
+export interface RedisTlsWatchLogger {
+  info(obj: object, msg: string): void;
+  warn(obj: object, msg: string): void;
+}
+
+/**
+ * Keep `tls` (what `readRedisTls(files)` returned, handed to `connectRedis`/`createRedis`) up to
+ * date with its files, so that a certificate rotated in place (cert-manager, Vault, a renewed
+ * file) needs no restart. The files are read again every `intervalMs` (default a minute); when
+ * what they hold changed and passes `readRedisTls`'s checks, `tls` is updated in place: every
+ * connection made from it (its duplicates, BullMQ's, a cluster's nodes) presents and trusts the
+ * new ones at its next connect. Open connections keep their session. Files that cannot be used
+ * (half written, a key for another certificate, a certificate past its end) leave `tls` as it
+ * was, with a warning once per reason. The new key and passphrase go to `secrets` (the logger's).
+ * Returns a function that stops watching; the timer holds no process open. No files, no watch.
+ */
+export function watchRedisTls(
+  files: RedisTlsFiles,
+  tls: RedisTls,
+  options: { logger: RedisTlsWatchLogger; secrets?: Set<string>; intervalMs?: number },
+): () => void {
+  if (files.redisTlsCaFile === null && files.redisTlsCertFile === null && files.redisTlsKeyFile === null)
+    return () => undefined;
+  const fields = ["ca", "cert", "key", "passphrase"] as const;
+  let warned = "";
+  const check = () => {
+    let next: RedisTls;
+    try {
+      next = readRedisTls(files);
+    } catch (err) {
+      const message = messageOf(err);
+      if (message !== warned) {
+        options.logger.warn(
+          { err: message },
+          "the Redis TLS files cannot be used as they are now; connections go on with the ones read before",
+        );
+      }
+      warned = message;
+      return;
+    }
+    warned = "";
+    const changed = fields.filter((field) => next[field] !== tls[field]);
+    if (changed.length === 0) return;
+    for (const secret of redisTlsSecrets(next)) options.secrets?.add(secret);
+    for (const field of fields) {
+      if (next[field] === undefined) delete tls[field];
+      else tls[field] = next[field];
+    }
+    options.logger.info(
+      { changed },
+      "the Redis TLS files changed; connections present and trust the new ones from their next connect",
+    );
+  };
+  const timer = setInterval(check, options.intervalMs ?? 60_000).unref();
+  return () => clearInterval(timer);
+}
