@@ -10,7 +10,7 @@ import {
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
-import { freeLoopbackPort, LocalRedisServer } from "@fleet/queue";
+import { certificateExpirySeconds, freeLoopbackPort, LocalRedisServer } from "@fleet/queue";
 import {
   encryptTestKey,
   makeTestCertificates,
@@ -24,6 +24,7 @@ import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
 import { callApi } from "./helpers/api.ts";
 import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
 import { npmStart } from "./helpers/npm-app.ts";
+import { parseMetrics, sampleValue } from "./ops/prom.ts";
 
 /**
  * Every app (dispatcher, the three stage workers, the janitor) as its own process against a Redis
@@ -77,6 +78,7 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
         FLEET_REDIS_TLS_KEY_FILE: live.key,
         FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: passphraseFile,
         FLEET_REDIS_TLS_RELOAD_MS: "500",
+        FLEET_METRICS_PORT: "0",
         FLEET_JANITOR_INTERVAL_MS: "2000",
       },
     });
@@ -88,6 +90,17 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
     if (process.env.FLEET_KEEP_LOGS !== "1") rmSync(dir, { recursive: true, force: true });
     expect(await containersOf(ids)).toBe(0);
   });
+
+  /** When the client certificate the dispatcher and an agent worker present expires, by their metrics. */
+  const certificateExpiries = async () => {
+    const agentPort = fleet!.of("agent")[0]?.metricsPort;
+    const values: number[] = [];
+    for (const url of [`${fleet!.url}/metrics`, `http://127.0.0.1:${agentPort}/metrics`]) {
+      const text = await (await fetch(url)).text();
+      values.push(sampleValue(parseMetrics(text), "fleet_redis_tls_cert_expiry_timestamp_seconds"));
+    }
+    return values;
+  };
 
   /** Two oracle rollouts of `hello-file` through the fleet, each to reward 1. */
   const twoOracleRollouts = async () => {
@@ -116,6 +129,8 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
 
   it("runs oracle rollouts to reward 1, every app's connection on the TLS port", async () => {
     await twoOracleRollouts();
+    const expiry = certificateExpirySeconds(readFileSync(certs.clientCertFile, "utf8"));
+    expect(await certificateExpiries()).toEqual([expiry, expiry]);
     // The apps' connections all reached the TLS port (the plain one is this test's alone).
     const admin = new Redis(redis.url);
     try {
@@ -140,7 +155,8 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
 
   it("after Redis moves to another CA and the files are rewritten in place, the same processes run rollouts again", async () => {
     const pids = fleet!.procs.map((p) => p.child.pid);
-    const next = makeTestCertificates(join(dir, "next"));
+    // Valid for a day longer: its expiry differs from the first's.
+    const next = makeTestCertificates(join(dir, "next"), { days: 3 });
     const nextKey = encryptTestKey(next.clientKeyFile, join(dir, "next", "client-encrypted.key"), passphrase);
     // Restarted on the new CA (its data kept: the same directory's AOF); every connection drops.
     await redis.kill();
@@ -158,6 +174,11 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
     );
     await twoOracleRollouts();
     expect(fleet!.procs.map((p) => p.child.pid)).toEqual(pids);
+    const expiry = certificateExpirySeconds(readFileSync(next.clientCertFile, "utf8"));
+    expect(expiry - certificateExpirySeconds(readFileSync(certs.clientCertFile, "utf8"))).toBeGreaterThan(
+      80_000,
+    );
+    expect(await certificateExpiries()).toEqual([expiry, expiry]);
     expect(fleet!.procs.every((p) => p.child.exitCode === null)).toBe(true);
     // Each app said it took the new files.
     const logs = readdirSync(join(dir, "logs")).map((f) => readFileSync(join(dir, "logs", f), "utf8"));

@@ -27,14 +27,19 @@ async function main(): Promise<void> {
   const config = parseConfig(DispatcherConfig, process.env);
   // Its Redis TLS files read and checked; the key and passphrase scrubbed from every line.
   const { logger, secrets, tls } = createAppLogging({ name: "dispatcher", level: config.logLevel }, config);
-  // A certificate rotated in place is taken without a restart.
-  watchRedisTls(config, tls, { logger, secrets, intervalMs: config.redisTlsReloadMs });
   // A misspelt FLEET_ variable would be ignored without a word: named, with the closest known one.
   warnUnknownVariables(process.env, logger);
   // A port fetch refuses (6000, 10080, ...): curl works, the CLI (which refuses such a URL) and a browser never will.
   warnFetchBlockedPort("FLEET_HTTP_PORT", config.httpPort, logger);
   const registry = createMetricsRegistry({ app: "dispatcher" });
   const metrics = createFleetMetrics(registry);
+  // A certificate rotated in place is taken without a restart.
+  watchRedisTls(config, tls, {
+    logger,
+    secrets,
+    intervalMs: config.redisTlsReloadMs,
+    certificateExpiry: (at) => metrics.redisTlsCertExpiry.set(at),
+  });
   // No blocking commands here (no Worker), so a request may fail fast while Redis is down
   // (→ 503) instead of waiting for it: at once once it has been up (`failFastOnceReady`), after
   // two reconnect attempts before that.

@@ -87,7 +87,12 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   const registry = createMetricsRegistry({ app });
   const metrics = createFleetMetrics(registry);
   // A certificate rotated in place is taken without a restart.
-  watchRedisTls(config, tls, { logger, secrets: knownSecrets, intervalMs: config.redisTlsReloadMs });
+  watchRedisTls(config, tls, {
+    logger,
+    secrets: knownSecrets,
+    intervalMs: config.redisTlsReloadMs,
+    certificateExpiry: (at) => metrics.redisTlsCertExpiry.set(at),
+  });
   const redis = connectRedis(config.redisUrl, {}, tls);
   // Connection errors while Redis is away: ioredis reconnects by itself; say so once per outage.
   logConnectionOutages(redis, logger);

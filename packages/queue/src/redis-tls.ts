@@ -128,6 +128,11 @@ export function readRedisTls(config: RedisTlsFiles): RedisTls {
   return tls;
 }
 
+/** When the (first) certificate in `pem` expires, in Unix seconds. */
+export function certificateExpirySeconds(pem: string): number {
+  return Date.parse(new X509Certificate(pem).validTo) / 1000;
+}
+
 function messageOf(err: unknown): string {
   return err instanceof Error ? err.message : String(err);
 }
@@ -199,16 +204,28 @@ export interface RedisTlsWatchLogger {
  * connection made from it (its duplicates, BullMQ's, a cluster's nodes) presents and trusts the
  * new ones at its next connect. Open connections keep their session. Files that cannot be used
  * (half written, a key for another certificate, a certificate past its end) leave `tls` as it
- * was, with a warning once per reason. The new key and passphrase go to `secrets` (the logger's).
+ * was, with a warning once per reason. The new key and passphrase go to `secrets` (the logger's);
+ * `certificateExpiry` is told when the client certificate in use expires (Unix seconds), now
+ * and after each change (an app's `fleet_redis_tls_cert_expiry_timestamp_seconds`; alert
+ * `FleetRedisTlsCertExpiring`: a renewal that never came, or was not taken).
  * Returns a function that stops watching; the timer holds no process open. No files, no watch.
  */
 export function watchRedisTls(
   files: RedisTlsFiles,
   tls: RedisTls,
-  options: { logger: RedisTlsWatchLogger; secrets?: Set<string>; intervalMs?: number },
+  options: {
+    logger: RedisTlsWatchLogger;
+    secrets?: Set<string>;
+    intervalMs?: number;
+    certificateExpiry?: (unixSeconds: number) => void;
+  },
 ): () => void {
   if (files.redisTlsCaFile === null && files.redisTlsCertFile === null && files.redisTlsKeyFile === null)
     return () => undefined;
+  const tellExpiry = () => {
+    if (tls.cert !== undefined) options.certificateExpiry?.(certificateExpirySeconds(tls.cert));
+  };
+  tellExpiry();
   const fields = ["ca", "cert", "key", "passphrase"] as const;
   let warned = "";
   const check = () => {
@@ -238,6 +255,7 @@ export function watchRedisTls(
       { changed },
       "the Redis TLS files changed; connections present and trust the new ones from their next connect",
     );
+    tellExpiry();
   };
   const timer = setInterval(check, options.intervalMs ?? 60_000).unref();
   return () => clearInterval(timer);

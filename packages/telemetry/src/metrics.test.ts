@@ -38,6 +38,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
         "fleet_queue_workers",
         "fleet_redis_up",
         "fleet_redis_durable",
+        "fleet_redis_tls_cert_expiry_timestamp_seconds",
         "fleet_sandbox_provider_up",
         "fleet_seeding_held",
         "fleet_rollouts_inflight",
@@ -69,6 +70,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     for (const name of [
       "fleet_redis_up",
       "fleet_redis_durable",
+      "fleet_redis_tls_cert_expiry_timestamp_seconds",
       "fleet_rollouts_inflight",
       "fleet_teardown_ledger_entries",
       "fleet_teardown_ledger_oldest_age_seconds",

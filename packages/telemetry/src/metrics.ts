@@ -110,6 +110,7 @@ export interface FleetMetrics {
   rolloutsInflight: Gauge;
   redisUp: Gauge;
   redisDurable: Gauge;
+  redisTlsCertExpiry: Gauge;
   sandboxProviderUp: Gauge;
   seedingHeld: Gauge;
   queueWorkers: Gauge<"queue">;
@@ -226,6 +227,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       help: "1 when the Redis this process is connected to passed the start's durability check (AOF on, fsynced as required, maxmemory-policy noeviction) at its last connection; 0 when a reconnect (a failover's promoted replica) found it not safe for the fleet's state. Set by every app.",
       registers,
     }),
+    redisTlsCertExpiry: new Gauge({
+      name: "fleet_redis_tls_cert_expiry_timestamp_seconds",
+      help: "When the client certificate this process presents to Redis (FLEET_REDIS_TLS_CERT_FILE) expires, in Unix seconds: set at the start and whenever a rotated one is taken (the files are read again every FLEET_REDIS_TLS_RELOAD_MS). Absent without a client certificate. Set by every app.",
+      registers,
+    }),
     sandboxProviderUp: new Gauge({
       name: "fleet_sandbox_provider_up",
       help: "0 while this worker's provider breaker is open (a seed, run or verify failed and the provider did not answer: those jobs are held, none taken), or while it waits at start for its provider; 1 otherwise. Set by stage workers, and by the janitor (0 while its provider does not answer: its sandbox steps wait). An idle worker does not probe: 1 says no failure found it down.",
@@ -273,6 +279,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   for (const gauge of [
     metrics.redisUp,
     metrics.redisDurable,
+    metrics.redisTlsCertExpiry,
     metrics.rolloutsInflight,
     metrics.teardownLedgerEntries,
     metrics.teardownLedgerOldestAge,

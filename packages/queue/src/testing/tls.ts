@@ -19,17 +19,18 @@ export interface TestCertificates {
 /**
  * A CA and a server certificate for 127.0.0.1 and localhost that it signed (or for the names in
  * `subjectAltName`, e.g. `DNS:localhost` alone), made with `openssl` (on PATH) in `dir`; valid for
- * two days.
+ * `days` (default two).
  */
 export function makeTestCertificates(
   dir: string,
-  options: { subjectAltName?: string } = {},
+  options: { subjectAltName?: string; days?: number } = {},
 ): TestCertificates {
+  const days = String(options.days ?? 2);
   const at = (name: string) => join(dir, name);
   const openssl = (...args: string[]) =>
     execFileSync("openssl", args, { stdio: ["ignore", "ignore", "pipe"] });
   openssl(
-    ...["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj", "/CN=fleet test CA"],
+    ...["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", days, "-subj", "/CN=fleet test CA"],
     ...["-keyout", at("ca.key"), "-out", at("ca.crt")],
   );
   openssl(
@@ -42,7 +43,7 @@ export function makeTestCertificates(
   );
   openssl(
     ...["x509", "-req", "-in", at("server.csr"), "-CA", at("ca.crt"), "-CAkey", at("ca.key")],
-    ...["-CAcreateserial", "-days", "2", "-extfile", at("server.ext"), "-out", at("server.crt")],
+    ...["-CAcreateserial", "-days", days, "-extfile", at("server.ext"), "-out", at("server.crt")],
   );
   openssl(
     ...["req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=rollout-fleet"],
@@ -50,7 +51,7 @@ export function makeTestCertificates(
   );
   openssl(
     ...["x509", "-req", "-in", at("client.csr"), "-CA", at("ca.crt"), "-CAkey", at("ca.key")],
-    ...["-CAcreateserial", "-days", "2", "-out", at("client.crt")],
+    ...["-CAcreateserial", "-days", days, "-out", at("client.crt")],
   );
   return {
     clientCertFile: at("client.crt"),
