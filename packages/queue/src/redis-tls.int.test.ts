@@ -16,6 +16,7 @@ import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
 import { readRedisTls, watchRedisTls } from "./redis-tls.ts";
 import { waitForRedis } from "./redis-wait.ts";
 import {
+  FailoverPair,
   fleetTlsFiles,
   LocalSentinel,
   type LoopbackRedisCluster,
@@ -173,6 +174,31 @@ describe("Redis over TLS, checked against FLEET_REDIS_TLS_CA_FILE's CA", () => {
       }),
     );
     await expect(plain.connect()).rejects.toThrow();
+  });
+
+  it("rediss-sentinel:// through a failover: the connection, over TLS to the first master, moves to the promoted replica's TLS port and its writes land there", async () => {
+    const pair = await FailoverPair.start({ tls: certs });
+    try {
+      const tlsPorts = pair.tlsPorts!;
+      sentinel = await LocalSentinel.start(dir, tlsPorts.a, "fleetmaster", { tls: certs });
+      const redis = keep(createRedis(sentinel.url, {}, readRedisTls(fleetTlsFiles(certs))));
+      await assertRedisDurable(redis);
+      expect(await serverPort(redis)).toBe(tlsPorts.a);
+      await redis.set("k", "before");
+      expect(await pair.adminA.get("k")).toBe("before");
+
+      expect(await sentinel.failOver()).toBe(tlsPorts.b);
+      // As over plain TCP (sentinel.int.test.ts): at the sentinel's notice, or at A's READONLY.
+      await expect.poll(() => serverPort(redis), { timeout: 30_000 }).toBe(tlsPorts.b);
+      await redis.set("k", "after");
+      expect(await pair.adminB.get("k")).toBe("after");
+      expect(/^role:master/m.test(await pair.adminB.info("replication"))).toBe(true);
+      await assertRedisDurable(redis);
+    } finally {
+      await sentinel?.stop();
+      sentinel = null;
+      await pair.stop();
+    }
   });
 });
 

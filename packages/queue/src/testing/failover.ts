@@ -3,8 +3,9 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Redis } from "ioredis";
 import { createRedis } from "../connection.ts";
-import { LocalRedisServer } from "../local-redis.ts";
+import { freeLoopbackPort, LocalRedisServer } from "../local-redis.ts";
 import { TcpProxy } from "./tcp-proxy.ts";
+import { type TestCertificates, tlsServerArgs } from "./tls.ts";
 
 async function poll(what: string, check: () => Promise<boolean>, timeoutMs = 20_000): Promise<void> {
   const end = Date.now() + timeoutMs;
@@ -68,22 +69,36 @@ export class FailoverPair {
     readonly adminB: Redis,
     readonly proxy: TcpProxy,
     private readonly dir: string,
+    /** With `tls`: the TLS port each serves beside its plain one (the admins' and the proxy's). */
+    readonly tlsPorts: { a: number; b: number } | null = null,
   ) {}
 
-  static async start(): Promise<FailoverPair> {
+  /**
+   * With `tls`, each also serves TLS (`certs`' server certificate, no client certificate asked)
+   * on a port of its own, and B replicates from A over it (`tls-replication yes`), announcing
+   * its TLS port: what a sentinel started with `tls` watches and hands out.
+   */
+  static async start(options: { tls?: TestCertificates } = {}): Promise<FailoverPair> {
     const dir = mkdtempSync(join(tmpdir(), "fleet-failover-"));
     const started: LocalRedisServer[] = [];
     const admins: Redis[] = [];
     try {
-      for (const name of ["a", "b"]) {
+      const tlsPorts = options.tls ? { a: await freeLoopbackPort(), b: await freeLoopbackPort() } : null;
+      for (const name of ["a", "b"] as const) {
         mkdirSync(join(dir, name));
-        started.push(await LocalRedisServer.start({ dir: join(dir, name), args: REPLICATION_ARGS }));
+        const tlsArgs =
+          options.tls && tlsPorts
+            ? [...tlsServerArgs(options.tls, tlsPorts[name]), "--tls-replication", "yes"]
+            : [];
+        started.push(
+          await LocalRedisServer.start({ dir: join(dir, name), args: [...REPLICATION_ARGS, ...tlsArgs] }),
+        );
       }
       const [a, b] = started as [LocalRedisServer, LocalRedisServer];
       admins.push(new Redis(a.url), new Redis(b.url));
       const [adminA, adminB] = admins as [Redis, Redis];
-      await replicate(adminB, a.port);
-      return new FailoverPair(a, b, adminA, adminB, await TcpProxy.start(a.port), dir);
+      await replicate(adminB, tlsPorts ? tlsPorts.a : a.port);
+      return new FailoverPair(a, b, adminA, adminB, await TcpProxy.start(a.port), dir, tlsPorts);
     } catch (err) {
       for (const c of admins) c.disconnect();
       await Promise.all(started.map((s) => s.kill()));
