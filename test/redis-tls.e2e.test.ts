@@ -1,12 +1,4 @@
-import {
-  copyFileSync,
-  mkdirSync,
-  mkdtempSync,
-  readdirSync,
-  readFileSync,
-  rmSync,
-  writeFileSync,
-} from "node:fs";
+import { mkdirSync, mkdtempSync, readdirSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
@@ -14,6 +6,7 @@ import { certificateExpirySeconds, freeLoopbackPort, LocalRedisServer } from "@f
 import {
   encryptTestKey,
   makeTestCertificates,
+  replaceFile,
   type TestCertificates,
   tlsServerArgs,
 } from "@fleet/queue/testing";
@@ -52,9 +45,9 @@ describe("the fleet on a Redis over TLS with a private CA and client certificate
     key: join(dir, "live-client.key"),
   };
   const install = (from: TestCertificates, key: string) => {
-    copyFileSync(from.caFile, live.ca);
-    copyFileSync(from.clientCertFile, live.cert);
-    copyFileSync(key, live.key);
+    replaceFile(from.caFile, live.ca);
+    replaceFile(from.clientCertFile, live.cert);
+    replaceFile(key, live.key);
   };
   const ids: string[] = [];
 

@@ -1,4 +1,4 @@
-import { copyFileSync, mkdirSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Queue, Worker } from "bullmq";
@@ -21,6 +21,7 @@ import {
   LocalSentinel,
   type LoopbackRedisCluster,
   makeTestCertificates,
+  replaceFile,
   startLoopbackRedisCluster,
   type TestCertificates,
   tlsServerArgs,
@@ -220,9 +221,9 @@ describe("certificates rotated in place (watchRedisTls)", () => {
         redisTlsKeyFile: join(dir, "client.key"),
       };
       const install = (certs: TestCertificates) => {
-        copyFileSync(certs.caFile, files.redisTlsCaFile);
-        copyFileSync(certs.clientCertFile, files.redisTlsCertFile);
-        copyFileSync(certs.clientKeyFile, files.redisTlsKeyFile);
+        replaceFile(certs.caFile, files.redisTlsCaFile);
+        replaceFile(certs.clientCertFile, files.redisTlsCertFile);
+        replaceFile(certs.clientKeyFile, files.redisTlsKeyFile);
       };
       install(before);
       const tlsPort = await freeLoopbackPort();
@@ -251,12 +252,37 @@ describe("certificates rotated in place (watchRedisTls)", () => {
       expect(await dup.ping()).toBe("PONG");
 
       // Half a rotation (the new key beside the old certificate): not taken, said once.
-      copyFileSync(after.clientKeyFile, files.redisTlsKeyFile);
+      replaceFile(after.clientKeyFile, files.redisTlsKeyFile);
       await vi.waitFor(() => expect(said.filter((s) => s.level === "warn")).toHaveLength(1), {
         timeout: 10_000,
       });
       expect(said[0]!.obj).toEqual({ err: expect.stringMatching(/is not the key of the certificate/) });
       expect(tls.key).toBe(readFileSync(before.clientKeyFile, "utf8"));
+      // A certificate file cut short (a chain read mid-write), the old key back: not taken either
+      // (Node's TLS would throw at the next connect, and ioredis end that connection for good).
+      replaceFile(before.clientKeyFile, files.redisTlsKeyFile);
+      writeFileSync(
+        join(dir, "cut.pem"),
+        readFileSync(before.clientCertFile, "utf8") + before.ca.slice(0, 300),
+      );
+      replaceFile(join(dir, "cut.pem"), files.redisTlsCertFile);
+      await vi.waitFor(() => expect(said.filter((s) => s.level === "warn")).toHaveLength(2), {
+        timeout: 10_000,
+      });
+      expect(said[1]!.obj).toEqual({ err: expect.stringMatching(/holds a certificate cut short/) });
+      expect(tls.cert).toBe(readFileSync(before.clientCertFile, "utf8"));
+      // The connections still reconnect with what they had.
+      let readies = 0;
+      redis.on("ready", () => readies++);
+      const admin = createRedis(server.url);
+      try {
+        expect(Number(await admin.call("CLIENT", "KILL", "TYPE", "normal"))).toBeGreaterThanOrEqual(2);
+      } finally {
+        admin.disconnect();
+      }
+      await vi.waitFor(() => expect(readies).toBe(1), { timeout: 30_000 });
+      expect(await redis.ping()).toBe("PONG");
+      expect(await dup.ping()).toBe("PONG");
 
       // The Redis moves to the new CA (restarted: every connection drops), the files follow.
       await server.kill();
@@ -280,7 +306,7 @@ describe("certificates rotated in place (watchRedisTls)", () => {
           msg: "the Redis TLS files changed; connections present and trust the new ones from their next connect",
         },
       ]);
-      expect(said.filter((s) => s.level === "warn")).toHaveLength(1);
+      expect(said.filter((s) => s.level === "warn")).toHaveLength(2);
       // A BullMQ queue and worker (its own duplicates) made from it work on the new files.
       expect(await oneJob(redis, "{tls-rotate-test}")).toBe(42);
     } finally {

@@ -63,7 +63,24 @@ describe("the Redis TLS files (FLEET_REDIS_TLS_*)", () => {
       expect(() => readRedisTls({ ...client, redisTlsKeyFile: badKey })).toThrow(
         /^FLEET_REDIS_TLS_KEY_FILE: ".*bad\.key": its private key cannot be read: /,
       );
-      // Expired: Redis would reset every handshake.
+      // Read while being written (a rotation, `watchRedisTls`): a chain's second certificate cut
+      // short; a combined certificate-and-key file's key cut short (Node's TLS refuses it at a
+      // connect, which would end the connection for good).
+      const chain = at("chain.pem", text(certs.clientCertFile) + certs.ca.slice(0, 300));
+      expect(() => readRedisTls({ ...client, redisTlsCertFile: chain })).toThrow(
+        /^FLEET_REDIS_TLS_CERT_FILE: ".*chain\.pem" holds a certificate cut short \(2 begun, 1 ended: a file still being written\?\)$/,
+      );
+      expect(() =>
+        readRedisTls({ ...none, redisTlsCaFile: at("cab.pem", certs.ca + certs.ca.slice(0, 300)) }),
+      ).toThrow(/^FLEET_REDIS_TLS_CA_FILE: ".*cab\.pem" holds a certificate cut short/);
+      const combined = at(
+        "combined.pem",
+        `${text(certs.clientCertFile)}${text(certs.clientKeyFile).slice(0, 200)}`,
+      );
+      expect(() => readRedisTls({ ...client, redisTlsCertFile: combined })).toThrow(
+        /^FLEET_REDIS_TLS_CERT_FILE: Node's TLS refuses what it holds: .*bad end line/,
+      );
+      // Expired: Redis would refuse every handshake.
       execFileSync(
         "openssl",
         // biome-ignore format: one flag per pair

@@ -1,5 +1,6 @@
 import { createPrivateKey, type KeyObject, X509Certificate } from "node:crypto";
 import { readFileSync } from "node:fs";
+import { createSecureContext, type SecureContextOptions } from "node:tls";
 import { createLogger, type Logger, type LoggerOptions, MIN_SECRET_FRAGMENT } from "@fleet/telemetry";
 
 /**
@@ -38,11 +39,29 @@ const PEM_ENCRYPTED_KEY = /-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type: 4,EN
  * `FLEET_REDIS_TLS_KEY_FILE`, `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`), read and checked now, so
  * that a wrong file stops the start with its name rather than every connection with an
  * OpenSSL code: a file that cannot be read; a certificate file with no certificate, or one that
- * does not parse; a client certificate past its end; a key that does not parse, is encrypted with no passphrase given, or does not
+ * does not parse or is cut short; a client certificate past its end; what Node's TLS would
+ * refuse at a connect; a key that does not parse, is encrypted with no passphrase given, or does not
  * open with the one given; a key that is not the certificate's. The passphrase is its file's
  * first line (as openssl's `-passin file:`).
  */
 export function readRedisTls(config: RedisTlsFiles): RedisTls {
+  const tls = readAndCheckFiles(config);
+  // What Node's TLS itself would refuse at a connect: thrown there, it ends an ioredis connection
+  // for good (no retry), so a file `watchRedisTls` took mid-write must never get that far.
+  const context = (variable: string, options: SecureContextOptions) => {
+    try {
+      createSecureContext(options);
+    } catch (err) {
+      throw new Error(`${variable}: Node's TLS refuses what it holds: ${messageOf(err)}`);
+    }
+  };
+  if (tls.ca !== undefined) context("FLEET_REDIS_TLS_CA_FILE", { ca: tls.ca });
+  if (tls.cert !== undefined)
+    context("FLEET_REDIS_TLS_CERT_FILE", { cert: tls.cert, key: tls.key, passphrase: tls.passphrase });
+  return tls;
+}
+
+function readAndCheckFiles(config: RedisTlsFiles): RedisTls {
   const read = (variable: string, file: string): string => {
     try {
       return readFileSync(file, "utf8");
@@ -55,6 +74,11 @@ export function readRedisTls(config: RedisTlsFiles): RedisTls {
     const text = read(variable, file);
     const blocks = text.match(PEM_CERTIFICATE) ?? [];
     if (blocks.length === 0) throw new Error(`${variable}: ${JSON.stringify(file)} holds no PEM certificate`);
+    const begun = text.split("-----BEGIN CERTIFICATE-----").length - 1;
+    if (begun > blocks.length)
+      throw new Error(
+        `${variable}: ${JSON.stringify(file)} holds a certificate cut short (${begun} begun, ${blocks.length} ended: a file still being written?)`,
+      );
     const parsed = blocks.map((block, i) => {
       try {
         return new X509Certificate(block);
@@ -67,7 +91,7 @@ export function readRedisTls(config: RedisTlsFiles): RedisTls {
   };
   const ca = certificates("FLEET_REDIS_TLS_CA_FILE", config.redisTlsCaFile);
   const cert = certificates("FLEET_REDIS_TLS_CERT_FILE", config.redisTlsCertFile);
-  // Past its end, Redis refuses the handshake; the client sees only a reset, again and again.
+  // Past its end, Redis refuses every handshake (a "certificate expired" alert, at each retry).
   if (cert && Date.parse(cert.first.validTo) < Date.now())
     throw new Error(
       `FLEET_REDIS_TLS_CERT_FILE: the certificate in ${JSON.stringify(config.redisTlsCertFile)} expired on ${new Date(cert.first.validTo).toISOString()}`,

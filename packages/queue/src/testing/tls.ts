@@ -1,5 +1,5 @@
 import { execFileSync } from "node:child_process";
-import { readFileSync, writeFileSync } from "node:fs";
+import { copyFileSync, readFileSync, renameSync, writeFileSync } from "node:fs";
 import { join } from "node:path";
 
 /** A test's own certificate authority and a server certificate it signed, as files in a directory. */
@@ -110,4 +110,10 @@ export function encryptTestKey(
     stdio: ["ignore", "ignore", "pipe"],
   });
   return outFile;
+}
+
+/** `to` replaced by a copy of `from` at once (a rename), as a rotation writes it: never read half written. */
+export function replaceFile(from: string, to: string): void {
+  copyFileSync(from, `${to}.new`);
+  renameSync(`${to}.new`, to);
 }
