@@ -63,8 +63,11 @@ describe("configs/fleet.env.example", () => {
       if (e.name.startsWith("FLEET_REDIS_TLS_")) env.REDIS_URL = "rediss://127.0.0.1:6380";
       if (e.name === "FLEET_REDIS_TLS_CERT_FILE")
         env.FLEET_REDIS_TLS_KEY_FILE = "/etc/rollout-fleet/redis-client.key";
-      if (e.name === "FLEET_REDIS_TLS_KEY_FILE")
+      if (e.name === "FLEET_REDIS_TLS_KEY_FILE" || e.name === "FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE")
         env.FLEET_REDIS_TLS_CERT_FILE = "/etc/rollout-fleet/redis-client.pem";
+      // A passphrase with the key it opens.
+      if (e.name === "FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE")
+        env.FLEET_REDIS_TLS_KEY_FILE = "/etc/rollout-fleet/redis-client.key";
       expect(() => parseAll(env), e.name).not.toThrow();
     }
   });
