@@ -39,10 +39,10 @@ const PEM_ENCRYPTED_KEY = /-----BEGIN ENCRYPTED PRIVATE KEY-----|Proc-Type: 4,EN
  * `FLEET_REDIS_TLS_KEY_FILE`, `FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE`), read and checked now, so
  * that a wrong file stops the start with its name rather than every connection with an
  * OpenSSL code: a file that cannot be read; a certificate file with no certificate, or one that
- * does not parse or is cut short; a client certificate past its end; what Node's TLS would
- * refuse at a connect; a key that does not parse, is encrypted with no passphrase given, or does not
- * open with the one given; a key that is not the certificate's. The passphrase is its file's
- * first line (as openssl's `-passin file:`).
+ * does not parse or is cut short; a client certificate past its end; a key that does not parse,
+ * is encrypted with no passphrase given, or does not open with the one given; a key that is not
+ * the certificate's; anything else Node's TLS would refuse at a connect. The passphrase is its
+ * file's first line (as openssl's `-passin file:`).
  */
 export function readRedisTls(config: RedisTlsFiles): RedisTls {
   const tls = readAndCheckFiles(config);
@@ -130,7 +130,7 @@ function readAndCheckFiles(config: RedisTlsFiles): RedisTls {
   }
   if (keyObject === null) {
     const code = (failure as { code?: unknown } | null)?.code;
-    const where = `${JSON.stringify(keyFile)}`;
+    const where = JSON.stringify(keyFile);
     if (!PEM_ENCRYPTED_KEY.test(key) || code !== "ERR_OSSL_BAD_DECRYPT")
       throw new Error(
         `FLEET_REDIS_TLS_KEY_FILE: ${where}: its private key cannot be read: ${messageOf(failure)}${
