@@ -1,3 +1,4 @@
+import { REDIS_HOST_PORT } from "@fleet/contracts";
 import { z } from "zod";
 
 /** Largest delay a Node timer honours; longer ones fire at once. */
@@ -138,13 +139,10 @@ export function redisUrlVar() {
             decodeURIComponent(value.join("="));
           }
         }
-        // Each `host[:port]` as the queue's parser takes it (a `:` with no port after it is not one).
+        // Each `host[:port]` as the queue's parser takes it.
         return nodes
           .split(",")
-          .every(
-            (node) =>
-              /^(\[[^\]]+\]|[^:]+)(?::\d+)?$/.test(node.trim()) && new URL(`redis://${node}`).hostname !== "",
-          );
+          .every((node) => REDIS_HOST_PORT.test(node.trim()) && new URL(`redis://${node}`).hostname !== "");
       } catch {
         return false;
       }

@@ -5,6 +5,7 @@ export * from "./errors.ts";
 export * from "./failure.ts";
 export * from "./issues.ts";
 export * from "./json-object.ts";
+export * from "./redis-url.ts";
 export * from "./rollout.ts";
 export * from "./run-budget.ts";
 export * from "./sandbox.ts";

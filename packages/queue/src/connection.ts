@@ -1,4 +1,5 @@
 import type { ConnectionOptions } from "node:tls";
+import { REDIS_HOST_PORT } from "@fleet/contracts";
 import { Cluster, type ClusterNode, Redis, type RedisOptions } from "ioredis";
 import { connectionErrorFields, type RedisTls } from "./redis-tls.ts";
 
@@ -166,7 +167,7 @@ function splitMultiHostUrl(
   const end = rest.indexOf("/");
   const path = end >= 0 ? rest.slice(end).replace(/^\/+$/, "") : "";
   const hosts = (end >= 0 ? rest.slice(0, end) : rest).split(",").map((hostPort) => {
-    const m = /^(\[[^\]]+\]|[^:]+)(?::(\d+))?$/.exec(hostPort.trim());
+    const m = REDIS_HOST_PORT.exec(hostPort.trim());
     if (!m) throw new Error(`bad ${what} ${JSON.stringify(hostPort)} in ${JSON.stringify(shown)}`);
     return { host: m[1]!.replace(/^\[|\]$/g, ""), port: m[2] ? Number(m[2]) : defaultPort };
   });

@@ -67,7 +67,7 @@ export async function waitForRedis(redis: RedisConnection, options: RedisWaitOpt
           // Down again before the check was through, or busy (LOADING its data, a failover):
           // the check again after a wait. A refusal is not retried.
           if (!isRedisUnavailable(err)) throw err;
-          lastError = { err: (err as Error).message };
+          lastError = connectionErrorFields(err as Error);
           await sleep(delayMs);
         }
       }
