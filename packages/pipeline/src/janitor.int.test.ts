@@ -228,6 +228,65 @@ describe("janitor", () => {
     }
   });
 
+  it("failure log rows this release cannot read (torn, or another release's kind) are left out: the rollout still closes, with the rows it can read", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+    for (const stage of ["seed", "run", "verify"] as const) {
+      expect(await runStageJob(stage, job(id), fleet.deps)).toBe("ok");
+    }
+    const readable = {
+      stage: "run",
+      terminal: false,
+      failureKind: "sandbox_lost",
+      mask: true,
+      reason: "an earlier attempt's sandbox went away",
+      at: Date.now(),
+    };
+    await fleet.redis.rpush(
+      fleet.deps.store.keys.failures(id),
+      "{torn",
+      JSON.stringify({ ...readable, failureKind: "kind_of_a_later_release" }),
+      JSON.stringify(readable),
+    );
+    expect(await fleet.deps.store.failureLog(id)).toEqual([readable]);
+    expect(await runStageJob("close", job(id), fleet.deps)).toBe("ok");
+    const result = await fleet.deps.store.getResult(id);
+    expect(result).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
+    expect(result!.failures).toEqual([
+      expect.objectContaining({ failureKind: "sandbox_lost", stage: "run" }),
+    ]);
+  });
+
+  it(`a rollout past its deadline whose stored data every close refuses (a receipt of another shape) is set aside after ${CLOSE_AGAIN_LIMIT} closes, not left in flight`, async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [string];
+    const { store, queues } = fleet.deps;
+    // Valid JSON that no result can be composed from: every close throws on it.
+    await fleet.redis.hset(store.keys.rollout(id), "r:run", JSON.stringify({ exec: { exitCode: "oops" } }));
+    const later = { ...fleet.deps, now: () => Date.now() + 3_660_000 };
+    const opts = { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 };
+    const closeJob = () => queues.queues.close.getJob(`${id}.close`);
+    for (let i = 0; i < CLOSE_AGAIN_LIMIT; i++) {
+      await (await closeJob())?.remove();
+      const report = await janitorTick(later, opts);
+      expect(report.errors).toEqual([]);
+      expect(report.watchdogClosed).toBe(1);
+    }
+    await (await closeJob())?.remove();
+    const report = await janitorTick(later, opts);
+    expect(report.setAside).toBe(1);
+    expect(report.errors).toEqual([
+      expect.stringMatching(new RegExp(`^watchdog ${id}: its record cannot be read`)),
+    ]);
+    expect(await store.pastDeadline(Date.now() + 7_200_000)).not.toContain(id);
+    expect(await store.unreadable()).toContain(id);
+    expect((await store.get(id))!.status).toBe("accepted"); // kept as it is, for an operator
+    await fleet.redis.zrem(store.keys.unreadable(), id);
+  });
+
   it("retires a registry entry that does not parse once its rollout is over past the grace period and nothing labelled with it is left: kept aside, its rollout's teardown confirmed", async () => {
     const { redis } = fleet;
     const { ledger, store } = fleet.deps;

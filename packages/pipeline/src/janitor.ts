@@ -1,6 +1,7 @@
 import { isTerminal } from "@fleet/contracts";
 import {
   duplicateRedis,
+  isInvalidStoredData,
   JANITOR_QUEUE,
   NETWORK_RETRY_MS,
   type RedisConnection,
@@ -523,7 +524,8 @@ const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", 
  * reward stands, close only has to report it) or has a failure recorded, and close is enqueued,
  * replacing a close job that ended without finalizing; past `CLOSE_AGAIN_LIMIT` enqueued
  * closes, the janitor closes it itself. Says which it did (null: neither; "gone": its record is
- * missing). @throws UnreadableRecordError when its record cannot be read.
+ * missing). @throws UnreadableRecordError when its record cannot be read, or the janitor's own
+ * close cannot use what it holds.
  */
 async function watchdogClose(
   deps: PipelineDeps,
@@ -564,7 +566,15 @@ async function watchdogClose(
     );
     // At this pass's time: the sandboxes it hands to the ledger are due in this pass's ledger
     // step. Not counted when another closer finalized meanwhile (a close job, another pass).
-    return (await closeWithoutDestroys(deps, id, now)) ? "closed" : null;
+    try {
+      return (await closeWithoutDestroys(deps, id, now)) ? "closed" : null;
+    } catch (err) {
+      // Stored data no close can use (a receipt of another release's shape, say: JSON this one
+      // parses, then refuses in the result): every close so far threw on it, and every later
+      // one would. Its record is unreadable to this release, as a torn one is.
+      if (isInvalidStoredData(err)) throw new UnreadableRecordError(id, err);
+      throw err;
+    }
   }
   if (closes === 0) return null; // it finished meanwhile
   await deps.queues.enqueue("close", id);

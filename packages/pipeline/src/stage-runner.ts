@@ -84,6 +84,12 @@ export async function runStageJob(
     deps.logger.warn({ rolloutId, stage }, "stage job for an unknown rollout; dropping it");
     return "unknown";
   }
+  if (begin.unreadableFailures > 0) {
+    deps.logger.warn(
+      { rolloutId, stage, unreadable: begin.unreadableFailures },
+      "rows of the rollout's failure log do not read as failure records (another release's, or edited); left out of its result",
+    );
+  }
   if (isTerminal(rec.status)) return "replayed";
 
   if (stage !== "close") {

@@ -51,10 +51,10 @@ import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess 
 import { composeResult } from "./result.ts";
 
 /** What `store.begin` did for the stage besides reading the record (see `beginOptions`). */
-export type Begun = Omit<BeginResult, "record" | "failures">;
+export type Begun = Omit<BeginResult, "record" | "failures" | "unreadableFailures">;
 
 /**
- * `begin`'s answer without its record and failure log (`const { record, failures, ...begun }`),
+ * `begin`'s answer without its record and failure log (`const { record, failures, unreadableFailures, ...begun }`),
  * as a literal: a rest copy runs on V8's slow path (Node 20), a few µs a stage job.
  */
 export function begunOf(b: BeginResult): Begun {

@@ -96,8 +96,10 @@ export interface BeginOptions {
 
 export interface BeginResult {
   record: RolloutRecord | null;
-  /** The failure log (close only; empty otherwise). */
+  /** The failure log (close only; empty otherwise), its rows that read as failure records. */
   failures: FailureRecord[];
+  /** Rows of the failure log left out of `failures`: not JSON, or not a failure record. */
+  unreadableFailures: number;
   /** The sandbox intent is persisted (seed with `intent`, stage not skipped). */
   intentRecorded: boolean;
   /**
@@ -207,6 +209,27 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
     result: h.result ? (JSON.parse(h.result) as RolloutResult) : null,
     times,
   };
+}
+
+/**
+ * A failure log's rows as failure records, leaving out (and counting) each row that is not JSON
+ * or not a failure record: one written by another release (a failure kind this one does not
+ * know, in a rolling upgrade) or edited by hand. The log is a diagnostic that goes into the
+ * result; one row this release cannot read must not stop the rollout's close, which reads it
+ * (every attempt would throw, and the rollout would stay in flight for good).
+ */
+export function readFailureLog(rows: readonly string[]): { failures: FailureRecord[]; unreadable: number } {
+  const failures: FailureRecord[] = [];
+  for (const row of rows) {
+    let parsed: ReturnType<typeof FailureRecord.safeParse>;
+    try {
+      parsed = FailureRecord.safeParse(JSON.parse(row));
+    } catch {
+      continue;
+    }
+    if (parsed.success) failures.push(parsed.data);
+  }
+  return { failures, unreadable: rows.length - failures.length };
 }
 
 /**
@@ -690,9 +713,11 @@ export class RolloutStore {
     }
     if (verifyPrev !== null && verifyPrev !== undefined) h["t:verify:prev"] = verifyPrev;
     const claimed = options.launchToken !== undefined && (previous === "stopped" || Number(launches) > 0);
+    const log = readFailureLog(failures);
     return {
       record: parseRecord(h),
-      failures: failures.map((f) => JSON.parse(f) as FailureRecord),
+      failures: log.failures,
+      unreadableFailures: log.unreadable,
       intentRecorded: intent === "ok" || intent === "new",
       intentFresh: intent === "new",
       launch: claimed
@@ -1113,9 +1138,9 @@ export class RolloutStore {
     return tx;
   }
 
+  /** The rollout's failure log: its rows that read as failure records (see `readFailureLog`). */
   async failureLog(id: string): Promise<FailureRecord[]> {
-    const rows = await this.redis.lrange(this.keys.failures(id), 0, -1);
-    return rows.map((r) => FailureRecord.parse(JSON.parse(r)));
+    return readFailureLog(await this.redis.lrange(this.keys.failures(id), 0, -1)).failures;
   }
 
   /**
