@@ -1,3 +1,4 @@
+import { setFlagsFromString } from "node:v8";
 import { createContext, Script } from "node:vm";
 import {
   capText,
@@ -13,6 +14,14 @@ type MatchSpec = Extract<VerifierSpec, { kind: "match" }>;
 
 /** How long one regex match may run before the answer counts as not matching. */
 export const REGEX_TIMEOUT_MS = 1000;
+
+// A match that backtracks past V8's bound (50,000 backtracks) goes on in V8's linear-time engine,
+// where the pattern allows it (no backreference, no lookaround): it then finishes, with the same
+// answer, whatever the pattern. Without it, a pattern whose first alternative backtracks
+// catastrophically runs out of its time before trying a later one that matches, and a correct
+// answer scored 0; how far it got depended on the host's load. V8 reads the flag when it
+// compiles a pattern: set here, before any pattern of a task is compiled.
+setFlagsFromString("--enable-experimental-regexp-engine-on-excessive-backtracks");
 
 /** The match, compiled once; each call sets `pattern` and `answer` in the one context. */
 const MATCH = new Script("pattern.test(answer)");
@@ -38,7 +47,10 @@ export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec:
     } else {
       const pattern = matchPattern(spec.expected);
       // The pattern is the task's, the answer the agent's: a pattern that backtracks
-      // catastrophically on this answer must not freeze the worker. Past the budget, no match.
+      // catastrophically on this answer must not freeze the worker. One the linear-time engine
+      // cannot run (above) may still use the whole budget: past it, no match, as tests that hang
+      // on the agent's work are graded (a mask would let a policy trade its wrong answers for
+      // masks); `regexTimedOut` in the details says so.
       try {
         Object.assign(matchContext, { pattern, answer });
         matched = MATCH.runInContext(matchContext, { timeout: REGEX_TIMEOUT_MS }) as boolean;

@@ -635,10 +635,22 @@ describe("match verifier", () => {
     // Alternation is anchored as a whole, not just its first and last branch.
     expect(await grade("a|b", "regex", "ab")).toBe(0);
     expect(await grade("a|b", "regex", "b")).toBe(1);
-    // A pattern that backtracks catastrophically on the agent's answer: no match, not a frozen worker.
+    // A pattern that backtracks catastrophically on the agent's answer: the match goes on in the
+    // linear-time engine and finishes, with the right answer, even when a later alternative matches.
     expect(await grade("(a+)+b", "regex", "a".repeat(40))).toBe(0);
+    expect(await grade("(a+)+b|a+c", "regex", `${"a".repeat(40)}c`)).toBe(1);
     // A pattern from a TOML multi-line string ends in a newline: trimmed like the answer.
     expect(await grade("v?2\\.10\\.0\n", "regex", "2.10.0")).toBe(1);
+  });
+
+  it("regex: a pattern only the backtracking engine runs (a backreference) that runs out of its time on the answer → 0, and details say so", async () => {
+    const verdict = await verify(
+      ctx({ run: { answer: "a".repeat(30), exec: AGENT_EXEC } }, matchTask("(a*)*\\1b", "regex")),
+    );
+    expect(verdict).toEqual({
+      reward: 0,
+      details: expect.objectContaining({ kind: "match", matched: false, regexTimedOut: true }),
+    });
   });
 
   it("no answer → 0, and details say why", async () => {
