@@ -71,6 +71,32 @@ describe("HTTP the parser refuses", () => {
   });
 });
 
+describe("a request whose body stops arriving", () => {
+  const dispatcher = listening("client-stall", { FLEET_HTTP_REQUEST_TIMEOUT_MS: "1000" });
+
+  it("is answered 408 in the API's error body once FLEET_HTTP_REQUEST_TIMEOUT_MS has passed, and its connection closed (not held for good)", async () => {
+    const started = Date.now();
+    // Headers that promise 1000 bytes, 8 of them, then nothing (the socket left open).
+    const socket = connect(dispatcher.port, "127.0.0.1");
+    let answer = "";
+    socket.on("data", (c: Buffer) => (answer += c.toString("utf8")));
+    const closed = new Promise<void>((resolve, reject) => {
+      socket.on("close", () => resolve());
+      socket.on("error", reject);
+    });
+    socket.write(
+      'POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"task":',
+    );
+    await closed;
+    expect(parse(answer)).toEqual({
+      status: 408,
+      body: { error: { code: "malformed", message: "the request did not arrive in time", details: null } },
+    });
+    // Not before the limit (Node checks every quarter of it, here).
+    expect(Date.now() - started).toBeGreaterThanOrEqual(1000);
+  });
+});
+
 describe("a request that arrives while the dispatcher shuts down", () => {
   let redis: Redis;
   let server: TestServer;

@@ -60,6 +60,15 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     // type parameter would make it incompatible with route modules typed FastifyInstance).
     loggerInstance: logger as FastifyBaseLogger,
     bodyLimit: config.maxBodyBytes,
+    // A request (headers and body) that has not all arrived by then is answered 408 (below) and
+    // its connection closed: a client that stalls mid-body would otherwise hold its socket, and
+    // a graceful shutdown, for good (Fastify turns Node's own limit off by default). Node checks
+    // at `connectionsCheckingInterval`; the headers' own limit may not exceed the request's.
+    requestTimeout: config.requestTimeoutMs,
+    http: {
+      connectionsCheckingInterval: Math.min(30_000, Math.ceil(config.requestTimeoutMs / 4)),
+      headersTimeout: Math.min(60_000, config.requestTimeoutMs),
+    },
     // A request that arrives while the server closes gets the one error body (the hook below),
     // not Fastify's own 503 body.
     return503OnClosing: false,

@@ -34,6 +34,7 @@ describe("DispatcherConfig", () => {
       maxTaskBytes: 10 * 1024 * 1024,
       maxBodyBytes: 32 * 1024 * 1024,
       maxJsonBatchBytes: 2 * 1024 * 1024,
+      requestTimeoutMs: 300_000,
     });
   });
 
@@ -55,6 +56,7 @@ describe("DispatcherConfig", () => {
       FLEET_MAX_TASK_BYTES: "2048",
       FLEET_MAX_BODY_BYTES: "65536",
       FLEET_MAX_JSON_BATCH_BYTES: "4096",
+      FLEET_HTTP_REQUEST_TIMEOUT_MS: "45000",
     });
     expect(cfg).toEqual({
       redisUrl: "rediss://r.example:6380/2",
@@ -75,6 +77,7 @@ describe("DispatcherConfig", () => {
       maxTaskBytes: 2048,
       maxBodyBytes: 65536,
       maxJsonBatchBytes: 4096,
+      requestTimeoutMs: 45_000,
     });
   });
 
