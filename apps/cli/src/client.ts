@@ -246,6 +246,17 @@ export class FleetClient {
     const res = await this.request("GET", `/v1/batches/${encodeURIComponent(batchId)}/results`, {
       stream: true,
     });
+    // Not the dispatcher's results (a proxy's login page, a FLEET_URL that is some other server):
+    // refused, not printed or written to --out as results.
+    const type = res.headers.get("content-type") ?? "";
+    if (!/^application\/x-ndjson\s*(;|$)/i.test(type)) {
+      await res.body?.cancel().catch(() => {});
+      throw new ApiError(
+        res.status,
+        "bad_response",
+        `the results of batch ${batchId} came as ${type === "" ? "a body without a content type" : type}, not NDJSON: is ${this.url} the dispatcher?`,
+      );
+    }
     if (res.body === null) return new ReadableStream({ start: (c) => c.close() });
     const reader = res.body.getReader();
     return new ReadableStream<Uint8Array>({

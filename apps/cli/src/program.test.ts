@@ -468,6 +468,48 @@ describe("fleet submit", () => {
     expect(again.map((r) => r.headers["idempotency-key"])).toEqual(keys);
   });
 
+  it("a chunk over the dispatcher's JSON batch limit (413 naming ndjsonLimit) goes again as NDJSON under the same key, split only by the NDJSON body limit", async () => {
+    // As the dispatcher answers with FLEET_MAX_JSON_BATCH_BYTES and FLEET_MAX_BODY_BYTES both
+    // under the size the CLI sends NDJSON from.
+    const jsonLimit = 1000;
+    const bodyLimit = 2500;
+    const accepted: Array<Record<string, unknown>> = [];
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const bytes = Buffer.byteLength(req.body);
+      const ndjson = req.headers["content-type"] === "application/x-ndjson";
+      if (!ndjson && bytes > jsonLimit) {
+        return apiError(res, 413, "payload_too_large", "a JSON batch body is at most …: send it as NDJSON", {
+          limit: jsonLimit,
+          bytes,
+          ndjsonLimit: bodyLimit,
+        });
+      }
+      if (bytes > bodyLimit) {
+        return apiError(res, 413, "payload_too_large", "over the limit", { limit: bodyLimit });
+      }
+      accepted.push(...rowsOf(req));
+      acceptBatch(res, ++n, rowsOf(req));
+    });
+    const args = ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--idempotency-key", "k"];
+    expect(await runCli(args, ctx()), stderr.text()).toBe(0);
+    expect(accepted).toHaveLength(20);
+    expect(new Set(accepted.map((r) => JSON.stringify(r))).size).toBe(20);
+    // Split by the NDJSON body limit, never by the JSON batch limit.
+    expect(stderr.text()).not.toContain(`at most ${jsonLimit} bytes`);
+    const posts = server.requests.filter((r) => r.method === "POST");
+    const refused = posts.filter((r) => r.headers["content-type"] === "application/json");
+    expect(refused).toHaveLength(1); // later bodies go as NDJSON from the start
+    // The refused body's rollouts again as NDJSON, under its key.
+    expect(posts[1]!.headers["content-type"]).toBe("application/x-ndjson");
+    expect(posts[1]!.headers["idempotency-key"]).toBe(refused[0]!.headers["idempotency-key"]);
+    const sent = posts.filter(
+      (r) => r.headers["content-type"] === "application/x-ndjson" && Buffer.byteLength(r.body) <= bodyLimit,
+    );
+    expect(sent).toHaveLength(n);
+    expect(n).toBeGreaterThan(1);
+  });
+
   it("a single row over the dispatcher's body limit is not split: the 413 and exit 1", async () => {
     server.on("POST", "/v1/batches", (req, res) =>
       apiError(
@@ -973,6 +1015,18 @@ describe("fleet status / results / cancel", () => {
     expect(server.requests).toHaveLength(0);
   });
 
+  it("refuses a --url with credentials, a query or a fragment as bad usage, asking nothing", async () => {
+    for (const [url, said] of [
+      [server.url.replace("http://", "http://bob:hunter2@"), "must not hold credentials"],
+      [`${server.url}/?x=1`, "must not have a query"],
+      [`${server.url}#top`, "must not have a query"],
+    ] as const) {
+      expect(await runCli(["status", "b-1", "--url", url], ctx()), url).toBe(2);
+      expect(stderr.text()).toContain(said);
+    }
+    expect(server.requests).toHaveLength(0);
+  });
+
   it("exits 1 with the API's message on 401 and 404", async () => {
     server.on("GET", "/v1/batches/b-1", (_req, res) => apiError(res, 401, "unauthorized", "bad token"));
     expect(await runCli(["status", "b-1"], ctx())).toBe(1);
@@ -1057,6 +1111,19 @@ describe("fleet status / results / cancel", () => {
     },
   );
 
+  it("results: a 200 that is not NDJSON (a proxy's page, another server) is refused, and --out writes no file", async () => {
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "text/html" }).end("<html>sign in</html>\n");
+    });
+    const out = path.join(dir, "r.jsonl");
+    expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(1);
+    expect(stderr.text()).toContain(
+      "error: bad_response: the results of batch b-1 came as text/html, not NDJSON",
+    );
+    expect(stdout.text()).toBe("");
+    expect(await readdir(dir)).toEqual([]);
+  });
+
   it("results: a stream that keeps breaking off ends with a clear error, not a stack trace", async () => {
     server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
       res.writeHead(200, { "content-type": "application/x-ndjson" });
@@ -1078,6 +1145,15 @@ describe("fleet status / results / cancel", () => {
     server.on("POST", "/v1/batches/b-2/cancel", (_req, res) =>
       json(res, 202, { batchId: "b-2", cancelled: 0 }),
     );
+    // As the dispatcher answers an id nothing has: 404 naming it.
+    for (const id of ["b-1", "b-2", "zzz"]) {
+      server.on("POST", `/v1/rollouts/${id}/cancel`, (_req, res) =>
+        apiError(res, 404, "not_found", `no rollout "${id}"`, { rolloutId: id }),
+      );
+    }
+    server.on("POST", "/v1/batches/zzz/cancel", (_req, res) =>
+      apiError(res, 404, "not_found", 'no batch "zzz"', { batchId: "zzz" }),
+    );
     expect(await runCli(["cancel", "r-1"], ctx())).toBe(0);
     expect(await runCli(["cancel", "b-1"], ctx())).toBe(0);
     expect(await runCli(["cancel", "b-2"], ctx())).toBe(0);
@@ -1095,6 +1171,14 @@ describe("fleet status / results / cancel", () => {
     ]);
     expect(await runCli(["cancel", "zzz"], ctx())).toBe(1);
     expect(stderr.text()).toContain("error: not_found: no rollout or batch with id zzz (HTTP 404)");
+  });
+
+  it("cancel: a 404 that is not the dispatcher's unknown id (a wrong path in FLEET_URL, a proxy's page) is said as it is, not as an unknown id", async () => {
+    // The fake answers every unrouted request 404 "no route …", without an id in its details.
+    expect(await runCli(["cancel", "r-9"], ctx())).toBe(1);
+    expect(stderr.text()).toContain("error: not_found: no route POST /v1/rollouts/r-9/cancel");
+    expect(stderr.text()).not.toContain("no rollout or batch with id");
+    expect(server.requests.map((r) => r.path)).toEqual(["/v1/rollouts/r-9/cancel"]);
   });
 
   it("a rollout cancelled already is what was asked for (exit 0); one that ended otherwise is not", async () => {

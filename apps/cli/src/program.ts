@@ -1,4 +1,4 @@
-import { FETCH_BLOCKED_PORT_MESSAGE, fetchBlockedPort, TOKEN_CHARS } from "@fleet/config";
+import { dispatcherUrlProblem, TOKEN_CHARS } from "@fleet/config";
 import { MIN_DURATION_S } from "@fleet/contracts";
 import { DEFAULT_MAX_TASK_BYTES } from "@fleet/tasks";
 import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
@@ -58,8 +58,10 @@ function httpUrl(value: string): string {
     // fall through
   }
   if (!ok) throw new InvalidArgumentError("must be an http:// or https:// URL");
-  // fetch would refuse it on every attempt ("bad port"), retried as if the dispatcher were down.
-  if (fetchBlockedPort(value) !== null) throw new InvalidArgumentError(FETCH_BLOCKED_PORT_MESSAGE);
+  // fetch would refuse it on every attempt (a bad port, credentials), retried as if the dispatcher
+  // were down; or every request would miss its route (a query, a fragment).
+  const problem = dispatcherUrlProblem(value);
+  if (problem !== undefined) throw new InvalidArgumentError(problem);
   return value.replace(/\/+$/, "");
 }
 

@@ -74,6 +74,30 @@ export const FETCH_BLOCKED_PORT_MESSAGE =
   "names a port that fetch and browsers refuse to connect to (one of the Fetch standard's bad ports, such as 6000, 6667 or 10080): no client can reach a dispatcher there; run it on another port";
 
 /**
+ * What is wrong with an http(s) URL as the dispatcher's base URL, beyond its scheme, or
+ * undefined: a port `fetch` refuses (`FETCH_BLOCKED_PORT_MESSAGE`); credentials (`fetch` refuses
+ * a URL holding them on every attempt, which read as a dispatcher that is down); a query or a
+ * fragment (the API's paths go after the base: every request would miss its route). A path is
+ * fine (a dispatcher behind a proxy under a prefix).
+ */
+export function dispatcherUrlProblem(url: string): string | undefined {
+  let parsed: URL;
+  try {
+    parsed = new URL(url);
+  } catch {
+    return undefined; // the scheme's check says it
+  }
+  if (fetchBlockedPort(url) !== null) return FETCH_BLOCKED_PORT_MESSAGE;
+  if (parsed.username !== "" || parsed.password !== "") {
+    return "must not hold credentials (user:password@): fetch refuses such a URL; give the API token as FLEET_TOKEN or --token";
+  }
+  if (parsed.search !== "" || parsed.hash !== "" || /[?#]/.test(url)) {
+    return "must not have a query (?…) or a fragment (#…): the API's paths are added after it";
+  }
+  return undefined;
+}
+
+/**
  * At a server's start: a warning when it is to listen on a port `fetch` and browsers refuse
  * (`FETCH_BLOCKED_PORTS`). Not a refusal: curl and most other clients still connect, but the
  * fleet CLI and Bull Board in a browser never will. Returns whether it warned.

@@ -603,6 +603,19 @@ describe("CliConfig", () => {
     }
   });
 
+  it("refuses a FLEET_URL with credentials (fetch refuses it), a query or a fragment (the API's paths go after it); takes one with a path", () => {
+    const creds = errorOf(() => parseConfig(CliConfig, { FLEET_URL: "https://bob:hunter2@fleet.example" }));
+    expect(creds.message).toContain("FLEET_URL: must not hold credentials");
+    expect(creds.message).not.toContain("hunter2");
+    for (const url of ["http://h:8080/?x=1", "http://h:8080/#top", "http://h:8080/api?"]) {
+      const err = errorOf(() => parseConfig(CliConfig, { FLEET_URL: url }));
+      expect(err.message, url).toContain("FLEET_URL: must not have a query (?…) or a fragment (#…)");
+    }
+    expect(parseConfig(CliConfig, { FLEET_URL: "https://proxy.example/fleet/" }).url).toBe(
+      "https://proxy.example/fleet",
+    );
+  });
+
   it("hides the userinfo of a bad FLEET_URL, even one that does not parse", () => {
     for (const [url, shown] of [
       ["https://bob:hun#ter2@fleet.example", "https://***@fleet.example"],

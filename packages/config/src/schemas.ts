@@ -3,9 +3,8 @@ import { z } from "zod";
 import {
   apiTokensVar,
   boolVar,
+  dispatcherUrlProblem,
   durationMsVar,
-  FETCH_BLOCKED_PORT_MESSAGE,
-  fetchBlockedPort,
   intVar,
   LogLevel,
   portVar,
@@ -417,7 +416,10 @@ export const TOKEN_CHARS = /^[\x21-\x7e]+$/;
 export const CliConfig = z
   .object({
     FLEET_URL: urlVar(["http:", "https:"])
-      .refine((url) => fetchBlockedPort(url) === null, FETCH_BLOCKED_PORT_MESSAGE)
+      .superRefine((url, ctx) => {
+        const problem = dispatcherUrlProblem(url);
+        if (problem !== undefined) ctx.addIssue({ code: "custom", message: problem });
+      })
       .default(DEFAULT_DISPATCHER_URL),
     FLEET_TOKEN: z
       .string()

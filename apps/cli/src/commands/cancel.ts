@@ -14,13 +14,15 @@ export async function cancelCommand(client: FleetClient, id: string, ctx: CliCon
       await writeText(ctx.stdout, `rollout ${id} is already cancelled\n`);
       return 0;
     }
-    if (!isApiError(err) || err.status !== 404) throw err;
+    // Only the dispatcher's own answer that no rollout has this id: a 404 of another kind (a
+    // wrong FLEET_URL path, a proxy's page) is said as it is, not as an unknown id.
+    if (!unknownId(err, "rollout")) throw err;
   }
   let cancelled: number;
   try {
     ({ cancelled } = await client.cancelBatch(id));
   } catch (err) {
-    if (isApiError(err) && err.status === 404) {
+    if (unknownId(err, "batch")) {
       throw new ApiError(404, "not_found", `no rollout or batch with id ${id}`, { cause: err });
     }
     throw err;
@@ -39,4 +41,11 @@ function alreadyCancelled(details: unknown): boolean {
     details !== null &&
     (details as { status?: unknown }).status === "cancelled"
   );
+}
+
+/** The dispatcher's 404 for an id no rollout (batch) has: it names the id in `details.rolloutId` (`batchId`). */
+function unknownId(err: unknown, what: "rollout" | "batch"): boolean {
+  if (!isApiError(err) || err.status !== 404) return false;
+  const details = err.details;
+  return typeof details === "object" && details !== null && `${what}Id` in details;
 }

@@ -255,6 +255,11 @@ interface PostingState {
   key: string;
   /** Whether the backlog's room (a 429) made the CLI split a chunk: that split is not repeatable. */
   backlogSplit: boolean;
+  /**
+   * Set once the dispatcher refused a chunk as a JSON batch (over its FLEET_MAX_JSON_BATCH_BYTES,
+   * which may be lower than the size the client sends NDJSON from): every later body goes as NDJSON.
+   */
+  ndjson?: boolean;
 }
 
 /**
@@ -299,13 +304,25 @@ async function submitChunk(
       posting.key = keyFor(from, from + lines.length);
       // A full backlog (429) comes straight back here, which waits as `--backlog-wait` says.
       await onAccepted(
-        await client.submitBatchLines(lines, { idempotencyKey: posting.key, returnBusy: true }),
+        await client.submitBatchLines(lines, {
+          idempotencyKey: posting.key,
+          returnBusy: true,
+          ...(posting.ndjson ? { format: "ndjson" as const } : {}),
+        }),
       );
       return;
     } catch (err) {
       if (!isApiError(err)) throw err;
       const details = (err.details ?? {}) as Record<string, unknown>;
       const num = (k: string) => (typeof details[k] === "number" ? (details[k] as number) : null);
+      // Over the dispatcher's FLEET_MAX_JSON_BATCH_BYTES (a 413 naming `ndjsonLimit`, the bound of
+      // an NDJSON body): the same rollouts again as NDJSON, under the same key (the dispatcher
+      // replays a key across the two formats). Split below only if that body is over
+      // FLEET_MAX_BODY_BYTES too.
+      if (err.status === 413 && !posting.ndjson && num("ndjsonLimit") !== null) {
+        posting.ndjson = true;
+        continue;
+      }
       const max = num("maxBacklog");
       if (err.status === 413 && max !== null && max >= 1 && lines.length > max) {
         for (let i = 0; i < lines.length; i += max) await part(i, i + max);
