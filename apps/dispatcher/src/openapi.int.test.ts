@@ -73,6 +73,17 @@ describe("/openapi.json", () => {
   });
 });
 
+describe("/openapi.json's own documented answers", () => {
+  it("answers 401 without a token, which it lists", async () => {
+    const res = await app.inject({ method: "GET", url: "/openapi.json" });
+    expect(res.statusCode).toBe(401);
+    const doc = (
+      await app.inject({ method: "GET", url: "/openapi.json", headers: { authorization: `Bearer ${TOKEN}` } })
+    ).json() as { paths: Record<string, { get: { responses: Record<string, unknown> } }> };
+    expect(Object.keys(doc.paths["/openapi.json"]!.get.responses)).toEqual(["200", "401"]);
+  });
+});
+
 describe("the cancel routes' documented answers", () => {
   it("list the 4xx a body brings them (400 not JSON, 413 over the limit, 415 another type), which they answer", async () => {
     const auth = { authorization: `Bearer ${TOKEN}` };
@@ -106,9 +117,16 @@ describe("the cancel routes' documented answers", () => {
           headers: { ...auth, "content-type": "text/plain" },
           payload: "x",
         }),
+        // NDJSON, which only POST /v1/batches takes.
+        await app.inject({
+          method: "POST",
+          url,
+          headers: { ...auth, "content-type": "application/x-ndjson" },
+          payload: "{}\n",
+        }),
       ];
       const statuses = answers.map((a) => a.statusCode);
-      expect(statuses, path).toEqual([400, 413, 415]);
+      expect(statuses, path).toEqual([400, 413, 415, 415]);
       expect(Object.keys(doc.paths[path]!.post.responses), path).toEqual(
         expect.arrayContaining(statuses.map(String)),
       );

@@ -208,7 +208,13 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
         },
       },
       "/openapi.json": {
-        get: { summary: "This document", responses: { "200": { description: "OpenAPI 3.1" } } },
+        get: {
+          summary: "This document",
+          responses: {
+            "200": { description: "OpenAPI 3.1" },
+            "401": { description: "error", content: json("Error") },
+          },
+        },
       },
       "/admin": {
         get: {

@@ -352,6 +352,13 @@ export function parseJsonText(text: string, what: string, details: unknown = nul
   }
 }
 
+/** A JSON batch's body (`{"rollouts": [...]}`), as an NDJSON line. */
+function isJsonBatchBody(value: unknown): boolean {
+  return (
+    typeof value === "object" && value !== null && Array.isArray((value as { rollouts?: unknown }).rollouts)
+  );
+}
+
 /**
  * `POST /v1/batches` with `application/x-ndjson`: one RolloutRequest per line, blank lines
  * ignored. A line that is not JSON → 400 `malformed`; a line that is not a valid request → 422
@@ -381,6 +388,8 @@ export class NdjsonBatchReader {
   private truncated = false;
   private checkedLines = 0;
   private firstBad: number | null = null;
+  /** The first bad line is a JSON batch's body (`{"rollouts": [...]}`): NDJSON sent for JSON. */
+  private firstBadIsJsonBatch = false;
   private malformed: HttpError | null = null;
   private lineNo = 0;
 
@@ -401,11 +410,11 @@ export class NdjsonBatchReader {
     const line = raw.trim();
     if (line === "") return;
     let parsed: ReturnType<typeof parseRequest>;
+    let value: unknown;
     if (textHasTooManyValues(line)) {
       // Refused as `parseRequest` would refuse it parsed, without the parse (see the function).
       parsed = { ok: false, issues: [{ path: "", message: TOO_MANY_VALUES }] };
     } else {
-      let value: unknown;
       try {
         value = parseJsonText(line, `line ${lineNo}`, { line: lineNo });
       } catch (err) {
@@ -421,7 +430,10 @@ export class NdjsonBatchReader {
     }
     this.badLines++;
     this.checkedIssues += parsed.issues.length;
-    this.firstBad ??= lineNo;
+    if (this.firstBad === null) {
+      this.firstBad = lineNo;
+      this.firstBadIsJsonBatch = isJsonBatchBody(value);
+    }
     for (const issue of parsed.issues) {
       if (this.issues.length < MAX_ISSUES) this.issues.push({ line: lineNo, ...issue });
     }
@@ -439,7 +451,10 @@ export class NdjsonBatchReader {
         422,
         "invalid",
         `line ${firstBad}: ${first.path === "" ? "" : `${first.path}: `}${first.message}` +
-          (more > 0 ? ` (and ${truncated ? "at least " : ""}${more} more invalid lines)` : ""),
+          (more > 0 ? ` (and ${truncated ? "at least " : ""}${more} more invalid lines)` : "") +
+          (this.firstBadIsJsonBatch
+            ? ': a {"rollouts": [...]} body is a JSON batch, which takes Content-Type: application/json'
+            : ""),
         {
           line: firstBad,
           badLines,

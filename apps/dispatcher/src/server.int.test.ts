@@ -573,6 +573,46 @@ describe("POST /v1/rollouts", () => {
     expect(valid.statusCode, valid.body).toBe(202);
   });
 
+  it("a batch sent with the other format's content type says which one to use", async () => {
+    const ndjsonAsJson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: `${JSON.stringify(row)}\n${JSON.stringify(row)}\n`,
+      headers: { "content-type": "application/json" },
+    });
+    expectErrorBody(ndjsonAsJson, 400, "malformed");
+    expect(ndjsonAsJson.json().error.message).toMatch(
+      /^the body is not valid JSON \(.+\): one rollout request per line is NDJSON, which takes Content-Type: application\/x-ndjson$/,
+    );
+    const jsonAsNdjson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: JSON.stringify({ rollouts: [row, row] }),
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expectErrorBody(jsonAsNdjson, 422, "invalid");
+    expect(jsonAsNdjson.json().error.message).toMatch(
+      /^line 1: .+: a \{"rollouts": \[\.\.\.\]\} body is a JSON batch, which takes Content-Type: application\/json$/,
+    );
+    // Neither hint where it does not apply: one bad row of an NDJSON batch, a submit's bad JSON.
+    const badRow = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: `${JSON.stringify(row)}\n{"agent":{}}\n`,
+      headers: { "content-type": "application/x-ndjson" },
+    });
+    expectErrorBody(badRow, 422, "invalid");
+    expect(badRow.json().error.message).not.toContain("Content-Type");
+    const twoValues = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: `${JSON.stringify(row)}\n${JSON.stringify(row)}`,
+      headers: { "content-type": "application/json" },
+    });
+    expectErrorBody(twoValues, 400, "malformed");
+    expect(twoValues.json().error.message).not.toContain("Content-Type");
+  });
+
   it("answers 400 for malformed JSON, 422 for JSON of the wrong shape (null, a string), and 415 for an unsupported content type", async () => {
     const bad = await h.call({
       method: "POST",

@@ -151,6 +151,19 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       if (isRolloutSubmit(req) && textHasTooManyValues(text)) throw tooManyValuesError();
       done(null, text === "" ? undefined : parseJsonText(text, "the body"));
     } catch (err) {
+      // A JSON value followed by more, on a batch: most likely NDJSON sent as JSON; say so.
+      if (err instanceof HttpError && isJsonBatch(req) && /after JSON at position/.test(err.message)) {
+        done(
+          new HttpError(
+            err.status,
+            err.code,
+            `${err.message}: one rollout request per line is NDJSON, which takes Content-Type: application/x-ndjson`,
+            err.details,
+          ),
+          undefined,
+        );
+        return;
+      }
       done(err as Error, undefined);
     }
   });

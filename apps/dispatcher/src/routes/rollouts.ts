@@ -47,6 +47,7 @@ export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): 
 
   app.post("/v1/rollouts/:id/cancel", async (req, reply) => {
     const id = idParam(req.params, "rollout");
+    requireJson(req.body); // none is needed; one of another type is refused, as the other routes do
     const outcome = await cancelRollout(store, queues, id, ctx.now());
     switch (outcome.kind) {
       case "unknown":
