@@ -1024,6 +1024,8 @@ describe("fleet status / results / cancel", () => {
       expect(await runCli(["status", "b-1", "--url", url], ctx()), url).toBe(2);
       expect(stderr.text()).toContain(said);
     }
+    expect(stderr.text()).toContain("'http://***@127.0.0.1:");
+    expect(stderr.text()).not.toContain("hunter2");
     expect(server.requests).toHaveLength(0);
   });
 

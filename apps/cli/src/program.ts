@@ -1,4 +1,4 @@
-import { dispatcherUrlProblem, TOKEN_CHARS } from "@fleet/config";
+import { dispatcherUrlProblem, redactUserinfo, TOKEN_CHARS } from "@fleet/config";
 import { MIN_DURATION_S } from "@fleet/contracts";
 import { DEFAULT_MAX_TASK_BYTES } from "@fleet/tasks";
 import { Command, CommanderError, InvalidArgumentError, Option } from "commander";
@@ -148,6 +148,11 @@ export function createProgram(
     .configureOutput({
       writeOut: (s) => ctx.stdout.write(s),
       writeErr: (s) => ctx.stderr.write(s),
+      // Commander quotes a refused argument: a URL's password (`--url http://u:p@…`) is not echoed.
+      outputError: (s, write) =>
+        write(
+          s.replace(/'([a-z][a-z0-9+.-]*:\/\/[^']*)'/gi, (_m, url: string) => `'${redactUserinfo(url)}'`),
+        ),
     })
     // `--url`/`--token` before the command too (`fleet --url … submit …`, as with docker or
     // kubectl), handed to the command; given after it as well, the command's own win.

@@ -95,6 +95,33 @@ describe("a request whose body stops arriving", () => {
     // Not before the limit (Node checks every quarter of it, here).
     expect(Date.now() - started).toBeGreaterThanOrEqual(1000);
   });
+
+  it("answered already (a 415 before its body all arrived), gets no second answer when its time runs out: its connection is closed", async () => {
+    const answer = await raw(
+      dispatcher.port,
+      "POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Length: 1000\r\n\r\nabc",
+    );
+    const responses = answer.split(/(?=HTTP\/1\.1 )/);
+    expect(responses).toHaveLength(1);
+    expect(responses[0]).toMatch(/^HTTP\/1\.1 415 /);
+  });
+});
+
+describe("a request without a body", () => {
+  const dispatcher = listening("client-nobody");
+
+  it("naming JSON or NDJSON, with neither Content-Length nor Transfer-Encoding (curl -X POST -H 'content-type: …'): a cancel goes through", async () => {
+    for (const type of ["application/x-ndjson", "application/json"]) {
+      for (const path of ["/v1/rollouts/r-nope/cancel", "/v1/batches/b-nope/cancel"]) {
+        const answer = await raw(
+          dispatcher.port,
+          `POST ${path} HTTP/1.1\r\nHost: x\r\nContent-Type: ${type}\r\nConnection: close\r\n\r\n`,
+        );
+        // Unknown ids: the route answered, not a 415 for the type.
+        expect(parse(answer).status, `${type} ${path}`).toBe(404);
+      }
+    }
+  });
 });
 
 describe("a request that arrives while the dispatcher shuts down", () => {

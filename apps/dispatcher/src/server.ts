@@ -55,6 +55,11 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       { limit: config.maxBodyBytes },
       headers,
     );
+  /**
+   * Connections whose request was answered before its body had all arrived (and has not since):
+   * `clientErrorHandler` writes them no answer of its own (below).
+   */
+  const answeredMidBody = new WeakSet<object>();
   const app = Fastify({
     // Typed as Fastify's base logger so the instance is a plain FastifyInstance (a pino Logger
     // type parameter would make it incompatible with route modules typed FastifyInstance).
@@ -90,7 +95,10 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
             ? new HttpError(431, "malformed", "the request's headers are too large")
             : new HttpError(400, "malformed", "the request is not valid HTTP");
       const body = JSON.stringify(errorBody(http));
-      if (socket.writable) {
+      // Not after an answer to the request whose body is still arriving (a 415 answered before
+      // its body all arrived, then the request's time ran out): a second answer on the socket
+      // would be read as the next request's.
+      if (socket.writable && !answeredMidBody.has(socket)) {
         socket.write(
           `HTTP/1.1 ${http.status} ${STATUS_CODES[http.status]}\r\nContent-Type: application/json\r\n` +
             `Content-Length: ${Buffer.byteLength(body)}\r\nConnection: close\r\n\r\n${body}`,
@@ -98,6 +106,13 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       }
       socket.destroy(err);
     },
+  });
+
+  app.addHook("onResponse", async (req) => {
+    const raw = req.raw;
+    if (raw.complete) return;
+    answeredMidBody.add(raw.socket);
+    raw.once("end", () => answeredMidBody.delete(raw.socket));
   });
 
   const auth = createAuthenticator(config.apiTokens.tokens, config.apiTokens.adminTokens, ctx.now);

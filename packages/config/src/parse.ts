@@ -8,7 +8,7 @@ const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
  * that does not parse (a password with `#`, `/` or `?`): everything between the first `://` and
  * the last `@`, and the query after that (a Sentinel URL's `sentinelPassword`).
  */
-function redactUserinfo(value: string): string {
+export function redactUserinfo(value: string): string {
   const start = value.indexOf("://");
   if (start === -1) return value;
   const at = value.lastIndexOf("@");

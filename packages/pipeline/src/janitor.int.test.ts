@@ -276,8 +276,17 @@ describe("janitor", () => {
       expect(report.watchdogClosed).toBe(1);
     }
     await (await closeJob())?.remove();
-    const report = await janitorTick(later, opts);
+    const lines: string[] = [];
+    const logger = createLogger({
+      name: "test",
+      level: "error",
+      destination: { write: (l: string) => lines.push(l) },
+    });
+    const report = await janitorTick({ ...later, logger }, opts);
     expect(report.setAside).toBe(1);
+    // The operator is told which field: the receipt's refusal, not just "cannot be read".
+    const logged = lines.map((l) => JSON.parse(l)).find((l) => l.rolloutId === id);
+    expect(logged?.cause).toMatch(/exitCode/);
     expect(report.errors).toEqual([
       expect.stringMatching(new RegExp(`^watchdog ${id}: its record cannot be read`)),
     ]);

@@ -188,11 +188,13 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   for (const id of overdue) {
     await watchdogSteps.run(`watchdog ${id}`, async () => {
       let done: Awaited<ReturnType<typeof watchdogClose>> | "unreadable";
+      let cause: string | undefined;
       try {
         done = await watchdogClose(deps, id, now);
       } catch (err) {
         if (!(err instanceof UnreadableRecordError)) throw err; // Redis failing: next pass
         done = "unreadable";
+        cause = err.message; // which field, for the operator who repairs it
       }
       if (done === "enqueued") report.watchdogClosed++;
       if (done === "closed") report.closedByJanitor++;
@@ -206,7 +208,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           report.setAside++;
           const where = deps.store.keys.unreadable();
           deps.logger.error(
-            { rolloutId: id, record: done, key: where },
+            { rolloutId: id, record: done, key: where, ...(cause ? { cause } : {}) },
             "a rollout past its deadline whose record cannot be read was taken out of the in-flight index; its record is kept",
           );
           throw new Error(

@@ -8,7 +8,7 @@ import { NdjsonBody, parseIdempotencyKey, readBatchJson } from "../requests.ts";
 import type { BatchAccepted, BatchView } from "../responses.ts";
 import { submit } from "../submit.ts";
 import { idParam, notFound } from "./params.ts";
-import { requireJson } from "./rollouts.ts";
+import { requireJsonIfBody } from "./rollouts.ts";
 
 /**
  * `POST /v1/batches`, `GET /v1/batches/:id`, `GET /v1/batches/:id/results`,
@@ -86,7 +86,7 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
 
   app.post("/v1/batches/:id/cancel", async (req, reply) => {
     const id = idParam(req.params, "batch");
-    requireJson(req.body); // none is needed; one of another type is refused, as the other routes do
+    requireJsonIfBody(req);
     if (!(await store.getBatch(id))) throw notFound("batch", id);
     const cancelled = await cancelBatch(store, queues, id, ctx.now());
     req.log.info({ batchId: id, cancelled }, "batch cancel requested");

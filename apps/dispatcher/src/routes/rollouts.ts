@@ -1,4 +1,4 @@
-import type { FastifyInstance } from "fastify";
+import type { FastifyInstance, FastifyRequest } from "fastify";
 import { cancelRollout } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
 import { HttpError } from "../http-error.ts";
@@ -13,6 +13,16 @@ export function requireJson(body: unknown): void {
   if (body instanceof NdjsonBody) {
     throw new HttpError(415, "unsupported_media_type", "this route takes application/json");
   }
+}
+
+/**
+ * A cancel route's body (none is needed): one of another type than JSON is refused, as the other
+ * routes refuse it. Not a request that names NDJSON but carries no body (neither `Content-Length`
+ * nor `Transfer-Encoding`: `curl -X POST -H 'content-type: application/x-ndjson'`).
+ */
+export function requireJsonIfBody(req: FastifyRequest): void {
+  if (req.headers["content-length"] === undefined && req.headers["transfer-encoding"] === undefined) return;
+  requireJson(req.body);
 }
 
 /** `POST /v1/rollouts`, `GET /v1/rollouts/:id`, `POST /v1/rollouts/:id/cancel`. */
@@ -47,7 +57,7 @@ export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): 
 
   app.post("/v1/rollouts/:id/cancel", async (req, reply) => {
     const id = idParam(req.params, "rollout");
-    requireJson(req.body); // none is needed; one of another type is refused, as the other routes do
+    requireJsonIfBody(req);
     const outcome = await cancelRollout(store, queues, id, ctx.now());
     switch (outcome.kind) {
       case "unknown":
