@@ -37,7 +37,10 @@ export function deadlineArgv(
   return [TIMEOUT_PATH, "-k", String(killAfterS), formatSeconds(deadlineMs), ...argv];
 }
 
-/** coreutils (or busybox) `timeout` in every image the fleet supports (Debian, Ubuntu, Alpine). */
+/**
+ * coreutils' `timeout`, which every image must have (the probe refuses another, such as busybox's
+ * in Alpine without `coreutils`: `assertCoreutilsTimeout`).
+ */
 export const TIMEOUT_PATH = "/usr/bin/timeout";
 
 /** Milliseconds as a `timeout` duration: seconds with up to 3 decimals, never 0 (which disables it). */

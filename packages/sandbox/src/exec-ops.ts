@@ -13,7 +13,7 @@ import {
   type SandboxSpecInput,
 } from "@fleet/contracts";
 import { KEEPALIVE_USER } from "./docker/container-config.ts";
-import { KILL_GRACE_S, parseNumericUser } from "./exec-command.ts";
+import { KILL_GRACE_S, parseNumericUser, TIMEOUT_PATH } from "./exec-command.ts";
 import type { CappedBuffer } from "./output.ts";
 import {
   AGENT_USER,
@@ -409,6 +409,28 @@ export function sentinelProbeLine(sentinelPid: number): string {
 
 /** The probe script's line saying whether /workspace is empty (`empty`; `files` also when unreadable). */
 export const WORKSPACE_PROBE_LINE = `w=${SANDBOX_PATHS.workspace}; if [ -d "$w" ] && l=$(ls -A "$w") && [ -z "$l" ]; then echo empty; else echo files; fi`;
+
+/**
+ * The probe script's line naming the `timeout` every exec runs under (`TIMEOUT_PATH`): `coreutils`
+ * when it is coreutils' (GNU's, or uutils' as in Ubuntu 25.10), `other` otherwise (busybox's, as
+ * in Alpine, prints no version).
+ */
+export const TIMEOUT_PROBE_LINE = `case "$(${TIMEOUT_PATH} --version 2>/dev/null | head -n 1)" in *coreutils*) echo coreutils ;; *) echo other ;; esac`;
+
+/**
+ * Refuse an image whose `timeout` is not coreutils' (`TIMEOUT_PROBE_LINE` said `other`), as the
+ * task's (final `invalid_task`): the deadline rests on coreutils' `timeout`. Busybox's exits 143
+ * at the deadline, not 124, so a run or tests cut by it read as the command's own exit (graded,
+ * never `agent_timeout`, never masked when the rollout's deadline cut them); it signals only the
+ * command, not its process group; and it drops a duration's fraction (2.9 s ends at 2 s).
+ */
+export function assertCoreutilsTimeout(name: string, line: string): void {
+  if (line === "coreutils") return;
+  throw FleetError.nonRetryable(
+    "invalid_task",
+    `the sandbox image of ${name} has a ${TIMEOUT_PATH} that is not coreutils' (busybox's, as in Alpine?): the fleet's deadlines need coreutils' timeout; install coreutils in the image (apk add coreutils)`,
+  );
+}
 
 /** The probe script's stdout, or a plain `Error` if it timed out or exited non-zero. */
 export function probeStdout(r: ExecResult, timeoutMs: number): string {

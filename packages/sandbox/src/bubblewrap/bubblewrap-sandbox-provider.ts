@@ -53,6 +53,7 @@ import {
 } from "../docker/container-config.ts";
 import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-command.ts";
 import {
+  assertCoreutilsTimeout,
   assertIsolated,
   DEFAULT_EXEC_DEFAULTS,
   delay,
@@ -71,6 +72,7 @@ import {
   probeStdout,
   readViaExec,
   sentinelProbeLine,
+  TIMEOUT_PROBE_LINE,
   WORKSPACE_PROBE_LINE,
 } from "../exec-ops.ts";
 import { execOutputBuffers } from "../output.ts";
@@ -701,6 +703,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       sentinelProbeLine(sentinelPid),
       WORKSPACE_PROBE_LINE,
       SCRATCH_PROBE_LINE,
+      TIMEOUT_PROBE_LINE,
     ].join("; ");
     let stdout: string;
     let state: BwrapState;
@@ -717,9 +720,15 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         err,
       );
     }
-    const [pidNs = "", netNs = "", ifaces = "", sentinel = "", workspace = "", scratch = ""] = stdout
-      .split("\n")
-      .map((l) => l.trim());
+    const [
+      pidNs = "",
+      netNs = "",
+      ifaces = "",
+      sentinel = "",
+      workspace = "",
+      scratch = "",
+      timeoutKind = "",
+    ] = stdout.split("\n").map((l) => l.trim());
     const interfaces = ifaces.split(/\s+/).filter(Boolean);
     const checks = {
       pidNamespaceDiffers: pidNs !== "" && pidNs !== hostPidNs,
@@ -733,6 +742,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       `limits enforced: ${(state.cgroups ?? []).map((cg) => cg.controller).join(", ") || "none"}; ` +
       `not enforced: ${(state.unenforced ?? []).join(", ") || "none"}`;
     const isolated = assertIsolated(handle.name, checks, detail);
+    assertCoreutilsTimeout(handle.name, timeoutKind);
     return {
       isolated,
       checks,

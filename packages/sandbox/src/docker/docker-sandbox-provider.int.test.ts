@@ -987,6 +987,29 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("an image whose /usr/bin/timeout is not coreutils' (busybox's, as in Alpine) fails its probe as the task's, at once", async () => {
+    // A stand-in that runs the command as busybox's does, with no deadline semantics of
+    // coreutils' (and no --version): the probe itself runs under it.
+    const image = `fleet-test/other-timeout:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nRUN printf '#!/bin/sh\\nshift 3\\nexec "$@"\\n' > /usr/bin/timeout && chmod 755 /usr/bin/timeout\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
+    });
+    try {
+      const h = await create({ image });
+      const err = await fleetError(provider.probe(h));
+      expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+      expect(err.message).toContain("/usr/bin/timeout that is not coreutils'");
+      // The fleet's own image passes (coreutils' timeout).
+      const ok = await create();
+      await expect(provider.probe(ok)).resolves.toMatchObject({ isolated: true });
+    } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
+  });
+
   it("lists a sandbox volume only once no container uses it, and never removes one in use (the janitor's volume sweep)", async () => {
     const h = await uncapped.create(spec());
     live.push(h);

@@ -20,6 +20,7 @@ import type { Logger } from "@fleet/telemetry";
 import Dockerode from "dockerode";
 import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-command.ts";
 import {
+  assertCoreutilsTimeout,
   assertIsolated,
   DEFAULT_EXEC_DEFAULTS,
   delay,
@@ -42,6 +43,7 @@ import {
   readViaExec,
   type SandboxExec,
   sentinelProbeLine,
+  TIMEOUT_PROBE_LINE,
   WORKSPACE_PROBE_LINE,
 } from "../exec-ops.ts";
 import { CappedBuffer, DockerStreamDemuxer, execOutputBuffers } from "../output.ts";
@@ -623,6 +625,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       sentinelProbeLine(sentinelPid),
       WORKSPACE_PROBE_LINE,
       SCRATCH_PROBE_LINE,
+      TIMEOUT_PROBE_LINE,
     ].join("; ");
 
     let stdout: string;
@@ -654,9 +657,8 @@ export class DockerSandboxProvider implements SandboxProvider {
       );
     }
 
-    const [sandboxPidNs = "", pid1 = "", sentinel = "", workspace = "", scratch = ""] = stdout
-      .split("\n")
-      .map((l) => l.trim());
+    const [sandboxPidNs = "", pid1 = "", sentinel = "", workspace = "", scratch = "", timeoutKind = ""] =
+      stdout.split("\n").map((l) => l.trim());
     const checks = {
       pidNamespaceDiffers: sandboxPidNs !== "" && sandboxPidNs !== hostPidNs,
       pidModeNotHost: pidMode !== "host",
@@ -679,6 +681,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     const detail = `sandbox pid ns ${sandboxPidNs || "?"} vs host ${hostPidNs}; PidMode=${pidMode || "private"}; pid 1: ${pid1 || "?"}; host pid ${sentinelPid} ${sentinel ? "visible" : "invisible"}`;
     const durationMs = performance.now() - started;
     const isolated = assertIsolated(handle.name, checks, detail);
+    assertCoreutilsTimeout(handle.name, timeoutKind);
     return {
       isolated,
       checks,
