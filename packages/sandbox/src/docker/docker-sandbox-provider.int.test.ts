@@ -969,45 +969,43 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
-  it("an image that cannot run the fleet's commands (no /usr/bin/timeout) fails its probe as the task's, at once", async () => {
-    const image = `fleet-test/no-timeout:${RUN}`;
+  /**
+   * The probe of a sandbox made from the base image with `run` (a Dockerfile RUN) applied: its
+   * error, which must be the task's; the image is removed after.
+   */
+  async function probeErrorOfImage(name: string, run: string): Promise<FleetError> {
+    const image = `fleet-test/${name}:${RUN}`;
     execFileSync("docker", ["build", "-q", "-t", image, "-"], {
-      input: `FROM ${IMAGE}\nRUN rm -f /usr/bin/timeout\n`,
+      input: `FROM ${IMAGE}\nRUN ${run}\n`,
       stdio: ["pipe", "ignore", "pipe"],
       timeout: 120_000,
     });
     try {
-      const h = await create({ image });
-      const err = await fleetError(provider.probe(h));
+      const err = await fleetError(provider.probe(await create({ image })));
       expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
-      expect(err.message).toMatch(/exit 12[67].*\/usr\/bin\/timeout/);
+      return err;
     } finally {
       while (live.length > 0) await provider.destroy(live.pop()!);
       execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
     }
+  }
+
+  it("an image that cannot run the fleet's commands (no /usr/bin/timeout) fails its probe as the task's, at once", async () => {
+    const err = await probeErrorOfImage("no-timeout", "rm -f /usr/bin/timeout");
+    expect(err.message).toMatch(/exit 12[67].*\/usr\/bin\/timeout/);
   });
 
   it("an image whose /usr/bin/timeout is not coreutils' (busybox's, as in Alpine) fails its probe as the task's, at once", async () => {
     // A stand-in that runs the command as busybox's does, with no deadline semantics of
     // coreutils' (and no --version): the probe itself runs under it.
-    const image = `fleet-test/other-timeout:${RUN}`;
-    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
-      input: `FROM ${IMAGE}\nRUN printf '#!/bin/sh\\nshift 3\\nexec "$@"\\n' > /usr/bin/timeout && chmod 755 /usr/bin/timeout\n`,
-      stdio: ["pipe", "ignore", "pipe"],
-      timeout: 120_000,
-    });
-    try {
-      const h = await create({ image });
-      const err = await fleetError(provider.probe(h));
-      expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
-      expect(err.message).toContain("/usr/bin/timeout that is not coreutils'");
-      // The fleet's own image passes (coreutils' timeout).
-      const ok = await create();
-      await expect(provider.probe(ok)).resolves.toMatchObject({ isolated: true });
-    } finally {
-      while (live.length > 0) await provider.destroy(live.pop()!);
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
-    }
+    const err = await probeErrorOfImage(
+      "other-timeout",
+      `printf '#!/bin/sh\\nshift 3\\nexec "$@"\\n' > /usr/bin/timeout && chmod 755 /usr/bin/timeout`,
+    );
+    expect(err.message).toContain("/usr/bin/timeout that is not coreutils'");
+    // The fleet's own image passes (coreutils' timeout).
+    const ok = await create();
+    await expect(provider.probe(ok)).resolves.toMatchObject({ isolated: true });
   });
 
   it("lists a sandbox volume only once no container uses it, and never removes one in use (the janitor's volume sweep)", async () => {
