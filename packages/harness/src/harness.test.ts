@@ -151,6 +151,22 @@ describe("CommandHarness", () => {
     expect(outcome.answer).toBe("partial");
   });
 
+  it("takes the agent's deadline from agentStarts once its setup is done (its instruction written), not from the run's start", async () => {
+    let putsBefore = -1;
+    const run = createHarness(AgentSpec.parse(spec)).run(
+      ctx(spec, {
+        deadlineMs: Date.now() + 1_000,
+        agentStarts: () => {
+          putsBefore = provider.putCalls.length;
+          return Date.now() + 60_000;
+        },
+      }),
+    );
+    await run;
+    expect(putsBefore).toBe(1); // the instruction file, before
+    expect(provider.execCalls[0]!.options.deadlineMs).toBeGreaterThan(55_000);
+  });
+
   it("does not start a command whose time went on preparing its sandbox: masked (provider_unavailable, retryable), never a graded timeout", async () => {
     const run = createHarness(AgentSpec.parse(spec)).run(ctx(spec, { deadlineMs: Date.now() - 1 }));
     await expect(run).rejects.toMatchObject({ kind: "provider_unavailable", retryable: true });

@@ -14,8 +14,19 @@ export interface HarnessContext {
   handle: SandboxHandle;
   task: TaskContent;
   agent: AgentSpec;
-  /** Absolute epoch ms by which the agent's command must have stopped. */
+  /**
+   * Absolute epoch ms by which the agent's command must have stopped, counted from the run's
+   * start: the bound of the harness's own setup (`agentStarts` moves it for the agent itself).
+   */
   deadlineMs: number;
+  /**
+   * Called by the harness once its own setup is done (the instruction file, the oracle's
+   * solution), just before the agent's command or first model call: the agent's deadline counted
+   * from then (its own budget from now, never past the rollout's). Setup on a slow daemon is not
+   * the agent's time: counted against its budget, it turned a correct agent into a graded
+   * `agent_timeout`. Absent: `deadlineMs` stands.
+   */
+  agentStarts?: () => number;
   /** Abort: the harness stops waiting and throws; the caller kills the sandbox processes. */
   signal: AbortSignal;
   /** Extra environment for the agent's command (e.g. a model gateway URL); never secrets in logs. */

@@ -93,7 +93,7 @@ export async function runAgentCommand(
     );
   }
 
-  const remainingMs = Math.floor(ctx.deadlineMs - Date.now());
+  const remainingMs = Math.floor((ctx.agentStarts?.() ?? ctx.deadlineMs) - Date.now());
   if (remainingMs <= 0) {
     // Its time went on preparing the sandbox (a slow daemon): nothing of the agent ran, so there
     // is nothing to grade. Masked (retried while the rollout's deadline allows), never a 0.

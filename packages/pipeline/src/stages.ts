@@ -677,12 +677,12 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const make = deps.createHarness ?? defaultCreateHarness;
   const harness = make(rec.meta.agent, deps.harnessDeps ?? {});
   const startedAt = clock(deps);
-  const { deadlineMs, limitedBy } = agentDeadline({
-    task,
-    agent: rec.meta.agent,
-    startedAt,
-    rolloutDeadlineMs: rec.meta.deadlineAt,
-  });
+  const deadlineFrom = (from: number) =>
+    agentDeadline({ task, agent: rec.meta.agent, startedAt: from, rolloutDeadlineMs: rec.meta.deadlineAt });
+  // The agent's deadline and which bound set it: from the run's start until the harness says the
+  // agent starts (`agentStarts`, below), from then on after: the harness's setup and the model
+  // gateway's opening are not the agent's time.
+  let { deadlineMs, limitedBy } = deadlineFrom(startedAt);
   // A command agent with a model reaches it only through this rollout's gateway (issue 5).
   let access: ModelAccess | null = null;
   let gatewayUsage: Usage | null = null;
@@ -755,6 +755,21 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         task,
         agent: rec.meta.agent,
         deadlineMs,
+        agentStarts: () => {
+          const now = clock(deps);
+          const from = deadlineFrom(now);
+          if (from.limitedBy === "rollout" && limitedBy === "agent") {
+            // The setup took so long that the rollout's deadline now cuts the agent's own budget:
+            // masked before the agent starts, as a run whose budget does not fit at launch is
+            // (graded when quick and masked when slow, its masks would lean toward failures).
+            throw FleetError.nonRetryable(
+              "deadline_exceeded",
+              `preparing the agent's run took ${Math.round(now - startedAt)} ms: its own budget no longer fits before the rollout's deadline (the agent was not started)`,
+            );
+          }
+          ({ deadlineMs, limitedBy } = from);
+          return deadlineMs;
+        },
         signal: abort.signal,
         env: access?.env,
       });

@@ -384,6 +384,23 @@ describe("ToolLoopHarness", () => {
     expect(out.usage!.gaps).toContain("model call 1 abandoned at the deadline (usage unknown)");
   });
 
+  it("counts the agent's deadline from agentStarts once the episode is prepared: a deadline of the run's start already past does not cut it", async () => {
+    upstream.push(chatReply({ bash: ["true"] }), chatReply({ content: "done" }));
+    let putsBefore = -1;
+    const out = await harness().run(
+      ctx(agent(), {
+        deadlineMs: Date.now() - 1,
+        agentStarts: () => {
+          putsBefore = provider.putCalls.length;
+          return Date.now() + 30_000;
+        },
+      }),
+    );
+    expect(putsBefore).toBe(1); // the instruction file, before
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.answer).toBe("done");
+  });
+
   it("does not start an episode whose time went on preparing it (the instruction file's write): masked (provider_unavailable, retryable), never a graded timeout", async () => {
     upstream.push(chatReply({ content: "done" }));
     const a = agent();

@@ -102,7 +102,9 @@ export class ToolLoopHarness implements Harness {
         { user: AGENT_USER },
       ),
     );
-    if (Date.now() >= ctx.deadlineMs) {
+    // The agent's time starts now, its episode prepared (`agentStarts`).
+    const deadlineMs = ctx.agentStarts?.() ?? ctx.deadlineMs;
+    if (Date.now() >= deadlineMs) {
       // Its time went on preparing the episode (a slow daemon, a slow lookup): no model call was
       // made, so there is nothing of the agent's to grade. Masked (retried while the rollout's
       // deadline allows), never a 0, as the command harness does.
@@ -140,7 +142,7 @@ export class ToolLoopHarness implements Harness {
           url,
           apiKey,
           body: this.requestBody(messages, meter.totalTokens),
-          deadlineMs: ctx.deadlineMs,
+          deadlineMs,
           signal: ctx.signal,
           retry: this.retry,
           redact,
@@ -232,7 +234,7 @@ export class ToolLoopHarness implements Harness {
         }
 
         for (const call of turn.toolCalls) {
-          const remaining = Math.floor(ctx.deadlineMs - Date.now());
+          const remaining = Math.floor(deadlineMs - Date.now());
           if (remaining <= 0) {
             stop = "deadline";
             stopDetail = `the agent's deadline came before tool call ${call.id}`;
@@ -256,7 +258,7 @@ export class ToolLoopHarness implements Harness {
             ...content.facts,
             content: content.text,
           });
-          if (Date.now() >= ctx.deadlineMs) {
+          if (Date.now() >= deadlineMs) {
             stop = "deadline";
             stopDetail = `the agent's deadline came during tool call ${call.id}`;
             break steps;

@@ -1,0 +1,78 @@
+import type { FileSet, SandboxHandle } from "@fleet/contracts";
+import type { PutOptions } from "@fleet/sandbox";
+import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { afterEach, describe, expect, it } from "vitest";
+import type { PipelineDeps } from "./deps.ts";
+import { runStageJob } from "./stage-runner.ts";
+import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+
+const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+
+/** The agent's own budget in these tests (the oracle's `timeoutS`). */
+const OWN_S = 3;
+
+/**
+ * The harness's setup (the instruction file, the oracle's solution: each a `put`) is not the
+ * agent's time: its budget counts from when the harness starts it. Counted from the run's start,
+ * a slow daemon's setup turned a correct agent into a graded `agent_timeout`.
+ */
+describe("the run's setup is not the agent's time", () => {
+  let fleet: InProcessFleet | undefined;
+  afterEach(async () => fleet?.close());
+
+  /** A fleet on `provider` whose every `put` first runs `beforePut`; one oracle rollout seeded. */
+  async function seeded(beforePut: () => Promise<void>, deps: Partial<PipelineDeps> = {}) {
+    const provider = new InMemorySandboxProvider();
+    const put = provider.put.bind(provider);
+    provider.put = async (handle: SandboxHandle, dir: string, files: FileSet, options?: PutOptions) => {
+      await beforePut();
+      return put(handle, dir, files, options);
+    };
+    fleet = await startInProcessFleet({ provider, startWorkers: false, deps });
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = suite.find((t) => t.id === "hello-file")!;
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle", timeoutS: OWN_S } }])) as [string];
+    expect(await runStageJob("seed", job(id), fleet.deps)).toBe("ok");
+    const agentExecs = () => provider.execCalls.filter((c) => c.argv.includes("/solution/solve.sh"));
+    return { id, provider, agentExecs };
+  }
+
+  it("a slow setup (700 ms a put) leaves the agent its whole budget: it is not cut, nor graded a timeout", async () => {
+    let slow = false;
+    const { id, agentExecs } = await seeded(async () => {
+      if (slow) await new Promise((r) => setTimeout(r, 700));
+    });
+    slow = true; // the run's puts only (the seed staged the task's files already)
+    expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
+    const [exec] = agentExecs();
+    // Counted from the run's start, two puts of 700 ms would have left it about 1.6 s of its 3.
+    expect(exec!.options.deadlineMs).toBeGreaterThan(OWN_S * 1000 - 300);
+    const rec = await fleet!.deps.store.get(id);
+    expect(rec!.receipts.run).toBeDefined();
+    expect(rec!.failure).toBeNull();
+  });
+
+  it("a setup so slow that the rollout's deadline now cuts the agent's budget: masked deadline_exceeded before the agent starts, never graded", async () => {
+    let offsetMs = 0;
+    let bump = 0;
+    const { id, agentExecs } = await seeded(
+      async () => {
+        offsetMs += bump;
+      },
+      { now: () => Date.now() + offsetMs },
+    );
+    // The run's first put takes (by the fleet's clock) until a second past the point where the
+    // agent's own budget still fits before the rollout's deadline.
+    const deadlineAt = (await fleet!.deps.store.get(id))!.meta.deadlineAt;
+    bump = deadlineAt - OWN_S * 1000 + 1000 - Date.now();
+    // Final: the job fails for good (BullMQ's UnrecoverableError), its failure recorded.
+    await expect(
+      runStageJob("run", job(id), { ...fleet!.deps, now: () => Date.now() + offsetMs }),
+    ).rejects.toThrow(/^deadline_exceeded: preparing the agent's run took/);
+    expect(agentExecs()).toEqual([]);
+    const rec = await fleet!.deps.store.get(id);
+    expect(rec!.failure).toMatchObject({ failureKind: "deadline_exceeded", mask: true, stage: "run" });
+    expect(rec!.failure!.reason).toContain("its own budget no longer fits before the rollout's deadline");
+  });
+});
