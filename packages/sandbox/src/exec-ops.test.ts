@@ -1,9 +1,11 @@
+import { PassThrough } from "node:stream";
 import { type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { describe, expect, it, vi } from "vitest";
 import { KEEPALIVE_USER } from "./docker/container-config.ts";
 import {
   assertIsolated,
   type ExecCall,
+  endWithStdin,
   extractViaExec,
   FENCE_EXEC_MS,
   findSandbox,
@@ -518,5 +520,20 @@ describe("findSandbox", () => {
     const list = async () => [info("fleet-sabcdef01-r1-resources"), info("fleet-r1-resources")];
     expect((await findSandbox(list, {}, "fleet-r1-resources"))?.id).toBe("id-fleet-r1-resources");
     expect(await findSandbox(async () => [], {}, "fleet-r1-resources")).toBeNull();
+  });
+});
+
+describe("endWithStdin", () => {
+  it("writes a buffer, or every chunk of one in order, then ends the stream", async () => {
+    for (const stdin of [Buffer.from("abcdef"), [Buffer.from("ab"), Buffer.from(""), Buffer.from("cdef")]]) {
+      const stream = new PassThrough();
+      const read = (async () => {
+        const chunks: Buffer[] = [];
+        for await (const c of stream) chunks.push(c as Buffer);
+        return Buffer.concat(chunks).toString();
+      })();
+      endWithStdin(stream, stdin);
+      expect(await read).toBe("abcdef");
+    }
   });
 });

@@ -59,11 +59,27 @@ export const DEFAULT_EXEC_DEFAULTS: Readonly<ExecDefaults> = Object.freeze({
   killRounds: 50,
 });
 
+/**
+ * A command's standard input: one buffer, or the chunks of one as they were read (an image's
+ * /workspace archive, up to the workspace's cap: joined, it was held twice while it was staged).
+ */
+export type ExecStdin = Buffer | readonly Buffer[];
+
+/** Write `stdin` to a command's input stream and end it. */
+export function endWithStdin(stream: NodeJS.WritableStream, stdin: ExecStdin): void {
+  if (Buffer.isBuffer(stdin)) {
+    stream.end(stdin);
+    return;
+  }
+  for (const chunk of stdin) stream.write(chunk);
+  stream.end();
+}
+
 /** What the operations below pass to a provider's exec. */
 export interface ExecCall {
   deadlineMs: number;
   user: string;
-  stdin: Buffer | null;
+  stdin: ExecStdin | null;
   maxOutputBytes: number;
   /**
    * Capabilities the command keeps (none otherwise): only the root kill sweep asks, for `kill`,
@@ -297,7 +313,7 @@ export async function extractViaExec(
  */
 export async function extractArchiveViaExec(
   exec: SandboxExec,
-  archive: Buffer,
+  archive: ExecStdin,
   dir: string,
   user: string,
 ): Promise<void> {
@@ -315,7 +331,7 @@ async function stagingScript(
   script: string,
   args: readonly string[],
   user: string,
-  stdin: Buffer | null,
+  stdin: ExecStdin | null,
   what: string,
   check?: (r: ExecResult) => void,
 ): Promise<void> {

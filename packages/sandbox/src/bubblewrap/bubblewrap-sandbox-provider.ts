@@ -59,6 +59,7 @@ import {
   delay,
   type ExecCall,
   type ExecDefaults,
+  endWithStdin,
   execResult,
   extractViaExec,
   findSandbox,
@@ -627,7 +628,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       child.once("close", (code, signal) => settle(codeOf(code, signal)));
       if (o.stdin !== null) {
         child.stdin!.on("error", () => undefined); // the command may not read its stdin
-        child.stdin!.end(o.stdin);
+        endWithStdin(child.stdin!, o.stdin);
       }
     }).finally(() => pinned.close()); // closed at the latest here (a spawn that threw)
     const durationMs = performance.now() - started;

@@ -25,6 +25,8 @@ import {
   DEFAULT_EXEC_DEFAULTS,
   delay,
   type ExecDefaults,
+  type ExecStdin,
+  endWithStdin,
   execResult,
   extractArchiveViaExec,
   extractViaExec,
@@ -259,15 +261,15 @@ export class DockerSandboxProvider implements SandboxProvider {
     container: Container,
     handle: SandboxHandle,
     spec: SandboxSpec,
-  ): Promise<Buffer | null> {
+  ): Promise<readonly Buffer[] | null> {
     const capMb = effectiveLimits(spec, this.defaults).diskMb ?? 0;
-    let archive: Buffer;
+    // Kept as read, never joined: the archive may be as large as the workspace's cap.
+    const chunks: Buffer[] = [];
     try {
       const stream = await container.getArchive({
         path: SANDBOX_PATHS.workspace,
         abortSignal: this.apiSignal(),
       });
-      const chunks: Buffer[] = [];
       let bytes = 0;
       for await (const chunk of stream) {
         bytes += (chunk as Buffer).length;
@@ -282,7 +284,6 @@ export class DockerSandboxProvider implements SandboxProvider {
         }
         chunks.push(chunk as Buffer);
       }
-      archive = Buffer.concat(chunks);
     } catch (err) {
       if (isFleetError(err)) throw err;
       if (dockerErrorFacts(err).statusCode === 404) return null; // no /workspace in the image
@@ -290,7 +291,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       await this.removeFailed(container, handle, "could not read its image's /workspace", failed);
       throw failed;
     }
-    return (await tarHasContent(Readable.from([archive]))) ? archive : null;
+    return (await tarHasContent(Readable.from(chunks))) ? chunks : null;
   }
 
   /**
@@ -411,7 +412,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       env?: Record<string, string>;
       cwd?: string | undefined;
       user: string;
-      stdin: Buffer | null;
+      stdin: ExecStdin | null;
       maxOutputBytes: number;
       /** Keep the output's last half-cap too (commands); not for the provider's own reads. */
       keepTail?: boolean;
@@ -487,7 +488,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   /** Start the exec and pump its stream; resolves `true` if the host-side safety timer fired. */
   private async stream(
     exec: Dockerode.Exec,
-    stdin: Buffer | null,
+    stdin: ExecStdin | null,
     demux: DockerStreamDemuxer,
     safetyMs: number,
     handle: SandboxHandle,
@@ -513,7 +514,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       socket.once("end", () => settle(false));
       socket.once("close", () => settle(false));
       socket.once("error", (err) => settle(false, err));
-      if (stdin !== null) socket.end(stdin);
+      if (stdin !== null) endWithStdin(socket, stdin);
     });
   }
 
