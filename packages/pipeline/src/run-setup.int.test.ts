@@ -1,4 +1,4 @@
-import type { FileSet, SandboxHandle } from "@fleet/contracts";
+import { AgentSpec, type FileSet, runNeeds, type SandboxHandle } from "@fleet/contracts";
 import type { PutOptions } from "@fleet/sandbox";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -11,6 +11,7 @@ const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: {
 
 /** The agent's own budget in these tests (the oracle's `timeoutS`). */
 const OWN_S = 3;
+const ORACLE = { harness: "oracle", timeoutS: OWN_S } as const;
 
 /**
  * The harness's setup (the instruction file, the oracle's solution: each a `put`) is not the
@@ -32,10 +33,10 @@ describe("the run's setup is not the agent's time", () => {
     fleet = await startInProcessFleet({ provider, startWorkers: false, deps });
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = suite.find((t) => t.id === "hello-file")!;
-    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle", timeoutS: OWN_S } }])) as [string];
+    const [id] = (await fleet.submit([{ task, agent: ORACLE }])) as [string];
     expect(await runStageJob("seed", job(id), fleet.deps)).toBe("ok");
     const agentExecs = () => provider.execCalls.filter((c) => c.argv.includes("/solution/solve.sh"));
-    return { id, provider, agentExecs };
+    return { id, task, provider, agentExecs };
   }
 
   it("a slow setup (700 ms a put) leaves the agent its whole budget: it is not cut, nor graded a timeout", async () => {
@@ -49,30 +50,36 @@ describe("the run's setup is not the agent's time", () => {
     // Counted from the run's start, two puts of 700 ms would have left it about 1.6 s of its 3.
     expect(exec!.options.deadlineMs).toBeGreaterThan(OWN_S * 1000 - 300);
     const rec = await fleet!.deps.store.get(id);
-    expect(rec!.receipts.run).toBeDefined();
     expect(rec!.failure).toBeNull();
+    // The agent's own time (`timings.agentMs`) leaves the setup's 1.4 s out: the exec is instant.
+    const run = rec!.receipts.run!;
+    expect(run.stoppedAt - run.startedAt).toBeLessThan(700);
   });
 
-  it("a setup so slow that the rollout's deadline now cuts the agent's budget: masked deadline_exceeded before the agent starts, never graded", async () => {
+  it("a setup so slow that the agent's budget, the tests' and the margin no longer fit before the rollout's deadline: masked deadline_exceeded before the agent starts, never graded", async () => {
     let offsetMs = 0;
     let bump = 0;
-    const { id, agentExecs } = await seeded(
+    const { id, task, agentExecs } = await seeded(
       async () => {
+        // The run's first put only: it takes (by the fleet's clock) what `bump` says.
         offsetMs += bump;
+        bump = 0;
       },
       { now: () => Date.now() + offsetMs },
     );
-    // The run's first put takes (by the fleet's clock) until a second past the point where the
-    // agent's own budget still fits before the rollout's deadline.
+    // Until a second past the last moment the run's needs fit before the rollout's deadline: the
+    // agent's own budget alone still fits (the tests' would not), so only the whole check masks.
     const deadlineAt = (await fleet!.deps.store.get(id))!.meta.deadlineAt;
-    bump = deadlineAt - OWN_S * 1000 + 1000 - Date.now();
+    const { needMs } = runNeeds(task, AgentSpec.parse(ORACLE));
+    bump = deadlineAt - needMs + 1000 - Date.now();
     // Final: the job fails for good (BullMQ's UnrecoverableError), its failure recorded.
     await expect(
       runStageJob("run", job(id), { ...fleet!.deps, now: () => Date.now() + offsetMs }),
     ).rejects.toThrow(/^deadline_exceeded: preparing the agent's run took/);
+    expect(deadlineAt - (Date.now() + offsetMs)).toBeGreaterThan(OWN_S * 1000);
     expect(agentExecs()).toEqual([]);
     const rec = await fleet!.deps.store.get(id);
     expect(rec!.failure).toMatchObject({ failureKind: "deadline_exceeded", mask: true, stage: "run" });
-    expect(rec!.failure!.reason).toContain("its own budget no longer fits before the rollout's deadline");
+    expect(rec!.failure!.reason).toContain("the agent was not started");
   });
 });

@@ -343,7 +343,12 @@ function countTokens(deps: PipelineDeps, usage: Usage | null): void {
  * (only on this error path).
  */
 async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err: unknown): Promise<unknown> {
-  if (isFleetError(err) && (err.kind === "sandbox_lost" || err.kind === "provider_unavailable")) return err;
+  // Nor a deadline: a run that ran out of the rollout's time is not graded, the sandbox's fate aside.
+  if (
+    isFleetError(err) &&
+    (err.kind === "sandbox_lost" || err.kind === "provider_unavailable" || err.kind === "deadline_exceeded")
+  )
+    return err;
   const isAlive = () => deps.provider.alive(handle).catch(() => true);
   const until = Date.now() + (deps.sandboxSettleMs ?? SANDBOX_SETTLE_MS);
   let alive = await isAlive();
@@ -683,6 +688,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // agent starts (`agentStarts`, below), from then on after: the harness's setup and the model
   // gateway's opening are not the agent's time.
   let { deadlineMs, limitedBy } = deadlineFrom(startedAt);
+  /** When the agent itself started (`agentStarts`): the run receipt's `startedAt` (`timings.agentMs`). */
+  let agentStartedAt = startedAt;
   // A command agent with a model reaches it only through this rollout's gateway (issue 5).
   let access: ModelAccess | null = null;
   let gatewayUsage: Usage | null = null;
@@ -757,17 +764,19 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         deadlineMs,
         agentStarts: () => {
           const now = clock(deps);
-          const from = deadlineFrom(now);
-          if (from.limitedBy === "rollout" && limitedBy === "agent") {
-            // The setup took so long that the rollout's deadline now cuts the agent's own budget:
-            // masked before the agent starts, as a run whose budget does not fit at launch is
-            // (graded when quick and masked when slow, its masks would lean toward failures).
+          // The setup took so long that the agent's own budget, the tests' and the margin no
+          // longer fit before the rollout's deadline (the agent would end later by the setup's
+          // time): masked before the agent starts, as a run whose budget does not fit at launch
+          // is (started, it would be graded when quick and masked when slow).
+          const short = shortfallNow();
+          if (short !== null) {
             throw FleetError.nonRetryable(
               "deadline_exceeded",
-              `preparing the agent's run took ${Math.round(now - startedAt)} ms: its own budget no longer fits before the rollout's deadline (the agent was not started)`,
+              `preparing the agent's run took ${Math.round(now - startedAt)} ms: ${short}`,
             );
           }
-          ({ deadlineMs, limitedBy } = from);
+          ({ deadlineMs, limitedBy } = deadlineFrom(now));
+          agentStartedAt = now;
           return deadlineMs;
         },
         signal: abort.signal,
@@ -902,7 +911,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     usage,
     cleanup,
     ownedSandbox,
-    startedAt,
+    startedAt: agentStartedAt,
     stoppedAt,
     attempts: launches,
     upstreamFailing,
