@@ -1,4 +1,4 @@
-import { PassThrough } from "node:stream";
+import { PassThrough, Readable } from "node:stream";
 import { type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { describe, expect, it, vi } from "vitest";
 import { KEEPALIVE_USER } from "./docker/container-config.ts";
@@ -19,6 +19,7 @@ import {
   readViaExec,
 } from "./exec-ops.ts";
 import { ROOT_USER, TestsSupersededError } from "./provider.ts";
+import { Spool } from "./spool.ts";
 import { execResult, fleetError } from "./testing/index.ts";
 
 /** Probe outputs in the script's line order: pid namespace, PID 1's command line, sentinel. */
@@ -524,16 +525,41 @@ describe("findSandbox", () => {
 });
 
 describe("endWithStdin", () => {
-  it("writes a buffer, or every chunk of one in order, then ends the stream", async () => {
-    for (const stdin of [Buffer.from("abcdef"), [Buffer.from("ab"), Buffer.from(""), Buffer.from("cdef")]]) {
-      const stream = new PassThrough();
-      const read = (async () => {
-        const chunks: Buffer[] = [];
-        for await (const c of stream) chunks.push(c as Buffer);
-        return Buffer.concat(chunks).toString();
-      })();
-      endWithStdin(stream, stdin);
-      expect(await read).toBe("abcdef");
+  const readAll = async (stream: PassThrough) => {
+    const chunks: Buffer[] = [];
+    for await (const c of stream) chunks.push(c as Buffer);
+    return Buffer.concat(chunks).toString();
+  };
+
+  it("writes a buffer, or a source from its start for each command, then ends the stream", async () => {
+    const spool = new Spool(4);
+    for (const part of ["ab", "", "cdef"]) await spool.write(Buffer.from(part));
+    expect(spool.onDisk).toBe(true);
+    try {
+      for (const stdin of [Buffer.from("abcdef"), spool, spool]) {
+        const stream = new PassThrough();
+        const read = readAll(stream);
+        endWithStdin(stream, stdin);
+        expect(await read).toBe("abcdef");
+      }
+    } finally {
+      await spool.dispose();
     }
+  });
+
+  it("a source that fails part way cuts the command's input (the stream destroyed), never ends it whole", async () => {
+    const stream = new PassThrough();
+    const failing = {
+      read: () =>
+        Readable.from(
+          (async function* () {
+            yield Buffer.from("half");
+            throw new Error("disk read failed");
+          })(),
+        ),
+    };
+    const read = readAll(stream);
+    endWithStdin(stream, failing);
+    await expect(read).rejects.toThrow("disk read failed");
   });
 });

@@ -1,4 +1,5 @@
 import { readFileSync, readlinkSync } from "node:fs";
+import type { Readable, Writable } from "node:stream";
 import {
   type CleanupReceipt,
   capText,
@@ -60,19 +61,23 @@ export const DEFAULT_EXEC_DEFAULTS: Readonly<ExecDefaults> = Object.freeze({
 });
 
 /**
- * A command's standard input: one buffer, or the chunks of one as they were read (an image's
- * /workspace archive, up to the workspace's cap: joined, it was held twice while it was staged).
+ * A command's standard input: one buffer, or a source read from its start for each exec (a
+ * `Spool`: an image's /workspace archive, up to the workspace's cap, in memory or in a file).
  */
-export type ExecStdin = Buffer | readonly Buffer[];
+export type ExecStdin = Buffer | { read(): Readable };
 
-/** Write `stdin` to a command's input stream and end it. */
-export function endWithStdin(stream: NodeJS.WritableStream, stdin: ExecStdin): void {
+/**
+ * Write `stdin` to a command's input stream and end it. A source that fails part way destroys
+ * the stream: the command sees its input cut, never a whole one.
+ */
+export function endWithStdin(stream: Writable, stdin: ExecStdin): void {
   if (Buffer.isBuffer(stdin)) {
     stream.end(stdin);
     return;
   }
-  for (const chunk of stdin) stream.write(chunk);
-  stream.end();
+  const source = stdin.read();
+  source.once("error", (err) => stream.destroy(err));
+  source.pipe(stream);
 }
 
 /** What the operations below pass to a provider's exec. */

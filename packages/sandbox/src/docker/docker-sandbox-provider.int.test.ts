@@ -1,4 +1,5 @@
 import { execFile, execFileSync } from "node:child_process";
+import { readdirSync, readlinkSync } from "node:fs";
 import { rm } from "node:fs/promises";
 import {
   createServer as createHttpServer,
@@ -30,6 +31,7 @@ import {
   VERIFY_FENCE_FILE,
 } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
+import { SPOOL_IN_MEMORY_BYTES, Spool } from "../spool.ts";
 import { fillWithEmptyFilesPy, fleetError, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
 import {
   buildContainerConfig,
@@ -1061,6 +1063,45 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       expect(seen.stdout).toMatch(/tmpfs\s+1024\s/); // still capped
       expect((await provider.probe(h)).workspaceEmpty).toBe(false);
     } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
+  });
+
+  it("an image's /workspace files past what the spool holds in memory are staged whole, by way of its file", async () => {
+    const image = `fleet-test/ws-spooled:${RUN}`;
+    const bytes = SPOOL_IN_MEMORY_BYTES + 1024 * 1024;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nRUN mkdir -p /workspace && head -c ${bytes} /dev/urandom > /workspace/big.bin && echo tail > /workspace/z.txt && cd /workspace && sha256sum big.bin z.txt > /sums\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
+    });
+    const dispose = Spool.prototype.dispose;
+    const disposedOnDisk: boolean[] = [];
+    const spy = vi.spyOn(Spool.prototype, "dispose").mockImplementation(function (this: Spool) {
+      disposedOnDisk.push(this.onDisk);
+      return dispose.call(this);
+    });
+    const spoolFds = () =>
+      readdirSync("/proc/self/fd").filter((fd) => {
+        try {
+          return readlinkSync(`/proc/self/fd/${fd}`).includes("fleet-spool-");
+        } catch {
+          return false;
+        }
+      });
+    try {
+      const h = await create({ image });
+      // It went by way of a file, let go of once staged.
+      expect(disposedOnDisk).toEqual([true]);
+      expect(spoolFds()).toEqual([]);
+      const seen = await provider.exec(h, ["sh", "-c", "cd /workspace && sha256sum -c /sums && ls"], {
+        deadlineMs: 20_000,
+      });
+      expect(seen.exitCode, seen.stdout + seen.stderr).toBe(0);
+      expect(seen.stdout).toBe("big.bin: OK\nz.txt: OK\nbig.bin\nz.txt\n");
+    } finally {
+      spy.mockRestore();
       while (live.length > 0) await provider.destroy(live.pop()!);
       execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
     }

@@ -1,7 +1,6 @@
 /// <reference path="./dockerode.d.ts" />
 import { randomBytes } from "node:crypto";
 import type { Socket } from "node:net";
-import { Readable } from "node:stream";
 import {
   beforeStart,
   type CleanupReceipt,
@@ -65,6 +64,7 @@ import {
   type UnusedVolumeInfo,
 } from "../provider.ts";
 import { SCRATCH_PROBE_LINE } from "../scratch.ts";
+import { Spool } from "../spool.ts";
 import { tarHasContent } from "../tar.ts";
 import {
   buildContainerConfig,
@@ -157,6 +157,25 @@ export class DockerSandboxProvider implements SandboxProvider {
       : null;
     handle.id = container.id;
     try {
+      await this.startCreated(container, handle, spec);
+      if (imageFiles) {
+        try {
+          await extractArchiveViaExec(this.execOf(handle), imageFiles, SANDBOX_PATHS.workspace, AGENT_USER);
+        } catch (err) {
+          await this.removeFailed(container, handle, "could not get its image's /workspace files", err);
+          throw err;
+        }
+      }
+    } finally {
+      await imageFiles?.dispose();
+    }
+    this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
+    return handle;
+  }
+
+  /** Start a container just created; one that cannot start is removed. */
+  private async startCreated(container: Container, handle: SandboxHandle, spec: SandboxSpec): Promise<void> {
+    try {
       await container.start({ abortSignal: this.apiSignal() });
     } catch (err) {
       const facts = dockerErrorFacts(err);
@@ -182,25 +201,15 @@ export class DockerSandboxProvider implements SandboxProvider {
       if (final)
         throw FleetError.nonRetryable(
           "invalid_task",
-          `sandbox ${name} failed to start: ${facts.message}`,
+          `sandbox ${handle.name} failed to start: ${facts.message}`,
           err,
         );
       throw FleetError.retryable(
         "provider_unavailable",
-        `sandbox ${name} failed to start: ${facts.message}`,
+        `sandbox ${handle.name} failed to start: ${facts.message}`,
         err,
       );
     }
-    if (imageFiles) {
-      try {
-        await extractArchiveViaExec(this.execOf(handle), imageFiles, SANDBOX_PATHS.workspace, AGENT_USER);
-      } catch (err) {
-        await this.removeFailed(container, handle, "could not get its image's /workspace files", err);
-        throw err;
-      }
-    }
-    this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
-    return handle;
   }
 
   /**
@@ -261,19 +270,17 @@ export class DockerSandboxProvider implements SandboxProvider {
     container: Container,
     handle: SandboxHandle,
     spec: SandboxSpec,
-  ): Promise<readonly Buffer[] | null> {
+  ): Promise<Spool | null> {
     const capMb = effectiveLimits(spec, this.defaults).diskMb ?? 0;
-    // Kept as read, never joined: the archive may be as large as the workspace's cap.
-    const chunks: Buffer[] = [];
+    // Spooled, never joined: the archive may be as large as the workspace's cap.
+    const spool = new Spool();
     try {
       const stream = await container.getArchive({
         path: SANDBOX_PATHS.workspace,
         abortSignal: this.apiSignal(),
       });
-      let bytes = 0;
       for await (const chunk of stream) {
-        bytes += (chunk as Buffer).length;
-        if (bytes > capMb * 1024 * 1024) {
+        if (spool.bytes + (chunk as Buffer).length > capMb * 1024 * 1024) {
           stream.destroy();
           const tooBig = FleetError.nonRetryable(
             "invalid_task",
@@ -282,16 +289,19 @@ export class DockerSandboxProvider implements SandboxProvider {
           await this.removeFailed(container, handle, "has too much in its image's /workspace", tooBig);
           throw tooBig;
         }
-        chunks.push(chunk as Buffer);
+        await spool.write(chunk as Buffer);
       }
+      if (await tarHasContent(spool.read())) return spool;
     } catch (err) {
+      await spool.dispose();
       if (isFleetError(err)) throw err;
       if (dockerErrorFacts(err).statusCode === 404) return null; // no /workspace in the image
       const failed = classifyDockerError(err, "inspect", handle.name);
       await this.removeFailed(container, handle, "could not read its image's /workspace", failed);
       throw failed;
     }
-    return (await tarHasContent(Readable.from(chunks))) ? chunks : null;
+    await spool.dispose();
+    return null;
   }
 
   /**
