@@ -253,6 +253,28 @@ describe("TaskContent refusals", () => {
     ]);
   });
 
+  it("refuses text with a lone UTF-16 surrogate in a path, a file, the instruction or a match's expected answer (staged as U+FFFD: two files would become one); a pair is fine", () => {
+    const issues = (task: object) => {
+      const error = TaskContent.safeParse({ ...base, ...task }).error;
+      return error && leafIssues(error.issues).map((i) => [i.path.join("/"), i.message]);
+    };
+    const message =
+      "must be well-formed Unicode (a lone UTF-16 surrogate would be staged as U+FFFD, not as sent)";
+    expect(issues({ workspace: { "a\ud800.txt": "first", "a\udc00.txt": "second" } })).toEqual([
+      ["workspace/a\ud800.txt", message],
+      ["workspace/a\udc00.txt", message],
+    ]);
+    expect(issues({ workspace: { "a.txt": "x\ud800y" } })).toEqual([["workspace/a.txt", message]]);
+    expect(issues({ instruction: "fix it \udfff" })).toEqual([["instruction", message]]);
+    expect(issues({ tests: {}, verifier: { kind: "match", expected: "\ud83d" } })).toEqual([
+      ["verifier/expected", message],
+    ]);
+    // A surrogate pair is one character (U+1F600), staged as its four UTF-8 bytes.
+    expect(
+      issues({ instruction: "smile \ud83d\ude00", workspace: { "\ud83d\ude00.txt": "\ud83d\ude00" } }),
+    ).toBeUndefined();
+  });
+
   it("refuses a test.sh or solve.sh that starts with a byte order mark (bash runs it as part of the first command)", () => {
     const issues = (task: object) =>
       TaskContent.safeParse({ ...base, ...task }).error?.issues.map((i) => [i.path.join("/"), i.message]);

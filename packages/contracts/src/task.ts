@@ -13,6 +13,20 @@ export const MAX_NAME_BYTES = 255;
  */
 export const MAX_FILESET_ENTRIES = 10_000;
 
+/** Whether a string is well-formed Unicode: no lone UTF-16 surrogate (ES2024, Node ≥ 20). */
+function isWellFormed(s: string): boolean {
+  return (s as string & { isWellFormed(): boolean }).isWellFormed();
+}
+
+const NOT_WELL_FORMED =
+  "must be well-formed Unicode (a lone UTF-16 surrogate would be staged as U+FFFD, not as sent)";
+
+/**
+ * Text staged or shown as UTF-8: a lone surrogate has no UTF-8 spelling (encoders write U+FFFD),
+ * so two different strings would stage the same bytes, and the digest would not name them.
+ */
+export const WellFormedText = z.string().refine(isWellFormed, { message: NOT_WELL_FORMED });
+
 /**
  * Relative POSIX path inside a task directory: no absolute paths, no `..`, no NUL, and spelled
  * plainly (`a/b`, as `normalizeRelativePath` writes it: no `./`, `//`, `/./` or trailing `/`), so
@@ -25,6 +39,7 @@ export const RelativePath = z
   .refine((p) => !p.startsWith("/") && !p.split("/").includes("..") && !p.includes("\0"), {
     message: "must be a relative path without '..'",
   })
+  .refine(isWellFormed, { message: NOT_WELL_FORMED })
   // Every file of every task row comes through here: its segments are split once.
   .superRefine((p, ctx) => {
     const segments = pathSegments(p);
@@ -66,7 +81,7 @@ export const FILESET_TOO_LARGE = `holds more than ${MAX_FILESET_ENTRIES} files a
  * UTF-8 content. A file may not be another's directory (`a` and `a/b`): no tar of them could be
  * unpacked as given.
  */
-export const FileSet = z.record(RelativePath, z.string()).superRefine((files, ctx) => {
+export const FileSet = z.record(RelativePath, WellFormedText).superRefine((files, ctx) => {
   const paths = new Set(Object.keys(files));
   const dirs = new Set<string>();
   for (const path of paths) {
@@ -101,7 +116,7 @@ export const VerifierSpec = z.discriminatedUnion("kind", [
   /** Compare the agent's final answer (its stdout, trimmed) with `expected`. */
   z.strictObject({
     kind: z.literal("match"),
-    expected: z.string(),
+    expected: WellFormedText,
     mode: z.enum(["exact", "regex"]).default("exact"),
   }),
 ]);
@@ -249,7 +264,7 @@ export const TaskContent = z
         /^[A-Za-z0-9][A-Za-z0-9._-]*$/,
         "must start with a letter or digit, then only letters, digits, '.', '_' or '-'",
       ),
-    instruction: z.string().min(1, "must not be empty"),
+    instruction: WellFormedText.min(1, "must not be empty"),
     /** Sandbox image name; must exist on the worker hosts. */
     image: ImageReference,
     /** Files placed in the agent's workspace before it starts. */
