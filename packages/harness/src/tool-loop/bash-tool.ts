@@ -27,6 +27,13 @@ export const TOOL_LOOP_SYSTEM_PROMPT =
 
 /** The command of a `bash` tool call, or the error text to give the model instead. */
 export function parseBashArguments(args: string): { command: string } | { error: string } {
+  // JSON spells a byte in at most 6 characters (`\u0000`): longer arguments hold too long a
+  // command, said without parsing megabytes first.
+  if (args.length > 6 * MAX_COMMAND_BYTES + 1024) {
+    return {
+      error: `error: the bash tool's arguments are ${args.length} characters, more than a command of at most ${MAX_COMMAND_BYTES} bytes needs; write long content to a file in smaller pieces`,
+    };
+  }
   let parsed: unknown;
   try {
     parsed = JSON.parse(args);

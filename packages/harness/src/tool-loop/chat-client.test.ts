@@ -1,5 +1,5 @@
 import { describe, expect, it } from "vitest";
-import { backoffMs, isContextLengthError, isRetryableStatus, retryAfterMs } from "./chat-client.ts";
+import { backoffMs, isContextLengthError, isRetryableStatus, retryAfterMs, snippet } from "./chat-client.ts";
 import { readAssistantTurn } from "./chat-types.ts";
 import { redactor, TRANSCRIPT_FIELD_CHARS, Transcript } from "./transcript.ts";
 
@@ -74,8 +74,17 @@ describe("readAssistantTurn", () => {
       toolCalls: [
         { id: "call_4_1", type: "function", function: { name: "bash", arguments: '{"command":"ls"}' } },
       ],
+      totalToolCalls: 1,
     });
     expect(readAssistantTurn({ choices: [] }, 1)).toBeNull();
+  });
+
+  it("reads only the first maxCalls tool calls of an answer that lists millions, and counts them all", () => {
+    const calls = new Array<unknown>(2_000_000).fill({});
+    calls[1] = { id: "second", function: { name: "bash", arguments: "{}" } };
+    const turn = readAssistantTurn({ choices: [{ message: { content: null, tool_calls: calls } }] }, 2, 3);
+    expect(turn?.totalToolCalls).toBe(2_000_000);
+    expect(turn?.toolCalls.map((c) => c.id)).toEqual(["call_2_1", "second", "call_2_3"]);
   });
 });
 
@@ -96,5 +105,33 @@ describe("Transcript", () => {
     const t = new Transcript(redactor(null));
     t.add({ content: "z".repeat(10_000) });
     expect(JSON.parse(t.toString()).content.length).toBe(TRANSCRIPT_FIELD_CHARS);
+  });
+
+  it("caps strings at any depth (a tool call's arguments) before the line is redacted: the redactor never gets megabytes", () => {
+    const seen: number[] = [];
+    const t = new Transcript((text) => {
+      seen.push(text.length);
+      return redactor("SECRET", { fragments: true })(text);
+    });
+    t.add({ role: "assistant", toolCalls: [{ id: "c1", arguments: `SECRET${"a".repeat(4_000_000)}` }] });
+    expect(Math.max(...seen)).toBeLessThan(2 * TRANSCRIPT_FIELD_CHARS);
+    const line = JSON.parse(t.toString());
+    // Capped, then "SECRET" became "[redacted]".
+    expect(line.toolCalls[0].arguments).toHaveLength(TRANSCRIPT_FIELD_CHARS + 4);
+    expect(line.toolCalls[0].arguments).toMatch(/^\[redacted\]a/);
+  });
+});
+
+describe("snippet", () => {
+  it("redacts at most the first 2,000 characters of an error body and keeps 500", () => {
+    const seen: number[] = [];
+    const redact = (text: string) => {
+      seen.push(text.length);
+      return text.replaceAll("SECRET", "[redacted]");
+    };
+    const out = snippet(`error SECRET ${"b".repeat(8_000_000)}`, redact);
+    expect(seen).toEqual([2000]);
+    expect(out).toMatch(/^error \[redacted\] b+/);
+    expect(out.length).toBeLessThanOrEqual(500);
   });
 });

@@ -223,10 +223,16 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         }
         if (
           input.answeredBefore === true &&
-          (status === 401 || status === 404 || (bare403 && probe !== "works"))
+          (status === 401 ||
+            status === 404 ||
+            status === 405 ||
+            status === 410 ||
+            (status >= 300 && status < 400) ||
+            (bare403 && probe !== "works"))
         ) {
           // The same endpoint, key and model answered this episode's earlier calls: a key rotated
-          // or revoked, or a server restarted without the model, is the infrastructure's (masked,
+          // or revoked, a server restarted without the model, or one now redirecting (a proxy's
+          // expired sign-in, a move to https) or refusing the method, is the infrastructure's (masked,
           // as the command harness's gateway counts it), never the agent's. On a first call it is
           // the agent spec's (below). A 403 that says it refused the content (a moderation flag
           // on what the policy wrote), or one beside a key that still works, is the
@@ -309,8 +315,13 @@ function errorMessage(body: unknown, text: string): string {
   return code === undefined ? message : `${message} (${code})`;
 }
 
-function snippet(text: string, redact: (t: string) => string): string {
-  return capText(redact(text).trim(), 500);
+/**
+ * At most 500 characters of an error body, the credential redacted. Cut to 2,000 first: redacting
+ * all of a 8 MiB body took seconds of the worker's event loop, and a key the first cut splits
+ * leaves at most a few characters before it that fragment redaction has not caught.
+ */
+export function snippet(text: string, redact: (t: string) => string): string {
+  return capText(redact(text.slice(0, 2000)).trim(), 500);
 }
 
 function describe(err: unknown): string {
@@ -319,5 +330,10 @@ function describe(err: unknown): string {
   return `${err.message}${cause}`;
 }
 
-/** Largest model response read; a bigger one is an error (it would otherwise fill the worker's memory). */
-export const MAX_RESPONSE_BYTES = 32 * 1024 * 1024;
+/**
+ * Largest model response read; a bigger one is an error (it would otherwise fill the worker's
+ * memory). The tool loop asks for one choice, no logprobs: 8 MiB is far more than any model's
+ * longest answer, and parsing a hostile body of that size stalls the worker for a second or two,
+ * not the ten of 32 MiB.
+ */
+export const MAX_RESPONSE_BYTES = 8 * 1024 * 1024;

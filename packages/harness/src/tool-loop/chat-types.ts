@@ -15,7 +15,10 @@ export type ChatMessage =
 /** The assistant message of a response, read defensively (servers differ in what they send). */
 export interface AssistantTurn {
   content: string | null;
+  /** The first `maxCalls` of the answer's tool calls. */
   toolCalls: ToolCall[];
+  /** How many tool calls the answer held, those past `maxCalls` included. */
+  totalToolCalls: number;
   finishReason: string | null;
 }
 
@@ -31,8 +34,16 @@ function textOf(content: unknown): string | null {
   return null;
 }
 
-/** The first choice's assistant turn, or `null` when the body has none (a malformed answer). */
-export function readAssistantTurn(body: unknown, step: number): AssistantTurn | null {
+/**
+ * The first choice's assistant turn, or `null` when the body has none (a malformed answer). Only
+ * the first `maxCalls` tool calls are read: one answer may list millions (a 32 MiB body of `{}`s),
+ * and an object built for each would take gigabytes.
+ */
+export function readAssistantTurn(
+  body: unknown,
+  step: number,
+  maxCalls = Number.POSITIVE_INFINITY,
+): AssistantTurn | null {
   const choices =
     typeof body === "object" && body !== null ? (body as { choices?: unknown }).choices : undefined;
   const first = Array.isArray(choices) ? (choices[0] as unknown) : undefined;
@@ -40,8 +51,8 @@ export function readAssistantTurn(body: unknown, step: number): AssistantTurn | 
     typeof first === "object" && first !== null ? (first as { message?: unknown }).message : undefined;
   if (typeof message !== "object" || message === null) return null;
   const m = message as { content?: unknown; tool_calls?: unknown };
-  const rawCalls = Array.isArray(m.tool_calls) ? m.tool_calls : [];
-  const toolCalls: ToolCall[] = rawCalls.map((c: unknown, i: number) => {
+  const allCalls: unknown[] = Array.isArray(m.tool_calls) ? m.tool_calls : [];
+  const toolCalls: ToolCall[] = allCalls.slice(0, maxCalls).map((c: unknown, i: number) => {
     const call = (typeof c === "object" && c !== null ? c : {}) as {
       id?: unknown;
       function?: { name?: unknown; arguments?: unknown };
@@ -61,5 +72,10 @@ export function readAssistantTurn(body: unknown, step: number): AssistantTurn | 
     };
   });
   const finish = (first as { finish_reason?: unknown }).finish_reason;
-  return { content: textOf(m.content), toolCalls, finishReason: typeof finish === "string" ? finish : null };
+  return {
+    content: textOf(m.content),
+    toolCalls,
+    totalToolCalls: allCalls.length,
+    finishReason: typeof finish === "string" ? finish : null,
+  };
 }

@@ -700,6 +700,12 @@ describe("ToolLoopHarness", () => {
                       arguments: JSON.stringify({ command: `echo ${"x".repeat(140_000)}` }),
                     },
                   },
+                  {
+                    id: "e",
+                    type: "function",
+                    // Megabytes: refused by their length, never parsed.
+                    function: { name: "bash", arguments: `{"command": "${"y".repeat(2_000_000)}"}` },
+                  },
                 ],
               },
             },
@@ -711,11 +717,14 @@ describe("ToolLoopHarness", () => {
     );
     await harness().run(ctx());
     const tools = bodyOf(1).messages.filter((m) => m.role === "tool");
-    expect(tools.map((m) => m.tool_call_id)).toEqual(["a", "b", "c", "d"]);
+    expect(tools.map((m) => m.tool_call_id)).toEqual(["a", "b", "c", "d", "e"]);
     expect(tools[0]!.content).toMatch(/unknown tool "python"/);
     expect(tools[1]!.content).toMatch(/must be a JSON object/);
     expect(tools[2]!.content).toMatch(/NUL byte/);
     expect(tools[3]!.content).toMatch(/over the 102400 a command line can hold/);
+    expect(tools[4]!.content).toMatch(
+      /arguments are 2000015 characters, more than a command of at most 102400 bytes needs/,
+    );
     expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(0);
   });
 
@@ -748,7 +757,7 @@ describe("ToolLoopHarness", () => {
     expect((err as Error).message).toMatch(/provided: \[redacted\]\. Partial: \[redacted\]/);
   });
 
-  it.each([401, 403, 404])(
+  it.each([401, 403, 404, 302, 307, 405, 410])(
     "a %i after the endpoint answered earlier calls is the infrastructure's (masked provider_unavailable), not the agent's",
     async (status) => {
       upstream.push(chatReply({ content: "looking", bash: ["echo hi"] }));

@@ -186,16 +186,16 @@ export class ToolLoopHarness implements Harness {
         }
         const callUsage = readCallUsage(result.body);
         meter.record(callUsage);
-        const turn = readAssistantTurn(result.body, step);
+        // One answer may hold millions of tool calls (a 32 MiB response): at most
+        // MAX_TOOL_CALLS_PER_TURN are read, run and go back in the history; the model is told of
+        // the rest.
+        const turn = readAssistantTurn(result.body, step, MAX_TOOL_CALLS_PER_TURN);
         if (turn === null) {
           // Unreachable in practice: callChatCompletion only returns bodies with a choice.
           throw FleetError.nonRetryable("agent_error", "model answer has no assistant message");
         }
         if (turn.content !== null && turn.content.trim() !== "") lastText = turn.content;
-        // One answer may hold hundreds of thousands of tool calls (a 32 MiB response): at most
-        // MAX_TOOL_CALLS_PER_TURN run and go back in the history; the model is told of the rest.
-        const dropped = Math.max(0, turn.toolCalls.length - MAX_TOOL_CALLS_PER_TURN);
-        if (dropped > 0) turn.toolCalls = turn.toolCalls.slice(0, MAX_TOOL_CALLS_PER_TURN);
+        const dropped = turn.totalToolCalls - turn.toolCalls.length;
         messages.push({
           role: "assistant",
           content: turn.content === null ? null : capText(turn.content, MAX_HISTORY_CONTENT_CHARS),

@@ -25,11 +25,9 @@ export class Transcript {
   ) {}
 
   add(entry: Record<string, unknown>): void {
-    const capped: Record<string, unknown> = {};
-    for (const [k, v] of Object.entries(entry)) {
-      capped[k] = typeof v === "string" ? capText(v, TRANSCRIPT_FIELD_CHARS) : v;
-    }
-    const line = this.redact(JSON.stringify(capped));
+    // Every string capped, at any depth, before the line is written and redacted: a tool call's
+    // arguments (inside `toolCalls`) may be an answer's whole 8 MiB.
+    const line = this.redact(JSON.stringify(capStrings(entry, TRANSCRIPT_FIELD_CHARS)));
     this.lines.push(line);
     this.chars += line.length + 1;
     // Room for the truncation marker line.
@@ -43,6 +41,18 @@ export class Transcript {
     const head = this.dropped > 0 ? [JSON.stringify({ event: "truncated", droppedLines: this.dropped })] : [];
     return [...head, ...this.lines].join("\n").slice(-this.maxChars);
   }
+}
+
+/** `value` with every string in it (at any depth) capped at `max` characters. */
+function capStrings(value: unknown, max: number): unknown {
+  if (typeof value === "string") return capText(value, max);
+  if (Array.isArray(value)) return value.map((v) => capStrings(v, max));
+  if (typeof value === "object" && value !== null) {
+    const out: Record<string, unknown> = {};
+    for (const [k, v] of Object.entries(value)) out[k] = capStrings(v, max);
+    return out;
+  }
+  return value;
 }
 
 /**
