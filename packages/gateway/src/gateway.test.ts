@@ -536,10 +536,52 @@ describe("model gateway", () => {
     upstream.push(errorReply(503, "overloaded", "later"), chatReply({ content: "x".repeat(4096) }));
     await chat(baseUrl, token);
     expect(health()?.lastInfraFailure).toBe("HTTP 503");
-    // The agent sets how much comes back: asking for too much is its own failure, not a mask.
-    const big = await chat(baseUrl, token);
+    // The agent sets how much comes back (several choices, logprobs): asking for too much is its
+    // own failure, not a mask.
+    const big = await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], n: 2 });
     expect([big.status, big.json.error.code]).toEqual([502, "upstream_response_too_large"]);
     expect(health()).toEqual({ answered: 1, infraFailures: 6, lastInfraFailure: null });
+    // An error body that large, or one choice without logprobs past the bound (an answer that
+    // never ends), is the upstream's.
+    upstream.push({ status: 503, rawBody: "x".repeat(4096) });
+    expect((await chat(baseUrl, token)).json.error.code).toBe("upstream_response_too_large");
+    expect(health()).toEqual({
+      answered: 1,
+      infraFailures: 7,
+      lastInfraFailure: "HTTP 503 with a body over 1024 bytes",
+    });
+    upstream.push(chatReply({ content: "y".repeat(4096) }));
+    await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], logprobs: false });
+    expect(health()?.lastInfraFailure).toBe("HTTP 200 with a body over 1024 bytes");
+    upstream.push(chatReply({ content: "z".repeat(4096) }));
+    await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], logprobs: true });
+    expect(health()).toEqual({ answered: 1, infraFailures: 8, lastInfraFailure: null });
+  });
+
+  it("passes on Retry-After and Content-Type only in forms that carry nothing else (a proxy echoing the credential)", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const replies: Array<[Record<string, string>, string | null, string]> = [
+      [{ "retry-after": "7" }, "7", "application/json"],
+      [
+        { "retry-after": "Wed, 21 Oct 2026 07:28:00 GMT" },
+        "Wed, 21 Oct 2026 07:28:00 GMT",
+        "application/json",
+      ],
+      [{ "retry-after": `5 ${CREDENTIAL}` }, null, "application/json"],
+      [{ "content-type": `application/json; key=${CREDENTIAL}` }, null, "application/json"],
+      [{ "content-type": `text/${CREDENTIAL}` }, null, "application/json"],
+      [{ "content-type": "Text/Plain; charset=latin1" }, null, "text/plain"],
+    ];
+    for (const [headers, retryAfter, contentType] of replies) {
+      upstream.push(errorReply(429, "rate_limited", "slow down", headers));
+      const r = await chat(baseUrl, token);
+      expect(r.status).toBe(429);
+      expect([r.headers.get("retry-after"), r.headers.get("content-type")], JSON.stringify(headers)).toEqual([
+        retryAfter,
+        contentType,
+      ]);
+    }
   });
 
   it("a 403 while the upstream answers a plain request with the same key is the request's (a firewall's rule): answered, not a failure", async () => {

@@ -109,9 +109,41 @@ const AGENTS_OWN_REFUSALS = new Set([
   "stream_unsupported",
   "payload_too_large",
   "token_cap_exceeded",
-  "upstream_response_too_large",
   "token_cap_too_small",
 ]);
+
+/**
+ * Whether a request asks for what can make an answer huge (several choices, log probabilities):
+ * then an answer over the size bound is the request's own.
+ */
+function asksForALargeAnswer(request: Record<string, unknown>): boolean {
+  const n = Number(request.n);
+  return (Number.isFinite(n) && n > 1) || (request.logprobs !== undefined && request.logprobs !== false);
+}
+
+/** An upstream header passed on to the agent only in a form that cannot carry anything else. */
+function safeRetryAfter(value: string | null): string | null {
+  const v = value?.trim() ?? "";
+  // Delay-seconds, or an HTTP date (IMF-fixdate, the one form senders must use).
+  return /^\d{1,9}$/.test(v) || /^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$/.test(v)
+    ? v
+    : null;
+}
+
+/** Media types an upstream's answer is passed on as; any other is named JSON's, as none is. */
+const PASSED_MEDIA_TYPES = new Set([
+  "application/json",
+  "application/problem+json",
+  "text/plain",
+  "text/html",
+  "text/event-stream",
+]);
+
+/** The upstream's media type alone (no parameter, nothing but a known type), else JSON's. */
+function safeContentType(value: string | null): string {
+  const media = (value ?? "").split(";")[0]!.trim().toLowerCase();
+  return PASSED_MEDIA_TYPES.has(media) ? media : "application/json";
+}
 
 /** The abort reason of a call whose client closed its connection (the agent abandoned it). */
 const CLIENT_GONE = new Error("client disconnected");
@@ -353,8 +385,9 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         o.dispatcher,
       );
       status = upstream.status;
-      contentType = upstream.headers.get("content-type") ?? "application/json";
-      retryAfter = upstream.headers.get("retry-after");
+      // Only the forms of these that carry nothing else (the credential, echoed by a proxy).
+      contentType = safeContentType(upstream.headers.get("content-type"));
+      retryAfter = safeRetryAfter(upstream.headers.get("retry-after"));
       text = await readResponse(upstream, o.maxResponseBytes);
       // An upstream (or a proxy before it) that echoes request headers in an error would hand
       // the real credential to the sandbox: it never leaves this process.
@@ -365,8 +398,14 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       else entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) {
         // The operator's credential not resolvable: the infrastructure's. An answer over the size
-        // bound is the request's (AGENTS_OWN_REFUSALS): the agent sets how much comes back.
+        // bound is the request's when it asked for one that large (several choices, logprobs) and
+        // got it (2xx); an error body that large, or an answer that never ends, the upstream's.
         if (err.code === "credential_unavailable") noteInfraFailure(entry, err.message);
+        if (err.code === "upstream_response_too_large") {
+          const requests = status! >= 200 && status! < 300 && asksForALargeAnswer(request);
+          if (requests) entry.health.lastInfraFailure = null;
+          else noteInfraFailure(entry, `HTTP ${status!} with a body over ${o.maxResponseBytes} bytes`);
+        }
         throw err;
       }
       if (timeout.aborted) {
