@@ -77,6 +77,31 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
     }
   });
 
+  it("counts a job given a priority (Bull Board's edit: BullMQ's prioritized state) as waiting", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }));
+    try {
+      await queue.add("run", { rolloutId: "p" }, { jobId: "p.run", timestamp: Date.now() - 3_600_000 });
+      await (await queue.getJob("p.run"))!.changePriority({ priority: 5 });
+      expect(await queue.getJobState("p.run")).toBe("prioritized");
+      await refreshScrapeMetrics({
+        redis,
+        queues: [queue],
+        store: { inflightCount: async () => 0 },
+        metrics,
+        now: Date.now(),
+        timeoutMs: 5_000,
+      });
+      const run = (values: { labels: Record<string, unknown>; value: number }[]) =>
+        values.filter((v) => v.labels.queue === "run");
+      expect(run((await metrics.queueOldestWaitingAge.get()).values)[0]!.value).toBeGreaterThanOrEqual(3_600);
+      expect(
+        run((await metrics.queueJobs.get()).values).find((v) => v.labels.state === "prioritized")?.value,
+      ).toBe(1);
+    } finally {
+      await queue.obliterate({ force: true });
+    }
+  });
+
   describe("a retried job", () => {
     const HOUR = 3_600_000;
     const prefix = `{t-scrape-retry-${randomUUID().slice(0, 8)}}`;

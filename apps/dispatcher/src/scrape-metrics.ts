@@ -108,10 +108,13 @@ export const WAITING_EVENTS_SCAN = 2_000;
 const entryTime = (id: string) => Number(id.slice(0, id.indexOf("-")));
 
 async function sampleQueue(queue: Queue, client: ScrapeSources["redis"], now: number) {
-  const [counts, head, [, dueScore], workers] = await Promise.all([
+  const [counts, head, prioritizedHead, [, dueScore], workers] = await Promise.all([
     queue.getJobCounts(...QUEUE_STATES),
     // Next to be taken first: the right end of the wait list.
     queue.getJobs(["waiting"], 0, WAIT_HEAD_SAMPLE - 1, true),
+    // Jobs given a priority (Bull Board's edit, an add with one) wait apart, highest first: they
+    // wait for a worker all the same.
+    queue.getJobs(["prioritized"], 0, WAIT_HEAD_SAMPLE - 1, true),
     // A delayed job (a retry's backoff, a hold) whose time has come but that no worker has moved
     // to the wait list yet (BullMQ's workers move them when they look for a job): ready since
     // its due time, which its score holds (the time in ms, times 0x1000, plus a counter).
@@ -129,7 +132,7 @@ async function sampleQueue(queue: Queue, client: ScrapeSources["redis"], now: nu
   // added; any other (taken and retried after its backoff, handed back, held, stalled, added with
   // a delay), since its last `waiting` event: neither its attempts' run time nor its backoff is
   // time spent waiting for a worker.
-  const jobs = head.filter((job) => job?.timestamp > 0);
+  const jobs = [...head, ...prioritizedHead].filter((job) => job?.timestamp > 0);
   const returned = jobs.filter((job) => job.processedOn || job.opts.delay);
   const lastWaiting = new Map<string, number>();
   let scannedSince: number | null = null;

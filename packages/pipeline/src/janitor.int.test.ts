@@ -12,7 +12,13 @@ import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
-import { janitorTick, REPORTED_ENTRY_FAILURES, STALE_HELPER_MS, startJanitor } from "./janitor.ts";
+import {
+  JANITOR_SCHEDULER,
+  janitorTick,
+  REPORTED_ENTRY_FAILURES,
+  STALE_HELPER_MS,
+  startJanitor,
+} from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
@@ -1099,6 +1105,35 @@ describe("janitor", () => {
       await vi.waitFor(async () => expect(await owners()).toEqual([]), { timeout: 10_000 });
     } finally {
       await schedule.resume();
+      await schedule.close();
+      await janitor.close();
+    }
+  });
+
+  it("says when it last finished a pass (FleetJanitorPassesStopped), and makes its schedule again when someone removed it", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const lastPass = async () => (await metrics.janitorLastPass.get()).values[0]?.value ?? 0;
+    const started = Date.now() / 1000;
+    const janitor = await startJanitor(
+      { ...fleet.deps, metrics },
+      { connection: fleet.redis, prefix: fleet.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    const schedule = new Queue(JANITOR_QUEUE, { connection: fleet.redis, prefix: fleet.prefix });
+    try {
+      // Its start until its first pass, then each pass's end.
+      expect(await lastPass()).toBeGreaterThanOrEqual(started);
+      const first = await lastPass();
+      await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(first), { timeout: 10_000 });
+      // Bull Board's job-scheduler "remove": no tick is made any more...
+      expect(await schedule.removeJobScheduler(JANITOR_SCHEDULER)).toBe(true);
+      expect(await schedule.getJobScheduler(JANITOR_SCHEDULER)).toBeUndefined();
+      // ...until this janitor, a few intervals without a pass, makes it again; passes resume.
+      await vi.waitFor(async () => expect(await schedule.getJobScheduler(JANITOR_SCHEDULER)).toBeTruthy(), {
+        timeout: 10_000,
+      });
+      const after = Date.now() / 1000;
+      await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(after), { timeout: 10_000 });
+    } finally {
       await schedule.close();
       await janitor.close();
     }

@@ -589,6 +589,9 @@ function dropSandboxCount(deps: PipelineDeps): void {
     deps.metrics?.sandboxesActive.remove({ provider: deps.provider.name, owner });
 }
 
+/** The janitor queue's job scheduler, whose ticks are the passes. */
+export const JANITOR_SCHEDULER = "janitor-tick";
+
 /** After this many pass intervals without a pass of its own, a replica drops its sandbox count. */
 export const STALE_SAMPLE_INTERVALS = 3;
 
@@ -617,11 +620,14 @@ export async function startJanitor(
   queue.on("error", () => undefined);
   // One pass at a time across every replica: a slow pass must not overlap the next tick.
   await queue.setGlobalConcurrency(1);
-  await queue.upsertJobScheduler(
-    "janitor-tick",
-    { every: options.intervalMs },
-    { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
-  );
+  const schedule = () =>
+    queue.upsertJobScheduler(
+      JANITOR_SCHEDULER,
+      { every: options.intervalMs },
+      { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
+    );
+  await schedule();
+  deps.metrics?.janitorLastPass.set(Date.now() / 1000);
   // fleet_sandboxes_active is this replica's sample from its last pass. With several replicas
   // sharing the schedule, another may run every pass for a while: a sample older than a few
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
@@ -634,6 +640,21 @@ export async function startJanitor(
       dropSandboxCount(deps);
       deps.metrics?.teardownLedgerEntries.remove({});
       deps.metrics?.teardownLedgerOldestAge.remove({});
+      // No pass of this replica's for a while: another's, or none at all. A schedule removed
+      // (Bull Board's job-scheduler "remove", a script) would stop every pass until a janitor
+      // restarts: made again. (Only when missing: an upsert of one that exists may move its next
+      // tick.)
+      queue
+        .getJobScheduler(JANITOR_SCHEDULER)
+        .then(async (found) => {
+          if (found) return;
+          deps.logger.warn(
+            { scheduler: JANITOR_SCHEDULER },
+            "the janitor's schedule was removed; making it again",
+          );
+          await schedule();
+        })
+        .catch(() => undefined); // Redis unreachable: the next check tries again
     }
   }, options.intervalMs);
   stale.unref();
@@ -642,6 +663,7 @@ export async function startJanitor(
     async () => {
       const report = await janitorTick(deps, options);
       lastPassAt = Date.now();
+      deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
       const did =
         report.retried +
         report.orphansRemoved +

@@ -39,6 +39,22 @@ describe("stage runner: a stage whose receipt is stored stays done", () => {
     return fleet.deps.store.getResult(id);
   }
 
+  it("a stage job whose id is not the fleet's own (Bull Board's duplicate, a script's add) is dropped untouched: no agent launched, no receipt", async () => {
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+    expect(await runStageJob("seed", { ...job(id), id: `${id}.seed` }, fleet.deps)).toBe("ok");
+    const before = await fleet.deps.store.get(id);
+    for (const stray of ["24", `${id}.seed`, `${id}.run.copy`]) {
+      expect(await runStageJob("run", { ...job(id), id: stray }, fleet.deps)).toBe("stray");
+    }
+    expect(await fleet.deps.store.get(id)).toEqual(before);
+    // The fleet's own job runs it.
+    expect(await runStageJob("run", { ...job(id), id: `${id}.run` }, fleet.deps)).toBe("ok");
+    expect(await fleet.deps.store.get(id)).toMatchObject({
+      launches: 1,
+      receipts: { run: expect.anything() },
+    });
+  });
+
   it("a verify delivered again after its deadline passed keeps its reward", async () => {
     const id = await graded();
     // Its worker died before completing the job; BullMQ hands it out again hours later.

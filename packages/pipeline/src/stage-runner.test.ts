@@ -72,6 +72,7 @@ describe("fleet_stage_jobs_total", () => {
       skipped: true,
       unknown: true,
       superseded: true,
+      stray: true,
     };
     const series = (await metrics.stageJobs.get()).values;
     for (const stage of STAGES) {

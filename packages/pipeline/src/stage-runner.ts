@@ -9,13 +9,13 @@ import {
   type StageName,
   stageAfter,
 } from "@fleet/contracts";
-import { deliveryFence, isRedisUnavailable, maxBackoffMs, STAGE_CATALOG } from "@fleet/queue";
+import { deliveryFence, isRedisUnavailable, maxBackoffMs, STAGE_CATALOG, stageJobId } from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError, RedisHoldError } from "./hand-back.ts";
 import { beginOptions, begunOf, HANDLERS, lockMayHaveLapsed, superseded } from "./stages.ts";
 
-export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded";
+export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded" | "stray";
 
 /**
  * Anything thrown, as a FleetError: unclassified errors are infrastructure (retryable, masked).
@@ -50,7 +50,7 @@ export function isRedisRefusal(err: unknown): boolean {
  */
 export async function runStageJob(
   stage: StageName,
-  job: Pick<Job, "data" | "attemptsMade" | "opts"> & Partial<Pick<Job, "processedOn">>,
+  job: Pick<Job, "data" | "attemptsMade" | "opts"> & Partial<Pick<Job, "processedOn" | "id">>,
   deps: PipelineDeps,
   options: {
     /** Aborted when the worker shuts down: a long stage stops and hands its job back (`HandBackError`). */
@@ -71,6 +71,16 @@ export async function runStageJob(
   // When this worker took the job: its lock dates from then (wall clock, as BullMQ's).
   const lock = { since: job.processedOn ?? Date.now(), durationMs: options.lockDurationMs ?? 30_000 };
   const { rolloutId } = parseStageJob(job.data);
+  if (job.id !== undefined && job.id !== stageJobId(rolloutId, stage)) {
+    // Not the fleet's own job (those are `<rolloutId>.<stage>`, rule 7): one added by hand, by
+    // Bull Board's "duplicate" or a script. Taken for a delivery of the rollout's stage, it would
+    // take over a live agent's launch and run it again: dropped, untouched.
+    deps.logger.warn(
+      { rolloutId, stage, jobId: job.id },
+      `a ${stage} job whose id is not the fleet's own (${stageJobId(rolloutId, stage)}): added by hand or a script; dropping it`,
+    );
+    return "stray";
+  }
   // One round trip: the record, the stage's start time, for close the tombstone, failure log and
   // sandbox entries, for seed its sandbox intent, for run its launch claim.
   // The same `now` for begin and the deadline check below: begin records seed's intent only

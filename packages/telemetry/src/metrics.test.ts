@@ -30,6 +30,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     expect(names).toEqual(
       [
         "fleet_closes_given_up_total",
+        "fleet_janitor_last_pass_timestamp_seconds",
         "fleet_janitor_step_failures_total",
         "fleet_model_tokens_total",
         "fleet_queue_jobs",

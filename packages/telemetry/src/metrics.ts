@@ -38,7 +38,8 @@ export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
  * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close);
  * `superseded` a verify attempt whose failure a later attempt (its lock lapsed) made moot; `requeued`
  * a job handed back without work (a seed past its wait for the seed-ahead bound, a verify handed
- * back until an earlier attempt's tests are over), no attempt spent.
+ * back until an earlier attempt's tests are over), no attempt spent; `stray` a job whose id is not
+ * the fleet's own `<rolloutId>.<stage>` (added by hand: Bull Board's "duplicate", a script), dropped.
  */
 export const STAGE_OUTCOMES = [
   "ok",
@@ -51,6 +52,7 @@ export const STAGE_OUTCOMES = [
   "held",
   "redis_held",
   "requeued",
+  "stray",
 ] as const;
 export type StageOutcome = (typeof STAGE_OUTCOMES)[number];
 /** `result` of one teardown attempt (close stage or janitor retry). */
@@ -116,6 +118,7 @@ export interface FleetMetrics {
   queueWorkers: Gauge<"queue">;
   queueStalledJobs: Counter<"queue">;
   janitorStepFailures: Counter<"step">;
+  janitorLastPass: Gauge;
   closesGivenUp: Counter;
 }
 
@@ -254,6 +257,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       labelNames: ["step"],
       registers,
     }),
+    janitorLastPass: new Gauge({
+      name: "fleet_janitor_last_pass_timestamp_seconds",
+      help: "Unix time this janitor last finished a pass (its start time until its first). Replicas share one schedule: the newest over them says whether passes run at all (a paused janitor queue, a removed schedule, a pass that never ends), which the heartbeat does not.",
+      registers,
+    }),
     closesGivenUp: new Counter({
       name: "fleet_closes_given_up_total",
       help: "Rollouts closed without destroys, their sandboxes handed to the teardown ledger, once close had been enqueued again for each CLOSE_AGAIN_LIMIT times (by the deadline watchdog, or by the stage workers after BullMQ failed it as stalled) and none finalized (a close failing every attempt, or killing every worker that took it); counted by the process that closed it (a stage worker, or the janitor past the deadline).",
@@ -285,6 +293,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     metrics.teardownLedgerOldestAge,
     metrics.sandboxProviderUp,
     metrics.seedingHeld,
+    metrics.janitorLastPass,
   ]) {
     gauge.remove({});
   }
