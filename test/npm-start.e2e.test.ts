@@ -1,4 +1,5 @@
 import { execFileSync } from "node:child_process";
+import { readFileSync } from "node:fs";
 import { freeLoopbackPort } from "@fleet/queue";
 import { afterAll, describe, expect, it } from "vitest";
 import { dropPrefix, REDIS_URL, testPrefix, waitFor } from "./helpers/env.ts";
@@ -23,6 +24,15 @@ function descendants(pid: number): number[] {
     queue.push(...children);
   }
   return out;
+}
+
+/** Whether this host's kernel lets a process trace its ancestors (no Yama, or ptrace_scope 0). */
+function ancestorsTraceable(): boolean {
+  try {
+    return readFileSync("/proc/sys/kernel/yama/ptrace_scope", "utf8").trim() === "0";
+  } catch {
+    return true;
+  }
 }
 
 const alive = (pid: number) => {
@@ -80,6 +90,10 @@ describe("apps started the README's way (npm start -w <app>)", () => {
     );
     for (const { workspace, output } of results) {
       expect(output, workspace).toMatch(/"msg":"shutting down"/);
+      // The verifier worker, and it alone, says when this host's kernel lets the agent's code the
+      // tests run tamper with the tests' processes (no Yama, or ptrace_scope 0: as on CI's hosts).
+      const warned = /can then trace or write the memory of the tests' own processes/.test(output);
+      expect(warned, workspace).toBe(workspace === "@fleet/verifier-worker" && ancestorsTraceable());
     }
   }, 240_000);
 

@@ -23,9 +23,11 @@ import {
   createFleetMetrics,
   createMetricsRegistry,
   isRepeatedSignal,
+  type Logger,
   portInUse,
   startMetricsServer,
 } from "@fleet/telemetry";
+import { testsTamperRisk } from "@fleet/verifiers";
 import { checkCredentialsFile, createCredentialResolver } from "./credentials.ts";
 import type { PipelineDeps } from "./deps.ts";
 import { startJanitor } from "./janitor.ts";
@@ -311,6 +313,21 @@ function countFinishedFromZero(deps: PipelineDeps): void {
   }
 }
 
+/**
+ * Say at start when the sandboxes' kernel lets the agent's code that the tests run tamper with
+ * the tests' own processes (`testsTamperRisk`): checked on this host, which is the sandboxes' for
+ * bubblewrap and a local Docker daemon (a remote one's host is named).
+ */
+function warnOfTestsTamperRisk(deps: PipelineDeps, logger: Logger): void {
+  const risk = testsTamperRisk();
+  if (risk === null) return;
+  const remote = deps.provider.name === "docker" && !deps.provider.endpoint.startsWith("unix://");
+  logger.warn(
+    { risk, ...(remote ? { dockerEndpoint: deps.provider.endpoint } : {}) },
+    `${remote ? "this host's kernel (check the Docker daemon's host too)" : "the sandboxes' kernel"}: ${risk}. The agent's code that a task's tests run (as root, like the tests) can then trace or write the memory of the tests' own processes and force a pass: set kernel.yama.ptrace_scope=1 on every sandbox host (packages/tasks/README.md, "What tests cannot stop")`,
+  );
+}
+
 /** The whole of a stage worker app's `main.ts`. */
 export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   const config = parseWorkerConfig(kind, env);
@@ -332,6 +349,7 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     onWorker: (worker) => countStalledJobs(worker, deps, "a stage job stalled; it is delivered again"),
   });
   if (STAGES_OF[kind].includes("close")) countFinishedFromZero(deps);
+  if (kind === "verifier") warnOfTestsTamperRisk(deps, logger);
   logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
   onSignals(
     logger,

@@ -1,3 +1,4 @@
+export { PTRACE_SCOPE_FILE, testsTamperRisk } from "./host-check.ts";
 export { matchAnswer } from "./match.ts";
 export { parseReward } from "./reward-file.ts";
 export type { Verdict, VerifyContext } from "./verdict.ts";
