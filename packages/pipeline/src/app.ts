@@ -11,6 +11,7 @@ import { FailureKind, type StageName } from "@fleet/contracts";
 import {
   connectRedis,
   createAppLogging,
+  fleetInstance,
   logConnectionOutages,
   RolloutStore,
   StageQueues,
@@ -106,6 +107,9 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     logger,
     durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
   });
+  // This deployment's id, on its sandboxes: another fleet with the same prefix (its own Redis) on
+  // the same daemon is told apart by it.
+  const instance = await fleetInstance(redis, config.prefix);
   const docker = dockerConnectionFromEnv(config.dockerHost, config.dockerCertPath);
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,
@@ -116,6 +120,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     logger,
     // Only this fleet's sandboxes: the janitor must never reap another fleet's on a shared daemon.
     scope: config.prefix,
+    instance,
   });
   const deps: PipelineDeps = {
     store: new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs }),
@@ -132,6 +137,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
         ? new DockerGatewayNetworks({
             docker,
             scope: config.prefix,
+            instance,
             subnetPool: config.gatewaySubnetPool ?? undefined,
           })
         : undefined,

@@ -39,6 +39,48 @@ describe("janitor", () => {
   });
   afterAll(async () => fleet.close());
 
+  it("leaves a sandbox of another deployment with the same scope (its own Redis) until it expires, uncounted, and says so", async () => {
+    // Two fleets with this file's scope: this one (instance "ours") and another ("theirs"),
+    // whose rollouts this fleet's Redis does not know.
+    const ours = new DockerSandboxProvider({ scope: docker.scope, instance: `ours-${RUN}` });
+    const theirs = new DockerSandboxProvider({ scope: docker.scope, instance: `theirs-${RUN}` });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const warned = vi.spyOn(fleet.deps.logger, "warn");
+    const deps = { ...fleet.deps, provider: ours, metrics };
+    const live = await theirs.create({
+      image: IMAGE,
+      rolloutId: `theirs${Date.now()}`,
+      owner: "resources",
+      expiresAt: Date.now() + 3_600_000,
+    });
+    const counted = async () => (await metrics.sandboxesActive.get()).values.reduce((n, v) => n + v.value, 0);
+    try {
+      // Same scope: this fleet's provider lists it (never finds it for its own rollout).
+      expect((await ours.list({ "fleet.rollout": live.rolloutId })).map((i) => i.handle.id)).toEqual([
+        live.id,
+      ]);
+      // Hours past the grace period, its rollout unknown here: not this fleet's to judge.
+      const later = { ...deps, now: () => Date.now() + 1_800_000 };
+      const report = await janitorTick(later, { orphanGraceMs: 60_000 });
+      expect(report.orphansRemoved).toBe(0);
+      expect(await theirs.alive(live)).toBe(true);
+      expect(await counted()).toBe(0);
+      expect(warned).toHaveBeenCalledWith(
+        expect.objectContaining({ instances: [`theirs-${RUN}`], own: `ours-${RUN}` }),
+        expect.stringMatching(/another fleet with this FLEET_PREFIX/),
+      );
+      // Past its expiry, whoever made it: removed.
+      const expired = { ...deps, now: () => Date.now() + 7_200_000 };
+      expect((await janitorTick(expired, { orphanGraceMs: 60_000 })).orphansRemoved).toBeGreaterThanOrEqual(
+        1,
+      );
+      expect(await theirs.alive(live)).toBe(false);
+    } finally {
+      warned.mockRestore();
+      await theirs.destroy(live);
+    }
+  });
+
   it("removes a labelled sandbox whose rollout is unknown, but only past the grace period", async () => {
     const orphanId = `orphan${Date.now()}`;
     const handle = await docker.create({

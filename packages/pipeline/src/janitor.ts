@@ -10,7 +10,14 @@ import {
   stageJobId,
   UnreadableRecordError,
 } from "@fleet/queue";
-import { LABEL_EXPIRES, LABEL_OWNER, LABEL_ROLLOUT, type SandboxInfo } from "@fleet/sandbox";
+import {
+  LABEL_EXPIRES,
+  LABEL_INSTANCE,
+  LABEL_OWNER,
+  LABEL_ROLLOUT,
+  madeByAnotherInstance,
+  type SandboxInfo,
+} from "@fleet/sandbox";
 import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
@@ -316,18 +323,33 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       // here too would retry a failing destroy every pass and push its backoff out each time.
       // (One that does not parse was reported by the ledger step, when due.)
       const onLedger = new Map((await deps.ledger.pending(() => undefined)).map((e) => [e.key, e]));
-      // fleet_sandboxes_active: what the provider holds after this pass (removed orphans subtracted).
+      // fleet_sandboxes_active: what the provider holds after this pass (removed orphans
+      // subtracted), of this deployment's (another's with the same scope would page a leak).
       const active = { resources: 0, agent: 0 };
-      for (const info of listed) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
+      const foreign = listed.filter((info) => madeByAnotherInstance(info.labels, deps.provider.instance));
+      warnOfAnotherInstance(deps, foreign);
+      for (const info of listed) {
+        if (!foreign.includes(info)) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
+      }
       const orphanSteps = entrySteps("orphans");
       for (const info of listed) {
         const rolloutId = info.labels[LABEL_ROLLOUT];
         const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
         const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
         if (!rolloutId) continue;
+        const theirs = foreign.includes(info);
         // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
         await orphanSteps.run(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
-          if (!(await isOrphan(deps, rolloutId, expires, info.createdAt, now, options.orphanGraceMs))) return;
+          const orphan = await isOrphan(
+            deps,
+            rolloutId,
+            expires,
+            info.createdAt,
+            now,
+            options.orphanGraceMs,
+            theirs,
+          );
+          if (!orphan) return;
           if (overBudget()) return; // counted as active; removed next pass
           const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
           if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) return;
@@ -342,7 +364,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           };
           const r = await destroyOrLedger(deps, entry);
           if (r.teardown === "confirmed") {
-            active[owner]--;
+            if (!theirs) active[owner]--;
             report.orphansRemoved++;
           }
         });
@@ -374,6 +396,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
             volume.createdAt,
             now,
             options.orphanGraceMs,
+            madeByAnotherInstance(volume.labels, deps.provider.instance),
           );
           if (!orphan || overBudget()) return;
           if (await removeUnusedVolume(volume.name)) report.volumesRemoved++;
@@ -450,6 +473,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
  * (whatever its rollout: the record is not read, as in the registry step, so one that cannot be
  * read keeps nothing expired alive), or it is older than `graceMs` and its rollout is over or
  * unknown. Not old when the provider gave no creation time (NaN): then only its expiry counts.
+ * Another deployment's (`theirs`: same scope, its own Redis, where its rollouts are) only by its
+ * expiry: this fleet's Redis knowing nothing of its rollout says nothing.
  */
 async function isOrphan(
   deps: PipelineDeps,
@@ -458,11 +483,33 @@ async function isOrphan(
   createdAt: number,
   now: number,
   graceMs: number,
+  theirs = false,
 ): Promise<boolean> {
   if (expires < now) return true;
-  if (!(now - createdAt > graceMs)) return false;
+  if (theirs || !(now - createdAt > graceMs)) return false;
   const rec = await deps.store.get(rolloutId);
   return rec === null || isTerminal(rec.status);
+}
+
+/** When this process last warned of another deployment's sandboxes (once per 10 minutes). */
+let anotherInstanceWarnedAt = 0;
+
+/**
+ * Say (now and then) that sandboxes of another deployment of this fleet's scope share the
+ * provider: two fleets with one `FLEET_PREFIX` and their own Redis on one Docker daemon. Each
+ * janitor leaves the other's alone until they expire, but the two should not share a prefix.
+ */
+function warnOfAnotherInstance(deps: PipelineDeps, foreign: readonly SandboxInfo[]): void {
+  if (foreign.length === 0 || Date.now() - anotherInstanceWarnedAt < 600_000) return;
+  anotherInstanceWarnedAt = Date.now();
+  deps.logger.warn(
+    {
+      sandboxes: foreign.length,
+      instances: [...new Set(foreign.map((info) => info.labels[LABEL_INSTANCE]))].slice(0, 5),
+      own: deps.provider.instance,
+    },
+    "sandboxes of another fleet with this FLEET_PREFIX share the sandbox provider (its own Redis): left to it until they expire; give each fleet its own FLEET_PREFIX",
+  );
 }
 
 interface Leftovers {

@@ -1,3 +1,5 @@
+import { randomUUID } from "node:crypto";
+
 /**
  * Every Redis key the fleet owns, under one hash-tagged prefix (e.g. `{fleet}`) so that all of
  * them land in one Redis Cluster slot and multi-key Lua scripts stay legal.
@@ -38,6 +40,8 @@ export interface Keys {
   teardownEntries(): string;
   /** Gateway networks whose removal at close failed (rollout ids, scored by when): the janitor retries them. */
   networkRetries(): string;
+  /** This deployment's id (`fleetInstance`), set by the first app to start against this Redis. */
+  instance(): string;
 }
 
 export function createKeys(prefix = "{fleet}"): Keys {
@@ -55,6 +59,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const teardownDue = `${x}teardown:due`;
   const teardownEntries = `${x}teardown:entries`;
   const networkRetries = `${x}teardown:networks`;
+  const instance = `${x}instance`;
   return {
     prefix,
     rollout: (id) => `${x}rollout:${id}`,
@@ -73,5 +78,28 @@ export function createKeys(prefix = "{fleet}"): Keys {
     teardownDue: () => teardownDue,
     teardownEntries: () => teardownEntries,
     networkRetries: () => networkRetries,
+    instance: () => instance,
   };
+}
+
+/**
+ * This deployment's id, kept in its Redis (`keys.instance()`): made by the first app that asks
+ * (every app asks at start; the first write wins) and the same for every app on this Redis ever
+ * after. Sandboxes carry it (`fleet.instance`), so two fleets that share a key prefix, each with
+ * its own Redis, on one Docker daemon tell their sandboxes apart. Redis emptied, the next start
+ * makes a new one, and the janitor takes what was made before for another fleet's: removed when
+ * it expires.
+ */
+export async function fleetInstance(
+  redis: {
+    set(key: string, value: string, nx: "NX"): Promise<unknown>;
+    get(key: string): Promise<string | null>;
+  },
+  prefix: string,
+): Promise<string> {
+  const key = createKeys(prefix).instance();
+  await redis.set(key, randomUUID(), "NX");
+  const id = await redis.get(key);
+  if (!id) throw new Error(`${key} was removed as it was read; start again`);
+  return id;
 }

@@ -1,3 +1,4 @@
+import { randomUUID } from "node:crypto";
 import { mkdtempSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -20,6 +21,7 @@ import {
   rolloutIds,
 } from "./admission.ts";
 import { assertRedisDurable, createRedis, isRedisUnavailable } from "./connection.ts";
+import { createKeys, fleetInstance } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
 import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
@@ -2092,5 +2094,25 @@ describe("rollout store", () => {
     expect(Number(await redis.zscore(store.keys.admitting(), member))).toBeGreaterThanOrEqual(before);
     expect((await store.admissionsBefore(before - 1, 1000)).map((a) => a.admission)).not.toContain(member);
     await store.admissionDone(member);
+  });
+});
+
+describe("fleetInstance", () => {
+  it("is made once per Redis and prefix and read back the same by every app after (concurrent starts included)", async () => {
+    const redis = createRedis(REDIS_URL);
+    const prefix = `{inst-${randomUUID().slice(0, 8)}}`;
+    const other = `{inst-${randomUUID().slice(0, 8)}}`;
+    try {
+      const ids = await Promise.all(Array.from({ length: 8 }, () => fleetInstance(redis, prefix)));
+      expect(new Set(ids).size).toBe(1);
+      expect(ids[0]).toMatch(/^[0-9a-f-]{36}$/);
+      expect(await fleetInstance(redis, prefix)).toBe(ids[0]);
+      expect(await redis.get(createKeys(prefix).instance())).toBe(ids[0]);
+      // Another prefix (another fleet on this Redis): another id.
+      expect(await fleetInstance(redis, other)).not.toBe(ids[0]);
+    } finally {
+      await redis.del(createKeys(prefix).instance(), createKeys(other).instance());
+      redis.disconnect();
+    }
   });
 });

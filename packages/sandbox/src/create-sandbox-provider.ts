@@ -22,6 +22,8 @@ export interface SandboxProviderConfig {
   bubblewrap?: { rootfs: string; stateDir: string; defaults?: Partial<BubblewrapSandboxDefaults> };
   /** This fleet's name on a shared daemon (apps pass their key prefix); see `LABEL_SCOPE`. */
   scope?: string;
+  /** This deployment's id, kept in its Redis (`fleetInstance`); see `LABEL_INSTANCE`. */
+  instance?: string;
 }
 
 /**
@@ -36,6 +38,7 @@ export function createSandboxProvider(config: SandboxProviderConfig): SandboxPro
         logger: config.logger,
         defaults: config.defaults,
         scope: config.scope,
+        instance: config.instance,
       });
     case "bubblewrap":
       if (!config.bubblewrap?.rootfs || !config.bubblewrap.stateDir) {
@@ -50,6 +53,7 @@ export function createSandboxProvider(config: SandboxProviderConfig): SandboxPro
         defaults: config.bubblewrap.defaults,
         logger: config.logger,
         scope: config.scope,
+        instance: config.instance,
       });
     default:
       return assertNever(config.provider);

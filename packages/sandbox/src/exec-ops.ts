@@ -19,6 +19,7 @@ import type { CappedBuffer } from "./output.ts";
 import {
   AGENT_USER,
   type KillOptions,
+  madeByAnotherInstance,
   OPS_CWD,
   type PutOptions,
   ROOT_USER,
@@ -164,8 +165,10 @@ export async function findSandbox(
   list: (labels: Record<string, string>) => Promise<SandboxInfo[]>,
   labels: Record<string, string>,
   expectedName: string,
+  /** This deployment's id: another's sandbox for the same rollout id is never this rollout's. */
+  instance?: string,
 ): Promise<SandboxHandle | null> {
-  const found = await list(labels);
+  const found = (await list(labels)).filter((s) => !madeByAnotherInstance(s.labels, instance));
   if (found.length === 0) return null;
   return (found.find((s) => s.handle.name === expectedName) ?? found[0]!).handle;
 }

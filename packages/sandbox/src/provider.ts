@@ -20,6 +20,23 @@ export const LABEL_EXPIRES = "fleet.expires";
  * runs) sharing one Docker daemon never see, adopt or reap each other's sandboxes.
  */
 export const LABEL_SCOPE = "fleet.scope";
+/**
+ * Which deployment of that fleet made it: an id each fleet keeps in its own Redis (the apps pass
+ * it as the provider's `instance`). Two fleets that use the same key prefix, each with its own
+ * Redis, on one Docker daemon share a scope; a janitor judges only its own fleet's sandboxes by
+ * its records (another's rollouts are unknown to it, and would read as orphans), and another
+ * fleet's only by their expiry.
+ */
+export const LABEL_INSTANCE = "fleet.instance";
+
+/**
+ * Whether `labels` name another deployment than `own` (`LABEL_INSTANCE`); never when either is
+ * unknown (made by a release before the label, or a provider given no instance).
+ */
+export function madeByAnotherInstance(labels: Record<string, string>, own: string | undefined): boolean {
+  const theirs = labels[LABEL_INSTANCE];
+  return own !== undefined && theirs !== undefined && theirs !== own;
+}
 
 /** Fixed paths inside every sandbox. */
 export const SANDBOX_PATHS = {
@@ -142,6 +159,8 @@ export interface UnusedVolumeInfo {
  */
 export interface SandboxProvider {
   readonly name: ProviderName;
+  /** This deployment's id (`LABEL_INSTANCE`), set on what it creates; undefined: none. */
+  readonly instance?: string | undefined;
   /** Where this provider's sandboxes live (e.g. `unix:///var/run/docker.sock`). */
   readonly endpoint: string;
   create(spec: SandboxSpecInput): Promise<SandboxHandle>;

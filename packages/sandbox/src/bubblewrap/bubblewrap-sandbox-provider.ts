@@ -81,10 +81,12 @@ import {
   AGENT_USER,
   type KillOptions,
   LABEL_EXPIRES,
+  LABEL_INSTANCE,
   LABEL_MANAGED,
   LABEL_OWNER,
   LABEL_ROLLOUT,
   LABEL_SCOPE,
+  madeByAnotherInstance,
   type PutOptions,
   ROOT_USER,
   SANDBOX_PATHS,
@@ -144,6 +146,8 @@ export interface BubblewrapSandboxProviderOptions {
   defaults?: Partial<BubblewrapSandboxDefaults>;
   /** This fleet's name (`LABEL_SCOPE`): set on every sandbox created; `list`/`find` see only these. */
   scope?: string;
+  /** This deployment's id (`LABEL_INSTANCE`): set on every sandbox created. */
+  instance?: string;
   /** `bwrap` executable. @defaultValue "bwrap" */
   bwrapPath?: string;
   /** `nsenter` executable (util-linux). @defaultValue "nsenter" */
@@ -225,6 +229,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   readonly endpoint: string;
   readonly defaults: Readonly<BubblewrapSandboxDefaults>;
   readonly scope: string | undefined;
+  readonly instance: string | undefined;
   readonly rootfs: string;
   readonly stateDir: string;
   private readonly logger: Logger | undefined;
@@ -239,6 +244,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     this.rootfs = options.rootfs;
     this.stateDir = options.stateDir;
     this.scope = options.scope || undefined;
+    this.instance = options.instance || undefined;
     this.logger = options.logger;
     this.defaults = Object.freeze({ ...DEFAULT_BUBBLEWRAP_SANDBOX_DEFAULTS, ...options.defaults });
     this.bwrapPath = options.bwrapPath ?? "bwrap";
@@ -273,8 +279,12 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const name = sandboxName(spec.rolloutId, spec.owner, this.scope);
     const existing = await this.readState(name);
     if (existing) {
-      if (existing.labels[LABEL_SCOPE] !== this.scope) {
-        // Another fleet's (or, unscoped, any fleet's): neither ours to take over nor to remove.
+      if (
+        existing.labels[LABEL_SCOPE] !== this.scope ||
+        madeByAnotherInstance(existing.labels, this.instance)
+      ) {
+        // Another fleet's (or, unscoped, any fleet's; or another deployment's with this scope, a
+        // rollout id both were given): neither ours to take over nor to remove.
         throw FleetError.nonRetryable(
           "invalid_task",
           `sandbox name ${name} is taken by a sandbox that is not this fleet's`,
@@ -304,6 +314,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       [LABEL_OWNER]: spec.owner,
       [LABEL_EXPIRES]: String(spec.expiresAt),
       ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
+      ...(this.instance ? { [LABEL_INSTANCE]: this.instance } : {}),
     };
     const tmpfsMb = spec.options.tmpfsMb ?? this.defaults.tmpfsMb;
     const args = bwrapArgv({
@@ -502,6 +513,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       (labels) => this.list(labels),
       { [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner },
       sandboxName(rolloutId, owner, this.scope),
+      this.instance,
     );
   }
 

@@ -5,6 +5,7 @@ import { parseNumericUser } from "../exec-command.ts";
 import {
   AGENT_USER,
   LABEL_EXPIRES,
+  LABEL_INSTANCE,
   LABEL_MANAGED,
   LABEL_OWNER,
   LABEL_ROLLOUT,
@@ -196,14 +197,18 @@ export function effectiveLimits(spec: SandboxSpec, defaults: Readonly<SandboxLim
   };
 }
 
-/** The labels of a sandbox (and its volume); `scope` adds `fleet.scope` (see `LABEL_SCOPE`). */
-export function sandboxLabels(spec: SandboxSpec, scope?: string): Record<string, string> {
+/**
+ * The labels of a sandbox (and its volume); `scope` adds `fleet.scope` (see `LABEL_SCOPE`),
+ * `instance` `fleet.instance` (`LABEL_INSTANCE`).
+ */
+export function sandboxLabels(spec: SandboxSpec, scope?: string, instance?: string): Record<string, string> {
   return {
     [LABEL_MANAGED]: "true",
     [LABEL_ROLLOUT]: spec.rolloutId,
     [LABEL_OWNER]: spec.owner,
     [LABEL_EXPIRES]: String(spec.expiresAt),
     ...(scope ? { [LABEL_SCOPE]: scope } : {}),
+    ...(instance ? { [LABEL_INSTANCE]: instance } : {}),
   };
 }
 
@@ -229,10 +234,11 @@ export function buildContainerConfig(
   spec: SandboxSpec,
   defaults: Readonly<SandboxLimits> = DEFAULT_SANDBOX_LIMITS,
   scope?: string,
+  instance?: string,
 ): Dockerode.ContainerCreateOptions {
   const limits = effectiveLimits(spec, defaults);
   const name = sandboxName(spec.rolloutId, spec.owner, scope);
-  const labels = sandboxLabels(spec, scope);
+  const labels = sandboxLabels(spec, scope, instance);
   const memoryBytes = sandboxMemoryMb(limits) * 1024 * 1024;
   const tmpfs: Record<string, string> = {};
   // `exec`: Docker's tmpfs default is noexec, and tests and solutions are scripts run from there.

@@ -894,6 +894,27 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("two deployments with one scope (each its own Redis) given one rollout id: neither finds, takes over nor removes the other's sandbox", async () => {
+    const scope = `${RUN}-same`;
+    const ours = new DockerSandboxProvider({ scope, instance: "ours" });
+    const theirs = new DockerSandboxProvider({ scope, instance: "theirs" });
+    const s = spec();
+    const made = await theirs.create(s);
+    live.push(made);
+    expect((await docker.getContainer(made.id).inspect()).Config.Labels).toMatchObject({
+      "fleet.scope": scope,
+      "fleet.instance": "theirs",
+    });
+    expect(await ours.find(s.rolloutId, "resources")).toBeNull();
+    const err = await fleetError(ours.create(s)); // the name is taken: refused, never adopted
+    expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+    expect(err.message).toMatch(/not this rollout's sandbox/);
+    expect(await theirs.alive(made)).toBe(true);
+    expect((await theirs.find(s.rolloutId, "resources"))?.id).toBe(made.id);
+    // Both list it (the janitor judges another deployment's by its expiry only).
+    expect((await ours.list({ "fleet.rollout": s.rolloutId })).map((i) => i.handle.id)).toEqual([made.id]);
+  });
+
   it("a container removed between its create and its start is the infrastructure's (retryable), not the task's", async () => {
     // The real daemon behind a proxy that removes the container just before its start goes
     // through: what a re-delivered seed taking over, or a close, does in that window.

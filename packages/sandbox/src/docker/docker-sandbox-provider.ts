@@ -55,6 +55,7 @@ import {
   LABEL_OWNER,
   LABEL_ROLLOUT,
   LABEL_SCOPE,
+  madeByAnotherInstance,
   OPS_CWD,
   type PutOptions,
   ROOT_USER,
@@ -101,6 +102,8 @@ export interface DockerSandboxProviderOptions {
    * `list`/`find` see only sandboxes carrying it. Unset: labels nothing, lists every fleet's.
    */
   scope?: string;
+  /** This deployment's id (`LABEL_INSTANCE`), set on every sandbox and volume it creates. */
+  instance?: string;
 }
 
 type Container = Dockerode.Container;
@@ -119,9 +122,11 @@ export class DockerSandboxProvider implements SandboxProvider {
   /** This worker's TLS material (DOCKER_CERT_PATH): also what it shows another https daemon. */
   private readonly tls: Pick<Dockerode.DockerOptions, "ca" | "cert" | "key"> | null;
   readonly scope: string | undefined;
+  readonly instance: string | undefined;
 
   constructor(options: DockerSandboxProviderOptions = {}) {
     this.scope = options.scope || undefined;
+    this.instance = options.instance || undefined;
     const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
     this.endpoint = endpoint;
     this.docker = connect(dockerOptions);
@@ -133,7 +138,7 @@ export class DockerSandboxProvider implements SandboxProvider {
 
   async create(input: SandboxSpecInput): Promise<SandboxHandle> {
     const spec = parseSandboxSpec(input);
-    const config = buildContainerConfig(spec, this.defaults, this.scope);
+    const config = buildContainerConfig(spec, this.defaults, this.scope, this.instance);
     const name = config.name!;
     const daemon = await this.localDaemonId();
     const handle: SandboxHandle = {
@@ -351,8 +356,10 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (
       labels[LABEL_ROLLOUT] !== handle.rolloutId ||
       labels[LABEL_OWNER] !== handle.owner ||
-      // Another fleet's (or, unscoped, any fleet's): never ours to take over.
-      labels[LABEL_SCOPE] !== this.scope
+      // Another fleet's (or, unscoped, any fleet's; or another deployment's with this scope, a
+      // rollout id both were given): never ours to take over.
+      labels[LABEL_SCOPE] !== this.scope ||
+      madeByAnotherInstance(labels, this.instance)
     ) {
       throw FleetError.nonRetryable(
         "invalid_task",
@@ -376,6 +383,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       (labels) => this.list(labels),
       { [LABEL_ROLLOUT]: rolloutId, [LABEL_OWNER]: owner },
       sandboxName(rolloutId, owner, this.scope),
+      this.instance,
     );
   }
 

@@ -40,6 +40,18 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
         .filter((id) => id.endsWith(run));
     expect((await ids(mine)).sort()).toEqual([`gwa-${run}`, `gwc-${run}`]);
     expect((await ids(theirs)).sort()).toEqual([`gwb-${run}`, `gwc-${run}`]);
+    // Another deployment with this scope (its own Redis): its networks are never listed; those
+    // made before networks carried an instance still are.
+    const other = buildGatewayNetworkConfig(`gwd-${run}`, undefined, mine, "other-deployment");
+    await docker.createNetwork(other);
+    made.push(other.Name);
+    const listed = async (instance: string) =>
+      (await new DockerGatewayNetworks({ scope: mine, instance }).list())
+        .map((n) => n.rolloutId)
+        .filter((id) => id.endsWith(run))
+        .sort();
+    expect(await listed("this-deployment")).toEqual([`gwa-${run}`, `gwc-${run}`]);
+    expect(await listed("other-deployment")).toEqual([`gwa-${run}`, `gwc-${run}`, `gwd-${run}`]);
   });
 
   it("two fleets' networks for a rollout id they share are distinct: neither adopts nor removes the other's", async () => {

@@ -3,7 +3,13 @@ import { createHash } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 import { FleetError, isFleetError } from "@fleet/contracts";
 import Dockerode from "dockerode";
-import { LABEL_MANAGED, LABEL_ROLLOUT, LABEL_SCOPE } from "../provider.ts";
+import {
+  LABEL_INSTANCE,
+  LABEL_MANAGED,
+  LABEL_ROLLOUT,
+  LABEL_SCOPE,
+  madeByAnotherInstance,
+} from "../provider.ts";
 import { dockerSafeId, scopeTag } from "./container-config.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { dockerErrorFacts } from "./docker-errors.ts";
@@ -94,6 +100,8 @@ export function buildGatewayNetworkConfig(
   ipam?: { subnet: string; gateway: string },
   /** This fleet's name on a shared daemon (`LABEL_SCOPE`), as on its sandboxes. */
   scope?: string,
+  /** This deployment's id (`LABEL_INSTANCE`), as on its sandboxes. */
+  instance?: string,
 ): Dockerode.NetworkCreateOptions {
   const name = gatewayNetworkName(rolloutId, scope);
   return {
@@ -108,6 +116,7 @@ export function buildGatewayNetworkConfig(
       [LABEL_ROLLOUT]: rolloutId,
       [LABEL_NETWORK]: "gateway",
       ...(scope ? { [LABEL_SCOPE]: scope } : {}),
+      ...(instance ? { [LABEL_INSTANCE]: instance } : {}),
     },
     Options: {
       "com.docker.network.bridge.name": gatewayBridgeName(name),
@@ -135,6 +144,11 @@ export interface DockerGatewayNetworksOptions {
    * network made, and `list` (the janitor's sweep) sees only those, never another fleet's.
    */
   scope?: string;
+  /**
+   * This deployment's id (`LABEL_INSTANCE`, as the sandbox provider's): set on every network made;
+   * `list` leaves out another deployment's (a fleet with the same scope and its own Redis).
+   */
+  instance?: string;
 }
 
 /**
@@ -157,6 +171,7 @@ export class DockerGatewayNetworks {
   private readonly pool: SubnetPool | undefined;
   private readonly apiTimeoutMs: number;
   private readonly scope: string | undefined;
+  private readonly instance: string | undefined;
 
   constructor(options: DockerGatewayNetworksOptions = {}) {
     const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
@@ -172,6 +187,7 @@ export class DockerGatewayNetworks {
     this.pool = options.subnetPool;
     this.apiTimeoutMs = options.apiTimeoutMs ?? 30_000;
     this.scope = options.scope || undefined;
+    this.instance = options.instance || undefined;
     if (this.pool) poolSubnet(this.pool, 0); // validate early
   }
 
@@ -201,7 +217,7 @@ export class DockerGatewayNetworks {
       const ipam = this.pool ? poolSubnet(this.pool, first + i) : undefined;
       try {
         await this.docker.createNetwork({
-          ...buildGatewayNetworkConfig(rolloutId, ipam, this.scope),
+          ...buildGatewayNetworkConfig(rolloutId, ipam, this.scope, this.instance),
           abortSignal: this.signal(),
         });
         break;
@@ -279,8 +295,14 @@ export class DockerGatewayNetworks {
     }
     // This fleet's, and those made before networks carried a scope (no label: nobody else
     // would ever sweep them). Docker's label filter cannot say "absent", so it is done here.
+    // Not another deployment's with the same scope (its rollouts are unknown to this fleet's
+    // Redis: the janitor would take them for over, and cut its agents off their model).
     const scope = this.scope;
-    const ours = scope ? networks.filter((n) => (n.Labels?.[LABEL_SCOPE] ?? scope) === scope) : networks;
+    const ours = networks.filter(
+      (n) =>
+        (!scope || (n.Labels?.[LABEL_SCOPE] ?? scope) === scope) &&
+        !madeByAnotherInstance(n.Labels ?? {}, this.instance),
+    );
     return ours.map((n) => ({
       name: n.Name,
       id: n.Id,
@@ -317,6 +339,7 @@ export class DockerGatewayNetworks {
       labels[LABEL_ROLLOUT] !== rolloutId ||
       labels[LABEL_NETWORK] !== "gateway" ||
       labels[LABEL_SCOPE] !== this.scope ||
+      madeByAnotherInstance(labels, this.instance) ||
       !info.Internal ||
       bridge !== gatewayBridgeName(info.Name)
     ) {
