@@ -688,7 +688,19 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
           `FLEET_BWRAP_ROOTFS is / (the host's own root), not a rootfs: ${hostRootLink} leads there`,
         ],
         [{ rootfs: join(dir, "missing") }, `the rootfs ${join(dir, "missing")} has no usr/bin/setpriv`],
+        // A state directory no sandbox can be written to (here: under a file; a read-only mount
+        // alike), and one under /proc, where Node's mkdir never answers. Before, the worker started
+        // healthy (nothing to list) and failed every seed until the deadlines.
+        [
+          { stateDir: join(dir, "a-file", "bwrap") },
+          `the state directory ${join(dir, "a-file", "bwrap")} (FLEET_STATE_DIR/bwrap) cannot be written: ENOTDIR`,
+        ],
+        [
+          { stateDir: "/proc/fleet-nope/bwrap" },
+          "the state directory /proc/fleet-nope/bwrap (FLEET_STATE_DIR/bwrap) cannot be written",
+        ],
       ] as const;
+      await writeFile(join(dir, "a-file"), "");
       for (const [options, message] of cases) {
         const refused = new BubblewrapSandboxProvider({
           rootfs: provider.rootfs,

@@ -920,7 +920,40 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         return `the rootfs ${this.rootfs} has no ${tool} (give FLEET_BWRAP_ROOTFS an unpacked base rootfs: packages/sandbox/README.md)`;
       }
     }
-    return null;
+    return this.stateDirProblem();
+  }
+
+  /** Set once the state directory took a file: checked again only until then. */
+  private stateDirWritable = false;
+
+  /**
+   * Whether a sandbox's state can be written to the state directory (made if missing): a probe
+   * file written and removed, within 5 s (Node's `mkdir` never answers under `/proc`). Without
+   * this a worker with a read-only or missing `FLEET_STATE_DIR` started healthy (nothing to list)
+   * and failed every seed until the rollouts' deadlines.
+   */
+  private async stateDirProblem(): Promise<string | null> {
+    if (this.stateDirWritable) return null;
+    const probe = join(this.stateDir, `.probe-${process.pid}-${randomUUID().slice(0, 8)}`);
+    const attempt = (async () => {
+      await mkdir(this.stateDir, { recursive: true, mode: 0o700 });
+      await writeFile(probe, "", { mode: 0o600 });
+      await rm(probe, { force: true });
+    })();
+    let timer: NodeJS.Timeout | undefined;
+    const timeout = new Promise<never>((_, reject) => {
+      timer = setTimeout(() => reject(new Error("no answer within 5 s")), 5_000);
+    });
+    try {
+      await Promise.race([attempt, timeout]);
+      this.stateDirWritable = true;
+      return null;
+    } catch (err) {
+      attempt.catch(() => undefined);
+      return `the state directory ${this.stateDir} (FLEET_STATE_DIR/bwrap) cannot be written: ${err instanceof Error ? err.message : String(err)}`;
+    } finally {
+      clearTimeout(timer);
+    }
   }
 
   async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
