@@ -16,14 +16,18 @@ describe("unknownFleetVariables", () => {
       FLEET_REDIS_URL: "redis://r:6379", // an app's variable with the prefix
       FLEET_CREDENTAL_OPENAI: "sk", // a credential's prefix misspelt
       FLEET_SOMETHING_ELSE: "1", // nothing close
+      FLEET_LOCK_DURATION: "60000", // a duration without its unit (3 edits)
+      FLEET_RESULT_TTL: "0", // seconds, likewise
     };
     expect(unknownFleetVariables(env)).toEqual([
       { variable: "FLEET_API_TOKEN", suggestion: "FLEET_API_TOKENS" },
       { variable: "FLEET_CONCURENCY", suggestion: "FLEET_CONCURRENCY" },
       { variable: "FLEET_CREDENTAL_OPENAI", suggestion: "FLEET_CREDENTIAL_OPENAI" },
       { variable: "FLEET_HTTP_PROT", suggestion: "FLEET_HTTP_PORT" },
+      { variable: "FLEET_LOCK_DURATION", suggestion: "FLEET_LOCK_DURATION_MS" },
       { variable: "FLEET_LOGLEVEL", suggestion: "FLEET_LOG_LEVEL" },
       { variable: "FLEET_REDIS_URL", suggestion: "REDIS_URL" },
+      { variable: "FLEET_RESULT_TTL", suggestion: "FLEET_RESULT_TTL_S" },
       { variable: "FLEET_SOMETHING_ELSE", suggestion: null },
     ]);
   });

@@ -100,13 +100,18 @@ export function warnUnknownVariables(
 }
 
 /**
- * The known variable nearest to `variable` by edit distance (a letter left out, doubled,
+ * The known variable `variable` names without its unit (`FLEET_LOCK_DURATION`:
+ * `FLEET_LOCK_DURATION_MS`), else the known variable nearest to it by edit distance (a letter left out, doubled,
  * swapped, or a wrong one; `_` counts as a letter), when it is at most 2 edits away, or 3 for
  * names of more than 20 characters; ties go to the first in alphabetical order. Else an app's
  * variable named with the prefix (`FLEET_REDIS_URL`: `REDIS_URL`), or a credential's misspelt
  * prefix (`FLEET_CREDENTAL_X`: `FLEET_CREDENTIAL_X`).
  */
 function closestKnown(variable: string): string | null {
+  // FLEET_LOCK_DURATION: a duration named without its unit (3 edits, past the limit below).
+  for (const unit of ["_MS", "_S"]) {
+    if (KNOWN_FLEET_VARIABLES.has(`${variable}${unit}`)) return `${variable}${unit}`;
+  }
   const limit = variable.length > 20 ? 3 : 2;
   let best: { name: string; distance: number } | null = null;
   for (const name of [...KNOWN_FLEET_VARIABLES].sort()) {
