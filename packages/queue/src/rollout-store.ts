@@ -604,6 +604,8 @@ export class RolloutStore {
         keys.push(this.keys.rollout(m.id), this.keys.failures(m.id));
         args.push(JSON.stringify(m), String(m.deadlineAt), m.id, m.bodyHash);
       }
+      // Last: the result's retention, recorded with each rollout (its finalize keeps it so long).
+      args.push(String(this.resultTtlMs));
       const replies = (await this.redis.fleetAdmit(keys.length, ...keys, ...args)) as unknown[];
       let failed: Error | null = null;
       chunk.forEach((m, j) => {

@@ -255,10 +255,12 @@ const SCRIPTS = {
   fleetAdmit: {
     // inflight, admitting, batch|the batch the singles' key names|inflight, batchIds|inflight,
     // batchDone|inflight, then per rollout: its hash, its failure log.
-    // ARGV: now, mode, note score, note member, then per rollout: metaJson, deadlineAt, id, bodyHash.
+    // ARGV: now, mode, note score, note member, then per rollout: metaJson, deadlineAt, id,
+    // bodyHash; last, the results' retention in ms (recorded as each rollout's 'ttl').
     keys: null,
     lua: `
       local now, mode = ARGV[1], ARGV[2]
+      local ttl = ARGV[#ARGV]
       local batched = mode == 'batch'
       -- The batch's state, read once: nothing else runs meanwhile, and what this call changes of
       -- it is kept here as it goes (\`total\`: its rollouts admitted so far, nil before the first).
@@ -307,9 +309,9 @@ const SCRIPTS = {
         redis.call('DEL', failures)
         if cancelled then
           -- The batch was cancelled while it was being admitted: so is this rollout (its seed stops it).
-          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'cancel', '1', 'fence', 'stopped')
+          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'ttl', ttl, 'cancel', '1', 'fence', 'stopped')
         else
-          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash)
+          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'ttl', ttl)
         end
         return 1
       end
@@ -527,9 +529,12 @@ const SCRIPTS = {
         -- In the order they finish: the results cursor (GET …/results?after=n) reads from here.
         redis.call('RPUSH', KEYS[10], ARGV[5])
       end
-      -- Retention: the result and its failure log live ARGV[11] ms from now; a batch's keys from
-      -- when its last rollout finished (its seeds are enqueued only once all are admitted).
-      local ttl = tonumber(ARGV[11]) or 0
+      -- Retention: the result and its failure log live ttl ms from now; a batch's keys from
+      -- when its last rollout finished (its seeds are enqueued only once all are admitted). The
+      -- dispatcher's, recorded at admission (it serves the results); this process's (ARGV[11])
+      -- for a rollout admitted by a release before that. 0: kept, the failure log too (a stage
+      -- appending to it set its expiry by its own process's retention).
+      local ttl = tonumber(redis.call('HGET', KEYS[1], 'ttl') or ARGV[11]) or 0
       if ttl > 0 then
         redis.call('PEXPIRE', KEYS[1], ttl)
         redis.call('PEXPIRE', KEYS[7], ttl)
@@ -538,6 +543,8 @@ const SCRIPTS = {
           redis.call('PEXPIRE', KEYS[8], ttl)
           redis.call('PEXPIRE', KEYS[10], ttl)
         end
+      else
+        redis.call('PERSIST', KEYS[7])
       end
       if turnedPending then return 2 end
       if turnedConfirmed then return 3 end

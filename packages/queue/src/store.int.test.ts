@@ -916,6 +916,45 @@ describe("rollout store", () => {
     expect(await pttl(forever.keys.rollout(c))).toBe(-1);
   });
 
+  it("retention is the admitting process's (the dispatcher's, which serves the results), whatever the finalizing worker's FLEET_RESULT_TTL_S says", async () => {
+    const dispatcherKeeps = new RolloutStore(redis, prefix, { resultTtlMs: 0 });
+    const dispatcherMinute = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+    const workerWeek = new RolloutStore(redis, prefix); // the default: 7 days
+    const workerKeeps = new RolloutStore(redis, prefix, { resultTtlMs: 0 });
+    const request = { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } };
+    const failure = {
+      stage: "run",
+      terminal: false,
+      failureKind: "sandbox_lost",
+      mask: true,
+      reason: "x",
+      at: 1,
+    } as const;
+    // Kept for good by the dispatcher's word; the worker's week (its failure-log append included) is not applied.
+    const [kept] = (
+      await admit(dispatcherKeeps, queues, { requests: [request], batch: false }, { maxTaskBytes: 1e6 })
+    ).ids as [string];
+    await workerWeek.logFailure(kept, failure);
+    expect(
+      await workerWeek.finalize((await workerWeek.get(kept))!.meta, resultFor(kept, "completed"), Date.now()),
+    ).toBe(true);
+    expect(await redis.pttl(workerWeek.keys.rollout(kept))).toBe(-1);
+    expect(await redis.pttl(workerWeek.keys.failures(kept))).toBe(-1);
+    // A minute by the dispatcher's word, though the worker keeps everything.
+    const [minute] = (
+      await admit(dispatcherMinute, queues, { requests: [request], batch: false }, { maxTaskBytes: 1e6 })
+    ).ids as [string];
+    expect(
+      await workerKeeps.finalize(
+        (await workerKeeps.get(minute))!.meta,
+        resultFor(minute, "completed"),
+        Date.now(),
+      ),
+    ).toBe(true);
+    expect(await redis.pttl(workerKeeps.keys.rollout(minute))).toBeGreaterThan(50_000);
+    expect(await redis.pttl(workerKeeps.keys.rollout(minute))).toBeLessThanOrEqual(60_000);
+  });
+
   it("an admission cut short after recording some of its rollouts is noted as under way with them; a replay once those finished admits the rest (no 409) and finishes it", async () => {
     const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
     const key = `cut-${Date.now()}`;
