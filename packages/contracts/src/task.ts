@@ -109,6 +109,17 @@ export const FileSet = z.record(RelativePath, WellFormedText).superRefine((files
 });
 export type FileSet = z.infer<typeof FileSet>;
 
+/**
+ * Bytes `files` take at least once staged on a tmpfs: each file's UTF-8 content rounded up to
+ * whole 4 KiB pages (an empty file takes none). A sandbox directory capped below this cannot
+ * hold them, whatever else is there.
+ */
+export function stagedBytes(files: FileSet): number {
+  let bytes = 0;
+  for (const content of Object.values(files)) bytes += Math.ceil(Buffer.byteLength(content) / 4096) * 4096;
+  return bytes;
+}
+
 /** How a task's result is graded. */
 export const VerifierSpec = z.discriminatedUnion("kind", [
   /** Run `tests/test.sh` in the task sandbox: exit 0 → 1.0, or the reward file it writes. */

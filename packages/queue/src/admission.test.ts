@@ -157,4 +157,52 @@ describe("admission's bounds", () => {
     expect(err.code).toBe("invalid");
     expect(err.message).toMatch(/agent.sandbox "own"/);
   });
+
+  it("refuses file sets their sandbox directory cannot hold at the sizes the request sets (tests after the agent ran, once), naming the size; what fits passes", async () => {
+    const { store, tasks } = memoryStore();
+    // 300 files of one byte: 300 pages of 4 KiB, 1.2 MiB staged, into a 1 MiB /tests.
+    const tests: Record<string, string> = { "test.sh": "exit 0" };
+    for (let f = 0; f < 299; f++) tests[`t${f}.py`] = "x";
+    const big = { ...task, tests };
+    const err = await refusal(prepare(store, [{ task: big, agent: command, sandbox: { tmpfsMb: 1 } }]));
+    expect(err.code).toBe("invalid");
+    expect(err.details).toEqual({
+      index: 0,
+      issues: [
+        {
+          path: "sandbox.tmpfsMb",
+          message:
+            "of 1 MiB cannot hold task t1's tests (1200 KiB staged, each file rounded up to 4 KiB): raise it",
+        },
+      ],
+    });
+    expect(tasks.size).toBe(0);
+    // The solution counts for the oracle only (it alone stages it); the workspace against diskMb.
+    const solution: Record<string, string> = { "solve.sh": "true" };
+    for (let f = 0; f < 299; f++) solution[`s${f}.txt`] = "x";
+    await prepare(store, [{ task: { ...task, solution }, agent: command, sandbox: { tmpfsMb: 1 } }]);
+    const oracle = {
+      task: { ...task, solution },
+      agent: { harness: "oracle" as const },
+      sandbox: { tmpfsMb: 1 },
+    };
+    expect((await refusal(prepare(store, [oracle]))).details).toMatchObject({
+      issues: [{ path: "sandbox.tmpfsMb", message: expect.stringMatching(/t1's solution \(1200 KiB/) }],
+    });
+    const workspace: Record<string, string> = {};
+    for (let f = 0; f < 300; f++) workspace[`w${f}.txt`] = "y";
+    expect(
+      (
+        await refusal(
+          prepare(store, [{ task: { ...task, workspace }, agent: command, sandbox: { diskMb: 1 } }]),
+        )
+      ).details,
+    ).toMatchObject({ issues: [{ path: "sandbox.diskMb" }] });
+    // No sizes set, or sizes that hold them: admitted.
+    await prepare(store, [
+      { task: big, agent: command },
+      { task: big, agent: command, sandbox: { tmpfsMb: 2 } },
+      { task: { ...task, workspace }, agent: command, sandbox: { diskMb: 2 } },
+    ]);
+  });
 });

@@ -7,6 +7,7 @@ import {
   RUN_MARGIN_MS,
   runNeeds,
   sha256Hex as sha256,
+  stagedBytes,
   TaskContent,
 } from "@fleet/contracts";
 import { admissionOf, OTHER_ROUTE, type RolloutMeta, type RolloutStore } from "./rollout-store.ts";
@@ -247,6 +248,15 @@ export async function prepareRollouts(
         issues: [{ path: "task.solution.solve.sh", message }],
       });
     }
+    // File sets their sandbox directory cannot hold (`sandbox.tmpfsMb`, `diskMb` set small):
+    // tests that do not fit /tests fail only once staged for verification, after the agent ran.
+    const tooBig = options.replay ? null : fileSetsOverCaps(task, req);
+    if (tooBig !== null) {
+      throw new AdmissionError("invalid", `rollout ${i}: ${tooBig.path} ${tooBig.message}`, {
+        index: i,
+        issues: [tooBig],
+      });
+    }
     // A deadline shorter than what a run needs (the agent's timeout, the tests', the margin) could
     // only mask the rollout (its run is masked before it starts: `runBudgetShortfall`): refused.
     const needs = runNeeds(task, req.agent);
@@ -433,4 +443,32 @@ export async function admit(
   // enqueued) or by a replay.
   await store.admissionDone(admission);
   return { batchId, ids, created };
+}
+
+/**
+ * The first of the task's file sets its sandbox directory cannot hold at the sizes the request
+ * sets (`sandbox.tmpfsMb` for `/tests`, and `/solution` for the oracle, which stages it;
+ * `sandbox.diskMb` for the workspace), as an issue on the size; null when all fit or none is set.
+ * By their pages alone (`stagedBytes`): a near fit may still fail when staged.
+ */
+function fileSetsOverCaps(task: TaskContent, req: RolloutRequest): { path: string; message: string } | null {
+  const { tmpfsMb, diskMb } = req.sandbox ?? {};
+  const sets: Array<
+    [keyof Pick<TaskContent, "tests" | "solution" | "workspace">, string, number | undefined]
+  > = [
+    ["tests", "tmpfsMb", tmpfsMb],
+    ["solution", "tmpfsMb", req.agent.harness === "oracle" ? tmpfsMb : undefined],
+    ["workspace", "diskMb", diskMb],
+  ];
+  for (const [set, option, mb] of sets) {
+    if (mb === undefined) continue;
+    const bytes = stagedBytes(task[set]);
+    if (bytes > mb * 1024 * 1024) {
+      return {
+        path: `sandbox.${option}`,
+        message: `of ${mb} MiB cannot hold task ${task.id}'s ${set} (${Math.ceil(bytes / 1024)} KiB staged, each file rounded up to 4 KiB): raise it`,
+      };
+    }
+  }
+  return null;
 }
