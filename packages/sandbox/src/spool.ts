@@ -1,9 +1,11 @@
 import { randomUUID } from "node:crypto";
-import { createReadStream } from "node:fs";
 import { type FileHandle, open, unlink } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { Readable } from "node:stream";
+
+/** Bytes of one read from a spool's file. */
+const READ_CHUNK_BYTES = 256 * 1024;
 
 /** Bytes a spool keeps in memory; past them it moves to a file. @defaultValue 8 MiB */
 export const SPOOL_IN_MEMORY_BYTES = 8 * 1024 * 1024;
@@ -51,7 +53,22 @@ export class Spool {
   /** A stream of everything written, from the start (each call a new one). */
   read(): Readable {
     if (this.file === null) return Readable.from(this.chunks, { objectMode: false });
-    return createReadStream("", { fd: this.file, start: 0, autoClose: false, emitClose: false });
+    // Positional reads of the shared handle, not a file stream on it: destroying a file stream
+    // closes its descriptor (autoClose or not), and a reader that stopped early would leave every
+    // later read a closed file.
+    const file = this.file;
+    return Readable.from(
+      (async function* () {
+        for (let at = 0; ; ) {
+          const chunk = Buffer.allocUnsafe(READ_CHUNK_BYTES);
+          const { bytesRead } = await file.read(chunk, 0, chunk.length, at);
+          if (bytesRead === 0) return;
+          at += bytesRead;
+          yield chunk.subarray(0, bytesRead);
+        }
+      })(),
+      { objectMode: false },
+    );
   }
 
   /** Let go of the bytes (closing the file frees its disk). */

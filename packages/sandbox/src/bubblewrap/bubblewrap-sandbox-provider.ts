@@ -928,7 +928,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
 
   /**
    * Whether a sandbox's state can be written to the state directory (made if missing): a probe
-   * file written and removed, within 5 s (Node's `mkdir` never answers under `/proc`). Without
+   * file written and removed, within 5 s. Without
    * this a worker with a read-only or missing `FLEET_STATE_DIR` started healthy (nothing to list)
    * and failed every seed until the rollouts' deadlines.
    */
@@ -936,7 +936,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     if (this.stateDirWritable) return null;
     const probe = join(this.stateDir, `.probe-${process.pid}-${randomUUID().slice(0, 8)}`);
     const attempt = (async () => {
-      await mkdir(this.stateDir, { recursive: true, mode: 0o700 });
+      await mkdirEach(this.stateDir);
       await writeFile(probe, "", { mode: 0o600 });
       await rm(probe, { force: true });
     })();
@@ -1287,4 +1287,21 @@ function killQuietly(pid: number): void {
 
 function signalNumber(signal: NodeJS.Signals): number {
   return osConstants.signals[signal] ?? 9;
+}
+
+/**
+ * `mkdir -p` one directory at a time: Node's recursive `mkdir` never answers under `/proc` (and
+ * goes on using a core there after its caller gave up), a plain one fails at once.
+ */
+async function mkdirEach(dir: string): Promise<void> {
+  const parts = resolve(dir)
+    .split("/")
+    .filter((p) => p !== "");
+  for (let i = 1; i <= parts.length; i++) {
+    try {
+      await mkdir(`/${parts.slice(0, i).join("/")}`, { mode: 0o700 });
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code !== "EEXIST") throw err;
+    }
+  }
 }

@@ -1121,6 +1121,23 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       });
       expect(seen.exitCode, seen.stdout + seen.stderr).toBe(0);
       expect(seen.stdout).toBe("big.bin: OK\nz.txt: OK\nbig.bin\nz.txt\n");
+      // No TMPDIR to spool to: this worker's disk, said so (retryable), the container removed.
+      const tmp = process.env.TMPDIR;
+      process.env.TMPDIR = `/nonexistent-${RUN}`;
+      const s = spec({ image });
+      try {
+        const err = await fleetError(provider.create(s));
+        expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+        expect(err.message).toMatch(
+          /could not spool image .*'s \/workspace to this worker's TMPDIR \(\/nonexistent-.*ENOENT/,
+        );
+      } finally {
+        if (tmp === undefined) delete process.env.TMPDIR;
+        else process.env.TMPDIR = tmp;
+      }
+      expect(
+        await docker.listContainers({ all: true, filters: { label: [`fleet.rollout=${s.rolloutId}`] } }),
+      ).toEqual([]);
     } finally {
       spy.mockRestore();
       while (live.length > 0) await provider.destroy(live.pop()!);

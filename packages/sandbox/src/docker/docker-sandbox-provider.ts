@@ -1,6 +1,7 @@
 /// <reference path="./dockerode.d.ts" />
 import { randomBytes } from "node:crypto";
 import type { Socket } from "node:net";
+import { tmpdir } from "node:os";
 import {
   beforeStart,
   type CleanupReceipt,
@@ -294,7 +295,19 @@ export class DockerSandboxProvider implements SandboxProvider {
           await this.removeFailed(container, handle, "has too much in its image's /workspace", tooBig);
           throw tooBig;
         }
-        await spool.write(chunk as Buffer);
+        try {
+          await spool.write(chunk as Buffer);
+        } catch (err) {
+          // This worker's disk (TMPDIR full or gone), not the daemon: said so.
+          stream.destroy();
+          const failed = FleetError.retryable(
+            "provider_unavailable",
+            `could not spool image ${spec.image}'s /workspace to this worker's TMPDIR (${tmpdir()}): ${err instanceof Error ? err.message : String(err)}`,
+            err,
+          );
+          await this.removeFailed(container, handle, "could not spool its image's /workspace", failed);
+          throw failed;
+        }
       }
       if (await tarHasContent(spool.read())) return spool;
     } catch (err) {
