@@ -1083,6 +1083,20 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       expect(seen.stdout).toMatch(/^from-image\nagent 750\nrun\n/);
       expect(seen.stdout).toMatch(/tmpfs\s+1024\s/); // still capped
       expect((await provider.probe(h)).workspaceEmpty).toBe(false);
+      // A create cut off between its container and its start (its worker died): the one that
+      // takes the container over stages the image's files as that create would have, never
+      // hands the agent an empty workspace.
+      const s = spec({ image });
+      const made = await docker.createContainer(
+        buildContainerConfig(parseSandboxSpec(s), provider.defaults, provider.scope),
+      );
+      const taken = await provider.create(s);
+      live.push(taken);
+      expect(taken.id).toBe(made.id);
+      const staged = await provider.exec(taken, ["sh", "-c", "cat /workspace/data/seed.txt"], {
+        deadlineMs: 10_000,
+      });
+      expect(staged.stdout).toBe("from-image\n");
     } finally {
       while (live.length > 0) await provider.destroy(live.pop()!);
       execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });

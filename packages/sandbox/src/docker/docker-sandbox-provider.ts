@@ -154,14 +154,29 @@ export class DockerSandboxProvider implements SandboxProvider {
     };
 
     if (spec.network !== "none") await this.checkGatewayNetwork(spec);
-    const container = await this.createContainer(config, handle);
+    const container = await this.createContainer(config, handle, spec);
     if (!("start" in container)) return container; // adopted
-    // Docker copies an image's /workspace files into a volume, never into a tmpfs: read them
-    // from the image before the start, and stage them after it.
+    handle.id = container.id;
+    await this.startAndStage(container, handle, spec, config);
+    this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
+    return handle;
+  }
+
+  /**
+   * Start a container made with `config` and never started, and stage its image's /workspace
+   * files. Docker copies those into a volume, never into a tmpfs: they are read from the image
+   * before the start (the archive of a container not started reads its image's layers), and
+   * staged after it. A container that cannot start, or whose files cannot be staged, is removed.
+   */
+  private async startAndStage(
+    container: Container,
+    handle: SandboxHandle,
+    spec: SandboxSpec,
+    config: Dockerode.ContainerCreateOptions,
+  ): Promise<void> {
     const imageFiles = config.HostConfig?.Tmpfs?.[SANDBOX_PATHS.workspace]
       ? await this.imageWorkspaceFiles(container, handle, spec)
       : null;
-    handle.id = container.id;
     try {
       await this.startCreated(container, handle, spec);
       if (imageFiles) {
@@ -175,8 +190,6 @@ export class DockerSandboxProvider implements SandboxProvider {
     } finally {
       await imageFiles?.dispose();
     }
-    this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
-    return handle;
   }
 
   /** Start a container just created; one that cannot start is removed. */
@@ -257,12 +270,13 @@ export class DockerSandboxProvider implements SandboxProvider {
   private async createContainer(
     config: Dockerode.ContainerCreateOptions,
     handle: SandboxHandle,
+    spec: SandboxSpec,
   ): Promise<Container | SandboxHandle> {
     try {
       return await this.docker.createContainer({ ...config, abortSignal: this.apiSignal() });
     } catch (err) {
       const facts = dockerErrorFacts(err);
-      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle);
+      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle, spec, config);
       throw classifyDockerError(err, "create", handle.name);
     }
   }
@@ -356,7 +370,11 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   /** A re-delivered create: the container of that name exists; take it over if it is this rollout's. */
-  private async adopt(handle: SandboxHandle): Promise<SandboxHandle> {
+  private async adopt(
+    handle: SandboxHandle,
+    spec: SandboxSpec,
+    config: Dockerode.ContainerCreateOptions,
+  ): Promise<SandboxHandle> {
     const container = this.docker.getContainer(handle.name);
     let info: Dockerode.ContainerInspectInfo;
     try {
@@ -379,6 +397,23 @@ export class DockerSandboxProvider implements SandboxProvider {
         `container name ${handle.name} is taken by a container that is not this rollout's sandbox`,
       );
     }
+    const adopted = { ...handle, id: info.Id, volumes: mountedVolumes(info.Mounts) };
+    if (info.State.Status === "created") {
+      // Never started: its create was cut off before its start (its worker died), so before its
+      // image's /workspace files were staged. Finished as that create would have: started
+      // as it was, an empty workspace would be graded as the agent's work.
+      this.logger?.info(
+        { sandbox: handle.name, id: info.Id },
+        "taking over a sandbox its earlier create never started",
+      );
+      // By how it was made (its workspace a tmpfs, or a volume Docker fills), not by `config`.
+      const made = {
+        ...config,
+        HostConfig: { Tmpfs: info.HostConfig?.Tmpfs ?? config.HostConfig?.Tmpfs ?? {} },
+      };
+      await this.startAndStage(this.docker.getContainer(info.Id), adopted, spec, made);
+      return adopted;
+    }
     if (!info.State.Running) {
       try {
         await container.start({ abortSignal: this.apiSignal() });
@@ -388,7 +423,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
     this.logger?.info({ sandbox: handle.name, id: info.Id }, "sandbox already existed; reusing it");
     // Its volumes as it was made (by another version, or with a volume for the image's files).
-    return { ...handle, id: info.Id, volumes: mountedVolumes(info.Mounts) };
+    return adopted;
   }
 
   async find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null> {
