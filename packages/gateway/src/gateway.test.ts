@@ -536,13 +536,12 @@ describe("model gateway", () => {
     upstream.push(errorReply(503, "overloaded", "later"), chatReply({ content: "x".repeat(4096) }));
     await chat(baseUrl, token);
     expect(health()?.lastInfraFailure).toBe("HTTP 503");
-    // The agent sets how much comes back (several choices, logprobs): asking for too much is its
-    // own failure, not a mask.
+    // The agent sets how much comes back (several choices, logprobs, prompt_logprobs, a prompt
+    // an error quotes back): an answer or refusal that large is its own failure, not a mask.
     const big = await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], n: 2 });
     expect([big.status, big.json.error.code]).toEqual([502, "upstream_response_too_large"]);
     expect(health()).toEqual({ answered: 1, infraFailures: 6, lastInfraFailure: null });
-    // An error body that large, or one choice without logprobs past the bound (an answer that
-    // never ends), is the upstream's.
+    // A failure's status (5xx, 429) that large is the upstream's.
     upstream.push({ status: 503, rawBody: "x".repeat(4096) });
     expect((await chat(baseUrl, token)).json.error.code).toBe("upstream_response_too_large");
     expect(health()).toEqual({
@@ -550,11 +549,14 @@ describe("model gateway", () => {
       infraFailures: 7,
       lastInfraFailure: "HTTP 503 with a body over 1024 bytes",
     });
+    // One choice, no logprobs (vLLM's prompt_logprobs, say), or a 400 quoting the request back:
+    // the request's, and the upstream's last failure no longer stands.
     upstream.push(chatReply({ content: "y".repeat(4096) }));
-    await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], logprobs: false });
-    expect(health()?.lastInfraFailure).toBe("HTTP 200 with a body over 1024 bytes");
-    upstream.push(chatReply({ content: "z".repeat(4096) }));
-    await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], logprobs: true });
+    await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], prompt_logprobs: 20 });
+    expect(health()).toEqual({ answered: 1, infraFailures: 7, lastInfraFailure: null });
+    upstream.push(errorReply(503, "overloaded", "later"), { status: 400, rawBody: "z".repeat(4096) });
+    await chat(baseUrl, token);
+    await chat(baseUrl, token);
     expect(health()).toEqual({ answered: 1, infraFailures: 8, lastInfraFailure: null });
   });
 
@@ -563,6 +565,7 @@ describe("model gateway", () => {
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
     const replies: Array<[Record<string, string>, string | null, string]> = [
       [{ "retry-after": "7" }, "7", "application/json"],
+      [{ "retry-after": "1.5" }, "1.5", "application/json"],
       [
         { "retry-after": "Wed, 21 Oct 2026 07:28:00 GMT" },
         "Wed, 21 Oct 2026 07:28:00 GMT",

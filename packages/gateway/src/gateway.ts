@@ -112,20 +112,13 @@ const AGENTS_OWN_REFUSALS = new Set([
   "token_cap_too_small",
 ]);
 
-/**
- * Whether a request asks for what can make an answer huge (several choices, log probabilities):
- * then an answer over the size bound is the request's own.
- */
-function asksForALargeAnswer(request: Record<string, unknown>): boolean {
-  const n = Number(request.n);
-  return (Number.isFinite(n) && n > 1) || (request.logprobs !== undefined && request.logprobs !== false);
-}
-
 /** An upstream header passed on to the agent only in a form that cannot carry anything else. */
 function safeRetryAfter(value: string | null): string | null {
   const v = value?.trim() ?? "";
-  // Delay-seconds, or an HTTP date (IMF-fixdate, the one form senders must use).
-  return /^\d{1,9}$/.test(v) || /^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$/.test(v)
+  // Delay-seconds (fractions too, as some upstreams send and the fleet's own clients read), or an
+  // HTTP date (IMF-fixdate, the one form senders must use).
+  return /^\d{1,9}(\.\d{1,3})?$/.test(v) ||
+    /^[A-Z][a-z]{2}, \d{2} [A-Z][a-z]{2} \d{4} \d{2}:\d{2}:\d{2} GMT$/.test(v)
     ? v
     : null;
 }
@@ -398,13 +391,15 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       else entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) {
         // The operator's credential not resolvable: the infrastructure's. An answer over the size
-        // bound is the request's when it asked for one that large (several choices, logprobs) and
-        // got it (2xx); an error body that large, or an answer that never ends, the upstream's.
+        // bound: by its status. An answer (2xx) or a refusal of the request (4xx) that large is
+        // the request's doing (several choices, logprobs, prompt_logprobs, an error quoting the
+        // request back): the agent sets how much comes back, and must not buy a mask with it. A
+        // failure's status (5xx, 429) the upstream's, whatever its size.
         if (err.code === "credential_unavailable") noteInfraFailure(entry, err.message);
         if (err.code === "upstream_response_too_large") {
-          const requests = status! >= 200 && status! < 300 && asksForALargeAnswer(request);
-          if (requests) entry.health.lastInfraFailure = null;
-          else noteInfraFailure(entry, `HTTP ${status!} with a body over ${o.maxResponseBytes} bytes`);
+          if (isInfraStatus(status!)) {
+            noteInfraFailure(entry, `HTTP ${status!} with a body over ${o.maxResponseBytes} bytes`);
+          } else entry.health.lastInfraFailure = null;
         }
         throw err;
       }
