@@ -180,6 +180,16 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       );
       status = res.status;
       const capped = await readBodyCapped(res, MAX_RESPONSE_BYTES);
+      if (capped === null && res.ok) {
+        // An answer that large is the model's own generation (no maxTokens, a runaway tool call):
+        // the episode ends on it, graded, as on a refusal; retried until the deadline it would
+        // have been masked, a mask the policy bought with its own output.
+        return {
+          kind: "refused",
+          message: `HTTP ${status}: the model's answer was over ${MAX_RESPONSE_BYTES} bytes (set model.maxTokens to bound it)`,
+          failedAttempts: attempt - 1,
+        };
+      }
       if (capped === null) throw new Error(`model response over ${MAX_RESPONSE_BYTES} bytes`);
       const text = capped;
       let body: unknown = null;
@@ -195,7 +205,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       } else if (isContextLengthError(status, body)) {
         return {
           kind: "context_length",
-          message: redact(errorMessage(body, text)),
+          message: snippet(errorMessage(body, text), redact),
           failedAttempts: attempt - 1,
         };
       } else {

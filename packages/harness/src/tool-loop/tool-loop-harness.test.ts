@@ -14,7 +14,7 @@ import { AGENT_USER } from "@fleet/sandbox";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import type { HarnessContext } from "../harness.ts";
-import { callChatCompletion } from "./chat-client.ts";
+import { callChatCompletion, MAX_RESPONSE_BYTES } from "./chat-client.ts";
 import { MAX_TOOL_CALLS_PER_TURN, refuseLinkLocalHost, ToolLoopHarness } from "./tool-loop-harness.ts";
 
 // The loop against a scripted OpenAI-compatible upstream on 127.0.0.1 and an in-memory sandbox.
@@ -741,6 +741,17 @@ describe("ToolLoopHarness", () => {
     // Cutting parts of the key from what is graded would tell the policy which are the key's.
     upstream.push(chatReply({ content: `${prefix} | ${CREDENTIAL}` }));
     expect((await harness().run(ctx())).answer).toBe(`${prefix} | [redacted]`);
+  });
+
+  it("an answer over MAX_RESPONSE_BYTES (the model's own runaway generation) ends the episode graded, never retried into a mask", async () => {
+    upstream.push(chatReply({ content: "working", bash: ["true"] }), {
+      status: 200,
+      rawBody: `{"choices":[{"message":{"content":"${"a".repeat(MAX_RESPONSE_BYTES)}"}}]}`,
+    });
+    const out = await harness().run(ctx(agent()));
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(/stopped \(refused\).*the model's answer was over 8388608 bytes/);
+    expect(upstream.requests).toHaveLength(2);
   });
 
   it("fails with a final agent_error on a 401 from the endpoint, without the credential in the message", async () => {
