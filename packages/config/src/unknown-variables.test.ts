@@ -18,6 +18,8 @@ describe("unknownFleetVariables", () => {
       FLEET_SOMETHING_ELSE: "1", // nothing close
       FLEET_LOCK_DURATION: "60000", // a duration without its unit (3 edits)
       FLEET_RESULT_TTL: "0", // seconds, likewise
+      FLEET_RESULT_TTL_SECONDS: "0", // another spelling of the unit
+      FLEET_SHUTDOWN_TIMEOUT_SEC: "30", // another unit than the variable's
     };
     expect(unknownFleetVariables(env)).toEqual([
       { variable: "FLEET_API_TOKEN", suggestion: "FLEET_API_TOKENS" },
@@ -28,6 +30,8 @@ describe("unknownFleetVariables", () => {
       { variable: "FLEET_LOGLEVEL", suggestion: "FLEET_LOG_LEVEL" },
       { variable: "FLEET_REDIS_URL", suggestion: "REDIS_URL" },
       { variable: "FLEET_RESULT_TTL", suggestion: "FLEET_RESULT_TTL_S" },
+      { variable: "FLEET_RESULT_TTL_SECONDS", suggestion: "FLEET_RESULT_TTL_S" },
+      { variable: "FLEET_SHUTDOWN_TIMEOUT_SEC", suggestion: "FLEET_SHUTDOWN_TIMEOUT_MS" },
       { variable: "FLEET_SOMETHING_ELSE", suggestion: null },
     ]);
   });
@@ -74,6 +78,15 @@ describe("unknownFleetVariables", () => {
         msg: "FLEET_CONCURENCY is not a variable of the fleet: it is ignored (did you mean FLEET_CONCURRENCY?)",
       },
     ]);
+    // A duration's unit is said: 30 meant as seconds is not 30 ms.
+    expect(
+      unknownVariableMessage({
+        variable: "FLEET_SHUTDOWN_TIMEOUT_SEC",
+        suggestion: "FLEET_SHUTDOWN_TIMEOUT_MS",
+      }),
+    ).toBe(
+      "FLEET_SHUTDOWN_TIMEOUT_SEC is not a variable of the fleet: it is ignored (did you mean FLEET_SHUTDOWN_TIMEOUT_MS, in milliseconds?)",
+    );
     expect(unknownVariableMessage({ variable: "FLEET_X", suggestion: null })).toBe(
       "FLEET_X is not a variable of the fleet: it is ignored",
     );

@@ -80,8 +80,17 @@ export function unknownFleetVariables(env: Record<string, string | undefined>): 
 
 /** What an app logs for one unknown variable. */
 export function unknownVariableMessage(u: UnknownVariable): string {
-  return `${u.variable} is not a variable of the fleet: it is ignored${u.suggestion ? ` (did you mean ${u.suggestion}?)` : ""}`;
+  // A duration's unit said, so a value meant in another unit is not taken as it stands.
+  const unit = u.suggestion?.endsWith("_MS")
+    ? ", in milliseconds"
+    : u.suggestion?.endsWith("_S")
+      ? ", in seconds"
+      : "";
+  return `${u.variable} is not a variable of the fleet: it is ignored${u.suggestion ? ` (did you mean ${u.suggestion}${unit}?)` : ""}`;
 }
+
+/** Units a duration's name may be spelt with; the fleet's are `_MS` and `_S`. */
+const UNIT_SUFFIX = /_(MS|S|SEC|SECS|SECOND|SECONDS|MSEC|MSECS|MILLIS|MILLISECOND|MILLISECONDS)$/;
 
 /**
  * At an app's start: one warning per unknown `FLEET_` variable in `env` (a pino logger fits).
@@ -108,9 +117,13 @@ export function warnUnknownVariables(
  * prefix (`FLEET_CREDENTAL_X`: `FLEET_CREDENTIAL_X`).
  */
 function closestKnown(variable: string): string | null {
-  // FLEET_LOCK_DURATION: a duration named without its unit (3 edits, past the limit below).
-  for (const unit of ["_MS", "_S"]) {
-    if (KNOWN_FLEET_VARIABLES.has(`${variable}${unit}`)) return `${variable}${unit}`;
+  // FLEET_LOCK_DURATION: a duration named without its unit (3 edits, past the limit below), or
+  // with another spelling of one (FLEET_RESULT_TTL_SECONDS, FLEET_LOCK_DURATION_SEC).
+  const base = variable.replace(UNIT_SUFFIX, "");
+  for (const stem of base === variable ? [variable] : [base, variable]) {
+    for (const unit of ["_MS", "_S"]) {
+      if (KNOWN_FLEET_VARIABLES.has(`${stem}${unit}`)) return `${stem}${unit}`;
+    }
   }
   const limit = variable.length > 20 ? 3 : 2;
   let best: { name: string; distance: number } | null = null;
