@@ -12,6 +12,7 @@ import {
   connectRedis,
   createAppLogging,
   fleetInstance,
+  keepFleetInstance,
   logConnectionOutages,
   RolloutStore,
   StageQueues,
@@ -110,6 +111,12 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   // This deployment's id, on its sandboxes: another fleet with the same prefix (its own Redis) on
   // the same daemon is told apart by it.
   const instance = await fleetInstance(redis, config.prefix);
+  keepFleetInstance(redis, config.prefix, instance, (current) =>
+    logger.error(
+      { instance, current },
+      "this fleet's Redis names another deployment id than this app's (its data was lost, and another app started first): restart this app, or its sandboxes read as another fleet's to the rest",
+    ),
+  );
   const docker = dockerConnectionFromEnv(config.dockerHost, config.dockerCertPath);
   const provider = createSandboxProvider({
     provider: config.sandboxProvider,

@@ -11,7 +11,8 @@ export interface GatewayNetworks {
   allowGateway(network: GatewayNetwork, port: number): Promise<void>;
   /** `name`: the network's as `list` gave it; by default the one `ensure` makes. */
   remove(rolloutId: string, name?: string): Promise<{ alreadyGone: boolean }>;
-  list(): Promise<Array<{ name: string; rolloutId: string; createdAt: number }>>;
+  /** `otherInstance`: another deployment's (`LABEL_INSTANCE`); absent is this one's. */
+  list(): Promise<Array<{ name: string; rolloutId: string; createdAt: number; otherInstance?: boolean }>>;
 }
 
 /** Everything the stage handlers need; apps build it once in `main.ts`. */

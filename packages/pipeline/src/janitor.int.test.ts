@@ -1,6 +1,6 @@
 import { randomUUID } from "node:crypto";
 import { FleetError, RolloutRequest, type SandboxHandle } from "@fleet/contracts";
-import { admit, duplicateRedis, JANITOR_QUEUE, rolloutIds, sandboxKey } from "@fleet/queue";
+import { admit, duplicateRedis, JANITOR_QUEUE, LONGEST_LIFE_MS, rolloutIds, sandboxKey } from "@fleet/queue";
 import {
   DockerGatewayNetworks,
   DockerSandboxProvider,
@@ -1516,5 +1516,30 @@ describe("janitor", () => {
       await networks.remove(scopedId);
       await networks.remove(legacyId, legacy.name);
     }
+  });
+
+  it("leaves another deployment's gateway network (its rollout is in another Redis) until it is older than any rollout can live", async () => {
+    const removed: string[] = [];
+    const now = Date.now();
+    const theirs = (name: string, createdAt: number) => ({
+      name,
+      rolloutId: `r-${name}`,
+      createdAt,
+      otherInstance: true,
+    });
+    const networks = {
+      ensure: async () => {
+        throw new Error("not here");
+      },
+      allowGateway: async () => undefined,
+      remove: async (_rolloutId: string, name?: string) => {
+        removed.push(name ?? "");
+        return { alreadyGone: false };
+      },
+      list: async () => [theirs("young", now - 3_600_000), theirs("ancient", now - LONGEST_LIFE_MS - 60_000)],
+    };
+    const report = await janitorTick({ ...fleet.deps, networks }, { orphanGraceMs: 60_000 });
+    expect(report.errors).toEqual([]);
+    expect(removed).toEqual(["ancient"]);
   });
 });

@@ -3,6 +3,7 @@ import {
   duplicateRedis,
   isInvalidStoredData,
   JANITOR_QUEUE,
+  LONGEST_LIFE_MS,
   NETWORK_RETRY_MS,
   type RedisConnection,
   type SandboxEntry,
@@ -412,6 +413,16 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     await step("networks", async () => {
       const failed: string[] = [];
       for (const net of await networks.list()) {
+        // Another deployment's (same scope, its own Redis): its rollout is unknown here, and it
+        // has no expiry to go by. Left to that fleet's janitor; removed only once older than any
+        // rollout can live (a deployment whose Redis lost its data made it, say), when no sandbox
+        // is on it any more (Docker refuses the removal of one in use: then left, quietly).
+        if (net.otherInstance) {
+          if (now - net.createdAt > LONGEST_LIFE_MS) {
+            await networks.remove(net.rolloutId, net.name).catch(() => undefined);
+          }
+          continue;
+        }
         // A record that cannot be read is reported and its network left: it must not stop the
         // other networks' removal nor the retries below, every pass.
         let rec: Awaited<ReturnType<typeof deps.store.get>>;

@@ -91,15 +91,40 @@ export function createKeys(prefix = "{fleet}"): Keys {
  * it expires.
  */
 export async function fleetInstance(
-  redis: {
-    set(key: string, value: string, nx: "NX"): Promise<unknown>;
-    get(key: string): Promise<string | null>;
-  },
+  redis: InstanceRedis,
   prefix: string,
+  id: string = randomUUID(),
 ): Promise<string> {
   const key = createKeys(prefix).instance();
-  await redis.set(key, randomUUID(), "NX");
-  const id = await redis.get(key);
-  if (!id) throw new Error(`${key} was removed as it was read; start again`);
-  return id;
+  await redis.set(key, id, "NX");
+  const current = await redis.get(key);
+  if (!current) throw new Error(`${key} was removed as it was read; start again`);
+  return current;
+}
+
+type InstanceRedis = {
+  set(key: string, value: string, nx: "NX"): Promise<unknown>;
+  get(key: string): Promise<string | null>;
+};
+
+/**
+ * Keep this app's deployment id in its Redis across reconnects: a Redis that lost its data
+ * (restarted without its AOF) gets it back from the first app to reconnect (`fleetInstance` with
+ * it), and an app that finds another there (a new app started first) has `onOther` called: its
+ * sandboxes now read as another deployment's to the apps that hold the new one.
+ */
+export function keepFleetInstance(
+  redis: InstanceRedis & { on(event: "ready", listener: () => void): unknown },
+  prefix: string,
+  id: string,
+  onOther: (current: string) => void,
+): void {
+  redis.on("ready", () => {
+    fleetInstance(redis, prefix, id).then(
+      (current) => {
+        if (current !== id) onOther(current);
+      },
+      () => undefined, // gone again: the next ready tries
+    );
+  });
 }

@@ -272,7 +272,7 @@ export const DEFAULT_TASK_CACHE_CHARS = 64 * 1024 * 1024;
  * The longest a rollout can be in flight: its deadline is at most the agent's and the verifier's
  * timeouts (a week each) plus an hour's slack, and close may retry for about 35 minutes after it.
  */
-const LONGEST_LIFE_MS = (2 * MAX_DURATION_S + 2 * 3600) * 1000;
+export const LONGEST_LIFE_MS = (2 * MAX_DURATION_S + 2 * 3600) * 1000;
 
 /**
  * How long a batch created by an admission lives if none of its rollouts gets recorded (the

@@ -21,7 +21,7 @@ import {
   rolloutIds,
 } from "./admission.ts";
 import { assertRedisDurable, createRedis, isRedisUnavailable } from "./connection.ts";
-import { createKeys, fleetInstance } from "./keys.ts";
+import { createKeys, fleetInstance, keepFleetInstance } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
 import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
@@ -2152,6 +2152,31 @@ describe("fleetInstance", () => {
     } finally {
       await redis.del(createKeys(prefix).instance(), createKeys(other).instance());
       redis.disconnect();
+    }
+  });
+
+  it("is put back by an app that reconnects to a Redis that lost it; an app that finds another there is told", async () => {
+    const redis = createRedis(REDIS_URL);
+    const admin = createRedis(REDIS_URL);
+    const prefix = `{inst-${randomUUID().slice(0, 8)}}`;
+    const key = createKeys(prefix).instance();
+    const others: string[] = [];
+    try {
+      const id = await fleetInstance(redis, prefix);
+      keepFleetInstance(redis, prefix, id, (current) => others.push(current));
+      // The data lost (a Redis restarted without its AOF), the app's connection dropped and back.
+      await admin.del(key);
+      redis.disconnect(true);
+      await vi.waitFor(async () => expect(await admin.get(key)).toBe(id), { timeout: 10_000 });
+      expect(others).toEqual([]);
+      // Another app started first and made a new one: this one is told at its reconnect.
+      await admin.set(key, "newer");
+      redis.disconnect(true);
+      await vi.waitFor(() => expect(others).toEqual(["newer"]), { timeout: 10_000 });
+    } finally {
+      await admin.del(key);
+      redis.disconnect();
+      admin.disconnect();
     }
   });
 });

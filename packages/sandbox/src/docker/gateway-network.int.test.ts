@@ -40,17 +40,17 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
         .filter((id) => id.endsWith(run));
     expect((await ids(mine)).sort()).toEqual([`gwa-${run}`, `gwc-${run}`]);
     expect((await ids(theirs)).sort()).toEqual([`gwb-${run}`, `gwc-${run}`]);
-    // Another deployment with this scope (its own Redis): its networks are never listed; those
-    // made before networks carried an instance still are.
+    // Another deployment with this scope (its own Redis): its networks are listed as such (the
+    // janitor leaves them to it); those made before networks carried an instance are this one's.
     const other = buildGatewayNetworkConfig(`gwd-${run}`, undefined, mine, "other-deployment");
     await docker.createNetwork(other);
     made.push(other.Name);
     const listed = async (instance: string) =>
       (await new DockerGatewayNetworks({ scope: mine, instance }).list())
-        .map((n) => n.rolloutId)
-        .filter((id) => id.endsWith(run))
+        .filter((n) => n.rolloutId.endsWith(run))
+        .map((n) => `${n.rolloutId}${n.otherInstance ? " (another's)" : ""}`)
         .sort();
-    expect(await listed("this-deployment")).toEqual([`gwa-${run}`, `gwc-${run}`]);
+    expect(await listed("this-deployment")).toEqual([`gwa-${run}`, `gwc-${run}`, `gwd-${run} (another's)`]);
     expect(await listed("other-deployment")).toEqual([`gwa-${run}`, `gwc-${run}`, `gwd-${run}`]);
   });
 

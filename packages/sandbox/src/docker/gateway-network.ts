@@ -145,8 +145,9 @@ export interface DockerGatewayNetworksOptions {
    */
   scope?: string;
   /**
-   * This deployment's id (`LABEL_INSTANCE`, as the sandbox provider's): set on every network made;
-   * `list` leaves out another deployment's (a fleet with the same scope and its own Redis).
+   * This deployment's id (`LABEL_INSTANCE`, as the sandbox provider's): set on every network made,
+   * and each network `list` gives says whether it is another deployment's (a fleet with the same
+   * scope and its own Redis; or this one's before its Redis lost its data).
    */
   instance?: string;
 }
@@ -283,7 +284,9 @@ export class DockerGatewayNetworks {
   }
 
   /** Gateway networks on this daemon (for the janitor's sweep), with their rollout ids. */
-  async list(): Promise<Array<{ name: string; id: string; rolloutId: string; createdAt: number }>> {
+  async list(): Promise<
+    Array<{ name: string; id: string; rolloutId: string; createdAt: number; otherInstance: boolean }>
+  > {
     let networks: Dockerode.NetworkInfo[];
     try {
       networks = await this.docker.listNetworks({
@@ -295,19 +298,15 @@ export class DockerGatewayNetworks {
     }
     // This fleet's, and those made before networks carried a scope (no label: nobody else
     // would ever sweep them). Docker's label filter cannot say "absent", so it is done here.
-    // Not another deployment's with the same scope (its rollouts are unknown to this fleet's
-    // Redis: the janitor would take them for over, and cut its agents off their model).
     const scope = this.scope;
-    const ours = networks.filter(
-      (n) =>
-        (!scope || (n.Labels?.[LABEL_SCOPE] ?? scope) === scope) &&
-        !madeByAnotherInstance(n.Labels ?? {}, this.instance),
-    );
+    const ours = scope ? networks.filter((n) => (n.Labels?.[LABEL_SCOPE] ?? scope) === scope) : networks;
     return ours.map((n) => ({
       name: n.Name,
       id: n.Id,
       rolloutId: n.Labels?.[LABEL_ROLLOUT] ?? "",
       createdAt: Date.parse(n.Created) || 0,
+      // Its rollout is in another Redis: the janitor leaves it to that fleet (see LABEL_INSTANCE).
+      otherInstance: madeByAnotherInstance(n.Labels ?? {}, this.instance),
     }));
   }
 
