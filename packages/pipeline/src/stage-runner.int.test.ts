@@ -53,6 +53,9 @@ describe("stage runner: a stage whose receipt is stored stays done", () => {
       launches: 1,
       receipts: { run: expect.anything() },
     });
+    // Its sandbox goes with its close.
+    expect(await runStageJob("close", job(id), fleet.deps)).toBe("ok");
+    expect(await docker.list({ "fleet.rollout": id })).toEqual([]);
   });
 
   it("a verify delivered again after its deadline passed keeps its reward", async () => {
