@@ -15,6 +15,21 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
   const redis = createRedis(REDIS_URL);
   const prefix = `{t-scrape-${randomUUID().slice(0, 8)}}`;
   const queue = new Queue("run", { connection: redis, prefix });
+  /** A scrape of `queue` alone into fresh metrics, at `now`. */
+  const scrape = async (q: Queue = queue, now = Date.now()) => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }));
+    await refreshScrapeMetrics({
+      redis,
+      queues: [q],
+      store: { inflightCount: async () => 0 },
+      metrics,
+      now,
+      timeoutMs: 5_000,
+    });
+    return metrics;
+  };
+  const runAge = async (metrics: Awaited<ReturnType<typeof scrape>>) =>
+    (await metrics.queueOldestWaitingAge.get()).values.find((v) => v.labels.queue === "run")!.value;
   afterAll(async () => {
     await queue.obliterate({ force: true });
     await queue.close();
@@ -48,18 +63,7 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
   });
 
   it("counts from when the job last came back to the queue, not from its creation", async () => {
-    const metrics = createFleetMetrics(createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }));
-    const age = async () => {
-      await refreshScrapeMetrics({
-        redis,
-        queues: [queue],
-        store: { inflightCount: async () => 0 },
-        metrics,
-        now: Date.now(),
-        timeoutMs: 5_000,
-      });
-      return (await metrics.queueOldestWaitingAge.get()).values.find((v) => v.labels.queue === "run")!.value;
-    };
+    const age = async () => runAge(await scrape());
     // Added an hour ago and never taken: it has waited an hour.
     await queue.add("run", { rolloutId: "r" }, { jobId: "r.run", timestamp: Date.now() - 3_600_000 });
     expect(await age()).toBeGreaterThanOrEqual(3_600);
@@ -78,25 +82,16 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
   });
 
   it("counts a job given a priority (Bull Board's edit: BullMQ's prioritized state) as waiting", async () => {
-    const metrics = createFleetMetrics(createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }));
     try {
       await queue.add("run", { rolloutId: "p" }, { jobId: "p.run", timestamp: Date.now() - 3_600_000 });
       await (await queue.getJob("p.run"))!.changePriority({ priority: 5 });
       expect(await queue.getJobState("p.run")).toBe("prioritized");
-      await refreshScrapeMetrics({
-        redis,
-        queues: [queue],
-        store: { inflightCount: async () => 0 },
-        metrics,
-        now: Date.now(),
-        timeoutMs: 5_000,
-      });
-      const run = (values: { labels: Record<string, unknown>; value: number }[]) =>
-        values.filter((v) => v.labels.queue === "run");
-      expect(run((await metrics.queueOldestWaitingAge.get()).values)[0]!.value).toBeGreaterThanOrEqual(3_600);
-      expect(
-        run((await metrics.queueJobs.get()).values).find((v) => v.labels.state === "prioritized")?.value,
-      ).toBe(1);
+      const metrics = await scrape();
+      expect(await runAge(metrics)).toBeGreaterThanOrEqual(3_600);
+      const counted = (await metrics.queueJobs.get()).values.find(
+        (v) => v.labels.queue === "run" && v.labels.state === "prioritized",
+      );
+      expect(counted?.value).toBe(1);
     } finally {
       await queue.obliterate({ force: true });
     }
@@ -112,20 +107,7 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
       await queue.obliterate({ force: true });
       await queue.close();
     });
-    const age = async (now = Date.now()) => {
-      const metrics = createFleetMetrics(
-        createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }),
-      );
-      await refreshScrapeMetrics({
-        redis,
-        queues: [queue],
-        store: { inflightCount: async () => 0 },
-        metrics,
-        now,
-        timeoutMs: 5_000,
-      });
-      return (await metrics.queueOldestWaitingAge.get()).values.find((v) => v.labels.queue === "run")!.value;
-    };
+    const age = async (now = Date.now()) => runAge(await scrape(queue, now));
 
     /** `r.run`, added three hours ago, taken, run for two hours and failed: an hour's backoff. */
     const failedAfterTwoHours = async () => {

@@ -31,6 +31,15 @@ import { FailoverPair } from "./testing/index.ts";
 import { sandboxEntry } from "./testing/sandbox-entry.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
+/** A masked run failure, as a stage logs one. */
+const SANDBOX_LOST = {
+  stage: "run",
+  terminal: false,
+  failureKind: "sandbox_lost",
+  mask: true,
+  reason: "x",
+  at: 1,
+} as const;
 const task: TaskContent = {
   id: "t1",
   instruction: "do it",
@@ -847,14 +856,7 @@ describe("rollout store", () => {
     const taskTtl = await pttl(store.keys.task(digest));
     expect(taskTtl).toBeGreaterThan(60_000 + (14 * 24 + 2) * 3600 * 1000 - 10_000);
     const [a, b] = ids as [string, string];
-    const failure = {
-      stage: "run",
-      terminal: false,
-      failureKind: "sandbox_lost",
-      mask: true,
-      reason: "x",
-      at: 1,
-    } as const;
+    const failure = SANDBOX_LOST;
     await kept.logFailure(a, failure);
     // While it runs, its failure log outlives it whatever happens (expiring, should it be left behind).
     expect(await pttl(kept.keys.failures(a))).toBeGreaterThan((14 * 24 + 2) * 3600 * 1000);
@@ -922,14 +924,7 @@ describe("rollout store", () => {
     const workerWeek = new RolloutStore(redis, prefix); // the default: 7 days
     const workerKeeps = new RolloutStore(redis, prefix, { resultTtlMs: 0 });
     const request = { task, agent: { harness: "oracle" as const, sandbox: "borrow" as const } };
-    const failure = {
-      stage: "run",
-      terminal: false,
-      failureKind: "sandbox_lost",
-      mask: true,
-      reason: "x",
-      at: 1,
-    } as const;
+    const failure = SANDBOX_LOST;
     // Kept for good by the dispatcher's word; the worker's week (its failure-log append included) is not applied.
     const [kept] = (
       await admit(dispatcherKeeps, queues, { requests: [request], batch: false }, { maxTaskBytes: 1e6 })
