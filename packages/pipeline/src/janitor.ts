@@ -327,10 +327,12 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       // fleet_sandboxes_active: what the provider holds after this pass (removed orphans
       // subtracted), of this deployment's (another's with the same scope would page a leak).
       const active = { resources: 0, agent: 0 };
-      const foreign = listed.filter((info) => madeByAnotherInstance(info.labels, deps.provider.instance));
-      warnOfAnotherInstance(deps, foreign);
+      const foreign = new Set(
+        listed.filter((info) => madeByAnotherInstance(info.labels, deps.provider.instance)),
+      );
+      warnOfAnotherInstance(deps, [...foreign]);
       for (const info of listed) {
-        if (!foreign.includes(info)) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
+        if (!foreign.has(info)) active[info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources"]++;
       }
       const orphanSteps = entrySteps("orphans");
       for (const info of listed) {
@@ -338,7 +340,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
         const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
         if (!rolloutId) continue;
-        const theirs = foreign.includes(info);
+        const theirs = foreign.has(info);
         // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
         await orphanSteps.run(`orphans ${sandboxKey(rolloutId, owner)}`, async () => {
           const orphan = await isOrphan(

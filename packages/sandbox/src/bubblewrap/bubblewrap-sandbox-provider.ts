@@ -39,6 +39,7 @@ import {
   type ProbeReport,
   type SandboxHandle,
   type SandboxSpecInput,
+  withTimeout,
 } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
 import {
@@ -48,6 +49,7 @@ import {
   KEEPALIVE_IDS,
   KEEPALIVE_USER,
   SHM_MB,
+  sandboxLabels,
   sandboxName,
   TMPFS_MOUNTS,
 } from "../docker/container-config.ts";
@@ -80,8 +82,6 @@ import { execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
   type KillOptions,
-  LABEL_EXPIRES,
-  LABEL_INSTANCE,
   LABEL_MANAGED,
   LABEL_OWNER,
   LABEL_ROLLOUT,
@@ -308,14 +308,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const dir = join(this.stateDir, `${name}-${id.slice(0, 8)}`);
     const workspaceDir = join(dir, "workspace");
     const fenceDir = this.rootfsHasFenceMount() ? join(dir, "fence") : undefined;
-    const labels: Record<string, string> = {
-      [LABEL_MANAGED]: "true",
-      [LABEL_ROLLOUT]: spec.rolloutId,
-      [LABEL_OWNER]: spec.owner,
-      [LABEL_EXPIRES]: String(spec.expiresAt),
-      ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
-      ...(this.instance ? { [LABEL_INSTANCE]: this.instance } : {}),
-    };
+    // The Docker provider's labels, so the janitor reads both providers' sandboxes alike.
+    const labels = sandboxLabels(spec, this.scope, this.instance);
     const tmpfsMb = spec.options.tmpfsMb ?? this.defaults.tmpfsMb;
     const args = bwrapArgv({
       rootfs: this.rootfs,
@@ -940,19 +934,12 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       await writeFile(probe, "", { mode: 0o600 });
       await rm(probe, { force: true });
     })();
-    let timer: NodeJS.Timeout | undefined;
-    const timeout = new Promise<never>((_, reject) => {
-      timer = setTimeout(() => reject(new Error("no answer within 5 s")), 5_000);
-    });
     try {
-      await Promise.race([attempt, timeout]);
+      await withTimeout(attempt, 5_000, "no answer within 5 s");
       this.stateDirWritable = true;
       return null;
     } catch (err) {
-      attempt.catch(() => undefined);
       return `the state directory ${this.stateDir} (FLEET_STATE_DIR/bwrap) cannot be written: ${err instanceof Error ? err.message : String(err)}`;
-    } finally {
-      clearTimeout(timer);
     }
   }
 

@@ -157,26 +157,25 @@ export class DockerSandboxProvider implements SandboxProvider {
     const container = await this.createContainer(config, handle, spec);
     if (!("start" in container)) return container; // adopted
     handle.id = container.id;
-    await this.startAndStage(container, handle, spec, config);
+    await this.startAndStage(container, handle, spec, isWorkspaceTmpfs(config.HostConfig));
     this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
     return handle;
   }
 
   /**
-   * Start a container made with `config` and never started, and stage its image's /workspace
-   * files. Docker copies those into a volume, never into a tmpfs: they are read from the image
-   * before the start (the archive of a container not started reads its image's layers), and
-   * staged after it. A container that cannot start, or whose files cannot be staged, is removed.
+   * Start a container never started, and stage its image's /workspace files when its workspace
+   * is a tmpfs (`workspaceTmpfs`): Docker copies them into a volume, never into a tmpfs. They are
+   * read from the image before the start (the archive of a container not started reads its
+   * image's layers), and staged after it. A container that cannot start, or whose files cannot
+   * be staged, is removed.
    */
   private async startAndStage(
     container: Container,
     handle: SandboxHandle,
     spec: SandboxSpec,
-    config: Dockerode.ContainerCreateOptions,
+    workspaceTmpfs: boolean,
   ): Promise<void> {
-    const imageFiles = config.HostConfig?.Tmpfs?.[SANDBOX_PATHS.workspace]
-      ? await this.imageWorkspaceFiles(container, handle, spec)
-      : null;
+    const imageFiles = workspaceTmpfs ? await this.imageWorkspaceFiles(container, handle, spec) : null;
     try {
       await this.startCreated(container, handle, spec);
       if (imageFiles) {
@@ -276,7 +275,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       return await this.docker.createContainer({ ...config, abortSignal: this.apiSignal() });
     } catch (err) {
       const facts = dockerErrorFacts(err);
-      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle, spec, config);
+      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle, spec);
       throw classifyDockerError(err, "create", handle.name);
     }
   }
@@ -370,11 +369,7 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   /** A re-delivered create: the container of that name exists; take it over if it is this rollout's. */
-  private async adopt(
-    handle: SandboxHandle,
-    spec: SandboxSpec,
-    config: Dockerode.ContainerCreateOptions,
-  ): Promise<SandboxHandle> {
+  private async adopt(handle: SandboxHandle, spec: SandboxSpec): Promise<SandboxHandle> {
     const container = this.docker.getContainer(handle.name);
     let info: Dockerode.ContainerInspectInfo;
     try {
@@ -406,12 +401,8 @@ export class DockerSandboxProvider implements SandboxProvider {
         { sandbox: handle.name, id: info.Id },
         "taking over a sandbox its earlier create never started",
       );
-      // By how it was made (its workspace a tmpfs, or a volume Docker fills), not by `config`.
-      const made = {
-        ...config,
-        HostConfig: { Tmpfs: info.HostConfig?.Tmpfs ?? config.HostConfig?.Tmpfs ?? {} },
-      };
-      await this.startAndStage(this.docker.getContainer(info.Id), adopted, spec, made);
+      // By how it was made (its workspace a tmpfs, or a volume Docker fills), not by this create.
+      await this.startAndStage(container, adopted, spec, isWorkspaceTmpfs(info.HostConfig));
       return adopted;
     }
     if (!info.State.Running) {
@@ -1172,4 +1163,9 @@ function volumesOf(config: Dockerode.ContainerCreateOptions): string[] {
 /** The named volumes among a container's mounts (as inspect and list report them). */
 function mountedVolumes(mounts: ReadonlyArray<{ Type?: string; Name?: string }>): string[] {
   return mounts.flatMap((m) => (m.Type === "volume" && m.Name ? [m.Name] : []));
+}
+
+/** Whether a container's workspace is a tmpfs of its own (capped), not a volume. */
+function isWorkspaceTmpfs(hostConfig: { Tmpfs?: Record<string, string> } | undefined): boolean {
+  return Boolean(hostConfig?.Tmpfs?.[SANDBOX_PATHS.workspace]);
 }
