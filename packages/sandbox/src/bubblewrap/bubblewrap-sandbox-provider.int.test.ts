@@ -584,28 +584,33 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
   });
 
-  it("a worker under a strict umask (077) makes the same sandbox: the workspace is the agent's, 0755, and root (the tests) enters it", async () => {
+  it("a worker under a strict umask (077) makes the same sandbox and runs its commands under Docker's umask (022): staged directories and the agent's files are readable by the tests (root, no DAC override)", async () => {
+    // For the whole test, as a worker started under it would be: its execs inherit it.
     const umask = process.umask(0o077);
-    let h: SandboxHandle;
     try {
-      h = await create();
-      await provider.put(h, "/workspace", { "task.txt": "seeded\n" });
+      const h = await create();
+      await provider.put(h, "/workspace", { "task.txt": "seeded\n", "src/main.py": "print(1)\n" });
+      const agent = await provider.exec(
+        h,
+        [
+          "sh",
+          "-c",
+          "stat -c '%U %a' . src src/main.py; cat task.txt; mkdir out; echo made > out/answer.txt; umask",
+        ],
+        { deadlineMs: 10_000 },
+      );
+      expect(agent).toMatchObject({
+        exitCode: 0,
+        stdout: "agent 755\nagent 755\nagent 644\nseeded\n0022\n",
+      });
+      const root = await provider.exec(h, ["sh", "-c", "pwd; cat out/answer.txt src/main.py"], {
+        deadlineMs: 10_000,
+        user: ROOT_USER,
+      });
+      expect(root).toMatchObject({ exitCode: 0, stdout: "/workspace\nmade\nprint(1)\n" });
     } finally {
       process.umask(umask);
     }
-    const agent = await provider.exec(
-      h,
-      ["sh", "-c", "stat -c '%U %a' .; cat task.txt; echo made > out.txt"],
-      {
-        deadlineMs: 10_000,
-      },
-    );
-    expect(agent).toMatchObject({ exitCode: 0, stdout: "agent 755\nseeded\n" });
-    const root = await provider.exec(h, ["sh", "-c", "pwd; cat out.txt"], {
-      deadlineMs: 10_000,
-      user: ROOT_USER,
-    });
-    expect(root).toMatchObject({ exitCode: 0, stdout: "/workspace\nmade\n" });
   });
 
   it("a root sweep given a verify epoch raises the sandbox's fence to it, never lowering it, readable to root whatever the worker's umask; neither the tests (root) nor the agent can write the fence", async () => {

@@ -107,10 +107,10 @@ import {
   cgroupOomKills,
   createSandboxCgroups,
   freezerState,
-  joinCgroupsArgv,
   moveIntoCgroups,
   removeCgroups,
   type SandboxCgroup,
+  sandboxExecArgv,
 } from "./cgroup.ts";
 
 /** Provider-wide defaults; every field optional in the constructor. */
@@ -579,7 +579,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const started = performance.now();
 
     const exit = await new Promise<{ code: number | null; hostTimedOut: boolean }>((resolve, reject) => {
-      const [file, ...fileArgs] = joinCgroupsArgv(o.outsideCgroups ? [] : (state.cgroups ?? []), [
+      const [file, ...fileArgs] = sandboxExecArgv(o.outsideCgroups ? [] : (state.cgroups ?? []), [
         this.nsenterPath,
         ...args,
       ]);

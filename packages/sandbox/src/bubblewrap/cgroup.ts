@@ -82,13 +82,16 @@ export async function moveIntoCgroups(
 }
 
 /**
- * Host argv prefix that puts the command into the cgroups before it `exec`s the rest (a
- * process started from outside, like `nsenter`, does not inherit the sandbox's cgroups).
+ * Host argv prefix that sets the command's umask to 022, as Docker's exec does, and puts it into
+ * the cgroups before it `exec`s the rest (a process started from outside, like `nsenter`, does
+ * not inherit the sandbox's cgroups). The umask is not the worker's: one under a strict umask
+ * (077) would otherwise give the agent's files and the directories staging makes mode 600/700,
+ * which the tests (root without capabilities, so no DAC override) cannot read: a correct agent
+ * graded 0.
  */
-export function joinCgroupsArgv(cgroups: readonly SandboxCgroup[], argv: readonly string[]): string[] {
-  if (cgroups.length === 0) return [...argv];
+export function sandboxExecArgv(cgroups: readonly SandboxCgroup[], argv: readonly string[]): string[] {
   const script =
-    'n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
+    'umask 022; n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
   return [
     "/bin/sh",
     "-c",
