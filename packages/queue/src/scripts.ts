@@ -79,6 +79,20 @@ const CONFIRM_TEARDOWN = `
         end
         return false
       end
+      -- A finalized result that a sandbox attached after it (its creator's create outlived the
+      -- close) no longer lets say the teardown is confirmed: turned pending as finalize composes a
+      -- pending teardown (a completed result's failureKind says so); the confirm of that
+      -- sandbox's destroy turns it back (\`confirmTeardown\`).
+      local function pendTeardown(rolloutKey, status)
+        local raw = redis.call('HGET', rolloutKey, 'result')
+        local edited = raw and editResult(raw, 'teardown', '"confirmed"', '"pending"')
+        if raw and edited ~= raw then
+          if status == 'completed' then
+            edited = editResult(edited, 'failureKind', 'null', '"teardown_failed"')
+          end
+          redis.call('HSET', rolloutKey, 'result', edited)
+        end
+      end
       local function confirmTeardown(rolloutKey, ledgerKey, key1, key2, networksKey, rolloutId, sandboxesKey)
         if teardownLeft(ledgerKey, sandboxesKey, key1, key2) then return 0 end
         if redis.call('ZSCORE', networksKey, rolloutId) then return 0 end
@@ -421,18 +435,9 @@ const SCRIPTS = {
       if not status or terminal[status] then
         -- Finalized already (a close ran while this stage made its sandbox, and could not see
         -- it): the sandbox attached now lives until its creator's destroy (or, its worker dead,
-        -- the janitor's) is confirmed, so the result cannot say the teardown is confirmed. It is
-        -- turned pending, as finalize turns one with a sandbox registered (\`teardownLeft\`); that
-        -- confirm turns it back (\`confirmTeardown\`).
+        -- the janitor's) is confirmed, so the result cannot say the teardown is confirmed.
         if status and ARGV[9] ~= '' and not string.find(ARGV[10], '"handle":null', 1, true) then
-          local raw = redis.call('HGET', KEYS[1], 'result')
-          local edited = raw and editResult(raw, 'teardown', '"confirmed"', '"pending"')
-          if raw and edited ~= raw then
-            if status == 'completed' then
-              edited = editResult(edited, 'failureKind', 'null', '"teardown_failed"')
-            end
-            redis.call('HSET', KEYS[1], 'result', edited)
-          end
+          pendTeardown(KEYS[1], status)
         end
         return 0
       end
@@ -998,12 +1003,22 @@ const SCRIPTS = {
       ${OPEN_OR_RETURN_0}
       return redis.call('HINCRBY', KEYS[1], 'closes:again', 1)`,
   },
-  /** Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed meanwhile. */
+  /**
+   * Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed
+   * meanwhile. Finalized meanwhile (a close gave up on the handle-less intent while the create
+   * still ran), its result's teardown is turned pending, as `fleetReceipt`'s attach does.
+   */
   fleetAttach: {
     keys: 2, // sandboxes, rollout
     lua: `
+      ${TERMINAL}
+      ${CONFIRM_TEARDOWN}
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
-      return redis.call('HGET', KEYS[2], 'closed') or ''`,
+      local v = redis.call('HMGET', KEYS[2], 'status', 'closed')
+      if v[1] and terminal[v[1]] and not string.find(ARGV[2], '"handle":null', 1, true) then
+        pendTeardown(KEYS[2], v[1])
+      end
+      return v[2] or ''`,
   },
 } as const;
 

@@ -1476,6 +1476,37 @@ describe("rollout store", () => {
     expect(await store.getResult(b)).toMatchObject({ teardown: "confirmed", failureKind: null });
   });
 
+  it("a sandbox attached after its rollout was finalized (the close gave up on its handle-less intent while the create ran) turns the result's teardown pending, until its destroy is confirmed", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const intent = sandboxEntry(id, "agent");
+    await ledger.recordIntent(intent);
+    const meta = (await store.begin(id, "close", 20)).record!.meta;
+    const confirmed = [{ key: intent.key, destroyed: null }];
+    expect(await store.finalize(meta, resultFor(id, "completed"), 30, undefined, confirmed)).toBe(true);
+    expect(await store.getResult(id)).toMatchObject({ teardown: "confirmed", failureKind: null });
+    const made = {
+      ...intent,
+      handle: {
+        provider: "docker" as const,
+        endpoint: "unix:///var/run/docker.sock",
+        id: `c6-${id}`,
+        name: `n6-${id}`,
+        rolloutId: id,
+        owner: "agent" as const,
+        volumes: [],
+      },
+    };
+    // The create returns: closed meanwhile, so its creator destroys it; until then it lives.
+    expect(await ledger.attachHandle(made)).toBe(true);
+    expect(await store.getResult(id)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
+    await ledger.recordFailure(made, "daemon blip", 40);
+    expect(await ledger.isPending(id)).toBe(true);
+    expect(await store.getResult(id)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
+    await ledger.confirm(made, made.handle);
+    expect(await store.getResult(id)).toMatchObject({ teardown: "confirmed", failureKind: null });
+  });
+
   it("a finalize that finds a sandbox left stores the teardown pending as result.ts composes it: a completed result says teardown_failed, its close receipt says pending", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const handle = (id: string) => ({
