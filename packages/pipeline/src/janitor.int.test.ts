@@ -697,7 +697,7 @@ describe("janitor", () => {
     expect(trips).toEqual([expect.stringContaining("ENOENT")]);
   });
 
-  it("an overdue rollout whose record cannot be read (torn, or gone) is set aside, its record kept: 100 of them do not hold up the watchdog for every other", async () => {
+  it("an overdue rollout whose record cannot be read (torn, without a status or with an unknown one, or gone) is set aside, its record kept: 100 of them do not hold up the watchdog for every other", async () => {
     const { redis } = fleet;
     const { store } = fleet.deps;
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
@@ -711,6 +711,11 @@ describe("janitor", () => {
       await redis.hset(store.keys.rollout(t), "meta", "{torn", "status", "accepted");
       await redis.zadd(store.keys.inflight(), i + 1, t);
     }
+    // Two whose meta reads but whose status does not: its field deleted by hand, and a status
+    // another release wrote. No script finalizes either (they take it for terminal).
+    await redis.hdel(store.keys.rollout(torn[1]!), "status");
+    await redis.hset(store.keys.rollout(torn[1]!), "meta", "{}");
+    await redis.hset(store.keys.rollout(torn[2]!), "meta", "{}", "status", "paused");
     await redis.zadd(store.keys.inflight(), 100, gone);
     const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
     const options = { orphanGraceMs: 60_000, watchdogGraceMs: 1000 };

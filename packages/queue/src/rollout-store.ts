@@ -187,8 +187,17 @@ type ReceiptOf<S extends StageName> = z.infer<(typeof RECEIPT_SCHEMAS)[S]>;
  * A rollout hash as a record. Not re-validated with zod: every field was validated when our own
  * code wrote it (saveReceipt, admit, recordFailure), and this read is on every stage's hot path.
  */
+/** The statuses this release knows (`parseRecord` refuses a record holding another, or none). */
+const STATUSES: ReadonlySet<string> = new Set(RolloutStatus.options);
+
 function parseRecord(h: Record<string, string>): RolloutRecord | null {
   if (!h.meta) return null;
+  // A record without a status (its field deleted by hand) or with one this release does not know
+  // is unreadable, as a torn one is: read as it is, no script would ever finalize it (they take
+  // it for terminal), so it would stay in flight for good, holding backlog room and its batch.
+  if (h.status === undefined || !STATUSES.has(h.status)) {
+    throw new Error(`its status ${JSON.stringify(h.status ?? null)} is not one this release knows`);
+  }
   const receipts: RolloutReceipts = {};
   for (const stage of ["seed", "run", "verify", "close"] as const) {
     const raw = h[`r:${stage}`];
