@@ -11,6 +11,7 @@ import { REPO_ROOT } from "../../scripts/lib/fleet-processes.ts";
  */
 const BASE = join(REPO_ROOT, "docker-compose.yml");
 const SOCKET = join(REPO_ROOT, "docker-compose.docker-socket.yml");
+const SANDBOX_HOST = join(REPO_ROOT, "docker-compose.sandbox-host.yml");
 const WORKERS = ["resources-worker", "agent-worker", "verifier-worker", "janitor"] as const;
 const APPS = ["dispatcher", ...WORKERS] as const;
 
@@ -32,7 +33,7 @@ interface Service {
   command?: string[];
   environment?: Record<string, string | null>;
   ports?: unknown[];
-  volumes?: (string | { source?: string; target?: string })[];
+  volumes?: (string | { source?: string; target?: string; read_only?: boolean })[];
   container_name?: string;
   group_add?: unknown[];
   depends_on?: unknown;
@@ -164,6 +165,48 @@ describe.skipIf(!compose)("docker-compose.yml", () => {
         mounts(services[other]!).some((m) => m.includes("docker.sock")),
         other,
       ).toBe(false);
+    }
+  });
+
+  it("takes no Docker daemon from the shell: an exported DOCKER_HOST (which compose itself obeys) reaches no app", () => {
+    const { status, error, services } = config([BASE], { ...env, DOCKER_HOST: "unix:///nowhere.sock" });
+    expect(error).toBe("");
+    expect(status).toBe(0);
+    for (const w of WORKERS) {
+      expect(services[w]!.environment?.DOCKER_HOST ?? "", w).toBe("");
+      expect(services[w]!.environment?.DOCKER_CERT_PATH ?? "", w).toBe("");
+    }
+  });
+
+  it("the sandbox-host override gives the workers and the janitor (only) the sandbox host's daemon and its certificates, read-only at /certs; it refuses without them", () => {
+    const sandboxHost = {
+      ...env,
+      FLEET_SANDBOX_DOCKER_HOST: "tcp://sandbox-host:2376",
+      FLEET_SANDBOX_DOCKER_CERT_DIR: "/etc/fleet/docker-certs",
+    };
+    const { status, error, services } = config([BASE, SANDBOX_HOST], sandboxHost);
+    expect(error).toBe("");
+    expect(status).toBe(0);
+    for (const w of WORKERS) {
+      expect(services[w]!.environment?.DOCKER_HOST, w).toBe("tcp://sandbox-host:2376");
+      expect(services[w]!.environment?.DOCKER_CERT_PATH, w).toBe("/certs");
+      expect(mounts(services[w]!), w).toContain("/etc/fleet/docker-certs:/certs");
+      const certs = (services[w]!.volumes ?? []).find((v) =>
+        typeof v === "string" ? v.includes(":/certs") : v.target === "/certs",
+      );
+      expect(typeof certs === "string" ? certs.endsWith(":ro") : certs?.read_only, w).toBe(true);
+    }
+    for (const other of ["dispatcher", "prometheus", "redis"]) {
+      expect(services[other]!.environment?.DOCKER_HOST ?? "", other).toBe("");
+      expect(
+        mounts(services[other]!).some((m) => m.endsWith(":/certs")),
+        other,
+      ).toBe(false);
+    }
+    for (const missing of ["FLEET_SANDBOX_DOCKER_HOST", "FLEET_SANDBOX_DOCKER_CERT_DIR"]) {
+      const r = config([BASE, SANDBOX_HOST], { ...sandboxHost, [missing]: undefined });
+      expect(r.status, missing).not.toBe(0);
+      expect(r.error, missing).toContain(missing);
     }
   });
 

@@ -6,6 +6,7 @@ import {
   isTmpfsPath,
   KEEPALIVE_USER,
   reaperLabels,
+  sandboxMemoryMb,
   sandboxName,
 } from "./container-config.ts";
 
@@ -161,6 +162,15 @@ describe("buildContainerConfig", () => {
 
   it("caps the workspace by default (an unbounded volume would let a disk filler fill the host)", () => {
     expect(config().HostConfig!.Tmpfs!["/workspace"]).toMatch(/,size=1024m,/);
+  });
+});
+
+describe("sandboxMemoryMb", () => {
+  it("is 3938 MiB for the default limits, the figure the README, configs/fleet.env.example and the sandbox README give to size hosts by", () => {
+    // 1024 for processes + tmpfs caps (4 × 256 scratch, 1024 workspace, 64 /dev/shm, 1 fence:
+    // 2113) + their inodes' kernel memory (ceil(2113 × 256 × 1.5 KiB) = 793) + 8 of IPC objects.
+    expect(sandboxMemoryMb(DEFAULT_SANDBOX_LIMITS)).toBe(3938);
+    expect(config().HostConfig?.Memory).toBe(3938 * 2 ** 20);
   });
 });
 
