@@ -296,6 +296,14 @@ export const BATCH_ADMISSION_LEASE_MS = 24 * 3600 * 1000;
  */
 const ADMIT_CHUNK = 500;
 
+/**
+ * Most bytes of rollout records one `fleetAdmit` call carries, past its first rollout: a batch of
+ * rollouts each with a long agent spec (a prompt in its argv or env) would otherwise send the
+ * whole request body in one call, and hold every other client of Redis (lock renewals, stage
+ * scripts, `/readyz`) for up to a second.
+ */
+export const ADMIT_CHUNK_BYTES = 1024 * 1024;
+
 /** Default retention of finished rollouts (`FLEET_RESULT_TTL_S`): a week. */
 export const DEFAULT_RESULT_TTL_MS = 7 * 24 * 3600 * 1000;
 
@@ -578,12 +586,24 @@ export class RolloutStore {
       [-3]: otherRoute,
     };
     const inflight = this.keys.inflight();
-    // In order, up to 500 at a time, one `fleetAdmit` call per run of rollouts of one batch (or
-    // of single ones): an admission's are all of one.
+    // In order, up to 500 at a time and about `ADMIT_CHUNK_BYTES` of records, one `fleetAdmit`
+    // call per run of rollouts of one batch (or of single ones): an admission's are all of one.
     for (let i = 0; i < metas.length; ) {
       const batchId = metas[i]!.batchId;
-      let end = i + 1;
-      while (end < metas.length && end - i < ADMIT_CHUNK && metas[end]!.batchId === batchId) end++;
+      const records: string[] = [];
+      let bytes = 0;
+      let end = i;
+      while (
+        end < metas.length &&
+        end - i < ADMIT_CHUNK &&
+        metas[end]!.batchId === batchId &&
+        (end === i || bytes < ADMIT_CHUNK_BYTES)
+      ) {
+        const json = JSON.stringify(metas[end]);
+        records.push(json);
+        bytes += json.length;
+        end++;
+      }
       const chunk = metas.slice(i, end);
       i = end;
       const keys =
@@ -609,10 +629,10 @@ export class RolloutStore {
         String(Date.now()),
         batchId !== null ? admissionOf({ batchId }) : "",
       ];
-      for (const m of chunk) {
+      chunk.forEach((m, j) => {
         keys.push(this.keys.rollout(m.id), this.keys.failures(m.id));
-        args.push(JSON.stringify(m), String(m.deadlineAt), m.id, m.bodyHash);
-      }
+        args.push(records[j]!, String(m.deadlineAt), m.id, m.bodyHash);
+      });
       // Last: the result's retention, recorded with each rollout (its finalize keeps it so long).
       args.push(String(this.resultTtlMs));
       const replies = (await this.redis.fleetAdmit(keys.length, ...keys, ...args)) as unknown[];

@@ -23,7 +23,7 @@ import {
 import { assertRedisDurable, createRedis, isRedisUnavailable } from "./connection.ts";
 import { createKeys, fleetInstance, keepFleetInstance } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
-import { BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
+import { ADMIT_CHUNK_BYTES, BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
 import { sandboxKey, TeardownLedger, teardownBackoffMs } from "./teardown-ledger.ts";
@@ -2159,6 +2159,34 @@ describe("rollout store", () => {
     expect(Number(await redis.zscore(store.keys.admitting(), member))).toBeGreaterThanOrEqual(before);
     expect((await store.admissionsBefore(before - 1, 1000)).map((a) => a.admission)).not.toContain(member);
     await store.admissionDone(member);
+  });
+
+  it("a batch whose rollouts carry long agent specs is recorded in calls of about a megabyte each, not one call holding Redis for the whole body, in its order", async () => {
+    // A 100 KiB prompt in each rollout's argv: 40 of them are 4 MiB of records.
+    const agent = { harness: "command" as const, argv: ["agent", "--prompt", "p".repeat(100 * 1024)] };
+    const request = RolloutRequest.parse({ task, agent });
+    const ids = rolloutIds(40, null, "batch");
+    const batchId = batchIdFor(ids);
+    expect(await store.createBatch(batchId, "h", Date.now())).toBe("h");
+    const metas = await prepareRollouts(store, Array(40).fill(request), ids, batchId, { maxTaskBytes: 1e6 });
+    const scripted = withScripts(redis);
+    const real = scripted.fleetAdmit.bind(scripted);
+    const calls: { rollouts: number; bytes: number }[] = [];
+    const spy = vi.spyOn(scripted, "fleetAdmit").mockImplementation((...args: (string | number)[]) => {
+      const records = args.filter((a): a is string => typeof a === "string" && a.startsWith('{"id":'));
+      calls.push({ rollouts: records.length, bytes: records.reduce((n, r) => n + r.length, 0) });
+      return real(...(args as [number, ...string[]]));
+    });
+    try {
+      expect((await store.admit(metas, Date.now())).created).toEqual(ids);
+    } finally {
+      spy.mockRestore();
+    }
+    const record = JSON.stringify(metas[0]).length;
+    expect(calls.reduce((n, c) => n + c.rollouts, 0)).toBe(40);
+    expect(calls.length).toBeGreaterThanOrEqual(Math.ceil((40 * record) / (ADMIT_CHUNK_BYTES + record)));
+    for (const c of calls) expect(c.bytes).toBeLessThanOrEqual(ADMIT_CHUNK_BYTES + record);
+    expect(await redis.lrange(store.keys.batchIds(batchId), 0, -1)).toEqual(ids);
   });
 });
 
