@@ -1067,7 +1067,7 @@ describe("idempotency and fencing without workers", () => {
     const file = `/workspace/${Object.keys(byId("csv-aggregate").workspace)[0]}`;
     await real.exec(winner, ["sh", "-c", `echo agent-work > ${file}`], { deadlineMs: 30_000 });
     released.open();
-    expect(await a).toBe("ok");
+    expect(await a).toBe("superseded");
     // The loser held the rollout's one container: it neither destroyed it (the run would lose
     // its sandbox) nor staged the task into it again (under the running agent).
     expect((await fleet.deps.store.get(id))!.receipts.seed!.handle.id).toBe(winner.id);
@@ -1832,7 +1832,7 @@ describe("idempotency and fencing without workers", () => {
     // Worker A lost its job's lock; B took the job over and claimed the launch.
     expect((await fleet.deps.store.claimLaunch(id!, "worker-b:1")).previous).toMatch(/^launched:/);
     gate.release();
-    expect(await a).toBe("ok");
+    expect(await a).toBe("superseded");
     expect(kills).toEqual([]);
     const rec = (await fleet.deps.store.get(id!))!;
     expect(rec.receipts.run).toBeUndefined();
@@ -1860,7 +1860,9 @@ describe("idempotency and fencing without workers", () => {
         },
       }),
     };
-    expect(await runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, slowStart)).toBe("ok");
+    expect(await runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, slowStart)).toBe(
+      "superseded",
+    );
     expect(harnesses).toBe(0);
     const rec = (await store.get(id!))!;
     expect(rec.receipts.run).toBeUndefined();
@@ -1927,7 +1929,9 @@ describe("idempotency and fencing without workers", () => {
       }),
     };
     // Its lock may have lapsed (taken 25 s ago): its receipt is stored only under its fence.
-    expect(await runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, late)).toBe("ok");
+    expect(await runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, late)).toBe(
+      "superseded",
+    );
     const rec = (await store.get(id!))!;
     expect(rec.receipts.run).toBeUndefined();
     expect(rec.status).not.toBe("ran");
@@ -1959,7 +1963,9 @@ describe("idempotency and fencing without workers", () => {
         },
       }),
     };
-    expect(await runStageJob("run", { ...job(id!, 1), processedOn: Date.now() - 25_000 }, slow)).toBe("ok");
+    expect(await runStageJob("run", { ...job(id!, 1), processedOn: Date.now() - 25_000 }, slow)).toBe(
+      "superseded",
+    );
     expect(kills).toEqual([]);
     expect((await store.get(id!))!.fence).toBe("launched:worker-b:1");
     await runStageJob("close", job(id!), fleet.deps);
@@ -2362,7 +2368,7 @@ describe("idempotency and fencing without workers", () => {
       }),
     };
     // Superseded: it ends without a trace (no verdict, no failure, nothing enqueued).
-    expect(await runStageJob("verify", job(id!, 1), late)).toBe("ok");
+    expect(await runStageJob("verify", job(id!, 1), late)).toBe("superseded");
     expect(await rootSleeping(handle, 602)).toBe("1");
     expect(staged).toEqual([]);
     // Its sweep is over (it stopped there): its claim ended, holding no later attempt back.
@@ -2482,12 +2488,12 @@ describe("idempotency and fencing without workers", () => {
         },
       }),
     };
-    expect(await runStageJob("verify", fresh(beforeStaging), loading)).toBe("ok");
+    expect(await runStageJob("verify", fresh(beforeStaging), loading)).toBe("superseded");
     expect(staged).toEqual([]);
 
     // 2. Superseded between staging its tests and starting them: it does not start them.
     const staging = { ...fleet.deps, provider: watching(() => laterAttemptBegins(beforeTests)) };
-    expect(await runStageJob("verify", fresh(beforeTests), staging)).toBe("ok");
+    expect(await runStageJob("verify", fresh(beforeTests), staging)).toBe("superseded");
     expect(staged).toEqual([await handleOf(beforeTests)]);
     expect(testsRun).toEqual([]);
 
@@ -2504,7 +2510,7 @@ describe("idempotency and fencing without workers", () => {
         return verdict;
       },
     });
-    expect(await runStageJob("verify", fresh(afterTests), grading(afterTests))).toBe("ok");
+    expect(await runStageJob("verify", fresh(afterTests), grading(afterTests))).toBe("superseded");
     expect(testsRun).toEqual([await handleOf(afterTests)]);
 
     // 4. Superseded, then its grading fails: no failure recorded (one that ends the rollout, or a

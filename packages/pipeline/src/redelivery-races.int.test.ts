@@ -210,7 +210,7 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
         },
       }),
     });
-    expect(await first).toBe("ok"); // it stops: the run is the other's
+    expect(await first).toBe("superseded"); // it stops: the run is the other's
     finish.open();
     expect(await second).toBe("ok");
     const rec = (await deps.store.get(id))!;
@@ -244,7 +244,7 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
         },
       }),
     });
-    expect(await first).toBe("ok");
+    expect(await first).toBe("superseded");
     expect(await second).toBe("ok");
     const handle = (await deps.store.get(id))!.receipts.seed!.handle;
     expect(await provider.alive(handle)).toBe(true);

@@ -13,7 +13,7 @@ import { deliveryFence, isRedisUnavailable, maxBackoffMs, STAGE_CATALOG, stageJo
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError, RedisHoldError } from "./hand-back.ts";
-import { beginOptions, begunOf, HANDLERS, lockMayHaveLapsed, superseded } from "./stages.ts";
+import { beginOptions, begunOf, HANDLERS, lockMayHaveLapsed, SUPERSEDED, superseded } from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded" | "stray";
 
@@ -143,6 +143,7 @@ export async function runStageJob(
       attempt,
       options.signal,
     );
+    if (next === SUPERSEDED) return "superseded";
     if (next) await deps.queues.enqueue(next, rolloutId);
     return "ok";
   } catch (err) {

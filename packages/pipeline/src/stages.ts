@@ -94,8 +94,14 @@ export function lockMayHaveLapsed(lock: StageRecord["lock"]): boolean {
 }
 
 /**
+ * What a handler returns when a later delivery of its stage took the stage over (its lock had
+ * lapsed): nothing stored or enqueued, and the job is counted `superseded`, not `ok`.
+ */
+export const SUPERSEDED = "superseded";
+
+/**
  * A stage handler stores its receipt (enqueueing the next stage with it) and returns a stage
- * still to enqueue (e.g. close when a stop won), or null.
+ * still to enqueue (e.g. close when a stop won), null, or `SUPERSEDED`.
  */
 export type StageHandler = (
   rec: StageRecord,
@@ -103,7 +109,7 @@ export type StageHandler = (
   attempt: number,
   /** Aborted when the worker shuts down (see `HandBackError`). */
   shutdown?: AbortSignal,
-) => Promise<StageName | null>;
+) => Promise<StageName | null | typeof SUPERSEDED>;
 
 /** Sandboxes outlive their rollout's deadline by this much before the janitor may reap them. */
 export const SANDBOX_EXPIRY_SLACK_MS = 10 * 60_000;
@@ -430,6 +436,7 @@ export const seed: StageHandler = async (rec, deps) => {
   // The intent was persisted by this stage's begin (same round trip as the record read); the
   // handle is attached with the receipt.
   let created: Awaited<ReturnType<typeof createSandbox>>;
+  let takenOver = false;
   try {
     created = await createSandbox(rec, deps, "resources", task, {
       intentRecorded: rec.begun.intentRecorded,
@@ -438,8 +445,12 @@ export const seed: StageHandler = async (rec, deps) => {
       replace: true,
       // Held long enough for its lock to have lapsed: the sandbox found may be the one of a later
       // delivery (its run working there by now), not an earlier attempt's.
-      mayReplace: async () =>
-        !mayBeTakenOver(rec) || seedFence === null || (await deps.store.holdsFence(rec.meta.id, seedFence)),
+      mayReplace: async () => {
+        const ours =
+          !mayBeTakenOver(rec) || seedFence === null || (await deps.store.holdsFence(rec.meta.id, seedFence));
+        takenOver = !ours;
+        return ours;
+      },
     });
   } catch (err) {
     await dropFreshIntent(err);
@@ -447,11 +458,11 @@ export const seed: StageHandler = async (rec, deps) => {
   }
   // Closed meanwhile (tombstone): nothing to do, no sandbox made. Or taken over meanwhile: the
   // sandbox found is left to the later delivery.
-  if (!created) return null;
+  if (!created) return takenOver ? SUPERSEDED : null;
   // Held long enough for its lock to have lapsed: another seed may have stored its receipt, and
   // its run may use the sandbox now. A create that met that sandbox by its fixed name adopted it:
   // probing and staging it again would put the task's files back under a running agent.
-  if (mayBeTakenOver(rec) && (await yieldToStoredSeed(deps, rec, created.handle))) return null;
+  if (mayBeTakenOver(rec) && (await yieldToStoredSeed(deps, rec, created.handle))) return SUPERSEDED;
   const t1 = clock(deps);
   let t2: number;
   let probe: Awaited<ReturnType<SandboxProvider["probe"]>>;
@@ -512,7 +523,7 @@ export const seed: StageHandler = async (rec, deps) => {
         "a later delivery of the seed began; this one stores no receipt and leaves its sandbox to it",
       );
     }
-    return null;
+    return SUPERSEDED;
   }
   // A close that ran meanwhile may not have seen the handle: destroy the sandbox ourselves.
   if (saved === "refused") await destroyOrLedger(deps, created.entry);
@@ -583,11 +594,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const stopped = async (): Promise<boolean> =>
     (await deps.store.launchState(id, token).catch(() => "run")) === "stop";
   /** What to return when the fence is no longer this launch's (undefined: go on). */
-  const unlessOurs = async (): Promise<StageName | null | undefined> => {
+  const unlessOurs = async (): Promise<StageName | typeof SUPERSEDED | undefined> => {
     const state = await fence();
     if (state === "lost")
       deps.logger.warn({ rolloutId: id }, "the run was taken over by another worker; stopping");
-    return state === "lost" ? null : state === "stop" ? "close" : undefined;
+    return state === "lost" ? SUPERSEDED : state === "stop" ? "close" : undefined;
   };
 
   let handle = seedReceipt.handle;
@@ -614,7 +625,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // staging (a probe that timed out), and an agent run in an unstaged workspace would be graded.
       // The sandbox found may be the own sandbox of a launch that took this run over since the
       // look at the fence above (its agent running there): looked at again right before replacing.
-      const taken: { notOurs?: StageName | null } = {};
+      const taken: { notOurs?: StageName | typeof SUPERSEDED } = {};
       const created = await createSandbox(rec, deps, "agent", task, {
         replace: true,
         mayReplace: async () => {
@@ -623,7 +634,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
           return notOurs === undefined;
         },
       });
-      if ("notOurs" in taken) return taken.notOurs ?? null;
+      if (taken.notOurs !== undefined) return taken.notOurs;
       if (!created) return "close";
       handle = created.handle;
       owned = created.entry;
@@ -788,7 +799,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       if (abort.signal.aborted) {
         await stopping;
         if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
-        if (abort.signal.reason instanceof LostLaunchError) return null;
+        if (abort.signal.reason instanceof LostLaunchError) return SUPERSEDED;
         return "close";
       }
       // One read of the fence. Taken over while it ran (only possible once its lock may have
@@ -797,7 +808,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // sandbox under the agent before the stop poll saw it): not the agent's failure, nor a
       // lost sandbox.
       const state = await deps.store.launchState(id, token).catch(() => "run");
-      if (state === "lost" && mayBeTakenOver(rec)) return null;
+      if (state === "lost" && mayBeTakenOver(rec)) return SUPERSEDED;
       if (state === "stop") return "close";
       // The rollout's own deadline was the agent's limit and has passed (preparing the sandbox
       // took what was left, say): whatever failed, the rollout ran out of time.
@@ -826,7 +837,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         { rolloutId: id },
         "the run was taken over by another worker; dropping this launch's outcome",
       );
-      return null;
+      return SUPERSEDED;
     }
     if (outcome.exec.timedOut && limitedBy === "rollout") {
       throw FleetError.nonRetryable("deadline_exceeded", "the rollout's deadline ended the agent's run");
@@ -934,7 +945,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   if (saved) return "verify";
   // Not stored: a stop won (close must run, whoever else may have enqueued it; a repeat is a
   // no-op), or another launch took the fence, which is then the run's to finish.
-  return (await deps.store.launchState(id, token)) === "lost" ? null : "close";
+  return (await deps.store.launchState(id, token)) === "lost" ? SUPERSEDED : "close";
 };
 
 /**
@@ -1372,7 +1383,7 @@ async function fencedOut(
   id: string,
   fence: DeliveryFence,
   err: TestsSupersededError,
-): Promise<null> {
+): Promise<typeof SUPERSEDED> {
   if (!(await deps.store.holdsFence(id, fence))) return superseded(deps, id, "does not start its tests", err);
   await deps.store.raiseVerifyEpoch(id, err.fence);
   throw FleetError.retryable(
@@ -1389,10 +1400,10 @@ export function superseded(
   what: string,
   err?: unknown,
   stage: "verify" | "seed" = "verify",
-): null {
+): typeof SUPERSEDED {
   const detail = err === undefined ? {} : { err: err instanceof Error ? err.message : String(err) };
   deps.logger.warn({ rolloutId, ...detail }, `a later ${stage} attempt began; this one ${what}`);
-  return null;
+  return SUPERSEDED;
 }
 
 /** A cancel or close came for the rollout while this stage ran (read now). */
@@ -1439,7 +1450,7 @@ const verifyAttempt = async (
   _attempt: number,
   shutdown: AbortSignal | undefined,
   work: VerifyWork,
-): Promise<StageName | null> => {
+): Promise<StageName | null | typeof SUPERSEDED> => {
   const runReceipt = rec.receipts.run;
   const seedReceipt = rec.receipts.seed;
   // DESIGN §2 rule 10: never verify without a positive cleanup receipt. A run receipt not

@@ -36,7 +36,8 @@ export const STAGE_LABELS = ["seed", "run", "verify", "close"] as const;
  * `outcome` of one stage job: `ok` finished and stored its receipt; `replayed` found a stored
  * receipt and did nothing again; `retry` threw a retryable error (BullMQ retries it); `failed`
  * ended the rollout's pipeline (final error, mask, cancel or deadline: the rollout goes to close);
- * `superseded` a verify attempt whose failure a later attempt (its lock lapsed) made moot; `requeued`
+ * `superseded` a seed, run or verify delivery whose stage a later delivery took over (its lock
+ * lapsed): it stored no receipt, failure or verdict of its own; `requeued`
  * a job handed back without work (a seed past its wait for the seed-ahead bound, a verify handed
  * back until an earlier attempt's tests are over), no attempt spent; `stray` a job whose id is not
  * the fleet's own `<rolloutId>.<stage>` (added by hand: Bull Board's "duplicate", a script), dropped.
