@@ -183,12 +183,13 @@ const RECEIPT_SCHEMAS = {
 } as const;
 type ReceiptOf<S extends StageName> = z.infer<(typeof RECEIPT_SCHEMAS)[S]>;
 
+/** The statuses this release knows (`parseRecord` refuses a record holding another, or none). */
+const STATUSES: ReadonlySet<string> = new Set(RolloutStatus.options);
+
 /**
  * A rollout hash as a record. Not re-validated with zod: every field was validated when our own
  * code wrote it (saveReceipt, admit, recordFailure), and this read is on every stage's hot path.
  */
-/** The statuses this release knows (`parseRecord` refuses a record holding another, or none). */
-const STATUSES: ReadonlySet<string> = new Set(RolloutStatus.options);
 
 function parseRecord(h: Record<string, string>): RolloutRecord | null {
   if (!h.meta) return null;
@@ -601,7 +602,7 @@ export class RolloutStore {
       ) {
         const json = JSON.stringify(metas[end]);
         records.push(json);
-        bytes += json.length;
+        bytes += Buffer.byteLength(json);
         end++;
       }
       const chunk = metas.slice(i, end);

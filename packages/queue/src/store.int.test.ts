@@ -2162,8 +2162,10 @@ describe("rollout store", () => {
   });
 
   it("a batch whose rollouts carry long agent specs is recorded in calls of about a megabyte each, not one call holding Redis for the whole body, in its order", async () => {
-    // A 100 KiB prompt in each rollout's argv: 40 of them are 4 MiB of records.
-    const agent = { harness: "command" as const, argv: ["agent", "--prompt", "p".repeat(100 * 1024)] };
+    // A prompt of 50 Ki characters in each rollout's argv, half of them CJK (3 bytes each in
+    // UTF-8): 40 of them are 8 MiB of records, counted in bytes, not characters.
+    const prompt = "p語".repeat(25 * 1024);
+    const agent = { harness: "command" as const, argv: ["agent", "--prompt", prompt] };
     const request = RolloutRequest.parse({ task, agent });
     const ids = rolloutIds(40, null, "batch");
     const batchId = batchIdFor(ids);
@@ -2174,7 +2176,7 @@ describe("rollout store", () => {
     const calls: { rollouts: number; bytes: number }[] = [];
     const spy = vi.spyOn(scripted, "fleetAdmit").mockImplementation((...args: (string | number)[]) => {
       const records = args.filter((a): a is string => typeof a === "string" && a.startsWith('{"id":'));
-      calls.push({ rollouts: records.length, bytes: records.reduce((n, r) => n + r.length, 0) });
+      calls.push({ rollouts: records.length, bytes: records.reduce((n, r) => n + Buffer.byteLength(r), 0) });
       return real(...(args as [number, ...string[]]));
     });
     try {
@@ -2182,7 +2184,7 @@ describe("rollout store", () => {
     } finally {
       spy.mockRestore();
     }
-    const record = JSON.stringify(metas[0]).length;
+    const record = Buffer.byteLength(JSON.stringify(metas[0]));
     expect(calls.reduce((n, c) => n + c.rollouts, 0)).toBe(40);
     expect(calls.length).toBeGreaterThanOrEqual(Math.ceil((40 * record) / (ADMIT_CHUNK_BYTES + record)));
     for (const c of calls) expect(c.bytes).toBeLessThanOrEqual(ADMIT_CHUNK_BYTES + record);
