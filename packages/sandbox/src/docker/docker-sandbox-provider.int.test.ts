@@ -1458,6 +1458,23 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     expect([missing.kind, missing.retryable]).toEqual(["invalid_task", false]);
   });
 
+  it("refuses, as final invalid_task and creating nothing, a sandbox whose memory limit is more than its host has (no limit at all); one within it is made", async () => {
+    const { MemTotal } = (await docker.info()) as { MemTotal: number };
+    const hostMb = Math.floor(MemTotal / 2 ** 20);
+    const s = spec({ options: { memoryMb: hostMb } });
+    const refused = await fleetError(provider.create(s));
+    expect([refused.kind, refused.retryable]).toEqual(["invalid_task", false]);
+    expect(refused.message).toMatch(new RegExp(`more than the sandbox host has \\(${hostMb} MiB\\)`));
+    expect(await provider.list({ [LABEL_ROLLOUT]: s.rolloutId })).toEqual([]);
+    // The tmpfs caps count: a memoryMb that fits alone, with a workspace that takes the rest, does not.
+    const fits = Math.floor(hostMb / 2);
+    const withDisk = spec({ options: { memoryMb: fits, diskMb: hostMb - fits } });
+    expect((await fleetError(provider.create(withDisk))).kind).toBe("invalid_task");
+    const h = await create({ options: { memoryMb: fits } });
+    expect(await provider.alive(h)).toBe(true);
+    await provider.destroy(h);
+  });
+
   it("a reaper whose report is lost, or a sandbox the daemon cannot inspect for one, never gives a confirmed receipt", async () => {
     // DESIGN §2 rule 2 (close-before-verify): verify needs a positive receipt. The real daemon
     // behind a proxy that, as the case asks, ends every attach (the reaper's report) at once, or

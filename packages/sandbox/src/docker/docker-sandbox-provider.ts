@@ -141,6 +141,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     const spec = parseSandboxSpec(input);
     const config = buildContainerConfig(spec, this.defaults, this.scope, this.instance);
     const name = config.name!;
+    await this.checkMemory(config);
     const daemon = await this.localDaemonId();
     const handle: SandboxHandle = {
       provider: "docker",
@@ -1066,22 +1067,51 @@ export class DockerSandboxProvider implements SandboxProvider {
     return AbortSignal.timeout(this.defaults.apiTimeoutMs);
   }
 
-  private daemonId: Promise<string | null> | null = null;
+  private daemon: Promise<{ id: string | null; memTotal: number | null }> | null = null;
 
   /**
-   * This provider's daemon's id when its endpoint is a local socket (every host names those
-   * alike), else null. Asked once; a failed ask is asked again next time.
+   * This provider's daemon's id and its host's memory, asked once (a failed ask is asked again
+   * next time).
    */
-  private async localDaemonId(): Promise<string | null> {
-    if (!this.endpoint.startsWith("unix://")) return null;
-    this.daemonId ??= this.docker.info({ abortSignal: this.apiSignal() }).then(
-      (info: { ID?: string }) => info.ID || null,
+  private daemonFacts(): Promise<{ id: string | null; memTotal: number | null }> {
+    this.daemon ??= this.docker.info({ abortSignal: this.apiSignal() }).then(
+      (info: { ID?: string; MemTotal?: number }) => ({
+        id: info.ID || null,
+        memTotal: typeof info.MemTotal === "number" && info.MemTotal > 0 ? info.MemTotal : null,
+      }),
       (err: unknown) => {
-        this.daemonId = null;
+        this.daemon = null;
         throw classifyDockerError(err, "inspect", "the daemon");
       },
     );
-    return this.daemonId;
+    return this.daemon;
+  }
+
+  /**
+   * This provider's daemon's id when its endpoint is a local socket (every host names those
+   * alike), else null.
+   */
+  private async localDaemonId(): Promise<string | null> {
+    if (!this.endpoint.startsWith("unix://")) return null;
+    return (await this.daemonFacts()).id;
+  }
+
+  /**
+   * A sandbox whose memory limit is more than its host has is refused (final, the task's): such a
+   * limit is none, and its agent could take the host's memory from every other sandbox on it
+   * (their rollouts masked, or the daemon killed). A task's `sandbox` options that large are a
+   * mistake for this host.
+   */
+  private async checkMemory(config: { HostConfig?: { Memory?: number } }): Promise<void> {
+    const memory = config.HostConfig?.Memory ?? 0;
+    const { memTotal } = await this.daemonFacts();
+    if (memTotal !== null && memory > memTotal) {
+      const mib = (bytes: number) => Math.round(bytes / 2 ** 20);
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `the sandbox's memory limit (${mib(memory)} MiB: its memoryMb plus what its tmpfs mounts may hold, from the task's sandbox options) is more than the sandbox host has (${mib(memTotal)} MiB)`,
+      );
+    }
   }
 
   /**
