@@ -8,9 +8,17 @@ export interface StageCatalogEntry {
   options: JobsOptions;
 }
 
+/**
+ * Finished jobs trimmed (the rollout record is the durable result). A job keeps the stack of its
+ * last failed attempt only: BullMQ would keep one per attempt, each with its message (up to 4,000
+ * characters), so that a seed failing all its 8 attempts in a Docker incident weighed up to 70 KB
+ * in the failed set, 50,000 of them enough to fill a Redis under noeviction. The rollout's own
+ * failure log keeps every attempt's reason.
+ */
 const trim = {
   removeOnComplete: { age: 3600, count: 10_000 },
   removeOnFail: { age: 24 * 3600, count: 50_000 },
+  stackTraceLimit: 1,
 } satisfies JobsOptions;
 
 /**

@@ -171,6 +171,17 @@ describe("rollout store", () => {
       { maxTaskBytes: 1e6 },
     );
 
+  /** A Docker sandbox handle of the rollout, its id and name marked with `tag`. */
+  const dockerHandle = (id: string, owner: "resources" | "agent", tag: string) => ({
+    provider: "docker" as const,
+    endpoint: "unix:///var/run/docker.sock",
+    id: `c${tag}-${id}`,
+    name: `n${tag}-${id}`,
+    rolloutId: id,
+    owner,
+    volumes: [],
+  });
+
   const resultFor = (id: string, status: RolloutResult["status"]): RolloutResult => ({
     id,
     batchId: null,
@@ -1485,18 +1496,7 @@ describe("rollout store", () => {
     const confirmed = [{ key: intent.key, destroyed: null }];
     expect(await store.finalize(meta, resultFor(id, "completed"), 30, undefined, confirmed)).toBe(true);
     expect(await store.getResult(id)).toMatchObject({ teardown: "confirmed", failureKind: null });
-    const made = {
-      ...intent,
-      handle: {
-        provider: "docker" as const,
-        endpoint: "unix:///var/run/docker.sock",
-        id: `c6-${id}`,
-        name: `n6-${id}`,
-        rolloutId: id,
-        owner: "agent" as const,
-        volumes: [],
-      },
-    };
+    const made = { ...intent, handle: dockerHandle(id, "agent", "6") };
     // The create returns: closed meanwhile, so its creator destroys it; until then it lives.
     expect(await ledger.attachHandle(made)).toBe(true);
     expect(await store.getResult(id)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
@@ -1731,18 +1731,7 @@ describe("rollout store", () => {
     const ledger = new TeardownLedger(redis, prefix);
     const id = (await admitOne()).ids[0]!;
     const entry = sandboxEntry(id);
-    const made = {
-      ...entry,
-      handle: {
-        provider: "docker" as const,
-        endpoint: "unix:///var/run/docker.sock",
-        id: `c5-${id}`,
-        name: `n5-${id}`,
-        rolloutId: id,
-        owner: "resources" as const,
-        volumes: [],
-      },
-    };
+    const made = { ...entry, handle: dockerHandle(id, "resources", "5") };
     expect(await ledger.recordIntent(entry)).toBe("ok");
     expect(await ledger.attachHandle(made)).toBe(false);
     await store.tombstone(id);
