@@ -1,3 +1,5 @@
+import { setFlagsFromString } from "node:v8";
+import { runInNewContext } from "node:vm";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { ApiError, FleetClient, isApiError } from "./client.ts";
 import { apiError, json, startTestServer, type TestServer } from "./testing/http-server.ts";
@@ -180,6 +182,39 @@ describe("FleetClient", () => {
       { id: "r1", status: "completed" },
       { id: "r2", reward: 0.5, note: "é" },
     ]);
+  });
+
+  it("keeps no result it has yielded: its memory stays flat over 64 MiB of results with real-length rollout ids", async () => {
+    setFlagsFromString("--expose-gc");
+    const gc = runInNewContext("gc") as () => void;
+    const n = 4000;
+    const detail = "d".repeat(16 * 1024);
+    server.on("GET", "/v1/batches/b1/results", async (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      for (let i = 0; i < n; i += 100) {
+        let chunk = "";
+        for (let j = i; j < i + 100; j++)
+          chunk += `{"id":"dabaa2e4dfa84c538117-${j}","detail":"${detail}"}\n`;
+        if (!res.write(chunk)) await new Promise((r) => res.once("drain", r));
+      }
+      res.end();
+    });
+    const heap = () => {
+      gc();
+      return process.memoryUsage().heapUsed;
+    };
+    let read = 0;
+    let early = 0;
+    let late = 0;
+    for await (const line of client().batchResultLines("b1")) {
+      expect(line.length).toBeGreaterThan(detail.length);
+      read++;
+      if (read === 200) early = heap();
+      if (read === n - 100) late = heap();
+    }
+    expect(read).toBe(n);
+    // Holding what it read would be 60 MiB more (3,700 results of 16 KiB).
+    expect((late - early) / 2 ** 20).toBeLessThan(16);
   });
 
   it("fetches a results stream that breaks off mid-body again, yielding each result once", async () => {
