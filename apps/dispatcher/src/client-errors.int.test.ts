@@ -1,7 +1,8 @@
 import { connect } from "node:net";
-import { createRedis } from "@fleet/queue";
+import { RolloutRequest, RolloutResult, TaskContent } from "@fleet/contracts";
+import { admit, createRedis, digestTask } from "@fleet/queue";
 import type { Redis } from "ioredis";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { startTestServer, type TestServer } from "./test-server.ts";
 
 /**
@@ -29,13 +30,17 @@ function raw(port: number, request: string, whole?: { body: Buffer; next?: strin
 }
 
 /** A dispatcher listening on a free loopback port, for the `describe` block this is called in. */
-function listening(name: string, env: Record<string, string> = {}): { port: number } {
-  const at = { port: 0 };
+function listening(
+  name: string,
+  env: Record<string, string> = {},
+  knobs: Parameters<typeof startTestServer>[3] = {},
+): { port: number; server: () => TestServer } {
+  const at = { port: 0, server: () => server };
   let redis: Redis;
   let server: TestServer;
   beforeAll(async () => {
     redis = createRedis(REDIS_URL);
-    server = await startTestServer(redis, name, env);
+    server = await startTestServer(redis, name, env, knobs);
     await server.app.listen({ host: "127.0.0.1", port: 0 });
     at.port = (server.app.server.address() as { port: number }).port;
   });
@@ -248,4 +253,86 @@ describe("a body far over a low limit, sent whole before the answer is read", ()
       },
     });
   }, 60_000);
+});
+
+describe("a results stream whose client stopped reading", () => {
+  const dispatcher = listening("results-stall", { FLEET_API_TOKENS: "tok" }, { resultsStallMs: 1000 });
+
+  it("is closed once nothing went through its socket for the stall limit, rather than held (and its buffered results) for good; one read to its end is untouched", async () => {
+    const { store, queues } = dispatcher.server();
+    // 2,000 finished rollouts of about 15 KiB of result each: 30 MiB, more than the loopback
+    // socket buffers take (about 10 MiB).
+    const task = {
+      id: "t-big",
+      instruction: "x",
+      image: "fleet-base:test",
+      solution: { "solve.sh": "#!/bin/sh\n" },
+      tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
+    };
+    const requests = Array.from({ length: 2000 }, () =>
+      RolloutRequest.parse({ task, agent: { harness: "oracle" } }),
+    );
+    const { batchId, ids } = await admit(store, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
+    const note = "n".repeat(15 * 1024);
+    for (const id of ids) {
+      await store.finalize(
+        { id, batchId },
+        RolloutResult.parse({
+          id,
+          batchId,
+          taskId: task.id,
+          taskDigest: digestTask(TaskContent.parse(task)),
+          agent: "oracle",
+          status: "completed",
+          reward: 1,
+          mask: false,
+          failureKind: null,
+          stage: "close",
+          reason: null,
+          teardown: "confirmed",
+          exitCode: 0,
+          usage: null,
+          agentLaunches: 1,
+          timings: { queuedMs: 1, seedMs: 1, runMs: 1, verifyMs: 1, closeMs: 1, totalMs: 5, agentMs: 1 },
+          details: null,
+          failures: [],
+          metadata: { note },
+          createdAt: 1,
+          finishedAt: 2,
+        }),
+        Date.now(),
+      );
+    }
+    const request = `GET /v1/batches/${batchId}/results HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n\r\n`;
+    // A client that reads its first bytes, then stops reading (paused, it would not even see the
+    // close): the server closes its side of the connection, and lets go of what it buffered.
+    const connections = () =>
+      new Promise<number>((resolve, reject) =>
+        dispatcher.server().app.server.getConnections((err, n) => (err ? reject(err) : resolve(n))),
+      );
+    const started = Date.now();
+    const stalled = connect(dispatcher.port, "127.0.0.1");
+    stalled.on("error", () => undefined);
+    const reading = new Promise<void>((resolve) =>
+      stalled.once("data", () => {
+        stalled.pause();
+        resolve();
+      }),
+    );
+    stalled.write(request);
+    await reading;
+    try {
+      expect(await connections()).toBe(1);
+      await vi.waitFor(async () => expect(await connections()).toBe(0), { timeout: 20_000, interval: 100 });
+      expect(Date.now() - started).toBeGreaterThanOrEqual(1000);
+    } finally {
+      stalled.destroy();
+    }
+    // One that reads it all gets every result.
+    const all = await fetch(`http://127.0.0.1:${dispatcher.port}/v1/batches/${batchId}/results`, {
+      headers: { authorization: "Bearer tok" },
+    });
+    const lines = (await all.text()).split("\n").filter((l) => l !== "");
+    expect(lines.map((l) => (JSON.parse(l) as { id: string }).id)).toEqual(ids);
+  });
 });

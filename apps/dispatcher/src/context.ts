@@ -24,6 +24,11 @@ export interface DispatcherDeps {
    * @defaultValue `BACKLOG_RESERVATION_TTL_MS` (a minute)
    */
   reservationTtlMs?: number;
+  /**
+   * How long a results stream may wait on a client that reads nothing before its connection is
+   * closed, for tests. @defaultValue `RESULTS_STALL_MS` (5 minutes)
+   */
+  resultsStallMs?: number;
 }
 
 /** What route modules get: the deps with the clock resolved. */

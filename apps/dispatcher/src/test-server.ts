@@ -4,6 +4,7 @@ import { RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import type { FastifyInstance } from "fastify";
 import type { Redis } from "ioredis";
+import type { DispatcherDeps } from "./context.ts";
 import { createServer } from "./server.ts";
 
 /** A dispatcher for a test: its own key prefix on `redis`, a silent logger, not listening. */
@@ -21,6 +22,8 @@ export async function startTestServer(
   redis: Redis,
   name: string,
   env: Record<string, string> = {},
+  /** Test-only knobs of the dispatcher's (`DispatcherDeps`). */
+  knobs: Pick<DispatcherDeps, "resultsStallMs"> = {},
 ): Promise<TestServer> {
   const prefix = `{t-${name}-${randomUUID().slice(0, 8)}}`;
   const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
@@ -35,6 +38,7 @@ export async function startTestServer(
     logger: createLogger({ name: `dispatcher-${name}`, level: "silent" }),
     registry,
     metrics: createFleetMetrics(registry),
+    ...knobs,
   });
   await app.ready();
   return {

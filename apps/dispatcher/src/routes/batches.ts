@@ -1,3 +1,4 @@
+import type { ServerResponse } from "node:http";
 import { Readable } from "node:stream";
 import type { RolloutStore } from "@fleet/queue";
 import type { FastifyInstance } from "fastify";
@@ -81,6 +82,9 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
     if (lines === null) return reply.send();
     const stream = Readable.from(lines);
     stream.on("error", (err) => req.log.error({ err, batchId: id }, "results stream failed"));
+    stallGuard(reply.raw, ctx.resultsStallMs ?? RESULTS_STALL_MS, () =>
+      req.log.warn({ batchId: id }, "the client read nothing of its results stream for too long; closing it"),
+    );
     return reply.send(stream);
   });
 
@@ -106,6 +110,33 @@ export async function* resultLines(store: RolloutStore, batchId: string): AsyncG
     if (chunk !== "") yield chunk;
     if (ids.length < BATCH_PAGE) return;
   }
+}
+
+/**
+ * How long a results stream may go without the socket sending anything (its client stopped
+ * reading: a process stopped, a network cut off) before the connection is closed. Until then the
+ * stream holds what is buffered for it (up to about 25 MiB of results a connection).
+ */
+export const RESULTS_STALL_MS = 5 * 60_000;
+
+/**
+ * Close the connection of `res` once nothing went through it for `ms`, for as long as `res`
+ * lasts; then its socket's timeout is off again (a kept-alive connection serves other requests).
+ */
+function stallGuard(res: ServerResponse, ms: number, onStall: () => void): void {
+  const socket = res.socket;
+  // Not a network socket (Fastify's `inject`): nothing to guard.
+  if (typeof socket?.setTimeout !== "function") return;
+  const stalled = () => {
+    onStall();
+    socket.destroy();
+  };
+  socket.setTimeout(ms);
+  socket.on("timeout", stalled);
+  res.once("close", () => {
+    socket.off("timeout", stalled);
+    socket.setTimeout(0);
+  });
 }
 
 /** The results cursor's next position (`GET /v1/batches/:id/results?after=n`). */
