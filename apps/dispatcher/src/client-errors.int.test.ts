@@ -1,9 +1,9 @@
 import { connect } from "node:net";
-import { RolloutRequest, RolloutResult, TaskContent } from "@fleet/contracts";
-import { admit, createRedis, digestTask } from "@fleet/queue";
+import { RolloutRequest } from "@fleet/contracts";
+import { admit, createRedis } from "@fleet/queue";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
-import { startTestServer, type TestServer } from "./test-server.ts";
+import { completedResult, startTestServer, TEST_TASK, type TestServer } from "./test-server.ts";
 
 /**
  * What Node's HTTP parser refuses before Fastify sees a request gets the API's one error body
@@ -262,44 +262,15 @@ describe("a results stream whose client stopped reading", () => {
     const { store, queues } = dispatcher.server();
     // 2,000 finished rollouts of about 15 KiB of result each: 30 MiB, more than the loopback
     // socket buffers take (about 10 MiB).
-    const task = {
-      id: "t-big",
-      instruction: "x",
-      image: "fleet-base:test",
-      solution: { "solve.sh": "#!/bin/sh\n" },
-      tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
-    };
     const requests = Array.from({ length: 2000 }, () =>
-      RolloutRequest.parse({ task, agent: { harness: "oracle" } }),
+      RolloutRequest.parse({ task: TEST_TASK, agent: { harness: "oracle" } }),
     );
     const { batchId, ids } = await admit(store, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
     const note = "n".repeat(15 * 1024);
     for (const id of ids) {
       await store.finalize(
         { id, batchId },
-        RolloutResult.parse({
-          id,
-          batchId,
-          taskId: task.id,
-          taskDigest: digestTask(TaskContent.parse(task)),
-          agent: "oracle",
-          status: "completed",
-          reward: 1,
-          mask: false,
-          failureKind: null,
-          stage: "close",
-          reason: null,
-          teardown: "confirmed",
-          exitCode: 0,
-          usage: null,
-          agentLaunches: 1,
-          timings: { queuedMs: 1, seedMs: 1, runMs: 1, verifyMs: 1, closeMs: 1, totalMs: 5, agentMs: 1 },
-          details: null,
-          failures: [],
-          metadata: { note },
-          createdAt: 1,
-          finishedAt: 2,
-        }),
+        { ...completedResult(id, batchId, 1), metadata: { note } },
         Date.now(),
       );
     }

@@ -2,7 +2,7 @@ import { createHash, randomUUID } from "node:crypto";
 import { Readable } from "node:stream";
 import { gzipSync } from "node:zlib";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { RolloutRequest, type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
+import { RolloutRequest, type RolloutResult, TaskContent } from "@fleet/contracts";
 import {
   admit,
   batchIdFor,
@@ -19,18 +19,13 @@ import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from "vitest";
 import { cancelBatch, cancelRollout } from "./cancel.ts";
 import { createServer } from "./server.ts";
+import { completedResult, TEST_TASK } from "./test-server.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
 const TOKEN = "user-token-for-tests";
 const ADMIN = "admin-token-for-tests";
 
-const task = {
-  id: "t-echo",
-  instruction: "Print hello.",
-  image: "fleet-base:test",
-  solution: { "solve.sh": "#!/bin/sh\necho hello\n" },
-  tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
-} satisfies TaskContentInput;
+const task = TEST_TASK;
 const oracle = { harness: "oracle" } as const;
 const row = { task, agent: oracle };
 
@@ -112,32 +107,7 @@ async function deleteByPrefix(prefix: string): Promise<void> {
   }
 }
 
-function resultFor(id: string, batchId: string | null, reward: number): RolloutResult {
-  const now = Date.now();
-  return {
-    id,
-    batchId,
-    taskId: task.id,
-    taskDigest: digestTask(TaskContent.parse(task)),
-    agent: "oracle",
-    status: "completed",
-    reward,
-    mask: false,
-    failureKind: null,
-    stage: "close",
-    reason: null,
-    teardown: "confirmed",
-    exitCode: 0,
-    usage: null,
-    agentLaunches: 1,
-    timings: { queuedMs: 1, seedMs: 2, runMs: 3, verifyMs: 4, closeMs: 5, totalMs: 15, agentMs: 2 },
-    details: null,
-    failures: [],
-    metadata: null,
-    createdAt: now,
-    finishedAt: now,
-  };
-}
+const resultFor = completedResult;
 
 function expectErrorBody(
   res: { statusCode: number; headers: Record<string, unknown>; body: string },

@@ -1,6 +1,7 @@
 import { randomUUID } from "node:crypto";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { type RolloutResult, TaskContent, type TaskContentInput } from "@fleet/contracts";
+import { digestTask, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import type { FastifyInstance } from "fastify";
 import type { Redis } from "ioredis";
@@ -50,5 +51,42 @@ export async function startTestServer(
       await app.close();
       await queues.close();
     },
+  };
+}
+
+/** A small inline task for the dispatcher's tests. */
+export const TEST_TASK = {
+  id: "t-echo",
+  instruction: "Print hello.",
+  image: "fleet-base:test",
+  solution: { "solve.sh": "#!/bin/sh\necho hello\n" },
+  tests: { "test.sh": "#!/bin/sh\nexit 0\n" },
+} satisfies TaskContentInput;
+
+/** A completed result of `TEST_TASK` by the oracle, as close would store it. */
+export function completedResult(id: string, batchId: string | null, reward: number): RolloutResult {
+  const now = Date.now();
+  return {
+    id,
+    batchId,
+    taskId: TEST_TASK.id,
+    taskDigest: digestTask(TaskContent.parse(TEST_TASK)),
+    agent: "oracle",
+    status: "completed",
+    reward,
+    mask: false,
+    failureKind: null,
+    stage: "close",
+    reason: null,
+    teardown: "confirmed",
+    exitCode: 0,
+    usage: null,
+    agentLaunches: 1,
+    timings: { queuedMs: 1, seedMs: 2, runMs: 3, verifyMs: 4, closeMs: 5, totalMs: 15, agentMs: 2 },
+    details: null,
+    failures: [],
+    metadata: null,
+    createdAt: now,
+    finishedAt: now,
   };
 }
