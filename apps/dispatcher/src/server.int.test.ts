@@ -5,7 +5,10 @@ import { DispatcherConfig, parseConfig } from "@fleet/config";
 import { RolloutRequest, type RolloutResult, TaskContent } from "@fleet/contracts";
 import {
   admit,
+  BATCH_PAGE,
   batchIdFor,
+  cancelBatch,
+  cancelRollout,
   createRedis,
   digestTask,
   RolloutStore,
@@ -17,7 +20,6 @@ import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from "vitest";
-import { cancelBatch, cancelRollout } from "./cancel.ts";
 import { createServer } from "./server.ts";
 import { completedResult, TEST_TASK } from "./test-server.ts";
 
@@ -1732,6 +1734,35 @@ describe("cancel", () => {
       expect(await h.queues.queues.close.getJob(`${id}.close`)).toBeDefined();
     }
     expect(await h.queues.queues.close.getJob(`${rolloutIds[0]}.close`)).toBeUndefined();
+    // The walk is done: nothing is left for the janitor to walk again.
+    expect(await redis.zscore(h.store.keys.cancelling(), batchId)).toBeNull();
+  });
+
+  it("a batch cancel notes its progress a page at a time, so that the janitor leaves a long walk alone and takes up one cut short", async () => {
+    const rows = Array.from({ length: BATCH_PAGE * 2 + 1 }, () => row);
+    const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: rows } });
+    const { batchId } = res.json() as { batchId: string };
+    let t = 1_000;
+    const notes: Array<string | null> = [];
+    const watching = Object.create(h.store) as typeof h.store;
+    watching.cancelProgress = async (id, at) => {
+      await h.store.cancelProgress(id, at);
+      notes.push(await redis.zscore(h.store.keys.cancelling(), id));
+    };
+    expect(await cancelBatch(watching, h.queues, batchId, Date.now(), () => t++)).toBe(rows.length);
+    // Dated at its start (1000), then after each full page.
+    expect(notes).toEqual(["1001", "1002"]);
+    expect(await redis.zscore(h.store.keys.cancelling(), batchId)).toBeNull();
+
+    // A walker that dies on its second page leaves its last note for the janitor.
+    const dying = Object.create(h.store) as typeof h.store;
+    dying.batchRolloutIds = async (id, start, stop) => {
+      if (start !== undefined && start > 0) throw new Error("the dispatcher died");
+      return h.store.batchRolloutIds(id, start, stop);
+    };
+    await expect(cancelBatch(dying, h.queues, batchId, Date.now(), () => 5_000)).rejects.toThrow("died");
+    expect(await h.store.cancelsBefore(6_000)).toContainEqual({ batchId, score: 5_000 });
+    await h.store.cancelDone(batchId, 5_000);
   });
 });
 

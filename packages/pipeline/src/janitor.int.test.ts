@@ -1,6 +1,15 @@
 import { randomUUID } from "node:crypto";
 import { FleetError, RolloutRequest, type SandboxHandle } from "@fleet/contracts";
-import { admit, duplicateRedis, JANITOR_QUEUE, LONGEST_LIFE_MS, rolloutIds, sandboxKey } from "@fleet/queue";
+import {
+  admit,
+  cancelBatch,
+  cancelRollout,
+  duplicateRedis,
+  JANITOR_QUEUE,
+  LONGEST_LIFE_MS,
+  rolloutIds,
+  sandboxKey,
+} from "@fleet/queue";
 import {
   DockerGatewayNetworks,
   DockerSandboxProvider,
@@ -777,6 +786,50 @@ describe("janitor", () => {
         { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } },
         fleet.deps,
       );
+    }
+  });
+
+  it("walks again a batch cancel its dispatcher died in once past its grace: every rollout the walk did not reach is cancelled and closed", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const requests = [0, 1, 2].map(() => RolloutRequest.parse({ task, agent: { harness: "oracle" } }));
+    const { store, queues } = fleet.deps;
+    const { ids, batchId } = await admit(
+      store,
+      queues,
+      { requests, batch: true },
+      { maxTaskBytes: 10 * 1024 * 1024 },
+    );
+    // The dispatcher's walk asked the first rollout to stop, then died.
+    const dying = Object.create(store) as typeof store;
+    dying.getResultsJson = async (page) => {
+      await cancelRollout(store, queues, page[0]!, Date.now());
+      throw new Error("the dispatcher died");
+    };
+    await expect(cancelBatch(dying, queues, batchId!, Date.now())).rejects.toThrow("died");
+    const cancelled = async () =>
+      (await Promise.all(ids.map((id) => store.get(id)))).map((r) => r!.cancelRequested);
+    expect(await cancelled()).toEqual([true, false, false]);
+    // Within its grace the walk may still be under way: left alone.
+    expect((await janitorTick(fleet.deps, { orphanGraceMs: 60_000 })).cancelsResumed).toBe(0);
+    expect(await cancelled()).toEqual([true, false, false]);
+    const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
+    expect((await janitorTick(later, { orphanGraceMs: 60_000 })).cancelsResumed).toBe(1);
+    for (const id of ids) {
+      const rec = await store.get(id);
+      expect(rec?.cancelRequested, id).toBe(true);
+      expect(rec?.failure?.failureKind, id).toBe("cancelled");
+      expect(await queues.queues.close.getJob(`${id}.close`), id).toBeDefined();
+    }
+    // Done: its note is gone, so the next pass walks nothing.
+    expect((await janitorTick(later, { orphanGraceMs: 60_000 })).cancelsResumed).toBe(0);
+    for (const id of ids) {
+      await runStageJob(
+        "close",
+        { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } },
+        fleet.deps,
+      );
+      expect((await store.get(id))?.status, id).toBe("cancelled");
     }
   });
 

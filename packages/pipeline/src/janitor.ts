@@ -1,5 +1,6 @@
 import { isTerminal } from "@fleet/contracts";
 import {
+  cancelBatch,
   duplicateRedis,
   isInvalidStoredData,
   JANITOR_QUEUE,
@@ -38,6 +39,12 @@ export interface JanitorOptions {
    * died in, and finished: the seeds of its recorded rollouts enqueued. @defaultValue 60 s
    */
   admissionGraceMs?: number;
+  /**
+   * A batch cancel whose walk has noted no progress this long is taken for one its dispatcher
+   * died in, and walked again: every rollout of the batch still open asked to stop.
+   * @defaultValue 60 s (`DEFAULT_ADMISSION_GRACE_MS`)
+   */
+  cancelGraceMs?: number;
   /**
    * Whether the sandbox provider answers (`watchProvider`): while it does not, a pass runs only
    * its Redis steps, and the orphan sweep's listing failing marks it down. Without one, every
@@ -82,6 +89,8 @@ export interface JanitorReport {
   closedByJanitor: number;
   /** Admissions a dispatcher did not finish whose recorded rollouts' seeds this pass enqueued. */
   admissionsFinished: number;
+  /** Batch cancels a dispatcher did not finish that this pass walked again. */
+  cancelsResumed: number;
   /** Steps of this pass that failed (e.g. `orphans: docker list: …`); the other steps still ran. */
   errors: string[];
   /**
@@ -95,7 +104,8 @@ export interface JanitorReport {
 type StepName = JanitorStep | `${JanitorStep} ${string}`;
 
 /**
- * One janitor pass: (1) retry due teardown-ledger entries (DESIGN §2 rule 3), (2) schedule
+ * One janitor pass: (4) first (it needs only Redis), then (0) finish admissions and batch
+ * cancels their dispatcher died in, (1) retry due teardown-ledger entries (DESIGN §2 rule 3), (2) schedule
  * registry entries of finished or expired rollouts, (3) remove labelled sandboxes whose rollout
  * is terminal or unknown past a grace period or whose `fleet.expires` passed, and by the same rules
  * sandbox volumes no container uses (`listUnusedVolumes`), (4) close
@@ -122,6 +132,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     setAside: 0,
     closedByJanitor: 0,
     admissionsFinished: 0,
+    cancelsResumed: 0,
     errors: [],
     providerDown: false,
   };
@@ -246,6 +257,23 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       // Only the note read: one a live admission refreshed meanwhile (a chunk recorded since) stays.
       await deps.store.admissionDone(admission, score);
       report.admissionsFinished++;
+    }
+  });
+
+  // (0b) Batch cancels their dispatcher never finished (it died while walking the batch): the
+  // batch is walked again, so every rollout still open is asked to stop (a cancel already
+  // recorded changes nothing). A batch gone since (its records expired) only loses its note.
+  await step("cancels", async () => {
+    const grace = options.cancelGraceMs ?? DEFAULT_ADMISSION_GRACE_MS;
+    for (const { batchId, score } of await deps.store.cancelsBefore(now - grace)) {
+      const cancelled = await cancelBatch(deps.store, deps.queues, batchId, now, () => clock(deps));
+      // Only the note read: the walk above took its own away; one a live walker renewed stays.
+      await deps.store.cancelDone(batchId, score);
+      deps.logger.warn(
+        { batchId, cancelled },
+        "finished a batch cancel its dispatcher did not: asked the batch's open rollouts to stop",
+      );
+      report.cancelsResumed++;
     }
   });
 

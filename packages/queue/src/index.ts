@@ -1,5 +1,6 @@
 export * from "./admission.ts";
 export * from "./batcher.ts";
+export * from "./cancel.ts";
 export * from "./catalog.ts";
 export * from "./connection.ts";
 export * from "./keys.ts";

@@ -28,6 +28,12 @@ export interface Keys {
    * dispatcher died before it enqueued its seeds stays here, and the janitor finishes it.
    */
   admitting(): string;
+  /**
+   * Batch cancels under way (batch ids), scored by when their walker last noted progress: one
+   * whose dispatcher died before it had asked every rollout to stop stays here, and the janitor
+   * walks the batch again.
+   */
+  cancelling(): string;
   /** Hash of live sandbox intents/handles: `<rolloutId>:<owner>` → JSON. */
   sandboxes(): string;
   /**
@@ -54,6 +60,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const unreadable = `${x}unreadable`;
   const reservations = `${x}reservations`;
   const admitting = `${x}admitting`;
+  const cancelling = `${x}cancelling`;
   const sandboxes = `${x}sandboxes`;
   const retiredSandboxes = `${x}sandboxes:retired`;
   const teardownDue = `${x}teardown:due`;
@@ -73,6 +80,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     unreadable: () => unreadable,
     reservations: () => reservations,
     admitting: () => admitting,
+    cancelling: () => cancelling,
     sandboxes: () => sandboxes,
     retiredSandboxes: () => retiredSandboxes,
     teardownDue: () => teardownDue,

@@ -510,23 +510,49 @@ export class RolloutStore {
    */
   async admissionDone(admission: string, ifScore?: number): Promise<void> {
     if (ifScore === undefined) await this.redis.zrem(this.keys.admitting(), admission);
-    else await this.redis.fleetAdmissionDone(this.keys.admitting(), admission, String(ifScore));
+    else await this.redis.fleetNoteDone(this.keys.admitting(), admission, String(ifScore));
   }
 
   /** Admissions still under way that began before `before` (their dispatcher may have died), with their notes' scores. */
   async admissionsBefore(before: number, limit = 20): Promise<Array<{ admission: string; score: number }>> {
-    const flat = await this.redis.zrangebyscore(
-      this.keys.admitting(),
-      "-inf",
-      before,
-      "WITHSCORES",
-      "LIMIT",
-      0,
-      limit,
-    );
-    const out: Array<{ admission: string; score: number }> = [];
-    for (let i = 0; i + 1 < flat.length; i += 2)
-      out.push({ admission: flat[i]!, score: Number(flat[i + 1]) });
+    return (await this.notesBefore(this.keys.admitting(), before, limit)).map(({ member, score }) => ({
+      admission: member,
+      score,
+    }));
+  }
+
+  /**
+   * Batch cancels still under way whose walker last noted progress before `before` (their
+   * dispatcher may have died before it asked every rollout to stop), with their notes' scores.
+   */
+  async cancelsBefore(before: number, limit = 20): Promise<Array<{ batchId: string; score: number }>> {
+    return (await this.notesBefore(this.keys.cancelling(), before, limit)).map(({ member, score }) => ({
+      batchId: member,
+      score,
+    }));
+  }
+
+  /**
+   * A batch cancel's walker is still at it: its note is dated `at` (noted again if another
+   * walker of the same batch finished meanwhile and took it away).
+   */
+  async cancelProgress(batchId: string, at: number): Promise<void> {
+    await this.redis.zadd(this.keys.cancelling(), at, batchId);
+  }
+
+  /** A batch cancel's walk is done: its note goes, only while it still has `ifScore` (another walker's later note stays). */
+  async cancelDone(batchId: string, ifScore: number): Promise<void> {
+    await this.redis.fleetNoteDone(this.keys.cancelling(), batchId, String(ifScore));
+  }
+
+  private async notesBefore(
+    key: string,
+    before: number,
+    limit: number,
+  ): Promise<Array<{ member: string; score: number }>> {
+    const flat = await this.redis.zrangebyscore(key, "-inf", before, "WITHSCORES", "LIMIT", 0, limit);
+    const out: Array<{ member: string; score: number }> = [];
+    for (let i = 0; i + 1 < flat.length; i += 2) out.push({ member: flat[i]!, score: Number(flat[i + 1]) });
     return out;
   }
 
@@ -1197,11 +1223,20 @@ export class RolloutStore {
 
   /**
    * Cancel what a batch's admission records from now on (a batch cancelled while it is being
-   * admitted: its later rollouts are recorded cancelled, and stop at their seed). False for no
-   * such batch.
+   * admitted: its later rollouts are recorded cancelled, and stop at their seed), and note the
+   * batch's cancel under way, dated `at` (see `Keys.cancelling`). False for no such batch.
    */
-  async cancelBatchAdmission(batchId: string): Promise<boolean> {
-    return Number(await this.redis.fleetCancelBatch(this.keys.batch(batchId))) === 1;
+  async cancelBatchAdmission(batchId: string, at: number): Promise<boolean> {
+    return (
+      Number(
+        await this.redis.fleetCancelBatch(
+          this.keys.batch(batchId),
+          this.keys.cancelling(),
+          batchId,
+          String(at),
+        ),
+      ) === 1
+    );
   }
 
   /** Request cancellation; returns the status it found, or null for an unknown rollout. */

@@ -693,15 +693,24 @@ const SCRIPTS = {
    * Cancel a batch's rollouts still to come: those its admission records from now on are
    * recorded cancelled (`fleetAdmit`). Returns 1, or 0 for no such batch (nothing created).
    */
+  /**
+   * Cancel a batch's admission from now on and note the cancel under way (ARGV: batch id, now),
+   * in one step: a batch marked cancelled is always noted until its walk is done. Returns 0 for
+   * no such batch.
+   */
   fleetCancelBatch: {
-    keys: 1, // batch
+    keys: 2, // batch, cancelling
     lua: `
       if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
       redis.call('HSET', KEYS[1], 'cancel', '1')
+      redis.call('ZADD', KEYS[2], ARGV[2], ARGV[1])
       return 1`,
   },
-  /** An admission's note removed only while it has the score read (ARGV: member, score). Returns 1 if removed. */
-  fleetAdmissionDone: {
+  /**
+   * A note (an admission's, a batch cancel's) removed only while it has the score read (ARGV:
+   * member, score). Returns 1 if removed.
+   */
+  fleetNoteDone: {
     keys: 1, // admitting
     lua: `
       local score = redis.call('ZSCORE', KEYS[1], ARGV[1])

@@ -1114,15 +1114,18 @@ describe("rollout store", () => {
       batchId = metas[0]!.batchId!;
       const first = await store.admit(metas.slice(0, 1), now);
       // A cancel from another replica lands between two of the admission's chunks.
-      expect(await store.cancelBatchAdmission(batchId)).toBe(true);
+      expect(await store.cancelBatchAdmission(batchId, 1234)).toBe(true);
       const rest = await store.admit(metas.slice(1), now);
       return { ...rest, created: [...first.created, ...rest.created] };
     };
     const { ids } = await admit(cancelling, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
     const records = await Promise.all(ids.map((id) => store.get(id)));
     expect(records.map((r) => r!.cancelRequested)).toEqual([false, true, true]);
-    expect(await store.cancelBatchAdmission("b-no-such-batch")).toBe(false);
+    // The cancel is noted under way (for the janitor, should its walker die), with its date.
+    expect(await redis.zscore(store.keys.cancelling(), batchId)).toBe("1234");
+    expect(await store.cancelBatchAdmission("b-no-such-batch", 1234)).toBe(false);
     expect(await redis.exists(store.keys.batch("b-no-such-batch"))).toBe(0);
+    expect(await redis.zscore(store.keys.cancelling(), "b-no-such-batch")).toBeNull();
   });
 
   it("admission refuses metadata over MAX_METADATA_BYTES (422 at the API)", async () => {

@@ -62,6 +62,7 @@ export const TEARDOWN_RESULTS = ["confirmed", "already_gone", "failed"] as const
 export const JANITOR_STEPS = [
   "watchdog",
   "admissions",
+  "cancels",
   "registry",
   "ledger",
   "orphans",

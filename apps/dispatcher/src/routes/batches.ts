@@ -1,8 +1,8 @@
 import type { ServerResponse } from "node:http";
 import { Readable } from "node:stream";
 import type { RolloutStore } from "@fleet/queue";
+import { BATCH_PAGE, cancelBatch } from "@fleet/queue";
 import type { FastifyInstance } from "fastify";
-import { BATCH_PAGE, cancelBatch } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
 import { HttpError } from "../http-error.ts";
 import { NdjsonBody, parseIdempotencyKey, readBatchJson } from "../requests.ts";
@@ -91,8 +91,8 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
   app.post("/v1/batches/:id/cancel", async (req, reply) => {
     const id = idParam(req.params, "batch");
     requireJsonIfBody(req);
-    if (!(await store.getBatch(id))) throw notFound("batch", id);
-    const cancelled = await cancelBatch(store, queues, id, ctx.now());
+    const cancelled = await cancelBatch(store, queues, id, ctx.now(), ctx.now);
+    if (cancelled === null) throw notFound("batch", id);
     req.log.info({ batchId: id, cancelled }, "batch cancel requested");
     return reply.code(202).send({ batchId: id, cancelled });
   });

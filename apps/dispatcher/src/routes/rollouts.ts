@@ -1,5 +1,5 @@
+import { cancelRollout } from "@fleet/queue";
 import type { FastifyInstance, FastifyRequest } from "fastify";
-import { cancelRollout } from "../cancel.ts";
 import type { RouteContext } from "../context.ts";
 import { HttpError } from "../http-error.ts";
 import { NdjsonBody, parseIdempotencyKey, parseRolloutBody } from "../requests.ts";

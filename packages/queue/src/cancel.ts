@@ -1,5 +1,6 @@
 import { isTerminal, type RolloutStatus, Stage, stageAfter } from "@fleet/contracts";
-import type { RolloutStore, StageQueues } from "@fleet/queue";
+import type { RolloutStore } from "./rollout-store.ts";
+import type { StageQueues } from "./stage-queues.ts";
 
 export type CancelOutcome =
   | { kind: "unknown" }
@@ -65,18 +66,25 @@ export const BATCH_PAGE = 500;
 
 /**
  * Cancel every non-terminal rollout of a batch; returns how many it asked to stop (a repeated
- * cancel counts those still on their way to close again). A batch still being admitted has its
- * later rollouts recorded cancelled (they stop at their seed; not in the count).
+ * cancel counts those still on their way to close again), or null for no such batch. A batch
+ * still being admitted has its later rollouts recorded cancelled (they stop at their seed; not
+ * in the count).
+ *
+ * The walk is noted in Redis (`Keys.cancelling`), dated by `clock` at its start and at each page,
+ * and the note goes when it is done: a walk cut short (its dispatcher died) leaves its note to
+ * age, and the janitor walks the batch again (`resumeCancels`). Walking twice changes nothing.
  */
 export async function cancelBatch(
   store: RolloutStore,
   queues: StageQueues,
   batchId: string,
   now: number,
-): Promise<number> {
+  clock: () => number = Date.now,
+): Promise<number | null> {
   // First: a rollout recorded after this is cancelled as it is recorded; one recorded before is
   // in the list walked below.
-  await store.cancelBatchAdmission(batchId);
+  let noted = clock();
+  if (!(await store.cancelBatchAdmission(batchId, noted))) return null;
   let cancelled = 0;
   for (let start = 0; ; start += BATCH_PAGE) {
     const ids = await store.batchRolloutIds(batchId, start, start + BATCH_PAGE - 1);
@@ -91,7 +99,10 @@ export async function cancelBatch(
       cancelled += outcomes.filter((o) => o.kind === "cancelling").length;
     }
     if (ids.length < BATCH_PAGE) break;
+    noted = clock();
+    await store.cancelProgress(batchId, noted);
   }
+  await store.cancelDone(batchId, noted);
   return cancelled;
 }
 
