@@ -215,6 +215,43 @@ describe("stage workers at a concurrency above ten", () => {
     expect(said().filter((l) => l.msg === "worker error" && /lock/i.test(l.err ?? ""))).toEqual([]);
   });
 
+  it("a run job its own worker takes again after its lock lapsed stalls once: the later delivery's lock is renewed after the first delivery ends (one lapse used to stall it until BullMQ failed it, the rollout masked)", async () => {
+    let agentRuns = 0;
+    let kills = 0;
+    const provider = new InMemorySandboxProvider(async (call) => {
+      if (call.argv[1] !== "/solution/solve.sh") return {};
+      agentRuns++;
+      const killsBefore = kills;
+      // An agent working for 8 s (longer than two locks), unless its processes are killed.
+      const end = Date.now() + 8_000;
+      await until("the agent's work or its kill", () => Date.now() >= end || kills > killsBefore, 20_000);
+      return execResult(kills > killsBefore ? { exitCode: 137 } : {});
+    });
+    const kill = provider.killProcesses.bind(provider);
+    provider.killProcesses = async (handle) => {
+      kills++;
+      return kill(handle);
+    };
+    fleet = await startInProcessFleet({
+      provider,
+      concurrency: 3,
+      workerOptions: { lockDurationMs: 3_000, stalledIntervalMs: 1_000 },
+      deps: { verify: NO_OP_AGENT_AND_VERIFIER.verify },
+    });
+    const [id] = await fleet.submit([
+      RolloutRequest.parse({ task, agent: { harness: "oracle" }, deadlineS: 600 }),
+    ]);
+    const runJob = `${fleet.prefix}:run:${stageJobId(id!, "run")}`;
+    await until("the agent to start", () => agentRuns === 1);
+    // As when this process was paused, or cut off from Redis, past the lock's duration.
+    await fleet.redis.del(`${runJob}:lock`);
+    const [result] = await fleet.waitForResults([id!], 60_000);
+    expect(result).toMatchObject({ status: "completed", reward: 1 });
+    // Taken again once (the first launch stopped), and never stalled again.
+    expect(agentRuns).toBe(2);
+    expect(await fleet.redis.hget(runJob, "stc")).toBe("1");
+  });
+
   it("hand a run back at shutdown in good time while a supervisor check hangs on Redis", async () => {
     const running = latch();
     const lines: string[] = [];

@@ -136,10 +136,13 @@ export function createStageWorkers(
 
   const make = (slot: Pick<Slot, "stage" | "active"> & Partial<Slot>): Worker => {
     const { stage } = slot;
+    // The lock tokens of the deliveries this worker is running (see `keepRenewingLaterDeliveries`).
+    const running = new Set<string>();
     const worker = new Worker(
       stage,
       async (job: Job, token?: string) => {
         const started = Date.now();
+        if (token) running.add(token);
         slot.active++;
         slot.idleWithWorkSince = null;
         slot.refusalPauseMs = 0;
@@ -249,6 +252,7 @@ export function createStageWorkers(
           throw err;
         } finally {
           if (entered) seedAhead?.leave(seeded);
+          if (token) running.delete(token);
           slot.active--;
         }
       },
@@ -262,6 +266,7 @@ export function createStageWorkers(
         autorun: true,
       },
     );
+    keepRenewingLaterDeliveries(worker, running, deps.logger);
     const fresh = freshErrors();
     worker.on("error", (err) => {
       if (isRedisUnavailable(err)) pauseForRefusal(slot as Slot, worker);
@@ -865,6 +870,44 @@ async function closeAfterBullmqFailure(
     );
   }
   await deps.queues.enqueue("close", rolloutId);
+}
+
+/**
+ * BullMQ (6.7) renews the locks of the jobs a worker runs by job id, not by delivery: a job whose
+ * lock lapsed (this process paused, or cut off from Redis, for longer than the lock lasts) and
+ * that this same worker took again runs twice here for a while, and when the first delivery
+ * ends (superseded: its stage sees the later launch and drops its outcome), BullMQ stops renewing
+ * the job's lock, the later delivery's with it. That lock lapses in its turn, the job stalls
+ * again, is taken again, and so on until `maxStalledCount`: one lapse masked the rollout and ran
+ * its agent four times. So a lock's tracking is only dropped when the delivery it renews has
+ * ended (its token is no longer among `running`, which the processor keeps).
+ *
+ * Patches the worker's lock manager in place; a BullMQ whose lock manager is not as expected is
+ * left alone, with a warning (`worker.int.test.ts` fails for it).
+ */
+export function keepRenewingLaterDeliveries(
+  worker: Worker,
+  running: ReadonlySet<string>,
+  logger: Pick<PipelineDeps["logger"], "warn">,
+): void {
+  const manager = (worker as unknown as { lockManager?: unknown }).lockManager as
+    | { untrackJob?: (jobId: string) => void; trackedJobs?: unknown }
+    | undefined;
+  const tracked = manager?.trackedJobs;
+  const untrack = manager?.untrackJob;
+  if (!manager || !(tracked instanceof Map) || typeof untrack !== "function") {
+    logger.warn(
+      { queue: worker.name },
+      "BullMQ's lock manager is not the one this release knows: a job taken again by the worker that lost its lock may stall again",
+    );
+    return;
+  }
+  manager.untrackJob = (jobId: string) => {
+    const entry = tracked.get(jobId) as { token?: string } | undefined;
+    // A later delivery of the job, still running here, holds the tracking: keep renewing its lock.
+    if (entry?.token !== undefined && running.has(entry.token)) return;
+    untrack.call(manager, jobId);
+  };
 }
 
 /**
