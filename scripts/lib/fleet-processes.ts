@@ -40,6 +40,8 @@ export interface FleetProcessOptions {
   replicas?: Partial<Record<AppKind, number>>;
   /** Extra environment for every process (e.g. FLEET_LOCK_DURATION_MS for fast failover). */
   env?: Record<string, string>;
+  /** Extra environment for one kind of process, over `env`. */
+  envOf?: Partial<Record<AppKind, Record<string, string>>>;
   /** Where each process's output goes (`<kind>-<i>.log`). */
   logDir: string;
   token?: string;
@@ -113,7 +115,7 @@ export class FleetProcesses {
     const log = createWriteStream(join(this.options.logDir, `${kind}-${index}.log`), { flags: "a" });
     const child = spawn(process.execPath, ["--import", "tsx", APP_MAIN[kind]], {
       cwd: REPO_ROOT,
-      env: { ...this.baseEnv, FLEET_WORKER_ID: `${kind}-${index}` },
+      env: { ...this.baseEnv, ...this.options.envOf?.[kind], FLEET_WORKER_ID: `${kind}-${index}` },
       stdio: ["ignore", "pipe", "pipe"],
     });
     const exited = new Promise<number | null>((r) => child.once("exit", (code) => r(code)));

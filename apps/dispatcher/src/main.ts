@@ -6,6 +6,7 @@ import {
   logConnectionOutages,
   RolloutStore,
   StageQueues,
+  startRedisClock,
   TeardownLedger,
   waitForRedis,
   watchRedisTls,
@@ -54,13 +55,25 @@ async function main(): Promise<void> {
     logger,
     durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
   });
+  // Acceptance times and deadlines on Redis's clock, whatever this host's says (`startRedisClock`).
+  const fleetClock = await startRedisClock(redis, { logger });
   const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);
   // A Queue re-emits its connection's errors (logged once per outage above); unheard, an
   // 'error' event would crash the process.
   for (const queue of Object.values(queues.queues)) queue.on("error", () => undefined);
-  const app = createServer({ store, queues, ledger, redis, config, logger, registry, metrics });
+  const app = createServer({
+    store,
+    queues,
+    ledger,
+    redis,
+    config,
+    logger,
+    registry,
+    metrics,
+    now: fleetClock.now,
+  });
 
   let closing = false;
   let closingSince = 0;

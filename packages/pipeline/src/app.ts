@@ -16,6 +16,7 @@ import {
   logConnectionOutages,
   RolloutStore,
   StageQueues,
+  startRedisClock,
   TeardownLedger,
   waitForRedis,
   watchRedisTls,
@@ -108,6 +109,8 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     logger,
     durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
   });
+  // Deadlines and timings on Redis's clock, whatever this host's says (`startRedisClock`).
+  const fleetClock = await startRedisClock(redis, { logger });
   // This deployment's id, on its sandboxes: another fleet with the same prefix (its own Redis) on
   // the same daemon is told apart by it.
   const instance = await fleetInstance(redis, config.prefix);
@@ -137,6 +140,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     logger,
     metrics,
     workerId,
+    now: fleetClock.now,
     ...(config.gatewayMaxCallsPerMinute ? { gatewayMaxCallsPerMinute: config.gatewayMaxCallsPerMinute } : {}),
     // Sealed per-rollout networks for agents that get a model (needs root/NET_ADMIN and a local daemon).
     networks:

@@ -23,7 +23,11 @@ export interface PipelineDeps {
   provider: SandboxProvider;
   logger: Logger;
   metrics?: FleetMetrics;
-  /** Epoch ms; injectable for tests. */
+  /**
+   * The fleet's clock, epoch ms: Redis's in the apps (`startRedisClock`), so that every process
+   * decides deadlines and stamps timings on the same clock whatever its host's says; this
+   * process's own without it. Injectable for tests.
+   */
   now?: () => number;
   /** Stable id of this worker process (logs, fence tokens). */
   workerId: string;
@@ -46,4 +50,12 @@ export interface PipelineDeps {
 
 export function clock(deps: PipelineDeps): number {
   return deps.now ? deps.now() : Date.now();
+}
+
+/**
+ * A time on the fleet's clock (`clock`: Redis's in the apps) as this process's own clock reads
+ * it: for what counts down with `Date.now()` (a harness's or a verifier's deadline).
+ */
+export function localTime(deps: PipelineDeps, at: number): number {
+  return deps.now ? at - (deps.now() - Date.now()) : at;
 }

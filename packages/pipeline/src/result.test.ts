@@ -126,9 +126,10 @@ describe("composeResult", () => {
     expect(r.timings.agentMs).toBeNull();
   });
 
-  it("a worker clock behind the dispatcher's gives totalMs 0, not a negative one the result schema refuses", () => {
+  it("a finish stamped before the acceptance (clocks that disagreed) gives totalMs null, neither a negative one the result schema refuses nor a made-up 0", () => {
     const rec = record();
-    expect(timings(rec, rec.meta.createdAt - 250).totalMs).toBe(0);
+    expect(timings(rec, rec.meta.createdAt - 250).totalMs).toBeNull();
+    expect(timings(rec, rec.meta.createdAt + 250).totalMs).toBe(250);
   });
 
   it("an agent timeout is graded and marked agent_timeout; a pending teardown is reported", () => {

@@ -25,9 +25,9 @@ export function timings(rec: RolloutRecord, finishedAt: number): Timings {
     runMs: span(t["run:start"], t["run:end"]),
     verifyMs: span(t["verify:start"], t["verify:end"]),
     closeMs: span(t["close:start"], finishedAt),
-    // The dispatcher's clock against a worker's: skew must not make it negative (and the result
-    // unstorable, `Timings.totalMs` being non-negative).
-    totalMs: Math.max(0, finishedAt - rec.meta.createdAt),
+    // The dispatcher's stamp against a worker's (both on Redis's clock in the apps): a negative
+    // span (clocks that disagreed) is no fact, so null as the others, not 0.
+    totalMs: span(rec.meta.createdAt, finishedAt),
     agentMs: rec.receipts.run ? span(rec.receipts.run.startedAt, rec.receipts.run.stoppedAt) : null,
   };
 }

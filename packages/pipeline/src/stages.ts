@@ -45,7 +45,7 @@ import {
   TestsSupersededError,
 } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
-import { clock, type PipelineDeps } from "./deps.ts";
+import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { DeferralError, HandBackError, isHandBack } from "./hand-back.ts";
 import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
 import { composeResult } from "./result.ts";
@@ -772,7 +772,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         handle,
         task,
         agent: rec.meta.agent,
-        deadlineMs,
+        // The harness counts down on this host's clock.
+        deadlineMs: localTime(deps, deadlineMs),
         agentStarts: () => {
           const now = clock(deps);
           // The setup took so long that the agent's own budget, the tests' and the margin no
@@ -788,7 +789,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
           }
           ({ deadlineMs, limitedBy } = deadlineFrom(now));
           agentStartedAt = now;
-          return deadlineMs;
+          return localTime(deps, deadlineMs);
         },
         signal: abort.signal,
         env: access?.env,
@@ -1513,7 +1514,8 @@ const verifyAttempt = async (
       handle: seedReceipt.handle,
       task,
       run: { answer: runReceipt.answer, exec: runReceipt.exec },
-      deadlineMs: rec.meta.deadlineAt,
+      // The verifier counts down on this host's clock.
+      deadlineMs: localTime(deps, rec.meta.deadlineAt),
       signal: shutdown,
       fenceEpoch: rec.begun.verifyEpoch ?? undefined,
       onSandboxWork: () => note(clock(deps)),
@@ -1704,7 +1706,8 @@ export async function closeRollout(
   const stored = await deps.store.finalizeStored(fresh.meta, result, at, closeReceipt, confirmed);
   if (stored && deps.metrics) {
     deps.metrics.rolloutsFinished.inc({ status: stored.status, failure_kind: stored.failureKind ?? "none" });
-    deps.metrics.rolloutDuration.observe({ status: stored.status }, (stored.timings.totalMs ?? 0) / 1000);
+    const total = stored.timings.totalMs;
+    if (total !== null) deps.metrics.rolloutDuration.observe({ status: stored.status }, total / 1000);
     if (stored.reward !== null) deps.metrics.reward.observe(stored.reward);
   }
   return stored;

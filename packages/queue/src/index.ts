@@ -5,6 +5,7 @@ export * from "./catalog.ts";
 export * from "./connection.ts";
 export * from "./keys.ts";
 export * from "./local-redis.ts";
+export * from "./redis-clock.ts";
 export * from "./redis-tls.ts";
 export * from "./redis-wait.ts";
 export * from "./rollout-store.ts";
