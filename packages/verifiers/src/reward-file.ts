@@ -49,6 +49,8 @@ function inRange(value: number): number | null {
 
 /** Most numeric fields of a reward.json kept beside its reward (in the verdict's details). */
 const MAX_REWARD_FIELDS = 32;
+/** The fields kept from a reward.json, as JSON, at most this many bytes. */
+export const MAX_REWARD_FIELDS_BYTES = 4096;
 
 /**
  * Parse a Harbor `reward.json`: a JSON object whose `reward` is a number in [0, 1] (as
@@ -77,11 +79,23 @@ export function parseRewardJson(text: string): { reward: number; fields: Record<
   }
   const value = (parsed as Record<string, unknown>).reward;
   const reward = typeof value === "number" ? inRange(value) : null;
-  if (reward === null) return refuse(`its "reward" is ${capText(JSON.stringify(value) ?? "missing", 100)}`);
+  if (reward === null) {
+    // A number as it reads (1e309 parses to Infinity, which JSON would print as null).
+    const shown = typeof value === "number" ? String(value) : (JSON.stringify(value) ?? "missing");
+    return refuse(`its "reward" is ${capText(shown, 100)}`);
+  }
   const fields: Record<string, number> = {};
+  // Bounded in bytes as stored (JSON), not only in count and characters: a name of control
+  // characters is six bytes each, which took a result past its record cap.
+  let bytes = 2;
   for (const [k, v] of Object.entries(parsed)) {
     if (Object.keys(fields).length >= MAX_REWARD_FIELDS) break;
-    if (k !== "reward" && typeof v === "number" && Number.isFinite(v)) fields[capText(k, 100)] = v;
+    if (k === "reward" || typeof v !== "number" || !Number.isFinite(v)) continue;
+    const name = capText(k, 100);
+    const size = Buffer.byteLength(JSON.stringify(name)) + JSON.stringify(v).length + 2;
+    if (bytes + size > MAX_REWARD_FIELDS_BYTES) break;
+    bytes += size;
+    fields[name] = v;
   }
   return { reward, fields };
 }

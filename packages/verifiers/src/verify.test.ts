@@ -11,7 +11,7 @@ import { AGENT_USER, ROOT_USER, TestsSupersededError } from "@fleet/sandbox";
 import { type ExecCall, execResult, type FakeSandbox, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { beforeEach, describe, expect, it, vi } from "vitest";
 import { matchAnswer } from "./match.ts";
-import { parseReward, parseRewardJson } from "./reward-file.ts";
+import { MAX_REWARD_FIELDS_BYTES, parseReward, parseRewardJson } from "./reward-file.ts";
 import type { VerifyContext } from "./verdict.ts";
 import { parseRunReport, REWARD_FILE, REWARD_JSON_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
 
@@ -705,6 +705,24 @@ describe("parseRewardJson", () => {
       reward: 1,
       fields: { f1: 0.5 },
     });
+  });
+
+  it("keeps the fields within MAX_REWARD_FIELDS_BYTES as JSON: names of control characters (six bytes each) took a result past its record cap", () => {
+    const name = (i: number) => `k${String(i).padStart(2, "0")}${"\\u0001".repeat(200)}`;
+    const text = `{"reward": 0.5, ${Array.from({ length: 40 }, (_, i) => `"${name(i)}": 0`).join(", ")}}`;
+    const { reward, fields } = parseRewardJson(text);
+    expect(reward).toBe(0.5);
+    expect(Object.keys(fields).length).toBeGreaterThan(0);
+    expect(Buffer.byteLength(JSON.stringify(fields))).toBeLessThanOrEqual(MAX_REWARD_FIELDS_BYTES);
+    // Plain names are all kept, as before.
+    const plain = parseRewardJson(
+      `{"reward": 1, ${Array.from({ length: 32 }, (_, i) => `"f${i}": ${i}`).join(", ")}}`,
+    );
+    expect(Object.keys(plain.fields)).toHaveLength(32);
+  });
+
+  it("names a reward that is not finite as it reads, not as null", () => {
+    expect(() => parseRewardJson('{"reward": 1e309}')).toThrow(/its "reward" is Infinity/);
   });
 
   it.each(["", "{", "null", "[]", '{"reward": null}', '{"reward": -0.5}', '{"Reward": 1}'])(
