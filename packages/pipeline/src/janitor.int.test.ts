@@ -1210,6 +1210,32 @@ describe("janitor", () => {
     }
   });
 
+  it("makes its schedule and its one-pass-at-a-time limit again after an obliterate of its queue (Bull Board: pause, obliterate)", async () => {
+    const janitor = await startJanitor(fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      intervalMs: 200,
+      orphanGraceMs: 60_000,
+    });
+    const schedule = new Queue(JANITOR_QUEUE, { connection: fleet.redis, prefix: fleet.prefix });
+    try {
+      expect(await schedule.getGlobalConcurrency()).toBe(1);
+      await schedule.pause();
+      await schedule.obliterate({ force: true });
+      expect(await schedule.getGlobalConcurrency()).toBeNull();
+      await vi.waitFor(
+        async () => {
+          expect(await schedule.getJobScheduler(JANITOR_SCHEDULER)).toBeTruthy();
+          expect(await schedule.getGlobalConcurrency()).toBe(1);
+        },
+        { timeout: 10_000 },
+      );
+    } finally {
+      await schedule.close();
+      await janitor.close();
+    }
+  });
+
   it("says when it last finished a pass (FleetJanitorPassesStopped), and makes its schedule again when someone removed it", async () => {
     const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
     const lastPass = async () => (await metrics.janitorLastPass.get()).values[0]?.value ?? 0;

@@ -732,9 +732,17 @@ export async function startJanitor(
       // (Bull Board's job-scheduler "remove", a script) would stop every pass until a janitor
       // restarts: made again. (Only when missing: an upsert of one that exists may move its next
       // tick.)
+      // The same for its one-pass-at-a-time limit (gone with an obliterate of the queue).
       queue
         .getJobScheduler(JANITOR_SCHEDULER)
         .then(async (found) => {
+          if ((await queue.getGlobalConcurrency()) !== 1) {
+            deps.logger.warn(
+              { queue: JANITOR_QUEUE },
+              "the janitor queue's one-pass-at-a-time limit was removed; setting it again",
+            );
+            await queue.setGlobalConcurrency(1);
+          }
           if (found) return;
           deps.logger.warn(
             { scheduler: JANITOR_SCHEDULER },
