@@ -1,5 +1,5 @@
 import { randomUUID } from "node:crypto";
-import { FleetError, RolloutRequest, type SandboxHandle } from "@fleet/contracts";
+import { FleetError, isTerminal, RolloutRequest, type SandboxHandle } from "@fleet/contracts";
 import {
   admit,
   cancelBatch,
@@ -28,6 +28,7 @@ import {
   STALE_HELPER_MS,
   startJanitor,
 } from "./janitor.ts";
+import { requeueLostJobs } from "./lost-jobs.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
@@ -833,6 +834,52 @@ describe("janitor", () => {
     }
   });
 
+  it("enqueues again the stage job of an open rollout that an operator removed (Bull Board), once its record has not changed for the grace: it runs on instead of waiting out its deadline", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const { store, queues } = fleet.deps;
+    const [admitted, seeded, untouched] = await fleet.submit(
+      [0, 1, 2].map(() => ({ task, agent: { harness: "oracle" } })),
+    );
+    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    expect(await runStageJob("seed", job(seeded!), fleet.deps)).toBe("ok");
+    // Removed by hand: the first one's seed job, the second one's run job. The third keeps its seed job.
+    await (await queues.queues.seed.getJob(`${admitted}.seed`))!.remove();
+    await (await queues.queues.run.getJob(`${seeded}.run`))!.remove();
+    const ours = (ids: string[]) => ids.filter((id) => [admitted, seeded, untouched].includes(id)).sort();
+    const all = { page: 100_000 };
+    // Within the grace (a stage may be between its receipt and its next job): left alone.
+    expect(ours(await requeueLostJobs(fleet.deps, Date.now(), { next: 0 }, all))).toEqual([]);
+    expect(await queues.queues.seed.getJob(`${admitted}.seed`)).toBeUndefined();
+    const in3min = Date.now() + 180_000;
+    expect(ours(await requeueLostJobs(fleet.deps, in3min, { next: 0 }, all))).toEqual(
+      [admitted, seeded].sort(),
+    );
+    // Enqueued once: the next walk finds them there.
+    expect(ours(await requeueLostJobs(fleet.deps, in3min, { next: 0 }, all))).toEqual([]);
+    expect(await queues.queues.seed.getJob(`${admitted}.seed`)).toBeDefined();
+    expect(await queues.queues.run.getJob(`${seeded}.run`)).toBeDefined();
+    // A janitor pass does it, a page of the in-flight index at a time.
+    await (await queues.queues.seed.getJob(`${admitted}.seed`))!.remove();
+    const later = { ...fleet.deps, now: () => Date.now() + 180_000 };
+    const cursor = { next: 0 };
+    let lostRequeued = 0;
+    do {
+      lostRequeued += (await janitorTick(later, { orphanGraceMs: 3_600_000, lostJobCursor: cursor }))
+        .lostRequeued;
+    } while (cursor.next !== 0);
+    expect(lostRequeued).toBeGreaterThanOrEqual(1);
+    expect(await queues.queues.seed.getJob(`${admitted}.seed`)).toBeDefined();
+    // The run job enqueued again runs the stage as if it had never gone.
+    expect(await runStageJob("run", job(seeded!), fleet.deps)).toBe("ok");
+    expect((await store.get(seeded!))?.receipts.run).toBeDefined();
+    for (const id of [admitted!, seeded!, untouched!]) {
+      await fleet.deps.store.requestCancel(id);
+      await runStageJob("close", job(id), fleet.deps);
+      expect(isTerminal((await store.get(id))!.status), id).toBe(true);
+    }
+  });
+
   it("a graded rollout past its deadline keeps its reward; a queued close is left alone; a pass never logs twice", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
@@ -1230,6 +1277,41 @@ describe("janitor", () => {
         },
         { timeout: 10_000 },
       );
+    } finally {
+      await schedule.close();
+      await janitor.close();
+    }
+  });
+
+  it("schedules its next pass again when it was scheduled far ahead (by a replica whose clock ran 5 minutes ahead, now gone): passes go on", async () => {
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const lastPass = async () => (await metrics.janitorLastPass.get()).values[0]?.value ?? 0;
+    const janitor = await startJanitor(
+      { ...fleet.deps, metrics },
+      { connection: fleet.redis, prefix: fleet.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    const schedule = new Queue(JANITOR_QUEUE, { connection: fleet.redis, prefix: fleet.prefix });
+    try {
+      // The last pass's replica, its clock 5 minutes ahead, scheduled the next one on it.
+      const realNow = Date.now.bind(Date);
+      expect(await schedule.removeJobScheduler(JANITOR_SCHEDULER)).toBe(true);
+      const ahead = vi.spyOn(Date, "now").mockImplementation(() => realNow() + 300_000);
+      try {
+        await schedule.upsertJobScheduler(
+          JANITOR_SCHEDULER,
+          { every: 200 },
+          { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
+        );
+      } finally {
+        ahead.mockRestore();
+      }
+      expect((await schedule.getJobScheduler(JANITOR_SCHEDULER))!.next!).toBeGreaterThan(
+        Date.now() + 250_000,
+      );
+      // Wait until no pass is in flight, then for one that starts after it.
+      const since = Date.now() / 1000 + 1;
+      await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(since), { timeout: 10_000 });
+      expect((await schedule.getJobScheduler(JANITOR_SCHEDULER))!.next!).toBeLessThan(Date.now() + 10_000);
     } finally {
       await schedule.close();
       await janitor.close();

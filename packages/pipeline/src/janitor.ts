@@ -23,6 +23,7 @@ import {
 import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
+import { DEFAULT_LOST_JOB_GRACE_MS, type LostJobCursor, requeueLostJobs } from "./lost-jobs.ts";
 import type { ProviderGate } from "./provider-gate.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
 import { boundedClose, countStalledJobs, freshErrors } from "./worker.ts";
@@ -45,6 +46,14 @@ export interface JanitorOptions {
    * @defaultValue 60 s (`DEFAULT_ADMISSION_GRACE_MS`)
    */
   cancelGraceMs?: number;
+  /**
+   * An open rollout whose record has not changed this long, and whose stage job is gone (removed
+   * by an operator, a queue drained or obliterated), has the job enqueued again
+   * (`requeueLostJobs`). @defaultValue 2 min
+   */
+  lostJobGraceMs?: number;
+  /** Where this replica's walk of the in-flight index for lost jobs is; one per janitor. */
+  lostJobCursor?: LostJobCursor;
   /**
    * Whether the sandbox provider answers (`watchProvider`): while it does not, a pass runs only
    * its Redis steps, and the orphan sweep's listing failing marks it down. Without one, every
@@ -91,6 +100,8 @@ export interface JanitorReport {
   admissionsFinished: number;
   /** Batch cancels a dispatcher did not finish that this pass walked again. */
   cancelsResumed: number;
+  /** Open rollouts whose stage job was gone, enqueued again this pass. */
+  lostRequeued: number;
   /** Steps of this pass that failed (e.g. `orphans: docker list: …`); the other steps still ran. */
   errors: string[];
   /**
@@ -133,6 +144,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     closedByJanitor: 0,
     admissionsFinished: 0,
     cancelsResumed: 0,
+    lostRequeued: 0,
     errors: [],
     providerDown: false,
   };
@@ -274,6 +286,22 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         "finished a batch cancel its dispatcher did not: asked the batch's open rollouts to stop",
       );
       report.cancelsResumed++;
+    }
+  });
+
+  // (0c) Open rollouts whose stage job is gone (an operator removed it, a queue was drained or
+  // obliterated): enqueued again, instead of waiting out their deadline. A page of the in-flight
+  // index a pass.
+  await step("lost", async () => {
+    const requeued = await requeueLostJobs(deps, now, options.lostJobCursor ?? { next: 0 }, {
+      graceMs: options.lostJobGraceMs ?? DEFAULT_LOST_JOB_GRACE_MS,
+    });
+    if (requeued.length > 0) {
+      report.lostRequeued += requeued.length;
+      deps.logger.warn(
+        { rollouts: requeued.length, first: requeued.slice(0, 5) },
+        "open rollouts whose stage job was gone (removed, cleaned or drained by hand?): enqueued it again",
+      );
     }
   });
 
@@ -720,6 +748,15 @@ export async function startJanitor(
   // sharing the schedule, another may run every pass for a while: a sample older than a few
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
   let lastPassAt = Date.now();
+  // Said once per 10 minutes: while a replica whose clock runs ahead lives, it comes back each check.
+  let farTickSaidAt = 0;
+  const farTickNews = () => {
+    if (Date.now() - farTickSaidAt < 600_000) return false;
+    farTickSaidAt = Date.now();
+    return true;
+  };
+  // This replica's walk of the in-flight index for lost stage jobs, a page a pass.
+  const lostJobCursor: LostJobCursor = options.lostJobCursor ?? { next: 0 };
   const staleAfterMs = STALE_SAMPLE_INTERVALS * options.intervalMs;
   // The same for its teardown ledger gauges: a stale oldest age over the threshold (the ledger
   // drained since, by another replica) would page FleetTeardownLedgerNotDraining, a max over all.
@@ -743,7 +780,24 @@ export async function startJanitor(
             );
             await queue.setGlobalConcurrency(1);
           }
-          if (found) return;
+          if (found) {
+            // Its next tick far off: set on a clock that ran ahead (a replica's host, or this
+            // one's before NTP stepped it back). BullMQ dates ticks on the clock of the replica
+            // that ran the last pass: no pass would run until this clock caught up. Made again,
+            // from this clock.
+            const next = found.next ?? 0;
+            if (next - Date.now() <= 2 * options.intervalMs) return;
+            if (farTickNews()) {
+              deps.logger.warn(
+                { scheduler: JANITOR_SCHEDULER, nextInMs: next - Date.now() },
+                "the janitor's next pass was scheduled far ahead (by a host whose clock runs ahead?); scheduling it again from this host's clock",
+              );
+            }
+            // An upsert keeps a scheduler's next tick: removed, then made again from now.
+            await queue.removeJobScheduler(JANITOR_SCHEDULER);
+            await schedule();
+            return;
+          }
           deps.logger.warn(
             { scheduler: JANITOR_SCHEDULER },
             "the janitor's schedule was removed; making it again",
@@ -757,7 +811,7 @@ export async function startJanitor(
   const worker = new Worker(
     JANITOR_QUEUE,
     async () => {
-      const report = await janitorTick(deps, options);
+      const report = await janitorTick(deps, { ...options, lostJobCursor });
       lastPassAt = Date.now();
       deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
       const did =

@@ -957,6 +957,11 @@ export class RolloutStore {
   }
 
   /** Non-terminal rollouts whose deadline passed before `before`. */
+  /** Open rollouts, by deadline: `count` of them from rank `start`. */
+  async inflightPage(start: number, count: number): Promise<string[]> {
+    return this.redis.zrange(this.keys.inflight(), String(start), String(start + count - 1));
+  }
+
   async pastDeadline(before: number, limit = 100): Promise<string[]> {
     return this.redis.zrangebyscore(this.keys.inflight(), "-inf", before, "LIMIT", 0, limit);
   }

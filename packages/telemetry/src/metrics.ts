@@ -63,6 +63,7 @@ export const JANITOR_STEPS = [
   "watchdog",
   "admissions",
   "cancels",
+  "lost",
   "registry",
   "ledger",
   "orphans",
