@@ -2,6 +2,7 @@ import { DispatcherConfig, parseConfig, warnFetchBlockedPort, warnUnknownVariabl
 import {
   connectRedis,
   createAppLogging,
+  createKeys,
   failFastOnceReady,
   logConnectionOutages,
   RolloutStore,
@@ -56,8 +57,11 @@ async function main(): Promise<void> {
     durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
   });
   // Acceptance times and deadlines on Redis's clock, whatever this host's says (`startRedisClock`).
-  const fleetClock = await startRedisClock(redis, { logger });
-  const store = new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs });
+  const fleetClock = await startRedisClock(redis, { key: createKeys(config.prefix).clock(), logger });
+  const store = new RolloutStore(redis, config.prefix, {
+    resultTtlMs: config.resultTtlMs,
+    now: fleetClock.now,
+  });
   const ledger = new TeardownLedger(redis, config.prefix);
   const queues = new StageQueues(redis, config.prefix);
   // A Queue re-emits its connection's errors (logged once per outage above); unheard, an

@@ -11,6 +11,7 @@ import { FailureKind, type StageName } from "@fleet/contracts";
 import {
   connectRedis,
   createAppLogging,
+  createKeys,
   fleetInstance,
   keepFleetInstance,
   logConnectionOutages,
@@ -110,7 +111,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
   });
   // Deadlines and timings on Redis's clock, whatever this host's says (`startRedisClock`).
-  const fleetClock = await startRedisClock(redis, { logger });
+  const fleetClock = await startRedisClock(redis, { key: createKeys(config.prefix).clock(), logger });
   // This deployment's id, on its sandboxes: another fleet with the same prefix (its own Redis) on
   // the same daemon is told apart by it.
   const instance = await fleetInstance(redis, config.prefix);
@@ -133,7 +134,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     instance,
   });
   const deps: PipelineDeps = {
-    store: new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs }),
+    store: new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs, now: fleetClock.now }),
     ledger: new TeardownLedger(redis, config.prefix),
     queues: new StageQueues(redis, config.prefix),
     provider,

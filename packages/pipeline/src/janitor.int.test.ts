@@ -16,7 +16,7 @@ import {
   gatewayNetworkName,
   LABEL_ROLLOUT,
 } from "@fleet/sandbox";
-import { MemoryGatewayFirewall } from "@fleet/sandbox/testing";
+import { InMemorySandboxProvider, MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
@@ -1344,6 +1344,41 @@ describe("janitor", () => {
     } finally {
       await schedule.close();
       await janitor.close();
+    }
+  });
+
+  it("ages its teardown ledger on the fleet's clock, on which the entries are dated: a janitor host 5 minutes ahead of Redis does not page for a fresh entry", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    try {
+      const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+      const fleetNow = () => Date.now() - 300_000;
+      const deps = { ...own.deps, metrics, now: fleetNow };
+      const rolloutId = `aged${RUN}`;
+      const handle = {
+        provider: "docker" as const,
+        endpoint: "",
+        id: `id-${rolloutId}`,
+        name: rolloutId,
+        rolloutId,
+        owner: "resources" as const,
+        volumes: [],
+      };
+      const entry = {
+        key: sandboxKey(rolloutId, "resources"),
+        rolloutId,
+        owner: "resources" as const,
+        provider: "docker" as const,
+        handle,
+        createdAt: fleetNow(),
+        expiresAt: fleetNow() + 3_600_000,
+      };
+      await own.deps.ledger.recordFailure(entry, "device or resource busy", fleetNow());
+      await janitorTick(deps, { orphanGraceMs: 3_600_000 });
+      const age = (await metrics.teardownLedgerOldestAge.get()).values[0]?.value;
+      expect(age).toBeDefined();
+      expect(age!).toBeLessThan(5);
+    } finally {
+      await own.close();
     }
   });
 

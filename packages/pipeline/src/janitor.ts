@@ -532,7 +532,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   await step("metrics", async () => {
     const [size, since] = await Promise.all([deps.ledger.size(), deps.ledger.oldestSince()]);
     deps.metrics?.teardownLedgerEntries.set(size);
-    deps.metrics?.teardownLedgerOldestAge.set(ageSeconds(since));
+    // Its entries are dated on the fleet's clock.
+    deps.metrics?.teardownLedgerOldestAge.set(ageSeconds(since, clock(deps)));
   });
   return report;
 }

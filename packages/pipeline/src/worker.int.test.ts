@@ -129,6 +129,36 @@ describe("stage workers at a concurrency above ten", () => {
     expect(done).toMatchObject({ outcome: "ok", attempt: 1 });
   });
 
+  it("a verify handed back until a time on the fleet's clock (Redis's) waits that long on this host's clock, 60 s behind it", async () => {
+    const fleetNow = () => Date.now() + 60_000;
+    const noted = latch();
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      concurrency: 1,
+      deps: {
+        ...NO_OP_AGENT_AND_VERIFIER,
+        now: fleetNow,
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => {
+            await noted.opened;
+            return { exec: execResult(), answer: null, transcript: null, usage: null };
+          },
+        }),
+      },
+    });
+    const { store, queues } = fleet.deps;
+    const [a] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    // An earlier attempt's tests, noted 39 s ago on the fleet's clock: 6 s of them left.
+    await store.begin(a!, "verify", fleetNow(), { verifyToken: "attempt-that-died" });
+    expect(await store.noteVerifyWork(a!, fleetNow() - 39_000, "attempt-that-died")).toBe("noted");
+    noted.open();
+    const jobA = async () => queues.queues.verify.getJob(stageJobId(a!, "verify"));
+    await until("A's verify is handed back", async () => (await (await jobA())?.getState()) === "delayed");
+    // About 6 s, not the 66 s this host's clock reads to the fleet's time.
+    expect((await jobA())!.delay).toBeLessThanOrEqual(10_000);
+  });
+
   /**
    * A fleet whose verify grades until it is stopped, as the real verifier's provider calls do
    * (they throw `cancelled` with the signal's reason), with one rollout verifying; warnings in `lines`.

@@ -3,7 +3,7 @@ import { capText, isTerminal, type StageName, withTimeout } from "@fleet/contrac
 import { duplicateRedis, isRedisUnavailable, type RedisConnection } from "@fleet/queue";
 import type { StageOutcome } from "@fleet/telemetry";
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
-import { clock, type PipelineDeps } from "./deps.ts";
+import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isDeferral, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
 import { providerGate, providerProblem } from "./provider-gate.ts";
 import { isRedisRefusal, nextAfter, runStageJob } from "./stage-runner.ts";
@@ -173,7 +173,10 @@ export function createStageWorkers(
             // that fails leaves the hand-back to go on (the move says whether Redis takes it).
             await job.updateProgress({ handBacks: handBacksOf(job) + 1 }).catch(() => undefined);
             const deferral = isDeferral(err);
-            const move = deferral ? job.moveToDelayed(err.until, token) : job.moveToWait(token);
+            // `until` is on the fleet's clock; BullMQ counts the delay on this host's.
+            const move = deferral
+              ? job.moveToDelayed(localTime(deps, err.until), token)
+              : job.moveToWait(token);
             await move.catch((moveErr: unknown) => {
               // Refused (the lock lapsed or another worker holds the job) or Redis unreachable:
               // the job stays active until a stalled check takes it back. Said here: BullMQ

@@ -34,6 +34,8 @@ export interface Keys {
    * walks the batch again.
    */
   cancelling(): string;
+  /** Never written: the fleet's clock is read (`TIME`) on the node that holds this key's slot. */
+  clock(): string;
   /** Hash of live sandbox intents/handles: `<rolloutId>:<owner>` → JSON. */
   sandboxes(): string;
   /**
@@ -61,6 +63,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const reservations = `${x}reservations`;
   const admitting = `${x}admitting`;
   const cancelling = `${x}cancelling`;
+  const clockKey = `${x}clock`;
   const sandboxes = `${x}sandboxes`;
   const retiredSandboxes = `${x}sandboxes:retired`;
   const teardownDue = `${x}teardown:due`;
@@ -81,6 +84,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     reservations: () => reservations,
     admitting: () => admitting,
     cancelling: () => cancelling,
+    clock: () => clockKey,
     sandboxes: () => sandboxes,
     retiredSandboxes: () => retiredSandboxes,
     teardownDue: () => teardownDue,

@@ -27,19 +27,26 @@ export const CLOCK_WARN_MS = 2_000;
 /** Samples per measure; the one with the shortest round trip is kept. */
 const SAMPLES = 3;
 
-/** One measure: Redis's clock minus this process's, and the round trip it was read in. */
-async function sample(redis: RedisConnection): Promise<{ offsetMs: number; rttMs: number }> {
+/**
+ * One measure: Redis's clock minus this process's, and the round trip it was read in. Read on
+ * the node that holds `key`'s slot (in a Cluster each node has its host's clock: the fleet's is
+ * the one its keys, and so its scripts, live on).
+ */
+async function sample(redis: RedisConnection, key: string): Promise<{ offsetMs: number; rttMs: number }> {
   const sent = Date.now();
-  const [seconds, micros] = (await redis.time()) as [string | number, string | number];
+  const [seconds, micros] = (await redis.eval("return redis.call('TIME')", 1, key)) as [
+    string | number,
+    string | number,
+  ];
   const received = Date.now();
   const redisMs = Number(seconds) * 1000 + Math.floor(Number(micros) / 1000);
   return { offsetMs: redisMs - (sent + received) / 2, rttMs: received - sent };
 }
 
-async function measure(redis: RedisConnection): Promise<number> {
+async function measure(redis: RedisConnection, key: string): Promise<number> {
   let best: { offsetMs: number; rttMs: number } | null = null;
   for (let i = 0; i < SAMPLES; i++) {
-    const s = await sample(redis);
+    const s = await sample(redis, key);
     if (best === null || s.rttMs < best.rttMs) best = s;
   }
   return Math.round(best!.offsetMs);
@@ -53,12 +60,15 @@ async function measure(redis: RedisConnection): Promise<number> {
 export async function startRedisClock(
   redis: RedisConnection,
   options: {
+    /** A key of the fleet's (its prefix's slot): TIME is read on the node that holds it. @defaultValue `{fleet}:x:clock` */
+    key?: string;
     resyncMs?: number;
     logger?: { warn(obj: object, msg: string): void };
   } = {},
 ): Promise<FleetClock> {
+  const key = options.key ?? "{fleet}:x:clock";
   // Redis gone again since the app saw it up: this host's clock until the next measure.
-  let offset = await measure(redis).catch(() => 0);
+  let offset = await measure(redis, key).catch(() => 0);
   let said: number | null = null;
   const say = () => {
     if (Math.abs(offset) < CLOCK_WARN_MS) return;
@@ -74,7 +84,7 @@ export async function startRedisClock(
   const timer = setInterval(() => {
     if (measuring) return;
     measuring = true;
-    measure(redis)
+    measure(redis, key)
       .then((o) => {
         offset = o;
         say();

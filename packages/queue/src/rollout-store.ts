@@ -325,6 +325,11 @@ export interface RolloutStoreOptions {
   resultTtlMs?: number;
   /** The task cache's bound (`DEFAULT_TASK_CACHE_CHARS`). */
   taskCacheChars?: number;
+  /**
+   * The fleet's clock (Redis's in the apps: `startRedisClock`), for the dates of admission notes,
+   * which the janitor compares with its own. @defaultValue `Date.now`
+   */
+  now?: () => number;
 }
 
 /**
@@ -361,12 +366,14 @@ export class RolloutStore {
 
   /** How long a finished rollout's record and result are kept (0: for good). */
   readonly resultTtlMs: number;
+  private readonly now: () => number;
 
   constructor(redis: RedisConnection, prefix = "{fleet}", options: RolloutStoreOptions = {}) {
     this.redis = withScripts(redis);
     this.batcher = batcherFor(redis);
     this.keys = createKeys(prefix);
     this.resultTtlMs = options.resultTtlMs ?? DEFAULT_RESULT_TTL_MS;
+    this.now = options.now ?? Date.now;
     this.maxTaskCacheChars = options.taskCacheChars ?? DEFAULT_TASK_CACHE_CHARS;
     if (!Number.isSafeInteger(this.resultTtlMs) || this.resultTtlMs < 0) {
       throw new Error(`resultTtlMs must be a whole number of milliseconds >= 0, got ${this.resultTtlMs}`);
@@ -463,7 +470,7 @@ export class RolloutStore {
       String(BATCH_ADMISSION_LEASE_MS),
       admissionOf({ batchId }),
       // The note's time is now, not the admission's start: its task uploads may have taken long.
-      String(Date.now()),
+      String(this.now()),
     )) as string | null;
     return stored ?? bodyHash;
   }
@@ -653,7 +660,7 @@ export class RolloutStore {
         String(now),
         batchId !== null ? "batch" : keyBatchId !== undefined ? "keyed" : "single",
         // A long admission keeps its note fresh: the janitor finishes only one left for dead.
-        String(Date.now()),
+        String(this.now()),
         batchId !== null ? admissionOf({ batchId }) : "",
       ];
       chunk.forEach((m, j) => {
@@ -956,12 +963,12 @@ export class RolloutStore {
     return this.redis.zrange(this.keys.unreadable(), "0", String(limit - 1));
   }
 
-  /** Non-terminal rollouts whose deadline passed before `before`. */
   /** Open rollouts, by deadline: `count` of them from rank `start`. */
   async inflightPage(start: number, count: number): Promise<string[]> {
     return this.redis.zrange(this.keys.inflight(), String(start), String(start + count - 1));
   }
 
+  /** Non-terminal rollouts whose deadline passed before `before`. */
   async pastDeadline(before: number, limit = 100): Promise<string[]> {
     return this.redis.zrangebyscore(this.keys.inflight(), "-inf", before, "LIMIT", 0, limit);
   }

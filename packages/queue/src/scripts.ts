@@ -691,12 +691,9 @@ const SCRIPTS = {
   },
   /**
    * Cancel a batch's rollouts still to come: those its admission records from now on are
-   * recorded cancelled (`fleetAdmit`). Returns 1, or 0 for no such batch (nothing created).
-   */
-  /**
-   * Cancel a batch's admission from now on and note the cancel under way (ARGV: batch id, now),
-   * in one step: a batch marked cancelled is always noted until its walk is done. Returns 0 for
-   * no such batch.
+   * recorded cancelled (`fleetAdmit`); and note the cancel under way (ARGV: batch id, now), in
+   * one step: a batch marked cancelled is noted until its walk is done. Returns 1, or 0 for no
+   * such batch (nothing created).
    */
   fleetCancelBatch: {
     keys: 2, // batch, cancelling
@@ -711,7 +708,7 @@ const SCRIPTS = {
    * member, score). Returns 1 if removed.
    */
   fleetNoteDone: {
-    keys: 1, // admitting
+    keys: 1, // admitting, or cancelling
     lua: `
       local score = redis.call('ZSCORE', KEYS[1], ARGV[1])
       if score and tonumber(score) == tonumber(ARGV[2]) then return redis.call('ZREM', KEYS[1], ARGV[1]) end

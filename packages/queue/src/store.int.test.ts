@@ -23,7 +23,7 @@ import {
 import { assertRedisDurable, createRedis, isRedisUnavailable } from "./connection.ts";
 import { createKeys, fleetInstance, keepFleetInstance } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
-import { ADMIT_CHUNK_BYTES, BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
+import { ADMIT_CHUNK_BYTES, admissionOf, BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
 import { sandboxKey, TeardownLedger, teardownBackoffMs } from "./teardown-ledger.ts";
@@ -1101,6 +1101,17 @@ describe("rollout store", () => {
     await redis.rpush(store.keys.batchDone(stale), "r-0");
     expect(await store.batchDoneCount(stale)).toBe(1);
     expect(await redis.pttl(store.keys.batchDone(stale))).toBeGreaterThan(50_000);
+  });
+
+  it("dates an admission's note on the store's clock (the fleet's, Redis's in the apps), which the janitor compares with its own", async () => {
+    const dated = new RolloutStore(redis, prefix, { now: () => 1_234_567 });
+    const batchId = `b-dated-${Math.random().toString(36).slice(2, 8)}`;
+    await dated.createBatch(batchId, "h", Date.now());
+    try {
+      expect(await redis.zscore(dated.keys.admitting(), admissionOf({ batchId }))).toBe("1234567");
+    } finally {
+      await dated.admissionDone(admissionOf({ batchId }));
+    }
   });
 
   it("a batch cancelled while it is being admitted: the rollouts its admission records afterwards are recorded cancelled", async () => {
