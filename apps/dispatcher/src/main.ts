@@ -2,7 +2,6 @@ import { DispatcherConfig, parseConfig, warnFetchBlockedPort, warnUnknownVariabl
 import {
   connectRedis,
   createAppLogging,
-  createKeys,
   failFastOnceReady,
   logConnectionOutages,
   RolloutStore,
@@ -57,7 +56,7 @@ async function main(): Promise<void> {
     durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
   });
   // Acceptance times and deadlines on Redis's clock, whatever this host's says (`startRedisClock`).
-  const fleetClock = await startRedisClock(redis, { key: createKeys(config.prefix).clock(), logger });
+  const fleetClock = await startRedisClock(redis, { prefix: config.prefix, logger });
   const store = new RolloutStore(redis, config.prefix, {
     resultTtlMs: config.resultTtlMs,
     now: fleetClock.now,

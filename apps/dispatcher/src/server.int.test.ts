@@ -1709,7 +1709,7 @@ describe("cancel", () => {
     let cancelled: number | null = null;
     admitting.admit = async (metas, now) => {
       const first = await h.store.admit(metas.slice(0, 1), now);
-      cancelled = await cancelBatch(h.store, h.queues, batchId, Date.now());
+      cancelled = await cancelBatch(h.store, h.queues, batchId);
       const rest = await h.store.admit(metas.slice(1), now);
       return { ...rest, created: [...first.created, ...rest.created] };
     };
@@ -1749,7 +1749,7 @@ describe("cancel", () => {
       await h.store.cancelProgress(id, at);
       notes.push(await redis.zscore(h.store.keys.cancelling(), id));
     };
-    expect(await cancelBatch(watching, h.queues, batchId, Date.now(), () => t++)).toBe(rows.length);
+    expect(await cancelBatch(watching, h.queues, batchId, () => t++)).toBe(rows.length);
     // Dated at its start (1000), then after each full page.
     expect(notes).toEqual(["1001", "1002"]);
     expect(await redis.zscore(h.store.keys.cancelling(), batchId)).toBeNull();
@@ -1760,7 +1760,7 @@ describe("cancel", () => {
       if (start !== undefined && start > 0) throw new Error("the dispatcher died");
       return h.store.batchRolloutIds(id, start, stop);
     };
-    await expect(cancelBatch(dying, h.queues, batchId, Date.now(), () => 5_000)).rejects.toThrow("died");
+    await expect(cancelBatch(dying, h.queues, batchId, () => 5_000)).rejects.toThrow("died");
     expect(await h.store.cancelsBefore(6_000)).toContainEqual({ batchId, score: 5_000 });
     await h.store.cancelDone(batchId, 5_000);
   });

@@ -11,7 +11,6 @@ import { FailureKind, type StageName } from "@fleet/contracts";
 import {
   connectRedis,
   createAppLogging,
-  createKeys,
   fleetInstance,
   keepFleetInstance,
   logConnectionOutages,
@@ -111,7 +110,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     durable: (ok) => metrics.redisDurable.set(ok ? 1 : 0),
   });
   // Deadlines and timings on Redis's clock, whatever this host's says (`startRedisClock`).
-  const fleetClock = await startRedisClock(redis, { key: createKeys(config.prefix).clock(), logger });
+  const fleetClock = await startRedisClock(redis, { prefix: config.prefix, logger });
   // This deployment's id, on its sandboxes: another fleet with the same prefix (its own Redis) on
   // the same daemon is told apart by it.
   const instance = await fleetInstance(redis, config.prefix);

@@ -278,7 +278,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   await step("cancels", async () => {
     const grace = options.cancelGraceMs ?? DEFAULT_ADMISSION_GRACE_MS;
     for (const { batchId, score } of await deps.store.cancelsBefore(now - grace)) {
-      const cancelled = await cancelBatch(deps.store, deps.queues, batchId, now, () => clock(deps));
+      const cancelled = await cancelBatch(deps.store, deps.queues, batchId, () => clock(deps));
       // Only the note read: the walk above took its own away; one a live walker renewed stays.
       await deps.store.cancelDone(batchId, score);
       deps.logger.warn(
@@ -750,12 +750,7 @@ export async function startJanitor(
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
   let lastPassAt = Date.now();
   // Said once per 10 minutes: while a replica whose clock runs ahead lives, it comes back each check.
-  let farTickSaidAt = 0;
-  const farTickNews = () => {
-    if (Date.now() - farTickSaidAt < 600_000) return false;
-    farTickSaidAt = Date.now();
-    return true;
-  };
+  const farTickNews = freshErrors(600_000);
   // This replica's walk of the in-flight index for lost stage jobs, a page a pass.
   const lostJobCursor: LostJobCursor = options.lostJobCursor ?? { next: 0 };
   const staleAfterMs = STALE_SAMPLE_INTERVALS * options.intervalMs;
@@ -788,7 +783,7 @@ export async function startJanitor(
             // from this clock.
             const next = found.next ?? 0;
             if (next - Date.now() <= 2 * options.intervalMs) return;
-            if (farTickNews()) {
+            if (farTickNews("far tick")) {
               deps.logger.warn(
                 { scheduler: JANITOR_SCHEDULER, nextInMs: next - Date.now() },
                 "the janitor's next pass was scheduled far ahead (by a host whose clock runs ahead?); scheduling it again from this host's clock",

@@ -14,6 +14,17 @@ function loggerInto(lines: string[], level: "info" | "warn") {
   return createLogger({ name: "test", level, destination: { write: (l: string) => lines.push(l) } });
 }
 
+/** A no-op agent whose run ends once `opened` settles (the verify it leads to waits for the test's set-up). */
+function agentDoneOnceOpen(opened: Promise<void>): NonNullable<PipelineDeps["createHarness"]> {
+  return (agent) => ({
+    name: agent.harness,
+    run: async () => {
+      await opened;
+      return { exec: execResult(), answer: null, transcript: null, usage: null };
+    },
+  });
+}
+
 describe("stage workers at a concurrency above ten", () => {
   let fleet: InProcessFleet | undefined;
   const warnings: Error[] = [];
@@ -86,13 +97,7 @@ describe("stage workers at a concurrency above ten", () => {
       deps: {
         ...NO_OP_AGENT_AND_VERIFIER,
         logger: loggerInto(lines, "info"),
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: async () => {
-            await noted.opened;
-            return { exec: execResult(), answer: null, transcript: null, usage: null };
-          },
-        }),
+        createHarness: agentDoneOnceOpen(noted.opened),
       },
     });
     const { store, queues } = fleet.deps;
@@ -138,13 +143,7 @@ describe("stage workers at a concurrency above ten", () => {
       deps: {
         ...NO_OP_AGENT_AND_VERIFIER,
         now: fleetNow,
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: async () => {
-            await noted.opened;
-            return { exec: execResult(), answer: null, transcript: null, usage: null };
-          },
-        }),
+        createHarness: agentDoneOnceOpen(noted.opened),
       },
     });
     const { store, queues } = fleet.deps;

@@ -70,7 +70,8 @@ export const BATCH_PAGE = 500;
  * still being admitted has its later rollouts recorded cancelled (they stop at their seed; not
  * in the count).
  *
- * The walk is noted in Redis (`Keys.cancelling`), dated by `clock` at its start and at each page,
+ * The walk is noted in Redis (`Keys.cancelling`), dated by `clock` (the fleet's) at its start,
+ * which is also the cancels' time, and at each page,
  * and the note goes when it is done: a walk cut short (its dispatcher died) leaves its note to
  * age, and the janitor walks the batch again (`resumeCancels`). Walking twice changes nothing.
  */
@@ -78,12 +79,12 @@ export async function cancelBatch(
   store: RolloutStore,
   queues: StageQueues,
   batchId: string,
-  now: number,
   clock: () => number = Date.now,
 ): Promise<number | null> {
   // First: a rollout recorded after this is cancelled as it is recorded; one recorded before is
   // in the list walked below.
-  let noted = clock();
+  const now = clock();
+  let noted = now;
   if (!(await store.cancelBatchAdmission(batchId, noted))) return null;
   let cancelled = 0;
   for (let start = 0; ; start += BATCH_PAGE) {

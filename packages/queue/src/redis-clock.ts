@@ -1,4 +1,5 @@
 import type { RedisConnection } from "./connection.ts";
+import { createKeys } from "./keys.ts";
 
 /**
  * The fleet's clock: Redis's (`TIME`), read through this process's own clock and the offset
@@ -60,13 +61,13 @@ async function measure(redis: RedisConnection, key: string): Promise<number> {
 export async function startRedisClock(
   redis: RedisConnection,
   options: {
-    /** A key of the fleet's (its prefix's slot): TIME is read on the node that holds it. @defaultValue `{fleet}:x:clock` */
-    key?: string;
+    /** The fleet's key prefix: TIME is read on the node that holds its slot. @defaultValue `{fleet}` */
+    prefix?: string;
     resyncMs?: number;
     logger?: { warn(obj: object, msg: string): void };
   } = {},
 ): Promise<FleetClock> {
-  const key = options.key ?? "{fleet}:x:clock";
+  const key = createKeys(options.prefix).clock();
   // Redis gone again since the app saw it up: this host's clock until the next measure.
   let offset = await measure(redis, key).catch(() => 0);
   let said: number | null = null;

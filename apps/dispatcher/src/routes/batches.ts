@@ -91,7 +91,7 @@ export function registerBatchRoutes(app: FastifyInstance, ctx: RouteContext): vo
   app.post("/v1/batches/:id/cancel", async (req, reply) => {
     const id = idParam(req.params, "batch");
     requireJsonIfBody(req);
-    const cancelled = await cancelBatch(store, queues, id, ctx.now(), ctx.now);
+    const cancelled = await cancelBatch(store, queues, id, ctx.now);
     if (cancelled === null) throw notFound("batch", id);
     req.log.info({ batchId: id, cancelled }, "batch cancel requested");
     return reply.code(202).send({ batchId: id, cancelled });
