@@ -163,6 +163,35 @@ describe("the Redis TLS files (FLEET_REDIS_TLS_*)", () => {
     expect(connectionErrorFields(withCode("ECONNREFUSED"))).toEqual({ err: "ECONNREFUSED" });
   });
 
+  it("a traditional encrypted key under many wrong passphrases is always said to be the passphrase's fault: one in 256 passes CBC's padding check and fails as a key that does not decode (a CI run saw it)", () => {
+    const dir = mkdtempSync(join(tmpdir(), "fleet-key-"));
+    try {
+      const certs = makeTestCertificates(dir);
+      const encrypted = encryptTestKey(
+        certs.clientKeyFile,
+        join(dir, "client.key"),
+        "correct horse battery",
+        {
+          traditional: true,
+        },
+      );
+      const file = join(dir, "wrong");
+      for (let i = 0; i < 2000; i++) {
+        writeFileSync(file, `wrong passphrase ${i}\n`);
+        expect(() =>
+          readRedisTls({
+            redisTlsCaFile: null,
+            redisTlsCertFile: certs.clientCertFile,
+            redisTlsKeyFile: encrypted,
+            redisTlsKeyPassphraseFile: file,
+          }),
+        ).toThrow(/^FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE: the passphrase in ".*wrong" does not open the key/);
+      }
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
+  });
+
   it("an encrypted key opens with FLEET_REDIS_TLS_KEY_PASSPHRASE_FILE's first line; without it, or with a wrong one, the start is refused; both are secrets", () => {
     const dir = mkdtempSync(join(tmpdir(), "fleet-key-"));
     try {

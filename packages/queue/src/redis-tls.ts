@@ -131,7 +131,10 @@ function readAndCheckFiles(config: RedisTlsFiles): RedisTls {
   if (keyObject === null) {
     const code = (failure as { code?: unknown } | null)?.code;
     const where = JSON.stringify(keyFile);
-    if (!PEM_ENCRYPTED_KEY.test(key) || code !== "ERR_OSSL_BAD_DECRYPT")
+    // An encrypted key that a wrong (or no) passphrase does not open fails as a bad decrypt,
+    // or, when the wrong key happens to pass the padding check (1 in 256 for CBC), as garbage
+    // that does not decode: either way a passphrase matter, unless OpenSSL lacks the cipher.
+    if (!PEM_ENCRYPTED_KEY.test(key) || code === "ERR_OSSL_EVP_UNSUPPORTED")
       throw new Error(
         `FLEET_REDIS_TLS_KEY_FILE: ${where}: its private key cannot be read: ${messageOf(failure)}${
           code === "ERR_OSSL_EVP_UNSUPPORTED"
