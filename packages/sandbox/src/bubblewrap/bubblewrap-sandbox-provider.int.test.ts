@@ -13,7 +13,7 @@ import {
 import { mkdir, mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir } from "node:os";
-import { join } from "node:path";
+import { dirname, join } from "node:path";
 import { promisify } from "node:util";
 import type { SandboxHandle, SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
@@ -1076,6 +1076,47 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       ).toEqual([[made[0]!.id, true]]);
       expect(readdirSync(stateDir).filter((f) => f.endsWith(".tmp"))).toEqual([]);
     }
+  });
+
+  it("a create whose directory a newer create removed between its ownership check and its bwrap's start fails as taken over, not on its missing log", async () => {
+    // The interleaving CI once hit with two creates at once: the loser writes its state as its
+    // own, the winner then takes the name and removes the loser's directory as a dead leftover,
+    // and the loser opens its bwrap log in a directory that is gone.
+    const s = spec();
+    const name = sandboxName(s.rolloutId, s.owner, RUN);
+    const path = join(stateDir, `${name}.json`);
+    type State = { id: string; name: string; workspaceDir: string };
+    const internals = provider as unknown as { writeState(state: State): Promise<void> };
+    const writeState = internals.writeState.bind(provider);
+    let writes = 0;
+    let dir = "";
+    internals.writeState = async (state: State) => {
+      await writeState(state);
+      // Its second write (the one just before bwrap starts), then the newer create's.
+      if (state.name === name && ++writes === 2) {
+        dir = dirname(state.workspaceDir);
+        rmSync(dir, { recursive: true, force: true });
+        writeFileSync(path, JSON.stringify({ ...state, id: randomUUID(), cgroups: [] }));
+      }
+    };
+    let failure: unknown;
+    try {
+      await provider.create(s).then(
+        (h) => live.push(h),
+        (err: unknown) => {
+          failure = err;
+        },
+      );
+    } finally {
+      internals.writeState = writeState;
+    }
+    expect(writes).toBe(2);
+    expect(failure).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    expect((failure as Error).message).toBe(`sandbox ${name} was taken over while it started`);
+    // The newer create's state is left in place; nothing of the loser's is left behind.
+    expect(existsSync(path)).toBe(true);
+    expect(existsSync(dir)).toBe(false);
+    rmSync(path);
   });
 
   /** Host pids of every process in a sandbox's PID namespace (its PID 1's, read from its state). */

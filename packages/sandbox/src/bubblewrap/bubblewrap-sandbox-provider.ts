@@ -389,6 +389,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       stillOurs(await this.readState(name));
       await this.writeState(state);
     } catch (err) {
+      // A newer create (or a destroy) that took the name removes this one's directory as a dead
+      // leftover: what failed then (its bwrap log, its workspace) failed for that, and says so.
+      const takenOver = !isFleetError(err) && (await this.readState(name).catch(() => null))?.id !== id;
       await this.destroyState(state).catch((e: unknown) =>
         this.logger?.warn(
           { sandbox: name, err: String(e) },
@@ -396,6 +399,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         ),
       );
       if (isFleetError(err)) throw err;
+      if (takenOver) {
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `sandbox ${name} was taken over while it started`,
+          err,
+        );
+      }
       throw FleetError.retryable(
         "provider_unavailable",
         `sandbox ${name} failed to start: ${String(err)}`,
