@@ -348,6 +348,39 @@ describe("POST /v1/rollouts", () => {
     expect((await h.call({ method: "POST", url: "/v1/rollouts", payload: own })).statusCode).toBe(202);
   });
 
+  it("answers 422 for sandbox options over the operator's ceiling (FLEET_SANDBOX_MAX_*), naming the variable, and admits nothing of a batch with such a row", async () => {
+    const capped = await makeHarness({ FLEET_SANDBOX_MAX_MEMORY_MB: "2048", FLEET_SANDBOX_MAX_CPUS: "1.5" });
+    const over = { ...row, sandbox: { memoryMb: 4096, cpus: 2, pidsLimit: 4096 } };
+    const one = await capped.call({ method: "POST", url: "/v1/rollouts", payload: over });
+    const error = expectErrorBody(one, 422, "invalid");
+    expect(error.details).toEqual({
+      issues: [
+        {
+          path: "sandbox.memoryMb",
+          message: "asks for 4096, more than this fleet allows (FLEET_SANDBOX_MAX_MEMORY_MB=2048)",
+        },
+        {
+          path: "sandbox.cpus",
+          message: "asks for 2, more than this fleet allows (FLEET_SANDBOX_MAX_CPUS=1.5)",
+        },
+      ],
+    });
+    const batch = await capped.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: { rollouts: [row, over] },
+    });
+    expect(expectErrorBody(batch, 422, "invalid").details).toMatchObject({
+      index: 1,
+      issues: [{ path: "rollouts[1].sandbox.memoryMb" }, { path: "rollouts[1].sandbox.cpus" }],
+    });
+    expect(await capped.store.inflightCount()).toBe(0);
+    // At the ceiling, and on a dispatcher without one, it is admitted.
+    const at = { ...row, sandbox: { memoryMb: 2048, cpus: 1.5 } };
+    expect((await capped.call({ method: "POST", url: "/v1/rollouts", payload: at })).statusCode).toBe(202);
+    expect((await h.call({ method: "POST", url: "/v1/rollouts", payload: over })).statusCode).toBe(202);
+  });
+
   it("answers 422 for a task whose tests/test.sh runs nothing (every agent would pass)", async () => {
     const res = await h.call({
       method: "POST",

@@ -19,7 +19,8 @@ import { formatPath, type Issue } from "./zod-issues.ts";
 export interface SubmitDeps {
   store: RolloutStore;
   queues: StageQueues;
-  config: Pick<DispatcherConfig, "maxBacklog" | "maxTaskBytes">;
+  config: Pick<DispatcherConfig, "maxBacklog" | "maxTaskBytes"> &
+    Partial<Pick<DispatcherConfig, "sandboxCeiling">>;
   now: () => number;
   /**
    * How long an admission's backlog reservation outlives its last refresh (it is refreshed every
@@ -152,6 +153,7 @@ export async function submit(
       { requests: parsed.requests, batch: options.batch, idempotencyKey, serialized },
       {
         maxTaskBytes: config.maxTaskBytes,
+        ...(config.sandboxCeiling ? { sandboxCeiling: config.sandboxCeiling } : {}),
         now: deps.now(),
         beforeRecord: reserve,
         // Recorded, they count as in flight: the room goes back now, not once their seeds are in.

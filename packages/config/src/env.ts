@@ -17,6 +17,16 @@ export function intVar(min: number, max: number, message?: string) {
     .pipe(z.number().int().min(min, range).max(max, range));
 }
 
+/** A decimal number from an env string (`1`, `2.5`, `.5`), within `[min, max]`. */
+export function numberVar(min: number, max: number, message: string) {
+  return z
+    .string()
+    .trim()
+    .regex(/^(?:\d+(?:\.\d*)?|\.\d+)$/, message)
+    .transform(Number)
+    .pipe(z.number().min(min, message).max(max, message));
+}
+
 /** A TCP port; `0` asks the OS for a free one. */
 export const portVar = () => intVar(0, 65_535, "must be a port number from 0 to 65535");
 

@@ -35,6 +35,7 @@ describe("DispatcherConfig", () => {
       maxBodyBytes: 32 * 1024 * 1024,
       maxJsonBatchBytes: 2 * 1024 * 1024,
       requestTimeoutMs: 300_000,
+      sandboxCeiling: {},
     });
   });
 
@@ -57,6 +58,7 @@ describe("DispatcherConfig", () => {
       FLEET_MAX_BODY_BYTES: "65536",
       FLEET_MAX_JSON_BATCH_BYTES: "4096",
       FLEET_HTTP_REQUEST_TIMEOUT_MS: "45000",
+      FLEET_SANDBOX_MAX_MEMORY_MB: "4096",
     });
     expect(cfg).toEqual({
       redisUrl: "rediss://r.example:6380/2",
@@ -78,6 +80,7 @@ describe("DispatcherConfig", () => {
       maxBodyBytes: 65536,
       maxJsonBatchBytes: 4096,
       requestTimeoutMs: 45_000,
+      sandboxCeiling: { memoryMb: 4096 },
     });
   });
 
@@ -415,6 +418,40 @@ describe("WorkerConfig", () => {
       credentialsFile: "/run/secrets/fleet.json",
       workerId: "verifier-7",
     });
+  });
+
+  it("reads the sandbox ceiling (FLEET_SANDBOX_MAX_*) alike in workers and the dispatcher: none by default, never below the sandbox default", () => {
+    const env = {
+      FLEET_SANDBOX_MAX_MEMORY_MB: "8192",
+      FLEET_SANDBOX_MAX_CPUS: "2.5",
+      FLEET_SANDBOX_MAX_PIDS: "1024",
+      FLEET_SANDBOX_MAX_DISK_MB: "4096",
+      FLEET_SANDBOX_MAX_TMPFS_MB: "512",
+    };
+    const ceiling = { memoryMb: 8192, cpus: 2.5, pidsLimit: 1024, diskMb: 4096, tmpfsMb: 512 };
+    for (const parse of [
+      (e: Record<string, string>) => parseWorkerConfig("resources", e),
+      (e: Record<string, string>) => parseConfig(DispatcherConfig, e),
+    ]) {
+      expect(parse({}).sandboxCeiling).toEqual({});
+      expect(parse(env).sandboxCeiling).toEqual(ceiling);
+      expect(parse({ FLEET_SANDBOX_MAX_CPUS: "1" }).sandboxCeiling).toEqual({ cpus: 1 });
+      // Below what a task asking nothing gets (every sandbox would be over it), or not a number.
+      const low = errorOf(() =>
+        parse({ FLEET_SANDBOX_MAX_MEMORY_MB: "512", FLEET_SANDBOX_MAX_CPUS: "lots" }),
+      );
+      expect(low.issues.map((i) => i.variable)).toEqual([
+        "FLEET_SANDBOX_MAX_MEMORY_MB",
+        "FLEET_SANDBOX_MAX_CPUS",
+      ]);
+      expect(low.message).toContain(
+        "FLEET_SANDBOX_MAX_MEMORY_MB: must be a whole number from 1024 (the sandbox default, which a task asking nothing gets) to 65536",
+      );
+      expect(low.message).toContain("FLEET_SANDBOX_MAX_CPUS: must be a number from 1 (the sandbox default");
+      expect(() => parse({ FLEET_SANDBOX_MAX_PIDS: "2.5" })).toThrow(
+        /FLEET_SANDBOX_MAX_PIDS: must be a whole number/,
+      );
+    }
   });
 
   it("refuses bubblewrap without FLEET_BWRAP_ROOTFS, in workers and the janitor, naming the variable", () => {

@@ -1,4 +1,9 @@
-import { ProviderName } from "@fleet/contracts";
+import {
+  DEFAULT_SANDBOX_SIZES,
+  ProviderName,
+  SANDBOX_CEILING_VARS,
+  type SandboxCeiling,
+} from "@fleet/contracts";
 import { z } from "zod";
 import {
   apiTokensVar,
@@ -7,6 +12,7 @@ import {
   durationMsVar,
   intVar,
   LogLevel,
+  numberVar,
   portVar,
   redisUrlVar,
   urlVar,
@@ -110,7 +116,36 @@ const common = {
   FLEET_REDIS_TLS_RELOAD_MS: durationMsVar(100).default(60_000),
 };
 
+/**
+ * The most a task's `sandbox` options may ask (each unset: the request schema's own bound). The
+ * dispatcher refuses a request over one with a 422; a worker fails a rollout over its own (one
+ * admitted by a dispatcher configured otherwise) as `invalid_task`, before it makes a sandbox. At
+ * least the sandbox's default, which every sandbox gets when its task asks nothing.
+ */
+const ceilingVar = (key: keyof typeof SANDBOX_CEILING_VARS, max: number, whole = true) => {
+  const min = DEFAULT_SANDBOX_SIZES[key];
+  const message = `must be a ${whole ? "whole " : ""}number from ${min} (the sandbox default, which a task asking nothing gets) to ${max}`;
+  return (whole ? intVar(min, max, message) : numberVar(min, max, message)).optional();
+};
+const ceiling = {
+  [SANDBOX_CEILING_VARS.memoryMb]: ceilingVar("memoryMb", 65_536),
+  [SANDBOX_CEILING_VARS.cpus]: ceilingVar("cpus", 64, false),
+  [SANDBOX_CEILING_VARS.pidsLimit]: ceilingVar("pidsLimit", 32_768),
+  [SANDBOX_CEILING_VARS.diskMb]: ceilingVar("diskMb", 1_048_576),
+  [SANDBOX_CEILING_VARS.tmpfsMb]: ceilingVar("tmpfsMb", 65_536),
+} as const;
+
+function ceilingConfig(e: Record<string, unknown>): SandboxCeiling {
+  const out: SandboxCeiling = {};
+  for (const [key, name] of Object.entries(SANDBOX_CEILING_VARS) as [keyof SandboxCeiling, string][]) {
+    const value = e[name];
+    if (typeof value === "number") out[key] = value;
+  }
+  return out;
+}
+
 const sandbox = {
+  ...ceiling,
   FLEET_SANDBOX_PROVIDER: z
     .string()
     .trim()
@@ -235,6 +270,7 @@ function sandboxAndMetricsConfig(e: z.output<z.ZodObject<typeof sandbox & typeof
     dockerHost: e.DOCKER_HOST || null,
     dockerCertPath: e.DOCKER_CERT_PATH || null,
     providerWaitMs: e.FLEET_PROVIDER_WAIT_MS,
+    sandboxCeiling: ceilingConfig(e),
     metricsPort: e.FLEET_METRICS_PORT ?? null,
     metricsHost: e.FLEET_METRICS_HOST,
   };
@@ -252,6 +288,7 @@ export const DispatcherConfig = z
     FLEET_MAX_BODY_BYTES: intVar(1024, 1024 * 1024 * 1024).optional(),
     FLEET_MAX_JSON_BATCH_BYTES: intVar(1024, 1024 * 1024 * 1024).default(DEFAULT_MAX_JSON_BATCH_BYTES),
     FLEET_HTTP_REQUEST_TIMEOUT_MS: durationMsVar(1000).default(DEFAULT_HTTP_REQUEST_TIMEOUT_MS),
+    ...ceiling,
   })
   .superRefine(redisTlsNeedsTls)
   .transform((e) => ({
@@ -264,6 +301,7 @@ export const DispatcherConfig = z
     maxBodyBytes: e.FLEET_MAX_BODY_BYTES ?? defaultMaxBodyBytes(e.FLEET_MAX_TASK_BYTES),
     maxJsonBatchBytes: e.FLEET_MAX_JSON_BATCH_BYTES,
     requestTimeoutMs: e.FLEET_HTTP_REQUEST_TIMEOUT_MS,
+    sandboxCeiling: ceilingConfig(e),
   }));
 
 /**

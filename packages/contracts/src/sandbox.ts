@@ -25,6 +25,53 @@ export const SandboxOptions = z.strictObject({
 });
 export type SandboxOptions = z.infer<typeof SandboxOptions>;
 
+/**
+ * What a sandbox gets of each limit its task's `sandbox` options leave unset (the providers'
+ * hardened defaults, `DEFAULT_SANDBOX_LIMITS` in @fleet/sandbox).
+ */
+export const DEFAULT_SANDBOX_SIZES = Object.freeze({
+  memoryMb: 1024,
+  cpus: 1,
+  pidsLimit: 256,
+  tmpfsMb: 256,
+  diskMb: 1024,
+});
+
+/**
+ * The operator's ceiling on what a task's `sandbox` options may ask, per option, and the variable
+ * that sets it (dispatcher and workers read the same ones). Unset: the schema's own bound.
+ */
+export const SANDBOX_CEILING_VARS = Object.freeze({
+  memoryMb: "FLEET_SANDBOX_MAX_MEMORY_MB",
+  cpus: "FLEET_SANDBOX_MAX_CPUS",
+  pidsLimit: "FLEET_SANDBOX_MAX_PIDS",
+  diskMb: "FLEET_SANDBOX_MAX_DISK_MB",
+  tmpfsMb: "FLEET_SANDBOX_MAX_TMPFS_MB",
+});
+export type SandboxCeiling = Partial<Record<keyof typeof SANDBOX_CEILING_VARS, number>>;
+
+/**
+ * Each option of `options` that asks for more than `ceiling` allows, with what it asks, the
+ * ceiling and the variable that sets it. Empty when within it.
+ */
+export function sandboxOverCeiling(
+  options: SandboxOptions | undefined,
+  ceiling: SandboxCeiling,
+): { path: string; message: string }[] {
+  const over: { path: string; message: string }[] = [];
+  for (const key of Object.keys(SANDBOX_CEILING_VARS) as (keyof SandboxCeiling)[]) {
+    const asked = options?.[key];
+    const max = ceiling[key];
+    if (asked !== undefined && max !== undefined && asked > max) {
+      over.push({
+        path: `sandbox.${key}`,
+        message: `asks for ${asked}, more than this fleet allows (${SANDBOX_CEILING_VARS[key]}=${max})`,
+      });
+    }
+  }
+  return over;
+}
+
 /** Everything a provider needs to create a sandbox. */
 export const SandboxSpec = z.strictObject({
   image: z.string().min(1),

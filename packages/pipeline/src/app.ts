@@ -7,7 +7,7 @@ import {
   type WorkerKind,
   warnUnknownVariables,
 } from "@fleet/config";
-import { FailureKind, type StageName } from "@fleet/contracts";
+import { FailureKind, type SandboxCeiling, type StageName } from "@fleet/contracts";
 import {
   connectRedis,
   createAppLogging,
@@ -75,6 +75,8 @@ interface Common {
   dockerHost: string | null;
   dockerCertPath: string | null;
   providerWaitMs: number;
+  /** `FLEET_SANDBOX_MAX_*`: the most a task's sandbox options may ask here. */
+  sandboxCeiling?: SandboxCeiling;
   metricsPort: number | null;
   metricsHost: string;
 }
@@ -141,6 +143,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     metrics,
     workerId,
     now: fleetClock.now,
+    ...(config.sandboxCeiling ? { sandboxCeiling: config.sandboxCeiling } : {}),
     ...(config.gatewayMaxCallsPerMinute ? { gatewayMaxCallsPerMinute: config.gatewayMaxCallsPerMinute } : {}),
     // Sealed per-rollout networks for agents that get a model (needs root/NET_ADMIN and a local daemon).
     networks:

@@ -1,4 +1,4 @@
-import type { AgentSpec } from "@fleet/contracts";
+import type { AgentSpec, SandboxCeiling } from "@fleet/contracts";
 import type { Harness, HarnessDeps } from "@fleet/harness";
 import type { RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import type { GatewayNetwork, SandboxProvider } from "@fleet/sandbox";
@@ -46,6 +46,8 @@ export interface PipelineDeps {
   intentGraceMs?: number;
   /** How long a sandbox is watched for its removal after an in-sandbox error (`SANDBOX_SETTLE_MS`). */
   sandboxSettleMs?: number;
+  /** The most a task's `sandbox` options may ask on this worker (`FLEET_SANDBOX_MAX_*`). */
+  sandboxCeiling?: SandboxCeiling;
 }
 
 export function clock(deps: PipelineDeps): number {

@@ -2619,6 +2619,42 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.getResult(again!))?.teardown).toBe("confirmed");
   });
 
+  it("a rollout asking more of its sandbox than this worker's ceiling allows fails invalid_task, naming the option and the variable, before any sandbox is made", async () => {
+    // Admitted by a dispatcher configured otherwise (or before the ceiling was lowered).
+    const [id] = await fleet.submit([
+      { ...oracle(byId("hello-file")), sandbox: { memoryMb: 4096, cpus: 2 } },
+    ]);
+    let creates = 0;
+    const counting = Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+      create: (spec: Parameters<SandboxProvider["create"]>[0]) => {
+        creates++;
+        return fleet.deps.provider.create(spec);
+      },
+    });
+    const deps = { ...fleet.deps, provider: counting, sandboxCeiling: { memoryMb: 2048, cpus: 2 } };
+    await expect(runStageJob("seed", job(id!), deps)).rejects.toThrow(
+      "invalid_task: sandbox.memoryMb asks for 4096, more than this fleet allows (FLEET_SANDBOX_MAX_MEMORY_MB=2048)",
+    );
+    expect(creates).toBe(0);
+    await runStageJob("close", job(id!), deps);
+    const r = await fleet.deps.store.getResult(id!);
+    expect(r).toMatchObject({
+      status: "failed",
+      failureKind: "invalid_task",
+      stage: "seed",
+      teardown: "confirmed",
+    });
+    expect(r!.failures.map((f) => f.reason)).toEqual([
+      "sandbox.memoryMb asks for 4096, more than this fleet allows (FLEET_SANDBOX_MAX_MEMORY_MB=2048)",
+    ]);
+
+    // At the ceiling it runs.
+    const [ok] = await fleet.submit([{ ...oracle(byId("hello-file")), sandbox: { memoryMb: 2048 } }]);
+    for (const stage of ["seed", "run", "verify", "close"] as const) await runStageJob(stage, job(ok!), deps);
+    expect(await fleet.deps.store.getResult(ok!)).toMatchObject({ status: "completed", reward: 1 });
+    expect(creates).toBe(1);
+  });
+
   it("a seed that arrives after a close began is refused and creates no sandbox, while the close is under way as after it (rule 9)", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     let creates = 0;

@@ -15,6 +15,7 @@ import {
   runBudgetShortfall,
   type SandboxHandle,
   type StageName,
+  sandboxOverCeiling,
   type TaskContent,
   type Usage,
   usageOf,
@@ -176,6 +177,12 @@ async function createSandbox(
     mayReplace?: () => Promise<boolean>;
   } = {},
 ): Promise<{ handle: SandboxHandle; entry: SandboxEntry; createMs: number; reused: boolean } | null> {
+  // Over what this worker's operator allows a sandbox (a dispatcher configured otherwise admitted
+  // it): the task's, final, before anything is made.
+  const over = deps.sandboxCeiling ? sandboxOverCeiling(rec.meta.sandbox, deps.sandboxCeiling) : [];
+  if (over.length > 0) {
+    throw FleetError.nonRetryable("invalid_task", over.map((o) => `${o.path} ${o.message}`).join("; "));
+  }
   const now = clock(deps);
   const entry: SandboxEntry = {
     key: sandboxKey(rec.meta.id, owner),

@@ -6,6 +6,8 @@ import {
   type RolloutRequest,
   RUN_MARGIN_MS,
   runNeeds,
+  type SandboxCeiling,
+  sandboxOverCeiling,
   sha256Hex as sha256,
   stagedBytes,
   TaskContent,
@@ -37,6 +39,8 @@ export interface AdmissionOptions {
    * under the bound of their day, and its rest must stay admittable (no stricter bound since).
    */
   replay?: boolean;
+  /** The operator's ceiling on a request's `sandbox` options (`FLEET_SANDBOX_MAX_*`): over it, 422. */
+  sandboxCeiling?: SandboxCeiling;
 }
 
 export interface Admitted {
@@ -205,6 +209,22 @@ export async function prepareRollouts(
   const pace = eventLoopPacer();
   for (const [i, req] of requests.entries()) {
     await pace();
+    // Over what this fleet's operator allows a sandbox: a worker would fail it before making one.
+    // (A replay's rest was admitted under the ceiling of its day, as its deadlines were.)
+    const over =
+      options.sandboxCeiling && !options.replay
+        ? sandboxOverCeiling(req.sandbox, options.sandboxCeiling)
+        : [];
+    if (over.length > 0) {
+      throw new AdmissionError(
+        "invalid",
+        `rollout ${i}: ${over.map((o) => `${o.path} ${o.message}`).join("; ")}`,
+        {
+          index: i,
+          issues: over,
+        },
+      );
+    }
     let task: TaskContent;
     let digest: string;
     if ("digest" in req.task) {

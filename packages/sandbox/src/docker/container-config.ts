@@ -1,5 +1,5 @@
 import { createHash } from "node:crypto";
-import type { SandboxSpec } from "@fleet/contracts";
+import { DEFAULT_SANDBOX_SIZES, type SandboxSpec } from "@fleet/contracts";
 import type Dockerode from "dockerode";
 import { parseNumericUser } from "../exec-command.ts";
 import {
@@ -54,12 +54,8 @@ export interface SandboxLimits {
 }
 
 export const DEFAULT_SANDBOX_LIMITS: Readonly<SandboxLimits> = Object.freeze({
-  memoryMb: 1024,
-  cpus: 1,
-  pidsLimit: 256,
-  tmpfsMb: 256,
+  ...DEFAULT_SANDBOX_SIZES,
   readOnlyRoot: true,
-  diskMb: 1024,
 });
 
 /**
