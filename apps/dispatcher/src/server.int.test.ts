@@ -7,6 +7,7 @@ import {
   admit,
   BATCH_PAGE,
   batchIdFor,
+  CANCEL_CONCURRENCY,
   cancelBatch,
   cancelRollout,
   createRedis,
@@ -1768,6 +1769,23 @@ describe("cancel", () => {
     }
     expect(await h.queues.queues.close.getJob(`${rolloutIds[0]}.close`)).toBeUndefined();
     // The walk is done: nothing is left for the janitor to walk again.
+    expect(await redis.zscore(h.store.keys.cancelling(), batchId)).toBeNull();
+  });
+
+  it("a batch cancel goes past a rollout whose record cannot be read: the rest are stopped and closed, and that one too", async () => {
+    const rows = Array.from({ length: CANCEL_CONCURRENCY + 50 }, () => row);
+    const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: rows } });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    const torn = rolloutIds[5]!;
+    await redis.hset(h.store.keys.rollout(torn), "meta", "{not json");
+    const cancel = await h.call({ method: "POST", url: `/v1/batches/${batchId}/cancel` });
+    expect(cancel.statusCode, cancel.body).toBe(202);
+    expect(cancel.json()).toEqual({ batchId, cancelled: rows.length });
+    for (const id of rolloutIds) {
+      expect(await h.queues.queues.close.getJob(`${id}.close`), id).toBeDefined();
+      if (id !== torn) expect((await h.store.get(id))?.failure?.failureKind, id).toBe("cancelled");
+    }
+    expect(await redis.hget(h.store.keys.rollout(torn), "cancel")).toBe("1");
     expect(await redis.zscore(h.store.keys.cancelling(), batchId)).toBeNull();
   });
 

@@ -1,5 +1,5 @@
 import { isTerminal, type RolloutStatus, Stage, stageAfter } from "@fleet/contracts";
-import type { RolloutStore } from "./rollout-store.ts";
+import { type RolloutRecord, type RolloutStore, UnreadableRecordError } from "./rollout-store.ts";
 import type { StageQueues } from "./stage-queues.ts";
 
 export type CancelOutcome =
@@ -30,7 +30,7 @@ export async function cancelRollout(
   const previous = await store.requestCancel(id);
   if (previous === null) return { kind: "unknown" };
   if (isTerminal(previous)) return { kind: "terminal", status: previous };
-  const record = await store.get(id);
+  const record = await readable(store, id);
   const won = await store.recordFailure(
     id,
     {
@@ -47,7 +47,7 @@ export async function cancelRollout(
   if (won) return { kind: "cancelling", previous };
   // Not recorded: the rollout finished meanwhile (its own close won), or another terminal
   // failure came first and decides how it ends (a repeated cancel finds its own).
-  const current = await store.get(id);
+  const current = await readable(store, id);
   if (current && isTerminal(current.status)) return { kind: "terminal", status: current.status };
   const failureKind = current?.failure?.failureKind;
   if (failureKind === "cancelled") return { kind: "cancelling", previous };
@@ -57,6 +57,19 @@ export async function cancelRollout(
   // record never landed, this one repeating it): close read the claim and ends it cancelled.
   if (!graded && current?.cancelRequested) return { kind: "cancelling", previous };
   return { kind: "closing", previous, graded };
+}
+
+/**
+ * A rollout's record, or null when it cannot be read: such a rollout is still stopped and closed
+ * (the watchdog sets it aside at its deadline), and a batch's cancel goes on to the rest.
+ */
+async function readable(store: RolloutStore, id: string): Promise<RolloutRecord | null> {
+  try {
+    return await store.get(id);
+  } catch (err) {
+    if (err instanceof UnreadableRecordError) return null;
+    throw err;
+  }
 }
 
 /** How many cancels of one batch run at once (each is a few Redis round trips). */
