@@ -22,11 +22,13 @@ import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/
 import { Queue, Worker } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import {
+  CLOSE_DELAY_LIMIT_MS,
   JANITOR_SCHEDULER,
   janitorTick,
   REPORTED_ENTRY_FAILURES,
   STALE_HELPER_MS,
   startJanitor,
+  WATCHDOG_PAGE,
 } from "./janitor.ts";
 import { requeueLostJobs } from "./lost-jobs.ts";
 import { runStageJob } from "./stage-runner.ts";
@@ -921,6 +923,74 @@ describe("janitor", () => {
       status: "masked",
       failureKind: "deadline_exceeded",
     });
+  });
+
+  it("an overdue rollout whose close was delayed far past any retry's backoff (by hand) has it promoted, its reward kept; a close delayed within a backoff is left to it", async () => {
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const [far, near] = (await fleet.submit([
+      { task, agent: { harness: "oracle" } },
+      { task, agent: { harness: "oracle" } },
+    ])) as [string, string];
+    const close = fleet.deps.queues.queues.close;
+    for (const [id, delay] of [
+      [far, 10 * 365 * 86_400_000],
+      [near, CLOSE_DELAY_LIMIT_MS - 60_000],
+    ] as const) {
+      for (const stage of ["seed", "run", "verify"] as const) {
+        expect(await runStageJob(stage, job(id), fleet.deps)).toBe("ok");
+      }
+      // As a retry's backoff leaves it, then delayed again by an operator (Bull Board, BullMQ).
+      await (await close.getJob(`${id}.close`))!.remove();
+      const delayed = await close.add("close", { rolloutId: id }, { jobId: `${id}.close`, delay: 1_000 });
+      await delayed.changeDelay(delay);
+    }
+    const later = { ...fleet.deps, now: () => Date.now() + 7_200_000 };
+    const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
+    expect(report.errors).toEqual([]);
+    expect(report.closesPromoted).toBe(1);
+    expect(report.watchdogClosed).toBe(0);
+    expect(await (await close.getJob(`${far}.close`))!.getState()).toBe("waiting");
+    expect(await (await close.getJob(`${near}.close`))!.getState()).toBe("delayed");
+    expect(await runStageJob("close", job(far), fleet.deps)).toBe("ok");
+    expect(await fleet.deps.store.getResult(far)).toMatchObject({
+      status: "completed",
+      reward: 1,
+      teardown: "confirmed",
+    });
+    await (await close.getJob(`${near}.close`))!.promote();
+    expect(await runStageJob("close", job(near), fleet.deps)).toBe("ok");
+    expect(await fleet.deps.store.getResult(near)).toMatchObject({ status: "completed", reward: 1 });
+  });
+
+  it(`a page of overdue rollouts whose closes are queued does not hide a later overdue rollout from the watchdog: past the first ${WATCHDOG_PAGE}, a page a pass from a cursor`, async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    try {
+      const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+      const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+      // The first page's rollouts are the most overdue; the last one's deadline is later.
+      const ids = await own.submit([
+        ...Array.from({ length: WATCHDOG_PAGE }, () => ({
+          task,
+          agent: { harness: "oracle" as const },
+          deadlineS: 3600,
+        })),
+        { task, agent: { harness: "oracle" as const }, deadlineS: 3700 },
+      ]);
+      const last = ids[WATCHDOG_PAGE]!;
+      const later = { ...own.deps, now: () => Date.now() + 7_200_000 };
+      const opts = { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000, watchdogCursor: { next: 0 } };
+      // The first pass closes the first page (their closes then stay queued: no close worker).
+      const passes = [];
+      for (let i = 0; i < 2; i++) passes.push(await janitorTick(later, opts));
+      expect(passes.flatMap((p) => p.errors)).toEqual([]);
+      expect(passes.reduce((n, p) => n + p.watchdogClosed, 0)).toBe(WATCHDOG_PAGE + 1);
+      expect((await own.deps.store.get(last))!.failure?.failureKind).toBe("deadline_exceeded");
+      expect(await own.deps.queues.queues.close.getJob(`${last}.close`)).toBeDefined();
+    } finally {
+      await own.close();
+    }
   });
 
   it(`a rollout whose close keeps ending without finalizing gets ${CLOSE_AGAIN_LIMIT} closes from the watchdog, then the janitor closes it: its sandbox through the ledger, a graded reward kept`, async () => {

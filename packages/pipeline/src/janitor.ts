@@ -54,6 +54,8 @@ export interface JanitorOptions {
   lostJobGraceMs?: number;
   /** Where this replica's walk of the in-flight index for lost jobs is; one per janitor. */
   lostJobCursor?: LostJobCursor;
+  /** Where this replica's walk of the overdue rollouts is, past the most overdue page; one per janitor. */
+  watchdogCursor?: LostJobCursor;
   /**
    * Whether the sandbox provider answers (`watchProvider`): while it does not, a pass runs only
    * its Redis steps, and the orphan sweep's listing failing marks it down. Without one, every
@@ -89,6 +91,11 @@ export interface JanitorReport {
    */
   registryRetired: number;
   watchdogClosed: number;
+  /**
+   * Overdue rollouts whose close job was delayed past any retry's backoff (by hand:
+   * `changeDelay` in Bull Board or BullMQ) that this pass moved to run now (`CLOSE_DELAY_LIMIT_MS`).
+   */
+  closesPromoted: number;
   /**
    * Overdue rollouts whose record cannot be read (torn, or gone) that this pass took out of the
    * in-flight index into the unreadable one (`keys.unreadable()`), their record kept.
@@ -140,6 +147,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     expiredScheduled: 0,
     registryRetired: 0,
     watchdogClosed: 0,
+    closesPromoted: 0,
     setAside: 0,
     closedByJanitor: 0,
     admissionsFinished: 0,
@@ -211,9 +219,20 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // (4) Watchdog: rollouts past their deadline that no stage is closing. First: it needs only
   // Redis, and the steps below wait on the provider (a hung daemon answers each call only at
   // its timeout).
+  // The most overdue page every pass, and past it a page a pass from this replica's cursor:
+  // rollouts the watchdog leaves alone (their close queued) stay overdue, and a hundred of them
+  // at the front must not hide every later one from it for good.
   let overdue: string[] = [];
   await step("watchdog", async () => {
-    overdue = await deps.store.pastDeadline(now - (options.watchdogGraceMs ?? 30_000));
+    const before = now - (options.watchdogGraceMs ?? 30_000);
+    overdue = await deps.store.pastDeadline(before, WATCHDOG_PAGE);
+    if (overdue.length < WATCHDOG_PAGE) return;
+    const cursor = options.watchdogCursor ?? { next: WATCHDOG_PAGE };
+    if (cursor.next < WATCHDOG_PAGE) cursor.next = WATCHDOG_PAGE;
+    const later = await deps.store.pastDeadline(before, WATCHDOG_PAGE, cursor.next);
+    cursor.next = later.length < WATCHDOG_PAGE ? WATCHDOG_PAGE : cursor.next + later.length;
+    const first = new Set(overdue);
+    overdue.push(...later.filter((id) => !first.has(id)));
   });
   const watchdogSteps = entrySteps("watchdog");
   for (const id of overdue) {
@@ -228,6 +247,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         cause = err.message; // which field, for the operator who repairs it
       }
       if (done === "enqueued") report.watchdogClosed++;
+      if (done === "promoted") report.closesPromoted++;
       if (done === "closed") report.closedByJanitor++;
       if (done === "unreadable" || done === "gone") {
         // No pass can close it: left in flight it would hold one of the first overdue places
@@ -636,6 +656,16 @@ async function retireUnreadableEntry(
 /** Close states in which the close is still on its way: the watchdog leaves those alone. */
 const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", "waiting-children"]);
 
+/** Overdue rollouts the watchdog reads a page at a time (`pastDeadline`). */
+export const WATCHDOG_PAGE = 100;
+
+/**
+ * Longest a delayed close of an overdue rollout is left to wait: past every backoff of close's
+ * retries (at most 17 min) and every hold a worker puts on it. One delayed further was delayed
+ * by hand (`changeDelay` in Bull Board or BullMQ: ten years, say), and would never finalize.
+ */
+export const CLOSE_DELAY_LIMIT_MS = 20 * 60_000;
+
 /**
  * Close a rollout past its deadline that nothing is closing. One whose close job is queued,
  * delayed or running is left to it (a backed-up close queue is not a stuck rollout). Otherwise
@@ -650,14 +680,34 @@ async function watchdogClose(
   deps: PipelineDeps,
   id: string,
   now: number,
-): Promise<"enqueued" | "closed" | "gone" | null> {
+): Promise<"enqueued" | "closed" | "promoted" | "gone" | null> {
   const rec = await deps.store.get(id);
   // In flight with no record (its hash deleted by hand, or lost): nothing can close it.
   if (!rec) return "gone";
   if (isTerminal(rec.status)) return null;
   const closeJob = await deps.queues.queues.close.getJob(stageJobId(id, "close"));
   if (closeJob) {
-    if (CLOSE_UNDER_WAY.has(await closeJob.getState())) return null;
+    const state = await closeJob.getState();
+    if (state === "delayed") {
+      // When it is due, on the clock of whoever delayed it (this host's, near enough).
+      const dueAt = (await deps.queues.delayedUntil("close", id)) ?? 0;
+      if (dueAt > Date.now() + CLOSE_DELAY_LIMIT_MS) {
+        // Promoted, not replaced: it keeps its attempts, and a close already under way is not
+        // doubled. (Not delayed any more by the time of the promote: it ran or failed, fine.)
+        const promoted = await closeJob.promote().then(
+          () => true,
+          () => false,
+        );
+        if (promoted) {
+          deps.logger.warn(
+            { rolloutId: id, dueAt: new Date(dueAt).toISOString() },
+            "an overdue rollout's close was delayed far past any retry's backoff (by hand?): it runs now",
+          );
+          return "promoted";
+        }
+      }
+    }
+    if (CLOSE_UNDER_WAY.has(state)) return null;
     await closeJob.remove();
   }
   // Not over a claimed cancel (close composes `cancelled` from it), and only while the result is
@@ -753,6 +803,8 @@ export async function startJanitor(
   const farTickNews = freshErrors(600_000);
   // This replica's walk of the in-flight index for lost stage jobs, a page a pass.
   const lostJobCursor: LostJobCursor = options.lostJobCursor ?? { next: 0 };
+  // And of the overdue rollouts past the most overdue page.
+  const watchdogCursor: LostJobCursor = options.watchdogCursor ?? { next: WATCHDOG_PAGE };
   const staleAfterMs = STALE_SAMPLE_INTERVALS * options.intervalMs;
   // The same for its teardown ledger gauges: a stale oldest age over the threshold (the ledger
   // drained since, by another replica) would page FleetTeardownLedgerNotDraining, a max over all.
@@ -807,7 +859,7 @@ export async function startJanitor(
   const worker = new Worker(
     JANITOR_QUEUE,
     async () => {
-      const report = await janitorTick(deps, { ...options, lostJobCursor });
+      const report = await janitorTick(deps, { ...options, lostJobCursor, watchdogCursor });
       lastPassAt = Date.now();
       deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
       const did =
@@ -815,6 +867,7 @@ export async function startJanitor(
         report.orphansRemoved +
         report.volumesRemoved +
         report.watchdogClosed +
+        report.closesPromoted +
         report.closedByJanitor +
         report.setAside +
         report.registryRetired +

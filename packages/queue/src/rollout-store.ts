@@ -968,9 +968,9 @@ export class RolloutStore {
     return this.redis.zrange(this.keys.inflight(), String(start), String(start + count - 1));
   }
 
-  /** Non-terminal rollouts whose deadline passed before `before`. */
-  async pastDeadline(before: number, limit = 100): Promise<string[]> {
-    return this.redis.zrangebyscore(this.keys.inflight(), "-inf", before, "LIMIT", 0, limit);
+  /** Non-terminal rollouts whose deadline passed before `before`, most overdue first, from `offset`. */
+  async pastDeadline(before: number, limit = 100, offset = 0): Promise<string[]> {
+    return this.redis.zrangebyscore(this.keys.inflight(), "-inf", before, "LIMIT", offset, limit);
   }
 
   // ---- transitions ----

@@ -84,6 +84,17 @@ export class StageQueues {
     }
   }
 
+  /**
+   * When a delayed stage job of `rolloutId` is due (epoch ms, on the clock of whoever delayed it:
+   * BullMQ scores its delayed set by ms × 4096 plus an order), or null when it is not delayed.
+   */
+  async delayedUntil(stage: StageName, rolloutId: string): Promise<number | null> {
+    const queue = this.queues[stage];
+    const client = await queue.getBackend().client;
+    const score = await client.zscore(queue.keys.delayed!, stageJobId(rolloutId, stage));
+    return score === null ? null : Math.floor(Number(score) / 0x1000);
+  }
+
   /** Jobs not yet finished across all stage queues (for backpressure and metrics). */
   async counts(): Promise<Record<StageName, Record<string, number>>> {
     const entries = await Promise.all(
