@@ -16,7 +16,7 @@ import {
   gatewayNetworkName,
   LABEL_ROLLOUT,
 } from "@fleet/sandbox";
-import { InMemorySandboxProvider, MemoryGatewayFirewall } from "@fleet/sandbox/testing";
+import { execResult, InMemorySandboxProvider, MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
@@ -923,6 +923,57 @@ describe("janitor", () => {
       status: "masked",
       failureKind: "deadline_exceeded",
     });
+  });
+
+  it("a run whose agent runs longer than the lost-job grace is never taken for lost, though an operator obliterated its job: its heartbeat keeps the record fresh, one launch", async () => {
+    let launches = 0;
+    let release!: () => void;
+    const released = new Promise<void>((r) => {
+      release = r;
+    });
+    const own = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      deps: {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          async run({ signal }) {
+            launches++;
+            await new Promise<void>((resolve, reject) => {
+              signal?.addEventListener("abort", () => reject(signal.reason), { once: true });
+              void released.then(resolve);
+            });
+            return { exec: execResult(), answer: null, transcript: null, usage: null };
+          },
+        }),
+        verify: async () => ({ reward: 1, details: { kind: "test" } }),
+        stopPollMs: 50,
+        runBeatMs: 200,
+      },
+    });
+    try {
+      const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+      const task = suite.find((t) => t.id === "hello-file")!;
+      const [id] = await own.submit([{ task, agent: { harness: "oracle" } }]);
+      await vi.waitFor(() => expect(launches).toBe(1), { timeout: 10_000 });
+      // An operator force-obliterates the run queue while the agent runs.
+      await own.deps.queues.queues.run.obliterate({ force: true });
+      const grace = 1_000;
+      // The agent has run past the grace since its run began (the record's last stage stamp).
+      const runStart = (await own.deps.store.get(id!))!.times["run:start"]!;
+      await vi.waitFor(() => expect(Date.now() - runStart).toBeGreaterThan(grace + 500), { timeout: 5_000 });
+      const report = await janitorTick(own.deps, { orphanGraceMs: 3_600_000, lostJobGraceMs: grace });
+      expect(report.errors).toEqual([]);
+      expect(report.lostRequeued).toBe(0);
+      expect((await own.deps.store.get(id!))!.times["run:beat"]).toBeGreaterThan(runStart);
+      release();
+      const [result] = await own.waitForResults([id!]);
+      expect(result).toMatchObject({ status: "completed", reward: 1 });
+      expect(launches).toBe(1);
+      expect((await own.deps.store.get(id!))!.launches).toBe(1);
+    } finally {
+      release();
+      await own.close();
+    }
   });
 
   it("an overdue rollout whose close was delayed far past any retry's backoff (by hand) has it promoted, its reward kept; a close delayed within a backoff is left to it", async () => {

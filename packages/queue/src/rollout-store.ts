@@ -1258,6 +1258,15 @@ export class RolloutStore {
   }
 
   /**
+   * A live stage's heartbeat, `times["<stage>:beat"]`: the janitor's lost-job check
+   * (`requeueLostJobs`) takes a rollout whose record changed within its grace for one a delivery
+   * is working on. Not on a closed or gone rollout.
+   */
+  async beat(id: string, stage: StageName, at: number): Promise<boolean> {
+    return Number(await this.redis.fleetBeat(this.keys.rollout(id), `t:${stage}:beat`, String(at))) === 1;
+  }
+
+  /**
    * Whether a running launch may go on: `stop` when a cancel, a close or a stop claim came;
    * `lost` when another launch took the fence (this one's was handed to another worker
    * meanwhile, and only that one may still act on the sandbox or store a receipt);

@@ -714,6 +714,18 @@ const SCRIPTS = {
       if score and tonumber(score) == tonumber(ARGV[2]) then return redis.call('ZREM', KEYS[1], ARGV[1]) end
       return 0`,
   },
+  /**
+   * A live stage's heartbeat (ARGV: field, time): stamped on an open rollout only, never on a
+   * record gone (HSET would make a key of its own, without the record's TTL). Returns 1 if stamped.
+   */
+  fleetBeat: {
+    keys: 1,
+    lua: `
+      if not redis.call('HGET', KEYS[1], 'status') then return 0 end
+      if redis.call('HGET', KEYS[1], 'closed') == '1' then return 0 end
+      redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+      return 1`,
+  },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
   fleetCancel: {
     keys: 1,

@@ -241,6 +241,19 @@ describe("rollout store", () => {
     ).toBe(false);
   });
 
+  it("stamps a live stage's heartbeat on an open rollout only: never on a closed or gone one (no key of its own)", async () => {
+    const { ids } = await admitOne();
+    const id = ids[0]!;
+    expect(await store.beat(id, "run", 1234)).toBe(true);
+    expect((await store.get(id))!.times["run:beat"]).toBe(1234);
+    const gone = `gone-${id}`;
+    expect(await store.beat(gone, "run", 1234)).toBe(false);
+    expect(await redis.exists(store.keys.rollout(gone))).toBe(0);
+    await redis.hset(store.keys.rollout(id), "closed", "1");
+    expect(await store.beat(id, "run", 5678)).toBe(false);
+    expect((await store.get(id))!.times["run:beat"]).toBe(1234);
+  });
+
   it("keeps the first terminal failure and logs every failure, bounded", async () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
