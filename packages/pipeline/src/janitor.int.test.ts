@@ -976,6 +976,61 @@ describe("janitor", () => {
     }
   });
 
+  it("a verify that stores its grade after the watchdog recorded the deadline is refused: the record shows no reward the masked result does not report", async () => {
+    let grading!: () => void;
+    const graded = new Promise<void>((r) => {
+      grading = r;
+    });
+    let finish!: () => void;
+    const finished = new Promise<void>((r) => {
+      finish = r;
+    });
+    const own = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      startWorkers: false,
+      deps: {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => ({ exec: execResult(), answer: null, transcript: null, usage: null }),
+        }),
+        verify: async () => {
+          grading();
+          await finished;
+          return { reward: 1, details: { kind: "test" } };
+        },
+      },
+    });
+    try {
+      const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+      const task = suite.find((t) => t.id === "hello-file")!;
+      const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+      const [id] = (await own.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+      for (const stage of ["seed", "run"] as const)
+        expect(await runStageJob(stage, job(id), own.deps)).toBe("ok");
+      const verifying = runStageJob("verify", job(id), own.deps);
+      await graded;
+      // The watchdog's pass past the deadline while the tests still run (a verifier frozen past it).
+      const later = { ...own.deps, now: () => Date.now() + 7_200_000 };
+      const report = await janitorTick(later, { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 });
+      expect(report.watchdogClosed).toBe(1);
+      finish();
+      expect(await verifying).toBe("ok");
+      const rec = (await own.deps.store.get(id))!;
+      expect(rec.receipts.verify).toBeUndefined();
+      expect(rec.status).toBe("ran");
+      expect(rec.failure?.failureKind).toBe("deadline_exceeded");
+      expect(await runStageJob("close", job(id), own.deps)).toBe("ok");
+      expect(await own.deps.store.getResult(id)).toMatchObject({
+        status: "masked",
+        reward: null,
+        failureKind: "deadline_exceeded",
+      });
+    } finally {
+      finish();
+      await own.close();
+    }
+  });
+
   it("an overdue rollout whose close was delayed far past any retry's backoff (by hand) has it promoted, its reward kept; a close delayed within a backoff is left to it", async () => {
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };

@@ -442,6 +442,10 @@ const SCRIPTS = {
         return 0
       end
       if ARGV[8] ~= '1' and v[3] == '1' then return 0 end
+      -- A grade after a terminal failure (the watchdog's deadline, a cancel) is refused as a
+      -- grade before it refuses the failure (fleetSetField's mode 2): the failure decides the
+      -- result, and the record must not show a reward the result never reports.
+      if ARGV[1] == 'r:verify' and redis.call('HEXISTS', KEYS[1], 'failure') == 1 then return 0 end
       -- The receipt, the stage, its time and (when it moves) the status, in one write.
       if status ~= ARGV[3] then
         redis.call('HSET', KEYS[1], ARGV[1], ARGV[2], 'stage', ARGV[4], ARGV[5], ARGV[6], 'status', ARGV[3])
