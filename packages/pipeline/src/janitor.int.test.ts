@@ -44,6 +44,15 @@ const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
 const RUN = randomUUID().slice(0, 8);
 const docker = new DockerSandboxProvider({ scope: `janitor-test-${RUN}` });
 
+/** The example suite's hello-file task, on the test image. */
+async function helloFile() {
+  const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+  return { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+}
+
+/** A stage job of `id` as `runStageJob` takes it: a first attempt of three. */
+const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+
 describe("janitor", () => {
   let fleet: InProcessFleet;
   beforeAll(async () => {
@@ -157,8 +166,7 @@ describe("janitor", () => {
   });
 
   it("a slow or hung daemon holds up neither the deadline watchdog (it runs first) nor the pass (destroys stop at the budget)", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [overdue] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
     const at = Date.now() + 120_000;
     const stamp = Date.now();
@@ -289,9 +297,7 @@ describe("janitor", () => {
   });
 
   it("failure log rows this release cannot read (torn, or another release's kind) are left out: the rollout still closes, with the rows it can read", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const task = await helloFile();
     const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
     for (const stage of ["seed", "run", "verify"] as const) {
       expect(await runStageJob(stage, job(id), fleet.deps)).toBe("ok");
@@ -320,8 +326,7 @@ describe("janitor", () => {
   });
 
   it(`a rollout past its deadline whose stored data every close refuses (a receipt of another shape) is set aside after ${CLOSE_AGAIN_LIMIT} closes, not left in flight`, async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [string];
     const { store, queues } = fleet.deps;
     // Valid JSON that no result can be composed from: every close throws on it.
@@ -359,8 +364,7 @@ describe("janitor", () => {
   it("retires a registry entry that does not parse once its rollout is over past the grace period and nothing labelled with it is left: kept aside, its rollout's teardown confirmed", async () => {
     const { redis } = fleet;
     const { ledger, store } = fleet.deps;
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     // A rollout closed with a torn entry in the registry: its teardown is pending.
     const [closed] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [
       string,
@@ -584,8 +588,7 @@ describe("janitor", () => {
 
   it("removes a sandbox volume its container left (a destroy cut off between the two) once its rollout is over or unknown past the grace period; never one a container uses, nor a live rollout's", async () => {
     const uncapped = new DockerSandboxProvider({ scope: `janitor-test-${RUN}`, defaults: { diskMb: null } });
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [liveId] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [
       string,
     ];
@@ -639,8 +642,7 @@ describe("janitor", () => {
   });
 
   it("removes a sandbox whose fleet.expires passed, even for a live rollout", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     // No workers run: the rollout stays `accepted`, well before its deadline.
     const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
     const handle = await docker.create({
@@ -657,14 +659,12 @@ describe("janitor", () => {
     } finally {
       await docker.destroy(handle);
       // Ended, so the watchdog of the tests after this one (hours later) never counts it.
-      const job = { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } };
-      await runStageJob("close", job, fleet.deps);
+      await runStageJob("close", job(id), fleet.deps);
     }
   });
 
   it("closes a rollout stuck past its deadline as masked deadline_exceeded", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     // No workers run: the rollout sits in `accepted` until the watchdog closes it.
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
     const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
@@ -675,8 +675,7 @@ describe("janitor", () => {
   });
 
   it("while its provider gate says the provider is down, a pass runs only its Redis steps (the watchdog closes) and asks the provider nothing; a pass whose orphan listing fails marks the gate down", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
     // The daemon gone: every listing fails; each call the janitor makes is noted.
     const calls: string[] = [];
@@ -712,8 +711,7 @@ describe("janitor", () => {
   it("an overdue rollout whose record cannot be read (torn, without a status or with an unknown one, or gone) is set aside, its record kept: 100 of them do not hold up the watchdog for every other", async () => {
     const { redis } = fleet;
     const { store } = fleet.deps;
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }])) as [string];
     // The watchdog reads the first 100 overdue rollouts: 99 torn records and one gone, all due
     // before the real one.
@@ -754,8 +752,7 @@ describe("janitor", () => {
   });
 
   it("finishes an admission its dispatcher died in once past its grace: the recorded rollouts' seeds are enqueued, so they run instead of waiting out their deadline", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const requests = [0, 1, 2].map(() => RolloutRequest.parse({ task, agent: { harness: "oracle" } }));
     const { store, queues } = fleet.deps;
     const key = `stranded-${Date.now()}`;
@@ -793,8 +790,7 @@ describe("janitor", () => {
   });
 
   it("walks again a batch cancel its dispatcher died in once past its grace: every rollout the walk did not reach is cancelled and closed", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const requests = [0, 1, 2].map(() => RolloutRequest.parse({ task, agent: { harness: "oracle" } }));
     const { store, queues } = fleet.deps;
     const { ids, batchId } = await admit(
@@ -837,13 +833,11 @@ describe("janitor", () => {
   });
 
   it("enqueues again the stage job of an open rollout that an operator removed (Bull Board), once its record has not changed for the grace: it runs on instead of waiting out its deadline", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const { store, queues } = fleet.deps;
     const [admitted, seeded, untouched] = await fleet.submit(
       [0, 1, 2].map(() => ({ task, agent: { harness: "oracle" } })),
     );
-    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
     expect(await runStageJob("seed", job(seeded!), fleet.deps)).toBe("ok");
     // Removed by hand: the first one's seed job, the second one's run job. The third keeps its seed job.
     await (await queues.queues.seed.getJob(`${admitted}.seed`))!.remove();
@@ -883,9 +877,7 @@ describe("janitor", () => {
   });
 
   it("a graded rollout past its deadline keeps its reward; a queued close is left alone; a pass never logs twice", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const task = await helloFile();
     const [graded, stuck] = await fleet.submit([
       { task, agent: { harness: "oracle" } },
       { task, agent: { harness: "oracle" }, deadlineS: 105 },
@@ -951,8 +943,7 @@ describe("janitor", () => {
       },
     });
     try {
-      const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-      const task = suite.find((t) => t.id === "hello-file")!;
+      const task = await helloFile();
       const [id] = await own.submit([{ task, agent: { harness: "oracle" } }]);
       await vi.waitFor(() => expect(launches).toBe(1), { timeout: 10_000 });
       // An operator force-obliterates the run queue while the agent runs.
@@ -1001,9 +992,7 @@ describe("janitor", () => {
       },
     });
     try {
-      const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-      const task = suite.find((t) => t.id === "hello-file")!;
-      const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+      const task = await helloFile();
       const [id] = (await own.submit([{ task, agent: { harness: "oracle" } }])) as [string];
       for (const stage of ["seed", "run"] as const)
         expect(await runStageJob(stage, job(id), own.deps)).toBe("ok");
@@ -1032,9 +1021,7 @@ describe("janitor", () => {
   });
 
   it("an overdue rollout whose close was delayed far past any retry's backoff (by hand) has it promoted, its reward kept; a close delayed within a backoff is left to it", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const task = await helloFile();
     const [far, near] = (await fleet.submit([
       { task, agent: { harness: "oracle" } },
       { task, agent: { harness: "oracle" } },
@@ -1073,8 +1060,7 @@ describe("janitor", () => {
   it(`a page of overdue rollouts whose closes are queued does not hide a later overdue rollout from the watchdog: past the first ${WATCHDOG_PAGE}, a page a pass from a cursor`, async () => {
     const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
     try {
-      const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-      const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+      const task = await helloFile();
       // The first page's rollouts are the most overdue; the last one's deadline is later.
       const ids = await own.submit([
         ...Array.from({ length: WATCHDOG_PAGE }, () => ({
@@ -1100,9 +1086,7 @@ describe("janitor", () => {
   });
 
   it(`a rollout whose close keeps ending without finalizing gets ${CLOSE_AGAIN_LIMIT} closes from the watchdog, then the janitor closes it: its sandbox through the ledger, a graded reward kept`, async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const task = await helloFile();
     const [graded, stuck] = (await fleet.submit([
       { task, agent: { harness: "oracle" }, deadlineS: 3600 },
       { task, agent: { harness: "oracle" }, deadlineS: 3600 },
@@ -1182,8 +1166,7 @@ describe("janitor", () => {
   }
 
   it(`a close that kills every worker taking it (BullMQ fails it as stalled, and the stage workers enqueue it again) is enqueued at most ${CLOSE_AGAIN_LIMIT} times, then the rollout is closed without it`, async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
     const seedJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
     expect(await runStageJob("seed", seedJob, fleet.deps)).toBe("ok");
@@ -1225,8 +1208,7 @@ describe("janitor", () => {
   });
 
   it(`a stage worker closes a rollout whose close it would enqueue a ${CLOSE_AGAIN_LIMIT + 1}th time at once, without destroys (no wait for the deadline); the janitor's next pass removes its sandbox`, async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
     const seedJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
     expect(await runStageJob("seed", seedJob, fleet.deps)).toBe("ok");
@@ -1267,8 +1249,7 @@ describe("janitor", () => {
   });
 
   it("a close job that finalizes while the janitor closes the same rollout: one result, its sandbox gone, and the janitor does not count a close it lost", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }]);
     const stageJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
     expect(await runStageJob("seed", stageJob, fleet.deps)).toBe("ok");
@@ -1320,9 +1301,7 @@ describe("janitor", () => {
   });
 
   it("a verify that stores its reward between the watchdog's read and its write keeps it; a claimed cancel stays cancelled", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
-    const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+    const task = await helloFile();
     const [racing, cancelled] = (await fleet.submit([
       { task, agent: { harness: "oracle" } },
       { task, agent: { harness: "oracle" } },
@@ -1354,8 +1333,7 @@ describe("janitor", () => {
   });
 
   it("with the Docker daemon down, the pass reports the orphan sweep's error and still runs the watchdog", async () => {
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
     const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
     // A pass while the daemon answered counted its sandboxes.
@@ -1765,8 +1743,7 @@ describe("janitor", () => {
       list: async () =>
         (await scoped.list()).filter((n) => n.name === gatewayNetworkName(n.rolloutId, scope)),
     });
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const model = { name: "m", baseUrl: "http://127.0.0.1:9/v1", credential: "upstream" };
     const [id] = await fleet.submit([{ task, agent: { harness: "command", argv: ["true"], model } }]);
     const net = await networks.ensure(id!);
@@ -1775,8 +1752,7 @@ describe("janitor", () => {
     try {
       // Cancelled before it ran: close removes its network, and the unseal after it fails.
       await fleet.deps.store.requestCancel(id!);
-      const job = { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } };
-      expect(await runStageJob("close", job, deps)).toBe("ok");
+      expect(await runStageJob("close", job(id!), deps)).toBe("ok");
       expect((await fleet.deps.store.get(id!))?.status).toBe("cancelled");
       expect((await networks.list()).map((n) => n.name)).not.toContain(net.name);
       expect([...sealed]).toEqual([net.bridge]);
@@ -1829,8 +1805,7 @@ describe("janitor", () => {
       level: "warn",
       destination: { write: (l: string) => lines.push(l) },
     });
-    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
+    const task = await helloFile();
     const model = { name: "m", baseUrl: "http://127.0.0.1:9/v1", credential: "upstream" };
     const [id] = await fleet.submit([
       { task, agent: { harness: "command", argv: ["true"], model }, deadlineS: 3600 },
