@@ -1119,6 +1119,31 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     rmSync(path);
   });
 
+  it("a create whose own first state write fails (a full disk) says why, not that it was taken over", async () => {
+    const s = spec();
+    const internals = provider as unknown as { writeState(state: unknown): Promise<void> };
+    const writeState = internals.writeState.bind(provider);
+    internals.writeState = async () => {
+      throw Object.assign(new Error("ENOSPC: no space left on device, write"), { code: "ENOSPC" });
+    };
+    let failure: unknown;
+    try {
+      failure = await provider.create(s).then(
+        (h) => {
+          live.push(h);
+          return null;
+        },
+        (err: unknown) => err,
+      );
+    } finally {
+      internals.writeState = writeState;
+    }
+    expect(failure).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    expect((failure as Error).message).toBe(
+      `sandbox ${sandboxName(s.rolloutId, s.owner, RUN)} failed to start: Error: ENOSPC: no space left on device, write`,
+    );
+  });
+
   /** Host pids of every process in a sandbox's PID namespace (its PID 1's, read from its state). */
   function sandboxProcesses(h: SandboxHandle): number[] {
     const { initPid } = JSON.parse(readFileSync(join(stateDir, `${h.name}.json`), "utf8")) as {

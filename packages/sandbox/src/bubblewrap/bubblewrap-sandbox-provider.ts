@@ -348,8 +348,10 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         throw FleetError.retryable("provider_unavailable", `sandbox ${name} was taken over while it started`);
       }
     };
+    let written = false;
     try {
       await this.writeState(state);
+      written = true;
       await mkdir(workspaceDir, { recursive: true, mode: 0o755 });
       const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
       await chown(workspaceDir, uid, gid);
@@ -391,7 +393,10 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     } catch (err) {
       // A newer create (or a destroy) that took the name removes this one's directory as a dead
       // leftover: what failed then (its bwrap log, its workspace) failed for that, and says so.
-      const takenOver = !isFleetError(err) && (await this.readState(name).catch(() => null))?.id !== id;
+      // Not a create whose own first write failed (a full disk): no state of its was there to take.
+      const current =
+        !isFleetError(err) && written ? await this.readState(name).catch(() => undefined) : undefined;
+      const takenOver = current !== undefined && current?.id !== id;
       await this.destroyState(state).catch((e: unknown) =>
         this.logger?.warn(
           { sandbox: name, err: String(e) },
