@@ -1789,6 +1789,34 @@ describe("cancel", () => {
     expect(await redis.zscore(h.store.keys.cancelling(), batchId)).toBeNull();
   });
 
+  it("a cancel of a rollout whose record does not parse as a whole records the stage its raw fields say (its agent running: run)", async () => {
+    const { id } = (await h.call({ method: "POST", url: "/v1/rollouts", payload: row })).json() as {
+      id: string;
+    };
+    const key = h.store.keys.rollout(id);
+    // Seeded and its agent running, then its seed receipt torn.
+    await redis.hset(
+      key,
+      "status",
+      "seeded",
+      "stage",
+      "seed",
+      "r:seed",
+      "{torn",
+      "t:run:start",
+      String(Date.now()),
+    );
+    await expect(h.store.get(id)).rejects.toThrow(/cannot be read/);
+    expect(await cancelRollout(h.store, h.queues, id, Date.now())).toEqual({
+      kind: "cancelling",
+      previous: "seeded",
+    });
+    expect(JSON.parse((await redis.hget(key, "failure"))!)).toMatchObject({
+      stage: "run",
+      failureKind: "cancelled",
+    });
+  });
+
   it("a batch cancel notes its progress a page at a time, so that the janitor leaves a long walk alone and takes up one cut short", async () => {
     const rows = Array.from({ length: BATCH_PAGE * 2 + 1 }, () => row);
     const res = await h.call({ method: "POST", url: "/v1/batches", payload: { rollouts: rows } });

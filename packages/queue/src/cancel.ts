@@ -30,7 +30,8 @@ export async function cancelRollout(
   const previous = await store.requestCancel(id);
   if (previous === null) return { kind: "unknown" };
   if (isTerminal(previous)) return { kind: "terminal", status: previous };
-  const record = await readable(store, id);
+  // A record that does not parse as a whole: its stage from its raw fields, most often intact.
+  const record = (await readable(store, id)) ?? (await store.stageFields(id));
   const won = await store.recordFailure(
     id,
     {

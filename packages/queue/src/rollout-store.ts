@@ -1258,6 +1258,20 @@ export class RolloutStore {
   }
 
   /**
+   * The fields `currentStage` reads, raw: for a record that does not parse as a whole (a torn
+   * receipt), whose stage and times are most often intact.
+   */
+  async stageFields(id: string): Promise<{ stage: string; times: Record<string, number> }> {
+    const fields = ["stage", "t:seed:start", "t:run:start", "t:verify:start", "t:close:start"];
+    const values = await this.redis.hmget(this.keys.rollout(id), ...fields);
+    const times: Record<string, number> = {};
+    for (const [i, v] of values.entries()) {
+      if (i > 0 && v !== null && Number.isFinite(Number(v))) times[fields[i]!.slice(2)] = Number(v);
+    }
+    return { stage: values[0] ?? "", times };
+  }
+
+  /**
    * A live stage's heartbeat, `times["<stage>:beat"]`: the janitor's lost-job check
    * (`requeueLostJobs`) takes a rollout whose record changed within its grace for one a delivery
    * is working on. Not on a closed or gone rollout.
