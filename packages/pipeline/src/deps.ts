@@ -39,10 +39,10 @@ export interface PipelineDeps {
   /** How often the run stage polls for a stop request while the harness runs. */
   stopPollMs?: number;
   /**
-   * How often a running agent's stage stamps its heartbeat (`RolloutStore.beat`), so that the
-   * janitor never takes a long run for a lost job (`RUN_BEAT_MS`).
+   * How often a stage at work stamps its heartbeat (`RolloutStore.beat`), so that the janitor
+   * never takes a long run or verify for a lost job (`STAGE_BEAT_MS`).
    */
-  runBeatMs?: number;
+  stageBeatMs?: number;
   /** Per-rollout sealed networks for sandboxes that get model access (command agents with a model). */
   networks?: GatewayNetworks;
   /** The model gateway's `maxCallsPerMinute` (`FLEET_GATEWAY_MAX_CALLS_PER_MINUTE`). @defaultValue 120 */

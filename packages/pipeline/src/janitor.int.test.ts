@@ -939,7 +939,7 @@ describe("janitor", () => {
         }),
         verify: async () => ({ reward: 1, details: { kind: "test" } }),
         stopPollMs: 50,
-        runBeatMs: 200,
+        stageBeatMs: 200,
       },
     });
     try {

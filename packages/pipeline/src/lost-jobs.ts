@@ -33,8 +33,9 @@ export interface LostJobCursor {
  * job is added with its deterministic id, so a job that exists in any state is left alone, and
  * a stage that already ran replays its receipt. Only rollouts whose record has not changed for
  * `graceMs` are looked at: a stage stores its receipt and adds the next job in one round trip,
- * an admission's seeds are the admissions step's, and a running agent's stage stamps a heartbeat
- * (`RUN_BEAT_MS`), so that a live run whose job was removed is never launched a second time. Returns the rollouts whose job it enqueued.
+ * an admission's seeds are the admissions step's, and a stage at work stamps a heartbeat
+ * (`STAGE_BEAT_MS`), so that a live run or verify whose job was removed is never started again
+ * beside it. Returns the rollouts whose job it enqueued.
  */
 export async function requeueLostJobs(
   deps: PipelineDeps,

@@ -133,6 +133,10 @@ export async function runStageJob(
   }
 
   const attempt = job.attemptsMade + 1;
+  // A stage writes nothing else to its record while it works (an agent's run: an hour, maybe):
+  // without a heartbeat the janitor took a live delivery older than its grace whose job an
+  // operator removed or obliterated for a lost one, and started the stage again beside it.
+  const beat = stage === "close" ? null : startBeat(deps, rolloutId, stage);
   try {
     const next = await HANDLERS[stage](
       // The record `begin` parsed for this job alone, with the stage's own fields added in place:
@@ -252,7 +256,24 @@ export async function runStageJob(
       }
     }
     throw new UnrecoverableError(capText(`${fe.kind}: ${fe.message}`));
+  } finally {
+    if (beat) clearInterval(beat);
   }
+}
+
+/**
+ * How often a stage at work stamps its heartbeat (`RolloutStore.beat`): well within the
+ * janitor's lost-job grace (`DEFAULT_LOST_JOB_GRACE_MS`, 2 min); a write per stage job at work
+ * per half minute, none for one that ends sooner.
+ */
+export const STAGE_BEAT_MS = 30_000;
+
+function startBeat(deps: PipelineDeps, rolloutId: string, stage: StageName): NodeJS.Timeout {
+  const timer = setInterval(() => {
+    deps.store.beat(rolloutId, stage, clock(deps)).catch(() => undefined);
+  }, deps.stageBeatMs ?? STAGE_BEAT_MS);
+  timer.unref();
+  return timer;
 }
 
 /** How far ahead of a rollout's deadline a provider hold must end (see `runStageJob`). */

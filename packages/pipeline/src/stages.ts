@@ -756,16 +756,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     };
     if (shutdown?.aborted) onShutdown();
     shutdown?.addEventListener("abort", onShutdown, { once: true });
-    let beatAt = clock(deps);
     const poll = setInterval(() => {
-      // A run writes nothing else to its record while its agent runs (an hour, maybe): without
-      // the beat, the janitor took a run older than its grace whose job an operator removed or
-      // obliterated for a lost one, and launched a second agent beside this one.
-      const now = clock(deps);
-      if (now - beatAt >= (deps.runBeatMs ?? RUN_BEAT_MS)) {
-        beatAt = now;
-        deps.store.beat(id, "run", now).catch(() => undefined);
-      }
       deps.store.launchState(id, token).then(
         (state) => {
           if (abort.signal.aborted) return;
@@ -1601,12 +1592,6 @@ const verifyAttempt = async (
  * past the deadline) gives up on close jobs: `closeWithoutDestroys`.
  */
 export const CLOSE_AGAIN_LIMIT = 3;
-
-/**
- * How often a running agent's stage stamps its heartbeat: well within the janitor's lost-job
- * grace (`DEFAULT_LOST_JOB_GRACE_MS`, 2 min), a write per running agent per half minute.
- */
-export const RUN_BEAT_MS = 30_000;
 
 /**
  * Close a rollout whose close jobs keep ending without finalizing (`CLOSE_AGAIN_LIMIT`): as a
