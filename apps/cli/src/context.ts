@@ -35,7 +35,11 @@ export async function writeText(stream: Writable, text: string): Promise<void> {
 /** A results file could not be written (a full disk, an I/O error): exit 1 with this message. */
 export class OutputError extends Error {}
 
-/** A results file written to `<path>.partial` and renamed into place only when complete. */
+/**
+ * A results file written to `<path>.partial.<pid>.<n>` and renamed into place only when complete.
+ * The temporary name is this file's own: two commands given one `--out` at once each write their
+ * own file (the last to finish wins whole), never one file through two handles.
+ */
 export class ResultsFile {
   private readonly stream: Writable;
   private readonly partial: string;
@@ -44,7 +48,8 @@ export class ResultsFile {
   lines = 0;
 
   private constructor(readonly path: string) {
-    this.partial = `${path}.partial`;
+    this.partial = partialPath(path);
+    partials++;
     this.stream = createWriteStream(this.partial, { flags: "w" });
     // Without a listener an error the stream meets between two calls (ENOSPC, EIO) would be an
     // uncaught 'error' event that kills the process.
@@ -53,7 +58,7 @@ export class ResultsFile {
     });
   }
 
-  /** Open `<path>.partial` now, so a path that cannot be written fails before any work starts. */
+  /** Open the partial file now, so a path that cannot be written fails before any work starts. */
   static async open(path: string): Promise<ResultsFile> {
     // Only the rename at the end would find out (after the whole batch ran): `<dir>.partial`, or
     // `<dir>/.partial`, opens fine.
@@ -119,6 +124,14 @@ export class ResultsFile {
   private cannotWrite(err: unknown): OutputError {
     return new OutputError(`cannot write ${this.path}: ${(err as Error).message}`, { cause: err });
   }
+}
+
+/** Results files this process has opened: each one's partial file is named apart. */
+let partials = 0;
+
+/** Where the next results file opened for `path` is written until it is complete (`ResultsFile`). */
+export function partialPath(path: string): string {
+  return `${path}.partial.${process.pid}.${partials}`;
 }
 
 /** The `--out` results file, opened; a path that cannot be written is a usage error (exit 2). */

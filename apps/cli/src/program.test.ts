@@ -5,7 +5,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { TaskContent } from "@fleet/contracts";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
-import type { CliContext } from "./context.ts";
+import { type CliContext, partialPath } from "./context.ts";
 import { runCli } from "./program.ts";
 import { Collector } from "./testing/collect.ts";
 import {
@@ -388,7 +388,7 @@ describe("fleet submit", () => {
     async () => {
       fakeDispatcher((id) => completed(id, 1));
       const out = path.join(dir, "results.jsonl");
-      await symlink("/dev/full", `${out}.partial`); // opens fine; every write fails with ENOSPC
+      await symlink("/dev/full", partialPath(out)); // opens fine; every write fails with ENOSPC
       const code = await runCli(
         ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--out", out, "--poll-interval", "10"],
         ctx(),
@@ -1106,7 +1106,7 @@ describe("fleet status / results / cancel", () => {
         res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n{"id":"r2"}\n');
       });
       const out = path.join(dir, "r.jsonl");
-      await symlink("/dev/full", `${out}.partial`); // opens fine; every write fails with ENOSPC
+      await symlink("/dev/full", partialPath(out)); // opens fine; every write fails with ENOSPC
       expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(1);
       expect(stderr.text()).toBe(`error: cannot write ${out}: ENOSPC: no space left on device, write\n`);
       expect(await readdir(dir)).toEqual([]);
