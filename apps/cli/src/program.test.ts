@@ -5,6 +5,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { TaskContent } from "@fleet/contracts";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
+import { MAX_SUBMIT_ROLLOUTS } from "./commands/submit.ts";
 import { type CliContext, partialPath } from "./context.ts";
 import { runCli } from "./program.ts";
 import { Collector } from "./testing/collect.ts";
@@ -336,6 +337,36 @@ describe("fleet submit", () => {
     const command = ["submit", "--suite", "s", "--agent", '{"harness":"command","argv":["true"]}'];
     expect(await runCli(command, ctx({ loadSuite: suite }))).toBe(0);
     expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(1);
+  });
+
+  it("a --deadline shorter than a task's rollout needs is a usage error naming the tasks, before anything is submitted (a later chunk's 422 came after earlier ones were admitted)", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const long = TaskContent.parse({ ...tasks[1]!, timeouts: { agentS: 600, verifierS: 120 } });
+    const suite = async () => [tasks[0]!, long];
+    // A rollout needs its agent's timeout + its tests' + 5 s + 10 s: beta 600 + 120 + 15.
+    const { agentS, verifierS } = tasks[0]!.timeouts;
+    const alphaNeeds = agentS + verifierS + 15;
+    const command = ["submit", "--suite", "s", "--agent", "oracle", "--deadline", String(alphaNeeds)];
+    expect(await runCli(command, ctx({ loadSuite: suite }))).toBe(2);
+    expect(stderr.text()).toContain(
+      `--deadline ${alphaNeeds} s is shorter than a rollout of this task needs (the agent's timeout, the tests', 5 s to stop and grade, 10 s before the run): beta (735 s)`,
+    );
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
+    // Left out with --task, the rest goes.
+    expect(await runCli([...command, "--task", "alpha"], ctx({ loadSuite: suite }))).toBe(0);
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(1);
+  });
+
+  it(`more rollouts than one submit sends (tasks × --repeat over ${MAX_SUBMIT_ROLLOUTS}) is a usage error, not a process out of memory`, async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const repeat = MAX_SUBMIT_ROLLOUTS / tasks.length + 1;
+    expect(
+      await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", String(repeat)], ctx()),
+    ).toBe(2);
+    expect(stderr.text()).toContain(
+      `${repeat * tasks.length} rollouts (${tasks.length} tasks × --repeat ${repeat}) are more than one submit sends (${MAX_SUBMIT_ROLLOUTS}): submit them in parts`,
+    );
+    expect(server.requests).toHaveLength(0);
   });
 
   it("a --token that cannot go into an HTTP header is a usage error, not an unreachable dispatcher", async () => {

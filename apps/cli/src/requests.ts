@@ -80,22 +80,31 @@ export interface BuildRolloutsOptions {
  * Task × repeat rollout requests, repetition-major (every task once, then every task again),
  * so a partly finished batch already covers every task.
  */
-export function buildRollouts(options: BuildRolloutsOptions): RolloutRequestInput[] {
-  const repeat = options.repeat ?? 1;
-  if (!Number.isInteger(repeat) || repeat < 1)
-    throw new UsageError("--repeat must be a positive whole number");
-  let tasks = options.tasks;
-  if (options.taskIds !== undefined && options.taskIds.length > 0) {
+/** The tasks `--task` names (each once, in its order), or every task; a name not there is a usage error. */
+export function selectTasks(
+  tasks: readonly TaskContent[],
+  taskIds?: readonly string[],
+): readonly TaskContent[] {
+  let selected = tasks;
+  if (taskIds !== undefined && taskIds.length > 0) {
     const known = new Map(tasks.map((t) => [t.id, t]));
-    const missing = options.taskIds.filter((id) => !known.has(id));
+    const missing = taskIds.filter((id) => !known.has(id));
     if (missing.length > 0) {
       throw new UsageError(
         `unknown task ${missing.map((m) => `"${m}"`).join(", ")}; the suite has: ${[...known.keys()].join(", ")}`,
       );
     }
-    tasks = [...new Set(options.taskIds)].map((id) => known.get(id)!);
+    selected = [...new Set(taskIds)].map((id) => known.get(id)!);
   }
-  if (tasks.length === 0) throw new UsageError("the suite has no tasks");
+  if (selected.length === 0) throw new UsageError("the suite has no tasks");
+  return selected;
+}
+
+export function buildRollouts(options: BuildRolloutsOptions): RolloutRequestInput[] {
+  const repeat = options.repeat ?? 1;
+  if (!Number.isInteger(repeat) || repeat < 1)
+    throw new UsageError("--repeat must be a positive whole number");
+  const tasks = selectTasks(options.tasks, options.taskIds);
   if (options.metadata !== undefined && Object.hasOwn(options.metadata, "repeat")) {
     // Overwritten by the repetition index, it would come back changed without a word.
     throw new UsageError(

@@ -37,7 +37,7 @@ export function runBudgetShortfall(input: {
 /** What a run needs of its rollout's budget when it starts: the agent's timeout, the tests' and `RUN_MARGIN_MS`. */
 export function runNeeds(
   task: TaskContent,
-  agent: AgentSpec,
+  agent: Pick<AgentSpec, "timeoutS">,
 ): { ownS: number; verifyS: number; needMs: number } {
   const ownS = agent.timeoutS ?? task.timeouts.agentS;
   const verifyS = task.verifier.kind === "tests" ? task.timeouts.verifierS : 0;

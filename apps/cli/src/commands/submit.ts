@@ -1,10 +1,23 @@
 import { randomUUID } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
-import { RolloutRequest, type TaskContent } from "@fleet/contracts";
+import {
+  ADMISSION_ALLOWANCE_MS,
+  RolloutRequest,
+  RUN_MARGIN_MS,
+  runNeeds,
+  type TaskContent,
+} from "@fleet/contracts";
 import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
 import { type CliContext, OutputError, openOut, type ResultsFile, writeText } from "../context.ts";
 import { formatDuration, ProgressReporter } from "../progress.ts";
-import { BATCH_ENVELOPE_BYTES, buildRollouts, chunkRollouts, resolveAgent, UsageError } from "../requests.ts";
+import {
+  BATCH_ENVELOPE_BYTES,
+  buildRollouts,
+  chunkRollouts,
+  resolveAgent,
+  selectTasks,
+  UsageError,
+} from "../requests.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
 
 export interface SubmitOptions extends FollowOptions {
@@ -88,6 +101,16 @@ async function submitAndFollow(
         `the oracle agent runs each task's solution/solve.sh, which ${without.length === 1 ? "this task lacks" : `${without.length} tasks lack`}: ${named} (leave them out with --task, or choose another agent)`,
       );
     }
+  }
+  const selected = selectTasks(tasks, opts.task);
+  checkDeadline(opts.deadline, selected, agent);
+  // Every rollout is built and serialised before the first request: past this, memory runs out
+  // (14 million took 4.4 GB, then the process died) before anything is sent.
+  const total = selected.length * opts.repeat;
+  if (total > MAX_SUBMIT_ROLLOUTS) {
+    throw new UsageError(
+      `${total} rollouts (${selected.length} tasks × --repeat ${opts.repeat}) are more than one submit sends (${MAX_SUBMIT_ROLLOUTS}): submit them in parts`,
+    );
   }
   const requests = buildRollouts({
     tasks,
@@ -491,4 +514,33 @@ export async function waitForBatches(
 /** `n` and the noun, singular for 1. */
 function counted(n: number, one: string, many = `${one}s`): string {
   return `${n} ${n === 1 ? one : many}`;
+}
+
+/** Most rollouts one `fleet submit` builds and sends (tasks × `--repeat`). */
+export const MAX_SUBMIT_ROLLOUTS = 1_000_000;
+
+/**
+ * A `--deadline` shorter than a task's rollout needs (the agent's timeout, the tests', the margin
+ * to stop and grade, the allowance before the run) is refused by the dispatcher: for a suite split
+ * into several requests, after the first ones were admitted and started. Said here, before
+ * anything is sent, with the tasks it is short for.
+ */
+function checkDeadline(
+  deadlineS: number | undefined,
+  tasks: readonly TaskContent[],
+  agent: { timeoutS?: number | undefined },
+): void {
+  if (deadlineS === undefined) return;
+  const short = tasks
+    .map((t) => ({ id: t.id, needS: (runNeeds(t, agent).needMs + ADMISSION_ALLOWANCE_MS) / 1000 }))
+    .filter((t) => deadlineS < t.needS);
+  if (short.length === 0) return;
+  const named =
+    short
+      .slice(0, 10)
+      .map((t) => `${t.id} (${t.needS} s)`)
+      .join(", ") + (short.length > 10 ? `, and ${short.length - 10} more` : "");
+  throw new UsageError(
+    `--deadline ${deadlineS} s is shorter than a rollout of ${short.length === 1 ? "this task needs" : `${short.length} tasks needs`} (the agent's timeout, the tests', ${RUN_MARGIN_MS / 1000} s to stop and grade, ${ADMISSION_ALLOWANCE_MS / 1000} s before the run): ${named}; raise --deadline, lower the agent's timeoutS, or leave them out with --task`,
+  );
 }
