@@ -19,7 +19,7 @@ import {
 import { execResult, InMemorySandboxProvider, MemoryGatewayFirewall } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
-import { Queue, Worker } from "bullmq";
+import { Queue, UnrecoverableError, Worker } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import {
   CLOSE_DELAY_LIMIT_MS,
@@ -1016,6 +1016,55 @@ describe("janitor", () => {
       });
     } finally {
       finish();
+      await own.close();
+    }
+  });
+
+  it("trims finished stage jobs past their retention, which BullMQ trims only when another job of the queue finishes: a key replayed after its rollout expired then admits a rollout that runs", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    const worker = new Worker("seed", null, { connection: duplicateRedis(own.redis), prefix: own.prefix });
+    try {
+      const task = await helloFile();
+      const key = `expired-${RUN}`;
+      const submit = () =>
+        admit(
+          own.deps.store,
+          own.deps.queues,
+          {
+            requests: [RolloutRequest.parse({ task, agent: { harness: "oracle" } })],
+            batch: false,
+            idempotencyKey: key,
+          },
+          { maxTaskBytes: 10 * 1024 * 1024 },
+        );
+      const [id] = (await submit()).ids as [string];
+      // Its seed failed for good (a missing image, say); the rollout closed, and much later its
+      // record expired (the result's TTL: at least two days), the queue quiet all along.
+      const taken = await worker.getNextJob("dead-end");
+      expect(taken?.id).toBe(`${id}.seed`);
+      await taken!.moveToFailed(new UnrecoverableError("invalid_task"), "dead-end");
+      await own.deps.store.requestCancel(id);
+      expect(await runStageJob("close", job(id), own.deps)).toBe("ok");
+      const seedState = async () => (await own.deps.queues.queues.seed.getJob(`${id}.seed`))?.getState();
+      expect(await seedState()).toBe("failed");
+      for (const k of await own.redis.keys(`${own.deps.store.keys.rollout(id)}*`)) await own.redis.del(k);
+      expect(await own.deps.store.get(id)).toBeNull();
+
+      // Within its retention (a day for a failed job) a pass leaves it.
+      expect((await janitorTick(own.deps, { orphanGraceMs: 3_600_000 })).jobsTrimmed).toBe(0);
+      expect(await seedState()).toBe("failed");
+      // A pass with the retention short: the old job goes, and the key's replay runs afresh.
+      const report = await janitorTick(own.deps, {
+        orphanGraceMs: 3_600_000,
+        finishedJobAgeMs: { completed: 0, failed: 0 },
+      });
+      expect(report.errors).toEqual([]);
+      expect(report.jobsTrimmed).toBeGreaterThanOrEqual(1);
+      expect(await seedState()).toBeUndefined();
+      expect((await submit()).created).toEqual([id]);
+      expect(await seedState()).toBe("waiting");
+    } finally {
+      await worker.close();
       await own.close();
     }
   });

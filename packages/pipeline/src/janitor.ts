@@ -2,6 +2,7 @@ import { isTerminal } from "@fleet/contracts";
 import {
   cancelBatch,
   duplicateRedis,
+  FINISHED_JOB_AGE_MS,
   isInvalidStoredData,
   JANITOR_QUEUE,
   LONGEST_LIFE_MS,
@@ -54,6 +55,8 @@ export interface JanitorOptions {
   lostJobGraceMs?: number;
   /** Where this replica's walk of the in-flight index for lost jobs is; one per janitor. */
   lostJobCursor?: LostJobCursor;
+  /** How long finished stage jobs are kept before the trim step removes them. @defaultValue `FINISHED_JOB_AGE_MS` */
+  finishedJobAgeMs?: { completed: number; failed: number };
   /** Where this replica's walk of the overdue rollouts is, past the most overdue page; one per janitor. */
   watchdogCursor?: LostJobCursor;
   /**
@@ -109,6 +112,8 @@ export interface JanitorReport {
   cancelsResumed: number;
   /** Open rollouts whose stage job was gone, enqueued again this pass. */
   lostRequeued: number;
+  /** Finished stage jobs past their retention (`FINISHED_JOB_AGE_MS`) this pass removed. */
+  jobsTrimmed: number;
   /** Steps of this pass that failed (e.g. `orphans: docker list: …`); the other steps still ran. */
   errors: string[];
   /**
@@ -153,6 +158,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     admissionsFinished: 0,
     cancelsResumed: 0,
     lostRequeued: 0,
+    jobsTrimmed: 0,
     errors: [],
     providerDown: false,
   };
@@ -323,6 +329,16 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         "open rollouts whose stage job was gone (removed, cleaned or drained by hand?): enqueued it again",
       );
     }
+  });
+
+  // (0d) Finished stage jobs past their retention, which BullMQ trims only when another job of
+  // their queue finishes: on a quiet queue they outlived their rollout's record, and a rollout
+  // admitted again under its key after that found its old seed job there (never added again).
+  await step("trim", async () => {
+    report.jobsTrimmed += await deps.queues.trimFinished(
+      TRIM_LIMIT,
+      options.finishedJobAgeMs ?? FINISHED_JOB_AGE_MS,
+    );
   });
 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.
@@ -655,6 +671,9 @@ async function retireUnreadableEntry(
 
 /** Close states in which the close is still on its way: the watchdog leaves those alone. */
 const CLOSE_UNDER_WAY = new Set(["waiting", "active", "delayed", "prioritized", "waiting-children"]);
+
+/** Finished stage jobs the trim step removes at most per queue, kind and pass. */
+const TRIM_LIMIT = 1000;
 
 /** Overdue rollouts the watchdog reads a page at a time (`pastDeadline`). */
 export const WATCHDOG_PAGE = 100;

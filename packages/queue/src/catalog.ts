@@ -22,6 +22,16 @@ const trim = {
 } satisfies JobsOptions;
 
 /**
+ * How long a finished stage job is kept (`trim`'s ages, in ms). BullMQ trims by age only when
+ * another job of its queue finishes the same way, so on a quiet queue a finished job stays for
+ * good; the janitor trims them by these ages too (`StageQueues.trimFinished`).
+ */
+export const FINISHED_JOB_AGE_MS = {
+  completed: trim.removeOnComplete.age * 1000,
+  failed: trim.removeOnFail.age * 1000,
+} as const;
+
+/**
  * The job catalog. Attempts are an upper bound: retries also stop when the next one could not
  * start before the rollout's deadline (retries share one deadline, DESIGN §2 rule 5). They are
  * sized so that the backoff alone rides out a Docker daemon or Redis outage of half a minute

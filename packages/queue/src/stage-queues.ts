@@ -1,7 +1,7 @@
 import type { StageName } from "@fleet/contracts";
 import { Job, type JobsOptions, Queue } from "bullmq";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
-import { STAGE_CATALOG, STAGES, stageJobId } from "./catalog.ts";
+import { FINISHED_JOB_AGE_MS, STAGE_CATALOG, STAGES, stageJobId } from "./catalog.ts";
 import type { RedisConnection } from "./connection.ts";
 import type { BatchedScript } from "./scripts.ts";
 
@@ -93,6 +93,25 @@ export class StageQueues {
     const client = await queue.getBackend().client;
     const score = await client.zscore(queue.keys.delayed!, stageJobId(rolloutId, stage));
     return score === null ? null : Math.floor(Number(score) / 0x1000);
+  }
+
+  /**
+   * Remove finished stage jobs older than `FINISHED_JOB_AGE_MS` (at most `limit` per queue and
+   * kind), as BullMQ's own trim would had another job of the queue finished since. Left, a
+   * finished job outlived its rollout's record, and a rollout admitted again under its key after
+   * the record expired found its old job id taken: its seed was never added. Returns how many.
+   */
+  async trimFinished(
+    limit = 1000,
+    ages: { completed: number; failed: number } = FINISHED_JOB_AGE_MS,
+  ): Promise<number> {
+    let removed = 0;
+    for (const stage of STAGES) {
+      for (const kind of ["completed", "failed"] as const) {
+        removed += (await this.queues[stage].clean(ages[kind], limit, kind)).length;
+      }
+    }
+    return removed;
   }
 
   /** Jobs not yet finished across all stage queues (for backpressure and metrics). */

@@ -64,6 +64,7 @@ export const JANITOR_STEPS = [
   "admissions",
   "cancels",
   "lost",
+  "trim",
   "registry",
   "ledger",
   "orphans",
