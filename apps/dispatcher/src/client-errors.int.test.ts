@@ -1,6 +1,8 @@
+import { once } from "node:events";
 import { connect } from "node:net";
 import { RolloutRequest } from "@fleet/contracts";
 import { admit, createRedis } from "@fleet/queue";
+import { createLogger } from "@fleet/telemetry";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import { completedResult, startTestServer, TEST_TASK, type TestServer } from "./test-server.ts";
@@ -73,6 +75,41 @@ describe("HTTP the parser refuses", () => {
       status: 400,
       body: { error: { code: "malformed", message: "the request is not valid HTTP", details: null } },
     });
+  });
+});
+
+describe("a client that hangs up while its body is being read", () => {
+  const lines: string[] = [];
+  const dispatcher = listening(
+    "client-abort",
+    {},
+    {
+      logger: createLogger({
+        name: "dispatcher-abort",
+        level: "debug",
+        destination: { write: (l) => lines.push(l) },
+      }),
+    },
+  );
+
+  it("is refused as the client's doing (debug), never logged as a failed request (a 500, at error level)", async () => {
+    // An NDJSON batch that promises 100 bytes, sends 8 and is gone once the server took it up.
+    const taken = once(dispatcher.server().app.server, "request");
+    const socket = connect(dispatcher.port, "127.0.0.1");
+    socket.on("error", () => undefined);
+    socket.write(
+      'POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-ndjson\r\nContent-Length: 100\r\n\r\n{"task":',
+    );
+    await taken;
+    socket.destroy();
+    await vi.waitFor(
+      () => expect(lines.join("")).toContain("closed the connection before its request body arrived"),
+      {
+        timeout: 5_000,
+      },
+    );
+    const levels = lines.map((l) => JSON.parse(l) as { level: number; msg: string });
+    expect(levels.filter((l) => l.level >= 50)).toEqual([]);
   });
 });
 

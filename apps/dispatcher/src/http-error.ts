@@ -118,6 +118,16 @@ export function toHttpError(err: unknown): HttpError {
     const [status, code] = FASTIFY_CODES[e.code]!;
     return new HttpError(status, code, message);
   }
+  // The client hung up while its body was still being read (Node's `aborted`, ECONNRESET): its
+  // mistake or its network's, not the server's. Nobody reads the answer; it must not be logged
+  // as a 500 (a bug) at error level.
+  if (e.code === "ECONNRESET" || (e.code === undefined && e.message === "aborted")) {
+    return new HttpError(
+      400,
+      "malformed",
+      "the client closed the connection before its request body arrived",
+    );
+  }
   // JSON syntax errors from Fastify's body parser carry statusCode 400 and no FST code.
   if (typeof e.statusCode === "number" && e.statusCode >= 400 && e.statusCode < 500) {
     return new HttpError(e.statusCode, STATUS_CODES[e.statusCode] ?? "malformed", message);

@@ -24,7 +24,7 @@ export async function startTestServer(
   name: string,
   env: Record<string, string> = {},
   /** Test-only knobs of the dispatcher's (`DispatcherDeps`). */
-  knobs: Pick<DispatcherDeps, "resultsStallMs"> = {},
+  knobs: Partial<Pick<DispatcherDeps, "resultsStallMs" | "logger">> = {},
 ): Promise<TestServer> {
   const prefix = `{t-${name}-${randomUUID().slice(0, 8)}}`;
   const registry = createMetricsRegistry({ app: "dispatcher", defaultMetrics: false });
