@@ -346,4 +346,25 @@ describe("dispatcher under fuzzing (never a 5xx, always the JSON error body)", (
     }
     await expectAlive();
   });
+
+  it("a URL Fastify refuses before routing is a 401 without a token, as any other request, and its answer never quotes the URL", async () => {
+    const cases: [string, number, string][] = [
+      ["/v1/rollouts/%ZZ", 400, "the URL's path does not decode (a bad percent-encoding)"],
+      [
+        `/v1/batches/${"x".repeat(120)}/results`,
+        404,
+        "no such resource: an id in the path is longer than any the API issues",
+      ],
+    ];
+    for (const [url, status, message] of cases) {
+      const anonymous = await call({ method: "GET", url, token: null });
+      expect(anonymous.statusCode, url).toBe(401);
+      expect(anonymous.json()).toEqual({
+        error: { code: "unauthorized", message: "missing or invalid bearer token", details: null },
+      });
+      const res = await call({ method: "GET", url, token: TOKEN });
+      expect(res.statusCode, url).toBe(status);
+      expect(res.json().error.message).toBe(message);
+    }
+  });
 });

@@ -33,6 +33,18 @@ export type { DispatcherDeps } from "./context.ts";
 const BATCHES_PATH = "/v1/batches";
 const ROLLOUTS_PATH = "/v1/rollouts";
 
+/** The 401 of a request without a valid token (or session). */
+const unauthorized = () =>
+  new HttpError(401, "unauthorized", "missing or invalid bearer token", null, {
+    "www-authenticate": 'Bearer realm="fleet"',
+  });
+
+/** What a URL Fastify's router refuses is told, in place of Fastify's message (which quotes it). */
+const URL_ERRORS: Record<string, string> = {
+  FST_ERR_BAD_URL: "the URL's path does not decode (a bad percent-encoding)",
+  FST_ERR_MAX_PARAM_LENGTH: "no such resource: an id in the path is longer than any the API issues",
+};
+
 /** Content types read as NDJSON (one RolloutRequest per line) by `POST /v1/batches`. */
 export const NDJSON_TYPES = ["application/x-ndjson", "application/jsonl"];
 
@@ -79,9 +91,16 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     return503OnClosing: false,
     logController: new RequestLog(),
     // Errors Fastify raises before routing (a URL that does not decode): the one error body too.
-    frameworkErrors: (err, _req, reply) => {
+    frameworkErrors: (err, req, reply) => {
+      // Raised before routing, so before the auth hook: an unauthenticated client gets the 401
+      // any other request of its gets, and nobody gets the raw URL echoed back.
+      if (auth.authenticate(req.raw).access === "none") {
+        void refuse(reply as FastifyReply, unauthorized());
+        return;
+      }
       const http = toHttpError(err);
-      void refuse(reply as FastifyReply, http);
+      const fixed = URL_ERRORS[(err as { code?: string }).code ?? ""];
+      void refuse(reply as FastifyReply, fixed ? new HttpError(http.status, http.code, fixed) : http);
     },
     // And what Node's HTTP parser refuses before Fastify sees a request (headers too large, not
     // HTTP, too slow): written to the socket, in the same error body.
@@ -290,12 +309,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       if (admin && req.method === "GET" && wantsHtml(req)) {
         return sendLoginPage(reply, 401, { next: req.url });
       }
-      return refuse(
-        reply,
-        new HttpError(401, "unauthorized", "missing or invalid bearer token", null, {
-          "www-authenticate": 'Bearer realm="fleet"',
-        }),
-      );
+      return refuse(reply, unauthorized());
     }
     if (admin && !SAFE_METHODS.has(req.method)) {
       // Bull Board actions (retry, clean, promote, remove, pause, ...): admin tokens only.
