@@ -2,7 +2,7 @@ import { randomUUID } from "node:crypto";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { createRedis, LocalRedisServer, TeardownLedger } from "@fleet/queue";
+import { createRedis, LocalRedisServer, RolloutStore, TeardownLedger } from "@fleet/queue";
 import { sandboxEntry } from "@fleet/queue/testing";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
@@ -21,7 +21,7 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
     await refreshScrapeMetrics({
       redis,
       queues: [q],
-      store: { inflightCount: async () => 0 },
+      store: { inflightCount: async () => 0, probeWrite: async () => {} },
       metrics,
       now,
       timeoutMs: 5_000,
@@ -44,7 +44,7 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
       await refreshScrapeMetrics({
         redis,
         queues: [],
-        store: { inflightCount: async () => 0 },
+        store: { inflightCount: async () => 0, probeWrite: async () => {} },
         ledger,
         metrics,
         now,
@@ -188,7 +188,7 @@ describe("fleet_queue_workers on a Redis without CLIENT", () => {
       await refreshScrapeMetrics({
         redis,
         queues: [queue],
-        store: { inflightCount: async () => 0 },
+        store: { inflightCount: async () => 0, probeWrite: async () => {} },
         metrics,
         now: Date.now(),
         timeoutMs: 5_000,
@@ -200,6 +200,44 @@ describe("fleet_queue_workers on a Redis without CLIENT", () => {
       expect((await metrics.queueWorkers.get()).values).toEqual([]);
     } finally {
       await queue.close();
+      redis.disconnect();
+    }
+  });
+});
+
+/**
+ * A Redis that answers PING and reads but refuses writes (full under noeviction): its own private
+ * redis-server with a maxmemory below what it holds.
+ */
+describe("fleet_redis_writable", () => {
+  const dir = mkdtempSync(join(tmpdir(), "fleet-full-redis-"));
+  let server: LocalRedisServer;
+  afterAll(async () => {
+    await server?.kill();
+    rmSync(dir, { recursive: true, force: true });
+  });
+
+  it("is 1 while Redis takes writes, 0 while it answers PING and refuses them (FleetRedisDown says nothing then)", async () => {
+    server = await LocalRedisServer.start({ dir });
+    const redis = createRedis(server.url);
+    const store = new RolloutStore(redis, "{t-full}");
+    try {
+      const sample = async () => {
+        const metrics = createFleetMetrics(
+          createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }),
+        );
+        await refreshScrapeMetrics({ redis, queues: [], store, metrics, now: Date.now(), timeoutMs: 5_000 });
+        return [
+          (await metrics.redisUp.get()).values[0]?.value,
+          (await metrics.redisWritable.get()).values[0]?.value,
+        ];
+      };
+      expect(await sample()).toEqual([1, 1]);
+      await redis.config("SET", "maxmemory", "1");
+      expect(await sample()).toEqual([1, 0]);
+      await redis.config("SET", "maxmemory", "0");
+      expect(await sample()).toEqual([1, 1]);
+    } finally {
       redis.disconnect();
     }
   });

@@ -20,7 +20,7 @@ export interface ScrapeSources {
   redis: Pick<Redis, "ping" | "zrangebyscore" | "xrevrange">;
   /** The stage queues and the janitor's, by the name used as the `queue` label. */
   queues: readonly Queue[];
-  store: Pick<RolloutStore, "inflightCount">;
+  store: Pick<RolloutStore, "inflightCount" | "probeWrite">;
   ledger?: Pick<TeardownLedger, "size" | "oldestSince">;
   metrics: FleetMetrics;
   now: number;
@@ -35,6 +35,7 @@ export function withTimeout<T>(promise: Promise<T>, ms: number, what: string): P
 
 /**
  * Set the gauges the dispatcher computes at scrape time: `fleet_redis_up` (a PING),
+ * `fleet_redis_writable` (a probe key written with a minute's TTL),
  * `fleet_queue_jobs{queue,state}`, `fleet_queue_oldest_waiting_age_seconds{queue}`,
  * `fleet_queue_workers{queue}`, `fleet_rollouts_inflight` and, given a ledger,
  * `fleet_teardown_ledger_entries` and `fleet_teardown_ledger_oldest_age_seconds`. When Redis
@@ -61,9 +62,21 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
     metrics.redisUp.set(1);
   } catch (err) {
     metrics.redisUp.set(0);
+    metrics.redisWritable.remove({});
     clear();
     throw err;
   }
+  // A full Redis (noeviction) or a read-only replica answers PING and reads, and refuses every
+  // write: no rollout advances. Said by a write of its own, whether or not a stage job is there
+  // to be refused (the workers' holds stop counting a job after 30).
+  await withTimeout(
+    src.store.probeWrite(),
+    Math.max(1, src.timeoutMs - (Date.now() - started)),
+    "redis write probe",
+  ).then(
+    () => metrics.redisWritable.set(1),
+    () => metrics.redisWritable.set(0),
+  );
   try {
     const [perQueue, inflight, ledgerSize, ledgerSince] = await withTimeout(
       Promise.all([

@@ -36,6 +36,8 @@ export interface Keys {
   cancelling(): string;
   /** Never written: the fleet's clock is read (`TIME`) on the node that holds this key's slot. */
   clock(): string;
+  /** Written (with a minute's TTL) at each metrics scrape, to see whether Redis takes writes. */
+  writeProbe(): string;
   /** Hash of live sandbox intents/handles: `<rolloutId>:<owner>` → JSON. */
   sandboxes(): string;
   /**
@@ -64,6 +66,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const admitting = `${x}admitting`;
   const cancelling = `${x}cancelling`;
   const clockKey = `${x}clock`;
+  const writeProbe = `${x}write-probe`;
   const sandboxes = `${x}sandboxes`;
   const retiredSandboxes = `${x}sandboxes:retired`;
   const teardownDue = `${x}teardown:due`;
@@ -85,6 +88,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     admitting: () => admitting,
     cancelling: () => cancelling,
     clock: () => clockKey,
+    writeProbe: () => writeProbe,
     sandboxes: () => sandboxes,
     retiredSandboxes: () => retiredSandboxes,
     teardownDue: () => teardownDue,

@@ -968,6 +968,14 @@ export class RolloutStore {
     return this.redis.zrange(this.keys.inflight(), String(start), String(start + count - 1));
   }
 
+  /**
+   * Write a short-lived probe key: rejects when Redis refuses writes (full under noeviction:
+   * OOM; a read-only replica after a failover) though it still answers reads and PING.
+   */
+  async probeWrite(): Promise<void> {
+    await this.redis.set(this.keys.writeProbe(), String(Date.now()), "PX", 60_000);
+  }
+
   /** Non-terminal rollouts whose deadline passed before `before`, most overdue first, from `offset`. */
   async pastDeadline(before: number, limit = 100, offset = 0): Promise<string[]> {
     return this.redis.zrangebyscore(this.keys.inflight(), "-inf", before, "LIMIT", offset, limit);

@@ -38,6 +38,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
         "fleet_queue_stalled_jobs_total",
         "fleet_queue_workers",
         "fleet_redis_up",
+        "fleet_redis_writable",
         "fleet_redis_durable",
         "fleet_redis_tls_cert_expiry_timestamp_seconds",
         "fleet_sandbox_provider_up",
@@ -70,6 +71,7 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     const samples = async () => (await r.metrics()).split("\n").filter((l) => !l.startsWith("#"));
     for (const name of [
       "fleet_redis_up",
+      "fleet_redis_writable",
       "fleet_redis_durable",
       "fleet_redis_tls_cert_expiry_timestamp_seconds",
       "fleet_rollouts_inflight",

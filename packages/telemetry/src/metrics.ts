@@ -115,6 +115,7 @@ export interface FleetMetrics {
   stageJobs: Counter<"stage" | "outcome">;
   rolloutsInflight: Gauge;
   redisUp: Gauge;
+  redisWritable: Gauge;
   redisDurable: Gauge;
   redisTlsCertExpiry: Gauge;
   sandboxProviderUp: Gauge;
@@ -229,6 +230,11 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
       help: "1 when Redis answered a PING at scrape time, 0 when it did not.",
       registers,
     }),
+    redisWritable: new Gauge({
+      name: "fleet_redis_writable",
+      help: "1 when Redis took a write (a probe key with a minute's TTL) at scrape time, 0 when it refused it (full under noeviction, a read-only replica); absent when it did not answer PING.",
+      registers,
+    }),
     redisDurable: new Gauge({
       name: "fleet_redis_durable",
       help: "1 when the Redis this process is connected to passed the start's durability check (AOF on, fsynced as required, maxmemory-policy noeviction) at its last connection; 0 when a reconnect (a failover's promoted replica) found it not safe for the fleet's state. Set by every app.",
@@ -290,6 +296,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
   // set them, so a worker's scrape never reports "Redis down" or "nothing in flight".
   for (const gauge of [
     metrics.redisUp,
+    metrics.redisWritable,
     metrics.redisDurable,
     metrics.redisTlsCertExpiry,
     metrics.rolloutsInflight,
