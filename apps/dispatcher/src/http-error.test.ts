@@ -94,3 +94,12 @@ describe("toHttpError", () => {
     }
   });
 });
+
+describe("toHttpError of a connection reset", () => {
+  it("takes the client's own request abort for a 400, and any other reset (Redis's socket, say) for a 500", () => {
+    const aborted = Object.assign(new Error("aborted"), { code: "ECONNRESET" });
+    expect(toHttpError(aborted)).toMatchObject({ status: 400, code: "malformed" });
+    const other = Object.assign(new Error("read ECONNRESET"), { code: "ECONNRESET" });
+    expect(toHttpError(other)).toMatchObject({ status: 500, code: "internal" });
+  });
+});

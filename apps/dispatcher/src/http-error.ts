@@ -118,10 +118,10 @@ export function toHttpError(err: unknown): HttpError {
     const [status, code] = FASTIFY_CODES[e.code]!;
     return new HttpError(status, code, message);
   }
-  // The client hung up while its body was still being read (Node's `aborted`, ECONNRESET): its
-  // mistake or its network's, not the server's. Nobody reads the answer; it must not be logged
-  // as a 500 (a bug) at error level.
-  if (e.code === "ECONNRESET" || (e.code === undefined && e.message === "aborted")) {
+  // The client hung up while its body was still being read (Node's request error: `aborted`,
+  // ECONNRESET; not another socket's `read ECONNRESET`): its mistake or its network's, not the
+  // server's. Nobody reads the answer; it must not be logged as a 500 (a bug) at error level.
+  if (e.message === "aborted" && (e.code === "ECONNRESET" || e.code === undefined)) {
     return new HttpError(
       400,
       "malformed",
