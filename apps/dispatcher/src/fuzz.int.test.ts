@@ -366,5 +366,14 @@ describe("dispatcher under fuzzing (never a 5xx, always the JSON error body)", (
       expect(res.statusCode, url).toBe(status);
       expect(res.json().error.message).toBe(message);
     }
+    // A browser on a bad board URL gets the sign-in page, as on a good one.
+    const page = await call({
+      method: "GET",
+      url: "/admin/queues/%ZZ",
+      token: null,
+      headers: { accept: "text/html" },
+    });
+    expect(page.statusCode).toBe(401);
+    expect(String(page.headers["content-type"])).toContain("text/html");
   });
 });

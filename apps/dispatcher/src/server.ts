@@ -95,6 +95,11 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       // Raised before routing, so before the auth hook: an unauthenticated client gets the 401
       // any other request of its gets, and nobody gets the raw URL echoed back.
       if (auth.authenticate(req.raw).access === "none") {
+        // A browser on a bad board URL gets the sign-in page, as on a good one (back to the board).
+        if (isAdminPath(req.url) && req.method === "GET" && wantsHtml(req)) {
+          void sendLoginPage(reply as FastifyReply, 401, { next: BOARD_PATH });
+          return;
+        }
         void refuse(reply as FastifyReply, unauthorized());
         return;
       }
