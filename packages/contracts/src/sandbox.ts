@@ -72,6 +72,11 @@ export function sandboxOverCeiling(
   return over;
 }
 
+/** `sandboxOverCeiling`'s findings as one line, for a 422's message or a failed rollout's reason. */
+export function describeOverCeiling(over: { path: string; message: string }[]): string {
+  return over.map((o) => `${o.path} ${o.message}`).join("; ");
+}
+
 /** Everything a provider needs to create a sandbox. */
 export const SandboxSpec = z.strictObject({
   image: z.string().min(1),

@@ -2,7 +2,6 @@ import { isTerminal } from "@fleet/contracts";
 import {
   cancelBatch,
   duplicateRedis,
-  FINISHED_JOB_AGE_MS,
   isInvalidStoredData,
   JANITOR_QUEUE,
   LONGEST_LIFE_MS,
@@ -335,10 +334,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   // their queue finishes: on a quiet queue they outlived their rollout's record, and a rollout
   // admitted again under its key after that found its old seed job there (never added again).
   await step("trim", async () => {
-    report.jobsTrimmed += await deps.queues.trimFinished(
-      TRIM_LIMIT,
-      options.finishedJobAgeMs ?? FINISHED_JOB_AGE_MS,
-    );
+    report.jobsTrimmed += await deps.queues.trimFinished(TRIM_LIMIT, options.finishedJobAgeMs);
   });
 
   // (2) Sandboxes still registered whose rollout is over, or whose expiry passed.

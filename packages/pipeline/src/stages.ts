@@ -3,6 +3,7 @@ import { setTimeout as sleep } from "node:timers/promises";
 import {
   type CleanupReceipt,
   capText,
+  describeOverCeiling,
   endedBySignal,
   type FailureRecord,
   FleetError,
@@ -181,7 +182,7 @@ async function createSandbox(
   // it): the task's, final, before anything is made.
   const over = deps.sandboxCeiling ? sandboxOverCeiling(rec.meta.sandbox, deps.sandboxCeiling) : [];
   if (over.length > 0) {
-    throw FleetError.nonRetryable("invalid_task", over.map((o) => `${o.path} ${o.message}`).join("; "));
+    throw FleetError.nonRetryable("invalid_task", describeOverCeiling(over));
   }
   const now = clock(deps);
   const entry: SandboxEntry = {

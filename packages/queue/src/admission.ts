@@ -3,6 +3,7 @@ import {
   ADMISSION_ALLOWANCE_MS,
   agentName,
   canonicalJson,
+  describeOverCeiling,
   type RolloutRequest,
   RUN_MARGIN_MS,
   runNeeds,
@@ -216,14 +217,10 @@ export async function prepareRollouts(
         ? sandboxOverCeiling(req.sandbox, options.sandboxCeiling)
         : [];
     if (over.length > 0) {
-      throw new AdmissionError(
-        "invalid",
-        `rollout ${i}: ${over.map((o) => `${o.path} ${o.message}`).join("; ")}`,
-        {
-          index: i,
-          issues: over,
-        },
-      );
+      throw new AdmissionError("invalid", `rollout ${i}: ${describeOverCeiling(over)}`, {
+        index: i,
+        issues: over,
+      });
     }
     let task: TaskContent;
     let digest: string;
