@@ -967,6 +967,60 @@ describe("janitor", () => {
     }
   });
 
+  it("a stage wedged past its rollout's end stops beating once the beat finds the record gone (or closed)", async () => {
+    let release!: () => void;
+    const released = new Promise<void>((r) => {
+      release = r;
+    });
+    const own = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      startWorkers: false,
+      deps: {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          async run() {
+            await released; // deaf to its signal
+            return { exec: execResult(), answer: null, transcript: null, usage: null };
+          },
+        }),
+        verify: async () => ({ reward: 1, details: { kind: "test" } }),
+        stageBeatMs: 50,
+      },
+    });
+    const beats: boolean[] = [];
+    const store = own.deps.store;
+    const counting = Object.assign(Object.create(store) as typeof store, {
+      beat: async (...a: Parameters<typeof store.beat>) => {
+        const open = await store.beat(...a);
+        beats.push(open);
+        return open;
+      },
+    });
+    const deps = { ...own.deps, store: counting };
+    let ticks = 0;
+    const clock = setInterval(() => ticks++, 50);
+    try {
+      const task = await helloFile();
+      const [id] = (await own.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+      expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+      const running = runStageJob("run", job(id), deps).catch((e: unknown) => e);
+      await vi.waitFor(() => expect(beats).toContain(true), { timeout: 5_000 });
+      await own.redis.del(store.keys.rollout(id));
+      await vi.waitFor(() => expect(beats).toContain(false), { timeout: 5_000 });
+      // Ten more beat periods: no beat after the refused one.
+      const from = ticks;
+      await vi.waitFor(() => expect(ticks).toBeGreaterThanOrEqual(from + 10), { timeout: 5_000 });
+      expect(beats.filter((open) => !open)).toEqual([false]);
+      expect(beats.at(-1)).toBe(false);
+      release();
+      await running;
+    } finally {
+      clearInterval(clock);
+      release();
+      await own.close();
+    }
+  });
+
   it("a verify that stores its grade after the watchdog recorded the deadline is refused: the record shows no reward the masked result does not report", async () => {
     let grading!: () => void;
     const graded = new Promise<void>((r) => {

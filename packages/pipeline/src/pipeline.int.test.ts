@@ -1743,6 +1743,44 @@ describe("idempotency and fencing without workers", () => {
     expect(await fleet.deps.queues.queues.close.getJob(stageJobId(id!, "close"))).toBeDefined();
   });
 
+  it("a final failure Redis refused for all the runner's tries is recorded by the worker once Redis takes it, and the rollout closed: not left open for its stage to run again", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    const store = fleet.deps.store;
+    // The runner's four tries and the worker's first two are refused (a failover's read-only replica).
+    let refusals = 6;
+    let seeds = 0;
+    const failingOver = Object.assign(Object.create(store) as typeof store, {
+      getTask: async () => null, // the task is gone: a final invalid_task
+      begin: async (...a: Parameters<typeof store.begin>) => {
+        if (a[0] === id && a[1] === "seed") seeds++;
+        return store.begin(...a);
+      },
+      recordFailure: async (...a: Parameters<typeof store.recordFailure>) => {
+        if (a[0] === id && refusals-- > 0) {
+          throw Object.assign(new Error("READONLY You can't write against a read only replica."), {
+            name: "ReplyError",
+          });
+        }
+        return store.recordFailure(...a);
+      },
+    });
+    const workers = createStageWorkers(
+      STAGES,
+      { ...fleet.deps, store: failingOver },
+      { connection: fleet.redis, prefix: fleet.prefix, concurrency: 2, supervise: false },
+    );
+    try {
+      const [r] = await fleet.waitForResults([id!], 30_000);
+      expect(r).toMatchObject({ status: "failed", failureKind: "invalid_task", stage: "seed" });
+      expect(refusals).toBe(-1);
+      expect(seeds).toBe(1);
+      const log = await store.failureLog(id!);
+      expect(log.filter((f) => f.terminal)).toHaveLength(1);
+    } finally {
+      await workers.close(10_000);
+    }
+  });
+
   it("a run job ahead of its seed receipt, or one handed back at shutdown before its harness, gives the launch back", async () => {
     const [id] = await fleet.submit([
       { task: byId("hello-file"), agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },

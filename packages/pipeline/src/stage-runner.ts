@@ -9,7 +9,14 @@ import {
   type StageName,
   stageAfter,
 } from "@fleet/contracts";
-import { deliveryFence, isRedisUnavailable, maxBackoffMs, STAGE_CATALOG, stageJobId } from "@fleet/queue";
+import {
+  type DeliveryFence,
+  deliveryFence,
+  isRedisUnavailable,
+  maxBackoffMs,
+  STAGE_CATALOG,
+  stageJobId,
+} from "@fleet/queue";
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError, RedisHoldError } from "./hand-back.ts";
@@ -215,42 +222,29 @@ export async function runStageJob(
     }
     log.warn({ err: fe.message, kind: fe.kind, attempt }, "stage failed for good; closing the rollout");
     // A final failure stays final even when recording it hits a Redis blip: a plain error here
-    // would make BullMQ retry the stage (and run the agent again). A few tries, then the
-    // watchdog closes what could not be recorded.
-    let recorded = false;
+    // would make BullMQ retry the stage (and run the agent again). A few tries here, then the
+    // worker's `failed` handler keeps trying while Redis refuses (`UnrecordedFailureError`).
+    const final: FinalFailure = { failure: failureRecord(stage, fe, true, at), fence, recorded: false };
     for (let tries = 1; ; tries++) {
       try {
-        // A try whose record landed and whose enqueue failed only enqueues again: the failure
-        // is logged once.
-        // Not once the result is decided: a verify whose receipt (its reward) was stored and
-        // whose close could not be enqueued keeps its reward; close composes it.
-        if (!recorded) {
-          const stored = await deps.store.recordFailure(rolloutId, failureRecord(stage, fe, true, at), {
-            beforeDecided: true,
-            ...(fence === null ? {} : { deliveryFence: fence }),
-          });
-          // Refused for the fence (not for a decided result): a later attempt is verifying (seeding).
-          if (!stored && !(await holdsFence())) {
-            superseded(
-              deps,
-              rolloutId,
-              "does not record its failure",
-              fe,
-              stage === "seed" ? "seed" : "verify",
-            );
-            return "superseded";
-          }
+        if (!(await recordFinalFailure(deps, rolloutId, final))) {
+          superseded(
+            deps,
+            rolloutId,
+            "does not record its failure",
+            fe,
+            stage === "seed" ? "seed" : "verify",
+          );
+          return "superseded";
         }
-        recorded = true;
-        await deps.queues.enqueue("close", rolloutId);
         break;
       } catch (recordErr) {
         if (tries >= FAIL_RECORD_TRIES) {
           log.error(
             { err: String(recordErr) },
-            "could not record a final failure; the watchdog will close the rollout",
+            "could not record a final failure; the worker tries again while Redis refuses, then the watchdog closes the rollout",
           );
-          break;
+          throw new UnrecordedFailureError(capText(`${fe.kind}: ${fe.message}`), rolloutId, final);
         }
         await sleep(FAIL_RECORD_BACKOFF_MS * tries);
       }
@@ -270,7 +264,12 @@ export const STAGE_BEAT_MS = 30_000;
 
 function startBeat(deps: PipelineDeps, rolloutId: string, stage: StageName): NodeJS.Timeout {
   const timer = setInterval(() => {
-    deps.store.beat(rolloutId, stage, clock(deps)).catch(() => undefined);
+    deps.store.beat(rolloutId, stage, clock(deps)).then(
+      // Closed, or its record gone: nothing left to keep fresh (a handler wedged past its
+      // rollout's close would beat for good).
+      (open) => open || clearInterval(timer),
+      () => undefined,
+    );
   }, deps.stageBeatMs ?? STAGE_BEAT_MS);
   timer.unref();
   return timer;
@@ -289,7 +288,60 @@ async function heldTimes(deps: PipelineDeps, rolloutId: string, stage: StageName
   return log.filter((f) => f.stage === stage && f.reason.startsWith(HELD_REASON)).length;
 }
 
-/** How often, and how far apart, a final failure's record is tried before the watchdog is left to it. */
+/** A stage's final failure, as the stage runner records it (see `recordFinalFailure`). */
+export interface FinalFailure {
+  failure: ReturnType<typeof failureRecord>;
+  /** The delivery's fence (seed, verify): a later delivery at work refuses the record. */
+  fence: DeliveryFence | null;
+  /** Whether the record landed (a later try only enqueues close: the failure is logged once). */
+  recorded: boolean;
+}
+
+/**
+ * Record a final failure (only while the result is undecided: a verify whose receipt, its reward,
+ * was stored keeps it, close composes it) and enqueue close. False when a later delivery holds
+ * the stage's fence (it is at work: its outcome decides).
+ */
+export async function recordFinalFailure(
+  deps: PipelineDeps,
+  rolloutId: string,
+  final: FinalFailure,
+): Promise<boolean> {
+  if (!final.recorded) {
+    const stored = await deps.store.recordFailure(rolloutId, final.failure, {
+      beforeDecided: true,
+      ...(final.fence === null ? {} : { deliveryFence: final.fence }),
+    });
+    // Refused for the fence (not for a decided result): a later attempt is verifying (seeding).
+    if (!stored && final.fence !== null && !(await deps.store.holdsFence(rolloutId, final.fence))) {
+      return false;
+    }
+    final.recorded = true;
+  }
+  await deps.queues.enqueue("close", rolloutId);
+  return true;
+}
+
+/**
+ * A final failure the stage runner could not record (Redis refused each of its tries): the job
+ * fails for good all the same (never retried: that would run the stage again), and the worker's
+ * `failed` handler records it once Redis takes it and closes the rollout. Left unrecorded, the
+ * rollout stayed open with no job, and once the failed job was trimmed (its age, BullMQ's count,
+ * an operator's clean) the janitor's lost-job step enqueued the stage again: the agent ran twice.
+ */
+export class UnrecordedFailureError extends UnrecoverableError {
+  constructor(
+    message: string,
+    readonly rolloutId: string,
+    readonly final: FinalFailure,
+  ) {
+    super(message);
+    // BullMQ and the worker's counts know a final failure by this name.
+    this.name = "UnrecoverableError";
+  }
+}
+
+/** How often, and how far apart, a final failure's record is tried before the worker's `failed` handler is left to it. */
 const FAIL_RECORD_TRIES = 4;
 const FAIL_RECORD_BACKOFF_MS = 250;
 

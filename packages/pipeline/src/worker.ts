@@ -6,7 +6,13 @@ import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isDeferral, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
 import { providerGate, providerProblem } from "./provider-gate.ts";
-import { isRedisRefusal, nextAfter, runStageJob } from "./stage-runner.ts";
+import {
+  isRedisRefusal,
+  nextAfter,
+  recordFinalFailure,
+  runStageJob,
+  UnrecordedFailureError,
+} from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys } from "./stages.ts";
 
 export interface StageWorkerOptions {
@@ -290,6 +296,22 @@ export function createStageWorkers(
     // failure and close the rollout now, rather than leave it to the watchdog at its deadline.
     worker.on("failed", (job, err) => {
       if (!job) return;
+      if (err instanceof UnrecordedFailureError) {
+        // A final failure Redis refused to record: recorded now, as Redis takes it, and closed.
+        void whileRedisRefuses(
+          deps,
+          stage,
+          job,
+          () => recordFinalFailure(deps, err.rolloutId, err.final),
+          () => closing,
+        ).catch((e: unknown) =>
+          deps.logger.error(
+            { stage, rolloutId: err.rolloutId, err: String(e) },
+            "could not record a rollout's final failure; the watchdog will close it",
+          ),
+        );
+        return;
+      }
       // BullMQ's own failure, or a last attempt that failed before the stage runner could
       // decide anything (its begin, or a skip's enqueue, hit a Redis blip): the runner ends
       // every failure it handles on a last attempt with UnrecoverableError, having recorded it.
@@ -297,7 +319,13 @@ export function createStageWorkers(
         err.name !== "UnrecoverableError" && job.attemptsMade >= (job.opts.attempts ?? 1);
       if (!BULLMQ_OWN_FAILURES.has(err.message) && !lastAttemptUnhandled) return;
       const reason = bullmqFailureReason(stage, err);
-      void closeAfterBullmqFailureRetrying(deps, stage, job, reason, () => closing).catch((e: unknown) =>
+      void whileRedisRefuses(
+        deps,
+        stage,
+        job,
+        () => closeAfterBullmqFailure(deps, stage, job, reason),
+        () => closing,
+      ).catch((e: unknown) =>
         deps.logger.error(
           { stage, rolloutId: job.data?.rolloutId, err: String(e) },
           "could not close a rollout whose job BullMQ failed; the watchdog will",
@@ -975,22 +1003,24 @@ export const MAX_REDIS_HOLDS = 30;
 export const CLOSE_AFTER_FAILURE_RETRY_MS = 15 * 60_000;
 
 /**
- * `closeAfterBullmqFailure`, tried again with backoff (1 s doubling to 30 s) while Redis refuses
- * it (out of memory under noeviction, a read-only replica after a failover: the same outage that
- * failed the job), for up to `CLOSE_AFTER_FAILURE_RETRY_MS` and while this process runs: a rollout
- * is not left running, its sandbox up, until the watchdog's pass at its deadline an hour on.
+ * What a worker does for a job BullMQ failed for good (`closeAfterBullmqFailure`, or the record
+ * of a final failure Redis refused), tried again with backoff (1 s doubling to 30 s) while Redis
+ * refuses it (out of memory under noeviction, a read-only replica after a failover: the same
+ * outage that failed the job), for up to `CLOSE_AFTER_FAILURE_RETRY_MS` and while this process
+ * runs: a rollout is not left running, its sandbox up, until the watchdog's pass at its deadline
+ * an hour on.
  */
-async function closeAfterBullmqFailureRetrying(
+async function whileRedisRefuses(
   deps: PipelineDeps,
   stage: StageName,
   job: Job,
-  reason: string,
+  action: () => Promise<unknown>,
   closing: () => boolean,
 ): Promise<void> {
   const until = Date.now() + CLOSE_AFTER_FAILURE_RETRY_MS;
   for (let wait = 1_000, tries = 1; ; wait = Math.min(wait * 2, 30_000), tries++) {
     try {
-      await closeAfterBullmqFailure(deps, stage, job, reason);
+      await action();
       return;
     } catch (err) {
       // Only Redis refusing or unreachable is worth waiting out; anything else will not pass.
@@ -998,7 +1028,7 @@ async function closeAfterBullmqFailureRetrying(
       if (tries === 1) {
         deps.logger.warn(
           { stage, rolloutId: job.data?.rolloutId, err: String(err) },
-          "could not close a rollout whose job BullMQ failed; trying again",
+          "could not close a rollout whose job failed for good; trying again",
         );
       }
       await delay(wait);
