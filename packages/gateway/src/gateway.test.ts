@@ -638,8 +638,9 @@ describe("model gateway", () => {
     expect(upstream.requests).toHaveLength(2);
   });
 
-  it("a proxy's gateway timeout (504, 524, 408) leaves the upstream's health as it was: a long generation looks the same", async () => {
-    const { upstream, gateway } = await setup();
+  it("a proxy's gateway timeout (504, 524, 408) after a proxy's time leaves the upstream's health as it was: a long generation looks the same", async () => {
+    // (Any answer counts as taking a proxy's time here.)
+    const { upstream, gateway } = await setup({ gatewayTimeoutMinMs: 0 });
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
     upstream.push(chatReply({ content: "a" }));
     await chat(baseUrl, token);
@@ -657,6 +658,24 @@ describe("model gateway", () => {
     await chat(baseUrl, token);
     await chat(baseUrl, token);
     expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
+  });
+
+  it("a gateway timeout (504, 524, 408) that came at once timed nothing out: an infrastructure failure, so an agent failing on it is masked", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    for (const status of [504, 524, 408]) {
+      upstream.push({
+        status,
+        rawBody: "<html>Gateway Time-out</html>",
+        headers: { "content-type": "text/html" },
+      });
+      expect((await chat(baseUrl, token)).status).toBe(status);
+      expect(gateway.health(token)).toMatchObject({
+        answered: 0,
+        lastInfraFailure: expect.stringMatching(new RegExp(`^HTTP ${status} after \\d+ ms$`)),
+      });
+    }
+    expect(gateway.health(token)?.infraFailures).toBe(3);
   });
 
   it("a refusal (401/403) or a redirect: the agent gets the gateway's words, not the upstream's (which may quote part of the key)", async () => {

@@ -6,7 +6,13 @@ import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { linkLocalRefusal, type ModelDispatcher, modelFetch } from "./model-fetch.ts";
 import { type KeyProbe, probeKey } from "./probe-key.ts";
-import { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus } from "./status.ts";
+import {
+  GATEWAY_TIMEOUT_MIN_MS,
+  isGatewayTimeoutStatus,
+  isInfraStatus,
+  isRefusalStatus,
+  isSlowGatewayTimeout,
+} from "./status.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
 
 /** A rollout's usage as the gateway reports it: the contracts `Usage` shape. */
@@ -38,6 +44,11 @@ export interface GatewayOptions {
   maxCallsPerMinute?: number;
   /** Largest request body accepted from a client. @defaultValue 4 MiB */
   maxRequestBytes?: number;
+  /**
+   * How long a proxy's gateway timeout (504, 524, 408) must have taken to leave the upstream's
+   * health as it was; sooner, it is an infrastructure failure. @defaultValue `GATEWAY_TIMEOUT_MIN_MS`
+   */
+  gatewayTimeoutMinMs?: number;
   /** Calls one token may have open at once (reading, forwarding or answering); more get 429. @defaultValue 4 */
   maxConcurrentCalls?: number;
   /** Connections the server holds at once, whoever opened them. @defaultValue 32 */
@@ -184,6 +195,7 @@ const DEFAULTS = {
   maxConcurrentCalls: 4,
   maxConnections: 32,
   maxCallsPerMinute: 120,
+  gatewayTimeoutMinMs: GATEWAY_TIMEOUT_MIN_MS,
 };
 
 /**
@@ -357,6 +369,8 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     let retryAfter: string | null;
     let text: string;
     let credential: string | null | undefined;
+    // When the call went upstream (a gateway timeout that came at once timed nothing out).
+    let sentAt = Date.now();
     try {
       credential = await resolveCredentialSafely(o.resolveCredential);
       const headers: Record<string, string> = {
@@ -364,6 +378,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         accept: "application/json",
       };
       if (credential) headers.authorization = `Bearer ${credential}`;
+      sentAt = Date.now();
       const upstream = await modelFetch(
         upstreamUrl,
         {
@@ -397,7 +412,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         // failure's status (5xx, 429) the upstream's, whatever its size.
         if (err.code === "credential_unavailable") noteInfraFailure(entry, err.message);
         if (err.code === "upstream_response_too_large") {
-          if (isInfraStatus(status!)) {
+          if (isInfraStatus(status!, Date.now() - sentAt, o.gatewayTimeoutMinMs)) {
             noteInfraFailure(entry, `HTTP ${status!} with a body over ${o.maxResponseBytes} bytes`);
           } else entry.health.lastInfraFailure = null;
         }
@@ -450,11 +465,16 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     // the operator's key refused: a plain request with that key tells them apart (refused too:
     // the key; any other answer: the key works, and the 403 was the agent's own request's).
     const refusedRequest = status === 403 && (await probeRolloutKey(entry, credential)) === "works";
-    // A proxy's gateway timeout is neither a failure nor an answer: health as it was.
-    if (isGatewayTimeoutStatus(status)) {
+    // A proxy's gateway timeout (after a proxy's time) is neither a failure nor an answer: health as it was.
+    const elapsedMs = Date.now() - sentAt;
+    if (isSlowGatewayTimeout(status, elapsedMs, o.gatewayTimeoutMinMs)) {
       // (as the gateway's own timeout)
-    } else if (isInfraStatus(status) && !refusedRequest) noteInfraFailure(entry, `HTTP ${status}`);
-    else if (ok && !isChatCompletion(parsed)) {
+    } else if (isInfraStatus(status, elapsedMs, o.gatewayTimeoutMinMs) && !refusedRequest) {
+      noteInfraFailure(
+        entry,
+        `HTTP ${status}${isGatewayTimeoutStatus(status) ? ` after ${elapsedMs} ms` : ""}`,
+      );
+    } else if (ok && !isChatCompletion(parsed)) {
       // A 2xx that is no chat completion (truncated JSON, a proxy's HTML page): the upstream
       // did not answer, whatever its status says. Passed on as it came.
       noteInfraFailure(entry, `HTTP ${status} with no readable chat completion`);

@@ -20,5 +20,11 @@ export {
   modelFetch,
 } from "./model-fetch.ts";
 export { type KeyProbe, probeKey } from "./probe-key.ts";
-export { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus } from "./status.ts";
+export {
+  GATEWAY_TIMEOUT_MIN_MS,
+  isGatewayTimeoutStatus,
+  isInfraStatus,
+  isRefusalStatus,
+  isSlowGatewayTimeout,
+} from "./status.ts";
 export { type CallUsage, describeCalls, readCallUsage, UsageMeter } from "./usage-meter.ts";

@@ -2,7 +2,7 @@ import { setTimeout as sleep } from "node:timers/promises";
 import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
 import {
   isChatCompletion,
-  isGatewayTimeoutStatus,
+  isSlowGatewayTimeout,
   linkLocalRefusal,
   type ModelDispatcher,
   modelFetch,
@@ -115,6 +115,8 @@ export interface ChatCallInput {
   attemptTimeoutMs?: number;
   /** The connections' dispatcher. @defaultValue `modelFetch`'s, which never connects to a link-local address */
   dispatcher?: ModelDispatcher;
+  /** How long a proxy's gateway timeout must have taken to be no sure failure. @defaultValue `GATEWAY_TIMEOUT_MIN_MS` */
+  gatewayTimeoutMinMs?: number;
 }
 
 /** Default per-attempt wait for a model answer: an attempt unanswered after it is taken for a hung connection. */
@@ -164,6 +166,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
 
     let status: number | null = null;
     let waitAtLeast: number | null = null;
+    const sentAt = Date.now();
     try {
       const res = await modelFetch(
         input.url,
@@ -269,8 +272,9 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           );
         }
         lastFailure = `HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`;
-        // A proxy's gateway timeout: as the attempt's own timeout, no sure failure.
-        definite = !isGatewayTimeoutStatus(status);
+        // A proxy's gateway timeout: as the attempt's own timeout, no sure failure (unless it came
+        // at once: then it timed nothing out, and the upstream behind the proxy is down).
+        definite = !isSlowGatewayTimeout(status, Date.now() - sentAt, input.gatewayTimeoutMinMs);
         waitAtLeast = retryAfterMs(res.headers);
       }
     } catch (err) {

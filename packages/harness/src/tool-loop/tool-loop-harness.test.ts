@@ -549,10 +549,25 @@ describe("ToolLoopHarness", () => {
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
   });
 
-  it("a proxy's gateway timeout (504) until the deadline is the agent's timeout (graded): a long generation looks the same", async () => {
+  it("a proxy's gateway timeout (504) after a proxy's time, until the deadline, is the agent's timeout (graded): a long generation looks the same", async () => {
     for (let i = 0; i < 30; i++) upstream.push({ status: 504, rawBody: "<html>504 Gateway Time-out</html>" });
-    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 1_000 }));
+    // (Any answer counts as taking a proxy's time here.)
+    const slow = new ToolLoopHarness(
+      agent(),
+      { resolveCredential: async () => CREDENTIAL },
+      { retry: FAST_RETRY, gatewayTimeoutMinMs: 0 },
+    );
+    const out = await slow.run(ctx(agent(), { deadlineMs: Date.now() + 1_000 }));
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
+  });
+
+  it("gateway timeouts (504) that come at once timed nothing out: the endpoint failing until the deadline is masked, never graded 0", async () => {
+    for (let i = 0; i < 30; i++) upstream.push({ status: 504, rawBody: "<html>504 Gateway Time-out</html>" });
+    const err = await harness()
+      .run(ctx(agent(), { deadlineMs: Date.now() + 1_000 }))
+      .catch((e: unknown) => e);
+    expect(err).toMatchObject({ name: "FleetError", kind: "provider_unavailable", retryable: false });
+    expect((err as Error).message).toMatch(/last: HTTP 504/);
   });
 
   it("retries a 200 whose first choice has no message (malformed), then goes on", async () => {

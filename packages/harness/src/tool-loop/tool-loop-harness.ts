@@ -46,6 +46,8 @@ export type ToolLoopStop = "answer" | "max_steps" | "token_cap" | "context_lengt
 export interface ToolLoopHarnessOptions {
   /** Backoff between attempts of one model call. @defaultValue DEFAULT_RETRY_POLICY */
   retry?: Partial<RetryPolicy>;
+  /** See `ChatCallInput.gatewayTimeoutMinMs`. */
+  gatewayTimeoutMinMs?: number;
 }
 
 /**
@@ -71,6 +73,7 @@ export interface ToolLoopHarnessOptions {
 export class ToolLoopHarness implements Harness {
   readonly name = "tool-loop";
   private readonly retry: RetryPolicy;
+  private readonly gatewayTimeoutMinMs: number | undefined;
 
   constructor(
     private readonly agent: ToolLoopAgent,
@@ -78,6 +81,7 @@ export class ToolLoopHarness implements Harness {
     options: ToolLoopHarnessOptions = {},
   ) {
     this.retry = { ...DEFAULT_RETRY_POLICY, ...options.retry };
+    this.gatewayTimeoutMinMs = options.gatewayTimeoutMinMs;
   }
 
   async run(ctx: HarnessContext): Promise<HarnessOutcome> {
@@ -145,6 +149,9 @@ export class ToolLoopHarness implements Harness {
           deadlineMs,
           signal: ctx.signal,
           retry: this.retry,
+          ...(this.gatewayTimeoutMinMs === undefined
+            ? {}
+            : { gatewayTimeoutMinMs: this.gatewayTimeoutMinMs }),
           redact,
           onProbe: () =>
             meter.note(
