@@ -79,7 +79,9 @@ export type ChatCallResult =
    */
   | { kind: "refused"; message: string; failedAttempts: number }
   /** The agent's deadline came while the model was still answering (no failed attempt). */
-  | { kind: "deadline"; failedAttempts: number };
+  | { kind: "deadline"; failedAttempts: number }
+  /** The request is over `MAX_REQUEST_BYTES` (the conversation grew past it): never sent. */
+  | { kind: "too_large"; bytes: number; failedAttempts: 0 };
 
 export interface ChatCallInput {
   /** `<baseUrl>/chat/completions` */
@@ -147,6 +149,10 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
       `model endpoint gave no usable answer before the agent's deadline (${attempt} attempt${attempt === 1 ? "" : "s"}; last: ${lastFailure})`,
     );
   const attemptMs = input.attemptTimeoutMs ?? ATTEMPT_TIMEOUT_MS;
+  // Written once for all attempts; a conversation past the bound is not sent at all.
+  const payload = JSON.stringify(input.body);
+  const bytes = Buffer.byteLength(payload);
+  if (bytes > MAX_REQUEST_BYTES) return { kind: "too_large", bytes, failedAttempts: 0 };
 
   for (;;) {
     if (input.signal.aborted) throw abortError(input.signal);
@@ -173,7 +179,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         {
           method: "POST",
           headers,
-          body: JSON.stringify(input.body),
+          body: payload,
           signal: AbortSignal.any([input.signal, timeout]),
           // The credential goes to the agent's base URL only, never where a redirect points: a
           // 3xx is a refusal (final), like any other non-retryable status.
@@ -351,3 +357,11 @@ function describe(err: unknown): string {
  * not the ten of 32 MiB.
  */
 export const MAX_RESPONSE_BYTES = 8 * 1024 * 1024;
+
+/**
+ * Largest request one model call sends: the whole conversation goes back each step, and an
+ * endpoint answering each step with dozens of long tool calls grew it by megabytes a step (181 MB
+ * bodies, a 1.5 GB worker, at 30 steps). Several times any model's context; past it the episode
+ * ends as on the model's own context-length refusal (graded).
+ */
+export const MAX_REQUEST_BYTES = 16 * 1024 * 1024;

@@ -35,6 +35,19 @@ function textOf(content: unknown): string | null {
 }
 
 /**
+ * Tool-call arguments the endpoint sent as a JSON value rather than a string, as text. A value
+ * nested too deep to write back (a model's, or a hostile endpoint's, thousands of nested arrays)
+ * becomes text that is no JSON object: the tool tells the model its arguments were unreadable.
+ */
+function argumentsText(args: unknown): string {
+  try {
+    return JSON.stringify(args ?? {});
+  } catch {
+    return "(arguments nested too deep to read)";
+  }
+}
+
+/**
  * The first choice's assistant turn, or `null` when the body has none (a malformed answer). Only
  * the first `maxCalls` tool calls are read: one answer may list millions (a 32 MiB body of `{}`s),
  * and an object built for each would take gigabytes.
@@ -67,7 +80,7 @@ export function readAssistantTurn(
       type: "function",
       function: {
         name: typeof call.function?.name === "string" ? call.function.name : "",
-        arguments: typeof args === "string" ? args : JSON.stringify(args ?? {}),
+        arguments: typeof args === "string" ? args : argumentsText(args),
       },
     };
   });

@@ -14,7 +14,7 @@ import { AGENT_USER } from "@fleet/sandbox";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import type { HarnessContext } from "../harness.ts";
-import { callChatCompletion, MAX_RESPONSE_BYTES } from "./chat-client.ts";
+import { callChatCompletion, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES } from "./chat-client.ts";
 import { MAX_TOOL_CALLS_PER_TURN, refuseLinkLocalHost, ToolLoopHarness } from "./tool-loop-harness.ts";
 
 // The loop against a scripted OpenAI-compatible upstream on 127.0.0.1 and an in-memory sandbox.
@@ -191,6 +191,52 @@ describe("ToolLoopHarness", () => {
       gaps: [expect.stringMatching(/^a one-token probe request after a 403 at model call 2/)],
     });
   });
+
+  it("tool-call arguments nested too deep to write back are the model's bad arguments (the tool says so), not a crash that reruns the episode", async () => {
+    const deep = `${"[".repeat(100_000)}${"]".repeat(100_000)}`;
+    upstream.push(
+      {
+        rawBody: `{"choices":[{"index":0,"finish_reason":"tool_calls","message":{"role":"assistant","content":"deep","tool_calls":[{"id":"c1","type":"function","function":{"name":"bash","arguments":${deep}}}]}}],"usage":{"prompt_tokens":10,"completion_tokens":5,"total_tokens":15}}`,
+        headers: { "content-type": "application/json" },
+      },
+      chatReply({ content: "done" }),
+    );
+    const out = await harness().run(ctx());
+    expect(out.answer).toBe("done");
+    expect(provider.execCalls).toEqual([]);
+    expect(bodyOf(1).messages.find((m) => m.role === "tool")!.content).toMatch(
+      /arguments must be a JSON object/,
+    );
+  });
+
+  it("an error of no kind mid-episode (a library's, a bug's) still carries what the episode's calls spent", async () => {
+    upstream.push(
+      chatReply({ content: "looking", bash: ["echo hi"], usage: { prompt: 12, completion: 4, cached: 0 } }),
+    );
+    // A provider answering what no provider should (its output not text): the harness's own code
+    // trips on it, with a TypeError (the provider's own errors come as FleetErrors).
+    provider.onExec = () => ({ stdout: Symbol("not text") as unknown as string });
+    const err = await rejection(harness().run(ctx()));
+    expect(err).toMatchObject({ name: "FleetError", kind: "provider_unavailable", retryable: true });
+    expect((err as FleetError).cause).toBeInstanceOf(TypeError);
+    expect((err as FleetError).usage).toMatchObject({ calls: 1, promptTokens: 12, completionTokens: 4 });
+  });
+
+  it("a conversation grown past MAX_REQUEST_BYTES (dozens of long tool calls a step) ends the episode as too long, graded, and is never sent", async () => {
+    // Each answer: 64 commands of 100 KB (a 6.5 MB answer), all of which go back in the history.
+    const long = Array.from({ length: MAX_TOOL_CALLS_PER_TURN }, (_, i) => `: ${i} ${"x".repeat(100_000)}`);
+    for (let i = 0; i < 5; i++) upstream.push(chatReply({ content: `step ${i + 1}`, bash: long }));
+    const out = await harness().run(ctx());
+    const sent = upstream.requests.map((r) => Buffer.byteLength(JSON.stringify(r.body)));
+    expect(sent.length).toBeGreaterThan(1);
+    expect(sent.length).toBeLessThan(5);
+    expect(Math.max(...sent)).toBeLessThanOrEqual(MAX_REQUEST_BYTES);
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(
+      /tool-loop stopped \(context_length\): the conversation grew too long: the request is \d+ bytes, more than the 16777216/,
+    );
+    expect(out.answer).toBe(`step ${sent.length}`);
+  }, 60_000);
 
   it("an endpoint down from the first call reports its failed attempts as a gap on the error", async () => {
     await upstream.close();

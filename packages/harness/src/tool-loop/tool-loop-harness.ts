@@ -29,7 +29,12 @@ import {
   TOOL_EXEC_OUTPUT_BYTES,
   TOOL_LOOP_SYSTEM_PROMPT,
 } from "./bash-tool.ts";
-import { callChatCompletion, DEFAULT_RETRY_POLICY, type RetryPolicy } from "./chat-client.ts";
+import {
+  callChatCompletion,
+  DEFAULT_RETRY_POLICY,
+  MAX_REQUEST_BYTES,
+  type RetryPolicy,
+} from "./chat-client.ts";
 import { type ChatMessage, readAssistantTurn, type ToolCall } from "./chat-types.ts";
 import { redactor, Transcript } from "./transcript.ts";
 
@@ -177,18 +182,26 @@ export class ToolLoopHarness implements Harness {
           stopDetail = `the model endpoint refused the conversation at call ${step}: ${result.message}`;
           break;
         }
-        if (result.kind === "context_length") {
+        if (result.kind === "context_length" || result.kind === "too_large") {
+          // (`too_large`: the conversation is past what one call sends, so never sent.)
+          const why =
+            result.kind === "too_large"
+              ? `the request is ${result.bytes} bytes, more than the ${MAX_REQUEST_BYTES} one model call sends`
+              : result.message;
           if (step === 1) {
             // Before the agent did anything: the task's instruction (or the completion tokens
             // asked for) does not fit this model, the spec's mismatch, not a policy's failure.
             throw FleetError.nonRetryable(
               "agent_error",
-              `the model cannot take the episode's first request: ${result.message}`,
+              `the model cannot take the episode's first request: ${why}`,
             );
           }
-          meter.recordFailure();
+          if (result.kind === "context_length") meter.recordFailure();
           stop = "context_length";
-          stopDetail = `the model refused the conversation as too long: ${result.message}`;
+          stopDetail =
+            result.kind === "too_large"
+              ? `the conversation grew too long: ${why}`
+              : `the model refused the conversation as too long: ${why}`;
           break;
         }
         const callUsage = readCallUsage(result.body);
@@ -276,7 +289,15 @@ export class ToolLoopHarness implements Harness {
       // A failure mid-episode (the endpoint gone, the sandbox lost) still reports what the
       // episode's calls spent: the run is masked or failed, its cost is a fact all the same.
       const spent = meter.summary();
-      throw withUsage(err, spent.calls > 0 || spent.gaps.length > 0 ? spent : null);
+      const usage = spent.calls > 0 || spent.gaps.length > 0 ? spent : null;
+      // An error of no kind (a library's, a bug's) keeps it too: taken as the stage runner
+      // takes any such error (a retryable `provider_unavailable`), with the spend on it. (An
+      // abort stays as it is: the worker's stop or hand-back.)
+      const kinded =
+        usage === null || isFleetError(err) || ctx.signal.aborted
+          ? err
+          : FleetError.retryable("provider_unavailable", capText(err), err);
+      throw withUsage(kinded, usage);
     }
 
     transcript.add({ event: "stop", reason: stop, detail: stopDetail });
