@@ -32,7 +32,7 @@ import type { PipelineDeps } from "./deps.ts";
 import { type DeferralError, isDeferral, isHandBack, RedisHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
-import { beginOptions } from "./stages.ts";
+import { beginOptions, TESTS_CUT_SHORT } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 import { createStageWorkers } from "./worker.ts";
@@ -631,29 +631,45 @@ describe("idempotency and fencing without workers", () => {
   };
 
   /**
-   * A (`verifyPausedAtRunner`) was fenced out by B (epoch 2), which verified: the fence holds 2,
-   * B's verdict is stored and its tests ran once. A wakes: its runner finds the sandbox fenced
-   * past its epoch and starts nothing; A stores nothing, fails nothing. The rollout completes.
+   * A (`verifyPausedAtRunner`) was fenced out by B (epoch 2): the fence holds 2. B verified (its
+   * verdict stored, its tests ran once) or, with `masked`, masked the rollout (A noted its tests'
+   * start: no tests run again; B's failure recorded). A wakes: its runner finds the sandbox fenced
+   * past its epoch and starts nothing; A stores nothing, fails nothing. Close reports B's outcome.
    */
-  const expectFencedOut = async ({
-    id,
-    handle,
-    runs,
-    a,
-    resume,
-  }: Awaited<ReturnType<typeof verifyPausedAtRunner>>) => {
+  const expectFencedOut = async (
+    { id, handle, runs, a, resume }: Awaited<ReturnType<typeof verifyPausedAtRunner>>,
+    { masked = false }: { masked?: boolean } = {},
+  ) => {
     const fence = await readFence(handle);
     expect(fence.stdout).toBe("2\n");
     const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
-    expect(verified).toMatchObject({ reward: 1 });
-    expect(await runs()).toBe("ran\n");
+    if (masked) expect(verified).toBeUndefined();
+    else expect(verified).toMatchObject({ reward: 1 });
+    const ranByB = masked ? "" : "ran\n";
+    expect(await runs()).toBe(ranByB);
+    const failures = await fleet.deps.store.failureLog(id!);
     resume.open();
     await a;
-    // B's tests ran; A's did not.
-    expect(await runs()).toBe("ran\n");
+    // A's tests did not run.
+    expect(await runs()).toBe(ranByB);
     expect((await fleet.deps.store.get(id!))!.receipts.verify).toEqual(verified);
-    expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
-    await closeExpecting(id!, { status: "completed", reward: 1 });
+    expect(await fleet.deps.store.failureLog(id!)).toEqual(failures);
+    await closeExpecting(
+      id!,
+      masked
+        ? { status: "masked", failureKind: "verifier_error", reward: null }
+        : { status: "completed", reward: 1 },
+    );
+  };
+
+  /**
+   * A verify delivered again after an earlier attempt's tests ran in the sandbox (cut short:
+   * handed back, its exec broken, paused past its lock) masks the rollout, `verifier_error`
+   * (`TESTS_CUT_SHORT`), and runs no tests again on the sandbox they changed; close reports it.
+   */
+  const expectCutShort = async (id: string, deps: PipelineDeps = fleet.deps) => {
+    await expect(runStageJob("verify", job(id, 1), deps)).rejects.toThrow(TESTS_CUT_SHORT);
+    await closeExpecting(id, { status: "masked", failureKind: "verifier_error", reward: null });
   };
 
   /**
@@ -2009,8 +2025,8 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
-  it("a verify handed back at shutdown stops its tests first, so the next attempt starts at once instead of waiting out their budget", async () => {
-    // The first run of the tests hangs; the next one passes.
+  it("a verify handed back at shutdown stops its tests first, so the next attempt does not wait out their budget: it masks at once, never running the tests again on the sandbox they changed", async () => {
+    // The first run of the tests hangs; a second one would pass on what the first left (/tmp).
     const { id, handle } = await ranWithTests(
       "handed-back-verify",
       "#!/bin/sh\n[ -e /tmp/handed-back ] && exit 0\ntouch /tmp/handed-back\nsleep 600\n",
@@ -2026,8 +2042,9 @@ describe("idempotency and fencing without workers", () => {
     // Its tests are gone, and so is its note of them: nothing for the next attempt to wait out.
     expect(await rootSleeps()).toBe("0");
     expect((await fleet.deps.store.get(id!))!.times["verify:last"]).toBeUndefined();
-    expect(await runStageJob("verify", job(id!), fleet.deps)).toBe("ok");
-    await closeExpecting(id!, { status: "completed", reward: 1 });
+    const { deps: watching, staged } = watchStaging();
+    await expectCutShort(id!, watching);
+    expect(staged).toEqual([]);
   });
 
   it("a verify handed back whose sweep lands after a later attempt fenced the sandbox kills nothing of that attempt's tests", async () => {
@@ -2089,8 +2106,8 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
-  it("a verify that begins while a handed-back attempt sweeps its tests waits for the sweep to end: the sweep never kills the new attempt's tests, and a confirmed sweep frees it at once", async () => {
-    // The first run of the tests hangs; the next one takes a few seconds, then passes.
+  it("a verify that begins while a handed-back attempt sweeps its tests waits for the sweep to end (it never works in the sandbox under it), then masks at once: the tests ran there", async () => {
+    // The first run of the tests hangs; a second one would pass on what the first left (/tmp).
     const { id, handle } = await ranWithTests(
       "sweep-race",
       "#!/bin/sh\nif [ -e /tmp/swept ]; then sleep 8; exit 0; fi\ntouch /tmp/swept\nsleep 600\n",
@@ -2132,18 +2149,22 @@ describe("idempotency and fencing without workers", () => {
         },
       }),
     };
-    const verifyingB = runStageJob("verify", job(id!), b);
-    // B waits for the sweep (without that wait, it runs its tests under it, or waits out A's).
-    await waitFor(async () => waitsForSweep || (await rootSleeps(8)) === "1");
+    const verifyingB = runStageJob("verify", job(id!), b).then(
+      () => "ok",
+      (err: unknown) => ({ err, at: Date.now() }),
+    );
+    await waitFor(async () => waitsForSweep);
     const opened = Date.now();
     gate.open();
     expect(isHandBack(await verifyingA)).toBe(true);
-    expect(await verifyingB).toBe("ok");
-    // Freed by the sweep's end, A's tests confirmed stopped: neither the claim's 30 s nor the
-    // tests' budget.
-    expect(staged).toHaveLength(1);
-    expect(staged[0]! - opened).toBeLessThan(10_000);
-    await closeExpecting(id!, { status: "completed", reward: 1 });
+    const ended = (await verifyingB) as { err: Error; at: number };
+    expect(ended.err.message).toContain(TESTS_CUT_SHORT);
+    // Freed by the sweep's end, A's tests confirmed stopped (neither the claim's 30 s nor the
+    // tests' budget), and it staged nothing.
+    expect(ended.at).toBeGreaterThanOrEqual(opened);
+    expect(ended.at - opened).toBeLessThan(10_000);
+    expect(staged).toEqual([]);
+    await closeExpecting(id!, { status: "masked", failureKind: "verifier_error", reward: null });
   });
 
   it("a verify handed back after a later attempt began sweeps nothing: the tests in the sandbox are not its to stop", async () => {
@@ -2287,8 +2308,8 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
-  it("a verify whose exec broke mid-tests (the daemon's answer lost) leaves the sandbox: the next attempt stops the tests it left and starts at once, not a budget later", async () => {
-    // The first run of the tests hangs; the next one passes.
+  it("a verify whose exec broke mid-tests (the daemon's answer lost) leaves the sandbox: the next attempt stops the tests it left at once, not a budget later, and masks: the tests ran there", async () => {
+    // The first run of the tests hangs; a second one would pass on what the first left (/tmp).
     const { id, handle } = await ranWithTests(
       "broken-exec-verify",
       "#!/bin/sh\n[ -e /tmp/broke ] && exit 0\ntouch /tmp/broke\nsleep 600\n",
@@ -2312,13 +2333,14 @@ describe("idempotency and fencing without workers", () => {
     // A gave the job back and left the sandbox; its tests run on there.
     expect(await rootSleeps()).toBe("1");
     expect((await fleet.deps.store.verifyNote(id!))?.left).toBe(true);
-    const { deps: watching, staged } = watchStaging();
-    expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
-    // B stopped A's tests before staging its own: not their 90 s budget (+ 15 s) later.
+    const { deps: watching, staged, swept } = watchStaging();
+    await expect(runStageJob("verify", job(id!, 1), watching)).rejects.toThrow(TESTS_CUT_SHORT);
+    // B stopped A's tests, then masked: not their 90 s budget (+ 15 s) later.
+    expect(swept).toContain(ROOT_USER);
     expect(await rootSleeps()).toBe("0");
-    expect(staged).toHaveLength(1);
-    expect(staged[0]! - brokeAt).toBeLessThan(30_000);
-    await closeExpecting(id!, { status: "completed", reward: 1 });
+    expect(staged).toEqual([]);
+    expect(Date.now() - brokeAt).toBeLessThan(30_000);
+    await closeExpecting(id!, { status: "masked", failureKind: "verifier_error", reward: null });
   });
 
   it("a verify whose sweep of the tests an earlier attempt left has no answer starts nothing before its claim on the sweep lapses: it hands its job back until then", async () => {
@@ -2349,15 +2371,16 @@ describe("idempotency and fencing without workers", () => {
       .exec(handle, ["sleep", "600"], { deadlineMs: 120_000, user: ROOT_USER })
       .catch(() => undefined);
     await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
-    // The job delivered again: B (epoch 2) fences the sandbox, stops A's tests, and verifies at
-    // once, not 90 s + 15 s after A's note.
+    // The job delivered again: B (epoch 2) fences the sandbox and stops A's tests at once, not
+    // 90 s + 15 s after A's note; A noted its tests' start, so B masks rather than run them again.
     const { deps: watching, staged, swept } = watchStaging();
-    expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
+    await expect(runStageJob("verify", job(id!, 1), watching)).rejects.toThrow(TESTS_CUT_SHORT);
     expect(swept).toContain(ROOT_USER);
     expect(await rootSleeping(handle, 600)).toBe("0");
-    expect(staged[0]!).toBeLessThan(notedByA + 90_000);
+    expect(staged).toEqual([]);
+    expect(Date.now()).toBeLessThan(notedByA + 90_000);
     await aTests;
-    await expectFencedOut(paused);
+    await expectFencedOut(paused, { masked: true });
   });
 
   it.each([
@@ -2373,10 +2396,11 @@ describe("idempotency and fencing without workers", () => {
       else await fleet.redis.hdel(key, "t:verify:last");
       // The job delivered again: B (epoch 2) has nothing to wait out, and fences the sandbox first.
       const { deps: watching, swept, order } = watchStaging();
-      expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
+      // A noted its tests' start (its runner may have run them, for all B can tell): masked.
+      await expect(runStageJob("verify", job(id!, 1), watching)).rejects.toThrow(TESTS_CUT_SHORT);
       expect(swept).toEqual([ROOT_USER]);
-      expect(order).toEqual(["swept", "staged"]);
-      await expectFencedOut(paused);
+      expect(order).toEqual(["swept"]);
+      await expectFencedOut(paused, { masked: true });
     },
   );
 
@@ -2567,13 +2591,15 @@ describe("idempotency and fencing without workers", () => {
       expect(await store.failureLog(id)).toEqual([]);
       expect(await closeQueued(id)).toBe(false);
     }
-    // The later attempts verify as usual (the first attempts' tests, seen to end, need no
-    // waiting out).
+    // The later attempts verify as usual where the first attempts' tests never started (and
+    // those, seen to end, need no waiting out); where they ran, the later attempt masks.
     for (const id of ids) {
       await fleet.redis.hdel(store.keys.rollout(id), "t:verify:last");
-      expect(await runStageJob("verify", job(id, 1), fleet.deps)).toBe("ok");
-      expect(await closeQueued(id)).toBe(true);
-      await closeExpecting(id, { status: "completed", reward: 1 });
+      if (id === beforeStaging || id === beforeTests) {
+        expect(await runStageJob("verify", job(id, 1), fleet.deps)).toBe("ok");
+        expect(await closeQueued(id)).toBe(true);
+        await closeExpecting(id, { status: "completed", reward: 1 });
+      } else await expectCutShort(id);
     }
   });
 
