@@ -4,6 +4,7 @@ import { describe, expect, it, vi } from "vitest";
 import { KEEPALIVE_USER } from "./docker/container-config.ts";
 import {
   assertIsolated,
+  BACKED_UP_SWEEP_MS,
   type ExecCall,
   endWithStdin,
   extractViaExec,
@@ -242,6 +243,23 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     expect(receipt).toMatchObject({ confirmed: false, alreadyGone: false });
     expect(receipt.detail).toMatch(/exited 137/);
     expect(silent.calls).toHaveLength(3);
+  });
+
+  it("a sweep a reaper backs up tries once, within BACKED_UP_SWEEP_MS (a fork bomb at the pids limit defeats every try: the reaper, not 90 s of them)", async () => {
+    const bombed = sweeps({
+      exitCode: 125,
+      stderr: "/usr/bin/timeout: fork system call failed: Resource temporarily unavailable",
+    });
+    const receipt = await killProcessesViaExec(bombed.exec, "1000:1000", 5, undefined, { backedUp: true });
+    expect(receipt).toMatchObject({ confirmed: false, alreadyGone: false });
+    expect(receipt.detail).toMatch(/fork system call failed/);
+    expect(bombed.calls).toHaveLength(1);
+    expect(bombed.calls[0]!.deadlineMs).toBe(BACKED_UP_SWEEP_MS);
+    const unstartable = sweeps(new Error("pids limit reached"), { stdout: "remaining=0\n" });
+    expect(
+      await killProcessesViaExec(unstartable.exec, "1000:1000", 5, undefined, { backedUp: true }),
+    ).toMatchObject({ confirmed: false });
+    expect(unstartable.calls).toHaveLength(1);
   });
 
   it("retries a sweep that could not start, and confirms what a later one counted", async () => {

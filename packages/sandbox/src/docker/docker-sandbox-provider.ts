@@ -760,15 +760,17 @@ export class DockerSandboxProvider implements SandboxProvider {
     // The daemon itself is unreachable (no HTTP answer at all): a retry later, not a sweep.
     const daemonUnreachable = (err: unknown) =>
       dockerErrorFacts(isFleetError(err) ? err.cause : err).statusCode === null && !isSweepFailure(err);
+    const uid = parseNumericUser(user)?.uid;
+    // A uid other than root's has the reaper below behind its sweep.
+    const backedUp = uid !== undefined && uid !== 0 && options.quickMs === undefined;
     const receipt = await killProcessesViaExec(
       this.execOf(handle),
       user,
       this.defaults.killRounds,
       daemonUnreachable,
-      options,
+      { ...options, backedUp },
     );
-    const uid = parseNumericUser(user)?.uid;
-    if (receipt.confirmed || uid === undefined || uid === 0 || options.quickMs !== undefined) return receipt;
+    if (!backedUp || receipt.confirmed) return receipt;
     // The sweep, run as the user itself (the sandbox grants no capability), could not confirm:
     // something of that uid resisted it (killed every sweep with its own `kill -9 -1` loop,
     // outran it). Escalate to a reaper it cannot signal, or the rollout would be masked where
