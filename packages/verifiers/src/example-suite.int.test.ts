@@ -226,6 +226,26 @@ EOF`,
       "todo.txt emptied",
       "mkdir -p sorted/csv sorted/jpg sorted/png sorted/txt && mv inbox/*.csv sorted/csv && mv inbox/*.jpg sorted/jpg && mv inbox/*.png sorted/png && mv inbox/*.txt sorted/txt && : > sorted/txt/todo.txt",
     ],
+    [
+      "file-permissions",
+      "secret.txt and run.sh replaced at their sizes",
+      "chmod 750 run.sh && chmod 600 secret.txt && printf 'api-token: stolenXXXXXXXXXXX\\n' > secret.txt && printf '#!/bin/bash\\nexit 1 #XXXXXXXXXXXXXXXXXXXXXX\\n' > run.sh && chmod 644 notes.txt && mkdir -m 700 private",
+    ],
+    [
+      "poem-stats",
+      "the four right lines and another LINES=",
+      "printf 'LINES=6\\nWORDS=21\\nBYTES=109\\nLONGEST=haunches\\nLINES=999\\n' > stats.env",
+    ],
+    [
+      "poem-stats",
+      "the four right lines and a junk line",
+      "printf 'LINES=6\\nWORDS=21\\nBYTES=109\\nLONGEST=haunches\\njunk\\n' > stats.env",
+    ],
+    [
+      "long-deadline",
+      "the 25 primes on one line",
+      "python3 -c 'print(*[2,3,5,7,11,13,17,19,23,29,31,37,41,43,47,53,59,61,67,71,73,79,83,89,97])' > primes.txt",
+    ],
     ["hello-file", "three lines, not one", "printf 'Hello, fleet!\\n\\n\\n' > hello.txt"],
   ])("%s: work the instruction forbids scores 0 (%s)", async (id, _how, script) => {
     const task = tasks.find((t) => t.id === id)!;

@@ -4,9 +4,20 @@
 set -uo pipefail
 mkdir -p /logs/verifier
 passed=0
+refused=0
+# Exactly the four lines: any other line, or a key given twice, and none counts (which of two
+# LINES= would be the answer?).
+if [ -f stats.env ]; then
+  keys=$(grep -c '' stats.env)
+  distinct=$(grep -oE '^(LINES|WORDS|BYTES|LONGEST)=' stats.env | sort -u | wc -l)
+  if [ "$keys" != 4 ] || [ "$distinct" != 4 ]; then
+    echo "FAIL: stats.env must hold exactly the four lines LINES=, WORDS=, BYTES=, LONGEST= ($keys lines, $distinct of the keys)"
+    refused=1
+  fi
+fi
 check() { # key expected
   local actual=""
-  if [ -f stats.env ]; then
+  if [ -f stats.env ] && [ "$refused" = 0 ]; then
     actual=$(grep -E "^$1=" stats.env | head -n 1 | cut -d= -f2- | tr -d '[:space:]')
   fi
   if [ "$actual" = "$2" ]; then
