@@ -25,14 +25,14 @@ import {
 } from "@fleet/sandbox";
 import { execResult, fillWithEmptyFilesPy } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
-import { RUN_TESTS_ARGV, verify } from "@fleet/verifiers";
+import { RUN_TESTS_ARGV, TESTS_CUT_SHORT, TESTS_STARTED_MARK, verify } from "@fleet/verifiers";
 import { UnrecoverableError } from "bullmq";
 import { afterAll, beforeAll, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type DeferralError, isDeferral, isHandBack, RedisHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
-import { beginOptions, TESTS_CUT_SHORT } from "./stages.ts";
+import { beginOptions } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 import { createStageWorkers } from "./worker.ts";
@@ -631,41 +631,36 @@ describe("idempotency and fencing without workers", () => {
   };
 
   /**
-   * A (`verifyPausedAtRunner`) was fenced out by B (epoch 2): the fence holds 2. B verified (its
-   * verdict stored, its tests ran once) or, with `masked`, masked the rollout (A noted its tests'
-   * start: no tests run again; B's failure recorded). A wakes: its runner finds the sandbox fenced
-   * past its epoch and starts nothing; A stores nothing, fails nothing. Close reports B's outcome.
+   * A (`verifyPausedAtRunner`) was fenced out by B (epoch 2), which verified: the fence holds 2,
+   * B's verdict is stored and its tests ran once. A wakes: its runner finds the sandbox fenced
+   * past its epoch and starts nothing; A stores nothing, fails nothing. The rollout completes.
    */
-  const expectFencedOut = async (
-    { id, handle, runs, a, resume }: Awaited<ReturnType<typeof verifyPausedAtRunner>>,
-    { masked = false }: { masked?: boolean } = {},
-  ) => {
+  const expectFencedOut = async ({
+    id,
+    handle,
+    runs,
+    a,
+    resume,
+  }: Awaited<ReturnType<typeof verifyPausedAtRunner>>) => {
     const fence = await readFence(handle);
     expect(fence.stdout).toBe("2\n");
     const verified = (await fleet.deps.store.get(id!))!.receipts.verify;
-    if (masked) expect(verified).toBeUndefined();
-    else expect(verified).toMatchObject({ reward: 1 });
-    const ranByB = masked ? "" : "ran\n";
-    expect(await runs()).toBe(ranByB);
-    const failures = await fleet.deps.store.failureLog(id!);
+    expect(verified).toMatchObject({ reward: 1 });
+    expect(await runs()).toBe("ran\n");
     resume.open();
     await a;
-    // A's tests did not run.
-    expect(await runs()).toBe(ranByB);
+    // B's tests ran; A's did not.
+    expect(await runs()).toBe("ran\n");
     expect((await fleet.deps.store.get(id!))!.receipts.verify).toEqual(verified);
-    expect(await fleet.deps.store.failureLog(id!)).toEqual(failures);
-    await closeExpecting(
-      id!,
-      masked
-        ? { status: "masked", failureKind: "verifier_error", reward: null }
-        : { status: "completed", reward: 1 },
-    );
+    expect(await fleet.deps.store.failureLog(id!)).toEqual([]);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
   };
 
   /**
-   * A verify delivered again after an earlier attempt's tests ran in the sandbox (cut short:
-   * handed back, its exec broken, paused past its lock) masks the rollout, `verifier_error`
-   * (`TESTS_CUT_SHORT`), and runs no tests again on the sandbox they changed; close reports it.
+   * A verify delivered again after an earlier attempt's runner started the tests in the sandbox
+   * (cut short: handed back, its exec broken, its verdict not stored) masks the rollout,
+   * `verifier_error` (`TESTS_CUT_SHORT`: the runner finds that attempt's `TESTS_STARTED_MARK`),
+   * and runs no tests again on the sandbox they changed; close reports it.
    */
   const expectCutShort = async (id: string, deps: PipelineDeps = fleet.deps) => {
     await expect(runStageJob("verify", job(id, 1), deps)).rejects.toThrow(TESTS_CUT_SHORT);
@@ -2042,9 +2037,10 @@ describe("idempotency and fencing without workers", () => {
     // Its tests are gone, and so is its note of them: nothing for the next attempt to wait out.
     expect(await rootSleeps()).toBe("0");
     expect((await fleet.deps.store.get(id!))!.times["verify:last"]).toBeUndefined();
+    // The next attempt stages the tests, and its runner, finding the mark of A's, runs nothing.
     const { deps: watching, staged } = watchStaging();
     await expectCutShort(id!, watching);
-    expect(staged).toEqual([]);
+    expect(staged).toHaveLength(1);
   });
 
   it("a verify handed back whose sweep lands after a later attempt fenced the sandbox kills nothing of that attempt's tests", async () => {
@@ -2160,10 +2156,10 @@ describe("idempotency and fencing without workers", () => {
     const ended = (await verifyingB) as { err: Error; at: number };
     expect(ended.err.message).toContain(TESTS_CUT_SHORT);
     // Freed by the sweep's end, A's tests confirmed stopped (neither the claim's 30 s nor the
-    // tests' budget), and it staged nothing.
-    expect(ended.at).toBeGreaterThanOrEqual(opened);
+    // tests' budget): it staged the tests only then, and its runner ran nothing.
+    expect(staged).toHaveLength(1);
+    expect(staged[0]!).toBeGreaterThanOrEqual(opened);
     expect(ended.at - opened).toBeLessThan(10_000);
-    expect(staged).toEqual([]);
     await closeExpecting(id!, { status: "masked", failureKind: "verifier_error", reward: null });
   });
 
@@ -2338,9 +2334,41 @@ describe("idempotency and fencing without workers", () => {
     // B stopped A's tests, then masked: not their 90 s budget (+ 15 s) later.
     expect(swept).toContain(ROOT_USER);
     expect(await rootSleeps()).toBe("0");
-    expect(staged).toEqual([]);
-    expect(Date.now() - brokeAt).toBeLessThan(30_000);
+    expect(staged).toHaveLength(1);
+    expect(staged[0]! - brokeAt).toBeLessThan(30_000);
     await closeExpecting(id!, { status: "masked", failureKind: "verifier_error", reward: null });
+  });
+
+  it("a verify whose tests' exec was never made (Docker refused it: nothing started) is retried and grades: only a runner that started the tests marks the sandbox", async () => {
+    const { id, handle } = await ranWithTests(
+      "refused-exec",
+      "#!/bin/sh\ngrep -qx 'Hello, fleet!' hello.txt\n",
+    );
+    let refused = 0;
+    const refusing = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        exec: async (...a: Parameters<SandboxProvider["exec"]>) => {
+          if (a[1] === RUN_TESTS_ARGV && refused++ === 0) {
+            throw FleetError.retryable(
+              "provider_unavailable",
+              "docker exec: connect ECONNREFUSED (the test)",
+              undefined,
+            );
+          }
+          return fleet.deps.provider.exec(...a);
+        },
+      }),
+    };
+    await expect(runStageJob("verify", job(id!), refusing)).rejects.toThrow(/ECONNREFUSED/);
+    const mark = await fleet.deps.provider.exec(handle, ["test", "-e", TESTS_STARTED_MARK], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(mark.exitCode).toBe(1);
+    expect(await runStageJob("verify", job(id!, 1), refusing)).toBe("ok");
+    expect(refused).toBe(2);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
   it("a verify whose sweep of the tests an earlier attempt left has no answer starts nothing before its claim on the sweep lapses: it hands its job back until then", async () => {
@@ -2371,16 +2399,15 @@ describe("idempotency and fencing without workers", () => {
       .exec(handle, ["sleep", "600"], { deadlineMs: 120_000, user: ROOT_USER })
       .catch(() => undefined);
     await waitFor(async () => (await rootSleeping(handle, 600)) === "1");
-    // The job delivered again: B (epoch 2) fences the sandbox and stops A's tests at once, not
-    // 90 s + 15 s after A's note; A noted its tests' start, so B masks rather than run them again.
+    // The job delivered again: B (epoch 2) fences the sandbox, stops A's tests, and verifies at
+    // once, not 90 s + 15 s after A's note. (A's runner never started: no mark of tests run.)
     const { deps: watching, staged, swept } = watchStaging();
-    await expect(runStageJob("verify", job(id!, 1), watching)).rejects.toThrow(TESTS_CUT_SHORT);
+    expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
     expect(swept).toContain(ROOT_USER);
     expect(await rootSleeping(handle, 600)).toBe("0");
-    expect(staged).toEqual([]);
-    expect(Date.now()).toBeLessThan(notedByA + 90_000);
+    expect(staged[0]!).toBeLessThan(notedByA + 90_000);
     await aTests;
-    await expectFencedOut(paused, { masked: true });
+    await expectFencedOut(paused);
   });
 
   it.each([
@@ -2396,11 +2423,10 @@ describe("idempotency and fencing without workers", () => {
       else await fleet.redis.hdel(key, "t:verify:last");
       // The job delivered again: B (epoch 2) has nothing to wait out, and fences the sandbox first.
       const { deps: watching, swept, order } = watchStaging();
-      // A noted its tests' start (its runner may have run them, for all B can tell): masked.
-      await expect(runStageJob("verify", job(id!, 1), watching)).rejects.toThrow(TESTS_CUT_SHORT);
+      expect(await runStageJob("verify", job(id!, 1), watching)).toBe("ok");
       expect(swept).toEqual([ROOT_USER]);
-      expect(order).toEqual(["swept"]);
-      await expectFencedOut(paused, { masked: true });
+      expect(order).toEqual(["swept", "staged"]);
+      await expectFencedOut(paused);
     },
   );
 

@@ -1438,10 +1438,6 @@ export const verifyStage: StageHandler = async (rec, deps, attempt, shutdown) =>
   }
 };
 
-/** Why a verify whose earlier attempt's tests ran is masked (see `verifyAttempt`). */
-export const TESTS_CUT_SHORT =
-  "an earlier verify attempt's tests ran in the sandbox and were cut short (its worker stopped or died, or the sandbox provider failed under them): what they changed there stays, so they are not run again on it";
-
 /** Whether a verify attempt noted work in the sandbox (its token, once it tried to). */
 interface VerifyWork {
   token: string | null;
@@ -1502,24 +1498,12 @@ const verifyAttempt = async (
   if (earlier === "superseded") return superseded(deps, id, "does not touch the sandbox");
   // The rollout ended meanwhile (a cancel, its deadline): close reports it (a repeat is a no-op).
   if (earlier === "terminal") return "close";
-  // Tests an earlier attempt started ran in this sandbox and were cut short (its worker shut down
-  // or died, the provider failed under them, its verdict was not stored): what they changed there
-  // (/tmp, /logs, the workspace) stays, and tests run again grade another sandbox than the one
-  // the agent left (a rolling restart of the verifiers graded a reference solution 0). Masked
-  // (rule 6), never run again. (The wait above still stops them, or outlives them, first.)
-  if (
-    task.verifier.kind === "tests" &&
-    rec.begun.verifyEpoch !== 1 &&
-    (await deps.store.verifyTestsRan(id))
-  ) {
-    throw FleetError.nonRetryable("verifier_error", TESTS_CUT_SHORT);
-  }
   // A Redis blip here is retried (rule 5), not taken for a verifier crash (masked) below.
   // When this attempt last noted its work in the sandbox (a sweep that stops its tests clears it).
   let notedAt: number | null = null;
-  const note = async (at: number | null, testsStart = false) => {
+  const note = async (at: number | null) => {
     work.token = token;
-    const noted = await deps.store.noteVerifyWork(id, at, token, testsStart).catch((err: unknown) => {
+    const noted = await deps.store.noteVerifyWork(id, at, token).catch((err: unknown) => {
       throw FleetError.retryable(
         "provider_unavailable",
         `could not note the verifier's work in the sandbox: ${err instanceof Error ? err.message : String(err)}`,
@@ -1542,7 +1526,7 @@ const verifyAttempt = async (
       deadlineMs: localTime(deps, rec.meta.deadlineAt),
       signal: shutdown,
       fenceEpoch: rec.begun.verifyEpoch ?? undefined,
-      onSandboxWork: (phase) => note(clock(deps), phase === "tests"),
+      onSandboxWork: () => note(clock(deps)),
       // Nothing of the tests started: a retry need not wait for them.
       onStagingFailed: () => note(null),
     });

@@ -1067,18 +1067,10 @@ export class RolloutStore {
     id: string,
     at: number | null,
     token: string,
-    /** The attempt starts its tests now (not only stages them): `verifyTestsRan` from then on. */
-    testsStart = false,
   ): Promise<"noted" | "superseded" | "terminal"> {
     const r = Number(
       // '1': this release's verify honours the sandbox's verify fence (its staging and runner).
-      await this.redis.fleetNoteVerify(
-        this.keys.rollout(id),
-        at === null ? "" : String(at),
-        token,
-        "1",
-        testsStart ? "1" : "",
-      ),
+      await this.redis.fleetNoteVerify(this.keys.rollout(id), at === null ? "" : String(at), token, "1"),
     );
     return r === 1 ? "noted" : r === -1 ? "superseded" : "terminal";
   }
@@ -1131,15 +1123,6 @@ export class RolloutStore {
   /** How long a sweep claim has left, by Redis's clock (0: none). */
   async testsSweepLeftMs(id: string): Promise<number> {
     return Number(await this.redis.fleetTestsSweep(this.keys.rollout(id), "left"));
-  }
-
-  /**
-   * Whether a verify attempt's tests may have run in the rollout's sandbox: one noted that it
-   * starts them (`noteVerifyWork` with `testsStart`). Kept when a sweep that stopped the tests
-   * takes the note: what they changed in the sandbox stays.
-   */
-  async verifyTestsRan(id: string): Promise<boolean> {
-    return (await this.redis.hexists(this.keys.rollout(id), "vtests")) === 1;
   }
 
   /**

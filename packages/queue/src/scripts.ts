@@ -934,13 +934,7 @@ const SCRIPTS = {
       if redis.call('HGET', KEYS[1], 'vfence') ~= ARGV[2] then return -1 end
       if ARGV[1] == '' then
         redis.call('HDEL', KEYS[1], 't:verify:last')
-        return 1
-      end
-      -- With ARGV[4] '1', the attempt starts its tests now (\`vtests\`, never cleared: a sweep
-      -- that stops them takes the note, and what they changed in the sandbox stays;
-      -- RolloutStore.verifyTestsRan).
-      if ARGV[4] == '1' then redis.call('HSET', KEYS[1], 'vtests', ARGV[1]) end
-      if ARGV[3] == '1' then
+      elseif ARGV[3] == '1' then
         -- An attempt whose tests' runner and staging honour the sandbox's verify fence
         -- (\`vaware\`: its token and this note's time, so that a note of an older release
         -- since, which sets neither, is not taken for it): a later attempt may fence the

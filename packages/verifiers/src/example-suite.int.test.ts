@@ -10,7 +10,7 @@ import {
 import { execResult } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
-import { REWARD_FILE, RUN_TESTS_ARGV, verify } from "./verify.ts";
+import { REWARD_FILE, RUN_TESTS_ARGV, TESTS_CUT_SHORT, TESTS_STARTED_MARK, verify } from "./verify.ts";
 
 // The bundled example suite end to end on real Docker: in one sandbox per task, a wrong agent
 // scores 0, then the oracle scores 1.0 (re-verifying the same sandbox also proves the verifier
@@ -43,6 +43,19 @@ async function sandbox(task: TaskContent, label: string): Promise<SandboxHandle>
 }
 
 /** Run an agent, confirm its processes are gone (close-before-verify), then grade. */
+/**
+ * These tests grade one sandbox more than once (a wrong agent, then the oracle): the tests'
+ * runner's mark that tests ran there, which makes a rollout's later verify attempt run nothing
+ * (`TESTS_CUT_SHORT`), is removed before each grading.
+ */
+async function forgetTestsRan(handle: SandboxHandle): Promise<void> {
+  const r = await provider.exec(handle, ["rm", "-f", TESTS_STARTED_MARK], {
+    deadlineMs: 10_000,
+    user: ROOT_USER,
+  });
+  expect(r.exitCode, r.stderr).toBe(0);
+}
+
 async function runAndVerify(handle: SandboxHandle, task: TaskContent, input: AgentSpecInput) {
   const agent = AgentSpec.parse(input);
   const outcome: HarnessOutcome = await createHarness(agent).run({
@@ -55,12 +68,14 @@ async function runAndVerify(handle: SandboxHandle, task: TaskContent, input: Age
   });
   const cleanup = await provider.killProcesses(handle, AGENT_USER);
   expect(cleanup.confirmed).toBe(true);
+  await forgetTestsRan(handle);
   const verdict = await verify({ provider, handle, task, run: outcome, deadlineMs: Date.now() + 120_000 });
   return { outcome, verdict };
 }
 
 /** Grade an untouched run, recording which of put/exec/get the verification called. */
 async function verifyCounting(handle: SandboxHandle, task: TaskContent) {
+  await forgetTestsRan(handle);
   const calls: string[] = [];
   const verdict = await verify({
     provider: counting(calls),
@@ -541,8 +556,9 @@ print(41)
     });
     expect(await marks()).toBe("staged\nlater\n");
     /** Grade an untouched run as the verify attempt of this epoch. */
-    const verifyAs = (fenceEpoch: number) =>
-      verify({
+    const verifyAs = async (fenceEpoch: number) => {
+      await forgetTestsRan(handle);
+      return verify({
         provider,
         handle,
         task,
@@ -550,6 +566,7 @@ print(41)
         deadlineMs: Date.now() + 120_000,
         fenceEpoch,
       });
+    };
     // The earlier attempt (epoch 3), paused past its lock, wakes and stages its tests: refused.
     const stale = await verifyAs(3).catch((e: unknown) => e);
     expect(stale).toBeInstanceOf(TestsSupersededError);
@@ -573,6 +590,54 @@ print(41)
       expect(again.reward).toBe(1);
       expect((await verifyAs(fenceEpoch)).reward).toBe(1);
     }
+  });
+
+  it("tests run at most once on a sandbox: a second run finds the first's mark and runs nothing (masked: the first run changed the sandbox); an agent cannot plant the mark", async () => {
+    // Tests that change the sandbox: a second run on it would grade another sandbox (here, fail).
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = {
+      ...base,
+      tests: { "test.sh": "set -e\nmkdir /tmp/results\ngrep -qx 'Hello, fleet!' hello.txt\n" },
+    };
+    const handle = await sandbox(task, "tests-once");
+    // The agent plants the mark (its own file, removed with its other leftovers in /logs).
+    const planter: AgentSpecInput = {
+      harness: "command",
+      argv: ["bash", "-c", `printf 'Hello, fleet!\\n' > hello.txt && : > ${TESTS_STARTED_MARK}`],
+    };
+    const agent = AgentSpec.parse(planter);
+    const outcome = await createHarness(agent).run({
+      provider,
+      handle,
+      task,
+      agent,
+      deadlineMs: Date.now() + 60_000,
+      signal: new AbortController().signal,
+    });
+    expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
+    expect((await provider.killProcesses(handle, AGENT_USER)).confirmed).toBe(true);
+    const grade = () => verify({ provider, handle, task, run: outcome, deadlineMs: Date.now() + 120_000 });
+    expect(await grade()).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
+    const again = await grade().catch((e: unknown) => e);
+    expect(again).toMatchObject({ name: "FleetError", kind: "verifier_error", retryable: false });
+    expect((again as Error).message).toBe(TESTS_CUT_SHORT);
+  });
+
+  it("clearing the agent's leftovers in /logs takes none of the tests' budget: hundreds of mode-000 directories there, and the tests still run and grade", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const task: TaskContent = { ...base, timeouts: { ...base.timeouts, verifierS: 1 } };
+    const handle = await sandbox(task, "slow-scrub");
+    const litter: AgentSpecInput = {
+      harness: "command",
+      argv: [
+        "python3",
+        "-c",
+        "import os\nos.makedirs('/logs/a')\nfor i in range(600): os.mkdir('/logs/a/%d' % i, 0)\nopen('hello.txt', 'w').write('Hello, fleet!\\n')\n",
+      ],
+    };
+    const { outcome, verdict } = await runAndVerify(handle, task, litter);
+    expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
+    expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
   });
 
   it("a reward file the agent planted in /logs/verifier is cleared, and the agent graded on its work", async () => {

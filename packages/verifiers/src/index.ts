@@ -8,5 +8,7 @@ export {
   REWARD_FILE,
   REWARD_JSON_FILE,
   RUN_TESTS_ARGV,
+  TESTS_CUT_SHORT,
+  TESTS_STARTED_MARK,
   verify,
 } from "./verify.ts";

@@ -19,6 +19,21 @@ const VERIFIER_LOGS = `${SANDBOX_PATHS.logs}/verifier`;
 /** Where tests may leave a reward (a number in [0, 1]) that wins over their exit status. */
 export const REWARD_FILE = `${VERIFIER_LOGS}/reward.txt`;
 /**
+ * The tests' runner's mark that it starts the tests in this sandbox (root's, in /logs, where the
+ * agent's own files are removed before): a later attempt's runner finds it and runs nothing.
+ */
+export const TESTS_STARTED_MARK = `${SANDBOX_PATHS.logs}/fleet-tests-started`;
+
+/**
+ * Why a verify is masked when an earlier attempt's runner started the tests in its sandbox
+ * (`TESTS_STARTED_MARK`): they ran, and were cut short before a verdict was stored (a worker
+ * stopped or died under them, the provider failed, Redis refused the verdict). What they changed
+ * there (/tmp, /logs, the workspace) stays, and tests run again would grade another sandbox than
+ * the one the agent left: a rolling restart graded a reference solution 0. Never graded (rule 6).
+ */
+export const TESTS_CUT_SHORT =
+  "an earlier verify attempt's tests ran in this sandbox and were cut short before their verdict was stored (a worker stopped or died under them, the sandbox provider failed, Redis refused the verdict): what they changed there stays, so they are not run again on it";
+/**
  * Harbor's other reward file, read when there is no `REWARD_FILE`: a JSON object whose `reward`
  * is a number in [0, 1] (its other numeric fields are kept in the verdict's details).
  */
@@ -139,12 +154,18 @@ reap() {
 if ! a=$(find ${SANDBOX_PATHS.logs} -mindepth 1 -user ${AGENT_UID} -prune 2>&1) || [ -n "$a" ]; then
   report prepare "the agent left files in ${SANDBOX_PATHS.logs}"; exit 3
 fi
+# Tests an earlier attempt's runner started here (its mark, below; nothing of the agent's is left
+# in /logs, so the mark is a runner's): what they changed in the sandbox stays, and tests run
+# again on it would grade another sandbox than the agent left. Nothing runs.
+m=${TESTS_STARTED_MARK}
+if [ -e "$m" ] || [ -L "$m" ]; then report rerun; exit 6; fi
 d=${VERIFIER_LOGS}
 rm -rf "$d" 2>/dev/null
 if [ -e "$d" ] || [ -L "$d" ]; then
   report prepare "cannot clear $d (owned by uid $(stat -c %u "$d"))"; exit 3
 fi
 mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
+: > "$m" || { report prepare "cannot mark the tests started ($m)"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 s=${SANDBOX_PATHS.solution}
 [ -d "$s" ] && rm -rf "$s"/* "$s"/.[!.]* "$s"/..?* 2>/dev/null
@@ -215,6 +236,8 @@ export type RunReport =
   | { kind: "irregular"; json: boolean }
   /** A later verify attempt took the sandbox over (its fence holds `epoch`): nothing started. */
   | { kind: "superseded"; epoch: number }
+  /** An earlier attempt's runner started the tests in this sandbox (`TESTS_STARTED_MARK`): nothing started. */
+  | { kind: "rerun" }
   /** Unreadable, too large, or its size does not match: read the file (`json`: reward.json) apart. */
   | { kind: "read"; json: boolean }
   /**
@@ -260,6 +283,8 @@ function lastReport(stderr: string, nonce: string): { stderr: string; report: Ru
       return { stderr: own, report: { kind: "none" } };
     case "superseded":
       return { stderr: own, report: { kind: "superseded", epoch: Number(words[0]) || 0 } };
+    case "rerun":
+      return { stderr: own, report: { kind: "rerun" } };
     case "strays":
       return { stderr: own, report: { kind: "strays", count: Number(words[0]) || 1 } };
     case "interpreter":
@@ -309,12 +334,21 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
   }
   // The tests' budget (`timeouts.verifierS`) is theirs from here: copying them in (many files,
   // on a loaded host) takes none of it.
-  const started = Date.now();
-  const leftMs = leftAt(started);
-  if (leftMs <= 0)
-    throw new FleetError("deadline_exceeded", "the rollout deadline passed before the tests started");
-  const cutByRollout = leftMs < ownMs;
-  const endsAt = started + Math.min(ownMs, leftMs);
+  // (Started again after a scrub of the agent's leftovers in /logs: its time, as the copying's,
+  // is none of the tests'; thousands of mode-000 directories took it all, and the runner's second
+  // start found no time left.)
+  let leftMs = 0;
+  let cutByRollout = false;
+  let endsAt = 0;
+  const startBudget = () => {
+    const started = Date.now();
+    leftMs = leftAt(started);
+    if (leftMs <= 0)
+      throw new FleetError("deadline_exceeded", "the rollout deadline passed before the tests started");
+    cutByRollout = leftMs < ownMs;
+    endsAt = started + Math.min(ownMs, leftMs);
+  };
+  startBudget();
   const remaining = (): number => Math.max(1, Math.floor(endsAt - Date.now()));
   const runOnce = async () => {
     const nonce = randomBytes(16).toString("hex");
@@ -332,6 +366,9 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     if (!parsed.ready && parsed.report.kind === "superseded") {
       throw new TestsSupersededError(parsed.report.epoch, ctx.fenceEpoch ?? 0);
     }
+    if (!parsed.ready && parsed.report.kind === "rerun") {
+      throw FleetError.nonRetryable("verifier_error", TESTS_CUT_SHORT);
+    }
     return { ran, ...parsed };
   };
   let { ran, stderr, ready, report } = await runOnce();
@@ -344,6 +381,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
     await step(ctx, "clear the agent's files from /logs", () =>
       scrubScratch(provider, handle, AGENT_USER, [SANDBOX_PATHS.logs]),
     );
+    startBudget();
     ({ ran, stderr, ready, report } = await runOnce());
   }
   const result = { ...ran, stderr };
