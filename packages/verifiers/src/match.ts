@@ -28,7 +28,20 @@ const MATCH = new Script("pattern.test(answer)");
 const matchContext = createContext({ pattern: /$^/, answer: "" });
 
 /**
- * Grade a final answer against `expected`: `exact` compares both trimmed; `regex` requires the
+ * An answer (or an exact `expected`) as compared: Unicode NFC (an accented letter typed as one
+ * code point or as a letter and a combining mark is one answer), CRLF line ends as LF, and
+ * trimmed of white space and zero-width characters at either end.
+ */
+function comparable(text: string): string {
+  return text
+    .normalize("NFC")
+    .replace(/\r\n/g, "\n")
+    .replace(/^[\s\u200b-\u200d\u2060]+|[\s\u200b-\u200d\u2060]+$/g, "");
+}
+
+/**
+ * Grade a final answer against `expected` (both `comparable`: NFC, LF line ends, trimmed of
+ * white space and zero-width characters): `exact` compares them; `regex` requires the
  * pattern (trimmed too: a TOML multi-line string ends in a newline no trimmed answer could
  * match) to match the whole trimmed answer (`matchPattern`). A missing (`null`) answer scores 0.
  *
@@ -38,12 +51,12 @@ const matchContext = createContext({ pattern: /$^/, answer: "" });
 export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec: ExecResult }): Verdict {
   const problem = matchExpectedProblem(spec);
   if (problem !== undefined) throw FleetError.nonRetryable("invalid_task", `verifier expected ${problem}`);
-  const answer = run.answer === null ? null : run.answer.trim();
+  const answer = run.answer === null ? null : comparable(run.answer);
   let matched = false;
   let regexTimedOut = false;
   if (answer !== null) {
     if (spec.mode === "exact") {
-      matched = answer === spec.expected.trim();
+      matched = answer === comparable(spec.expected);
     } else {
       const pattern = matchPattern(spec.expected);
       // The pattern is the task's, the answer the agent's: a pattern that backtracks

@@ -309,7 +309,9 @@ describe("tests verifier", () => {
     script(() => ({ exitCode: 137, reward: "1", report: false, stderrTruncated: false }));
     const verdict = await verify(ctx());
     expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code", exitCode: 137 } });
-    expect(verdict.details.reason).toMatch(/ended by a signal \(exit 137\)/);
+    expect(verdict.details.reason).toMatch(
+      /ended with a signal's status \(exit 137: killed by signal 9, or a command of theirs/,
+    );
     expect(log).toEqual(["put /tests", "tests"]);
     // Flooding the output past the cap before the kill changes nothing: the runner died by a signal.
     log = [];
@@ -625,6 +627,19 @@ describe("match verifier", () => {
     expect(await grade(" 4217 ", "exact", "4217")).toBe(1);
     expect(await grade("4217", "exact", "4218")).toBe(0);
     expect(await grade("4217", "exact", "the answer is 4217")).toBe(0);
+  });
+
+  it("exact and regex compare text, not its encoding: NFC, LF line ends, zero-width characters at the ends", async () => {
+    const nfc = "caf\u00e9";
+    const nfd = "cafe\u0301";
+    expect(await grade(nfc, "exact", nfd)).toBe(1);
+    expect(await grade(nfd, "exact", nfc)).toBe(1);
+    expect(await grade("line one\nline two", "exact", "line one\r\nline two\r\n")).toBe(1);
+    expect(await grade("4217", "exact", "4217\u200b")).toBe(1);
+    expect(await grade("caf\u00e9", "regex", nfd)).toBe(1);
+    // Still text: other letters, or a zero-width character inside, are another answer.
+    expect(await grade("4217", "exact", "42\u200b17")).toBe(0);
+    expect(await grade(nfc, "exact", "cafe")).toBe(0);
   });
 
   it("regex: the whole trimmed answer must match", async () => {

@@ -508,7 +508,7 @@ async function runTests(ctx: VerifyContext): Promise<Verdict> {
         ...details,
         source: "exit_code",
         reason: killed
-          ? `the tests ended by a signal (exit ${ran.exitCode}); a reward file is not trusted`
+          ? `the tests ended with a signal's status (exit ${ran.exitCode}: killed by signal ${ran.exitCode - 128}, or a command of theirs that was, as \`wait\` on a killed server returns); a reward file is not trusted`
           : "the tests' runner was killed before it reported; the reward file is not trusted",
       },
     };
