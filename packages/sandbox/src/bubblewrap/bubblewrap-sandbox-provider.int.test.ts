@@ -1159,6 +1159,19 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     });
   }
 
+  it("a command's processes are the OOM killer's first pick in the sandbox, before its PID 1 and keepalive (whose loss would mask the rollout)", async () => {
+    const h = await create();
+    const adj = (pid: number) => readFileSync(`/proc/${pid}/oom_score_adj`, "utf8").trim();
+    const own = sandboxProcesses(h);
+    expect(own.length).toBeGreaterThanOrEqual(2);
+    const running = (await sleepingExec(provider, h)).outcome;
+    const command = sandboxProcesses(h).filter((pid) => cmdline(pid) === "sleep\x0060\x00");
+    expect(command).toHaveLength(1);
+    expect(adj(command[0]!)).toBe("1000");
+    for (const pid of own) expect(Number(adj(pid))).toBeLessThan(1000);
+    await running;
+  });
+
   /** A provider whose host-side exec timer fires soon after a command's deadline and kill grace. */
   const quickTimer = () =>
     new BubblewrapSandboxProvider({

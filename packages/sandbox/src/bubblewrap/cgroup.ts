@@ -87,11 +87,15 @@ export async function moveIntoCgroups(
  * not inherit the sandbox's cgroups). The umask is not the worker's: one under a strict umask
  * (077) would otherwise give the agent's files and the directories staging makes mode 600/700,
  * which the tests (root without capabilities, so no DAC override) cannot read: a correct agent
- * graded 0.
+ * graded 0. It also makes the command (and all it starts) the OOM killer's first pick in the
+ * sandbox's memory cgroup, before the sandbox's PID 1 and keepalive: an agent that filled the
+ * cgroup (kernel memory its tmpfs inodes pin, which no tmpfs size bounds under bwrap) had PID 1
+ * killed, the sandbox lost and its rollout masked, a mask the agent chose. (Raised, since
+ * lowering PID 1's takes CAP_SYS_RESOURCE, which a worker in a container may not have.)
  */
 export function sandboxExecArgv(cgroups: readonly SandboxCgroup[], argv: readonly string[]): string[] {
   const script =
-    'umask 022; n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
+    'umask 022; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
   return [
     "/bin/sh",
     "-c",
