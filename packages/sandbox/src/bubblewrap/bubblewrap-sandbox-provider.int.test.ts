@@ -1003,6 +1003,44 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["echo", "fresh"], { deadlineMs: 10_000 })).stdout).toBe("fresh\n");
   });
 
+  it("a creator that dies between making the sandbox's cgroups and its next state write leaves them to the next destroy, not behind for good", async () => {
+    const s = spec();
+    const name = sandboxName(s.rolloutId, s.owner, RUN);
+    // The creator "dies" at its second state write (the one after the cgroups are made): the
+    // write never happens, and nothing of the create runs after it.
+    const internals = provider as unknown as { writeState(state: { name: string }): Promise<void> };
+    const writeState = internals.writeState.bind(provider);
+    let writes = 0;
+    let died!: () => void;
+    const dying = new Promise<void>((r) => {
+      died = r;
+    });
+    internals.writeState = async (state) => {
+      if (state.name === name && ++writes === 2) {
+        died();
+        await new Promise(() => undefined);
+      }
+      return writeState(state);
+    };
+    const creating = provider.create(s);
+    try {
+      await dying;
+      const recorded = JSON.parse(readFileSync(join(stateDir, `${name}.json`), "utf8")) as {
+        cgroups: Array<{ dir: string }>;
+      };
+      // This host has cgroup v1 hierarchies (else there is nothing to leak): they are made, and recorded.
+      expect(recorded.cgroups.length).toBeGreaterThan(0);
+      expect(recorded.cgroups.every((cg) => existsSync(cg.dir))).toBe(true);
+      const [found] = await provider.list({ "fleet.rollout": s.rolloutId });
+      expect(found?.handle.name).toBe(name);
+      expect(await provider.destroy(found!.handle)).toMatchObject({ confirmed: true });
+      expect(recorded.cgroups.filter((cg) => existsSync(cg.dir))).toEqual([]);
+    } finally {
+      internals.writeState = writeState;
+    }
+    void creating.catch(() => undefined);
+  });
+
   it("a destroy that read the state as its own before a newer create of the name wrote its own leaves the newer state in place", async () => {
     const h = await create();
     const path = join(stateDir, `${h.name}.json`);

@@ -110,6 +110,7 @@ import {
   moveIntoCgroups,
   removeCgroups,
   type SandboxCgroup,
+  sandboxCgroupDirs,
   sandboxExecArgv,
 } from "./cgroup.ts";
 
@@ -326,6 +327,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // is ready: a creator that dies at any point leaves something to find and destroy. Each
     // write after the first checks the name is still this create's (a newer create or a destroy
     // took it otherwise: this one then kills what it started and fails).
+    const cgroupName = `${name}-${id.slice(0, 8)}`;
     const state: BwrapState = {
       version: 1,
       id,
@@ -338,7 +340,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       bwrapStart: "",
       initStart: "",
       workspaceDir,
-      cgroups: [],
+      // The ones it will make, before they are made (a creator that dies in between leaves them
+      // to the next destroy); the ones made once they are.
+      cgroups: sandboxCgroupDirs(cgroupName),
       unenforced: [],
       createdAt: Date.now(),
       expiresAt: spec.expiresAt,
@@ -364,7 +368,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         // Whatever this process's umask: root in the sandbox (no capabilities) must enter it.
         await chmod(fenceDir, Number.parseInt(FENCE_MOUNT.mode, 8));
       }
-      const { cgroups, missing } = await createSandboxCgroups(`${name}-${id.slice(0, 8)}`, {
+      const { cgroups, missing } = await createSandboxCgroups(cgroupName, {
         // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
         // cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
         memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb + SHM_MB,

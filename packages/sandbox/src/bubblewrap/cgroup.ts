@@ -28,6 +28,23 @@ function ownCgroupPath(controller: CgroupController): string | null {
 }
 
 /**
+ * The cgroup directories `createSandboxCgroups(name)` makes on this host (one per controller
+ * whose v1 hierarchy it has). Recorded in the sandbox's state before they are made, so that a
+ * creator that dies in between leaves them to the next destroy, not behind for good.
+ */
+export function sandboxCgroupDirs(name: string): SandboxCgroup[] {
+  const dirs: SandboxCgroup[] = [];
+  for (const controller of ["memory", "pids"] as const) {
+    const own = ownCgroupPath(controller);
+    const base = join(V1_ROOT, controller);
+    if (own !== null && existsSync(join(base, "cgroup.procs"))) {
+      dirs.push({ controller, dir: join(base, own, "fleet-bwrap", name) });
+    }
+  }
+  return dirs;
+}
+
+/**
  * Create the sandbox's memory and pids cgroups (cgroup v1) and set their limits. Returns the
  * ones made, and why any could not be (a read-only or absent hierarchy: that limit is then not
  * enforced). cgroup v2-only hosts get none (not implemented).
@@ -48,14 +65,13 @@ export async function createSandboxCgroups(
     ],
     ["pids", [["pids.max", String(limits.pidsLimit)]]],
   ];
+  const dirs = sandboxCgroupDirs(name);
   for (const [controller, files] of plan) {
-    const own = ownCgroupPath(controller);
-    const base = join(V1_ROOT, controller);
-    if (own === null || !existsSync(join(base, "cgroup.procs"))) {
+    const dir = dirs.find((d) => d.controller === controller)?.dir;
+    if (dir === undefined) {
       missing.push(`${controller} (no cgroup v1 hierarchy)`);
       continue;
     }
-    const dir = join(base, own, "fleet-bwrap", name);
     try {
       await mkdir(dir, { recursive: true });
       for (const [file, value] of files) {
