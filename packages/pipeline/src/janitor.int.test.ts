@@ -34,6 +34,7 @@ import { requeueLostJobs } from "./lost-jobs.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { CLOSE_AGAIN_LIMIT } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import { latch } from "./testing/latch.ts";
 import { createStageWorkers } from "./worker.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
@@ -968,10 +969,7 @@ describe("janitor", () => {
   });
 
   it("a stage wedged past its rollout's end stops beating once the beat finds the record gone (or closed)", async () => {
-    let release!: () => void;
-    const released = new Promise<void>((r) => {
-      release = r;
-    });
+    const released = latch();
     const own = await startInProcessFleet({
       provider: new InMemorySandboxProvider(),
       startWorkers: false,
@@ -979,7 +977,7 @@ describe("janitor", () => {
         createHarness: (agent) => ({
           name: agent.harness,
           async run() {
-            await released; // deaf to its signal
+            await released.opened; // deaf to its signal
             return { exec: execResult(), answer: null, transcript: null, usage: null };
           },
         }),
@@ -1012,11 +1010,11 @@ describe("janitor", () => {
       await vi.waitFor(() => expect(ticks).toBeGreaterThanOrEqual(from + 10), { timeout: 5_000 });
       expect(beats.filter((open) => !open)).toEqual([false]);
       expect(beats.at(-1)).toBe(false);
-      release();
+      released.open();
       await running;
     } finally {
       clearInterval(clock);
-      release();
+      released.open();
       await own.close();
     }
   });
