@@ -594,10 +594,15 @@ print(41)
 
   it("tests run at most once on a sandbox: a second run finds the first's mark and runs nothing (masked: the first run changed the sandbox); an agent cannot plant the mark", async () => {
     // Tests that change the sandbox: a second run on it would grade another sandbox (here, fail).
+    // They also clear /logs as tests may (`rm -rf /logs/*`: the mark is a dot file), and leave a
+    // directory there that root cannot search (the mark is looked for before /logs is scanned).
     const base = tasks.find((t) => t.id === "hello-file")!;
     const task: TaskContent = {
       ...base,
-      tests: { "test.sh": "set -e\nmkdir /tmp/results\ngrep -qx 'Hello, fleet!' hello.txt\n" },
+      tests: {
+        "test.sh":
+          "set -e\nmkdir /tmp/results\ngrep -qx 'Hello, fleet!' hello.txt\nrm -rf /logs/*\nmkdir -p /logs/verifier /logs/cache\nchmod 000 /logs/cache\n",
+      },
     };
     const handle = await sandbox(task, "tests-once");
     // The agent plants the mark (its own file, removed with its other leftovers in /logs).
@@ -639,6 +644,22 @@ print(41)
     expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
     expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
   });
+
+  it("an agent that leaves 20,000 mode-000 directories in /logs (some nested) is graded in one verify: the scrub opens them many to a chmod, within its minute", async () => {
+    const task = tasks.find((t) => t.id === "hello-file")!;
+    const handle = await sandbox(task, "many-dirs");
+    const litter: AgentSpecInput = {
+      harness: "command",
+      argv: [
+        "python3",
+        "-c",
+        "import os\nfor i in range(10000):\n  os.makedirs('/logs/d%d/e' % i)\n  os.chmod('/logs/d%d/e' % i, 0)\n  os.chmod('/logs/d%d' % i, 0)\nopen('hello.txt', 'w').write('Hello, fleet!\\n')\n",
+      ],
+    };
+    const { outcome, verdict } = await runAndVerify(handle, task, litter);
+    expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
+    expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
+  }, 120_000);
 
   it("a reward file the agent planted in /logs/verifier is cleared, and the agent graded on its work", async () => {
     const task = tasks.find((t) => t.id === "hello-file")!;

@@ -19,10 +19,11 @@ const VERIFIER_LOGS = `${SANDBOX_PATHS.logs}/verifier`;
 /** Where tests may leave a reward (a number in [0, 1]) that wins over their exit status. */
 export const REWARD_FILE = `${VERIFIER_LOGS}/reward.txt`;
 /**
- * The tests' runner's mark that it starts the tests in this sandbox (root's, in /logs, where the
- * agent's own files are removed before): a later attempt's runner finds it and runs nothing.
+ * The tests' runner's mark that it starts the tests in this sandbox: a later attempt's runner
+ * that finds it (root's regular file: never the agent's, which cannot make one) runs nothing. A
+ * dot file, so that tests that clear /logs the usual way (`rm -rf /logs/*`) leave it.
  */
-export const TESTS_STARTED_MARK = `${SANDBOX_PATHS.logs}/fleet-tests-started`;
+export const TESTS_STARTED_MARK = `${SANDBOX_PATHS.logs}/.fleet-tests-started`;
 
 /**
  * Why a verify is masked when an earlier attempt's runner started the tests in its sandbox
@@ -151,20 +152,22 @@ reap() {
 # Nothing of the agent's may be left in /logs, the tmpfs the reward is written to: an agent that
 # filled it (its space, or its inodes but one) would decide whether the tests' reward lands.
 # Root has no capability to remove it (the sticky /logs): the agent's uid does, then this again.
+# Tests an earlier attempt's runner started here (its mark, below: a regular file of root's, which
+# the agent cannot make): what they changed in the sandbox stays, and tests run again on it would
+# grade another sandbox than the agent left. Nothing runs. (Checked first: what those tests left
+# in /logs, a directory root cannot search, would fail the scan for the agent's files below.)
+m=${TESTS_STARTED_MARK}
+if [ -f "$m" ] && [ ! -L "$m" ] && [ -O "$m" ]; then report rerun; exit 6; fi
 if ! a=$(find ${SANDBOX_PATHS.logs} -mindepth 1 -user ${AGENT_UID} -prune 2>&1) || [ -n "$a" ]; then
   report prepare "the agent left files in ${SANDBOX_PATHS.logs}"; exit 3
 fi
-# Tests an earlier attempt's runner started here (its mark, below; nothing of the agent's is left
-# in /logs, so the mark is a runner's): what they changed in the sandbox stays, and tests run
-# again on it would grade another sandbox than the agent left. Nothing runs.
-m=${TESTS_STARTED_MARK}
-if [ -e "$m" ] || [ -L "$m" ]; then report rerun; exit 6; fi
 d=${VERIFIER_LOGS}
 rm -rf "$d" 2>/dev/null
 if [ -e "$d" ] || [ -L "$d" ]; then
   report prepare "cannot clear $d (owned by uid $(stat -c %u "$d"))"; exit 3
 fi
 mkdir -p "$d" || { report prepare "cannot create $d"; exit 3; }
+rm -rf "$m" 2>/dev/null
 : > "$m" || { report prepare "cannot mark the tests started ($m)"; exit 3; }
 printf '%s ready\\n' "$nonce" >&2
 s=${SANDBOX_PATHS.solution}

@@ -16,8 +16,9 @@ expect_mode notes.txt file 644
 expect_mode private dir 700
 # The contents must not change. run.sh (750) and secret.txt (600) end up unreadable to us: compare
 # their sizes, and their modification times to the nanosecond, which any write sets (chmod does
-# not): the workspace was staged in one go, so all three files share one (whole seconds). notes.txt (644) we can read: compare it
-# byte for byte.
+# not): the workspace was staged in one go, so all three files share one (whole seconds). That
+# catches a write, not an agent that sets the times back (`touch -r`: it owns the files).
+# notes.txt (644) we can read: compare it byte for byte.
 expect_unchanged() { # path size
   if [ -f "$1" ] && [ "$(stat -c %s "$1")" != "$2" ]; then
     echo "FAIL: $1 was changed (size $(stat -c %s "$1"), expected $2)"
