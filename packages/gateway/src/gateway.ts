@@ -6,13 +6,7 @@ import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { linkLocalRefusal, type ModelDispatcher, modelFetch } from "./model-fetch.ts";
 import { type KeyProbe, probeKey } from "./probe-key.ts";
-import {
-  GATEWAY_TIMEOUT_MIN_MS,
-  isGatewayTimeoutStatus,
-  isInfraStatus,
-  isRefusalStatus,
-  isSlowGatewayTimeout,
-} from "./status.ts";
+import { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus, isSlowGatewayTimeout } from "./status.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
 
 /** A rollout's usage as the gateway reports it: the contracts `Usage` shape. */
@@ -195,7 +189,6 @@ const DEFAULTS = {
   maxConcurrentCalls: 4,
   maxConnections: 32,
   maxCallsPerMinute: 120,
-  gatewayTimeoutMinMs: GATEWAY_TIMEOUT_MIN_MS,
 };
 
 /**

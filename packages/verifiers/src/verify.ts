@@ -149,15 +149,15 @@ reap() {
     [ "$n" -eq 0 ] && break
   done
 }
-# Nothing of the agent's may be left in /logs, the tmpfs the reward is written to: an agent that
-# filled it (its space, or its inodes but one) would decide whether the tests' reward lands.
-# Root has no capability to remove it (the sticky /logs): the agent's uid does, then this again.
 # Tests an earlier attempt's runner started here (its mark, below: a regular file of root's, which
 # the agent cannot make): what they changed in the sandbox stays, and tests run again on it would
 # grade another sandbox than the agent left. Nothing runs. (Checked first: what those tests left
 # in /logs, a directory root cannot search, would fail the scan for the agent's files below.)
 m=${TESTS_STARTED_MARK}
 if [ -f "$m" ] && [ ! -L "$m" ] && [ -O "$m" ]; then report rerun; exit 6; fi
+# Nothing of the agent's may be left in /logs, the tmpfs the reward is written to: an agent that
+# filled it (its space, or its inodes but one) would decide whether the tests' reward lands.
+# Root has no capability to remove it (the sticky /logs): the agent's uid does, then this again.
 if ! a=$(find ${SANDBOX_PATHS.logs} -mindepth 1 -user ${AGENT_UID} -prune 2>&1) || [ -n "$a" ]; then
   report prepare "the agent left files in ${SANDBOX_PATHS.logs}"; exit 3
 fi
