@@ -1,7 +1,9 @@
+import { execFile } from "node:child_process";
 import { mkdtempSync, readdirSync, readFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import type { RolloutResult } from "@fleet/contracts";
+import { fileURLToPath } from "node:url";
+import type { RolloutResult, RolloutTrajectory } from "@fleet/contracts";
 import { chatReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { Redis } from "ioredis";
@@ -21,6 +23,24 @@ req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions"
   headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
 print(json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"])
 `;
+
+const FLEET_BIN = fileURLToPath(new URL("../apps/cli/bin/fleet.js", import.meta.url));
+
+/** Run the `fleet` CLI with `env` (and PATH) only. */
+function runCli(
+  args: string[],
+  env: Record<string, string>,
+): Promise<{ code: number; stdout: string; stderr: string }> {
+  return new Promise((resolve) => {
+    execFile(
+      process.execPath,
+      [FLEET_BIN, ...args],
+      { env: { PATH: process.env.PATH ?? "", ...env } },
+      (err, stdout, stderr) =>
+        resolve({ code: err === null ? 0 : typeof err.code === "number" ? err.code : -1, stdout, stderr }),
+    );
+  });
+}
 
 describe("sentinel: a credential value never leaves the worker", () => {
   const prefix = testPrefix("secrets");
@@ -139,6 +159,43 @@ describe("sentinel: a credential value never leaves the worker", () => {
     expect(toolResult).not.toContain(SENTINEL);
     // Not in the results (the command agent's stdout carries its environment dump).
     expect(JSON.stringify(results)).not.toContain(SENTINEL);
+
+    // What each agent did, as the API gives it (GET /v1/rollouts/:id/trajectory): the tool loop's
+    // transcript (its bash call, the tool's output, its answer), the command agent's output (its
+    // environment dump and the model's answer); the credential in neither.
+    const trajectory = async (id: string) => {
+      const res = await fetch(`${fleet.url}/v1/rollouts/${id}/trajectory`, { headers });
+      expect(res.status).toBe(200);
+      return (await res.json()) as RolloutTrajectory;
+    };
+    const [loopRun, commandRun] = [await trajectory(toolLoop), await trajectory(command)];
+    expect(loopRun).toMatchObject({ id: toolLoop, status: "completed", harness: "tool-loop" });
+    expect(loopRun.run).toMatchObject({ exitCode: 0, answer: "4217", usage: { calls: 2 }, attempts: 1 });
+    const lines = loopRun.run!.transcript!.split("\n").map((l) => JSON.parse(l) as Record<string, unknown>);
+    expect(JSON.stringify(lines)).toContain("ls -la /workspace /tmp");
+    expect(JSON.stringify(lines)).toContain("PATH=");
+    expect(lines.at(-1)).toMatchObject({ event: "stop" });
+    expect(commandRun).toMatchObject({
+      id: command,
+      status: "completed",
+      harness: "command",
+      run: { exitCode: 0 },
+    });
+    expect(commandRun.run!.stdout).toContain("PATH=");
+    expect(commandRun.run!.stdout).toContain("4217");
+    expect(commandRun.run!.transcript).toBeNull();
+    expect(JSON.stringify([loopRun, commandRun])).not.toContain(SENTINEL);
+    // The CLI shows them: `fleet trajectory <id>`.
+    const cli = await runCli(["trajectory", toolLoop], { FLEET_URL: fleet.url, FLEET_TOKEN: fleet.token });
+    expect(cli).toMatchObject({ code: 0, stderr: "" });
+    expect(cli.stdout).toContain(`rollout ${toolLoop}: completed, agent`);
+    expect(cli.stdout).toContain('answer: "4217"');
+    expect(cli.stdout).toContain("--- transcript (JSON lines) ---");
+    expect(cli.stdout).toContain("ls -la /workspace /tmp");
+    expect(cli.stdout).not.toContain(SENTINEL);
+    const unknown = await fetch(`${fleet.url}/v1/rollouts/no-such-rollout/trajectory`, { headers });
+    expect(unknown.status).toBe(404);
+    expect(await unknown.json()).toMatchObject({ error: { code: "not_found" } });
 
     // Not in Redis: every key, every field.
     const redis = new Redis(REDIS_URL);

@@ -1,5 +1,5 @@
 import { randomUUID } from "node:crypto";
-import type { RolloutRequestInput } from "@fleet/contracts";
+import { type RolloutRequestInput, RolloutTrajectory } from "@fleet/contracts";
 import { z } from "zod";
 import { splitLines } from "./lines.ts";
 import { formatDuration } from "./progress.ts";
@@ -235,6 +235,12 @@ export class FleetClient {
   /** `GET /v1/rollouts/:id` (a RolloutResult; not validated here, the server owns its shape). */
   async getRollout(rolloutId: string): Promise<unknown> {
     return parseBody(z.unknown(), await this.request("GET", `/v1/rollouts/${encodeURIComponent(rolloutId)}`));
+  }
+
+  /** `GET /v1/rollouts/:id/trajectory`. */
+  async getTrajectory(rolloutId: string): Promise<RolloutTrajectory> {
+    const path = `/v1/rollouts/${encodeURIComponent(rolloutId)}/trajectory`;
+    return parseBody(RolloutTrajectory, await this.request("GET", path));
   }
 
   /**

@@ -8,6 +8,7 @@ import { cancelCommand } from "./commands/cancel.ts";
 import { resultsCommand } from "./commands/results.ts";
 import { statusCommand } from "./commands/status.ts";
 import { type FollowOptions, submitCommand } from "./commands/submit.ts";
+import { trajectoryCommand } from "./commands/trajectory.ts";
 import { watchCommand } from "./commands/watch.ts";
 import { type CliContext, OutputError } from "./context.ts";
 import { DEFAULT_MAX_REQUEST_BYTES, UsageError } from "./requests.ts";
@@ -124,6 +125,8 @@ export function interruptedNote(command: string, ids: readonly string[] = []): s
     case "status":
     case "results":
       return `interrupted; nothing was cancelled: batch ${named} keeps running if it was`;
+    case "trajectory":
+      return `interrupted; nothing was cancelled: rollout ${named} keeps running if it was`;
     case "cancel":
       return `interrupted; the cancel of ${named} may or may not have reached the dispatcher (\`fleet cancel ${named}\` again is safe)`;
     default:
@@ -301,6 +304,18 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
   ).action(async (batchId: string, opts: { out?: string } & ConnectionOptions) => {
     setInterruptedNote(interruptedNote("results", [batchId]));
     setExitCode(await resultsCommand(clientFor(opts, ctx), batchId, opts, ctx));
+  });
+
+  withConnection(
+    program
+      .command("trajectory")
+      .description("Show what a rollout's agent did: its output, answer, transcript (tool-loop) and usage")
+      .argument("<rolloutId>", "rollout id (in results, or printed by `fleet submit` for one rollout)")
+      .option("--json", "print the API's JSON"),
+    ctx,
+  ).action(async (rolloutId: string, opts: { json?: boolean } & ConnectionOptions) => {
+    setInterruptedNote(interruptedNote("trajectory", [rolloutId]));
+    setExitCode(await trajectoryCommand(clientFor(opts, ctx), rolloutId, opts, ctx));
   });
 
   withConnection(

@@ -26,12 +26,14 @@ describe("buildOpenApi", () => {
         "/v1/rollouts",
         "/v1/rollouts/{id}",
         "/v1/rollouts/{id}/cancel",
+        "/v1/rollouts/{id}/trajectory",
       ].sort(),
     );
     expect(Object.keys(doc.components.schemas.RolloutRequest!.properties!)).toEqual(
       expect.arrayContaining(["task", "agent", "deadlineS", "sandbox", "metadata"]),
     );
     expect(doc.components.schemas.RolloutResult!.properties).toHaveProperty("reward");
+    expect(doc.components.schemas.RolloutTrajectory!.properties).toHaveProperty("run");
     expect(() => JSON.stringify(doc)).not.toThrow();
   });
 

@@ -1,4 +1,4 @@
-import { RolloutRequest, RolloutResult } from "@fleet/contracts";
+import { RolloutRequest, RolloutResult, RolloutTrajectory } from "@fleet/contracts";
 import { z } from "zod";
 import { BatchBody } from "./requests.ts";
 import {
@@ -68,6 +68,7 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
         BatchRequest: schema(BatchBody, "input"),
         RolloutResult: schema(RolloutResult, "output"),
         RolloutView: schema(RolloutView, "output"),
+        RolloutTrajectory: schema(RolloutTrajectory, "output"),
         RolloutAccepted: schema(RolloutAccepted, "output"),
         BatchAccepted: schema(BatchAccepted, "output"),
         BatchView: schema(BatchView, "output"),
@@ -128,6 +129,19 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
               content: {
                 "application/json": { schema: { oneOf: [ref("RolloutResult"), ref("RolloutView")] } },
               },
+            },
+            ...errors(401, 404),
+          },
+        },
+      },
+      "/v1/rollouts/{id}/trajectory": {
+        get: {
+          summary: "What the agent did: its output, answer, transcript and usage, once its run is stored",
+          parameters: [idParam("rollout")],
+          responses: {
+            "200": {
+              description: "trajectory (run null until the run is stored)",
+              content: json("RolloutTrajectory"),
             },
             ...errors(401, 404),
           },

@@ -1,4 +1,11 @@
-import { FailureRecord, isTerminal, type RolloutResult, RolloutStatus, Stage } from "@fleet/contracts";
+import {
+  FailureRecord,
+  isTerminal,
+  type RolloutResult,
+  RolloutStatus,
+  type RolloutTrajectory,
+  Stage,
+} from "@fleet/contracts";
 import type { RolloutRecord } from "@fleet/queue";
 import { z } from "zod";
 
@@ -63,4 +70,33 @@ function stageOf(record: RolloutRecord): Stage {
     if (record.times[`${ORDER[i]}:start`] !== undefined) at = i;
   }
   return ORDER[at]!;
+}
+
+/** The trajectory of a rollout (`RolloutTrajectory`). */
+export function presentTrajectory(record: RolloutRecord): RolloutTrajectory {
+  const run = record.receipts.run;
+  return {
+    id: record.meta.id,
+    status: record.status,
+    agent: record.meta.agentName,
+    harness: record.meta.agent.harness,
+    run: run
+      ? {
+          exitCode: run.exec.exitCode,
+          timedOut: run.exec.timedOut,
+          oomKilled: run.exec.oomKilled,
+          durationMs: run.exec.durationMs,
+          stdout: run.exec.stdout,
+          stderr: run.exec.stderr,
+          stdoutTruncated: run.exec.stdoutTruncated,
+          stderrTruncated: run.exec.stderrTruncated,
+          answer: run.answer,
+          transcript: run.transcript,
+          usage: run.usage,
+          startedAt: run.startedAt,
+          stoppedAt: run.stoppedAt,
+          attempts: run.attempts,
+        }
+      : null,
+  };
 }

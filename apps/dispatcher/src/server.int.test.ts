@@ -1872,6 +1872,19 @@ describe("results", () => {
     expect(one.json()).toMatchObject({ id: rolloutIds[2], status: "completed", reward: 1, stage: "close" });
   });
 
+  it("GET /v1/rollouts/:id/trajectory: run null until the run stage stored one; 404 for an unknown id", async () => {
+    const res = await h.call({ method: "POST", url: "/v1/rollouts", payload: row });
+    const { id } = res.json() as { id: string };
+    const before = await h.call({ method: "GET", url: `/v1/rollouts/${id}/trajectory` });
+    expect(before.statusCode).toBe(200);
+    expect(before.json()).toEqual({ id, status: "accepted", agent: "oracle", harness: "oracle", run: null });
+    const unknown = await h.call({ method: "GET", url: "/v1/rollouts/nope/trajectory" });
+    expect(unknown.statusCode).toBe(404);
+    expect(unknown.json()).toMatchObject({ error: { code: "not_found", details: { rolloutId: "nope" } } });
+    const anonymous = await h.call({ method: "GET", url: `/v1/rollouts/${id}/trajectory`, token: null });
+    expect(anonymous.statusCode).toBe(401);
+  });
+
   it("HEAD answers as GET would, without reading the batch's results (Fastify's HEAD drains a stream it was given)", async () => {
     const own = await makeHarness();
     const res = await own.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row] } });

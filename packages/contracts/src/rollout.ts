@@ -204,3 +204,46 @@ export const RolloutResult = z.object({
   finishedAt: z.number().int().nullable(),
 });
 export type RolloutResult = z.infer<typeof RolloutResult>;
+
+/**
+ * `GET /v1/rollouts/:id/trajectory`: what the agent did, as its run stored it. The result says how
+ * it was graded; this is what to read (or train on) beside it.
+ */
+export const RolloutTrajectory = z.object({
+  id: z.string(),
+  status: RolloutStatus,
+  /** The agent's display name (as in results) and its harness. */
+  agent: z.string(),
+  harness: z.string(),
+  /**
+   * The agent's run, once the run stage stored it; null before, and when it never was (the
+   * rollout failed, was cancelled or masked before its run ended: a masked run is run again or
+   * ends the rollout, and keeps nothing of its own).
+   */
+  run: z
+    .object({
+      exitCode: z.number().int(),
+      timedOut: z.boolean(),
+      oomKilled: z.boolean(),
+      durationMs: z.number(),
+      /** The agent's output, its last bytes when it wrote more than the run keeps (`…Truncated`). */
+      stdout: z.string(),
+      stderr: z.string(),
+      stdoutTruncated: z.boolean(),
+      stderrTruncated: z.boolean(),
+      /** Its final answer (for `match` verifiers), or null. */
+      answer: z.string().nullable(),
+      /**
+       * The tool-loop harness's transcript: JSON lines (messages, tool calls and their results,
+       * retries, the stop), its last lines when longer than the harness keeps; null for others.
+       */
+      transcript: z.string().nullable(),
+      usage: Usage.nullable(),
+      startedAt: z.number().int(),
+      stoppedAt: z.number().int(),
+      /** Launches of the agent this run took (more than 1: it was run again). */
+      attempts: z.number().int(),
+    })
+    .nullable(),
+});
+export type RolloutTrajectory = z.infer<typeof RolloutTrajectory>;

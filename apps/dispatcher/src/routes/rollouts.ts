@@ -4,7 +4,7 @@ import type { RouteContext } from "../context.ts";
 import { HttpError } from "../http-error.ts";
 import { NdjsonBody, parseIdempotencyKey, parseRolloutBody } from "../requests.ts";
 import type { RolloutAccepted } from "../responses.ts";
-import { presentRollout } from "../rollout-view.ts";
+import { presentRollout, presentTrajectory } from "../rollout-view.ts";
 import { submit } from "../submit.ts";
 import { idParam, notFound } from "./params.ts";
 
@@ -25,7 +25,10 @@ export function requireJsonIfBody(req: FastifyRequest): void {
   requireJson(req.body);
 }
 
-/** `POST /v1/rollouts`, `GET /v1/rollouts/:id`, `POST /v1/rollouts/:id/cancel`. */
+/**
+ * `POST /v1/rollouts`, `GET /v1/rollouts/:id`, `GET /v1/rollouts/:id/trajectory`,
+ * `POST /v1/rollouts/:id/cancel`.
+ */
 export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): void {
   const { store, queues } = ctx;
 
@@ -53,6 +56,13 @@ export function registerRolloutRoutes(app: FastifyInstance, ctx: RouteContext): 
     const record = await store.get(id);
     if (!record) throw notFound("rollout", id);
     return presentRollout(record);
+  });
+
+  app.get("/v1/rollouts/:id/trajectory", async (req) => {
+    const id = idParam(req.params, "rollout");
+    const record = await store.get(id);
+    if (!record) throw notFound("rollout", id);
+    return presentTrajectory(record);
   });
 
   app.post("/v1/rollouts/:id/cancel", async (req, reply) => {
