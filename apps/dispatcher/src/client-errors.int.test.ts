@@ -295,6 +295,41 @@ describe("a body far over a low limit, sent whole before the answer is read", ()
 describe("a results stream whose client stopped reading", () => {
   const dispatcher = listening("results-stall", { FLEET_API_TOKENS: "tok" }, { resultsStallMs: 1000 });
 
+  it("read to its end on a kept-alive connection: the connection is closed once idle for the keep-alive timeout, as after any route", async () => {
+    const { app, store, queues } = dispatcher.server();
+    const requests = [RolloutRequest.parse({ task: TEST_TASK, agent: { harness: "oracle" } })];
+    const { batchId, ids } = await admit(store, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
+    await store.finalize({ id: ids[0]!, batchId }, completedResult(ids[0]!, batchId, 1), Date.now());
+    const keepAlive = app.server.keepAliveTimeout;
+    app.server.keepAliveTimeout = 1500;
+    const socket = connect(dispatcher.port, "127.0.0.1");
+    socket.on("error", () => undefined);
+    try {
+      let text = "";
+      socket.setEncoding("utf8").on("data", (s: string) => {
+        text += s;
+      });
+      const head = (path: string) => `GET ${path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer tok\r\n\r\n`;
+      socket.write(head(`/v1/batches/${batchId}`));
+      await vi.waitFor(() => expect(text).toContain('"done":1'), { timeout: 10_000, interval: 20 });
+      expect(text.startsWith("HTTP/1.1 200")).toBe(true);
+      text = "";
+      socket.write(head(`/v1/batches/${batchId}/results`));
+      // Chunked, its end the last chunk.
+      await vi.waitFor(() => expect(text).toMatch(/\r\n0\r\n\r\n$/), { timeout: 10_000, interval: 20 });
+      expect(text).toContain(ids[0]!);
+      let closed = false;
+      socket.once("close", () => {
+        closed = true;
+      });
+      // Closed by the server once idle (its keep-alive timeout), not left open for good.
+      await vi.waitFor(() => expect(closed).toBe(true), { timeout: 10_000, interval: 50 });
+    } finally {
+      socket.destroy();
+      app.server.keepAliveTimeout = keepAlive;
+    }
+  });
+
   it("is closed once nothing went through its socket for the stall limit, rather than held (and its buffered results) for good; one read to its end is untouched", async () => {
     const { store, queues } = dispatcher.server();
     // 2,000 finished rollouts of about 15 KiB of result each: 30 MiB, more than the loopback

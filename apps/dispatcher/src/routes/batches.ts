@@ -121,12 +121,14 @@ export const RESULTS_STALL_MS = 5 * 60_000;
 
 /**
  * Close the connection of `res` once nothing went through it for `ms`, for as long as `res`
- * lasts; then its socket's timeout is off again (a kept-alive connection serves other requests).
+ * lasts; then its socket has the timeout it would have had (a kept-alive connection serves other
+ * requests, and is closed once idle for the server's keep-alive timeout, as after any route).
  */
 function stallGuard(res: ServerResponse, ms: number, onStall: () => void): void {
   const socket = res.socket;
   // Not a network socket (Fastify's `inject`): nothing to guard.
   if (typeof socket?.setTimeout !== "function") return;
+  const before = socket.timeout ?? 0;
   const stalled = () => {
     onStall();
     socket.destroy();
@@ -135,7 +137,10 @@ function stallGuard(res: ServerResponse, ms: number, onStall: () => void): void 
   socket.on("timeout", stalled);
   res.once("close", () => {
     socket.off("timeout", stalled);
-    socket.setTimeout(0);
+    // A response that finished on a kept-alive connection armed the keep-alive timeout already
+    // (Node does, before this "close"): left as it is. Turned off (0), the idle connection was
+    // never closed, one more for every results read of a client that pools its connections.
+    if (socket.timeout === ms) socket.setTimeout(before);
   });
 }
 
