@@ -1,13 +1,12 @@
-import { execFile } from "node:child_process";
 import { mkdtempSync, readdirSync, readFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { fileURLToPath } from "node:url";
 import type { RolloutResult, RolloutTrajectory } from "@fleet/contracts";
 import { chatReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { runFleet } from "../apps/cli/src/testing/run-bin.ts";
 import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
 import { containersOf, dropPrefix, IMAGE, REDIS_URL, testPrefix, waitFor } from "./helpers/env.ts";
 
@@ -23,24 +22,6 @@ req = urllib.request.Request(os.environ["OPENAI_BASE_URL"] + "/chat/completions"
   headers={"authorization": "Bearer " + os.environ["OPENAI_API_KEY"], "content-type": "application/json"})
 print(json.load(urllib.request.urlopen(req, timeout=20))["choices"][0]["message"]["content"])
 `;
-
-const FLEET_BIN = fileURLToPath(new URL("../apps/cli/bin/fleet.js", import.meta.url));
-
-/** Run the `fleet` CLI with `env` (and PATH) only. */
-function runCli(
-  args: string[],
-  env: Record<string, string>,
-): Promise<{ code: number; stdout: string; stderr: string }> {
-  return new Promise((resolve) => {
-    execFile(
-      process.execPath,
-      [FLEET_BIN, ...args],
-      { env: { PATH: process.env.PATH ?? "", ...env } },
-      (err, stdout, stderr) =>
-        resolve({ code: err === null ? 0 : typeof err.code === "number" ? err.code : -1, stdout, stderr }),
-    );
-  });
-}
 
 describe("sentinel: a credential value never leaves the worker", () => {
   const prefix = testPrefix("secrets");
@@ -186,7 +167,7 @@ describe("sentinel: a credential value never leaves the worker", () => {
     expect(commandRun.run!.transcript).toBeNull();
     expect(JSON.stringify([loopRun, commandRun])).not.toContain(SENTINEL);
     // The CLI shows them: `fleet trajectory <id>`.
-    const cli = await runCli(["trajectory", toolLoop], { FLEET_URL: fleet.url, FLEET_TOKEN: fleet.token });
+    const cli = await runFleet(["trajectory", toolLoop], { FLEET_URL: fleet.url, FLEET_TOKEN: fleet.token });
     expect(cli).toMatchObject({ code: 0, stderr: "" });
     expect(cli.stdout).toContain(`rollout ${toolLoop}: completed, agent`);
     expect(cli.stdout).toContain('answer: "4217"');

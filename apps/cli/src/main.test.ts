@@ -1,28 +1,15 @@
-import { execFile, spawn } from "node:child_process";
+import { spawn } from "node:child_process";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { json, startTestServer, type TestServer } from "./testing/http-server.ts";
+import { FLEET_BIN, runFleet } from "./testing/run-bin.ts";
 
-const BIN = fileURLToPath(new URL("../bin/fleet.js", import.meta.url));
 const SUITE = fileURLToPath(new URL("../../../packages/tasks/suites/example", import.meta.url));
-
-function run(
-  args: string[],
-  env: Record<string, string>,
-): Promise<{ code: number; stdout: string; stderr: string }> {
-  return new Promise((resolve) => {
-    execFile(
-      process.execPath,
-      [BIN, ...args],
-      { env: { PATH: process.env.PATH ?? "", ...env } },
-      (err, stdout, stderr) =>
-        resolve({ code: err === null ? 0 : typeof err.code === "number" ? err.code : -1, stdout, stderr }),
-    );
-  });
-}
+const BIN = FLEET_BIN;
+const run = runFleet;
 
 /**
  * Run `fleet` like `fleet ... | head -n1`: read its first stdout line, then close the pipe.
