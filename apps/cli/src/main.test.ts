@@ -90,6 +90,26 @@ describe("bin/fleet.js", () => {
     expect(r.stderr).toContain("FLEET_URL: must be a URL starting with http:// or https://");
   });
 
+  it("a bad FLEET_URL (or FLEET_TOKEN) refuses nothing when --url (--token) overrides it; a bad --url still does", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 1, done: 1, counts: { completed: 1 } }),
+    );
+    const bad = { FLEET_URL: "ftp://nowhere", FLEET_TOKEN: "a b" };
+    const r = await run(["--url", server.url, "status", "--token=t0k", "b-1"], bad);
+    expect(r).toMatchObject({
+      code: 0,
+      stderr: "",
+      stdout: "batch b-1: finished, 1/1 done (100.0%)\n  completed 1\n",
+    });
+    expect(server.requests[0]?.headers.authorization).toBe("Bearer t0k");
+    // Only the variable the flag overrides is let go.
+    const token = await run(["--url", server.url, "status", "b-1"], bad);
+    expect(token.code).toBe(2);
+    expect(token.stderr).toContain("FLEET_TOKEN");
+    expect((await run(["--url", "ftp://x", "status", "b-1"], { FLEET_URL: server.url })).code).toBe(2);
+    expect(server.requests).toHaveLength(1);
+  });
+
   it("an unwritable `results --out` is a usage error (exit 2), not an uncaught exception", async () => {
     const r = await run(["results", "b-1", "--out", "/nonexistent-dir/r.jsonl"], { FLEET_URL: server.url });
     expect(r.stderr).toMatch(

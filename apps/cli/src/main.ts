@@ -14,7 +14,7 @@ import { PipeOutput } from "./stdout.ts";
 // The only file of the CLI that reads the environment.
 let defaults: CliConfig;
 try {
-  defaults = parseConfig(CliConfig, process.env);
+  defaults = readDefaults(process.env, process.argv.slice(2));
 } catch (err) {
   process.stderr.write(`${err instanceof ConfigError ? err.message : String(err)}\n`);
   process.exit(2);
@@ -22,6 +22,23 @@ try {
 // A misspelt FLEET_URL or FLEET_TOKEN would be ignored without a word.
 for (const unknown of unknownFleetVariables(process.env)) {
   process.stderr.write(`warning: ${unknownVariableMessage(unknown)}\n`);
+}
+
+/**
+ * FLEET_URL and FLEET_TOKEN, checked. A variable the command's flag overrides (`--url`,
+ * `--token`) refuses nothing when it is bad: a stale FLEET_URL does not stop `fleet --url … status`.
+ */
+function readDefaults(env: NodeJS.ProcessEnv, argv: readonly string[]): CliConfig {
+  try {
+    return parseConfig(CliConfig, env);
+  } catch (err) {
+    const given = (flag: string) => argv.some((a) => a === flag || a.startsWith(`${flag}=`));
+    const overridden = { ...env };
+    if (given("--url")) delete overridden.FLEET_URL;
+    if (given("--token")) delete overridden.FLEET_TOKEN;
+    if (Object.keys(overridden).length === Object.keys(env).length) throw err;
+    return parseConfig(CliConfig, overridden);
+  }
 }
 
 const interrupt = new AbortController();

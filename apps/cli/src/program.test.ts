@@ -1,9 +1,10 @@
 import { execFileSync } from "node:child_process";
 import { existsSync } from "node:fs";
-import { lstat, mkdtemp, readdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import { lstat, mkdir, mkdtemp, readdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { TaskContent } from "@fleet/contracts";
+import { loadSuite } from "@fleet/tasks";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import { MAX_SUBMIT_ROLLOUTS } from "./commands/submit.ts";
 import { type CliContext, partialPath } from "./context.ts";
@@ -337,6 +338,12 @@ describe("fleet submit", () => {
     const command = ["submit", "--suite", "s", "--agent", '{"harness":"command","argv":["true"]}'];
     expect(await runCli(command, ctx({ loadSuite: suite }))).toBe(0);
     expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(1);
+    // Left out with --task, as the error says, the rest goes with the oracle.
+    const alpha = ["submit", "--suite", "s", "--agent", "oracle", "--task", "alpha"];
+    expect(await runCli(alpha, ctx({ loadSuite: suite }))).toBe(0);
+    const posts = server.requests.filter((r) => r.method === "POST");
+    expect(posts).toHaveLength(2);
+    expect(rowsOf(posts[1]!).map((r) => (r.task as { id?: string }).id)).toEqual(["alpha"]);
   });
 
   it("a --deadline shorter than a task's rollout needs is a usage error naming the tasks, before anything is submitted (a later chunk's 422 came after earlier ones were admitted)", async () => {
@@ -871,6 +878,11 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain("printable ASCII");
     expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--deadline", "0.5"], ctx())).toBe(2);
     expect(stderr.text()).toContain("must be at least 1 second");
+    // Past Node's longest timer a poll would come every millisecond.
+    const slow = ["--poll-interval", "3000000000"];
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--wait", ...slow], ctx())).toBe(2);
+    expect(await runCli(["watch", "b-1", ...slow], ctx())).toBe(2);
+    expect(stderr.text()).toContain("must be at most 2147483647 ms");
     expect(await runCli(["submit", "--agent", "oracle"], ctx())).toBe(2);
     expect(stderr.text()).toContain("required option '--suite <dir>' not specified");
     // What only --wait prints (its stdout would otherwise be batch ids, not the JSON asked for).
@@ -944,6 +956,24 @@ describe("fleet submit", () => {
       }),
     );
     expect(asked).toEqual([["beta"]]);
+  });
+
+  it("says so of a task whose files (read by the real loader) are over --max-task-bytes, too", async () => {
+    const suite = path.join(dir, "suite");
+    const task = path.join(suite, "big");
+    await mkdir(path.join(task, "tests"), { recursive: true });
+    await mkdir(path.join(task, "workspace"), { recursive: true });
+    await writeFile(path.join(task, "task.toml"), '[task]\nimage = "fleet-base"\n');
+    await writeFile(path.join(task, "instruction.md"), "Do it.\n");
+    await writeFile(path.join(task, "tests", "test.sh"), "#!/bin/sh\ntest -f /workspace/done\n");
+    await writeFile(path.join(task, "workspace", "blob.txt"), "x".repeat(8192));
+    const real = ctx({ loadSuite: (d, options) => loadSuite(d, options) });
+    const command = ["submit", "--suite", suite, "--agent", "oracle", "--max-task-bytes", "4096"];
+    expect(await runCli(command, real)).toBe(2);
+    expect(stderr.text()).toContain(
+      "task is over the limit of 4096 bytes (its files, as read) (a fleet whose FLEET_MAX_TASK_BYTES allows more: --max-task-bytes)",
+    );
+    expect(server.requests).toHaveLength(0);
   });
 
   it("stops waiting on Ctrl-C with exit 130, leaving the batch running", async () => {
@@ -1117,6 +1147,24 @@ describe("fleet status / results / cancel", () => {
     expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(0);
     expect(await readFile(out, "utf8")).toBe('{"id":"r1"}\n');
     expect(stderr.text().match(/finished while its results were being read/g)).toHaveLength(2);
+  });
+
+  it("results of a finished batch with fewer results than rollouts (the rest past their retention) exits 1 saying so, having written those that came", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 3, done: 3, counts: { completed: 3 } }),
+    );
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n{"id":"r3"}\n');
+    });
+    const error =
+      "error: batch b-1 has 3 rollouts but 2 results were returned; the rest are gone from the dispatcher (past its result retention?)\n";
+    expect(await runCli(["results", "b-1"], ctx())).toBe(1);
+    expect(stdout.text()).toBe('{"id":"r1"}\n{"id":"r3"}\n');
+    expect(stderr.text()).toBe(error);
+    const out = path.join(dir, "r.jsonl");
+    expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(1);
+    expect(await readFile(out, "utf8")).toBe('{"id":"r1"}\n{"id":"r3"}\n');
+    expect(stderr.text()).toBe(`${error}wrote 2 results to ${out}\n${error}`);
   });
 
   it("results --out: a path that cannot be written is a usage error before fetching, not a crash", async () => {

@@ -27,6 +27,15 @@ function positiveInt(value: string): number {
   return Number(value);
 }
 
+/** The longest timer Node keeps (a longer one fires at once: a poll every millisecond). */
+const MAX_TIMER_MS = 2_147_483_647;
+
+function pollIntervalMs(value: string): number {
+  const n = positiveInt(value);
+  if (n > MAX_TIMER_MS) throw new InvalidArgumentError(`must be at most ${MAX_TIMER_MS} ms (about 24 days)`);
+  return n;
+}
+
 function positiveSeconds(value: string): number {
   const n = Number(value);
   if (value.trim() === "" || !Number.isFinite(n) || n <= 0) {
@@ -208,7 +217,7 @@ export function createProgram(
       .addOption(
         new Option("--poll-interval <ms>", "with --wait: status poll interval")
           .default(1000)
-          .argParser(positiveInt),
+          .argParser(pollIntervalMs),
       )
       .addOption(
         new Option(
@@ -278,7 +287,7 @@ failed); 1 on an API error; 2 on bad usage; 130 when interrupted (the batch keep
       .option("--out <file>", "write the results as JSONL to this file")
       .option("--json", "print the summary as one JSON object")
       .addOption(
-        new Option("--poll-interval <ms>", "status poll interval").default(1000).argParser(positiveInt),
+        new Option("--poll-interval <ms>", "status poll interval").default(1000).argParser(pollIntervalMs),
       )
       .addOption(
         new Option(

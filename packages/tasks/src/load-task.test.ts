@@ -530,7 +530,9 @@ describe("broken tasks give invalid_task naming the file", () => {
 
   it("a task over the size limit", async () => {
     const dir = await writeTask("t", { "workspace/big.txt": "x".repeat(5000) });
-    expect(await invalidTask(() => loadTask(dir, { maxBytes: 4096 }))).toContain("larger than 4096 bytes");
+    expect(await invalidTask(() => loadTask(dir, { maxBytes: 4096 }))).toContain(
+      "task is over the limit of 4096 bytes (its files, as read)",
+    );
     await expect(loadTask(dir, { maxBytes: 10_000 })).resolves.toBeDefined();
   });
 

@@ -414,7 +414,8 @@ async function readTextFile(
     const st = await handle.stat();
     if (!st.isFile()) throw invalid(file, "is not a regular file");
     budget.left -= st.size;
-    if (budget.left < 0) throw invalid(file, `task is larger than ${budget.max} bytes`);
+    if (budget.left < 0)
+      throw invalid(file, `task is over the limit of ${budget.max} bytes (its files, as read)`);
     executable = (st.mode & 0o100) !== 0;
     bytes = await readAtMost(handle, st.size).catch((err: unknown) => {
       throw cannotRead(file, err);

@@ -18,8 +18,7 @@ export async function resultsCommand(
       await writeText(ctx.stdout, `${line}\n`);
       lines++;
     }
-    await noteUnfinished(client, batchId, before, lines, ctx);
-    return 0;
+    return noteUnfinished(client, batchId, before, lines, ctx);
   }
   // Opened before fetching: a path that cannot be written is a usage error, not a crash.
   const file = (await openOut(opts.out))!;
@@ -33,8 +32,7 @@ export async function resultsCommand(
     throw err;
   }
   await writeText(ctx.stderr, `wrote ${file.lines} results to ${opts.out}\n`);
-  await noteUnfinished(client, batchId, before, file.lines, ctx);
-  return 0;
+  return noteUnfinished(client, batchId, before, file.lines, ctx);
 }
 
 /**
@@ -51,7 +49,10 @@ function statusBefore(client: FleetClient, batchId: string): Promise<BatchStatus
 /**
  * A note on stderr when the lines are not all of the batch: it has rollouts still running, or it
  * was running when its results were read (`before`, its status read first: a rollout that finished
- * after its part of the stream was sent is not in it). Nothing when it cannot tell.
+ * after its part of the stream was sent is not in it). Nothing when it cannot tell. The exit code:
+ * 1 when a batch finished before its results were read has fewer of them than rollouts (the rest
+ * gone from the dispatcher, past their retention: each rollout's runs from when it finished), as
+ * `fleet watch` says; else 0.
  */
 async function noteUnfinished(
   client: FleetClient,
@@ -60,20 +61,28 @@ async function noteUnfinished(
   /** Result lines written. */
   lines: number,
   ctx: CliContext,
-): Promise<void> {
-  if (before !== null && before.done >= before.total) return;
+): Promise<number> {
+  if (before !== null && before.done >= before.total) {
+    if (lines >= before.total) return 0;
+    await writeText(
+      ctx.stderr,
+      `error: batch ${batchId} has ${before.total} rollouts but ${lines} results were returned; the rest are gone from the dispatcher (past its result retention?)\n`,
+    );
+    return 1;
+  }
   const batch = await client.getBatch(batchId).catch(() => null);
-  if (batch === null) return;
+  if (batch === null) return 0;
   if (batch.done >= batch.total) {
-    if (before === null || lines >= batch.total) return;
+    if (before === null || lines >= batch.total) return 0;
     await writeText(
       ctx.stderr,
       `note: batch ${batchId} finished while its results were being read: ${lines} of its ${batch.total} results are here; \`fleet results ${batchId}\` again gives them all\n`,
     );
-    return;
+    return 0;
   }
   await writeText(
     ctx.stderr,
     `note: ${batch.done} of ${batch.total} rollouts of batch ${batchId} have finished; it is still running (\`fleet watch ${batchId}\` follows it to the end)\n`,
   );
+  return 0;
 }

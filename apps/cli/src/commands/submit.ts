@@ -89,11 +89,12 @@ async function submitAndFollow(
       : "";
     throw new UsageError(`cannot load suite ${opts.suite}: ${message}${hint}`);
   }
+  const selected = selectTasks(tasks, opts.task);
   // The oracle runs each task's solution/solve.sh: the dispatcher refuses a rollout of a task
   // without one, which for a suite split into several requests would be after the first ones
   // were admitted and started. Said here, before anything is sent.
   if (agent.harness === "oracle") {
-    const without = tasks.filter((t) => t.solution["solve.sh"] === undefined).map((t) => t.id);
+    const without = selected.filter((t) => t.solution["solve.sh"] === undefined).map((t) => t.id);
     if (without.length > 0) {
       const named =
         without.slice(0, 10).join(", ") + (without.length > 10 ? `, and ${without.length - 10} more` : "");
@@ -102,7 +103,6 @@ async function submitAndFollow(
       );
     }
   }
-  const selected = selectTasks(tasks, opts.task);
   checkDeadline(opts.deadline, selected, agent);
   // Every rollout is built and serialised before the first request: past this, memory runs out
   // (14 million took 4.4 GB, then the process died) before anything is sent.
