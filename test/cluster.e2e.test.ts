@@ -12,8 +12,8 @@ import { callApi } from "./helpers/api.ts";
 import { containersOf, IMAGE, testPrefix, waitFor } from "./helpers/env.ts";
 
 /**
- * DESIGN §8 scale-out, simulated: the dispatcher, the workers (two agent-worker replicas) and the
- * janitor as separate processes against a 3-master Redis Cluster on loopback.
+ * DESIGN §8 scale-out, simulated: two dispatcher replicas, the workers (two agent-worker replicas)
+ * and the janitor as separate processes against a 3-master Redis Cluster on loopback.
  */
 describe("the fleet as separate processes on a Redis Cluster", () => {
   const prefix = testPrefix("cluster");
@@ -33,7 +33,7 @@ describe("the fleet as separate processes on a Redis Cluster", () => {
       redisUrl: cluster.url,
       prefix,
       logDir,
-      replicas: { agent: 2 },
+      replicas: { agent: 2, dispatcher: 2 },
       // Two runs at a time per agent worker: six rollouts need both replicas.
       env: { FLEET_CONCURRENCY: "2", FLEET_JANITOR_INTERVAL_MS: "2000", FLEET_METRICS_PORT: "0" },
     });
@@ -46,11 +46,24 @@ describe("the fleet as separate processes on a Redis Cluster", () => {
     expect(await containersOf(ids)).toBe(0);
   });
 
-  it("runs a batch of 6 oracle rollouts exactly once, every key in the prefix's slot", async () => {
+  it("runs a batch of 6 oracle rollouts exactly once, every key in the prefix's slot; both dispatchers admit it once and answer alike", async () => {
     const task = { ...suite.find((t) => t.id === "hello-file")!, image: IMAGE };
     const rows = Array.from({ length: 6 }, () => ({ task, agent: { harness: "oracle" } }));
-    const b = await api("POST", "/v1/batches", { rollouts: rows });
-    expect(b.status).toBe(202);
+    // The same keyed batch to both dispatchers at once (a client's retry that a load balancer
+    // sent to the other replica): one admits it, the other replays it.
+    const key = { "idempotency-key": `k-${prefix}` };
+    const second = { url: fleet!.urls[1]!, token: fleet!.token };
+    expect(fleet!.urls).toHaveLength(2);
+    const [b, replay] = await Promise.all([
+      api("POST", "/v1/batches", { rollouts: rows }, key),
+      callApi(second, "POST", "/v1/batches", { rollouts: rows }, key),
+    ]);
+    expect([b.status, replay.status].sort()).toEqual([200, 202]);
+    expect([b.body?.created, replay.body?.created].sort()).toEqual([false, true]);
+    expect(replay.body?.batchId).toBe(b.body?.batchId);
+    expect(replay.body?.rolloutIds).toEqual(b.body?.rolloutIds);
+    const other = await callApi(second, "POST", "/v1/batches", { rollouts: rows.slice(1) }, key);
+    expect(other.status).toBe(409);
     const batchId = String(b.body?.batchId);
     ids.push(...((b.body?.rolloutIds ?? []) as string[]));
     expect(ids).toHaveLength(6);
@@ -68,6 +81,7 @@ describe("the fleet as separate processes on a Redis Cluster", () => {
     for (const id of ids) {
       const r = (await api("GET", `/v1/rollouts/${id}`)).body as unknown as RolloutResult;
       expect(r).toMatchObject({ status: "completed", reward: 1, teardown: "confirmed" });
+      expect((await callApi(second, "GET", `/v1/rollouts/${id}`)).body).toEqual(r);
     }
 
     // Each run ran once across the two agent replicas (their fleet_stage_jobs_total).

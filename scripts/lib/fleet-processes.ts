@@ -68,16 +68,20 @@ export interface FleetProcess {
  * started.
  */
 export class FleetProcesses {
+  /** The first dispatcher's URL. */
   readonly url: string;
+  /** Each dispatcher's URL, by its index: every replica listens on a port of its own. */
+  readonly urls: string[];
   readonly token: string;
   readonly procs: FleetProcess[] = [];
   private readonly baseEnv: Record<string, string>;
 
   private constructor(
     private readonly options: FleetProcessOptions,
-    port: number,
+    private readonly ports: number[],
   ) {
-    this.url = `http://127.0.0.1:${port}`;
+    this.urls = ports.map((port) => `http://127.0.0.1:${port}`);
+    this.url = this.urls[0]!;
     this.token = options.token ?? "fleet-dev-token";
     this.baseEnv = {
       PATH: process.env.PATH ?? "/usr/bin:/bin",
@@ -85,7 +89,6 @@ export class FleetProcesses {
       ...(process.env.DOCKER_HOST ? { DOCKER_HOST: process.env.DOCKER_HOST } : {}),
       REDIS_URL: options.redisUrl,
       FLEET_PREFIX: options.prefix,
-      FLEET_HTTP_PORT: String(port),
       FLEET_HTTP_HOST: "127.0.0.1",
       FLEET_API_TOKENS: this.token,
       FLEET_LOG_LEVEL: "info",
@@ -95,8 +98,14 @@ export class FleetProcesses {
 
   static async start(options: FleetProcessOptions): Promise<FleetProcesses> {
     mkdirSync(options.logDir, { recursive: true });
-    const fleet = new FleetProcesses(options, await freeLoopbackPort());
     const replicas = { dispatcher: 1, resources: 1, agent: 1, verifier: 1, janitor: 1, ...options.replicas };
+    const ports: number[] = [];
+    // Told apart as they are taken: a port is free until its dispatcher listens on it.
+    while (ports.length < Math.max(1, replicas.dispatcher)) {
+      const port = await freeLoopbackPort();
+      if (!ports.includes(port)) ports.push(port);
+    }
+    const fleet = new FleetProcesses(options, ports);
     const starting: Promise<void>[] = [];
     for (const kind of Object.keys(APP_MAIN) as AppKind[]) {
       for (let i = 0; i < replicas[kind]; i++) starting.push(fleet.spawn(kind, i));
@@ -115,7 +124,13 @@ export class FleetProcesses {
     const log = createWriteStream(join(this.options.logDir, `${kind}-${index}.log`), { flags: "a" });
     const child = spawn(process.execPath, ["--import", "tsx", APP_MAIN[kind]], {
       cwd: REPO_ROOT,
-      env: { ...this.baseEnv, ...this.options.envOf?.[kind], FLEET_WORKER_ID: `${kind}-${index}` },
+      env: {
+        ...this.baseEnv,
+        ...this.options.envOf?.[kind],
+        FLEET_WORKER_ID: `${kind}-${index}`,
+        // A dispatcher's port is its index's, also when it is started again.
+        ...(kind === "dispatcher" ? { FLEET_HTTP_PORT: String(this.dispatcherPort(index)) } : {}),
+      },
       stdio: ["ignore", "pipe", "pipe"],
     });
     const exited = new Promise<number | null>((r) => child.once("exit", (code) => r(code)));
@@ -150,6 +165,12 @@ export class FleetProcesses {
         reject(new Error(`${kind}-${index} exited with ${code} before it was ready; see ${log.path}`));
       });
     });
+  }
+
+  private dispatcherPort(index: number): number {
+    const port = this.ports[index];
+    if (port === undefined) throw new Error(`no dispatcher-${index}: the fleet started ${this.ports.length}`);
+    return port;
   }
 
   of(kind: AppKind): FleetProcess[] {
