@@ -13,7 +13,16 @@ export interface CliContext {
   stdout: Writable;
   stderr: Writable & ProgressStream;
   /** Defaults for `--url` / `--token` (from `FLEET_URL` / `FLEET_TOKEN`). */
-  defaults: { url: string; token: string | null };
+  defaults: {
+    url: string;
+    token: string | null;
+    /**
+     * A bad FLEET_URL (FLEET_TOKEN) let go because the command line seemed to give `--url`
+     * (`--token`), which overrides it: the error to give if the command did not get that option
+     * after all (the word was another option's value, or an argument after `--`).
+     */
+    unless?: { url?: string; token?: string };
+  };
   readFile: (path: string) => Promise<string>;
   /** `loadSuite` from `@fleet/tasks`. */
   loadSuite: (dir: string, options: { maxBytes: number; only: readonly string[] }) => Promise<TaskContent[]>;

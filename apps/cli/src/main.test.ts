@@ -107,6 +107,15 @@ describe("bin/fleet.js", () => {
     expect(token.code).toBe(2);
     expect(token.stderr).toContain("FLEET_TOKEN");
     expect((await run(["--url", "ftp://x", "status", "b-1"], { FLEET_URL: server.url })).code).toBe(2);
+    // A "--url" that is no option (another option's value, an argument after --) overrides nothing.
+    for (const args of [
+      ["status", "--token", "--url", "b-1"],
+      ["trajectory", "--", "--url"],
+    ]) {
+      const notOption = await run(args, { FLEET_URL: "ftp://nowhere", FLEET_TOKEN: "t0k" });
+      expect(notOption.code, args.join(" ")).toBe(2);
+      expect(notOption.stderr).toContain("FLEET_URL: must be a URL starting with http:// or https://");
+    }
     expect(server.requests).toHaveLength(1);
   });
 

@@ -7,12 +7,13 @@ import {
   unknownVariableMessage,
 } from "@fleet/config";
 import { loadSuite, taskDigest } from "@fleet/tasks";
+import type { CliContext } from "./context.ts";
 import { commandName, runCli } from "./program.ts";
 import type { ProgressStream } from "./progress.ts";
 import { PipeOutput } from "./stdout.ts";
 
 // The only file of the CLI that reads the environment.
-let defaults: CliConfig;
+let defaults: CliConfig & CliDefaults;
 try {
   defaults = readDefaults(process.env, process.argv.slice(2));
 } catch (err) {
@@ -25,21 +26,32 @@ for (const unknown of unknownFleetVariables(process.env)) {
 }
 
 /**
- * FLEET_URL and FLEET_TOKEN, checked. A variable the command's flag overrides (`--url`,
- * `--token`) refuses nothing when it is bad: a stale FLEET_URL does not stop `fleet --url … status`.
+ * FLEET_URL and FLEET_TOKEN, checked. A variable the command's option may override (`--url`,
+ * `--token` among the words) refuses nothing here when it is bad: the command refuses it unless it
+ * did get the option (`defaults.unless`), so a stale FLEET_URL does not stop `fleet --url … status`.
  */
-function readDefaults(env: NodeJS.ProcessEnv, argv: readonly string[]): CliConfig {
+function readDefaults(env: NodeJS.ProcessEnv, argv: readonly string[]): CliConfig & CliDefaults {
   try {
     return parseConfig(CliConfig, env);
   } catch (err) {
     const given = (flag: string) => argv.some((a) => a === flag || a.startsWith(`${flag}=`));
     const overridden = { ...env };
-    if (given("--url")) delete overridden.FLEET_URL;
-    if (given("--token")) delete overridden.FLEET_TOKEN;
-    if (Object.keys(overridden).length === Object.keys(env).length) throw err;
-    return parseConfig(CliConfig, overridden);
+    const unless: NonNullable<CliDefaults["unless"]> = {};
+    const message = err instanceof Error ? err.message : String(err);
+    if (given("--url") && "FLEET_URL" in env) {
+      delete overridden.FLEET_URL;
+      unless.url = message;
+    }
+    if (given("--token") && "FLEET_TOKEN" in env) {
+      delete overridden.FLEET_TOKEN;
+      unless.token = message;
+    }
+    if (Object.keys(unless).length === 0) throw err;
+    return { ...parseConfig(CliConfig, overridden), unless };
   }
 }
+
+type CliDefaults = Pick<CliContext["defaults"], "unless">;
 
 const interrupt = new AbortController();
 process.once("SIGINT", () => interrupt.abort());

@@ -97,7 +97,15 @@ function withConnection(cmd: Command, ctx: CliContext): Command {
         .default(ctx.defaults.url)
         .argParser(httpUrl),
     )
-    .addOption(tokenOption());
+    .addOption(tokenOption())
+    .hook("preAction", (command) => {
+      // A bad variable let go for an option the command did not get after all (`defaults.unless`).
+      const unless = ctx.defaults.unless;
+      for (const name of ["url", "token"] as const) {
+        const error = unless?.[name];
+        if (error !== undefined && command.getOptionValueSource(name) !== "cli") throw new UsageError(error);
+      }
+    });
 }
 
 function clientFor(opts: ConnectionOptions, ctx: CliContext): FleetClient {
