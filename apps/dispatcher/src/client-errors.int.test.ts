@@ -371,6 +371,28 @@ describe("a results stream whose client stopped reading", () => {
     } finally {
       stalled.destroy();
     }
+    // A stream pipelined behind another (its response has no socket until the first is done): a
+    // client that reads the first to its end, then stops, has its connection closed all the same.
+    const pipelined = connect(dispatcher.port, "127.0.0.1");
+    pipelined.on("error", () => undefined);
+    const secondStarted = new Promise<void>((resolve) => {
+      let tail = "";
+      pipelined.setEncoding("latin1").on("data", (chunk: string) => {
+        tail = (tail + chunk).slice(-chunk.length - 64);
+        // The first's last chunk, then the second's status line.
+        if (tail.includes("\r\n0\r\n\r\nHTTP/1.1 200")) {
+          pipelined.pause();
+          resolve();
+        }
+      });
+    });
+    pipelined.write(request + request);
+    await secondStarted;
+    try {
+      await vi.waitFor(async () => expect(await connections()).toBe(0), { timeout: 20_000, interval: 100 });
+    } finally {
+      pipelined.destroy();
+    }
     // One that reads it all gets every result.
     const all = await fetch(`http://127.0.0.1:${dispatcher.port}/v1/batches/${batchId}/results`, {
       headers: { authorization: "Bearer tok" },

@@ -1,4 +1,5 @@
 import type { ServerResponse } from "node:http";
+import type { Socket } from "node:net";
 import { Readable } from "node:stream";
 import type { RolloutStore } from "@fleet/queue";
 import { BATCH_PAGE, cancelBatch } from "@fleet/queue";
@@ -119,29 +120,40 @@ export async function* resultLines(store: RolloutStore, batchId: string): AsyncG
  */
 export const RESULTS_STALL_MS = 5 * 60_000;
 
+/** The guard that last took a socket, and the timeout the socket had before the first of them. */
+const guards = new WeakMap<Socket, { before: number }>();
+
 /**
  * Close the connection of `res` once nothing went through it for `ms`, for as long as `res`
  * lasts; then its socket has the timeout it would have had (a kept-alive connection serves other
- * requests, and is closed once idle for the server's keep-alive timeout, as after any route).
+ * requests, and is closed once idle for the server's keep-alive timeout, as after any route). A
+ * response pipelined behind another gets its socket when that one is done: guarded from then.
  */
 function stallGuard(res: ServerResponse, ms: number, onStall: () => void): void {
-  const socket = res.socket;
-  // Not a network socket (Fastify's `inject`): nothing to guard.
-  if (typeof socket?.setTimeout !== "function") return;
-  const before = socket.timeout ?? 0;
-  const stalled = () => {
-    onStall();
-    socket.destroy();
+  const attach = (socket: Socket | null) => {
+    // Not a network socket (Fastify's `inject`): nothing to guard.
+    if (typeof socket?.setTimeout !== "function") return;
+    const guard = { before: guards.get(socket)?.before ?? socket.timeout ?? 0 };
+    guards.set(socket, guard);
+    const stalled = () => {
+      onStall();
+      socket.destroy();
+    };
+    socket.setTimeout(ms);
+    socket.on("timeout", stalled);
+    res.once("close", () => {
+      socket.off("timeout", stalled);
+      // A response pipelined behind this one took the socket (and its timeout) over already.
+      if (guards.get(socket) !== guard) return;
+      guards.delete(socket);
+      // A response that finished on a kept-alive connection armed the keep-alive timeout already
+      // (Node does, before this "close"): left as it is. Turned off (0), the idle connection was
+      // never closed, one more for every results read of a client that pools its connections.
+      if (socket.timeout === ms) socket.setTimeout(guard.before);
+    });
   };
-  socket.setTimeout(ms);
-  socket.on("timeout", stalled);
-  res.once("close", () => {
-    socket.off("timeout", stalled);
-    // A response that finished on a kept-alive connection armed the keep-alive timeout already
-    // (Node does, before this "close"): left as it is. Turned off (0), the idle connection was
-    // never closed, one more for every results read of a client that pools its connections.
-    if (socket.timeout === ms) socket.setTimeout(before);
-  });
+  if (res.socket !== null) attach(res.socket);
+  else res.once("socket", attach);
 }
 
 /** The results cursor's next position (`GET /v1/batches/:id/results?after=n`). */
