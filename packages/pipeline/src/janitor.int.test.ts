@@ -1241,6 +1241,34 @@ describe("janitor", () => {
     );
   });
 
+  it(`two janitor passes at once (a replica frozen past its pass's lock, its pass run again by another) count each close enqueued again once: the janitor's own close still comes after ${CLOSE_AGAIN_LIMIT} closes`, async () => {
+    const task = await helloFile();
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [string];
+    const { store, queues } = fleet.deps;
+    const later = { ...fleet.deps, now: () => Date.now() + 3_660_000 };
+    const opts = { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 };
+    const closeJob = () => queues.queues.close.getJob(`${id}.close`);
+    const twoPasses = async () => {
+      const reports = await Promise.all([janitorTick(later, opts), janitorTick(later, opts)]);
+      for (const r of reports) expect(r.errors).toEqual([]);
+      return reports;
+    };
+    for (let i = 1; i <= CLOSE_AGAIN_LIMIT; i++) {
+      const reports = await twoPasses();
+      // One close enqueued (by one pass or the other), counted once.
+      expect(reports.map((r) => r.watchdogClosed).sort()).toEqual([0, 1]);
+      expect((await store.get(id))!.closesAgain).toBe(i);
+      expect((await closeJob())?.id).toBe(`${id}.close`);
+      expect(await store.getResult(id)).toBeNull();
+      // It ends without finalizing.
+      await (await closeJob())!.remove();
+    }
+    const reports = await twoPasses();
+    expect(reports.reduce((n, r) => n + r.closedByJanitor, 0)).toBe(1);
+    expect(await store.getResult(id)).toMatchObject({ status: "masked", failureKind: "deadline_exceeded" });
+    expect(await closeJob()).toBeUndefined();
+  });
+
   /**
    * `fleet.deps` under which every close job of rollout `id` kills each worker that takes it until
    * BullMQ fails it as stalled: what BullMQ's stalled check then leaves on it (a deferred failure)

@@ -742,7 +742,18 @@ async function watchdogClose(
       { beforeDecided: true },
     );
   }
-  const closes = await deps.store.noteCloseAgain(id);
+  // Counted only if no one counted since this pass read the record: another janitor's pass that
+  // found no close under way either (a replica frozen past its pass's lock, whose pass ran again
+  // elsewhere) enqueues that close and counts it; counted twice, the janitor closed the rollout
+  // itself after fewer closes than `CLOSE_AGAIN_LIMIT`, one of them still queued.
+  const closes = await deps.store.noteCloseAgain(id, rec.closesAgain);
+  if (closes < 0) {
+    // That pass's close, made sure of (the same job id: nothing when it is there), in case the
+    // failed job this pass removed above was already that pass's new one under the same id. Not
+    // past the limit: that pass closes the rollout itself.
+    if (-closes <= CLOSE_AGAIN_LIMIT) await deps.queues.enqueue("close", id);
+    return null;
+  }
   if (closes > CLOSE_AGAIN_LIMIT) {
     deps.logger.warn(
       { rolloutId: id, closes: closes - 1 },

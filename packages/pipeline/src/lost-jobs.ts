@@ -66,8 +66,10 @@ export async function requeueLostJobs(
       // Counted as every close enqueued again is (`CLOSE_AGAIN_LIMIT`): a close that kills the
       // workers taking it is gone between BullMQ failing it and its next enqueue, and must not
       // come back for good from here. Past the limit the watchdog closes the rollout itself.
-      const closes = await deps.store.noteCloseAgain(id);
-      if (closes === 0 || closes > CLOSE_AGAIN_LIMIT) continue;
+      // Only if no one counted since the record was read (another janitor's lost step, which
+      // enqueues it): counted twice, the limit came after fewer closes.
+      const closes = await deps.store.noteCloseAgain(id, rec.closesAgain);
+      if (closes <= 0 || closes > CLOSE_AGAIN_LIMIT) continue;
     }
     await deps.queues.enqueue(stage, id);
     requeued.push(id);

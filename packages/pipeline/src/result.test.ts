@@ -42,6 +42,7 @@ function record(over: Partial<RolloutRecord> = {}): RolloutRecord {
     closed: true,
     fence: null,
     launches: 1,
+    closesAgain: 0,
     result: null,
     times: {
       "seed:start": 1,

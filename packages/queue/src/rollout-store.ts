@@ -64,6 +64,8 @@ export interface RolloutRecord {
   fence: string | null;
   /** How many times the agent was launched (fenced launches claimed, less those given back). */
   launches: number;
+  /** Closes enqueued again after one ended without finalizing (`noteCloseAgain`). */
+  closesAgain: number;
   result: RolloutResult | null;
   times: Record<string, number>;
 }
@@ -216,6 +218,7 @@ function parseRecord(h: Record<string, string>): RolloutRecord | null {
     closed: h.closed === "1",
     fence: h.fence ?? null,
     launches: Number(h.launches ?? 0),
+    closesAgain: Number(h["closes:again"] ?? 0),
     result: h.result ? (JSON.parse(h.result) as RolloutResult) : null,
     times,
   };
@@ -1149,10 +1152,12 @@ export class RolloutStore {
    * Count a close enqueued for this rollout after one ended without finalizing (by the deadline
    * watchdog, or by a stage worker for a close job BullMQ failed as stalled): the count so far,
    * this one included (0 for a rollout unknown or terminal). Past `CLOSE_AGAIN_LIMIT` no close
-   * is enqueued again and the janitor closes the rollout itself.
+   * is enqueued again and the janitor closes the rollout itself. With `expected`, the count its
+   * caller read before it found no close under way: counted only if it is still that, else
+   * nothing is and the count now comes back negated (another caller counted, and acts on it).
    */
-  async noteCloseAgain(id: string): Promise<number> {
-    return Number(await this.redis.fleetNoteCloseAgain(this.keys.rollout(id)));
+  async noteCloseAgain(id: string, expected?: number): Promise<number> {
+    return Number(await this.redis.fleetNoteCloseAgain(this.keys.rollout(id), expected ?? ""));
   }
 
   /** Whether the delivery still holds its stage's fence (no later delivery of the stage began). */

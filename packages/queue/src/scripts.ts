@@ -1018,11 +1018,16 @@ const SCRIPTS = {
   /**
    * Count one more close enqueued again for a rollout whose close ended without finalizing (by the
    * deadline watchdog or a stage worker). Returns the count, or 0 for a rollout unknown or terminal.
+   * ARGV[1], when not '': the count its caller read before it found no close under way; another
+   * count since (another janitor's pass, which enqueues that close) returns the count now,
+   * negated, counting nothing.
    */
   fleetNoteCloseAgain: {
     keys: 1,
     lua: `
       ${OPEN_OR_RETURN_0}
+      local count = tonumber(redis.call('HGET', KEYS[1], 'closes:again') or '0')
+      if ARGV[1] ~= '' and count ~= tonumber(ARGV[1]) then return -count end
       return redis.call('HINCRBY', KEYS[1], 'closes:again', 1)`,
   },
   /**

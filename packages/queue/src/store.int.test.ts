@@ -1744,10 +1744,15 @@ describe("rollout store", () => {
     expect(await store.requestCancel("no-such-rollout")).toBeNull();
   });
 
-  it("a close enqueued again is counted only while the rollout is open: a finished one counts 0", async () => {
+  it("a close enqueued again is counted only while the rollout is open (a finished one counts 0), and once against the count its caller read", async () => {
     const id = (await admitOne()).ids[0]!;
     expect(await store.noteCloseAgain(id)).toBe(1);
     expect(await store.noteCloseAgain(id)).toBe(2);
+    // Against the count its caller read: counted if it is still that, else the count now, negated.
+    expect((await store.get(id))!.closesAgain).toBe(2);
+    expect(await store.noteCloseAgain(id, 2)).toBe(3);
+    expect(await store.noteCloseAgain(id, 2)).toBe(-3);
+    expect((await store.get(id))!.closesAgain).toBe(3);
     const meta = (await store.begin(id, "close", 10)).record!.meta;
     expect(await store.finalize(meta, resultFor(id, "completed"), 20)).toBe(true);
     expect(await store.noteCloseAgain(id)).toBe(0);
