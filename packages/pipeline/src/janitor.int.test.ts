@@ -124,6 +124,31 @@ describe("janitor", () => {
     }
   });
 
+  it("two janitor passes at once remove an orphan once: counted once in their reports and in fleet_teardown_attempts_total (confirmed), the other already gone", async () => {
+    const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
+    // Other orphans of this scope, if any, out of the way first.
+    await janitorTick(later, { orphanGraceMs: 60_000 });
+    const handle = await docker.create({
+      image: IMAGE,
+      rolloutId: `orphan2x${Date.now()}`,
+      owner: "resources",
+      expiresAt: Date.now() + 3_600_000,
+    });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    try {
+      const reports = await Promise.all(
+        [0, 1].map(() => janitorTick({ ...later, metrics }, { orphanGraceMs: 60_000 })),
+      );
+      expect(reports.flatMap((r) => r.errors)).toEqual([]);
+      expect(reports[0]!.orphansRemoved + reports[1]!.orphansRemoved).toBe(1);
+      const attempts = (await metrics.teardownAttempts.get()).values;
+      expect(attempts.find((v) => v.labels.result === "confirmed")?.value).toBe(1);
+      expect(await docker.alive(handle)).toBe(false);
+    } finally {
+      await docker.destroy(handle);
+    }
+  });
+
   it("leaves a sandbox on the teardown ledger to the ledger's backoff: one destroy per due retry, not one more every pass", async () => {
     const id = `ledgered${Date.now()}`;
     const handle = await docker.create({

@@ -456,7 +456,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           const r = await destroyOrLedger(deps, entry);
           if (r.teardown === "confirmed") {
             if (!theirs) active[owner]--;
-            report.orphansRemoved++;
+            // One another caller removed meanwhile (another pass, a close) is that one's to count.
+            if (!r.receipt?.alreadyGone) report.orphansRemoved++;
           }
         });
       }

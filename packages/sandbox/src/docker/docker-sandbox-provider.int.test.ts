@@ -1393,11 +1393,13 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
-  it("destroys racing each other (a close and the janitor at once) confirm only once the container is gone", async () => {
+  it("destroys racing each other (a close and the janitor at once) confirm only once the container is gone, and only one says it removed it", async () => {
     // The daemon answers the later removals 409 "removal … already in progress": such a destroy
-    // waits for the first one to end rather than confirming a container that is still there.
+    // waits for the first one to end rather than confirming a container that is still there, and
+    // says it was gone (another's removal did it: counted once, as `confirmed`, not by each).
     let confirmedWhileThere = 0;
     let confirmed = 0;
+    let removedByIt = 0;
     for (let i = 0; i < 4; i++) {
       const h = await create();
       await Promise.all(
@@ -1412,10 +1414,11 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
             );
           if (receipt.confirmed) confirmed++;
           if (receipt.confirmed && there) confirmedWhileThere++;
+          if (!receipt.alreadyGone) removedByIt++;
         }),
       );
     }
-    expect([confirmed, confirmedWhileThere]).toEqual([12, 0]);
+    expect([confirmed, confirmedWhileThere, removedByIt]).toEqual([12, 0, 4]);
   });
 
   it("puts and gets through the container's own view of the workspace, a tmpfs Docker's archive API cannot see", async () => {

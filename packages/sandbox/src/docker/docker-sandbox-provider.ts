@@ -949,8 +949,10 @@ export class DockerSandboxProvider implements SandboxProvider {
       if (facts.statusCode === 404) alreadyGone = true;
       else if (facts.statusCode === 409 && /already in progress/i.test(facts.message)) {
         // Another removal is under way (a close and the janitor at once, say): not confirmed
-        // until the container is gone, since that removal may yet fail and leave it.
+        // until the container is gone, since that removal may yet fail and leave it. Gone, it
+        // was that removal's doing: counted once (its caller's `confirmed`), not by each.
         await this.waitRemoved(docker, handle);
+        alreadyGone = true;
       } else {
         throw FleetError.retryable(
           "provider_unavailable",
