@@ -30,6 +30,17 @@ function casesByAlert(tests: string): Map<string, { fires: number; quiet: number
   return cases;
 }
 
+describe("the alerts' documentation", () => {
+  it("configs/prometheus/README.md has a row for every alert of alerts.yml, and none for an alert it has not", () => {
+    const alerts = alertNames(readFileSync(join(DIR, "alerts.yml"), "utf8"));
+    const rows = [...readFileSync(join(DIR, "README.md"), "utf8").matchAll(/^\| `(Fleet\w+)`/gm)].map(
+      (m) => m[1]!,
+    );
+    expect(alerts.length).toBeGreaterThan(10);
+    expect([...rows].sort()).toEqual([...alerts].sort());
+  });
+});
+
 describe.skipIf(!available)("Prometheus config and alert rules (promtool)", () => {
   it("prometheus.yml and the rules it loads are valid", () => {
     const r = promtool(["check", "config", join(DIR, "prometheus.yml")]);

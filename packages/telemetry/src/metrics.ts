@@ -216,7 +216,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     stageJobs: new Counter({
       name: "fleet_stage_jobs_total",
-      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, superseded, retry, failed, held: put back while the sandbox provider did not answer, redis_held: put back while the fleet's Redis refused writes or could not be reached, requeued).",
+      help: "Stage jobs processed, by stage and outcome (ok, replayed, skipped, unknown, superseded, retry, failed, held: put back while the sandbox provider did not answer, redis_held: put back while the fleet's Redis refused writes or could not be reached, requeued, stray: a job whose id is not the fleet's own, dropped untouched).",
       labelNames: ["stage", "outcome"],
       registers,
     }),
