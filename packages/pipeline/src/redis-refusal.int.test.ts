@@ -1,4 +1,4 @@
-import { mkdtempSync, rmSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest, type SandboxSpecInput } from "@fleet/contracts";
@@ -244,7 +244,23 @@ describe("a failover of the fleet's Redis behind its URL's name", () => {
     await until("A demoted", async () => /^role:slave/m.test(await adminA.info("replication")), 30_000);
     provider.createGate.open();
 
-    const results = await fleet.waitForResults(ids, 60_000);
+    const results = await fleet.waitForResults(ids, 60_000).catch(async (err: unknown) => {
+      // What the sentinel did and where each server stands, for a failure on a loaded CI host.
+      const log = readFileSync(join(dir, `sentinel-${watching.port}.log`), "utf8")
+        .split("\n")
+        .slice(-40);
+      const roles = await Promise.all(
+        [pair!.adminA, pair!.adminB].map((r) =>
+          r.info("replication").then(
+            (i) => i.split("\r\n").slice(0, 6).join(" "),
+            (e: unknown) => String(e),
+          ),
+        ),
+      );
+      throw new Error(
+        `${(err as Error).message}\nA: ${roles[0]}\nB: ${roles[1]}\nsentinel log:\n${log.join("\n")}`,
+      );
+    });
     expect(results.map((r) => [r.status, r.reward])).toEqual(ids.map(() => ["completed", 1]));
     const onB = new RolloutStore(pair.adminB, fleet.prefix);
     for (const id of ids) expect((await onB.get(id))?.status).toBe("completed");
