@@ -1,6 +1,6 @@
 import type { RolloutTrajectory } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { formatTrajectory } from "./trajectory.ts";
+import { formatTrajectory, printable } from "./trajectory.ts";
 
 const run: NonNullable<RolloutTrajectory["run"]> = {
   exitCode: 0,
@@ -58,5 +58,28 @@ describe("formatTrajectory", () => {
         "--- stderr (its last part only) ---\ntail of a long stderr\n" +
         '--- transcript (JSON lines) ---\n{"role":"user"}\n{"event":"stop"}\n',
     );
+  });
+
+  it("shows what a terminal would act on escaped, in every part, and keeps newlines and tabs", () => {
+    const text = formatTrajectory({
+      ...base,
+      agent: "a\u001b]0;pwned\u0007",
+      run: {
+        ...run,
+        stdout: "ok\tdone\n\u001b[2J\u001b[1A\rhidden\u0008\n",
+        stderr: "\u009b31m red\u202eevil\u2066",
+        answer: "\u009b1m",
+        transcript: '{"out":"\u001b[0m"}',
+      },
+    });
+    expect(text).toBe(
+      "rollout r-1: completed, agent a\\x1b]0;pwned\\x07 (harness command)\n" +
+        "run: exit 0, in 1.2 s, 1 launch\n" +
+        'answer: "\\x9b1m"\n' +
+        "--- stdout ---\nok\tdone\n\\x1b[2J\\x1b[1A\\x0dhidden\\x08\n" +
+        "--- stderr ---\n\\x9b31m red\\u202eevil\\u2066\n" +
+        '--- transcript (JSON lines) ---\n{"out":"\\x1b[0m"}\n',
+    );
+    expect(printable("plain text, ünïcode ✓\n")).toBe("plain text, ünïcode ✓\n");
   });
 });

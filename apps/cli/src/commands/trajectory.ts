@@ -14,8 +14,37 @@ export async function trajectoryCommand(
   return 0;
 }
 
-/** The trajectory for a reader: a summary, then the agent's output and transcript, each headed. */
+/**
+ * The characters of agent text a terminal would act on rather than show: C0 controls but newline
+ * and tab (escape sequences, carriage return, backspace, bell), DEL, C1 controls, and the
+ * bidirectional overrides and isolates (text that reads otherwise than it is).
+ */
+// biome-ignore lint/suspicious/noControlCharactersInRegex: these controls are what it finds.
+const UNPRINTABLE = /[\u0000-\u0008\u000b-\u001f\u007f-\u009f\u202a-\u202e\u2066-\u2069]/g;
+
+/**
+ * `text` with each character a terminal would act on shown as its `\xNN` / `\uNNNN` escape:
+ * an agent's output is untrusted, and printed as it is it could move the cursor, rewrite earlier
+ * lines, retitle the window or hide text. `--json` keeps it as stored.
+ */
+export function printable(text: string): string {
+  return text.replace(UNPRINTABLE, (c) => {
+    const code = c.charCodeAt(0);
+    return code <= 0xff
+      ? `\\x${code.toString(16).padStart(2, "0")}`
+      : `\\u${code.toString(16).padStart(4, "0")}`;
+  });
+}
+
+/**
+ * The trajectory for a reader: a summary, then the agent's output and transcript, each headed;
+ * what a terminal would act on shown escaped (`printable`).
+ */
 export function formatTrajectory(t: RolloutTrajectory): string {
+  return printable(trajectoryText(t));
+}
+
+function trajectoryText(t: RolloutTrajectory): string {
   const head = `rollout ${t.id}: ${t.status}, agent ${t.agent} (harness ${t.harness})\n`;
   const run = t.run;
   if (run === null) {
