@@ -15,6 +15,9 @@ export default defineConfig({
           name: "unit",
           include: ["packages/*/src/**/*.test.ts", "apps/*/src/**/*.test.ts"],
           exclude: ["**/*.int.test.ts", "**/node_modules/**"],
+          // Not vitest's 5 s: unit files run in parallel on two cores, and a few tests take 2-3 s
+          // alone (2,000 key decryptions, five CLI processes); one took 7.4 s beside other work.
+          testTimeout: 30_000,
           sequence: { groupOrder: 0 },
         },
       },
