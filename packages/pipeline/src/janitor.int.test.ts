@@ -179,7 +179,7 @@ describe("janitor", () => {
         expiresAt: Date.now() + 3_600_000,
       };
       expect(entry.key).toBe(sandboxKey(id, "resources"));
-      const recorded = await fleet.deps.ledger.recordFailure(entry, "device or resource busy", at);
+      const recorded = (await fleet.deps.ledger.recordFailure(entry, "device or resource busy", at))!;
       await janitorTick({ ...deps, now: () => at }, { orphanGraceMs: 60_000 });
       expect(destroys).toBe(0); // not due yet
       await janitorTick({ ...deps, now: () => recorded.dueAt }, { orphanGraceMs: 60_000 });

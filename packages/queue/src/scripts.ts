@@ -1031,6 +1031,21 @@ const SCRIPTS = {
       return redis.call('HINCRBY', KEYS[1], 'closes:again', 1)`,
   },
   /**
+   * Record a failed destroy on the teardown ledger if its entry is still what the caller read
+   * (ARGV[2]; '' for none): 1 if written. Otherwise nothing is written and the entry now is
+   * returned (nil for none): another failure recorded meanwhile (the caller counts again from it),
+   * or the destroy confirmed meanwhile (the entry gone).
+   */
+  fleetLedgerFail: {
+    keys: 2, // teardown entries, teardown due
+    lua: `
+      local cur = redis.call('HGET', KEYS[1], ARGV[1])
+      if (cur or '') ~= ARGV[2] then return cur end
+      redis.call('HSET', KEYS[1], ARGV[1], ARGV[3])
+      redis.call('ZADD', KEYS[2], ARGV[4], ARGV[1])
+      return 1`,
+  },
+  /**
    * Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed
    * meanwhile. Finalized meanwhile (a close gave up on the handle-less intent while the create
    * still ran), its result's teardown is turned pending, as `fleetReceipt`'s attach does.

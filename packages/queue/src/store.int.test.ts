@@ -1637,7 +1637,7 @@ describe("rollout store", () => {
     for (const torn of ["{torn", '{"key":"x","attempts":"many"}']) {
       await redis.hset(ledger.keys.teardownEntries(), entry.key, torn);
       await redis.zadd(ledger.keys.teardownDue(), 10, entry.key);
-      const recorded = await ledger.recordFailure(entry, "device busy", 1_000, () => 1);
+      const recorded = (await ledger.recordFailure(entry, "device busy", 1_000, () => 1))!;
       expect(recorded).toMatchObject({
         key: entry.key,
         attempts: 1,
@@ -1658,8 +1658,8 @@ describe("rollout store", () => {
     const entry = sandboxEntry(ids[0]!);
     const now = 1_000_000;
     expect(await ledger.oldestSince()).toBeNull();
-    const first = await ledger.recordFailure(entry, "boom", now, () => 1);
-    const second = await ledger.recordFailure(entry, "boom again", now + 500, () => 1);
+    const first = (await ledger.recordFailure(entry, "boom", now, () => 1))!;
+    const second = (await ledger.recordFailure(entry, "boom again", now + 500, () => 1))!;
     // Waiting since its first failure, however often it failed since; the oldest entry counts.
     const other = sandboxEntry(ids[0]!, "agent");
     await ledger.recordFailure(other, "boom", now + 100, () => 1);
@@ -1673,6 +1673,32 @@ describe("rollout store", () => {
     await ledger.confirm(entry);
     expect(await ledger.size()).toBe(0);
     expect(await ledger.oldestSince()).toBeNull();
+    expect(await ledger.isPending(ids[0]!)).toBe(false);
+  });
+
+  it("two failures of one destroy recorded at once count twice, and one confirmed meanwhile is not brought back", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const entry = sandboxEntry(ids[0]!);
+    // Both read the entry before either writes (one connection: the reads go first).
+    const [a, b] = await Promise.all([
+      ledger.recordFailure(entry, "busy", 1_000, () => 1),
+      ledger.recordFailure(entry, "busy too", 1_000, () => 1),
+    ]);
+    expect([a?.attempts, b?.attempts].sort()).toEqual([1, 2]);
+    const stored = JSON.parse((await redis.hget(ledger.keys.teardownEntries(), entry.key))!);
+    expect(stored.attempts).toBe(2);
+    expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(stored.dueAt);
+
+    // A failure whose destroy another confirmed after it read the entry: nothing recorded. (The
+    // confirm's script run once first, so neither call waits on loading its script.)
+    await ledger.confirm(sandboxEntry(ids[0]!, "agent"));
+    const late = ledger.recordFailure(entry, "busy again", 2_000, () => 1);
+    const confirmed = ledger.confirm(entry);
+    expect(await late).toBeNull();
+    await confirmed;
+    expect(await redis.hget(ledger.keys.teardownEntries(), entry.key)).toBeNull();
+    expect(await redis.zscore(ledger.keys.teardownDue(), entry.key)).toBeNull();
     expect(await ledger.isPending(ids[0]!)).toBe(false);
   });
 
@@ -2047,7 +2073,7 @@ describe("rollout store", () => {
     const id = (await admitOne()).ids[0]!;
     const entry = sandboxEntry(id);
     await ledger.recordFailure(entry, "boom", 1_000, () => 1);
-    const failed = await ledger.recordFailure(entry, "boom again", 2_000, () => 1);
+    const failed = (await ledger.recordFailure(entry, "boom again", 2_000, () => 1))!;
     // The janitor's orphan sweep finds the same sandbox: its attempts and backoff stand.
     await ledger.schedule(entry, 2_500);
     const mine = (entries: { key: string }[]) => entries.filter((e) => e.key === entry.key);

@@ -227,32 +227,54 @@ export class TeardownLedger {
     );
   }
 
-  /** Record a failed destroy (or re-failure) and schedule the next attempt. */
+  /**
+   * Record a failed destroy (or re-failure) and schedule the next attempt; its entry, or null when
+   * the destroy was confirmed meanwhile (by another close or janitor pass: the entry this call read
+   * is gone, so the sandbox is, and nothing is recorded). Two failures of one sandbox recorded at
+   * once count twice: the entry is written only if it is still the one read (`fleetLedgerFail`),
+   * else read again.
+   */
   async recordFailure(
     entry: SandboxEntry,
     error: string,
     now: number,
     random = Math.random,
-  ): Promise<LedgerEntry> {
-    const prevRaw = await this.redis.hget(this.keys.teardownEntries(), entry.key);
-    // A torn entry (or one this release cannot read) under the key: this failure is recorded over
-    // it, its count starting again, rather than throwing and leaving the failure unrecorded (an
-    // orphan's destroy then retried every janitor pass, without backoff).
-    const prev = prevRaw ? parseLedgerEntry(prevRaw) : null;
-    const attempts = (prev?.attempts ?? 0) + 1;
-    const ledger: LedgerEntry = LedgerEntry.parse({
-      ...SandboxEntry.parse(entry),
-      attempts,
-      lastError: error,
-      firstFailedAt: prev?.firstFailedAt ?? now,
-      dueAt: now + teardownBackoffMs(attempts - 1, random),
-    });
-    await this.redis
-      .multi()
-      .hset(this.keys.teardownEntries(), entry.key, JSON.stringify(ledger))
-      .zadd(this.keys.teardownDue(), ledger.dueAt, entry.key)
-      .exec();
-    return ledger;
+  ): Promise<LedgerEntry | null> {
+    let prevRaw = await this.redis.hget(this.keys.teardownEntries(), entry.key);
+    for (let tries = 0; ; tries++) {
+      // A torn entry (or one this release cannot read) under the key: this failure is recorded
+      // over it, its count starting again, rather than throwing and leaving the failure
+      // unrecorded (an orphan's destroy then retried every janitor pass, without backoff).
+      const prev = prevRaw ? parseLedgerEntry(prevRaw) : null;
+      const attempts = (prev?.attempts ?? 0) + 1;
+      const ledger: LedgerEntry = LedgerEntry.parse({
+        ...SandboxEntry.parse(entry),
+        attempts,
+        lastError: error,
+        firstFailedAt: prev?.firstFailedAt ?? now,
+        dueAt: now + teardownBackoffMs(attempts - 1, random),
+      });
+      const written = (await this.redis.fleetLedgerFail(
+        this.keys.teardownEntries(),
+        this.keys.teardownDue(),
+        entry.key,
+        prevRaw ?? "",
+        JSON.stringify(ledger),
+        ledger.dueAt,
+      )) as 1 | string | null;
+      if (written === 1) return ledger;
+      if (written === null && prevRaw !== null) return null;
+      // Changed under us more often than a handful of passes could: record over it, as before.
+      if (tries >= 8) {
+        await this.redis
+          .multi()
+          .hset(this.keys.teardownEntries(), entry.key, JSON.stringify(ledger))
+          .zadd(this.keys.teardownDue(), ledger.dueAt, entry.key)
+          .exec();
+        return ledger;
+      }
+      prevRaw = written;
+    }
   }
 
   /**
