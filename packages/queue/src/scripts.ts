@@ -1031,12 +1031,12 @@ const SCRIPTS = {
       return redis.call('HINCRBY', KEYS[1], 'closes:again', 1)`,
   },
   /**
-   * Record a failed destroy on the teardown ledger if its entry is still what the caller read
-   * (ARGV[2]; '' for none): 1 if written. Otherwise nothing is written and the entry now is
-   * returned (nil for none): another failure recorded meanwhile (the caller counts again from it),
-   * or the destroy confirmed meanwhile (the entry gone).
+   * Write a teardown ledger entry (a failed destroy, or an orphan scheduled) if the entry is still
+   * what the caller read (ARGV[2]; '' for none): 1 if written. Otherwise nothing is written and the
+   * entry now is returned (nil for none): another failure recorded meanwhile (the caller counts
+   * again from it), or the destroy confirmed meanwhile (the entry gone).
    */
-  fleetLedgerFail: {
+  fleetLedgerWrite: {
     keys: 2, // teardown entries, teardown due
     lua: `
       local cur = redis.call('HGET', KEYS[1], ARGV[1])

@@ -1676,7 +1676,7 @@ describe("rollout store", () => {
     expect(await ledger.isPending(ids[0]!)).toBe(false);
   });
 
-  it("two failures of one destroy recorded at once count twice, and one confirmed meanwhile is not brought back", async () => {
+  it("two failures of one destroy recorded at once count twice, a failure recorded as the sweep schedules its sandbox stands, and one confirmed meanwhile is not brought back", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();
     const entry = sandboxEntry(ids[0]!);
@@ -1689,6 +1689,17 @@ describe("rollout store", () => {
     const stored = JSON.parse((await redis.hget(ledger.keys.teardownEntries(), entry.key))!);
     expect(stored.attempts).toBe(2);
     expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(stored.dueAt);
+
+    // The janitor's sweep scheduling the sandbox while a failure is recorded: the failure stands.
+    await ledger.confirm(entry);
+    const [failedToo, scheduled] = await Promise.all([
+      ledger.recordFailure(entry, "busy", 1_500, () => 1),
+      ledger.schedule(entry, 1_500),
+    ]);
+    expect(scheduled).toBe(true);
+    expect(failedToo?.lastError).toBe("busy");
+    expect(JSON.parse((await redis.hget(ledger.keys.teardownEntries(), entry.key))!)).toEqual(failedToo);
+    expect(await ledger.schedule(entry, 1_600)).toBe(false);
 
     // A failure whose destroy another confirmed after it read the entry: nothing recorded. (The
     // confirm's script run once first, so neither call waits on loading its script.)

@@ -231,7 +231,7 @@ export class TeardownLedger {
    * Record a failed destroy (or re-failure) and schedule the next attempt; its entry, or null when
    * the destroy was confirmed meanwhile (by another close or janitor pass: the entry this call read
    * is gone, so the sandbox is, and nothing is recorded). Two failures of one sandbox recorded at
-   * once count twice: the entry is written only if it is still the one read (`fleetLedgerFail`),
+   * once count twice: the entry is written only if it is still the one read (`fleetLedgerWrite`),
    * else read again.
    */
   async recordFailure(
@@ -254,7 +254,7 @@ export class TeardownLedger {
         firstFailedAt: prev?.firstFailedAt ?? now,
         dueAt: now + teardownBackoffMs(attempts - 1, random),
       });
-      const written = (await this.redis.fleetLedgerFail(
+      const written = (await this.redis.fleetLedgerWrite(
         this.keys.teardownEntries(),
         this.keys.teardownDue(),
         entry.key,
@@ -282,8 +282,6 @@ export class TeardownLedger {
    * already on it keeps its entry and backoff. True if this call put it there.
    */
   async schedule(entry: SandboxEntry, now: number): Promise<boolean> {
-    const exists = await this.redis.hexists(this.keys.teardownEntries(), entry.key);
-    if (exists) return false;
     const ledger = LedgerEntry.parse({
       ...entry,
       attempts: 0,
@@ -291,12 +289,16 @@ export class TeardownLedger {
       firstFailedAt: now,
       dueAt: now,
     });
-    await this.redis
-      .multi()
-      .hset(this.keys.teardownEntries(), entry.key, JSON.stringify(ledger))
-      .zadd(this.keys.teardownDue(), now, entry.key)
-      .exec();
-    return true;
+    // Only where there is no entry, in one step: a failure recorded since a look would be lost.
+    const written = await this.redis.fleetLedgerWrite(
+      this.keys.teardownEntries(),
+      this.keys.teardownDue(),
+      entry.key,
+      "",
+      JSON.stringify(ledger),
+      now,
+    );
+    return written === 1;
   }
 
   /**
