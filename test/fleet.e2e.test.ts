@@ -1,10 +1,11 @@
-import { mkdtempSync, readdirSync, readFileSync } from "node:fs";
+import { mkdtempSync, readdirSync, readFileSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { runFleet } from "../apps/cli/src/testing/run-bin.ts";
 import { FleetProcesses } from "../scripts/lib/fleet-processes.ts";
 import { callApi } from "./helpers/api.ts";
 import { containersOf, dropPrefix, IMAGE, REDIS_URL, testPrefix, waitFor } from "./helpers/env.ts";
@@ -144,6 +145,53 @@ describe("the whole fleet as separate processes", () => {
     expect(c.status).toBe(202);
     expect(await result(id)).toMatchObject({ status: "cancelled", failureKind: "cancelled", reward: null });
     expect(await containersOf([id])).toBe(0);
+  });
+
+  it("fleet submit --rerun submits again the masked lines of a results file `fleet submit --out` wrote: their tasks and agent line up with it", async () => {
+    const env = { FLEET_URL: fleet.url, FLEET_TOKEN: fleet.token };
+    const first = join(logDir, "first.jsonl");
+    const pick = ["--task", "hello-file", "--task", "sum-answer"];
+    const submit = ["submit", "--suite", EXAMPLE_SUITE_DIR, "--agent", "oracle", ...pick];
+    const ran = await runFleet(
+      [...submit, "--repeat", "2", "--wait", "--out", first, "--poll-interval", "200"],
+      env,
+    );
+    expect(ran.code, ran.stderr).toBe(0);
+    const lines = readFileSync(first, "utf8")
+      .trim()
+      .split("\n")
+      .map((l) => JSON.parse(l) as RolloutResult);
+    ids.push(...lines.map((l) => l.id));
+    expect(lines.map((l) => l.status)).toEqual(["completed", "completed", "completed", "completed"]);
+    // Masking one for real takes a fault; what is under test is that the results file the CLI
+    // wrote lines up with the suite and the agent as it reads them again (task digests, names).
+    const picked = lines.find((l) => l.taskId === "sum-answer" && l.metadata?.repeat === 1)!;
+    const edited = join(logDir, "edited.jsonl");
+    writeFileSync(
+      edited,
+      lines
+        .map(
+          (l) =>
+            `${JSON.stringify(l === picked ? { ...l, status: "masked", reward: null, mask: true } : l)}\n`,
+        )
+        .join(""),
+    );
+    const again = join(logDir, "again.jsonl");
+    const rerun = await runFleet(
+      [...submit, "--rerun", edited, "--wait", "--out", again, "--poll-interval", "200"],
+      env,
+    );
+    expect(rerun.code, rerun.stderr).toBe(0);
+    expect(rerun.stderr).toContain(`submitted 1 rollout (the masked of ${edited}, 1 task)`);
+    const redone = readFileSync(again, "utf8")
+      .trim()
+      .split("\n")
+      .map((l) => JSON.parse(l) as RolloutResult);
+    ids.push(...redone.map((l) => l.id));
+    expect(redone.map((l) => [l.taskId, l.taskDigest, l.agent, l.metadata, l.status, l.reward])).toEqual([
+      ["sum-answer", picked.taskDigest, "oracle", { repeat: 1 }, "completed", 1],
+    ]);
+    expect(redone[0]!.id).not.toBe(picked.id);
   });
 
   it("no credential value anywhere in Redis, the logs or the results after a batch", async () => {

@@ -346,6 +346,98 @@ describe("fleet submit", () => {
     expect(rowsOf(posts[1]!).map((r) => (r.task as { id?: string }).id)).toEqual(["alpha"]);
   });
 
+  it("--rerun submits again each masked rollout of a results file, with its task and its metadata, and nothing else", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const line = (taskId: string, status: string, repeat: number, over: Record<string, unknown> = {}) =>
+      JSON.stringify({
+        id: `old-${taskId}-${repeat}`,
+        taskId,
+        taskDigest: `digest-${taskId}`.padEnd(64, "0"),
+        agent: "oracle",
+        status,
+        metadata: { run: "exp-7", repeat },
+        ...over,
+      });
+    const results = path.join(dir, "old.jsonl");
+    await writeFile(
+      results,
+      [
+        line("alpha", "completed", 0),
+        line("beta", "masked", 0),
+        line("alpha", "masked", 1),
+        line("beta", "failed", 1),
+        line("beta", "masked", 2),
+        "",
+      ].join("\n"),
+    );
+    const rerun = ["submit", "--suite", "s", "--agent", "oracle", "--rerun", results];
+    expect(await runCli([...rerun, "--deadline", "300", "--metadata", '{"rerun":1}'], ctx())).toBe(0);
+    const posts = server.requests.filter((r) => r.method === "POST");
+    expect(posts).toHaveLength(1);
+    expect(rowsOf(posts[0]!).map((r) => [(r.task as { id: string }).id, r.metadata, r.deadlineS])).toEqual([
+      ["beta", { run: "exp-7", repeat: 0, rerun: 1 }, 300],
+      ["alpha", { run: "exp-7", repeat: 1, rerun: 1 }, 300],
+      ["beta", { run: "exp-7", repeat: 2, rerun: 1 }, 300],
+    ]);
+    expect(stderr.text()).toContain(`submitted 3 rollouts (the masked of ${results}, 2 tasks) in 1 batch`);
+
+    // --task narrows it; none masked left is said, and nothing is sent.
+    expect(await runCli([...rerun, "--task", "alpha"], ctx())).toBe(0);
+    expect(rowsOf(server.requests.filter((r) => r.method === "POST")[1]!)).toHaveLength(1);
+    const clean = path.join(dir, "clean.jsonl");
+    await writeFile(clean, `${line("alpha", "completed", 0)}\n`);
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--rerun", clean], ctx())).toBe(0);
+    expect(stderr.text()).toContain(`nothing to rerun: none of the 1 results in ${clean} is masked`);
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(2);
+  });
+
+  it("--rerun refuses, before sending anything, what would not line up with the results: another agent, a task gone or changed, --repeat, a line that is no result", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const masked = (over: Record<string, unknown>) =>
+      JSON.stringify({
+        taskId: "alpha",
+        taskDigest: "digest-alpha".padEnd(64, "0"),
+        agent: "oracle",
+        status: "masked",
+        metadata: { repeat: 0 },
+        ...over,
+      });
+    const cases: [string, string[], string][] = [
+      [
+        masked({ agent: "my-agent" }),
+        [],
+        '--rerun FILE: its rollouts ran agent "my-agent", --agent is "oracle"',
+      ],
+      [masked({ taskId: "gamma" }), [], "--rerun FILE: task gamma is not in the suite"],
+      [masked({ taskDigest: "f".repeat(64) }), [], "--rerun FILE: task alpha changed since those results"],
+      [
+        masked({}),
+        ["--repeat", "2"],
+        "error: option '--rerun <results.jsonl>' cannot be used with option '--repeat <n>'",
+      ],
+      [masked({}), ["--metadata", '{"repeat":3}'], '--metadata must not set "repeat"'],
+      ["{not json", [], "--rerun FILE: line 1 is not JSON"],
+      [`${masked({})}\n{"status":"masked"}`, [], "--rerun FILE: line 2 is not a result (taskId:"],
+    ];
+    for (const [i, [text, extra, message]] of cases.entries()) {
+      const file = path.join(dir, `case-${i}.jsonl`);
+      await writeFile(file, text);
+      stderr = new Collector();
+      const code = await runCli(
+        ["submit", "--suite", "s", "--agent", "oracle", "--rerun", file, ...extra],
+        ctx({ stderr }),
+      );
+      expect([code, stderr.text()], text).toEqual([
+        2,
+        expect.stringContaining(message.replace("FILE", file)),
+      ]);
+    }
+    const missing = path.join(dir, "missing.jsonl");
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--rerun", missing], ctx())).toBe(2);
+    expect(stderr.text()).toContain(`cannot read --rerun ${missing}`);
+    expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
+  });
+
   it("a --deadline shorter than a task's rollout needs is a usage error naming the tasks, before anything is submitted (a later chunk's 422 came after earlier ones were admitted)", async () => {
     fakeDispatcher((id) => completed(id, 1));
     const long = TaskContent.parse({ ...tasks[1]!, timeouts: { agentS: 600, verifierS: 120 } });

@@ -198,6 +198,12 @@ export function createProgram(
       .addOption(new Option("--repeat <n>", "rollouts per task").default(1).argParser(positiveInt))
       .option("--task <id...>", "only these task ids (repeatable)")
       .addOption(
+        new Option(
+          "--rerun <results.jsonl>",
+          "submit again the masked rollouts of this results file (each with its task, from --suite, and its metadata)",
+        ).conflicts("repeat"),
+      )
+      .addOption(
         new Option("--deadline <seconds>", "whole-rollout deadline in seconds").argParser(durationSeconds),
       )
       .option("--metadata <json>", "JSON object echoed into every result (plus the repeat index)")
@@ -256,6 +262,7 @@ Examples:
   fleet submit --suite packages/tasks/suites/example --agent oracle --wait --out results.jsonl
   fleet submit --suite ./suite --agent agent.json --repeat 8 --task hello-file --task sum-answer
   fleet submit --suite ./suite --agent '{"harness":"command","argv":["sh","-c","echo 42"]}'
+  fleet submit --suite ./suite --agent agent.json --rerun results.jsonl --wait --out rerun.jsonl
 
 If a chunk's POST fails in a way that may have admitted it (5xx, timeout), the error names its
 Idempotency-Key and the base to re-run with: --idempotency-key <base>.

@@ -18,6 +18,7 @@ import {
   selectTasks,
   UsageError,
 } from "../requests.ts";
+import { maskedLines, rerunRollouts } from "../rerun.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
 
 export interface SubmitOptions extends FollowOptions {
@@ -36,6 +37,8 @@ export interface SubmitOptions extends FollowOptions {
   backlogWait: number;
   /** Base of the chunks' Idempotency-Keys (`<base>-<n>`); random when absent. */
   idempotencyKey?: string;
+  /** A results file whose masked rollouts to submit again (instead of task × repeat). */
+  rerun?: string;
 }
 
 /**
@@ -77,10 +80,26 @@ async function submitAndFollow(
   onSubmitted: (batchIds: readonly string[]) => void,
 ): Promise<number> {
   const agent = await resolveAgent(opts.agent, ctx.readFile);
+  // --rerun: the masked rollouts of a results file, again (their tasks only are loaded).
+  const rerun =
+    opts.rerun === undefined
+      ? null
+      : await maskedLines(opts.rerun, ctx.readFile).then(({ masked, lines }) => ({
+          masked: opts.task === undefined ? masked : masked.filter((l) => opts.task?.includes(l.taskId)),
+          lines,
+        }));
+  if (rerun !== null && rerun.masked.length === 0) {
+    await writeText(
+      ctx.stderr,
+      `nothing to rerun: none of the ${rerun.lines} results in ${opts.rerun} is masked${opts.task === undefined ? "" : " (of the tasks --task selects)"}\n`,
+    );
+    return 0;
+  }
+  const only = rerun !== null ? [...new Set(rerun.masked.map((l) => l.taskId))] : (opts.task ?? []);
   let tasks: TaskContent[];
   try {
     // A broken task of the suite that --task did not ask for does not stop the submission.
-    tasks = await ctx.loadSuite(opts.suite, { maxBytes: opts.maxTaskBytes, only: opts.task ?? [] });
+    tasks = await ctx.loadSuite(opts.suite, { maxBytes: opts.maxTaskBytes, only });
   } catch (err) {
     const message = (err as Error).message;
     // The loader's bound is this command's: a fleet that takes bigger tasks says so in its own.
@@ -89,7 +108,7 @@ async function submitAndFollow(
       : "";
     throw new UsageError(`cannot load suite ${opts.suite}: ${message}${hint}`);
   }
-  const selected = selectTasks(tasks, opts.task);
+  const selected = rerun !== null ? tasks.filter((t) => only.includes(t.id)) : selectTasks(tasks, opts.task);
   // The oracle runs each task's solution/solve.sh: the dispatcher refuses a rollout of a task
   // without one, which for a suite split into several requests would be after the first ones
   // were admitted and started. Said here, before anything is sent.
@@ -106,20 +125,34 @@ async function submitAndFollow(
   checkDeadline(opts.deadline, selected, agent);
   // Every rollout is built and serialised before the first request: past this, memory runs out
   // (14 million took 4.4 GB, then the process died) before anything is sent.
-  const total = selected.length * opts.repeat;
+  const total = rerun !== null ? rerun.masked.length : selected.length * opts.repeat;
   if (total > MAX_SUBMIT_ROLLOUTS) {
     throw new UsageError(
-      `${total} rollouts (${selected.length} tasks × --repeat ${opts.repeat}) are more than one submit sends (${MAX_SUBMIT_ROLLOUTS}): submit them in parts`,
+      rerun !== null
+        ? `${total} masked rollouts are more than one submit sends (${MAX_SUBMIT_ROLLOUTS}): rerun them in parts (--task)`
+        : `${total} rollouts (${selected.length} tasks × --repeat ${opts.repeat}) are more than one submit sends (${MAX_SUBMIT_ROLLOUTS}): submit them in parts`,
     );
   }
-  const requests = buildRollouts({
-    tasks,
-    agent,
-    repeat: opts.repeat,
-    taskIds: opts.task,
-    deadlineS: opts.deadline,
-    metadata: parseMetadata(opts.metadata),
-  });
+  const metadata = parseMetadata(opts.metadata);
+  const requests =
+    rerun !== null
+      ? rerunRollouts({
+          path: opts.rerun as string,
+          masked: rerun.masked,
+          tasks: selected,
+          agent,
+          digestOf: ctx.digestOf,
+          deadlineS: opts.deadline,
+          metadata,
+        })
+      : buildRollouts({
+          tasks,
+          agent,
+          repeat: opts.repeat,
+          taskIds: opts.task,
+          deadlineS: opts.deadline,
+          metadata,
+        });
   const chunks = chunkRollouts(requests, {
     maxBytes: opts.maxRequestBytes,
     digestOf: opts.inlineTasks ? undefined : ctx.digestOf,
@@ -167,7 +200,11 @@ async function submitAndFollow(
       throw err;
     }
   }
-  const what = `${counted(accepted, "rollout")} (${counted(taskCount, "task")} × ${opts.repeat}) in ${counted(batchIds.length, "batch", "batches")}`;
+  const shape =
+    opts.rerun !== undefined
+      ? `the masked of ${opts.rerun}, ${counted(taskCount, "task")}`
+      : `${counted(taskCount, "task")} × ${opts.repeat}`;
+  const what = `${counted(accepted, "rollout")} (${shape}) in ${counted(batchIds.length, "batch", "batches")}`;
   const replay = "with this --idempotency-key: replayed, nothing started again";
   await writeText(
     ctx.stderr,

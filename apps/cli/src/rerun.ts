@@ -1,0 +1,114 @@
+import {
+  AgentSpec,
+  type AgentSpecInput,
+  agentName,
+  type RolloutRequestInput,
+  type TaskContent,
+} from "@fleet/contracts";
+import { z } from "zod";
+import { UsageError } from "./requests.ts";
+
+/** What `--rerun` reads of each line of a results file (older results have the same fields). */
+const RerunLine = z.object({
+  status: z.string(),
+  taskId: z.string(),
+  taskDigest: z.string(),
+  agent: z.string(),
+  metadata: z.record(z.string(), z.unknown()).nullable().optional(),
+});
+type RerunLine = z.infer<typeof RerunLine>;
+
+/** The results file's masked lines (`--rerun <file>`): a usage error for a line that is no result. */
+export async function maskedLines(
+  path: string,
+  readFile: (path: string) => Promise<string>,
+): Promise<{ masked: RerunLine[]; lines: number }> {
+  let text: string;
+  try {
+    text = await readFile(path);
+  } catch (err) {
+    throw new UsageError(`cannot read --rerun ${path}: ${(err as Error).message}`);
+  }
+  const masked: RerunLine[] = [];
+  let lines = 0;
+  for (const [i, raw] of text.split("\n").entries()) {
+    if (raw.trim() === "") continue;
+    lines++;
+    let json: unknown;
+    try {
+      json = JSON.parse(raw);
+    } catch {
+      throw new UsageError(
+        `--rerun ${path}: line ${i + 1} is not JSON (a results file is one result a line)`,
+      );
+    }
+    const line = RerunLine.safeParse(json);
+    if (!line.success) {
+      const issue = line.error.issues[0];
+      throw new UsageError(
+        `--rerun ${path}: line ${i + 1} is not a result (${issue?.path.join(".") || "line"}: ${issue?.message})`,
+      );
+    }
+    if (line.data.status === "masked") masked.push(line.data);
+  }
+  return { masked, lines };
+}
+
+export interface RerunOptions {
+  /** The results file's path (for messages). */
+  path: string;
+  masked: readonly RerunLine[];
+  /** The suite's tasks, as loaded. */
+  tasks: readonly TaskContent[];
+  agent: AgentSpecInput;
+  /** The content address of a task (`taskDigest` of `@fleet/tasks`): checked when given. */
+  digestOf?: (task: TaskContent) => string;
+  deadlineS?: number;
+  /** `--metadata`, over each line's own. */
+  metadata?: Record<string, unknown>;
+}
+
+/**
+ * One request for each masked line, with its task from the suite and its own metadata (the
+ * repeat index with it), so the new results line up with the old. Refused (a usage error) for a
+ * task the suite no longer has or whose content changed since, and for another agent than the
+ * results': either would mix two experiments' rewards under one task.
+ */
+export function rerunRollouts(options: RerunOptions): RolloutRequestInput[] {
+  if (options.metadata !== undefined && Object.hasOwn(options.metadata, "repeat")) {
+    throw new UsageError(
+      '--metadata must not set "repeat": with --rerun, each rollout keeps the repetition index of its results line',
+    );
+  }
+  const byId = new Map(options.tasks.map((t) => [t.id, t]));
+  const parsed = AgentSpec.safeParse(options.agent);
+  const name = parsed.success ? agentName(parsed.data) : null;
+  const requests: RolloutRequestInput[] = [];
+  for (const line of options.masked) {
+    const task = byId.get(line.taskId);
+    if (task === undefined) {
+      throw new UsageError(
+        `--rerun ${options.path}: task ${line.taskId} is not in the suite (or not selected by --task)`,
+      );
+    }
+    if (options.digestOf !== undefined && options.digestOf(task) !== line.taskDigest) {
+      throw new UsageError(
+        `--rerun ${options.path}: task ${line.taskId} changed since those results (digest ${line.taskDigest}, now ${options.digestOf(task)}): its rewards would not compare`,
+      );
+    }
+    if (name !== null && name !== line.agent) {
+      throw new UsageError(
+        `--rerun ${options.path}: its rollouts ran agent ${JSON.stringify(line.agent)}, --agent is ${JSON.stringify(name)}`,
+      );
+    }
+    const metadata =
+      line.metadata == null && options.metadata === undefined
+        ? undefined
+        : { ...line.metadata, ...options.metadata };
+    const request: RolloutRequestInput = { task, agent: options.agent };
+    if (metadata !== undefined) request.metadata = metadata;
+    if (options.deadlineS !== undefined) request.deadlineS = options.deadlineS;
+    requests.push(request);
+  }
+  return requests;
+}
