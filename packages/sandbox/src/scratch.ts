@@ -53,9 +53,14 @@ if [ -n "$left" ]; then
 fi
 for d in "$@"; do
   [ -d "$d" ] || continue
-  # Opened up a depth at a time, many directories to a chmod (one chmod each took 9 ms: tens of
-  # thousands of mode-000 directories outlasted the scrub's minute, and the rollout was masked at
-  # the agent's choice), then one at a time for what is nested deeper than those rounds reach.
+  # Opened up in one walk: chmod -R opens each directory before it reads it, relative to its
+  # parent, so a chain nested past PATH_MAX opens too (a chmod given full paths could not: the
+  # chain's depths past 4096 bytes stayed shut and the rollout was masked at the agent's choice).
+  # Someone else's files it cannot change, and does not try to follow links.
+  chmod -R u+rwx "$d" 2>/dev/null
+  # Then, where chmod -R left any shut (another chmod), a depth at a time, many directories to a
+  # chmod (one chmod each took 9 ms: tens of thousands of mode-000 directories outlasted the
+  # scrub's minute), then one at a time for what is nested deeper than those rounds reach.
   n=0
   while [ "$n" -lt 16 ] && [ -n "$(find "$d" -mindepth 1 -type d -user "$uid" ! -perm -700 -print -quit 2>/dev/null)" ]; do
     find "$d" -mindepth 1 -type d -user "$uid" ! -perm -700 -exec chmod u+rwx {} + 2>/dev/null

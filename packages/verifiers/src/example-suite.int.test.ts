@@ -645,21 +645,36 @@ print(41)
     expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
   });
 
-  it("an agent that leaves 20,000 mode-000 directories in /logs (some nested) is graded in one verify: the scrub opens them many to a chmod, within its minute", async () => {
-    const task = tasks.find((t) => t.id === "hello-file")!;
-    const handle = await sandbox(task, "many-dirs");
-    const litter: AgentSpecInput = {
-      harness: "command",
-      argv: [
-        "python3",
-        "-c",
-        "import os\nfor i in range(10000):\n  os.makedirs('/logs/d%d/e' % i)\n  os.chmod('/logs/d%d/e' % i, 0)\n  os.chmod('/logs/d%d' % i, 0)\nopen('hello.txt', 'w').write('Hello, fleet!\\n')\n",
-      ],
-    };
-    const { outcome, verdict } = await runAndVerify(handle, task, litter);
-    expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
-    expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
-  }, 120_000);
+  // A wide litter: the scrub opens many to a chmod, within its minute. A deep one: nested past
+  // PATH_MAX, which a chmod given full paths cannot open (it masked the rollout: sandbox_lost).
+  it.each([
+    {
+      label: "many-dirs",
+      what: "20,000 mode-000 directories in /logs (some nested)",
+      script:
+        "import os\nfor i in range(10000):\n  os.makedirs('/logs/d%d/e' % i)\n  os.chmod('/logs/d%d/e' % i, 0)\n  os.chmod('/logs/d%d' % i, 0)\n",
+    },
+    {
+      label: "deep-dirs",
+      what: "a chain of 3,000 mode-000 directories in /logs, nested past PATH_MAX",
+      script:
+        "import os\nos.mkdir('/logs/d')\nos.chdir('/logs/d')\nfor _ in range(3000):\n  os.mkdir('a')\n  os.chdir('a')\nfor _ in range(3000):\n  os.chdir('..')\n  os.chmod('a', 0)\nos.chdir('/workspace')\n",
+    },
+  ])(
+    "an agent that leaves $what is graded on its work in one verify",
+    async ({ label, script }) => {
+      const task = tasks.find((t) => t.id === "hello-file")!;
+      const handle = await sandbox(task, label);
+      const litter: AgentSpecInput = {
+        harness: "command",
+        argv: ["python3", "-c", `${script}open('hello.txt', 'w').write('Hello, fleet!\\n')\n`],
+      };
+      const { outcome, verdict } = await runAndVerify(handle, task, litter);
+      expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
+      expect(verdict).toMatchObject({ reward: 1, details: { source: "exit_code", exitCode: 0 } });
+    },
+    120_000,
+  );
 
   it("a reward file the agent planted in /logs/verifier is cleared, and the agent graded on its work", async () => {
     const task = tasks.find((t) => t.id === "hello-file")!;
