@@ -53,7 +53,7 @@ interface Common {
   modelBaseUrls?: readonly string[] | null;
   /** Agent worker: `FLEET_GATEWAY_MAX_CALLS_PER_MINUTE`. */
   gatewayMaxCallsPerMinute?: number;
-  /** Agent worker: subnets for the gateway networks (`FLEET_GATEWAY_SUBNET_POOL`). */
+  /** Resources and agent workers: subnets for the gateway networks (`FLEET_GATEWAY_SUBNET_POOL`; made where the sandbox is created). */
   gatewaySubnetPool?: { base: string; prefix: number } | null;
   bwrapRootfs: string | null;
   stateDir: string;
