@@ -8,6 +8,7 @@ import {
   readlinkSync,
   rmdirSync,
   rmSync,
+  utimesSync,
   writeFileSync,
 } from "node:fs";
 import { mkdir, mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
@@ -178,6 +179,33 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.alive(h)).toBe(false);
     expect(existsSync(join(stateDir, `${h.name}.json`))).toBe(false);
     expect(readdirSync(stateDir).filter((e) => e.startsWith(h.name))).toEqual([]);
+  });
+
+  it("list removes a state write a worker killed mid-write left (its writer gone, a minute old), and no other", async () => {
+    // A pid that ran and is gone: the writer SIGKILLed between writing and renaming.
+    const gone = spawn("true");
+    const deadPid = gone.pid!;
+    await new Promise((resolve) => gone.on("exit", resolve));
+    const name = `fleet-${RUN}-stray`;
+    const old = new Date(Date.now() - 120_000);
+    const files = {
+      stale: `${name}.json.${deadPid}.0a1b2c3d.tmp`,
+      staleAside: `${name}.json.${deadPid}.4e5f6a7b.removing`,
+      fresh: `${name}.json.${deadPid}.11111111.tmp`, // its writer may have just died: kept a minute
+      live: `${name}.json.${process.pid}.22222222.tmp`, // a write under way (this process)
+      other: `${name}.notes.${deadPid}.33333333.tmp`, // not a state write
+    };
+    for (const [key, file] of Object.entries(files)) {
+      writeFileSync(join(stateDir, file), "{}");
+      if (key !== "fresh") utimesSync(join(stateDir, file), old, old);
+    }
+    await provider.list();
+    expect(
+      readdirSync(stateDir)
+        .filter((f) => f.startsWith(name))
+        .sort(),
+    ).toEqual([files.fresh, files.live, files.other].sort());
+    for (const file of [files.fresh, files.live, files.other]) rmSync(join(stateDir, file));
   });
 
   it("a command's PATH and LD_PRELOAD reach the command only, never the privileged nsenter/setpriv before it", async () => {

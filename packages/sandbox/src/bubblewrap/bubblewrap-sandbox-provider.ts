@@ -977,6 +977,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
       ...labels,
     };
+    await this.removeStrayWrites(names);
     const out: SandboxInfo[] = [];
     for (const file of names.filter((n) => n.endsWith(".json")).sort()) {
       const state = await this.readState(file.slice(0, -".json".length));
@@ -990,6 +991,29 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       });
     }
     return out;
+  }
+
+  /**
+   * Remove the files of state writes whose process died before it finished them (killed between
+   * writing and renaming a state file, or between moving one aside and removing it: a SIGKILLed
+   * worker): nothing reads them (the sandbox is found by its state file, or by its id in its
+   * processes' environment), and each was left for good. Only a file a minute old whose writer no
+   * longer runs: another worker on this host may be writing its own.
+   */
+  private async removeStrayWrites(names: readonly string[]): Promise<void> {
+    const cutoff = Date.now() - STRAY_WRITE_AGE_MS;
+    for (const name of names) {
+      const m = STRAY_WRITE.exec(name);
+      if (!m) continue;
+      const pid = Number(m[1]);
+      if (pid === process.pid || startTime(pid) !== null) continue;
+      const file = join(this.stateDir, name);
+      try {
+        if ((await lstat(file)).mtimeMs > cutoff) continue;
+        await rm(file, { force: true });
+        this.logger?.info({ file }, "removed a state write its worker did not finish (it died)");
+      } catch {}
+    }
   }
 
   async alive(handle: SandboxHandle): Promise<boolean> {
@@ -1098,6 +1122,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return `${this.statePath(name)}.${process.pid}.${randomUUID().slice(0, 8)}.tmp`;
   }
 }
+
+/** A state write's temporary file (`stateTmpPath`) or a state file moved aside to be removed (`removeStateIfOwn`): its writer's pid. */
+const STRAY_WRITE = /^[A-Za-z0-9][A-Za-z0-9_.-]*\.json\.(\d+)\.[0-9a-f]{8}\.(?:tmp|removing)$/;
+/** How old a stray write must be before `list` removes it. */
+const STRAY_WRITE_AGE_MS = 60_000;
 
 /** A state file's content, or null for a torn or foreign file (not a sandbox of that name). */
 function parseState(text: string, name: string): BwrapState | null {
