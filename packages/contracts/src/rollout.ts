@@ -119,6 +119,12 @@ export const RunReceipt = z.object({
   exec: ExecResult,
   /** The agent's final answer (for `match` verifiers). */
   answer: z.string().nullable(),
+  /**
+   * The answer was longer than `MAX_ANSWER_CHARS` and is kept cut (`keptAnswer`): a match
+   * verifier grades it 0, since no verdict on a part is one on the whole. Absent in a receipt
+   * stored by an earlier version.
+   */
+  answerTruncated: z.boolean().optional(),
   transcript: CappedText.nullable().default(null),
   usage: Usage.nullable(),
   cleanup: CleanupReceipt,

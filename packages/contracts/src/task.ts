@@ -1,5 +1,5 @@
 import { z } from "zod";
-import { Seconds } from "./bounded.ts";
+import { capText, Seconds } from "./bounded.ts";
 import { JsonObject } from "./json-object.ts";
 
 /** Directories a task file may be nested in, at most (each one is a directory the sandbox gets). */
@@ -189,6 +189,29 @@ export function foreignRegexSyntax(pattern: string): string | undefined {
 export const MAX_ANSWER_CHARS = 4000;
 
 /**
+ * An answer (or an exact `expected`) as compared: Unicode NFC (an accented letter typed as one
+ * code point or as a letter and a combining mark is one answer), CRLF line ends as LF, and
+ * trimmed of white space and zero-width characters at either end.
+ */
+export function comparableAnswer(text: string): string {
+  return text
+    .normalize("NFC")
+    .replace(/\r\n/g, "\n")
+    .replace(/^[\s\u200b-\u200d\u2060]+|[\s\u200b-\u200d\u2060]+$/g, "");
+}
+
+/**
+ * The final answer a harness keeps of the agent's text: `comparableAnswer`, then cut to
+ * `MAX_ANSWER_CHARS` (marked as cut), and whether it was cut. Compared before the cut, so the
+ * text a verifier compares is the agent's as far as it is kept; a cut answer is not the agent's
+ * whole answer, and a match verifier grades it 0 (`answerTruncated`).
+ */
+export function keptAnswer(text: string): { answer: string; truncated: boolean } {
+  const whole = comparableAnswer(text);
+  return { answer: capText(whole, MAX_ANSWER_CHARS), truncated: whole.length > MAX_ANSWER_CHARS };
+}
+
+/**
  * Why a match verifier's `expected` cannot grade, or `undefined` when it can: blank, (exact)
  * longer than any kept answer, or (regex mode) not a valid regular expression on its own and as
  * {@link matchPattern} compiles it, or one that matches an empty answer. An agent that prints
@@ -205,6 +228,15 @@ export function matchExpectedProblem(spec: {
     return expected.length > MAX_ANSWER_CHARS
       ? `is longer than the ${MAX_ANSWER_CHARS} characters an answer is kept to, so no answer could match`
       : undefined;
+  }
+  // The answer is compared in NFC with LF line ends (`comparableAnswer`); a pattern written
+  // otherwise (decomposed accents, typed on some systems; a CRLF from a Windows editor) could
+  // never match it, and every agent would score 0.
+  if (expected.normalize("NFC") !== expected) {
+    return "is not in Unicode NFC (an accented letter as a letter and a combining mark), while answers are compared in NFC, so it could never match: write it in NFC";
+  }
+  if (expected.includes("\r")) {
+    return "holds a carriage return, while answers are compared with LF line ends, so it could never match: use \\n";
   }
   let pattern: RegExp;
   try {

@@ -137,11 +137,19 @@ describe("CommandHarness", () => {
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
     expect(outcome.answer?.length).toBe(4000);
     expect(outcome.answer?.endsWith("…[truncated]")).toBe(true);
+    expect(outcome.answerTruncated).toBe(true);
     expect(outcome.exec.stdout.length).toBe(4000);
     expect(outcome.exec.stdout.endsWith("END")).toBe(true);
     expect(outcome.exec.stderr.endsWith("LAST")).toBe(true);
     expect(outcome.exec.stdoutTruncated).toBe(true);
     expect(outcome.exec.stderrTruncated).toBe(true);
+  });
+
+  it("keeps the answer as compared (NFC, LF line ends, trimmed) before cutting it: one whole once compared is not cut", async () => {
+    provider.onExec = () => ({ stdout: `\r\n${"e\u0301\r\n".repeat(1900)}\u200b\n` });
+    const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
+    expect(outcome.answer).toBe("\u00e9\n".repeat(1900).trimEnd());
+    expect(outcome.answerTruncated).toBeUndefined();
   });
 
   it("passes the provider's timeout envelope through (exit -1, partial output kept)", async () => {

@@ -40,8 +40,10 @@ export interface HarnessOutcome {
    * deadline. `stdout`/`stderr` are bounded tails (see `MAX_OUTPUT_CHARS`).
    */
   exec: ExecResult;
-  /** The agent's final answer (trimmed stdout, capped), for `match` verifiers. */
+  /** The agent's final answer (stdout, as `keptAnswer` keeps it), for `match` verifiers. */
   answer: string | null;
+  /** The answer was cut (longer than `MAX_ANSWER_CHARS`): a match verifier grades it 0. */
+  answerTruncated?: boolean;
   /** A transcript of model calls, where the harness keeps one. */
   transcript: string | null;
   /** Model usage, where the harness observed any; `null` when nothing was observed. */

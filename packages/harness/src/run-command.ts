@@ -1,14 +1,19 @@
-import { capText, FleetError, isFleetError } from "@fleet/contracts";
+import { FleetError, isFleetError, keptAnswer } from "@fleet/contracts";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import {
   EXEC_OUTPUT_BYTES,
   FLEET_DIR,
   INSTRUCTION_ENV,
   INSTRUCTION_FILE,
-  MAX_ANSWER_CHARS,
   MAX_OUTPUT_CHARS,
 } from "./constants.ts";
 import type { HarnessContext, HarnessOutcome } from "./harness.ts";
+
+/** A harness outcome's answer of the agent's text (`keptAnswer`), and whether it was cut. */
+export function answerFields(text: string): Pick<HarnessOutcome, "answer" | "answerTruncated"> {
+  const { answer, truncated } = keptAnswer(text);
+  return truncated ? { answer, answerTruncated: true } : { answer };
+}
 
 /** The error an abort throws: the signal's reason when it is a FleetError, else `cancelled`. */
 export function abortError(signal: AbortSignal): FleetError {
@@ -120,7 +125,7 @@ export async function runAgentCommand(
       stdoutTruncated: exec.stdoutTruncated || exec.stdout.length > MAX_OUTPUT_CHARS,
       stderrTruncated: exec.stderrTruncated || exec.stderr.length > MAX_OUTPUT_CHARS,
     },
-    answer: capText(exec.stdout.trim(), MAX_ANSWER_CHARS),
+    ...answerFields(exec.stdout),
     transcript: null,
     usage: null,
   };

@@ -865,6 +865,22 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("an answer longer than the fleet keeps is graded 0 by a match verifier, though its kept head matches (the whole does not)", async () => {
+    const task = {
+      ...byId("sum-answer"),
+      verifier: { kind: "match" as const, expected: "[^!]+", mode: "regex" as const },
+    };
+    const [id] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["python3", "-c", "print('a' * 5000 + '!')"] } },
+    ]);
+    for (const stage of ["seed", "run", "verify"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    await closeExpecting(id!, {
+      status: "completed",
+      reward: 0,
+      details: expect.objectContaining({ kind: "match", matched: false, answerTruncated: true }),
+    });
+  });
+
   it("close hands an agent's own sandbox it finds (its worker died holding it) to the janitor, never destroys it itself (rule 11)", async () => {
     const task = byId("sum-answer");
     const [id] = await fleet.submit([

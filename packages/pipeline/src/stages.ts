@@ -927,6 +927,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const receipt: RunReceipt = {
     exec: outcome.exec,
     answer: outcome.answer,
+    ...(outcome.answerTruncated ? { answerTruncated: true } : {}),
     transcript: outcome.transcript,
     usage,
     cleanup,
@@ -1521,7 +1522,11 @@ const verifyAttempt = async (
       provider: deps.provider,
       handle: seedReceipt.handle,
       task,
-      run: { answer: runReceipt.answer, exec: runReceipt.exec },
+      run: {
+        answer: runReceipt.answer,
+        answerTruncated: runReceipt.answerTruncated === true,
+        exec: runReceipt.exec,
+      },
       // The verifier counts down on this host's clock.
       deadlineMs: localTime(deps, rec.meta.deadlineAt),
       signal: shutdown,

@@ -2,6 +2,7 @@ import { setFlagsFromString } from "node:v8";
 import { createContext, Script } from "node:vm";
 import {
   capText,
+  comparableAnswer,
   type ExecResult,
   FleetError,
   matchExpectedProblem,
@@ -28,35 +29,30 @@ const MATCH = new Script("pattern.test(answer)");
 const matchContext = createContext({ pattern: /$^/, answer: "" });
 
 /**
- * An answer (or an exact `expected`) as compared: Unicode NFC (an accented letter typed as one
- * code point or as a letter and a combining mark is one answer), CRLF line ends as LF, and
- * trimmed of white space and zero-width characters at either end.
- */
-function comparable(text: string): string {
-  return text
-    .normalize("NFC")
-    .replace(/\r\n/g, "\n")
-    .replace(/^[\s\u200b-\u200d\u2060]+|[\s\u200b-\u200d\u2060]+$/g, "");
-}
-
-/**
- * Grade a final answer against `expected` (both `comparable`: NFC, LF line ends, trimmed of
- * white space and zero-width characters): `exact` compares them; `regex` requires the
+ * Grade a final answer against `expected` (both `comparableAnswer`: NFC, LF line ends, trimmed
+ * of white space and zero-width characters): `exact` compares them; `regex` requires the
  * pattern (trimmed too: a TOML multi-line string ends in a newline no trimmed answer could
- * match) to match the whole trimmed answer (`matchPattern`). A missing (`null`) answer scores 0.
+ * match) to match the whole trimmed answer (`matchPattern`). A missing (`null`) answer scores 0,
+ * and so does one kept cut (`answerTruncated`: over `MAX_ANSWER_CHARS`).
  *
  * @throws FleetError `invalid_task` (final) when `expected` cannot grade (`matchExpectedProblem`:
  * blank, not a valid regular expression, or a pattern an empty answer matches).
  */
-export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec: ExecResult }): Verdict {
+export function matchAnswer(
+  spec: MatchSpec,
+  run: { answer: string | null; answerTruncated?: boolean; exec: ExecResult },
+): Verdict {
   const problem = matchExpectedProblem(spec);
   if (problem !== undefined) throw FleetError.nonRetryable("invalid_task", `verifier expected ${problem}`);
-  const answer = run.answer === null ? null : comparable(run.answer);
+  const answer = run.answer === null ? null : comparableAnswer(run.answer);
   let matched = false;
   let regexTimedOut = false;
-  if (answer !== null) {
+  // Cut (longer than MAX_ANSWER_CHARS): what is kept is not the answer, and a verdict on a part
+  // could go either way (a pattern its head fails that the whole meets, or the reverse): 0.
+  const truncated = run.answerTruncated === true;
+  if (answer !== null && !truncated) {
     if (spec.mode === "exact") {
-      matched = answer === comparable(spec.expected);
+      matched = answer === comparableAnswer(spec.expected);
     } else {
       const pattern = matchPattern(spec.expected);
       // The pattern is the task's, the answer the agent's: a pattern that backtracks
@@ -83,6 +79,7 @@ export function matchAnswer(spec: MatchSpec, run: { answer: string | null; exec:
       expected: capText(spec.expected, 500),
       answer: answer === null ? null : capText(answer, 1000),
       ...(regexTimedOut ? { regexTimedOut: true } : {}),
+      ...(truncated ? { answerTruncated: true } : {}),
       agentExitCode: run.exec.exitCode,
       agentTimedOut: run.exec.timedOut,
     },

@@ -7,7 +7,8 @@ export interface VerifyContext {
   handle: SandboxHandle;
   task: TaskContent;
   /** What the run stage recorded. */
-  run: { answer: string | null; exec: ExecResult };
+  /** `answerTruncated`: the answer was kept cut (`keptAnswer`); a match verifier grades it 0. */
+  run: { answer: string | null; answerTruncated?: boolean; exec: ExecResult };
   /** Absolute epoch ms: the rollout's deadline. The tests never run past it. */
   deadlineMs?: number;
   /** Abort: stop waiting (throws the reason, or `cancelled`). */

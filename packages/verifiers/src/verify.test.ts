@@ -3,6 +3,8 @@ import {
   type ExecResult,
   FleetError,
   isFleetError,
+  keptAnswer,
+  MAX_ANSWER_CHARS,
   type SandboxHandle,
   TaskContent,
   type TaskContentInput,
@@ -668,6 +670,32 @@ describe("match verifier", () => {
     });
   });
 
+  it("an answer kept cut (longer than MAX_ANSWER_CHARS) → 0 whatever its kept part matches, and details say so", async () => {
+    // What the harness keeps of a long answer: its head, cut; the whole matched in neither case.
+    const long = keptAnswer(`${"step\n".repeat(1000)}ANSWER: 42`);
+    const noBang = keptAnswer(`${"a".repeat(5000)}!`);
+    expect([long.truncated, noBang.truncated]).toEqual([true, true]);
+    const gradeKept = (expected: string, kept: { answer: string; truncated: boolean }) =>
+      verify(
+        ctx(
+          { run: { answer: kept.answer, answerTruncated: kept.truncated, exec: AGENT_EXEC } },
+          matchTask(expected, "regex"),
+        ),
+      );
+    // The head alone matches a pattern the whole fails, and fails one the whole meets.
+    expect(await grade("[^!]+", "regex", noBang.answer)).toBe(1);
+    expect(await gradeKept("[^!]+", noBang)).toEqual({
+      reward: 0,
+      details: expect.objectContaining({ matched: false, answerTruncated: true }),
+    });
+    expect(await grade("[\\s\\S]*ANSWER: 42", "regex", `${"step\n".repeat(1000)}ANSWER: 42`)).toBe(1);
+    expect((await gradeKept("[\\s\\S]*ANSWER: 42", long)).reward).toBe(0);
+    // Kept whole (at the limit, once compared: NFC, trimmed), it is graded.
+    const nfd = keptAnswer(` ${"e\u0301".repeat(MAX_ANSWER_CHARS)}\u200b\n`);
+    expect(nfd).toEqual({ answer: "\u00e9".repeat(MAX_ANSWER_CHARS), truncated: false });
+    expect((await gradeKept("\u00e9+", nfd)).reward).toBe(1);
+  });
+
   it("no answer → 0, and details say why", async () => {
     const verdict = await verify(
       ctx(
@@ -700,6 +728,9 @@ describe("match verifier", () => {
     ["", "exact"],
     [" \n", "exact"],
     ["\\d*", "regex"],
+    // Never matched: answers are compared in NFC with LF line ends.
+    ["cafe\u0301", "regex"],
+    ["a\r\nb", "regex"],
   ] as const)(
     "expected %j (%s) cannot grade: invalid_task, never 1.0 for an empty answer; the schema refuses it too",
     async (expected, mode) => {

@@ -12,15 +12,9 @@ import {
 } from "@fleet/contracts";
 import { capRefusal, readCallUsage, UsageMeter } from "@fleet/gateway";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
-import {
-  FLEET_DIR,
-  INSTRUCTION_ENV,
-  INSTRUCTION_FILE,
-  MAX_ANSWER_CHARS,
-  MAX_OUTPUT_CHARS,
-} from "../constants.ts";
+import { FLEET_DIR, INSTRUCTION_ENV, INSTRUCTION_FILE, MAX_OUTPUT_CHARS } from "../constants.ts";
 import type { Harness, HarnessContext, HarnessDeps, HarnessOutcome } from "../harness.ts";
-import { capTail, providerStep } from "../run-command.ts";
+import { answerFields, capTail, providerStep } from "../run-command.ts";
 import {
   BASH_TOOL,
   formatToolResult,
@@ -303,7 +297,8 @@ export class ToolLoopHarness implements Harness {
     transcript.add({ event: "stop", reason: stop, detail: stopDetail });
     // The final message is the answer; an episode stopped early is graded on the last text.
     const answerText = stop === "answer" ? finalText : lastText;
-    const answer = answerText === null ? null : capText(redactAnswer(answerText).trim(), MAX_ANSWER_CHARS);
+    const kept = answerText === null ? null : answerFields(redactAnswer(answerText));
+    const answer = kept?.answer ?? null;
     const stdout = answer ?? "";
     return {
       exec: {
@@ -317,6 +312,7 @@ export class ToolLoopHarness implements Harness {
         oomKilled: false,
       },
       answer,
+      ...(kept?.answerTruncated ? { answerTruncated: true } : {}),
       transcript: transcript.toString(),
       usage: meter.summary(),
     };
