@@ -6,6 +6,7 @@ import { connect, createServer, type Server, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest } from "@fleet/contracts";
+import { testsTamperRisk } from "@fleet/pipeline";
 import {
   admit,
   createRedis,
@@ -321,6 +322,30 @@ describe("a worker that cannot reach its sandbox provider", () => {
       expect(broken.output).not.toContain("SUPERSECRET");
     } finally {
       await rm(dir, { recursive: true, force: true });
+    }
+  });
+
+  it("a verifier worker with FLEET_REQUIRE_PTRACE_SCOPE refuses to start where the kernel lets the agent's code tamper with the tests (warns without it); starts where it does not", async () => {
+    const env = { REDIS_URL, FLEET_PREFIX: prefix, FLEET_REQUIRE_PTRACE_SCOPE: "true" };
+    const risk = testsTamperRisk();
+    if (risk !== null) {
+      const refused = await runApp("verifier", env);
+      expect(refused.code, refused.output).toBe(1);
+      expect(refused.output).toContain(
+        `refusing to start: FLEET_REQUIRE_PTRACE_SCOPE is set and the sandboxes' kernel: ${risk}`,
+      );
+      expect(refused.output).not.toContain("worker started");
+    } else {
+      const started = await runApp("verifier", env, (kill, output) => {
+        const poll = setInterval(() => {
+          if (output().includes("worker started")) {
+            clearInterval(poll);
+            kill();
+          }
+        }, 100);
+      });
+      expect(started.code, started.output).toBe(0);
+      expect(started.output).not.toContain("FLEET_REQUIRE_PTRACE_SCOPE is set");
     }
   });
 

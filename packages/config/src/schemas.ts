@@ -387,6 +387,12 @@ export const WorkerConfig = z
      * `FLEET_PROVIDER_PROBE_MS`. `false`: every failure spends an attempt.
      */
     FLEET_PROVIDER_BREAKER: boolVar().default(true),
+    /**
+     * Verifier worker: refuse to start (rather than warn) when this host's kernel lets the agent's
+     * code that the tests run tamper with the tests' own processes (no Yama ptrace restriction):
+     * grades from such a host can be forced to a pass.
+     */
+    FLEET_REQUIRE_PTRACE_SCOPE: boolVar().default(false),
     FLEET_PROVIDER_PROBE_MS: durationMsVar(100).default(2_000),
     /**
      * Resources worker: seeding pauses while at least this many rollouts (or as many as agents
@@ -424,6 +430,7 @@ export const WorkerConfig = z
     lockDurationMs: e.FLEET_LOCK_DURATION_MS,
     stalledIntervalMs: e.FLEET_STALLED_INTERVAL_MS,
     providerProbeMs: e.FLEET_PROVIDER_BREAKER ? e.FLEET_PROVIDER_PROBE_MS : null,
+    requirePtraceScope: e.FLEET_REQUIRE_PTRACE_SCOPE,
     seedAhead: e.FLEET_SEED_AHEAD === 0 ? null : e.FLEET_SEED_AHEAD,
   }));
 export type WorkerConfig = z.output<typeof WorkerConfig>;

@@ -1,7 +1,7 @@
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
 import { describe, expect, it } from "vitest";
-import { ProviderUnreachableError, providerReady, waitForProvider } from "./app.ts";
+import { ProviderUnreachableError, providerReady, testsTamperCheck, waitForProvider } from "./app.ts";
 import type { PipelineDeps } from "./deps.ts";
 
 const logger = createLogger({ name: "app-test", level: "silent" });
@@ -79,5 +79,30 @@ describe("providerReady", () => {
       await providerReady(deps, { providerWaitMs: 1_000, sandboxProvider: "docker" }, logger, async () => {}),
     ).toBe(true);
     expect(await gauge(metrics)).toEqual([]);
+  });
+});
+
+describe("testsTamperCheck (a verifier's start)", () => {
+  const risk = "kernel.yama.ptrace_scope is 0, not 1 or more";
+  it("says nothing of a kernel that keeps the tests' processes to themselves, required or not", () => {
+    expect(testsTamperCheck(null, false, null)).toBeNull();
+    expect(testsTamperCheck(null, true, null)).toBeNull();
+  });
+
+  it("warns of one that does not, and refuses to start with FLEET_REQUIRE_PTRACE_SCOPE, saying what to set", () => {
+    const warned = testsTamperCheck(risk, false, null);
+    expect(warned).toEqual({
+      warn: expect.stringContaining(`the sandboxes' kernel: ${risk}. The agent's code`),
+    });
+    const refused = testsTamperCheck(risk, true, null);
+    expect(refused).toEqual({
+      refuse: expect.stringMatching(
+        /^FLEET_REQUIRE_PTRACE_SCOPE is set and the sandboxes' kernel: .*set kernel\.yama\.ptrace_scope=1/,
+      ),
+    });
+    // A remote Docker daemon's host is not seen from here: the operator is told to check it.
+    expect(testsTamperCheck(risk, true, "tcp://sandboxes:2376")).toEqual({
+      refuse: expect.stringContaining("this host's kernel (check the Docker daemon's host too)"),
+    });
   });
 });

@@ -334,18 +334,32 @@ function countFinishedFromZero(deps: PipelineDeps): void {
 }
 
 /**
- * Say at start when the sandboxes' kernel lets the agent's code that the tests run tamper with
- * the tests' own processes (`testsTamperRisk`): checked on this host, which is the sandboxes' for
- * bubblewrap and a local Docker daemon (a remote one's host is named).
+ * What a verifier says at start of the sandboxes' kernel when it lets the agent's code that the
+ * tests run tamper with the tests' own processes (`risk`, from `testsTamperRisk`; null: it does
+ * not): a warning, or with `FLEET_REQUIRE_PTRACE_SCOPE` (`required`) a refusal to start. Checked
+ * on this host, which is the sandboxes' for bubblewrap and a local Docker daemon; a remote
+ * daemon's host (`remoteEndpoint`) is not seen from here, so it is named for the operator to check.
  */
-function warnOfTestsTamperRisk(deps: PipelineDeps, logger: Logger): void {
-  const risk = testsTamperRisk();
-  if (risk === null) return;
-  const remote = deps.provider.name === "docker" && !deps.provider.endpoint.startsWith("unix://");
-  logger.warn(
-    { risk, ...(remote ? { dockerEndpoint: deps.provider.endpoint } : {}) },
-    `${remote ? "this host's kernel (check the Docker daemon's host too)" : "the sandboxes' kernel"}: ${risk}. The agent's code that a task's tests run (as root, like the tests) can then trace or write the memory of the tests' own processes and force a pass: set kernel.yama.ptrace_scope=1 on every sandbox host (packages/tasks/README.md, "What tests cannot stop")`,
-  );
+export function testsTamperCheck(
+  risk: string | null,
+  required: boolean,
+  remoteEndpoint: string | null,
+): { refuse: string } | { warn: string } | null {
+  if (risk === null) return null;
+  const where =
+    remoteEndpoint !== null
+      ? "this host's kernel (check the Docker daemon's host too)"
+      : "the sandboxes' kernel";
+  const fix =
+    'set kernel.yama.ptrace_scope=1 on every sandbox host (packages/tasks/README.md, "What tests cannot stop")';
+  if (required) {
+    return {
+      refuse: `FLEET_REQUIRE_PTRACE_SCOPE is set and ${where}: ${risk}, so the agent's code that a task's tests run could force a pass: ${fix}`,
+    };
+  }
+  return {
+    warn: `${where}: ${risk}. The agent's code that a task's tests run (as root, like the tests) can then trace or write the memory of the tests' own processes and force a pass: ${fix}`,
+  };
 }
 
 /** The whole of a stage worker app's `main.ts`. */
@@ -355,6 +369,16 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   if (kind === "agent" && config.credentialsFile) await checkCredentialsFile(config.credentialsFile);
   const workerId = config.workerId ?? `${kind}-${hostname()}-${process.pid}-${randomUUID().slice(0, 8)}`;
   const { deps, redis, logger, shutdown } = await buildDeps(`${kind}-worker`, config, workerId, env);
+  const risk = kind === "verifier" ? testsTamperRisk() : null;
+  const dockerEndpoint =
+    deps.provider.name === "docker" && !deps.provider.endpoint.startsWith("unix://")
+      ? deps.provider.endpoint
+      : null;
+  const tamper = testsTamperCheck(risk, config.requirePtraceScope, dockerEndpoint);
+  if (tamper !== null && "refuse" in tamper) {
+    await shutdown();
+    throw new Error(tamper.refuse);
+  }
   if (!(await providerReady(deps, config, logger, shutdown))) return;
   const workers = createStageWorkers(STAGES_OF[kind], deps, {
     connection: redis,
@@ -369,7 +393,9 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     onWorker: (worker) => countStalledJobs(worker, deps, "a stage job stalled; it is delivered again"),
   });
   if (STAGES_OF[kind].includes("close")) countFinishedFromZero(deps);
-  if (kind === "verifier") warnOfTestsTamperRisk(deps, logger);
+  if (tamper !== null && "warn" in tamper) {
+    logger.warn({ risk, ...(dockerEndpoint !== null ? { dockerEndpoint } : {}) }, tamper.warn);
+  }
   logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
   onSignals(
     logger,

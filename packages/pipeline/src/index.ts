@@ -1,4 +1,6 @@
 export { onStartFailure } from "@fleet/telemetry";
+// What a verifier checks of its host at start (`testsTamperCheck`), for tests of it.
+export { testsTamperRisk } from "@fleet/verifiers";
 export * from "./app.ts";
 export * from "./deps.ts";
 export * from "./hand-back.ts";
