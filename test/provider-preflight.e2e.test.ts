@@ -3,12 +3,13 @@ import { randomUUID } from "node:crypto";
 import { mkdtemp, rm, writeFile } from "node:fs/promises";
 import type { AddressInfo } from "node:net";
 import { connect, createServer, type Server, type Socket } from "node:net";
-import { tmpdir } from "node:os";
+import { hostname, tmpdir } from "node:os";
 import { join } from "node:path";
 import { RolloutRequest } from "@fleet/contracts";
 import { testsTamperRisk } from "@fleet/pipeline";
 import {
   admit,
+  createKeys,
   createRedis,
   freeLoopbackPort,
   LocalRedisServer,
@@ -132,6 +133,34 @@ describe("a worker that cannot reach its sandbox provider", () => {
       expect(host.output).toContain("FLEET_BWRAP_ROOTFS is / (the host's own root)");
     } finally {
       await rm(empty, { recursive: true, force: true });
+    }
+  });
+
+  it("on bubblewrap, an app of another host than the one whose apps hold the fleet refuses the start, naming both", async () => {
+    const stateDir = await mkdtemp(join(tmpdir(), "fleet-preflight-host-"));
+    const other = `${prefix.slice(0, -1)}-host}`;
+    const redis = createRedis(REDIS_URL);
+    try {
+      // Another host's apps run this fleet (their claim, renewed while they run).
+      await redis.set(createKeys(other).sandboxHost(), "bwrap://elsewhere", "PX", 60_000);
+      for (const kind of ["agent", "janitor"] as const) {
+        const refused = await runApp(kind, {
+          REDIS_URL,
+          FLEET_PREFIX: other,
+          FLEET_SANDBOX_PROVIDER: "bubblewrap",
+          FLEET_BWRAP_ROOTFS: stateDir,
+          FLEET_STATE_DIR: stateDir,
+        });
+        expect(refused.code, refused.output).toBe(1);
+        expect(refused.output).toContain(
+          `refusing to start: this bubblewrap fleet's sandboxes are on bwrap://elsewhere, not this host (bwrap://${hostname()})`,
+        );
+      }
+      expect(await redis.get(createKeys(other).sandboxHost())).toBe("bwrap://elsewhere");
+    } finally {
+      await redis.del(createKeys(other).sandboxHost());
+      redis.disconnect();
+      await rm(stateDir, { recursive: true, force: true });
     }
   });
 

@@ -9,12 +9,15 @@ import {
 } from "@fleet/config";
 import { FailureKind, type SandboxCeiling, type StageName } from "@fleet/contracts";
 import {
+  claimSandboxHost,
   connectRedis,
   createAppLogging,
   fleetInstance,
   keepFleetInstance,
+  keepSandboxHost,
   logConnectionOutages,
   RolloutStore,
+  SANDBOX_HOST_CLAIM_MS,
   StageQueues,
   startRedisClock,
   TeardownLedger,
@@ -134,6 +137,25 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
     scope: config.prefix,
     instance,
   });
+  // A bubblewrap fleet's apps all run on one host (its sandboxes are reachable there only): an
+  // app on another host refuses to start rather than spend every stage's attempts on them.
+  let stopHostClaim = () => {};
+  if (provider.name === "bubblewrap") {
+    const holder = await claimSandboxHost(redis, config.prefix, provider.endpoint);
+    if (holder !== null) {
+      redis.disconnect();
+      await provider.close?.();
+      throw new Error(
+        `this bubblewrap fleet's sandboxes are on ${holder}, not this host (${provider.endpoint}): a bubblewrap fleet runs on one host (packages/sandbox/README.md, "One host per fleet"); run this host's apps with a FLEET_PREFIX of their own, or stop the other host's (its claim lapses ${SANDBOX_HOST_CLAIM_MS / 1000} s after they stop)`,
+      );
+    }
+    stopHostClaim = keepSandboxHost(redis, config.prefix, provider.endpoint, (other) =>
+      logger.error(
+        { host: provider.endpoint, other },
+        "another host's bubblewrap apps took this fleet while this host's claim had lapsed (Redis out of reach too long): the two hosts' workers now fail each other's rollouts; stop one host's apps",
+      ),
+    );
+  }
   const deps: PipelineDeps = {
     store: new RolloutStore(redis, config.prefix, { resultTtlMs: config.resultTtlMs, now: fleetClock.now }),
     ledger: new TeardownLedger(redis, config.prefix),
@@ -184,6 +206,7 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
   metrics.workerHeartbeat.set({ worker: app }, Date.now() / 1000);
   const shutdown = async () => {
     clearInterval(heartbeat);
+    stopHostClaim();
     await server?.close();
     await deps.queues.close();
     await provider.close?.();

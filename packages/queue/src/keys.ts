@@ -1,4 +1,6 @@
 import { randomUUID } from "node:crypto";
+import type { RedisConnection } from "./connection.ts";
+import { withScripts } from "./scripts.ts";
 
 /**
  * Every Redis key the fleet owns, under one hash-tagged prefix (e.g. `{fleet}`) so that all of
@@ -52,6 +54,8 @@ export interface Keys {
   networkRetries(): string;
   /** This deployment's id (`fleetInstance`), set by the first app to start against this Redis. */
   instance(): string;
+  /** The host a bubblewrap fleet's sandboxes live on (`claimSandboxHost`), while its apps renew it. */
+  sandboxHost(): string;
 }
 
 export function createKeys(prefix = "{fleet}"): Keys {
@@ -73,6 +77,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const teardownEntries = `${x}teardown:entries`;
   const networkRetries = `${x}teardown:networks`;
   const instance = `${x}instance`;
+  const sandboxHost = `${x}sandbox-host`;
   return {
     prefix,
     rollout: (id) => `${x}rollout:${id}`,
@@ -95,6 +100,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     teardownEntries: () => teardownEntries,
     networkRetries: () => networkRetries,
     instance: () => instance,
+    sandboxHost: () => sandboxHost,
   };
 }
 
@@ -143,4 +149,49 @@ export function keepFleetInstance(
       () => undefined, // gone again: the next ready tries
     );
   });
+}
+
+/** How long a host's claim on a bubblewrap fleet lasts unless one of its apps renews it. */
+export const SANDBOX_HOST_CLAIM_MS = 30_000;
+
+/**
+ * Claim this fleet's sandboxes for the host at `endpoint` (a bubblewrap host, `bwrap://<name>`), or
+ * renew the claim: null when it is this host's, else the endpoint of the host that holds it. A
+ * bubblewrap sandbox lives on the host that made it and no job is routed to it, so the apps of
+ * one bubblewrap fleet must all run on one host: those of another host would spend every stage's
+ * attempts on sandboxes they cannot reach (correct rollouts masked). A claim lapses
+ * `ttlMs` after the last renewal (every app of the host renews it: `keepSandboxHost`).
+ */
+export async function claimSandboxHost(
+  redis: RedisConnection,
+  prefix: string,
+  endpoint: string,
+  ttlMs = SANDBOX_HOST_CLAIM_MS,
+): Promise<string | null> {
+  const held = await withScripts(redis).fleetHostClaim(createKeys(prefix).sandboxHost(), endpoint, ttlMs);
+  return held === 1 ? null : String(held);
+}
+
+/**
+ * Renew this host's claim (`claimSandboxHost`) every third of its life, until the returned stop
+ * is called; `onOther` is told when another host holds it (this host's lapsed, through a Redis
+ * outage longer than the claim, and another's apps started meanwhile).
+ */
+export function keepSandboxHost(
+  redis: RedisConnection,
+  prefix: string,
+  endpoint: string,
+  onOther: (holder: string) => void,
+  ttlMs = SANDBOX_HOST_CLAIM_MS,
+): () => void {
+  const timer = setInterval(() => {
+    claimSandboxHost(redis, prefix, endpoint, ttlMs).then(
+      (holder) => {
+        if (holder !== null) onOther(holder);
+      },
+      () => undefined, // Redis away: the next renewal tries
+    );
+  }, ttlMs / 3);
+  timer.unref();
+  return () => clearInterval(timer);
 }

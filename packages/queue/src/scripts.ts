@@ -1031,6 +1031,18 @@ const SCRIPTS = {
       return redis.call('HINCRBY', KEYS[1], 'closes:again', 1)`,
   },
   /**
+   * Claim (or renew) a bubblewrap fleet's sandbox host (`claimSandboxHost`): 1 when the key now
+   * names ARGV[1] for ARGV[2] ms, else the host that holds it (nothing changed).
+   */
+  fleetHostClaim: {
+    keys: 1,
+    lua: `
+      local cur = redis.call('GET', KEYS[1])
+      if cur and cur ~= ARGV[1] then return cur end
+      redis.call('SET', KEYS[1], ARGV[1], 'PX', ARGV[2])
+      return 1`,
+  },
+  /**
    * Write a teardown ledger entry (a failed destroy, or an orphan scheduled) if the entry is still
    * what the caller read (ARGV[2]; '' for none): 1 if written. Otherwise nothing is written and the
    * entry now is returned (nil for none): another failure recorded meanwhile (the caller counts

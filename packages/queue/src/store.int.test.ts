@@ -21,7 +21,7 @@ import {
   rolloutIds,
 } from "./admission.ts";
 import { assertRedisDurable, createRedis, isRedisUnavailable } from "./connection.ts";
-import { createKeys, fleetInstance, keepFleetInstance } from "./keys.ts";
+import { claimSandboxHost, createKeys, fleetInstance, keepFleetInstance, keepSandboxHost } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
 import { ADMIT_CHUNK_BYTES, admissionOf, BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
@@ -2291,6 +2291,41 @@ describe("fleetInstance", () => {
       await admin.del(key);
       redis.disconnect();
       admin.disconnect();
+    }
+  });
+});
+
+describe("a bubblewrap fleet's host (claimSandboxHost)", () => {
+  it("is one host's while its apps renew it: another host is told which holds it, and may claim it once the claim lapses", async () => {
+    const redis = createRedis(REDIS_URL);
+    const prefix = `{host-${randomUUID().slice(0, 8)}}`;
+    const [a, b] = ["bwrap://host-a", "bwrap://host-b"];
+    const told: string[] = [];
+    let stop = () => {};
+    try {
+      expect(await claimSandboxHost(redis, prefix, a, 600)).toBeNull();
+      expect(await claimSandboxHost(redis, prefix, a, 600)).toBeNull(); // another app of host a
+      expect(await claimSandboxHost(redis, prefix, b, 600)).toBe(a);
+      // Renewed by host a's apps, it stays a's past its own life...
+      stop = keepSandboxHost(redis, prefix, a, (other) => told.push(other), 600);
+      const renewedUntil = Date.now() + 1_500;
+      while (Date.now() < renewedUntil) {
+        expect(await claimSandboxHost(redis, prefix, b, 600)).toBe(a);
+        await vi.waitFor(async () =>
+          expect(await redis.pttl(createKeys(prefix).sandboxHost())).toBeGreaterThan(0),
+        );
+      }
+      // ...and lapses once they stop: host b's then, and host a's renewal is told so.
+      stop();
+      await vi.waitFor(async () => expect(await claimSandboxHost(redis, prefix, b, 600)).toBeNull(), {
+        timeout: 5_000,
+      });
+      stop = keepSandboxHost(redis, prefix, a, (other) => told.push(other), 600);
+      await vi.waitFor(() => expect(told).toContain(b), { timeout: 5_000 });
+    } finally {
+      stop();
+      await redis.del(createKeys(prefix).sandboxHost());
+      redis.disconnect();
     }
   });
 });
