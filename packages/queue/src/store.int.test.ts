@@ -1711,6 +1711,27 @@ describe("rollout store", () => {
     expect(await redis.hget(ledger.keys.teardownEntries(), entry.key)).toBeNull();
     expect(await redis.zscore(ledger.keys.teardownDue(), entry.key)).toBeNull();
     expect(await ledger.isPending(ids[0]!)).toBe(false);
+
+    // But a confirm of the sandbox this one replaced under the key: this failure is recorded.
+    const handle = (id: string) => ({
+      provider: "docker" as const,
+      endpoint: "unix:///d",
+      name: `s-${id}`,
+      id,
+      owner: "resources" as const,
+      volumes: [],
+    });
+    const old = { ...entry, handle: { ...handle("old"), rolloutId: ids[0]! } };
+    const replacement = { ...entry, handle: { ...handle("new"), rolloutId: ids[0]! } };
+    await ledger.recordFailure(old, "busy", 3_000, () => 1);
+    const replaced = ledger.recordFailure(replacement, "busy too", 3_000, () => 1);
+    const oldGone = ledger.confirm(old, old.handle);
+    expect(await replaced).toMatchObject({ attempts: 1, lastError: "busy too", handle: { id: "new" } });
+    await oldGone;
+    expect(JSON.parse((await redis.hget(ledger.keys.teardownEntries(), entry.key))!)).toMatchObject({
+      handle: { id: "new" },
+    });
+    await ledger.confirm(replacement);
   });
 
   it("close's begin is the tombstone (rule 9): a seed begun after it records no intent, a sandbox intent is refused, a launch claim loses", async () => {

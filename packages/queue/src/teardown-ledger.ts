@@ -61,6 +61,11 @@ export function sandboxKey(rolloutId: string, owner: SandboxEntry["owner"]): str
   return `${rolloutId}:${owner}`;
 }
 
+/** Which sandbox a ledger entry names (null: an intent, no sandbox yet). */
+function handleId(handle: SandboxEntry["handle"]): string | null {
+  return handle ? handle.id || `${handle.endpoint}/${handle.name}` : null;
+}
+
 /** Jittered exponential backoff for teardown retries: between half and all of base·2^n, capped. */
 export function teardownBackoffMs(
   attempts: number,
@@ -229,8 +234,8 @@ export class TeardownLedger {
 
   /**
    * Record a failed destroy (or re-failure) and schedule the next attempt; its entry, or null when
-   * the destroy was confirmed meanwhile (by another close or janitor pass: the entry this call read
-   * is gone, so the sandbox is, and nothing is recorded). Two failures of one sandbox recorded at
+   * the destroy was confirmed meanwhile (by another close or janitor pass: the entry this call read,
+   * of this sandbox, is gone, so the sandbox is, and nothing is recorded). Two failures of one sandbox recorded at
    * once count twice: the entry is written only if it is still the one read (`fleetLedgerWrite`),
    * else read again.
    */
@@ -263,7 +268,10 @@ export class TeardownLedger {
         ledger.dueAt,
       )) as 1 | string | null;
       if (written === 1) return ledger;
-      if (written === null && prevRaw !== null) return null;
+      // The entry read is gone: a destroy of its sandbox was confirmed. When it was this
+      // sandbox's, nothing is left to record. Another's (the sandbox this one replaced under the
+      // key, or an intent of none yet): this failure is recorded afresh.
+      if (written === null && prev !== null && handleId(prev.handle) === handleId(entry.handle)) return null;
       // Changed under us more often than a handful of passes could: record over it, as before.
       if (tries >= 8) {
         await this.redis
