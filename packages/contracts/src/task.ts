@@ -225,7 +225,8 @@ export function matchExpectedProblem(spec: {
   const expected = spec.expected.trim();
   if (expected === "") return "is blank, so an agent that prints nothing would pass";
   if (spec.mode === "exact") {
-    return expected.length > MAX_ANSWER_CHARS
+    // As compared: NFC may lengthen it (U+FB2C is three code points in NFC), a CRLF shortens it.
+    return comparableAnswer(expected).length > MAX_ANSWER_CHARS
       ? `is longer than the ${MAX_ANSWER_CHARS} characters an answer is kept to, so no answer could match`
       : undefined;
   }

@@ -152,6 +152,12 @@ describe("CommandHarness", () => {
     expect(outcome.answerTruncated).toBeUndefined();
   });
 
+  it("an answer the sandbox already cut (its output past the exec's cap: head and tail kept) is cut, however short what is left", async () => {
+    provider.onExec = () => ({ stdout: "head\n[… 9872 bytes cut …]\nANSWER: 42\n", stdoutTruncated: true });
+    const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));
+    expect(outcome.answerTruncated).toBe(true);
+  });
+
   it("passes the provider's timeout envelope through (exit -1, partial output kept)", async () => {
     provider.onExec = () => ({ exitCode: -1, timedOut: true, stdout: "partial" });
     const outcome = await createHarness(AgentSpec.parse(spec)).run(ctx(spec));

@@ -9,10 +9,13 @@ import {
 } from "./constants.ts";
 import type { HarnessContext, HarnessOutcome } from "./harness.ts";
 
-/** A harness outcome's answer of the agent's text (`keptAnswer`), and whether it was cut. */
-export function answerFields(text: string): Pick<HarnessOutcome, "answer" | "answerTruncated"> {
+/**
+ * A harness outcome's answer of the agent's text (`keptAnswer`), and whether it was cut: by the
+ * keeping, or already (`cut`: the sandbox kept only the head and tail of a longer output).
+ */
+export function answerFields(text: string, cut = false): Pick<HarnessOutcome, "answer" | "answerTruncated"> {
   const { answer, truncated } = keptAnswer(text);
-  return truncated ? { answer, answerTruncated: true } : { answer };
+  return truncated || cut ? { answer, answerTruncated: true } : { answer };
 }
 
 /** The error an abort throws: the signal's reason when it is a FleetError, else `cancelled`. */
@@ -125,7 +128,7 @@ export async function runAgentCommand(
       stdoutTruncated: exec.stdoutTruncated || exec.stdout.length > MAX_OUTPUT_CHARS,
       stderrTruncated: exec.stderrTruncated || exec.stderr.length > MAX_OUTPUT_CHARS,
     },
-    ...answerFields(exec.stdout),
+    ...answerFields(exec.stdout, exec.stdoutTruncated),
     transcript: null,
     usage: null,
   };

@@ -623,6 +623,12 @@ describe("match verifier", () => {
     return verdict.reward;
   }
 
+  it("exact: an expected answer near the limit is measured as compared (a CRLF is one character), and graded", async () => {
+    const crlf = "a\r\n".repeat(1400);
+    expect(TaskContent.safeParse(matchTask(crlf, "exact")).success).toBe(true);
+    expect(await grade(crlf, "exact", crlf)).toBe(1);
+  });
+
   it("exact: trimmed equality", async () => {
     expect(await grade("4217", "exact", "4217")).toBe(1);
     expect(await grade("4217", "exact", "  4217\n")).toBe(1);
@@ -728,6 +734,8 @@ describe("match verifier", () => {
     ["", "exact"],
     [" \n", "exact"],
     ["\\d*", "regex"],
+    // Longer, once compared (NFC), than any kept answer: U+FB2C is three code points in NFC.
+    ["\ufb2c".repeat(2000), "exact"],
     // Never matched: answers are compared in NFC with LF line ends.
     ["cafe\u0301", "regex"],
     ["a\r\nb", "regex"],
