@@ -1,3 +1,5 @@
+import { createReadStream } from "node:fs";
+import { createInterface } from "node:readline";
 import {
   AgentSpec,
   type AgentSpecInput,
@@ -18,38 +20,40 @@ const RerunLine = z.object({
 });
 type RerunLine = z.infer<typeof RerunLine>;
 
-/** The results file's masked lines (`--rerun <file>`): a usage error for a line that is no result. */
-export async function maskedLines(
-  path: string,
-  readFile: (path: string) => Promise<string>,
-): Promise<{ masked: RerunLine[]; lines: number }> {
-  let text: string;
-  try {
-    text = await readFile(path);
-  } catch (err) {
-    throw new UsageError(`cannot read --rerun ${path}: ${(err as Error).message}`);
-  }
+/**
+ * The results file's masked lines (`--rerun <file>`), read a line at a time (a results file of
+ * a million rollouts is gigabytes): a usage error for a line that is no result.
+ */
+export async function maskedLines(path: string): Promise<{ masked: RerunLine[]; lines: number }> {
   const masked: RerunLine[] = [];
   let lines = 0;
-  for (const [i, raw] of text.split("\n").entries()) {
-    if (raw.trim() === "") continue;
-    lines++;
-    let json: unknown;
-    try {
-      json = JSON.parse(raw);
-    } catch {
-      throw new UsageError(
-        `--rerun ${path}: line ${i + 1} is not JSON (a results file is one result a line)`,
-      );
+  let n = 0;
+  const input = createReadStream(path, { encoding: "utf8" });
+  try {
+    for await (const raw of createInterface({ input, crlfDelay: Number.POSITIVE_INFINITY })) {
+      n++;
+      if (raw.trim() === "") continue;
+      lines++;
+      let json: unknown;
+      try {
+        json = JSON.parse(raw);
+      } catch {
+        throw new UsageError(`--rerun ${path}: line ${n} is not JSON (a results file is one result a line)`);
+      }
+      const line = RerunLine.safeParse(json);
+      if (!line.success) {
+        const issue = line.error.issues[0];
+        throw new UsageError(
+          `--rerun ${path}: line ${n} is not a result (${issue?.path.join(".") || "line"}: ${issue?.message})`,
+        );
+      }
+      if (line.data.status === "masked") masked.push(line.data);
     }
-    const line = RerunLine.safeParse(json);
-    if (!line.success) {
-      const issue = line.error.issues[0];
-      throw new UsageError(
-        `--rerun ${path}: line ${i + 1} is not a result (${issue?.path.join(".") || "line"}: ${issue?.message})`,
-      );
-    }
-    if (line.data.status === "masked") masked.push(line.data);
+  } catch (err) {
+    if (err instanceof UsageError) throw err;
+    throw new UsageError(`cannot read --rerun ${path}: ${(err as Error).message}`);
+  } finally {
+    input.destroy();
   }
   return { masked, lines };
 }

@@ -84,7 +84,7 @@ async function submitAndFollow(
   const rerun =
     opts.rerun === undefined
       ? null
-      : await maskedLines(opts.rerun, ctx.readFile).then(({ masked, lines }) => ({
+      : await maskedLines(opts.rerun).then(({ masked, lines }) => ({
           masked: opts.task === undefined ? masked : masked.filter((l) => opts.task?.includes(l.taskId)),
           lines,
         }));
