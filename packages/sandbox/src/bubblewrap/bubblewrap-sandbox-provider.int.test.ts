@@ -181,31 +181,36 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(readdirSync(stateDir).filter((e) => e.startsWith(h.name))).toEqual([]);
   });
 
-  it("list removes a state write a worker killed mid-write left (its writer gone, a minute old), and no other", async () => {
+  it("list clears up the state writes a killed worker left (its writer gone, a minute old): a temporary file removed, a state file moved aside put back where none is; no other", async () => {
     // A pid that ran and is gone: the writer SIGKILLed between writing and renaming.
     const gone = spawn("true");
     const deadPid = gone.pid!;
     await new Promise((resolve) => gone.on("exit", resolve));
-    const name = `fleet-${RUN}-stray`;
+    const [name, taken] = [`fleet-${RUN}-stray`, `fleet-${RUN}-taken`];
     const old = new Date(Date.now() - 120_000);
     const files = {
       stale: `${name}.json.${deadPid}.0a1b2c3d.tmp`,
-      staleAside: `${name}.json.${deadPid}.4e5f6a7b.removing`,
+      // Moved aside by a removal its worker did not finish: it may be a newer sandbox's state.
+      aside: `${name}.json.${deadPid}.4e5f6a7b.removing`,
+      // One whose name has a state file again (written since): that one stands.
+      asideTaken: `${taken}.json.${deadPid}.5f6a7b8c.removing`,
       fresh: `${name}.json.${deadPid}.11111111.tmp`, // its writer may have just died: kept a minute
       live: `${name}.json.${process.pid}.22222222.tmp`, // a write under way (this process)
       other: `${name}.notes.${deadPid}.33333333.tmp`, // not a state write
     };
     for (const [key, file] of Object.entries(files)) {
-      writeFileSync(join(stateDir, file), "{}");
+      writeFileSync(join(stateDir, file), `{"was":"${key}"}`);
       if (key !== "fresh") utimesSync(join(stateDir, file), old, old);
     }
+    writeFileSync(join(stateDir, `${taken}.json`), '{"was":"newer"}');
     await provider.list();
-    expect(
-      readdirSync(stateDir)
-        .filter((f) => f.startsWith(name))
-        .sort(),
-    ).toEqual([files.fresh, files.live, files.other].sort());
-    for (const file of [files.fresh, files.live, files.other]) rmSync(join(stateDir, file));
+    const left = readdirSync(stateDir)
+      .filter((f) => f.startsWith(name) || f.startsWith(taken))
+      .sort();
+    expect(left).toEqual([files.fresh, files.live, files.other, `${name}.json`, `${taken}.json`].sort());
+    expect(readFileSync(join(stateDir, `${name}.json`), "utf8")).toBe('{"was":"aside"}');
+    expect(readFileSync(join(stateDir, `${taken}.json`), "utf8")).toBe('{"was":"newer"}');
+    for (const file of left) rmSync(join(stateDir, file));
   });
 
   it("a command's PATH and LD_PRELOAD reach the command only, never the privileged nsenter/setpriv before it", async () => {

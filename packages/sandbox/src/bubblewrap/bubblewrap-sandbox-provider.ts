@@ -994,22 +994,31 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   }
 
   /**
-   * Remove the files of state writes whose process died before it finished them (killed between
-   * writing and renaming a state file, or between moving one aside and removing it: a SIGKILLed
-   * worker): nothing reads them (the sandbox is found by its state file, or by its id in its
-   * processes' environment), and each was left for good. Only a file a minute old whose writer no
-   * longer runs: another worker on this host may be writing its own.
+   * Clear up the files of state writes whose process died before it finished them (a SIGKILLed
+   * worker), each left for good otherwise. A temporary file it wrote and never renamed is removed:
+   * nothing reads it (the sandbox is found by its state file, or by its id in its processes'
+   * environment). A state file it moved aside to remove is put back where no state file is (it may
+   * be a newer sandbox's, taken for its own), else removed: put back, a sandbox of it that is gone
+   * is swept as any other. Only a file a minute old whose writer no longer runs: another worker on
+   * this host may be writing its own.
    */
   private async removeStrayWrites(names: readonly string[]): Promise<void> {
     const cutoff = Date.now() - STRAY_WRITE_AGE_MS;
     for (const name of names) {
       const m = STRAY_WRITE.exec(name);
       if (!m) continue;
-      const pid = Number(m[1]);
+      const pid = Number(m[2]);
       if (pid === process.pid || startTime(pid) !== null) continue;
       const file = join(this.stateDir, name);
       try {
         if ((await lstat(file)).mtimeMs > cutoff) continue;
+        if (m[3] === "removing") {
+          const restored = await link(file, join(this.stateDir, `${m[1]}.json`)).then(
+            () => true,
+            () => false, // a state file is there: the name's now
+          );
+          if (restored) this.logger?.warn({ file }, "put back a state file its worker died removing");
+        }
         await rm(file, { force: true });
         this.logger?.info({ file }, "removed a state write its worker did not finish (it died)");
       } catch {}
@@ -1124,7 +1133,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
 }
 
 /** A state write's temporary file (`stateTmpPath`) or a state file moved aside to be removed (`removeStateIfOwn`): its writer's pid. */
-const STRAY_WRITE = /^[A-Za-z0-9][A-Za-z0-9_.-]*\.json\.(\d+)\.[0-9a-f]{8}\.(?:tmp|removing)$/;
+const STRAY_WRITE = /^([A-Za-z0-9][A-Za-z0-9_.-]*)\.json\.(\d+)\.[0-9a-f]{8}\.(tmp|removing)$/;
 /** How old a stray write must be before `list` removes it. */
 const STRAY_WRITE_AGE_MS = 60_000;
 
