@@ -99,7 +99,8 @@ await call(
   Buffer.from(values.json ? `[${lines.slice(0, 50).join(",")}]` : `${lines.slice(0, 50).join("\n")}\n`),
 );
 
-const started = performance.now();
+// Reset just before the POST, once the prober below has started (its start-up is not the batch's).
+let started = performance.now();
 const stalls: { at: number; ms: number }[] = [];
 let last = performance.now();
 const probe = setInterval(() => {
@@ -138,6 +139,9 @@ prober.stdout.on("data", (c: Buffer) => {
   probed += c;
 });
 const proberDone = new Promise((resolve) => prober.on("close", resolve));
+started = performance.now();
+last = started;
+stalls.length = 0;
 const res = await call("POST", "/v1/batches", body);
 const totalMs = performance.now() - started;
 clearInterval(probe);
