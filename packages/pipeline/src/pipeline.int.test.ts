@@ -780,6 +780,25 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 0, failureKind: "agent_timeout" });
   });
 
+  it("an agent that stops its own timeout (SIGSTOP) is killed at its deadline and its kill grace all the same, and graded on what it left then", async () => {
+    const [id] = await fleet.submit([
+      {
+        task: byId("hello-file"),
+        agent: {
+          harness: "command",
+          // Its parent is the `timeout` that enforces its deadline, under its own user: stopped,
+          // it would run on until the provider's own timer (deadline + grace + 5 s slack).
+          argv: ["sh", "-c", "kill -STOP $PPID; sleep 7; printf 'Hello, fleet!\\n' > hello.txt; sleep 100"],
+          timeoutS: 2,
+        },
+      },
+    ]);
+    for (const stage of ["seed", "run", "verify"] as const) await runStageJob(stage, job(id!), fleet.deps);
+    await closeExpecting(id!, { status: "completed", reward: 0, failureKind: "agent_timeout", exitCode: -1 });
+    // Ended at its deadline (2 s) and the kill grace (2 s), not at its late write (7 s).
+    expect((await fleet.deps.store.getResult(id!))?.timings.agentMs).toBeLessThan(6_000);
+  });
+
   it("tests ended by a signal grade 0 while the sandbox is there, and mask sandbox_lost when it is gone (rule 6)", async () => {
     const ids = await fleet.submit([oracle(byId("hello-file")), oracle(byId("hello-file"))]);
     for (const id of ids)

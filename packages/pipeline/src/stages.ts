@@ -38,6 +38,7 @@ import {
 import {
   AGENT_USER,
   FENCE_EXEC_MS,
+  KILL_GRACE_S,
   type KillOptions,
   ROOT_USER,
   SANDBOX_PATHS,
@@ -336,6 +337,12 @@ export async function destroyOrLedger(
     return { teardown: "pending", receipt: null, confirmedKey: null };
   }
 }
+
+/**
+ * How long after an agent's deadline and its command's kill grace the run stage kills what is
+ * left of it itself (its `timeout`, the agent's own, may have been stopped by the agent).
+ */
+export const DEADLINE_SWEEP_AFTER_MS = 500;
 
 /** How long a sandbox that still looks alive after an error is watched before the error stands. */
 export const SANDBOX_SETTLE_MS = 2_000;
@@ -774,6 +781,25 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         () => undefined,
       );
     }, deps.stopPollMs ?? 1000);
+    // The agent's deadline, enforced from here too: the `timeout` that ends its command runs as
+    // the agent's user, which can stop it (SIGSTOP) and work on until the provider's own timer,
+    // seconds later, and be graded on that. Once the deadline and the kill grace are past, its
+    // processes are killed (all of them: the run is over) and the run ends timed out.
+    let sweptAtDeadline = false;
+    let deadlineSweep: NodeJS.Timeout | undefined;
+    const armDeadlineSweep = () => {
+      clearTimeout(deadlineSweep);
+      const at = localTime(deps, deadlineMs) + KILL_GRACE_S * 1000 + DEADLINE_SWEEP_AFTER_MS;
+      deadlineSweep = setTimeout(
+        () => {
+          if (abort.signal.aborted) return;
+          sweptAtDeadline = true;
+          stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+        },
+        Math.max(0, at - Date.now()),
+      );
+    };
+    armDeadlineSweep();
     try {
       outcome = await harness.run({
         provider: watched.provider,
@@ -797,12 +823,18 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
           }
           ({ deadlineMs, limitedBy } = deadlineFrom(now));
           agentStartedAt = now;
+          armDeadlineSweep();
           return localTime(deps, deadlineMs);
         },
         signal: abort.signal,
         env: access?.env,
       });
       harnessUsage = outcome.usage;
+      if (sweptAtDeadline) {
+        // Killed by the sweep, not by its own `timeout`: what it did is graded as at its deadline.
+        await stopping;
+        outcome = { ...outcome, exec: { ...outcome.exec, exitCode: -1, timedOut: true } };
+      }
     } catch (err) {
       harnessUsage = usageOf(err);
       if (abort.signal.aborted) {
@@ -834,6 +866,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       throw withUsage(await sandboxLostIfGone(deps, handle, err), harnessUsage);
     } finally {
       clearInterval(poll);
+      clearTimeout(deadlineSweep);
       shutdown?.removeEventListener("abort", onShutdown);
     }
     // The harness returned: before this launch stops anything or reports, make sure the run is
