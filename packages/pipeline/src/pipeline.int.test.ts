@@ -1,6 +1,7 @@
 import { execFileSync } from "node:child_process";
 import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
+import { setTimeout as sleep } from "node:timers/promises";
 import {
   type CleanupReceipt,
   FleetError,
@@ -797,6 +798,37 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 0, failureKind: "agent_timeout", exitCode: -1 });
     // Ended at its deadline (2 s) and the kill grace (2 s), not at its late write (7 s).
     expect((await fleet.deps.store.getResult(id!))?.timings.agentMs).toBeLessThan(6_000);
+  });
+
+  it("the deadline's own kill counts from when the agent starts: a slow setup before it (the instruction's put) neither kills nor times out an agent that ends in time", async () => {
+    const [id] = await fleet.submit([
+      {
+        task: byId("hello-file"),
+        agent: {
+          harness: "command",
+          argv: ["sh", "-c", "printf 'Hello, fleet!\\n' > hello.txt"],
+          timeoutS: 2,
+        },
+      },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // The harness's setup takes longer than the agent's budget and the kill grace.
+    const provider = fleet.deps.provider;
+    const slowSetup = new Proxy(provider, {
+      get(target, prop) {
+        if (prop === "put") {
+          return async (...args: Parameters<typeof provider.put>) => {
+            await sleep(5_000);
+            return target.put(...args);
+          };
+        }
+        const value: unknown = Reflect.get(target, prop, target);
+        return typeof value === "function" ? value.bind(target) : value;
+      },
+    });
+    await runStageJob("run", job(id!), { ...fleet.deps, provider: slowSetup });
+    await runStageJob("verify", job(id!), fleet.deps);
+    await closeExpecting(id!, { status: "completed", reward: 1, failureKind: null, exitCode: 0 });
   });
 
   it("tests ended by a signal grade 0 while the sandbox is there, and mask sandbox_lost when it is gone (rule 6)", async () => {

@@ -783,9 +783,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     }, deps.stopPollMs ?? 1000);
     // The agent's deadline, enforced from here too: the `timeout` that ends its command runs as
     // the agent's user, which can stop it (SIGSTOP) and work on until the provider's own timer,
-    // seconds later, and be graded on that. Once the deadline and the kill grace are past, its
-    // processes are killed (all of them: the run is over) and the run ends timed out.
-    let sweptAtDeadline = false;
+    // seconds later, and be graded on that. Once the agent's deadline (from when the harness says
+    // it starts: its setup is not the agent's time, and runs as the agent's user too) and the kill
+    // grace are past, its processes are killed (all of them: its time is over). Its command then
+    // ends killed past its deadline, which the provider reports as a timeout (`-1`), as when its
+    // `timeout` fires; one that ended by itself keeps its own exit.
     let deadlineSweep: NodeJS.Timeout | undefined;
     const armDeadlineSweep = () => {
       clearTimeout(deadlineSweep);
@@ -793,13 +795,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       deadlineSweep = setTimeout(
         () => {
           if (abort.signal.aborted) return;
-          sweptAtDeadline = true;
           stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
         },
         Math.max(0, at - Date.now()),
       );
     };
-    armDeadlineSweep();
     try {
       outcome = await harness.run({
         provider: watched.provider,
@@ -830,13 +830,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         env: access?.env,
       });
       harnessUsage = outcome.usage;
-      if (sweptAtDeadline) {
-        // Killed by the sweep, not by its own `timeout`: what it did is graded as at its deadline.
-        await stopping;
-        outcome = { ...outcome, exec: { ...outcome.exec, exitCode: -1, timedOut: true } };
-      }
+      // A deadline sweep under way ends before the run's own stop below.
+      await stopping;
     } catch (err) {
       harnessUsage = usageOf(err);
+      await stopping;
       if (abort.signal.aborted) {
         await stopping;
         if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
