@@ -85,6 +85,17 @@ export function rerunRollouts(options: RerunOptions): RolloutRequestInput[] {
     );
   }
   const byId = new Map(options.tasks.map((t) => [t.id, t]));
+  // Once a task, not once a line: a rerun is many lines of few tasks, and a digest hashes them whole.
+  const digests = new Map<string, string>();
+  const digestOf = (task: TaskContent): string | null => {
+    if (options.digestOf === undefined) return null;
+    let digest = digests.get(task.id);
+    if (digest === undefined) {
+      digest = options.digestOf(task);
+      digests.set(task.id, digest);
+    }
+    return digest;
+  };
   const parsed = AgentSpec.safeParse(options.agent);
   const name = parsed.success ? agentName(parsed.data) : null;
   const requests: RolloutRequestInput[] = [];
@@ -95,9 +106,10 @@ export function rerunRollouts(options: RerunOptions): RolloutRequestInput[] {
         `--rerun ${options.path}: task ${line.taskId} is not in the suite (or not selected by --task)`,
       );
     }
-    if (options.digestOf !== undefined && options.digestOf(task) !== line.taskDigest) {
+    const now = digestOf(task);
+    if (now !== null && now !== line.taskDigest) {
       throw new UsageError(
-        `--rerun ${options.path}: task ${line.taskId} changed since those results (digest ${line.taskDigest}, now ${options.digestOf(task)}): its rewards would not compare`,
+        `--rerun ${options.path}: task ${line.taskId} changed since those results (digest ${line.taskDigest}, now ${now}): its rewards would not compare`,
       );
     }
     if (name !== null && name !== line.agent) {
