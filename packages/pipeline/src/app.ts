@@ -29,7 +29,6 @@ import {
   createFleetMetrics,
   createMetricsRegistry,
   isRepeatedSignal,
-  type Logger,
   portInUse,
   startMetricsServer,
 } from "@fleet/telemetry";

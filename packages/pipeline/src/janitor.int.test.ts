@@ -1294,10 +1294,68 @@ describe("janitor", () => {
     expect(await closeJob()).toBeUndefined();
   });
 
+  it("a janitor pass that removes a failed close after another pass replaced it (the same job id) enqueues it again: the rollout keeps its close, counted once", async () => {
+    const task = await helloFile();
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [string];
+    const { store, queues } = fleet.deps;
+    const closeQueue = queues.queues.close;
+    const later = { ...fleet.deps, now: () => Date.now() + 3_660_000 };
+    const opts = { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 };
+    // Its close ran and failed for good, unfinalized.
+    await queues.enqueue("close", id);
+    const worker = new Worker("close", null, {
+      connection: duplicateRedis(fleet.redis),
+      prefix: fleet.prefix,
+    });
+    try {
+      const taken = await worker.getNextJob("dead-end");
+      expect(taken?.id).toBe(`${id}.close`);
+      await taken!.moveToFailed(new UnrecoverableError("killed"), "dead-end");
+    } finally {
+      await worker.close();
+    }
+    expect(await (await closeQueue.getJob(`${id}.close`))!.getState()).toBe("failed");
+    // Pass B reads the failed job, and is held at its removal while pass A replaces it.
+    const atRemove = latch();
+    const aDone = latch();
+    const slowClose = Object.assign(Object.create(closeQueue) as typeof closeQueue, {
+      getJob: async (jobId: string) => {
+        const found = await closeQueue.getJob(jobId);
+        if (jobId !== `${id}.close` || !found) return found;
+        return Object.assign(Object.create(found) as typeof found, {
+          remove: async () => {
+            atRemove.open();
+            await aDone.opened;
+            return found.remove();
+          },
+        });
+      },
+    });
+    const slowQueues = Object.assign(Object.create(queues) as typeof queues, {
+      queues: { ...queues.queues, close: slowClose },
+    });
+    const passB = janitorTick({ ...later, queues: slowQueues }, opts);
+    await atRemove.opened;
+    const reportA = await janitorTick(later, opts);
+    expect(reportA.errors).toEqual([]);
+    expect(reportA.watchdogClosed).toBe(1);
+    expect(await (await closeQueue.getJob(`${id}.close`))!.getState()).toBe("waiting");
+    aDone.open();
+    const reportB = await passB;
+    expect(reportB.errors).toEqual([]);
+    expect(reportB.watchdogClosed).toBe(0);
+    // B removed A's new close (its id), then put it back; one close counted.
+    expect(await (await closeQueue.getJob(`${id}.close`))?.getState()).toBe("waiting");
+    expect((await store.get(id))!.closesAgain).toBe(1);
+    await (await closeQueue.getJob(`${id}.close`))!.remove();
+  });
+
   /**
    * `fleet.deps` under which every close job of rollout `id` kills each worker that takes it until
    * BullMQ fails it as stalled: what BullMQ's stalled check then leaves on it (a deferred failure)
-   * is set before any worker may take it (the queue paused meanwhile). `enqueued`: how many.
+   * is set before any worker may take it (the queue paused meanwhile). `enqueued`: how many
+   * enqueues; `added`: how many of them added a job (BullMQ's events stream: a job id taken is a
+   * `duplicated` event, nothing added).
    */
   function poisonedCloses(id: string) {
     const closeQueue = fleet.deps.queues.queues.close;
@@ -1316,7 +1374,15 @@ describe("janitor", () => {
         await closeQueue.resume();
       },
     });
-    return { deps: { ...fleet.deps, queues }, enqueued: () => enqueued };
+    const added = async () => {
+      const events = await fleet.redis.xrange(`${fleet.prefix}:close:events`, "-", "+");
+      const duplicated = events.filter(([, f]) => {
+        const field = (k: string) => f[f.indexOf(k) + 1];
+        return field("event") === "duplicated" && field("jobId") === `${id}.close`;
+      }).length;
+      return enqueued - duplicated;
+    };
+    return { deps: { ...fleet.deps, queues }, enqueued: () => enqueued, added };
   }
 
   it(`a close that kills every worker taking it (BullMQ fails it as stalled, and the stage workers enqueue it again) is enqueued at most ${CLOSE_AGAIN_LIMIT} times, then the rollout is closed without it`, async () => {
@@ -1325,7 +1391,7 @@ describe("janitor", () => {
     const seedJob = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } };
     expect(await runStageJob("seed", seedJob, fleet.deps)).toBe("ok");
     const handle = (await fleet.deps.store.get(id!))!.receipts.seed!.handle;
-    const { deps, enqueued } = poisonedCloses(id!);
+    const { deps, enqueued, added } = poisonedCloses(id!);
     const later = { ...deps, now: () => Date.now() + 3_660_000 };
     const workers = createStageWorkers(["close"], deps, {
       connection: fleet.redis,
@@ -1346,8 +1412,9 @@ describe("janitor", () => {
         },
         { timeout: 60_000, interval: 50 },
       );
-      // Without a bound the closes went on for good, each killing workers.
-      expect(enqueued()).toBeLessThanOrEqual(CLOSE_AGAIN_LIMIT);
+      // Without a bound the closes went on for good, each killing workers. (Closes added: an
+      // enqueue of a close already there adds none.)
+      expect(await added()).toBeLessThanOrEqual(CLOSE_AGAIN_LIMIT);
       expect(await fleet.deps.store.getResult(id!)).toMatchObject({
         status: "masked",
         failureKind: "deadline_exceeded",

@@ -702,6 +702,7 @@ async function watchdogClose(
   if (!rec) return "gone";
   if (isTerminal(rec.status)) return null;
   const closeJob = await deps.queues.queues.close.getJob(stageJobId(id, "close"));
+  let removed = false;
   if (closeJob) {
     const state = await closeJob.getState();
     if (state === "delayed") {
@@ -725,6 +726,7 @@ async function watchdogClose(
     }
     if (CLOSE_UNDER_WAY.has(state)) return null;
     await closeJob.remove();
+    removed = true;
   }
   // Not over a claimed cancel (close composes `cancelled` from it), and only while the result is
   // undecided, checked in the write itself: a verify may store its reward between this pass's
@@ -751,8 +753,11 @@ async function watchdogClose(
   if (closes < 0) {
     // That pass's close, made sure of (the same job id: nothing when it is there), in case the
     // failed job this pass removed above was already that pass's new one under the same id. Not
-    // past the limit: that pass closes the rollout itself.
-    if (-closes <= CLOSE_AGAIN_LIMIT) await deps.queues.enqueue("close", id);
+    // past the limit: that pass closes the rollout itself. Not when this pass removed nothing:
+    // whoever counted enqueues its own close, and one enqueued here as well, between a stage
+    // worker's count and its enqueue, could be taken and fail before that enqueue, which then
+    // adds a close no one counted.
+    if (removed && -closes <= CLOSE_AGAIN_LIMIT) await deps.queues.enqueue("close", id);
     return null;
   }
   if (closes > CLOSE_AGAIN_LIMIT) {
