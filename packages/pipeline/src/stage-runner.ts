@@ -251,7 +251,7 @@ export async function runStageJob(
     }
     throw new UnrecoverableError(capText(`${fe.kind}: ${fe.message}`));
   } finally {
-    if (beat) clearInterval(beat);
+    beat?.stop();
   }
 }
 
@@ -262,17 +262,33 @@ export async function runStageJob(
  */
 export const STAGE_BEAT_MS = 30_000;
 
-function startBeat(deps: PipelineDeps, rolloutId: string, stage: StageName): NodeJS.Timeout {
-  const timer = setInterval(() => {
-    deps.store.beat(rolloutId, stage, clock(deps)).then(
-      // Closed, or its record gone: nothing left to keep fresh (a handler wedged past its
-      // rollout's close would beat for good).
-      (open) => open || clearInterval(timer),
-      () => undefined,
-    );
-  }, deps.stageBeatMs ?? STAGE_BEAT_MS);
-  timer.unref();
-  return timer;
+function startBeat(deps: PipelineDeps, rolloutId: string, stage: StageName): { stop(): void } {
+  const every = deps.stageBeatMs ?? STAGE_BEAT_MS;
+  let stopped = false;
+  let timer: NodeJS.Timeout | undefined;
+  // Each beat is sent once the last one answered: a Redis slower than the period (a stall, a
+  // failover) never has several in flight, nor one sent after a refused one.
+  const next = () => {
+    if (stopped) return;
+    timer = setTimeout(() => {
+      deps.store.beat(rolloutId, stage, clock(deps)).then(
+        // Closed, or its record gone: nothing left to keep fresh (a handler wedged past its
+        // rollout's close would beat for good).
+        (open) => {
+          if (open) next();
+        },
+        next,
+      );
+    }, every);
+    timer.unref();
+  };
+  next();
+  return {
+    stop: () => {
+      stopped = true;
+      clearTimeout(timer);
+    },
+  };
 }
 
 /** How far ahead of a rollout's deadline a provider hold must end (see `runStageJob`). */
