@@ -52,7 +52,7 @@ export interface FleetProcess {
   index: number;
   child: ChildProcess;
   log: WriteStream;
-  /** Resolves when the process exits. */
+  /** Resolves when the process exited and its output is in `log`. */
   exited: Promise<number | null>;
   /**
    * Port of the process's metrics server, from its "metrics server listening" log line (workers
@@ -133,7 +133,22 @@ export class FleetProcesses {
       },
       stdio: ["ignore", "pipe", "pipe"],
     });
-    const exited = new Promise<number | null>((r) => child.once("exit", (code) => r(code)));
+    // Resolved once its output is in its log: its pipes drained ("close": its last lines, such as
+    // a shutdown's "stopped", come after "exit" at times) and the log's writes done. At most 2 s
+    // after "exit" for the pipes: a process it started may hold them open.
+    const exited = new Promise<number | null>((r) =>
+      child.once("exit", (code) => {
+        let done = false;
+        const logged = () => {
+          if (done) return;
+          done = true;
+          clearTimeout(late);
+          log.write("", () => r(code));
+        };
+        const late = setTimeout(logged, 2_000);
+        child.once("close", logged);
+      }),
+    );
     const proc: FleetProcess = { kind, index, child, log, exited };
     this.procs.push(proc);
     const ready = kind === "dispatcher" ? /listening|Server listening/i : /worker started|janitor started/;
