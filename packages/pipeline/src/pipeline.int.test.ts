@@ -796,8 +796,9 @@ describe("idempotency and fencing without workers", () => {
     ]);
     for (const stage of ["seed", "run", "verify"] as const) await runStageJob(stage, job(id!), fleet.deps);
     await closeExpecting(id!, { status: "completed", reward: 0, failureKind: "agent_timeout", exitCode: -1 });
-    // Ended at its deadline (2 s) and the kill grace (2 s), not at its late write (7 s).
-    expect((await fleet.deps.store.getResult(id!))?.timings.agentMs).toBeLessThan(6_000);
+    // Ended at its deadline (2 s), the kill grace (2 s) and the sweep's 0.5 s, with Docker calls
+    // on either side (seconds on a loaded host), not at the provider's own timer (9 s).
+    expect((await fleet.deps.store.getResult(id!))?.timings.agentMs).toBeLessThan(8_000);
   });
 
   it("the deadline's own kill counts from when the agent starts: a slow setup before it (the instruction's put) neither kills nor times out an agent that ends in time", async () => {

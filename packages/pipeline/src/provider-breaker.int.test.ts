@@ -102,7 +102,7 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
       workerOptions: {
         providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 },
         // A supervisor quick to replace a stopped worker must leave the paused ones alone.
-        supervise: { intervalMs: 50, stuckAfterMs: 100 },
+        supervise: { intervalMs: 50, stuckAfterMs: 1_000 },
       },
     });
     const ids = await fleet.submit(

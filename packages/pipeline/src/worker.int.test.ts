@@ -3,7 +3,7 @@ import { stageJobId } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createLogger } from "@fleet/telemetry";
-import { afterEach, beforeAll, describe, expect, it } from "vitest";
+import { afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
@@ -76,9 +76,13 @@ describe("stage workers at a concurrency above ten", () => {
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await fleet.waitForResults([id!], 30_000);
-    const done = lines
-      .map((l) => JSON.parse(l) as Record<string, unknown>)
-      .filter((l) => l.msg === "stage job done" && l.rolloutId === id);
+    const doneLines = () =>
+      lines
+        .map((l) => JSON.parse(l) as Record<string, unknown>)
+        .filter((l) => l.msg === "stage job done" && l.rolloutId === id);
+    // The close's line is written after its result is stored, which the wait above may see first.
+    await vi.waitFor(() => expect(doneLines().map((l) => l.stage)).toContain("close"), { timeout: 10_000 });
+    const done = doneLines();
     expect(done.map((l) => [l.stage, l.outcome, l.attempt])).toEqual([
       ["seed", "ok", 1],
       ["run", "ok", 1],
