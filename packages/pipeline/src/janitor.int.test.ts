@@ -1296,7 +1296,7 @@ describe("janitor", () => {
     expect(await closeJob()).toBeUndefined();
   });
 
-  it("a janitor pass that removes a failed close after another pass replaced it (the same job id) enqueues it again: the rollout keeps its close, counted once", async () => {
+  it("a janitor pass that removes a failed close after another pass replaced it (the same job id) leaves the rollout its close: its lost-job step enqueues it again, counted (the janitor's own close comes one close sooner, never later)", async () => {
     // Its own fleet: the shared one's close queue holds other tests' jobs, which a worker takes first.
     const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
     try {
@@ -1349,9 +1349,49 @@ describe("janitor", () => {
       const reportB = await passB;
       expect(reportB.errors).toEqual([]);
       expect(reportB.watchdogClosed).toBe(0);
-      // B removed A's new close (its id), then put it back; one close counted.
+      // B removed A's new close (its id); its watchdog enqueued none (A had counted), and its
+      // lost-job step then found the rollout without a close: enqueued again, and counted.
+      expect(reportB.lostRequeued).toBe(1);
       expect(await (await closeQueue.getJob(`${id}.close`))?.getState()).toBe("waiting");
+      expect((await store.get(id))!.closesAgain).toBe(2);
+    } finally {
+      await own.close();
+    }
+  });
+
+  it("a janitor pass that finds no close job while a stage worker has counted a close it has not enqueued yet (BullMQ failed the last as stalled) enqueues none: the worker's is the one close, counted", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    try {
+      const task = await helloFile();
+      const [id] = (await own.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [string];
+      const { store, queues } = own.deps;
+      const closeJob = () => queues.queues.close.getJob(`${id}.close`);
+      // The worker counts (`closeAfterBullmqFailure`) after the pass read the record and found no
+      // close job, and before the pass counts; its enqueue comes after the pass.
+      let workerCounted = false;
+      const racing = Object.assign(Object.create(store) as typeof store, {
+        noteCloseAgain: async (rolloutId: string, expected?: number) => {
+          if (rolloutId === id && expected !== undefined && !workerCounted) {
+            workerCounted = true;
+            expect(await store.noteCloseAgain(id)).toBe(1);
+          }
+          return store.noteCloseAgain(rolloutId, expected);
+        },
+      });
+      const report = await janitorTick(
+        { ...own.deps, store: racing, now: () => Date.now() + 3_660_000 },
+        // (No lost-job step: it would enqueue a close, counted, before the worker's enqueue.)
+        { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000, lostJobGraceMs: 10 * 3_600_000 },
+      );
+      expect(report.errors).toEqual([]);
+      expect(workerCounted).toBe(true);
+      expect(report.watchdogClosed).toBe(0);
+      // Nothing enqueued by the pass: one enqueued here could be taken and fail before the
+      // worker's enqueue, which would then add a close no one counted.
+      expect(await closeJob()).toBeUndefined();
       expect((await store.get(id))!.closesAgain).toBe(1);
+      await queues.enqueue("close", id); // the worker's
+      expect(await (await closeJob())!.getState()).toBe("waiting");
     } finally {
       await own.close();
     }

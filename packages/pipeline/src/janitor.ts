@@ -702,7 +702,6 @@ async function watchdogClose(
   if (!rec) return "gone";
   if (isTerminal(rec.status)) return null;
   const closeJob = await deps.queues.queues.close.getJob(stageJobId(id, "close"));
-  let removed = false;
   if (closeJob) {
     const state = await closeJob.getState();
     if (state === "delayed") {
@@ -726,7 +725,6 @@ async function watchdogClose(
     }
     if (CLOSE_UNDER_WAY.has(state)) return null;
     await closeJob.remove();
-    removed = true;
   }
   // Not over a claimed cancel (close composes `cancelled` from it), and only while the result is
   // undecided, checked in the write itself: a verify may store its reward between this pass's
@@ -750,16 +748,15 @@ async function watchdogClose(
   // elsewhere) enqueues that close and counts it; counted twice, the janitor closed the rollout
   // itself after fewer closes than `CLOSE_AGAIN_LIMIT`, one of them still queued.
   const closes = await deps.store.noteCloseAgain(id, rec.closesAgain);
-  if (closes < 0) {
-    // That pass's close, made sure of (the same job id: nothing when it is there), in case the
-    // failed job this pass removed above was already that pass's new one under the same id. Not
-    // past the limit: that pass closes the rollout itself. Not when this pass removed nothing:
-    // whoever counted enqueues its own close, and one enqueued here as well, between a stage
-    // worker's count and its enqueue, could be taken and fail before that enqueue, which then
-    // adds a close no one counted.
-    if (removed && -closes <= CLOSE_AGAIN_LIMIT) await deps.queues.enqueue("close", id);
-    return null;
-  }
+  // Another counted since this pass read the record (a stage worker after BullMQ failed the close,
+  // another pass): it enqueues that close, or closes the rollout itself past the limit. Nothing
+  // is enqueued here: a close enqueued by this pass as well could be taken and fail before that
+  // counter's own enqueue, which then added a close no one counted (past the limit, too). When
+  // this pass's remove above took that counter's new close (the same job id: another pass
+  // replaced the failed one meanwhile), the rollout has none until this pass's lost-job step, or
+  // the next pass's watchdog, enqueues it again, counted: the janitor then closes it itself one
+  // close sooner, never one close later.
+  if (closes < 0) return null;
   if (closes > CLOSE_AGAIN_LIMIT) {
     deps.logger.warn(
       { rolloutId: id, closes: closes - 1 },
