@@ -995,6 +995,70 @@ describe("janitor", () => {
     }
   });
 
+  it("a stage's beats go one at a time, and a beat that waited out a slow Redis is followed at once by a fresh one (its stamp is from when it was sent)", async () => {
+    const released = latch();
+    const every = 2_000;
+    const own = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      startWorkers: false,
+      deps: {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          async run() {
+            await released.opened;
+            return { exec: execResult(), answer: null, transcript: null, usage: null };
+          },
+        }),
+        verify: async () => ({ reward: 1, details: { kind: "test" } }),
+        stageBeatMs: every,
+      },
+    });
+    const store = own.deps.store;
+    const sent: number[] = [];
+    let inFlight = 0;
+    let most = 0;
+    const slowAnswered = latch();
+    let answeredAt = 0;
+    const slowRedis = latch(); // the first beat's answer waits for it
+    const slow = Object.assign(Object.create(store) as typeof store, {
+      beat: async (...a: Parameters<typeof store.beat>) => {
+        sent.push(Date.now());
+        most = Math.max(most, ++inFlight);
+        try {
+          if (sent.length === 1) await slowRedis.opened;
+          return await store.beat(...a);
+        } finally {
+          inFlight--;
+          if (sent.length === 1) {
+            answeredAt = Date.now();
+            slowAnswered.open();
+          }
+        }
+      },
+    });
+    try {
+      const task = await helloFile();
+      const [id] = (await own.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+      expect(await runStageJob("seed", job(id), own.deps)).toBe("ok");
+      const running = runStageJob("run", job(id), { ...own.deps, store: slow }).catch((e: unknown) => e);
+      await vi.waitFor(() => expect(sent).toHaveLength(1), { timeout: 10_000 });
+      // Answered after two periods and a half: no second beat sent meanwhile.
+      await vi.waitFor(() => expect(Date.now() - sent[0]!).toBeGreaterThan(2.5 * every), { timeout: 10_000 });
+      expect(sent).toHaveLength(1);
+      slowRedis.open();
+      await slowAnswered.opened;
+      await vi.waitFor(() => expect(sent).toHaveLength(2), { timeout: 10_000 });
+      // At once, not a whole period after the slow answer.
+      expect(sent[1]! - answeredAt).toBeLessThan(every / 2);
+      expect(most).toBe(1);
+      released.open();
+      await running;
+    } finally {
+      released.open();
+      await own.close();
+    }
+  });
+
   it("a stage wedged past its rollout's end stops beating once the beat finds the record gone (or closed)", async () => {
     const released = latch();
     const own = await startInProcessFleet({

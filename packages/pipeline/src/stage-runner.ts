@@ -266,23 +266,27 @@ function startBeat(deps: PipelineDeps, rolloutId: string, stage: StageName): { s
   const every = deps.stageBeatMs ?? STAGE_BEAT_MS;
   let stopped = false;
   let timer: NodeJS.Timeout | undefined;
-  // Each beat is sent once the last one answered: a Redis slower than the period (a stall, a
-  // failover) never has several in flight, nor one sent after a refused one.
-  const next = () => {
+  // One beat in flight at a time: the next is sent once the last answered (a Redis slower than
+  // the period, a stall or a failover, never has several in flight, nor one sent after a refused
+  // one), `every` after the last was sent: a beat that waited out an outage, stamped when it
+  // was sent, is followed at once by a fresh one.
+  const next = (delayMs: number) => {
     if (stopped) return;
     timer = setTimeout(() => {
+      const sentAt = Date.now();
+      const again = () => next(Math.max(0, every - (Date.now() - sentAt)));
       deps.store.beat(rolloutId, stage, clock(deps)).then(
         // Closed, or its record gone: nothing left to keep fresh (a handler wedged past its
         // rollout's close would beat for good).
         (open) => {
-          if (open) next();
+          if (open) again();
         },
-        next,
+        again,
       );
-    }, every);
+    }, delayMs);
     timer.unref();
   };
-  next();
+  next(every);
   return {
     stop: () => {
       stopped = true;
