@@ -122,6 +122,8 @@ export class FleetProcesses {
   /** Start one process and wait until it is ready. */
   async spawn(kind: AppKind, index: number): Promise<void> {
     const log = createWriteStream(join(this.options.logDir, `${kind}-${index}.log`), { flags: "a" });
+    // A write the log refuses (ended, the disk full) loses that output, not the test process.
+    log.on("error", () => undefined);
     const child = spawn(process.execPath, ["--import", "tsx", APP_MAIN[kind]], {
       cwd: REPO_ROOT,
       env: {
@@ -220,7 +222,9 @@ export class FleetProcesses {
     const timer = setTimeout(() => {
       for (const p of live) p.child.kill("SIGKILL");
     }, timeoutMs);
-    await Promise.all(live.map((p) => p.exited));
+    // Every process's, not only those live above: one that exited just before may still be
+    // writing its last output to its log.
+    await Promise.all(this.procs.map((p) => p.exited));
     clearTimeout(timer);
     for (const p of this.procs) p.log.end();
   }
