@@ -795,7 +795,9 @@ describe("fleet submit", () => {
       ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--out", out, "--poll-interval", "10"],
       ctx(),
     );
-    await vi.waitFor(() => expect(server.requests.some((r) => r.path === "/v1/batches/b-1")).toBe(true));
+    await vi.waitFor(() => expect(server.requests.some((r) => r.path === "/v1/batches/b-1")).toBe(true), {
+      timeout: 10_000,
+    });
     server.down = true; // e.g. the dispatcher restarting
     // ctx() allows 1 retry: the old client gave up after 2 failed attempts.
     await vi.waitFor(() => expect(server.dropped).toBeGreaterThanOrEqual(6), { timeout: 5000 });
@@ -1080,7 +1082,9 @@ describe("fleet submit", () => {
       ["submit", "--suite", "s", "--agent", "oracle", "--wait", "--poll-interval", "60000"],
       ctx({ signal: interrupt.signal }),
     );
-    await vi.waitFor(() => expect(server.requests.some((r) => r.method === "GET")).toBe(true));
+    await vi.waitFor(() => expect(server.requests.some((r) => r.method === "GET")).toBe(true), {
+      timeout: 10_000,
+    });
     interrupt.abort();
     expect(await running).toBe(130);
     // The batch is named (it was printed when submitted), not left as `<batchId>`.
@@ -1101,7 +1105,9 @@ describe("Ctrl-C in the commands that submit nothing", () => {
     });
     const interrupt = new AbortController();
     const running = runCli(argv, ctx({ signal: interrupt.signal }));
-    await vi.waitFor(() => expect(server.requests.some((r) => r.path === path)).toBe(true));
+    await vi.waitFor(() => expect(server.requests.some((r) => r.path === path)).toBe(true), {
+      timeout: 10_000,
+    });
     interrupt.abort();
     return running;
   }

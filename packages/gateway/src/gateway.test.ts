@@ -49,7 +49,7 @@ async function abandonCall(baseUrl: string, token: string, upstream: ScriptedUps
     body: JSON.stringify({ model: "m", messages: [{ role: "user", content: "write a lot" }] }),
     signal: dropped.signal,
   }).catch(() => null);
-  await vi.waitFor(() => expect(upstream.requests).toHaveLength(before + 1));
+  await vi.waitFor(() => expect(upstream.requests).toHaveLength(before + 1), { timeout: 10_000 });
   dropped.abort();
   await call;
 }
@@ -151,9 +151,10 @@ describe("model gateway", () => {
     expect(upstream.requests[3]!.body).not.toHaveProperty("max_tokens");
     // Two at once: the first takes what is left (all 40); the second finds nothing left for it.
     const { token: t2, baseUrl: b2 } = gateway.register("r2", { model: "m", maxTokens: 40 });
-    upstream.push({ ...chatReply({ content: "slow", usage: { prompt: 1, completion: 1 } }), delayMs: 500 });
+    // (Answered after 3 s: the second call is refused inside that, beside other unit files.)
+    upstream.push({ ...chatReply({ content: "slow", usage: { prompt: 1, completion: 1 } }), delayMs: 3_000 });
     const first = chat(b2, t2, ask("max_tokens", 100_000));
-    await vi.waitFor(() => expect(upstream.requests).toHaveLength(5));
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(5), { timeout: 10_000 });
     const second = await chat(b2, t2, ask("max_tokens", 100_000));
     // It passes once the first is answered: no failure of the agent's, and it may retry.
     expect([second.status, second.json.error.code]).toEqual([429, "token_cap_reserved"]);
@@ -177,11 +178,11 @@ describe("model gateway", () => {
     const three = gateway.register("r3", { model: "m", maxTokens: 40 });
     upstream.push(errorReply(503, "overloaded", "busy"), {
       ...chatReply({ content: "c", usage: { prompt: 1, completion: 1 } }),
-      delayMs: 500,
+      delayMs: 3_000,
     });
     await chat(three.baseUrl, three.token, base);
     const first = chat(three.baseUrl, three.token, base);
-    await vi.waitFor(() => expect(upstream.requests).toHaveLength(4));
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(4), { timeout: 10_000 });
     expect(upstream.requests[3]!.body).not.toHaveProperty("max_tokens");
     const second = await chat(three.baseUrl, three.token, base);
     expect([second.status, second.json.error.code]).toEqual([429, "token_cap_reserved"]);
@@ -324,11 +325,13 @@ describe("model gateway", () => {
       const { token, baseUrl } = gateway.register("r1", { model: "m", ...limits });
       upstream.push({ ...chatReply({ content: "long" }), delayMs: 30_000 });
       await abandonCall(baseUrl, token, upstream);
-      await vi.waitFor(() =>
-        expect(gateway.usage(token)?.gaps).toEqual([
-          "1 failed upstream attempt not counted (usage unknown)",
-          "1 call abandoned by the agent mid-generation: token totals unknown",
-        ]),
+      await vi.waitFor(
+        () =>
+          expect(gateway.usage(token)?.gaps).toEqual([
+            "1 failed upstream attempt not counted (usage unknown)",
+            "1 call abandoned by the agent mid-generation: token totals unknown",
+          ]),
+        { timeout: 10_000 },
       );
       const refused = await chat(baseUrl, token);
       expect(refused.status, code).toBe(429);
@@ -347,7 +350,9 @@ describe("model gateway", () => {
     });
     expect((await chat(baseUrl, token)).status).toBe(503);
     await abandonCall(baseUrl, token, upstream);
-    await vi.waitFor(() => expect(gateway.usage(token)?.gaps.join()).toMatch(/2 failed upstream attempts/));
+    await vi.waitFor(() => expect(gateway.usage(token)?.gaps.join()).toMatch(/2 failed upstream attempts/), {
+      timeout: 10_000,
+    });
     const refused = await chat(baseUrl, token);
     expect(refused.json.error.code).toBe("token_total_unknown");
     expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
@@ -446,7 +451,7 @@ describe("model gateway", () => {
       { ...chatReply({ content: "slow 2" }), delayMs: 30_000 },
     );
     const held = [chat(baseUrl, token), chat(baseUrl, token)];
-    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2), { timeout: 10_000 });
     const third = await chat(baseUrl, token);
     expect(third.status).toBe(429);
     expect(third.json.error.code).toBe("too_many_concurrent_calls");
@@ -631,7 +636,7 @@ describe("model gateway", () => {
       delayMs: 500,
     });
     const first = chat(baseUrl, token);
-    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2)); // the probe is out
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2), { timeout: 10_000 }); // the probe is out
     const second = await chat(baseUrl, token);
     expect([second.status, second.json.error.code]).toEqual([429, "call_cap_exceeded"]);
     await first;
@@ -713,7 +718,7 @@ describe("model gateway", () => {
     await chat(baseUrl, token);
     upstream.push({ ...chatReply({ content: "slow" }), delayMs: 500 });
     const inFlight = chat(baseUrl, token);
-    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2), { timeout: 10_000 });
     expect((await chat(baseUrl, token)).status).toBe(429);
     expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
     await inFlight;
@@ -773,7 +778,7 @@ describe("model gateway", () => {
     upstream.push(chatReply({ content: "a" }), { ...chatReply({ content: "slow" }), delayMs: 30_000 });
     expect((await chat(baseUrl, token)).status).toBe(200);
     const slow = chat(baseUrl, token);
-    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2));
+    await vi.waitFor(() => expect(upstream.requests).toHaveLength(2), { timeout: 10_000 });
     const summary = gateway.revoke(token);
     expect(summary).toMatchObject({ calls: 1, promptTokens: 10, completionTokens: 5 });
     expect(summary.gaps).toContain("1 call in flight at revocation aborted (usage unknown)");

@@ -417,7 +417,8 @@ describe("ToolLoopHarness", () => {
 
   it("ends with exit -1 (timedOut, graded) when the deadline comes during a later model call, and notes the abandoned call", async () => {
     upstream.push(chatReply({ bash: ["true"] }), { ...chatReply({ content: "too late" }), delayMs: 5000 });
-    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 800 }));
+    // (3 s: room for call 1 and its tool call on a loaded host; call 2 answers after 5 s.)
+    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 3_000 }));
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(out.answer).toBeNull();
     expect(out.usage!.gaps).toContain("model call 2 abandoned at the deadline (usage unknown)");
@@ -633,7 +634,8 @@ describe("ToolLoopHarness", () => {
       signal: new AbortController().signal,
       retry: FAST_RETRY,
       redact: (t) => t,
-      attemptTimeoutMs: 300,
+      // Under the slow answer's 3 s, and room for the retry's answer on a loaded host.
+      attemptTimeoutMs: 1_000,
     });
     expect(result).toMatchObject({ kind: "ok", failedAttempts: 1 });
   });
@@ -713,9 +715,9 @@ describe("ToolLoopHarness", () => {
     };
     upstream.push(chatReply({ bash: ["sleep 100"] }), chatReply({ content: "never" }));
     const a = agent({ toolTimeoutS: 60 });
-    const out = await harness(a).run(ctx(a, { deadlineMs: Date.now() + 800 }));
+    const out = await harness(a).run(ctx(a, { deadlineMs: Date.now() + 3_000 }));
     const exec = provider.execCalls.find((c) => c.argv[0] === "bash")!;
-    expect(exec.options.deadlineMs).toBeLessThanOrEqual(800);
+    expect(exec.options.deadlineMs).toBeLessThanOrEqual(3_000);
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(upstream.requests).toHaveLength(1);
     // The episode ended with the tool call: no model call was started, so none was abandoned.

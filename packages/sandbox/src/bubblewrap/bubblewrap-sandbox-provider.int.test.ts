@@ -1252,12 +1252,16 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       defaults: { execSlackMs: 500 },
     });
 
-  /** `sleep 60` with a 1 s deadline, and a wait until it runs in the sandbox. */
+  /**
+   * `sleep 60` with a 4 s deadline, and a wait until it runs in the sandbox: time for a test to
+   * find it and act on it (stop or freeze the sandbox, read its OOM score) on a loaded host
+   * before its own `timeout` ends it.
+   */
   async function sleepingExec(
     p: BubblewrapSandboxProvider,
     h: SandboxHandle,
   ): Promise<{ outcome: Promise<unknown> }> {
-    const running = p.exec(h, ["sleep", "60"], { deadlineMs: 1_000 }).then(
+    const running = p.exec(h, ["sleep", "60"], { deadlineMs: 4_000 }).then(
       (r) => r,
       (e: unknown) => e,
     );
