@@ -1423,6 +1423,59 @@ describe("janitor", () => {
     }
   });
 
+  it("a janitor pass that finds a failed close, which a stage worker removes and counts first (its enqueue to come), enqueues none either: its own remove then found nothing", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    try {
+      const task = await helloFile();
+      const [id] = (await own.submit([{ task, agent: { harness: "oracle" }, deadlineS: 3600 }])) as [string];
+      const { store, queues } = own.deps;
+      const closeQueue = queues.queues.close;
+      const closeJob = () => closeQueue.getJob(`${id}.close`);
+      // Its close ran and failed for good, unfinalized.
+      await queues.enqueue("close", id);
+      const worker = new Worker("close", null, { connection: duplicateRedis(own.redis), prefix: own.prefix });
+      try {
+        const taken = await worker.getNextJob("dead-end");
+        expect(taken?.id).toBe(`${id}.close`);
+        await taken!.moveToFailed(new UnrecoverableError("killed"), "dead-end");
+      } finally {
+        await worker.close();
+      }
+      // The pass reads the failed job; the stage worker (`closeAfterBullmqFailure`) removes it and
+      // counts just before the pass's own remove, which then removes nothing (and says nothing).
+      let workerCounted = false;
+      const racingClose = Object.assign(Object.create(closeQueue) as typeof closeQueue, {
+        getJob: async (jobId: string) => {
+          const found = await closeQueue.getJob(jobId);
+          if (jobId !== `${id}.close` || !found) return found;
+          return Object.assign(Object.create(found) as typeof found, {
+            remove: async () => {
+              await found.remove();
+              expect(await store.noteCloseAgain(id)).toBe(1);
+              workerCounted = true;
+              return found.remove();
+            },
+          });
+        },
+      });
+      const racingQueues = Object.assign(Object.create(queues) as typeof queues, {
+        queues: { ...queues.queues, close: racingClose },
+      });
+      const report = await janitorTick(
+        { ...own.deps, queues: racingQueues, now: () => Date.now() + 3_660_000 },
+        // (No lost-job step: it would enqueue a close, counted, before the worker's enqueue.)
+        { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000, lostJobGraceMs: 10 * 3_600_000 },
+      );
+      expect(report.errors).toEqual([]);
+      expect(workerCounted).toBe(true);
+      expect(report.watchdogClosed).toBe(0);
+      expect(await closeJob()).toBeUndefined();
+      expect((await store.get(id))!.closesAgain).toBe(1);
+    } finally {
+      await own.close();
+    }
+  });
+
   it("a janitor pass that finds no close job while a stage worker has counted a close it has not enqueued yet (BullMQ failed the last as stalled) enqueues none: the worker's is the one close, counted", async () => {
     const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
     try {
