@@ -273,8 +273,9 @@ function startBeat(deps: PipelineDeps, rolloutId: string, stage: StageName): { s
   const next = (delayMs: number) => {
     if (stopped) return;
     timer = setTimeout(() => {
-      const sentAt = Date.now();
-      const again = () => next(Math.max(0, every - (Date.now() - sentAt)));
+      // (A monotonic clock: a wall clock stepped back meanwhile would put the next beat off.)
+      const sentAt = performance.now();
+      const again = () => next(Math.min(every, Math.max(0, every - (performance.now() - sentAt))));
       deps.store.beat(rolloutId, stage, clock(deps)).then(
         // Closed, or its record gone: nothing left to keep fresh (a handler wedged past its
         // rollout's close would beat for good).
