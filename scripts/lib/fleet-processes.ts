@@ -138,7 +138,7 @@ export class FleetProcesses {
     // Resolved once its output is in its log: its pipes drained ("close": its last lines, such as
     // a shutdown's "stopped", come after "exit" at times) and the log's writes done. At most 2 s
     // after "exit" for the pipes: a process it started may hold them open.
-    const exited = new Promise<number | null>((r) =>
+    const exited = new Promise<number | null>((r) => {
       child.once("exit", (code) => {
         let done = false;
         const logged = () => {
@@ -149,8 +149,14 @@ export class FleetProcesses {
         };
         const late = setTimeout(logged, 2_000);
         child.once("close", logged);
-      }),
-    );
+      });
+      // A process that could not be started (EAGAIN, EMFILE on a loaded host) emits "error" and
+      // may never emit "exit": it is over, and says so in its log.
+      child.once("error", (err) => {
+        if (child.pid !== undefined) return;
+        log.write(`could not start: ${err.message}\n`, () => r(null));
+      });
+    });
     const proc: FleetProcess = { kind, index, child, log, exited };
     this.procs.push(proc);
     const ready = kind === "dispatcher" ? /listening|Server listening/i : /worker started|janitor started/;
