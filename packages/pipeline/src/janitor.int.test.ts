@@ -1360,6 +1360,41 @@ describe("janitor", () => {
     expect(await closeJob()).toBeUndefined();
   });
 
+  /** Enqueue rollout `id`'s close on `fleet` and fail it for good, unfinalized (a close that ran and failed). */
+  async function failedClose(fleet: InProcessFleet, id: string): Promise<void> {
+    await fleet.deps.queues.enqueue("close", id);
+    const worker = new Worker("close", null, {
+      connection: duplicateRedis(fleet.redis),
+      prefix: fleet.prefix,
+    });
+    try {
+      const taken = await worker.getNextJob("dead-end");
+      expect(taken?.id).toBe(`${id}.close`);
+      await taken!.moveToFailed(new UnrecoverableError("killed"), "dead-end");
+    } finally {
+      await worker.close();
+    }
+  }
+
+  /** `queues` whose close job of rollout `id`, when a caller removes it, runs `remove` instead (given the job's own). */
+  function closeRemovedBy(
+    queues: InProcessFleet["deps"]["queues"],
+    id: string,
+    remove: (own: () => Promise<unknown>) => Promise<unknown>,
+  ): InProcessFleet["deps"]["queues"] {
+    const closeQueue = queues.queues.close;
+    const close = Object.assign(Object.create(closeQueue) as typeof closeQueue, {
+      getJob: async (jobId: string) => {
+        const found = await closeQueue.getJob(jobId);
+        if (jobId !== `${id}.close` || !found) return found;
+        return Object.assign(Object.create(found) as typeof found, {
+          remove: () => remove(() => found.remove()),
+        });
+      },
+    });
+    return Object.assign(Object.create(queues) as typeof queues, { queues: { ...queues.queues, close } });
+  }
+
   it("a janitor pass that removes a failed close after another pass replaced it (the same job id) leaves the rollout its close: its lost-job step enqueues it again, counted (the janitor's own close comes one close sooner, never later)", async () => {
     // Its own fleet: the shared one's close queue holds other tests' jobs, which a worker takes first.
     const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
@@ -1370,38 +1405,15 @@ describe("janitor", () => {
       const closeQueue = queues.queues.close;
       const later = { ...own.deps, now: () => Date.now() + 3_660_000 };
       const opts = { orphanGraceMs: 3 * 3_600_000, watchdogGraceMs: 1000 };
-      // Its close ran and failed for good, unfinalized.
-      await queues.enqueue("close", id);
-      const worker = new Worker("close", null, {
-        connection: duplicateRedis(own.redis),
-        prefix: own.prefix,
-      });
-      try {
-        const taken = await worker.getNextJob("dead-end");
-        expect(taken?.id).toBe(`${id}.close`);
-        await taken!.moveToFailed(new UnrecoverableError("killed"), "dead-end");
-      } finally {
-        await worker.close();
-      }
+      await failedClose(own, id);
       expect(await (await closeQueue.getJob(`${id}.close`))!.getState()).toBe("failed");
       // Pass B reads the failed job, and is held at its removal while pass A replaces it.
       const atRemove = latch();
       const aDone = latch();
-      const slowClose = Object.assign(Object.create(closeQueue) as typeof closeQueue, {
-        getJob: async (jobId: string) => {
-          const found = await closeQueue.getJob(jobId);
-          if (jobId !== `${id}.close` || !found) return found;
-          return Object.assign(Object.create(found) as typeof found, {
-            remove: async () => {
-              atRemove.open();
-              await aDone.opened;
-              return found.remove();
-            },
-          });
-        },
-      });
-      const slowQueues = Object.assign(Object.create(queues) as typeof queues, {
-        queues: { ...queues.queues, close: slowClose },
+      const slowQueues = closeRemovedBy(queues, id, async (remove) => {
+        atRemove.open();
+        await aDone.opened;
+        return remove();
       });
       const passB = janitorTick({ ...later, queues: slowQueues }, opts);
       await atRemove.opened;
@@ -1431,35 +1443,15 @@ describe("janitor", () => {
       const { store, queues } = own.deps;
       const closeQueue = queues.queues.close;
       const closeJob = () => closeQueue.getJob(`${id}.close`);
-      // Its close ran and failed for good, unfinalized.
-      await queues.enqueue("close", id);
-      const worker = new Worker("close", null, { connection: duplicateRedis(own.redis), prefix: own.prefix });
-      try {
-        const taken = await worker.getNextJob("dead-end");
-        expect(taken?.id).toBe(`${id}.close`);
-        await taken!.moveToFailed(new UnrecoverableError("killed"), "dead-end");
-      } finally {
-        await worker.close();
-      }
+      await failedClose(own, id);
       // The pass reads the failed job; the stage worker (`closeAfterBullmqFailure`) removes it and
       // counts just before the pass's own remove, which then removes nothing (and says nothing).
       let workerCounted = false;
-      const racingClose = Object.assign(Object.create(closeQueue) as typeof closeQueue, {
-        getJob: async (jobId: string) => {
-          const found = await closeQueue.getJob(jobId);
-          if (jobId !== `${id}.close` || !found) return found;
-          return Object.assign(Object.create(found) as typeof found, {
-            remove: async () => {
-              await found.remove();
-              expect(await store.noteCloseAgain(id)).toBe(1);
-              workerCounted = true;
-              return found.remove();
-            },
-          });
-        },
-      });
-      const racingQueues = Object.assign(Object.create(queues) as typeof queues, {
-        queues: { ...queues.queues, close: racingClose },
+      const racingQueues = closeRemovedBy(queues, id, async (remove) => {
+        await remove();
+        expect(await store.noteCloseAgain(id)).toBe(1);
+        workerCounted = true;
+        return remove();
       });
       const report = await janitorTick(
         { ...own.deps, queues: racingQueues, now: () => Date.now() + 3_660_000 },
