@@ -442,13 +442,13 @@ describe("fleet submit", () => {
     fakeDispatcher((id) => completed(id, 1));
     const long = TaskContent.parse({ ...tasks[1]!, timeouts: { agentS: 600, verifierS: 120 } });
     const suite = async () => [tasks[0]!, long];
-    // A rollout needs its agent's timeout + its tests' + 5 s + 10 s: beta 600 + 120 + 15.
+    // A rollout needs its agent's timeout + its tests' + 8 s + 10 s: beta 600 + 120 + 18.
     const { agentS, verifierS } = tasks[0]!.timeouts;
-    const alphaNeeds = agentS + verifierS + 15;
+    const alphaNeeds = agentS + verifierS + 18;
     const command = ["submit", "--suite", "s", "--agent", "oracle", "--deadline", String(alphaNeeds)];
     expect(await runCli(command, ctx({ loadSuite: suite }))).toBe(2);
     expect(stderr.text()).toContain(
-      `--deadline ${alphaNeeds} s is shorter than a rollout of this task needs (the agent's timeout, the tests', 5 s to stop and grade, 10 s before the run): beta (735 s)`,
+      `--deadline ${alphaNeeds} s is shorter than a rollout of this task needs (the agent's timeout, the tests', 8 s to stop and grade, 10 s before the run): beta (738 s)`,
     );
     expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
     // Left out with --task, the rest goes.

@@ -2,7 +2,7 @@ import { createHash, randomUUID } from "node:crypto";
 import { Readable } from "node:stream";
 import { gzipSync } from "node:zlib";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { RolloutRequest, type RolloutResult, TaskContent } from "@fleet/contracts";
+import { RolloutRequest, type RolloutResult, RUN_MARGIN_MS, TaskContent } from "@fleet/contracts";
 import {
   admit,
   BATCH_PAGE,
@@ -332,9 +332,9 @@ describe("POST /v1/rollouts", () => {
     });
   });
 
-  it("answers 422 for a deadlineS shorter than a rollout needs (the agent's timeout, the tests', 5 s, 10 s before its run): it could only be masked", async () => {
+  it("answers 422 for a deadlineS shorter than a rollout needs (the agent's timeout, the tests', the run's margin, 10 s before its run): it could only be masked", async () => {
     const { agentS, verifierS } = TaskContent.parse(task).timeouts;
-    const need = agentS + verifierS + 5 + 10;
+    const need = agentS + verifierS + RUN_MARGIN_MS / 1000 + 10;
     const short = await h.call({
       method: "POST",
       url: "/v1/rollouts",
@@ -345,7 +345,11 @@ describe("POST /v1/rollouts", () => {
       new RegExp(`deadlineS ${need - 1} s is shorter than the ${need} s a rollout needs`),
     );
     expect(error.details).toMatchObject({ issues: [{ path: "deadlineS" }] });
-    const own = { ...row, agent: { ...row.agent, timeoutS: 1 }, deadlineS: 1 + verifierS + 5 + 10 };
+    const own = {
+      ...row,
+      agent: { ...row.agent, timeoutS: 1 },
+      deadlineS: 1 + verifierS + RUN_MARGIN_MS / 1000 + 10,
+    };
     expect((await h.call({ method: "POST", url: "/v1/rollouts", payload: own })).statusCode).toBe(202);
   });
 

@@ -22,22 +22,22 @@ describe("runBudgetShortfall", () => {
     expect(at(need)).toBeNull();
     expect(at(need + 1)).toBeNull();
     expect(at(need - 1)).toBe(
-      "the rollout's deadline leaves 184.9 s, less than the 185 s that the agent's timeout (120 s), the tests' (60 s) and stopping and grading (5 s) need: the agent was not started (its run could not be graded whatever it did)",
+      "the rollout's deadline leaves 187.9 s, less than the 188 s that the agent's timeout (120 s), the tests' (60 s) and stopping and grading (8 s) need: the agent was not started (its run could not be graded whatever it did)",
     );
-    expect(at(-5000)).toMatch(/^the rollout's deadline leaves 0 s, less than the 185 s/);
+    expect(at(-5000)).toMatch(/^the rollout's deadline leaves 0 s, less than the 188 s/);
   });
 
   it("counts the agent's own timeout over the task's, and no tests' time for a match verifier", () => {
     const quick = AgentSpec.parse({ harness: "oracle", timeoutS: 5 });
-    const args = { agent: quick, at: 0, rolloutDeadlineMs: 70_000 };
+    const args = { agent: quick, at: 0, rolloutDeadlineMs: 73_000 };
     expect(runBudgetShortfall({ ...args, task: TASK })).toBeNull();
-    expect(runBudgetShortfall({ ...args, rolloutDeadlineMs: 70_000 - 1, task: TASK })).toMatch(
-      /^the rollout's deadline leaves 69\.9 s, less than the 70 s that the agent's timeout \(5 s\), the tests' \(60 s\)/,
+    expect(runBudgetShortfall({ ...args, rolloutDeadlineMs: 73_000 - 1, task: TASK })).toMatch(
+      /^the rollout's deadline leaves 72\.9 s, less than the 73 s that the agent's timeout \(5 s\), the tests' \(60 s\)/,
     );
     const match = TaskContent.parse({ ...TASK, tests: {}, verifier: { kind: "match", expected: "42" } });
-    expect(runBudgetShortfall({ ...args, rolloutDeadlineMs: 10_000, task: match })).toBeNull();
-    expect(runBudgetShortfall({ ...args, rolloutDeadlineMs: 9_999, task: match })).toBe(
-      "the rollout's deadline leaves 9.9 s, less than the 10 s that the agent's timeout (5 s) and stopping and grading (5 s) need: the agent was not started (its run could not be graded whatever it did)",
+    expect(runBudgetShortfall({ ...args, rolloutDeadlineMs: 13_000, task: match })).toBeNull();
+    expect(runBudgetShortfall({ ...args, rolloutDeadlineMs: 12_999, task: match })).toBe(
+      "the rollout's deadline leaves 12.9 s, less than the 13 s that the agent's timeout (5 s) and stopping and grading (8 s) need: the agent was not started (its run could not be graded whatever it did)",
     );
   });
 });

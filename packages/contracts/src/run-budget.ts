@@ -2,11 +2,22 @@ import type { AgentSpec } from "./agent.ts";
 import type { TaskContent } from "./task.ts";
 
 /**
- * Time a run must still have before the rollout's deadline beyond the agent's own budget and
- * the verifier's: stopping the agent and confirming it gone, the hops to verify, staging the
- * tests, reading the reward, closing.
+ * How far past its own deadline an agent can keep its run going, whatever it does: its command
+ * ignores the SIGTERM at its deadline and is killed the kill grace (2 s) later, or it stops the
+ * `timeout` that would kill it and the run stage's own sweep kills it half a second after that;
+ * then the kill's own call. A run's margin holds this apart, so an agent that makes the most of it
+ * takes none of the time the fleet's own steps have (its tests then cut by the rollout's deadline,
+ * and masked: a mask the agent chose by being slow to stop).
  */
-export const RUN_MARGIN_MS = 5_000;
+export const AGENT_OVERRUN_MS = 3_000;
+
+/**
+ * Time a run must still have before the rollout's deadline beyond the agent's own budget and
+ * the verifier's: the agent's overrun (`AGENT_OVERRUN_MS`), then 5 s for the fleet's own steps:
+ * stopping the agent and confirming it gone, the hops to verify, staging the tests, reading the
+ * reward, closing.
+ */
+export const RUN_MARGIN_MS = AGENT_OVERRUN_MS + 5_000;
 
 /**
  * Why a run starting at `at` cannot be graded whatever its agent does, or `null` when it can: the

@@ -193,7 +193,7 @@ describe("janitor", () => {
 
   it("a slow or hung daemon holds up neither the deadline watchdog (it runs first) nor the pass (destroys stop at the budget)", async () => {
     const task = await helloFile();
-    const [overdue] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
+    const [overdue] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 108 }]);
     const at = Date.now() + 120_000;
     const stamp = Date.now();
     const entries = ["a", "b"].map((n) => ({
@@ -693,7 +693,7 @@ describe("janitor", () => {
   it("closes a rollout stuck past its deadline as masked deadline_exceeded", async () => {
     const task = await helloFile();
     // No workers run: the rollout sits in `accepted` until the watchdog closes it.
-    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 108 }]);
     const later = { ...fleet.deps, now: () => Date.now() + 120_000 };
     const report = await janitorTick(later, { orphanGraceMs: 60_000, watchdogGraceMs: 1000 });
     expect(report.watchdogClosed).toBe(1);
@@ -703,7 +703,7 @@ describe("janitor", () => {
 
   it("while its provider gate says the provider is down, a pass runs only its Redis steps (the watchdog closes) and asks the provider nothing; a pass whose orphan listing fails marks the gate down", async () => {
     const task = await helloFile();
-    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 108 }]);
     // The daemon gone: every listing fails; each call the janitor makes is noted.
     const calls: string[] = [];
     const gone = new Proxy(docker, {
@@ -739,7 +739,7 @@ describe("janitor", () => {
     const { redis } = fleet;
     const { store } = fleet.deps;
     const task = await helloFile();
-    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }])) as [string];
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 108 }])) as [string];
     // The watchdog reads the first 100 overdue rollouts: 99 torn records and one gone, all due
     // before the real one.
     const torn = Array.from({ length: 99 }, (_, i) => `torn${RUN}-${i}`);
@@ -907,7 +907,7 @@ describe("janitor", () => {
     const task = await helloFile();
     const [graded, stuck] = await fleet.submit([
       { task, agent: { harness: "oracle" } },
-      { task, agent: { harness: "oracle" }, deadlineS: 105 },
+      { task, agent: { harness: "oracle" }, deadlineS: 108 },
     ]);
     for (const stage of ["seed", "run", "verify"] as const) {
       expect(await runStageJob(stage, job(graded!), fleet.deps)).toBe("ok");
@@ -1711,7 +1711,7 @@ describe("janitor", () => {
 
   it("with the Docker daemon down, the pass reports the orphan sweep's error and still runs the watchdog", async () => {
     const task = await helloFile();
-    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 105 }]);
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 108 }]);
     const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
     // A pass while the daemon answered counted its sandboxes.
     await janitorTick({ ...fleet.deps, metrics }, { orphanGraceMs: 3 * 3_600_000 });

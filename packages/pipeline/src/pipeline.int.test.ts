@@ -3,6 +3,7 @@ import { createHash } from "node:crypto";
 import { existsSync } from "node:fs";
 import { setTimeout as sleep } from "node:timers/promises";
 import {
+  AGENT_OVERRUN_MS,
   type CleanupReceipt,
   FleetError,
   isTerminal,
@@ -18,8 +19,10 @@ import { STAGE_CATALOG, STAGES, sandboxKey, stageJobId } from "@fleet/queue";
 import {
   DockerSandboxProvider,
   KEEPALIVE_USER,
+  KILL_GRACE_S,
   LABEL_ROLLOUT,
   ROOT_USER,
+  SANDBOX_PATHS,
   type SandboxProvider,
   VERIFY_FENCE_DIR,
   VERIFY_FENCE_FILE,
@@ -33,7 +36,7 @@ import type { PipelineDeps } from "./deps.ts";
 import { type DeferralError, isDeferral, isHandBack, RedisHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
-import { beginOptions } from "./stages.ts";
+import { beginOptions, DEADLINE_SWEEP_AFTER_MS } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 import { createStageWorkers } from "./worker.ts";
@@ -413,20 +416,20 @@ for _ in range(40):
   });
 
   it("a run the rollout's deadline would cut before its agent's timeout and the tests is masked before its agent starts, a quick agent as a slow one (rule 6: no mask a policy chooses by being slow)", async () => {
-    // hello-file: the agent's 60 s, the tests' 30 s, 5 s to stop and grade, and 10 s before the
-    // run starts. A deadline shorter than those 105 s is refused at admission (it could only mask).
-    await expect(fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 104.9 }])).rejects.toMatchObject({
+    // hello-file: the agent's 60 s, the tests' 30 s, 8 s to stop and grade, and 10 s before the
+    // run starts. A deadline shorter than those 108 s is refused at admission (it could only mask).
+    await expect(fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 107.9 }])).rejects.toMatchObject({
       code: "invalid",
-      message: expect.stringMatching(/deadlineS 104\.9 s is shorter than the 105 s a rollout needs/),
+      message: expect.stringMatching(/deadlineS 107\.9 s is shorter than the 108 s a rollout needs/),
     });
-    // Admitted with 105 s, then kept waiting 15 s for a worker (no workers run in this fleet; the
-    // stages run by hand, the run's clock 15 s on): 90 s left at its start. Started, the oracle
+    // Admitted with 108 s, then kept waiting 15 s for a worker (no workers run in this fleet; the
+    // stages run by hand, the run's clock 15 s on): 93 s left at its start. Started, the oracle
     // would be graded 1.0 and the sleeper cut and masked: masks that only slow agents get.
     const waiting = await startInProcessFleet({ provider: docker, startWorkers: false });
     try {
       const ids = await waiting.submit([
-        { ...oracle(byId("hello-file")), deadlineS: 105 },
-        { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 105 },
+        { ...oracle(byId("hello-file")), deadlineS: 108 },
+        { task: byId("hello-file"), agent: { harness: "command", argv: ["sleep", "60"] }, deadlineS: 108 },
       ]);
       const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
       const late = { ...waiting.deps, now: () => Date.now() + 15_000 };
@@ -446,7 +449,7 @@ for _ in range(40):
           agentLaunches: 0,
         });
         expect(r!.reason).toMatch(
-          /^the rollout's deadline leaves (8\d|90)(\.\d)? s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need: the agent was not started/,
+          /^the rollout's deadline leaves (8\d|9[0-3])(\.\d)? s, less than the 98 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(8 s\) need: the agent was not started/,
         );
       }
       expect(await containersOf(ids)).toBe(0);
@@ -498,10 +501,10 @@ describe("no host fallback", () => {
     try {
       suite ??= await loadSuite(EXAMPLE_SUITE_DIR);
       const marker = `/tmp/fleet-host-fallback-${Date.now()}`;
-      // Timeouts as short as a task has (1 s each), so the shortest deadline it admits is 17 s.
+      // Timeouts as short as a task has (1 s each), so the shortest deadline it admits is 20 s.
       const quick = { ...byId("hello-file"), timeouts: { agentS: 1, verifierS: 1 } };
       const [id] = await fleet.submit([
-        { task: quick, agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 17 },
+        { task: quick, agent: { harness: "command", argv: ["touch", marker] }, deadlineS: 20 },
       ]);
       // The provider breaker holds the seed (no daemon answers a listing either) and stops
       // taking seeds: the rollout waits out its deadline, and the watchdog (the janitor's, run
@@ -801,6 +804,49 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.getResult(id!))?.timings.agentMs).toBeLessThan(8_000);
   });
 
+  it("an agent that takes all it can past its deadline (it ignores SIGTERM) takes none of the fleet's own time: run with the least budget a run starts with, and 3.5 s of slow staging, its hung tests are graded 0, not cut and masked (rule 6)", async () => {
+    // The margin holds the most an agent can overrun by apart from the fleet's own 5 s.
+    expect(KILL_GRACE_S * 1000 + DEADLINE_SWEEP_AFTER_MS).toBeLessThan(AGENT_OVERRUN_MS);
+    const task = {
+      ...byId("hello-file"),
+      id: `slow-stop-${Date.now()}`,
+      timeouts: { agentS: 1, verifierS: 4 },
+      // The agent's work hangs the tests: graded 0 when they run out of their own 4 s.
+      tests: { "test.sh": "#!/bin/bash\nsleep 100\n" },
+    };
+    const [id] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["sh", "-c", "trap '' TERM; sleep 100"] }, deadlineS: 600 },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // The fleet's clock moved on so that the run starts with the least a run needs left, and
+    // 0.2 s: the agent's 1 s, the tests' 4 s and the margin.
+    const deadlineAt = (await fleet.deps.store.get(id!))!.meta.deadlineAt;
+    const shift = deadlineAt - ((1 + 4) * 1000 + RUN_MARGIN_MS + 200) - Date.now();
+    const late = { ...fleet.deps, now: () => Date.now() + shift };
+    await runStageJob("run", job(id!), late);
+    const run = (await fleet.deps.store.get(id!))!.receipts.run!;
+    expect(run.exec.timedOut).toBe(true);
+    // Its overrun: killed at its deadline and the kill grace, not at its deadline.
+    expect(run.exec.durationMs).toBeGreaterThanOrEqual(1_000 + KILL_GRACE_S * 1000 - 100);
+    // Staging the tests is slow (a loaded host): 3.5 s of the fleet's 5 s.
+    const provider = fleet.deps.provider;
+    const slowStaging = new Proxy(provider, {
+      get(target, prop) {
+        if (prop === "put") {
+          return async (...args: Parameters<typeof provider.put>) => {
+            if (args[1] === SANDBOX_PATHS.tests) await sleep(3_500);
+            return target.put(...args);
+          };
+        }
+        const value: unknown = Reflect.get(target, prop, target);
+        return typeof value === "function" ? value.bind(target) : value;
+      },
+    });
+    await runStageJob("verify", job(id!), { ...late, provider: slowStaging });
+    await closeExpecting(id!, { status: "completed", reward: 0, failureKind: "agent_timeout", exitCode: -1 });
+    expect((await fleet.deps.store.get(id!))!.receipts.verify?.details).toMatchObject({ source: "timeout" });
+  });
+
   it("the deadline's own kill counts from when the agent starts: a slow setup before it (the instruction's put) neither kills nor times out an agent that ends in time", async () => {
     const [id] = await fleet.submit([
       {
@@ -1043,7 +1089,7 @@ describe("idempotency and fencing without workers", () => {
 
   it("a retryable failure is retried only while its next attempt can start before the rollout's one deadline (rule 5)", async () => {
     // The shortest deadline hello-file admits: 105 s (its agent's 60, its tests' 30, 5, and 10).
-    const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 105 }]);
+    const [late] = await fleet.submit([{ ...oracle(byId("hello-file")), deadlineS: 108 }]);
     const [early] = await fleet.submit([oracle(byId("hello-file"))]);
     // Both before their deadlines; `late`'s next attempt (1 s of backoff) would start after its own.
     const at = (await fleet.deps.store.get(late!))!.meta.deadlineAt - 500;
@@ -1228,7 +1274,7 @@ describe("idempotency and fencing without workers", () => {
       failureKind: "deadline_exceeded",
       stage: "run",
       reason: expect.stringMatching(
-        /^the rollout's deadline leaves 94\.9 s, less than the 95 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(5 s\) need/,
+        /^the rollout's deadline leaves 97\.9 s, less than the 98 s that the agent's timeout \(60 s\), the tests' \(30 s\) and stopping and grading \(8 s\) need/,
       ),
     });
     await closeExpecting(short!, { status: "masked", failureKind: "deadline_exceeded", reward: null });
@@ -1237,7 +1283,7 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(enough!), fleet.deps);
 
     // An own sandbox that takes its time to make (a loaded host): the time left is counted
-    // again at launch. sum-answer: the agent's 60 s, a match verifier (no tests), 5 s.
+    // again at launch. sum-answer: the agent's 60 s, a match verifier (no tests), 8 s.
     const [own] = await fleet.submit([
       { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },
     ]);
@@ -1260,7 +1306,7 @@ describe("idempotency and fencing without workers", () => {
     expect(launched).toBe(1);
     expect((await fleet.deps.store.get(own!))!.failure).toMatchObject({
       failureKind: "deadline_exceeded",
-      reason: expect.stringMatching(/^the rollout's deadline leaves 62 s, less than the 65 s/),
+      reason: expect.stringMatching(/^the rollout's deadline leaves 65 s, less than the 68 s/),
     });
     await closeExpecting(own!, { status: "masked", failureKind: "deadline_exceeded" });
   });
@@ -2006,9 +2052,9 @@ describe("idempotency and fencing without workers", () => {
       timeouts: { agentS: 1, verifierS: 30 },
     };
     const [late, stopping] = await fleet.submit([
-      // Time for the run (1 s + 30 s + 5 s, and 10 s before it), not for waiting out 30 s of
+      // Time for the run (1 s + 30 s + 8 s, and 10 s before it), not for waiting out 30 s of
       // tests + 15 s of grace.
-      { ...oracle(task), deadlineS: 46 },
+      { ...oracle(task), deadlineS: 49 },
       { ...oracle(task), deadlineS: 600 },
     ]);
     for (const id of [late!, stopping!]) {

@@ -183,10 +183,10 @@ describe("the provider breaker (real Redis and BullMQ, an in-memory provider tha
       deps: { ...NO_OP_AGENT_AND_VERIFIER, intentGraceMs: 0 },
       workerOptions: { providerBreaker: { probeMs: 100, callTimeoutMs: 1_000 } },
     });
-    // Timeouts as short as a task has (1 s each): the shortest deadline it admits is 17 s.
+    // Timeouts as short as a task has (1 s each): the shortest deadline it admits is 20 s.
     const quick = { ...task, timeouts: { agentS: 1, verifierS: 1 } };
     const [id] = await fleet.submit([
-      RolloutRequest.parse({ task: quick, agent: { harness: "oracle" }, deadlineS: 17 }),
+      RolloutRequest.parse({ task: quick, agent: { harness: "oracle" }, deadlineS: 20 }),
     ]);
     await vi.waitFor(() => expect(fleet!.workers!.providerDown).toBe(true), { timeout: 10_000 });
     const rec = await fleet.deps.store.get(id!);

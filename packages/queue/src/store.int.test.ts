@@ -1074,7 +1074,7 @@ describe("rollout store", () => {
 
   it("a replay finishes a batch admitted under an older, looser deadline bound (not a 422), and a batch made anew drops a finish-order list an older release left behind", async () => {
     const key = `old-bound-${Date.now()}`;
-    // deadlineS 30: under today's bound for this task (10 + 10 + 5 + 10 = 35 s), over the old one.
+    // deadlineS 30: under today's bound for this task (10 + 10 + 8 + 10 = 38 s), over the old one.
     const requests = Array.from({ length: 3 }, () =>
       RolloutRequest.parse({ task, agent: { harness: "oracle" }, deadlineS: 30 }),
     );
