@@ -10,7 +10,11 @@ export type ProviderName = z.infer<typeof ProviderName>;
  */
 export const SandboxOptions = z.strictObject({
   memoryMb: z.number().int().min(16).max(65536).optional(),
-  cpus: z.number().gt(0).max(64).optional(),
+  /**
+   * At least 0.01: Docker refuses less, and a value that rounds to 0 nano-CPUs would mean no CPU
+   * limit at all.
+   */
+  cpus: z.number().min(0.01, "must be at least 0.01 (a hundredth of a CPU)").max(64).optional(),
   pidsLimit: z.number().int().min(8).max(32768).optional(),
   /**
    * Size of the writable workspace, where the provider can enforce it (Docker: also 256 files or

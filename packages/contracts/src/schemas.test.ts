@@ -734,6 +734,13 @@ describe("validation says what is wrong", () => {
     expect(message({ ...base, agent: { harness: "oracle", apiKey: "sk-x" } })).toMatch(/apiKey/);
     expect(message({ ...base, agent: { harness: "nope" } })).toMatch(/agent/);
   });
+
+  it("rejects a CPU share under 0.01: Docker refuses one, and one that rounds to 0 nano-CPUs is no limit at all", () => {
+    for (const cpus of [1e-10, 0.004, 0.0099]) {
+      expect(message({ ...base, sandbox: { cpus } })).toMatch(/^sandbox\.cpus: must be at least 0\.01/);
+    }
+    expect(RolloutRequest.safeParse({ ...base, sandbox: { cpus: 0.01 } }).success).toBe(true);
+  });
 });
 
 describe("failures", () => {
