@@ -992,7 +992,7 @@ describe("fleet submit", () => {
     expect(server.requests).toHaveLength(0);
   });
 
-  it("refuses --metadata the contract refuses (a __proto__ key at any depth, an integer past 2^53) before sending, as a usage error", async () => {
+  it("refuses --metadata the contract refuses (a __proto__ key at any depth, an integer past 2^53, a number past the largest double) before sending, as a usage error", async () => {
     const submit = (metadata: string) =>
       runCli(["submit", "--suite", "s", "--agent", "oracle", "--metadata", metadata], ctx());
     expect(await submit('{"run":"x","__proto__":{"admin":true}}')).toBe(2);
@@ -1003,6 +1003,10 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain(
       "--metadata is refused: step 12345678901234567000 is an integer beyond 2^53",
     );
+    // JSON.parse reads 1e400 as Infinity, which JSON.stringify would send as null.
+    expect(await submit('{"x":1e400,"y":[-1e999]}')).toBe(2);
+    expect(stderr.text()).toContain("--metadata is refused: x must be a finite number");
+    expect(stderr.text()).toContain("y.0 must be a finite number");
     expect(server.requests).toHaveLength(0);
   });
 

@@ -33,6 +33,15 @@ export type RolloutRequest = z.infer<typeof RolloutRequest>;
 function refuseUnsafeIntegers(value: Record<string, unknown>, ctx: z.RefinementCtx): void {
   const walk = (v: unknown, path: PropertyKey[], depth: number): void => {
     if (typeof v === "number") {
+      // 1e400 reads as Infinity, which JSON writes back as null: refused, not echoed as null.
+      if (!Number.isFinite(v)) {
+        ctx.addIssue({
+          code: "custom",
+          path,
+          message: "must be a finite number (1e309 and up do not fit in one)",
+        });
+        return;
+      }
       // Below 1e21 JSON writes such a number back as all its digits (an integer literal it no
       // longer is); from 1e21 up in exponent form, as a float: left alone (6e23 is 6e23).
       if (Number.isInteger(v) && !Number.isSafeInteger(v) && Math.abs(v) < 1e21) {

@@ -544,9 +544,9 @@ describe("every schema round-trips through JSON", () => {
     });
   });
 
-  it("RolloutRequest metadata refuses integers past 2^53 (JSON parsing rounded them already), saying where", () => {
+  it("RolloutRequest metadata refuses integers past 2^53 (JSON parsing rounded them already) and numbers past the largest double, saying where", () => {
     const parsed = JSON.parse(
-      '{"step": 12345678901234567890, "nested": [{"id": 1152921504606846976}], "ok": 9007199254740991, "lr": 0.5, "s": "12345678901234567890", "flops": 6e23}',
+      '{"step": 12345678901234567890, "nested": [{"id": 1152921504606846976}], "ok": 9007199254740991, "lr": 0.5, "s": "12345678901234567890", "flops": 6e23, "big": 1e400}',
     );
     const r = RolloutRequest.safeParse({
       task: { digest: "a".repeat(64) },
@@ -563,6 +563,8 @@ describe("every schema round-trips through JSON", () => {
         "metadata.nested.0.id",
         "1152921504606847000 is an integer beyond 2^53, which JSON numbers cannot hold exactly: send it as a string",
       ],
+      // Read as Infinity, which JSON would write back as null.
+      ["metadata.big", "must be a finite number (1e309 and up do not fit in one)"],
     ]);
   });
 
