@@ -207,6 +207,22 @@ describe("Bull Board at /admin/queues", () => {
     expect(await queues.queues.seed.isPaused()).toBe(false);
   });
 
+  it("answers a board query value that does not decode (a lone %) 400 in the API's error body, not 500", async () => {
+    for (const url of [
+      "/admin/queues/api/queues?activeQueue=%25",
+      "/admin/queues/api/job-schedulers?queueName=%25",
+    ]) {
+      const res = await call({ method: "GET", url, token: USER });
+      expect(res.statusCode, url).toBe(400);
+      expect(res.json()).toMatchObject({
+        error: { code: "malformed", message: expect.stringMatching(/decode/) },
+      });
+    }
+    // What does decode is served as before.
+    const ok = await call({ method: "GET", url: "/admin/queues/api/queues?activeQueue=run", token: USER });
+    expect(ok.statusCode).toBe(200);
+  });
+
   it("signs a browser in with a token: an HMAC-signed session cookie, read-only or admin by the token", async () => {
     const user = await login(USER);
     const asUser = await call({ method: "GET", url: "/admin/queues/api/queues", cookie: user });

@@ -6,6 +6,7 @@ import type { StageName } from "@fleet/contracts";
 import { type JANITOR_QUEUE, STAGES, type StageQueues } from "@fleet/queue";
 import type { Queue } from "bullmq";
 import type { FastifyInstance } from "fastify";
+import { errorBody, HttpError } from "./http-error.ts";
 import type { Authenticator } from "./request-auth.ts";
 
 /** Where Bull Board is mounted. */
@@ -21,6 +22,27 @@ const DESCRIPTIONS: Record<StageName | typeof JANITOR_QUEUE, string> = {
   close: "close: destroy the sandbox, finalise the result; always runs (resources worker)",
   janitor: "janitor: scheduled teardown retries, orphan sweeps, deadline watchdog",
 };
+
+/**
+ * Bull Board's Fastify adapter, whose error handler answers a malformed query 400 in the API's
+ * error body. Bull Board's handlers decode query values (`activeQueue`, `queueName`) once more
+ * after Fastify has: a value that decodes to a lone `%` throws `URIError`, which Bull Board's own
+ * handler answers 500, as a fault of the server's.
+ */
+class BoardAdapter extends FastifyAdapter {
+  override setErrorHandler(handler: Parameters<FastifyAdapter["setErrorHandler"]>[0]): this {
+    return super.setErrorHandler((error) =>
+      error instanceof URIError
+        ? {
+            status: 400,
+            body: errorBody(
+              new HttpError(400, "malformed", `a query value does not decode: ${error.message}`),
+            ),
+          }
+        : handler(error),
+    );
+  }
+}
 
 /**
  * Mount Bull Board at `/admin/queues` over the four stage queues and the janitor's queue, as two
@@ -53,7 +75,7 @@ export function registerBoard(
   });
 
   for (const mode of ["read", "admin"] as const satisfies readonly BoardMode[]) {
-    const serverAdapter = new FastifyAdapter();
+    const serverAdapter = new BoardAdapter();
     serverAdapter.setBasePath(BOARD_PATH);
     createBullBoard({
       queues: queues.map(
