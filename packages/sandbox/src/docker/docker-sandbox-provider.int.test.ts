@@ -32,7 +32,12 @@ import {
 } from "../provider.ts";
 import { scrubScratch } from "../scratch.ts";
 import { SPOOL_IN_MEMORY_BYTES, Spool } from "../spool.ts";
-import { fillWithEmptyFilesPy, fleetError, KILL_EVERY_SWEEP_ARGV } from "../testing/index.ts";
+import {
+  fillWithEmptyFilesPy,
+  fleetError,
+  KILL_EVERY_SWEEP_ARGV,
+  REFORKING_CHAIN_ARGV,
+} from "../testing/index.ts";
 import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
@@ -527,6 +532,33 @@ describe("DockerSandboxProvider (real Docker)", () => {
       const until = Date.now() + 15_000;
       while ((await reapers()) !== "" && Date.now() < until) await new Promise((r) => setTimeout(r, 200));
       expect(await reapers()).toBe("");
+    });
+
+    it("stops an agent whose every process kills the sweeps of its uid and hands over to a new pid: nothing of it runs once the receipt is confirmed", async () => {
+      const fresh = await provider.create(spec());
+      try {
+        const start = await provider.exec(fresh, REFORKING_CHAIN_ARGV, { deadlineMs: 10_000 });
+        expect(start.stdout).toContain("started");
+        const links = async () => {
+          const r = await provider.exec(fresh, ["sh", "-c", "wc -l < /tmp/chain"], {
+            deadlineMs: 10_000,
+            user: ROOT_USER,
+          });
+          return Number(r.stdout.trim());
+        };
+        const until = Date.now() + 10_000;
+        while ((await links()) < 100 && Date.now() < until);
+        expect(await links()).toBeGreaterThanOrEqual(100);
+        const receipt = await provider.killProcesses(fresh, AGENT_USER);
+        expect(receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
+        // The chain added a link every few milliseconds while it ran: none for a second now.
+        const after = await links();
+        const watchUntil = Date.now() + 1_000;
+        while (Date.now() < watchUntil) expect(await links()).toBe(after);
+        expect(await provider.alive(fresh)).toBe(true);
+      } finally {
+        await provider.destroy(fresh);
+      }
     });
 
     it("a sweep of root's own processes (the tests') kills them all and keeps the sandbox and the sweep's own exec", async () => {
