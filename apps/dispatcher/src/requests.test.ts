@@ -50,6 +50,16 @@ describe("parseRolloutBody", () => {
     expect(err.code).toBe("invalid");
     expect(err.details).toMatchObject({ issues: [{ path: "task.instruction" }], total: 1 });
     expect(err.message).toContain("task.instruction");
+    // Two fields short of an inline task: still an inline task (it has keys a digest's branch
+    // refuses), not "task.digest: expected string" beside "unrecognized key id".
+    const short = thrown(() => parseRolloutBody({ task: { id: "t1" }, agent: { harness: "oracle" } }));
+    expect((short.details as { issues: { path: string }[] }).issues.map((i) => i.path)).toEqual([
+      "task.instruction",
+      "task.image",
+    ]);
+    // A digest that is not one is still reported as the digest's.
+    const digest = thrown(() => parseRolloutBody({ task: { digest: "abc" }, agent: { harness: "oracle" } }));
+    expect(digest.details).toMatchObject({ issues: [{ path: "task.digest" }] });
   });
 
   it("refuses a task file path not spelled plainly (422), naming its plain spelling: `./a` and `a` are one file, and one digest", () => {
