@@ -1,6 +1,7 @@
-import { TaskContent } from "@fleet/contracts";
+import { MAX_METADATA_BYTES, TaskContent } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
 import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "./requests.ts";
+import { rerunRollouts } from "./rerun.ts";
 
 function task(id: string, pad = 0): TaskContent {
   return TaskContent.parse({
@@ -86,6 +87,29 @@ describe("buildRollouts", () => {
   it("names unknown tasks and lists the suite's", () => {
     expect(() => buildRollouts({ tasks, agent: { harness: "oracle" }, taskIds: ["zz"] })).toThrow(
       'unknown task "zz"; the suite has: a, b, c',
+    );
+  });
+
+  it("refuses, before anything is sent, metadata that the repetition index takes past the dispatcher's limit: the last repetition's, not only the first", () => {
+    // {"k":"xx…","repeat":N}: 4,096 bytes with a one-digit N, 4,097 with two.
+    const metadata = { k: "x".repeat(MAX_METADATA_BYTES - 19) };
+    const build = (repeat: number) =>
+      buildRollouts({ tasks, agent: { harness: "oracle" }, repeat, metadata });
+    const last = build(10).at(-1)!.metadata!;
+    expect(Buffer.byteLength(JSON.stringify(last))).toBe(MAX_METADATA_BYTES);
+    expect(() => build(11)).toThrow(
+      /^--metadata is refused: with "repeat" added \(10 at most\) its metadata is 4097 bytes of JSON, over the limit of 4096/,
+    );
+  });
+
+  it("refuses a rerun whose line's metadata with --metadata over it is past the dispatcher's limit, naming the task", () => {
+    const line = { status: "masked", taskId: "a", taskDigest: "d", agent: "oracle", metadata: { repeat: 3 } };
+    const rerun = (metadata: Record<string, unknown>) =>
+      rerunRollouts({ path: "r.jsonl", masked: [line], tasks, agent: { harness: "oracle" }, metadata });
+    // {"repeat":3,"k":"xx…"}: 4,096 bytes, then 4,097.
+    expect(rerun({ k: "x".repeat(MAX_METADATA_BYTES - 19) })).toHaveLength(1);
+    expect(() => rerun({ k: "x".repeat(MAX_METADATA_BYTES - 18) })).toThrow(
+      /^--rerun r\.jsonl: task a's rerun \(its line's metadata and --metadata\): metadata is 4097 bytes of JSON/,
     );
   });
 

@@ -1,4 +1,10 @@
-import { AgentSpec, type AgentSpecInput, type RolloutRequestInput, type TaskContent } from "@fleet/contracts";
+import {
+  AgentSpec,
+  type AgentSpecInput,
+  metadataOverLimit,
+  type RolloutRequestInput,
+  type TaskContent,
+} from "@fleet/contracts";
 
 /** A mistake in what the user asked for (bad flag value, unknown task): exit 2, no stack. */
 export class UsageError extends Error {
@@ -109,6 +115,15 @@ export function buildRollouts(options: BuildRolloutsOptions): RolloutRequestInpu
     // Overwritten by the repetition index, it would come back changed without a word.
     throw new UsageError(
       '--metadata must not set "repeat": the CLI sets it to each rollout\'s repetition index',
+    );
+  }
+  // The last repetition's index is the longest: its metadata is the largest sent.
+  const over = metadataOverLimit({ ...options.metadata, repeat: repeat - 1 });
+  if (over !== null) {
+    // Refused before anything is sent: admitted in chunks, the first would go in before a later
+    // one's 422.
+    throw new UsageError(
+      `--metadata is refused: with "repeat" added (${repeat - 1} at most) its ${over.message}`,
     );
   }
   const requests: RolloutRequestInput[] = [];

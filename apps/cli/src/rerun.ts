@@ -4,6 +4,7 @@ import {
   AgentSpec,
   type AgentSpecInput,
   agentName,
+  metadataOverLimit,
   type RolloutRequestInput,
   type TaskContent,
 } from "@fleet/contracts";
@@ -121,6 +122,12 @@ export function rerunRollouts(options: RerunOptions): RolloutRequestInput[] {
       line.metadata == null && options.metadata === undefined
         ? undefined
         : { ...line.metadata, ...options.metadata };
+    const over = metadata === undefined ? null : metadataOverLimit(metadata);
+    if (over !== null) {
+      throw new UsageError(
+        `--rerun ${options.path}: task ${line.taskId}'s rerun (its line's metadata${options.metadata === undefined ? "" : " and --metadata"}): ${over.message}`,
+      );
+    }
     const request: RolloutRequestInput = { task, agent: options.agent };
     if (metadata !== undefined) request.metadata = metadata;
     if (options.deadlineS !== undefined) request.deadlineS = options.deadlineS;

@@ -60,6 +60,29 @@ function refuseUnsafeIntegers(value: Record<string, unknown>, ctx: z.RefinementC
 }
 export type RolloutRequestInput = z.input<typeof RolloutRequest>;
 
+/**
+ * Largest `metadata` a request may carry, in bytes of JSON (admission refuses more: 422). It is
+ * copied into the result, which is kept within 16 KiB by cutting free text; numbers and keys
+ * cannot be cut, so an unbounded `metadata` (e.g. token ids) would push out the result's own
+ * fields. Keep bulk data on the client side, keyed by the rollout id.
+ */
+export const MAX_METADATA_BYTES = 4096;
+
+/**
+ * Why `metadata` is over `MAX_METADATA_BYTES` as JSON, or `null`: for a client to refuse before
+ * it sends what admission would refuse.
+ */
+export function metadataOverLimit(
+  metadata: Record<string, unknown>,
+): { bytes: number; message: string } | null {
+  const bytes = Buffer.byteLength(JSON.stringify(metadata));
+  if (bytes <= MAX_METADATA_BYTES) return null;
+  return {
+    bytes,
+    message: `metadata is ${bytes} bytes of JSON, over the limit of ${MAX_METADATA_BYTES}; keep bulk data on the client, keyed by the rollout id`,
+  };
+}
+
 export const BatchRequest = z.strictObject({
   rollouts: z.array(RolloutRequest).min(1, "a batch needs at least one rollout"),
 });

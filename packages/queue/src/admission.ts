@@ -4,6 +4,8 @@ import {
   agentName,
   canonicalJson,
   describeOverCeiling,
+  MAX_METADATA_BYTES,
+  metadataOverLimit,
   type RolloutRequest,
   RUN_MARGIN_MS,
   runNeeds,
@@ -58,13 +60,8 @@ export interface Admitted {
  */
 export const MAX_REQUEST_DEPTH = 64;
 
-/**
- * Largest `metadata` a request may carry, in bytes of JSON. It is copied into the result, which
- * is kept within 16 KiB by cutting free text; numbers and keys cannot be cut, so an unbounded
- * `metadata` (e.g. token ids) would push out the result's own fields. Keep bulk data on the
- * client side, keyed by the rollout id.
- */
-export const MAX_METADATA_BYTES = 4096;
+/** `MAX_METADATA_BYTES` lives in @fleet/contracts (the CLI checks it too); exported here as before. */
+export { MAX_METADATA_BYTES };
 
 /** Nesting depth of a JSON value, counted without recursion; stops counting once past `limit`. */
 export function jsonDepth(value: unknown, limit = Number.POSITIVE_INFINITY): number {
@@ -120,13 +117,13 @@ function checkRequestShape(req: RolloutRequest, i: number): void {
         { index: i, issues: [{ path: nonFinite, message: "must be a finite number" }] },
       );
     }
-    const metadataBytes = req.metadata ? Buffer.byteLength(JSON.stringify(req.metadata)) : 0;
-    if (metadataBytes > MAX_METADATA_BYTES) {
-      throw new AdmissionError(
-        "invalid",
-        `rollout ${i}: metadata is ${metadataBytes} bytes of JSON, over the limit of ${MAX_METADATA_BYTES}; keep bulk data on the client, keyed by the rollout id`,
-        { index: i, bytes: metadataBytes, limit: MAX_METADATA_BYTES },
-      );
+    const over = req.metadata ? metadataOverLimit(req.metadata) : null;
+    if (over !== null) {
+      throw new AdmissionError("invalid", `rollout ${i}: ${over.message}`, {
+        index: i,
+        bytes: over.bytes,
+        limit: MAX_METADATA_BYTES,
+      });
     }
   }
 }
