@@ -2,6 +2,7 @@ import { setFlagsFromString } from "node:v8";
 import { runInNewContext } from "node:vm";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { ApiError, FleetClient, isApiError } from "./client.ts";
+import { UsageError } from "./requests.ts";
 import { apiError, json, startTestServer, type TestServer } from "./testing/http-server.ts";
 
 let server: TestServer;
@@ -315,6 +316,14 @@ describe("FleetClient", () => {
     );
     await client().cancelRollout("a/b");
     expect(server.requests[0]?.path).toBe("/v1/rollouts/a%2Fb/cancel");
+  });
+
+  it("refuses an id that is a dot segment (the URL would resolve it away: `..` posts to /v1/cancel) as bad usage, asking nothing", async () => {
+    for (const id of ["..", ".", ""]) {
+      await expect(client().cancelRollout(id)).rejects.toBeInstanceOf(UsageError);
+      await expect(client().getBatch(id)).rejects.toThrow(`"${id}" is not a rollout or batch id`);
+    }
+    expect(server.requests).toHaveLength(0);
   });
 
   it("waits for a batch's cancel past timeoutMs (the dispatcher answers once every rollout was asked to stop), up to batchCancelTimeoutMs", async () => {

@@ -3,6 +3,17 @@ import { type RolloutRequestInput, RolloutTrajectory } from "@fleet/contracts";
 import { z } from "zod";
 import { splitLines } from "./lines.ts";
 import { formatDuration } from "./progress.ts";
+import { UsageError } from "./requests.ts";
+
+/**
+ * An id as one path segment. `.` and `..` are refused: a URL's dot segments are resolved away
+ * (`fleet cancel ..` would post to `/v1/cancel`), even percent-encoded.
+ */
+function pathId(id: string): string {
+  if (id === "" || id === "." || id === "..")
+    throw new UsageError(`${JSON.stringify(id)} is not a rollout or batch id`);
+  return encodeURIComponent(id);
+}
 
 /**
  * Any failed call to the dispatcher. `status` is the HTTP status, or `0` when no response came
@@ -228,18 +239,18 @@ export class FleetClient {
 
   /** `GET /v1/batches/:id`. */
   async getBatch(batchId: string): Promise<BatchStatus> {
-    const path = `/v1/batches/${encodeURIComponent(batchId)}`;
+    const path = `/v1/batches/${pathId(batchId)}`;
     return parseBody(BatchStatus, await this.request("GET", path, { timeoutMs: this.statusTimeoutMs }));
   }
 
   /** `GET /v1/rollouts/:id` (a RolloutResult; not validated here, the server owns its shape). */
   async getRollout(rolloutId: string): Promise<unknown> {
-    return parseBody(z.unknown(), await this.request("GET", `/v1/rollouts/${encodeURIComponent(rolloutId)}`));
+    return parseBody(z.unknown(), await this.request("GET", `/v1/rollouts/${pathId(rolloutId)}`));
   }
 
   /** `GET /v1/rollouts/:id/trajectory`. */
   async getTrajectory(rolloutId: string): Promise<RolloutTrajectory> {
-    const path = `/v1/rollouts/${encodeURIComponent(rolloutId)}/trajectory`;
+    const path = `/v1/rollouts/${pathId(rolloutId)}/trajectory`;
     return parseBody(RolloutTrajectory, await this.request("GET", path));
   }
 
@@ -249,7 +260,7 @@ export class FleetClient {
    * `stream_broken`.
    */
   async batchResultsStream(batchId: string): Promise<ReadableStream<Uint8Array>> {
-    const res = await this.request("GET", `/v1/batches/${encodeURIComponent(batchId)}/results`, {
+    const res = await this.request("GET", `/v1/batches/${pathId(batchId)}/results`, {
       stream: true,
     });
     // Not the dispatcher's results (a proxy's login page, a FLEET_URL that is some other server):
@@ -331,13 +342,13 @@ export class FleetClient {
 
   /** `POST /v1/rollouts/:id/cancel`. */
   async cancelRollout(rolloutId: string): Promise<unknown> {
-    const res = await this.request("POST", `/v1/rollouts/${encodeURIComponent(rolloutId)}/cancel`);
+    const res = await this.request("POST", `/v1/rollouts/${pathId(rolloutId)}/cancel`);
     return parseBody(z.unknown(), res);
   }
 
   /** `POST /v1/batches/:id/cancel`. */
   async cancelBatch(batchId: string): Promise<BatchCancelled> {
-    const res = await this.request("POST", `/v1/batches/${encodeURIComponent(batchId)}/cancel`, {
+    const res = await this.request("POST", `/v1/batches/${pathId(batchId)}/cancel`, {
       timeoutMs: this.batchCancelTimeoutMs,
     });
     return parseBody(BatchCancelled, res);
