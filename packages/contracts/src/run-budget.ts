@@ -2,12 +2,14 @@ import type { AgentSpec } from "./agent.ts";
 import type { TaskContent } from "./task.ts";
 
 /**
- * How far past its own deadline an agent can keep its run going, whatever it does: its command
- * ignores the SIGTERM at its deadline and is killed the kill grace (2 s) later, or it stops the
- * `timeout` that would kill it and the run stage's own sweep kills it half a second after that;
- * then the kill's own call. A run's margin holds this apart, so an agent that makes the most of it
- * takes none of the time the fleet's own steps have (its tests then cut by the rollout's deadline,
- * and masked: a mask the agent chose by being slow to stop).
+ * How far past its own deadline an agent can keep its run going: its command ignores the SIGTERM
+ * at its deadline and is killed the kill grace (2 s) later, or it stops the `timeout` that would
+ * kill it and the run stage's own sweep kills it half a second after that; then the kill's own
+ * call. A run's margin holds this apart, so an agent that makes the most of it takes none of the
+ * time the fleet's own steps have (its tests then cut by the rollout's deadline, and masked: a
+ * mask the agent chose by being slow to stop). Not covered: an agent that also kills every sweep
+ * of its uid, whose stop waits for a reaper (Docker: a helper container, seconds on a loaded
+ * host); nor a fork bomb's, which takes as long as the kernel needs to end it.
  */
 export const AGENT_OVERRUN_MS = 3_000;
 
