@@ -410,7 +410,10 @@ describe("POST /v1/rollouts", () => {
   });
 
   it("names no row of POST /v1/rollouts's 422 found at admission, keyed or not", async () => {
-    const body = `{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"x":1e999}}`;
+    // A non-finite number in the task's metadata: only admission refuses it (the request's own
+    // metadata is refused by its schema first).
+    const withX = JSON.stringify({ ...task, metadata: { x: 1 } }).replace('{"x":1}', '{"x":1e999}');
+    const body = `{"task":${withX},"agent":{"harness":"oracle"}}`;
     const headers = { "content-type": "application/json" };
     const keyless = await h.call({ method: "POST", url: "/v1/rollouts", payload: body, headers });
     const keyed = await h.call({
@@ -421,6 +424,7 @@ describe("POST /v1/rollouts", () => {
     });
     const a = expectErrorBody(keyless, 422, "invalid");
     const b = expectErrorBody(keyed, 422, "invalid");
+    expect(a.message).toMatch(/too large for JSON \(non-finite\)/);
     expect(a.message).not.toMatch(/^rollout 0:/);
     expect(a.details).not.toHaveProperty("index");
     expect(b.message).toBe(a.message);
