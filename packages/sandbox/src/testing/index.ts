@@ -65,10 +65,10 @@ print(total)
  * An agent that outruns a sweep that lists its processes and then signals them: a chain in its
  * own session whose every process kills every other of its uid (a sweep of that uid included),
  * adds a line to `/tmp/chain`, starts the next and exits, so its pid changes all the time. Prints
- * `started`.
+ * `started` first (the chain kills the shell that starts it).
  */
 export const REFORKING_CHAIN_ARGV = [
   "bash",
   "-c",
-  "setsid bash -c 'h() { kill -9 -1; echo >> /tmp/chain; h & exit; }; h' >/dev/null 2>&1 < /dev/null & echo started",
+  "echo started; setsid bash -c 'h() { kill -9 -1; echo >> /tmp/chain; h & exit; }; h' >/dev/null 2>&1 < /dev/null &",
 ];
