@@ -21,7 +21,7 @@ import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { sandboxName } from "../docker/container-config.ts";
 import { AGENT_USER, ROOT_USER, VERIFY_FENCE_FILE } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
-import { fleetError, KILL_EVERY_SWEEP_ARGV, REFORKING_CHAIN_ARGV } from "../testing/index.ts";
+import { fleetError, KILL_EVERY_SWEEP_ARGV, sweepReforkingChain } from "../testing/index.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
 import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
 
@@ -856,27 +856,11 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
 
   it("killProcesses stops an agent whose every process kills the sweeps of its uid and hands over to a new pid: nothing of it runs once the receipt is confirmed", async () => {
     const h = await create();
-    const start = await provider.exec(h, REFORKING_CHAIN_ARGV, { deadlineMs: 10_000 });
-    expect(start.stdout).toContain("started");
-    const links = async () => {
-      const r = await provider.exec(h, ["sh", "-c", "wc -l < /tmp/chain"], {
-        deadlineMs: 10_000,
-        user: ROOT_USER,
-      });
-      return Number(r.stdout.trim());
-    };
-    const until = Date.now() + 10_000;
-    while ((await links()) < 100 && Date.now() < until);
-    // Still running right before the kill.
-    const before = await links();
-    while ((await links()) === before && Date.now() < until);
-    expect(await links()).toBeGreaterThan(Math.max(before, 99));
-    const receipt = await provider.killProcesses(h, AGENT_USER);
-    expect(receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
-    // The chain added a link every few milliseconds while it ran: none for a second now.
-    const after = await links();
-    const watchUntil = Date.now() + 1_000;
-    while (Date.now() < watchUntil) expect(await links()).toBe(after);
+    const swept = await sweepReforkingChain(provider, h);
+    expect([swept.started, swept.grew]).toEqual([true, true]);
+    expect(swept.receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
+    // The chain added a link every few milliseconds while it ran: none in the second after.
+    expect(new Set(swept.after).size).toBe(1);
     expect(await provider.alive(h)).toBe(true);
   });
 

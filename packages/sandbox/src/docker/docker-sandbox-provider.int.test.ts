@@ -36,7 +36,7 @@ import {
   fillWithEmptyFilesPy,
   fleetError,
   KILL_EVERY_SWEEP_ARGV,
-  REFORKING_CHAIN_ARGV,
+  sweepReforkingChain,
 } from "../testing/index.ts";
 import {
   buildContainerConfig,
@@ -537,27 +537,11 @@ describe("DockerSandboxProvider (real Docker)", () => {
     it("stops an agent whose every process kills the sweeps of its uid and hands over to a new pid: nothing of it runs once the receipt is confirmed", async () => {
       const fresh = await provider.create(spec());
       try {
-        const start = await provider.exec(fresh, REFORKING_CHAIN_ARGV, { deadlineMs: 10_000 });
-        expect(start.stdout).toContain("started");
-        const links = async () => {
-          const r = await provider.exec(fresh, ["sh", "-c", "wc -l < /tmp/chain"], {
-            deadlineMs: 10_000,
-            user: ROOT_USER,
-          });
-          return Number(r.stdout.trim());
-        };
-        const until = Date.now() + 10_000;
-        while ((await links()) < 100 && Date.now() < until);
-        // Still running right before the kill.
-        const before = await links();
-        while ((await links()) === before && Date.now() < until);
-        expect(await links()).toBeGreaterThan(Math.max(before, 99));
-        const receipt = await provider.killProcesses(fresh, AGENT_USER);
-        expect(receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
-        // The chain added a link every few milliseconds while it ran: none for a second now.
-        const after = await links();
-        const watchUntil = Date.now() + 1_000;
-        while (Date.now() < watchUntil) expect(await links()).toBe(after);
+        const swept = await sweepReforkingChain(provider, fresh);
+        expect([swept.started, swept.grew]).toEqual([true, true]);
+        expect(swept.receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
+        // The chain added a link every few milliseconds while it ran: none in the second after.
+        expect(new Set(swept.after).size).toBe(1);
         expect(await provider.alive(fresh)).toBe(true);
       } finally {
         await provider.destroy(fresh);

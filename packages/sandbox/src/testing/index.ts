@@ -1,6 +1,7 @@
 // Test support, not for production code: an in-memory provider for unit tests, and a base rootfs
 // plus a capability check for bubblewrap tests.
-import { type FleetError, isFleetError } from "@fleet/contracts";
+import { type CleanupReceipt, type FleetError, isFleetError, type SandboxHandle } from "@fleet/contracts";
+import { AGENT_USER, ROOT_USER, type SandboxProvider } from "../provider.ts";
 
 export * from "../bubblewrap/test-rootfs.ts";
 export * from "./in-memory-provider.ts";
@@ -67,8 +68,38 @@ print(total)
  * adds a line to `/tmp/chain`, starts the next and exits, so its pid changes all the time. Prints
  * `started` first (the chain kills the shell that starts it).
  */
-export const REFORKING_CHAIN_ARGV = [
+const REFORKING_CHAIN_ARGV = [
   "bash",
   "-c",
   "echo started; setsid bash -c 'h() { kill -9 -1; echo >> /tmp/chain; h & exit; }; h' >/dev/null 2>&1 < /dev/null &",
 ];
+
+/**
+ * Starts that chain in `h`, waits (up to 10 s) until it has added 100 links and is seen adding
+ * more, sweeps the agent's uid (`killProcesses`), then reads the chain's length for a second:
+ * `grew` (it ran right before the sweep), the sweep's `receipt`, and the lengths read after it
+ * (all one number once nothing of the chain runs).
+ */
+export async function sweepReforkingChain(
+  provider: SandboxProvider,
+  h: SandboxHandle,
+): Promise<{ started: boolean; grew: boolean; receipt: CleanupReceipt; after: number[] }> {
+  const start = await provider.exec(h, REFORKING_CHAIN_ARGV, { deadlineMs: 10_000 });
+  const links = async () => {
+    const r = await provider.exec(h, ["sh", "-c", "wc -l < /tmp/chain"], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    return Number(r.stdout.trim());
+  };
+  const until = Date.now() + 10_000;
+  while ((await links()) < 100 && Date.now() < until);
+  const before = await links();
+  while ((await links()) === before && Date.now() < until);
+  const grew = (await links()) > Math.max(before, 99);
+  const receipt = await provider.killProcesses(h, AGENT_USER);
+  const after: number[] = [];
+  const watchUntil = Date.now() + 1_000;
+  while (Date.now() < watchUntil) after.push(await links());
+  return { started: start.stdout.includes("started"), grew, receipt, after };
+}
