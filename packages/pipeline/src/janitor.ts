@@ -823,7 +823,12 @@ export async function startJanitor(
       { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
     );
   await schedule();
-  deps.metrics?.janitorLastPass.set(Date.now() / 1000);
+  // The newest pass's end, any replica's, kept in Redis; before any, the first start's (never
+  // this start's: a janitor restarted after each pass it died in would look like one that passes).
+  const lastPassKey = deps.store.keys.janitorLastPass();
+  await options.connection.set(lastPassKey, String(clock(deps)), "NX");
+  const kept = Number(await options.connection.get(lastPassKey));
+  if (Number.isFinite(kept) && kept > 0) deps.metrics?.janitorLastPass.set(kept / 1000);
   // fleet_sandboxes_active is this replica's sample from its last pass. With several replicas
   // sharing the schedule, another may run every pass for a while: a sample older than a few
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
@@ -890,7 +895,10 @@ export async function startJanitor(
     async () => {
       const report = await janitorTick(deps, { ...options, lostJobCursor, watchdogCursor });
       lastPassAt = Date.now();
-      deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
+      const passedAt = clock(deps);
+      deps.metrics?.janitorLastPass.set(passedAt / 1000);
+      // For the next janitor to start (a failed write: this replica's gauge still says it).
+      await options.connection.set(lastPassKey, String(passedAt)).catch(() => undefined);
       const did =
         report.retried +
         report.orphansRemoved +
