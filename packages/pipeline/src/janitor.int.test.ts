@@ -2090,13 +2090,15 @@ describe("janitor", () => {
     await fleet.deps.ledger.networkRemoved(stuck);
   });
 
-  it("a gateway network whose rollout record cannot be read is reported and skipped: the other networks and the due network retries still go", async () => {
+  it("a gateway network whose rollout record cannot be read is reported and skipped (removed once older than any rollout can live): the other networks and the due network retries still go", async () => {
     const { redis } = fleet;
     const { store, ledger } = fleet.deps;
     const unreadable = `gwunreadable${RUN}`;
+    const unreadableOld = `gwunreadableold${RUN}`;
     const over = `gwover${RUN}`;
     const retry = `gwretry${RUN}`;
     await redis.hset(store.keys.rollout(unreadable), "meta", "{torn");
+    await redis.hset(store.keys.rollout(unreadableOld), "meta", "{torn");
     await ledger.networkRemovalFailed(retry, Date.now() - 1_000);
     const removed: string[] = [];
     const networks = {
@@ -2105,7 +2107,12 @@ describe("janitor", () => {
       },
       allowGateway: async () => undefined,
       list: async () => [
-        { name: `fleet-gw-${unreadable}`, rolloutId: unreadable, createdAt: 0 },
+        { name: `fleet-gw-${unreadable}`, rolloutId: unreadable, createdAt: Date.now() - 3_600_000 },
+        {
+          name: `fleet-gw-${unreadableOld}`,
+          rolloutId: unreadableOld,
+          createdAt: Date.now() - LONGEST_LIFE_MS - 3_600_000,
+        },
         { name: `fleet-gw-${over}`, rolloutId: over, createdAt: 0 },
       ],
       remove: async (id: string) => {
@@ -2115,7 +2122,7 @@ describe("janitor", () => {
     };
     try {
       const report = await janitorTick({ ...fleet.deps, networks }, { orphanGraceMs: 60_000 });
-      expect(removed).toEqual([over, retry]);
+      expect(removed).toEqual([unreadableOld, over, retry]);
       expect(await ledger.networkRetries(Date.now() + 3_600_000)).not.toContain(retry);
       const failed = report.errors.filter((e) => e.startsWith("networks"));
       expect(failed).toHaveLength(1);
@@ -2123,7 +2130,7 @@ describe("janitor", () => {
         new RegExp(`^networks: could not remove 1 gateway network\\(s\\): fleet-gw-${unreadable}: `),
       );
     } finally {
-      await redis.del(store.keys.rollout(unreadable));
+      await redis.del(store.keys.rollout(unreadable), store.keys.rollout(unreadableOld));
       await ledger.networkRemoved(retry);
     }
   });

@@ -515,15 +515,25 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           continue;
         }
         // A record that cannot be read is reported and its network left: it must not stop the
-        // other networks' removal nor the retries below, every pass.
+        // other networks' removal nor the retries below, every pass. Once the network is older
+        // than any rollout can live, its rollout is over whatever the record says: removed, as
+        // its sandbox is at its expiry (a record set aside as unreadable is kept for good).
         let rec: Awaited<ReturnType<typeof deps.store.get>>;
+        let overForSure = false;
         try {
           rec = await deps.store.get(net.rolloutId);
         } catch (err) {
-          failed.push(`${net.name}: its rollout's record cannot be read: ${errorText(err)}`);
-          continue;
+          if (now - net.createdAt <= LONGEST_LIFE_MS) {
+            failed.push(`${net.name}: its rollout's record cannot be read: ${errorText(err)}`);
+            continue;
+          }
+          rec = null;
+          overForSure = true;
         }
-        if ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs) {
+        if (
+          overForSure ||
+          ((!rec || isTerminal(rec.status)) && now - net.createdAt > options.orphanGraceMs)
+        ) {
           // One that will not go stops none of the others; the step still fails (and is
           // counted for FleetJanitorStepFailing) so a network that never goes is seen.
           await networks.remove(net.rolloutId, net.name).catch(async (err: unknown) => {
