@@ -96,6 +96,8 @@ describe.skipIf(!compose)("docker-compose.yml", () => {
     const redis = services.redis!.command!.join(" ");
     expect(redis).toContain("--appendonly yes");
     expect(redis).toContain("--maxmemory-policy noeviction");
+    // A limit, or noeviction never applies (Redis grows until the host's OOM killer takes it).
+    expect(redis).toContain("--maxmemory 4gb");
     expect(mounts(services.redis!).some((m) => m.endsWith(":/data"))).toBe(true);
 
     for (const app of APPS) {
