@@ -98,6 +98,8 @@ describe.skipIf(!compose)("docker-compose.yml", () => {
     expect(redis).toContain("--maxmemory-policy noeviction");
     // A limit, or noeviction never applies (Redis grows until the host's OOM killer takes it).
     expect(redis).toContain("--maxmemory 4gb");
+    const sized = config([BASE], { ...env, FLEET_REDIS_MAXMEMORY: "512mb" });
+    expect(sized.services.redis!.command!.join(" ")).toContain("--maxmemory 512mb");
     expect(mounts(services.redis!).some((m) => m.endsWith(":/data"))).toBe(true);
 
     for (const app of APPS) {

@@ -22,7 +22,7 @@ import {
 } from "@fleet/sandbox";
 import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
-import { clock, type PipelineDeps } from "./deps.ts";
+import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { DEFAULT_LOST_JOB_GRACE_MS, type LostJobCursor, requeueLostJobs } from "./lost-jobs.ts";
 import type { ProviderGate } from "./provider-gate.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
@@ -523,7 +523,8 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         try {
           rec = await deps.store.get(net.rolloutId);
         } catch (err) {
-          if (now - net.createdAt <= LONGEST_LIFE_MS) {
+          // (A creation time Docker gave that did not parse is 0: not taken for an old one.)
+          if (net.createdAt <= 0 || now - net.createdAt <= LONGEST_LIFE_MS) {
             failed.push(`${net.name}: its rollout's record cannot be read: ${errorText(err)}`);
             continue;
           }
@@ -835,10 +836,19 @@ export async function startJanitor(
   await schedule();
   // The newest pass's end, any replica's, kept in Redis; before any, the first start's (never
   // this start's: a janitor restarted after each pass it died in would look like one that passes).
+  // Kept on the fleet's clock (every replica's); the gauge on this host's, which Prometheus's
+  // time() is compared with.
   const lastPassKey = deps.store.keys.janitorLastPass();
-  await options.connection.set(lastPassKey, String(clock(deps)), "NX");
-  const kept = Number(await options.connection.get(lastPassKey));
-  if (Number.isFinite(kept) && kept > 0) deps.metrics?.janitorLastPass.set(kept / 1000);
+  const startedAt = clock(deps);
+  await options.connection.set(lastPassKey, String(startedAt), "NX");
+  let kept = Number(await options.connection.get(lastPassKey));
+  if (!Number.isFinite(kept) || kept <= 0 || kept > startedAt) {
+    // Not a time, or ahead of the fleet's clock (a failover onto a node whose clock is behind, a
+    // restore): it would keep the alert quiet while no pass runs. This start's instead.
+    kept = startedAt;
+    await options.connection.set(lastPassKey, String(kept));
+  }
+  deps.metrics?.janitorLastPass.set(localTime(deps, kept) / 1000);
   // fleet_sandboxes_active is this replica's sample from its last pass. With several replicas
   // sharing the schedule, another may run every pass for a while: a sample older than a few
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
@@ -905,10 +915,9 @@ export async function startJanitor(
     async () => {
       const report = await janitorTick(deps, { ...options, lostJobCursor, watchdogCursor });
       lastPassAt = Date.now();
-      const passedAt = clock(deps);
-      deps.metrics?.janitorLastPass.set(passedAt / 1000);
+      deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
       // For the next janitor to start (a failed write: this replica's gauge still says it).
-      await options.connection.set(lastPassKey, String(passedAt)).catch(() => undefined);
+      await options.connection.set(lastPassKey, String(clock(deps))).catch(() => undefined);
       const did =
         report.retried +
         report.orphansRemoved +
