@@ -470,7 +470,7 @@ describe("killProcessesViaExec: what the cleanup receipt may claim", () => {
     expect(receipt.fenced).toBeUndefined();
     expect(ownArgv.at(-1)).toBe("4");
     // The script checks before every round, from the epoch it was given.
-    expect(ROOT_SELF_SWEEP_SCRIPT).toMatch(/superseded=\$f"; exit 0.*sig STOP; sig KILL/s);
+    expect(ROOT_SELF_SWEEP_SCRIPT).toMatch(/superseded=\$f"; exit 0.*sig STOP;.*sig KILL/s);
   });
 
   it("a sandbox gone is confirmed already gone; an error the caller calls fatal is thrown, not retried", async () => {

@@ -541,13 +541,32 @@ export function assertIsolated(name: string, checks: Record<string, boolean>, de
 }
 
 /**
+ * Shell: `lp` sets `l` to the last pid the kernel gave out in the caller's PID namespace (the
+ * fifth field of `/proc/loadavg`; empty where it cannot be read). A /proc scan lists the pids
+ * once, at its start: a process made after that is not in it, and one that exits first is read
+ * as gone. An agent whose every process starts the next and exits (its pid changes all the time)
+ * was never there when the scan came to it, so a sweep counted none left while it ran on. A scan
+ * is complete only when `l` is the same after it as before: nothing was made meanwhile.
+ */
+const LAST_PID = "lp() { l=; read -r _a _b _c _d l _e 2>/dev/null < /proc/loadavg; };";
+
+/**
+ * Shell, for a sweep that stops processes (`sig STOP`) before it kills them: stop passes until
+ * one ran while no process was made (every process of the uid is then stopped, and a stopped
+ * process cannot fork), at most 20 a round.
+ */
+const STOP_UNTIL_STILL =
+  'j=0; while :; do lp; l0=$l; sig STOP; lp; [ "$l0" = "$l" ] && break; j=$((j+1)); [ "$j" -ge 20 ] && break; done;';
+
+/**
  * Shell: `setup`, then rounds of `kill` each followed by a count (`n`) of the live, non-zombie
  * processes of uid `$<uidVar>` other than this shell (a /proc scan, shell builtins only), until
- * none remains or the rounds (`$<roundsArg>`) run out; prints `remaining=<n>`.
+ * none remains or the rounds (`$<roundsArg>`) run out; prints `remaining=<n>`. A count of none
+ * during which a process was made (`LAST_PID`) is no count: it is taken for one left.
  */
 function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: string): string {
-  const count = `n=0; for s in /proc/[0-9]*/status; do p=\${s#/proc/}; p=\${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$${uidVar}" ] && [ "$st" != Z ] && n=$((n+1)); done;`;
-  return `${setup} i=0; while :; do ${kill} ${count} [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$${roundsArg}" ] && break; sleep 0.1; done; echo "remaining=$n"`;
+  const count = `lp; l0=$l; n=0; for s in /proc/[0-9]*/status; do p=\${s#/proc/}; p=\${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$${uidVar}" ] && [ "$st" != Z ] && n=$((n+1)); done; lp; [ "$n" -eq 0 ] && [ "$l0" != "$l" ] && n=1;`;
+  return `${LAST_PID} ${setup} i=0; while :; do ${kill} ${count} [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$${roundsArg}" ] && break; sleep 0.1; done; echo "remaining=$n"`;
 }
 
 // Runs as the user itself: with every capability dropped, only that uid may signal its
@@ -577,7 +596,7 @@ export const ROOT_SELF_SWEEP_SCRIPT = sweepScript(
   // Given an epoch, before each round: a fence above it (a later verify attempt took the
   // sandbox over since this sweep was sent: it landed late) stops the sweep, killing nothing of
   // that attempt's tests.
-  `${fenceCheck("e", 'echo "superseded=$f"; exit 0')}; sig STOP; sig KILL;`,
+  `${fenceCheck("e", 'echo "superseded=$f"; exit 0')}; ${STOP_UNTIL_STILL} sig KILL;`,
   "uid",
   "r",
 );
@@ -592,7 +611,7 @@ export const ROOT_SELF_SWEEP_SCRIPT = sweepScript(
 export const ROOT_KILL_SWEEP_SCRIPT = sweepScript(
   // biome-ignore lint/suspicious/noTemplateCurlyInString: POSIX shell parameter expansion
   't=$1; keep=" $$ "; sig() { for s in /proc/[0-9]*/status; do p=${s#/proc/}; p=${p%/status}; u=; while read -r k v rest; do [ "$k" = Uid: ] && u=$v && break; done 2>/dev/null < "$s"; [ "$u" = "$t" ] && kill -"$1" "$p" 2>/dev/null; done; };',
-  "sig STOP; sig KILL;",
+  `${STOP_UNTIL_STILL} sig KILL;`,
   "t",
   "2",
 );
