@@ -10,6 +10,7 @@ import {
 import { createServer, type Server, type Socket, connect as tcpConnect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
+import { setTimeout as delay } from "node:timers/promises";
 import { promisify } from "node:util";
 import {
   type CleanupReceipt,
@@ -958,6 +959,52 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
       } finally {
         expect(await racing.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
       }
+    } finally {
+      await proxy.close();
+    }
+  });
+
+  it("a call whose reply is cut after its headers fails at the API timeout: it never waits for good (the janitor's listing did)", async () => {
+    // The daemon's own reply to the listing, its headers and a part of its body, then the
+    // connection drops (a daemon restarted mid-reply, a proxy that died).
+    let cut = 0;
+    const proxy = await dockerProxy("cut-reply", (req, res) => {
+      if (req.method !== "GET" || !/\/containers\/json/.test(req.url ?? "")) return false;
+      const up = httpRequest(
+        { socketPath: "/var/run/docker.sock", method: "GET", path: req.url, headers: req.headers },
+        (upRes) => {
+          res.writeHead(upRes.statusCode ?? 200, upRes.headers);
+          upRes.once("data", (chunk: Buffer) => {
+            cut++;
+            res.write(chunk.subarray(0, 1), () => res.socket?.destroy());
+            upRes.destroy();
+          });
+        },
+      );
+      up.on("error", () => res.destroy());
+      up.end();
+      return true;
+    });
+    try {
+      const cutOff = new DockerSandboxProvider({
+        docker: { socketPath: proxy.path },
+        defaults: { apiTimeoutMs: 1_000 },
+      });
+      const pending = Symbol("still pending");
+      const outcome = await Promise.race([
+        cutOff.list().then(
+          () => "listed",
+          (err: unknown) => err,
+        ),
+        delay(20_000, pending, { ref: false }),
+      ]);
+      expect(cut).toBe(1);
+      expect(outcome).not.toBe(pending);
+      expect(isFleetError(outcome) && [outcome.kind, outcome.retryable]).toEqual([
+        "provider_unavailable",
+        true,
+      ]);
+      expect(String((outcome as Error).message)).toMatch(/timed out or was aborted/);
     } finally {
       await proxy.close();
     }

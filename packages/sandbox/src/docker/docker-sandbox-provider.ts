@@ -17,7 +17,7 @@ import {
   withTimeout,
 } from "@fleet/contracts";
 import type { Logger } from "@fleet/telemetry";
-import Dockerode from "dockerode";
+import type Dockerode from "dockerode";
 import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-command.ts";
 import {
   assertCoreutilsTimeout,
@@ -77,6 +77,7 @@ import {
   type SandboxLimits,
   sandboxName,
 } from "./container-config.ts";
+import { dockerClient } from "./docker-client.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { classifyDockerError, classifyDockerFacts, dockerErrorFacts } from "./docker-errors.ts";
 import { LABEL_NETWORK } from "./gateway-network.ts";
@@ -130,7 +131,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     this.instance = options.instance || undefined;
     const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
     this.endpoint = endpoint;
-    this.docker = connect(dockerOptions);
+    this.docker = dockerClient(dockerOptions);
     const { ca, cert, key } = dockerOptions;
     this.tls = ca || cert || key ? { ca, cert, key } : null;
     this.logger = options.logger;
@@ -1152,7 +1153,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (!client) {
       // A daemon of the same fleet over TLS trusts the same CA and client certificate.
       const remote = resolveDockerConnection({ endpoint: handle.endpoint }).options;
-      client = connect(remote.protocol === "https" && this.tls ? { ...remote, ...this.tls } : remote);
+      client = dockerClient(remote.protocol === "https" && this.tls ? { ...remote, ...this.tls } : remote);
       this.remotes.set(handle.endpoint, client);
     }
     return client;
@@ -1165,20 +1166,6 @@ export class DockerSandboxProvider implements SandboxProvider {
 
 /** How many sandboxes' OOM-kill counts a provider remembers (see `oomKillsSeen`). */
 const OOM_KILLS_REMEMBERED = 4096;
-
-/** A dockerode client that ignores DOCKER_HOST & co. in the environment (config comes from main.ts). */
-function connect(options: Dockerode.DockerOptions): Dockerode {
-  return new Dockerode({
-    host: undefined,
-    port: undefined,
-    protocol: undefined,
-    timeout: undefined,
-    ca: undefined,
-    cert: undefined,
-    key: undefined,
-    ...options,
-  });
-}
 
 export { LABEL_REAPER } from "./container-config.ts";
 

@@ -2,7 +2,7 @@
 import { createHash } from "node:crypto";
 import { setTimeout as sleep } from "node:timers/promises";
 import { FleetError, isFleetError } from "@fleet/contracts";
-import Dockerode from "dockerode";
+import type Dockerode from "dockerode";
 import {
   LABEL_INSTANCE,
   LABEL_MANAGED,
@@ -11,6 +11,7 @@ import {
   madeByAnotherInstance,
 } from "../provider.ts";
 import { dockerSafeId, scopeTag } from "./container-config.ts";
+import { dockerClient } from "./docker-client.ts";
 import { type DockerConnection, resolveDockerConnection } from "./docker-endpoint.ts";
 import { dockerErrorFacts } from "./docker-errors.ts";
 import { type GatewayFirewall, IptablesGatewayFirewall } from "./gateway-firewall.ts";
@@ -177,13 +178,7 @@ export class DockerGatewayNetworks {
   constructor(options: DockerGatewayNetworksOptions = {}) {
     const { options: dockerOptions, endpoint } = resolveDockerConnection(options.docker);
     this.endpoint = endpoint;
-    this.docker = new Dockerode({
-      host: undefined,
-      port: undefined,
-      protocol: undefined,
-      timeout: undefined,
-      ...dockerOptions,
-    });
+    this.docker = dockerClient(dockerOptions);
     this.firewall = options.firewall ?? new IptablesGatewayFirewall();
     this.pool = options.subnetPool;
     this.apiTimeoutMs = options.apiTimeoutMs ?? 30_000;
