@@ -92,6 +92,9 @@ export class FleetProcesses {
       FLEET_HTTP_HOST: "127.0.0.1",
       FLEET_API_TOKENS: this.token,
       FLEET_LOG_LEVEL: "info",
+      // Under the 60 s a process has to be ready: a worker whose sandbox provider never answers
+      // says so and exits, and the start fails with its reason rather than a bare "not ready".
+      FLEET_PROVIDER_WAIT_MS: "45000",
       ...options.env,
     };
   }
@@ -162,12 +165,20 @@ export class FleetProcesses {
     const ready = kind === "dispatcher" ? /listening|Server listening/i : /worker started|janitor started/;
     await new Promise<void>((resolveReady, reject) => {
       let buffered = "";
+      // Its last output, in the error of a start that failed (CI shows the error, not the log).
+      let tail = "";
+      const keep = (chunk: Buffer) => {
+        tail = (tail + chunk.toString("utf8")).slice(-1_000);
+      };
+      const lastOutput = () =>
+        tail.trim() ? `; its last output: ${tail.trim().split("\n").slice(-3).join(" | ").slice(-600)}` : "";
       const timer = setTimeout(
-        () => reject(new Error(`${kind}-${index} not ready in 60 s; see ${log.path}`)),
+        () => reject(new Error(`${kind}-${index} not ready in 60 s; see ${log.path}${lastOutput()}`)),
         60_000,
       );
       const onData = (chunk: Buffer) => {
         log.write(chunk);
+        keep(chunk);
         if (buffered !== null) {
           buffered += chunk.toString("utf8");
           if (proc.metricsPort === undefined) {
@@ -182,10 +193,17 @@ export class FleetProcesses {
         }
       };
       child.stdout?.on("data", onData);
-      child.stderr?.on("data", (chunk: Buffer) => log.write(chunk));
+      child.stderr?.on("data", (chunk: Buffer) => {
+        log.write(chunk);
+        keep(chunk);
+      });
       void exited.then((code) => {
         clearTimeout(timer);
-        reject(new Error(`${kind}-${index} exited with ${code} before it was ready; see ${log.path}`));
+        reject(
+          new Error(
+            `${kind}-${index} exited with ${code} before it was ready; see ${log.path}${lastOutput()}`,
+          ),
+        );
       });
     });
   }

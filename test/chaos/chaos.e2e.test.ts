@@ -128,15 +128,23 @@ describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
   });
 
   afterAll(async () => {
-    await fleet?.stop();
-    await proxy?.close();
-    // Whatever a failed run left behind (the assertions below count it first).
-    const left = await docker.listContainers({ all: true, filters: { label: [`${LABEL_SCOPE}=${prefix}`] } });
-    for (const c of left) await docker.getContainer(c.Id).remove({ force: true, v: true });
-    const vols =
-      (await docker.listVolumes({ filters: { label: [`${LABEL_SCOPE}=${prefix}`] } })).Volumes ?? [];
-    for (const v of vols) await docker.getVolume(v.Name).remove({ force: true });
-    await redis?.stop();
+    // Each part whatever the one before it did: a private Redis left running, or a daemon left
+    // behind its proxy, would weigh on every later file.
+    try {
+      await fleet?.stop();
+    } finally {
+      try {
+        await proxy?.close();
+        // Whatever a failed run left behind (the assertions below count it first).
+        const label = [`${LABEL_SCOPE}=${prefix}`];
+        const left = await docker.listContainers({ all: true, filters: { label } });
+        for (const c of left) await docker.getContainer(c.Id).remove({ force: true, v: true });
+        const vols = (await docker.listVolumes({ filters: { label } })).Volumes ?? [];
+        for (const v of vols) await docker.getVolume(v.Name).remove({ force: true });
+      } finally {
+        await redis?.stop();
+      }
+    }
   });
 
   it("keeps every rollout exactly once through SIGKILLs, a Redis restart and a Docker outage", async () => {
