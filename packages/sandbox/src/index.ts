@@ -2,6 +2,7 @@ export * from "./bubblewrap/bubblewrap-sandbox-provider.ts";
 export * from "./bubblewrap/rootfs.ts";
 export * from "./create-sandbox-provider.ts";
 export * from "./docker/container-config.ts";
+export * from "./docker/docker-client.ts";
 export * from "./docker/docker-endpoint.ts";
 export * from "./docker/docker-errors.ts";
 export * from "./docker/docker-sandbox-provider.ts";

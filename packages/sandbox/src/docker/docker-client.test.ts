@@ -40,6 +40,14 @@ describe("dockerClient", () => {
     expect(outcome).toMatchObject({ err: { name: "TimeoutError" } });
   });
 
+  it("settles a network's inspect too, whose signal dockerode passes only in its query options", async () => {
+    const docker = dockerClient({ host: "127.0.0.1", port: await daemon("cut"), protocol: "http" });
+    const inspected = docker.getNetwork("n1").inspect({ abortSignal: AbortSignal.timeout(300) });
+    const outcome = await within(inspected, 10_000);
+    expect(outcome).not.toBe(STILL_PENDING);
+    expect(outcome).toMatchObject({ err: { name: "TimeoutError" } });
+  });
+
   it("answers a whole reply as dockerode does, with a signal and without", async () => {
     const docker = dockerClient({ host: "127.0.0.1", port: await daemon("whole"), protocol: "http" });
     const listed = [{ Id: "c1", Names: ["/c1"], Labels: {} }];

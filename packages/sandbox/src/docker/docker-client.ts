@@ -2,8 +2,13 @@ import Dockerode from "dockerode";
 
 /** How docker-modem's `dial` is called: its request options and a node-style callback. */
 type DialCallback = (err: unknown, data?: unknown) => void;
+interface DialOptions {
+  abortSignal?: AbortSignal;
+  /** The call's query options: where dockerode 5 leaves the signal of a network's inspect. */
+  options?: { abortSignal?: AbortSignal };
+}
 interface Modem {
-  dial(options: { abortSignal?: AbortSignal }, callback?: DialCallback): unknown;
+  dial(options: DialOptions, callback?: DialCallback): unknown;
 }
 
 /**
@@ -31,11 +36,19 @@ export function dockerClient(options: Dockerode.DockerOptions): Dockerode {
   const modem = docker.modem as unknown as Modem;
   const dial = modem.dial.bind(modem);
   modem.dial = (dialOptions, callback) => {
-    const signal = dialOptions?.abortSignal;
+    // `Network.inspect` passes its signal only in the query options, which docker-modem drops:
+    // the request never saw it. Taken from there, for the request and for the settling below.
+    const signal = dialOptions?.abortSignal ?? dialOptions?.options?.abortSignal;
     if (!signal || typeof callback !== "function") return dial(dialOptions, callback);
+    dialOptions.abortSignal = signal;
     let settled = false;
     const settle: DialCallback = (err, data) => {
-      if (settled) return;
+      if (settled) {
+        // A stream (an exec's hijacked socket, a body) answered after the call failed at its
+        // signal has no reader: closed, not left open on the daemon.
+        (data as { destroy?: () => void } | undefined)?.destroy?.();
+        return;
+      }
       settled = true;
       signal.removeEventListener("abort", aborted);
       callback(err, data);

@@ -899,9 +899,12 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
     const stdout = new CappedBuffer(4096);
     const stderr = new CappedBuffer(4096);
+    // Not the API timeout's signal: the reaper's output may take longer to come. Aborted when the
+    // reaper failed, so an attach still pending (or its stream) does not stay open.
+    const attaching = new AbortController();
     try {
       const stream = await withTimeout(
-        reaper.attach({ stream: true, stdout: true, stderr: true }),
+        reaper.attach({ stream: true, stdout: true, stderr: true, abortSignal: attaching.signal }),
         this.defaults.apiTimeoutMs,
         "attaching to the reaper timed out",
       );
@@ -915,6 +918,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       await reaper.start({ abortSignal: this.apiSignal() });
       await withTimeout(ended, 60_000, "the reaper did not finish within 60 s");
     } catch (err) {
+      attaching.abort();
       // Under the API timeout like every other call: this path runs when the daemon is slow.
       await reaper.remove({ force: true, abortSignal: this.apiSignal() }).catch(() => undefined);
       if (isFleetError(err)) throw err;

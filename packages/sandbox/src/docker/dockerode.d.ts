@@ -146,7 +146,9 @@ declare module "dockerode" {
       remove(options?: WithSignal & { force?: boolean; v?: boolean }): Promise<unknown>;
       kill(options?: WithSignal & { signal?: string }): Promise<unknown>;
       exec(options: ExecCreateOptions): Promise<Exec>;
-      attach(options: { stream: boolean; stdout?: boolean; stderr?: boolean }): Promise<Readable>;
+      attach(
+        options: { stream: boolean; stdout?: boolean; stderr?: boolean } & WithSignal,
+      ): Promise<Readable>;
       getArchive(options: WithSignal & { path: string }): Promise<Readable>;
       stats(
         options: WithSignal & { stream: false; "one-shot"?: boolean },
