@@ -3,9 +3,8 @@ import { tmpdir } from "node:os";
 import { join } from "node:path";
 import type { RolloutResult, TaskContent } from "@fleet/contracts";
 import { createRedis, RolloutStore, TeardownLedger } from "@fleet/queue";
-import { LABEL_SCOPE } from "@fleet/sandbox";
+import { dockerClient, LABEL_SCOPE } from "@fleet/sandbox";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
-import Dockerode from "dockerode";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
 import { type AppKind, FleetProcesses } from "../../scripts/lib/fleet-processes.ts";
 import { IMAGE, testPrefix, waitFor } from "../helpers/env.ts";
@@ -98,7 +97,7 @@ const sleep = (ms: number) => new Promise((r) => setTimeout(r, ms));
 describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
   const prefix = testPrefix("chaos");
   const logDir = mkdtempSync(join(tmpdir(), "fleet-chaos-"));
-  const docker = new Dockerode({ socketPath: "/var/run/docker.sock" });
+  const docker = dockerClient({ socketPath: "/var/run/docker.sock" });
   let redis: PrivateRedis;
   let proxy: DockerProxy;
   let fleet: FleetProcesses;
@@ -128,23 +127,29 @@ describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
   });
 
   afterAll(async () => {
-    // Each part whatever the one before it did: a private Redis left running, or a daemon left
-    // behind its proxy, would weigh on every later file.
-    try {
-      await fleet?.stop();
-    } finally {
-      try {
-        await proxy?.close();
-        // Whatever a failed run left behind (the assertions below count it first).
-        const label = [`${LABEL_SCOPE}=${prefix}`];
-        const left = await docker.listContainers({ all: true, filters: { label } });
-        for (const c of left) await docker.getContainer(c.Id).remove({ force: true, v: true });
-        const vols = (await docker.listVolumes({ filters: { label } })).Volumes ?? [];
-        for (const v of vols) await docker.getVolume(v.Name).remove({ force: true });
-      } finally {
-        await redis?.stop();
-      }
-    }
+    // Each part whatever the ones before it did, each Docker call bounded: a private Redis left
+    // running, or a daemon left behind its proxy, would weigh on every later file.
+    const signal = () => AbortSignal.timeout(30_000);
+    const label = [`${LABEL_SCOPE}=${prefix}`];
+    const parts = [
+      () => fleet?.stop(),
+      () => proxy?.close(),
+      // Whatever a failed run left behind (the assertions below count it first).
+      async () => {
+        const left = await docker.listContainers({ all: true, filters: { label }, abortSignal: signal() });
+        for (const c of left)
+          await docker.getContainer(c.Id).remove({ force: true, v: true, abortSignal: signal() });
+        const vols = (await docker.listVolumes({ filters: { label }, abortSignal: signal() })).Volumes ?? [];
+        for (const v of vols) await docker.getVolume(v.Name).remove({ force: true, abortSignal: signal() });
+      },
+      () => redis?.stop(),
+    ];
+    const failed: unknown[] = [];
+    for (const part of parts)
+      await Promise.resolve()
+        .then(part)
+        .catch((err: unknown) => failed.push(err));
+    if (failed.length > 0) throw new AggregateError(failed, "the chaos test's cleanup failed");
   });
 
   it("keeps every rollout exactly once through SIGKILLs, a Redis restart and a Docker outage", async () => {
