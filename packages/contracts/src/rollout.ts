@@ -19,18 +19,19 @@ export const RolloutRequest = z.strictObject({
   deadlineS: Seconds.optional(),
   sandbox: SandboxOptions.optional(),
   /** Free JSON echoed into the result (no `__proto__` key: `JsonObject`). */
-  metadata: JsonObject.superRefine(refuseUnsafeIntegers).optional(),
+  metadata: JsonObject.superRefine(refuseInexactNumbers).optional(),
 });
 export type RolloutRequest = z.infer<typeof RolloutRequest>;
 
 /**
- * Metadata is echoed as it was read: an integer past 2^53 (a step counter, a token id) was
- * already rounded by JSON parsing (12345678901234567890 reads back 12345678901234567000), and
- * two such values would even hash alike (a different request taken for a replay). Refused, with
- * where and what to send instead. Numbers of 1e21 and more (written and read back in exponent
- * form, floats) are left alone.
+ * Metadata is echoed as it was read, so a number that JSON parsing could not read exactly is
+ * refused, with where and what to send instead: one past a double's range (1e400 reads as
+ * Infinity, which JSON writes back as null), and an integer past 2^53 (a step counter, a token
+ * id), already rounded (12345678901234567890 reads back 12345678901234567000; two such values
+ * would even hash alike, a different request taken for a replay). Numbers of 1e21 and more
+ * (written and read back in exponent form, floats) are left alone.
  */
-function refuseUnsafeIntegers(value: Record<string, unknown>, ctx: z.RefinementCtx): void {
+function refuseInexactNumbers(value: Record<string, unknown>, ctx: z.RefinementCtx): void {
   const walk = (v: unknown, path: PropertyKey[], depth: number): void => {
     if (typeof v === "number") {
       // 1e400 reads as Infinity, which JSON writes back as null: refused, not echoed as null.
