@@ -1,4 +1,5 @@
-// Prints vitest's JSON report as one plain closing line: "vitest: N passed, N failed, N skipped".
+// Prints vitest's JSON report as a closing line, "vitest: N passed, N failed, N skipped", then each
+// failed test and file with the gist of its error, and the slowest files ("durations: ...").
 // With --fail-on-skip (CI), names every skipped test and exits 1 when there is one: the tests
 // that skip without a tool or a kernel feature (promtool, Chromium, compose, bwrap, cgroups)
 // must all run on the CI machine, where a skip would otherwise pass for green.
