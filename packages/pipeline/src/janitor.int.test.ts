@@ -1806,6 +1806,49 @@ describe("janitor", () => {
     };
   }
 
+  it("starts its last-pass gauge from the newest pass any janitor finished (kept in Redis), not from its own start: one restarted after every pass it dies in still looks stopped", async () => {
+    const startedAt = Date.now();
+    const first = await fastJanitor();
+    try {
+      await vi.waitFor(async () => expect(await first.lastPass()).toBeGreaterThan(startedAt / 1000), {
+        timeout: 10_000,
+      });
+    } finally {
+      await first.close();
+    }
+    const kept = Number(await fleet.redis.get(fleet.deps.store.keys.janitorLastPass()));
+    expect(kept).toBeGreaterThan(startedAt);
+    // No pass can run while the queue is paused: the next janitor's gauge is the kept pass's.
+    const paused = new Queue(JANITOR_QUEUE, { connection: fleet.redis, prefix: fleet.prefix });
+    try {
+      await paused.pause();
+      const second = await fastJanitor();
+      try {
+        expect(await second.lastPass()).toBe(kept / 1000);
+      } finally {
+        await second.close();
+      }
+      // A kept time ahead of the fleet's clock (a failover onto a node whose clock is behind) or
+      // none that parses would keep the alert quiet: the next janitor starts from its own start.
+      const key = fleet.deps.store.keys.janitorLastPass();
+      for (const bad of [String(Date.now() + 86_400_000), "not a time"]) {
+        await fleet.redis.set(key, bad);
+        const before = Date.now();
+        const third = await fastJanitor();
+        try {
+          expect(await third.lastPass()).toBeGreaterThanOrEqual(before / 1000 - 1);
+          expect(await third.lastPass()).toBeLessThanOrEqual(Date.now() / 1000 + 1);
+          expect(Number(await fleet.redis.get(key))).toBeLessThanOrEqual(Date.now() + 1_000);
+        } finally {
+          await third.close();
+        }
+      }
+    } finally {
+      await paused.resume();
+      await paused.close();
+    }
+  });
+
   it("makes its schedule and its one-pass-at-a-time limit again after an obliterate of its queue (Bull Board: pause, obliterate)", async () => {
     const { schedule, close } = await fastJanitor();
     try {
@@ -1854,12 +1897,12 @@ describe("janitor", () => {
   });
 
   it("says when it last finished a pass (FleetJanitorPassesStopped), and makes its schedule again when someone removed it", async () => {
-    const started = Date.now() / 1000;
     const { schedule, lastPass, close } = await fastJanitor();
     try {
-      // Its start until its first pass, then each pass's end.
-      expect(await lastPass()).toBeGreaterThanOrEqual(started);
+      // From its start the newest pass kept in Redis (see "starts its last-pass gauge from the
+      // newest pass"), then each pass's end.
       const first = await lastPass();
+      expect(first).toBeGreaterThan(0);
       await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(first), { timeout: 10_000 });
       // Bull Board's job-scheduler "remove": no tick is made any more...
       expect(await schedule.removeJobScheduler(JANITOR_SCHEDULER)).toBe(true);

@@ -22,7 +22,7 @@ import {
 } from "@fleet/sandbox";
 import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
-import { clock, type PipelineDeps } from "./deps.ts";
+import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { DEFAULT_LOST_JOB_GRACE_MS, type LostJobCursor, requeueLostJobs } from "./lost-jobs.ts";
 import type { ProviderGate } from "./provider-gate.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
@@ -834,7 +834,21 @@ export async function startJanitor(
       { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
     );
   await schedule();
-  deps.metrics?.janitorLastPass.set(Date.now() / 1000);
+  // The newest pass's end, any replica's, kept in Redis; before any, the first start's (never
+  // this start's: a janitor restarted after each pass it died in would look like one that passes).
+  // Kept on the fleet's clock (every replica's); the gauge on this host's, which Prometheus's
+  // time() is compared with.
+  const lastPassKey = deps.store.keys.janitorLastPass();
+  const startedAt = clock(deps);
+  await options.connection.set(lastPassKey, String(startedAt), "NX");
+  let kept = Number(await options.connection.get(lastPassKey));
+  if (!Number.isFinite(kept) || kept <= 0 || kept > startedAt) {
+    // Not a time, or ahead of the fleet's clock (a failover onto a node whose clock is behind, a
+    // restore): it would keep the alert quiet while no pass runs. This start's instead.
+    kept = startedAt;
+    await options.connection.set(lastPassKey, String(kept));
+  }
+  deps.metrics?.janitorLastPass.set(localTime(deps, kept) / 1000);
   // fleet_sandboxes_active is this replica's sample from its last pass. With several replicas
   // sharing the schedule, another may run every pass for a while: a sample older than a few
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
@@ -902,6 +916,8 @@ export async function startJanitor(
       const report = await janitorTick(deps, { ...options, lostJobCursor, watchdogCursor });
       lastPassAt = Date.now();
       deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
+      // For the next janitor to start (a failed write: this replica's gauge still says it).
+      await options.connection.set(lastPassKey, String(clock(deps))).catch(() => undefined);
       const did =
         report.retried +
         report.orphansRemoved +

@@ -56,6 +56,13 @@ export interface Keys {
   instance(): string;
   /** The host a bubblewrap fleet's sandboxes live on (`claimSandboxHost`), while its apps renew it. */
   sandboxHost(): string;
+  /**
+   * When the newest janitor pass ended (epoch ms, the fleet's clock), or, before any pass, when
+   * the first janitor started: where a janitor's `fleet_janitor_last_pass_timestamp_seconds`
+   * starts from, so a janitor restarted (one that dies in every pass, say) does not report its
+   * start as a pass.
+   */
+  janitorLastPass(): string;
 }
 
 export function createKeys(prefix = "{fleet}"): Keys {
@@ -78,6 +85,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const networkRetries = `${x}teardown:networks`;
   const instance = `${x}instance`;
   const sandboxHost = `${x}sandbox-host`;
+  const janitorLastPass = `${x}janitor:last-pass`;
   return {
     prefix,
     rollout: (id) => `${x}rollout:${id}`,
@@ -101,6 +109,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     networkRetries: () => networkRetries,
     instance: () => instance,
     sandboxHost: () => sandboxHost,
+    janitorLastPass: () => janitorLastPass,
   };
 }
 

@@ -269,7 +269,7 @@ export function createFleetMetrics(registry: Registry): FleetMetrics {
     }),
     janitorLastPass: new Gauge({
       name: "fleet_janitor_last_pass_timestamp_seconds",
-      help: "Unix time this janitor last finished a pass (its start time until its first). Replicas share one schedule: the newest over them says whether passes run at all (a paused janitor queue, a removed schedule, a pass that never ends), which the heartbeat does not.",
+      help: "Unix time this janitor last finished a pass; until its first, the newest pass any janitor finished (kept in Redis), or the first janitor's start before any (never this one's own start: a janitor restarted after each pass it dies in would look like one that passes). Replicas share one schedule: the newest over them says whether passes run at all (a paused janitor queue, a removed schedule, a pass that never ends), which the heartbeat does not.",
       registers,
     }),
     closesGivenUp: new Counter({
