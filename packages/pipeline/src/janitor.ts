@@ -916,8 +916,9 @@ export async function startJanitor(
       const report = await janitorTick(deps, { ...options, lostJobCursor, watchdogCursor });
       lastPassAt = Date.now();
       deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
-      // For the next janitor to start (a failed write: this replica's gauge still says it).
-      await options.connection.set(lastPassKey, String(clock(deps))).catch(() => undefined);
+      // For the next janitor to start (a failed write: this replica's gauge still says it). Not
+      // awaited: the pass is over, and a Redis that is down must not hold its job open.
+      void options.connection.set(lastPassKey, String(clock(deps))).catch(() => undefined);
       const did =
         report.retried +
         report.orphansRemoved +
