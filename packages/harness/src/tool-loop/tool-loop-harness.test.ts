@@ -725,6 +725,18 @@ describe("ToolLoopHarness", () => {
     expect(out.usage?.gaps.filter((g) => /abandoned/.test(g))).toEqual([]);
   });
 
+  it("ends timed out when a tool call the deadline bounded timed out, even if the clock is a millisecond short of the deadline", async () => {
+    // The exec reports its limit reached at once: the clock says time is left, the exec's limit
+    // (the time left, under the tool's 60 s) says it is over.
+    provider.onExec = (call) => (call.argv[0] === "bash" ? { exitCode: -1, timedOut: true } : {});
+    upstream.push(chatReply({ bash: ["sleep 100"] }), chatReply({ content: "never" }));
+    const a = agent({ toolTimeoutS: 60 });
+    const out = await harness(a).run(ctx(a, { deadlineMs: Date.now() + 3_000 }));
+    expect(upstream.requests).toHaveLength(1);
+    expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
+    expect(out.exec.stderr).toMatch(/deadline came during tool call/);
+  });
+
   it("gives a timed-out tool call back to the model when the agent still has time", async () => {
     provider.onExec = (call) => (call.argv[0] === "bash" ? { exitCode: -1, timedOut: true } : {});
     upstream.push(chatReply({ bash: ["sleep 100"] }), chatReply({ content: "gave up" }));

@@ -272,7 +272,13 @@ export class ToolLoopHarness implements Harness {
             ...content.facts,
             content: content.text,
           });
-          if (Date.now() >= deadlineMs) {
+          // A call that timed out with less time left than the tool's own timeout was stopped by
+          // the deadline, whatever the clock says just after: a timer may fire a millisecond
+          // before Date.now() reaches the deadline, and the episode must not go on to a model
+          // call it has no time for.
+          const deadlineStopped =
+            content.facts.timedOut === true && remaining < this.agent.toolTimeoutS * 1000;
+          if (deadlineStopped || Date.now() >= deadlineMs) {
             stop = "deadline";
             stopDetail = `the agent's deadline came during tool call ${call.id}`;
             break steps;
