@@ -134,6 +134,8 @@ describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
     const parts = [
       () => fleet?.stop(),
       () => proxy?.close(),
+      // Before the Docker calls, which a daemon that hangs holds up to 30 s each.
+      () => redis?.stop(),
       // Whatever a failed run left behind (the assertions below count it first).
       async () => {
         const left = await docker.listContainers({ all: true, filters: { label }, abortSignal: signal() });
@@ -142,7 +144,6 @@ describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
         const vols = (await docker.listVolumes({ filters: { label }, abortSignal: signal() })).Volumes ?? [];
         for (const v of vols) await docker.getVolume(v.Name).remove({ force: true, abortSignal: signal() });
       },
-      () => redis?.stop(),
     ];
     const failed: unknown[] = [];
     for (const part of parts)
