@@ -138,11 +138,20 @@ describe(`chaos (${FULL ? "full" : "small"} profile)`, () => {
       () => redis?.stop(),
       // Whatever a failed run left behind (the assertions below count it first).
       async () => {
+        // Gone already, or going (a reaper removes itself): not a failure of the cleanup.
+        const goneOrGoing = (err: unknown) => {
+          const code = (err as { statusCode?: number }).statusCode;
+          if (code !== 404 && code !== 409) throw err;
+        };
         const left = await docker.listContainers({ all: true, filters: { label }, abortSignal: signal() });
         for (const c of left)
-          await docker.getContainer(c.Id).remove({ force: true, v: true, abortSignal: signal() });
+          await docker
+            .getContainer(c.Id)
+            .remove({ force: true, v: true, abortSignal: signal() })
+            .catch(goneOrGoing);
         const vols = (await docker.listVolumes({ filters: { label }, abortSignal: signal() })).Volumes ?? [];
-        for (const v of vols) await docker.getVolume(v.Name).remove({ force: true, abortSignal: signal() });
+        for (const v of vols)
+          await docker.getVolume(v.Name).remove({ force: true, abortSignal: signal() }).catch(goneOrGoing);
       },
     ];
     const failed: unknown[] = [];

@@ -731,7 +731,7 @@ describe("ToolLoopHarness", () => {
     provider.onExec = (call) => (call.argv[0] === "bash" ? { exitCode: -1, timedOut: true } : {});
     upstream.push(chatReply({ bash: ["sleep 100"] }), chatReply({ content: "never" }));
     const a = agent({ toolTimeoutS: 60 });
-    const out = await harness(a).run(ctx(a, { deadlineMs: Date.now() + 3_000 }));
+    const out = await harness(a).run(ctx(a, { deadlineMs: Date.now() + 30_000 }));
     expect(upstream.requests).toHaveLength(1);
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(out.exec.stderr).toMatch(/deadline came during tool call/);

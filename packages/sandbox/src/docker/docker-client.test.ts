@@ -35,14 +35,14 @@ const within = <T>(p: Promise<T>, ms: number) =>
 describe("dockerClient", () => {
   it("settles a call whose reply was cut after its headers when its abort signal fires, with the signal's reason", async () => {
     const docker = dockerClient({ host: "127.0.0.1", port: await daemon("cut"), protocol: "http" });
-    const outcome = await within(docker.listContainers({ abortSignal: AbortSignal.timeout(300) }), 10_000);
+    const outcome = await within(docker.listContainers({ abortSignal: AbortSignal.timeout(1_000) }), 10_000);
     expect(outcome).not.toBe(STILL_PENDING);
     expect(outcome).toMatchObject({ err: { name: "TimeoutError" } });
   });
 
   it("settles a network's inspect too, whose signal dockerode passes only in its query options", async () => {
     const docker = dockerClient({ host: "127.0.0.1", port: await daemon("cut"), protocol: "http" });
-    const inspected = docker.getNetwork("n1").inspect({ abortSignal: AbortSignal.timeout(300) });
+    const inspected = docker.getNetwork("n1").inspect({ abortSignal: AbortSignal.timeout(1_000) });
     const outcome = await within(inspected, 10_000);
     expect(outcome).not.toBe(STILL_PENDING);
     expect(outcome).toMatchObject({ err: { name: "TimeoutError" } });

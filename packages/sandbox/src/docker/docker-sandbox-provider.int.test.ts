@@ -988,7 +988,8 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     try {
       const cutOff = new DockerSandboxProvider({
         docker: { socketPath: proxy.path },
-        defaults: { apiTimeoutMs: 1_000 },
+        // Long enough for the daemon's headers to come first on a loaded host (the cut follows them).
+        defaults: { apiTimeoutMs: 3_000 },
       });
       const pending = Symbol("still pending");
       const outcome = await Promise.race([

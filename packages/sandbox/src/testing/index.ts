@@ -75,8 +75,9 @@ const REFORKING_CHAIN_ARGV = [
 ];
 
 /**
- * Starts that chain in `h`, waits (up to 10 s) until it has added 100 links and is seen adding
- * more, sweeps the agent's uid (`killProcesses`), then reads the chain's length for a second:
+ * Starts that chain in `h`, waits (up to 10 s) until it has added 100 links and (10 s more) is
+ * seen adding more, sweeps the agent's uid (`killProcesses`), then reads the chain's length for a
+ * second and at least three times:
  * `grew` (it ran right before the sweep), the sweep's `receipt`, and the lengths read after it
  * (all one number once nothing of the chain runs).
  */
@@ -95,11 +96,14 @@ export async function sweepReforkingChain(
   const until = Date.now() + 10_000;
   while ((await links()) < 100 && Date.now() < until);
   const before = await links();
-  while ((await links()) === before && Date.now() < until);
+  const growing = Date.now() + 10_000;
+  while ((await links()) === before && Date.now() < growing);
   const grew = (await links()) > Math.max(before, 99);
   const receipt = await provider.killProcesses(h, AGENT_USER);
   const after: number[] = [];
+  // A second and at least three reads: each is an exec, which may take most of a second on a
+  // loaded host, and one read alone would always look still.
   const watchUntil = Date.now() + 1_000;
-  while (Date.now() < watchUntil) after.push(await links());
+  while (Date.now() < watchUntil || after.length < 3) after.push(await links());
   return { started: start.stdout.includes("started"), grew, receipt, after };
 }
