@@ -165,10 +165,12 @@ export class FleetProcesses {
     const ready = kind === "dispatcher" ? /listening|Server listening/i : /worker started|janitor started/;
     await new Promise<void>((resolveReady, reject) => {
       let buffered = "";
-      // Its last output, in the error of a start that failed (CI shows the error, not the log).
+      // Its last output, in the error of a start that failed (CI shows the error, not the log):
+      // kept until it is ready, not for the rest of its life.
       let tail = "";
+      let waiting = true;
       const keep = (chunk: Buffer) => {
-        tail = (tail + chunk.toString("utf8")).slice(-1_000);
+        if (waiting) tail = (tail + chunk.toString("utf8")).slice(-1_000);
       };
       const lastOutput = () =>
         tail.trim() ? `; its last output: ${tail.trim().split("\n").slice(-3).join(" | ").slice(-600)}` : "";
@@ -186,6 +188,7 @@ export class FleetProcesses {
             if (line) proc.metricsPort = Number(/"port":(\d+)/.exec(line)?.[1]) || undefined;
           }
           if (ready.test(buffered)) {
+            waiting = false;
             clearTimeout(timer);
             buffered = "";
             resolveReady();

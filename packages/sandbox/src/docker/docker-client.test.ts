@@ -1,7 +1,7 @@
 import { createServer, type Server } from "node:http";
 import type { AddressInfo } from "node:net";
-import { setTimeout as delay } from "node:timers/promises";
 import { afterEach, describe, expect, it } from "vitest";
+import { STILL_PENDING, settledWithin } from "../testing/index.ts";
 import { dockerClient } from "./docker-client.ts";
 
 // A daemon on loopback HTTP that answers the listing as `answer` says: whole, or cut after its
@@ -22,20 +22,13 @@ afterEach(async () => {
   server = null;
 });
 
-const STILL_PENDING = Symbol("still pending");
-const within = <T>(p: Promise<T>, ms: number) =>
-  Promise.race([
-    p.then(
-      (v) => ({ value: v }),
-      (err: unknown) => ({ err }),
-    ),
-    delay(ms, STILL_PENDING, { ref: false }),
-  ]);
-
 describe("dockerClient", () => {
   it("settles a call whose reply was cut after its headers when its abort signal fires, with the signal's reason", async () => {
     const docker = dockerClient({ host: "127.0.0.1", port: await daemon("cut"), protocol: "http" });
-    const outcome = await within(docker.listContainers({ abortSignal: AbortSignal.timeout(1_000) }), 10_000);
+    const outcome = await settledWithin(
+      docker.listContainers({ abortSignal: AbortSignal.timeout(1_000) }),
+      10_000,
+    );
     expect(outcome).not.toBe(STILL_PENDING);
     expect(outcome).toMatchObject({ err: { name: "TimeoutError" } });
   });
@@ -43,7 +36,7 @@ describe("dockerClient", () => {
   it("settles a network's inspect too, whose signal dockerode passes only in its query options", async () => {
     const docker = dockerClient({ host: "127.0.0.1", port: await daemon("cut"), protocol: "http" });
     const inspected = docker.getNetwork("n1").inspect({ abortSignal: AbortSignal.timeout(1_000) });
-    const outcome = await within(inspected, 10_000);
+    const outcome = await settledWithin(inspected, 10_000);
     expect(outcome).not.toBe(STILL_PENDING);
     expect(outcome).toMatchObject({ err: { name: "TimeoutError" } });
   });

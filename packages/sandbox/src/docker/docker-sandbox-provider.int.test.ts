@@ -10,7 +10,6 @@ import {
 import { createServer, type Server, type Socket, connect as tcpConnect } from "node:net";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { setTimeout as delay } from "node:timers/promises";
 import { promisify } from "node:util";
 import {
   type CleanupReceipt,
@@ -37,6 +36,8 @@ import {
   fillWithEmptyFilesPy,
   fleetError,
   KILL_EVERY_SWEEP_ARGV,
+  STILL_PENDING,
+  settledWithin,
   sweepReforkingChain,
 } from "../testing/index.ts";
 import {
@@ -991,16 +992,10 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
         // Long enough for the daemon's headers to come first on a loaded host (the cut follows them).
         defaults: { apiTimeoutMs: 3_000 },
       });
-      const pending = Symbol("still pending");
-      const outcome = await Promise.race([
-        cutOff.list().then(
-          () => "listed",
-          (err: unknown) => err,
-        ),
-        delay(20_000, pending, { ref: false }),
-      ]);
+      const settled = await settledWithin(cutOff.list(), 20_000);
       expect(cut).toBe(1);
-      expect(outcome).not.toBe(pending);
+      expect(settled).not.toBe(STILL_PENDING);
+      const outcome = settled !== STILL_PENDING && "err" in settled ? settled.err : settled;
       expect(isFleetError(outcome) && [outcome.kind, outcome.retryable]).toEqual([
         "provider_unavailable",
         true,

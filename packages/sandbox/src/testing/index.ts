@@ -1,5 +1,6 @@
 // Test support, not for production code: an in-memory provider for unit tests, and a base rootfs
 // plus a capability check for bubblewrap tests.
+import { setTimeout as delay } from "node:timers/promises";
 import { type CleanupReceipt, type FleetError, isFleetError, type SandboxHandle } from "@fleet/contracts";
 import { AGENT_USER, ROOT_USER, type SandboxProvider } from "../provider.ts";
 
@@ -19,6 +20,26 @@ export async function fleetError(run: Promise<unknown> | (() => unknown)): Promi
     throw new Error(`expected a FleetError, got ${String(err)}`, { cause: err });
   }
   throw new Error("expected the call to fail");
+}
+
+/** What `settledWithin` gives for a promise still pending at its end. */
+export const STILL_PENDING = Symbol("still pending");
+
+/**
+ * How `p` settled within `ms` (`{ value }` or `{ err }`), or `STILL_PENDING`: for a call that
+ * must settle, tested without hanging the test when it does not.
+ */
+export function settledWithin<T>(
+  p: Promise<T>,
+  ms: number,
+): Promise<{ value: T } | { err: unknown } | typeof STILL_PENDING> {
+  return Promise.race([
+    p.then(
+      (value) => ({ value }),
+      (err: unknown) => ({ err }),
+    ),
+    delay(ms, STILL_PENDING, { ref: false }),
+  ]);
 }
 
 /**
