@@ -235,6 +235,46 @@ describe("broken tasks give invalid_task naming the file", () => {
     }
   });
 
+  it("[metadata] the dispatcher would refuse in the request: refused here, before any of the suite is sent", async () => {
+    // A "constructor.prototype" key: the dispatcher's JSON parser refuses it (400), as it does __proto__.
+    const ctor = await writeTask("ctor", {
+      "task.toml": `${GOOD_TOML}[metadata.constructor]\nprototype = "x"\n`,
+    });
+    expect(await invalidTask(() => loadTask(ctor))).toMatch(
+      /task\.toml: \[metadata\]\.constructor\.prototype: a "constructor\.prototype" key/,
+    );
+    // A constructor key alone is fine.
+    const plain = await writeTask("ctor-ok", { "task.toml": `${GOOD_TOML}constructor = "x"\n` });
+    expect((await loadTask(plain)).metadata).toMatchObject({ constructor: "x" });
+    // Nested past the bound (admission would refuse the request at 64 levels, the task inside it).
+    const nested = (levels: number) => `${"[".repeat(levels)}1${"]".repeat(levels)}`;
+    const ok = await writeTask("deep-ok", { "task.toml": `${GOOD_TOML}deep = ${nested(31)}\n` });
+    expect(JSON.stringify((await loadTask(ok)).metadata.deep)).toBe(nested(31));
+    const deep = await writeTask("deep", { "task.toml": `${GOOD_TOML}deep = ${nested(70)}\n` });
+    expect(await invalidTask(() => loadTask(deep))).toMatch(
+      /\[metadata\]\.deep(\[0\])+: nested more than 32 levels deep/,
+    );
+    // More values than a request may carry, past the bound.
+    const many = await writeTask("many", {
+      "task.toml": `${GOOD_TOML}many = [${Array.from({ length: 10_001 }, (_, i) => i).join(",")}]\n`,
+    });
+    expect(await invalidTask(() => loadTask(many))).toMatch(
+      /\[metadata\]\.many\[\d+\]: holds more than 10000 values/,
+    );
+  });
+
+  it("a file named __proto__: refused, not dropped (a plain object's key by that name sets its prototype)", async () => {
+    for (const tree of ["workspace", "solution", "tests"]) {
+      const dir = await writeTask(`proto-file-${tree}`, { [`${tree}/__proto__`]: "x\n" });
+      expect(await invalidTask(() => loadTask(dir))).toContain(
+        `${path.join(dir, tree, "__proto__")}: is named "__proto__", which a file set cannot hold`,
+      );
+    }
+    // Below the top of a tree the name is only part of a path: kept.
+    const below = await writeTask("proto-below", { "workspace/d/__proto__": "x\n" });
+    expect((await loadTask(below)).workspace).toEqual({ "d/__proto__": "x\n" });
+  });
+
   it("a match task with tests/: they would never run", async () => {
     const dir = await writeTask("mt", {
       "task.toml": '[task]\nimage = "i"\n[verifier]\nkind = "match"\nexpected = "42"\n',
@@ -664,6 +704,22 @@ describe("loadSuite", () => {
       await symlink(elsewhere, path.join(tmp, "linked"));
       const message = await invalidTask(() => loadSuite(tmp));
       expect(message).toContain(`${path.join(tmp, "linked")}: is a symlink`);
+    } finally {
+      await rm(elsewhere, { recursive: true, force: true });
+    }
+  });
+
+  it("ignores a symlink to a file in the suite's root (a README kept elsewhere), as it does a file; a broken one is refused", async () => {
+    await writeTask("a-task", {});
+    const elsewhere = await mkdtemp(path.join(tmpdir(), "elsewhere-"));
+    try {
+      await writeFile(path.join(elsewhere, "README.md"), "# the suite\n");
+      await symlink(path.join(elsewhere, "README.md"), path.join(tmp, "README.md"));
+      expect((await loadSuite(tmp)).map((t) => t.id)).toEqual(["a-task"]);
+      await symlink(path.join(elsewhere, "gone"), path.join(tmp, "dangling"));
+      expect(await invalidTask(() => loadSuite(tmp))).toContain(
+        `${path.join(tmp, "dangling")}: is a symlink`,
+      );
     } finally {
       await rm(elsewhere, { recursive: true, force: true });
     }

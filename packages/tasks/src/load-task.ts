@@ -1,5 +1,5 @@
 import type { Dirent, Stats } from "node:fs";
-import { constants, type FileHandle, lstat, open, readdir, realpath } from "node:fs/promises";
+import { constants, type FileHandle, lstat, open, readdir, realpath, stat } from "node:fs/promises";
 import path from "node:path";
 import {
   FILESET_TOO_LARGE,
@@ -197,10 +197,15 @@ export async function loadSuite(dir: string, options: LoadSuiteOptions = {}): Pr
     .map((e) => e.name)
     .sort();
   const loaded: Array<{ dir: string; task: TaskContent }> = [];
-  // A symlinked task is refused like any symlink in a task (not skipped without a word).
-  const problems: string[] = visible
-    .filter((e) => e.isSymbolicLink() && (only === null || only.has(e.name)))
-    .map((e) => `${path.join(root, e.name)}: is a symlink (refused; copy the task into the suite)`);
+  // A symlinked task is refused like any symlink in a task (not skipped without a word); a link
+  // to a regular file (a README kept elsewhere) is not a task, ignored as files there are.
+  const problems: string[] = [];
+  for (const e of visible) {
+    if (!e.isSymbolicLink() || (only !== null && !only.has(e.name))) continue;
+    const link = path.join(root, e.name);
+    if ((await stat(link).catch(() => null))?.isFile()) continue;
+    problems.push(`${link}: is a symlink (refused; copy the task into the suite)`);
+  }
   for (const name of dirs) {
     const taskDir = path.join(root, name);
     try {
@@ -341,8 +346,25 @@ function toContent(
   };
 }
 
-/** TOML values → plain JSON values (dates as ISO strings); non-finite numbers are refused. */
-function toJson(value: unknown, file: string, where: string): unknown {
+/**
+ * How deep and how large a task's `[metadata]` may be. The task travels inside a rollout
+ * request, which the dispatcher refuses nested past 64 levels or holding over 100,000 JSON values:
+ * a task past these bounds is refused here, before a submission sends any of its suite, rather
+ * than after the rows before it were admitted. Far above any metadata a task needs.
+ */
+export const MAX_TASK_METADATA_DEPTH = 32;
+export const MAX_TASK_METADATA_VALUES = 10_000;
+
+/**
+ * TOML values → plain JSON values (dates as ISO strings). Refused: non-finite numbers, nesting
+ * past `MAX_TASK_METADATA_DEPTH`, more than `MAX_TASK_METADATA_VALUES` values, and a
+ * `constructor` table holding a `prototype` key, which the dispatcher's JSON parser refuses in a
+ * request (as it does `__proto__`, which `TaskToml` refuses already).
+ */
+function toJson(value: unknown, file: string, where: string, seen = { values: 0 }, depth = 0): unknown {
+  if (++seen.values > MAX_TASK_METADATA_VALUES) {
+    throw invalid(file, `${where}: holds more than ${MAX_TASK_METADATA_VALUES} values`);
+  }
   if (value instanceof TomlDate) return value.toISOString();
   if (typeof value === "number") {
     if (!Number.isFinite(value))
@@ -350,13 +372,22 @@ function toJson(value: unknown, file: string, where: string): unknown {
     return value;
   }
   if (typeof value === "bigint") return Number(value);
-  if (Array.isArray(value)) return value.map((v, i) => toJson(v, file, `${where}[${i}]`));
-  if (typeof value === "object" && value !== null) {
-    const out: Record<string, unknown> = {};
-    for (const [k, v] of Object.entries(value)) out[k] = toJson(v, file, `${where}.${k}`);
-    return out;
+  if (typeof value !== "object" || value === null) return value;
+  if (depth >= MAX_TASK_METADATA_DEPTH) {
+    throw invalid(file, `${where}: nested more than ${MAX_TASK_METADATA_DEPTH} levels deep`);
   }
-  return value;
+  if (Array.isArray(value)) return value.map((v, i) => toJson(v, file, `${where}[${i}]`, seen, depth + 1));
+  const out: Record<string, unknown> = {};
+  for (const [k, v] of Object.entries(value)) {
+    if (k === "constructor" && typeof v === "object" && v !== null && Object.hasOwn(v, "prototype")) {
+      throw invalid(
+        file,
+        `${where}.constructor.prototype: a "constructor.prototype" key, which the dispatcher refuses in a request: rename it`,
+      );
+    }
+    out[k] = toJson(v, file, `${where}.${k}`, seen, depth + 1);
+  }
+  return out;
 }
 
 interface Budget {
@@ -477,6 +508,9 @@ async function readTree(
       else if (entry.isSymbolicLink())
         throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
       else if (entry.isFile()) {
+        // Assigned to a plain object, this name would set its prototype: the file would vanish.
+        if (childRel === "__proto__")
+          throw invalid(childAbs, 'is named "__proto__", which a file set cannot hold: rename it');
         if (++count > MAX_FILESET_ENTRIES) {
           throw invalid(path.dirname(dir), `${path.basename(dir)}: ${FILESET_TOO_LARGE}`);
         }
