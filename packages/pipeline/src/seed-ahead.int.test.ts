@@ -243,6 +243,38 @@ describe("the seed-ahead bound", () => {
     );
   });
 
+  it("times a seed held at the bound from when it passed it: the wait is no work of the stage", async () => {
+    const registry = createMetricsRegistry({ app: "resources-test", defaultMetrics: false });
+    const { fleet, resources } = await resourcesOnly(
+      { min: 1, intervalMs: 50, recountMs: 5 },
+      { deps: { ...NO_OP_AGENT_AND_VERIFIER, metrics: createFleetMetrics(registry) } },
+    );
+    const counts = watchCounts();
+    const ids = await submit(3);
+    await settled("seeding to pause with no seed in flight", counts, () => {
+      const s = resources.seedAhead!;
+      return s.held && s.inFlight === 0;
+    });
+    // Two seeds wait at the bound a second (the length of the wait is what is measured), then pass it.
+    const heldAt = Date.now();
+    await until("the seeds to have waited a second at the bound", () => Date.now() - heldAt >= 1_000);
+    startWorkers(["run", "verify"]);
+    const results = await fleet.waitForResults(ids, 60_000);
+    expect(results.map((r) => r.status)).toEqual(Array(3).fill("completed"));
+    const text = await registry.getSingleMetricAsString("fleet_stage_duration_seconds");
+    const seeds = (le: string) =>
+      Number(
+        text
+          .split("\n")
+          .find((l) => l.includes(`le="${le}"`) && l.includes('stage="seed",outcome="ok"'))
+          ?.split(" ")
+          .at(-1),
+      );
+    // Every seed's own work (an in-memory sandbox) takes milliseconds; two of them waited a second.
+    expect(seeds("+Inf")).toBe(3);
+    expect(seeds("0.5")).toBe(3);
+  });
+
   it("lets as many rollouts wait as agents are busy, when that is more than the minimum", async () => {
     const provider = new InMemorySandboxProvider();
     const release = latch();

@@ -147,7 +147,9 @@ export function createStageWorkers(
     const worker = new Worker(
       stage,
       async (job: Job, token?: string) => {
-        const started = Date.now();
+        // When the job's work began: after a seed's wait for the seed-ahead bound, which is no
+        // work of its stage (a seed held 10 s at the bound would time as a slow sandbox create).
+        let started = Date.now();
         if (token) running.add(token);
         slot.active++;
         slot.idleWithWorkSince = null;
@@ -160,6 +162,7 @@ export function createStageWorkers(
           if (stage === "seed" && seedAhead) {
             await seedAhead.enter(handBack.signal, job.timestamp);
             entered = true;
+            started = Date.now();
           }
           const outcome = await runStageJob(stage, job, deps, runOptions);
           const ms = Date.now() - started;
