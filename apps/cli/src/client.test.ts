@@ -175,7 +175,8 @@ describe("FleetClient", () => {
       await new Promise((r) => setImmediate(r));
       res.write('leted"}\r\n\n{"id":"r2","reward":0.5,"note":"é');
       await new Promise((r) => setImmediate(r));
-      res.end('"}');
+      // Every line the dispatcher sends ends in \n (a body ending inside a line is cut short).
+      res.end('"}\n');
     });
     const lines: string[] = [];
     for await (const line of client().batchResultLines("b1")) lines.push(line);

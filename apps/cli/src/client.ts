@@ -256,8 +256,8 @@ export class FleetClient {
 
   /**
    * `GET /v1/batches/:id/results`: the raw NDJSON body of the terminal rollouts' results. A body
-   * cut short (the connection dropped mid-stream) errors the stream with an ApiError of code
-   * `stream_broken`.
+   * cut short (the connection dropped mid-stream, or a body that ends inside a line) errors the
+   * stream with an ApiError of code `stream_broken`.
    */
   async batchResultsStream(batchId: string): Promise<ReadableStream<Uint8Array>> {
     const res = await this.request("GET", `/v1/batches/${pathId(batchId)}/results`, {
@@ -276,12 +276,19 @@ export class FleetClient {
     }
     if (res.body === null) return new ReadableStream({ start: (c) => c.close() });
     const reader = res.body.getReader();
+    /** The body's last byte so far (-1 before any): every line the dispatcher sends ends in `\n`. */
+    let last = -1;
     return new ReadableStream<Uint8Array>({
       pull: async (controller) => {
         try {
           const { done, value } = await reader.read();
-          if (done) controller.close();
-          else controller.enqueue(value);
+          if (!done) {
+            if (value.length > 0) last = value[value.length - 1]!;
+            controller.enqueue(value);
+          } else if (last === -1 || last === 0x0a) controller.close();
+          // A body without a length nor chunks ends where the connection closes: cut inside a
+          // line, it ends as if whole. Its last line is half a result, not one.
+          else controller.error(this.streamError(batchId, new Error("it ended inside a line")));
         } catch (err) {
           controller.error(this.streamError(batchId, err));
         }

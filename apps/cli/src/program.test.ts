@@ -1,6 +1,7 @@
 import { execFileSync } from "node:child_process";
 import { existsSync } from "node:fs";
-import { lstat, mkdir, mkdtemp, readdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import { link, lstat, mkdir, mkdtemp, readdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import { type AddressInfo, createServer as createNetServer, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { TaskContent } from "@fleet/contracts";
@@ -309,6 +310,24 @@ describe("fleet submit", () => {
     expect(existsSync(missing)).toBe(false);
   });
 
+  it("watch rides out a dispatcher down when it starts as --outage-wait says, not for the client's few retries", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 1, done: 1, counts: { completed: 1 } }),
+    );
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.end(`${JSON.stringify(completed("r1", 1))}\n`);
+    });
+    // Not listening yet for 6 connections: ctx() allows 1 retry, so the client alone gave up after 2.
+    server.refuse = 6;
+    const code = await runCli(["watch", "b-1", "--poll-interval", "10", "--outage-wait", "60"], ctx());
+    expect(code, stderr.text()).toBe(0);
+    expect(server.refuse).toBe(0);
+    expect(stderr.text().match(/dispatcher unreachable \(.*\); still waiting \(since /g)).toHaveLength(1);
+    expect(stderr.text()).toContain("dispatcher answering again after");
+    expect(stdout.text()).toContain("completed 1");
+  });
+
   it("stops at an API error, names batches already submitted, and exits 1", async () => {
     let n = 0;
     server.on("POST", "/v1/batches", (req, res) => {
@@ -438,6 +457,60 @@ describe("fleet submit", () => {
     expect(server.requests.filter((r) => r.method === "POST")).toHaveLength(0);
   });
 
+  it("--rerun refuses an --out that is its results file (that path, another spelling, a symbolic or a hard link): the rerun would replace them", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const results = path.join(dir, "old.jsonl");
+    const text = `${JSON.stringify({ taskId: "alpha", taskDigest: "digest-alpha".padEnd(64, "0"), agent: "oracle", status: "masked" })}\n`;
+    await writeFile(results, text);
+    await link(results, path.join(dir, "hard.jsonl"));
+    await symlink(results, path.join(dir, "soft.jsonl"));
+    for (const [rerun, out] of [
+      [results, results],
+      [results, `${dir}/./old.jsonl`],
+      [results, path.join(dir, "hard.jsonl")],
+      [path.join(dir, "soft.jsonl"), results],
+    ] as const) {
+      stderr = new Collector();
+      const command = [
+        "submit",
+        "--suite",
+        "s",
+        "--agent",
+        "oracle",
+        "--rerun",
+        rerun,
+        "--wait",
+        "--out",
+        out,
+      ];
+      expect([await runCli(command, ctx()), stderr.text()], `${rerun} ${out}`).toEqual([
+        2,
+        `error: --out ${out} is the --rerun file ${rerun}: the rerun's results would replace the results it reruns; write the rerun elsewhere (another --out)\n`,
+      ]);
+      expect(await readFile(results, "utf8")).toBe(text);
+    }
+    expect(server.requests).toHaveLength(0);
+    expect((await readdir(dir)).sort()).toEqual(["hard.jsonl", "old.jsonl", "soft.jsonl"]);
+  });
+
+  it("--rerun with a --task the suite does not have is the usage error a submission without --rerun gives, not nothing to rerun", async () => {
+    fakeDispatcher((id) => completed(id, 1));
+    const results = path.join(dir, "old.jsonl");
+    await writeFile(
+      results,
+      `${JSON.stringify({ taskId: "alpha", taskDigest: "digest-alpha".padEnd(64, "0"), agent: "oracle", status: "masked" })}\n`,
+    );
+    for (const rerun of [["--rerun", results], []]) {
+      stderr = new Collector();
+      const command = ["submit", "--suite", "s", "--agent", "oracle", ...rerun, "--task", "alpah"];
+      expect([await runCli(command, ctx()), stderr.text()], rerun.join(" ")).toEqual([
+        2,
+        'error: unknown task "alpah"; the suite has: alpha, beta\n',
+      ]);
+    }
+    expect(server.requests).toHaveLength(0);
+  });
+
   it("a --deadline shorter than a task's rollout needs is a usage error naming the tasks, before anything is submitted (a later chunk's 422 came after earlier ones were admitted)", async () => {
     fakeDispatcher((id) => completed(id, 1));
     const long = TaskContent.parse({ ...tasks[1]!, timeouts: { agentS: 600, verifierS: 120 } });
@@ -468,11 +541,21 @@ describe("fleet submit", () => {
     expect(server.requests).toHaveLength(0);
   });
 
-  it("a --token that cannot go into an HTTP header is a usage error, not an unreachable dispatcher", async () => {
-    for (const token of ["tok€", "a b", "tok\nX-Injected: 1"]) {
-      stderr = new Collector();
-      expect(await runCli(["status", "b-1", "--token", token], ctx()), token).toBe(2);
-      expect(stderr.text()).toContain("must be printable ASCII without spaces");
+  it("a --token that cannot go into an HTTP header is a usage error, not an unreachable dispatcher, and its value is not printed", async () => {
+    for (const token of ["s3cret€", "s3cret tok", "s3cret\nX-Injected: 1"]) {
+      for (const args of [
+        ["status", "b-1", "--token", token],
+        ["status", "b-1", `--token=${token}`],
+        ["--token", token, "status", "b-1"],
+      ]) {
+        stderr = new Collector();
+        expect(await runCli(args, ctx()), args.join(" ")).toBe(2);
+        const err = stderr.text();
+        expect(err).toContain(
+          "--token: must be printable ASCII without spaces (it goes into an HTTP header) (value hidden)",
+        );
+        expect(err).not.toContain("s3cret");
+      }
     }
     expect(server.requests).toHaveLength(0);
   });
@@ -1316,6 +1399,55 @@ describe("fleet status / results / cancel", () => {
     expect(stdout.text()).toBe('{"id":"r1"}\n'); // once, though it came on every attempt
     expect(stderr.text()).toContain("error: stream_broken: the results stream of batch b-1");
     expect(stderr.text()).not.toContain("TypeError");
+  });
+
+  it("results: a body that ends inside a line where its connection closes (no length, not chunked) is fetched again, not saved with half a result", async () => {
+    // node:http always frames a body (a length or chunks): this one ends only where its
+    // connection closes, so a cut there looks like a whole body to fetch.
+    let fetches = 0;
+    const sockets = new Set<Socket>();
+    const raw = createNetServer((socket) => {
+      sockets.add(socket);
+      socket.on("close", () => sockets.delete(socket));
+      let head = "";
+      socket.on("data", (chunk: Buffer) => {
+        head += chunk.toString("latin1");
+        if (!head.includes("\r\n\r\n")) return;
+        const target = head.split(" ")[1];
+        if (target === "/v1/batches/b-1") {
+          const body = JSON.stringify({ id: "b-1", total: 2, done: 2, counts: { completed: 2 } });
+          socket.end(
+            `HTTP/1.0 200 OK\r\nContent-Type: application/json\r\nContent-Length: ${body.length}\r\nConnection: close\r\n\r\n${body}`,
+          );
+          return;
+        }
+        const body = `${JSON.stringify(completed("r1", 1))}\n${JSON.stringify(completed("r2", 0))}\n`;
+        fetches++;
+        socket.end(
+          "HTTP/1.0 200 OK\r\nContent-Type: application/x-ndjson\r\nConnection: close\r\n\r\n" +
+            (fetches === 1 ? body.slice(0, body.length - 10) : body),
+        );
+      });
+    });
+    await new Promise<void>((resolve) => raw.listen(0, "127.0.0.1", resolve));
+    try {
+      const url = `http://127.0.0.1:${(raw.address() as AddressInfo).port}`;
+      const out = path.join(dir, "r.jsonl");
+      const code = await runCli(["results", "b-1", "--out", out], ctx({ defaults: { url, token: null } }));
+      expect(code, stderr.text()).toBe(0);
+      expect(fetches).toBe(2);
+      expect(stderr.text()).toContain("the results stream of batch b-1 from");
+      expect(stderr.text()).toContain("broke off (it ended inside a line)");
+      expect(
+        (await readFile(out, "utf8"))
+          .trim()
+          .split("\n")
+          .map((l) => JSON.parse(l).id),
+      ).toEqual(["r1", "r2"]);
+    } finally {
+      for (const socket of sockets) socket.destroy();
+      await new Promise<void>((resolve) => raw.close(() => resolve()));
+    }
   });
 
   it("cancels a rollout, falls back to a batch, and says when neither exists", async () => {

@@ -75,13 +75,17 @@ function httpUrl(value: string): string {
   return value.replace(/\/+$/, "");
 }
 
-/** `--token`: sent as an HTTP header value, so printable ASCII only (else a usage error, not an unreachable dispatcher). */
+/**
+ * `--token`: sent as an HTTP header value, so printable ASCII only (else a usage error, not an
+ * unreachable dispatcher). Refused with a UsageError, not Commander's InvalidArgumentError: that
+ * one's message quotes the refused value, and a token is a secret (FLEET_TOKEN's says "value hidden").
+ */
 function tokenOption(): Option {
   return new Option("--token <token>", "API bearer token (env FLEET_TOKEN; prefer the env var)").argParser(
     (value: string) => {
       if (!TOKEN_CHARS.test(value)) {
-        throw new InvalidArgumentError(
-          "must be printable ASCII without spaces (it goes into an HTTP header)",
+        throw new UsageError(
+          "--token: must be printable ASCII without spaces (it goes into an HTTP header) (value hidden)",
         );
       }
       return value;

@@ -1,4 +1,6 @@
 import { createReadStream } from "node:fs";
+import { realpath, stat } from "node:fs/promises";
+import { resolve } from "node:path";
 import { createInterface } from "node:readline";
 import {
   AgentSpec,
@@ -57,6 +59,18 @@ export async function maskedLines(path: string): Promise<{ masked: RerunLine[]; 
     input.destroy();
   }
   return { masked, lines };
+}
+
+/**
+ * Whether `out` names the file `rerun` reads: the same path spelt otherwise, a symbolic link or a
+ * hard link to it. `--out` is renamed into place when the run is done, so it would replace the
+ * results the rerun was made from.
+ */
+export async function isRerunFile(rerun: string, out: string): Promise<boolean> {
+  const real = (p: string) => realpath(p).catch(() => resolve(p));
+  if ((await real(rerun)) === (await real(out))) return true;
+  const [a, b] = await Promise.all([stat(rerun).catch(() => null), stat(out).catch(() => null)]);
+  return a !== null && b !== null && a.dev === b.dev && a.ino === b.ino;
 }
 
 export interface RerunOptions {

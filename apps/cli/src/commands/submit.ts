@@ -18,7 +18,7 @@ import {
   selectTasks,
   UsageError,
 } from "../requests.ts";
-import { maskedLines, rerunRollouts } from "../rerun.ts";
+import { isRerunFile, maskedLines, rerunRollouts } from "../rerun.ts";
 import { ResultTally, renderSummary } from "../summary.ts";
 
 export interface SubmitOptions extends FollowOptions {
@@ -62,6 +62,11 @@ export async function submitCommand(
     throw new UsageError(
       "--json needs --wait (without it, stdout is the batch ids, one a line; or use `fleet watch --json`)",
     );
+  if (opts.rerun !== undefined && opts.out !== undefined && (await isRerunFile(opts.rerun, opts.out))) {
+    throw new UsageError(
+      `--out ${opts.out} is the --rerun file ${opts.rerun}: the rerun's results would replace the results it reruns; write the rerun elsewhere (another --out)`,
+    );
+  }
   // Opened before anything is submitted: a path that cannot be written is a usage error now,
   // not after hours of waiting.
   const file = await openOut(opts.out);
@@ -81,21 +86,21 @@ async function submitAndFollow(
 ): Promise<number> {
   const agent = await resolveAgent(opts.agent, ctx.readFile);
   // --rerun: the masked rollouts of a results file, again (their tasks only are loaded).
-  const rerun =
-    opts.rerun === undefined
-      ? null
-      : await maskedLines(opts.rerun).then(({ masked, lines }) => ({
-          masked: opts.task === undefined ? masked : masked.filter((l) => opts.task?.includes(l.taskId)),
-          lines,
-        }));
-  if (rerun !== null && rerun.masked.length === 0) {
+  const rerun = opts.rerun === undefined ? null : await maskedLines(opts.rerun);
+  const nothingToRerun = async (lines: number) => {
     await writeText(
       ctx.stderr,
-      `nothing to rerun: none of the ${rerun.lines} results in ${opts.rerun} is masked${opts.task === undefined ? "" : " (of the tasks --task selects)"}\n`,
+      `nothing to rerun: none of the ${lines} results in ${opts.rerun} is masked${opts.task === undefined ? "" : " (of the tasks --task selects)"}\n`,
     );
     return 0;
-  }
-  const only = rerun !== null ? [...new Set(rerun.masked.map((l) => l.taskId))] : (opts.task ?? []);
+  };
+  // Without --task there is nothing to check against the suite: said before it is loaded.
+  if (rerun !== null && opts.task === undefined && rerun.masked.length === 0)
+    return nothingToRerun(rerun.lines);
+  const only =
+    rerun !== null && opts.task === undefined
+      ? [...new Set(rerun.masked.map((l) => l.taskId))]
+      : (opts.task ?? []);
   let tasks: TaskContent[];
   try {
     // A broken task of the suite that --task did not ask for does not stop the submission.
@@ -108,7 +113,13 @@ async function submitAndFollow(
       : "";
     throw new UsageError(`cannot load suite ${opts.suite}: ${message}${hint}`);
   }
-  const selected = rerun !== null ? tasks.filter((t) => only.includes(t.id)) : selectTasks(tasks, opts.task);
+  // --task is checked against the suite with --rerun too: a misspelt id is a usage error, not
+  // "nothing to rerun".
+  const picked = selectTasks(tasks, opts.task);
+  const masked = rerun?.masked.filter((l) => opts.task?.includes(l.taskId) ?? true) ?? [];
+  if (rerun !== null && masked.length === 0) return nothingToRerun(rerun.lines);
+  const rerunIds = new Set(masked.map((l) => l.taskId));
+  const selected = rerun !== null ? picked.filter((t) => rerunIds.has(t.id)) : picked;
   // The oracle runs each task's solution/solve.sh: the dispatcher refuses a rollout of a task
   // without one, which for a suite split into several requests would be after the first ones
   // were admitted and started. Said here, before anything is sent.
@@ -125,7 +136,7 @@ async function submitAndFollow(
   checkDeadline(opts.deadline, selected, agent);
   // Every rollout is built and serialised before the first request: past this, memory runs out
   // (14 million took 4.4 GB, then the process died) before anything is sent.
-  const total = rerun !== null ? rerun.masked.length : selected.length * opts.repeat;
+  const total = rerun !== null ? masked.length : selected.length * opts.repeat;
   if (total > MAX_SUBMIT_ROLLOUTS) {
     throw new UsageError(
       rerun !== null
@@ -138,7 +149,7 @@ async function submitAndFollow(
     rerun !== null
       ? rerunRollouts({
           path: opts.rerun as string,
-          masked: rerun.masked,
+          masked,
           tasks: selected,
           agent,
           digestOf: ctx.digestOf,
@@ -292,7 +303,11 @@ export async function followBatches(
 }
 
 /** `client`, riding out an outage of up to `maxOutageMs` without an answer, saying so through `note`. */
-function patientClient(client: FleetClient, maxOutageMs: number, note: (text: string) => void): FleetClient {
+export function patientClient(
+  client: FleetClient,
+  maxOutageMs: number,
+  note: (text: string) => void,
+): FleetClient {
   return client.with({
     patience: {
       maxOutageMs,

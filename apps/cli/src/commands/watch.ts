@@ -1,7 +1,7 @@
 import type { FleetClient } from "../client.ts";
 import type { CliContext } from "../context.ts";
-import { openOut } from "../context.ts";
-import { type FollowOptions, followBatches } from "./submit.ts";
+import { openOut, writeText } from "../context.ts";
+import { type FollowOptions, followBatches, patientClient } from "./submit.ts";
 
 /**
  * `fleet watch <batchId...>`: what `submit --wait` does after submitting, for batches already
@@ -18,8 +18,11 @@ export async function watchCommand(
   try {
     // A batch named twice is followed once (its results written once).
     const ids = [...new Set(batchIds)];
-    // Each batch's size, up front: an unknown batch id is an error now, not after the wait.
-    const totals = await Promise.all(ids.map(async (id) => (await client.getBatch(id)).total));
+    // Each batch's size, up front: an unknown batch id is an error now, not after the wait. Asked
+    // as patiently as the wait itself (--outage-wait): a dispatcher restarting when the watch
+    // starts is the same outage as one in the middle of it.
+    const patient = patientClient(client, opts.outageWait * 1000, (text) => void writeText(ctx.stderr, text));
+    const totals = await Promise.all(ids.map(async (id) => (await patient.getBatch(id)).total));
     const expected = totals.reduce((a, b) => a + b, 0);
     return await followBatches(client, ids, expected, opts, ctx, file);
   } finally {

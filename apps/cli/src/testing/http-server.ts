@@ -20,6 +20,12 @@ export interface TestServer {
    */
   down: boolean;
   readonly dropped: number;
+  /**
+   * The next this many connections are reset (RST) as soon as they are made, as a dispatcher not
+   * listening yet refuses them: the client sees the failure at once, counting down to 0. (A
+   * connection `down` cuts can leave the client waiting for its timeout.)
+   */
+  refuse: number;
   /** Route `METHOD /path` to a handler; unrouted requests get 404 with the API's error body. */
   on(method: string, path: string, handler: Handler): void;
   close(): Promise<void>;
@@ -50,7 +56,7 @@ export function apiError(
 export async function startTestServer(): Promise<TestServer> {
   const routes = new Map<string, Handler>();
   const requests: RecordedRequest[] = [];
-  const state = { down: false, dropped: 0 };
+  const state = { down: false, dropped: 0, refuse: 0 };
   const server = createServer((req, res) => {
     if (state.down) {
       state.dropped++;
@@ -79,6 +85,11 @@ export async function startTestServer(): Promise<TestServer> {
     });
   });
   server.on("connection", (socket) => {
+    if (state.refuse > 0) {
+      state.refuse--;
+      socket.resetAndDestroy();
+      return;
+    }
     if (state.down) {
       state.dropped++;
       socket.destroy();
@@ -97,6 +108,12 @@ export async function startTestServer(): Promise<TestServer> {
     },
     get dropped() {
       return state.dropped;
+    },
+    get refuse() {
+      return state.refuse;
+    },
+    set refuse(value: number) {
+      state.refuse = value;
     },
     on(method, path, handler) {
       routes.set(`${method} ${path}`, handler);
