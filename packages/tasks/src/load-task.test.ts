@@ -1,5 +1,5 @@
 import { execFileSync } from "node:child_process";
-import { appendFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import { appendFileSync, mkdirSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -546,6 +546,22 @@ describe("broken tasks give invalid_task naming the file", () => {
       "x\n",
     );
     expect(await invalidTask(() => loadTask(dir))).toContain("has a name that is not UTF-8");
+  });
+
+  it("a directory whose name is not UTF-8, named as such: in a file set, and as a suite's task", async () => {
+    const notUtf8 = (parent: string) =>
+      Buffer.concat([Buffer.from(`${parent}/caf`), Buffer.from([0xe9]), Buffer.from("/")]);
+    const dir = await writeTask("t", {});
+    mkdirSync(notUtf8(path.join(dir, "workspace")), { recursive: true });
+    writeFileSync(Buffer.concat([notUtf8(path.join(dir, "workspace")), Buffer.from("a.txt")]), "x\n");
+    expect(await invalidTask(() => loadTask(dir))).toMatch(
+      /workspace\/caf\uFFFD: has a name that is not UTF-8/,
+    );
+    await rm(dir, { recursive: true, force: true });
+    // A task directory that holds a task.toml, under a name that is not UTF-8 (not "no task.toml").
+    mkdirSync(notUtf8(tmp));
+    writeFileSync(Buffer.concat([notUtf8(tmp), Buffer.from("task.toml")]), GOOD_TOML);
+    expect(await invalidTask(() => loadSuite(tmp))).toMatch(/caf\uFFFD: has a name that is not UTF-8/);
   });
 
   it("a task.toml spelled in another case: missing, and says what was found", async () => {

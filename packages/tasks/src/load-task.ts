@@ -211,6 +211,11 @@ export async function loadSuite(dir: string, options: LoadSuiteOptions = {}): Pr
     try {
       if ((await statOrNull(path.join(taskDir, "task.toml"))) === null) {
         if (only !== null && !only.has(name)) continue;
+        // A name that is not UTF-8 comes back with U+FFFD in it, and names no directory.
+        if (name.includes("\uFFFD")) {
+          problems.push(`${taskDir}: has a name that is not UTF-8 (rename it)`);
+          continue;
+        }
         const missing = await missingTaskToml(taskDir);
         problems.push(
           missing === undefined
@@ -504,8 +509,11 @@ async function readTree(
       if (SKIPPED.has(entry.name) || entry.name.endsWith(".pyc")) continue;
       const childAbs = path.join(abs, entry.name);
       const childRel = rel === "" ? entry.name : `${rel}/${entry.name}`;
-      if (entry.isDirectory()) await walk(childAbs, childRel);
-      else if (entry.isSymbolicLink())
+      if (entry.isDirectory()) {
+        if (entry.name.includes("\uFFFD"))
+          throw invalid(childAbs, "has a name that is not UTF-8 (rename it)");
+        await walk(childAbs, childRel);
+      } else if (entry.isSymbolicLink())
         throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
       else if (entry.isFile()) {
         // Assigned to a plain object, this name would set its prototype: the file would vanish.
