@@ -12,7 +12,10 @@ export interface CapState {
   calls: number;
   /** Tokens of answered calls; `null` when some call did not report them. */
   tokens: number | null;
-  /** The agent abandoned a call: an unknown total is then its own doing, not the upstream's. */
+  /**
+   * A call may have been billed unread (the agent abandoned it, the gateway timed it out, its 2xx
+   * answer was over the size bound): an unknown total is then no sure failure of the upstream.
+   */
   abandoned?: boolean;
 }
 
@@ -61,7 +64,7 @@ export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | nul
       return state.abandoned
         ? {
             code: "token_total_unknown",
-            message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: the agent abandoned an earlier call, whose tokens are unknown`,
+            message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: an earlier call's tokens are unknown (the agent abandoned it, the gateway gave up on it at its timeout, or its answer was too large to read)`,
           }
         : {
             code: "usage_unreported",

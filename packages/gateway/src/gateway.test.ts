@@ -372,6 +372,72 @@ describe("model gateway", () => {
     expect(upstream.requests).toHaveLength(0);
   });
 
+  it("a body too deep to send on is the request's own 400, not an upstream unreachable (which would mask the agent)", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(errorReply(503, "overloaded", "later"));
+    expect((await chat(baseUrl, token)).status).toBe(503);
+    expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 503");
+    // 50,000 levels: JSON.parse takes it, JSON.stringify runs out of stack.
+    const deep = `{"messages":[],"metadata":${"[".repeat(50_000)}${"]".repeat(50_000)}}`;
+    const res = await fetch(`${baseUrl}/chat/completions`, {
+      method: "POST",
+      headers: { "content-type": "application/json", authorization: `Bearer ${token}` },
+      body: deep,
+    });
+    const json = (await res.json()) as Reply;
+    expect([res.status, json.error.code, json.error.message]).toEqual([
+      400,
+      "malformed",
+      "request body is nested too deep to forward",
+    ]);
+    // The agent's own request: the upstream's last failure no longer stands, and it was never called.
+    expect(gateway.health(token)).toEqual({ answered: 0, infraFailures: 1, lastInfraFailure: null });
+    expect(upstream.requests).toHaveLength(1);
+  });
+
+  it("an upstream 402 (the operator's account out of credit) is the upstream's failure, never the agent's", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    upstream.push(chatReply({ content: "ok" }), errorReply(402, "payment_required", "Insufficient credits"));
+    expect((await chat(baseUrl, token)).status).toBe(200);
+    expect((await chat(baseUrl, token)).status).toBe(402);
+    expect(gateway.health(token)).toEqual({ answered: 1, infraFailures: 1, lastInfraFailure: "HTTP 402" });
+  });
+
+  it("a call the upstream may have billed unread makes a token cap's total unknown: one timed out, one answered over the size bound", async () => {
+    for (const [options, reply, gap] of [
+      [
+        { upstreamTimeoutMs: 200 },
+        { ...chatReply({ content: "late" }), delayMs: 2_000 },
+        "1 call given up on at the gateway's upstream timeout: token totals unknown",
+      ],
+      [
+        { maxResponseBytes: 1024 },
+        chatReply({ content: "y".repeat(4096) }),
+        "1 call answered over the gateway's size bound, unread: token totals unknown",
+      ],
+    ] as const) {
+      const { upstream, gateway } = await setup(options);
+      const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1_000 });
+      upstream.push(reply);
+      expect((await chat(baseUrl, token)).status).toBeGreaterThanOrEqual(500);
+      expect(gateway.usage(token)).toEqual({
+        calls: 0,
+        promptTokens: null,
+        completionTokens: null,
+        cachedTokens: null,
+        gaps: ["1 failed upstream attempt not counted (usage unknown)", gap],
+      });
+      // The cap cannot be checked any more: the next call is refused, not sent, the upstream's
+      // health as it was (the request's doing, or a long generation: no sure failure).
+      const refused = await chat(baseUrl, token);
+      expect([refused.status, refused.json.error.code], gap).toEqual([429, "token_total_unknown"]);
+      expect(upstream.requests).toHaveLength(1);
+      expect(gateway.health(token)?.lastInfraFailure).toBeNull();
+    }
+  });
+
   it("passes upstream errors through (with Retry-After) and notes them as gaps", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });

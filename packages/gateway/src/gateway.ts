@@ -299,6 +299,14 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     if (request.stream !== undefined && request.stream !== false) {
       throw new GatewayHttpError(400, "stream_unsupported", "streaming is not supported; send stream: false");
     }
+    // A body JSON.parse takes may be too deep for JSON.stringify to send on (a RangeError): the
+    // request's own doing, said as such, not blamed on the upstream it never reached (an agent
+    // could buy a mask with one such call).
+    try {
+      JSON.stringify(request);
+    } catch {
+      throw new GatewayHttpError(400, "malformed", "request body is nested too deep to forward");
+    }
     const refusal = capRefusal(
       {
         calls: entry.meter.cappedCalls + entry.pending,
@@ -394,9 +402,20 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       // the real credential to the sandbox: it never leaves this process.
       text = redactCredential(text, credential);
     } catch (err) {
+      // A call the upstream may have billed without the gateway reading its usage makes the total
+      // unknown: abandoned by the agent, given up on at the gateway's timeout, or answered (2xx)
+      // over the size bound. Any other failure was not a generation (refused, unreachable).
       const abandoned = controller.signal.aborted && controller.signal.reason === CLIENT_GONE;
-      if (abandoned) entry.meter.recordAbandoned();
-      else entry.meter.recordFailure();
+      if (abandoned) entry.meter.recordAbandoned("agent");
+      else if (timeout.aborted && !controller.signal.aborted) entry.meter.recordAbandoned("timeout");
+      else if (
+        err instanceof GatewayHttpError &&
+        err.code === "upstream_response_too_large" &&
+        status! >= 200 &&
+        status! < 300
+      ) {
+        entry.meter.recordAbandoned("unread");
+      } else entry.meter.recordFailure();
       if (err instanceof GatewayHttpError) {
         // The operator's credential not resolvable: the infrastructure's. An answer over the size
         // bound: by its status. An answer (2xx) or a refusal of the request (4xx) that large is

@@ -41,13 +41,19 @@ export function isSlowGatewayTimeout(
  * gateway follows no redirect, so every call of the agent fails, through no fault of its own).
  * A 404 too: the gateway sets the path and the model of every call, so the upstream has no such
  * model (a server restarted without it, or a spec naming one it never had) or route, never the
- * agent's request (as the tool-loop counts a 404 after answered calls).
+ * agent's request (as the tool-loop counts a 404 after answered calls). A 402 too: the operator's
+ * account out of credit (OpenRouter's "insufficient credits"), never what the agent sent.
  * A gateway timeout that took a proxy's time is not (`isSlowGatewayTimeout`); one that came at
  * once is.
  */
 export function isInfraStatus(status: number, elapsedMs: number, minMs = GATEWAY_TIMEOUT_MIN_MS): boolean {
   return (
-    (status >= 500 || status === 429 || status === 404 || status === 408 || isRefusalStatus(status)) &&
+    (status >= 500 ||
+      status === 429 ||
+      status === 404 ||
+      status === 408 ||
+      status === 402 ||
+      isRefusalStatus(status)) &&
     !isSlowGatewayTimeout(status, elapsedMs, minMs)
   );
 }

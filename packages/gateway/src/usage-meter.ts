@@ -70,6 +70,9 @@ export function describeCalls(calls: readonly number[]): string {
   return `${calls.length === 1 ? "call" : "calls"} ${shown.join(", ")}${more}`;
 }
 
+/** Why a call the upstream may have billed went unmetered (`UsageMeter.recordAbandoned`). */
+export type UnmeteredReason = "agent" | "timeout" | "unread";
+
 /**
  * Sums the usage of one rollout's model calls. A count is `null` as soon as any call did not
  * report it, and `gaps` names the calls that did not (DESIGN §2 rule 12: a gap, never a zero).
@@ -90,6 +93,8 @@ export class UsageMeter {
   };
   private failed = 0;
   private abandoned = 0;
+  /** Of those calls whose tokens are unknown, how many for each reason (`recordAbandoned`). */
+  private readonly abandonedBy: Record<UnmeteredReason, number> = { agent: 0, timeout: 0, unread: 0 };
   private readonly notes: string[] = [];
 
   /** Record one answered call; returns its number. */
@@ -116,13 +121,16 @@ export class UsageMeter {
   }
 
   /**
-   * An attempt the agent abandoned (closed its connection while the upstream worked on it): a
-   * failure as above, and for the caps a call whose tokens are unknown, so that dropping calls
-   * mid-generation is no way around them.
+   * An attempt the upstream may have billed, whose usage was never read: a failure as above, and
+   * for the caps a call whose tokens are unknown, so that it is no way around them. `agent`: the
+   * agent abandoned it (closed its connection mid-generation); `timeout`: the gateway gave up on
+   * it at its upstream timeout; `unread`: answered (2xx) over the gateway's size bound (many
+   * choices, logprobs: the request's doing).
    */
-  recordAbandoned(): void {
+  recordAbandoned(why: UnmeteredReason = "agent"): void {
     this.recordFailure();
     this.abandoned += 1;
+    this.abandonedBy[why] += 1;
   }
 
   /** Whether the agent abandoned a call (whose tokens are then unknown). */
@@ -171,10 +179,15 @@ export class UsageMeter {
     // A call the agent abandoned mid-generation was likely billed: the token sums would be an
     // undercount that looks whole (DESIGN §2 rule 12: a gap, never a made-up number).
     const abandoned = this.abandoned > 0;
-    if (abandoned) {
-      gaps.push(
-        `${this.abandoned} call${this.abandoned === 1 ? "" : "s"} abandoned by the agent mid-generation: token totals unknown`,
-      );
+    const calls = (n: number) => `${n} call${n === 1 ? "" : "s"}`;
+    const by = this.abandonedBy;
+    if (by.agent > 0)
+      gaps.push(`${calls(by.agent)} abandoned by the agent mid-generation: token totals unknown`);
+    if (by.timeout > 0) {
+      gaps.push(`${calls(by.timeout)} given up on at the gateway's upstream timeout: token totals unknown`);
+    }
+    if (by.unread > 0) {
+      gaps.push(`${calls(by.unread)} answered over the gateway's size bound, unread: token totals unknown`);
     }
     gaps.push(...this.notes);
     return {

@@ -243,6 +243,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         if (
           input.answeredBefore === true &&
           (status === 401 ||
+            status === 402 ||
             status === 404 ||
             status === 405 ||
             status === 410 ||
@@ -250,8 +251,9 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
             (bare403 && probe !== "works"))
         ) {
           // The same endpoint, key and model answered this episode's earlier calls: a key rotated
-          // or revoked, a server restarted without the model, or one now redirecting (a proxy's
-          // expired sign-in, a move to https) or refusing the method, is the infrastructure's (masked,
+          // or revoked, an account out of credit (402), a server restarted without the model, or
+          // one now redirecting (a proxy's expired sign-in, a move to https) or refusing the
+          // method, is the infrastructure's (masked,
           // as the command harness's gateway counts it), never the agent's. On a first call it is
           // the agent spec's (below). A 403 that says it refused the content (a moderation flag
           // on what the policy wrote), or one beside a key that still works, is the

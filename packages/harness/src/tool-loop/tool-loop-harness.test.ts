@@ -843,7 +843,7 @@ describe("ToolLoopHarness", () => {
     expect((err as Error).message).toMatch(/provided: \[redacted\]\. Partial: \[redacted\]/);
   });
 
-  it.each([401, 403, 404, 302, 307, 405, 410])(
+  it.each([401, 402, 403, 404, 302, 307, 405, 410])(
     "a %i after the endpoint answered earlier calls is the infrastructure's (masked provider_unavailable), not the agent's",
     async (status) => {
       upstream.push(chatReply({ content: "looking", bash: ["echo hi"] }));
