@@ -23,7 +23,14 @@ import {
   VerifyReceipt,
 } from "./rollout.ts";
 import { CleanupReceipt, ExecResult, ProbeReport, SandboxHandle, SandboxSpec } from "./sandbox.ts";
-import { fileModes, imageReferenceProblem, matchExpectedProblem, matchPattern, TaskContent } from "./task.ts";
+import {
+  comparableAnswer,
+  fileModes,
+  imageReferenceProblem,
+  matchExpectedProblem,
+  matchPattern,
+  TaskContent,
+} from "./task.ts";
 
 const id = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9._-]{0,20}$/);
 const rid = fc.stringMatching(/^[A-Za-z0-9_-]{1,30}$/);
@@ -224,6 +231,35 @@ describe("AgentSpec refusals", () => {
     expect(AgentSpec.safeParse({ harness: "tool-loop", model: { baseUrl: url, name: " m " } }).success).toBe(
       true,
     );
+  });
+});
+
+describe("comparableAnswer", () => {
+  const trimmed = ["\n", "\r\n", " ", "\t", "\u00a0", "\u3000", "\u200b", "\u200d", "\u2060", "\ufeff"];
+  it("trims white space and zero-width characters at either end, as the regex it replaced (NFC, CRLF as LF)", () => {
+    const reference = (t: string) =>
+      t
+        .normalize("NFC")
+        .replace(/\r\n/g, "\n")
+        .replace(/^[\s\u200b-\u200d\u2060]+|[\s\u200b-\u200d\u2060]+$/g, "");
+    const piece = fc.oneof(
+      fc.constantFrom(...trimmed, "a", "e\u0301", "42", "\r"),
+      fc.string({ maxLength: 3 }),
+    );
+    fc.assert(
+      fc.property(fc.array(piece, { maxLength: 12 }), (parts) => {
+        const text = parts.join("");
+        expect(comparableAnswer(text)).toBe(reference(text));
+      }),
+      { numRuns: 2_000 },
+    );
+    expect(comparableAnswer(" \u200b\r\n 42 \n\u2060")).toBe("42");
+    expect(comparableAnswer("\n\t \u200b")).toBe("");
+  });
+
+  it("does not hang on a long run of white space before a word (an agent's 256 KiB of newlines)", () => {
+    expect(comparableAnswer(`start${"\n".repeat(256_000)}done`)).toBe(`start${"\n".repeat(256_000)}done`);
+    expect(comparableAnswer(`${" ".repeat(256_000)}x${" ".repeat(256_000)}`)).toBe("x");
   });
 });
 

@@ -194,10 +194,24 @@ export const MAX_ANSWER_CHARS = 4000;
  * trimmed of white space and zero-width characters at either end.
  */
 export function comparableAnswer(text: string): string {
-  return text
-    .normalize("NFC")
-    .replace(/\r\n/g, "\n")
-    .replace(/^[\s\u200b-\u200d\u2060]+|[\s\u200b-\u200d\u2060]+$/g, "");
+  return trimAnswer(text.normalize("NFC").replace(/\r\n/g, "\n"));
+}
+
+/** A character `comparableAnswer` trims (every one is a single UTF-16 unit). */
+const TRIMMED_CHAR = /[\s\u200b-\u200d\u2060]/;
+
+/**
+ * `text` without trimmed characters at either end, in one pass from each end. Not a regex: an
+ * anchored `[…]+$` is tried from every position of a run of white space that something follows,
+ * quadratic in the run, and an agent's output of 256 KiB of newlines before a word held a worker's
+ * event loop for 50 s (its other jobs' locks lapsing meanwhile).
+ */
+function trimAnswer(text: string): string {
+  let start = 0;
+  let end = text.length;
+  while (start < end && TRIMMED_CHAR.test(text[start]!)) start++;
+  while (end > start && TRIMMED_CHAR.test(text[end - 1]!)) end--;
+  return text.slice(start, end);
 }
 
 /**
