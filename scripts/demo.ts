@@ -14,7 +14,7 @@ import { execFileSync } from "node:child_process";
 import { mkdirSync, readFileSync } from "node:fs";
 import { join } from "node:path";
 import { LocalRedisServer } from "@fleet/queue";
-import { FleetProcesses, REPO_ROOT, runAttached } from "./lib/fleet-processes.ts";
+import { FleetProcesses, REPO_ROOT } from "./lib/fleet-processes.ts";
 
 interface ResultLine {
   status: string;
@@ -59,9 +59,16 @@ async function startPrivateRedis(): Promise<LocalRedisServer> {
  * `runAttached`: with `execFileSync` the dispatcher stopped once a `--wait` had polled it for about
  * five minutes). Throws when it fails (as when Ctrl-C ended it).
  */
-async function runCli(args: string[], env: Record<string, string>): Promise<void> {
+async function runCli(fleet: FleetProcesses, args: string[], env: Record<string, string>): Promise<void> {
   const cli = join(REPO_ROOT, "apps/cli/bin/fleet.js");
-  const code = await runAttached(process.execPath, [cli, ...args], { ...process.env, ...env });
+  // Stopped, naming it, if a process of the fleet dies meanwhile (not at a Ctrl-C): the CLI would
+  // wait for rollouts no one takes.
+  const code = await fleet.runWhileUp(
+    process.execPath,
+    [cli, ...args],
+    { ...process.env, ...env },
+    () => interrupted,
+  );
   if (code !== 0) throw new Error(`fleet ${args[0]} exited with ${code}`);
 }
 
@@ -115,9 +122,13 @@ function removeDemoSandboxes(prefix: string): void {
     // and a volume goes only once its container has.
     for (let round = 0; round < 10; round++) {
       const containers = ids("container");
-      if (containers.length > 0) {
-        execFileSync("docker", ["rm", "-f", "-v", ...containers], { stdio: "ignore" });
-        removed += containers.length;
+      for (const id of containers) {
+        try {
+          execFileSync("docker", ["rm", "-f", "-v", id], { stdio: "ignore" });
+          removed++;
+        } catch {
+          // its removal already in progress (a worker's destroy), or the daemon busy: the next round
+        }
       }
       const rest = ["volume", "network"].flatMap((kind) => ids(kind).map((id) => [kind, id] as const));
       for (const [kind, id] of rest) {
@@ -178,12 +189,13 @@ async function main(): Promise<number> {
 
     const oracleOut = join(runDir, "results-oracle.jsonl");
     say("submitting the example suite with the oracle agent…");
-    await runCli(["submit", "--suite", suite, "--agent", "oracle", "--wait", "--out", oracleOut], env);
+    await runCli(fleet, ["submit", "--suite", suite, "--agent", "oracle", "--wait", "--out", oracleOut], env);
     // A Ctrl-C just as that CLI finished must not start the next against a fleet shutting down.
     if (interrupted) throw new Error("interrupted");
     const wrongOut = join(runDir, "results-wrong.jsonl");
     say("submitting the example suite with a deliberately wrong agent (does nothing)…");
     await runCli(
+      fleet,
       [
         "submit",
         "--suite",

@@ -1,7 +1,7 @@
-import { mkdtempSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
-import { afterAll, describe, expect, it } from "vitest";
+import { afterAll, describe, expect, it, vi } from "vitest";
 import { FleetProcesses, runAttached } from "../scripts/lib/fleet-processes.ts";
 import { dropPrefix, REDIS_URL, testPrefix } from "./helpers/env.ts";
 
@@ -51,5 +51,22 @@ describe("runAttached (the demo's way of running the fleet CLI)", () => {
   it("resolves a command's exit code, and 128 + n for one a signal ended", async () => {
     expect(await runAttached("sh", ["-c", "exit 3"], process.env)).toBe(3);
     expect(await runAttached("sh", ["-c", "kill -TERM $$"], process.env)).toBe(128 + 15);
+  });
+
+  it("runWhileUp stops the command and says which process died when one of the fleet's exits while it runs (the demo's CLI would wait for good)", async () => {
+    if (!fleet) throw new Error("the fleet of the first test did not start");
+    const marker = join(logDir, "command-started");
+    const running = fleet.runWhileUp("sh", ["-c", `touch ${marker}; exec sleep 600`], process.env);
+    const outcome = running.then(
+      (code) => `exited ${code}`,
+      (err: unknown) => (err instanceof Error ? err.message : String(err)),
+    );
+    await vi.waitFor(() => expect(existsSync(marker)).toBe(true), { timeout: 10_000 });
+    await fleet.kill("dispatcher", 0, "SIGKILL");
+    expect(await outcome).toMatch(
+      /^dispatcher-0 exited \(SIGKILL\) while the command ran; see .*dispatcher-0\.log$/,
+    );
+    // A command that ends first resolves its code as runAttached does.
+    expect(await fleet.runWhileUp("sh", ["-c", "exit 4"], process.env)).toBe(4);
   });
 });

@@ -24,10 +24,16 @@ export const REPO_ROOT = resolve(dirname(fileURLToPath(import.meta.url)), "../..
  * event loop drains, and a process whose pipe is full (64 KiB of logs: five minutes of a CLI's
  * status polls in the dispatcher's) stops dead, mid-request, until it is drained.
  */
-export function runAttached(file: string, args: readonly string[], env: NodeJS.ProcessEnv): Promise<number> {
+export function runAttached(
+  file: string,
+  args: readonly string[],
+  env: NodeJS.ProcessEnv,
+  signal?: AbortSignal,
+): Promise<number> {
   return new Promise((resolveExit, reject) => {
-    const child = spawn(file, args, { env, stdio: ["ignore", "inherit", "inherit"] });
-    child.once("error", reject);
+    // `signal`: the command is stopped (SIGTERM) and the promise rejects with the signal's reason.
+    const child = spawn(file, args, { env, stdio: ["ignore", "inherit", "inherit"], signal });
+    child.once("error", (err) => reject(signal?.aborted ? signal.reason : err));
     child.once("exit", (code, signal) =>
       resolveExit(code ?? 128 + (signal ? (osConstants.signals[signal] ?? 0) : 0)),
     );
@@ -240,6 +246,39 @@ export class FleetProcesses {
   async restart(kind: AppKind, index = 0, signal: NodeJS.Signals = "SIGKILL"): Promise<void> {
     await this.kill(kind, index, signal);
     await this.spawn(kind, index);
+  }
+
+  /**
+   * `runAttached`, stopped and rejected (naming the process and its log) when one of this fleet's
+   * processes exits before the command ends, unless `expected()` says the exit was (a Ctrl-C): a
+   * worker that died mid-run would leave a CLI's `--wait` waiting for rollouts no one takes, up to
+   * their deadlines (an hour), and a dead janitor for good.
+   */
+  async runWhileUp(
+    file: string,
+    args: readonly string[],
+    env: NodeJS.ProcessEnv,
+    expected: () => boolean = () => false,
+  ): Promise<number> {
+    const died = new AbortController();
+    let running = true;
+    for (const p of this.procs) {
+      if (p.child.exitCode !== null || p.child.signalCode !== null) continue;
+      void p.exited.then((code) => {
+        if (running && !expected()) {
+          died.abort(
+            new Error(
+              `${p.kind}-${p.index} exited (${code ?? p.child.signalCode}) while the command ran; see ${p.log.path}`,
+            ),
+          );
+        }
+      });
+    }
+    try {
+      return await runAttached(file, args, env, died.signal);
+    } finally {
+      running = false;
+    }
   }
 
   /** SIGTERM every process (bounded graceful shutdown), SIGKILL what is left after `timeoutMs`. */
