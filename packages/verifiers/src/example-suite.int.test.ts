@@ -173,6 +173,7 @@ describe("the example suite on real Docker", () => {
     [
       "shell-script",
       "reward file written, then the tests and their runner killed",
+      // biome-ignore lint/suspicious/noTemplateCurlyInString: a shell parameter expansion, not a template
       "printf 'mkdir -p /logs/verifier; echo 1 > /logs/verifier/reward.txt; for p in /proc/[0-9]*; do grep -qsE \"fleet-verify|tests/test.sh\" $p/cmdline && kill -9 ${p#/proc/}; done\\n' > greet.sh",
     ],
     [

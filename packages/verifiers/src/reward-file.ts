@@ -70,7 +70,9 @@ export function parseRewardJson(text: string): { reward: number; fields: Record<
   if (Buffer.byteLength(text) > MAX_REWARD_FILE_BYTES) refuse(`it is over ${MAX_REWARD_FILE_BYTES} bytes`);
   let parsed: unknown;
   try {
-    parsed = JSON.parse(text);
+    // One byte order mark first (Python's utf-8-sig, PowerShell) is no part of the JSON: taken
+    // off, as `parseReward`'s trim takes it off a reward.txt, whichever way the file was read.
+    parsed = JSON.parse(text.startsWith("\ufeff") ? text.slice(1) : text);
   } catch {
     return refuse(`it is not JSON (${JSON.stringify(capText(text.trim(), 100))})`);
   }

@@ -775,6 +775,13 @@ describe("parseRewardJson", () => {
     expect(Object.keys(plain.fields)).toHaveLength(32);
   });
 
+  it("takes a reward.json that starts with a byte order mark (Python's utf-8-sig), as parseReward takes a reward.txt", () => {
+    expect(parseRewardJson('\ufeff{"reward": 0.5, "f1": 1}')).toEqual({ reward: 0.5, fields: { f1: 1 } });
+    expect(parseReward("\ufeff0.5\n")).toBe(0.5);
+    // Only one, first: anywhere else it is no JSON.
+    expect(() => parseRewardJson('{"reward": \ufeff0.5}')).toThrow(/it is not JSON/);
+  });
+
   it("names a reward that is not finite as it reads, not as null", () => {
     expect(() => parseRewardJson('{"reward": 1e309}')).toThrow(/its "reward" is Infinity/);
   });
