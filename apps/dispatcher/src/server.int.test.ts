@@ -1344,6 +1344,46 @@ describe("limits", () => {
     expect([keyed.statusCode, other.statusCode].sort()).toEqual([202, 429]);
   });
 
+  it("a request under the same key with another body never shares the first's room: a 429 while the first holds it", async () => {
+    // The first admission stops after its reservation, before it claims the key (`createBatch`).
+    const gate = latchPair();
+    let first = true;
+    const tight = await makeHarness({ FLEET_MAX_BACKLOG: "10" }, undefined, undefined, {
+      patchStore: (store) => {
+        const create = store.createBatch.bind(store);
+        store.createBatch = async (...args) => {
+          if (first) {
+            first = false;
+            gate.entered();
+            await gate.released;
+          }
+          return create(...args);
+        };
+      },
+    });
+    onTestFinished(() => gate.release());
+    const key = randomUUID();
+    const six = (n: number) => ({ rollouts: Array.from({ length: 6 }, () => ({ ...row, metadata: { n } })) });
+    const send = (n: number) =>
+      tight.call({
+        method: "POST",
+        url: "/v1/batches",
+        payload: six(n),
+        headers: { "idempotency-key": key },
+      });
+    const holding = send(1);
+    await gate.enteredP;
+    // 6 held, 6 more would pass 10: refused, not let in on the first's room (it would then claim
+    // the key, the first would give its room back with its 409, and its rollouts hold none).
+    const other = await send(2);
+    expectErrorBody(other, 429, "backpressure");
+    gate.release();
+    expect((await holding).statusCode).toBe(202);
+    expect(await tight.store.inflightCount()).toBe(6);
+    // The same body again is the same request: it shares, as ever (a replay now: nothing to reserve).
+    expect((await send(1)).statusCode).toBe(200);
+  });
+
   it("a keyed request finishing an admission cut short reserves room for what it still admits: the bound holds", async () => {
     const tight = await makeHarness({ FLEET_MAX_BACKLOG: "10" });
     const key = randomUUID();

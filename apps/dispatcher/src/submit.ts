@@ -105,14 +105,19 @@ export async function submit(
   // 4xx, not a 429 that a client retries for as long as the fleet stays busy.
   const reservation = { release: async () => {} };
   const ttlMs = deps.reservationTtlMs ?? BACKLOG_RESERVATION_TTL_MS;
-  const reserve = async () => {
+  const reserve = async (bodyHash?: string) => {
     if (replay) return;
     // A request with the client's key, sent again while the first is still being admitted
     // (a client-side timeout's retry, ranks sending the same step), shares its reservation.
+    // Only the very same request: its body too. Another body under the key shared the first's
+    // room, and when it won the key (the first answered 409 and gave its room back), its
+    // rollouts were admitted against room no one held: others passed the bound meanwhile.
     const share =
-      generatedKey === null && idempotencyKey !== null
-        ? // Its row count too: a request sharing the room admits as many rollouts as it holds.
-          sha256Hex(`${options.batch ? "batch" : "rollout"}:${idempotencyKey}:${incoming}`).slice(0, 24)
+      generatedKey === null && idempotencyKey !== null && bodyHash !== undefined
+        ? sha256Hex(`${options.batch ? "batch" : "rollout"}:${idempotencyKey}:${incoming}:${bodyHash}`).slice(
+            0,
+            24,
+          )
         : "";
     // By Redis's clock: every replica's reservations lapse by the same one.
     const room = await store.reserveBacklog(toAdmit, config.maxBacklog, null, ttlMs, share);

@@ -28,9 +28,10 @@ export interface AdmissionOptions {
   /**
    * Called once every check that can refuse the request has passed, before anything of it is
    * written; what it throws ends the admission. The dispatcher reserves backlog room here, so a
-   * request it must refuse (422, 413) gets that answer, never a 429 to retry for.
+   * request it must refuse (422, 413) gets that answer, never a 429 to retry for. Given the
+   * submission's body hash when `admit` calls it (what names the very same request).
    */
-  beforeRecord?: () => Promise<void>;
+  beforeRecord?: (bodyHash?: string) => Promise<void>;
   /**
    * Called once the rollouts are recorded (they count as in flight from then), before their
    * seeds are enqueued: the dispatcher gives back the room it reserved, which would otherwise
@@ -404,12 +405,13 @@ export async function admit(
   // as the fleet stays busy, for a request that can never be admitted. (`createBatch` below still
   // decides atomically, for two first requests at once.)
   if (typeof storedHash === "string" && !replay) throw differentBatchBody();
+  const before = options.beforeRecord;
   const metas = await prepareRollouts(
     store,
     input.requests,
     ids,
     batchId,
-    { ...options, now, replay },
+    { ...options, now, replay, ...(before ? { beforeRecord: () => before(bodyHash) } : {}) },
     canonical,
   );
   const expiring = (expired: readonly string[]) =>
