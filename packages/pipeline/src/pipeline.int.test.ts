@@ -963,6 +963,32 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a run whose own sandbox is gone by its probe (the provider's own final sandbox_lost) is retried in a new one, as a seed is, never masked at once (rule 6)", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // The agent's own sandbox is removed from outside between its create and its isolation probe.
+    const made: SandboxHandle[] = [];
+    const gone = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        probe: async (h: SandboxHandle) => {
+          made.push(h);
+          await fleet.deps.provider.destroy(h);
+          return fleet.deps.provider.probe(h);
+        },
+      }),
+    };
+    const err = await runStageJob("run", job(id!), gone).catch((e: unknown) => e);
+    expect(err).toMatchObject({ kind: "sandbox_lost", retryable: true });
+    expect(made.map((h) => h.owner)).toEqual(["agent"]);
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    await runStageJob("verify", job(id!), fleet.deps);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("an answer longer than the fleet keeps is graded 0 by a match verifier, though its kept head matches (the whole does not)", async () => {
     const task = {
       ...byId("sum-answer"),

@@ -684,7 +684,17 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // to destroy (rule 11), as at the deadline check below: close only hands an agent's sandbox to
     // the janitor, so it would stay up and the result say teardown "pending" until the janitor's
     // next pass. A retry makes a fresh one anyway. A failed destroy goes to the ledger.
-    if (owned) await destroyOrLedger(deps, owned).catch(() => undefined);
+    if (owned) {
+      // One that died under its probe or staging (killed from outside, its daemon's doing) fails
+      // in ways that read as final or as the task's (a staging step's exit 126 is `invalid_task`):
+      // the sandbox's, and no agent ran there yet, so retried in a fresh one, as the seed does.
+      const fe = await sandboxLostIfGone(deps, handle, err);
+      await destroyOrLedger(deps, owned).catch(() => undefined);
+      if (isFleetError(fe) && fe.kind === "sandbox_lost" && !fe.retryable) {
+        throw FleetError.retryable("sandbox_lost", fe.message, err);
+      }
+      throw fe;
+    }
     throw err;
   }
   // Shutting down before the harness started: hand the job back with the claim, as nothing ran.
