@@ -21,6 +21,7 @@ import {
   type KillOptions,
   madeByAnotherInstance,
   OPS_CWD,
+  OPS_ENV,
   type PutOptions,
   ROOT_USER,
   SANDBOX_PATHS,
@@ -94,6 +95,8 @@ export interface ExecCall {
   keepCaps?: readonly string[];
   /** Where the command starts: the operations below pass `OPS_CWD`. */
   cwd?: string;
+  /** Variables over the sandbox's own (the kill sweeps pass `OPS_ENV`). */
+  env?: Readonly<Record<string, string>>;
 }
 
 /** A provider's exec, bound to one sandbox. */
@@ -650,17 +653,17 @@ export async function killProcessesViaExec(
   // The epoch a root sweep of root's own processes stops at (the fence above it).
   const epoch = options.fenceEpoch ?? options.refuseAbove;
   const argv = asRoot
-    ? ["sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(rounds)]
+    ? ["/bin/sh", "-c", ROOT_KILL_SWEEP_SCRIPT, "sh", String(uid), String(rounds)]
     : uid === 0
       ? [
-          "sh",
+          "/bin/sh",
           "-c",
           ROOT_SELF_SWEEP_SCRIPT,
           "sh",
           String(rounds),
           ...(epoch === undefined ? [] : [String(epoch)]),
         ]
-      : ["sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
+      : ["/bin/sh", "-c", KILL_SWEEP_SCRIPT, "sh", String(rounds)];
   // The fence first, by its owner, in an exec of its own: whatever of an older attempt's starts
   // after it refuses to, and whatever started before it is one of the processes swept below.
   let fenced: boolean | undefined;
@@ -678,9 +681,10 @@ export async function killProcessesViaExec(
       const deadlineMs = deadlineWithin(fenceBudgetMs, fenceStarted, attempt);
       if (deadlineMs === null) break;
       try {
-        const r = await exec(["sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
+        const r = await exec(["/bin/sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
           deadlineMs,
           cwd: OPS_CWD,
+          env: OPS_ENV,
           user: KEEPALIVE_USER,
           stdin: null,
           maxOutputBytes: 4096,
@@ -725,6 +729,7 @@ export async function killProcessesViaExec(
       const r = await exec(argv, {
         deadlineMs,
         cwd: OPS_CWD,
+        env: OPS_ENV,
         user: asRoot ? ROOT_USER : user,
         stdin: null,
         maxOutputBytes: 4096,

@@ -94,6 +94,18 @@ export const VERIFY_FENCE_FILE = `${VERIFY_FENCE_DIR}/verify-epoch`;
  */
 export const OPS_CWD = "/";
 
+/**
+ * The environment of the fleet's own commands that must not run the agent's programs: the kill
+ * sweeps and the fence (`killProcessesViaExec`). A Docker exec takes its PATH from the image, and
+ * an image whose PATH holds a directory the agent can write (`/workspace/.venv/bin`) would run
+ * the agent's `sleep` or `sh` in the sweep, as the agent's uid or as root, where a line of its
+ * own (`remaining=0`) confirms a stop that never happened. These directories are the read-only
+ * root's.
+ */
+export const OPS_ENV: Readonly<Record<string, string>> = Object.freeze({
+  PATH: "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+});
+
 /** The unprivileged user harness commands run as by default. */
 export const AGENT_USER = "1000:1000";
 /** Root inside the sandbox (no capabilities): used for staging and verification. */

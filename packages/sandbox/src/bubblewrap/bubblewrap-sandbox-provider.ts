@@ -199,7 +199,7 @@ interface BwrapState {
 }
 
 interface RunOptions extends ExecCall {
-  env?: Record<string, string>;
+  env?: Readonly<Record<string, string>>;
   cwd?: string | undefined;
   /** Run outside the sandbox's cgroups (the kill sweep must start even at the pids limit). */
   outsideCgroups?: boolean;

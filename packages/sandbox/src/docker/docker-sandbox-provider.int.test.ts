@@ -1093,6 +1093,36 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     await expect(provider.probe(ok)).resolves.toMatchObject({ isolated: true });
   });
 
+  it("a kill sweep runs none of the agent's programs, though the image's PATH leads through a directory the agent writes", async () => {
+    const image = `fleet-test/agent-path:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nENV PATH=/workspace/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
+    });
+    try {
+      const h = await create({ image });
+      // The agent's `sh` and `sleep` say the sweep found nothing, and a sleeper of its stays.
+      const plant = await provider.exec(
+        h,
+        [
+          "/bin/sh",
+          "-c",
+          "mkdir -p /workspace/bin && for t in sh sleep kill; do printf '#!/bin/sh\\necho remaining=0\\n' > /workspace/bin/$t; chmod 755 /workspace/bin/$t; done; setsid /bin/sleep 1000 >/dev/null 2>&1 </dev/null & echo planted",
+        ],
+        { deadlineMs: 10_000 },
+      );
+      expect(plant.stdout).toBe("planted\n");
+      expect((await processesOf(h, 1000)).filter((l) => l.includes("sleep 1000"))).toHaveLength(1);
+      const receipt = await provider.killProcesses(h, AGENT_USER);
+      expect(receipt).toMatchObject({ confirmed: true, remaining: 0 });
+      expect(await processesOf(h, 1000)).toEqual([]);
+    } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
+  });
+
   it("lists a sandbox volume only once no container uses it, and never removes one in use (the janitor's volume sweep)", async () => {
     const h = await uncapped.create(spec());
     live.push(h);

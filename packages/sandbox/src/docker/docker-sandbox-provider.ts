@@ -468,7 +468,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     argv: readonly string[],
     o: {
       deadlineMs: number;
-      env?: Record<string, string>;
+      env?: Readonly<Record<string, string>>;
       cwd?: string | undefined;
       user: string;
       stdin: ExecStdin | null;
