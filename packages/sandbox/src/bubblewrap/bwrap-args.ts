@@ -103,6 +103,11 @@ export function bwrapArgv(layout: BwrapLayout): string[] {
     ...MASKED_PROC_DIRS.filter(procHas).flatMap((p) => ["--perms", "0555", "--tmpfs", p, "--remount-ro", p]),
     "--dev",
     "/dev",
+    // POSIX message queues of the sandbox's own IPC namespace, at Docker's path: without the
+    // mount they still exist (mq_open) but no probe or scrub sees them, and an interrupted run's
+    // queues reached its rerun.
+    "--mqueue",
+    "/dev/mqueue",
     // A /dev/shm like Docker's (bwrap's --dev has only a root-owned 0755 directory there):
     // POSIX shared memory (Python's multiprocessing locks) works for the agent too.
     ...tmpfs("/dev/shm", "1777", SHM_MB),
