@@ -346,9 +346,10 @@ async function stagingScript(
   what: string,
   check?: (r: ExecResult) => void,
 ): Promise<void> {
-  const r = await exec(["sh", "-c", script, "sh", ...args], {
+  const r = await exec(["/bin/sh", "-c", script, "sh", ...args], {
     deadlineMs: 120_000,
     cwd: OPS_CWD,
+    env: OPS_ENV,
     user,
     stdin,
     maxOutputBytes: 16 * 1024,
@@ -386,9 +387,10 @@ export async function readViaExec(
     'if [ ! -e "$1" ]; then exit 44; fi; [ -f "$1" ] || exit 46; [ -r "$1" ] || exit 45; exec cat -- "$1"';
   let unreadable = false;
   for (const user of users) {
-    const r = await exec(["sh", "-c", script, "sh", path], {
+    const r = await exec(["/bin/sh", "-c", script, "sh", path], {
       deadlineMs: 60_000,
       cwd: OPS_CWD,
+      env: OPS_ENV,
       user,
       stdin: null,
       maxOutputBytes: maxBytes,

@@ -1,7 +1,7 @@
 import type { SandboxHandle } from "@fleet/contracts";
 import { FleetError } from "@fleet/contracts";
 import { parseNumericUser } from "./exec-command.ts";
-import { AGENT_USER, OPS_CWD, SANDBOX_PATHS, type SandboxProvider } from "./provider.ts";
+import { AGENT_USER, OPS_CWD, OPS_ENV, SANDBOX_PATHS, type SandboxProvider } from "./provider.ts";
 
 /**
  * Besides the workspace, the directories an agent can write to in every provider's sandbox (the
@@ -88,8 +88,9 @@ export async function scrubScratch(
   user: string = AGENT_USER,
   dirs: readonly string[] = SCRATCH_DIRS,
 ): Promise<void> {
-  const r = await provider.exec(handle, ["sh", "-c", SCRUB_SCRATCH, "sh", ...dirs], {
+  const r = await provider.exec(handle, ["/bin/sh", "-c", SCRUB_SCRATCH, "sh", ...dirs], {
     cwd: OPS_CWD,
+    env: { ...OPS_ENV },
     user,
     deadlineMs: 60_000,
     maxOutputBytes: 16 * 1024,

@@ -1,3 +1,4 @@
+import { execFileSync } from "node:child_process";
 import { AgentSpec, type AgentSpecInput, type SandboxHandle, type TaskContent } from "@fleet/contracts";
 import { createHarness, type HarnessOutcome, stageWorkspace } from "@fleet/harness";
 import {
@@ -765,5 +766,36 @@ print(41)
     expect(outcome.exec.exitCode).toBe(0);
     expect(verdict).toMatchObject({ reward: 0, details: { source: "timeout", timedOut: true } });
     expect(verdict.details.durationMs).toBeLessThan(10_000);
+  });
+
+  it("an image whose PATH leads through a directory the agent writes: the tests' runner (root) runs none of the agent's programs, and the agent's mkdir writes no reward", async () => {
+    const base = tasks.find((t) => t.id === "hello-file")!;
+    const image = `fleet-test/agent-path:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${base.image}\nENV PATH=/workspace/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
+    });
+    try {
+      const task = { ...base, image };
+      const handle = await sandbox(task, "agent-path");
+      // The agent does not do the task: it plants a mkdir that the runner, as root, would run to
+      // make /logs/verifier, and that writes a reward of 1 there.
+      const plant = [
+        "mkdir -p /workspace/bin",
+        "echo '#!/bin/sh' > /workspace/bin/mkdir",
+        `echo '/bin/mkdir "$@"; r=$?; echo 1 > /logs/verifier/reward.txt 2>/dev/null; exit $r' >> /workspace/bin/mkdir`,
+        "chmod 755 /workspace/bin/mkdir",
+      ].join(" && ");
+      const { outcome, verdict } = await runAndVerify(handle, task, {
+        harness: "command",
+        argv: ["bash", "-c", plant],
+      });
+      expect(outcome.exec.exitCode, outcome.exec.stderr).toBe(0);
+      expect(verdict).toMatchObject({ reward: 0, details: { source: "exit_code" } });
+    } finally {
+      await Promise.all(created.splice(0).map((h) => provider.destroy(h)));
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
   });
 });

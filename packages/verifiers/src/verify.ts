@@ -5,6 +5,7 @@ import {
   AGENT_USER,
   fenceCheck,
   OPS_CWD,
+  OPS_ENV,
   ROOT_USER,
   SANDBOX_PATHS,
   scrubScratch,
@@ -99,7 +100,11 @@ function assertNever(x: never): never {
  * status: the tests' processes, the agent's code among them, could have killed it and left a
  * reward behind.
  */
-export const RUN_TESTS_SCRIPT = `IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
+export const RUN_TESTS_SCRIPT = `# The runner's own commands (find, rm, stat, cat, wc) from the read-only root's directories, not
+# the image's PATH, which may lead through a directory the agent writes (a venv in /workspace):
+# run as root, an agent's \`cat\` would report its own reward. The tests get the image's PATH.
+tests_path=$PATH; PATH=${OPS_ENV.PATH}; export PATH
+IFS= read -r nonce && [ \${#nonce} -eq 32 ] || exit 4
 report() { printf '\\n%s %s\\n' "$nonce" "$*" >&2; }
 # Taken over: a later attempt raised the fence past this one's epoch before it swept the sandbox.
 # Read before anything here touches the sandbox; a runner that read it before that sweep is one
@@ -191,14 +196,14 @@ case "$first" in
       prog=\${arg#-S}; prog=\${prog#"\${prog%%[![:space:]]*}"}; prog=\${prog%%[[:space:]]*}
       case "$prog" in
         "" | -* | *=*) ;;
-        *) command -v "$prog" > /dev/null 2>&1 || { report interpreter "$prog"; exit 3; } ;;
+        *) PATH=$tests_path command -v "$prog" > /dev/null 2>&1 || { report interpreter "$prog"; exit 3; } ;;
       esac
     fi
-    if [ -z "$interp" ]; then bash "$t"
-    elif [ -n "$arg" ]; then "$interp" "$arg" "$t"
-    else "$interp" "$t"
+    if [ -z "$interp" ]; then PATH=$tests_path /bin/bash "$t"
+    elif [ -n "$arg" ]; then PATH=$tests_path "$interp" "$arg" "$t"
+    else PATH=$tests_path "$interp" "$t"
     fi < /dev/null ;;
-  *) bash "$t" < /dev/null ;;
+  *) PATH=$tests_path /bin/bash "$t" < /dev/null ;;
 esac
 rc=$?
 # Kill and count what the tests left running. (What ended before the tests did is not seen, nor
@@ -223,7 +228,7 @@ exit $rc`;
  * No startup files (a shell whose stdin is a socket, as bubblewrap's, would read ~/.bashrc and
  * could print before the ready line or change what the tests see).
  */
-export const RUN_TESTS_ARGV = ["bash", "--norc", "--noprofile", "-c", RUN_TESTS_SCRIPT, "fleet-verify"];
+export const RUN_TESTS_ARGV = ["/bin/bash", "--norc", "--noprofile", "-c", RUN_TESTS_SCRIPT, "fleet-verify"];
 
 /** What the tests' exec reported after the tests ran (see `RUN_TESTS_SCRIPT`). */
 export type RunReport =
