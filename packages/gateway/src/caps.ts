@@ -13,16 +13,17 @@ export interface CapState {
   /** Tokens of answered calls; `null` when some call did not report them. */
   tokens: number | null;
   /**
-   * A call may have been billed unread (the agent abandoned it, the gateway timed it out, its 2xx
-   * answer was over the size bound): an unknown total is then no sure failure of the upstream.
+   * A call may have been billed unread (the agent abandoned it, or its 2xx answer was over the
+   * size bound): an unknown total is then no sure failure of the upstream.
    */
   abandoned?: boolean;
 }
 
 /**
  * `usage_unreported`: the token cap cannot be checked, the upstream's doing; `token_total_unknown`:
- * it cannot, the agent having abandoned a call (its own doing, or its client's timeout on an
- * overloaded upstream: the gateway cannot tell which).
+ * it cannot, a call having gone unread: the agent abandoned it (its own doing, or its client's
+ * timeout on an overloaded upstream: the gateway cannot tell which), or its 2xx answer was over
+ * the gateway's size bound (the request's doing).
  */
 export type CapCode = "call_cap_exceeded" | "token_cap_exceeded" | "usage_unreported" | "token_total_unknown";
 /** Every code a cap refusal may carry. */
@@ -49,8 +50,9 @@ export interface CapRefusal {
  * - A token cap with a total that is unknown (some call did not report usage) cannot be
  *   checked, so it refuses (fail closed): with `usage_unreported` when the upstream did not
  *   report it (its shortcoming: the gateway counts it as an upstream failure), with
- *   `token_total_unknown` when the agent abandoned a call (the gateway leaves the upstream's
- *   health as it was: an SDK that gave up on an overloaded upstream abandons calls too).
+ *   `token_total_unknown` when a call went unread (abandoned by the agent, or answered over the
+ *   size bound; the gateway leaves the upstream's health as it was: an SDK that gave up on an
+ *   overloaded upstream abandons calls too).
  */
 export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | null {
   if (limits.maxCalls !== undefined && state.calls >= limits.maxCalls) {
@@ -64,7 +66,7 @@ export function capRefusal(state: CapState, limits: CapLimits): CapRefusal | nul
       return state.abandoned
         ? {
             code: "token_total_unknown",
-            message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: an earlier call's tokens are unknown (the agent abandoned it, the gateway gave up on it at its timeout, or its answer was too large to read)`,
+            message: `this rollout's token cap (${limits.maxTokens}) cannot be enforced: an earlier call's tokens are unknown (the agent abandoned it, or its answer was too large to read)`,
           }
         : {
             code: "usage_unreported",

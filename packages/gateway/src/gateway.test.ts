@@ -396,46 +396,52 @@ describe("model gateway", () => {
     expect(upstream.requests).toHaveLength(1);
   });
 
-  it("an upstream 402 (the operator's account out of credit) is the upstream's failure, never the agent's", async () => {
+  it("an upstream 402 is the upstream's failure when the key cannot make a one-token call either (out of credit), the request's when it can (a max_tokens the balance cannot cover)", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
-    upstream.push(chatReply({ content: "ok" }), errorReply(402, "payment_required", "Insufficient credits"));
+    const broke = () => errorReply(402, "payment_required", "Insufficient credits");
+    // Out of credit: the probe is refused as well.
+    upstream.push(chatReply({ content: "ok" }), broke(), broke());
     expect((await chat(baseUrl, token)).status).toBe(200);
     expect((await chat(baseUrl, token)).status).toBe(402);
     expect(gateway.health(token)).toEqual({ answered: 1, infraFailures: 1, lastInfraFailure: "HTTP 402" });
+    // A request asking for more than the balance covers: the probe is answered, the agent's doing.
+    upstream.push(broke(), chatReply({ content: "ok" }));
+    expect(
+      (await chat(baseUrl, token, { messages: [{ role: "user", content: "hi" }], max_tokens: 10_000_000 }))
+        .status,
+    ).toBe(402);
+    expect(gateway.health(token)?.lastInfraFailure).toBeNull();
+    expect(upstream.requests).toHaveLength(5);
   });
 
-  it("a call the upstream may have billed unread makes a token cap's total unknown: one timed out, one answered over the size bound", async () => {
-    for (const [options, reply, gap] of [
-      [
-        { upstreamTimeoutMs: 200 },
-        { ...chatReply({ content: "late" }), delayMs: 2_000 },
-        "1 call given up on at the gateway's upstream timeout: token totals unknown",
-      ],
-      [
-        { maxResponseBytes: 1024 },
-        chatReply({ content: "y".repeat(4096) }),
+  it("a call the upstream billed unread (a 2xx over the size bound) makes a token cap's total unknown; one timed out does not (a hung upstream looks the same)", async () => {
+    const big = await setup({ maxResponseBytes: 1024 });
+    const capped = big.gateway.register("r1", { model: "m", maxTokens: 1_000 });
+    big.upstream.push(chatReply({ content: "y".repeat(4096) }));
+    expect((await chat(capped.baseUrl, capped.token)).json.error.code).toBe("upstream_response_too_large");
+    expect(big.gateway.usage(capped.token)).toEqual({
+      calls: 0,
+      promptTokens: null,
+      completionTokens: null,
+      cachedTokens: null,
+      gaps: [
+        "1 failed upstream attempt not counted (usage unknown)",
         "1 call answered over the gateway's size bound, unread: token totals unknown",
       ],
-    ] as const) {
-      const { upstream, gateway } = await setup(options);
-      const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1_000 });
-      upstream.push(reply);
-      expect((await chat(baseUrl, token)).status).toBeGreaterThanOrEqual(500);
-      expect(gateway.usage(token)).toEqual({
-        calls: 0,
-        promptTokens: null,
-        completionTokens: null,
-        cachedTokens: null,
-        gaps: ["1 failed upstream attempt not counted (usage unknown)", gap],
-      });
-      // The cap cannot be checked any more: the next call is refused, not sent, the upstream's
-      // health as it was (the request's doing, or a long generation: no sure failure).
-      const refused = await chat(baseUrl, token);
-      expect([refused.status, refused.json.error.code], gap).toEqual([429, "token_total_unknown"]);
-      expect(upstream.requests).toHaveLength(1);
-      expect(gateway.health(token)?.lastInfraFailure).toBeNull();
-    }
+    });
+    // The cap cannot be checked any more: the next call is refused, not sent, the upstream's
+    // health as it was (the request's doing: no failure of the upstream's).
+    const refused = await chat(capped.baseUrl, capped.token);
+    expect([refused.status, refused.json.error.code]).toEqual([429, "token_total_unknown"]);
+    expect(big.upstream.requests).toHaveLength(1);
+    expect(big.gateway.health(capped.token)?.lastInfraFailure).toBeNull();
+    // A call given up on at the gateway's timeout leaves the total as it was: the next is sent.
+    const slow = await setup({ upstreamTimeoutMs: 200 });
+    const timed = slow.gateway.register("r1", { model: "m", maxTokens: 1_000 });
+    slow.upstream.push({ ...chatReply({ content: "late" }), delayMs: 2_000 }, chatReply({ content: "ok" }));
+    expect((await chat(timed.baseUrl, timed.token)).json.error.code).toBe("upstream_timeout");
+    expect((await chat(timed.baseUrl, timed.token)).status).toBe(200);
   });
 
   it("passes upstream errors through (with Retry-After) and notes them as gaps", async () => {
@@ -687,7 +693,7 @@ describe("model gateway", () => {
     expect(gateway.health(token)?.lastInfraFailure).toBe("HTTP 403");
     // The probes are a gap in the usage, never tokens silently left out.
     const probes =
-      "2 one-token probe request(s) the gateway sent after a 403, to tell a refused key from a refused request (not counted)";
+      "2 one-token probe request(s) the gateway sent after a 403 or a 402, to tell a refused key from a refused request (not counted)";
     expect(gateway.usage(token)?.gaps).toContain(probes);
     // ...and in the usage the run keeps: the summary at revocation.
     expect(gateway.revoke(token).gaps).toContain(probes);

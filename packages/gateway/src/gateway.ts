@@ -402,12 +402,12 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       // the real credential to the sandbox: it never leaves this process.
       text = redactCredential(text, credential);
     } catch (err) {
-      // A call the upstream may have billed without the gateway reading its usage makes the total
-      // unknown: abandoned by the agent, given up on at the gateway's timeout, or answered (2xx)
-      // over the size bound. Any other failure was not a generation (refused, unreachable).
+      // A call the upstream billed without the gateway reading its usage makes the total unknown:
+      // abandoned by the agent, or answered (2xx) over the size bound (the request's doing). Not
+      // one given up on at the gateway's timeout: a hung upstream looks the same, and a total
+      // made unknown by it would refuse the agent's every later call (graded: no sure failure).
       const abandoned = controller.signal.aborted && controller.signal.reason === CLIENT_GONE;
       if (abandoned) entry.meter.recordAbandoned("agent");
-      else if (timeout.aborted && !controller.signal.aborted) entry.meter.recordAbandoned("timeout");
       else if (
         err instanceof GatewayHttpError &&
         err.code === "upstream_response_too_large" &&
@@ -476,7 +476,10 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     // A 403 from a firewall in front of the model (a rule matched what the agent sent) looks like
     // the operator's key refused: a plain request with that key tells them apart (refused too:
     // the key; any other answer: the key works, and the 403 was the agent's own request's).
-    const refusedRequest = status === 403 && (await probeRolloutKey(entry, credential)) === "works";
+    // A 402 likewise: an account out of credit, or (OpenRouter's) one that cannot cover the
+    // `max_tokens` this request asked for, which a one-token request then can.
+    const refusedRequest =
+      (status === 403 || status === 402) && (await probeRolloutKey(entry, credential)) === "works";
     // A proxy's gateway timeout (after a proxy's time) is neither a failure nor an answer: health as it was.
     const elapsedMs = Date.now() - sentAt;
     if (isSlowGatewayTimeout(status, elapsedMs, o.gatewayTimeoutMinMs)) {
@@ -541,7 +544,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     const summary = entry.meter.summary();
     if (entry.probes > 0) {
       summary.gaps.push(
-        `${entry.probes} one-token probe request(s) the gateway sent after a 403, to tell a refused key from a refused request (not counted)`,
+        `${entry.probes} one-token probe request(s) the gateway sent after a 403 or a 402, to tell a refused key from a refused request (not counted)`,
       );
     }
     return summary;

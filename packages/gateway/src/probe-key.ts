@@ -6,10 +6,11 @@ export type KeyProbe = "refused" | "works" | "silent";
 
 /**
  * Ask a chat-completions endpoint one short message (one token) with a key and model, after a
- * bare 403 on a request of an episode whose earlier calls were answered: `refused` (401, 403 or
- * a redirect: the key), `works` (a 2xx, or a 4xx about the probe itself, such as a model that
- * wants `max_completion_tokens`: the 403 was the request's, e.g. a firewall's rule on what the
- * policy wrote), `silent` (a 429 or 5xx, or no answer within `timeoutMs`: the endpoint failing,
+ * bare 403 or a 402 on a request of an episode whose earlier calls were answered: `refused`
+ * (401, 403 or a redirect: the key; 402: an account out of credit), `works` (a 2xx, or a 4xx
+ * about the probe itself, such as a model that wants `max_completion_tokens`: the 403 or 402 was
+ * the request's, e.g. a firewall's rule on what the policy wrote, a `max_tokens` the balance
+ * cannot cover), `silent` (a 429 or 5xx, or no answer within `timeoutMs`: the endpoint failing,
  * which says nothing of the key). The caller's `signal` aborting ends it with `silent` too; a
  * caller that must tell that apart checks its signal. Its few tokens are nobody's usage: the
  * callers note each probe as a gap.
@@ -40,7 +41,8 @@ export async function probeKey(options: {
       redirect: "manual",
     });
     await res.body?.cancel().catch(() => undefined);
-    if (isRefusalStatus(res.status)) return "refused";
+    // A 402 to one token: the account cannot pay for anything (out of credit), not the request.
+    if (isRefusalStatus(res.status) || res.status === 402) return "refused";
     return res.status === 429 || res.status >= 500 ? "silent" : "works";
   } catch {
     return "silent";

@@ -71,7 +71,7 @@ export function describeCalls(calls: readonly number[]): string {
 }
 
 /** Why a call the upstream may have billed went unmetered (`UsageMeter.recordAbandoned`). */
-export type UnmeteredReason = "agent" | "timeout" | "unread";
+export type UnmeteredReason = "agent" | "unread";
 
 /**
  * Sums the usage of one rollout's model calls. A count is `null` as soon as any call did not
@@ -94,7 +94,7 @@ export class UsageMeter {
   private failed = 0;
   private abandoned = 0;
   /** Of those calls whose tokens are unknown, how many for each reason (`recordAbandoned`). */
-  private readonly abandonedBy: Record<UnmeteredReason, number> = { agent: 0, timeout: 0, unread: 0 };
+  private readonly abandonedBy: Record<UnmeteredReason, number> = { agent: 0, unread: 0 };
   private readonly notes: string[] = [];
 
   /** Record one answered call; returns its number. */
@@ -123,9 +123,8 @@ export class UsageMeter {
   /**
    * An attempt the upstream may have billed, whose usage was never read: a failure as above, and
    * for the caps a call whose tokens are unknown, so that it is no way around them. `agent`: the
-   * agent abandoned it (closed its connection mid-generation); `timeout`: the gateway gave up on
-   * it at its upstream timeout; `unread`: answered (2xx) over the gateway's size bound (many
-   * choices, logprobs: the request's doing).
+   * agent abandoned it (closed its connection mid-generation); `unread`: answered (2xx) over the
+   * gateway's size bound (many choices, logprobs: the request's doing).
    */
   recordAbandoned(why: UnmeteredReason = "agent"): void {
     this.recordFailure();
@@ -133,7 +132,7 @@ export class UsageMeter {
     this.abandonedBy[why] += 1;
   }
 
-  /** Whether the agent abandoned a call (whose tokens are then unknown). */
+  /** Whether a call went unmetered (`recordAbandoned`: the agent abandoned it, or its 2xx was unread). */
   get abandonedAny(): boolean {
     return this.abandoned > 0;
   }
@@ -154,7 +153,7 @@ export class UsageMeter {
 
   /**
    * Tokens used so far (prompt + completion); `null` once any call did not report them, or the
-   * agent abandoned one (what the upstream spent on it is unknown).
+   * call went unmetered (`recordAbandoned`: what the upstream spent on it is unknown).
    */
   get totalTokens(): number | null {
     const unknown = this.missing.usage.length > 0 || this.missing.total.length > 0 || this.abandoned > 0;
@@ -176,16 +175,13 @@ export class UsageMeter {
         `${this.failed} failed upstream attempt${this.failed === 1 ? "" : "s"} not counted (usage unknown)`,
       );
     }
-    // A call the agent abandoned mid-generation was likely billed: the token sums would be an
+    // A call abandoned mid-generation or answered unread was likely billed: the token sums would be an
     // undercount that looks whole (DESIGN §2 rule 12: a gap, never a made-up number).
     const abandoned = this.abandoned > 0;
     const calls = (n: number) => `${n} call${n === 1 ? "" : "s"}`;
     const by = this.abandonedBy;
     if (by.agent > 0)
       gaps.push(`${calls(by.agent)} abandoned by the agent mid-generation: token totals unknown`);
-    if (by.timeout > 0) {
-      gaps.push(`${calls(by.timeout)} given up on at the gateway's upstream timeout: token totals unknown`);
-    }
     if (by.unread > 0) {
       gaps.push(`${calls(by.unread)} answered over the gateway's size bound, unread: token totals unknown`);
     }

@@ -225,15 +225,19 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           status === 403 &&
           input.answeredBefore === true &&
           !CONTENT_REFUSAL.test(`${errorMessage(body, text)} ${errorFields(body).type ?? ""}`);
-        const probe = bare403
-          ? await probeKey({
-              url: input.url,
-              apiKey: input.apiKey,
-              model: (input.body as { model?: unknown } | null)?.model,
-              timeoutMs: Math.min(30_000, input.deadlineMs - Date.now()),
-              signal: input.signal,
-            })
-          : null;
+        // A 402 after answered calls: an account out of credit (the key refused a plain request
+        // too), or one that cannot cover the `max_tokens` this request asked for (answered).
+        const asked402 = status === 402 && input.answeredBefore === true;
+        const probe =
+          bare403 || asked402
+            ? await probeKey({
+                url: input.url,
+                apiKey: input.apiKey,
+                model: (input.body as { model?: unknown } | null)?.model,
+                timeoutMs: Math.min(30_000, input.deadlineMs - Date.now()),
+                signal: input.signal,
+              })
+            : null;
         if (input.signal.aborted) throw abortError(input.signal);
         if (probe !== null) input.onProbe?.();
         if (probe === "silent" && Date.now() >= input.deadlineMs) {
@@ -243,28 +247,27 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         if (
           input.answeredBefore === true &&
           (status === 401 ||
-            status === 402 ||
             status === 404 ||
             status === 405 ||
             status === 410 ||
             (status >= 300 && status < 400) ||
-            (bare403 && probe !== "works"))
+            ((bare403 || asked402) && probe !== "works"))
         ) {
           // The same endpoint, key and model answered this episode's earlier calls: a key rotated
-          // or revoked, an account out of credit (402), a server restarted without the model, or
-          // one now redirecting (a proxy's expired sign-in, a move to https) or refusing the
-          // method, is the infrastructure's (masked,
-          // as the command harness's gateway counts it), never the agent's. On a first call it is
-          // the agent spec's (below). A 403 that says it refused the content (a moderation flag
-          // on what the policy wrote), or one beside a key that still works, is the
-          // conversation's: graded, as a 400 is (below).
+          // or revoked, an account out of credit (a 402 a plain request gets too), a server
+          // restarted without the model, or one now redirecting (a proxy's expired sign-in, a move
+          // to https) or refusing the method, is the infrastructure's (masked, as the command
+          // harness's gateway counts it), never the agent's. On a first call it is the agent
+          // spec's (below). A 403 that says it refused the content (a moderation flag on what the
+          // policy wrote), or a 403 or 402 beside a key that still works (a `max_tokens` the
+          // balance cannot cover), is the conversation's: graded, as a 400 is (below).
           throw FleetError.nonRetryable(
             "provider_unavailable",
             `model endpoint stopped accepting the episode's requests: HTTP ${status}: ${snippet(errorMessage(body, text), redact)}`,
           );
         }
         if (
-          (status === 400 || status === 403 || status === 413 || status === 422) &&
+          (status === 400 || status === 402 || status === 403 || status === 413 || status === 422) &&
           input.answeredBefore === true
         ) {
           return {

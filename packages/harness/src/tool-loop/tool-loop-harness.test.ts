@@ -576,6 +576,16 @@ describe("ToolLoopHarness", () => {
     expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 403/);
   });
 
+  it("a later 402 while the endpoint answers a plain request is the conversation's (a max_tokens the balance cannot cover): graded", async () => {
+    upstream.push(
+      chatReply({ content: "looking", bash: ["echo hi"] }),
+      errorReply(402, "payment_required", "This request requires more credits, or fewer max_tokens"),
+      chatReply({ content: "pong" }),
+    );
+    const out = await harness().run(ctx());
+    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 402/);
+  });
+
   it("a later bare 403 whose probe gets a 4xx about itself (a model wanting max_completion_tokens) is the conversation's: graded", async () => {
     upstream.push(
       chatReply({ bash: ["true"], content: "working" }),
@@ -848,14 +858,14 @@ describe("ToolLoopHarness", () => {
     async (status) => {
       upstream.push(chatReply({ content: "looking", bash: ["echo hi"] }));
       upstream.push(errorReply(status, "gone", `key revoked: ${CREDENTIAL}`));
-      // A 403 is asked again with a plain request: refused as well (the key).
-      if (status === 403) upstream.push(errorReply(403, "gone", "key revoked"));
+      // A 403 or a 402 is asked again with a plain request: refused as well (the key, the account).
+      if (status === 403 || status === 402) upstream.push(errorReply(status, "gone", "key revoked"));
       const err = await rejection(harness().run(ctx()));
       expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", false]);
       expect(classifyFailure((err as FleetError).kind).outcome).toBe("mask");
       expect((err as Error).message).toContain(`HTTP ${status}`);
       expect((err as Error).message).not.toContain(CREDENTIAL);
-      expect(upstream.requests).toHaveLength(status === 403 ? 3 : 2);
+      expect(upstream.requests).toHaveLength(status === 403 || status === 402 ? 3 : 2);
     },
   );
 
