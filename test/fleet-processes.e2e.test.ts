@@ -54,19 +54,32 @@ describe("runAttached (the demo's way of running the fleet CLI)", () => {
   });
 
   it("runWhileUp stops the command and says which process died when one of the fleet's exits while it runs (the demo's CLI would wait for good)", async () => {
-    if (!fleet) throw new Error("the fleet of the first test did not start");
-    const marker = join(logDir, "command-started");
-    const running = fleet.runWhileUp("sh", ["-c", `touch ${marker}; exec sleep 600`], process.env);
-    const outcome = running.then(
-      (code) => `exited ${code}`,
-      (err: unknown) => (err instanceof Error ? err.message : String(err)),
-    );
-    await vi.waitFor(() => expect(existsSync(marker)).toBe(true), { timeout: 10_000 });
-    await fleet.kill("dispatcher", 0, "SIGKILL");
-    expect(await outcome).toMatch(
-      /^dispatcher-0 exited \(SIGKILL\) while the command ran; see .*dispatcher-0\.log$/,
-    );
-    // A command that ends first resolves its code as runAttached does.
-    expect(await fleet.runWhileUp("sh", ["-c", "exit 4"], process.env)).toBe(4);
+    // A fleet of its own (a dispatcher alone), whose process this test kills.
+    const ownPrefix = testPrefix("while-up");
+    const ownLogs = mkdtempSync(join(tmpdir(), "fleet-while-up-"));
+    const own = await FleetProcesses.start({
+      redisUrl: REDIS_URL,
+      prefix: ownPrefix,
+      logDir: ownLogs,
+      replicas: { resources: 0, agent: 0, verifier: 0, janitor: 0 },
+    });
+    try {
+      // A command that ends first resolves its code as runAttached does.
+      expect(await own.runWhileUp("sh", ["-c", "exit 4"], process.env)).toBe(4);
+      const marker = join(ownLogs, "command-started");
+      const outcome = own.runWhileUp("sh", ["-c", `touch ${marker}; exec sleep 600`], process.env).then(
+        (code) => `exited ${code}`,
+        (err: unknown) => (err instanceof Error ? err.message : String(err)),
+      );
+      await vi.waitFor(() => expect(existsSync(marker)).toBe(true), { timeout: 10_000 });
+      await own.kill("dispatcher", 0, "SIGKILL");
+      expect(await outcome).toMatch(
+        /^dispatcher-0 exited \(SIGKILL\) while the command ran; see .*dispatcher-0\.log$/,
+      );
+    } finally {
+      await own.stop();
+      await dropPrefix(REDIS_URL, ownPrefix);
+      rmSync(ownLogs, { recursive: true, force: true });
+    }
   });
 });
