@@ -234,7 +234,10 @@ describe("a failover of the fleet's Redis behind its URL's name", () => {
     // B has every write A took so far (admission, the seeds' begins): a sentinel promotes a replica
     // without waiting for it, and what it lacks is lost to any client (asynchronous replication,
     // not the fleet's doing: under a loaded CI host the admission's records were lost so). The
-    // writes from here on meet the failover as a client's would.
+    // writes from here on meet the failover as a client's would. WAIT waits for this client's own
+    // last write only (none: it answered at once, and CI lost the admission's records so), and
+    // replication is in order: a write of its own first covers every earlier one.
+    await pair.adminA.set(`${fleet.prefix}:replicated`, "1");
     expect(await pair.adminA.call("WAIT", "1", "10000")).toBe(1);
     expect(await watching.failOver()).toBe(pair.b.port);
     // Until the sentinel demotes A (its next check, within 10 s), A still takes the writes of a
