@@ -21,7 +21,6 @@ import {
   type KillOptions,
   madeByAnotherInstance,
   OPS_CWD,
-  OPS_ENV,
   type PutOptions,
   ROOT_USER,
   SANDBOX_PATHS,
@@ -95,8 +94,6 @@ export interface ExecCall {
   keepCaps?: readonly string[];
   /** Where the command starts: the operations below pass `OPS_CWD`. */
   cwd?: string;
-  /** Variables over the sandbox's own (the kill sweeps pass `OPS_ENV`). */
-  env?: Readonly<Record<string, string>>;
 }
 
 /** A provider's exec, bound to one sandbox. */
@@ -349,7 +346,6 @@ async function stagingScript(
   const r = await exec(["/bin/sh", "-c", script, "sh", ...args], {
     deadlineMs: 120_000,
     cwd: OPS_CWD,
-    env: OPS_ENV,
     user,
     stdin,
     maxOutputBytes: 16 * 1024,
@@ -390,7 +386,6 @@ export async function readViaExec(
     const r = await exec(["/bin/sh", "-c", script, "sh", path], {
       deadlineMs: 60_000,
       cwd: OPS_CWD,
-      env: OPS_ENV,
       user,
       stdin: null,
       maxOutputBytes: maxBytes,
@@ -686,7 +681,6 @@ export async function killProcessesViaExec(
         const r = await exec(["/bin/sh", "-c", RAISE_FENCE_SCRIPT, "sh", String(options.fenceEpoch)], {
           deadlineMs,
           cwd: OPS_CWD,
-          env: OPS_ENV,
           user: KEEPALIVE_USER,
           stdin: null,
           maxOutputBytes: 4096,
@@ -731,7 +725,6 @@ export async function killProcessesViaExec(
       const r = await exec(argv, {
         deadlineMs,
         cwd: OPS_CWD,
-        env: OPS_ENV,
         user: asRoot ? ROOT_USER : user,
         stdin: null,
         maxOutputBytes: 4096,

@@ -94,17 +94,19 @@ export const VERIFY_FENCE_FILE = `${VERIFY_FENCE_DIR}/verify-epoch`;
  */
 export const OPS_CWD = "/";
 
+/** The standard directories of a root filesystem (the sandbox's is read-only), as a PATH. */
+export const STANDARD_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
 /**
- * The environment of the fleet's own commands that must not run the agent's programs: the kill
- * sweeps and the fence (`killProcessesViaExec`). A Docker exec takes its PATH from the image, and
- * an image whose PATH holds a directory the agent can write (`/workspace/.venv/bin`) would run
- * the agent's `sleep` or `sh` in the sweep, as the agent's uid or as root, where a line of its
- * own (`remaining=0`) confirms a stop that never happened. These directories are the read-only
- * root's.
+ * The environment of the fleet's own commands, which must never run the agent's programs: every
+ * operation on a `SandboxExec` (sweeps, fence, staging, reads; the Docker provider binds it), the
+ * scratch scrub, and the tests' runner's own commands. A Docker exec takes its PATH from the
+ * image, and an image whose PATH holds a directory the agent can write (`/workspace/.venv/bin`)
+ * ran the agent's `sh` in the sweep (its `remaining=0` confirmed a stop that never happened) and
+ * its `mkdir` as root in the tests' runner (which wrote a reward). Bubblewrap sets this PATH for
+ * every command.
  */
-export const OPS_ENV: Readonly<Record<string, string>> = Object.freeze({
-  PATH: "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-});
+export const OPS_ENV: Readonly<Record<string, string>> = Object.freeze({ PATH: STANDARD_PATH });
 
 /** The unprivileged user harness commands run as by default. */
 export const AGENT_USER = "1000:1000";

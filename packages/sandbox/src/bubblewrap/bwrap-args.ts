@@ -1,9 +1,9 @@
 import type { SandboxSpec } from "@fleet/contracts";
 import { FENCE_MOUNT, KEEPALIVE_USER, SHM_MB, TMPFS_MOUNTS } from "../docker/container-config.ts";
-import { SANDBOX_PATHS } from "../provider.ts";
+import { SANDBOX_PATHS, STANDARD_PATH } from "../provider.ts";
 
 /** The PATH every exec gets (Docker's default for Debian images). */
-export const SANDBOX_PATH_ENV = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+export const SANDBOX_PATH_ENV = STANDARD_PATH;
 
 /** What `bwrapArgv` needs to build one sandbox's `bwrap` command line. */
 export interface BwrapLayout {

@@ -58,6 +58,7 @@ import {
   LABEL_SCOPE,
   madeByAnotherInstance,
   OPS_CWD,
+  OPS_ENV,
   type PutOptions,
   ROOT_USER,
   SANDBOX_PATHS,
@@ -540,8 +541,9 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   /** `execIn` bound to one sandbox, for the shared exec-based operations. */
+  /** The fleet's own operations' exec (`exec-ops`): with `OPS_ENV`, never the image's PATH. */
   private execOf(handle: SandboxHandle): SandboxExec {
-    return (argv, o) => this.execIn(handle, argv, o);
+    return (argv, o) => this.execIn(handle, argv, { ...o, env: OPS_ENV });
   }
 
   /** Start the exec and pump its stream; resolves `true` if the host-side safety timer fired. */
