@@ -299,14 +299,6 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     if (request.stream !== undefined && request.stream !== false) {
       throw new GatewayHttpError(400, "stream_unsupported", "streaming is not supported; send stream: false");
     }
-    // A body JSON.parse takes may be too deep for JSON.stringify to send on (a RangeError): the
-    // request's own doing, said as such, not blamed on the upstream it never reached (an agent
-    // could buy a mask with one such call).
-    try {
-      JSON.stringify(request);
-    } catch {
-      throw new GatewayHttpError(400, "malformed", "request body is nested too deep to forward");
-    }
     const refusal = capRefusal(
       {
         calls: entry.meter.cappedCalls + entry.pending,
@@ -353,6 +345,15 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         1,
       );
     }
+    // Serialised once, before anything is held for it: a body JSON.parse takes may be too deep
+    // for JSON.stringify to send on (a RangeError), the request's own doing, said as such, not
+    // blamed on the upstream it never reached (an agent could buy a mask with one such call).
+    let outgoing: string;
+    try {
+      outgoing = JSON.stringify({ ...request, model: entry.registration.model, stream: false });
+    } catch {
+      throw new GatewayHttpError(400, "malformed", "request body is nested too deep to forward");
+    }
     entry.reservedTokens += reserve;
     entry.recent.push(now);
 
@@ -385,7 +386,7 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         {
           method: "POST",
           headers,
-          body: JSON.stringify({ ...request, model: entry.registration.model, stream: false }),
+          body: outgoing,
           signal,
           // The credential goes to the configured upstream only, never where a redirect points: a
           // 3xx is answered as it is.

@@ -92,8 +92,7 @@ export class UsageMeter {
     total: [] as number[],
   };
   private failed = 0;
-  private abandoned = 0;
-  /** Of those calls whose tokens are unknown, how many for each reason (`recordAbandoned`). */
+  /** Calls whose tokens are unknown, by why (`recordAbandoned`). */
   private readonly abandonedBy: Record<UnmeteredReason, number> = { agent: 0, unread: 0 };
   private readonly notes: string[] = [];
 
@@ -128,13 +127,12 @@ export class UsageMeter {
    */
   recordAbandoned(why: UnmeteredReason = "agent"): void {
     this.recordFailure();
-    this.abandoned += 1;
     this.abandonedBy[why] += 1;
   }
 
   /** Whether a call went unmetered (`recordAbandoned`: the agent abandoned it, or its 2xx was unread). */
   get abandonedAny(): boolean {
-    return this.abandoned > 0;
+    return this.abandonedBy.agent + this.abandonedBy.unread > 0;
   }
 
   /**
@@ -156,7 +154,7 @@ export class UsageMeter {
    * call went unmetered (`recordAbandoned`: what the upstream spent on it is unknown).
    */
   get totalTokens(): number | null {
-    const unknown = this.missing.usage.length > 0 || this.missing.total.length > 0 || this.abandoned > 0;
+    const unknown = this.missing.usage.length > 0 || this.missing.total.length > 0 || this.abandonedAny;
     return unknown ? null : this.total;
   }
 
@@ -177,7 +175,7 @@ export class UsageMeter {
     }
     // A call abandoned mid-generation or answered unread was likely billed: the token sums would be an
     // undercount that looks whole (DESIGN §2 rule 12: a gap, never a made-up number).
-    const abandoned = this.abandoned > 0;
+    const abandoned = this.abandonedAny;
     const calls = (n: number) => `${n} call${n === 1 ? "" : "s"}`;
     const by = this.abandonedBy;
     if (by.agent > 0)
