@@ -383,6 +383,18 @@ async function sandboxLostIfGone(deps: PipelineDeps, handle: SandboxHandle, err:
 }
 
 /**
+ * `sandboxLostIfGone` for a sandbox no agent has run in yet (a seed's, or a run's own before its
+ * launch): one found gone is retried (`sandbox_lost`, retryable), as the next attempt makes
+ * another, never masked at once nor failed as the task's.
+ */
+async function lostBeforeAnAgent(deps: PipelineDeps, handle: SandboxHandle, err: unknown): Promise<unknown> {
+  const fe = await sandboxLostIfGone(deps, handle, err);
+  return isFleetError(fe) && fe.kind === "sandbox_lost" && !fe.retryable
+    ? FleetError.retryable("sandbox_lost", fe.message, err)
+    : fe;
+}
+
+/**
  * Put the sandbox back to how the task started, for a run that starts again after an interrupted
  * one: the task's initial workspace (everything else in /workspace removed) and nothing of the
  * agent's left in the scratch directories (its notes in /tmp must not reach the new run). Only
@@ -494,11 +506,7 @@ export const seed: StageHandler = async (rec, deps) => {
     // the sandbox's, so retried, and the next attempt makes it anew (rule 6: never the task's).
     // So is one the provider found gone (its probe's or its staging's own `sandbox_lost`): this
     // seed made it, before any agent ran there, and the next attempt makes another.
-    const fe = await sandboxLostIfGone(deps, created.handle, err);
-    if (isFleetError(fe) && fe.kind === "sandbox_lost" && !fe.retryable) {
-      throw FleetError.retryable("sandbox_lost", fe.message, err);
-    }
-    throw fe;
+    throw await lostBeforeAnAgent(deps, created.handle, err);
   }
   const t3 = clock(deps);
   // Held long enough for its lock to have lapsed: a later delivery may hold the seed fence, and
@@ -688,11 +696,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // One that died under its probe or staging (killed from outside, its daemon's doing) fails
       // in ways that read as final or as the task's (a staging step's exit 126 is `invalid_task`):
       // the sandbox's, and no agent ran there yet, so retried in a fresh one, as the seed does.
-      const fe = await sandboxLostIfGone(deps, handle, err);
+      const fe = await lostBeforeAnAgent(deps, handle, err);
       await destroyOrLedger(deps, owned).catch(() => undefined);
-      if (isFleetError(fe) && fe.kind === "sandbox_lost" && !fe.retryable) {
-        throw FleetError.retryable("sandbox_lost", fe.message, err);
-      }
       throw fe;
     }
     throw err;
