@@ -185,7 +185,9 @@ async function main(): Promise<number> {
     const env = { FLEET_URL: fleet.url, FLEET_TOKEN: fleet.token };
     const suite = join(REPO_ROOT, "packages/tasks/suites/example");
     const image = exported.FLEET_BASE_IMAGE;
-    if (image) say(`sandbox image ${image}`);
+    // The example suite names `rollout-fleet/base:latest`, which ensure-services has just tagged
+    // to the image it built or found (its recipe's tag).
+    if (image) say(`sandbox image rollout-fleet/base:latest (${image}), the example suite's`);
 
     const oracleOut = join(runDir, "results-oracle.jsonl");
     say("submitting the example suite with the oracle agent…");
