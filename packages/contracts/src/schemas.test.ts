@@ -525,6 +525,24 @@ describe("TaskContent refusals", () => {
     expect(matchPattern("C:\\\\Z").test("C:\\Z")).toBe(true);
   });
 
+  it("a regex match's escaped CRLF matches the answer's line end, which is compared as LF: as written it never could", () => {
+    const answer = comparableAnswer("line one\r\nline two\r\n");
+    for (const expected of [
+      "line one\\r\\nline two",
+      "line one\\r\nline two",
+      "(?:line one\\r\\n)+line two",
+      "line one\\r\\n+line two",
+    ]) {
+      expect(matchPattern(expected).test(answer), expected).toBe(true);
+    }
+    // Inside a class, or with an `\n` that may be absent (a lone CR matches): left as written.
+    expect(matchPattern("a\\r\\n?b").test("a\rb")).toBe(true);
+    expect(matchPattern("a\\r\\n*b").test("a\rb")).toBe(true);
+    expect(matchPattern("a[\\r\\n]b").test("a\rb")).toBe(true);
+    expect(matchPattern("a\\\\r\\nb").test("a\\r\nb")).toBe(true); // an escaped backslash, then "r"
+    expect(matchPattern("a\\r\\nb").test("a\rb")).toBe(false);
+  });
+
   it("an exact match expecting more than an answer keeps (4,000 characters) is refused up front: no agent could match it", () => {
     const r = TaskContent.safeParse({
       ...base,

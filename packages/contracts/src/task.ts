@@ -147,7 +147,41 @@ export function matchPattern(expected: string): RegExp {
   const pattern = expected.trim();
   const foreign = foreignRegexSyntax(pattern);
   if (foreign !== undefined) throw new SyntaxError(foreign);
-  return new RegExp(`^(?:${pattern})$`);
+  return new RegExp(`^(?:${lfLineEnds(pattern)})$`);
+}
+
+/**
+ * `pattern` with each escaped CRLF (`\r\n`, or `\r` before a line break) outside a character
+ * class as `\n`, as `comparableAnswer` turns the answer's: answers are compared with LF line
+ * ends, where a CR before an LF is never left, so as written it could never match (every agent
+ * graded 0, the reference answer too). Only what could never match changes: a `[\r\n]`,
+ * `\r?\n`, or a `\r\n?` or `\r\n*` (which a lone CR matches) is left as it is.
+ */
+function lfLineEnds(pattern: string): string {
+  let out = "";
+  let inClass = false;
+  for (let i = 0; i < pattern.length; i++) {
+    const c = pattern[i]!;
+    if (c === "\\") {
+      const escaped = pattern.slice(i, i + 2);
+      if (!inClass && escaped === "\\r") {
+        const lf = pattern.startsWith("\\n", i + 2) ? 2 : pattern[i + 2] === "\n" ? 1 : 0;
+        // Not when its `\n` may be absent (`?`, `*`, `{0,…}`): that also matches a lone CR.
+        if (lf > 0 && !/^(?:[?*]|\{0)/.test(pattern.slice(i + 2 + lf, i + 4 + lf))) {
+          out += "\\n";
+          i += 1 + lf;
+          continue;
+        }
+      }
+      out += escaped;
+      i++;
+    } else {
+      if (c === "[" && !inClass) inClass = true;
+      else if (c === "]" && inClass) inClass = false;
+      out += c;
+    }
+  }
+  return out;
 }
 
 /**
