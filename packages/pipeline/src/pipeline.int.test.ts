@@ -989,6 +989,35 @@ describe("idempotency and fencing without workers", () => {
     await closeExpecting(id!, { status: "completed", reward: 1 });
   });
 
+  it("a run whose own sandbox is gone by its staging (a put into a removed container) is retried in a new one, never masked at once nor failed as the task's (rule 6)", async () => {
+    const task = byId("sum-answer");
+    expect(Object.keys(task.workspace)).not.toEqual([]); // something to stage
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle", sandbox: "own" } }]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // The agent's own sandbox passes its probe, then is removed from outside before staging.
+    const staged: SandboxHandle[] = [];
+    const gone = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(fleet.deps.provider) as SandboxProvider, {
+        put: async (
+          h: SandboxHandle,
+          ...rest: Parameters<SandboxProvider["put"]> extends [unknown, ...infer R] ? R : never
+        ) => {
+          staged.push(h);
+          await fleet.deps.provider.destroy(h);
+          return fleet.deps.provider.put(h, ...rest);
+        },
+      }),
+    };
+    const err = await runStageJob("run", job(id!), gone).catch((e: unknown) => e);
+    expect(err).toMatchObject({ kind: "sandbox_lost", retryable: true });
+    expect(staged.map((h) => h.owner)).toEqual(["agent"]);
+    expect((await fleet.deps.store.get(id!))!.failure).toBeNull();
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    await runStageJob("verify", job(id!), fleet.deps);
+    await closeExpecting(id!, { status: "completed", reward: 1 });
+  });
+
   it("an answer longer than the fleet keeps is graded 0 by a match verifier, though its kept head matches (the whole does not)", async () => {
     const task = {
       ...byId("sum-answer"),
