@@ -35,7 +35,7 @@ import type { PipelineDeps } from "./deps.ts";
 import { type DeferralError, isDeferral, isHandBack, RedisHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
-import { beginOptions } from "./stages.ts";
+import { beginOptions, HANDLERS } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 import { createStageWorkers } from "./worker.ts";
@@ -2954,7 +2954,7 @@ describe("idempotency and fencing without workers", () => {
     expect(await containersOf([id!])).toBe(0);
   });
 
-  it("a stop that wins the launch claim means the harness never starts", async () => {
+  it("a stop that wins the launch claim means the run stage is skipped: no receipt, not even a start time", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
     await fleet.deps.store.requestCancel(id!);
@@ -2967,6 +2967,37 @@ describe("idempotency and fencing without workers", () => {
     const rec = await fleet.deps.store.get(id!);
     expect(rec!.receipts.run).toBeUndefined();
     expect(rec!.times["run:start"]).toBeUndefined();
+    await runStageJob("close", job(id!), fleet.deps);
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
+  });
+
+  it("a run handler that claims its launch itself (no claim at begin) and loses it to a stop starts no harness and hands over to close (rule 10)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    // Begun without a launch claim; the stop comes between that begin and the handler's claim.
+    const {
+      record,
+      failures,
+      unreadableFailures: _,
+      ...begun
+    } = await fleet.deps.store.begin(id!, "run", Date.now());
+    expect(begun.launch).toBeNull();
+    await fleet.deps.store.requestCancel(id!);
+    let launched = 0;
+    const counting = {
+      ...fleet.deps,
+      createHarness: () => ({
+        name: "oracle" as const,
+        run: async () => {
+          launched += 1;
+          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+        },
+      }),
+    };
+    const rec = Object.assign(record!, { begun, failureLog: failures });
+    expect(await HANDLERS.run(rec, counting, 1)).toBe("close");
+    expect(launched).toBe(0);
+    expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
     await runStageJob("close", job(id!), fleet.deps);
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
   });
