@@ -266,7 +266,7 @@ export class ProviderUnreachableError extends Error {
 
 const PROVIDER_HINT: Record<Common["sandboxProvider"], string> = {
   docker:
-    "Set DOCKER_HOST to the daemon (unix:///var/run/docker.sock, or tcp://host:2376 with DOCKER_CERT_PATH); under docker compose add -f docker-compose.docker-socket.yml or export DOCKER_HOST",
+    "Set DOCKER_HOST to the daemon (unix:///var/run/docker.sock, or tcp://host:2376 with DOCKER_CERT_PATH); under docker compose add -f docker-compose.sandbox-host.yml (FLEET_SANDBOX_DOCKER_HOST, FLEET_SANDBOX_DOCKER_CERT_DIR) or -f docker-compose.docker-socket.yml, and do not export DOCKER_HOST (compose would deploy the fleet itself there)",
   bubblewrap: "Check FLEET_BWRAP_ROOTFS and FLEET_STATE_DIR, and that bwrap is installed",
 };
 
