@@ -1008,7 +1008,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       const m = STRAY_WRITE.exec(name);
       if (!m) continue;
       const pid = Number(m[2]);
-      if (pid === process.pid || startTime(pid) !== null) continue;
+      // Its writer alive, or not known to be gone (its /proc unreadable): not stray.
+      if (pid === process.pid || startTimeOrAlive(pid) !== null) continue;
       const file = join(this.stateDir, name);
       try {
         if ((await lstat(file)).mtimeMs > cutoff) continue;
@@ -1151,15 +1152,47 @@ function stateText(state: BwrapState): string {
   return `${JSON.stringify(state, null, 2)}\n`;
 }
 
-/** Field 22 of `/proc/<pid>/stat` (start time in clock ticks), or null when gone or a zombie. */
+/** Whether a failed read of `/proc/<pid>/…` says the process is gone (and not that this process could not read). */
+function procGone(err: unknown): boolean {
+  const code = (err as NodeJS.ErrnoException).code;
+  return code === "ENOENT" || code === "ESRCH";
+}
+
+/**
+ * A read of a process's `/proc` entry that failed for this process's own reason (out of file
+ * descriptors, EMFILE; out of memory): retryable `provider_unavailable`, never taken for the
+ * process gone, which would confirm a stop while the agent runs on (DESIGN §2 rule 2).
+ */
+function procUnreadable(path: string, err: unknown): FleetError {
+  return FleetError.retryable("provider_unavailable", `cannot read ${path}: ${(err as Error).message}`, err);
+}
+
+/**
+ * Field 22 of `/proc/<pid>/stat` (start time in clock ticks), or null when gone or a zombie.
+ *
+ * @throws FleetError `provider_unavailable` (retryable) when the file cannot be read for another
+ * reason than the process being gone (`procUnreadable`).
+ */
 function startTime(pid: number): string | null {
+  const path = `/proc/${pid}/stat`;
+  let stat: string;
   try {
-    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
-    const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-    if (fields[0] === "Z" || fields[0] === "X") return null;
-    return fields[19] ?? null;
+    stat = readFileSync(path, "latin1");
+  } catch (err) {
+    if (procGone(err)) return null;
+    throw procUnreadable(path, err);
+  }
+  const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+  if (fields[0] === "Z" || fields[0] === "X") return null;
+  return fields[19] ?? null;
+}
+
+/** `startTime`, with a process whose `/proc` cannot be read taken for alive (`""`). */
+function startTimeOrAlive(pid: number): string | null {
+  try {
+    return startTime(pid);
   } catch {
-    return null;
+    return "";
   }
 }
 
@@ -1179,16 +1212,29 @@ function pinSandbox(state: BwrapState): { files: NsenterFiles; close(): void } {
     }
   };
   const files: Partial<NsenterFiles> = {};
+  let alive: boolean;
   try {
     for (const [key, entry] of Object.entries(NSENTER_PROC_ENTRIES) as Array<[keyof NsenterFiles, string]>) {
-      const fd = openSync(`/proc/${state.initPid}/${entry}`, "r");
+      const path = `/proc/${state.initPid}/${entry}`;
+      let fd: number;
+      try {
+        fd = openSync(path, "r");
+      } catch (err) {
+        // Gone (ENOENT, ESRCH): told below. Anything else (EMFILE) is this process's, not the
+        // sandbox's: a kill sweep must not take it for a sandbox gone, and its agent stopped.
+        if (procGone(err)) break;
+        throw procUnreadable(path, err);
+      }
       fds.push(fd);
       files[key] = `/proc/${process.pid}/fd/${fd}`;
     }
-  } catch {
-    // Gone (ENOENT, ESRCH): told below.
+    alive =
+      fds.length === Object.keys(NSENTER_PROC_ENTRIES).length && sameProcess(state.initPid, state.initStart);
+  } catch (err) {
+    close();
+    throw beforeStart(err);
   }
-  if (fds.length < Object.keys(NSENTER_PROC_ENTRIES).length || !sameProcess(state.initPid, state.initStart)) {
+  if (!alive) {
     close();
     throw beforeStart(
       FleetError.nonRetryable("sandbox_lost", `sandbox ${state.name} is gone (its PID 1 exited)`),
