@@ -1,8 +1,10 @@
 import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import {
+  closeSync,
   existsSync,
   mkdirSync,
+  openSync,
   readdirSync,
   readFileSync,
   readlinkSync,
@@ -23,6 +25,7 @@ import { AGENT_USER, ROOT_USER, VERIFY_FENCE_FILE } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
 import { fleetError, KILL_EVERY_SWEEP_ARGV, sweepReforkingChain } from "../testing/index.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
+import { sandboxExecArgv } from "./cgroup.ts";
 import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
 
 const run = promisify(execFile);
@@ -416,6 +419,79 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     await provider.put(h, "/tests", { "test.sh": "exit 0\n" }, { user: ROOT_USER, replace: true });
     expect(await provider.get(h, "/tests/test.sh")).toBe("exit 0\n");
     await scrubScratch(provider, h, AGENT_USER);
+  });
+
+  it("a kill sweep by a worker out of file descriptors (EMFILE) never confirms the agent stopped: its sandbox is not taken for gone (rule 2)", async () => {
+    const h = await create();
+    const start = await provider.exec(h, ["sh", "-c", "setsid sleep 1000 >/dev/null 2>&1 & echo started"], {
+      deadlineMs: 10_000,
+    });
+    expect(start.stdout).toBe("started\n");
+    // This process's descriptors used up but for 4, with a soft limit above every one it holds
+    // (pinning the sandbox for nsenter takes 7).
+    const limits = (
+      await run("prlimit", [
+        "--pid",
+        String(process.pid),
+        "--nofile",
+        "-o",
+        "SOFT,HARD",
+        "--raw",
+        "--noheadings",
+      ])
+    ).stdout
+      .trim()
+      .split(/\s+/);
+    const [soft, hard] = [limits[0]!, limits[1]!];
+    const highest = Math.max(...readdirSync("/proc/self/fd").map(Number));
+    const cap = highest + 256;
+    await run("prlimit", ["--pid", String(process.pid), `--nofile=${cap}:${hard}`]);
+    const fillers: number[] = [];
+    let receipt: Awaited<ReturnType<typeof provider.killProcesses>>;
+    try {
+      for (;;) {
+        try {
+          fillers.push(openSync("/dev/null", "r"));
+        } catch (err) {
+          expect((err as NodeJS.ErrnoException).code).toBe("EMFILE");
+          break;
+        }
+      }
+      for (const fd of fillers.splice(0, 4)) closeSync(fd);
+      receipt = await provider.killProcesses(h, AGENT_USER);
+    } finally {
+      for (const fd of fillers) closeSync(fd);
+      await run("prlimit", ["--pid", String(process.pid), `--nofile=${soft}:${hard}`]);
+    }
+    expect(receipt).toMatchObject({ confirmed: false, alreadyGone: false });
+    const left = await provider.exec(h, ["sh", "-c", "ps -o comm= -u 1000"], {
+      deadlineMs: 10_000,
+      user: ROOT_USER,
+    });
+    expect(left.stdout).toContain("sleep");
+    expect(await provider.killProcesses(h, AGENT_USER)).toMatchObject({ confirmed: true, remaining: 0 });
+  });
+
+  it("a sandbox command gets no descriptor of the worker's beyond the standard three: one the worker inherited (not close-on-exec) is closed on the host side", async () => {
+    // The host side of every exec (`sandboxExecArgv`), with a descriptor at 5 as a worker's
+    // launcher may leave one: a host file the command could otherwise write.
+    const hostFile = join(await mkdtemp(join(tmpdir(), "bwrap-fd-")), "host.txt");
+    const fd = openSync(hostFile, "a");
+    try {
+      const [file, ...args] = sandboxExecArgv([], ["/bin/sh", "-c", "ls /proc/$$/fd; echo leaked >&5"]);
+      const child = spawn(file!, args, { stdio: ["ignore", "pipe", "pipe", "ignore", "ignore", fd] });
+      let out = "";
+      child.stdout!.on("data", (c: Buffer) => {
+        out += c.toString();
+      });
+      const code = await new Promise<number | null>((resolve) => child.once("close", resolve));
+      expect(out.trim().split("\n").sort()).toEqual(["0", "1", "2"]);
+      expect(code).not.toBe(0); // its write to descriptor 5 failed
+      expect(readFileSync(hostFile, "utf8")).toBe("");
+    } finally {
+      closeSync(fd);
+      await rm(dirname(hostFile), { recursive: true, force: true });
+    }
   });
 
   it("has no network: a TCP server on the host's 127.0.0.1 is unreachable", async () => {

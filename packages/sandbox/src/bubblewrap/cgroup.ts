@@ -108,12 +108,22 @@ export async function moveIntoCgroups(
  * cgroup (kernel memory its tmpfs inodes pin, which no tmpfs size bounds under bwrap) had PID 1
  * killed, the sandbox lost and its rollout masked, a mask the agent chose. (Raised, since
  * lowering PID 1's takes CAP_SYS_RESOURCE, which a worker in a container may not have.)
+ * First it closes every descriptor above the three standard ones: the worker's own are
+ * close-on-exec, but one the worker inherited is not (a pipe or file its launcher, CI runner or
+ * supervisor left open), and nsenter, setpriv and the command would inherit it: the agent could
+ * write to a host file or read the host's `/` through it. (bash, for `{f}>&-`: dash takes
+ * single-digit descriptors only.)
  */
 export function sandboxExecArgv(cgroups: readonly SandboxCgroup[], argv: readonly string[]): string[] {
   const script =
-    'umask 022; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
+    // biome-ignore lint/suspicious/noTemplateCurlyInString: bash's parameter expansion, not a template
+    'for f in /proc/$$/fd/*; do f=${f##*/}; [ "$f" -gt 2 ] && exec {f}>&-; done; umask 022; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
   return [
-    "/bin/sh",
+    "/bin/bash",
+    // Never the host's ~/.bashrc: bash reads it when its stdin is a socket (Node's pipes are),
+    // taking itself for a remote shell.
+    "--norc",
+    "--noprofile",
     "-c",
     script,
     "sh",
