@@ -4,7 +4,7 @@ import { join } from "node:path";
 import { afterAll, afterEach, describe, expect, it } from "vitest";
 import { createRedis, RedisDurabilityError } from "./connection.ts";
 import { freeLoopbackPort, LocalRedisServer } from "./local-redis.ts";
-import { waitForRedis } from "./redis-wait.ts";
+import { RedisCredentialsError, waitForRedis } from "./redis-wait.ts";
 import { FailoverPair } from "./testing/index.ts";
 
 /** A logger that says nothing (each test keeps the lines it looks at). */
@@ -84,6 +84,34 @@ describe("waitForRedis", () => {
       redis.disconnect();
     }
   });
+
+  it.each([
+    ["a wrong password", ":wrong@"],
+    ["no password", ""],
+  ])(
+    "refuses at once a Redis that refuses REDIS_URL's credentials (%s), never waiting as for one that is down",
+    async (_case, auth) => {
+      server = await LocalRedisServer.start({ dir });
+      const admin = createRedis(server.url);
+      await admin.config("SET", "requirepass", "right");
+      admin.disconnect();
+      const redis = createRedis(server.url.replace("redis://", `redis://${auth}`), {
+        retryStrategy: () => 20,
+      });
+      const warnings: string[] = [];
+      try {
+        const err = await waitForRedis(redis, {
+          logger: { ...SILENT, warn: (_o, msg) => warnings.push(msg) },
+          firstDelayMs: 60_000,
+        }).catch((e: unknown) => e);
+        expect(err).toBeInstanceOf(RedisCredentialsError);
+        expect((err as Error).message).toMatch(/^Redis refuses REDIS_URL's credentials .*(WRONGPASS|NOAUTH)/);
+        expect(warnings).toEqual([]);
+      } finally {
+        redis.disconnect();
+      }
+    },
+  );
 
   it("ends the wait with an error when the connection is closed meanwhile", async () => {
     const port = await freeLoopbackPort();

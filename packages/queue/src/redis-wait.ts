@@ -34,8 +34,9 @@ export interface RedisWaitOptions extends DurabilityOptions {
  * before) its Redis: a compose file, a Kubernetes Deployment, a Redis restarting. While it is not,
  * a warning names REDIS_URL, the connection's last error and how long it has waited, at most once
  * per wait (1 s, 2 s, 4 s … then every 30 s). A Redis that answers but refuses the fleet (AOF off,
- * an evicting `maxmemory-policy`, a database it does not have: `RedisDurabilityError`) and any
- * other error end the wait at once, thrown. Every app (dispatcher, workers, janitor) starts
+ * an evicting `maxmemory-policy`, a database it does not have: `RedisDurabilityError`), one that
+ * refuses REDIS_URL's credentials (`RedisCredentialsError`) and any other error end the wait at
+ * once, thrown. Every app (dispatcher, workers, janitor) starts
  * through this, whatever its connection's `maxRetriesPerRequest`: no command is sent before the
  * connection is ready. Throws when the connection ends meanwhile: its retries given up, or
  * `disconnect` while it connects (ioredis ends no connection disconnected while it waits between
@@ -46,15 +47,20 @@ export async function waitForRedis(redis: RedisConnection, options: RedisWaitOpt
   const { logger } = options;
   const started = Date.now();
   let lastError: { err: string; hint?: string } | null = null;
+  let refused: Error | null = null;
   const noteError = (err: Error) => {
     lastError = connectionErrorFields(err);
+    if (isCredentialRefusal(err)) refused = err;
   };
   redis.on("error", noteError);
   let delayMs = options.firstDelayMs ?? 1_000;
   const maxDelayMs = options.maxDelayMs ?? 30_000;
   try {
     for (;;) {
-      if (await readyWithin(redis, delayMs)) {
+      const ready = await readyWithin(redis, delayMs, () => refused !== null);
+      // Redis answered, and refused the credentials: no wait makes them right.
+      if (refused !== null) throw new RedisCredentialsError(refused);
+      if (ready) {
         try {
           await assertRedisDurable(redis, options);
           const { durable } = options;
@@ -82,23 +88,50 @@ export async function waitForRedis(redis: RedisConnection, options: RedisWaitOpt
   }
 }
 
-/** Whether `redis` is ready now or becomes ready within `ms`; throws once its connection ended. */
-async function readyWithin(redis: RedisConnection, ms: number): Promise<boolean> {
+/**
+ * A connection error that is Redis refusing the credentials REDIS_URL gives (a wrong password or
+ * user, none where one is required, a user without the commands the fleet needs): an answer, not
+ * an outage.
+ */
+function isCredentialRefusal(err: Error): boolean {
+  return /^(?:WRONGPASS|NOAUTH|NOPERM)\b/.test(err.message);
+}
+
+/** Redis refused REDIS_URL's credentials while an app started: a configuration to fix, not a wait. */
+export class RedisCredentialsError extends Error {
+  override readonly name = "RedisCredentialsError";
+  constructor(cause: Error) {
+    super(`Redis refuses REDIS_URL's credentials (check its user and password): ${cause.message}`, { cause });
+  }
+}
+
+/**
+ * Whether `redis` is ready now or becomes ready within `ms` (false at once on an error after which
+ * `stop()` holds); throws once its connection ended.
+ */
+async function readyWithin(redis: RedisConnection, ms: number, stop: () => boolean): Promise<boolean> {
   if (redis.status === "ready") return true;
   if (redis.status === "end") throw new Error("the Redis connection was closed before Redis was reached");
+  if (stop()) return false;
   return new Promise<boolean>((resolve, reject) => {
     const done = (ready: boolean, err?: Error) => {
       clearTimeout(timer);
       redis.off("ready", onReady);
       redis.off("end", onEnd);
+      redis.off("error", onError);
       if (err) reject(err);
       else resolve(ready);
     };
     const onReady = () => done(true);
     const onEnd = () => done(false, new Error("the Redis connection was closed before Redis was reached"));
+    // After the wait's own listener (registered first) has noted it.
+    const onError = () => {
+      if (stop()) done(false);
+    };
     const timer = setTimeout(() => done(false), ms);
     redis.once("ready", onReady);
     redis.once("end", onEnd);
+    redis.on("error", onError);
   });
 }
 
