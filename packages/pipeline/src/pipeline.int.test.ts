@@ -2088,6 +2088,52 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(id!), fleet.deps);
   });
 
+  it("a run taken over while it made its own sandbox (the later launch's, adopted by its name) neither stages into it nor destroys it", async () => {
+    const [id] = await fleet.submit([
+      { task: byId("sum-answer"), agent: { harness: "oracle", sandbox: "own" } },
+    ]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const { provider, store } = fleet.deps;
+    let later: SandboxHandle | null = null;
+    const touched: string[] = [];
+    const paused = {
+      ...fleet.deps,
+      provider: Object.assign(Object.create(provider) as SandboxProvider, {
+        create: async (spec: Parameters<SandboxProvider["create"]>[0]) => {
+          // Meanwhile this worker's lock lapsed: worker B took the run over and made its own
+          // sandbox, of the same name, where its agent now works.
+          await store.claimLaunch(id!, "worker-b:1");
+          later = await provider.create(spec);
+          return provider.create(spec);
+        },
+        probe: async (h: SandboxHandle) => {
+          touched.push(`probe ${h.id}`);
+          return provider.probe(h);
+        },
+        put: async (
+          h: SandboxHandle,
+          ...rest: Parameters<SandboxProvider["put"]> extends [unknown, ...infer R] ? R : never
+        ) => {
+          touched.push(`put ${h.id}`);
+          return provider.put(h, ...rest);
+        },
+        destroy: async (h: SandboxHandle) => {
+          touched.push(`destroy ${h.id}`);
+          return provider.destroy(h);
+        },
+      }),
+    };
+    expect(await runStageJob("run", { ...job(id!), processedOn: Date.now() - 25_000 }, paused)).toBe(
+      "superseded",
+    );
+    expect(later).not.toBeNull();
+    expect(touched).toEqual([]);
+    expect(await provider.alive(later!)).toBe(true);
+    expect((await store.get(id!))!.fence).toBe("launched:worker-b:1");
+    await provider.destroy(later!);
+    await runStageJob("close", job(id!), fleet.deps);
+  });
+
   /**
    * An earlier verify attempt (of this release: it honours the fence) noted its tests `at`, in a
    * sandbox whose verify fence cannot be raised (its directory made read-only by its owner, as

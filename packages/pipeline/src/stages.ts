@@ -659,6 +659,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       });
       if (taken.notOurs !== undefined) return taken.notOurs;
       if (!created) return "close";
+      // Taken over while it made the sandbox (paused past its lock between the look at the fence
+      // and the create): the sandbox may be the later launch's own, adopted by its name, with
+      // that launch's agent at work in it. Neither probed, staged nor destroyed by this attempt.
+      if (mayBeTakenOver(rec)) {
+        const notOurs = await unlessOurs();
+        if (notOurs !== undefined) return notOurs;
+      }
       handle = created.handle;
       owned = created.entry;
       // Isolation is proven before anything is staged or run in it (DESIGN §5), as the seed did
