@@ -21,7 +21,7 @@ import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/
 import type { FastifyInstance, InjectOptions, LightMyRequestResponse } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it, onTestFinished } from "vitest";
-import { createServer } from "./server.ts";
+import { createServer, OTHER_JSON_BODY_BYTES } from "./server.ts";
 import { completedResult, TEST_TASK } from "./test-server.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
@@ -1290,6 +1290,33 @@ describe("limits", () => {
     const overTask = await small.call({ method: "POST", url: "/v1/rollouts", payload: bigTask });
     const error = expectErrorBody(overTask, 413, "payload_too_large");
     expect(error.details).toMatchObject({ limit: 4096 });
+  });
+
+  it("refuses, unparsed, a JSON body over 64 KiB on a route no submission reads: the public sign-in, a cancel, a route not there (a parse of megabytes held the event loop for seconds)", async () => {
+    const h = await makeHarness();
+    // 3 MiB of `[{},{},…]`: a million values to parse.
+    const values = `[${"{},".repeat(1024 * 1024 - 1)}{}]`;
+    for (const [url, token] of [
+      ["/admin/login", null],
+      ["/v1/rollouts/nope/cancel", TOKEN],
+      ["/v1/batches/bnope/cancel", TOKEN],
+      ["/v1/nothing", TOKEN],
+    ] as const) {
+      for (const payload of [values, Readable.from([Buffer.from(values)])]) {
+        const res = await h.call({
+          method: "POST",
+          url,
+          token,
+          payload,
+          headers: { "content-type": "application/json" },
+        });
+        const err = expectErrorBody(res, 413, "payload_too_large");
+        expect(err.details, url).toMatchObject({ limit: OTHER_JSON_BODY_BYTES });
+      }
+    }
+    // A small one is read as before: the cancel of a rollout that is not there.
+    const small = await h.call({ method: "POST", url: "/v1/rollouts/nope/cancel", payload: {} });
+    expectErrorBody(small, 404, "not_found");
   });
 
   it("holds the backlog bound under concurrent submissions: what passes it is a 429, never admitted", async () => {

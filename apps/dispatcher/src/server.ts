@@ -31,6 +31,8 @@ export type { DispatcherDeps } from "./context.ts";
 
 /** The route that takes batches, JSON or NDJSON. */
 const BATCHES_PATH = "/v1/batches";
+/** The largest JSON body a route other than the two submissions reads (`otherJsonTooLarge`). */
+export const OTHER_JSON_BODY_BYTES = 64 * 1024;
 const ROLLOUTS_PATH = "/v1/rollouts";
 
 /** The 401 of a request without a valid token (or session). */
@@ -168,6 +170,25 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     req.method === "POST" &&
     req.routeOptions.url === BATCHES_PATH &&
     /^application\/json\s*(;|$)/i.test(String(req.headers["content-type"] ?? ""));
+  /**
+   * A JSON body no submission reads (a cancel, a sign-in, Bull Board's actions, a route that is
+   * not there) over `OTHER_JSON_BODY_BYTES`: refused before it is parsed. A parse of megabytes of
+   * `[{},{},…]` held the event loop for seconds (health probes included) and took a gigabyte, and
+   * the sign-in route is public.
+   */
+  const otherJsonTooLarge = (req: FastifyRequest, bytes: number) =>
+    !isRolloutSubmit(req) &&
+    !(req.method === "POST" && req.routeOptions.url === BATCHES_PATH) &&
+    /^application\/json\s*(;|$)/i.test(String(req.headers["content-type"] ?? "")) &&
+    bytes > OTHER_JSON_BODY_BYTES;
+  const otherJsonError = (bytes: number, headers: Readonly<Record<string, string>> = {}) =>
+    new HttpError(
+      413,
+      "payload_too_large",
+      `this route reads a JSON body of at most ${OTHER_JSON_BODY_BYTES} bytes (this one is ${bytes})`,
+      { limit: OTHER_JSON_BODY_BYTES, bytes },
+      headers,
+    );
 
   // Bodies: JSON (prototype-poisoning keys refused, `parseJsonText`) under `bodyLimit`, a JSON
   // batch under `maxJsonBatchBytes`; NDJSON read line by line as it arrives. No text/plain: any
@@ -185,6 +206,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       if ((body as Buffer).length > config.maxJsonBatchBytes && isJsonBatch(req)) {
         throw jsonBatchTooLarge((body as Buffer).length);
       }
+      if (otherJsonTooLarge(req, (body as Buffer).length)) throw otherJsonError((body as Buffer).length);
       const text = utf8Body(body as Buffer);
       // One rollout request of more values than any is refused before its parse holds the loop.
       if (isRolloutSubmit(req) && textHasTooManyValues(text)) throw tooManyValuesError();
@@ -239,6 +261,10 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // drained, not parsed.
   app.addHook("preParsing", async (req, _reply, payload) => {
     const length = Number(req.headers["content-length"]);
+    // Before sign-in too (the sign-in route is public): not read, the connection closed.
+    if (req.method !== "GET" && req.method !== "HEAD" && otherJsonTooLarge(req, length)) {
+      throw otherJsonError(length, { connection: "close" });
+    }
     const overJsonBatch = length > config.maxJsonBatchBytes && isJsonBatch(req);
     if (!(length > config.maxBodyBytes) && !overJsonBatch) return payload;
     // Not for a body no route reads (GET, HEAD), nor before sign-in (public routes): there Node
