@@ -323,6 +323,48 @@ describe("janitor", () => {
     }
   });
 
+  it("due marks whose ledger entry was removed from outside are dropped and reported, and the real retry behind them goes: 50 of them took every pass's read", async () => {
+    const { redis } = fleet;
+    const { ledger } = fleet.deps;
+    const now = Date.now();
+    const later = { ...fleet.deps, now: () => now + 120_000 };
+    const bare = Array.from({ length: 50 }, (_, i) => `bare${i}${RUN}:resources`);
+    for (const key of bare) await redis.zadd(ledger.keys.teardownDue(), now - 10_000, key);
+    const stuck = await docker.create({
+      image: IMAGE,
+      rolloutId: `behind${RUN}`,
+      owner: "resources",
+      expiresAt: now + 3_600_000,
+    });
+    const entry = {
+      key: sandboxKey(stuck.rolloutId, "resources"),
+      rolloutId: stuck.rolloutId,
+      owner: "resources" as const,
+      provider: docker.name,
+      handle: stuck,
+      createdAt: now,
+      expiresAt: now + 3_600_000,
+    };
+    await ledger.schedule(entry, now);
+    try {
+      const report = await janitorTick(later, { orphanGraceMs: 3_600_000 });
+      expect(report.errors).toEqual(
+        expect.arrayContaining([
+          expect.stringMatching(new RegExp(`^ledger ${bare[0]}: .*without its entry`)),
+        ]),
+      );
+      expect(await redis.zmscore(ledger.keys.teardownDue(), ...bare)).toEqual(bare.map(() => null));
+      // The next pass reaches the real entry (this one, if the read had room).
+      await janitorTick(later, { orphanGraceMs: 3_600_000 });
+      expect(await docker.alive(stuck)).toBe(false);
+      expect(await redis.hexists(ledger.keys.teardownEntries(), entry.key)).toBe(0);
+    } finally {
+      await docker.destroy(stuck);
+      await ledger.confirm(entry);
+      await redis.zrem(ledger.keys.teardownDue(), ...bare);
+    }
+  });
+
   it("failure log rows this release cannot read (torn, or another release's kind) are left out: the rollout still closes, with the rows it can read", async () => {
     const task = await helloFile();
     const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];

@@ -1058,6 +1058,23 @@ const SCRIPTS = {
       return 1`,
   },
   /**
+   * Drop due marks (ARGV) whose ledger entry is gone: only our own scripts write or remove the
+   * two together, so such a mark is one an operator or a restore left, due for good, taking a
+   * slot of every pass's `due` read. Only those with no entry now (a forget and a new schedule of
+   * the key since the read leave a pair). Returns the keys dropped.
+   */
+  fleetLedgerDropBare: {
+    keys: 2, // teardown entries, teardown due
+    lua: `
+      local dropped = {}
+      for _, key in ipairs(ARGV) do
+        if redis.call('HEXISTS', KEYS[1], key) == 0 and redis.call('ZREM', KEYS[2], key) == 1 then
+          dropped[#dropped + 1] = key
+        end
+      end
+      return dropped`,
+  },
+  /**
    * Attach a created sandbox's handle to its intent; returns '1' if the rollout was closed
    * meanwhile. Finalized meanwhile (a close gave up on the handle-less intent while the create
    * still ran), its result's teardown is turned pending, as `fleetReceipt`'s attach does.

@@ -312,12 +312,26 @@ export class TeardownLedger {
   /**
    * Ledger entries due at `now`. One that does not parse goes to `onInvalid` (without it, throws)
    * and is put off by an hour, kept for a release that can read it: left due, a few of them
-   * would fill every pass's `limit` and hold up the retries behind them.
+   * would fill every pass's `limit` and hold up the retries behind them. A due mark whose entry
+   * is gone (removed from outside) is dropped, and told to `onInvalid` too: left, 50 of them
+   * filled every pass's read, and the entries behind them were neither retried nor, being on the
+   * ledger, swept as orphans.
    */
   async due(now: number, limit = 50, onInvalid?: OnInvalidEntry): Promise<LedgerEntry[]> {
     const keys = await this.redis.zrangebyscore(this.keys.teardownDue(), "-inf", now, "LIMIT", 0, limit);
     if (keys.length === 0) return [];
     const raws = await this.redis.hmget(this.keys.teardownEntries(), ...keys);
+    const bare = keys.filter((_, i) => raws[i] == null);
+    if (bare.length > 0) {
+      const dropped = (await this.redis.fleetLedgerDropBare(
+        this.keys.teardownEntries(),
+        this.keys.teardownDue(),
+        ...bare,
+      )) as string[];
+      for (const key of dropped) {
+        onInvalid?.(key, new Error("a due mark without its entry (removed from outside the fleet): dropped"));
+      }
+    }
     const stored = keys.flatMap((key, i) => (raws[i] == null ? [] : [[key, raws[i]] as [string, string]]));
     const putOff: string[] = [];
     const entries = parseEntries(
