@@ -422,8 +422,14 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   onSignals(
     logger,
     async (budgetMs) => {
-      await workers.close(budgetMs);
+      const { abandoned } = await workers.close(budgetMs);
       await shutdown();
+      // Not a clean stop: a supervisor must not take it for one (exit 1).
+      if (abandoned > 0) {
+        throw new Error(
+          `${abandoned} stage job(s) still ran when the shutdown budget (FLEET_SHUTDOWN_TIMEOUT_MS) ran out and were not handed back; each is delivered again once its lock lapses`,
+        );
+      }
     },
     config.shutdownTimeoutMs,
   );

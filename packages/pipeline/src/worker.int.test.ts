@@ -322,7 +322,7 @@ describe("stage workers at a concurrency above ten", () => {
     void fleet.workers!.check();
     await checking.opened;
     const closing = Date.now();
-    await fleet.workers!.close(8_000);
+    expect(await fleet.workers!.close(8_000)).toEqual({ abandoned: 0 });
     const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
@@ -333,6 +333,34 @@ describe("stage workers at a concurrency above ten", () => {
     expect(stoppedAt - closing).toBeLessThan(6_000);
     const said = lines.map((l) => JSON.parse(l).msg as string);
     expect(said).toContain("jobs still running at shutdown; handing them back");
-    expect(said).not.toContain("shutdown budget spent; force-closing the workers");
+    expect(said.filter((m) => m.startsWith("shutdown budget spent"))).toEqual([]);
+  });
+
+  it("a run that cannot be handed back within the shutdown budget is counted abandoned, not taken for a clean stop", async () => {
+    const running = latch();
+    const lines: string[] = [];
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      concurrency: 2,
+      deps: {
+        logger: loggerInto(lines, "warn"),
+        // An agent whose stop never lands (a hung daemon under its exec).
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: () => {
+            running.open();
+            return new Promise(() => undefined);
+          },
+        }),
+      },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await running.opened;
+    expect(await fleet.workers!.close(3_000)).toEqual({ abandoned: 1 });
+    const said = lines.map((l) => JSON.parse(l) as { msg: string; abandoned?: number });
+    expect(said.find((l) => l.msg.startsWith("shutdown budget spent"))).toMatchObject({ abandoned: 1 });
+    // Left active with its lock: delivered again once the lock lapses.
+    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await job!.getState()).toBe("active");
   });
 });

@@ -74,10 +74,11 @@ export interface StageWorkers {
    * Bounded graceful stop, all within `timeoutMs` (default 30 s): stop taking jobs; let active
    * jobs finish for the first part of the budget; then hand the still-running ones back (a run
    * stage stops its harness, confirms its processes are gone and puts its job back in the
-   * queue without using up an attempt); past the budget, force-close (a job not handed back
-   * is re-delivered once its lock lapses).
+   * queue without using up an attempt); past the budget, the connections are closed whatever
+   * still runs: `abandoned` counts the jobs not handed back (each is delivered again once its
+   * lock lapses, a stall counted), which an app's exit status reports.
    */
-  close(timeoutMs?: number): Promise<void>;
+  close(timeoutMs?: number): Promise<{ abandoned: number }>;
 }
 
 const DEFAULT_SUPERVISE = { intervalMs: 5_000, stuckAfterMs: 30_000 };
@@ -474,6 +475,7 @@ export function createStageWorkers(
     },
     async close(timeoutMs = 30_000) {
       closing = true;
+      let abandoned = 0;
       if (timer) clearInterval(timer);
       breaker?.stop();
       // Seeds waiting for the bound go back to the queue now, not at the hand-back.
@@ -499,8 +501,12 @@ export function createStageWorkers(
         );
         handBack.abort();
         if ((await within(timeoutMs)) === "timeout") {
-          deps.logger.warn("shutdown budget spent; force-closing the workers");
-          await Promise.all(workers.map((w) => boundedClose(w, 1_000, true).catch(() => undefined)));
+          // (No force-close to try: BullMQ answers a second close with the first, graceful one.)
+          abandoned = slots.reduce((n, s) => n + s.active, 0);
+          deps.logger.warn(
+            { abandoned },
+            "shutdown budget spent; closing the connections with jobs not handed back (each is delivered again once its lock lapses)",
+          );
         }
       }
       // Bounded too: a worker's disconnect from a Redis Cluster was seen to never settle (about 1
@@ -513,6 +519,7 @@ export function createStageWorkers(
           ]),
         ),
       );
+      return { abandoned };
     },
   };
 }
