@@ -1634,6 +1634,26 @@ describe("auth, 404s and ops routes", () => {
     expect(metrics.body).toMatch(/fleet_queue_jobs\{queue="janitor",state="waiting",app="dispatcher"\} 0/);
   });
 
+  it("scrapes of /metrics that arrive together share one refresh from Redis (the route is public); one after it refreshes again", async () => {
+    let probes = 0;
+    const shared = await makeHarness({}, undefined, undefined, {
+      patchStore: (store) => {
+        const probeWrite = store.probeWrite.bind(store);
+        store.probeWrite = async () => {
+          probes++;
+          return probeWrite();
+        };
+      },
+    });
+    const scrapes = await Promise.all(
+      Array.from({ length: 20 }, () => shared.call({ method: "GET", url: "/metrics", token: null })),
+    );
+    for (const m of scrapes) expect(m.body).toMatch(/fleet_redis_up\{app="dispatcher"\} 1/);
+    expect(probes).toBe(1);
+    await shared.call({ method: "GET", url: "/metrics", token: null });
+    expect(probes).toBe(2);
+  });
+
   it("answers 404 with the JSON error body for unknown rollouts, batches and routes", async () => {
     expectErrorBody(await h.call({ method: "GET", url: "/v1/rollouts/nope" }), 404, "not_found");
     expectErrorBody(await h.call({ method: "GET", url: "/v1/rollouts/has:colon" }), 404, "not_found");
