@@ -195,6 +195,22 @@ describe("Bull Board at /admin/queues", () => {
     expect(await queues.queues.run.getJobState("r-d.run")).toBe("waiting");
   });
 
+  it("refuses an admin's 'add job' (it could take a stage job's own id, which the workers take for the rollout's stage)", async () => {
+    for (const url of ["/admin/queues/api/queues/close/add", "/admin/queues/api/queues/close/%61dd"]) {
+      const res = await call({
+        method: "POST",
+        url,
+        token: ADMIN,
+        payload: { name: "close", data: { rolloutId: "r-add" }, options: { jobId: "r-add.close" } },
+      });
+      expect(res.statusCode, url).toBe(403);
+      expect(res.json()).toMatchObject({
+        error: { code: "forbidden", message: expect.stringMatching(/adding a job/) },
+      });
+    }
+    expect(await queues.queues.close.getJob("r-add.close")).toBeUndefined();
+  });
+
   it("answers a board action whose body is over the limit 413, as the API would, not 500", async () => {
     const res = await call({
       method: "PUT",

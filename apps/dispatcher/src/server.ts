@@ -31,6 +31,8 @@ export type { DispatcherDeps } from "./context.ts";
 
 /** The route that takes batches, JSON or NDJSON. */
 const BATCHES_PATH = "/v1/batches";
+/** Bull Board's "add job" API route, as registered (matched by route: an encoded path reaches it too). */
+const BOARD_ADD_JOB = `${BOARD_PATH}/api/queues/:queueName/add`;
 /** The largest JSON body a route other than the two submissions reads (`otherJsonTooLarge`). */
 export const OTHER_JSON_BODY_BYTES = 64 * 1024;
 const ROLLOUTS_PATH = "/v1/rollouts";
@@ -355,6 +357,19 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       // SameSite=Strict; a bearer header cannot be attached by another site's page at all.)
       if (via === "session" && sameOrigin(req.headers) !== true) {
         return refuse(reply, new HttpError(403, "forbidden", "cross-site request refused"));
+      }
+      // Bull Board's "add job": a job it adds may take a stage job's own id (`<rolloutId>.close`
+      // as `options.jobId`), which the workers take for the rollout's stage (a close of a live
+      // rollout). The fleet's jobs are added by admission and its stages only.
+      if (req.method === "POST" && req.routeOptions.url === BOARD_ADD_JOB) {
+        return refuse(
+          reply,
+          new HttpError(
+            403,
+            "forbidden",
+            "adding a job from Bull Board is refused: stage jobs are the fleet's own; submit rollouts through the API",
+          ),
+        );
       }
     }
   });
