@@ -15,7 +15,7 @@ import {
 } from "node:fs";
 import { mkdir, mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
-import { tmpdir } from "node:os";
+import { tmpdir, totalmem } from "node:os";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
 import type { SandboxHandle, SandboxSpecInput } from "@fleet/contracts";
@@ -678,11 +678,18 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.list()).map((s) => s.handle.name)).not.toContain(h.name);
   });
 
-  it("refuses what it cannot give: a network, a writable root", async () => {
+  it("refuses what it cannot give: a network, a writable root, more memory than the host has (none left made)", async () => {
     expect((await fleetError(provider.create(spec({ network: "fleet-gw-x" })))).kind).toBe("invalid_task");
     expect((await fleetError(provider.create(spec({ options: { readOnlyRoot: false } })))).kind).toBe(
       "invalid_task",
     );
+    // 64 GiB for its processes and 64 GiB for each tmpfs: about 320 GiB, on a host of less.
+    expect(totalmem()).toBeLessThan(64 * 2 ** 30);
+    const huge = spec({ options: { memoryMb: 65_536, tmpfsMb: 65_536 } });
+    const err = await fleetError(provider.create(huge));
+    expect([err.kind, err.retryable]).toEqual(["invalid_task", false]);
+    expect(err.message).toMatch(/memory limit .* is more than the sandbox host has/);
+    expect((await provider.list()).filter((s) => s.handle.rolloutId === huge.rolloutId)).toEqual([]);
   });
 
   it("a sweep of root's own processes (the tests') kills them all, sparing bwrap's PID 1 and the sweep's own exec", async () => {

@@ -25,7 +25,7 @@ import {
   stat,
   writeFile,
 } from "node:fs/promises";
-import { hostname, constants as osConstants } from "node:os";
+import { hostname, constants as osConstants, totalmem } from "node:os";
 import { dirname, join, resolve } from "node:path";
 import { promisify } from "node:util";
 import {
@@ -272,6 +272,20 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     if (unsupported) {
       throw FleetError.nonRetryable("invalid_task", `the bubblewrap provider cannot give ${unsupported}`);
     }
+    const tmpfsMb = spec.options.tmpfsMb ?? this.defaults.tmpfsMb;
+    // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
+    // cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
+    const memoryMb =
+      (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb + SHM_MB;
+    // More than the host has is no limit: its agent could take the memory of the host and every
+    // other sandbox on it. Refused as the Docker provider does (final, the task's options).
+    const hostMb = Math.floor(totalmem() / 2 ** 20);
+    if (memoryMb > hostMb) {
+      throw FleetError.nonRetryable(
+        "invalid_task",
+        `the sandbox's memory limit (${memoryMb} MiB: its memoryMb plus what its tmpfs mounts may hold, from the task's sandbox options) is more than the sandbox host has (${hostMb} MiB)`,
+      );
+    }
     // The host's preflight, as `list` (a worker's start) runs it: a host that lost a tool since,
     // or a provider used without that start, fails here with the host's fault (retryable: another
     // host can run the rollout), not with a sandbox nothing can exec in or whose root is the host's.
@@ -311,7 +325,6 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const fenceDir = this.rootfsHasFenceMount() ? join(dir, "fence") : undefined;
     // The Docker provider's labels, so the janitor reads both providers' sandboxes alike.
     const labels = sandboxLabels(spec, this.scope, this.instance);
-    const tmpfsMb = spec.options.tmpfsMb ?? this.defaults.tmpfsMb;
     const args = bwrapArgv({
       rootfs: this.rootfs,
       workspaceDir,
@@ -369,9 +382,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         await chmod(fenceDir, Number.parseInt(FENCE_MOUNT.mode, 8));
       }
       const { cgroups, missing } = await createSandboxCgroups(cgroupName, {
-        // The processes' memory plus the tmpfs mounts' caps, whose files are charged to the same
-        // cgroup: a full tmpfs is ENOSPC for its writer, not an OOM kill of the whole sandbox.
-        memoryMb: (spec.options.memoryMb ?? this.defaults.memoryMb) + TMPFS_MOUNTS.length * tmpfsMb + SHM_MB,
+        memoryMb,
         pidsLimit: spec.options.pidsLimit ?? this.defaults.pidsLimit,
       });
       state.cgroups = cgroups;
