@@ -494,6 +494,28 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     }
   });
 
+  it("root in the sandbox cannot write to a host file through PID 1's output (bwrap's log): the write fails, the log stays as it was", async () => {
+    const h = await create();
+    const log = readdirSync(stateDir)
+      .filter((f) => f.startsWith(`${h.name}-`))
+      .map((f) => join(stateDir, f, "bwrap.log"))
+      .find((f) => existsSync(f));
+    expect(log).toBeDefined();
+    const before = readFileSync(log!).length;
+    const r = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "head -c 1048576 /dev/zero > /proc/1/fd/1; echo exit=$?; head -c 1000 /dev/zero > /proc/1/fd/2; echo exit=$?",
+      ],
+      { deadlineMs: 10_000, user: ROOT_USER },
+    );
+    expect(r.stdout).not.toContain("exit=0");
+    expect(readFileSync(log!).length).toBe(before);
+    expect(await provider.alive(h)).toBe(true);
+  });
+
   it("has no network: a TCP server on the host's 127.0.0.1 is unreachable", async () => {
     const h = await create();
     let connections = 0;

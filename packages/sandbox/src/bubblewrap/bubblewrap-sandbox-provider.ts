@@ -10,6 +10,7 @@ import {
   renameSync,
   statSync,
   writeFileSync,
+  writeSync,
 } from "node:fs";
 import {
   access,
@@ -389,13 +390,22 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       state.unenforced = [...missing.map((m) => `${m.split(" ")[0]} limit (${m})`), "cpus", "workspace size"];
       stillOurs(await this.readState(name));
       await this.writeState(state);
-      const { bwrapPid, initPid } = await this.spawnBwrap(args, join(dir, "bwrap.log"), state, (pid) => {
-        state.bwrapPid = pid;
-        state.bwrapStart = startTime(pid) ?? "";
-        stillOurs(this.readStateSync(name));
-        this.writeStateSync(state);
-      });
-      await this.waitUntilReady(name, initPid, join(dir, "bwrap.log"));
+      const { bwrapPid, initPid, detach } = await this.spawnBwrap(
+        args,
+        join(dir, "bwrap.log"),
+        state,
+        (pid) => {
+          state.bwrapPid = pid;
+          state.bwrapStart = startTime(pid) ?? "";
+          stillOurs(this.readStateSync(name));
+          this.writeStateSync(state);
+        },
+      );
+      try {
+        await this.waitUntilReady(name, initPid, join(dir, "bwrap.log"));
+      } finally {
+        detach();
+      }
       await moveIntoCgroups(cgroups, [bwrapPid, initPid, ...childrenOf(initPid)]);
       const initStart = startTime(initPid);
       if (initStart === null) {
@@ -442,22 +452,51 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   /**
    * Start bwrap in its own session (it outlives this process) and read its PID 1 from `--info-fd`.
    * `spawned` gets bwrap's pid synchronously, before anything else can happen to this process.
+   *
+   * bwrap's output (why a start failed) comes through pipes this process copies to `logPath`, up
+   * to `BWRAP_LOG_MAX_BYTES`, until `detach()` (the sandbox ready, or its start failed) closes
+   * them. Not the log file itself: the sandbox's PID 1 keeps bwrap's stdout and stderr, and root
+   * in the sandbox (the tests, running the agent's code) can write to `/proc/1/fd/1`, which grew
+   * a host file without bound. Past `detach()` such a write fails (EPIPE).
    */
   private spawnBwrap(
     args: string[],
     logPath: string,
     state: Pick<BwrapState, "id" | "name">,
     spawned: (pid: number) => void,
-  ): Promise<{ bwrapPid: number; initPid: number }> {
+  ): Promise<{ bwrapPid: number; initPid: number; detach(): void }> {
     const { name } = state;
     const log = openSync(logPath, "a");
     const child = spawn(this.bwrapPath, args, {
       detached: true,
-      stdio: ["ignore", log, log, "pipe"],
+      stdio: ["ignore", "pipe", "pipe", "pipe"],
       env: { PATH: SANDBOX_PATH_ENV, [SANDBOX_ID_ENV]: state.id },
     });
-    closeSync(log);
-    if (child.pid !== undefined) spawned(child.pid);
+    let logged = 0;
+    let logOpen = true;
+    const copy = (chunk: Buffer) => {
+      if (!logOpen || logged >= BWRAP_LOG_MAX_BYTES) return;
+      const part = chunk.subarray(0, BWRAP_LOG_MAX_BYTES - logged);
+      logged += part.length;
+      try {
+        writeSync(log, part);
+      } catch {}
+    };
+    const output = [child.stdout!, child.stderr!];
+    for (const stream of output) stream.on("data", copy);
+    const detach = () => {
+      for (const stream of output) stream.destroy();
+      if (logOpen) {
+        logOpen = false;
+        closeSync(log);
+      }
+    };
+    try {
+      if (child.pid !== undefined) spawned(child.pid);
+    } catch (err) {
+      detach();
+      throw err;
+    }
     const info = child.stdio[3] as NodeJS.ReadableStream & { destroy(): void };
     return new Promise((resolve, reject) => {
       let text = "";
@@ -468,6 +507,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         clearTimeout(timer);
         info.destroy();
         if (child.pid !== undefined) killQuietly(-child.pid);
+        detach();
         let logText = "";
         try {
           logText = readFileSync(logPath, "utf8").slice(-2000).trim();
@@ -485,7 +525,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         this.defaults.startTimeoutMs,
       );
       child.once("error", (err) => fail(String(err), err));
-      child.once("exit", (code, signal) => fail(`bwrap exited (${code ?? signal})`));
+      // On `close`, once its output is all copied to the log (`exit` may come before it).
+      child.once("close", (code, signal) => fail(`bwrap exited (${code ?? signal})`));
       // Read the info to its end: bwrap closes the fd after writing it, and must not get a
       // SIGPIPE from a reader that left early (its child would then wait forever).
       info.on("data", (chunk: Buffer) => {
@@ -500,9 +541,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         if (settled) return;
         settled = true;
         clearTimeout(timer);
-        child.removeAllListeners("exit");
+        child.removeAllListeners("close");
         child.unref();
-        resolve({ bwrapPid: child.pid, initPid: Number(m[1]) });
+        resolve({ bwrapPid: child.pid, initPid: Number(m[1]), detach });
       });
     });
   }
@@ -1162,6 +1203,9 @@ function parseState(text: string, name: string): BwrapState | null {
 function stateText(state: BwrapState): string {
   return `${JSON.stringify(state, null, 2)}\n`;
 }
+
+/** The most of bwrap's own output a sandbox's log keeps (see `spawnBwrap`). */
+const BWRAP_LOG_MAX_BYTES = 64 * 1024;
 
 /** Whether a failed read of `/proc/<pid>/…` says the process is gone (and not that this process could not read). */
 function procGone(err: unknown): boolean {
