@@ -782,7 +782,23 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     const onShutdown = () => {
       if (abort.signal.aborted) return;
       abort.abort(new HandBackError());
-      stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+      // Handed back whether or not the stop is confirmed (the next delivery kills what is left,
+      // and confirms it, before it launches again); said, as agent processes may outlive this one.
+      stopping = deps.provider.killProcesses(handle, AGENT_USER).then(
+        (receipt) => {
+          if (!receipt.confirmed) {
+            deps.logger.warn(
+              { rolloutId: id, remaining: receipt.remaining, detail: receipt.detail },
+              "handing the run back at shutdown with its agent's processes not confirmed stopped; its next delivery stops them before it launches",
+            );
+          }
+        },
+        (err: unknown) =>
+          deps.logger.warn(
+            { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+            "handing the run back at shutdown with its agent's processes not confirmed stopped; its next delivery stops them before it launches",
+          ),
+      );
     };
     if (shutdown?.aborted) onShutdown();
     shutdown?.addEventListener("abort", onShutdown, { once: true });

@@ -73,8 +73,9 @@ export interface StageWorkers {
   /**
    * Bounded graceful stop, all within `timeoutMs` (default 30 s): stop taking jobs; let active
    * jobs finish for the first part of the budget; then hand the still-running ones back (a run
-   * stage stops its harness, confirms its processes are gone and puts its job back in the
-   * queue without using up an attempt); past the budget, the connections are closed whatever
+   * stage stops its harness, kills its processes (a stop it cannot confirm is logged; the next
+   * delivery confirms it before it launches) and puts its job back in the queue without using
+   * up an attempt); past the budget, the connections are closed whatever
    * still runs: `abandoned` counts the jobs not handed back (each is delivered again once its
    * lock lapses, a stall counted), which an app's exit status reports.
    */
