@@ -124,9 +124,12 @@ describe("stage workers at a concurrency above ten", () => {
     const [b] = await fleet.submit([request]);
     const [resultB] = await fleet.waitForResults([b!], 30_000);
     expect(resultB!.status).toBe("completed");
-    expect(Date.now()).toBeLessThan(waitEnds);
     const [resultA] = await fleet.waitForResults([a!], 60_000);
     expect(resultA).toMatchObject({ status: "completed", reward: 1 });
+    // B went through the one slot while A waited (asleep in it, A would have finished first),
+    // and A's verify started nothing before the earlier tests' time was over.
+    expect(resultB!.finishedAt!).toBeLessThan(resultA!.finishedAt!);
+    expect(resultA!.finishedAt!).toBeGreaterThanOrEqual(waitEnds);
     const said = lines.map((l) => JSON.parse(l) as { msg: string; rolloutId?: string; until?: number });
     const deferred = said.filter((l) => l.rolloutId === a && /until a later time/.test(l.msg));
     expect(deferred.length).toBeGreaterThanOrEqual(1);
@@ -334,6 +337,46 @@ describe("stage workers at a concurrency above ten", () => {
     const said = lines.map((l) => JSON.parse(l).msg as string);
     expect(said).toContain("jobs still running at shutdown; handing them back");
     expect(said.filter((m) => m.startsWith("shutdown budget spent"))).toEqual([]);
+  });
+
+  it("a run handed back at shutdown whose agent's stop is not confirmed says so (its processes may outlive the worker)", async () => {
+    const running = latch();
+    const lines: string[] = [];
+    const provider = new InMemorySandboxProvider();
+    provider.killProcesses = async () => ({
+      confirmed: false,
+      scope: "processes",
+      at: Date.now(),
+      alreadyGone: false,
+      remaining: 2,
+      detail: "2 process(es) still alive",
+    });
+    fleet = await startInProcessFleet({
+      provider,
+      concurrency: 2,
+      deps: {
+        logger: loggerInto(lines, "warn"),
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: (ctx) => {
+            running.open();
+            return new Promise((_resolve, reject) => {
+              ctx.signal?.addEventListener("abort", () => reject(ctx.signal?.reason));
+            });
+          },
+        }),
+      },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await running.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ abandoned: 0 });
+    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await job!.getState()).toBe("waiting");
+    const said = lines.map((l) => JSON.parse(l) as { msg: string; rolloutId?: string; remaining?: number });
+    expect(said.find((l) => l.msg.includes("not confirmed stopped"))).toMatchObject({
+      rolloutId: id,
+      remaining: 2,
+    });
   });
 
   it("a run that cannot be handed back within the shutdown budget is counted abandoned, not taken for a clean stop", async () => {
