@@ -108,6 +108,7 @@ import {
   cgroupOomKills,
   createSandboxCgroups,
   freezerState,
+  HOST_BASH,
   moveIntoCgroups,
   removeCgroups,
   type SandboxCgroup,
@@ -390,7 +391,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       state.unenforced = [...missing.map((m) => `${m.split(" ")[0]} limit (${m})`), "cpus", "workspace size"];
       stillOurs(await this.readState(name));
       await this.writeState(state);
-      const { bwrapPid, initPid, detach } = await this.spawnBwrap(
+      const { bwrapPid, initPid, detach, drained } = await this.spawnBwrap(
         args,
         join(dir, "bwrap.log"),
         state,
@@ -402,7 +403,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         },
       );
       try {
-        await this.waitUntilReady(name, initPid, join(dir, "bwrap.log"));
+        await this.waitUntilReady(name, initPid, join(dir, "bwrap.log"), drained);
       } finally {
         detach();
       }
@@ -464,7 +465,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     logPath: string,
     state: Pick<BwrapState, "id" | "name">,
     spawned: (pid: number) => void,
-  ): Promise<{ bwrapPid: number; initPid: number; detach(): void }> {
+  ): Promise<{ bwrapPid: number; initPid: number; detach(): void; drained(): Promise<void> }> {
     const { name } = state;
     const log = openSync(logPath, "a");
     const child = spawn(this.bwrapPath, args, {
@@ -484,6 +485,12 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     };
     const output = [child.stdout!, child.stderr!];
     for (const stream of output) stream.on("data", copy);
+    // Both pipes read to their end (every writer gone: bwrap and the sandbox's PID 1 exited).
+    const ended = Promise.all(
+      output.map((stream) => new Promise<void>((resolve) => stream.once("close", () => resolve()))),
+    );
+    /** Once bwrap's output is all in the log, or 1 s at most (a writer may live on). */
+    const drained = () => Promise.race([ended.then(() => undefined), delay(1_000)]);
     const detach = () => {
       for (const stream of output) stream.destroy();
       if (logOpen) {
@@ -543,7 +550,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         clearTimeout(timer);
         child.removeAllListeners("close");
         child.unref();
-        resolve({ bwrapPid: child.pid, initPid: Number(m[1]), detach });
+        resolve({ bwrapPid: child.pid, initPid: Number(m[1]), detach, drained });
       });
     });
   }
@@ -552,12 +559,19 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
    * bwrap reports its child's pid before that child has built the sandbox's mounts; the sandbox is
    * ready (and safe to `nsenter`) once the keepalive `sleep` has been exec'd.
    */
-  private async waitUntilReady(name: string, initPid: number, logPath: string): Promise<void> {
+  private async waitUntilReady(
+    name: string,
+    initPid: number,
+    logPath: string,
+    drained: () => Promise<void>,
+  ): Promise<void> {
     const until = performance.now() + this.defaults.startTimeoutMs;
     for (let attempt = 0; ; attempt++) {
       if ([initPid, ...childrenOf(initPid)].some((pid) => commOf(pid) === "sleep")) return;
       const died = startTime(initPid) === null;
       if (died || performance.now() >= until) {
+        // What bwrap said as it died may still be in its pipes (`spawnBwrap`).
+        if (died) await drained();
         // Why is in bwrap's log (a rootfs that is not there, a mount that failed, no `setpriv` in
         // it), which goes with the sandbox's directory when the failed start is cleaned up.
         let log = "";
@@ -967,6 +981,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     for (const [what, file] of [
       ["bwrap", this.bwrapPath],
       ["nsenter", this.nsenterPath],
+      // The host side of every exec (`sandboxExecArgv`).
+      ["bash", HOST_BASH],
     ] as const) {
       if (!(await onPath(file)))
         return `${what} (${file}) is not installed: no executable on ${SANDBOX_PATH_ENV}`;

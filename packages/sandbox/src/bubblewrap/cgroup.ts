@@ -114,12 +114,15 @@ export async function moveIntoCgroups(
  * write to a host file or read the host's `/` through it. (bash, for `{f}>&-`: dash takes
  * single-digit descriptors only.)
  */
+/** The host shell `sandboxExecArgv` runs (the bubblewrap provider's host check asks for it). */
+export const HOST_BASH = "/bin/bash";
+
 export function sandboxExecArgv(cgroups: readonly SandboxCgroup[], argv: readonly string[]): string[] {
   const script =
     // biome-ignore lint/suspicious/noTemplateCurlyInString: bash's parameter expansion, not a template
     'for f in /proc/$$/fd/*; do f=${f##*/}; [ "$f" -gt 2 ] && exec {f}>&-; done; umask 022; echo 1000 > /proc/self/oom_score_adj 2>/dev/null; n=$1; shift; while [ "$n" -gt 0 ]; do echo $$ > "$1" || { echo "cannot join cgroup $1" >&2; exit 125; }; shift; n=$((n-1)); done; exec "$@"';
   return [
-    "/bin/bash",
+    HOST_BASH,
     // Never the host's ~/.bashrc: bash reads it when its stdin is a socket (Node's pipes are),
     // taking itself for a remote shell.
     "--norc",
