@@ -541,6 +541,9 @@ describe("TaskContent refusals", () => {
     expect(matchPattern("a[\\r\\n]b").test("a\rb")).toBe(true);
     expect(matchPattern("a\\\\r\\nb").test("a\\r\nb")).toBe(true); // an escaped backslash, then "r"
     expect(matchPattern("a\\r\\nb").test("a\rb")).toBe(false);
+    // In a negative lookaround, a `\r\n` that never matches lets it always pass: left so.
+    expect(matchPattern("foo(?!\\r\\n)[\\s\\S]*").test("foo\nbar")).toBe(true);
+    expect(matchPattern("(?:a(?!\\r\\n)\\s)b\\r\\nc").test("a\nb\nc")).toBe(true);
   });
 
   it("an exact match expecting more than an answer keeps (4,000 characters) is refused up front: no agent could match it", () => {

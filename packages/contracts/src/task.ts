@@ -154,17 +154,22 @@ export function matchPattern(expected: string): RegExp {
  * `pattern` with each escaped CRLF (`\r\n`, or `\r` before a line break) outside a character
  * class as `\n`, as `comparableAnswer` turns the answer's: answers are compared with LF line
  * ends, where a CR before an LF is never left, so as written it could never match (every agent
- * graded 0, the reference answer too). Only what could never match changes: a `[\r\n]`,
- * `\r?\n`, or a `\r\n?` or `\r\n*` (which a lone CR matches) is left as it is.
+ * graded 0, the reference answer too). A `[\r\n]`, `\r?\n`, a `\r\n?` or `\r\n*` (which a lone
+ * CR matches) and one in a negative lookaround (`(?!\r\n)`, which always passes) are left as they
+ * are. (`\x0d\x0a` and the like are not rewritten.)
  */
 function lfLineEnds(pattern: string): string {
   let out = "";
   let inClass = false;
+  // The open groups, each whether it is a negative lookaround: there a `\r\n` that never
+  // matches makes the group always pass, which `\n` would change.
+  const groups: boolean[] = [];
+  let negative = 0;
   for (let i = 0; i < pattern.length; i++) {
     const c = pattern[i]!;
     if (c === "\\") {
       const escaped = pattern.slice(i, i + 2);
-      if (!inClass && escaped === "\\r") {
+      if (!inClass && negative === 0 && escaped === "\\r") {
         const lf = pattern.startsWith("\\n", i + 2) ? 2 : pattern[i + 2] === "\n" ? 1 : 0;
         // Not when its `\n` may be absent (`?`, `*`, `{0,…}`): that also matches a lone CR.
         if (lf > 0 && !/^(?:[?*]|\{0)/.test(pattern.slice(i + 2 + lf, i + 4 + lf))) {
@@ -178,6 +183,11 @@ function lfLineEnds(pattern: string): string {
     } else {
       if (c === "[" && !inClass) inClass = true;
       else if (c === "]" && inClass) inClass = false;
+      else if (c === "(" && !inClass) {
+        const isNegative = pattern.startsWith("(?!", i) || pattern.startsWith("(?<!", i);
+        groups.push(isNegative);
+        if (isNegative) negative++;
+      } else if (c === ")" && !inClass && groups.pop() === true) negative--;
       out += c;
     }
   }
