@@ -422,12 +422,14 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   onSignals(
     logger,
     async (budgetMs) => {
-      const { abandoned } = await workers.close(budgetMs);
+      const { closed, abandoned } = await workers.close(budgetMs);
       await shutdown();
       // Not a clean stop: a supervisor must not take it for one (exit 1).
-      if (abandoned > 0) {
+      if (!closed) {
         throw new Error(
-          `${abandoned} stage job(s) still ran when the shutdown budget (FLEET_SHUTDOWN_TIMEOUT_MS) ran out and were not handed back; each is delivered again once its lock lapses`,
+          abandoned > 0
+            ? `${abandoned} stage job(s) still ran when the shutdown budget (FLEET_SHUTDOWN_TIMEOUT_MS) ran out and were not handed back; each is delivered again once its lock lapses`
+            : "the workers did not close within the shutdown budget (FLEET_SHUTDOWN_TIMEOUT_MS; is Redis reachable?): a job whose end Redis did not record is delivered again once its lock lapses",
         );
       }
     },

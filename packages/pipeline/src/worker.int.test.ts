@@ -325,7 +325,7 @@ describe("stage workers at a concurrency above ten", () => {
     void fleet.workers!.check();
     await checking.opened;
     const closing = Date.now();
-    expect(await fleet.workers!.close(8_000)).toEqual({ abandoned: 0 });
+    expect(await fleet.workers!.close(8_000)).toEqual({ closed: true, abandoned: 0 });
     const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
@@ -369,7 +369,7 @@ describe("stage workers at a concurrency above ten", () => {
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await running.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ abandoned: 0 });
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
     const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     const said = lines.map((l) => JSON.parse(l) as { msg: string; rolloutId?: string; remaining?: number });
@@ -399,7 +399,7 @@ describe("stage workers at a concurrency above ten", () => {
     });
     const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await running.opened;
-    expect(await fleet.workers!.close(3_000)).toEqual({ abandoned: 1 });
+    expect(await fleet.workers!.close(3_000)).toEqual({ closed: false, abandoned: 1 });
     const said = lines.map((l) => JSON.parse(l) as { msg: string; abandoned?: number });
     expect(said.find((l) => l.msg.startsWith("shutdown budget spent"))).toMatchObject({ abandoned: 1 });
     // Left active with its lock: delivered again once the lock lapses.

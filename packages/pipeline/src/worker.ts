@@ -76,10 +76,11 @@ export interface StageWorkers {
    * stage stops its harness, kills its processes (a stop it cannot confirm is logged; the next
    * delivery confirms it before it launches) and puts its job back in the queue without using
    * up an attempt); past the budget, the connections are closed whatever
-   * still runs: `abandoned` counts the jobs not handed back (each is delivered again once its
-   * lock lapses, a stall counted), which an app's exit status reports.
+   * still runs: `closed` says whether the workers closed within it (not: jobs not handed back,
+   * or whose end Redis did not record, are delivered again once their locks lapse, a stall
+   * counted), `abandoned` counts the jobs still running then; an app's exit status reports it.
    */
-  close(timeoutMs?: number): Promise<{ abandoned: number }>;
+  close(timeoutMs?: number): Promise<{ closed: boolean; abandoned: number }>;
 }
 
 const DEFAULT_SUPERVISE = { intervalMs: 5_000, stuckAfterMs: 30_000 };
@@ -477,6 +478,7 @@ export function createStageWorkers(
     async close(timeoutMs = 30_000) {
       closing = true;
       let abandoned = 0;
+      let closed = true;
       if (timer) clearInterval(timer);
       breaker?.stop();
       // Seeds waiting for the bound go back to the queue now, not at the hand-back.
@@ -503,6 +505,7 @@ export function createStageWorkers(
         handBack.abort();
         if ((await within(timeoutMs)) === "timeout") {
           // (No force-close to try: BullMQ answers a second close with the first, graceful one.)
+          closed = false;
           abandoned = slots.reduce((n, s) => n + s.active, 0);
           deps.logger.warn(
             { abandoned },
@@ -520,7 +523,7 @@ export function createStageWorkers(
           ]),
         ),
       );
-      return { abandoned };
+      return { closed, abandoned };
     },
   };
 }
