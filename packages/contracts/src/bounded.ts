@@ -11,8 +11,25 @@ const MARK = "…[truncated]";
 export function capText(value: unknown, max = MAX_FIELD_CHARS): string {
   const text = typeof value === "string" ? value : value instanceof Error ? value.message : String(value);
   if (text.length <= max) return text;
-  return text.slice(0, Math.max(0, max - MARK.length)) + MARK;
+  return wholeSlice(text, 0, Math.max(0, max - MARK.length)) + MARK;
 }
+
+/**
+ * `text.slice(start, end)`, less a surrogate pair's half left at either cut: a cut between the
+ * two halves of a character beyond the BMP (an emoji) left a lone surrogate, text that is not
+ * well-formed, which an endpoint given it back (a tool result in a model's history) may refuse
+ * (`\udf89` in JSON). At most `end - start` characters.
+ */
+export function wholeSlice(text: string, start: number, end: number): string {
+  let s = Math.max(0, start);
+  let e = Math.min(text.length, end);
+  if (e > s && e < text.length && isHighSurrogate(text.charCodeAt(e - 1))) e--;
+  if (s > 0 && s < e && isLowSurrogate(text.charCodeAt(s))) s++;
+  return text.slice(s, e);
+}
+
+const isHighSurrogate = (unit: number) => unit >= 0xd800 && unit <= 0xdbff;
+const isLowSurrogate = (unit: number) => unit >= 0xdc00 && unit <= 0xdfff;
 
 /**
  * A stored record within `maxBytes` of UTF-8 JSON (DESIGN §2 rule 13): each field's 4,000

@@ -9,6 +9,7 @@ import {
   MAX_DURATION_S,
   MAX_FIELD_CHARS,
   MAX_RECORD_BYTES,
+  wholeSlice,
 } from "./bounded.ts";
 import { classifyFailure, FailureKind, FailureRecord, Usage } from "./failure.ts";
 import { leafIssues } from "./issues.ts";
@@ -30,6 +31,7 @@ import {
   matchExpectedProblem,
   matchPattern,
   TaskContent,
+  WellFormedText,
 } from "./task.ts";
 
 const id = fc.stringMatching(/^[A-Za-z0-9][A-Za-z0-9._-]{0,20}$/);
@@ -824,6 +826,23 @@ describe("failures", () => {
   it("caps text and decodes bytes with replacement characters", () => {
     fc.assert(fc.property(fc.string({ maxLength: 10_000 }), (s) => capText(s).length <= MAX_FIELD_CHARS));
     expect(decodeUtf8(new Uint8Array([0x61, 0xff, 0x62]))).toBe("a\uFFFDb");
+  });
+
+  it("cuts text between characters, never between the halves of one beyond the BMP (a lone surrogate an endpoint may refuse)", () => {
+    // Well-formed text stays well-formed cut anywhere, from the front or the back.
+    const text = fc.string({ unit: "grapheme", maxLength: 300 });
+    fc.assert(
+      fc.property(text, fc.nat(400), fc.nat(400), (s, a, b) => {
+        const cut = wholeSlice(s, Math.min(a, b), Math.max(a, b));
+        expect(WellFormedText.safeParse(cut).success).toBe(true);
+        expect(cut.length).toBeLessThanOrEqual(Math.max(a, b) - Math.min(a, b));
+        expect(WellFormedText.safeParse(capText(s, 50)).success).toBe(true);
+      }),
+    );
+    expect(WellFormedText.safeParse(capText(`x${"🎉".repeat(3000)}`, 4000)).success).toBe(true);
+    expect(wholeSlice("a🎉b", 0, 2)).toBe("a");
+    expect(wholeSlice("a🎉b", 2, 4)).toBe("b");
+    expect(wholeSlice("a🎉b", 1, 3)).toBe("🎉");
   });
 });
 

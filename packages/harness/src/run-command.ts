@@ -1,4 +1,4 @@
-import { FleetError, isFleetError, keptAnswer } from "@fleet/contracts";
+import { FleetError, isFleetError, keptAnswer, wholeSlice } from "@fleet/contracts";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import {
   EXEC_OUTPUT_BYTES,
@@ -68,7 +68,7 @@ export async function providerStep<T>(ctx: HarnessContext, what: string, call: (
 export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
   const mark = "[truncated]…";
   if (text.length <= max) return text;
-  return mark + text.slice(text.length - Math.max(0, max - mark.length));
+  return mark + wholeSlice(text, text.length - Math.max(0, max - mark.length), text.length);
 }
 
 /**

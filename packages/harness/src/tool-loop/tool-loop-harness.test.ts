@@ -7,13 +7,15 @@ import {
   type SandboxHandle,
   TaskContent,
   Usage,
+  WellFormedText,
 } from "@fleet/contracts";
 import { guardedDispatcher, guardedLookup } from "@fleet/gateway";
 import { chatReply, errorReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
 import { AGENT_USER } from "@fleet/sandbox";
-import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
+import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
 import type { HarnessContext } from "../harness.ts";
+import { formatToolResult } from "./bash-tool.ts";
 import { callChatCompletion, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES } from "./chat-client.ts";
 import { MAX_TOOL_CALLS_PER_TURN, refuseLinkLocalHost, ToolLoopHarness } from "./tool-loop-harness.ts";
 
@@ -930,5 +932,16 @@ describe("ToolLoopHarness", () => {
     expect(lines.at(-1)).toMatchObject({ event: "stop", reason: "max_steps" });
     expect(out.transcript).not.toContain(CREDENTIAL);
     expect(out.answer).not.toContain(CREDENTIAL);
+  });
+});
+
+describe("formatToolResult", () => {
+  it("cuts a command's output between characters: an emoji cut in half left a lone surrogate, which an endpoint given the history back may refuse", () => {
+    for (const pad of ["", "x"]) {
+      const stdout = `${pad}${"🎉".repeat(5000)}\n`;
+      const text = formatToolResult(execResult({ stdout }), 60);
+      expect(text).toContain("(truncated: last part shown)");
+      expect(WellFormedText.safeParse(text).success).toBe(true);
+    }
   });
 });
