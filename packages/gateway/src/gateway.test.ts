@@ -427,7 +427,7 @@ describe("model gateway", () => {
       cachedTokens: null,
       gaps: [
         "1 failed upstream attempt not counted (usage unknown)",
-        "1 call answered over the gateway's size bound, unread: token totals unknown",
+        "1 call answered over the size bound the fleet reads, unread: token totals unknown",
       ],
     });
     // The cap cannot be checked any more: the next call is refused, not sent, the upstream's

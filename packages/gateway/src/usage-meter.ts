@@ -122,8 +122,9 @@ export class UsageMeter {
   /**
    * An attempt the upstream may have billed, whose usage was never read: a failure as above, and
    * for the caps a call whose tokens are unknown, so that it is no way around them. `agent`: the
-   * agent abandoned it (closed its connection mid-generation); `unread`: answered (2xx) over the
-   * gateway's size bound (many choices, logprobs: the request's doing).
+   * agent abandoned it (closed its connection mid-generation, or the tool loop's deadline came
+   * while it was asked); `unread`: answered (2xx) over the size bound the fleet reads (the
+   * gateway's, the tool loop's; many choices, logprobs, no max_tokens: the request's doing).
    */
   recordAbandoned(why: UnmeteredReason = "agent"): void {
     this.recordFailure();
@@ -181,7 +182,9 @@ export class UsageMeter {
     if (by.agent > 0)
       gaps.push(`${calls(by.agent)} abandoned by the agent mid-generation: token totals unknown`);
     if (by.unread > 0) {
-      gaps.push(`${calls(by.unread)} answered over the gateway's size bound, unread: token totals unknown`);
+      gaps.push(
+        `${calls(by.unread)} answered over the size bound the fleet reads, unread: token totals unknown`,
+      );
     }
     gaps.push(...this.notes);
     return {

@@ -77,9 +77,13 @@ export type ChatCallResult =
    * The endpoint, which answered this episode before, refused the conversation itself (400, 413,
    * 422): something the policy wrote it will not take (e.g. tool-call arguments it re-parses).
    */
-  | { kind: "refused"; message: string; failedAttempts: number }
-  /** The agent's deadline came while the model was still answering (no failed attempt). */
-  | { kind: "deadline"; failedAttempts: number }
+  /** (`unread`: a 2xx over the size bound, billed likely, its usage unread.) */
+  | { kind: "refused"; message: string; failedAttempts: number; unread?: true }
+  /**
+   * The agent's deadline came: while the model was still answering (`inFlight`: a call sent and
+   * cut, which the endpoint may finish and bill), or before another attempt could be sent.
+   */
+  | { kind: "deadline"; failedAttempts: number; inFlight: boolean }
   /** The request is over `MAX_REQUEST_BYTES` (the conversation grew past it): never sent. */
   | { kind: "too_large"; bytes: number; failedAttempts: 0 };
 
@@ -159,7 +163,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     const remaining = input.deadlineMs - Date.now();
     if (remaining <= 0) {
       if (failedForSure()) throw unavailable();
-      return { kind: "deadline", failedAttempts: attempt };
+      return { kind: "deadline", failedAttempts: attempt, inFlight: false };
     }
     attempt += 1;
     const cutByDeadline = remaining <= attemptMs;
@@ -197,6 +201,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           kind: "refused",
           message: `HTTP ${status}: the model's answer was over ${MAX_RESPONSE_BYTES} bytes (set model.maxTokens to bound it)`,
           failedAttempts: attempt - 1,
+          unread: true,
         };
       }
       if (capped === null) throw new Error(`model response over ${MAX_RESPONSE_BYTES} bytes`);
@@ -242,7 +247,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
         if (probe !== null) input.onProbe?.();
         if (probe === "silent" && Date.now() >= input.deadlineMs) {
           // The deadline came while the endpoint was asked: nothing showed the key refused.
-          return { kind: "deadline", failedAttempts: attempt - 1 };
+          return { kind: "deadline", failedAttempts: attempt - 1, inFlight: false };
         }
         if (
           input.answeredBefore === true &&
@@ -302,7 +307,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
           input.onFailedAttempt?.();
           throw unavailable();
         }
-        return { kind: "deadline", failedAttempts: attempt - 1 };
+        return { kind: "deadline", failedAttempts: attempt - 1, inFlight: true };
       }
       if (timeout.aborted) {
         lastFailure = `no answer within ${attemptMs} ms`;
@@ -319,7 +324,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     const waitMs = Math.max(backoffMs(attempt, input.retry), waitAtLeast ?? 0);
     if (Date.now() + waitMs >= input.deadlineMs) {
       if (failedForSure()) throw unavailable();
-      return { kind: "deadline", failedAttempts: attempt };
+      return { kind: "deadline", failedAttempts: attempt, inFlight: false };
     }
     input.onRetry?.({ attempt, status, reason: lastFailure ?? "", waitMs });
     try {

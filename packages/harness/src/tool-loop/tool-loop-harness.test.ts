@@ -424,6 +424,8 @@ describe("ToolLoopHarness", () => {
     expect(out.exec).toMatchObject({ exitCode: -1, timedOut: true });
     expect(out.answer).toBeNull();
     expect(out.usage!.gaps).toContain("model call 2 abandoned at the deadline (usage unknown)");
+    // The endpoint may finish and bill it: the totals are unknown, not call 1's alone.
+    expect(out.usage).toMatchObject({ calls: 1, promptTokens: null, completionTokens: null });
   });
 
   it("a first call the deadline cuts is the agent's timeout (graded): without streaming it cannot be told from a slow generation", async () => {
@@ -839,6 +841,11 @@ describe("ToolLoopHarness", () => {
     expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
     expect(out.exec.stderr).toMatch(/stopped \(refused\).*the model's answer was over 8388608 bytes/);
     expect(upstream.requests).toHaveLength(2);
+    // Generated, and likely billed, unread: the totals are unknown, not call 1's alone.
+    expect(out.usage).toMatchObject({ calls: 1, promptTokens: null, completionTokens: null });
+    expect(out.usage!.gaps).toContain(
+      "1 call answered over the size bound the fleet reads, unread: token totals unknown",
+    );
   });
 
   it("fails with a final agent_error on a 401 from the endpoint, without the credential in the message", async () => {

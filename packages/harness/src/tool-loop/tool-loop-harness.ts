@@ -166,12 +166,18 @@ export class ToolLoopHarness implements Harness {
         if (result.kind === "deadline") {
           stop = "deadline";
           stopDetail = `the agent's deadline came during model call ${step}`;
-          // The endpoint may still finish and bill the call this episode gave up on.
-          meter.note(`model call ${step} abandoned at the deadline (usage unknown)`);
+          // The endpoint may still finish and bill a call this episode gave up on mid-flight: its
+          // tokens unknown, the totals too (a gap, never an undercount that looks whole).
+          if (result.inFlight) {
+            meter.recordAbandoned("agent");
+            meter.note(`model call ${step} abandoned at the deadline (usage unknown)`);
+          }
           break;
         }
         if (result.kind === "refused") {
-          meter.recordFailure();
+          // An answer over the size bound was generated, and likely billed, unread.
+          if (result.unread) meter.recordAbandoned("unread");
+          else meter.recordFailure();
           stop = "refused";
           stopDetail = `the model endpoint refused the conversation at call ${step}: ${result.message}`;
           break;
