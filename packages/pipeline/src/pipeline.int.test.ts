@@ -115,6 +115,22 @@ async function containersOf(ids: string[]): Promise<number> {
 
 const oracle = (task: TaskContent): RolloutRequestInput => ({ task, agent: { harness: "oracle" } });
 
+/** `deps` whose agent only counts its launches (and exits 0 at once). */
+function countingLaunches(deps: PipelineDeps): { counting: PipelineDeps; launches: () => number } {
+  let launched = 0;
+  const counting: PipelineDeps = {
+    ...deps,
+    createHarness: () => ({
+      name: "oracle" as const,
+      run: async () => {
+        launched += 1;
+        return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+      },
+    }),
+  };
+  return { counting, launches: () => launched };
+}
+
 describe("pipeline against real Redis and Docker", () => {
   let fleet: InProcessFleet;
   const allIds: string[] = [];
@@ -1303,17 +1319,7 @@ describe("idempotency and fencing without workers", () => {
       { task: byId("hello-file"), agent: { harness: "oracle", timeoutS: 60 }, deadlineS: 600 },
       { task: byId("hello-file"), agent: { harness: "oracle", timeoutS: 60 }, deadlineS: 600 },
     ]);
-    let launched = 0;
-    const counting = {
-      ...fleet.deps,
-      createHarness: () => ({
-        name: "oracle" as const,
-        run: async () => {
-          launched += 1;
-          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
-        },
-      }),
-    };
+    const { counting, launches } = countingLaunches(fleet.deps);
     /** The deps of a run that starts `leftMs` before the rollout's deadline. */
     const at = async (id: string, leftMs: number) => {
       const deadlineAt = (await fleet.deps.store.get(id))!.meta.deadlineAt;
@@ -1324,7 +1330,7 @@ describe("idempotency and fencing without workers", () => {
     const need = (60 + 30) * 1000 + RUN_MARGIN_MS;
     const err = await runStageJob("run", job(short!), await at(short!, need - 1)).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(UnrecoverableError);
-    expect(launched).toBe(0);
+    expect(launches()).toBe(0);
     expect((await fleet.deps.store.get(short!))!.failure).toMatchObject({
       failureKind: "deadline_exceeded",
       stage: "run",
@@ -1334,7 +1340,7 @@ describe("idempotency and fencing without workers", () => {
     });
     await closeExpecting(short!, { status: "masked", failureKind: "deadline_exceeded", reward: null });
     expect(await runStageJob("run", job(enough!), await at(enough!, need))).toBe("ok");
-    expect(launched).toBe(1);
+    expect(launches()).toBe(1);
     await runStageJob("close", job(enough!), fleet.deps);
 
     // An own sandbox that takes its time to make (a loaded host): the time left is counted
@@ -1358,7 +1364,7 @@ describe("idempotency and fencing without workers", () => {
       now: () => clockAt,
     }).catch((e: unknown) => e);
     expect(ownErr).toBeInstanceOf(UnrecoverableError);
-    expect(launched).toBe(1);
+    expect(launches()).toBe(1);
     expect((await fleet.deps.store.get(own!))!.failure).toMatchObject({
       failureKind: "deadline_exceeded",
       reason: expect.stringMatching(/^the rollout's deadline leaves 65 s, less than the 68 s/),
@@ -3029,20 +3035,10 @@ describe("idempotency and fencing without workers", () => {
     } = await fleet.deps.store.begin(id!, "run", Date.now());
     expect(begun.launch).toBeNull();
     await fleet.deps.store.requestCancel(id!);
-    let launched = 0;
-    const counting = {
-      ...fleet.deps,
-      createHarness: () => ({
-        name: "oracle" as const,
-        run: async () => {
-          launched += 1;
-          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
-        },
-      }),
-    };
+    const { counting, launches } = countingLaunches(fleet.deps);
     const rec = Object.assign(record!, { begun, failureLog: failures });
     expect(await HANDLERS.run(rec, counting, 1)).toBe("close");
-    expect(launched).toBe(0);
+    expect(launches()).toBe(0);
     expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
     await runStageJob("close", job(id!), fleet.deps);
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");

@@ -27,6 +27,39 @@ function agentDoneOnceOpen(opened: Promise<void>): NonNullable<PipelineDeps["cre
 
 describe("stage workers at a concurrency above ten", () => {
   let fleet: InProcessFleet | undefined;
+
+  /**
+   * A fleet (concurrency 2, warnings logged into `lines`) whose agent runs until it is stopped
+   * (the real harness kills its exec on the signal; `onStop` told), or with `stops: false` never
+   * ends (a hung daemon under its exec). Resolves to a latch opened once the agent runs.
+   */
+  const fleetWhoseAgent = async (
+    lines: string[],
+    o: { onStop?: () => void; stops?: boolean; provider?: InMemorySandboxProvider } = {},
+  ) => {
+    const running = latch();
+    fleet = await startInProcessFleet({
+      provider: o.provider ?? new InMemorySandboxProvider(),
+      concurrency: 2,
+      deps: {
+        logger: loggerInto(lines, "warn"),
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: (ctx) => {
+            running.open();
+            return new Promise((_resolve, reject) => {
+              if (o.stops === false) return;
+              ctx.signal?.addEventListener("abort", () => {
+                o.onStop?.();
+                reject(ctx.signal?.reason);
+              });
+            });
+          },
+        }),
+      },
+    });
+    return { running, f: fleet };
+  };
   const warnings: Error[] = [];
   const onWarning = (w: Error) => warnings.push(w);
   let task: TaskContent;
@@ -289,44 +322,29 @@ describe("stage workers at a concurrency above ten", () => {
   });
 
   it("hand a run back at shutdown in good time while a supervisor check hangs on Redis", async () => {
-    const running = latch();
     const lines: string[] = [];
-    fleet = await startInProcessFleet({
-      provider: new InMemorySandboxProvider(),
-      concurrency: 2,
-      deps: {
-        logger: loggerInto(lines, "warn"),
-        // An agent that runs until it is stopped (the real harness kills its exec on the signal).
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: (ctx) => {
-            running.open();
-            return new Promise((_resolve, reject) => {
-              ctx.signal?.addEventListener("abort", () => {
-                stoppedAt = Date.now();
-                reject(ctx.signal?.reason);
-              });
-            });
-          },
-        }),
+    let stoppedAt = 0;
+    const { running, f } = await fleetWhoseAgent(lines, {
+      onStop: () => {
+        stoppedAt = Date.now();
+        if (!fleet) throw new Error("no fleet started");
       },
     });
-    let stoppedAt = 0;
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const [id] = await f.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await running.opened;
     // The supervisor asks an idle stage's queue about its backlog; Redis does not answer (an
     // outage: the main connection queues commands until it is back).
-    const seedQueue = fleet.deps.queues.queues.seed;
+    const seedQueue = f.deps.queues.queues.seed;
     const checking = latch();
     seedQueue.isPaused = () => {
       checking.open();
       return new Promise<boolean>(() => undefined);
     };
-    void fleet.workers!.check();
+    void f.workers!.check();
     await checking.opened;
     const closing = Date.now();
-    expect(await fleet.workers!.close(8_000)).toEqual({ closed: true, abandoned: 0 });
-    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await f.workers!.close(8_000)).toEqual({ closed: true, abandoned: 0 });
+    const job = await f.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     expect(job!.attemptsMade).toBe(0);
     // Handed back at half the budget, in time: the hung check did not spend the budget first
@@ -340,7 +358,6 @@ describe("stage workers at a concurrency above ten", () => {
   });
 
   it("a run handed back at shutdown whose agent's stop is not confirmed says so (its processes may outlive the worker)", async () => {
-    const running = latch();
     const lines: string[] = [];
     const provider = new InMemorySandboxProvider();
     provider.killProcesses = async () => ({
@@ -351,26 +368,11 @@ describe("stage workers at a concurrency above ten", () => {
       remaining: 2,
       detail: "2 process(es) still alive",
     });
-    fleet = await startInProcessFleet({
-      provider,
-      concurrency: 2,
-      deps: {
-        logger: loggerInto(lines, "warn"),
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: (ctx) => {
-            running.open();
-            return new Promise((_resolve, reject) => {
-              ctx.signal?.addEventListener("abort", () => reject(ctx.signal?.reason));
-            });
-          },
-        }),
-      },
-    });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    const { running, f } = await fleetWhoseAgent(lines, { provider });
+    const [id] = await f.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await running.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
-    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await f.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    const job = await f.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("waiting");
     const said = lines.map((l) => JSON.parse(l) as { msg: string; rolloutId?: string; remaining?: number });
     expect(said.find((l) => l.msg.includes("not confirmed stopped"))).toMatchObject({
@@ -380,30 +382,16 @@ describe("stage workers at a concurrency above ten", () => {
   });
 
   it("a run that cannot be handed back within the shutdown budget is counted abandoned, not taken for a clean stop", async () => {
-    const running = latch();
     const lines: string[] = [];
-    fleet = await startInProcessFleet({
-      provider: new InMemorySandboxProvider(),
-      concurrency: 2,
-      deps: {
-        logger: loggerInto(lines, "warn"),
-        // An agent whose stop never lands (a hung daemon under its exec).
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: () => {
-            running.open();
-            return new Promise(() => undefined);
-          },
-        }),
-      },
-    });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    // An agent whose stop never lands (a hung daemon under its exec).
+    const { running, f } = await fleetWhoseAgent(lines, { stops: false });
+    const [id] = await f.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
     await running.opened;
-    expect(await fleet.workers!.close(3_000)).toEqual({ closed: false, abandoned: 1 });
+    expect(await f.workers!.close(3_000)).toEqual({ closed: false, abandoned: 1 });
     const said = lines.map((l) => JSON.parse(l) as { msg: string; abandoned?: number });
     expect(said.find((l) => l.msg.startsWith("shutdown budget spent"))).toMatchObject({ abandoned: 1 });
     // Left active with its lock: delivered again once the lock lapses.
-    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    const job = await f.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
     expect(await job!.getState()).toBe("active");
   });
 });
