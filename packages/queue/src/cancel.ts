@@ -2,14 +2,15 @@ import { isTerminal, type RolloutStatus, Stage, stageAfter } from "@fleet/contra
 import { type RolloutRecord, type RolloutStore, UnreadableRecordError } from "./rollout-store.ts";
 import type { StageQueues } from "./stage-queues.ts";
 
+/** `previous`: the status the cancel found (`"unreadable"`: one this release does not know). */
 export type CancelOutcome =
   | { kind: "unknown" }
   | { kind: "terminal"; status: RolloutStatus }
-  | { kind: "cancelling"; previous: RolloutStatus }
+  | { kind: "cancelling"; previous: RolloutStatus | "unreadable" }
   /** An earlier terminal failure (not a cancel) decides how the rollout ends: it is closing anyway. */
-  | { kind: "decided"; previous: RolloutStatus; failureKind: string }
+  | { kind: "decided"; previous: RolloutStatus | "unreadable"; failureKind: string }
   /** Its close began, or it is graded: its result is decided already (a graded reward stands). */
-  | { kind: "closing"; previous: RolloutStatus; graded: boolean };
+  | { kind: "closing"; previous: RolloutStatus | "unreadable"; graded: boolean };
 
 export const CANCEL_REASON = "cancelled by request";
 
@@ -29,7 +30,7 @@ export async function cancelRollout(
 ): Promise<CancelOutcome> {
   const previous = await store.requestCancel(id);
   if (previous === null) return { kind: "unknown" };
-  if (isTerminal(previous)) return { kind: "terminal", status: previous };
+  if (previous !== "unreadable" && isTerminal(previous)) return { kind: "terminal", status: previous };
   // A record that does not parse as a whole: its stage from its raw fields, most often intact.
   const record = (await readable(store, id)) ?? (await store.stageFields(id));
   const won = await store.recordFailure(

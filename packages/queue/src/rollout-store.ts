@@ -1264,10 +1264,17 @@ export class RolloutStore {
     );
   }
 
-  /** Request cancellation; returns the status it found, or null for an unknown rollout. */
-  async requestCancel(id: string): Promise<RolloutStatus | null> {
+  /**
+   * Request cancellation; returns the status it found, null for an unknown rollout, or
+   * `"unreadable"` for a status this release does not know (another release's, in a rolling
+   * upgrade; an edit): such a rollout is asked to stop all the same. It threw, and one such
+   * rollout stopped a batch's cancel short of the rest, again at every janitor pass.
+   */
+  async requestCancel(id: string): Promise<RolloutStatus | "unreadable" | null> {
     const prev = String(await this.redis.fleetCancel(this.keys.rollout(id)));
-    return prev === "" ? null : RolloutStatus.parse(prev);
+    if (prev === "") return null;
+    const status = RolloutStatus.safeParse(prev);
+    return status.success ? status.data : "unreadable";
   }
 
   /**

@@ -20,6 +20,7 @@ import {
   prepareRollouts,
   rolloutIds,
 } from "./admission.ts";
+import { cancelBatch, cancelRollout } from "./cancel.ts";
 import { assertRedisDurable, createRedis, isRedisUnavailable } from "./connection.ts";
 import { claimSandboxHost, createKeys, fleetInstance, keepFleetInstance, keepSandboxHost } from "./keys.ts";
 import { LocalRedisServer } from "./local-redis.ts";
@@ -1150,6 +1151,22 @@ describe("rollout store", () => {
     expect(await store.cancelBatchAdmission("b-no-such-batch", 1234)).toBe(false);
     expect(await redis.exists(store.keys.batch("b-no-such-batch"))).toBe(0);
     expect(await redis.zscore(store.keys.cancelling(), "b-no-such-batch")).toBeNull();
+  });
+
+  it("a batch's cancel goes on past a rollout whose status this release does not know (another release's): every rollout is asked to stop, the walk is done", async () => {
+    const requests = Array.from({ length: 3 }, () => ({
+      task,
+      agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+    }));
+    const { ids, batchId } = await admit(store, queues, { requests, batch: true }, { maxTaskBytes: 1e6 });
+    await redis.hset(store.keys.rollout(ids[0]!), "status", "paused");
+    expect(await cancelRollout(store, queues, ids[0]!, Date.now())).toMatchObject({
+      kind: "cancelling",
+      previous: "unreadable",
+    });
+    await expect(cancelBatch(store, queues, batchId!)).resolves.toBe(2);
+    for (const id of ids) expect(await redis.hget(store.keys.rollout(id), "cancel"), id).toBe("1");
+    expect(await redis.zscore(store.keys.cancelling(), batchId!)).toBeNull();
   });
 
   it("admission refuses metadata over MAX_METADATA_BYTES (422 at the API)", async () => {
