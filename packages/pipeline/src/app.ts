@@ -418,7 +418,8 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
   if (tamper !== null && "warn" in tamper) {
     logger.warn({ risk, ...(dockerEndpoint !== null ? { dockerEndpoint } : {}) }, tamper.warn);
   }
-  logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
+  // The handlers first, then the line that says it started: a Ctrl-C sent on that line (as a
+  // supervisor or a test may) must find them (without them SIGINT kills the process outright).
   onSignals(
     logger,
     async (budgetMs) => {
@@ -435,6 +436,7 @@ export async function runWorkerApp(kind: WorkerKind, env: Env): Promise<void> {
     },
     config.shutdownTimeoutMs,
   );
+  logger.info({ kind, workerId, stages: STAGES_OF[kind], concurrency: config.concurrency }, "worker started");
 }
 
 /** The whole of the janitor app's `main.ts`. */
@@ -458,7 +460,7 @@ export async function runJanitorApp(env: Env): Promise<void> {
     orphanGraceMs: config.orphanGraceMs,
     providerGate,
   });
-  logger.info({ intervalMs: config.intervalMs, providerUp: providerGate.up }, "janitor started");
+  // The handlers first, then the line that says it started (see the worker app's).
   onSignals(
     logger,
     async (budgetMs) => {
@@ -468,4 +470,5 @@ export async function runJanitorApp(env: Env): Promise<void> {
     },
     config.shutdownTimeoutMs,
   );
+  logger.info({ intervalMs: config.intervalMs, providerUp: providerGate.up }, "janitor started");
 }
