@@ -168,10 +168,11 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     );
   const isRolloutSubmit = (req: FastifyRequest) =>
     req.method === "POST" && req.routeOptions.url === ROLLOUTS_PATH;
-  const isJsonBatch = (req: FastifyRequest) =>
-    req.method === "POST" &&
-    req.routeOptions.url === BATCHES_PATH &&
+  const isBatchSubmit = (req: FastifyRequest) =>
+    req.method === "POST" && req.routeOptions.url === BATCHES_PATH;
+  const isJson = (req: FastifyRequest) =>
     /^application\/json\s*(;|$)/i.test(String(req.headers["content-type"] ?? ""));
+  const isJsonBatch = (req: FastifyRequest) => isBatchSubmit(req) && isJson(req);
   /**
    * A JSON body no submission reads (a cancel, a sign-in, Bull Board's actions, a route that is
    * not there) over `OTHER_JSON_BODY_BYTES`: refused before it is parsed. A parse of megabytes of
@@ -179,10 +180,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
    * the sign-in route is public.
    */
   const otherJsonTooLarge = (req: FastifyRequest, bytes: number) =>
-    !isRolloutSubmit(req) &&
-    !(req.method === "POST" && req.routeOptions.url === BATCHES_PATH) &&
-    /^application\/json\s*(;|$)/i.test(String(req.headers["content-type"] ?? "")) &&
-    bytes > OTHER_JSON_BODY_BYTES;
+    bytes > OTHER_JSON_BODY_BYTES && isJson(req) && !isRolloutSubmit(req) && !isBatchSubmit(req);
   const otherJsonError = (bytes: number, headers: Readonly<Record<string, string>> = {}) =>
     new HttpError(
       413,
@@ -237,7 +235,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // wrong with the lines is thrown by the route, once it has checked its headers. Only
   // `POST /v1/batches` reads it: elsewhere it is left unread, for the route's 415.
   app.addContentTypeParser(NDJSON_TYPES, async (req: FastifyRequest, payload: NodeJS.ReadableStream) => {
-    if (req.method !== "POST" || req.routeOptions.url !== BATCHES_PATH) {
+    if (!isBatchSubmit(req)) {
       return new NdjsonBody(() => {
         throw new HttpError(415, "unsupported_media_type", "this route takes application/json");
       });

@@ -784,20 +784,16 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       abort.abort(new HandBackError());
       // Handed back whether or not the stop is confirmed (the next delivery kills what is left,
       // and confirms it, before it launches again); said, as agent processes may outlive this one.
+      const unconfirmed = (why: Record<string, unknown>) =>
+        deps.logger.warn(
+          { rolloutId: id, ...why },
+          "handing the run back at shutdown with its agent's processes not confirmed stopped; its next delivery stops them before it launches",
+        );
       stopping = deps.provider.killProcesses(handle, AGENT_USER).then(
         (receipt) => {
-          if (!receipt.confirmed) {
-            deps.logger.warn(
-              { rolloutId: id, remaining: receipt.remaining, detail: receipt.detail },
-              "handing the run back at shutdown with its agent's processes not confirmed stopped; its next delivery stops them before it launches",
-            );
-          }
+          if (!receipt.confirmed) unconfirmed({ remaining: receipt.remaining, detail: receipt.detail });
         },
-        (err: unknown) =>
-          deps.logger.warn(
-            { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
-            "handing the run back at shutdown with its agent's processes not confirmed stopped; its next delivery stops them before it launches",
-          ),
+        (err: unknown) => unconfirmed({ err: err instanceof Error ? err.message : String(err) }),
       );
     };
     if (shutdown?.aborted) onShutdown();

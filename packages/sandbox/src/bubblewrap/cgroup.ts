@@ -97,6 +97,9 @@ export async function moveIntoCgroups(
   }
 }
 
+/** The host shell `sandboxExecArgv` runs (the bubblewrap provider's host check asks for it). */
+export const HOST_BASH = "/bin/bash";
+
 /**
  * Host argv prefix that sets the command's umask to 022, as Docker's exec does, and puts it into
  * the cgroups before it `exec`s the rest (a process started from outside, like `nsenter`, does
@@ -114,9 +117,6 @@ export async function moveIntoCgroups(
  * write to a host file or read the host's `/` through it. (bash, for `{f}>&-`: dash takes
  * single-digit descriptors only.)
  */
-/** The host shell `sandboxExecArgv` runs (the bubblewrap provider's host check asks for it). */
-export const HOST_BASH = "/bin/bash";
-
 export function sandboxExecArgv(cgroups: readonly SandboxCgroup[], argv: readonly string[]): string[] {
   const script =
     // biome-ignore lint/suspicious/noTemplateCurlyInString: bash's parameter expansion, not a template

@@ -540,8 +540,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
   }
 
-  /** `execIn` bound to one sandbox, for the shared exec-based operations. */
-  /** The fleet's own operations' exec (`exec-ops`): with `OPS_ENV`, never the image's PATH. */
+  /** `execIn` bound to one sandbox, for the fleet's own operations' exec (`exec-ops`): with `OPS_ENV`, never the image's PATH. */
   private execOf(handle: SandboxHandle): SandboxExec {
     return (argv, o) => this.execIn(handle, argv, { ...o, env: OPS_ENV });
   }
