@@ -574,6 +574,41 @@ function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: str
 const KILL_SWEEP_SCRIPT = sweepScript('uid=$(id -u); keep=" $$ ";', "kill -9 -1 2>/dev/null;", "uid", "1");
 
 /**
+ * Counts once, kills nothing: the live, non-zombie processes of uid `$1` (`remaining=<n>`; a
+ * count during which a process was made is taken for one left). For a count by an uid no
+ * process of `$1` can reach (`countProcessesViaExec`).
+ */
+const COUNT_SCRIPT = sweepScript('t=$1; keep=" $$ "; r=1;', ":;", "t", "r");
+
+/**
+ * How many processes of `uid` live, counted by `counter` (an uid none of them can signal or
+ * read: the sandbox's `KEEPALIVE_USER`), or null when the count could not be taken. A sweep run
+ * as the swept uid itself (`KILL_SWEEP_SCRIPT`) reports what that uid can forge: an agent can
+ * stop the sweep's shell and write `remaining=0` to its stdout through `/proc/<pid>/fd/1` (its
+ * own uid's process), then kill it, and ran on past a "confirmed" stop, reading the tests as
+ * verify staged them. Only this count confirms such a sweep.
+ */
+export async function countProcessesViaExec(
+  exec: SandboxExec,
+  uid: number,
+  counter: string,
+): Promise<number | null> {
+  try {
+    const r = await exec(["/bin/sh", "-c", COUNT_SCRIPT, "sh", String(uid)], {
+      deadlineMs: BACKED_UP_SWEEP_MS,
+      cwd: OPS_CWD,
+      user: counter,
+      stdin: null,
+      maxOutputBytes: 4096,
+    });
+    const m = /(?:^|\n)remaining=(\d+)\n/.exec(r.stdout);
+    return r.exitCode === 0 && m ? Number(m[1]) : null;
+  } catch {
+    return null;
+  }
+}
+
+/**
  * The root sweep's first step when given a verify epoch (`$2`): whether root, as the tests'
  * staging and runner read it, sees the fence at least at that epoch (`fence-seen=1`; else 0: a
  * fence it cannot read is none to them). A fence raised but unreadable to root fences nothing.

@@ -22,6 +22,7 @@ import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-co
 import {
   assertCoreutilsTimeout,
   assertIsolated,
+  countProcessesViaExec,
   DEFAULT_EXEC_DEFAULTS,
   delay,
   type ExecDefaults,
@@ -73,6 +74,7 @@ import {
   buildContainerConfig,
   DEFAULT_SANDBOX_LIMITS,
   effectiveLimits,
+  KEEPALIVE_USER,
   LABEL_REAPER,
   reaperLabels,
   type SandboxLimits,
@@ -772,15 +774,28 @@ export class DockerSandboxProvider implements SandboxProvider {
       daemonUnreachable,
       { ...options, backedUp },
     );
-    if (!backedUp || receipt.confirmed) return receipt;
-    // The sweep, run as the user itself (the sandbox grants no capability), could not confirm:
-    // something of that uid resisted it (killed every sweep with its own `kill -9 -1` loop,
-    // outran it). Escalate to a reaper it cannot signal, or the rollout would be masked where
-    // the agent chose it.
-    this.logger?.warn(
-      { sandbox: handle.name, detail: receipt.detail },
-      "kill sweep resisted; sending a reaper",
-    );
+    if (!backedUp) return receipt;
+    if (receipt.confirmed) {
+      if (receipt.alreadyGone) return receipt;
+      // The sweep ran as the uid it swept, so its "none left" is that uid's word, which the agent
+      // can forge (see `countProcessesViaExec`). Counted again by an uid it cannot reach: none
+      // left there confirms; anything else (some left, no count) goes to the reaper.
+      const left = await countProcessesViaExec(this.execOf(handle), uid, KEEPALIVE_USER);
+      if (left === 0) return receipt;
+      this.logger?.warn(
+        { sandbox: handle.name, left },
+        "kill sweep reported no process left, but a count outside its uid did not confirm it; sending a reaper",
+      );
+    } else {
+      // The sweep, run as the user itself (the sandbox grants no capability), could not confirm:
+      // something of that uid resisted it (killed every sweep with its own `kill -9 -1` loop,
+      // outran it). Escalate to a reaper it cannot signal, or the rollout would be masked where
+      // the agent chose it.
+      this.logger?.warn(
+        { sandbox: handle.name, detail: receipt.detail },
+        "kill sweep resisted; sending a reaper",
+      );
+    }
     return this.reap(handle, uid, user);
   }
 
