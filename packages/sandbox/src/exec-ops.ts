@@ -379,11 +379,14 @@ export async function readViaExec(
   // 44: not there, or not visible to this user (root without capabilities cannot search an
   // agent's 0700 directory): the next user may see it. 46: there, but not a regular file (a
   // directory, a FIFO `cat` would block on): null, as for a missing one. 45: not readable.
+  // Only the first `maxBytes` are read (`head -c`): all of them (`cat`) took a sparse file of
+  // 200 GiB, which costs the sandbox no space, past the exec's minute, a retryable failure where
+  // the code under test chose it (the verifier reads a long reward file this way).
   const script =
-    'if [ ! -e "$1" ]; then exit 44; fi; [ -f "$1" ] || exit 46; [ -r "$1" ] || exit 45; exec cat -- "$1"';
+    'if [ ! -e "$1" ]; then exit 44; fi; [ -f "$1" ] || exit 46; [ -r "$1" ] || exit 45; exec head -c "$2" -- "$1"';
   let unreadable = false;
   for (const user of users) {
-    const r = await exec(["/bin/sh", "-c", script, "sh", path], {
+    const r = await exec(["/bin/sh", "-c", script, "sh", path, String(maxBytes)], {
       deadlineMs: 60_000,
       cwd: OPS_CWD,
       user,

@@ -374,6 +374,18 @@ describe("DockerSandboxProvider (real Docker)", () => {
       await provider.put(h, "/logs/verifier", { "reward.txt": "0.75\n" }, { user: ROOT_USER });
       expect(await provider.get(h, "/logs/verifier/reward.txt")).toBe("0.75\n");
       expect(await provider.get(h, "/logs/verifier/missing.txt")).toBeNull();
+      // A sparse file of 200 GiB (no space taken): its first bytes, at once (all of it took the
+      // exec's minute and failed retryable).
+      const sparse = await provider.exec(h, ["truncate", "-s", "200G", "/logs/verifier/sparse.txt"], {
+        deadlineMs: 10_000,
+        user: ROOT_USER,
+      });
+      expect(sparse.exitCode).toBe(0);
+      const head = await settledWithin(
+        provider.get(h, "/logs/verifier/sparse.txt", { maxBytes: 65_537 }),
+        20_000,
+      );
+      expect(head).toEqual({ value: "\0".repeat(65_537) });
     });
 
     it("put with replace leaves exactly the new files (tmpfs and volume), or fails naming what it could not remove", async () => {
