@@ -512,6 +512,29 @@ describe("TaskContent refusals", () => {
     ["regex", "[\\P{N}]+", /\\P is a negated Unicode property class/],
     ["regex", "a\\hb", /\\h is PCRE's horizontal whitespace/],
     ["regex", "\\Q1+1\\E", /\\Q is PCRE's quoting/],
+    // Code point escapes JavaScript reads without the `u` flag as a letter: `caf\u{e9}` is
+    // "cafu{e9}" (and `\u{2}` "uu"), never the answer "café".
+    ["regex", "caf\\u{e9}", /\\u\{…\} is a code point escape/],
+    ["regex", "caf\\x{e9}", /\\x\{…\} is a code point escape/],
+    ["regex", "caf\\u0e9", /\\u without four hex digits/],
+    ["regex", "caf\\xe", /\\x without two hex digits/],
+    ["regex", "a\\Rb", /\\R is PCRE's line break/],
+    ["regex", "\\G\\d+", /\\G is another dialect's anchor/],
+    ["regex", "\\d+\\z", /\\z is another dialect's anchor/],
+    ["regex", "a\\Kb", /\\K is PCRE's match reset/],
+    ["regex", "\\X+", /\\X is PCRE's grapheme cluster/],
+    // Any other escaped letter JavaScript has no escape for is that letter.
+    ["regex", "a\\eb", /\\e is no JavaScript escape/],
+    ["regex", "[\\N]+", /\\N is no JavaScript escape/],
+    // A character above U+FFFF is two UTF-16 units without the `u` flag: in a class each half
+    // is a member (`[😀😁]` matches half an emoji), before a quantifier only the second repeats.
+    ["regex", "[\u{1F600}\u{1F601}]", /😀 in a character class is a character above U\+FFFF/],
+    ["regex", "[^\u{1F600}]+", /😀 in a character class/],
+    ["regex", "\u{1F600}+", /😀 before a quantifier \(\+\) .*group it, as \(\?:😀\)\+/],
+    ["regex", "ok \u{1F600}{2}", /😀 before a quantifier \(\{2\}\)/],
+    ["regex", "ok \\\u{1F600}?", /\\😀 before a quantifier \(\?\)/],
+    ["regex", "ok \\uD83D\\uDE00*", /\\uD83D\\uDE00 before a quantifier \(\*\)/],
+    ["regex", "[\\ud83d\\ude00]", /\\ud83d\\ude00 in a character class/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
     const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);
@@ -525,6 +548,30 @@ describe("TaskContent refusals", () => {
     }
     expect(matchPattern("v1\\-beta").test("v1-beta")).toBe(true);
     expect(matchPattern("C:\\\\Z").test("C:\\Z")).toBe(true);
+  });
+
+  it("a regex match keeps JavaScript's escapes and characters above U+FFFF that are one character", () => {
+    const valid: [string, string][] = [
+      ["caf\\u00e9", "café"],
+      ["caf\\xe9", "café"],
+      ["[\\u00e0-\\u00ff]+", "éà"],
+      ["\\cJ", "\n"],
+      ["\\bword\\B\\S\\s\\D\\d\\W\\w\\f?\\v?\\t?", "wordX y1 z"],
+      ["(?<n>a)\\k<n>", "aa"],
+      ["[\\b\\-\\]]+", "-]\b"],
+      ["v1\\-beta", "v1-beta"],
+      // As a sequence, an emoji is matched whole: alone, grouped, in an alternation, escaped.
+      ["\u{1F600}", "\u{1F600}"],
+      ["(?:\u{1F600})+", "\u{1F600}\u{1F600}"],
+      ["(?:\u{1F600}|\u{1F601}) ok", "\u{1F601} ok"],
+      ["\\uD83D\\uDE00!", "\u{1F600}!"],
+      ["\\\u{1F600}", "\u{1F600}"],
+      ["x\\\\u{2}", "x\\uu"], // an escaped backslash, then "u{2}": "u" twice
+    ];
+    for (const [expected, answer] of valid) {
+      expect(matchExpectedProblem({ expected, mode: "regex" }), expected).toBeUndefined();
+      expect(matchPattern(expected).test(answer), expected).toBe(true);
+    }
   });
 
   it("a regex match's escaped CRLF matches the answer's line end, which is compared as LF: as written it never could", () => {

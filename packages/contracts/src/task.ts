@@ -136,10 +136,11 @@ export type VerifierSpec = z.infer<typeof VerifierSpec>;
 /**
  * The regular expression a `regex` match verifier grades with: `expected` trimmed (a TOML
  * multi-line string ends in a newline no trimmed answer could match), matching the whole
- * trimmed answer. The loader, the schema and the grader all compile this one. JavaScript syntax;
- * another dialect's anchors (`\A`, `\Z`, `\z`), escapes (`\p{L}`, `\h`, `\Q`) and POSIX classes (`[[:digit:]]`) are refused
- * (see `foreignRegexSyntax`): JavaScript would read them as literal characters and silently
- * grade every answer 0.
+ * trimmed answer. The loader, the schema and the grader all compile this one. JavaScript syntax,
+ * without the `u` flag; another dialect's anchors (`\A`, `\Z`, `\z`, `\G`), escapes (`\p{L}`,
+ * `\h`, `\Q`, `\R`, `\u{e9}`, `\x{e9}`…), POSIX classes (`[[:digit:]]`) and a character above
+ * U+FFFF in a class or before a quantifier are refused (see `foreignRegexSyntax`): JavaScript
+ * would read them as something else and silently grade every answer 0.
  *
  * @throws SyntaxError when it is not a valid regular expression, or uses another dialect's syntax.
  */
@@ -203,30 +204,98 @@ const OTHER_DIALECT_ESCAPES: Record<string, string> = {
   P: 'a negated Unicode property class (`\\P{L}`), which JavaScript reads without the `u` flag as the letters "P{L}": use a negated class',
   h: 'PCRE\'s horizontal whitespace, a literal "h" in JavaScript: use [ \\t]',
   Q: 'PCRE\'s quoting (`\\Q…\\E`), a literal "Q" in JavaScript: escape each special character instead',
+  R: 'PCRE\'s line break, a literal "R" in JavaScript: use \\n (answers are compared with LF line ends)',
+  K: 'PCRE\'s match reset, a literal "K" in JavaScript: the pattern matches the whole answer, so drop it',
+  X: 'PCRE\'s grapheme cluster, a literal "X" in JavaScript: use [\\s\\S] for one character, or a class of what you mean',
 };
 
 /**
+ * The letters JavaScript without the `u` flag gives an escape of its own (`\b`, `\d`, `\cJ`,
+ * `\k<name>`…; `\x` and `\u` only with their hex digits): any other escaped letter is read as
+ * the bare letter, which no pattern written for JavaScript means (the `u` flag refuses it).
+ */
+const JS_LETTER_ESCAPES = new Set("bBcdDfknrsStuvwWx");
+
+/** A quantifier at the start of a string: `*`, `+`, `?` or `{n}`, `{n,}`, `{n,m}`. */
+const QUANTIFIER = /^(?:[*+?]|\{\d+(?:,\d*)?\})/;
+
+/**
  * Why `pattern` holds another dialect's syntax that JavaScript reads as something else, or
- * `undefined`: an escape `\A`, `\Z` or `\z` (Python's, PCRE's anchors; literal letters here),
- * `\p`/`\P` (property classes, which need the `u` flag), `\h` or `\Q` (PCRE's), or a POSIX class
- * `[[:name:]]` (a class of `[`, `:` and letters here, then a literal `]`).
+ * `undefined`: an escape `\A`, `\Z`, `\z` or `\G` (Python's, PCRE's anchors; literal letters
+ * here), `\p`/`\P` (property classes, which need the `u` flag), `\h`, `\Q`, `\R`, `\K` or `\X`
+ * (PCRE's), any other escaped letter JavaScript has no escape for (`\e`, `\N`…: the letter),
+ * `\u{…}` or `\x{…}` (code point escapes: a "u" repeated, an "x"), a `\u` or `\x` without its
+ * four or two hex digits, a POSIX class `[[:name:]]` (a class of `[`, `:` and letters here, then
+ * a literal `]`), or a character above U+FFFF (an emoji) in a character class or before a
+ * quantifier: without the `u` flag it is two UTF-16 units, so `[😀😁]` matches half a character
+ * and `😀+` repeats only its second half.
+ *
+ * Refused rather than compiled with the `u` flag, which would mean them: the `u` flag refuses
+ * escapes patterns that work today use (`\-`, `\"` outside a class), and in Node 20 a `u`
+ * pattern has no linear-time fallback when it backtracks catastrophically (see the grader), so
+ * a correct answer could time out where it matches today.
  */
 export function foreignRegexSyntax(pattern: string): string | undefined {
+  let inClass = false;
   for (let i = 0; i < pattern.length; i++) {
     const c = pattern[i];
-    if (c === "\\") {
+    const astral = astralLength(pattern, i);
+    if (astral > 0) {
+      const spelled = pattern.slice(i, i + astral);
+      const halves =
+        "is a character above U+FFFF, which JavaScript without the `u` flag reads as two UTF-16 units";
+      if (inClass) {
+        return `${spelled} in a character class ${halves}, so the class matches half a character: use an alternation, such as (?:${spelled}|…)`;
+      }
+      const quantifier = QUANTIFIER.exec(pattern.slice(i + astral))?.[0];
+      if (quantifier !== undefined) {
+        return `${spelled} before a quantifier (${quantifier}) ${halves}, so only its second half is repeated: group it, as (?:${spelled})${quantifier}`;
+      }
+      i += astral - 1;
+    } else if (c === "\\") {
       const next = pattern[i + 1] ?? "";
-      if (next === "A" || next === "Z" || next === "z") {
+      if (next === "A" || next === "Z" || next === "z" || next === "G") {
         return `\\${next} is another dialect's anchor, a literal "${next}" in JavaScript: the pattern already matches the whole answer (drop it)`;
       }
       const other = OTHER_DIALECT_ESCAPES[next];
       if (other !== undefined) return `\\${next} is ${other}`;
+      if ((next === "u" || next === "x") && pattern[i + 2] === "{") {
+        return `\\${next}{…} is a code point escape, which JavaScript reads without the \`u\` flag as a literal "${next}" (repeated, when a number follows): write the character itself, or \\uXXXX`;
+      }
+      if (next === "u" && !/^[0-9A-Fa-f]{4}/.test(pattern.slice(i + 2, i + 6))) {
+        return '\\u without four hex digits is a literal "u" in JavaScript: write \\uXXXX';
+      }
+      if (next === "x" && !/^[0-9A-Fa-f]{2}/.test(pattern.slice(i + 2, i + 4))) {
+        return '\\x without two hex digits is a literal "x" in JavaScript: write \\xHH';
+      }
+      if (/^[A-Za-z]$/.test(next) && !JS_LETTER_ESCAPES.has(next)) {
+        return `\\${next} is no JavaScript escape (another dialect's?), a literal "${next}" in JavaScript: write the letter without the backslash, or JavaScript's escape for what you mean`;
+      }
       i++; // the escaped character
     } else if (c === "[" && /^\[:[a-z]+:\]/.test(pattern.slice(i + 1))) {
       return `${pattern.slice(i, pattern.indexOf("]", i) + 2)} is a POSIX class, which JavaScript does not have: use \\d, \\s, \\w or a range such as [0-9]`;
+    } else if (c === "[") {
+      inClass = true;
+    } else if (c === "]") {
+      inClass = false;
     }
   }
   return undefined;
+}
+
+/** A surrogate pair escaped as two `\uHHHH`: one character above U+FFFF, spelled in ASCII. */
+const ESCAPED_PAIR = /^\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}/;
+
+/**
+ * The length in `pattern` of a character above U+FFFF that starts at `i` (as written, `\`-escaped,
+ * or as a pair of `\uHHHH` escapes), or 0 when none does.
+ */
+function astralLength(pattern: string, i: number): number {
+  const isPair = (at: number) => (pattern.codePointAt(at) ?? 0) > 0xffff;
+  if (isPair(i)) return 2;
+  if (pattern[i] !== "\\") return 0;
+  if (isPair(i + 1)) return 3;
+  return ESCAPED_PAIR.test(pattern.slice(i, i + 12)) ? 12 : 0;
 }
 
 /** Characters of an agent's final answer that are kept (and graded): the rest is cut. */
