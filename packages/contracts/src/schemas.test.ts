@@ -343,6 +343,36 @@ describe("TaskContent refusals", () => {
     expect(TaskContent.safeParse({ ...base, solution: { "solve.sh": "#!bash\ntrue\n" } }).success).toBe(true);
   });
 
+  it('refuses a test.sh whose #!/usr/bin/env line passes more than one word without -S (env would look for a program named "bash -e")', () => {
+    const issues = (script: string) =>
+      TaskContent.safeParse({ ...base, tests: { "test.sh": script } }).error?.issues.map((i) => [
+        i.path.join("/"),
+        i.message,
+      ]);
+    expect(issues("#!/usr/bin/env bash -e\nexit 0\n")).toEqual([
+      [
+        "tests/test.sh",
+        'runs "bash -e" through #!/usr/bin/env, which gets it as one argument and would look for a program by that name: split it with -S (#!/usr/bin/env -S bash -e)',
+      ],
+    ]);
+    expect(issues("#! /bin/env\tpython3\t-u  \nexit 0\n")?.[0]?.[1]).toMatch(
+      /^runs "python3\t-u" through #!\/bin\/env/,
+    );
+    for (const fine of [
+      "#!/usr/bin/env -S bash -e\nexit 0\n",
+      "#!/usr/bin/env -vS bash -e\nexit 0\n",
+      "#!/usr/bin/env bash \nexit 0\n", // trailing white space: the kernel drops it
+      "#!/bin/bash -e\nexit 0\n", // one option, as bash gets it
+      "#!/usr/bin/envy bash -e\nexit 0\n", // not env
+    ]) {
+      expect(issues(fine), fine).toBeUndefined();
+    }
+    // solve.sh runs with bash, whatever its #! line says.
+    expect(
+      TaskContent.safeParse({ ...base, solution: { "solve.sh": "#!/usr/bin/env bash -e\ntrue\n" } }).success,
+    ).toBe(true);
+  });
+
   it("refuses modes that would leave test.sh or solve.sh unreadable to whoever runs it", () => {
     const issues = (modes: Record<string, string>) =>
       TaskContent.safeParse({ ...base, solution: { "solve.sh": "true\n" }, modes }).error?.issues.map((i) => [

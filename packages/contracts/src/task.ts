@@ -379,6 +379,9 @@ export function matchExpectedProblem(spec: {
   return undefined;
 }
 
+/** A `#!` line as the kernel reads it: the interpreter, then the rest of the line (one argument). */
+const SHEBANG = /^#![ \t]*([^ \t\n]+)([^\n]*)/;
+
 /** A carriage return that does not start a CRLF: classic Mac line endings. */
 const LONE_CR = /\r(?!\n)/;
 
@@ -550,10 +553,20 @@ export const TaskContent = z
       }
       // test.sh runs by its #! line as the kernel reads it: a relative interpreter (`#!bash`)
       // would be looked up in the working directory, the agent's workspace.
-      const interpreter = set === "tests" ? /^#![ \t]*([^ \t\n]+)/.exec(text)?.[1] : undefined;
+      const shebang = set === "tests" ? SHEBANG.exec(text) : null;
+      const interpreter = shebang?.[1];
       if (interpreter !== undefined && !interpreter.startsWith("/")) {
         problem(
           `names a relative #! interpreter (${interpreter}), which would be looked up in the agent's workspace: name its path (#!/bin/bash, or #!/usr/bin/env ${interpreter})`,
+        );
+      }
+      // The kernel passes the rest of the line as one argument: `#!/usr/bin/env bash -e` has env
+      // look for a program named "bash -e", which exits 127 in every sandbox, a 0 for every
+      // agent (not the task's failure). env splits it itself only after `-S` (GNU's `-[v]S`).
+      const arg = shebang?.[2]?.trim() ?? "";
+      if (interpreter?.split("/").pop() === "env" && /[ \t]/.test(arg) && !/^-v*S/.test(arg)) {
+        problem(
+          `runs "${arg}" through #!${interpreter}, which gets it as one argument and would look for a program by that name: split it with -S (#!${interpreter} -S ${arg})`,
         );
       }
       if (text.startsWith("\uFEFF")) {
