@@ -606,6 +606,84 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(reads.count).toBeLessThanOrEqual(MAX_FILESET_ENTRIES + 2);
   }, 60_000);
 
+  it("a file set whose files and directories are more than a task may hold is refused as they are walked, not after reading its files", async () => {
+    // 6,000 directories of one empty file each: fewer files than the limit, but twice as many
+    // tar entries. Each directory is counted as it is walked (the schema counts them alike).
+    const dir = await writeTask("t", {});
+    const dirs = MAX_FILESET_ENTRIES * 0.6;
+    for (let i = 0; i < dirs; i++) {
+      mkdirSync(path.join(dir, "workspace", `d${i}`), { recursive: true });
+      writeFileSync(path.join(dir, "workspace", `d${i}`, "f"), "");
+    }
+    reads.count = 0;
+    expect(await invalidTask(() => loadTask(dir))).toContain(
+      `workspace: holds more than ${MAX_FILESET_ENTRIES} files and directories`,
+    );
+    expect(reads.count).toBeLessThanOrEqual(MAX_FILESET_ENTRIES / 2 + 2);
+  }, 60_000);
+
+  it("a .git in a file tree (a repository the task gives the agent): refused, not dropped; a task's own .git, or a suite's, is not read", async () => {
+    // Staged without it, workspace/repo would be files and no repository: every agent told to
+    // work in it (git diff, git log) fails.
+    const repo = await writeTask("repo", {
+      "workspace/repo/README.md": "hi\n",
+      "workspace/repo/.git/HEAD": "ref: refs/heads/main\n",
+      "workspace/repo/.git/objects/ab/cdef": Buffer.from([0x78, 0x9c, 0xff]),
+    });
+    const message = await invalidTask(() => loadTask(repo));
+    expect(message).toContain(`${path.join(repo, "workspace", "repo", ".git")}: is a git repository's data`);
+    expect(message).toMatch(/build the repository into the task's image, or remove \.git$/);
+    // A submodule's .git is a file pointing elsewhere: no repository either.
+    const submodule = await writeTask("submodule", {
+      "workspace/.git": "gitdir: ../../.git/modules/x\n",
+      "workspace/a.txt": "a\n",
+    });
+    expect(await invalidTask(() => loadTask(submodule))).toContain(
+      `${path.join(submodule, "workspace", ".git")}: is a git repository's data`,
+    );
+    // The tasks' own checkout: a suite's .git, and one in a task directory beside its trees.
+    const suite = path.join(tmp, "suite");
+    await writeTask("suite/one", {
+      ".git/HEAD": "ref: refs/heads/main\n",
+      ".git/index": Buffer.from([0xff]),
+    });
+    await mkdir(path.join(suite, ".git", "objects"), { recursive: true });
+    await writeFile(path.join(suite, ".git", "HEAD"), "ref: refs/heads/main\n");
+    expect((await loadSuite(suite)).map((t) => t.id)).toEqual(["one"]);
+    expect((await loadTask(path.join(suite, "one"))).workspace).toEqual({});
+    // Other git files are files like any other.
+    const ignore = await writeTask("ignore", {
+      "workspace/.gitignore": "*.o\n",
+      "workspace/out/.gitkeep": "",
+    });
+    expect((await loadTask(ignore)).workspace).toEqual({ ".gitignore": "*.o\n", "out/.gitkeep": "" });
+  });
+
+  it("a directory with no file in it (empty, or only tool litter): refused, not dropped; an empty file tree is fine", async () => {
+    // A file set holds files only: the directory would be missing in the sandbox.
+    const empty = await writeTask("empty", { "workspace/data/in.txt": "1\n" });
+    await mkdir(path.join(empty, "workspace", "out"));
+    expect(await invalidTask(() => loadTask(empty))).toBe(
+      `${path.join(empty, "workspace", "out")}: holds no file a task carries (it is empty, or holds only skipped tool litter such as __pycache__ or .DS_Store), and a file set cannot carry an empty directory: keep a placeholder file in it (such as .gitkeep), or remove it`,
+    );
+    // Nested: the innermost is named.
+    const nested = await writeTask("nested", {});
+    await mkdir(path.join(nested, "tests", "a", "b"), { recursive: true });
+    expect(await invalidTask(() => loadTask(nested))).toMatch(
+      new RegExp(
+        `^${path.join(nested, "tests", "a", "b").replace(/[.*+?^${}()|[\]\\]/g, "\\$&")}: holds no file`,
+      ),
+    );
+    const litter = await writeTask("litter", { "workspace/build/.DS_Store": "x" });
+    expect(await invalidTask(() => loadTask(litter))).toContain(
+      `${path.join(litter, "workspace", "build")}: holds no file`,
+    );
+    // A tree that is empty itself is a set of no files.
+    const bare = await writeTask("bare", {});
+    await mkdir(path.join(bare, "workspace"));
+    expect((await loadTask(bare)).workspace).toEqual({});
+  });
+
   it("a task under the limit on disk but over it as sent (escaped characters take several bytes), as the dispatcher counts", async () => {
     const dir = await writeTask("t", { "workspace/ctl.txt": "\u0001".repeat(3000) });
     expect(await invalidTask(() => loadTask(dir, { maxBytes: 10_000 }))).toMatch(

@@ -36,8 +36,29 @@ export interface LoadSuiteOptions extends LoadTaskOptions {
   only?: readonly string[];
 }
 
-/** Names skipped while reading a task's file trees (tool litter, never task content). */
-const SKIPPED = new Set(["__pycache__", ".pytest_cache", ".DS_Store", ".git"]);
+/**
+ * Names skipped while reading a task's file trees (tool litter, never task content). Not `.git`:
+ * in a file tree it is a repository the task gives (`workspace/repo/.git`), refused (`GIT_DATA`),
+ * never dropped. (A task's or a suite's own `.git`, a checkout of the tasks, is never read: only
+ * `workspace/`, `solution/` and `tests/` are, and a suite skips its `.`-directories.)
+ */
+const SKIPPED = new Set(["__pycache__", ".pytest_cache", ".DS_Store"]);
+
+/**
+ * Why a `.git` in a file tree is refused: a repository's objects and index are binary (a file set
+ * holds UTF-8 text), and staged without them its files would be no repository, which an agent
+ * told to work in one (`git diff`, `git log`) fails at, every one of them.
+ */
+const GIT_DATA =
+  "is a git repository's data, which a task cannot carry (its objects and index are binary; a file set holds UTF-8 text), and without it the files would be staged as no repository: build the repository into the task's image, or remove .git";
+
+/**
+ * Why a directory with no file staged under it is refused: a file set holds files (and the
+ * directories they imply) only, so it would vanish, and a task whose agent or tests expect it
+ * (an `out/` to write to) would fail for every agent.
+ */
+const EMPTY_DIRECTORY =
+  "holds no file a task carries (it is empty, or holds only skipped tool litter such as __pycache__ or .DS_Store), and a file set cannot carry an empty directory: keep a placeholder file in it (such as .gitkeep), or remove it";
 
 /** The sub-directories whose files travel with the task, and the TaskContent field each fills. */
 const FILE_TREES = TASK_FILE_SETS;
@@ -497,41 +518,54 @@ async function readTree(
   if (st === null) return { files, modes };
   if (st.isSymbolicLink()) throw invalid(dir, "is a symbolic link (tasks must hold a directory here)");
   if (!st.isDirectory()) throw invalid(dir, "must be a directory");
-  // Empty files take none of the size budget: past as many files as a file set may hold
-  // (`FileSet` counts them with the directories they imply), the rest is not read.
+  // Empty files take none of the size budget: past as many files and directories as a file set
+  // may hold (`FileSet` counts them alike: each is an entry of the staging tar), the rest is not
+  // read. A directory is counted as it is walked, so a tree of 100,000 directories is not walked
+  // whole first.
   let count = 0;
-  const walk = async (abs: string, rel: string): Promise<void> => {
+  const counted = () => {
+    if (++count > MAX_FILESET_ENTRIES) {
+      throw invalid(path.dirname(dir), `${path.basename(dir)}: ${FILESET_TOO_LARGE}`);
+    }
+  };
+  /** Read the files under `abs` into `files`; how many it read. */
+  const walk = async (abs: string, rel: string): Promise<number> => {
     const listed = await readdir(abs, { withFileTypes: true }).catch((err: unknown) => {
       throw cannotRead(abs, err);
     });
     const entries = listed.sort((a, b) => (a.name < b.name ? -1 : 1));
+    let read = 0;
     for (const entry of entries) {
-      if (SKIPPED.has(entry.name) || entry.name.endsWith(".pyc")) continue;
       const childAbs = path.join(abs, entry.name);
+      if (entry.name === ".git") throw invalid(childAbs, GIT_DATA);
+      if (SKIPPED.has(entry.name) || entry.name.endsWith(".pyc")) continue;
       const childRel = rel === "" ? entry.name : `${rel}/${entry.name}`;
       if (entry.isDirectory()) {
         if (entry.name.includes("\uFFFD"))
           throw invalid(childAbs, "has a name that is not UTF-8 (rename it)");
-        await walk(childAbs, childRel);
+        counted();
+        const under = await walk(childAbs, childRel);
+        if (under === 0) throw invalid(childAbs, EMPTY_DIRECTORY);
+        read += under;
       } else if (entry.isSymbolicLink())
         throw invalid(childAbs, "is a symbolic link (tasks must hold regular files)");
       else if (entry.isFile()) {
         // Assigned to a plain object, this name would set its prototype: the file would vanish.
         if (childRel === "__proto__")
           throw invalid(childAbs, 'is named "__proto__", which a file set cannot hold: rename it');
-        if (++count > MAX_FILESET_ENTRIES) {
-          throw invalid(path.dirname(dir), `${path.basename(dir)}: ${FILESET_TOO_LARGE}`);
-        }
+        counted();
         // A name that is not UTF-8 comes back with U+FFFD in it, and names no file.
         const gone = entry.name.includes("\uFFFD")
           ? "has a name that is not UTF-8 (rename it)"
           : "vanished while reading";
         const { text, executable } = await readTextFile(childAbs, budget, gone, true);
         files[childRel] = text;
+        read++;
         // Staged by default at 0755 when it starts with `#!` (`buildTar`), 0644 otherwise.
         if (executable !== text.startsWith("#!")) modes[childRel] = executable ? "755" : "644";
       } else throw invalid(childAbs, "is not a regular file");
     }
+    return read;
   };
   await walk(dir, "");
   return { files, modes };
