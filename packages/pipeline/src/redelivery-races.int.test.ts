@@ -222,6 +222,44 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
   });
 
   /**
+   * A run delivery whose lock lapsed, on its last attempt, passed its look at the fence after
+   * its agent ended; then a later delivery claimed the launch, replaced its own sandbox (the
+   * earlier one destroyed) and stored its run. The earlier one's stop then met its sandbox gone
+   * (`sandbox_lost`), and the runner recorded that as the rollout's final failure, unfenced: a
+   * rollout whose run the later launch completed was masked.
+   */
+  it("a run taken over after its agent ended records no failure over the launch that replaced it", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    let second: Promise<unknown> = Promise.resolve();
+    let stops = 0;
+    const first = runStageJob("run", job(id, Date.now() - 60_000, 2), {
+      ...deps,
+      provider: patched(provider, {
+        killProcesses: async (h: SandboxHandle) => {
+          // Its first stop (after its agent): the job was handed to another worker meanwhile.
+          if (stops++ === 0) {
+            second = runStageJob("run", job(id), deps);
+            await second;
+          }
+          return provider.killProcesses(h);
+        },
+      }),
+    }).catch((e: unknown) => e);
+    const a = await first;
+    expect(await second).toBe("ok");
+    const rec = (await deps.store.get(id))!;
+    expect(rec.receipts.run?.cleanup.confirmed).toBe(true);
+    expect({ a: String(a), failure: rec.failure, failures: await deps.store.failureLog(id) }).toEqual({
+      a: "superseded",
+      failure: null,
+      failures: [],
+    });
+  });
+
+  /**
    * A seed delivery whose lock lapsed (an attempt after one that recorded the intent) looked for
    * that attempt's sandbox to replace it: by then a later delivery had seeded the rollout, and
    * the earlier one destroyed that sandbox (its run's) as an earlier attempt's.

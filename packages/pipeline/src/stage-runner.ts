@@ -164,12 +164,14 @@ export async function runStageJob(
     // entry, no hold, no failure ending the rollout, no close under the later attempt's tests).
     // So too a seed delivery a later one superseded: that one replaces this one's sandbox (an
     // earlier attempt's, to it), and this one's failure (its sandbox gone under it) is not the
-    // rollout's. The final record below is fenced too, atomically.
-    const fence = deliveryFence(begun);
+    // rollout's; and a run launch a later one took over (its own sandbox replaced, its stop
+    // failing `sandbox_lost`): the later launch's run is the rollout's. The final record below
+    // is fenced too, atomically.
+    const fence = deliveryFence(begun) ?? begun.launchFence ?? null;
     const holdsFence = async (): Promise<boolean> =>
       fence === null || (await deps.store.holdsFence(rolloutId, fence));
     if (lockMayHaveLapsed(lock) && !(await holdsFence().catch(() => true))) {
-      superseded(deps, rolloutId, "does not record its failure", err, stage === "seed" ? "seed" : "verify");
+      superseded(deps, rolloutId, "does not record its failure", err, stage === "close" ? "verify" : stage);
       return "superseded";
     }
     if (isRedisRefusal(err)) {
@@ -228,13 +230,7 @@ export async function runStageJob(
     for (let tries = 1; ; tries++) {
       try {
         if (!(await recordFinalFailure(deps, rolloutId, final))) {
-          superseded(
-            deps,
-            rolloutId,
-            "does not record its failure",
-            fe,
-            stage === "seed" ? "seed" : "verify",
-          );
+          superseded(deps, rolloutId, "does not record its failure", fe, stage);
           return "superseded";
         }
         break;

@@ -54,7 +54,14 @@ import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess 
 import { composeResult } from "./result.ts";
 
 /** What `store.begin` did for the stage besides reading the record (see `beginOptions`). */
-export type Begun = Omit<BeginResult, "record" | "failures" | "unreadableFailures">;
+export type Begun = Omit<BeginResult, "record" | "failures" | "unreadableFailures"> & {
+  /**
+   * A run's launch fence, set by the run handler once it holds a launch claim (and cleared when
+   * it gives the claim back): the stage runner records the run's failure only while the launch
+   * holds it, as a seed's or a verify's only while it holds its own (`deliveryFence`).
+   */
+  launchFence?: DeliveryFence;
+};
 
 /**
  * `begin`'s answer without its record and failure log (`const { record, failures, unreadableFailures, ...begun }`),
@@ -596,9 +603,16 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const { previous, launches, token } = claim;
   if (previous === "stopped") return "close";
   const id = rec.meta.id;
+  // This launch's failure is the rollout's only while it holds the fence: one taken over (a
+  // later delivery claimed the launch, and may have replaced its own sandbox under it) must not
+  // record a failure over the launch that replaced it (see `runStageJob`).
+  rec.begun.launchFence = { field: "fence", token: `launched:${token}` };
   // A claim that launched nothing goes back (see the catch below).
   const giveBack = async () => {
-    if (previous === "") await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
+    if (previous !== "") return;
+    // Given back, the fence is no longer this launch's to record under (the failure below is).
+    delete rec.begun.launchFence;
+    await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
   };
   // The run job is sent right behind seed's receipt; should the receipt not be there (its script
   // failed, or was re-sent after a NOSCRIPT), retry while seed's own retry writes it; when the
@@ -1474,7 +1488,7 @@ export function superseded(
   rolloutId: string,
   what: string,
   err?: unknown,
-  stage: "verify" | "seed" = "verify",
+  stage: "verify" | "seed" | "run" = "verify",
 ): typeof SUPERSEDED {
   const detail = err === undefined ? {} : { err: err instanceof Error ? err.message : String(err) };
   deps.logger.warn({ rolloutId, ...detail }, `a later ${stage} attempt began; this one ${what}`);

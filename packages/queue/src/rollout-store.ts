@@ -157,7 +157,8 @@ export interface BeginResult {
  * token, atomically with the check.
  */
 export interface DeliveryFence {
-  field: "vfence" | "sfence";
+  /** A verify's (`vfence`), a seed's (`sfence`), or a run launch's (`fence`, its token `launched:<token>`). */
+  field: "vfence" | "sfence" | "fence";
   token: string;
 }
 
@@ -1162,7 +1163,10 @@ export class RolloutStore {
 
   /** Whether the delivery still holds its stage's fence (no later delivery of the stage began). */
   async holdsFence(id: string, fence: DeliveryFence): Promise<boolean> {
-    return (await this.redis.hget(this.keys.rollout(id), fence.field)) === fence.token;
+    const value = await this.redis.hget(this.keys.rollout(id), fence.field);
+    // A run launch's fence a stop took ('stopped': a cancel, a close) went to no other launch:
+    // the launch was stopped, not taken over.
+    return value === fence.token || (fence.field === "fence" && value === "stopped");
   }
 
   /**
