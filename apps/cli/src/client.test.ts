@@ -240,6 +240,29 @@ describe("FleetClient", () => {
     expect(retries[0]).toContain("broke off");
   });
 
+  it("reads a results stream again when the dispatcher stops sending mid-body without closing it", async () => {
+    let calls = 0;
+    server.on("GET", "/v1/batches/b1/results", (_req, res) => {
+      calls++;
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      // The first answer stalls after a line (stopped, not closed); the second is whole.
+      if (calls === 1) res.write('{"id":"r1"}\n{"id":"r2');
+      else res.end('{"id":"r1"}\n{"id":"r2"}\n');
+    });
+    const retries: string[] = [];
+    const lines: string[] = [];
+    for await (const line of client({
+      timeoutMs: 300,
+      onRetry: (r) => retries.push(r.reason),
+    }).batchResultLines("b1")) {
+      lines.push(line);
+    }
+    expect(lines).toEqual(['{"id":"r1"}', '{"id":"r2"}']);
+    expect(calls).toBe(2);
+    expect(retries).toHaveLength(1);
+    expect(retries[0]).toContain("no data for 300 ms");
+  });
+
   it("gives up on a results stream that keeps breaking with an ApiError, not undici's TypeError", async () => {
     server.on("GET", "/v1/batches/b1/results", (_req, res) => {
       res.writeHead(200, { "content-type": "application/x-ndjson" });

@@ -86,7 +86,10 @@ export interface FleetClientOptions {
   /** Dispatcher base URL, e.g. `http://127.0.0.1:8080`. */
   url: string;
   token?: string | null;
-  /** Time to wait for a response (headers; the whole body for non-streaming calls). @defaultValue 60000 */
+  /**
+   * Time to wait for a response (headers; the whole body for non-streaming calls; a streamed
+   * body's next chunk). @defaultValue 60000
+   */
   timeoutMs?: number;
   /**
    * `timeoutMs` for a batch's status (`getBatch`): a cheap read, polled while following batches,
@@ -278,10 +281,26 @@ export class FleetClient {
     const reader = res.body.getReader();
     /** The body's last byte so far (-1 before any): every line the dispatcher sends ends in `\n`. */
     let last = -1;
+    // A dispatcher that stops sending mid-body without closing the connection (stopped, its host
+    // paused, a half-open connection after a partition) would hold a bare read for good: no chunk
+    // within the client's timeout breaks the stream (`stream_broken`), which is read again.
+    const idleMs = this.timeoutMs;
+    const nextChunk = () => {
+      let timer: NodeJS.Timeout | undefined;
+      const idle = new Promise<never>((_, reject) => {
+        timer = setTimeout(() => {
+          const err = new Error(`no data for ${idleMs} ms`);
+          // Rejected first: the cancel ends the pending read as done, which would win the race.
+          reject(err);
+          reader.cancel(err).catch(() => undefined);
+        }, idleMs);
+      });
+      return Promise.race([reader.read(), idle]).finally(() => clearTimeout(timer));
+    };
     return new ReadableStream<Uint8Array>({
       pull: async (controller) => {
         try {
-          const { done, value } = await reader.read();
+          const { done, value } = await nextChunk();
           if (!done) {
             if (value.length > 0) last = value[value.length - 1]!;
             controller.enqueue(value);
