@@ -67,6 +67,14 @@ describe("buildRollouts", () => {
     expect(reqs[0]).not.toHaveProperty("deadlineS");
   });
 
+  it("refuses metadata nested too deep to be written as JSON with a usage error, not JSON.stringify's RangeError", () => {
+    let deep: Record<string, unknown> = { leaf: 1 };
+    for (let i = 0; i < 20_000; i++) deep = { a: deep };
+    expect(() => buildRollouts({ tasks, agent: { harness: "oracle" }, repeat: 1, metadata: deep })).toThrow(
+      /--metadata is refused: .*nests too deeply to be written as JSON/,
+    );
+  });
+
   it("refuses metadata with its own repeat key, which the repetition index would overwrite", () => {
     expect(() =>
       buildRollouts({ tasks, agent: { harness: "oracle" }, repeat: 1, metadata: { repeat: 5 } }),

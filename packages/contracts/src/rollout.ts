@@ -76,7 +76,18 @@ export const MAX_METADATA_BYTES = 4096;
 export function metadataOverLimit(
   metadata: Record<string, unknown>,
 ): { bytes: number; message: string } | null {
-  const bytes = Buffer.byteLength(JSON.stringify(metadata));
+  let bytes: number;
+  try {
+    bytes = Buffer.byteLength(JSON.stringify(metadata));
+  } catch (err) {
+    // Nested past the stack JSON.stringify recurses on (thousands of levels: tens of KB at the
+    // least, over the limit whatever it holds); a RangeError here crashed the CLI with its stack.
+    if (!(err instanceof RangeError)) throw err;
+    return {
+      bytes: Number.POSITIVE_INFINITY,
+      message: `metadata nests too deeply to be written as JSON, far over the limit of ${MAX_METADATA_BYTES} bytes; keep bulk data on the client, keyed by the rollout id`,
+    };
+  }
   if (bytes <= MAX_METADATA_BYTES) return null;
   return {
     bytes,
