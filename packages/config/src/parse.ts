@@ -4,9 +4,10 @@ import type { z } from "zod";
 const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
 
 /**
- * `scheme://user:pass@host…?query` → `scheme://***@host…?***`. Heuristic, so it works on a URL
- * that does not parse (a password with `#`, `/` or `?`): everything between the first `://` and
- * the last `@`, and the query after that (a Sentinel URL's `sentinelPassword`).
+ * `scheme://user:pass@host…?query#fragment` → `scheme://***@host…?***`. Heuristic, so it works on
+ * a URL that does not parse (a password with `#`, `/` or `?`): everything between the first `://`
+ * and the last `@`, and the query or fragment after that (a Sentinel URL's `sentinelPassword`; a
+ * token pasted after a `#`).
  */
 export function redactUserinfo(value: string): string {
   const start = value.indexOf("://");
@@ -16,8 +17,8 @@ export function redactUserinfo(value: string): string {
   const q0 = value.indexOf("?", start + 3);
   if (q0 !== -1 && q0 < at && value.slice(q0, at).includes("=")) return `${value.slice(0, start + 3)}***`;
   const hostAt = Math.max(at, start + 3);
-  const q = value.indexOf("?", hostAt);
-  const tail = q === -1 ? value.slice(hostAt) : `${value.slice(hostAt, q)}?***`;
+  const q = value.slice(hostAt).search(/[?#]/);
+  const tail = q === -1 ? value.slice(hostAt) : `${value.slice(hostAt, hostAt + q + 1)}***`;
   return `${value.slice(0, start + 3)}${at < start + 3 ? "" : "***"}${tail}`;
 }
 

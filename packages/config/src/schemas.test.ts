@@ -299,6 +299,8 @@ describe("DispatcherConfig", () => {
       ["redis-sentinel://s1/m?sentinelPassword=hunter2&x=1", "hunter2", "redis-sentinel://s1/m?***"],
       ["redis-sentinel://u:pw1@s1/m?sentinelPassword=hunter2&", "hunter2", "redis-sentinel://***@s1/m?***"],
       ["redis-sentinel://s1/m?sentinelPassword=hunt@er2", "er2", "redis-sentinel://***"],
+      ["http://redis:6379/#s3cr3t", "s3cr3t", "http://redis:6379/#***"],
+      ["http://u:p@redis:6379/0#s3cr3t?x", "s3cr3t", "http://***@redis:6379/0#***"],
     ] as const;
     for (const [url, secret, shown] of cases) {
       const err = errorOf(() => parseConfig(DispatcherConfig, { REDIS_URL: url }));
