@@ -64,6 +64,10 @@ describe("renderProgress", () => {
     );
     expect(etaMs(snap({ done: 100, ratePerS: null }))).toBe(0);
     expect(renderProgress(snap({ done: 0, total: 0 }), { bar: false })).toContain("progress 0/0 (100.0%)");
+    // Rounded down: a batch one short of done is never shown at 100.0%.
+    expect(renderProgress(snap({ done: 1999, total: 2000 }), { bar: false })).toContain("(99.9%)");
+    expect(renderProgress(snap({ done: 999_999, total: 1_000_000 }), { bar: false })).toContain("(99.9%)");
+    expect(renderProgress(snap({ done: 2000, total: 2000 }), { bar: false })).toContain("(100.0%)");
   });
 });
 

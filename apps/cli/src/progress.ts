@@ -49,6 +49,15 @@ export interface RenderOptions {
  * (bar) or `progress 35/100 (35.0%) rate 2.5/s eta 26s masked 1 failed 0 elapsed 14s` (plain).
  * Pure: the same snapshot always renders the same text.
  */
+/**
+ * `done` of `total` as a percentage with one decimal, rounded down: 1999 of 2000 is 99.9, never
+ * the 100.0 `toFixed` rounds it to while the batch still runs. 100.0 for an empty total.
+ */
+export function percent(done: number, total: number): string {
+  if (total <= 0) return "100.0";
+  return (Math.floor((Math.min(done, total) / total) * 1000) / 10).toFixed(1);
+}
+
 export function renderProgress(s: ProgressSnapshot, options: RenderOptions = {}): string {
   const fraction = s.total > 0 ? Math.min(1, s.done / s.total) : 1;
   const eta = formatDuration(etaMs(s));
@@ -56,7 +65,7 @@ export function renderProgress(s: ProgressSnapshot, options: RenderOptions = {})
   const elapsed = formatDuration(s.elapsedMs);
   if (options.bar === false) {
     return (
-      `progress ${s.done}/${s.total} (${(fraction * 100).toFixed(1)}%) rate ${rate} eta ${eta} ` +
+      `progress ${s.done}/${s.total} (${percent(s.done, s.total)}%) rate ${rate} eta ${eta} ` +
       `masked ${s.masked} failed ${s.failed} elapsed ${elapsed}`
     );
   }

@@ -1,5 +1,6 @@
 import type { FleetClient } from "../client.ts";
 import { type CliContext, writeText } from "../context.ts";
+import { percent } from "../progress.ts";
 
 const ORDER = [
   "accepted",
@@ -25,7 +26,7 @@ export async function statusCommand(
     await writeText(ctx.stdout, `${JSON.stringify(status)}\n`);
     return 0;
   }
-  const pct = status.total > 0 ? ((status.done / status.total) * 100).toFixed(1) : "100.0";
+  const pct = percent(status.done, status.total);
   const names = [...ORDER, ...Object.keys(status.counts).filter((k) => !ORDER.includes(k))];
   const counts = names.filter((k) => (status.counts[k] ?? 0) > 0).map((k) => `${k} ${status.counts[k]}`);
   const state = status.done >= status.total ? "finished" : "running";
