@@ -1004,6 +1004,36 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     expect((await ours.list({ "fleet.rollout": s.rolloutId })).map((i) => i.handle.id)).toEqual([made.id]);
   });
 
+  it("two deployments with one scope given one rollout id: neither joins the other's gateway network", async () => {
+    const scope = `${RUN}-same-net`;
+    const ours = new DockerSandboxProvider({ scope, instance: "ours" });
+    const s = spec();
+    const name = `fleet-gw-it-${RUN}-theirs`;
+    await docker.createNetwork({
+      Name: name,
+      Internal: true,
+      Labels: {
+        [LABEL_MANAGED]: "true",
+        "fleet.network": "gateway",
+        [LABEL_ROLLOUT]: s.rolloutId,
+        "fleet.scope": scope,
+        "fleet.instance": "theirs",
+      },
+    });
+    try {
+      const err = await fleetError(ours.create({ ...s, network: name }));
+      expect([err.kind, err.retryable]).toEqual(["isolation_refused", false]);
+      expect(await ours.find(s.rolloutId, "resources")).toBeNull();
+    } finally {
+      const joined = await ours.find(s.rolloutId, "resources");
+      if (joined) await ours.destroy(joined);
+      await docker
+        .getNetwork(name)
+        .remove()
+        .catch(() => undefined);
+    }
+  });
+
   it("a container removed between its create and its start is the infrastructure's (retryable), not the task's", async () => {
     // The real daemon behind a proxy that removes the container just before its start goes
     // through: what a re-delivered seed taking over, or a close, does in that window.

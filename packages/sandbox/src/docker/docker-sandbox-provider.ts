@@ -364,7 +364,9 @@ export class DockerSandboxProvider implements SandboxProvider {
       !info.Internal ||
       labels[LABEL_NETWORK] !== "gateway" ||
       labels[LABEL_ROLLOUT] !== spec.rolloutId ||
-      labels[LABEL_SCOPE] !== this.scope
+      labels[LABEL_SCOPE] !== this.scope ||
+      // Another deployment's (its own Redis, the same scope) may give the same rollout id.
+      madeByAnotherInstance(labels, this.instance)
     ) {
       throw FleetError.nonRetryable(
         "isolation_refused",
