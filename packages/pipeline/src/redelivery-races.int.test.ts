@@ -2,7 +2,7 @@ import { FleetError, type SandboxHandle } from "@fleet/contracts";
 import { sandboxKey } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
-import { afterEach, describe, expect, it } from "vitest";
+import { afterEach, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
@@ -257,6 +257,68 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
       failure: null,
       failures: [],
     });
+  });
+
+  /**
+   * A run launch whose worker lost Redis (its fence polls unanswered) while the sandbox stayed
+   * in reach: its job's lock lapsed, another worker took the run over and the rollout was
+   * verified, and then the first launch's agent took its next step (a tool loop's exec) in the
+   * sandbox, during or after the verify. Its stop poll waited only for a "stop" or "lost" that
+   * never came.
+   */
+  it("a run cut off from Redis past half its lock starts nothing more of its agent and hands its job back", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider);
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    let cut = false;
+    const cutOff = new Proxy(deps.store, {
+      get(target, prop) {
+        if (prop === "launchState" && cut) return () => new Promise(() => undefined);
+        const value: unknown = Reflect.get(target, prop, target);
+        return typeof value === "function" ? value.bind(target) : value;
+      },
+    });
+    const stepped = latch();
+    const resume = latch();
+    let signal: AbortSignal | undefined;
+    const stepTwo: { err?: string } = {};
+    // An agent that does not watch the signal: one step, then (once resumed) another.
+    const twoSteps: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async (ctx) => {
+        signal = ctx.signal;
+        await ctx.provider.exec(ctx.handle, ["agent-A", "step-1"], { deadlineMs: ctx.deadlineMs });
+        stepped.open();
+        await resume.opened;
+        await ctx.provider
+          .exec(ctx.handle, ["agent-A", "step-2"], { deadlineMs: ctx.deadlineMs })
+          .catch((err: unknown) => {
+            stepTwo.err = String(err);
+          });
+        return { exec: execResult(), answer: null, transcript: null, usage: null };
+      },
+    });
+    const first = runStageJob(
+      "run",
+      job(id),
+      { ...deps, store: cutOff, createHarness: twoSteps, stopPollMs: 50 },
+      { lockDurationMs: 400 },
+    ).catch((err: unknown) => err);
+    await stepped.opened;
+    cut = true;
+    // Half its lock without an answer: it stops waiting (its harness told to stop).
+    await vi.waitFor(() => expect(signal?.aborted).toBe(true), { timeout: 5_000, interval: 20 });
+    // Its lock lapses; another worker takes the run over, and the rollout is verified.
+    expect(await runStageJob("run", job(id), deps)).toBe("ok");
+    const verify: PipelineDeps["verify"] = async () => ({ reward: 1, details: { kind: "stub" } });
+    expect(await runStageJob("verify", job(id), { ...deps, verify })).toBe("ok");
+    const verifiedAt = provider.execCalls.length;
+    // The first launch's agent takes its next step: refused, and the job is handed back.
+    resume.open();
+    expect(String(await first)).toContain("HandBackError");
+    expect(stepTwo.err).toContain("cannot be confirmed");
+    expect(provider.execCalls.slice(verifiedAt).map((c) => c.argv.join(" "))).toEqual([]);
   });
 
   /**

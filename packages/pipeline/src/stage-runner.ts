@@ -20,7 +20,15 @@ import {
 import { type Job, UnrecoverableError } from "bullmq";
 import { clock, type PipelineDeps } from "./deps.ts";
 import { isHandBack, ProviderHoldError, RedisHoldError } from "./hand-back.ts";
-import { beginOptions, begunOf, HANDLERS, lockMayHaveLapsed, SUPERSEDED, superseded } from "./stages.ts";
+import {
+  beginOptions,
+  begunOf,
+  DEFAULT_LOCK_MS,
+  HANDLERS,
+  lockMayHaveLapsed,
+  SUPERSEDED,
+  superseded,
+} from "./stages.ts";
 
 export type StageRunOutcome = "ok" | "replayed" | "skipped" | "unknown" | "superseded" | "stray";
 
@@ -76,7 +84,10 @@ export async function runStageJob(
   } = {},
 ): Promise<StageRunOutcome> {
   // When this worker took the job: its lock dates from then (wall clock, as BullMQ's).
-  const lock = { since: job.processedOn ?? Date.now(), durationMs: options.lockDurationMs ?? 30_000 };
+  const lock = {
+    since: job.processedOn ?? Date.now(),
+    durationMs: options.lockDurationMs ?? DEFAULT_LOCK_MS,
+  };
   const { rolloutId } = parseStageJob(job.data);
   if (job.id !== undefined && job.id !== stageJobId(rolloutId, stage)) {
     // Not the fleet's own job (those are `<rolloutId>.<stage>`, rule 7): one added by hand, by

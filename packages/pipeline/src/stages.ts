@@ -93,6 +93,9 @@ export type StageRecord = RolloutRecord & {
   lock?: { since: number; durationMs: number };
 };
 
+/** A stage job's BullMQ lock when its worker does not say (`runStageJob`'s `lockDurationMs`). */
+export const DEFAULT_LOCK_MS = 30_000;
+
 /** Whether another worker may have been handed this job meanwhile (its lock could have lapsed). */
 function mayBeTakenOver(rec: StageRecord): boolean {
   return lockMayHaveLapsed(rec.lock);
@@ -786,10 +789,36 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       : usage;
   let cleanup: CleanupReceipt;
   let contested = true;
-  const watched = watchExecs(deps.provider);
+  const abort = new AbortController();
+  // When the fence last answered that the run is this launch's (a monotonic clock; the look
+  // above, right before launching, is the first). Once the job may have been handed to another
+  // worker, a launch that cannot hear from Redis for half its lock cannot tell whether another
+  // launch runs now: it starts nothing more of its agent (`watchExecs`' gate), and its stop poll
+  // below stops waiting and hands the job back.
+  let fenceAnsweredAt = performance.now();
+  const pollMs = deps.stopPollMs ?? 1000;
+  // Half the lock, and never under three polls (a lock shorter than that could not be confirmed).
+  const confirmWithinMs = Math.max((rec.lock?.durationMs ?? DEFAULT_LOCK_MS) / 2, 3 * pollMs);
+  /** How long since `since`, once the job may have been handed to another worker (else 0). */
+  const silentFor = (since: number) => (mayBeTakenOver(rec) ? performance.now() - since : 0);
+  const watched = watchExecs(deps.provider, async () => {
+    // An agent's next step (a tool loop's exec) once this launch may no longer hold the run
+    // would run beside the launch that took over, or its verify. Not heard from the fence for a
+    // while (the model gateway's opening took long, the poll went unanswered): asked now.
+    const refused = () =>
+      new FleetError(
+        "provider_unavailable",
+        "this run's launch cannot be confirmed as the rollout's (stopped, taken over, or the fleet's Redis unreachable): nothing more of its agent is started",
+        { retryable: true, nothingStarted: true },
+      );
+    if (abort.signal.aborted) throw refused();
+    if (silentFor(fenceAnsweredAt) <= confirmWithinMs) return;
+    const state = await withTimeout(deps.store.launchState(id, token), pollMs, "fence").catch(() => null);
+    if (state !== "run" || abort.signal.aborted) throw refused();
+    fenceAnsweredAt = performance.now();
+  });
   try {
     if (needsModelAccess(rec.meta.agent)) access = await openModelAccess(deps, rec.meta.id, rec.meta.agent);
-    const abort = new AbortController();
     let stopping: Promise<unknown> = Promise.resolve();
     // Worker shutdown: stop the harness now and hand the job back (the next attempt kills
     // whatever is left before it launches again).
@@ -812,9 +841,23 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     };
     if (shutdown?.aborted) onShutdown();
     shutdown?.addEventListener("abort", onShutdown, { once: true });
+    const pollStartedAt = performance.now();
     const poll = setInterval(() => {
+      if (!abort.signal.aborted && silentFor(Math.max(fenceAnsweredAt, pollStartedAt)) > confirmWithinMs) {
+        // Not heard from Redis for half the job's lock, which may have lapsed: another worker may
+        // run this rollout's agent now. Stop waiting and hand the job back, killing nothing (the
+        // processes may be the other launch's); whichever launch runs next stops what this one
+        // left before it starts, and this one's next steps are refused (`watchExecs`' gate).
+        deps.logger.warn(
+          { rolloutId: id, silentMs: Math.round(performance.now() - fenceAnsweredAt) },
+          "the run's fence has not answered for half the job's lock; stopping the harness and handing the job back",
+        );
+        abort.abort(new HandBackError("the run's launch could not be confirmed; the job is handed back"));
+        return;
+      }
       deps.store.launchState(id, token).then(
         (state) => {
+          if (state === "run") fenceAnsweredAt = performance.now();
           if (abort.signal.aborted) return;
           if (state === "stop") {
             abort.abort(FleetError.nonRetryable("cancelled", "stop requested while the agent ran"));
@@ -828,7 +871,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         },
         () => undefined,
       );
-    }, deps.stopPollMs ?? 1000);
+    }, pollMs);
     // The agent's deadline, enforced from here too: the `timeout` that ends its command runs as
     // the agent's user, which can stop it (SIGSTOP) and work on until the provider's own timer,
     // seconds later, and be graded on that. Once the agent's deadline (from when the harness says
@@ -914,6 +957,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       clearInterval(poll);
       clearTimeout(deadlineSweep);
       shutdown?.removeEventListener("abort", onShutdown);
+    }
+    // Told to stop, its harness returned of itself (one that does not watch the signal): as
+    // above, never its outcome stored.
+    if (abort.signal.aborted) {
+      if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
+      if (abort.signal.reason instanceof LostLaunchError) return SUPERSEDED;
+      return "close";
     }
     // The harness returned: before this launch stops anything or reports, make sure the run is
     // still its own. One that lost the fence (handed to another worker while this one was cut off
@@ -1040,11 +1090,16 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
 /**
  * `provider`, counting the execs that may have started something: every exec from its call on,
  * less those that failed with `nothingStarted`. (Counted at the call: one still under way may
- * have started its command.)
+ * have started its command.) `gate` runs before each exec and refuses one by throwing.
  */
-function watchExecs(provider: SandboxProvider): { provider: SandboxProvider; started(): boolean } {
+function watchExecs(
+  provider: SandboxProvider,
+  gate: () => Promise<void> = async () => undefined,
+): { provider: SandboxProvider; started(): boolean } {
   let execs = 0;
   const exec: SandboxProvider["exec"] = async (handle, argv, options) => {
+    // Refused before it is counted: nothing of it started.
+    await gate();
     execs++;
     try {
       return await provider.exec(handle, argv, options);
