@@ -83,3 +83,28 @@ describe("the run's setup is not the agent's time", () => {
     expect(rec!.failure!.reason).toContain("the agent was not started");
   });
 });
+
+describe("a run job taken after the rollout's deadline", () => {
+  let fleet: InProcessFleet | undefined;
+  afterEach(async () => fleet?.close());
+
+  /**
+   * The begin claimed the launch (counting one) before the runner skipped the run for its
+   * deadline, and never gave it back: the result said the agent was launched once when nothing
+   * of it ran.
+   */
+  it("claims no launch: the result counts none", async () => {
+    const provider = new InMemorySandboxProvider();
+    fleet = await startInProcessFleet({ provider, startWorkers: false });
+    const deps = fleet.deps;
+    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+    const [id] = (await fleet.submit([{ task, agent: ORACLE }])) as [string];
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    const late = { ...deps, now: () => Date.now() + 10 * 3600_000 };
+    expect(await runStageJob("run", job(id), late)).toBe("skipped");
+    expect(await runStageJob("close", job(id), late)).toBe("ok");
+    const result = (await deps.store.getResult(id))!;
+    expect(result).toMatchObject({ status: "masked", failureKind: "deadline_exceeded", agentLaunches: 0 });
+    expect(provider.execCalls.filter((c) => c.argv.includes("/solution/solve.sh"))).toEqual([]);
+  });
+});

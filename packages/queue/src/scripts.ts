@@ -209,7 +209,7 @@ const BEGIN_SHAPES = `local shapes = {}
         if not close and withToken and (stage == 'seed' or stage == 'verify') then
           s.seen = stage == 'seed' and 'sseen:' or 'vseen:'; s.iSeen = #names + 1; names[s.iSeen] = ''
         elseif not close and withToken then
-          s.iPrev = want('fence:prev'); s.iLaunches = want('launches')
+          s.iPrev = want('fence:prev'); s.iLaunches = want('launches'); s.iRunDeadline = want('deadline')
         end
         if not close and stage == 'verify' then
           s.iLast = want('t:verify:last'); s.iSweep = want('t:verify:sweep'); s.iNote = want('vnote')
@@ -900,9 +900,13 @@ const SCRIPTS = {
                 epoch = tonumber(v[iSeen]) or 0
               end
             elseif iLaunches then
-              -- The fenced launch claim (fleetClaimLaunch's), on the values read above.
-              previous, launches = claimLaunch(KEYS[1], token, v[at['fence']], v[iPrev], v[iLaunches], v[at['closed']],
-                function(name, value) write(at[name], name, value) end)
+              -- The fenced launch claim (fleetClaimLaunch's), on the values read above; none past
+              -- the deadline: the run is skipped then, and a claim would count a launch that never was.
+              local deadline = tonumber(v[shape.iRunDeadline])
+              if not (deadline and tonumber(now) >= deadline) then
+                previous, launches = claimLaunch(KEYS[1], token, v[at['fence']], v[iPrev], v[iLaunches], v[at['closed']],
+                  function(name, value) write(at[name], name, value) end)
+              end
             end
           end
         end
