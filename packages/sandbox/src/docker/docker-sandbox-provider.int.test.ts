@@ -905,6 +905,28 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     });
   });
 
+  it("a re-delivered create never takes over a sandbox that ran and stopped (its tmpfs gone): it removes it, fails retryable, and its retry makes it afresh", async () => {
+    const s = spec();
+    const first = await provider.create(s);
+    live.push(first);
+    await provider.put(first, "/workspace", { "work.txt": "the agent's\n" });
+    await docker.getContainer(first.id).kill();
+    await vi.waitFor(
+      async () => expect((await docker.getContainer(first.id).inspect()).State.Running).toBe(false),
+      {
+        timeout: 10_000,
+        interval: 100,
+      },
+    );
+    const err = await fleetError(provider.create(s));
+    expect([err.kind, err.retryable]).toEqual(["sandbox_lost", true]);
+    await expect(docker.getContainer(first.id).inspect()).rejects.toMatchObject({ statusCode: 404 });
+    const again = await provider.create(s);
+    live.push(again);
+    expect(again.id).not.toBe(first.id);
+    expect((await provider.probe(again)).isolated).toBe(true);
+  });
+
   it("the probe refuses a sandbox the daemon reports in the host's PID namespace, whatever its other checks say", async () => {
     // A worker in a container of its own sees a host-PID sandbox's namespace as another one
     // (pidNamespaceDiffers passes there): the daemon's PidMode is what tells. The real daemon,

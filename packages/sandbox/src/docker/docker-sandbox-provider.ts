@@ -413,11 +413,15 @@ export class DockerSandboxProvider implements SandboxProvider {
       return adopted;
     }
     if (!info.State.Running) {
-      try {
-        await container.start({ abortSignal: this.apiSignal() });
-      } catch (err) {
-        if (dockerErrorFacts(err).statusCode !== 304) throw classifyDockerError(err, "start", handle.name);
-      }
+      // It ran and stopped (killed from outside, its daemon restarted): started again it would
+      // come back without what it held in memory (its tmpfs workspace and the image's files
+      // staged there, the verify fence), yet be taken for the sandbox it was. Removed; the
+      // create's retry makes it afresh.
+      await container.remove({ force: true, v: true, abortSignal: this.apiSignal() }).catch(() => undefined);
+      throw FleetError.retryable(
+        "sandbox_lost",
+        `sandbox ${handle.name} existed but had stopped (${info.State.Status}); removed, to be made afresh`,
+      );
     }
     this.logger?.info({ sandbox: handle.name, id: info.Id }, "sandbox already existed; reusing it");
     // Its volumes as it was made (by another version, or with a volume for the image's files).
