@@ -328,6 +328,20 @@ describe("fleet submit", () => {
     expect(stdout.text()).toContain("completed 1");
   });
 
+  it("watch --wait-timeout gives up on batches that do not finish, exits 1 and says where they keep running", async () => {
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 2, done: 1, counts: { completed: 1, running: 1 } }),
+    );
+    const code = await runCli(["watch", "b-1", "--poll-interval", "10", "--wait-timeout", "0.2"], ctx());
+    expect(code, stderr.text()).toBe(1);
+    expect(stderr.text()).toContain(
+      "error: wait_timeout: the batches were not finished after --wait-timeout",
+    );
+    expect(stderr.text()).toContain("(1/2 done)");
+    expect(stderr.text()).toContain("the batches keep running on the dispatcher");
+    expect(server.requests.filter((r) => r.path.endsWith("/results"))).toEqual([]);
+  });
+
   it("stops at an API error, names batches already submitted, and exits 1", async () => {
     let n = 0;
     server.on("POST", "/v1/batches", (req, res) => {

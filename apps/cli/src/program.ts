@@ -255,6 +255,12 @@ export function createProgram(
       )
       .addOption(
         new Option(
+          "--wait-timeout <seconds>",
+          "with --wait: stop waiting after this long, exit 1 (the batches keep running); default: until they finish",
+        ).argParser(positiveSeconds),
+      )
+      .addOption(
+        new Option(
           "--idempotency-key <base>",
           "derive each chunk's Idempotency-Key from this (<base>-<n>); re-run with the base a failed submit printed to finish it without duplicates",
         ).argParser(idempotencyBase),
@@ -316,6 +322,12 @@ results than rollouts; 2 on bad usage; 130 when interrupted (the batch keeps run
         )
           .default(600)
           .argParser(positiveSeconds),
+      )
+      .addOption(
+        new Option(
+          "--wait-timeout <seconds>",
+          "stop waiting after this long, exit 1 (the batches keep running); default: until they finish",
+        ).argParser(positiveSeconds),
       ),
     ctx,
   ).action(async (batchIds: string[], opts: FollowOptions & ConnectionOptions) => {

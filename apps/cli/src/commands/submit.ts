@@ -237,6 +237,8 @@ export interface FollowOptions {
   pollInterval: number;
   /** How long to keep waiting through a dispatcher outage (s). */
   outageWait: number;
+  /** How long to wait for the batches to finish at all (s); unset: until they do. */
+  waitTimeout?: number;
 }
 
 /**
@@ -260,7 +262,14 @@ export async function followBatches(
     `collect them with \`fleet results <batchId> --out <file>\` for ${batchIds.join(" ")}`;
   const tally = new ResultTally();
   try {
-    await waitForBatches(patient, batchIds, opts.pollInterval, ctx, reporter);
+    await waitForBatches(
+      patient,
+      batchIds,
+      opts.pollInterval,
+      ctx,
+      reporter,
+      opts.waitTimeout === undefined ? undefined : opts.waitTimeout * 1000,
+    );
     for (const batchId of batchIds) {
       for await (const line of patient.batchResultLines(batchId)) {
         tally.addLine(line);
@@ -539,7 +548,10 @@ export async function waitForBatches(
   pollIntervalMs: number,
   ctx: CliContext,
   reporter = new ProgressReporter(ctx.stderr, ctx.progress),
+  /** Give up (an ApiError `wait_timeout`) when they are not finished this long after the start (ms). */
+  timeoutMs?: number,
 ): Promise<BatchStatus[]> {
+  const started = performance.now();
   try {
     for (;;) {
       const statuses = await Promise.all(batchIds.map((id) => client.getBatch(id)));
@@ -555,6 +567,14 @@ export async function waitForBatches(
         return statuses;
       }
       reporter.update(counts);
+      if (timeoutMs !== undefined && performance.now() - started >= timeoutMs) {
+        // A CI job's bound: no worker at work, a janitor down, would otherwise wait for good.
+        throw new ApiError(
+          0,
+          "wait_timeout",
+          `the batches were not finished after --wait-timeout ${formatDuration(timeoutMs)} (${counts.done}/${counts.total} done)`,
+        );
+      }
       await sleep(pollIntervalMs, undefined, { signal: ctx.signal });
     }
   } catch (err) {
