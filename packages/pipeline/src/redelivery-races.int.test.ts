@@ -228,6 +228,35 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
    * (`sandbox_lost`), and the runner recorded that as the rollout's final failure, unfenced: a
    * rollout whose run the later launch completed was masked.
    */
+  it("a run taken over while it probed its own sandbox, failing for good after, records no failure over the launch that replaced it", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    let second: Promise<unknown> = Promise.resolve();
+    let probes = 0;
+    const first = runStageJob("run", job(id, Date.now() - 60_000, 2), {
+      ...deps,
+      provider: patched(provider, {
+        probe: async (h: SandboxHandle) => {
+          if (probes++ === 0) {
+            // Its lock lapsed while it probed its own sandbox: another worker takes the run over.
+            second = runStageJob("run", job(id), deps);
+            await second;
+            throw FleetError.nonRetryable("isolation_refused", "refused (after the takeover)");
+          }
+          return provider.probe(h);
+        },
+      }),
+    }).catch((e: unknown) => e);
+    const a = await first;
+    expect(await second).toBe("ok");
+    const rec = (await deps.store.get(id))!;
+    expect(rec.receipts.run?.cleanup.confirmed).toBe(true);
+    // Its claim could not be given back (the other launch holds it): its failure stays fenced out.
+    expect({ a: String(a), failure: rec.failure }).toEqual({ a: "superseded", failure: null });
+  });
+
   it("a run taken over after its agent ended records no failure over the launch that replaced it", async () => {
     const provider = new InMemorySandboxProvider();
     const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");

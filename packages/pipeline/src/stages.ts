@@ -613,9 +613,10 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // A claim that launched nothing goes back (see the catch below).
   const giveBack = async () => {
     if (previous !== "") return;
-    // Given back, the fence is no longer this launch's to record under (the failure below is).
-    delete rec.begun.launchFence;
-    await deps.store.releaseLaunch(id, token, previous).catch(() => undefined);
+    // Given back, the fence is no longer this launch's to record under (the failure below is);
+    // refused (another launch claimed it meanwhile: this one was taken over), it still fences
+    // this launch's failure out.
+    if (await deps.store.releaseLaunch(id, token, previous).catch(() => false)) delete rec.begun.launchFence;
   };
   // The run job is sent right behind seed's receipt; should the receipt not be there (its script
   // failed, or was re-sent after a NOSCRIPT), retry while seed's own retry writes it; when the
@@ -814,8 +815,22 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     if (abort.signal.aborted) throw refused();
     if (silentFor(fenceAnsweredAt) <= confirmWithinMs) return;
     const state = await withTimeout(deps.store.launchState(id, token), pollMs, "fence").catch(() => null);
-    if (state !== "run" || abort.signal.aborted) throw refused();
-    fenceAnsweredAt = performance.now();
+    if (state === "run" && !abort.signal.aborted) {
+      fenceAnsweredAt = performance.now();
+      return;
+    }
+    // Told why, the harness stops as the poll would have stopped it: lost, stopped, or (no
+    // answer in time) handed back, never a failure of the run's own.
+    if (!abort.signal.aborted) {
+      abort.abort(
+        state === "lost"
+          ? new LostLaunchError()
+          : state === "stop"
+            ? FleetError.nonRetryable("cancelled", "stop requested while the agent ran")
+            : new HandBackError("the run's launch could not be confirmed; the job is handed back"),
+      );
+    }
+    throw refused();
   });
   try {
     if (needsModelAccess(rec.meta.agent)) access = await openModelAccess(deps, rec.meta.id, rec.meta.agent);
