@@ -565,10 +565,12 @@ const STOP_UNTIL_STILL =
  * Shell: `setup`, then rounds of `kill` each followed by a count (`n`) of the live, non-zombie
  * processes of uid `$<uidVar>` other than this shell (a /proc scan, shell builtins only), until
  * none remains or the rounds (`$<roundsArg>`) run out; prints `remaining=<n>`. A count of none
- * during which a process was made (`LAST_PID`) is no count: it is taken for one left.
+ * during which a process was made (`LAST_PID`) is no count: it is taken for one left. A process
+ * shown as a zombie with more than one thread is live (its main thread exited, another runs on:
+ * an agent hid that way from the count).
  */
 function sweepScript(setup: string, kill: string, uidVar: string, roundsArg: string): string {
-  const count = `lp; l0=$l; n=0; for s in /proc/[0-9]*/status; do p=\${s#/proc/}; p=\${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; st=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$${uidVar}" ] && [ "$st" != Z ] && n=$((n+1)); done; lp; [ "$n" -eq 0 ] && [ "$l0" != "$l" ] && n=1;`;
+  const count = `lp; l0=$l; n=0; for s in /proc/[0-9]*/status; do p=\${s#/proc/}; p=\${p%/status}; case "$keep" in *" $p "*) continue;; esac; u=; st=; th=; while read -r k v rest; do case "$k" in Uid:) u=$v;; State:) st=$v;; Threads:) th=$v;; esac; done 2>/dev/null < "$s"; [ "$u" = "$${uidVar}" ] && { [ "$st" != Z ] || [ "\${th:-1}" -gt 1 ] 2>/dev/null; } && n=$((n+1)); done; lp; [ "$n" -eq 0 ] && [ "$l0" != "$l" ] && n=1;`;
   return `${LAST_PID} ${setup} i=0; while :; do ${kill} ${count} [ "$n" -eq 0 ] && break; i=$((i+1)); [ "$i" -ge "$${roundsArg}" ] && break; sleep 0.1; done; echo "remaining=$n"`;
 }
 

@@ -44,12 +44,13 @@ export function settledWithin<T>(
 
 /**
  * What an agent would leave to be masked instead of graded: a loop in its own session killing
- * every process of its uid, a kill sweep run as that uid included. Prints `started`.
+ * every process of its uid, a kill sweep run as that uid included. Prints `started` first: the
+ * loop kills the shell that starts it too, on a loaded host before it printed afterwards.
  */
 export const KILL_EVERY_SWEEP_ARGV = [
   "bash",
   "-c",
-  "setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null & echo started",
+  "echo started; setsid bash -c 'while :; do kill -9 -1; done' >/dev/null 2>&1 < /dev/null & wait",
 ];
 
 /**
