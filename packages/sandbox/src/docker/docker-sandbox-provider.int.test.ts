@@ -583,8 +583,10 @@ describe("DockerSandboxProvider (real Docker)", () => {
           const forger = [
             "import ctypes, os, signal, threading",
             ...watch,
-            // The main thread's own exit (SYS_exit, 60 on x86-64), not the process's.
-            hidden ? "threading.Thread(target=watch).start(); ctypes.CDLL(None).syscall(60, 0)" : "watch()",
+            // The main thread's own exit (SYS_exit: 60 on x86-64, 93 on arm64), not the process's.
+            hidden
+              ? "threading.Thread(target=watch).start(); ctypes.CDLL(None).syscall({'x86_64': 60, 'aarch64': 93}[os.uname().machine], 0)"
+              : "watch()",
           ].join("\n");
           await provider.put(fresh, "/workspace", { "forge.py": forger });
           const sleeper = hidden ? "" : "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & ";
@@ -932,27 +934,38 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     });
   });
 
-  it("a re-delivered create never takes over a sandbox that ran and stopped (its tmpfs gone): it removes it, fails retryable, and its retry makes it afresh", async () => {
-    const s = spec();
-    const first = await provider.create(s);
-    live.push(first);
-    await provider.put(first, "/workspace", { "work.txt": "the agent's\n" });
-    await docker.getContainer(first.id).kill();
-    await vi.waitFor(
-      async () => expect((await docker.getContainer(first.id).inspect()).State.Running).toBe(false),
-      {
-        timeout: 10_000,
-        interval: 100,
-      },
-    );
-    const err = await fleetError(provider.create(s));
-    expect([err.kind, err.retryable]).toEqual(["sandbox_lost", true]);
-    await expect(docker.getContainer(first.id).inspect()).rejects.toMatchObject({ statusCode: 404 });
-    const again = await provider.create(s);
-    live.push(again);
-    expect(again.id).not.toBe(first.id);
-    expect((await provider.probe(again)).isolated).toBe(true);
-  });
+  it.each([
+    ["a capped one (its workspace a tmpfs)", false],
+    ["an uncapped one (its workspace a volume, removed with it)", true],
+  ] as const)(
+    "a re-delivered create never takes over a sandbox that ran and stopped, %s: it removes it, fails retryable, and its retry makes it afresh",
+    async (_case, uncappedCase) => {
+      const maker = uncappedCase ? uncapped : provider;
+      const s = spec();
+      const first = await maker.create(s);
+      live.push(first);
+      await maker.put(first, "/workspace", { "work.txt": "the agent's\n" });
+      await docker.getContainer(first.id).kill();
+      await vi.waitFor(
+        async () => expect((await docker.getContainer(first.id).inspect()).State.Running).toBe(false),
+        {
+          timeout: 10_000,
+          interval: 100,
+        },
+      );
+      const err = await fleetError(maker.create(s));
+      expect([err.kind, err.retryable]).toEqual(["sandbox_lost", true]);
+      await expect(docker.getContainer(first.id).inspect()).rejects.toMatchObject({ statusCode: 404 });
+      expect(first.volumes).toHaveLength(uncappedCase ? 1 : 0);
+      for (const volume of first.volumes) {
+        await expect(docker.getVolume(volume).inspect()).rejects.toMatchObject({ statusCode: 404 });
+      }
+      const again = await maker.create(s);
+      live.push(again);
+      expect(again.id).not.toBe(first.id);
+      expect((await maker.probe(again)).workspaceEmpty).toBe(true);
+    },
+  );
 
   it("the probe refuses a sandbox the daemon reports in the host's PID namespace, whatever its other checks say", async () => {
     // A worker in a container of its own sees a host-PID sandbox's namespace as another one

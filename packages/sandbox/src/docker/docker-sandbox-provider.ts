@@ -415,9 +415,16 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (!info.State.Running) {
       // It ran and stopped (killed from outside, its daemon restarted): started again it would
       // come back without what it held in memory (its tmpfs workspace and the image's files
-      // staged there, the verify fence), yet be taken for the sandbox it was. Removed; the
-      // create's retry makes it afresh.
-      await container.remove({ force: true, v: true, abortSignal: this.apiSignal() }).catch(() => undefined);
+      // staged there, the verify fence), yet be taken for the sandbox it was. Destroyed (its
+      // workspace volume too, an uncapped one's: left, the retry's create would mount it with the
+      // earlier files in it); the create's retry makes it afresh.
+      const gone = await this.destroy(adopted).catch(() => null);
+      if (!gone?.confirmed) {
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `sandbox ${handle.name} existed but had stopped (${info.State.Status}), and could not be removed`,
+        );
+      }
       throw FleetError.retryable(
         "sandbox_lost",
         `sandbox ${handle.name} existed but had stopped (${info.State.Status}); removed, to be made afresh`,
