@@ -332,7 +332,8 @@ describe("fleet submit", () => {
     server.on("GET", "/v1/batches/b-1", (_req, res) =>
       json(res, 200, { id: "b-1", total: 2, done: 1, counts: { completed: 1, running: 1 } }),
     );
-    const code = await runCli(["watch", "b-1", "--poll-interval", "10", "--wait-timeout", "0.2"], ctx());
+    // A poll interval far past the bound: the bound holds all the same.
+    const code = await runCli(["watch", "b-1", "--poll-interval", "600000", "--wait-timeout", "0.2"], ctx());
     expect(code, stderr.text()).toBe(1);
     expect(stderr.text()).toContain(
       "error: wait_timeout: the batches were not finished after --wait-timeout",
@@ -1086,6 +1087,10 @@ describe("fleet submit", () => {
     expect(stderr.text()).toContain("--out needs --wait");
     expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--json"], ctx())).toBe(2);
     expect(stderr.text()).toContain("--json needs --wait");
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--wait-timeout", "60"], ctx())).toBe(
+      2,
+    );
+    expect(stderr.text()).toContain("--wait-timeout needs --wait");
     expect(server.requests).toHaveLength(0);
   });
 

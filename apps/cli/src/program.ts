@@ -279,7 +279,8 @@ Idempotency-Key and the base to re-run with: --idempotency-key <base>.
 
 Exit status: 0 when submitted (with --wait: when every rollout is finished, even if some
 failed); 1 on an API error, an --out file that cannot be written, or (with --wait) fewer
-results than rollouts; 2 on bad usage; 130 when interrupted (the batch keeps running).`,
+results than rollouts or batches not finished after --wait-timeout; 2 on bad usage; 130 when
+interrupted (the batch keeps running).`,
       ),
     ctx,
   ).action(async (opts: Parameters<typeof submitCommand>[1] & ConnectionOptions) => {

@@ -56,6 +56,7 @@ export async function submitCommand(
 ): Promise<number> {
   if (opts.out !== undefined && !opts.wait)
     throw new UsageError("--out needs --wait (or use `fleet results`)");
+  if (opts.waitTimeout !== undefined && !opts.wait) throw new UsageError("--wait-timeout needs --wait");
   // Without --wait stdout is the batch ids, not JSON: said before anything is submitted, not
   // found by the script parsing it after the rollouts went in.
   if (opts.json && !opts.wait)
@@ -567,7 +568,8 @@ export async function waitForBatches(
         return statuses;
       }
       reporter.update(counts);
-      if (timeoutMs !== undefined && performance.now() - started >= timeoutMs) {
+      const elapsed = performance.now() - started;
+      if (timeoutMs !== undefined && elapsed >= timeoutMs) {
         // A CI job's bound: no worker at work, a janitor down, would otherwise wait for good.
         throw new ApiError(
           0,
@@ -575,7 +577,9 @@ export async function waitForBatches(
           `the batches were not finished after --wait-timeout ${formatDuration(timeoutMs)} (${counts.done}/${counts.total} done)`,
         );
       }
-      await sleep(pollIntervalMs, undefined, { signal: ctx.signal });
+      // Never past the bound by a long poll interval: the last poll comes at it.
+      const nap = timeoutMs === undefined ? pollIntervalMs : Math.min(pollIntervalMs, timeoutMs - elapsed);
+      await sleep(nap, undefined, { signal: ctx.signal });
     }
   } catch (err) {
     reporter.interrupt();
