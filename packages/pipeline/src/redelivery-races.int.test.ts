@@ -221,13 +221,6 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect((await provider.list()).map((s) => s.handle.owner)).toEqual(["resources"]);
   });
 
-  /**
-   * A run delivery whose lock lapsed, on its last attempt, passed its look at the fence after
-   * its agent ended; then a later delivery claimed the launch, replaced its own sandbox (the
-   * earlier one destroyed) and stored its run. The earlier one's stop then met its sandbox gone
-   * (`sandbox_lost`), and the runner recorded that as the rollout's final failure, unfenced: a
-   * rollout whose run the later launch completed was masked.
-   */
   it("a run taken over while it probed its own sandbox, failing for good after, records no failure over the launch that replaced it", async () => {
     const provider = new InMemorySandboxProvider();
     const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");
@@ -257,6 +250,13 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect({ a: String(a), failure: rec.failure }).toEqual({ a: "superseded", failure: null });
   });
 
+  /**
+   * A run delivery whose lock lapsed, on its last attempt, passed its look at the fence after
+   * its agent ended; then a later delivery claimed the launch, replaced its own sandbox (the
+   * earlier one destroyed) and stored its run. The earlier one's stop then met its sandbox gone
+   * (`sandbox_lost`), and the runner recorded that as the rollout's final failure, unfenced: a
+   * rollout whose run the later launch completed was masked.
+   */
   it("a run taken over after its agent ended records no failure over the launch that replaced it", async () => {
     const provider = new InMemorySandboxProvider();
     const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");

@@ -791,6 +791,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   let cleanup: CleanupReceipt;
   let contested = true;
   const abort = new AbortController();
+  /** A kill sweep under way (a stop's, the deadline's, a shutdown's): awaited before the run ends. */
+  let stopping: Promise<unknown> = Promise.resolve();
   // When the fence last answered that the run is this launch's (a monotonic clock; the look
   // above, right before launching, is the first). Once the job may have been handed to another
   // worker, a launch that cannot hear from Redis for half its lock cannot tell whether another
@@ -829,12 +831,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
             ? FleetError.nonRetryable("cancelled", "stop requested while the agent ran")
             : new HandBackError("the run's launch could not be confirmed; the job is handed back"),
       );
+      // A stop kills what the agent left running, as the poll's does (an own sandbox outlives
+      // the close until the janitor's pass); a lost launch's or a hand-back's processes may be
+      // another launch's, never touched.
+      if (state === "stop") stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
     }
     throw refused();
   });
   try {
     if (needsModelAccess(rec.meta.agent)) access = await openModelAccess(deps, rec.meta.id, rec.meta.agent);
-    let stopping: Promise<unknown> = Promise.resolve();
     // Worker shutdown: stop the harness now and hand the job back (the next attempt kills
     // whatever is left before it launches again).
     const onShutdown = () => {
