@@ -178,11 +178,11 @@ export async function runStageJob(
     // rollout's; and a run launch a later one took over (its own sandbox replaced, its stop
     // failing `sandbox_lost`): the later launch's run is the rollout's. The final record below
     // is fenced too, atomically.
-    const fence = deliveryFence(begun) ?? begun.launchFence ?? null;
+    const fence = deliveryFence(begun);
     const holdsFence = async (): Promise<boolean> =>
       fence === null || (await deps.store.holdsFence(rolloutId, fence));
     if (lockMayHaveLapsed(lock) && !(await holdsFence().catch(() => true))) {
-      superseded(deps, rolloutId, "does not record its failure", err, stage === "close" ? "verify" : stage);
+      superseded(deps, rolloutId, "does not record its failure", err, stage);
       return "superseded";
     }
     if (isRedisRefusal(err)) {

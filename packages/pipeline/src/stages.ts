@@ -804,6 +804,22 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const confirmWithinMs = Math.max((rec.lock?.durationMs ?? DEFAULT_LOCK_MS) / 2, 3 * pollMs);
   /** How long since `since`, once the job may have been handed to another worker (else 0). */
   const silentFor = (since: number) => (mayBeTakenOver(rec) ? performance.now() - since : 0);
+  /**
+   * Stop the harness (once) for what the fence said: a stop (its processes killed, which makes
+   * the exec in flight return), a launch another worker took over (nothing touched: it already
+   * killed this launch's processes, and its own must not be), or no answer within
+   * `confirmWithinMs` (handed back; nothing killed, as the processes may be another launch's).
+   */
+  const stopHarness = (why: "stop" | "lost" | "silent") => {
+    if (abort.signal.aborted) return;
+    if (why === "lost") abort.abort(new LostLaunchError());
+    else if (why === "silent") {
+      abort.abort(new HandBackError("the run's launch could not be confirmed; the job is handed back"));
+    } else {
+      abort.abort(FleetError.nonRetryable("cancelled", "stop requested while the agent ran"));
+      stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
+    }
+  };
   const watched = watchExecs(deps.provider, async () => {
     // An agent's next step (a tool loop's exec) once this launch may no longer hold the run
     // would run beside the launch that took over, or its verify. Not heard from the fence for a
@@ -821,21 +837,9 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       fenceAnsweredAt = performance.now();
       return;
     }
-    // Told why, the harness stops as the poll would have stopped it: lost, stopped, or (no
-    // answer in time) handed back, never a failure of the run's own.
-    if (!abort.signal.aborted) {
-      abort.abort(
-        state === "lost"
-          ? new LostLaunchError()
-          : state === "stop"
-            ? FleetError.nonRetryable("cancelled", "stop requested while the agent ran")
-            : new HandBackError("the run's launch could not be confirmed; the job is handed back"),
-      );
-      // A stop kills what the agent left running, as the poll's does (an own sandbox outlives
-      // the close until the janitor's pass); a lost launch's or a hand-back's processes may be
-      // another launch's, never touched.
-      if (state === "stop") stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
-    }
+    // The harness stops as the poll would have stopped it (a stop's processes killed: an own
+    // sandbox outlives the close until the janitor's pass), never a failure of the run's own.
+    stopHarness(state === "stop" || state === "lost" ? state : "silent");
     throw refused();
   });
   try {
@@ -872,22 +876,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
           { rolloutId: id, silentMs: Math.round(performance.now() - fenceAnsweredAt) },
           "the run's fence has not answered for half the job's lock; stopping the harness and handing the job back",
         );
-        abort.abort(new HandBackError("the run's launch could not be confirmed; the job is handed back"));
+        stopHarness("silent");
         return;
       }
       deps.store.launchState(id, token).then(
         (state) => {
           if (state === "run") fenceAnsweredAt = performance.now();
-          if (abort.signal.aborted) return;
-          if (state === "stop") {
-            abort.abort(FleetError.nonRetryable("cancelled", "stop requested while the agent ran"));
-            // Make the in-flight exec return: kill the harness processes now.
-            stopping = deps.provider.killProcesses(handle, AGENT_USER).catch(() => undefined);
-          } else if (state === "lost") {
-            // Another worker took this run over (this one lost its job's lock): it already killed
-            // this launch's processes, and its own must not be touched. Stop waiting, quietly.
-            abort.abort(new LostLaunchError());
-          }
+          else stopHarness(state);
         },
         () => undefined,
       );
@@ -1563,7 +1558,7 @@ export function superseded(
   rolloutId: string,
   what: string,
   err?: unknown,
-  stage: "verify" | "seed" | "run" = "verify",
+  stage: StageName = "verify",
 ): typeof SUPERSEDED {
   const detail = err === undefined ? {} : { err: err instanceof Error ? err.message : String(err) };
   deps.logger.warn({ rolloutId, ...detail }, `a later ${stage} attempt began; this one ${what}`);

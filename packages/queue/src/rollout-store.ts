@@ -162,11 +162,16 @@ export interface DeliveryFence {
   token: string;
 }
 
-/** The fence a verify or a seed took with its begin (`verifyToken`, `seedToken`); else null. */
-export function deliveryFence(begun: Pick<BeginResult, "verifyToken" | "seedToken">): DeliveryFence | null {
+/**
+ * The fence a verify or a seed took with its begin (`verifyToken`, `seedToken`), or the launch
+ * fence a run holds (`launchFence`, set by its handler once it claims the launch); else null.
+ */
+export function deliveryFence(
+  begun: Pick<BeginResult, "verifyToken" | "seedToken"> & { launchFence?: DeliveryFence },
+): DeliveryFence | null {
   if (begun.verifyToken !== null) return { field: "vfence", token: begun.verifyToken };
   if (begun.seedToken !== null) return { field: "sfence", token: begun.seedToken };
-  return null;
+  return begun.launchFence ?? null;
 }
 
 /** After a stage's receipt, in the same round trip: the next stage's job. */
