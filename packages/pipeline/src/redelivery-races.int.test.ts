@@ -1,3 +1,4 @@
+import { setTimeout as sleep } from "node:timers/promises";
 import { FleetError, type SandboxHandle } from "@fleet/contracts";
 import { sandboxKey } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
@@ -349,6 +350,91 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect(stepTwo.err).toContain("cannot be confirmed");
     expect(provider.execCalls.slice(verifiedAt).map((c) => c.argv.join(" "))).toEqual([]);
   });
+
+  /**
+   * The exec gate, not the stop poll, is first to hear the fence's answer (the poll never ticks
+   * here): an agent's next step after half the job's lock asks the fence itself. A stop kills what
+   * the agent left running (a borrowed sandbox's processes would run on into the close, an own
+   * sandbox's past it) and ends the run for close; a launch taken over touches nothing (the
+   * processes may be the new launch's) and is superseded; no answer hands the job back, nothing
+   * killed. In each, the step is refused and the harness told to stop.
+   */
+  it.each([
+    ["stop", "ok", 1],
+    ["lost", "superseded", 0],
+    ["silent", "HandBackError", 0],
+  ] as const)(
+    "a run's exec gate that hears %s itself stops the harness as the poll would (outcome %s, %i kill)",
+    async (answer, outcome, kills) => {
+      const provider = new InMemorySandboxProvider();
+      const id = await start(provider);
+      const deps = fleet!.deps;
+      expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+      let silent = false;
+      const store = new Proxy(deps.store, {
+        get(target, prop) {
+          if (prop === "launchState" && silent) return () => new Promise(() => undefined);
+          const value: unknown = Reflect.get(target, prop, target);
+          return typeof value === "function" ? value.bind(target) : value;
+        },
+      });
+      let killed = 0;
+      const counting = patched(provider, {
+        killProcesses: async (h: SandboxHandle) => {
+          killed++;
+          return provider.killProcesses(h);
+        },
+      });
+      const stepped = latch();
+      const resume = latch();
+      let signal: AbortSignal | undefined;
+      const stepTwo: { err?: string } = {};
+      const twoSteps: PipelineDeps["createHarness"] = (agent) => ({
+        name: agent.harness,
+        run: async (ctx) => {
+          signal = ctx.signal;
+          await ctx.provider.exec(ctx.handle, ["agent-A", "step-1"], { deadlineMs: ctx.deadlineMs });
+          stepped.open();
+          await resume.opened;
+          await ctx.provider
+            .exec(ctx.handle, ["agent-A", "step-2"], { deadlineMs: ctx.deadlineMs })
+            .catch((err: unknown) => {
+              stepTwo.err = String(err);
+            });
+          return { exec: execResult(), answer: null, transcript: null, usage: null };
+        },
+      });
+      // The stop poll's interval never fires: only the gate can hear the fence.
+      vi.useFakeTimers({ toFake: ["setInterval", "clearInterval"] });
+      try {
+        const launchedAt = performance.now();
+        const first = runStageJob(
+          "run",
+          job(id),
+          { ...deps, provider: counting, store, createHarness: twoSteps, stopPollMs: 50 },
+          { lockDurationMs: 400 },
+        ).catch((err: unknown) => err);
+        await stepped.opened;
+        // Past half the lock (200 ms) since the fence last answered (before the launch). Not
+        // `vi.waitFor`: under fake timers it advances them, and the poll would tick.
+        while (performance.now() - launchedAt <= 250) await sleep(20);
+        if (answer === "stop") await deps.store.requestCancel(id);
+        else if (answer === "lost")
+          await fleet!.redis.hset(deps.store.keys.rollout(id), "fence", "launched:another");
+        else silent = true;
+        const killedBefore = killed;
+        const execsBefore = provider.execCalls.length;
+        resume.open();
+        expect(String(await first)).toContain(outcome);
+        expect(signal?.aborted).toBe(true);
+        expect(stepTwo.err).toContain("cannot be confirmed");
+        expect(provider.execCalls.slice(execsBefore).map((c) => c.argv.join(" "))).toEqual([]);
+        expect(killed - killedBefore).toBe(kills);
+      } finally {
+        vi.useRealTimers();
+      }
+    },
+  );
 
   /**
    * A seed delivery whose lock lapsed (an attempt after one that recorded the intent) looked for
