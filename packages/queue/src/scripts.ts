@@ -547,13 +547,25 @@ const SCRIPTS = {
       if ttl > 0 then
         redis.call('PEXPIRE', KEYS[1], ttl)
         redis.call('PEXPIRE', KEYS[7], ttl)
-        if ARGV[4] == '1' and done >= total then
-          redis.call('PEXPIRE', KEYS[2], ttl)
-          redis.call('PEXPIRE', KEYS[8], ttl)
-          redis.call('PEXPIRE', KEYS[10], ttl)
-        end
       else
         redis.call('PERSIST', KEYS[7])
+      end
+      if ARGV[4] == '1' then
+        -- A batch outlives each of its rollouts: it keeps the longest retention among them ('ttl'
+        -- on the batch, '0' for good), not the last one's to finish. Its rollouts may have been
+        -- admitted by dispatchers of different retentions (a rolling restart mid-admission): gone
+        -- before a rollout still kept, a replay of its key would make a new batch and run the
+        -- rollouts already expired again.
+        local kept = redis.call('HGET', KEYS[2], 'ttl')
+        if kept ~= '0' and (ttl <= 0 or not kept or tonumber(kept) < ttl) then
+          kept = ttl > 0 and tostring(ttl) or '0'
+          redis.call('HSET', KEYS[2], 'ttl', kept)
+        end
+        if done >= total and kept ~= '0' then
+          redis.call('PEXPIRE', KEYS[2], kept)
+          redis.call('PEXPIRE', KEYS[8], kept)
+          redis.call('PEXPIRE', KEYS[10], kept)
+        end
       end
       if turnedPending then return 2 end
       if turnedConfirmed then return 3 end

@@ -975,6 +975,51 @@ describe("rollout store", () => {
     expect(await redis.pttl(workerKeeps.keys.rollout(minute))).toBeLessThanOrEqual(60_000);
   });
 
+  it.each([
+    ["an hour", 3_600_000],
+    ["for good", 0],
+  ] as const)(
+    "a batch outlives each of its rollouts: one admitted by a dispatcher keeping results %s, finished first, keeps it past the minute of the one that finished last",
+    async (_, longest) => {
+      const long = new RolloutStore(redis, prefix, { resultTtlMs: longest });
+      const minute = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
+      const key = `mixed-${longest}-${Date.now()}`;
+      const requests = Array.from({ length: 2 }, () => ({
+        task,
+        agent: { harness: "oracle" as const, sandbox: "borrow" as const },
+      }));
+      const submit = (s: RolloutStore) =>
+        admit(s, queues, { requests, batch: true, idempotencyKey: key }, { maxTaskBytes: 1e6 });
+      // One dispatcher recorded the first rollout and died (a rolling restart); the client's replay
+      // reached another, of a shorter retention, which admitted the second.
+      const dying = Object.create(long) as RolloutStore;
+      dying.admit = async (metas, now) => {
+        await long.admit(metas.slice(0, 1), now);
+        throw new Error("the dispatcher died");
+      };
+      await expect(submit(dying)).rejects.toThrow("the dispatcher died");
+      const { batchId, ids } = await submit(minute);
+      const [a, b] = ids as [string, string];
+      for (const id of [a, b]) {
+        const m = (await minute.get(id))!.meta;
+        expect(await minute.finalize(m, { ...resultFor(id, "completed"), batchId }, Date.now())).toBe(true);
+      }
+      const kept = longest === 0 ? -1 : longest;
+      if (longest === 0) expect(await redis.pttl(minute.keys.rollout(a))).toBe(-1);
+      else expect(await redis.pttl(minute.keys.rollout(a))).toBeGreaterThan(longest - 10_000);
+      expect(await redis.pttl(minute.keys.rollout(b))).toBeLessThanOrEqual(60_000);
+      for (const k of [
+        minute.keys.batch(batchId!),
+        minute.keys.batchIds(batchId!),
+        minute.keys.batchDone(batchId!),
+      ]) {
+        const pttl = await redis.pttl(k);
+        if (kept === -1) expect(pttl).toBe(-1);
+        else expect(pttl).toBeGreaterThan(kept - 10_000);
+      }
+    },
+  );
+
   it("an admission cut short after recording some of its rollouts is noted as under way with them; a replay once those finished admits the rest (no 409) and finishes it", async () => {
     const kept = new RolloutStore(redis, prefix, { resultTtlMs: 60_000 });
     const key = `cut-${Date.now()}`;
