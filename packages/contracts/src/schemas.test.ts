@@ -358,9 +358,15 @@ describe("TaskContent refusals", () => {
     expect(issues("#! /bin/env\tpython3\t-u  \nexit 0\n")?.[0]?.[1]).toMatch(
       /^runs "python3\t-u" through #!\/bin\/env/,
     );
+    // With a space, env takes `--split-string bash -e` for one option it does not know.
+    expect(issues("#!/usr/bin/env --split-string bash -e\nexit 0\n")?.[0]?.[1]).toMatch(
+      /^runs "--split-string bash -e" through/,
+    );
     for (const fine of [
       "#!/usr/bin/env -S bash -e\nexit 0\n",
       "#!/usr/bin/env -vS bash -e\nexit 0\n",
+      "#!/usr/bin/env -iS bash -e\nexit 0\n",
+      "#!/usr/bin/env --split-string=bash -e\nexit 0\n",
       "#!/usr/bin/env bash \nexit 0\n", // trailing white space: the kernel drops it
       "#!/bin/bash -e\nexit 0\n", // one option, as bash gets it
       "#!/usr/bin/envy bash -e\nexit 0\n", // not env
