@@ -986,6 +986,75 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.alive(h)).toBe(true);
   });
 
+  /**
+   * nsenter, on the host, waits for its command with WUNTRACED: the command stopped (the sweep's
+   * SIGSTOP before its SIGKILL, or the agent stopping its own `timeout`), it stopped itself, out
+   * of the sandbox's sight. The command killed by the sweep was then never reaped: the exec
+   * returned only at the provider's own timer (deadline + grace + slack) and, until then, the
+   * sandbox's PID 1 could not exit (its destroy failed after 10 s).
+   */
+  it("a kill sweep while the agent's command runs ends that command's exec at once, and the sandbox's destroy is confirmed", async () => {
+    const h = await create();
+    const running = provider.exec(h, ["sleep", "1000"], { deadlineMs: 120_000 }).then(
+      (r) => r,
+      (e: unknown) => e,
+    );
+    await waitUntil(() => sandboxProcesses(h).some((pid) => cmdline(pid) === "sleep\x001000\x00"));
+    expect(await provider.killProcesses(h, AGENT_USER)).toMatchObject({ confirmed: true, remaining: 0 });
+    const pending = Symbol("still running");
+    let bound: NodeJS.Timeout | undefined;
+    const outcome = await Promise.race([
+      running,
+      new Promise((resolve) => {
+        bound = setTimeout(() => resolve(pending), 20_000);
+      }),
+    ]);
+    clearTimeout(bound);
+    expect(outcome).toMatchObject({ exitCode: 137, timedOut: false });
+    live.pop();
+    expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
+    expect(hostProcessesOfRun()).toEqual([]);
+  });
+
+  it("an agent that stops its own timeout ends at its deadline and kill grace, not at the provider's own timer (its overrun budget)", async () => {
+    const h = await create();
+    const r = await provider.exec(h, ["sh", "-c", "kill -STOP $PPID; sleep 100"], { deadlineMs: 1_000 });
+    expect(r).toMatchObject({ exitCode: -1, timedOut: true });
+    // The timer is at 1 s + the 2 s grace + 5 s of slack; `timeout` ends it at 1 s (SIGTERM).
+    expect(r.durationMs).toBeLessThan(1_000 + 2_000 + 2_000);
+  });
+
+  it("a destroy kills the host side of an exec whose worker is gone, left stopped (it held the command's exit, and PID 1 with it)", async () => {
+    const h = await create();
+    const script = join(stateDir, "stopped-nsenter.mts");
+    const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");
+    // A worker whose exec's nsenter is stopped as it exits (as a sweep leaves it, before anything
+    // resumes it): nothing of this worker is left to resume it.
+    await writeFile(
+      script,
+      [
+        `import { readdirSync, readFileSync } from "node:fs";`,
+        `import { BubblewrapSandboxProvider } from ${JSON.stringify(modulePath)};`,
+        `const p = new BubblewrapSandboxProvider(${JSON.stringify({ rootfs: provider.rootfs, stateDir, scope: RUN })});`,
+        `void p.exec(${JSON.stringify(h)}, ["sleep", "1000"], { deadlineMs: 600000 }).catch(() => undefined);`,
+        "const nsenter = () => readdirSync('/proc').filter((d) => /^\\d+$/.test(d)).find((d) => { try { const st = readFileSync(`/proc/${d}/stat`, 'latin1'); return st.includes('(nsenter)') && st.slice(st.lastIndexOf(')') + 2).split(' ')[1] === String(process.pid); } catch { return false; } });",
+        "let pid; while (!(pid = nsenter())) await new Promise((r) => setTimeout(r, 20));",
+        "while (!readdirSync('/proc').some((d) => { try { return readFileSync(`/proc/${d}/cmdline`, 'latin1') === 'sleep\\x001000\\x00'; } catch { return false; } })) await new Promise((r) => setTimeout(r, 20));",
+        "process.kill(Number(pid), 'SIGSTOP');",
+        "console.log(pid);",
+        "process.exit(0);",
+      ].join("\n"),
+    );
+    const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
+    const { stdout } = await run(tsx, [script], { timeout: 60_000 });
+    const nsenterPid = Number(stdout.trim().split("\n").pop());
+    expect(readFileSync(`/proc/${nsenterPid}/stat`, "latin1")).toMatch(/\(nsenter\) T /);
+    live.pop();
+    expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
+    expect(alive(nsenterPid)).toBe(false);
+    expect(hostProcessesOfRun()).toEqual([]);
+  });
+
   it("destroy is idempotent; a destroyed sandbox is lost", async () => {
     const h = await create();
     await provider.exec(h, ["sh", "-c", "sleep 1000 &"], { deadlineMs: 10_000 });

@@ -7,6 +7,7 @@ import {
   openSync,
   readdirSync,
   readFileSync,
+  readlinkSync,
   renameSync,
   statSync,
   writeFileSync,
@@ -106,6 +107,7 @@ import {
 } from "./bwrap-args.ts";
 import {
   cgroupOomKills,
+  cgroupProcesses,
   createSandboxCgroups,
   freezerState,
   HOST_BASH,
@@ -218,6 +220,9 @@ export const SANDBOX_ID_ENV = "FLEET_BWRAP_SANDBOX_ID";
 
 /** How long output is still read after the command exited while something holds its pipes. */
 const EXIT_DRAIN_MS = 200;
+
+/** How often an exec's host-side `nsenter` is looked at, to resume it once stopped (see `run`). */
+const NSENTER_RESUME_MS = 100;
 
 /**
  * `SandboxProvider` on bubblewrap, for hosts without a Docker daemon. A sandbox is a detached
@@ -684,6 +689,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         settled = true;
         pinned.close();
         clearTimeout(timer);
+        clearInterval(resume);
         clearTimeout(drain);
         child.stdout!.destroy();
         child.stderr!.destroy();
@@ -694,6 +700,20 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         child.kill("SIGKILL");
         settle(null);
       }, safetyMs);
+      // nsenter (util-linux) waits for the command with WUNTRACED: when the command stops, it
+      // stops itself, and resumes the command only once something resumes it. A kill sweep's
+      // SIGSTOP, or an agent stopping its own `timeout`, left it stopped on the host, where
+      // nothing in the sandbox sees it: the command's deadline waited for the timer above
+      // (seconds past the agent's overrun budget), and a command the sweep killed was never
+      // reaped, so the sandbox's PID 1 could not exit and its destroy failed. Resumed here; not
+      // in a sandbox stopped or frozen from outside, whose exec ends at the timer, lost.
+      const resume = setInterval(() => {
+        if (child.pid === undefined || !isStopped(child.pid) || frozenFromOutside(state.initPid) !== null)
+          return;
+        try {
+          process.kill(child.pid, "SIGCONT");
+        } catch {}
+      }, NSENTER_RESUME_MS);
       child.stdout!.on("data", (c: Buffer) => stdout.write(c));
       child.stderr!.on("data", (c: Buffer) => stderr.write(c));
       child.once("error", (err) => {
@@ -701,6 +721,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         settled = true;
         pinned.close();
         clearTimeout(timer);
+        clearInterval(resume);
         reject(
           FleetError.retryable(
             "provider_unavailable",
@@ -892,7 +913,14 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const starting = state.initPid === 0;
     const initAlive = () => state.initPid > 0 && sameProcess(state.initPid, state.initStart);
     const bwrapAlive = () => state.bwrapPid > 0 && sameProcess(state.bwrapPid, state.bwrapStart);
-    const marked = () => (starting ? processesWithEnv(SANDBOX_ID_ENV, state.id) : []);
+    // While it starts, its processes by their mark; always, the host side of its execs (in its
+    // cgroups, entering another PID namespace): one whose worker is gone, an `nsenter` left
+    // stopped, holds the command it never reaps, and PID 1 cannot exit while it does. (Not
+    // anything else in its cgroups: one put there from outside is left, and blocks the removal.)
+    const marked = () => [
+      ...(starting ? processesWithEnv(SANDBOX_ID_ENV, state.id) : []),
+      ...cgroupProcesses(state.cgroups ?? []).filter(entersAnotherPidNamespace),
+    ];
     const until = performance.now() + 10_000;
     for (let attempt = 0; ; attempt++) {
       const others = marked();
@@ -1330,6 +1358,15 @@ function frozenFromOutside(pid: number): string | null {
   return freezer === "FROZEN" || freezer === "FREEZING"
     ? `was frozen from outside (its PID 1's cgroup freezer is ${freezer})`
     : null;
+}
+
+/** Whether a process's children go into a PID namespace other than this process's (`nsenter --pid`). */
+function entersAnotherPidNamespace(pid: number): boolean {
+  try {
+    return readlinkSync(`/proc/${pid}/ns/pid_for_children`) !== readlinkSync("/proc/self/ns/pid");
+  } catch {
+    return false;
+  }
 }
 
 /** Stopped (`T`) or in a tracing stop (`t`); false when gone. */

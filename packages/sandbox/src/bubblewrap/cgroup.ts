@@ -166,6 +166,22 @@ export function freezerState(pid: number): string | null {
   return null;
 }
 
+/**
+ * The host pids in the sandbox's cgroups (none without cgroups, or once they are gone): its own
+ * processes, and the host side of each exec (`sandboxExecArgv` puts `nsenter` there).
+ */
+export function cgroupProcesses(cgroups: readonly SandboxCgroup[]): number[] {
+  const pids = new Set<number>();
+  for (const cg of cgroups) {
+    try {
+      for (const line of readFileSync(join(cg.dir, "cgroup.procs"), "utf8").split("\n")) {
+        if (/^\d+$/.test(line)) pids.add(Number(line));
+      }
+    } catch {}
+  }
+  return [...pids];
+}
+
 /** Remove the (by now empty) cgroups; returns the ones that could not be removed. */
 export async function removeCgroups(cgroups: readonly SandboxCgroup[]): Promise<string[]> {
   const left: string[] = [];
