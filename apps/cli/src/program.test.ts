@@ -1290,6 +1290,15 @@ describe("fleet status / results / cancel", () => {
       expect(stderr.text()).toContain(said);
     }
     expect(stderr.text()).toContain("'http://***@127.0.0.1:");
+    // Written without `//`, which URL parsers read as `http://bob:hunter2@…` all the same.
+    for (const url of [
+      server.url.replace("http://", "http:/bob:hunter2@"),
+      server.url.replace("http://", "http:bob:hunter2@"),
+    ]) {
+      expect(await runCli(["status", "b-1", "--url", url], ctx()), url).toBe(2);
+    }
+    expect(stderr.text()).toContain("'http:/***@127.0.0.1:");
+    expect(stderr.text()).toContain("'http:***@127.0.0.1:");
     expect(stderr.text()).not.toContain("hunter2");
     expect(server.requests).toHaveLength(0);
   });

@@ -175,7 +175,10 @@ export function createProgram(
       // Commander quotes a refused argument: a URL's password (`--url http://u:p@…`) is not echoed.
       outputError: (s, write) =>
         write(
-          s.replace(/'([a-z][a-z0-9+.-]*:\/\/[^']*)'/gi, (_m, url: string) => `'${redactUserinfo(url)}'`),
+          s.replace(
+            /'([a-z][a-z0-9+.-]*:(?:\/\/|[^']*@)[^']*)'/gi,
+            (_m, url: string) => `'${redactUserinfo(url)}'`,
+          ),
         ),
     })
     // `--url`/`--token` before the command too (`fleet --url … submit …`, as with docker or

@@ -7,19 +7,27 @@ const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
  * `scheme://user:pass@host…?query#fragment` → `scheme://***@host…?***`. Heuristic, so it works on
  * a URL that does not parse (a password with `#`, `/` or `?`): everything between the first `://`
  * and the last `@`, and the query or fragment after that (a Sentinel URL's `sentinelPassword`; a
- * token pasted after a `#`).
+ * token pasted after a `#`). A URL written without `//` (`http:/u:p@h`, `https:u:p@h`,
+ * `http:\\u:p@h`, which URL parsers read as `http://u:p@h`), or with no scheme but an `@`, is
+ * hidden from after its scheme's `:` and slashes (or its start) alike.
  */
 export function redactUserinfo(value: string): string {
-  const start = value.indexOf("://");
-  if (start === -1) return value;
+  const sep = value.indexOf("://");
+  let start: number;
+  if (sep !== -1) start = sep + 3;
+  else {
+    const scheme = /^\s*[a-z][a-z0-9+.-]*:[/\\]*/i.exec(value);
+    if (scheme === null && !value.includes("@")) return value;
+    start = scheme?.[0].length ?? 0;
+  }
   const at = value.lastIndexOf("@");
   // An `@` after a query's `name=` (a Sentinel URL's password) may not end the userinfo at all.
-  const q0 = value.indexOf("?", start + 3);
-  if (q0 !== -1 && q0 < at && value.slice(q0, at).includes("=")) return `${value.slice(0, start + 3)}***`;
-  const hostAt = Math.max(at, start + 3);
+  const q0 = value.indexOf("?", start);
+  if (q0 !== -1 && q0 < at && value.slice(q0, at).includes("=")) return `${value.slice(0, start)}***`;
+  const hostAt = Math.max(at, start);
   const q = value.slice(hostAt).search(/[?#]/);
   const tail = q === -1 ? value.slice(hostAt) : `${value.slice(hostAt, hostAt + q + 1)}***`;
-  return `${value.slice(0, start + 3)}${at < start + 3 ? "" : "***"}${tail}`;
+  return `${value.slice(0, start)}${at < start ? "" : "***"}${tail}`;
 }
 
 export interface ConfigIssue {

@@ -308,6 +308,20 @@ describe("DispatcherConfig", () => {
       expect(err.message).toContain(`(got "${shown}")`);
       expect(err.message).not.toContain(secret);
     }
+    // Without `//` (URL parsers read these as `scheme://u:p@host`), or with no scheme at all:
+    // refused for whatever reason, the password is not echoed.
+    for (const [url, secret, shown] of [
+      ["redis:/default:s3cr3t@127.0.0.1:6379", "s3cr3t", "redis:/***@127.0.0.1:6379"],
+      ["rediss:default:s3cr3t@127.0.0.1:6379", "s3cr3t", "rediss:***@127.0.0.1:6379"],
+      ["redis:\\\\default:s3cr3t@127.0.0.1:6379", "s3cr3t", "redis:\\\\***@127.0.0.1:6379"],
+      ["default:s3cr3t@127.0.0.1:6379", "s3cr3t", "default:***@127.0.0.1:6379"],
+      [":s3cr3t@127.0.0.1:6379", "s3cr3t", "***@127.0.0.1:6379"],
+    ] as const) {
+      const err = errorOf(() => parseConfig(DispatcherConfig, { REDIS_URL: url }));
+      expect(err.message, url).toContain(`REDIS_URL: must`);
+      expect(err.message, url).toContain(`(got ${JSON.stringify(shown)})`);
+      expect(err.message, url).not.toContain(secret);
+    }
   });
 
   it("refuses a REDIS_URL whose database is not a number (the apps crashed on it with a stack trace)", () => {
