@@ -773,6 +773,25 @@ describe("model gateway", () => {
     }
   });
 
+  it("any other error whose body quotes part of the key (a 400, a 422, a 500) is withheld whole; one that does not is passed on as it came", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    for (const [status, quoted] of [
+      [400, `invalid request for key ${CREDENTIAL.slice(0, -1)}`],
+      [422, `unprocessable; key prefix ${CREDENTIAL.slice(0, 16)}`],
+      [500, `internal error handling ${CREDENTIAL.slice(4, 20)}`],
+    ] as const) {
+      upstream.push(errorReply(status, "bad_request", quoted));
+      const r = await chat(baseUrl, token);
+      expect(r.status).toBe(status);
+      expect(r.text).not.toContain(CREDENTIAL.slice(4, 14));
+      expect(r.json.error.code).toBe("upstream_error_withheld");
+    }
+    upstream.push(errorReply(400, "bad_request", "max_tokens is too large"));
+    const plain = await chat(baseUrl, token);
+    expect([plain.status, plain.json.error.message]).toEqual([400, "max_tokens is too large"]);
+  });
+
   it("what the agent gets back is redacted of the credential whole, never of parts of it (which would tell it which runs are the key's)", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });

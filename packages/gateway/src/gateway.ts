@@ -515,6 +515,23 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         },
       });
       contentType = "application/json";
+    } else if (
+      !ok &&
+      credential &&
+      redactSecrets(text, [credential], "[redacted]", { fragments: true }) !== text
+    ) {
+      // Any other error whose body quotes part of the credential (a 400 or 422 that explains
+      // itself with the key's first characters): withheld whole, as a refusal's, rather than
+      // those characters cut out of it (a redaction in place would show the agent which of its
+      // characters are the key's). A 2xx is the model's answer, passed on as it is (above).
+      text = JSON.stringify({
+        error: {
+          message: `the upstream answered HTTP ${status}; its own message is not passed on (it quotes part of the fleet's credential)`,
+          type: errorType(status, "upstream_error_withheld"),
+          code: "upstream_error_withheld",
+        },
+      });
+      contentType = "application/json";
     }
     const headers: Record<string, string> = { "content-type": contentType };
     if (retryAfter !== null) headers["retry-after"] = retryAfter;
