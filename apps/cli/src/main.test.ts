@@ -144,6 +144,37 @@ describe("bin/fleet.js", () => {
     },
   );
 
+  it.each([
+    ["SIGINT", 130],
+    ["SIGTERM", 143],
+  ] as const)(
+    "a command interrupted by %s exits %i (128 + the signal), saying nothing was cancelled",
+    async (signal, code) => {
+      let asked: () => void = () => undefined;
+      const askedNow = new Promise<void>((resolve) => {
+        asked = resolve;
+      });
+      // A dispatcher that never answers: the command waits until it is interrupted.
+      server.on("GET", "/v1/batches/b-9", () => {
+        asked();
+        return new Promise(() => undefined);
+      });
+      const child = spawn(process.execPath, [BIN, "status", "b-9"], {
+        env: { PATH: process.env.PATH ?? "", FLEET_URL: server.url },
+        stdio: ["ignore", "ignore", "pipe"],
+      });
+      let stderr = "";
+      child.stderr.setEncoding("utf8").on("data", (s: string) => {
+        stderr += s;
+      });
+      const exited = new Promise<number | null>((resolve) => child.on("close", resolve));
+      await askedNow;
+      child.kill(signal);
+      expect(await exited).toBe(code);
+      expect(stderr).toContain("interrupted; nothing was cancelled");
+    },
+  );
+
   it("`fleet results | head -n1` stops quietly with exit 0 when the reader goes away", async () => {
     let readerGone: Promise<string> = new Promise(() => {});
     server.on("GET", "/v1/batches/b-1/results", async (_req, res) => {

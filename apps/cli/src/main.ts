@@ -8,7 +8,7 @@ import {
 } from "@fleet/config";
 import { loadSuite, taskDigest } from "@fleet/tasks";
 import type { CliContext } from "./context.ts";
-import { commandName, runCli } from "./program.ts";
+import { commandName, EXIT, runCli } from "./program.ts";
 import type { ProgressStream } from "./progress.ts";
 import { PipeOutput } from "./stdout.ts";
 
@@ -54,8 +54,14 @@ function readDefaults(env: NodeJS.ProcessEnv, argv: readonly string[]): CliConfi
 type CliDefaults = Pick<CliContext["defaults"], "unless">;
 
 const interrupt = new AbortController();
-process.once("SIGINT", () => interrupt.abort());
-process.once("SIGTERM", () => interrupt.abort());
+/** The signal that interrupted the command: its exit is 128 + its number (130 for Ctrl-C, 143 for a SIGTERM). */
+let interruptedBy: "SIGINT" | "SIGTERM" | null = null;
+for (const signal of ["SIGINT", "SIGTERM"] as const) {
+  process.once(signal, () => {
+    interruptedBy ??= signal;
+    interrupt.abort();
+  });
+}
 // `fleet results ... | head`: a reader that goes away is not an error. `results` and `status`
 // only print, so they stop there with 0. `submit` and `cancel` change the fleet: they finish
 // (stopping between chunks would leave a submission half made, with exit 0), print nothing more
@@ -81,4 +87,6 @@ const code = await runCli(process.argv.slice(2), {
   digestOf: taskDigest,
   signal: interrupt.signal,
 });
-process.exitCode = code;
+// Interrupted by a SIGTERM (a CI job's timeout, `kill`, a supervisor), as shells and supervisors
+// read it: 143, not Ctrl-C's 130.
+process.exitCode = code === EXIT.interrupted && interruptedBy === "SIGTERM" ? 143 : code;

@@ -13,7 +13,7 @@ import { watchCommand } from "./commands/watch.ts";
 import { type CliContext, OutputError } from "./context.ts";
 import { DEFAULT_MAX_REQUEST_BYTES, UsageError } from "./requests.ts";
 
-/** Exit codes: 0 ok; 1 API, output-file or unexpected error; 2 bad usage; 130 interrupted (Ctrl-C). */
+/** Exit codes: 0 ok; 1 API, output-file or unexpected error; 2 bad usage; 130 interrupted (Ctrl-C; 143 for a SIGTERM, set by main.ts). */
 export const EXIT = { ok: 0, error: 1, usage: 2, interrupted: 130 } as const;
 
 interface ConnectionOptions {
@@ -283,7 +283,7 @@ Idempotency-Key and the base to re-run with: --idempotency-key <base>.
 Exit status: 0 when submitted (with --wait: when every rollout is finished, even if some
 failed); 1 on an API error, an --out file that cannot be written, or (with --wait) fewer
 results than rollouts or batches not finished after --wait-timeout; 2 on bad usage; 130 when
-interrupted (the batch keeps running).`,
+interrupted (143 by a SIGTERM; the batch keeps running).`,
       ),
     ctx,
   ).action(async (opts: Parameters<typeof submitCommand>[1] & ConnectionOptions) => {
