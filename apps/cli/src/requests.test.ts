@@ -45,6 +45,12 @@ describe("resolveAgent", () => {
       );
     }
     await expect(resolveAgent("{nope", noFiles)).rejects.toThrow(/inline --agent JSON is not valid JSON/);
+    // JSON that is no object is inline JSON all the same, not a file's name.
+    for (const inline of ["[1]", '"oracle"']) {
+      await expect(resolveAgent(inline, noFiles)).rejects.toThrow(
+        /^inline --agent JSON is not a valid agent spec/,
+      );
+    }
     const err = await resolveAgent('{"harness":"command","argv":[]}', noFiles).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(UsageError);
     expect((err as Error).message).toContain("argv: argv must name a command");

@@ -31,7 +31,9 @@ export async function resolveAgent(
   if (named !== undefined) return named;
   let source: string;
   let text: string;
-  if (trimmed.startsWith("{")) {
+  // JSON of any kind (`[1]`, `"oracle"`), not only an object: the spec it holds is refused as one
+  // (not an object), rather than taken for a file name and called an unknown agent.
+  if (/^[{["]/.test(trimmed)) {
     source = "inline --agent JSON";
     text = trimmed;
   } else {
