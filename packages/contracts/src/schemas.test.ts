@@ -603,6 +603,9 @@ describe("TaskContent refusals", () => {
       ["\\uD83D\\uDE00!", "\u{1F600}!"],
       ["\\\u{1F600}", "\u{1F600}"],
       ["x\\\\u{2}", "x\\uu"], // an escaped backslash, then "u{2}": "u" twice
+      // Surrogate ranges, as UTF-16 units: any character above U+FFFF (a lead, then a trail).
+      ["[\\uD800-\\uDBFF\\uDC00-\\uDFFF]{2}", "\u{1F600}"],
+      ["(?:[\\uD800-\\uDBFF][\\uDC00-\\uDFFF])+", "\u{1F600}\u{1F601}"],
     ];
     for (const [expected, answer] of valid) {
       expect(matchExpectedProblem({ expected, mode: "regex" }), expected).toBeUndefined();

@@ -240,7 +240,10 @@ export function foreignRegexSyntax(pattern: string): string | undefined {
   for (let i = 0; i < pattern.length; i++) {
     const c = pattern[i];
     const astral = astralLength(pattern, i);
-    if (astral > 0) {
+    // In a class, two surrogate escapes with a range on either side (`[\uD800-\uDBFF\uDC00-\uDFFF]`)
+    // are two UTF-16 units meant as such, not one character: read as the escapes they are.
+    const unitsInRange = inClass && astral === 12 && (pattern[i - 1] === "-" || pattern[i + 12] === "-");
+    if (astral > 0 && !unitsInRange) {
       const spelled = pattern.slice(i, i + astral);
       const halves =
         "is a character above U+FFFF, which JavaScript without the `u` flag reads as two UTF-16 units";
