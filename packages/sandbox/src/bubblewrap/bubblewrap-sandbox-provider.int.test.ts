@@ -1498,6 +1498,39 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     ).toMatchObject({ exitCode: -1, timedOut: true });
   });
 
+  it("a sandbox stopped from outside whose stop reached the command's timeout first (resumed with its nsenter) is sandbox_lost, not a timeout", async () => {
+    const quick = quickTimer();
+    const h = await create();
+    const running = (await sleepingExec(quick, h)).outcome;
+    const state = (pid: number) => {
+      try {
+        const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+        return stat.slice(stat.lastIndexOf(")") + 2, stat.lastIndexOf(")") + 3);
+      } catch {
+        return "";
+      }
+    };
+    const timeoutPid = sandboxProcesses(h).find((pid) => /(^|\/)timeout\x00/.test(cmdline(pid)))!;
+    expect(timeoutPid).toBeDefined();
+    // The outside stop reaches the `timeout` first; its nsenter stops with it, and is resumed,
+    // which resumes the `timeout`; then the stop reaches everything else.
+    process.kill(timeoutPid, "SIGSTOP");
+    await waitUntil(() => state(timeoutPid) === "T");
+    await waitUntil(() => state(timeoutPid) !== "T");
+    const rest = sandboxProcesses(h).filter((pid) => pid !== timeoutPid);
+    for (const pid of rest) process.kill(pid, "SIGSTOP");
+    try {
+      // The `timeout` fires at its deadline on a command that could not run: no timeout of its own.
+      expect(await running).toMatchObject({ kind: "sandbox_lost", retryable: false });
+    } finally {
+      for (const pid of sandboxProcesses(h)) {
+        try {
+          process.kill(pid, "SIGCONT");
+        } catch {}
+      }
+    }
+  });
+
   it("root in the sandbox that stops its PID 1 itself (a ptrace attach, then a detach with SIGSTOP) and its own timeout gets a timeout, never sandbox_lost (masked)", async () => {
     const quick = quickTimer();
     const h = await create();

@@ -615,14 +615,17 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const oomBefore = cgroupOomKills(state.cgroups ?? []);
     // A command's output keeps its end as well as its start (see `CappedBuffer`).
     const { rawExitCode, ...out } = await this.run(state, argv, { ...o, keepTail: true });
-    if (rawExitCode === -1) {
-      // The host-side timer fired. In a sandbox frozen from outside (its processes SIGSTOPped, a
-      // cgroup freezer) the in-sandbox `timeout` could not fire: the sandbox failed under the
+    if (rawExitCode === -1 || out.timedOut) {
+      // The host-side timer fired, or the command timed out. In a sandbox frozen from outside
+      // (its processes SIGSTOPped, a cgroup freezer) the in-sandbox `timeout` could not fire, or
+      // fired on a command that could not run: the sandbox failed under the
       // command, which did not run out of its time (masked, never a timeout graded 0), as Docker
       // reports a paused container. Told by what nothing inside can stop: the sandbox's PID 1
       // together with its keepalive (nobody's), and the host's freezer (see `frozenFromOutside`):
       // code under test that stops the `timeout` process itself, even with PID 1, still gets a
-      // timeout. Here only, for the commands run for callers, as in the Docker provider.
+      // timeout. Here only, for the commands run for callers, as in the Docker provider. Asked of
+      // a command's own timeout too: its `timeout` may have run on while the rest was stopped (an
+      // outside stop that reached it first: `run` resumes an nsenter stopped with it).
       const frozen = frozenFromOutside(state.initPid);
       if (frozen !== null) {
         throw FleetError.nonRetryable(
