@@ -792,6 +792,28 @@ describe("model gateway", () => {
     expect([plain.status, plain.json.error.message]).toEqual([400, "max_tokens is too large"]);
   });
 
+  it("an error that echoes what the agent sent comes back as it came, a guess at the key as a wrong one does: no oracle, one character at a time", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    // The key's first 9 characters and a guess at the 10th: right, and wrong.
+    const right = CREDENTIAL.slice(0, 10);
+    const wrong = `${CREDENTIAL.slice(0, 9)}#`;
+    const answers = [];
+    for (const guess of [right, wrong]) {
+      upstream.push(
+        errorReply(400, "invalid_value", `Invalid value '${guess}': supported values are 'user', 'system'`),
+      );
+      const r = await chat(baseUrl, token, { messages: [{ role: guess, content: "hi" }] });
+      answers.push([r.status, r.json.error.code, r.json.error.message.replace(guess, "<guess>")]);
+    }
+    expect(answers[0]).toEqual([
+      400,
+      "invalid_value",
+      "Invalid value '<guess>': supported values are 'user', 'system'",
+    ]);
+    expect(answers[1]).toEqual(answers[0]);
+  });
+
   it("what the agent gets back is redacted of the credential whole, never of parts of it (which would tell it which runs are the key's)", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });

@@ -1,7 +1,7 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
 import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
-import { redactSecrets } from "@fleet/telemetry";
+import { MIN_SECRET_FRAGMENT, redactSecrets } from "@fleet/telemetry";
 import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { linkLocalRefusal, type ModelDispatcher, modelFetch } from "./model-fetch.ts";
@@ -515,15 +515,14 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         },
       });
       contentType = "application/json";
-    } else if (
-      !ok &&
-      credential &&
-      redactSecrets(text, [credential], "[redacted]", { fragments: true }) !== text
-    ) {
-      // Any other error whose body quotes part of the credential (a 400 or 422 that explains
-      // itself with the key's first characters): withheld whole, as a refusal's, rather than
-      // those characters cut out of it (a redaction in place would show the agent which of its
-      // characters are the key's). A 2xx is the model's answer, passed on as it is (above).
+    } else if (!ok && credential && quotesCredential(text, outgoing, credential)) {
+      // Any other error whose body quotes part of the credential the request did not hold (a
+      // 400 or 422 that explains itself with the key's first characters): withheld whole, as a
+      // refusal's, rather than those characters cut out of it (which would show the agent which
+      // of its characters are the key's). A part the request held is the agent's own echoed
+      // back (an upstream quoting a field's bad value): withheld, it would tell the agent that its
+      // guess was a run of the key, one character at a time. A 2xx is the model's answer, passed
+      // on as it is (above).
       text = JSON.stringify({
         error: {
           message: `the upstream answered HTTP ${status}; its own message is not passed on (it quotes part of the fleet's credential)`,
@@ -686,6 +685,20 @@ async function readResponse(response: Response, max: number): Promise<string> {
     throw new GatewayHttpError(502, "upstream_response_too_large", `upstream response over ${max} bytes`);
   }
   return text;
+}
+
+/**
+ * Whether `body` holds a run of `credential` (`MIN_SECRET_FRAGMENT` characters or more) that
+ * `sent` (the request, as the agent wrote it) does not: a part of the key only the upstream
+ * could have written.
+ */
+function quotesCredential(body: string, sent: string, credential: string): boolean {
+  const k = Math.min(MIN_SECRET_FRAGMENT, credential.length);
+  for (let i = 0; i + k <= credential.length; i++) {
+    const run = credential.slice(i, i + k);
+    if (body.includes(run) && !sent.includes(run)) return true;
+  }
+  return false;
 }
 
 /** `text` without the upstream credential: nothing the gateway sends back may quote it. */
