@@ -1294,12 +1294,14 @@ describe("fleet status / results / cancel", () => {
     for (const url of [
       server.url.replace("http://", "http:/bob:hunter2@"),
       server.url.replace("http://", "http:bob:hunter2@"),
+      server.url.replace("http://", "http://bob:hun'ter2@"), // a quote in the password
     ]) {
       expect(await runCli(["status", "b-1", "--url", url], ctx()), url).toBe(2);
     }
     expect(stderr.text()).toContain("'http:/***@127.0.0.1:");
     expect(stderr.text()).toContain("'http:***@127.0.0.1:");
     expect(stderr.text()).not.toContain("hunter2");
+    expect(stderr.text()).not.toContain("ter2");
     expect(server.requests).toHaveLength(0);
   });
 

@@ -14,6 +14,9 @@ import { type CliContext, OutputError } from "./context.ts";
 import { DEFAULT_MAX_REQUEST_BYTES, UsageError } from "./requests.ts";
 
 /** Exit codes: 0 ok; 1 API, output-file or unexpected error; 2 bad usage; 130 interrupted (Ctrl-C; 143 for a SIGTERM, set by main.ts). */
+/** Commander's message for an option's refused value: `… argument '<value>' is invalid. …`. */
+const REFUSED_ARGUMENT = /(argument ')(.*)(' is invalid)/;
+
 export const EXIT = { ok: 0, error: 1, usage: 2, interrupted: 130 } as const;
 
 interface ConnectionOptions {
@@ -173,12 +176,18 @@ export function createProgram(
       writeOut: (s) => ctx.stdout.write(s),
       writeErr: (s) => ctx.stderr.write(s),
       // Commander quotes a refused argument: a URL's password (`--url http://u:p@…`) is not echoed.
+      // Its own form is read to the last quote (a password may hold a `'`); any other, quoted.
       outputError: (s, write) =>
         write(
-          s.replace(
-            /'([a-z][a-z0-9+.-]*:(?:\/\/|[^']*@)[^']*)'/gi,
-            (_m, url: string) => `'${redactUserinfo(url)}'`,
-          ),
+          REFUSED_ARGUMENT.test(s)
+            ? s.replace(
+                REFUSED_ARGUMENT,
+                (_m, a: string, url: string, b: string) => `${a}${redactUserinfo(url)}${b}`,
+              )
+            : s.replace(
+                /'([a-z][a-z0-9+.-]*:(?:\/\/|[^']*@)[^']*)'/gi,
+                (_m, url: string) => `'${redactUserinfo(url)}'`,
+              ),
         ),
     })
     // `--url`/`--token` before the command too (`fleet --url … submit …`, as with docker or

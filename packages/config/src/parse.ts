@@ -8,19 +8,22 @@ const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
  * a URL that does not parse (a password with `#`, `/` or `?`): everything between the first `://`
  * and the last `@`, and the query or fragment after that (a Sentinel URL's `sentinelPassword`; a
  * token pasted after a `#`). A URL written without `//` (`http:/u:p@h`, `https:u:p@h`,
- * `http:\\u:p@h`, which URL parsers read as `http://u:p@h`), or with no scheme but an `@`, is
- * hidden from after its scheme's `:` and slashes (or its start) alike.
+ * `http:\\u:p@h`, which URL parsers read as `http://u:p@h`), or with no scheme, is hidden alike
+ * when it holds a `user:pass@`.
  */
 export function redactUserinfo(value: string): string {
   const sep = value.indexOf("://");
+  const at = value.lastIndexOf("@");
   let start: number;
   if (sep !== -1) start = sep + 3;
   else {
+    // Only a value with userinfo (a `:` before its last `@`): any other is shown as it is
+    // (`fleet@staging`, `localhost:6379?db=1`). Hidden after the scheme when a `user:pass`
+    // follows it, else from the start (`default:pass@host`: no telling a scheme from a user).
+    if (at === -1 || !value.slice(0, at).includes(":")) return value;
     const scheme = /^\s*[a-z][a-z0-9+.-]*:[/\\]*/i.exec(value);
-    if (scheme === null && !value.includes("@")) return value;
-    start = scheme?.[0].length ?? 0;
+    start = scheme !== null && value.slice(scheme[0].length, at).includes(":") ? scheme[0].length : 0;
   }
-  const at = value.lastIndexOf("@");
   // An `@` after a query's `name=` (a Sentinel URL's password) may not end the userinfo at all.
   const q0 = value.indexOf("?", start);
   if (q0 !== -1 && q0 < at && value.slice(q0, at).includes("=")) return `${value.slice(0, start)}***`;
