@@ -358,6 +358,10 @@ describe("TaskContent refusals", () => {
     expect(issues("#! /bin/env\tpython3\t-u  \nexit 0\n")?.[0]?.[1]).toMatch(
       /^runs "python3\t-u" through #!\/bin\/env/,
     );
+    // Another long option is no split (`--unset=A B` unsets "A B"), nor one not spelled by getopt.
+    for (const refused of ["--unset=A bash -e", "--split-strings=bash -e"]) {
+      expect(issues(`#!/usr/bin/env ${refused}\nexit 0\n`)?.[0]?.[1], refused).toMatch(/^runs "/);
+    }
     // With a space, env takes `--split-string bash -e` for one option it does not know.
     expect(issues("#!/usr/bin/env --split-string bash -e\nexit 0\n")?.[0]?.[1]).toMatch(
       /^runs "--split-string bash -e" through/,
@@ -367,6 +371,8 @@ describe("TaskContent refusals", () => {
       "#!/usr/bin/env -vS bash -e\nexit 0\n",
       "#!/usr/bin/env -iS bash -e\nexit 0\n",
       "#!/usr/bin/env --split-string=bash -e\nexit 0\n",
+      "#!/usr/bin/env --sp=bash -e\nexit 0\n", // getopt's abbreviations, down to one letter
+      "#!/usr/bin/env --s=bash -e\nexit 0\n",
       "#!/usr/bin/env bash \nexit 0\n", // trailing white space: the kernel drops it
       "#!/bin/bash -e\nexit 0\n", // one option, as bash gets it
       "#!/usr/bin/envy bash -e\nexit 0\n", // not env

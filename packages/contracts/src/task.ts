@@ -566,13 +566,12 @@ export const TaskContent = z
       // The kernel passes the rest of the line as one argument: `#!/usr/bin/env bash -e` has env
       // look for a program named "bash -e", which exits 127 in every sandbox, a 0 for every
       // agent (not the task's failure). env splits it itself only after `-S` (GNU's `-[iv]S`, or
-      // `--split-string=`; `--split-string ` with a space is one unknown option to it).
+      // `--split-string=`, abbreviated as getopt allows down to `--s=`; `--split-string ` with a
+      // space is one unknown option to it).
       const arg = shebang?.[2]?.trim() ?? "";
-      if (
-        interpreter?.split("/").pop() === "env" &&
-        /[ \t]/.test(arg) &&
-        !/^(-[iv]*S|--split-string=)/.test(arg)
-      ) {
+      const long = /^--([a-z-]+)=/.exec(arg)?.[1];
+      const splits = /^-[iv]*S/.test(arg) || (long !== undefined && "split-string".startsWith(long));
+      if (interpreter?.split("/").pop() === "env" && /[ \t]/.test(arg) && !splits) {
         problem(
           `runs "${arg}" through #!${interpreter}, which gets it as one argument and would look for a program by that name: split it with -S (#!${interpreter} -S ${arg})`,
         );
