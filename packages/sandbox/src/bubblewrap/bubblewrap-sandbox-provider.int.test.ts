@@ -1024,36 +1024,52 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(r.durationMs).toBeLessThan(1_000 + 2_000 + 2_000);
   });
 
-  it("a destroy kills the host side of an exec whose worker is gone, left stopped (it held the command's exit, and PID 1 with it)", async () => {
-    const h = await create();
-    const script = join(stateDir, "stopped-nsenter.mts");
-    const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");
-    // A worker whose exec's nsenter is stopped as it exits (as a sweep leaves it, before anything
-    // resumes it): nothing of this worker is left to resume it.
-    await writeFile(
-      script,
-      [
-        `import { readdirSync, readFileSync } from "node:fs";`,
-        `import { BubblewrapSandboxProvider } from ${JSON.stringify(modulePath)};`,
-        `const p = new BubblewrapSandboxProvider(${JSON.stringify({ rootfs: provider.rootfs, stateDir, scope: RUN })});`,
-        `void p.exec(${JSON.stringify(h)}, ["sleep", "1000"], { deadlineMs: 600000 }).catch(() => undefined);`,
-        "const nsenter = () => readdirSync('/proc').filter((d) => /^\\d+$/.test(d)).find((d) => { try { const st = readFileSync('/proc/' + d + '/stat', 'latin1'); return st.includes('(nsenter)') && st.slice(st.lastIndexOf(')') + 2).split(' ')[1] === String(process.pid); } catch { return false; } });",
-        "let pid; while (!(pid = nsenter())) await new Promise((r) => setTimeout(r, 20));",
-        "while (!readdirSync('/proc').some((d) => { try { return readFileSync('/proc/' + d + '/cmdline', 'latin1') === 'sleep\\x001000\\x00'; } catch { return false; } })) await new Promise((r) => setTimeout(r, 20));",
-        "process.kill(Number(pid), 'SIGSTOP');",
-        "console.log(pid);",
-        "process.exit(0);",
-      ].join("\n"),
-    );
-    const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
-    const { stdout } = await run(tsx, [script], { timeout: 60_000 });
-    const nsenterPid = Number(stdout.trim().split("\n").pop());
-    expect(readFileSync(`/proc/${nsenterPid}/stat`, "latin1")).toMatch(/\(nsenter\) T /);
-    live.pop();
-    expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
-    expect(alive(nsenterPid)).toBe(false);
-    expect(hostProcessesOfRun()).toEqual([]);
-  });
+  it.each([
+    ["in its cgroups", true],
+    ["on a host without cgroups (by the PID namespace it enters)", false],
+  ] as const)(
+    "a destroy kills the host side of an exec whose worker is gone, left stopped (it held the command's exit, and PID 1 with it), found %s",
+    async (_, cgroups) => {
+      const h = await create();
+      const script = join(stateDir, "stopped-nsenter.mts");
+      const modulePath = join(import.meta.dirname, "bubblewrap-sandbox-provider.ts");
+      // A worker whose exec's nsenter is stopped as it exits (as a sweep leaves it, before anything
+      // resumes it): nothing of this worker is left to resume it.
+      await writeFile(
+        script,
+        [
+          `import { readdirSync, readFileSync } from "node:fs";`,
+          `import { BubblewrapSandboxProvider } from ${JSON.stringify(modulePath)};`,
+          `const p = new BubblewrapSandboxProvider(${JSON.stringify({ rootfs: provider.rootfs, stateDir, scope: RUN })});`,
+          `void p.exec(${JSON.stringify(h)}, ["sleep", "1000"], { deadlineMs: 600000 }).catch(() => undefined);`,
+          "const nsenter = () => readdirSync('/proc').filter((d) => /^\\d+$/.test(d)).find((d) => { try { const st = readFileSync('/proc/' + d + '/stat', 'latin1'); return st.includes('(nsenter)') && st.slice(st.lastIndexOf(')') + 2).split(' ')[1] === String(process.pid); } catch { return false; } });",
+          "let pid; while (!(pid = nsenter())) await new Promise((r) => setTimeout(r, 20));",
+          "while (!readdirSync('/proc').some((d) => { try { return readFileSync('/proc/' + d + '/cmdline', 'latin1') === 'sleep\\x001000\\x00'; } catch { return false; } })) await new Promise((r) => setTimeout(r, 20));",
+          "process.kill(Number(pid), 'SIGSTOP');",
+          "console.log(pid);",
+          "process.exit(0);",
+        ].join("\n"),
+      );
+      const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
+      const { stdout } = await run(tsx, [script], { timeout: 60_000 });
+      const nsenterPid = Number(stdout.trim().split("\n").pop());
+      expect(readFileSync(`/proc/${nsenterPid}/stat`, "latin1")).toMatch(/\(nsenter\) T /);
+      // A sandbox made where the host gives no cgroups: its state names none (its cgroups here
+      // are removed by the test once empty).
+      const statePath = join(stateDir, `${h.name}.json`);
+      const state = JSON.parse(readFileSync(statePath, "utf8")) as { cgroups?: { dir: string }[] };
+      const dirs = (state.cgroups ?? []).map((cg) => cg.dir);
+      if (!cgroups) {
+        delete state.cgroups;
+        writeFileSync(statePath, JSON.stringify(state));
+      }
+      live.pop();
+      expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
+      expect(alive(nsenterPid)).toBe(false);
+      expect(hostProcessesOfRun()).toEqual([]);
+      for (const dir of cgroups ? [] : dirs) rmdirSync(dir);
+    },
+  );
 
   it("destroy is idempotent; a destroyed sandbox is lost", async () => {
     const h = await create();

@@ -916,13 +916,17 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     const starting = state.initPid === 0;
     const initAlive = () => state.initPid > 0 && sameProcess(state.initPid, state.initStart);
     const bwrapAlive = () => state.bwrapPid > 0 && sameProcess(state.bwrapPid, state.bwrapStart);
-    // While it starts, its processes by their mark; always, the host side of its execs (in its
-    // cgroups, entering another PID namespace): one whose worker is gone, an `nsenter` left
-    // stopped, holds the command it never reaps, and PID 1 cannot exit while it does. (Not
-    // anything else in its cgroups: one put there from outside is left, and blocks the removal.)
+    // While it starts, its processes by their mark; always, the host side of its execs: one
+    // whose worker is gone, an `nsenter` left stopped, holds the command it never reaps, and PID
+    // 1 cannot exit while it does. Found in its cgroups (those entering another PID namespace:
+    // not anything else there, as one put there from outside is left, and blocks the removal),
+    // and, on a host without cgroups, as the host processes whose children go into its PID
+    // namespace (read from PID 1 before it is killed).
+    const namespace = initAlive() ? pidNamespaceOf(state.initPid) : null;
     const marked = () => [
       ...(starting ? processesWithEnv(SANDBOX_ID_ENV, state.id) : []),
       ...cgroupProcesses(state.cgroups ?? []).filter(entersAnotherPidNamespace),
+      ...(namespace === null ? [] : processesEntering(namespace)),
     ];
     const until = performance.now() + 10_000;
     for (let attempt = 0; ; attempt++) {
@@ -1361,6 +1365,33 @@ function frozenFromOutside(pid: number): string | null {
   return freezer === "FROZEN" || freezer === "FREEZING"
     ? `was frozen from outside (its PID 1's cgroup freezer is ${freezer})`
     : null;
+}
+
+/** A process's PID namespace (`pid:[<inode>]`), or null when it cannot be read. */
+function pidNamespaceOf(pid: number): string | null {
+  try {
+    return readlinkSync(`/proc/${pid}/ns/pid`);
+  } catch {
+    return null;
+  }
+}
+
+/** The processes outside PID namespace `namespace` whose children go into it (`nsenter --pid`). */
+function processesEntering(namespace: string): number[] {
+  const out: number[] = [];
+  let pids: string[];
+  try {
+    pids = readdirSync("/proc").filter((n) => /^\d+$/.test(n));
+  } catch {
+    return out;
+  }
+  for (const pid of pids) {
+    try {
+      if (readlinkSync(`/proc/${pid}/ns/pid_for_children`) !== namespace) continue;
+      if (readlinkSync(`/proc/${pid}/ns/pid`) !== namespace) out.push(Number(pid));
+    } catch {}
+  }
+  return out;
 }
 
 /** Whether a process's children go into a PID namespace other than this process's (`nsenter --pid`). */
