@@ -1526,7 +1526,9 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
         return "";
       }
     };
-    const timeoutPid = sandboxProcesses(h).find((pid) => /(^|\/)timeout\x00/.test(cmdline(pid)))!;
+    const timeoutPid = sandboxProcesses(h).find((pid) =>
+      /(^|\/)timeout$/.test(cmdline(pid).split("\0")[0] ?? ""),
+    )!;
     expect(timeoutPid).toBeDefined();
     // The outside stop reaches the `timeout` first; its nsenter stops with it, and is resumed,
     // which resumes the `timeout`; then the stop reaches everything else.
