@@ -1,7 +1,7 @@
 import { createServer, type IncomingMessage, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
 import { capText, readBodyCapped, type Usage } from "@fleet/contracts";
-import { MIN_SECRET_FRAGMENT, redactSecrets } from "@fleet/telemetry";
+import { redactSecrets } from "@fleet/telemetry";
 import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { linkLocalRefusal, type ModelDispatcher, modelFetch } from "./model-fetch.ts";
@@ -515,19 +515,24 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         },
       });
       contentType = "application/json";
-    } else if (!ok && credential && quotesCredential(text, outgoing, credential)) {
-      // Any other error whose body quotes part of the credential the request did not hold (a
-      // 400 or 422 that explains itself with the key's first characters): withheld whole, as a
-      // refusal's, rather than those characters cut out of it (which would show the agent which
-      // of its characters are the key's). A part the request held is the agent's own echoed
-      // back (an upstream quoting a field's bad value): withheld, it would tell the agent that its
-      // guess was a run of the key, one character at a time. A 2xx is the model's answer, passed
-      // on as it is (above).
+    } else if (!ok && credential) {
+      // Any other error: its own words are not passed on either. Its body may quote part of the
+      // credential (a 400 or 422 that explains itself with the key's first characters), which
+      // exact redaction does not catch; and any choice made by looking for the key in it (cut
+      // out, or the body withheld when found) is an oracle: an upstream that echoes the agent's
+      // own text, changed (lowercased, two fields joined), answers differently for a right
+      // guess at the key, one character at a time. So, by the status alone: the gateway's
+      // words, and the upstream's short identifiers (`code`, `type`, `param`), which an agent
+      // SDK reads (a context length exceeded, a bad parameter). A 2xx is the model's answer,
+      // passed on as it is (above).
+      const own = upstreamErrorIds(text);
+      const code = own.code ?? "upstream_error";
       text = JSON.stringify({
         error: {
-          message: `the upstream answered HTTP ${status}; its own message is not passed on (it quotes part of the fleet's credential)`,
-          type: errorType(status, "upstream_error_withheld"),
-          code: "upstream_error_withheld",
+          message: `the upstream answered HTTP ${status}${own.code ? ` (${own.code})` : ""}; its own message is not passed on (it may quote the fleet's credential)`,
+          type: own.type ?? errorType(status, code),
+          code,
+          param: own.param ?? null,
         },
       });
       contentType = "application/json";
@@ -687,18 +692,27 @@ async function readResponse(response: Response, max: number): Promise<string> {
   return text;
 }
 
+/** An identifier an upstream's error carries (`context_length_exceeded`, `messages[0].role`). */
+const ERROR_ID = /^[A-Za-z0-9_.:[\]-]{1,64}$/;
+
 /**
- * Whether `body` holds a run of `credential` (`MIN_SECRET_FRAGMENT` characters or more) that
- * `sent` (the request, as the agent wrote it) does not: a part of the key only the upstream
- * could have written.
+ * The short identifiers of an OpenAI-shaped upstream error (`{"error": {"code", "type",
+ * "param"}}`), each only when it is one (`ERROR_ID`); none from a body that is not such JSON.
  */
-function quotesCredential(body: string, sent: string, credential: string): boolean {
-  const k = Math.min(MIN_SECRET_FRAGMENT, credential.length);
-  for (let i = 0; i + k <= credential.length; i++) {
-    const run = credential.slice(i, i + k);
-    if (body.includes(run) && !sent.includes(run)) return true;
+function upstreamErrorIds(text: string): { code?: string; type?: string; param?: string } {
+  let error: unknown;
+  try {
+    error = (JSON.parse(text) as { error?: unknown } | null)?.error;
+  } catch {
+    return {};
   }
-  return false;
+  if (typeof error !== "object" || error === null) return {};
+  const ids: { code?: string; type?: string; param?: string } = {};
+  for (const key of ["code", "type", "param"] as const) {
+    const value = (error as Record<string, unknown>)[key];
+    if (typeof value === "string" && ERROR_ID.test(value)) ids[key] = value;
+  }
+  return ids;
 }
 
 /** `text` without the upstream credential: nothing the gateway sends back may quote it. */
