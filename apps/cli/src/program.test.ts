@@ -1295,6 +1295,7 @@ describe("fleet status / results / cancel", () => {
       server.url.replace("http://", "http:/bob:hunter2@"),
       server.url.replace("http://", "http:bob:hunter2@"),
       server.url.replace("http://", "http://bob:hun'ter2@"), // a quote in the password
+      server.url.replace("http://", "http://bob:hun'x\nter2@"), // and a line break
     ]) {
       expect(await runCli(["status", "b-1", "--url", url], ctx()), url).toBe(2);
     }
@@ -1302,6 +1303,16 @@ describe("fleet status / results / cancel", () => {
     expect(stderr.text()).toContain("'http:***@127.0.0.1:");
     expect(stderr.text()).not.toContain("hunter2");
     expect(stderr.text()).not.toContain("ter2");
+    // A mistyped option given with `=`: its value is not echoed (a token, a URL's password).
+    for (const argv of [
+      ["status", "b-1", "--urll=http://bob:hunter2@h"],
+      ["status", "b-1", "--tokenn=s3cr3t-token"],
+    ]) {
+      expect(await runCli(argv, ctx()), argv[2]).toBe(2);
+    }
+    expect(stderr.text()).toContain("unknown option '--urll=***'");
+    expect(stderr.text()).not.toContain("hunter2");
+    expect(stderr.text()).not.toContain("s3cr3t-token");
     expect(server.requests).toHaveLength(0);
   });
 

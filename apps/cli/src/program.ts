@@ -15,7 +15,9 @@ import { DEFAULT_MAX_REQUEST_BYTES, UsageError } from "./requests.ts";
 
 /** Exit codes: 0 ok; 1 API, output-file or unexpected error; 2 bad usage; 130 interrupted (Ctrl-C; 143 for a SIGTERM, set by main.ts). */
 /** Commander's message for an option's refused value: `… argument '<value>' is invalid. …`. */
-const REFUSED_ARGUMENT = /(argument ')(.*)(' is invalid)/;
+const REFUSED_ARGUMENT = /(argument ')([\s\S]*)(' is invalid)/;
+/** Commander's message for a mistyped option given with `=`: its value (`--tokenn=<token>`) is not shown. */
+const UNKNOWN_OPTION_VALUE = /(unknown option '[^'=\s]*=)[\s\S]*'/;
 
 export const EXIT = { ok: 0, error: 1, usage: 2, interrupted: 130 } as const;
 
@@ -179,15 +181,17 @@ export function createProgram(
       // Its own form is read to the last quote (a password may hold a `'`); any other, quoted.
       outputError: (s, write) =>
         write(
-          REFUSED_ARGUMENT.test(s)
-            ? s.replace(
-                REFUSED_ARGUMENT,
-                (_m, a: string, url: string, b: string) => `${a}${redactUserinfo(url)}${b}`,
-              )
-            : s.replace(
-                /'([a-z][a-z0-9+.-]*:(?:\/\/|[^']*@)[^']*)'/gi,
-                (_m, url: string) => `'${redactUserinfo(url)}'`,
-              ),
+          UNKNOWN_OPTION_VALUE.test(s)
+            ? s.replace(UNKNOWN_OPTION_VALUE, (_m, option: string) => `${option}***'`)
+            : REFUSED_ARGUMENT.test(s)
+              ? s.replace(
+                  REFUSED_ARGUMENT,
+                  (_m, a: string, url: string, b: string) => `${a}${redactUserinfo(url)}${b}`,
+                )
+              : s.replace(
+                  /'([a-z][a-z0-9+.-]*:(?:\/\/|[^']*@)[^']*)'/gi,
+                  (_m, url: string) => `'${redactUserinfo(url)}'`,
+                ),
         ),
     })
     // `--url`/`--token` before the command too (`fleet --url … submit …`, as with docker or

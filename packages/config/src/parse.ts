@@ -13,16 +13,22 @@ const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
  */
 export function redactUserinfo(value: string): string {
   const sep = value.indexOf("://");
-  const at = value.lastIndexOf("@");
+  let at = value.lastIndexOf("@");
   let start: number;
   if (sep !== -1) start = sep + 3;
   else {
-    // Only a value with userinfo (a `:` before its last `@`): any other is shown as it is
-    // (`fleet@staging`, `localhost:6379?db=1`). Hidden after the scheme when a `user:pass`
-    // follows it, else from the start (`default:pass@host`: no telling a scheme from a user).
-    if (at === -1 || !value.slice(0, at).includes(":")) return value;
+    // Userinfo (a `:` before its last `@`) is hidden after the scheme when a `user:pass` follows
+    // it, else from the start (`default:pass@host`: no telling a scheme from a user); a query or
+    // fragment after a `:` (`redis:/h?password=…`, `h:6379?password=…`: ioredis reads a password
+    // there) as a URL's is. Any other value is shown as it is (`fleet@staging`, `what?`).
+    const userinfo = at !== -1 && value.slice(0, at).includes(":");
+    const q = value.search(/[?#]/);
+    if (!userinfo && !(q !== -1 && value.slice(0, q).includes(":"))) return value;
     const scheme = /^\s*[a-z][a-z0-9+.-]*:[/\\]*/i.exec(value);
-    start = scheme !== null && value.slice(scheme[0].length, at).includes(":") ? scheme[0].length : 0;
+    if (!userinfo) {
+      at = -1;
+      start = 0;
+    } else start = scheme !== null && value.slice(scheme[0].length, at).includes(":") ? scheme[0].length : 0;
   }
   // An `@` after a query's `name=` (a Sentinel URL's password) may not end the userinfo at all.
   const q0 = value.indexOf("?", start);
