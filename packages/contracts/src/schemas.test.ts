@@ -577,6 +577,9 @@ describe("TaskContent refusals", () => {
     ["regex", "ok \\\u{1F600}?", /\\😀 before a quantifier \(\?\)/],
     ["regex", "ok \\uD83D\\uDE00*", /\\uD83D\\uDE00 before a quantifier \(\*\)/],
     ["regex", "[\\ud83d\\ude00]", /\\ud83d\\ude00 in a character class/],
+    // A range to an emoji from anything but a surrogate is an emoji in a class all the same.
+    ["regex", "[a-\\uD83D\\uDE00]", /\\uD83D\\uDE00 in a character class/],
+    ["regex", "[\\uD83D\\uDE00-z]", /\\uD83D\\uDE00 in a character class/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
     const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);

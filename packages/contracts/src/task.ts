@@ -240,9 +240,14 @@ export function foreignRegexSyntax(pattern: string): string | undefined {
   for (let i = 0; i < pattern.length; i++) {
     const c = pattern[i];
     const astral = astralLength(pattern, i);
-    // In a class, two surrogate escapes with a range on either side (`[\uD800-\uDBFF\uDC00-\uDFFF]`)
-    // are two UTF-16 units meant as such, not one character: read as the escapes they are.
-    const unitsInRange = inClass && astral === 12 && (pattern[i - 1] === "-" || pattern[i + 12] === "-");
+    // In a class, two surrogate escapes each the end of a surrogate range (`[\uD800-\uDBFF\uDC00-\uDFFF]`)
+    // are two UTF-16 units meant as such, not one character: read as the escapes they are. (A
+    // range to one from anything else, `[a-\uD83D\uDE00]`, is an emoji that ends a range.)
+    const unitsInRange =
+      inClass &&
+      astral === 12 &&
+      ((pattern[i - 1] === "-" && SURROGATE_ESCAPE.test(pattern.slice(i - 7, i - 1))) ||
+        (pattern[i + 12] === "-" && SURROGATE_ESCAPE.test(pattern.slice(i + 13, i + 19))));
     if (astral > 0 && !unitsInRange) {
       const spelled = pattern.slice(i, i + astral);
       const halves =
@@ -285,6 +290,9 @@ export function foreignRegexSyntax(pattern: string): string | undefined {
   }
   return undefined;
 }
+
+/** One UTF-16 surrogate escaped, `\uD800` to `\uDFFF` (the other end of a surrogate range). */
+const SURROGATE_ESCAPE = /^\\u[dD][89a-fA-F][0-9a-fA-F]{2}$/;
 
 /** A surrogate pair escaped as two `\uHHHH`: one character above U+FFFF, spelled in ASCII. */
 const ESCAPED_PAIR = /^\\u[dD][89abAB][0-9a-fA-F]{2}\\u[dD][c-fC-F][0-9a-fA-F]{2}/;
