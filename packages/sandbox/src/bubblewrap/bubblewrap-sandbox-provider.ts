@@ -921,24 +921,30 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // 1 cannot exit while it does. Found in its cgroups (those entering another PID namespace:
     // not anything else there, as one put there from outside is left, and blocks the removal),
     // and, on a host without cgroups, as the host processes whose children go into its PID
-    // namespace (read from PID 1 before it is killed).
-    const namespace = initAlive() ? pidNamespaceOf(state.initPid) : null;
+    // namespace (read from PID 1 before it is killed; held open meanwhile, so that its number
+    // cannot pass to a new sandbox's namespace while this one is still being destroyed).
+    const held = initAlive() ? holdPidNamespace(state.initPid) : null;
+    const namespace = held !== null && initAlive() ? held.namespace : null;
     const marked = () => [
       ...(starting ? processesWithEnv(SANDBOX_ID_ENV, state.id) : []),
       ...cgroupProcesses(state.cgroups ?? []).filter(entersAnotherPidNamespace),
       ...(namespace === null ? [] : processesEntering(namespace)),
     ];
-    const until = performance.now() + 10_000;
-    for (let attempt = 0; ; attempt++) {
-      const others = marked();
-      if (!initAlive() && !bwrapAlive() && others.length === 0) break;
-      for (const pid of others) killQuietly(pid);
-      if (initAlive()) killQuietly(state.initPid);
-      if (bwrapAlive()) killQuietly(-state.bwrapPid);
-      if (performance.now() >= until) {
-        throw FleetError.retryable("provider_unavailable", `sandbox ${state.name} did not die within 10 s`);
+    try {
+      const until = performance.now() + 10_000;
+      for (let attempt = 0; ; attempt++) {
+        const others = marked();
+        if (!initAlive() && !bwrapAlive() && others.length === 0) break;
+        for (const pid of others) killQuietly(pid);
+        if (initAlive()) killQuietly(state.initPid);
+        if (bwrapAlive()) killQuietly(-state.bwrapPid);
+        if (performance.now() >= until) {
+          throw FleetError.retryable("provider_unavailable", `sandbox ${state.name} did not die within 10 s`);
+        }
+        await delay(Math.min(5 * 2 ** attempt, 100));
       }
-      await delay(Math.min(5 * 2 ** attempt, 100));
+    } finally {
+      held?.close();
     }
     const left = await removeCgroups(state.cgroups ?? []);
     if (left.length > 0) {
@@ -1367,11 +1373,21 @@ function frozenFromOutside(pid: number): string | null {
     : null;
 }
 
-/** A process's PID namespace (`pid:[<inode>]`), or null when it cannot be read. */
-function pidNamespaceOf(pid: number): string | null {
+/**
+ * A process's PID namespace (`pid:[<inode>]`), opened (which keeps it, and its number, alive
+ * until `close`), or null when it cannot be read.
+ */
+function holdPidNamespace(pid: number): { namespace: string; close(): void } | null {
+  let fd: number;
   try {
-    return readlinkSync(`/proc/${pid}/ns/pid`);
+    fd = openSync(`/proc/${pid}/ns/pid`, "r");
   } catch {
+    return null;
+  }
+  try {
+    return { namespace: readlinkSync(`/proc/self/fd/${fd}`), close: () => closeSync(fd) };
+  } catch {
+    closeSync(fd);
     return null;
   }
 }
