@@ -809,6 +809,39 @@ describe("model gateway", () => {
         param: "max_tokens",
       });
     }
+    // An error object under a 200 (no chat completion) is an error all the same.
+    upstream.push({
+      status: 200,
+      body: {
+        error: {
+          message: `Incorrect API key provided: ${CREDENTIAL.slice(0, 20)}...`,
+          code: "invalid_api_key",
+        },
+      },
+    });
+    const under200 = await chat(baseUrl, token);
+    expect(under200.status).toBe(200);
+    expect(under200.text).not.toContain(CREDENTIAL.slice(4, 14));
+    expect(under200.json.error.code).toBe("invalid_api_key");
+    // Identifiers in a form a key takes (digits, capitals, `-`) are not passed on.
+    upstream.push({
+      status: 400,
+      body: {
+        error: {
+          message: "x",
+          code: CREDENTIAL.slice(0, 30),
+          param: CREDENTIAL.slice(5),
+          type: "Bad-Type-1",
+        },
+      },
+    });
+    const keyLike = await chat(baseUrl, token);
+    expect(keyLike.text).not.toContain(CREDENTIAL.slice(5, 15));
+    expect(keyLike.json.error).toMatchObject({
+      code: "upstream_error",
+      type: "invalid_request_error",
+      param: null,
+    });
     // A field that is no short identifier is not passed on either (the gateway's own code instead).
     upstream.push({
       status: 400,
@@ -821,6 +854,38 @@ describe("model gateway", () => {
       "invalid_request_error",
     ]);
   });
+
+  it.each([
+    [
+      "OpenAI's",
+      {
+        error: {
+          message: "This model's maximum context length is 8192 tokens",
+          code: "context_length_exceeded",
+        },
+      },
+    ],
+    [
+      "vLLM's",
+      {
+        object: "error",
+        message: "This model's maximum context length is 4096 tokens. However, you requested 5000 tokens",
+        code: 400,
+      },
+    ],
+    ["a bare string", { error: "prompt is too long: 210000 tokens > 200000 maximum" }],
+  ] as const)(
+    "an upstream's context length exceeded (%s form) reaches the agent as such, in the gateway's own words",
+    async (_, body) => {
+      const { upstream, gateway } = await setup();
+      const { token, baseUrl } = gateway.register("r1", { model: "m" });
+      upstream.push({ status: 400, body });
+      const r = await chat(baseUrl, token);
+      expect(r.status).toBe(400);
+      expect(r.json.error.code).toBe("context_length_exceeded");
+      expect(r.json.error.message).toMatch(/maximum context length/);
+    },
+  );
 
   it("an error that echoes what the agent sent comes back the same for a right guess at the key as for a wrong one: no oracle, one character at a time", async () => {
     const { upstream, gateway } = await setup();

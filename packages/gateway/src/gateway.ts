@@ -515,21 +515,25 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
         },
       });
       contentType = "application/json";
-    } else if (!ok && credential) {
-      // Any other error: its own words are not passed on either. Its body may quote part of the
-      // credential (a 400 or 422 that explains itself with the key's first characters), which
-      // exact redaction does not catch; and any choice made by looking for the key in it (cut
-      // out, or the body withheld when found) is an oracle: an upstream that echoes the agent's
-      // own text, changed (lowercased, two fields joined), answers differently for a right
-      // guess at the key, one character at a time. So, by the status alone: the gateway's
-      // words, and the upstream's short identifiers (`code`, `type`, `param`), which an agent
-      // SDK reads (a context length exceeded, a bad parameter). A 2xx is the model's answer,
-      // passed on as it is (above).
-      const own = upstreamErrorIds(text);
-      const code = own.code ?? "upstream_error";
+    } else if (credential && (!ok || !isChatCompletion(parsed))) {
+      // Any other error (a 2xx that is no chat completion too: an error object under a 200): its
+      // own words are not passed on either. Its body may quote part of the credential (a 400 or
+      // 422 that explains itself with the key's first characters), which exact redaction does
+      // not catch; and any choice made by looking for the key in it (cut out, or the body
+      // withheld when found) is an oracle: an upstream that echoes the agent's own text, changed
+      // (lowercased, two fields joined), answers differently for a right guess at the key, one
+      // character at a time. So, by the status and the body's shape alone: the gateway's words,
+      // the upstream's identifiers in forms no key takes (`code`, `type`, `param`), and a context
+      // length exceeded said as such (an agent's SDK stops on it). A chat completion is the
+      // model's answer, passed on as it is (above).
+      const own = upstreamError(text);
+      const contextLength = status >= 400 && status < 500 && status !== 429 && own.contextLength;
+      const code = contextLength ? "context_length_exceeded" : (own.code ?? "upstream_error");
       text = JSON.stringify({
         error: {
-          message: `the upstream answered HTTP ${status}${own.code ? ` (${own.code})` : ""}; its own message is not passed on (it may quote the fleet's credential)`,
+          message: contextLength
+            ? `the upstream answered HTTP ${status}: the request exceeds the model's maximum context length (its own message is not passed on: it may quote the fleet's credential)`
+            : `the upstream answered HTTP ${status}${own.code ? ` (${own.code})` : ""}; its own message is not passed on (it may quote the fleet's credential)`,
           type: own.type ?? errorType(status, code),
           code,
           param: own.param ?? null,
@@ -692,27 +696,58 @@ async function readResponse(response: Response, max: number): Promise<string> {
   return text;
 }
 
-/** An identifier an upstream's error carries (`context_length_exceeded`, `messages[0].role`). */
-const ERROR_ID = /^[A-Za-z0-9_.:[\]-]{1,64}$/;
+/**
+ * An upstream error's `code` or `type` as the gateway passes it on: lowercase words joined by
+ * `_` (`context_length_exceeded`, `invalid_request_error`), a form no API key takes (digits,
+ * capitals or `-` in every one of them).
+ */
+const ERROR_WORDS = /^[a-z]+(?:_[a-z]+)*$/;
+/** An error's `param` as the gateway passes it on: a request path (`messages[0].content`). */
+const ERROR_PARAM = /^[a-z_]+(?:\[\d{1,6}\])?(?:\.[a-z_]+(?:\[\d{1,6}\])?)*$/;
+/** How an upstream says the request does not fit the model's context (vLLM, SGLang, OpenAI, Anthropic's proxies). */
+const CONTEXT_LENGTH = /context[ _-]?(length|window)|maximum context|prompt is too long|too many tokens/i;
 
 /**
- * The short identifiers of an OpenAI-shaped upstream error (`{"error": {"code", "type",
- * "param"}}`), each only when it is one (`ERROR_ID`); none from a body that is not such JSON.
+ * What the gateway passes on of an upstream's error body (`{"error": {…}}`, `{"error": "…"}`,
+ * or vLLM's `{"object": "error", "message"}`): its identifiers, each only in a form no key takes
+ * (`ERROR_WORDS`, `ERROR_PARAM`, at most 64 characters), and whether it says the context
+ * length was exceeded (by its code or its wording, never by anything of the key's).
  */
-function upstreamErrorIds(text: string): { code?: string; type?: string; param?: string } {
-  let error: unknown;
+function upstreamError(text: string): {
+  code?: string;
+  type?: string;
+  param?: string;
+  contextLength: boolean;
+} {
+  let body: unknown;
   try {
-    error = (JSON.parse(text) as { error?: unknown } | null)?.error;
+    body = JSON.parse(text);
   } catch {
-    return {};
+    return { contextLength: false };
   }
-  if (typeof error !== "object" || error === null) return {};
-  const ids: { code?: string; type?: string; param?: string } = {};
-  for (const key of ["code", "type", "param"] as const) {
-    const value = (error as Record<string, unknown>)[key];
-    if (typeof value === "string" && ERROR_ID.test(value)) ids[key] = value;
-  }
-  return ids;
+  if (typeof body !== "object" || body === null) return { contextLength: false };
+  const error = (body as { error?: unknown }).error;
+  const fields: Record<string, unknown> =
+    typeof error === "object" && error !== null
+      ? (error as Record<string, unknown>)
+      : typeof error === "string"
+        ? { message: error }
+        : (body as Record<string, unknown>);
+  const out: { code?: string; type?: string; param?: string; contextLength: boolean } = {
+    contextLength: false,
+  };
+  const id = (value: unknown, form: RegExp) =>
+    typeof value === "string" && value.length <= 64 && form.test(value) ? value : undefined;
+  const code = id(fields.code, ERROR_WORDS);
+  const type = id(fields.type, ERROR_WORDS);
+  const param = id(fields.param, ERROR_PARAM);
+  if (code !== undefined) out.code = code;
+  if (type !== undefined) out.type = type;
+  if (param !== undefined) out.param = param;
+  out.contextLength =
+    fields.code === "context_length_exceeded" ||
+    (typeof fields.message === "string" && CONTEXT_LENGTH.test(fields.message));
+  return out;
 }
 
 /** `text` without the upstream credential: nothing the gateway sends back may quote it. */
