@@ -5,25 +5,24 @@ const SECRET_VARIABLES = new Set(["FLEET_API_TOKENS", "FLEET_TOKEN"]);
 
 /**
  * `scheme://user:pass@host…?query#fragment` → `scheme://***@host…?***`. Heuristic, so it works on
- * a URL that does not parse (a password with `#`, `/` or `?`): everything between the first `://`
- * and the last `@`, and the query or fragment after that (a Sentinel URL's `sentinelPassword`; a
+ * a URL that does not parse (a password with `#`, `/` or `?`): everything between its leading
+ * `scheme://` and the last `@`, and the query or fragment after that (a Sentinel URL's `sentinelPassword`; a
  * token pasted after a `#`). A URL written without `//` (`http:/u:p@h`, `https:u:p@h`,
  * `http:\\u:p@h`, which URL parsers read as `http://u:p@h`), or with no scheme, is hidden alike
  * when it holds a `user:pass@`.
  */
 export function redactUserinfo(value: string): string {
-  const sep = value.indexOf("://");
+  const lead = /^\s*[a-z][a-z0-9+.-]*:\/\//i.exec(value);
   let at = value.lastIndexOf("@");
   let start: number;
-  if (sep !== -1) start = sep + 3;
+  if (lead !== null) start = lead[0].length;
   else {
     // Userinfo (a `:` before its last `@`) is hidden after the scheme when a `user:pass` follows
     // it, else from the start (`default:pass@host`: no telling a scheme from a user); a query or
-    // fragment after a `:` (`redis:/h?password=…`, `h:6379?password=…`: ioredis reads a password
-    // there) as a URL's is. Any other value is shown as it is (`fleet@staging`, `what?`).
+    // fragment (`redis:/h?password=…`, `localhost?password=…`: ioredis reads a password there)
+    // as a URL's is. Any other value is shown as it is (`fleet@staging`).
     const userinfo = at !== -1 && value.slice(0, at).includes(":");
-    const q = value.search(/[?#]/);
-    if (!userinfo && !(q !== -1 && value.slice(0, q).includes(":"))) return value;
+    if (!userinfo && !/[?#]/.test(value)) return value;
     const scheme = /^\s*[a-z][a-z0-9+.-]*:[/\\]*/i.exec(value);
     if (!userinfo) {
       at = -1;

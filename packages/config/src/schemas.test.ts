@@ -319,6 +319,10 @@ describe("DispatcherConfig", () => {
       // A password in the query (ioredis reads one there), without `//` or a scheme.
       ["redis:/h:6379/0?password=s3cr3t", "s3cr3t", "redis:/h:6379/0?***"],
       ["h:6379?password=s3cr3t", "s3cr3t", "h:6379?***"],
+      ["localhost?password=s3cr3t", "s3cr3t", "localhost?***"],
+      ["10.0.0.5/0?password=s3cr3t", "s3cr3t", "10.0.0.5/0?***"],
+      // A `://` inside the password is no scheme's.
+      ["redis:/h?password=s3://cr3t", "cr3t", "redis:/h?***"],
     ] as const) {
       const err = errorOf(() => parseConfig(DispatcherConfig, { REDIS_URL: url }));
       expect(err.message, url).toContain(`REDIS_URL: must`);
