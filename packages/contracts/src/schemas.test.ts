@@ -580,6 +580,9 @@ describe("TaskContent refusals", () => {
     // A range to an emoji from anything but a surrogate is an emoji in a class all the same.
     ["regex", "[a-\\uD83D\\uDE00]", /\\uD83D\\uDE00 in a character class/],
     ["regex", "[\\uD83D\\uDE00-z]", /\\uD83D\\uDE00 in a character class/],
+    // After a `-` that is no range's (one after a range is a literal), or a range from an escaped backslash's `0`.
+    ["regex", "[\\uDC00-\\uDFFF-\\uD83D\\uDE00]", /\\uD83D\\uDE00 in a character class/],
+    ["regex", "[\\\\uD800-\\uD83D\\uDE00]", /\\uD83D\\uDE00 in a character class/],
   ] as const)("a %s match expecting %j is refused up front: %s", (mode, expected, why) => {
     const r = TaskContent.safeParse({ ...base, tests: {}, verifier: { kind: "match", expected, mode } });
     expect(r.success).toBe(false);

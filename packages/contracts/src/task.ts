@@ -237,18 +237,33 @@ const QUANTIFIER = /^(?:[*+?]|\{\d+(?:,\d*)?\})/;
  */
 export function foreignRegexSyntax(pattern: string): string | undefined {
   let inClass = false;
+  // In a class: its last atom (whether it is one escaped surrogate, and whether it ended a
+  // range), and a range operator waiting for its end (whether it started at such a surrogate).
+  let last: { surrogate: boolean; endsRange: boolean } | null = null;
+  let rangeFrom: "surrogate" | "other" | null = null;
+  const atom = (surrogate: boolean) => {
+    last = { surrogate, endsRange: rangeFrom !== null };
+    rangeFrom = null;
+  };
   for (let i = 0; i < pattern.length; i++) {
     const c = pattern[i];
     const astral = astralLength(pattern, i);
-    // In a class, two surrogate escapes each the end of a surrogate range (`[\uD800-\uDBFF\uDC00-\uDFFF]`)
-    // are two UTF-16 units meant as such, not one character: read as the escapes they are. (A
-    // range to one from anything else, `[a-\uD83D\uDE00]`, is an emoji that ends a range.)
+    // In a class, two surrogate escapes one of which is the end of a surrogate range
+    // (`[\uD800-\uDBFF\uDC00-\uDFFF]`) are two UTF-16 units meant as such, not one character:
+    // read as the escapes they are. (A range to one from anything else, `[a-\uD83D\uDE00]`, or
+    // after a `-` that is no range's, `[a-b-\uD83D\uDE00]`, is an emoji in a class.)
     const unitsInRange =
       inClass &&
       astral === 12 &&
-      ((pattern[i - 1] === "-" && SURROGATE_ESCAPE.test(pattern.slice(i - 7, i - 1))) ||
+      (rangeFrom === "surrogate" ||
         (pattern[i + 12] === "-" && SURROGATE_ESCAPE.test(pattern.slice(i + 13, i + 19))));
-    if (astral > 0 && !unitsInRange) {
+    if (unitsInRange) {
+      atom(true);
+      atom(true);
+      i += 11;
+      continue;
+    }
+    if (astral > 0) {
       const spelled = pattern.slice(i, i + astral);
       const halves =
         "is a character above U+FFFF, which JavaScript without the `u` flag reads as two UTF-16 units";
@@ -279,13 +294,24 @@ export function foreignRegexSyntax(pattern: string): string | undefined {
       if (/^[A-Za-z]$/.test(next) && !JS_LETTER_ESCAPES.has(next)) {
         return `\\${next} is no JavaScript escape (another dialect's?), a literal "${next}" in JavaScript: write the letter without the backslash, or JavaScript's escape for what you mean`;
       }
-      i++; // the escaped character
+      if (inClass) atom(SURROGATE_ESCAPE.test(pattern.slice(i, i + 6)));
+      // The escaped character, and a \uHHHH's or \xHH's digits.
+      i += next === "u" ? 5 : next === "x" ? 3 : 1;
     } else if (c === "[" && /^\[:[a-z]+:\]/.test(pattern.slice(i + 1))) {
       return `${pattern.slice(i, pattern.indexOf("]", i) + 2)} is a POSIX class, which JavaScript does not have: use \\d, \\s, \\w or a range such as [0-9]`;
-    } else if (c === "[") {
+    } else if (c === "[" && !inClass) {
       inClass = true;
-    } else if (c === "]") {
+      last = null;
+      rangeFrom = null;
+    } else if (c === "]" && inClass) {
       inClass = false;
+    } else if (inClass) {
+      // A `-` between an atom that ended no range and one more is a range's; any other, a literal.
+      const lastAtom = last as { surrogate: boolean; endsRange: boolean } | null;
+      if (c === "-" && lastAtom !== null && !lastAtom.endsRange && pattern[i + 1] !== "]") {
+        rangeFrom = lastAtom.surrogate ? "surrogate" : "other";
+        last = null;
+      } else atom(false);
     }
   }
   return undefined;
