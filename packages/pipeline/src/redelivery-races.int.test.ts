@@ -31,6 +31,43 @@ function patched(
   });
 }
 
+/** `store` whose `launchState` never answers while `silent()` (a worker cut off from Redis). */
+function silencing(store: PipelineDeps["store"], silent: () => boolean): PipelineDeps["store"] {
+  return new Proxy(store, {
+    get(target, prop) {
+      if (prop === "launchState" && silent()) return () => new Promise(() => undefined);
+      const value: unknown = Reflect.get(target, prop, target);
+      return typeof value === "function" ? value.bind(target) : value;
+    },
+  });
+}
+
+/**
+ * An agent that does not watch the signal: one step, then (once `resume` opens) another, whose
+ * refusal it keeps (`step2Error`). `signal` is the one its harness was given.
+ */
+function twoStepAgent() {
+  const stepped = latch();
+  const resume = latch();
+  const seen: { signal?: AbortSignal; step2Error?: string } = {};
+  const createHarness: PipelineDeps["createHarness"] = (agent) => ({
+    name: agent.harness,
+    run: async (ctx) => {
+      seen.signal = ctx.signal;
+      await ctx.provider.exec(ctx.handle, ["agent-A", "step-1"], { deadlineMs: ctx.deadlineMs });
+      stepped.open();
+      await resume.opened;
+      await ctx.provider
+        .exec(ctx.handle, ["agent-A", "step-2"], { deadlineMs: ctx.deadlineMs })
+        .catch((err: unknown) => {
+          seen.step2Error = String(err);
+        });
+      return { exec: execResult(), answer: null, transcript: null, usage: null };
+    },
+  });
+  return { createHarness, stepped, resume, seen };
+}
+
 describe("stage jobs delivered twice (a stalled job taken over while its first worker goes on)", () => {
   let fleet: InProcessFleet | undefined;
   afterEach(async () => fleet?.close());
@@ -302,52 +339,27 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     const deps = fleet!.deps;
     expect(await runStageJob("seed", job(id), deps)).toBe("ok");
     let cut = false;
-    const cutOff = new Proxy(deps.store, {
-      get(target, prop) {
-        if (prop === "launchState" && cut) return () => new Promise(() => undefined);
-        const value: unknown = Reflect.get(target, prop, target);
-        return typeof value === "function" ? value.bind(target) : value;
-      },
-    });
-    const stepped = latch();
-    const resume = latch();
-    let signal: AbortSignal | undefined;
-    const stepTwo: { err?: string } = {};
-    // An agent that does not watch the signal: one step, then (once resumed) another.
-    const twoSteps: PipelineDeps["createHarness"] = (agent) => ({
-      name: agent.harness,
-      run: async (ctx) => {
-        signal = ctx.signal;
-        await ctx.provider.exec(ctx.handle, ["agent-A", "step-1"], { deadlineMs: ctx.deadlineMs });
-        stepped.open();
-        await resume.opened;
-        await ctx.provider
-          .exec(ctx.handle, ["agent-A", "step-2"], { deadlineMs: ctx.deadlineMs })
-          .catch((err: unknown) => {
-            stepTwo.err = String(err);
-          });
-        return { exec: execResult(), answer: null, transcript: null, usage: null };
-      },
-    });
+    const cutOff = silencing(deps.store, () => cut);
+    const agent = twoStepAgent();
     const first = runStageJob(
       "run",
       job(id),
-      { ...deps, store: cutOff, createHarness: twoSteps, stopPollMs: 50 },
+      { ...deps, store: cutOff, createHarness: agent.createHarness, stopPollMs: 50 },
       { lockDurationMs: 400 },
     ).catch((err: unknown) => err);
-    await stepped.opened;
+    await agent.stepped.opened;
     cut = true;
     // Half its lock without an answer: it stops waiting (its harness told to stop).
-    await vi.waitFor(() => expect(signal?.aborted).toBe(true), { timeout: 5_000, interval: 20 });
+    await vi.waitFor(() => expect(agent.seen.signal?.aborted).toBe(true), { timeout: 5_000, interval: 20 });
     // Its lock lapses; another worker takes the run over, and the rollout is verified.
     expect(await runStageJob("run", job(id), deps)).toBe("ok");
     const verify: PipelineDeps["verify"] = async () => ({ reward: 1, details: { kind: "stub" } });
     expect(await runStageJob("verify", job(id), { ...deps, verify })).toBe("ok");
     const verifiedAt = provider.execCalls.length;
     // The first launch's agent takes its next step: refused, and the job is handed back.
-    resume.open();
+    agent.resume.open();
     expect(String(await first)).toContain("HandBackError");
-    expect(stepTwo.err).toContain("cannot be confirmed");
+    expect(agent.seen.step2Error).toContain("cannot be confirmed");
     expect(provider.execCalls.slice(verifiedAt).map((c) => c.argv.join(" "))).toEqual([]);
   });
 
@@ -371,13 +383,7 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
       const deps = fleet!.deps;
       expect(await runStageJob("seed", job(id), deps)).toBe("ok");
       let silent = false;
-      const store = new Proxy(deps.store, {
-        get(target, prop) {
-          if (prop === "launchState" && silent) return () => new Promise(() => undefined);
-          const value: unknown = Reflect.get(target, prop, target);
-          return typeof value === "function" ? value.bind(target) : value;
-        },
-      });
+      const store = silencing(deps.store, () => silent);
       let killed = 0;
       const counting = patched(provider, {
         killProcesses: async (h: SandboxHandle) => {
@@ -385,25 +391,7 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
           return provider.killProcesses(h);
         },
       });
-      const stepped = latch();
-      const resume = latch();
-      let signal: AbortSignal | undefined;
-      const stepTwo: { err?: string } = {};
-      const twoSteps: PipelineDeps["createHarness"] = (agent) => ({
-        name: agent.harness,
-        run: async (ctx) => {
-          signal = ctx.signal;
-          await ctx.provider.exec(ctx.handle, ["agent-A", "step-1"], { deadlineMs: ctx.deadlineMs });
-          stepped.open();
-          await resume.opened;
-          await ctx.provider
-            .exec(ctx.handle, ["agent-A", "step-2"], { deadlineMs: ctx.deadlineMs })
-            .catch((err: unknown) => {
-              stepTwo.err = String(err);
-            });
-          return { exec: execResult(), answer: null, transcript: null, usage: null };
-        },
-      });
+      const agent = twoStepAgent();
       // The stop poll's interval never fires: only the gate can hear the fence.
       vi.useFakeTimers({ toFake: ["setInterval", "clearInterval"] });
       try {
@@ -411,10 +399,10 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
         const first = runStageJob(
           "run",
           job(id),
-          { ...deps, provider: counting, store, createHarness: twoSteps, stopPollMs: 50 },
+          { ...deps, provider: counting, store, createHarness: agent.createHarness, stopPollMs: 50 },
           { lockDurationMs: 400 },
         ).catch((err: unknown) => err);
-        await stepped.opened;
+        await agent.stepped.opened;
         // Past half the lock (200 ms) since the fence last answered (before the launch). Not
         // `vi.waitFor`: under fake timers it advances them, and the poll would tick.
         while (performance.now() - launchedAt <= 250) await sleep(20);
@@ -424,10 +412,10 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
         else silent = true;
         const killedBefore = killed;
         const execsBefore = provider.execCalls.length;
-        resume.open();
+        agent.resume.open();
         expect(String(await first)).toContain(outcome);
-        expect(signal?.aborted).toBe(true);
-        expect(stepTwo.err).toContain("cannot be confirmed");
+        expect(agent.seen.signal?.aborted).toBe(true);
+        expect(agent.seen.step2Error).toContain("cannot be confirmed");
         expect(provider.execCalls.slice(execsBefore).map((c) => c.argv.join(" "))).toEqual([]);
         expect(killed - killedBefore).toBe(kills);
       } finally {
