@@ -1395,16 +1395,10 @@ function holdPidNamespace(pid: number): { namespace: string; close(): void } | n
 /** The processes outside PID namespace `namespace` whose children go into it (`nsenter --pid`). */
 function processesEntering(namespace: string): number[] {
   const out: number[] = [];
-  let pids: string[];
-  try {
-    pids = readdirSync("/proc").filter((n) => /^\d+$/.test(n));
-  } catch {
-    return out;
-  }
-  for (const pid of pids) {
+  for (const pid of hostPids()) {
     try {
       if (readlinkSync(`/proc/${pid}/ns/pid_for_children`) !== namespace) continue;
-      if (readlinkSync(`/proc/${pid}/ns/pid`) !== namespace) out.push(Number(pid));
+      if (readlinkSync(`/proc/${pid}/ns/pid`) !== namespace) out.push(pid);
     } catch {}
   }
   return out;
@@ -1453,16 +1447,10 @@ function keepalivesOf(initPid: number): number[] {
 function processesWithEnv(name: string, value: string): number[] {
   const entry = `${name}=${value}`;
   const out: number[] = [];
-  let pids: string[];
-  try {
-    pids = readdirSync("/proc").filter((n) => /^\d+$/.test(n));
-  } catch {
-    return out;
-  }
-  for (const pid of pids) {
+  for (const pid of hostPids()) {
     try {
       if (!readFileSync(`/proc/${pid}/environ`, "latin1").split("\0").includes(entry)) continue;
-      if (startTime(Number(pid)) !== null) out.push(Number(pid));
+      if (startTime(pid) !== null) out.push(pid);
     } catch {}
   }
   return out;
@@ -1478,9 +1466,14 @@ function commOf(pid: number): string | null {
 
 /** Direct children of a process (a /proc scan: `task/<tid>/children` is not always there). */
 function childrenOf(pid: number): number[] {
+  return hostPids().filter((n) => parentOf(n) === pid);
+}
+
+/** The pids in this process's `/proc` (none when it cannot be listed). */
+function hostPids(): number[] {
   try {
     return readdirSync("/proc")
-      .filter((n) => /^\d+$/.test(n) && parentOf(Number(n)) === pid)
+      .filter((n) => /^\d+$/.test(n))
       .map(Number);
   } catch {
     return [];
