@@ -6,7 +6,13 @@ import { CAP_CODES, type CapLimits, capRefusal } from "./caps.ts";
 import { bearerToken, mintToken, parseToken, secretMatches } from "./gateway-token.ts";
 import { linkLocalRefusal, type ModelDispatcher, modelFetch } from "./model-fetch.ts";
 import { type KeyProbe, probeKey } from "./probe-key.ts";
-import { isGatewayTimeoutStatus, isInfraStatus, isRefusalStatus, isSlowGatewayTimeout } from "./status.ts";
+import {
+  CONTEXT_LENGTH_WORDING,
+  isGatewayTimeoutStatus,
+  isInfraStatus,
+  isRefusalStatus,
+  isSlowGatewayTimeout,
+} from "./status.ts";
 import { readCallUsage, UsageMeter } from "./usage-meter.ts";
 
 /** A rollout's usage as the gateway reports it: the contracts `Usage` shape. */
@@ -704,8 +710,6 @@ async function readResponse(response: Response, max: number): Promise<string> {
 const ERROR_WORDS = /^[a-z]+(?:_[a-z]+)*$/;
 /** An error's `param` as the gateway passes it on: a request path (`messages[0].content`). */
 const ERROR_PARAM = /^[a-z_]+(?:\[\d{1,6}\])?(?:\.[a-z_]+(?:\[\d{1,6}\])?)*$/;
-/** How an upstream says the request does not fit the model's context (vLLM, SGLang, OpenAI, Anthropic's proxies). */
-const CONTEXT_LENGTH = /context[ _-]?(length|window)|maximum context|prompt is too long|too many tokens/i;
 
 /**
  * What the gateway passes on of an upstream's error body (`{"error": {…}}`, `{"error": "…"}`,
@@ -746,7 +750,7 @@ function upstreamError(text: string): {
   if (param !== undefined) out.param = param;
   out.contextLength =
     fields.code === "context_length_exceeded" ||
-    (typeof fields.message === "string" && CONTEXT_LENGTH.test(fields.message));
+    (typeof fields.message === "string" && CONTEXT_LENGTH_WORDING.test(fields.message));
   return out;
 }
 

@@ -21,6 +21,7 @@ export {
 } from "./model-fetch.ts";
 export { type KeyProbe, probeKey } from "./probe-key.ts";
 export {
+  CONTEXT_LENGTH_WORDING,
   GATEWAY_TIMEOUT_MIN_MS,
   isGatewayTimeoutStatus,
   isInfraStatus,

@@ -57,3 +57,10 @@ export function isInfraStatus(status: number, elapsedMs: number, minMs = GATEWAY
     !isSlowGatewayTimeout(status, elapsedMs, minMs)
   );
 }
+
+/**
+ * How an upstream's error message says the request does not fit the model's context (OpenAI,
+ * vLLM, SGLang, Anthropic's proxies), for one that sends no `context_length_exceeded` code.
+ */
+export const CONTEXT_LENGTH_WORDING =
+  /context[ _-]?(length|window)|maximum context|prompt is too long|too many tokens/i;

@@ -1,6 +1,7 @@
 import { setTimeout as sleep } from "node:timers/promises";
 import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
 import {
+  CONTEXT_LENGTH_WORDING,
   isChatCompletion,
   isSlowGatewayTimeout,
   linkLocalRefusal,
@@ -43,14 +44,12 @@ export function retryAfterMs(headers: Headers, now = Date.now()): number | null 
   return Number.isNaN(at) ? null : Math.max(0, at - now);
 }
 
-const CONTEXT_LENGTH = /context[ _-]?(length|window)|maximum context|prompt is too long|too many tokens/i;
-
 /** Whether an error response says the conversation no longer fits the model's context. */
 export function isContextLengthError(status: number, body: unknown): boolean {
   if (status < 400 || status >= 500 || status === 429) return false;
   const e = errorFields(body);
   if (e.code === "context_length_exceeded") return true;
-  return CONTEXT_LENGTH.test(e.message ?? "");
+  return CONTEXT_LENGTH_WORDING.test(e.message ?? "");
 }
 
 /** An error body's `error` (an object with string fields, or a bare string: its message). */
