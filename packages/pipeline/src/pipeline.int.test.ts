@@ -35,7 +35,7 @@ import type { PipelineDeps } from "./deps.ts";
 import { type DeferralError, isDeferral, isHandBack, RedisHoldError } from "./hand-back.ts";
 import { janitorTick } from "./janitor.ts";
 import { runStageJob } from "./stage-runner.ts";
-import { beginOptions, HANDLERS } from "./stages.ts";
+import { beginOptions, HANDLERS, SUPERSEDED } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 import { createStageWorkers } from "./worker.ts";
@@ -3042,6 +3042,33 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.get(id!))!.receipts.run).toBeUndefined();
     await runStageJob("close", job(id!), fleet.deps);
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
+  });
+
+  it("a run whose begin reaches Redis after a later delivery's claim (held through an outage) is superseded: it starts no harness and leaves the fence to that launch (rule 10)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    await fleet.deps.store.begin(id!, "run", Date.now(), { launchToken: "first" });
+    await fleet.deps.store.begin(id!, "run", Date.now(), { launchToken: "later" });
+    // The first delivery's begin again, late.
+    const {
+      record,
+      failures,
+      unreadableFailures: _,
+      ...begun
+    } = await fleet.deps.store.begin(id!, "run", Date.now(), {
+      launchToken: "first",
+    });
+    expect(begun.launch).toMatchObject({ previous: "superseded", launches: 0 });
+    const { counting, launches } = countingLaunches(fleet.deps);
+    // Its lock as fresh as can be: the handler does not rely on looking at the fence again.
+    const lock = { since: Date.now(), durationMs: 60_000 };
+    const rec = Object.assign(record!, { begun, failureLog: failures, lock });
+    expect(await HANDLERS.run(rec, counting, 1)).toBe(SUPERSEDED);
+    expect(launches()).toBe(0);
+    const after = await fleet.deps.store.get(id!);
+    expect(after!.fence).toBe("launched:later");
+    expect(after!.launches).toBe(2);
+    expect(after!.receipts.run).toBeUndefined();
   });
 
   it("an error from a sandbox that vanished mid-run masks as sandbox_lost, whatever its surface", async () => {

@@ -605,6 +605,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     })());
   const { previous, launches, token } = claim;
   if (previous === "stopped") return "close";
+  // This delivery's claim reached Redis late, after a later delivery's (it was held through an
+  // outage): that launch holds the fence, and this one touches nothing.
+  if (previous === "superseded") {
+    deps.logger.warn(
+      { rolloutId: rec.meta.id },
+      "the run's launch claim came after a later delivery's; leaving the run to it",
+    );
+    return SUPERSEDED;
+  }
   const id = rec.meta.id;
   // This launch's failure is the rollout's only while it holds the fence: one taken over (a
   // later delivery claimed the launch, and may have replaced its own sandbox under it) must not

@@ -111,7 +111,8 @@ export interface BeginResult {
   intentFresh: boolean;
   /**
    * The launch claim made by this begin (`launchToken`, stage not skipped): `previous` is
-   * 'stopped' when a stop won, else the previous fence; null when no claim was made.
+   * 'stopped' when a stop won, 'superseded' when this token claimed before and another launch
+   * holds the fence now (see `claimLaunch`), else the previous fence; null when no claim was made.
    */
   launch: { previous: string; launches: number; token: string } | null;
   /**
@@ -786,7 +787,9 @@ export class RolloutStore {
       if (value !== null && value !== undefined) h[names[i]!] = value;
     }
     if (verifyPrev !== null && verifyPrev !== undefined) h["t:verify:prev"] = verifyPrev;
-    const claimed = options.launchToken !== undefined && (previous === "stopped" || Number(launches) > 0);
+    const claimed =
+      options.launchToken !== undefined &&
+      (previous === "stopped" || previous === "superseded" || Number(launches) > 0);
     const log = readFailureLog(failures);
     return {
       record: parseRecord(h),
@@ -1244,8 +1247,11 @@ export class RolloutStore {
   }
 
   /**
-   * Fenced launch: `previous` is 'stopped' if a stop won, otherwise the previous fence ('' on the
-   * first launch); `launches` counts launches so far, this one included (0 when stopped).
+   * Fenced launch: `previous` is 'stopped' if a stop won; 'superseded' if this token claimed
+   * before and the fence has moved on since (a later delivery claimed, or this claim was given
+   * back): this claim arriving again late, held in the client's queue through an outage, takes
+   * nothing back; otherwise the previous fence ('' on the first launch). `launches` counts
+   * launches so far, this one included (0 when stopped or superseded).
    */
   async claimLaunch(id: string, token: string): Promise<{ previous: string; launches: number }> {
     const [previous, launches] = (await this.redis.fleetClaimLaunch(this.keys.rollout(id), token)) as [

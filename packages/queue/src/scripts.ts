@@ -30,20 +30,26 @@ const OPEN_OR_RETURN_0 = `${TERMINAL}
 
 /**
  * The fenced launch claim (DESIGN §2 rule 10), shared by `fleetClaimLaunch` and `fleetBegin`,
- * on the rollout's fields as its caller read them (`fence`, `fence:prev`, `launches`, `closed`;
- * false when absent), writing through `write(name, value)`: returns 'stopped', 0 when a stop
- * already won, else the previous fence ('' for the first launch, 'launched:<token>' on a
- * re-delivery) and the launches so far, this one included.
+ * on the rollout's fields as its caller read them (`fence`, `fence:prev`, `launches`, `closed`,
+ * `lseen:<token>`, the mark of this token's claim; false when absent), writing through
+ * `write(name, value)`: returns 'stopped', 0 when a stop already won; 'superseded', 0 when this
+ * token claimed before and the fence has moved on since; else the previous fence ('' for the
+ * first launch, 'launched:<token>' on a re-delivery) and the launches so far, this one included.
  */
-const CLAIM_LAUNCH = `local function claimLaunch(key, token, fence, prev, launches, closed, write)
+const CLAIM_LAUNCH = `local function claimLaunch(key, token, fence, prev, launches, closed, seen, write)
         if fence == 'launched:' .. token then
           -- This very claim again (tokens are unique per attempt): ioredis re-sent the command
           -- after a reconnect lost its reply. Answer as the first time, counting no launch.
           return prev or '', tonumber(launches or '1')
         end
         if fence == 'stopped' or closed == '1' then return 'stopped', 0 end
+        -- This token claimed before and the fence has moved on (a later delivery claimed it, or
+        -- this claim was given back): the claim arriving again late (held in a client's queue
+        -- through an outage, then sent) takes nothing back from the launch that holds it now.
+        if seen then return 'superseded', 0 end
         write('fence', 'launched:' .. token)
         write('fence:prev', fence or '')
+        write('lseen:' .. token, '1')
         return fence or '', redis.call('HINCRBY', key, 'launches', 1)
       end`;
 
@@ -187,8 +193,9 @@ function luaList(names: readonly string[]): string {
  * `names`, the fields it reads, the returned ones (`BEGIN_FIELDS` or `BEGIN_CLOSE_FIELDS`) first,
  * then the others the begin checks, each once (`want`); `at`, where each is; `i<Field>`, where
  * the fields the begin checks by name are (nil when not read). A seed's or verify's token field
- * (`seen` .. token, the token's own) has the slot `iSeen`, filled in by each begin before its
- * HMGET. Compact (lines shared): fleetBegin's body keeps the line numbers its errors report.
+ * (`seen` .. token, the token's own) has the slot `iSeen`, a run's launch token's mark
+ * (`lseen:` .. token) the slot `iLseen`, filled in by each begin before its HMGET. Compact
+ * (lines shared): fleetBegin's body keeps the line numbers its errors report.
  */
 const BEGIN_SHAPES = `local shapes = {}
       local function shapeOf(stage, close, withIntent, withToken)
@@ -210,6 +217,7 @@ const BEGIN_SHAPES = `local shapes = {}
           s.seen = stage == 'seed' and 'sseen:' or 'vseen:'; s.iSeen = #names + 1; names[s.iSeen] = ''
         elseif not close and withToken then
           s.iPrev = want('fence:prev'); s.iLaunches = want('launches'); s.iRunDeadline = want('deadline')
+          s.iLseen = #names + 1; names[s.iLseen] = ''
         end
         if not close and stage == 'verify' then
           s.iLast = want('t:verify:last'); s.iSweep = want('t:verify:sweep'); s.iNote = want('vnote')
@@ -684,8 +692,8 @@ const SCRIPTS = {
     keys: 1,
     lua: `
       ${CLAIM_LAUNCH}
-      local f = redis.call('HMGET', KEYS[1], 'fence', 'fence:prev', 'launches', 'closed')
-      local previous, launches = claimLaunch(KEYS[1], ARGV[1], f[1], f[2], f[3], f[4], function(name, value)
+      local f = redis.call('HMGET', KEYS[1], 'fence', 'fence:prev', 'launches', 'closed', 'lseen:' .. ARGV[1])
+      local previous, launches = claimLaunch(KEYS[1], ARGV[1], f[1], f[2], f[3], f[4], f[5], function(name, value)
         redis.call('HSET', KEYS[1], name, value)
       end)
       return {previous, launches}`,
@@ -830,7 +838,7 @@ const SCRIPTS = {
       local iStart, iReceipt, iDeadline, iSeen = shape.iStart, shape.iReceipt, shape.iDeadline, shape.iSeen
       local iPrev, iLaunches, iLast, iSweep = shape.iPrev, shape.iLaunches, shape.iLast, shape.iSweep
       local iNote, iEpoch, iAware = shape.iNote, shape.iEpoch, shape.iAware
-      if iSeen then names[iSeen] = shape.seen .. token end
+      if iSeen then names[iSeen] = shape.seen .. token elseif shape.iLseen then names[shape.iLseen] = 'lseen:' .. token end
       local v = redis.call('HMGET', KEYS[1], unpack(names))
       local status = v[at['status']]
       local writes = {}
@@ -917,7 +925,7 @@ const SCRIPTS = {
               local deadline = tonumber(v[shape.iRunDeadline])
               if not (deadline and tonumber(now) >= deadline) then
                 previous, launches = claimLaunch(KEYS[1], token, v[at['fence']], v[iPrev], v[iLaunches], v[at['closed']],
-                  function(name, value) write(at[name], name, value) end)
+                  v[shape.iLseen], function(name, value) write(at[name], name, value) end)
               end
             end
           end

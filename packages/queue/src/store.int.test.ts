@@ -474,6 +474,23 @@ describe("rollout store", () => {
     expect(second.launch).toEqual({ previous: "launched:a", launches: 2, token: "b" });
     expect((await store.begin(id, "run", 2, { launchToken: "b" })).launch).toEqual(second.launch);
     expect(await store.claimLaunch(id, "b")).toEqual({ previous: "launched:a", launches: 2 });
+    // The first attempt's begin arriving again late, after the second's claim (held in its
+    // client's queue through an outage, then sent): it takes nothing back from the launch that
+    // holds the fence, and counts no launch.
+    expect((await store.begin(id, "run", 1, { launchToken: "a" })).launch).toEqual({
+      previous: "superseded",
+      launches: 0,
+      token: "a",
+    });
+    expect(await store.claimLaunch(id, "a")).toEqual({ previous: "superseded", launches: 0 });
+    expect(await redis.hmget(store.keys.rollout(id), "fence", "launches")).toEqual(["launched:b", "2"]);
+    expect(await store.launchState(id, "b")).toBe("run");
+    // A claim given back (its harness never started) is not taken again by its own late copy.
+    const given = (await admitOne()).ids[0]!;
+    expect(await store.claimLaunch(given, "g")).toEqual({ previous: "", launches: 1 });
+    expect(await store.releaseLaunch(given, "g", "")).toBe(true);
+    expect(await store.claimLaunch(given, "g")).toEqual({ previous: "superseded", launches: 0 });
+    expect(await redis.hget(store.keys.rollout(given), "fence")).toBeNull();
 
     // Verify: a begin (sent again or not) is no earlier attempt whose tests it must wait out;
     // only tests noted as started are, the latest of them.
