@@ -395,20 +395,20 @@ export class RolloutStore {
   /**
    * Store a task once (content-addressed). With retention on, it lives `resultTtlMs` plus the
    * longest a rollout can live (`LONGEST_LIFE_MS`) past its latest admission, which refreshes it:
-   * every rollout that refers to it finishes before it goes.
+   * every rollout that refers to it finishes before it goes. With retention off, for good.
    */
   async putTask(task: TaskContent, digest: string): Promise<void> {
     const key = this.keys.task(digest);
+    const tx = this.redis.multi();
     if (this.resultTtlMs === 0) {
-      await this.redis.set(key, JSON.stringify(task), "NX");
-      return;
+      // Kept for good, also when a release with retention stored it first (a rolling restart
+      // that turned retention off): its lease would run out under rollouts still in flight.
+      tx.set(key, JSON.stringify(task), "NX").persist(key);
+    } else {
+      const ttl = this.resultTtlMs + LONGEST_LIFE_MS;
+      tx.set(key, JSON.stringify(task), "PX", ttl, "NX").pexpire(key, ttl);
     }
-    const ttl = this.resultTtlMs + LONGEST_LIFE_MS;
-    const replies = await this.redis
-      .multi()
-      .set(key, JSON.stringify(task), "PX", ttl, "NX")
-      .pexpire(key, ttl)
-      .exec();
+    const replies = await tx.exec();
     for (const [err] of replies ?? []) if (err) throw err;
   }
 

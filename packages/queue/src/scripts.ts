@@ -471,13 +471,17 @@ const SCRIPTS = {
    * Set a field unless the rollout is terminal. ARGV: field, value, mode: '0' always, '1' only if
    * absent, '2' only if absent and the rollout is neither closing nor graded (its result is
    * decided already); optionally a fence field and the value it must hold (e.g. 'vfence' and a
-   * verify attempt's token). Returns 1 if set.
+   * verify attempt's token). Returns 1 if set, also when the field holds this value already
+   * (the same call sent again).
    */
   fleetSetField: {
     keys: 1,
     lua: `
       ${OPEN_OR_RETURN_0}
       if ARGV[4] and ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[4]) ~= ARGV[5] then return 0 end
+      -- This very call again (ioredis re-sent it after a reconnect lost its reply): answered as
+      -- the first time, set (the value, a failure record with its time, is the caller's own).
+      if ARGV[3] ~= '0' and redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return 1 end
       if ARGV[3] == '2' and (redis.call('HEXISTS', KEYS[1], 'closed') == 1
           or redis.call('HEXISTS', KEYS[1], 'r:verify') == 1) then return 0 end
       if ARGV[3] ~= '0' then return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) end
@@ -508,6 +512,7 @@ const SCRIPTS = {
       ${FORGET_DESTROYED}`,
       `
       -- ARGV[13], ARGV[14]: which sandbox's destroy confirmed ARGV[7], ARGV[8] (see forgetDestroyed).
+      local given = ARGV[1]
       for i = 7, 8 do
         if ARGV[i] ~= '' then forgetDestroyed(KEYS[4], KEYS[5], KEYS[6], ARGV[i], ARGV[i + 6] or '') end
       end
@@ -529,8 +534,16 @@ const SCRIPTS = {
       if not status or terminal[status] then
         -- A closer that lost the race may still have confirmed the last teardown just now.
         confirmTeardown(KEYS[1], KEYS[5], ARGV[9], ARGV[10], KEYS[9], ARGV[5], KEYS[4])
-        -- This very call sent again (a reconnect lost its reply): it did finalize.
-        if status and redis.call('HGET', KEYS[1], 'finalizer') == ARGV[12] then return 1 end
+        -- This very call sent again (a reconnect lost its reply): it did finalize, and answers
+        -- with the teardown its result holds now against the one it was given (2: turned
+        -- pending, 3: turned confirmed), as the caller's copy must say what is stored.
+        if status and redis.call('HGET', KEYS[1], 'finalizer') == ARGV[12] then
+          local stored = redis.call('HGET', KEYS[1], 'result') or given
+          local function pending(text) return editResult(text, 'teardown', '"pending"', '') ~= text end
+          if pending(stored) and not pending(given) then return 2 end
+          if pending(given) and not pending(stored) then return 3 end
+          return 1
+        end
         return 0
       end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])

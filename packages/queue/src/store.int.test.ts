@@ -275,6 +275,26 @@ describe("rollout store", () => {
     expect((await store.failureLog(id)).length).toBe(20);
   });
 
+  it("a deciding failure sent again (a reconnect lost the reply of the call that set it) is answered set, and logged", async () => {
+    const id = (await admitOne()).ids[0]!;
+    const failure = {
+      stage: "run",
+      terminal: true,
+      failureKind: "sandbox_lost",
+      mask: true,
+      reason: "gone",
+      at: 7,
+    } as const;
+    expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(true);
+    // As if the first call's reply had been lost: the field set, its log row never appended.
+    await redis.del(store.keys.failures(id));
+    expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(true);
+    expect(await store.failureLog(id)).toEqual([failure]);
+    // Another failure is still refused: the first decided.
+    expect(await store.recordFailure(id, { ...failure, at: 8 }, { beforeDecided: true })).toBe(false);
+    expect((await store.get(id))!.failure).toEqual(failure);
+  });
+
   it("same idempotency key → same rollout and one seed job", async () => {
     const a = await admitOne("same-key");
     const b = await admitOne("same-key");
@@ -1659,6 +1679,21 @@ describe("rollout store", () => {
     // Its destroy confirmed later: confirmed, and the teardown_failed it was given goes with it.
     for (const id of [completed, timedOut, masked]) await ledger.confirm(sandboxEntry(id), handle(id));
     expect(await store.getResult(completed)).toMatchObject({ teardown: "confirmed", failureKind: null });
+
+    // The same finalize sent again (a reconnect lost its reply) hands back what is stored, as the
+    // first did: pending while the sandbox is left, confirmed once its destroy is.
+    const again = (await admitOne()).ids[0]!;
+    await ledger.recordIntent(sandboxEntry(again));
+    await ledger.attachHandle({ ...sandboxEntry(again), handle: handle(again) });
+    const meta = (await store.begin(again, "close", 20)).record!.meta;
+    const send = () =>
+      store.finalizeStored(meta, resultFor(again, "completed"), 30, closeReceipt, [], "call-1");
+    const pending = { teardown: "pending", failureKind: "teardown_failed" };
+    expect(await send()).toMatchObject(pending);
+    expect(await send()).toMatchObject(pending);
+    await ledger.confirm(sandboxEntry(again), handle(again));
+    expect(await send()).toMatchObject({ teardown: "confirmed", failureKind: null });
+    expect(await store.getResult(again)).toMatchObject({ teardown: "confirmed", failureKind: null });
   });
 
   it("a gateway network's removal, done last, does not mark the teardown confirmed while a sandbox of the rollout is registered with a handle", async () => {
@@ -2174,6 +2209,11 @@ describe("rollout store", () => {
     await redis.pexpire(kept.keys.task(digest), 5_000);
     await kept.putTask(t, digest);
     expect(await redis.pttl(kept.keys.task(digest))).toBeGreaterThan(full - 60_000);
+    // Admitted again by a release with retention off (a rolling restart that turned it off): kept
+    // for good, not left to the lease the first one gave it.
+    await redis.pexpire(kept.keys.task(digest), 5_000);
+    await new RolloutStore(redis, prefix, { resultTtlMs: 0 }).putTask(t, digest);
+    expect(await redis.pttl(kept.keys.task(digest))).toBe(-1);
   });
 
   it("teardown backoff is jittered between half and all of base·2^n, capped; a sandbox scheduled again keeps its failures' backoff; a network retry keeps its first time and, once done, is not brought back", async () => {
