@@ -710,8 +710,17 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       // (seconds past the agent's overrun budget), and a command the sweep killed was never
       // reaped, so the sandbox's PID 1 could not exit and its destroy failed. Resumed here; not
       // in a sandbox stopped or frozen from outside, whose exec ends at the timer, lost.
+      // The keepalive looked for once (a scan of every host process's parent), not on every
+      // tick while the sandbox stays stopped: that scan, each 100 ms per exec pending, kept a
+      // worker's event loop busy most of the time on a host of a few thousand processes.
+      let keepalives: readonly number[] | undefined;
+      const keepalivesOnce = () => (keepalives ??= keepalivesOf(state.initPid));
       const resume = setInterval(() => {
-        if (child.pid === undefined || !isStopped(child.pid) || frozenFromOutside(state.initPid) !== null)
+        if (
+          child.pid === undefined ||
+          !isStopped(child.pid) ||
+          frozenFromOutside(state.initPid, keepalivesOnce) !== null
+        )
           return;
         try {
           process.kill(child.pid, "SIGCONT");
@@ -923,14 +932,17 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // and, on a host without cgroups, as the host processes whose children go into its PID
     // namespace (read from PID 1 before it is killed; held open meanwhile, so that its number
     // cannot pass to a new sandbox's namespace while this one is still being destroyed).
-    const held = initAlive() ? holdPidNamespace(state.initPid) : null;
-    const namespace = held !== null && initAlive() ? held.namespace : null;
+    let held: ReturnType<typeof holdPidNamespace> = null;
+    let namespace: string | null = null;
     const marked = () => [
       ...(starting ? processesWithEnv(SANDBOX_ID_ENV, state.id) : []),
       ...cgroupProcesses(state.cgroups ?? []).filter(entersAnotherPidNamespace),
       ...(namespace === null ? [] : processesEntering(namespace)),
     ];
     try {
+      // (In the try: a look at PID 1 that throws, /proc unreadable, still closes what is held.)
+      held = initAlive() ? holdPidNamespace(state.initPid) : null;
+      namespace = held !== null && initAlive() ? held.namespace : null;
       const until = performance.now() + 10_000;
       for (let attempt = 0; ; attempt++) {
         const others = marked();
@@ -1363,8 +1375,11 @@ function pinSandbox(state: BwrapState): { files: NsenterFiles; close(): void } {
  * attach, same uid and PID 1 holding no capability, then a detach with SIGSTOP, leaves it `T`
  * with no tracer), but not the keepalive, which runs as nobody. The freezer is the host's.
  */
-function frozenFromOutside(pid: number): string | null {
-  if (isStopped(pid) && keepalivesOf(pid).some(isStopped)) {
+function frozenFromOutside(
+  pid: number,
+  keepalives: () => readonly number[] = () => keepalivesOf(pid),
+): string | null {
+  if (isStopped(pid) && keepalives().some(isStopped)) {
     return `was stopped from outside (its PID 1, host pid ${pid}, and its keepalive are stopped)`;
   }
   const freezer = freezerState(pid);
