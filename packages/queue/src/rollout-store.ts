@@ -1228,8 +1228,15 @@ export class RolloutStore {
     const key = this.keys.failures(id);
     tx.rpush(key, json).ltrim(key, -20, -1);
     // With retention on, the log outlives its rollout's whole life from any append (finalize then
-    // cuts it to the result's retention), and a late append after finalize still expires.
+    // cuts it to the result's retention), and a late append after finalize still expires. Off,
+    // it expires with its rollout once that has an expiry (a late append after a finalize by a
+    // release with retention, which could not cut a log that did not exist yet).
     if (this.resultTtlMs > 0) tx.pexpire(key, this.resultTtlMs + LONGEST_LIFE_MS);
+    else
+      (tx as unknown as Record<"fleetFailuresFollow", (...a: string[]) => unknown>).fleetFailuresFollow(
+        key,
+        this.keys.rollout(id),
+      );
     return tx;
   }
 

@@ -741,6 +741,17 @@ const SCRIPTS = {
       return 1`,
   },
   /**
+   * A failure log (KEYS[1]) appended to by a process with retention off: it expires with its
+   * rollout (KEYS[2]) when that has an expiry (finalized by a release with retention), not never.
+   */
+  fleetFailuresFollow: {
+    keys: 2,
+    lua: `
+      local left = redis.call('PTTL', KEYS[2])
+      if left > 0 then redis.call('PEXPIRE', KEYS[1], left) end
+      return left`,
+  },
+  /**
    * A note (an admission's, a batch cancel's) removed only while it has the score read (ARGV:
    * member, score). Returns 1 if removed.
    */

@@ -1010,6 +1010,11 @@ describe("rollout store", () => {
     ).toBe(true);
     expect(await redis.pttl(workerKeeps.keys.rollout(minute))).toBeGreaterThan(50_000);
     expect(await redis.pttl(workerKeeps.keys.rollout(minute))).toBeLessThanOrEqual(60_000);
+    // A failure logged after that finalize by the worker keeping everything (its first: finalize
+    // had no log to cut) goes with the rollout, not never.
+    await workerKeeps.logFailure(minute, failure);
+    expect(await redis.pttl(workerKeeps.keys.failures(minute))).toBeGreaterThan(50_000);
+    expect(await redis.pttl(workerKeeps.keys.failures(minute))).toBeLessThanOrEqual(60_000);
   });
 
   it.each([
