@@ -1164,9 +1164,10 @@ export class RolloutStore {
    * is enqueued again and the janitor closes the rollout itself. With `expected`, the count its
    * caller read before it found no close under way: counted only if it is still that, else
    * nothing is and the count now comes back negated (another caller counted, and acts on it).
+   * The same call sent again (`callId`; a reconnect lost its reply) answers the count it made.
    */
-  async noteCloseAgain(id: string, expected?: number): Promise<number> {
-    return Number(await this.redis.fleetNoteCloseAgain(this.keys.rollout(id), expected ?? ""));
+  async noteCloseAgain(id: string, expected?: number, callId: string = randomUUID()): Promise<number> {
+    return Number(await this.redis.fleetNoteCloseAgain(this.keys.rollout(id), expected ?? "", callId));
   }
 
   /** Whether the delivery still holds its stage's fence (no later delivery of the stage began). */

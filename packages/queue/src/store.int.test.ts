@@ -1930,6 +1930,13 @@ describe("rollout store", () => {
     expect(await store.noteCloseAgain(id, 2)).toBe(3);
     expect(await store.noteCloseAgain(id, 2)).toBe(-3);
     expect((await store.get(id))!.closesAgain).toBe(3);
+    // The same call sent again (a reconnect lost its reply): the count it made, not another one,
+    // nor that count read as another caller's.
+    expect(await store.noteCloseAgain(id, 3, "call-1")).toBe(4);
+    expect(await store.noteCloseAgain(id, 3, "call-1")).toBe(4);
+    expect(await store.noteCloseAgain(id, undefined, "call-2")).toBe(5);
+    expect(await store.noteCloseAgain(id, undefined, "call-2")).toBe(5);
+    expect((await store.get(id))!.closesAgain).toBe(5);
     const meta = (await store.begin(id, "close", 10)).record!.meta;
     expect(await store.finalize(meta, resultFor(id, "completed"), 20)).toBe(true);
     expect(await store.noteCloseAgain(id)).toBe(0);
