@@ -625,6 +625,7 @@ export class RolloutStore {
     const otherRoute: string[] = [];
     const sorted: Record<number, string[]> = {
       1: created,
+      2: created, // by this very call, sent again (a reconnect lost its reply)
       [-1]: conflicting,
       [-2]: expired,
       [-3]: otherRoute,
@@ -677,8 +678,9 @@ export class RolloutStore {
         keys.push(this.keys.rollout(m.id), this.keys.failures(m.id));
         args.push(records[j]!, String(m.deadlineAt), m.id, m.bodyHash);
       });
-      // Last: the result's retention, recorded with each rollout (its finalize keeps it so long).
-      args.push(String(this.resultTtlMs));
+      // Last: this call's id (the same call sent again is told what it created) and the result's
+      // retention, recorded with each rollout (its finalize keeps it so long).
+      args.push(randomUUID(), String(this.resultTtlMs));
       const replies = (await this.redis.fleetAdmit(keys.length, ...keys, ...args)) as unknown[];
       let failed: Error | null = null;
       chunk.forEach((m, j) => {

@@ -261,7 +261,8 @@ const SCRIPTS = {
    * Admit the rollouts of one admission in their order, each if new: meta, status, inflight entry,
    * and a batch's count and id list. All of one batch (ARGV[2] 'batch'), or single rollouts
    * ('single'; 'keyed': their idempotency key names the batch KEYS[3]). Per rollout: 1 if created,
-   * 0 if it existed with the same body hash (an idempotent replay), -1 if it existed with another
+   * 2 if this very call created it (sent again by ioredis after a reconnect lost its reply), 0 if
+   * it existed with the same body hash (an idempotent replay), -1 if it existed with another
    * (a conflicting reuse of the id's idempotency key, however close together the two requests
    * came), -2 if it is gone from a batch that finished and is expiring (retention): a replay may
    * not add it again, which would count it twice in a batch about to vanish (0 if it is gone from
@@ -278,11 +279,12 @@ const SCRIPTS = {
     // inflight, admitting, batch|the batch the singles' key names|inflight, batchIds|inflight,
     // batchDone|inflight, then per rollout: its hash, its failure log.
     // ARGV: now, mode, note score, note member, then per rollout: metaJson, deadlineAt, id,
-    // bodyHash; last, the results' retention in ms (recorded as each rollout's 'ttl').
+    // bodyHash; last, this call's id (recorded as each rollout's 'admittedBy') and the results'
+    // retention in ms (recorded as each rollout's 'ttl').
     keys: null,
     lua: `
       local now, mode = ARGV[1], ARGV[2]
-      local ttl = ARGV[#ARGV]
+      local callId, ttl = ARGV[#ARGV - 1], ARGV[#ARGV]
       local batched = mode == 'batch'
       -- The batch's state, read once: nothing else runs meanwhile, and what this call changes of
       -- it is kept here as it goes (\`total\`: its rollouts admitted so far, nil before the first).
@@ -298,8 +300,11 @@ const SCRIPTS = {
       end
       local function admitOne(key, failures, meta, deadline, id, bodyHash)
         if redis.call('HEXISTS', key, 'meta') == 1 then
-          local stored = redis.call('HGET', key, 'bodyHash')
-          if stored and stored ~= bodyHash then return -1 end
+          local stored = redis.call('HMGET', key, 'bodyHash', 'admittedBy')
+          if stored[1] and stored[1] ~= bodyHash then return -1 end
+          -- Made by this very call, sent again (a reconnect lost its reply): created (2: counted
+          -- already), not a replay.
+          if stored[2] == callId then return 2 end
           return 0
         end
         -- A single rollout's key that names a batch already (sent on the other route): -3. Checked
@@ -331,9 +336,9 @@ const SCRIPTS = {
         redis.call('DEL', failures)
         if cancelled then
           -- The batch was cancelled while it was being admitted: so is this rollout (its seed stops it).
-          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'ttl', ttl, 'cancel', '1', 'fence', 'stopped')
+          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'ttl', ttl, 'admittedBy', callId, 'cancel', '1', 'fence', 'stopped')
         else
-          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'ttl', ttl)
+          redis.call('HSET', key, 'meta', meta, 'status', 'accepted', 'stage', 'admission', 't:accepted', now, 'deadline', deadline, 'bodyHash', bodyHash, 'ttl', ttl, 'admittedBy', callId)
         end
         return 1
       end

@@ -2400,6 +2400,36 @@ describe("rollout store", () => {
     for (const c of calls) expect(c.bytes).toBeLessThanOrEqual(ADMIT_CHUNK_BYTES + record);
     expect(await redis.lrange(store.keys.batchIds(batchId), 0, -1)).toEqual(ids);
   });
+
+  it("an admission sent again (a reconnect lost its reply) is told it created its rollouts, counted once, not that they were replays", async () => {
+    const scripted = withScripts(redis);
+    const real = scripted.fleetAdmit.bind(scripted);
+    // Each call runs twice, as ioredis re-sends one whose reply a reconnect lost: the second reply is the one heard.
+    const spy = vi.spyOn(scripted, "fleetAdmit").mockImplementation(async (...args: (string | number)[]) => {
+      await real(...(args as [number, ...string[]]));
+      return real(...(args as [number, ...string[]]));
+    });
+    const request = RolloutRequest.parse({ task, agent: { harness: "oracle", sandbox: "borrow" } });
+    try {
+      const ids = rolloutIds(3, null, "batch");
+      const batchId = batchIdFor(ids);
+      expect(await store.createBatch(batchId, "h", Date.now())).toBe("h");
+      const metas = await prepareRollouts(store, Array(3).fill(request), ids, batchId, { maxTaskBytes: 1e6 });
+      expect((await store.admit(metas, Date.now())).created).toEqual(ids);
+      expect(await redis.hmget(store.keys.batch(batchId), "total", "count:accepted")).toEqual(["3", "3"]);
+      expect(await redis.lrange(store.keys.batchIds(batchId), 0, -1)).toEqual(ids);
+      const single = rolloutIds(1, null, "single");
+      const [meta] = await prepareRollouts(store, [request], single, null, { maxTaskBytes: 1e6 });
+      expect((await store.admit([meta!], Date.now())).created).toEqual(single);
+    } finally {
+      spy.mockRestore();
+    }
+    // A real replay (another call) is still told the rollout existed.
+    const again = rolloutIds(1, null, "single");
+    const [meta] = await prepareRollouts(store, [request], again, null, { maxTaskBytes: 1e6 });
+    expect((await store.admit([meta!], Date.now())).created).toEqual(again);
+    expect((await store.admit([meta!], Date.now())).created).toEqual([]);
+  });
 });
 
 describe("fleetInstance", () => {
