@@ -1243,6 +1243,14 @@ describe("fleet status / results / cancel", () => {
     expect(JSON.parse(stdout.text().split("\n")[2]!)).toMatchObject({ id: "b-7", done: 4 });
   });
 
+  it("never shows a running batch as 100% done: 1999 of 2000 is 99.9%", async () => {
+    server.on("GET", "/v1/batches/b-8", (_req, res) =>
+      json(res, 200, { id: "b-8", total: 2000, done: 1999, counts: { completed: 1999, seeded: 1 } }),
+    );
+    expect(await runCli(["status", "b-8"], ctx())).toBe(0);
+    expect(stdout.text()).toMatch(/^batch b-8: running, 1999\/2000 done \(99\.9%\)\n/);
+  });
+
   it("uses --url and --token over the environment's defaults", async () => {
     server.on("GET", "/v1/batches/b-1", (_req, res) =>
       json(res, 200, { id: "b-1", total: 0, done: 0, counts: {} }),

@@ -395,7 +395,6 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
       // The stop poll's interval never fires: only the gate can hear the fence.
       vi.useFakeTimers({ toFake: ["setInterval", "clearInterval"] });
       try {
-        const launchedAt = performance.now();
         const first = runStageJob(
           "run",
           job(id),
@@ -403,9 +402,11 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
           { lockDurationMs: 400 },
         ).catch((err: unknown) => err);
         await agent.stepped.opened;
-        // Past half the lock (200 ms) since the fence last answered (before the launch). Not
+        // Past half the lock (200 ms) since the fence last answered (before the launch, so before
+        // the harness's first step: counted from here, a slow launch cannot eat the margin). Not
         // `vi.waitFor`: under fake timers it advances them, and the poll would tick.
-        while (performance.now() - launchedAt <= 250) await sleep(20);
+        const steppedAt = performance.now();
+        while (performance.now() - steppedAt <= 250) await sleep(20);
         if (answer === "stop") await deps.store.requestCancel(id);
         else if (answer === "lost")
           await fleet!.redis.hset(deps.store.keys.rollout(id), "fence", "launched:another");

@@ -19,7 +19,7 @@ import { tmpdir, totalmem } from "node:os";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
 import type { SandboxHandle, SandboxSpecInput } from "@fleet/contracts";
-import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { sandboxName } from "../docker/container-config.ts";
 import { AGENT_USER, ROOT_USER, VERIFY_FENCE_FILE } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
@@ -1053,7 +1053,8 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       const tsx = join(import.meta.dirname, "../../../../node_modules/.bin/tsx");
       const { stdout } = await run(tsx, [script], { timeout: 60_000 });
       const nsenterPid = Number(stdout.trim().split("\n").pop());
-      expect(readFileSync(`/proc/${nsenterPid}/stat`, "latin1")).toMatch(/\(nsenter\) T /);
+      // (A stop takes effect once its target next runs: on a loaded host, a moment after the kill.)
+      await waitUntil(() => /\(nsenter\) T /.test(readFileSync(`/proc/${nsenterPid}/stat`, "latin1")));
       // A sandbox made where the host gives no cgroups: its state names none (its cgroups here
       // are removed by the test once empty).
       const statePath = join(stateDir, `${h.name}.json`);
@@ -1530,10 +1531,21 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
       /(^|\/)timeout$/.test(cmdline(pid).split("\0")[0] ?? ""),
     )!;
     expect(timeoutPid).toBeDefined();
-    // The outside stop reaches the `timeout` first; its nsenter stops with it, and is resumed,
-    // which resumes the `timeout`; then the stop reaches everything else.
-    process.kill(timeoutPid, "SIGSTOP");
-    await waitUntil(() => state(timeoutPid) === "T");
+    // The outside stop reaches the `timeout` first; its nsenter stops with it, and is resumed
+    // (the poller's SIGCONT, heard here: the `timeout`'s stopped state may last less than a look
+    // at it), which resumes the `timeout`; then the stop reaches everything else.
+    const kill = process.kill.bind(process);
+    let resumed = 0;
+    const spy = vi.spyOn(process, "kill").mockImplementation((pid, signal) => {
+      if (signal === "SIGCONT") resumed++;
+      return kill(pid, signal);
+    });
+    try {
+      kill(timeoutPid, "SIGSTOP");
+      await waitUntil(() => resumed > 0);
+    } finally {
+      spy.mockRestore();
+    }
     await waitUntil(() => state(timeoutPid) !== "T");
     const rest = sandboxProcesses(h).filter((pid) => pid !== timeoutPid);
     for (const pid of rest) process.kill(pid, "SIGSTOP");
