@@ -1200,9 +1200,19 @@ export class RolloutStore {
     if (options.beforeDecided && parsed.terminal) {
       // Logged only when it decides: a refused one (the result was decided already) would show
       // in that result's failures as if it had counted.
-      const fence = options.deliveryFence ? [options.deliveryFence.field, options.deliveryFence.token] : [];
+      const fence = options.deliveryFence
+        ? [options.deliveryFence.field, options.deliveryFence.token]
+        : ["", ""];
+      // The call's id: the same call sent again (a reconnect lost its reply) is told it set the failure.
       const set =
-        (await this.redis.fleetSetField(this.keys.rollout(id), "failure", json, "2", ...fence)) === 1;
+        (await this.redis.fleetSetField(
+          this.keys.rollout(id),
+          "failure",
+          json,
+          "2",
+          ...fence,
+          randomUUID(),
+        )) === 1;
       if (set) await execAll(this.appendFailure(this.redis.multi(), id, json), `log a failure of ${id}`);
       return set;
     }
@@ -1213,6 +1223,9 @@ export class RolloutStore {
         "failure",
         json,
         "1",
+        "",
+        "",
+        randomUUID(),
       );
     }
     const replies = await execAll(tx, `record the failure of ${id}`);

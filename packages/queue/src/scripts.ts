@@ -476,20 +476,26 @@ const SCRIPTS = {
    * Set a field unless the rollout is terminal. ARGV: field, value, mode: '0' always, '1' only if
    * absent, '2' only if absent and the rollout is neither closing nor graded (its result is
    * decided already); optionally a fence field and the value it must hold (e.g. 'vfence' and a
-   * verify attempt's token). Returns 1 if set, also when the field holds this value already
-   * (the same call sent again).
+   * verify attempt's token), '' '' for none; optionally this call's id, kept with what modes 1
+   * and 2 set (`<field>:by`). Returns 1 if set, also to the call that set it sent again.
    */
   fleetSetField: {
     keys: 1,
     lua: `
       ${OPEN_OR_RETURN_0}
       if ARGV[4] and ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[4]) ~= ARGV[5] then return 0 end
-      -- This very call again (ioredis re-sent it after a reconnect lost its reply): answered as
-      -- the first time, set (the value, a failure record with its time, is the caller's own).
-      if ARGV[3] ~= '0' and redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then return 1 end
+      -- This very call again (ioredis re-sent it after a reconnect lost its reply; ARGV[6], its
+      -- id, kept with the value it set): answered as the first time, set. (Not by the value: two
+      -- callers may write the same one, e.g. two cancels in one millisecond.)
+      local by = ARGV[1] .. ':by'
+      if ARGV[3] ~= '0' and ARGV[6] and ARGV[6] ~= '' and redis.call('HGET', KEYS[1], by) == ARGV[6] then return 1 end
       if ARGV[3] == '2' and (redis.call('HEXISTS', KEYS[1], 'closed') == 1
           or redis.call('HEXISTS', KEYS[1], 'r:verify') == 1) then return 0 end
-      if ARGV[3] ~= '0' then return redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) end
+      if ARGV[3] ~= '0' then
+        if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 0 then return 0 end
+        if ARGV[6] and ARGV[6] ~= '' then redis.call('HSET', KEYS[1], by, ARGV[6]) end
+        return 1
+      end
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
       return 1`,
   },

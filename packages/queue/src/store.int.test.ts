@@ -285,13 +285,26 @@ describe("rollout store", () => {
       reason: "gone",
       at: 7,
     } as const;
-    expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(true);
-    // As if the first call's reply had been lost: the field set, its log row never appended.
-    await redis.del(store.keys.failures(id));
-    expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(true);
+    const scripted = withScripts(redis);
+    const real = scripted.fleetSetField.bind(scripted);
+    // The call runs twice, as ioredis re-sends one whose reply a reconnect lost: the second reply is the one heard.
+    const spy = vi
+      .spyOn(scripted, "fleetSetField")
+      .mockImplementation(async (...args: (string | number)[]) => {
+        await real(...args);
+        return real(...args);
+      });
+    try {
+      expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(true);
+    } finally {
+      spy.mockRestore();
+    }
     expect(await store.failureLog(id)).toEqual([failure]);
-    // Another failure is still refused: the first decided.
+    // Another call is refused, the same record too (two cancels in one millisecond write the
+    // same): the first decided, and only its row is logged.
+    expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(false);
     expect(await store.recordFailure(id, { ...failure, at: 8 }, { beforeDecided: true })).toBe(false);
+    expect(await store.failureLog(id)).toEqual([failure]);
     expect((await store.get(id))!.failure).toEqual(failure);
   });
 
