@@ -1079,20 +1079,24 @@ const SCRIPTS = {
    * deadline watchdog or a stage worker). Returns the count, or 0 for a rollout unknown or terminal.
    * ARGV[1], when not '': the count its caller read before it found no close under way; another
    * count since (another janitor's pass, which enqueues that close) returns the count now,
-   * negated, counting nothing. ARGV[2]: this call's id, kept with the count it made.
+   * negated, counting nothing. ARGV[2]: this call's id, kept with the count it made
+   * (`closes:again:<id>`: a handful a rollout at most, CLOSE_AGAIN_LIMIT bounding them).
    */
   fleetNoteCloseAgain: {
     keys: 1,
     lua: `
       ${OPEN_OR_RETURN_0}
-      local f = redis.call('HMGET', KEYS[1], 'closes:again', 'closes:again:by')
-      local count = tonumber(f[1] or '0')
+      local by = 'closes:again:' .. ARGV[2]
+      local f = redis.call('HMGET', KEYS[1], 'closes:again', by)
       -- This very call again (ioredis re-sent it after a reconnect lost its reply): the count it
-      -- made, not a second one, nor that count taken for another caller's.
-      if f[2] and f[2] == ARGV[2] then return count end
+      -- made (kept under its id, whoever counted since), not a second one, nor that count taken
+      -- for another caller's.
+      if f[2] then return tonumber(f[2]) end
+      local count = tonumber(f[1] or '0')
       if ARGV[1] ~= '' and count ~= tonumber(ARGV[1]) then return -count end
-      redis.call('HSET', KEYS[1], 'closes:again:by', ARGV[2])
-      return redis.call('HINCRBY', KEYS[1], 'closes:again', 1)`,
+      count = redis.call('HINCRBY', KEYS[1], 'closes:again', 1)
+      redis.call('HSET', KEYS[1], by, count)
+      return count`,
   },
   /**
    * Claim (or renew) a bubblewrap fleet's sandbox host (`claimSandboxHost`): 1 when the key now

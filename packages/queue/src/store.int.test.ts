@@ -1949,7 +1949,11 @@ describe("rollout store", () => {
     expect(await store.noteCloseAgain(id, 3, "call-1")).toBe(4);
     expect(await store.noteCloseAgain(id, undefined, "call-2")).toBe(5);
     expect(await store.noteCloseAgain(id, undefined, "call-2")).toBe(5);
-    expect((await store.get(id))!.closesAgain).toBe(5);
+    // …also when another caller counted between the two sends.
+    expect(await store.noteCloseAgain(id, undefined, "call-3")).toBe(6);
+    expect(await store.noteCloseAgain(id, undefined, "call-4")).toBe(7);
+    expect(await store.noteCloseAgain(id, undefined, "call-3")).toBe(6);
+    expect((await store.get(id))!.closesAgain).toBe(7);
     const meta = (await store.begin(id, "close", 10)).record!.meta;
     expect(await store.finalize(meta, resultFor(id, "completed"), 20)).toBe(true);
     expect(await store.noteCloseAgain(id)).toBe(0);
