@@ -79,8 +79,8 @@ const OPTIONS: Record<StageName, () => BeginOptions> = {
   close: () => ({}),
 };
 
-/** fleetBeginMany's batched form (3 keys, 10 arguments an item) around a body that does nothing. */
-const FLOOR_LUA = batchedLua({ prelude: "", body: " return 1", keys: 3 }, BATCHED.fleetBegin.args);
+/** fleetBeginMany's batched form (4 keys, 11 arguments an item) around a body that does nothing. */
+const FLOOR_LUA = batchedLua({ prelude: "", body: " return 1", keys: 4 }, BATCHED.fleetBegin.args);
 
 try {
   const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file");
@@ -111,9 +111,10 @@ try {
       store.keys.rollout(id),
       store.keys.failures(id),
       store.keys.sandboxes(),
+      store.keys.rollout(id),
     ]);
     const na = BATCHED.fleetBegin.args;
-    const args = ids.flatMap(() => ["run", String(Date.now()), "0", "0", "", "", "0", "t", "", ""]);
+    const args = ids.flatMap(() => ["run", String(Date.now()), "0", "0", "", "", "0", "t", "", "", ""]);
     const calls = Math.ceil(M / MAX_BATCH);
     note(
       "floor",
@@ -122,8 +123,8 @@ try {
         const to = Math.min(M, from + MAX_BATCH);
         await probe.evalsha(
           floorSha,
-          (to - from) * 3,
-          ...keys.slice(from * 3, to * 3),
+          (to - from) * 4,
+          ...keys.slice(from * 4, to * 4),
           ...args.slice(from * na, to * na),
         );
       }).then((r) => ({ ...r, redisUs: (r.redisUs * calls) / M, nodeUs: 0 })),

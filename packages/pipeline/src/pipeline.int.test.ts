@@ -3044,7 +3044,7 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
   });
 
-  it("a run whose begin reaches Redis after a later delivery's claim (held through an outage) is superseded: it starts no harness and leaves the fence to that launch (rule 10)", async () => {
+  it("a run whose begin is sent again after a later delivery's claim (ioredis re-sends one whose reply a reconnect lost) is superseded: it starts no harness and leaves the fence to that launch (rule 10)", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);
     await fleet.deps.store.begin(id!, "run", Date.now(), { launchToken: "first" });
@@ -3069,6 +3069,24 @@ describe("idempotency and fencing without workers", () => {
     expect(after!.fence).toBe("launched:later");
     expect(after!.launches).toBe(2);
     expect(after!.receipts.run).toBeUndefined();
+  });
+
+  it("a run delivery whose job lock another delivery holds (its own lapsed before its begin reached Redis) claims nothing and is superseded (rule 10)", async () => {
+    const [id] = await fleet.submit([oracle(byId("hello-file"))]);
+    await runStageJob("seed", job(id!), fleet.deps);
+    const queueQualifiedName = `${fleet.prefix}:run`;
+    const jobId = `${id}.run`;
+    await fleet.redis.set(`${queueQualifiedName}:${jobId}:lock`, "later-delivery", "PX", 60_000);
+    const { counting, launches } = countingLaunches(fleet.deps);
+    const delivery = { ...job(id!), id: jobId, token: "this-delivery", queueQualifiedName };
+    expect(await runStageJob("run", delivery, counting)).toBe("superseded");
+    expect(launches()).toBe(0);
+    const rec = await fleet.deps.store.get(id!);
+    expect([rec!.fence, rec!.launches, rec!.receipts.run]).toEqual([null, 0, undefined]);
+    // Its lock held: it runs.
+    await fleet.redis.set(`${queueQualifiedName}:${jobId}:lock`, "this-delivery", "PX", 60_000);
+    expect(await runStageJob("run", delivery, counting)).toBe("ok");
+    expect(launches()).toBe(1);
   });
 
   it("an error from a sandbox that vanished mid-run masks as sandbox_lost, whatever its surface", async () => {

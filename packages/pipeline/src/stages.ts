@@ -132,7 +132,12 @@ export const SANDBOX_EXPIRY_SLACK_MS = 10 * 60_000;
  * persists its sandbox intent (DESIGN §2 rule 9), run claims the fenced launch (rule 10), verify
  * takes the verify fence (rule 2: one verify at a time).
  */
-export function beginOptions(stage: StageName, deps: PipelineDeps): BeginOptions {
+export function beginOptions(
+  stage: StageName,
+  deps: PipelineDeps,
+  /** The run job's BullMQ lock (its key and this delivery's token), when the job came from a worker. */
+  launchLock?: BeginOptions["launchLock"],
+): BeginOptions {
   switch (stage) {
     case "seed":
       return {
@@ -140,7 +145,7 @@ export function beginOptions(stage: StageName, deps: PipelineDeps): BeginOptions
         seedToken: `${deps.workerId}:${randomUUID()}`,
       };
     case "run":
-      return { launchToken: `${deps.workerId}:${randomUUID()}` };
+      return { launchToken: `${deps.workerId}:${randomUUID()}`, launchLock };
     case "verify":
       return { verifyToken: `${deps.workerId}:${randomUUID()}` };
     default:
@@ -605,8 +610,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     })());
   const { previous, launches, token } = claim;
   if (previous === "stopped") return "close";
-  // This delivery's claim reached Redis late, after a later delivery's (it was held through an
-  // outage): that launch holds the fence, and this one touches nothing.
+  // This delivery's claim reached Redis after its job's lock lapsed, or was sent again after a
+  // later delivery's claim: that delivery has the run, and this one touches nothing.
   if (previous === "superseded") {
     deps.logger.warn(
       { rolloutId: rec.meta.id },

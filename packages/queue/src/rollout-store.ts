@@ -85,6 +85,13 @@ export interface BeginOptions {
   /** Run: claim the fenced launch with this token along with the begin. */
   launchToken?: string;
   /**
+   * Run, with `launchToken`: the delivery's BullMQ job lock (its key and this delivery's token).
+   * The launch is claimed only while the lock holds the token: a begin that reached Redis after
+   * its delivery's lock lapsed (held in its client's queue through an outage of its own link)
+   * gets 'superseded', whether or not a later delivery claimed first.
+   */
+  launchLock?: { key: string; token: string };
+  /**
    * Verify: take the verify fence with this token along with the begin (this attempt is the one
    * that began last: only it may work in the sandbox, `noteVerifyWork`, or store its receipt).
    */
@@ -742,7 +749,9 @@ export class RolloutStore {
       };
       intentPrefix = `${JSON.stringify(entry).slice(0, -1)},"expiresAt":`;
     }
-    const keys = [this.keys.rollout(id), this.keys.failures(id), this.keys.sandboxes()];
+    const rollout = this.keys.rollout(id);
+    const lock = options.launchToken !== undefined ? options.launchLock : undefined;
+    const keys = [rollout, this.keys.failures(id), this.keys.sandboxes(), lock?.key ?? rollout];
     const args = [
       stage,
       String(now),
@@ -754,6 +763,7 @@ export class RolloutStore {
       options.launchToken ?? options.verifyToken ?? options.seedToken ?? "",
       close ? sandboxKey(id, "resources") : "",
       close ? sandboxKey(id, "agent") : "",
+      lock?.token ?? "",
     ];
     const [
       values,
@@ -1272,7 +1282,7 @@ export class RolloutStore {
   /**
    * Fenced launch: `previous` is 'stopped' if a stop won; 'superseded' if this token claimed
    * before and the fence has moved on since (a later delivery claimed, or this claim was given
-   * back): this claim arriving again late, held in the client's queue through an outage, takes
+   * back): this claim sent again late (ioredis re-sends one whose reply a reconnect lost) takes
    * nothing back; otherwise the previous fence ('' on the first launch). `launches` counts
    * launches so far, this one included (0 when stopped or superseded).
    */

@@ -44,8 +44,9 @@ const CLAIM_LAUNCH = `local function claimLaunch(key, token, fence, prev, launch
         end
         if fence == 'stopped' or closed == '1' then return 'stopped', 0 end
         -- This token claimed before and the fence has moved on (a later delivery claimed it, or
-        -- this claim was given back): the claim arriving again late (held in a client's queue
-        -- through an outage, then sent) takes nothing back from the launch that holds it now.
+        -- this claim was given back): the claim sent again late (ioredis re-sends one whose reply
+        -- a reconnect lost) takes nothing back from the launch that holds it now. (A claim that
+        -- first reaches Redis late is refused by its delivery's lapsed lock: fleetBegin.)
         if seen then return 'superseded', 0 end
         write('fence', 'launched:' .. token)
         write('fence:prev', fence or '')
@@ -852,10 +853,12 @@ const SCRIPTS = {
    * work in the sandbox (`t:verify:last`; nil for none or not verify), 1 if the attempt that
    * noted it has left the sandbox since (`fleetLeaveVerify`), else 0].
    * ARGV: stage, now, tombstone, withFailures, intentKey, intentPrefix, expirySlackMs,
-   * token (run's launch, verify's fence), sandboxKey1, sandboxKey2 ('' for none).
+   * token (run's launch, verify's fence), sandboxKey1, sandboxKey2 ('' for none), the run job's
+   * BullMQ lock token ('' for none): a run's launch is claimed only while its job's lock (KEYS[4])
+   * holds it, else 'superseded' (a begin that reached Redis after its delivery's lock lapsed).
    */
   fleetBegin: {
-    keys: 3, // rollout, failures, sandboxes
+    keys: 4, // rollout, failures, sandboxes, the run job's BullMQ lock (else the rollout again)
     ...withPrelude(
       `
       ${TERMINAL}
@@ -959,8 +962,15 @@ const SCRIPTS = {
               -- the deadline: the run is skipped then, and a claim would count a launch that never was.
               local deadline = tonumber(v[shape.iRunDeadline])
               if not (deadline and tonumber(now) >= deadline) then
-                previous, launches = claimLaunch(KEYS[1], token, v[at['fence']], v[iPrev], v[iLaunches], v[at['closed']],
-                  v[shape.iLseen], function(name, value) write(at[name], name, value) end)
+                -- Only while this delivery holds its job's lock: a begin held in its client's queue
+                -- (an outage of its own link) past the lock reaches Redis after a later delivery's
+                -- claim, or before it but too late to be the job's, and takes nothing from it.
+                if ARGV[11] ~= '' and redis.call('GET', KEYS[4]) ~= ARGV[11] then
+                  previous, launches = 'superseded', 0
+                else
+                  previous, launches = claimLaunch(KEYS[1], token, v[at['fence']], v[iPrev], v[iLaunches], v[at['closed']],
+                    v[shape.iLseen], function(name, value) write(at[name], name, value) end)
+                end
               end
             end
           end
@@ -1170,7 +1180,7 @@ export type ScriptName = keyof typeof SCRIPTS;
  * first, then every item's keys, then every item's `args` arguments.
  */
 export const BATCHED = {
-  fleetBegin: { args: 10 },
+  fleetBegin: { args: 11 },
   fleetReceipt: { args: 12 },
   fleetFinalize: { args: 14 },
 } as const satisfies Partial<Record<ScriptName, { args: number }>>;

@@ -507,9 +507,9 @@ describe("rollout store", () => {
     expect(second.launch).toEqual({ previous: "launched:a", launches: 2, token: "b" });
     expect((await store.begin(id, "run", 2, { launchToken: "b" })).launch).toEqual(second.launch);
     expect(await store.claimLaunch(id, "b")).toEqual({ previous: "launched:a", launches: 2 });
-    // The first attempt's begin arriving again late, after the second's claim (held in its
-    // client's queue through an outage, then sent): it takes nothing back from the launch that
-    // holds the fence, and counts no launch.
+    // The first attempt's begin sent again late, after the second's claim (ioredis re-sends one
+    // whose reply a reconnect lost): it takes nothing back from the launch that holds the fence,
+    // and counts no launch.
     expect((await store.begin(id, "run", 1, { launchToken: "a" })).launch).toEqual({
       previous: "superseded",
       launches: 0,
@@ -523,6 +523,29 @@ describe("rollout store", () => {
     expect(await store.claimLaunch(given, "g")).toEqual({ previous: "", launches: 1 });
     expect(await store.releaseLaunch(given, "g", "")).toBe(true);
     expect(await store.claimLaunch(given, "g")).toEqual({ previous: "superseded", launches: 0 });
+
+    // With its delivery's job lock: claimed only while the lock holds the delivery's token.
+    const locked = (await admitOne()).ids[0]!;
+    const lockKey = `${prefix}:run:${locked}.run:lock`;
+    const launchLock = { key: lockKey, token: "lock-a" };
+    // The lock lapsed (BullMQ's key gone), or a later delivery holds it: nothing is claimed.
+    expect((await store.begin(locked, "run", 1, { launchToken: "a", launchLock })).launch).toEqual({
+      previous: "superseded",
+      launches: 0,
+      token: "a",
+    });
+    await redis.set(lockKey, "lock-b", "PX", 60_000);
+    expect((await store.begin(locked, "run", 1, { launchToken: "a", launchLock })).launch).toMatchObject({
+      previous: "superseded",
+    });
+    expect(await redis.hmget(store.keys.rollout(locked), "fence", "launches")).toEqual([null, null]);
+    // Held: claimed.
+    await redis.set(lockKey, "lock-a", "PX", 60_000);
+    expect((await store.begin(locked, "run", 1, { launchToken: "a", launchLock })).launch).toEqual({
+      previous: "",
+      launches: 1,
+      token: "a",
+    });
     expect(await redis.hget(store.keys.rollout(given), "fence")).toBeNull();
 
     // Verify: a begin (sent again or not) is no earlier attempt whose tests it must wait out;
