@@ -945,6 +945,33 @@ describe("janitor", () => {
     }
   });
 
+  it(`a rollout whose close job is lost after ${CLOSE_AGAIN_LIMIT} closes is neither enqueued nor counted again by the lost-job step (each count keeps a field on its record): the watchdog closes it at its deadline`, async () => {
+    const task = await helloFile();
+    const { store, queues } = fleet.deps;
+    const [id] = await fleet.submit([{ task, agent: { harness: "oracle" } }]);
+    await (await queues.queues.seed.getJob(`${id}.seed`))?.remove();
+    // Failed (a close is what it waits for), and its closes counted up to the limit; no close job.
+    const failure = {
+      stage: "seed",
+      terminal: true,
+      failureKind: "sandbox_lost",
+      mask: true,
+      reason: "gone",
+      at: Date.now(),
+    } as const;
+    expect(await store.recordFailure(id!, failure, { beforeDecided: true })).toBe(true);
+    for (let i = 0; i < CLOSE_AGAIN_LIMIT; i++) await store.noteCloseAgain(id!);
+    const in3min = Date.now() + 180_000;
+    for (let pass = 0; pass < 3; pass++) {
+      expect(await requeueLostJobs(fleet.deps, in3min, { next: 0 }, { page: 100_000 })).not.toContain(id);
+    }
+    expect((await store.get(id!))!.closesAgain).toBe(CLOSE_AGAIN_LIMIT);
+    expect(await queues.queues.close.getJob(`${id}.close`)).toBeUndefined();
+    await store.requestCancel(id!);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect(isTerminal((await store.get(id!))!.status)).toBe(true);
+  });
+
   it("a graded rollout past its deadline keeps its reward; a queued close is left alone; a pass never logs twice", async () => {
     const task = await helloFile();
     const [graded, stuck] = await fleet.submit([

@@ -68,6 +68,9 @@ export async function requeueLostJobs(
       // come back for good from here. Past the limit the watchdog closes the rollout itself.
       // Only if no one counted since the record was read (another janitor's lost step, which
       // enqueues it): counted twice, the limit came after fewer closes.
+      // Past the limit already: nothing to enqueue, and nothing to count (each count keeps a
+      // field on the record, and this step comes round every pass until the deadline).
+      if (rec.closesAgain >= CLOSE_AGAIN_LIMIT) continue;
       const closes = await deps.store.noteCloseAgain(id, rec.closesAgain);
       if (closes <= 0 || closes > CLOSE_AGAIN_LIMIT) continue;
     }

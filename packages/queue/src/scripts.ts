@@ -484,12 +484,13 @@ const SCRIPTS = {
     keys: 1,
     lua: `
       ${OPEN_OR_RETURN_0}
-      if ARGV[4] and ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[4]) ~= ARGV[5] then return 0 end
       -- This very call again (ioredis re-sent it after a reconnect lost its reply; ARGV[6], its
-      -- id, kept with the value it set): answered as the first time, set. (Not by the value: two
+      -- id, kept with the value it set): answered as the first time, set, whatever its fence
+      -- holds since (a cancel may have stopped a run's launch meanwhile). (Not by the value: two
       -- callers may write the same one, e.g. two cancels in one millisecond.)
       local by = ARGV[1] .. ':by'
       if ARGV[3] ~= '0' and ARGV[6] and ARGV[6] ~= '' and redis.call('HGET', KEYS[1], by) == ARGV[6] then return 1 end
+      if ARGV[4] and ARGV[4] ~= '' and redis.call('HGET', KEYS[1], ARGV[4]) ~= ARGV[5] then return 0 end
       if ARGV[3] == '2' and (redis.call('HEXISTS', KEYS[1], 'closed') == 1
           or redis.call('HEXISTS', KEYS[1], 'r:verify') == 1) then return 0 end
       if ARGV[3] ~= '0' then
@@ -1090,7 +1091,8 @@ const SCRIPTS = {
    * ARGV[1], when not '': the count its caller read before it found no close under way; another
    * count since (another janitor's pass, which enqueues that close) returns the count now,
    * negated, counting nothing. ARGV[2]: this call's id, kept with the count it made
-   * (`closes:again:<id>`: a handful a rollout at most, CLOSE_AGAIN_LIMIT bounding them).
+   * (`closes:again:<id>`: a handful a rollout, as its callers count no further once past
+   * CLOSE_AGAIN_LIMIT).
    */
   fleetNoteCloseAgain: {
     keys: 1,

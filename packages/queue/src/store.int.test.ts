@@ -287,19 +287,38 @@ describe("rollout store", () => {
     } as const;
     const scripted = withScripts(redis);
     const real = scripted.fleetSetField.bind(scripted);
-    // The call runs twice, as ioredis re-sends one whose reply a reconnect lost: the second reply is the one heard.
-    const spy = vi
-      .spyOn(scripted, "fleetSetField")
-      .mockImplementation(async (...args: (string | number)[]) => {
-        await real(...args);
-        return real(...args);
-      });
-    try {
-      expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(true);
-    } finally {
-      spy.mockRestore();
-    }
+    /** Each call runs twice, as ioredis re-sends one whose reply a reconnect lost (`between` in between): the second reply is the one heard. */
+    const sentTwice = async <T>(between: () => Promise<unknown>, call: () => Promise<T>): Promise<T> => {
+      const spy = vi
+        .spyOn(scripted, "fleetSetField")
+        .mockImplementation(async (...args: (string | number)[]) => {
+          await real(...args);
+          await between();
+          return real(...args);
+        });
+      try {
+        return await call();
+      } finally {
+        spy.mockRestore();
+      }
+    };
+    const nothing = async () => undefined;
+    expect(await sentTwice(nothing, () => store.recordFailure(id, failure, { beforeDecided: true }))).toBe(
+      true,
+    );
     expect(await store.failureLog(id)).toEqual([failure]);
+    // A run's failure under its launch fence, a cancel (which stops the launch) between the two
+    // sends: still its own.
+    const fenced = (await admitOne()).ids[0]!;
+    await store.claimLaunch(fenced, "T");
+    const deliveryFence = { field: "fence", token: "launched:T" } as const;
+    expect(
+      await sentTwice(
+        () => store.requestCancel(fenced),
+        () => store.recordFailure(fenced, failure, { beforeDecided: true, deliveryFence }),
+      ),
+    ).toBe(true);
+    expect(await store.failureLog(fenced)).toEqual([failure]);
     // Another call is refused, the same record too (two cancels in one millisecond write the
     // same): the first decided, and only its row is logged.
     expect(await store.recordFailure(id, failure, { beforeDecided: true })).toBe(false);
