@@ -556,79 +556,90 @@ describe("DockerSandboxProvider (real Docker)", () => {
     ] as const)(
       "stops an agent that forges its sweep's report (stops the sweep, writes remaining=0 to its stdout, kills it)%s: only a count by an uid it cannot reach confirms",
       async (_case, hidden) => {
-        const fresh = await provider.create(spec());
-        try {
-          // Three watchers (the first to see the sweep wins): each stops a sweep's shell as it
-          // starts, writes "remaining=0" through /proc/<pid>/fd/1 (a process of its own uid), and
-          // kills it; beside them (unless hidden) a sleep, the agent's work that must not outlive the stop.
-          const watch = [
-            "def watch():",
-            "    done = set()",
-            "    os.listdir('/proc'); open('/tmp/ready', 'a').write('r')",
-            "    while True:",
-            "        for p in os.listdir('/proc'):",
-            "            if not p.isdigit() or p in done: continue",
-            "            try: cmd = open('/proc/%s/cmdline' % p, 'rb').read()",
-            "            except Exception: continue",
-            "            if b'remaining=' in cmd and cmd.startswith(b'/bin/sh'):",
-            "                done.add(p)",
-            "                try:",
-            "                    os.kill(int(p), signal.SIGSTOP)",
-            "                    fd = os.open('/proc/%s/fd/1' % p, os.O_WRONLY)",
-            "                    os.write(fd, b'remaining=0\\n'); os.close(fd)",
-            "                    os.kill(int(p), signal.SIGKILL)",
-            "                    open('/tmp/forged', 'a').write(p + '\\n')",
-            "                except Exception: pass",
-          ];
-          const forger = [
-            "import ctypes, os, signal, threading",
-            ...watch,
-            // The main thread's own exit (SYS_exit: 60 on x86-64, 93 on arm64), not the process's.
-            hidden
-              ? "threading.Thread(target=watch).start(); ctypes.CDLL(None).syscall({'x86_64': 60, 'aarch64': 93}[os.uname().machine], 0)"
-              : "watch()",
-          ].join("\n");
-          await provider.put(fresh, "/workspace", { "forge.py": forger });
-          const sleeper = hidden ? "" : "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & ";
-          const start = await provider.exec(
-            fresh,
-            [
-              "bash",
-              "-c",
-              `for i in 1 2 3; do setsid python3 /workspace/forge.py >/dev/null 2>&1 < /dev/null & done; ${sleeper}echo started`,
-            ],
-            { deadlineMs: 10_000 },
-          );
-          expect(start.stdout).toContain("started");
-          // All three watching (and the sleep up) before the stop.
-          const ready = async () =>
-            (await provider.exec(fresh, ["cat", "/tmp/ready"], { deadlineMs: 10_000, user: ROOT_USER }))
-              .stdout;
-          await vi.waitFor(async () => expect(await ready()).toBe("rrr"), { timeout: 10_000, interval: 100 });
-          const agentThreads = async () =>
-            (
-              await provider.exec(
-                fresh,
-                ["sh", "-c", "ps -eLo uid=,stat= | awk '$1 == 1000 && $2 !~ /^Z/' | wc -l"],
-                {
-                  deadlineMs: 10_000,
-                  user: ROOT_USER,
-                },
-              )
-            ).stdout.trim();
-          expect(await agentThreads()).toBe(hidden ? "3" : "4");
-          const receipt = await provider.killProcesses(fresh, AGENT_USER);
-          // The forgery happened (the case is the one meant), and did not stand.
-          const forged = await provider.exec(fresh, ["cat", "/tmp/forged"], {
-            deadlineMs: 10_000,
-            user: ROOT_USER,
-          });
-          expect(forged.stdout.trim()).toMatch(/^\d+/);
-          expect(receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
-          expect(receipt.detail).toContain("reaper");
-          expect(await agentThreads()).toBe("0");
-        } finally {
-          await provider.destroy(fresh);
+        // The forgery is a race the watchers can lose on a loaded host (the sweep's stop reaches
+        // them before one sees its shell): the case is set up again, three times at most, until a
+        // watcher forged; the receipt is judged on that one.
+        for (let attempt = 1; ; attempt++) {
+          const fresh = await provider.create(spec());
+          try {
+            // Three watchers (the first to see the sweep wins): each stops a sweep's shell as it
+            // starts, writes "remaining=0" through /proc/<pid>/fd/1 (a process of its own uid), and
+            // kills it; beside them (unless hidden) a sleep, the agent's work that must not outlive the stop.
+            const watch = [
+              "def watch():",
+              "    done = set()",
+              "    os.listdir('/proc'); open('/tmp/ready', 'a').write('r')",
+              "    while True:",
+              "        for p in os.listdir('/proc'):",
+              "            if not p.isdigit() or p in done: continue",
+              "            try: cmd = open('/proc/%s/cmdline' % p, 'rb').read()",
+              "            except Exception: continue",
+              "            if b'remaining=' in cmd and cmd.startswith(b'/bin/sh'):",
+              "                done.add(p)",
+              "                try:",
+              "                    os.kill(int(p), signal.SIGSTOP)",
+              "                    fd = os.open('/proc/%s/fd/1' % p, os.O_WRONLY)",
+              "                    os.write(fd, b'remaining=0\\n'); os.close(fd)",
+              "                    os.kill(int(p), signal.SIGKILL)",
+              "                    open('/tmp/forged', 'a').write(p + '\\n')",
+              "                except Exception: pass",
+            ];
+            const forger = [
+              "import ctypes, os, signal, threading",
+              ...watch,
+              // The main thread's own exit (SYS_exit: 60 on x86-64, 93 on arm64), not the process's.
+              hidden
+                ? "threading.Thread(target=watch).start(); ctypes.CDLL(None).syscall({'x86_64': 60, 'aarch64': 93}[os.uname().machine], 0)"
+                : "watch()",
+            ].join("\n");
+            await provider.put(fresh, "/workspace", { "forge.py": forger });
+            const sleeper = hidden ? "" : "setsid sleep 1000 >/dev/null 2>&1 < /dev/null & ";
+            const start = await provider.exec(
+              fresh,
+              [
+                "bash",
+                "-c",
+                `for i in 1 2 3; do setsid python3 /workspace/forge.py >/dev/null 2>&1 < /dev/null & done; ${sleeper}echo started`,
+              ],
+              { deadlineMs: 10_000 },
+            );
+            expect(start.stdout).toContain("started");
+            // All three watching (and the sleep up) before the stop.
+            const ready = async () =>
+              (await provider.exec(fresh, ["cat", "/tmp/ready"], { deadlineMs: 10_000, user: ROOT_USER }))
+                .stdout;
+            await vi.waitFor(async () => expect(await ready()).toBe("rrr"), {
+              timeout: 10_000,
+              interval: 100,
+            });
+            const agentThreads = async () =>
+              (
+                await provider.exec(
+                  fresh,
+                  ["sh", "-c", "ps -eLo uid=,stat= | awk '$1 == 1000 && $2 !~ /^Z/' | wc -l"],
+                  {
+                    deadlineMs: 10_000,
+                    user: ROOT_USER,
+                  },
+                )
+              ).stdout.trim();
+            expect(await agentThreads()).toBe(hidden ? "3" : "4");
+            const receipt = await provider.killProcesses(fresh, AGENT_USER);
+            // The forgery happened (the case is the one meant), and did not stand.
+            const forged = await provider.exec(fresh, ["cat", "/tmp/forged"], {
+              deadlineMs: 10_000,
+              user: ROOT_USER,
+            });
+            // Every attempt's stop stands; the forged one's was confirmed by the reaper's count.
+            expect(receipt).toMatchObject({ confirmed: true, remaining: 0, alreadyGone: false });
+            expect(await agentThreads()).toBe("0");
+            if (forged.stdout.trim() === "" && attempt < 3) continue;
+            expect(forged.stdout.trim()).toMatch(/^\d+/);
+            expect(receipt.detail).toContain("reaper");
+            return;
+          } finally {
+            await provider.destroy(fresh);
+          }
         }
       },
     );
