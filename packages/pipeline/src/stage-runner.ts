@@ -105,13 +105,7 @@ export async function runStageJob(
   // The same `now` for begin and the deadline check below: begin records seed's intent only
   // before the deadline, exactly when this runner does not skip for it.
   const now = clock(deps);
-  // A run's launch is claimed only while this delivery holds its job's lock (BullMQ's key: the
-  // job's, `:lock`), when the job came from a worker (a token) whose queue is known.
-  const launchLock =
-    stage === "run" && job.token && job.queueQualifiedName && job.id !== undefined
-      ? { key: `${job.queueQualifiedName}:${job.id}:lock`, token: job.token }
-      : undefined;
-  const begin = await deps.store.begin(rolloutId, stage, now, beginOptions(stage, deps, launchLock));
+  const begin = await deps.store.begin(rolloutId, stage, now, beginOptions(stage, deps, job));
   const rec = begin.record;
   const failures = begin.failures;
   const begun = begunOf(begin);

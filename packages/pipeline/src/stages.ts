@@ -48,6 +48,7 @@ import {
   TestsSupersededError,
 } from "@fleet/sandbox";
 import { verify as defaultVerify } from "@fleet/verifiers";
+import type { Job } from "bullmq";
 import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { DeferralError, HandBackError, isHandBack } from "./hand-back.ts";
 import { gatewayNetworkFor, type ModelAccess, needsModelAccess, openModelAccess } from "./model-access.ts";
@@ -135,8 +136,11 @@ export const SANDBOX_EXPIRY_SLACK_MS = 10 * 60_000;
 export function beginOptions(
   stage: StageName,
   deps: PipelineDeps,
-  /** The run job's BullMQ lock (its key and this delivery's token), when the job came from a worker. */
-  launchLock?: BeginOptions["launchLock"],
+  /**
+   * The delivery: a run's launch is claimed only while it holds its job's BullMQ lock (the job
+   * key's `:lock`), when it came from a worker (a token) whose queue is known.
+   */
+  job: Partial<Pick<Job, "id" | "token" | "queueQualifiedName">> = {},
 ): BeginOptions {
   switch (stage) {
     case "seed":
@@ -145,7 +149,13 @@ export function beginOptions(
         seedToken: `${deps.workerId}:${randomUUID()}`,
       };
     case "run":
-      return { launchToken: `${deps.workerId}:${randomUUID()}`, launchLock };
+      return {
+        launchToken: `${deps.workerId}:${randomUUID()}`,
+        launchLock:
+          job.token && job.queueQualifiedName && job.id !== undefined
+            ? { key: `${job.queueQualifiedName}:${job.id}:lock`, token: job.token }
+            : undefined,
+      };
     case "verify":
       return { verifyToken: `${deps.workerId}:${randomUUID()}` };
     default:
