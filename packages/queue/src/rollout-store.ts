@@ -24,7 +24,14 @@ import { z } from "zod";
 import { batcherFor, type ScriptBatcher } from "./batcher.ts";
 import type { RedisConnection } from "./connection.ts";
 import { createKeys, type Keys } from "./keys.ts";
-import { BEGIN_CLOSE_FIELDS, BEGIN_FIELDS, type ScriptedRedis, slotError, withScripts } from "./scripts.ts";
+import {
+  BEGIN_CLOSE_FIELDS,
+  BEGIN_FIELDS,
+  type ScriptedRedis,
+  type ScriptName,
+  slotError,
+  withScripts,
+} from "./scripts.ts";
 import type { StageQueues } from "./stage-queues.ts";
 import { type RolloutSandboxes, readRolloutSandboxes, SandboxEntry, sandboxKey } from "./teardown-ledger.ts";
 
@@ -274,6 +281,11 @@ export class UnreadableRecordError extends Error {
       { cause },
     );
   }
+}
+
+/** The fleet's scripts on a MULTI (defined on its connection by `withScripts`; ioredis's types know none). */
+function scriptsIn(tx: ChainableCommander): Record<ScriptName, (...args: string[]) => ChainableCommander> {
+  return tx as unknown as Record<ScriptName, (...args: string[]) => ChainableCommander>;
 }
 
 /** Run a MULTI; its replies, or the first command's error. */
@@ -1228,15 +1240,7 @@ export class RolloutStore {
     }
     const tx = this.appendFailure(this.redis.multi(), id, json);
     if (parsed.terminal) {
-      (tx as unknown as Record<"fleetSetField", (...a: string[]) => unknown>).fleetSetField(
-        this.keys.rollout(id),
-        "failure",
-        json,
-        "1",
-        "",
-        "",
-        randomUUID(),
-      );
+      scriptsIn(tx).fleetSetField(this.keys.rollout(id), "failure", json, "1", "", "", randomUUID());
     }
     const replies = await execAll(tx, `record the failure of ${id}`);
     return parsed.terminal && replies.at(-1) === 1;
@@ -1258,11 +1262,7 @@ export class RolloutStore {
     // it expires with its rollout once that has an expiry (a late append after a finalize by a
     // release with retention, which could not cut a log that did not exist yet).
     if (this.resultTtlMs > 0) tx.pexpire(key, this.resultTtlMs + LONGEST_LIFE_MS);
-    else
-      (tx as unknown as Record<"fleetFailuresFollow", (...a: string[]) => unknown>).fleetFailuresFollow(
-        key,
-        this.keys.rollout(id),
-      );
+    else scriptsIn(tx).fleetFailuresFollow(key, this.keys.rollout(id));
     return tx;
   }
 
