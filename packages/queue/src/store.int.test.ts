@@ -147,6 +147,28 @@ describe("rollout store", () => {
   let redis: Redis;
   let store: RolloutStore;
   let queues: StageQueues;
+  /**
+   * `call` with each call of `script` run twice, as ioredis re-sends one whose reply a reconnect
+   * lost (`between` run in between): the second reply is the one heard.
+   */
+  const sentTwice = async <T>(
+    script: "fleetSetField" | "fleetAdmit",
+    call: () => Promise<T>,
+    between: () => Promise<unknown> = async () => undefined,
+  ): Promise<T> => {
+    const scripted = withScripts(redis);
+    const real = scripted[script].bind(scripted);
+    const spy = vi.spyOn(scripted, script).mockImplementation(async (...args: (string | number)[]) => {
+      await real(...args);
+      await between();
+      return real(...args);
+    });
+    try {
+      return await call();
+    } finally {
+      spy.mockRestore();
+    }
+  };
   beforeAll(() => {
     redis = createRedis(REDIS_URL);
     store = new RolloutStore(redis, prefix);
@@ -285,27 +307,9 @@ describe("rollout store", () => {
       reason: "gone",
       at: 7,
     } as const;
-    const scripted = withScripts(redis);
-    const real = scripted.fleetSetField.bind(scripted);
-    /** Each call runs twice, as ioredis re-sends one whose reply a reconnect lost (`between` in between): the second reply is the one heard. */
-    const sentTwice = async <T>(between: () => Promise<unknown>, call: () => Promise<T>): Promise<T> => {
-      const spy = vi
-        .spyOn(scripted, "fleetSetField")
-        .mockImplementation(async (...args: (string | number)[]) => {
-          await real(...args);
-          await between();
-          return real(...args);
-        });
-      try {
-        return await call();
-      } finally {
-        spy.mockRestore();
-      }
-    };
-    const nothing = async () => undefined;
-    expect(await sentTwice(nothing, () => store.recordFailure(id, failure, { beforeDecided: true }))).toBe(
-      true,
-    );
+    expect(
+      await sentTwice("fleetSetField", () => store.recordFailure(id, failure, { beforeDecided: true })),
+    ).toBe(true);
     expect(await store.failureLog(id)).toEqual([failure]);
     // A run's failure under its launch fence, a cancel (which stops the launch) between the two
     // sends: still its own.
@@ -314,8 +318,9 @@ describe("rollout store", () => {
     const deliveryFence = { field: "fence", token: "launched:T" } as const;
     expect(
       await sentTwice(
-        () => store.requestCancel(fenced),
+        "fleetSetField",
         () => store.recordFailure(fenced, failure, { beforeDecided: true, deliveryFence }),
+        () => store.requestCancel(fenced),
       ),
     ).toBe(true);
     expect(await store.failureLog(fenced)).toEqual([failure]);
@@ -2461,28 +2466,17 @@ describe("rollout store", () => {
   });
 
   it("an admission sent again (a reconnect lost its reply) is told it created its rollouts, counted once, not that they were replays", async () => {
-    const scripted = withScripts(redis);
-    const real = scripted.fleetAdmit.bind(scripted);
-    // Each call runs twice, as ioredis re-sends one whose reply a reconnect lost: the second reply is the one heard.
-    const spy = vi.spyOn(scripted, "fleetAdmit").mockImplementation(async (...args: (string | number)[]) => {
-      await real(...(args as [number, ...string[]]));
-      return real(...(args as [number, ...string[]]));
-    });
     const request = RolloutRequest.parse({ task, agent: { harness: "oracle", sandbox: "borrow" } });
-    try {
-      const ids = rolloutIds(3, null, "batch");
-      const batchId = batchIdFor(ids);
-      expect(await store.createBatch(batchId, "h", Date.now())).toBe("h");
-      const metas = await prepareRollouts(store, Array(3).fill(request), ids, batchId, { maxTaskBytes: 1e6 });
-      expect((await store.admit(metas, Date.now())).created).toEqual(ids);
-      expect(await redis.hmget(store.keys.batch(batchId), "total", "count:accepted")).toEqual(["3", "3"]);
-      expect(await redis.lrange(store.keys.batchIds(batchId), 0, -1)).toEqual(ids);
-      const single = rolloutIds(1, null, "single");
-      const [meta] = await prepareRollouts(store, [request], single, null, { maxTaskBytes: 1e6 });
-      expect((await store.admit([meta!], Date.now())).created).toEqual(single);
-    } finally {
-      spy.mockRestore();
-    }
+    const ids = rolloutIds(3, null, "batch");
+    const batchId = batchIdFor(ids);
+    expect(await store.createBatch(batchId, "h", Date.now())).toBe("h");
+    const metas = await prepareRollouts(store, Array(3).fill(request), ids, batchId, { maxTaskBytes: 1e6 });
+    expect((await sentTwice("fleetAdmit", () => store.admit(metas, Date.now()))).created).toEqual(ids);
+    expect(await redis.hmget(store.keys.batch(batchId), "total", "count:accepted")).toEqual(["3", "3"]);
+    expect(await redis.lrange(store.keys.batchIds(batchId), 0, -1)).toEqual(ids);
+    const single = rolloutIds(1, null, "single");
+    const [first] = await prepareRollouts(store, [request], single, null, { maxTaskBytes: 1e6 });
+    expect((await sentTwice("fleetAdmit", () => store.admit([first!], Date.now()))).created).toEqual(single);
     // A real replay (another call) is still told the rollout existed.
     const again = rolloutIds(1, null, "single");
     const [meta] = await prepareRollouts(store, [request], again, null, { maxTaskBytes: 1e6 });
