@@ -1,9 +1,12 @@
 import { RolloutRequest, type StageName, type TaskContent } from "@fleet/contracts";
+import { cancelRollout } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
+import type { Job } from "bullmq";
 import { afterEach, beforeAll, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
+import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
 import { NO_OP_AGENT_AND_VERIFIER, until } from "./testing/no-op-stages.ts";
@@ -315,6 +318,35 @@ describe("the seed-ahead bound", () => {
     release.open();
     const results = await fleet.waitForResults(ids, 60_000);
     expect(results.map((r) => r.status)).toEqual(Array(12).fill("completed"));
+  });
+
+  it("does not count a seed of a finished rollout as seeded: no rollout waits for an agent after it", async () => {
+    const provider = new InMemorySandboxProvider();
+    fleet = await startInProcessFleet({ provider, startWorkers: false });
+    const [id] = await submit(1);
+    // Finished before a worker takes its seed: cancelled and closed.
+    await cancelRollout(fleet.deps.store, fleet.deps.queues, id!, Date.now());
+    const close = { data: { rolloutId: id! }, attemptsMade: 0, opts: { attempts: 3 } } as unknown as Job;
+    expect(await runStageJob("close", close, fleet.deps)).toBe("ok");
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("cancelled");
+    // One count, at the start (none again within the test): what the bound adds after it is its own.
+    const counts = watchCounts();
+    const resources = createStageWorkers(["seed"], fleet.deps, {
+      connection: fleet.redis,
+      prefix: fleet.prefix,
+      concurrency: 2,
+      seedAhead: { min: 3, intervalMs: 600_000, recountMs: 600_000 },
+    });
+    started.push(resources);
+    const { seed, run } = fleet.deps.queues.queues;
+    await until(
+      "the seed to be replayed",
+      async () => (await seed.getJobCounts("completed")).completed === 1,
+    );
+    expect(counts.answered).toBe(1);
+    expect((await run.getJobCounts("wait", "delayed")).wait).toBe(0);
+    expect(resources.seedAhead!.ahead).toBe(0);
+    expect(provider.sandboxes.size).toBe(0);
   });
 
   it("keeps seeding without a bound (`seedAhead: false`), its gauge at 0", async () => {

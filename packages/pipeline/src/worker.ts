@@ -51,7 +51,8 @@ export interface StageWorkerOptions {
    * waiting for an agent (or, behind slower verifiers, for a verifier). The waiting rollouts are
    * counted (one round trip) every `intervalMs`, and at most every `recountMs` while a seed
    * waits; between counts this process adds its own seeds, so one process alone keeps to the
-   * bound, and several overshoot by what the others seeded since the last count. `false` turns
+   * bound. The bound is each process's own: it does not count the seeds other processes are
+   * making, so R processes seeding at once may hold up to R times as many. `false` turns
    * it off. @defaultValue `{ min: 16, intervalMs: 500, recountMs: 5 }`
    */
   seedAhead?: SeedAheadOptions | false;
@@ -157,8 +158,10 @@ export function createStageWorkers(
         slot.active++;
         slot.idleWithWorkSince = null;
         slot.refusalPauseMs = 0;
-        // Through the seed-ahead bound; `seeded`: its run job was enqueued (a seed that ran, or
-        // replayed its stored receipt).
+        // Through the seed-ahead bound; `seeded`: it ran and enqueued its run job. Not a replay:
+        // of a finished rollout it enqueues nothing, and of a stored receipt (a re-delivery) the
+        // run job it enqueues again is most likely waiting already, counted (counted twice until
+        // the next count, a phantom taken for a rollout an agent took, and so for a faster rate).
         let entered = false;
         let seeded = false;
         try {
@@ -175,7 +178,7 @@ export function createStageWorkers(
             { rolloutId: job.data?.rolloutId, stage, outcome, attempt: job.attemptsMade + 1, ms },
             "stage job done",
           );
-          seeded = outcome === "ok" || outcome === "replayed";
+          seeded = outcome === "ok";
           return outcome;
         } catch (err) {
           if (isHandBack(err) && token) {
