@@ -320,6 +320,50 @@ describe("the seed-ahead bound", () => {
     expect(results.map((r) => r.status)).toEqual(Array(12).fill("completed"));
   });
 
+  it("counts the seeds another process is making: a second resources worker makes none while the first's fill the bound", async () => {
+    const provider = new InMemorySandboxProvider();
+    const made = latch();
+    let creating = 0;
+    const create = provider.create.bind(provider);
+    provider.create = async (spec) => {
+      creating++;
+      await made.opened;
+      return create(spec);
+    };
+    fleet = await startInProcessFleet({ provider, startWorkers: false });
+    const common = { connection: fleet.redis, prefix: fleet.prefix, concurrency: 3 } as const;
+    // The first counts once, at its start, before it lets its seeds in: the others learn of them
+    // from what it says as it lets them in, not from a later count of its own.
+    const first = createStageWorkers(["seed"], fleet.deps, {
+      ...common,
+      seedAhead: { min: 2, intervalMs: 600_000, recountMs: 600_000 },
+    });
+    started.push(first);
+    const counts = watchCounts();
+    await submit(8);
+    await until("the first process's two seeds making their sandboxes, its third held", () => {
+      const s = first.seedAhead!;
+      return creating === 2 && s.held && s.inFlight === 2;
+    });
+    // A second replica: by its own count nothing waits for an agent yet (the first's two are still
+    // being made), so it would let two more in.
+    const second = createStageWorkers(["seed"], fleet.deps, {
+      ...common,
+      seedAhead: { min: 2, intervalMs: 50, recountMs: 5 },
+    });
+    started.push(second);
+    await settled("the second process to count and hold its seeds", counts, () => second.seedAhead!.held);
+    expect(second.seedAhead!.inFlight).toBe(0);
+    expect(creating).toBe(2);
+    // Made, the two wait for an agent (counted in the run queue now): still two in all.
+    made.open();
+    await settled("both processes held with no seed in flight", counts, () =>
+      [first, second].every((w) => w.seedAhead!.held && w.seedAhead!.inFlight === 0),
+    );
+    expect((await fleet.deps.queues.queues.run.getJobCounts("wait")).wait).toBe(2);
+    expect(creating).toBe(2);
+  });
+
   it("does not count a seed of a finished rollout as seeded: no rollout waits for an agent after it", async () => {
     const provider = new InMemorySandboxProvider();
     fleet = await startInProcessFleet({ provider, startWorkers: false });

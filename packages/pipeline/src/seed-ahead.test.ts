@@ -7,6 +7,8 @@ import { type SeedAhead, seedAheadBound } from "./worker.ts";
 function gate(waiting: { n: number; counts: number }) {
   const deps = {
     logger: createLogger({ name: "seed-ahead-test", level: "silent" }),
+    // No other process seeds.
+    store: { shareSeeding: async () => 0, saySeeding: async () => {}, forgetSeeding: async () => {} },
     queues: {
       queues: {
         run: {

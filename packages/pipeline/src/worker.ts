@@ -1,3 +1,4 @@
+import { randomUUID } from "node:crypto";
 import { setMaxListeners } from "node:events";
 import { capText, isTerminal, type StageName, withTimeout } from "@fleet/contracts";
 import { duplicateRedis, isRedisUnavailable, type RedisConnection } from "@fleet/queue";
@@ -51,8 +52,8 @@ export interface StageWorkerOptions {
    * waiting for an agent (or, behind slower verifiers, for a verifier). The waiting rollouts are
    * counted (one round trip) every `intervalMs`, and at most every `recountMs` while a seed
    * waits; between counts this process adds its own seeds, so one process alone keeps to the
-   * bound. The bound is each process's own: it does not count the seeds other processes are
-   * making, so R processes seeding at once may hold up to R times as many. `false` turns
+   * bound; several count each other's seeds in flight as each last said (`shareSeeding`), and
+   * pass it only by what they let in within one round trip of each other. `false` turns
    * it off. @defaultValue `{ min: 16, intervalMs: 500, recountMs: 5 }`
    */
   seedAhead?: SeedAheadOptions | false;
@@ -671,6 +672,46 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   let recount: NodeJS.Timeout | null = null;
   /** Runs taken by agents per millisecond, smoothed (see `count`). */
   let takenPerMs = 0;
+  /**
+   * The seeds the other processes' bounds are making, as each last said (`shareSeeding`): this
+   * process says its own at every count (and reads the others'), and as soon as it lets more in
+   * (`tell`), so that R processes do not each let in their own bound's worth (which held up to R
+   * times as many sandboxes). Fewer are said at the next count: meanwhile the others count a seed
+   * that ended twice (in flight, and its rollout waiting), never one too few.
+   */
+  const self = `${deps.workerId}:${randomUUID()}`;
+  let others = 0;
+  /** What this process last said it is making, and whether it is saying more now. */
+  let said = 0;
+  let saying = false;
+  /** An entry lives this long unless said again (at every count, `intervalMs`, while this process lives). */
+  const shareTtlMs = 3 * options.intervalMs + SEED_AHEAD_COUNT_TIMEOUT_MS;
+  const share = async (): Promise<void> => {
+    const now = clock(deps);
+    const seeds = inFlight;
+    others = await deps.store.shareSeeding(self, seeds, now, now + shareTtlMs);
+    said = seeds;
+  };
+  /**
+   * Say this process's seeds now that it let more in than it last said: one write, one at a time
+   * (the latest number wins). One that fails is left to the next count, which says them again.
+   */
+  const tell = () => {
+    if (saying || stopped || inFlight <= said) return;
+    saying = true;
+    const now = clock(deps);
+    const seeds = inFlight;
+    deps.store.saySeeding(self, seeds, now + shareTtlMs).then(
+      () => {
+        saying = false;
+        said = seeds;
+        tell();
+      },
+      () => {
+        saying = false;
+      },
+    );
+  };
 
   const setHeld = (now: boolean) => {
     if (now === held) return;
@@ -681,12 +722,13 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       now ? "seeding paused: enough rollouts wait for an agent or a verifier" : "seeding resumed",
     );
   };
-  const fits = () => known && ahead + inFlight < bound;
+  const fits = () => known && ahead + others + inFlight < bound;
   const pump = () => {
     while (waiters.length > 0 && fits()) {
       inFlight++;
       waiters.shift()?.go();
     }
+    tell();
     setHeld(waiters.length > 0);
     if (waiters.length > 0 && !recount && !counting && !stopped) {
       const spacing = Math.min(options.intervalMs, options.recountMs * 2 ** Math.min(failedCounts, 10));
@@ -714,6 +756,8 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
         Promise.all([
           run.getJobCounts("wait", "prioritized", "delayed", "active"),
           verify.getJobCounts("wait", "prioritized", "delayed"),
+          // Said again at every count, so that it does not expire while this process lives.
+          share(),
         ]),
         SEED_AHEAD_COUNT_TIMEOUT_MS,
         `no answer within ${SEED_AHEAD_COUNT_TIMEOUT_MS} ms`,
@@ -761,6 +805,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       if (stopped || signal.aborted) return Promise.reject(new HandBackError());
       if (waiters.length === 0 && fits()) {
         inFlight++;
+        tell();
         return Promise.resolve();
       }
       return new Promise<void>((resolve, reject) => {
@@ -814,6 +859,8 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       stopped = true;
       clearInterval(timer);
       if (recount) clearTimeout(recount);
+      // Its seeds are no longer the others' to count (an entry left expires in `shareTtlMs`).
+      void deps.store.forgetSeeding(self).catch(() => undefined);
       for (const waiter of [...waiters]) waiter.fail(new HandBackError());
       setHeld(false);
     },

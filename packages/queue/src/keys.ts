@@ -63,6 +63,12 @@ export interface Keys {
    * start as a pass.
    */
   janitorLastPass(): string;
+  /**
+   * The seeds each resources worker process is making (field: the process's seed-ahead bound,
+   * value: `<seeds>:<expiresAt>`, the fleet's clock), so that each process's bound counts the
+   * others' (`RolloutStore.shareSeeding`).
+   */
+  seeding(): string;
 }
 
 export function createKeys(prefix = "{fleet}"): Keys {
@@ -86,6 +92,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
   const instance = `${x}instance`;
   const sandboxHost = `${x}sandbox-host`;
   const janitorLastPass = `${x}janitor:last-pass`;
+  const seeding = `${x}seeding`;
   return {
     prefix,
     rollout: (id) => `${x}rollout:${id}`,
@@ -110,6 +117,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     instance: () => instance,
     sandboxHost: () => sandboxHost,
     janitorLastPass: () => janitorLastPass,
+    seeding: () => seeding,
   };
 }
 

@@ -1340,6 +1340,45 @@ export class RolloutStore {
   }
 
   /**
+   * Say how many seeds this process's seed-ahead bound (`self`) is making now, until `expiresAt`
+   * (the fleet's clock; it says so again before then while it lives), and learn how many the
+   * other processes' bounds are making, as each last said: entries past their expiry (a process
+   * that died) are not counted, and are removed. The hash itself lasts as long as the entry.
+   */
+  async shareSeeding(self: string, seeds: number, now: number, expiresAt: number): Promise<number> {
+    const key = this.keys.seeding();
+    const replies = await execAll(
+      this.redis
+        .multi()
+        .hset(key, self, `${seeds}:${expiresAt}`)
+        .pexpire(key, Math.max(1, expiresAt - now))
+        .hgetall(key),
+      "shareSeeding",
+    );
+    const entries = replies[2] as Record<string, string>;
+    let others = 0;
+    const stale: string[] = [];
+    for (const [field, value] of Object.entries(entries)) {
+      if (field === self) continue;
+      const [n, until] = value.split(":").map(Number);
+      if (!(Number(until) > now) || !Number.isFinite(n)) stale.push(field);
+      else others += Math.max(0, n!);
+    }
+    if (stale.length > 0) void this.redis.hdel(key, ...stale).catch(() => undefined);
+    return others;
+  }
+
+  /** `shareSeeding`'s saying alone (one write): for a process that let more seeds in since. */
+  async saySeeding(self: string, seeds: number, expiresAt: number): Promise<void> {
+    await this.redis.hset(this.keys.seeding(), self, `${seeds}:${expiresAt}`);
+  }
+
+  /** This process's seed-ahead bound is gone: its seeds are no longer counted (`shareSeeding`). */
+  async forgetSeeding(self: string): Promise<void> {
+    await this.redis.hdel(this.keys.seeding(), self);
+  }
+
+  /**
    * A live stage's heartbeat, `times["<stage>:beat"]`: the janitor's lost-job check
    * (`requeueLostJobs`) takes a rollout whose record changed within its grace for one a delivery
    * is working on. Not on a closed or gone rollout.

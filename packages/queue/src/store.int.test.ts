@@ -2483,6 +2483,25 @@ describe("rollout store", () => {
     expect((await store.admit([meta!], Date.now())).created).toEqual(again);
     expect((await store.admit([meta!], Date.now())).created).toEqual([]);
   });
+
+  it("shares the seeds each process's seed-ahead bound is making: the others' as they last said, none of one past its expiry (a process that died), which is removed", async () => {
+    const own = new RolloutStore(redis, `${prefix}-seeding`);
+    const now = Date.now();
+    expect(await own.shareSeeding("a", 2, now, now + 5_000)).toBe(0);
+    expect(await own.shareSeeding("b", 3, now, now + 5_000)).toBe(2);
+    await own.saySeeding("a", 4, now + 5_000);
+    expect(await own.shareSeeding("b", 1, now, now + 5_000)).toBe(4);
+    // "c" said last that it expires now: gone, not counted, and its field removed.
+    await own.saySeeding("c", 7, now);
+    expect(await own.shareSeeding("a", 0, now, now + 5_000)).toBe(1);
+    // (Its removal is sent before the next command on the same connection, so done by its reply.)
+    expect(await redis.hexists(own.keys.seeding(), "c")).toBe(0);
+    // The hash lasts as long as the latest entry said; a process that stops takes its own out.
+    expect(await redis.pttl(own.keys.seeding())).toBeGreaterThan(4_000);
+    await own.forgetSeeding("a");
+    expect(await own.shareSeeding("b", 0, now, now + 5_000)).toBe(0);
+    expect(await redis.hkeys(own.keys.seeding())).toEqual(["b"]);
+  });
 });
 
 describe("fleetInstance", () => {
