@@ -355,13 +355,23 @@ describe("the seed-ahead bound", () => {
     await settled("the second process to count and hold its seeds", counts, () => second.seedAhead!.held);
     expect(second.seedAhead!.inFlight).toBe(0);
     expect(creating).toBe(2);
+    // The first shuts down (a rolling restart) while its two still make their sandboxes: they
+    // are still counted.
+    const closing = first.close(30_000);
+    await settled("the second process to count a few times more", counts, () => second.seedAhead!.held);
+    expect(second.seedAhead!.inFlight).toBe(0);
+    expect(creating).toBe(2);
     // Made, the two wait for an agent (counted in the run queue now): still two in all.
     made.open();
-    await settled("both processes held with no seed in flight", counts, () =>
-      [first, second].every((w) => w.seedAhead!.held && w.seedAhead!.inFlight === 0),
-    );
+    await closing;
+    await settled("the second process held with no seed in flight", counts, () => {
+      const s = second.seedAhead!;
+      return s.held && s.inFlight === 0;
+    });
     expect((await fleet.deps.queues.queues.run.getJobCounts("wait")).wait).toBe(2);
     expect(creating).toBe(2);
+    // Its last seed ended: its entry is gone.
+    expect(Object.keys(await fleet.redis.hgetall(fleet.deps.store.keys.seeding()))).toHaveLength(1);
   });
 
   it("does not count a seed of a finished rollout as seeded: no rollout waits for an agent after it", async () => {

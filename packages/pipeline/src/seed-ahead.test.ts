@@ -3,17 +3,32 @@ import { afterEach, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type SeedAhead, seedAheadBound } from "./worker.ts";
 
-/** The gate alone, over a run queue whose counts the test sets and an empty verify queue (a fake of our deps' queues). */
-function gate(waiting: { n: number; counts: number }) {
+/**
+ * The gate alone, over a run queue whose counts the test sets (or that refuses them: `down`) and
+ * an empty verify queue, and a store where no other process seeds (whose writes Redis refuses:
+ * `full`), fakes of our deps' queues and store.
+ */
+function gate(
+  waiting: { n: number; counts: number; down?: boolean; full?: boolean; at?: number[] },
+  options: { intervalMs: number; recountMs: number } = { intervalMs: 10, recountMs: 1 },
+) {
+  const refused = async () => {
+    throw new Error("OOM command not allowed when used memory > 'maxmemory'.");
+  };
   const deps = {
     logger: createLogger({ name: "seed-ahead-test", level: "silent" }),
-    // No other process seeds.
-    store: { shareSeeding: async () => 0, saySeeding: async () => {}, forgetSeeding: async () => {} },
+    store: {
+      shareSeeding: async () => (waiting.full ? refused() : 0),
+      saySeeding: async () => (waiting.full ? refused() : undefined),
+      forgetSeeding: async () => {},
+    },
     queues: {
       queues: {
         run: {
           getJobCounts: async () => {
             waiting.counts++;
+            waiting.at?.push(Date.now());
+            if (waiting.down) throw new Error("Connection is closed.");
             return { wait: waiting.n, prioritized: 0, delayed: 0, active: 0 };
           },
         },
@@ -21,7 +36,7 @@ function gate(waiting: { n: number; counts: number }) {
       },
     },
   } as unknown as PipelineDeps;
-  return seedAheadBound(deps, { min: 1, intervalMs: 10, recountMs: 1, maxWaitMs: 60_000 });
+  return seedAheadBound(deps, { min: 1, ...options, maxWaitMs: 60_000 });
 }
 
 describe("seedAheadBound", () => {
@@ -48,5 +63,23 @@ describe("seedAheadBound", () => {
     waiting.n = 0;
     await later;
     expect(passed).toEqual(["earlier", "later"]);
+  });
+
+  it("counts again after a failed count later and later, not at once", async () => {
+    const waiting = { n: 0, counts: 0, down: true, at: [] as number[] };
+    g = gate(waiting, { intervalMs: 60_000, recountMs: 2 });
+    const entered = g.enter(new AbortController().signal, 1);
+    entered.catch(() => undefined);
+    while (waiting.at.length < 7) await new Promise((r) => setTimeout(r, 5));
+    // After each failure twice as long as after the one before: 4 + 8 + 16 + 32 + 64 ms at least
+    // between the second count and the seventh (all at once without the backoff).
+    expect(waiting.at[6]! - waiting.at[1]!).toBeGreaterThanOrEqual(124);
+  });
+
+  it("a Redis that refuses writes (full) does not fail a count: the seeds this process says are not what it counts by", async () => {
+    const waiting = { n: 0, counts: 0, full: true };
+    g = gate(waiting);
+    await g.enter(new AbortController().signal, 1);
+    expect(g.state()).toMatchObject({ inFlight: 1 });
   });
 });

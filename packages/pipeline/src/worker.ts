@@ -667,6 +667,8 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   const waiters: Array<{ order: number; go: () => void; fail: (err: Error) => void }> = [];
   let counting = false;
   let lastCountAt = 0;
+  /** When the last count was sent, landed or not: a count that fails is tried again `spacing` after it. */
+  let lastTriedAt = 0;
   /** Consecutive failed counts (the next is tried later and later). */
   let failedCounts = 0;
   let recount: NodeJS.Timeout | null = null;
@@ -692,6 +694,14 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     others = await deps.store.shareSeeding(self, seeds, now, now + shareTtlMs);
     said = seeds;
   };
+  /** While stopped with seeds in flight: says them until the last ends (`stop`). */
+  let draining: NodeJS.Timeout | null = null;
+  /** Its seeds are no longer the others' to count (an entry left expires in `shareTtlMs`). */
+  const forget = () => {
+    if (draining) clearInterval(draining);
+    draining = null;
+    void deps.store.forgetSeeding(self).catch(() => undefined);
+  };
   /**
    * Say this process's seeds now that it let more in than it last said: one write, one at a time
    * (the latest number wins). One that fails is left to the next count, which says them again.
@@ -701,7 +711,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     saying = true;
     const now = clock(deps);
     const seeds = inFlight;
-    deps.store.saySeeding(self, seeds, now + shareTtlMs).then(
+    deps.store.saySeeding(self, seeds, now, now + shareTtlMs).then(
       () => {
         saying = false;
         said = seeds;
@@ -737,7 +747,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
           recount = null;
           void count();
         },
-        Math.max(0, lastCountAt + spacing - Date.now()),
+        Math.max(0, lastTriedAt + spacing - Date.now()),
       );
       recount.unref();
     }
@@ -745,6 +755,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   const count = async () => {
     if (counting || stopped) return;
     counting = true;
+    lastTriedAt = Date.now();
     // Seeds that end while the count is on its way may or may not be in it: those are added to
     // what it says (one may be counted twice until the next count, never missed).
     const seededBefore = seededTotal;
@@ -756,8 +767,10 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
         Promise.all([
           run.getJobCounts("wait", "prioritized", "delayed", "active"),
           verify.getJobCounts("wait", "prioritized", "delayed"),
-          // Said again at every count, so that it does not expire while this process lives.
-          share(),
+          // Said again at every count, so that it does not expire while this process lives. A
+          // refused write (Redis full, or read-only) does not fail the count, which only reads:
+          // the others' seeds stay as last read.
+          share().catch(() => undefined),
         ]),
         SEED_AHEAD_COUNT_TIMEOUT_MS,
         `no answer within ${SEED_AHEAD_COUNT_TIMEOUT_MS} ms`,
@@ -852,6 +865,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
         ahead++;
         seededTotal++;
       }
+      if (stopped && inFlight === 0) forget();
       pump();
     },
     state: () => ({ held, ahead, inFlight, bound, requeued }),
@@ -859,8 +873,13 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       stopped = true;
       clearInterval(timer);
       if (recount) clearTimeout(recount);
-      // Its seeds are no longer the others' to count (an entry left expires in `shareTtlMs`).
-      void deps.store.forgetSeeding(self).catch(() => undefined);
+      // Its seeds in flight go on making their sandboxes while the process shuts down: still said
+      // (before its entry expires) until the last ends, then its entry goes.
+      if (inFlight === 0) forget();
+      else {
+        draining = setInterval(() => void share().catch(() => undefined), options.intervalMs);
+        draining.unref();
+      }
       for (const waiter of [...waiters]) waiter.fail(new HandBackError());
       setHeld(false);
     },

@@ -1369,8 +1369,15 @@ export class RolloutStore {
   }
 
   /** `shareSeeding`'s saying alone (one write): for a process that let more seeds in since. */
-  async saySeeding(self: string, seeds: number, expiresAt: number): Promise<void> {
-    await this.redis.hset(this.keys.seeding(), self, `${seeds}:${expiresAt}`);
+  async saySeeding(self: string, seeds: number, now: number, expiresAt: number): Promise<void> {
+    const key = this.keys.seeding();
+    await execAll(
+      this.redis
+        .multi()
+        .hset(key, self, `${seeds}:${expiresAt}`)
+        .pexpire(key, Math.max(1, expiresAt - now)),
+      "saySeeding",
+    );
   }
 
   /** This process's seed-ahead bound is gone: its seeds are no longer counted (`shareSeeding`). */

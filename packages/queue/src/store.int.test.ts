@@ -2489,10 +2489,10 @@ describe("rollout store", () => {
     const now = Date.now();
     expect(await own.shareSeeding("a", 2, now, now + 5_000)).toBe(0);
     expect(await own.shareSeeding("b", 3, now, now + 5_000)).toBe(2);
-    await own.saySeeding("a", 4, now + 5_000);
+    await own.saySeeding("a", 4, now, now + 5_000);
     expect(await own.shareSeeding("b", 1, now, now + 5_000)).toBe(4);
     // "c" said last that it expires now: gone, not counted, and its field removed.
-    await own.saySeeding("c", 7, now);
+    await own.saySeeding("c", 7, now - 1, now);
     expect(await own.shareSeeding("a", 0, now, now + 5_000)).toBe(1);
     // (Its removal is sent before the next command on the same connection, so done by its reply.)
     expect(await redis.hexists(own.keys.seeding(), "c")).toBe(0);
