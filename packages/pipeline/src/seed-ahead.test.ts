@@ -1,5 +1,5 @@
 import { createLogger } from "@fleet/telemetry";
-import { afterEach, describe, expect, it } from "vitest";
+import { afterEach, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
 import { type SeedAhead, seedAheadBound } from "./worker.ts";
 
@@ -9,7 +9,15 @@ import { type SeedAhead, seedAheadBound } from "./worker.ts";
  * `full`), fakes of our deps' queues and store.
  */
 function gate(
-  waiting: { n: number; counts: number; down?: boolean; full?: boolean; at?: number[] },
+  waiting: {
+    n: number;
+    counts: number;
+    down?: boolean;
+    full?: boolean;
+    at?: number[];
+    /** Calls of the store's seeding methods. */
+    said?: { shares: number; forgets: number };
+  },
   options: { intervalMs: number; recountMs: number } = { intervalMs: 10, recountMs: 1 },
 ) {
   const refused = async () => {
@@ -18,9 +26,14 @@ function gate(
   const deps = {
     logger: createLogger({ name: "seed-ahead-test", level: "silent" }),
     store: {
-      shareSeeding: async () => (waiting.full ? refused() : 0),
+      shareSeeding: async () => {
+        if (waiting.said) waiting.said.shares++;
+        return waiting.full ? refused() : 0;
+      },
       saySeeding: async () => (waiting.full ? refused() : undefined),
-      forgetSeeding: async () => {},
+      forgetSeeding: async () => {
+        if (waiting.said) waiting.said.forgets++;
+      },
     },
     queues: {
       queues: {
@@ -71,9 +84,32 @@ describe("seedAheadBound", () => {
     const entered = g.enter(new AbortController().signal, 1);
     entered.catch(() => undefined);
     while (waiting.at.length < 7) await new Promise((r) => setTimeout(r, 5));
-    // After each failure twice as long as after the one before: 4 + 8 + 16 + 32 + 64 ms at least
-    // between the second count and the seventh (all at once without the backoff).
+    // After each failure twice as long as after the one before: 8 + 16 + 32 + 64 + 128 = 248 ms
+    // at least between the second count and the seventh (half of it asserted), all at once
+    // without the backoff.
     expect(waiting.at[6]! - waiting.at[1]!).toBeGreaterThanOrEqual(124);
+  });
+
+  it("while it shuts down with seeds in flight, says them again until the last ends, then no more (stopped twice too)", async () => {
+    vi.useFakeTimers();
+    try {
+      const said = { shares: 0, forgets: 0 };
+      g = gate({ n: 0, counts: 0, said }, { intervalMs: 20, recountMs: 1 });
+      await g.enter(new AbortController().signal, 1);
+      g.stop();
+      g.stop();
+      const atStop = said.shares;
+      await vi.advanceTimersByTimeAsync(100);
+      expect(said.shares).toBeGreaterThanOrEqual(atStop + 4);
+      expect(said.forgets).toBe(0);
+      g.leave(true);
+      expect(said.forgets).toBe(1);
+      const atLast = said.shares;
+      await vi.advanceTimersByTimeAsync(200);
+      expect(said.shares).toBe(atLast);
+    } finally {
+      vi.useRealTimers();
+    }
   });
 
   it("a Redis that refuses writes (full) does not fail a count: the seeds this process says are not what it counts by", async () => {

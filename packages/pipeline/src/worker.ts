@@ -667,7 +667,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   const waiters: Array<{ order: number; go: () => void; fail: (err: Error) => void }> = [];
   let counting = false;
   let lastCountAt = 0;
-  /** When the last count was sent, landed or not: a count that fails is tried again `spacing` after it. */
+  /** When the last count ended, landed or not: the next is `spacing` after it (a failed one's too). */
   let lastTriedAt = 0;
   /** Consecutive failed counts (the next is tried later and later). */
   let failedCounts = 0;
@@ -755,7 +755,6 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   const count = async () => {
     if (counting || stopped) return;
     counting = true;
-    lastTriedAt = Date.now();
     // Seeds that end while the count is on its way may or may not be in it: those are added to
     // what it says (one may be counted twice until the next count, never missed).
     const seededBefore = seededTotal;
@@ -806,6 +805,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       }
     } finally {
       counting = false;
+      lastTriedAt = Date.now();
     }
     pump();
   };
@@ -870,6 +870,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     },
     state: () => ({ held, ahead, inFlight, bound, requeued }),
     stop() {
+      if (stopped) return; // (a second `stop` would start a second draining, never cleared)
       stopped = true;
       clearInterval(timer);
       if (recount) clearTimeout(recount);
