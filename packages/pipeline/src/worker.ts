@@ -688,12 +688,15 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   let saying = false;
   /** An entry lives this long unless said again (at every count, `intervalMs`, while this process lives). */
   const shareTtlMs = 3 * options.intervalMs + SEED_AHEAD_COUNT_TIMEOUT_MS;
-  const share = async (): Promise<void> => {
+  /** Say this process's seeds now (and, with `read`, learn the others'). */
+  const say = async (read: boolean): Promise<void> => {
     const now = clock(deps);
     const seeds = inFlight;
-    others = await deps.store.shareSeeding(self, seeds, now, now + shareTtlMs);
+    if (read) others = await deps.store.shareSeeding(self, seeds, now, now + shareTtlMs);
+    else await deps.store.saySeeding(self, seeds, now, now + shareTtlMs);
     said = seeds;
   };
+  const share = () => say(true);
   /** While stopped with seeds in flight: says them until the last ends (`stop`). */
   let draining: NodeJS.Timeout | null = null;
   /** Its seeds are no longer the others' to count (an entry left expires in `shareTtlMs`). */
@@ -709,12 +712,9 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   const tell = () => {
     if (saying || stopped || inFlight <= said) return;
     saying = true;
-    const now = clock(deps);
-    const seeds = inFlight;
-    deps.store.saySeeding(self, seeds, now, now + shareTtlMs).then(
+    say(false).then(
       () => {
         saying = false;
-        said = seeds;
         tell();
       },
       () => {

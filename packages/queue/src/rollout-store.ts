@@ -1347,37 +1347,32 @@ export class RolloutStore {
    */
   async shareSeeding(self: string, seeds: number, now: number, expiresAt: number): Promise<number> {
     const key = this.keys.seeding();
-    const replies = await execAll(
-      this.redis
-        .multi()
-        .hset(key, self, `${seeds}:${expiresAt}`)
-        .pexpire(key, Math.max(1, expiresAt - now))
-        .hgetall(key),
-      "shareSeeding",
-    );
+    const replies = await execAll(this.sayingSeeds(self, seeds, now, expiresAt).hgetall(key), "shareSeeding");
     const entries = replies[2] as Record<string, string>;
     let others = 0;
     const stale: string[] = [];
     for (const [field, value] of Object.entries(entries)) {
       if (field === self) continue;
       const [n, until] = value.split(":").map(Number);
-      if (!(Number(until) > now) || !Number.isFinite(n)) stale.push(field);
+      if (!(until! > now) || !Number.isFinite(n)) stale.push(field);
       else others += Math.max(0, n!);
     }
     if (stale.length > 0) void this.redis.hdel(key, ...stale).catch(() => undefined);
     return others;
   }
 
-  /** `shareSeeding`'s saying alone (one write): for a process that let more seeds in since. */
+  /** `shareSeeding`'s saying alone (no read): for a process that let more seeds in since. */
   async saySeeding(self: string, seeds: number, now: number, expiresAt: number): Promise<void> {
+    await execAll(this.sayingSeeds(self, seeds, now, expiresAt), "saySeeding");
+  }
+
+  /** A MULTI with this process's entry (`shareSeeding`) and the hash's expiry set from it. */
+  private sayingSeeds(self: string, seeds: number, now: number, expiresAt: number): ChainableCommander {
     const key = this.keys.seeding();
-    await execAll(
-      this.redis
-        .multi()
-        .hset(key, self, `${seeds}:${expiresAt}`)
-        .pexpire(key, Math.max(1, expiresAt - now)),
-      "saySeeding",
-    );
+    return this.redis
+      .multi()
+      .hset(key, self, `${seeds}:${expiresAt}`)
+      .pexpire(key, Math.max(1, expiresAt - now));
   }
 
   /** This process's seed-ahead bound is gone: its seeds are no longer counted (`shareSeeding`). */
