@@ -403,6 +403,37 @@ describe("the seed-ahead bound", () => {
     expect(provider.sandboxes.size).toBe(0);
   });
 
+  it("lets the seeds of cancelled rollouts past a full bound, uncounted: they make no sandbox and hold no worker slot", async () => {
+    // No agent: the first two rollouts fill the bound for good.
+    const { fleet, resources, live } = await resourcesOnly(
+      { min: 2, intervalMs: 50, recountMs: 5, maxWaitMs: 600_000 },
+      { deps: NO_OP_AGENT_AND_VERIFIER },
+    );
+    const counts = watchCounts();
+    await submit(2);
+    const { seed } = fleet.deps.queues.queues;
+    await until("the bound to fill", () => live() === 2);
+    // Three more, cancelled while their seeds wait at the bound (two in the worker's slots).
+    const ids = await submit(3);
+    await settled("two seeds to wait at the bound", counts, () => {
+      const s = resources.seedAhead!;
+      return s.held && s.inFlight === 0;
+    });
+    expect(await seed.getJobCounts("wait", "active")).toEqual({ wait: 1, active: 2 });
+    for (const id of ids) await cancelRollout(fleet.deps.store, fleet.deps.queues, id, Date.now());
+    // Their seeds go on to be skipped, the bound still full, instead of waiting (here for ten
+    // minutes) for agents to free it; the slots are free for the seeds behind them.
+    await until(
+      "the cancelled rollouts' seeds to end",
+      async () => Object.values(await seed.getJobCounts("wait", "active", "delayed")).every((n) => n === 0),
+      10_000,
+    );
+    const results = await fleet.waitForResults(ids, 10_000);
+    expect(results.map((r) => r.status)).toEqual(["cancelled", "cancelled", "cancelled"]);
+    expect(live()).toBe(2);
+    expect(resources.seedAhead).toMatchObject({ held: false, inFlight: 0, ahead: 2 });
+  });
+
   it("keeps seeding without a bound (`seedAhead: false`), its gauge at 0", async () => {
     const registry = createMetricsRegistry({ app: "resources-test", defaultMetrics: false });
     const { fleet, resources } = await resourcesOnly(false, {

@@ -17,6 +17,8 @@ function gate(
     at?: number[];
     /** Calls of the store's seeding methods. */
     said?: { shares: number; forgets: number };
+    /** The rollouts whose seeds make no sandbox (`seedsSkipped`), and its calls' times. */
+    skipped?: { ids: Set<string>; at: number[] };
   },
   options: { intervalMs: number; recountMs: number } = { intervalMs: 10, recountMs: 1 },
 ) {
@@ -31,6 +33,10 @@ function gate(
         return waiting.full ? refused() : 0;
       },
       saySeeding: async () => (waiting.full ? refused() : undefined),
+      seedsSkipped: async (ids: string[]) => {
+        waiting.skipped?.at.push(Date.now());
+        return ids.map((id) => waiting.skipped?.ids.has(id) ?? false);
+      },
       forgetSeeding: async () => {
         if (waiting.said) waiting.said.forgets++;
       },
@@ -110,6 +116,31 @@ describe("seedAheadBound", () => {
     } finally {
       vi.useRealTimers();
     }
+  });
+
+  it("lets a seed whose rollout was cancelled while it waited go on uncounted, looking at it once an interval, not at every count", async () => {
+    const skipped = { ids: new Set<string>(), at: [] as number[] };
+    const waiting = { n: 1, counts: 0, skipped };
+    g = gate(waiting, { intervalMs: 40, recountMs: 1 });
+    const signal = new AbortController().signal;
+    const came = Date.now();
+    const cancelled = g.enter(signal, 1, "r1");
+    const other = g.enter(signal, 2, "r2");
+    other.catch(() => undefined);
+    // Counted every millisecond or so while they wait (the bound is full), looked at far less often.
+    while (skipped.at.length < 3) await new Promise((r) => setTimeout(r, 5));
+    expect(waiting.counts).toBeGreaterThan(4 * skipped.at.length);
+    // An interval after they came, then an interval apart (less a few ms of timer slack).
+    for (const [i, at] of skipped.at.entries()) {
+      expect(at - (i === 0 ? came : skipped.at[i - 1]!)).toBeGreaterThanOrEqual(35);
+    }
+    skipped.ids.add("r1");
+    expect(await cancelled).toBe(false);
+    // Not in flight: the other seed still waits for room, and a seed's `leave` is not owed.
+    expect(g.state()).toMatchObject({ held: true, inFlight: 0 });
+    waiting.n = 0;
+    expect(await other).toBe(true);
+    expect(g.state()).toMatchObject({ inFlight: 1 });
   });
 
   it("a Redis that refuses writes (full) does not fail a count: the seeds this process says are not what it counts by", async () => {

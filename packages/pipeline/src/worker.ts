@@ -167,8 +167,7 @@ export function createStageWorkers(
         let seeded = false;
         try {
           if (stage === "seed" && seedAhead) {
-            await seedAhead.enter(handBack.signal, job.timestamp);
-            entered = true;
+            entered = await seedAhead.enter(handBack.signal, job.timestamp, job.data?.rolloutId);
             started = Date.now();
           }
           const outcome = await runStageJob(stage, job, deps, runOptions);
@@ -631,10 +630,14 @@ export interface SeedAhead {
    * Wait until one more seed fits under the bound. Rejects with `HandBackError` on shutdown, and
    * with `SeedWaitOver` (a `HandBackError`) after `maxWaitMs`. Waiting seeds go in `order` (the
    * job's creation time): one that went back to its queue and came again is not passed by
-   * younger ones (a later batch must not overtake an earlier one).
+   * younger ones (a later batch must not overtake an earlier one). Resolves true when let
+   * through (in flight until `leave`), or false when `rolloutId`'s seed proved, while it waited,
+   * to make no sandbox (its rollout cancelled, closing or ended: `RolloutStore.seedsSkipped`): it
+   * goes on uncounted, to be skipped, instead of holding its worker slot, and the seeds behind
+   * it, until the bound frees.
    */
-  enter(signal: AbortSignal, order: number): Promise<void>;
-  /** A seed let through ended; `seeded`: its run job was enqueued. */
+  enter(signal: AbortSignal, order: number, rolloutId?: string): Promise<boolean>;
+  /** A seed let through (`enter` resolved true) ended; `seeded`: its run job was enqueued. */
   leave(seeded: boolean): void;
   state(): SeedAheadState;
   stop(): void;
@@ -649,6 +652,8 @@ export class SeedWaitOver extends HandBackError {
 
 /** How long a count may take before it is given up (and tried again). */
 const SEED_AHEAD_COUNT_TIMEOUT_MS = 5_000;
+/** Waiting seeds' rollouts looked at per count, at most (see `enter`). */
+const SEED_AHEAD_LOOKS = 100;
 
 /** The seed-ahead bound (see `StageWorkerOptions.seedAhead`). */
 export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): SeedAhead {
@@ -664,7 +669,16 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   let requeued = 0;
   let stopped = false;
   let held = false;
-  const waiters: Array<{ order: number; go: () => void; fail: (err: Error) => void }> = [];
+  const waiters: Array<{
+    order: number;
+    /** Its seed's rollout, and when it was last looked at (see `enter`), or when it came. */
+    rolloutId?: string;
+    checkedAt: number;
+    go: () => void;
+    /** On uncounted: its rollout's seed makes no sandbox. */
+    pass: () => void;
+    fail: (err: Error) => void;
+  }> = [];
   let counting = false;
   let lastCountAt = 0;
   /** When the last count ended, landed or not: the next is `spacing` after it (a failed one's too). */
@@ -758,11 +772,19 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     // Seeds that end while the count is on its way may or may not be in it: those are added to
     // what it says (one may be counted twice until the next count, never missed).
     const seededBefore = seededTotal;
+    // The waiters that waited an interval since they came or were last looked at: whether their
+    // rollouts were cancelled (or closed, or ended) meanwhile. Not one that waits briefly: a
+    // batch's seeds waiting for agents to catch up cost nothing more.
+    const lookedAt = Date.now();
+    const looking = waiters
+      .filter((w) => w.rolloutId !== undefined && lookedAt - w.checkedAt >= options.intervalMs)
+      .slice(0, SEED_AHEAD_LOOKS);
+    for (const w of looking) w.checkedAt = lookedAt;
     try {
       // Rollouts waiting for an agent, and those waiting for a verifier: both hold their sandbox,
       // and seeding faster than the verifiers take them only piles sandboxes up.
       const { run, verify } = deps.queues.queues;
-      const [c, v] = await withTimeout(
+      const [c, v, , skipped] = await withTimeout(
         Promise.all([
           run.getJobCounts("wait", "prioritized", "delayed", "active"),
           verify.getJobCounts("wait", "prioritized", "delayed"),
@@ -770,6 +792,10 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
           // refused write (Redis full, or read-only) does not fail the count, which only reads:
           // the others' seeds stay as last read.
           share().catch(() => undefined),
+          // (A look that fails is tried again an interval later.)
+          looking.length > 0
+            ? deps.store.seedsSkipped(looking.map((w) => w.rolloutId!)).catch(() => null)
+            : null,
         ]),
         SEED_AHEAD_COUNT_TIMEOUT_MS,
         `no answer within ${SEED_AHEAD_COUNT_TIMEOUT_MS} ms`,
@@ -794,6 +820,9 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       lastCountAt = now;
       if (failedCounts > 0) deps.logger.info("the seed-ahead bound counts the waiting rollouts again");
       failedCounts = 0;
+      skipped?.forEach((skip, i) => {
+        if (skip) looking[i]!.pass();
+      });
     } catch (err) {
       // Redis unreachable or slow: counted again later, backing off (a seed could not get
       // anywhere meanwhile either). Said once per outage.
@@ -814,14 +843,14 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   void count();
 
   return {
-    enter(signal, order) {
+    enter(signal, order, rolloutId) {
       if (stopped || signal.aborted) return Promise.reject(new HandBackError());
       if (waiters.length === 0 && fits()) {
         inFlight++;
         tell();
-        return Promise.resolve();
+        return Promise.resolve(true);
       }
-      return new Promise<void>((resolve, reject) => {
+      return new Promise<boolean>((resolve, reject) => {
         const settle = () => {
           clearTimeout(tooLong);
           signal.removeEventListener("abort", onAbort);
@@ -842,9 +871,15 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
         tooLong.unref();
         const waiter = {
           order,
+          rolloutId,
+          checkedAt: Date.now(),
           go: () => {
             settle();
-            resolve();
+            resolve(true);
+          },
+          pass: () => {
+            settle();
+            resolve(false);
           },
           fail: (err: Error) => {
             settle();

@@ -1375,6 +1375,23 @@ export class RolloutStore {
       .pexpire(key, Math.max(1, expiresAt - now));
   }
 
+  /**
+   * Of `ids` (in their order), whether each rollout's seed will make no sandbox: it is gone, has a
+   * cancel requested, or its close began (finished ones included: their close set `closed`), so
+   * its seed's begin skips it. One round trip.
+   */
+  async seedsSkipped(ids: readonly string[]): Promise<boolean[]> {
+    const pipe = this.redis.pipeline();
+    for (const id of ids) pipe.hmget(this.keys.rollout(id), "status", "cancel", "closed");
+    const replies = (await pipe.exec()) ?? [];
+    return ids.map((_, i) => {
+      const [err, fields] = replies[i] ?? [null, null];
+      if (err) throw err;
+      const [status, cancel, closed] = fields as Array<string | null>;
+      return status === null || cancel === "1" || closed === "1";
+    });
+  }
+
   /** This process's seed-ahead bound is gone: its seeds are no longer counted (`shareSeeding`). */
   async forgetSeeding(self: string): Promise<void> {
     await this.redis.hdel(this.keys.seeding(), self);

@@ -229,6 +229,23 @@ describe("rollout store", () => {
     finishedAt: 2,
   });
 
+  it("says which rollouts' seeds make no sandbox: gone, cancelled, closing or finished ones, not one waiting for its seed", async () => {
+    const [waiting, cancelled, closing, finished] = await Promise.all(
+      Array.from({ length: 4 }, async () => (await admitOne()).ids[0]!),
+    );
+    await store.requestCancel(cancelled!);
+    await store.begin(closing!, "close", 20);
+    const meta = (await store.get(finished!))!.meta;
+    expect(await store.finalize(meta, resultFor(finished!, "completed"), 10)).toBe(true);
+    expect(await store.seedsSkipped([waiting!, cancelled!, closing!, finished!, "no-such-rollout"])).toEqual([
+      false,
+      true,
+      true,
+      true,
+      true,
+    ]);
+  });
+
   it("a finalize sent again with the same arguments (a reconnect lost its reply) still says it finalized; another closer's does not", async () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
