@@ -191,6 +191,72 @@ describe("janitor", () => {
     }
   });
 
+  it("a ledger entry whose destroy never returns (the pass dies in it) is counted and put off before it is tried: the next pass destroys the entry behind it and tries it again only after its backoff, until confirmed", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    // The poisoned sandbox's destroy never settles (a daemon call that hangs the janitor until its
+    // supervisor kills it, or crashes it): each pass that tries it is abandoned in it.
+    const hung = latch();
+    let poisonDestroys = 0;
+    const provider = Object.assign(Object.create(memory) as typeof memory, {
+      destroy: async (h: SandboxHandle) => {
+        if (h.id !== poison.id) return memory.destroy(h);
+        poisonDestroys++;
+        await hung.opened;
+        throw new Error("the janitor was killed in this destroy");
+      },
+    });
+    const at = Date.now();
+    const deps = { ...own.deps, provider, now: () => at };
+    const { ledger } = own.deps;
+    const make = (rolloutId: string) =>
+      memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
+    const poison = await make(`poison${RUN}`);
+    const behind = await make(`behind${RUN}`);
+    const entryOf = (h: SandboxHandle) => ({
+      key: sandboxKey(h.rolloutId, "resources"),
+      rolloutId: h.rolloutId,
+      owner: "resources" as const,
+      provider: memory.name,
+      handle: h,
+      createdAt: at,
+      expiresAt: at + 3_600_000,
+    });
+    // Both due; the poisoned one longer, so every pass reads it first.
+    await ledger.schedule(entryOf(poison), at - 10_000);
+    await ledger.schedule(entryOf(behind), at - 5_000);
+    const options = { orphanGraceMs: 3_600_000 };
+    const abandoned: Promise<unknown>[] = [];
+    try {
+      abandoned.push(janitorTick(deps, options));
+      await vi.waitFor(() => expect(poisonDestroys).toBe(1), { timeout: 10_000 });
+      // The pass is gone with it (never to record anything); a fresh one runs.
+      abandoned.push(janitorTick(deps, options));
+      await vi.waitFor(async () => {
+        expect(await memory.alive(behind)).toBe(false);
+        expect(await ledger.isPending(behind.rolloutId)).toBe(false);
+      }, 10_000);
+      expect(poisonDestroys).toBe(1); // not tried first again, nor at all before its backoff
+      const [kept] = (await ledger.pending()).filter((e) => e.key === entryOf(poison).key);
+      // Never lost: on the ledger, its attempt counted, due after its backoff.
+      expect(kept).toMatchObject({ attempts: 1, lastError: expect.stringMatching(/no outcome recorded/) });
+      expect(kept!.dueAt).toBeGreaterThan(at);
+      // Once due, tried again; a destroy that returns this time confirms it.
+      const report = await janitorTick({ ...deps, provider: memory, now: () => kept!.dueAt }, options);
+      expect(report).toMatchObject({ retried: 1, confirmed: 1 });
+      expect(await memory.alive(poison)).toBe(false);
+      expect(await ledger.isPending(poison.rolloutId)).toBe(false);
+      // The abandoned pass ending late (its destroy failing at last) brings no entry back.
+      hung.open();
+      await Promise.all(abandoned);
+      expect(await ledger.size()).toBe(0);
+    } finally {
+      hung.open();
+      await Promise.allSettled(abandoned);
+      await own.close();
+    }
+  });
+
   it("a slow or hung daemon holds up neither the deadline watchdog (it runs first) nor the pass (destroys stop at the budget)", async () => {
     const task = await helloFile();
     const [overdue] = await fleet.submit([{ task, agent: { harness: "oracle" }, deadlineS: 108 }]);

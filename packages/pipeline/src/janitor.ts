@@ -382,12 +382,19 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
   if (providerUp())
     await step("ledger", async () => {
       const ledgerSteps = entrySteps("ledger");
-      const due = await deps.ledger.due(now, undefined, ledgerSteps.invalid);
+      const due = await deps.ledger.dueToTake(now, undefined, ledgerSteps.invalid);
       ledgerSteps.done();
-      for (const entry of due) {
+      for (const read of due) {
         if (overBudget()) break; // the rest are still due next pass
+        // Counted and put off before its destroy is tried (`take`): a destroy that never returns
+        // (it crashed or hung the janitor until it was killed) would otherwise leave the entry
+        // due at its old time, first in the next pass's read, every pass dying on it. One no
+        // longer as read (another failure of it recorded, or confirmed, meanwhile) is not tried:
+        // its schedule now is its own.
+        const entry = await deps.ledger.take(read, clock(deps));
+        if (!entry) continue;
         report.retried++;
-        const r = await destroyOrLedger(deps, entry);
+        const r = await destroyOrLedger(deps, entry, { taken: entry });
         if (r.teardown === "confirmed") report.confirmed++;
         else report.stillPending++;
       }

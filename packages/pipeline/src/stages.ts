@@ -31,6 +31,7 @@ import {
   type DeliveryFence,
   deliveryFence,
   isInvalidStoredData,
+  type LedgerEntry,
   type RolloutRecord,
   type SandboxEntry,
   sandboxKey,
@@ -315,7 +316,11 @@ function isSameSandbox(a: SandboxHandle, b: SandboxHandle): boolean {
 export async function destroyOrLedger(
   deps: PipelineDeps,
   entry: SandboxEntry,
-  options: { deferConfirm?: boolean } = {},
+  options: {
+    deferConfirm?: boolean;
+    /** The ledger entry `ledger.take` wrote for this attempt (already counted): a failure is not counted again. */
+    taken?: LedgerEntry;
+  } = {},
 ): Promise<{
   teardown: "confirmed" | "pending";
   receipt: CleanupReceipt | null;
@@ -353,7 +358,7 @@ export async function destroyOrLedger(
     return { teardown: "confirmed", receipt, confirmedKey: entry.key, destroyed: handle };
   } catch (err) {
     const reason = err instanceof Error ? err.message : String(err);
-    await deps.ledger.recordFailure(entry, reason, now);
+    await deps.ledger.recordFailure(entry, reason, now, undefined, { taken: options.taken });
     deps.metrics?.teardownAttempts.inc({ result: "failed" });
     deps.logger.warn(
       { rolloutId: entry.rolloutId, owner: entry.owner, err: reason },

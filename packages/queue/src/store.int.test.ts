@@ -1872,6 +1872,52 @@ describe("rollout store", () => {
     expect(await ledger.isPending(ids[0]!)).toBe(false);
   });
 
+  it("a due entry taken for a destroy attempt is counted and put off before the destroy is tried: one whose destroy never returns (the janitor killed in it) is not due again before its backoff, its failure is not counted twice, and one changed since it was read is not taken", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const entry = sandboxEntry(ids[0]!);
+    const stored = async () => JSON.parse((await redis.hget(ledger.keys.teardownEntries(), entry.key))!);
+    const mine = <T extends { entry: { key: string } }>(due: T[]) =>
+      due.filter((d) => d.entry.key === entry.key);
+    const now = 1_000_000;
+    const failed = (await ledger.recordFailure(entry, "device busy", now, () => 1))!;
+    const [read] = mine(await ledger.dueToTake(failed.dueAt, 1000));
+    const taken = (await ledger.take(read!, failed.dueAt, () => 1))!;
+    expect(taken).toMatchObject({
+      attempts: 2,
+      firstFailedAt: now,
+      dueAt: failed.dueAt + teardownBackoffMs(1, () => 1),
+    });
+    expect(taken.lastError).toMatch(/attempt 2 began at .* no outcome recorded/);
+    // The "crash": nothing is recorded after the take. The attempt counted, the entry put off.
+    expect(await stored()).toEqual(taken);
+    expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(taken.dueAt);
+    expect(mine(await ledger.dueToTake(taken.dueAt - 1, 1000))).toEqual([]);
+    // What was read before the take (another pass's read) is not taken again.
+    expect(await ledger.take(read!, failed.dueAt, () => 1)).toBeNull();
+    expect(await stored()).toEqual(taken);
+
+    // Due again: the next attempt counts on from it, and its failure records without counting.
+    const [again] = mine(await ledger.dueToTake(taken.dueAt, 1000));
+    const next = (await ledger.take(again!, taken.dueAt, () => 1))!;
+    expect(next.attempts).toBe(3);
+    const recorded = await ledger.recordFailure(entry, "still busy", taken.dueAt + 50, () => 1, {
+      taken: next,
+    });
+    expect(recorded).toEqual({ ...next, lastError: "still busy" });
+    expect(await stored()).toEqual(recorded);
+    expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(next.dueAt);
+
+    // A taken entry whose destroy another confirmed meanwhile: its late failure brings nothing back.
+    const [third] = mine(await ledger.dueToTake(next.dueAt, 1000));
+    const last = (await ledger.take(third!, next.dueAt, () => 1))!;
+    await ledger.confirm(entry);
+    expect(await ledger.recordFailure(entry, "late", next.dueAt + 50, () => 1, { taken: last })).toBeNull();
+    expect(await redis.hget(ledger.keys.teardownEntries(), entry.key)).toBeNull();
+    expect(await redis.zscore(ledger.keys.teardownDue(), entry.key)).toBeNull();
+    expect(await ledger.isPending(ids[0]!)).toBe(false);
+  });
+
   it("two failures of one destroy recorded at once count twice, a failure recorded as the sweep schedules its sandbox stands, and one confirmed meanwhile is not brought back", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();

@@ -88,16 +88,31 @@ function parseEntries<T>(
   stored: readonly (readonly [string, string])[],
   onInvalid: OnInvalidEntry | undefined,
 ): T[] {
-  const entries: T[] = [];
+  return parseStored(schema, stored, onInvalid).map(([entry]) => entry);
+}
+
+/** `parseEntries`, each entry with the text it was parsed from. */
+function parseStored<T>(
+  schema: z.ZodType<T>,
+  stored: readonly (readonly [string, string])[],
+  onInvalid: OnInvalidEntry | undefined,
+): [T, string][] {
+  const entries: [T, string][] = [];
   for (const [key, raw] of stored) {
     try {
-      entries.push(schema.parse(JSON.parse(raw)));
+      entries.push([schema.parse(JSON.parse(raw)), raw]);
     } catch (err) {
       if (!onInvalid) throw err;
       onInvalid(key, err instanceof Error ? err : new Error(String(err)));
     }
   }
   return entries;
+}
+
+/** A due ledger entry and its text as stored when read (`dueToTake`), which `take` compares with. */
+export interface DueEntry {
+  entry: LedgerEntry;
+  stored: string;
 }
 
 /** How long a failed gateway network removal waits before the janitor tries it again. */
@@ -244,8 +259,37 @@ export class TeardownLedger {
     error: string,
     now: number,
     random = Math.random,
+    options: {
+      /**
+       * The entry `take` wrote for this attempt, which counted it and scheduled the next: while it
+       * is still the one stored, only its error is recorded (counted again, a retry would be put
+       * off twice as long as its count says). Changed since (another failure recorded), this
+       * failure is counted from what is stored, as any; gone, its sandbox's destroy was confirmed.
+       */
+      taken?: LedgerEntry;
+    } = {},
   ): Promise<LedgerEntry | null> {
     let prevRaw = await this.redis.hget(this.keys.teardownEntries(), entry.key);
+    if (options.taken) {
+      // The entry taken is gone: only a confirmed destroy of its sandbox removes it (another pass's
+      // or a close's), so nothing is left to record, as when it goes between a read and a write below.
+      if (prevRaw === null) return null;
+      const takenRaw = JSON.stringify(options.taken);
+      if (prevRaw === takenRaw) {
+        const ledger = LedgerEntry.parse({ ...options.taken, lastError: error });
+        const written = (await this.redis.fleetLedgerWrite(
+          this.keys.teardownEntries(),
+          this.keys.teardownDue(),
+          entry.key,
+          takenRaw,
+          JSON.stringify(ledger),
+          ledger.dueAt,
+        )) as 1 | string | null;
+        if (written === 1) return ledger;
+        if (written === null) return null;
+        prevRaw = written;
+      }
+    }
     for (let tries = 0; ; tries++) {
       // A torn entry (or one this release cannot read) under the key: this failure is recorded
       // over it, its count starting again, rather than throwing and leaving the failure
@@ -318,6 +362,11 @@ export class TeardownLedger {
    * ledger, swept as orphans.
    */
   async due(now: number, limit = 50, onInvalid?: OnInvalidEntry): Promise<LedgerEntry[]> {
+    return (await this.dueToTake(now, limit, onInvalid)).map((due) => due.entry);
+  }
+
+  /** `due`, each entry with its text as stored, for `take`. */
+  async dueToTake(now: number, limit = 50, onInvalid?: OnInvalidEntry): Promise<DueEntry[]> {
     const keys = await this.redis.zrangebyscore(this.keys.teardownDue(), "-inf", now, "LIMIT", 0, limit);
     if (keys.length === 0) return [];
     const raws = await this.redis.hmget(this.keys.teardownEntries(), ...keys);
@@ -334,7 +383,7 @@ export class TeardownLedger {
     }
     const stored = keys.flatMap((key, i) => (raws[i] == null ? [] : [[key, raws[i]] as [string, string]]));
     const putOff: string[] = [];
-    const entries = parseEntries(
+    const entries = parseStored(
       LedgerEntry,
       stored,
       onInvalid &&
@@ -345,7 +394,40 @@ export class TeardownLedger {
     );
     for (const key of putOff)
       await this.redis.zadd(this.keys.teardownDue(), "XX", now + INVALID_PUT_OFF_MS, key);
-    return entries;
+    return entries.map(([entry, stored]) => ({ entry, stored }));
+  }
+
+  /**
+   * Take a due entry (as `dueToTake` read it) for a destroy attempt, before the destroy is tried:
+   * the attempt counted and the next one scheduled (`teardownBackoffMs`, from `at`), so that an
+   * attempt that never returns (a provider call that crashes the janitor, an OOM, a hang until its
+   * supervisor kills it) still counts and backs off. Counted only once it returned, such an entry
+   * stayed due at its old time, first in every pass's read: the restarted janitor took it first
+   * again, and could crash-loop on it for good, every entry behind it never retried. The attempt's
+   * failure is then recorded without counting it again (`recordFailure`'s `taken`); its success
+   * confirms as any. The entry written, or null (nothing written) when it is no longer the one
+   * read (`fleetLedgerWrite`): another failure of it recorded meanwhile (scheduled anew), or its
+   * destroy confirmed (gone). One Redis round trip.
+   */
+  async take(due: DueEntry, at: number, random = Math.random): Promise<LedgerEntry | null> {
+    const { entry } = due;
+    const attempts = entry.attempts + 1;
+    const taken = LedgerEntry.parse({
+      ...entry,
+      attempts,
+      // Replaced by the attempt's error if it fails; left, it says which attempt never ended.
+      lastError: `destroy attempt ${attempts} began at ${new Date(at).toISOString()} and has no outcome recorded (if this stays, the janitor died or hung in it)`,
+      dueAt: at + teardownBackoffMs(entry.attempts, random),
+    });
+    const written = await this.redis.fleetLedgerWrite(
+      this.keys.teardownEntries(),
+      this.keys.teardownDue(),
+      entry.key,
+      due.stored,
+      JSON.stringify(taken),
+      taken.dueAt,
+    );
+    return written === 1 ? taken : null;
   }
 
   /** Every ledger entry; one that does not parse goes to `onInvalid` (without it, throws). */
