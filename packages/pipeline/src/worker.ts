@@ -50,8 +50,8 @@ export interface StageWorkerOptions {
    * counting this process's seeds in flight. Without it, resources workers make sandboxes as fast
    * as they go: a batch of thousands holds thousands of idle sandboxes that spend their deadlines
    * waiting for an agent (or, behind slower verifiers, for a verifier). The waiting rollouts are
-   * counted (one round trip) every `intervalMs`, and at most every `recountMs` while a seed
-   * waits; between counts this process adds its own seeds, so one process alone keeps to the
+   * counted (one round trip) every `intervalMs`, and while a seed waits every `recountMs` at
+   * first, twice as late after each count that finds no room (up to `intervalMs`); between counts this process adds its own seeds, so one process alone keeps to the
    * bound; several count each other's seeds in flight as each last said (`shareSeeding`), and
    * pass it only by what they let in within one round trip of each other. `false` turns
    * it off. @defaultValue `{ min: 16, intervalMs: 500, recountMs: 5 }`
@@ -602,7 +602,11 @@ export interface SeedAheadOptions {
   min: number;
   /** How often the waiting rollouts are counted. */
   intervalMs: number;
-  /** How often, at most, while a seed waits for the bound. */
+  /**
+   * How often, at most, while a seed waits for the bound: the first count after the bound filled
+   * (or a seed got through) comes this soon, each after a count that found no room twice as late,
+   * up to `intervalMs`.
+   */
   recountMs: number;
   /**
    * A seed that waited this long goes back to its queue (no attempt spent) and its worker slot
@@ -685,6 +689,15 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
   let lastTriedAt = 0;
   /** Consecutive failed counts (the next is tried later and later). */
   let failedCounts = 0;
+  /**
+   * Consecutive counts that found no room for a waiting seed: the next is later and later too, up
+   * to `intervalMs`. A bound full for long (agents busy for minutes, or none running: the steady
+   * state of a large batch) was counted every `recountMs`: ~200 counts/s per resources worker,
+   * 2,500 Redis commands/s, doing nothing. Room the agents make is then seen within about as long
+   * as the bound has been full, never later than `intervalMs`; the seeds waiting for an agent
+   * meanwhile are at least the agents' take of one interval (the bound).
+   */
+  let fullCounts = 0;
   let recount: NodeJS.Timeout | null = null;
   /** Runs taken by agents per millisecond, smoothed (see `count`). */
   let takenPerMs = 0;
@@ -755,7 +768,10 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     tell();
     setHeld(waiters.length > 0);
     if (waiters.length > 0 && !recount && !counting && !stopped) {
-      const spacing = Math.min(options.intervalMs, options.recountMs * 2 ** Math.min(failedCounts, 10));
+      const spacing = Math.min(
+        options.intervalMs,
+        options.recountMs * 2 ** Math.min(failedCounts + fullCounts, 10),
+      );
       recount = setTimeout(
         () => {
           recount = null;
@@ -823,6 +839,7 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
       skipped?.forEach((skip, i) => {
         if (skip) looking[i]!.pass();
       });
+      fullCounts = waiters.length > 0 && !fits() ? fullCounts + 1 : 0;
     } catch (err) {
       // Redis unreachable or slow: counted again later, backing off (a seed could not get
       // anywhere meanwhile either). Said once per outage.
