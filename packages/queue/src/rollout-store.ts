@@ -1343,36 +1343,23 @@ export class RolloutStore {
    * Say how many seeds this process's seed-ahead bound (`self`) is making now, until `expiresAt`
    * (the fleet's clock; it says so again before then while it lives), and learn how many the
    * other processes' bounds are making, as each last said: entries past their expiry (a process
-   * that died) are not counted, and are removed. The hash itself lasts as long as the entry.
+   * that died) are not counted, and are removed (in one script: an entry said again meanwhile
+   * stays). The hash lasts at least as long as the entry: its expiry is only ever lengthened.
    */
   async shareSeeding(self: string, seeds: number, now: number, expiresAt: number): Promise<number> {
-    const key = this.keys.seeding();
-    const replies = await execAll(this.sayingSeeds(self, seeds, now, expiresAt).hgetall(key), "shareSeeding");
-    const entries = replies[2] as Record<string, string>;
-    let others = 0;
-    const stale: string[] = [];
-    for (const [field, value] of Object.entries(entries)) {
-      if (field === self) continue;
-      const [n, until] = value.split(":").map(Number);
-      if (!(until! > now) || !Number.isFinite(n)) stale.push(field);
-      else others += Math.max(0, n!);
-    }
-    if (stale.length > 0) void this.redis.hdel(key, ...stale).catch(() => undefined);
-    return others;
+    return Number(await this.sayingSeeds(self, seeds, now, expiresAt, true));
   }
 
   /** `shareSeeding`'s saying alone (no read): for a process that let more seeds in since. */
   async saySeeding(self: string, seeds: number, now: number, expiresAt: number): Promise<void> {
-    await execAll(this.sayingSeeds(self, seeds, now, expiresAt), "saySeeding");
+    await this.sayingSeeds(self, seeds, now, expiresAt, false);
   }
 
-  /** A MULTI with this process's entry (`shareSeeding`) and the hash's expiry set from it. */
-  private sayingSeeds(self: string, seeds: number, now: number, expiresAt: number): ChainableCommander {
-    const key = this.keys.seeding();
-    return this.redis
-      .multi()
-      .hset(key, self, `${seeds}:${expiresAt}`)
-      .pexpire(key, Math.max(1, expiresAt - now));
+  /** This process's entry (`shareSeeding`), the hash's expiry lengthened to it, and with `read` the others' seeds. */
+  private sayingSeeds(self: string, seeds: number, now: number, expiresAt: number, read: boolean) {
+    const ttl = String(Math.max(1, expiresAt - now));
+    const args = [this.keys.seeding(), self, `${seeds}:${expiresAt}`, ttl];
+    return read ? this.redis.fleetSaySeeding(...args, String(now)) : this.redis.fleetSaySeeding(...args);
   }
 
   /**

@@ -787,6 +787,38 @@ const SCRIPTS = {
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
       return 1`,
   },
+  /**
+   * A seed-ahead bound says how many seeds its process is making (ARGV: its field, `<seeds>:
+   * <expiresAt>`, the hash's time to live in ms), the hash's expiry only lengthened (a shorter
+   * one, from a process counting on a shorter interval, would drop every other entry with it);
+   * with ARGV[4] (the fleet's now) also reads the others' seeds as each last said, and removes the
+   * entries past their expiry (a process that died), in the same step: an entry said again
+   * between a read and a removal is never removed. Returns the others' seeds (0 without ARGV[4]).
+   */
+  fleetSaySeeding: {
+    keys: 1,
+    lua: `
+      redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+      local ttl = tonumber(ARGV[3])
+      if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
+      if not ARGV[4] then return 0 end
+      local now = tonumber(ARGV[4])
+      local all = redis.call('HGETALL', KEYS[1])
+      local others, stale = 0, {}
+      for i = 1, #all, 2 do
+        if all[i] ~= ARGV[1] then
+          local n, expires = string.match(all[i + 1], '^([^:]*):(.*)$')
+          n, expires = tonumber(n), tonumber(expires)
+          if n and expires and expires > now then
+            others = others + math.max(0, n)
+          else
+            stale[#stale + 1] = all[i]
+          end
+        end
+      end
+      if #stale > 0 then redis.call('HDEL', KEYS[1], unpack(stale)) end
+      return others`,
+  },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
   fleetCancel: {
     keys: 1,

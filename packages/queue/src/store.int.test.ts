@@ -2554,8 +2554,10 @@ describe("rollout store", () => {
     expect(await own.shareSeeding("b", 3, now, now + 5_000)).toBe(2);
     await own.saySeeding("a", 4, now, now + 5_000);
     expect(await own.shareSeeding("b", 1, now, now + 5_000)).toBe(4);
-    // "c" said last that it expires now: gone, not counted, and its field removed.
+    // "c" said last that it expires now: gone, not counted, and its field removed. Its short
+    // expiry does not shorten the hash's (which would drop the others' entries with it).
     await own.saySeeding("c", 7, now - 1, now);
+    expect(await redis.pttl(own.keys.seeding())).toBeGreaterThan(4_000);
     expect(await own.shareSeeding("a", 0, now, now + 5_000)).toBe(1);
     // (Its removal is sent before the next command on the same connection, so done by its reply.)
     expect(await redis.hexists(own.keys.seeding(), "c")).toBe(0);
