@@ -755,13 +755,15 @@ const SCRIPTS = {
   },
   /**
    * A failure log (KEYS[1]) appended to by a process with retention off: it expires with its
-   * rollout (KEYS[2]) when that has an expiry (finalized by a release with retention), not never.
+   * rollout (KEYS[2]) when that has an expiry (finalized by a release with retention), not never;
+   * a rollout gone (expired so) takes the log with it, which nothing could read or expire after.
    */
   fleetFailuresFollow: {
     keys: 2,
     lua: `
       local left = redis.call('PTTL', KEYS[2])
       if left > 0 then redis.call('PEXPIRE', KEYS[1], left) end
+      if left == -2 then redis.call('DEL', KEYS[1]) end
       return left`,
   },
   /**

@@ -1055,6 +1055,10 @@ describe("rollout store", () => {
     const metaC = (await forever.get(c))!.meta;
     expect(await forever.finalize(metaC, resultFor(c, "completed"), Date.now())).toBe(true);
     expect(await pttl(forever.keys.rollout(c))).toBe(-1);
+    // A late failure logged with retention off for a rollout gone (expired, finalized by a release
+    // with retention) leaves no log behind: there is no rollout to expire it with.
+    await forever.logFailure(first.ids[0]!, failure);
+    expect(await redis.exists(forever.keys.failures(first.ids[0]!))).toBe(0);
   });
 
   it("retention is the admitting process's (the dispatcher's, which serves the results), whatever the finalizing worker's FLEET_RESULT_TTL_S says", async () => {
