@@ -9,11 +9,13 @@ import {
   LONGEST_LIFE_MS,
   rolloutIds,
   sandboxKey,
+  teardownBackoffMs,
 } from "@fleet/queue";
 import {
   DockerGatewayNetworks,
   DockerSandboxProvider,
   gatewayNetworkName,
+  LABEL_OWNER,
   LABEL_ROLLOUT,
 } from "@fleet/sandbox";
 import { execResult, InMemorySandboxProvider, MemoryGatewayFirewall } from "@fleet/sandbox/testing";
@@ -253,6 +255,148 @@ describe("janitor", () => {
     } finally {
       hung.open();
       await Promise.allSettled(abandoned);
+      await own.close();
+    }
+  });
+
+  it("an orphan whose destroy never returns (the pass dies in it) is put on the ledger, taken, before it is tried: the next pass removes the orphan behind it and runs its later steps, and the ledger step tries it again after its backoff, until confirmed", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    // The poisoned orphan's destroy never settles (a daemon call that hangs the janitor until its
+    // supervisor kills it, or crashes it): each pass that tries it is abandoned in it.
+    const hung = latch();
+    let poisonDestroys = 0;
+    // Listed with their rollout's labels (as the docker provider lists them), in creation order:
+    // the poisoned orphan first.
+    const labelled = Object.assign(Object.create(memory) as typeof memory, {
+      list: async () =>
+        (await memory.list()).map((info) => ({
+          ...info,
+          labels: {
+            ...info.labels,
+            [LABEL_ROLLOUT]: info.handle.rolloutId,
+            [LABEL_OWNER]: info.handle.owner,
+          },
+        })),
+    });
+    const provider = Object.assign(Object.create(labelled) as typeof labelled, {
+      destroy: async (h: SandboxHandle) => {
+        if (h.id !== poison.id) return memory.destroy(h);
+        poisonDestroys++;
+        await hung.opened;
+        throw new Error("the janitor was killed in this destroy");
+      },
+    });
+    const at = Date.now();
+    const deps = { ...own.deps, provider, now: () => at };
+    const { ledger } = own.deps;
+    // Of rollouts this fleet does not know, made long before the grace period: orphans.
+    const make = (rolloutId: string) =>
+      memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
+    const poison = await make(`poison${RUN}`);
+    const behind = await make(`behind${RUN}`);
+    const options = { orphanGraceMs: 60_000 };
+    const abandoned: Promise<unknown>[] = [];
+    try {
+      abandoned.push(janitorTick(deps, options));
+      await vi.waitFor(() => expect(poisonDestroys).toBe(1), { timeout: 10_000 });
+      // The pass is gone with it (never to record anything); a fresh one runs.
+      const fresh = janitorTick(deps, options);
+      abandoned.push(fresh);
+      await vi.waitFor(async () => expect(await memory.alive(behind)).toBe(false), 10_000);
+      // It ran to its end (the steps after the orphan sweep too), and left no entry of the one it removed.
+      expect(await fresh).toMatchObject({ orphansRemoved: 1, retried: 0, errors: [] });
+      expect(await ledger.isPending(behind.rolloutId)).toBe(false);
+      expect(poisonDestroys).toBe(1); // not tried first again, nor at all before its backoff
+      const [kept] = (await ledger.pending()).filter(
+        (e) => e.key === sandboxKey(poison.rolloutId, "resources"),
+      );
+      // Never lost: on the ledger, its attempt counted, due after its backoff.
+      expect(kept).toMatchObject({
+        handle: poison,
+        attempts: 1,
+        lastError: expect.stringMatching(/no outcome recorded/),
+      });
+      expect(kept!.dueAt).toBeGreaterThan(at);
+      // Once due, tried again by the ledger step; a destroy that returns this time confirms it.
+      const report = await janitorTick({ ...deps, provider: labelled, now: () => kept!.dueAt }, options);
+      expect(report).toMatchObject({ retried: 1, confirmed: 1, orphansRemoved: 0 });
+      expect(await memory.alive(poison)).toBe(false);
+      expect(await ledger.isPending(poison.rolloutId)).toBe(false);
+      // The abandoned pass ending late (its destroy failing at last) brings no entry back.
+      hung.open();
+      await Promise.all(abandoned);
+      expect(await ledger.size()).toBe(0);
+    } finally {
+      hung.open();
+      await Promise.allSettled(abandoned);
+      await own.close();
+    }
+  });
+
+  it("an orphan taken whose destroy fails is counted once; one whose key holds another sandbox's entry is removed untaken, that entry kept; one whose own entry came since the sweep's look is left to the ledger step", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    const at = Date.now();
+    const make = (rolloutId: string) =>
+      memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
+    const failing = await make(`failing${RUN}`);
+    const replacing = await make(`replacing${RUN}`);
+    const raced = await make(`raced${RUN}`);
+    const destroyed: string[] = [];
+    const provider = Object.assign(Object.create(memory) as typeof memory, {
+      list: async () =>
+        (await memory.list()).map((info) => ({
+          ...info,
+          labels: {
+            ...info.labels,
+            [LABEL_ROLLOUT]: info.handle.rolloutId,
+            [LABEL_OWNER]: info.handle.owner,
+          },
+        })),
+      destroy: async (h: SandboxHandle) => {
+        destroyed.push(h.id);
+        if (h.id === failing.id) throw new Error("device or resource busy");
+        return memory.destroy(h);
+      },
+    });
+    const { ledger } = own.deps;
+    const entryOf = (h: SandboxHandle) => ({
+      key: sandboxKey(h.rolloutId, "resources"),
+      rolloutId: h.rolloutId,
+      owner: "resources" as const,
+      provider: memory.name,
+      handle: h,
+      createdAt: at,
+      expiresAt: at + 3_600_000,
+    });
+    // Backing off under `replacing`'s key: the sandbox it replaced. Under `raced`'s: its own
+    // failure, recorded after the sweep read the ledger (its look below finds nothing).
+    const replaced = { ...replacing, id: `gone-${RUN}`, name: `gone-${RUN}` };
+    await ledger.recordFailure(entryOf(replaced), "daemon blip", at + 600_000);
+    await ledger.recordFailure(entryOf(raced), "daemon blip", at + 600_000);
+    const before = await ledger.pending();
+    const sweepsLook = Object.assign(Object.create(ledger) as typeof ledger, { pending: async () => [] });
+    const deps = { ...own.deps, provider, ledger: sweepsLook, now: () => at };
+    try {
+      const report = await janitorTick(deps, { orphanGraceMs: 60_000 });
+      const after = new Map((await ledger.pending()).map((e) => [e.key, e]));
+      // Taken before its destroy, then failed: its error recorded, the attempt counted once.
+      expect(after.get(entryOf(failing).key)).toMatchObject({
+        handle: failing,
+        attempts: 1,
+        lastError: "device or resource busy",
+      });
+      expect(after.get(entryOf(failing).key)!.dueAt).toBeLessThanOrEqual(at + teardownBackoffMs(0, () => 1));
+      // Removed as before, the entry of the one it replaced left as it was.
+      expect(await memory.alive(replacing)).toBe(false);
+      const heldBefore = (k: string) => before.find((e) => e.key === k);
+      expect(after.get(entryOf(replacing).key)).toEqual(heldBefore(entryOf(replacing).key));
+      // The ledger step's, on its backoff: neither tried nor touched.
+      expect(destroyed).not.toContain(raced.id);
+      expect(after.get(entryOf(raced).key)).toEqual(heldBefore(entryOf(raced).key));
+      expect(report).toMatchObject({ orphansRemoved: 1, retried: 0 });
+    } finally {
       await own.close();
     }
   });

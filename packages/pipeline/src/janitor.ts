@@ -4,6 +4,7 @@ import {
   duplicateRedis,
   isInvalidStoredData,
   JANITOR_QUEUE,
+  type LedgerEntry,
   LONGEST_LIFE_MS,
   NETWORK_RETRY_MS,
   type RedisConnection,
@@ -449,8 +450,10 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           );
           if (!orphan) return;
           if (overBudget()) return; // counted as active; removed next pass
-          const ledgered = onLedger.get(sandboxKey(rolloutId, owner));
-          if (ledgered && (ledgered.handle === null || ledgered.handle.id === info.handle.id)) return;
+          // The ledger step's: this sandbox's entry, or an intent's (no sandbox yet) under its key.
+          const ledgers = (e: LedgerEntry | null | undefined) =>
+            !!e && (e.handle === null || e.handle.id === info.handle.id);
+          if (ledgers(onLedger.get(sandboxKey(rolloutId, owner)))) return;
           const entry: SandboxEntry = {
             key: sandboxKey(rolloutId, owner),
             rolloutId,
@@ -460,7 +463,17 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
             createdAt: info.createdAt,
             expiresAt: Number.isFinite(expires) ? expires : now,
           };
-          const r = await destroyOrLedger(deps, entry);
+          // On the ledger, taken, before its destroy is tried (`takeNew`): a destroy that never
+          // returns (it crashed or hung the janitor until it was killed) would otherwise leave
+          // nothing behind, and the next pass's sweep tried it first again, in listing order, every
+          // pass dying on it, the orphans after it and the steps after this one never reached. On
+          // the ledger, this sweep skips it and the ledger step retries it on its backoff. Where
+          // the key holds an entry put there since the look above that is the ledger step's, it
+          // is left to it; one of another sandbox (one this replaced under the key) is kept, and
+          // this one destroyed untaken, as before (a failure recorded over that entry).
+          const took = await deps.ledger.takeNew(entry, clock(deps));
+          if ("held" in took && ledgers(took.held)) return;
+          const r = await destroyOrLedger(deps, entry, "taken" in took ? { taken: took.taken } : {});
           if (r.teardown === "confirmed") {
             if (!theirs) active[owner]--;
             // One another caller removed meanwhile (another pass, a close) is that one's to count.

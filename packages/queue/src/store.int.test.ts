@@ -1922,6 +1922,43 @@ describe("rollout store", () => {
     expect(await ledger.isPending(ids[0]!)).toBe(false);
   });
 
+  it("a sandbox not on the ledger is put on it taken for its first destroy attempt (an orphan's), only where its key is free: a key held is told what holds it, nothing written", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const entry = sandboxEntry(ids[0]!);
+    const stored = async () => redis.hget(ledger.keys.teardownEntries(), entry.key);
+    const now = 1_000_000;
+    const took = await ledger.takeNew(entry, now, () => 1);
+    expect(took).toEqual({
+      taken: {
+        ...entry,
+        attempts: 1,
+        lastError: expect.stringMatching(/attempt 1 .* no outcome recorded/),
+        firstFailedAt: now,
+        dueAt: now + teardownBackoffMs(0, () => 1),
+      },
+    });
+    if (!("taken" in took)) throw new Error("not taken");
+    // The "crash": nothing recorded after it. On the ledger, due only after its backoff.
+    expect(JSON.parse((await stored())!)).toEqual(took.taken);
+    expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(took.taken.dueAt);
+    expect((await ledger.due(took.taken.dueAt - 1, 1000)).filter((e) => e.key === entry.key)).toEqual([]);
+    // Its failure records without counting again.
+    expect(
+      await ledger.recordFailure(entry, "device busy", now + 10, () => 1, { taken: took.taken }),
+    ).toEqual({ ...took.taken, lastError: "device busy" });
+    // Held (by its own entry, another sandbox's, or a torn one): told, and left as it is.
+    const held = await stored();
+    expect(await ledger.takeNew({ ...entry, handle: null }, now + 20)).toEqual({
+      held: { ...took.taken, lastError: "device busy" },
+    });
+    expect(await stored()).toBe(held);
+    await redis.hset(ledger.keys.teardownEntries(), entry.key, "{torn");
+    expect(await ledger.takeNew(entry, now + 30)).toEqual({ held: null });
+    expect(await stored()).toBe("{torn");
+    await ledger.confirm(entry);
+  });
+
   it("two failures of one destroy recorded at once count twice, a failure recorded as the sweep schedules its sandbox stands, and one confirmed meanwhile is not brought back", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();

@@ -430,6 +430,40 @@ export class TeardownLedger {
     return written === 1 ? taken : null;
   }
 
+  /**
+   * Put a sandbox not on the ledger (an orphan the janitor is about to destroy) on it already
+   * taken for its first destroy attempt, as `take` leaves a retried one: attempts 1, due
+   * `teardownBackoffMs(0)` from `at`. A destroy that never returns (the janitor crashed or was
+   * killed in it) then leaves it to the ledger's retries on their backoff; with nothing recorded,
+   * the next pass's orphan sweep tried it again first, in its listing's order, every pass dying
+   * on it. Its failure is recorded with `recordFailure`'s `taken`; its success confirms as any.
+   * Only where the key is free, in one round trip: `taken`, the entry written, or `held`, what
+   * the key holds (null: an entry that does not parse), nothing written.
+   */
+  async takeNew(
+    entry: SandboxEntry,
+    at: number,
+    random = Math.random,
+  ): Promise<{ taken: LedgerEntry } | { held: LedgerEntry | null }> {
+    const taken = LedgerEntry.parse({
+      ...SandboxEntry.parse(entry),
+      attempts: 1,
+      // Replaced by the attempt's error if it fails; left, it says which attempt never ended.
+      lastError: `destroy attempt 1 (of an orphan) began at ${new Date(at).toISOString()} and has no outcome recorded (if this stays, the janitor died or hung in it)`,
+      firstFailedAt: at,
+      dueAt: at + teardownBackoffMs(0, random),
+    });
+    const written = (await this.redis.fleetLedgerWrite(
+      this.keys.teardownEntries(),
+      this.keys.teardownDue(),
+      entry.key,
+      "",
+      JSON.stringify(taken),
+      taken.dueAt,
+    )) as 1 | string;
+    return written === 1 ? { taken } : { held: parseLedgerEntry(written) };
+  }
+
   /** Every ledger entry; one that does not parse goes to `onInvalid` (without it, throws). */
   async pending(onInvalid?: OnInvalidEntry): Promise<LedgerEntry[]> {
     const all = await this.redis.hgetall(this.keys.teardownEntries());
