@@ -84,6 +84,17 @@ describe("bin/fleet.js", () => {
     expect(server.requests[0]?.headers.authorization).toBeUndefined();
   });
 
+  it("refuses a whole number past 2^53 (--repeat 99999999999999999999) with exit 2, not one it rounded", async () => {
+    const r = await run(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "99999999999999999999"], {
+      FLEET_URL: server.url,
+    });
+    expect(r.code).toBe(2);
+    expect(r.stderr).toContain(
+      `--repeat <n>' argument '99999999999999999999' is invalid. must be at most ${Number.MAX_SAFE_INTEGER}`,
+    );
+    expect(server.requests).toEqual([]);
+  });
+
   it("refuses a bad FLEET_URL with exit 2, naming the variable", async () => {
     const r = await run(["status", "b-1"], { FLEET_URL: "ftp://nowhere" });
     expect(r.code).toBe(2);

@@ -29,6 +29,10 @@ interface ConnectionOptions {
 function positiveInt(value: string): number {
   if (!/^\d+$/.test(value.trim()) || Number(value) < 1)
     throw new InvalidArgumentError("must be a positive whole number");
+  // Past 2^53 a number is no longer the one given (it went on as 100000000000000000000 for
+  // 99999999999999999999, and was echoed so).
+  if (!Number.isSafeInteger(Number(value)))
+    throw new InvalidArgumentError(`must be at most ${Number.MAX_SAFE_INTEGER}`);
   return Number(value);
 }
 
