@@ -54,6 +54,17 @@ async function helloFile() {
 }
 
 /** A stage job of `id` as `runStageJob` takes it: a first attempt of three. */
+/** An in-memory provider whose sandboxes are listed with their rollout's labels, as Docker's are. */
+function listedWithRolloutLabels(memory: InMemorySandboxProvider): InMemorySandboxProvider {
+  return Object.assign(Object.create(memory) as InMemorySandboxProvider, {
+    list: async () =>
+      (await memory.list()).map((info) => ({
+        ...info,
+        labels: { ...info.labels, [LABEL_ROLLOUT]: info.handle.rolloutId, [LABEL_OWNER]: info.handle.owner },
+      })),
+  });
+}
+
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
 
 describe("janitor", () => {
@@ -266,19 +277,8 @@ describe("janitor", () => {
     // supervisor kills it, or crashes it): each pass that tries it is abandoned in it.
     const hung = latch();
     let poisonDestroys = 0;
-    // Listed with their rollout's labels (as the docker provider lists them), in creation order:
-    // the poisoned orphan first.
-    const labelled = Object.assign(Object.create(memory) as typeof memory, {
-      list: async () =>
-        (await memory.list()).map((info) => ({
-          ...info,
-          labels: {
-            ...info.labels,
-            [LABEL_ROLLOUT]: info.handle.rolloutId,
-            [LABEL_OWNER]: info.handle.owner,
-          },
-        })),
-    });
+    // In creation order: the poisoned orphan first.
+    const labelled = listedWithRolloutLabels(memory);
     const provider = Object.assign(Object.create(labelled) as typeof labelled, {
       destroy: async (h: SandboxHandle) => {
         if (h.id !== poison.id) return memory.destroy(h);
@@ -344,16 +344,8 @@ describe("janitor", () => {
     const replacing = await make(`replacing${RUN}`);
     const raced = await make(`raced${RUN}`);
     const destroyed: string[] = [];
-    const provider = Object.assign(Object.create(memory) as typeof memory, {
-      list: async () =>
-        (await memory.list()).map((info) => ({
-          ...info,
-          labels: {
-            ...info.labels,
-            [LABEL_ROLLOUT]: info.handle.rolloutId,
-            [LABEL_OWNER]: info.handle.owner,
-          },
-        })),
+    const labelled = listedWithRolloutLabels(memory);
+    const provider = Object.assign(Object.create(labelled) as typeof labelled, {
       destroy: async (h: SandboxHandle) => {
         destroyed.push(h.id);
         if (h.id === failing.id) throw new Error("device or resource busy");
