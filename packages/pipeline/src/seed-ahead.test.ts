@@ -165,6 +165,45 @@ describe("seedAheadBound", () => {
     expect(g.state()).toMatchObject({ held: true, inFlight: 1 });
   });
 
+  it("a seed let through by the interval's count (not the backed-off recount's) brings the next count forward: the seeds behind it are counted for again soon, not up to an interval later", async () => {
+    vi.useFakeTimers({ now: 0 });
+    try {
+      const waiting = { n: 1, counts: 0, at: [] as number[] };
+      g = gate(waiting, { intervalMs: 200, recountMs: 1 });
+      const signal = new AbortController().signal;
+      // Entered 150 ms into an interval: the backed-off recounts fall ~140 ms after the interval's.
+      await vi.advanceTimersByTimeAsync(150);
+      const first = g.enter(signal, 1);
+      const second = g.enter(signal, 2);
+      second.catch(() => undefined);
+      // Full for seconds: counted every interval, and ~as often by the recounts, backed off.
+      await vi.advanceTimersByTimeAsync(3_049); // just before the interval's count at 3,200
+      expect(waiting.at.filter((t) => t > 2_200).length).toBeLessThanOrEqual(10);
+      waiting.n = 0;
+      await vi.advanceTimersByTimeAsync(1);
+      await first;
+      expect(Date.now()).toBe(3_200);
+      const seen = waiting.at.length;
+      await vi.advanceTimersByTimeAsync(10);
+      // Without bringing it forward: the recount set while the bound was full, 140 ms later.
+      expect(waiting.at.length).toBeGreaterThan(seen);
+      expect(g.state()).toMatchObject({ held: true, inFlight: 1 });
+      // So does one let through at a seed's `leave` (the first ended without a run: room), with
+      // the bound full again behind it for long.
+      const third = g.enter(signal, 3);
+      third.catch(() => undefined);
+      await vi.advanceTimersByTimeAsync(2_000); // 10 ms past an interval's count, 45 ms before a recount
+      g.leave(false);
+      await second;
+      const left = waiting.at.length;
+      await vi.advanceTimersByTimeAsync(10);
+      // Without it: the recount set while the bound was full, up to an interval later.
+      expect(waiting.at.length).toBeGreaterThan(left);
+    } finally {
+      vi.useRealTimers();
+    }
+  });
+
   it("a Redis that refuses writes (full) does not fail a count: the seeds this process says are not what it counts by", async () => {
     const waiting = { n: 0, counts: 0, full: true };
     g = gate(waiting);

@@ -699,6 +699,8 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
    */
   let fullCounts = 0;
   let recount: NodeJS.Timeout | null = null;
+  /** When `recount` is due (`Date.now()`'s clock). */
+  let recountAt = 0;
   /** Runs taken by agents per millisecond, smoothed (see `count`). */
   let takenPerMs = 0;
   /**
@@ -764,21 +766,27 @@ export function seedAheadBound(deps: PipelineDeps, options: SeedAheadOptions): S
     while (waiters.length > 0 && fits()) {
       inFlight++;
       waiters.shift()?.go();
+      // A seed got through (at a count, or at a seed's `leave`): the next count comes soon again.
+      fullCounts = 0;
     }
     tell();
     setHeld(waiters.length > 0);
-    if (waiters.length > 0 && !recount && !counting && !stopped) {
+    if (waiters.length > 0 && !counting && !stopped) {
       const spacing = Math.min(
         options.intervalMs,
         options.recountMs * 2 ** Math.min(failedCounts + fullCounts, 10),
       );
-      recount = setTimeout(
-        () => {
-          recount = null;
-          void count();
-        },
-        Math.max(0, lastTriedAt + spacing - Date.now()),
-      );
+      const at = Math.max(Date.now(), lastTriedAt + spacing);
+      // One already due sooner stays; one set while the bound stayed full (backed off, up to
+      // `intervalMs`) is brought forward: kept, the seeds behind one the interval's count let
+      // through waited for it, up to an interval, not `recountMs`.
+      if (recount && recountAt <= at) return;
+      if (recount) clearTimeout(recount);
+      recountAt = at;
+      recount = setTimeout(() => {
+        recount = null;
+        void count();
+      }, at - Date.now());
       recount.unref();
     }
   };
