@@ -1365,7 +1365,8 @@ export class RolloutStore {
   /**
    * Of `ids` (in their order), whether each rollout's seed will make no sandbox: it is gone, has a
    * cancel requested, or its close began (finished ones included: their close set `closed`), so
-   * its seed's begin skips it. One round trip.
+   * its seed's begin skips it. One round trip. One whose record cannot be read (not a hash:
+   * WRONGTYPE) is said false, as if waiting (its begin reports it), not an error for all of them.
    */
   async seedsSkipped(ids: readonly string[]): Promise<boolean[]> {
     const pipe = this.redis.pipeline();
@@ -1373,7 +1374,7 @@ export class RolloutStore {
     const replies = (await pipe.exec()) ?? [];
     return ids.map((_, i) => {
       const [err, fields] = replies[i] ?? [null, null];
-      if (err) throw err;
+      if (err) return false;
       const [status, cancel, closed] = fields as Array<string | null>;
       return status === null || cancel === "1" || closed === "1";
     });

@@ -244,6 +244,11 @@ describe("rollout store", () => {
       true,
       true,
     ]);
+    // One whose record is not a hash (torn, or written by hand) says nothing of the others: its
+    // seed is counted as before (its begin reports the record), the cancelled one's still passes.
+    const torn = `torn-${randomUUID()}`;
+    await redis.set(store.keys.rollout(torn), "not a hash");
+    expect(await store.seedsSkipped([torn, cancelled!, waiting!])).toEqual([false, true, false]);
   });
 
   it("a finalize sent again with the same arguments (a reconnect lost its reply) still says it finalized; another closer's does not", async () => {
