@@ -1897,7 +1897,7 @@ describe("rollout store", () => {
       firstFailedAt: now,
       dueAt: failed.dueAt + teardownBackoffMs(1, () => 1),
     });
-    expect(taken.lastError).toMatch(/attempt 2 began at .* no outcome recorded/);
+    expect(taken.lastError).toMatch(/attempt 2 began at .* no outcome recorded .*; attempt 1: device busy$/);
     // The "crash": nothing is recorded after the take. The attempt counted, the entry put off.
     expect(await stored()).toEqual(taken);
     expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(taken.dueAt);

@@ -416,7 +416,8 @@ export class TeardownLedger {
       ...entry,
       attempts,
       // Replaced by the attempt's error if it fails; left, it says which attempt never ended.
-      lastError: `destroy attempt ${attempts} began at ${new Date(at).toISOString()} and has no outcome recorded (if this stays, the janitor died or hung in it)`,
+      // The attempt before's error kept after it: a janitor that dies in this one loses nothing.
+      lastError: `destroy attempt ${attempts} began at ${new Date(at).toISOString()} and has no outcome recorded (if this stays, the janitor died or hung in it); attempt ${entry.attempts}: ${entry.lastError}`,
       dueAt: at + teardownBackoffMs(entry.attempts, random),
     });
     const written = await this.redis.fleetLedgerWrite(
