@@ -1927,6 +1927,43 @@ describe("rollout store", () => {
     expect(await ledger.isPending(ids[0]!)).toBe(false);
   });
 
+  it("a poisoned entry's takes, each with no outcome recorded (the janitor died in every one), keep the last real error once, not nested one note a death until the cap cuts it off", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const entry = sandboxEntry(ids[0]!);
+    const now = 1_000_000;
+    const failed = (await ledger.recordFailure(entry, "device busy", now, () => 1))!;
+    let at = failed.dueAt;
+    let last = failed;
+    // 40 passes, each dying in this entry's destroy (about 3 hours at the backoff's cap).
+    for (let i = 0; i < 40; i++) {
+      const [read] = (await ledger.dueToTake(at, 1000)).filter((d) => d.entry.key === entry.key);
+      last = (await ledger.take(read!, at, () => 1))!;
+      at = last.dueAt;
+    }
+    expect(last.attempts).toBe(41);
+    expect(last.lastError).toMatch(
+      /^destroy attempt 41 began at .* no outcome recorded .*; attempt 1: device busy$/,
+    );
+    // One note, not forty.
+    expect(last.lastError.match(/no outcome recorded/g)).toHaveLength(1);
+    await ledger.confirm(entry);
+  });
+
+  it("a taken orphan's entry whose attempt never ended, taken again, says so once", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const { ids } = await admitOne();
+    const entry = sandboxEntry(ids[0]!);
+    const took = await ledger.takeNew(entry, 1_000_000, () => 1);
+    if (!("taken" in took)) throw new Error("not taken");
+    const [read] = (await ledger.dueToTake(took.taken.dueAt, 1000)).filter((d) => d.entry.key === entry.key);
+    const again = (await ledger.take(read!, took.taken.dueAt, () => 1))!;
+    expect(again.lastError).toMatch(
+      /^destroy attempt 2 began at .* no outcome recorded [^;]*; attempt 1: no outcome recorded either$/,
+    );
+    await ledger.confirm(entry);
+  });
+
   it("a sandbox not on the ledger is put on it taken for its first destroy attempt (an orphan's), only where its key is free: a key held is told what holds it, nothing written", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();

@@ -417,7 +417,9 @@ export class TeardownLedger {
       attempts,
       // Replaced by the attempt's error if it fails; left, it says which attempt never ended.
       // The attempt before's error kept after it: a janitor that dies in this one loses nothing.
-      lastError: `destroy attempt ${attempts} began at ${new Date(at).toISOString()} and has no outcome recorded (if this stays, the janitor died or hung in it); attempt ${entry.attempts}: ${entry.lastError}`,
+      // An attempt before that had no outcome either (its own note) passes on the error it kept,
+      // once: nested one note a death, a poisoned entry's real error was cut off by the cap.
+      lastError: `${noOutcomeNote(attempts, at)}; ${carriedError(entry)}`,
       dueAt: at + teardownBackoffMs(entry.attempts, random),
     });
     const written = await this.redis.fleetLedgerWrite(
@@ -450,7 +452,7 @@ export class TeardownLedger {
       ...SandboxEntry.parse(entry),
       attempts: 1,
       // Replaced by the attempt's error if it fails; left, it says which attempt never ended.
-      lastError: `destroy attempt 1 (of an orphan) began at ${new Date(at).toISOString()} and has no outcome recorded (if this stays, the janitor died or hung in it)`,
+      lastError: noOutcomeNote(1, at, " (of an orphan)"),
       firstFailedAt: at,
       dueAt: at + teardownBackoffMs(0, random),
     });
@@ -538,6 +540,24 @@ export class TeardownLedger {
     );
     return a !== null || b !== null;
   }
+}
+
+/** What a taken entry's `lastError` says until its attempt's outcome is recorded. */
+function noOutcomeNote(attempt: number, at: number, of = ""): string {
+  return `destroy attempt ${attempt}${of} began at ${new Date(at).toISOString()} and has no outcome recorded (if this stays, the janitor died or hung in it)`;
+}
+
+const NO_OUTCOME_NOTE =
+  /^destroy attempt \d+(?: \(of an orphan\))? began at \S+ and has no outcome recorded \(if this stays, the janitor died or hung in it\)(?:; (attempt \d+: [\s\S]*))?$/;
+
+/**
+ * The error a take keeps after its note: the attempt before's; when that attempt had no outcome
+ * either (its entry still holds its note), the error its note kept, else that it had none.
+ */
+function carriedError(entry: LedgerEntry): string {
+  const note = NO_OUTCOME_NOTE.exec(entry.lastError);
+  if (!note) return `attempt ${entry.attempts}: ${entry.lastError}`;
+  return note[1] ?? `attempt ${entry.attempts}: no outcome recorded either`;
 }
 
 /** A stored ledger entry, or null when it does not parse. */
