@@ -1704,6 +1704,57 @@ describe("rollout store", () => {
     expect(await store.getResult(b)).toMatchObject({ teardown: "confirmed", failureKind: null });
   });
 
+  it("an orphan the sweep took under a live rollout's key: a close confirming another sandbox there finalizes pending until the orphan's destroy confirms; one confirming the same sandbox takes the sweep's entry with it", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    // Another sandbox (one this rollout's registry sandbox replaced) taken by the sweep.
+    const a = (await admitOne()).ids[0]!;
+    const regA = { ...sandboxEntry(a), handle: dockerHandle(a, "resources", "y") };
+    await ledger.recordIntent(sandboxEntry(a));
+    await ledger.attachHandle(regA);
+    const orphanA = { ...regA, handle: dockerHandle(a, "resources", "x") };
+    const tookA = await ledger.takeNew(orphanA, 25);
+    expect("taken" in tookA).toBe(true);
+    const metaA = (await store.begin(a, "close", 20)).record!.meta;
+    expect(
+      await store.finalize(metaA, resultFor(a, "completed"), 30, undefined, [
+        { key: regA.key, destroyed: regA.handle },
+      ]),
+    ).toBe(true);
+    expect(await store.getResult(a)).toMatchObject({ teardown: "pending", failureKind: "teardown_failed" });
+    // The janitor died in the orphan's destroy; the ledger step's retry confirms it later.
+    await ledger.confirm(orphanA, orphanA.handle);
+    expect(await store.getResult(a)).toMatchObject({ teardown: "confirmed", failureKind: null });
+    expect(await ledger.isPending(a)).toBe(false);
+    expect(await ledger.getSandbox(regA.key)).toBeNull();
+
+    // The same sandbox (expired), taken by the sweep while the close destroys it too.
+    const b = (await admitOne()).ids[0]!;
+    const regB = { ...sandboxEntry(b), handle: dockerHandle(b, "resources", "y") };
+    await ledger.recordIntent(sandboxEntry(b));
+    await ledger.attachHandle(regB);
+    const tookB = await ledger.takeNew(regB, 25);
+    if (!("taken" in tookB)) throw new Error("not taken");
+    const metaB = (await store.begin(b, "close", 20)).record!.meta;
+    expect(
+      await store.finalize(metaB, resultFor(b, "completed"), 30, undefined, [
+        { key: regB.key, destroyed: regB.handle },
+      ]),
+    ).toBe(true);
+    expect(await store.getResult(b)).toMatchObject({ teardown: "confirmed", failureKind: null });
+    expect(await ledger.isPending(b)).toBe(false);
+    // The sweep's destroy then fails (the removal was the close's): nothing comes back.
+    expect(
+      await ledger.recordFailure(regB, "removal already in progress", 40, undefined, { taken: tookB.taken }),
+    ).toBeNull();
+    expect(await ledger.isPending(b)).toBe(false);
+    // A sweep that took it only after the finalize: its confirm (alreadyGone) leaves it as it was.
+    const late = await ledger.takeNew(regB, 50);
+    expect("taken" in late).toBe(true);
+    await ledger.confirm(regB, regB.handle);
+    expect(await ledger.isPending(b)).toBe(false);
+    expect(await store.getResult(b)).toMatchObject({ teardown: "confirmed", failureKind: null });
+  });
+
   it("a sandbox attached after its rollout was finalized (the close gave up on its handle-less intent while the create ran) turns the result's teardown pending, until its destroy is confirmed", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const id = (await admitOne()).ids[0]!;
