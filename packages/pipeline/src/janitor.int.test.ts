@@ -334,6 +334,52 @@ describe("janitor", () => {
     }
   });
 
+  it("an orphan whose ledger key holds a torn entry (not JSON) is still taken before its destroy: a pass that dies in it leaves the next pass to the orphans behind it", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    const hung = latch();
+    let poisonDestroys = 0;
+    const labelled = listedWithRolloutLabels(memory);
+    const provider = Object.assign(Object.create(labelled) as typeof labelled, {
+      destroy: async (h: SandboxHandle) => {
+        if (h.id !== poison.id) return memory.destroy(h);
+        poisonDestroys++;
+        await hung.opened;
+        throw new Error("the janitor was killed in this destroy");
+      },
+    });
+    const at = Date.now();
+    const deps = { ...own.deps, provider, now: () => at };
+    const { ledger } = own.deps;
+    const make = (rolloutId: string) =>
+      memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
+    const poison = await make(`tornpoison${RUN}`);
+    const behind = await make(`tornbehind${RUN}`);
+    // Torn under the poisoned orphan's key (a write cut off, a hand edit): no release reads it.
+    const tornKey = sandboxKey(poison.rolloutId, "resources");
+    await own.redis.hset(ledger.keys.teardownEntries(), tornKey, "{torn");
+    await own.redis.zadd(ledger.keys.teardownDue(), at + 3_600_000, tornKey);
+    const options = { orphanGraceMs: 60_000 };
+    const abandoned: Promise<unknown>[] = [];
+    try {
+      abandoned.push(janitorTick(deps, options));
+      await vi.waitFor(() => expect(poisonDestroys).toBe(1), { timeout: 10_000 });
+      const fresh = janitorTick(deps, options);
+      abandoned.push(fresh);
+      await vi.waitFor(async () => expect(await memory.alive(behind)).toBe(false), 5_000);
+      expect(await fresh).toMatchObject({ orphansRemoved: 1 });
+      expect(poisonDestroys).toBe(1);
+      expect((await ledger.pending()).find((e) => e.key === tornKey)).toMatchObject({
+        handle: poison,
+        attempts: 1,
+      });
+    } finally {
+      hung.open();
+      await Promise.allSettled(abandoned);
+      await own.close();
+    }
+  });
+
   it("an orphan taken whose destroy fails is counted once; one whose key holds another sandbox's entry is removed untaken, that entry kept; one whose own entry came since the sweep's look is left to the ledger step", async () => {
     const memory = new InMemorySandboxProvider();
     const own = await startInProcessFleet({ provider: memory, startWorkers: false });

@@ -471,7 +471,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           // the key holds an entry put there since the look above that is the ledger step's, it
           // is left to it; one of another sandbox (one this replaced under the key) is kept, and
           // this one destroyed untaken, as before (a failure recorded over that entry).
-          const took = await deps.ledger.takeNew(entry, clock(deps));
+          const took = await deps.ledger.takeNew(entry, clock(deps), undefined, { overUndecodable: true });
           if ("held" in took && ledgers(took.held)) return;
           const r = await destroyOrLedger(deps, entry, "taken" in took ? { taken: took.taken } : {});
           if (r.teardown === "confirmed") {

@@ -447,6 +447,15 @@ export class TeardownLedger {
     entry: SandboxEntry,
     at: number,
     random = Math.random,
+    options: {
+      /**
+       * A key holding text that is not JSON at all (torn: no release can read it) is taken over
+       * too, in a second round trip while it holds that text: the attempt's outcome replaces it
+       * anyway (a failure is recorded over it; a confirmed destroy forgets it), and left as it
+       * is, a destroy that never returns was tried again first by every pass.
+       */
+      overUndecodable?: boolean;
+    } = {},
   ): Promise<{ taken: LedgerEntry } | { held: LedgerEntry | null }> {
     const taken = LedgerEntry.parse({
       ...SandboxEntry.parse(entry),
@@ -456,15 +465,23 @@ export class TeardownLedger {
       firstFailedAt: at,
       dueAt: at + teardownBackoffMs(0, random),
     });
-    const written = (await this.redis.fleetLedgerWrite(
-      this.keys.teardownEntries(),
-      this.keys.teardownDue(),
-      entry.key,
-      "",
-      JSON.stringify(taken),
-      taken.dueAt,
-    )) as 1 | string;
-    return written === 1 ? { taken } : { held: parseLedgerEntry(written) };
+    const write = async (over: string) =>
+      (await this.redis.fleetLedgerWrite(
+        this.keys.teardownEntries(),
+        this.keys.teardownDue(),
+        entry.key,
+        over,
+        JSON.stringify(taken),
+        taken.dueAt,
+      )) as 1 | string | null;
+    let written = await write("");
+    if (options.overUndecodable && typeof written === "string" && !isJson(written)) {
+      written = await write(written);
+      // Gone meanwhile (its key's destroy confirmed): free now, as on the first try.
+      if (written === null) written = await write("");
+    }
+    if (written === 1) return { taken };
+    return { held: written === null ? null : parseLedgerEntry(written) };
   }
 
   /** Every ledger entry; one that does not parse goes to `onInvalid` (without it, throws). */
@@ -558,6 +575,16 @@ function carriedError(entry: LedgerEntry): string {
   const note = NO_OUTCOME_NOTE.exec(entry.lastError);
   if (!note) return `attempt ${entry.attempts}: ${entry.lastError}`;
   return note[1] ?? `attempt ${entry.attempts}: no outcome recorded either`;
+}
+
+/** Whether a stored text is JSON at all (what `forgetDestroyed`'s decode can read). */
+function isJson(raw: string): boolean {
+  try {
+    JSON.parse(raw);
+    return true;
+  } catch {
+    return false;
+  }
 }
 
 /** A stored ledger entry, or null when it does not parse. */
