@@ -277,14 +277,7 @@ export class TeardownLedger {
       const takenRaw = JSON.stringify(options.taken);
       if (prevRaw === takenRaw) {
         const ledger = LedgerEntry.parse({ ...options.taken, lastError: error });
-        const written = (await this.redis.fleetLedgerWrite(
-          this.keys.teardownEntries(),
-          this.keys.teardownDue(),
-          entry.key,
-          takenRaw,
-          JSON.stringify(ledger),
-          ledger.dueAt,
-        )) as 1 | string | null;
+        const written = await this.writeIf(entry.key, takenRaw, ledger);
         if (written === 1) return ledger;
         if (written === null) return null;
         prevRaw = written;
@@ -303,14 +296,7 @@ export class TeardownLedger {
         firstFailedAt: prev?.firstFailedAt ?? now,
         dueAt: now + teardownBackoffMs(attempts - 1, random),
       });
-      const written = (await this.redis.fleetLedgerWrite(
-        this.keys.teardownEntries(),
-        this.keys.teardownDue(),
-        entry.key,
-        prevRaw ?? "",
-        JSON.stringify(ledger),
-        ledger.dueAt,
-      )) as 1 | string | null;
+      const written = await this.writeIf(entry.key, prevRaw ?? "", ledger);
       if (written === 1) return ledger;
       // The entry read is gone: a destroy of its sandbox was confirmed. When it was this
       // sandbox's, nothing is left to record. Another's (the sandbox this one replaced under the
@@ -342,15 +328,7 @@ export class TeardownLedger {
       dueAt: now,
     });
     // Only where there is no entry, in one step: a failure recorded since a look would be lost.
-    const written = await this.redis.fleetLedgerWrite(
-      this.keys.teardownEntries(),
-      this.keys.teardownDue(),
-      entry.key,
-      "",
-      JSON.stringify(ledger),
-      now,
-    );
-    return written === 1;
+    return (await this.writeIf(entry.key, "", ledger)) === 1;
   }
 
   /**
@@ -422,15 +400,7 @@ export class TeardownLedger {
       lastError: `${noOutcomeNote(attempts, at)}; ${carriedError(entry)}`,
       dueAt: at + teardownBackoffMs(entry.attempts, random),
     });
-    const written = await this.redis.fleetLedgerWrite(
-      this.keys.teardownEntries(),
-      this.keys.teardownDue(),
-      entry.key,
-      due.stored,
-      JSON.stringify(taken),
-      taken.dueAt,
-    );
-    return written === 1 ? taken : null;
+    return (await this.writeIf(entry.key, due.stored, taken)) === 1 ? taken : null;
   }
 
   /**
@@ -465,15 +435,7 @@ export class TeardownLedger {
       firstFailedAt: at,
       dueAt: at + teardownBackoffMs(0, random),
     });
-    const write = async (over: string) =>
-      (await this.redis.fleetLedgerWrite(
-        this.keys.teardownEntries(),
-        this.keys.teardownDue(),
-        entry.key,
-        over,
-        JSON.stringify(taken),
-        taken.dueAt,
-      )) as 1 | string | null;
+    const write = (over: string) => this.writeIf(entry.key, over, taken);
     let written = await write("");
     if (options.overUndecodable && typeof written === "string" && !isJson(written)) {
       written = await write(written);
@@ -482,6 +444,21 @@ export class TeardownLedger {
     }
     if (written === 1) return { taken };
     return { held: written === null ? null : parseLedgerEntry(written) };
+  }
+
+  /**
+   * Write `ledger` under `key`, due at its `dueAt`, only while the key holds `expected` ("": no
+   * entry) (`fleetLedgerWrite`): 1 if written, else what the key holds (null: nothing).
+   */
+  private async writeIf(key: string, expected: string, ledger: LedgerEntry): Promise<1 | string | null> {
+    return (await this.redis.fleetLedgerWrite(
+      this.keys.teardownEntries(),
+      this.keys.teardownDue(),
+      key,
+      expected,
+      JSON.stringify(ledger),
+      ledger.dueAt,
+    )) as 1 | string | null;
   }
 
   /** Every ledger entry; one that does not parse goes to `onInvalid` (without it, throws). */
