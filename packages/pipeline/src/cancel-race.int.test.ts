@@ -1,4 +1,4 @@
-import type { CleanupReceipt, SandboxHandle } from "@fleet/contracts";
+import { type CleanupReceipt, FleetError, type SandboxHandle, withUsage } from "@fleet/contracts";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterEach, describe, expect, it } from "vitest";
@@ -110,5 +110,50 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     for (const stage of ["seed", "run"] as const)
       expect(await runStageJob(stage, job(id), fleet!.deps)).toBe("ok");
     await cancelUnder(id, runStageJob("verify", job(id), fleet!.deps), working, killed);
+  });
+
+  /** What the run's model calls had spent when its stop came. */
+  const spent = { calls: 4, promptTokens: 400, completionTokens: 40, cachedTokens: 100, gaps: [] };
+
+  it("the run's agent had spent model tokens: the cancelled result says what, though the close finalized before the run stopped", async () => {
+    const working = latch();
+    const killed = latch();
+    const id = await start({
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async () => {
+          working.open();
+          await killed.opened;
+          return { exec: execResult({ exitCode: 137 }), answer: null, transcript: null, usage: spent };
+        },
+      }),
+    });
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    await cancelUnder(id, runStageJob("run", job(id), fleet!.deps), working, killed);
+    expect((await fleet!.deps.store.getResult(id))?.usage).toEqual(spent);
+  });
+
+  it("the run's agent had spent model tokens and its stop poll saw the cancel before the close: the close's result says what", async () => {
+    const working = latch();
+    const id = await start({
+      stopPollMs: 20,
+      createHarness: (agent) => ({
+        name: agent.harness,
+        // As the tool loop ends on its signal: its error carries what it spent.
+        run: async (ctx) => {
+          working.open();
+          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+          throw withUsage(FleetError.nonRetryable("cancelled", "stopped"), spent);
+        },
+      }),
+    });
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    const run = runStageJob("run", job(id), fleet!.deps);
+    await working.opened;
+    await fleet!.deps.store.requestCancel(id);
+    expect(await run).toBe("ok");
+    expect(await fleet!.deps.store.getResult(id)).toBeNull();
+    expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
+    expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
   });
 });

@@ -817,6 +817,26 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
           ],
         }
       : usage;
+  /**
+   * A stop ended this launch (a cancel's or the deadline's close reports the rollout): what its
+   * agent spent goes to the rollout's result all the same, as no run receipt will carry it. Not
+   * stored (Redis unreachable): said, and counted in the metrics as every spend is.
+   */
+  const closeWithSpend = async (): Promise<"close"> => {
+    await finishAccess().catch(() => undefined);
+    const spent = withRerunGap(countSpent());
+    if (spent !== null) {
+      await deps.store
+        .saveStoppedRunUsage(id, spent)
+        .catch((err: unknown) =>
+          deps.logger.warn(
+            { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+            "could not record a stopped run's model usage; its result says none",
+          ),
+        );
+    }
+    return "close";
+  };
   let cleanup: CleanupReceipt;
   let contested = true;
   const abort = new AbortController();
@@ -974,7 +994,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         await stopping;
         if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
         if (abort.signal.reason instanceof LostLaunchError) return SUPERSEDED;
-        return "close";
+        return closeWithSpend();
       }
       // One read of the fence. Taken over while it ran (only possible once its lock may have
       // lapsed): the new launch may have replaced or reset the sandbox under this one; its error
@@ -983,7 +1003,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // lost sandbox.
       const state = await deps.store.launchState(id, token).catch(() => "run");
       if (state === "lost" && mayBeTakenOver(rec)) return SUPERSEDED;
-      if (state === "stop") return "close";
+      if (state === "stop") return closeWithSpend();
       // The rollout's own deadline was the agent's limit and has passed (preparing the sandbox
       // took what was left, say): whatever failed, the rollout ran out of time.
       if (limitedBy === "rollout" && clock(deps) >= deadlineMs) {
@@ -1007,7 +1027,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     if (abort.signal.aborted) {
       if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
       if (abort.signal.reason instanceof LostLaunchError) return SUPERSEDED;
-      return "close";
+      return closeWithSpend();
     }
     // The harness returned: before this launch stops anything or reports, make sure the run is
     // still its own. One that lost the fence (handed to another worker while this one was cut off
@@ -1028,12 +1048,12 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     try {
       cleanup = await deps.provider.killProcesses(handle, AGENT_USER);
     } catch (err) {
-      if (isFleetError(err) && err.kind === "sandbox_lost" && (await stopped())) return "close";
+      if (isFleetError(err) && err.kind === "sandbox_lost" && (await stopped())) return closeWithSpend();
       throw err;
     }
     if (cleanup.alreadyGone || !(await deps.provider.alive(handle))) {
       // Destroyed by the close of a cancel (a stop): the close reports the rollout.
-      if (await stopped()) return "close";
+      if (await stopped()) return closeWithSpend();
       // The sandbox vanished under the agent: exit envelope -2, masked (rule 6).
       throw FleetError.nonRetryable("sandbox_lost", "the sandbox disappeared while the agent ran");
     }
@@ -1128,7 +1148,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   if (saved) return "verify";
   // Not stored: a stop won (close must run, whoever else may have enqueued it; a repeat is a
   // no-op), or another launch took the fence, which is then the run's to finish.
-  return (await deps.store.launchState(id, token)) === "lost" ? SUPERSEDED : "close";
+  return (await deps.store.launchState(id, token)) === "lost" ? SUPERSEDED : closeWithSpend();
 };
 
 /**

@@ -2,6 +2,7 @@ import { randomUUID } from "node:crypto";
 import {
   AgentSpec,
   CloseReceipt,
+  capText,
   FailureRecord,
   fitRecordJson,
   isTerminal,
@@ -17,6 +18,7 @@ import {
   type StageName,
   TASK_FILE_SETS,
   TaskContent,
+  Usage,
   VerifyReceipt,
 } from "@fleet/contracts";
 import type { ChainableCommander } from "ioredis";
@@ -1418,6 +1420,25 @@ export class RolloutStore {
   }
 
   /**
+   * What a run stopped by a close (a cancel, the rollout's deadline) had spent, for the rollout's
+   * result: a stopped run stores no receipt. Kept for a close still to finalize, or put in a result
+   * finalized already that says no usage (see `fleetStoppedRunUsage`). Nothing for a rollout gone,
+   * or whose run receipt holds its usage. Gaps past `STOPPED_USAGE_GAPS` are left out, said as one.
+   */
+  async saveStoppedRunUsage(id: string, usage: Usage): Promise<"none" | "kept" | "in-result"> {
+    const parsed = Usage.parse(usage);
+    const gaps = parsed.gaps.slice(0, STOPPED_USAGE_GAPS).map((g) => capText(g, 500));
+    if (parsed.gaps.length > STOPPED_USAGE_GAPS) {
+      gaps.push(`${parsed.gaps.length - STOPPED_USAGE_GAPS} more gap(s) not kept`);
+    }
+    const r = await this.redis.fleetStoppedRunUsage(
+      this.keys.rollout(id),
+      JSON.stringify({ ...parsed, gaps }),
+    );
+    return r === 0 ? "none" : r === 2 ? "in-result" : "kept";
+  }
+
+  /**
    * Finalize exactly once (DESIGN §2 rule 1). True if this call did it, also when ioredis sent it
    * twice (its first reply lost to a reconnect): the finalized metrics count it. See `finalizeStored`.
    */
@@ -1433,7 +1454,8 @@ export class RolloutStore {
    * in the same script, whether or not this call finalizes. The teardown stored may differ from
    * `result`'s: pending when a sandbox of the rollout is left on the ledger or registered (one
    * that replaced the sandbox destroyed), confirmed when a pending one's sandboxes are all gone
-   * by then (the janitor finished the teardown while this close ran).
+   * by then (the janitor finished the teardown while this close ran). The usage stored may be a
+   * stopped run's (`saveStoppedRunUsage`) where `result` has none; the copy returned says none.
    */
   async finalizeStored(
     meta: Pick<RolloutMeta, "id" | "batchId">,
@@ -1499,6 +1521,9 @@ export class RolloutStore {
     return r === 1 ? parsed : null;
   }
 }
+
+/** Gaps of a stopped run's usage kept for its result (`saveStoppedRunUsage`). */
+export const STOPPED_USAGE_GAPS = 20;
 
 type Confirmed = string | { key: string; destroyed: SandboxHandle | null } | undefined;
 function confirmedKeyOf(c: Confirmed): string {

@@ -61,19 +61,21 @@ const CLAIM_LAUNCH = `local function claimLaunch(key, token, fence, prev, launch
  * handle in `sandboxesKey`) and no gateway network removal of the rollout (`rolloutId`) is left
  * to retry in `networksKey`. Returns 1 if it was edited.
  */
-const CONFIRM_TEARDOWN = `
+const EDIT_RESULT = `
       -- A finalized result's top-level field \`name\` edited from \`from\` to \`to\` (the text as it
       -- was when it does not hold \`from\` there). Plain string edits, not cjson: cjson would turn
       -- empty arrays into objects. The result is serialised in schema order, and every field
-      -- before \`teardown\` and \`failureKind\` is a scalar or a string (where a quote is always
-      -- escaped), so the first occurrence of the key is the top-level field; its value is edited
-      -- only if it is the one given (never a same-named field further on, in details or metadata).
+      -- before \`teardown\`, \`failureKind\` and \`usage\` is a scalar or a string (where a quote is
+      -- always escaped), so the first occurrence of the key is the top-level field; its value is
+      -- edited only if it is the one given (never a same-named field further on, in details or metadata).
       local function editResult(text, name, from, to)
         local i, j = string.find(text, '"' .. name .. '":', 1, true)
         if not i then return text end
         if string.sub(text, j + 1, j + #from) ~= from then return text end
         return string.sub(text, 1, j) .. to .. string.sub(text, j + #from + 1)
-      end
+      end`;
+
+const CONFIRM_TEARDOWN = `${EDIT_RESULT}
       -- Whether a sandbox of the rollout (\`key1\`, \`key2\`) may still live: one on the teardown
       -- ledger, or one still registered with a handle (one that replaced a sandbox destroyed
       -- under the same key, its creator gone before its own destroy or still at it; the
@@ -559,6 +561,12 @@ const SCRIPTS = {
         end
         return 0
       end
+      -- What a run stopped by this close spent, stored before this finalize (fleetStoppedRunUsage:
+      -- a stopped run stores no receipt): the result says it, as one finalized already is edited to.
+      if string.find(ARGV[1], '"usage":null', 1, true) then
+        local spent = redis.call('HGET', KEYS[1], 'u:run')
+        if spent then ARGV[1] = editResult(ARGV[1], 'usage', 'null', spent) end
+      end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
       redis.call('ZREM', KEYS[3], ARGV[5])
@@ -738,6 +746,26 @@ const SCRIPTS = {
       redis.call('HDEL', KEYS[1], 'fence:prev')
       redis.call('HINCRBY', KEYS[1], 'launches', -1)
       return 1`,
+  },
+  /**
+   * What a run stopped by a close (a cancel, the rollout's deadline) had spent: its model usage
+   * (ARGV[1], JSON). A stopped run stores no receipt, so its result said nothing of the tokens its
+   * agent did spend. Kept in 'u:run' for a close still to finalize (\`fleetFinalize\` puts it in
+   * the result), and put in a result finalized already whose usage is null. Nothing for a rollout
+   * gone (no record is made again) or one whose run receipt holds its usage. Returns 0 for nothing
+   * written, 1 kept for the close, 2 put in the result, 3 kept while the result says another usage.
+   */
+  fleetStoppedRunUsage: {
+    keys: 1,
+    lua: `${EDIT_RESULT}
+      local f = redis.call('HMGET', KEYS[1], 'status', 'r:run', 'result')
+      if not f[1] or f[2] then return 0 end
+      redis.call('HSET', KEYS[1], 'u:run', ARGV[1])
+      if not f[3] then return 1 end
+      local edited = editResult(f[3], 'usage', 'null', ARGV[1])
+      if edited == f[3] then return 3 end
+      redis.call('HSET', KEYS[1], 'result', edited)
+      return 2`,
   },
   /**
    * Cancel a batch's rollouts still to come: those its admission records from now on are

@@ -263,6 +263,51 @@ describe("rollout store", () => {
     expect((await store.get(id))?.status).toBe("completed");
   });
 
+  it("a stopped run's usage goes to its result: kept for a close still to finalize, put in a finalized result that says none, never over another usage or a run receipt's, nothing for a rollout gone", async () => {
+    const usage = {
+      calls: 2,
+      promptTokens: 20,
+      completionTokens: 4,
+      cachedTokens: null,
+      gaps: ["one call's usage unknown"],
+    };
+    const [before, after, other, receipted] = await Promise.all(
+      Array.from({ length: 4 }, async () => (await admitOne()).ids[0]!),
+    );
+    const finalize = async (id: string, result = resultFor(id, "cancelled")) =>
+      expect(await store.finalize((await store.get(id))!.meta, result, 10)).toBe(true);
+    // Stopped before its close finalized: the close's result says it.
+    expect(await store.saveStoppedRunUsage(before!, usage)).toBe("kept");
+    await finalize(before!);
+    expect(await store.getResult(before!)).toEqual({ ...resultFor(before!, "cancelled"), usage });
+    // Stopped after: the finalized result is edited, nothing else of it.
+    await finalize(after!);
+    expect(await store.saveStoppedRunUsage(after!, usage)).toBe("in-result");
+    expect(await store.getResult(after!)).toEqual({ ...resultFor(after!, "cancelled"), usage });
+    // A result that says a usage keeps it (the failure's, say).
+    const theirs = { ...usage, calls: 9 };
+    await finalize(other!, { ...resultFor(other!, "cancelled"), usage: theirs });
+    expect(await store.saveStoppedRunUsage(other!, usage)).toBe("kept");
+    expect((await store.getResult(other!))?.usage).toEqual(theirs);
+    // A run receipt carries its own usage: nothing stored beside it.
+    await redis.hset(store.keys.rollout(receipted!), "r:run", "{}");
+    expect(await store.saveStoppedRunUsage(receipted!, usage)).toBe("none");
+    expect(await redis.hexists(store.keys.rollout(receipted!), "u:run")).toBe(0);
+    // A rollout gone (its retention ended): no record is made again.
+    const gone = `gone-${randomUUID()}`;
+    expect(await store.saveStoppedRunUsage(gone, usage)).toBe("none");
+    expect(await redis.exists(store.keys.rollout(gone))).toBe(0);
+    // Many gaps: the first are kept, the rest said as one.
+    const many = { ...usage, gaps: Array.from({ length: 25 }, (_, i) => `gap ${i}`) };
+    const { ids } = await admitOne();
+    await finalize(ids[0]!);
+    await store.saveStoppedRunUsage(ids[0]!, many);
+    expect((await store.getResult(ids[0]!))?.usage?.gaps).toEqual([
+      ...many.gaps.slice(0, 20),
+      "5 more gap(s) not kept",
+    ]);
+  });
+
   it("finalizes exactly once under concurrent closers", async () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
