@@ -137,6 +137,21 @@ describe("ProgressReporter", () => {
     expect(writes.every((w) => w.length <= 80 + "\r\x1b[K\n".length)).toBe(true);
   });
 
+  it("clears the TTY line for output to another stream (stdout on the same terminal) and redraws it after", async () => {
+    const { writes, stream } = recorder(true);
+    const r = new ProgressReporter(stream);
+    r.update({ done: 1, total: 2, masked: 0, failed: 0 });
+    const line = writes[0]?.slice(1, -"\x1b[K".length);
+    await r.aside(async () => void writes.push("b-2\n"));
+    expect(writes.slice(1)).toEqual(["\r\x1b[K", "b-2\n", line]);
+    // Without a TTY, or with no line drawn, nothing but the output itself.
+    const plain = recorder(false);
+    const p = new ProgressReporter(plain.stream, { plainIntervalMs: 0 });
+    p.update({ done: 1, total: 2, masked: 0, failed: 0 });
+    await p.aside(async () => void plain.writes.push("b-2\n"));
+    expect(plain.writes.slice(1)).toEqual(["b-2\n"]);
+  });
+
   it("ends the TTY line when interrupted", () => {
     const { writes, stream } = recorder(true);
     const r = new ProgressReporter(stream);

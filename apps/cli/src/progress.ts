@@ -191,6 +191,21 @@ export class ProgressReporter {
     } else this.stream.write(text);
   }
 
+  /**
+   * Run `write`, output to another stream that may share the terminal (stdout), with the TTY
+   * progress line cleared first and redrawn after: a batch id printed on stdout would otherwise
+   * run on from the end of the progress line.
+   */
+  async aside(write: () => Promise<void>): Promise<void> {
+    const drawn = this.tty && !this.finished && this.lastLine !== "";
+    if (drawn) this.stream.write("\r\x1b[K");
+    try {
+      await write();
+    } finally {
+      if (drawn) this.stream.write(this.lastLine);
+    }
+  }
+
   /** End a TTY line early (e.g. on Ctrl-C) so later output starts on a fresh line. */
   interrupt(): void {
     if (this.finished) return;
