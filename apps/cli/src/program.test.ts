@@ -657,6 +657,147 @@ describe("fleet submit", () => {
     expect(admitted.length).toBeGreaterThanOrEqual(3);
   });
 
+  /**
+   * A dispatcher whose backlog holds 7 rollouts: batches of at most that many, a larger one 413.
+   * The first batch is admitted; later ones are answered 429 (full) until `room()` says there is
+   * room. Batch `b-1` is 3 of 7 done (one masked) until every batch is in, then every batch is
+   * done; each rollout's result is completed with reward 1 but b-1's first, masked.
+   */
+  function backlogHeldBack(room: () => boolean) {
+    const maxBacklog = 7;
+    const state = { admitted: 0, statusPolls: new Map<string, number>() };
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      if (rows.length > maxBacklog) {
+        return apiError(res, 413, "payload_too_large", "can never fit", {
+          incoming: rows.length,
+          maxBacklog,
+        });
+      }
+      if (state.admitted > 0 && !room()) {
+        return apiError(res, 429, "backpressure", "no room", { maxBacklog, retryAfterS: 0.01 });
+      }
+      const n = ++state.admitted;
+      const batchId = `b-${n}`;
+      const ids = rows.map((_, i) => `r${n}-${i}`);
+      server.on("GET", `/v1/batches/${batchId}`, (_r, out) => {
+        state.statusPolls.set(batchId, (state.statusPolls.get(batchId) ?? 0) + 1);
+        const held = n === 1 && state.admitted < 3;
+        const done = held ? 3 : rows.length;
+        const masked = n === 1 ? 1 : 0;
+        json(out, 200, {
+          id: batchId,
+          total: rows.length,
+          done,
+          counts: { accepted: rows.length - done, completed: done - masked, masked },
+        });
+      });
+      server.on("GET", `/v1/batches/${batchId}/results`, (_r, out) => {
+        out.writeHead(200, { "content-type": "application/x-ndjson" });
+        out.end(
+          ids
+            .map((id, i) =>
+              n === 1 && i === 0
+                ? { id, status: "masked", reward: null, mask: true, failureKind: "sandbox_lost" }
+                : completed(id, 1),
+            )
+            .map((r) => `${JSON.stringify(r)}\n`)
+            .join(""),
+        );
+      });
+      acceptBatch(res, n, rows);
+    });
+    return state;
+  }
+
+  it("with --wait, shows the progress of the batches admitted so far, out of every rollout, while the backlog holds the rest back", async () => {
+    // The backlog has room again only once the first batch's finished rollouts were shown: a
+    // submission that drew no progress while held back would wait for good (--backlog-wait).
+    backlogHeldBack(() => /progress [1-9]\d*\/20 /.test(stderr.text()));
+    const code = await runCli(
+      [
+        "submit",
+        "--suite",
+        "s",
+        "--agent",
+        "oracle",
+        "--repeat",
+        "10",
+        "--wait",
+        "--poll-interval",
+        "10",
+        "--backlog-wait",
+        "5",
+      ],
+      ctx(),
+    );
+    const err = stderr.text();
+    expect(err).toMatch(/progress 3\/20 \(15\.0%\) .* masked 1 failed 0/);
+    expect(code, err).toBe(0);
+    // Drawn after the note that the backlog is full, before the last chunk went in.
+    const held = err.search(/progress 3\/20 /);
+    expect(err.indexOf("the fleet's backlog is full; offering")).toBeLessThan(held);
+    expect(held).toBeLessThan(err.indexOf("submitted 20 rollouts (2 tasks × 10) in 3 batches"));
+    // Following goes on as before: the same final line, results and summary.
+    expect(err.trimEnd().split("\n").at(-1)).toMatch(/^progress 20\/20 \(100\.0%\) .* masked 1 failed 0/);
+    expect(stdout.text()).toBe(
+      "b-1\nb-2\nb-3\nresults: 20\n  completed 19  masked 1  failed 0  cancelled 0\n" +
+        "  mean reward: 1.0000 over 19 graded\n  masked: 1  (failure kinds: sandbox_lost 1)\n",
+    );
+  });
+
+  it("with --wait, polls the admitted batches at most once a --poll-interval while held back, and prints plain progress at most once an interval", async () => {
+    let refused = 0;
+    const backlog = backlogHeldBack(() => ++refused > 5); // five offers find the backlog full
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "60000"],
+      ctx({ progress: { tty: false } }), // plain lines every 10 s, as in a CI log
+    );
+    expect(code, stderr.text()).toBe(0);
+    const lines = stderr.text().trimEnd().split("\n");
+    // Once while held back (the first wait), once when following found every batch done.
+    expect(backlog.statusPolls.get("b-1")).toBe(2);
+    expect(lines.filter((l) => l.startsWith("the fleet's backlog is full; offering"))).toHaveLength(5);
+    expect(lines.filter((l) => l.startsWith("progress "))).toEqual([
+      expect.stringMatching(/^progress 3\/20 /),
+      expect.stringMatching(/^progress 20\/20 \(100\.0%\)/),
+    ]);
+  });
+
+  it("with --wait on a TTY, the notes while held back are written above the progress line, not over it", async () => {
+    let refused = 0;
+    backlogHeldBack(() => ++refused > 2);
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
+      ctx({ progress: { tty: true } }),
+    );
+    expect(code, stderr.text()).toBe(0);
+    // "\r" and the erase to the line's end ("\x1b[K") spelt out, to be matched as text.
+    const err = stderr.text().replaceAll("\r", "<CR>").replaceAll("\x1b[K", "<EL>");
+    // The line drawn while held is cleared for the next note and drawn again below it.
+    expect(err).toMatch(
+      /<CR>\[#+\.+\] {3}3\/20 {3}15%[^\n]*<EL><CR><EL>the fleet's backlog is full; offering 7 more rollouts again in 0 s\n\[#+\.+\] {3}3\/20/,
+    );
+    expect(err).toMatch(/<CR><EL>submitted 20 rollouts \(2 tasks × 10\) in 3 batches to [^\n]*\n\[/);
+    expect(err).toMatch(/20\/20 {2}100%[^\n]*<EL>\n$/);
+  });
+
+  it("with --wait, Ctrl-C while held back and showing progress names what went in, as before", async () => {
+    backlogHeldBack(() => false);
+    const interrupt = new AbortController();
+    const running = runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
+      ctx({ signal: interrupt.signal, progress: { tty: true } }),
+    );
+    await vi.waitFor(() => expect(stderr.text()).toMatch(/ 3\/20 {3}15%/), { timeout: 10_000 });
+    interrupt.abort();
+    expect(await running).toBe(130);
+    const err = stderr.text();
+    // The progress line is ended before the notes, which are as without progress.
+    expect(err).toMatch(/15%[^\n]*\nsubmitted 7 of 20 rollouts in 1 batch before the error: b-1 /);
+    expect(err).toContain("interrupted; submitted rollouts keep running on the dispatcher in batch b-1");
+  });
+
   it("a chunk over the dispatcher's body limit (413 naming it) goes as bodies under it, losing no row", async () => {
     const limit = 3000; // a few rows' worth: the CLI's 8 MiB chunk is far over it
     const accepted: Array<Record<string, unknown>> = [];

@@ -177,6 +177,14 @@ async function submitAndFollow(
   /** Rollouts and batches an earlier run of this command (same --idempotency-key) had submitted. */
   const replayed = { rollouts: 0, batches: 0 };
   const posting: PostingState = { key: "", backlogSplit: false };
+  const held = new HeldProgress(
+    client,
+    batchIds,
+    requests.length,
+    opts.pollInterval,
+    ctx,
+    opts.wait === true,
+  );
   const onAccepted = async (batch: BatchAccepted) => {
     batchIds.push(batch.batchId);
     onSubmitted([...batchIds]);
@@ -186,20 +194,22 @@ async function submitAndFollow(
       replayed.batches++;
     }
     // With --wait --json, stdout is the one JSON summary (its batchIds name them): ids to stderr.
-    await writeText(opts.json ? ctx.stderr : ctx.stdout, `${batch.batchId}\n`);
+    if (opts.json) await held.say(`${batch.batchId}\n`);
+    else await held.aside(() => writeText(ctx.stdout, `${batch.batchId}\n`));
   };
   // With --wait, a long run: ride out a dispatcher restart while submitting too (every POST
   // carries its Idempotency-Key, so one sent again admits nothing twice). Without it, fail fast.
   const poster = opts.wait
-    ? patientClient(client, opts.outageWait * 1000, (text) => void writeText(ctx.stderr, text))
+    ? patientClient(client, opts.outageWait * 1000, (text) => void held.say(text))
     : client;
   for (const [i, lines] of chunks.entries()) {
     const chunkKey = `${keyBase}-${i}`;
     const keyFor = (from: number, to: number) =>
       from === 0 && to === lines.length ? chunkKey : `${chunkKey}.${from}-${to}`;
     try {
-      await submitChunk(poster, lines, 0, keyFor, posting, ctx, opts.backlogWait * 1000, onAccepted);
+      await submitChunk(poster, lines, 0, keyFor, posting, held, opts.backlogWait * 1000, onAccepted);
     } catch (err) {
+      held.reporter?.interrupt();
       if (batchIds.length > 0) {
         // Counted in rollouts: a chunk split (backlog room, body limit) may be in part of them.
         await writeText(
@@ -218,8 +228,7 @@ async function submitAndFollow(
       : `${counted(taskCount, "task")} × ${opts.repeat}`;
   const what = `${counted(accepted, "rollout")} (${shape}) in ${counted(batchIds.length, "batch", "batches")}`;
   const replay = "with this --idempotency-key: replayed, nothing started again";
-  await writeText(
-    ctx.stderr,
+  await held.say(
     replayed.batches > 0 && replayed.batches === batchIds.length
       ? `already submitted: ${what} at ${client.url}, ${replay}\n`
       : replayed.batches > 0
@@ -228,7 +237,97 @@ async function submitAndFollow(
         : `submitted ${what} to ${client.url}\n`,
   );
   if (!opts.wait) return 0;
-  return followBatches(client, batchIds, accepted, opts, ctx, file);
+  return followBatches(client, batchIds, accepted, opts, ctx, file, held.reporter ?? undefined);
+}
+
+/**
+ * What `submit` says on stderr, and how it waits for room in the fleet's full backlog. With
+ * `--wait`, once a chunk has had to wait for room, each wait polls the batches admitted so far
+ * (at most once a `--poll-interval`) and draws their progress against every rollout this submit
+ * sends: a submission many times the backlog shows its rollouts finishing from the start, not
+ * only once its last chunk is in. `followBatches` then carries on with the same reporter.
+ * Before the first wait, and without `--wait`, it says and waits as plain writes and sleeps.
+ */
+class HeldProgress {
+  /** Drawing from the first wait for room on (with `--wait`); null before it. */
+  reporter: ProgressReporter | null = null;
+  /** With `--wait`, the client the waits poll with; null without. */
+  private readonly poller: FleetClient | null;
+  /** Each admitted batch's status last polled: a finished one is not asked again. */
+  private readonly latest = new Map<string, BatchStatus>();
+  private lastPollAt: number | null = null;
+
+  constructor(
+    client: FleetClient,
+    /** The batches admitted so far (the caller's list, growing). */
+    private readonly batchIds: readonly string[],
+    /** Every rollout this submit sends, admitted or not. */
+    private readonly total: number,
+    private readonly pollIntervalMs: number,
+    private readonly ctx: CliContext,
+    follow: boolean,
+  ) {
+    // One attempt per poll, no retries: a poll retried, or riding out an outage, would hold up the
+    // chunk's next offer (whose POST rides out an outage itself, saying so). A poll that fails only
+    // leaves the progress as it was until the next one.
+    this.poller = follow ? client.with({ retries: 0 }) : null;
+  }
+
+  /** Write `text` on stderr, redrawing a TTY progress line below it. */
+  async say(text: string): Promise<void> {
+    if (this.reporter === null) await writeText(this.ctx.stderr, text);
+    else this.reporter.note(text);
+  }
+
+  /** Run `write` (to stdout, which may share the terminal) with the progress line out of its way. */
+  async aside(write: () => Promise<void>): Promise<void> {
+    if (this.reporter === null) await write();
+    else await this.reporter.aside(write);
+  }
+
+  /**
+   * Wait `ms` for room in the backlog, drawing progress meanwhile with `--wait` (a poll that is
+   * slow, at most the client's status timeout, makes the wait as long). Rejects on Ctrl-C.
+   */
+  async waitForRoom(ms: number): Promise<void> {
+    const signal = this.ctx.signal;
+    if (this.poller === null) {
+      await sleep(ms, undefined, { signal });
+      return;
+    }
+    this.reporter ??= new ProgressReporter(this.ctx.stderr, this.ctx.progress);
+    const end = performance.now() + ms;
+    for (;;) {
+      signal.throwIfAborted();
+      if (this.lastPollAt === null || performance.now() - this.lastPollAt >= this.pollIntervalMs) {
+        this.lastPollAt = performance.now();
+        await this.poll(this.poller, this.reporter);
+      }
+      const now = performance.now();
+      if (now >= end) return;
+      const nextPoll = Math.max(0, this.lastPollAt + this.pollIntervalMs - now);
+      await sleep(Math.min(end - now, nextPoll), undefined, { signal });
+    }
+  }
+
+  private async poll(client: FleetClient, reporter: ProgressReporter): Promise<void> {
+    const open = this.batchIds.filter((id) => {
+      const s = this.latest.get(id);
+      return s === undefined || s.done < s.total;
+    });
+    // A batch whose status cannot be read now counts as it last did (zero before its first read):
+    // the progress is only shown here, and following after the submission reports a dispatcher
+    // that keeps failing, as it does without a wait.
+    const polled = await Promise.allSettled(open.map((id) => client.getBatch(id)));
+    for (const [i, p] of polled.entries()) if (p.status === "fulfilled") this.latest.set(open[i]!, p.value);
+    const counts = { done: 0, total: this.total, masked: 0, failed: 0 };
+    for (const s of this.latest.values()) {
+      counts.done += s.done;
+      counts.masked += s.counts.masked ?? 0;
+      counts.failed += s.counts.failed ?? 0;
+    }
+    reporter.update(counts);
+  }
 }
 
 /** What following batches to their end needs: `submit --wait`'s and `watch`'s options. */
@@ -253,10 +352,11 @@ export async function followBatches(
   opts: FollowOptions,
   ctx: CliContext,
   file: ResultsFile | null,
+  /** Carried on from `submit`'s progress while the backlog held it back, when it drew any. */
+  reporter = new ProgressReporter(ctx.stderr, ctx.progress),
 ): Promise<number> {
   // From here on nothing is submitted: ride out a dispatcher restart or a proxy's 502/503/504
   // rather than dropping hours of waiting after a few seconds of retries.
-  const reporter = new ProgressReporter(ctx.stderr, ctx.progress);
   const patient = patientClient(client, opts.outageWait * 1000, (text) => reporter.note(text));
   const stayOnDispatcher =
     `the batches keep running on the dispatcher: follow them with \`fleet status <batchId>\` and ` +
@@ -354,8 +454,9 @@ interface PostingState {
  * several bodies under it. When the backlog has room for only part of it (429 naming the bound and
  * what is in flight), that part goes first. While the backlog is full, the chunk is offered again after
  * the server's `Retry-After` for up to `backlogWaitMs` from the first answer that it is full (a
- * slow answer is no wait for room), saying so on stderr: a submission larger
- * than the backlog goes in as its earlier batches finish. Each POST's Idempotency-Key is
+ * slow answer is no wait for room), saying so on stderr (with `--wait`, drawing the progress of the
+ * batches admitted so far meanwhile: `held`): a submission larger than the backlog goes in as its
+ * earlier batches finish. Each POST's Idempotency-Key is
  * `keyFor(from, to)` of the rows it carries. `onAccepted` is told of every batch admitted.
  */
 async function submitChunk(
@@ -364,7 +465,7 @@ async function submitChunk(
   from: number,
   keyFor: (from: number, to: number) => string,
   posting: PostingState,
-  ctx: CliContext,
+  held: HeldProgress,
   backlogWaitMs: number,
   onAccepted: (batch: BatchAccepted) => Promise<void>,
 ): Promise<void> {
@@ -375,7 +476,7 @@ async function submitChunk(
       from + start,
       keyFor,
       posting,
-      ctx,
+      held,
       backlogWaitMs,
       onAccepted,
     );
@@ -421,8 +522,7 @@ async function submitChunk(
       const parts =
         err.status === 413 && limit !== null && details.index === undefined ? underLimit(lines, limit) : [];
       if (parts.length > 1) {
-        await writeText(
-          ctx.stderr,
+        await held.say(
           `the dispatcher takes request bodies of at most ${limit} bytes: sending these ${lines.length} rollouts as ${parts.length} batches (--max-request-bytes ${limit} would from the start)\n`,
         );
         for (const [start, end] of parts) await part(start, end);
@@ -446,12 +546,11 @@ async function submitChunk(
         Math.max(0.01, leftS),
       );
       lastOffer = waitS >= leftS;
-      await writeText(
-        ctx.stderr,
+      await held.say(
         `the fleet's backlog is full; offering ${lines.length} more ${lines.length === 1 ? "rollout" : "rollouts"} again in ${Math.round(waitS * 10) / 10} s\n`,
       );
       try {
-        await sleep(waitS * 1000, undefined, { signal: ctx.signal });
+        await held.waitForRoom(waitS * 1000);
       } catch {
         throw new ApiError(0, "aborted", "aborted while waiting for room in the fleet's backlog");
       }
