@@ -663,7 +663,7 @@ describe("fleet submit", () => {
    * room. Batch `b-1` is 3 of 7 done (one masked) until every batch is in, then every batch is
    * done; each rollout's result is completed with reward 1 but b-1's first, masked.
    */
-  function backlogHeldBack(room: () => boolean) {
+  function backlogHeldBack(room: () => boolean, retryAfterS = 0.01) {
     const maxBacklog = 7;
     const state = { admitted: 0, statusPolls: new Map<string, number>() };
     server.on("POST", "/v1/batches", (req, res) => {
@@ -675,7 +675,7 @@ describe("fleet submit", () => {
         });
       }
       if (state.admitted > 0 && !room()) {
-        return apiError(res, 429, "backpressure", "no room", { maxBacklog, retryAfterS: 0.01 });
+        return apiError(res, 429, "backpressure", "no room", { maxBacklog, retryAfterS });
       }
       const n = ++state.admitted;
       const batchId = `b-${n}`;
@@ -783,7 +783,8 @@ describe("fleet submit", () => {
   });
 
   it("with --wait, Ctrl-C while held back and showing progress names what went in, as before", async () => {
-    backlogHeldBack(() => false);
+    // A long Retry-After: the Ctrl-C comes while the chunk waits for room, with nothing in flight.
+    backlogHeldBack(() => false, 30);
     const interrupt = new AbortController();
     const running = runCli(
       ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
@@ -796,6 +797,11 @@ describe("fleet submit", () => {
     // The progress line is ended before the notes, which are as without progress.
     expect(err).toMatch(/15%[^\n]*\nsubmitted 7 of 20 rollouts in 1 batch before the error: b-1 /);
     expect(err).toContain("interrupted; submitted rollouts keep running on the dispatcher in batch b-1");
+    // Nothing was in flight: the chunk's rest was not sent, not "may have been admitted".
+    expect(err).toContain(
+      "was interrupted while waiting for room in the fleet's backlog: what the backlog had no room for was not sent",
+    );
+    expect(err).not.toContain("was not confirmed");
   });
 
   it("a chunk over the dispatcher's body limit (413 naming it) goes as bodies under it, losing no row", async () => {

@@ -552,7 +552,7 @@ async function submitChunk(
       try {
         await held.waitForRoom(waitS * 1000);
       } catch {
-        throw new ApiError(0, "aborted", "aborted while waiting for room in the fleet's backlog");
+        throw new ApiError(0, "aborted", ABORTED_WAITING_FOR_ROOM);
       }
     }
   }
@@ -585,6 +585,9 @@ export function underLimit(lines: readonly string[], limit: number): [number, nu
  * answer may mean the dispatcher admitted the chunk (fully or partly) without the CLI learning its
  * batch id: name its key, and how to finish the submission without admitting anything twice.
  */
+/** A Ctrl-C while a chunk waited for room in the backlog: nothing of it was in flight. */
+const ABORTED_WAITING_FOR_ROOM = "aborted while waiting for room in the fleet's backlog";
+
 function chunkFailureNote(
   err: unknown,
   f: { i: number; chunks: string[][]; keyBase: string; posting: PostingState; opts: SubmitOptions },
@@ -599,8 +602,11 @@ function chunkFailureNote(
   if (!(err.status === 0 || err.status >= 500 || err.code === "bad_response")) return "";
   const rerun = `re-run the same command with --idempotency-key ${f.keyBase}`;
   const lines = [
-    `chunk ${f.i + 1} of ${f.chunks.length} (${f.chunks[f.i]?.length} rollouts) was not confirmed: the ` +
-      `dispatcher may have admitted it, fully or in part, under Idempotency-Key ${f.posting.key}.`,
+    err.code === "aborted" && err.message === ABORTED_WAITING_FOR_ROOM
+      ? `chunk ${f.i + 1} of ${f.chunks.length} (${f.chunks[f.i]?.length} rollouts) was interrupted while ` +
+        "waiting for room in the fleet's backlog: what the backlog had no room for was not sent."
+      : `chunk ${f.i + 1} of ${f.chunks.length} (${f.chunks[f.i]?.length} rollouts) was not confirmed: the ` +
+        `dispatcher may have admitted it, fully or in part, under Idempotency-Key ${f.posting.key}.`,
   ];
   if (f.posting.backlogSplit) {
     lines.push(
