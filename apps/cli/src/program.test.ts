@@ -281,6 +281,29 @@ describe("fleet submit", () => {
     expect((await readFile(out, "utf8")).trim().split("\n")).toHaveLength(1);
   });
 
+  it("watch polls a finished batch no more while another runs on: a submission split into many batches is not asked about every one each interval", async () => {
+    const polls = new Map<string, number>();
+    const batch = (batchId: string, doneAfter: number) => {
+      server.on("GET", `/v1/batches/${batchId}`, (_r, out) => {
+        const n = (polls.get(batchId) ?? 0) + 1;
+        polls.set(batchId, n);
+        const done = n >= doneAfter ? 1 : 0;
+        json(out, 200, { id: batchId, total: 1, done, counts: { accepted: 1 - done, completed: done } });
+      });
+      server.on("GET", `/v1/batches/${batchId}/results`, (_r, out) => {
+        out.writeHead(200, { "content-type": "application/x-ndjson" });
+        out.end(`${JSON.stringify(completed(`${batchId}-r0`, 1))}\n`);
+      });
+    };
+    // b-1 is done from the first look (the watch's own, for its size); b-2 after six polls.
+    batch("b-1", 1);
+    batch("b-2", 6);
+    expect(await runCli(["watch", "b-1", "b-2", "--poll-interval", "10"], ctx())).toBe(0);
+    expect(polls.get("b-2")).toBe(6);
+    // The look for its size, then the first poll that found it finished: never again.
+    expect(polls.get("b-1")).toBe(2);
+  });
+
   it("watch follows batches submitted earlier to the end: summary, results file, one JSON object with --json", async () => {
     fakeDispatcher((id) => completed(id, id.endsWith("-r0") ? 1 : 0));
     expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx())).toBe(0);

@@ -647,7 +647,7 @@ function parseMetadata(text: string | undefined): Record<string, unknown> | unde
   return value as Record<string, unknown>;
 }
 
-/** Poll every batch until all its rollouts are terminal, drawing progress on stderr. */
+/** Poll the batches until all their rollouts are terminal (a finished one not again), drawing progress on stderr. */
 export async function waitForBatches(
   client: FleetClient,
   batchIds: readonly string[],
@@ -658,9 +658,13 @@ export async function waitForBatches(
   timeoutMs?: number,
 ): Promise<BatchStatus[]> {
   const started = performance.now();
+  // A batch found finished is not asked again: a submission the backlog split into hundreds of
+  // batches would otherwise poll every one of them each interval until the last is done.
+  const finished = new Map<string, BatchStatus>();
   try {
     for (;;) {
-      const statuses = await Promise.all(batchIds.map((id) => client.getBatch(id)));
+      const statuses = await Promise.all(batchIds.map((id) => finished.get(id) ?? client.getBatch(id)));
+      for (const [i, s] of statuses.entries()) if (s.done >= s.total) finished.set(batchIds[i]!, s);
       const counts = { done: 0, total: 0, masked: 0, failed: 0 };
       for (const s of statuses) {
         counts.done += s.done;
