@@ -156,4 +156,29 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
     expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
   });
+
+  it("the run's agent had spent model tokens and the cancel came after its harness returned, before its receipt was stored: the close's result says what", async () => {
+    let returned = false;
+    const id = await start({
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async () => {
+          returned = true;
+          return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: spent };
+        },
+      }),
+    });
+    // The cancel lands while the run confirms its agent stopped (its receipt not stored yet).
+    const provider = fleet!.deps.provider;
+    const kill = provider.killProcesses.bind(provider);
+    provider.killProcesses = async (h, user) => {
+      if (returned) await fleet!.deps.store.requestCancel(id);
+      return kill(h, user);
+    };
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
+    expect(await fleet!.deps.store.getResult(id)).toBeNull();
+    expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
+    expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
+  });
 });

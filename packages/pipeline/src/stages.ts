@@ -1137,12 +1137,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // verify that would find no run receipt and spend its attempts before the new launch ends.
   // Decided again now: the kill sweep and an owned sandbox's release may have taken long enough
   // for the job's lock to lapse since the check above.
+  // Not stored there (a stop came after the harness returned, while this launch stopped its
+  // agent and released its sandbox): as below, the close reports the rollout, with the spend.
   if (!contested && !mayBeTakenOver(rec)) {
-    await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, {
+    const stored = await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, {
       fence: token,
       next: { queues: deps.queues, stage: "verify" },
     });
-    return null;
+    if (stored || !(await stopped())) return null;
+    return closeWithSpend();
   }
   const saved = await deps.store.saveReceipt(rec.meta, "run", receipt, "ran", stoppedAt, { fence: token });
   if (saved) return "verify";
