@@ -1,5 +1,5 @@
 import { setTimeout as sleep } from "node:timers/promises";
-import { FleetError, type SandboxHandle } from "@fleet/contracts";
+import { FleetError, type SandboxHandle, withUsage } from "@fleet/contracts";
 import { sandboxKey } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -286,6 +286,65 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect(rec.receipts.run?.cleanup.confirmed).toBe(true);
     // Its claim could not be given back (the other launch holds it): its failure stays fenced out.
     expect({ a: String(a), failure: rec.failure }).toEqual({ a: "superseded", failure: null });
+  });
+
+  /**
+   * A run delivery paused past its lock (its stop poll unanswered meanwhile): another worker took
+   * the run over and launched its agent again, and a cancel stopped that launch. The earlier one,
+   * resumed, reads the stop too (a stop reads before a lost fence): what it spent must not replace
+   * the usage of the launch that took over (the one the result speaks for, its earlier launches a gap).
+   */
+  it("a run taken over, then cancelled: the result's usage is the later launch's, never the earlier one's", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider, { stopPollMs: 600_000 });
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    const usage = (calls: number) => ({
+      calls,
+      promptTokens: calls,
+      completionTokens: 1,
+      cachedTokens: 0,
+      gaps: [],
+    });
+    const aRunning = latch();
+    const aResume = latch();
+    const bRunning = latch();
+    const first = runStageJob("run", job(id, Date.now() - 60_000), {
+      ...deps,
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async () => {
+          aRunning.open();
+          await aResume.opened;
+          throw withUsage(FleetError.nonRetryable("agent_error", "its processes were killed"), usage(1));
+        },
+      }),
+    });
+    await aRunning.opened;
+    const second = runStageJob("run", job(id), {
+      ...deps,
+      stopPollMs: 20,
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async (ctx) => {
+          bRunning.open();
+          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+          throw withUsage(FleetError.nonRetryable("cancelled", "stopped"), usage(7));
+        },
+      }),
+    });
+    await bRunning.opened;
+    await deps.store.requestCancel(id);
+    expect(await second).toBe("ok");
+    aResume.open();
+    expect(await first).toBe("ok");
+    expect(await runStageJob("close", job(id), deps)).toBe("ok");
+    expect((await deps.store.getResult(id))?.usage).toEqual({
+      ...usage(7),
+      gaps: [
+        "1 earlier launch(es) of this rollout not counted here (see failures[].usage for what was recorded)",
+      ],
+    });
   });
 
   /**

@@ -827,7 +827,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     const spent = withRerunGap(countSpent());
     if (spent !== null) {
       await deps.store
-        .saveStoppedRunUsage(id, spent)
+        .saveStoppedRunUsage(id, spent, { token, launches })
         .catch((err: unknown) =>
           deps.logger.warn(
             { rolloutId: id, err: err instanceof Error ? err.message : String(err) },

@@ -1423,9 +1423,16 @@ export class RolloutStore {
    * What a run stopped by a close (a cancel, the rollout's deadline) had spent, for the rollout's
    * result: a stopped run stores no receipt. Kept for a close still to finalize, or put in a result
    * finalized already that says no usage (see `fleetStoppedRunUsage`). Nothing for a rollout gone,
-   * or whose run receipt holds its usage. Gaps past `STOPPED_USAGE_GAPS` are left out, said as one.
+   * or whose run receipt holds its usage, nor from a launch (`launch`, its claim's token and
+   * number) that is not the rollout's last: one taken over (its spend is not the result's, as for a
+   * run taken over unstopped), or one of a rollout admitted again under the same id since. Gaps
+   * past `STOPPED_USAGE_GAPS` are left out, said as one.
    */
-  async saveStoppedRunUsage(id: string, usage: Usage): Promise<"none" | "kept" | "in-result"> {
+  async saveStoppedRunUsage(
+    id: string,
+    usage: Usage,
+    launch: { token: string; launches: number },
+  ): Promise<"none" | "kept" | "in-result"> {
     const parsed = Usage.parse(usage);
     const gaps = parsed.gaps.slice(0, STOPPED_USAGE_GAPS).map((g) => capText(g, 500));
     if (parsed.gaps.length > STOPPED_USAGE_GAPS) {
@@ -1434,6 +1441,8 @@ export class RolloutStore {
     const r = await this.redis.fleetStoppedRunUsage(
       this.keys.rollout(id),
       JSON.stringify({ ...parsed, gaps }),
+      launch.token,
+      String(launch.launches),
     );
     return r === 0 ? "none" : r === 2 ? "in-result" : "kept";
   }

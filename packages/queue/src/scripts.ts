@@ -752,14 +752,18 @@ const SCRIPTS = {
    * (ARGV[1], JSON). A stopped run stores no receipt, so its result said nothing of the tokens its
    * agent did spend. Kept in 'u:run' for a close still to finalize (\`fleetFinalize\` puts it in
    * the result), and put in a result finalized already whose usage is null. Nothing for a rollout
-   * gone (no record is made again) or one whose run receipt holds its usage. Returns 0 for nothing
-   * written, 1 kept for the close, 2 put in the result, 3 kept while the result says another usage.
+   * gone (no record is made again) or one whose run receipt holds its usage, nor from a launch
+   * that is not the rollout's last (ARGV[2], its token, never claimed on this record: a rollout
+   * admitted again under the same id; ARGV[3], its launch number, not the count: another launch
+   * took the run over, and a stop reads before a lost fence). Returns 0 for nothing written, 1
+   * kept for the close, 2 put in the result, 3 kept while the result says another usage.
    */
   fleetStoppedRunUsage: {
     keys: 1,
     lua: `${EDIT_RESULT}
-      local f = redis.call('HMGET', KEYS[1], 'status', 'r:run', 'result')
+      local f = redis.call('HMGET', KEYS[1], 'status', 'r:run', 'result', 'lseen:' .. ARGV[2], 'launches')
       if not f[1] or f[2] then return 0 end
+      if not f[4] or f[5] ~= ARGV[3] then return 0 end
       redis.call('HSET', KEYS[1], 'u:run', ARGV[1])
       if not f[3] then return 1 end
       local edited = editResult(f[3], 'usage', 'null', ARGV[1])

@@ -274,34 +274,55 @@ describe("rollout store", () => {
     const [before, after, other, receipted] = await Promise.all(
       Array.from({ length: 4 }, async () => (await admitOne()).ids[0]!),
     );
+    /** The run's launch, claimed as the run stage claims it. */
+    const launch = async (id: string, token = `w:${randomUUID()}`) => ({
+      token,
+      launches: (await store.claimLaunch(id, token)).launches,
+    });
     const finalize = async (id: string, result = resultFor(id, "cancelled")) =>
       expect(await store.finalize((await store.get(id))!.meta, result, 10)).toBe(true);
     // Stopped before its close finalized: the close's result says it.
-    expect(await store.saveStoppedRunUsage(before!, usage)).toBe("kept");
+    expect(await store.saveStoppedRunUsage(before!, usage, await launch(before!))).toBe("kept");
     await finalize(before!);
     expect(await store.getResult(before!)).toEqual({ ...resultFor(before!, "cancelled"), usage });
     // Stopped after: the finalized result is edited, nothing else of it.
+    const afterLaunch = await launch(after!);
     await finalize(after!);
-    expect(await store.saveStoppedRunUsage(after!, usage)).toBe("in-result");
+    expect(await store.saveStoppedRunUsage(after!, usage, afterLaunch)).toBe("in-result");
     expect(await store.getResult(after!)).toEqual({ ...resultFor(after!, "cancelled"), usage });
     // A result that says a usage keeps it (the failure's, say).
     const theirs = { ...usage, calls: 9 };
+    const otherLaunch = await launch(other!);
     await finalize(other!, { ...resultFor(other!, "cancelled"), usage: theirs });
-    expect(await store.saveStoppedRunUsage(other!, usage)).toBe("kept");
+    expect(await store.saveStoppedRunUsage(other!, usage, otherLaunch)).toBe("kept");
     expect((await store.getResult(other!))?.usage).toEqual(theirs);
     // A run receipt carries its own usage: nothing stored beside it.
     await redis.hset(store.keys.rollout(receipted!), "r:run", "{}");
-    expect(await store.saveStoppedRunUsage(receipted!, usage)).toBe("none");
+    expect(await store.saveStoppedRunUsage(receipted!, usage, await launch(receipted!))).toBe("none");
     expect(await redis.hexists(store.keys.rollout(receipted!), "u:run")).toBe(0);
     // A rollout gone (its retention ended): no record is made again.
     const gone = `gone-${randomUUID()}`;
-    expect(await store.saveStoppedRunUsage(gone, usage)).toBe("none");
+    expect(await store.saveStoppedRunUsage(gone, usage, { token: "w:gone", launches: 1 })).toBe("none");
     expect(await redis.exists(store.keys.rollout(gone))).toBe(0);
+    // A launch taken over (its lock lapsed), then stopped: the launch that took over is the
+    // result's, never the earlier one's; nor a launch whose token never claimed on this record
+    // (a rollout admitted again under the same id since).
+    const [takenOver] = (await admitOne()).ids;
+    const earlier = await launch(takenOver!);
+    const later = await launch(takenOver!);
+    expect(await store.saveStoppedRunUsage(takenOver!, usage, later)).toBe("kept");
+    expect(await store.saveStoppedRunUsage(takenOver!, { ...usage, calls: 1 }, earlier)).toBe("none");
+    expect(await store.saveStoppedRunUsage(takenOver!, usage, { token: "w:stranger", launches: 2 })).toBe(
+      "none",
+    );
+    await finalize(takenOver!);
+    expect((await store.getResult(takenOver!))?.usage).toEqual(usage);
     // Many gaps: the first are kept, the rest said as one.
     const many = { ...usage, gaps: Array.from({ length: 25 }, (_, i) => `gap ${i}`) };
     const { ids } = await admitOne();
+    const manyLaunch = await launch(ids[0]!);
     await finalize(ids[0]!);
-    await store.saveStoppedRunUsage(ids[0]!, many);
+    await store.saveStoppedRunUsage(ids[0]!, many, manyLaunch);
     expect((await store.getResult(ids[0]!))?.usage?.gaps).toEqual([
       ...many.gaps.slice(0, 20),
       "5 more gap(s) not kept",
