@@ -1498,7 +1498,13 @@ export class RolloutStore {
         meta.batchId !== null ? this.keys.batchDone(meta.batchId) : this.keys.rollout(meta.id),
       ],
       [
-        fitRecordJson(parsed, MAX_RECORD_BYTES, RESULT_KEEP),
+        // A result saying no usage keeps room for a stopped run's, said without its gaps
+        // (`fleetStoppedRunUsage`, which may come after): still within the bound.
+        fitRecordJson(
+          parsed,
+          MAX_RECORD_BYTES - (parsed.usage === null ? STOPPED_USAGE_ROOM : 0),
+          RESULT_KEEP,
+        ),
         parsed.status,
         String(now),
         hasBatch,
@@ -1533,6 +1539,12 @@ export class RolloutStore {
 
 /** Gaps of a stopped run's usage kept for its result (`saveStoppedRunUsage`). */
 export const STOPPED_USAGE_GAPS = 20;
+
+/**
+ * Bytes a result saying no usage keeps free (`finalizeStored`), for a stopped run's usage put in
+ * it later with its gaps said as one (`fleetStoppedRunUsage`): its four numbers and that gap.
+ */
+export const STOPPED_USAGE_ROOM = 256;
 
 type Confirmed = string | { key: string; destroyed: SandboxHandle | null } | undefined;
 function confirmedKeyOf(c: Confirmed): string {

@@ -1,3 +1,4 @@
+import { MAX_RECORD_BYTES } from "@fleet/contracts";
 import { ReplyError } from "ioredis";
 import { type RedisConnection, reconnectOnSlotError } from "./connection.ts";
 
@@ -73,6 +74,24 @@ const EDIT_RESULT = `
         if not i then return text end
         if string.sub(text, j + 1, j + #from) ~= from then return text end
         return string.sub(text, 1, j) .. to .. string.sub(text, j + #from + 1)
+      end`;
+
+/**
+ * A stopped run's usage (`spent`, JSON) put in a finalized result's top-level usage where it is
+ * null (`editResult`), within the record bound (DESIGN §2 rule 13): whole, else with its gaps said
+ * as one (`finalizeStored` keeps room for that much in a result whose usage is null), else not at
+ * all (a result stored by an earlier release, with no room kept). The text as it was when not edited.
+ */
+const SPLICE_USAGE = `
+      local function spliceUsage(text, spent)
+        local edited = editResult(text, 'usage', 'null', spent)
+        if edited == text or #edited <= ${MAX_RECORD_BYTES} then return edited end
+        local ok, u = pcall(cjson.decode, spent)
+        if not ok or type(u) ~= 'table' or type(u.gaps) ~= 'table' or #u.gaps == 0 then return text end
+        u.gaps = {#u.gaps .. ' gap(s) of this usage left out, to keep the result within its size bound'}
+        edited = editResult(text, 'usage', 'null', cjson.encode(u))
+        if #edited <= ${MAX_RECORD_BYTES} then return edited end
+        return text
       end`;
 
 const CONFIRM_TEARDOWN = `${EDIT_RESULT}
@@ -524,6 +543,7 @@ const SCRIPTS = {
       `
       ${TERMINAL}
       ${CONFIRM_TEARDOWN}
+      ${SPLICE_USAGE}
       ${FORGET_DESTROYED}`,
       `
       -- ARGV[13], ARGV[14]: which sandbox's destroy confirmed ARGV[7], ARGV[8] (see forgetDestroyed).
@@ -565,7 +585,7 @@ const SCRIPTS = {
       -- a stopped run stores no receipt): the result says it, as one finalized already is edited to.
       if string.find(ARGV[1], '"usage":null', 1, true) then
         local spent = redis.call('HGET', KEYS[1], 'u:run')
-        if spent then ARGV[1] = editResult(ARGV[1], 'usage', 'null', spent) end
+        if spent then ARGV[1] = spliceUsage(ARGV[1], spent) end
       end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
@@ -761,12 +781,13 @@ const SCRIPTS = {
   fleetStoppedRunUsage: {
     keys: 1,
     lua: `${EDIT_RESULT}
+      ${SPLICE_USAGE}
       local f = redis.call('HMGET', KEYS[1], 'status', 'r:run', 'result', 'lseen:' .. ARGV[2], 'launches')
       if not f[1] or f[2] then return 0 end
       if not f[4] or f[5] ~= ARGV[3] then return 0 end
       redis.call('HSET', KEYS[1], 'u:run', ARGV[1])
       if not f[3] then return 1 end
-      local edited = editResult(f[3], 'usage', 'null', ARGV[1])
+      local edited = spliceUsage(f[3], ARGV[1])
       if edited == f[3] then return 3 end
       redis.call('HSET', KEYS[1], 'result', edited)
       return 2`,

@@ -329,6 +329,51 @@ describe("rollout store", () => {
     ]);
   });
 
+  it("a stopped run's usage put in a result near its 16 KiB bound keeps the result within it, whichever comes first", async () => {
+    const usage = {
+      calls: 40,
+      promptTokens: null,
+      completionTokens: null,
+      cachedTokens: null,
+      gaps: [
+        "usage missing on calls 3, 7-9, 12, 15, 18-20, 23, 31, 33-35, 38, 40",
+        "3 failed upstream attempts not counted (usage unknown)",
+        "2 calls in flight at revocation aborted (usage unknown)",
+      ],
+    };
+    // Gaps that do not fit beside the result: said as one.
+    const wide = { ...usage, gaps: Array.from({ length: 20 }, (_, i) => `${i}: ${"g".repeat(480)}`) };
+    for (const [order, spent] of [
+      ["finalized first", usage],
+      ["stopped first", usage],
+      ["finalized first", wide],
+      ["stopped first", wide],
+    ] as const) {
+      const [id] = (await admitOne()).ids;
+      const meta = (await store.get(id!))!.meta;
+      const launched = { token: `w:${randomUUID()}`, launches: 0 };
+      launched.launches = (await store.claimLaunch(id!, launched.token)).launches;
+      // A cancelled result just within the bound (nothing of it cut).
+      const base = { ...resultFor(id!, "cancelled"), reason: "r".repeat(4000) };
+      const pad =
+        MAX_RECORD_BYTES - 16 - Buffer.byteLength(JSON.stringify({ ...base, details: { log: "" } }));
+      const result = { ...base, details: { log: "x".repeat(pad) } };
+      if (order === "finalized first") expect(await store.finalize(meta, result, 10)).toBe(true);
+      await store.saveStoppedRunUsage(id!, spent, launched);
+      if (order === "stopped first") expect(await store.finalize(meta, result, 10)).toBe(true);
+      const raw = (await redis.hget(store.keys.rollout(id!), "result"))!;
+      expect({ order, bytes: Buffer.byteLength(raw) <= MAX_RECORD_BYTES }).toEqual({ order, bytes: true });
+      expect((await store.getResult(id!))?.usage).toEqual(
+        spent === usage
+          ? usage
+          : {
+              ...usage,
+              gaps: ["20 gap(s) of this usage left out, to keep the result within its size bound"],
+            },
+      );
+    }
+  });
+
   it("finalizes exactly once under concurrent closers", async () => {
     const { ids } = await admitOne();
     const id = ids[0]!;
