@@ -656,21 +656,7 @@ describe("fleet submit", () => {
   it("goes as batches the backlog can hold, and waits while the backlog is full instead of giving up", async () => {
     const maxBacklog = 7;
     let full = 2; // the first two offers after the first batch find no room
-    let n = 0;
-    server.on("POST", "/v1/batches", (req, res) => {
-      const rows = rowsOf(req);
-      if (rows.length > maxBacklog) {
-        return apiError(res, 413, "payload_too_large", "can never fit", {
-          incoming: rows.length,
-          maxBacklog,
-        });
-      }
-      if (n > 0 && full > 0) {
-        full--;
-        return apiError(res, 429, "backpressure", "no room", { maxBacklog, retryAfterS: 0.01 });
-      }
-      acceptBatch(res, ++n, rows);
-    });
+    backlogHeldBack(() => full-- <= 0);
     const code = await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10"], ctx());
     expect(code, stderr.text()).toBe(0);
     const admitted = server.requests.filter((r) => r.method === "POST" && rowsOf(r).length <= maxBacklog);
