@@ -3,6 +3,7 @@ import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterEach, describe, expect, it } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
+import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { type Latch, latch } from "./testing/latch.ts";
@@ -179,6 +180,32 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
     expect(await fleet!.deps.store.getResult(id)).toBeNull();
     expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
+    expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
+  });
+
+  it("the run's agent had spent model tokens when its worker shut down and handed the run back, and a cancel came before the next delivery: the result says what", async () => {
+    const working = latch();
+    const id = await start({
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async (ctx) => {
+          working.open();
+          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+          throw withUsage(FleetError.retryable("agent_error", "stopped for the shutdown"), spent);
+        },
+      }),
+    });
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    const shutdown = new AbortController();
+    const run = runStageJob("run", job(id), fleet!.deps, { signal: shutdown.signal }).catch(
+      (e: unknown) => e,
+    );
+    await working.opened;
+    shutdown.abort();
+    expect(isHandBack(await run)).toBe(true);
+    await cancelAndClose(id);
+    // The next delivery finds the rollout closed: it launches nothing.
+    expect(await runStageJob("run", job(id), fleet!.deps)).toBe("replayed");
     expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
   });
 });

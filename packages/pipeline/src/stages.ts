@@ -818,24 +818,37 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         }
       : usage;
   /**
-   * A stop ended this launch (a cancel's or the deadline's close reports the rollout): what its
-   * agent spent goes to the rollout's result all the same, as no run receipt will carry it. Not
-   * stored (Redis unreachable): said, and counted in the metrics as every spend is.
+   * What this launch's agent spent, kept for the rollout's result when no run receipt will carry
+   * it (see `saveStoppedRunUsage`). Not stored (Redis unreachable): said, and counted in the
+   * metrics as every spend is.
    */
-  const closeWithSpend = async (): Promise<"close"> => {
+  const keepSpend = async (): Promise<void> => {
     await finishAccess().catch(() => undefined);
     const spent = withRerunGap(countSpent());
-    if (spent !== null) {
-      await deps.store
-        .saveStoppedRunUsage(id, spent, { token, launches })
-        .catch((err: unknown) =>
-          deps.logger.warn(
-            { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
-            "could not record a stopped run's model usage; its result says none",
-          ),
-        );
-    }
+    if (spent === null) return;
+    await deps.store
+      .saveStoppedRunUsage(id, spent, { token, launches })
+      .catch((err: unknown) =>
+        deps.logger.warn(
+          { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+          "could not record a stopped run's model usage; its result says none",
+        ),
+      );
+  };
+  /** A stop ended this launch (a cancel's or the deadline's close reports the rollout). */
+  const closeWithSpend = async (): Promise<"close"> => {
+    await keepSpend();
     return "close";
+  };
+  /**
+   * Handed back: at a worker's shutdown, what the launch spent is kept as a stopped run's is,
+   * for a cancel (or the deadline) that comes before the next delivery, whose claim then finds
+   * the run stopped and launches nothing; a next launch's receipt or stop replaces it. Not when
+   * the fence went unanswered (Redis unreachable, and the run perhaps another launch's now).
+   */
+  const handBack = async (reason: HandBackError): Promise<never> => {
+    if (shutdown?.aborted) await keepSpend();
+    throw reason;
   };
   let cleanup: CleanupReceipt;
   let contested = true;
@@ -992,7 +1005,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       await stopping;
       if (abort.signal.aborted) {
         await stopping;
-        if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
+        if (abort.signal.reason instanceof HandBackError) return handBack(abort.signal.reason);
         if (abort.signal.reason instanceof LostLaunchError) return SUPERSEDED;
         return closeWithSpend();
       }
@@ -1025,7 +1038,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // Told to stop, its harness returned of itself (one that does not watch the signal): as
     // above, never its outcome stored.
     if (abort.signal.aborted) {
-      if (abort.signal.reason instanceof HandBackError) throw abort.signal.reason;
+      if (abort.signal.reason instanceof HandBackError) return handBack(abort.signal.reason);
       if (abort.signal.reason instanceof LostLaunchError) return SUPERSEDED;
       return closeWithSpend();
     }

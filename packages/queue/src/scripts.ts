@@ -583,9 +583,11 @@ const SCRIPTS = {
       end
       -- What a run stopped by this close spent, stored before this finalize (fleetStoppedRunUsage:
       -- a stopped run stores no receipt): the result says it, as one finalized already is edited to.
+      -- Not when a later launch stored a run receipt (one handed back at a shutdown kept its spend,
+      -- then ran again): the result's usage is that receipt's, null when it measured none.
       if string.find(ARGV[1], '"usage":null', 1, true) then
         local spent = redis.call('HGET', KEYS[1], 'u:run')
-        if spent then ARGV[1] = spliceUsage(ARGV[1], spent) end
+        if spent and redis.call('HEXISTS', KEYS[1], 'r:run') == 0 then ARGV[1] = spliceUsage(ARGV[1], spent) end
       end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end

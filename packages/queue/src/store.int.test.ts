@@ -296,10 +296,15 @@ describe("rollout store", () => {
     await finalize(other!, { ...resultFor(other!, "cancelled"), usage: theirs });
     expect(await store.saveStoppedRunUsage(other!, usage, otherLaunch)).toBe("kept");
     expect((await store.getResult(other!))?.usage).toEqual(theirs);
-    // A run receipt carries its own usage: nothing stored beside it.
+    // A run receipt carries its own usage: nothing stored beside it, and a usage kept before it
+    // (a launch handed back at a shutdown, then run again) is not the result's.
+    const receiptedLaunch = await launch(receipted!);
+    expect(await store.saveStoppedRunUsage(receipted!, usage, receiptedLaunch)).toBe("kept");
     await redis.hset(store.keys.rollout(receipted!), "r:run", "{}");
-    expect(await store.saveStoppedRunUsage(receipted!, usage, await launch(receipted!))).toBe("none");
-    expect(await redis.hexists(store.keys.rollout(receipted!), "u:run")).toBe(0);
+    expect(await store.saveStoppedRunUsage(receipted!, { ...usage, calls: 3 }, receiptedLaunch)).toBe("none");
+    expect(JSON.parse((await redis.hget(store.keys.rollout(receipted!), "u:run"))!)).toEqual(usage);
+    await finalize(receipted!);
+    expect((await store.getResult(receipted!))?.usage).toBeNull();
     // A rollout gone (its retention ended): no record is made again.
     const gone = `gone-${randomUUID()}`;
     expect(await store.saveStoppedRunUsage(gone, usage, { token: "w:gone", launches: 1 })).toBe("none");
