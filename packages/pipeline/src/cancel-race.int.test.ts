@@ -208,4 +208,40 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await runStageJob("run", job(id), fleet!.deps)).toBe("replayed");
     expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
   });
+
+  it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {
+    const working = latch();
+    const id = await start({
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async (ctx) => {
+          working.open();
+          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+          throw withUsage(FleetError.retryable("agent_error", "stopped for the shutdown"), spent);
+        },
+      }),
+    });
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    const store = fleet!.deps.store;
+    // Only this write goes unanswered (as to a Redis gone away); the rest of the stage is as ever.
+    const hanging = new Proxy(store, {
+      get: (target, prop, receiver) =>
+        prop === "saveStoppedRunUsage"
+          ? () => new Promise(() => undefined)
+          : (() => {
+              const v = Reflect.get(target, prop, receiver);
+              return typeof v === "function" ? v.bind(target) : v;
+            })(),
+    });
+    const shutdown = new AbortController();
+    const run = runStageJob(
+      "run",
+      job(id),
+      { ...fleet!.deps, store: hanging },
+      { signal: shutdown.signal },
+    ).catch((e: unknown) => e);
+    await working.opened;
+    shutdown.abort();
+    expect(isHandBack(await run)).toBe(true);
+  }, 20_000);
 });

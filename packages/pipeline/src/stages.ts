@@ -614,6 +614,9 @@ async function destroyLosingSeed(deps: PipelineDeps, rec: StageRecord, handle: S
     deps.logger.warn({ rolloutId: rec.meta.id }, "could not destroy a losing seed's sandbox");
 }
 
+/** How long a run that ends without a receipt waits for Redis to keep what its agent spent. */
+const KEEP_SPEND_TIMEOUT_MS = 5_000;
+
 export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const seedReceipt = rec.receipts.seed;
   // DESIGN §2 rule 10: launch and stop race on one atomic claim (made by this stage's begin).
@@ -826,14 +829,18 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     await finishAccess().catch(() => undefined);
     const spent = withRerunGap(countSpent());
     if (spent === null) return;
-    await deps.store
-      .saveStoppedRunUsage(id, spent, { token, launches })
-      .catch((err: unknown) =>
-        deps.logger.warn(
-          { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
-          "could not record a stopped run's model usage; its result says none",
-        ),
-      );
+    // Bounded: a Redis that does not answer (a shutdown's handback while it is away) must not
+    // hold the stage past what it would have taken without this.
+    await withTimeout(
+      deps.store.saveStoppedRunUsage(id, spent, { token, launches }),
+      KEEP_SPEND_TIMEOUT_MS,
+      `Redis did not answer within ${KEEP_SPEND_TIMEOUT_MS} ms`,
+    ).catch((err: unknown) =>
+      deps.logger.warn(
+        { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+        "could not record a stopped run's model usage; its result says none",
+      ),
+    );
   };
   /** A stop ended this launch (a cancel's or the deadline's close reports the rollout). */
   const closeWithSpend = async (): Promise<"close"> => {
