@@ -183,7 +183,12 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
   });
 
-  it("the run's agent had spent model tokens when its worker shut down and handed the run back, and a cancel came before the next delivery: the result says what", async () => {
+  /**
+   * A run whose harness has spent `spent` and runs until told to stop (as the tool loop ends:
+   * its error carries what it spent), handed back at its worker's shutdown, `deps` over the
+   * fleet's for that run. Returns the rollout's id once the run stage has handed back.
+   */
+  async function handedBackAtShutdown(deps: (d: PipelineDeps) => PipelineDeps = (d) => d): Promise<string> {
     const working = latch();
     const id = await start({
       createHarness: (agent) => ({
@@ -197,12 +202,17 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     });
     expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
     const shutdown = new AbortController();
-    const run = runStageJob("run", job(id), fleet!.deps, { signal: shutdown.signal }).catch(
+    const run = runStageJob("run", job(id), deps(fleet!.deps), { signal: shutdown.signal }).catch(
       (e: unknown) => e,
     );
     await working.opened;
     shutdown.abort();
     expect(isHandBack(await run)).toBe(true);
+    return id;
+  }
+
+  it("the run's agent had spent model tokens when its worker shut down and handed the run back, and a cancel came before the next delivery: the result says what", async () => {
+    const id = await handedBackAtShutdown();
     await cancelAndClose(id);
     // The next delivery finds the rollout closed: it launches nothing.
     expect(await runStageJob("run", job(id), fleet!.deps)).toBe("replayed");
@@ -210,38 +220,17 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
   });
 
   it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {
-    const working = latch();
-    const id = await start({
-      createHarness: (agent) => ({
-        name: agent.harness,
-        run: async (ctx) => {
-          working.open();
-          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-          throw withUsage(FleetError.retryable("agent_error", "stopped for the shutdown"), spent);
+    // Only this write goes unanswered (as to a Redis gone away); the rest of the stage is as ever.
+    const hanging = (d: PipelineDeps): PipelineDeps => ({
+      ...d,
+      store: new Proxy(d.store, {
+        get: (target, prop, receiver) => {
+          if (prop === "saveStoppedRunUsage") return () => new Promise(() => undefined);
+          const v = Reflect.get(target, prop, receiver);
+          return typeof v === "function" ? v.bind(target) : v;
         },
       }),
     });
-    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
-    const store = fleet!.deps.store;
-    // Only this write goes unanswered (as to a Redis gone away); the rest of the stage is as ever.
-    const hanging = new Proxy(store, {
-      get: (target, prop, receiver) =>
-        prop === "saveStoppedRunUsage"
-          ? () => new Promise(() => undefined)
-          : (() => {
-              const v = Reflect.get(target, prop, receiver);
-              return typeof v === "function" ? v.bind(target) : v;
-            })(),
-    });
-    const shutdown = new AbortController();
-    const run = runStageJob(
-      "run",
-      job(id),
-      { ...fleet!.deps, store: hanging },
-      { signal: shutdown.signal },
-    ).catch((e: unknown) => e);
-    await working.opened;
-    shutdown.abort();
-    expect(isHandBack(await run)).toBe(true);
+    await handedBackAtShutdown(hanging);
   }, 20_000);
 });
