@@ -219,6 +219,42 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
   });
 
+  it("a launch handed back at shutdown, then run again and failed (a retry due), then a cancel: the result's usage is not the handed-back launch's", async () => {
+    const working = latch();
+    let launch = 0;
+    const later = { ...spent, calls: 9 };
+    const id = await start({
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async (ctx) => {
+          launch += 1;
+          if (launch > 1)
+            throw withUsage(FleetError.retryable("agent_error", "the second launch failed"), later);
+          working.open();
+          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+          throw withUsage(FleetError.retryable("agent_error", "stopped for the shutdown"), spent);
+        },
+      }),
+    });
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    const shutdown = new AbortController();
+    const run = runStageJob("run", job(id), fleet!.deps, { signal: shutdown.signal }).catch(
+      (e: unknown) => e,
+    );
+    await working.opened;
+    shutdown.abort();
+    expect(isHandBack(await run)).toBe(true);
+    // The next delivery launches again; its agent spends, and fails (a retry due).
+    await runStageJob("run", job(id), fleet!.deps).catch(() => undefined);
+    expect(launch).toBe(2);
+    await cancelAndClose(id);
+    const result = await fleet!.deps.store.getResult(id);
+    expect(result!.failures.some((f) => f.usage?.calls === 9)).toBe(true);
+    // Not the first launch's spend said as the rollout's (no gap for the launch after it): the
+    // next launch's, which no receipt carries (its spend is in its failure's usage).
+    expect(result!.usage).toBeNull();
+  });
+
   it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {
     // Only this write goes unanswered (as to a Redis gone away); the rest of the stage is as ever.
     const hanging = (d: PipelineDeps): PipelineDeps => ({

@@ -583,11 +583,14 @@ const SCRIPTS = {
       end
       -- What a run stopped by this close spent, stored before this finalize (fleetStoppedRunUsage:
       -- a stopped run stores no receipt): the result says it, as one finalized already is edited to.
-      -- Not when a later launch stored a run receipt (one handed back at a shutdown kept its spend,
-      -- then ran again): the result's usage is that receipt's, null when it measured none.
+      -- Only a usage kept by the rollout's last launch ('u:run:launch' at 'launches'; none: kept
+      -- by an earlier release, which kept only a stop's) and no run receipt: one handed back at a
+      -- shutdown kept its spend, then its rollout ran again (a receipt, a failure, a stop whose
+      -- write failed, a worker that died): the result's usage is the later launch's, null when
+      -- it measured none.
       if string.find(ARGV[1], '"usage":null', 1, true) then
-        local spent = redis.call('HGET', KEYS[1], 'u:run')
-        if spent and redis.call('HEXISTS', KEYS[1], 'r:run') == 0 then ARGV[1] = spliceUsage(ARGV[1], spent) end
+        local u = redis.call('HMGET', KEYS[1], 'u:run', 'u:run:launch', 'launches', 'r:run')
+        if u[1] and not u[4] and (not u[2] or u[2] == u[3]) then ARGV[1] = spliceUsage(ARGV[1], u[1]) end
       end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
@@ -787,7 +790,7 @@ const SCRIPTS = {
       local f = redis.call('HMGET', KEYS[1], 'status', 'r:run', 'result', 'lseen:' .. ARGV[2], 'launches')
       if not f[1] or f[2] then return 0 end
       if not f[4] or f[5] ~= ARGV[3] then return 0 end
-      redis.call('HSET', KEYS[1], 'u:run', ARGV[1])
+      redis.call('HSET', KEYS[1], 'u:run', ARGV[1], 'u:run:launch', ARGV[3])
       if not f[3] then return 1 end
       local edited = spliceUsage(f[3], ARGV[1])
       if edited == f[3] then return 3 end
