@@ -188,12 +188,20 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
    * its error carries what it spent), handed back at its worker's shutdown, `deps` over the
    * fleet's for that run. Returns the rollout's id once the run stage has handed back.
    */
-  async function handedBackAtShutdown(deps: (d: PipelineDeps) => PipelineDeps = (d) => d): Promise<string> {
+  async function handedBackAtShutdown(
+    deps: (d: PipelineDeps) => PipelineDeps = (d) => d,
+    /** What the harness does when launched again. */
+    again: () => Promise<never> | never = () => {
+      throw new Error("launched again");
+    },
+  ): Promise<string> {
     const working = latch();
+    let launches = 0;
     const id = await start({
       createHarness: (agent) => ({
         name: agent.harness,
         run: async (ctx) => {
+          if (++launches > 1) return again();
           working.open();
           await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
           throw withUsage(FleetError.retryable("agent_error", "stopped for the shutdown"), spent);
@@ -220,33 +228,12 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
   });
 
   it("a launch handed back at shutdown, then run again and failed (a retry due), then a cancel: the result's usage is not the handed-back launch's", async () => {
-    const working = latch();
-    let launch = 0;
     const later = { ...spent, calls: 9 };
-    const id = await start({
-      createHarness: (agent) => ({
-        name: agent.harness,
-        run: async (ctx) => {
-          launch += 1;
-          if (launch > 1)
-            throw withUsage(FleetError.retryable("agent_error", "the second launch failed"), later);
-          working.open();
-          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-          throw withUsage(FleetError.retryable("agent_error", "stopped for the shutdown"), spent);
-        },
-      }),
+    const id = await handedBackAtShutdown(undefined, () => {
+      throw withUsage(FleetError.retryable("agent_error", "the second launch failed"), later);
     });
-    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
-    const shutdown = new AbortController();
-    const run = runStageJob("run", job(id), fleet!.deps, { signal: shutdown.signal }).catch(
-      (e: unknown) => e,
-    );
-    await working.opened;
-    shutdown.abort();
-    expect(isHandBack(await run)).toBe(true);
     // The next delivery launches again; its agent spends, and fails (a retry due).
-    await runStageJob("run", job(id), fleet!.deps).catch(() => undefined);
-    expect(launch).toBe(2);
+    await expect(runStageJob("run", job(id), fleet!.deps)).rejects.toThrow(/the second launch failed/);
     await cancelAndClose(id);
     const result = await fleet!.deps.store.getResult(id);
     expect(result!.failures.some((f) => f.usage?.calls === 9)).toBe(true);
