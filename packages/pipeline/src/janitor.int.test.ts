@@ -67,6 +67,36 @@ function listedWithRolloutLabels(memory: InMemorySandboxProvider): InMemorySandb
 
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
 
+/**
+ * An in-memory fleet whose janitor meets a poisoned sandbox: `poison`'s destroy never settles (a
+ * daemon call that hangs the janitor until its supervisor kills it, or crashes it), so each pass
+ * that tries it is abandoned in it; `behind`'s is as ever. Both are of rollouts the fleet does not
+ * know, made at `at`, `poison` first. `labelled`: listed with their rollout's labels, as Docker's
+ * are (`listedWithRolloutLabels`), for the orphan sweep.
+ */
+async function poisonedFleet(tag: string, labelled: boolean) {
+  const memory = new InMemorySandboxProvider();
+  const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+  const hung = latch();
+  const destroys = { poison: 0 };
+  const listed = labelled ? listedWithRolloutLabels(memory) : memory;
+  const at = Date.now();
+  const make = (rolloutId: string) =>
+    memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
+  const poison = await make(`${tag}poison${RUN}`);
+  const behind = await make(`${tag}behind${RUN}`);
+  const provider = Object.assign(Object.create(listed) as typeof listed, {
+    destroy: async (h: SandboxHandle) => {
+      if (h.id !== poison.id) return memory.destroy(h);
+      destroys.poison++;
+      await hung.opened;
+      throw new Error("the janitor was killed in this destroy");
+    },
+  });
+  const deps = { ...own.deps, provider, now: () => at };
+  return { memory, own, hung, destroys, listed, at, poison, behind, deps, ledger: own.deps.ledger };
+}
+
 describe("janitor", () => {
   let fleet: InProcessFleet;
   beforeAll(async () => {
@@ -205,27 +235,7 @@ describe("janitor", () => {
   });
 
   it("a ledger entry whose destroy never returns (the pass dies in it) is counted and put off before it is tried: the next pass destroys the entry behind it and tries it again only after its backoff, until confirmed", async () => {
-    const memory = new InMemorySandboxProvider();
-    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
-    // The poisoned sandbox's destroy never settles (a daemon call that hangs the janitor until its
-    // supervisor kills it, or crashes it): each pass that tries it is abandoned in it.
-    const hung = latch();
-    let poisonDestroys = 0;
-    const provider = Object.assign(Object.create(memory) as typeof memory, {
-      destroy: async (h: SandboxHandle) => {
-        if (h.id !== poison.id) return memory.destroy(h);
-        poisonDestroys++;
-        await hung.opened;
-        throw new Error("the janitor was killed in this destroy");
-      },
-    });
-    const at = Date.now();
-    const deps = { ...own.deps, provider, now: () => at };
-    const { ledger } = own.deps;
-    const make = (rolloutId: string) =>
-      memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
-    const poison = await make(`poison${RUN}`);
-    const behind = await make(`behind${RUN}`);
+    const { memory, own, hung, destroys, at, poison, behind, deps, ledger } = await poisonedFleet("", false);
     const entryOf = (h: SandboxHandle) => ({
       key: sandboxKey(h.rolloutId, "resources"),
       rolloutId: h.rolloutId,
@@ -242,14 +252,14 @@ describe("janitor", () => {
     const abandoned: Promise<unknown>[] = [];
     try {
       abandoned.push(janitorTick(deps, options));
-      await vi.waitFor(() => expect(poisonDestroys).toBe(1), { timeout: 10_000 });
+      await vi.waitFor(() => expect(destroys.poison).toBe(1), { timeout: 10_000 });
       // The pass is gone with it (never to record anything); a fresh one runs.
       abandoned.push(janitorTick(deps, options));
       await vi.waitFor(async () => {
         expect(await memory.alive(behind)).toBe(false);
         expect(await ledger.isPending(behind.rolloutId)).toBe(false);
       }, 10_000);
-      expect(poisonDestroys).toBe(1); // not tried first again, nor at all before its backoff
+      expect(destroys.poison).toBe(1); // not tried first again, nor at all before its backoff
       const [kept] = (await ledger.pending()).filter((e) => e.key === entryOf(poison).key);
       // Never lost: on the ledger, its attempt counted, due after its backoff.
       expect(kept).toMatchObject({ attempts: 1, lastError: expect.stringMatching(/no outcome recorded/) });
@@ -271,35 +281,16 @@ describe("janitor", () => {
   });
 
   it("an orphan whose destroy never returns (the pass dies in it) is put on the ledger, taken, before it is tried: the next pass removes the orphan behind it and runs its later steps, and the ledger step tries it again after its backoff, until confirmed", async () => {
-    const memory = new InMemorySandboxProvider();
-    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
-    // The poisoned orphan's destroy never settles (a daemon call that hangs the janitor until its
-    // supervisor kills it, or crashes it): each pass that tries it is abandoned in it.
-    const hung = latch();
-    let poisonDestroys = 0;
-    // In creation order: the poisoned orphan first.
-    const labelled = listedWithRolloutLabels(memory);
-    const provider = Object.assign(Object.create(labelled) as typeof labelled, {
-      destroy: async (h: SandboxHandle) => {
-        if (h.id !== poison.id) return memory.destroy(h);
-        poisonDestroys++;
-        await hung.opened;
-        throw new Error("the janitor was killed in this destroy");
-      },
-    });
-    const at = Date.now();
-    const deps = { ...own.deps, provider, now: () => at };
-    const { ledger } = own.deps;
-    // Of rollouts this fleet does not know, made long before the grace period: orphans.
-    const make = (rolloutId: string) =>
-      memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
-    const poison = await make(`poison${RUN}`);
-    const behind = await make(`behind${RUN}`);
+    // Orphans (of rollouts this fleet does not know), listed in creation order: the poisoned first.
+    const { memory, own, hung, destroys, listed, at, poison, behind, deps, ledger } = await poisonedFleet(
+      "orphan",
+      true,
+    );
     const options = { orphanGraceMs: 60_000 };
     const abandoned: Promise<unknown>[] = [];
     try {
       abandoned.push(janitorTick(deps, options));
-      await vi.waitFor(() => expect(poisonDestroys).toBe(1), { timeout: 10_000 });
+      await vi.waitFor(() => expect(destroys.poison).toBe(1), { timeout: 10_000 });
       // The pass is gone with it (never to record anything); a fresh one runs.
       const fresh = janitorTick(deps, options);
       abandoned.push(fresh);
@@ -307,7 +298,7 @@ describe("janitor", () => {
       // It ran to its end (the steps after the orphan sweep too), and left no entry of the one it removed.
       expect(await fresh).toMatchObject({ orphansRemoved: 1, retried: 0, errors: [] });
       expect(await ledger.isPending(behind.rolloutId)).toBe(false);
-      expect(poisonDestroys).toBe(1); // not tried first again, nor at all before its backoff
+      expect(destroys.poison).toBe(1); // not tried first again, nor at all before its backoff
       const [kept] = (await ledger.pending()).filter(
         (e) => e.key === sandboxKey(poison.rolloutId, "resources"),
       );
@@ -319,7 +310,7 @@ describe("janitor", () => {
       });
       expect(kept!.dueAt).toBeGreaterThan(at);
       // Once due, tried again by the ledger step; a destroy that returns this time confirms it.
-      const report = await janitorTick({ ...deps, provider: labelled, now: () => kept!.dueAt }, options);
+      const report = await janitorTick({ ...deps, provider: listed, now: () => kept!.dueAt }, options);
       expect(report).toMatchObject({ retried: 1, confirmed: 1, orphansRemoved: 0 });
       expect(await memory.alive(poison)).toBe(false);
       expect(await ledger.isPending(poison.rolloutId)).toBe(false);
@@ -335,26 +326,10 @@ describe("janitor", () => {
   });
 
   it("an orphan whose ledger key holds a torn entry (not JSON) is still taken before its destroy: a pass that dies in it leaves the next pass to the orphans behind it", async () => {
-    const memory = new InMemorySandboxProvider();
-    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
-    const hung = latch();
-    let poisonDestroys = 0;
-    const labelled = listedWithRolloutLabels(memory);
-    const provider = Object.assign(Object.create(labelled) as typeof labelled, {
-      destroy: async (h: SandboxHandle) => {
-        if (h.id !== poison.id) return memory.destroy(h);
-        poisonDestroys++;
-        await hung.opened;
-        throw new Error("the janitor was killed in this destroy");
-      },
-    });
-    const at = Date.now();
-    const deps = { ...own.deps, provider, now: () => at };
-    const { ledger } = own.deps;
-    const make = (rolloutId: string) =>
-      memory.create({ image: "img", rolloutId, owner: "resources", expiresAt: at + 3_600_000 });
-    const poison = await make(`tornpoison${RUN}`);
-    const behind = await make(`tornbehind${RUN}`);
+    const { memory, own, hung, destroys, at, poison, behind, deps, ledger } = await poisonedFleet(
+      "torn",
+      true,
+    );
     // Torn under the poisoned orphan's key (a write cut off, a hand edit): no release reads it.
     const tornKey = sandboxKey(poison.rolloutId, "resources");
     await own.redis.hset(ledger.keys.teardownEntries(), tornKey, "{torn");
@@ -363,12 +338,12 @@ describe("janitor", () => {
     const abandoned: Promise<unknown>[] = [];
     try {
       abandoned.push(janitorTick(deps, options));
-      await vi.waitFor(() => expect(poisonDestroys).toBe(1), { timeout: 10_000 });
+      await vi.waitFor(() => expect(destroys.poison).toBe(1), { timeout: 10_000 });
       const fresh = janitorTick(deps, options);
       abandoned.push(fresh);
       await vi.waitFor(async () => expect(await memory.alive(behind)).toBe(false), 5_000);
       expect(await fresh).toMatchObject({ orphansRemoved: 1 });
-      expect(poisonDestroys).toBe(1);
+      expect(destroys.poison).toBe(1);
       expect((await ledger.pending()).find((e) => e.key === tornKey)).toMatchObject({
         handle: poison,
         attempts: 1,
