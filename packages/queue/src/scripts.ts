@@ -583,14 +583,13 @@ const SCRIPTS = {
       end
       -- What a run stopped by this close spent, stored before this finalize (fleetStoppedRunUsage:
       -- a stopped run stores no receipt): the result says it, as one finalized already is edited to.
-      -- Only a usage kept by the rollout's last launch ('u:run:launch' at 'launches'; none: kept
-      -- by an earlier release, which kept only a stop's) and no run receipt: one handed back at a
-      -- shutdown kept its spend, then its rollout ran again (a receipt, a failure, a stop whose
-      -- write failed, a worker that died): the result's usage is the later launch's, null when
-      -- it measured none.
+      -- Only a usage kept by the rollout's last launch ('u:run:launch' at 'launches', both always
+      -- written with it) and no run receipt: one handed back at a shutdown kept its spend, then its
+      -- rollout ran again (a receipt, a failure, a stop whose write failed, a worker that died):
+      -- the result's usage is the later launch's, null when it measured none.
       if string.find(ARGV[1], '"usage":null', 1, true) then
         local u = redis.call('HMGET', KEYS[1], 'u:run', 'u:run:launch', 'launches', 'r:run')
-        if u[1] and not u[4] and (not u[2] or u[2] == u[3]) then ARGV[1] = spliceUsage(ARGV[1], u[1]) end
+        if u[1] and not u[4] and u[2] == u[3] then ARGV[1] = spliceUsage(ARGV[1], u[1]) end
       end
       redis.call('HSET', KEYS[1], 'status', ARGV[2], 'stage', 'close', 'result', ARGV[1], 't:finished', ARGV[3], 'closed', '1', 'finalizer', ARGV[12])
       if ARGV[6] ~= '' then redis.call('HSET', KEYS[1], 'r:close', ARGV[6], 't:close:end', ARGV[3]) end
