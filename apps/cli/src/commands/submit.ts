@@ -320,13 +320,7 @@ class HeldProgress {
     // that keeps failing, as it does without a wait.
     const polled = await Promise.allSettled(open.map((id) => client.getBatch(id)));
     for (const [i, p] of polled.entries()) if (p.status === "fulfilled") this.latest.set(open[i]!, p.value);
-    const counts = { done: 0, total: this.total, masked: 0, failed: 0 };
-    for (const s of this.latest.values()) {
-      counts.done += s.done;
-      counts.masked += s.counts.masked ?? 0;
-      counts.failed += s.counts.failed ?? 0;
-    }
-    reporter.update(counts);
+    reporter.update({ ...sumProgress([...this.latest.values()]), total: this.total });
   }
 }
 
@@ -647,6 +641,23 @@ function parseMetadata(text: string | undefined): Record<string, unknown> | unde
   return value as Record<string, unknown>;
 }
 
+/** The batches' progress summed: done, total, masked and failed rollouts. */
+function sumProgress(statuses: readonly BatchStatus[]): {
+  done: number;
+  total: number;
+  masked: number;
+  failed: number;
+} {
+  const counts = { done: 0, total: 0, masked: 0, failed: 0 };
+  for (const s of statuses) {
+    counts.done += s.done;
+    counts.total += s.total;
+    counts.masked += s.counts.masked ?? 0;
+    counts.failed += s.counts.failed ?? 0;
+  }
+  return counts;
+}
+
 /** Poll the batches until all their rollouts are terminal (a finished one not again), drawing progress on stderr. */
 export async function waitForBatches(
   client: FleetClient,
@@ -665,13 +676,7 @@ export async function waitForBatches(
     for (;;) {
       const statuses = await Promise.all(batchIds.map((id) => finished.get(id) ?? client.getBatch(id)));
       for (const [i, s] of statuses.entries()) if (s.done >= s.total) finished.set(batchIds[i]!, s);
-      const counts = { done: 0, total: 0, masked: 0, failed: 0 };
-      for (const s of statuses) {
-        counts.done += s.done;
-        counts.total += s.total;
-        counts.masked += s.counts.masked ?? 0;
-        counts.failed += s.counts.failed ?? 0;
-      }
+      const counts = sumProgress(statuses);
       if (statuses.every((s) => s.done >= s.total)) {
         reporter.finish(counts);
         return statuses;
