@@ -227,7 +227,7 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
   });
 
-  it("a launch handed back at shutdown, then run again and failed (a retry due), then a cancel: the result's usage is not the handed-back launch's", async () => {
+  it("a launch handed back at shutdown, then run again and failed (a retry due), then a cancel: the result's usage is the last launch's, not the handed-back launch's", async () => {
     const later = { ...spent, calls: 9 };
     const id = await handedBackAtShutdown(undefined, () => {
       throw withUsage(FleetError.retryable("agent_error", "the second launch failed"), later);
@@ -237,9 +237,37 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     await cancelAndClose(id);
     const result = await fleet!.deps.store.getResult(id);
     expect(result!.failures.some((f) => f.usage?.calls === 9)).toBe(true);
-    // Not the first launch's spend said as the rollout's (no gap for the launch after it): the
-    // next launch's, which no receipt carries (its spend is in its failure's usage).
-    expect(result!.usage).toBeNull();
+    // The last launch's spend, saying the one before it is not counted; not the handed-back
+    // launch's said as the rollout's.
+    expect(result!.usage).toEqual({
+      ...later,
+      gaps: [
+        "1 earlier launch(es) of this rollout not counted here (see failures[].usage for what was recorded)",
+      ],
+    });
+  });
+
+  it("a launch that spent model tokens, then failed with a retry due, then a cancel before the next launch: the result says what it spent", async () => {
+    let launches = 0;
+    const id = await start({
+      createHarness: (agent) => ({
+        name: agent.harness,
+        run: async (ctx) => {
+          launches++;
+          await ctx.provider.exec(ctx.handle, ["agent"], { deadlineMs: ctx.deadlineMs });
+          throw withUsage(FleetError.retryable("agent_error", "the model call timed out"), spent);
+        },
+      }),
+    });
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    await expect(runStageJob("run", job(id), fleet!.deps)).rejects.toThrow(/the model call timed out/);
+    await cancelAndClose(id);
+    // The retry finds the rollout closed: it launches nothing.
+    expect(await runStageJob("run", { ...job(id), attemptsMade: 1 }, fleet!.deps)).toBe("replayed");
+    expect(launches).toBe(1);
+    const result = await fleet!.deps.store.getResult(id);
+    expect(result).toMatchObject({ status: "cancelled", usage: spent });
+    expect(result!.failures.map((f) => f.usage ?? null)).toEqual([spent, null]);
   });
 
   it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {

@@ -821,13 +821,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
         }
       : usage;
   /**
-   * What this launch's agent spent, kept for the rollout's result when no run receipt will carry
-   * it (see `saveStoppedRunUsage`). Not stored (Redis unreachable): said, and counted in the
-   * metrics as every spend is.
+   * What this launch's agent spent (`spent`), kept for the rollout's result when no run receipt
+   * will carry it (see `saveStoppedRunUsage`). Not stored (Redis unreachable): said, and counted
+   * in the metrics as every spend is.
    */
-  const keepSpend = async (): Promise<void> => {
-    await finishAccess().catch(() => undefined);
-    const spent = withRerunGap(countSpent());
+  const keepUsage = async (spent: Usage | null): Promise<void> => {
     if (spent === null) return;
     // Bounded: a Redis that does not answer (a shutdown's handback while it is away) must not
     // hold the stage past what it would have taken without this.
@@ -838,9 +836,14 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     ).catch((err: unknown) =>
       deps.logger.warn(
         { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
-        "could not record a stopped run's model usage; its result says none",
+        "could not keep the run's model usage for its result; the result may say none",
       ),
     );
+  };
+  /** What this launch's agent spent, kept as above (a stop or a shutdown ended it). */
+  const keepSpend = async (): Promise<void> => {
+    await finishAccess().catch(() => undefined);
+    await keepUsage(withRerunGap(countSpent()));
   };
   /** A stop ended this launch (a cancel's or the deadline's close reports the rollout). */
   const closeWithSpend = async (): Promise<"close"> => {
@@ -1097,7 +1100,16 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // still reports its cost); a harness's own error may carry its usage already.
     await finishAccess().catch(() => undefined);
     const spent = countSpent();
-    throw withUsage(err, withRerunGap(usageOf(err) ?? spent), true);
+    const usage = withRerunGap(usageOf(err) ?? spent);
+    // Kept for the result too, as a stopped run's is: a failure with a retry due goes to the
+    // failure log only, so a cancel or the deadline before the next launch (whose close reports
+    // the rollout) would say no usage where this launch, the last, spent. A next launch claims
+    // the run, and the kept usage is then not the last launch's (`fleetFinalize`); nor is one
+    // given back above, whose number the next launch takes (refused: `saveStoppedRunUsage`).
+    // Not for a handback: kept at a shutdown's, and one whose fence went unanswered may no
+    // longer be the rollout's.
+    if (!isHandBack(err)) await keepUsage(usage);
+    throw withUsage(err, usage, true);
   } finally {
     // Stopped or taken over mid-run (no receipt, no failure of its own): counted all the same.
     await finishAccess().catch(() => undefined);
