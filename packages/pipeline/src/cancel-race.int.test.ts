@@ -19,8 +19,15 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
   let fleet: InProcessFleet | undefined;
   afterEach(async () => fleet?.close());
 
-  async function start(deps: Partial<PipelineDeps>, killOnGone: "throws" | "alreadyGone" = "throws") {
-    const provider = new InMemorySandboxProvider();
+  let provider: InMemorySandboxProvider;
+
+  async function start(
+    deps: Partial<PipelineDeps>,
+    killOnGone: "throws" | "alreadyGone" = "throws",
+    /** "own" with a task its verifier grades by the answer (tests would not see an own sandbox). */
+    sandbox: "borrow" | "own" = "borrow",
+  ) {
+    provider = new InMemorySandboxProvider();
     if (killOnGone === "alreadyGone") {
       // As the Docker provider answers a kill in a container that is gone.
       const kill = provider.killProcesses.bind(provider);
@@ -36,8 +43,8 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
       deps: { stopPollMs: 600_000, ...deps },
     });
     const suite = await loadSuite(EXAMPLE_SUITE_DIR);
-    const task = suite.find((t) => t.id === "hello-file")!;
-    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+    const task = suite.find((t) => t.id === (sandbox === "own" ? "sum-answer" : "hello-file"))!;
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle", sandbox } }])) as [string];
     return id;
   }
 
@@ -268,6 +275,45 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     const result = await fleet!.deps.store.getResult(id);
     expect(result).toMatchObject({ status: "cancelled", usage: spent });
     expect(result!.failures.map((f) => f.usage ?? null)).toEqual([spent, null]);
+  });
+
+  it("a run in its own sandbox stopped by a cancel destroys that sandbox itself: the result's teardown is confirmed without the janitor", async () => {
+    const working = latch();
+    const id = await start(
+      {
+        stopPollMs: 20,
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async (ctx) => {
+            working.open();
+            await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+            throw FleetError.nonRetryable("cancelled", "stopped");
+          },
+        }),
+      },
+      "throws",
+      "own",
+    );
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    const run = runStageJob("run", job(id), fleet!.deps);
+    await working.opened;
+    const owners = () =>
+      [...provider.sandboxes.values()]
+        .filter((s) => s.alive)
+        .map((s) => s.handle.owner)
+        .sort();
+    expect(owners()).toEqual(["agent", "resources"]);
+    // The close destroys the task's sandbox and hands the agent's to the janitor (not its own).
+    // The run's stop poll sees the stop (before the close finalizes or after); it stops its
+    // agent and destroys its own sandbox.
+    await cancelAndClose(id);
+    expect(await run).toBe("ok");
+    expect(owners()).toEqual([]);
+    expect(await fleet!.deps.store.getResult(id)).toMatchObject({
+      status: "cancelled",
+      teardown: "confirmed",
+    });
+    expect(await fleet!.deps.ledger.size()).toBe(0);
   });
 
   it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {

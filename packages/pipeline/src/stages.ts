@@ -676,6 +676,24 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
 
   let handle = seedReceipt.handle;
   let owned: SandboxEntry | null = null;
+  let ownReleased = false;
+  /**
+   * A stop ended the run: its own sandbox is this launch's to destroy (rule 11), its agent
+   * stopped. Close only hands an agent's sandbox to the janitor (the ledger), so it would stay up
+   * and the result say teardown "pending" until the janitor's next pass; destroyed here, the
+   * confirm forgets the ledger entry and marks the finalized result's teardown confirmed. A failed
+   * destroy goes to the ledger, as close's hand-over did.
+   */
+  const releaseOwnAtStop = async (): Promise<void> => {
+    if (!owned?.handle || ownReleased) return;
+    ownReleased = true;
+    await destroyOrLedger(deps, owned).catch((err: unknown) =>
+      deps.logger.warn(
+        { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
+        "could not destroy the run's own sandbox at its stop; the janitor removes it",
+      ),
+    );
+  };
   let task: TaskContent;
   /** Why a run starting now cannot be graded whatever its agent does (`runBudgetShortfall`), or null. */
   const shortfallNow = () =>
@@ -766,6 +784,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   }
   // Launching now, after a takeover, would run a second agent beside the new launch.
   const notOursAtLaunch = await unlessOurs();
+  if (notOursAtLaunch === "close") await releaseOwnAtStop();
   if (notOursAtLaunch !== undefined) return notOursAtLaunch;
   // Again at launch: making, probing and staging an own sandbox, or resetting for a rerun, took
   // time the check before them did not count.
@@ -848,6 +867,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   /** A stop ended this launch (a cancel's or the deadline's close reports the rollout). */
   const closeWithSpend = async (): Promise<"close"> => {
     await keepSpend();
+    await releaseOwnAtStop();
     return "close";
   };
   /**
@@ -1136,6 +1156,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   let ownedSandbox: RunReceipt["ownedSandbox"] = null;
   if (owned?.handle) {
     // DESIGN §2 rule 11: the owner destroys its own sandbox; a failure goes to the ledger.
+    ownReleased = true;
     const released = await destroyOrLedger(deps, owned);
     ownedSandbox = {
       handle: owned.handle,
