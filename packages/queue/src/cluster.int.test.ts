@@ -15,7 +15,7 @@ import {
   RedisDurabilityError,
 } from "./connection.ts";
 import { createKeys } from "./keys.ts";
-import { waitForRedis } from "./redis-wait.ts";
+import { RedisCredentialsError, waitForRedis } from "./redis-wait.ts";
 import { RolloutStore } from "./rollout-store.ts";
 import { type LoopbackRedisCluster, startLoopbackRedisCluster } from "./testing/redis-cluster.ts";
 
@@ -93,6 +93,38 @@ describe("the fleet on a 3-master Redis Cluster (loopback)", () => {
       expect(warnings).toEqual([]);
     } finally {
       fresh.disconnect();
+    }
+  });
+
+  it("an app's start on a Cluster that refuses REDIS_URL's credentials: a credentials error naming the refusal, not a wait for an outage", async () => {
+    // Redis answers AUTH for a user it does not know with WRONGPASS; the Cluster client wraps it
+    // in "Failed to refresh slots cache." on every try.
+    const refused = connectRedis(cluster.url.replace("redis-cluster://", "redis-cluster://nobody:wrong@"));
+    const warnings: string[] = [];
+    let waited: () => void = () => undefined;
+    const keptWaiting = new Promise<"kept waiting">((resolve) => {
+      waited = () => resolve("kept waiting");
+    });
+    try {
+      const outcome = await Promise.race([
+        waitForRedis(refused, {
+          logger: {
+            warn: (o, msg) => {
+              warnings.push(`${msg} ${JSON.stringify(o)}`);
+              if (warnings.length >= 3) waited();
+            },
+            error: () => undefined,
+            info: () => undefined,
+          },
+          firstDelayMs: 100,
+          maxDelayMs: 100,
+        }).catch((e: unknown) => e),
+        keptWaiting,
+      ]);
+      expect(outcome).toBeInstanceOf(RedisCredentialsError);
+      expect((outcome as Error).message).toMatch(/^Redis refuses REDIS_URL's credentials .*WRONGPASS/);
+    } finally {
+      refused.disconnect();
     }
   });
 

@@ -6,6 +6,7 @@ import { createSecureContext, type SecureContextOptions } from "node:tls";
 import { describe, expect, it } from "vitest";
 import { createRedis } from "./connection.ts";
 import {
+  connectionCause,
   connectionErrorFields,
   createAppLogging,
   readRedisTls,
@@ -161,6 +162,27 @@ describe("the Redis TLS files (FLEET_REDIS_TLS_*)", () => {
       expect(tlsFailureHint(err)).toBeNull();
     }
     expect(connectionErrorFields(withCode("ECONNREFUSED"))).toEqual({ err: "ECONNREFUSED" });
+  });
+
+  it("connectionErrorFields: a Cluster's wrapped error says its last node's error, and that error's TLS hint", () => {
+    // ioredis's ClusterAllFailedError: "Failed to refresh slots cache.", the node's in `lastNodeError`.
+    const wrapped = (lastNodeError: Error) =>
+      Object.assign(new Error("Failed to refresh slots cache."), {
+        name: "ClusterAllFailedError",
+        lastNodeError,
+      });
+    const tls = Object.assign(new Error("self-signed certificate in certificate chain"), {
+      code: "SELF_SIGNED_CERT_IN_CHAIN",
+    });
+    expect(connectionErrorFields(wrapped(tls))).toEqual({
+      err: "Failed to refresh slots cache. (its last node's error: self-signed certificate in certificate chain)",
+      hint: tlsFailureHint(tls),
+    });
+    expect(connectionErrorFields(wrapped(new Error("WRONGPASS invalid username-password pair")))).toEqual({
+      err: "Failed to refresh slots cache. (its last node's error: WRONGPASS invalid username-password pair)",
+    });
+    expect(connectionCause(wrapped(tls))).toBe(tls);
+    expect(connectionCause(tls)).toBe(tls);
   });
 
   it("a traditional encrypted key under many wrong passphrases is always said to be the passphrase's fault: one in 256 passes CBC's padding check and fails as a key that does not decode (a CI run saw it)", () => {

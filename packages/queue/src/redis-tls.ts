@@ -211,10 +211,22 @@ export function tlsFailureHint(err: unknown): string | null {
   return "the TLS handshake with Redis failed: check that FLEET_REDIS_TLS_CA_FILE holds the CA that signed Redis's certificate, that the certificate names the host in REDIS_URL, and, for a Redis that asks clients for a certificate (tls-auth-clients yes, its default), FLEET_REDIS_TLS_CERT_FILE and FLEET_REDIS_TLS_KEY_FILE signed by a CA it trusts";
 }
 
-/** The fields a warning about `err` carries: its message, and a TLS failure's hint. */
+/**
+ * The error behind `err`: a Redis Cluster that could not be reached reports "Failed to refresh
+ * slots cache." (ioredis's `ClusterAllFailedError`), its last node's own error (a refused
+ * password, a failed TLS handshake, a refused connection) in `lastNodeError`. Else `err`.
+ */
+export function connectionCause(err: Error): Error {
+  const last = (err as { lastNodeError?: unknown }).lastNodeError;
+  return last instanceof Error ? last : err;
+}
+
+/** The fields a warning about `err` carries: its message (and its cluster node's), and a TLS failure's hint. */
 export function connectionErrorFields(err: Error): { err: string; hint?: string } {
-  const hint = tlsFailureHint(err);
-  return hint ? { err: err.message, hint } : { err: err.message };
+  const cause = connectionCause(err);
+  const message = cause === err ? err.message : `${err.message} (its last node's error: ${cause.message})`;
+  const hint = tlsFailureHint(cause);
+  return hint ? { err: message, hint } : { err: message };
 }
 
 /** What `watchRedisTls` logs with (a pino logger fits). */

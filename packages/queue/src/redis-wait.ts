@@ -6,7 +6,7 @@ import {
   type RedisConnection,
   RedisDurabilityError,
 } from "./connection.ts";
-import { connectionErrorFields } from "./redis-tls.ts";
+import { connectionCause, connectionErrorFields } from "./redis-tls.ts";
 
 /** What `waitForRedis` logs with (a pino logger fits). */
 export interface RedisWaitLogger extends DurabilityWatchLogger {
@@ -50,7 +50,9 @@ export async function waitForRedis(redis: RedisConnection, options: RedisWaitOpt
   let refused: Error | null = null;
   const noteError = (err: Error) => {
     lastError = connectionErrorFields(err);
-    if (isCredentialRefusal(err)) refused = err;
+    // A cluster wraps it (its slots could not be read): the node's refusal is the answer.
+    const cause = connectionCause(err);
+    if (isCredentialRefusal(cause)) refused = cause;
   };
   redis.on("error", noteError);
   let delayMs = options.firstDelayMs ?? 1_000;
