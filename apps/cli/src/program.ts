@@ -372,7 +372,7 @@ interrupted (143 by a SIGTERM; the batch keeps running).`,
     program
       .command("trajectory")
       .description("Show what a rollout's agent did: its output, answer, transcript (tool-loop) and usage")
-      .argument("<rolloutId>", "rollout id (in results, or printed by `fleet submit` for one rollout)")
+      .argument("<rolloutId>", "rollout id (the `id` of a result line: `fleet results`, `--out`)")
       .option("--json", "print the API's JSON"),
     ctx,
   ).action(async (rolloutId: string, opts: { json?: boolean } & ConnectionOptions) => {
