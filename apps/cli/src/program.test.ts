@@ -1,6 +1,7 @@
 import { execFileSync } from "node:child_process";
 import { existsSync } from "node:fs";
 import { link, lstat, mkdir, mkdtemp, readdir, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import type { ServerResponse } from "node:http";
 import { type AddressInfo, createServer as createNetServer, type Socket } from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -670,9 +671,14 @@ describe("fleet submit", () => {
    * A dispatcher whose backlog holds 7 rollouts: batches of at most that many, a larger one 413.
    * The first batch is admitted; later ones are answered 429 (full) until `room()` says there is
    * room. Batch `b-1` is 3 of 7 done (one masked) until every batch is in, then every batch is
-   * done; each rollout's result is completed with reward 1 but b-1's first, masked.
+   * done; each rollout's result is completed with reward 1 but b-1's first, masked. A status poll
+   * is answered once `beforeStatus` (given the poll's response) settles.
    */
-  function backlogHeldBack(room: () => boolean, retryAfterS = 0.01) {
+  function backlogHeldBack(
+    room: () => boolean,
+    retryAfterS = 0.01,
+    beforeStatus: (res: ServerResponse) => Promise<void> = async () => {},
+  ) {
     const maxBacklog = 7;
     const state = { admitted: 0, statusPolls: new Map<string, number>() };
     server.on("POST", "/v1/batches", (req, res) => {
@@ -689,8 +695,9 @@ describe("fleet submit", () => {
       const n = ++state.admitted;
       const batchId = `b-${n}`;
       const ids = rows.map((_, i) => `r${n}-${i}`);
-      server.on("GET", `/v1/batches/${batchId}`, (_r, out) => {
+      server.on("GET", `/v1/batches/${batchId}`, async (_r, out) => {
         state.statusPolls.set(batchId, (state.statusPolls.get(batchId) ?? 0) + 1);
+        await beforeStatus(out);
         const held = n === 1 && state.admitted < 3;
         const done = held ? 3 : rows.length;
         const masked = n === 1 ? 1 : 0;
@@ -774,8 +781,16 @@ describe("fleet submit", () => {
   });
 
   it("with --wait on a TTY, the notes while held back are written above the progress line, not over it", async () => {
+    // Room once two offers were refused, one of them with the line drawn: a poll that outlasts its
+    // wait (10 ms) is drawn by a later one.
     let refused = 0;
-    backlogHeldBack(() => ++refused > 2);
+    let refusedWhileDrawn = false;
+    backlogHeldBack(() => {
+      if (refused >= 2 && refusedWhileDrawn) return true;
+      refused++;
+      refusedWhileDrawn ||= / 3\/20 {3}15%/.test(stderr.text());
+      return false;
+    });
     const code = await runCli(
       ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
       ctx({ progress: { tty: true } }),
@@ -789,6 +804,69 @@ describe("fleet submit", () => {
     );
     expect(err).toMatch(/<CR><EL>submitted 20 rollouts \(2 tasks × 10\) in 3 batches to [^\n]*\n\[/);
     expect(err).toMatch(/20\/20 {2}100%[^\n]*<EL>\n$/);
+  });
+
+  it("with --wait, a status poll the dispatcher does not answer does not hold back the chunk's next offer", async () => {
+    // No status poll is answered until the backlog has room again (the second offer after b-1).
+    const offeredAt: number[] = [];
+    let release = () => {};
+    const released = new Promise<void>((resolve) => {
+      release = resolve;
+    });
+    backlogHeldBack(
+      () => {
+        offeredAt.push(performance.now());
+        if (offeredAt.length === 1) return false;
+        release();
+        return true;
+      },
+      0.01,
+      () => released,
+    );
+    const statusTimeoutMs = 20_000;
+    const code = await runCli(
+      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
+      ctx({ client: { retryBaseMs: 1, retryMaxMs: 20, retries: 1, statusTimeoutMs } }),
+    );
+    expect(code, stderr.text()).toBe(0);
+    expect(offeredAt).toHaveLength(3);
+    // Offered again after the 0.01 s wait, not once the wait's poll had given up (its status timeout).
+    expect(offeredAt[1]! - offeredAt[0]!).toBeLessThan(statusTimeoutMs / 2);
+    expect(stdout.text()).toContain("results: 20\n");
+  });
+
+  it("with --wait, a submission that fails while a status poll is unanswered leaves no poll behind", async () => {
+    let unanswered = 0;
+    backlogHeldBack(
+      () => false,
+      0.01,
+      async (res) => {
+        unanswered++;
+        res.once("close", () => unanswered--);
+        await new Promise(() => {}); // answered never: only the client ends it
+      },
+    );
+    const code = await runCli(
+      [
+        "submit",
+        "--suite",
+        "s",
+        "--agent",
+        "oracle",
+        "--repeat",
+        "10",
+        "--wait",
+        "--poll-interval",
+        "10",
+        "--backlog-wait",
+        "1",
+      ],
+      ctx({ client: { retryBaseMs: 1, retryMaxMs: 20, retries: 1, statusTimeoutMs: 20_000 } }),
+    );
+    expect(code).toBe(1);
+    expect(stderr.text()).toContain("submitted 7 of 20 rollouts in 1 batch before the error: b-1");
+    // Its poll is given up with the submission, not left to its 20 s timeout (a process kept alive).
+    await vi.waitFor(() => expect(unanswered).toBe(0), { timeout: 5000 });
   });
 
   it("with --wait, Ctrl-C while held back and showing progress names what went in, as before", async () => {

@@ -209,6 +209,7 @@ async function submitAndFollow(
     try {
       await submitChunk(poster, lines, 0, keyFor, posting, held, opts.backlogWait * 1000, onAccepted);
     } catch (err) {
+      held.stop();
       held.reporter?.interrupt();
       if (batchIds.length > 0) {
         // Counted in rollouts: a chunk split (backlog room, body limit) may be in part of them.
@@ -222,6 +223,8 @@ async function submitAndFollow(
       throw err;
     }
   }
+  // A poll that a wait for room started may still be under way: its counts drawn before following.
+  await held.settle();
   const shape =
     opts.rerun !== undefined
       ? `the masked of ${opts.rerun}, ${counted(taskCount, "task")}`
@@ -243,9 +246,11 @@ async function submitAndFollow(
 /**
  * What `submit` says on stderr, and how it waits for room in the fleet's full backlog. With
  * `--wait`, once a chunk has had to wait for room, each wait polls the batches admitted so far
- * (at most once a `--poll-interval`) and draws their progress against every rollout this submit
- * sends: a submission many times the backlog shows its rollouts finishing from the start, not
- * only once its last chunk is in. `followBatches` then carries on with the same reporter.
+ * (at most once a `--poll-interval`, one poll at a time) and draws their progress against every
+ * rollout this submit sends: a submission many times the backlog shows its rollouts finishing
+ * from the start, not only once its last chunk is in. A poll the dispatcher is slow to answer
+ * does not lengthen a wait: it goes on through the chunk's next offer, and what it finds is drawn
+ * by a later wait (or `settle`). `followBatches` then carries on with the same reporter.
  * Before the first wait, and without `--wait`, it says and waits as plain writes and sleeps.
  */
 class HeldProgress {
@@ -256,6 +261,12 @@ class HeldProgress {
   /** Each admitted batch's status last polled: a finished one is not asked again. */
   private readonly latest = new Map<string, BatchStatus>();
   private lastPollAt: number | null = null;
+  /** The poll under way, which may outlast the wait that started it; null between polls. */
+  private polling: Promise<void> | null = null;
+  /** A poll ended since the progress was last drawn. */
+  private polled = false;
+  /** Ends a poll still under way when the submission stops (`stop`). */
+  private readonly stopped = new AbortController();
 
   constructor(
     client: FleetClient,
@@ -267,10 +278,12 @@ class HeldProgress {
     private readonly ctx: CliContext,
     follow: boolean,
   ) {
-    // One attempt per poll, no retries: a poll retried, or riding out an outage, would hold up the
-    // chunk's next offer (whose POST rides out an outage itself, saying so). A poll that fails only
-    // leaves the progress as it was until the next one.
-    this.poller = follow ? client.with({ retries: 0 }) : null;
+    // One attempt per poll, no retries: a poll retried, or riding out an outage, would only show
+    // progress later (the chunk's next offer does not wait for it; its POST rides out an outage
+    // itself, saying so). A poll that fails only leaves the progress as it was until the next one.
+    this.poller = follow
+      ? client.with({ retries: 0, signal: AbortSignal.any([ctx.signal, this.stopped.signal]) })
+      : null;
   }
 
   /** Write `text` on stderr, redrawing a TTY progress line below it. */
@@ -286,8 +299,9 @@ class HeldProgress {
   }
 
   /**
-   * Wait `ms` for room in the backlog, drawing progress meanwhile with `--wait` (a poll that is
-   * slow, at most the client's status timeout, makes the wait as long). Rejects on Ctrl-C.
+   * Wait `ms` for room in the backlog, drawing progress meanwhile with `--wait`: a poll is started
+   * when one is due and none is under way, and drawn when it ends within this wait or a later one:
+   * a poll under way never makes the wait longer than `ms`. Rejects on Ctrl-C.
    */
   async waitForRoom(ms: number): Promise<void> {
     const signal = this.ctx.signal;
@@ -296,21 +310,59 @@ class HeldProgress {
       return;
     }
     this.reporter ??= new ProgressReporter(this.ctx.stderr, this.ctx.progress);
+    const reporter = this.reporter;
     const end = performance.now() + ms;
     for (;;) {
       signal.throwIfAborted();
-      if (this.lastPollAt === null || performance.now() - this.lastPollAt >= this.pollIntervalMs) {
+      this.draw(reporter);
+      if (
+        this.polling === null &&
+        (this.lastPollAt === null || performance.now() - this.lastPollAt >= this.pollIntervalMs)
+      ) {
         this.lastPollAt = performance.now();
-        await this.poll(this.poller, this.reporter);
+        this.polling = this.poll(this.poller).finally(() => {
+          this.polling = null;
+        });
       }
       const now = performance.now();
       if (now >= end) return;
-      const nextPoll = Math.max(0, this.lastPollAt + this.pollIntervalMs - now);
-      await sleep(Math.min(end - now, nextPoll), undefined, { signal });
+      // Until the wait's end, or sooner: the poll under way ends (to draw it), or the next is due.
+      const polling = this.polling;
+      if (polling === null) {
+        const nextPoll = Math.max(0, (this.lastPollAt ?? now) + this.pollIntervalMs - now);
+        await sleep(Math.min(end - now, nextPoll), undefined, { signal });
+        continue;
+      }
+      // A Ctrl-C ends the poll too (the poller's signal): the loop's check then throws.
+      let timer: NodeJS.Timeout | undefined;
+      const nap = new Promise<void>((resolve) => {
+        timer = setTimeout(resolve, end - now);
+      });
+      await Promise.race([polling, nap]).finally(() => clearTimeout(timer));
     }
   }
 
-  private async poll(client: FleetClient, reporter: ProgressReporter): Promise<void> {
+  /**
+   * Once every chunk is in: wait for the poll under way, if any (nothing is offered any more), and
+   * draw what it found before following carries on with the reporter.
+   */
+  async settle(): Promise<void> {
+    if (this.polling !== null) await this.polling;
+    if (this.reporter !== null) this.draw(this.reporter);
+  }
+
+  /** The submission ended early (an error, Ctrl-C): give up the poll under way, if any. */
+  stop(): void {
+    this.stopped.abort();
+  }
+
+  private draw(reporter: ProgressReporter): void {
+    if (!this.polled) return;
+    this.polled = false;
+    reporter.update({ ...sumProgress([...this.latest.values()]), total: this.total });
+  }
+
+  private async poll(client: FleetClient): Promise<void> {
     const open = this.batchIds.filter((id) => {
       const s = this.latest.get(id);
       return s === undefined || s.done < s.total;
@@ -320,7 +372,7 @@ class HeldProgress {
     // that keeps failing, as it does without a wait.
     const polled = await Promise.allSettled(open.map((id) => client.getBatch(id)));
     for (const [i, p] of polled.entries()) if (p.status === "fulfilled") this.latest.set(open[i]!, p.value);
-    reporter.update({ ...sumProgress([...this.latest.values()]), total: this.total });
+    this.polled = true;
   }
 }
 
