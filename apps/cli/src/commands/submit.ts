@@ -223,8 +223,8 @@ async function submitAndFollow(
       throw err;
     }
   }
-  // A poll that a wait for room started may still be under way: its counts drawn before following.
-  await held.settle();
+  // A poll that a wait for room started may still be under way: following polls afresh.
+  held.settle();
   const shape =
     opts.rerun !== undefined
       ? `the masked of ${opts.rerun}, ${counted(taskCount, "task")}`
@@ -250,7 +250,7 @@ async function submitAndFollow(
  * rollout this submit sends: a submission many times the backlog shows its rollouts finishing
  * from the start, not only once its last chunk is in. A poll the dispatcher is slow to answer
  * does not lengthen a wait: it goes on through the chunk's next offer, and what it finds is drawn
- * by a later wait (or `settle`). `followBatches` then carries on with the same reporter.
+ * by a later wait (or `settle`, which gives up one still under way). `followBatches` then carries on with the same reporter.
  * Before the first wait, and without `--wait`, it says and waits as plain writes and sleeps.
  */
 class HeldProgress {
@@ -343,11 +343,12 @@ class HeldProgress {
   }
 
   /**
-   * Once every chunk is in: wait for the poll under way, if any (nothing is offered any more), and
-   * draw what it found before following carries on with the reporter.
+   * Once every chunk is in: draw what the last poll found, and give up one still under way rather
+   * than wait for it (a dispatcher slow to answer would hold following back by up to the status
+   * timeout): following polls at once, with the same reporter.
    */
-  async settle(): Promise<void> {
-    if (this.polling !== null) await this.polling;
+  settle(): void {
+    this.stop();
     if (this.reporter !== null) this.draw(this.reporter);
   }
 
