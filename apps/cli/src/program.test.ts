@@ -1325,6 +1325,13 @@ describe("fleet submit", () => {
       2,
     );
     expect(stderr.text()).toContain("--wait-timeout needs --wait");
+    for (const [flag, value] of [
+      ["--poll-interval", "500"],
+      ["--outage-wait", "60"],
+    ]) {
+      expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", flag!, value!], ctx())).toBe(2);
+      expect(stderr.text()).toContain(`${flag} needs --wait`);
+    }
     expect(server.requests).toHaveLength(0);
   });
 

@@ -303,7 +303,19 @@ results than rollouts or batches not finished after --wait-timeout; 2 on bad usa
 interrupted (143 by a SIGTERM; the batch keeps running).`,
       ),
     ctx,
-  ).action(async (opts: Parameters<typeof submitCommand>[1] & ConnectionOptions) => {
+  ).action(async (opts: Parameters<typeof submitCommand>[1] & ConnectionOptions, cmd: Command) => {
+    // What only --wait uses, given without it: said, not ignored (a submit without --wait fails
+    // fast on an outage and polls nothing), as --out, --json and --wait-timeout are.
+    for (const [name, flag] of [
+      ["pollInterval", "--poll-interval"],
+      ["outageWait", "--outage-wait"],
+    ] as const) {
+      if (!opts.wait && cmd.getOptionValueSource(name) === "cli") {
+        throw new UsageError(
+          `${flag} needs --wait (without it, a submit polls nothing and fails fast on an outage)`,
+        );
+      }
+    }
     setInterruptedNote(interruptedNote("submit"));
     setExitCode(
       await submitCommand(clientFor(opts, ctx), opts, ctx, (ids) =>
