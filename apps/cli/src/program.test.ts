@@ -667,6 +667,20 @@ describe("fleet submit", () => {
     expect(admitted.length).toBeGreaterThanOrEqual(3);
   });
 
+  /** 20 rollouts (10 × 2 tasks), followed with --wait, polled every 10 ms: 3 batches of at most 7 under `backlogHeldBack`. */
+  const HELD_WAIT = [
+    "submit",
+    "--suite",
+    "s",
+    "--agent",
+    "oracle",
+    "--repeat",
+    "10",
+    "--wait",
+    "--poll-interval",
+    "10",
+  ];
+
   /**
    * A dispatcher whose backlog holds 7 rollouts: batches of at most that many, a larger one 413.
    * The first batch is admitted; later ones are answered 429 (full) until `room()` says there is
@@ -730,23 +744,7 @@ describe("fleet submit", () => {
     // The backlog has room again only once the first batch's finished rollouts were shown: a
     // submission that drew no progress while held back would wait for good (--backlog-wait).
     backlogHeldBack(() => /progress [1-9]\d*\/20 /.test(stderr.text()));
-    const code = await runCli(
-      [
-        "submit",
-        "--suite",
-        "s",
-        "--agent",
-        "oracle",
-        "--repeat",
-        "10",
-        "--wait",
-        "--poll-interval",
-        "10",
-        "--backlog-wait",
-        "5",
-      ],
-      ctx(),
-    );
+    const code = await runCli([...HELD_WAIT, "--backlog-wait", "5"], ctx());
     const err = stderr.text();
     expect(err).toMatch(/progress 3\/20 \(15\.0%\) .* masked 1 failed 0/);
     expect(code, err).toBe(0);
@@ -791,10 +789,7 @@ describe("fleet submit", () => {
       refusedWhileDrawn ||= / 3\/20 {3}15%/.test(stderr.text());
       return false;
     });
-    const code = await runCli(
-      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
-      ctx({ progress: { tty: true } }),
-    );
+    const code = await runCli(HELD_WAIT, ctx({ progress: { tty: true } }));
     expect(code, stderr.text()).toBe(0);
     // "\r" and the erase to the line's end ("\x1b[K") spelt out, to be matched as text.
     const err = stderr.text().replaceAll("\r", "<CR>").replaceAll("\x1b[K", "<EL>");
@@ -825,7 +820,7 @@ describe("fleet submit", () => {
     );
     const statusTimeoutMs = 20_000;
     const code = await runCli(
-      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
+      HELD_WAIT,
       ctx({ client: { retryBaseMs: 1, retryMaxMs: 20, retries: 1, statusTimeoutMs } }),
     );
     expect(code, stderr.text()).toBe(0);
@@ -847,20 +842,7 @@ describe("fleet submit", () => {
       },
     );
     const code = await runCli(
-      [
-        "submit",
-        "--suite",
-        "s",
-        "--agent",
-        "oracle",
-        "--repeat",
-        "10",
-        "--wait",
-        "--poll-interval",
-        "10",
-        "--backlog-wait",
-        "1",
-      ],
+      [...HELD_WAIT, "--backlog-wait", "1"],
       ctx({ client: { retryBaseMs: 1, retryMaxMs: 20, retries: 1, statusTimeoutMs: 20_000 } }),
     );
     expect(code).toBe(1);
@@ -873,10 +855,7 @@ describe("fleet submit", () => {
     // A long Retry-After: the Ctrl-C comes while the chunk waits for room, with nothing in flight.
     backlogHeldBack(() => false, 30);
     const interrupt = new AbortController();
-    const running = runCli(
-      ["submit", "--suite", "s", "--agent", "oracle", "--repeat", "10", "--wait", "--poll-interval", "10"],
-      ctx({ signal: interrupt.signal, progress: { tty: true } }),
-    );
+    const running = runCli(HELD_WAIT, ctx({ signal: interrupt.signal, progress: { tty: true } }));
     await vi.waitFor(() => expect(stderr.text()).toMatch(/ 3\/20 {3}15%/), { timeout: 10_000 });
     interrupt.abort();
     expect(await running).toBe(130);
