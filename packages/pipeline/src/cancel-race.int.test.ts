@@ -316,6 +316,48 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await fleet!.deps.ledger.size()).toBe(0);
   });
 
+  it("a run in its own sandbox whose cancel came while it made that sandbox (its lock old by then) destroys that sandbox itself", async () => {
+    let launched = false;
+    const id = await start(
+      {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => {
+            launched = true;
+            return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+          },
+        }),
+      },
+      "throws",
+      "own",
+    );
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    // The cancel lands while the provider makes the agent's sandbox (an image pull, say).
+    const create = provider.create.bind(provider);
+    provider.create = async (spec) => {
+      const handle = await create(spec);
+      if (spec.owner === "agent") await fleet!.deps.store.requestCancel(id);
+      return handle;
+    };
+    const owners = () =>
+      [...provider.sandboxes.values()]
+        .filter((s) => s.alive)
+        .map((s) => s.handle.owner)
+        .sort();
+    // Taken 20 s ago (its sandbox's create that long): past half its 30 s lock, the fence is read.
+    expect(await runStageJob("run", { ...job(id), processedOn: Date.now() - 20_000 }, fleet!.deps)).toBe(
+      "ok",
+    );
+    expect(launched).toBe(false);
+    await cancelAndClose(id);
+    expect(owners()).toEqual([]);
+    expect(await fleet!.deps.store.getResult(id)).toMatchObject({
+      status: "cancelled",
+      teardown: "confirmed",
+    });
+    expect(await fleet!.deps.ledger.size()).toBe(0);
+  });
+
   it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {
     // Only this write goes unanswered (as to a Redis gone away); the rest of the stage is as ever.
     const hanging = (d: PipelineDeps): PipelineDeps => ({

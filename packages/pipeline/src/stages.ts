@@ -687,6 +687,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const releaseOwnAtStop = async (): Promise<void> => {
     if (!owned?.handle || ownReleased) return;
     ownReleased = true;
+    // Only while no later launch claimed the run: a stop reads before a lost fence, and the
+    // later launch may have replaced this sandbox under its name, or adopted it (its own now).
+    const last = await deps.store.get(id).then(
+      (r) => r?.launches === launches,
+      () => false,
+    );
+    if (!last) return;
     await destroyOrLedger(deps, owned).catch((err: unknown) =>
       deps.logger.warn(
         { rolloutId: id, err: err instanceof Error ? err.message : String(err) },
@@ -732,6 +739,13 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // that launch's agent at work in it. Neither probed, staged nor destroyed by this attempt.
       if (mayBeTakenOver(rec)) {
         const notOurs = await unlessOurs();
+        // Stopped (a cancel while it made the sandbox, an image pull, say): the sandbox is this
+        // launch's, destroyed as at any stop, unless a later launch claimed the run meanwhile
+        // (`releaseOwnAtStop` looks: a stop reads before a lost fence).
+        if (notOurs === "close") {
+          owned = created.entry;
+          await releaseOwnAtStop();
+        }
         if (notOurs !== undefined) return notOurs;
       }
       handle = created.handle;
