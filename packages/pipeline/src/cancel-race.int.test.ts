@@ -1,8 +1,11 @@
 import { type CleanupReceipt, FleetError, type SandboxHandle, withUsage } from "@fleet/contracts";
+import { chatReply, type ScriptedUpstream, startScriptedUpstream } from "@fleet/gateway/testing";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
+import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { afterEach, describe, expect, it } from "vitest";
-import type { PipelineDeps } from "./deps.ts";
+import { createCredentialResolver } from "./credentials.ts";
+import type { GatewayNetworks, PipelineDeps } from "./deps.ts";
 import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
@@ -372,4 +375,103 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     });
     await handedBackAtShutdown(hanging);
   }, 20_000);
+});
+
+/**
+ * `fleet_model_tokens_total` counts every launch's spend, a stopped one's too: a command agent's
+ * spend is what the rollout's gateway counted, known once its access is finished.
+ */
+describe("a run stopped by a cancel whose agent spent through the model gateway", () => {
+  let fleet: InProcessFleet | undefined;
+  let upstream: ScriptedUpstream | undefined;
+  afterEach(async () => {
+    await fleet?.close();
+    await upstream?.close();
+  });
+
+  it("counts what the gateway counted in fleet_model_tokens_total, as the result says it", async () => {
+    upstream = await startScriptedUpstream([
+      chatReply({ content: "hi", usage: { prompt: 10, completion: 5 } }),
+    ]);
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "test", defaultMetrics: false }));
+    // A gateway network on loopback: only the in-memory sandboxes are made here.
+    const networks: GatewayNetworks = {
+      ensure: async (rolloutId) => ({
+        name: `net-${rolloutId}`,
+        id: rolloutId,
+        rolloutId,
+        bridge: "lo",
+        subnet: "127.0.0.0/8",
+        gatewayIp: "127.0.0.1",
+      }),
+      allowGateway: async () => undefined,
+      remove: async () => ({ alreadyGone: false }),
+      list: async () => [],
+    };
+    const working = latch();
+    fleet = await startInProcessFleet({
+      provider: new InMemorySandboxProvider(),
+      startWorkers: false,
+      deps: {
+        metrics,
+        networks,
+        stopPollMs: 20,
+        harnessDeps: {
+          resolveCredential: createCredentialResolver({
+            env: {
+              FLEET_CREDENTIAL_UPSTREAM: "sk-test",
+              FLEET_CREDENTIAL_UPSTREAM_BASE_URL: upstream.baseUrl,
+            },
+          }),
+        },
+        // The agent's command asks the model once, then works on until its stop kills it.
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async (ctx) => {
+            const res = await fetch(`${ctx.env!.OPENAI_BASE_URL}/chat/completions`, {
+              method: "POST",
+              headers: {
+                authorization: `Bearer ${ctx.env!.OPENAI_API_KEY}`,
+                "content-type": "application/json",
+              },
+              body: JSON.stringify({
+                model: ctx.env!.FLEET_MODEL,
+                messages: [{ role: "user", content: "hi" }],
+              }),
+            });
+            expect(res.status).toBe(200);
+            await res.text();
+            await ctx.provider.exec(ctx.handle, ["agent"], { deadlineMs: ctx.deadlineMs });
+            working.open();
+            await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+            throw new Error("killed");
+          },
+        }),
+      },
+    });
+    const suite = await loadSuite(EXAMPLE_SUITE_DIR);
+    const task = suite.find((t) => t.id === "sum-answer")!;
+    const [id] = (await fleet.submit([
+      {
+        task,
+        agent: {
+          harness: "command",
+          argv: ["agent"],
+          model: { name: "served-model", baseUrl: upstream.baseUrl, credential: "upstream" },
+        },
+      },
+    ])) as [string];
+    expect(await runStageJob("seed", job(id), fleet.deps)).toBe("ok");
+    const run = runStageJob("run", job(id), fleet.deps);
+    await working.opened;
+    await fleet.deps.store.requestCancel(id);
+    expect(await run).toBe("ok");
+    expect(await runStageJob("close", job(id), fleet.deps)).toBe("ok");
+    const result = await fleet.deps.store.getResult(id);
+    expect(result).toMatchObject({ status: "cancelled", usage: { promptTokens: 10, completionTokens: 5 } });
+    const counted = Object.fromEntries(
+      (await metrics.modelTokens.get()).values.map((v) => [v.labels.kind, v.value]),
+    );
+    expect(counted).toMatchObject({ prompt: 10, completion: 5 });
+  });
 });

@@ -825,11 +825,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   let access: ModelAccess | null = null;
   let gatewayUsage: Usage | null = null;
   let upstream: UpstreamHealth | null = null;
-  const finishAccess = async () => {
-    const open = access;
-    access = null;
-    if (open) ({ usage: gatewayUsage, health: upstream } = await open.finish());
-  };
+  // Once, and awaited by every caller: a stop's `closeWithSpend` (returned, not awaited, from
+  // inside the try below) may still be finishing when the `finally` counts the spend.
+  let finishing: Promise<void> | undefined;
+  const finishAccess = (): Promise<void> =>
+    (finishing ??= (async () => {
+      const open = access;
+      access = null;
+      if (open) ({ usage: gatewayUsage, health: upstream } = await open.finish());
+    })());
   let outcome: Awaited<ReturnType<typeof harness.run>>;
   // What the harness reported spending (its outcome's usage, or the usage its error carries):
   // counted once, whatever the run's end (`countSpent`), the gateway's count first.
