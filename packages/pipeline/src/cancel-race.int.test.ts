@@ -280,6 +280,23 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(result!.failures.map((f) => f.usage ?? null)).toEqual([spent, null]);
   });
 
+  /** Owners of the sandboxes alive now. */
+  const liveOwners = () =>
+    [...provider.sandboxes.values()]
+      .filter((s) => s.alive)
+      .map((s) => s.handle.owner)
+      .sort();
+
+  /** Cancelled, every sandbox gone, the teardown confirmed and nothing left on the ledger for the janitor. */
+  async function expectOwnSandboxGone(id: string) {
+    expect(liveOwners()).toEqual([]);
+    expect(await fleet!.deps.store.getResult(id)).toMatchObject({
+      status: "cancelled",
+      teardown: "confirmed",
+    });
+    expect(await fleet!.deps.ledger.size()).toBe(0);
+  }
+
   it("a run in its own sandbox stopped by a cancel destroys that sandbox itself: the result's teardown is confirmed without the janitor", async () => {
     const working = latch();
     const id = await start(
@@ -300,23 +317,13 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
     const run = runStageJob("run", job(id), fleet!.deps);
     await working.opened;
-    const owners = () =>
-      [...provider.sandboxes.values()]
-        .filter((s) => s.alive)
-        .map((s) => s.handle.owner)
-        .sort();
-    expect(owners()).toEqual(["agent", "resources"]);
+    expect(liveOwners()).toEqual(["agent", "resources"]);
     // The close destroys the task's sandbox and hands the agent's to the janitor (not its own).
     // The run's stop poll sees the stop (before the close finalizes or after); it stops its
     // agent and destroys its own sandbox.
     await cancelAndClose(id);
     expect(await run).toBe("ok");
-    expect(owners()).toEqual([]);
-    expect(await fleet!.deps.store.getResult(id)).toMatchObject({
-      status: "cancelled",
-      teardown: "confirmed",
-    });
-    expect(await fleet!.deps.ledger.size()).toBe(0);
+    await expectOwnSandboxGone(id);
   });
 
   it("a run in its own sandbox whose cancel came while it made that sandbox (its lock old by then) destroys that sandbox itself", async () => {
@@ -342,23 +349,13 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
       if (spec.owner === "agent") await fleet!.deps.store.requestCancel(id);
       return handle;
     };
-    const owners = () =>
-      [...provider.sandboxes.values()]
-        .filter((s) => s.alive)
-        .map((s) => s.handle.owner)
-        .sort();
     // Taken 20 s ago (its sandbox's create that long): past half its 30 s lock, the fence is read.
     expect(await runStageJob("run", { ...job(id), processedOn: Date.now() - 20_000 }, fleet!.deps)).toBe(
       "ok",
     );
     expect(launched).toBe(false);
     await cancelAndClose(id);
-    expect(owners()).toEqual([]);
-    expect(await fleet!.deps.store.getResult(id)).toMatchObject({
-      status: "cancelled",
-      teardown: "confirmed",
-    });
-    expect(await fleet!.deps.ledger.size()).toBe(0);
+    await expectOwnSandboxGone(id);
   });
 
   it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {
