@@ -13,6 +13,18 @@ import { type Latch, latch } from "./testing/latch.ts";
 
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
 
+/** A harness that opens `working`, runs until its signal tells it to stop, then throws `error()`. */
+function untilStopped(working: Latch, error: () => Error): NonNullable<PipelineDeps["createHarness"]> {
+  return (agent) => ({
+    name: agent.harness,
+    run: async (ctx) => {
+      working.open();
+      await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+      throw error();
+    },
+  });
+}
+
 /**
  * A cancel's close destroys the sandbox while a stage still works in it (before the run's stop
  * poll sees the cancel): the stage ends quietly, for the close to report `cancelled`, not as a
@@ -148,15 +160,10 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     const working = latch();
     const id = await start({
       stopPollMs: 20,
-      createHarness: (agent) => ({
-        name: agent.harness,
-        // As the tool loop ends on its signal: its error carries what it spent.
-        run: async (ctx) => {
-          working.open();
-          await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-          throw withUsage(FleetError.nonRetryable("cancelled", "stopped"), spent);
-        },
-      }),
+      // As the tool loop ends on its signal: its error carries what it spent.
+      createHarness: untilStopped(working, () =>
+        withUsage(FleetError.nonRetryable("cancelled", "stopped"), spent),
+      ),
     });
     expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
     const run = runStageJob("run", job(id), fleet!.deps);
@@ -302,14 +309,7 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     const id = await start(
       {
         stopPollMs: 20,
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: async (ctx) => {
-            working.open();
-            await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-            throw FleetError.nonRetryable("cancelled", "stopped");
-          },
-        }),
+        createHarness: untilStopped(working, () => FleetError.nonRetryable("cancelled", "stopped")),
       },
       "throws",
       "own",

@@ -250,7 +250,8 @@ async function submitAndFollow(
  * rollout this submit sends: a submission many times the backlog shows its rollouts finishing
  * from the start, not only once its last chunk is in. A poll the dispatcher is slow to answer
  * does not lengthen a wait: it goes on through the chunk's next offer, and what it finds is drawn
- * by a later wait (or `settle`, which gives up one still under way). `followBatches` then carries on with the same reporter.
+ * by a later wait (`settle` gives up one still under way once every chunk is in).
+ * `followBatches` then carries on with the same reporter.
  * Before the first wait, and without `--wait`, it says and waits as plain writes and sleeps.
  */
 class HeldProgress {
