@@ -2034,6 +2034,46 @@ describe("idempotency and fencing without workers", () => {
     await runStageJob("close", job(other!), fleet.deps);
   });
 
+  it("a run handed back at shutdown before its agent ran anything (no command, no model call) gives the launch back: the next delivery is a first launch, not a rerun", async () => {
+    const task = byId("python-bugfix");
+    const [id] = await fleet.submit([
+      { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
+    ]);
+    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
+    // An image whose /workspace could not be put back: a rerun would be masked.
+    const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
+    seedReceipt.probe.workspaceEmpty = false;
+    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
+    // The first delivery's agent is still starting (a tool loop before its first step, say)
+    // when its worker shuts down: it stops without having run a command or called a model.
+    const starting = latch();
+    const shutdown = new AbortController();
+    const createHarness: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async (ctx) => {
+        starting.open();
+        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+        throw new Error("stopped before its first command");
+      },
+    });
+    const first = runStageJob(
+      "run",
+      job(id!),
+      { ...fleet.deps, createHarness },
+      { signal: shutdown.signal },
+    ).catch((e: unknown) => e);
+    await starting.opened;
+    shutdown.abort();
+    expect(isHandBack(await first)).toBe(true);
+    expect(await fleet.redis.hget(fleet.deps.store.keys.rollout(id!), "fence")).toBeNull();
+    expect(await runStageJob("run", job(id!, 1), fleet.deps)).toBe("ok");
+    const run = (await fleet.deps.store.get(id!))!.receipts.run!;
+    expect([run.exec.stdout, run.attempts]).toEqual(["ran\n", 1]);
+    await runStageJob("verify", job(id!), fleet.deps);
+    await runStageJob("close", job(id!), fleet.deps);
+    expect((await fleet.deps.store.getResult(id!))?.status).toBe("completed");
+  });
+
   it("a launch whose run was taken over by another worker drops its outcome: no kill of the new launch, no receipt", async () => {
     const [id] = await fleet.submit([oracle(byId("hello-file"))]);
     await runStageJob("seed", job(id!), fleet.deps);

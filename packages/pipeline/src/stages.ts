@@ -889,13 +889,20 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     return "close";
   };
   /**
-   * Handed back: at a worker's shutdown, what the launch spent is kept as a stopped run's is,
-   * for a cancel (or the deadline) that comes before the next delivery, whose claim then finds
-   * the run stopped and launches nothing; a next launch's receipt or stop replaces it. Not when
-   * the fence went unanswered (Redis unreachable, and the run perhaps another launch's now).
+   * Handed back. When nothing of the agent ran (no command of its started in the sandbox, no
+   * model call spent), the claim goes back, as for a failure before launch (below): kept, it
+   * would make the next delivery a rerun, whose reset an image with its own /workspace files
+   * cannot have (masked `sandbox_lost`) for an agent that never touched the sandbox. Otherwise,
+   * at a worker's shutdown, what the launch spent is kept as a stopped run's is, for a cancel (or
+   * the deadline) that comes before the next delivery, whose claim then finds the run stopped and
+   * launches nothing; a next launch's receipt or stop replaces it. Not when the fence went
+   * unanswered (Redis unreachable, and the run perhaps another launch's now).
    */
   const handBack = async (reason: HandBackError): Promise<never> => {
-    if (shutdown?.aborted) await keepSpend();
+    await finishAccess().catch(() => undefined);
+    const spent = countSpent();
+    if (!watched.started() && (spent === null || spent.calls === 0)) await giveBack();
+    else if (shutdown?.aborted) await keepUsage(withRerunGap(spent));
     throw reason;
   };
   let cleanup: CleanupReceipt;
