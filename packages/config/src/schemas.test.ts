@@ -641,6 +641,29 @@ describe("JanitorConfig", () => {
     }
     expect(parseConfig(JanitorConfig, { FLEET_JANITOR_INTERVAL_MS: "100" }).intervalMs).toBe(100);
   });
+
+  it("starts whatever the workers' own sandbox variables say (FLEET_SANDBOX_MAX_*, FLEET_PROVIDER_WAIT_MS): it reads none of them, and the workers refuse a bad one", () => {
+    // One environment file for the whole fleet: a bad worker-only value is the workers' error.
+    const workersOnly = {
+      FLEET_SANDBOX_MAX_MEMORY_MB: "512",
+      FLEET_SANDBOX_MAX_CPUS: "lots",
+      FLEET_SANDBOX_MAX_PIDS: "2.5",
+      FLEET_SANDBOX_MAX_DISK_MB: "-1",
+      FLEET_SANDBOX_MAX_TMPFS_MB: "0",
+      FLEET_PROVIDER_WAIT_MS: "0",
+    };
+    const janitor = parseConfig(JanitorConfig, workersOnly);
+    expect(janitor).toEqual(parseConfig(JanitorConfig, {}));
+    expect(janitor).not.toHaveProperty("sandboxCeiling");
+    expect(janitor).not.toHaveProperty("providerWaitMs");
+    expect(errorOf(() => parseWorkerConfig("resources", workersOnly)).issues.map((i) => i.variable)).toEqual(
+      Object.keys(workersOnly),
+    );
+    // What it does read of the sandbox provider's is still checked.
+    expect(errorOf(() => parseConfig(JanitorConfig, { FLEET_SANDBOX_PROVIDER: "podman" })).message).toContain(
+      "FLEET_SANDBOX_PROVIDER: must be one of docker, bubblewrap",
+    );
+  });
 });
 
 describe("CliConfig", () => {

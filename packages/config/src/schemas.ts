@@ -144,8 +144,11 @@ function ceilingConfig(e: Record<string, unknown>): SandboxCeiling {
   return out;
 }
 
+/**
+ * How an app reaches the sandbox provider: the workers, which make sandboxes, and the janitor,
+ * which lists and destroys them (bubblewrap's listing checks the rootfs too).
+ */
 const sandbox = {
-  ...ceiling,
   FLEET_SANDBOX_PROVIDER: z
     .string()
     .trim()
@@ -159,6 +162,15 @@ const sandbox = {
   FLEET_BWRAP_ROOTFS: z.string().trim().optional(),
   /** Local state (bubblewrap sandboxes live under `<dir>/bwrap`). */
   FLEET_STATE_DIR: z.string().trim().default("/var/lib/rollout-fleet"),
+};
+
+/**
+ * Only the stage workers' (which make sandboxes): not in the janitor's schema, so that a bad
+ * value is refused by the workers that read it, not by a janitor that never does (it neither
+ * waits for its provider at start, `watchProvider`, nor makes a sandbox).
+ */
+const workerSandbox = {
+  ...ceiling,
   /** At start, how long to wait for the sandbox provider to answer before exiting 1. */
   FLEET_PROVIDER_WAIT_MS: durationMsVar().default(DEFAULT_PROVIDER_WAIT_MS),
 };
@@ -269,8 +281,6 @@ function sandboxAndMetricsConfig(e: z.output<z.ZodObject<typeof sandbox & typeof
     // Empty is unset (compose passes `${DOCKER_HOST:-}` through).
     dockerHost: e.DOCKER_HOST || null,
     dockerCertPath: e.DOCKER_CERT_PATH || null,
-    providerWaitMs: e.FLEET_PROVIDER_WAIT_MS,
-    sandboxCeiling: ceilingConfig(e),
     metricsPort: e.FLEET_METRICS_PORT ?? null,
     metricsHost: e.FLEET_METRICS_HOST,
   };
@@ -322,6 +332,7 @@ export const WorkerConfig = z
   .object({
     ...common,
     ...sandbox,
+    ...workerSandbox,
     ...metrics,
     FLEET_WORKER_KIND: z
       .string({ error: "must be set (resources, agent or verifier)" })
@@ -420,6 +431,8 @@ export const WorkerConfig = z
     kind: e.FLEET_WORKER_KIND,
     workerId: e.FLEET_WORKER_ID ?? null,
     ...sandboxAndMetricsConfig(e),
+    providerWaitMs: e.FLEET_PROVIDER_WAIT_MS,
+    sandboxCeiling: ceilingConfig(e),
     concurrency: e.FLEET_CONCURRENCY ?? DEFAULT_CONCURRENCY[e.FLEET_WORKER_KIND],
     credentialsFile: e.FLEET_CREDENTIALS_FILE ?? null,
     modelBaseUrls: e.FLEET_MODEL_BASE_URLS ?? null,
@@ -435,7 +448,10 @@ export const WorkerConfig = z
   }));
 export type WorkerConfig = z.output<typeof WorkerConfig>;
 
-/** `apps/janitor`: teardown ledger retries and sweeps. */
+/**
+ * `apps/janitor`: teardown ledger retries and sweeps. The provider's connection (it lists and
+ * destroys sandboxes), not the workers' sandbox ceiling or provider wait, which it does not read.
+ */
 export const JanitorConfig = z
   .object({
     ...common,

@@ -76,8 +76,7 @@ interface Common {
   sandboxProvider: "docker" | "bubblewrap";
   dockerHost: string | null;
   dockerCertPath: string | null;
-  providerWaitMs: number;
-  /** `FLEET_SANDBOX_MAX_*`: the most a task's sandbox options may ask here. */
+  /** Stage workers: `FLEET_SANDBOX_MAX_*`, the most a task's sandbox options may ask here (the janitor makes no sandbox). */
   sandboxCeiling?: SandboxCeiling;
   metricsPort: number | null;
   metricsHost: string;
@@ -277,7 +276,10 @@ const PROVIDER_HINT: Record<Common["sandboxProvider"], string> = {
  */
 export async function providerReady(
   deps: PipelineDeps,
-  config: Pick<Common, "providerWaitMs" | "sandboxProvider">,
+  config: Pick<Common, "sandboxProvider"> & {
+    /** `FLEET_PROVIDER_WAIT_MS` (stage workers only). */
+    providerWaitMs: number;
+  },
   logger: PipelineDeps["logger"],
   shutdown: () => Promise<void>,
 ): Promise<boolean> {
