@@ -1014,6 +1014,44 @@ describe("model gateway", () => {
     }
   });
 
+  it("answers an unknown path 404 not_found and a route's wrong method 405 method_not_allowed, token or not, in the README's error shape; nothing forwarded", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m" });
+    const root = baseUrl.replace(/\/v1$/, "");
+    const error = (code: string, message: string) => ({
+      error: { message, type: "invalid_request_error", code, param: null },
+    });
+    const cases: Array<[method: string, path: string, status: number, body: ReturnType<typeof error>]> = [
+      ["POST", "/v1/completions", 404, error("not_found", "no route POST /v1/completions")],
+      ["POST", "/v1/embeddings", 404, error("not_found", "no route POST /v1/embeddings")],
+      // The base URL without its /v1; the query is no part of the path named.
+      ["POST", "/chat/completions?x=1", 404, error("not_found", "no route POST /chat/completions")],
+      ["GET", "/v1/chat/completions", 405, error("method_not_allowed", "use POST")],
+      ["PUT", "/v1/chat/completions/", 405, error("method_not_allowed", "use POST")],
+      ["POST", "/v1/models", 405, error("method_not_allowed", "use GET")],
+      ["DELETE", "/v1/models", 405, error("method_not_allowed", "use GET")],
+    ];
+    for (const [method, path, status, body] of cases) {
+      // No token, this rollout's, and one the gateway never issued: the route is judged first.
+      const tokens: Array<Record<string, string>> = [
+        {},
+        { authorization: `Bearer ${token}` },
+        { authorization: "Bearer fgw_forged" },
+      ];
+      for (const headers of tokens) {
+        const res = await fetch(`${root}${path}`, { method, headers });
+        expect({ method, path, status: res.status, type: res.headers.get("content-type") }).toEqual({
+          method,
+          path,
+          status,
+          type: "application/json",
+        });
+        expect(await res.json()).toEqual(body);
+      }
+    }
+    expect(upstream.requests).toHaveLength(0);
+  });
+
   it("lists the registered model", async () => {
     const { gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "qwen-7b" });
