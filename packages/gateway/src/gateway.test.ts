@@ -1014,24 +1014,26 @@ describe("model gateway", () => {
     }
   });
 
-  it("answers an unknown path 404 not_found and a route's wrong method 405 method_not_allowed, token or not, in the README's error shape; nothing forwarded", async () => {
+  it("answers an unknown path 404 not_found and a route's wrong method 405 method_not_allowed with the Allow header, token or not, in the README's error shape; nothing forwarded", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });
     const root = baseUrl.replace(/\/v1$/, "");
     const error = (code: string, message: string) => ({
       error: { message, type: "invalid_request_error", code, param: null },
     });
-    const cases: Array<[method: string, path: string, status: number, body: ReturnType<typeof error>]> = [
-      ["POST", "/v1/completions", 404, error("not_found", "no route POST /v1/completions")],
-      ["POST", "/v1/embeddings", 404, error("not_found", "no route POST /v1/embeddings")],
+    const cases: Array<
+      [method: string, path: string, status: number, body: ReturnType<typeof error>, allow: string | null]
+    > = [
+      ["POST", "/v1/completions", 404, error("not_found", "no route POST /v1/completions"), null],
+      ["POST", "/v1/embeddings", 404, error("not_found", "no route POST /v1/embeddings"), null],
       // The base URL without its /v1; the query is no part of the path named.
-      ["POST", "/chat/completions?x=1", 404, error("not_found", "no route POST /chat/completions")],
-      ["GET", "/v1/chat/completions", 405, error("method_not_allowed", "use POST")],
-      ["PUT", "/v1/chat/completions/", 405, error("method_not_allowed", "use POST")],
-      ["POST", "/v1/models", 405, error("method_not_allowed", "use GET")],
-      ["DELETE", "/v1/models", 405, error("method_not_allowed", "use GET")],
+      ["POST", "/chat/completions?x=1", 404, error("not_found", "no route POST /chat/completions"), null],
+      ["GET", "/v1/chat/completions", 405, error("method_not_allowed", "use POST"), "POST"],
+      ["PUT", "/v1/chat/completions/", 405, error("method_not_allowed", "use POST"), "POST"],
+      ["POST", "/v1/models", 405, error("method_not_allowed", "use GET"), "GET"],
+      ["DELETE", "/v1/models", 405, error("method_not_allowed", "use GET"), "GET"],
     ];
-    for (const [method, path, status, body] of cases) {
+    for (const [method, path, status, body, allow] of cases) {
       // No token, this rollout's, and one the gateway never issued: the route is judged first.
       const tokens: Array<Record<string, string>> = [
         {},
@@ -1040,12 +1042,13 @@ describe("model gateway", () => {
       ];
       for (const headers of tokens) {
         const res = await fetch(`${root}${path}`, { method, headers });
-        expect({ method, path, status: res.status, type: res.headers.get("content-type") }).toEqual({
+        expect({
           method,
           path,
-          status,
-          type: "application/json",
-        });
+          status: res.status,
+          type: res.headers.get("content-type"),
+          allow: res.headers.get("allow"),
+        }).toEqual({ method, path, status, type: "application/json", allow });
         expect(await res.json()).toEqual(body);
       }
     }

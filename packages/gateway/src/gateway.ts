@@ -223,13 +223,13 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       throw new GatewayHttpError(400, "malformed", "the request target is not a valid path");
     }
     if (path === "/v1/chat/completions") {
-      if (req.method !== "POST") throw new GatewayHttpError(405, "method_not_allowed", "use POST");
+      if (req.method !== "POST") throw methodNotAllowed(res, "POST");
       const entry = authenticate(req);
       await chatCompletion(entry, req, res);
       return;
     }
     if (path === "/v1/models") {
-      if (req.method !== "GET") throw new GatewayHttpError(405, "method_not_allowed", "use GET");
+      if (req.method !== "GET") throw methodNotAllowed(res, "GET");
       const entry = authenticate(req);
       sendJson(res, 200, {
         object: "list",
@@ -847,6 +847,12 @@ function sendJson(res: ServerResponse, status: number, body: unknown): void {
   }
   res.writeHead(status, { "content-type": "application/json" });
   res.end(JSON.stringify(body));
+}
+
+/** A route asked with another method: 405, with the `Allow` header HTTP asks of one (RFC 9110 §15.5.6). */
+function methodNotAllowed(res: ServerResponse, allow: string): GatewayHttpError {
+  res.setHeader("allow", allow);
+  return new GatewayHttpError(405, "method_not_allowed", `use ${allow}`);
 }
 
 function sendError(res: ServerResponse, err: unknown): void {
