@@ -1028,6 +1028,8 @@ describe("model gateway", () => {
       ["POST", "/v1/embeddings", 404, error("not_found", "no route POST /v1/embeddings"), null],
       // The base URL without its /v1; the query is no part of the path named.
       ["POST", "/chat/completions?x=1", 404, error("not_found", "no route POST /chat/completions"), null],
+      ["GET", "/", 404, error("not_found", "no route GET /"), null],
+      ["GET", "/v1/", 404, error("not_found", "no route GET /v1"), null],
       ["GET", "/v1/chat/completions", 405, error("method_not_allowed", "use POST"), "POST"],
       ["PUT", "/v1/chat/completions/", 405, error("method_not_allowed", "use POST"), "POST"],
       ["POST", "/v1/models", 405, error("method_not_allowed", "use GET"), "GET"],

@@ -237,7 +237,8 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
       });
       return;
     }
-    throw new GatewayHttpError(404, "not_found", `no route ${req.method} ${path}`);
+    // The root's path is empty once its trailing `/` is dropped: named as `/`.
+    throw new GatewayHttpError(404, "not_found", `no route ${req.method} ${path || "/"}`);
   }
 
   function authenticate(req: IncomingMessage): Entry {
