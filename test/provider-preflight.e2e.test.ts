@@ -331,7 +331,7 @@ describe("a worker that cannot reach its sandbox provider", () => {
     expect(http.output).toMatch(/^refusing to start: FLEET_HTTP_HOST 203\.0\.113\.7: .*EADDRNOTAVAIL/m);
   });
 
-  it("an agent worker whose FLEET_CREDENTIALS_FILE cannot be read or is not JSON refuses the start, not quoting it", async () => {
+  it("an agent worker whose FLEET_CREDENTIALS_FILE cannot be read, is not JSON or names one credential twice refuses the start, not quoting it", async () => {
     const dir = await mkdtemp(join(tmpdir(), "fleet-preflight-creds-"));
     try {
       const missing = await runApp("agent", {
@@ -351,6 +351,18 @@ describe("a worker that cannot reach its sandbox provider", () => {
         `refusing to start: FLEET_CREDENTIALS_FILE ${file}: the credentials file is not valid JSON`,
       );
       expect(broken.output).not.toContain("SUPERSECRET");
+      // Two names of one credential (one variable, FLEET_CREDENTIAL_MY_KEY): which a rollout got
+      // would hang on its spelling.
+      await writeFile(
+        file,
+        JSON.stringify({ "my-key": { value: "sk-live-SUPERSECRET" }, "my.key": { value: "sk-live-OTHER" } }),
+      );
+      const twice = await runApp("agent", { REDIS_URL, FLEET_PREFIX: prefix, FLEET_CREDENTIALS_FILE: file });
+      expect(twice.code, twice.output).toBe(1);
+      expect(twice.output).toContain(
+        `refusing to start: FLEET_CREDENTIALS_FILE ${file}: the credentials file names one credential twice: "my-key" and "my.key" are both FLEET_CREDENTIAL_MY_KEY`,
+      );
+      expect(twice.output).not.toMatch(/SUPERSECRET|sk-live-OTHER/);
     } finally {
       await rm(dir, { recursive: true, force: true });
     }

@@ -2,7 +2,7 @@ import { mkdtempSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { describe, expect, it } from "vitest";
-import { createCredentialResolver, credentialEnvName } from "./credentials.ts";
+import { checkCredentialsFile, createCredentialResolver, credentialEnvName } from "./credentials.ts";
 
 const UPSTREAM = "http://127.0.0.1:8000/v1";
 
@@ -98,6 +98,66 @@ describe("credential resolver", () => {
     expect([err.kind, err.retryable]).toEqual(["agent_error", false]);
     expect(err.message).toContain("missing");
     expect(err.message).not.toContain("secret-a");
+  });
+
+  it("a name is one credential with every name of its variable (case, '-', '.', '_'), in the secrets file as in the environment", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "cred-"));
+    const file = join(dir, "secrets.json");
+    writeFileSync(
+      file,
+      JSON.stringify({
+        "team-a.key": { value: "from-file", baseUrls: [UPSTREAM] },
+        // No rollout can name it (not a credential name): it shares no one's variable.
+        "team a key": { value: "unreachable", baseUrls: [UPSTREAM] },
+      }),
+    );
+    const resolve = createCredentialResolver({
+      env: { FLEET_CREDENTIAL_OTHER_KEY: "from-env", FLEET_CREDENTIAL_OTHER_KEY_BASE_URL: UPSTREAM },
+      file,
+    });
+    for (const name of ["team-a.key", "TEAM_A_KEY", "Team.A-Key"]) {
+      expect(await resolve(name, UPSTREAM), name).toBe("from-file");
+    }
+    for (const name of ["other-key", "other.key", "OTHER_KEY"]) {
+      expect(await resolve(name, UPSTREAM), name).toBe("from-env");
+    }
+    // The environment's variable stands for the file's entry of every such name.
+    const overridden = createCredentialResolver({ env: { FLEET_CREDENTIAL_TEAM_A_KEY: "from-env" }, file });
+    expect(await overridden("Team.A-Key", UPSTREAM)).toBe("from-env");
+  });
+
+  it("refuses a secrets file naming one credential twice ('my-key' and 'my.key'), at the agent worker's start and when resolving, naming both and no value", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "cred-"));
+    const file = join(dir, "secrets.json");
+    writeFileSync(
+      file,
+      JSON.stringify({
+        "my-key": { value: "sk-dash-SECRET", baseUrls: [UPSTREAM] },
+        other: { value: "sk-other", baseUrls: [UPSTREAM] },
+        "my.key": { value: "sk-dot-SECRET", baseUrls: [UPSTREAM] },
+      }),
+    );
+    const refusal =
+      '"my-key" and "my.key" are both FLEET_CREDENTIAL_MY_KEY (a credential name\'s case and its "-", "." and "_" do not tell credentials apart)';
+    const start = await checkCredentialsFile(file).then(
+      () => null,
+      (e: Error) => e.message,
+    );
+    expect(start ?? "(started: no refusal)").toContain(
+      `FLEET_CREDENTIALS_FILE ${file}: the credentials file names one credential twice: ${refusal}`,
+    );
+    expect(start).not.toContain("SECRET");
+    const resolve = createCredentialResolver({ env: {}, file });
+    for (const name of ["my-key", "other"]) {
+      const err = await failure(resolve(name, UPSTREAM));
+      expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+      expect(err.message).toContain(refusal);
+      expect(err.message).not.toContain("SECRET");
+    }
+    // One kept: read again, as any fix of the file.
+    writeFileSync(file, JSON.stringify({ "my-key": { value: "sk-dash-SECRET", baseUrls: [UPSTREAM] } }));
+    await checkCredentialsFile(file);
+    expect(await resolve("my.key", UPSTREAM)).toBe("sk-dash-SECRET");
   });
 
   it("a secrets file that is not JSON is refused without quoting it, and read again once fixed", async () => {

@@ -1,7 +1,12 @@
 import { readFile } from "node:fs/promises";
-import { FleetError, normalizeBaseUrl } from "@fleet/contracts";
+import { CredentialName, FleetError, normalizeBaseUrl } from "@fleet/contracts";
 
-/** Environment variable holding credential `name`: `FLEET_CREDENTIAL_<NAME>` (non-alphanumerics → `_`). */
+/**
+ * Environment variable holding credential `name`: `FLEET_CREDENTIAL_<NAME>` (upper-cased,
+ * non-alphanumerics → `_`). An environment variable cannot tell `my-key`, `my.key`, `My_Key`
+ * apart, so neither does the fleet: a name is one credential with every name that shares its
+ * variable, in the secrets file too (`createCredentialResolver`).
+ */
 export function credentialEnvName(name: string): string {
   return `FLEET_CREDENTIAL_${name.toUpperCase().replace(/[^A-Z0-9]/g, "_")}`;
 }
@@ -16,6 +21,9 @@ interface FileEntry {
   baseUrls: string[];
 }
 
+/** The secrets file's entries, by the variable their name shares (`credentialEnvName`). */
+type FileEntries = Map<string, FileEntry>;
+
 /**
  * Resolve credential *names* to values inside the worker (DESIGN §2 rule 8), for one upstream:
  * a credential is handed out only for a base URL the operator bound it to, so a submitter who
@@ -23,6 +31,8 @@ interface FileEntry {
  *
  * - Value: the worker's own environment (`FLEET_CREDENTIAL_<NAME>`), else a JSON secrets file
  *   (`FLEET_CREDENTIALS_FILE`: `{ "<name>": { "value": "...", "baseUrls": ["..."] } }`, read once).
+ *   Either is found by the name's variable, so `my-key`, `my.key` and `MY_KEY` name one credential
+ *   (the file's entry and the environment's alike); a file naming one credential twice is refused.
  * - Allowed base URLs: `FLEET_CREDENTIAL_<NAME>_BASE_URL` (comma-separated), else the file's
  *   `baseUrls`. None configured: the credential is refused for every URL (fail closed).
  *
@@ -34,8 +44,8 @@ export function createCredentialResolver(options: {
   file?: string | null;
   known?: Set<string>;
 }): (name: string, baseUrl: string) => Promise<string> {
-  let fileEntries: Promise<Record<string, FileEntry>> | null = null;
-  const loadFile = (file: string): Promise<Record<string, FileEntry>> => {
+  let fileEntries: Promise<FileEntries> | null = null;
+  const loadFile = (file: string): Promise<FileEntries> => {
     fileEntries ??= readFile(file, "utf8")
       .then(parseCredentialsFile, (err: unknown) => {
         throw FleetError.retryable(
@@ -56,7 +66,7 @@ export function createCredentialResolver(options: {
     return value === undefined || value.trim() === "" ? undefined : value;
   };
   return async (name, baseUrl) => {
-    const fromFile = options.file ? (await loadFile(options.file))[name] : undefined;
+    const fromFile = options.file ? (await loadFile(options.file)).get(credentialEnvName(name)) : undefined;
     const raw = fromEnv(credentialEnvName(name)) ?? fromFile?.value;
     // Sent as `Authorization: Bearer <value>`: the usual trailing newline of a secret made from a
     // file is dropped (fetch would drop it too, and then no redactor would find the value as
@@ -112,8 +122,15 @@ export async function checkCredentialsFile(file: string): Promise<void> {
   }
 }
 
-/** The secrets file's entries; a file that is not the expected JSON is refused without quoting it. */
-function parseCredentialsFile(text: string): Record<string, FileEntry> {
+/**
+ * The secrets file's entries, by their name's variable; a file that is not the expected JSON is
+ * refused without quoting it, and so is one with two names of one variable (`my-key` and
+ * `my.key`): which of the two a rollout gets would depend on how it spelt the name, and an
+ * operator's `FLEET_CREDENTIAL_MY_KEY` would stand for both. A name no rollout can give (not a
+ * credential name: `my key`, `a/b`) is left out: no rollout reached it before either, and folded
+ * it must not answer one (`my-key`) now.
+ */
+function parseCredentialsFile(text: string): FileEntries {
   let data: unknown;
   try {
     data = JSON.parse(text);
@@ -124,18 +141,32 @@ function parseCredentialsFile(text: string): Record<string, FileEntry> {
   if (typeof data !== "object" || data === null || Array.isArray(data)) {
     throw FleetError.retryable("provider_unavailable", "the credentials file must hold a JSON object");
   }
-  const out: Record<string, FileEntry> = {};
+  const out: FileEntries = new Map();
+  const names = new Map<string, string>();
   for (const [name, entry] of Object.entries(data)) {
-    if (typeof entry === "string") out[name] = { value: entry, baseUrls: [] };
+    if (!CredentialName.safeParse(name).success) continue;
+    let parsed: FileEntry;
+    if (typeof entry === "string") parsed = { value: entry, baseUrls: [] };
     else if (typeof entry === "object" && entry !== null) {
       const e = entry as { value?: unknown; baseUrls?: unknown };
-      out[name] = {
+      parsed = {
         value: typeof e.value === "string" ? e.value : undefined,
         baseUrls: Array.isArray(e.baseUrls)
           ? e.baseUrls.filter((u): u is string => typeof u === "string")
           : [],
       };
+    } else continue;
+    const variable = credentialEnvName(name);
+    const other = names.get(variable);
+    if (other !== undefined) {
+      // Names only (a credential name is no secret), never a value.
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `the credentials file names one credential twice: "${other}" and "${name}" are both ${variable} (a credential name's case and its "-", "." and "_" do not tell credentials apart); keep one`,
+      );
     }
+    names.set(variable, name);
+    out.set(variable, parsed);
   }
   return out;
 }
