@@ -69,6 +69,12 @@ export interface Keys {
    * others' (`RolloutStore.shareSeeding`).
    */
   seeding(): string;
+  /**
+   * The worker processes that consume `queue` (field: a process's worker id, value:
+   * `1:<expiresAt>`, the fleet's clock), each said again while it lives and removed at its close
+   * (`RolloutStore.sayWorkerPresent`): `fleet_queue_workers` where Redis refuses `CLIENT LIST`.
+   */
+  workers(queue: string): string;
 }
 
 export function createKeys(prefix = "{fleet}"): Keys {
@@ -118,6 +124,7 @@ export function createKeys(prefix = "{fleet}"): Keys {
     sandboxHost: () => sandboxHost,
     janitorLastPass: () => janitorLastPass,
     seeding: () => seeding,
+    workers: (queue) => `${x}workers:${queue}`,
   };
 }
 

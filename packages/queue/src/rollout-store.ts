@@ -1361,7 +1361,7 @@ export class RolloutStore {
   private sayingSeeds(self: string, seeds: number, now: number, expiresAt: number, read: boolean) {
     const ttl = String(Math.max(1, expiresAt - now));
     const args = [this.keys.seeding(), self, `${seeds}:${expiresAt}`, ttl];
-    return read ? this.redis.fleetSaySeeding(...args, String(now)) : this.redis.fleetSaySeeding(...args);
+    return read ? this.redis.fleetSayEntry(...args, String(now)) : this.redis.fleetSayEntry(...args);
   }
 
   /**
@@ -1385,6 +1385,27 @@ export class RolloutStore {
   /** This process's seed-ahead bound is gone: its seeds are no longer counted (`shareSeeding`). */
   async forgetSeeding(self: string): Promise<void> {
     await this.redis.hdel(this.keys.seeding(), self);
+  }
+
+  /**
+   * Say that a worker process (`self`, unique to it) consumes `queue` until `expiresAt` (the
+   * fleet's clock; it says so again before then while it lives), and remove the entries of the
+   * others past their expiry (a process that died), as `shareSeeding` does its own hash's: the
+   * presence `workersPresent` counts where Redis refuses `CLIENT LIST`.
+   */
+  async sayWorkerPresent(queue: string, self: string, now: number, expiresAt: number): Promise<void> {
+    const ttl = String(Math.max(1, expiresAt - now));
+    await this.redis.fleetSayEntry(this.keys.workers(queue), self, `1:${expiresAt}`, ttl, String(now));
+  }
+
+  /** How many worker processes said they consume `queue` (`sayWorkerPresent`) and have not expired at `now`. */
+  async workersPresent(queue: string, now: number): Promise<number> {
+    return Number(await this.redis.fleetCountEntries(this.keys.workers(queue), String(now)));
+  }
+
+  /** This worker process no longer consumes `queue` (a graceful close): no longer counted. */
+  async forgetWorkerPresent(queue: string, self: string): Promise<void> {
+    await this.redis.hdel(this.keys.workers(queue), self);
   }
 
   /**

@@ -22,6 +22,31 @@ const CLOCK = `local function clock(given)
   return tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 end`;
 
+/**
+ * A hash of per-process entries (`<count>:<expiresAt>`, the fleet's clock), each said again by its
+ * process while it lives (`fleetSayEntry`): the sum of the counts of the entries not past their
+ * expiry at `now`, but `except`'s (nil: none left out), and the entries past it (a process that
+ * died) removed, in the same step: an entry said again between a read and a removal is never
+ * removed.
+ */
+const LIVE_ENTRIES = `local function liveEntries(key, now, except)
+  local all = redis.call('HGETALL', key)
+  local live, stale = 0, {}
+  for i = 1, #all, 2 do
+    if all[i] ~= except then
+      local n, expires = string.match(all[i + 1], '^([^:]*):(.*)$')
+      n, expires = tonumber(n), tonumber(expires)
+      if n and expires and expires > now then
+        live = live + math.max(0, n)
+      else
+        stale[#stale + 1] = all[i]
+      end
+    end
+  end
+  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  return live
+end`;
+
 const TERMINAL = `local terminal = {completed=true, masked=true, failed=true, cancelled=true}`;
 
 /** A script's start that returns 0 for a rollout unknown or terminal (KEYS[1]), and sets `status`. */
@@ -847,36 +872,32 @@ const SCRIPTS = {
       return 1`,
   },
   /**
-   * A seed-ahead bound says how many seeds its process is making (ARGV: its field, `<seeds>:
-   * <expiresAt>`, the hash's time to live in ms), the hash's expiry only lengthened (a shorter
-   * one, from a process counting on a shorter interval, would drop every other entry with it);
-   * with ARGV[4] (the fleet's now) also reads the others' seeds as each last said, and removes the
-   * entries past their expiry (a process that died), in the same step: an entry said again
-   * between a read and a removal is never removed. Returns the others' seeds (0 without ARGV[4]).
+   * A process says its entry in a hash of per-process entries (ARGV: its field, `<count>:
+   * <expiresAt>`, the hash's time to live in ms): a seed-ahead bound's seeds, a worker's
+   * presence. The hash's expiry is only lengthened (a shorter one, from a process saying on a
+   * shorter interval, would drop every other entry with it); with ARGV[4] (the fleet's now) also
+   * reads the others' counts and removes the entries past their expiry (`LIVE_ENTRIES`). Returns
+   * the others' counts (0 without ARGV[4]).
    */
-  fleetSaySeeding: {
+  fleetSayEntry: {
     keys: 1,
     lua: `
+      ${LIVE_ENTRIES}
       redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
       local ttl = tonumber(ARGV[3])
       if redis.call('PTTL', KEYS[1]) < ttl then redis.call('PEXPIRE', KEYS[1], ttl) end
       if not ARGV[4] then return 0 end
-      local now = tonumber(ARGV[4])
-      local all = redis.call('HGETALL', KEYS[1])
-      local others, stale = 0, {}
-      for i = 1, #all, 2 do
-        if all[i] ~= ARGV[1] then
-          local n, expires = string.match(all[i + 1], '^([^:]*):(.*)$')
-          n, expires = tonumber(n), tonumber(expires)
-          if n and expires and expires > now then
-            others = others + math.max(0, n)
-          else
-            stale[#stale + 1] = all[i]
-          end
-        end
-      end
-      if #stale > 0 then redis.call('HDEL', KEYS[1], unpack(stale)) end
-      return others`,
+      return liveEntries(KEYS[1], tonumber(ARGV[4]), ARGV[1])`,
+  },
+  /**
+   * Every process's count in a hash of per-process entries (`fleetSayEntry`) at ARGV[1] (the
+   * fleet's now), the entries past their expiry removed (`LIVE_ENTRIES`).
+   */
+  fleetCountEntries: {
+    keys: 1,
+    lua: `
+      ${LIVE_ENTRIES}
+      return liveEntries(KEYS[1], tonumber(ARGV[1]), nil)`,
   },
   /** Cancel: mark the request and claim the stop. Returns previous status or '' if unknown. */
   fleetCancel: {

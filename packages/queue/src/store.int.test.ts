@@ -2817,6 +2817,30 @@ describe("rollout store", () => {
     expect(await own.shareSeeding("b", 0, now, now + 5_000)).toBe(0);
     expect(await redis.hkeys(own.keys.seeding())).toEqual(["b"]);
   });
+
+  it("counts the worker processes present on a queue: not one past its expiry (a process that died), which is removed, nor one that left", async () => {
+    const own = new RolloutStore(redis, `${prefix}-workers`);
+    const now = Date.now();
+    expect(await own.workersPresent("run", now)).toBe(0);
+    await own.sayWorkerPresent("run", "a", now, now + 5_000);
+    await own.sayWorkerPresent("run", "b", now, now + 5_000);
+    // Said again: still one process.
+    await own.sayWorkerPresent("run", "a", now, now + 6_000);
+    await own.sayWorkerPresent("verify", "c", now, now + 5_000);
+    expect(await own.workersPresent("run", now)).toBe(2);
+    expect(await own.workersPresent("verify", now)).toBe(1);
+    // "b" not said again past its expiry: not counted, and its field removed.
+    expect(await own.workersPresent("run", now + 5_500)).toBe(1);
+    expect(await redis.hkeys(own.keys.workers("run"))).toEqual(["a"]);
+    // The hash lasts as long as the latest entry said.
+    expect(await redis.pttl(own.keys.workers("run"))).toBeGreaterThan(5_000);
+    // A process that closes takes its own out.
+    await own.forgetWorkerPresent("run", "a");
+    expect(await own.workersPresent("run", now)).toBe(0);
+    // A process saying its presence removes the others' past their expiry too.
+    await own.sayWorkerPresent("verify", "d", now + 6_000, now + 10_000);
+    expect(await redis.hkeys(own.keys.workers("verify"))).toEqual(["d"]);
+  });
 });
 
 describe("fleetInstance", () => {
