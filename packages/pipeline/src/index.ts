@@ -5,6 +5,7 @@ export * from "./app.ts";
 export * from "./deps.ts";
 export * from "./hand-back.ts";
 export * from "./janitor.ts";
+export * from "./presence.ts";
 export * from "./provider-gate.ts";
 export * from "./result.ts";
 export * from "./stage-runner.ts";

@@ -25,6 +25,7 @@ import { ageSeconds, type JanitorStep, SANDBOX_OWNERS } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
 import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { DEFAULT_LOST_JOB_GRACE_MS, type LostJobCursor, requeueLostJobs } from "./lost-jobs.ts";
+import { keepWorkerPresence } from "./presence.ts";
 import type { ProviderGate } from "./provider-gate.ts";
 import { CLOSE_AGAIN_LIMIT, closeWithoutDestroys, destroyOrLedger } from "./stages.ts";
 import { boundedClose, countStalledJobs, freshErrors } from "./worker.ts";
@@ -839,6 +840,8 @@ export async function startJanitor(
     intervalMs: number;
     /** How often the worker checks for passes whose worker died (BullMQ's `stalledInterval`). @defaultValue 30 s */
     stalledIntervalMs?: number;
+    /** How often it says it consumes the janitor queue (`keepWorkerPresence`). @defaultValue `PRESENCE_INTERVAL_MS` */
+    presenceIntervalMs?: number;
   },
 ): Promise<Janitor> {
   const queue = new Queue(JANITOR_QUEUE, { connection: options.connection, prefix: options.prefix });
@@ -961,6 +964,8 @@ export async function startJanitor(
       ...(options.stalledIntervalMs === undefined ? {} : { stalledInterval: options.stalledIntervalMs }),
     },
   );
+  // Said in Redis while it runs: fleet_queue_workers{queue="janitor"} where Redis refuses CLIENT LIST.
+  const presence = keepWorkerPresence(deps, [JANITOR_QUEUE], options.presenceIntervalMs);
   // Its passes too: one whose replica died or froze past its lock (FleetJobsStalling).
   countStalledJobs(worker, deps, "a janitor pass stalled (its replica died or froze); it runs again");
   const fresh = freshErrors();
@@ -971,6 +976,8 @@ export async function startJanitor(
   return {
     async close(timeoutMs = 30_000) {
       clearInterval(stale);
+      // Taking no more passes: no longer counted as consuming its queue.
+      const left = presence.stop(Math.min(2_000, timeoutMs));
       const graceful = worker.close().then(() => true);
       graceful.catch(() => undefined);
       // The cut-off below takes up to 2 s of the budget: a pass gets the rest.
@@ -981,6 +988,7 @@ export async function startJanitor(
       }
       await boundedClose(worker, 1_000);
       await Promise.race([queue.close(), timer]);
+      await left;
     },
   };
 }

@@ -6,6 +6,7 @@ import type { StageOutcome } from "@fleet/telemetry";
 import { DelayedError, type Job, WaitingError, Worker } from "bullmq";
 import { clock, localTime, type PipelineDeps } from "./deps.ts";
 import { HandBackError, isDeferral, isHandBack, isProviderHold, isRedisHold } from "./hand-back.ts";
+import { keepWorkerPresence, PRESENCE_INTERVAL_MS } from "./presence.ts";
 import { providerGate, providerProblem } from "./provider-gate.ts";
 import {
   isRedisRefusal,
@@ -59,6 +60,12 @@ export interface StageWorkerOptions {
   seedAhead?: SeedAheadOptions | false;
   /** Called for every BullMQ worker made, the supervisor's replacements included (listeners, metrics). */
   onWorker?: (worker: Worker, stage: StageName) => void;
+  /**
+   * Every `intervalMs`, this process says in Redis that it consumes its stages' queues
+   * (`keepWorkerPresence`), until it closes: what `fleet_queue_workers` counts where Redis refuses
+   * `CLIENT LIST`. `false` turns it off. @defaultValue `{ intervalMs: PRESENCE_INTERVAL_MS }` (10 s)
+   */
+  presence?: { intervalMs: number } | false;
 }
 
 export interface StageWorkers {
@@ -383,6 +390,10 @@ export function createStageWorkers(
   });
 
   const supervise = options.supervise === undefined ? DEFAULT_SUPERVISE : options.supervise;
+  const presence =
+    options.presence === false
+      ? null
+      : keepWorkerPresence(deps, stages, options.presence?.intervalMs ?? PRESENCE_INTERVAL_MS);
 
   const replace = (slot: Slot, why: string) => {
     const old = slot.worker;
@@ -483,6 +494,8 @@ export function createStageWorkers(
       let abandoned = 0;
       let closed = true;
       if (timer) clearInterval(timer);
+      // Taking no more jobs: no longer counted as consuming its queues.
+      const left = presence?.stop(Math.min(2_000, timeoutMs));
       breaker?.stop();
       // Seeds waiting for the bound go back to the queue now, not at the hand-back.
       seedAhead?.stop();
@@ -526,6 +539,7 @@ export function createStageWorkers(
           ]),
         ),
       );
+      await left;
       return { closed, abandoned };
     },
   };
