@@ -6,7 +6,8 @@ import { createRedis, LocalRedisServer, RolloutStore, TeardownLedger } from "@fl
 import { sandboxEntry } from "@fleet/queue/testing";
 import { createFleetMetrics, createMetricsRegistry } from "@fleet/telemetry";
 import { Queue, Worker } from "bullmq";
-import { afterAll, describe, expect, it } from "vitest";
+import type { Redis } from "ioredis";
+import { afterAll, describe, expect, it, vi } from "vitest";
 import { refreshScrapeMetrics } from "./scrape-metrics.ts";
 
 const REDIS_URL = process.env.REDIS_URL ?? "redis://127.0.0.1:6379";
@@ -21,7 +22,7 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
     await refreshScrapeMetrics({
       redis,
       queues: [q],
-      store: { inflightCount: async () => 0, probeWrite: async () => {} },
+      store: { inflightCount: async () => 0, probeWrite: async () => {}, workersPresent: async () => 0 },
       metrics,
       now,
       timeoutMs: 5_000,
@@ -44,7 +45,7 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
       await refreshScrapeMetrics({
         redis,
         queues: [],
-        store: { inflightCount: async () => 0, probeWrite: async () => {} },
+        store: { inflightCount: async () => 0, probeWrite: async () => {}, workersPresent: async () => 0 },
         ledger,
         metrics,
         now,
@@ -163,44 +164,123 @@ describe("fleet_queue_oldest_waiting_age_seconds", () => {
   });
 });
 
+/** `fleet_queue_workers{queue="run"}` of one scrape of `queue` (`undefined`: left out), at `now`. */
+async function scrapedRunWorkers(
+  redis: Redis,
+  queue: Queue,
+  store: RolloutStore,
+  now = Date.now(),
+): Promise<number | undefined> {
+  const metrics = createFleetMetrics(createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }));
+  await refreshScrapeMetrics({ redis, queues: [queue], store, metrics, now, timeoutMs: 5_000 });
+  const waiting = (await metrics.queueJobs.get()).values.find(
+    (v) => v.labels.queue === "run" && v.labels.state === "waiting",
+  );
+  // The other queue gauges are there all the same.
+  expect(waiting?.value).toBe(1);
+  return (await metrics.queueWorkers.get()).values.find((v) => v.labels.queue === "run")?.value;
+}
+
 /**
- * A Redis without the CLIENT command (renamed away, as some managed services do): BullMQ then
- * answers `getWorkers` with one made-up entry rather than an error. Its own private
- * redis-server: the shared one must keep CLIENT.
+ * Where Redis answers CLIENT LIST, the BullMQ workers connected are counted, exactly: a worker
+ * process's presence entry is not what the gauge says then.
  */
-describe("fleet_queue_workers on a Redis without CLIENT", () => {
-  const dir = mkdtempSync(join(tmpdir(), "fleet-no-client-"));
-  let server: LocalRedisServer;
+describe("fleet_queue_workers on a Redis that answers CLIENT LIST", () => {
+  const redis = createRedis(REDIS_URL);
+  const prefix = `{t-scrape-workers-${randomUUID().slice(0, 8)}}`;
+  const queue = new Queue("run", { connection: redis, prefix });
+  const store = new RolloutStore(redis, prefix);
   afterAll(async () => {
-    await server?.kill();
-    rmSync(dir, { recursive: true, force: true });
+    await queue.obliterate({ force: true });
+    await queue.close();
+    await redis.del(store.keys.workers("run"));
+    redis.disconnect();
   });
 
-  it("is left out (not a made-up 1 worker), the other queue gauges still there", async () => {
-    server = await LocalRedisServer.start({ dir, args: ["--rename-command", "CLIENT", ""] });
+  it("counts the BullMQ workers connected to the queue, not the presence entries", async () => {
+    await queue.add("run", { rolloutId: "r" }, { jobId: "r.run" });
+    // Said by a process (its entry not yet expired), and no BullMQ worker connected.
+    await store.sayWorkerPresent("run", "gone-quiet", Date.now(), Date.now() + 30_000);
+    expect(await scrapedRunWorkers(redis, queue, store)).toBe(0);
+    const worker = new Worker("run", null, { connection: redis.duplicate(), prefix, autorun: false });
+    try {
+      await worker.waitUntilReady();
+      await vi.waitFor(async () => expect(await scrapedRunWorkers(redis, queue, store)).toBe(1));
+    } finally {
+      await worker.close();
+    }
+  });
+});
+
+/**
+ * A Redis that refuses CLIENT LIST, as some managed services do: the command renamed away
+ * (BullMQ then answers `getWorkers` with one made-up entry rather than an error), or an ACL user
+ * without it (an error). The worker processes that said they consume the queue
+ * (`RolloutStore.sayWorkerPresent`, which the stage workers and the janitor do on a timer) are
+ * counted instead. Their own private redis-servers: the shared one must keep CLIENT.
+ */
+describe("fleet_queue_workers on a Redis that refuses CLIENT LIST", () => {
+  const dirs: string[] = [];
+  const servers: LocalRedisServer[] = [];
+  afterAll(async () => {
+    for (const server of servers) await server.kill();
+    for (const dir of dirs) rmSync(dir, { recursive: true, force: true });
+  });
+  const startServer = async (args: string[] = []) => {
+    const dir = mkdtempSync(join(tmpdir(), "fleet-no-client-"));
+    dirs.push(dir);
+    const server = await LocalRedisServer.start({ dir, args });
+    servers.push(server);
+    return server;
+  };
+
+  it("without the CLIENT command: the workers present (not a made-up 1 worker), 0 with none", async () => {
+    const server = await startServer(["--rename-command", "CLIENT", ""]);
     const redis = createRedis(server.url);
     const queue = new Queue("run", { connection: redis, prefix: "{t-no-client}" });
+    const store = new RolloutStore(redis, "{t-no-client}");
     try {
       await queue.add("run", { rolloutId: "r" }, { jobId: "r.run" });
-      const metrics = createFleetMetrics(
-        createMetricsRegistry({ app: "scrape-test", defaultMetrics: false }),
-      );
-      await refreshScrapeMetrics({
-        redis,
-        queues: [queue],
-        store: { inflightCount: async () => 0, probeWrite: async () => {} },
-        metrics,
-        now: Date.now(),
-        timeoutMs: 5_000,
-      });
-      const waiting = (await metrics.queueJobs.get()).values.find(
-        (v) => v.labels.queue === "run" && v.labels.state === "waiting",
-      );
-      expect(waiting?.value).toBe(1);
-      expect((await metrics.queueWorkers.get()).values).toEqual([]);
+      expect(await scrapedRunWorkers(redis, queue, store)).toBe(0);
+      await store.sayWorkerPresent("run", "w1", Date.now(), Date.now() + 30_000);
+      expect(await scrapedRunWorkers(redis, queue, store)).toBe(1);
     } finally {
       await queue.close();
       redis.disconnect();
+    }
+  });
+
+  it("for an ACL user without CLIENT: a live worker is counted; one that closed, or whose presence expired (its process died), is not", async () => {
+    const server = await startServer();
+    const admin = createRedis(server.url);
+    await admin.call("ACL", "SETUSER", "fleet", "on", ">fleet-pw", "~*", "&*", "+@all", "-client");
+    const url = `redis://fleet:fleet-pw@127.0.0.1:${server.port}`;
+    const redis = createRedis(url);
+    const prefix = "{t-acl-no-client}";
+    const queue = new Queue("run", { connection: redis, prefix });
+    const store = new RolloutStore(redis, prefix);
+    // A worker connected under the same user (its CLIENT SETNAME refused too).
+    const worker = new Worker("run", null, { connection: createRedis(url), prefix, autorun: false });
+    try {
+      await expect(redis.call("CLIENT", "LIST")).rejects.toThrow(/NOPERM/);
+      await worker.waitUntilReady();
+      await queue.add("run", { rolloutId: "r" }, { jobId: "r.run" });
+      const now = Date.now();
+      // Nobody said they consume the queue: 0 (FleetQueueNoConsumer's case), not left out.
+      expect(await scrapedRunWorkers(redis, queue, store, now)).toBe(0);
+      await store.sayWorkerPresent("run", "live", now, now + 30_000);
+      await store.sayWorkerPresent("run", "closed", now, now + 30_000);
+      await store.forgetWorkerPresent("run", "closed");
+      // Said last 40 s ago, due to be said again 10 s ago: its process died.
+      await store.sayWorkerPresent("run", "died", now - 40_000, now - 10_000);
+      expect(await scrapedRunWorkers(redis, queue, store, now)).toBe(1);
+      // The live one stops saying too (its process dies): gone once its entry expires.
+      expect(await scrapedRunWorkers(redis, queue, store, now + 30_000)).toBe(0);
+    } finally {
+      await worker.close();
+      await queue.close();
+      redis.disconnect();
+      admin.disconnect();
     }
   });
 });

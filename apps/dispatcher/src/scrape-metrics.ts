@@ -20,7 +20,8 @@ export interface ScrapeSources {
   redis: Pick<Redis, "ping" | "zrangebyscore" | "xrevrange">;
   /** The stage queues and the janitor's, by the name used as the `queue` label. */
   queues: readonly Queue[];
-  store: Pick<RolloutStore, "inflightCount" | "probeWrite">;
+  /** Also read for the workers' presence (`workersPresent`) where Redis refuses `CLIENT LIST`. */
+  store: Pick<RolloutStore, "inflightCount" | "probeWrite" | "workersPresent">;
   ledger?: Pick<TeardownLedger, "size" | "oldestSince">;
   metrics: FleetMetrics;
   now: number;
@@ -37,7 +38,8 @@ export function withTimeout<T>(promise: Promise<T>, ms: number, what: string): P
  * Set the gauges the dispatcher computes at scrape time: `fleet_redis_up` (a PING),
  * `fleet_redis_writable` (a probe key written with a minute's TTL),
  * `fleet_queue_jobs{queue,state}`, `fleet_queue_oldest_waiting_age_seconds{queue}`,
- * `fleet_queue_workers{queue}`, `fleet_rollouts_inflight` and, given a ledger,
+ * `fleet_queue_workers{queue}` (from `CLIENT LIST`, or where Redis refuses it from the worker
+ * processes' presence), `fleet_rollouts_inflight` and, given a ledger,
  * `fleet_teardown_ledger_entries` and `fleet_teardown_ledger_oldest_age_seconds`. When Redis
  * does not answer, `fleet_redis_up` is 0, the other gauges are left out of the scrape (a stale
  * depth would mislead an alert), and the error is rethrown for the caller to log.
@@ -80,7 +82,7 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
   try {
     const [perQueue, inflight, ledgerSize, ledgerSince] = await withTimeout(
       Promise.all([
-        Promise.all(src.queues.map((q) => sampleQueue(q, src.redis, src.now))),
+        Promise.all(src.queues.map((q) => sampleQueue(q, src.redis, src.store, src.now))),
         src.store.inflightCount(),
         src.ledger ? src.ledger.size() : Promise.resolve(null),
         src.ledger ? src.ledger.oldestSince() : Promise.resolve(null),
@@ -92,7 +94,7 @@ export async function refreshScrapeMetrics(src: ScrapeSources): Promise<void> {
     for (const { name, counts, oldestAgeS, workers } of perQueue) {
       for (const state of QUEUE_STATES) metrics.queueJobs.set({ queue: name, state }, counts[state] ?? 0);
       metrics.queueOldestWaitingAge.set({ queue: name }, oldestAgeS);
-      if (workers !== null) metrics.queueWorkers.set({ queue: name }, workers);
+      metrics.queueWorkers.set({ queue: name }, workers);
     }
     metrics.rolloutsInflight.set(inflight);
     if (ledgerSize !== null) {
@@ -120,7 +122,12 @@ export const WAITING_EVENTS_SCAN = 2_000;
 /** The millisecond time of a stream entry id (`<ms>-<seq>`). */
 const entryTime = (id: string) => Number(id.slice(0, id.indexOf("-")));
 
-async function sampleQueue(queue: Queue, client: ScrapeSources["redis"], now: number) {
+async function sampleQueue(
+  queue: Queue,
+  client: ScrapeSources["redis"],
+  store: ScrapeSources["store"],
+  now: number,
+) {
   const [counts, head, prioritizedHead, [, dueScore], workers] = await Promise.all([
     queue.getJobCounts(...QUEUE_STATES),
     // Next to be taken first: the right end of the wait list.
@@ -132,11 +139,17 @@ async function sampleQueue(queue: Queue, client: ScrapeSources["redis"], now: nu
     // to the wait list yet (BullMQ's workers move them when they look for a job): ready since
     // its due time, which its score holds (the time in ms, times 0x1000, plus a counter).
     client.zrangebyscore(queue.toKey("delayed"), 0, now * 0x1000 + 0xfff, "WITHSCORES", "LIMIT", 0, 1),
-    // CLIENT LIST, which some managed Redis services refuse: then this one gauge is left out.
-    // BullMQ answers a Redis without the CLIENT command with one made-up entry, not an error.
+    // CLIENT LIST, exact: the BullMQ workers connected now. Some managed Redis services refuse
+    // it (an ACL without it: an error; the command renamed away: BullMQ then answers with one
+    // made-up entry, not an error): then the worker processes that said they consume the queue
+    // and have not expired (`keepWorkerPresence` in the workers, the fleet's clock), so that
+    // FleetQueueNoConsumer still sees a queue nobody consumes.
     queue.getWorkers().then(
-      (workers) => (workers.some((w) => w.name === NO_CLIENT_LIST) ? null : workers.length),
-      () => null,
+      (workers) =>
+        workers.some((w) => w.name === NO_CLIENT_LIST)
+          ? store.workersPresent(queue.name, now)
+          : workers.length,
+      () => store.workersPresent(queue.name, now),
     ),
   ]);
   const readySince: number[] = [];
