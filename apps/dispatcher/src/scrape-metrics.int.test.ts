@@ -250,6 +250,28 @@ describe("fleet_queue_workers on a Redis that refuses CLIENT LIST", () => {
     }
   });
 
+  it("on a read-only replica (a failover's, not yet synced): the expired entries it cannot remove are not counted, and the scrape goes on", async () => {
+    const server = await startServer(["--rename-command", "CLIENT", ""]);
+    const redis = createRedis(server.url);
+    const prefix = "{t-no-client-replica}";
+    const queue = new Queue("run", { connection: redis, prefix });
+    const store = new RolloutStore(redis, prefix);
+    try {
+      await queue.add("run", { rolloutId: "r" }, { jobId: "r.run" });
+      const now = Date.now();
+      await store.sayWorkerPresent("run", "live", now, now + 30_000);
+      await store.sayWorkerPresent("run", "died", now - 40_000, now - 10_000);
+      // A replica of a master that does not answer (port 1): it keeps its data, and refuses writes.
+      await redis.call("REPLICAOF", "127.0.0.1", "1");
+      await expect(redis.set("probe", "1")).rejects.toThrow(/READONLY/);
+      expect(await scrapedRunWorkers(redis, queue, store, now)).toBe(1);
+      expect(await redis.hlen(store.keys.workers("run"))).toBe(2);
+    } finally {
+      await queue.close();
+      redis.disconnect();
+    }
+  });
+
   it("for an ACL user without CLIENT: a live worker is counted; one that closed, or whose presence expired (its process died), is not", async () => {
     const server = await startServer();
     const admin = createRedis(server.url);

@@ -27,7 +27,9 @@ end`;
  * process while it lives (`fleetSayEntry`): the sum of the counts of the entries not past their
  * expiry at `now`, but `except`'s (nil: none left out), and the entries past it (a process that
  * died) removed, in the same step: an entry said again between a read and a removal is never
- * removed.
+ * removed. A removal refused (a read-only replica) is left for a later count: the expired entries
+ * are not counted either way, and a reader (the dispatcher's scrape) gets its count, not an error
+ * (`READONLY`, which would also have its connection reconnect).
  */
 const LIVE_ENTRIES = `local function liveEntries(key, now, except)
   local all = redis.call('HGETALL', key)
@@ -43,7 +45,8 @@ const LIVE_ENTRIES = `local function liveEntries(key, now, except)
       end
     end
   end
-  if #stale > 0 then redis.call('HDEL', key, unpack(stale)) end
+  -- pcall: a read-only replica (a failover's) refuses the removal, and the count stands.
+  if #stale > 0 then redis.pcall('HDEL', key, unpack(stale)) end
   return live
 end`;
 
