@@ -8,7 +8,11 @@ import { createCredentialResolver } from "./credentials.ts";
 import type { GatewayNetworks, PipelineDeps } from "./deps.ts";
 import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
-import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
+import {
+  cancelAndClose as cancelFleetRun,
+  type InProcessFleet,
+  startInProcessFleet,
+} from "./testing/in-process-fleet.ts";
 import { type Latch, latch } from "./testing/latch.ts";
 
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
@@ -65,20 +69,7 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
 
   /** What the dispatcher's cancel does, then the close it enqueues. */
   async function cancelAndClose(id: string) {
-    await fleet!.deps.store.requestCancel(id);
-    await fleet!.deps.store.recordFailure(
-      id,
-      {
-        stage: "run",
-        terminal: true,
-        failureKind: "cancelled",
-        mask: false,
-        reason: "cancelled",
-        at: Date.now(),
-      },
-      { beforeDecided: true },
-    );
-    expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
+    expect(await cancelFleetRun(fleet!, id)).toBe("ok");
   }
 
   /**

@@ -889,19 +889,25 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     return "close";
   };
   /**
-   * Handed back. When nothing of the agent ran (no command of its started in the sandbox, no
-   * model call spent), the claim goes back, as for a failure before launch (below): kept, it
-   * would make the next delivery a rerun, whose reset an image with its own /workspace files
-   * cannot have (masked `sandbox_lost`) for an agent that never touched the sandbox. Otherwise,
-   * at a worker's shutdown, what the launch spent is kept as a stopped run's is, for a cancel (or
-   * the deadline) that comes before the next delivery, whose claim then finds the run stopped and
-   * launches nothing; a next launch's receipt or stop replaces it. Not when the fence went
-   * unanswered (Redis unreachable, and the run perhaps another launch's now).
+   * Handed back. When nothing of the agent ran, the claim goes back, as for a failure before
+   * launch (below): kept, it would make the next delivery a rerun, whose reset an image with its
+   * own /workspace files cannot have (masked `sandbox_lost`) for an agent that never touched the
+   * sandbox. Nothing ran: no command of its started in the sandbox, its harness reaches a model
+   * only through such a command (`command`, `oracle`; a tool loop's first step is a model call
+   * of its own, perhaps billed though unanswered or cut off, which leaves no usage to tell), and
+   * it reports no spend. Otherwise, at a worker's shutdown, what the launch spent is kept as a
+   * stopped run's is, for a cancel (or the deadline) that comes before the next delivery, whose
+   * claim then finds the run stopped and launches nothing; a next launch's receipt or stop
+   * replaces it, and says this launch's gap. Not when the fence went unanswered (Redis
+   * unreachable, and the run perhaps another launch's now).
    */
   const handBack = async (reason: HandBackError): Promise<never> => {
     await finishAccess().catch(() => undefined);
     const spent = countSpent();
-    if (!watched.started() && (spent === null || spent.calls === 0)) await giveBack();
+    const harness = rec.meta.agent.harness;
+    const ranNothing =
+      !watched.started() && (harness === "command" || harness === "oracle") && isNoSpend(spent);
+    if (ranNothing) await giveBack();
     else if (shutdown?.aborted) await keepUsage(withRerunGap(spent));
     throw reason;
   };
@@ -1231,6 +1237,18 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // no-op), or another launch took the fence, which is then the run's to finish.
   return (await deps.store.launchState(id, token)) === "lost" ? SUPERSEDED : closeWithSpend();
 };
+
+/** A usage that says nothing was spent: none, or no call, token or gap. */
+function isNoSpend(usage: Usage | null): boolean {
+  return (
+    usage === null ||
+    (usage.calls === 0 &&
+      !usage.promptTokens &&
+      !usage.completionTokens &&
+      !usage.cachedTokens &&
+      usage.gaps.length === 0)
+  );
+}
 
 /**
  * `provider`, counting the execs that may have started something: every exec from its call on,

@@ -13,6 +13,7 @@ import type { SandboxProvider } from "@fleet/sandbox";
 import { createLogger } from "@fleet/telemetry";
 import { Cluster } from "ioredis";
 import type { PipelineDeps } from "../deps.ts";
+import { runStageJob } from "../stage-runner.ts";
 import { createStageWorkers, type StageWorkerOptions, type StageWorkers } from "../worker.ts";
 
 /**
@@ -114,4 +115,18 @@ export async function startInProcessFleet(options: {
       redis.disconnect();
     },
   };
+}
+
+/**
+ * What the dispatcher's cancel does to a rollout whose run is under way (the stop, and the run's
+ * `cancelled` failure), then the close it enqueues, run here: the close's outcome.
+ */
+export async function cancelAndClose(fleet: InProcessFleet, id: string): Promise<string> {
+  await fleet.deps.store.requestCancel(id);
+  await fleet.deps.store.recordFailure(
+    id,
+    { stage: "run", terminal: true, failureKind: "cancelled", mask: false, reason: "cancelled", at: Date.now() },
+    { beforeDecided: true },
+  );
+  return runStageJob("close", { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } }, fleet.deps);
 }
