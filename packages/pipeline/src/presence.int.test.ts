@@ -2,6 +2,7 @@ import { JANITOR_QUEUE } from "@fleet/queue";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, describe, expect, it } from "vitest";
 import { startJanitor } from "./janitor.ts";
+import { keepWorkerPresence } from "./presence.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { until } from "./testing/no-op-stages.ts";
 
@@ -33,6 +34,23 @@ describe("worker presence", () => {
     await fleet.workers!.close(10_000);
     expect(await present()).toEqual([0, 0, 0, 0]);
     expect(await fleet.redis.hlen(store.keys.workers("run"))).toBe(0);
+  });
+
+  it("a saying still unanswered when its process closes does not bring its entry back", async () => {
+    fleet = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    const { store } = fleet.deps;
+    // The script sent once on the store's connection (ioredis sends a script's first call there
+    // as EVAL, the later ones as EVALSHA) ...
+    const earlier = keepWorkerPresence(fleet.deps, ["seed"]);
+    await until("the earlier presence", async () => (await store.workersPresent("seed", Date.now())) === 1);
+    // ... then gone from Redis (a restart, a SCRIPT FLUSH): a saying's EVALSHA is answered
+    // NOSCRIPT, and ioredis sends it again only then, behind whatever was sent after it.
+    await fleet.redis.script("FLUSH");
+    const presence = keepWorkerPresence(fleet.deps, ["run"]);
+    await presence.stop();
+    await earlier.stop();
+    expect(await store.workersPresent("run", Date.now())).toBe(0);
+    expect(await fleet.redis.exists(store.keys.workers("run"))).toBe(0);
   });
 
   it("a janitor is counted on the janitor queue while it runs, and not once closed", async () => {

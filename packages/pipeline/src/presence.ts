@@ -28,11 +28,17 @@ export function keepWorkerPresence(
 ): WorkerPresence {
   // Unique per process (and per call): `workerId` can be configured, the same on two hosts.
   const self = `${deps.workerId}:${randomUUID()}`;
+  // The sayings not answered yet: `stop` waits for them before it takes the entries out. One
+  // sent before the removal can still land after it (ioredis sends a script again, as EVAL,
+  // only once Redis answered NOSCRIPT, behind the removal), and would count a closed process.
+  const unanswered = new Set<Promise<unknown>>();
   const say = () => {
     const now = clock(deps);
     const expiresAt = now + PRESENCE_INTERVALS * intervalMs;
     for (const queue of queues) {
-      void deps.store.sayWorkerPresent(queue, self, now, expiresAt).catch(() => undefined);
+      const saying = deps.store.sayWorkerPresent(queue, self, now, expiresAt).catch(() => undefined);
+      unanswered.add(saying);
+      void saying.finally(() => unanswered.delete(saying));
     }
   };
   say();
@@ -42,12 +48,13 @@ export function keepWorkerPresence(
   return {
     stop(timeoutMs = 2_000) {
       clearInterval(timer);
-      // Sent after every saying (one connection, in order): none of them brings an entry back.
       stopping ??= Promise.race([
-        Promise.all(queues.map((queue) => deps.store.forgetWorkerPresent(queue, self))).then(
-          () => undefined,
-          () => undefined,
-        ),
+        Promise.all(unanswered)
+          .then(() => Promise.all(queues.map((queue) => deps.store.forgetWorkerPresent(queue, self))))
+          .then(
+            () => undefined,
+            () => undefined,
+          ),
         new Promise<void>((resolve) => setTimeout(resolve, timeoutMs).unref()),
       ]);
       return stopping;
