@@ -47,12 +47,15 @@ export function createCredentialResolver(options: {
   let fileEntries: Promise<FileEntries> | null = null;
   const loadFile = (file: string): Promise<FileEntries> => {
     fileEntries ??= readFile(file, "utf8")
-      .then(parseCredentialsFile, (err: unknown) => {
-        throw FleetError.retryable(
-          "provider_unavailable",
-          `cannot read the credentials file: ${(err as NodeJS.ErrnoException).code ?? "read error"}`,
-        );
-      })
+      .then(
+        (text) => parseCredentialsFile(text),
+        (err: unknown) => {
+          throw FleetError.retryable(
+            "provider_unavailable",
+            `cannot read the credentials file: ${(err as NodeJS.ErrnoException).code ?? "read error"}`,
+          );
+        },
+      )
       .catch((err: unknown) => {
         fileEntries = null; // read it again next time (the operator may fix it)
         throw err;
@@ -112,7 +115,7 @@ export function createCredentialResolver(options: {
  */
 export async function checkCredentialsFile(file: string): Promise<void> {
   try {
-    parseCredentialsFile(await readFile(file, "utf8"));
+    parseCredentialsFile(await readFile(file, "utf8"), { nameThem: true });
   } catch (err) {
     const reason =
       err instanceof FleetError
@@ -130,7 +133,7 @@ export async function checkCredentialsFile(file: string): Promise<void> {
  * credential name: `my key`, `a/b`) is left out: no rollout reached it before either, and folded
  * it must not answer one (`my-key`) now.
  */
-function parseCredentialsFile(text: string): FileEntries {
+function parseCredentialsFile(text: string, options: { nameThem?: boolean } = {}): FileEntries {
   let data: unknown;
   try {
     data = JSON.parse(text);
@@ -159,10 +162,14 @@ function parseCredentialsFile(text: string): FileEntries {
     const variable = credentialEnvName(name);
     const other = names.get(variable);
     if (other !== undefined) {
-      // Names only (a credential name is no secret), never a value.
+      // Never a value. The names only at the worker's start (`nameThem`, said to the operator):
+      // at a rollout's resolve the message is its failure's reason, which its submitter reads,
+      // and a submitter learns nothing of the operator's setup (a file changed after the start).
       throw FleetError.retryable(
         "provider_unavailable",
-        `the credentials file names one credential twice: "${other}" and "${name}" are both ${variable} (a credential name's case and its "-", "." and "_" do not tell credentials apart); keep one`,
+        options.nameThem
+          ? `the credentials file names one credential twice: "${other}" and "${name}" are both ${variable} (a credential name's case and its "-", "." and "_" do not tell credentials apart); keep one`
+          : "the credentials file names one credential twice (two of its names share one FLEET_CREDENTIAL_ variable); the agent worker's start says which",
       );
     }
     names.set(variable, name);
