@@ -1989,16 +1989,24 @@ describe("idempotency and fencing without workers", () => {
     expect((await fleet.deps.store.getResult(id!))?.status).toBe("completed");
   });
 
-  it("a run that fails before its harness starts gives the launch back: the next attempt is a first launch, not a rerun", async () => {
-    const task = byId("python-bugfix");
+  /**
+   * A rollout of `task` for a command agent, seeded, whose seed's probe says the image has its own
+   * /workspace files: a rerun could not put the sandbox back, so it would be masked.
+   */
+  async function seededWhoseRerunWouldMask(task: TaskContent): Promise<string> {
     const [id] = await fleet.submit([
       { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
     ]);
     expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
-    // An image whose /workspace could not be put back: a rerun would be masked.
     const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
     seedReceipt.probe.workspaceEmpty = false;
     await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
+    return id!;
+  }
+
+  it("a run that fails before its harness starts gives the launch back: the next attempt is a first launch, not a rerun", async () => {
+    const task = byId("python-bugfix");
+    const id = await seededWhoseRerunWouldMask(task);
     // The first attempt claims the launch, then fails (a Redis blip reading the task) before
     // its agent starts.
     let blips = 1;
@@ -2035,17 +2043,9 @@ describe("idempotency and fencing without workers", () => {
   });
 
   it("a run handed back at shutdown before its agent ran anything (no command, no model call) gives the launch back: the next delivery is a first launch, not a rerun", async () => {
-    const task = byId("python-bugfix");
-    const [id] = await fleet.submit([
-      { task, agent: { harness: "command", argv: ["sh", "-c", "echo ran"] } },
-    ]);
-    expect(await runStageJob("seed", job(id!), fleet.deps)).toBe("ok");
-    // An image whose /workspace could not be put back: a rerun would be masked.
-    const seedReceipt = (await fleet.deps.store.get(id!))!.receipts.seed!;
-    seedReceipt.probe.workspaceEmpty = false;
-    await fleet.redis.hset(fleet.deps.store.keys.rollout(id!), "r:seed", JSON.stringify(seedReceipt));
-    // The first delivery's agent is still starting (a tool loop before its first step, say)
-    // when its worker shuts down: it stops without having run a command or called a model.
+    const id = await seededWhoseRerunWouldMask(byId("python-bugfix"));
+    // The first delivery's agent is still starting (its command not created yet) when its worker
+    // shuts down: it stops without having run a command, and its harness calls no model itself.
     const starting = latch();
     const shutdown = new AbortController();
     const createHarness: PipelineDeps["createHarness"] = (agent) => ({
