@@ -5,6 +5,7 @@ import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterEach, describe, expect, it, vi } from "vitest";
 import type { PipelineDeps } from "./deps.ts";
+import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
@@ -420,6 +421,37 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect(String(await first)).toContain("HandBackError");
     expect(agent.seen.step2Error).toContain("cannot be confirmed");
     expect(provider.execCalls.slice(verifiedAt).map((c) => c.argv.join(" "))).toEqual([]);
+  });
+
+  it("a run whose fence goes unanswered past half its lock before its agent ran a command hands its job back with the launch given back: the next delivery is a first launch", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider);
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    let cut = false;
+    const starting = latch();
+    // An agent still starting (no command yet) that stops when told to.
+    const createHarness: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async (ctx) => {
+        starting.open();
+        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+        throw new Error("stopped before its first command");
+      },
+    });
+    const first = runStageJob(
+      "run",
+      job(id),
+      { ...deps, store: silencing(deps.store, () => cut), createHarness, stopPollMs: 50 },
+      { lockDurationMs: 400 },
+    ).catch((err: unknown) => err);
+    await starting.opened;
+    cut = true;
+    expect(isHandBack(await first)).toBe(true);
+    // Only the fence's reads went unanswered here: the give-back reached Redis.
+    expect(await fleet!.redis.hget(deps.store.keys.rollout(id), "fence")).toBeNull();
+    expect(await runStageJob("run", job(id), deps)).toBe("ok");
+    expect((await deps.store.get(id))!.receipts.run!.attempts).toBe(1);
   });
 
   /**
