@@ -78,4 +78,10 @@ export interface HarnessDeps {
    * A link-local host (a cloud's metadata service) is refused either way.
    */
   modelEndpoints?: readonly string[] | null;
+  /**
+   * Called as the harness itself sends a request to the agent's model (the tool loop's calls,
+   * from the worker; a command's go through the gateway from inside the sandbox), before its
+   * answer: from then on the run may have spent, whatever comes of the request.
+   */
+  onModelRequest?: () => void;
 }

@@ -1,6 +1,14 @@
 import { createServer, type Server, type ServerResponse } from "node:http";
 import type { AddressInfo } from "node:net";
-import { type AgentSpecInput, FleetError, type Usage, withUsage } from "@fleet/contracts";
+import {
+  type AgentSpecInput,
+  type FileSet,
+  FleetError,
+  type SandboxHandle,
+  type Usage,
+  withUsage,
+} from "@fleet/contracts";
+import type { PutOptions } from "@fleet/sandbox";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
 import { afterEach, describe, expect, it, vi } from "vitest";
@@ -44,8 +52,12 @@ describe("a run handed back before its agent's first command, its model already 
   }
 
   /** A fleet without workers and a seeded rollout of `hello-file` for `agent`. */
-  async function seeded(agent: AgentSpecInput, deps: Partial<PipelineDeps> = {}): Promise<string> {
-    fleet = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false, deps });
+  async function seeded(
+    agent: AgentSpecInput,
+    deps: Partial<PipelineDeps> = {},
+    provider = new InMemorySandboxProvider(),
+  ): Promise<string> {
+    fleet = await startInProcessFleet({ provider, startWorkers: false, deps });
     const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
     const [id] = (await fleet.submit([{ task, agent }])) as [string];
     expect(await runStageJob("seed", job(id), fleet.deps)).toBe("ok");
@@ -118,10 +130,83 @@ describe("a run handed back before its agent's first command, its model already 
       );
     });
     const id = await seeded({ harness: "tool-loop", model: { baseUrl, name: "m" } });
-    await handedBack(id, () => vi.waitFor(() => expect(seen.requests).toBe(1), { timeout: 20_000, interval: 20 }));
+    await handedBack(id, () =>
+      vi.waitFor(() => expect(seen.requests).toBe(1), { timeout: 20_000, interval: 20 }),
+    );
     expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
     const receipt = (await fleet!.deps.store.get(id))!.receipts.run!;
     // Two requests reached the upstream: the receipt does not read as the whole spend.
     expect(receipt.usage!.gaps.join("\n")).toMatch(/earlier launch/);
+  });
+  it("a tool loop handed back before its first request to its model (writing its instruction) gives the launch back: the next delivery is a first launch, not a rerun that masks", async () => {
+    const { seen, baseUrl } = await modelEndpoint((_n, res) => {
+      res.writeHead(200, { "content-type": "application/json" });
+      res.end(
+        JSON.stringify({
+          id: "c",
+          object: "chat.completion",
+          choices: [{ index: 0, message: { role: "assistant", content: "done" }, finish_reason: "stop" }],
+          usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
+        }),
+      );
+    });
+    // The instruction's write hangs until the shutdown (a slow daemon).
+    const provider = new (class extends InMemorySandboxProvider {
+      block = true;
+      readonly putting = latch();
+      override async put(handle: SandboxHandle, dir: string, files: FileSet, options?: PutOptions) {
+        if (this.block && dir === "/tmp/fleet") {
+          this.putting.open();
+          await new Promise(() => undefined);
+        }
+        return super.put(handle, dir, files, options);
+      }
+    })();
+    provider.block = false;
+    const id = await seeded({ harness: "tool-loop", model: { baseUrl, name: "m" } }, {}, provider);
+    // An image whose /workspace could not be put back: a rerun would be masked.
+    const key = fleet!.deps.store.keys.rollout(id);
+    const seedReceipt = (await fleet!.deps.store.get(id))!.receipts.seed!;
+    seedReceipt.probe.workspaceEmpty = false;
+    await fleet!.redis.hset(key, "r:seed", JSON.stringify(seedReceipt));
+    provider.block = true;
+    await handedBack(id, () => provider.putting.opened);
+    expect(seen.requests).toBe(0);
+    expect(await fleet!.redis.hget(key, "fence")).toBeNull();
+    provider.block = false;
+    expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
+    expect((await fleet!.deps.store.get(id))!.receipts.run!.attempts).toBe(1);
+  });
+
+  it("a rerun handed back before its command keeps its claim (it cannot go back) and what it says it spent, with the earlier launch's gap, for a cancel's result", async () => {
+    const zero: Usage = { calls: 0, promptTokens: 0, completionTokens: 0, cachedTokens: 0, gaps: [] };
+    const id = await seeded({ harness: "command", argv: ["sh", "-c", "echo ran"] }, { stopPollMs: 600_000 });
+    // The first launch ran its command, and was handed back at a shutdown.
+    const ran = latch();
+    const first: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async (ctx) => {
+        await ctx.provider.exec(ctx.handle, ["true"], { deadlineMs: Date.now() + 10_000 });
+        ran.open();
+        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+        throw withUsage(FleetError.retryable("cancelled", "harness stopped"), zero);
+      },
+    });
+    await handedBack(id, () => ran.opened, { ...fleet!.deps, createHarness: first });
+    // The second (a rerun) is handed back before its command, reporting nothing spent.
+    const starting = latch();
+    const second: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async (ctx) => {
+        starting.open();
+        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+        throw withUsage(FleetError.retryable("cancelled", "harness stopped"), zero);
+      },
+    });
+    await handedBack(id, () => starting.opened, { ...fleet!.deps, createHarness: second });
+    expect(await cancelAndClose(fleet!, id)).toBe("ok");
+    const result = (await fleet!.deps.store.getResult(id))!;
+    expect(result.agentLaunches).toBe(2);
+    expect(result.usage?.gaps.join("\n")).toMatch(/1 earlier launch/);
   });
 });

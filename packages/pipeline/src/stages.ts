@@ -643,12 +643,15 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // record a failure over the launch that replaced it (see `runStageJob`).
   rec.begun.launchFence = { field: "fence", token: `launched:${token}` };
   // A claim that launched nothing goes back (see the catch below).
-  const giveBack = async () => {
-    if (previous !== "") return;
+  /** Whether it went back. */
+  const giveBack = async (): Promise<boolean> => {
+    if (previous !== "") return false;
     // Given back, the fence is no longer this launch's to record under (the failure below is);
     // refused (another launch claimed it meanwhile: this one was taken over), it still fences
     // this launch's failure out.
-    if (await deps.store.releaseLaunch(id, token, previous).catch(() => false)) delete rec.begun.launchFence;
+    if (!(await deps.store.releaseLaunch(id, token, previous).catch(() => false))) return false;
+    delete rec.begun.launchFence;
+    return true;
   };
   // The run job is sent right behind seed's receipt; should the receipt not be there (its script
   // failed, or was re-sent after a NOSCRIPT), retry while seed's own retry writes it; when the
@@ -811,7 +814,14 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   }
 
   const make = deps.createHarness ?? defaultCreateHarness;
-  const harness = make(rec.meta.agent, deps.harnessDeps ?? {});
+  // Requests the harness itself sent to the agent's model (a tool loop's): see `handBack`.
+  let modelRequests = 0;
+  const harness = make(rec.meta.agent, {
+    ...deps.harnessDeps,
+    onModelRequest: () => {
+      modelRequests++;
+    },
+  });
   const startedAt = clock(deps);
   const deadlineFrom = (from: number) =>
     agentDeadline({ task, agent: rec.meta.agent, startedAt: from, rolloutDeadlineMs: rec.meta.deadlineAt });
@@ -892,11 +902,11 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
    * Handed back. When nothing of the agent ran, the claim goes back, as for a failure before
    * launch (below): kept, it would make the next delivery a rerun, whose reset an image with its
    * own /workspace files cannot have (masked `sandbox_lost`) for an agent that never touched the
-   * sandbox. Nothing ran: no command of its started in the sandbox, its harness reaches a model
-   * only through such a command (`command`, `oracle`; a tool loop's first step is a model call
-   * of its own, perhaps billed though unanswered or cut off, which leaves no usage to tell), and
-   * it reports no spend. Otherwise, at a worker's shutdown, what the launch spent is kept as a
-   * stopped run's is, for a cancel (or the deadline) that comes before the next delivery, whose
+   * sandbox. Nothing ran: no command of its started in the sandbox, its harness sent no request
+   * to its model (a tool loop's first step: billed perhaps though it failed or was cut off, which
+   * can leave no usage to tell), and it reports no spend. Otherwise (or when the claim cannot go
+   * back: a rerun's, or one taken over), at a worker's shutdown, what the launch spent is kept as
+   * a stopped run's is, for a cancel (or the deadline) that comes before the next delivery, whose
    * claim then finds the run stopped and launches nothing; a next launch's receipt or stop
    * replaces it, and says this launch's gap. Not when the fence went unanswered (Redis
    * unreachable, and the run perhaps another launch's now).
@@ -904,11 +914,8 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
   const handBack = async (reason: HandBackError): Promise<never> => {
     await finishAccess().catch(() => undefined);
     const spent = countSpent();
-    const harness = rec.meta.agent.harness;
-    const ranNothing =
-      !watched.started() && (harness === "command" || harness === "oracle") && isNoSpend(spent);
-    if (ranNothing) await giveBack();
-    else if (shutdown?.aborted) await keepUsage(withRerunGap(spent));
+    const ranNothing = !watched.started() && modelRequests === 0 && isNoSpend(spent);
+    if (!(ranNothing && (await giveBack())) && shutdown?.aborted) await keepUsage(withRerunGap(spent));
     throw reason;
   };
   let cleanup: CleanupReceipt;

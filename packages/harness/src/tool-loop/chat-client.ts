@@ -105,6 +105,11 @@ export interface ChatCallInput {
   /** Called for each attempt that failed (before a retry's wait, or before giving up). */
   onFailedAttempt?: () => void;
   /**
+   * Called as each attempt is sent, before its answer: the endpoint may bill it whatever comes of
+   * it (an answer, an error, no answer, the signal cutting it off).
+   */
+  onAttempt?: () => void;
+  /**
    * Whether the endpoint has answered an earlier call of this episode: only then is a 400, 413 or
    * 422 a refusal of the conversation the policy wrote (`refused`, graded) rather than of the
    * request as configured (final `agent_error`). (A first call the deadline cuts is the agent's
@@ -177,6 +182,7 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     let waitAtLeast: number | null = null;
     const sentAt = Date.now();
     try {
+      input.onAttempt?.();
       const res = await modelFetch(
         input.url,
         {

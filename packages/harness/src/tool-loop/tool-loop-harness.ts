@@ -157,6 +157,7 @@ export class ToolLoopHarness implements Harness {
               `a one-token probe request after a 403 at model call ${step}, to tell a refused key from a refused request (not counted)`,
             ),
           onFailedAttempt: () => meter.recordFailure(),
+          ...(this.deps.onModelRequest ? { onAttempt: this.deps.onModelRequest } : {}),
           onRetry: ({ attempt, status, reason, waitMs }) => {
             transcript.add({ event: "retry", step, attempt, status, reason, waitMs });
           },
