@@ -180,6 +180,8 @@ async function buildDeps(app: string, config: Common, workerId: string, env: Env
         env,
         file: config.credentialsFile ?? null,
         known: knownSecrets,
+        // What a rollout's reason leaves out (the file changed since the start's check).
+        onRefused: (why) => logger.error({ file: config.credentialsFile }, `FLEET_CREDENTIALS_FILE: ${why}`),
       }),
       modelEndpoints: config.modelBaseUrls ?? null,
     },

@@ -147,15 +147,21 @@ describe("credential resolver", () => {
       `FLEET_CREDENTIALS_FILE ${file}: the credentials file names one credential twice: ${refusal}`,
     );
     expect(start).not.toContain("SECRET");
-    const resolve = createCredentialResolver({ env: {}, file });
+    const told: string[] = [];
+    const resolve = createCredentialResolver({ env: {}, file, onRefused: (why) => told.push(why) });
     for (const name of ["my-key", "other"]) {
       const err = await failure(resolve(name, UPSTREAM));
       expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
       // The rollout's failure reason, which its submitter reads: no name of the operator's either.
       expect(err.message).toBe(
-        "the credentials file names one credential twice (two of its names share one FLEET_CREDENTIAL_ variable); the agent worker's start says which",
+        "the credentials file names one credential twice (two of its names share one FLEET_CREDENTIAL_ variable); the agent worker's log says which",
       );
     }
+    // The worker's log names both, for the operator (the start's check passed before a change).
+    expect(told).toEqual([
+      `the credentials file names one credential twice: ${refusal}; keep one`,
+      `the credentials file names one credential twice: ${refusal}; keep one`,
+    ]);
     // One kept: read again, as any fix of the file.
     writeFileSync(file, JSON.stringify({ "my-key": { value: "sk-dash-SECRET", baseUrls: [UPSTREAM] } }));
     await checkCredentialsFile(file);

@@ -43,12 +43,24 @@ export function createCredentialResolver(options: {
   env: Record<string, string | undefined>;
   file?: string | null;
   known?: Set<string>;
+  /**
+   * Told why the secrets file is refused, naming what the rollout's reason may not (the two
+   * names of one credential): for the worker's log, the operator's to read.
+   */
+  onRefused?: (why: string) => void;
 }): (name: string, baseUrl: string) => Promise<string> {
   let fileEntries: Promise<FileEntries> | null = null;
   const loadFile = (file: string): Promise<FileEntries> => {
     fileEntries ??= readFile(file, "utf8")
       .then(
-        (text) => parseCredentialsFile(text),
+        (text) => {
+          try {
+            return parseCredentialsFile(text);
+          } catch (err) {
+            if (err instanceof CredentialsFileRefused) options.onRefused?.(err.forOperator);
+            throw err;
+          }
+        },
         (err: unknown) => {
           throw FleetError.retryable(
             "provider_unavailable",
@@ -108,6 +120,19 @@ export function createCredentialResolver(options: {
 }
 
 /**
+ * A secrets file refused for what it holds: `message`, a rollout's failure reason, names nothing
+ * of the operator's; `forOperator` does (the worker's start, its log).
+ */
+class CredentialsFileRefused extends FleetError {
+  constructor(
+    message: string,
+    readonly forOperator: string,
+  ) {
+    super("provider_unavailable", message, { retryable: true });
+  }
+}
+
+/**
  * At an agent worker's start: the secrets file `FLEET_CREDENTIALS_FILE` names can be read and is
  * the expected JSON; otherwise an error naming the variable and why (never quoting the file).
  * Unchecked, a typo in its path was found only by the rollouts naming a credential, each retried
@@ -115,12 +140,14 @@ export function createCredentialResolver(options: {
  */
 export async function checkCredentialsFile(file: string): Promise<void> {
   try {
-    parseCredentialsFile(await readFile(file, "utf8"), { nameThem: true });
+    parseCredentialsFile(await readFile(file, "utf8"));
   } catch (err) {
     const reason =
-      err instanceof FleetError
-        ? err.message
-        : `cannot read the credentials file: ${(err as NodeJS.ErrnoException).code ?? "read error"}`;
+      err instanceof CredentialsFileRefused
+        ? err.forOperator
+        : err instanceof FleetError
+          ? err.message
+          : `cannot read the credentials file: ${(err as NodeJS.ErrnoException).code ?? "read error"}`;
     throw new Error(`FLEET_CREDENTIALS_FILE ${file}: ${reason}`);
   }
 }
@@ -133,7 +160,7 @@ export async function checkCredentialsFile(file: string): Promise<void> {
  * credential name: `my key`, `a/b`) is left out: no rollout reached it before either, and folded
  * it must not answer one (`my-key`) now.
  */
-function parseCredentialsFile(text: string, options: { nameThem?: boolean } = {}): FileEntries {
+function parseCredentialsFile(text: string): FileEntries {
   let data: unknown;
   try {
     data = JSON.parse(text);
@@ -162,14 +189,12 @@ function parseCredentialsFile(text: string, options: { nameThem?: boolean } = {}
     const variable = credentialEnvName(name);
     const other = names.get(variable);
     if (other !== undefined) {
-      // Never a value. The names only at the worker's start (`nameThem`, said to the operator):
-      // at a rollout's resolve the message is its failure's reason, which its submitter reads,
-      // and a submitter learns nothing of the operator's setup (a file changed after the start).
-      throw FleetError.retryable(
-        "provider_unavailable",
-        options.nameThem
-          ? `the credentials file names one credential twice: "${other}" and "${name}" are both ${variable} (a credential name's case and its "-", "." and "_" do not tell credentials apart); keep one`
-          : "the credentials file names one credential twice (two of its names share one FLEET_CREDENTIAL_ variable); the agent worker's start says which",
+      // Never a value; the names only for the operator (the worker's start, its log): at a
+      // rollout's resolve the message is its failure's reason, which its submitter reads, and a
+      // submitter learns nothing of the operator's setup (a file changed after the start).
+      throw new CredentialsFileRefused(
+        "the credentials file names one credential twice (two of its names share one FLEET_CREDENTIAL_ variable); the agent worker's log says which",
+        `the credentials file names one credential twice: "${other}" and "${name}" are both ${variable} (a credential name's case and its "-", "." and "_" do not tell credentials apart); keep one`,
       );
     }
     names.set(variable, name);
