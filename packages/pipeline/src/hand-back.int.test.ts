@@ -23,12 +23,12 @@ const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: {
 /**
  * A run handed back (its worker shut down) before its agent ran a command in the sandbox gives
  * its launch claim back only when nothing of the agent can have spent (`pipeline.int`: "a run
- * handed back at shutdown before its agent ran anything …"). A tool loop's first step is a model
- * call of its own, which may be billed though it failed or was cut off, and leaves no usage to
- * tell: such a launch keeps its claim, so its spend is kept for a cancel's result, or the next
- * launch says it as a gap (rule 12: a gap, never a silent undercount).
+ * handed back at shutdown before its agent ran anything …"): its harness sent no request to its
+ * model, and it reports no spend. A tool loop's request may be billed though it failed or was cut
+ * off, which leaves no usage to tell: such a launch keeps its claim, so its spend is kept for a
+ * cancel's result, or the next launch says it as a gap (rule 12: a gap, never a silent undercount).
  */
-describe("a run handed back before its agent's first command, its model already called", () => {
+describe("a run handed back before its agent's first command", () => {
   let fleet: InProcessFleet | undefined;
   let upstream: Server | undefined;
   afterEach(async () => {
