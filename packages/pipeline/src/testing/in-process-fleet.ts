@@ -125,8 +125,19 @@ export async function cancelAndClose(fleet: InProcessFleet, id: string): Promise
   await fleet.deps.store.requestCancel(id);
   await fleet.deps.store.recordFailure(
     id,
-    { stage: "run", terminal: true, failureKind: "cancelled", mask: false, reason: "cancelled", at: Date.now() },
+    {
+      stage: "run",
+      terminal: true,
+      failureKind: "cancelled",
+      mask: false,
+      reason: "cancelled",
+      at: Date.now(),
+    },
     { beforeDecided: true },
   );
-  return runStageJob("close", { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } }, fleet.deps);
+  return runStageJob(
+    "close",
+    { data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } },
+    fleet.deps,
+  );
 }
