@@ -14,20 +14,9 @@ import {
   startInProcessFleet,
 } from "./testing/in-process-fleet.ts";
 import { type Latch, latch } from "./testing/latch.ts";
+import { untilStopped } from "./testing/no-op-stages.ts";
 
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
-
-/** A harness that opens `working`, runs until its signal tells it to stop, then throws `error()`. */
-function untilStopped(working: Latch, error: () => Error): NonNullable<PipelineDeps["createHarness"]> {
-  return (agent) => ({
-    name: agent.harness,
-    run: async (ctx) => {
-      working.open();
-      await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-      throw error();
-    },
-  });
-}
 
 /**
  * A cancel's close destroys the sandbox while a stage still works in it (before the run's stop

@@ -17,6 +17,7 @@ import { isHandBack } from "./hand-back.ts";
 import { runStageJob } from "./stage-runner.ts";
 import { cancelAndClose, type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
+import { untilStopped } from "./testing/no-op-stages.ts";
 
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
 
@@ -85,14 +86,9 @@ describe("a run handed back before its agent's first command", () => {
     };
     const id = await seeded({ harness: "oracle" }, { stopPollMs: 600_000 });
     const working = latch();
-    const createHarness: PipelineDeps["createHarness"] = (agent) => ({
-      name: agent.harness,
-      run: async (ctx) => {
-        working.open();
-        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-        throw withUsage(FleetError.retryable("cancelled", "harness stopped: shutdown"), spent);
-      },
-    });
+    const createHarness = untilStopped(working, () =>
+      withUsage(FleetError.retryable("cancelled", "harness stopped: shutdown"), spent),
+    );
     await handedBack(id, () => working.opened, { ...fleet!.deps, createHarness });
     expect(await cancelAndClose(fleet!, id)).toBe("ok");
     expect(await fleet!.deps.store.getResult(id)).toMatchObject({ status: "cancelled", usage: spent });
@@ -195,14 +191,9 @@ describe("a run handed back before its agent's first command", () => {
     await handedBack(id, () => ran.opened, { ...fleet!.deps, createHarness: first });
     // The second (a rerun) is handed back before its command, reporting nothing spent.
     const starting = latch();
-    const second: PipelineDeps["createHarness"] = (agent) => ({
-      name: agent.harness,
-      run: async (ctx) => {
-        starting.open();
-        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-        throw withUsage(FleetError.retryable("cancelled", "harness stopped"), zero);
-      },
-    });
+    const second = untilStopped(starting, () =>
+      withUsage(FleetError.retryable("cancelled", "harness stopped"), zero),
+    );
     await handedBack(id, () => starting.opened, { ...fleet!.deps, createHarness: second });
     expect(await cancelAndClose(fleet!, id)).toBe("ok");
     const result = (await fleet!.deps.store.getResult(id))!;

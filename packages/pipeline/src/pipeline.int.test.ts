@@ -38,6 +38,7 @@ import { runStageJob } from "./stage-runner.ts";
 import { beginOptions, HANDLERS, SUPERSEDED } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
+import { untilStopped } from "./testing/no-op-stages.ts";
 import { createStageWorkers } from "./worker.ts";
 
 const IMAGE = process.env.FLEET_BASE_IMAGE ?? "rollout-fleet/base:latest";
@@ -2048,14 +2049,7 @@ describe("idempotency and fencing without workers", () => {
     // shuts down: it stops without having run a command, and its harness calls no model itself.
     const starting = latch();
     const shutdown = new AbortController();
-    const createHarness: PipelineDeps["createHarness"] = (agent) => ({
-      name: agent.harness,
-      run: async (ctx) => {
-        starting.open();
-        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-        throw new Error("stopped before its first command");
-      },
-    });
+    const createHarness = untilStopped(starting, () => new Error("stopped before its first command"));
     const first = runStageJob(
       "run",
       job(id!),

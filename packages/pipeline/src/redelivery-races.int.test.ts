@@ -10,6 +10,7 @@ import { runStageJob } from "./stage-runner.ts";
 import { beginOptions } from "./stages.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 import { latch } from "./testing/latch.ts";
+import { untilStopped } from "./testing/no-op-stages.ts";
 
 const job = (id: string, processedOn?: number, attemptsMade = 0) => ({
   data: { rolloutId: id },
@@ -431,14 +432,7 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     let cut = false;
     const starting = latch();
     // An agent still starting (no command yet) that stops when told to.
-    const createHarness: PipelineDeps["createHarness"] = (agent) => ({
-      name: agent.harness,
-      run: async (ctx) => {
-        starting.open();
-        await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
-        throw new Error("stopped before its first command");
-      },
-    });
+    const createHarness = untilStopped(starting, () => new Error("stopped before its first command"));
     const first = runStageJob(
       "run",
       job(id),

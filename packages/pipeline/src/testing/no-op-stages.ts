@@ -1,5 +1,6 @@
 import { execResult } from "@fleet/sandbox/testing";
 import type { PipelineDeps } from "../deps.ts";
+import type { Latch } from "./latch.ts";
 
 /** An agent and a verifier that do nothing and succeed at once (tests of the stage machinery). */
 export const NO_OP_AGENT_AND_VERIFIER: Pick<PipelineDeps, "createHarness" | "verify"> = {
@@ -21,4 +22,16 @@ export async function until(
     if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
     await new Promise((r) => setTimeout(r, 25));
   }
+}
+
+/** A harness that opens `working`, runs until its signal tells it to stop, then throws `error()`. */
+export function untilStopped(working: Latch, error: () => Error): NonNullable<PipelineDeps["createHarness"]> {
+  return (agent) => ({
+    name: agent.harness,
+    run: async (ctx) => {
+      working.open();
+      await new Promise((resolve) => ctx.signal?.addEventListener("abort", resolve, { once: true }));
+      throw error();
+    },
+  });
 }
