@@ -8,6 +8,7 @@ import {
   type Usage,
   withUsage,
 } from "@fleet/contracts";
+import { chatReply } from "@fleet/gateway/testing";
 import type { PutOptions } from "@fleet/sandbox";
 import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -20,6 +21,13 @@ import { latch } from "./testing/latch.ts";
 import { untilStopped } from "./testing/no-op-stages.ts";
 
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
+
+/** Answer a model request with a chat completion ("done", `chatReply`'s usage). */
+function answerDone(res: ServerResponse): void {
+  const { status, body } = chatReply({ content: "done" });
+  res.writeHead(status, { "content-type": "application/json" });
+  res.end(JSON.stringify(body));
+}
 
 /**
  * A run handed back (its worker shut down) before its agent ran a command in the sandbox gives
@@ -114,16 +122,7 @@ describe("a run handed back before its agent's first command", () => {
 
   it("the tool loop, its first call in flight at the shutdown: the next launch's receipt says the earlier launch's gap", async () => {
     const { seen, baseUrl } = await modelEndpoint((n, res) => {
-      if (n === 1) return; // in flight at the shutdown (the upstream generates, and bills)
-      res.writeHead(200, { "content-type": "application/json" });
-      res.end(
-        JSON.stringify({
-          id: "c",
-          object: "chat.completion",
-          choices: [{ index: 0, message: { role: "assistant", content: "done" }, finish_reason: "stop" }],
-          usage: { prompt_tokens: 10, completion_tokens: 2, total_tokens: 12 },
-        }),
-      );
+      if (n > 1) answerDone(res); // the first: in flight at the shutdown (the upstream generates, and bills)
     });
     const id = await seeded({ harness: "tool-loop", model: { baseUrl, name: "m" } });
     await handedBack(id, () =>
@@ -134,18 +133,9 @@ describe("a run handed back before its agent's first command", () => {
     // Two requests reached the upstream: the receipt does not read as the whole spend.
     expect(receipt.usage!.gaps.join("\n")).toMatch(/earlier launch/);
   });
+
   it("a tool loop handed back before its first request to its model (writing its instruction) gives the launch back: the next delivery is a first launch, not a rerun that masks", async () => {
-    const { seen, baseUrl } = await modelEndpoint((_n, res) => {
-      res.writeHead(200, { "content-type": "application/json" });
-      res.end(
-        JSON.stringify({
-          id: "c",
-          object: "chat.completion",
-          choices: [{ index: 0, message: { role: "assistant", content: "done" }, finish_reason: "stop" }],
-          usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
-        }),
-      );
-    });
+    const { seen, baseUrl } = await modelEndpoint((_n, res) => answerDone(res));
     // The instruction's write hangs until the shutdown (a slow daemon).
     const provider = new (class extends InMemorySandboxProvider {
       block = true;
