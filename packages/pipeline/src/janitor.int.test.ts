@@ -955,6 +955,48 @@ describe("janitor", () => {
     }
   });
 
+  it("removes an orphan whose fleet.expires label or creation time is no whole epoch ms (a fractional or huge label, no creation time given): its ledger entry is not refused before the destroy", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    const at = Date.now();
+    try {
+      // Rollouts this fleet does not know; each sandbox's labels and creation time as listed.
+      const odd: Array<{ expires: string; createdAt: number }> = [
+        { expires: String(at - 60_000.5), createdAt: at - 3_600_000 }, // expired, fractional
+        { expires: "1e20", createdAt: at - 3_600_000 }, // unknown rollout past the grace, far future
+        { expires: String(at - 60_000), createdAt: Number.NaN }, // expired, no creation time
+      ];
+      const handles = await Promise.all(
+        odd.map((_, i) =>
+          memory.create({ image: "img", rolloutId: `oddlabel${i}${RUN}`, owner: "resources", expiresAt: at }),
+        ),
+      );
+      const provider = Object.assign(Object.create(memory) as InMemorySandboxProvider, {
+        list: async () =>
+          (await memory.list()).map((info) => {
+            const i = handles.findIndex((h) => h.id === info.handle.id);
+            return {
+              ...info,
+              createdAt: odd[i]!.createdAt,
+              labels: {
+                ...info.labels,
+                [LABEL_ROLLOUT]: info.handle.rolloutId,
+                [LABEL_OWNER]: info.handle.owner,
+                "fleet.expires": odd[i]!.expires,
+              },
+            };
+          }),
+      });
+      const report = await janitorTick({ ...own.deps, provider, now: () => at }, { orphanGraceMs: 60_000 });
+      expect(report.errors).toEqual([]);
+      expect(report.orphansRemoved).toBe(3);
+      expect(await Promise.all(handles.map((h) => memory.alive(h)))).toEqual([false, false, false]);
+      expect(await own.deps.ledger.size()).toBe(0);
+    } finally {
+      await own.close();
+    }
+  });
+
   it("closes a rollout stuck past its deadline as masked deadline_exceeded", async () => {
     const task = await helloFile();
     // No workers run: the rollout sits in `accepted` until the watchdog closes it.

@@ -455,14 +455,18 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           const ledgers = (e: LedgerEntry | null | undefined) =>
             !!e && (e.handle === null || e.handle.id === info.handle.id);
           if (ledgers(onLedger.get(sandboxKey(rolloutId, owner)))) return;
+          // An entry holds whole epoch ms: a label or creation time that is none (a fractional or
+          // huge `fleet.expires`, no creation time given) is now there, or the entry was refused
+          // before the destroy, every pass, and the orphan never removed.
+          const wholeMs = (ms: number) => (Number.isSafeInteger(ms) ? ms : now);
           const entry: SandboxEntry = {
             key: sandboxKey(rolloutId, owner),
             rolloutId,
             owner,
             provider: deps.provider.name,
             handle: info.handle,
-            createdAt: info.createdAt,
-            expiresAt: Number.isFinite(expires) ? expires : now,
+            createdAt: wholeMs(info.createdAt),
+            expiresAt: wholeMs(expires),
           };
           // On the ledger, taken, before its destroy is tried (`takeNew`): a destroy that never
           // returns (it crashed or hung the janitor until it was killed) would otherwise leave
