@@ -955,6 +955,37 @@ describe("janitor", () => {
     }
   });
 
+  it("leaves a live rollout's sandbox whose fleet.expires label is blank, as one without the label: no expiry to go by, not one long passed", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    try {
+      const task = await helloFile();
+      // No workers run: the rollout stays `accepted`, well before its deadline.
+      const [id] = (await own.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+      const blank = await memory.create({
+        image: "img",
+        rolloutId: id,
+        owner: "resources",
+        expiresAt: Date.now() + 3_600_000,
+      });
+      const provider = Object.assign(Object.create(memory) as InMemorySandboxProvider, {
+        list: async () =>
+          (await memory.list()).map((info) => ({
+            ...info,
+            createdAt: Date.now(),
+            labels: { ...info.labels, [LABEL_ROLLOUT]: id, [LABEL_OWNER]: "resources", "fleet.expires": " " },
+          })),
+      });
+      const report = await janitorTick({ ...own.deps, provider }, { orphanGraceMs: 3_600_000 });
+      expect(report.errors).toEqual([]);
+      expect((await own.deps.store.get(id))?.status).toBe("accepted");
+      expect(report.orphansRemoved).toBe(0);
+      expect(await memory.alive(blank)).toBe(true);
+    } finally {
+      await own.close();
+    }
+  });
+
   it("removes an orphan whose fleet.expires label or creation time is no whole epoch ms (a fractional or huge label, no creation time given): its ledger entry is not refused before the destroy", async () => {
     const memory = new InMemorySandboxProvider();
     const own = await startInProcessFleet({ provider: memory, startWorkers: false });

@@ -435,7 +435,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
       for (const info of listed) {
         const rolloutId = info.labels[LABEL_ROLLOUT];
         const owner = info.labels[LABEL_OWNER] === "agent" ? "agent" : "resources";
-        const expires = Number(info.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
+        const expires = labelledExpiry(info.labels);
         if (!rolloutId) continue;
         const theirs = foreign.has(info);
         // Each sandbox on its own: one whose rollout record cannot be read stops no other's removal.
@@ -505,7 +505,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
         const rolloutId = volume.labels[LABEL_ROLLOUT];
         if (!rolloutId) continue;
         await volumeSteps.run(`volumes ${volume.name}`, async () => {
-          const expires = Number(volume.labels[LABEL_EXPIRES] ?? Number.POSITIVE_INFINITY);
+          const expires = labelledExpiry(volume.labels);
           const orphan = await isOrphan(
             deps,
             rolloutId,
@@ -605,6 +605,16 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     deps.metrics?.teardownLedgerOldestAge.set(ageSeconds(since, clock(deps)));
   });
   return report;
+}
+
+/**
+ * A sandbox's or volume's `fleet.expires` label, epoch ms: +Infinity (no expiry to go by) when it
+ * is missing or blank, as `Number` reads a blank label as 0 (long passed: a live rollout's
+ * sandbox removed); NaN (never passed either) when it is not a number.
+ */
+function labelledExpiry(labels: Record<string, string>): number {
+  const label = labels[LABEL_EXPIRES];
+  return label === undefined || label.trim() === "" ? Number.POSITIVE_INFINITY : Number(label);
 }
 
 /**
