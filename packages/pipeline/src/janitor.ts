@@ -838,7 +838,7 @@ export const JANITOR_SCHEDULER = "janitor-tick";
 export const STALE_SAMPLE_INTERVALS = 3;
 
 export interface Janitor {
-  /** Stop within `timeoutMs`: a pass under way gets all but its last 2 s, then is cut off (each step is idempotent). */
+  /** Stop within `timeoutMs`: a pass under way gets all but its last 2 s (half of a budget under 4 s), then is cut off (each step is idempotent). */
   close(timeoutMs?: number): Promise<void>;
 }
 
@@ -994,13 +994,15 @@ export async function startJanitor(
       const left = presence.stop(Math.min(2_000, timeoutMs));
       const graceful = worker.close().then(() => true);
       graceful.catch(() => undefined);
-      // The cut-off below takes up to 2 s of the budget: a pass gets the rest.
-      const passMs = Math.max(0, timeoutMs - 2_000);
+      // The cut-off below takes up to 2 s of the budget (half of a budget under 4 s, or a small
+      // one ran over by the cut-off's own 2 s): a pass gets the rest.
+      const cutMs = Math.min(2_000, Math.floor(timeoutMs / 2));
+      const passMs = timeoutMs - cutMs;
       const timer = new Promise<false>((resolve) => setTimeout(() => resolve(false), passMs).unref());
       if (!(await Promise.race([graceful, timer]))) {
         deps.logger.warn({ timeoutMs }, "janitor pass still running at shutdown; cutting it off");
       }
-      await boundedClose(worker, 1_000);
+      await boundedClose(worker, cutMs / 2);
       await Promise.race([queue.close(), timer]);
       await left;
     },
