@@ -185,6 +185,19 @@ describe("tests verifier", () => {
     expect(verdict.details.stderrTail).toBe("boom");
   });
 
+  it("cuts the output tails between characters: an emoji cut in half left a lone surrogate in the verdict", async () => {
+    // 2,000 characters less the mark's 12 is an odd count: a tail of emoji (two UTF-16 units
+    // each) cut there starts with the second half of one.
+    script(() => ({ exitCode: 1, stdout: "😀".repeat(3000), stderr: `${"😀".repeat(3000)}!` }));
+    const verdict = await verify(ctx());
+    for (const key of ["stdoutTail", "stderrTail"]) {
+      const tail = verdict.details[key] as string;
+      expect(tail.startsWith("[truncated]…"), key).toBe(true);
+      expect(tail.length, key).toBeLessThanOrEqual(2000);
+      expect((tail as string & { isWellFormed(): boolean }).isWellFormed(), key).toBe(true);
+    }
+  });
+
   it("tests that left processes running grade 0 whatever their reward file and exit status say", async () => {
     provider.onExec = async (call) => {
       const nonce = nonceOf(call);

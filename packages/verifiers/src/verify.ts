@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { capText, endedBySignal, FleetError, fileModes, isFleetError } from "@fleet/contracts";
+import { capText, endedBySignal, FleetError, fileModes, isFleetError, wholeSlice } from "@fleet/contracts";
 import {
   AGENT_UID,
   AGENT_USER,
@@ -654,9 +654,12 @@ function abortError(signal: AbortSignal): FleetError {
   return new FleetError("cancelled", `verification stopped: ${why}`, { cause: reason });
 }
 
-/** The last `max` characters of `text`, marking the cut at the front. */
+/**
+ * The last `max` characters of `text`, marking the cut at the front; cut between characters
+ * (`wholeSlice`), never between a surrogate pair's halves, as the harness's `capTail` is.
+ */
 export function capTail(text: string, max = MAX_DETAIL_CHARS): string {
   const mark = "[truncated]…";
   if (text.length <= max) return text;
-  return mark + text.slice(text.length - Math.max(0, max - mark.length));
+  return mark + wholeSlice(text, text.length - Math.max(0, max - mark.length), text.length);
 }
