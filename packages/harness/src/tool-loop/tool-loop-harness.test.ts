@@ -537,6 +537,26 @@ describe("ToolLoopHarness", () => {
     expect(JSON.stringify(upstream.requests[1]!.body).length).toBeLessThan(64 * 1024);
   });
 
+  it("caps a tool call's name in the history between characters: an emoji cut in half left a lone surrogate, which an endpoint given the history back may refuse", async () => {
+    const reply = chatReply({ bash: ["true"] });
+    const [call] = (
+      reply.body as { choices: [{ message: { tool_calls: Array<{ function: { name: string } }> } }] }
+    ).choices[0].message.tool_calls;
+    // 401 UTF-16 units: cut at 256, the last one kept is the first half of an emoji.
+    call!.function.name = `x${"😀".repeat(200)}`;
+    upstream.push(reply, chatReply({ content: "done" }));
+    await harness().run(ctx(agent()));
+    const history = (
+      upstream.requests[1]!.body as {
+        messages: Array<{ role: string; tool_calls?: Array<{ function: { name: string } }> }>;
+      }
+    ).messages;
+    const name = history.find((m) => m.role === "assistant")!.tool_calls![0]!.function.name;
+    expect(name.length).toBeLessThanOrEqual(256);
+    expect(name.startsWith("x😀")).toBe(true);
+    expect(WellFormedText.safeParse(name).success).toBe(true);
+  });
+
   it.each([
     ["400 about the conversation", 400, "bad_request", "invalid tool arguments"],
     [

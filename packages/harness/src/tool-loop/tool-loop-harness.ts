@@ -8,6 +8,7 @@ import {
   isLinkLocalAddress,
   isLinkLocalUrl,
   normalizeBaseUrl,
+  wholeSlice,
   withUsage,
 } from "@fleet/contracts";
 import { capRefusal, readCallUsage, UsageMeter } from "@fleet/gateway";
@@ -488,6 +489,10 @@ function historyCall(call: ToolCall): ToolCall {
   }
   return {
     ...call,
-    function: { name: call.function.name.slice(0, MAX_HISTORY_NAME_CHARS) || "unknown", arguments: args },
+    // Cut between characters (`wholeSlice`): half an emoji is text an endpoint may refuse.
+    function: {
+      name: wholeSlice(call.function.name, 0, MAX_HISTORY_NAME_CHARS) || "unknown",
+      arguments: args,
+    },
   };
 }
