@@ -108,6 +108,27 @@ const ModelName = z
 /** A command-line argument or environment value: no process can be given a NUL byte. */
 const NoNulString = z.string().refine((v) => !v.includes("\0"), "must not contain a NUL byte");
 
+/**
+ * Bytes of one argument or environment entry (`NAME=value`) an exec takes, its terminating NUL
+ * included: Linux's MAX_ARG_STRLEN. A longer one is refused by the kernel (E2BIG) before the
+ * command starts, on every attempt.
+ */
+export const MAX_EXEC_STRING_BYTES = 128 * 1024;
+/**
+ * Bytes a command agent's argv and env may take together (each string with its NUL): half the
+ * 2 MiB a Linux exec takes with the default 8 MiB stack (ARG_MAX), the rest left for the
+ * fleet's own wrapper (`timeout`, the sandbox's entry) and environment (a model gateway's).
+ */
+export const MAX_COMMAND_ARGS_BYTES = 1024 * 1024;
+
+/** Why an exec cannot take `text` as one string, or `undefined` when it can. */
+function execStringProblem(text: string): string | undefined {
+  const bytes = Buffer.byteLength(text) + 1;
+  return bytes > MAX_EXEC_STRING_BYTES
+    ? `is ${bytes} bytes with its NUL, over the ${MAX_EXEC_STRING_BYTES} bytes Linux takes in one argument or environment entry (E2BIG): put long content in a file (the task's workspace, or the image)`
+    : undefined;
+}
+
 const common = {
   /** Display name in results; defaults to the harness name. */
   name: z.string().min(1).max(100).optional(),
@@ -118,41 +139,65 @@ const common = {
 
 export const OracleAgent = z.strictObject({ harness: z.literal("oracle"), ...common });
 
-export const CommandAgent = z.strictObject({
-  harness: z.literal("command"),
-  ...common,
-  argv: z.array(NoNulString).min(1, "argv must name a command").max(4096, "argv has at most 4096 items"),
-  env: z
-    .record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), NoNulString)
-    .superRefine((env, ctx) => {
-      for (const name of Object.keys(env)) {
-        if (looksLikeCredential(name)) {
-          ctx.addIssue({
-            code: "custom",
-            path: [name],
-            message:
-              "looks like a credential: a rollout is stored in Redis, so it carries credential names, never values (use model.credential)",
-          });
+export const CommandAgent = z
+  .strictObject({
+    harness: z.literal("command"),
+    ...common,
+    argv: z
+      .array(
+        NoNulString.superRefine((arg, ctx) => {
+          const problem = execStringProblem(arg);
+          if (problem) ctx.addIssue({ code: "custom", message: problem });
+        }),
+      )
+      .min(1, "argv must name a command")
+      .max(4096, "argv has at most 4096 items"),
+    env: z
+      .record(z.string().regex(/^[A-Za-z_][A-Za-z0-9_]*$/), NoNulString)
+      .superRefine((env, ctx) => {
+        for (const [name, value] of Object.entries(env)) {
+          const problem = execStringProblem(`${name}=${value}`);
+          if (problem) ctx.addIssue({ code: "custom", path: [name], message: problem });
+          if (looksLikeCredential(name)) {
+            ctx.addIssue({
+              code: "custom",
+              path: [name],
+              message:
+                "looks like a credential: a rollout is stored in Redis, so it carries credential names, never values (use model.credential)",
+            });
+          }
         }
-      }
-    })
-    .default({}),
-  /**
-   * Give the command a model through the per-rollout gateway. `baseUrl` is required: the worker's
-   * credential is bound to an upstream, and the API can tell a missing one up front (422).
-   */
-  model: z
-    .strictObject({
-      name: ModelName,
-      baseUrl: ModelBaseUrl,
-      credential: CredentialName,
-      /** Calls the gateway forwards for this rollout; past it a call gets 429 `call_cap_exceeded`. */
-      maxCalls: z.number().int().positive().optional(),
-      /** Tokens (prompt + completion) after which no call starts (429 `token_cap_exceeded`). */
-      maxTokens: z.number().int().positive().optional(),
-    })
-    .optional(),
-});
+      })
+      .default({}),
+    /**
+     * Give the command a model through the per-rollout gateway. `baseUrl` is required: the worker's
+     * credential is bound to an upstream, and the API can tell a missing one up front (422).
+     */
+    model: z
+      .strictObject({
+        name: ModelName,
+        baseUrl: ModelBaseUrl,
+        credential: CredentialName,
+        /** Calls the gateway forwards for this rollout; past it a call gets 429 `call_cap_exceeded`. */
+        maxCalls: z.number().int().positive().optional(),
+        /** Tokens (prompt + completion) after which no call starts (429 `token_cap_exceeded`). */
+        maxTokens: z.number().int().positive().optional(),
+      })
+      .optional(),
+  })
+  .superRefine((agent, ctx) => {
+    // All of them in one exec: past ARG_MAX the kernel refuses it (E2BIG), each string fitting.
+    let bytes = 0;
+    for (const arg of agent.argv) bytes += Buffer.byteLength(arg) + 1;
+    for (const [name, value] of Object.entries(agent.env)) bytes += Buffer.byteLength(`${name}=${value}`) + 1;
+    if (bytes > MAX_COMMAND_ARGS_BYTES) {
+      ctx.addIssue({
+        code: "custom",
+        path: ["argv"],
+        message: `argv and env take ${bytes} bytes together, over the ${MAX_COMMAND_ARGS_BYTES} bytes a command agent's exec may take (E2BIG past Linux's ARG_MAX): put long content in a file (the task's workspace, or the image)`,
+      });
+    }
+  });
 
 export const ModelSpec = z.strictObject({
   baseUrl: ModelBaseUrl,

@@ -217,6 +217,27 @@ describe("AgentSpec refusals", () => {
     expect(r2.error?.issues[0]?.path).toEqual(["env", "A"]);
   });
 
+  it("a command agent's argument or environment entry no exec can take (over Linux's 128 KiB a string, E2BIG), or all of them past the bound, is refused up front (422), not at the exec (where a provider's spawn failure masked it as provider_unavailable after retries)", () => {
+    const big = "x".repeat(128 * 1024);
+    const arg = AgentSpec.safeParse({ harness: "command", argv: ["echo", big] });
+    expect(arg.error?.issues[0]).toMatchObject({ path: ["argv", 1] });
+    expect(arg.error?.issues[0]?.message).toMatch(/131072 bytes/);
+    // An environment entry is `NAME=value`, one string as the exec gets it.
+    const env = AgentSpec.safeParse({ harness: "command", argv: ["true"], env: { A: big.slice(2) } });
+    expect(env.error?.issues[0]).toMatchObject({ path: ["env", "A"] });
+    // Each one under the bound, all of them together past it.
+    const many = Array.from({ length: 20 }, () => "y".repeat(100 * 1024));
+    const total = AgentSpec.safeParse({ harness: "command", argv: ["echo", ...many] });
+    expect(total.error?.issues[0]?.path).toEqual(["argv"]);
+    expect(total.error?.issues[0]?.message).toMatch(/1048576 bytes/);
+    // At the bounds, accepted: an argument of 131,071 bytes (its NUL makes 131,072), an entry too.
+    const most = "z".repeat(128 * 1024 - 1);
+    expect(AgentSpec.safeParse({ harness: "command", argv: ["echo", most] }).success).toBe(true);
+    expect(
+      AgentSpec.safeParse({ harness: "command", argv: ["true"], env: { A: most.slice(2) } }).success,
+    ).toBe(true);
+  });
+
   it("a blank model name is refused (422), for both harnesses that name one", () => {
     const url = "http://127.0.0.1:8000/v1";
     const toolLoop = AgentSpec.safeParse({ harness: "tool-loop", model: { baseUrl: url, name: "   " } });
