@@ -491,6 +491,29 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(changes.before.size).toBe(0);
   });
 
+  it("a directory swapped for a symbolic link after it was listed: refused, its target's files never read", async () => {
+    const dir = await writeTask("t", { "tests/a.txt": "first\n", "tests/b/x.txt": "plain\n" });
+    const outside = path.join(tmp, "outside");
+    mkdirSync(outside);
+    writeFileSync(path.join(outside, "x.txt"), "host secret\n");
+    const sub = path.join(dir, "tests", "b");
+    // Listed as a directory; swapped for a link as the loader reads the file before it (a.txt).
+    changes.before.set(path.join(dir, "tests", "a.txt"), () => {
+      rmSync(sub, { recursive: true });
+      symlinkSync(outside, sub);
+    });
+    const err = await loadTask(dir).then(
+      (task) => task.tests,
+      (e: unknown) => e,
+    );
+    expect(changes.before.size).toBe(0);
+    expect(JSON.stringify(err)).not.toContain("host secret");
+    expect(isFleetError(err) && err.kind).toBe("invalid_task");
+    expect((err as Error).message).toContain(
+      `${path.join(sub, "x.txt")}: is reached through a symbolic link`,
+    );
+  });
+
   it("a file swapped for a FIFO after it was listed: refused at once, not waited on for a writer", async () => {
     const dir = await writeTask("t", {});
     const file = path.join(dir, "instruction.md");

@@ -1,5 +1,5 @@
 import type { Dirent, Stats } from "node:fs";
-import { constants, type FileHandle, lstat, open, readdir, realpath, stat } from "node:fs/promises";
+import { constants, type FileHandle, lstat, open, readdir, readlink, realpath, stat } from "node:fs/promises";
 import path from "node:path";
 import {
   FILESET_TOO_LARGE,
@@ -448,13 +448,17 @@ async function readText(file: string, budget: Budget, missing: string): Promise<
  *
  * The checks are made on the file as opened, not on its path before a read: a file swapped for
  * a symbolic link (`O_NOFOLLOW`), a FIFO (`O_NONBLOCK`: opening one would wait for a writer, and
- * the load with it) or a bigger file between a check and the read is refused, never read.
+ * the load with it) or a bigger file between a check and the read is refused, never read. With
+ * `atPath` (`file` spelled from the task's real path), so is a file reached through a directory
+ * above it swapped for a symbolic link after it was listed (`O_NOFOLLOW` guards only the last
+ * name): where Linux says what was opened (`/proc/self/fd`), it must be `file` itself.
  */
 async function readTextFile(
   file: string,
   budget: Budget,
   missing: string,
   keepBom: boolean,
+  atPath = false,
 ): Promise<{ text: string; executable: boolean }> {
   let handle: FileHandle;
   try {
@@ -470,6 +474,15 @@ async function readTextFile(
   try {
     const st = await handle.stat();
     if (!st.isFile()) throw invalid(file, "is not a regular file");
+    if (atPath && process.platform === "linux") {
+      const opened = await readlink(`/proc/self/fd/${handle.fd}`).catch(() => null);
+      if (opened !== null && opened !== file) {
+        throw invalid(
+          file,
+          "is reached through a symbolic link (a directory above it was swapped for one while the task was read): refused, never read",
+        );
+      }
+    }
     budget.left -= st.size;
     if (budget.left < 0)
       throw invalid(file, `task is over the limit of ${budget.max} bytes (its files, as read)`);
@@ -558,7 +571,8 @@ async function readTree(
         const gone = entry.name.includes("\uFFFD")
           ? "has a name that is not UTF-8 (rename it)"
           : "vanished while reading";
-        const { text, executable } = await readTextFile(childAbs, budget, gone, true);
+        // `childAbs` is spelled from the task's real path (`loadTask`'s `realpath`).
+        const { text, executable } = await readTextFile(childAbs, budget, gone, true, true);
         files[childRel] = text;
         read++;
         // Staged by default at 0755 when it starts with `#!` (`buildTar`), 0644 otherwise.
