@@ -1,4 +1,5 @@
 import { randomUUID } from "node:crypto";
+import { Readable } from "node:stream";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
 import { createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
@@ -6,6 +7,7 @@ import { UnrecoverableError, Worker } from "bullmq";
 import type { FastifyInstance, InjectOptions } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { LOGIN_FORM_BYTES } from "./routes/admin.ts";
 import { createServer } from "./server.ts";
 import { SESSION_COOKIE } from "./session.ts";
 
@@ -269,6 +271,38 @@ describe("Bull Board at /admin/queues", () => {
     });
     expect(wrong.statusCode).toBe(401);
     expect(wrong.headers["set-cookie"]).toBeUndefined();
+  });
+
+  it("answers a sign-in form over its own bound 413 naming that bound, not the API's body limit", async () => {
+    const res = await call({
+      method: "POST",
+      url: "/admin/login",
+      headers: { "content-type": "application/x-www-form-urlencoded", origin: ORIGIN },
+      payload: new URLSearchParams({ token: USER, next: `/admin/queues/${"a".repeat(9000)}` }).toString(),
+    });
+    expect(res.statusCode).toBe(413);
+    expect(res.json()).toEqual({
+      error: {
+        code: "payload_too_large",
+        message: `the sign-in form is over the limit of ${LOGIN_FORM_BYTES} bytes`,
+        details: { limit: LOGIN_FORM_BYTES },
+      },
+    });
+    expect(res.headers["set-cookie"]).toBeUndefined();
+    // A JSON body there (chunked: no length to refuse it by first) is bounded as any other body.
+    const json = await call({
+      method: "POST",
+      url: "/admin/login",
+      headers: { "content-type": "application/json", origin: ORIGIN },
+      payload: Readable.from([JSON.stringify({ token: USER, pad: "x".repeat(100_000) })]),
+    });
+    expect(json.statusCode).toBe(413);
+    expect(json.json().error.message).not.toContain("sign-in form");
+    // And /openapi.json says the route answers so.
+    const doc = (await call({ method: "GET", url: "/openapi.json", token: USER })).json() as {
+      paths: Record<string, { post?: { responses: Record<string, unknown> } }>;
+    };
+    expect(doc.paths["/admin/login"]?.post?.responses).toHaveProperty("413");
   });
 
   it("refuses a cross-site action on the admin's cookie (CSRF) and a cross-site sign-in", async () => {

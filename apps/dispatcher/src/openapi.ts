@@ -258,6 +258,7 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
             "400": { description: "no token in the form", content: html },
             "401": { description: "wrong token (the form again)", content: html },
             "403": { description: "Origin/Referer is another site (login CSRF)", content: html },
+            "413": { description: "a form over 8 KiB (LOGIN_FORM_BYTES)", content: json("Error") },
           },
         },
       },

@@ -22,7 +22,7 @@ import {
   tooManyValuesError,
 } from "./requests.ts";
 import { trackRoutes } from "./route-table.ts";
-import { registerAdminRoutes, sendLoginPage } from "./routes/admin.ts";
+import { LOGIN_FORM_BYTES, LOGIN_PATH, registerAdminRoutes, sendLoginPage } from "./routes/admin.ts";
 import { registerBatchRoutes } from "./routes/batches.ts";
 import { registerOpsRoutes } from "./routes/ops.ts";
 import { registerRolloutRoutes } from "./routes/rollouts.ts";
@@ -63,12 +63,16 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   const lingerBytes = config.maxBodyBytes * LINGER_FACTOR;
   /** A signed-in client's body over the limit is drained up to this size (see `preParsing` below). */
   const drainBytes = Math.max(lingerBytes, LINGER_FLOOR_BYTES);
-  const bodyTooLarge = (what: string, headers: Readonly<Record<string, string>> = {}) =>
+  const bodyTooLarge = (
+    what: string,
+    headers: Readonly<Record<string, string>> = {},
+    limit: number = config.maxBodyBytes,
+  ) =>
     new HttpError(
       413,
       "payload_too_large",
-      `${what} is over the limit of ${config.maxBodyBytes} bytes`,
-      { limit: config.maxBodyBytes },
+      `${what} is over the limit of ${limit} bytes`,
+      { limit },
       headers,
     );
   /**
@@ -386,7 +390,11 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     if (http.code === "payload_too_large" && !isHttpError(err)) {
       // Fastify's own (a chunked body that passed the limit as it came): the same answer as a
       // Content-Length over it. Its connection is closed (the rest of the body is not read).
-      http = bodyTooLarge("the request body", http.headers);
+      // The sign-in form has a bound of its own, far lower: that one is named.
+      http =
+        req.routeOptions.url === LOGIN_PATH && isForm(req)
+          ? bodyTooLarge("the sign-in form", http.headers, LOGIN_FORM_BYTES)
+          : bodyTooLarge("the request body", http.headers);
     } else if (http.code === "unsupported_media_type" && !isHttpError(err)) {
       // Fastify says only "Unsupported Media Type": say what is taken instead.
       const got = String(req.headers["content-type"] ?? "none").slice(0, 100);
@@ -479,6 +487,11 @@ function discard(payload: NodeJS.ReadableStream, ms: number): Promise<boolean> {
     payload.once("close", () => settle(false));
     payload.resume();
   });
+}
+
+/** A form post's body (`application/x-www-form-urlencoded`: the sign-in form). */
+function isForm(req: FastifyRequest): boolean {
+  return /^application\/x-www-form-urlencoded\s*(;|$)/i.test(String(req.headers["content-type"] ?? ""));
 }
 
 /** A browser navigating (it asks for HTML), not a script asking for JSON. */

@@ -7,6 +7,8 @@ import { sessionCookie } from "../session.ts";
 
 export const LOGIN_PATH = "/admin/login";
 export const LOGOUT_PATH = "/admin/logout";
+/** The largest sign-in form body read (a token and a `next`); over it, 413. */
+export const LOGIN_FORM_BYTES = 8192;
 
 /** The login form's body (`application/x-www-form-urlencoded`). */
 export const LoginForm = z.object({
@@ -104,7 +106,7 @@ export function registerAdminRoutes(app: FastifyInstance, auth: Authenticator): 
     // Form posts are read only here; the API keeps refusing this type (415).
     scope.addContentTypeParser(
       "application/x-www-form-urlencoded",
-      { parseAs: "string", bodyLimit: 8192 },
+      { parseAs: "string", bodyLimit: LOGIN_FORM_BYTES },
       (_req, body, done) => done(null, Object.fromEntries(new URLSearchParams(body as string))),
     );
 
