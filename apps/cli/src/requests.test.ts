@@ -1,7 +1,10 @@
+import { mkdtemp, rm, writeFile } from "node:fs/promises";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { MAX_METADATA_BYTES, TaskContent } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
 import { buildRollouts, chunkRollouts, resolveAgent, UsageError } from "./requests.ts";
-import { rerunRollouts } from "./rerun.ts";
+import { maskedLines, rerunRollouts } from "./rerun.ts";
 
 function task(id: string, pad = 0): TaskContent {
   return TaskContent.parse({
@@ -34,6 +37,14 @@ describe("resolveAgent", () => {
     });
   });
 
+  it("reads a JSON file that starts with a byte order mark (Windows editors write one)", async () => {
+    const files: Record<string, string> = { "agent.json": '\uFEFF{"harness":"oracle","name":"ref"}\r\n' };
+    expect(await resolveAgent("agent.json", async (p) => files[p] ?? noFiles(p))).toEqual({
+      harness: "oracle",
+      name: "ref",
+    });
+  });
+
   it("refuses an unknown name, bad JSON and an invalid spec with a usage error", async () => {
     await expect(resolveAgent("gpt-agent", noFiles)).rejects.toThrow(
       /unknown agent "gpt-agent": expected oracle/,
@@ -54,6 +65,23 @@ describe("resolveAgent", () => {
     const err = await resolveAgent('{"harness":"command","argv":[]}', noFiles).catch((e: unknown) => e);
     expect(err).toBeInstanceOf(UsageError);
     expect((err as Error).message).toContain("argv: argv must name a command");
+  });
+});
+
+describe("maskedLines", () => {
+  it("reads a results file that starts with a byte order mark (a file saved again by a Windows editor)", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-rerun-"));
+    try {
+      const path = join(dir, "results.jsonl");
+      const line = (status: string) =>
+        JSON.stringify({ status, taskId: "t", taskDigest: "d", agent: "oracle", metadata: { repeat: 0 } });
+      await writeFile(path, `\uFEFF${line("masked")}\r\n${line("completed")}\r\n`);
+      const read = await maskedLines(path);
+      expect(read.lines).toBe(2);
+      expect(read.masked.map((l) => l.taskId)).toEqual(["t"]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
   });
 });
 

@@ -39,7 +39,9 @@ export async function resolveAgent(
   } else {
     source = trimmed;
     try {
-      text = await readFile(trimmed);
+      // A byte order mark (Windows editors, PowerShell's `Out-File` write one) is no part of the
+      // JSON: `JSON.parse` refuses it, which read as "not valid JSON" of a valid file.
+      text = stripBom(await readFile(trimmed));
     } catch (err) {
       const code = (err as { code?: string }).code;
       if (code === "ENOENT") {
@@ -70,6 +72,11 @@ export async function resolveAgent(
     throw new UsageError(`${source} is not a valid agent spec: ${problems.join("; ")}`);
   }
   return json as AgentSpecInput;
+}
+
+/** `text` without a leading byte order mark (U+FEFF). */
+export function stripBom(text: string): string {
+  return text.charCodeAt(0) === 0xfeff ? text.slice(1) : text;
 }
 
 export interface BuildRolloutsOptions {

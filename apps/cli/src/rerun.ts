@@ -11,7 +11,7 @@ import {
   type TaskContent,
 } from "@fleet/contracts";
 import { z } from "zod";
-import { UsageError } from "./requests.ts";
+import { stripBom, UsageError } from "./requests.ts";
 
 /** What `--rerun` reads of each line of a results file (older results have the same fields). */
 const RerunLine = z.object({
@@ -39,7 +39,8 @@ export async function maskedLines(path: string): Promise<{ masked: RerunLine[]; 
       lines++;
       let json: unknown;
       try {
-        json = JSON.parse(raw);
+        // The file's byte order mark, if it has one (see `stripBom`), is no part of its first line.
+        json = JSON.parse(n === 1 ? stripBom(raw) : raw);
       } catch {
         throw new UsageError(`--rerun ${path}: line ${n} is not JSON (a results file is one result a line)`);
       }
