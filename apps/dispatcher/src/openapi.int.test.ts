@@ -133,3 +133,20 @@ describe("the cancel routes' documented answers", () => {
     }
   });
 });
+
+describe("the sign-in form's documented answers with auth off", () => {
+  it("list the redirect to the board it answers when no token is configured", async () => {
+    const open = await startTestServer(redis, "openapi-open");
+    try {
+      const form = await open.app.inject({ method: "GET", url: "/admin/login" });
+      expect(form.statusCode).toBe(303);
+      expect(form.headers.location).toBe(BOARD_PATH);
+      const doc = (await open.app.inject({ method: "GET", url: "/openapi.json" })).json() as {
+        paths: Record<string, { get: { responses: Record<string, unknown> } }>;
+      };
+      expect(Object.keys(doc.paths["/admin/login"]!.get.responses)).toContain(String(form.statusCode));
+    } finally {
+      await open.close();
+    }
+  });
+});

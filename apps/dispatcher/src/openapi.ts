@@ -242,7 +242,10 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
           summary: "Bull Board sign-in form (HTML)",
           security: [],
           parameters: [{ name: "next", in: "query", required: false, schema: { type: "string" } }],
-          responses: { "200": { description: "the form", content: html } },
+          responses: {
+            "200": { description: "the form", content: html },
+            "303": { description: "auth is off (no FLEET_API_TOKENS): to /admin/queues" },
+          },
         },
         post: {
           summary: "Sign in to Bull Board with an API token: sets an HMAC-signed session cookie",
