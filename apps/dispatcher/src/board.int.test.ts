@@ -305,6 +305,28 @@ describe("Bull Board at /admin/queues", () => {
     expect(doc.paths["/admin/login"]?.post?.responses).toHaveProperty("413");
   });
 
+  it("answers a sign-in post of another type 415 saying to send the form, which /openapi.json lists", async () => {
+    const res = await call({
+      method: "POST",
+      url: "/admin/login",
+      headers: { "content-type": "text/plain", origin: ORIGIN },
+      payload: `token=${USER}`,
+    });
+    expect(res.statusCode).toBe(415);
+    expect(res.json()).toMatchObject({
+      error: {
+        code: "unsupported_media_type",
+        message:
+          "content type text/plain is not accepted: send the sign-in form as application/x-www-form-urlencoded",
+      },
+    });
+    expect(res.headers["set-cookie"]).toBeUndefined();
+    const doc = (await call({ method: "GET", url: "/openapi.json", token: USER })).json() as {
+      paths: Record<string, { post?: { responses: Record<string, unknown> } }>;
+    };
+    expect(doc.paths["/admin/login"]?.post?.responses).toHaveProperty("415");
+  });
+
   it("refuses a cross-site action on the admin's cookie (CSRF) and a cross-site sign-in", async () => {
     const admin = await login(ADMIN);
     const url = "/admin/queues/api/queues/run/r-c.run/retry";

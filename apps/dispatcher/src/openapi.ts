@@ -262,6 +262,7 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
             "401": { description: "wrong token (the form again)", content: html },
             "403": { description: "Origin/Referer is another site (login CSRF)", content: html },
             "413": { description: "a form over 8 KiB (LOGIN_FORM_BYTES)", content: json("Error") },
+            "415": { description: "not a form (application/x-www-form-urlencoded)", content: json("Error") },
           },
         },
       },

@@ -398,11 +398,12 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     } else if (http.code === "unsupported_media_type" && !isHttpError(err)) {
       // Fastify says only "Unsupported Media Type": say what is taken instead.
       const got = String(req.headers["content-type"] ?? "none").slice(0, 100);
-      http = new HttpError(
-        415,
-        http.code,
-        `content type ${got} is not accepted: send application/json (POST /v1/batches also takes ${NDJSON_TYPES.join(" or ")})`,
-      );
+      // The sign-in route's form is posted by a browser: the API's types are not what it takes.
+      const send =
+        req.routeOptions.url === LOGIN_PATH
+          ? "send the sign-in form as application/x-www-form-urlencoded"
+          : `send application/json (POST /v1/batches also takes ${NDJSON_TYPES.join(" or ")})`;
+      http = new HttpError(415, http.code, `content type ${got} is not accepted: ${send}`);
     }
     if (http.status >= 500) req.log.error({ err }, "request failed");
     else req.log.debug({ code: http.code, message: http.message }, "request refused");
