@@ -1,3 +1,7 @@
+import { execFile, execFileSync } from "node:child_process";
+import { chmodSync, mkdtempSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import { join } from "node:path";
 import { PassThrough, Readable } from "node:stream";
 import { type ExecResult, FleetError, isFleetError } from "@fleet/contracts";
 import { describe, expect, it, vi } from "vitest";
@@ -166,6 +170,47 @@ describe("readViaExec: which user's answer counts", () => {
   it("there but readable by no one is the task's (invalid_task); an exec that failed is retryable", async () => {
     expect((await read({ "0:0": 45, "1000:1000": 44 })).v).toBe("invalid_task");
     expect((await read({ "0:0": 137, "1000:1000": 0 })).v).toBe("provider_unavailable");
+  });
+});
+
+/** Whether this host can run a command as root without capabilities under busybox's `sh`. */
+const caplessBusybox = (() => {
+  if (process.getuid?.() !== 0) return false;
+  try {
+    execFileSync("setpriv", ["--bounding-set", "-all", "--", "busybox", "sh", "-c", "true"], {
+      stdio: "ignore",
+    });
+    return true;
+  } catch {
+    return false;
+  }
+})();
+
+describe.skipIf(!caplessBusybox)("readViaExec under busybox's sh (an Alpine image with coreutils)", () => {
+  it("a file that root without capabilities cannot open (mode 000) is unreadable (invalid_task), though busybox's test -r says yes to root; not a failed exec (retryable, then masked)", async () => {
+    const dir = mkdtempSync(join(tmpdir(), "read-via-exec-"));
+    try {
+      const file = join(dir, "reward.txt");
+      writeFileSync(file, "1\n");
+      chmodSync(file, 0o000);
+      // The sandbox's root as both providers run it: uid 0, no capability (no DAC override), and
+      // the image's /bin/sh busybox's.
+      const exec = (argv: readonly string[]) =>
+        new Promise<ExecResult>((resolve) => {
+          execFile(
+            "setpriv",
+            ["--bounding-set", "-all", "--inh-caps", "-all", "--", "busybox", "sh", ...argv.slice(1)],
+            (err, stdout, stderr) => {
+              const exitCode = err ? (typeof err.code === "number" ? err.code : -1) : 0;
+              resolve(execResult({ exitCode, stdout, stderr }));
+            },
+          );
+        });
+      const err = await readViaExec(exec, file, [ROOT_USER], 1024).catch((e: unknown) => e);
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["invalid_task", false]);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+    }
   });
 });
 

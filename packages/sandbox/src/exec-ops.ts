@@ -382,8 +382,13 @@ export async function readViaExec(
   // Only the first `maxBytes` are read (`head -c`): all of them (`cat`) took a sparse file of
   // 200 GiB, which costs the sandbox no space, past the exec's minute, a retryable failure where
   // the code under test chose it (the verifier reads a long reward file this way).
+  // Readable is told by opening it (`true < "$1"`: a regular built-in, whose failed redirection
+  // does not end the shell), not by `[ -r ]` alone: busybox's `sh` (an Alpine image's, coreutils
+  // installed) says yes to root for any file, and root here has no capability to read one of
+  // mode 000, so `head` failed (exit 1), a retryable exec failure (masked) for a file the code
+  // under test made unreadable.
   const script =
-    'if [ ! -e "$1" ]; then exit 44; fi; [ -f "$1" ] || exit 46; [ -r "$1" ] || exit 45; exec head -c "$2" -- "$1"';
+    'if [ ! -e "$1" ]; then exit 44; fi; [ -f "$1" ] || exit 46; { [ -r "$1" ] && true 2>/dev/null < "$1"; } || exit 45; exec head -c "$2" -- "$1"';
   let unreadable = false;
   for (const user of users) {
     const r = await exec(["/bin/sh", "-c", script, "sh", path, String(maxBytes)], {
