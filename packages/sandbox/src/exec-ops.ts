@@ -676,7 +676,11 @@ export async function killProcessesViaExec(
   options: KillOptions & {
     /**
      * For a uid other than root's, run `ROOT_KILL_SWEEP_SCRIPT` as root, asking the exec to keep
-     * CAP_KILL (`keepCaps`); the exec must grant it and nothing else.
+     * CAP_KILL (`keepCaps`); the exec must grant it and nothing else. For root's own processes,
+     * keep CAP_KILL in its sweep too: not to signal more (the same uid), but so that root in the
+     * sandbox, with no capability, cannot reach the sweep (ptrace, `pidfd_getfd`,
+     * `/proc/<pid>/fd` need the target's capabilities): the tests' code took the sweep's stdout,
+     * wrote `remaining=0` there and killed the sweep, a confirmed stop while it ran on.
      */
     rootSweep?: boolean;
     /**
@@ -773,7 +777,7 @@ export async function killProcessesViaExec(
         user: asRoot ? ROOT_USER : user,
         stdin: null,
         maxOutputBytes: 4096,
-        ...(asRoot ? { keepCaps: ["kill"] } : {}),
+        ...(options.rootSweep === true && uid !== undefined ? { keepCaps: ["kill"] } : {}),
       });
       const later = /(?:^|\n)superseded=(\d+)\n/.exec(r.stdout);
       if (later && uid === 0 && epoch !== undefined) throw new TestsSupersededError(Number(later[1]), epoch);

@@ -739,6 +739,62 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
   });
 
+  it("a sweep of root's own processes is never confirmed by what the tests' root processes write into its output (its stdout taken with pidfd_getfd, the sweep then killed)", async () => {
+    const h = await create();
+    // The tests' code (root without capabilities, running the agent's code) watching for the
+    // sweep: it takes the sweep's stdout (same uid; pidfd_getfd needs no capability the sweep
+    // holds beyond its own), writes "remaining=0" there and kills the sweep, every time.
+    const forger = String.raw`
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+done = set(os.listdir('/proc'))
+open('/tmp/ready.%d' % os.getpid(), 'w').close()
+while True:
+    for d in os.listdir('/proc'):
+        if not d.isdigit() or d in done: continue
+        try:
+            c = open('/proc/%s/cmdline' % d, 'rb').read()
+            if not c.startswith(b'/bin/sh\0-c\0') or b'remaining=' not in c: continue
+            done.add(d)
+            try:
+                fd = libc.syscall(438, os.pidfd_open(int(d)), 1, 0)
+                if fd >= 0: os.write(fd, b'remaining=0\n')
+            finally:
+                os.kill(int(d), signal.SIGKILL)
+        except OSError: pass
+`;
+    await provider.put(h, "/tmp", { "forger.py": forger }, { user: ROOT_USER });
+    const start = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "for i in 1 2 3 4 5 6 7 8; do setsid -f python3 /tmp/forger.py >/dev/null 2>&1 </dev/null; done; until [ $(ls /tmp | grep -c '^ready[.]') -ge 8 ]; do sleep 0.05; done; echo ready",
+      ],
+      { deadlineMs: 20_000, user: ROOT_USER },
+    );
+    expect(start.stdout).toBe("ready\n");
+    // Counted by nobody (the keepalive's uid), whom root without capabilities cannot reach.
+    const forgers = async () => {
+      const r = await provider.exec(
+        h,
+        ["sh", "-c", "ps -eo uid=,stat=,args= | grep -c '^ *0 [^Z]*python3 /tmp/forger.py'"],
+        {
+          deadlineMs: 10_000,
+          user: "65534:65534",
+        },
+      );
+      return Number(r.stdout.trim());
+    };
+    expect(await forgers()).toBe(8);
+    const receipt = await provider.killProcesses(h, ROOT_USER, { quickMs: 5_000 });
+    const left = await forgers();
+    expect({ confirmed: receipt.confirmed, left: left > 0 ? "some" : "none" }).not.toEqual({
+      confirmed: true,
+      left: "some",
+    });
+  });
+
   it("a worker under a strict umask (077) makes the same sandbox and runs its commands under Docker's umask (022): staged directories and the agent's files are readable by the tests (root, no DAC override)", async () => {
     // For the whole test, as a worker started under it would be: its execs inherit it.
     const umask = process.umask(0o077);

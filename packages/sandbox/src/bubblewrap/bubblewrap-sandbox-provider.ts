@@ -889,6 +889,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // that uid can signal or outrun it (a sweep run as the uid itself could be killed by the
     // agent's own `kill -9 -1` loop, and the rollout masked instead of graded), and from the
     // sandbox's PID namespace it also sees processes in namespaces the agent nested inside it.
+    // A sweep of root's own processes (the tests') keeps CAP_KILL as well, so that the tests'
+    // root, holding none, can neither read nor write its output (`rootSweep`).
     return killProcessesViaExec(
       async (argv, o) =>
         this.run(await this.liveState(handle), argv, {
