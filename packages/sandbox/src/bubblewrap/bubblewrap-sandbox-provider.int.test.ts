@@ -18,7 +18,7 @@ import { createServer, type Server } from "node:net";
 import { tmpdir, totalmem } from "node:os";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
-import type { SandboxHandle, SandboxSpecInput } from "@fleet/contracts";
+import { isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { sandboxName } from "../docker/container-config.ts";
 import { AGENT_USER, ROOT_USER, VERIFY_FENCE_FILE } from "../provider.ts";
@@ -1139,6 +1139,36 @@ while True:
     expect((await fleetError(provider.exec(h, ["true"], { deadlineMs: 5_000 }))).kind).toBe("sandbox_lost");
     expect(await provider.killProcesses(h)).toMatchObject({ confirmed: true, alreadyGone: true });
     expect(hostProcessesOfRun()).toEqual([]);
+  });
+
+  it("a command running when its sandbox is destroyed is sandbox_lost, never its own SIGKILL (137) while the sandbox's PID 1 is still exiting", async () => {
+    const h = await create();
+    // A process whose exit takes a while (hundreds of MiB to free): the sandbox's PID 1, killed,
+    // waits for it before it is gone itself, and the command below ends first.
+    const big = await provider.exec(
+      h,
+      [
+        "sh",
+        "-c",
+        "setsid -f python3 -c \"b = b'x' * (600 << 20); open('/tmp/big', 'w').close(); import time; time.sleep(1000)\" >/dev/null 2>&1 </dev/null; until [ -e /tmp/big ]; do sleep 0.05; done; echo ready",
+      ],
+      { deadlineMs: 30_000 },
+    );
+    expect(big.stdout).toBe("ready\n");
+    const running = provider.exec(h, ["sh", "-c", "touch /tmp/running; exec sleep 1000"], {
+      deadlineMs: 60_000,
+    });
+    const settled = running.then(
+      (r) => `exit ${r.exitCode}`,
+      (err: unknown) => (isFleetError(err) ? err.kind : String(err)),
+    );
+    for (;;) {
+      const r = await provider.exec(h, ["test", "-e", "/tmp/running"], { deadlineMs: 5_000 });
+      if (r.exitCode === 0) break;
+    }
+    await provider.destroy(h);
+    live.pop();
+    expect(await settled).toBe("sandbox_lost");
   });
 
   it("destroy removes a workspace tree deeper than PATH_MAX (an agent's mkdir-and-cd loop), confirmed", async () => {

@@ -1170,9 +1170,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return state;
   }
 
-  /** Ready and its PID 1 still runs (a sandbox still starting is not alive). */
+  /**
+   * Ready and its PID 1 still runs (a sandbox still starting is not alive, nor one whose PID 1
+   * is exiting: killed, it stays until every process of its namespace is reaped, commands run
+   * through `nsenter` included, so a command it killed reads as still in a live sandbox).
+   */
   private stateAlive(state: BwrapState): boolean {
-    return state.initPid > 0 && sameProcess(state.initPid, state.initStart);
+    return state.initPid > 0 && sameProcess(state.initPid, state.initStart) && !exiting(state.initPid);
   }
 
   private checkHandle(handle: SandboxHandle): void {
@@ -1311,6 +1315,24 @@ function startTime(pid: number): string | null {
   const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
   if (fields[0] === "Z" || fields[0] === "X") return null;
   return fields[19] ?? null;
+}
+
+/** The kernel's `PF_EXITING` task flag: set as a process starts to exit (`do_exit`). */
+const PF_EXITING = 0x4;
+
+/**
+ * Whether a process has begun to exit (field 9 of `/proc/<pid>/stat`, its flags, holds
+ * `PF_EXITING`). A killed PID 1 of a PID namespace stays so, not yet a zombie, until every other
+ * process of the namespace is gone. False when gone or unreadable (told elsewhere).
+ */
+function exiting(pid: number): boolean {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+    const flags = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[6]);
+    return Number.isInteger(flags) && (flags & PF_EXITING) !== 0;
+  } catch {
+    return false;
+  }
 }
 
 /** `startTime`, with a process whose `/proc` cannot be read taken for alive (`""`). */
