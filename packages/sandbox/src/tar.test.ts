@@ -40,6 +40,20 @@ async function entries(archive: Buffer): Promise<Entry[]> {
 }
 
 describe("buildTar", () => {
+  it("a file named as an Object property (constructor, toString) takes the default mode when the modes name it not, never that property", async () => {
+    // As the stages pass them: `fileModes` gives a plain object, empty for most tasks.
+    const archive = await buildTar(
+      { constructor: "plain\n", toString: "#!/bin/sh\n", "src/valueOf": "x" },
+      { uid: 1000, gid: 1000, modes: {} },
+    );
+    expect((await entries(archive)).map((e) => [e.name, e.mode])).toEqual([
+      ["src/", 0o755],
+      ["constructor", 0o644],
+      ["src/valueOf", 0o644],
+      ["toString", 0o755],
+    ]);
+  });
+
   it("writes files with owner, modes and a directory entry for each parent", async () => {
     const archive = await buildTar(
       { "b/c/run.sh": "#!/bin/sh\necho hi\n", "a.txt": "héllo" },

@@ -52,7 +52,9 @@ export async function buildTar(files: FileSet, options: TarOptions): Promise<Buf
     if (parts.length === prefix.length) throw new RangeError(`empty file path: '${rel}'`);
     for (let i = 1; i < parts.length; i++) dirs.add(parts.slice(0, i).join("/"));
     const body = Buffer.from(files[rel]!, "utf8");
-    const given = options.modes?.[own.join("/")];
+    // Its own entry only: a file named `constructor` or `toString` must not find Object's.
+    const key = own.join("/");
+    const given = options.modes && Object.hasOwn(options.modes, key) ? options.modes[key] : undefined;
     if (given !== undefined && !(Number.isInteger(given) && given >= 0 && given <= 0o777)) {
       throw new RangeError(`file mode of '${rel}' must be permission bits 0..0o777, got ${given}`);
     }
