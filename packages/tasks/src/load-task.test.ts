@@ -1,5 +1,5 @@
 import { execFileSync } from "node:child_process";
-import { appendFileSync, mkdirSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import { appendFileSync, mkdirSync, renameSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { chmod, mkdir, mkdtemp, rm, symlink, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -512,6 +512,19 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect((err as Error).message).toContain(
       `${path.join(sub, "x.txt")}: is reached through a symbolic link`,
     );
+  });
+
+  it("a file replaced (an editor's save: written aside, renamed over it) after it was opened: read as opened, not refused as reached through a symbolic link", async () => {
+    const dir = await writeTask("t", { "tests/a.txt": "as opened\n" });
+    const file = path.join(dir, "tests", "a.txt");
+    // Linux names the opened file, its name gone, `<path> (deleted)`: still the path the walk spelled.
+    changes.afterStat.set(file, () => {
+      writeFileSync(`${file}.swp`, "saved since\n");
+      renameSync(`${file}.swp`, file);
+    });
+    const task = await loadTask(dir);
+    expect(changes.afterStat.size).toBe(0);
+    expect(task.tests["a.txt"]).toBe("as opened\n");
   });
 
   it("a file swapped for a FIFO after it was listed: refused at once, not waited on for a writer", async () => {

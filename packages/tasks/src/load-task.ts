@@ -451,7 +451,8 @@ async function readText(file: string, budget: Budget, missing: string): Promise<
  * the load with it) or a bigger file between a check and the read is refused, never read. With
  * `atPath` (`file` spelled from the task's real path), so is a file reached through a directory
  * above it swapped for a symbolic link after it was listed (`O_NOFOLLOW` guards only the last
- * name): where Linux says what was opened (`/proc/self/fd`), it must be `file` itself.
+ * name): where Linux says what was opened (`/proc/self/fd`), it must be `file` itself (its name
+ * gone since, as an editor's save leaves it, is still `file`: it is read as opened).
  */
 async function readTextFile(
   file: string,
@@ -476,7 +477,9 @@ async function readTextFile(
     if (!st.isFile()) throw invalid(file, "is not a regular file");
     if (atPath && process.platform === "linux") {
       const opened = await readlink(`/proc/self/fd/${handle.fd}`).catch(() => null);
-      if (opened !== null && opened !== file) {
+      // A file whose name went after it was opened (an editor's save renames another over it) is
+      // `<path> (deleted)` to Linux: still the file the walk spelled, read as opened.
+      if (opened !== null && opened !== file && opened !== `${file} (deleted)`) {
         throw invalid(
           file,
           "is reached through a symbolic link (a directory above it was swapped for one while the task was read): refused, never read",
