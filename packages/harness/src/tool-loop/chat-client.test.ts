@@ -1,7 +1,7 @@
 import { describe, expect, it } from "vitest";
 import { backoffMs, isContextLengthError, isRetryableStatus, retryAfterMs, snippet } from "./chat-client.ts";
 import { readAssistantTurn } from "./chat-types.ts";
-import { redactor, TRANSCRIPT_FIELD_CHARS, Transcript } from "./transcript.ts";
+import { redactor, TRANSCRIPT_FIELD_CHARS, TRANSCRIPT_MAX_CHARS, Transcript } from "./transcript.ts";
 
 describe("backoffMs", () => {
   it("is full jitter under an exponential ceiling capped at maxMs", () => {
@@ -119,6 +119,19 @@ describe("Transcript", () => {
     // Capped, then "SECRET" became "[redacted]".
     expect(line.toolCalls[0].arguments).toHaveLength(TRANSCRIPT_FIELD_CHARS + 4);
     expect(line.toolCalls[0].arguments).toMatch(/^\[redacted\]a/);
+  });
+
+  it("keeps the end of a line longer than the cap between characters: an emoji cut in half at its front left a lone surrogate in the stored transcript", () => {
+    // One assistant turn of several tool calls is one line, each string capped but the line past
+    // the cap; its front is cut. Either parity of the cut, by a last key one character longer.
+    for (const key of ["a", "ab"]) {
+      const t = new Transcript(redactor(null));
+      const emoji = "\u{1F600}".repeat(500);
+      t.add({ content: emoji, toolCalls: [1, 2, 3, 4].map((id) => ({ id, arguments: emoji })), [key]: 1 });
+      const text = t.toString();
+      expect(text.length).toBeGreaterThan(TRANSCRIPT_MAX_CHARS - 2);
+      expect((text as string & { isWellFormed(): boolean }).isWellFormed(), key).toBe(true);
+    }
   });
 });
 

@@ -1,4 +1,4 @@
-import { capText, MAX_FIELD_CHARS } from "@fleet/contracts";
+import { capText, MAX_FIELD_CHARS, wholeSlice } from "@fleet/contracts";
 import { type SecretRedactorOptions, secretRedactor } from "@fleet/telemetry";
 
 /**
@@ -39,7 +39,10 @@ export class Transcript {
 
   toString(): string {
     const head = this.dropped > 0 ? [JSON.stringify({ event: "truncated", droppedLines: this.dropped })] : [];
-    return [...head, ...this.lines].join("\n").slice(-this.maxChars);
+    const text = [...head, ...this.lines].join("\n");
+    // Its last line alone may be past the cap (one turn of several tool calls): cut between
+    // characters (`wholeSlice`), never between a surrogate pair's halves.
+    return wholeSlice(text, text.length - this.maxChars, text.length);
   }
 }
 
