@@ -147,4 +147,9 @@ describe("snippet", () => {
     expect(out).toMatch(/^error \[redacted\] b+/);
     expect(out.length).toBeLessThanOrEqual(500);
   });
+
+  it("cuts the error body at 2,000 characters between characters: an emoji cut in half there, its padding trimmed, left a lone surrogate in the reason", () => {
+    const out = snippet(`${" ".repeat(1999)}\u{1F600} upstream failed`, (text) => text);
+    expect((out as string & { isWellFormed(): boolean }).isWellFormed()).toBe(true);
+  });
 });

@@ -1,5 +1,5 @@
 import { setTimeout as sleep } from "node:timers/promises";
-import { capText, FleetError, readBodyCapped } from "@fleet/contracts";
+import { capText, FleetError, readBodyCapped, wholeSlice } from "@fleet/contracts";
 import {
   CONTEXT_LENGTH_WORDING,
   isChatCompletion,
@@ -356,7 +356,8 @@ function errorMessage(body: unknown, text: string): string {
  * leaves at most a few characters before it that fragment redaction has not caught.
  */
 export function snippet(text: string, redact: (t: string) => string): string {
-  return capText(redact(text.slice(0, 2000)).trim(), 500);
+  // Between characters (`wholeSlice`): half an emoji at the cut outlives the 500 once trimmed.
+  return capText(redact(wholeSlice(text, 0, 2000)).trim(), 500);
 }
 
 function describe(err: unknown): string {
