@@ -120,6 +120,13 @@ describe("parseRolloutBody", () => {
     });
   });
 
+  it("quotes an agent given by name cut between characters: a name of emoji cut at 40 left a lone surrogate in the 422", () => {
+    const err = thrown(() => parseRolloutBody({ ...row, agent: `a${"\u{1F600}".repeat(30)}` }));
+    expect(err.status).toBe(422);
+    expect(err.message).toContain('a name such as "a\u{1F600}');
+    expect((err.message as string & { isWellFormed(): boolean }).isWellFormed()).toBe(true);
+  });
+
   it("says that Infinity is not a finite number", () => {
     const err = thrown(() => parseRolloutBody({ ...row, deadlineS: Number.POSITIVE_INFINITY }));
     expect(err.message).toMatch(/Infinity/);

@@ -1,4 +1,4 @@
-import { RolloutRequest } from "@fleet/contracts";
+import { RolloutRequest, wholeSlice } from "@fleet/contracts";
 import { MAX_METADATA_BYTES } from "@fleet/queue";
 import secureJson from "secure-json-parse";
 import { z } from "zod";
@@ -221,10 +221,11 @@ function parseRequest(
   // `"agent": "oracle"`, as the CLI's --agent takes it: say what the API takes instead.
   const agent = (value as { agent?: unknown } | null)?.agent;
   if (typeof agent === "string") {
+    // Quoted cut between characters (`wholeSlice`): half an emoji is no text a client can print.
     const path = formatPath([...prefix, "agent"]);
     for (const issue of issues) {
       if (issue.path === path) {
-        issue.message = `must be an object, e.g. {"harness":"oracle"} or {"harness":"command","argv":[...]}; a name such as "${agent.slice(0, 40)}" is the CLI's shorthand for one`;
+        issue.message = `must be an object, e.g. {"harness":"oracle"} or {"harness":"command","argv":[...]}; a name such as "${wholeSlice(agent, 0, 40)}" is the CLI's shorthand for one`;
       }
     }
   }
