@@ -42,6 +42,26 @@ describe("deadlineArgv", () => {
   });
 });
 
+describe("an argument or environment entry no exec can take", () => {
+  it("is refused as a clear final error (over 128 KiB a string, E2BIG), not a spawn failure a provider masks: a command agent admitted before admission bounded its argv still reaches the exec", () => {
+    const big = "x".repeat(128 * 1024);
+    for (const bad of [() => deadlineArgv(["echo", big], 1000), () => envList({ A: big.slice(2) })]) {
+      try {
+        bad();
+        expect.unreachable();
+      } catch (e) {
+        expect(e).toBeInstanceOf(FleetError);
+        expect([(e as FleetError).kind, (e as FleetError).retryable]).toEqual(["invalid_task", false]);
+        expect((e as FleetError).message).toMatch(/131072 bytes/);
+      }
+    }
+    // At the bound, taken: 131,071 bytes and its NUL.
+    const most = "z".repeat(128 * 1024 - 1);
+    expect(deadlineArgv(["echo", most], 1000).at(-1)).toBe(most);
+    expect(envList({ A: most.slice(2) })).toEqual([`A=${most.slice(2)}`]);
+  });
+});
+
 describe("formatSeconds", () => {
   it("never rounds a deadline to 0 (which would disable it)", () => {
     expect(formatSeconds(0.2)).toBe("0.001");
