@@ -252,7 +252,11 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
           security: [],
           requestBody: {
             required: true,
-            content: { "application/x-www-form-urlencoded": { schema: ref("LoginForm") } },
+            // A browser posts the form; a script may post the same fields as JSON (read as any JSON body).
+            content: {
+              "application/x-www-form-urlencoded": { schema: ref("LoginForm") },
+              "application/json": { schema: ref("LoginForm") },
+            },
           },
           responses: {
             "303": {
@@ -262,7 +266,10 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
             "401": { description: "wrong token (the form again)", content: html },
             "403": { description: "Origin/Referer is another site (login CSRF)", content: html },
             "413": { description: "a form over 8 KiB (LOGIN_FORM_BYTES)", content: json("Error") },
-            "415": { description: "not a form (application/x-www-form-urlencoded)", content: json("Error") },
+            "415": {
+              description: "neither a form (application/x-www-form-urlencoded) nor application/json",
+              content: json("Error"),
+            },
           },
         },
       },
