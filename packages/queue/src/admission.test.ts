@@ -54,6 +54,28 @@ async function refusal(promise: Promise<unknown>): Promise<AdmissionError> {
   return err as AdmissionError;
 }
 
+describe("admission of a task by digest stored under an older schema", () => {
+  it("quotes why it no longer parses cut between characters: a file name of emoji cut at 300 left a lone surrogate in the 422", async () => {
+    // The store's read refuses it as the real one does (a ZodError, its message the issues'
+    // JSON, a file's name in it as it is); either parity of the cut, by a name one unit longer.
+    for (const name of ["\u{1F600}".repeat(200), `a${"\u{1F600}".repeat(200)}`]) {
+      const issues = TaskContent.safeParse({ ...noSolution, tests: { [name]: 5 } }).error!;
+      const store = {
+        getTask: async () => {
+          throw issues;
+        },
+        putTask: async () => undefined,
+      } as unknown as RolloutStore;
+      const err = await refusal(prepare(store, [{ task: { digest: "a".repeat(64) }, agent: command }]));
+      expect(err.message).toContain("is no longer valid (");
+      expect(err.message).toContain("\u{1F600}");
+      expect((err.message as string & { isWellFormed(): boolean }).isWellFormed(), name.slice(0, 2)).toBe(
+        true,
+      );
+    }
+  });
+});
+
 describe("admission of an oracle rollout", () => {
   it("refuses one whose task has no solution/solve.sh (422), naming the field, and records nothing", async () => {
     const { store, tasks } = memoryStore();

@@ -14,6 +14,7 @@ import {
   sha256Hex as sha256,
   stagedBytes,
   TaskContent,
+  wholeSlice,
 } from "@fleet/contracts";
 import { admissionOf, OTHER_ROUTE, type RolloutMeta, type RolloutStore } from "./rollout-store.ts";
 import type { StageQueues } from "./stage-queues.ts";
@@ -318,7 +319,8 @@ async function storedTask(store: RolloutStore, digest: string, index: number): P
     if (!isInvalidStoredData(err)) throw err;
     throw new AdmissionError(
       "invalid",
-      `rollout ${index}: stored task ${digest} is no longer valid (${err.message.slice(0, 300)}); send the task inline`,
+      // Cut between characters (`wholeSlice`): the issues name the task's files as they are.
+      `rollout ${index}: stored task ${digest} is no longer valid (${wholeSlice(err.message, 0, 300)}); send the task inline`,
       { index, digest },
     );
   }
