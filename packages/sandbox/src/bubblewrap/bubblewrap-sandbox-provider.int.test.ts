@@ -18,7 +18,7 @@ import { createServer, type Server } from "node:net";
 import { tmpdir, totalmem } from "node:os";
 import { dirname, join } from "node:path";
 import { promisify } from "node:util";
-import { isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
+import { FleetError, isFleetError, type SandboxHandle, type SandboxSpecInput } from "@fleet/contracts";
 import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest";
 import { sandboxName } from "../docker/container-config.ts";
 import { AGENT_USER, ROOT_USER, VERIFY_FENCE_FILE } from "../provider.ts";
@@ -233,6 +233,19 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(r.stdout).toBe(`/workspace:${hostWorkspace}|/workspace/nope.so\n`);
     expect(existsSync(marker)).toBe(false);
     expect(existsSync(join(hostWorkspace, "pwned"))).toBe(false);
+  });
+
+  it("a command whose arguments together are more than an exec takes (E2BIG, each one under 128 KiB) is a final invalid_task, nothing started, not the spawn's own error (taken for provider_unavailable, retried, masked)", async () => {
+    const h = await create();
+    const args = Array.from({ length: 24 }, () => "y".repeat(120 * 1024));
+    const err = await provider.exec(h, ["true", ...args], { deadlineMs: 10_000 }).then(
+      () => null,
+      (e: unknown) => e,
+    );
+    expect(err).toBeInstanceOf(FleetError);
+    expect([(err as FleetError).kind, (err as FleetError).retryable]).toEqual(["invalid_task", false]);
+    expect((err as FleetError).message).toMatch(/E2BIG/);
+    expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
   });
 
   it("kills the whole process tree at the deadline, leaving no agent process", async () => {

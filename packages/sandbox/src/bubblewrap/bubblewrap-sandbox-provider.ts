@@ -676,14 +676,37 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         this.nsenterPath,
         ...args,
       ]);
-      const child = spawn(file!, fileArgs, {
-        env: HOST_HELPER_ENV,
-        stdio: [o.stdin === null ? "ignore" : "pipe", "pipe", "pipe"],
-        // In a session of its own, like the sandbox: a signal to the worker's process group (a
-        // Ctrl-C in its terminal) must not kill the command and be taken for its exit (130).
-        // Its deadline kills it explicitly.
-        detached: true,
-      });
+      let child: ReturnType<typeof spawn>;
+      try {
+        child = spawn(file!, fileArgs, {
+          env: HOST_HELPER_ENV,
+          stdio: [o.stdin === null ? "ignore" : "pipe", "pipe", "pipe"],
+          // In a session of its own, like the sandbox: a signal to the worker's process group (a
+          // Ctrl-C in its terminal) must not kill the command and be taken for its exit (130).
+          // Its deadline kills it explicitly.
+          detached: true,
+        });
+      } catch (err) {
+        // Refused before anything started (Node throws some spawn failures, not as an 'error'
+        // event): the sandbox's descriptors closed. E2BIG, arguments and environment over what
+        // an exec takes, no attempt can change (final); anything else is the host's (retryable).
+        pinned.close();
+        const code = (err as NodeJS.ErrnoException).code;
+        reject(
+          code === "E2BIG"
+            ? FleetError.nonRetryable(
+                "invalid_task",
+                `the command's arguments and environment are more than an exec takes (E2BIG, ${argBytes(args)} bytes): put long content in a file`,
+                err,
+              )
+            : FleetError.retryable(
+                "provider_unavailable",
+                `nsenter into ${state.name} failed: ${String(err)}`,
+                err,
+              ),
+        );
+        return;
+      }
       let hostTimedOut = false;
       let settled = false;
       let drain: NodeJS.Timeout | undefined;
@@ -1584,4 +1607,11 @@ async function mkdirEach(dir: string): Promise<void> {
       if ((err as NodeJS.ErrnoException).code !== "EEXIST") throw err;
     }
   }
+}
+
+/** Bytes an exec takes for `args` (each with its NUL), as E2BIG counts them. */
+function argBytes(args: readonly string[]): number {
+  let bytes = 0;
+  for (const a of args) bytes += Buffer.byteLength(a) + 1;
+  return bytes;
 }
