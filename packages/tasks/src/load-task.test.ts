@@ -510,7 +510,7 @@ describe("broken tasks give invalid_task naming the file", () => {
     expect(JSON.stringify(err)).not.toContain("host secret");
     expect(isFleetError(err) && err.kind).toBe("invalid_task");
     expect((err as Error).message).toContain(
-      `${path.join(sub, "x.txt")}: is reached through a symbolic link`,
+      `${path.join(sub, "x.txt")}: is not where the walk found it as it was opened`,
     );
   });
 

@@ -482,7 +482,7 @@ async function readTextFile(
       if (opened !== null && opened !== file && opened !== `${file} (deleted)`) {
         throw invalid(
           file,
-          "is reached through a symbolic link (a directory above it was swapped for one while the task was read): refused, never read",
+          "is not where the walk found it as it was opened (a directory above it was swapped for a symbolic link, or moved, while the task was read): refused, never read; load the task again once it is still",
         );
       }
     }
