@@ -39,8 +39,9 @@ export async function resolveAgent(
   } else {
     source = trimmed;
     try {
-      // A byte order mark (Windows editors, PowerShell's `Out-File` write one) is no part of the
-      // JSON: `JSON.parse` refuses it, which read as "not valid JSON" of a valid file.
+      // A byte order mark (Windows editors write one, as Windows PowerShell's `Out-File -Encoding
+      // utf8` does) is no part of the JSON: `JSON.parse` refuses it, which read as "not valid
+      // JSON" of a valid file.
       text = stripBom(await readFile(trimmed));
     } catch (err) {
       const code = (err as { code?: string }).code;
