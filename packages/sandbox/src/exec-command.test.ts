@@ -2,6 +2,21 @@ import { FleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
 import { deadlineArgv, envList, execOutcome, formatSeconds, parseNumericUser } from "./exec-command.ts";
 
+/** Each of `calls` throws a final invalid_task FleetError whose message matches `message`. */
+function expectFinalInvalidTask(calls: readonly (() => unknown)[], message?: RegExp | string): void {
+  for (const bad of calls) {
+    try {
+      bad();
+      expect.unreachable();
+    } catch (e) {
+      expect(e).toBeInstanceOf(FleetError);
+      expect([(e as FleetError).kind, (e as FleetError).retryable]).toEqual(["invalid_task", false]);
+      if (typeof message === "string") expect((e as FleetError).message).toContain(message);
+      else if (message) expect((e as FleetError).message).toMatch(message);
+    }
+  }
+}
+
 describe("deadlineArgv", () => {
   it("wraps the command in timeout -k", () => {
     expect(deadlineArgv(["sh", "-c", "x"], 2500)).toEqual([
@@ -29,32 +44,20 @@ describe("deadlineArgv", () => {
   });
 
   it("refuses a NUL byte in the command or its environment as a clear final error, not a crash", () => {
-    for (const bad of [() => deadlineArgv(["sh", "-c", "echo a\0b"], 1000), () => envList({ A: "x\0y" })]) {
-      try {
-        bad();
-        expect.unreachable();
-      } catch (e) {
-        expect(e).toBeInstanceOf(FleetError);
-        expect([(e as FleetError).kind, (e as FleetError).retryable]).toEqual(["invalid_task", false]);
-        expect((e as FleetError).message).toContain("NUL");
-      }
-    }
+    expectFinalInvalidTask(
+      [() => deadlineArgv(["sh", "-c", "echo a\0b"], 1000), () => envList({ A: "x\0y" })],
+      "NUL",
+    );
   });
 });
 
 describe("an argument or environment entry no exec can take", () => {
   it("is refused as a clear final error (over 128 KiB a string, E2BIG), not a spawn failure a provider masks: a command agent admitted before admission bounded its argv still reaches the exec", () => {
     const big = "x".repeat(128 * 1024);
-    for (const bad of [() => deadlineArgv(["echo", big], 1000), () => envList({ A: big.slice(2) })]) {
-      try {
-        bad();
-        expect.unreachable();
-      } catch (e) {
-        expect(e).toBeInstanceOf(FleetError);
-        expect([(e as FleetError).kind, (e as FleetError).retryable]).toEqual(["invalid_task", false]);
-        expect((e as FleetError).message).toMatch(/131072 bytes/);
-      }
-    }
+    expectFinalInvalidTask(
+      [() => deadlineArgv(["echo", big], 1000), () => envList({ A: big.slice(2) })],
+      /131072 bytes/,
+    );
     // At the bound, taken: 131,071 bytes and its NUL.
     const most = "z".repeat(128 * 1024 - 1);
     expect(deadlineArgv(["echo", most], 1000).at(-1)).toBe(most);
