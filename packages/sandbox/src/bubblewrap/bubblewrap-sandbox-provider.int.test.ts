@@ -23,7 +23,12 @@ import { afterAll, afterEach, beforeAll, describe, expect, it, vi } from "vitest
 import { sandboxName } from "../docker/container-config.ts";
 import { AGENT_USER, ROOT_USER, VERIFY_FENCE_FILE } from "../provider.ts";
 import { SCRATCH_PROBE_LINE, scrubScratch } from "../scratch.ts";
-import { fleetError, KILL_EVERY_SWEEP_ARGV, sweepReforkingChain } from "../testing/index.ts";
+import {
+  fleetError,
+  KILL_EVERY_SWEEP_ARGV,
+  startRootSweepForgers,
+  sweepReforkingChain,
+} from "../testing/index.ts";
 import { BubblewrapSandboxProvider } from "./bubblewrap-sandbox-provider.ts";
 import { sandboxExecArgv } from "./cgroup.ts";
 import { bwrapUnavailable, testRootfs } from "./test-rootfs.ts";
@@ -752,53 +757,10 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
   });
 
-  it("a sweep of root's own processes is never confirmed by what the tests' root processes write into its output (its stdout taken with pidfd_getfd, the sweep then killed)", async () => {
+  it("a sweep of root's own processes is never confirmed by what the tests' root processes write into its output (its stdout taken with pidfd_getfd or through /proc/<pid>/fd, the sweep then killed)", async () => {
     const h = await create();
-    // The tests' code (root without capabilities, running the agent's code) watching for the
-    // sweep: it takes the sweep's stdout (same uid; pidfd_getfd needs no capability the sweep
-    // holds beyond its own), writes "remaining=0" there and kills the sweep, every time.
-    const forger = String.raw`
-import ctypes, os, signal
-libc = ctypes.CDLL(None, use_errno=True)
-done = set(os.listdir('/proc'))
-open('/tmp/ready.%d' % os.getpid(), 'w').close()
-while True:
-    for d in os.listdir('/proc'):
-        if not d.isdigit() or d in done: continue
-        try:
-            c = open('/proc/%s/cmdline' % d, 'rb').read()
-            if not c.startswith(b'/bin/sh\0-c\0') or b'remaining=' not in c: continue
-            done.add(d)
-            try:
-                fd = libc.syscall(438, os.pidfd_open(int(d)), 1, 0)
-                if fd >= 0: os.write(fd, b'remaining=0\n')
-            finally:
-                os.kill(int(d), signal.SIGKILL)
-        except OSError: pass
-`;
-    await provider.put(h, "/tmp", { "forger.py": forger }, { user: ROOT_USER });
-    const start = await provider.exec(
-      h,
-      [
-        "sh",
-        "-c",
-        "for i in 1 2 3 4 5 6 7 8; do setsid -f python3 /tmp/forger.py >/dev/null 2>&1 </dev/null; done; until [ $(ls /tmp | grep -c '^ready[.]') -ge 8 ]; do sleep 0.05; done; echo ready",
-      ],
-      { deadlineMs: 20_000, user: ROOT_USER },
-    );
-    expect(start.stdout).toBe("ready\n");
-    // Counted by nobody (the keepalive's uid), whom root without capabilities cannot reach.
-    const forgers = async () => {
-      const r = await provider.exec(
-        h,
-        ["sh", "-c", "ps -eo uid=,stat=,args= | grep -c '^ *0 [^Z]*python3 /tmp/forger.py'"],
-        {
-          deadlineMs: 10_000,
-          user: "65534:65534",
-        },
-      );
-      return Number(r.stdout.trim());
-    };
+    // The tests' code watching for the sweep, to forge its output (`startRootSweepForgers`).
+    const forgers = await startRootSweepForgers(provider, h);
     expect(await forgers()).toBe(8);
     const receipt = await provider.killProcesses(h, ROOT_USER, { quickMs: 5_000 });
     const left = await forgers();

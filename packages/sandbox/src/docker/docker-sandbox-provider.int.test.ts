@@ -38,6 +38,7 @@ import {
   KILL_EVERY_SWEEP_ARGV,
   STILL_PENDING,
   settledWithin,
+  startRootSweepForgers,
   sweepReforkingChain,
 } from "../testing/index.ts";
 import {
@@ -681,6 +682,23 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect(await sleeps()).toEqual([]);
       expect(await provider.alive(h)).toBe(true);
       expect((await provider.exec(h, ["true"], { deadlineMs: 10_000 })).exitCode).toBe(0);
+    });
+
+    it("a sweep of root's own processes is never confirmed by what the tests' root processes write into its output (its stdout taken with pidfd_getfd or through /proc/<pid>/fd, the sweep then killed)", async () => {
+      const fresh = await provider.create(spec());
+      try {
+        // The tests' code watching for the sweep, to forge its output (`startRootSweepForgers`).
+        const forgers = await startRootSweepForgers(provider, fresh);
+        expect(await forgers()).toBe(8);
+        const receipt = await provider.killProcesses(fresh, ROOT_USER, { quickMs: 5_000 });
+        const left = await forgers();
+        expect({ confirmed: receipt.confirmed, left: left > 0 ? "some" : "none" }).not.toEqual({
+          confirmed: true,
+          left: "some",
+        });
+      } finally {
+        await provider.destroy(fresh);
+      }
     });
 
     it("a root sweep given a verify epoch raises the sandbox's fence to it before it kills, never lowers it, and kills nothing once it is above its epoch; neither the tests (root) nor the agent can write the fence", async () => {

@@ -787,6 +787,23 @@ export class DockerSandboxProvider implements SandboxProvider {
       daemonUnreachable,
       { ...options, backedUp },
     );
+    if (uid === 0 && receipt.confirmed && !receipt.alreadyGone) {
+      // Root's own sweep (the tests') runs as root with no capability, as the tests do: their code
+      // can take its stdout (`pidfd_getfd`), write `remaining=0` there and kill it. Its "none
+      // left" stands only when counted again by an uid they cannot reach (the keepalive's).
+      const left = await countProcessesViaExec(this.execOf(handle), 0, KEEPALIVE_USER);
+      if (left !== 0) {
+        return {
+          ...receipt,
+          confirmed: false,
+          remaining: left ?? 0,
+          detail:
+            left === null
+              ? "the sweep of root's processes reported none left, but a count outside root's reach could not be taken"
+              : `the sweep of root's processes reported none left, but a count outside root's reach found ${left}`,
+        };
+      }
+    }
     if (!backedUp) return receipt;
     if (receipt.confirmed) {
       if (receipt.alreadyGone) return receipt;

@@ -22,6 +22,60 @@ export async function fleetError(run: Promise<unknown> | (() => unknown)): Promi
   throw new Error("expected the call to fail");
 }
 
+/**
+ * Starts, as root in `h`, eight processes of the tests' kind (root without capabilities, running
+ * the agent's code) that watch for a kill sweep: each takes the sweep's stdout with
+ * `pidfd_getfd`, or opens it through `/proc/<pid>/fd/1` where that is refused (Docker's seccomp
+ * profile gates `pidfd_getfd` on CAP_SYS_PTRACE); the same uid needs no capability beyond the
+ * sweep's own. It writes
+ * `remaining=0` there and kills the sweep. Returns how many of them live, counted by nobody
+ * (the sandbox's keepalive uid), whom they cannot reach: 8 once started.
+ */
+export async function startRootSweepForgers(
+  provider: SandboxProvider,
+  h: SandboxHandle,
+): Promise<() => Promise<number>> {
+  const forger = String.raw`
+import ctypes, os, signal
+libc = ctypes.CDLL(None, use_errno=True)
+done = set(os.listdir('/proc'))
+open('/tmp/ready.%d' % os.getpid(), 'w').close()
+while True:
+    for d in os.listdir('/proc'):
+        if not d.isdigit() or d in done: continue
+        try:
+            c = open('/proc/%s/cmdline' % d, 'rb').read()
+            if not c.startswith(b'/bin/sh\0-c\0') or b'remaining=' not in c: continue
+            done.add(d)
+            try:
+                fd = libc.syscall(438, os.pidfd_open(int(d)), 1, 0)
+                if fd < 0: fd = os.open('/proc/%s/fd/1' % d, os.O_WRONLY)
+                os.write(fd, b'remaining=0\n')
+            finally:
+                os.kill(int(d), signal.SIGKILL)
+        except OSError: pass
+`;
+  await provider.put(h, "/tmp", { "forger.py": forger }, { user: ROOT_USER });
+  const start = await provider.exec(
+    h,
+    [
+      "sh",
+      "-c",
+      "for i in 1 2 3 4 5 6 7 8; do setsid -f python3 /tmp/forger.py >/dev/null 2>&1 </dev/null; done; until [ $(ls /tmp | grep -c '^ready[.]') -ge 8 ]; do sleep 0.05; done; echo ready",
+    ],
+    { deadlineMs: 20_000, user: ROOT_USER },
+  );
+  if (start.stdout !== "ready\n") throw new Error(`the forgers did not start: ${JSON.stringify(start)}`);
+  return async () => {
+    const r = await provider.exec(
+      h,
+      ["sh", "-c", "ps -eo uid=,stat=,args= | grep -c '^ *0 [^Z]*python3 /tmp/forger.py'"],
+      { deadlineMs: 10_000, user: "65534:65534" },
+    );
+    return Number(r.stdout.trim());
+  };
+}
+
 /** What `settledWithin` gives for a promise still pending at its end. */
 export const STILL_PENDING = Symbol("still pending");
 
