@@ -121,8 +121,14 @@ export const MAX_EXEC_STRING_BYTES = 128 * 1024;
  */
 export const MAX_COMMAND_ARGS_BYTES = 1024 * 1024;
 
-/** Why an exec cannot take `text` as one string, or `undefined` when it can. */
-function execStringProblem(text: string): string | undefined {
+/**
+ * Why an exec cannot take `text` as one argument or environment entry (`MAX_EXEC_STRING_BYTES`),
+ * or `undefined` when it can: at admission (a command agent) and at each exec (one admitted
+ * before the bound, or any other caller's).
+ */
+export function execStringProblem(text: string): string | undefined {
+  // At most 3 bytes a UTF-16 unit: a short string needs no count (every exec's every argument).
+  if (text.length * 3 < MAX_EXEC_STRING_BYTES) return undefined;
   const bytes = Buffer.byteLength(text) + 1;
   return bytes > MAX_EXEC_STRING_BYTES
     ? `is ${bytes} bytes with its NUL, over the ${MAX_EXEC_STRING_BYTES} bytes Linux takes in one argument or environment entry (E2BIG): put long content in a file (the task's workspace, or the image)`

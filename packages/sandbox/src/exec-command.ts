@@ -1,4 +1,4 @@
-import { FleetError, MAX_EXEC_STRING_BYTES } from "@fleet/contracts";
+import { execStringProblem, FleetError } from "@fleet/contracts";
 
 /** Seconds between the deadline's SIGTERM and the SIGKILL that follows (`timeout -k`). */
 export const KILL_GRACE_S = 2;
@@ -33,9 +33,9 @@ export function deadlineArgv(
       `exec argument ${nul} contains a NUL byte, which no command can take`,
     );
   }
-  const long = argv.findIndex(overExecString);
-  if (long >= 0) {
-    throw FleetError.nonRetryable("invalid_task", `exec argument ${long} ${execStringTooLong(argv[long]!)}`);
+  for (const [i, arg] of argv.entries()) {
+    const problem = execStringProblem(arg);
+    if (problem) throw FleetError.nonRetryable("invalid_task", `exec argument ${i} ${problem}`);
   }
   // By its path: the command's PATH (the caller's to set) must not choose the deadline's enforcer.
   return [TIMEOUT_PATH, "-k", String(killAfterS), formatSeconds(deadlineMs), ...argv];
@@ -89,26 +89,9 @@ export function envList(env: Readonly<Record<string, string>> | undefined): stri
       throw FleetError.nonRetryable("invalid_task", `environment variable ${k} contains a NUL byte`);
     }
     const entry = `${k}=${v}`;
-    if (overExecString(entry)) {
-      throw FleetError.nonRetryable("invalid_task", `environment variable ${k} ${execStringTooLong(entry)}`);
-    }
+    const problem = execStringProblem(entry);
+    if (problem) throw FleetError.nonRetryable("invalid_task", `environment variable ${k} ${problem}`);
     out.push(entry);
   }
   return out.length > 0 ? out : undefined;
-}
-
-/**
- * Whether an exec cannot take `text` as one argument or environment entry: over Linux's
- * MAX_ARG_STRLEN with its NUL, refused (E2BIG) before the command starts, on every attempt. A
- * command agent's argv and env are bounded at admission; one admitted before that bound was (or
- * any other caller's) is refused here as final, not left to a spawn failure a provider reports
- * as its own (masked, after retries).
- */
-function overExecString(text: string): boolean {
-  // At most 3 bytes a UTF-16 unit: a short string needs no count.
-  return text.length * 3 >= MAX_EXEC_STRING_BYTES && Buffer.byteLength(text) + 1 > MAX_EXEC_STRING_BYTES;
-}
-
-function execStringTooLong(text: string): string {
-  return `is ${Buffer.byteLength(text) + 1} bytes with its NUL, over the ${MAX_EXEC_STRING_BYTES} bytes Linux takes in one (E2BIG): put long content in a file`;
 }
