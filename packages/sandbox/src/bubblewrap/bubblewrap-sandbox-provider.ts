@@ -1199,7 +1199,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
    * through `nsenter` included, so a command it killed reads as still in a live sandbox).
    */
   private stateAlive(state: BwrapState): boolean {
-    return state.initPid > 0 && sameProcess(state.initPid, state.initStart) && !exiting(state.initPid);
+    if (state.initPid <= 0 || state.initStart === "") return false;
+    const init = processStat(state.initPid);
+    return init !== null && init.start === state.initStart && !init.exiting;
   }
 
   private checkHandle(handle: SandboxHandle): void {
@@ -1327,6 +1329,17 @@ function procUnreadable(path: string, err: unknown): FleetError {
  * reason than the process being gone (`procUnreadable`).
  */
 function startTime(pid: number): string | null {
+  return processStat(pid)?.start ?? null;
+}
+
+/**
+ * `startTime`'s read of `/proc/<pid>/stat`, with whether the process has begun to exit (field 9,
+ * its flags, holds `PF_EXITING`: a killed PID 1 of a PID namespace stays so, not yet a zombie,
+ * until every other process of the namespace is gone). Null when gone or a zombie.
+ *
+ * @throws FleetError `provider_unavailable`, as `startTime`.
+ */
+function processStat(pid: number): { start: string; exiting: boolean } | null {
   const path = `/proc/${pid}/stat`;
   let stat: string;
   try {
@@ -1336,27 +1349,13 @@ function startTime(pid: number): string | null {
     throw procUnreadable(path, err);
   }
   const fields = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
-  if (fields[0] === "Z" || fields[0] === "X") return null;
-  return fields[19] ?? null;
+  if (fields[0] === "Z" || fields[0] === "X" || fields[19] === undefined) return null;
+  const flags = Number(fields[6]);
+  return { start: fields[19], exiting: Number.isInteger(flags) && (flags & PF_EXITING) !== 0 };
 }
 
 /** The kernel's `PF_EXITING` task flag: set as a process starts to exit (`do_exit`). */
 const PF_EXITING = 0x4;
-
-/**
- * Whether a process has begun to exit (field 9 of `/proc/<pid>/stat`, its flags, holds
- * `PF_EXITING`). A killed PID 1 of a PID namespace stays so, not yet a zombie, until every other
- * process of the namespace is gone. False when gone or unreadable (told elsewhere).
- */
-function exiting(pid: number): boolean {
-  try {
-    const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
-    const flags = Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[6]);
-    return Number.isInteger(flags) && (flags & PF_EXITING) !== 0;
-  } catch {
-    return false;
-  }
-}
 
 /** `startTime`, with a process whose `/proc` cannot be read taken for alive (`""`). */
 function startTimeOrAlive(pid: number): string | null {
