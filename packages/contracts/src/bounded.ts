@@ -28,6 +28,16 @@ export function wholeSlice(text: string, start: number, end: number): string {
   return text.slice(s, e);
 }
 
+/**
+ * The last `max` characters of `text`, marked `[truncated]…` at the front when cut, cut between
+ * characters (`wholeSlice`): the harnesses' and the verifiers' output tails (`capTail`).
+ */
+export function tailWithin(text: string, max: number): string {
+  const mark = "[truncated]…";
+  if (text.length <= max) return text;
+  return mark + wholeSlice(text, text.length - Math.max(0, max - mark.length), text.length);
+}
+
 const isHighSurrogate = (unit: number) => unit >= 0xd800 && unit <= 0xdbff;
 const isLowSurrogate = (unit: number) => unit >= 0xdc00 && unit <= 0xdfff;
 

@@ -1,4 +1,4 @@
-import { FleetError, isFleetError, keptAnswer, wholeSlice } from "@fleet/contracts";
+import { FleetError, isFleetError, keptAnswer, tailWithin } from "@fleet/contracts";
 import { AGENT_USER, SANDBOX_PATHS } from "@fleet/sandbox";
 import {
   EXEC_OUTPUT_BYTES,
@@ -66,9 +66,7 @@ export async function providerStep<T>(ctx: HarnessContext, what: string, call: (
 
 /** The last `max` characters of `text`, marking the cut at the front. */
 export function capTail(text: string, max = MAX_OUTPUT_CHARS): string {
-  const mark = "[truncated]…";
-  if (text.length <= max) return text;
-  return mark + wholeSlice(text, text.length - Math.max(0, max - mark.length), text.length);
+  return tailWithin(text, max);
 }
 
 /**

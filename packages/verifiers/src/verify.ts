@@ -1,5 +1,5 @@
 import { randomBytes } from "node:crypto";
-import { capText, endedBySignal, FleetError, fileModes, isFleetError, wholeSlice } from "@fleet/contracts";
+import { capText, endedBySignal, FleetError, fileModes, isFleetError, tailWithin } from "@fleet/contracts";
 import {
   AGENT_UID,
   AGENT_USER,
@@ -656,10 +656,8 @@ function abortError(signal: AbortSignal): FleetError {
 
 /**
  * The last `max` characters of `text`, marking the cut at the front; cut between characters
- * (`wholeSlice`), never between a surrogate pair's halves, as the harness's `capTail` is.
+ * (`tailWithin`, shared with the harness's `capTail`), never between a surrogate pair's halves.
  */
 export function capTail(text: string, max = MAX_DETAIL_CHARS): string {
-  const mark = "[truncated]…";
-  if (text.length <= max) return text;
-  return mark + wholeSlice(text, text.length - Math.max(0, max - mark.length), text.length);
+  return tailWithin(text, max);
 }
