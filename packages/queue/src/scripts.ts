@@ -1253,6 +1253,18 @@ const SCRIPTS = {
       return 1`,
   },
   /**
+   * Put off a due ledger entry that does not parse (ARGV[1], its key) to ARGV[3], only while it
+   * still holds the text read (ARGV[2]): a failure recorded over it since (due on its backoff) or
+   * a confirm (nothing left to put off) is not the unreadable entry the put-off was for. Returns
+   * 1 if put off.
+   */
+  fleetLedgerPutOff: {
+    keys: 2, // teardown entries, teardown due
+    lua: `
+      if redis.call('HGET', KEYS[1], ARGV[1]) ~= ARGV[2] then return 0 end
+      return redis.call('ZADD', KEYS[2], 'XX', 'CH', ARGV[3], ARGV[1])`,
+  },
+  /**
    * Drop due marks (ARGV) whose ledger entry is gone: only our own scripts write or remove the
    * two together, so such a mark is one an operator or a restore left, due for good, taking a
    * slot of every pass's `due` read. Only those with no entry now (a forget and a new schedule of

@@ -2024,6 +2024,53 @@ describe("rollout store", () => {
     expect(await ledger.size()).toBe(0);
   });
 
+  it("a due entry that does not parse is put off only while it is still the text read: a failure recorded over it meanwhile keeps its backoff, a confirm is not undone", async () => {
+    // The janitor's read, on a connection of its own that runs `between` once it has read the
+    // entries: a close's write landing between the janitor's read and its put-off.
+    const racy = createRedis(REDIS_URL);
+    let between: () => Promise<unknown> = async () => undefined;
+    const real = racy.hmget.bind(racy);
+    vi.spyOn(racy, "hmget").mockImplementation((async (...args: Parameters<typeof racy.hmget>) => {
+      const read = await real(...args);
+      await between();
+      return read;
+    }) as typeof racy.hmget);
+    try {
+      const janitorLedger = new TeardownLedger(racy, prefix);
+      const ledger = new TeardownLedger(redis, prefix);
+      const id = (await admitOne()).ids[0]!;
+      const entry = sandboxEntry(id);
+      const mine = (due: { key: string }[]) => due.filter((e) => e.key === entry.key);
+      const now = 5_000_000;
+      await redis.hset(ledger.keys.teardownEntries(), entry.key, "{torn");
+      await redis.zadd(ledger.keys.teardownDue(), 10, entry.key);
+      // A close's destroy fails meanwhile: its failure is recorded over the torn entry, due soon.
+      let recorded: Awaited<ReturnType<typeof ledger.recordFailure>> = null;
+      between = async () => {
+        between = async () => undefined;
+        recorded = await ledger.recordFailure(entry, "device busy", now, () => 1);
+      };
+      expect(mine(await janitorLedger.due(now, 1000, () => undefined))).toEqual([]);
+      expect(recorded).not.toBeNull();
+      // Retried on its backoff, not an hour on (the put-off meant for the torn text).
+      expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(recorded!.dueAt);
+      expect(mine(await ledger.due(recorded!.dueAt, 1000))).toHaveLength(1);
+
+      // Torn again, and confirmed meanwhile: nothing is brought back.
+      await redis.hset(ledger.keys.teardownEntries(), entry.key, "{torn");
+      await redis.zadd(ledger.keys.teardownDue(), 10, entry.key);
+      between = async () => {
+        between = async () => undefined;
+        await ledger.confirm(entry);
+      };
+      expect(mine(await janitorLedger.due(now, 1000, () => undefined))).toEqual([]);
+      expect(await redis.hget(ledger.keys.teardownEntries(), entry.key)).toBeNull();
+      expect(await redis.zscore(ledger.keys.teardownDue(), entry.key)).toBeNull();
+    } finally {
+      racy.disconnect();
+    }
+  });
+
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
     const ledger = new TeardownLedger(redis, prefix);
     const { ids } = await admitOne();

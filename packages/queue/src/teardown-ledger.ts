@@ -370,8 +370,17 @@ export class TeardownLedger {
           onInvalid(key, err);
         }),
     );
+    // Only while the key still holds the text read: a close may have recorded its failure over
+    // it since (due on its backoff, which an hour's put-off would have overridden).
+    const read = new Map(stored);
     for (const key of putOff)
-      await this.redis.zadd(this.keys.teardownDue(), "XX", now + INVALID_PUT_OFF_MS, key);
+      await this.redis.fleetLedgerPutOff(
+        this.keys.teardownEntries(),
+        this.keys.teardownDue(),
+        key,
+        read.get(key)!,
+        now + INVALID_PUT_OFF_MS,
+      );
     return entries.map(([entry, stored]) => ({ entry, stored }));
   }
 
