@@ -250,7 +250,17 @@ export class DockerGatewayNetworks {
       // By default the one `ensure` makes, and one made before names carried the scope.
       const legacy = await this.legacyNetwork(rolloutId);
       const removed = await this.remove(rolloutId, gatewayNetworkName(rolloutId, this.scope));
-      if (!legacy) return removed;
+      if (!legacy) {
+        // Neither network there (a retry): the one from before names carried the scope may be
+        // gone with its rules left (its unseal failed after its removal), and nothing lists a
+        // gone network again. Its bridge is unsealed too (a no-op where it had none), only then,
+        // never while a network of that name is there (another fleet's, or one still in use).
+        const legacyName = gatewayNetworkName(rolloutId);
+        if (this.scope && removed.alreadyGone && !(await this.inspect(legacyName))) {
+          await this.remove(rolloutId, legacyName);
+        }
+        return removed;
+      }
       const old = await this.remove(rolloutId, legacy.Name);
       return { alreadyGone: removed.alreadyGone && old.alreadyGone };
     }
