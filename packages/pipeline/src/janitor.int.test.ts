@@ -2265,6 +2265,62 @@ describe("janitor", () => {
     }
   });
 
+  it("leaves the schedule alone while another replica runs the passes, though its own clock is behind theirs (the next tick looks far ahead to it): made again every check, each an extra pass", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    // This host's clock is 30 s behind the fleet's (Redis's), on which the other replica runs.
+    const skewMs = 30_000;
+    const fleetNow = () => Date.now() + skewMs;
+    const lines: string[] = [];
+    const logger = createLogger({
+      name: "test",
+      level: "warn",
+      destination: { write: (l: string) => lines.push(l) },
+    });
+    const schedule = new Queue(JANITOR_QUEUE, { connection: own.redis, prefix: own.prefix });
+    // The other replica's last pass dated the next tick on its clock (the fleet's).
+    const realNow = Date.now.bind(Date);
+    const theirs = vi.spyOn(Date, "now").mockImplementation(() => realNow() + skewMs);
+    try {
+      await schedule.upsertJobScheduler(
+        JANITOR_SCHEDULER,
+        { every: 200 },
+        { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
+      );
+    } finally {
+      theirs.mockRestore();
+    }
+    const lookups = vi.spyOn(Queue.prototype, "getJobScheduler");
+    const janitor = await startJanitor(
+      { ...own.deps, logger, now: fleetNow },
+      { connection: own.redis, prefix: own.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    // Its passes go on, each ending with a note of it.
+    const passes = setInterval(() => {
+      void own.redis.set(own.deps.store.keys.janitorLastPass(), String(fleetNow())).catch(() => undefined);
+    }, 100);
+    try {
+      const next = (await schedule.getJobScheduler(JANITOR_SCHEDULER))!.next!;
+      expect(next).toBeGreaterThan(Date.now() + 2 * 200);
+      // This replica, no pass of its own for a few intervals, checks the schedule: three checks,
+      // or until it made the schedule again (from its own clock: then it takes the next pass).
+      const checks = () => lookups.mock.contexts.filter((queue) => queue !== schedule).length;
+      const nextNow = async () => (await schedule.getJobScheduler(JANITOR_SCHEDULER))?.next;
+      await vi.waitFor(async () => expect(checks() >= 3 || (await nextNow()) !== next).toBe(true), {
+        timeout: 4_000,
+      });
+      expect(await nextNow()).toBe(next);
+      expect(lines.map((l) => JSON.parse(l).msg)).not.toContainEqual(
+        expect.stringContaining("scheduled far ahead"),
+      );
+    } finally {
+      clearInterval(passes);
+      lookups.mockRestore();
+      await schedule.close();
+      await janitor.close();
+      await own.close();
+    }
+  });
+
   it("says when it last finished a pass (FleetJanitorPassesStopped), and makes its schedule again when someone removed it", async () => {
     const { schedule, lastPass, close } = await fastJanitor();
     try {

@@ -926,6 +926,12 @@ export async function startJanitor(
             // from this clock.
             const next = found.next ?? 0;
             if (next - Date.now() <= 2 * options.intervalMs) return;
+            // Unless passes go on (another replica's, noted within the last few intervals on the
+            // fleet's clock): then it is this host's clock that is behind theirs, on which they
+            // date the ticks. Made again from this clock, the schedule was made again at every
+            // check, each time a pass out of turn, and this replica warned of a clock ahead.
+            const last = Number(await options.connection.get(lastPassKey));
+            if (Number.isFinite(last) && last > 0 && clock(deps) - last <= staleAfterMs) return;
             if (farTickNews("far tick")) {
               deps.logger.warn(
                 { scheduler: JANITOR_SCHEDULER, nextInMs: next - Date.now() },
