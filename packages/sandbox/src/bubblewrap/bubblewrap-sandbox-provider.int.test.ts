@@ -221,6 +221,27 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     for (const file of left) rmSync(join(stateDir, file));
   });
 
+  it("list skips an entry of the state directory that is no state file (a directory, a FIFO, named *.json), never failing or hanging on it: every sandbox stays listed", async () => {
+    const h = await create();
+    const [dir, fifo] = [join(stateDir, `fleet-${RUN}-dir.json`), join(stateDir, `fleet-${RUN}-fifo.json`)];
+    mkdirSync(dir);
+    await run("mkfifo", [fifo]);
+    try {
+      // A FIFO no one writes: a plain read of it never answers.
+      const listed = await Promise.race([
+        provider.list({ "fleet.rollout": h.rolloutId }).then(
+          (infos) => infos.map((i) => i.handle.name),
+          (e: unknown) => e,
+        ),
+        new Promise((resolve) => setTimeout(() => resolve("no answer in 5 s"), 5_000)),
+      ]);
+      expect(listed).toEqual([h.name]);
+    } finally {
+      rmSync(dir, { recursive: true, force: true });
+      rmSync(fifo, { force: true });
+    }
+  });
+
   it("a command's PATH and LD_PRELOAD reach the command only, never the privileged nsenter/setpriv before it", async () => {
     const h = await create();
     const marker = join(tmpdir(), `fleet-pwned-${RUN}`);

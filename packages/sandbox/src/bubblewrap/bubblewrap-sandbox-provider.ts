@@ -2,6 +2,7 @@ import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import {
   closeSync,
+  type Dirent,
   existsSync,
   constants as fsConstants,
   openSync,
@@ -1111,9 +1112,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
     const problem = await this.hostProblem();
     if (problem !== null) throw FleetError.retryable("provider_unavailable", problem);
-    let names: string[];
+    let entries: Dirent[];
     try {
-      names = await readdir(this.stateDir);
+      entries = await readdir(this.stateDir, { withFileTypes: true });
     } catch (err) {
       if ((err as NodeJS.ErrnoException).code === "ENOENT") return [];
       throw FleetError.retryable("provider_unavailable", `cannot read ${this.stateDir}: ${String(err)}`, err);
@@ -1123,9 +1124,14 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
       ...labels,
     };
-    await this.removeStrayWrites(names);
+    await this.removeStrayWrites(entries.map((e) => e.name));
     const out: SandboxInfo[] = [];
-    for (const file of names.filter((n) => n.endsWith(".json")).sort()) {
+    // State files only, each written as a regular file and renamed into place: another entry
+    // named `*.json` (a directory, a FIFO an operator left there) is none, and reading it failed
+    // the whole list (EISDIR) or never answered (a FIFO no one writes), which hid every sandbox
+    // from the janitor and kept the worker from starting.
+    const files = entries.filter((e) => e.isFile() && e.name.endsWith(".json")).map((e) => e.name);
+    for (const file of files.sort()) {
       const state = await this.readState(file.slice(0, -".json".length));
       if (!state) continue;
       if (!Object.entries(want).every(([k, v]) => state.labels[k] === v)) continue;
