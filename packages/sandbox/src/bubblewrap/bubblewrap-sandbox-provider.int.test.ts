@@ -1490,6 +1490,48 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     rmSync(path);
   });
 
+  it("a destroy that ran between a create's last ownership check and its last state write (a worker closing the rollout, a newer create of the name) fails the create, retryable: never a handle of the sandbox it killed (whose first exec is a final sandbox_lost), nor its state put back", async () => {
+    const s = spec();
+    const name = sandboxName(s.rolloutId, s.owner, RUN);
+    type State = { id: string; name: string; rolloutId: string; owner: "resources" | "agent" };
+    const internals = provider as unknown as { writeState(state: State): Promise<void> };
+    const writeState = internals.writeState.bind(provider);
+    let writes = 0;
+    let receipt: unknown;
+    internals.writeState = async (state: State) => {
+      // Before its last write (the sandbox ready), after its check of the name.
+      if (state.name === name && ++writes === 3) {
+        receipt = await provider.destroy({
+          provider: "bubblewrap",
+          endpoint: provider.endpoint,
+          id: state.id,
+          name,
+          rolloutId: state.rolloutId,
+          owner: state.owner,
+          volumes: [],
+        });
+      }
+      await writeState(state);
+    };
+    let outcome: unknown;
+    try {
+      outcome = await provider.create(s).then(
+        async (h) => {
+          live.push(h);
+          return `created (alive: ${await provider.alive(h)})`;
+        },
+        (err: unknown) => err,
+      );
+    } finally {
+      internals.writeState = writeState;
+    }
+    expect(writes).toBe(3);
+    expect(receipt).toMatchObject({ confirmed: true });
+    expect(outcome).toMatchObject({ kind: "provider_unavailable", retryable: true });
+    expect(await provider.list({ "fleet.rollout": s.rolloutId })).toEqual([]);
+    expect(hostProcessesOfRun()).toEqual([]);
+  });
+
   it("a create whose own first state write fails (a full disk) says why, not that it was taken over", async () => {
     const s = spec();
     const internals = provider as unknown as { writeState(state: unknown): Promise<void> };

@@ -422,6 +422,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       state.initStart = initStart;
       stillOurs(await this.readState(name));
       await this.writeState(state);
+      // A destroy (a worker closing the rollout, or a newer create of the name) may have read the
+      // state before this write, killed the sandbox and removed its files, which the write then
+      // put back: its handle would be a dead sandbox's, whose first exec is a final
+      // `sandbox_lost` for a create a retry gets right. Its files go, and the create fails.
+      if (!this.stateAlive(state)) {
+        throw FleetError.retryable("provider_unavailable", `sandbox ${name} was destroyed while it started`);
+      }
     } catch (err) {
       // A newer create (or a destroy) that took the name removes this one's directory as a dead
       // leftover: what failed then (its bwrap log, its workspace) failed for that, and says so.
