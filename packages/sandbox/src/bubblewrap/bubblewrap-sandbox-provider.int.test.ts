@@ -1,6 +1,7 @@
 import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import {
+  chmodSync,
   closeSync,
   existsSync,
   mkdirSync,
@@ -239,6 +240,32 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     } finally {
       rmSync(dir, { recursive: true, force: true });
       rmSync(fifo, { force: true });
+    }
+  });
+
+  it("a program the tests' root makes setuid in the workspace (the agent opened it to them) is out of every host user's reach, whatever the state directory's mode (an operator's mkdir -p: 0755): the sandbox's own directory is root's alone", async () => {
+    const h = await create();
+    chmodSync(stateDir, 0o755);
+    try {
+      await provider.exec(h, ["chmod", "777", "/workspace"], { deadlineMs: 10_000 });
+      const planted = await provider.exec(
+        h,
+        ["sh", "-c", "cp /usr/bin/id /workspace/id && chmod 4755 /workspace/id"],
+        { deadlineMs: 10_000, user: ROOT_USER },
+      );
+      expect(planted.exitCode).toBe(0);
+      // A host user (nobody) runs it by its host path: as root, were it reachable.
+      const hostPath = join(stateDir, `${h.name}-${h.id.slice(0, 8)}`, "workspace", "id");
+      const ran = await run("setpriv", [
+        ...["--reuid", "65534", "--regid", "65534", "--clear-groups"],
+        ...["/bin/sh", "-c", '"$0" -u', hostPath],
+      ]).then(
+        (o) => `ran as uid ${o.stdout.trim()}`,
+        (e: { stderr?: string }) => `refused: ${e.stderr?.trim()}`,
+      );
+      expect(ran).toMatch(/^refused: .*Permission denied/);
+    } finally {
+      chmodSync(stateDir, 0o700);
     }
   });
 

@@ -377,7 +377,14 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     try {
       await this.writeState(state);
       written = true;
-      await mkdir(workspaceDir, { recursive: true, mode: 0o755 });
+      // Root's alone, whatever the state directory's mode (an operator's `mkdir -p` makes it
+      // 0755), and whatever this process's umask: what the sandbox leaves in its workspace is no
+      // host user's to reach. Root in the sandbox (the tests, running the agent's code) makes a
+      // program there setuid root, which a host user ran as root by its host path; the sandbox
+      // itself enters its workspace by the bind, never through this directory.
+      await mkdir(dir, { mode: 0o700 });
+      await chmod(dir, 0o700);
+      await mkdir(workspaceDir, { mode: 0o755 });
       const [uid, gid] = AGENT_USER.split(":").map(Number) as [number, number];
       await chown(workspaceDir, uid, gid);
       // Whatever this process's umask (mkdir's mode is masked by it): bwrap, root without
