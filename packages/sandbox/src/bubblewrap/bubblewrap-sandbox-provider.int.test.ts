@@ -1363,6 +1363,17 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect((await provider.exec(h, ["echo", "fresh"], { deadlineMs: 10_000 })).stdout).toBe("fresh\n");
   });
 
+  it("a destroy of a sandbox whose creator died before it was ready (the janitor's orphan sweep) kills its processes and says it did: not alreadyGone, which the janitor does not count as removed", async () => {
+    const s = spec();
+    const { killCreator, pids } = await halfStartedCreate(s);
+    await killCreator();
+    expect(pids.every(alive)).toBe(true);
+    const [found] = await provider.list({ "fleet.rollout": s.rolloutId });
+    expect(await provider.destroy(found!.handle)).toMatchObject({ confirmed: true, alreadyGone: false });
+    expect(pids.filter(alive)).toEqual([]);
+    expect(await provider.destroy(found!.handle)).toMatchObject({ confirmed: true, alreadyGone: true });
+  });
+
   it("a creator that dies between making the sandbox's cgroups and its next state write leaves them to the next destroy, not behind for good", async () => {
     const s = spec();
     const name = sandboxName(s.rolloutId, s.owner, RUN);

@@ -950,7 +950,13 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       if (!state) await this.removeLeftoverDirs(handle.name);
       return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: true, remaining: 0 };
     }
-    const wasAlive = this.stateAlive(state);
+    // One still starting (its creator died, or is still at it) is not alive, yet its bwrap and
+    // PID 1 may run, which this destroy kills: not already gone (the janitor counts it removed).
+    const wasAlive =
+      this.stateAlive(state) ||
+      (state.initPid === 0 &&
+        (sameProcess(state.bwrapPid, state.bwrapStart) ||
+          processesWithEnv(SANDBOX_ID_ENV, state.id).length > 0));
     await this.destroyState(state);
     this.logger?.debug({ sandbox: handle.name, alreadyGone: !wasAlive }, "sandbox destroyed");
     return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: !wasAlive, remaining: 0 };
