@@ -145,6 +145,39 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
     }
   });
 
+  it("a retried removal of a rollout whose network from before names carried the scope was removed, its unseal failing, removes that network's rules: nothing else leads back to them", async () => {
+    const run = randomUUID().slice(0, 8);
+    const scope = `{ul-${run}}`;
+    const id = `gwr-${run}`;
+    // This rollout's network as the version before scoped names made it (labelled with the scope).
+    const legacyName = gatewayNetworkName(id);
+    const legacyBridge = gatewayBridgeName(legacyName);
+    const config = buildGatewayNetworkConfig(id, undefined, scope);
+    made.push(legacyName, gatewayNetworkName(id, scope));
+    await docker.createNetwork({
+      ...config,
+      Name: legacyName,
+      Options: { ...config.Options, "com.docker.network.bridge.name": legacyBridge },
+    });
+    // The host firewall: the legacy bridge's unseal fails (an `iptables -D` refused) until mended.
+    const firewall = new MemoryGatewayFirewall();
+    await firewall.seal(legacyBridge);
+    let broken = true;
+    firewall.unsealFailure = (bridge) =>
+      broken && bridge === legacyBridge
+        ? FleetError.nonRetryable("isolation_refused", "iptables -D failed")
+        : null;
+    const networks = new DockerGatewayNetworks({ scope, firewall });
+    // Close's removal: the network goes, its rules stay (the janitor retries it by rollout).
+    await expect(networks.remove(id)).rejects.toThrow("iptables -D failed");
+    await expect(docker.getNetwork(legacyName).inspect()).rejects.toMatchObject({ statusCode: 404 });
+    expect([...firewall.sealed]).toEqual([legacyBridge]);
+    // The janitor's retry, the firewall mended: the rules go before the retry is marked done.
+    broken = false;
+    expect(await networks.remove(id)).toEqual({ alreadyGone: true });
+    expect([...firewall.sealed]).toEqual([]);
+  });
+
   it("with a subnet pool (FLEET_GATEWAY_SUBNET_POOL), each rollout's network gets a subnet of the pool, skipping one taken", async () => {
     const run = randomUUID().slice(0, 8);
     const scope = `{pool-${run}}`;

@@ -1,10 +1,7 @@
-import { FleetError } from "@fleet/contracts";
 import { describe, expect, it } from "vitest";
-import { LABEL_MANAGED, LABEL_ROLLOUT, LABEL_SCOPE } from "../provider.ts";
-import { MemoryGatewayFirewall } from "../testing/memory-firewall.ts";
+import { LABEL_MANAGED } from "../provider.ts";
 import {
   buildGatewayNetworkConfig,
-  DockerGatewayNetworks,
   gatewayBridgeName,
   gatewayNetworkName,
   LABEL_NETWORK,
@@ -50,53 +47,5 @@ describe("gateway network naming and config", () => {
     expect(poolSubnet(pool, 4096)).toMatchObject({ subnet: "10.213.0.0/28" });
     expect(() => poolSubnet({ base: "10.0.0.0/16", prefix: 30 }, 0)).toThrow(RangeError);
     expect(() => poolSubnet({ base: "nope/16" }, 0)).toThrow(RangeError);
-  });
-});
-
-describe("gateway network removal", () => {
-  it("a retried removal of a rollout whose network from before names carried the scope was removed, its unseal failing, removes that network's rules: nothing else leads back to them", async () => {
-    const scope = "{fleet-a}";
-    const id = "r-legacy";
-    const legacyName = gatewayNetworkName(id);
-    const legacyBridge = gatewayBridgeName(legacyName);
-    // The daemon's networks, in memory: this rollout's made by a release before names carried
-    // the scope (labelled with it).
-    const daemon = new Map<string, { Name: string; Labels: Record<string, string> }>([
-      [legacyName, { Name: legacyName, Labels: { [LABEL_ROLLOUT]: id, [LABEL_SCOPE]: scope } }],
-    ]);
-    const notFound = () => Object.assign(new Error("no such network"), { statusCode: 404 });
-    const docker = {
-      getNetwork: (name: string) => ({
-        inspect: async () => {
-          const info = daemon.get(name);
-          if (!info) throw notFound();
-          return info;
-        },
-        remove: async () => {
-          if (!daemon.delete(name)) throw notFound();
-        },
-      }),
-    };
-    // The host firewall: the legacy bridge's unseal fails (the xtables lock busy) until mended.
-    let busy = true;
-    const firewall = new MemoryGatewayFirewall();
-    const unseal = firewall.unseal.bind(firewall);
-    firewall.unseal = async (bridge: string) => {
-      if (busy && bridge === legacyBridge)
-        throw FleetError.nonRetryable("isolation_refused", "iptables -D failed");
-      await unseal(bridge);
-    };
-    await firewall.seal(legacyBridge);
-    const networks = new DockerGatewayNetworks({ scope, firewall });
-    Object.assign(networks as unknown as { docker: unknown }, { docker });
-
-    // Close's removal: the network goes, its rules stay (the janitor retries it by rollout).
-    await expect(networks.remove(id)).rejects.toThrow("iptables -D failed");
-    expect(daemon.has(legacyName)).toBe(false);
-    expect([...firewall.sealed]).toEqual([legacyBridge]);
-    // The janitor's retry, the firewall mended: the rules go, before the retry is marked done.
-    busy = false;
-    expect(await networks.remove(id)).toEqual({ alreadyGone: true });
-    expect([...firewall.sealed]).toEqual([]);
   });
 });
