@@ -51,11 +51,17 @@ function argumentsText(args: unknown): string {
  * The first choice's assistant turn, or `null` when the body has none (a malformed answer). Only
  * the first `maxCalls` tool calls are read: one answer may list millions (a 32 MiB body of `{}`s),
  * and an object built for each would take gigabytes.
+ *
+ * `usedIds`: the tool-call ids of the episode's earlier answers; the ids read are added to it.
+ * A call whose id is already used (servers that number calls per answer, `call_0`, repeat them)
+ * gets one of its own, as a missing one does: results go back by id, and with two calls of one
+ * id nothing in the history says which result answers which (some endpoints refuse it outright).
  */
 export function readAssistantTurn(
   body: unknown,
   step: number,
   maxCalls = Number.POSITIVE_INFINITY,
+  usedIds: Set<string> = new Set(),
 ): AssistantTurn | null {
   const choices =
     typeof body === "object" && body !== null ? (body as { choices?: unknown }).choices : undefined;
@@ -71,12 +77,16 @@ export function readAssistantTurn(
       function?: { name?: unknown; arguments?: unknown };
     };
     const args = call.function?.arguments;
+    // An id is echoed in the history and every tool result: a missing, absurd or used one is
+    // replaced (by one no call of the episode has, should an id given look like ours).
+    let id =
+      typeof call.id === "string" && call.id !== "" && call.id.length <= 256 && !usedIds.has(call.id)
+        ? call.id
+        : `call_${step}_${i + 1}`;
+    for (let n = 2; usedIds.has(id); n++) id = `call_${step}_${i + 1}_${n}`;
+    usedIds.add(id);
     return {
-      // An id is echoed in the history and every tool result: a missing or absurd one is replaced.
-      id:
-        typeof call.id === "string" && call.id !== "" && call.id.length <= 256
-          ? call.id
-          : `call_${step}_${i + 1}`,
+      id,
       type: "function",
       function: {
         name: typeof call.function?.name === "string" ? call.function.name : "",

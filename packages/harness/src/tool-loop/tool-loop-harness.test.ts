@@ -837,6 +837,53 @@ describe("ToolLoopHarness", () => {
     expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(0);
   });
 
+  it("gives tool calls that share an id (in one answer, or an earlier answer's) ids of their own, each result after its call", async () => {
+    const call = (id: string, command: string) => ({
+      id,
+      type: "function",
+      function: { name: "bash", arguments: JSON.stringify({ command }) },
+    });
+    const answer = (calls: unknown[]) => ({
+      status: 200,
+      body: {
+        choices: [
+          { finish_reason: "tool_calls", message: { role: "assistant", content: null, tool_calls: calls } },
+        ],
+        usage: { prompt_tokens: 1, completion_tokens: 1, total_tokens: 2 },
+      },
+    });
+    // Servers that number their calls per answer ("call_0", ...) repeat ids; "call_1_3" is the
+    // name an id-less third call would get.
+    upstream.push(
+      answer([
+        call("dup", "echo one"),
+        call("dup", "echo two"),
+        call("", "echo three"),
+        call("call_1_3", "echo four"),
+      ]),
+      answer([call("dup", "echo five")]),
+      chatReply({ content: "done" }),
+    );
+    const out = await harness().run(ctx());
+    expect(out.answer).toBe("done");
+    type Sent = { role: string; tool_calls?: Array<{ id: string }>; tool_call_id?: string; content: string };
+    const history = (upstream.requests[2]!.body as { messages: Sent[] }).messages;
+    const callIds = history.flatMap((m) => (m.tool_calls ?? []).map((c) => c.id));
+    expect(callIds).toHaveLength(5);
+    expect(new Set(callIds).size).toBe(5);
+    // Each result answers its own call, in order: an endpoint (or the model) reading the history
+    // by id would otherwise find two results for one call and none for another.
+    const results = history.filter((m) => m.role === "tool");
+    expect(results.map((m) => m.tool_call_id)).toEqual(callIds);
+    expect(results.map((m) => m.content.match(/ran: echo (\w+)/)?.[1])).toEqual([
+      "one",
+      "two",
+      "three",
+      "four",
+      "five",
+    ]);
+  });
+
   it("the graded answer loses the credential whole only; the stop reason and transcript any long part of it", async () => {
     const prefix = CREDENTIAL.slice(0, 14);
     upstream.push(

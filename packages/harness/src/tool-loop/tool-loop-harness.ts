@@ -126,6 +126,8 @@ export class ToolLoopHarness implements Harness {
 
     let lastText: string | null = null;
     let finalText: string | null = null;
+    /** Every tool-call id in the history: each call's stays its own (`readAssistantTurn`). */
+    const toolCallIds = new Set<string>();
     let stop: ToolLoopStop = "max_steps";
     let stopDetail = `${agent.maxSteps} steps used`;
 
@@ -211,7 +213,7 @@ export class ToolLoopHarness implements Harness {
         // One answer may hold millions of tool calls (a 32 MiB response): at most
         // MAX_TOOL_CALLS_PER_TURN are read, run and go back in the history; the model is told of
         // the rest.
-        const turn = readAssistantTurn(result.body, step, MAX_TOOL_CALLS_PER_TURN);
+        const turn = readAssistantTurn(result.body, step, MAX_TOOL_CALLS_PER_TURN, toolCallIds);
         if (turn === null) {
           // Unreachable in practice: callChatCompletion only returns bodies with a choice.
           throw FleetError.nonRetryable("agent_error", "model answer has no assistant message");
