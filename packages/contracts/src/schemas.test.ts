@@ -28,6 +28,7 @@ import {
   comparableAnswer,
   fileModes,
   imageReferenceProblem,
+  isBlank,
   matchExpectedProblem,
   matchPattern,
   TaskContent,
@@ -63,7 +64,7 @@ const json = fc
 const task = fc
   .record({
     id,
-    instruction: text.filter((s) => s.length > 0),
+    instruction: text.filter((s) => !isBlank(s)),
     image: fc.constantFrom("rollout-fleet/base:latest", "img:1"),
     workspace: files,
     solution: files,
@@ -310,6 +311,18 @@ describe("TaskContent refusals", () => {
     expect(issues({ ...match, tests: { "test.sh": crlf } })).toEqual([
       ["tests", expect.stringMatching(/^are never run for a task graded by matching its answer/)],
     ]);
+  });
+
+  it("refuses an instruction of nothing but white space or zero-width characters, as the task loader refuses an empty instruction.md: the agent would be run on no task", () => {
+    const issues = (task: object) =>
+      TaskContent.safeParse({ ...base, ...task }).error?.issues.map((i) => [i.path.join("/"), i.message]);
+    const message = "must not be empty (it holds only white space or zero-width characters)";
+    for (const instruction of [" ", "\n\t  \r\n", "\u200b\u200c\u200d", "\u2060 \ufeff"]) {
+      expect(issues({ instruction }), JSON.stringify(instruction)).toEqual([["instruction", message]]);
+    }
+    expect(issues({ instruction: "" })).toEqual([["instruction", "must not be empty"]]);
+    // One visible character is an instruction, whatever surrounds it.
+    expect(issues({ instruction: "\u200b x \u200b" })).toBeUndefined();
   });
 
   it("refuses text with a lone UTF-16 surrogate in a path, a file, the instruction or a match's expected answer (staged as U+FFFD: two files would become one); a pair is fine", () => {

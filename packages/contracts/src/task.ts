@@ -350,6 +350,11 @@ export function comparableAnswer(text: string): string {
 /** A character `comparableAnswer` trims (every one is a single UTF-16 unit). */
 const TRIMMED_CHAR = /[\s\u200b-\u200d\u2060]/;
 
+/** Whether `text` is nothing but characters `comparableAnswer` trims (white space, zero-width). */
+export function isBlank(text: string): boolean {
+  return trimAnswer(text) === "";
+}
+
 /**
  * `text` without trimmed characters at either end, in one pass from each end. Not a regex: an
  * anchored `[…]+$` is tried from every position of a run of white space that something follows,
@@ -475,7 +480,12 @@ export const TaskContent = z
         /^[A-Za-z0-9][A-Za-z0-9._-]*$/,
         "must start with a letter or digit, then only letters, digits, '.', '_' or '-'",
       ),
-    instruction: WellFormedText.min(1, "must not be empty"),
+    instruction: WellFormedText.min(1, "must not be empty")
+      // As the task loader refuses an instruction.md of white space: text that shows nothing
+      // (zero-width characters too) runs the agent on no task, graded as if it had one.
+      .refine((text) => text === "" || !isBlank(text), {
+        message: "must not be empty (it holds only white space or zero-width characters)",
+      }),
     /** Sandbox image name; must exist on the worker hosts. */
     image: ImageReference,
     /** Files placed in the agent's workspace before it starts. */

@@ -292,6 +292,9 @@ describe("broken tasks give invalid_task naming the file", () => {
   it("empty instruction.md", async () => {
     const dir = await writeTask("t", { "instruction.md": "  \n" });
     expect(await invalidTask(() => loadTask(dir))).toMatch(/instruction\.md: is empty/);
+    // Zero-width characters (an editor's leftovers) are no instruction either.
+    const invisible = await writeTask("t", { "instruction.md": "\u200b\u2060\n\u200d" });
+    expect(await invalidTask(() => loadTask(invisible))).toMatch(/instruction\.md: is empty/);
   });
 
   it("missing task.toml", async () => {

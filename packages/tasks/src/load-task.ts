@@ -5,6 +5,7 @@ import {
   FILESET_TOO_LARGE,
   type FileSet,
   FleetError,
+  isBlank,
   leafIssues,
   MAX_FILESET_ENTRIES,
   TASK_FILE_SETS,
@@ -93,7 +94,8 @@ export async function loadTask(dir: string, options: LoadTaskOptions = {}): Prom
 
   const instructionFile = path.join(root, "instruction.md");
   const instruction = await readText(instructionFile, budget, "missing (every task needs an instruction.md)");
-  if (instruction.trim() === "") throw invalid(instructionFile, "is empty");
+  // White space and zero-width characters only (an editor's leftovers) are no instruction.
+  if (isBlank(instruction)) throw invalid(instructionFile, "is empty");
 
   const trees: Record<(typeof FILE_TREES)[number], FileSet> = { workspace: {}, solution: {}, tests: {} };
   const modes: Record<string, string> = {};
