@@ -25,7 +25,9 @@ export async function probeKey(options: {
   if (options.timeoutMs <= 0) return "silent";
   const headers: Record<string, string> = { "content-type": "application/json", accept: "application/json" };
   if (options.apiKey) headers.authorization = `Bearer ${options.apiKey}`;
-  const timeout = AbortSignal.timeout(options.timeoutMs);
+  // Whole milliseconds (AbortSignal.timeout refuses a fraction): a caller's time left to a
+  // deadline of a fraction of one.
+  const timeout = AbortSignal.timeout(Math.ceil(options.timeoutMs));
   try {
     const res = await modelFetch(options.url, {
       method: "POST",

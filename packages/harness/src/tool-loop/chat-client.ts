@@ -171,7 +171,9 @@ export async function callChatCompletion(input: ChatCallInput): Promise<ChatCall
     }
     attempt += 1;
     const cutByDeadline = remaining <= attemptMs;
-    const timeout = AbortSignal.timeout(Math.min(remaining, attemptMs));
+    // Whole milliseconds: a deadline of a fraction of one (a timeout of 8.0305 s) made
+    // AbortSignal.timeout throw a RangeError before any attempt, every model call of the episode.
+    const timeout = AbortSignal.timeout(Math.ceil(Math.min(remaining, attemptMs)));
     const headers: Record<string, string> = {
       "content-type": "application/json",
       accept: "application/json",

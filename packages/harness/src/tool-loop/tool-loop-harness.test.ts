@@ -14,6 +14,7 @@ import { chatReply, errorReply, type ScriptedUpstream, startScriptedUpstream } f
 import { AGENT_USER } from "@fleet/sandbox";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { afterEach, beforeEach, describe, expect, it, vi } from "vitest";
+import { agentDeadline } from "../deadline.ts";
 import type { HarnessContext } from "../harness.ts";
 import { formatToolResult } from "./bash-tool.ts";
 import { callChatCompletion, MAX_REQUEST_BYTES, MAX_RESPONSE_BYTES } from "./chat-client.ts";
@@ -835,6 +836,22 @@ describe("ToolLoopHarness", () => {
       /arguments are 2000015 characters, more than a command of at most 102400 bytes needs/,
     );
     expect(provider.execCalls.filter((c) => c.argv[0] === "bash")).toHaveLength(0);
+  });
+
+  it("runs under a deadline of a fraction of a millisecond, as agentDeadline gives for a timeout of 8.0305 s: each attempt's and the probe's timeouts are whole milliseconds", async () => {
+    const a = agent({ timeoutS: 8.0305 });
+    const { deadlineMs } = agentDeadline({ task: TASK, agent: a, startedAt: Date.now() });
+    expect(Number.isInteger(deadlineMs)).toBe(false);
+    upstream.push(
+      chatReply({ content: "working", bash: ["true"] }),
+      // A bare 403 after an answered call: the key is probed (its timeout from the deadline too).
+      errorReply(403, "forbidden", "Forbidden"),
+      chatReply({ content: "OK" }),
+    );
+    const out = await harness(a).run(ctx(a, { deadlineMs }));
+    expect(out.exec).toMatchObject({ exitCode: 0, timedOut: false });
+    expect(out.exec.stderr).toMatch(/stopped \(refused\).*HTTP 403/);
+    expect(upstream.requests).toHaveLength(3);
   });
 
   it("gives tool calls that share an id (in one answer, or an earlier answer's) ids of their own, each result after its call", async () => {
