@@ -151,6 +151,8 @@ export const CappedText = z.string().transform((s) => capText(s));
 /**
  * A fetch response's body as UTF-8 text, read up to `max` bytes: `null` (and the rest of the
  * body cancelled) when it is longer, so a caller never holds an unbounded answer in memory.
+ * Decoded as fetch's `text()` decodes it: a leading byte order mark is dropped (some proxies
+ * write one before their JSON, which JSON.parse refuses), invalid sequences become U+FFFD.
  */
 export async function readBodyCapped(response: Response, max: number): Promise<string | null> {
   if (response.body === null) return "";
@@ -167,7 +169,7 @@ export async function readBodyCapped(response: Response, max: number): Promise<s
     }
     chunks.push(value);
   }
-  return Buffer.concat(chunks).toString("utf8");
+  return decodeUtf8(Buffer.concat(chunks));
 }
 
 /**

@@ -96,6 +96,19 @@ describe("model gateway", () => {
     });
   });
 
+  it("reads an upstream answer that starts with a UTF-8 byte order mark as the chat completion it is: passed on, its usage counted", async () => {
+    const { upstream, gateway } = await setup();
+    const { token, baseUrl } = gateway.register("r1", { model: "m", maxTokens: 1000 });
+    const reply = chatReply({ content: "hello", usage: { prompt: 11, completion: 4, cached: 0 } });
+    // Some proxies (.NET, PHP) write one before the JSON; fetch's text() and the SDKs drop it.
+    upstream.push({ status: 200, rawBody: `\ufeff${JSON.stringify(reply.body)}` });
+    const r = await chat(baseUrl, token);
+    expect(r.status).toBe(200);
+    expect(r.json.choices?.[0]?.message.content).toBe("hello");
+    expect(gateway.usage(token)).toMatchObject({ calls: 1, promptTokens: 11, completionTokens: 4, gaps: [] });
+    expect(gateway.health(token)).toMatchObject({ answered: 1, infraFailures: 0, lastInfraFailure: null });
+  });
+
   it("answers 401 to a missing, unknown or forged token", async () => {
     const { upstream, gateway } = await setup();
     const { token, baseUrl } = gateway.register("r1", { model: "m" });

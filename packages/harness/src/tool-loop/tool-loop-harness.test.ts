@@ -854,6 +854,21 @@ describe("ToolLoopHarness", () => {
     expect(upstream.requests).toHaveLength(3);
   });
 
+  it("reads an answer that starts with a UTF-8 byte order mark (as fetch's text() and the OpenAI SDKs do), not as an unreadable one retried until the deadline", async () => {
+    // Some proxies (.NET, PHP) write one before the JSON.
+    const bom = (reply: { body: unknown }) => ({
+      status: 200,
+      rawBody: `\ufeff${JSON.stringify(reply.body)}`,
+    });
+    upstream.push(
+      bom(chatReply({ content: "working", bash: ["true"] })),
+      bom(chatReply({ content: "done" })),
+    );
+    const out = await harness().run(ctx(agent(), { deadlineMs: Date.now() + 5_000 }));
+    expect(out.answer).toBe("done");
+    expect(upstream.requests).toHaveLength(2);
+  });
+
   it("gives tool calls that share an id (in one answer, or an earlier answer's) ids of their own, each result after its call", async () => {
     const call = (id: string, command: string) => ({
       id,
