@@ -92,7 +92,11 @@ export const ModelBaseUrl = z.url().superRefine((text, ctx) => {
           ? "must not have a query"
           : url.hash !== "" || text.includes("#")
             ? "must not have a fragment"
-            : null;
+            : // Told up front (422), not when a worker refuses to call it: the workers' model
+              // calls never look up an address written in the URL (modelFetch), relying on this.
+              isLinkLocalUrl(text)
+              ? "must not be a link-local or metadata address (a cloud's metadata service)"
+              : null;
   if (problem) ctx.addIssue({ code: "custom", message: problem });
 });
 

@@ -239,6 +239,33 @@ describe("AgentSpec refusals", () => {
     ).toBe(true);
   });
 
+  it("a model base URL on a link-local or metadata host is refused (422), for both harnesses that name one: no worker calls it", () => {
+    for (const baseUrl of [
+      "http://169.254.169.254/latest",
+      "http://[::ffff:169.254.169.254]/v1",
+      "http://[fe80::1]/v1",
+      "http://100.100.100.200/latest",
+      "http://metadata.google.internal/computeMetadata/v1",
+    ]) {
+      const toolLoop = AgentSpec.safeParse({ harness: "tool-loop", model: { baseUrl, name: "m" } });
+      const command = AgentSpec.safeParse({
+        harness: "command",
+        argv: ["true"],
+        model: { name: "m", baseUrl, credential: "default" },
+      });
+      for (const parsed of [toolLoop, command]) {
+        expect(parsed.error?.issues[0], baseUrl).toMatchObject({
+          path: ["model", "baseUrl"],
+          message: "must not be a link-local or metadata address (a cloud's metadata service)",
+        });
+      }
+    }
+    expect(
+      AgentSpec.safeParse({ harness: "tool-loop", model: { baseUrl: "http://10.0.0.5:8000/v1", name: "m" } })
+        .success,
+    ).toBe(true);
+  });
+
   it("a blank model name is refused (422), for both harnesses that name one", () => {
     const url = "http://127.0.0.1:8000/v1";
     const toolLoop = AgentSpec.safeParse({ harness: "tool-loop", model: { baseUrl: url, name: "   " } });

@@ -60,6 +60,15 @@ function agent(over: Partial<Extract<AgentSpecInput, { harness: "tool-loop" }>> 
   return spec;
 }
 
+/**
+ * An agent with no credential whose `model.baseUrl` the schema refuses now (a link-local host), as
+ * a rollout admitted before it did was stored: the harness refuses to call it all the same.
+ */
+function storedWithBaseUrl(baseUrl: string) {
+  const spec = agent({ credential: undefined });
+  return { ...spec, model: { ...spec.model, baseUrl, name: "m" } };
+}
+
 function harness(
   a = agent(),
   resolve: (name: string, baseUrl: string) => Promise<string> = async (name) =>
@@ -335,10 +344,7 @@ describe("ToolLoopHarness", () => {
     upstream.push(chatReply({ content: "done" }));
     expect((await listed([`${upstream.baseUrl}/`]).run(ctx(open))).answer).toBe("done");
     // A cloud's metadata service, with or without a list.
-    const metadata = agent({
-      credential: undefined,
-      model: { baseUrl: "http://169.254.169.254/latest", name: "m" },
-    });
+    const metadata = storedWithBaseUrl("http://169.254.169.254/latest");
     const err = await rejection(new ToolLoopHarness(metadata, {}, { retry: FAST_RETRY }).run(ctx(metadata)));
     expect((err as Error).message).toMatch(/link-local/);
     expect(upstream.requests).toHaveLength(1);
@@ -353,7 +359,7 @@ describe("ToolLoopHarness", () => {
     "http://metadata.google.internal/computeMetadata/v1",
     "http://METADATA.GOOGLE.INTERNAL./v1",
   ])("never calls %s (a metadata service however written)", async (baseUrl) => {
-    const a = agent({ credential: undefined, model: { baseUrl, name: "m" } });
+    const a = storedWithBaseUrl(baseUrl);
     const err = await rejection(new ToolLoopHarness(a, {}, { retry: FAST_RETRY }).run(ctx(a)));
     expect([isFleetError(err) && err.kind, (err as Error).message]).toEqual([
       "agent_error",
