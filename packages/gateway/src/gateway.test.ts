@@ -1084,4 +1084,28 @@ describe("model gateway", () => {
     const { gateway } = await setup();
     expect(() => gateway.register("r1", { model: "m", maxTokens: 0 })).toThrow(/positive integer/);
   });
+
+  it("refuses to start with a limit or timeout that is not a positive whole number, as registration refuses a cap: none silently unbounded, nor every call a 500", async () => {
+    const upstream = await startScriptedUpstream();
+    open.push(upstream);
+    const start = (options: Partial<Parameters<typeof startGateway>[0]>) =>
+      startGateway({ upstreamBaseUrl: upstream.baseUrl, host: "127.0.0.1", ...options });
+    for (const [name, value] of [
+      // AbortSignal.timeout refuses a fraction: every forwarded call failed with a 500.
+      ["upstreamTimeoutMs", 1500.5],
+      ["upstreamTimeoutMs", -1],
+      // NaN compares false: no bound at all on the bodies, the calls open, the rate.
+      ["maxRequestBytes", Number.NaN],
+      ["maxResponseBytes", Number.NaN],
+      ["maxConcurrentCalls", Number.NaN],
+      ["maxCallsPerMinute", Number.NaN],
+      ["maxConnections", 0],
+    ] as const) {
+      await expect(start({ [name]: value }), `${name} ${value}`).rejects.toThrow(
+        new RegExp(`gateway option ${name} must be a positive integer, got ${value}`),
+      );
+    }
+    const gateway = await start({ upstreamTimeoutMs: 1000, maxConcurrentCalls: 1 });
+    open.push(gateway);
+  });
 });

@@ -204,6 +204,22 @@ const DEFAULTS = {
  */
 export async function startGateway(options: GatewayOptions): Promise<ModelGateway> {
   const o = { ...DEFAULTS, ...options };
+  // As a cap at registration: a NaN compares false, so a bound given as one bounded nothing, and
+  // a timeout of a fraction of a millisecond (or none) made AbortSignal.timeout throw at every
+  // call, each answered 500 with the upstream's health untouched (the agent's failure graded).
+  for (const key of [
+    "upstreamTimeoutMs",
+    "maxRequestBytes",
+    "maxResponseBytes",
+    "maxConcurrentCalls",
+    "maxConnections",
+    "maxCallsPerMinute",
+  ] as const) {
+    const value = o[key];
+    if (!(Number.isSafeInteger(value) && value > 0)) {
+      throw new Error(`gateway option ${key} must be a positive integer, got ${value}`);
+    }
+  }
   const upstreamUrl = `${o.upstreamBaseUrl.replace(/\/+$/, "")}/chat/completions`;
   const entries = new Map<string, Entry>();
 
