@@ -267,7 +267,8 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
             "403": { description: "Origin/Referer is another site (login CSRF)", content: html },
             "413": { description: "a form over 8 KiB (LOGIN_FORM_BYTES)", content: json("Error") },
             "415": {
-              description: "neither a form (application/x-www-form-urlencoded) nor application/json",
+              description:
+                "neither a form (application/x-www-form-urlencoded) nor application/json, or a charset other than UTF-8",
               content: json("Error"),
             },
           },

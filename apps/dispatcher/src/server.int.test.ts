@@ -587,6 +587,51 @@ describe("POST /v1/rollouts", () => {
     expect(valid.statusCode, valid.body).toBe(202);
   });
 
+  it("answers 415 for a body that declares a charset other than UTF-8 (never read as UTF-8 all the same), JSON or NDJSON", async () => {
+    const key = randomUUID();
+    // "Ã©" in latin1 is the bytes C3 A9, which are also valid UTF-8 ("é"): read as UTF-8, what
+    // is stored would not be what the client sent.
+    const body = Buffer.concat([
+      Buffer.from(`{"task":${JSON.stringify(task)},"agent":{"harness":"oracle"},"metadata":{"k":"`),
+      Buffer.from("Ã©", "latin1"),
+      Buffer.from('"}}'),
+    ]);
+    for (const type of ["application/json; charset=latin1", "application/json;charset=ISO-8859-1"]) {
+      const res = await h.call({
+        method: "POST",
+        url: "/v1/rollouts",
+        payload: body,
+        headers: { "content-type": type, "idempotency-key": key },
+      });
+      expect(expectErrorBody(res, 415, "unsupported_media_type").message).toMatch(/UTF-8/);
+    }
+    const ndjson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: Buffer.concat([body, Buffer.from("\n")]),
+      headers: { "content-type": "application/x-ndjson; charset=windows-1252" },
+    });
+    expectErrorBody(ndjson, 415, "unsupported_media_type");
+    // UTF-8 declared, in any of its spellings, is read as before.
+    for (const charset of ["utf-8", "UTF8", '"UTF-8"']) {
+      const res = await h.call({
+        method: "POST",
+        url: "/v1/rollouts",
+        payload: row,
+        headers: { "content-type": `application/json; charset=${charset}` },
+      });
+      expect(res.statusCode, res.body).toBe(202);
+    }
+    // Nothing was admitted under the key: the same key with a UTF-8 body is a first request.
+    const valid = await h.call({
+      method: "POST",
+      url: "/v1/rollouts",
+      payload: row,
+      headers: { "idempotency-key": key },
+    });
+    expect(valid.statusCode, valid.body).toBe(202);
+  });
+
   it("a batch sent with the other format's content type says which one to use", async () => {
     const ndjsonAsJson = await h.call({
       method: "POST",

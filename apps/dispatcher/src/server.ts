@@ -317,6 +317,20 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       if (length !== undefined) delete req.headers["content-type"];
       return;
     }
+    // A body in another charset would be read as UTF-8 all the same (its bytes may well decode:
+    // latin1's "Ã©" is UTF-8's "é"), stored as other text than the client sent: 415. JSON is
+    // UTF-8 (RFC 8259); a charset parameter may only say so.
+    const charset = /;\s*charset\s*=\s*"?([^";\s]*)/i.exec(String(req.headers["content-type"] ?? ""))?.[1];
+    if (charset !== undefined && !/^utf-?8$/i.test(charset)) {
+      return refuse(
+        reply,
+        new HttpError(
+          415,
+          "unsupported_media_type",
+          `charset ${charset.slice(0, 40)} is not accepted: send the body as UTF-8 (charset=utf-8, or none)`,
+        ),
+      );
+    }
     const encoding = String(req.headers["content-encoding"] ?? "identity")
       .trim()
       .toLowerCase();
