@@ -111,6 +111,51 @@ describe("a client that hangs up while its body is being read", () => {
     const levels = lines.map((l) => JSON.parse(l) as { level: number; msg: string });
     expect(levels.filter((l) => l.level >= 50)).toEqual([]);
   });
+
+  it("leaves its request line (aborted), whether it hung up mid-body or once its body was sent, its rollout admitted after", async () => {
+    const requestLines = () =>
+      lines
+        .map((l) => JSON.parse(l) as { msg: string; route?: string; aborted?: boolean; level: number })
+        .filter((l) => l.msg === "request");
+    // Mid-body, as above.
+    const midBody = once(dispatcher.server().app.server, "request");
+    const first = connect(dispatcher.port, "127.0.0.1");
+    first.on("error", () => undefined);
+    first.write(
+      'POST /v1/batches HTTP/1.1\r\nHost: x\r\nContent-Type: application/x-ndjson\r\nContent-Length: 100\r\n\r\n{"task":',
+    );
+    await midBody;
+    first.destroy();
+    await vi.waitFor(() => expect(requestLines().map((l) => l.route)).toContain("/v1/batches"), {
+      timeout: 5_000,
+    });
+    // A whole body, then gone before the answer: the rollout is admitted all the same, and the
+    // request is in the log beside it.
+    const body = JSON.stringify({ task: TEST_TASK, agent: { harness: "oracle" } });
+    const whole = once(dispatcher.server().app.server, "request");
+    const second = connect(dispatcher.port, "127.0.0.1");
+    second.on("error", () => undefined);
+    second.write(
+      `POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`,
+    );
+    await whole;
+    second.destroy();
+    await vi.waitFor(() => expect(lines.join("")).toContain("rollout accepted"), { timeout: 5_000 });
+    await vi.waitFor(() => expect(requestLines().map((l) => l.route)).toContain("/v1/rollouts"), {
+      timeout: 5_000,
+    });
+    for (const line of requestLines()) expect(line).toMatchObject({ aborted: true, level: 30 });
+    // One answered in whole has its one line, as before, not another for its connection's close.
+    const answered = await raw(
+      dispatcher.port,
+      "GET /v1/batches/b0 HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    );
+    expect(parse(answered).status).toBe(404);
+    await vi.waitFor(() => expect(requestLines().map((l) => l.route)).toContain("/v1/batches/:id"));
+    expect(requestLines().filter((l) => l.route === "/v1/batches/:id")).toEqual([
+      expect.not.objectContaining({ aborted: true }),
+    ]);
+  });
 });
 
 describe("a request whose body stops arriving", () => {

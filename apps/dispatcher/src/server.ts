@@ -80,6 +80,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
    * `clientErrorHandler` writes them no answer of its own (below).
    */
   const answeredMidBody = new WeakSet<object>();
+  const requestLog = new RequestLog();
   const app = Fastify({
     // Typed as Fastify's base logger so the instance is a plain FastifyInstance (a pino Logger
     // type parameter would make it incompatible with route modules typed FastifyInstance).
@@ -97,7 +98,7 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     // A request that arrives while the server closes gets the one error body (the hook below),
     // not Fastify's own 503 body.
     return503OnClosing: false,
-    logController: new RequestLog(),
+    logController: requestLog,
     // Errors Fastify raises before routing (a URL that does not decode): the one error body too.
     frameworkErrors: (err, req, reply) => {
       // Raised before routing, so before the auth hook: an unauthenticated client gets the 401
@@ -145,6 +146,22 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     if (raw.complete) return;
     answeredMidBody.add(raw.socket);
     raw.once("end", () => answeredMidBody.delete(raw.socket));
+  });
+
+  // A request whose client hung up before its answer was sent (mid-body, or while its batch was
+  // admitted) never finishes, and Fastify writes its line on finish only: it would leave none, an
+  // admission beside no request in the log. Written when its connection closes instead.
+  app.addHook("onRequest", async (req, reply) => {
+    // Fastify writes the line of a response that finished or failed (`requestCompleted`).
+    let logged = false;
+    const done = () => {
+      logged = true;
+    };
+    reply.raw.once("finish", done);
+    reply.raw.once("error", done);
+    reply.raw.once("close", () => {
+      if (!logged) requestLog.requestAborted(req, reply);
+    });
   });
 
   const auth = createAuthenticator(config.apiTokens.tokens, config.apiTokens.adminTokens, ctx.now);
@@ -524,20 +541,31 @@ class RequestLog extends LogController {
 
   override requestCompleted(error: Error | null | undefined, req: FastifyRequest, reply: FastifyReply): void {
     const route = req.routeOptions.url ?? null;
-    // The rollout or batch a request names, so its lines can be found by id.
-    const id = (req.params as { id?: unknown } | undefined)?.id;
-    const line = {
-      method: req.method,
-      route,
-      ...(typeof id === "string" ? { id: capText(id, 200) } : {}),
-      status: reply.statusCode,
-      ms: Math.round(reply.elapsedTime),
-    };
+    const line = this.line(req, reply);
     if (error || reply.statusCode >= 500) reply.log.error({ ...line, err: error ?? undefined }, "request");
     // Prometheus scrapes and health probes, every few seconds: not worth a line each.
     else if (route === "/metrics" || route === "/healthz" || route === "/readyz")
       reply.log.debug(line, "request");
     else reply.log.info(line, "request");
+  }
+
+  /** The line of a request whose client closed its connection before the answer was all sent. */
+  requestAborted(req: FastifyRequest, reply: FastifyReply): void {
+    // No status when none was sent: its default (200) would read as an answer.
+    const status = reply.raw.headersSent ? reply.statusCode : null;
+    reply.log.info({ ...this.line(req, reply), status, aborted: true }, "request");
+  }
+
+  private line(req: FastifyRequest, reply: FastifyReply) {
+    // The rollout or batch a request names, so its lines can be found by id.
+    const id = (req.params as { id?: unknown } | undefined)?.id;
+    return {
+      method: req.method,
+      route: req.routeOptions.url ?? null,
+      ...(typeof id === "string" ? { id: capText(id, 200) } : {}),
+      status: reply.statusCode,
+      ms: Math.round(reply.elapsedTime),
+    };
   }
 }
 
