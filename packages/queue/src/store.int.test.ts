@@ -1406,6 +1406,37 @@ describe("rollout store", () => {
     expect(await redis.pttl(store.keys.batchDone(stale))).toBeGreaterThan(50_000);
   });
 
+  it("a replay of a batch whose inline task is over a task bound lowered since (FLEET_MAX_TASK_BYTES, a restart) gets its batch back, finished, not a 413", async () => {
+    const key = `old-task-bound-${Date.now()}`;
+    const requests = Array.from({ length: 3 }, () =>
+      RolloutRequest.parse({ task, agent: { harness: "oracle" } }),
+    );
+    const bytes = Buffer.byteLength(canonicalJson(TaskContent.parse(task)));
+    // Admitted whole under the bound of its day; a new batch of it is over today's.
+    const first = await admit(
+      store,
+      queues,
+      { requests, batch: true, idempotencyKey: key },
+      { maxTaskBytes: bytes },
+    );
+    expect(first.created).toEqual(first.ids);
+    await expect(
+      admit(
+        store,
+        queues,
+        { requests, batch: true, idempotencyKey: `fresh-${key}` },
+        { maxTaskBytes: bytes - 1 },
+      ),
+    ).rejects.toMatchObject({ code: "payload_too_large" });
+    const replay = await admit(
+      store,
+      queues,
+      { requests, batch: true, idempotencyKey: key },
+      { maxTaskBytes: bytes - 1 },
+    );
+    expect(replay).toEqual({ ...first, created: [] });
+  });
+
   it("dates an admission's note on the store's clock (the fleet's, Redis's in the apps), which the janitor compares with its own", async () => {
     const dated = new RolloutStore(redis, prefix, { now: () => 1_234_567 });
     const batchId = `b-dated-${Math.random().toString(36).slice(2, 8)}`;
