@@ -354,7 +354,7 @@ describe("Bull Board at /admin/queues", () => {
     expect(doc.paths["/admin/login"]?.post?.responses).toHaveProperty("415");
   });
 
-  it("refuses a cross-site action on the admin's cookie (CSRF) and a cross-site sign-in", async () => {
+  it("refuses a cross-site action on the admin's cookie (CSRF), a cross-site sign-in and a cross-site sign-out", async () => {
     const admin = await login(ADMIN);
     const url = "/admin/queues/api/queues/run/r-c.run/retry";
     for (const headers of [{ origin: "http://evil.example" }, { referer: "http://evil.example/x" }, {}]) {
@@ -377,6 +377,21 @@ describe("Bull Board at /admin/queues", () => {
     });
     expect(csrfLogin.statusCode).toBe(403);
     expect(csrfLogin.headers["set-cookie"]).toBeUndefined();
+
+    // Nor sign out: another site's link (or image) to the sign-out route leaves the session be.
+    for (const headers of [{ referer: "http://evil.example/page" }, { origin: "null" }]) {
+      const csrfLogout = await call({ method: "GET", url: "/admin/logout", headers });
+      expect(csrfLogout.statusCode).toBe(303);
+      expect(csrfLogout.headers.location).toBe("/admin/queues");
+      expect(csrfLogout.headers["set-cookie"]).toBeUndefined();
+    }
+    // The board's own link (its page the referrer) signs out.
+    const logout = await call({
+      method: "GET",
+      url: "/admin/logout",
+      headers: { referer: `${ORIGIN}/admin/queues` },
+    });
+    expect(String(logout.headers["set-cookie"])).toMatch(new RegExp(`${SESSION_COOKIE}=;.*Max-Age=0`));
   });
 
   it("only redirects to the board after sign-in, and signs out", async () => {

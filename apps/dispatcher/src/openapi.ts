@@ -278,7 +278,12 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
         get: {
           summary: "Sign out of Bull Board (clears the session cookie)",
           security: [],
-          responses: { "303": { description: "to /admin/login" } },
+          responses: {
+            "303": {
+              description:
+                "to /admin/login; from another site's page (Origin/Referer: logout CSRF), to the board, still signed in",
+            },
+          },
         },
       },
       "/admin/queues": {

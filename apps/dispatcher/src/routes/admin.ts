@@ -137,6 +137,9 @@ export function registerAdminRoutes(app: FastifyInstance, auth: Authenticator): 
     });
 
     scope.get(LOGOUT_PATH, { config: { public: true } }, async (req, reply) => {
+      // Logout CSRF: another site's link (or image) to this route must not sign the browser out,
+      // as its form must not sign it in. Back to the board, the session as it was.
+      if (sameOrigin(req.headers) === false) return reply.redirect(BOARD_PATH, 303);
       return reply
         .header("set-cookie", sessionCookie(null, { secure: isHttps(req) }))
         .header("cache-control", "no-store")
