@@ -303,6 +303,13 @@ describe("Bull Board at /admin/queues", () => {
       paths: Record<string, { post?: { responses: Record<string, unknown> } }>;
     };
     expect(doc.paths["/admin/login"]?.post?.responses).toHaveProperty("413");
+    // Both bounds: the form's, and the JSON body's (which a client signing in with JSON meets).
+    const described = String(
+      (doc.paths["/admin/login"]!.post!.responses["413"] as { description: string }).description,
+    );
+    expect(described).toContain("8 KiB");
+    expect(json.json().error.details.limit).toBe(64 * 1024);
+    expect(described).toContain("64 KiB");
   });
 
   it("signs in with a JSON body as with the form, which /openapi.json lists as a body the route takes (its 415 is for neither)", async () => {

@@ -265,7 +265,11 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
             "400": { description: "no token in the form", content: html },
             "401": { description: "wrong token (the form again)", content: html },
             "403": { description: "Origin/Referer is another site (login CSRF)", content: html },
-            "413": { description: "a form over 8 KiB (LOGIN_FORM_BYTES)", content: json("Error") },
+            "413": {
+              description:
+                "a form over 8 KiB (LOGIN_FORM_BYTES), or a JSON body over 64 KiB (OTHER_JSON_BODY_BYTES)",
+              content: json("Error"),
+            },
             "415": {
               description:
                 "neither a form (application/x-www-form-urlencoded) nor application/json, or a charset other than UTF-8",
