@@ -1272,6 +1272,29 @@ describe("fleet submit", () => {
     expect(stderr.text()).not.toContain("without admitting anything twice");
   });
 
+  it("after a chunk split by the dispatcher's bound (a 413), a failed chunk's note says the re-run admits nothing twice only while that bound is unchanged", async () => {
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      const rows = rowsOf(req);
+      if (rows.length > 3) return apiError(res, 413, "payload_too_large", "never", { maxBacklog: 3 });
+      if (n++ === 0) return acceptBatch(res, n, rows);
+      apiError(res, 503, "unavailable", "gone");
+    });
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--repeat", "3"], ctx())).toBe(1);
+    const err = stderr.text();
+    expect(err).toContain("without admitting anything twice");
+    expect(err).toContain(
+      "This run split a chunk by the dispatcher's FLEET_MAX_BACKLOG (3): the re-run sends the same batches only while that setting is unchanged",
+    );
+  });
+
+  it("a failed chunk's note says nothing of a split when none was made", async () => {
+    server.on("POST", "/v1/batches", (_req, res) => apiError(res, 503, "unavailable", "gone"));
+    expect(await runCli(["submit", "--suite", "s", "--agent", "oracle"], ctx())).toBe(1);
+    expect(stderr.text()).toContain("without admitting anything twice");
+    expect(stderr.text()).not.toContain("split");
+  });
+
   it("exits 2 on bad usage without calling the API", async () => {
     expect(await runCli(["submit", "--suite", "s", "--agent", "oracle", "--task", "nope"], ctx())).toBe(2);
     expect(stderr.text()).toContain('unknown task "nope"; the suite has: alpha, beta');

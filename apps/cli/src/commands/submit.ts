@@ -489,6 +489,12 @@ interface PostingState {
   /** Whether the backlog's room (a 429) made the CLI split a chunk: that split is not repeatable. */
   backlogSplit: boolean;
   /**
+   * The dispatcher's setting by which a 413 made the CLI split a chunk (its backlog bound, its
+   * body limit), if one did: a re-run splits it alike, under the same keys, only while that
+   * setting is unchanged.
+   */
+  boundSplit?: string;
+  /**
    * Set once the dispatcher refused a chunk as a JSON batch (over its FLEET_MAX_JSON_BATCH_BYTES,
    * which may be lower than the size the client sends NDJSON from): every later body goes as NDJSON.
    */
@@ -559,6 +565,7 @@ async function submitChunk(
       }
       const max = num("maxBacklog");
       if (err.status === 413 && max !== null && max >= 1 && lines.length > max) {
+        posting.boundSplit ??= `FLEET_MAX_BACKLOG (${max})`;
         for (let i = 0; i < lines.length; i += max) await part(i, i + max);
         return;
       }
@@ -573,6 +580,7 @@ async function submitChunk(
         await held.say(
           `the dispatcher takes request bodies of at most ${limit} bytes: sending these ${lines.length} rollouts as ${parts.length} batches (--max-request-bytes ${limit} would from the start)\n`,
         );
+        posting.boundSplit ??= `FLEET_MAX_BODY_BYTES (${limit})`;
         for (const [start, end] of parts) await part(start, end);
         return;
       }
@@ -668,6 +676,15 @@ function chunkFailureNote(
       `To finish the submission without admitting anything twice, ${rerun} ` +
         "(batches already admitted come back with the same ids; the rest go in once).",
     );
+    // Its batches' keys name the rows each carried, which that setting decided: changed before
+    // the re-run, a split chunk is cut elsewhere, under keys that admit its rollouts again.
+    if (f.posting.boundSplit !== undefined) {
+      lines.push(
+        `This run split a chunk by the dispatcher's ${f.posting.boundSplit}: the re-run sends the same ` +
+          "batches only while that setting is unchanged; if it changed, rollouts of a split chunk " +
+          "could be admitted twice (check the batches above with `fleet status` first).",
+      );
+    }
   }
   return `${lines.join("\n")}\n`;
 }
