@@ -1,7 +1,8 @@
 import type { TaskContent } from "@fleet/contracts";
 import { DockerSandboxProvider } from "@fleet/sandbox";
+import { InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
-import { afterAll, beforeAll, describe, expect, it } from "vitest";
+import { afterAll, afterEach, beforeAll, describe, expect, it } from "vitest";
 import { runStageJob } from "./stage-runner.ts";
 import { type InProcessFleet, startInProcessFleet } from "./testing/in-process-fleet.ts";
 
@@ -107,5 +108,57 @@ describe("stage runner: a stage whose receipt is stored stays done", () => {
     expect(rec?.failure).toBeNull();
     expect(await real.queues.close.getJob(`${id}.close`)).toBeUndefined();
     expect(await closeAndResult(id)).toMatchObject({ status: "completed", reward: 1 });
+  });
+});
+
+/**
+ * DESIGN §2 rule 12: a failed or masked result says why. A verifier or harness that throws an
+ * error without a message (`throw new Error()`) still leaves a reason, never `""`.
+ */
+describe("stage runner: a failure thrown without a message", () => {
+  let fleet: InProcessFleet | undefined;
+  afterEach(async () => fleet?.close());
+
+  async function seeded(deps: Parameters<typeof startInProcessFleet>[0]["deps"]): Promise<string> {
+    fleet = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false, deps });
+    const task = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "hello-file")!;
+    const [id] = (await fleet.submit([{ task, agent: { harness: "oracle" } }])) as [string];
+    expect(await runStageJob("seed", job(id), fleet.deps)).toBe("ok");
+    return id;
+  }
+
+  it("a verifier that crashes with an empty message is masked with a reason naming what was thrown", async () => {
+    const id = await seeded({
+      verify: async () => {
+        throw new TypeError();
+      },
+    });
+    expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
+    await expect(runStageJob("verify", job(id), fleet!.deps)).rejects.toThrow();
+    expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
+    const result = await fleet!.deps.store.getResult(id);
+    expect(result).toMatchObject({ status: "masked", failureKind: "verifier_error", stage: "verify" });
+    expect(result?.reason).toBe("verifier_error: the error thrown (TypeError) carried no message");
+    expect(result?.failures.map((f) => f.reason)).toEqual([result?.reason]);
+  });
+
+  it("a harness whose last attempt throws an empty message is masked with a reason, as is each retry's log entry", async () => {
+    const id = await seeded({
+      createHarness: () => ({
+        name: "oracle" as const,
+        run: async () => {
+          throw new Error("");
+        },
+      }),
+    });
+    for (const attemptsMade of [0, 1, 2]) {
+      await expect(runStageJob("run", { ...job(id), attemptsMade }, fleet!.deps)).rejects.toThrow();
+    }
+    expect(await runStageJob("close", job(id), fleet!.deps)).toBe("ok");
+    const result = await fleet!.deps.store.getResult(id);
+    expect(result).toMatchObject({ status: "masked", failureKind: "provider_unavailable", stage: "run" });
+    expect(result?.reason).toBe("provider_unavailable: the error thrown (Error) carried no message");
+    expect(result?.failures).toHaveLength(3);
+    for (const f of result!.failures) expect(f.reason).not.toBe("");
   });
 });

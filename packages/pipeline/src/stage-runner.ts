@@ -386,10 +386,22 @@ function failureRecord(stage: StageName, fe: FleetError, terminal: boolean, at: 
     terminal,
     failureKind: fe.kind,
     mask: classifyFailure(fe.kind).outcome === "mask",
-    reason: capText(fe.message),
+    reason: reasonOf(fe),
     at,
     ...(fe.usage ? { usage: fe.usage } : {}),
   };
+}
+
+/**
+ * A failure's reason (DESIGN §2 rule 12): its message, or for an error thrown without one (`throw
+ * new Error()` in a verifier or harness, a thrown non-Error) what is known of it. Stored as it
+ * was, the result said `reason: ""`: a mask nobody could act on.
+ */
+function reasonOf(fe: FleetError): string {
+  if (fe.message.trim() !== "") return capText(fe.message);
+  const cause = fe.cause;
+  const thrown = cause instanceof Error ? cause.name : cause === undefined ? "FleetError" : typeof cause;
+  return `${fe.kind}: the error thrown (${thrown}) carried no message`;
 }
 
 /** Record a terminal failure (the first one wins) and skip ahead to close. */
