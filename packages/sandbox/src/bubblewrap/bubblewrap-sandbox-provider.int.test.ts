@@ -14,7 +14,7 @@ import {
   utimesSync,
   writeFileSync,
 } from "node:fs";
-import { mkdir, mkdtemp, readFile, rm, symlink, writeFile } from "node:fs/promises";
+import { mkdir, mkdtemp, readFile, rename, rm, symlink, writeFile } from "node:fs/promises";
 import { createServer, type Server } from "node:net";
 import { tmpdir, totalmem } from "node:os";
 import { dirname, join } from "node:path";
@@ -240,6 +240,55 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     } finally {
       rmSync(dir, { recursive: true, force: true });
       rmSync(fifo, { force: true });
+    }
+  });
+
+  it("list on a state directory whose filesystem gives no entry types (ext2 without filetype, XFS with ftype=0) keeps every sandbox listed while another worker writes its state: never an empty list", async (ctx) => {
+    const base = await mkdtemp(join(tmpdir(), "fleet-bwrap-notypes-"));
+    const [img, mnt] = [join(base, "fs.img"), join(base, "mnt")];
+    mkdirSync(mnt);
+    try {
+      await run("mke2fs", ["-q", "-F", "-t", "ext2", "-O", "^filetype", img, "32M"]);
+      await run("mount", ["-o", "loop", img, mnt]);
+    } catch (err) {
+      console.warn(`skipped: cannot mount an ext2 without filetype here: ${String(err)}`);
+      rmSync(base, { recursive: true, force: true });
+      ctx.skip();
+    }
+    const notypes = new BubblewrapSandboxProvider({
+      rootfs: await testRootfs(),
+      stateDir: join(mnt, "bwrap"),
+      scope: RUN,
+    });
+    let h: SandboxHandle | undefined;
+    let stop = false;
+    let churn: Promise<void> = Promise.resolve();
+    try {
+      h = await notypes.create(spec());
+      // Another worker's state writes (`writeState`): a temporary file, renamed into place.
+      const other = join(mnt, "bwrap", `${RUN}-other.json`);
+      churn = (async () => {
+        for (let i = 0; !stop; i++) {
+          const tmp = `${other}.${process.pid}.${(i % 0x10000).toString(16).padStart(8, "0")}.tmp`;
+          await writeFile(tmp, "{}");
+          await rename(tmp, other);
+        }
+      })();
+      const missed: unknown[] = [];
+      for (let i = 0; i < 200; i++) {
+        const listed = await notypes.list({ "fleet.rollout": h.rolloutId }).then(
+          (infos) => infos.map((info) => info.handle.name),
+          (e: unknown) => String(e),
+        );
+        if (!(Array.isArray(listed) && listed.length === 1 && listed[0] === h.name)) missed.push(listed);
+      }
+      expect(missed).toEqual([]);
+    } finally {
+      stop = true;
+      await churn;
+      if (h) await notypes.destroy(h);
+      await run("umount", [mnt]);
+      rmSync(base, { recursive: true, force: true });
     }
   });
 

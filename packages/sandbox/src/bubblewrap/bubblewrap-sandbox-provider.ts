@@ -2,7 +2,6 @@ import { execFile, spawn } from "node:child_process";
 import { randomUUID } from "node:crypto";
 import {
   closeSync,
-  type Dirent,
   existsSync,
   constants as fsConstants,
   openSync,
@@ -1132,9 +1131,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   async list(labels: Record<string, string> = {}): Promise<SandboxInfo[]> {
     const problem = await this.hostProblem();
     if (problem !== null) throw FleetError.retryable("provider_unavailable", problem);
-    let entries: Dirent[];
+    let names: string[];
     try {
-      entries = await readdir(this.stateDir, { withFileTypes: true });
+      names = await readdir(this.stateDir);
     } catch (err) {
       if ((err as NodeJS.ErrnoException).code === "ENOENT") return [];
       throw FleetError.retryable("provider_unavailable", `cannot read ${this.stateDir}: ${String(err)}`, err);
@@ -1144,14 +1143,18 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       ...(this.scope ? { [LABEL_SCOPE]: this.scope } : {}),
       ...labels,
     };
-    await this.removeStrayWrites(entries.map((e) => e.name));
+    await this.removeStrayWrites(names);
     const out: SandboxInfo[] = [];
     // State files only, each written as a regular file and renamed into place: another entry
     // named `*.json` (a directory, a FIFO an operator left there) is none, and reading it failed
     // the whole list (EISDIR) or never answered (a FIFO no one writes), which hid every sandbox
-    // from the janitor and kept the worker from starting.
-    const files = entries.filter((e) => e.isFile() && e.name.endsWith(".json")).map((e) => e.name);
-    for (const file of files.sort()) {
+    // from the janitor and kept the worker from starting. Each told by its own lstat, not by
+    // readdir's entry types: where the filesystem gives none (ext2 without filetype, XFS with
+    // ftype=0) Node lstats every entry itself, and one gone meanwhile (any worker's state write
+    // renamed into place) failed the whole readdir with ENOENT, read as no state directory: an
+    // empty list, every sandbox hidden.
+    for (const file of names.filter((n) => n.endsWith(".json")).sort()) {
+      if (!(await this.isStateFile(file))) continue;
       const state = await this.readState(file.slice(0, -".json".length));
       if (!state) continue;
       if (!Object.entries(want).every(([k, v]) => state.labels[k] === v)) continue;
@@ -1163,6 +1166,20 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       });
     }
     return out;
+  }
+
+  /** Whether the state directory's entry `file` is a regular file (false once it is gone). */
+  private async isStateFile(file: string): Promise<boolean> {
+    try {
+      return (await lstat(join(this.stateDir, file))).isFile();
+    } catch (err) {
+      if ((err as NodeJS.ErrnoException).code === "ENOENT") return false;
+      throw FleetError.retryable(
+        "provider_unavailable",
+        `cannot read sandbox state ${file}: ${String(err)}`,
+        err,
+      );
+    }
   }
 
   /**
