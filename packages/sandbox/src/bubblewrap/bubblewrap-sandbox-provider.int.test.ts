@@ -1423,6 +1423,46 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(await provider.destroy(found!.handle)).toMatchObject({ confirmed: true, alreadyGone: true });
   });
 
+  it("a destroy of a sandbox whose PID 1 died but cannot finish exiting (an exec's host side, stopped, holds a command it never reaps) kills what holds it and says it did: not alreadyGone", async () => {
+    const h = await create();
+    const running = provider.exec(h, ["sleep", "1000"], { deadlineMs: 120_000 }).then(
+      (r) => r,
+      (e: unknown) => e,
+    );
+    await waitUntil(() => sandboxProcesses(h).some((pid) => cmdline(pid) === "sleep\x001000\x00"));
+    const { initPid } = JSON.parse(readFileSync(join(stateDir, `${h.name}.json`), "utf8")) as {
+      initPid: number;
+    };
+    // The exec's nsenter, on the host, stopped (as a sweep leaves it); then PID 1 killed (the
+    // OOM killer): it stays, exiting, until the command the nsenter holds is reaped.
+    const nsenterPid = readdirNumeric("/proc").find((pid) => {
+      try {
+        const stat = readFileSync(`/proc/${pid}/stat`, "latin1");
+        return (
+          stat.includes("(nsenter)") &&
+          stat.slice(stat.lastIndexOf(")") + 2).split(" ")[1] === String(process.pid)
+        );
+      } catch {
+        return false;
+      }
+    })!;
+    process.kill(nsenterPid, "SIGSTOP");
+    await waitUntil(() => /\(nsenter\) T /.test(readFileSync(`/proc/${nsenterPid}/stat`, "latin1")));
+    process.kill(initPid, "SIGKILL");
+    // Gone to the provider (its PID 1 exiting), yet there: the command the nsenter holds unreaped.
+    for (let end = Date.now() + 10_000; await provider.alive(h); ) {
+      if (Date.now() > end) throw new Error("PID 1 still alive 10 s after its SIGKILL");
+      await new Promise((r) => setTimeout(r, 20));
+    }
+    expect(existsSync(`/proc/${initPid}`)).toBe(true);
+    expect(alive(nsenterPid)).toBe(true);
+    live.pop();
+    expect(await provider.destroy(h)).toMatchObject({ confirmed: true, alreadyGone: false });
+    expect(alive(nsenterPid)).toBe(false);
+    expect(await running).toMatchObject({ kind: "sandbox_lost" });
+    expect(hostProcessesOfRun()).toEqual([]);
+  });
+
   it("a creator that dies between making the sandbox's cgroups and its next state write leaves them to the next destroy, not behind for good", async () => {
     const s = spec();
     const name = sandboxName(s.rolloutId, s.owner, RUN);

@@ -949,14 +949,11 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       if (!state) await this.removeLeftoverDirs(handle.name);
       return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: true, remaining: 0 };
     }
-    // One still starting (its creator died, or is still at it) is not alive, yet its bwrap and
-    // PID 1 may run, which this destroy kills: not already gone (the janitor counts it removed).
-    const wasAlive =
-      this.stateAlive(state) ||
-      (state.initPid === 0 &&
-        (sameProcess(state.bwrapPid, state.bwrapStart) ||
-          processesWithEnv(SANDBOX_ID_ENV, state.id).length > 0));
-    await this.destroyState(state);
+    // Already gone only when nothing of it ran, which this destroy would have killed (the janitor
+    // counts it removed otherwise): not only when it was not alive. One still starting (its
+    // creator died, or is still at it) is not, yet its bwrap and PID 1 may run; nor one whose PID 1
+    // died and cannot finish exiting, while an exec's host side (stopped) holds a command of it.
+    const wasAlive = await this.destroyState(state);
     this.logger?.debug({ sandbox: handle.name, alreadyGone: !wasAlive }, "sandbox destroyed");
     return { confirmed: true, scope: "sandbox", at: Date.now(), alreadyGone: !wasAlive, remaining: 0 };
   }
@@ -964,9 +961,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   /**
    * Kill the sandbox's PID 1 (which takes its whole PID namespace) and bwrap's group; remove its
    * files. A sandbox still starting (no PID 1 recorded) is killed by its id in the environment of
-   * its processes.
+   * its processes. True if anything of it still ran (and was killed).
    */
-  private async destroyState(state: BwrapState): Promise<void> {
+  private async destroyState(state: BwrapState): Promise<boolean> {
     const starting = state.initPid === 0;
     const initAlive = () => state.initPid > 0 && sameProcess(state.initPid, state.initStart);
     const bwrapAlive = () => state.bwrapPid > 0 && sameProcess(state.bwrapPid, state.bwrapStart);
@@ -979,6 +976,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // cannot pass to a new sandbox's namespace while this one is still being destroyed).
     let held: ReturnType<typeof holdPidNamespace> = null;
     let namespace: string | null = null;
+    let ran = false;
     const marked = () => [
       ...(starting ? processesWithEnv(SANDBOX_ID_ENV, state.id) : []),
       ...cgroupProcesses(state.cgroups ?? []).filter(entersAnotherPidNamespace),
@@ -992,6 +990,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       for (let attempt = 0; ; attempt++) {
         const others = marked();
         if (!initAlive() && !bwrapAlive() && others.length === 0) break;
+        ran = true;
         for (const pid of others) killQuietly(pid);
         if (initAlive()) killQuietly(state.initPid);
         if (bwrapAlive()) killQuietly(-state.bwrapPid);
@@ -1016,6 +1015,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     // the state file only while it is still its own: a newer create may have taken the name.
     await removeTree(dirname(state.workspaceDir));
     await this.removeStateIfOwn(state);
+    return ran;
   }
 
   /**
