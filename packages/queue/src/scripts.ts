@@ -1338,7 +1338,7 @@ export function batchedLua(def: { prelude: string; body: string; keys: number },
     return out`;
 }
 
-type ScriptFn = (...args: (string | number)[]) => Promise<unknown>;
+type ScriptFn = (...args: (string | Buffer | number)[]) => Promise<unknown>;
 export type ScriptedRedis = RedisConnection &
   Record<ScriptName, ScriptFn> &
   Record<`${BatchedScript}Many`, ScriptFn>;

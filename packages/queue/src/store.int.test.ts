@@ -27,7 +27,7 @@ import { LocalRedisServer } from "./local-redis.ts";
 import { ADMIT_CHUNK_BYTES, admissionOf, BATCH_ADMISSION_LEASE_MS, RolloutStore } from "./rollout-store.ts";
 import { withScripts } from "./scripts.ts";
 import { StageQueues } from "./stage-queues.ts";
-import { sandboxKey, TeardownLedger, teardownBackoffMs } from "./teardown-ledger.ts";
+import { INVALID_PUT_OFF_MS, sandboxKey, TeardownLedger, teardownBackoffMs } from "./teardown-ledger.ts";
 import { FailoverPair } from "./testing/index.ts";
 import { sandboxEntry } from "./testing/sandbox-entry.ts";
 
@@ -158,7 +158,7 @@ describe("rollout store", () => {
   ): Promise<T> => {
     const scripted = withScripts(redis);
     const real = scripted[script].bind(scripted);
-    const spy = vi.spyOn(scripted, script).mockImplementation(async (...args: (string | number)[]) => {
+    const spy = vi.spyOn(scripted, script).mockImplementation(async (...args) => {
       await real(...args);
       await between();
       return real(...args);
@@ -2060,12 +2060,12 @@ describe("rollout store", () => {
     // entries: a close's write landing between the janitor's read and its put-off.
     const racy = createRedis(REDIS_URL);
     let between: () => Promise<unknown> = async () => undefined;
-    const real = racy.hmget.bind(racy);
-    vi.spyOn(racy, "hmget").mockImplementation((async (...args: Parameters<typeof racy.hmget>) => {
+    const real = racy.hmgetBuffer.bind(racy);
+    vi.spyOn(racy, "hmgetBuffer").mockImplementation((async (...args: Parameters<typeof racy.hmget>) => {
       const read = await real(...args);
       await between();
       return read;
-    }) as typeof racy.hmget);
+    }) as typeof racy.hmgetBuffer);
     try {
       const janitorLedger = new TeardownLedger(racy, prefix);
       const ledger = new TeardownLedger(redis, prefix);
@@ -2100,6 +2100,26 @@ describe("rollout store", () => {
     } finally {
       racy.disconnect();
     }
+  });
+
+  it("a due entry torn in the middle of a character (its bytes no UTF-8) is put off all the same: never left due, first in every pass's read", async () => {
+    const ledger = new TeardownLedger(redis, prefix);
+    const id = (await admitOne()).ids[0]!;
+    const entry = sandboxEntry(id);
+    // `{"lastError":"é` cut after the first of é's two bytes.
+    const torn = Buffer.concat([Buffer.from('{"lastError":"'), Buffer.from("é").subarray(0, 1)]);
+    await redis.hset(ledger.keys.teardownEntries(), entry.key, torn);
+    await redis.zadd(ledger.keys.teardownDue(), 10, entry.key);
+    const told: string[] = [];
+    const now = 5_000_000;
+    const due = await ledger.due(now, 1000, (key) => told.push(key));
+    expect(due.filter((e) => e.key === entry.key)).toEqual([]);
+    expect(told).toEqual([entry.key]);
+    expect(Number(await redis.zscore(ledger.keys.teardownDue(), entry.key))).toBe(now + INVALID_PUT_OFF_MS);
+    // Kept as it was, for a release that can read it.
+    expect(await redis.hgetBuffer(ledger.keys.teardownEntries(), entry.key)).toEqual(torn);
+    await redis.hdel(ledger.keys.teardownEntries(), entry.key);
+    await redis.zrem(ledger.keys.teardownDue(), entry.key);
   });
 
   it("the teardown ledger backs off and forgets confirmed entries", async () => {
@@ -2839,7 +2859,7 @@ describe("rollout store", () => {
     const scripted = withScripts(redis);
     const real = scripted.fleetAdmit.bind(scripted);
     const calls: { rollouts: number; bytes: number }[] = [];
-    const spy = vi.spyOn(scripted, "fleetAdmit").mockImplementation((...args: (string | number)[]) => {
+    const spy = vi.spyOn(scripted, "fleetAdmit").mockImplementation((...args) => {
       const records = args.filter((a): a is string => typeof a === "string" && a.startsWith('{"id":'));
       calls.push({ rollouts: records.length, bytes: records.reduce((n, r) => n + Buffer.byteLength(r), 0) });
       return real(...(args as [number, ...string[]]));

@@ -347,7 +347,10 @@ export class TeardownLedger {
   async dueToTake(now: number, limit = 50, onInvalid?: OnInvalidEntry): Promise<DueEntry[]> {
     const keys = await this.redis.zrangebyscore(this.keys.teardownDue(), "-inf", now, "LIMIT", 0, limit);
     if (keys.length === 0) return [];
-    const raws = await this.redis.hmget(this.keys.teardownEntries(), ...keys);
+    // As bytes, kept for the put-off's comparison: an entry torn in the middle of a character is
+    // no UTF-8, and its text (read with U+FFFD for the broken bytes) never equals what Redis holds.
+    const bytes = await this.redis.hmgetBuffer(this.keys.teardownEntries(), ...keys);
+    const raws = bytes.map((b) => (b === null ? null : b.toString()));
     const bare = keys.filter((_, i) => raws[i] == null);
     if (bare.length > 0) {
       const dropped = (await this.redis.fleetLedgerDropBare(
@@ -372,13 +375,12 @@ export class TeardownLedger {
     );
     // Only while the key still holds the text read: a close may have recorded its failure over
     // it since (due on its backoff, which an hour's put-off would have overridden).
-    const read = new Map(stored);
     for (const key of putOff)
       await this.redis.fleetLedgerPutOff(
         this.keys.teardownEntries(),
         this.keys.teardownDue(),
         key,
-        read.get(key)!,
+        bytes[keys.indexOf(key)]!,
         now + INVALID_PUT_OFF_MS,
       );
     return entries.map(([entry, stored]) => ({ entry, stored }));
