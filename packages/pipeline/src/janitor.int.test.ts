@@ -2265,6 +2265,44 @@ describe("janitor", () => {
     }
   });
 
+  it("schedules its next pass again when its own clock ran ahead for its last pass and was stepped back since (NTP), the only replica: passes go on, not once its clock caught up", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    // The fleet's clock (Redis's) stays right; this host's runs 5 minutes ahead for a while.
+    const realNow = Date.now.bind(Date);
+    const key = own.deps.store.keys.janitorLastPass();
+    const janitor = await startJanitor(
+      { ...own.deps, now: realNow },
+      { connection: own.redis, prefix: own.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    const schedule = new Queue(JANITOR_QUEUE, { connection: own.redis, prefix: own.prefix });
+    const passedSince = async (at: number, what: string) =>
+      expect(Number(await own.redis.get(key)), what).toBeGreaterThan(at);
+    try {
+      const ahead = vi.spyOn(Date, "now").mockImplementation(() => realNow() + 300_000);
+      try {
+        // A pass that starts and ends on the clock ahead (its next tick dated on it).
+        const since = realNow() + 300;
+        await vi.waitFor(() => passedSince(since, "a pass on the clock ahead"), { timeout: 10_000 });
+        await vi.waitFor(
+          async () =>
+            expect((await schedule.getJobScheduler(JANITOR_SCHEDULER))!.next!).toBeGreaterThan(
+              realNow() + 250_000,
+            ),
+          { timeout: 10_000 },
+        );
+      } finally {
+        ahead.mockRestore();
+      }
+      // Stepped back: the next tick 5 minutes off. Passes go on all the same.
+      const stepped = Date.now();
+      await vi.waitFor(() => passedSince(stepped, "a pass after the step back"), { timeout: 10_000 });
+    } finally {
+      await schedule.close();
+      await janitor.close();
+      await own.close();
+    }
+  });
+
   it("leaves the schedule alone while another replica runs the passes, though its own clock is behind theirs (the next tick looks far ahead to it): made again every check, each an extra pass", async () => {
     const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
     // This host's clock is 30 s behind the fleet's (Redis's), on which the other replica runs.

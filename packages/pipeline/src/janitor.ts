@@ -889,7 +889,10 @@ export async function startJanitor(
   // fleet_sandboxes_active is this replica's sample from its last pass. With several replicas
   // sharing the schedule, another may run every pass for a while: a sample older than a few
   // intervals is no fact about the provider now (FleetSandboxLeak takes the max over replicas).
-  let lastPassAt = Date.now();
+  // Timed on the monotonic clock: on this host's, a pass run while it was ahead (then stepped
+  // back, NTP) looked recent until it caught up, and no check ran meanwhile, not even the one that
+  // makes the schedule again from a tick dated far ahead on it (the only replica: no pass at all).
+  let lastPassAt = performance.now();
   // Said once per 10 minutes: while a replica whose clock runs ahead lives, it comes back each check.
   const farTickNews = freshErrors(600_000);
   // This replica's walk of the in-flight index for lost stage jobs, a page a pass.
@@ -900,7 +903,7 @@ export async function startJanitor(
   // The same for its teardown ledger gauges: a stale oldest age over the threshold (the ledger
   // drained since, by another replica) would page FleetTeardownLedgerNotDraining, a max over all.
   const stale = setInterval(() => {
-    if (Date.now() - lastPassAt > staleAfterMs) {
+    if (performance.now() - lastPassAt > staleAfterMs) {
       dropSandboxCount(deps);
       deps.metrics?.teardownLedgerEntries.remove({});
       deps.metrics?.teardownLedgerOldestAge.remove({});
@@ -957,8 +960,8 @@ export async function startJanitor(
     JANITOR_QUEUE,
     async () => {
       const report = await janitorTick(deps, { ...options, lostJobCursor, watchdogCursor });
-      lastPassAt = Date.now();
-      deps.metrics?.janitorLastPass.set(lastPassAt / 1000);
+      lastPassAt = performance.now();
+      deps.metrics?.janitorLastPass.set(Date.now() / 1000);
       // For the next janitor to start (a failed write: this replica's gauge still says it). Not
       // awaited: the pass is over, and a Redis that is down must not hold its job open.
       void options.connection.set(lastPassKey, String(clock(deps))).catch(() => undefined);
