@@ -2265,6 +2265,34 @@ describe("janitor", () => {
     }
   });
 
+  it("schedules its next pass again when it was scheduled far ahead by a replica now gone whose clock jumped ahead since it last read Redis's: its note of that pass, ahead of the fleet's clock too, is no pass going on", async () => {
+    const { schedule, lastPass, close } = await fastJanitor();
+    const key = fleet.deps.store.keys.janitorLastPass();
+    try {
+      const realNow = Date.now.bind(Date);
+      expect(await schedule.removeJobScheduler(JANITOR_SCHEDULER)).toBe(true);
+      const ahead = vi.spyOn(Date, "now").mockImplementation(() => realNow() + 300_000);
+      try {
+        await schedule.upsertJobScheduler(
+          JANITOR_SCHEDULER,
+          { every: 200 },
+          { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
+        );
+      } finally {
+        ahead.mockRestore();
+      }
+      // No pass of this replica's in flight (its note would follow), then the gone replica's note
+      // of its last pass: on its fleet clock (its own plus an offset measured before the jump).
+      await vi.waitFor(async () => expect(await schedule.getActiveCount()).toBe(0), { timeout: 10_000 });
+      await fleet.redis.set(key, String(realNow() + 300_000));
+      const since = Date.now() / 1000 + 1;
+      await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(since), { timeout: 10_000 });
+      expect((await schedule.getJobScheduler(JANITOR_SCHEDULER))!.next!).toBeLessThan(Date.now() + 10_000);
+    } finally {
+      await close();
+    }
+  });
+
   it("schedules its next pass again when its own clock ran ahead for its last pass and was stepped back since (NTP), the only replica: passes go on, not once its clock caught up", async () => {
     const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
     // The fleet's clock (Redis's) stays right; this host's runs 5 minutes ahead for a while.

@@ -933,8 +933,10 @@ export async function startJanitor(
             // fleet's clock): then it is this host's clock that is behind theirs, on which they
             // date the ticks. Made again from this clock, the schedule was made again at every
             // check, each time a pass out of turn, and this replica warned of a clock ahead.
+            // A note ahead of the fleet's clock is none: the replica that dated the far tick, its
+            // clock jumped ahead since it last measured Redis's, noted its pass ahead by as much.
             const last = Number(await options.connection.get(lastPassKey));
-            if (Number.isFinite(last) && last > 0 && clock(deps) - last <= staleAfterMs) return;
+            if (Number.isFinite(last) && Math.abs(clock(deps) - last) <= staleAfterMs) return;
             if (farTickNews("far tick")) {
               deps.logger.warn(
                 { scheduler: JANITOR_SCHEDULER, nextInMs: next - Date.now() },
