@@ -178,6 +178,28 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
     expect([...firewall.sealed]).toEqual([]);
   });
 
+  it("a retried removal whose network is gone leaves a network of the unscoped name that is not its own (another fleet's, for a rollout id they share), and its rules", async () => {
+    const run = randomUUID().slice(0, 8);
+    const id = `gwo-${run}`;
+    // Another fleet's network under the name from before names carried the scope.
+    const legacyName = gatewayNetworkName(id);
+    const legacyBridge = gatewayBridgeName(legacyName);
+    const config = buildGatewayNetworkConfig(id, undefined, `{theirs-${run}}`);
+    made.push(legacyName);
+    await docker.createNetwork({
+      ...config,
+      Name: legacyName,
+      Options: { ...config.Options, "com.docker.network.bridge.name": legacyBridge },
+    });
+    const firewall = new MemoryGatewayFirewall();
+    await firewall.seal(legacyBridge);
+    const networks = new DockerGatewayNetworks({ scope: `{mine-${run}}`, firewall });
+    // This fleet's network for the rollout is gone already (a retry): nothing of theirs is touched.
+    expect(await networks.remove(id)).toEqual({ alreadyGone: true });
+    expect((await docker.getNetwork(legacyName).inspect()).Name).toBe(legacyName);
+    expect([...firewall.sealed]).toEqual([legacyBridge]);
+  });
+
   it("with a subnet pool (FLEET_GATEWAY_SUBNET_POOL), each rollout's network gets a subnet of the pool, skipping one taken", async () => {
     const run = randomUUID().slice(0, 8);
     const scope = `{pool-${run}}`;
