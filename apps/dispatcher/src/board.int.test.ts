@@ -213,6 +213,20 @@ describe("Bull Board at /admin/queues", () => {
     expect(await queues.queues.close.getJob("r-add.close")).toBeUndefined();
   });
 
+  it("refuses an admin's 'update data' of a job (a stage job's data naming another rollout makes it a stray, its rollout left to wait out its deadline; any other field fails it, its rollout masked)", async () => {
+    for (const [url, jobData] of [
+      ["/admin/queues/api/queues/seed/r-a.seed/update-data", { rolloutId: "r-b" }],
+      ["/admin/queues/api/queues/seed/r-a.seed/%75pdate-data", { rolloutId: "r-a", note: "x" }],
+    ] as const) {
+      const res = await call({ method: "PATCH", url, token: ADMIN, payload: { jobData } });
+      expect(res.statusCode, url).toBe(403);
+      expect(res.json()).toMatchObject({
+        error: { code: "forbidden", message: expect.stringMatching(/job's data/) },
+      });
+    }
+    expect((await queues.queues.seed.getJob("r-a.seed"))?.data).toEqual({ rolloutId: "r-a" });
+  });
+
   it("answers a board action whose body is over the limit 413, as the API would, not 500", async () => {
     const res = await call({
       method: "PUT",

@@ -33,6 +33,8 @@ export type { DispatcherDeps } from "./context.ts";
 const BATCHES_PATH = "/v1/batches";
 /** Bull Board's "add job" API route, as registered (matched by route: an encoded path reaches it too). */
 const BOARD_ADD_JOB = `${BOARD_PATH}/api/queues/:queueName/add`;
+/** Bull Board's "update data" API route, as registered (matched by route, as `BOARD_ADD_JOB`). */
+const BOARD_UPDATE_DATA = `${BOARD_PATH}/api/queues/:queueName/:jobId/update-data`;
 /** The largest JSON body a route other than the two submissions reads (`otherJsonTooLarge`). */
 export const OTHER_JSON_BODY_BYTES = 64 * 1024;
 const ROLLOUTS_PATH = "/v1/rollouts";
@@ -401,6 +403,21 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
             403,
             "forbidden",
             "adding a job from Bull Board is refused: stage jobs are the fleet's own; submit rollouts through the API",
+          ),
+        );
+      }
+      // Its "update data" of a job: a stage job's data is its rollout's id and nothing else. Data
+      // naming another rollout makes the job a stray, dropped and completed, and as it keeps its
+      // id the janitor's lost-job step (which looks for the id) never enqueues the stage again:
+      // the rollout waited out its deadline, its sandbox held, and ended masked. Any other field
+      // fails its parse at every attempt: the rollout ended masked though nothing had failed.
+      if (req.method === "PATCH" && req.routeOptions.url === BOARD_UPDATE_DATA) {
+        return refuse(
+          reply,
+          new HttpError(
+            403,
+            "forbidden",
+            "changing a job's data from Bull Board is refused: a stage job's data is its rollout's id, which the fleet sets",
           ),
         );
       }
