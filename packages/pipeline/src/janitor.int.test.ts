@@ -2237,6 +2237,27 @@ describe("janitor", () => {
     }
   });
 
+  it("schedules its next pass again when its tick's delay was changed far ahead (Bull Board's 'delay' of the tick job): passes go on", async () => {
+    const { schedule, lastPass, close } = await fastJanitor();
+    try {
+      const first = await lastPass();
+      await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(first), { timeout: 10_000 });
+      // The delayed tick, put off an hour (Bull Board's job "delay" action).
+      await vi.waitFor(
+        async () => {
+          const [tick] = await schedule.getDelayed();
+          expect(tick).toBeDefined();
+          await tick!.changeDelay(3_600_000);
+        },
+        { timeout: 5_000, interval: 20 },
+      );
+      const after = Date.now() / 1000;
+      await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(after), { timeout: 10_000 });
+    } finally {
+      await close();
+    }
+  });
+
   it("schedules its next pass again when it was scheduled far ahead (by a replica whose clock ran 5 minutes ahead, now gone): passes go on", async () => {
     const { schedule, lastPass, close } = await fastJanitor();
     try {

@@ -928,7 +928,23 @@ export async function startJanitor(
             // that ran the last pass: no pass would run until this clock caught up. Made again,
             // from this clock.
             const next = found.next ?? 0;
-            if (next - Date.now() <= 2 * options.intervalMs) return;
+            // Or the schedule's tick is due, but none is ready or running and the one delayed is
+            // due far ahead: its delay was changed (Bull Board's "delay" of the tick job, a
+            // script). BullMQ makes the tick after it only once it runs: no pass until then, and
+            // the schedule itself looked due. Made again, from this clock, as well.
+            const heldAhead = async () => {
+              if ((await queue.getJobCountByTypes("waiting", "prioritized", "active")) > 0) return false;
+              const [, score] = await options.connection.zrange(
+                queue.toKey("delayed"),
+                "0",
+                "0",
+                "WITHSCORES",
+              );
+              return score !== undefined && Number(score) / 0x1000 - Date.now() > 2 * options.intervalMs;
+            };
+            const due = next - Date.now() <= 2 * options.intervalMs;
+            const tickHeld = due && (await heldAhead());
+            if (due && !tickHeld) return;
             // Unless passes go on (another replica's, noted within the last few intervals on the
             // fleet's clock): then it is this host's clock that is behind theirs, on which they
             // date the ticks. Made again from this clock, the schedule was made again at every
@@ -937,7 +953,12 @@ export async function startJanitor(
             // clock jumped ahead since it last measured Redis's, noted its pass ahead by as much.
             const last = Number(await options.connection.get(lastPassKey));
             if (Number.isFinite(last) && Math.abs(clock(deps) - last) <= staleAfterMs) return;
-            if (farTickNews("far tick")) {
+            if (tickHeld) {
+              deps.logger.warn(
+                { scheduler: JANITOR_SCHEDULER },
+                "the janitor's next tick was delayed far past its schedule (its delay changed by hand?); scheduling it again from this host's clock",
+              );
+            } else if (farTickNews("far tick")) {
               deps.logger.warn(
                 { scheduler: JANITOR_SCHEDULER, nextInMs: next - Date.now() },
                 "the janitor's next pass was scheduled far ahead (by a host whose clock runs ahead?); scheduling it again from this host's clock",
