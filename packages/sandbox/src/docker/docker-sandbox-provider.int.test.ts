@@ -874,6 +874,27 @@ describe("DockerSandboxProvider (real Docker)", () => {
     expect(late).toMatchObject({ exitCode: -1, timedOut: true });
   });
 
+  it("a command whose sandbox is removed or killed under it is sandbox_lost, never the SIGKILL exit (137) of its own", async () => {
+    for (const end of [["kill"], ["rm", "-f"]]) {
+      const h = await create();
+      const running = provider.exec(h, ["sleep", "60"], { deadlineMs: 30_000 }).then(
+        (r) => r,
+        (e: unknown) => e,
+      );
+      await vi.waitFor(
+        async () => {
+          const ps = await provider.exec(h, ["pgrep", "-f", "^sleep 60$"], { deadlineMs: 5_000 });
+          expect(ps.exitCode).toBe(0);
+        },
+        { timeout: 10_000, interval: 50 },
+      );
+      execFileSync("docker", [...end, h.id], { stdio: "pipe", timeout: 60_000 });
+      const err = await running;
+      expect(isFleetError(err), `${end[0]}: expected a FleetError, got ${JSON.stringify(err)}`).toBe(true);
+      expect(err).toMatchObject({ kind: "sandbox_lost", retryable: false });
+    }
+  });
+
   it("leaves the processes their memory however many files (of the longest names) the agent left on every tmpfs", async () => {
     const memoryMb = 64;
     const h = await create({ options: { memoryMb, tmpfsMb: 16, diskMb: 16 } });

@@ -451,10 +451,29 @@ export class DockerSandboxProvider implements SandboxProvider {
       throw beforeStart(err);
     }
     // A command's output keeps its end as well as its start (see `CappedBuffer`).
-    const result = await this.execIn(handle, argv, {
-      ...parseExecOptions(options, this.defaults.execUser),
-      keepTail: true,
-    });
+    let result: ExecResult & { rawExitCode: number };
+    try {
+      result = await this.execIn(handle, argv, {
+        ...parseExecOptions(options, this.defaults.execUser),
+        keepTail: true,
+      });
+    } catch (err) {
+      // The daemon forgets the exec of a container removed under it (404 "no such exec
+      // instance"), as it does one it started before a restart: the container tells which.
+      if (
+        isFleetError(err) &&
+        err.kind === "provider_unavailable" &&
+        dockerErrorFacts(err.cause).statusCode === 404
+      ) {
+        await this.throwIfLost(handle, err);
+      }
+      throw err;
+    }
+    if (result.rawExitCode === 137) {
+      // A container removed, killed or stopped under the command SIGKILLs it (its PID namespace's
+      // init died): its 137 is the sandbox's end, masked, never the command's own exit graded.
+      await this.throwIfLost(handle);
+    }
     if (result.rawExitCode === 137 && !result.timedOut) {
       result.oomKilled = await this.oomKilled(handle);
     }
@@ -552,6 +571,29 @@ export class DockerSandboxProvider implements SandboxProvider {
     } catch (err) {
       if (dockerErrorFacts(err).statusCode === 404) return "was removed";
       throw classifyDockerError(err, "inspect", handle.name);
+    }
+  }
+
+  /**
+   * Throw `sandbox_lost` when the sandbox was removed or stopped (a command in it ended with it).
+   * Paused or running, nothing is thrown; a daemon that cannot tell throws `cause` when given
+   * (what failed already), else `provider_unavailable`.
+   */
+  private async throwIfLost(handle: SandboxHandle, cause?: FleetError): Promise<void> {
+    let why: string | null;
+    try {
+      const { State } = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
+      why = State.Running || State.Paused ? null : `stopped (${State.Status})`;
+    } catch (err) {
+      if (dockerErrorFacts(err).statusCode === 404) why = "was removed";
+      else throw cause ?? classifyDockerError(err, "inspect", handle.name);
+    }
+    if (why !== null) {
+      throw FleetError.nonRetryable(
+        "sandbox_lost",
+        `sandbox ${handle.name} ${why} while a command ran`,
+        cause,
+      );
     }
   }
 
