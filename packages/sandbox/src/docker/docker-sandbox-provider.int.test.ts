@@ -1333,6 +1333,37 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("a command's SIGKILL exit (137) makes the provider read the OOM count with none of the agent's programs, though the image's PATH leads through a directory the agent writes", async () => {
+    const image = `fleet-test/agent-path-oom:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nENV PATH=/workspace/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
+    });
+    try {
+      const h = await create({ image });
+      // The agent's `sh` and `cat` leave a mark saying which uid ran them, then do their work.
+      const plant = await provider.exec(
+        h,
+        [
+          "/bin/sh",
+          "-c",
+          "mkdir -p /workspace/bin && for t in sh cat; do printf '#!/bin/sh\\ntouch /tmp/ran-as-$(id -u)\\nexec /bin/%s \"$@\"\\n' $t > /workspace/bin/$t; chmod 755 /workspace/bin/$t; done; echo planted",
+        ],
+        { deadlineMs: 10_000 },
+      );
+      expect(plant.stdout).toBe("planted\n");
+      // The agent's own command ends by SIGKILL: the provider asks whether it was an OOM kill.
+      const killed = await provider.exec(h, ["/bin/sh", "-c", "kill -9 $$"], { deadlineMs: 10_000 });
+      expect(killed).toMatchObject({ exitCode: 137, oomKilled: false });
+      const marks = await provider.exec(h, ["/bin/ls", "/tmp"], { deadlineMs: 10_000, user: ROOT_USER });
+      expect(marks.stdout.split("\n").filter((l) => l.startsWith("ran-as-"))).toEqual([]);
+    } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
+  });
+
   it("lists a sandbox volume only once no container uses it, and never removes one in use (the janitor's volume sweep)", async () => {
     const h = await uncapped.create(spec());
     live.push(h);

@@ -678,9 +678,11 @@ export class DockerSandboxProvider implements SandboxProvider {
     try {
       const info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
       if (info.State.OOMKilled) return true;
-      // cgroup v1 memory.oom_control / v2 memory.events both carry `oom_kill <n>`.
-      const r = await this.execIn(
-        handle,
+      // cgroup v1 memory.oom_control / v2 memory.events both carry `oom_kill <n>`. Run as root
+      // after any SIGKILL exit, the agent's own commands' too: by `OPS_ENV`'s PATH (`execOf`),
+      // never the image's, which may lead through a directory the agent writes (its `sh` would
+      // run as root, beyond the reach of the sweep of the agent's uid).
+      const r = await this.execOf(handle)(
         ["sh", "-c", "cat /sys/fs/cgroup/memory/memory.oom_control /sys/fs/cgroup/memory.events 2>/dev/null"],
         { deadlineMs: 5_000, cwd: OPS_CWD, user: ROOT_USER, stdin: null, maxOutputBytes: 4096 },
       );
