@@ -1364,6 +1364,35 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("the probe of a sandbox an agent ran in (an own sandbox a re-delivered run takes over) runs none of the agent's programs, though the image's PATH leads through a directory the agent writes", async () => {
+    const image = `fleet-test/agent-path-probe:${RUN}`;
+    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
+      input: `FROM ${IMAGE}\nENV PATH=/workspace/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n`,
+      stdio: ["pipe", "ignore", "pipe"],
+      timeout: 120_000,
+    });
+    try {
+      const h = await create({ image });
+      // The agent's `sh`, `readlink` and `tr` leave a mark saying which uid ran them, then do their work.
+      const plant = await provider.exec(
+        h,
+        [
+          "/bin/sh",
+          "-c",
+          'mkdir -p /workspace/bin && for t in sh readlink tr; do printf \'#!/bin/sh\\ntouch /tmp/ran-as-$(id -u)\\nexec %s "$@"\\n\' "$(PATH=/usr/bin:/bin command -v $t)" > /workspace/bin/$t; chmod 755 /workspace/bin/$t; done; echo planted',
+        ],
+        { deadlineMs: 10_000 },
+      );
+      expect(plant.stdout).toBe("planted\n");
+      await expect(provider.probe(h)).resolves.toMatchObject({ isolated: true });
+      const marks = await provider.exec(h, ["/bin/ls", "/tmp"], { deadlineMs: 10_000, user: ROOT_USER });
+      expect(marks.stdout.split("\n").filter((l) => l.startsWith("ran-as-"))).toEqual([]);
+    } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
+  });
+
   it("lists a sandbox volume only once no container uses it, and never removes one in use (the janitor's volume sweep)", async () => {
     const h = await uncapped.create(spec());
     live.push(h);

@@ -754,8 +754,11 @@ export class DockerSandboxProvider implements SandboxProvider {
       const deadline = AbortSignal.timeout(timeoutMs);
       const [r, info] = await withTimeout(
         Promise.all([
+          // By `OPS_ENV`'s PATH (`execOf`), never the image's: a sandbox is probed again after an
+          // agent ran in it (an own sandbox a re-delivered run takes over), and a PATH through a
+          // directory the agent writes would run its programs as root, which no sweep of its uid stops.
           probeWhilePid1Starts(async () =>
-            probeStdout(await this.execIn(handle, ["sh", "-c", script], probeExecCall(timeoutMs)), timeoutMs),
+            probeStdout(await this.execOf(handle)(["sh", "-c", script], probeExecCall(timeoutMs)), timeoutMs),
           ),
           this.containerOf(handle).inspect({ abortSignal: deadline }),
         ]),
