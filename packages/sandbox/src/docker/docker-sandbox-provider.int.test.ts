@@ -1264,6 +1264,55 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("a start the runtime fails on a path of its own (a cgroup file, containerd's socket: 'no such file or directory') is the infrastructure's (retryable), not the image's; one naming the program it could not exec is the image's", async () => {
+    let refusal = "";
+    const proxy = await dockerProxy("start-runtime-path", (req, res) => {
+      if (req.method === "POST" && /\/containers\/[^/]+\/start/.test(req.url ?? ""))
+        return answerDocker(res, 500, refusal);
+      return false;
+    });
+    const refusing = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
+    const specs: SandboxSpecInput[] = [];
+    const outcome = async (message: string) => {
+      refusal = message;
+      const s = spec();
+      specs.push(s);
+      const err = await fleetError(refusing.create(s));
+      return [err.kind, err.retryable];
+    };
+    try {
+      expect(
+        await outcome(
+          "failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: error during container init: error setting cgroup config for procHooks process: openat2 /sys/fs/cgroup/system.slice/docker-0123.scope/cpu.max: no such file or directory: unknown",
+        ),
+      ).toEqual(["provider_unavailable", true]);
+      expect(
+        await outcome(
+          'failed to create task for container: failed to create shim task: connection error: desc = "transport: Error while dialing: dial unix /run/containerd/containerd.sock: connect: no such file or directory": unavailable',
+        ),
+      ).toEqual(["provider_unavailable", true]);
+      // The image's: as the runtime reports an entrypoint it cannot find (by name, by path).
+      expect(
+        await outcome(
+          'failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: exec: "/usr/bin/sleep": stat /usr/bin/sleep: no such file or directory: unknown',
+        ),
+      ).toEqual(["invalid_task", false]);
+      expect(
+        await outcome(
+          'failed to create shim task: OCI runtime create failed: runc create failed: unable to start container process: exec: "sleep": executable file not found in $PATH: unknown',
+        ),
+      ).toEqual(["invalid_task", false]);
+    } finally {
+      await proxy.close();
+      for (const s of specs)
+        for (const c of await docker.listContainers({
+          all: true,
+          filters: { label: [`${LABEL_ROLLOUT}=${s.rolloutId}`] },
+        }))
+          await docker.getContainer(c.Id).remove({ force: true, v: true });
+    }
+  });
+
   /**
    * The probe of a sandbox made from the base image with `run` (a Dockerfile RUN) applied: its
    * error, which must be the task's; the image is removed after.

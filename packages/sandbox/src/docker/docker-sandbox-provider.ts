@@ -212,7 +212,14 @@ export class DockerSandboxProvider implements SandboxProvider {
         facts.statusCode !== 304 &&
         facts.statusCode !== 404 &&
         facts.statusCode !== 409;
-      const startFailedOnImage = /executable file not found|no such file or directory/i.test(facts.message);
+      // The image's only when the runtime names the program it could not exec (`exec: "sleep":
+      // executable file not found`, `exec: "/usr/bin/sleep": stat …: no such file or directory`):
+      // not a path of its own it failed on (a cgroup file under load, containerd's socket while it
+      // restarts), which is the infrastructure's, as the probe tells the two (`probeStdout`).
+      const startFailedOnImage =
+        /exec: "[^"]*": (?:stat [^:]*: )?no such file or directory|executable file not found/i.test(
+          facts.message,
+        );
       await this.removeFailed(container, handle, `failed to start (${facts.message})`, err);
       if (startFailedOnImage) {
         throw FleetError.nonRetryable(
