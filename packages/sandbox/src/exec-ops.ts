@@ -119,8 +119,19 @@ export function parseSandboxSpec(input: SandboxSpecInput): SandboxSpec {
   return parsed.data;
 }
 
-export function parseExecOptions(options: ExecOptions, execUser: string): ParsedExecOptions {
-  const parsed = ExecOptions.safeParse(options);
+/**
+ * A caller's exec options checked, with the provider's defaults (`ExecDefaults`) for the user
+ * and the output cap it names none of.
+ */
+export function parseExecOptions(
+  options: ExecOptions,
+  defaults: Pick<ExecDefaults, "execUser" | "maxOutputBytes">,
+): ParsedExecOptions {
+  // The provider's cap, not the schema's own default: `defaults.maxOutputBytes` is what an
+  // operator set to bound every command's output.
+  const parsed = ExecOptions.safeParse(
+    options?.maxOutputBytes === undefined ? { ...options, maxOutputBytes: defaults.maxOutputBytes } : options,
+  );
   if (!parsed.success) {
     throw FleetError.nonRetryable(
       "invalid_task",
@@ -132,7 +143,7 @@ export function parseExecOptions(options: ExecOptions, execUser: string): Parsed
     deadlineMs: o.deadlineMs,
     env: o.env,
     cwd: o.cwd,
-    user: o.user ?? execUser,
+    user: o.user ?? defaults.execUser,
     stdin: o.stdin === undefined ? null : Buffer.from(o.stdin, "utf8"),
     maxOutputBytes: o.maxOutputBytes,
   };

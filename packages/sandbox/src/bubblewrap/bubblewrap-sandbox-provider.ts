@@ -616,7 +616,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   }
 
   async exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult> {
-    const o = parseExecOptions(options, this.defaults.execUser);
+    const o = parseExecOptions(options, this.defaults);
     let state: BwrapState;
     try {
       state = await this.liveState(handle);

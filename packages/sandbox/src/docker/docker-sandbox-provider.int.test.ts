@@ -256,6 +256,24 @@ describe("DockerSandboxProvider (real Docker)", () => {
       expect([small.stdout, small.stdoutTruncated]).toEqual(["01\n[… 7 bytes cut …]\n9\n", true]);
     });
 
+    it("caps a command's output at the provider's default maxOutputBytes when the call names none", async () => {
+      const capped = new DockerSandboxProvider({
+        docker: { socketPath: "/var/run/docker.sock" },
+        defaults: { maxOutputBytes: 4 },
+      });
+      const r = await capped.exec(h, ["sh", "-c", "echo 0123456789; echo 0123456789 >&2"], {
+        deadlineMs: 10_000,
+      });
+      expect([r.stdout, r.stdoutTruncated, r.stderrTruncated]).toEqual([
+        "01\n[… 7 bytes cut …]\n9\n",
+        true,
+        true,
+      ]);
+      // A cap the call names still wins.
+      const named = await capped.exec(h, ["echo", "0123456789"], { deadlineMs: 10_000, maxOutputBytes: 64 });
+      expect([named.stdout, named.stdoutTruncated]).toEqual(["0123456789\n", false]);
+    });
+
     it("returns invalid UTF-8 as U+FFFD", async () => {
       const r = await provider.exec(h, ["printf", "ok \\377\\376 end"], { deadlineMs: 10_000 });
       expect(r.stdout).toBe("ok \uFFFD\uFFFD end");

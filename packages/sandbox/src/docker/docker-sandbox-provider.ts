@@ -461,7 +461,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     let result: ExecResult & { rawExitCode: number };
     try {
       result = await this.execIn(handle, argv, {
-        ...parseExecOptions(options, this.defaults.execUser),
+        ...parseExecOptions(options, this.defaults),
         keepTail: true,
       });
     } catch (err) {
