@@ -83,6 +83,20 @@ describe("maskedLines", () => {
       await rm(dir, { recursive: true, force: true });
     }
   });
+  it("reads a rollout that is in the file twice (one batch's results appended twice) once: it is rerun once", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-rerun-"));
+    try {
+      const path = join(dir, "results.jsonl");
+      const line = (id: string, status: string, repeat: number) =>
+        JSON.stringify({ id, status, taskId: "t", taskDigest: "d", agent: "oracle", metadata: { repeat } });
+      const once = [line("r-0", "masked", 0), line("r-1", "completed", 1), line("r-2", "masked", 2)];
+      await writeFile(path, `${[...once, ...once].join("\n")}\n`);
+      const read = await maskedLines(path);
+      expect(read.masked.map((l) => l.metadata)).toEqual([{ repeat: 0 }, { repeat: 2 }]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
 });
 
 describe("buildRollouts", () => {

@@ -15,6 +15,8 @@ import { stripBom, UsageError } from "./requests.ts";
 
 /** What `--rerun` reads of each line of a results file (older results have the same fields). */
 const RerunLine = z.object({
+  /** The rollout's id: a rollout in the file twice (its results appended twice) is rerun once. */
+  id: z.string().optional(),
   status: z.string(),
   taskId: z.string(),
   taskDigest: z.string(),
@@ -25,10 +27,13 @@ type RerunLine = z.infer<typeof RerunLine>;
 
 /**
  * The results file's masked lines (`--rerun <file>`), read a line at a time (a results file of
- * a million rollouts is gigabytes): a usage error for a line that is no result.
+ * a million rollouts is gigabytes): a usage error for a line that is no result. A rollout whose
+ * line is in the file more than once (`fleet results <batch> >> file` run twice) is taken once:
+ * each copy would be submitted again, the one masked rollout run twice.
  */
 export async function maskedLines(path: string): Promise<{ masked: RerunLine[]; lines: number }> {
   const masked: RerunLine[] = [];
+  const maskedIds = new Set<string>();
   let lines = 0;
   let n = 0;
   const input = createReadStream(path, { encoding: "utf8" });
@@ -51,7 +56,12 @@ export async function maskedLines(path: string): Promise<{ masked: RerunLine[]; 
           `--rerun ${path}: line ${n} is not a result (${issue?.path.join(".") || "line"}: ${issue?.message})`,
         );
       }
-      if (line.data.status === "masked") masked.push(line.data);
+      if (line.data.status !== "masked") continue;
+      if (line.data.id !== undefined) {
+        if (maskedIds.has(line.data.id)) continue;
+        maskedIds.add(line.data.id);
+      }
+      masked.push(line.data);
     }
   } catch (err) {
     if (err instanceof UsageError) throw err;
