@@ -36,8 +36,13 @@ export interface CliContext {
   progress?: { tty?: boolean; plainIntervalMs?: number };
 }
 
-/** Write, waiting for the stream to drain when it asks to (large result sets, slow pipes). */
+/**
+ * Write, waiting for the stream to drain when it asks to (large result sets, slow pipes).
+ * @throws OutputError once the stream has failed (stdout on a full disk, an I/O error; a closed
+ * pipe is no failure, see `PipeOutput`): a write to it would return without a word, the output lost.
+ */
 export async function writeText(stream: Writable, text: string): Promise<void> {
+  if (stream.errored) throw new OutputError(`cannot write the output: ${stream.errored.message}`);
   if (!stream.write(text)) await once(stream, "drain");
 }
 

@@ -1,4 +1,5 @@
 import { spawn } from "node:child_process";
+import { closeSync, openSync } from "node:fs";
 import { mkdtemp, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
@@ -185,6 +186,49 @@ describe("bin/fleet.js", () => {
       expect(stderr).toContain("interrupted; nothing was cancelled");
     },
   );
+
+  it("stdout on a full disk (/dev/full) is an error, exit 1, not an uncaught 'error' event: a submit stops naming what it admitted", async () => {
+    /** Run `fleet` with its stdout on /dev/full, where every write fails with ENOSPC. */
+    const runOnFullDisk = (args: string[]) => {
+      const full = openSync("/dev/full", "w");
+      try {
+        const child = spawn(process.execPath, [BIN, ...args], {
+          env: { PATH: process.env.PATH ?? "", FLEET_URL: server.url },
+          stdio: ["ignore", full, "pipe"],
+        });
+        let stderr = "";
+        child.stderr?.setEncoding("utf8").on("data", (s: string) => {
+          stderr += s;
+        });
+        return new Promise<{ code: number | null; stderr: string }>((resolve) =>
+          child.on("close", (code) => resolve({ code, stderr })),
+        );
+      } finally {
+        closeSync(full);
+      }
+    };
+    server.on("GET", "/v1/batches/b-1", (_req, res) =>
+      json(res, 200, { id: "b-1", total: 1, done: 1, counts: { completed: 1 }, createdAt: 1 }),
+    );
+    // Its one line is the last write: its failure comes after the command is done.
+    const status = await runOnFullDisk(["status", "b-1"]);
+    expect(status.stderr).not.toContain("Unhandled");
+    expect(status).toEqual({ code: 1, stderr: expect.stringMatching(/^error: cannot write .*ENOSPC/) });
+
+    let n = 0;
+    server.on("POST", "/v1/batches", (req, res) => {
+      n++;
+      const rows = (JSON.parse(req.body) as { rollouts: unknown[] }).rollouts.length;
+      json(res, 202, { batchId: `b-${n}`, rolloutIds: [], count: rows });
+    });
+    const args = ["submit", "--suite", SUITE, "--task", "hello-file", "--agent", "oracle", "--repeat", "60"];
+    const submit = await runOnFullDisk([...args, "--max-request-bytes", "2048"]);
+    expect(submit.stderr).not.toContain("Unhandled");
+    expect(submit.code).toBe(1);
+    // What it admitted before stdout failed (the batch ids stdout did not take).
+    expect(submit.stderr).toMatch(/submitted \d+ of 60 rollouts in \d+ batch(es)? before the error: b-1/);
+    expect(submit.stderr).toMatch(/error: cannot write .*ENOSPC/);
+  });
 
   it("`fleet results | head -n1` stops quietly with exit 0 when the reader goes away", async () => {
     let readerGone: Promise<string> = new Promise(() => {});

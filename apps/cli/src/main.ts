@@ -78,7 +78,13 @@ const stderr = Object.defineProperties(new PipeOutput(process.stderr, () => {}),
   columns: { get: () => process.stderr.columns },
 }) as PipeOutput & ProgressStream;
 
-const code = await runCli(process.argv.slice(2), {
+// A write error other than a closed pipe (stdout on a full disk, an I/O error) fails the command:
+// writeText throws it at the next write (a submit stops there, naming what it admitted), and the
+// last write's, which comes after the command is done, is said below. Unheard, its 'error' event
+// was an uncaught exception, a submission cut off mid-way without a word of what it had admitted.
+for (const out of [stdout, stderr]) out.on("error", () => {});
+
+let code = await runCli(process.argv.slice(2), {
   stdout,
   stderr,
   defaults,
@@ -87,6 +93,12 @@ const code = await runCli(process.argv.slice(2), {
   digestOf: taskDigest,
   signal: interrupt.signal,
 });
+// The last writes to stdout end after the command: an exit 0 would claim output that was lost.
+await new Promise<void>((resolve) => stdout.end(() => resolve()));
+if (stdout.errored && code === EXIT.ok) {
+  process.stderr.write(`error: cannot write the output: ${stdout.errored.message}\n`);
+  code = EXIT.error;
+}
 // Interrupted by a SIGTERM (a CI job's timeout, `kill`, a supervisor), as shells and supervisors
 // read it: 143, not Ctrl-C's 130.
 process.exitCode = code === EXIT.interrupted && interruptedBy === "SIGTERM" ? 143 : code;
