@@ -367,4 +367,14 @@ describe("FleetClient", () => {
     expect(err).toMatchObject({ status: 0, code: "timeout" });
     expect(err.message).toContain("within 100 ms");
   });
+
+  it("sends a batch's cancel that timed out once, not again: its wait is bounded by batchCancelTimeoutMs (10 minutes), and a second would stop every rollout again beside the first", async () => {
+    // A dispatcher that never answers (half-open, or still asking a huge batch's rollouts to stop).
+    server.on("POST", "/v1/batches/b1/cancel", () => new Promise(() => undefined));
+    const err = await caught(
+      client({ timeoutMs: 50, batchCancelTimeoutMs: 100, retries: 3 }).cancelBatch("b1"),
+    );
+    expect(err).toMatchObject({ status: 0, code: "timeout" });
+    expect(server.requests.filter((r) => r.path === "/v1/batches/b1/cancel")).toHaveLength(1);
+  });
 });

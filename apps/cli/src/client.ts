@@ -151,6 +151,8 @@ interface RequestOptions {
   timeoutMs?: number;
   /** A 429 goes back to the caller at once, not retried here (it decides how long to wait). */
   returnBusy?: boolean;
+  /** A timeout goes back to the caller, not retried here (see `cancelBatch`). */
+  timeoutFinal?: boolean;
 }
 
 const RETRY_STATUSES = new Set([429, 502, 503, 504]);
@@ -374,8 +376,12 @@ export class FleetClient {
 
   /** `POST /v1/batches/:id/cancel`. */
   async cancelBatch(batchId: string): Promise<BatchCancelled> {
+    // Its timeout is not retried: the dispatcher may still be asking the rollouts to stop, and a
+    // second cancel would ask them all again beside it; and the wait is batchCancelTimeoutMs, not
+    // that many times over (an hour, with the default retries, on a dispatcher that never answers).
     const res = await this.request("POST", `/v1/batches/${pathId(batchId)}/cancel`, {
       timeoutMs: this.batchCancelTimeoutMs,
+      timeoutFinal: true,
     });
     return parseBody(BatchCancelled, res);
   }
@@ -387,6 +393,7 @@ export class FleetClient {
         res = await this.fetchOnce(method, path, options);
       } catch (err) {
         if (!isApiError(err) || err.status !== 0 || err.code === "aborted") throw err;
+        if (err.code === "timeout" && options.timeoutFinal) throw err;
         await this.afterFailure(attempt, err, null, err.message);
         continue;
       }
