@@ -1105,7 +1105,15 @@ describe("model gateway", () => {
         new RegExp(`gateway option ${name} must be a positive integer, got ${value}`),
       );
     }
+    // Whole, but past a timer's range: AbortSignal.timeout refuses one over 2^32 - 1 ms (every
+    // call a 500), and fires one over 2^31 - 1 after 1 ms (every call an upstream_timeout 504).
+    for (const value of [2 ** 31, 2 ** 32]) {
+      await expect(start({ upstreamTimeoutMs: value }), `upstreamTimeoutMs ${value}`).rejects.toThrow(
+        `gateway option upstreamTimeoutMs must be at most 2147483647 (a timer's range), got ${value}`,
+      );
+    }
     const gateway = await start({ upstreamTimeoutMs: 1000, maxConcurrentCalls: 1 });
     open.push(gateway);
+    open.push(await start({ upstreamTimeoutMs: 2 ** 31 - 1 }));
   });
 });

@@ -187,6 +187,9 @@ interface Entry {
   health: UpstreamHealth;
 }
 
+/** The longest delay a Node timer keeps (2^31 - 1 ms, about 24.8 days); longer fires at once. */
+const MAX_TIMER_MS = 2 ** 31 - 1;
+
 const DEFAULTS = {
   port: 0,
   upstreamTimeoutMs: 600_000,
@@ -219,6 +222,14 @@ export async function startGateway(options: GatewayOptions): Promise<ModelGatewa
     if (!(Number.isSafeInteger(value) && value > 0)) {
       throw new Error(`gateway option ${key} must be a positive integer, got ${value}`);
     }
+  }
+  // A timer's range: AbortSignal.timeout refuses a timeout over 2^32 - 1 ms (every call a 500)
+  // and fires one over 2^31 - 1 after 1 ms (every call an upstream_timeout, the agent's failure
+  // graded), as it did a fraction.
+  if (o.upstreamTimeoutMs > MAX_TIMER_MS) {
+    throw new Error(
+      `gateway option upstreamTimeoutMs must be at most ${MAX_TIMER_MS} (a timer's range), got ${o.upstreamTimeoutMs}`,
+    );
   }
   const upstreamUrl = `${o.upstreamBaseUrl.replace(/\/+$/, "")}/chat/completions`;
   const entries = new Map<string, Entry>();
