@@ -46,6 +46,15 @@ export async function writeText(stream: Writable, text: string): Promise<void> {
   if (!stream.write(text)) await once(stream, "drain");
 }
 
+/**
+ * Once every write so far went out or failed: a write's failure (a full disk) comes after
+ * `writeText` returned, so the last one's shows only here. @throws OutputError as `writeText` does.
+ */
+export async function flushText(stream: Writable): Promise<void> {
+  if (!stream.errored) await new Promise<void>((resolve) => stream.write("", () => resolve()));
+  if (stream.errored) throw new OutputError(`cannot write the output: ${stream.errored.message}`);
+}
+
 /** A results file could not be written (a full disk, an I/O error): exit 1 with this message. */
 export class OutputError extends Error {}
 

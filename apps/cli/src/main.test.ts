@@ -228,6 +228,22 @@ describe("bin/fleet.js", () => {
     // What it admitted before stdout failed (the batch ids stdout did not take).
     expect(submit.stderr).toMatch(/submitted \d+ of 60 rollouts in \d+ batch(es)? before the error: b-1/);
     expect(submit.stderr).toMatch(/error: cannot write .*ENOSPC/);
+
+    // One chunk: the write of its one batch id is the last, failing after the submission is done.
+    // The id is on no stdout, so the error names it, as a chunk's does.
+    const single = await runOnFullDisk([
+      "submit",
+      "--suite",
+      SUITE,
+      "--task",
+      "hello-file",
+      "--agent",
+      "oracle",
+    ]);
+    expect(single.stderr).not.toContain("Unhandled");
+    expect(single.code).toBe(1);
+    expect(single.stderr).toMatch(/submitted 1 of 1 rollouts in 1 batch before the error: b-\d+ /);
+    expect(single.stderr).toMatch(/error: cannot write .*ENOSPC/);
   });
 
   it("`fleet results | head -n1` stops quietly with exit 0 when the reader goes away", async () => {

@@ -8,7 +8,7 @@ import {
   type TaskContent,
 } from "@fleet/contracts";
 import { ApiError, type BatchAccepted, type BatchStatus, type FleetClient, isApiError } from "../client.ts";
-import { type CliContext, OutputError, openOut, type ResultsFile, writeText } from "../context.ts";
+import { type CliContext, flushText, OutputError, openOut, type ResultsFile, writeText } from "../context.ts";
 import { formatDuration, ProgressReporter } from "../progress.ts";
 import {
   BATCH_ENVELOPE_BYTES,
@@ -208,6 +208,9 @@ async function submitAndFollow(
       from === 0 && to === lines.length ? chunkKey : `${chunkKey}.${from}-${to}`;
     try {
       await submitChunk(poster, lines, 0, keyFor, posting, held, opts.backlogWait * 1000, onAccepted);
+      // The last batch id's write fails after it returned (stdout on a full disk): seen here, the
+      // batches are named below as a chunk's failure names them, not left to an error at exit.
+      if (i === chunks.length - 1) await flushText(ctx.stdout);
     } catch (err) {
       held.stop();
       held.reporter?.interrupt();
