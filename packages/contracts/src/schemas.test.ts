@@ -347,6 +347,11 @@ describe("TaskContent refusals", () => {
     for (const instruction of [" ", "\n\t  \r\n", "\u200b\u200c\u200d", "\u2060 \ufeff"]) {
       expect(issues({ instruction }), JSON.stringify(instruction)).toEqual([["instruction", message]]);
     }
+    // Other characters that show nothing (Unicode's default-ignorable ones): a soft hyphen, a
+    // variation selector, an invisible operator, a Hangul filler.
+    for (const instruction of ["\u00ad", "\ufe0f\ufe0f", "\u2063 \u2064", "\u3164"]) {
+      expect(issues({ instruction }), JSON.stringify(instruction)).toEqual([["instruction", message]]);
+    }
     expect(issues({ instruction: "" })).toEqual([["instruction", "must not be empty"]]);
     // One visible character is an instruction, whatever surrounds it.
     expect(issues({ instruction: "\u200b x \u200b" })).toBeUndefined();

@@ -350,9 +350,16 @@ export function comparableAnswer(text: string): string {
 /** A character `comparableAnswer` trims (every one is a single UTF-16 unit). */
 const TRIMMED_CHAR = /[\s\u200b-\u200d\u2060]/;
 
-/** Whether `text` is nothing but characters `comparableAnswer` trims (white space, zero-width). */
+/**
+ * A character that shows something: neither white space nor one of Unicode's default-ignorable
+ * code points (the zero-width ones `comparableAnswer` trims, and a soft hyphen, variation
+ * selectors, invisible operators, the Hangul fillers). One regex test, no backtracking.
+ */
+const VISIBLE_CHAR = /[^\s\p{Default_Ignorable_Code_Point}]/u;
+
+/** Whether `text` shows nothing: white space, zero-width and other invisible characters only. */
 export function isBlank(text: string): boolean {
-  return trimAnswer(text) === "";
+  return !VISIBLE_CHAR.test(text);
 }
 
 /**

@@ -295,6 +295,9 @@ describe("broken tasks give invalid_task naming the file", () => {
     // Zero-width characters (an editor's leftovers) are no instruction either.
     const invisible = await writeTask("t", { "instruction.md": "\u200b\u2060\n\u200d" });
     expect(await invalidTask(() => loadTask(invisible))).toMatch(/instruction\.md: is empty/);
+    // Nor are other characters that show nothing (a soft hyphen, a Hangul filler).
+    const ignorable = await writeTask("t", { "instruction.md": "\u00ad\n\u3164\n" });
+    expect(await invalidTask(() => loadTask(ignorable))).toMatch(/instruction\.md: is empty/);
   });
 
   it("missing task.toml", async () => {
