@@ -272,7 +272,7 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
             },
             "415": {
               description:
-                "neither a form (application/x-www-form-urlencoded) nor application/json, or a charset other than UTF-8",
+                "neither a form (application/x-www-form-urlencoded) nor application/json, or a charset other than UTF-8 (US-ASCII: only its 128 characters)",
               content: json("Error"),
             },
           },

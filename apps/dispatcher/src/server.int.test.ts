@@ -622,6 +622,37 @@ describe("POST /v1/rollouts", () => {
       });
       expect(res.statusCode, res.body).toBe(202);
     }
+    // US-ASCII is UTF-8's first 128 characters: a body of them reads the same either way (a
+    // client labelling its JSON us-ascii, escaping the rest as \u), and is read. A byte past them
+    // is no US-ASCII (browsers read the label as windows-1252): refused, not read as UTF-8.
+    for (const charset of ["us-ascii", "US-ASCII", '"ascii"']) {
+      const res = await h.call({
+        method: "POST",
+        url: "/v1/rollouts",
+        payload: row,
+        headers: { "content-type": `application/json; charset=${charset}` },
+      });
+      expect(res.statusCode, `${charset}: ${res.body}`).toBe(202);
+    }
+    const asciiNdjson = await h.call({
+      method: "POST",
+      url: "/v1/batches",
+      payload: `${JSON.stringify(row)}\n`,
+      headers: { "content-type": "application/x-ndjson; charset=us-ascii" },
+    });
+    expect(asciiNdjson.statusCode, asciiNdjson.body).toBe(202);
+    for (const [url, payload, type] of [
+      ["/v1/rollouts", body, "application/json"],
+      ["/v1/batches", Buffer.concat([body, Buffer.from("\n")]), "application/x-ndjson"],
+    ] as const) {
+      const res = await h.call({
+        method: "POST",
+        url,
+        payload,
+        headers: { "content-type": `${type}; charset=us-ascii`, "idempotency-key": key },
+      });
+      expect(expectErrorBody(res, 415, "unsupported_media_type").message).toMatch(/UTF-8/);
+    }
     // Nothing was admitted under the key: the same key with a UTF-8 body is a first request.
     const valid = await h.call({
       method: "POST",

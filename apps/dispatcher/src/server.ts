@@ -1,4 +1,5 @@
 import { STATUS_CODES } from "node:http";
+import { Transform } from "node:stream";
 import { capText } from "@fleet/contracts";
 import { JANITOR_QUEUE } from "@fleet/queue";
 import { Queue } from "bullmq";
@@ -270,6 +271,33 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     return new NdjsonBody(read);
   });
 
+  // A body declared US-ASCII holds only its 128 characters: a byte past them says it is in
+  // another charset (browsers read the label as windows-1252), and read as UTF-8 it would be
+  // other text than the client sent (latin1's "Ã©" is UTF-8's "é"): 415, as for latin1.
+  app.addHook("preParsing", async (req, _reply, payload) => {
+    const charset = declaredCharset(req);
+    if (charset === undefined || !US_ASCII.test(charset)) return payload;
+    const ascii = new Transform({
+      transform(chunk: Buffer, _encoding, callback) {
+        if (chunk.some((byte) => byte > 0x7f)) {
+          callback(
+            new HttpError(
+              415,
+              "unsupported_media_type",
+              "a body declared charset=us-ascii holds a byte past US-ASCII: send the body as UTF-8 (charset=utf-8, or none)",
+            ),
+          );
+          return;
+        }
+        callback(null, chunk);
+      },
+    });
+    // Not by `pipeline`: its refusal would destroy the request, and with it the connection the
+    // 415 goes back on. A client that hangs up mid-body still fails the read, as without it.
+    payload.on("error", (err) => ascii.destroy(err));
+    return payload.pipe(ascii);
+  });
+
   // A body over the limit by its Content-Length is read and thrown away before the 413 is sent,
   // when it is at most LINGER_FACTOR times the limit and arrives within LINGER_MS: a client that
   // writes its whole body before it reads (Python's http.client and requests do) then gets the
@@ -339,8 +367,10 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     // A body in another charset would be read as UTF-8 all the same (its bytes may well decode:
     // latin1's "Ã©" is UTF-8's "é"), stored as other text than the client sent: 415. JSON is
     // UTF-8 (RFC 8259); a charset parameter may only say so.
-    const charset = /;\s*charset\s*=\s*"?([^";\s]*)/i.exec(String(req.headers["content-type"] ?? ""))?.[1];
-    if (charset !== undefined && !/^utf-?8$/i.test(charset)) {
+    // US-ASCII is UTF-8's first 128 characters, read the same either way: taken, its bytes held
+    // to them (`preParsing` below).
+    const charset = declaredCharset(req);
+    if (charset !== undefined && !/^utf-?8$/i.test(charset) && !US_ASCII.test(charset)) {
       return refuse(
         reply,
         new HttpError(
@@ -594,6 +624,14 @@ class RequestLog extends LogController {
 function onAdminRoute(req: FastifyRequest): boolean {
   return isAdminPath(req.routeOptions.url ?? req.url) || isAdminPath(req.url);
 }
+
+/** A Content-Type's charset parameter, unquoted, if it has one. */
+function declaredCharset(req: FastifyRequest): string | undefined {
+  return /;\s*charset\s*=\s*"?([^";\s]*)/i.exec(String(req.headers["content-type"] ?? ""))?.[1];
+}
+
+/** US-ASCII's names (RFC 2046's `us-ascii`, and `ascii`): a subset of UTF-8. */
+const US_ASCII = /^(us-)?ascii$/i;
 
 const STRICT_UTF8 = new TextDecoder("utf-8", { fatal: true, ignoreBOM: true });
 
