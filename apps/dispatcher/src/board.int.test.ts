@@ -400,7 +400,14 @@ describe("Bull Board at /admin/queues", () => {
     expect(csrfLogin.headers["set-cookie"]).toBeUndefined();
 
     // Nor sign out: another site's link (or image) to the sign-out route leaves the session be.
-    for (const headers of [{ referer: "http://evil.example/page" }, { origin: "null" }]) {
+    // Its Referer withheld too (`referrerpolicy="no-referrer"` on the link, a no-referrer page):
+    // the browser still says where the request came from (Sec-Fetch-Site), which no page sets.
+    for (const headers of [
+      { referer: "http://evil.example/page" },
+      { origin: "null" },
+      { "sec-fetch-site": "cross-site", "sec-fetch-mode": "navigate" },
+      { "sec-fetch-site": "same-site", "sec-fetch-mode": "navigate" },
+    ]) {
       const csrfLogout = await call({ method: "GET", url: "/admin/logout", headers });
       expect(csrfLogout.statusCode).toBe(303);
       expect(csrfLogout.headers.location).toBe("/admin/queues");
@@ -413,6 +420,11 @@ describe("Bull Board at /admin/queues", () => {
       headers: { referer: `${ORIGIN}/admin/queues` },
     });
     expect(String(logout.headers["set-cookie"])).toMatch(new RegExp(`${SESSION_COOKIE}=;.*Max-Age=0`));
+    // And with no referrer sent (Referrer-Policy: no-referrer), or typed in (Sec-Fetch-Site: none).
+    for (const site of ["same-origin", "none"]) {
+      const own = await call({ method: "GET", url: "/admin/logout", headers: { "sec-fetch-site": site } });
+      expect(String(own.headers["set-cookie"]), site).toMatch(new RegExp(`${SESSION_COOKIE}=;.*Max-Age=0`));
+    }
   });
 
   it("only redirects to the board after sign-in, and signs out", async () => {

@@ -285,7 +285,7 @@ export function buildOpenApi(version = "0.1.0"): JsonObject {
           responses: {
             "303": {
               description:
-                "to /admin/login; from another site's page (Origin/Referer: logout CSRF), to the board, still signed in",
+                "to /admin/login; from another site's page (Origin/Referer/Sec-Fetch-Site: logout CSRF), to the board, still signed in",
             },
           },
         },

@@ -74,5 +74,10 @@ describe("isAdminPath / sameOrigin", () => {
     expect(sameOrigin({ host: "fleet", origin: "https://fleet:443" })).toBe(true);
     expect(sameOrigin({ host: "fleet:80", origin: "https://fleet" })).toBe(false);
     expect(sameOrigin({ host: "fleet:8080" })).toBeNull();
+    // Another site's page that withheld its Referer: the browser still says so.
+    expect(sameOrigin({ host: "fleet:8080", "sec-fetch-site": "cross-site" })).toBe(false);
+    expect(sameOrigin({ host: "fleet:8080", "sec-fetch-site": "same-site" })).toBe(false);
+    expect(sameOrigin({ host: "fleet:8080", "sec-fetch-site": "same-origin" })).toBeNull();
+    expect(sameOrigin({ host: "fleet:8080", "sec-fetch-site": "none" })).toBeNull();
   });
 });

@@ -81,9 +81,14 @@ export function isAdminPath(url: string | undefined): boolean {
  * Whether a browser request comes from a page of this very dispatcher: its `Origin` (or, when
  * absent, its `Referer`) names the host the request was sent to. `null` when the request has
  * neither header (not a browser's cross-site request: browsers send `Origin` with every
- * non-GET fetch, XHR and form post).
+ * non-GET fetch, XHR and form post). `false` as well when the browser says the request came from
+ * another site's page (`Sec-Fetch-Site`), whose GET (a link to the sign-out route) may carry
+ * neither header: a page withholds its Referer at will (`referrerpolicy="no-referrer"`), but
+ * cannot set that one.
  */
 export function sameOrigin(headers: IncomingHttpHeaders): boolean | null {
+  const site = headers["sec-fetch-site"]?.toLowerCase();
+  if (site === "cross-site" || site === "same-site") return false;
   const host = headers.host?.toLowerCase();
   const source = headers.origin ?? headers.referer;
   if (source === undefined) return null;
