@@ -156,6 +156,42 @@ describe("a client that hangs up while its body is being read", () => {
       expect.not.objectContaining({ aborted: true }),
     ]);
   });
+
+  it("leaves the request line of each request pipelined on a connection that closed before their answers, the ones queued behind the first too", async () => {
+    const rolloutLines = () =>
+      lines
+        .map((l) => JSON.parse(l) as { msg: string; route?: string; aborted?: boolean })
+        .filter((l) => l.msg === "request" && l.route === "/v1/rollouts");
+    const accepted = () => lines.filter((l) => l.includes("rollout accepted")).length;
+    const before = { lines: rolloutLines().length, accepted: accepted() };
+    // Two submissions in one write (HTTP/1.1 pipelining): the second's answer waits behind the
+    // first's, and the client is gone before either is sent. Both are admitted.
+    const body = JSON.stringify({ task: TEST_TASK, agent: { harness: "oracle" } });
+    const request = `POST /v1/rollouts HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: ${Buffer.byteLength(body)}\r\n\r\n${body}`;
+    let taken = 0;
+    const both = new Promise<void>((resolve) => {
+      const count = () => {
+        if (++taken < 2) return;
+        dispatcher.server().app.server.off("request", count);
+        resolve();
+      };
+      dispatcher.server().app.server.on("request", count);
+    });
+    const socket = connect(dispatcher.port, "127.0.0.1");
+    socket.on("error", () => undefined);
+    socket.write(request + request);
+    await both;
+    socket.destroy();
+    await vi.waitFor(() => expect(accepted() - before.accepted).toBe(2), { timeout: 5_000 });
+    await vi.waitFor(
+      () =>
+        expect(rolloutLines().slice(before.lines)).toEqual([
+          expect.objectContaining({ aborted: true }),
+          expect.objectContaining({ aborted: true }),
+        ]),
+      { timeout: 5_000 },
+    );
+  });
 });
 
 describe("a request whose body stops arriving", () => {

@@ -83,6 +83,8 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
    * `clientErrorHandler` writes them no answer of its own (below).
    */
   const answeredMidBody = new WeakSet<object>();
+  /** Per connection, the request lines of its requests not answered yet (`requestAborted`). */
+  const unanswered = new WeakMap<object, Set<() => void>>();
   const requestLog = new RequestLog();
   const app = Fastify({
     // Typed as Fastify's base logger so the instance is a plain FastifyInstance (a pino Logger
@@ -155,16 +157,35 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
   // admitted) never finishes, and Fastify writes its line on finish only: it would leave none, an
   // admission beside no request in the log. Written when its connection closes instead.
   app.addHook("onRequest", async (req, reply) => {
+    // A request pipelined behind another whose answer was not sent yet gets no event at all when
+    // the connection closes (Node never closes its queued response): its line is written on the
+    // connection's close, by one listener of the connection's for all its requests unanswered.
+    const socket = req.raw.socket;
+    let open = unanswered.get(socket);
+    if (open === undefined) {
+      const lines = new Set<() => void>();
+      socket.once("close", () => {
+        for (const write of lines) write();
+      });
+      unanswered.set(socket, lines);
+      open = lines;
+    }
+    const pending = open;
     // Fastify writes the line of a response that finished or failed (`requestCompleted`).
     let logged = false;
     const done = () => {
       logged = true;
+      pending.delete(aborted);
     };
+    const aborted = () => {
+      if (logged) return;
+      done();
+      requestLog.requestAborted(req, reply);
+    };
+    pending.add(aborted);
     reply.raw.once("finish", done);
     reply.raw.once("error", done);
-    reply.raw.once("close", () => {
-      if (!logged) requestLog.requestAborted(req, reply);
-    });
+    reply.raw.once("close", aborted);
   });
 
   const auth = createAuthenticator(config.apiTokens.tokens, config.apiTokens.adminTokens, ctx.now);
