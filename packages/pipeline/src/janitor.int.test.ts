@@ -2154,6 +2154,24 @@ describe("janitor", () => {
   });
 
   /** A janitor passing every 200 ms, with metrics of its own, and its queue; `close` ends both. */
+  /**
+   * Make the janitor's schedule as a replica whose clock runs `aheadMs` ahead of this one's does:
+   * its next tick dated on that clock (BullMQ dates ticks on the clock of whoever makes them).
+   */
+  async function scheduleOnClockAhead(schedule: Queue, aheadMs: number): Promise<void> {
+    const realNow = Date.now.bind(Date);
+    const ahead = vi.spyOn(Date, "now").mockImplementation(() => realNow() + aheadMs);
+    try {
+      await schedule.upsertJobScheduler(
+        JANITOR_SCHEDULER,
+        { every: 200 },
+        { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
+      );
+    } finally {
+      ahead.mockRestore();
+    }
+  }
+
   async function fastJanitor() {
     const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
     const janitor = await startJanitor(
@@ -2262,18 +2280,8 @@ describe("janitor", () => {
     const { schedule, lastPass, close } = await fastJanitor();
     try {
       // The last pass's replica, its clock 5 minutes ahead, scheduled the next one on it.
-      const realNow = Date.now.bind(Date);
       expect(await schedule.removeJobScheduler(JANITOR_SCHEDULER)).toBe(true);
-      const ahead = vi.spyOn(Date, "now").mockImplementation(() => realNow() + 300_000);
-      try {
-        await schedule.upsertJobScheduler(
-          JANITOR_SCHEDULER,
-          { every: 200 },
-          { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
-        );
-      } finally {
-        ahead.mockRestore();
-      }
+      await scheduleOnClockAhead(schedule, 300_000);
       expect((await schedule.getJobScheduler(JANITOR_SCHEDULER))!.next!).toBeGreaterThan(
         Date.now() + 250_000,
       );
@@ -2292,16 +2300,7 @@ describe("janitor", () => {
     try {
       const realNow = Date.now.bind(Date);
       expect(await schedule.removeJobScheduler(JANITOR_SCHEDULER)).toBe(true);
-      const ahead = vi.spyOn(Date, "now").mockImplementation(() => realNow() + 300_000);
-      try {
-        await schedule.upsertJobScheduler(
-          JANITOR_SCHEDULER,
-          { every: 200 },
-          { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
-        );
-      } finally {
-        ahead.mockRestore();
-      }
+      await scheduleOnClockAhead(schedule, 300_000);
       // No pass of this replica's in flight (its note would follow), then the gone replica's note
       // of its last pass: on its fleet clock (its own plus an offset measured before the jump).
       await vi.waitFor(async () => expect(await schedule.getActiveCount()).toBe(0), { timeout: 10_000 });
@@ -2365,17 +2364,7 @@ describe("janitor", () => {
     });
     const schedule = new Queue(JANITOR_QUEUE, { connection: own.redis, prefix: own.prefix });
     // The other replica's last pass dated the next tick on its clock (the fleet's).
-    const realNow = Date.now.bind(Date);
-    const theirs = vi.spyOn(Date, "now").mockImplementation(() => realNow() + skewMs);
-    try {
-      await schedule.upsertJobScheduler(
-        JANITOR_SCHEDULER,
-        { every: 200 },
-        { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
-      );
-    } finally {
-      theirs.mockRestore();
-    }
+    await scheduleOnClockAhead(schedule, skewMs);
     const lookups = vi.spyOn(Queue.prototype, "getJobScheduler");
     const janitor = await startJanitor(
       { ...own.deps, logger, now: fleetNow },
