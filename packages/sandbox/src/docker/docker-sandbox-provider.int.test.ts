@@ -1370,94 +1370,81 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     await expect(provider.probe(ok)).resolves.toMatchObject({ isolated: true });
   });
 
-  it("a kill sweep runs none of the agent's programs, though the image's PATH leads through a directory the agent writes", async () => {
-    const image = `fleet-test/agent-path:${RUN}`;
+  /**
+   * Run `body` on a sandbox of an image (`fleet-test/<name>`) whose PATH leads through a directory
+   * the agent writes (`/workspace/bin`, first); its sandboxes and the image are removed after.
+   */
+  async function withAgentPathImage(name: string, body: (h: SandboxHandle) => Promise<void>): Promise<void> {
+    const image = `fleet-test/${name}:${RUN}`;
     execFileSync("docker", ["build", "-q", "-t", image, "-"], {
       input: `FROM ${IMAGE}\nENV PATH=/workspace/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n`,
       stdio: ["pipe", "ignore", "pipe"],
       timeout: 120_000,
     });
     try {
-      const h = await create({ image });
-      // The agent's `sh` and `sleep` say the sweep found nothing, and a sleeper of its stays.
-      const plant = await provider.exec(
-        h,
-        [
-          "/bin/sh",
-          "-c",
-          "mkdir -p /workspace/bin && for t in sh sleep kill; do printf '#!/bin/sh\\necho remaining=0\\n' > /workspace/bin/$t; chmod 755 /workspace/bin/$t; done; setsid /bin/sleep 1000 >/dev/null 2>&1 </dev/null & echo planted",
-        ],
-        { deadlineMs: 10_000 },
-      );
-      expect(plant.stdout).toBe("planted\n");
+      await body(await create({ image }));
+    } finally {
+      while (live.length > 0) await provider.destroy(live.pop()!);
+      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
+    }
+  }
+
+  /**
+   * Put the agent's own programs in `/workspace/bin`, written by the agent, each from the shell
+   * text `program` gives for its name (`$t`); fails unless all are there.
+   */
+  async function plantAgentPrograms(h: SandboxHandle, names: string[], program: string): Promise<void> {
+    const plant = await provider.exec(
+      h,
+      [
+        "/bin/sh",
+        "-c",
+        `set -e; mkdir -p /workspace/bin; for t in ${names.join(" ")}; do ${program} > /workspace/bin/$t; chmod 755 /workspace/bin/$t; done; ls /workspace/bin`,
+      ],
+      { deadlineMs: 10_000 },
+    );
+    expect(plant.stdout.split("\n").filter(Boolean).sort(), plant.stderr).toEqual([...names].sort());
+  }
+
+  /** The marks the agent's programs that `plantAgentPrograms` put with `MARKING` left: who ran them. */
+  async function marksOfAgentPrograms(h: SandboxHandle): Promise<string[]> {
+    const marks = await provider.exec(h, ["/bin/ls", "/tmp"], { deadlineMs: 10_000, user: ROOT_USER });
+    return marks.stdout.split("\n").filter((l) => l.startsWith("ran-as-"));
+  }
+
+  /** A program that leaves a mark saying which uid ran it (`/tmp/ran-as-<uid>`), then runs the real one. */
+  const MARKING = `printf '#!/bin/sh\\ntouch /tmp/ran-as-$(id -u)\\nexec %s "$@"\\n' "$(PATH=/usr/bin:/bin command -v $t)"`;
+
+  it("a kill sweep runs none of the agent's programs, though the image's PATH leads through a directory the agent writes", async () => {
+    await withAgentPathImage("agent-path", async (h) => {
+      // The agent's `sh`, `sleep` and `kill` say the sweep found nothing, and a sleeper of its stays.
+      await plantAgentPrograms(h, ["sh", "sleep", "kill"], "printf '#!/bin/sh\\necho remaining=0\\n'");
+      await provider.exec(h, ["/bin/sh", "-c", "setsid /bin/sleep 1000 >/dev/null 2>&1 </dev/null &"], {
+        deadlineMs: 10_000,
+      });
       expect((await processesOf(h, 1000)).filter((l) => l.includes("sleep 1000"))).toHaveLength(1);
       const receipt = await provider.killProcesses(h, AGENT_USER);
       expect(receipt).toMatchObject({ confirmed: true, remaining: 0 });
       expect(await processesOf(h, 1000)).toEqual([]);
-    } finally {
-      while (live.length > 0) await provider.destroy(live.pop()!);
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
-    }
+    });
   });
 
   it("a command's SIGKILL exit (137) makes the provider read the OOM count with none of the agent's programs, though the image's PATH leads through a directory the agent writes", async () => {
-    const image = `fleet-test/agent-path-oom:${RUN}`;
-    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
-      input: `FROM ${IMAGE}\nENV PATH=/workspace/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n`,
-      stdio: ["pipe", "ignore", "pipe"],
-      timeout: 120_000,
-    });
-    try {
-      const h = await create({ image });
-      // The agent's `sh` and `cat` leave a mark saying which uid ran them, then do their work.
-      const plant = await provider.exec(
-        h,
-        [
-          "/bin/sh",
-          "-c",
-          "mkdir -p /workspace/bin && for t in sh cat; do printf '#!/bin/sh\\ntouch /tmp/ran-as-$(id -u)\\nexec /bin/%s \"$@\"\\n' $t > /workspace/bin/$t; chmod 755 /workspace/bin/$t; done; echo planted",
-        ],
-        { deadlineMs: 10_000 },
-      );
-      expect(plant.stdout).toBe("planted\n");
+    await withAgentPathImage("agent-path-oom", async (h) => {
+      await plantAgentPrograms(h, ["sh", "cat"], MARKING);
       // The agent's own command ends by SIGKILL: the provider asks whether it was an OOM kill.
       const killed = await provider.exec(h, ["/bin/sh", "-c", "kill -9 $$"], { deadlineMs: 10_000 });
       expect(killed).toMatchObject({ exitCode: 137, oomKilled: false });
-      const marks = await provider.exec(h, ["/bin/ls", "/tmp"], { deadlineMs: 10_000, user: ROOT_USER });
-      expect(marks.stdout.split("\n").filter((l) => l.startsWith("ran-as-"))).toEqual([]);
-    } finally {
-      while (live.length > 0) await provider.destroy(live.pop()!);
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
-    }
+      expect(await marksOfAgentPrograms(h)).toEqual([]);
+    });
   });
 
   it("the probe of a sandbox an agent ran in (an own sandbox a re-delivered run takes over) runs none of the agent's programs, though the image's PATH leads through a directory the agent writes", async () => {
-    const image = `fleet-test/agent-path-probe:${RUN}`;
-    execFileSync("docker", ["build", "-q", "-t", image, "-"], {
-      input: `FROM ${IMAGE}\nENV PATH=/workspace/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n`,
-      stdio: ["pipe", "ignore", "pipe"],
-      timeout: 120_000,
-    });
-    try {
-      const h = await create({ image });
-      // The agent's `sh`, `readlink` and `tr` leave a mark saying which uid ran them, then do their work.
-      const plant = await provider.exec(
-        h,
-        [
-          "/bin/sh",
-          "-c",
-          'mkdir -p /workspace/bin && for t in sh readlink tr; do printf \'#!/bin/sh\\ntouch /tmp/ran-as-$(id -u)\\nexec %s "$@"\\n\' "$(PATH=/usr/bin:/bin command -v $t)" > /workspace/bin/$t; chmod 755 /workspace/bin/$t; done; echo planted',
-        ],
-        { deadlineMs: 10_000 },
-      );
-      expect(plant.stdout).toBe("planted\n");
+    await withAgentPathImage("agent-path-probe", async (h) => {
+      await plantAgentPrograms(h, ["sh", "readlink", "tr"], MARKING);
       await expect(provider.probe(h)).resolves.toMatchObject({ isolated: true });
-      const marks = await provider.exec(h, ["/bin/ls", "/tmp"], { deadlineMs: 10_000, user: ROOT_USER });
-      expect(marks.stdout.split("\n").filter((l) => l.startsWith("ran-as-"))).toEqual([]);
-    } finally {
-      while (live.length > 0) await provider.destroy(live.pop()!);
-      execFileSync("docker", ["rmi", "-f", image], { stdio: "ignore", timeout: 60_000 });
-    }
+      expect(await marksOfAgentPrograms(h)).toEqual([]);
+    });
   });
 
   it("lists a sandbox volume only once no container uses it, and never removes one in use (the janitor's volume sweep)", async () => {

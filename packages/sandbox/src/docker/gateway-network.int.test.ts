@@ -22,6 +22,23 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
         .catch(() => undefined);
   });
 
+  /**
+   * Make rollout `id`'s network as the version before scoped names did (`fleet-gw-<id>`, its
+   * bridge named after it), labelled with `scope`; removed after the tests.
+   */
+  async function createLegacyNetwork(id: string, scope: string): Promise<{ name: string; bridge: string }> {
+    const name = gatewayNetworkName(id);
+    const bridge = gatewayBridgeName(name);
+    const config = buildGatewayNetworkConfig(id, undefined, scope);
+    made.push(name);
+    await docker.createNetwork({
+      ...config,
+      Name: name,
+      Options: { ...config.Options, "com.docker.network.bridge.name": bridge },
+    });
+    return { name, bridge };
+  }
+
   it("lists only its own fleet's gateway networks: the janitor never sweeps another fleet's", async () => {
     const run = randomUUID().slice(0, 8);
     const [mine, theirs] = [`{a-${run}}`, `{b-${run}}`];
@@ -122,14 +139,8 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
     const fleet = new DockerGatewayNetworks({ scope });
     const id = `gwu-${run}`;
     // What the version before scoped names made: `fleet-gw-<id>`, labelled with the scope.
-    const legacyName = gatewayNetworkName(id);
-    const config = buildGatewayNetworkConfig(id, undefined, scope);
-    made.push(legacyName, gatewayNetworkName(id, scope));
-    await docker.createNetwork({
-      ...config,
-      Name: legacyName,
-      Options: { ...config.Options, "com.docker.network.bridge.name": gatewayBridgeName(legacyName) },
-    });
+    made.push(gatewayNetworkName(id, scope));
+    const { name: legacyName } = await createLegacyNetwork(id, scope);
     try {
       // The sandbox seeded by the earlier version is on it: the gateway must listen there too.
       const net = await fleet.ensure(id);
@@ -150,15 +161,8 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
     const scope = `{ul-${run}}`;
     const id = `gwr-${run}`;
     // This rollout's network as the version before scoped names made it (labelled with the scope).
-    const legacyName = gatewayNetworkName(id);
-    const legacyBridge = gatewayBridgeName(legacyName);
-    const config = buildGatewayNetworkConfig(id, undefined, scope);
-    made.push(legacyName, gatewayNetworkName(id, scope));
-    await docker.createNetwork({
-      ...config,
-      Name: legacyName,
-      Options: { ...config.Options, "com.docker.network.bridge.name": legacyBridge },
-    });
+    made.push(gatewayNetworkName(id, scope));
+    const { name: legacyName, bridge: legacyBridge } = await createLegacyNetwork(id, scope);
     // The host firewall: the legacy bridge's unseal fails (an `iptables -D` refused) until mended.
     const firewall = new MemoryGatewayFirewall();
     await firewall.seal(legacyBridge);
@@ -182,15 +186,7 @@ describe("DockerGatewayNetworks on a shared daemon", () => {
     const run = randomUUID().slice(0, 8);
     const id = `gwo-${run}`;
     // Another fleet's network under the name from before names carried the scope.
-    const legacyName = gatewayNetworkName(id);
-    const legacyBridge = gatewayBridgeName(legacyName);
-    const config = buildGatewayNetworkConfig(id, undefined, `{theirs-${run}}`);
-    made.push(legacyName);
-    await docker.createNetwork({
-      ...config,
-      Name: legacyName,
-      Options: { ...config.Options, "com.docker.network.bridge.name": legacyBridge },
-    });
+    const { name: legacyName, bridge: legacyBridge } = await createLegacyNetwork(id, `{theirs-${run}}`);
     const firewall = new MemoryGatewayFirewall();
     await firewall.seal(legacyBridge);
     const networks = new DockerGatewayNetworks({ scope: `{mine-${run}}`, firewall });
