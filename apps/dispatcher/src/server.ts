@@ -32,10 +32,28 @@ export type { DispatcherDeps } from "./context.ts";
 
 /** The route that takes batches, JSON or NDJSON. */
 const BATCHES_PATH = "/v1/batches";
-/** Bull Board's "add job" API route, as registered (matched by route: an encoded path reaches it too). */
-const BOARD_ADD_JOB = `${BOARD_PATH}/api/queues/:queueName/add`;
-/** Bull Board's "update data" API route, as registered (matched by route, as `BOARD_ADD_JOB`). */
-const BOARD_UPDATE_DATA = `${BOARD_PATH}/api/queues/:queueName/:jobId/update-data`;
+/**
+ * Bull Board's API routes refused (403) with why, by method and route as registered (matched by
+ * route: an encoded path reaches them too).
+ * - "Add job": a job it adds may take a stage job's own id (`<rolloutId>.close` as
+ *   `options.jobId`), which the workers take for the rollout's stage (a close of a live rollout).
+ *   The fleet's jobs are added by admission and its stages only.
+ * - "Update data" of a job: a stage job's data is its rollout's id and nothing else. Data naming
+ *   another rollout makes the job a stray, dropped and completed, and as it keeps its id the
+ *   janitor's lost-job step (which looks for the id) never enqueues the stage again: the rollout
+ *   waited out its deadline, its sandbox held, and ended masked. Any other field fails its parse
+ *   at every attempt: the rollout ended masked though nothing had failed.
+ */
+const BOARD_REFUSED = new Map([
+  [
+    `POST ${BOARD_PATH}/api/queues/:queueName/add`,
+    "adding a job from Bull Board is refused: stage jobs are the fleet's own; submit rollouts through the API",
+  ],
+  [
+    `PATCH ${BOARD_PATH}/api/queues/:queueName/:jobId/update-data`,
+    "changing a job's data from Bull Board is refused: a stage job's data is its rollout's id, which the fleet sets",
+  ],
+]);
 /** The largest JSON body a route other than the two submissions reads (`otherJsonTooLarge`). */
 export const OTHER_JSON_BODY_BYTES = 64 * 1024;
 const ROLLOUTS_PATH = "/v1/rollouts";
@@ -444,34 +462,9 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       if (via === "session" && sameOrigin(req.headers) !== true) {
         return refuse(reply, new HttpError(403, "forbidden", "cross-site request refused"));
       }
-      // Bull Board's "add job": a job it adds may take a stage job's own id (`<rolloutId>.close`
-      // as `options.jobId`), which the workers take for the rollout's stage (a close of a live
-      // rollout). The fleet's jobs are added by admission and its stages only.
-      if (req.method === "POST" && req.routeOptions.url === BOARD_ADD_JOB) {
-        return refuse(
-          reply,
-          new HttpError(
-            403,
-            "forbidden",
-            "adding a job from Bull Board is refused: stage jobs are the fleet's own; submit rollouts through the API",
-          ),
-        );
-      }
-      // Its "update data" of a job: a stage job's data is its rollout's id and nothing else. Data
-      // naming another rollout makes the job a stray, dropped and completed, and as it keeps its
-      // id the janitor's lost-job step (which looks for the id) never enqueues the stage again:
-      // the rollout waited out its deadline, its sandbox held, and ended masked. Any other field
-      // fails its parse at every attempt: the rollout ended masked though nothing had failed.
-      if (req.method === "PATCH" && req.routeOptions.url === BOARD_UPDATE_DATA) {
-        return refuse(
-          reply,
-          new HttpError(
-            403,
-            "forbidden",
-            "changing a job's data from Bull Board is refused: a stage job's data is its rollout's id, which the fleet sets",
-          ),
-        );
-      }
+      // Bull Board's actions that would break a stage job (`BOARD_REFUSED`).
+      const refused = BOARD_REFUSED.get(`${req.method} ${req.routeOptions.url}`);
+      if (refused !== undefined) return refuse(reply, new HttpError(403, "forbidden", refused));
     }
   });
 
