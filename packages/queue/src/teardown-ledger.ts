@@ -373,7 +373,7 @@ export class TeardownLedger {
           onInvalid(key, err);
         }),
     );
-    // Only while the key still holds the text read: a close may have recorded its failure over
+    // Only while the key still holds the bytes read: a close may have recorded its failure over
     // it since (due on its backoff, which an hour's put-off would have overridden).
     for (const key of putOff)
       await this.redis.fleetLedgerPutOff(

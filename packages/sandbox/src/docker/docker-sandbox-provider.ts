@@ -479,10 +479,9 @@ export class DockerSandboxProvider implements SandboxProvider {
     if (result.rawExitCode === 137) {
       // A container removed, killed or stopped under the command SIGKILLs it (its PID namespace's
       // init died): its 137 is the sandbox's end, masked, never the command's own exit graded.
-      await this.throwIfLost(handle);
-    }
-    if (result.rawExitCode === 137 && !result.timedOut) {
-      result.oomKilled = await this.oomKilled(handle);
+      // The container's state, read for that, also tells the OOM check whether Docker saw one.
+      const state = await this.throwIfLost(handle);
+      if (!result.timedOut) result.oomKilled = await this.oomKilled(handle, state.OOMKilled);
     }
     if (result.rawExitCode === -1) {
       // The host-side timer fired. In a sandbox frozen or stopped from outside, the in-sandbox
@@ -583,14 +582,18 @@ export class DockerSandboxProvider implements SandboxProvider {
 
   /**
    * Throw `sandbox_lost` when the sandbox was removed or stopped (a command in it ended with it).
-   * Paused or running, nothing is thrown; a daemon that cannot tell throws `cause` when given
-   * (what failed already), else `provider_unavailable`.
+   * Paused or running, nothing is thrown and the container's state is returned; a daemon that
+   * cannot tell throws `cause` when given (what failed already), else `provider_unavailable`.
    */
-  private async throwIfLost(handle: SandboxHandle, cause?: FleetError): Promise<void> {
+  private async throwIfLost(
+    handle: SandboxHandle,
+    cause?: FleetError,
+  ): Promise<Dockerode.ContainerInspectInfo["State"]> {
     let why: string | null;
+    let state: Dockerode.ContainerInspectInfo["State"] | undefined;
     try {
-      const { State } = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
-      why = State.Running || State.Paused ? null : `stopped (${State.Status})`;
+      ({ State: state } = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() }));
+      why = state.Running || state.Paused ? null : `stopped (${state.Status})`;
     } catch (err) {
       if (dockerErrorFacts(err).statusCode === 404) why = "was removed";
       else throw cause ?? classifyDockerError(err, "inspect", handle.name);
@@ -602,6 +605,7 @@ export class DockerSandboxProvider implements SandboxProvider {
         cause,
       );
     }
+    return state!; // read: only a failed inspect leaves it unset, and that threw or set `why`
   }
 
   /** `execIn` bound to one sandbox, for the fleet's own operations' exec (`exec-ops`): with `OPS_ENV`, never the image's PATH. */
@@ -680,11 +684,13 @@ export class DockerSandboxProvider implements SandboxProvider {
    */
   private readonly oomKillsSeen = new Map<string, number>();
 
-  /** After a SIGKILL exit: did the memory cgroup's OOM killer act in this sandbox? */
-  private async oomKilled(handle: SandboxHandle): Promise<boolean> {
+  /**
+   * After a SIGKILL exit: did the memory cgroup's OOM killer act in this sandbox? `dockerSaw`:
+   * the container state's `OOMKilled`, as read just before.
+   */
+  private async oomKilled(handle: SandboxHandle, dockerSaw: boolean): Promise<boolean> {
+    if (dockerSaw) return true;
     try {
-      const info = await this.containerOf(handle).inspect({ abortSignal: this.apiSignal() });
-      if (info.State.OOMKilled) return true;
       // cgroup v1 memory.oom_control / v2 memory.events both carry `oom_kill <n>`. Run as root
       // after any SIGKILL exit, the agent's own commands' too: by `OPS_ENV`'s PATH (`execOf`),
       // never the image's, which may lead through a directory the agent writes (its `sh` would
