@@ -104,12 +104,25 @@ export function toHttpError(err: unknown): HttpError {
     message?: unknown;
     details?: unknown;
     statusCode?: unknown;
+    rolloutId?: unknown;
   };
   const message = typeof e.message === "string" ? capText(e.message, 1000) : "request failed";
   // AdmissionError from @fleet/queue (by name: errors may cross a module boundary).
   if (e.name === "AdmissionError" && typeof e.code === "string" && e.code in ADMISSION_STATUS) {
     const code = e.code as keyof typeof ADMISSION_STATUS;
     return new HttpError(ADMISSION_STATUS[code], code, message, e.details ?? null);
+  }
+  // UnreadableRecordError from @fleet/queue (by name, as above): still a 500 (no retry reads the
+  // record, and it is no fault of the request), but one that says which rollout it is, so a client
+  // tells a rollout whose stored record is torn from a dispatcher that fails every request. Not
+  // why it does not parse: a JSON parse error quotes the stored text. The log has the whole error.
+  if (e.name === "UnreadableRecordError" && typeof e.rolloutId === "string") {
+    return new HttpError(
+      500,
+      "internal",
+      `the stored record of rollout ${e.rolloutId} cannot be read (torn, or written by a release this one cannot read); the dispatcher's log has why`,
+      { rolloutId: e.rolloutId },
+    );
   }
   if (isRedisUnavailable(err)) {
     return unavailable("the fleet's Redis cannot serve now (unreachable, full or failing over); try again");

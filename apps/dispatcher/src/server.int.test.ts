@@ -2043,6 +2043,35 @@ describe("results", () => {
     expect(one.json()).toMatchObject({ id: rolloutIds[2], status: "completed", reward: 1, stage: "close" });
   });
 
+  it("GET /v1/rollouts/:id of a record that cannot be read is a 500 naming the rollout (and logged so); the batch's results and progress still answer", async () => {
+    const lines: Record<string, unknown>[] = [];
+    const logged = await makeHarness({}, undefined, (l) => lines.push(JSON.parse(l)));
+    const res = await logged.call({ method: "POST", url: "/v1/batches", payload: { rollouts: [row, row] } });
+    const { batchId, rolloutIds } = res.json() as { batchId: string; rolloutIds: string[] };
+    for (const [i, id] of rolloutIds.entries()) {
+      expect(await logged.store.finalize({ id, batchId }, resultFor(id, batchId, i), Date.now())).toBe(true);
+    }
+    const torn = rolloutIds[1]!;
+    await redis.hset(logged.store.keys.rollout(torn), "meta", "{torn");
+    for (const url of [`/v1/rollouts/${torn}`, `/v1/rollouts/${torn}/trajectory`]) {
+      const error = expectErrorBody(await logged.call({ method: "GET", url }), 500, "internal");
+      expect(error.message, url).toContain(`rollout ${torn} cannot be read`);
+      expect(error.details).toEqual({ rolloutId: torn });
+    }
+    const failed = lines.filter((l) => l.msg === "request failed");
+    expect(failed.length).toBe(2);
+    expect(JSON.stringify(failed[0]!.err)).toContain(torn);
+    const stream = await logged.call({ method: "GET", url: `/v1/batches/${batchId}/results` });
+    expect(stream.statusCode).toBe(200);
+    const ids = stream.body
+      .split("\n")
+      .filter((l) => l !== "")
+      .map((l) => (JSON.parse(l) as RolloutResult).id);
+    expect(ids).toEqual(rolloutIds);
+    const batch = await logged.call({ method: "GET", url: `/v1/batches/${batchId}` });
+    expect(batch.json()).toMatchObject({ total: 2, done: 2 });
+  });
+
   it("GET /v1/rollouts/:id/trajectory: run null until the run stage stored one; 404 for an unknown id", async () => {
     const res = await h.call({ method: "POST", url: "/v1/rollouts", payload: row });
     const { id } = res.json() as { id: string };
