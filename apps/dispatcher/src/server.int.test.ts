@@ -653,6 +653,17 @@ describe("POST /v1/rollouts", () => {
       });
       expect(expectErrorBody(res, 415, "unsupported_media_type").message).toMatch(/UTF-8/);
     }
+    // A charset named twice says two things (RFC 6838 §4.3: an error): neither is taken, in either
+    // order; the one named first read the latin1 body as UTF-8.
+    for (const charsets of ["charset=utf-8; charset=latin1", "charset=latin1;charset=UTF-8"]) {
+      const res = await h.call({
+        method: "POST",
+        url: "/v1/rollouts",
+        payload: body,
+        headers: { "content-type": `application/json; ${charsets}`, "idempotency-key": key },
+      });
+      expect(expectErrorBody(res, 415, "unsupported_media_type").message, charsets).toMatch(/more than once/);
+    }
     // Nothing was admitted under the key: the same key with a UTF-8 body is a first request.
     const valid = await h.call({
       method: "POST",

@@ -408,7 +408,20 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     // UTF-8 (RFC 8259); a charset parameter may only say so.
     // US-ASCII is UTF-8's first 128 characters, read the same either way: taken, its bytes held
     // to them (`preParsing` below).
-    const charset = declaredCharset(req);
+    // Named twice, it says two things (RFC 6838 §4.3: an error), and each reader takes its own
+    // pick: `charset=utf-8; charset=latin1` was read by the first, a latin1 body as UTF-8.
+    const charsets = declaredCharsets(req);
+    if (charsets.length > 1) {
+      return refuse(
+        reply,
+        new HttpError(
+          415,
+          "unsupported_media_type",
+          `the Content-Type names its charset more than once (${charsets.map((c) => c.slice(0, 40)).join(", ")}): name it once, as UTF-8 (charset=utf-8, or none)`,
+        ),
+      );
+    }
+    const charset = charsets[0];
     if (charset !== undefined && !/^utf-?8$/i.test(charset) && !US_ASCII.test(charset)) {
       return refuse(
         reply,
@@ -639,9 +652,15 @@ function onAdminRoute(req: FastifyRequest): boolean {
   return isAdminPath(req.routeOptions.url ?? req.url) || isAdminPath(req.url);
 }
 
-/** A Content-Type's charset parameter, unquoted, if it has one. */
+/** A Content-Type's charset parameter, unquoted, if it has one (the first, if it has more). */
 function declaredCharset(req: FastifyRequest): string | undefined {
-  return /;\s*charset\s*=\s*"?([^";\s]*)/i.exec(String(req.headers["content-type"] ?? ""))?.[1];
+  return declaredCharsets(req)[0];
+}
+
+/** Each charset parameter of a Content-Type, unquoted. */
+function declaredCharsets(req: FastifyRequest): string[] {
+  const type = String(req.headers["content-type"] ?? "");
+  return Array.from(type.matchAll(/;\s*charset\s*=\s*"?([^";\s]*)/gi), (m) => m[1]!);
 }
 
 /** US-ASCII's names (RFC 2046's `us-ascii`, and `ascii`): a subset of UTF-8. */
