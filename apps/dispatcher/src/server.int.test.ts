@@ -1677,6 +1677,17 @@ describe("auth, 404s and ops routes", () => {
         expectErrorBody(res, 401, "unauthorized");
         expect(res.headers["www-authenticate"]).toContain("Bearer");
       }
+      // A body the dispatcher would not read (compressed, in another charset): still the 401 an
+      // unauthenticated client gets for anything, not the 415 a signed-in one is told to fix.
+      for (const headers of [
+        { "content-type": "application/json", "content-encoding": "gzip" },
+        { "content-type": "application/json; charset=latin1" },
+      ]) {
+        for (const url of ["/v1/rollouts", "/v1/rollouts/nope/cancel", "/no/such/route"]) {
+          const res = await h.call({ method: "POST", url, token, payload: JSON.stringify(row), headers });
+          expectErrorBody(res, 401, "unauthorized");
+        }
+      }
     }
     const admin = await h.call({ method: "GET", url: "/openapi.json", token: ADMIN });
     expect(admin.statusCode).toBe(200);

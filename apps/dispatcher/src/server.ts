@@ -403,6 +403,9 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
       if (length !== undefined) delete req.headers["content-type"];
       return;
     }
+    // An unauthenticated request is the auth hook's (below) to answer: its 401, as for anything
+    // else it sends (an unknown route, a body that is not JSON), not a 415 to fix and send again.
+    if (!req.routeOptions.config?.public && auth.authenticate(req.raw).access === "none") return;
     // A body in another charset would be read as UTF-8 all the same (its bytes may well decode:
     // latin1's "Ã©" is UTF-8's "é"), stored as other text than the client sent: 415. JSON is
     // UTF-8 (RFC 8259); a charset parameter may only say so.
