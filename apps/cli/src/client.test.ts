@@ -336,6 +336,17 @@ describe("FleetClient", () => {
     expect(server.dropped).toBeGreaterThan(2); // past `retries`
   });
 
+  it("with patience, backs off on a Retry-After: 0 (a proxy's) as on none, instead of retrying at once for all of maxOutageMs", async () => {
+    server.on("GET", "/v1/batches/b1", (_req, res) =>
+      json(res, 503, { error: { code: "unavailable", message: "proxy" } }, { "retry-after": "0" }),
+    );
+    const patient = client({ retryBaseMs: 100, retryMaxMs: 100, patience: { maxOutageMs: 1_000 } });
+    const err = await caught(patient.getBatch("b1"));
+    expect(err.message).toContain("gave up");
+    // Delays of 0 to 100 ms (50 on average) over one second: about 20 requests, not one a millisecond.
+    expect(server.requests.length).toBeLessThan(100);
+  });
+
   it("encodes ids in paths and posts cancels", async () => {
     server.on("POST", "/v1/rollouts/a%2Fb/cancel", (_req, res) =>
       json(res, 202, { id: "a/b", status: "cancelling" }),

@@ -516,11 +516,17 @@ export class FleetClient {
     }
   }
 
-  /** Full-jitter exponential delay, or the server's `Retry-After` (capped). */
+  /**
+   * Full-jitter exponential delay, or the server's `Retry-After` (capped) when that is longer: a
+   * `Retry-After: 0` (a proxy's) is no reason to retry at once, which for a patient client was a
+   * request a millisecond for all of `maxOutageMs`, the backoff never growing.
+   */
   private delayFor(attempt: number, retryAfter: string | null): number {
+    const backoff = Math.random() * Math.min(this.retryMaxMs, this.retryBaseMs * 2 ** Math.min(attempt, 30));
     const seconds = retryAfter === null ? Number.NaN : Number(retryAfter);
-    if (Number.isFinite(seconds) && seconds >= 0) return Math.min(seconds * 1000, MAX_RETRY_AFTER_MS);
-    return Math.random() * Math.min(this.retryMaxMs, this.retryBaseMs * 2 ** Math.min(attempt, 30));
+    if (Number.isFinite(seconds) && seconds >= 0)
+      return Math.min(Math.max(seconds * 1000, backoff), MAX_RETRY_AFTER_MS);
+    return backoff;
   }
 
   private pause(delay: number): Promise<void> {
