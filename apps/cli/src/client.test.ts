@@ -2,6 +2,7 @@ import { setFlagsFromString } from "node:v8";
 import { runInNewContext } from "node:vm";
 import { afterEach, beforeEach, describe, expect, it } from "vitest";
 import { ApiError, FleetClient, isApiError } from "./client.ts";
+import { LineTooLongError, splitLines } from "./lines.ts";
 import { UsageError } from "./requests.ts";
 import { apiError, json, startTestServer, type TestServer } from "./testing/http-server.ts";
 
@@ -184,6 +185,44 @@ describe("FleetClient", () => {
       { id: "r1", status: "completed" },
       { id: "r2", reward: 0.5, note: "é" },
     ]);
+  });
+
+  it("refuses a line that runs past its cap without ending (a server sending one endless line), not holding all of it", async () => {
+    let sent = 0;
+    async function* endless(): AsyncGenerator<Uint8Array> {
+      yield new TextEncoder().encode('{"id":"r1"}\n{"id":"r2","pad":"');
+      // 64 KiB chunks of one line, up to 16 MiB (then it ends, so that a splitter with no cap
+      // yields it rather than reading for good).
+      const chunk = new Uint8Array(64 * 1024).fill(0x78);
+      for (; sent < 256; sent++) yield chunk;
+      yield new TextEncoder().encode('"}\n');
+    }
+    const lines: string[] = [];
+    const read = async () => {
+      for await (const line of splitLines(endless(), 1024 * 1024)) lines.push(line);
+    };
+    await expect(read()).rejects.toThrow(LineTooLongError);
+    expect(lines).toEqual(['{"id":"r1"}']);
+    expect(sent).toBeLessThanOrEqual(17); // it stopped reading at the cap
+
+    // Through the client: an error that says what came, not a crash.
+    server.on("GET", "/v1/batches/b1/results", async (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" });
+      res.write('{"id":"r1","pad":"');
+      const chunk = "x".repeat(1024 * 1024);
+      for (let i = 0; i < 80 && !res.destroyed; i++) {
+        if (!res.write(chunk)) await new Promise((r) => res.once("drain", r));
+      }
+      res.end('"}\n');
+    });
+    const all = async () => {
+      for await (const _ of client().batchResultLines("b1")) {
+        // the one line never ends within the cap
+      }
+    };
+    const err = await caught(all());
+    expect(err).toMatchObject({ code: "bad_response" });
+    expect(err.message).toContain(`a line runs past ${64 * 2 ** 20} characters`);
   });
 
   it("keeps no result it has yielded: its memory stays flat over 64 MiB of results with real-length rollout ids", async () => {

@@ -1,7 +1,7 @@
 import { randomUUID } from "node:crypto";
 import { type RolloutRequestInput, RolloutTrajectory } from "@fleet/contracts";
 import { z } from "zod";
-import { splitLines } from "./lines.ts";
+import { LineTooLongError, splitLines } from "./lines.ts";
 import { formatDuration } from "./progress.ts";
 import { UsageError } from "./requests.ts";
 
@@ -344,6 +344,15 @@ export class FleetClient {
         }
         return;
       } catch (err) {
+        // No result is that long: a server (or a proxy) sending one endless line, not a dispatcher.
+        if (err instanceof LineTooLongError) {
+          throw new ApiError(
+            0,
+            "bad_response",
+            `the results of batch ${batchId} hold ${err.message}, which no result does: is ${this.url} the dispatcher?`,
+            { cause: err },
+          );
+        }
         if (!isApiError(err) || err.code !== "stream_broken") throw err;
         if (fresh > 0) {
           stalls = 0;

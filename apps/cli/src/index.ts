@@ -1,6 +1,6 @@
 export * from "./client.ts";
 export type { CliContext } from "./context.ts";
-export { splitLines } from "./lines.ts";
+export { LineTooLongError, MAX_LINE_CHARS, splitLines } from "./lines.ts";
 export { createProgram, EXIT, runCli } from "./program.ts";
 export * from "./progress.ts";
 export * from "./requests.ts";
