@@ -1644,6 +1644,32 @@ describe("fleet status / results / cancel", () => {
     expect(stderr.text()).toBe(`${error}wrote 2 results to ${out}\n${error}`);
   });
 
+  it("results whose status read before them failed says what it can after them, not an exit 0 without a word", async () => {
+    // The first status read (asked once, before the results) fails; the one after them answers.
+    let reads = 0;
+    let up = true;
+    server.on("GET", "/v1/batches/b-1", (_req, res) => {
+      if (++reads === 1 || !up) return apiError(res, 503, "unavailable", "redis blip");
+      json(res, 200, { id: "b-1", total: 3, done: 3, counts: { completed: 3 } });
+    });
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n{"id":"r3"}\n');
+    });
+    expect(await runCli(["results", "b-1"], ctx())).toBe(1);
+    expect(stdout.text()).toBe('{"id":"r1"}\n{"id":"r3"}\n');
+    expect(stderr.text()).toContain(
+      "error: batch b-1 has 3 rollouts but 2 results were returned; its status could not be read before them",
+    );
+    // Neither read answers: the lines are given, and said to be of a batch whose status is unknown.
+    up = false;
+    const out = path.join(dir, "r.jsonl");
+    expect(await runCli(["results", "b-1", "--out", out], ctx())).toBe(0);
+    expect(await readFile(out, "utf8")).toBe('{"id":"r1"}\n{"id":"r3"}\n');
+    expect(stderr.text()).toContain(
+      "note: the status of batch b-1 could not be read (redis blip): whether these 2 results are all of it is not known",
+    );
+  });
+
   it("results --out: a path that cannot be written is a usage error before fetching, not a crash", async () => {
     server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
       res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');

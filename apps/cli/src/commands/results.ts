@@ -49,10 +49,11 @@ function statusBefore(client: FleetClient, batchId: string): Promise<BatchStatus
 /**
  * A note on stderr when the lines are not all of the batch: it has rollouts still running, or it
  * was running when its results were read (`before`, its status read first: a rollout that finished
- * after its part of the stream was sent is not in it). Nothing when it cannot tell. The exit code:
- * 1 when a batch finished before its results were read has fewer of them than rollouts (the rest
- * gone from the dispatcher, past their retention: each rollout's runs from when it finished), as
- * `fleet watch` says; else 0.
+ * after its part of the stream was sent is not in it); a note that it cannot tell when neither status
+ * read answered. The exit code: 1 when a batch finished before its results were read (or whose
+ * status then could not be read) has fewer of them than rollouts (the rest gone from the
+ * dispatcher, past their retention: each rollout's runs from when it finished), as `fleet watch`
+ * says; else 0.
  */
 async function noteUnfinished(
   client: FleetClient,
@@ -70,10 +71,34 @@ async function noteUnfinished(
     );
     return 1;
   }
-  const batch = await client.getBatch(batchId).catch(() => null);
-  if (batch === null) return 0;
+  let unread: unknown = null;
+  const batch = await client.getBatch(batchId).catch((err: unknown) => {
+    unread = err;
+    return null;
+  });
+  if (batch === null) {
+    // Read neither before nor now: the lines may be all of the batch or not, which an exit 0
+    // without a word would claim they are.
+    if (before === null && !ctx.signal.aborted) {
+      await writeText(
+        ctx.stderr,
+        `note: the status of batch ${batchId} could not be read (${(unread as Error).message}): whether these ${lines} results are all of it is not known (\`fleet status ${batchId}\`)\n`,
+      );
+    }
+    return 0;
+  }
   if (batch.done >= batch.total) {
-    if (before === null || lines >= batch.total) return 0;
+    if (lines >= batch.total) return 0;
+    if (before === null) {
+      // Its status before the results was not read: the rest may have finished while they were
+      // read, or be gone past the retention; either way the lines are not all of it (exit 1, as
+      // for fewer results than rollouts), not an exit 0 without a word.
+      await writeText(
+        ctx.stderr,
+        `error: batch ${batchId} has ${batch.total} rollouts but ${lines} results were returned; its status could not be read before them, so the rest may have finished while they were read (\`fleet results ${batchId}\` again gives them) or be gone from the dispatcher (past its result retention)\n`,
+      );
+      return 1;
+    }
     await writeText(
       ctx.stderr,
       `note: batch ${batchId} finished while its results were being read: ${lines} of its ${batch.total} results are here; \`fleet results ${batchId}\` again gives them all\n`,
