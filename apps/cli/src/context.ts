@@ -73,6 +73,7 @@ export class ResultsFile {
   private constructor(readonly path: string) {
     this.partial = partialPath(path);
     partials++;
+    openPartials.add(this.partial);
     this.stream = createWriteStream(this.partial, { flags: "w" });
     // Without a listener an error the stream meets between two calls (ENOSPC, EIO) would be an
     // uncaught 'error' event that kills the process.
@@ -131,6 +132,7 @@ export class ResultsFile {
     } catch (err) {
       throw this.cannotWrite(err);
     }
+    openPartials.delete(this.partial);
     this.committed = true;
   }
 
@@ -142,6 +144,7 @@ export class ResultsFile {
       await once(this.stream, "close").catch(() => {});
     }
     await rm(this.partial, { force: true });
+    openPartials.delete(this.partial);
   }
 
   private cannotWrite(err: unknown): OutputError {
@@ -151,6 +154,12 @@ export class ResultsFile {
 
 /** Results files this process has opened: each one's partial file is named apart. */
 let partials = 0;
+
+/**
+ * The partial files of results files neither committed nor discarded yet: what a process made to
+ * stop at once (a second Ctrl-C, main.ts) removes before it goes, the discard never to come.
+ */
+export const openPartials = new Set<string>();
 
 /** Where the next results file opened for `path` is written until it is complete (`ResultsFile`). */
 export function partialPath(path: string): string {

@@ -1,6 +1,6 @@
 import { spawn } from "node:child_process";
 import { closeSync, openSync } from "node:fs";
-import { mkdtemp, rm } from "node:fs/promises";
+import { mkdtemp, readdir, rm } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -186,6 +186,46 @@ describe("bin/fleet.js", () => {
       expect(stderr).toContain("interrupted; nothing was cancelled");
     },
   );
+
+  it("a Ctrl-C that comes twice (`npx fleet`: npm passes it on to the CLI, which had it already) stops as one does: exit 130, its note, no partial file left", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-twice-"));
+    try {
+      // One result, then the stream stays open: `results --out` is writing its partial file.
+      let streamGone: Promise<void> = new Promise(() => undefined);
+      server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+        streamGone = new Promise((resolve) => res.on("close", () => resolve()));
+        res.writeHead(200, { "content-type": "application/x-ndjson" }).write('{"id":"r1"}\n');
+        return new Promise(() => undefined);
+      });
+      server.on("GET", "/v1/batches/b-1", (_req, res) =>
+        json(res, 200, { id: "b-1", total: 2, done: 1, counts: { completed: 1, running: 1 } }),
+      );
+      const child = spawn(process.execPath, [BIN, "results", "b-1", "--out", join(dir, "r.jsonl")], {
+        env: { PATH: process.env.PATH ?? "", FLEET_URL: server.url },
+        stdio: ["ignore", "ignore", "pipe"],
+      });
+      let stderr = "";
+      child.stderr.setEncoding("utf8").on("data", (s: string) => {
+        stderr += s;
+      });
+      const exited = new Promise<number | null>((resolve) => child.on("close", resolve));
+      while (
+        (await readdir(dir)).length === 0 ||
+        server.requests.every((r) => !r.path.endsWith("/results"))
+      ) {
+        await new Promise((r) => setTimeout(r, 20));
+      }
+      child.kill("SIGINT");
+      // The second comes once the first is acted on (the stream dropped), the command stopping.
+      await streamGone;
+      child.kill("SIGINT");
+      expect(await exited).toBe(130);
+      expect(stderr).toContain("interrupted; nothing was cancelled");
+      expect(await readdir(dir)).toEqual([]);
+    } finally {
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
 
   it("stdout on a full disk (/dev/full) is an error, exit 1, not an uncaught 'error' event: a submit stops naming what it admitted", async () => {
     /** Run `fleet` with its stdout on /dev/full, where every write fails with ENOSPC. */

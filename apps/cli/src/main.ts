@@ -1,3 +1,4 @@
+import { rmSync } from "node:fs";
 import { readFile } from "node:fs/promises";
 import {
   CliConfig,
@@ -7,7 +8,7 @@ import {
   unknownVariableMessage,
 } from "@fleet/config";
 import { loadSuite, taskDigest } from "@fleet/tasks";
-import type { CliContext } from "./context.ts";
+import { type CliContext, openPartials } from "./context.ts";
 import { commandName, EXIT, runCli } from "./program.ts";
 import type { ProgressStream } from "./progress.ts";
 import { PipeOutput } from "./stdout.ts";
@@ -56,10 +57,24 @@ type CliDefaults = Pick<CliContext["defaults"], "unless">;
 const interrupt = new AbortController();
 /** The signal that interrupted the command: its exit is 128 + its number (130 for Ctrl-C, 143 for a SIGTERM). */
 let interruptedBy: "SIGINT" | "SIGTERM" | null = null;
+let interruptedAt = 0;
+// Listened to for good: with no listener left, a second signal killed the process where it stood,
+// its `--out` partial file left behind, no exit code or note of what it submitted; and `npx fleet`
+// (npm passes a Ctrl-C on to the CLI, which had it already from the terminal) gets two for one.
+// So a repeat within a second is that same Ctrl-C; a later one stops at once, removing the partial
+// files, for a command whose stop hangs.
 for (const signal of ["SIGINT", "SIGTERM"] as const) {
-  process.once(signal, () => {
-    interruptedBy ??= signal;
-    interrupt.abort();
+  process.on(signal, () => {
+    if (interruptedBy === null) {
+      interruptedBy = signal;
+      interruptedAt = performance.now();
+      interrupt.abort();
+      return;
+    }
+    if (performance.now() - interruptedAt < 1000) return;
+    for (const partial of openPartials) rmSync(partial, { force: true });
+    process.stderr.write("interrupted again; stopping now\n");
+    process.exit(interruptedBy === "SIGTERM" ? 143 : EXIT.interrupted);
   });
 }
 // `fleet results ... | head`: a reader that goes away is not an error. `results` and `status`
