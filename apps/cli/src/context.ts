@@ -1,6 +1,7 @@
 import { once } from "node:events";
 import { createWriteStream } from "node:fs";
 import { lstat, rename, rm, stat } from "node:fs/promises";
+import { dirname } from "node:path";
 import type { Writable } from "node:stream";
 import { finished } from "node:stream/promises";
 import type { TaskContent } from "@fleet/contracts";
@@ -97,6 +98,17 @@ export class ResultsFile {
       throw new Error(
         `${path} is ${there.isSymbolicLink() ? "a symbolic link" : "not a regular file (a device, a FIFO or a socket)"}, which the results file would replace; name a regular file (a pipe: fleet results writes to stdout)`,
       );
+    }
+    // A sticky directory (/tmp, a shared drop) lets only a file's owner, or the directory's,
+    // replace it: the rename at the end failed with EPERM, after all the work (root may).
+    const uid = process.getuid?.() ?? 0;
+    if (there !== null && there.uid !== uid && uid !== 0) {
+      const parent = await stat(dirname(path));
+      if ((parent.mode & 0o1000) !== 0 && parent.uid !== uid) {
+        throw new Error(
+          `EPERM: ${path} belongs to another user, in a sticky directory (as /tmp is) where only its owner may replace it; name another file`,
+        );
+      }
     }
     const file = new ResultsFile(path);
     const opened = once(file.stream, "open");

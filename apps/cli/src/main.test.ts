@@ -1,6 +1,6 @@
-import { spawn } from "node:child_process";
-import { closeSync, openSync } from "node:fs";
-import { mkdtemp, readdir, rm } from "node:fs/promises";
+import { execFile, spawn } from "node:child_process";
+import { closeSync, existsSync, openSync } from "node:fs";
+import { chmod, mkdtemp, readdir, readFile, rm, writeFile } from "node:fs/promises";
 import { tmpdir } from "node:os";
 import { join } from "node:path";
 import { fileURLToPath } from "node:url";
@@ -150,6 +150,39 @@ describe("bin/fleet.js", () => {
         );
         expect(r.code).toBe(2);
         expect(server.requests).toHaveLength(0);
+      } finally {
+        await rm(dir, { recursive: true, force: true });
+      }
+    },
+  );
+
+  it.skipIf(process.getuid?.() !== 0 || !existsSync("/usr/sbin/runuser"))(
+    "an `--out` another user's file in a sticky directory (/tmp), which the rename at the end could not replace, is a usage error up front",
+    async () => {
+      const dir = await mkdtemp(join(tmpdir(), "fleet-sticky-"));
+      try {
+        await chmod(dir, 0o1777);
+        const out = join(dir, "r.jsonl");
+        await writeFile(out, "root's\n"); // root's file; the command runs as nobody
+        server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+          res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');
+        });
+        server.on("GET", "/v1/batches/b-1", (_req, res) =>
+          json(res, 200, { id: "b-1", total: 1, done: 1, counts: { completed: 1 } }),
+        );
+        const r = await new Promise<{ code: number | null; stderr: string }>((resolve) => {
+          execFile(
+            "/usr/sbin/runuser",
+            ["-u", "nobody", "--", process.execPath, BIN, "results", "b-1", "--out", out],
+            { env: { PATH: process.env.PATH ?? "", FLEET_URL: server.url } },
+            (err, _stdout, stderr) => resolve({ code: err === null ? 0 : (err.code as number), stderr }),
+          );
+        });
+        expect(r.stderr).toContain(`error: cannot write --out ${out}: EPERM: ${out} belongs to another user`);
+        expect(r.code).toBe(2);
+        expect(server.requests).toHaveLength(0);
+        expect(await readFile(out, "utf8")).toBe("root's\n");
+        expect(await readdir(dir)).toEqual(["r.jsonl"]);
       } finally {
         await rm(dir, { recursive: true, force: true });
       }
