@@ -3,7 +3,9 @@ import { randomUUID } from "node:crypto";
 import {
   chmodSync,
   closeSync,
+  constants,
   existsSync,
+  lstatSync,
   mkdirSync,
   openSync,
   readdirSync,
@@ -240,6 +242,50 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     } finally {
       rmSync(dir, { recursive: true, force: true });
       rmSync(fifo, { force: true });
+    }
+  });
+
+  it("a FIFO named as a sandbox's state file (<name>.json) is no state: that sandbox's destroy and create answer at once, never blocking on it", async () => {
+    const s = spec();
+    const name = sandboxName(s.rolloutId, "resources", RUN);
+    const fifo = join(stateDir, `${name}.json`);
+    await run("mkfifo", [fifo]);
+    const handle: SandboxHandle = {
+      provider: "bubblewrap",
+      endpoint: provider.endpoint,
+      id: "",
+      name,
+      rolloutId: s.rolloutId,
+      owner: "resources",
+      volumes: [],
+    };
+    const within5s = <T>(p: Promise<T>) =>
+      Promise.race([
+        p.then(
+          (v) => v,
+          (e: unknown) => e,
+        ),
+        new Promise((resolve) => setTimeout(() => resolve("no answer in 5 s"), 5_000)),
+      ]);
+    let created: Promise<SandboxHandle> | undefined;
+    try {
+      // A FIFO no one writes: a plain read of it never answers.
+      expect(await within5s(provider.destroy(handle))).toMatchObject({ confirmed: true, alreadyGone: true });
+      created = provider.create(s);
+      const h = await within5s(created);
+      expect(h).toMatchObject({ name });
+      expect((await provider.exec(h as SandboxHandle, ["echo", "ok"], { deadlineMs: 10_000 })).stdout).toBe(
+        "ok\n",
+      );
+    } finally {
+      // A read still blocked on the FIFO (a thread of the pool) ends at a writer's close.
+      try {
+        closeSync(openSync(fifo, constants.O_WRONLY | constants.O_NONBLOCK));
+      } catch {}
+      const h = await created?.catch(() => undefined);
+      if (h) live.push(h);
+      // The create's state file took its place (renamed over it) unless the create failed.
+      if (lstatSync(fifo, { throwIfNoEntry: false })?.isFIFO()) rmSync(fifo);
     }
   });
 

@@ -4,6 +4,7 @@ import {
   closeSync,
   existsSync,
   constants as fsConstants,
+  fstatSync,
   openSync,
   readdirSync,
   readFileSync,
@@ -17,11 +18,12 @@ import {
   access,
   chmod,
   chown,
+  type FileHandle,
   link,
   lstat,
   mkdir,
+  open,
   readdir,
-  readFile,
   rename,
   rm,
   stat,
@@ -1038,7 +1040,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     }
     let text = "";
     try {
-      text = await readFile(aside, "utf8");
+      text = (await readStateFile(aside)) ?? "";
     } catch {}
     if (parseState(text, state.name)?.id !== state.id) {
       // Not ours: back in place, unless its owner has written it again since (that write stands).
@@ -1282,9 +1284,9 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   }
 
   private async readState(name: string): Promise<BwrapState | null> {
-    let text: string;
+    let text: string | null;
     try {
-      text = await readFile(this.statePath(name), "utf8");
+      text = await readStateFile(this.statePath(name));
     } catch (err) {
       if ((err as NodeJS.ErrnoException).code === "ENOENT") return null;
       throw FleetError.retryable(
@@ -1293,7 +1295,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         err,
       );
     }
-    return parseState(text, name);
+    return text === null ? null : parseState(text, name);
   }
 
   private async writeState(state: BwrapState): Promise<void> {
@@ -1305,7 +1307,8 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
   /** `readState`, synchronously (null also when unreadable: the caller then treats the name as lost). */
   private readStateSync(name: string): BwrapState | null {
     try {
-      return parseState(readFileSync(this.statePath(name), "utf8"), name);
+      const text = readStateFileSync(this.statePath(name));
+      return text === null ? null : parseState(text, name);
     } catch {
       return null;
     }
@@ -1332,6 +1335,57 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
 const STRAY_WRITE = /^([A-Za-z0-9][A-Za-z0-9_.-]*)\.json\.(\d+)\.[0-9a-f]{8}\.(tmp|removing)$/;
 /** How old a stray write must be before `list` removes it. */
 const STRAY_WRITE_AGE_MS = 60_000;
+
+/**
+ * How a state file is opened: never blocking (a FIFO's plain open waits for a writer), never
+ * through a symlink. Whether it is one is then told by the descriptor opened, not by the path,
+ * which may be swapped meanwhile.
+ */
+const STATE_OPEN_FLAGS = fsConstants.O_RDONLY | fsConstants.O_NONBLOCK | fsConstants.O_NOFOLLOW;
+
+/**
+ * A state file's text; null where what is at its path is no regular file (a FIFO, a directory, a
+ * symlink an operator left there named `<name>.json`), which is no state, as a torn one is none:
+ * every state write renames a regular file into place. `list` skips such an entry by its own
+ * lstat; a read by name (`create`, `destroy`, `get`) read it, and a FIFO's read never answered,
+ * holding that sandbox's create and destroy for good.
+ */
+async function readStateFile(path: string): Promise<string | null> {
+  let file: FileHandle;
+  try {
+    file = await open(path, STATE_OPEN_FLAGS);
+  } catch (err) {
+    if (notRegularOpen(err)) return null;
+    throw err;
+  }
+  try {
+    return (await file.stat()).isFile() ? await file.readFile("utf8") : null;
+  } finally {
+    await file.close();
+  }
+}
+
+/** `readStateFile`, synchronously (a blocked read here held the whole worker). */
+function readStateFileSync(path: string): string | null {
+  let fd: number;
+  try {
+    fd = openSync(path, STATE_OPEN_FLAGS);
+  } catch (err) {
+    if (notRegularOpen(err)) return null;
+    throw err;
+  }
+  try {
+    return fstatSync(fd).isFile() ? readFileSync(fd, "utf8") : null;
+  } finally {
+    closeSync(fd);
+  }
+}
+
+/** An open refused for what the path is: a symlink (`O_NOFOLLOW`), a socket. */
+function notRegularOpen(err: unknown): boolean {
+  const code = (err as NodeJS.ErrnoException).code;
+  return code === "ELOOP" || code === "ENXIO";
+}
 
 /** A state file's content, or null for a torn or foreign file (not a sandbox of that name). */
 function parseState(text: string, name: string): BwrapState | null {
