@@ -9,11 +9,15 @@ import {
   FileSet,
   FleetError,
   isFleetError,
+  MAX_DURATION_S,
+  Millis,
+  type ProviderName,
   type SandboxHandle,
+  SandboxOptions,
   SandboxSpec,
   type SandboxSpecInput,
 } from "@fleet/contracts";
-import { KEEPALIVE_USER } from "./docker/container-config.ts";
+import { KEEPALIVE_USER, type SandboxLimits } from "./docker/container-config.ts";
 import { KILL_GRACE_S, parseNumericUser, TIMEOUT_PATH } from "./exec-command.ts";
 import type { CappedBuffer } from "./output.ts";
 import {
@@ -60,6 +64,88 @@ export const DEFAULT_EXEC_DEFAULTS: Readonly<ExecDefaults> = Object.freeze({
   execSlackMs: 5_000,
   killRounds: 50,
 });
+
+/** Why a value is none a provider default can take (null when it is one). */
+export type DefaultCheck = (value: unknown) => string | null;
+
+/** A check by a contracts schema (the one a task's own value of it passes). */
+export function bySchema(schema: {
+  safeParse(value: unknown): { success: boolean; error?: { issues: Parameters<typeof formatIssues>[0] } };
+}): DefaultCheck {
+  return (value) => {
+    if (value === undefined) return "must be set";
+    const parsed = schema.safeParse(value);
+    return parsed.success ? null : formatIssues(parsed.error?.issues ?? []);
+  };
+}
+
+const MAX_DEFAULT_MS = MAX_DURATION_S * 1000;
+
+/** A finite number of `min` or more (`inclusive`) or above it, at most `max`. */
+function numberCheck(
+  what: string,
+  min: number,
+  inclusive: boolean,
+  max: number,
+  whole = false,
+): DefaultCheck {
+  return (value) =>
+    typeof value === "number" &&
+    Number.isFinite(value) &&
+    (inclusive ? value >= min : value > min) &&
+    value <= max &&
+    (!whole || Number.isInteger(value))
+      ? null
+      : `must be ${what}`;
+}
+
+/** The checks of `ExecDefaults`, which both providers' defaults extend. */
+export const EXEC_DEFAULTS_CHECKS: Readonly<Record<keyof ExecDefaults, DefaultCheck>> = Object.freeze({
+  execUser: (v) => (typeof v === "string" && v !== "" ? null : "must be a user (uid[:gid] or a name)"),
+  maxOutputBytes: bySchema(ExecOptions.shape.maxOutputBytes.unwrap()),
+  probeTimeoutMs: bySchema(Millis),
+  // 0 is no kill at all (`timeout -k 0` never sends the SIGKILL).
+  killGraceS: numberCheck(`a number of seconds above 0, at most ${MAX_DURATION_S}`, 0, false, MAX_DURATION_S),
+  execSlackMs: numberCheck(`a number of milliseconds from 0 to ${MAX_DEFAULT_MS}`, 0, true, MAX_DEFAULT_MS),
+  killRounds: numberCheck("a whole number from 1", 1, true, Number.MAX_SAFE_INTEGER, true),
+});
+
+/** The checks of `SandboxLimits` (a task's own bounds of each, in `SandboxOptions`). */
+export const SANDBOX_LIMITS_CHECKS: Readonly<Record<keyof SandboxLimits, DefaultCheck>> = Object.freeze({
+  memoryMb: bySchema(SandboxOptions.shape.memoryMb.unwrap()),
+  cpus: bySchema(SandboxOptions.shape.cpus.unwrap()),
+  pidsLimit: bySchema(SandboxOptions.shape.pidsLimit.unwrap()),
+  tmpfsMb: bySchema(SandboxOptions.shape.tmpfsMb.unwrap()),
+  // null: an uncapped workspace (a volume), opted into by the operator.
+  diskMb: (v) => (v === null ? null : bySchema(SandboxOptions.shape.diskMb.unwrap())(v)),
+  readOnlyRoot: (v) => (typeof v === "boolean" ? null : "must be true or false"),
+});
+
+/**
+ * Refuse a provider's defaults (the merged ones, with what the constructor was given) of which
+ * any is none it can use, or names none it has: a final `invalid_task` from the constructor,
+ * saying which. Unchecked, a provider built with one (a `maxOutputBytes` of 0, a timeout of
+ * NaN) started as if well, and then failed every rollout's execs or sandboxes, each a final
+ * `invalid_task` blamed on the task, or gave no limit (a `pidsLimit` of 0 or less is none to Docker).
+ */
+export function checkProviderDefaults(
+  provider: ProviderName,
+  defaults: Readonly<Record<string, unknown>>,
+  checks: Readonly<Record<string, DefaultCheck>>,
+): void {
+  const problems: string[] = [];
+  for (const [key, value] of Object.entries(defaults)) {
+    const check = Object.hasOwn(checks, key) ? checks[key] : undefined;
+    const problem = check ? check(value) : `is no default of the ${provider} provider`;
+    if (problem !== null) problems.push(`${key}: ${problem}`);
+  }
+  if (problems.length > 0) {
+    throw FleetError.nonRetryable(
+      "invalid_task",
+      `invalid ${provider} provider defaults: ${problems.join("; ")}`,
+    );
+  }
+}
 
 /**
  * A command's standard input: one buffer, or a source read from its start for each exec (a

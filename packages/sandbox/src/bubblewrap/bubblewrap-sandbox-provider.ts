@@ -40,6 +40,7 @@ import {
   type FileSet,
   FleetError,
   isFleetError,
+  Millis,
   type ProbeReport,
   type SandboxHandle,
   type SandboxSpecInput,
@@ -61,8 +62,12 @@ import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-co
 import {
   assertCoreutilsTimeout,
   assertIsolated,
+  bySchema,
+  checkProviderDefaults,
   DEFAULT_EXEC_DEFAULTS,
+  type DefaultCheck,
   delay,
+  EXEC_DEFAULTS_CHECKS,
   type ExecCall,
   type ExecDefaults,
   endWithStdin,
@@ -78,6 +83,7 @@ import {
   probeExecCall,
   probeStdout,
   readViaExec,
+  SANDBOX_LIMITS_CHECKS,
   sentinelProbeLine,
   TIMEOUT_PROBE_LINE,
   WORKSPACE_PROBE_LINE,
@@ -139,6 +145,15 @@ export const DEFAULT_BUBBLEWRAP_SANDBOX_DEFAULTS: Readonly<BubblewrapSandboxDefa
   pidsLimit: DEFAULT_SANDBOX_LIMITS.pidsLimit,
   startTimeoutMs: 10_000,
 });
+
+const BUBBLEWRAP_DEFAULTS_CHECKS: Readonly<Record<keyof BubblewrapSandboxDefaults, DefaultCheck>> =
+  Object.freeze({
+    ...EXEC_DEFAULTS_CHECKS,
+    tmpfsMb: SANDBOX_LIMITS_CHECKS.tmpfsMb,
+    memoryMb: SANDBOX_LIMITS_CHECKS.memoryMb,
+    pidsLimit: SANDBOX_LIMITS_CHECKS.pidsLimit,
+    startTimeoutMs: bySchema(Millis),
+  });
 
 export interface BubblewrapSandboxProviderOptions {
   /** Host directory of the unpacked base rootfs (see `unpackRootfs`), mounted read-only at `/`. */
@@ -257,6 +272,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     this.instance = options.instance || undefined;
     this.logger = options.logger;
     this.defaults = Object.freeze({ ...DEFAULT_BUBBLEWRAP_SANDBOX_DEFAULTS, ...options.defaults });
+    checkProviderDefaults("bubblewrap", this.defaults, BUBBLEWRAP_DEFAULTS_CHECKS);
     this.bwrapPath = options.bwrapPath ?? "bwrap";
     this.nsenterPath = options.nsenterPath ?? "nsenter";
     this.endpoint = `bwrap://${hostname()}`;

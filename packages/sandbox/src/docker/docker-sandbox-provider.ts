@@ -10,6 +10,7 @@ import {
   type FileSet,
   FleetError,
   isFleetError,
+  Millis,
   type ProbeReport,
   type SandboxHandle,
   type SandboxSpec,
@@ -22,9 +23,13 @@ import { deadlineArgv, envList, execOutcome, parseNumericUser } from "../exec-co
 import {
   assertCoreutilsTimeout,
   assertIsolated,
+  bySchema,
+  checkProviderDefaults,
   countProcessesViaExec,
   DEFAULT_EXEC_DEFAULTS,
+  type DefaultCheck,
   delay,
+  EXEC_DEFAULTS_CHECKS,
   type ExecDefaults,
   type ExecStdin,
   endWithStdin,
@@ -44,6 +49,7 @@ import {
   probeWhilePid1Starts,
   ROOT_KILL_SWEEP_SCRIPT,
   readViaExec,
+  SANDBOX_LIMITS_CHECKS,
   type SandboxExec,
   sentinelProbeLine,
   TIMEOUT_PROBE_LINE,
@@ -97,6 +103,12 @@ export const DEFAULT_DOCKER_SANDBOX_DEFAULTS: Readonly<DockerSandboxDefaults> = 
   apiTimeoutMs: 30_000,
 });
 
+const DOCKER_DEFAULTS_CHECKS: Readonly<Record<keyof DockerSandboxDefaults, DefaultCheck>> = Object.freeze({
+  ...EXEC_DEFAULTS_CHECKS,
+  ...SANDBOX_LIMITS_CHECKS,
+  apiTimeoutMs: bySchema(Millis),
+});
+
 export interface DockerSandboxProviderOptions {
   /** Where the daemon is: `{ endpoint: "unix:///var/run/docker.sock" }` (default) or dockerode options. */
   docker?: DockerConnection;
@@ -139,6 +151,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     this.tls = ca || cert || key ? { ca, cert, key } : null;
     this.logger = options.logger;
     this.defaults = Object.freeze({ ...DEFAULT_DOCKER_SANDBOX_DEFAULTS, ...options.defaults });
+    checkProviderDefaults("docker", this.defaults, DOCKER_DEFAULTS_CHECKS);
   }
 
   async create(input: SandboxSpecInput): Promise<SandboxHandle> {
