@@ -1574,6 +1574,41 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     rmSync(path);
   });
 
+  it("a destroy that found no state while a newer create of the name made its sandbox leaves the newer one's directory (its workspace) alone", async () => {
+    const s = spec();
+    const old = await provider.create(s);
+    await provider.destroy(old);
+    // The interleaving: a retried destroy of the old sandbox reads no state, then (another
+    // process) a create of the same name writes its state and makes its directory, then the
+    // destroy clears the name's leftover directories.
+    // A leftover of the name (a creator that died with its state gone) still goes.
+    const leftover = join(stateDir, `${old.name}-0badc0de`);
+    mkdirSync(join(leftover, "workspace"), { recursive: true });
+    const internals = provider as unknown as { readState(name: string): Promise<unknown> };
+    const readState = internals.readState.bind(provider);
+    let newer: SandboxHandle | undefined;
+    let staged = false;
+    internals.readState = async (name: string) => {
+      const state = await readState(name);
+      if (name === old.name && !staged) {
+        staged = true;
+        newer = await provider.create(s);
+        live.push(newer);
+        await provider.put(newer, "/workspace", { "task.txt": "staged\n" });
+      }
+      return state;
+    };
+    try {
+      expect(await provider.destroy(old)).toMatchObject({ confirmed: true, alreadyGone: true });
+    } finally {
+      internals.readState = readState;
+    }
+    expect(newer?.name).toBe(old.name);
+    const r = await provider.exec(newer!, ["cat", "/workspace/task.txt"], { deadlineMs: 10_000 });
+    expect([r.exitCode, r.stdout]).toEqual([0, "staged\n"]);
+    expect(existsSync(leftover)).toBe(false);
+  });
+
   it("a create still starting whose name a newer create took over fails, and leaves the newer sandbox alone", async () => {
     const s = spec();
     const { exited, pids } = await halfStartedCreate(s);

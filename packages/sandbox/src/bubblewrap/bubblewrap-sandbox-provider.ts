@@ -30,7 +30,7 @@ import {
   writeFile,
 } from "node:fs/promises";
 import { hostname, constants as osConstants, totalmem } from "node:os";
-import { dirname, join, resolve } from "node:path";
+import { basename, dirname, join, resolve } from "node:path";
 import { promisify } from "node:util";
 import {
   beforeStart,
@@ -1076,7 +1076,18 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     } catch {
       return;
     }
+    // A create of the name may have begun since the caller found no state: its directory, made
+    // after its state is written, is its sandbox's (the workspace it stages into), not a leftover.
+    // Read after the listing, so any such directory listed has its state there by now.
+    let current: BwrapState | null;
+    try {
+      current = await this.readState(name);
+    } catch {
+      return; // unreadable: nothing removed (a later destroy or sweep may)
+    }
+    const spared = current ? basename(dirname(current.workspaceDir)) : null;
     for (const entry of entries) {
+      if (entry === spared) continue;
       if (
         entry === name ||
         (entry.startsWith(`${name}-`) && /^[0-9a-f]{8}$/.test(entry.slice(name.length + 1)))
