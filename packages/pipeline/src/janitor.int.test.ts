@@ -2612,6 +2612,67 @@ describe("janitor", () => {
     await fleet.deps.ledger.networkRemoved(stuck);
   });
 
+  it("a finished rollout's gateway network still holding its sandbox, whose teardown backs off on the ledger, is retried without failing the networks step: that is the ledger's to say", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    const { ledger } = own.deps;
+    const listed = `gwheld${RUN}`;
+    const retried = `gwheldretry${RUN}`;
+    const tries: string[] = [];
+    const networks = {
+      ensure: async () => {
+        throw new Error("not used");
+      },
+      allowGateway: async () => undefined,
+      list: async () => [{ name: `fleet-gw-${listed}`, rolloutId: listed, createdAt: 0 }],
+      remove: async (id: string) => {
+        tries.push(id);
+        throw new Error(`network fleet-gw-${id} has active endpoints`);
+      },
+    };
+    try {
+      const now = Date.now();
+      // Each rollout's sandbox: its destroy failed just now, due again after its backoff.
+      for (const id of [listed, retried]) {
+        const handle = await memory.create({
+          image: "img",
+          rolloutId: id,
+          owner: "resources",
+          expiresAt: now + 3_600_000,
+        });
+        const entry = {
+          key: sandboxKey(id, "resources"),
+          rolloutId: id,
+          owner: "resources" as const,
+          provider: memory.name,
+          handle,
+          createdAt: now,
+          expiresAt: now + 3_600_000,
+        };
+        await ledger.recordFailure(entry, "device or resource busy", now);
+      }
+      // Close could not remove the second's network either (its sandbox was still on it).
+      await ledger.networkRemovalFailed(retried, now - 1_000);
+      const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+      const report = await janitorTick(
+        { ...own.deps, networks, metrics, now: () => now },
+        { orphanGraceMs: 60_000 },
+      );
+      expect(tries).toEqual([listed, retried]);
+      expect(report.errors).toEqual([]);
+      const failures = (await metrics.janitorStepFailures.get()).values.filter((v) => v.value !== 0);
+      expect(failures).toEqual([]);
+      // Still retried, later.
+      expect(await ledger.networkRetries(now + 120_000)).toEqual(expect.arrayContaining([listed, retried]));
+    } finally {
+      for (const id of [listed, retried]) {
+        await ledger.confirm({ key: sandboxKey(id, "resources"), rolloutId: id });
+        await ledger.networkRemoved(id);
+      }
+      await own.close();
+    }
+  });
+
   it("a gateway network whose rollout record cannot be read is reported and skipped (removed once older than any rollout can live): the other networks and the due network retries still go", async () => {
     const { redis } = fleet;
     const { store, ledger } = fleet.deps;

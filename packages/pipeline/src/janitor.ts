@@ -528,6 +528,14 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     const networks = deps.networks;
     await step("networks", async () => {
       const failed: string[] = [];
+      // A network whose rollout still has a sandbox awaiting its teardown on the ledger (its
+      // destroy failed, backing off) holds that sandbox until the ledger's retry removes it:
+      // its removal failing then is expected, not this step's failure (counted every pass, it
+      // paged FleetJanitorStepFailing beside FleetTeardownLedgerNotDraining, which says when
+      // that teardown does not come). It is still retried.
+      const failedUnlessPending = async (rolloutId: string, what: string) => {
+        if (!(await deps.ledger.isPending(rolloutId).catch(() => false))) failed.push(what);
+      };
       for (const net of await networks.list()) {
         // Another deployment's (same scope, its own Redis): its rollout is unknown here, and it
         // has no expiry to go by. Left to that fleet's janitor; removed only once older than any
@@ -563,7 +571,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           // One that will not go stops none of the others; the step still fails (and is
           // counted for FleetJanitorStepFailing) so a network that never goes is seen.
           await networks.remove(net.rolloutId, net.name).catch(async (err: unknown) => {
-            failed.push(`${net.name}: ${errorText(err)}`);
+            await failedUnlessPending(net.rolloutId, `${net.name}: ${errorText(err)}`);
             // The network may be gone with its rules left: only the ledger leads back to them.
             await deps.ledger.networkRemovalFailed(net.rolloutId, now + NETWORK_RETRY_MS);
           });
@@ -576,7 +584,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
           await networks.remove(rolloutId);
           await deps.ledger.networkRemoved(rolloutId);
         } catch (err) {
-          failed.push(`${rolloutId}'s network: ${errorText(err)}`);
+          await failedUnlessPending(rolloutId, `${rolloutId}'s network: ${errorText(err)}`);
           // Later, and after the others due now: one that never goes cannot hold up the rest.
           await deps.ledger.networkRetryLater(rolloutId, now);
         }
