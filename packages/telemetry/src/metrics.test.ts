@@ -84,6 +84,41 @@ describe("createMetricsRegistry / createFleetMetrics", () => {
     expect(await samples()).toContain('fleet_redis_up{app="agent-worker"} 1');
   });
 
+  it("tells long rollouts' and runs' durations apart up to a week (a rollout's longest deadline): a 2-day and a 6-day one land in finite buckets of their own, not both in +Inf", async () => {
+    const r = createMetricsRegistry({ app: "x", defaultMetrics: false });
+    const m = createFleetMetrics(r);
+    const day = 86_400;
+    /** The smallest bucket bound that counts an observation of `labels` (the histogram holds one). */
+    const firstBucket = async (name: string, labels: Record<string, string>) => {
+      const metric = (await r.getMetricsAsJSON()).find((x) => x.name === name);
+      const buckets = (metric?.values ?? []).filter(
+        (v) =>
+          (v as { metricName?: string }).metricName === `${name}_bucket` &&
+          Object.entries(labels).every(([k, want]) => v.labels[k] === want) &&
+          v.value > 0,
+      );
+      return Math.min(
+        ...buckets.map((v) => (v.labels.le === "+Inf" ? Number.POSITIVE_INFINITY : Number(v.labels.le))),
+      );
+    };
+    m.rolloutDuration.observe({ status: "completed" }, 2 * day);
+    m.rolloutDuration.observe({ status: "masked" }, 6 * day);
+    m.stageDuration.observe({ stage: "run", outcome: "ok" }, 2 * day);
+    m.stageDuration.observe({ stage: "verify", outcome: "ok" }, 6 * day);
+    const rollouts = [
+      await firstBucket("fleet_rollout_duration_seconds", { status: "completed" }),
+      await firstBucket("fleet_rollout_duration_seconds", { status: "masked" }),
+    ];
+    const stages = [
+      await firstBucket("fleet_stage_duration_seconds", { stage: "run" }),
+      await firstBucket("fleet_stage_duration_seconds", { stage: "verify" }),
+    ];
+    for (const [twoDays, sixDays] of [rollouts, stages]) {
+      expect(sixDays).toBeLessThanOrEqual(7 * day);
+      expect(twoDays).toBeLessThan(sixDays!);
+    }
+  });
+
   it("refuses to register the fleet metrics twice in one registry", () => {
     const r = createMetricsRegistry({ app: "x", defaultMetrics: false });
     createFleetMetrics(r);

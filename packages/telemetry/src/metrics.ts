@@ -86,12 +86,18 @@ export function ageSeconds(since: number | null, now: number = Date.now()): numb
 export const TOKEN_KINDS = ["prompt", "completion", "cached"] as const;
 export type TokenKind = (typeof TOKEN_KINDS)[number];
 
-/** Buckets, in seconds, for one stage job (sub-second seeds to hour-long agent runs). */
+/**
+ * Buckets, in seconds, for one stage job (sub-second seeds to agent runs as long as a rollout's
+ * deadline, which may be a week: past the last bucket, every one is in +Inf alike).
+ */
 export const STAGE_DURATION_BUCKETS = [
-  0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600,
+  0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400, 43200, 86400, 259200,
+  604800,
 ];
-/** Buckets, in seconds, for a whole rollout from acceptance to terminal. */
-export const ROLLOUT_DURATION_BUCKETS = [1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400];
+/** Buckets, in seconds, for a whole rollout from acceptance to terminal (a deadline may be a week). */
+export const ROLLOUT_DURATION_BUCKETS = [
+  1, 5, 10, 30, 60, 120, 300, 600, 1200, 1800, 3600, 7200, 14400, 43200, 86400, 259200, 604800,
+];
 /** Buckets, in seconds, for creating one sandbox. */
 export const SANDBOX_CREATE_BUCKETS = [0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60];
 /** Buckets for rewards in [0, 1]. */
