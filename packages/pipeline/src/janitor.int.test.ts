@@ -2255,6 +2255,30 @@ describe("janitor", () => {
     }
   });
 
+  it("takes off a rate limit set on its queue (Bull Board's queue 'rate limit'): passes go on at the schedule's pace, not one an hour", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const janitor = await startJanitor(
+      { ...own.deps, metrics },
+      { connection: own.redis, prefix: own.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    const schedule = new Queue(JANITOR_QUEUE, { connection: own.redis, prefix: own.prefix });
+    const lastPass = async () => (await metrics.janitorLastPass.get()).values[0]?.value ?? 0;
+    try {
+      await schedule.setGlobalRateLimit(1, 3_600_000);
+      // Passes, one after another, within a few intervals (not one an hour).
+      for (let i = 0; i < 3; i++) {
+        const after = Date.now() / 1000;
+        await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(after), { timeout: 5_000 });
+      }
+      expect(await schedule.getGlobalRateLimit()).toBeNull();
+    } finally {
+      await schedule.close();
+      await janitor.close();
+      await own.close();
+    }
+  });
+
   it("schedules its next pass again when its tick's delay was changed far ahead (Bull Board's 'delay' of the tick job): passes go on", async () => {
     const { schedule, lastPass, close } = await fastJanitor();
     try {

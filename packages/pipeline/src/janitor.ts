@@ -879,6 +879,20 @@ export async function startJanitor(
       { name: "tick", data: {}, opts: { removeOnComplete: 100, removeOnFail: 100 } },
     );
   await schedule();
+  // A rate limit on the janitor queue (Bull Board's queue "rate limit", a script) holds each
+  // pass past its tick: with one of one job an hour, one pass an hour, no watchdog, ledger retry
+  // or orphan sweep between. The schedule alone paces the passes: the limit is taken off, at
+  // start and after each pass (before the worker asks for the next tick, which the limit would
+  // hold for the rest of its window).
+  const unthrottle = async () => {
+    if ((await queue.getGlobalRateLimit()) === null) return;
+    deps.logger.warn(
+      { queue: JANITOR_QUEUE },
+      "a rate limit was set on the janitor queue (Bull Board?): its passes follow the janitor's schedule alone; taking it off",
+    );
+    await queue.removeGlobalRateLimit();
+  };
+  await unthrottle();
   // The newest pass's end, any replica's, kept in Redis; before any, the first start's (never
   // this start's: a janitor restarted after each pass it died in would look like one that passes).
   // Kept on the fleet's clock (every replica's); the gauge on this host's, which Prometheus's
@@ -996,6 +1010,12 @@ export async function startJanitor(
       // For the next janitor to start (a failed write: this replica's gauge still says it). Not
       // awaited: the pass is over, and a Redis that is down must not hold its job open.
       void options.connection.set(lastPassKey, String(clock(deps))).catch(() => undefined);
+      // Before the pass's job completes (its completion takes the next tick, held by a limit still
+      // there); bounded, as a Redis that is down must not hold the job open: the next pass tries again.
+      await Promise.race([
+        unthrottle().catch(() => undefined),
+        new Promise((resolve) => setTimeout(resolve, 2_000).unref()),
+      ]);
       const did =
         report.retried +
         report.orphansRemoved +
