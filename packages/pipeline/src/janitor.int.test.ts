@@ -449,7 +449,7 @@ describe("janitor", () => {
     try {
       const report = await janitorTick(
         { ...fleet.deps, provider, now: () => at },
-        // (The budget counts from the pass's start: room for its earlier steps on a loaded host.)
+        // (The budget counts from the ledger step's start, not the pass's: its Redis steps before take none of it.)
         { orphanGraceMs: 3_600_000, watchdogGraceMs: 1000, destroyBudgetMs: 2_000 },
       );
       expect(report.watchdogClosed).toBe(1);
@@ -457,6 +457,50 @@ describe("janitor", () => {
       expect(report.retried).toBe(1); // the second entry waits for the next pass
     } finally {
       for (const e of entries) await fleet.deps.ledger.confirm(e);
+    }
+  });
+
+  it("a pass whose Redis steps before the ledger's took longer than the destroy budget (a slow Redis, a registry of thousands) still retries the due teardowns: the budget bounds the destroys, not the steps before them", async () => {
+    const memory = new InMemorySandboxProvider();
+    const own = await startInProcessFleet({ provider: memory, startWorkers: false });
+    const realNow = Date.now.bind(Date);
+    let taken = 0;
+    const slow = vi.spyOn(Date, "now").mockImplementation(() => realNow() + taken);
+    try {
+      const at = realNow();
+      const id = `slowsteps${RUN}`;
+      const handle = await memory.create({
+        image: "img",
+        rolloutId: id,
+        owner: "resources",
+        expiresAt: at + 3_600_000,
+      });
+      const entry = {
+        key: sandboxKey(id, "resources"),
+        rolloutId: id,
+        owner: "resources" as const,
+        provider: memory.name,
+        handle,
+        createdAt: at - 600_000,
+        expiresAt: at + 3_600_000,
+      };
+      // Its destroy failed 10 minutes ago: due now.
+      await own.deps.ledger.recordFailure(entry, "device or resource busy", at - 600_000);
+      // The trim step (Redis only, before the ledger's) takes two minutes of the pass.
+      const queues = Object.assign(Object.create(own.deps.queues) as typeof own.deps.queues, {
+        trimFinished: async (...args: Parameters<typeof own.deps.queues.trimFinished>) => {
+          const trimmed = await own.deps.queues.trimFinished(...args);
+          taken += 120_000;
+          return trimmed;
+        },
+      });
+      const report = await janitorTick({ ...own.deps, queues, now: () => at }, { orphanGraceMs: 60_000 });
+      expect(taken).toBe(120_000);
+      expect(report).toMatchObject({ retried: 1, confirmed: 1, errors: [] });
+      expect(await memory.list()).toEqual([]);
+    } finally {
+      slow.mockRestore();
+      await own.close();
     }
   });
 

@@ -35,7 +35,10 @@ export interface JanitorOptions {
   orphanGraceMs: number;
   /** A rollout this far past its deadline is closed by the watchdog. */
   watchdogGraceMs?: number;
-  /** No destroy is started once a pass has run this long; the rest wait for the next pass. @defaultValue 60 s */
+  /**
+   * No destroy is started once a pass's provider steps (from its ledger retries on) have run this
+   * long; the rest wait for the next pass. @defaultValue 60 s
+   */
   destroyBudgetMs?: number;
   /**
    * An admission under way this long (its seeds not enqueued) is taken for one its dispatcher
@@ -138,8 +141,8 @@ type StepName = JanitorStep | `${JanitorStep} ${string}`;
  * the provider's stale helper containers (`removeStaleHelpers`). Each
  * step runs whatever the others did: a Docker daemon that is down stops the orphan sweep, not the
  * deadline watchdog, which needs only Redis and runs first (a hung daemon, answering each call
- * only at its timeout, cannot hold it up); no destroy starts once the pass has run
- * `destroyBudgetMs`. A step's failure is logged and reported in `errors`. While
+ * only at its timeout, cannot hold it up); no destroy starts once the pass's provider steps
+ * (from the ledger's on) have run `destroyBudgetMs`. A step's failure is logged and reported in `errors`. While
  * `options.providerGate` says the provider does not answer, the steps that need it are not run
  * (`providerDown`); the orphan sweep's listing failing marks it down.
  */
@@ -164,9 +167,12 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
     providerDown: false,
   };
   const now = clock(deps);
-  const started = Date.now();
-  // Destroys stop being started once the pass has taken this long (wall clock): with a daemon
-  // that answers each call only at its timeout, a pass of 50 due entries would take 25 minutes.
+  // Destroys stop being started once the pass's provider steps (from the ledger's on: `started`
+  // is set there) have taken this long (wall clock): with a daemon that answers each call only at
+  // its timeout, a pass of 50 due entries would take 25 minutes. Not timed from the pass's start:
+  // Redis steps before them that took the budget (a slow Redis, a registry of thousands) left
+  // every pass no destroy, the ledger's retries never tried.
+  let started = Date.now();
   const overBudget = () => Date.now() - started > (options.destroyBudgetMs ?? DEFAULT_DESTROY_BUDGET_MS);
   // A step's name is its `JanitorStep`, and for one entry of a loop `<step> <entry key>`: the
   // metric counts it under the step, which `JANITOR_STEPS` lists so that its series starts at 0.
@@ -381,6 +387,7 @@ export async function janitorTick(deps: PipelineDeps, options: JanitorOptions): 
 
   // (1) Ledger retries. A confirmed destroy that was the rollout's last on the ledger marks its
   // result's teardown confirmed (in the ledger's confirm).
+  started = Date.now();
   if (providerUp())
     await step("ledger", async () => {
       const ledgerSteps = entrySteps("ledger");
