@@ -1,9 +1,9 @@
 import { randomUUID } from "node:crypto";
 import { Readable } from "node:stream";
 import { DispatcherConfig, parseConfig } from "@fleet/config";
-import { createRedis, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
+import { createRedis, JANITOR_QUEUE, RolloutStore, StageQueues, TeardownLedger } from "@fleet/queue";
 import { createFleetMetrics, createLogger, createMetricsRegistry } from "@fleet/telemetry";
-import { UnrecoverableError, Worker } from "bullmq";
+import { Queue, UnrecoverableError, Worker } from "bullmq";
 import type { FastifyInstance, InjectOptions } from "fastify";
 import type { Redis } from "ioredis";
 import { afterAll, beforeAll, describe, expect, it } from "vitest";
@@ -225,6 +225,38 @@ describe("Bull Board at /admin/queues", () => {
       });
     }
     expect((await queues.queues.seed.getJob("r-a.seed"))?.data).toEqual({ rolloutId: "r-a" });
+  });
+
+  it("refuses an admin's queue 'concurrency' and 'rate limit' on the janitor's queue (passes of two replicas overlapped; each pass held past its tick), not on a stage queue's", async () => {
+    const janitor = new Queue(JANITOR_QUEUE, { connection: redis, prefix });
+    try {
+      await janitor.setGlobalConcurrency(1);
+      for (const [url, payload] of [
+        ["/admin/queues/api/queues/janitor/concurrency", { concurrency: 5 }],
+        ["/admin/queues/api/queues/%6Aanitor/concurrency", { concurrency: 5 }],
+        ["/admin/queues/api/queues/janitor/rate-limit", { max: 1, duration: 3_600_000 }],
+      ] as const) {
+        const res = await call({ method: "PUT", url, token: ADMIN, payload });
+        expect(res.statusCode, url).toBe(403);
+        expect(res.json()).toMatchObject({
+          error: { code: "forbidden", message: expect.stringMatching(/janitor queue/) },
+        });
+      }
+      expect(await janitor.getGlobalConcurrency()).toBe(1);
+      expect(await janitor.getGlobalRateLimit()).toBeNull();
+      // A stage queue's are the operator's to set.
+      const res = await call({
+        method: "PUT",
+        url: "/admin/queues/api/queues/run/concurrency",
+        token: ADMIN,
+        payload: { concurrency: 4 },
+      });
+      expect(res.statusCode).toBe(200);
+      expect(await queues.queues.run.getGlobalConcurrency()).toBe(4);
+    } finally {
+      await queues.queues.run.removeGlobalConcurrency();
+      await janitor.close();
+    }
   });
 
   it("answers a board action whose body is over the limit 413, as the API would, not 500", async () => {

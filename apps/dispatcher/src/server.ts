@@ -54,6 +54,22 @@ const BOARD_REFUSED = new Map([
     "changing a job's data from Bull Board is refused: a stage job's data is its rollout's id, which the fleet sets",
   ],
 ]);
+/**
+ * Bull Board's actions refused on the janitor's queue only (matched as `BOARD_REFUSED`), which
+ * would break how its passes run: its one-pass-at-a-time limit raised, passes of two replicas
+ * overlapped (a slow pass and the next tick); a rate limit held every pass past its tick (one
+ * an hour, say). The janitor's schedule (`FLEET_JANITOR_INTERVAL_MS`) paces the passes.
+ */
+const BOARD_JANITOR_REFUSED = new Map([
+  [
+    `PUT ${BOARD_PATH}/api/queues/:queueName/concurrency`,
+    "changing the janitor queue's concurrency from Bull Board is refused: its passes run one at a time",
+  ],
+  [
+    `PUT ${BOARD_PATH}/api/queues/:queueName/rate-limit`,
+    "a rate limit on the janitor queue from Bull Board is refused: its schedule (FLEET_JANITOR_INTERVAL_MS) paces its passes",
+  ],
+]);
 /** The largest JSON body a route other than the two submissions reads (`otherJsonTooLarge`). */
 export const OTHER_JSON_BODY_BYTES = 64 * 1024;
 const ROLLOUTS_PATH = "/v1/rollouts";
@@ -479,7 +495,12 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
         return refuse(reply, new HttpError(403, "forbidden", "cross-site request refused"));
       }
       // Bull Board's actions that would break a stage job (`BOARD_REFUSED`).
-      const refused = BOARD_REFUSED.get(`${req.method} ${req.routeOptions.url}`);
+      const route = `${req.method} ${req.routeOptions.url}`;
+      const refused =
+        BOARD_REFUSED.get(route) ??
+        ((req.params as { queueName?: string } | undefined)?.queueName === JANITOR_QUEUE
+          ? BOARD_JANITOR_REFUSED.get(route)
+          : undefined);
       if (refused !== undefined) return refuse(reply, new HttpError(403, "forbidden", refused));
     }
   });
