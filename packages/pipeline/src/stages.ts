@@ -203,6 +203,8 @@ async function createSandbox(
      * null (this attempt was taken over meanwhile, and the sandbox may be the later one's).
      */
     mayReplace?: () => Promise<boolean>;
+    /** Stops the provider's create (the worker shutting down: see `SandboxProvider.create`). */
+    signal?: AbortSignal | undefined;
   } = {},
 ): Promise<{ handle: SandboxHandle; entry: SandboxEntry; createMs: number; reused: boolean } | null> {
   // Over what this worker's operator allows a sandbox (a dispatcher configured otherwise admitted
@@ -253,14 +255,17 @@ async function createSandbox(
       agentRunsHere && needsModelAccess(rec.meta.agent)
         ? (await gatewayNetworkFor(deps, rec.meta.id)).name
         : "none";
-    handle = await deps.provider.create({
-      image: task.image,
-      rolloutId: rec.meta.id,
-      owner,
-      expiresAt: entry.expiresAt,
-      options: rec.meta.sandbox ?? {},
-      network,
-    });
+    handle = await deps.provider.create(
+      {
+        image: task.image,
+        rolloutId: rec.meta.id,
+        owner,
+        expiresAt: entry.expiresAt,
+        options: rec.meta.sandbox ?? {},
+        network,
+      },
+      options.signal ? { signal: options.signal } : undefined,
+    );
     deps.metrics?.sandboxCreateDuration.observe({ provider: deps.provider.name }, (clock(deps) - t0) / 1000);
   }
   // `{ ...entry, handle }` as a literal (a spread is a slow path on Node 20), in its key order.
@@ -465,7 +470,7 @@ async function resetForRerun(
   }
 }
 
-export const seed: StageHandler = async (rec, deps) => {
+export const seed: StageHandler = async (rec, deps, _attempt, shutdown) => {
   // A final failure (the task, a missing image, an isolation refusal): the intent this begin
   // recorded will never get a sandbox (a create that fails for good leaves no container; one it
   // could not remove is retryable): drop it, so close can confirm the teardown at once instead
@@ -508,8 +513,16 @@ export const seed: StageHandler = async (rec, deps) => {
         takenOver = !ours;
         return ours;
       },
+      // A create the daemon is slow to answer would hold the job past the worker's shutdown
+      // budget: its lock would lapse and BullMQ count a stall (a few rolling restarts, and it
+      // fails the rollout for the fleet's own doing). Stopped instead, and the job handed back;
+      // the intent `begin` recorded stays, so the next delivery finds by its labels whatever the
+      // stopped create made, and replaces it (as would a close, or the janitor's label sweep).
+      signal: shutdown,
     });
   } catch (err) {
+    // Stopped at the worker's shutdown: back to the queue, no attempt spent (a final error stands).
+    if (shutdown?.aborted && !(isFleetError(err) && !err.retryable)) throw new HandBackError();
     await dropFreshIntent(err);
     throw err;
   }

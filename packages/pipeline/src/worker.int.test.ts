@@ -1,4 +1,10 @@
-import { FleetError, RolloutRequest, type TaskContent } from "@fleet/contracts";
+import {
+  FleetError,
+  RolloutRequest,
+  type SandboxHandle,
+  type SandboxSpecInput,
+  type TaskContent,
+} from "@fleet/contracts";
 import { stageJobId } from "@fleet/queue";
 import { execResult, InMemorySandboxProvider } from "@fleet/sandbox/testing";
 import { EXAMPLE_SUITE_DIR, loadSuite } from "@fleet/tasks";
@@ -237,6 +243,42 @@ describe("stage workers at a concurrency above ten", () => {
     const rec = await fleet!.deps.store.get(id);
     expect(rec?.failure).toBeNull();
     expect(rec?.status).toBe("ran");
+  });
+
+  it("hand a seed whose sandbox create is still in flight back to the queue at shutdown, no attempt spent, its teardown intent kept", async () => {
+    const lines: string[] = [];
+    const creating = latch();
+    let stoppedCreates = 0;
+    // A create the daemon is slow to answer (pulling, a loaded host): it ends only when asked to
+    // stop, as the real providers' creates do on their signal.
+    const provider = new (class extends InMemorySandboxProvider {
+      override create(_spec: SandboxSpecInput, options: { signal?: AbortSignal } = {}) {
+        creating.open();
+        return new Promise<SandboxHandle>((_resolve, reject) => {
+          options.signal?.addEventListener("abort", () => {
+            stoppedCreates++;
+            reject(FleetError.retryable("provider_unavailable", "sandbox create stopped"));
+          });
+        });
+      }
+    })();
+    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await creating.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    expect(stoppedCreates).toBe(1);
+    const job = await fleet.deps.queues.queues.seed.getJob(stageJobId(id!, "seed"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(0);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    expect(rec?.status).toBe("accepted");
+    // The intent recorded before the create stays: the next delivery (or a close, or the janitor)
+    // finds by its labels whatever the stopped create made.
+    expect((await fleet.deps.ledger.sandboxesOf(id!)).resources).toMatchObject({
+      rolloutId: id,
+      handle: null,
+    });
   });
 
   it("a hand-back whose move back to the queue fails is said plainly (BullMQ drops its error while closing)", async () => {

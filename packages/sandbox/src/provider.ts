@@ -147,6 +147,12 @@ export class TestsSupersededError extends Error {
   }
 }
 
+/** Options of `SandboxProvider.create`. */
+export interface CreateOptions {
+  /** Stop the create (see `SandboxProvider.create`). */
+  signal?: AbortSignal;
+}
+
 /** A sandbox as `list` reports it. */
 export interface SandboxInfo {
   handle: SandboxHandle;
@@ -177,7 +183,14 @@ export interface SandboxProvider {
   readonly instance?: string | undefined;
   /** Where this provider's sandboxes live (e.g. `unix:///var/run/docker.sock`). */
   readonly endpoint: string;
-  create(spec: SandboxSpecInput): Promise<SandboxHandle>;
+  /**
+   * Create and start the sandbox. Aborted by `signal` (its worker shutting down, so that its
+   * seed is handed back rather than held past the shutdown budget), it stops waiting and throws
+   * retryable `provider_unavailable`; whatever it made by then is removed or left carrying its
+   * labels, where `find` (the seed delivered again), a close and the janitor's label sweep find
+   * it: the caller records its teardown intent before the create (DESIGN §2 rule 9).
+   */
+  create(spec: SandboxSpecInput, options?: CreateOptions): Promise<SandboxHandle>;
   /** Find a rollout's sandbox by label (for re-delivered seeds); `null` if none. */
   find(rolloutId: string, owner: SandboxHandle["owner"]): Promise<SandboxHandle | null>;
   exec(handle: SandboxHandle, argv: string[], options: ExecOptions): Promise<ExecResult>;

@@ -192,6 +192,35 @@ describe.skipIf(unavailable !== null)("BubblewrapSandboxProvider (real bwrap)", 
     expect(readdirSync(stateDir).filter((e) => e.startsWith(h.name))).toEqual([]);
   });
 
+  it("a create told to stop once bwrap runs (its worker shutting down) fails retryable and removes what it made: no process, no state", async () => {
+    const stop = new AbortController();
+    // Told to stop just after bwrap reported its child, before the sandbox is ready: its own
+    // `spawnBwrap` shadowed on the instance, the class's left as it is.
+    const own = provider as unknown as {
+      spawnBwrap?: (...args: unknown[]) => Promise<{ bwrapPid: number }>;
+    };
+    const spawnBwrap = own.spawnBwrap!;
+    let bwrapPid = 0;
+    own.spawnBwrap = async (...args) => {
+      const started = await spawnBwrap.apply(provider, args);
+      bwrapPid = started.bwrapPid;
+      stop.abort();
+      return started;
+    };
+    try {
+      const s = spec();
+      const err = await fleetError(provider.create(s, { signal: stop.signal }));
+      expect([err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+      expect(bwrapPid).toBeGreaterThan(0);
+      await waitUntil(() => !alive(bwrapPid), 10_000);
+      const name = sandboxName(s.rolloutId, "resources", RUN);
+      expect(readdirSync(stateDir).filter((e) => e.startsWith(name))).toEqual([]);
+      expect(await provider.find(s.rolloutId, "resources")).toBeNull();
+    } finally {
+      delete own.spawnBwrap;
+    }
+  });
+
   it("list clears up the state writes a killed worker left (its writer gone, a minute old): a temporary file removed, a state file moved aside put back where none is; no other", async () => {
     // A pid that ran and is gone: the writer SIGKILLed between writing and renaming.
     const gone = spawn("true");

@@ -91,6 +91,7 @@ import {
 import { execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
+  type CreateOptions,
   type KillOptions,
   LABEL_MANAGED,
   LABEL_OWNER,
@@ -291,7 +292,20 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     return this.fenceMount;
   }
 
-  async create(input: SandboxSpecInput): Promise<SandboxHandle> {
+  async create(input: SandboxSpecInput, options: CreateOptions = {}): Promise<SandboxHandle> {
+    const { signal } = options;
+    // Stopped (its worker shutting down): between its steps, and while it waits for the sandbox
+    // to start. What it made by then is removed as for a create that failed (all of it on this
+    // host, at once: no daemon to wait on).
+    const stopIfAsked = () => {
+      if (signal?.aborted) {
+        throw FleetError.retryable(
+          "provider_unavailable",
+          `the create of a sandbox for rollout ${input.rolloutId} was stopped`,
+        );
+      }
+    };
+    stopIfAsked();
     const spec = parseSandboxSpec(input);
     const unsupported = unsupportedSpec(spec);
     if (unsupported) {
@@ -394,6 +408,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     try {
       await this.writeState(state);
       written = true;
+      stopIfAsked();
       // Root's alone, whatever the state directory's mode (an operator's `mkdir -p` makes it
       // 0755), and whatever this process's umask: what the sandbox leaves in its workspace is no
       // host user's to reach. Root in the sandbox (the tests, running the agent's code) makes a
@@ -421,6 +436,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
       state.unenforced = [...missing.map((m) => `${m.split(" ")[0]} limit (${m})`), "cpus", "workspace size"];
       stillOurs(await this.readState(name));
       await this.writeState(state);
+      stopIfAsked();
       const { bwrapPid, initPid, detach, drained } = await this.spawnBwrap(
         args,
         join(dir, "bwrap.log"),
@@ -433,7 +449,7 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
         },
       );
       try {
-        await this.waitUntilReady(name, initPid, join(dir, "bwrap.log"), drained);
+        await this.waitUntilReady(name, initPid, join(dir, "bwrap.log"), drained, stopIfAsked);
       } finally {
         detach();
       }
@@ -601,9 +617,12 @@ export class BubblewrapSandboxProvider implements SandboxProvider {
     initPid: number,
     logPath: string,
     drained: () => Promise<void>,
+    /** Throws when the create was told to stop (see `create`). */
+    stopIfAsked: () => void = () => {},
   ): Promise<void> {
     const until = performance.now() + this.defaults.startTimeoutMs;
     for (let attempt = 0; ; attempt++) {
+      stopIfAsked();
       if ([initPid, ...childrenOf(initPid)].some((pid) => commOf(pid) === "sleep")) return;
       const died = startTime(initPid) === null;
       if (died || performance.now() >= until) {

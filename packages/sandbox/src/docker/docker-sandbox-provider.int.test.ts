@@ -1193,6 +1193,38 @@ ${fillWithEmptyFilesPy(["/workspace", "/tmp", "/logs", "/dev/shm"], { nameWidth:
     }
   });
 
+  it("a create told to stop while the daemon holds its start gives up at once (retryable), its container left for its labels to find", async () => {
+    // The real daemon behind a proxy that holds every start: a daemon slow to answer (a loaded
+    // host), under a seed whose worker is shutting down.
+    const held: ServerResponse[] = [];
+    const proxy = await dockerProxy("held-start", (req, res) => {
+      if (!/^\/(?:v[\d.]+\/)?containers\/[^/]+\/start/.test(req.url ?? "")) return false;
+      held.push(res);
+      return true;
+    });
+    try {
+      const slow = new DockerSandboxProvider({ docker: { socketPath: proxy.path } });
+      const s = spec();
+      const stop = new AbortController();
+      const creating = slow.create(s, { signal: stop.signal });
+      await vi.waitFor(() => expect(held).toHaveLength(1), { timeout: 20_000, interval: 20 });
+      stop.abort();
+      // Well within the API timeout (30 s) the held start would otherwise run to.
+      const settled = await settledWithin(creating, 5_000);
+      expect(settled).not.toBe(STILL_PENDING);
+      const err = settled !== STILL_PENDING && "err" in settled ? settled.err : settled;
+      expect(isFleetError(err) && [err.kind, err.retryable]).toEqual(["provider_unavailable", true]);
+      // Not removed (that would wait on the same slow daemon): the seed's intent covers it, and the
+      // next delivery finds it by its labels and replaces it, as a close would destroy it.
+      const found = await provider.find(s.rolloutId, "resources");
+      expect(found).not.toBeNull();
+      expect(await provider.destroy(found!)).toMatchObject({ confirmed: true, alreadyGone: false });
+    } finally {
+      for (const res of held) res.destroy();
+      await proxy.close();
+    }
+  });
+
   it("a call whose reply is cut after its headers fails at the API timeout: it never waits for good (the janitor's listing did)", async () => {
     // The daemon's own reply to the listing, its headers and a part of its body, then the
     // connection drops (a daemon restarted mid-reply, a proxy that died).

@@ -58,6 +58,7 @@ import {
 import { CappedBuffer, DockerStreamDemuxer, execOutputBuffers } from "../output.ts";
 import {
   AGENT_USER,
+  type CreateOptions,
   type KillOptions,
   LABEL_MANAGED,
   LABEL_OWNER,
@@ -154,7 +155,35 @@ export class DockerSandboxProvider implements SandboxProvider {
     checkProviderDefaults("docker", this.defaults, DOCKER_DEFAULTS_CHECKS);
   }
 
-  async create(input: SandboxSpecInput): Promise<SandboxHandle> {
+  async create(input: SandboxSpecInput, options: CreateOptions = {}): Promise<SandboxHandle> {
+    const { signal } = options;
+    if (!signal) return this.createSandbox(input);
+    // Stopped: its API call in flight is aborted with it, and it waits for nothing more (a
+    // removal of what it made, against the daemon that is slow to answer, would hold the worker
+    // as long as the create). What the daemon made (or still makes) carries the sandbox's
+    // labels from its create on: `find`, a close and the janitor's label sweep find it.
+    const stopped = () =>
+      FleetError.retryable(
+        "provider_unavailable",
+        `the create of a sandbox for rollout ${input.rolloutId} was stopped`,
+      );
+    if (signal.aborted) throw stopped();
+    let onAbort = () => {};
+    const aborted = new Promise<never>((_resolve, reject) => {
+      onAbort = () => reject(stopped());
+      signal.addEventListener("abort", onAbort, { once: true });
+    });
+    try {
+      return await Promise.race([this.createSandbox(input, signal), aborted]);
+    } catch (err) {
+      if (signal.aborted) throw stopped();
+      throw err;
+    } finally {
+      signal.removeEventListener("abort", onAbort);
+    }
+  }
+
+  private async createSandbox(input: SandboxSpecInput, stop?: AbortSignal): Promise<SandboxHandle> {
     const spec = parseSandboxSpec(input);
     const config = buildContainerConfig(spec, this.defaults, this.scope, this.instance);
     const name = config.name!;
@@ -171,11 +200,11 @@ export class DockerSandboxProvider implements SandboxProvider {
       ...(daemon ? { daemon } : {}),
     };
 
-    if (spec.network !== "none") await this.checkGatewayNetwork(spec);
-    const container = await this.createContainer(config, handle, spec);
+    if (spec.network !== "none") await this.checkGatewayNetwork(spec, stop);
+    const container = await this.createContainer(config, handle, spec, stop);
     if (!("start" in container)) return container; // adopted
     handle.id = container.id;
-    await this.startAndStage(container, handle, spec, isWorkspaceTmpfs(config.HostConfig));
+    await this.startAndStage(container, handle, spec, isWorkspaceTmpfs(config.HostConfig), stop);
     this.logger?.debug({ sandbox: name, id: container.id, rolloutId: spec.rolloutId }, "sandbox created");
     return handle;
   }
@@ -192,14 +221,17 @@ export class DockerSandboxProvider implements SandboxProvider {
     handle: SandboxHandle,
     spec: SandboxSpec,
     workspaceTmpfs: boolean,
+    /** A create stopped (`create`'s signal): its calls are aborted, and nothing is removed. */
+    stop?: AbortSignal,
   ): Promise<void> {
-    const imageFiles = workspaceTmpfs ? await this.imageWorkspaceFiles(container, handle, spec) : null;
+    const imageFiles = workspaceTmpfs ? await this.imageWorkspaceFiles(container, handle, spec, stop) : null;
     try {
-      await this.startCreated(container, handle, spec);
+      await this.startCreated(container, handle, spec, stop);
       if (imageFiles) {
         try {
           await extractArchiveViaExec(this.execOf(handle), imageFiles, SANDBOX_PATHS.workspace, AGENT_USER);
         } catch (err) {
+          if (stop?.aborted) throw err;
           await this.removeFailed(container, handle, "could not get its image's /workspace files", err);
           throw err;
         }
@@ -210,10 +242,16 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   /** Start a container just created; one that cannot start is removed. */
-  private async startCreated(container: Container, handle: SandboxHandle, spec: SandboxSpec): Promise<void> {
+  private async startCreated(
+    container: Container,
+    handle: SandboxHandle,
+    spec: SandboxSpec,
+    stop?: AbortSignal,
+  ): Promise<void> {
     try {
-      await container.start({ abortSignal: this.apiSignal() });
+      await container.start({ abortSignal: this.apiSignal(stop) });
     } catch (err) {
+      if (stop?.aborted) throw err;
       const facts = dockerErrorFacts(err);
       // The image cannot run our keepalive (no `sleep`), or the runtime refused the config: final.
       // Not a container removed (404) or being removed (409) meanwhile, by a re-delivered seed
@@ -295,12 +333,13 @@ export class DockerSandboxProvider implements SandboxProvider {
     config: Dockerode.ContainerCreateOptions,
     handle: SandboxHandle,
     spec: SandboxSpec,
+    stop?: AbortSignal,
   ): Promise<Container | SandboxHandle> {
     try {
-      return await this.docker.createContainer({ ...config, abortSignal: this.apiSignal() });
+      return await this.docker.createContainer({ ...config, abortSignal: this.apiSignal(stop) });
     } catch (err) {
       const facts = dockerErrorFacts(err);
-      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle, spec);
+      if (classifyDockerFacts(facts, "create") === "name_conflict") return this.adopt(handle, spec, stop);
       throw classifyDockerError(err, "create", handle.name);
     }
   }
@@ -314,6 +353,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     container: Container,
     handle: SandboxHandle,
     spec: SandboxSpec,
+    stop?: AbortSignal,
   ): Promise<Spool | null> {
     const capMb = effectiveLimits(spec, this.defaults).diskMb ?? 0;
     // Spooled, never joined: the archive may be as large as the workspace's cap.
@@ -321,7 +361,7 @@ export class DockerSandboxProvider implements SandboxProvider {
     try {
       const stream = await container.getArchive({
         path: SANDBOX_PATHS.workspace,
-        abortSignal: this.apiSignal(),
+        abortSignal: this.apiSignal(stop),
       });
       for await (const chunk of stream) {
         if (spool.bytes + (chunk as Buffer).length > capMb * 1024 * 1024) {
@@ -350,7 +390,7 @@ export class DockerSandboxProvider implements SandboxProvider {
       if (await tarHasContent(spool.read())) return spool;
     } catch (err) {
       await spool.dispose();
-      if (isFleetError(err)) throw err;
+      if (isFleetError(err) || stop?.aborted) throw err;
       if (dockerErrorFacts(err).statusCode === 404) return null; // no /workspace in the image
       const failed = classifyDockerError(err, "inspect", handle.name);
       await this.removeFailed(container, handle, "could not read its image's /workspace", failed);
@@ -365,10 +405,10 @@ export class DockerSandboxProvider implements SandboxProvider {
    * fleet's): never `host`, `bridge`, another container's namespace or another rollout's network,
    * whatever a spec says. One that does not exist is final `invalid_task`.
    */
-  private async checkGatewayNetwork(spec: SandboxSpec): Promise<void> {
+  private async checkGatewayNetwork(spec: SandboxSpec, stop?: AbortSignal): Promise<void> {
     let info: Dockerode.NetworkInspectInfo;
     try {
-      info = await this.docker.getNetwork(spec.network).inspect({ abortSignal: this.apiSignal() });
+      info = await this.docker.getNetwork(spec.network).inspect({ abortSignal: this.apiSignal(stop) });
     } catch (err) {
       // Also what `container:<id>` and the like inspect as: never left to the create.
       if (dockerErrorFacts(err).statusCode === 404) {
@@ -396,11 +436,11 @@ export class DockerSandboxProvider implements SandboxProvider {
   }
 
   /** A re-delivered create: the container of that name exists; take it over if it is this rollout's. */
-  private async adopt(handle: SandboxHandle, spec: SandboxSpec): Promise<SandboxHandle> {
+  private async adopt(handle: SandboxHandle, spec: SandboxSpec, stop?: AbortSignal): Promise<SandboxHandle> {
     const container = this.docker.getContainer(handle.name);
     let info: Dockerode.ContainerInspectInfo;
     try {
-      info = await container.inspect({ abortSignal: this.apiSignal() });
+      info = await container.inspect({ abortSignal: this.apiSignal(stop) });
     } catch (err) {
       // Removed in between (e.g. a concurrent close): let the caller retry the create.
       throw FleetError.retryable("provider_unavailable", `sandbox name ${handle.name} is in use`, err);
@@ -429,7 +469,7 @@ export class DockerSandboxProvider implements SandboxProvider {
         "taking over a sandbox its earlier create never started",
       );
       // By how it was made (its workspace a tmpfs, or a volume Docker fills), not by this create.
-      await this.startAndStage(container, adopted, spec, isWorkspaceTmpfs(info.HostConfig));
+      await this.startAndStage(container, adopted, spec, isWorkspaceTmpfs(info.HostConfig), stop);
       return adopted;
     }
     if (!info.State.Running) {
@@ -1191,8 +1231,10 @@ export class DockerSandboxProvider implements SandboxProvider {
     this.remotes.clear();
   }
 
-  private apiSignal(): AbortSignal {
-    return AbortSignal.timeout(this.defaults.apiTimeoutMs);
+  /** One API call's signal: its budget, and a create's own (`stop`) when given. */
+  private apiSignal(stop?: AbortSignal): AbortSignal {
+    const timeout = AbortSignal.timeout(this.defaults.apiTimeoutMs);
+    return stop ? AbortSignal.any([timeout, stop]) : timeout;
   }
 
   private daemon: Promise<{ id: string | null; memTotal: number | null }> | null = null;

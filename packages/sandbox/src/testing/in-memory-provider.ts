@@ -8,7 +8,13 @@ import type {
   SandboxSpecInput,
 } from "@fleet/contracts";
 import { beforeStart, FleetError } from "@fleet/contracts";
-import { AGENT_USER, type PutOptions, type SandboxInfo, type SandboxProvider } from "../provider.ts";
+import {
+  AGENT_USER,
+  type CreateOptions,
+  type PutOptions,
+  type SandboxInfo,
+  type SandboxProvider,
+} from "../provider.ts";
 import { SCRATCH_DIRS } from "../scratch.ts";
 
 /** One file in a fake sandbox. */
@@ -83,8 +89,11 @@ export class InMemorySandboxProvider implements SandboxProvider {
       );
   }
 
-  async create(spec: SandboxSpecInput): Promise<SandboxHandle> {
+  async create(spec: SandboxSpecInput, options: CreateOptions = {}): Promise<SandboxHandle> {
     this.gate();
+    // Instant otherwise: only a create asked to stop before it began is stopped.
+    if (options.signal?.aborted)
+      throw FleetError.retryable("provider_unavailable", "the sandbox create was stopped");
     const id = `fake-${this.next++}`;
     const handle: SandboxHandle = {
       provider: "docker",
