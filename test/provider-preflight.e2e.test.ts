@@ -116,6 +116,43 @@ describe("a worker that cannot reach its sandbox provider", () => {
     await queues.close();
   });
 
+  it("a stage worker whose Docker daemon hangs (takes the connection, never answers) exits 1 as soon as it gives up waiting, not when its call's 30 s run out", async () => {
+    const dir = await mkdtemp(join(tmpdir(), "fleet-hung-daemon-"));
+    const socket = join(dir, "docker.sock");
+    const held: Socket[] = [];
+    const daemon = createServer((s) => {
+      held.push(s);
+      s.on("error", () => {});
+    });
+    await new Promise<void>((resolve) => daemon.listen(socket, resolve));
+    let output = () => "";
+    let refusedAt = 0;
+    const watch = setInterval(() => {
+      if (!refusedAt && output().includes("refusing to start: no sandbox provider")) refusedAt = Date.now();
+    }, 20);
+    try {
+      const { code, output: said } = await runApp(
+        "resources",
+        { REDIS_URL, FLEET_PREFIX: prefix, DOCKER_HOST: `unix://${socket}`, FLEET_PROVIDER_WAIT_MS: "1000" },
+        (_kill, o) => {
+          output = o;
+        },
+      );
+      const exitedAt = Date.now();
+      expect(code, said).toBe(1);
+      expect(said).toContain("refusing to start: no sandbox provider");
+      expect(held.length).toBeGreaterThan(0);
+      // Its call to the daemon, in flight, used to hold the process until the API timeout (30 s).
+      expect(refusedAt).toBeGreaterThan(0);
+      expect(exitedAt - refusedAt, said).toBeLessThan(10_000);
+    } finally {
+      clearInterval(watch);
+      for (const s of held) s.destroy();
+      daemon.close();
+      await rm(dir, { recursive: true, force: true });
+    }
+  });
+
   it("on bubblewrap, a rootfs that is not one, or a bwrap that is not there, refuses the start, saying which", async () => {
     const empty = await mkdtemp(join(tmpdir(), "fleet-preflight-rootfs-"));
     try {

@@ -1227,14 +1227,23 @@ export class DockerSandboxProvider implements SandboxProvider {
     }
   }
 
+  /**
+   * Ends the API calls in flight (and fails any made after it): a daemon that hangs would
+   * otherwise hold them, and with them the process, until their timeout (an app that gave up
+   * waiting for its provider, `FLEET_PROVIDER_WAIT_MS`, exited half a minute later).
+   */
   async close(): Promise<void> {
+    this.closing.abort();
     this.remotes.clear();
   }
 
-  /** One API call's signal: its budget, and a create's own (`stop`) when given. */
+  /** Aborted by `close`. */
+  private readonly closing = new AbortController();
+
+  /** One API call's signal: its budget, the provider's `close`, and a create's own (`stop`) when given. */
   private apiSignal(stop?: AbortSignal): AbortSignal {
     const timeout = AbortSignal.timeout(this.defaults.apiTimeoutMs);
-    return stop ? AbortSignal.any([timeout, stop]) : timeout;
+    return AbortSignal.any(stop ? [timeout, this.closing.signal, stop] : [timeout, this.closing.signal]);
   }
 
   private daemon: Promise<{ id: string | null; memTotal: number | null }> | null = null;
