@@ -1670,6 +1670,32 @@ describe("fleet status / results / cancel", () => {
     );
   });
 
+  it("results of a batch running when they were read, whose status read after them fails, still says the lines are not all of it", async () => {
+    // The status read before the results answers (running); the one after them fails.
+    let reads = 0;
+    server.on("GET", "/v1/batches/b-1", (_req, res) => {
+      if (++reads > 1) return apiError(res, 503, "unavailable", "redis blip");
+      json(res, 200, { id: "b-1", total: 20, done: 4, counts: { completed: 4, running: 16 } });
+    });
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');
+    });
+    expect(await runCli(["results", "b-1"], ctx())).toBe(0);
+    expect(stdout.text()).toBe('{"id":"r1"}\n');
+    expect(stderr.text()).toContain(
+      "note: 4 of 20 rollouts of batch b-1 had finished when its results were read; it was still running",
+    );
+    // All of them came (it finished meanwhile): nothing to say.
+    reads = 0;
+    const all = Array.from({ length: 20 }, (_, i) => `{"id":"r${i}"}\n`).join("");
+    server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
+      res.writeHead(200, { "content-type": "application/x-ndjson" }).end(all);
+    });
+    const said = stderr.text();
+    expect(await runCli(["results", "b-1"], ctx())).toBe(0);
+    expect(stderr.text().slice(said.length)).not.toContain("note:");
+  });
+
   it("results --out: a path that cannot be written is a usage error before fetching, not a crash", async () => {
     server.on("GET", "/v1/batches/b-1/results", (_req, res) => {
       res.writeHead(200, { "content-type": "application/x-ndjson" }).end('{"id":"r1"}\n');

@@ -49,9 +49,10 @@ function statusBefore(client: FleetClient, batchId: string): Promise<BatchStatus
 /**
  * A note on stderr when the lines are not all of the batch: it has rollouts still running, or it
  * was running when its results were read (`before`, its status read first: a rollout that finished
- * after its part of the stream was sent is not in it); a note that it cannot tell when neither status
- * read answered. The exit code: 1 when a batch finished before its results were read (or whose
- * status then could not be read) has fewer of them than rollouts (the rest gone from the
+ * after its part of the stream was sent is not in it: said from that read when the one after the
+ * results does not answer); a note that it cannot tell when neither status read answered. The
+ * exit code: 1 when a batch finished before its results were read (or whose status then could not
+ * be read) has fewer of them than rollouts (the rest gone from the
  * dispatcher, past their retention: each rollout's runs from when it finished), as `fleet watch`
  * says; else 0.
  */
@@ -77,14 +78,23 @@ async function noteUnfinished(
     return null;
   });
   if (batch === null) {
-    // Read neither before nor now: the lines may be all of the batch or not, which an exit 0
-    // without a word would claim they are.
-    if (before === null && !ctx.signal.aborted) {
+    if (ctx.signal.aborted) return 0;
+    // Running when the results were read (its status before them), unread now: the lines are
+    // not all of it all the same, which an exit 0 without a word would claim they are.
+    if (before !== null) {
+      if (lines >= before.total) return 0; // all of them came: it finished meanwhile
       await writeText(
         ctx.stderr,
-        `note: the status of batch ${batchId} could not be read (${(unread as Error).message}): whether these ${lines} results are all of it is not known (\`fleet status ${batchId}\`)\n`,
+        `note: ${before.done} of ${before.total} rollouts of batch ${batchId} had finished when its results were read; it was still running (\`fleet watch ${batchId}\` follows it to the end)\n`,
       );
+      return 0;
     }
+    // Read neither before nor now: the lines may be all of the batch or not, which an exit 0
+    // without a word would claim they are.
+    await writeText(
+      ctx.stderr,
+      `note: the status of batch ${batchId} could not be read (${(unread as Error).message}): whether these ${lines} results are all of it is not known (\`fleet status ${batchId}\`)\n`,
+    );
     return 0;
   }
   if (batch.done >= batch.total) {
