@@ -386,6 +386,25 @@ describe("FleetClient", () => {
     expect(server.requests.length).toBeLessThan(100);
   });
 
+  it("honours a Retry-After given as an HTTP date (RFC 9110 §10.2.3, a proxy's), not the client's own backoff at once", async () => {
+    // Three seconds on: at least two once truncated to the date's whole second.
+    const at = new Date(Date.now() + 3_000).toUTCString();
+    server.on("GET", "/v1/batches/b1", (_req, res) =>
+      json(res, 503, { error: { code: "unavailable", message: "proxy" } }, { "retry-after": at }),
+    );
+    const stop = new AbortController();
+    const delays: number[] = [];
+    const onRetry = (r: { delayMs: number }) => {
+      delays.push(r.delayMs);
+      stop.abort(); // the delay is what is asserted: no need to wait it out
+    };
+    const err = await caught(client({ retries: 1, signal: stop.signal, onRetry }).getBatch("b1"));
+    expect(err.code).toBe("aborted");
+    expect(delays).toHaveLength(1);
+    expect(delays[0]).toBeGreaterThan(1_000);
+    expect(delays[0]).toBeLessThanOrEqual(3_000);
+  });
+
   it("encodes ids in paths and posts cancels", async () => {
     server.on("POST", "/v1/rollouts/a%2Fb/cancel", (_req, res) =>
       json(res, 202, { id: "a/b", status: "cancelling" }),

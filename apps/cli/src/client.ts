@@ -526,15 +526,19 @@ export class FleetClient {
   }
 
   /**
-   * Full-jitter exponential delay, or the server's `Retry-After` (capped) when that is longer: a
-   * `Retry-After: 0` (a proxy's) is no reason to retry at once, which for a patient client was a
-   * request a millisecond for all of `maxOutageMs`, the backoff never growing.
+   * Full-jitter exponential delay, or the server's `Retry-After` (seconds or a date; capped) when
+   * that is longer: a `Retry-After: 0` (a proxy's) is no reason to retry at once, which for a
+   * patient client was a request a millisecond for all of `maxOutageMs`, the backoff never growing.
    */
   private delayFor(attempt: number, retryAfter: string | null): number {
     const backoff = Math.random() * Math.min(this.retryMaxMs, this.retryBaseMs * 2 ** Math.min(attempt, 30));
     const seconds = retryAfter === null ? Number.NaN : Number(retryAfter);
     if (Number.isFinite(seconds) && seconds >= 0)
       return Math.min(Math.max(seconds * 1000, backoff), MAX_RETRY_AFTER_MS);
+    // Or an HTTP date (RFC 9110 §10.2.3), as proxies and load balancers send it: read as a
+    // number it was none, and the client retried on its own short backoff.
+    const at = retryAfter === null ? Number.NaN : Date.parse(retryAfter);
+    if (Number.isFinite(at)) return Math.min(Math.max(at - Date.now(), backoff), MAX_RETRY_AFTER_MS);
     return backoff;
   }
 
