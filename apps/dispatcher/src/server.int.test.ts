@@ -664,6 +664,17 @@ describe("POST /v1/rollouts", () => {
       });
       expect(expectErrorBody(res, 415, "unsupported_media_type").message, charsets).toMatch(/more than once/);
     }
+    // The same charset named twice, in two spellings (a client that adds its own to the caller's)
+    // says one thing: read as it was before, as UTF-8.
+    for (const charsets of ["charset=utf-8; charset=utf-8", 'charset=UTF-8;charset="utf8"']) {
+      const res = await h.call({
+        method: "POST",
+        url: "/v1/rollouts",
+        payload: row,
+        headers: { "content-type": `application/json; ${charsets}` },
+      });
+      expect(res.statusCode, `${charsets}: ${res.body}`).toBe(202);
+    }
     // Nothing was admitted under the key: the same key with a UTF-8 body is a first request.
     const valid = await h.call({
       method: "POST",

@@ -428,9 +428,11 @@ export function createServer(deps: DispatcherDeps): FastifyInstance {
     // US-ASCII is UTF-8's first 128 characters, read the same either way: taken, its bytes held
     // to them (`preParsing` below).
     // Named twice, it says two things (RFC 6838 §4.3: an error), and each reader takes its own
-    // pick: `charset=utf-8; charset=latin1` was read by the first, a latin1 body as UTF-8.
+    // pick: `charset=utf-8; charset=latin1` was read by the first, a latin1 body as UTF-8. The
+    // same one twice (a client adding its own to its caller's) says one thing: read, as before.
     const charsets = declaredCharsets(req);
-    if (charsets.length > 1) {
+    const named = new Set(charsets.map((c) => (/^utf-?8$/i.test(c) ? "utf-8" : c.toLowerCase())));
+    if (named.size > 1) {
       return refuse(
         reply,
         new HttpError(
