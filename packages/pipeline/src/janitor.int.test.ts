@@ -2323,6 +2323,37 @@ describe("janitor", () => {
     }
   });
 
+  it("takes off a rate limit set again on its queue within the window of one it took off: its passes, held by it from the first, go on", async () => {
+    const own = await startInProcessFleet({ provider: new InMemorySandboxProvider(), startWorkers: false });
+    const metrics = createFleetMetrics(createMetricsRegistry({ app: "janitor-test" }));
+    const janitor = await startJanitor(
+      { ...own.deps, metrics },
+      { connection: own.redis, prefix: own.prefix, intervalMs: 200, orphanGraceMs: 60_000 },
+    );
+    const schedule = new Queue(JANITOR_QUEUE, { connection: own.redis, prefix: own.prefix });
+    const lastPass = async () => (await metrics.janitorLastPass.get()).values[0]?.value ?? 0;
+    const passAfter = async (timeout: number) => {
+      const after = Date.now() / 1000;
+      await vi.waitFor(async () => expect(await lastPass()).toBeGreaterThan(after), { timeout });
+    };
+    try {
+      // The pass it lets through counts against it for its window (an hour), after it is taken off too.
+      await schedule.setGlobalRateLimit(1, 3_600_000);
+      await passAfter(5_000);
+      await vi.waitFor(async () => expect(await schedule.getGlobalRateLimit()).toBeNull(), {
+        timeout: 5_000,
+      });
+      // Set again (a script): the next tick is held at once, and no pass comes to take it off.
+      await schedule.setGlobalRateLimit(1, 3_600_000);
+      for (let i = 0; i < 3; i++) await passAfter(5_000);
+      expect(await schedule.getGlobalRateLimit()).toBeNull();
+    } finally {
+      await schedule.close();
+      await janitor.close();
+      await own.close();
+    }
+  });
+
   it("schedules its next pass again when its tick's delay was changed far ahead (Bull Board's 'delay' of the tick job): passes go on", async () => {
     const { schedule, lastPass, close } = await fastJanitor();
     try {

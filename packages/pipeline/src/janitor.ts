@@ -941,9 +941,12 @@ export async function startJanitor(
       // restarts: made again. (Only when missing: an upsert of one that exists may move its next
       // tick.)
       // The same for its one-pass-at-a-time limit (gone with an obliterate of the queue).
+      // And a rate limit set again while the pass the last one let through still counts against
+      // it (its window): it holds the next tick at once, and no pass comes to take it off.
       queue
         .getJobScheduler(JANITOR_SCHEDULER)
         .then(async (found) => {
+          await unthrottle();
           if ((await queue.getGlobalConcurrency()) !== 1) {
             deps.logger.warn(
               { queue: JANITOR_QUEUE },
@@ -1042,6 +1045,9 @@ export async function startJanitor(
       connection: duplicateRedis(options.connection),
       prefix: options.prefix,
       concurrency: 1,
+      // Held by a rate limit (until a check takes it off), it asks again each interval (the
+      // check that takes it off runs on it), at most BullMQ's 30 s apart, as before.
+      maximumRateLimitDelay: Math.min(options.intervalMs, 30_000),
       ...(options.stalledIntervalMs === undefined ? {} : { stalledInterval: options.stalledIntervalMs }),
     },
   );
