@@ -338,6 +338,45 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     await expectOwnSandboxGone(id);
   });
 
+  it("a run in its own sandbox whose rollout a close tombstoned while it loaded its task makes no sandbox at all: its intent is refused (rule 9)", async () => {
+    let launched = false;
+    const id = await start(
+      {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => {
+            launched = true;
+            return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+          },
+        }),
+      },
+      "throws",
+      "own",
+    );
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    // The cancel and its close begin (the tombstone) after the run's begin, while it loads its task.
+    const store = fleet!.deps.store;
+    const getTask = store.getTask.bind(store);
+    let closing = true;
+    store.getTask = async (digest) => {
+      if (closing) {
+        closing = false;
+        await cancelAndClose(id);
+      }
+      return getTask(digest);
+    };
+    const created: string[] = [];
+    const create = provider.create.bind(provider);
+    provider.create = async (spec) => {
+      created.push(spec.owner);
+      return create(spec);
+    };
+    expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
+    expect(launched).toBe(false);
+    // Refused before its create, not made and then destroyed by the close's attach check.
+    expect(created).toEqual([]);
+    expect((await fleet!.deps.ledger.sandboxesOf(id)).agent).toBeNull();
+  });
   it("a handback at shutdown whose Redis does not answer the spend's write is not held by it for good", async () => {
     // Only this write goes unanswered (as to a Redis gone away); the rest of the stage is as ever.
     const hanging = (d: PipelineDeps): PipelineDeps => ({
