@@ -338,6 +338,34 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     await expectOwnSandboxGone(id);
   });
 
+  it("a run in its own sandbox whose rollout a close tombstoned while it made that sandbox (its lock fresh) destroys it at its attach and never launches (rule 9)", async () => {
+    let launched = false;
+    const id = await start(
+      {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => {
+            launched = true;
+            return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+          },
+        }),
+      },
+      "throws",
+      "own",
+    );
+    expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
+    // The cancel and its close begin (the tombstone) while the provider makes the agent's sandbox,
+    // after the run recorded its intent: the close cannot see the handle, so the run's attach must.
+    const create = provider.create.bind(provider);
+    provider.create = async (spec) => {
+      if (spec.owner === "agent") await cancelFleetRun(fleet!, id).catch(() => undefined);
+      return create(spec);
+    };
+    expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
+    expect(launched).toBe(false);
+    expect(liveOwners()).toEqual([]);
+  });
+
   it("a run in its own sandbox whose rollout a close tombstoned while it loaded its task makes no sandbox at all: its intent is refused (rule 9)", async () => {
     let launched = false;
     const id = await start(
