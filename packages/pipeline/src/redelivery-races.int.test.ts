@@ -540,4 +540,27 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect((await provider.list()).map((s) => s.handle.id)).toEqual([handle.id]);
     expect(await runStageJob("run", job(id), deps)).toBe("ok");
   });
+
+  it("a stage delivered again after its rollout's final failure was recorded, its close never enqueued (the worker died between), enqueues the close (rule 1)", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider);
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    // What the run's final failure recorded before its worker died, the close not yet enqueued.
+    await deps.store.recordFailure(
+      id,
+      {
+        stage: "run",
+        terminal: true,
+        failureKind: "agent_error",
+        mask: false,
+        reason: "boom",
+        at: Date.now(),
+      },
+      { beforeDecided: true },
+    );
+    expect(await deps.queues.queues.close.getJob(`${id}.close`)).toBeUndefined();
+    expect(await runStageJob("run", job(id, undefined, 1), deps)).toBe("skipped");
+    expect(await deps.queues.queues.close.getJob(`${id}.close`)).toBeTruthy();
+  });
 });
