@@ -261,6 +261,43 @@ describe("stage jobs delivered twice (a stalled job taken over while its first w
     expect((await provider.list()).map((s) => s.handle.owner)).toEqual(["resources"]);
   });
 
+  it("a run stopped by a cancel while it made its own sandbox, taken over meanwhile by a launch whose sandbox it adopted by name, leaves that sandbox to that launch (rule 11)", async () => {
+    const provider = new InMemorySandboxProvider();
+    const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");
+    const deps = fleet!.deps;
+    expect(await runStageJob("seed", job(id), deps)).toBe("ok");
+    const running = latch();
+    const finish = latch();
+    const blocking: PipelineDeps["createHarness"] = (agent) => ({
+      name: agent.harness,
+      run: async () => {
+        running.open();
+        await finish.opened;
+        return { exec: execResult(), answer: null, transcript: null, usage: null };
+      },
+    });
+    let second: Promise<unknown> = Promise.resolve();
+    let theirs: SandboxHandle | null = null;
+    const first = runStageJob("run", job(id, Date.now() - 60_000), {
+      ...deps,
+      provider: patched(provider, {
+        create: async () => {
+          // The job is handed to another worker, whose agent starts in a sandbox of its own; then
+          // a cancel. This create adopts that sandbox by its name (as Docker's conflict does).
+          second = runStageJob("run", job(id), { ...deps, createHarness: blocking });
+          await running.opened;
+          await deps.store.requestCancel(id);
+          theirs = await provider.find(id, "agent");
+          return theirs!;
+        },
+      }),
+    });
+    // It reads the stop (a stop reads before a lost fence) and ends; the sandbox is not its own.
+    expect(await first).toBe("ok");
+    expect(await provider.alive(theirs!)).toBe(true);
+    finish.open();
+    await second;
+  });
   it("a run taken over while it probed its own sandbox, failing for good after, records no failure over the launch that replaced it", async () => {
     const provider = new InMemorySandboxProvider();
     const id = await start(provider, {}, { harness: "oracle", sandbox: "own" }, "sum-answer");
