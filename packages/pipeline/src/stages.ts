@@ -747,6 +747,14 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
           if (notOurs !== undefined) taken.notOurs = notOurs;
           return notOurs === undefined;
         },
+        // Stopped at the worker's shutdown, as the seed's is (a create the daemon is slow to
+        // answer would hold the job past the shutdown budget, and its lock lapse: a stall), and
+        // the job handed back with its claim (the catch below gives it back): nothing launched.
+        // The intent recorded before the create stays, for the next delivery's replace.
+        signal: shutdown,
+      }).catch((err: unknown) => {
+        if (shutdown?.aborted && !(isFleetError(err) && !err.retryable)) throw new HandBackError();
+        throw err;
       });
       if (taken.notOurs !== undefined) return taken.notOurs;
       if (!created) return "close";

@@ -281,6 +281,46 @@ describe("stage workers at a concurrency above ten", () => {
     });
   });
 
+  it("hand a run whose own sandbox's create is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
+    const lines: string[] = [];
+    const creating = latch();
+    let stoppedCreates = 0;
+    // The task's sandbox is made at once; the agent's own (`sandbox: "own"`) on a daemon slow to
+    // answer: it ends only when asked to stop, as the real providers' creates do on their signal.
+    const provider = new (class extends InMemorySandboxProvider {
+      override create(spec: SandboxSpecInput, options: { signal?: AbortSignal } = {}) {
+        if (spec.owner !== "agent") return super.create(spec, options);
+        creating.open();
+        return new Promise<SandboxHandle>((_resolve, reject) => {
+          options.signal?.addEventListener("abort", () => {
+            stoppedCreates++;
+            reject(FleetError.retryable("provider_unavailable", "sandbox create stopped"));
+          });
+        });
+      }
+    })();
+    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
+    // A task graded on the agent's output (one graded by tests in the task's sandbox cannot see
+    // an own sandbox's work: refused at admission).
+    const matched = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "sum-answer")!;
+    const [id] = await fleet.submit([
+      RolloutRequest.parse({ task: matched, agent: { harness: "oracle", sandbox: "own" } }),
+    ]);
+    await creating.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    expect(stoppedCreates).toBe(1);
+    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(0);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    expect(rec?.status).toBe("seeded");
+    // Nothing launched: the next delivery is a first launch, not a rerun after an agent ran.
+    expect(rec?.launches ?? 0).toBe(0);
+    // The own sandbox's intent, recorded before its create, stays for the next delivery's replace.
+    expect((await fleet.deps.ledger.sandboxesOf(id!)).agent).toMatchObject({ rolloutId: id, handle: null });
+  });
+
   it("a hand-back whose move back to the queue fails is said plainly (BullMQ drops its error while closing)", async () => {
     const lines: string[] = [];
     const id = await verifyingUntilStopped(lines);
