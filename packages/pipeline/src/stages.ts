@@ -537,10 +537,20 @@ export const seed: StageHandler = async (rec, deps, _attempt, shutdown) => {
   let t2: number;
   let probe: Awaited<ReturnType<SandboxProvider["probe"]>>;
   try {
-    probe = await probeIsolated(deps, created.handle);
-    t2 = clock(deps);
-    await stageWorkspace(deps.provider, created.handle, task);
+    // Not held past the worker's shutdown either (the provider's calls take no signal): handed
+    // back, the sandbox left as a stopped create leaves it (no handle stored, its intent kept),
+    // for the next delivery to find by its labels and replace.
+    ({ probe, t2 } = await unlessShutDown(
+      (async () => {
+        const report = await probeIsolated(deps, created.handle);
+        const probed = clock(deps);
+        await stageWorkspace(deps.provider, created.handle, task);
+        return { probe: report, t2: probed };
+      })(),
+      shutdown,
+    ));
   } catch (err) {
+    if (isHandBack(err)) throw err;
     // A cancel's close destroyed the sandbox under the staging: the close reports the rollout
     // (enqueued again: a cancel whose own enqueue of it never happened is still closed).
     if (await stoppedUnder(deps, rec.meta.id)) return "close";
@@ -604,6 +614,26 @@ export const seed: StageHandler = async (rec, deps, _attempt, shutdown) => {
   }
   return contested && saved === "stored" ? "run" : null;
 };
+
+/**
+ * `work`, or a `HandBackError` once `shutdown` aborts (the worker shutting down), whichever comes
+ * first: for provider calls that take no signal, which a daemon slow to answer would hold past
+ * the shutdown budget (the job's lock lapses: a stall). `work` goes on unheeded meanwhile.
+ */
+async function unlessShutDown<T>(work: Promise<T>, shutdown: AbortSignal | undefined): Promise<T> {
+  if (!shutdown) return work;
+  let onAbort = () => {};
+  const stopped = new Promise<never>((_resolve, reject) => {
+    onAbort = () => reject(new HandBackError());
+    shutdown.addEventListener("abort", onAbort, { once: true });
+  });
+  if (shutdown.aborted) onAbort();
+  try {
+    return await Promise.race([work, stopped]);
+  } finally {
+    shutdown.removeEventListener("abort", onAbort);
+  }
+}
 
 /**
  * Whether another seed of this rollout stored its receipt; if so this one lost, and its sandbox

@@ -281,6 +281,34 @@ describe("stage workers at a concurrency above ten", () => {
     });
   });
 
+  it("hand a seed whose isolation probe is still in flight back to the queue at shutdown, no attempt spent, no receipt stored, its teardown intent kept", async () => {
+    const lines: string[] = [];
+    const probing = latch();
+    // A probe on a daemon slow to answer (its calls take no signal): it never ends here.
+    const provider = new (class extends InMemorySandboxProvider {
+      override probe(): Promise<never> {
+        probing.open();
+        return new Promise(() => {});
+      }
+    })();
+    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await probing.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    const job = await fleet.deps.queues.queues.seed.getJob(stageJobId(id!, "seed"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(0);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    expect(rec?.status).toBe("accepted");
+    expect(rec?.receipts.seed ?? null).toBeNull();
+    // The sandbox made stays for the next delivery to find by its labels and replace.
+    expect((await fleet.deps.ledger.sandboxesOf(id!)).resources).toMatchObject({
+      rolloutId: id,
+      handle: null,
+    });
+  });
+
   it("hand a run whose own sandbox's create is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
     const lines: string[] = [];
     const creating = latch();
