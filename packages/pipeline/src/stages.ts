@@ -806,8 +806,16 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       owned = created.entry;
       // Isolation is proven before anything is staged or run in it (DESIGN §5), as the seed did
       // for the task's sandbox: a refusal is final, a probe that could not run is retried.
-      await probeIsolated(deps, handle);
-      if (!created.reused) await stageWorkspace(deps.provider, handle, task);
+      // Not held past the worker's shutdown (the provider's calls take no signal): handed back
+      // with its claim, as at a stopped create; the sandbox, its handle attached, is the next
+      // delivery's to replace.
+      await unlessShutDown(
+        (async () => {
+          await probeIsolated(deps, created.handle);
+          if (!created.reused) await stageWorkspace(deps.provider, created.handle, task);
+        })(),
+        shutdown,
+      );
     }
     // A rerun in the task's sandbox kills what the earlier launch left and resets the sandbox; an
     // own sandbox was just made afresh (the earlier one, and all in it, destroyed by the replace).
@@ -831,6 +839,7 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
     // handing it back would make that launch (perhaps only cut off, and already killed by this
     // attempt) the fence's holder again, free to store its interrupted run.
     await giveBack();
+    if (isHandBack(err)) throw err;
     // An own sandbox made for this launch (its probe refused it, staging failed) is this stage's
     // to destroy (rule 11), as at the deadline check below: close only hands an agent's sandbox to
     // the janitor, so it would stay up and the result say teardown "pending" until the janitor's

@@ -349,6 +349,36 @@ describe("stage workers at a concurrency above ten", () => {
     expect((await fleet.deps.ledger.sandboxesOf(id!)).agent).toMatchObject({ rolloutId: id, handle: null });
   });
 
+  it("hand a run whose own sandbox's isolation probe is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
+    const lines: string[] = [];
+    const probing = latch();
+    // The task's sandbox is probed at once; the agent's own on a daemon slow to answer (its
+    // calls take no signal): its probe never ends here.
+    const provider = new (class extends InMemorySandboxProvider {
+      override probe(handle: SandboxHandle) {
+        if (handle.owner !== "agent") return super.probe(handle);
+        probing.open();
+        return new Promise<never>(() => {});
+      }
+    })();
+    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
+    const matched = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "sum-answer")!;
+    const [id] = await fleet.submit([
+      RolloutRequest.parse({ task: matched, agent: { harness: "oracle", sandbox: "own" } }),
+    ]);
+    await probing.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(0);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    expect(rec?.status).toBe("seeded");
+    expect(rec?.launches ?? 0).toBe(0);
+    // The own sandbox stays on the ledger, its handle attached, for the next delivery's replace.
+    expect((await fleet.deps.ledger.sandboxesOf(id!)).agent?.handle).toMatchObject({ owner: "agent" });
+  });
+
   it("a hand-back whose move back to the queue fails is said plainly (BullMQ drops its error while closing)", async () => {
     const lines: string[] = [];
     const id = await verifyingUntilStopped(lines);
