@@ -500,26 +500,33 @@ export const seed: StageHandler = async (rec, deps, _attempt, shutdown) => {
   let created: Awaited<ReturnType<typeof createSandbox>>;
   let takenOver = false;
   try {
-    created = await createSandbox(rec, deps, "resources", task, {
-      intentRecorded: rec.begun.intentRecorded,
-      intentFresh: rec.begun.intentFresh,
-      deferAttach: true,
-      replace: true,
-      // Held long enough for its lock to have lapsed: the sandbox found may be the one of a later
-      // delivery (its run working there by now), not an earlier attempt's.
-      mayReplace: async () => {
-        const ours =
-          !mayBeTakenOver(rec) || seedFence === null || (await deps.store.holdsFence(rec.meta.id, seedFence));
-        takenOver = !ours;
-        return ours;
-      },
-      // A create the daemon is slow to answer would hold the job past the worker's shutdown
-      // budget: its lock would lapse and BullMQ count a stall (a few rolling restarts, and it
-      // fails the rollout for the fleet's own doing). Stopped instead, and the job handed back;
-      // the intent `begin` recorded stays, so the next delivery finds by its labels whatever the
-      // stopped create made, and replaces it (as would a close, or the janitor's label sweep).
-      signal: shutdown,
-    });
+    // Its provider calls before the create (the sandbox an earlier attempt left: find, alive,
+    // destroy) take no signal: not waited for past the worker's shutdown either.
+    created = await unlessShutDown(
+      createSandbox(rec, deps, "resources", task, {
+        intentRecorded: rec.begun.intentRecorded,
+        intentFresh: rec.begun.intentFresh,
+        deferAttach: true,
+        replace: true,
+        // Held long enough for its lock to have lapsed: the sandbox found may be the one of a later
+        // delivery (its run working there by now), not an earlier attempt's.
+        mayReplace: async () => {
+          const ours =
+            !mayBeTakenOver(rec) ||
+            seedFence === null ||
+            (await deps.store.holdsFence(rec.meta.id, seedFence));
+          takenOver = !ours;
+          return ours;
+        },
+        // A create the daemon is slow to answer would hold the job past the worker's shutdown
+        // budget: its lock would lapse and BullMQ count a stall (a few rolling restarts, and it
+        // fails the rollout for the fleet's own doing). Stopped instead, and the job handed back;
+        // the intent `begin` recorded stays, so the next delivery finds by its labels whatever the
+        // stopped create made, and replaces it (as would a close, or the janitor's label sweep).
+        signal: shutdown,
+      }),
+      shutdown,
+    );
   } catch (err) {
     // Stopped at the worker's shutdown: back to the queue, no attempt spent (a final error stands).
     if (shutdown?.aborted && !(isFleetError(err) && !err.retryable)) throw new HandBackError();

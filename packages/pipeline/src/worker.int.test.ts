@@ -309,6 +309,38 @@ describe("stage workers at a concurrency above ten", () => {
     });
   });
 
+  it("hand a seed delivered again whose look for its earlier attempt's sandbox is still in flight back to the queue at shutdown, no further attempt spent", async () => {
+    const lines: string[] = [];
+    const finding = latch();
+    let creates = 0;
+    // The first attempt's create fails (retried); the next delivery looks for what it left, on a
+    // daemon slow to answer (`find` takes no signal): it never ends here.
+    const provider = new (class extends InMemorySandboxProvider {
+      override async create(spec: SandboxSpecInput, options: { signal?: AbortSignal } = {}) {
+        if (++creates === 1) throw FleetError.retryable("provider_unavailable", "daemon blip");
+        return super.create(spec, options);
+      }
+      override find(): Promise<never> {
+        finding.open();
+        return new Promise(() => {});
+      }
+    })();
+    fleet = await startInProcessFleet({
+      provider,
+      deps: { logger: loggerInto(lines, "warn") },
+      workerOptions: { providerBreaker: false },
+    });
+    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
+    await finding.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    const job = await fleet.deps.queues.queues.seed.getJob(stageJobId(id!, "seed"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(1);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    expect(rec?.receipts.seed ?? null).toBeNull();
+  });
+
   it("hand a run whose own sandbox's create is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
     const lines: string[] = [];
     const creating = latch();
