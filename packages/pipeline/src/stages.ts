@@ -777,22 +777,27 @@ export const run: StageHandler = async (rec, deps, _attempt, shutdown) => {
       // The sandbox found may be the own sandbox of a launch that took this run over since the
       // look at the fence above (its agent running there): looked at again right before replacing.
       const taken: { notOurs?: StageName | typeof SUPERSEDED } = {};
-      const created = await createSandbox(rec, deps, "agent", task, {
-        replace: true,
-        mayReplace: async () => {
-          const notOurs = await unlessOurs();
-          if (notOurs !== undefined) taken.notOurs = notOurs;
-          return notOurs === undefined;
-        },
-        // Stopped at the worker's shutdown, as the seed's is (a create the daemon is slow to
-        // answer would hold the job past the shutdown budget, and its lock lapse: a stall), and
-        // the job handed back with its claim (the catch below gives it back): nothing launched.
-        // The intent recorded before the create stays, for the next delivery's replace.
-        signal: shutdown,
-      }).catch((err: unknown) => {
-        if (shutdown?.aborted && !(isFleetError(err) && !err.retryable)) throw new HandBackError();
-        throw err;
-      });
+      // Its calls before the create (an earlier attempt's own sandbox: find, alive, the
+      // replacing destroy) take no signal: not waited for past the worker's shutdown either.
+      const created = await unlessShutDown(
+        createSandbox(rec, deps, "agent", task, {
+          replace: true,
+          mayReplace: async () => {
+            const notOurs = await unlessOurs();
+            if (notOurs !== undefined) taken.notOurs = notOurs;
+            return notOurs === undefined;
+          },
+          // Stopped at the worker's shutdown, as the seed's is (a create the daemon is slow to
+          // answer would hold the job past the shutdown budget, and its lock lapse: a stall), and
+          // the job handed back with its claim (the catch below gives it back): nothing launched.
+          // The intent recorded before the create stays, for the next delivery's replace.
+          signal: shutdown,
+        }).catch((err: unknown) => {
+          if (shutdown?.aborted && !(isFleetError(err) && !err.retryable)) throw new HandBackError();
+          throw err;
+        }),
+        shutdown,
+      );
       if (taken.notOurs !== undefined) return taken.notOurs;
       if (!created) return "close";
       // Taken over while it made the sandbox (paused past its lock between the look at the fence

@@ -381,6 +381,33 @@ describe("stage workers at a concurrency above ten", () => {
     expect((await fleet.deps.ledger.sandboxesOf(id!)).agent).toMatchObject({ rolloutId: id, handle: null });
   });
 
+  it("hand a run whose look for an earlier attempt's own sandbox is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
+    const lines: string[] = [];
+    const finding = latch();
+    // The agent's own sandbox looked for (an earlier attempt's) on a daemon slow to answer
+    // (`find` takes no signal): it never ends here.
+    const provider = new (class extends InMemorySandboxProvider {
+      override find(rolloutId: string, owner: SandboxHandle["owner"]) {
+        if (owner !== "agent") return super.find(rolloutId, owner);
+        finding.open();
+        return new Promise<never>(() => {});
+      }
+    })();
+    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
+    const matched = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "sum-answer")!;
+    const [id] = await fleet.submit([
+      RolloutRequest.parse({ task: matched, agent: { harness: "oracle", sandbox: "own" } }),
+    ]);
+    await finding.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(0);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    expect(rec?.launches ?? 0).toBe(0);
+  });
+
   it("hand a run whose own sandbox's isolation probe is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
     const lines: string[] = [];
     const probing = latch();
