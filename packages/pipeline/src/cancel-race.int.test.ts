@@ -56,6 +56,25 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     return id;
   }
 
+  /** `start` in an own sandbox with an agent that only notes it was launched: `launched()` says. */
+  async function startOwnNotingLaunch() {
+    let launched = false;
+    const id = await start(
+      {
+        createHarness: (agent) => ({
+          name: agent.harness,
+          run: async () => {
+            launched = true;
+            return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
+          },
+        }),
+      },
+      "throws",
+      "own",
+    );
+    return { id, launched: () => launched };
+  }
+
   /** What the dispatcher's cancel does, then the close it enqueues. */
   async function cancelAndClose(id: string) {
     expect(await cancelFleetRun(fleet!, id)).toBe("ok");
@@ -307,20 +326,7 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
   });
 
   it("a run in its own sandbox whose cancel came while it made that sandbox (its lock old by then) destroys that sandbox itself", async () => {
-    let launched = false;
-    const id = await start(
-      {
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: async () => {
-            launched = true;
-            return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
-          },
-        }),
-      },
-      "throws",
-      "own",
-    );
+    const { id, launched } = await startOwnNotingLaunch();
     expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
     // The cancel lands while the provider makes the agent's sandbox (an image pull, say).
     const create = provider.create.bind(provider);
@@ -333,26 +339,13 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
     expect(await runStageJob("run", { ...job(id), processedOn: Date.now() - 20_000 }, fleet!.deps)).toBe(
       "ok",
     );
-    expect(launched).toBe(false);
+    expect(launched()).toBe(false);
     await cancelAndClose(id);
     await expectOwnSandboxGone(id);
   });
 
   it("a run in its own sandbox whose rollout a close tombstoned while it made that sandbox (its lock fresh) destroys it at its attach and never launches (rule 9)", async () => {
-    let launched = false;
-    const id = await start(
-      {
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: async () => {
-            launched = true;
-            return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
-          },
-        }),
-      },
-      "throws",
-      "own",
-    );
+    const { id, launched } = await startOwnNotingLaunch();
     expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
     // The cancel and its close begin (the tombstone) while the provider makes the agent's sandbox,
     // after the run recorded its intent: the close cannot see the handle, so the run's attach must.
@@ -362,25 +355,12 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
       return create(spec);
     };
     expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
-    expect(launched).toBe(false);
+    expect(launched()).toBe(false);
     expect(liveOwners()).toEqual([]);
   });
 
   it("a run in its own sandbox whose rollout a close tombstoned while it loaded its task makes no sandbox at all: its intent is refused (rule 9)", async () => {
-    let launched = false;
-    const id = await start(
-      {
-        createHarness: (agent) => ({
-          name: agent.harness,
-          run: async () => {
-            launched = true;
-            return { exec: execResult({ exitCode: 0 }), answer: null, transcript: null, usage: null };
-          },
-        }),
-      },
-      "throws",
-      "own",
-    );
+    const { id, launched } = await startOwnNotingLaunch();
     expect(await runStageJob("seed", job(id), fleet!.deps)).toBe("ok");
     // The cancel and its close begin (the tombstone) after the run's begin, while it loads its task.
     const store = fleet!.deps.store;
@@ -400,7 +380,7 @@ describe("a stage whose sandbox a cancel's close destroyed", () => {
       return create(spec);
     };
     expect(await runStageJob("run", job(id), fleet!.deps)).toBe("ok");
-    expect(launched).toBe(false);
+    expect(launched()).toBe(false);
     // Refused before its create, not made and then destroyed by the close's attach check.
     expect(created).toEqual([]);
     expect((await fleet!.deps.ledger.sandboxesOf(id)).agent).toBeNull();

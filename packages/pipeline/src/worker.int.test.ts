@@ -245,44 +245,69 @@ describe("stage workers at a concurrency above ten", () => {
     expect(rec?.status).toBe("ran");
   });
 
-  it("hand a seed whose sandbox create is still in flight back to the queue at shutdown, no attempt spent, its teardown intent kept", async () => {
-    const lines: string[] = [];
-    const creating = latch();
-    let stoppedCreates = 0;
-    // A create the daemon is slow to answer (pulling, a loaded host): it ends only when asked to
-    // stop, as the real providers' creates do on their signal.
-    const provider = new (class extends InMemorySandboxProvider {
-      override create(_spec: SandboxSpecInput, options: { signal?: AbortSignal } = {}) {
+  /**
+   * Start a fleet on `provider`, submit one rollout, wait until `stuck` opens (a provider call that
+   * never answers, or only once stopped, on a daemon slow to answer), and close the workers: they
+   * close within their budget, the stage's job back in its queue, `attemptsMade` attempts spent, no
+   * failure recorded. An agent-owned sandbox (`own`) takes a task graded on the agent's output
+   * (one graded by tests in the task's sandbox cannot see an own sandbox's work: refused at
+   * admission). The rollout's id and record.
+   */
+  async function handedBackAtShutdown(
+    provider: InMemorySandboxProvider,
+    stuck: { opened: Promise<void> },
+    stage: "seed" | "run",
+    opts: { own?: boolean; attemptsMade?: number; workerOptions?: { providerBreaker: false } } = {},
+  ) {
+    fleet = await startInProcessFleet({
+      provider,
+      deps: { logger: loggerInto([], "warn") },
+      ...(opts.workerOptions ? { workerOptions: opts.workerOptions } : {}),
+    });
+    const submitted = opts.own
+      ? (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "sum-answer")!
+      : task;
+    const agent = opts.own ? { harness: "oracle", sandbox: "own" } : { harness: "oracle" };
+    const [id] = await fleet.submit([RolloutRequest.parse({ task: submitted, agent })]);
+    await stuck.opened;
+    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
+    const job = await fleet.deps.queues.queues[stage].getJob(stageJobId(id!, stage));
+    expect(await job!.getState()).toBe("waiting");
+    expect(job!.attemptsMade).toBe(opts.attemptsMade ?? 0);
+    const rec = await fleet.deps.store.get(id!);
+    expect(rec?.failure).toBeNull();
+    return { id: id!, rec: rec!, ledger: fleet.deps.ledger };
+  }
+
+  /** A provider whose create of `owner`'s sandbox ends only when asked to stop, as the real providers' creates do on their signal; `stopped` counts those stops. */
+  function createUntilStopped(owner: SandboxHandle["owner"], creating: { open(): void }) {
+    return new (class extends InMemorySandboxProvider {
+      stopped = 0;
+      override create(spec: SandboxSpecInput, options: { signal?: AbortSignal } = {}) {
+        if (spec.owner !== owner) return super.create(spec, options);
         creating.open();
         return new Promise<SandboxHandle>((_resolve, reject) => {
           options.signal?.addEventListener("abort", () => {
-            stoppedCreates++;
+            this.stopped++;
             reject(FleetError.retryable("provider_unavailable", "sandbox create stopped"));
           });
         });
       }
     })();
-    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    await creating.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
-    expect(stoppedCreates).toBe(1);
-    const job = await fleet.deps.queues.queues.seed.getJob(stageJobId(id!, "seed"));
-    expect(await job!.getState()).toBe("waiting");
-    expect(job!.attemptsMade).toBe(0);
-    const rec = await fleet.deps.store.get(id!);
-    expect(rec?.failure).toBeNull();
-    expect(rec?.status).toBe("accepted");
+  }
+
+  it("hand a seed whose sandbox create is still in flight back to the queue at shutdown, no attempt spent, its teardown intent kept", async () => {
+    const creating = latch();
+    const provider = createUntilStopped("resources", creating);
+    const { id, rec, ledger } = await handedBackAtShutdown(provider, creating, "seed");
+    expect(provider.stopped).toBe(1);
+    expect(rec.status).toBe("accepted");
     // The intent recorded before the create stays: the next delivery (or a close, or the janitor)
     // finds by its labels whatever the stopped create made.
-    expect((await fleet.deps.ledger.sandboxesOf(id!)).resources).toMatchObject({
-      rolloutId: id,
-      handle: null,
-    });
+    expect((await ledger.sandboxesOf(id)).resources).toMatchObject({ rolloutId: id, handle: null });
   });
 
   it("hand a seed whose isolation probe is still in flight back to the queue at shutdown, no attempt spent, no receipt stored, its teardown intent kept", async () => {
-    const lines: string[] = [];
     const probing = latch();
     // A probe on a daemon slow to answer (its calls take no signal): it never ends here.
     const provider = new (class extends InMemorySandboxProvider {
@@ -291,26 +316,14 @@ describe("stage workers at a concurrency above ten", () => {
         return new Promise(() => {});
       }
     })();
-    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    await probing.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
-    const job = await fleet.deps.queues.queues.seed.getJob(stageJobId(id!, "seed"));
-    expect(await job!.getState()).toBe("waiting");
-    expect(job!.attemptsMade).toBe(0);
-    const rec = await fleet.deps.store.get(id!);
-    expect(rec?.failure).toBeNull();
-    expect(rec?.status).toBe("accepted");
-    expect(rec?.receipts.seed ?? null).toBeNull();
+    const { id, rec, ledger } = await handedBackAtShutdown(provider, probing, "seed");
+    expect(rec.status).toBe("accepted");
+    expect(rec.receipts.seed ?? null).toBeNull();
     // The sandbox made stays for the next delivery to find by its labels and replace.
-    expect((await fleet.deps.ledger.sandboxesOf(id!)).resources).toMatchObject({
-      rolloutId: id,
-      handle: null,
-    });
+    expect((await ledger.sandboxesOf(id)).resources).toMatchObject({ rolloutId: id, handle: null });
   });
 
   it("hand a seed delivered again whose look for its earlier attempt's sandbox is still in flight back to the queue at shutdown, no further attempt spent", async () => {
-    const lines: string[] = [];
     const finding = latch();
     let creates = 0;
     // The first attempt's create fails (retried); the next delivery looks for what it left, on a
@@ -325,64 +338,27 @@ describe("stage workers at a concurrency above ten", () => {
         return new Promise(() => {});
       }
     })();
-    fleet = await startInProcessFleet({
-      provider,
-      deps: { logger: loggerInto(lines, "warn") },
+    const { rec } = await handedBackAtShutdown(provider, finding, "seed", {
+      attemptsMade: 1,
       workerOptions: { providerBreaker: false },
     });
-    const [id] = await fleet.submit([RolloutRequest.parse({ task, agent: { harness: "oracle" } })]);
-    await finding.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
-    const job = await fleet.deps.queues.queues.seed.getJob(stageJobId(id!, "seed"));
-    expect(await job!.getState()).toBe("waiting");
-    expect(job!.attemptsMade).toBe(1);
-    const rec = await fleet.deps.store.get(id!);
-    expect(rec?.failure).toBeNull();
-    expect(rec?.receipts.seed ?? null).toBeNull();
+    expect(rec.receipts.seed ?? null).toBeNull();
   });
 
   it("hand a run whose own sandbox's create is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
-    const lines: string[] = [];
     const creating = latch();
-    let stoppedCreates = 0;
-    // The task's sandbox is made at once; the agent's own (`sandbox: "own"`) on a daemon slow to
-    // answer: it ends only when asked to stop, as the real providers' creates do on their signal.
-    const provider = new (class extends InMemorySandboxProvider {
-      override create(spec: SandboxSpecInput, options: { signal?: AbortSignal } = {}) {
-        if (spec.owner !== "agent") return super.create(spec, options);
-        creating.open();
-        return new Promise<SandboxHandle>((_resolve, reject) => {
-          options.signal?.addEventListener("abort", () => {
-            stoppedCreates++;
-            reject(FleetError.retryable("provider_unavailable", "sandbox create stopped"));
-          });
-        });
-      }
-    })();
-    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
-    // A task graded on the agent's output (one graded by tests in the task's sandbox cannot see
-    // an own sandbox's work: refused at admission).
-    const matched = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "sum-answer")!;
-    const [id] = await fleet.submit([
-      RolloutRequest.parse({ task: matched, agent: { harness: "oracle", sandbox: "own" } }),
-    ]);
-    await creating.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
-    expect(stoppedCreates).toBe(1);
-    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
-    expect(await job!.getState()).toBe("waiting");
-    expect(job!.attemptsMade).toBe(0);
-    const rec = await fleet.deps.store.get(id!);
-    expect(rec?.failure).toBeNull();
-    expect(rec?.status).toBe("seeded");
+    // The task's sandbox is made at once; the agent's own (`sandbox: "own"`) never.
+    const provider = createUntilStopped("agent", creating);
+    const { id, rec, ledger } = await handedBackAtShutdown(provider, creating, "run", { own: true });
+    expect(provider.stopped).toBe(1);
+    expect(rec.status).toBe("seeded");
     // Nothing launched: the next delivery is a first launch, not a rerun after an agent ran.
-    expect(rec?.launches ?? 0).toBe(0);
+    expect(rec.launches ?? 0).toBe(0);
     // The own sandbox's intent, recorded before its create, stays for the next delivery's replace.
-    expect((await fleet.deps.ledger.sandboxesOf(id!)).agent).toMatchObject({ rolloutId: id, handle: null });
+    expect((await ledger.sandboxesOf(id)).agent).toMatchObject({ rolloutId: id, handle: null });
   });
 
   it("hand a run whose look for an earlier attempt's own sandbox is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
-    const lines: string[] = [];
     const finding = latch();
     // The agent's own sandbox looked for (an earlier attempt's) on a daemon slow to answer
     // (`find` takes no signal): it never ends here.
@@ -393,23 +369,11 @@ describe("stage workers at a concurrency above ten", () => {
         return new Promise<never>(() => {});
       }
     })();
-    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
-    const matched = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "sum-answer")!;
-    const [id] = await fleet.submit([
-      RolloutRequest.parse({ task: matched, agent: { harness: "oracle", sandbox: "own" } }),
-    ]);
-    await finding.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
-    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
-    expect(await job!.getState()).toBe("waiting");
-    expect(job!.attemptsMade).toBe(0);
-    const rec = await fleet.deps.store.get(id!);
-    expect(rec?.failure).toBeNull();
-    expect(rec?.launches ?? 0).toBe(0);
+    const { rec } = await handedBackAtShutdown(provider, finding, "run", { own: true });
+    expect(rec.launches ?? 0).toBe(0);
   });
 
   it("hand a run whose own sandbox's isolation probe is still in flight back to the queue at shutdown, no attempt spent, its launch claim given back", async () => {
-    const lines: string[] = [];
     const probing = latch();
     // The task's sandbox is probed at once; the agent's own on a daemon slow to answer (its
     // calls take no signal): its probe never ends here.
@@ -420,22 +384,11 @@ describe("stage workers at a concurrency above ten", () => {
         return new Promise<never>(() => {});
       }
     })();
-    fleet = await startInProcessFleet({ provider, deps: { logger: loggerInto(lines, "warn") } });
-    const matched = (await loadSuite(EXAMPLE_SUITE_DIR)).find((t) => t.id === "sum-answer")!;
-    const [id] = await fleet.submit([
-      RolloutRequest.parse({ task: matched, agent: { harness: "oracle", sandbox: "own" } }),
-    ]);
-    await probing.opened;
-    expect(await fleet.workers!.close(4_000)).toEqual({ closed: true, abandoned: 0 });
-    const job = await fleet.deps.queues.queues.run.getJob(stageJobId(id!, "run"));
-    expect(await job!.getState()).toBe("waiting");
-    expect(job!.attemptsMade).toBe(0);
-    const rec = await fleet.deps.store.get(id!);
-    expect(rec?.failure).toBeNull();
-    expect(rec?.status).toBe("seeded");
-    expect(rec?.launches ?? 0).toBe(0);
+    const { id, rec, ledger } = await handedBackAtShutdown(provider, probing, "run", { own: true });
+    expect(rec.status).toBe("seeded");
+    expect(rec.launches ?? 0).toBe(0);
     // The own sandbox stays on the ledger, its handle attached, for the next delivery's replace.
-    expect((await fleet.deps.ledger.sandboxesOf(id!)).agent?.handle).toMatchObject({ owner: "agent" });
+    expect((await ledger.sandboxesOf(id)).agent?.handle).toMatchObject({ owner: "agent" });
   });
 
   it("a hand-back whose move back to the queue fails is said plainly (BullMQ drops its error while closing)", async () => {
