@@ -65,6 +65,31 @@ function listedWithRolloutLabels(memory: InMemorySandboxProvider): InMemorySandb
   });
 }
 
+/**
+ * A resources sandbox of rollout `id` made on `memory` at `now` (an hour to live), whose destroy
+ * failed at `failedAt`: on `ledger`, due again after its backoff.
+ */
+async function failedOnLedger(
+  memory: InMemorySandboxProvider,
+  ledger: InProcessFleet["deps"]["ledger"],
+  id: string,
+  now: number,
+  failedAt: number,
+): Promise<void> {
+  const expiresAt = now + 3_600_000;
+  const handle = await memory.create({ image: "img", rolloutId: id, owner: "resources", expiresAt });
+  const entry = {
+    key: sandboxKey(id, "resources"),
+    rolloutId: id,
+    owner: "resources" as const,
+    provider: memory.name,
+    handle,
+    createdAt: failedAt,
+    expiresAt,
+  };
+  await ledger.recordFailure(entry, "device or resource busy", failedAt);
+}
+
 const job = (id: string) => ({ data: { rolloutId: id }, attemptsMade: 0, opts: { attempts: 3 } });
 
 /**
@@ -469,23 +494,8 @@ describe("janitor", () => {
     try {
       const at = realNow();
       const id = `slowsteps${RUN}`;
-      const handle = await memory.create({
-        image: "img",
-        rolloutId: id,
-        owner: "resources",
-        expiresAt: at + 3_600_000,
-      });
-      const entry = {
-        key: sandboxKey(id, "resources"),
-        rolloutId: id,
-        owner: "resources" as const,
-        provider: memory.name,
-        handle,
-        createdAt: at - 600_000,
-        expiresAt: at + 3_600_000,
-      };
       // Its destroy failed 10 minutes ago: due now.
-      await own.deps.ledger.recordFailure(entry, "device or resource busy", at - 600_000);
+      await failedOnLedger(memory, own.deps.ledger, id, at, at - 600_000);
       // The trim step (Redis only, before the ledger's) takes two minutes of the pass.
       const queues = Object.assign(Object.create(own.deps.queues) as typeof own.deps.queues, {
         trimFinished: async (...args: Parameters<typeof own.deps.queues.trimFinished>) => {
@@ -2733,22 +2743,7 @@ describe("janitor", () => {
       const now = Date.now();
       // Each rollout's sandbox: its destroy failed just now, due again after its backoff.
       for (const id of [listed, retried]) {
-        const handle = await memory.create({
-          image: "img",
-          rolloutId: id,
-          owner: "resources",
-          expiresAt: now + 3_600_000,
-        });
-        const entry = {
-          key: sandboxKey(id, "resources"),
-          rolloutId: id,
-          owner: "resources" as const,
-          provider: memory.name,
-          handle,
-          createdAt: now,
-          expiresAt: now + 3_600_000,
-        };
-        await ledger.recordFailure(entry, "device or resource busy", now);
+        await failedOnLedger(memory, ledger, id, now, now);
       }
       // Close could not remove the second's network either (its sandbox was still on it).
       await ledger.networkRemovalFailed(retried, now - 1_000);
